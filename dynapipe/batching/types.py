@@ -1,0 +1,75 @@
+"""Micro-batches and the plan of one global batch: the output of every batching method."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class MicroBatch:
+    """A micro-batch: which samples, padded to what shape, on which replica, at what cost.
+
+    ``samples`` are indices into the global batch. For packing, ``rows`` lists the
+    samples concatenated into each row and ``samples`` is their concatenation.
+    ``seqlen`` (and ``dec_seqlen`` for encoder-decoder models) is the padded length in
+    tokens; ``time_ms`` is forward + backward of the bottleneck stage;
+    ``stored_mib``/``peak_mib`` its activation memory.
+    """
+
+    samples: list[int]
+    seqlen: int
+    dec_seqlen: int = 0
+    rows: Optional[list[list[int]]] = None
+    replica: int = 0
+    time_ms: float = 0.0
+    stored_mib: float = 0.0
+    peak_mib: float = 0.0
+    real_tokens: int = 0
+
+    @property
+    def mbs(self) -> int:
+        """Number of rows (samples, or packed rows) in the micro-batch."""
+        return len(self.rows) if self.rows is not None else len(self.samples)
+
+    @property
+    def padded_tokens(self) -> int:
+        """Tokens computed, padding included."""
+        return self.mbs * (self.seqlen + self.dec_seqlen)
+
+    def to_json(self) -> dict:
+        out = {
+            "samples": self.rows if self.rows is not None else self.samples,
+            "seqlen": self.seqlen,
+            "replica": self.replica,
+            "time_ms": self.time_ms,
+            "stored_mib": self.stored_mib,
+            "peak_mib": self.peak_mib,
+        }
+        if self.dec_seqlen:
+            out["dec_seqlen"] = self.dec_seqlen
+        return out
+
+
+@dataclass
+class BatchPlan:
+    """The micro-batches of one global batch and the figures the planner reports.
+
+    ``objective_ms`` is ``T = sum(time_ms) / dp + (stages - 1) * max(time_ms)``;
+    ``replica_time_ms`` the summed ``time_ms`` of each replica; ``planning_ms`` the wall
+    time of planning alone. ``extra`` holds method-specific figures (for packing,
+    ``cross_sample_attention_pairs``).
+    """
+
+    batching: str
+    micro_batches: list[MicroBatch]
+    num_stages: int
+    dp: int
+    objective_ms: float
+    padding_efficiency: float
+    replica_time_ms: list[float]
+    planning_ms: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def replica(self, r: int) -> list[MicroBatch]:
+        """The micro-batches assigned to replica ``r``, in their planned order."""
+        return [mb for mb in self.micro_batches if mb.replica == r]

@@ -1,0 +1,30 @@
+"""``python -m dynapipe synth``: a lengths file from the synthetic mixture."""
+from __future__ import annotations
+
+import sys
+
+from dynapipe.data.synthetic import load_mixture, sample_lengths
+
+HELP = "write a lengths file drawn from the synthetic multi-task mixture"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--samples", type=int, required=True, help="number of samples")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--seq-length", type=int, default=1024, help="clip lengths at this many tokens (default 1024)")
+    p.add_argument("--encoder-decoder", action="store_true",
+                   help="write 'input target' pairs (two integers a line) instead of one length")
+    p.add_argument("--mixture", default=None, help="mixture YAML (default configs/data/flan-mixture.yaml)")
+    p.add_argument("--output", default="-", help="output file (default: stdout)")
+
+
+def run(args) -> int:
+    lengths = sample_lengths(args.samples, args.seed, args.seq_length, args.encoder_decoder,
+                             load_mixture(args.mixture))
+    lines = "\n".join(" ".join(map(str, row)) if lengths.ndim == 2 else str(row) for row in lengths.tolist())
+    if args.output == "-":
+        sys.stdout.write(lines + "\n")
+    else:
+        with open(args.output, "w") as f:
+            f.write(lines + "\n")
+    return 0

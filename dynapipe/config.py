@@ -1,0 +1,208 @@
+"""Model, device and cluster configurations, loaded from YAML files in ``configs/``.
+
+Each config is a frozen dataclass; ``load_*`` functions read a YAML file (or take a dict)
+and reject unknown keys and bad values with an error that names the file and the key.
+Pure Python: no torch, no megatron.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import yaml
+
+from dynapipe.errors import DynaPipeError
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# Torch-style names, used in execution plans (shapes and dtypes of every tensor moved).
+DTYPE_TORCH_NAME = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Transformer shape. ``arch`` is ``gpt`` (decoder-only) or ``t5`` (encoder-decoder).
+
+    For ``gpt``, ``num_layers`` counts the decoder layers; for ``t5``, ``encoder_layers``
+    and ``decoder_layers`` are used and ``num_layers`` is their sum.
+    """
+
+    name: str
+    arch: str = "gpt"
+    num_layers: int = 0
+    hidden_size: int = 0
+    num_attention_heads: int = 0
+    ffn_hidden_size: int = 0
+    vocab_size: int = 50304
+    max_seq_length: int = 2048
+    dtype: str = "bf16"
+    encoder_layers: int = 0
+    decoder_layers: int = 0
+    # Megatron ties input embedding and output layer; with PP > 1 the last stage keeps a copy.
+    tie_embeddings: bool = True
+    # Per-head dimension; 0 means hidden_size / num_attention_heads (T5-11B uses 128 with 128 heads).
+    kv_channels: int = 0
+
+    @property
+    def attention_dim(self) -> int:
+        """Width of the query/key/value projections: heads x kv_channels."""
+        return self.num_attention_heads * (self.kv_channels or self.hidden_size // self.num_attention_heads)
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.arch == "t5"
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def torch_dtype_name(self) -> str:
+        return DTYPE_TORCH_NAME[self.dtype]
+
+    @property
+    def total_layers(self) -> int:
+        return self.encoder_layers + self.decoder_layers if self.is_encoder_decoder else self.num_layers
+
+    def validate(self, source: str = "model config") -> "ModelConfig":
+        if self.arch not in ("gpt", "t5"):
+            raise DynaPipeError(f"{source}: arch={self.arch!r} is not supported; use 'gpt' or 't5'.")
+        if self.dtype not in DTYPE_BYTES:
+            raise DynaPipeError(f"{source}: dtype={self.dtype!r}; use one of {sorted(DTYPE_BYTES)}.")
+        for key in ("hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size", "max_seq_length"):
+            if getattr(self, key) <= 0:
+                raise DynaPipeError(f"{source}: {key}={getattr(self, key)} must be a positive integer.")
+        if self.hidden_size % self.num_attention_heads:
+            raise DynaPipeError(
+                f"{source}: hidden_size={self.hidden_size} is not divisible by "
+                f"num_attention_heads={self.num_attention_heads}."
+            )
+        if self.is_encoder_decoder:
+            if self.encoder_layers <= 0 or self.decoder_layers <= 0:
+                raise DynaPipeError(f"{source}: a t5 model needs encoder_layers and decoder_layers > 0.")
+        elif self.num_layers <= 0:
+            raise DynaPipeError(f"{source}: num_layers={self.num_layers} must be a positive integer.")
+        return self
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """One accelerator (or a CPU). Times in ms, memory in MiB, throughput in TFLOP/s."""
+
+    name: str
+    peak_tflops: float
+    achievable_fraction: float = 0.5
+    memory_mib: float = 0.0
+    # Fixed launch/dispatch cost paid by every forward or backward op of a stage.
+    op_overhead_ms: float = 0.0
+    # Memory the framework keeps for itself (CUDA context, allocator fragmentation, buffers).
+    reserved_mib: float = 0.0
+
+    @property
+    def effective_flops_per_ms(self) -> float:
+        return self.peak_tflops * 1e12 * self.achievable_fraction / 1e3
+
+    def validate(self, source: str = "device config") -> "DeviceConfig":
+        if self.peak_tflops <= 0:
+            raise DynaPipeError(f"{source}: peak_tflops={self.peak_tflops} must be > 0.")
+        if not 0 < self.achievable_fraction <= 1:
+            raise DynaPipeError(f"{source}: achievable_fraction={self.achievable_fraction} must be in (0, 1].")
+        if self.memory_mib <= 0:
+            raise DynaPipeError(f"{source}: memory_mib={self.memory_mib} must be > 0.")
+        return self
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    """A link between two pipeline stages: bandwidth in GB/s (1e9 bytes/s), latency in ms."""
+
+    bandwidth_gbps: float
+    latency_ms: float = 0.0
+
+    def transfer_ms(self, nbytes: float) -> float:
+        """Time in ms to move ``nbytes`` bytes over this link."""
+        return self.latency_ms + nbytes / (self.bandwidth_gbps * 1e9) * 1e3
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Devices per node and the links inside and between nodes."""
+
+    name: str
+    gpus_per_node: int = 8
+    intra_node: LinkConfig = field(default_factory=lambda: LinkConfig(300.0, 0.005))
+    inter_node: LinkConfig = field(default_factory=lambda: LinkConfig(25.0, 0.01))
+
+    def link(self, rank_a: int, rank_b: int) -> LinkConfig:
+        """The link between two global ranks (same node: intra-node link)."""
+        same = rank_a // self.gpus_per_node == rank_b // self.gpus_per_node
+        return self.intra_node if same else self.inter_node
+
+
+def _read_yaml(path: str) -> dict:
+    if not os.path.exists(path):
+        raise DynaPipeError(f"config file {path!r} does not exist.")
+    with open(path) as f:
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise DynaPipeError(f"config file {path!r} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise DynaPipeError(f"config file {path!r} must hold a mapping of keys to values.")
+    return data
+
+
+def _build(cls, data: Mapping[str, Any], source: str):
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise DynaPipeError(f"{source}: unknown key(s) {unknown}; known keys are {sorted(names)}.")
+    try:
+        return cls(**data)
+    except TypeError as e:
+        raise DynaPipeError(f"{source}: {e}") from None
+
+
+def _resolve(path_or_name: str, kind: str) -> str:
+    """Accept a path, or a bare name of a config shipped in ``configs/<kind>/``."""
+    if os.path.exists(path_or_name):
+        return path_or_name
+    shipped = os.path.join(CONFIG_DIR, kind, path_or_name if path_or_name.endswith(".yaml") else path_or_name + ".yaml")
+    return shipped if os.path.exists(shipped) else path_or_name
+
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def model_config_from_dict(data: Mapping[str, Any], source: str = "model config") -> ModelConfig:
+    """Build and validate a :class:`ModelConfig` from a mapping."""
+    data = dict(data)
+    cfg = _build(ModelConfig, data, source)
+    if cfg.is_encoder_decoder and not cfg.num_layers:
+        cfg = dataclasses.replace(cfg, num_layers=cfg.encoder_layers + cfg.decoder_layers)
+    if not cfg.ffn_hidden_size and cfg.hidden_size:
+        cfg = dataclasses.replace(cfg, ffn_hidden_size=4 * cfg.hidden_size)
+    return cfg.validate(source)
+
+
+def load_model_config(path: str) -> ModelConfig:
+    """Load a model config from a YAML file path or a shipped name such as ``gpt-7b``."""
+    path = _resolve(path, "models")
+    return model_config_from_dict(_read_yaml(path), source=path)
+
+
+def load_device_config(path: str) -> DeviceConfig:
+    """Load a device config from a YAML file path or a shipped name such as ``a100-40gb``."""
+    path = _resolve(path, "devices")
+    return _build(DeviceConfig, _read_yaml(path), path).validate(path)
+
+
+def load_cluster_config(path: str) -> ClusterConfig:
+    """Load a cluster config (links in GB/s and ms) from a YAML file path or shipped name."""
+    path = _resolve(path, "clusters")
+    data = _read_yaml(path)
+    for key in ("intra_node", "inter_node"):
+        if key in data:
+            data[key] = _build(LinkConfig, data[key], f"{path}: {key}")
+    return _build(ClusterConfig, data, path)

@@ -1,0 +1,24 @@
+"""Time and memory of a micro-batch on a pipeline stage (pure numpy).
+
+``build_cost_model`` is the one entry point the planner and the command line use:
+``analytic`` (from the model and device configs) or a path to a measured profile.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from dynapipe.config import DeviceConfig, ModelConfig
+from dynapipe.cost.analytic import AnalyticCostModel
+from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, StageCost, StageLayout, stage_layouts
+from dynapipe.cost.profile import ProfileCostModel
+
+__all__ = ["AnalyticCostModel", "ProfileCostModel", "CostModel", "StageCost", "StageLayout",
+           "RECOMPUTE_LEVELS", "stage_layouts", "build_cost_model"]
+
+
+def build_cost_model(model: ModelConfig, device: DeviceConfig, num_stages: int,
+                     profile: Optional[str] = None) -> CostModel:
+    """An analytic cost model, or a profile-based one when ``profile`` names a JSON file."""
+    if profile in (None, "", "analytic"):
+        return AnalyticCostModel(model, device, num_stages)
+    return ProfileCostModel.from_file(model, profile, num_stages)

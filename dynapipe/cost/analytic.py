@@ -1,0 +1,130 @@
+"""Analytic cost model: FLOPs for time, Korthikanti et al. (2022) formulas for memory.
+
+Time of an op = FLOPs / (peak x achievable fraction) + a fixed per-op overhead.
+Per transformer layer with ``b`` samples of ``s`` tokens, hidden ``h``, attention width
+``a_d`` (heads x kv_channels), ``n`` heads and FFN width ``f``, the forward FLOPs are
+``6bsh*a_d + 2bs*a_d*h`` (QKV and output projections) ``+ 4bs^2*a_d`` (scores and
+weighted values: the quadratic term) ``+ 4bshf`` (MLP). Backward is twice the forward;
+recomputation adds the attention core (selective) or the whole layer forward (full).
+
+Stored activations per layer, in bytes for 2-byte activations, generalise
+Korthikanti's ``sbh(34 + 5ns/h)``: ``bs(10h + 8a_d + 4f) + 5nbs^2`` (equal to the
+paper's formula when ``a_d = h`` and ``f = 4h``), scaled by dtype bytes / 2. Selective
+recompute drops the ``5nbs^2`` term; full recompute keeps only each layer's input.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from dynapipe.config import DeviceConfig, ModelConfig
+from dynapipe.cost.base import MIB, CostModel, StageCost, StageLayout
+
+FP32_BYTES = 4
+
+
+class AnalyticCostModel(CostModel):
+    """Cost model computed from a model config and a device config alone."""
+
+    def __init__(self, model: ModelConfig, device: DeviceConfig, num_stages: int):
+        super().__init__(model, num_stages)
+        self.device = device
+
+    # -- FLOPs of the forward of one layer ------------------------------------------------
+    def _self_attn_mlp_flops(self, b, s):
+        m = self.model
+        h, ad, f = m.hidden_size, m.attention_dim, m.ffn_hidden_size
+        linear = 6 * b * s * h * ad + 2 * b * s * ad * h + 4 * b * s * h * f
+        core = 4 * b * s * s * ad
+        return linear, core
+
+    def _cross_attn_flops(self, b, s_dec, s_enc):
+        m = self.model
+        h, ad = m.hidden_size, m.attention_dim
+        linear = 2 * b * s_dec * h * ad + 4 * b * s_enc * h * ad + 2 * b * s_dec * ad * h
+        core = 4 * b * s_dec * s_enc * ad
+        return linear, core
+
+    # -- activation bytes of one layer -----------------------------------------------------
+    def _layer_act_bytes(self, b, s):
+        m = self.model
+        scale = m.dtype_bytes / 2
+        linear = b * s * (10 * m.hidden_size + 8 * m.attention_dim + 4 * m.ffn_hidden_size) * scale
+        scores = 5 * m.num_attention_heads * b * s * s * scale
+        return linear, scores
+
+    def _cross_act_bytes(self, b, s_dec, s_enc):
+        m = self.model
+        scale = m.dtype_bytes / 2
+        linear = b * (s_dec * (3 * m.hidden_size + 4 * m.attention_dim) + s_enc * 4 * m.attention_dim) * scale
+        scores = 5 * m.num_attention_heads * b * s_dec * s_enc * scale
+        return linear, scores
+
+    def layout_cost(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str) -> StageCost:
+        m, d = self.model, self.model.dtype_bytes
+        b = mbs
+        # Decoder-only models run their layers on `seqlen`; T5 decoders run on `dec_seqlen`.
+        s_enc = seqlen
+        s_dec = dec_seqlen if m.is_encoder_decoder else seqlen
+
+        fw_lin = fw_core = 0.0
+        st_lin = st_scores = 0.0
+        layer_inputs = 0.0
+        one_layer_full = 0.0
+        if layout.encoder_layers:
+            lin, core = self._self_attn_mlp_flops(b, s_enc)
+            a_lin, a_sc = self._layer_act_bytes(b, s_enc)
+            n = layout.encoder_layers
+            fw_lin, fw_core = fw_lin + n * lin, fw_core + n * core
+            st_lin, st_scores = st_lin + n * a_lin, st_scores + n * a_sc
+            layer_inputs = layer_inputs + n * b * s_enc * m.hidden_size * d
+            one_layer_full = np.maximum(one_layer_full, a_lin + a_sc)
+        if layout.decoder_layers:
+            lin, core = self._self_attn_mlp_flops(b, s_dec)
+            a_lin, a_sc = self._layer_act_bytes(b, s_dec)
+            if m.is_encoder_decoder:
+                c_lin, c_core = self._cross_attn_flops(b, s_dec, s_enc)
+                x_lin, x_sc = self._cross_act_bytes(b, s_dec, s_enc)
+                lin, core, a_lin, a_sc = lin + c_lin, core + c_core, a_lin + x_lin, a_sc + x_sc
+            n = layout.decoder_layers
+            fw_lin, fw_core = fw_lin + n * lin, fw_core + n * core
+            st_lin, st_scores = st_lin + n * a_lin, st_scores + n * a_sc
+            layer_inputs = layer_inputs + n * b * s_dec * m.hidden_size * d
+            one_layer_full = np.maximum(one_layer_full, a_lin + a_sc)
+            if m.is_encoder_decoder:
+                # Decoder stages also hold the encoder output they attend to.
+                layer_inputs = layer_inputs + b * s_enc * m.hidden_size * d
+
+        out_fw = 0.0
+        out_stored = 0.0
+        out_peak = 0.0
+        if layout.has_output:
+            out_fw = 2 * b * s_dec * m.hidden_size * m.vocab_size
+            # The loss keeps fp32 logits/softmax for its backward; the op needs a second copy.
+            out_stored = b * s_dec * (m.hidden_size * d + m.vocab_size * FP32_BYTES)
+            out_peak = b * s_dec * m.vocab_size * FP32_BYTES
+
+        fw_flops = fw_lin + fw_core + out_fw
+        bw_flops = 2 * fw_flops
+        if recompute == "selective":
+            bw_flops = bw_flops + fw_core
+            stored = st_lin + out_stored
+            layer_peak = one_layer_full
+        elif recompute == "full":
+            bw_flops = bw_flops + fw_lin + fw_core
+            stored = layer_inputs + out_stored
+            # Backward rematerialises one layer at a time, plus its gradients.
+            layer_peak = 2 * one_layer_full
+        else:
+            stored = st_lin + st_scores + out_stored
+            layer_peak = one_layer_full
+        peak = np.maximum(layer_peak, out_peak)
+
+        rate = self.device.effective_flops_per_ms
+        overhead = self.device.op_overhead_ms
+        shape = np.broadcast(b, s_enc, s_dec).shape
+        return StageCost(
+            fw_ms=np.broadcast_to(fw_flops / rate + overhead, shape),
+            bw_ms=np.broadcast_to(bw_flops / rate + overhead, shape),
+            stored_mib=np.broadcast_to(stored / MIB, shape),
+            peak_mib=np.broadcast_to(peak / MIB, shape),
+        )

@@ -1,0 +1,180 @@
+"""What a cost model answers, and the stage layout shared by every cost model.
+
+A cost model prices one pipeline stage running one micro-batch of ``mbs`` samples padded
+to ``seqlen`` tokens (and ``dec_seqlen`` decoder tokens for encoder-decoder models).
+All inputs broadcast as numpy arrays, so the planner prices a whole table of candidate
+micro-batches in one call. Units: ms for time, MiB for memory.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from dynapipe.config import ModelConfig
+from dynapipe.errors import DynaPipeError
+
+RECOMPUTE_LEVELS = ("none", "selective", "full")
+MIB = float(1 << 20)
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """What one pipeline stage holds: layer counts and the embedding / output layer."""
+
+    stage: int
+    encoder_layers: int
+    decoder_layers: int
+    has_embedding: bool
+    has_output: bool
+
+
+def stage_layouts(model: ModelConfig, num_stages: int) -> list[StageLayout]:
+    """Split the model's layers over ``num_stages`` consecutive stages, as Megatron does.
+
+    Layers are taken in order (for T5: encoder layers, then decoder layers) and split as
+    evenly as possible, earlier stages taking the remainder. Stage 0 holds the embedding,
+    the last stage the output layer (a tied copy when ``num_stages > 1``).
+    """
+    if num_stages < 1:
+        raise DynaPipeError(f"--stages {num_stages}: the number of pipeline stages must be at least 1.")
+    total = model.total_layers
+    if num_stages > total:
+        raise DynaPipeError(
+            f"--stages {num_stages} exceeds the {total} layers of model {model.name!r}: "
+            f"every stage needs at least one layer; use at most {total} stages."
+        )
+    enc_total = model.encoder_layers if model.is_encoder_decoder else 0
+    base, extra = divmod(total, num_stages)
+    layouts, start = [], 0
+    for s in range(num_stages):
+        count = base + (1 if s < extra else 0)
+        end = start + count
+        enc = max(0, min(end, enc_total) - start)
+        layouts.append(StageLayout(s, enc, count - enc, s == 0, s == num_stages - 1))
+        start = end
+    return layouts
+
+
+def stage_param_count(model: ModelConfig, layout: StageLayout) -> int:
+    """Parameters held by one stage: layers with biases and norms, embedding, output layer."""
+    h, ad, f = model.hidden_size, model.attention_dim, model.ffn_hidden_size
+    layer = 4 * h * ad + 3 * ad + h + 2 * h * f + f + h + 4 * h
+    cross = 4 * h * ad + 3 * ad + h + 2 * h
+    dec_layer = layer + (cross if model.is_encoder_decoder else 0)
+    count = layout.encoder_layers * layer + layout.decoder_layers * dec_layer
+    if layout.has_embedding:
+        count += model.vocab_size * h
+    if layout.has_output:
+        count += 2 * h  # final layer norm
+        # Tied embeddings: the last stage keeps its own copy unless it is also the first.
+        if not (layout.has_embedding and model.tie_embeddings):
+            count += model.vocab_size * h
+    return int(count)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Cost of one micro-batch on one stage. Fields are floats or numpy arrays.
+
+    ``fw_ms``/``bw_ms``: forward and backward time in ms (backward includes recomputation).
+    ``stored_mib``: activation memory held from the forward until the backward, MiB.
+    ``peak_mib``: transient memory on top of the stored activations while an op runs, MiB.
+    """
+
+    fw_ms: np.ndarray
+    bw_ms: np.ndarray
+    stored_mib: np.ndarray
+    peak_mib: np.ndarray
+
+    @property
+    def time_ms(self) -> np.ndarray:
+        """Forward plus backward time in ms: the ``t`` of the planner's objective."""
+        return self.fw_ms + self.bw_ms
+
+    @property
+    def memory_mib(self) -> np.ndarray:
+        """Stored plus transient activation memory in MiB: what must fit while the op runs."""
+        return self.stored_mib + self.peak_mib
+
+    @staticmethod
+    def maximum(costs: list["StageCost"]) -> "StageCost":
+        """Elementwise maximum of each field over several stages (the most loaded stage)."""
+        return StageCost(*(np.maximum.reduce([np.asarray(getattr(c, f)) for c in costs])
+                           for f in ("fw_ms", "bw_ms", "stored_mib", "peak_mib")))
+
+
+def check_recompute(recompute: str) -> str:
+    if recompute not in RECOMPUTE_LEVELS:
+        raise DynaPipeError(f"recompute={recompute!r} is not a recompute level; use one of {RECOMPUTE_LEVELS}.")
+    return recompute
+
+
+class CostModel(ABC):
+    """Prices micro-batches on the stages of one pipeline.
+
+    Subclasses implement :meth:`layout_cost` (one stage layout); this class adds stage selection, the bottleneck stage and
+    model-state memory.
+    """
+
+    def __init__(self, model: ModelConfig, num_stages: int):
+        self.model = model
+        self.num_stages = num_stages
+        self.layouts = stage_layouts(model, num_stages)
+        # Stages with the same layout cost the same; price each distinct layout once.
+        self._distinct = sorted({self._key(l) for l in self.layouts})
+
+    @staticmethod
+    def _key(layout: StageLayout) -> tuple:
+        return (layout.encoder_layers, layout.decoder_layers, layout.has_embedding, layout.has_output)
+
+    @abstractmethod
+    def layout_cost(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str) -> StageCost:
+        """Cost of one micro-batch on a stage with this layout (arrays broadcast)."""
+
+    def layout_param_count(self, layout: StageLayout) -> int:
+        """Number of parameters held by a stage with this layout."""
+        return stage_param_count(self.model, layout)
+
+    def stage_cost(self, mbs, seqlen, dec_seqlen=None, *, recompute: str = "none",
+                   stage: Optional[int] = None) -> StageCost:
+        """Cost of a micro-batch of ``mbs`` samples padded to ``seqlen`` tokens.
+
+        ``stage=None`` gives the bottleneck: the elementwise maximum over all stages,
+        which is what the planner uses for ``t`` and for the memory check.
+        ``dec_seqlen`` is required for encoder-decoder models (decoder tokens).
+        """
+        check_recompute(recompute)
+        if self.model.is_encoder_decoder and dec_seqlen is None:
+            raise DynaPipeError(f"model {self.model.name!r} is encoder-decoder: give the decoder length too.")
+        mbs = np.asarray(mbs, dtype=np.float64)
+        seqlen = np.asarray(seqlen, dtype=np.float64)
+        dec = None if dec_seqlen is None else np.asarray(dec_seqlen, dtype=np.float64)
+        if stage is not None:
+            if not 0 <= stage < self.num_stages:
+                raise DynaPipeError(f"stage={stage} is outside the pipeline's 0..{self.num_stages - 1}.")
+            return self.layout_cost(self.layouts[stage], mbs, seqlen, dec, recompute)
+        by_key = {self._key(l): l for l in self.layouts}
+        costs = [self.layout_cost(by_key[k], mbs, seqlen, dec, recompute) for k in self._distinct]
+        return costs[0] if len(costs) == 1 else StageCost.maximum(costs)
+
+    def model_state_mib(self, stage: Optional[int] = None, *, dp: int = 1, zero: bool = False) -> float:
+        """Parameters, gradients and optimizer state of a stage in MiB (``None``: the largest).
+
+        Mixed precision (bf16/fp16) keeps 2-byte parameters, fp32 main gradients and
+        fp32 master weights plus two Adam moments (18 bytes a parameter); fp32 keeps
+        4 + 4 + 8 = 16. ``zero=True`` shards the optimizer part over ``dp`` replicas
+        (Megatron's distributed optimizer).
+        """
+        half = self.model.dtype in ("bf16", "fp16")
+        param_b, grad_b, optim_b = (2, 4, 12) if half else (4, 4, 8)
+        per_param = param_b + grad_b + optim_b / (dp if zero else 1)
+        layouts = self.layouts if stage is None else [self.layouts[stage]]
+        return max(self.layout_param_count(l) for l in layouts) * per_param / MIB
+
+    def activation_budget_mib(self, memory_limit_mib: float, *, reserved_mib: float = 0.0,
+                              dp: int = 1, zero: bool = False) -> float:
+        """MiB left for activations on the most loaded stage under ``memory_limit_mib``."""
+        return memory_limit_mib - reserved_mib - self.model_state_mib(dp=dp, zero=zero)

@@ -1,0 +1,169 @@
+"""Profile-based cost model: measured per-layer costs over a grid, interpolated.
+
+Profile format (JSON, ``"format": "dynapipe-profile"``, ``"version": 1``)::
+
+    {
+      "format": "dynapipe-profile", "version": 1,
+      "device": "cpu", "dtype": "fp32",
+      "model": {"hidden_size": 64, "num_attention_heads": 4, ...},   # what was measured
+      "mbs": [1, 2, 4, 8],                 # grid rows, ascending
+      "seqlen": [64, 128, 256, 512, 1024], # grid columns, ascending
+      "stage_overhead_ms": 0.0,            # optional: paid once per stage op
+      "ops": {
+        "layer":     {"fw_ms": [[...]], "bw_ms": [[...]], "stored_mib": [[...]], "peak_mib": [[...]]},
+        "embedding": {... same keys ...},
+        "output":    {... same keys ...}
+      }
+    }
+
+Each table is ``len(mbs) x len(seqlen)``; ``layer`` is one transformer layer, with no
+recomputation. Inside the grid values are bilinear in (mbs, seqlen). Outside it:
+``mbs`` scales proportionally from the nearest grid row (every cost is linear in the
+number of samples); ``seqlen`` above the grid follows the power law through the last two
+columns (which captures the quadratic attention term), and below the grid takes the
+first column (per-op overheads dominate short sequences). Recompute levels are derived:
+``full`` adds a forward to the backward and stores only each layer's input; ``selective``
+adds the attention-core share of the forward (from the analytic FLOP split) and drops
+the attention-score share of the stored memory.
+
+Only decoder-only (GPT) profiles are defined in version 1.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+import numpy as np
+
+from dynapipe.config import ModelConfig
+from dynapipe.cost.base import MIB, CostModel, StageCost, StageLayout
+from dynapipe.errors import DynaPipeError
+
+PROFILE_FORMAT = "dynapipe-profile"
+PROFILE_VERSION = 1
+FIELDS = ("fw_ms", "bw_ms", "stored_mib", "peak_mib")
+OPS = ("layer", "embedding", "output")
+
+
+class _Table:
+    """One measured quantity over the (mbs, seqlen) grid, with the extrapolation rules."""
+
+    def __init__(self, mbs: np.ndarray, seqlen: np.ndarray, values: np.ndarray):
+        self.mbs, self.seqlen, self.values = mbs, seqlen, values
+
+    def _along_seqlen(self, row: np.ndarray, s: np.ndarray) -> np.ndarray:
+        grid = self.seqlen
+        inside = np.interp(s, grid, row)
+        if len(grid) < 2:
+            return inside
+        v0, v1 = np.maximum(row[-2], 1e-12), np.maximum(row[-1], 1e-12)
+        power = np.log(v1 / v0) / np.log(grid[-1] / grid[-2])
+        above = row[-1] * (np.maximum(s, grid[-1]) / grid[-1]) ** power
+        return np.where(s > grid[-1], above, inside)
+
+    def __call__(self, b: np.ndarray, s: np.ndarray) -> np.ndarray:
+        b, s = np.broadcast_arrays(np.asarray(b, dtype=np.float64), np.asarray(s, dtype=np.float64))
+        grid_b = self.mbs
+        # Per row of the grid, interpolate along seqlen; then along mbs (linear inside,
+        # proportional scaling from the nearest row outside).
+        rows = np.stack([self._along_seqlen(self.values[i], s) for i in range(len(grid_b))])
+        idx = np.clip(np.searchsorted(grid_b, b) - 1, 0, max(len(grid_b) - 2, 0))
+        if len(grid_b) == 1:
+            return rows[0] * b / grid_b[0]
+        b0, b1 = grid_b[idx], grid_b[idx + 1]
+        r0 = np.take_along_axis(rows, idx[None, ...], 0)[0]
+        r1 = np.take_along_axis(rows, (idx + 1)[None, ...], 0)[0]
+        w = (b - b0) / (b1 - b0)
+        inside = r0 + (r1 - r0) * w
+        below = rows[0] * b / grid_b[0]
+        above = rows[-1] * b / grid_b[-1]
+        return np.where(b < grid_b[0], below, np.where(b > grid_b[-1], above, inside))
+
+
+def _check_profile(data: Mapping[str, Any], source: str) -> None:
+    if data.get("format") != PROFILE_FORMAT:
+        raise DynaPipeError(f"{source}: not a DynaPipe profile (format={data.get('format')!r}, "
+                            f"expected {PROFILE_FORMAT!r}); write one with `python -m dynapipe profile`.")
+    if data.get("version") != PROFILE_VERSION:
+        raise DynaPipeError(f"{source}: profile version {data.get('version')!r} is not supported "
+                            f"(this DynaPipe reads version {PROFILE_VERSION}).")
+    for axis in ("mbs", "seqlen"):
+        grid = data.get(axis)
+        if not isinstance(grid, list) or not grid or any(not isinstance(v, (int, float)) or v <= 0 for v in grid):
+            raise DynaPipeError(f"{source}: {axis!r} must be a non-empty list of positive numbers.")
+        if any(b <= a for a, b in zip(grid, grid[1:])):
+            raise DynaPipeError(f"{source}: {axis!r} grid {grid} must be strictly ascending.")
+    shape = (len(data["mbs"]), len(data["seqlen"]))
+    for op in OPS:
+        table = data.get("ops", {}).get(op)
+        if table is None:
+            raise DynaPipeError(f"{source}: ops.{op} is missing; a profile needs {list(OPS)}.")
+        for field in FIELDS:
+            arr = np.asarray(table.get(field), dtype=np.float64) if field in table else None
+            if arr is None or arr.shape != shape:
+                raise DynaPipeError(f"{source}: ops.{op}.{field} must be a {shape[0]}x{shape[1]} table "
+                                    f"(mbs x seqlen).")
+            if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+                raise DynaPipeError(f"{source}: ops.{op}.{field} holds negative or non-finite values.")
+
+
+class ProfileCostModel(CostModel):
+    """Cost model that interpolates measured per-layer costs (see the module docstring)."""
+
+    def __init__(self, model: ModelConfig, profile: Mapping[str, Any], num_stages: int,
+                 source: str = "profile"):
+        if model.is_encoder_decoder:
+            raise DynaPipeError(f"{source}: profiles of encoder-decoder models are not defined in "
+                                f"version {PROFILE_VERSION}; use the analytic cost model for {model.name!r}.")
+        _check_profile(profile, source)
+        super().__init__(model, num_stages)
+        mbs = np.asarray(profile["mbs"], dtype=np.float64)
+        seqlen = np.asarray(profile["seqlen"], dtype=np.float64)
+        self.tables = {op: {f: _Table(mbs, seqlen, np.asarray(profile["ops"][op][f], dtype=np.float64))
+                            for f in FIELDS} for op in OPS}
+        self.stage_overhead_ms = float(profile.get("stage_overhead_ms", 0.0))
+        self.profile = profile
+
+    @classmethod
+    def from_file(cls, model: ModelConfig, path: str, num_stages: int) -> "ProfileCostModel":
+        """Read a profile JSON file written by ``python -m dynapipe profile``."""
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise DynaPipeError(f"profile {path!r} does not exist; write one with `python -m dynapipe profile`.") from None
+        except json.JSONDecodeError as e:
+            raise DynaPipeError(f"profile {path!r} is not valid JSON: {e}") from None
+        return cls(model, data, num_stages, source=path)
+
+    def _op(self, op: str, b, s) -> dict:
+        return {f: self.tables[op][f](b, s) for f in FIELDS}
+
+    def layout_cost(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str) -> StageCost:
+        m = self.model
+        n = layout.decoder_layers
+        layer = self._op("layer", mbs, seqlen)
+        fw, bw = n * layer["fw_ms"], n * layer["bw_ms"]
+        stored = n * layer["stored_mib"]
+        peak = layer["peak_mib"]
+        if recompute != "none":
+            # Shares of the attention core in FLOPs and of attention scores in stored memory.
+            h, ad, f = m.hidden_size, m.attention_dim, m.ffn_hidden_size
+            s = np.asarray(seqlen, dtype=np.float64)
+            core_share = 4 * s * ad / (8 * h * ad + 4 * h * f + 4 * s * ad)
+            score_share = 5 * m.num_attention_heads * s / (10 * h + 8 * ad + 4 * f + 5 * m.num_attention_heads * s)
+            if recompute == "selective":
+                bw = bw + fw * core_share
+                stored = stored * (1 - score_share)
+            else:
+                bw = bw + fw
+                stored = n * np.asarray(mbs, dtype=np.float64) * s * h * m.dtype_bytes / MIB
+                peak = 2 * peak + layer["stored_mib"]
+        for op, present in (("embedding", layout.has_embedding), ("output", layout.has_output)):
+            if present:
+                c = self._op(op, mbs, seqlen)
+                fw, bw = fw + c["fw_ms"], bw + c["bw_ms"]
+                stored = stored + c["stored_mib"]
+                peak = np.maximum(peak, c["peak_mib"])
+        o = self.stage_overhead_ms
+        return StageCost(fw_ms=fw + o, bw_ms=bw + o, stored_mib=stored, peak_mib=peak)

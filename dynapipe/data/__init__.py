@@ -1,0 +1,1 @@
+"""Data: the synthetic multi-task mixture, datasets, sampler and the planning data loader."""

@@ -1,0 +1,209 @@
+"""The instruction set of an execution plan: what one rank does in one iteration.
+
+A plan is an ordered list of instructions per pipeline rank. Communication is split
+into ``*Start`` (post the non-blocking send/receive) and ``*Finish`` (wait for it), so a
+plan decides exactly when transfers overlap compute. Every communication instruction
+carries the shapes and dtypes of the tensors it moves, so receivers allocate exact
+buffers and nothing is negotiated at run time.
+
+Ranks in instructions (``peer``) are pipeline ranks, i.e. stage indices inside one
+pipeline-parallel group; the executor maps them to global ranks. This keeps a plan
+valid whatever the data/tensor-parallel layout (every tensor-parallel rank of a stage
+runs the same plan).
+
+Open for what is coming: ``chunk`` names the virtual-pipeline chunk (interleaved
+stages; 0 for now); ``BackwardPass.part`` is ``"full"`` today and reserves ``"input"``
+/ ``"weight"`` for zero-bubble schedules that split the backward; an activation message
+may hold several tensors (an encoder-decoder decoder stage receives the hidden states
+and the encoder output).
+
+Buffers are named by :func:`buffer_name`: ``"<kind>:<mb>:<chunk>"`` where kind is one of
+``act_in`` (received activation), ``act_out`` (produced activation), ``grad_in``
+(received gradient), ``grad_out`` (produced input gradient), ``input`` (loaded data).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+# Torch dtype names an execution plan may use.
+DTYPES = ("float32", "bfloat16", "float16", "int64", "int32", "bool", "uint8")
+
+BUFFER_KINDS = ("input", "act_in", "act_out", "grad_in", "grad_out")
+
+
+def buffer_name(kind: str, mb: int, chunk: int = 0) -> str:
+    """Name of the buffer of ``kind`` (one of :data:`BUFFER_KINDS`) for micro-batch ``mb``."""
+    return f"{kind}:{mb}:{chunk}"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor a plan moves or loads: name, exact shape, torch dtype name."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """Base of every instruction. ``mb`` is the micro-batch index within the replica."""
+
+    OPCODE: ClassVar[str] = ""
+    mb: int
+    chunk: int = 0
+
+
+@dataclass(frozen=True)
+class LoadInput(Instruction):
+    """Load this micro-batch's data (first stage: tokens and positions; last stage:
+    labels and loss mask) into buffer ``input:<mb>:<chunk>``."""
+
+    OPCODE: ClassVar[str] = "load"
+    tensors: tuple[TensorSpec, ...] = ()
+
+
+@dataclass(frozen=True)
+class ForwardPass(Instruction):
+    """Run this stage's forward on micro-batch ``mb`` of ``mbs`` samples padded to
+    ``seqlen`` tokens (``dec_seqlen`` decoder tokens for encoder-decoder models)."""
+
+    OPCODE: ClassVar[str] = "fw"
+    mbs: int = 0
+    seqlen: int = 0
+    dec_seqlen: int = 0
+    recompute: str = "none"
+
+
+@dataclass(frozen=True)
+class BackwardPass(Instruction):
+    """Backward of micro-batch ``mb``; ``part`` is ``"full"`` (reserved: ``"input"``,
+    ``"weight"`` for split backwards)."""
+
+    OPCODE: ClassVar[str] = "bw"
+    mbs: int = 0
+    seqlen: int = 0
+    dec_seqlen: int = 0
+    recompute: str = "none"
+    part: str = "full"
+
+
+@dataclass(frozen=True)
+class CommInstruction(Instruction):
+    """A point-to-point transfer with pipeline rank ``peer``.
+
+    ``tensors`` lists every tensor of the message, in order. Start instructions that
+    share a ``group`` id >= 0 and stand next to each other are posted together
+    (``batch_isend_irecv``); ``group = -1`` posts alone.
+    """
+
+    peer: int = -1
+    buffer: str = ""
+    tensors: tuple[TensorSpec, ...] = ()
+    group: int = -1
+
+
+@dataclass(frozen=True)
+class SendActivationStart(CommInstruction):
+    OPCODE: ClassVar[str] = "send_act_start"
+
+
+@dataclass(frozen=True)
+class SendActivationFinish(CommInstruction):
+    OPCODE: ClassVar[str] = "send_act_finish"
+
+
+@dataclass(frozen=True)
+class RecvActivationStart(CommInstruction):
+    OPCODE: ClassVar[str] = "recv_act_start"
+
+
+@dataclass(frozen=True)
+class RecvActivationFinish(CommInstruction):
+    OPCODE: ClassVar[str] = "recv_act_finish"
+
+
+@dataclass(frozen=True)
+class SendGradStart(CommInstruction):
+    OPCODE: ClassVar[str] = "send_grad_start"
+
+
+@dataclass(frozen=True)
+class SendGradFinish(CommInstruction):
+    OPCODE: ClassVar[str] = "send_grad_finish"
+
+
+@dataclass(frozen=True)
+class RecvGradStart(CommInstruction):
+    OPCODE: ClassVar[str] = "recv_grad_start"
+
+
+@dataclass(frozen=True)
+class RecvGradFinish(CommInstruction):
+    OPCODE: ClassVar[str] = "recv_grad_finish"
+
+
+@dataclass(frozen=True)
+class FreeBuffer(Instruction):
+    """Release buffer ``buffer`` (its memory; the executor drops its reference)."""
+
+    OPCODE: ClassVar[str] = "free"
+    buffer: str = ""
+
+
+INSTRUCTION_TYPES: dict[str, type] = {
+    cls.OPCODE: cls
+    for cls in (LoadInput, ForwardPass, BackwardPass, SendActivationStart, SendActivationFinish,
+                RecvActivationStart, RecvActivationFinish, SendGradStart, SendGradFinish,
+                RecvGradStart, RecvGradFinish, FreeBuffer)
+}
+
+SEND_STARTS = (SendActivationStart, SendGradStart)
+RECV_STARTS = (RecvActivationStart, RecvGradStart)
+STARTS = SEND_STARTS + RECV_STARTS
+FINISHES = (SendActivationFinish, SendGradFinish, RecvActivationFinish, RecvGradFinish)
+
+
+@dataclass(frozen=True)
+class MicroBatchInfo:
+    """What a plan records of each micro-batch: its samples and token counts."""
+
+    mb: int
+    samples: tuple[int, ...]
+    mbs: int
+    seqlen: int
+    dec_seqlen: int = 0
+    real_tokens: int = 0
+    # Packing: samples of each row (empty otherwise).
+    rows: tuple[tuple[int, ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """One pipeline rank's instructions for one iteration, and what it needs to know.
+
+    ``real_tokens`` counts the real (non-pad) target tokens of this replica's share;
+    ``global_real_tokens`` those of the whole global batch over every replica, which
+    the loss is normalised by so any micro-batching gives the same gradient.
+    """
+
+    iteration: int
+    stage: int
+    num_stages: int
+    replica: int
+    num_replicas: int
+    schedule: str
+    recompute: str
+    micro_batches: tuple[MicroBatchInfo, ...]
+    instructions: tuple[Instruction, ...]
+    real_tokens: int = 0
+    global_real_tokens: int = 0
+    meta: dict = field(default_factory=dict, compare=False, hash=False)

@@ -1,0 +1,32 @@
+"""dynapipe-megatron: dynamic micro-batching and variable-shape pipelines for Megatron.
+
+Install torch first (``pip install torch==<version>``): a bare ``torch`` requirement
+resolved from scratch may pull a multi-GB CUDA build you did not ask for.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="dynapipe-megatron",
+    version="0.1.0",
+    description="DynaPipe for Megatron: DP-planned variable-shape micro-batches and pipeline plans",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["dynapipe", "dynapipe.*", "megatron_integration", "megatron_integration.*"]),
+    install_requires=[
+        "numpy>=1.24",
+        "pyyaml>=6",
+        # Runtime and integration layers; the planning layers need only numpy and pyyaml.
+        "torch>=2.1",
+        "megatron-core>=0.16.1",
+    ],
+    extras_require={
+        "dev": ["pytest>=7", "hypothesis>=6", "matplotlib>=3.7", "redis>=5"],
+        "plot": ["matplotlib>=3.7"],
+        "redis": ["redis>=5"],
+        "tensorboard": ["tensorboard>=2.14"],
+        # Apex and Transformer Engine come with NVIDIA's PyTorch containers (see docker/);
+        # they are not on PyPI under those names and are never required.
+    },
+    entry_points={"console_scripts": ["dynapipe=dynapipe.cli:main"]},
+)
