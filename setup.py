@@ -3,7 +3,12 @@
 Install torch first (``pip install torch==<version>``): a bare ``torch`` requirement
 resolved from scratch may pull a multi-GB CUDA build you did not ask for.
 """
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
+
+# The micro-batch DP's inner loop in C (plain C API, no numpy headers needed to build).
+# Optional: if it does not compile, the planner falls back to an identical numpy loop.
+DP_KERNEL = Extension("dynapipe.batching._dp_kernel", sources=["dynapipe/batching/csrc/dp_kernel.c"],
+                      optional=True)
 
 setup(
     name="dynapipe-megatron",
@@ -28,5 +33,6 @@ setup(
         # Apex and Transformer Engine come with NVIDIA's PyTorch containers (see docker/);
         # they are not on PyPI under those names and are never required.
     },
+    ext_modules=[DP_KERNEL],
     entry_points={"console_scripts": ["dynapipe=dynapipe.cli:main"]},
 )

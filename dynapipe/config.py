@@ -98,6 +98,15 @@ class DeviceConfig:
     op_overhead_ms: float = 0.0
     # Memory the framework keeps for itself (CUDA context, allocator fragmentation, buffers).
     reserved_mib: float = 0.0
+    # Tokens per op at which the device reaches half of its achievable throughput: small
+    # micro-batches leave GEMMs too thin to fill an accelerator. 0 disables the curve.
+    half_efficiency_tokens: float = 0.0
+
+    def efficiency(self, tokens):
+        """Fraction of the achievable throughput reached by an op over ``tokens`` tokens."""
+        if self.half_efficiency_tokens <= 0:
+            return 1.0
+        return tokens / (tokens + self.half_efficiency_tokens)
 
     @property
     def effective_flops_per_ms(self) -> float:
@@ -110,6 +119,13 @@ class DeviceConfig:
             raise DynaPipeError(f"{source}: achievable_fraction={self.achievable_fraction} must be in (0, 1].")
         if self.memory_mib <= 0:
             raise DynaPipeError(f"{source}: memory_mib={self.memory_mib} must be > 0.")
+        if self.half_efficiency_tokens < 0:
+            raise DynaPipeError(f"{source}: half_efficiency_tokens={self.half_efficiency_tokens} must be >= 0.")
+        if self.op_overhead_ms < 0:
+            raise DynaPipeError(f"{source}: op_overhead_ms={self.op_overhead_ms} must be >= 0.")
+        if not 0 <= self.reserved_mib < self.memory_mib:
+            raise DynaPipeError(f"{source}: reserved_mib={self.reserved_mib} must be >= 0 and below "
+                                f"memory_mib={self.memory_mib}.")
         return self
 
 
@@ -153,11 +169,22 @@ def _read_yaml(path: str) -> dict:
     return data
 
 
+# Field annotations are strings (postponed evaluation); these are the scalar ones to check.
+_SCALAR_TYPES = {"int": ((int,), "an integer"), "float": ((int, float), "a number"),
+                 "str": ((str,), "a string"), "bool": ((bool,), "true or false")}
+
+
 def _build(cls, data: Mapping[str, Any], source: str):
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
         raise DynaPipeError(f"{source}: unknown key(s) {unknown}; known keys are {sorted(names)}.")
+    for f in dataclasses.fields(cls):
+        if f.name in data and f.type in _SCALAR_TYPES:
+            types, what = _SCALAR_TYPES[f.type]
+            value = data[f.name]
+            if not isinstance(value, types) or (isinstance(value, bool) and f.type != "bool"):
+                raise DynaPipeError(f"{source}: {f.name}={value!r} must be {what}.")
     try:
         return cls(**data)
     except TypeError as e:

@@ -44,6 +44,7 @@ class MicroBatch:
             "time_ms": self.time_ms,
             "stored_mib": self.stored_mib,
             "peak_mib": self.peak_mib,
+            "real_tokens": self.real_tokens,
         }
         if self.dec_seqlen:
             out["dec_seqlen"] = self.dec_seqlen
@@ -73,3 +74,31 @@ class BatchPlan:
     def replica(self, r: int) -> list[MicroBatch]:
         """The micro-batches assigned to replica ``r``, in their planned order."""
         return [mb for mb in self.micro_batches if mb.replica == r]
+
+    def compute_objective_ms(self) -> float:
+        """``T`` in ms, recomputed from the micro-batches' ``time_ms``."""
+        times = [mb.time_ms for mb in self.micro_batches]
+        return sum(times) / self.dp + (self.num_stages - 1) * max(times) if times else 0.0
+
+    def compute_padding_efficiency(self) -> float:
+        """Real tokens / padded tokens computed, over the whole batch."""
+        padded = sum(mb.padded_tokens for mb in self.micro_batches)
+        return sum(mb.real_tokens for mb in self.micro_batches) / padded if padded else 0.0
+
+    @property
+    def num_samples(self) -> int:
+        return sum(len(mb.samples) for mb in self.micro_batches)
+
+    def to_json(self) -> dict:
+        """The plan as the ``plan`` command prints it (JSON-ready types only)."""
+        return {
+            "batching": self.batching,
+            "num_stages": self.num_stages,
+            "dp": self.dp,
+            "micro_batches": [mb.to_json() for mb in self.micro_batches],
+            "objective_ms": self.objective_ms,
+            "padding_efficiency": self.padding_efficiency,
+            "planning_ms": self.planning_ms,
+            "replica_time_ms": self.replica_time_ms,
+            "extra": {k: (v.item() if hasattr(v, "item") else v) for k, v in self.extra.items()},
+        }

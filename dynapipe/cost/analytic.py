@@ -1,6 +1,8 @@
 """Analytic cost model: FLOPs for time, Korthikanti et al. (2022) formulas for memory.
 
-Time of an op = FLOPs / (peak x achievable fraction) + a fixed per-op overhead.
+Time of an op = FLOPs / (peak x achievable fraction x efficiency(tokens)) + a fixed
+per-op overhead, where ``efficiency(tokens) = tokens / (tokens + half_efficiency_tokens)``
+models how thin micro-batches under-use an accelerator (see ``DeviceConfig``).
 Per transformer layer with ``b`` samples of ``s`` tokens, hidden ``h``, attention width
 ``a_d`` (heads x kv_channels), ``n`` heads and FFN width ``f``, the forward FLOPs are
 ``6bsh*a_d + 2bs*a_d*h`` (QKV and output projections) ``+ 4bs^2*a_d`` (scores and
@@ -119,7 +121,8 @@ class AnalyticCostModel(CostModel):
             layer_peak = one_layer_full
         peak = np.maximum(layer_peak, out_peak)
 
-        rate = self.device.effective_flops_per_ms
+        tokens = b * (s_enc + s_dec) if m.is_encoder_decoder else b * s_dec
+        rate = self.device.effective_flops_per_ms * self.device.efficiency(tokens)
         overhead = self.device.op_overhead_ms
         shape = np.broadcast(b, s_enc, s_dec).shape
         return StageCost(

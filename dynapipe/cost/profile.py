@@ -81,6 +81,9 @@ class _Table:
 
 
 def _check_profile(data: Mapping[str, Any], source: str) -> None:
+    if not isinstance(data, Mapping):
+        raise DynaPipeError(f"{source}: not a DynaPipe profile (a JSON object with \"format\": "
+                            f"{PROFILE_FORMAT!r} is expected); write one with `python -m dynapipe profile`.")
     if data.get("format") != PROFILE_FORMAT:
         raise DynaPipeError(f"{source}: not a DynaPipe profile (format={data.get('format')!r}, "
                             f"expected {PROFILE_FORMAT!r}); write one with `python -m dynapipe profile`.")
@@ -94,12 +97,20 @@ def _check_profile(data: Mapping[str, Any], source: str) -> None:
         if any(b <= a for a, b in zip(grid, grid[1:])):
             raise DynaPipeError(f"{source}: {axis!r} grid {grid} must be strictly ascending.")
     shape = (len(data["mbs"]), len(data["seqlen"]))
+    ops = data.get("ops")
+    if not isinstance(ops, Mapping):
+        raise DynaPipeError(f"{source}: 'ops' must be an object with tables for {list(OPS)}.")
     for op in OPS:
-        table = data.get("ops", {}).get(op)
+        table = ops.get(op)
         if table is None:
             raise DynaPipeError(f"{source}: ops.{op} is missing; a profile needs {list(OPS)}.")
+        if not isinstance(table, Mapping):
+            raise DynaPipeError(f"{source}: ops.{op} must be an object with tables {list(FIELDS)}.")
         for field in FIELDS:
-            arr = np.asarray(table.get(field), dtype=np.float64) if field in table else None
+            try:
+                arr = np.asarray(table[field], dtype=np.float64) if field in table else None
+            except (TypeError, ValueError):
+                arr = None
             if arr is None or arr.shape != shape:
                 raise DynaPipeError(f"{source}: ops.{op}.{field} must be a {shape[0]}x{shape[1]} table "
                                     f"(mbs x seqlen).")

@@ -1,0 +1,161 @@
+"""The fixed-shape and greedy batching methods DynaPipe is compared with.
+
+Each function groups the samples of one global batch into micro-batches (unpriced
+:class:`MicroBatch` objects: samples and padded shape); the planner prices them with the
+same cost model as the DP.
+
+- ``padding``: Megatron's behaviour. Fixed ``micro_batch_size`` samples in arrival
+  order, each padded to ``seq_length`` (encoder-decoder: the decoder side padded to the
+  batch's longest target, what a fixed ``--decoder-seq-length`` would have to cover).
+- ``padding-mb``: fixed ``micro_batch_size`` in arrival order, padded to the
+  micro-batch's longest sample (rounded up to a multiple of 8).
+- ``packing``: samples packed whole (best-fit decreasing, never split) into rows of
+  ``seq_length`` tokens, ``micro_batch_size`` rows a micro-batch. Attention inside a row
+  is not masked per sample, so the rows pay attention across sample boundaries.
+- ``token-budget``: samples sorted by length, each micro-batch greedily filled while its
+  padded tokens stay within ``max_tokens``.
+"""
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+
+from dynapipe.batching.ordering import candidate_orders, padded_length
+from dynapipe.batching.types import MicroBatch
+from dynapipe.errors import DynaPipeError
+
+
+def _dec_padded(lengths: np.ndarray, seq_length: int) -> int:
+    return int(padded_length(np.array([lengths[:, 1].max()]), seq_length)[0])
+
+
+def padding(lengths: np.ndarray, micro_batch_size: int, seq_length: int) -> list[MicroBatch]:
+    """Fixed-size micro-batches in arrival order, every sample padded to ``seq_length`` tokens."""
+    n = len(lengths)
+    dec = _dec_padded(lengths, seq_length) if lengths.ndim == 2 else 0
+    return [MicroBatch(samples=list(range(s, min(s + micro_batch_size, n))), seqlen=int(seq_length), dec_seqlen=dec)
+            for s in range(0, n, micro_batch_size)]
+
+
+def padding_to_longest(lengths: np.ndarray, micro_batch_size: int, seq_length: int) -> list[MicroBatch]:
+    """Fixed-size micro-batches in arrival order, each padded to its own longest sample."""
+    n = len(lengths)
+    out = []
+    for s in range(0, n, micro_batch_size):
+        chunk = lengths[s: s + micro_batch_size]
+        if lengths.ndim == 1:
+            out.append(MicroBatch(list(range(s, s + len(chunk))),
+                                  int(padded_length(chunk.max(keepdims=True), seq_length)[0])))
+        else:
+            top = padded_length(chunk.max(axis=0), seq_length)
+            out.append(MicroBatch(list(range(s, s + len(chunk))), int(top[0]), int(top[1])))
+    return out
+
+
+def _pack_rows(sizes: np.ndarray, capacity: int) -> list[list[int]]:
+    """Best-fit decreasing: each item (largest first) goes to the fullest row it fits in."""
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []   # (free tokens, row id), sorted
+    for i in np.argsort(-sizes, kind="stable").tolist():
+        size = int(sizes[i])
+        pos = bisect.bisect_left(free, (size, -1))
+        if pos == len(free):
+            rows.append([i])
+            bisect.insort(free, (capacity - size, len(rows) - 1))
+        else:
+            room, r = free.pop(pos)
+            rows[r].append(i)
+            bisect.insort(free, (room - size, r))
+    return [sorted(r) for r in rows]
+
+
+def _pack_rows_2d(inputs: np.ndarray, targets: np.ndarray, capacity: int) -> list[list[int]]:
+    """First-fit decreasing by input length; a row holds at most ``capacity`` tokens on each side."""
+    n = len(inputs)
+    room_in = np.empty(n, dtype=np.int64)
+    room_tg = np.empty(n, dtype=np.int64)
+    rows: list[list[int]] = []
+    for i in np.lexsort((-targets, -inputs)).tolist():
+        a, b = int(inputs[i]), int(targets[i])
+        r = len(rows)
+        fits = np.flatnonzero((room_in[:r] >= a) & (room_tg[:r] >= b))
+        if len(fits):
+            r = int(fits[0])
+            rows[r].append(i)
+            room_in[r] -= a
+            room_tg[r] -= b
+        else:
+            rows.append([i])
+            room_in[r], room_tg[r] = capacity - a, capacity - b
+    return [sorted(r) for r in rows]
+
+
+def cross_sample_attention_pairs(lengths: np.ndarray, rows: list[list[int]]) -> int:
+    """Attention (query, key) pairs that cross sample boundaries in packed rows, unmasked.
+
+    Decoder (causal) attention: a token sees every earlier token of its row, so each
+    pair of samples a, b in a row adds ``l_a * l_b`` pairs. Encoder-decoder rows add the
+    encoder's bidirectional pairs (twice that on the input side) and the decoder's
+    causal pairs on the target side.
+    """
+    total = 0
+    for row in rows:
+        sides = [lengths[row]] if lengths.ndim == 1 else [lengths[row, 0], lengths[row, 1]]
+        for side, l in enumerate(sides):
+            l = l.astype(np.int64)
+            causal = (int(l.sum()) ** 2 - int((l * l).sum())) // 2
+            total += 2 * causal if (lengths.ndim == 2 and side == 0) else causal
+    return total
+
+
+def packing(lengths: np.ndarray, micro_batch_size: int, seq_length: int) -> tuple[list[MicroBatch], int]:
+    """Rows of ``seq_length`` packed tokens, ``micro_batch_size`` rows a micro-batch.
+
+    Returns the micro-batches and the number of attention pairs crossing sample
+    boundaries. Encoder-decoder rows also hold at most ``seq_length`` target tokens;
+    their decoder side is padded to the longest row's target tokens (rounded up to 8).
+    """
+    if lengths.ndim == 1:
+        rows = _pack_rows(lengths, seq_length)
+        dec = 0
+    else:
+        rows = _pack_rows_2d(lengths[:, 0], lengths[:, 1], seq_length)
+        longest = max(int(lengths[r, 1].sum()) for r in rows)
+        dec = int(padded_length(np.array([longest]), seq_length)[0])
+    # Rows in order of their first sample, so micro-batches follow the arrival order.
+    rows.sort(key=lambda r: r[0])
+    out = []
+    for s in range(0, len(rows), micro_batch_size):
+        group = rows[s: s + micro_batch_size]
+        out.append(MicroBatch(samples=[i for r in group for i in r], seqlen=int(seq_length), dec_seqlen=dec,
+                              rows=group))
+    return out, cross_sample_attention_pairs(lengths, rows)
+
+
+def token_budget(lengths: np.ndarray, max_tokens: int, seq_length: int) -> list[MicroBatch]:
+    """Sorted samples, each micro-batch filled while ``count x padded shape <= max_tokens``."""
+    order = candidate_orders(lengths)[0]
+    enc = padded_length(lengths if lengths.ndim == 1 else lengths[:, 0], seq_length)
+    dec = padded_length(lengths[:, 1], seq_length) if lengths.ndim == 2 else np.zeros(len(lengths), dtype=np.int64)
+    need = enc + dec
+    if need.max() > max_tokens:
+        i = int(np.argmax(need))
+        raise DynaPipeError(
+            f"sample {i} (length {lengths[i].tolist()} tokens, padded to {int(need[i])}) exceeds --max-tokens "
+            f"{max_tokens}, as do {int((need > max_tokens).sum()) - 1} other sample(s); raise --max-tokens to at "
+            f"least {int(need[i])} or truncate samples with a smaller --seq-length.")
+    out: list[MicroBatch] = []
+    group: list[int] = []
+    top_e = top_d = 0
+    for i in order.tolist():
+        e, d = max(top_e, int(enc[i])), max(top_d, int(dec[i]))
+        if group and (len(group) + 1) * (e + d) <= max_tokens:
+            group.append(i)
+            top_e, top_d = e, d
+            continue
+        if group:
+            out.append(MicroBatch(group, top_e, top_d))
+        group, top_e, top_d = [i], int(enc[i]), int(dec[i])
+    out.append(MicroBatch(group, top_e, top_d))
+    return out

@@ -1,0 +1,100 @@
+"""Sample lengths of one global batch: reading a lengths file and validating arrays.
+
+A lengths file holds one positive integer a line (decoder-only: tokens of the sample)
+or two (encoder-decoder: input and target tokens). Blank lines and lines starting with
+``#`` are skipped. Every error names the line (files) or the index (arrays) at fault.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Iterable, Optional, TextIO
+
+import numpy as np
+
+from dynapipe.errors import DynaPipeError
+
+
+def _parse_lines(lines: Iterable[str], source: str) -> np.ndarray:
+    rows: list[list[int]] = []
+    width: Optional[int] = None
+    first_line = 0
+    for lineno, raw in enumerate(lines, start=1):
+        text = raw.strip()
+        if not text or text.startswith("#"):
+            continue
+        fields = text.split()
+        if len(fields) not in (1, 2):
+            raise DynaPipeError(
+                f"{source}, line {lineno}: {text!r} has {len(fields)} values; write one length a line "
+                f"(decoder-only) or two, 'input target' (encoder-decoder).")
+        if width is None:
+            width, first_line = len(fields), lineno
+        elif len(fields) != width:
+            raise DynaPipeError(
+                f"{source}, line {lineno}: {text!r} has {len(fields)} value(s) but line {first_line} has "
+                f"{width}; use one column (decoder-only) or two (encoder-decoder) throughout.")
+        row = []
+        for field in fields:
+            try:
+                value = int(field, 10)
+            except ValueError:
+                raise DynaPipeError(f"{source}, line {lineno}: {field!r} is not an integer length in tokens.") from None
+            if value <= 0:
+                raise DynaPipeError(f"{source}, line {lineno}: length {value} must be a positive number of tokens.")
+            row.append(value)
+        rows.append(row)
+    if not rows:
+        raise DynaPipeError(f"{source}: the batch is empty (no lengths found); give at least one sample.")
+    arr = np.asarray(rows, dtype=np.int64)
+    return arr[:, 0] if width == 1 else arr
+
+
+def read_lengths(path: str, stdin: Optional[TextIO] = None) -> np.ndarray:
+    """Read a lengths file (``-`` reads ``stdin``): ``(n,)`` or ``(n, 2)`` int64 tokens."""
+    if path == "-":
+        stream = stdin if stdin is not None else sys.stdin
+        return _parse_lines(stream, "<stdin>")
+    try:
+        with open(path) as f:
+            return _parse_lines(f, path)
+    except FileNotFoundError:
+        raise DynaPipeError(f"lengths file {path!r} does not exist; "
+                            f"write one with `python -m dynapipe synth`.") from None
+    except IsADirectoryError:
+        raise DynaPipeError(f"lengths file {path!r} is a directory; give a file with one length a line.") from None
+    except UnicodeDecodeError:
+        raise DynaPipeError(f"lengths file {path!r} is not a text file of integers.") from None
+
+
+def validate_lengths(lengths, encoder_decoder: bool) -> np.ndarray:
+    """Check an array of lengths for the planner and return it as int64.
+
+    ``(n,)`` for decoder-only models, ``(n, 2)`` (input, target tokens) for
+    encoder-decoder ones. Raises :class:`DynaPipeError` naming the first bad sample.
+    """
+    arr = np.asarray(lengths)
+    if arr.size == 0:
+        raise DynaPipeError("the batch is empty (no lengths); give at least one sample.")
+    if arr.ndim not in (1, 2) or (arr.ndim == 2 and arr.shape[1] != 2):
+        raise DynaPipeError(f"lengths have shape {arr.shape}; expected (n,) for decoder-only models "
+                            f"or (n, 2) (input, target) for encoder-decoder ones.")
+    if encoder_decoder and arr.ndim != 2:
+        raise DynaPipeError("the model is encoder-decoder: give two lengths a sample (input and target tokens).")
+    if not encoder_decoder and arr.ndim != 1:
+        raise DynaPipeError("the model is decoder-only: give one length a sample, not (input, target) pairs "
+                            "(add them up, or choose an encoder-decoder model).")
+    if arr.dtype.kind not in "iu":
+        flat = arr.reshape(len(arr), -1)
+        as_float = np.asarray(flat, dtype=np.float64) if arr.dtype.kind == "f" else None
+        for i, row in enumerate(flat):
+            for v in row:
+                ok = as_float is not None and float(v).is_integer()
+                if not ok:
+                    shown = v.item() if hasattr(v, "item") else v
+                    raise DynaPipeError(f"sample {i}: length {shown!r} is not an integer number of tokens.")
+        arr = np.asarray(arr, dtype=np.int64)
+    bad = np.flatnonzero((arr.reshape(len(arr), -1) <= 0).any(axis=1))
+    if len(bad):
+        i = int(bad[0])
+        raise DynaPipeError(f"sample {i}: length {arr[i].tolist()} must be a positive number of tokens.")
+    return np.ascontiguousarray(arr, dtype=np.int64)

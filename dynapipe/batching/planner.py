@@ -1,0 +1,164 @@
+"""Plan the micro-batches of one global batch with any batching method.
+
+:func:`plan_micro_batches` is the single entry point: it validates the lengths,
+truncates them at ``seq_length`` if asked, forms micro-batches with the chosen method,
+prices them with the cost model (time of the bottleneck stage, activation memory),
+balances them across data-parallel replicas and reports the objective
+``T = sum(time_ms) / dp + (stages - 1) * max(time_ms)``.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import numpy as np
+
+from dynapipe.batching import baselines
+from dynapipe.batching.balance import balance_replicas, replica_times
+from dynapipe.batching.candidates import build_candidate_table
+from dynapipe.batching.dp_partition import optimal_partition
+from dynapipe.batching.lengths import validate_lengths
+from dynapipe.batching.memory import MemoryBudget, memory_budget
+from dynapipe.batching.ordering import candidate_orders
+from dynapipe.batching.types import BatchPlan, MicroBatch
+from dynapipe.cost import CostModel
+from dynapipe.cost.base import check_recompute
+from dynapipe.errors import DynaPipeError
+
+METHODS = ("dynapipe", "padding", "padding-mb", "packing", "token-budget")
+ORDER_NAMES = ("input-major", "target-major", "snake")
+
+
+def _positive_int(value, flag: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise DynaPipeError(f"{flag} {value!r} must be a positive integer.")
+    return int(value)
+
+
+def _limit_lengths(lengths: np.ndarray, seq_length: Optional[int], model_max: int) -> tuple[np.ndarray, int, int]:
+    """Truncate at ``seq_length`` when given; else every sample must fit the model's maximum.
+
+    Returns the lengths, the sequence length limit in force, and how many samples were cut.
+    """
+    if seq_length is None:
+        too_long = np.flatnonzero((lengths.reshape(len(lengths), -1) > model_max).any(axis=1))
+        if len(too_long):
+            i = int(too_long[0])
+            raise DynaPipeError(
+                f"sample {i} has length {lengths[i].tolist()} tokens, more than the model's max_seq_length "
+                f"{model_max} ({len(too_long)} sample(s) in all); pass --seq-length {model_max} to truncate them.")
+        return lengths, model_max, 0
+    seq_length = _positive_int(seq_length, "--seq-length")
+    if seq_length > model_max:
+        raise DynaPipeError(f"--seq-length {seq_length} exceeds the model's max_seq_length {model_max}; "
+                            f"use at most {model_max}.")
+    cut = int((lengths.reshape(len(lengths), -1) > seq_length).any(axis=1).sum())
+    return np.minimum(lengths, seq_length), seq_length, cut
+
+
+def _set_real_tokens(lengths: np.ndarray, mbs: list[MicroBatch]) -> None:
+    per_sample = lengths.reshape(len(lengths), -1).sum(axis=1)
+    sizes = np.array([len(mb.samples) for mb in mbs])
+    flat = np.fromiter((i for mb in mbs for i in mb.samples), dtype=np.int64, count=int(sizes.sum()))
+    sums = np.add.reduceat(per_sample[flat], np.cumsum(sizes) - sizes)
+    for mb, tokens in zip(mbs, sums.tolist()):
+        mb.real_tokens = tokens
+
+
+def _plan_dynapipe(lengths: np.ndarray, cost_model: CostModel, budget: MemoryBudget, dp: int, recompute: str,
+                   cap: int, use_compiled: Optional[bool]) -> tuple[list[MicroBatch], dict]:
+    """The exact DP cut of each candidate order; the order with the lowest objective wins."""
+    best = None
+    for name, order in zip(ORDER_NAMES if lengths.ndim == 2 else ("sorted",), candidate_orders(lengths)):
+        table = build_candidate_table(lengths[order], order, cost_model, budget, recompute, cap)
+        part = optimal_partition(table, cost_model.num_stages, dp, use_compiled=use_compiled)
+        if best is None or part.objective_ms < best[2].objective_ms:
+            best = (name, order, part, table)
+    name, order, part, table = best
+    mbs = []
+    for start, end in part.cuts:
+        e = table.entry(end, end - start)
+        samples = order[start:end].tolist()
+        mbs.append(MicroBatch(samples=samples, seqlen=int(table.seqlen[e]), dec_seqlen=int(table.dec_seqlen[e]),
+                              time_ms=float(table.time_ms[e]), stored_mib=float(table.stored_mib[e]),
+                              peak_mib=float(table.peak_mib[e])))
+    extra = {"order": name, "dp_evaluations": part.evaluations, "dp_candidates": part.candidates,
+             "dp_kernel": part.kernel}
+    return mbs, extra
+
+
+def _price(mbs: list[MicroBatch], cost_model: CostModel, recompute: str) -> None:
+    counts = np.array([mb.mbs for mb in mbs])
+    seq = np.array([mb.seqlen for mb in mbs])
+    dec = np.array([mb.dec_seqlen for mb in mbs]) if cost_model.model.is_encoder_decoder else None
+    c = cost_model.stage_cost(counts, seq, dec, recompute=recompute)
+    for i, mb in enumerate(mbs):
+        mb.time_ms = float(c.time_ms[i])
+        mb.stored_mib = float(c.stored_mib[i])
+        mb.peak_mib = float(c.peak_mib[i])
+
+
+def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapipe", dp: int = 1,
+                       memory_limit_mib: Optional[float] = None, reserved_mib: float = 0.0,
+                       micro_batch_size: int = 1, seq_length: Optional[int] = None,
+                       max_tokens: Optional[int] = None, recompute: str = "none",
+                       use_compiled: Optional[bool] = None) -> BatchPlan:
+    """Micro-batches of one global batch, priced, balanced over ``dp`` replicas.
+
+    ``lengths``: ``(n,)`` tokens (decoder-only) or ``(n, 2)`` input and target tokens
+    (encoder-decoder). ``method``: one of :data:`METHODS`. ``memory_limit_mib`` (MiB per
+    device; ``None`` = unlimited) minus ``reserved_mib`` minus the model states of the
+    most loaded stage is what a micro-batch's stored + peak activations may use; the
+    ``dynapipe`` method honours it (raising :class:`DynaPipeError` for a sample that
+    cannot fit alone), baselines report ``extra["over_memory_micro_batches"]``.
+    ``seq_length`` truncates samples (tokens; each side for encoder-decoder) and is the
+    row length of ``padding``/``packing`` (default: the model's ``max_seq_length``).
+    ``micro_batch_size`` (samples, or rows for packing) is used by the fixed-size
+    baselines; ``max_tokens`` (padded tokens a micro-batch, default
+    ``micro_batch_size x seq_length``) by ``token-budget``. ``use_compiled`` selects the
+    DP kernel (``None``: C when built).
+    """
+    start = time.perf_counter()
+    if method not in METHODS:
+        raise DynaPipeError(f"--batching {method!r} is not a batching method; use one of {', '.join(METHODS)}.")
+    dp = _positive_int(dp, "--dp")
+    micro_batch_size = _positive_int(micro_batch_size, "--micro-batch-size")
+    check_recompute(recompute)
+    model = cost_model.model
+    arr = validate_lengths(lengths, model.is_encoder_decoder)
+    arr, cap, truncated = _limit_lengths(arr, seq_length, model.max_seq_length)
+    budget = memory_budget(cost_model, memory_limit_mib, reserved_mib)
+    extra: dict = {"activation_budget_mib": budget.activation_mib, "model_state_mib": budget.model_state_mib,
+                   "seq_length": cap, "truncated_samples": truncated}
+
+    if method == "dynapipe":
+        mbs, more = _plan_dynapipe(arr, cost_model, budget, dp, recompute, cap, use_compiled)
+        extra.update(more)
+    else:
+        if method == "padding":
+            mbs = baselines.padding(arr, micro_batch_size, cap)
+        elif method == "padding-mb":
+            mbs = baselines.padding_to_longest(arr, micro_batch_size, cap)
+        elif method == "packing":
+            mbs, pairs = baselines.packing(arr, micro_batch_size, cap)
+            extra["cross_sample_attention_pairs"] = pairs
+        else:
+            tokens = micro_batch_size * cap if max_tokens is None else _positive_int(max_tokens, "--max-tokens")
+            extra["max_tokens"] = tokens
+            mbs = baselines.token_budget(arr, tokens, cap)
+        _price(mbs, cost_model, recompute)
+        extra["over_memory_micro_batches"] = sum(mb.stored_mib + mb.peak_mib > budget.activation_mib for mb in mbs)
+
+    _set_real_tokens(arr, mbs)
+    times = [mb.time_ms for mb in mbs]
+    for mb, r in zip(mbs, balance_replicas(times, dp)):
+        mb.replica = r
+    per_replica = replica_times(times, [mb.replica for mb in mbs], dp)
+    extra["replica_spread_ms"] = max(per_replica) - min(per_replica)
+    extra["empty_replicas"] = sum(1 for r in range(dp) if not any(mb.replica == r for mb in mbs))
+    plan = BatchPlan(batching=method, micro_batches=mbs, num_stages=cost_model.num_stages, dp=dp,
+                     objective_ms=0.0, padding_efficiency=0.0, replica_time_ms=per_replica, extra=extra)
+    plan.objective_ms = plan.compute_objective_ms()
+    plan.padding_efficiency = plan.compute_padding_efficiency()
+    plan.planning_ms = (time.perf_counter() - start) * 1e3
+    return plan

@@ -1,0 +1,114 @@
+"""``python -m dynapipe cost``: the cost model's figures for given shapes.
+
+Prints exactly what the planner uses for a micro-batch (the bottleneck stage unless
+``--stage`` is given), so anyone can check a plan against its own cost model. Also home
+of the argument helpers every planning command shares: building the cost model and the
+memory limit from ``--model/--device/--stages/--profile/--recompute/--memory-limit-mb``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+from dynapipe.config import DeviceConfig, ModelConfig, load_device_config, load_model_config
+from dynapipe.cost import RECOMPUTE_LEVELS, CostModel, build_cost_model
+from dynapipe.errors import DynaPipeError
+
+HELP = "print the cost model's time and memory for given shapes"
+
+
+def add_cost_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments that choose the model, the device, the pipeline depth and the cost model."""
+    p.add_argument("--model", required=True, help="model config: a YAML path or a shipped name (e.g. gpt-7b)")
+    p.add_argument("--device", required=True, help="device config: a YAML path or a shipped name (e.g. a100-40gb)")
+    p.add_argument("--stages", type=int, required=True, help="pipeline stages S")
+    p.add_argument("--profile", default=None,
+                   help="measured cost profile (JSON) instead of the analytic cost model")
+    p.add_argument("--recompute", choices=RECOMPUTE_LEVELS, default="none",
+                   help="activation recomputation level (default none)")
+
+
+def add_memory_arguments(p: argparse.ArgumentParser) -> None:
+    """``--memory-limit-mb``: device memory in MiB (default: the device config's)."""
+    p.add_argument("--memory-limit-mb", type=float, default=None,
+                   help="device memory in MiB the plan must fit (default: the device config's memory_mib; "
+                        "1e12 for no limit). The device's reserved_mib and the stage's model states come off it.")
+
+
+@dataclass(frozen=True)
+class CostSetup:
+    """What the cost-model arguments resolve to; memory in MiB."""
+
+    model: ModelConfig
+    device: DeviceConfig
+    cost_model: CostModel
+    memory_limit_mib: float
+    reserved_mib: float
+    recompute: str
+
+
+def cost_setup_from_args(args: argparse.Namespace) -> CostSetup:
+    """Load the configs and build the cost model and memory limit from parsed arguments."""
+    model = load_model_config(args.model)
+    device = load_device_config(args.device)
+    cost_model = build_cost_model(model, device, args.stages, getattr(args, "profile", None))
+    limit: Optional[float] = getattr(args, "memory_limit_mb", None)
+    if limit is None:
+        limit = device.memory_mib
+    elif not limit > 0:
+        raise DynaPipeError(f"--memory-limit-mb {limit:g} must be positive (1e12 means no limit).")
+    return CostSetup(model, device, cost_model, float(limit), float(device.reserved_mib),
+                     getattr(args, "recompute", "none"))
+
+
+def parse_shape(text: str, encoder_decoder: bool) -> tuple[int, int, Optional[int]]:
+    """``MBS,SEQLEN[,DEC_SEQLEN]`` -> integers; the decoder length only for encoder-decoder models."""
+    parts = text.split(",")
+    want = "MBS,SEQLEN,DEC_SEQLEN" if encoder_decoder else "MBS,SEQLEN"
+    try:
+        values = [int(v) for v in parts]
+    except ValueError:
+        raise DynaPipeError(f"--shape {text!r}: expected {want} as positive integers.") from None
+    if len(values) != (3 if encoder_decoder else 2):
+        kind = "encoder-decoder" if encoder_decoder else "decoder-only"
+        raise DynaPipeError(f"--shape {text!r}: the model is {kind}, so give {want}.")
+    if any(v <= 0 for v in values):
+        raise DynaPipeError(f"--shape {text!r}: every value must be a positive integer.")
+    return values[0], values[1], (values[2] if encoder_decoder else None)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_cost_model_arguments(p)
+    p.add_argument("--shape", action="append", required=True, metavar="MBS,SEQLEN[,DEC_SEQLEN]",
+                   help="micro-batch shape: samples, padded tokens (and decoder tokens); repeat for more")
+    p.add_argument("--stage", type=int, default=None,
+                   help="price this stage (0-based) instead of the bottleneck over all stages")
+
+
+def cost_rows(setup: CostSetup, shapes: list[tuple[int, int, Optional[int]]],
+              stage: Optional[int] = None) -> list[dict]:
+    """One dict per shape: ``fw_ms``, ``bw_ms``, ``stored_mib``, ``peak_mib`` (and the shape)."""
+    enc_dec = setup.model.is_encoder_decoder
+    c = setup.cost_model.stage_cost([s[0] for s in shapes], [s[1] for s in shapes],
+                                    [s[2] for s in shapes] if enc_dec else None,
+                                    recompute=setup.recompute, stage=stage)
+    rows = []
+    for i, (mbs, seq, dec) in enumerate(shapes):
+        row = {"mbs": mbs, "seqlen": seq}
+        if enc_dec:
+            row["dec_seqlen"] = dec
+        row.update(fw_ms=float(c.fw_ms[i]), bw_ms=float(c.bw_ms[i]), stored_mib=float(c.stored_mib[i]),
+                   peak_mib=float(c.peak_mib[i]))
+        rows.append(row)
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    setup = cost_setup_from_args(args)
+    shapes = [parse_shape(s, setup.model.is_encoder_decoder) for s in args.shape]
+    json.dump(cost_rows(setup, shapes, args.stage), sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 0

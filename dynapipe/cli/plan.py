@@ -1,0 +1,115 @@
+"""``python -m dynapipe plan``: the micro-batches of one global batch, as JSON.
+
+The plan goes to stdout (or ``--output``), a human-readable summary to stderr. Later
+commands and options build on the same pieces: :func:`add_arguments` for the flags,
+:func:`plan_from_args` for the :class:`BatchPlan`, :func:`build_plan_json` for the
+output dict (extend it with more keys) and :func:`summary_lines` for stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from dynapipe.batching import METHODS, BatchPlan, plan_micro_batches, read_lengths
+from dynapipe.cli.cost import CostSetup, add_cost_model_arguments, add_memory_arguments, cost_setup_from_args
+from dynapipe.errors import DynaPipeError
+
+HELP = "plan the micro-batches (and schedule) of one global batch"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lengths", required=True,
+                   help="lengths file: one integer a line, or 'input target' pairs for encoder-decoder; - reads stdin")
+    add_cost_model_arguments(p)
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
+    add_memory_arguments(p)
+    p.add_argument("--batching", choices=METHODS, default="dynapipe", help="batching method (default dynapipe)")
+    p.add_argument("--micro-batch-size", type=int, default=1,
+                   help="samples (packing: rows) a micro-batch for padding, padding-mb and packing (default 1)")
+    p.add_argument("--seq-length", type=int, default=None,
+                   help="truncate samples to this many tokens; row length of padding and packing "
+                        "(default: the model's max_seq_length, and no truncation)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="padded tokens a micro-batch for token-budget (default micro-batch-size x seq-length)")
+    p.add_argument("--output", default="-", help="write the JSON plan here (default: stdout)")
+
+
+def plan_from_args(args: argparse.Namespace, setup: CostSetup | None = None) -> tuple[BatchPlan, CostSetup]:
+    """Read the lengths and plan them as the arguments say; returns the plan and its setup."""
+    setup = setup or cost_setup_from_args(args)
+    lengths = read_lengths(args.lengths)
+    plan = plan_micro_batches(
+        lengths, setup.cost_model, method=args.batching, dp=args.dp, memory_limit_mib=setup.memory_limit_mib,
+        reserved_mib=setup.reserved_mib, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+        max_tokens=args.max_tokens, recompute=setup.recompute)
+    return plan, setup
+
+
+def build_plan_json(args: argparse.Namespace, batch_plan: BatchPlan, setup: CostSetup) -> dict:
+    """The JSON object the command writes: the plan plus what it was planned for."""
+    out = batch_plan.to_json()
+    out.update(model=setup.model.name, device=setup.device.name, recompute=setup.recompute,
+               memory_limit_mib=setup.memory_limit_mib, reserved_mib=setup.reserved_mib,
+               cost_model="profile" if getattr(args, "profile", None) else "analytic")
+    return out
+
+
+def summary_lines(batch_plan: BatchPlan, setup: CostSetup) -> list[str]:
+    """Human-readable summary of a plan (for stderr)."""
+    p, x = batch_plan, batch_plan.extra
+    mbs = p.micro_batches
+    slowest = max(mb.time_ms for mb in mbs)
+    heaviest = max(mb.stored_mib + mb.peak_mib for mb in mbs)
+    lines = [
+        f"{p.batching}: {p.num_samples} samples -> {len(mbs)} micro-batches for {setup.model.name} on "
+        f"{p.num_stages} stages x {p.dp} replica(s) of {setup.device.name}",
+        f"  objective {p.objective_ms:.1f} ms (sum/dp + (S-1) x slowest {slowest:.2f} ms), "
+        f"padding efficiency {100 * p.padding_efficiency:.1f}%, planned in {p.planning_ms:.1f} ms",
+        f"  activations: largest micro-batch {heaviest:.0f} MiB of a {x['activation_budget_mib']:.0f} MiB budget "
+        f"(limit {setup.memory_limit_mib:.0f} - reserved {setup.reserved_mib:.0f} - model states "
+        f"{x['model_state_mib']:.0f} MiB)",
+    ]
+    if p.dp > 1:
+        lines.append(f"  replicas: " + ", ".join(f"{t:.1f}" for t in p.replica_time_ms)
+                     + f" ms (spread {x['replica_spread_ms']:.2f} ms)")
+    if x.get("truncated_samples"):
+        lines.append(f"  {x['truncated_samples']} sample(s) truncated to {x['seq_length']} tokens")
+    if "cross_sample_attention_pairs" in x:
+        lines.append(f"  packing: {x['cross_sample_attention_pairs']:,} attention pairs cross sample boundaries")
+    if x.get("over_memory_micro_batches"):
+        lines.append(f"  warning: {x['over_memory_micro_batches']} micro-batch(es) exceed the activation budget "
+                     f"and would run out of memory")
+    if x.get("empty_replicas"):
+        lines.append(f"  warning: {x['empty_replicas']} replica(s) get no micro-batch")
+    return lines
+
+
+def dumps_plan(obj: dict) -> str:
+    """JSON text of a plan dict: one line per top-level key, one line per micro-batch."""
+    def value(key, v):
+        if isinstance(v, list) and v and isinstance(v[0], dict):
+            return "[\n" + ",\n".join("  " + json.dumps(item) for item in v) + "\n ]"
+        return json.dumps(v)
+    return "{\n" + ",\n".join(f" {json.dumps(k)}: {value(k, v)}" for k, v in obj.items()) + "\n}"
+
+
+def write_json(obj: dict, path: str) -> None:
+    """Write a plan dict as JSON to ``path`` (``-``: stdout)."""
+    text = dumps_plan(obj)
+    if path == "-":
+        sys.stdout.write(text + "\n")
+        return
+    try:
+        with open(path, "w") as f:
+            f.write(text + "\n")
+    except OSError as e:
+        raise DynaPipeError(f"--output {path!r} cannot be written: {e.strerror}.") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    batch_plan, setup = plan_from_args(args)
+    write_json(build_plan_json(args, batch_plan, setup), args.output)
+    for line in summary_lines(batch_plan, setup):
+        print(line, file=sys.stderr)
+    return 0

@@ -1,0 +1,159 @@
+"""``python -m dynapipe plan`` and ``cost``: the JSON contract, the summary, and errors."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dynapipe.cli import main
+from dynapipe.config import load_device_config, load_model_config
+from dynapipe.cost import build_cost_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = ["--model", "gpt-7b", "--device", "a100-40gb", "--stages", "8"]
+
+
+def _lengths(tmp_path, text="100\n7\n2048\n513\n64\n1000\n9\n300\n1500\n"):
+    p = tmp_path / "lengths.txt"
+    p.write_text(text)
+    return str(p)
+
+
+def _plan(capsys, args):
+    rc = main(["plan", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_plan_json_contract(tmp_path, capsys):
+    rc, out, err = _plan(capsys, ["--lengths", _lengths(tmp_path), *BASE, "--dp", "2"])
+    assert rc == 0
+    plan = json.loads(out)
+    assert plan["batching"] == "dynapipe"
+    for key in ("micro_batches", "objective_ms", "padding_efficiency", "planning_ms"):
+        assert key in plan
+    mbs = plan["micro_batches"]
+    for mb in mbs:
+        assert set(mb) >= {"samples", "seqlen", "replica", "time_ms", "stored_mib", "peak_mib"}
+        assert mb["replica"] in (0, 1)
+    assert sorted(i for mb in mbs for i in mb["samples"]) == list(range(9))
+    times = [mb["time_ms"] for mb in mbs]
+    assert plan["objective_ms"] == pytest.approx(sum(times) / 2 + 7 * max(times))
+    real = 100 + 7 + 2048 + 513 + 64 + 1000 + 9 + 300 + 1500
+    assert plan["padding_efficiency"] == pytest.approx(real / sum(len(mb["samples"]) * mb["seqlen"] for mb in mbs))
+    assert plan["memory_limit_mib"] == 40536  # the device config's default
+    assert "dynapipe: 9 samples ->" in err and "objective" in err and "padding efficiency" in err
+
+
+def test_plan_costs_match_the_cost_command(tmp_path, capsys):
+    rc, out, _ = _plan(capsys, ["--lengths", _lengths(tmp_path), *BASE])
+    mbs = json.loads(out)["micro_batches"]
+    shapes = [f"{len(mb['samples'])},{mb['seqlen']}" for mb in mbs]
+    assert main(["cost", *BASE, *sum((["--shape", s] for s in shapes), [])]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    for mb, row in zip(mbs, rows):
+        assert mb["time_ms"] == pytest.approx(row["fw_ms"] + row["bw_ms"])
+        assert mb["stored_mib"] == pytest.approx(row["stored_mib"]) and mb["peak_mib"] == pytest.approx(row["peak_mib"])
+
+
+def test_cost_command_fields_and_stage(capsys):
+    assert main(["cost", *BASE, "--shape", "2,1024", "--shape", "1,64", "--stage", "0"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    cm = build_cost_model(load_model_config("gpt-7b"), load_device_config("a100-40gb"), 8)
+    c = cm.stage_cost(2, 1024, stage=0)
+    assert rows[0] == {"mbs": 2, "seqlen": 1024, "fw_ms": pytest.approx(float(c.fw_ms)),
+                       "bw_ms": pytest.approx(float(c.bw_ms)), "stored_mib": pytest.approx(float(c.stored_mib)),
+                       "peak_mib": pytest.approx(float(c.peak_mib))}
+    assert len(rows) == 2
+
+
+def test_cost_command_encoder_decoder(capsys):
+    assert main(["cost", "--model", "t5-11b", "--device", "a100-40gb", "--stages", "4", "--shape", "2,512,64"]) == 0
+    row = json.loads(capsys.readouterr().out)[0]
+    assert row["dec_seqlen"] == 64 and row["bw_ms"] >= row["fw_ms"] > 0
+
+
+@pytest.mark.parametrize("method", ["padding", "padding-mb", "packing", "token-budget"])
+def test_plan_baselines_via_cli(tmp_path, capsys, method):
+    out_file = tmp_path / "plan.json"
+    rc, out, err = _plan(capsys, ["--lengths", _lengths(tmp_path), *BASE, "--batching", method,
+                                  "--micro-batch-size", "2", "--seq-length", "2048", "--output", str(out_file)])
+    assert rc == 0 and out == ""
+    plan = json.loads(out_file.read_text())
+    assert plan["batching"] == method
+    flat = [i for mb in plan["micro_batches"] for i in
+            (sum(mb["samples"], []) if method == "packing" else mb["samples"])]
+    assert sorted(flat) == list(range(9))
+    if method == "packing":
+        assert "cross_sample_attention_pairs" in plan["extra"] and "attention pairs" in err
+
+
+def test_plan_reads_stdin_and_encoder_decoder_pairs(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("100 5\n900 30\n40 200\n"))
+    rc, out, _ = _plan(capsys, ["--lengths", "-", "--model", "t5-11b", "--device", "a100-40gb", "--stages", "8"])
+    assert rc == 0
+    mbs = json.loads(out)["micro_batches"]
+    assert all("dec_seqlen" in mb for mb in mbs)
+
+
+@pytest.mark.parametrize("text, extra, message", [
+    ("5\n0\n", [], "line 2: length 0 must be a positive"),
+    ("5\nx\n", [], "line 2: 'x' is not an integer"),
+    ("", [], "empty"),
+    ("100\n4000\n", ["--memory-limit-mb", "30000"], "sample 1 (length 4000 tokens"),
+    ("5\n", ["--stages", "64"], "--stages 64 exceeds the 32 layers"),
+    ("5\n", ["--memory-limit-mb", "0"], "--memory-limit-mb 0 must be positive"),
+    ("5 3\n", [], "decoder-only"),
+])
+def test_plan_errors_exit_2_with_one_line(tmp_path, capsys, text, extra, message):
+    rc, out, err = _plan(capsys, ["--lengths", _lengths(tmp_path, text), *BASE, *extra])
+    assert rc == 2 and out == ""
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("shape, message", [("2", "give MBS,SEQLEN"), ("2,abc", "positive integers"),
+                                            ("0,5", "positive integer"), ("2,64,8", "decoder-only")])
+def test_cost_bad_shapes(capsys, shape, message):
+    assert main(["cost", *BASE, "--shape", shape]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_config_is_a_clean_error(tmp_path, capsys):
+    rc, _, err = _plan(capsys, ["--lengths", _lengths(tmp_path), "--model", "gpt-99b", "--device", "a100-40gb",
+                                "--stages", "2"])
+    assert rc == 2 and "gpt-99b" in err and "does not exist" in err
+
+
+def test_real_process_exit_code_and_no_traceback(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    bad = subprocess.run([sys.executable, "-m", "dynapipe", "plan", "--lengths", _lengths(tmp_path, "7\n-1\n"),
+                          *BASE], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "line 2: length -1" in bad.stderr
+    good = subprocess.run([sys.executable, "-m", "dynapipe", "plan", "--lengths", "-", *BASE], input="30\n40\n",
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert good.returncode == 0 and json.loads(good.stdout)["batching"] == "dynapipe"
+
+
+def test_plan_with_a_measured_profile(tmp_path, capsys):
+    grid = lambda f: [[f(b, s) for s in (64, 256)] for b in (1, 4)]  # noqa: E731
+    op = {"fw_ms": grid(lambda b, s: 1 + 0.01 * b * s), "bw_ms": grid(lambda b, s: 2 + 0.02 * b * s),
+          "stored_mib": grid(lambda b, s: 0.01 * b * s), "peak_mib": grid(lambda b, s: 0.001 * b * s)}
+    profile = {"format": "dynapipe-profile", "version": 1, "mbs": [1, 4], "seqlen": [64, 256],
+               "ops": {"layer": op, "embedding": op, "output": op}}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    rc, out, _ = _plan(capsys, ["--lengths", _lengths(tmp_path, "30\n60\n200\n250\n"), "--model", "gpt-tiny",
+                                "--device", "cpu", "--stages", "2", "--profile", str(path)])
+    assert rc == 0
+    plan = json.loads(out)
+    assert plan["cost_model"] == "profile"
+    mb = plan["micro_batches"][0]
+    assert main(["cost", "--model", "gpt-tiny", "--device", "cpu", "--stages", "2", "--profile", str(path),
+                 "--shape", f"{len(mb['samples'])},{mb['seqlen']}"]) == 0
+    row = json.loads(capsys.readouterr().out)[0]
+    assert mb["time_ms"] == pytest.approx(row["fw_ms"] + row["bw_ms"])

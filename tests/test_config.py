@@ -1,0 +1,94 @@
+"""Config loading: shipped names, files, and errors that name the file and the key."""
+from __future__ import annotations
+
+import pytest
+
+from dynapipe.config import (LinkConfig, load_cluster_config, load_device_config, load_model_config,
+                             model_config_from_dict)
+from dynapipe.errors import DynaPipeError
+
+
+@pytest.mark.parametrize("name, layers, hidden", [("gpt-tiny", 4, 64), ("gpt-7b", 32, 4096),
+                                                  ("gpt-13b", 40, 5120), ("t5-11b", 48, 1024)])
+def test_shipped_models(name, layers, hidden):
+    m = load_model_config(name)
+    assert m.total_layers == layers and m.hidden_size == hidden
+    assert m.is_encoder_decoder == (name == "t5-11b")
+
+
+def test_t5_shape():
+    m = load_model_config("t5-11b")
+    assert (m.encoder_layers, m.decoder_layers, m.attention_dim, m.num_layers) == (24, 24, 128 * 128, 48)
+
+
+@pytest.mark.parametrize("name", ["cpu", "a100-40gb", "h100-80gb", "h200"])
+def test_shipped_devices(name):
+    d = load_device_config(name)
+    assert d.peak_tflops > 0 and 0 < d.achievable_fraction <= 1 and d.memory_mib > d.reserved_mib >= 0
+
+
+def test_cluster_links():
+    c = load_cluster_config("a100-8x")
+    assert c.link(0, 7) is c.intra_node and c.link(7, 8) is c.inter_node
+    assert LinkConfig(bandwidth_gbps=100.0, latency_ms=0.01).transfer_ms(1e9) == pytest.approx(10.01)
+
+
+def test_loads_a_path_and_defaults_ffn(tmp_path):
+    p = tmp_path / "m.yaml"
+    p.write_text("name: m\nnum_layers: 2\nhidden_size: 32\nnum_attention_heads: 4\n")
+    m = load_model_config(str(p))
+    assert m.ffn_hidden_size == 128 and m.arch == "gpt" and m.dtype_bytes == 2
+
+
+def _write(tmp_path, text, name="c.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("name: m\nnum_layers: 2\nhidden_size: 32\nnum_attention_heads: 4\nhiden: 3\n", r"unknown key\(s\) \['hiden'\]"),
+    ("name: m\nnum_layers: 2\nhidden_size: 30\nnum_attention_heads: 4\n", "not divisible"),
+    ("name: m\nnum_layers: 0\nhidden_size: 32\nnum_attention_heads: 4\n", "num_layers=0"),
+    ("name: m\narch: bert\nnum_layers: 2\nhidden_size: 32\nnum_attention_heads: 4\n", "arch='bert'"),
+    ("name: m\nnum_layers: 2\nhidden_size: 32\nnum_attention_heads: 4\ndtype: fp8\n", "dtype='fp8'"),
+    ("name: m\narch: t5\nhidden_size: 32\nnum_attention_heads: 4\n", "encoder_layers and decoder_layers"),
+    ("name: m\nnum_layers: 2\nhidden_size: big\nnum_attention_heads: 4\n", "hidden_size='big'"),
+    ("name: m\nnum_layers: 2.5\nhidden_size: 32\nnum_attention_heads: 4\n", "num_layers=2.5"),
+    ("- 1\n- 2\n", "mapping"),
+    ("name: [unclosed\n", "not valid YAML"),
+])
+def test_bad_model_configs(tmp_path, text, message):
+    path = _write(tmp_path, text)
+    with pytest.raises(DynaPipeError, match=message) as e:
+        load_model_config(path)
+    assert path in str(e.value)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("name: d\npeak_tflops: 0\nmemory_mib: 10\n", "peak_tflops=0"),
+    ("name: d\npeak_tflops: 1\nmemory_mib: 10\nachievable_fraction: 1.5\n", "achievable_fraction=1.5"),
+    ("name: d\npeak_tflops: 1\n", "memory_mib=0"),
+    ("name: d\npeak_tflops: 1\nmemory_mib: 10\nop_overhead_ms: -1\n", "op_overhead_ms=-1"),
+    ("name: d\npeak_tflops: 1\nmemory_mib: 10\nreserved_mib: 20\n", "reserved_mib=20"),
+    ("name: d\npeak_tflops: fast\nmemory_mib: 10\n", "peak_tflops='fast'"),
+    ("peak_tflops: 1\nmemory_mib: 10\n", "name"),
+])
+def test_bad_device_configs(tmp_path, text, message):
+    with pytest.raises(DynaPipeError, match=message):
+        load_device_config(_write(tmp_path, text))
+
+
+def test_missing_config_names_the_path():
+    with pytest.raises(DynaPipeError, match="'gpt-404' does not exist"):
+        load_model_config("gpt-404")
+
+
+def test_bad_cluster_link(tmp_path):
+    with pytest.raises(DynaPipeError, match="intra_node"):
+        load_cluster_config(_write(tmp_path, "name: c\nintra_node: {bandwidth: 3}\n"))
+
+
+def test_model_from_dict_validates():
+    with pytest.raises(DynaPipeError, match="num_attention_heads=0"):
+        model_config_from_dict({"name": "x", "num_layers": 1, "hidden_size": 8, "num_attention_heads": 0})
