@@ -21,6 +21,8 @@ setup(
     install_requires=[
         "numpy>=1.24",
         "pyyaml>=6",
+        # Compiles the schedule simulator's event loops (a pure-Python fallback gives the same results).
+        "numba>=0.59",
         # Runtime and integration layers; the planning layers need only numpy and pyyaml.
         "torch>=2.1",
         "megatron-core>=0.16.1",

@@ -157,3 +157,28 @@ def test_plan_with_a_measured_profile(tmp_path, capsys):
                  "--shape", f"{len(mb['samples'])},{mb['seqlen']}"]) == 0
     row = json.loads(capsys.readouterr().out)[0]
     assert mb["time_ms"] == pytest.approx(row["fw_ms"] + row["bw_ms"])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "adaptive", "auto"])
+def test_plan_schedule_fields_and_plan_files_validate(tmp_path, capsys, schedule):
+    plan_dir = tmp_path / "plans"
+    rc, out, err = _plan(capsys, ["--lengths", _lengths(tmp_path), "--model", "gpt-7b", "--device", "a100-40gb",
+                                  "--stages", "8", "--dp", "2", "--schedule", schedule,
+                                  "--plan-out", str(plan_dir), "--explain"])
+    assert rc == 0, err
+    plan = json.loads(out)
+    assert plan["schedule"] in (("1f1b", "adaptive") if schedule == "auto" else (schedule,))
+    assert len(plan["stage_peak_mib"]) == 8
+    assert 0 <= plan["bubble_fraction"] < 1
+    assert plan["simulated_ms"] >= plan["objective_ms"] * 0.5
+    assert plan["candidates"], "--explain lists the candidates tried"
+    assert sorted(os.listdir(plan_dir)) == [f"replica{r:03d}-stage{s:03d}.plan" for r in range(2) for s in range(8)]
+    assert main(["validate", str(plan_dir)]) == 0
+    assert "valid" in capsys.readouterr().out
+    # A corrupted plan file is refused with exit 2 and the validator's message.
+    victim = plan_dir / "replica000-stage001.plan"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    assert main(["validate", str(plan_dir)]) == 2
+    assert "replica000-stage001" in capsys.readouterr().err

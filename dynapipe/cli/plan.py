@@ -13,6 +13,7 @@ import sys
 
 from dynapipe.batching import METHODS, BatchPlan, plan_micro_batches, read_lengths
 from dynapipe.cli.cost import CostSetup, add_cost_model_arguments, add_memory_arguments, cost_setup_from_args
+from dynapipe.cli.schedule_options import add_schedule_arguments, schedule_json
 from dynapipe.errors import DynaPipeError
 
 HELP = "plan the micro-batches (and schedule) of one global batch"
@@ -33,12 +34,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=None,
                    help="padded tokens a micro-batch for token-budget (default micro-batch-size x seq-length)")
     p.add_argument("--output", default="-", help="write the JSON plan here (default: stdout)")
+    add_schedule_arguments(p)
 
 
-def plan_from_args(args: argparse.Namespace, setup: CostSetup | None = None) -> tuple[BatchPlan, CostSetup]:
+def plan_from_args(args: argparse.Namespace, setup: CostSetup | None = None,
+                   lengths=None) -> tuple[BatchPlan, CostSetup]:
     """Read the lengths and plan them as the arguments say; returns the plan and its setup."""
     setup = setup or cost_setup_from_args(args)
-    lengths = read_lengths(args.lengths)
+    lengths = read_lengths(args.lengths) if lengths is None else lengths
     plan = plan_micro_batches(
         lengths, setup.cost_model, method=args.batching, dp=args.dp, memory_limit_mib=setup.memory_limit_mib,
         reserved_mib=setup.reserved_mib, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
@@ -108,8 +111,19 @@ def write_json(obj: dict, path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    batch_plan, setup = plan_from_args(args)
-    write_json(build_plan_json(args, batch_plan, setup), args.output)
+    lengths = read_lengths(args.lengths)
+    batch_plan, setup = plan_from_args(args, lengths=lengths)
+    out = build_plan_json(args, batch_plan, setup)
+    sched = schedule_json(args, batch_plan, setup.cost_model, memory_limit_mib=setup.memory_limit_mib,
+                          reserved_mib=setup.reserved_mib, lengths=lengths)
+    # planning_ms covers micro-batching, schedule search and plan compilation together.
+    out["planning_ms"] = round(out["planning_ms"] + sched.pop("schedule_planning_ms"), 3)
+    out.update(sched)
+    write_json(out, args.output)
     for line in summary_lines(batch_plan, setup):
         print(line, file=sys.stderr)
+    print(f"  schedule {out['schedule']} (recompute {out['recompute']}): simulated {out['simulated_ms']:.1f} ms, "
+          f"bubble {100 * out['bubble_fraction']:.1f}%, stage peak "
+          + ", ".join(f"{m:.0f}" for m in out["stage_peak_mib"]) + " MiB; "
+          f"whole planning {out['planning_ms']:.1f} ms", file=sys.stderr)
     return 0

@@ -1,0 +1,87 @@
+"""Schedule options of ``python -m dynapipe plan``: search, simulate, compile, write plans.
+
+The plan command calls :func:`add_schedule_arguments` on its parser and merges
+:func:`schedule_json`'s dict into its JSON output.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Optional
+
+from dynapipe.batching import BatchPlan
+from dynapipe.config import ClusterConfig, load_cluster_config
+from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel
+from dynapipe.errors import DynaPipeError
+from dynapipe.pipeline_planner import IterationPlan, schedule_batch_plan
+from dynapipe.plan.files import write_plan_dir
+from dynapipe.schedule.search import SCHEDULE_CHOICES
+
+# Shipped cluster config used when --cluster is not given, by device name prefix.
+DEFAULT_CLUSTERS = (("cpu", "cpu-local"), ("a100", "a100-8x"), ("h100", "h100-8x"), ("h200", "h200-8x"))
+
+
+def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
+    """``--schedule``, ``--cluster``, ``--plan-out``, ``--explain``."""
+    p.add_argument("--schedule", choices=SCHEDULE_CHOICES, default="auto",
+                   help="pipeline schedule: 1f1b, adaptive, or auto (search schedules x micro-batch orders x "
+                        "recompute levels from --recompute up; default auto)")
+    p.add_argument("--cluster", default=None,
+                   help="cluster config (links between stages): a YAML path or a shipped name such as a100-8x "
+                        "(default: chosen by device)")
+    p.add_argument("--plan-out", default=None, metavar="DIR",
+                   help="write one serialized execution plan per rank into DIR")
+    p.add_argument("--explain", action="store_true",
+                   help="list every schedule candidate with its simulated time and peak memory")
+
+
+def resolve_cluster(name: Optional[str], device_name: Optional[str]) -> ClusterConfig:
+    """``--cluster`` as given, else the shipped cluster matching the device, else defaults."""
+    if name:
+        return load_cluster_config(name)
+    for prefix, cluster in DEFAULT_CLUSTERS:
+        if device_name and device_name.lower().startswith(prefix):
+            return load_cluster_config(cluster)
+    return ClusterConfig(name="default")
+
+
+def levels_from(recompute: Optional[str]) -> list[str]:
+    """The recompute levels the search tries: from the batching level up (all when unset)."""
+    if recompute in (None, "auto"):
+        return list(RECOMPUTE_LEVELS)
+    if recompute not in RECOMPUTE_LEVELS:
+        raise DynaPipeError(f"--recompute {recompute!r}: use one of {RECOMPUTE_LEVELS}.")
+    return list(RECOMPUTE_LEVELS[RECOMPUTE_LEVELS.index(recompute):])
+
+
+def plan_schedule(args: argparse.Namespace, batch_plan: BatchPlan, cost_model: CostModel, *,
+                  memory_limit_mib: Optional[float] = None, reserved_mib: Optional[float] = None,
+                  lengths=None, iteration: int = 0) -> IterationPlan:
+    """Run the schedule search and compile the plans as the arguments say."""
+    device = getattr(cost_model, "device", None)
+    cluster = resolve_cluster(getattr(args, "cluster", None), device.name if device is not None else None)
+    return schedule_batch_plan(batch_plan, cost_model, schedule=getattr(args, "schedule", "auto"),
+                               memory_limit_mib=memory_limit_mib, reserved_mib=reserved_mib, cluster=cluster,
+                               recompute=levels_from(getattr(args, "recompute", None)), iteration=iteration,
+                               explain=bool(getattr(args, "explain", False)), lengths=lengths)
+
+
+def schedule_json(args: argparse.Namespace, batch_plan: BatchPlan, cost_model: CostModel, *,
+                  memory_limit_mib: Optional[float] = None, reserved_mib: Optional[float] = None,
+                  lengths=None, iteration: int = 0) -> dict:
+    """The plan command's extra JSON fields.
+
+    ``schedule`` (the one chosen), ``recompute``, ``order`` (micro-batch order),
+    ``simulated_ms`` (makespan), ``bubble_fraction``, ``stage_peak_mib`` (one per stage,
+    model states included), ``schedule_planning_ms`` (search + compilation, to add to
+    ``planning_ms``), ``candidates`` with ``--explain``, and ``plan_files`` with
+    ``--plan-out DIR`` (one serialized plan per rank written there).
+    """
+    start = time.perf_counter()
+    it = plan_schedule(args, batch_plan, cost_model, memory_limit_mib=memory_limit_mib,
+                       reserved_mib=reserved_mib, lengths=lengths, iteration=iteration)
+    out = it.schedule_json(explain=bool(getattr(args, "explain", False)))
+    out["schedule_planning_ms"] = round((time.perf_counter() - start) * 1e3, 3)
+    if getattr(args, "plan_out", None):
+        out["plan_files"] = write_plan_dir(it.all_plans(), args.plan_out)
+    return out

@@ -1,0 +1,86 @@
+"""``python -m dynapipe trace``: the simulated pipeline timeline of one global batch.
+
+Plans the batch like ``plan`` (micro-batches, schedule search) and writes the chosen
+schedule's simulated timeline as a Chrome/Perfetto trace (``--out``), and optionally as
+a PNG (``--png``). Lengths come from ``--lengths FILE`` or the synthetic mixture
+(``--samples N --seed K``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from dynapipe.batching import METHODS, read_lengths
+from dynapipe.cli.cost import add_cost_model_arguments, add_memory_arguments, cost_setup_from_args
+from dynapipe.cli.schedule_options import levels_from, resolve_cluster
+from dynapipe.data.synthetic import sample_lengths
+from dynapipe.errors import DynaPipeError
+from dynapipe.pipeline_planner import schedule_batch_plan
+from dynapipe.batching import plan_micro_batches
+from dynapipe.schedule.search import SCHEDULE_CHOICES
+from dynapipe.schedule.trace import chrome_trace, plot_timeline
+
+HELP = "write the simulated pipeline timeline as a Chrome trace / PNG"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--lengths", help="lengths file (as for plan); - reads stdin")
+    src.add_argument("--samples", type=int, help="draw this many samples from the synthetic mixture instead")
+    p.add_argument("--seed", type=int, default=0, help="seed for --samples (default 0)")
+    add_cost_model_arguments(p)
+    add_memory_arguments(p)
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
+    p.add_argument("--batching", choices=METHODS, default="dynapipe", help="batching method (default dynapipe)")
+    p.add_argument("--micro-batch-size", type=int, default=1, help="samples a micro-batch for fixed-size baselines")
+    p.add_argument("--seq-length", type=int, default=None, help="truncate samples to this many tokens")
+    p.add_argument("--max-tokens", type=int, default=None, help="padded tokens a micro-batch for token-budget")
+    p.add_argument("--schedule", choices=SCHEDULE_CHOICES, default="auto", help="schedule (default auto)")
+    p.add_argument("--cluster", default=None, help="cluster config (default: chosen by device)")
+    p.add_argument("--out", required=True, metavar="FILE.json", help="write the Chrome/Perfetto trace here")
+    p.add_argument("--png", default=None, metavar="FILE.png", help="also draw the timeline (replica --replica)")
+    p.add_argument("--replica", type=int, default=0, help="replica drawn by --png (default 0)")
+
+
+def run(args: argparse.Namespace) -> int:
+    setup = cost_setup_from_args(args)
+    if args.lengths is not None:
+        lengths = read_lengths(args.lengths)
+    else:
+        if args.samples <= 0:
+            raise DynaPipeError(f"--samples {args.samples} must be a positive integer.")
+        lengths = sample_lengths(args.samples, args.seed, args.seq_length or setup.model.max_seq_length,
+                                 setup.model.is_encoder_decoder)
+    batch_plan = plan_micro_batches(lengths, setup.cost_model, method=args.batching, dp=args.dp,
+                                    memory_limit_mib=setup.memory_limit_mib, reserved_mib=setup.reserved_mib,
+                                    micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+                                    max_tokens=args.max_tokens, recompute=setup.recompute)
+    it = schedule_batch_plan(batch_plan, setup.cost_model, schedule=args.schedule,
+                             memory_limit_mib=setup.memory_limit_mib, reserved_mib=setup.reserved_mib,
+                             cluster=resolve_cluster(args.cluster, setup.device.name),
+                             recompute=levels_from(setup.recompute), lengths=lengths)
+    meta = {"model": setup.model.name, "device": setup.device.name, "stages": setup.cost_model.num_stages,
+            **it.schedule_json()}
+    trace = chrome_trace(it.timelines, it.search.micro_batches, meta)
+    try:
+        with open(args.out, "w") as f:
+            json.dump(trace, f, separators=(",", ":"))
+    except OSError as e:
+        raise DynaPipeError(f"--out {args.out!r} cannot be written: {e.strerror}.") from None
+    levels = it.stage_recompute
+    recompute = levels[0] if len(set(levels)) == 1 else "/".join(levels) + " by stage"
+    if args.png:
+        if not 0 <= args.replica < args.dp:
+            raise DynaPipeError(f"--replica {args.replica} is not one of the {args.dp} replicas.")
+        tl = it.timelines[args.replica]
+        title = (f"{setup.model.name}, {setup.cost_model.num_stages} stages, {len(it.search.micro_batches[args.replica])} "
+                 f"micro-batches: {it.schedule} ({it.order} order, recompute {recompute}) "
+                 f"{tl.makespan_ms:.1f} ms, bubble {100 * tl.bubble_fraction:.1f}%")
+        plot_timeline(tl, it.search.micro_batches[args.replica], args.png, title=title,
+                      capacity_mib=setup.memory_limit_mib - setup.reserved_mib)
+    print(f"{it.schedule} ({it.order} order, recompute {recompute}): simulated {it.simulated_ms:.1f} ms, "
+          f"bubble {100 * it.bubble_fraction:.1f}%, peak " + ", ".join(f"{p:.0f}" for p in it.stage_peak_mib)
+          + f" MiB; trace written to {args.out}" + (f", picture to {args.png}" if args.png else ""),
+          file=sys.stderr)
+    return 0

@@ -1,0 +1,17 @@
+"""``python -m dynapipe validate DIR``: check a written plan set before it runs."""
+from __future__ import annotations
+
+from dynapipe.plan.files import read_plan_dir
+from dynapipe.plan.validate import validate_plans
+
+HELP = "validate a directory of serialized execution plans"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("directory", metavar="DIR", help="directory of *.plan files (written by plan --plan-out)")
+
+
+def run(args) -> int:
+    summary = validate_plans(read_plan_dir(args.directory))
+    print(f"{args.directory}: {summary.line()}")
+    return 0

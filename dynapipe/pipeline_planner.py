@@ -1,0 +1,202 @@
+"""Plan one training iteration end to end: micro-batches, schedule, per-rank plans.
+
+:func:`plan_iteration` is the one call the data loader and the training step use:
+lengths in, an :class:`IterationPlan` out (the :class:`BatchPlan`, the chosen schedule
+with its simulated figures, and one :class:`ExecutionPlan` per (replica, stage)).
+:func:`schedule_batch_plan` does the second half for a :class:`BatchPlan` made elsewhere.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from dynapipe.batching import BatchPlan, plan_micro_batches
+from dynapipe.config import ClusterConfig
+from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, check_recompute
+from dynapipe.errors import DynaPipeError
+from dynapipe.plan.compile import compile_plans
+from dynapipe.plan.instructions import ExecutionPlan
+from dynapipe.plan.validate import validate_plans
+from dynapipe.schedule.search import SearchResult, search_schedules
+from dynapipe.schedule.simulator import Timeline
+
+
+@dataclass
+class IterationPlan:
+    """Everything planned for one iteration.
+
+    ``plans[r][s]``: the plan of replica ``r``'s pipeline rank ``s``. ``timings_ms``: wall
+    time of ``batching``, ``schedule`` (search) and ``compile``, and ``validate`` when
+    validation ran; ``planning_ms`` is batching + schedule + compile.
+    """
+
+    batch_plan: BatchPlan
+    search: SearchResult
+    plans: list[list[ExecutionPlan]]
+    iteration: int = 0
+    timings_ms: dict = field(default_factory=dict)
+
+    @property
+    def schedule(self) -> str:
+        return self.search.best.schedule
+
+    @property
+    def recompute(self) -> str:
+        """``none``, ``selective``, ``full`` (every stage), or ``per-stage`` (see :attr:`stage_recompute`)."""
+        return self.search.best.recompute
+
+    @property
+    def stage_recompute(self) -> list[str]:
+        """The recompute level of every stage."""
+        return list(self.search.best.stage_recompute)
+
+    @property
+    def order(self) -> str:
+        return self.search.best.order
+
+    @property
+    def simulated_ms(self) -> float:
+        """Simulated iteration time: the slowest replica's makespan (ms)."""
+        return self.search.best.makespan_ms
+
+    @property
+    def bubble_fraction(self) -> float:
+        """``1 - sum of busy time / (replicas x S x makespan)``."""
+        return self.search.best.bubble_fraction
+
+    @property
+    def stage_peak_mib(self) -> list[float]:
+        """Highest simulated memory of every stage over the replicas, model states included (MiB)."""
+        return self.search.stage_peak_mib
+
+    @property
+    def timelines(self) -> list[Timeline]:
+        return self.search.timelines
+
+    @property
+    def planning_ms(self) -> float:
+        t = self.timings_ms
+        return t.get("batching", 0.0) + t.get("schedule", 0.0) + t.get("compile", 0.0)
+
+    def plan_for(self, replica: int, stage: int) -> ExecutionPlan:
+        """The plan of one rank."""
+        return self.plans[replica][stage]
+
+    def all_plans(self) -> list[ExecutionPlan]:
+        """Every rank's plan, replica by replica, stage by stage."""
+        return [p for rep in self.plans for p in rep]
+
+    def schedule_json(self, explain: bool = False) -> dict:
+        """The schedule fields of the planner's JSON output. ``recompute`` is one level, or
+        a list of one level per stage when the stages differ."""
+        uniform = len(set(self.stage_recompute)) == 1
+        out = {"schedule": self.schedule, "recompute": self.stage_recompute[0] if uniform else self.stage_recompute,
+               "order": self.order,
+               "simulated_ms": round(self.simulated_ms, 3), "bubble_fraction": round(self.bubble_fraction, 4),
+               "stage_peak_mib": [round(p, 1) for p in self.stage_peak_mib]}
+        if explain:
+            out["candidates"] = [c.to_json() for c in self.search.candidates]
+        return out
+
+
+def _default_memory(cost_model: CostModel, memory_limit_mib: Optional[float],
+                    reserved_mib: Optional[float]) -> tuple[Optional[float], float]:
+    device = getattr(cost_model, "device", None)
+    if memory_limit_mib is None and device is not None:
+        memory_limit_mib = device.memory_mib
+    if reserved_mib is None:
+        reserved_mib = device.reserved_mib if device is not None else 0.0
+    return memory_limit_mib, float(reserved_mib)
+
+
+def _loss_tokens(batch_plan: BatchPlan, lengths, cost_model: CostModel) -> BatchPlan:
+    """Encoder-decoder losses count target tokens: replace the micro-batches' real-token
+    counts (input + target) by their target tokens."""
+    if not cost_model.model.is_encoder_decoder or lengths is None:
+        return batch_plan
+    arr = np.asarray(lengths)
+    if arr.ndim != 2:
+        return batch_plan
+    mbs = [dataclasses.replace(mb, real_tokens=int(arr[mb.samples, 1].sum())) for mb in batch_plan.micro_batches]
+    return dataclasses.replace(batch_plan, micro_batches=mbs)
+
+
+def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedule: str = "auto",
+                        memory_limit_mib: Optional[float] = None, reserved_mib: Optional[float] = None,
+                        cluster: Optional[ClusterConfig] = None, recompute: Optional[str] = None,
+                        iteration: int = 0, tp: int = 1, zero: bool = False, explain: bool = False,
+                        validate: bool = False, lengths=None) -> IterationPlan:
+    """Search a schedule for ``batch_plan`` and compile every rank's plan.
+
+    ``memory_limit_mib``/``reserved_mib`` default to the cost model's device config; a
+    stage may use ``memory_limit_mib - reserved_mib`` MiB, model states included.
+    ``recompute``: a level, or ``None`` to let the search choose. ``lengths`` (the
+    batch's lengths) lets encoder-decoder plans count target tokens for the loss.
+    ``validate=True`` runs :func:`validate_plans` on the result (timed separately).
+    """
+    if batch_plan.num_stages != cost_model.num_stages:
+        raise DynaPipeError(f"the batch plan is for {batch_plan.num_stages} stages, the cost model for "
+                            f"{cost_model.num_stages}.")
+    limit, reserved = _default_memory(cost_model, memory_limit_mib, reserved_mib)
+    capacity = None if limit is None or not np.isfinite(limit) else limit - reserved
+    batch_plan = _loss_tokens(batch_plan, lengths, cost_model)
+    dp = batch_plan.dp
+    replicas = [batch_plan.replica(r) for r in range(dp)]
+    t0 = time.perf_counter()
+    result = search_schedules(replicas, cost_model, schedule=schedule, recompute=recompute, capacity_mib=capacity,
+                              cluster=cluster, dp=dp, tp=tp, zero=zero, explain=explain)
+    t1 = time.perf_counter()
+    total_real = sum(mb.real_tokens for mb in batch_plan.micro_batches)
+    plans = [compile_plans(result.schedules[r], result.micro_batches[r], cost_model.model,
+                           timeline=result.timelines[r], replica=r, num_replicas=dp, iteration=iteration,
+                           global_real_tokens=total_real)
+             for r in range(dp)]
+    t2 = time.perf_counter()
+    timings = {"batching": batch_plan.planning_ms, "schedule": (t1 - t0) * 1e3, "compile": (t2 - t1) * 1e3}
+    out = IterationPlan(batch_plan, result, plans, iteration, timings)
+    if validate:
+        validate_plans(out.all_plans())
+        timings["validate"] = (time.perf_counter() - t2) * 1e3
+    return out
+
+
+def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = None, dp: int = 1,
+                   method: str = "dynapipe", schedule: str = "auto", memory_limit_mib: Optional[float] = None,
+                   reserved_mib: Optional[float] = None, cluster: Optional[ClusterConfig] = None,
+                   recompute: Optional[str] = None, iteration: int = 0, micro_batch_size: int = 1,
+                   seq_length: Optional[int] = None, max_tokens: Optional[int] = None, tp: int = 1,
+                   zero: bool = False, explain: bool = False, validate: bool = False) -> IterationPlan:
+    """Plan one iteration of a global batch of sample ``lengths`` (tokens; ``(n, 2)``
+    input and target lengths for encoder-decoder models).
+
+    Micro-batching (``method``, see :func:`dynapipe.batching.plan_micro_batches`), then
+    the schedule search (``schedule``: ``1f1b``, ``adaptive`` or ``auto``), then one
+    execution plan per (replica, stage). ``stages`` must match the cost model.
+    ``memory_limit_mib`` (per device) and ``reserved_mib`` default to the device config.
+    ``recompute=None`` lets the search choose the level; micro-batches are then cut so
+    that each fits alone at the lightest level that lets every sample fit.
+    """
+    if stages is not None and stages != cost_model.num_stages:
+        raise DynaPipeError(f"--stages {stages} but the cost model was built for {cost_model.num_stages} stages.")
+    limit, reserved = _default_memory(cost_model, memory_limit_mib, reserved_mib)
+    levels = [check_recompute(recompute)] if recompute is not None else list(RECOMPUTE_LEVELS)
+    t0 = time.perf_counter()
+    batch_plan, error = None, None
+    for level in levels:
+        try:
+            batch_plan = plan_micro_batches(lengths, cost_model, method=method, dp=dp, memory_limit_mib=limit,
+                                            reserved_mib=reserved, micro_batch_size=micro_batch_size,
+                                            seq_length=seq_length, max_tokens=max_tokens, recompute=level)
+            break
+        except DynaPipeError as e:  # a sample too large at this level may fit with more recompute
+            error = e
+    if batch_plan is None:
+        raise error
+    batch_plan.planning_ms = (time.perf_counter() - t0) * 1e3
+    return schedule_batch_plan(batch_plan, cost_model, schedule=schedule, memory_limit_mib=limit,
+                               reserved_mib=reserved, cluster=cluster, recompute=recompute, iteration=iteration,
+                               tp=tp, zero=zero, explain=explain, validate=validate, lengths=lengths)

@@ -1,0 +1,231 @@
+"""Execution plans as bytes: compact, versioned, deterministic, never pickle.
+
+Layout (big-endian)::
+
+    magic  b"DPPL"        4 bytes
+    version               uint16   (FORMAT_VERSION)
+    flags                 uint16   (bit 0: payload is zlib-compressed)
+    payload length        uint32   (bytes after the header)
+    payload CRC32         uint32
+    payload               zlib(canonical JSON)
+
+The JSON is canonical (sorted keys, no spaces, ASCII), so the same plan always gives
+the same bytes. Distinct tensor lists are stored once in ``tensors`` (each
+``[[name, shape, dtype], ...]``) and instructions refer to them by index.
+Instructions are positional arrays ``[opcode, field, field, ...]`` in the dataclass
+field order of :mod:`dynapipe.plan.instructions`; a reader fills missing trailing
+fields with their defaults, so adding a field at the end of an instruction stays
+readable. Anything malformed raises :class:`PlanError` saying what is wrong.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import struct
+import zlib
+from typing import Any
+
+from dynapipe.errors import PlanError
+from dynapipe.plan._fast import gc_paused, maker
+from dynapipe.plan.instructions import DTYPES, INSTRUCTION_TYPES, ExecutionPlan, MicroBatchInfo, TensorSpec
+
+MAGIC = b"DPPL"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct(">4sHHII")
+HEADER_BYTES = _HEADER.size
+_FLAG_ZLIB = 1
+# A plan is a few KiB to a few MiB; anything claiming more is corrupted.
+_MAX_PAYLOAD = 1 << 30
+
+_PLAN_FIELDS = ("iteration", "stage", "num_stages", "replica", "num_replicas", "schedule",
+                "recompute", "real_tokens", "global_real_tokens")
+_DTYPES = frozenset(DTYPES)
+
+
+@functools.lru_cache(maxsize=None)
+def _fields(cls) -> tuple[tuple[str, str, Any], ...]:
+    """``(name, kind, default)`` of an instruction class's fields; kind is ``int``,
+    ``str`` or ``tensors``."""
+    out = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        t = str(f.type)
+        kind = "tensors" if "TensorSpec" in t else t
+        if kind not in ("int", "str", "tensors"):
+            raise PlanError(f"instruction field {cls.__name__}.{f.name} has unsupported type {t}.")
+        out.append((f.name, kind, f.default))
+    return tuple(out)
+
+
+def _plan_document(plan: ExecutionPlan) -> dict:
+    table: list = []
+    by_id: dict[int, int] = {}
+    by_value: dict[tuple, int] = {}
+
+    def tensors_index(ts: tuple) -> int:
+        i = by_id.get(id(ts))
+        if i is None:
+            i = by_value.get(ts)
+            if i is None:
+                i = by_value[ts] = len(table)
+                table.append([[t.name, list(t.shape), t.dtype] for t in ts])
+            by_id[id(ts)] = i
+        return i
+
+    insts = []
+    for inst in plan.instructions:
+        row = [inst.OPCODE]
+        for name, kind, _ in _fields(type(inst)):
+            v = getattr(inst, name)
+            row.append(tensors_index(v) if kind == "tensors" else v)
+        insts.append(row)
+    doc = {k: getattr(plan, k) for k in _PLAN_FIELDS}
+    doc["micro_batches"] = [[m.mb, list(m.samples), m.mbs, m.seqlen, m.dec_seqlen, m.real_tokens,
+                             [list(r) for r in m.rows]] for m in plan.micro_batches]
+    doc["instructions"] = insts
+    doc["tensors"] = table
+    doc["meta"] = plan.meta
+    return doc
+
+
+def serialize_plan(plan: ExecutionPlan) -> bytes:
+    """The plan as deterministic bytes: a 16-byte header (magic, version, flags, payload
+    length, CRC32) and zlib-compressed canonical JSON. ``plan.meta`` must hold only
+    JSON values (str keys, numbers, strings, lists, dicts)."""
+    try:
+        with gc_paused():
+            doc = _plan_document(plan)
+        text = json.dumps(doc, sort_keys=True, separators=(",", ":"),
+                          ensure_ascii=True, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise PlanError(f"plan of stage {plan.stage} cannot be serialized: {e} "
+                        f"(plan.meta may hold only JSON values).") from None
+    payload = zlib.compress(text.encode("ascii"), 6)
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, _FLAG_ZLIB, len(payload), zlib.crc32(payload)) + payload
+
+
+# -- reading ---------------------------------------------------------------------------------
+
+def _want(cond: bool, what: str) -> None:
+    if not cond:
+        raise PlanError(f"plan payload is malformed: {what}.")
+
+
+def _int(v: Any, what: str) -> int:
+    if type(v) is not int:
+        _want(False, f"{what} must be an integer, got {v!r}")
+    return v
+
+
+def _str(v: Any, what: str) -> str:
+    if type(v) is not str:
+        _want(False, f"{what} must be a string, got {v!r}")
+    return v
+
+
+def _tensor_list(i: int, v: Any) -> tuple[TensorSpec, ...]:
+    what = f"tensors[{i}]"
+    if type(v) is not list:
+        _want(False, f"{what} must be a list of tensors")
+    out = []
+    for j, t in enumerate(v):
+        if not (type(t) is list and len(t) == 3 and type(t[1]) is list):
+            _want(False, f"{what}[{j}] must be [name, shape, dtype]")
+        shape = tuple(t[1])
+        if not all(type(d) is int and d >= 0 for d in shape):
+            _want(False, f"{what}[{j}] shape {t[1]!r} must hold non-negative integers")
+        if t[2] not in _DTYPES:
+            _want(False, f"{what}[{j}] dtype {t[2]!r} is not one of {DTYPES}")
+        out.append(TensorSpec(_str(t[0], f"{what}[{j}] name"), shape, t[2]))
+    return tuple(out)
+
+
+_DECODERS = {op: (maker(cls), _fields(cls)) for op, cls in INSTRUCTION_TYPES.items()}
+
+
+def _decode_instruction(i: int, v: Any, tables: list) -> Any:
+    if type(v) is not list or not v:
+        _want(False, f"instruction {i} must be a non-empty array")
+    dec = _DECODERS.get(v[0]) if type(v[0]) is str else None
+    if dec is None:
+        _want(False, f"instruction {i} has unknown opcode {v[0]!r}")
+    make, fields = dec
+    if not 2 <= len(v) <= len(fields) + 1:
+        _want(False, f"instruction {i} ({v[0]}) has {len(v) - 1} fields, 1 to {len(fields)} expected")
+    kwargs = {}
+    for (name, kind, _), x in zip(fields, v[1:]):
+        if kind == "tensors":
+            if type(x) is not int or not 0 <= x < len(tables):
+                _want(False, f"instruction {i} ({v[0]}) field {name!r} must index the tensor table, got {x!r}")
+            x = tables[x]
+        elif type(x) is not (int if kind == "int" else str):
+            _want(False, f"instruction {i} ({v[0]}) field {name!r} must be {'an integer' if kind == 'int' else 'a string'}, "
+                         f"got {x!r}")
+        kwargs[name] = x
+    return make(**kwargs)
+
+
+def _decode_micro_batch(i: int, v: Any) -> MicroBatchInfo:
+    what = f"micro_batches[{i}]"
+    if not (type(v) is list and len(v) == 7 and type(v[1]) is list and type(v[6]) is list):
+        _want(False, f"{what} must be an array of 7 fields with sample and row arrays")
+    ints = [v[0], v[2], v[3], v[4], v[5], *v[1]]
+    rows = []
+    for r in v[6]:
+        if type(r) is not list:
+            _want(False, f"{what} rows must be arrays")
+        ints.extend(r)
+        rows.append(tuple(r))
+    if not all(type(x) is int for x in ints):
+        _want(False, f"{what} must hold integers only")
+    return MicroBatchInfo(mb=v[0], samples=tuple(v[1]), mbs=v[2], seqlen=v[3], dec_seqlen=v[4], real_tokens=v[5],
+                          rows=tuple(rows))
+
+
+def deserialize_plan(data: bytes) -> ExecutionPlan:
+    """Rebuild an :class:`ExecutionPlan` from :func:`serialize_plan` bytes.
+
+    Raises :class:`PlanError` for a wrong magic or version, a truncated payload, a CRC
+    mismatch (corruption), and any field of the wrong type.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise PlanError(f"a serialized plan must be bytes, got {type(data).__name__}.")
+    data = bytes(data)
+    if len(data) < HEADER_BYTES:
+        raise PlanError(f"plan payload is truncated: {len(data)} bytes, shorter than the "
+                        f"{HEADER_BYTES}-byte header.")
+    magic, version, flags, length, crc = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise PlanError(f"not a DynaPipe execution plan (magic {magic!r}, expected {MAGIC!r}).")
+    if version != FORMAT_VERSION:
+        raise PlanError(f"execution plan format version {version} is not supported "
+                        f"(this DynaPipe reads version {FORMAT_VERSION}); plan and run with the same release.")
+    if length > _MAX_PAYLOAD:
+        raise PlanError(f"plan payload claims {length} bytes: the header is corrupted.")
+    payload = data[HEADER_BYTES:]
+    if len(payload) < length:
+        raise PlanError(f"plan payload is truncated: {len(payload)} of {length} bytes.")
+    if len(payload) > length:
+        raise PlanError(f"plan payload has {len(payload) - length} unexpected trailing bytes.")
+    if zlib.crc32(payload) != crc:
+        raise PlanError("plan payload is corrupted: CRC32 mismatch.")
+    try:
+        text = zlib.decompress(payload) if flags & _FLAG_ZLIB else payload
+        doc = json.loads(text.decode("ascii"))
+    except (zlib.error, UnicodeDecodeError, ValueError) as e:
+        raise PlanError(f"plan payload is corrupted: {e}.") from None
+    _want(isinstance(doc, dict), "the document must be an object")
+    missing = [k for k in _PLAN_FIELDS + ("micro_batches", "instructions", "tensors", "meta") if k not in doc]
+    _want(not missing, f"missing field(s) {missing}")
+    kwargs = {k: (_str if k in ("schedule", "recompute") else _int)(doc[k], k) for k in _PLAN_FIELDS}
+    for k in ("micro_batches", "instructions", "tensors"):
+        _want(isinstance(doc[k], list), f"{k} must be an array")
+    _want(isinstance(doc["meta"], dict), "meta must be an object")
+    with gc_paused():
+        tables = [_tensor_list(i, t) for i, t in enumerate(doc["tensors"])]
+        return ExecutionPlan(
+            micro_batches=tuple(_decode_micro_batch(i, m) for i, m in enumerate(doc["micro_batches"])),
+            instructions=tuple(_decode_instruction(i, x, tables) for i, x in enumerate(doc["instructions"])),
+            meta=doc["meta"], **kwargs)

@@ -1,0 +1,18 @@
+"""Pipeline schedules for variable-shape micro-batches, their simulator and search.
+
+- :mod:`~dynapipe.schedule.types`: :class:`Op` and :class:`Schedule` (per-stage op order).
+- :mod:`~dynapipe.schedule.simulator`: :func:`simulate` -> :class:`Timeline` (ms, MiB).
+- :func:`one_f_one_b` (Megatron's 1F1B) and :func:`adaptive_schedule` (wait-free,
+  memory-bounded), :func:`search_schedules` (``auto``: fastest candidate that fits).
+"""
+from dynapipe.schedule.adaptive import adaptive_schedule
+from dynapipe.schedule.costs import StageTimes, stage_times
+from dynapipe.schedule.one_f_one_b import one_f_one_b
+from dynapipe.schedule.orders import ORDERS
+from dynapipe.schedule.search import SCHEDULE_CHOICES, Candidate, SearchResult, search_schedules
+from dynapipe.schedule.simulator import Event, Timeline, simulate
+from dynapipe.schedule.types import OP_KINDS, SCHEDULE_NAMES, Op, Schedule
+
+__all__ = ["Op", "Schedule", "OP_KINDS", "SCHEDULE_NAMES", "SCHEDULE_CHOICES", "StageTimes", "stage_times",
+           "simulate", "Timeline", "Event", "one_f_one_b", "adaptive_schedule", "search_schedules",
+           "Candidate", "SearchResult", "ORDERS"]

@@ -1,0 +1,57 @@
+"""What crosses a pipeline-stage boundary, and how long it takes.
+
+The activation message from stage ``s`` to ``s + 1`` (and the gradient message back,
+which has the same tensors) follows Megatron's layout ``[seqlen, mbs, hidden]`` in the
+model dtype. Encoder-decoder models: encoder stages pass the hidden states; from the
+first stage that holds decoder layers on, the message carries the decoder hidden
+states ``[dec_seqlen, mbs, hidden]`` and the encoder output ``[seqlen, mbs, hidden]``
+that every decoder layer attends to.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from dynapipe.config import ClusterConfig, LinkConfig, ModelConfig
+from dynapipe.cost.base import StageLayout
+
+
+def message_shapes(model: ModelConfig, layouts: Sequence[StageLayout], src_stage: int, mbs: int,
+                   seqlen: int, dec_seqlen: int = 0) -> list[tuple[str, tuple[int, ...]]]:
+    """``(name, shape)`` of every tensor stage ``src_stage`` sends to ``src_stage + 1``
+    for one micro-batch, in message order. The gradient message back has the same list."""
+    h = model.hidden_size
+    if not model.is_encoder_decoder:
+        return [("hidden_states", (seqlen, mbs, h))]
+    if layouts[src_stage].decoder_layers == 0:
+        # Still inside the encoder: the next stage either continues it or starts the decoder.
+        next_is_decoder = layouts[src_stage + 1].encoder_layers == 0
+        return [("encoder_output" if next_is_decoder else "hidden_states", (seqlen, mbs, h))]
+    return [("hidden_states", (dec_seqlen, mbs, h)), ("encoder_output", (seqlen, mbs, h))]
+
+
+def message_bytes(model: ModelConfig, layouts: Sequence[StageLayout], src_stage: int, mbs,
+                  seqlen, dec_seqlen=0):
+    """Bytes of the activation (or gradient) message across boundary ``src_stage``
+    (``mbs``/``seqlen``/``dec_seqlen`` may be numpy arrays: one value per micro-batch)."""
+    total = 0
+    for _, shape in message_shapes(model, layouts, src_stage, mbs, seqlen, dec_seqlen):
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+    return total * model.dtype_bytes
+
+
+def stage_global_rank(stage: int, *, dp: int = 1, tp: int = 1, replica: int = 0) -> int:
+    """Global rank of a stage's first device in Megatron's default layout (tensor
+    parallel innermost, then data parallel, then pipeline)."""
+    return stage * dp * tp + replica * tp
+
+
+def boundary_links(cluster: Optional[ClusterConfig], num_stages: int, *, dp: int = 1,
+                   tp: int = 1) -> list[Optional[LinkConfig]]:
+    """The link each boundary ``s -> s + 1`` uses (``None`` everywhere without a cluster)."""
+    if cluster is None:
+        return [None] * max(num_stages - 1, 0)
+    return [cluster.link(stage_global_rank(s, dp=dp, tp=tp), stage_global_rank(s + 1, dp=dp, tp=tp))
+            for s in range(num_stages - 1)]

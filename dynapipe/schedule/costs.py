@@ -1,0 +1,112 @@
+"""Per-stage, per-micro-batch times and memory: the simulator's input.
+
+:func:`stage_times` prices every micro-batch on every stage with the cost model (one
+vectorised call per distinct stage layout) and every boundary transfer with the
+cluster's links. Units: ms and MiB.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from dynapipe.batching.types import MicroBatch
+from dynapipe.config import ClusterConfig
+from dynapipe.cost.base import CostModel
+from dynapipe.errors import DynaPipeError
+from dynapipe.schedule.comm import boundary_links, message_bytes
+
+# Every op lasts at least this long (ms), so a simulated timeline strictly orders an
+# op's inputs before its outputs even when a cost model prices something at zero.
+MIN_OP_MS = 1e-6
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Costs of ``M`` micro-batches on ``S`` stages.
+
+    ``fw_ms``/``bw_ms``/``stored_mib``/``peak_mib``: arrays ``[S, M]``.
+    ``act_comm_ms``/``grad_comm_ms``: ``[S - 1, M]``, the activation transfer from stage
+    ``s`` to ``s + 1`` and the gradient transfer back. ``state_mib``: ``[S]`` model
+    states (parameters, gradients, optimizer) held throughout.
+    """
+
+    fw_ms: np.ndarray
+    bw_ms: np.ndarray
+    stored_mib: np.ndarray
+    peak_mib: np.ndarray
+    act_comm_ms: np.ndarray
+    grad_comm_ms: np.ndarray
+    state_mib: np.ndarray
+    recompute: str = "none"
+
+    @property
+    def num_stages(self) -> int:
+        return self.fw_ms.shape[0]
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.fw_ms.shape[1]
+
+    def permuted(self, order: Sequence[int]) -> "StageTimes":
+        """The same costs for the micro-batches taken in ``order`` (new index i is old ``order[i]``)."""
+        idx = np.asarray(order, dtype=np.int64)
+        return StageTimes(self.fw_ms[:, idx], self.bw_ms[:, idx], self.stored_mib[:, idx],
+                          self.peak_mib[:, idx], self.act_comm_ms[:, idx], self.grad_comm_ms[:, idx],
+                          self.state_mib, self.recompute)
+
+    @staticmethod
+    def mixed(rows: Sequence["StageTimes"]) -> "StageTimes":
+        """Stage ``s`` priced as in ``rows[s]`` (e.g. a different recompute level per stage)."""
+        pick = lambda f: np.stack([getattr(t, f)[s] for s, t in enumerate(rows)])
+        return StageTimes(pick("fw_ms"), pick("bw_ms"), pick("stored_mib"), pick("peak_mib"),
+                          rows[0].act_comm_ms, rows[0].grad_comm_ms, rows[0].state_mib, "per-stage")
+
+    def work_lower_bound_ms(self) -> float:
+        """No schedule finishes sooner than its busiest stage's total compute (ms)."""
+        if self.num_micro_batches == 0:
+            return 0.0
+        return float((self.fw_ms + self.bw_ms).sum(axis=1).max())
+
+
+def stage_times(cost_model: CostModel, micro_batches: Sequence[MicroBatch], *, recompute: str = "none",
+                cluster: Optional[ClusterConfig] = None, dp: int = 1, tp: int = 1,
+                zero: bool = False) -> StageTimes:
+    """Price ``micro_batches`` on every stage of ``cost_model``'s pipeline.
+
+    Communication: message bytes (:func:`dynapipe.schedule.comm.message_bytes`) over the
+    link between the stages' devices in ``cluster`` (none: free). ``dp`` and ``zero``
+    size the model states (Megatron's distributed optimizer shards them over ``dp``).
+    """
+    S = cost_model.num_stages
+    model = cost_model.model
+    M = len(micro_batches)
+    mbs = np.array([mb.mbs for mb in micro_batches], dtype=np.float64)
+    seq = np.array([mb.seqlen for mb in micro_batches], dtype=np.float64)
+    dec = np.array([mb.dec_seqlen for mb in micro_batches], dtype=np.float64) if model.is_encoder_decoder else None
+    if model.is_encoder_decoder and M and np.any(dec <= 0):
+        bad = int(np.argmax(dec <= 0))
+        raise DynaPipeError(f"micro-batch {bad} has dec_seqlen={micro_batches[bad].dec_seqlen}: an "
+                            f"encoder-decoder model needs a positive decoder length.")
+    fields = {k: np.zeros((S, M)) for k in ("fw_ms", "bw_ms", "stored_mib", "peak_mib")}
+    by_layout: dict = {}
+    for s in range(S):
+        key = cost_model._key(cost_model.layouts[s])
+        if key not in by_layout:
+            by_layout[key] = cost_model.stage_cost(mbs, seq, dec, recompute=recompute, stage=s)
+        c = by_layout[key]
+        for k in fields:
+            fields[k][s] = np.broadcast_to(np.asarray(getattr(c, k), dtype=np.float64), (M,))
+    fields["fw_ms"] = np.maximum(fields["fw_ms"], MIN_OP_MS)
+    fields["bw_ms"] = np.maximum(fields["bw_ms"], MIN_OP_MS)
+    comm = np.zeros((max(S - 1, 0), M))
+    links = boundary_links(cluster, S, dp=dp, tp=tp)
+    dec_arr = dec if dec is not None else np.zeros(M)
+    for s, link in enumerate(links):
+        if link is not None and M:
+            nbytes = message_bytes(model, cost_model.layouts, s, mbs, seq, dec_arr)
+            comm[s] = link.transfer_ms(nbytes)
+    state = np.array([cost_model.model_state_mib(s, dp=dp, zero=zero) for s in range(S)])
+    return StageTimes(act_comm_ms=comm, grad_comm_ms=comm.copy(), state_mib=state, recompute=recompute,
+                      **fields)

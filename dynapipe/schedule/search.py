@@ -1,0 +1,231 @@
+"""Schedule search: simulate candidate schedules and keep the fastest that fits.
+
+Candidates are schedules (``1f1b``, ``adaptive``) x micro-batch orders
+(:mod:`dynapipe.schedule.orders`) x recompute levels (none, selective, full, and for
+``auto`` a per-stage mix: stages that hold fewer micro-batches in flight recompute less). Every
+data-parallel replica runs the same candidate on its own micro-batches; a candidate's
+makespan is the slowest replica's and its peak memory per stage the highest over
+replicas. Two shortcuts keep the search fast without changing its answer: a recompute
+level whose work lower bound (the busiest stage's total compute) cannot beat the best
+fitting candidate found so far is skipped, and a simulation stops as soon as an op ends
+later than the best makespan so far or a stage exceeds the capacity. ``explain=True``
+turns the shortcuts off so every candidate gets its exact figures.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from dynapipe.batching.types import MicroBatch
+from dynapipe.config import ClusterConfig
+from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, check_recompute
+from dynapipe.errors import DynaPipeError
+from dynapipe.schedule import _kernels as K
+from dynapipe.schedule.adaptive import adaptive_arrays, schedule_from_arrays
+from dynapipe.schedule.costs import StageTimes, stage_times
+from dynapipe.schedule.one_f_one_b import one_f_one_b, one_f_one_b_arrays
+from dynapipe.schedule.orders import ORDERS
+from dynapipe.schedule.simulator import Timeline, kernel_inputs, simulate
+from dynapipe.schedule.types import SCHEDULE_NAMES, Schedule
+
+SCHEDULE_CHOICES = SCHEDULE_NAMES + ("auto",)
+# Candidate outcomes.
+FITS, OVER_MEMORY, SLOWER, SKIPPED = "fits", "over-memory", "slower", "skipped"
+PER_STAGE = "per-stage"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One candidate of the search.
+
+    ``recompute``: a level for every stage, or ``per-stage`` with the levels in
+    ``stage_recompute`` (one per stage). ``status``: ``fits``; ``over-memory`` (a stage exceeds the capacity); ``slower``
+    (stopped once it could no longer beat the best); ``skipped`` (its recompute level's
+    work lower bound, given as ``makespan_ms``, could not beat the best). Exact figures
+    for ``fits`` (and for everything when the search ran with ``explain=True``).
+    """
+
+    schedule: str
+    order: str
+    recompute: str
+    status: str
+    makespan_ms: float
+    bubble_fraction: float = 0.0
+    peak_mib: tuple[float, ...] = ()
+    stage_recompute: tuple[str, ...] = ()
+
+    @property
+    def fits(self) -> bool:
+        return self.status == FITS
+
+    def to_json(self) -> dict:
+        return {"schedule": self.schedule, "order": self.order, "recompute": self.recompute,
+                "status": self.status, "simulated_ms": round(self.makespan_ms, 3),
+                "bubble_fraction": round(self.bubble_fraction, 4),
+                "stage_peak_mib": [round(p, 1) for p in self.peak_mib],
+                "stage_recompute": list(self.stage_recompute)}
+
+
+@dataclass
+class SearchResult:
+    """The chosen candidate, per replica: its schedule, its micro-batches in the order the
+    schedule indexes them, and its timeline (with memory over time); every candidate."""
+
+    best: Candidate
+    schedules: list[Schedule]
+    micro_batches: list[list[MicroBatch]]
+    timelines: list[Timeline]
+    times: list[StageTimes]
+    candidates: list[Candidate] = field(default_factory=list)
+
+    @property
+    def makespan_ms(self) -> float:
+        return self.best.makespan_ms
+
+    @property
+    def stage_peak_mib(self) -> list[float]:
+        return list(self.best.peak_mib)
+
+
+def _run(name: str, times: StageTimes, capacity: np.ndarray, abort_ms: float, abort_mib: float):
+    """One replica, one candidate: ``(status, kind, mb, nops, starts, ends, busy, peak)``."""
+    S, M = times.num_stages, times.num_micro_batches
+    if name == "1f1b":
+        kind, mb, nops = one_f_one_b_arrays(S, M)
+        status, starts, ends, busy, peak, _ = K.simulate_kernel(kind, mb, nops, *kernel_inputs(times),
+                                                                abort_ms, abort_mib)
+        if status == K.STUCK:
+            raise DynaPipeError("1f1b could not be simulated (internal error, please report).")
+    else:
+        status, kind, mb, starts, ends, busy, peak = adaptive_arrays(times, capacity, abort_ms=abort_ms,
+                                                                     abort_mib=abort_mib)
+        nops = np.full(S, 2 * M, dtype=np.int64)
+        if status == K.STUCK:
+            raise DynaPipeError("the adaptive schedule stalled (internal error, please report).")
+    return status, kind, mb, nops, starts, ends, busy, peak
+
+
+def per_stage_levels(by_level: dict, levels: Sequence[str], cap_mib: float) -> tuple[str, ...]:
+    """For every stage, the lightest level in ``levels`` (ordered light to heavy) under
+    which 1F1B fits that stage on every replica (the heaviest if none does)."""
+    peaks = {}
+    for lv in levels:
+        per_rep = []
+        for t in by_level[lv]:
+            kind, mb, nops = one_f_one_b_arrays(t.num_stages, t.num_micro_batches)
+            per_rep.append(K.simulate_kernel(kind, mb, nops, *kernel_inputs(t), np.inf, np.inf)[4])
+        peaks[lv] = np.max(per_rep, axis=0)
+    S = len(peaks[levels[0]])
+    return tuple(next((lv for lv in levels if peaks[lv][s] <= cap_mib), levels[-1]) for s in range(S))
+
+
+def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostModel, *,
+                     schedule: str = "auto", recompute: Optional[Union[str, Sequence[str]]] = None,
+                     capacity_mib: Optional[float] = None, cluster: Optional[ClusterConfig] = None,
+                     dp: Optional[int] = None, tp: int = 1, zero: bool = False,
+                     orders: Optional[Sequence[str]] = None, explain: bool = False,
+                     per_stage: Optional[bool] = None) -> SearchResult:
+    """Choose a schedule, micro-batch order and recompute level for every replica.
+
+    ``replicas[r]``: replica ``r``'s micro-batches in the planner's order.
+    ``schedule``: ``1f1b`` or ``adaptive`` (that schedule, planned order unless
+    ``orders`` is given) or ``auto`` (every schedule and order). ``recompute``: a level,
+    a list of levels to try, or ``None`` to try every level. ``capacity_mib``: memory a stage may use, model
+    states included (MiB; the device limit minus what the framework reserves; None:
+    unbounded). ``per_stage`` (default: on for ``auto``) also tries a per-stage
+    recompute level: on each stage the lightest level under which that stage fits with
+    1F1B's micro-batches in flight (a stage's memory depends only on its own costs and
+    its op order). Raises :class:`DynaPipeError` when no candidate fits, naming the
+    closest one and by how many MiB it exceeds the capacity.
+    """
+    if schedule not in SCHEDULE_CHOICES:
+        raise DynaPipeError(f"--schedule {schedule!r} is not known; use one of {', '.join(SCHEDULE_CHOICES)}.")
+    names = list(SCHEDULE_NAMES) if schedule == "auto" else [schedule]
+    order_names = list(orders) if orders else (list(ORDERS) if schedule == "auto" else ["planned"])
+    for o in order_names:
+        if o not in ORDERS:
+            raise DynaPipeError(f"micro-batch order {o!r} is not known; use one of {sorted(ORDERS)}.")
+    if recompute is None:
+        levels = list(RECOMPUTE_LEVELS)
+    elif isinstance(recompute, str):
+        levels = [check_recompute(recompute)]
+    else:
+        levels = [check_recompute(r) for r in recompute]
+        if not levels:
+            raise DynaPipeError("no recompute level to try; give at least one of none, selective, full.")
+    replicas = [list(r) for r in replicas]
+    if not any(replicas):
+        raise DynaPipeError("there are no micro-batches to schedule.")
+    dp = dp or len(replicas)
+    per_stage = (schedule == "auto") if per_stage is None else per_stage
+    S = cost_model.num_stages
+    cap_mib = np.inf if capacity_mib is None else float(capacity_mib)
+    capacity = np.full(S, cap_mib)
+
+    candidates: list[Candidate] = []
+    best: Optional[tuple] = None
+
+    def evaluate(name, level, mix, o, permuted, abort_ms, abort_mib):
+        runs = [_run(name, t, capacity, abort_ms, abort_mib) for t in permuted]
+        statuses = {r[0] for r in runs}
+        if K.OVER in statuses:
+            return Candidate(name, o, level, OVER_MEMORY, np.nan, stage_recompute=mix), runs
+        if K.SLOW in statuses:
+            return Candidate(name, o, level, SLOWER, np.nan, stage_recompute=mix), runs
+        makespan = max(float(r[5].max()) if r[5].size else 0.0 for r in runs)
+        peak = tuple(float(max(r[7][s] for r in runs)) for s in range(S))
+        busy = sum(float(r[6].sum()) for r in runs)
+        bubble = 1.0 - busy / (len(runs) * S * makespan) if makespan > 0 else 0.0
+        status = FITS if max(peak) <= cap_mib else OVER_MEMORY
+        return Candidate(name, o, level, status, makespan, bubble, peak, mix), runs
+
+    evaluated = []
+    level_times = {lv: [stage_times(cost_model, mbs, recompute=lv, cluster=cluster, dp=dp, tp=tp, zero=zero)
+                        for mbs in replicas] for lv in levels}
+    weights = [(t.fw_ms + t.bw_ms).sum(axis=0) for t in level_times[levels[0]]]
+    for o in order_names:
+        perms = [tuple(ORDERS[o](w)) for w in weights]
+        by_level = {lv: [t.permuted(p) for t, p in zip(level_times[lv], perms)] for lv in levels}
+        policies = [(lv, (lv,) * S, by_level[lv]) for lv in levels]
+        if per_stage and len(levels) > 1 and capacity_mib is not None:
+            mix = per_stage_levels(by_level, levels, cap_mib)
+            if len(set(mix)) > 1:
+                mixed = [StageTimes.mixed([by_level[mix[st]][r] for st in range(S)]) for r in range(len(replicas))]
+                policies.insert(1, (PER_STAGE, mix, mixed))
+        for label, mix, permuted in policies:
+            bound = max(t.work_lower_bound_ms() for t in permuted)
+            if not explain and best is not None and bound >= best[0].makespan_ms:
+                candidates.extend(Candidate(n, o, label, SKIPPED, bound, stage_recompute=mix) for n in names)
+                continue
+            for name in names:
+                abort_ms = best[0].makespan_ms if (best is not None and not explain) else np.inf
+                cand, runs = evaluate(name, label, mix, o, permuted, abort_ms, np.inf if explain else cap_mib)
+                candidates.append(cand)
+                evaluated.append((name, label, mix, o, permuted))
+                if cand.fits and (best is None or cand.makespan_ms < best[0].makespan_ms):
+                    best = (cand, runs, permuted, perms)
+    if best is None:
+        # Nothing fits: simulate every candidate in full to name the closest one.
+        full = [evaluate(n, lv, mix, o, pm, np.inf, np.inf)[0] for n, lv, mix, o, pm in evaluated]
+        c = min(full, key=lambda x: max(x.peak_mib))
+        worst = int(np.argmax(c.peak_mib))
+        raise DynaPipeError(
+            f"no schedule fits in {cap_mib:.0f} MiB per stage: the closest candidate ({c.schedule}, {c.order} "
+            f"order, recompute {c.recompute}) needs {c.peak_mib[worst]:.0f} MiB on stage {worst}, "
+            f"{c.peak_mib[worst] - cap_mib:.0f} MiB over the limit. Raise --memory-limit-mb, use more pipeline "
+            f"stages, or plan smaller micro-batches (a lower memory limit for batching, or --max-tokens).")
+    cand, runs, permuted, perms = best
+    schedules, timelines = [], []
+    for r, t, p in zip(runs, permuted, perms):
+        if cand.schedule == "1f1b":
+            sched = one_f_one_b(S, t.num_micro_batches, recompute=cand.recompute, order=cand.order, mb_order=p,
+                                stage_recompute=cand.stage_recompute)
+        else:
+            sched = schedule_from_arrays(cand.schedule, r[1], r[2], r[3], recompute=cand.recompute,
+                                         order=cand.order, mb_order=p, stage_recompute=cand.stage_recompute)
+        schedules.append(sched)
+        timelines.append(simulate(sched, t, record_memory=True))
+    ordered = [[replicas[r][i] for i in p] for r, p in enumerate(perms)]
+    return SearchResult(cand, schedules, ordered, timelines, permuted, candidates)

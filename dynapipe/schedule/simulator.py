@@ -1,0 +1,151 @@
+"""Event-driven simulation of a pipeline schedule: timeline, idle time and memory.
+
+Each stage runs its ops in the schedule's order, one at a time. An op starts when the
+stage is free and its inputs have arrived: the forward of micro-batch ``i`` on stage
+``s`` needs the forward on ``s - 1`` plus the activation transfer; the backward needs
+the backward on ``s + 1`` plus the gradient transfer (the last stage: its own forward).
+
+Memory of a stage = model states + stored activations of the micro-batches between
+their forward and their backward + the transient peak of the running op: a forward
+holds ``stored + peak`` of its micro-batch on top of what is already stored, a backward
+``peak`` on top of what is stored (its own micro-batch included), and the backward's
+end releases the micro-batch's stored activations. Units: ms, MiB.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import numpy as np
+
+from dynapipe.errors import DynaPipeError
+from dynapipe.schedule import _kernels as K
+from dynapipe.schedule.costs import StageTimes
+from dynapipe.schedule.types import Op, Schedule
+
+_KIND_CODE = {"F": K.F, "B": K.B}
+
+
+@dataclass(frozen=True)
+class Event:
+    """One op as it ran in the simulation (ms)."""
+
+    stage: int
+    op: Op
+    start_ms: float
+    end_ms: float
+
+
+@dataclass
+class Timeline:
+    """The result of a simulation.
+
+    ``starts[s][i]``/``ends[s][i]``: start and end (ms) of stage ``s``'s ``i``-th op in
+    ``schedule.stage_ops[s]``. ``peak_mib[s]``: stage ``s``'s highest memory, model states
+    included. ``memory[s]``: ``(time ms, MiB)`` steps (filled when recorded).
+    """
+
+    schedule: Schedule
+    makespan_ms: float
+    starts: list[list[float]]
+    ends: list[list[float]]
+    busy_ms: list[float]
+    peak_mib: list[float]
+    memory: list[list[tuple[float, float]]] = field(default_factory=list)
+
+    @property
+    def num_stages(self) -> int:
+        return self.schedule.num_stages
+
+    @property
+    def idle_ms(self) -> list[float]:
+        """Per stage, the time it is not computing before the iteration ends (ms)."""
+        return [self.makespan_ms - b for b in self.busy_ms]
+
+    @property
+    def bubble_fraction(self) -> float:
+        """``1 - sum(busy) / (S x makespan)``: the share of stage time spent idle."""
+        if self.makespan_ms <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy_ms) / (self.num_stages * self.makespan_ms)
+
+    def events(self) -> list[Event]:
+        """Every op with its stage and times, stage by stage in execution order."""
+        return [Event(s, op, self.starts[s][i], self.ends[s][i])
+                for s, ops in enumerate(self.schedule.stage_ops) for i, op in enumerate(ops)]
+
+
+def kernel_inputs(times: StageTimes) -> tuple:
+    """The cost arrays in the layout the kernels take (contiguous float64)."""
+    M = times.num_micro_batches
+    c = lambda a: np.ascontiguousarray(a, dtype=np.float64)
+    ac = times.act_comm_ms if times.act_comm_ms.size else np.zeros((1, M))
+    gc = times.grad_comm_ms if times.grad_comm_ms.size else np.zeros((1, M))
+    return (c(times.fw_ms), c(times.bw_ms), c(times.stored_mib), c(times.peak_mib), c(ac), c(gc),
+            c(times.state_mib))
+
+
+def schedule_arrays(schedule: Schedule, num_micro_batches: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(kind, mb, nops)``: the schedule's op orders as ``[S, L]`` integer arrays."""
+    S = schedule.num_stages
+    nops = np.array([len(ops) for ops in schedule.stage_ops], dtype=np.int64)
+    L = int(nops.max()) if S else 0
+    kind = np.zeros((S, max(L, 1)), dtype=np.int64)
+    mb = np.zeros((S, max(L, 1)), dtype=np.int64)
+    for s, ops in enumerate(schedule.stage_ops):
+        for i, op in enumerate(ops):
+            if op.kind not in _KIND_CODE or op.chunk != 0 or not 0 <= op.mb < num_micro_batches:
+                raise DynaPipeError(f"schedule {schedule.name!r}: op {op} cannot be simulated (kinds F/B, "
+                                    f"chunk 0, micro-batches 0..{num_micro_batches - 1} are supported).")
+            kind[s, i] = _KIND_CODE[op.kind]
+            mb[s, i] = op.mb
+    return kind, mb, nops
+
+
+def memory_steps(schedule: Schedule, times: StageTimes, starts: list[list[float]],
+                 ends: list[list[float]]) -> list[list[tuple[float, float]]]:
+    """Per stage, ``(time ms, MiB)`` points of memory over time (model states included)."""
+    out = []
+    for s, ops in enumerate(schedule.stage_ops):
+        state = float(times.state_mib[s])
+        st, pk = times.stored_mib[s], times.peak_mib[s]
+        stored = 0.0
+        steps = [(0.0, state)]
+        for i, op in enumerate(ops):
+            if op.kind == "F":
+                high = stored + st[op.mb] + pk[op.mb]
+                stored += st[op.mb]
+            else:
+                high = stored + pk[op.mb]
+                stored -= st[op.mb]
+            steps.append((starts[s][i], state + float(high)))
+            steps.append((ends[s][i], state + float(stored)))
+        out.append(steps)
+    return out
+
+
+def timeline_from_arrays(schedule: Schedule, times: StageTimes, starts: np.ndarray, ends: np.ndarray,
+                         busy: np.ndarray, peak: np.ndarray, record_memory: bool) -> Timeline:
+    """Wrap kernel outputs (``[S, L]`` arrays aligned with ``schedule.stage_ops``)."""
+    n = [len(ops) for ops in schedule.stage_ops]
+    st = [starts[s, :n[s]].tolist() for s in range(len(n))]
+    en = [ends[s, :n[s]].tolist() for s in range(len(n))]
+    makespan = max((e[-1] for e in en if e), default=0.0)
+    mem = memory_steps(schedule, times, st, en) if record_memory else []
+    return Timeline(schedule, makespan, st, en, busy.tolist(), peak.tolist(), mem)
+
+
+def simulate(schedule: Schedule, times: StageTimes, *, record_memory: bool = True) -> Timeline:
+    """Run ``schedule`` on ``times`` and return its :class:`Timeline`.
+
+    Raises :class:`DynaPipeError` if the schedule's order cannot run (an op waits on
+    one that its own stage or a neighbour only runs later).
+    """
+    if times.num_stages != schedule.num_stages:
+        raise DynaPipeError(f"schedule {schedule.name!r} has {schedule.num_stages} stages, the costs "
+                            f"{times.num_stages}.")
+    kind, mb, nops = schedule_arrays(schedule, times.num_micro_batches)
+    status, starts, ends, busy, peak, stage = K.simulate_kernel(kind, mb, nops, *kernel_inputs(times),
+                                                                np.inf, np.inf)
+    if status == K.STUCK:
+        raise DynaPipeError(f"schedule {schedule.name!r} cannot run: stage {stage} waits forever on an op whose "
+                            f"input its neighbour produces only later in its own order.")
+    return timeline_from_arrays(schedule, times, starts, ends, busy, peak, record_memory)

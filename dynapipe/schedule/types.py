@@ -1,0 +1,96 @@
+"""What a pipeline schedule is: the order of operations on every stage.
+
+A :class:`Schedule` fixes, for each pipeline stage, the sequence of :class:`Op` it runs
+for one iteration. Micro-batch indices (``Op.mb``) are positions in the list of
+micro-batches the schedule was built for (after any reordering). The formats are open
+for what is coming: ``chunk`` names a virtual-pipeline chunk (interleaved stages; 0
+today) and the kinds ``"BI"``/``"BW"`` are reserved for zero-bubble schedules that split
+the backward into its input-gradient and weight-gradient parts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dynapipe.errors import DynaPipeError
+
+OP_KINDS = ("F", "B", "BI", "BW")
+# Kinds the simulator and the plan compiler run today.
+SUPPORTED_KINDS = ("F", "B")
+SCHEDULE_NAMES = ("1f1b", "adaptive")
+
+
+@dataclass(frozen=True, order=True)
+class Op:
+    """One operation of one stage: ``kind`` ``"F"`` (forward) or ``"B"`` (backward) of
+    micro-batch ``mb`` (virtual-pipeline ``chunk``)."""
+
+    kind: str
+    mb: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-stage op order for one iteration of one pipeline replica.
+
+    ``stage_ops[s]`` is stage ``s``'s op sequence. ``recompute`` is the activation
+    recompute level every op uses (``none``, ``selective``, ``full``). ``order`` names
+    the micro-batch order the schedule was built for, and ``mb_order`` maps each
+    micro-batch index to its position in the planner's original list.
+    ``stage_recompute`` (one level per stage) overrides ``recompute`` when given.
+    """
+
+    name: str
+    num_stages: int
+    stage_ops: tuple[tuple[Op, ...], ...]
+    recompute: str = "none"
+    order: str = "planned"
+    mb_order: tuple[int, ...] = ()
+    stage_recompute: tuple[str, ...] = ()
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def recompute_of(self, stage: int) -> str:
+        """The recompute level stage ``stage`` runs with."""
+        return self.stage_recompute[stage] if self.stage_recompute else self.recompute
+
+    @property
+    def num_micro_batches(self) -> int:
+        return len({op.mb for ops in self.stage_ops for op in ops})
+
+    def check(self) -> "Schedule":
+        """Raise :class:`DynaPipeError` unless every stage runs each micro-batch's
+        forward exactly once, then its backward exactly once, with supported kinds."""
+        if len(self.stage_ops) != self.num_stages:
+            raise DynaPipeError(f"schedule {self.name!r}: {len(self.stage_ops)} op lists for "
+                                f"{self.num_stages} stages.")
+        mbs = None
+        for s, ops in enumerate(self.stage_ops):
+            seen_f, seen_b = set(), set()
+            for i, op in enumerate(ops):
+                if op.kind not in SUPPORTED_KINDS:
+                    raise DynaPipeError(f"schedule {self.name!r}: stage {s} op {i} has kind {op.kind!r}; "
+                                        f"only {SUPPORTED_KINDS} are supported so far.")
+                key = (op.mb, op.chunk)
+                if op.kind == "F":
+                    if key in seen_f:
+                        raise DynaPipeError(f"schedule {self.name!r}: stage {s} runs F{op.mb} twice.")
+                    seen_f.add(key)
+                else:
+                    if key not in seen_f:
+                        raise DynaPipeError(f"schedule {self.name!r}: stage {s} op {i} runs B{op.mb} "
+                                            f"before F{op.mb}.")
+                    if key in seen_b:
+                        raise DynaPipeError(f"schedule {self.name!r}: stage {s} runs B{op.mb} twice.")
+                    seen_b.add(key)
+            if seen_f != seen_b:
+                raise DynaPipeError(f"schedule {self.name!r}: stage {s} has forwards without backwards: "
+                                    f"{sorted(seen_f - seen_b)}.")
+            if mbs is None:
+                mbs = seen_f
+            elif seen_f != mbs:
+                raise DynaPipeError(f"schedule {self.name!r}: stage {s} runs micro-batches "
+                                    f"{sorted(seen_f)}, stage 0 runs {sorted(mbs)}.")
+        return self

@@ -1,0 +1,122 @@
+"""End to end: lengths -> micro-batches -> schedule -> validated per-rank plans; commands."""
+import argparse
+import json
+import os
+
+import numpy as np
+import pytest
+
+from dynapipe.batching import plan_micro_batches
+from dynapipe.cli import main
+from dynapipe.cli.schedule_options import add_schedule_arguments, resolve_cluster, schedule_json
+from dynapipe.config import load_device_config, load_model_config
+from dynapipe.cost import build_cost_model
+from dynapipe.data.synthetic import sample_lengths
+from dynapipe.errors import DynaPipeError
+from dynapipe.pipeline_planner import plan_iteration
+from dynapipe.plan import read_plan_dir, validate_plans
+
+
+@pytest.fixture(scope="module")
+def tiny_cost():
+    return build_cost_model(load_model_config("gpt-tiny"), load_device_config("cpu"), 2)
+
+
+def test_plan_iteration_covers_every_sample_once(tiny_cost):
+    lengths = sample_lengths(96, 3, 512)
+    it = plan_iteration(lengths, tiny_cost, stages=2, dp=2, cluster=resolve_cluster(None, "cpu"), validate=True)
+    assert len(it.plans) == 2 and all(len(rep) == 2 for rep in it.plans)
+    samples = sorted(x for rep in it.plans for m in rep[0].micro_batches for x in m.samples)
+    assert samples == list(range(96))
+    assert all(p.global_real_tokens == int(lengths.sum()) for p in it.all_plans())
+    assert sum(rep[0].real_tokens for rep in it.plans) == int(lengths.sum())
+    assert it.plan_for(1, 0) is it.plans[1][0] and it.plan_for(1, 0).replica == 1
+    assert set(it.timings_ms) == {"batching", "schedule", "compile", "validate"}
+    assert it.planning_ms == pytest.approx(sum(it.timings_ms[k] for k in ("batching", "schedule", "compile")))
+    j = it.schedule_json(explain=True)
+    assert j["schedule"] in ("1f1b", "adaptive") and j["recompute"] in ("none", "selective", "full")
+    assert len(j["stage_peak_mib"]) == 2 and 0 <= j["bubble_fraction"] < 1 and j["candidates"]
+    assert j["simulated_ms"] == pytest.approx(max(t.makespan_ms for t in it.timelines), abs=1e-3)
+
+
+def test_plans_are_deterministic(tiny_cost):
+    from dynapipe.plan import serialize_plan
+    lengths = sample_lengths(64, 9, 512)
+    a = plan_iteration(lengths, tiny_cost, dp=2, iteration=4)
+    b = plan_iteration(lengths, tiny_cost, dp=2, iteration=4)
+    assert [serialize_plan(p) for p in a.all_plans()] == [serialize_plan(p) for p in b.all_plans()]
+
+
+def test_recompute_is_chosen_when_samples_need_it():
+    cm = build_cost_model(load_model_config("gpt-7b"), load_device_config("a100-40gb"), 4)
+    lengths = np.array([2000, 1900, 300, 120, 80] * 4)
+    with pytest.raises(DynaPipeError, match="does not fit in memory even alone"):
+        plan_micro_batches(lengths, cm, memory_limit_mib=40536, reserved_mib=2048)
+    it = plan_iteration(lengths, cm, validate=True)
+    assert it.recompute != "none"
+    assert max(it.stage_peak_mib) <= 40536 - 2048
+
+
+def test_encoder_decoder_loss_counts_target_tokens():
+    t5 = load_model_config("t5-11b")
+    cm = build_cost_model(t5, load_device_config("h200"), 4)
+    lengths = sample_lengths(24, 0, 512, encoder_decoder=True)
+    it = plan_iteration(lengths, cm, validate=True)
+    assert it.plans[0][0].global_real_tokens == int(lengths[:, 1].sum())
+
+
+def test_stages_must_match_the_cost_model(tiny_cost):
+    with pytest.raises(DynaPipeError, match="--stages 3"):
+        plan_iteration([10, 20], tiny_cost, stages=3)
+
+
+def test_schedule_json_and_plan_out(tiny_cost, tmp_path):
+    p = argparse.ArgumentParser()
+    add_schedule_arguments(p)
+    args = p.parse_args(["--schedule", "adaptive", "--plan-out", str(tmp_path / "plans"), "--explain"])
+    bp = plan_micro_batches(sample_lengths(40, 1, 512), tiny_cost, dp=2, memory_limit_mib=8192, reserved_mib=512)
+    out = schedule_json(args, bp, tiny_cost)
+    assert out["schedule"] == "adaptive" and out["order"] == "planned"
+    assert {c["schedule"] for c in out["candidates"]} == {"adaptive"}
+    assert out["schedule_planning_ms"] > 0
+    assert len(out["plan_files"]) == 4 and all(os.path.exists(f) for f in out["plan_files"])
+    plans = read_plan_dir(str(tmp_path / "plans"))
+    assert validate_plans(plans).replicas == 2
+
+
+def test_validate_command(tiny_cost, tmp_path, capsys):
+    it = plan_iteration(sample_lengths(30, 2, 512), tiny_cost, dp=1)
+    from dynapipe.plan import write_plan_dir
+    paths = write_plan_dir(it.all_plans(), str(tmp_path))
+    assert main(["validate", str(tmp_path)]) == 0
+    assert "valid: 2 plans (1 replica(s) x 2 stages)" in capsys.readouterr().out
+    with open(paths[1], "r+b") as f:
+        f.seek(40)
+        byte = f.read(1)
+        f.seek(40)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert main(["validate", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and os.path.basename(paths[1]) in err and "corrupted" in err
+    os.remove(paths[1])
+    assert main(["validate", str(tmp_path)]) == 2
+    assert "no plan for rank(s) [1]" in capsys.readouterr().err
+    assert main(["validate", str(tmp_path / "nowhere")]) == 2
+
+
+def test_trace_command(tmp_path, capsys):
+    out, png = tmp_path / "t.json", tmp_path / "t.png"
+    rc = main(["trace", "--samples", "24", "--model", "gpt-tiny", "--device", "cpu", "--stages", "2",
+               "--seq-length", "256", "--out", str(out), "--png", str(png)])
+    assert rc == 0
+    trace = json.loads(out.read_text())
+    events = trace["traceEvents"]
+    threads = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert threads == {"stage 0", "stage 1"}
+    ops = [e for e in events if e["ph"] == "X"]
+    assert ops and all(e["name"][0] in "FB" and "x" in e["name"] for e in ops)
+    assert {e["cat"] for e in ops} == {"forward", "backward"}
+    assert {e["name"] for e in events if e["ph"] == "C"} == {"memory stage 0", "memory stage 1"}
+    assert trace["metadata"]["schedule"] in ("1f1b", "adaptive")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "trace written" in capsys.readouterr().err

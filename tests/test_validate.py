@@ -1,0 +1,245 @@
+"""The validator catches each class of broken plan and accepts every compiled plan."""
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dynapipe.config import ClusterConfig, load_device_config, load_model_config
+from dynapipe.cost import build_cost_model
+from dynapipe.errors import PlanError
+from dynapipe.pipeline_planner import plan_iteration
+from dynapipe.plan import compile_plans, validate_plans
+from dynapipe.plan.instructions import (BackwardPass, FreeBuffer, RecvActivationFinish, RecvActivationStart,
+                                        RecvGradFinish, RecvGradStart, SendActivationFinish, SendActivationStart,
+                                        SendGradStart, TensorSpec)
+from dynapipe.schedule import Op, Schedule, StageTimes, one_f_one_b, simulate
+from plan_helpers import chunked_micro_batches
+
+TINY = load_model_config("gpt-tiny")
+
+
+def plans_for(lengths, size, S=2, schedule="1f1b"):
+    return compile_plans(schedule, chunked_micro_batches(lengths, size), TINY, num_stages=S)
+
+
+def edit(plan, instructions):
+    return dataclasses.replace(plan, instructions=tuple(instructions))
+
+
+def index_of(plan, cls, mb=None, buffer=None):
+    for k, inst in enumerate(plan.instructions):
+        if isinstance(inst, cls) and (mb is None or inst.mb == mb) and (buffer is None or inst.buffer == buffer):
+            return k
+    raise AssertionError(f"no {cls.__name__} in plan")
+
+
+def test_compiled_plans_pass():
+    summary = validate_plans(plans_for(range(1, 41), 4, S=3))
+    assert summary.stages == 3 and summary.micro_batches == 10 and summary.transfers == 2 * 2 * 10
+    assert "valid: 3 plans" in summary.line()
+
+
+def test_shape_mismatch():
+    plans = plans_for(range(1, 13), 3)
+    r1 = list(plans[1].instructions)
+    for k, inst in enumerate(r1):
+        if isinstance(inst, (RecvActivationStart, RecvActivationFinish)) and inst.mb == 2:
+            (t,) = inst.tensors
+            r1[k] = dataclasses.replace(inst, tensors=(TensorSpec(t.name, t.shape[:2] + (32,), t.dtype),))
+    with pytest.raises(PlanError, match=r"rank 1 instruction \d+ \(recv_act_start micro-batch 2\): expects "
+                                        r".*\[\d+, 3, 32\].* sends .*\[\d+, 3, 64\].*shape mismatch"):
+        validate_plans([plans[0], edit(plans[1], r1)])
+
+
+def test_dtype_mismatch_is_a_shape_mismatch_too():
+    plans = plans_for(range(1, 13), 3)
+    r0 = list(plans[0].instructions)
+    for k, inst in enumerate(r0):
+        if isinstance(inst, SendActivationStart | SendActivationFinish) and inst.mb == 1:
+            r0[k] = dataclasses.replace(inst, tensors=tuple(dataclasses.replace(t, dtype="bfloat16")
+                                                             for t in inst.tensors))
+    with pytest.raises(PlanError, match="bfloat16.*shape mismatch"):
+        validate_plans([edit(plans[0], r0), plans[1]])
+
+
+def test_swapped_send_order():
+    # Rank 0 runs micro-batch 1's forward (and sends it) before micro-batch 0's, rank 1
+    # expects them in the original order: NCCL would pair the messages wrongly.
+    mbs = chunked_micro_batches([8] * 6, 2)
+    normal = one_f_one_b(2, 3)
+    s0 = (Op("F", 1), Op("F", 0), Op("B", 0), Op("F", 2), Op("B", 1), Op("B", 2))
+    swapped = Schedule("swapped", 2, (s0, normal.stage_ops[1]))
+    times = StageTimes(*(np.ones((2, 3)),) * 4, np.zeros((1, 3)), np.zeros((1, 3)), np.zeros(2))
+    good = compile_plans(normal, mbs, TINY)
+    bad = compile_plans(swapped, mbs, TINY, timeline=simulate(swapped, times))
+    with pytest.raises(PlanError, match=r"rank 1 instruction \d+ .*message order differs from the sender: rank 0's "
+                                        r"message #0 to rank 1 is the act of micro-batch 1 .*swapped send order"):
+        validate_plans([bad[0], good[1]])
+
+
+def test_swapped_receive_order():
+    # Rank 1 posts the receive of micro-batch 1 ahead of micro-batch 0's.
+    plans = plans_for(range(1, 25), 3)
+    r1 = list(plans[1].instructions)
+    first = index_of(plans[1], RecvActivationStart, mb=0)
+    second = index_of(plans[1], RecvActivationStart, mb=1)
+    r1.insert(first, r1.pop(second))
+    with pytest.raises(PlanError, match=r"rank 1 instruction \d+ \(recv_act_start micro-batch 1\): message order "
+                                        r"differs from the sender"):
+        validate_plans([plans[0], edit(plans[1], r1)])
+
+
+def test_missing_receive():
+    plans = plans_for(range(1, 13), 3)
+    r0 = [i for i in plans[0].instructions if not (isinstance(i, (RecvGradStart, RecvGradFinish)) and i.mb == 3)]
+    with pytest.raises(PlanError, match=r"rank 1 instruction \d+ \(send_grad_start micro-batch 3\): rank 0 posts "
+                                        r"no matching receive \(missing receive"):
+        validate_plans([edit(plans[0], r0), plans[1]])
+
+
+def test_missing_send():
+    plans = plans_for(range(1, 13), 3)
+    r0 = [i for i in plans[0].instructions
+          if not (isinstance(i, (SendActivationStart, SendActivationFinish)) and i.mb == 0)]
+    with pytest.raises(PlanError, match="rank 0 never sends the act of micro-batch 0.*missing send"):
+        validate_plans([edit(plans[0], r0), plans[1]])
+
+
+def test_double_free():
+    plans = plans_for(range(1, 13), 3)
+    r1 = list(plans[1].instructions)
+    k = index_of(plans[1], FreeBuffer, mb=1, buffer="act_in:1:0")
+    r1.insert(k + 1, r1[k])
+    with pytest.raises(PlanError, match=rf"rank 1 instruction {k + 1} \(free micro-batch 1\): frees buffer "
+                                        rf"'act_in:1:0' a second time \(double free; first at instruction {k}\)"):
+        validate_plans([plans[0], edit(plans[1], r1)])
+
+
+def test_use_after_free():
+    plans = plans_for(range(1, 13), 3)
+    r0 = list(plans[0].instructions)
+    free = index_of(plans[0], FreeBuffer, mb=2, buffer="act_out:2:0")
+    bw = index_of(plans[0], BackwardPass, mb=2)
+    r0.insert(bw, r0.pop(free))
+    with pytest.raises(PlanError, match=rf"rank 0 instruction {bw + 1} \(bw micro-batch 2\): uses buffer "
+                                        rf"'act_out:2:0' after it was freed at instruction {bw}"):
+        validate_plans([edit(plans[0], r0), plans[1]])
+
+
+def test_deadlock_is_found_by_the_symbolic_run():
+    # One micro-batch: rank 0 waits for the gradient before sending the activation.
+    plans = plans_for([16], 1)
+    r0 = list(plans[0].instructions)
+    send = [r0.pop(index_of(plans[0], SendActivationStart)), None]
+    send[1] = r0.pop(next(k for k, i in enumerate(r0) if isinstance(i, SendActivationFinish)))
+    bw = next(k for k, i in enumerate(r0) if isinstance(i, BackwardPass))
+    r0[bw:bw] = send
+    with pytest.raises(PlanError, match=r"deadlock.*rank 0 instruction \d+ \(recv_grad_finish micro-batch 0\) waits"
+                                        r".*rank 1 instruction \d+ \(recv_act_finish micro-batch 0\) waits"):
+        validate_plans([edit(plans[0], r0), plans[1]])
+
+
+def test_grouped_posts_complete_together_and_must_match():
+    plans = plans_for([8, 8, 8, 8], 2)
+    ok = validate_plans(plans)
+    # A group on one side whose partner ops are not both at the head on the other
+    # side cannot complete under the conservative model.
+    r0 = list(plans[0].instructions)
+    send1 = index_of(plans[0], SendActivationStart, mb=1)
+    grad0 = index_of(plans[0], RecvGradStart, mb=0)
+    assert grad0 == send1 + 1, "the compiled order posts send act 1 then receive grad 0"
+    r0[send1] = dataclasses.replace(r0[send1], group=5)
+    r0[grad0] = dataclasses.replace(r0[grad0], group=5)
+    with pytest.raises(PlanError, match="deadlock"):
+        validate_plans([edit(plans[0], r0), plans[1]])
+    assert ok.transfers == 4
+    # The same pair grouped on both sides (rank 1: send gradient 0 + receive activation
+    # 1, as Megatron's send_backward_recv_forward) completes.
+    r1 = list(plans[1].instructions)
+    act1 = r1.pop(index_of(plans[1], RecvActivationStart, mb=1))
+    sg0 = next(k for k, i in enumerate(r1) if isinstance(i, SendGradStart) and i.mb == 0)
+    r1[sg0] = dataclasses.replace(r1[sg0], group=7)
+    r1.insert(sg0 + 1, dataclasses.replace(act1, group=7))
+    validate_plans([edit(plans[0], r0), edit(plans[1], r1)])
+
+
+def test_unfinished_transfer_leak_and_early_free():
+    plans = plans_for([8, 16, 24, 32], 2)
+    r1 = list(plans[1].instructions)
+    k = next(k for k, i in enumerate(r1) if isinstance(i, RecvActivationFinish))
+    with pytest.raises(PlanError, match="is never finished"):
+        validate_plans([plans[0], edit(plans[1], r1[:k] + r1[k + 1:])])
+    last_free = max(k for k, i in enumerate(r1) if isinstance(i, FreeBuffer))
+    with pytest.raises(PlanError, match="is never freed"):
+        validate_plans([plans[0], edit(plans[1], r1[:last_free] + r1[last_free + 1:])])
+    r0 = list(plans[0].instructions)
+    sg = index_of(plans[1], SendGradStart, mb=0)
+    r1b = list(r1)
+    r1b.insert(sg + 1, FreeBuffer(mb=0, buffer="grad_out:0:0"))
+    with pytest.raises(PlanError, match="while a transfer of it is still in flight"):
+        validate_plans([edit(plans[0], r0), edit(plans[1], r1b)])
+
+
+def test_plan_set_structure():
+    plans = plans_for([8, 16, 24, 32], 2, S=3)
+    with pytest.raises(PlanError, match=r"no plan for rank\(s\) \[1\]"):
+        validate_plans([plans[0], plans[2]])
+    with pytest.raises(PlanError, match="two plans"):
+        validate_plans([plans[0], plans[0], plans[1], plans[2]])
+    wrong = dataclasses.replace(plans[2], global_real_tokens=plans[2].global_real_tokens + 1)
+    with pytest.raises(PlanError, match="global_real_tokens"):
+        validate_plans([plans[0], plans[1], wrong])
+
+
+# -- property: every compiled plan passes ------------------------------------------------
+
+GPT7B = load_model_config("gpt-7b")
+A100 = load_device_config("a100-40gb")
+COST = {S: build_cost_model(GPT7B, A100, S) for S in (2, 3, 4, 8)}
+LINKS = ClusterConfig("test", gpus_per_node=4)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "adaptive", "auto"])
+@pytest.mark.parametrize("S", [2, 3, 4, 8])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(1, 1024), min_size=1, max_size=48), dp=st.sampled_from([1, 2]),
+       headroom=st.sampled_from([None, 3000.0, 20000.0]))
+def test_plans_from_random_batches_validate(schedule, S, lengths, dp, headroom):
+    # Memory: unlimited, or the model states plus a little or a lot of room for activations,
+    # so that the adaptive schedule's memory bound and the recompute search both get used.
+    cm = COST[S]
+    limit = 1e12 if headroom is None else cm.model_state_mib() + A100.reserved_mib + headroom
+    try:
+        it = plan_iteration(np.array(lengths), cm, dp=dp, schedule=schedule, cluster=LINKS,
+                            memory_limit_mib=limit)
+    except PlanError:
+        raise
+    except Exception as e:  # only "does not fit" is an acceptable refusal
+        assert "fit" in str(e), e
+        return
+    summary = validate_plans(it.all_plans())
+    assert summary.replicas == dp and summary.stages == S
+    samples = sorted(x for rep in it.plans for m in rep[0].micro_batches for x in m.samples)
+    assert samples == list(range(len(lengths)))
+    assert it.plans[0][0].global_real_tokens == sum(lengths)
+
+
+@settings(max_examples=150, deadline=None)
+@given(S=st.sampled_from([2, 3, 4, 8]), m=st.integers(1, 24), uniform=st.booleans(), seed=st.integers(0, 2**16),
+       comm=st.sampled_from([0.0, 0.5]))
+def test_plans_from_random_costs_validate(S, m, uniform, seed, comm):
+    # Uniform costs make many transfers ready at the same instant: the global order's
+    # tie-breaking must still give every rank a consistent posting order.
+    rng = np.random.default_rng(seed)
+    mbs = chunked_micro_batches(rng.integers(1, 64, size=2 * m), 2)
+    M = len(mbs)
+    fw = np.ones((S, M)) if uniform else rng.uniform(0.1, 3.0, size=(S, M))
+    c = np.full((S - 1, M), comm)
+    times = StageTimes(fw, 2 * fw, fw, fw, c, c.copy(), np.zeros(S))
+    for sched in (one_f_one_b(S, M),):
+        validate_plans(compile_plans(sched, mbs, TINY if S <= 4 else GPT7B, timeline=simulate(sched, times)))
+    from dynapipe.schedule import adaptive_schedule
+    sched, tl = adaptive_schedule(times, capacity_mib=np.full(S, 3 * fw.max()))
+    validate_plans(compile_plans(sched, mbs, TINY if S <= 4 else GPT7B, timeline=tl))
