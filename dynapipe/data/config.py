@@ -1,0 +1,74 @@
+"""Which dataset to read, as one dataclass built from arguments: :class:`DatasetConfig`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from dynapipe.data.samples import LengthLimits, SampleDataset
+from dynapipe.errors import DynaPipeError
+
+DATASET_KINDS = ("synthetic", "jsonl", "indexed")
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    """A dataset description; :meth:`build` opens it.
+
+    - ``synthetic``: ``num_samples`` samples of the mixture (``mixture`` YAML, default
+      ``configs/data/flan-mixture.yaml``) seeded by ``seed``; token ids below ``vocab_size``.
+    - ``jsonl``: ``paths`` are JSONL files, tokenised by ``tokenizer`` (an object with
+      Megatron's tokenizer interface; byte-level when None) or, when
+      ``tokenizer_metadata`` is set, by ``MegatronTokenizer.from_pretrained(tokenizer_path,
+      tokenizer_metadata)``.
+    - ``indexed``: ``paths`` are Megatron ``.bin``/``.idx`` prefixes (one task each),
+      ``target_paths`` the paired target datasets.
+
+    Lengths above ``seq_length`` (``dec_seq_length`` for encoder-decoder targets) are
+    truncated or rejected as ``overlong`` says.
+    """
+
+    kind: str
+    seq_length: int
+    paths: tuple[str, ...] = ()
+    target_paths: tuple[str, ...] = ()
+    encoder_decoder: bool = False
+    dec_seq_length: int = 0
+    overlong: str = "truncate"
+    num_samples: int = 0
+    seed: int = 1234
+    vocab_size: int = 0
+    mixture: Optional[str] = None
+    tokenizer: object = field(default=None, compare=False)
+    tokenizer_path: Optional[str] = None
+    tokenizer_metadata: Optional[str] = None
+    pad_id: int = 0
+    eod_id: int = 1
+
+    @property
+    def limits(self) -> LengthLimits:
+        return LengthLimits(self.seq_length, self.dec_seq_length, self.overlong).validate()
+
+    def build(self) -> SampleDataset:
+        """Open the dataset (tokenising JSONL, reading indexed-dataset indices)."""
+        if self.kind == "synthetic":
+            from dynapipe.data.mixture_dataset import MixtureDataset
+            from dynapipe.data.synthetic import load_mixture
+
+            if self.num_samples <= 0:
+                raise DynaPipeError(f"a synthetic dataset needs num_samples > 0, got {self.num_samples}.")
+            return MixtureDataset(self.num_samples, self.seed, self.limits, self.vocab_size or 512,
+                                  self.encoder_decoder, load_mixture(self.mixture))
+        if self.kind == "jsonl":
+            from dynapipe.data.jsonl import JsonlDataset
+            from dynapipe.data.tokenizer import load_megatron_tokenizer
+
+            tok = self.tokenizer
+            if tok is None and self.tokenizer_metadata:
+                tok = load_megatron_tokenizer(self.tokenizer_path, self.tokenizer_metadata)
+            return JsonlDataset(self.paths, self.limits, tok, self.encoder_decoder)
+        if self.kind == "indexed":
+            from dynapipe.data.indexed import MegatronIndexedDataset
+
+            return MegatronIndexedDataset(self.paths, self.limits, self.target_paths or None,
+                                          self.encoder_decoder, self.pad_id, self.eod_id, self.vocab_size)
+        raise DynaPipeError(f"dataset kind {self.kind!r} is not known; use one of {list(DATASET_KINDS)}.")

@@ -1,0 +1,134 @@
+"""JSONL datasets: multi-task ``{"input", "target", "task"}`` records or Megatron's ``{"text"}``.
+
+Each non-blank line is one JSON object. ``{"input": str, "target": str, "task": str}``
+is an instruction / encoder-decoder sample (``task`` optional); ``{"text": str}`` is a
+decoder-only document whose every token is a target. Files are tokenised once when the
+dataset is built, into one flat int64 array with offsets (cheap to pickle into planner
+workers). A malformed line is rejected with its file and line number.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from dynapipe.data.samples import LengthLimits, SampleDataset, clip_lengths
+from dynapipe.data.tokenizer import ByteTokenizer, check_tokenizer, tokenize_to_array
+from dynapipe.errors import DynaPipeError
+
+
+@dataclass
+class _Parsed:
+    inputs: list
+    targets: list
+    tasks: list
+
+
+def _field(obj: dict, name: str, where: str) -> str:
+    value = obj[name]
+    if not isinstance(value, str):
+        raise DynaPipeError(f"{where}: field {name!r} must be a string, got {type(value).__name__}.")
+    return value
+
+
+def _parse_file(path: str, tokenizer, encoder_decoder: bool, append_eod: bool,
+                task_ids: dict, out: _Parsed) -> None:
+    eod = np.array([tokenizer.eod], dtype=np.int64) if append_eod else np.zeros(0, dtype=np.int64)
+    empty = np.zeros(0, dtype=np.int64)
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise DynaPipeError(f"{where}: not a valid JSON line ({e}); every line must be one JSON object.") from None
+            if not isinstance(obj, dict):
+                raise DynaPipeError(f"{where}: expected a JSON object, got {type(obj).__name__}.")
+            if "input" in obj or "target" in obj:
+                if "input" not in obj or "target" not in obj:
+                    raise DynaPipeError(f"{where}: a multi-task record needs both 'input' and 'target'.")
+                inp = tokenize_to_array(tokenizer, _field(obj, "input", where))
+                tgt = np.concatenate([tokenize_to_array(tokenizer, _field(obj, "target", where)), eod])
+            elif "text" in obj:
+                if encoder_decoder:
+                    raise DynaPipeError(f"{where}: an encoder-decoder dataset needs 'input' and 'target' "
+                                        f"fields; {{\"text\"}} records are for decoder-only models.")
+                inp = empty
+                tgt = np.concatenate([tokenize_to_array(tokenizer, _field(obj, "text", where)), eod])
+            else:
+                raise DynaPipeError(f"{where}: expected fields 'input' and 'target' (multi-task) or "
+                                    f"'text' (Megatron), found {sorted(obj)}.")
+            if tgt.shape[0] == 0 or (encoder_decoder and inp.shape[0] == 0):
+                raise DynaPipeError(f"{where}: the sample tokenises to no tokens; remove the line.")
+            task = obj.get("task", "")
+            if not isinstance(task, (str, int)):
+                raise DynaPipeError(f"{where}: field 'task' must be a string, got {type(task).__name__}.")
+            out.inputs.append(inp)
+            out.targets.append(tgt)
+            out.tasks.append(task_ids.setdefault(str(task), len(task_ids)))
+
+
+def _flatten(arrays: list) -> tuple[np.ndarray, np.ndarray]:
+    lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=len(arrays))
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+    return flat.astype(np.int64, copy=False), offsets
+
+
+class JsonlDataset(SampleDataset):
+    """Samples from one or more JSONL files, tokenised with ``tokenizer`` (byte-level by default).
+
+    ``append_eod`` appends the tokenizer's end-of-document id to every target (as
+    Megatron's ``preprocess_data.py --append-eod`` does). ``task_names[i]`` is the name
+    of task id ``i``, in order of first appearance.
+    """
+
+    def __init__(self, paths: str | Sequence[str], limits: LengthLimits, tokenizer=None,
+                 encoder_decoder: bool = False, append_eod: bool = True):
+        paths = [paths] if isinstance(paths, str) else list(paths)
+        if not paths:
+            raise DynaPipeError("no JSONL file given; pass at least one path.")
+        tokenizer = tokenizer or ByteTokenizer()
+        check_tokenizer(tokenizer)
+        self.encoder_decoder = encoder_decoder
+        self.paths = paths
+        task_ids: dict = {}
+        parsed = _Parsed([], [], [])
+        for path in paths:
+            if not os.path.exists(path):
+                raise DynaPipeError(f"JSONL file {path!r} does not exist.")
+            _parse_file(path, tokenizer, encoder_decoder, append_eod, task_ids, parsed)
+        if not parsed.targets:
+            raise DynaPipeError(f"JSONL file(s) {paths} hold no samples.")
+        self.task_names = list(task_ids)
+        self._input_flat, self._input_off = _flatten(parsed.inputs)
+        self._target_flat, self._target_off = _flatten(parsed.targets)
+        self.tasks = np.asarray(parsed.tasks, dtype=np.int64)
+        self.input_lengths, self.target_lengths, self.truncated = clip_lengths(
+            np.diff(self._input_off), np.diff(self._target_off), limits, encoder_decoder, ",".join(paths))
+        self.vocab_size = int(tokenizer.vocab_size)
+        self.eod_id = int(tokenizer.eod)
+        pad = getattr(tokenizer, "pad", None)
+        self.pad_id = int(pad) if isinstance(pad, (int, np.integer)) and 0 <= pad < self.vocab_size else 0
+
+    def _read(self, idx: int, input_len: int, target_len: int):
+        i0 = self._input_off[idx]
+        t0 = self._target_off[idx]
+        return (self._input_flat[i0:i0 + input_len], self._target_flat[t0:t0 + target_len],
+                int(self.tasks[idx]))
+
+
+def read_jsonl(paths: str | Sequence[str], seq_length: int, overlong: str = "truncate",
+               tokenizer=None, encoder_decoder: bool = False,
+               dec_seq_length: int = 0) -> JsonlDataset:
+    """Convenience: a :class:`JsonlDataset` with :class:`LengthLimits` built from arguments."""
+    return JsonlDataset(paths, LengthLimits(seq_length, dec_seq_length, overlong), tokenizer, encoder_decoder)
+
+
+__all__ = ["JsonlDataset", "read_jsonl"]

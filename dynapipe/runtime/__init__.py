@@ -1,0 +1,34 @@
+"""Runtime: the pipeline executor, its point-to-point layer, and process-group helpers.
+
+Names are loaded on first use, so a module of this package that does not need torch
+(the planner workers, for instance) can be imported without importing torch.
+
+- :class:`Executor`, :class:`ExecutorConfig`, :class:`StageHandlers`, :class:`IterationResult`
+  (:mod:`dynapipe.runtime.executor`)
+- :func:`chrome_trace`, :func:`write_chrome_trace`, :func:`gather_traces`
+  (:mod:`dynapipe.runtime.exec_trace`)
+- :func:`spawn`, :func:`spawn_outcomes`, :func:`init_distributed`, :func:`free_port`
+  (:mod:`dynapipe.runtime.distributed`)
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "Executor": "executor", "ExecutorConfig": "executor", "StageHandlers": "executor",
+    "IterationResult": "executor", "HandlerFailure": "executor",
+    "CommFailure": "p2p", "RemoteFailure": "p2p",
+    "ExecTrace": "exec_trace", "chrome_trace": "exec_trace", "write_chrome_trace": "exec_trace",
+    "gather_traces": "exec_trace",
+    "spawn": "distributed", "spawn_outcomes": "distributed", "init_distributed": "distributed",
+    "free_port": "distributed", "DistContext": "distributed", "RankOutcome": "distributed",
+    "SpawnError": "distributed",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"dynapipe.runtime.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'dynapipe.runtime' has no attribute {name!r}")

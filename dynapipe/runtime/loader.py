@@ -1,0 +1,354 @@
+"""DynaPipeDataLoader: every rank's plan and micro-batch tensors, planned ahead elsewhere.
+
+Per iteration each rank receives one payload from the key-value store: its own
+execution plan (its pipeline stage of its data-parallel replica), the micro-batch
+tensors its plan loads (first stage: inputs; last stage: labels and loss mask; every
+stage: the shapes, inside the plan) and metadata. Planning happens ahead of training in
+planner worker processes on the planner nodes: iteration ``i`` is planned on planner
+node ``i % planner_nodes`` (a node's local rank 0 hosts its workers), at most
+``prefetch`` iterations ahead of the training loop.
+
+On every rank a fetch thread (:mod:`dynapipe.runtime.plan_fetcher`) takes the payloads
+from the store and decodes them ahead of the training loop, so ``next()`` only pops a
+ready iteration. Once every rank that reads a payload (the tensor-parallel ranks of one
+stage of one replica) has it, the last reader deletes it. ``close()`` (also on garbage
+collection and at exit) stops the workers and removes anything planned but never read.
+"""
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Optional
+
+from dynapipe.data.config import DatasetConfig
+from dynapipe.data.sampler import SamplerConfig
+from dynapipe.data.samples import SampleDataset
+from dynapipe.errors import DynaPipeError
+from dynapipe.runtime.kv_store import KV_BACKENDS, KVStore, KVStoreSpec, TorchStoreKV, delete_blob, job_tcp_store, \
+    tcp_store_address
+from dynapipe.runtime.plan_fetcher import IterationData, IterationMeta, PayloadFetcher
+from dynapipe.runtime.plan_source import PlannerSettings, check_planner_settings
+from dynapipe.runtime.planner_workers import Keyspace, PlannerPool, WorkerJob
+
+__all__ = ["DynaPipeDataLoader", "LoaderConfig", "RankLayout", "IterationData", "IterationMeta"]
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    """Data loader settings (built from Megatron-style arguments by the integration).
+
+    Batches: ``global_batch_size`` samples or ``tokens_per_global_batch`` tokens (one of
+    them), ``seed``, ``shuffle``; resume with ``consumed_samples`` and
+    ``start_iteration`` from the checkpoint; ``train_iters`` > 0 ends the stream.
+    Workers: ``num_workers`` planner processes per planner node, ``prefetch`` iterations
+    planned ahead, ``planner_nodes`` nodes that plan (0: every node).
+    Store: ``kv_backend`` ``store`` (the job's TCPStore) or ``redis`` at
+    ``redis_host:redis_port``; ``connect_timeout_s`` to reach it, ``plan_timeout_s`` the
+    longest the training loop waits for one iteration. ``fetch_ahead``: decoded
+    iterations each rank holds ready ahead of the training loop.
+    """
+
+    global_batch_size: int = 0
+    tokens_per_global_batch: int = 0
+    seed: int = 1234
+    shuffle: bool = True
+    consumed_samples: int = 0
+    start_iteration: int = 0
+    train_iters: int = 0
+    num_workers: int = 1
+    prefetch: int = 4
+    planner_nodes: int = 0
+    kv_backend: str = "store"
+    redis_host: str = "127.0.0.1"
+    redis_port: int = 6379
+    redis_db: int = 0
+    namespace: str = "dynapipe"
+    connect_timeout_s: float = 30.0
+    plan_timeout_s: float = 300.0
+    fetch_ahead: int = 2
+
+    def validate(self) -> "LoaderConfig":
+        if self.kv_backend not in KV_BACKENDS:
+            raise DynaPipeError(f"--dynapipe-kv-backend {self.kv_backend!r}: use one of {list(KV_BACKENDS)}.")
+        if self.num_workers < 1:
+            raise DynaPipeError(f"--dynapipe-planner-workers {self.num_workers}: must be at least 1.")
+        if self.fetch_ahead < 1:
+            raise DynaPipeError(f"fetch_ahead {self.fetch_ahead}: must be at least 1 iteration.")
+        if self.prefetch < 1:
+            raise DynaPipeError(f"--dynapipe-prefetch {self.prefetch}: must be at least 1 iteration.")
+        if self.consumed_samples < 0 or self.start_iteration < 0 or self.train_iters < 0:
+            raise DynaPipeError("consumed_samples, start_iteration and train_iters must be >= 0.")
+        if self.plan_timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise DynaPipeError("plan_timeout_s and connect_timeout_s must be > 0 seconds.")
+        return self
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Where this rank sits: global rank, data-parallel replica, pipeline stage, node.
+
+    Ranks of one node are consecutive (as torchrun assigns them); node ``n`` is ranks
+    ``[n * local_world_size, (n + 1) * local_world_size)``.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+
+    def validate(self) -> "RankLayout":
+        if self.world_size % (self.dp_size * self.pp_size):
+            raise DynaPipeError(f"world size {self.world_size} is not a multiple of dp {self.dp_size} x "
+                                f"pp {self.pp_size}.")
+        if self.world_size % self.local_world_size:
+            raise DynaPipeError(f"world size {self.world_size} is not a multiple of the "
+                                f"{self.local_world_size} ranks per node.")
+        if not (0 <= self.dp_rank < self.dp_size and 0 <= self.pp_rank < self.pp_size
+                and 0 <= self.rank < self.world_size and 0 <= self.local_rank < self.local_world_size):
+            raise DynaPipeError(f"rank layout {self} has an index out of range.")
+        return self
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.local_world_size
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.local_world_size
+
+    @property
+    def readers_per_payload(self) -> int:
+        """Ranks that read the same (replica, stage) payload: tensor/context-parallel peers."""
+        return self.world_size // (self.dp_size * self.pp_size)
+
+
+_loaders_created = itertools.count()
+
+
+def _run_id(layout: RankLayout, namespace: str) -> str:
+    """A run id every rank agrees on, via the job's torch.distributed store.
+
+    Every rank numbers the loaders it creates; ranks create them in the same order, so
+    the n-th loader of every rank meets at the same key, even while a slower rank still
+    reads the key of the loader before.
+    """
+    import torch.distributed as dist
+
+    generation = next(_loaders_created)
+    if layout.world_size == 1:
+        return secrets.token_hex(6)
+    if not dist.is_initialized():
+        raise DynaPipeError(f"a loader for {layout.world_size} ranks needs torch.distributed initialised first.")
+    store = job_tcp_store()
+    key = f"{namespace}/run-id/{generation}"
+    if layout.rank == 0:
+        store.set(key, secrets.token_hex(6))
+    store.wait([key])
+    rid = bytes(store.get(key)).decode()
+    if store.add(key + "/acks", 1) == layout.world_size:
+        store.delete_key(key)
+        store.delete_key(key + "/acks")
+    return rid
+
+
+class DynaPipeDataLoader:
+    """Iterate to get :class:`IterationData` per training iteration (see the module docstring).
+
+    ``dataset`` is needed on planner nodes only (other ranks may pass None); a
+    :class:`DatasetConfig` is opened on planner nodes. ``store`` overrides the job's
+    torch.distributed store for the ``store`` backend (a TCPStore).
+    """
+
+    def __init__(self, config: LoaderConfig, dataset: SampleDataset | DatasetConfig | None,
+                 planner: PlannerSettings, layout: RankLayout = RankLayout(), store=None):
+        self.config = config.validate()
+        self.layout = layout.validate()
+        check_planner_settings(planner)
+        if planner.dp != layout.dp_size or planner.num_stages != layout.pp_size:
+            raise DynaPipeError(f"planner settings (dp {planner.dp}, stages {planner.num_stages}) disagree with "
+                                f"the rank layout (dp {layout.dp_size}, pp {layout.pp_size}).")
+        self.planner = planner
+        self._next = config.start_iteration
+        self.consumed_samples = config.consumed_samples
+        self._dispatched = config.start_iteration  # next iteration not yet considered for dispatch
+        self._pool: Optional[PlannerPool] = None
+        self._closed = False
+        self._fetcher: Optional[PayloadFetcher] = None
+        num_planner_nodes = config.planner_nodes or layout.num_nodes
+        self._planner_nodes = min(num_planner_nodes, layout.num_nodes)
+        self.is_planner = layout.local_rank == 0 and layout.node < self._planner_nodes
+
+        self._kv, spec = self._connect(store)
+        self.keys = Keyspace(f"{config.namespace}/{_run_id(layout, config.namespace)}")
+        if self.is_planner:
+            try:
+                self._start_workers(dataset, spec)
+            except BaseException as e:
+                self._post_error(f"planner node {layout.node} failed to start: {e}")
+                self.close()
+                raise
+        self._fetcher = PayloadFetcher(spec, self.keys, layout.dp_rank, layout.pp_rank, layout.readers_per_payload,
+                                       config.start_iteration, self._end(), config.fetch_ahead)
+        # Workers stop even if close() is never called (garbage collection or exit).
+        self._finalizer = weakref.finalize(self, DynaPipeDataLoader._shutdown, self._pool)
+
+    # ---- set-up -----------------------------------------------------------------------
+
+    def _connect(self, store) -> tuple[KVStore, KVStoreSpec]:
+        c = self.config
+        if c.kv_backend == "redis":
+            spec = KVStoreSpec("redis", c.redis_host, c.redis_port, c.redis_db, c.connect_timeout_s)
+            return spec.connect(), spec
+        if store is None:
+            store = job_tcp_store()
+        host, port = tcp_store_address(store)
+        return TorchStoreKV(store), KVStoreSpec("store", host, port, 0, c.connect_timeout_s)
+
+    def _start_workers(self, dataset, spec: KVStoreSpec) -> None:
+        if dataset is None:
+            raise DynaPipeError(f"rank {self.layout.rank} plans for node {self.layout.node} and needs the dataset.")
+        if isinstance(dataset, DatasetConfig):
+            dataset = dataset.build()
+        c = self.config
+        sampler = SamplerConfig(c.global_batch_size, c.tokens_per_global_batch, c.seed, c.shuffle,
+                                min_samples=self.layout.dp_size).validate()
+        job = WorkerJob(dataset, sampler, c.consumed_samples, c.start_iteration, self.planner, spec,
+                        self.keys, self.layout.node)
+        self._pool = PlannerPool(job, c.num_workers)
+        self._dispatch(self._next)
+
+    def _end(self) -> Optional[int]:
+        return self.config.start_iteration + self.config.train_iters if self.config.train_iters else None
+
+    def _dispatch(self, current: int) -> None:
+        """Queue this node's share of the iterations up to ``current + prefetch``."""
+        end = current + self.config.prefetch
+        if self._end() is not None:
+            end = min(end, self._end())
+        while self._dispatched < end:
+            it = self._dispatched
+            if self._plans_here(it):
+                self._pool.submit(it)
+            self._dispatched += 1
+
+    def _plans_here(self, iteration: int) -> bool:
+        return iteration % self._planner_nodes == self.layout.node
+
+    # ---- iteration --------------------------------------------------------------------
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> IterationData:
+        if self._closed:
+            raise DynaPipeError("the data loader is closed.")
+        it = self._next
+        if self._end() is not None and it >= self._end():
+            raise StopIteration
+        t0 = time.perf_counter()
+        if self._pool is not None:
+            self._pool.check()
+            self._dispatch(it)
+        deadline = time.monotonic() + self.config.plan_timeout_s
+        while True:
+            data = self._fetcher.get(0.05)
+            if data is not None:
+                break
+            if self._pool is not None:
+                self._pool.check()
+            if time.monotonic() > deadline:
+                raise DynaPipeError(
+                    f"the plan of iteration {it} (replica {self.layout.dp_rank}, stage {self.layout.pp_rank}, planned "
+                    f"on node {it % self._planner_nodes}) did not arrive within {self.config.plan_timeout_s:g} s. "
+                    f"The planner workers may be stuck or too slow: raise the plan timeout or the number of "
+                    f"planner workers, and check the planner nodes' logs.")
+        if data.iteration != it:
+            raise DynaPipeError(f"expected the plan of iteration {it}, got iteration {data.iteration}.")
+        data.meta.wait_ms = (time.perf_counter() - t0) * 1e3
+        self._next += 1
+        self.consumed_samples = data.meta.consumed_samples
+        return data
+
+    def _post_error(self, text: str) -> None:
+        try:
+            self._kv.set(self.keys.error, text.encode())
+        except Exception:
+            pass
+
+    # ---- state and shutdown -----------------------------------------------------------
+
+    @property
+    def iteration(self) -> int:
+        """The next iteration this loader yields."""
+        return self._next
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of this rank's planner workers (empty on non-planner ranks)."""
+        return list(self._pool.pids) if self._pool is not None else []
+
+    def planner_stats(self) -> dict:
+        """This node's planner workers: per planned iteration, planner ms and whole worker
+        ms (planning, tensors, publishing). Empty lists on ranks that do not plan."""
+        if self._pool is None:
+            return {"iterations": [], "planning_ms": [], "worker_ms": []}
+        return self._pool.stats()
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps to resume the exact stream."""
+        return {"consumed_samples": self.consumed_samples, "iteration": self._next}
+
+    @staticmethod
+    def _shutdown(pool: Optional[PlannerPool]) -> None:  # no reference to the loader itself
+        if pool is not None:
+            pool.close()
+
+    def close(self) -> None:
+        """Stop the planner workers and delete payloads this node planned that nobody read."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._fetcher is not None:
+            self._fetcher.close()
+        if self._pool is not None:
+            self._pool.close()
+            try:
+                for it in filter(self._plans_here, range(self._next, self._dispatched)):
+                    for r in range(self.layout.dp_size):
+                        for s in range(self.layout.pp_size):
+                            key = self.keys.payload(it, r, s)
+                            delete_blob(self._kv, key)
+                            self._kv.delete(Keyspace.acks(key))
+            except Exception:
+                pass  # the store may already be gone at exit
+        if self.config.kv_backend == "redis":
+            self._kv.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def default_store_for_single_process(port: int = 0):
+    """A TCPStore served by this process, for running the loader without torch.distributed."""
+    import datetime
+    import socket
+
+    from torch.distributed import TCPStore
+
+    if port == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    return TCPStore("127.0.0.1", port, world_size=1, is_master=True, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=60))
+

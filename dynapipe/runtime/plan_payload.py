@@ -1,0 +1,119 @@
+"""What one rank receives for one iteration: its plan, its tensors, metadata, as bytes.
+
+Layout (little-endian)::
+
+    b"DPIT" | u16 version | u16 reserved | u32 header length | header (UTF-8 JSON)
+    | plan bytes | tensor 0 bytes | tensor 1 bytes | ...
+
+The JSON header gives the iteration, replica and stage, the plan's byte range, and for
+every tensor its micro-batch, name, dtype, shape and byte range; plus metadata (numbers
+and strings). Decoding checks every field and range and builds arrays with
+``numpy.frombuffer``: no pickle, so a corrupted or hostile payload raises an error
+instead of running code. Pure numpy (planner workers do not need torch for it).
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dynapipe.errors import DynaPipeError
+
+MAGIC = b"DPIT"
+VERSION = 1
+_PREFIX = struct.Struct("<4sHHI")
+DTYPES = {"int64": np.int64, "int32": np.int32, "float32": np.float32, "float16": np.float16,
+          "bool": np.bool_, "uint8": np.uint8}
+
+
+@dataclass
+class Payload:
+    """A decoded payload. ``tensors`` maps micro-batch index -> tensor name -> array."""
+
+    iteration: int
+    replica: int
+    stage: int
+    plan_bytes: bytes
+    tensors: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+
+def encode_payload(iteration: int, replica: int, stage: int, plan_bytes: bytes,
+                   tensors: dict[int, dict[str, np.ndarray]], meta: dict) -> bytes:
+    """Bytes for one rank; ``meta`` must be JSON-serialisable (numbers, strings, lists)."""
+    entries, blobs = [], []
+    offset = len(plan_bytes)
+    for mb in sorted(tensors):
+        for name, arr in tensors[mb].items():
+            dtype = next((k for k, v in DTYPES.items() if np.dtype(v) == arr.dtype), None)
+            if dtype is None:
+                raise DynaPipeError(f"tensor {name!r} of micro-batch {mb}: dtype {arr.dtype} cannot be sent; "
+                                    f"use one of {sorted(DTYPES)}.")
+            data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)  # joined below without a copy
+            entries.append({"mb": int(mb), "name": name, "dtype": dtype, "shape": [int(d) for d in arr.shape],
+                            "offset": offset, "nbytes": int(data.nbytes)})
+            blobs.append(data)
+            offset += int(data.nbytes)
+    header = json.dumps({"iteration": int(iteration), "replica": int(replica), "stage": int(stage),
+                         "plan_nbytes": len(plan_bytes), "tensors": entries, "meta": meta},
+                        separators=(",", ":"), sort_keys=True).encode()
+    return b"".join([_PREFIX.pack(MAGIC, VERSION, 0, len(header)), header, plan_bytes, *blobs])
+
+
+def _int(obj: dict, key: str, where: str) -> int:
+    v = obj.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise DynaPipeError(f"{where}: field {key!r} must be a non-negative integer, got {v!r}.")
+    return v
+
+
+def decode_payload(data: bytes) -> Payload:
+    """Parse and check a payload; :class:`DynaPipeError` naming what is wrong otherwise."""
+    where = "plan payload"
+    if len(data) < _PREFIX.size:
+        raise DynaPipeError(f"{where}: {len(data)} bytes is too short.")
+    magic, version, _, hlen = _PREFIX.unpack_from(data)
+    if magic != MAGIC:
+        raise DynaPipeError(f"{where}: bad magic {magic!r}; not a plan payload.")
+    if version != VERSION:
+        raise DynaPipeError(f"{where}: version {version}, this reader understands {VERSION}; "
+                            f"run the same dynapipe version on every node.")
+    body = _PREFIX.size + hlen
+    if body > len(data):
+        raise DynaPipeError(f"{where}: header of {hlen} bytes runs past the end ({len(data)} bytes); truncated?")
+    try:
+        header = json.loads(data[_PREFIX.size:body])
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DynaPipeError(f"{where}: corrupted header ({e}).") from None
+    if not isinstance(header, dict):
+        raise DynaPipeError(f"{where}: header is not a JSON object.")
+    plan_n = _int(header, "plan_nbytes", where)
+    rest = memoryview(data)[body:]
+    if plan_n > len(rest):
+        raise DynaPipeError(f"{where}: plan of {plan_n} bytes runs past the end; truncated?")
+    out = Payload(_int(header, "iteration", where), _int(header, "replica", where),
+                  _int(header, "stage", where), bytes(rest[:plan_n]), meta=header.get("meta") or {})
+    if not isinstance(out.meta, dict):
+        raise DynaPipeError(f"{where}: 'meta' must be an object.")
+    for i, t in enumerate(header.get("tensors") or []):
+        tw = f"{where}: tensor {i}"
+        if not isinstance(t, dict):
+            raise DynaPipeError(f"{tw}: entry is not an object.")
+        dtype, shape, name = t.get("dtype"), t.get("shape"), t.get("name")
+        if dtype not in DTYPES:
+            raise DynaPipeError(f"{tw}: dtype {dtype!r} is not one of {sorted(DTYPES)}.")
+        if not isinstance(name, str) or not isinstance(shape, list) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise DynaPipeError(f"{tw}: needs a string name and a list of non-negative integer dims.")
+        off, nbytes, mb = _int(t, "offset", tw), _int(t, "nbytes", tw), _int(t, "mb", tw)
+        itemsize = np.dtype(DTYPES[dtype]).itemsize
+        if nbytes != math.prod(shape) * itemsize:
+            raise DynaPipeError(f"{tw} ({name!r}): {nbytes} bytes do not hold shape {shape} of {dtype}.")
+        if off + nbytes > len(rest):
+            raise DynaPipeError(f"{tw} ({name!r}): bytes {off}..{off + nbytes} run past the end; truncated?")
+        arr = np.frombuffer(rest, dtype=DTYPES[dtype], count=math.prod(shape), offset=off).reshape(shape)
+        out.tensors.setdefault(mb, {})[name] = arr
+    return out

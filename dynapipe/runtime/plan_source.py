@@ -1,0 +1,98 @@
+"""The one place the data loader calls the planner and the plan serializer.
+
+:class:`IterationPlanner` turns the lengths of one global batch into one
+:class:`~dynapipe.plan.instructions.ExecutionPlan` per (replica, stage) through
+:func:`dynapipe.pipeline_planner.plan_iteration`; :func:`encode_plan` /
+:func:`decode_plan` are the plan's own versioned serialization (never pickle).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from dynapipe.config import ClusterConfig, DeviceConfig, ModelConfig
+from dynapipe.errors import DynaPipeError
+from dynapipe.plan import deserialize_plan, serialize_plan
+from dynapipe.plan.instructions import ExecutionPlan
+
+
+@dataclass(frozen=True)
+class PlannerSettings:
+    """Everything a planner worker needs to plan an iteration (picklable, no torch).
+
+    ``method``: batching method (``dynapipe``, ``padding``, ``padding-mb``, ``packing``,
+    ``token-budget``); ``schedule``: ``auto``, ``adaptive`` or ``1f1b``.
+    ``cost_profile``: a measured profile (None: the analytic model).
+    ``memory_limit_mib`` / ``reserved_mib``: None takes the device config's.
+    ``recompute``: a level, or None to let the schedule search choose.
+    ``seq_length`` / ``max_tokens``: for the padding / packing / token-budget baselines
+    (0: unset). ``tp``: tensor-parallel size; ``zero``: sharded optimizer states (both
+    for the memory model). ``validate`` checks every plan before it is published.
+    """
+
+    model: ModelConfig
+    device: DeviceConfig
+    num_stages: int
+    dp: int = 1
+    method: str = "dynapipe"
+    schedule: str = "auto"
+    memory_limit_mib: Optional[float] = None
+    reserved_mib: Optional[float] = None
+    cost_profile: Optional[str] = None
+    recompute: Optional[str] = None
+    micro_batch_size: int = 1
+    seq_length: int = 0
+    max_tokens: int = 0
+    cluster: Optional[ClusterConfig] = None
+    tp: int = 1
+    zero: bool = False
+    validate: bool = False
+
+
+class IterationPlanner:
+    """Plans global batches with fixed settings; one per planner worker process."""
+
+    backend = "pipeline_planner"
+
+    def __init__(self, settings: PlannerSettings):
+        from dynapipe.cost import build_cost_model
+
+        check_planner_settings(settings)
+        self.settings = settings
+        self.cost_model = build_cost_model(settings.model, settings.device, settings.num_stages,
+                                           settings.cost_profile)
+
+    def plan(self, lengths: np.ndarray, iteration: int) -> list[list[ExecutionPlan]]:
+        """``[replica][stage]`` plans for a global batch of ``lengths`` (tokens; ``(n,)``, or
+        ``(n, 2)`` input and target). Micro-batch ``samples`` index into ``lengths``."""
+        from dynapipe.pipeline_planner import plan_iteration
+
+        s = self.settings
+        result = plan_iteration(lengths, self.cost_model, stages=s.num_stages, dp=s.dp, method=s.method,
+                                schedule=s.schedule, memory_limit_mib=s.memory_limit_mib,
+                                reserved_mib=s.reserved_mib, cluster=s.cluster, recompute=s.recompute,
+                                iteration=iteration, micro_batch_size=s.micro_batch_size,
+                                seq_length=s.seq_length or None, max_tokens=s.max_tokens or None,
+                                tp=s.tp, zero=s.zero, validate=s.validate)
+        return result.plans
+
+
+def encode_plan(plan: ExecutionPlan) -> bytes:
+    """The plan's own serialization (deterministic bytes, never pickle)."""
+    return serialize_plan(plan)
+
+
+def decode_plan(data: bytes) -> ExecutionPlan:
+    """Inverse of :func:`encode_plan`; a corrupted payload raises :class:`~dynapipe.errors.PlanError`."""
+    return deserialize_plan(data)
+
+
+def check_planner_settings(settings: PlannerSettings) -> None:
+    """Reject settings that cannot plan, before any worker starts."""
+    if settings.num_stages < 1 or settings.dp < 1:
+        raise DynaPipeError(f"pipeline stages ({settings.num_stages}) and data-parallel replicas "
+                            f"({settings.dp}) must be at least 1.")
+    if not isinstance(settings.model, ModelConfig) or not isinstance(settings.device, DeviceConfig):
+        raise DynaPipeError("planner settings need a ModelConfig and a DeviceConfig.")

@@ -1,0 +1,275 @@
+"""Planner worker processes: plan iterations ahead and publish each rank's payload.
+
+A planner node (a node's local rank 0) starts ``num_workers`` processes (spawn). They
+share one task queue of iteration numbers; for each, a worker draws the global batch
+from the sampler, plans it, fills every (replica, stage)'s micro-batch tensors and puts
+one payload per (replica, stage) into the key-value store. Workers talk to their parent
+only through two local queues (iterations in; "done" and error reports out).
+
+A worker that fails reports its traceback to its parent and writes a short error to
+the store, where every rank's loader sees it; a worker whose parent dies exits at once.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from dynapipe.data.collate import TensorRequest, collate
+from dynapipe.data.sampler import GlobalBatchSampler, SamplerConfig
+from dynapipe.data.samples import SampleDataset
+from dynapipe.errors import DynaPipeError
+from dynapipe.plan.instructions import ExecutionPlan, LoadInput
+from dynapipe.runtime.kv_store import KVStoreSpec, put_blob
+from dynapipe.runtime.plan_payload import encode_payload
+from dynapipe.runtime.plan_source import IterationPlanner, PlannerSettings, encode_plan
+
+
+class PlannerWorkerError(DynaPipeError):
+    """A planner worker failed; the message carries its traceback."""
+
+
+@dataclass(frozen=True)
+class Keyspace:
+    """Key names of one job: ``<namespace>/<run id>/...``."""
+
+    prefix: str
+
+    def payload(self, iteration: int, replica: int, stage: int) -> str:
+        return f"{self.prefix}/it{iteration}/r{replica}/s{stage}"
+
+    @staticmethod
+    def acks(key: str) -> str:
+        return key + "/acks"
+
+    @property
+    def error(self) -> str:
+        return f"{self.prefix}/error"
+
+
+@dataclass(frozen=True)
+class WorkerJob:
+    """What every worker of a node receives at start-up (pickled once, locally)."""
+
+    dataset: SampleDataset
+    sampler: SamplerConfig
+    consumed_samples: int
+    start_iteration: int
+    planner: PlannerSettings
+    store: KVStoreSpec
+    keys: Keyspace
+    node: int
+
+
+def _loss_tokens(dataset: SampleDataset, indices: np.ndarray) -> int:
+    inp, tgt = dataset.input_lengths[indices], dataset.target_lengths[indices]
+    if dataset.encoder_decoder:
+        return int(tgt.sum())
+    # Decoder-only: positions whose next token is a target token (see collate).
+    return int(np.where(inp > 0, tgt, tgt - 1).sum())
+
+
+def _rank_tensors(plan: ExecutionPlan, dataset: SampleDataset, batch_indices: np.ndarray,
+                  cache: dict) -> dict[int, dict[str, np.ndarray]]:
+    infos = {m.mb: m for m in plan.micro_batches}
+    out: dict[int, dict[str, np.ndarray]] = {}
+    for instr in plan.instructions:
+        if not isinstance(instr, LoadInput) or not instr.tensors:
+            continue
+        info = infos.get(instr.mb)
+        if info is None:
+            raise DynaPipeError(f"plan of iteration {plan.iteration} (replica {plan.replica}, stage {plan.stage}) "
+                                f"loads micro-batch {instr.mb}, which it does not describe.")
+        rows_pos = info.rows or tuple((s,) for s in info.samples)
+        rows = []
+        for row in rows_pos:
+            samples = []
+            for pos in row:
+                if pos not in cache:
+                    cache[pos] = dataset[int(batch_indices[pos])]
+                samples.append(cache[pos])
+            rows.append(samples)
+        reqs = [TensorRequest(t.name, tuple(t.shape), t.dtype) for t in instr.tensors]
+        out.setdefault(instr.mb, {}).update(
+            collate(rows, reqs, info.seqlen, info.dec_seqlen, dataset.encoder_decoder, dataset.pad_id, dataset.eod_id))
+    return out
+
+
+def plan_and_publish(job: WorkerJob, planner: IterationPlanner, sampler: GlobalBatchSampler, kv,
+                     iteration: int, worker: int) -> float:
+    """Plan ``iteration`` and put every (replica, stage) payload into the store; planning ms."""
+    batch = sampler.batch(iteration - job.start_iteration)
+    lengths = job.dataset.planner_lengths(batch.indices)
+    t0 = time.perf_counter()
+    grid = planner.plan(lengths, iteration)
+    planning_ms = (time.perf_counter() - t0) * 1e3
+    padded = [[sum(m.mbs * (m.seqlen + m.dec_seqlen) for m in p.micro_batches) for p in row] for row in grid]
+    real = [int(sum(int(lengths[list(m.samples)].sum()) for m in row[0].micro_batches)) for row in grid]
+    common = {
+        "num_samples": int(batch.indices.shape[0]),
+        "consumed_samples": batch.end,
+        "global_real_tokens": int(lengths.sum()),
+        "global_padded_tokens": int(sum(row[0] for row in padded)),
+        "global_loss_tokens": _loss_tokens(job.dataset, batch.indices),
+        "truncated_samples": int(job.dataset.truncated[batch.indices].sum()),
+        "planning_ms": planning_ms,
+        "planner_node": job.node,
+        "planner_worker": worker,
+    }
+    cache: dict = {}
+    for r, row in enumerate(grid):
+        for s, plan in enumerate(row):
+            tensors = _rank_tensors(plan, job.dataset, batch.indices, cache)
+            meta = dict(common, real_tokens=real[r], padded_tokens=padded[r][0])
+            payload = encode_payload(iteration, r, s, encode_plan(plan), tensors, meta)
+            put_blob(kv, job.keys.payload(iteration, r, s), payload)
+    return planning_ms
+
+
+def _exit_with_parent(parent) -> None:
+    """Block until the parent process is gone, then end this process at once.
+
+    A thread, so a worker stuck in a store call (whose server may have died with the
+    training process) still exits.
+    """
+    multiprocessing.connection.wait([parent.sentinel])
+    os._exit(0)
+
+
+def worker_main(worker: int, job: WorkerJob, tasks, events) -> None:
+    """Entry point of a planner worker process (spawned)."""
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="parent-watch").start()
+    iteration: Optional[int] = None
+    kv = None
+    try:
+        kv = job.store.connect()
+        planner = IterationPlanner(job.planner)
+        sampler = GlobalBatchSampler(job.dataset.sample_tokens(), job.sampler, job.consumed_samples)
+        events.put(("ready", worker, os.getpid()))
+        while True:
+            iteration = tasks.get()
+            if iteration is None:
+                return
+            t0 = time.perf_counter()
+            ms = plan_and_publish(job, planner, sampler, kv, iteration, worker)
+            events.put(("done", worker, iteration, ms, (time.perf_counter() - t0) * 1e3))
+    except BaseException:
+        tb = traceback.format_exc()
+        events.put(("error", worker, iteration, tb))
+        if kv is not None:
+            try:
+                kv.set(job.keys.error, _error_text(job.node, worker, iteration, tb).encode())
+            except Exception:
+                pass
+        events.close()
+        events.join_thread()
+        sys.exit(1)
+
+
+def _error_text(node: int, worker: int, iteration: Optional[int], tb: str) -> str:
+    when = f"while planning iteration {iteration}" if iteration is not None else "while starting"
+    return f"planner worker {worker} on planner node {node} failed {when}:\n{tb.rstrip()}"
+
+
+class PlannerPool:
+    """The worker processes of one planner node and their two queues."""
+
+    def __init__(self, job: WorkerJob, num_workers: int):
+        if num_workers < 1:
+            raise DynaPipeError(f"--dynapipe-planner-workers {num_workers}: a planner node needs at least 1 worker.")
+        ctx = multiprocessing.get_context("spawn")
+        self.job = job
+        self.tasks = ctx.Queue()
+        self.events = ctx.Queue()
+        # Per iteration planned here: planner ms, and the worker's whole ms (planning,
+        # tensors, encoding, publishing).
+        self.planning_ms: dict[int, float] = {}
+        self.worker_ms: dict[int, float] = {}
+        self.pids: list[int] = []
+        self._closed = False
+        self.procs = [ctx.Process(target=worker_main, args=(i, job, self.tasks, self.events), daemon=True,
+                                  name=f"dynapipe-planner-{job.node}-{i}") for i in range(num_workers)]
+        for p in self.procs:
+            p.start()
+            self.pids.append(p.pid)
+
+    def submit(self, iteration: int) -> None:
+        """Queue ``iteration`` for the next free worker."""
+        self.tasks.put(iteration)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                ev = self.events.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(ev)
+
+    def _handle(self, ev) -> None:
+        if ev[0] == "done":
+            self.planning_ms[ev[2]] = ev[3]
+            self.worker_ms[ev[2]] = ev[4]
+        elif ev[0] == "error":
+            _, worker, iteration, tb = ev
+            raise PlannerWorkerError(_error_text(self.job.node, worker, iteration, tb))
+
+    def stats(self) -> dict:
+        """Planner ms and whole worker ms of every iteration this node has planned so far."""
+        self._drain()
+        its = sorted(self.worker_ms)
+        return {"iterations": its, "planning_ms": [self.planning_ms[i] for i in its],
+                "worker_ms": [self.worker_ms[i] for i in its]}
+
+    def check(self) -> None:
+        """Raise :class:`PlannerWorkerError` if a worker reported a failure or died."""
+        if self._closed:
+            return
+        self._drain()
+        for i, p in enumerate(self.procs):
+            if p.exitcode is not None:
+                try:  # its report may still be in flight
+                    self._handle(self.events.get(timeout=1.0))
+                    self._drain()
+                except queue.Empty:
+                    pass
+                raise PlannerWorkerError(f"planner worker {i} (pid {p.pid}) on planner node {self.job.node} "
+                                         f"exited with code {p.exitcode} without a report (killed, or out of memory?).")
+
+    def close(self, timeout_s: float = 1.0) -> None:
+        """Stop every worker: ask, wait ``timeout_s``, then terminate and kill.
+
+        Workers keep no state worth saving (a half-written payload is deleted by the
+        loader), so the grace period is short.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for _ in self.procs:
+            try:
+                self.tasks.put(None)
+            except (ValueError, OSError):
+                pass
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join(2.0)
+        for q in (self.tasks, self.events):
+            q.cancel_join_thread()
+            q.close()

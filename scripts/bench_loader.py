@@ -1,0 +1,181 @@
+"""Benchmark the DynaPipe data loader: how long does the training loop wait for its plan?
+
+Spawns ``pp x dp`` gloo ranks. Each rank runs ``--iterations`` steps of a training-step
+stand-in of fixed duration (``--step-ms``; a sleep, as a GPU-bound step leaves the host
+CPU idle, or ``--busy`` to burn a CPU core for that long), taking its plan and tensors
+from the loader before every step and meeting the other ranks at a barrier after it.
+Planner workers plan ahead at the loader's default settings unless told otherwise.
+
+Reported, over the iterations after the prefetch warm-up (the first ``--warmup``): the
+ms each rank waited in ``next(loader)`` per iteration (median, p95, max over ranks) and
+as a share of the iteration time (target: at most 1%); the cold-start wait of
+iteration 0; and per planner worker, the planner's ms and the worker's whole ms per
+iteration (planning, tensors, serialisation, store writes) as plans per second.
+
+    python scripts/bench_loader.py                       # defaults: gpt-7b, a100-40gb, PP4, 256 samples
+    python scripts/bench_loader.py --step-ms 300 --output bench_loader.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as tmp  # noqa: E402
+
+from dynapipe.config import load_device_config, load_model_config  # noqa: E402
+from dynapipe.data.config import DatasetConfig  # noqa: E402
+from dynapipe.runtime.loader import DynaPipeDataLoader, LoaderConfig, RankLayout  # noqa: E402
+from dynapipe.runtime.plan_source import PlannerSettings  # noqa: E402
+
+DEFAULTS = LoaderConfig()
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="gpt-7b")
+    p.add_argument("--device", default="a100-40gb")
+    p.add_argument("--pp", type=int, default=4, help="pipeline stages (ranks per replica)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    p.add_argument("--global-batch-size", type=int, default=256, help="samples per global batch")
+    p.add_argument("--seq-length", type=int, default=2048)
+    p.add_argument("--num-samples", type=int, default=100_000, help="size of the synthetic mixture dataset")
+    p.add_argument("--method", default="dynapipe")
+    p.add_argument("--schedule", default="auto")
+    p.add_argument("--iterations", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=0, help="iterations excluded as warm-up (default: prefetch)")
+    p.add_argument("--step-ms", type=float, default=1000.0, help="duration of the training-step stand-in")
+    p.add_argument("--busy", action="store_true", help="burn a CPU core during the step instead of sleeping")
+    p.add_argument("--workers", type=int, default=DEFAULTS.num_workers, help="planner workers per planner node")
+    p.add_argument("--prefetch", type=int, default=DEFAULTS.prefetch, help="iterations planned ahead")
+    p.add_argument("--kv-backend", default=DEFAULTS.kv_backend, choices=["store", "redis"])
+    p.add_argument("--redis-host", default="127.0.0.1")
+    p.add_argument("--redis-port", type=int, default=6379)
+    p.add_argument("--output", help="write the results as JSON here")
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    return p.parse_args(argv)
+
+
+def _step(ms: float, busy: bool) -> None:
+    if not busy:
+        time.sleep(ms / 1e3)
+        return
+    end = time.perf_counter() + ms / 1e3
+    a = torch.randn(128, 128)
+    while time.perf_counter() < end:
+        a = torch.tanh(a @ a)
+
+
+def _rank(rank: int, args, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    world = args.pp * args.dp
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=args.timeout_s))
+    layout = RankLayout(rank, world, rank % args.dp, args.dp, rank // args.dp, args.pp, rank, world)
+    data = DatasetConfig("synthetic", args.seq_length, num_samples=args.num_samples, seed=1234, vocab_size=50304)
+    planner = PlannerSettings(load_model_config(args.model), load_device_config(args.device), args.pp, args.dp,
+                              method=args.method, schedule=args.schedule, seq_length=args.seq_length)
+    cfg = LoaderConfig(global_batch_size=args.global_batch_size, train_iters=args.iterations,
+                       num_workers=args.workers, prefetch=args.prefetch, kv_backend=args.kv_backend,
+                       redis_host=args.redis_host, redis_port=args.redis_port)
+    loader = DynaPipeDataLoader(cfg, data if rank == 0 else None, planner, layout)
+    records = []
+    dist.barrier()
+    for _ in range(args.iterations):
+        t0 = time.perf_counter()
+        d = next(loader)
+        _step(args.step_ms, args.busy)
+        dist.barrier()
+        records.append({"iteration": d.iteration, "wait_ms": d.meta.wait_ms,
+                        "iteration_ms": (time.perf_counter() - t0) * 1e3, "planning_ms": d.meta.planning_ms,
+                        "padding_efficiency": d.meta.global_real_tokens / max(d.meta.global_padded_tokens, 1)})
+    stats = loader.planner_stats()
+    loader.close()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"records": records, "planner": stats}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def summarize(args, ranks: list[dict]) -> dict:
+    warm = args.warmup or args.prefetch
+    per_rank = []
+    for r in ranks:
+        recs = r["records"][warm:]
+        per_rank.append({"wait_ms": [x["wait_ms"] for x in recs], "iteration_ms": [x["iteration_ms"] for x in recs]})
+    waits = [w for pr in per_rank for w in pr["wait_ms"]]
+    fraction = max(sum(pr["wait_ms"]) / sum(pr["iteration_ms"]) for pr in per_rank)
+    planner = ranks[0]["planner"]
+    worker_ms = planner["worker_ms"]
+    return {
+        "settings": {k: v for k, v in vars(args).items() if k not in ("output",)},
+        "warm_iterations": len(per_rank[0]["wait_ms"]),
+        "cold_wait_ms": max(r["records"][0]["wait_ms"] for r in ranks),
+        "wait_ms_median": statistics.median(waits),
+        "wait_ms_p95": _pct(waits, 0.95),
+        "wait_ms_max": max(waits),
+        "iteration_ms_mean": statistics.fmean(it for pr in per_rank for it in pr["iteration_ms"]),
+        "wait_fraction": fraction,
+        "target_met": fraction <= 0.01,
+        "planning_ms_median": statistics.median(planner["planning_ms"]),
+        "worker_ms_median": statistics.median(worker_ms),
+        "plans_per_s_per_worker": 1e3 / statistics.median(worker_ms),
+        "padding_efficiency_mean": statistics.fmean(x["padding_efficiency"] for x in ranks[0]["records"]),
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = tmp.start_processes(_rank, args=(args, port, out_dir), nprocs=args.pp * args.dp, join=False,
+                                  start_method="spawn")
+        deadline = time.monotonic() + args.timeout_s
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                print(f"error: the benchmark did not finish within {args.timeout_s:g} s", file=sys.stderr)
+                return 1
+        ranks = []
+        for r in range(args.pp * args.dp):
+            with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+                ranks.append(json.load(f))
+    res = summarize(args, ranks)
+    print(f"{args.model} on {args.device}, PP{args.pp} x DP{args.dp}, {args.global_batch_size} samples/batch "
+          f"(seq <= {args.seq_length}), {args.method}/{args.schedule}; step stand-in {args.step_ms:g} ms "
+          f"({'busy' if args.busy else 'sleep'}); {args.workers} worker(s), prefetch {args.prefetch}, "
+          f"{args.kv_backend} backend")
+    print(f"  wait for plan, warm ({res['warm_iterations']} it): median {res['wait_ms_median']:.3f} ms, "
+          f"p95 {res['wait_ms_p95']:.3f} ms, max {res['wait_ms_max']:.3f} ms")
+    print(f"  share of iteration time ({res['iteration_ms_mean']:.1f} ms): {100 * res['wait_fraction']:.3f}% "
+          f"(target <= 1%: {'met' if res['target_met'] else 'NOT met'})")
+    print(f"  cold start (iteration 0): {res['cold_wait_ms']:.0f} ms")
+    print(f"  planner worker: planning {res['planning_ms_median']:.1f} ms, whole {res['worker_ms_median']:.1f} ms "
+          f"per iteration -> {res['plans_per_s_per_worker']:.1f} plans/s per worker; "
+          f"padding efficiency {res['padding_efficiency_mean']:.3f}")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

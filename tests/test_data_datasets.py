@@ -1,0 +1,283 @@
+"""Datasets: JSONL (multi-task and Megatron text), Megatron indexed datasets, the synthetic
+mixture, tokenizers, over-long samples, and micro-batch tensors."""
+import json
+import pickle
+
+import numpy as np
+import pytest
+
+from dynapipe.data.collate import TensorRequest, collate, loss_tokens
+from dynapipe.data.config import DatasetConfig
+from dynapipe.data.indexed import MegatronIndexedDataset, write_indexed_dataset
+from dynapipe.data.jsonl import JsonlDataset
+from dynapipe.data.mixture_dataset import MixtureDataset
+from dynapipe.data.samples import LengthLimits, Sample
+from dynapipe.data.synthetic import sample_lengths
+from dynapipe.data.tokenizer import ByteTokenizer, load_megatron_tokenizer
+from dynapipe.errors import DynaPipeError
+
+TOK = ByteTokenizer()
+
+
+def write_jsonl(path, records):
+    with open(path, "w") as f:
+        for r in records:
+            f.write(r if isinstance(r, str) else json.dumps(r))
+            f.write("\n")
+    return str(path)
+
+
+def ids(text):
+    return np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int64) + ByteTokenizer.OFFSET
+
+
+# ---- JSONL -------------------------------------------------------------------------------
+
+def test_jsonl_multitask_records_tokenised(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [
+        {"input": "classify: good", "target": "pos", "task": "cls"},
+        "",  # blank lines are skipped
+        {"input": "question?", "target": "answer é", "task": "qa"},
+        {"input": "another", "target": "neg", "task": "cls"},
+    ])
+    ds = JsonlDataset(path, LengthLimits(512))
+    assert len(ds) == 3
+    assert ds.task_names == ["cls", "qa"]
+    assert ds.tasks.tolist() == [0, 1, 0]
+    s = ds[1]
+    np.testing.assert_array_equal(s.input_ids, ids("question?"))
+    np.testing.assert_array_equal(s.target_ids, np.append(ids("answer é"), TOK.eod))
+    assert ds.input_lengths.tolist() == [14, 9, 7]
+    assert ds.target_lengths.tolist() == [4, len("answer é".encode()) + 1, 4]
+    assert ds.planner_lengths([0, 2]).tolist() == [18, 11]
+    assert ds.num_truncated == 0
+
+
+def test_jsonl_megatron_text_records(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": "hello world"}, {"text": "x"}])
+    ds = JsonlDataset(path, LengthLimits(64))
+    assert ds[0].input_ids.shape == (0,)
+    np.testing.assert_array_equal(ds[0].target_ids, np.append(ids("hello world"), 1))
+    assert ds.sample_tokens().tolist() == [12, 2]
+
+
+def test_jsonl_encoder_decoder_lengths_are_pairs(tmp_path):
+    path = write_jsonl(tmp_path / "e.jsonl", [{"input": "abc", "target": "de"}])
+    ds = JsonlDataset(path, LengthLimits(64), encoder_decoder=True)
+    assert ds.planner_lengths([0]).tolist() == [[3, 3]]
+
+
+@pytest.mark.parametrize("lines, line_no, words", [
+    (['{"text": "a"}', '{"text": "b"', '{"text": "c"}'], 2, "not a valid JSON"),
+    (['{"text": "a"}', '{"text": "b"}', '{"input": "q"}'], 3, "needs both 'input' and 'target'"),
+    (['{"prompt": "a"}'], 1, "expected fields"),
+    (['{"text": "a"}', '[1, 2]'], 2, "expected a JSON object"),
+    (['{"input": "a", "target": 5}'], 1, "must be a string"),
+    (['{"text": "ok"}', '{"text": ""}'], None, None),
+])
+def test_jsonl_malformed_line_named(tmp_path, lines, line_no, words):
+    path = write_jsonl(tmp_path / "bad.jsonl", lines)
+    if line_no is None:  # an empty text still has its end-of-document token
+        assert len(JsonlDataset(path, LengthLimits(64))) == 2
+        return
+    with pytest.raises(DynaPipeError) as e:
+        JsonlDataset(path, LengthLimits(64))
+    assert f"bad.jsonl:{line_no}:" in str(e.value)
+    assert words in str(e.value)
+
+
+def test_jsonl_text_record_rejected_for_encoder_decoder(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": "abc"}])
+    with pytest.raises(DynaPipeError, match="t.jsonl:1: an encoder-decoder dataset needs"):
+        JsonlDataset(path, LengthLimits(64), encoder_decoder=True)
+
+
+def test_jsonl_missing_file():
+    with pytest.raises(DynaPipeError, match="does not exist"):
+        JsonlDataset("/nonexistent/x.jsonl", LengthLimits(64))
+
+
+def test_megatron_core_tokenizer_is_used(tmp_path):
+    tok = load_megatron_tokenizer(metadata={"library": "byte-level"})
+    path = write_jsonl(tmp_path / "d.jsonl", [{"input": "hé", "target": "yo"}])
+    ds = JsonlDataset(path, LengthLimits(64), tokenizer=tok)
+    assert ds[0].input_ids.tolist() == list(tok.tokenize("hé"))
+    assert ds[0].target_ids.tolist() == list(tok.tokenize("yo")) + [tok.eod]
+    assert ds.vocab_size == tok.vocab_size
+
+
+# ---- over-long samples -------------------------------------------------------------------
+
+def test_overlong_decoder_sample_truncated_keeping_target(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [
+        {"input": "a" * 30, "target": "b" * 5},   # 36 tokens: input cut to 14
+        {"input": "c" * 3, "target": "d" * 4},    # fits
+        {"text": "e" * 40},                        # 41 tokens: target head kept
+    ])
+    ds = JsonlDataset(path, LengthLimits(20, overlong="truncate"))
+    assert ds.truncated.tolist() == [True, False, True]
+    assert ds.num_truncated == 2
+    assert ds.input_lengths.tolist() == [14, 3, 0]
+    assert ds.target_lengths.tolist() == [6, 5, 20]
+    s = ds[0]
+    np.testing.assert_array_equal(s.input_ids, ids("a" * 14))
+    np.testing.assert_array_equal(s.target_ids, np.append(ids("b" * 5), 1))
+    np.testing.assert_array_equal(ds[2].target_ids, ids("e" * 20))
+
+
+def test_overlong_rejected_with_clear_error(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "ok"}, {"input": "a" * 30, "target": "b"}])
+    with pytest.raises(DynaPipeError) as e:
+        JsonlDataset(path, LengthLimits(20, overlong="reject"))
+    msg = str(e.value)
+    assert "sample 1 has 32 tokens" in msg and "--seq-length 20" in msg and "truncate" in msg
+
+
+def test_overlong_encoder_decoder_each_side(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"input": "a" * 30, "target": "b" * 30}])
+    ds = JsonlDataset(path, LengthLimits(16, dec_seq_length=8), encoder_decoder=True)
+    assert ds.planner_lengths([0]).tolist() == [[16, 8]]
+    assert ds[0].target_ids.shape == (8,)
+
+
+def test_bad_overlong_policy():
+    with pytest.raises(DynaPipeError, match="'drop' is not known"):
+        LengthLimits(16, overlong="drop").validate()
+
+
+# ---- Megatron indexed datasets -------------------------------------------------------------
+
+def test_indexed_dataset_written_by_megatron_builder_reads_back(tmp_path):
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(2, 500, size=n) for n in (5, 17, 1, 40, 9)]
+    prefix = str(tmp_path / "docs")
+    write_indexed_dataset(prefix, seqs)
+    ds = MegatronIndexedDataset(prefix, LengthLimits(32))
+    assert len(ds) == 5
+    assert ds.target_lengths.tolist() == [5, 17, 1, 32, 9]
+    assert ds.truncated.tolist() == [False, False, False, True, False]
+    for i, s in enumerate(seqs):
+        np.testing.assert_array_equal(ds[i].target_ids, s[:32])
+        assert ds[i].input_ids.shape == (0,)
+    # Survives pickling (what planner workers receive) without its memory maps.
+    clone = pickle.loads(pickle.dumps(ds))
+    np.testing.assert_array_equal(clone[3].target_ids, seqs[3][:32])
+
+
+def test_indexed_lengths_come_from_the_index_alone(tmp_path):
+    prefix = str(tmp_path / "docs")
+    write_indexed_dataset(prefix, [np.arange(2, 9), np.arange(2, 5)])
+    with open(prefix + ".bin", "r+b") as f:  # scribble over every token
+        size = f.seek(0, 2)
+        f.seek(0)
+        f.write(b"\xff" * size)
+    ds = MegatronIndexedDataset(prefix, LengthLimits(64))
+    assert ds.target_lengths.tolist() == [7, 3]
+    assert ds[0].target_ids.tolist() != list(range(2, 9))
+
+
+def test_paired_indexed_datasets_encoder_decoder(tmp_path):
+    inputs = [np.arange(2, 2 + n) for n in (4, 9, 3)]
+    targets = [np.arange(100, 100 + n) for n in (2, 1, 6)]
+    write_indexed_dataset(str(tmp_path / "in"), inputs)
+    write_indexed_dataset(str(tmp_path / "tg"), targets)
+    ds = MegatronIndexedDataset(str(tmp_path / "in"), LengthLimits(8, dec_seq_length=5),
+                                target_prefixes=str(tmp_path / "tg"), encoder_decoder=True)
+    assert ds.planner_lengths([0, 1, 2]).tolist() == [[4, 2], [8, 1], [3, 5]]
+    s = ds[1]
+    np.testing.assert_array_equal(s.input_ids, inputs[1][:8])
+    np.testing.assert_array_equal(s.target_ids, targets[1])
+
+
+def test_indexed_multi_task_prefixes_and_errors(tmp_path):
+    write_indexed_dataset(str(tmp_path / "a"), [np.arange(2, 5)] * 2)
+    write_indexed_dataset(str(tmp_path / "b"), [np.arange(2, 7)] * 3)
+    ds = MegatronIndexedDataset([str(tmp_path / "a"), str(tmp_path / "b")], LengthLimits(64))
+    assert ds.tasks.tolist() == [0, 0, 1, 1, 1]
+    assert ds[4].target_ids.tolist() == list(range(2, 7))
+    with pytest.raises(DynaPipeError, match="they must pair one to one"):
+        MegatronIndexedDataset(str(tmp_path / "a"), LengthLimits(64), target_prefixes=str(tmp_path / "b"))
+    with pytest.raises(DynaPipeError, match=r"\.bin and .*\.idx must both exist"):
+        MegatronIndexedDataset(str(tmp_path / "missing"), LengthLimits(64))
+    with pytest.raises(DynaPipeError, match="needs paired datasets"):
+        MegatronIndexedDataset(str(tmp_path / "a"), LengthLimits(64), encoder_decoder=True)
+
+
+# ---- synthetic mixture -------------------------------------------------------------------
+
+def test_mixture_dataset_lengths_and_tokens_deterministic():
+    a = MixtureDataset(300, seed=7, limits=LengthLimits(256), vocab_size=512)
+    b = MixtureDataset(300, seed=7, limits=LengthLimits(256), vocab_size=512)
+    np.testing.assert_array_equal(a.planner_lengths(range(300)), sample_lengths(300, 7, 256))
+    # Any sample reads the same ids whatever was read before it.
+    for i in (299, 3, 150):
+        np.testing.assert_array_equal(a[i].target_ids, b[i].target_ids)
+        np.testing.assert_array_equal(a[i].input_ids, b[i].input_ids)
+    s = a[5]
+    assert s.input_ids.shape[0] + s.target_ids.shape[0] == a.planner_lengths([5])[0]
+    assert min(s.input_ids.min(initial=2), s.target_ids.min()) >= 2 and s.target_ids.max() < 512
+    c = MixtureDataset(300, seed=8, limits=LengthLimits(256), vocab_size=512)
+    assert not np.array_equal(c.planner_lengths(range(300)), a.planner_lengths(range(300)))
+
+
+def test_dataset_config_builds_each_kind(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "abc"}])
+    write_indexed_dataset(str(tmp_path / "x"), [np.arange(2, 6)])
+    assert len(DatasetConfig("jsonl", 32, paths=(path,)).build()) == 1
+    assert len(DatasetConfig("indexed", 32, paths=(str(tmp_path / "x"),)).build()) == 1
+    assert len(DatasetConfig("synthetic", 32, num_samples=10, vocab_size=100).build()) == 10
+    with pytest.raises(DynaPipeError, match="kind 'csv' is not known"):
+        DatasetConfig("csv", 32).build()
+
+
+# ---- micro-batch tensors -----------------------------------------------------------------
+
+def _req(names, shape, dtypes=None):
+    return [TensorRequest(n, shape, (dtypes or {}).get(n, "float32" if n == "loss_mask" else "int64"))
+            for n in names]
+
+
+def test_collate_decoder_labels_and_loss_mask():
+    s0 = Sample(np.array([10, 11]), np.array([12, 13, 1]))   # instruction sample
+    s1 = Sample(np.zeros(0, np.int64), np.array([20, 21, 22]))  # text sample
+    out = collate([[s0], [s1]], _req(["tokens", "position_ids", "labels", "loss_mask"], (2, 8)), 8)
+    assert out["tokens"].tolist() == [[10, 11, 12, 13, 1, 0, 0, 0], [20, 21, 22, 0, 0, 0, 0, 0]]
+    assert out["position_ids"][0].tolist() == [0, 1, 2, 3, 4, 0, 0, 0]
+    assert out["labels"].tolist() == [[11, 12, 13, 1, 0, 0, 0, 0], [21, 22, 0, 0, 0, 0, 0, 0]]
+    # Loss where the label is a target token: 12, 13, eod for s0; 21, 22 for s1.
+    assert out["loss_mask"].tolist() == [[0, 1, 1, 1, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0]]
+    assert out["loss_mask"].dtype == np.float32
+    assert out["loss_mask"].sum() == loss_tokens(s0, False) + loss_tokens(s1, False)
+
+
+def test_collate_packed_rows_restart_positions():
+    a = Sample(np.zeros(0, np.int64), np.array([5, 6, 7]))
+    b = Sample(np.zeros(0, np.int64), np.array([8, 9]))
+    out = collate([[a, b]], _req(["tokens", "position_ids", "labels", "segment_ids"], (1, 6)), 6)
+    assert out["tokens"].tolist() == [[5, 6, 7, 8, 9, 0]]
+    assert out["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0]]
+    assert out["labels"].tolist() == [[6, 7, 0, 9, 0, 0]]  # nothing predicts across samples
+    assert out["segment_ids"].tolist() == [[1, 1, 1, 2, 2, 0]]
+
+
+def test_collate_encoder_decoder():
+    s = Sample(np.array([3, 4, 5]), np.array([7, 8]))
+    reqs = _req(["tokens", "enc_mask"], (1, 4)) + _req(["dec_tokens", "labels", "loss_mask"], (1, 3))
+    out = collate([[s]], reqs, 4, 3, encoder_decoder=True, eod_id=1)
+    assert out["tokens"].tolist() == [[3, 4, 5, 0]]
+    assert out["dec_tokens"].tolist() == [[1, 7, 0]]
+    assert out["labels"].tolist() == [[7, 8, 0]]
+    assert out["loss_mask"].tolist() == [[1, 1, 0]]
+    assert out["enc_mask"].tolist() == [[1, 1, 1, 0]]
+
+
+def test_collate_errors_name_the_problem():
+    s = Sample(np.zeros(0, np.int64), np.arange(2, 12))
+    with pytest.raises(DynaPipeError, match="does not know"):
+        collate([[s]], _req(["pixels"], (1, 16)), 16)
+    with pytest.raises(DynaPipeError, match="needs 10 tokens but the plan pads it to 8"):
+        collate([[s]], _req(["tokens"], (1, 8)), 8)
+    with pytest.raises(DynaPipeError, match=r"shape \[2, 16\]"):
+        collate([[s]], _req(["tokens"], (2, 16)), 16)
+    # A [seqlen, mbs] request gets the transpose.
+    assert collate([[s]], _req(["tokens"], (16, 1)), 16)["tokens"].shape == (16, 1)

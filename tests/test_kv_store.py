@@ -1,0 +1,209 @@
+"""Key-value stores (the job's TCPStore and a real Redis server) and the payload format.
+
+The Redis tests start ``redis-server`` on a free loopback port. Without the binary they
+skip, unless DYNAPIPE_REQUIRE_REDIS=1 (CI), where they fail.
+"""
+import datetime
+import os
+import pickle
+import shutil
+import socket
+import struct
+import subprocess
+import time
+
+import numpy as np
+import pytest
+from torch.distributed import TCPStore
+
+from dynapipe.errors import DynaPipeError
+from dynapipe.runtime.kv_store import (KVStoreSpec, StoreUnreachableError, TorchStoreKV, delete_blob, get_blob,
+                                       put_blob, wait_blob)
+from dynapipe.runtime.plan_payload import decode_payload, encode_payload
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tcp_store():
+    store = TCPStore("127.0.0.1", free_port(), world_size=1, is_master=True, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=20))
+    yield store
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    exe = shutil.which("redis-server")
+    if exe is None:
+        if os.environ.get("DYNAPIPE_REQUIRE_REDIS") == "1":
+            pytest.fail("redis-server is not installed but DYNAPIPE_REQUIRE_REDIS=1 requires the Redis tests")
+        pytest.skip("redis-server binary not found (apt-get install redis-server); "
+                    "set DYNAPIPE_REQUIRE_REDIS=1 to make this a failure")
+    port = free_port()
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    spec = KVStoreSpec("redis", "127.0.0.1", port, connect_timeout_s=1.0)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            spec.connect().close()
+            break
+        except StoreUnreachableError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                pytest.fail(f"redis-server did not start on port {port}")
+            time.sleep(0.05)
+    yield spec
+    proc.terminate()
+    proc.wait(10)
+
+
+def _kvs(request):
+    if request.param == "store":
+        return TorchStoreKV(request.getfixturevalue("tcp_store"))
+    return request.getfixturevalue("redis_server").connect()
+
+
+@pytest.fixture(params=["store", "redis"])
+def kv(request):
+    store = _kvs(request)
+    store.chunk_bytes = 1000  # exercise chunking with small values
+    yield store
+
+
+def test_blob_round_trip_small_and_chunked(kv):
+    for n in (0, 10, 999, 1000, 1001, 5432):
+        data = os.urandom(n)
+        put_blob(kv, f"t/blob{n}", data)
+        assert get_blob(kv, f"t/blob{n}") == data
+    assert kv.keys("t/blob5432/") != []  # chunks exist
+    for n in (0, 10, 999, 1000, 1001, 5432):
+        delete_blob(kv, f"t/blob{n}")
+    assert kv.keys("t/blob") == []
+    assert get_blob(kv, "t/absent") is None
+
+
+def test_counter_and_delete(kv):
+    assert kv.add("t/n", 1) == 1
+    assert kv.add("t/n", 2) == 3
+    assert kv.delete("t/n") and not kv.delete("t/n")
+
+
+def test_corrupted_manifest_rejected(kv):
+    kv.set("t/bad", b"not a manifest at all")
+    with pytest.raises(DynaPipeError, match="not a payload of this version"):
+        get_blob(kv, "t/bad")
+    kv.set("t/short", b"x")
+    with pytest.raises(DynaPipeError, match="too short"):
+        get_blob(kv, "t/short")
+    data = os.urandom(3000)
+    put_blob(kv, "t/lost", data)
+    kv.delete("t/lost/c1")
+    with pytest.raises(DynaPipeError, match="chunk 1 of 3 is missing"):
+        get_blob(kv, "t/lost")
+    for k in ("t/bad", "t/short"):
+        kv.delete(k)
+    delete_blob(kv, "t/lost")
+
+
+def test_wait_blob_times_out_clearly_and_polls(kv):
+    polls = []
+    t0 = time.monotonic()
+    with pytest.raises(DynaPipeError, match="did not arrive within 0.2 s"):
+        wait_blob(kv, "t/never", 0.2, lambda: polls.append(1), what="the plan of iteration 9")
+    assert time.monotonic() - t0 < 2.0 and len(polls) > 3
+
+    def fail():
+        raise DynaPipeError("worker crashed")
+    with pytest.raises(DynaPipeError, match="worker crashed"):
+        wait_blob(kv, "t/never", 30, fail, what="x")
+
+
+def test_unreachable_tcp_store_times_out_with_clear_error():
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnreachableError, match=r"could not reach the job's TCPStore at 127\.0\.0\.1:\d+ within 1 s"):
+        KVStoreSpec("store", "127.0.0.1", free_port(), connect_timeout_s=1.0).connect()
+    assert time.monotonic() - t0 < 15
+
+
+def test_unreachable_redis_times_out_with_clear_error():
+    pytest.importorskip("redis")
+    with pytest.raises(StoreUnreachableError, match=r"could not reach Redis at 127\.0\.0\.1:\d+"):
+        KVStoreSpec("redis", "127.0.0.1", free_port(), connect_timeout_s=0.5).connect()
+
+
+def test_unknown_backend():
+    with pytest.raises(DynaPipeError, match="'etcd' is not known"):
+        KVStoreSpec("etcd", "h", 1).connect()
+
+
+# ---- payload format ------------------------------------------------------------------------
+
+def _payload():
+    tensors = {0: {"tokens": np.arange(12, dtype=np.int64).reshape(3, 4),
+                   "loss_mask": np.ones((3, 4), dtype=np.float32)},
+               2: {"labels": np.zeros((1, 8), dtype=np.int64)}}
+    return encode_payload(7, 1, 2, b"PLANBYTES", tensors, {"real_tokens": 11, "planning_ms": 1.5}), tensors
+
+
+def test_payload_round_trip():
+    blob, tensors = _payload()
+    p = decode_payload(blob)
+    assert (p.iteration, p.replica, p.stage, p.plan_bytes) == (7, 1, 2, b"PLANBYTES")
+    assert p.meta == {"real_tokens": 11, "planning_ms": 1.5}
+    assert sorted(p.tensors) == [0, 2]
+    for mb, d in tensors.items():
+        for name, arr in d.items():
+            np.testing.assert_array_equal(p.tensors[mb][name], arr)
+            assert p.tensors[mb][name].dtype == arr.dtype
+
+
+def test_payload_is_deterministic():
+    assert _payload()[0] == _payload()[0]
+
+
+def test_truncated_or_corrupted_payload_rejected():
+    blob, _ = _payload()
+    for cut in (3, 20, len(blob) - 5):
+        with pytest.raises(DynaPipeError):
+            decode_payload(blob[:cut])
+    with pytest.raises(DynaPipeError, match="bad magic"):
+        decode_payload(b"XXXX" + blob[4:])
+    with pytest.raises(DynaPipeError, match="version 9"):
+        decode_payload(blob[:4] + struct.pack("<H", 9) + blob[6:])
+    hlen = struct.unpack_from("<I", blob, 8)[0]
+    header = blob[12:12 + hlen].replace(b'"float32"', b'"object!"')
+    with pytest.raises(DynaPipeError, match="dtype 'object!'"):
+        decode_payload(blob[:12] + header + blob[12 + hlen:])
+    header = blob[12:12 + hlen].replace(b'"shape":[3,4]', b'"shape":[3,5]', 1)
+    with pytest.raises(DynaPipeError, match="do not hold shape"):
+        decode_payload(blob[:12] + header + blob[12 + hlen:])
+
+
+def test_pickle_is_never_accepted():
+    with pytest.raises(DynaPipeError, match="bad magic"):
+        decode_payload(pickle.dumps({"tensors": [1, 2, 3]}))
+
+
+# ---- the loader on Redis ---------------------------------------------------------------------
+
+def test_loader_over_redis_delivers_and_cleans_up(redis_server):
+    from test_loader import run_single_process, reference_iterations
+
+    got, leftover = run_single_process(kv_backend="redis", redis=redis_server, iterations=3)
+    ref = reference_iterations(3)
+    assert [g["plan"] for g in got] == [r["plan"] for r in ref]
+    assert [g["tensors"] for g in got] == [r["tensors"] for r in ref]
+    assert leftover == []
+
+
+def test_loader_with_unreachable_redis_fails_clearly():
+    pytest.importorskip("redis")
+    from test_loader import make_loader
+
+    with pytest.raises(StoreUnreachableError, match="could not reach Redis"):
+        make_loader(kv_backend="redis", redis=KVStoreSpec("redis", "127.0.0.1", free_port(), connect_timeout_s=0.5))

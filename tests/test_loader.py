@@ -1,0 +1,314 @@
+"""DynaPipeDataLoader in one process: what it yields, determinism, resume, key cleanup,
+worker failures and shutdown (no orphan processes)."""
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from dynapipe.config import load_device_config, load_model_config
+from dynapipe.data.mixture_dataset import MixtureDataset
+from dynapipe.data.sampler import GlobalBatchSampler, SamplerConfig
+from dynapipe.data.samples import LengthLimits
+from dynapipe.errors import DynaPipeError
+from dynapipe.runtime.kv_store import KVStore, get_blob
+from dynapipe.runtime.loader import DynaPipeDataLoader, LoaderConfig, RankLayout, default_store_for_single_process
+from dynapipe.runtime.plan_payload import decode_payload
+from dynapipe.runtime.plan_source import IterationPlanner, PlannerSettings, encode_plan
+from dynapipe.runtime.planner_workers import Keyspace, PlannerWorkerError, WorkerJob, plan_and_publish
+
+SEQ, N, GBS, SEED = 256, 400, 16, 5
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(TESTS_DIR)
+
+
+def planner_settings(stages=1, dp=1):
+    return PlannerSettings(load_model_config("gpt-tiny"), load_device_config("cpu"), stages, dp,
+                           seq_length=SEQ, max_tokens=1024)
+
+
+def dataset():
+    return MixtureDataset(N, 11, LengthLimits(SEQ), vocab_size=512)
+
+
+class ExplodingDataset(MixtureDataset):
+    """Fails reading one sample, as a corrupt file would."""
+
+    def _read(self, idx, input_len, target_len):
+        if idx == self.bad:
+            raise RuntimeError(f"corrupt sample {idx}")
+        return super()._read(idx, input_len, target_len)
+
+
+def make_loader(kv_backend="store", redis=None, store=None, ds=None, **cfg):
+    base = dict(global_batch_size=GBS, seed=SEED, kv_backend=kv_backend, plan_timeout_s=60, connect_timeout_s=10)
+    if redis is not None:
+        base.update(redis_host=redis.host, redis_port=redis.port, connect_timeout_s=redis.connect_timeout_s)
+    base.update(cfg)
+    if kv_backend == "store" and store is None:
+        store = default_store_for_single_process()
+    return DynaPipeDataLoader(LoaderConfig(**base), ds or dataset(), planner_settings(), RankLayout(), store=store)
+
+
+def digest(arr) -> str:
+    arr = np.ascontiguousarray(arr)
+    return hashlib.sha256(str((arr.dtype.str, arr.shape)).encode() + arr.tobytes()).hexdigest()
+
+
+def summarize_plan_and_tensors(plan_bytes: bytes, tensors: dict) -> dict:
+    return {"plan": hashlib.sha256(plan_bytes).hexdigest(),
+            "tensors": {int(mb): {n: digest(np.asarray(t)) for n, t in d.items()} for mb, d in tensors.items()}}
+
+
+def summarize(d) -> dict:
+    out = summarize_plan_and_tensors(encode_plan(d.plan), {mb: {n: t.numpy() for n, t in x.items()}
+                                                         for mb, x in d.micro_batches.items()})
+    out["consumed"] = d.meta.consumed_samples
+    return out
+
+
+class DictKV(KVStore):
+    """An in-process store, for computing what the workers publish without workers."""
+
+    def __init__(self):
+        self.d = {}
+
+    def set(self, key, value):
+        self.d[key] = bytes(value)
+
+    def get(self, key):
+        return self.d.get(key)
+
+    def add(self, key, amount):
+        self.d[key] = int(self.d.get(key, 0)) + amount
+        return self.d[key]
+
+    def delete(self, key):
+        return self.d.pop(key, None) is not None
+
+    def keys(self, prefix):
+        return [k for k in self.d if k.startswith(prefix)]
+
+
+def reference_iterations(k, stages=1, dp=1, consumed=0, start=0):
+    """What rank (replica r, stage s) must receive, computed in-process: list (per
+    iteration) of {(r, s): summary}; for one stage and replica, the summary itself."""
+    ds = dataset()
+    sampler_cfg = SamplerConfig(GBS, 0, SEED, True, min_samples=dp)
+    job = WorkerJob(ds, sampler_cfg, consumed, start, planner_settings(stages, dp), None, Keyspace("ref"), 0)
+    planner = IterationPlanner(job.planner)
+    sampler = GlobalBatchSampler(ds.sample_tokens(), sampler_cfg, consumed)
+    kv = DictKV()
+    out = []
+    for it in range(start, start + k):
+        plan_and_publish(job, planner, sampler, kv, it, 0)
+        per = {}
+        for r in range(dp):
+            for s in range(stages):
+                p = decode_payload(get_blob(kv, job.keys.payload(it, r, s)))
+                per[(r, s)] = summarize_plan_and_tensors(p.plan_bytes, p.tensors)
+        out.append(per if (stages, dp) != (1, 1) else per[(0, 0)])
+    return out
+
+
+def run_single_process(iterations=3, **kw):
+    """Iterate a fresh loader; returns (summaries, keys left in the store after close)."""
+    store = None if kw.get("kv_backend") == "redis" else default_store_for_single_process()
+    dl = make_loader(store=store, **kw)
+    try:
+        got = [summarize(next(dl)) for _ in range(iterations)]
+    finally:
+        dl.close()
+    kv = dl._kv if kw.get("kv_backend") != "redis" else kw["redis"].connect()
+    return got, kv.keys(dl.keys.prefix)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids, timeout_s=10.0) -> list:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+# ---- what the loader yields --------------------------------------------------------------------
+
+def test_yields_plan_tensors_and_metadata_matching_the_samples():
+    ds = dataset()
+    sampler = GlobalBatchSampler(ds.sample_tokens(), SamplerConfig(GBS, seed=SEED))
+    with make_loader(train_iters=3) as dl:
+        items = list(dl)
+    assert [d.iteration for d in items] == [0, 1, 2]
+    for d in items:
+        batch = sampler.batch(d.iteration)
+        assert d.plan.iteration == d.iteration and (d.plan.stage, d.plan.replica) == (0, 0)
+        seen = []
+        for info in d.plan.micro_batches:
+            t = d.micro_batches[info.mb]
+            assert set(t) == {"tokens", "position_ids", "labels", "loss_mask"}  # one stage: first and last
+            assert tuple(t["tokens"].shape) == (info.mbs, info.seqlen)
+            for row, pos in enumerate(info.samples):
+                s = ds[int(batch.indices[pos])]
+                seq = np.concatenate([s.input_ids, s.target_ids])
+                assert t["tokens"][row, :len(seq)].tolist() == seq.tolist()
+                assert t["tokens"][row, len(seq):].eq(0).all()
+                seen.append(pos)
+        assert sorted(seen) == list(range(GBS))  # every sample exactly once
+        m = d.meta
+        lengths = ds.planner_lengths(batch.indices)
+        assert m.num_samples == GBS and m.consumed_samples == batch.end
+        assert m.global_real_tokens == m.real_tokens == int(lengths.sum())
+        assert m.padded_tokens == sum(i.mbs * i.seqlen for i in d.plan.micro_batches) >= m.real_tokens
+        assert m.global_loss_tokens == int(sum(t["loss_mask"].sum() for t in d.micro_batches.values()))
+        assert m.planning_ms > 0 and m.wait_ms >= 0 and m.truncated_samples == 0
+
+
+@pytest.fixture(scope="module")
+def full_run():
+    """Five iterations with two workers planning up to eight ahead (three never read)."""
+    return run_single_process(iterations=5, num_workers=2, prefetch=8)
+
+
+def test_matches_what_the_planner_publishes(full_run):
+    got, _ = full_run
+    ref = reference_iterations(5)
+    assert [g["plan"] for g in got] == [r["plan"] for r in ref]
+    assert [g["tensors"] for g in got] == [r["tensors"] for r in ref]
+
+
+def test_two_runs_are_identical(full_run):
+    again, _ = run_single_process(iterations=5, num_workers=1, prefetch=1)
+    assert again == full_run[0]
+
+
+def test_resume_from_consumed_samples_continues_the_same_stream(full_run):
+    full = full_run[0]
+    k = 2
+    resumed, _ = run_single_process(iterations=3, consumed_samples=full[k - 1]["consumed"], start_iteration=k)
+    assert resumed == full[k:]
+
+
+def test_keys_are_deleted_and_prefetched_payloads_removed_on_close(full_run):
+    got, leftover = full_run
+    assert len(got) == 5 and leftover == []
+
+
+def test_token_budget_batches():
+    with make_loader(global_batch_size=0, tokens_per_global_batch=3000, train_iters=4) as dl:
+        metas = [d.meta for d in dl]
+    assert all(m.global_real_tokens <= 3000 for m in metas)
+    assert len({m.num_samples for m in metas}) > 1  # sample counts follow the lengths
+
+
+# ---- failures and shutdown -----------------------------------------------------------------------
+
+def test_close_stops_every_worker():
+    dl = make_loader(num_workers=2)
+    next(dl)
+    pids = dl.worker_pids
+    assert len(pids) == 2 and all(alive(p) for p in pids)
+    dl.close()
+    assert wait_gone(pids, 5) == []
+    with pytest.raises(DynaPipeError, match="closed"):
+        next(dl)
+
+
+def test_crashing_worker_surfaces_its_traceback():
+    ds = ExplodingDataset(N, 11, LengthLimits(SEQ), vocab_size=512)
+    sampler = GlobalBatchSampler(ds.sample_tokens(), SamplerConfig(GBS, seed=SEED))
+    ds.bad = int(sampler.batch(2).indices[3])  # iteration 2 fails
+    dl = make_loader(ds=ds, num_workers=2, prefetch=1)  # iteration 2 is planned when asked for
+    try:
+        next(dl), next(dl)
+        t0 = time.monotonic()
+        with pytest.raises(PlannerWorkerError) as e:
+            next(dl)
+        assert time.monotonic() - t0 < 10
+        msg = str(e.value)
+        assert "failed while planning iteration 2" in msg
+        assert "Traceback" in msg and f"RuntimeError: corrupt sample {ds.bad}" in msg
+    finally:
+        pids = dl.worker_pids
+        dl.close()
+    assert wait_gone(pids, 5) == []
+
+
+def test_workers_exit_when_the_training_process_is_killed():
+    code = (f"import sys, time\nsys.path.insert(0, {TESTS_DIR!r})\n"
+            "from test_loader import make_loader\n"
+            "dl = make_loader(num_workers=2)\nnext(dl)\n"
+            "print(' '.join(map(str, dl.worker_pids)), flush=True)\ntime.sleep(120)\n")
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            env=env, cwd=REPO, text=True)
+    try:
+        line = proc.stdout.readline()
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 2, f"no worker pids from the child: {line!r}"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        assert wait_gone(pids, 10) == [], "planner workers outlived their training process"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_config_and_layout_errors():
+    with pytest.raises(DynaPipeError, match="'zookeeper'"):
+        LoaderConfig(global_batch_size=4, kv_backend="zookeeper").validate()
+    with pytest.raises(DynaPipeError, match="prefetch 0"):
+        LoaderConfig(global_batch_size=4, prefetch=0).validate()
+    with pytest.raises(DynaPipeError, match="disagree with the rank layout"):
+        DynaPipeDataLoader(LoaderConfig(global_batch_size=4), dataset(), planner_settings(stages=2), RankLayout(),
+                           store=default_store_for_single_process())
+    with pytest.raises(DynaPipeError, match="not a multiple"):
+        RankLayout(world_size=3, pp_size=2).validate()
+
+
+def test_encoder_decoder_jsonl_through_the_loader(tmp_path):
+    import json
+
+    from dynapipe.config import model_config_from_dict
+    from dynapipe.data.config import DatasetConfig
+
+    rng = np.random.default_rng(3)
+    path = tmp_path / "t5.jsonl"
+    with open(path, "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"input": "x" * int(rng.integers(5, 120)), "target": "y" * int(rng.integers(1, 30)),
+                                "task": f"t{i % 3}"}) + "\n")
+    model = model_config_from_dict({"name": "t5-test", "arch": "t5", "encoder_layers": 2, "decoder_layers": 2,
+                                    "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 512,
+                                    "max_seq_length": 256, "dtype": "fp32"})
+    data = DatasetConfig("jsonl", 128, paths=(str(path),), encoder_decoder=True, dec_seq_length=64)
+    ds = data.build()
+    planner = PlannerSettings(model, load_device_config("cpu"), 1, 1)
+    cfg = LoaderConfig(global_batch_size=8, seed=1, train_iters=2, plan_timeout_s=60)
+    sampler = GlobalBatchSampler(ds.sample_tokens(), SamplerConfig(8, seed=1))
+    with DynaPipeDataLoader(cfg, data, planner, RankLayout(), store=default_store_for_single_process()) as dl:
+        for d in dl:
+            batch = sampler.batch(d.iteration)
+            assert d.meta.global_loss_tokens == int(ds.target_lengths[batch.indices].sum()) == d.plan.global_real_tokens
+            for info in d.plan.micro_batches:
+                t = d.micro_batches[info.mb]
+                assert set(t) == {"tokens", "dec_tokens", "labels", "loss_mask"}
+                assert tuple(t["tokens"].shape) == (info.mbs, info.seqlen)
+                assert tuple(t["labels"].shape) == (info.mbs, info.dec_seqlen)
+                for row, pos in enumerate(info.samples):
+                    s = ds[int(batch.indices[pos])]
+                    n_in, n_tg = len(s.input_ids), len(s.target_ids)
+                    assert t["tokens"][row, :n_in].tolist() == s.input_ids.tolist()
+                    assert t["labels"][row, :n_tg].tolist() == s.target_ids.tolist()
+                    assert t["dec_tokens"][row, 1:n_tg].tolist() == s.target_ids[:-1].tolist()
+                    assert t["loss_mask"][row].sum().item() == n_tg

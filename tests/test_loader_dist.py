@@ -1,0 +1,167 @@
+"""Plan delivery across gloo ranks (spawned processes, the job's TCPStore): every rank gets
+exactly its own plan and tensors, planning is split over planner nodes, keys are cleaned."""
+import json
+import os
+import socket
+import time
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+
+from test_loader import GBS, SEED, dataset, planner_settings, reference_iterations, summarize
+
+ITERATIONS = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world, port, dp, pp, local_world, out_dir):
+    import datetime
+
+    from dynapipe.runtime.kv_store import job_tcp_store
+    from dynapipe.runtime.loader import DynaPipeDataLoader, LoaderConfig, RankLayout
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    tp = world // (dp * pp)
+    # Megatron's rank order: tensor-parallel fastest, then data-parallel, then pipeline.
+    layout = RankLayout(rank, world, (rank // tp) % dp, dp, rank // (tp * dp), pp, rank % local_world, local_world)
+    ds = dataset() if layout.local_rank == 0 else None  # only planner nodes read data
+    cfg = LoaderConfig(global_batch_size=GBS, seed=SEED, train_iters=ITERATIONS, prefetch=3, plan_timeout_s=60)
+    loader = DynaPipeDataLoader(cfg, ds, planner_settings(pp, dp), layout)
+    records = []
+    for d in loader:
+        rec = summarize(d)
+        rec.update(iteration=d.iteration, replica=d.plan.replica, stage=d.plan.stage,
+                   planner_node=d.meta.planner_node, names=sorted({n for t in d.micro_batches.values() for n in t}))
+        records.append(rec)
+    dist.barrier()
+    loader.close()
+    dist.barrier()
+    leftover = [k for k in job_tcp_store().list_keys() if k.startswith(cfg.namespace + "/")]
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"layout": [layout.dp_rank, layout.pp_rank], "records": records, "leftover": leftover,
+                   "is_planner": loader.is_planner}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_ranks(world, dp, pp, local_world, out_dir, timeout_s=150):
+    ctx = tmp.start_processes(_rank_main, args=(world, _free_port(), dp, pp, local_world, str(out_dir)),
+                              nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{world} ranks did not finish within {timeout_s} s")
+    out = []
+    for r in range(world):
+        with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+            out.append(json.load(f))
+    return out
+
+
+def _json(x):
+    return json.loads(json.dumps(x))
+
+
+def check_delivery(results, dp, pp, planner_nodes):
+    ref = reference_iterations(ITERATIONS, stages=pp, dp=dp)
+    for res in results:
+        r, s = res["layout"]
+        assert [x["iteration"] for x in res["records"]] == list(range(ITERATIONS))
+        for it, rec in enumerate(res["records"]):
+            expected = _json(ref[it][(r, s)] if (dp, pp) != (1, 1) else ref[it])
+            assert (rec["replica"], rec["stage"]) == (r, s)
+            assert rec["plan"] == expected["plan"], f"iteration {it}: rank with replica {r} stage {s} got another plan"
+            assert rec["tensors"] == expected["tensors"]
+            want = set()
+            if s == 0:
+                want |= {"tokens", "position_ids"}
+            if s == pp - 1:
+                want |= {"labels", "loss_mask"}
+            assert set(rec["names"]) == want
+            assert rec["planner_node"] == it % planner_nodes
+        assert res["leftover"] == [], f"keys left in the store: {res['leftover']}"
+
+
+def test_two_pipeline_ranks_on_two_planner_nodes(tmp_path):
+    results = run_ranks(world=2, dp=1, pp=2, local_world=1, out_dir=tmp_path)
+    assert [r["is_planner"] for r in results] == [True, True]
+    check_delivery(results, dp=1, pp=2, planner_nodes=2)
+
+
+def test_two_tensor_parallel_ranks_read_one_payload(tmp_path):
+    results = run_ranks(world=2, dp=1, pp=1, local_world=2, out_dir=tmp_path)
+    assert [r["is_planner"] for r in results] == [True, False]
+    check_delivery(results, dp=1, pp=1, planner_nodes=1)
+    assert results[0]["records"] == results[1]["records"]
+
+
+def test_four_ranks_pp2_dp2_on_two_nodes(tmp_path):
+    results = run_ranks(world=4, dp=2, pp=2, local_world=2, out_dir=tmp_path)
+    assert [r["is_planner"] for r in results] == [True, False, True, False]
+    assert sorted(tuple(r["layout"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    check_delivery(results, dp=2, pp=2, planner_nodes=2)
+
+
+def _crash_rank_main(rank, world, port, out_dir):
+    import datetime
+
+    from dynapipe.data.sampler import GlobalBatchSampler, SamplerConfig
+    from dynapipe.data.samples import LengthLimits
+    from dynapipe.runtime.loader import DynaPipeDataLoader, LoaderConfig, RankLayout
+    from test_loader import N, SEQ, ExplodingDataset
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    layout = RankLayout(rank, world, 0, 1, rank, world, rank, world)  # one node: rank 0 plans
+    ds = None
+    if rank == 0:
+        ds = ExplodingDataset(N, 11, LengthLimits(SEQ), vocab_size=512)
+        ds.bad = int(GlobalBatchSampler(ds.sample_tokens(), SamplerConfig(GBS, seed=SEED)).batch(1).indices[0])
+    cfg = LoaderConfig(global_batch_size=GBS, seed=SEED, prefetch=1, plan_timeout_s=60)
+    loader = DynaPipeDataLoader(cfg, ds, planner_settings(world, 1), layout)
+    seen, error = [], None
+    t0 = time.monotonic()
+    try:
+        for d in loader:
+            seen.append(d.iteration)
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    elapsed = time.monotonic() - t0
+    pids = loader.worker_pids
+    loader.close()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"seen": seen, "error": error, "elapsed": elapsed, "pids": pids}, f)
+    dist.destroy_process_group()
+
+
+def test_a_crashing_worker_stops_every_rank_with_its_traceback(tmp_path):
+    from test_loader import wait_gone
+
+    ctx = tmp.start_processes(_crash_rank_main, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=False,
+                              start_method="spawn")
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("ranks did not stop after the planner worker crashed")
+    results = []
+    for r in range(2):
+        with open(os.path.join(tmp_path, f"rank{r}.json")) as f:
+            results.append(json.load(f))
+    for r, res in enumerate(results):
+        assert res["seen"] == [0], f"rank {r} trained past the failed iteration"
+        assert res["error"] is not None and res["error"].startswith("PlannerWorkerError")
+        assert "failed while planning iteration 1" in res["error"]
+        assert "RuntimeError: corrupt sample" in res["error"] and "Traceback" in res["error"]
+        assert res["elapsed"] < 30
+    assert wait_gone(results[0]["pids"], 5) == []
