@@ -190,7 +190,8 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
         try:
             batch_plan = plan_micro_batches(lengths, cost_model, method=method, dp=dp, memory_limit_mib=limit,
                                             reserved_mib=reserved, micro_batch_size=micro_batch_size,
-                                            seq_length=seq_length, max_tokens=max_tokens, recompute=level)
+                                            seq_length=seq_length, max_tokens=max_tokens, recompute=level,
+                                            zero=zero)
             break
         except DynaPipeError as e:  # a sample too large at this level may fit with more recompute
             error = e

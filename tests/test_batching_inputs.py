@@ -125,3 +125,19 @@ def test_model_states_that_do_not_fit():
 def test_bad_options(kw, message):
     with pytest.raises(DynaPipeError, match=message):
         plan_micro_batches([10, 20], CM, **kw)
+
+
+def test_distributed_optimizer_frees_memory_for_activations():
+    from dynapipe.batching import plan_micro_batches
+    from dynapipe.config import load_device_config, load_model_config
+    from dynapipe.cost import build_cost_model
+
+    device = load_device_config("a100-40gb")
+    cm = build_cost_model(load_model_config("gpt-13b"), device, 8)
+    lengths = np.array([2048, 1500, 900, 64, 300, 12] * 4)
+    kw = dict(dp=2, memory_limit_mib=device.memory_mib, reserved_mib=device.reserved_mib)
+    sharded = plan_micro_batches(lengths, cm, zero=True, **kw)
+    assert sharded.extra["model_state_mib"] == pytest.approx(cm.model_state_mib(dp=2, zero=True))
+    assert sharded.extra["model_state_mib"] < cm.model_state_mib()
+    with pytest.raises(DynaPipeError, match="does not fit in memory even alone"):
+        plan_micro_batches(lengths, cm, zero=False, **kw)

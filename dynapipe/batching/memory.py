@@ -34,14 +34,18 @@ class MemoryBudget:
                 f"- reserved {self.reserved_mib:.0f} MiB - model states {self.model_state_mib:.1f} MiB)")
 
 
-def memory_budget(cost_model: CostModel, memory_limit_mib: float | None, reserved_mib: float = 0.0) -> MemoryBudget:
-    """The budget under ``memory_limit_mib`` (``None``: unlimited); errors if nothing is left."""
+def memory_budget(cost_model: CostModel, memory_limit_mib: float | None, reserved_mib: float = 0.0, *,
+                  dp: int = 1, zero: bool = False) -> MemoryBudget:
+    """The budget under ``memory_limit_mib`` (``None``: unlimited); errors if nothing is left.
+
+    ``zero=True`` prices model states with the optimizer sharded over ``dp`` replicas
+    (Megatron's distributed optimizer)."""
     limit = UNLIMITED_MIB if memory_limit_mib is None else float(memory_limit_mib)
     if not limit > 0:
         raise DynaPipeError(f"memory limit {memory_limit_mib} MiB must be positive (--memory-limit-mb).")
     if reserved_mib < 0:
         raise DynaPipeError(f"reserved memory {reserved_mib} MiB must not be negative.")
-    budget = MemoryBudget(limit, float(reserved_mib), float(cost_model.model_state_mib()))
+    budget = MemoryBudget(limit, float(reserved_mib), float(cost_model.model_state_mib(dp=dp, zero=zero)))
     if budget.activation_mib <= 0:
         raise DynaPipeError(
             f"the model states of the most loaded stage need {budget.model_state_mib:.1f} MiB, so nothing is left "

@@ -102,7 +102,7 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
                        memory_limit_mib: Optional[float] = None, reserved_mib: float = 0.0,
                        micro_batch_size: int = 1, seq_length: Optional[int] = None,
                        max_tokens: Optional[int] = None, recompute: str = "none",
-                       use_compiled: Optional[bool] = None) -> BatchPlan:
+                       zero: bool = False, use_compiled: Optional[bool] = None) -> BatchPlan:
     """Micro-batches of one global batch, priced, balanced over ``dp`` replicas.
 
     ``lengths``: ``(n,)`` tokens (decoder-only) or ``(n, 2)`` input and target tokens
@@ -115,7 +115,8 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
     row length of ``padding``/``packing`` (default: the model's ``max_seq_length``).
     ``micro_batch_size`` (samples, or rows for packing) is used by the fixed-size
     baselines; ``max_tokens`` (padded tokens a micro-batch, default
-    ``micro_batch_size x seq_length``) by ``token-budget``. ``use_compiled`` selects the
+    ``micro_batch_size x seq_length``) by ``token-budget``. ``zero`` shards optimizer
+    state over the ``dp`` replicas when pricing model states. ``use_compiled`` selects the
     DP kernel (``None``: C when built).
     """
     start = time.perf_counter()
@@ -127,7 +128,7 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
     model = cost_model.model
     arr = validate_lengths(lengths, model.is_encoder_decoder)
     arr, cap, truncated = _limit_lengths(arr, seq_length, model.max_seq_length)
-    budget = memory_budget(cost_model, memory_limit_mib, reserved_mib)
+    budget = memory_budget(cost_model, memory_limit_mib, reserved_mib, dp=dp, zero=zero)
     extra: dict = {"activation_budget_mib": budget.activation_mib, "model_state_mib": budget.model_state_mib,
                    "seq_length": cap, "truncated_samples": truncated}
 
