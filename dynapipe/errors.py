@@ -12,3 +12,9 @@ class DynaPipeError(Exception):
 
 class PlanError(DynaPipeError):
     """An execution plan that is malformed, corrupted or would deadlock."""
+
+
+class ExecutorError(DynaPipeError):
+    """A pipeline rank could not run its plan: a failed or timed-out transfer, a tensor that
+    does not match the plan, a handler exception, or another rank's failure. The message
+    names the rank, the instruction index and the peer."""

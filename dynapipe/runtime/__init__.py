@@ -3,8 +3,9 @@
 Names are loaded on first use, so a module of this package that does not need torch
 (the planner workers, for instance) can be imported without importing torch.
 
-- :class:`Executor`, :class:`ExecutorConfig`, :class:`StageHandlers`, :class:`IterationResult`
-  (:mod:`dynapipe.runtime.executor`)
+- :class:`Executor` (:mod:`dynapipe.runtime.executor`); its contract with the model
+  integration, :class:`StageHandlers`, :class:`ExecutorConfig`, :class:`IterationResult`
+  (:mod:`dynapipe.runtime.contract`)
 - :func:`chrome_trace`, :func:`write_chrome_trace`, :func:`gather_traces`
   (:mod:`dynapipe.runtime.exec_trace`)
 - :func:`spawn`, :func:`spawn_outcomes`, :func:`init_distributed`, :func:`free_port`
@@ -15,8 +16,8 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "Executor": "executor", "ExecutorConfig": "executor", "StageHandlers": "executor",
-    "IterationResult": "executor", "HandlerFailure": "executor",
+    "Executor": "executor", "ExecutorConfig": "contract", "IterationResult": "contract",
+    "StageHandlers": "contract", "HandlerFailure": "contract",
     "CommFailure": "p2p", "RemoteFailure": "p2p",
     "ExecTrace": "exec_trace", "chrome_trace": "exec_trace", "write_chrome_trace": "exec_trace",
     "gather_traces": "exec_trace",

@@ -1,0 +1,116 @@
+"""The buffers of a running plan, and the release of sent activations.
+
+A plan names every buffer (``input``, ``act_in``, ``act_out``, ``grad_in``,
+``grad_out`` of a micro-batch, see :func:`dynapipe.plan.instructions.buffer_name`) and
+frees each exactly once. :class:`BufferTable` holds them between those points, counts
+their bytes, and turns a use after free or a use of a buffer never filled into an error
+naming the instruction, instead of a wrong result.
+
+Once an activation has been sent its data is no longer needed on this stage: only the
+autograd graph that produced it is, to run the backward when the gradient arrives.
+:func:`release_data` drops the data and keeps the graph; :func:`backward_from` runs the
+backward from such outputs (the public ``torch.autograd.backward`` would refuse them,
+since their shape no longer matches their gradient's).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+from torch.autograd import Variable
+
+from dynapipe.errors import ExecutorError
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes held by the data of ``t``."""
+    return t.numel() * t.element_size()
+
+
+def release_data(t: torch.Tensor) -> int:
+    """Replace the data of ``t`` by one element, keeping its autograd graph; bytes released.
+
+    Only outputs of an autograd graph that own their storage are released: a view shares
+    its base's storage (releasing it would free nothing) and a tensor outside any graph
+    is simply dropped by its owner.
+    """
+    if t.grad_fn is None or t._base is not None or t.numel() <= 1:
+        return 0
+    freed = tensor_bytes(t)
+    t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
+    return freed - t.element_size()
+
+
+def backward_from(roots: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]]) -> None:
+    """Backward from ``roots`` with gradients ``grads`` (``None``: a scalar root, gradient 1).
+
+    Works on roots whose data :func:`release_data` dropped: the engine checks each
+    gradient against the shape recorded when the graph was built, not the current data.
+    Parameter gradients accumulate into ``.grad`` as with ``torch.autograd.backward``.
+    """
+    rs, gs = [], []
+    for r, g in zip(roots, grads):
+        if not r.requires_grad:
+            continue
+        rs.append(r)
+        gs.append(torch.ones((), dtype=r.dtype, device=r.device) if g is None else g)
+    if rs:
+        Variable._execution_engine.run_backward(
+            tuple(rs), tuple(gs), False, False, (), True, True)  # keep_graph, create_graph, inputs,
+        # allow_unreachable, accumulate_grad
+
+
+@dataclass
+class BufferTable:
+    """Live buffers by name, each a ``{tensor name: tensor}`` message.
+
+    ``live_bytes``/``peak_bytes`` count the data held by live buffers (received and sent
+    activations, gradients, loaded inputs); tensors saved inside autograd graphs are not
+    counted, they belong to the model.
+    """
+
+    live: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    freed_at: dict[str, int] = field(default_factory=dict)
+    live_bytes: int = 0
+    peak_bytes: int = 0
+
+    def put(self, name: str, tensors: dict[str, torch.Tensor], where: str) -> None:
+        """Fill buffer ``name``; a buffer is filled once per iteration."""
+        if name in self.live or name in self.freed_at:
+            raise ExecutorError(f"{where}: buffer {name!r} is filled a second time in this iteration.")
+        self.live[name] = tensors
+        self.live_bytes += sum(tensor_bytes(t) for t in tensors.values())
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def get(self, name: str, where: str) -> dict[str, torch.Tensor]:
+        """The tensors of a live buffer; an error if it was freed or never filled."""
+        if name in self.live:
+            return self.live[name]
+        if name in self.freed_at:
+            raise ExecutorError(f"{where}: buffer {name!r} is used after instruction "
+                                f"{self.freed_at[name]} freed it.")
+        raise ExecutorError(f"{where}: buffer {name!r} is used before anything filled it.")
+
+    def has(self, name: str) -> bool:
+        return name in self.live
+
+    def released(self, nbytes: int) -> None:
+        """Account for data of a live buffer released in place (see :func:`release_data`)."""
+        self.live_bytes -= nbytes
+
+    def free(self, name: str, index: int, where: str) -> None:
+        """Drop buffer ``name`` (instruction ``index`` frees it)."""
+        if name not in self.live:
+            self.get(name, where)  # raises with the reason
+        tensors = self.live.pop(name)
+        self.live_bytes -= sum(tensor_bytes(t) for t in tensors.values())
+        self.freed_at[name] = index
+
+    def clear(self) -> list[str]:
+        """Drop every buffer; returns the names the plan left unfreed."""
+        left = sorted(self.live)
+        self.live.clear()
+        self.freed_at.clear()
+        self.live_bytes = 0
+        return left

@@ -1,0 +1,106 @@
+"""The executor's contract with a model integration: the handlers it implements for one
+stage, the configuration it sets, the result it gets back.
+
+The executor calls the handlers per instruction type; everything else (transfers, receive
+buffers, gradients of received activations, buffer lifetimes, loss normalisation,
+failures) is the executor's.
+
+- ``load(mb, specs)`` (``LoadInput``) returns the micro-batch's data as
+  ``{spec.name: tensor}``, each tensor exactly as the plan's specs say (for a GPT:
+  ``tokens``/``position_ids`` on the first stage, ``labels``/``loss_mask`` on the last,
+  ``[mbs, seqlen]``). ``mb`` is the plan's :class:`MicroBatchInfo`: sample indices into
+  the global batch, ``mbs``, ``seqlen``, real tokens.
+- ``forward(mb, inputs, op)`` (``ForwardPass``) gets the received activations
+  (``requires_grad`` already set) and the loaded data in one dict, by name. On every
+  stage but the last it returns the activation to send (``[seqlen, mbs, hidden]``): one
+  tensor, or ``{name: tensor}`` for a message of several (an encoder-decoder stage's
+  hidden states and encoder output). On the last stage it returns the SUM of the
+  per-token losses over the micro-batch's real tokens, a scalar: the executor divides it
+  by ``plan.global_real_tokens`` (real tokens of the whole global batch, every replica),
+  so the gradients equal one unpipelined pass over the global batch whatever the
+  micro-batching; replicas' gradients are then summed, not averaged. ``op`` carries the
+  recompute level and the virtual-pipeline chunk.
+- ``backward(mb, roots, grads, op)`` (``BackwardPass``, optional) replaces the
+  executor's backward from the stage's outputs ``roots`` with gradients ``grads``
+  (``None`` for the scalar loss); it must leave the gradients of the received
+  activations in their ``.grad``. The default,
+  :func:`dynapipe.runtime.buffers.backward_from`, also works on outputs whose data was
+  released after their send.
+
+A handler that raises stops every rank: the executor raises :class:`HandlerFailure`
+with the traceback, and the other ranks raise with it in their message.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Protocol, Union
+
+import torch
+
+from dynapipe.errors import ExecutorError
+from dynapipe.plan.instructions import ForwardPass, MicroBatchInfo, TensorSpec
+from dynapipe.runtime.exec_trace import ExecTrace
+
+
+class HandlerFailure(ExecutorError):
+    """A handler (load, forward, backward) raised on this rank; the message holds its traceback."""
+
+
+class StageHandlers(Protocol):
+    """One pipeline stage's handlers (see the module doc); ``backward`` is optional."""
+
+    def load(self, mb: MicroBatchInfo, specs: tuple[TensorSpec, ...]) -> dict[str, torch.Tensor]: ...
+
+    def forward(self, mb: MicroBatchInfo, inputs: dict[str, torch.Tensor],
+                op: ForwardPass) -> Union[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+
+@dataclass
+class ExecutorConfig:
+    """How the executor runs.
+
+    ``timeout_s``: bound on every wait for a transfer (s). ``poll_s``: how often a
+    waiting rank checks whether another rank failed (s). ``trace``: record per-instruction
+    timing. ``check_peers``: compare every rank's plan digests before each iteration
+    (through the store, or one small all-gather without one). ``release_sent_activations``: drop the data of an activation
+    once sent, keeping its graph. ``normalise_loss``: backpropagate the loss divided by
+    the global batch's real tokens (the default); ``False`` backpropagates the summed
+    token loss, for a framework that divides the gradients by the token count itself
+    (Megatron's ``calculate_per_token_loss``). The reported loss is normalised either way.
+    ``watch_failures`` (with a store, CPU transfers): wait for transfers on helper threads
+    so that a failure reported by any rank interrupts a wait at once, even while the
+    failed process lingers; off, a rank stops when the failed process's connections close
+    or at the timeout. It costs a few percent where ranks share CPU cores.
+    """
+
+    timeout_s: float = 300.0
+    poll_s: float = 0.1
+    trace: bool = False
+    check_peers: bool = True
+    release_sent_activations: bool = True
+    normalise_loss: bool = True
+    watch_failures: bool = True
+
+
+@dataclass
+class IterationResult:
+    """What one iteration on one rank produced.
+
+    ``loss``: on the last stage, this replica's share of the global-batch mean token
+    loss (the sum over replicas is the mean); 0 elsewhere. ``mb_loss_sums``: per
+    micro-batch, the summed token loss the handler returned. ``wall_ms``: time from the
+    first instruction to the last. ``peak_buffer_bytes``: most bytes the executor's
+    buffers held at once; ``released_bytes``: data of sent activations released early;
+    ``transfers``: tensors sent or received; ``unfreed_buffers``: buffers the plan never
+    freed (dropped at the end of the iteration; empty for plans from the compiler).
+    """
+
+    iteration: int
+    loss: float = 0.0
+    mb_loss_sums: dict[int, float] = field(default_factory=dict)
+    wall_ms: float = 0.0
+    peak_buffer_bytes: int = 0
+    released_bytes: int = 0
+    transfers: int = 0
+    trace: Optional[ExecTrace] = None
+    unfreed_buffers: list[str] = field(default_factory=list)

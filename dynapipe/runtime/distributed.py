@@ -1,0 +1,186 @@
+"""Process-group set-up and spawned multi-process runs, for tests, benchmarks and scripts.
+
+:func:`spawn` runs a function on ``world_size`` spawned processes, each with its process
+groups ready (:class:`DistContext`), and returns every rank's result; it never hangs:
+past ``timeout_s`` the processes are killed and the call raises. :func:`spawn_outcomes`
+waits for every rank and reports each one's result, traceback or exit code, which is what
+a test needs to check how the other ranks behave when one dies.
+
+Rank layout (Megatron's, with tensor parallelism 1): global rank = ``stage * dp +
+replica``; pipeline ``r`` is ranks ``[r, dp + r, 2 dp + r, ...]``. The key-value store is
+hosted by the parent process, so it outlives any rank that is killed.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dynapipe.errors import DynaPipeError
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (for a server about to bind it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def pipeline_ranks(world_size: int, pp: int) -> list[list[int]]:
+    """Global ranks of each pipeline (replica ``r`` is entry ``r``), stage order."""
+    if pp < 1 or world_size % pp:
+        raise DynaPipeError(f"pipeline size {pp} does not divide the world size {world_size}; "
+                            f"use a world of pp x dp processes.")
+    dp = world_size // pp
+    return [[s * dp + r for s in range(pp)] for r in range(dp)]
+
+
+@dataclass
+class DistContext:
+    """One rank's view of the job: its place in the pipeline and its process groups.
+
+    ``store`` is the job's key-value store (give it to the executor so failures reach
+    every rank); ``pipeline_group`` links the stages of this rank's replica,
+    ``data_group`` the replicas of this rank's stage.
+    """
+
+    rank: int
+    world_size: int
+    pp: int
+    dp: int
+    stage: int
+    replica: int
+    store: dist.Store
+    pipeline_group: Any
+    data_group: Any
+
+
+def init_distributed(rank: int, world_size: int, *, store_port: int, pp: int = 1, backend: str = "gloo",
+                     timeout_s: float = 60.0, host: str = "127.0.0.1") -> DistContext:
+    """Join the store at ``host:store_port``, initialise the default process group and build
+    the pipeline and data-parallel groups. ``timeout_s`` bounds collectives and store calls;
+    with NCCL it is also what bounds a stuck transfer (the watchdog aborts)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "nccl" in backend and torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    store = dist.TCPStore(host, store_port, world_size, False, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size,
+                            timeout=timeout)
+    pipes = pipeline_ranks(world_size, pp)
+    dp = len(pipes)
+    stage, replica = divmod(rank, dp)
+    pipe_group = data_group = dist.group.WORLD
+    # Every rank creates every group, in the same order; a group spanning the world is WORLD.
+    if dp > 1:
+        for ranks in pipes:
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                pipe_group = g
+    if pp > 1:
+        for s in range(pp):
+            ranks = [s * dp + r for r in range(dp)]
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                data_group = g
+    return DistContext(rank, world_size, pp, dp, stage, replica, store, pipe_group, data_group)
+
+
+@dataclass
+class RankOutcome:
+    """How one spawned rank ended: its return value, or its traceback, or its exit code."""
+
+    rank: int
+    value: Any = None
+    error: Optional[str] = None
+    exitcode: Optional[int] = None
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.timed_out and self.exitcode == 0
+
+
+class SpawnError(DynaPipeError):
+    """One or more spawned ranks failed; the message holds every failing rank's traceback."""
+
+
+def _rank_main(rank: int, fn: Callable, world_size: int, port: int, pp: int, backend: str, timeout_s: float,
+               threads: int, args: tuple, results) -> None:
+    torch.set_num_threads(threads)
+    try:
+        ctx = init_distributed(rank, world_size, store_port=port, pp=pp, backend=backend, timeout_s=timeout_s)
+        results.put((rank, "ok", pickle.dumps(fn(ctx, *args))))
+        code = 0
+    except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
+        results.put((rank, "error", traceback.format_exc()))
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: a process group whose peer failed can block in its destructor.
+    os._exit(code)
+
+
+def spawn_outcomes(fn: Callable, world_size: int, *, args: Sequence = (), pp: int = 1, backend: str = "gloo",
+                   timeout_s: float = 120.0, threads: int = 1) -> list[RankOutcome]:
+    """Run ``fn(ctx: DistContext, *args)`` on ``world_size`` spawned processes; one outcome per rank.
+
+    ``fn`` must be importable (a module-level function) and its return value picklable.
+    Waits for every rank; a rank still running after ``timeout_s`` seconds (start-up
+    included) is killed and marked ``timed_out``.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timeout, wait_for_workers=False)
+    results = mp.get_context("spawn").SimpleQueue()
+    pc = mp.start_processes(_rank_main, args=(fn, world_size, store.port, pp, backend, timeout_s, threads,
+                                              tuple(args), results),
+                            nprocs=world_size, join=False, start_method="spawn")
+    outcomes = {r: RankOutcome(r) for r in range(world_size)}
+
+    def drain() -> None:
+        while not results.empty():
+            rank, kind, payload = results.get()
+            if kind == "ok":
+                outcomes[rank].value = pickle.loads(payload)
+            else:
+                outcomes[rank].error = payload
+
+    deadline = time.monotonic() + timeout_s
+    procs = pc.processes
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        drain()
+        time.sleep(0.02)
+    for r, p in enumerate(procs):
+        if p.is_alive():
+            p.kill()
+            outcomes[r].timed_out = True
+        p.join(5)
+        outcomes[r].exitcode = p.exitcode
+    drain()
+    for o in outcomes.values():
+        if o.error is None and not o.timed_out and o.exitcode != 0:
+            o.error = f"rank {o.rank} exited with code {o.exitcode} without reporting a result"
+    del store
+    return [outcomes[r] for r in range(world_size)]
+
+
+def spawn(fn: Callable, world_size: int, *, args: Sequence = (), pp: int = 1, backend: str = "gloo",
+          timeout_s: float = 120.0, threads: int = 1) -> list[Any]:
+    """Like :func:`spawn_outcomes`, but returns the values and raises :class:`SpawnError`
+    (with every failing rank's traceback) unless every rank succeeded."""
+    outs = spawn_outcomes(fn, world_size, args=args, pp=pp, backend=backend, timeout_s=timeout_s, threads=threads)
+    bad = [o for o in outs if not o.ok]
+    if bad:
+        parts = [f"--- rank {o.rank}: " + ("timed out after %gs" % timeout_s if o.timed_out else o.error or "")
+                 for o in bad]
+        raise SpawnError(f"{len(bad)} of {world_size} ranks failed:\n" + "\n".join(parts))
+    return [o.value for o in outs]

@@ -1,0 +1,255 @@
+"""What a rank checks of execution plans before anything runs.
+
+:func:`check_plan_locally`: one rank's own plan (its stage, micro-batches, transfers,
+buffer lifetimes). :func:`pair_starts`: every ``*Finish`` has its ``*Start``, and which
+starts are posted together. :class:`PeerPlanCheck`: all pipeline ranks compare the
+digests of the messages they send and expect (:func:`message_digests`) and refuse the
+iteration together when any plan is bad, so nothing is sent and the group stays usable.
+The full cross-rank validation (deadlock freedom included) is
+:func:`dynapipe.plan.validate_plans`, run where every rank's plan is at hand.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from dynapipe.errors import PlanError
+from dynapipe.plan.instructions import (DTYPES, FINISHES, INSTRUCTION_TYPES, SEND_STARTS, STARTS, BackwardPass,
+                                        CommInstruction, ExecutionPlan, ForwardPass, FreeBuffer, Instruction,
+                                        LoadInput, RecvActivationFinish, RecvActivationStart, RecvGradFinish,
+                                        RecvGradStart, SendActivationFinish, SendActivationStart, SendGradFinish,
+                                        SendGradStart, buffer_name)
+from dynapipe.runtime.p2p import CommFailure, Pending, PeerComm, Waiter
+
+
+def check_plan_locally(plan: ExecutionPlan, *, stage: int, num_stages: int, replica: Optional[int] = None) -> None:
+    """What one rank can check of its own plan before anything is sent.
+
+    The plan is for this stage of a pipeline of this size (and this replica when given);
+    every instruction names a known micro-batch; transfers name another stage and tensors
+    of plan dtypes with positive sizes; each micro-batch's forward runs once and before its
+    backward; every buffer is filled before it is used, used only after its receive
+    finished, and freed once while live. Agreement with the other ranks' plans is checked
+    by :class:`PeerPlanCheck`. Raises :class:`PlanError` naming the
+    instruction.
+    """
+    def bad(i: int, x, why: str) -> PlanError:
+        return PlanError(f"pipeline rank {plan.stage}, instruction {i} ({x.OPCODE} mb {x.mb}): {why}")
+
+    if plan.num_stages != num_stages or plan.stage != stage:
+        raise PlanError(f"the plan is for stage {plan.stage} of {plan.num_stages}, but this rank is pipeline rank "
+                        f"{stage} of {num_stages}; give each rank the plan of its own stage.")
+    if replica is not None and plan.replica != replica:
+        raise PlanError(f"the plan is for replica {plan.replica}, but this rank is in replica {replica}.")
+    known = {m.mb for m in plan.micro_batches}
+    if len(known) != len(plan.micro_batches):
+        raise PlanError(f"pipeline rank {stage}: micro-batch indices repeat in the plan's micro-batch list.")
+    last = stage == num_stages - 1
+    sends = {(x.mb, x.chunk) for x in plan.instructions if isinstance(x, SendActivationStart)}
+    grads = {(x.mb, x.chunk) for x in plan.instructions if isinstance(x, SendGradStart)}
+    live: set[str] = set()
+    inflight: set[str] = set()
+    used: set[str] = set()
+    fw: set = set()
+    bw: set = set()
+
+    def fill(i: int, x, name: str) -> None:
+        if name in used:
+            raise bad(i, x, f"buffer {name!r} is filled a second time.")
+        used.add(name)
+        live.add(name)
+
+    def need(i: int, x, name: str) -> None:
+        if name not in live:
+            raise bad(i, x, f"buffer {name!r} is " + ("used after it was freed." if name in used
+                                                      else "used before anything filled it."))
+        if name in inflight:
+            raise bad(i, x, f"buffer {name!r} is used before its receive finished.")
+
+    for i, x in enumerate(plan.instructions):
+        if not isinstance(x, Instruction) or type(x) not in INSTRUCTION_TYPES.values():
+            raise PlanError(f"pipeline rank {stage}, instruction {i}: {type(x).__name__} is not an instruction.")
+        if x.mb not in known:
+            raise bad(i, x, f"micro-batch {x.mb} is not in the plan's micro-batch list {sorted(known)}.")
+        key = (x.mb, x.chunk)
+        if isinstance(x, CommInstruction):
+            if not 0 <= x.peer < num_stages or x.peer == stage:
+                raise bad(i, x, f"peer {x.peer} is not another stage of this {num_stages}-stage pipeline.")
+            for t in x.tensors:
+                if t.dtype not in DTYPES or not t.shape or any(int(d) <= 0 for d in t.shape):
+                    raise bad(i, x, f"tensor {t.name!r} {list(t.shape)} {t.dtype} is not a valid transfer.")
+        if isinstance(x, LoadInput):
+            fill(i, x, buffer_name("input", *key))
+        elif isinstance(x, (RecvActivationStart, RecvGradStart)):
+            fill(i, x, x.buffer)
+            inflight.add(x.buffer)
+        elif isinstance(x, (RecvActivationFinish, RecvGradFinish)):
+            inflight.discard(x.buffer)
+        elif isinstance(x, (SendActivationStart, SendGradStart)):
+            need(i, x, x.buffer)
+        elif isinstance(x, ForwardPass):
+            if key in fw:
+                raise bad(i, x, "the forward of this micro-batch runs twice.")
+            fw.add(key)
+            if stage > 0:
+                need(i, x, buffer_name("act_in", *key))
+            if key in sends:
+                fill(i, x, buffer_name("act_out", *key))
+        elif isinstance(x, BackwardPass):
+            if key not in fw or key in bw:
+                raise bad(i, x, "the backward runs " + ("twice." if key in bw else "before the forward."))
+            bw.add(key)
+            if not last:
+                need(i, x, buffer_name("grad_in", *key))
+            if key in grads:
+                fill(i, x, buffer_name("grad_out", *key))
+        elif isinstance(x, FreeBuffer):
+            need(i, x, x.buffer)
+            live.discard(x.buffer)
+    if last and fw and plan.global_real_tokens <= 0:
+        raise PlanError(f"pipeline rank {stage} (last stage): global_real_tokens is {plan.global_real_tokens}; "
+                        f"the loss cannot be normalised by the global batch's real tokens.")
+
+
+_FINISH_OF = {SendActivationStart: SendActivationFinish, RecvActivationStart: RecvActivationFinish,
+              SendGradStart: SendGradFinish, RecvGradStart: RecvGradFinish}
+
+
+def pair_starts(plan: ExecutionPlan) -> tuple[dict[int, int], dict[int, list[int]]]:
+    """Match every Finish with its Start and find the batches of grouped Starts.
+
+    Returns ``finish index -> start index`` and ``first start index -> indices posted
+    together`` (adjacent starts sharing a ``group`` id >= 0). Raises :class:`PlanError`
+    naming the instruction when a Finish has no Start or a Start is never finished.
+    """
+    open_starts: dict[tuple, list[int]] = {}
+    start_of: dict[int, int] = {}
+    batches: dict[int, list[int]] = {}
+    batch: list[int] = []
+    ins = plan.instructions
+    for i, x in enumerate(ins):
+        if isinstance(x, STARTS):
+            open_starts.setdefault((_FINISH_OF[type(x)], x.peer, x.buffer), []).append(i)
+            if x.group >= 0 and batch and batch[-1] == i - 1 and ins[i - 1].group == x.group:
+                batch.append(i)
+            else:
+                batch = batches[i] = [i]
+        elif isinstance(x, FINISHES):
+            waiting = open_starts.get((type(x), x.peer, x.buffer))
+            if not waiting:
+                raise PlanError(f"pipeline rank {plan.stage}, instruction {i} ({x.OPCODE} {x.buffer!r}, "
+                                f"peer {x.peer}): no earlier start for this transfer.")
+            j = waiting.pop(0)
+            if ins[j].tensors != x.tensors:
+                raise PlanError(f"pipeline rank {plan.stage}, instruction {i} ({x.OPCODE} {x.buffer!r}): its "
+                                f"tensors differ from those of its start, instruction {j}.")
+            start_of[i] = j
+    for key, left in open_starts.items():
+        if left:
+            j = left[0]
+            raise PlanError(f"pipeline rank {plan.stage}, instruction {j} ({ins[j].OPCODE} {ins[j].buffer!r}, "
+                            f"peer {ins[j].peer}): the transfer is started but never finished.")
+    return start_of, batches
+
+
+def message_digests(plan: ExecutionPlan) -> tuple[list[int], list[int]]:
+    """Per peer, a 63-bit digest of the messages this plan sends to it and receives from it,
+    in order: what a peer's plan must agree with (same micro-batches, shapes, dtypes, order)."""
+    sends = [hashlib.blake2b(digest_size=8) for _ in range(plan.num_stages)]
+    recvs = [hashlib.blake2b(digest_size=8) for _ in range(plan.num_stages)]
+    for x in plan.instructions:
+        if not isinstance(x, STARTS) or not 0 <= x.peer < plan.num_stages:
+            continue
+        kind = "act" if isinstance(x, (SendActivationStart, RecvActivationStart)) else "grad"
+        h = (sends if isinstance(x, SEND_STARTS) else recvs)[x.peer]
+        h.update(repr((kind, x.mb, x.chunk, [(t.name, tuple(t.shape), t.dtype) for t in x.tensors])).encode())
+    as_int = [int.from_bytes(h.digest(), "big") >> 1 for h in sends + recvs]
+    return as_int[:plan.num_stages], as_int[plan.num_stages:]
+
+
+class PeerPlanCheck:
+    """Every pipeline rank compares its plan with every other's before anything is sent.
+
+    Each rank publishes its verdict on its own plan (and why it refuses it), the
+    iteration, and the digests of the messages it sends to and expects from every peer;
+    then every rank judges the whole table the same way, so a bad plan on one rank is
+    refused on every rank and the process group stays usable. With a key-value store the
+    rows go through it (a few store round trips on the helper thread, so the wait notices
+    another rank's failure); without one, through an all-gather on the pipeline group.
+    :meth:`start` publishes without blocking and :meth:`settle` judges, so the exchange
+    can overlap the work that comes before the first transfer.
+    """
+
+    def __init__(self, comm: PeerComm, plan: Optional[ExecutionPlan], refusal: Optional[str], seq: int):
+        self.comm, self.refusal, self.seq = comm, refusal, seq
+        self.row = [0] * (4 + 2 * comm.size)
+        if refusal is None and plan is not None:
+            sends, recvs = message_digests(plan)
+            self.row = [1, plan.iteration, plan.num_stages, plan.stage] + sends + recvs
+
+    def start(self, waiter: Waiter, store: Optional[dist.Store], where,
+              wait_store: Optional[dist.Store] = None) -> None:
+        """Publish this rank's row and start gathering everyone's, without blocking.
+
+        ``wait_store``: a second client of ``store`` for the exchange, so the abort channel
+        stays usable while it waits."""
+        self.where = f"{where} (exchanging plan digests)"
+        self.job, self.docs = None, None
+        if store is None:
+            mine = torch.tensor(self.row, dtype=torch.int64)
+            self.rows = [torch.zeros_like(mine) for _ in range(self.comm.size)]
+            self.pending = Pending([dist.all_gather(self.rows, mine, group=self.comm.group, async_op=True)], [mine])
+        else:
+            client, timeout_s = wait_store or store, waiter.timeout_s
+            self.job = waiter.submit(lambda: self._store_rows(client, timeout_s))
+
+    def _store_rows(self, store: dist.Store, timeout_s: float) -> None:
+        key = "dynapipe/plan/{}/{}".format
+        me = self.comm.global_rank(self.comm.rank)
+        store.set(key(self.seq, me), json.dumps({"row": self.row, "reason": self.refusal}))
+        if self.seq >= 2:  # every peer has read it: each has reached this iteration's exchange
+            store.delete_key(key(self.seq - 2, me))
+        keys = [key(self.seq, g) for g in self.comm.global_ranks]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=timeout_s))
+        except Exception as e:  # noqa: BLE001 - the store's timeout error has no class of its own
+            missing = [p for p, k in enumerate(keys) if not store.check([k])]
+            raise CommFailure(f"{self.where}: pipeline ranks {missing} did not publish their plans within the "
+                              f"{timeout_s:g} s timeout (stuck, dead, or not running this iteration) "
+                              f"[{type(e).__name__}]") from None
+        self.docs = [json.loads(v) for v in store.multi_get(keys)]
+
+    def settle(self, waiter: Waiter) -> None:
+        """Wait for every rank's row and judge: raise :class:`PlanError` naming the ranks and
+        what differs, or a failure if a rank never answers."""
+        if self.job is None:
+            waiter.wait(self.pending, self.where)
+            self._judge([r.tolist() for r in self.rows], [None] * len(self.rows))
+        else:
+            waiter.join(self.job, self.where)
+            self._judge([d["row"] for d in self.docs], [d["reason"] for d in self.docs])
+
+    def _judge(self, table: list[list[int]], reasons: list[Optional[str]]) -> None:
+        size = self.comm.size
+        for r, row in enumerate(table):
+            if not row[0]:
+                reason = self.refusal if r == self.comm.rank else reasons[r] or "see that rank's log"
+                raise PlanError(f"pipeline rank {r} refused its plan, so every rank refuses this iteration "
+                                f"before sending anything: {reason}")
+        iters = [t[1] for t in table]
+        if len(set(iters)) > 1 or any(t[2] != size for t in table) or any(t[3] != r for r, t in enumerate(table)):
+            raise PlanError(f"the pipeline ranks hold plans of different iterations or layouts: iteration per "
+                            f"rank {iters}, stages {[t[2] for t in table]}, stage index {[t[3] for t in table]}; "
+                            f"each rank must run the plan compiled for its stage of the same iteration.")
+        for a in range(size):
+            for b in range(size):
+                if a != b and table[a][4 + b] != table[b][4 + size + a]:
+                    raise PlanError(f"iteration {iters[0]}: the messages pipeline rank {a} sends to rank {b} "
+                                    f"differ from those rank {b} expects from rank {a} (micro-batch, shape, dtype "
+                                    f"or order); the plans were not compiled together. Check them with "
+                                    f"validate_plans before running.")

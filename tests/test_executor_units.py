@@ -1,0 +1,193 @@
+"""Executor pieces that need no process group: tensor checks, buffers, releasing sent
+activations, the local plan check, plan digests, the trace format."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from dynapipe.batching.types import MicroBatch
+from dynapipe.config import load_model_config
+from dynapipe.errors import ExecutorError, PlanError
+from dynapipe.plan import compile_plans
+from dynapipe.plan.instructions import FreeBuffer, SendActivationStart, TensorSpec
+from dynapipe.runtime.buffers import BufferTable, backward_from, release_data
+from dynapipe.runtime.distributed import pipeline_ranks
+from dynapipe.runtime.exec_trace import ExecEvent, ExecTrace, chrome_trace, describe
+from dynapipe.schedule.trace import op_event
+from dynapipe.runtime.p2p import check_tensor
+from dynapipe.runtime.plan_check import check_plan_locally, message_digests, pair_starts
+
+CFG = load_model_config("gpt-tiny")
+CPU = torch.device("cpu")
+
+
+def _plans(num_stages=2, schedule="1f1b", seqlens=(32, 64, 16)):
+    mbs = [MicroBatch(samples=[i], seqlen=s, real_tokens=s) for i, s in enumerate(seqlens)]
+    return compile_plans(schedule, mbs, CFG, num_stages=num_stages)
+
+
+def test_check_tensor_refuses_what_the_plan_does_not_say():
+    spec = TensorSpec("hidden_states", (4, 2, 8), "float32")
+    with pytest.raises(ExecutorError, match=r"rank 1 x.*\[4, 3, 8\] float32, the plan says \[4, 2, 8\] float32"):
+        check_tensor(torch.zeros(4, 3, 8), spec, CPU, "rank 1 x")
+    with pytest.raises(ExecutorError, match="bfloat16"):
+        check_tensor(torch.zeros(4, 2, 8, dtype=torch.bfloat16), spec, CPU, "w")
+    with pytest.raises(ExecutorError, match="is a list"):
+        check_tensor([1, 2], spec, CPU, "w")
+    t = torch.zeros(8, 2, 4).permute(2, 1, 0)
+    assert not t.is_contiguous()
+    assert check_tensor(t, spec, CPU, "w").is_contiguous()
+
+
+def test_buffer_table_names_use_after_free_and_counts_bytes():
+    table = BufferTable()
+    table.put("act_in:0:0", {"h": torch.zeros(10)}, "i0")
+    assert table.live_bytes == 40 and table.peak_bytes == 40
+    table.free("act_in:0:0", 7, "i8")
+    assert table.live_bytes == 0
+    with pytest.raises(ExecutorError, match="used after instruction 7 freed it"):
+        table.get("act_in:0:0", "i9")
+    with pytest.raises(ExecutorError, match="before anything filled it"):
+        table.get("grad_in:3:0", "i9")
+    with pytest.raises(ExecutorError, match="filled a second time"):
+        table.put("act_in:0:0", {"h": torch.zeros(1)}, "i10")
+
+
+def test_released_output_keeps_its_graph_and_gives_the_same_gradients():
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(5, 8)
+    g = torch.randn(5, 8)
+    out = torch.tanh(x @ w) * 2
+    freed = release_data(out)
+    assert freed == 5 * 8 * 4 - 4 and out.numel() == 1
+    backward_from([out], [g])
+    w2 = w.detach().clone().requires_grad_()
+    (torch.tanh(x @ w2) * 2).backward(g)
+    assert torch.equal(w.grad, w2.grad)
+    # Views share their base's storage: releasing them would free nothing, so they are kept.
+    view = (x @ w).view(40)
+    assert release_data(view) == 0 and view.numel() == 40
+
+
+def test_plans_from_the_compiler_pass_the_local_check():
+    for schedule in ("1f1b", "adaptive"):
+        for s, plan in enumerate(_plans(3, schedule)):
+            check_plan_locally(plan, stage=s, num_stages=3)
+            start_of, batches = pair_starts(plan)
+            assert len(start_of) == sum(1 for x in plan.instructions if x.OPCODE.endswith("_finish"))
+
+
+@pytest.mark.parametrize("breakage, message", [
+    ("wrong_stage", "plan is for stage 1 of 2, but this rank is pipeline rank 0"),
+    ("double_free", "used after it was freed"),
+    ("free_before_send", "used after it was freed"),
+    ("unknown_mb", "micro-batch 9 is not in the plan"),
+    ("bad_peer", "peer 1 is not another stage"),
+    ("bad_dtype", "is not a valid transfer"),
+    ("no_tokens", "global_real_tokens is 0"),
+])
+def test_local_check_refuses_broken_plans(breakage, message):
+    plans = _plans(2)
+    plan, stage = plans[0], 0
+    ins = list(plan.instructions)
+    if breakage == "wrong_stage":
+        plan = plans[1]
+    elif breakage == "double_free":
+        ins.append(next(x for x in ins if isinstance(x, FreeBuffer)))
+    elif breakage == "free_before_send":
+        k = next(i for i, x in enumerate(ins) if isinstance(x, SendActivationStart))
+        ins.insert(k, FreeBuffer(mb=ins[k].mb, buffer=ins[k].buffer))
+    elif breakage == "unknown_mb":
+        ins[0] = dataclasses.replace(ins[0], mb=9)
+    elif breakage == "bad_peer":
+        plan, stage = plans[1], 1
+        ins = list(plan.instructions)
+        k = next(i for i, x in enumerate(ins) if x.OPCODE == "recv_act_start")
+        ins[k] = dataclasses.replace(ins[k], peer=1)
+    elif breakage == "bad_dtype":
+        k = next(i for i, x in enumerate(ins) if isinstance(x, SendActivationStart))
+        ins[k] = dataclasses.replace(ins[k], tensors=(TensorSpec("hidden_states", (32, 1, 64), "float64"),))
+    elif breakage == "no_tokens":
+        plan, stage = plans[1], 1
+        plan = dataclasses.replace(plan, global_real_tokens=0)
+        ins = list(plan.instructions)
+    broken = dataclasses.replace(plan, instructions=tuple(ins))
+    with pytest.raises(PlanError, match=message):
+        check_plan_locally(broken, stage=stage, num_stages=2)
+
+
+def test_pair_starts_refuses_unfinished_and_unstarted_transfers():
+    plan = _plans(2)[0]
+    ins = list(plan.instructions)
+    k = next(i for i, x in enumerate(ins) if x.OPCODE == "send_act_finish")
+    with pytest.raises(PlanError, match="started but never finished"):
+        pair_starts(dataclasses.replace(plan, instructions=tuple(ins[:k] + ins[k + 1:])))
+    k = next(i for i, x in enumerate(ins) if x.OPCODE == "send_act_start")
+    with pytest.raises(PlanError, match="no earlier start"):
+        pair_starts(dataclasses.replace(plan, instructions=tuple(ins[:k] + ins[k + 1:])))
+
+
+def test_grouped_starts_form_one_batch():
+    plan = _plans(2)[0]
+    ins = list(plan.instructions)
+    starts = [i for i, x in enumerate(ins) if x.OPCODE.endswith("_start")]
+    a = next(i for i in starts if i + 1 in starts)
+    ins[a] = dataclasses.replace(ins[a], group=5)
+    ins[a + 1] = dataclasses.replace(ins[a + 1], group=5)
+    _, batches = pair_starts(dataclasses.replace(plan, instructions=tuple(ins)))
+    assert batches[a] == [a, a + 1]
+
+
+def test_digests_of_matching_plans_agree_and_differ_when_shapes_differ():
+    p0, p1 = _plans(2)
+    s0, r0 = message_digests(p0)
+    s1, r1 = message_digests(p1)
+    assert s0[1] == r1[0] and s1[0] == r0[1]
+    q0, q1 = _plans(2, seqlens=(32, 64, 24))
+    assert message_digests(q0)[0][1] != r1[0]
+    # Same shapes in another order is a different message sequence too.
+    o0, _ = _plans(2, seqlens=(64, 32, 16))
+    assert message_digests(o0)[0][1] != r1[0]
+
+
+def test_executed_trace_is_laid_out_like_the_simulated_one():
+    plans = _plans(2)
+    traces = []
+    for plan in plans:
+        mbs = {m.mb: m for m in plan.micro_batches}
+        tr = ExecTrace(stage=plan.stage, replica=0, iteration=3)
+        for i, x in enumerate(plan.instructions):
+            name, cat, kind, shape = describe(x, mbs[x.mb])
+            tr.events.append(ExecEvent(i, x.OPCODE, x.mb, name, cat, 1000.0 + 10 * i + plan.stage, 5.0, kind, shape))
+        tr.memory.append((1000.0, 1 << 20))
+        traces.append(tr)
+    doc = json.loads(json.dumps(chrome_trace(traces)))
+    ops = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert [sum(1 for e in ops if e["tid"] == s) for s in range(2)] == [len(p.instructions) for p in plans]
+    assert min(e["ts"] for e in ops) == 0.0
+    compute = [e for e in ops if e["cat"] in ("forward", "backward")]
+    # Same names, categories and args as the simulator's op events.
+    mb0 = plans[0].micro_batches[0]
+    sim = op_event(0, 0, "F", 0, 0.0, 1.0, mbs=mb0.mbs, seqlen=mb0.seqlen)
+    mine = next(e for e in compute if e["tid"] == 0 and e["name"].startswith("F0 "))
+    assert mine["name"] == sim["name"] == f"F0 {mb0.mbs}x{mb0.seqlen}" and mine["cat"] == sim["cat"]
+    assert {k: mine["args"][k] for k in sim["args"]} == sim["args"]
+    assert len(compute) == 2 * 2 * len(plans[0].micro_batches)
+    rows = [e for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"]
+    assert sorted(e["args"]["name"] for e in rows) == ["stage 0", "stage 1"]
+    assert any(e["ph"] == "C" and e["args"]["MiB"] == 1.0 for e in doc["traceEvents"])
+    assert traces[0].busy_us() == 5.0 * 2 * len(plans[0].micro_batches)
+    # Shifted rows, so an executed trace and a simulated one can share a viewer.
+    shifted = chrome_trace(traces, pid_offset=5)["traceEvents"]
+    names = [e for e in shifted if e["ph"] == "M" and e["name"] == "process_name"]
+    assert [(e["pid"], e["args"]["name"]) for e in names] == [(5, "executed replica 0")]
+    assert {e["pid"] for e in shifted} == {5}
+
+
+def test_pipeline_rank_layout_is_megatrons():
+    assert pipeline_ranks(4, 2) == [[0, 2], [1, 3]]
+    assert pipeline_ranks(4, 4) == [[0, 1, 2, 3]]
