@@ -1,0 +1,173 @@
+"""Save and resume training: model, optimizer, LR schedule, consumed samples, RNG.
+
+Layout (Megatron's, so the directories look familiar)::
+
+    SAVE/latest_checkpointed_iteration.txt              # the newest complete iteration
+    SAVE/iter_0000100/mp_rank_00_001/model_optim_rng.pt # per (tensor, pipeline) rank, written by DP rank 0
+    SAVE/iter_0000100/mp_rank_00_001/rng_dp_001.pt      # RNG states of every data-parallel rank
+    SAVE/iter_0000100/mp_rank_00_001/distrib_optim.pt   # sharded optimizer state (distributed optimizer)
+
+Data-parallel replicas hold identical weights and optimizer state, so one replica
+writes them; every rank writes its own RNG states (dropout masks differ per rank).
+With ``--use-distributed-optimizer`` the optimizer state is sharded over the replicas:
+megatron-core's ``save_parameter_state`` gathers it into ``distrib_optim.pt``
+(collective over the data-parallel group) and ``load_parameter_state`` scatters it back.
+``latest_checkpointed_iteration.txt`` is written last, after a barrier, so a job that
+dies mid-save resumes from the previous complete checkpoint. Files are loaded with
+``torch.load(weights_only=True)``: nothing but tensors and plain values is unpickled.
+"""
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dynapipe.errors import DynaPipeError
+from megatron_integration.initialize import RankInfo
+
+LATEST = "latest_checkpointed_iteration.txt"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ResumeState:
+    """Where a loaded checkpoint left training: iterations done and samples consumed."""
+
+    iteration: int
+    consumed_samples: int
+
+
+def _iter_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _rank_dir(root: str, iteration: int, info: RankInfo) -> str:
+    return os.path.join(_iter_dir(root, iteration), f"mp_rank_{info.tp_rank:02d}_{info.pp_rank:03d}")
+
+
+def get_rng_state() -> dict:
+    """Python, numpy, torch (CPU and CUDA) and megatron's model-parallel tracker states."""
+    from megatron.core import tensor_parallel
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": [list(random.getstate()[1]), random.getstate()[0], random.getstate()[2]],
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached": float(cached)},
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`get_rng_state` captured."""
+    from megatron.core import tensor_parallel
+
+    internal, version, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _atomic_save(obj, path: str) -> None:
+    tmp = path + ".tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _is_distributed(optimizer) -> bool:
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return any(hasattr(o, "get_parameter_state_dp_zero") for o in inner)
+
+
+def save_checkpoint(root: str, iteration: int, consumed_samples: int, gpt: torch.nn.Module, optimizer,
+                    scheduler, info: RankInfo, extra: Optional[dict] = None) -> str:
+    """Write this rank's part of the checkpoint of ``iteration``; collective over all ranks.
+
+    Returns the iteration directory.
+    """
+    rank_dir = _rank_dir(root, iteration, info)
+    os.makedirs(rank_dir, exist_ok=True)
+    if info.dp_rank == 0:
+        payload = {
+            "format_version": FORMAT_VERSION,
+            "iteration": iteration,
+            "consumed_samples": consumed_samples,
+            "model": gpt.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "extra": extra or {},
+        }
+        _atomic_save(payload, os.path.join(rank_dir, "model_optim_rng.pt"))
+    if _is_distributed(optimizer):
+        optimizer.save_parameter_state(os.path.join(rank_dir, "distrib_optim.pt"))
+    _atomic_save(get_rng_state(), os.path.join(rank_dir, f"rng_dp_{info.dp_rank:03d}.pt"))
+    dist.barrier()
+    if info.rank == 0:
+        tmp = os.path.join(root, LATEST + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(str(iteration))
+        os.replace(tmp, os.path.join(root, LATEST))
+    dist.barrier()
+    return _iter_dir(root, iteration)
+
+
+def latest_iteration(root: str) -> Optional[int]:
+    """The newest complete checkpoint's iteration under ``root``, or None when there is none."""
+    path = os.path.join(root, LATEST)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise DynaPipeError(f"{path}: expected an iteration number, found {text!r}.") from None
+
+
+def load_checkpoint(root: str, gpt: torch.nn.Module, optimizer, scheduler, info: RankInfo,
+                    load_optim: bool = True, load_rng: bool = True) -> Optional[ResumeState]:
+    """Restore this rank's part of the newest checkpoint under ``root``.
+
+    Returns None when ``root`` holds no checkpoint yet (a fresh start).
+    """
+    iteration = latest_iteration(root)
+    if iteration is None:
+        return None
+    rank_dir = _rank_dir(root, iteration, info)
+    main = os.path.join(rank_dir, "model_optim_rng.pt")
+    if not os.path.exists(main):
+        raise DynaPipeError(f"checkpoint {main} is missing: was it saved with the same "
+                            f"--tensor/--pipeline-model-parallel-size?")
+    payload = torch.load(main, map_location=info.device, weights_only=True)
+    if payload.get("format_version") != FORMAT_VERSION:
+        raise DynaPipeError(f"{main}: checkpoint format {payload.get('format_version')!r} is not supported.")
+    try:
+        gpt.load_state_dict(payload["model"], strict=True)
+    except RuntimeError as e:
+        raise DynaPipeError(f"{main}: the checkpoint does not fit this model ({str(e).splitlines()[0]}); "
+                            f"use the model arguments it was saved with.") from None
+    if load_optim:
+        optimizer.load_state_dict(payload["optimizer"])
+        scheduler.load_state_dict(payload["scheduler"])
+        if _is_distributed(optimizer):
+            optimizer.load_parameter_state(os.path.join(rank_dir, "distrib_optim.pt"))
+    if load_rng:
+        rng = os.path.join(rank_dir, f"rng_dp_{info.dp_rank:03d}.pt")
+        if not os.path.exists(rng):
+            raise DynaPipeError(f"{rng} is missing: the checkpoint was saved with fewer data-parallel ranks; "
+                                f"resume with --no-load-rng.")
+        set_rng_state(torch.load(rng, map_location="cpu", weights_only=True))
+    return ResumeState(iteration=int(payload["iteration"]), consumed_samples=int(payload["consumed_samples"]))

@@ -1,0 +1,91 @@
+"""The dataset and global-batch stream of a run, shared by every method.
+
+DynaPipe's data loader and the fixed-shape baselines read the same
+:class:`~dynapipe.data.config.DatasetConfig` through the same
+:class:`~dynapipe.data.sampler.GlobalBatchSampler` (seeded by ``--seed``, resumable from
+``consumed_samples``), so for a given seed every method trains on the same samples in
+the same global batches.
+
+``--mock-data`` is the synthetic multi-task mixture: ``--dynapipe-mock-samples``
+samples (default 65,536), reshuffled every epoch. ``--data-path`` takes JSONL files
+(``*.jsonl``, tokenised byte-level) or Megatron indexed-dataset prefixes
+(``PREFIX.bin``/``PREFIX.idx``).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from dynapipe.data.config import DatasetConfig
+from dynapipe.data.samples import Sample, SampleDataset
+from dynapipe.data.sampler import GlobalBatch, GlobalBatchSampler, SamplerConfig
+from dynapipe.errors import DynaPipeError
+from megatron_integration.arguments import data_files
+from megatron_integration.train_config import DynaPipeTrainingConfig
+
+
+def dataset_config(cfg: DynaPipeTrainingConfig) -> DatasetConfig:
+    """The :class:`DatasetConfig` of a run's data arguments."""
+    d = cfg.data
+    common = dict(seq_length=cfg.model.seq_length, overlong=d.overlong, seed=cfg.seed,
+                  vocab_size=cfg.model.vocab_size)
+    if d.mock_data:
+        return DatasetConfig(kind="synthetic", num_samples=d.mock_samples, mixture=d.mixture, **common)
+    if d.tokenizer_type != "ByteLevel":
+        raise DynaPipeError(f"--tokenizer-type {d.tokenizer_type}: this build tokenises JSONL byte-level "
+                            f"(--tokenizer-type ByteLevel); pre-tokenise other vocabularies into a Megatron "
+                            f"indexed dataset with Megatron's preprocess_data.py.")
+    files = data_files(d.data_path)
+    jsonl = [p for p in files if p.endswith((".jsonl", ".json"))]
+    if jsonl and len(jsonl) != len(files):
+        raise DynaPipeError("--data-path mixes JSONL files and indexed-dataset prefixes; give one kind.")
+    if jsonl:
+        return DatasetConfig(kind="jsonl", paths=tuple(jsonl), **common)
+    for p in files:
+        if not (os.path.exists(p + ".idx") and os.path.exists(p + ".bin")):
+            raise DynaPipeError(f"--data-path {p}: neither a .jsonl file nor an indexed dataset ({p}.bin/.idx).")
+    return DatasetConfig(kind="indexed", paths=tuple(files), **common)
+
+
+def sampler_config(cfg: DynaPipeTrainingConfig) -> SamplerConfig:
+    """Global batches by ``--global-batch-size`` samples or by token budget."""
+    tokens = cfg.data.tokens_per_global_batch or 0
+    return SamplerConfig(global_batch_size=0 if tokens else cfg.global_batch_size, tokens_per_global_batch=tokens,
+                         seed=cfg.seed, shuffle=True, min_samples=cfg.parallel.data_parallel_size)
+
+
+@dataclass
+class GlobalBatches:
+    """Random access to the global batches of a run started at ``start_iteration``."""
+
+    dataset: SampleDataset
+    sampler: GlobalBatchSampler
+    start_iteration: int
+
+    @classmethod
+    def create(cls, cfg: DynaPipeTrainingConfig, consumed_samples: int, start_iteration: int) -> "GlobalBatches":
+        dataset = dataset_config(cfg).build()
+        vocab = getattr(dataset, "vocab_size", 0)
+        if vocab and vocab > cfg.model.vocab_size:
+            raise DynaPipeError(f"the data's vocabulary has {vocab} ids but --vocab-size is {cfg.model.vocab_size}; "
+                                f"raise --vocab-size to at least {vocab}.")
+        sampler = GlobalBatchSampler(dataset.sample_tokens(), sampler_config(cfg), consumed_samples)
+        return cls(dataset, sampler, start_iteration)
+
+    def batch(self, iteration: int) -> GlobalBatch:
+        """Dataset indices of global batch ``iteration`` (and its consumed-samples bounds)."""
+        return self.sampler.batch(iteration - self.start_iteration)
+
+    def samples(self, batch: GlobalBatch) -> list[Sample]:
+        """The samples (token ids) of a global batch, in stream order."""
+        return [self.dataset[int(i)] for i in batch.indices]
+
+    def lengths(self, batch: GlobalBatch) -> np.ndarray:
+        """Tokens of every sample of a global batch (input + target)."""
+        return self.dataset.planner_lengths(batch.indices)
+
+    @property
+    def num_truncated(self) -> int:
+        return self.dataset.num_truncated

@@ -1,0 +1,121 @@
+"""Process groups, megatron parallel state and random seeds for one training job.
+
+``initialize_megatron`` is what every entry point calls first: it joins (or starts)
+the torch.distributed job, applies the CPU compatibility layer when there is no CUDA,
+creates megatron-core's tensor/pipeline/data-parallel groups and seeds every generator
+the way Megatron-LM does (seed + 100 x pipeline rank, so stages draw different dropout
+masks; the model-parallel RNG tracker seeded from it).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_integration import cpu_compat
+from megatron_integration.train_config import ParallelArgs
+
+# Optional-dependency notices megatron-core prints at import; expected on CPU.
+_QUIET = ("Transformer Engine and Apex are not installed", "Apex is not installed",
+          "Transformer Engine is not installed", "full scope is deprecated")
+
+
+def quiet_megatron_warnings() -> None:
+    """Silence megatron-core's notices about missing optional GPU packages."""
+    for text in _QUIET:
+        warnings.filterwarnings("ignore", message=f".*{text}.*")
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits: global rank and its pipeline / data-parallel coordinates."""
+
+    rank: int
+    world_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    tp_rank: int
+    tp_size: int
+    device: torch.device
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def init_distributed(parallel: ParallelArgs) -> None:
+    """Join the job's process group (torchrun's environment), unless already joined."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        # A single process started without torchrun: a one-rank job.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+    if parallel.backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(parallel.backend,
+                            timeout=datetime.timedelta(minutes=parallel.timeout_minutes))
+
+
+def initialize_megatron(parallel: ParallelArgs, seed: int) -> RankInfo:
+    """Process groups, megatron parallel state, CPU compatibility and seeds; returns this rank's place."""
+    quiet_megatron_warnings()
+    init_distributed(parallel)
+    if not torch.cuda.is_available():
+        cpu_compat.apply()
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+            pipeline_model_parallel_size=parallel.pipeline_model_parallel_size)
+    info = rank_info()
+    set_seeds(seed, info)
+    return info
+
+
+def rank_info() -> RankInfo:
+    """This rank's coordinates from megatron's parallel state."""
+    from megatron.core import parallel_state as ps
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return RankInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                    pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size(),
+                    dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+                    tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
+                    device=device)
+
+
+def set_seeds(seed: int, info: RankInfo) -> None:
+    """Seed Python, numpy, torch and megatron's model-parallel RNG tracker as Megatron-LM does."""
+    from megatron.core import tensor_parallel
+
+    stage_seed = seed + 100 * info.pp_rank
+    random.seed(stage_seed)
+    np.random.seed(stage_seed % (2**32))
+    torch.manual_seed(stage_seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
+
+
+def destroy() -> None:
+    """Tear down megatron's parallel state and the process group (tests, the bench)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

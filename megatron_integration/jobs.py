@@ -1,0 +1,49 @@
+"""Training jobs started from Python: one spawned gloo/NCCL job per call.
+
+``run_training(argv, world_size)`` launches ``world_size`` local ranks (see
+:mod:`megatron_integration.launch`), each parsing the Megatron-style ``argv`` and
+running :func:`megatron_integration.training.pretrain`; it returns the per-iteration
+figures every rank agrees on. ``python -m dynapipe bench`` and the tests use it.
+"""
+from __future__ import annotations
+
+import io
+import os
+import sys
+from typing import Optional, Sequence
+
+from megatron_integration.launch import spawn
+
+
+def training_job(argv: Sequence[str], echo: bool = False) -> dict:
+    """Rank body: train with ``argv``; returns a picklable summary of the run."""
+    from megatron_integration.arguments import parse_training_args
+    from megatron_integration.initialize import destroy
+    from megatron_integration.training import pretrain
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = parse_training_args(list(argv), world)
+    stream = sys.stdout if echo else io.StringIO()
+    try:
+        run = pretrain(cfg, stream=stream)
+    finally:
+        destroy()
+    return {
+        "method": cfg.method,
+        "start_iteration": run.start_iteration,
+        "losses": run.losses,
+        "iteration_ms": [r.iteration_ms for r in run.results],
+        "real_tokens": [r.real_tokens for r in run.results],
+        "padded_tokens": [r.padded_tokens for r in run.results],
+        "loss_tokens": [r.loss_tokens for r in run.results],
+        "plan_wait_ms": [r.plan_wait_ms for r in run.results],
+        "log_lines": run.log_lines,
+        "layer_spec": run.spec_name,
+    }
+
+
+def run_training(argv: Sequence[str], world_size: int, timeout_s: float = 600.0, echo: bool = False,
+                 threads_per_rank: Optional[int] = None) -> list[dict]:
+    """Spawn ``world_size`` ranks training with ``argv``; their summaries in rank order."""
+    return spawn(training_job, world_size, (list(argv), echo), timeout_s=timeout_s,
+                 threads_per_rank=threads_per_rank)

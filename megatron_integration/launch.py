@@ -1,0 +1,104 @@
+"""Start a gloo (or NCCL) job of N local ranks from Python, without torchrun.
+
+Used by ``python -m dynapipe bench`` (so the command alone trains PP2 on a CPU) and by
+the tests. Each rank runs ``fn(*args)`` in a spawned process with torchrun's
+environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``)
+set; the results come back in rank order. A rank that raises stops the whole job and
+its traceback is re-raised here; a job that runs past ``timeout_s`` is killed and
+reported, never left hanging.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable, Optional, Sequence
+
+import torch.multiprocessing as mp
+
+from dynapipe.errors import DynaPipeError
+
+
+class RankFailed(RuntimeError):
+    """A rank of a spawned job raised; the message holds its traceback."""
+
+
+def free_port() -> int:
+    """A TCP port free on this host right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, threads: int, fn: Callable, args: Sequence[Any],
+           results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    try:
+        results.put((rank, "ok", fn(*args)))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+        raise SystemExit(1)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def spawn(fn: Callable, world_size: int, args: Sequence[Any] = (), timeout_s: float = 600.0,
+          threads_per_rank: Optional[int] = None) -> list:
+    """Run ``fn(*args)`` on ``world_size`` spawned ranks; return their results in rank order.
+
+    ``fn`` must be importable (a module-level function). ``threads_per_rank`` defaults to
+    the CPU count divided by the ranks (at least 1).
+    """
+    if world_size < 1:
+        raise DynaPipeError(f"world size {world_size}: need at least one rank.")
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        p = ctx.Process(target=_entry, args=(rank, world_size, port, threads, fn, tuple(args), results),
+                        daemon=False)
+        p.start()
+        procs.append(p)
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RankFailed(f"job of {world_size} ranks did not finish within {timeout_s:.0f} s "
+                                 f"(ranks done: {sorted(out)})")
+            try:
+                rank, status, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
+                if dead:
+                    raise RankFailed(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} "
+                                     f"before reporting a result")
+                continue
+            if status == "error":
+                raise RankFailed(f"rank {rank} failed:\n{payload}")
+            out[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(out) == world_size else 0.5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        results.close()
+    return [out[r] for r in range(world_size)]

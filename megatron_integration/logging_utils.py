@@ -1,0 +1,120 @@
+"""Megatron-format training log lines, and TensorBoard scalars when asked for.
+
+One line every ``--log-interval`` iterations, printed by the last pipeline stage of the
+first replica (where Megatron-LM prints), averaged over the interval::
+
+     iteration       10/      50 | consumed samples:          640 | elapsed time per iteration (ms): 812.3 |
+     learning rate: 1.000000E-03 | global batch size:    64 | lm loss: 5.912345E+00 | grad norm: 0.812 |
+     real tokens/s: 12345.6 | padding efficiency: 0.912 | plan wait (ms): 0.04 | number of skipped iterations:   0 |
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional, TextIO
+
+from megatron_integration.megatron_step import StepResult
+
+
+@dataclass
+class IntervalStats:
+    """Sums over the iterations since the last log line."""
+
+    iterations: int = 0
+    loss_sum: float = 0.0
+    loss_tokens: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    plan_wait_ms: float = 0.0
+    grad_norm: float = 0.0
+    skipped: int = 0
+    truncated: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    def add(self, r: StepResult) -> None:
+        self.iterations += 1
+        self.loss_sum += r.loss * r.loss_tokens
+        self.loss_tokens += r.loss_tokens
+        self.real_tokens += r.real_tokens
+        self.padded_tokens += r.padded_tokens
+        self.plan_wait_ms += r.plan_wait_ms
+        self.grad_norm = r.grad_norm
+        self.skipped += int(r.skipped)
+
+
+def format_log_line(iteration: int, train_iters: int, consumed_samples: int, stats: IntervalStats, elapsed_s: float,
+                    lr: float, global_batch_size: int) -> str:
+    """The Megatron-style line for one logging interval."""
+    n = max(stats.iterations, 1)
+    ms_per_iter = elapsed_s * 1e3 / n
+    loss = stats.loss_sum / max(stats.loss_tokens, 1)
+    parts = [
+        f" iteration {iteration:8d}/{train_iters:8d}",
+        f"consumed samples: {consumed_samples:12d}",
+        f"elapsed time per iteration (ms): {ms_per_iter:.1f}",
+        f"learning rate: {lr:.6E}",
+        f"global batch size: {global_batch_size:5d}",
+        f"lm loss: {loss:.6E}",
+        f"grad norm: {stats.grad_norm:.3f}",
+        f"real tokens/s: {stats.real_tokens / max(elapsed_s, 1e-9):.1f}",
+        f"padding efficiency: {stats.real_tokens / max(stats.padded_tokens, 1):.3f}",
+        f"plan wait (ms): {stats.plan_wait_ms / n:.2f}",
+        f"number of skipped iterations: {stats.skipped:3d}",
+    ]
+    if stats.truncated:
+        parts.append(f"truncated samples: {stats.truncated}")
+    return " | ".join(parts) + " |"
+
+
+class TrainingLogger:
+    """Collects step results and prints (and writes to TensorBoard) every ``log_interval``."""
+
+    def __init__(self, train_iters: int, global_batch_size: int, log_interval: int, is_logging_rank: bool,
+                 tensorboard_dir: Optional[str] = None, stream: TextIO = sys.stdout):
+        self.train_iters, self.global_batch_size = train_iters, global_batch_size
+        self.log_interval = log_interval
+        self.is_logging_rank = is_logging_rank
+        self.stream = stream
+        self.stats = IntervalStats()
+        self.writer = None
+        self.lines: list[str] = []
+        if tensorboard_dir and is_logging_rank:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except Exception as e:  # tensorboard is an optional extra
+                print(f"warning: --tensorboard-dir given but TensorBoard is unavailable ({e}); "
+                      f"install it with `pip install tensorboard`.", file=sys.stderr)
+            else:
+                self.writer = SummaryWriter(log_dir=tensorboard_dir, max_queue=1000)
+
+    def record(self, iteration: int, consumed_samples: int, result: StepResult, lr: float,
+               truncated: int = 0) -> Optional[str]:
+        """Add one iteration (1-based ``iteration``); returns the log line when one is due."""
+        self.stats.add(result)
+        self.stats.truncated += truncated
+        if self.writer is not None:
+            w = self.writer
+            w.add_scalar("lm loss", result.loss, iteration)
+            w.add_scalar("lm loss vs samples", result.loss, consumed_samples)
+            w.add_scalar("iteration-time (ms)", result.iteration_ms, iteration)
+            w.add_scalar("real tokens per second", result.real_tokens / max(result.iteration_ms / 1e3, 1e-9), iteration)
+            w.add_scalar("padding efficiency", result.padding_efficiency, iteration)
+            w.add_scalar("plan wait (ms)", result.plan_wait_ms, iteration)
+            w.add_scalar("learning-rate", lr, iteration)
+            w.add_scalar("grad-norm", result.grad_norm, iteration)
+        if iteration % self.log_interval and iteration != self.train_iters:
+            return None
+        elapsed = time.perf_counter() - self.stats.started
+        line = format_log_line(iteration, self.train_iters, consumed_samples, self.stats, elapsed, lr,
+                               self.global_batch_size)
+        self.stats = IntervalStats()
+        self.lines.append(line)
+        if self.is_logging_rank:
+            print(line, file=self.stream, flush=True)
+        return line
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()

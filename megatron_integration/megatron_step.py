@@ -1,0 +1,117 @@
+"""The fixed-shape baselines: one training iteration through megatron-core's own 1F1B.
+
+``padding`` and ``packing`` micro-batches all have the shape ``[--micro-batch-size,
+--seq-length]``; megatron-core's ``get_forward_backward_func`` runs them (1F1B with
+PP > 1, no pipelining with PP = 1), DDP and ``finalize_model_grads`` reduce the
+gradients and divide them by the global batch's loss-token count
+(``calculate_per_token_loss``), and megatron-core's optimizer steps.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dynapipe.data.samples import Sample
+from megatron_integration.batches import (MicroBatchTensors, packing_assignment, padding_assignment,
+                                          rows_micro_batch)
+from megatron_integration.initialize import RankInfo
+from megatron_integration.model import Stage
+
+
+@dataclass
+class StepResult:
+    """One iteration's outcome, identical on every rank.
+
+    ``loss`` is the global batch's mean loss per loss token (``lm loss``); token counts
+    are over the whole global batch; times in ms.
+    """
+
+    loss: float
+    loss_tokens: int
+    real_tokens: int
+    padded_tokens: int
+    iteration_ms: float
+    grad_norm: float = 0.0
+    plan_wait_ms: float = 0.0
+    skipped: bool = False
+    consumed_samples: int = 0
+    truncated: int = 0
+
+    @property
+    def padding_efficiency(self) -> float:
+        return self.real_tokens / max(self.padded_tokens, 1)
+
+
+def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+    """Megatron's three-value loss contract: (sum of token losses, loss tokens, report)."""
+    losses = output.float().reshape(-1)
+    mask = loss_mask.reshape(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    tokens = mask.sum()
+    return loss_sum, tokens.to(torch.int), {"lm loss": torch.stack([loss_sum.detach(), tokens.detach()])}
+
+
+def forward_step(data_iterator, model):
+    """megatron-core ``forward_step_func``: run the stage on the next micro-batch."""
+    mb: MicroBatchTensors = next(data_iterator)
+    output = model(mb.tokens, mb.position_ids, mb.attention_mask, labels=mb.labels)
+    return output, partial(loss_func, mb.loss_mask)
+
+
+def build_micro_batches(method: str, samples: Sequence[Sample], lengths: np.ndarray, seq_length: int, mbs: int,
+                        info: RankInfo, reset_position_ids: bool = False,
+                        reset_attention_mask: bool = False) -> tuple[list[MicroBatchTensors], int]:
+    """This replica's fixed-shape micro-batches and the global batch's padded-token count."""
+    dp, r = info.dp_size, info.dp_rank
+    if method == "padding":
+        groups = padding_assignment(len(samples), mbs, dp, r)
+        mbs_list = [rows_micro_batch([[samples[i]] for i in g], seq_length) for g in groups]
+        padded = len(samples) * seq_length
+    elif method == "packing":
+        groups = packing_assignment(lengths, seq_length, mbs, dp, r)
+        mbs_list = [rows_micro_batch([[samples[i] for i in row] for row in g], seq_length,
+                                     reset_position_ids, reset_attention_mask) for g in groups]
+        padded = len(groups) * mbs * dp * seq_length
+    else:
+        raise ValueError(f"not a fixed-shape method: {method!r}")
+    return [m.to(info.device) for m in mbs_list], padded
+
+
+def reduce_loss(loss_sum: float, loss_tokens: int, is_last_stage: bool, device: torch.device) -> tuple[float, int]:
+    """Global (sum, tokens) from the last stage of every replica, known on every rank."""
+    t = torch.tensor([loss_sum, float(loss_tokens)] if is_last_stage else [0.0, 0.0],
+                     dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t[0]), int(round(float(t[1])))
+
+
+def megatron_train_step(stage: Stage, optimizer, scheduler, micro_batches: list[MicroBatchTensors],
+                        seq_length: int, mbs: int, info: RankInfo, real_tokens: int, padded_tokens: int) -> StepResult:
+    """One iteration of megatron-core 1F1B over fixed-shape micro-batches, with the optimizer step."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    start = time.perf_counter()
+    stage.module.zero_grad_buffer()
+    optimizer.zero_grad()
+    forward_backward = get_forward_backward_func()
+    reports = forward_backward(forward_step_func=forward_step, data_iterator=iter(micro_batches),
+                               model=[stage.module], num_microbatches=len(micro_batches),
+                               seq_length=seq_length, micro_batch_size=mbs, forward_only=False)
+    ok, grad_norm, _ = optimizer.step()
+    if ok:
+        scheduler.step(increment=1)
+    loss_sum = sum(float(r["lm loss"][0]) for r in reports) if info.is_last_stage else 0.0
+    loss_tokens = sum(int(r["lm loss"][1]) for r in reports) if info.is_last_stage else 0
+    loss_sum, loss_tokens = reduce_loss(loss_sum, loss_tokens, info.is_last_stage, info.device)
+    if info.device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = (time.perf_counter() - start) * 1e3
+    return StepResult(loss=loss_sum / max(loss_tokens, 1), loss_tokens=loss_tokens, real_tokens=real_tokens,
+                      padded_tokens=padded_tokens, iteration_ms=elapsed,
+                      grad_norm=float(grad_norm or 0.0), skipped=not ok)

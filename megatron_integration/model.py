@@ -1,0 +1,217 @@
+"""This rank's pipeline stage of megatron-core's ``GPTModel``, its optimizer and schedule.
+
+* Layer spec: Transformer Engine's when CUDA is up and ``transformer_engine`` imports,
+  megatron-core's local (pure torch) spec otherwise.
+* ``TransformerConfig.pipeline_model_parallel_size`` is set, so each stage builds only
+  its own layers; stage 0 holds the embedding, the last stage the output layer (a tied
+  copy of the embedding when ``--untie-embeddings-and-output-weights`` is absent).
+* Initialisation is deterministic by *global* parameter name (see
+  :func:`deterministic_init_`): every split of the model into stages, and every
+  batching method, starts from the same weights for a given ``--seed``.
+* Gradients are synchronised by megatron-core's ``DistributedDataParallel`` and
+  finalised by ``finalize_model_grads`` (data-parallel all-reduce, tied-embedding
+  all-reduce, division by the global batch's real-token count); megatron-core's
+  optimizer wraps AdamW (torch's fallback on CPU).
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_integration.train_config import DynaPipeTrainingConfig, GPTModelArgs, ParallelArgs
+from megatron_integration.initialize import RankInfo
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def te_available() -> bool:
+    """Whether Transformer Engine can be used (it needs CUDA)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def transformer_config(model: GPTModelArgs, parallel: ParallelArgs, cuda: Optional[bool] = None):
+    """megatron-core ``TransformerConfig`` for this model and process layout."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    dtype = TORCH_DTYPES[model.dtype]
+    kwargs = dict(
+        num_layers=model.num_layers, hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
+        ffn_hidden_size=model.ffn_hidden_size, kv_channels=model.kv_channels,
+        hidden_dropout=model.hidden_dropout, attention_dropout=model.attention_dropout,
+        init_method_std=model.init_method_std, normalization=model.normalization,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=model.dtype == "bf16", fp16=model.dtype == "fp16",
+        # The loss is a sum over real tokens; gradients are divided by the global batch's
+        # real-token count in finalize_model_grads (comparable across batching methods).
+        calculate_per_token_loss=True,
+        use_cpu_initialization=not cuda,
+        deallocate_pipeline_outputs=True,
+    )
+    if not cuda:
+        # Fused kernels are CUDA-only (or need a compiler); the unfused paths are the same maths.
+        kwargs.update(gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
+                      bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(use_te: Optional[bool] = None):
+    """(spec, name): Transformer Engine's GPT layer spec when usable, else megatron-core's local one."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    use_te = te_available() if use_te is None else use_te
+    if use_te:
+        return specs.get_gpt_layer_with_transformer_engine_spec(), "transformer_engine"
+    return specs.get_gpt_layer_local_spec(), "local"
+
+
+@dataclass
+class Stage:
+    """This rank's model stage: the DDP-wrapped module and where it sits in the pipeline."""
+
+    module: torch.nn.Module  # megatron DistributedDataParallel([Float16Module](GPTModel))
+    gpt: torch.nn.Module  # the unwrapped GPTModel
+    config: object  # TransformerConfig
+    pp_rank: int
+    pp_size: int
+    spec_name: str
+
+    @property
+    def pre_process(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def post_process(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def build_gpt_stage(cfg: DynaPipeTrainingConfig, info: RankInfo, use_te: Optional[bool] = None) -> torch.nn.Module:
+    """The unwrapped ``GPTModel`` of this rank's stage, deterministically initialised."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    tconfig = transformer_config(cfg.model, cfg.parallel, cuda=info.device.type == "cuda")
+    spec, _ = layer_spec(use_te)
+    m = cfg.model
+    gpt = GPTModel(config=tconfig, transformer_layer_spec=spec, vocab_size=m.vocab_size,
+                   max_sequence_length=m.max_position_embeddings, pre_process=info.is_first_stage,
+                   post_process=info.is_last_stage, share_embeddings_and_output_weights=m.tie_embeddings,
+                   position_embedding_type=m.position_embedding_type)
+    gpt.to(info.device)
+    deterministic_init_(gpt, m, cfg.seed)
+    return gpt
+
+
+def build_stage(cfg: DynaPipeTrainingConfig, info: RankInfo, use_te: Optional[bool] = None) -> Stage:
+    """Build, initialise and wrap this rank's stage in megatron-core DDP."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    gpt = build_gpt_stage(cfg, info, use_te)
+    tconfig = gpt.config
+    inner = gpt
+    if cfg.model.dtype in ("bf16", "fp16"):
+        from megatron.core.transformer.module import Float16Module
+
+        # As Megatron-LM does: half-precision weights, fp32 loss on the last stage.
+        inner = Float16Module(tconfig, gpt)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=cfg.optimizer.distributed)
+    module = DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=inner)
+    _, spec_name = layer_spec(use_te)
+    return Stage(module=module, gpt=gpt, config=tconfig, pp_rank=info.pp_rank, pp_size=info.pp_size,
+                 spec_name=spec_name)
+
+
+# -- deterministic initialisation ---------------------------------------------------------
+
+# Output projections of each layer get Megatron's scaled init: std / sqrt(2 x layers).
+_SCALED = ("linear_proj.weight", "linear_fc2.weight")
+_ONES = ("layer_norm_weight", "layernorm.weight", "final_layernorm.weight", "norm.weight")
+
+
+def global_parameter_name(gpt: torch.nn.Module, local_name: str, tied: bool) -> str:
+    """Name of a parameter in the unsplit model: layer indices made global; the last
+    stage's tied output weight named after the word embedding it copies."""
+    if tied and local_name == "output_layer.weight":
+        return "embedding.word_embeddings.weight"
+    prefix = "decoder.layers."
+    if local_name.startswith(prefix):
+        index, rest = local_name[len(prefix):].split(".", 1)
+        layer = gpt.decoder.layers[int(index)]
+        return f"{prefix}{layer.layer_number - 1}.{rest}"  # layer_number is global and 1-based
+    return local_name
+
+
+def _name_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+@torch.no_grad()
+def deterministic_init_(gpt: torch.nn.Module, model: GPTModelArgs, seed: int) -> None:
+    """Re-initialise every parameter from a generator seeded by (seed, global name).
+
+    Same distributions as Megatron (normal(0, std) weights, scaled normal for output
+    projections, zero biases, unit norm weights); the draws depend only on the global
+    parameter name, so a 1-stage and an N-stage model hold identical weights.
+    """
+    tied = model.tie_embeddings
+    std = model.init_method_std
+    scaled_std = std / math.sqrt(2.0 * model.num_layers)
+    for local_name, param in gpt.named_parameters():
+        name = global_parameter_name(gpt, local_name, tied)
+        if name.endswith("bias"):
+            param.zero_()
+        elif any(name.endswith(s) for s in _ONES) or param.dim() == 1:
+            param.fill_(1.0)
+        else:
+            gen = torch.Generator(device=param.device).manual_seed(_name_seed(seed, name))
+            value = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+            value.normal_(0.0, scaled_std if name.endswith(_SCALED) else std, generator=gen)
+            param.copy_(value)
+
+
+# -- optimizer -------------------------------------------------------------------------------
+
+def build_optimizer(cfg: DynaPipeTrainingConfig, stage: Stage):
+    """megatron-core's optimizer (AdamW; torch's implementation without Apex/TE) and its
+    learning-rate scheduler (warm-up, then constant / linear / cosine decay)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    o = cfg.optimizer
+    ocfg = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                           adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+                           clip_grad=o.clip_grad, bf16=cfg.model.dtype == "bf16", fp16=cfg.model.dtype == "fp16",
+                           params_dtype=TORCH_DTYPES[cfg.model.dtype],
+                           use_distributed_optimizer=cfg.optimizer.distributed)
+    optimizer = get_megatron_optimizer(ocfg, [stage.module])
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if o.lr_warmup_iters else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+        lr_warmup_steps=o.lr_warmup_iters, lr_decay_steps=max(o.lr_decay_iters, 1),
+        lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
+        wd_incr_steps=max(cfg.train_iters, 1), wd_incr_style="constant")
+    return optimizer, scheduler
+
+
+def finalize_grads_func():
+    """megatron-core's ``finalize_model_grads`` (DP and tied-embedding all-reduce, per-token scaling)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    return finalize_model_grads
+
+
+def attach_training_hooks(stage: Stage) -> None:
+    """Point the TransformerConfig at DDP's no-sync and the grad finaliser, as Megatron-LM's training does."""
+    stage.config.no_sync_func = stage.module.no_sync
+    stage.config.finalize_model_grads_func = finalize_grads_func()
+    stage.config.grad_scale_func = None

@@ -1,0 +1,268 @@
+"""Measure megatron-core's GPT building blocks and write a DynaPipe cost profile.
+
+For every (mbs, seqlen) of a grid, three ops are measured on the current device:
+
+* ``layer``: one transformer layer as a pipeline stage runs it (a one-layer
+  ``GPTModel`` stage without embedding or output layer, RoPE included when used);
+* ``embedding``: the word (+ position) embedding;
+* ``output``: final norm, output layer and the cross-entropy loss.
+
+Times: the fastest wall ms of the forward and of the backward over ``repeats`` runs
+after warm-up (CUDA synchronised around each); the minimum, because interference from
+other processes only ever adds time. Memory, MiB:
+
+* ``stored_mib``: the distinct storages autograd saves for the backward (recorded with
+  ``torch.autograd.graph.saved_tensors_hooks``), parameters excluded;
+* ``peak_mib``: the highest live activation memory during the forward or the backward,
+  minus ``stored_mib``. On CUDA from the allocator's peak statistics; on CPU from a
+  dispatch-level tracker that counts every storage an op creates until it is freed.
+
+The output is the format :mod:`dynapipe.cost.profile` documents and
+``ProfileCostModel`` reads.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from dynapipe.cost.profile import FIELDS, OPS, PROFILE_FORMAT, PROFILE_VERSION
+from megatron_integration.train_config import GPTModelArgs, ParallelArgs
+
+MIB = float(1 << 20)
+
+
+class LiveMemoryTracker(TorchDispatchMode):
+    """Counts the bytes of tensor storages created under it while they are alive.
+
+    A storage is counted when an op creates it (an op output that aliases none of the
+    op's inputs) and released when the last tensor object viewing it is collected.
+    ``peak`` is the highest count seen. Works on any device; used on CPU, where no
+    allocator statistics exist.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[int, list[int]] = {}
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def _release(self, key: int) -> None:
+        entry = self._refs.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self._refs[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key == 0:
+                continue
+            if key in self._refs:
+                self._refs[key][0] += 1
+            elif key in inputs:
+                continue  # a view of a storage made before tracking began
+            else:
+                nbytes = t.untyped_storage().nbytes()
+                self._refs[key] = [1, nbytes]
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+            weakref.finalize(t, self._release, key)
+        return out
+
+
+@dataclass
+class OpMeasurement:
+    """One op at one shape: ms and MiB (see module docstring)."""
+
+    fw_ms: float
+    bw_ms: float
+    stored_mib: float
+    peak_mib: float
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _saved_storage_bytes(fn: Callable[[], torch.Tensor], exclude: set[int]) -> tuple[torch.Tensor, int]:
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key and key not in exclude:
+            seen[key] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+def measure_op(forward: Callable[[], torch.Tensor], params: Sequence[torch.Tensor], device: torch.device,
+               repeats: int = 3, warmup: int = 1) -> OpMeasurement:
+    """Time and memory of ``forward()`` (returns the op's output) and its backward.
+
+    The backward is driven by a random gradient of the output's shape (a scalar
+    output, a loss, is backpropagated directly).
+    """
+    exclude = {p.untyped_storage().data_ptr() for p in params}
+
+    def grad_like(out):
+        return None if out.dim() == 0 else torch.randn_like(out)
+
+    fw, bw = [], []
+    for i in range(warmup + repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = forward()
+        _sync(device)
+        t1 = time.perf_counter()
+        g = grad_like(out)
+        _sync(device)
+        t2 = time.perf_counter()
+        out.backward(g)
+        _sync(device)
+        t3 = time.perf_counter()
+        for p in params:
+            p.grad = None
+        if i >= warmup:
+            fw.append((t1 - t0) * 1e3)
+            bw.append((t3 - t2) * 1e3)
+        del out, g
+
+    # Memory: one more run, untimed.
+    out, stored = _saved_storage_bytes(forward, exclude)
+    del out
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out = forward()
+        g = grad_like(out)
+        out.backward(g)
+        torch.cuda.synchronize(device)
+        peak_total = torch.cuda.max_memory_allocated(device) - base
+        del out, g
+    else:
+        with LiveMemoryTracker() as tracker:
+            out = forward()
+            g = grad_like(out)
+            out.backward(g)
+            del out, g
+        peak_total = tracker.peak
+    for p in params:
+        p.grad = None
+    peak = max(0.0, peak_total - stored)
+    return OpMeasurement(min(fw), min(bw), stored / MIB, peak / MIB)
+
+
+class _Ops:
+    """The three measured ops built from megatron-core modules for one model shape."""
+
+    def __init__(self, model: GPTModelArgs, device: torch.device, use_te: Optional[bool]):
+        from dataclasses import replace
+
+        from megatron.core.models.gpt.gpt_model import GPTModel
+
+        from megatron_integration.model import layer_spec, transformer_config
+
+        one = replace(model, num_layers=1, hidden_dropout=0.0, attention_dropout=0.0)
+        tconfig = transformer_config(one, ParallelArgs(world_size=1), cuda=device.type == "cuda")
+        spec, self.spec_name = layer_spec(use_te)
+        common = dict(config=tconfig, transformer_layer_spec=spec, vocab_size=model.vocab_size,
+                      max_sequence_length=model.max_position_embeddings,
+                      position_embedding_type=model.position_embedding_type)
+        # A middle stage holding one layer: input through set_input_tensor, output hidden states.
+        self.layer = GPTModel(pre_process=False, post_process=False, **common).to(device)
+        # Embedding and output layer (untied, so each op owns its weight).
+        self.ends = GPTModel(pre_process=True, post_process=True, share_embeddings_and_output_weights=False,
+                             **common).to(device)
+        self.model, self.device = model, device
+        self.dtype = tconfig.params_dtype
+
+    def layer_fn(self, b: int, s: int):
+        x = torch.randn(s, b, self.model.hidden_size, device=self.device, dtype=self.dtype, requires_grad=True)
+
+        def fw():
+            self.layer.set_input_tensor(x)
+            return self.layer(None, None, None)
+
+        return fw, list(self.layer.parameters())
+
+    def embedding_fn(self, b: int, s: int):
+        ids = torch.randint(1, self.model.vocab_size, (b, s), device=self.device)
+        pos = torch.arange(s, device=self.device).unsqueeze(0).expand(b, s)
+        emb = self.ends.embedding
+        return (lambda: emb(ids, pos)), list(emb.parameters())
+
+    def output_fn(self, b: int, s: int):
+        x = torch.randn(s, b, self.model.hidden_size, device=self.device, dtype=self.dtype, requires_grad=True)
+        labels = torch.randint(1, self.model.vocab_size, (b, s), device=self.device)
+        m = self.ends
+
+        def fw():
+            h = m.decoder.final_layernorm(x)
+            logits, _ = m.output_layer(h)
+            return m.compute_language_model_loss(labels, logits).float().sum()
+
+        params = list(m.decoder.final_layernorm.parameters()) + list(m.output_layer.parameters())
+        return fw, params
+
+
+def profile_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: Sequence[int], device: torch.device,
+                  repeats: int = 3, warmup: int = 1, use_te: Optional[bool] = None,
+                  progress: Optional[Callable[[str], None]] = None) -> dict:
+    """Measure every op over the grid; returns the profile as a JSON-ready dict.
+
+    megatron's parallel state must be initialised (one rank is enough).
+    """
+    ops = _Ops(model, device, use_te)
+    builders = {"layer": ops.layer_fn, "embedding": ops.embedding_fn, "output": ops.output_fn}
+    tables = {op: {f: [[0.0] * len(seqlen_grid) for _ in mbs_grid] for f in FIELDS} for op in OPS}
+    for i, b in enumerate(mbs_grid):
+        for j, s in enumerate(seqlen_grid):
+            for op in OPS:
+                fw, params = builders[op](b, s)
+                m = measure_op(fw, params, device, repeats=repeats, warmup=warmup)
+                for f in FIELDS:
+                    tables[op][f][i][j] = round(getattr(m, f), 6)
+            if progress:
+                layer = tables["layer"]
+                progress(f"mbs={b:<4d} seqlen={s:<6d} layer fw {layer['fw_ms'][i][j]:8.2f} ms  "
+                         f"bw {layer['bw_ms'][i][j]:8.2f} ms  stored {layer['stored_mib'][i][j]:8.2f} MiB  "
+                         f"peak {layer['peak_mib'][i][j]:8.2f} MiB")
+    return {
+        "format": PROFILE_FORMAT,
+        "version": PROFILE_VERSION,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": model.dtype,
+        "layer_spec": ops.spec_name,
+        "threads": torch.get_num_threads(),
+        "model": {"num_layers": model.num_layers, "hidden_size": model.hidden_size,
+                  "num_attention_heads": model.num_attention_heads, "ffn_hidden_size": model.ffn_hidden_size,
+                  "kv_channels": model.kv_channels, "vocab_size": model.vocab_size,
+                  "position_embedding_type": model.position_embedding_type},
+        "mbs": [int(b) for b in mbs_grid],
+        "seqlen": [int(s) for s in seqlen_grid],
+        "stage_overhead_ms": 0.0,
+        "ops": tables,
+    }

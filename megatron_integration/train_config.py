@@ -1,0 +1,142 @@
+"""The configuration of a training run: plain, validated dataclasses (no torch, no megatron).
+
+:func:`megatron_integration.arguments.training_config_from_args` builds a
+:class:`DynaPipeTrainingConfig` from Megatron-style arguments; everything else in the
+integration reads the run's settings from it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class GPTModelArgs:
+    """Shape of the GPT model and its numerics. Lengths in tokens."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    kv_channels: int
+    seq_length: int
+    max_position_embeddings: int
+    vocab_size: int
+    position_embedding_type: str = "learned_absolute"
+    tie_embeddings: bool = True
+    normalization: str = "LayerNorm"
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    dtype: str = "fp32"  # fp32, bf16 or fp16
+
+    def to_model_config(self, name: str = "megatron-gpt"):
+        """The planner's :class:`dynapipe.config.ModelConfig` for this model."""
+        from dynapipe.config import ModelConfig
+
+        return ModelConfig(name=name, arch="gpt", num_layers=self.num_layers, hidden_size=self.hidden_size,
+                           num_attention_heads=self.num_attention_heads, ffn_hidden_size=self.ffn_hidden_size,
+                           vocab_size=self.vocab_size, max_seq_length=self.seq_length, dtype=self.dtype,
+                           tie_embeddings=self.tie_embeddings, kv_channels=self.kv_channels).validate(name)
+
+
+@dataclass(frozen=True)
+class ParallelArgs:
+    """Process layout: world = tensor x pipeline x data parallel ranks."""
+
+    world_size: int
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    backend: str = "gloo"
+    timeout_minutes: float = 10.0
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+
+
+@dataclass(frozen=True)
+class OptimizerArgs:
+    """AdamW with Megatron's learning-rate schedule (warm-up, then constant/linear/cosine)."""
+
+    lr: float
+    min_lr: float = 0.0
+    lr_decay_style: str = "constant"
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int = 0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    distributed: bool = False  # megatron-core's distributed optimizer (ZeRO-1 over data parallel)
+
+
+@dataclass(frozen=True)
+class DataArgs:
+    """Where samples come from: the synthetic mixture or files, and how long ones are handled."""
+
+    mock_data: bool
+    data_path: tuple[str, ...] = ()
+    tokenizer_type: str = "ByteLevel"
+    tokenizer_model: Optional[str] = None
+    mixture: Optional[str] = None
+    overlong: str = "truncate"
+    tokens_per_global_batch: Optional[int] = None
+    mock_samples: int = 65536
+
+
+@dataclass(frozen=True)
+class DynaPipeArgs:
+    """DynaPipe's planner, executor and loader settings."""
+
+    enabled: bool
+    batching: str
+    schedule: str = "auto"
+    memory_limit_mb: Optional[float] = None
+    cost_model: str = "analytic"
+    device: str = "cpu"
+    cluster: str = "cpu-local"
+    planner_workers: int = 1
+    prefetch: int = 4
+    kv_backend: str = "store"
+    redis_host: str = "127.0.0.1"
+    redis_port: int = 6379
+    max_tokens: Optional[int] = None
+    timeout_s: float = 300.0
+    trace_dir: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class DynaPipeTrainingConfig:
+    """Everything one training run needs, validated. Built by :func:`training_config_from_args`."""
+
+    model: GPTModelArgs
+    parallel: ParallelArgs
+    optimizer: OptimizerArgs
+    data: DataArgs
+    dynapipe: DynaPipeArgs
+    micro_batch_size: int
+    global_batch_size: int
+    train_iters: int
+    seed: int = 1234
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
+    load_optim: bool = True
+    load_rng: bool = True
+    log_interval: int = 100
+    tensorboard_dir: Optional[str] = None
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def method(self) -> str:
+        """``dynapipe`` (the executor path) or the megatron baseline: ``padding`` / ``packing``."""
+        return "dynapipe" if self.dynapipe.enabled else self.dynapipe.batching
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches per replica of the fixed-shape baselines."""
+        return self.global_batch_size // (self.micro_batch_size * self.parallel.data_parallel_size)

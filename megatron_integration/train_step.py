@@ -1,0 +1,188 @@
+"""The DynaPipe training step: planned variable-shape micro-batches through the executor.
+
+Per iteration, on every rank:
+
+1. the :class:`~dynapipe.runtime.loader.DynaPipeDataLoader` yields this rank's execution
+   plan and the micro-batch tensors its plan loads (planned ahead in worker processes);
+2. the :class:`~dynapipe.runtime.executor.Executor` runs the plan; its handlers
+   (:class:`MegatronStageHandlers`) call this rank's megatron-core ``GPTModel`` stage
+   for load, forward and (by default) backward, and it moves activations and gradients
+   between stages point-to-point with the shapes the plan carries;
+3. megatron-core's ``finalize_model_grads`` sums the gradients over data-parallel
+   replicas (DDP, ``calculate_per_token_loss``: no averaging) and over the tied
+   embedding copies, and megatron-core's optimizer steps.
+
+Loss normalisation: the last stage returns each micro-batch's summed token loss over
+its loss tokens; the executor divides by the plan's ``global_real_tokens``. The data
+loader's ``global_loss_tokens`` (the loss tokens of the whole global batch, every
+replica) is the normaliser the fixed-shape baselines use too, so the handler scales its
+sum by ``global_real_tokens / global_loss_tokens``: the gradient is that of the mean
+loss per loss token of the global batch, whatever the micro-batching.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from dynapipe.errors import DynaPipeError
+from dynapipe.plan.instructions import ForwardPass, MicroBatchInfo, TensorSpec
+from megatron_integration.train_config import DynaPipeTrainingConfig
+from megatron_integration.data import dataset_config
+from megatron_integration.initialize import RankInfo
+from megatron_integration.megatron_step import StepResult, reduce_loss
+from megatron_integration.model import Stage, finalize_grads_func
+
+
+class MegatronStageHandlers:
+    """Executor handlers that run one megatron-core GPT stage (see the module docstring)."""
+
+    def __init__(self, stage: Stage, device: torch.device):
+        self.stage = stage
+        self.device = device
+        self.tensors: dict = {}
+        self.scale = 1.0
+        self.loss_sum = 0.0
+        self.loss_tokens = 0
+
+    def begin(self, micro_batch_tensors: dict, global_real_tokens: int, global_loss_tokens: int) -> None:
+        """Take one iteration's tensors and normaliser (tokens) before the executor runs."""
+        if global_loss_tokens <= 0:
+            raise DynaPipeError("the global batch has no loss tokens (every sample is input only); "
+                                "the loss cannot be normalised.")
+        self.tensors = micro_batch_tensors
+        self.scale = global_real_tokens / global_loss_tokens
+        self.loss_sum = 0.0
+        self.loss_tokens = 0
+
+    def load(self, mb: MicroBatchInfo, specs: tuple[TensorSpec, ...]) -> dict[str, torch.Tensor]:
+        data = self.tensors.get(mb.mb)
+        if data is None:
+            raise DynaPipeError(f"the data loader sent no tensors for micro-batch {mb.mb}.")
+        return {s.name: data[s.name].to(self.device, non_blocking=True) for s in specs}
+
+    def forward(self, mb: MicroBatchInfo, inputs: dict[str, torch.Tensor], op: ForwardPass):
+        st = self.stage
+        if not st.pre_process:
+            st.gpt.set_input_tensor(inputs["hidden_states"])
+        out = st.module(inputs.get("tokens"), inputs.get("position_ids"), None, labels=inputs.get("labels"))
+        if not st.post_process:
+            return out
+        mask = inputs["loss_mask"]
+        loss_sum = torch.sum(out.float() * mask)
+        self.loss_sum += float(loss_sum.detach())
+        self.loss_tokens += int(mask.sum().item())
+        return loss_sum * self.scale
+
+
+def planner_settings(cfg: DynaPipeTrainingConfig, info: RankInfo):
+    """What the planner workers need to plan this run's iterations."""
+    from dynapipe.config import load_cluster_config, load_device_config
+    from dynapipe.runtime.plan_source import PlannerSettings
+
+    d = cfg.dynapipe
+    return PlannerSettings(
+        model=cfg.model.to_model_config("megatron-gpt"), device=load_device_config(d.device),
+        num_stages=info.pp_size, dp=info.dp_size, method=d.batching, schedule=d.schedule,
+        memory_limit_mib=d.memory_limit_mb, cost_profile=None if d.cost_model == "analytic" else d.cost_model,
+        micro_batch_size=cfg.micro_batch_size, seq_length=cfg.model.seq_length, max_tokens=d.max_tokens or 0,
+        cluster=load_cluster_config(d.cluster), zero=cfg.optimizer.distributed)
+
+
+def make_loader(cfg: DynaPipeTrainingConfig, info: RankInfo, start_iteration: int, consumed_samples: int):
+    """This rank's data loader (planner workers on each node's local rank 0)."""
+    from dynapipe.runtime.loader import DynaPipeDataLoader, LoaderConfig, RankLayout
+
+    d = cfg.dynapipe
+    tokens = cfg.data.tokens_per_global_batch or 0
+    loader_cfg = LoaderConfig(global_batch_size=0 if tokens else cfg.global_batch_size,
+                              tokens_per_global_batch=tokens, seed=cfg.seed, shuffle=True,
+                              consumed_samples=consumed_samples, start_iteration=start_iteration,
+                              train_iters=cfg.train_iters - start_iteration, num_workers=d.planner_workers,
+                              prefetch=d.prefetch, kv_backend=d.kv_backend, redis_host=d.redis_host,
+                              redis_port=d.redis_port, plan_timeout_s=d.timeout_s)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+    layout = RankLayout(rank=info.rank, world_size=info.world_size, dp_rank=info.dp_rank, dp_size=info.dp_size,
+                        pp_rank=info.pp_rank, pp_size=info.pp_size,
+                        local_rank=int(os.environ.get("LOCAL_RANK", info.rank % local_world)),
+                        local_world_size=local_world)
+    return DynaPipeDataLoader(loader_cfg, dataset_config(cfg), planner_settings(cfg, info), layout)
+
+
+@dataclass
+class DynaPipeStepper:
+    """Runs DynaPipe iterations: loader -> executor (megatron-core stage) -> finalize -> optimizer."""
+
+    cfg: DynaPipeTrainingConfig
+    info: RankInfo
+    stage: Stage
+    optimizer: object
+    scheduler: object
+    loader: object
+    executor: object
+    handlers: MegatronStageHandlers
+    traces: Optional[list] = None
+
+    @classmethod
+    def create(cls, cfg: DynaPipeTrainingConfig, info: RankInfo, stage: Stage, optimizer, scheduler,
+               start_iteration: int, consumed_samples: int) -> "DynaPipeStepper":
+        from megatron.core import parallel_state
+
+        from dynapipe.runtime.executor import Executor, ExecutorConfig
+        from dynapipe.runtime.kv_store import job_tcp_store
+
+        if info.tp_size > 1:
+            raise DynaPipeError("--use-dynapipe with --tensor-model-parallel-size > 1 is not supported yet; "
+                                "use tensor-parallel size 1.")
+        handlers = MegatronStageHandlers(stage, info.device)
+        executor = Executor(handlers, group=parallel_state.get_pipeline_model_parallel_group(), device=info.device,
+                            store=job_tcp_store(),
+                            config=ExecutorConfig(timeout_s=cfg.dynapipe.timeout_s,
+                                                  trace=cfg.dynapipe.trace_dir is not None),
+                            replica=info.dp_rank)
+        loader = make_loader(cfg, info, start_iteration, consumed_samples)
+        return cls(cfg, info, stage, optimizer, scheduler, loader, executor, handlers,
+                   [] if cfg.dynapipe.trace_dir else None)
+
+    def step(self, iteration: int) -> StepResult:
+        start = time.perf_counter()
+        data = next(self.loader)
+        if data.iteration != iteration:
+            raise DynaPipeError(f"the data loader yielded iteration {data.iteration} for iteration {iteration}.")
+        meta = data.meta
+        self.handlers.begin(data.micro_batches, data.plan.global_real_tokens, meta.global_loss_tokens)
+        self.stage.module.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        result = self.executor.run(data.plan)
+        # DP sum of gradients and tied-embedding all-reduce; the executor already divided the
+        # loss by the global token count, so no further scaling (num_tokens=None).
+        finalize_grads_func()([self.stage.module], None)
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        loss_sum, loss_tokens = reduce_loss(self.handlers.loss_sum, self.handlers.loss_tokens,
+                                            self.info.is_last_stage, self.info.device)
+        if loss_tokens != meta.global_loss_tokens:
+            raise DynaPipeError(f"iteration {iteration}: the executed micro-batches hold {loss_tokens} loss tokens, "
+                                f"the plan's global batch {meta.global_loss_tokens}; plan and data disagree.")
+        if self.info.device.type == "cuda":
+            torch.cuda.synchronize()
+        if self.traces is not None and result.trace is not None:
+            self.traces.append(result.trace)
+        return StepResult(loss=loss_sum / max(loss_tokens, 1), loss_tokens=loss_tokens,
+                          real_tokens=meta.global_real_tokens, padded_tokens=meta.global_padded_tokens,
+                          iteration_ms=(time.perf_counter() - start) * 1e3, grad_norm=float(grad_norm or 0.0),
+                          plan_wait_ms=meta.wait_ms, skipped=not ok, consumed_samples=meta.consumed_samples,
+                          truncated=meta.truncated_samples)
+
+    def close(self) -> None:
+        self.loader.close()
+        if self.traces and self.cfg.dynapipe.trace_dir:
+            from dynapipe.runtime.exec_trace import write_chrome_trace
+
+            os.makedirs(self.cfg.dynapipe.trace_dir, exist_ok=True)
+            path = os.path.join(self.cfg.dynapipe.trace_dir, f"rank{self.info.rank:03d}.json")
+            write_chrome_trace(path, self.traces)

@@ -1,0 +1,131 @@
+"""The training loop shared by ``scripts/pretrain_gpt.py``, ``python -m dynapipe bench`` and the tests.
+
+``pretrain(cfg)`` initialises megatron, builds this rank's stage, optimizer and
+schedule, resumes from ``--load`` when given, then runs ``--train-iters`` iterations
+of the chosen method (``dynapipe``: planned variable-shape micro-batches through the
+DynaPipe executor; ``padding`` / ``packing``: megatron-core's fixed-shape 1F1B),
+logging in Megatron's format and saving checkpoints on ``--save-interval`` and at the end.
+Every method sees the same global batches (same samples, same order) and starts from
+the same weights for a given ``--seed``.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol, TextIO
+
+from megatron_integration.checkpoint import load_checkpoint, save_checkpoint
+from megatron_integration.data import GlobalBatches
+from megatron_integration.initialize import RankInfo, initialize_megatron
+from megatron_integration.logging_utils import TrainingLogger
+from megatron_integration.megatron_step import StepResult, build_micro_batches, megatron_train_step
+from megatron_integration.model import Stage, attach_training_hooks, build_optimizer, build_stage
+from megatron_integration.train_config import DynaPipeTrainingConfig
+
+
+class Stepper(Protocol):
+    """Runs one training iteration (forward, backward, optimizer step) of a method."""
+
+    def step(self, iteration: int) -> StepResult: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class MegatronStepper:
+    """``padding`` / ``packing``: fixed-shape micro-batches through megatron-core's 1F1B."""
+
+    cfg: DynaPipeTrainingConfig
+    info: RankInfo
+    stage: Stage
+    optimizer: object
+    scheduler: object
+    batches: GlobalBatches
+
+    def step(self, iteration: int) -> StepResult:
+        cfg = self.cfg
+        batch = self.batches.batch(iteration)
+        samples = self.batches.samples(batch)
+        lengths = self.batches.lengths(batch)
+        micro_batches, padded = build_micro_batches(cfg.method, samples, lengths, cfg.model.seq_length,
+                                                    cfg.micro_batch_size, self.info, cfg.reset_position_ids,
+                                                    cfg.reset_attention_mask)
+        result = megatron_train_step(self.stage, self.optimizer, self.scheduler, micro_batches, cfg.model.seq_length,
+                                     cfg.micro_batch_size, self.info, int(lengths.sum()), padded)
+        result.consumed_samples = batch.consumed_samples
+        result.truncated = int(self.batches.dataset.truncated[batch.indices].sum())
+        return result
+
+    def close(self) -> None:
+        pass
+
+
+def make_stepper(cfg: DynaPipeTrainingConfig, info: RankInfo, stage: Stage, optimizer, scheduler,
+                 start_iteration: int, consumed_samples: int) -> Stepper:
+    """The stepper of ``cfg.method``."""
+    if cfg.method == "dynapipe":
+        from megatron_integration.train_step import DynaPipeStepper
+
+        return DynaPipeStepper.create(cfg, info, stage, optimizer, scheduler, start_iteration, consumed_samples)
+    batches = GlobalBatches.create(cfg, consumed_samples, start_iteration)
+    return MegatronStepper(cfg, info, stage, optimizer, scheduler, batches)
+
+
+@dataclass
+class TrainingRun:
+    """What a finished run reports (identical on every rank, except the log lines)."""
+
+    results: list[StepResult] = field(default_factory=list)
+    log_lines: list[str] = field(default_factory=list)
+    start_iteration: int = 0
+    consumed_samples: int = 0
+    spec_name: str = ""
+
+    @property
+    def losses(self) -> list[float]:
+        return [r.loss for r in self.results]
+
+
+def current_lr(optimizer) -> float:
+    """The learning rate of the first parameter group."""
+    return float(optimizer.param_groups[0]["lr"])
+
+
+def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
+             on_iteration: Optional[Callable[[int, StepResult], None]] = None) -> TrainingRun:
+    """Train ``cfg.train_iters`` iterations (from the checkpoint in ``cfg.load`` when present)."""
+    info = initialize_megatron(cfg.parallel, cfg.seed)
+    stage = build_stage(cfg, info)
+    attach_training_hooks(stage)
+    optimizer, scheduler = build_optimizer(cfg, stage)
+    run = TrainingRun(spec_name=stage.spec_name)
+    if cfg.load:
+        resumed = load_checkpoint(cfg.load, stage.gpt, optimizer, scheduler, info, cfg.load_optim, cfg.load_rng)
+        if resumed is not None:
+            run.start_iteration, run.consumed_samples = resumed.iteration, resumed.consumed_samples
+    stepper = make_stepper(cfg, info, stage, optimizer, scheduler, run.start_iteration, run.consumed_samples)
+    logger = None
+    try:
+        logger = TrainingLogger(cfg.train_iters, cfg.global_batch_size, cfg.log_interval,
+                                is_logging_rank=info.is_last_stage and info.dp_rank == 0 and info.tp_rank == 0,
+                                tensorboard_dir=cfg.tensorboard_dir, stream=stream)
+        for iteration in range(run.start_iteration, cfg.train_iters):
+            result = stepper.step(iteration)
+            run.consumed_samples = result.consumed_samples
+            run.results.append(result)
+            line = logger.record(iteration + 1, run.consumed_samples, result, current_lr(optimizer),
+                                 truncated=result.truncated)
+            if line is not None:
+                run.log_lines.append(line)
+            if on_iteration is not None:
+                on_iteration(iteration, result)
+            done = iteration + 1
+            if cfg.save and cfg.save_interval and done % cfg.save_interval == 0 and done != cfg.train_iters:
+                save_checkpoint(cfg.save, done, run.consumed_samples, stage.gpt, optimizer, scheduler, info)
+        if cfg.save and cfg.train_iters > run.start_iteration:
+            save_checkpoint(cfg.save, cfg.train_iters, run.consumed_samples, stage.gpt, optimizer, scheduler, info)
+    finally:
+        stepper.close()
+        if logger is not None:
+            logger.close()
+    return run

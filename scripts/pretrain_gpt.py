@@ -1,0 +1,57 @@
+"""Pretrain (or fine-tune) a GPT with megatron-core, with or without DynaPipe.
+
+    torchrun --nproc-per-node 2 scripts/pretrain_gpt.py \
+        --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 1024 \
+        --max-position-embeddings 1024 --micro-batch-size 4 --global-batch-size 64 \
+        --pipeline-model-parallel-size 2 --lr 1e-3 --train-iters 20 --mock-data \
+        --use-dynapipe --log-interval 1
+
+Without ``--use-dynapipe`` megatron-core's fixed-shape 1F1B trains with padding
+(``--dynapipe-batching packing`` for packed rows). ``--run-config FILE`` (for example
+``configs/runs/gpt-7b-pp4-dp2-h100.yaml``) supplies the arguments of a named run;
+arguments given after it override them. Run without torchrun, it is a one-rank job.
+Arguments: ``--help``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+if __package__ in (None, ""):
+    # Run as a file from a source checkout: make the repository importable.
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dynapipe.errors import DynaPipeError  # noqa: E402
+
+
+def main(argv=None) -> int:
+    from megatron_integration.arguments import build_parser, load_run_config, training_config_from_args
+    from megatron_integration.initialize import destroy
+    from megatron_integration.training import pretrain
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(prog="pretrain_gpt.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run-config", default=None, help="YAML run config (configs/runs/) giving the arguments")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        run_config = parser.parse_known_args(argv)[0].run_config
+        if run_config:
+            run = load_run_config(run_config)
+            if run.world_size is not None and run.world_size != world_size:
+                raise DynaPipeError(f"{run.path} is a run of {run.nnodes} node(s) x {run.nproc_per_node} processes "
+                                    f"= {run.world_size} ranks, but this job has {world_size}; launch it with "
+                                    f"torchrun --nnodes {run.nnodes} --nproc-per-node {run.nproc_per_node}.")
+            argv = list(run.argv) + argv  # later arguments win
+        args = parser.parse_args(argv)
+        cfg = training_config_from_args(args, world_size)
+        pretrain(cfg)
+    except DynaPipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

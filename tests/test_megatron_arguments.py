@@ -1,0 +1,87 @@
+"""Megatron-style arguments: valid command lines build a config; invalid ones fail clearly."""
+import pytest
+
+from dynapipe.errors import DynaPipeError
+from megatron_integration.arguments import build_parser, parse_training_args
+
+BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 256 --micro-batch-size 2 "
+        "--global-batch-size 8 --train-iters 3 --lr 1e-3 --mock-data")
+
+
+def parse(extra: str = "", world: int = 2, cuda: bool = False, base: str = BASE):
+    return parse_training_args((base + " " + extra).split(), world, cuda=cuda)
+
+
+def test_valid_command_line_builds_config():
+    cfg = parse("--pipeline-model-parallel-size 2 --use-dynapipe --dynapipe-schedule adaptive", world=4)
+    assert cfg.method == "dynapipe"
+    assert cfg.dynapipe.batching == "dynapipe" and cfg.dynapipe.schedule == "adaptive"
+    assert cfg.parallel.data_parallel_size == 2 and cfg.parallel.backend == "gloo"
+    assert cfg.model.ffn_hidden_size == 256 and cfg.model.max_position_embeddings == 256
+    assert cfg.model.dtype == "fp32"
+    mc = cfg.model.to_model_config()
+    assert mc.num_layers == 4 and mc.hidden_size == 64
+
+
+def test_without_use_dynapipe_the_method_is_a_megatron_baseline():
+    assert parse().method == "padding"
+    assert parse("--dynapipe-batching packing --reset-position-ids --reset-attention-mask").method == "packing"
+    assert parse("--micro-batch-size 2 --pipeline-model-parallel-size 2").num_micro_batches == 4
+
+
+@pytest.mark.parametrize("extra, world, cuda, needle", [
+    ("--global-batch-size 6", 2, False, "--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 2"),
+    ("--seq-length 512 --max-position-embeddings 256", 1, False, "--seq-length 512 exceeds --max-position-embeddings 256"),
+    ("--fp16 --bf16", 1, True, "--fp16 and --bf16"),
+    ("--bf16", 1, False, "--bf16 needs a GPU"),
+    ("--pipeline-model-parallel-size 2", 3, False, "world size 3 is not divisible"),
+    ("--pipeline-model-parallel-size 3", 3, False, "--num-layers 4 cannot be split evenly"),
+    ("--pipeline-model-parallel-size 8", 8, False, "--num-layers 4 cannot be split evenly"),
+    ("--dynapipe-cost-model /nonexistent/profile.json", 1, False, "no such profile file"),
+    ("--dynapipe-batching dynapipe", 1, False, "add --use-dynapipe"),
+    ("--num-attention-heads 5", 1, False, "--hidden-size 64 is not divisible by --num-attention-heads 5"),
+    ("--use-dynapipe --dynapipe-batching token-budget", 1, False, "needs --dynapipe-max-tokens"),
+    ("--use-dynapipe --dynapipe-batching token-budget --dynapipe-max-tokens 100", 1, False, "below --seq-length"),
+    ("--tensor-model-parallel-size 2", 2, False, "needs GPUs"),
+    ("--distributed-backend nccl", 1, False, "nccl needs GPUs"),
+    ("--reset-position-ids", 1, False, "packed rows only"),
+    ("--save-interval 5", 1, False, "--save-interval needs --save"),
+    ("--load /nonexistent/ckpt", 1, False, "no such checkpoint directory"),
+    ("--hidden-dropout 1.5", 1, False, "--hidden-dropout 1.5"),
+    ("--train-iters 0", 1, False, "--train-iters 0: must be positive"),
+    ("--data-path x.jsonl", 1, False, "--mock-data and --data-path"),
+    ("--dynapipe-tokens-per-global-batch 1000", 1, False, "needs --use-dynapipe"),
+    ("--use-distributed-optimizer", 2, False, "--use-distributed-optimizer needs GPUs"),
+])
+def test_invalid_combinations_name_the_flag(extra, world, cuda, needle):
+    with pytest.raises(DynaPipeError) as e:
+        parse(extra, world=world, cuda=cuda)
+    assert needle in str(e.value)
+
+
+def test_missing_required_and_missing_data():
+    with pytest.raises(DynaPipeError, match="--lr is required"):
+        parse_training_args(BASE.replace("--lr 1e-3", "").split(), 1, cuda=False)
+    with pytest.raises(DynaPipeError, match="no data"):
+        parse_training_args(BASE.replace("--mock-data", "").split(), 1, cuda=False)
+    with pytest.raises(DynaPipeError, match="no such file"):
+        parse_training_args(BASE.replace("--mock-data", "--data-path /nonexistent/data.jsonl").split(), 1, cuda=False)
+
+
+def test_dynapipe_path_does_not_need_divisible_micro_batches():
+    cfg = parse("--use-dynapipe --global-batch-size 7 --pipeline-model-parallel-size 2", world=2)
+    assert cfg.method == "dynapipe" and cfg.global_batch_size == 7
+    with pytest.raises(DynaPipeError, match="smaller than the data-parallel size"):
+        parse("--use-dynapipe --global-batch-size 1", world=2)
+
+
+def test_parser_has_megatron_and_dynapipe_flags():
+    text = build_parser().format_help()
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--seq-length",
+                 "--max-position-embeddings", "--global-batch-size", "--micro-batch-size",
+                 "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--lr", "--train-iters", "--seed",
+                 "--bf16", "--fp16", "--data-path", "--mock-data", "--save", "--load", "--log-interval",
+                 "--tensorboard-dir", "--use-dynapipe", "--dynapipe-batching", "--dynapipe-schedule",
+                 "--dynapipe-memory-limit-mb", "--dynapipe-cost-model", "--dynapipe-planner-workers",
+                 "--dynapipe-prefetch", "--dynapipe-kv-backend"):
+        assert flag in text, flag

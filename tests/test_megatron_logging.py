@@ -1,0 +1,45 @@
+"""Megatron-format log lines: averaged over the interval, printed only by the logging rank."""
+import io
+
+from megatron_integration.logging_utils import TrainingLogger
+from megatron_integration.megatron_step import StepResult
+
+
+def result(loss, tokens, ms, wait=0.0):
+    return StepResult(loss=loss, loss_tokens=tokens, real_tokens=1000, padded_tokens=2000, iteration_ms=ms,
+                      grad_norm=0.5, plan_wait_ms=wait, consumed_samples=0)
+
+
+def test_interval_averages_and_format():
+    out = io.StringIO()
+    log = TrainingLogger(train_iters=5, global_batch_size=8, log_interval=2, is_logging_rank=True, stream=out)
+    assert log.record(1, 8, result(2.0, 100, 10.0, wait=1.0), lr=1e-3) is None
+    line = log.record(2, 16, result(4.0, 300, 10.0, wait=3.0), lr=1e-3)
+    # Token-weighted loss over the interval: (2*100 + 4*300) / 400 = 3.5.
+    assert "lm loss: 3.500000E+00" in line
+    assert "iteration        2/       5" in line and "consumed samples:           16" in line
+    assert "padding efficiency: 0.500" in line and "plan wait (ms): 2.00" in line
+    assert "learning rate: 1.000000E-03" in line and "global batch size:     8" in line
+    assert out.getvalue().strip() == line.strip()
+    # The last iteration always logs, even off the interval.
+    assert log.record(5, 40, result(1.0, 10, 10.0), lr=1e-3) is not None
+
+
+def test_only_the_logging_rank_prints_and_missing_tensorboard_is_a_warning(tmp_path, capsys, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_tensorboard(name, *args, **kwargs):
+        if name.startswith("torch.utils.tensorboard"):
+            raise ImportError("No module named 'tensorboard'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tensorboard)
+    out = io.StringIO()
+    log = TrainingLogger(2, 8, 1, is_logging_rank=True, tensorboard_dir=str(tmp_path), stream=out)
+    assert log.writer is None and "TensorBoard is unavailable" in capsys.readouterr().err
+    silent = io.StringIO()
+    quiet = TrainingLogger(2, 8, 1, is_logging_rank=False, stream=silent)
+    assert quiet.record(1, 8, result(1.0, 10, 5.0), lr=0.1) is not None
+    assert silent.getvalue() == ""

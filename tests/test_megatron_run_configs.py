@@ -1,0 +1,50 @@
+"""The shipped run configs parse into valid training configs, and their plans fit in memory."""
+import glob
+import os
+
+import pytest
+
+from dynapipe.config import CONFIG_DIR, load_cluster_config, load_device_config
+from dynapipe.cost import build_cost_model
+from dynapipe.data.synthetic import sample_lengths
+from dynapipe.errors import DynaPipeError
+from dynapipe.pipeline_planner import plan_iteration
+from megatron_integration.arguments import build_parser, load_run_config, training_config_from_args
+
+RUNS = sorted(glob.glob(os.path.join(CONFIG_DIR, "runs", "*.yaml")))
+
+
+@pytest.mark.parametrize("path", RUNS, ids=[os.path.basename(p) for p in RUNS])
+def test_run_config_is_valid_and_plannable(path):
+    run = load_run_config(path)
+    assert run.world_size is not None
+    gpu = "cpu" not in os.path.basename(path)
+    cfg = training_config_from_args(build_parser().parse_args(list(run.argv)), run.world_size, cuda=gpu)
+    assert cfg.method == "dynapipe"
+    if gpu:
+        assert cfg.model.dtype == "bf16" and cfg.dynapipe.memory_limit_mb is not None
+    # One global batch of the mixture plans within the memory limit on this cluster.
+    model = cfg.model.to_model_config("run")
+    device = load_device_config(cfg.dynapipe.device)
+    assert cfg.dynapipe.memory_limit_mb is None or cfg.dynapipe.memory_limit_mb <= device.memory_mib
+    cost = build_cost_model(model, device, cfg.parallel.pipeline_model_parallel_size)
+    lengths = sample_lengths(cfg.global_batch_size, 0, cfg.model.seq_length)
+    plan = plan_iteration(lengths, cost, dp=cfg.parallel.data_parallel_size, memory_limit_mib=cfg.dynapipe.memory_limit_mb,
+                          cluster=load_cluster_config(cfg.dynapipe.cluster), seq_length=cfg.model.seq_length,
+                          zero=cfg.optimizer.distributed)
+    limit = cfg.dynapipe.memory_limit_mb or device.memory_mib
+    assert max(plan.stage_peak_mib) <= limit
+    assert sum(len(mb.samples) for mb in plan.batch_plan.micro_batches) == cfg.global_batch_size
+
+
+def test_run_config_errors(tmp_path):
+    with pytest.raises(DynaPipeError, match="no such file"):
+        load_run_config(str(tmp_path / "missing.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("arguments: {num-layers: 2}\n")
+    with pytest.raises(DynaPipeError, match="unexpected"):
+        load_run_config(str(bad))
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("args: {num-layers: 2, bf16: true, fp16: false, data-path: [a.jsonl, b.jsonl]}\n")
+    assert load_run_config(str(ok)).argv == ("--num-layers", "2", "--bf16", "--data-path", "a.jsonl", "b.jsonl")
+    assert load_run_config("gpt-tiny-cpu-pp2").nproc_per_node == 2
