@@ -18,7 +18,7 @@ $(VENV)/.installed: setup.py
 venv: $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	$(PY) scripts/bench_planner.py --quick
+	$(PY) -m dynapipe bench --output out/bench.json --png out/bench.png
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q tests

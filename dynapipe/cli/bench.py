@@ -81,9 +81,12 @@ def run(args) -> int:
     if cfg.train_iters <= args.warmup_iters:
         raise DynaPipeError(f"--train-iters {cfg.train_iters} leaves no timed iteration after --warmup-iters "
                             f"{args.warmup_iters}; raise --train-iters.")
-    out_dir = os.path.dirname(os.path.abspath(args.output))
-    if not os.path.isdir(out_dir):
-        raise DynaPipeError(f"--output {args.output}: directory {out_dir} does not exist.")
+    for path in filter(None, (args.output, args.png)):
+        out_dir = os.path.dirname(os.path.abspath(path))
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+        except OSError as e:
+            raise DynaPipeError(f"{path}: cannot create its directory {out_dir}: {e.strerror}.") from None
     try:
         run_bench(argv, methods, nproc, args.output, png=args.png, warmup_iters=args.warmup_iters,
                   threads_per_rank=args.threads_per_rank, timeout_s=args.timeout_s)
