@@ -203,7 +203,7 @@ LINKS = ClusterConfig("test", gpus_per_node=4)
 
 @pytest.mark.parametrize("schedule", ["1f1b", "adaptive", "auto"])
 @pytest.mark.parametrize("S", [2, 3, 4, 8])
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(lengths=st.lists(st.integers(1, 1024), min_size=1, max_size=48), dp=st.sampled_from([1, 2]),
        headroom=st.sampled_from([None, 3000.0, 20000.0]))
 def test_plans_from_random_batches_validate(schedule, S, lengths, dp, headroom):
