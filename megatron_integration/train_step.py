@@ -13,11 +13,11 @@ Per iteration, on every rank:
    embedding copies, and megatron-core's optimizer steps.
 
 Loss normalisation: the last stage returns each micro-batch's summed token loss over
-its loss tokens; the executor divides by the plan's ``global_real_tokens``. The data
-loader's ``global_loss_tokens`` (the loss tokens of the whole global batch, every
-replica) is the normaliser the fixed-shape baselines use too, so the handler scales its
-sum by ``global_real_tokens / global_loss_tokens``: the gradient is that of the mean
-loss per loss token of the global batch, whatever the micro-batching.
+its loss tokens, and the executor divides it by the data loader's ``global_loss_tokens``
+(the loss tokens of the whole global batch, every replica; passed as
+``Executor.run(..., loss_tokens=)``), the normaliser the fixed-shape baselines use too:
+the gradient is that of the mean loss per loss token of the global batch, whatever the
+micro-batching.
 """
 from __future__ import annotations
 
@@ -44,17 +44,15 @@ class MegatronStageHandlers:
         self.stage = stage
         self.device = device
         self.tensors: dict = {}
-        self.scale = 1.0
         self.loss_sum = 0.0
         self.loss_tokens = 0
 
-    def begin(self, micro_batch_tensors: dict, global_real_tokens: int, global_loss_tokens: int) -> None:
-        """Take one iteration's tensors and normaliser (tokens) before the executor runs."""
+    def begin(self, micro_batch_tensors: dict, global_loss_tokens: int) -> None:
+        """Take one iteration's tensors before the executor runs (loss tokens: checked > 0)."""
         if global_loss_tokens <= 0:
             raise DynaPipeError("the global batch has no loss tokens (every sample is input only); "
                                 "the loss cannot be normalised.")
         self.tensors = micro_batch_tensors
-        self.scale = global_real_tokens / global_loss_tokens
         self.loss_sum = 0.0
         self.loss_tokens = 0
 
@@ -75,7 +73,7 @@ class MegatronStageHandlers:
         loss_sum = torch.sum(out.float() * mask)
         self.loss_sum += float(loss_sum.detach())
         self.loss_tokens += int(mask.sum().item())
-        return loss_sum * self.scale
+        return loss_sum
 
 
 def planner_settings(cfg: DynaPipeTrainingConfig, info: RankInfo):
@@ -153,10 +151,10 @@ class DynaPipeStepper:
         if data.iteration != iteration:
             raise DynaPipeError(f"the data loader yielded iteration {data.iteration} for iteration {iteration}.")
         meta = data.meta
-        self.handlers.begin(data.micro_batches, data.plan.global_real_tokens, meta.global_loss_tokens)
+        self.handlers.begin(data.micro_batches, meta.global_loss_tokens)
         self.stage.module.zero_grad_buffer()
         self.optimizer.zero_grad()
-        result = self.executor.run(data.plan)
+        result = self.executor.run(data.plan, loss_tokens=meta.global_loss_tokens)
         # DP sum of gradients and tied-embedding all-reduce; the executor already divided the
         # loss by the global token count, so no further scaling (num_tokens=None).
         finalize_grads_func()([self.stage.module], None)

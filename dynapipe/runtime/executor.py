@@ -85,6 +85,7 @@ class _Run:
     roots: dict = field(default_factory=dict)
     act_inputs: dict = field(default_factory=dict)
     losses: dict = field(default_factory=dict)
+    loss_tokens: int = 0  # what the summed loss is divided by
     released: int = 0
     deferred: list = field(default_factory=list)  # (pending, where, SendFinish) not yet waited for
     check: Optional[PeerPlanCheck] = None  # the peer plan check, until settled
@@ -125,8 +126,12 @@ class Executor:
                      **{t: self._finish for t in FINISHES}}
 
     # ---- entry point -------------------------------------------------------------------
-    def run(self, plan: Union[ExecutionPlan, bytes]) -> IterationResult:
+    def run(self, plan: Union[ExecutionPlan, bytes], *, loss_tokens: Optional[int] = None) -> IterationResult:
         """Run one iteration of ``plan`` (an :class:`ExecutionPlan` or its serialized bytes).
+
+        ``loss_tokens``: the number of tokens (whole global batch, every replica) the summed
+        loss is divided by; default ``plan.global_real_tokens``. Data whose loss covers only
+        some tokens (instruction targets) passes its loss-mask count here.
 
         Every pipeline rank must call ``run`` for the same iteration. Raises
         :class:`PlanError` on every rank, before anything is sent, when any rank's plan is
@@ -148,7 +153,8 @@ class Executor:
                 self._guard(lambda: check.settle(self.waiter))
         elif refusal is not None:
             raise PlanError(refusal)
-        return self._execute(plan_obj, *pairing, check)
+        return self._execute(plan_obj, *pairing, check,
+                             plan_obj.global_real_tokens if loss_tokens is None else int(loss_tokens))
 
     def _guard(self, fn) -> None:
         """Run a step of the peer plan check; a failed exchange is a failure like any transfer's."""
@@ -173,11 +179,11 @@ class Executor:
 
     # ---- the instruction loop ----------------------------------------------------------
     def _execute(self, plan: ExecutionPlan, start_of: dict, batches: dict,
-                 check: Optional[PeerPlanCheck]) -> IterationResult:
+                 check: Optional[PeerPlanCheck], loss_tokens: int) -> IterationResult:
         run = _Run(plan, {m.mb: m for m in plan.micro_batches}, start_of, batches,
                    {(x.mb, x.chunk): x.tensors for x in plan.instructions if isinstance(x, SendActivationStart)},
                    {(x.mb, x.chunk): x.tensors for x in plan.instructions if isinstance(x, SendGradStart)},
-                   check=check)
+                   check=check, loss_tokens=loss_tokens)
         trace = ExecTrace(plan.stage, plan.replica, plan.iteration) if self.config.trace else None
         posted0 = self.comm.posted
         t_begin = now_us()
@@ -200,7 +206,7 @@ class Executor:
             self._failed = str(err).splitlines()[0]
             raise err
         unfreed = run.buffers.clear()
-        loss = sum(float(v) for v in run.losses.values()) / plan.global_real_tokens if run.losses else 0.0
+        loss = sum(float(v) for v in run.losses.values()) / run.loss_tokens if run.losses else 0.0
         return IterationResult(plan.iteration, loss, {k: float(v) for k, v in run.losses.items()}, wall_ms,
                                run.buffers.peak_bytes, run.released, self.comm.posted - posted0, trace, unfreed)
 
@@ -298,11 +304,11 @@ class Executor:
                 raise ExecutorError(f"{where}: the last stage's forward must return the summed token loss as a "
                                     f"scalar float tensor, got {type(out).__name__}"
                                     f"{list(out.shape) if isinstance(out, torch.Tensor) else ''}.")
-            if plan.global_real_tokens <= 0:
-                raise ExecutorError(f"{where}: plan.global_real_tokens is {plan.global_real_tokens}; the loss "
-                                    f"cannot be normalised.")
+            if run.loss_tokens <= 0:
+                raise ExecutorError(f"{where}: the loss normaliser is {run.loss_tokens} tokens (plan."
+                                    f"global_real_tokens or run(loss_tokens=...)); the loss cannot be normalised.")
             run.losses[ins.mb] = out.detach().reshape(())
-            scale = plan.global_real_tokens if self.config.normalise_loss else 1
+            scale = run.loss_tokens if self.config.normalise_loss else 1
             run.roots[key] = ([out.reshape(()) / scale], [None])
             return
         specs = run.send_specs.get(key, ())
