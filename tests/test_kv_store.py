@@ -87,6 +87,15 @@ def test_blob_round_trip_small_and_chunked(kv):
     assert get_blob(kv, "t/absent") is None
 
 
+def test_keys_takes_the_prefix_literally(kv):
+    for key in ("g[1]/a", "g1/b", "g?x/c", "gQx/d", "g\\y/e", "g*z/f", "gzz/g"):
+        kv.set(key, b"v")
+    assert kv.keys("g[1]/") == ["g[1]/a"]
+    assert kv.keys("g?x/") == ["g?x/c"]
+    assert kv.keys("g\\y/") == ["g\\y/e"]
+    assert kv.keys("g*z/") == ["g*z/f"]
+
+
 def test_counter_and_delete(kv):
     assert kv.add("t/n", 1) == 1
     assert kv.add("t/n", 2) == 3

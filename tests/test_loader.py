@@ -224,6 +224,22 @@ def test_close_stops_every_worker():
         next(dl)
 
 
+def test_garbage_collection_stops_the_fetch_thread_and_the_workers():
+    import gc
+    import threading
+
+    dl = make_loader(num_workers=1)
+    next(dl)
+    pids, thread = dl.worker_pids, dl._fetcher._thread
+    assert thread.is_alive()
+    del dl
+    gc.collect()
+    thread.join(5)
+    assert not thread.is_alive(), "the fetch thread outlived its loader"
+    assert wait_gone(pids, 5) == []
+    assert not any(t.name.startswith("dynapipe-fetch") for t in threading.enumerate())
+
+
 def test_crashing_worker_surfaces_its_traceback():
     ds = ExplodingDataset(N, 11, LengthLimits(SEQ), vocab_size=512)
     sampler = GlobalBatchSampler(ds.sample_tokens(), SamplerConfig(GBS, seed=SEED))

@@ -42,13 +42,20 @@ class TensorRequest:
     dtype: str
 
 
+def loss_token_counts(input_lengths: np.ndarray, target_lengths: np.ndarray, encoder_decoder: bool) -> np.ndarray:
+    """Per sample, the tokens the loss counts (the sum of its ``loss_mask``), from its
+    input and target lengths (tokens); the data need not be read."""
+    tgt = np.asarray(target_lengths, dtype=np.int64)
+    if encoder_decoder:
+        return tgt
+    # Decoder-only: positions whose label (the next token) is a target token.
+    return np.where(np.asarray(input_lengths) > 0, tgt, tgt - 1)
+
+
 def loss_tokens(sample: Sample, encoder_decoder: bool) -> int:
     """Tokens of ``sample`` the loss counts (the sum of its ``loss_mask``)."""
-    if encoder_decoder:
-        return int(sample.target_ids.shape[0])
-    n_in, n_tg = sample.input_ids.shape[0], sample.target_ids.shape[0]
-    # Positions whose label (the next token) is a target token.
-    return n_tg if n_in else n_tg - 1
+    return int(loss_token_counts(np.array([sample.input_ids.shape[0]]), np.array([sample.target_ids.shape[0]]),
+                                 encoder_decoder)[0])
 
 
 def _decoder_rows(rows: Sequence[Sequence[Sample]], seqlen: int, pad_id: int,

@@ -12,6 +12,7 @@ manifest that is written last, so a reader that sees the manifest finds every ch
 from __future__ import annotations
 
 import datetime
+import re
 import struct
 import time
 from abc import ABC, abstractmethod
@@ -114,7 +115,9 @@ class RedisKV(KVStore):
         return bool(self.client.delete(key))
 
     def keys(self, prefix: str) -> list[str]:
-        return [k.decode() for k in self.client.scan_iter(match=prefix.replace("*", r"\*") + "*")]
+        # Every glob character of the prefix is literal (a namespace may hold any of them).
+        literal = re.sub(r"([*?\[\]\\])", r"\\\1", prefix)
+        return [k.decode() for k in self.client.scan_iter(match=literal + "*")]
 
     def close(self) -> None:
         self.client.close()

@@ -196,8 +196,9 @@ class DynaPipeDataLoader:
                 raise
         self._fetcher = PayloadFetcher(spec, self.keys, layout.dp_rank, layout.pp_rank, layout.readers_per_payload,
                                        config.start_iteration, self._end(), config.fetch_ahead)
-        # Workers stop even if close() is never called (garbage collection or exit).
-        self._finalizer = weakref.finalize(self, DynaPipeDataLoader._shutdown, self._pool)
+        # Workers and the fetch thread stop even if close() is never called (garbage
+        # collection or exit).
+        self._finalizer = weakref.finalize(self, DynaPipeDataLoader._shutdown, self._pool, self._fetcher)
 
     # ---- set-up -----------------------------------------------------------------------
 
@@ -306,7 +307,10 @@ class DynaPipeDataLoader:
         return {"consumed_samples": self.consumed_samples, "iteration": self._next}
 
     @staticmethod
-    def _shutdown(pool: Optional[PlannerPool]) -> None:  # no reference to the loader itself
+    def _shutdown(pool: Optional[PlannerPool], fetcher: Optional[PayloadFetcher]) -> None:
+        # No reference to the loader itself. The fetch thread would otherwise poll the store for ever.
+        if fetcher is not None:
+            fetcher.close()
         if pool is not None:
             pool.close()
 

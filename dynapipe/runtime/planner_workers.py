@@ -24,7 +24,7 @@ from typing import Optional
 
 import numpy as np
 
-from dynapipe.data.collate import TensorRequest, collate
+from dynapipe.data.collate import TensorRequest, collate, loss_token_counts
 from dynapipe.data.sampler import GlobalBatchSampler, SamplerConfig
 from dynapipe.data.samples import SampleDataset
 from dynapipe.errors import DynaPipeError
@@ -70,14 +70,6 @@ class WorkerJob:
     node: int
 
 
-def _loss_tokens(dataset: SampleDataset, indices: np.ndarray) -> int:
-    inp, tgt = dataset.input_lengths[indices], dataset.target_lengths[indices]
-    if dataset.encoder_decoder:
-        return int(tgt.sum())
-    # Decoder-only: positions whose next token is a target token (see collate).
-    return int(np.where(inp > 0, tgt, tgt - 1).sum())
-
-
 def _rank_tensors(plan: ExecutionPlan, dataset: SampleDataset, batch_indices: np.ndarray,
                   cache: dict) -> dict[int, dict[str, np.ndarray]]:
     infos = {m.mb: m for m in plan.micro_batches}
@@ -112,14 +104,17 @@ def plan_and_publish(job: WorkerJob, planner: IterationPlanner, sampler: GlobalB
     t0 = time.perf_counter()
     grid = planner.plan(lengths, iteration)
     planning_ms = (time.perf_counter() - t0) * 1e3
-    padded = [[sum(m.mbs * (m.seqlen + m.dec_seqlen) for m in p.micro_batches) for p in row] for row in grid]
+    # Every stage of a replica runs the same micro-batches: stage 0 stands for the replica.
+    padded = [sum(m.mbs * (m.seqlen + m.dec_seqlen) for m in row[0].micro_batches) for row in grid]
     real = [int(sum(int(lengths[list(m.samples)].sum()) for m in row[0].micro_batches)) for row in grid]
     common = {
         "num_samples": int(batch.indices.shape[0]),
         "consumed_samples": batch.end,
         "global_real_tokens": int(lengths.sum()),
-        "global_padded_tokens": int(sum(row[0] for row in padded)),
-        "global_loss_tokens": _loss_tokens(job.dataset, batch.indices),
+        "global_padded_tokens": int(sum(padded)),
+        "global_loss_tokens": int(loss_token_counts(job.dataset.input_lengths[batch.indices],
+                                                    job.dataset.target_lengths[batch.indices],
+                                                    job.dataset.encoder_decoder).sum()),
         "truncated_samples": int(job.dataset.truncated[batch.indices].sum()),
         "planning_ms": planning_ms,
         "planner_node": job.node,
@@ -129,7 +124,7 @@ def plan_and_publish(job: WorkerJob, planner: IterationPlanner, sampler: GlobalB
     for r, row in enumerate(grid):
         for s, plan in enumerate(row):
             tensors = _rank_tensors(plan, job.dataset, batch.indices, cache)
-            meta = dict(common, real_tokens=real[r], padded_tokens=padded[r][0])
+            meta = dict(common, real_tokens=real[r], padded_tokens=padded[r])
             payload = encode_payload(iteration, r, s, encode_plan(plan), tensors, meta)
             put_blob(kv, job.keys.payload(iteration, r, s), payload)
     return planning_ms
