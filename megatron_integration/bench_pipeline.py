@@ -37,8 +37,7 @@ def init_pipeline_parallel(pp_size: int) -> None:
     there is no CUDA. Idempotent. Every rank must call it (it creates process groups)."""
     import torch.distributed as dist
 
-    from megatron_integration import cpu_compat
-    from megatron_integration.initialize import quiet_megatron_warnings
+    from megatron_integration.initialize import init_model_parallel, quiet_megatron_warnings
 
     if not dist.is_initialized():
         raise DynaPipeError("init_pipeline_parallel needs torch.distributed initialised first "
@@ -46,13 +45,7 @@ def init_pipeline_parallel(pp_size: int) -> None:
     if dist.get_world_size() % pp_size:
         raise DynaPipeError(f"pipeline size {pp_size} does not divide the world size {dist.get_world_size()}.")
     quiet_megatron_warnings()
-    if not torch.cuda.is_available():
-        cpu_compat.apply()
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
-                                                 pipeline_model_parallel_size=pp_size)
+    init_model_parallel(1, pp_size)
 
 
 def schedule_config(*, hidden_size: int, num_layers: int, num_attention_heads: int, pp_size: int,

@@ -75,17 +75,22 @@ def initialize_megatron(parallel: ParallelArgs, seed: int) -> RankInfo:
     """Process groups, megatron parallel state, CPU compatibility and seeds; returns this rank's place."""
     quiet_megatron_warnings()
     init_distributed(parallel)
+    init_model_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size)
+    info = rank_info()
+    set_seeds(seed, info)
+    return info
+
+
+def init_model_parallel(tp_size: int, pp_size: int) -> None:
+    """megatron's tensor/pipeline/data-parallel groups on the joined process group, the CPU
+    compatibility layer first when there is no CUDA; idempotent. Collective: every rank calls it."""
     if not torch.cuda.is_available():
         cpu_compat.apply()
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-            pipeline_model_parallel_size=parallel.pipeline_model_parallel_size)
-    info = rank_info()
-    set_seeds(seed, info)
-    return info
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size,
+                                                 pipeline_model_parallel_size=pp_size)
 
 
 def rank_info() -> RankInfo:

@@ -41,6 +41,7 @@ class IntervalStats:
         self.plan_wait_ms += r.plan_wait_ms
         self.grad_norm = r.grad_norm
         self.skipped += int(r.skipped)
+        self.truncated += r.truncated
 
 
 def format_log_line(iteration: int, train_iters: int, consumed_samples: int, stats: IntervalStats, elapsed_s: float,
@@ -88,11 +89,9 @@ class TrainingLogger:
             else:
                 self.writer = SummaryWriter(log_dir=tensorboard_dir, max_queue=1000)
 
-    def record(self, iteration: int, consumed_samples: int, result: StepResult, lr: float,
-               truncated: int = 0) -> Optional[str]:
+    def record(self, iteration: int, consumed_samples: int, result: StepResult, lr: float) -> Optional[str]:
         """Add one iteration (1-based ``iteration``); returns the log line when one is due."""
         self.stats.add(result)
-        self.stats.truncated += truncated
         if self.writer is not None:
             w = self.writer
             w.add_scalar("lm loss", result.loss, iteration)

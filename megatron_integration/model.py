@@ -116,6 +116,7 @@ def build_stage(cfg: DynaPipeTrainingConfig, info: RankInfo, use_te: Optional[bo
     """Build, initialise and wrap this rank's stage in megatron-core DDP."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    use_te = te_available() if use_te is None else use_te
     gpt = build_gpt_stage(cfg, info, use_te)
     tconfig = gpt.config
     inner = gpt
@@ -127,9 +128,8 @@ def build_stage(cfg: DynaPipeTrainingConfig, info: RankInfo, use_te: Optional[bo
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=cfg.optimizer.distributed)
     module = DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=inner)
-    _, spec_name = layer_spec(use_te)
     return Stage(module=module, gpt=gpt, config=tconfig, pp_rank=info.pp_rank, pp_size=info.pp_size,
-                 spec_name=spec_name)
+                 spec_name="transformer_engine" if use_te else "local")
 
 
 # -- deterministic initialisation ---------------------------------------------------------
@@ -210,8 +210,11 @@ def finalize_grads_func():
     return finalize_model_grads
 
 
-def attach_training_hooks(stage: Stage) -> None:
-    """Point the TransformerConfig at DDP's no-sync and the grad finaliser, as Megatron-LM's training does."""
+def attach_training_hooks(stage: Stage, optimizer) -> None:
+    """Point the TransformerConfig at DDP's no-sync, the grad finaliser and (fp16) the
+    optimizer's loss scaling, as Megatron-LM's training does."""
     stage.config.no_sync_func = stage.module.no_sync
     stage.config.finalize_model_grads_func = finalize_grads_func()
-    stage.config.grad_scale_func = None
+    # fp16: the optimizer divides gradients by its loss scale before stepping, so the loss
+    # must be multiplied by it before the backward (the schedules call grad_scale_func).
+    stage.config.grad_scale_func = optimizer.scale_loss if stage.config.fp16 else None

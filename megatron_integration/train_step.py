@@ -44,8 +44,12 @@ class MegatronStageHandlers:
         self.stage = stage
         self.device = device
         self.tensors: dict = {}
-        self.loss_sum = 0.0
-        self.loss_tokens = 0
+        self._reset_loss()
+
+    def _reset_loss(self) -> None:
+        # Accumulated on the device: reading them per micro-batch would stall the pipeline.
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.loss_tokens = torch.zeros((), dtype=torch.float64, device=self.device)
 
     def begin(self, micro_batch_tensors: dict, global_loss_tokens: int) -> None:
         """Take one iteration's tensors before the executor runs (loss tokens: checked > 0)."""
@@ -53,8 +57,7 @@ class MegatronStageHandlers:
             raise DynaPipeError("the global batch has no loss tokens (every sample is input only); "
                                 "the loss cannot be normalised.")
         self.tensors = micro_batch_tensors
-        self.loss_sum = 0.0
-        self.loss_tokens = 0
+        self._reset_loss()
 
     def load(self, mb: MicroBatchInfo, specs: tuple[TensorSpec, ...]) -> dict[str, torch.Tensor]:
         data = self.tensors.get(mb.mb)
@@ -71,9 +74,11 @@ class MegatronStageHandlers:
             return out
         mask = inputs["loss_mask"]
         loss_sum = torch.sum(out.float() * mask)
-        self.loss_sum += float(loss_sum.detach())
-        self.loss_tokens += int(mask.sum().item())
-        return loss_sum
+        self.loss_sum += loss_sum.detach()
+        self.loss_tokens += mask.sum()
+        # fp16: the loss scale the optimizer divides the gradients by (see attach_training_hooks).
+        scale = st.config.grad_scale_func
+        return loss_sum if scale is None else scale(loss_sum)
 
 
 def planner_settings(cfg: DynaPipeTrainingConfig, info: RankInfo):
@@ -161,7 +166,7 @@ class DynaPipeStepper:
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
-        loss_sum, loss_tokens = reduce_loss(self.handlers.loss_sum, self.handlers.loss_tokens,
+        loss_sum, loss_tokens = reduce_loss(float(self.handlers.loss_sum), int(self.handlers.loss_tokens),
                                             self.info.is_last_stage, self.info.device)
         if loss_tokens != meta.global_loss_tokens:
             raise DynaPipeError(f"iteration {iteration}: the executed micro-batches hold {loss_tokens} loss tokens, "

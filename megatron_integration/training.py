@@ -96,8 +96,8 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
     """Train ``cfg.train_iters`` iterations (from the checkpoint in ``cfg.load`` when present)."""
     info = initialize_megatron(cfg.parallel, cfg.seed)
     stage = build_stage(cfg, info)
-    attach_training_hooks(stage)
     optimizer, scheduler = build_optimizer(cfg, stage)
+    attach_training_hooks(stage, optimizer)
     run = TrainingRun(spec_name=stage.spec_name)
     if cfg.load:
         resumed = load_checkpoint(cfg.load, stage.gpt, optimizer, scheduler, info, cfg.load_optim, cfg.load_rng)
@@ -113,8 +113,7 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
             result = stepper.step(iteration)
             run.consumed_samples = result.consumed_samples
             run.results.append(result)
-            line = logger.record(iteration + 1, run.consumed_samples, result, current_lr(optimizer),
-                                 truncated=result.truncated)
+            line = logger.record(iteration + 1, run.consumed_samples, result, current_lr(optimizer))
             if line is not None:
                 run.log_lines.append(line)
             if on_iteration is not None:

@@ -21,8 +21,12 @@ def test_interval_averages_and_format():
     assert "padding efficiency: 0.500" in line and "plan wait (ms): 2.00" in line
     assert "learning rate: 1.000000E-03" in line and "global batch size:     8" in line
     assert out.getvalue().strip() == line.strip()
-    # The last iteration always logs, even off the interval.
-    assert log.record(5, 40, result(1.0, 10, 10.0), lr=1e-3) is not None
+    assert "truncated samples" not in line
+    # The last iteration always logs, even off the interval; truncated samples come from the results.
+    last = result(1.0, 10, 10.0)
+    last.truncated = 3
+    line = log.record(5, 40, last, lr=1e-3)
+    assert line is not None and "truncated samples: 3" in line
 
 
 def test_only_the_logging_rank_prints_and_missing_tensorboard_is_a_warning(tmp_path, capsys, monkeypatch):
