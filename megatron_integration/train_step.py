@@ -182,7 +182,10 @@ class DynaPipeStepper:
                           truncated=meta.truncated_samples)
 
     def close(self) -> None:
-        self.loader.close()
+        try:
+            self.loader.close()
+        finally:
+            self.executor.close()  # its helper threads and store keys go whatever else fails
         if self.traces and self.cfg.dynapipe.trace_dir:
             from dynapipe.runtime.exec_trace import write_chrome_trace
 

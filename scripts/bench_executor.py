@@ -237,6 +237,7 @@ def _worker(ctx, args):
     t0 = time.perf_counter()
     res = ex.run(plan)
     traced_ms = _slowest(time.perf_counter() - t0) * 1e3
+    ex.close()
     traces = gather_traces(res.trace, ctx.pipeline_group)
     if ctx.rank != 0:
         return None

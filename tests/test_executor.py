@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 
 import pytest
@@ -311,6 +312,62 @@ def test_killed_rank_makes_the_other_rank_fail_with_the_peer_named():
     assert "pipeline rank 0 (global rank 0), instruction" in r0["message"]
     assert "peer pipeline rank 1 (global rank 1)" in r0["message"] and "closed" in r0["message"]
     assert r0["elapsed"] < timeout / 2
+
+
+def _helper_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("dynapipe-wait"))
+
+
+def _two_executors_worker(ctx):
+    """Executor A runs two iterations and is closed; executor B, on the same group and
+    store, runs them in the opposite order (its exchange n meets A's leftovers of n)."""
+    baseline = _helper_threads()
+    handlers = ToyHandlers(ToyGPT(CFG, seed=11).stage(ctx.stage, ctx.pp))
+    batches = [_batch(it, ctx, "1f1b") for it in (0, 1)]
+    cfg = ExecutorConfig(timeout_s=30)
+
+    def run(ex, it):
+        samples, plans = batches[it]
+        handlers.samples = samples
+        res = ex.run(plans[ctx.replica][ctx.stage])
+        return dict(loss=res.loss, mb=res.mb_loss_sums, transfers=res.transfers)
+
+    a = Executor(handlers, group=ctx.pipeline_group, store=ctx.store, config=cfg)
+    first = [run(a, 0), run(a, 1)]
+    threads_running = _helper_threads()
+    a.close()
+    a.close()  # idempotent
+    out = dict(first=first, threads_running=threads_running, threads_after_a=_helper_threads(),
+               baseline=baseline, own_rows_after_close=[
+                   k for k in (f"{a._plan_prefix}/{s}/{ctx.rank}" for s in (0, 1)) if ctx.store.check([k])])
+    try:
+        a.run(batches[0][1][ctx.replica][ctx.stage])
+    except ExecutorError as e:
+        out["run_after_close"] = str(e)
+    dist.barrier(group=ctx.pipeline_group)  # every rank closed A
+    out["rows_left"] = [k for k in (f"{a._plan_prefix}/{s}/{r}" for s in (0, 1) for r in range(ctx.world_size))
+                        if ctx.store.check([k])]
+    out["abort_reports"] = [r for r in range(ctx.world_size) if ctx.store.check([f"dynapipe/abort/{r}"])]
+    with Executor(handlers, group=ctx.pipeline_group, store=ctx.store, config=cfg) as b:
+        second = [run(b, 1), run(b, 0)][::-1]
+        out["prefixes"] = (a._plan_prefix, b._plan_prefix)
+    out["second"] = second
+    out["threads_after_b"] = _helper_threads()
+    return out
+
+
+def test_closed_executor_stops_its_threads_and_a_second_one_runs_on_the_same_store():
+    results = spawn(_two_executors_worker, 2, pp=2, timeout_s=90)
+    for r in results:
+        assert len(r["threads_running"]) > len(r["baseline"]), r  # A waited on helper threads ...
+        assert r["threads_after_a"] == r["baseline"] and r["threads_after_b"] == r["baseline"], r  # ... now gone
+        assert r["own_rows_after_close"] == [] and r["rows_left"] == [] and r["abort_reports"] == [], r
+        assert "was closed" in r["run_after_close"]
+        assert r["prefixes"][0] != r["prefixes"][1]
+        for a, b in zip(r["first"], r["second"]):
+            assert a["transfers"] > 0 and a["transfers"] == b["transfers"]
+            assert a["mb"] == b["mb"] and a["loss"] == b["loss"]
+    assert results[1]["first"][0]["loss"] > 0  # the last stage reports the loss
 
 
 def _raise_or_hang(ctx):

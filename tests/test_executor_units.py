@@ -3,7 +3,10 @@ activations, the local plan check, plan digests, the trace format."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -17,7 +20,7 @@ from dynapipe.runtime.buffers import BufferTable, backward_from, release_data
 from dynapipe.runtime.distributed import pipeline_ranks
 from dynapipe.runtime.exec_trace import ExecEvent, ExecTrace, chrome_trace, describe
 from dynapipe.schedule.trace import op_event
-from dynapipe.runtime.p2p import check_tensor
+from dynapipe.runtime.p2p import AbortChannel, Waiter, check_tensor
 from dynapipe.runtime.plan_check import check_plan_locally, message_digests, pair_starts
 
 CFG = load_model_config("gpt-tiny")
@@ -191,3 +194,35 @@ def test_executed_trace_is_laid_out_like_the_simulated_one():
 def test_pipeline_rank_layout_is_megatrons():
     assert pipeline_ranks(4, 2) == [[0, 2], [1, 3]]
     assert pipeline_ranks(4, 4) == [[0, 1, 2, 3]]
+
+
+def _helper_threads() -> int:
+    return sum(t.name.startswith("dynapipe-wait") for t in threading.enumerate())
+
+
+def _busy_waiter() -> Waiter:
+    """A waiter whose helper threads (one per key) each ran a job."""
+    w = Waiter(5.0, AbortChannel(torch.distributed.HashStore(), 1), poll_s=0.01)
+    for key in ("calls", (1, True), (1, False)):
+        w.join(w.submit(lambda: None, key=key), "test")
+    return w
+
+
+def test_waiter_helper_threads_end_on_close_and_when_the_waiter_is_dropped():
+    base = _helper_threads()
+    w = _busy_waiter()
+    assert _helper_threads() == base + 3
+    w.close()
+    w.close()
+    assert _helper_threads() == base
+    ran = []
+    job = w.submit(lambda: ran.append(1), key=(1, True))  # after close: runs in the caller
+    assert job.done.is_set() and ran == [1] and _helper_threads() == base
+    w = _busy_waiter()
+    assert _helper_threads() == base + 3
+    del w
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while _helper_threads() > base and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _helper_threads() == base

@@ -43,7 +43,8 @@ from dynapipe.runtime.buffers import BufferTable, backward_from, release_data
 from dynapipe.runtime.exec_trace import WAIT_SENDS, ExecEvent, ExecTrace, describe, now_us
 from dynapipe.runtime.contract import ExecutorConfig, HandlerFailure, IterationResult, StageHandlers
 from dynapipe.runtime.p2p import AbortChannel, CommFailure, PeerComm, RemoteFailure, Waiter, allocate, check_tensor
-from dynapipe.runtime.plan_check import PeerPlanCheck, check_plan_locally, pair_starts
+from dynapipe.runtime.plan_check import (PeerPlanCheck, check_plan_locally, executor_prefix, pair_starts,
+                                         row_key)
 
 SEND_FINISHES = (SendActivationFinish, SendGradFinish)
 TRANSFERS = SEND_STARTS + RECV_STARTS + FINISHES
@@ -101,6 +102,10 @@ class Executor:
     every rank promptly with that rank's message, without it ranks stop on a broken
     connection or the timeout. ``replica``: this rank's data-parallel index, checked
     against the plan's when given.
+
+    :meth:`close` (or ``with Executor(...) as ex:``) stops its helper threads and removes
+    its store keys. Every rank of a pipeline must create its executors in the same order;
+    a new executor on the same store works once the previous one is closed on every rank.
     """
 
     def __init__(self, handlers: StageHandlers, *, group: Optional[dist.ProcessGroup] = None,
@@ -114,12 +119,18 @@ class Executor:
         self.abort = AbortChannel(store, dist.get_world_size()) if store is not None else None
         # A second store client for blocking waits, so the abort channel stays usable meanwhile.
         self._wait_store = store.clone() if store is not None and hasattr(store, "clone") else None
+        self.global_rank = dist.get_rank()
+        # This executor's plan-check rows live in their own namespace: an earlier executor's
+        # leftovers on the same store can never pass for this one's.
+        self._plan_prefix = executor_prefix(store, self.global_rank) if store is not None else ""
         self.waiter = Waiter(self.config.timeout_s, self.abort, self.config.poll_s,
                              stream_ordered=self.device.type == "cuda", watch=self.config.watch_failures)
         self.replica = replica
-        self.global_rank = dist.get_rank()
         self._runs = 0
         self._failed: Optional[str] = None
+        self._closed = False
+        # Exchange seq of the last plan-check row, while peers may still have to read it.
+        self._unread_row: Optional[int] = None
         # Instruction type -> how it runs; every method takes (index, instruction, run, where).
         self._ops = {ForwardPass: self._forward, BackwardPass: self._backward, LoadInput: self._load,
                      FreeBuffer: self._free, **{t: self._start for t in SEND_STARTS + RECV_STARTS},
@@ -139,6 +150,9 @@ class Executor:
         rank, the instruction index and the peer) when a transfer fails or times out, a
         tensor differs from the plan, a handler raises, or another rank failed.
         """
+        if self._closed:
+            raise ExecutorError(f"global rank {self.global_rank}: this executor was closed; create a new one "
+                                f"(on every pipeline rank) to run more iterations.")
         if self._failed:
             raise ExecutorError(f"global rank {self.global_rank}: this executor stopped after a failure and "
                                 f"cannot run again ({self._failed}); restart the job.")
@@ -147,14 +161,54 @@ class Executor:
         plan_obj, pairing, refusal = self._accept(plan, where)
         check = None
         if self.config.check_peers and self.comm.size > 1:
-            check = PeerPlanCheck(self.comm, plan_obj, refusal, seq)
+            check = PeerPlanCheck(self.comm, plan_obj, refusal, seq, self._plan_prefix)
+            if self.store is not None:
+                self._unread_row = seq
             self._guard(lambda: check.start(self.waiter, self.store, where, self._wait_store))
             if refusal is not None:  # every rank refuses alike: the group stays usable
                 self._guard(lambda: check.settle(self.waiter))
         elif refusal is not None:
             raise PlanError(refusal)
-        return self._execute(plan_obj, *pairing, check,
-                             plan_obj.global_real_tokens if loss_tokens is None else int(loss_tokens))
+        result = self._execute(plan_obj, *pairing, check,
+                               plan_obj.global_real_tokens if loss_tokens is None else int(loss_tokens))
+        if any(isinstance(x, RECV_STARTS) for x in plan_obj.instructions):
+            # A peer sends only after it read every row, and in a plan whose micro-batches
+            # pass through every stage, each receive depends on every stage having sent.
+            self._unread_row = None
+        return result
+
+    # ---- lifetime ----------------------------------------------------------------------
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop the helper threads (waiting up to ``timeout_s`` s for them), release the
+        second store client and delete this rank's own plan-check rows. Idempotent; call it
+        on every rank once no more iterations will run (not while :meth:`run` is running).
+
+        The row of the last exchange is kept when a peer may still be reading it (the
+        last iteration was refused, or moved nothing between stages); it lies in this
+        executor's own namespace, so no later executor reads it. Failure reports (keys
+        under ``dynapipe/abort``) stay: ranks still stopping read the root cause there, and
+        an executor that failed leaves the job to be restarted; a clean run writes none.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self.waiter.close(timeout_s)
+        self._wait_store = None
+        if self.store is None or not self._runs:
+            return
+        last = self._runs - 1
+        try:
+            for seq in range(max(last - 1, 0), last + 1):
+                if seq != self._unread_row or self._failed:
+                    self.store.delete_key(row_key(self._plan_prefix, seq, self.global_rank))
+        except Exception:  # noqa: BLE001 - the store may be gone with its host at shutdown
+            pass
+
+    def __enter__(self) -> "Executor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _guard(self, fn) -> None:
         """Run a step of the peer plan check; a failed exchange is a failure like any transfer's."""

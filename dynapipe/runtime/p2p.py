@@ -17,6 +17,7 @@ import json
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -169,15 +170,23 @@ class Waiter:
         self.stream_ordered = stream_ordered
         self.threaded = abort is not None and watch and not stream_ordered
         self._queues: dict = {}
+        self._threads: list[threading.Thread] = []
+        # An executor dropped without close() still stops its helper threads once collected:
+        # they hold only their queue, never the waiter.
+        self._stop = weakref.finalize(self, _stop_serving, self._queues)
 
-    def _serve(self, jobs: "queue.SimpleQueue[_Job]") -> None:
-        while True:
-            job = jobs.get()
-            try:
-                job.call()
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-                job.error = e
-            job.done.set()
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop the helper threads: each finishes the jobs already queued, then ends.
+
+        Waits up to ``timeout_s`` seconds in all; a thread still inside a backend wait that
+        never returns (a transfer of a failed iteration) is left behind as a daemon. Idempotent;
+        jobs submitted afterwards run in the calling thread."""
+        self._stop()
+        self.threaded = False
+        deadline = time.monotonic() + timeout_s
+        threads, self._threads = self._threads, []
+        for t in threads:
+            t.join(max(deadline - time.monotonic(), 0.0))
 
     def submit(self, fn: Callable[[], None], keep: Sequence = (), key: object = "calls") -> _Job:
         """Start ``fn`` on the helper thread of ``key`` (without an abort channel: run it
@@ -193,7 +202,9 @@ class Waiter:
         jobs = self._queues.get(key)
         if jobs is None:
             jobs = self._queues[key] = queue.SimpleQueue()
-            threading.Thread(target=self._serve, args=(jobs,), name=f"dynapipe-wait-{key}", daemon=True).start()
+            t = threading.Thread(target=_serve, args=(jobs,), name=f"dynapipe-wait-{key}", daemon=True)
+            t.start()
+            self._threads.append(t)
         jobs.put(job)
         return job
 
@@ -268,6 +279,26 @@ class Waiter:
         cause = self.abort.root_cause(grace_s=1.0) if self.abort is not None else None
         more = f"; {cause}" if cause else ""
         return CommFailure(f"{where}: {reason} [{type(e).__name__}: {text.splitlines()[0] if text else ''}]{more}")
+
+
+def _serve(jobs: "queue.SimpleQueue[Optional[_Job]]") -> None:
+    """A helper thread: run jobs in order until the stop marker (``None``)."""
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        try:
+            job.call()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            job.error = e
+        job.done.set()
+        del job  # drop its tensors now, not when the next job arrives
+
+
+def _stop_serving(queues: dict) -> None:
+    for jobs in queues.values():
+        jobs.put(None)
+    queues.clear()
 
 
 class _WaitError(Exception):

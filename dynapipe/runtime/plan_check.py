@@ -172,6 +172,21 @@ def message_digests(plan: ExecutionPlan) -> tuple[list[int], list[int]]:
     return as_int[:plan.num_stages], as_int[plan.num_stages:]
 
 
+def row_key(prefix: str, seq: int, global_rank: int) -> str:
+    """The store key of one rank's plan-check row for exchange ``seq`` of one executor
+    (``prefix``: that executor's namespace, see :func:`executor_prefix`)."""
+    return f"{prefix}/{seq}/{global_rank}"
+
+
+def executor_prefix(store: dist.Store, global_rank: int) -> str:
+    """A fresh store namespace for the plan-check rows of a new executor on this rank.
+
+    Each rank counts its own executors in the store, so the n-th executor of every rank of
+    a pipeline shares the namespace ``dynapipe/plan/n`` and never reads a row an earlier
+    executor left behind (ranks must create their executors in the same order)."""
+    return f"dynapipe/plan/{int(store.add(f'dynapipe/plan/executors/{global_rank}', 1))}"
+
+
 class PeerPlanCheck:
     """Every pipeline rank compares its plan with every other's before anything is sent.
 
@@ -185,8 +200,9 @@ class PeerPlanCheck:
     can overlap the work that comes before the first transfer.
     """
 
-    def __init__(self, comm: PeerComm, plan: Optional[ExecutionPlan], refusal: Optional[str], seq: int):
-        self.comm, self.refusal, self.seq = comm, refusal, seq
+    def __init__(self, comm: PeerComm, plan: Optional[ExecutionPlan], refusal: Optional[str], seq: int,
+                 prefix: str = "dynapipe/plan/0"):
+        self.comm, self.refusal, self.seq, self.prefix = comm, refusal, seq, prefix
         self.row = [0] * (4 + 2 * comm.size)
         if refusal is None and plan is not None:
             sends, recvs = message_digests(plan)
@@ -209,18 +225,18 @@ class PeerPlanCheck:
             self.job = waiter.submit(lambda: self._store_rows(client, timeout_s))
 
     def _store_rows(self, store: dist.Store, timeout_s: float) -> None:
-        key = "dynapipe/plan/{}/{}".format
         me = self.comm.global_rank(self.comm.rank)
-        store.set(key(self.seq, me), json.dumps({"row": self.row, "reason": self.refusal}))
+        store.set(row_key(self.prefix, self.seq, me), json.dumps({"row": self.row, "reason": self.refusal}))
         if self.seq >= 2:  # every peer has read it: each has reached this iteration's exchange
-            store.delete_key(key(self.seq - 2, me))
-        keys = [key(self.seq, g) for g in self.comm.global_ranks]
+            store.delete_key(row_key(self.prefix, self.seq - 2, me))
+        keys = [row_key(self.prefix, self.seq, g) for g in self.comm.global_ranks]
         try:
             store.wait(keys, datetime.timedelta(seconds=timeout_s))
         except Exception as e:  # noqa: BLE001 - the store's timeout error has no class of its own
             missing = [p for p, k in enumerate(keys) if not store.check([k])]
             raise CommFailure(f"{self.where}: pipeline ranks {missing} did not publish their plans within the "
-                              f"{timeout_s:g} s timeout (stuck, dead, or not running this iteration) "
+                              f"{timeout_s:g} s timeout (stuck, dead, not running this iteration, or on "
+                              f"another executor: every rank must create its executors in the same order) "
                               f"[{type(e).__name__}]") from None
         self.docs = [json.loads(v) for v in store.multi_get(keys)]
 
