@@ -83,17 +83,16 @@ class Stage:
     module: torch.nn.Module  # megatron DistributedDataParallel([Float16Module](GPTModel))
     gpt: torch.nn.Module  # the unwrapped GPTModel
     config: object  # TransformerConfig
-    pp_rank: int
-    pp_size: int
+    info: RankInfo  # where this rank sits in the pipeline and data-parallel groups
     spec_name: str
 
     @property
     def pre_process(self) -> bool:
-        return self.pp_rank == 0
+        return self.info.is_first_stage
 
     @property
     def post_process(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
+        return self.info.is_last_stage
 
 
 def build_gpt_stage(cfg: DynaPipeTrainingConfig, info: RankInfo, use_te: Optional[bool] = None) -> torch.nn.Module:
@@ -128,7 +127,7 @@ def build_stage(cfg: DynaPipeTrainingConfig, info: RankInfo, use_te: Optional[bo
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=cfg.optimizer.distributed)
     module = DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=inner)
-    return Stage(module=module, gpt=gpt, config=tconfig, pp_rank=info.pp_rank, pp_size=info.pp_size,
+    return Stage(module=module, gpt=gpt, config=tconfig, info=info,
                  spec_name="transformer_engine" if use_te else "local")
 
 
