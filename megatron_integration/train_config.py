@@ -87,6 +87,24 @@ class DataArgs:
 
 
 @dataclass(frozen=True)
+class RecomputeArgs:
+    """Megatron's activation recomputation (``--recompute-granularity/-method/-num-layers``).
+
+    ``granularity``: None (no recompute), ``selective`` (core attention) or ``full``
+    (whole layers; ``method`` ``uniform`` or ``block`` and ``num_layers`` as in Megatron).
+    """
+
+    granularity: Optional[str] = None
+    method: Optional[str] = None
+    num_layers: Optional[int] = None
+
+    @property
+    def level(self) -> Optional[str]:
+        """The planner's level this fixes (None: not fixed)."""
+        return self.granularity
+
+
+@dataclass(frozen=True)
 class DynaPipeArgs:
     """DynaPipe's planner, executor and loader settings."""
 
@@ -105,6 +123,8 @@ class DynaPipeArgs:
     max_tokens: Optional[int] = None
     timeout_s: float = 300.0
     trace_dir: Optional[str] = None
+    # The recompute level the planner must use (None: the schedule search chooses per stage).
+    recompute: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -129,6 +149,7 @@ class DynaPipeTrainingConfig:
     load_rng: bool = True
     log_interval: int = 100
     tensorboard_dir: Optional[str] = None
+    recompute: RecomputeArgs = field(default_factory=RecomputeArgs)
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
