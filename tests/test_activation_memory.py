@@ -101,3 +101,22 @@ def test_planned_peak_follows_levels_per_micro_batch():
         if isinstance(x, (ForwardPass, BackwardPass)) else x for x in plans[1].instructions))
     none = planned_activation_peak_mib(plans[1], cost)
     assert planned_activation_peak_mib(mixed, cost) <= none
+
+
+def test_bench_and_log_line_report_measured_against_planned():
+    from megatron_integration.bench import stage_activation_peaks
+    from megatron_integration.logging_utils import IntervalStats, format_log_line
+    from megatron_integration.megatron_step import StepResult
+
+    ranks = [{"pp_rank": 1, "activation_measured_mib": [50.0, 9.0, 11.0], "activation_planned_mib": [1.0, 10.0, 12.0]},
+             {"pp_rank": 0, "activation_measured_mib": [7.0, 8.0, 6.0], "activation_planned_mib": [None] * 3}]
+    assert stage_activation_peaks(ranks, keep=[1, 2]) == [{"stage": 0, "measured": 8.0, "planned": None},
+                                                         {"stage": 1, "measured": 11.0, "planned": 12.0}]
+    stats = IntervalStats()
+    stats.add(StepResult(loss=1.0, loss_tokens=1, real_tokens=1, padded_tokens=1, iteration_ms=1.0,
+                         activation_measured_mib=9.06, activation_planned_mib=9.84))
+    assert "activation peak (MiB): 9.1/9.8 |" in format_log_line(1, 1, 1, stats, 1.0, 1e-3, 1)
+    stats = IntervalStats()
+    stats.add(StepResult(loss=1.0, loss_tokens=1, real_tokens=1, padded_tokens=1, iteration_ms=1.0,
+                         activation_measured_mib=9.0))
+    assert "activation peak (MiB): 9.0/- |" in format_log_line(1, 1, 1, stats, 1.0, 1e-3, 1)
