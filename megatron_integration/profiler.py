@@ -253,7 +253,8 @@ def profile_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: Seq
                 progress(f"mbs={b:<4d} seqlen={s:<6d} layer fw {layer['fw_ms'][i][j]:8.2f} ms  "
                          f"bw {layer['bw_ms'][i][j]:8.2f} ms  stored {layer['stored_mib'][i][j]:8.2f} MiB  "
                          f"peak {layer['peak_mib'][i][j]:8.2f} MiB  stored selective/full "
-                         f"{tables['layer_selective']['stored_mib'][i][j]:.2f}/{tables['layer_full']['stored_mib'][i][j]:.2f} MiB")
+                         f"{tables['layer_selective']['stored_mib'][i][j]:.2f}/"
+                         f"{tables['layer_full']['stored_mib'][i][j]:.2f} MiB")
     return {
         "format": PROFILE_FORMAT,
         "version": PROFILE_VERSION,

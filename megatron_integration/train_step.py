@@ -6,9 +6,9 @@ Per iteration, on every rank:
    plan and the micro-batch tensors its plan loads (planned ahead in worker processes);
 2. the :class:`~dynapipe.runtime.executor.Executor` runs the plan; its handlers
    (:class:`MegatronStageHandlers`) call this rank's megatron-core ``GPTModel`` stage
-   for load, forward and (by default) backward, and it moves activations and gradients
-   between stages point-to-point with the shapes the plan carries;
-   The handlers run each micro-batch at the recompute level its instruction carries
+   for load, forward and backward, and it moves activations and gradients
+   between stages point-to-point with the shapes the plan carries; the handlers run each
+   micro-batch at the recompute level its instruction carries
    (:func:`~megatron_integration.model.set_recompute_level`), in the forward and again
    before its backward, so the level may change from one micro-batch to the next;
 3. megatron-core's ``finalize_model_grads`` sums the gradients over data-parallel
@@ -169,8 +169,8 @@ class DynaPipeStepper:
 
         handlers = MegatronStageHandlers(stage, info.device)
         meter = ActivationMeter()
-        executor = Executor(handlers, meter=meter, group=parallel_state.get_pipeline_model_parallel_group(), device=info.device,
-                            store=job_tcp_store(),
+        executor = Executor(handlers, group=parallel_state.get_pipeline_model_parallel_group(), device=info.device,
+                            store=job_tcp_store(), meter=meter,
                             config=ExecutorConfig(timeout_s=cfg.dynapipe.timeout_s,
                                                   trace=cfg.dynapipe.trace_dir is not None),
                             replica=info.dp_rank)

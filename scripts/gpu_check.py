@@ -147,7 +147,8 @@ def summarise(run: dict, warmup: int = 1) -> dict:
 
 def markdown(results: dict, loss_spread: float) -> str:
     """The short table the check writes: throughput and ratios, then activation memory per level."""
-    lines = ["| method | real tokens/s | vs padding | vs packing | iteration (ms) | activation peak measured / planned (MiB) |",
+    lines = ["| method | real tokens/s | vs padding | vs packing | iteration (ms) "
+             "| activation peak measured / planned (MiB) |",
              "|---|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         vs = [f"{r['real_tokens_per_s'] / results[b]['real_tokens_per_s']:.2f}x" if b in results else "-"
