@@ -1,0 +1,207 @@
+"""Figures of ``python -m dynapipe bench`` runs: per-run summaries, medians over rounds, tables.
+
+:func:`summarise` turns the per-rank summaries of one training job (see
+:mod:`megatron_integration.jobs`) into a :class:`MethodResult` over the iterations after
+the warm-up; :func:`median_result` combines the rounds of one method; :func:`breakdown`
+says where the time of the timed iterations went on each rank, from what the run
+recorded (megatron-core's steps timed as they ran, or the DynaPipe executor's traces).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import statistics
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+
+@dataclass
+class MethodResult:
+    """One method's figures over the timed iterations of one run (or medians over runs).
+
+    ``real_tokens_per_s``: sample tokens (padding excluded) per second of iteration wall
+    time; ``padding_efficiency``: real / computed tokens; ``iteration_ms``: mean wall
+    time of an iteration (the slowest rank's); ``plan_wait_ms``: mean time the training
+    loop waited for its plan; ``planner_cpu_ms``: mean CPU ms per iteration of the
+    processes the ranks started (DynaPipe's planner workers), summed over ranks;
+    ``rank_cpu_ms``: mean CPU ms per iteration of the ranks themselves, summed.
+    """
+
+    real_tokens_per_s: float
+    padding_efficiency: float
+    iteration_ms: float
+    plan_wait_ms: float
+    losses: list[float] = field(default_factory=list)
+    timed_iterations: int = 0
+    layer_spec: str = ""
+    planner_cpu_ms: Optional[float] = None
+    rank_cpu_ms: float = 0.0
+    real_tokens: int = 0
+    rounds: int = 1
+
+    @property
+    def planning_overhead(self) -> float:
+        """(plan wait + planner CPU) / iteration time: the planning cost inside the timed window,
+        counted as if every planner CPU millisecond delayed the iteration."""
+        if not self.iteration_ms:
+            return 0.0
+        return (self.plan_wait_ms + (self.planner_cpu_ms or 0.0)) / self.iteration_ms
+
+    def to_json(self) -> dict:
+        return {"real_tokens_per_s": round(self.real_tokens_per_s, 2),
+                "padding_efficiency": round(self.padding_efficiency, 4),
+                "iteration_ms": round(self.iteration_ms, 2), "plan_wait_ms": round(self.plan_wait_ms, 3),
+                "plan_wait_fraction": round(self.plan_wait_ms / self.iteration_ms, 5) if self.iteration_ms else 0.0,
+                "planner_cpu_ms": None if self.planner_cpu_ms is None else round(self.planner_cpu_ms, 2),
+                "rank_cpu_ms": round(self.rank_cpu_ms, 2),
+                "planning_overhead_fraction": round(self.planning_overhead, 5),
+                "real_tokens_per_iteration": self.real_tokens, "timed_iterations": self.timed_iterations,
+                "rounds": self.rounds, "lm_loss": self.losses, "layer_spec": self.layer_spec}
+
+
+def timed_indices(ranks: list[dict], warmup_iters: int) -> list[int]:
+    """Iterations after the warm-up (at least the last one)."""
+    n = len(ranks[0]["iteration_ms"])
+    return list(range(min(warmup_iters, n - 1), n))
+
+
+def summarise(ranks: list[dict], warmup_iters: int) -> MethodResult:
+    """Figures of one method from every rank's summary, iterations after the warm-up."""
+    keep = timed_indices(ranks, warmup_iters)
+    # An iteration lasts as long as its slowest rank.
+    iter_ms = [max(r["iteration_ms"][i] for r in ranks) for i in keep]
+    wait_ms = [max(r["plan_wait_ms"][i] for r in ranks) for i in keep]
+    real = sum(ranks[0]["real_tokens"][i] for i in keep)
+    padded = sum(ranks[0]["padded_tokens"][i] for i in keep)
+    children = [r.get("children_cpu_ms") for r in ranks]
+    planner = None
+    if all(c and all(c[i] is not None for i in keep) for c in children):
+        planner = statistics.fmean(sum(c[i] for c in children) for i in keep)
+    rank_cpu = statistics.fmean(sum(r["cpu_ms"][i] for r in ranks) for i in keep) if "cpu_ms" in ranks[0] else 0.0
+    return MethodResult(real_tokens_per_s=real / (sum(iter_ms) / 1e3), padding_efficiency=real / max(padded, 1),
+                        iteration_ms=statistics.fmean(iter_ms), plan_wait_ms=statistics.fmean(wait_ms),
+                        losses=ranks[0]["losses"], timed_iterations=len(keep), layer_spec=ranks[0]["layer_spec"],
+                        planner_cpu_ms=planner, rank_cpu_ms=rank_cpu, real_tokens=real // max(len(keep), 1))
+
+
+def median_result(runs: list[MethodResult]) -> MethodResult:
+    """One method over several rounds: the median of every timing figure (throughput and
+    iteration time each on their own), the rest from the first round."""
+    if len(runs) == 1:
+        return runs[0]
+    med = statistics.median
+    waits = [r.planner_cpu_ms for r in runs]
+    return replace(runs[0], real_tokens_per_s=med(r.real_tokens_per_s for r in runs),
+                   iteration_ms=med(r.iteration_ms for r in runs), plan_wait_ms=med(r.plan_wait_ms for r in runs),
+                   planner_cpu_ms=None if None in waits else med(waits),
+                   rank_cpu_ms=med(r.rank_cpu_ms for r in runs), rounds=len(runs))
+
+
+def _trace_breakdown(trace_dir: str, iterations: set[int]) -> dict[int, dict[int, dict]]:
+    """``rank -> iteration -> {compute_ms, comm_ms, data_ms, executor_ms}`` from the executor's
+    Chrome traces (``rankNNN.json``); comm includes waiting for the peer."""
+    out: dict[int, dict[int, dict]] = {}
+    for path in sorted(glob.glob(os.path.join(trace_dir, "rank*.json"))):
+        rank = int(os.path.basename(path)[4:-5])
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        per: dict[int, dict] = {}
+        for e in events:
+            if e.get("ph") != "X":
+                continue
+            it = e.get("args", {}).get("iteration")
+            if it not in iterations:
+                continue
+            d = per.setdefault(it, {"compute_ms": 0.0, "comm_ms": 0.0, "data_ms": 0.0, "start": e["ts"], "end": 0.0})
+            key = {"forward": "compute_ms", "backward": "compute_ms", "comm": "comm_ms", "data": "data_ms"}.get(
+                e.get("cat"))
+            if key:
+                d[key] += e["dur"] / 1e3
+            d["start"] = min(d["start"], e["ts"])
+            d["end"] = max(d["end"], e["ts"] + e["dur"])
+        for d in per.values():
+            d["executor_ms"] = (d.pop("end") - d.pop("start")) / 1e3
+        out[rank] = per
+    return out
+
+
+def breakdown(ranks: list[dict], warmup_iters: int, trace_dir: Optional[str] = None) -> list[dict]:
+    """Mean ms per timed iteration on every rank: ``iteration``, ``compute`` (forward +
+    backward), ``p2p_and_wait`` (transfers and waiting for the other stage: bubble plus
+    communication), ``optimizer_and_grads`` (gradient finaliser and optimizer step),
+    ``plan_wait`` and ``other``; from megatron-core's timed steps, or for DynaPipe from
+    the executor traces in ``trace_dir``. Empty when the run recorded neither."""
+    keep = timed_indices(ranks, warmup_iters)
+    traces = _trace_breakdown(trace_dir, set(keep)) if trace_dir and os.path.isdir(trace_dir) else {}
+    out = []
+    for rank, r in enumerate(ranks):
+        rows = []
+        for i in keep:
+            it_ms = r["iteration_ms"][i]
+            b = (r.get("breakdown_ms") or [{}] * (i + 1))[i] or {}
+            t = traces.get(rank, {}).get(i)
+            if b:
+                compute, p2p = b["forward_ms"] + b["backward_ms"], b["p2p_and_wait_ms"]
+                opt = b["finalize_ms"] + b["optimizer_ms"]
+                wait = 0.0
+            elif t:
+                compute, p2p = t["compute_ms"], t["comm_ms"]
+                wait = r["plan_wait_ms"][i]
+                # Outside the executor: loader wait, gradient finaliser, optimizer, loss reduction.
+                opt = max(it_ms - t["executor_ms"] - wait, 0.0)
+            else:
+                continue
+            rows.append({"iteration": it_ms, "compute": compute, "p2p_and_wait": p2p,
+                         "optimizer_and_grads": opt, "plan_wait": wait,
+                         "other": max(it_ms - compute - p2p - opt - wait, 0.0)})
+        if rows:
+            out.append({k: round(statistics.fmean(x[k] for x in rows), 2) for k in rows[0]} | {"rank": rank})
+    return out
+
+
+def ratio_table(results: dict[str, MethodResult], baselines: tuple[str, ...] = ("padding", "packing"),
+                shares: Optional[dict[str, float]] = None, sizes: Optional[dict[str, Optional[int]]] = None) -> str:
+    """The side-by-side table printed by ``python -m dynapipe bench``."""
+    cols = [b for b in baselines if b in results]
+    header = (f"{'method':<14} {'mbs':>4} {'real tok/s':>11} {'pad eff':>8} {'iter ms':>10} {'plan wait ms':>13} "
+              f"{'attn share':>10}" + "".join(f" {'vs ' + b:>14}" for b in cols))
+    lines = [header, "-" * len(header)]
+    for name, r in results.items():
+        vs = [f"{r.real_tokens_per_s / results[b].real_tokens_per_s:.2f}x" for b in cols]
+        mbs = (sizes or {}).get(name)
+        share = (shares or {}).get(name)
+        lines.append(f"{name:<14} {('-' if mbs is None else str(mbs)):>4} {r.real_tokens_per_s:>11.1f} "
+                     f"{r.padding_efficiency:>8.3f} {r.iteration_ms:>10.1f} {r.plan_wait_ms:>13.2f} "
+                     f"{('-' if share is None else f'{share:.1%}'):>10}" + "".join(f" {v:>14}" for v in vs))
+    return "\n".join(lines)
+
+
+def write_png(results: dict[str, MethodResult], path: str, title: str) -> None:
+    """Bar charts of real tokens/s and padding efficiency per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    colors = ["#1f77b4" if n.startswith("dynapipe") else "#999999" for n in names]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    tps = [results[n].real_tokens_per_s for n in names]
+    axes[0].bar(names, tps, color=colors)
+    axes[0].set_ylabel("real tokens / s")
+    for i, v in enumerate(tps):
+        axes[0].text(i, v, f"{v:.0f}", ha="center", va="bottom", fontsize=9)
+    eff = [results[n].padding_efficiency for n in names]
+    axes[1].bar(names, eff, color=colors)
+    axes[1].set_ylim(0, 1.05)
+    axes[1].set_ylabel("padding efficiency")
+    for i, v in enumerate(eff):
+        axes[1].text(i, v, f"{v:.2f}", ha="center", va="bottom", fontsize=9)
+    for ax in axes:
+        ax.tick_params(axis="x", labelrotation=20)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
