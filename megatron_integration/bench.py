@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence, TextIO
 
-from megatron_integration.bench_report import (MethodResult, breakdown, median_result, ratio_table,  # noqa: F401
-                                               summarise, write_png)
+from megatron_integration.bench_report import (MethodResult, breakdown, breakdown_summary,  # noqa: F401
+                                               breakdown_table, median_result, ratio_table, summarise, write_png)
 from megatron_integration.jobs import run_training
 
 METHOD_FLAGS = {
@@ -70,7 +70,7 @@ PRESETS = {
     "representative": Preset(
         args={"--num-layers": "2", "--hidden-size": "512", "--num-attention-heads": "8", "--ffn-hidden-size": "2048",
               "--seq-length": "512", "--max-position-embeddings": "512", "--micro-batch-size": "1",
-              "--global-batch-size": "16", "--train-iters": "5", "--dynapipe-prefetch": "2", **_COMMON},
+              "--global-batch-size": "16", "--train-iters": "4", "--dynapipe-prefetch": "2", **_COMMON},
         methods=("dynapipe", "dynapipe-1f1b", "padding", "padding-mb", "packing"), rounds=2, sweep_top=2,
         warmup_iters=1, profile_repeats=2,
         about="GPT-7B's attention share of layer FLOPs (hidden 512 at 512 tokens), tuned baselines"),
@@ -213,6 +213,9 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
     reference = bench_sim.gpt7b_attention_shares(methods, REFERENCE_SEQ_LENGTH)
 
     print(ratio_table(results, tuple(b for b in BASELINES if b in results), shares, sizes), file=stream)
+    time_split = {m: breakdown_summary(splits[chosen[m].label]) for m in methods}
+    print("\nwhere an iteration's time went (ms, mean over rounds and ranks):", file=stream)
+    print(breakdown_table(time_split), file=stream)
     best_base = max((b for b in BASELINES if b in results), key=lambda b: results[b].real_tokens_per_s, default=None)
     report = {
         "preset": preset, "about": p.about,
@@ -220,7 +223,7 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
                         "rounds_real_tokens_per_s": [round(r.real_tokens_per_s, 2) for r in runs[chosen[m].label]],
                         "attention_share": round(shares[m], 4),
                         "gpt7b_attention_share": reference.get(m),
-                        "time_breakdown_ms": splits[chosen[m].label],
+                        "time_breakdown_ms": splits[chosen[m].label], "time_split_ms": time_split[m],
                         **({"sweep": sim.sweep_with_measured(sweeps[m], per_entry, m)} if m in sweeps else {})}
                     for m in methods},
         "ratios": {f"{m}_vs_{b}": round(results[m].real_tokens_per_s / results[b].real_tokens_per_s, 3)

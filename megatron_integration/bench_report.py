@@ -205,3 +205,31 @@ def write_png(results: dict[str, MethodResult], path: str, title: str) -> None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
+
+
+def breakdown_summary(splits: list[list[dict]]) -> dict:
+    """Mean over rounds and ranks of :func:`breakdown`'s figures (ms per iteration), and
+    ``busy_fraction``: compute / iteration time on the busiest rank (1 - idle share)."""
+    rows = [b for rnd in splits for b in rnd]
+    if not rows:
+        return {}
+    keys = ("iteration", "compute", "p2p_and_wait", "optimizer_and_grads", "plan_wait", "other")
+    out = {k: round(statistics.fmean(r[k] for r in rows), 1) for k in keys}
+    out["busy_fraction"] = round(max(statistics.fmean(r["compute"] / r["iteration"] for r in rows
+                                                      if r["rank"] == rank)
+                                     for rank in {r["rank"] for r in rows}), 3)
+    return out
+
+
+def breakdown_table(summaries: dict[str, dict]) -> str:
+    """Where the time of an iteration went, per method (ms, means over rounds and ranks)."""
+    header = (f"{'method':<14} {'iter ms':>9} {'compute':>9} {'p2p+wait':>9} {'optim+grads':>12} {'plan wait':>10} "
+              f"{'other':>7} {'busiest rank busy':>18}")
+    lines = [header, "-" * len(header)]
+    for name, s in summaries.items():
+        if not s:
+            continue
+        lines.append(f"{name:<14} {s['iteration']:>9.1f} {s['compute']:>9.1f} {s['p2p_and_wait']:>9.1f} "
+                     f"{s['optimizer_and_grads']:>12.1f} {s['plan_wait']:>10.1f} {s['other']:>7.1f} "
+                     f"{s['busy_fraction']:>18.1%}")
+    return "\n".join(lines)

@@ -105,3 +105,15 @@ def test_bench_refuses_what_the_preset_cannot_honour(tmp_path, capsys):
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_breakdown_summary_names_the_busiest_rank():
+    from megatron_integration.bench_report import breakdown_summary, breakdown_table
+
+    rnd = [{"rank": 0, "iteration": 100.0, "compute": 80.0, "p2p_and_wait": 10.0, "optimizer_and_grads": 5.0,
+            "plan_wait": 0.0, "other": 5.0},
+           {"rank": 1, "iteration": 100.0, "compute": 40.0, "p2p_and_wait": 50.0, "optimizer_and_grads": 5.0,
+            "plan_wait": 1.0, "other": 4.0}]
+    s = breakdown_summary([rnd, rnd])
+    assert s["compute"] == 60.0 and s["p2p_and_wait"] == 30.0 and s["busy_fraction"] == 0.8
+    assert "80.0%" in breakdown_table({"packing": s}) and breakdown_summary([]) == {}
