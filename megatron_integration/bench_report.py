@@ -1,10 +1,9 @@
-"""Figures of ``python -m dynapipe bench`` runs: per-run summaries, medians over rounds, tables.
+"""Reports of ``python -m dynapipe bench``: where the time went, tables and the picture.
 
-:func:`summarise` turns the per-rank summaries of one training job (see
-:mod:`megatron_integration.jobs`) into a :class:`MethodResult` over the iterations after
-the warm-up; :func:`median_result` combines the rounds of one method; :func:`breakdown`
-says where the time of the timed iterations went on each rank, from what the run
-recorded (megatron-core's steps timed as they ran, or the DynaPipe executor's traces).
+:func:`breakdown` says where the time of the timed iterations went on each rank, from
+what the run recorded (megatron-core's steps timed as they ran, or the DynaPipe
+executor's traces); :func:`ratio_table`, :func:`breakdown_table` and :func:`write_png`
+present a run's :class:`~megatron_integration.bench.MethodResult` figures.
 """
 from __future__ import annotations
 
@@ -12,90 +11,16 @@ import glob
 import json
 import os
 import statistics
-from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-
-@dataclass
-class MethodResult:
-    """One method's figures over the timed iterations of one run (or medians over runs).
-
-    ``real_tokens_per_s``: sample tokens (padding excluded) per second of iteration wall
-    time; ``padding_efficiency``: real / computed tokens; ``iteration_ms``: mean wall
-    time of an iteration (the slowest rank's); ``plan_wait_ms``: mean time the training
-    loop waited for its plan; ``planner_cpu_ms``: mean CPU ms per iteration of the
-    processes the ranks started (DynaPipe's planner workers), summed over ranks;
-    ``rank_cpu_ms``: mean CPU ms per iteration of the ranks themselves, summed.
-    """
-
-    real_tokens_per_s: float
-    padding_efficiency: float
-    iteration_ms: float
-    plan_wait_ms: float
-    losses: list[float] = field(default_factory=list)
-    timed_iterations: int = 0
-    layer_spec: str = ""
-    planner_cpu_ms: Optional[float] = None
-    rank_cpu_ms: float = 0.0
-    real_tokens: int = 0
-    rounds: int = 1
-
-    @property
-    def planning_overhead(self) -> float:
-        """(plan wait + planner CPU) / iteration time: the planning cost inside the timed window,
-        counted as if every planner CPU millisecond delayed the iteration."""
-        if not self.iteration_ms:
-            return 0.0
-        return (self.plan_wait_ms + (self.planner_cpu_ms or 0.0)) / self.iteration_ms
-
-    def to_json(self) -> dict:
-        return {"real_tokens_per_s": round(self.real_tokens_per_s, 2),
-                "padding_efficiency": round(self.padding_efficiency, 4),
-                "iteration_ms": round(self.iteration_ms, 2), "plan_wait_ms": round(self.plan_wait_ms, 3),
-                "plan_wait_fraction": round(self.plan_wait_ms / self.iteration_ms, 5) if self.iteration_ms else 0.0,
-                "planner_cpu_ms": None if self.planner_cpu_ms is None else round(self.planner_cpu_ms, 2),
-                "rank_cpu_ms": round(self.rank_cpu_ms, 2),
-                "planning_overhead_fraction": round(self.planning_overhead, 5),
-                "real_tokens_per_iteration": self.real_tokens, "timed_iterations": self.timed_iterations,
-                "rounds": self.rounds, "lm_loss": self.losses, "layer_spec": self.layer_spec}
+if TYPE_CHECKING:
+    from megatron_integration.bench import MethodResult
 
 
 def timed_indices(ranks: list[dict], warmup_iters: int) -> list[int]:
     """Iterations after the warm-up (at least the last one)."""
     n = len(ranks[0]["iteration_ms"])
     return list(range(min(warmup_iters, n - 1), n))
-
-
-def summarise(ranks: list[dict], warmup_iters: int) -> MethodResult:
-    """Figures of one method from every rank's summary, iterations after the warm-up."""
-    keep = timed_indices(ranks, warmup_iters)
-    # An iteration lasts as long as its slowest rank.
-    iter_ms = [max(r["iteration_ms"][i] for r in ranks) for i in keep]
-    wait_ms = [max(r["plan_wait_ms"][i] for r in ranks) for i in keep]
-    real = sum(ranks[0]["real_tokens"][i] for i in keep)
-    padded = sum(ranks[0]["padded_tokens"][i] for i in keep)
-    children = [r.get("children_cpu_ms") for r in ranks]
-    planner = None
-    if all(c and all(c[i] is not None for i in keep) for c in children):
-        planner = statistics.fmean(sum(c[i] for c in children) for i in keep)
-    rank_cpu = statistics.fmean(sum(r["cpu_ms"][i] for r in ranks) for i in keep) if "cpu_ms" in ranks[0] else 0.0
-    return MethodResult(real_tokens_per_s=real / (sum(iter_ms) / 1e3), padding_efficiency=real / max(padded, 1),
-                        iteration_ms=statistics.fmean(iter_ms), plan_wait_ms=statistics.fmean(wait_ms),
-                        losses=ranks[0]["losses"], timed_iterations=len(keep), layer_spec=ranks[0]["layer_spec"],
-                        planner_cpu_ms=planner, rank_cpu_ms=rank_cpu, real_tokens=real // max(len(keep), 1))
-
-
-def median_result(runs: list[MethodResult]) -> MethodResult:
-    """One method over several rounds: the median of every timing figure (throughput and
-    iteration time each on their own), the rest from the first round."""
-    if len(runs) == 1:
-        return runs[0]
-    med = statistics.median
-    waits = [r.planner_cpu_ms for r in runs]
-    return replace(runs[0], real_tokens_per_s=med(r.real_tokens_per_s for r in runs),
-                   iteration_ms=med(r.iteration_ms for r in runs), plan_wait_ms=med(r.plan_wait_ms for r in runs),
-                   planner_cpu_ms=None if None in waits else med(waits),
-                   rank_cpu_ms=med(r.rank_cpu_ms for r in runs), rounds=len(runs))
 
 
 def _trace_breakdown(trace_dir: str, iterations: set[int]) -> dict[int, dict[int, dict]]:

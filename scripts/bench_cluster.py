@@ -15,7 +15,7 @@ of ``--device`` and the links of ``--cluster`` (see :mod:`dynapipe.method_compar
 A baseline's micro-batch size is tuned once per case (the size with the best real
 tokens/s over all its batches). Writes JSON and a Markdown table; prints the table.
 
-    python scripts/bench_cluster.py                       # every case, 3 batches each (~1 min)
+    python scripts/bench_cluster.py                       # every case, 3 batches each (under a minute)
     python scripts/bench_cluster.py --quick               # one case, one batch (seconds)
 """
 from __future__ import annotations

@@ -4,7 +4,8 @@ import json
 import pytest
 
 from megatron_integration.bench import PRESETS, Entry, rotated, with_defaults
-from megatron_integration.bench_report import MethodResult, breakdown, median_result, summarise
+from megatron_integration.bench import MethodResult, median_result, summarise
+from megatron_integration.bench_report import breakdown
 from megatron_integration.bench_sim import BenchSimulation
 
 
