@@ -21,9 +21,9 @@ from megatron_integration.run_config import RunConfig, load_run_config  # noqa: 
 from megatron_integration.train_config import (DataArgs, DynaPipeArgs, DynaPipeTrainingConfig,  # noqa: F401
                                                GPTModelArgs, OptimizerArgs, ParallelArgs, RecomputeArgs)
 
-BATCHINGS = ("dynapipe", "padding", "packing", "token-budget")
-# Batchings megatron-core's own fixed-shape 1F1B runs (without --use-dynapipe).
-MEGATRON_BATCHINGS = ("padding", "packing")
+BATCHINGS = ("dynapipe", "padding", "padding-mb", "packing", "token-budget")
+# Batchings megatron-core's own 1F1B runs (without --use-dynapipe); padding-mb with variable_seq_lengths.
+MEGATRON_BATCHINGS = ("padding", "padding-mb", "packing")
 SCHEDULES = ("auto", "adaptive", "1f1b")
 RECOMPUTE_CHOICES = ("auto", "none", "selective", "full")
 KV_BACKENDS = ("store", "redis")

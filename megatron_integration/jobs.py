@@ -18,14 +18,16 @@ from megatron_integration.launch import spawn
 def training_job(argv: Sequence[str], echo: bool = False) -> dict:
     """Rank body: train with ``argv``; returns a picklable summary of the run."""
     from megatron_integration.arguments import parse_training_args
+    from megatron_integration.cpu_time import IterationCpu
     from megatron_integration.initialize import destroy
     from megatron_integration.training import pretrain
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = parse_training_args(list(argv), world)
     stream = sys.stdout if echo else io.StringIO()
+    cpu = IterationCpu()
     try:
-        run = pretrain(cfg, stream=stream)
+        run = pretrain(cfg, stream=stream, on_iteration=cpu.record)
         from megatron.core import parallel_state
 
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -45,6 +47,11 @@ def training_job(argv: Sequence[str], echo: bool = False) -> dict:
         "pp_rank": pp_rank,
         "log_lines": run.log_lines,
         "layer_spec": run.spec_name,
+        # Where each iteration's time went (megatron-core baselines: measured around its steps).
+        "breakdown_ms": [r.breakdown_ms for r in run.results],
+        # CPU ms of this rank and of the processes it started (planner workers), per iteration.
+        "cpu_ms": cpu.rank_ms,
+        "children_cpu_ms": cpu.children_ms,
     }
 
 

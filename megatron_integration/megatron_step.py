@@ -1,7 +1,10 @@
 """The fixed-shape baselines: one training iteration through megatron-core's own 1F1B.
 
 ``padding`` and ``packing`` micro-batches all have the shape ``[--micro-batch-size,
---seq-length]``; megatron-core's ``get_forward_backward_func`` runs them (1F1B with
+--seq-length]``; ``padding-mb`` micro-batches are ``--micro-batch-size`` samples in
+arrival order padded to their own longest (a multiple of 8), run with megatron-core's
+``variable_seq_lengths`` (its p2p exchanges every activation's shape before the
+activation). megatron-core's ``get_forward_backward_func`` runs them (1F1B with
 PP > 1, no pipelining with PP = 1), DDP and ``finalize_model_grads`` reduce the
 gradients and divide them by the global batch's loss-token count
 (``calculate_per_token_loss``), and megatron-core's optimizer steps.
@@ -9,7 +12,7 @@ gradients and divide them by the global batch's loss-token count
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Optional, Sequence
 
@@ -22,6 +25,10 @@ from megatron_integration.batches import (MicroBatchTensors, packing_assignment,
                                           rows_micro_batch)
 from megatron_integration.initialize import RankInfo
 from megatron_integration.model import Stage
+from megatron_integration.schedule_timing import ScheduleTiming, timed_schedule
+
+# Baselines whose micro-batches differ in sequence length (megatron-core's variable_seq_lengths).
+VARIABLE_LENGTH_METHODS = ("padding-mb",)
 
 
 @dataclass
@@ -45,6 +52,8 @@ class StepResult:
     # This rank's activation peak over the iteration (MiB), and what its plan promised (None: no plan).
     activation_measured_mib: float = 0.0
     activation_planned_mib: Optional[float] = None
+    # Where the iteration's time went on this rank (ms), when the step measured it.
+    breakdown_ms: dict = field(default_factory=dict)
 
     @property
     def padding_efficiency(self) -> float:
@@ -81,6 +90,15 @@ def build_micro_batches(method: str, samples: Sequence[Sample], lengths: np.ndar
         mbs_list = [rows_micro_batch([[samples[i] for i in row] for row in g], seq_length,
                                      reset_position_ids, reset_attention_mask) for g in groups]
         padded = len(groups) * mbs * dp * seq_length
+    elif method == "padding-mb":
+        from dynapipe.batching.ordering import padded_length
+
+        def longest(g: list[int]) -> int:
+            return int(padded_length(np.array([int(lengths[g].max())]), seq_length)[0])
+
+        groups = padding_assignment(len(samples), mbs, dp, r)
+        mbs_list = [rows_micro_batch([[samples[i]] for i in g], longest(g)) for g in groups]
+        padded = sum(len(g) * longest(g) for rep in range(dp) for g in padding_assignment(len(samples), mbs, dp, rep))
     else:
         raise ValueError(f"not a fixed-shape method: {method!r}")
     return [m.to(info.device) for m in mbs_list], padded
@@ -95,8 +113,13 @@ def reduce_loss(loss_sum: float, loss_tokens: int, is_last_stage: bool, device: 
 
 
 def megatron_train_step(stage: Stage, optimizer, scheduler, micro_batches: list[MicroBatchTensors],
-                        seq_length: int, mbs: int, info: RankInfo, real_tokens: int, padded_tokens: int) -> StepResult:
-    """One iteration of megatron-core 1F1B over fixed-shape micro-batches, with the optimizer step."""
+                        seq_length: int, mbs: int, info: RankInfo, real_tokens: int, padded_tokens: int,
+                        variable_seq_lengths: bool = False) -> StepResult:
+    """One iteration of megatron-core 1F1B over the micro-batches, with the optimizer step.
+
+    Micro-batches of different lengths (``padding-mb``) turn on megatron-core's
+    ``variable_seq_lengths`` for this call, as does ``variable_seq_lengths=True``: its p2p
+    then sends each activation's shape ahead of the activation."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     start = time.perf_counter()
@@ -105,10 +128,20 @@ def megatron_train_step(stage: Stage, optimizer, scheduler, micro_batches: list[
     from dynapipe.runtime.activation_meter import measure_activations
 
     forward_backward = get_forward_backward_func()
-    with measure_activations(stage.module, info.device) as activations:
-        reports = forward_backward(forward_step_func=forward_step, data_iterator=iter(micro_batches),
-                                   model=[stage.module], num_microbatches=len(micro_batches),
-                                   seq_length=seq_length, micro_batch_size=mbs, forward_only=False)
+    timing = ScheduleTiming()
+    lengths = {int(m.tokens.shape[1]) for m in micro_batches}
+    variable_seq_lengths = variable_seq_lengths or len(lengths) > 1
+    seq_length = max(lengths) if lengths else seq_length
+    saved_variable = stage.config.variable_seq_lengths
+    stage.config.variable_seq_lengths = variable_seq_lengths or saved_variable
+    try:
+        with timed_schedule(stage.config, timing), measure_activations(stage.module, info.device) as activations:
+            reports = forward_backward(forward_step_func=forward_step, data_iterator=iter(micro_batches),
+                                       model=[stage.module], num_microbatches=len(micro_batches),
+                                       seq_length=seq_length, micro_batch_size=mbs, forward_only=False)
+    finally:
+        stage.config.variable_seq_lengths = saved_variable
+    t_opt = time.perf_counter()
     ok, grad_norm, _ = optimizer.step()
     if ok:
         scheduler.step(increment=1)
@@ -117,8 +150,10 @@ def megatron_train_step(stage: Stage, optimizer, scheduler, micro_batches: list[
     loss_sum, loss_tokens = reduce_loss(loss_sum, loss_tokens, info.is_last_stage, info.device)
     if info.device.type == "cuda":
         torch.cuda.synchronize()
-    elapsed = (time.perf_counter() - start) * 1e3
+    end = time.perf_counter()
+    breakdown = timing.to_json()
+    breakdown["optimizer_ms"] = round((end - t_opt) * 1e3, 3)
     return StepResult(loss=loss_sum / max(loss_tokens, 1), loss_tokens=loss_tokens, real_tokens=real_tokens,
-                      padded_tokens=padded_tokens, iteration_ms=elapsed,
-                      grad_norm=float(grad_norm or 0.0), skipped=not ok,
+                      padded_tokens=padded_tokens, iteration_ms=(end - start) * 1e3,
+                      grad_norm=float(grad_norm or 0.0), skipped=not ok, breakdown_ms=breakdown,
                       activation_measured_mib=activations["peak_mib"])

@@ -1,4 +1,5 @@
-"""``python -m dynapipe bench``: the README's main job, with a tiny iteration count."""
+"""``python -m dynapipe bench``: one small run of the whole protocol (profile, simulated sweep,
+two rotated rounds, DynaPipe against tuned padding-mb and packing), and bad input refused."""
 import json
 import subprocess
 import sys
@@ -6,27 +7,46 @@ import sys
 import pytest
 
 
-def test_bench_command_runs_every_method(tmp_path):
+def test_bench_rounds_sweep_and_methods(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     cmd = [sys.executable, "-m", "dynapipe", "bench", "--output", str(out), "--png", str(png),
-           "--train-iters", "2", "--seq-length", "256", "--max-position-embeddings", "256",
-           "--global-batch-size", "16", "--num-layers", "2"]
+           "--methods", "dynapipe,padding-mb,packing", "--rounds", "2", "--sweep-top", "1",
+           "--num-layers", "2", "--seq-length", "128", "--max-position-embeddings", "128",
+           "--global-batch-size", "8", "--train-iters", "3", "--dynapipe-prefetch", "2"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert set(report["methods"]) == {"dynapipe", "padding", "packing"}
-    for m in report["methods"].values():
-        for key in ("real_tokens_per_s", "padding_efficiency", "iteration_ms", "plan_wait_ms"):
-            assert m[key] >= 0, key
-        assert m["real_tokens_per_s"] > 0 and 0 < m["padding_efficiency"] <= 1
-        assert len(m["lm_loss"]) == 2
+    setup = report["setup"]
+    assert report["preset"] == "tiny" and setup["rounds"] == 2
+    assert setup["cost_model"].endswith(".profile.json")
+    first, second = setup["round_orders"]
+    assert sorted(first) == sorted(second) and second == first[1:] + first[:1]
+    assert set(setup["timed_regions"]) >= set(report["methods"])
     methods = report["methods"]
-    # Same data, same initial weights: the first iteration's loss is the same for every method.
-    assert methods["dynapipe"]["lm_loss"][0] == pytest.approx(methods["padding"]["lm_loss"][0], abs=1e-5)
-    assert methods["packing"]["lm_loss"][0] == pytest.approx(methods["padding"]["lm_loss"][0], abs=1e-5)
-    assert methods["dynapipe"]["padding_efficiency"] > methods["padding"]["padding_efficiency"]
-    assert report["setup"]["cost_model"].endswith(".profile.json")
-    assert "vs padding" in result.stdout and "dynapipe" in result.stdout
+    assert set(methods) == {"dynapipe", "padding-mb", "packing"}
+    # Same data, same initial weights: every method's first loss agrees (padding-mb runs through
+    # megatron-core's variable_seq_lengths path, packing with isolated samples).
+    losses = [m["lm_loss"][0] for m in methods.values()]
+    assert max(losses) - min(losses) < 1e-5
+    for name, m in methods.items():
+        assert m["real_tokens_per_s"] > 0 and 0 < m["padding_efficiency"] <= 1 and len(m["lm_loss"]) == 3
+        assert len(m["rounds_real_tokens_per_s"]) == 2 and m["rounds"] == 2
+        assert m["real_tokens_per_s"] == pytest.approx(sum(m["rounds_real_tokens_per_s"]) / 2, rel=1e-3)
+        assert 0 < m["attention_share"] < 1 and 0 < m["gpt7b_attention_share"] < 1
+        assert len(m["time_breakdown_ms"]) == 2 and all(len(r) == 2 for r in m["time_breakdown_ms"])
+        assert all(b["compute"] > 0 for r in m["time_breakdown_ms"] for b in r)
+    for name in ("padding-mb", "packing"):
+        sweep = methods[name]["sweep"]
+        ran = [s for s in sweep if s["measured_real_tokens_per_s"] is not None]
+        assert len(ran) == 1 and ran[0]["chosen"] and ran[0]["micro_batch_size"] == methods[name]["micro_batch_size"]
+        # The size that ran is the best simulated one among those that fit.
+        assert ran[0]["real_tokens_per_s"] == max(s["real_tokens_per_s"] for s in sweep if s["fits"])
+    # Planner workers' CPU is counted for DynaPipe (the baselines start no such processes).
+    assert methods["dynapipe"]["planner_cpu_ms"] is not None and methods["packing"]["planner_cpu_ms"] == 0
+    assert methods["dynapipe"]["micro_batch_size"] is None
+    assert methods["dynapipe"]["padding_efficiency"] > methods["packing"]["padding_efficiency"] * 0.9
+    assert report["best_baseline"] in ("padding-mb", "packing") and "dynapipe_vs_best_baseline" in report["ratios"]
+    assert "vs packing" in result.stdout and "attn share" in result.stdout
     assert png.stat().st_size > 1000
 
 

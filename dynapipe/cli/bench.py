@@ -1,12 +1,13 @@
-"""``python -m dynapipe bench``: train with dynapipe, padding and packing side by side.
+"""``python -m dynapipe bench``: train with DynaPipe and megatron-core's baselines side by side.
 
-    python -m dynapipe bench --output bench.json --png bench.png [Megatron arguments]
+    python -m dynapipe bench --output bench.json --png bench.png [--preset representative] [Megatron arguments]
 
 Spawns its own ranks (gloo on CPU, NCCL on GPUs; no torchrun needed): by default as
-many as ``--pipeline-model-parallel-size`` (2 for the default tiny GPT). Every Megatron
-argument not given takes the README's main-job value (tiny GPT, PP2, the synthetic
-mixture at ``--seq-length 1024``). Unless ``--dynapipe-cost-model`` is given, a cost
-profile of this machine is measured first and DynaPipe plans with it.
+many as ``--pipeline-model-parallel-size`` (2 in both presets). Every Megatron
+argument not given takes the preset's value (``tiny``: the quick start's tiny GPT at
+``--seq-length 1024``; ``representative``: GPT-7B's attention share, tuned baselines,
+two rotated rounds). Unless ``--dynapipe-cost-model`` is given, a cost profile of this
+machine is measured first and DynaPipe plans with it.
 """
 from __future__ import annotations
 
@@ -14,17 +15,26 @@ import argparse
 import os
 import sys
 
-HELP = "train with dynapipe, padding and packing side by side"
+HELP = "train with dynapipe and megatron-core's padding / packing baselines side by side"
 
 
 def add_arguments(p) -> None:
     p.add_argument("--output", required=True, help="JSON results file")
     p.add_argument("--png", default=None, help="also draw the comparison as a PNG")
-    p.add_argument("--methods", default="dynapipe,padding,packing",
-                   help="comma-separated methods to run (default dynapipe,padding,packing)")
+    p.add_argument("--preset", default="tiny", choices=("tiny", "representative"),
+                   help="default model, methods and protocol (default tiny: the quick start)")
+    p.add_argument("--methods", default=None,
+                   help="comma-separated methods to run, from dynapipe, dynapipe-1f1b, padding, padding-mb, packing "
+                        "(default: the preset's)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds over every method, in rotated order; medians are reported (default: the preset's)")
+    p.add_argument("--sweep-top", type=int, default=None,
+                   help="micro-batch sizes of each baseline run for real, best simulated first; 0 keeps "
+                        "--micro-batch-size (default: the preset's)")
     p.add_argument("--nproc", type=int, default=None,
                    help="ranks to spawn (default: --pipeline-model-parallel-size, i.e. one replica)")
-    p.add_argument("--warmup-iters", type=int, default=1, help="first iterations left out of the figures (default 1)")
+    p.add_argument("--warmup-iters", type=int, default=None,
+                   help="first iterations left out of the figures (default: the preset's, 1)")
     p.add_argument("--threads-per-rank", type=int, default=None, help="CPU threads per rank (default cores / ranks)")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="give up on a method after this long (s)")
     # Every Megatron / DynaPipe training argument, passed through to the training jobs as given.
@@ -59,28 +69,40 @@ def training_argv(args) -> list[str]:
 def run(args) -> int:
     from dynapipe.errors import DynaPipeError
     from megatron_integration.arguments import parse_training_args
-    from megatron_integration.bench import METHOD_FLAGS, run_bench, with_defaults
+    from megatron_integration.bench import METHOD_FLAGS, PRESETS, run_bench, with_defaults
     from megatron_integration.launch import RankFailed
 
     argv = training_argv(args)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    preset = PRESETS[args.preset]
+    methods = (list(preset.methods) if args.methods is None
+               else [m.strip() for m in args.methods.split(",") if m.strip()])
     unknown = [m for m in methods if m not in METHOD_FLAGS]
-    if unknown or not methods:
-        raise DynaPipeError(f"--methods {args.methods!r}: choose from {', '.join(METHOD_FLAGS)}.")
+    if unknown or not methods or len(set(methods)) != len(methods):
+        raise DynaPipeError(f"--methods {args.methods!r}: choose each at most once from {', '.join(METHOD_FLAGS)}.")
+    if args.rounds is not None and args.rounds < 1:
+        raise DynaPipeError(f"--rounds {args.rounds}: must be at least 1.")
+    if args.sweep_top is not None and args.sweep_top < 0:
+        raise DynaPipeError(f"--sweep-top {args.sweep_top}: must be 0 (no sweep) or more.")
+    warmup = preset.warmup_iters if args.warmup_iters is None else args.warmup_iters
+    sweep_top = preset.sweep_top if args.sweep_top is None else args.sweep_top
+    if sweep_top > 0 and "--micro-batch-size" in argv and any(m in ("padding", "padding-mb", "packing")
+                                                               for m in methods):
+        raise DynaPipeError("--micro-batch-size: this preset tunes the baselines' micro-batch size; "
+                            "add --sweep-top 0 to run the size given instead.")
     for flag in ("--use-dynapipe", "--dynapipe-batching"):
         if flag in argv:
             raise DynaPipeError(f"{flag}: the bench sets the method itself; choose methods with --methods.")
-    full = with_defaults(argv)
+    full = with_defaults(argv, args.preset)
     pp = int(full[full.index("--pipeline-model-parallel-size") + 1])
     nproc = args.nproc or pp
-    if args.warmup_iters < 0:
-        raise DynaPipeError(f"--warmup-iters {args.warmup_iters}: must be >= 0.")
+    if warmup < 0:
+        raise DynaPipeError(f"--warmup-iters {warmup}: must be >= 0.")
     # Validate every method's command line before starting any process.
     for m in methods:
         cfg = parse_training_args(full + METHOD_FLAGS[m], nproc)
-    if cfg.train_iters <= args.warmup_iters:
+    if cfg.train_iters <= warmup:
         raise DynaPipeError(f"--train-iters {cfg.train_iters} leaves no timed iteration after --warmup-iters "
-                            f"{args.warmup_iters}; raise --train-iters.")
+                            f"{warmup}; raise --train-iters.")
     for path in filter(None, (args.output, args.png)):
         out_dir = os.path.dirname(os.path.abspath(path))
         try:
@@ -88,8 +110,9 @@ def run(args) -> int:
         except OSError as e:
             raise DynaPipeError(f"{path}: cannot create its directory {out_dir}: {e.strerror}.") from None
     try:
-        run_bench(argv, methods, nproc, args.output, png=args.png, warmup_iters=args.warmup_iters,
-                  threads_per_rank=args.threads_per_rank, timeout_s=args.timeout_s)
+        run_bench(argv, methods, nproc, args.output, png=args.png, warmup_iters=warmup,
+                  threads_per_rank=args.threads_per_rank, timeout_s=args.timeout_s, preset=args.preset,
+                  rounds=args.rounds, sweep_top=args.sweep_top)
     except RankFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,0 +1,138 @@
+"""The bench's planning-side figures: the baselines' micro-batch-size sweep and attention shares.
+
+:class:`BenchSimulation` re-creates the global batches a bench run trains on (the same
+dataset, sampler and seed as the ranks) and plans them with the same planner and cost
+model (the measured profile), so that without running anything it can say which
+micro-batch sizes fit memory and how fast each is predicted to be, and what shapes
+every method computes (for the attention share of the layer FLOPs). Nothing here
+touches torch; the figures it gives are simulated and labelled so.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from dynapipe.batching.baselines import padding_to_longest
+from dynapipe.config import load_cluster_config, load_device_config, load_model_config
+from dynapipe.cost import build_cost_model
+from dynapipe.method_compare import (attention_share, compare_over_batches, global_batch_of_tokens,
+                                     plan_shapes, simulate_method)
+from dynapipe.pipeline_planner import plan_iteration
+
+# What each method's iteration_ms covers (the JSON's setup.timed_regions).
+TIMED_REGIONS = {
+    "dynapipe": "from asking the data loader for the iteration (waiting for the plan and tensors the planner "
+                "workers prepared) to the end of the optimizer step and the loss all-reduce: executor (forward, "
+                "backward, point-to-point), gradient finaliser, optimizer. Planner workers plan later iterations "
+                "meanwhile, on the same cores; their CPU ms are reported as planner_cpu_ms.",
+    "dynapipe-1f1b": "as dynapipe, with the planner restricted to the 1F1B schedule",
+    "padding": "megatron-core forward_backward (1F1B, p2p, gradient finaliser), optimizer step and the loss "
+               "all-reduce; building the micro-batch tensors from the samples is outside the timed region",
+    "padding-mb": "as padding; megatron-core exchanges each activation's shape before it (variable_seq_lengths)",
+    "packing": "as padding, with block-diagonal attention masks built outside the timed region",
+}
+
+
+class BenchSimulation:
+    """The planner's view of one bench configuration (``cfg``: a parsed DynaPipe training
+    config; ``profile``: the measured cost profile, or None for the analytic model)."""
+
+    def __init__(self, cfg, nproc: int, profile: Optional[str], warmup_iters: int):
+        from megatron_integration.data import GlobalBatches
+
+        self.cfg = cfg
+        self.pp = cfg.parallel.pipeline_model_parallel_size
+        self.dp = max(nproc // (self.pp * cfg.parallel.tensor_model_parallel_size), 1)
+        self.seq_length = cfg.model.seq_length
+        self.model = cfg.model.to_model_config("bench")
+        self.cluster = load_cluster_config(cfg.dynapipe.cluster)
+        self.cost = build_cost_model(self.model, load_device_config(cfg.dynapipe.device), self.pp, profile)
+        stream = GlobalBatches.create(cfg, 0, 0)
+        first = min(warmup_iters, cfg.train_iters - 1)
+        self.batches = [np.asarray(stream.lengths(stream.batch(i))) for i in range(first, cfg.train_iters)]
+
+    def _kwargs(self) -> dict:
+        return dict(dp=self.dp, seq_length=self.seq_length, cluster=self.cluster,
+                    memory_limit_mib=self.cfg.dynapipe.memory_limit_mb, zero=self.cfg.optimizer.distributed)
+
+    def candidate_sizes(self, method: str) -> list[int]:
+        """Powers of two that divide the global batch over the replicas (Megatron's rule),
+        for packing also at most the packed rows a replica gets."""
+        gbs = self.cfg.global_batch_size
+        limit = gbs // self.dp
+        if method == "packing":
+            from dynapipe.batching.baselines import packing
+
+            rows = min(len(packing(b, 1, self.seq_length)[0]) for b in self.batches)
+            limit = min(limit, max(rows // self.dp, 1))
+        out, m = [], 1
+        while m <= limit:
+            if gbs % (m * self.dp) == 0:
+                out.append(m)
+            m *= 2
+        return out
+
+    def sweep(self, method: str) -> list[dict]:
+        """Simulated figures of every candidate size of a baseline over the timed batches
+        (``fits``: within the memory limit without recompute, which the megatron-core
+        baseline runs here do not use)."""
+        res = compare_over_batches(self.batches, method, self.cost, micro_batch_sizes=self.candidate_sizes(method),
+                                   **self._kwargs())
+        rows = []
+        for row in res.sweep:
+            row = dict(row)
+            if row["fits"] and row["recompute"] != ["none"]:
+                row["fits"] = False
+                row["reason"] = f"needs recompute {row['recompute']}, which the megatron-core baseline does not run"
+            row["simulated"] = True
+            rows.append(row)
+        return rows
+
+    @staticmethod
+    def sweep_with_measured(rows: Sequence[dict], measured: dict, method: str) -> list[dict]:
+        """The sweep rows with the measured median real tokens/s of the sizes that ran."""
+        out = []
+        for row in rows:
+            label = f"{method}@mbs{row['micro_batch_size']}"
+            r = measured.get(label)
+            out.append({**row, "measured_real_tokens_per_s": None if r is None else round(r.real_tokens_per_s, 2)})
+        ran = [r for r in out if r["measured_real_tokens_per_s"] is not None]
+        best = max(ran, key=lambda r: r["measured_real_tokens_per_s"], default=None)
+        for r in out:
+            r["chosen"] = r is best
+        return out
+
+    def shapes(self, method: str, lengths: np.ndarray, micro_batch_size: Optional[int]) -> list[tuple[int, int]]:
+        """Padded ``(rows, seqlen)`` of every micro-batch ``method`` computes for one batch."""
+        if method in ("padding", "packing"):
+            # Every row is --seq-length long (packing rows are masked, not shortened).
+            return [(1, self.seq_length)]
+        if method == "padding-mb":
+            return [(mb.mbs, mb.seqlen) for mb in padding_to_longest(lengths, micro_batch_size or 1, self.seq_length)]
+        schedule = "1f1b" if method == "dynapipe-1f1b" else self.cfg.dynapipe.schedule
+        plan = plan_iteration(lengths, self.cost, stages=self.pp, method="dynapipe", schedule=schedule,
+                              micro_batch_size=self.cfg.micro_batch_size, **self._kwargs())
+        return plan_shapes(plan, False)
+
+    def attention_share(self, method: str, micro_batch_size: Optional[int] = None) -> float:
+        """Mean attention share of the layer FLOPs over the timed batches, at ``method``'s shapes."""
+        return float(np.mean([attention_share(self.model, self.shapes(method, b, micro_batch_size))
+                              for b in self.batches]))
+
+
+def gpt7b_attention_shares(methods: Sequence[str], seq_length: int, tokens: int = 65536) -> dict[str, float]:
+    """GPT-7B's attention share of the layer FLOPs under each method, simulated on one
+    global batch of the mixture at ``seq_length`` (PP4 x DP2, a100-40gb, baselines at
+    their best micro-batch size): the reference the representative preset matches."""
+    model = load_model_config("gpt-7b")
+    cost = build_cost_model(model, load_device_config("a100-40gb"), 4)
+    batch = global_batch_of_tokens(tokens, 0, seq_length)
+    kw = dict(dp=2, seq_length=seq_length, cluster=load_cluster_config("a100-8x"))
+    out = {}
+    for m in methods:
+        if m in ("padding", "padding-mb", "packing"):
+            out[m] = round(compare_over_batches([batch], m, cost, **kw).runs[0].attention_share, 4)
+        else:
+            out[m] = round(simulate_method(batch, m, cost, **kw).attention_share, 4)
+    return out

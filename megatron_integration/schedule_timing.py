@@ -1,0 +1,74 @@
+"""Where the time of one megatron-core 1F1B iteration goes, measured as it runs.
+
+:func:`timed_schedule` wraps, for the duration of one ``forward_backward`` call,
+megatron-core's per-micro-batch ``forward_step`` and ``backward_step`` (module functions
+its schedules look up by name) and the config's gradient finaliser, adding their wall
+time to a :class:`ScheduleTiming`. What is left of the schedule call is point-to-point
+transfers, waiting for the neighbouring stage (the pipeline bubble) and bookkeeping.
+The wrappers only read a clock around the original call, so the maths is untouched.
+A megatron-core version without those names is left alone and reports zeros.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class ScheduleTiming:
+    """Wall time of one iteration's parts on one rank (ms)."""
+
+    forward_ms: float = 0.0
+    backward_ms: float = 0.0
+    finalize_ms: float = 0.0
+    schedule_ms: float = 0.0
+
+    @property
+    def compute_ms(self) -> float:
+        return self.forward_ms + self.backward_ms
+
+    @property
+    def p2p_and_wait_ms(self) -> float:
+        """Schedule time outside compute and the gradient finaliser: transfers, waits, bookkeeping."""
+        return max(self.schedule_ms - self.compute_ms - self.finalize_ms, 0.0)
+
+    def to_json(self) -> dict:
+        out = {k: round(v, 3) for k, v in asdict(self).items()}
+        out["p2p_and_wait_ms"] = round(self.p2p_and_wait_ms, 3)
+        return out
+
+
+def _timed(fn, timing: ScheduleTiming, attr: str):
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            setattr(timing, attr, getattr(timing, attr) + (time.perf_counter() - t0) * 1e3)
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def timed_schedule(config, timing: ScheduleTiming):
+    """Time megatron-core's forward/backward steps and ``config.finalize_model_grads_func``
+    into ``timing`` while the block runs (the block's own wall time goes to ``schedule_ms``)."""
+    from megatron.core.pipeline_parallel import schedules
+
+    saved = {name: getattr(schedules, name) for name in ("forward_step", "backward_step")
+             if callable(getattr(schedules, name, None))}
+    finalize = getattr(config, "finalize_model_grads_func", None)
+    for name, fn in saved.items():
+        setattr(schedules, name, _timed(fn, timing, "forward_ms" if name == "forward_step" else "backward_ms"))
+    if finalize is not None:
+        config.finalize_model_grads_func = _timed(finalize, timing, "finalize_ms")
+    t0 = time.perf_counter()
+    try:
+        yield timing
+    finally:
+        timing.schedule_ms += (time.perf_counter() - t0) * 1e3
+        for name, fn in saved.items():
+            setattr(schedules, name, fn)
+        if finalize is not None:
+            config.finalize_model_grads_func = finalize

@@ -1,0 +1,120 @@
+"""The bench's protocol without training: presets, rotation, medians, sweep choice, time breakdown."""
+import json
+
+import pytest
+
+from megatron_integration.bench import PRESETS, Entry, rotated, with_defaults
+from megatron_integration.bench import MethodResult, median_result, summarise
+from megatron_integration.bench_report import breakdown
+from megatron_integration.bench_sim import BenchSimulation
+
+
+def test_rotation_puts_every_entry_first_once():
+    entries = ["a", "b", "c", "d"]
+    orders = [rotated(entries, k) for k in range(4)]
+    assert [o[0] for o in orders] == entries
+    assert all(sorted(o) == entries for o in orders)
+    assert rotated(entries, 5) == rotated(entries, 1) and rotated([], 3) == []
+
+
+def test_presets_fill_only_missing_arguments():
+    argv = with_defaults(["--seq-length", "256"], "representative")
+    assert argv[:2] == ["--seq-length", "256"] and argv.count("--seq-length") == 1
+    assert argv[argv.index("--hidden-size") + 1] == "512" and "--mock-data" in argv
+    tiny = with_defaults([], "tiny")
+    assert tiny[tiny.index("--hidden-size") + 1] == "64"
+    assert PRESETS["representative"].rounds >= 2 and PRESETS["representative"].sweep_top >= 1
+    assert Entry("packing", 4).argv(["--x"])[-2:] == ["--micro-batch-size", "4"]
+    assert Entry("packing", 4).label == "packing@mbs4" and Entry("dynapipe").label == "dynapipe"
+
+
+def _ranks(iter_ms, children=None):
+    n = len(iter_ms[0])
+    return [{"iteration_ms": ms, "plan_wait_ms": [1.0] * n, "real_tokens": [100] * n, "padded_tokens": [200] * n,
+             "losses": [1.0] * n, "layer_spec": "local", "cpu_ms": [50.0] * n,
+             "children_cpu_ms": (children or [[0.0] * n] * len(iter_ms))[k]} for k, ms in enumerate(iter_ms)]
+
+
+def test_summary_takes_slowest_rank_and_counts_planner_cpu():
+    ranks = _ranks([[900.0, 100.0, 300.0], [50.0, 200.0, 100.0]], children=[[500.0, 4.0, 6.0], [0.0, 0.0, 0.0]])
+    r = summarise(ranks, warmup_iters=1)
+    assert r.timed_iterations == 2 and r.iteration_ms == pytest.approx(250.0)
+    assert r.real_tokens_per_s == pytest.approx(200 / 0.5) and r.padding_efficiency == pytest.approx(0.5)
+    # The warm-up's planning (500 ms: compiling the simulator) is outside the timed window.
+    assert r.planner_cpu_ms == pytest.approx(5.0) and r.rank_cpu_ms == pytest.approx(100.0)
+    assert r.planning_overhead == pytest.approx((1.0 + 5.0) / 250.0)
+
+
+def test_median_over_rounds():
+    runs = [MethodResult(real_tokens_per_s=v, padding_efficiency=0.5, iteration_ms=1000.0 / v, plan_wait_ms=0.0,
+                         planner_cpu_ms=c) for v, c in ((10.0, 1.0), (30.0, 3.0), (20.0, 2.0))]
+    m = median_result(runs)
+    assert m.real_tokens_per_s == 20.0 and m.iteration_ms == pytest.approx(50.0) and m.planner_cpu_ms == 2.0
+    assert m.rounds == 3 and m.to_json()["rounds"] == 3
+
+
+def test_breakdown_from_megatron_steps_and_from_executor_traces(tmp_path):
+    ranks = _ranks([[100.0, 100.0]])
+    ranks[0]["breakdown_ms"] = [{}, {"forward_ms": 30.0, "backward_ms": 40.0, "finalize_ms": 5.0,
+                                     "schedule_ms": 90.0, "p2p_and_wait_ms": 15.0, "optimizer_ms": 6.0}]
+    (b,) = breakdown(ranks, 1)
+    assert (b["compute"], b["p2p_and_wait"], b["optimizer_and_grads"]) == (70.0, 15.0, 11.0)
+    assert b["other"] == pytest.approx(4.0)
+    # DynaPipe: the executor's Chrome trace of iteration 1 (us), one file per rank.
+    ev = [{"ph": "X", "cat": "forward", "ts": 0, "dur": 20000, "args": {"iteration": 1}},
+          {"ph": "X", "cat": "comm", "ts": 20000, "dur": 30000, "args": {"iteration": 1}},
+          {"ph": "X", "cat": "backward", "ts": 50000, "dur": 40000, "args": {"iteration": 1}},
+          {"ph": "X", "cat": "forward", "ts": 0, "dur": 99000, "args": {"iteration": 0}}]
+    (tmp_path / "rank000.json").write_text(json.dumps({"traceEvents": ev}))
+    dyn = _ranks([[100.0, 100.0]])
+    dyn[0]["breakdown_ms"] = [{}, {}]
+    (d,) = breakdown(dyn, 1, str(tmp_path))
+    assert (d["compute"], d["p2p_and_wait"], d["plan_wait"]) == (60.0, 30.0, 1.0)
+    assert d["optimizer_and_grads"] == pytest.approx(100.0 - 90.0 - 1.0)
+
+
+def test_sweep_keeps_the_best_measured_size():
+    rows = [{"micro_batch_size": m, "fits": True, "real_tokens_per_s": s} for m, s in ((1, 9.0), (2, 8.0), (4, 1.0))]
+    res = {"packing@mbs1": MethodResult(5.0, 1, 1, 0), "packing@mbs2": MethodResult(7.0, 1, 1, 0)}
+    out = BenchSimulation.sweep_with_measured(rows, res, "packing")
+    assert [r["chosen"] for r in out] == [False, True, False]
+    assert [r["measured_real_tokens_per_s"] for r in out] == [5.0, 7.0, None]
+
+
+def test_simulated_sweep_lists_sizes_that_divide_the_batch():
+    from megatron_integration.arguments import parse_training_args
+
+    argv = with_defaults(["--global-batch-size", "12", "--train-iters", "3", "--seq-length", "256",
+                          "--max-position-embeddings", "256", "--use-dynapipe"], "representative")
+    sim = BenchSimulation(parse_training_args(argv, 2), 2, None, warmup_iters=1)
+    assert len(sim.batches) == 2 and all(len(b) == 12 and b.max() <= 256 for b in sim.batches)
+    assert sim.candidate_sizes("padding") == [1, 2, 4]  # 8 does not divide 12
+    rows = sim.sweep("padding-mb")
+    assert [r["micro_batch_size"] for r in rows] == [1, 2, 4] and all(r["fits"] and r["simulated"] for r in rows)
+    # Full rows give GPT-7B's 1/7 (hidden = sequence length, FFN 4h); shorter rows give less.
+    assert sim.attention_share("padding") == pytest.approx(1 / 7 * 256 / 512 / (1 / 7 * 256 / 512 + 6 / 7), rel=1e-6)
+    assert sim.attention_share("dynapipe") < sim.attention_share("padding")
+
+
+def test_bench_refuses_what_the_preset_cannot_honour(tmp_path, capsys):
+    from dynapipe.cli import main
+
+    base = ["bench", "--output", str(tmp_path / "x.json"), "--preset", "representative"]
+    for extra, message in ((["--micro-batch-size", "2"], "--sweep-top 0"), (["--rounds", "0"], "--rounds 0"),
+                           (["--methods", "dynapipe,dynapipe"], "at most once")):
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_breakdown_summary_names_the_busiest_rank():
+    from megatron_integration.bench_report import breakdown_summary, breakdown_table
+
+    rnd = [{"rank": 0, "iteration": 100.0, "compute": 80.0, "p2p_and_wait": 10.0, "optimizer_and_grads": 5.0,
+            "plan_wait": 0.0, "other": 5.0},
+           {"rank": 1, "iteration": 100.0, "compute": 40.0, "p2p_and_wait": 50.0, "optimizer_and_grads": 5.0,
+            "plan_wait": 1.0, "other": 4.0}]
+    s = breakdown_summary([rnd, rnd])
+    assert s["compute"] == 60.0 and s["p2p_and_wait"] == 30.0 and s["busy_fraction"] == 0.8
+    assert "80.0%" in breakdown_table({"packing": s}) and breakdown_summary([]) == {}
