@@ -282,6 +282,11 @@ def _check_group(plans: list[ExecutionPlan]) -> int:
                                 f"{getattr(first, field)}.")
         if p.micro_batches != first.micro_batches:
             raise PlanError(f"{_where(p, -1)}: its micro-batch list differs from rank {first.stage}'s.")
+        for m in p.micro_batches:
+            if not m.samples or m.real_tokens < 0 or m.real_tokens > m.mbs * (m.seqlen + m.dec_seqlen):
+                raise PlanError(f"{_where(p, -1)}: micro-batch {m.mb} holds {len(m.samples)} sample(s) and "
+                                f"{m.real_tokens} real tokens, which {m.mbs} x {m.seqlen + m.dec_seqlen} padded "
+                                f"tokens cannot hold.")
         if p.real_tokens != sum(m.real_tokens for m in p.micro_batches):
             raise PlanError(f"{_where(p, -1)}: real_tokens={p.real_tokens} is not the sum of its micro-batches' "
                             f"{sum(m.real_tokens for m in p.micro_batches)}.")
@@ -299,11 +304,13 @@ def _check_group(plans: list[ExecutionPlan]) -> int:
     return sum(len(c) for c in comms) // 2
 
 
-def validate_plans(plans: Sequence[ExecutionPlan]) -> ValidationSummary:
+def validate_plans(plans: Sequence[ExecutionPlan], *, complete: bool = True) -> ValidationSummary:
     """Validate the plans of one or more pipeline replicas; raise :class:`PlanError`.
 
-    ``plans`` holds, for every replica present, exactly one plan per stage. When every
-    replica ``0..num_replicas-1`` is present, their real tokens must add up to
+    ``plans`` holds, for every replica present, exactly one plan per stage. With
+    ``complete`` (the default) every replica ``0..num_replicas-1`` of the declared
+    layout must be present; ``complete=False`` checks a subset (one planner worker's
+    share). When every replica is present, their real tokens must add up to
     ``global_real_tokens`` and no sample may appear in two replicas.
     """
     plans = list(plans)
@@ -321,6 +328,13 @@ def validate_plans(plans: Sequence[ExecutionPlan]) -> ValidationSummary:
             raise PlanError(f"two plans for replica {p.replica} rank {p.stage}.")
         g[p.stage] = p
     S = plans[0].num_stages
+    if complete:
+        R = plans[0].num_replicas
+        missing = [r for r in range(R) if r not in groups]
+        if missing:
+            shown = ", ".join(map(str, missing[:8])) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise PlanError(f"the plan set is incomplete: the layout declares {R} replica(s) x {S} stages, but "
+                            f"replica(s) {shown} have no plans ({len(missing) * S} of {R * S} plans missing).")
     transfers = insts = 0
     for replica in sorted(groups):
         g = groups[replica]
