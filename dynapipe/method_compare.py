@@ -1,0 +1,280 @@
+"""Simulated comparison of batching methods on one global batch: DynaPipe against tuned baselines.
+
+Every method goes through the project's own planner and simulator
+(:func:`dynapipe.pipeline_planner.plan_iteration`) with the same cost model, memory
+limit and cluster links, so the figures differ only by how the micro-batches are made
+and scheduled:
+
+* ``dynapipe``: DP-cut micro-batches, schedule search (schedule x order x recompute);
+* ``dynapipe-1f1b``: the same micro-batches, plain 1F1B (the gain of cutting alone);
+* ``packing`` / ``padding`` / ``padding-mb``: the baselines under 1F1B with the lightest
+  uniform recompute level that fits, as a Megatron user would run them;
+* ``packing-search``: packed micro-batches given DynaPipe's schedule search (the gain of
+  scheduling alone, on the packing side).
+
+The baselines have a micro-batch size; :func:`tune_baseline` sweeps it over the values
+that fit in memory and keeps the fastest. Pure Python + numpy: no torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from dynapipe.config import ClusterConfig, ModelConfig
+from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel
+from dynapipe.errors import DynaPipeError
+from dynapipe.pipeline_planner import IterationPlan, plan_iteration
+
+# method -> (batching method of the planner, schedule, whether the search picks recompute)
+METHOD_SPECS: dict[str, tuple[str, str, bool]] = {
+    "dynapipe": ("dynapipe", "auto", True),
+    "dynapipe-1f1b": ("dynapipe", "1f1b", True),
+    "packing": ("packing", "1f1b", False),
+    "packing-search": ("packing", "auto", True),
+    "padding": ("padding", "1f1b", False),
+    "padding-mb": ("padding-mb", "1f1b", False),
+}
+METHODS = tuple(METHOD_SPECS)
+# Methods whose micro-batch size is a free parameter worth tuning.
+SIZED_METHODS = ("packing", "packing-search", "padding", "padding-mb")
+
+
+@dataclass
+class MethodSimulation:
+    """One method's simulated iteration.
+
+    ``iteration_ms``: simulated makespan of the slowest replica (ms). ``real_tokens``:
+    sample tokens of the global batch after truncation at the sequence length
+    (input + target for encoder-decoder); ``padded_tokens``: tokens computed, padding
+    included. ``real_tokens_per_s``: ``real_tokens / iteration_ms``. ``stage_peak_mib``:
+    simulated peak memory of every stage, model states included (MiB). ``planning_ms``:
+    wall time of planning this configuration (batching + schedule + compile; the sweep
+    of :func:`tune_baseline` is not included). ``micro_batch_size``: samples (rows for
+    packing) a micro-batch; ``None`` for DynaPipe's variable sizes.
+    """
+
+    method: str
+    micro_batch_size: Optional[int]
+    recompute: str
+    stage_recompute: list[str]
+    schedule: str
+    order: str
+    micro_batches: int
+    iteration_ms: float
+    real_tokens: int
+    padded_tokens: int
+    real_tokens_per_s: float
+    bubble_fraction: float
+    stage_peak_mib: list[float]
+    planning_ms: float
+    attention_share: float = 0.0
+
+    @property
+    def padding_efficiency(self) -> float:
+        """Real tokens / tokens computed."""
+        return self.real_tokens / max(self.padded_tokens, 1)
+
+    def to_json(self) -> dict:
+        return {"method": self.method, "micro_batch_size": self.micro_batch_size, "recompute": self.recompute,
+                "stage_recompute": list(self.stage_recompute), "schedule": self.schedule, "order": self.order,
+                "micro_batches": self.micro_batches, "iteration_ms": round(self.iteration_ms, 3),
+                "real_tokens": self.real_tokens, "padded_tokens": self.padded_tokens,
+                "padding_efficiency": round(self.padding_efficiency, 4),
+                "real_tokens_per_s": round(self.real_tokens_per_s, 1),
+                "bubble_fraction": round(self.bubble_fraction, 4),
+                "stage_peak_mib": [round(p, 1) for p in self.stage_peak_mib],
+                "planning_ms": round(self.planning_ms, 3), "attention_share": round(self.attention_share, 4)}
+
+
+@dataclass
+class TunedBaseline:
+    """The best micro-batch size of a baseline and every size tried.
+
+    ``sweep`` rows: ``micro_batch_size`` and either the :meth:`MethodSimulation.to_json`
+    figures (``fits: true``) or ``fits: false`` with the reason.
+    """
+
+    best: MethodSimulation
+    sweep: list[dict] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"best": self.best.to_json(), "sweep": list(self.sweep)}
+
+
+def attention_share(model: ModelConfig, shapes: Sequence[Sequence[int]]) -> float:
+    """Fraction of the transformer layers' forward FLOPs spent in the attention core
+    (scores and weighted values, the term quadratic in the sequence) over micro-batches
+    of the given padded shapes.
+
+    ``shapes``: ``(rows, seqlen)`` per micro-batch (tokens), or ``(rows, seqlen,
+    dec_seqlen)`` for encoder-decoder models. Counts what dense (unfused, non-causal-
+    skipping) attention computes, as megatron-core's local attention does; embedding and
+    output layer excluded.
+    """
+    h, ad, f = model.hidden_size, model.attention_dim, model.ffn_hidden_size
+    core = linear = 0.0
+    for shape in shapes:
+        b, s = float(shape[0]), float(shape[1])
+        if model.is_encoder_decoder:
+            t = float(shape[2]) if len(shape) > 2 else s
+            # Encoder self-attention; decoder self-attention plus cross-attention on the encoder output.
+            core += model.encoder_layers * 4 * b * s * s * ad
+            linear += model.encoder_layers * b * s * (8 * h * ad + 4 * h * f)
+            core += model.decoder_layers * (4 * b * t * t * ad + 4 * b * t * s * ad)
+            linear += model.decoder_layers * (b * t * (8 * h * ad + 4 * h * f) + 4 * b * t * h * ad
+                                              + 4 * b * s * h * ad)
+        else:
+            core += model.num_layers * 4 * b * s * s * ad
+            linear += model.num_layers * b * s * (8 * h * ad + 4 * h * f)
+    total = core + linear
+    return core / total if total > 0 else 0.0
+
+
+def plan_shapes(plan: IterationPlan, encoder_decoder: bool) -> list[tuple[int, ...]]:
+    """Padded shape of every micro-batch of a plan: ``(rows, seqlen[, dec_seqlen])``."""
+    mbs = plan.batch_plan.micro_batches
+    if encoder_decoder:
+        return [(mb.mbs, mb.seqlen, mb.dec_seqlen) for mb in mbs]
+    return [(mb.mbs, mb.seqlen) for mb in mbs]
+
+
+def global_batch_of_tokens(tokens: int, seed: int, seq_length: int, encoder_decoder: bool = False,
+                           mixture=None) -> np.ndarray:
+    """A global batch drawn from the synthetic mixture: samples (clipped at ``seq_length``
+    tokens) in draw order until adding the next would exceed ``tokens`` (at least one).
+    Lengths as :func:`dynapipe.data.synthetic.sample_lengths` returns them."""
+    from dynapipe.data.synthetic import sample_lengths
+
+    if tokens < 1:
+        raise DynaPipeError(f"tokens per iteration {tokens} must be positive.")
+    n = max(16, 4 * tokens // max(seq_length, 1))
+    while True:
+        lengths = sample_lengths(n, seed, seq_length, encoder_decoder, mixture)
+        per_sample = lengths.reshape(len(lengths), -1).sum(axis=1)
+        fit = int(np.searchsorted(np.cumsum(per_sample), tokens, side="right"))
+        if fit < n:
+            return lengths[:max(fit, 1)]
+        n *= 2
+
+
+def _real_tokens(lengths, seq_length: Optional[int]) -> int:
+    arr = np.asarray(lengths)
+    if seq_length is not None:
+        arr = np.minimum(arr, seq_length)
+    return int(arr.sum())
+
+
+def _to_simulation(method: str, plan: IterationPlan, cost_model: CostModel, real_tokens: int,
+                   micro_batch_size: Optional[int]) -> MethodSimulation:
+    bp = plan.batch_plan
+    enc_dec = cost_model.model.is_encoder_decoder
+    return MethodSimulation(
+        method=method, micro_batch_size=micro_batch_size, recompute=plan.recompute,
+        stage_recompute=plan.stage_recompute, schedule=plan.schedule, order=plan.order,
+        micro_batches=len(bp.micro_batches), iteration_ms=plan.simulated_ms, real_tokens=real_tokens,
+        padded_tokens=sum(mb.padded_tokens for mb in bp.micro_batches),
+        real_tokens_per_s=real_tokens / (plan.simulated_ms / 1e3) if plan.simulated_ms > 0 else 0.0,
+        bubble_fraction=plan.bubble_fraction, stage_peak_mib=plan.stage_peak_mib, planning_ms=plan.planning_ms,
+        attention_share=attention_share(cost_model.model, plan_shapes(plan, enc_dec)))
+
+
+def simulate_method(lengths, method: str, cost_model: CostModel, *, dp: int = 1,
+                    micro_batch_size: Optional[int] = None, seq_length: Optional[int] = None,
+                    memory_limit_mib: Optional[float] = None, reserved_mib: Optional[float] = None,
+                    cluster: Optional[ClusterConfig] = None, tp: int = 1, zero: bool = False) -> MethodSimulation:
+    """Plan and simulate one iteration of ``lengths`` (tokens) with ``method`` (one of :data:`METHODS`).
+
+    ``micro_batch_size`` (samples, rows for packing) is required by the sized baselines.
+    The baselines under 1F1B take the lightest uniform recompute level that fits;
+    ``dynapipe``/``packing-search`` let the schedule search choose (per stage), and
+    ``dynapipe-1f1b`` lets it choose a uniform level. Memory defaults to the cost
+    model's device config (MiB). Raises :class:`DynaPipeError` when nothing fits.
+    """
+    if method not in METHOD_SPECS:
+        raise DynaPipeError(f"method {method!r} is not known; use one of {', '.join(METHODS)}.")
+    batching, schedule, searched = METHOD_SPECS[method]
+    if method in SIZED_METHODS and micro_batch_size is None:
+        raise DynaPipeError(f"method {method!r} needs a micro-batch size (samples, or rows for packing).")
+    common = dict(dp=dp, method=batching, schedule=schedule, memory_limit_mib=memory_limit_mib,
+                  reserved_mib=reserved_mib, cluster=cluster, micro_batch_size=micro_batch_size or 1,
+                  seq_length=seq_length, tp=tp, zero=zero)
+    real = _real_tokens(lengths, seq_length)
+    if searched:
+        plan = plan_iteration(lengths, cost_model, recompute=None, **common)
+        return _to_simulation(method, plan, cost_model, real, micro_batch_size)
+    error: Optional[DynaPipeError] = None
+    for level in RECOMPUTE_LEVELS:  # ordered light to heavy: the first that fits is the lightest
+        try:
+            plan = plan_iteration(lengths, cost_model, recompute=level, **common)
+        except DynaPipeError as e:
+            error = e
+            continue
+        return _to_simulation(method, plan, cost_model, real, micro_batch_size)
+    raise DynaPipeError(f"{method} with micro-batch size {micro_batch_size} fits in memory at no recompute "
+                        f"level: {error}")
+
+
+def micro_batch_size_candidates(lengths, method: str, seq_length: Optional[int] = None) -> list[int]:
+    """Powers of two from 1 up to the number of samples (padding) or packed rows (packing)."""
+    arr = np.asarray(lengths)
+    if method.startswith("packing"):
+        from dynapipe.batching.baselines import packing
+
+        cap = int(seq_length if seq_length is not None else arr.max())
+        rows = len(packing(np.minimum(arr, cap), 1, cap)[0])
+    else:
+        rows = len(arr)
+    out, m = [], 1
+    while m <= max(rows, 1):
+        out.append(m)
+        m *= 2
+    return out
+
+
+def tune_baseline(lengths, method: str, cost_model: CostModel, *,
+                  micro_batch_sizes: Optional[Sequence[int]] = None, **kwargs) -> TunedBaseline:
+    """Sweep a baseline's micro-batch size and keep the highest simulated real tokens/s.
+
+    ``micro_batch_sizes`` default to :func:`micro_batch_size_candidates`. Activation
+    memory grows with the size, so the sweep stops at the first size that fits at no
+    recompute level (recorded with ``fits: false``). ``kwargs`` go to
+    :func:`simulate_method`. Raises :class:`DynaPipeError` when no size fits.
+    """
+    if method not in SIZED_METHODS:
+        raise DynaPipeError(f"method {method!r} has no micro-batch size to tune; use one of "
+                            f"{', '.join(SIZED_METHODS)}.")
+    sizes = list(micro_batch_sizes) if micro_batch_sizes is not None else \
+        micro_batch_size_candidates(lengths, method, kwargs.get("seq_length"))
+    if not sizes:
+        raise DynaPipeError(f"no micro-batch size to try for {method}.")
+    best: Optional[MethodSimulation] = None
+    sweep: list[dict] = []
+    for m in sorted(sizes):
+        try:
+            sim = simulate_method(lengths, method, cost_model, micro_batch_size=m, **kwargs)
+        except DynaPipeError as e:
+            sweep.append({"micro_batch_size": m, "fits": False, "reason": str(e)})
+            break
+        sweep.append({"micro_batch_size": m, "fits": True, **sim.to_json()})
+        if best is None or sim.real_tokens_per_s > best.real_tokens_per_s:
+            best = sim
+    if best is None:
+        raise DynaPipeError(f"{method}: no micro-batch size in {sorted(sizes)} fits in memory "
+                            f"({sweep[0]['reason']}).")
+    return TunedBaseline(best, sweep)
+
+
+def compare_methods(lengths, cost_model: CostModel, methods: Sequence[str] = METHODS,
+                    **kwargs) -> dict[str, TunedBaseline]:
+    """Every method of ``methods`` on the same batch: sized baselines tuned by
+    :func:`tune_baseline`, DynaPipe simulated once (its ``sweep`` is empty).
+    ``kwargs`` go to :func:`simulate_method`."""
+    out: dict[str, TunedBaseline] = {}
+    for method in methods:
+        if method in SIZED_METHODS:
+            out[method] = tune_baseline(lengths, method, cost_model, **kwargs)
+        else:
+            out[method] = TunedBaseline(simulate_method(lengths, method, cost_model, **kwargs))
+    return out
