@@ -278,3 +278,77 @@ def compare_methods(lengths, cost_model: CostModel, methods: Sequence[str] = MET
         else:
             out[method] = TunedBaseline(simulate_method(lengths, method, cost_model, **kwargs))
     return out
+
+
+@dataclass
+class BatchesResult:
+    """One method over several global batches at one setting (a fixed micro-batch size for
+    the baselines: a user tunes it once for a dataset, not per batch).
+
+    ``runs``: the simulation of every batch. ``sweep``: for tuned baselines, the
+    aggregate figures (:meth:`summary`) of every size tried.
+    """
+
+    method: str
+    runs: list[MethodSimulation]
+    sweep: list[dict] = field(default_factory=list)
+
+    @property
+    def micro_batch_size(self) -> Optional[int]:
+        return self.runs[0].micro_batch_size
+
+    @property
+    def real_tokens_per_s(self) -> float:
+        """All batches' real tokens over their summed simulated time."""
+        ms = sum(r.iteration_ms for r in self.runs)
+        return sum(r.real_tokens for r in self.runs) / (ms / 1e3) if ms > 0 else 0.0
+
+    def summary(self) -> dict:
+        """Aggregate figures: real tokens/s, mean iteration and planning ms, mean bubble,
+        highest stage peak (MiB), FLOP-weighted attention share, and the recompute levels
+        and schedules chosen (a set over the batches)."""
+        n = len(self.runs)
+        peaks = np.max([r.stage_peak_mib for r in self.runs], axis=0)
+        return {"method": self.method, "micro_batch_size": self.micro_batch_size,
+                "real_tokens_per_s": round(self.real_tokens_per_s, 1),
+                "iteration_ms": round(sum(r.iteration_ms for r in self.runs) / n, 3),
+                "planning_ms": round(sum(r.planning_ms for r in self.runs) / n, 3),
+                "bubble_fraction": round(sum(r.bubble_fraction for r in self.runs) / n, 4),
+                "padding_efficiency": round(sum(r.real_tokens for r in self.runs)
+                                            / max(sum(r.padded_tokens for r in self.runs), 1), 4),
+                "micro_batches": round(sum(r.micro_batches for r in self.runs) / n, 1),
+                "stage_peak_mib": [round(float(p), 1) for p in peaks],
+                "attention_share": round(sum(r.attention_share for r in self.runs) / n, 4),
+                "recompute": sorted({r.recompute for r in self.runs}),
+                "schedule": sorted({r.schedule for r in self.runs}), "batches": n}
+
+
+def compare_over_batches(batches: Sequence, method: str, cost_model: CostModel, *,
+                         micro_batch_sizes: Optional[Sequence[int]] = None, **kwargs) -> BatchesResult:
+    """``method`` on every batch of ``batches``. Sized baselines sweep one micro-batch size
+    for all batches (default: :func:`micro_batch_size_candidates` of the first batch) and
+    keep the size with the highest aggregate real tokens/s; the sweep stops at the first
+    size that fits no batch at any recompute level. ``kwargs`` go to :func:`simulate_method`."""
+    if not len(batches):
+        raise DynaPipeError("no global batch to simulate.")
+    if method not in SIZED_METHODS:
+        return BatchesResult(method, [simulate_method(b, method, cost_model, **kwargs) for b in batches])
+    sizes = list(micro_batch_sizes) if micro_batch_sizes is not None else \
+        micro_batch_size_candidates(batches[0], method, kwargs.get("seq_length"))
+    best: Optional[BatchesResult] = None
+    sweep: list[dict] = []
+    for m in sorted(sizes):
+        try:
+            res = BatchesResult(method, [simulate_method(b, method, cost_model, micro_batch_size=m, **kwargs)
+                                         for b in batches])
+        except DynaPipeError as e:
+            sweep.append({"micro_batch_size": m, "fits": False, "reason": str(e)})
+            break
+        sweep.append({"fits": True, **res.summary()})
+        if best is None or res.real_tokens_per_s > best.real_tokens_per_s:
+            best = res
+    if best is None:
+        raise DynaPipeError(f"{method}: no micro-batch size in {sorted(sizes)} fits in memory "
+                            f"({sweep[0]['reason']}).")
+    best.sweep = sweep
+    return best

@@ -107,3 +107,20 @@ def test_bad_requests_are_refused(gpt7b, batch):
     with pytest.raises(DynaPipeError, match="no micro-batch size in"):
         tune_baseline(batch, "padding", gpt7b, micro_batch_sizes=[1], seq_length=2048, memory_limit_mib=1000)
     assert micro_batch_size_candidates(batch, "padding") == [2 ** k for k in range(len(batch).bit_length())]
+
+
+def test_one_size_is_tuned_for_all_batches(gpt7b):
+    from dynapipe.method_compare import compare_over_batches
+
+    batches = [global_batch_of_tokens(16384, s, 2048) for s in (1, 2)]
+    res = compare_over_batches(batches, "padding-mb", gpt7b, seq_length=2048)
+    fits = [r for r in res.sweep if r["fits"]]
+    assert len(fits) >= 2 and len({r.micro_batch_size for r in res.runs}) == 1
+    assert res.micro_batch_size == max(fits, key=lambda r: r["real_tokens_per_s"])["micro_batch_size"]
+    real = sum(int(np.minimum(b, 2048).sum()) for b in batches)
+    assert res.real_tokens_per_s == pytest.approx(real / (sum(r.iteration_ms for r in res.runs) / 1e3))
+    single = [simulate_method(b, "padding-mb", gpt7b, micro_batch_size=res.micro_batch_size, seq_length=2048)
+              for b in batches]
+    assert [r.iteration_ms for r in res.runs] == pytest.approx([s.iteration_ms for s in single])
+    dyn = compare_over_batches(batches, "dynapipe", gpt7b, seq_length=2048)
+    assert dyn.sweep == [] and len(dyn.runs) == 2 and dyn.summary()["batches"] == 2

@@ -1,0 +1,47 @@
+"""``scripts/bench_cluster.py --quick``: the simulated cluster-scale comparison, JSON and Markdown."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "bench_cluster.py")
+
+
+def test_quick_writes_every_method_with_tuned_baselines(tmp_path):
+    out = tmp_path / "cluster.json"
+    r = subprocess.run([sys.executable, SCRIPT, "--quick", "--output", str(out)], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["setup"]["tokens_per_batch"] == 65536 and report["setup"]["device"] == "a100-40gb"
+    (case,) = report["cases"]
+    assert (case["model"], case["stages"], case["dp"], case["seq_length"]) == ("gpt-7b", 4, 2, 2048)
+    assert sum(case["real_tokens_per_batch"]) <= 65536
+    methods = case["methods"]
+    assert list(methods) == ["dynapipe", "dynapipe-1f1b", "packing", "packing-search", "padding", "padding-mb"]
+    assert methods["packing"]["vs_packing"] == 1.0 and methods["packing-search"]["vs_packing_search"] == 1.0
+    for name, m in methods.items():
+        assert m["real_tokens_per_s"] > 0 and m["planning_ms"] > 0 and 0 <= m["bubble_fraction"] < 1
+        assert len(m["stage_peak_mib"]) == 4 and max(m["stage_peak_mib"]) <= 40536 - 2048
+        ratio = m["real_tokens_per_s"] / methods["packing"]["real_tokens_per_s"]
+        assert m["vs_packing"] == pytest.approx(ratio, abs=2e-3)
+        if name.startswith("dynapipe"):
+            assert m["micro_batch_size"] is None and "sweep" not in m
+        else:
+            # The kept size is the sweep's best among the sizes that fit.
+            fits = [s for s in m["sweep"] if s["fits"]]
+            assert fits and m["micro_batch_size"] == max(fits, key=lambda s: s["real_tokens_per_s"])["micro_batch_size"]
+    assert methods["dynapipe"]["real_tokens_per_s"] >= methods["dynapipe-1f1b"]["real_tokens_per_s"]
+    assert methods["dynapipe-1f1b"]["schedule"] == ["1f1b"] and methods["packing"]["schedule"] == ["1f1b"]
+    md = (tmp_path / "cluster.md").read_text().splitlines()
+    assert md[0].startswith("| case | method") and len(md) == 2 + len(methods)
+    assert "| dynapipe |" in md[2] and "x |" in md[2]
+
+
+def test_unknown_method_is_refused(tmp_path):
+    r = subprocess.run([sys.executable, SCRIPT, "--quick", "--output", str(tmp_path / "x.json"),
+                        "--methods", "dynapipe,zero-bubble"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and "zero-bubble" in r.stderr and r.stderr.count("\n") == 1
