@@ -187,7 +187,7 @@ def run(args) -> int:
         print(line)
     if advice.refused:
         print(f"refused ({len(advice.refused)}): " + "; ".join(
-            f"{l.label()}: {why.split(';')[0]}" for l, why in advice.refused[:6])
+            f"{l.label()}: {why.split('; ')[0].split('. ')[0]}" for l, why in advice.refused[:6])
               + (" ..." if len(advice.refused) > 6 else ""))
     if args.output:
         text = run_config_text(best, model, device.name, cluster.name, cluster, args.gpus, args.tokens_per_iteration,

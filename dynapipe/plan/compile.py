@@ -206,7 +206,7 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
         mine = [a for a in (msg_ids[s - 1] if s > 0 else None, msg_ids[s] if s < S - 1 else None, load_ids[s])
                 if a is not None]
         used, inverse = np.unique(np.concatenate(mine), return_inverse=True)
-        offset = int(used[0] < 0)   # -1 (loads nothing) stays -1
+        offset = int(used.size > 0 and used[0] < 0)   # -1 (loads nothing) stays -1
         remap = (inverse - offset).reshape(len(mine), M)
         rank_msgs = [None] * (S - 1)
         k = 0

@@ -24,7 +24,7 @@ import numpy as np
 
 from dynapipe.errors import PlanError
 from dynapipe.plan._fast import gc_paused, maker
-from dynapipe.plan.instructions import BUFFER_KINDS, INSTRUCTION_TYPES, Instruction, TensorSpec, buffer_name
+from dynapipe.plan.instructions import BUFFER_KINDS, INSTRUCTION_TYPES, Instruction, TensorSpec
 
 OPCODES = tuple(INSTRUCTION_TYPES)
 OPCODE_INDEX = {op: i for i, op in enumerate(OPCODES)}
@@ -92,23 +92,32 @@ class InstructionTable(Sequence):
         return f"InstructionTable({len(self)} instructions)"
 
     def _build(self) -> tuple[Instruction, ...]:
+        # Class by class: each field's column is read once as a Python list, then the
+        # objects of that class are made in one loop (about a microsecond each).
         strings, lists = self.strings, self.tensor_lists
-        canonical = BUFFER_KINDS
-        out = []
+        rows = self.rows
+        out: list = [None] * len(rows)
+        ops = rows[:, 0]
         with gc_paused():
-            for row in self.rows.tolist():
-                op = row[0]
-                kwargs = {}
-                for name in _FIELDS[op]:
-                    v = row[COL[name]]
+            for op in np.unique(ops).tolist():
+                where = np.flatnonzero(ops == op)
+                sub = rows[where]
+                names = _FIELDS[op]
+                values = []
+                for name in names:
+                    col = sub[:, COL[name]].tolist()
                     if name == "tensors":
-                        v = lists[v] if v >= 0 else ()
+                        col = [lists[v] if v >= 0 else () for v in col]
                     elif name == "buffer":
-                        v = strings[v] if v >= 0 else buffer_name(canonical[-1 - v], row[1], row[2])
+                        mbs, chunks = sub[:, 1].tolist(), sub[:, 2].tolist()
+                        col = [strings[v] if v >= 0 else f"{BUFFER_KINDS[-1 - v]}:{m}:{c}"
+                               for v, m, c in zip(col, mbs, chunks)]
                     elif name in _STR_FIELDS:
-                        v = strings[v]
-                    kwargs[name] = v
-                out.append(_MAKERS[op](**kwargs))
+                        col = [strings[v] for v in col]
+                    values.append(col)
+                make = _MAKERS[op]
+                for k, vals in zip(where.tolist(), zip(*values)):
+                    out[k] = make(**dict(zip(names, vals)))
         return tuple(out)
 
     # -- checks on the columns ----------------------------------------------------------

@@ -292,12 +292,17 @@ def _check_group(plans: list[ExecutionPlan]) -> int:
                             f"{sum(m.real_tokens for m in p.micro_batches)}.")
     comms = [_collect_comms(p) for p in plans]
     S = len(plans)
+    # One pass buckets every transfer by (sender, receiver): linear in the plan size.
+    sends: dict[tuple[int, int], list] = {}
+    recvs: dict[tuple[int, int], list] = {}
     for a in range(S):
-        for b in range(S):
-            if a != b:
-                sends = [c for c in comms[a] if c.direction == "send" and c.inst.peer == b]
-                recvs = [c for c in comms[b] if c.direction == "recv" and c.inst.peer == a]
-                _match_pair(plans[a], plans[b], sends, recvs)
+        for c in comms[a]:
+            if c.direction == "send":
+                sends.setdefault((a, c.inst.peer), []).append(c)
+            else:
+                recvs.setdefault((c.inst.peer, a), []).append(c)
+    for a, b in sorted(set(sends) | set(recvs)):
+        _match_pair(plans[a], plans[b], sends.get((a, b), []), recvs.get((a, b), []))
     for p in plans:
         _check_buffers(p)
     symbolic_run(plans, comms)
