@@ -71,3 +71,62 @@ def test_malformed_schedules_are_refused():
     for sched in (twice, backwards_first):
         with pytest.raises(DynaPipeError, match="schedule 'bad'"):
             compile_plans(sched, mbs, TINY, timeline=None)
+
+
+def _verdict(plans):
+    try:
+        return validate_plans(plans)
+    except DynaPipeError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("S, dp, seed", [(2, 1, 0), (3, 2, 1), (4, 1, 2)])
+def test_fast_validation_never_accepts_what_the_full_validator_refuses(S, dp, seed):
+    import dataclasses
+
+    from dynapipe.plan.table import COL, NCOLS
+    from dynapipe.plan.validate_fast import group_is_valid
+
+    rng = np.random.default_rng(seed)
+    model = TINY
+    mbs = chunked_micro_batches(rng.integers(1, 200, 8 * dp), 2)
+    total = int(sum(m.real_tokens for m in mbs))
+    grid = [compile_plans("1f1b" if r % 2 else "adaptive", mbs[r::dp], model, num_stages=S, replica=r,
+                          num_replicas=dp, global_real_tokens=total) for r in range(dp)]
+    assert all(group_is_valid(row) for row in grid)     # the compiler's plans take the fast path
+    flat = [p for row in grid for p in row]
+    refused = 0
+    for trial in range(150):
+        r, s = int(rng.integers(dp)), int(rng.integers(S))
+        plan = grid[r][s]
+        rows = plan.instructions.rows.copy()
+        n = len(rows)
+        what = trial % 6
+        if what == 0:                                   # swap two instructions
+            i, j = rng.integers(n, size=2)
+            rows[[i, j]] = rows[[j, i]]
+        elif what == 1:                                 # drop one
+            rows = np.delete(rows, int(rng.integers(n)), axis=0)
+        elif what == 2:                                 # duplicate one
+            i = int(rng.integers(n))
+            rows = np.insert(rows, i, rows[i], axis=0)
+        elif what == 3:                                 # another micro-batch
+            i = int(rng.integers(n))
+            rows[i, COL["mb"]] = (rows[i, COL["mb"]] + 1) % len(plan.micro_batches)
+        elif what == 4:                                 # another peer or group
+            i = int(rng.integers(n))
+            col = COL["peer"] if rng.random() < 0.5 else COL["group"]
+            rows[i, col] = int(rng.integers(-1, S))
+        else:                                           # another tensor list or shape
+            i = int(rng.integers(n))
+            col = COL["tensors"] if rng.random() < 0.5 else COL["seqlen"]
+            top = len(plan.instructions.tensor_lists) if col == COL["tensors"] else 400
+            rows[i, col] = int(rng.integers(top))
+        assert rows.shape[1] == NCOLS
+        table = InstructionTable(rows, plan.instructions.strings, plan.instructions.tensor_lists)
+        mutated = [dataclasses.replace(p, instructions=table) if p is plan else p for p in flat]
+        as_objects = [dataclasses.replace(p, instructions=tuple(p.instructions)) for p in mutated]
+        fast, full = _verdict(mutated), _verdict(as_objects)
+        assert fast == full, (trial, what, fast, full)
+        refused += isinstance(full, str)
+    assert refused > 100   # the mutations do break plans, so both paths were exercised

@@ -36,6 +36,8 @@ _DTYPE_INDEX = {d: i for i, d in enumerate(DTYPES)}
 # Encoded micro-batch lists, keyed by the identity of the tuple (every stage of a
 # replica shares one), holding the tuple so the identity stays valid.
 _MB_CACHE: dict[int, tuple] = {}
+# Decoded micro-batch sections by their bytes (the most recent few).
+_DECODED_MBS: dict[bytes, tuple] = {}
 
 
 def _want(cond: bool, what: str) -> None:
@@ -179,7 +181,18 @@ def decode_body(body: bytes) -> ExecutionPlan:
     _want(isinstance(meta, dict), "meta must be an object")
     sched, rec = names >> 16, names & 0xFFFF
     _want(sched < n_str and rec < n_str, "schedule or recompute names a string that is not there")
-    micro_batches = _decode_micro_batches(rd, n_mb, n_samples, n_rows, n_row_items)
+    # Every stage of a replica carries the same micro-batch list: decode each distinct
+    # section once (the result is immutable, so sharing it is safe).
+    size = 56 * n_mb + 4 * (n_samples + n_rows + n_row_items)
+    section = body[rd.pos:rd.pos + size]
+    micro_batches = _DECODED_MBS.get(section)
+    if micro_batches is None:
+        micro_batches = _decode_micro_batches(rd, n_mb, n_samples, n_rows, n_row_items)
+        if len(_DECODED_MBS) >= 16:
+            _DECODED_MBS.pop(next(iter(_DECODED_MBS)))
+        _DECODED_MBS[section] = micro_batches
+    else:
+        rd.pos += size
     tensor_lists = _decode_tensor_lists(rd, strings, n_lists, n_items, n_dims)
     rd.pos += NCOLS
     rows = np.empty((n_insts, NCOLS), dtype=np.int32)

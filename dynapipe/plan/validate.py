@@ -29,8 +29,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from dynapipe.errors import PlanError
 from dynapipe.plan.deadlock import Transfer, symbolic_run, where as _where
+from dynapipe.plan.validate_fast import group_is_valid
 from dynapipe.plan.instructions import (DTYPES, BackwardPass, ExecutionPlan, ForwardPass,
                                         FreeBuffer, Instruction, LoadInput, RecvActivationFinish,
                                         RecvActivationStart, RecvGradFinish, RecvGradStart,
@@ -290,6 +293,8 @@ def _check_group(plans: list[ExecutionPlan]) -> int:
         if p.real_tokens != sum(m.real_tokens for m in p.micro_batches):
             raise PlanError(f"{_where(p, -1)}: real_tokens={p.real_tokens} is not the sum of its micro-batches' "
                             f"{sum(m.real_tokens for m in p.micro_batches)}.")
+    if group_is_valid(plans):
+        return _count_transfers(plans)
     comms = [_collect_comms(p) for p in plans]
     S = len(plans)
     # One pass buckets every transfer by (sender, receiver): linear in the plan size.
@@ -307,6 +312,12 @@ def _check_group(plans: list[ExecutionPlan]) -> int:
         _check_buffers(p)
     symbolic_run(plans, comms)
     return sum(len(c) for c in comms) // 2
+
+
+def _count_transfers(plans: list[ExecutionPlan]) -> int:
+    from dynapipe.plan.table import COL, OPCODE_INDEX
+    starts = [OPCODE_INDEX[o] for o in ("send_act_start", "send_grad_start")]
+    return sum(int(np.isin(p.instructions.rows[:, COL["op"]], starts).sum()) for p in plans)
 
 
 def validate_plans(plans: Sequence[ExecutionPlan], *, complete: bool = True) -> ValidationSummary:
@@ -358,7 +369,10 @@ def validate_plans(plans: Sequence[ExecutionPlan], *, complete: bool = True) -> 
         if real != first.global_real_tokens:
             raise PlanError(f"the replicas' real tokens add up to {real}, but the plans normalise the loss by "
                             f"global_real_tokens={first.global_real_tokens}.")
-        seen: dict[int, tuple[int, int]] = {}
+        every = [x for r in sorted(groups) for m in groups[r][0].micro_batches for x in m.samples]
+        if len(np.unique(np.asarray(every, dtype=np.int64))) == len(every):
+            return ValidationSummary(len(groups), S, total_mbs, insts, transfers)
+        seen: dict[int, tuple[int, int]] = {}   # a sample repeats: find and name it
         for r in sorted(groups):
             for m in groups[r][0].micro_batches:
                 for x in m.samples:
