@@ -200,3 +200,13 @@ def test_validate_requires_every_replica_and_agreeing_token_totals(grid, tmp_pat
     assert main(["validate", str(d)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not a regular file" in err
+
+
+def test_decoded_instruction_tables_behave_like_tuples(grid):
+    plan = grid[0][0]
+    back = deserialize_plan(serialize_plan(plan)).instructions
+    objs = tuple(plan.instructions)
+    assert back + objs[:1] == objs + objs[:1] and objs[:1] + back == objs[:1] + objs
+    assert back[-1] == objs[-1] and back[1:3] == objs[1:3] and len(back) == len(objs)
+    assert objs[2] in back and back.index(objs[2]) == objs.index(objs[2])
+    assert hash(back) == hash(objs) and back == objs

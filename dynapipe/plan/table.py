@@ -76,6 +76,17 @@ class InstructionTable(Sequence):
     def __iter__(self):
         return iter(self.objects())
 
+    def __add__(self, other):
+        """Concatenation gives a tuple of instructions, as it would for a tuple."""
+        if isinstance(other, (tuple, InstructionTable)):
+            return self.objects() + tuple(other)
+        return NotImplemented
+
+    def __radd__(self, other):
+        if isinstance(other, tuple):
+            return other + self.objects()
+        return NotImplemented
+
     def __eq__(self, other) -> bool:
         if isinstance(other, InstructionTable):
             if other is self:
