@@ -23,6 +23,10 @@ run in posting order on one stream, an op completes only when its peer's matchin
 is at the head of the peer's stream too (Starts posted together in one group complete
 together), and a ``*Finish`` blocks until its op has completed. Plans that pass also
 run under gloo. Errors name the replica, rank, instruction index and reason.
+
+Plans the compiler made (instruction tables) are first offered to
+:func:`dynapipe.plan.validate_fast.group_is_valid`, a linear-time check that can only
+accept; everything it does not accept is checked here, object by object.
 """
 from __future__ import annotations
 
