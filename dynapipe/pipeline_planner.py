@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -129,7 +129,8 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
                         memory_limit_mib: Optional[float] = None, reserved_mib: Optional[float] = None,
                         cluster: Optional[ClusterConfig] = None, recompute: Optional[str] = None,
                         iteration: int = 0, tp: int = 1, zero: bool = False, explain: bool = False,
-                        validate: bool = False, lengths=None) -> IterationPlan:
+                        validate: bool = False, lengths=None,
+                        replicas: Optional[Sequence[int]] = None) -> IterationPlan:
     """Search a schedule for ``batch_plan`` and compile every rank's plan.
 
     ``memory_limit_mib``/``reserved_mib`` default to the cost model's device config; a
@@ -137,6 +138,9 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
     ``recompute``: a level, or ``None`` to let the search choose. ``lengths`` (the
     batch's lengths) lets encoder-decoder plans count target tokens for the loss.
     ``validate=True`` runs :func:`validate_plans` on the result (timed separately).
+    ``replicas``: compile only these replicas' plans (``plans[r]`` is empty for the
+    others), so planner nodes can split a large iteration's compilation by replica;
+    every node gets the same micro-batches and schedules, hence the same plans.
     """
     if batch_plan.num_stages != cost_model.num_stages:
         raise DynaPipeError(f"the batch plan is for {batch_plan.num_stages} stages, the cost model for "
@@ -145,21 +149,25 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
     capacity = None if limit is None or not np.isfinite(limit) else limit - reserved
     batch_plan = _loss_tokens(batch_plan, lengths, cost_model)
     dp = batch_plan.dp
-    replicas = [batch_plan.replica(r) for r in range(dp)]
+    replica_batches = [batch_plan.replica(r) for r in range(dp)]
     t0 = time.perf_counter()
-    result = search_schedules(replicas, cost_model, schedule=schedule, recompute=recompute, capacity_mib=capacity,
+    result = search_schedules(replica_batches, cost_model, schedule=schedule, recompute=recompute, capacity_mib=capacity,
                               cluster=cluster, dp=dp, tp=tp, zero=zero, explain=explain)
     t1 = time.perf_counter()
     total_real = sum(mb.real_tokens for mb in batch_plan.micro_batches)
+    wanted = set(range(dp)) if replicas is None else {int(r) for r in replicas}
+    if not wanted <= set(range(dp)):
+        raise DynaPipeError(f"replicas {sorted(wanted - set(range(dp)))} are outside the {dp} data-parallel "
+                            f"replicas (0..{dp - 1}).")
     plans = [compile_plans(result.schedules[r], result.micro_batches[r], cost_model.model,
                            timeline=result.timelines[r], replica=r, num_replicas=dp, iteration=iteration,
-                           global_real_tokens=total_real)
+                           global_real_tokens=total_real) if r in wanted else []
              for r in range(dp)]
     t2 = time.perf_counter()
     timings = {"batching": batch_plan.planning_ms, "schedule": (t1 - t0) * 1e3, "compile": (t2 - t1) * 1e3}
     out = IterationPlan(batch_plan, result, plans, iteration, timings)
     if validate:
-        validate_plans(out.all_plans())
+        validate_plans(out.all_plans(), complete=replicas is None)
         timings["validate"] = (time.perf_counter() - t2) * 1e3
     return out
 
@@ -169,7 +177,8 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
                    reserved_mib: Optional[float] = None, cluster: Optional[ClusterConfig] = None,
                    recompute: Optional[str] = None, iteration: int = 0, micro_batch_size: int = 1,
                    seq_length: Optional[int] = None, max_tokens: Optional[int] = None, tp: int = 1,
-                   zero: bool = False, explain: bool = False, validate: bool = False) -> IterationPlan:
+                   zero: bool = False, explain: bool = False, validate: bool = False,
+                   replicas: Optional[Sequence[int]] = None) -> IterationPlan:
     """Plan one iteration of a global batch of sample ``lengths`` (tokens; ``(n, 2)``
     input and target lengths for encoder-decoder models).
 
@@ -179,6 +188,7 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
     ``memory_limit_mib`` (per device) and ``reserved_mib`` default to the device config.
     ``recompute=None`` lets the search choose the level; micro-batches are then cut so
     that each fits alone at the lightest level that lets every sample fit.
+    ``replicas``: compile only these replicas' plans (see :func:`schedule_batch_plan`).
     """
     if stages is not None and stages != cost_model.num_stages:
         raise DynaPipeError(f"--stages {stages} but the cost model was built for {cost_model.num_stages} stages.")
@@ -200,4 +210,5 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
     batch_plan.planning_ms = (time.perf_counter() - t0) * 1e3
     return schedule_batch_plan(batch_plan, cost_model, schedule=schedule, memory_limit_mib=limit,
                                reserved_mib=reserved, cluster=cluster, recompute=recompute, iteration=iteration,
-                               tp=tp, zero=zero, explain=explain, validate=validate, lengths=lengths)
+                               tp=tp, zero=zero, explain=explain, validate=validate, lengths=lengths,
+                               replicas=replicas)

@@ -11,6 +11,7 @@ import socket
 import struct
 import subprocess
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -185,12 +186,18 @@ def test_truncated_or_corrupted_payload_rejected():
     with pytest.raises(DynaPipeError, match="version 9"):
         decode_payload(blob[:4] + struct.pack("<H", 9) + blob[6:])
     hlen = struct.unpack_from("<I", blob, 8)[0]
-    header = blob[12:12 + hlen].replace(b'"float32"', b'"object!"')
+
+    def reheader(header: bytes) -> bytes:
+        # A well-formed payload (valid CRC32) whose header says something impossible.
+        rest = header + blob[16 + hlen:]
+        return blob[:8] + struct.pack("<II", len(header), zlib.crc32(rest)) + rest
+
+    with pytest.raises(DynaPipeError, match="CRC32 mismatch"):
+        decode_payload(blob[:16] + blob[16:16 + hlen].replace(b'"float32"', b'"object!"') + blob[16 + hlen:])
     with pytest.raises(DynaPipeError, match="dtype 'object!'"):
-        decode_payload(blob[:12] + header + blob[12 + hlen:])
-    header = blob[12:12 + hlen].replace(b'"shape":[3,4]', b'"shape":[3,5]', 1)
+        decode_payload(reheader(blob[16:16 + hlen].replace(b'"float32"', b'"object!"')))
     with pytest.raises(DynaPipeError, match="do not hold shape"):
-        decode_payload(blob[:12] + header + blob[12 + hlen:])
+        decode_payload(reheader(blob[16:16 + hlen].replace(b'"shape":[3,4]', b'"shape":[3,5]', 1)))
 
 
 def test_pickle_is_never_accepted():

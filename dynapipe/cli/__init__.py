@@ -23,6 +23,7 @@ COMMANDS = {
     "trace": ("dynapipe.cli.trace", "write the simulated pipeline timeline as a Chrome trace / PNG"),
     "bench": ("dynapipe.cli.bench", "train with dynapipe, padding and packing side by side"),
     "profile": ("dynapipe.cli.profile", "measure megatron-core layers and write a cost profile"),
+    "advise": ("dynapipe.cli.advise", "rank parallel layouts for a model and cluster by simulation"),
 }
 
 

@@ -8,9 +8,12 @@ The four calls everything else uses:
   sends/receives with identical shapes, per-pair FIFO order, a deadlock-free symbolic
   run under NCCL's in-order semantics, buffer lifetimes) and raises :class:`PlanError`
   naming the rank, the instruction index and the reason.
-- :func:`serialize_plan` / :func:`deserialize_plan`: compact, versioned, deterministic
-  bytes (never pickle); a truncated or corrupted payload raises :class:`PlanError`.
+- :func:`serialize_plan` / :func:`deserialize_plan`: compact, versioned, checksummed,
+  deterministic bytes (never pickle) with a bounded inflation; a truncated, corrupted or
+  oversized payload raises :class:`PlanError`.
 
+Compiled and decoded plans hold their instructions as an :class:`InstructionTable`
+(integer columns, a read-only sequence of instruction objects built on first use).
 Buffer and instruction semantics are in :mod:`dynapipe.plan.instructions` and
 :mod:`dynapipe.plan.validate`.
 """
@@ -19,8 +22,9 @@ from dynapipe.plan.compile import compile_plans, input_specs, message_specs
 from dynapipe.plan.files import plan_file_name, read_plan_dir, write_plan_dir
 from dynapipe.plan.instructions import ExecutionPlan, Instruction, MicroBatchInfo, TensorSpec
 from dynapipe.plan.serialize import FORMAT_VERSION, deserialize_plan, serialize_plan
+from dynapipe.plan.table import InstructionTable
 from dynapipe.plan.validate import validate_plans
 
 __all__ = ["compile_plans", "validate_plans", "serialize_plan", "deserialize_plan", "PlanError",
            "ExecutionPlan", "Instruction", "MicroBatchInfo", "TensorSpec", "FORMAT_VERSION",
-           "input_specs", "message_specs", "write_plan_dir", "read_plan_dir", "plan_file_name"]
+           "input_specs", "message_specs", "write_plan_dir", "read_plan_dir", "plan_file_name", "InstructionTable"]

@@ -20,7 +20,6 @@ checks this, and every other invariant, on the result.
 """
 from __future__ import annotations
 
-import bisect
 import functools
 from typing import Optional, Sequence, Union
 
@@ -30,11 +29,8 @@ from dynapipe.batching.types import MicroBatch
 from dynapipe.config import ModelConfig
 from dynapipe.cost.base import CostModel, stage_layouts
 from dynapipe.errors import DynaPipeError
-from dynapipe.plan.instructions import (BackwardPass, ExecutionPlan, ForwardPass, FreeBuffer, LoadInput,
-                                        MicroBatchInfo, RecvActivationFinish, RecvActivationStart,
-                                        RecvGradFinish, RecvGradStart, SendActivationFinish,
-                                        SendActivationStart, SendGradFinish, SendGradStart, TensorSpec)
-from dynapipe.plan._fast import gc_paused, maker as _maker
+from dynapipe.plan.instructions import ExecutionPlan, MicroBatchInfo, TensorSpec
+from dynapipe.plan.rank_table import op_positions, rank_table
 from dynapipe.schedule.adaptive import adaptive_schedule
 from dynapipe.schedule.comm import message_shapes
 from dynapipe.schedule.costs import MIN_OP_MS, StageTimes, stage_times
@@ -96,11 +92,27 @@ def _proxy_times(micro_batches: Sequence[MicroBatch], num_stages: int) -> StageT
     return StageTimes(fw, 2 * fw, zeros, zeros.copy(), comm, comm.copy(), np.zeros(num_stages))
 
 
-_SendActStart, _SendActFinish = _maker(SendActivationStart), _maker(SendActivationFinish)
-_RecvActStart, _RecvActFinish = _maker(RecvActivationStart), _maker(RecvActivationFinish)
-_SendGradStart, _SendGradFinish = _maker(SendGradStart), _maker(SendGradFinish)
-_RecvGradStart, _RecvGradFinish = _maker(RecvGradStart), _maker(RecvGradFinish)
-_Free, _Load, _Forward, _Backward = _maker(FreeBuffer), _maker(LoadInput), _maker(ForwardPass), _maker(BackwardPass)
+# Specs by (model, stages, boundary or stage, shape): a global batch repeats a few
+# hundred shapes over thousands of micro-batches. The model is held with its key.
+_SPEC_CACHE: dict = {}
+
+
+def _cached(fn, model: ModelConfig, *key):
+    k = (fn, id(model), key)
+    hit = _SPEC_CACHE.get(k)
+    if hit is None or hit[0] is not model:
+        if len(_SPEC_CACHE) > 1 << 14:
+            _SPEC_CACHE.clear()
+        hit = _SPEC_CACHE[k] = (model, fn(model, key[1], key[0], *key[2:]))
+    return hit[1]
+
+
+def _message(model, b, S, mbs, seqlen, dec):
+    return _cached(message_specs, model, S, b, mbs, seqlen, dec)
+
+
+def _inputs(model, s, S, mbs, seqlen, dec):
+    return _cached(input_specs, model, S, s, mbs, seqlen, dec)
 
 
 def _info(i: int, mb: MicroBatch) -> MicroBatchInfo:
@@ -143,11 +155,14 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
     S = schedule.num_stages
     if num_stages is not None and num_stages != S:
         raise DynaPipeError(f"num_stages={num_stages} but the schedule has {S} stages.")
-    schedule.check()
+    if len(schedule.stage_ops) != S:
+        raise DynaPipeError(f"schedule {schedule.name!r}: {len(schedule.stage_ops)} op lists for {S} stages.")
     M = len(mbs_list)
-    if schedule.num_micro_batches != M:
-        raise DynaPipeError(f"schedule {schedule.name!r} runs {schedule.num_micro_batches} micro-batches, "
+    if S and len(schedule.stage_ops[0]) != 2 * M:
+        raise DynaPipeError(f"schedule {schedule.name!r} runs {len(schedule.stage_ops[0]) // 2} micro-batches, "
                             f"{M} were given.")
+    # Checks what Schedule.check does, vectorised: every stage runs F(i) once, then B(i).
+    positions = [op_positions(schedule.name, s, schedule.stage_ops[s], M) for s in range(S)]
     if timeline is None:
         times = stage_times(cost_model, mbs_list) if cost_model is not None else _proxy_times(mbs_list, S)
         timeline = simulate(schedule, times, record_memory=False)
@@ -160,90 +175,52 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
             raise DynaPipeError("compile_plans with num_replicas > 1 needs global_real_tokens "
                                 "(real tokens of the whole global batch).")
         global_real_tokens = real
-    # Message tensors of every boundary and micro-batch, shared by the two ranks of a transfer.
-    msgs = [[message_specs(model, b, S, mb.mbs, mb.seqlen, mb.dec_seqlen) for mb in mbs_list]
-            for b in range(S - 1)]
-    ends_of = [{(op.kind, op.mb): timeline.ends[s][i] for i, op in enumerate(schedule.stage_ops[s])}
-               for s in range(S)]
+    # Tensor lists of every boundary's message and every rank's loads, each distinct one
+    # built once (shapes repeat across micro-batches) and shared by every rank's table.
+    shape = np.array([(i.mbs, i.seqlen, i.dec_seqlen) for i in infos], dtype=np.int64).reshape(M, 3)
+    lists: list = []
+    list_ids: dict[int, int] = {}
+
+    def list_id(ts: tuple) -> int:
+        j = list_ids.get(id(ts))
+        if j is None:
+            j = list_ids[id(ts)] = len(lists)
+            lists.append(ts)
+        return j
+
+    uniq, inv = np.unique(shape, axis=0, return_inverse=True) if M else (shape, np.zeros(0, np.int64))
+    inv = inv.reshape(-1)
+    keys = [tuple(r) for r in uniq.tolist()]
+    msg_ids = [np.array([list_id(_message(model, b, S, *k)) for k in keys], dtype=np.int64)[inv]
+               for b in range(S - 1)]
+    load_ids = []
+    for s in range(S):
+        specs = [_inputs(model, s, S, *k) for k in keys]
+        load_ids.append(np.array([list_id(t) if t else -1 for t in specs], dtype=np.int64)[inv])
+    f_idx, b_idx = [p[0] for p in positions], [p[1] for p in positions]
     plans = []
     for s in range(S):
         level = recompute or schedule.recompute_of(s)
-        with gc_paused():
-            instructions = _rank_instructions(s, S, schedule, timeline, ends_of, msgs, infos, model, level)
+        strings = (level, "full") if level != "full" else ("full",)
+        # Each rank's table holds only the tensor lists it uses, renumbered.
+        mine = [a for a in (msg_ids[s - 1] if s > 0 else None, msg_ids[s] if s < S - 1 else None, load_ids[s])
+                if a is not None]
+        used, inverse = np.unique(np.concatenate(mine), return_inverse=True)
+        offset = int(used.size > 0 and used[0] < 0)   # -1 (loads nothing) stays -1
+        remap = (inverse - offset).reshape(len(mine), M)
+        rank_msgs = [None] * (S - 1)
+        k = 0
+        if s > 0:
+            rank_msgs[s - 1], k = remap[0], 1
+        if s < S - 1:
+            rank_msgs[s], k = remap[k], k + 1
+        tensor_lists = tuple(lists[j] for j in used[offset:].tolist())
+        instructions = rank_table(s, S, M, f_idx, b_idx, timeline.ends, shape, rank_msgs, remap[k], strings,
+                                  tensor_lists, 0, strings.index("full"))
         plans.append(ExecutionPlan(
             iteration=iteration, stage=s, num_stages=S, replica=replica, num_replicas=num_replicas,
-            schedule=schedule.name, recompute=level, micro_batches=infos, instructions=tuple(instructions),
+            schedule=schedule.name, recompute=level, micro_batches=infos, instructions=instructions,
             real_tokens=real, global_real_tokens=int(global_real_tokens),
             meta={"order": schedule.order, "mb_order": [int(x) for x in schedule.mb_order],
                   "simulated_ms": round(float(timeline.makespan_ms), 6)}))
     return plans
-
-
-def _rank_instructions(s: int, S: int, schedule: Schedule, timeline: Timeline, ends_of: list[dict],
-                       msgs: list, infos: tuple, model: ModelConfig, level: str) -> list:
-    ops = schedule.stage_ops[s]
-    ends = timeline.ends[s]
-    index = {(op.kind, op.mb): i for i, op in enumerate(ops)}
-    # Posts as (gap, key, instruction): gap g = after op g (-1: before the first op); key
-    # = the transfer's place in the global order (ready time, kind, micro-batch, boundary).
-    posts: list = []
-    after: dict[int, list] = {}       # op index -> send finishes (and frees) before the next op
-    before: dict[int, list] = {}      # op index -> receive finishes the op waits for
-
-    def recv_gap(ready_ms: float, consumer: int) -> int:
-        return min(bisect.bisect_right(ends, ready_ms) - 1, consumer - 1)
-
-    for info in infos:
-        i = info.mb
-        if s < S - 1:
-            specs = msgs[s][i]
-            t = ends_of[s][("F", i)]
-            g = index[("F", i)]
-            buf = f"act_out:{i}:0"
-            posts.append((g, t, 0, i, s, _SendActStart(mb=i, peer=s + 1, buffer=buf, tensors=specs)))
-            after.setdefault(g, []).append(_SendActFinish(mb=i, peer=s + 1, buffer=buf, tensors=specs))
-            t = ends_of[s + 1][("B", i)]
-            c = index[("B", i)]
-            buf = f"grad_in:{i}:0"
-            posts.append((recv_gap(t, c), t, 1, i, s, _RecvGradStart(mb=i, peer=s + 1, buffer=buf, tensors=specs)))
-            before.setdefault(c, []).append(_RecvGradFinish(mb=i, peer=s + 1, buffer=buf, tensors=specs))
-        if s > 0:
-            specs = msgs[s - 1][i]
-            t = ends_of[s - 1][("F", i)]
-            c = index[("F", i)]
-            buf = f"act_in:{i}:0"
-            posts.append((recv_gap(t, c), t, 0, i, s - 1,
-                          _RecvActStart(mb=i, peer=s - 1, buffer=buf, tensors=specs)))
-            before.setdefault(c, []).append(_RecvActFinish(mb=i, peer=s - 1, buffer=buf, tensors=specs))
-            t = ends_of[s][("B", i)]
-            g = index[("B", i)]
-            buf = f"grad_out:{i}:0"
-            posts.append((g, t, 1, i, s - 1, _SendGradStart(mb=i, peer=s - 1, buffer=buf, tensors=specs)))
-            after.setdefault(g, []).extend((_SendGradFinish(mb=i, peer=s - 1, buffer=buf, tensors=specs),
-                                            _Free(mb=i, buffer=buf)))
-    posts.sort(key=lambda p: p[:5])
-    by_gap: dict[int, list] = {}
-    for p in posts:
-        by_gap.setdefault(p[0], []).append(p[5])
-
-    loads = {info.mb: input_specs(model, s, S, info.mbs, info.seqlen, info.dec_seqlen) for info in infos}
-    frees = [kind for kind, present in (("input", None), ("act_in", s > 0), ("act_out", s < S - 1),
-                                        ("grad_in", s < S - 1)) if present is not False]
-    out: list = list(by_gap.get(-1, ()))
-    for g, op in enumerate(ops):
-        mb = op.mb
-        info = infos[mb]
-        if op.kind == "F" and loads[mb]:
-            out.append(_Load(mb=mb, tensors=loads[mb]))
-        out.extend(before.get(g, ()))
-        if op.kind == "F":
-            out.append(_Forward(mb=mb, mbs=info.mbs, seqlen=info.seqlen, dec_seqlen=info.dec_seqlen,
-                                   recompute=level))
-        else:
-            out.append(_Backward(mb=mb, mbs=info.mbs, seqlen=info.seqlen, dec_seqlen=info.dec_seqlen,
-                                    recompute=level))
-            out.extend(_Free(mb=mb, buffer=f"{kind}:{mb}:0") for kind in frees
-                       if kind != "input" or loads[mb])
-        out.extend(by_gap.get(g, ()))
-        out.extend(after.get(g, ()))
-    return out

@@ -6,7 +6,7 @@ from typing import Sequence
 
 from dynapipe.errors import PlanError
 from dynapipe.plan.instructions import ExecutionPlan
-from dynapipe.plan.serialize import deserialize_plan, serialize_plan
+from dynapipe.plan.serialize import HEADER_BYTES, MAX_BODY_BYTES, deserialize_plan, serialize_plan
 
 SUFFIX = ".plan"
 
@@ -38,10 +38,24 @@ def read_plan_dir(directory: str) -> list[ExecutionPlan]:
                         f"`python -m dynapipe plan ... --plan-out {directory}`.")
     plans = []
     for n in names:
-        with open(os.path.join(directory, n), "rb") as f:
-            data = f.read()
+        path = os.path.join(directory, n)
+        if not os.path.isfile(path):
+            raise PlanError(f"{path}: not a regular file; a plan directory holds only plan files.")
+        size = os.path.getsize(path)
+        if size > HEADER_BYTES + MAX_BODY_BYTES:
+            raise PlanError(f"{path}: {size} bytes is larger than any plan ({HEADER_BYTES + MAX_BODY_BYTES} "
+                            f"bytes at most); not a plan file.")
         try:
-            plans.append(deserialize_plan(data))
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise PlanError(f"{path}: cannot be read ({e.strerror}).") from None
+        try:
+            plan = deserialize_plan(data)
         except PlanError as e:
-            raise PlanError(f"{os.path.join(directory, n)}: {e}") from None
+            raise PlanError(f"{path}: {e}") from None
+        if n != plan_file_name(plan.replica, plan.stage):
+            raise PlanError(f"{path}: holds the plan of replica {plan.replica} stage {plan.stage}, which belongs "
+                            f"in {plan_file_name(plan.replica, plan.stage)}; the file was renamed or copied.")
+        plans.append(plan)
     return plans

@@ -1,21 +1,23 @@
-"""Execution plans as bytes: compact, versioned, deterministic, never pickle.
+"""Execution plans as bytes: compact, versioned, checksummed, deterministic, never pickle.
 
-Layout (big-endian)::
+Version 2 (written), big-endian header::
 
     magic  b"DPPL"        4 bytes
-    version               uint16   (FORMAT_VERSION)
-    flags                 uint16   (bit 0: payload is zlib-compressed)
+    version               uint16   (FORMAT_VERSION = 2)
+    flags                 uint16   (bit 0: body is zlib-compressed)
     payload length        uint32   (bytes after the header)
     payload CRC32         uint32
-    payload               zlib(canonical JSON)
+    body length           uint32   (bytes once inflated)
+    payload               zlib(binary body, see :mod:`dynapipe.plan.binary`)
 
-The JSON is canonical (sorted keys, no spaces, ASCII), so the same plan always gives
-the same bytes. Distinct tensor lists are stored once in ``tensors`` (each
-``[[name, shape, dtype], ...]``) and instructions refer to them by index.
-Instructions are positional arrays ``[opcode, field, field, ...]`` in the dataclass
-field order of :mod:`dynapipe.plan.instructions`; a reader fills missing trailing
-fields with their defaults, so adding a field at the end of an instruction stays
-readable. Anything malformed raises :class:`PlanError` saying what is wrong.
+The body length bounds the inflation: a reader refuses a header that declares more
+than :data:`MAX_BODY_BYTES`, inflates at most the declared length, and refuses a
+payload that would inflate further (a compression bomb costs nothing). The same
+plan always gives the same bytes.
+
+Version 1 (read only): a 16-byte header without the body length and zlib-compressed
+canonical JSON, inflated at most to :data:`MAX_V1_JSON_BYTES`. Anything malformed
+raises :class:`PlanError` saying what is wrong.
 """
 from __future__ import annotations
 
@@ -24,19 +26,25 @@ import functools
 import json
 import struct
 import zlib
-from typing import Any
+from typing import Any, Optional
 
 from dynapipe.errors import PlanError
 from dynapipe.plan._fast import gc_paused, maker
+from dynapipe.plan.binary import decode_body, encode_body
 from dynapipe.plan.instructions import DTYPES, INSTRUCTION_TYPES, ExecutionPlan, MicroBatchInfo, TensorSpec
 
 MAGIC = b"DPPL"
-FORMAT_VERSION = 1
-_HEADER = struct.Struct(">4sHHII")
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+_HEADER_V1 = struct.Struct(">4sHHII")
+_HEADER = struct.Struct(">4sHHIII")
 HEADER_BYTES = _HEADER.size
 _FLAG_ZLIB = 1
-# A plan is a few KiB to a few MiB; anything claiming more is corrupted.
-_MAX_PAYLOAD = 1 << 30
+# A rank's plan is a few KiB to a few MiB (about 40 bytes an instruction inflated);
+# a header declaring more than this is corrupted or hostile.
+MAX_BODY_BYTES = 256 << 20
+# Version-1 JSON is parsed into Python objects (about 20x its size in memory).
+MAX_V1_JSON_BYTES = 16 << 20
 
 _PLAN_FIELDS = ("iteration", "stage", "num_stages", "replica", "num_replicas", "schedule",
                 "recompute", "real_tokens", "global_real_tokens")
@@ -91,9 +99,19 @@ def _plan_document(plan: ExecutionPlan) -> dict:
 
 
 def serialize_plan(plan: ExecutionPlan) -> bytes:
-    """The plan as deterministic bytes: a 16-byte header (magic, version, flags, payload
-    length, CRC32) and zlib-compressed canonical JSON. ``plan.meta`` must hold only
-    JSON values (str keys, numbers, strings, lists, dicts)."""
+    """The plan as deterministic version-2 bytes: a 20-byte header (magic, version,
+    flags, payload length, CRC32, body length) and the zlib-compressed binary body.
+    ``plan.meta`` must hold only JSON values (str keys, numbers, strings, lists, dicts)."""
+    body = encode_body(plan)
+    if len(body) > MAX_BODY_BYTES:
+        raise PlanError(f"plan of stage {plan.stage} encodes to {len(body)} bytes, more than the "
+                        f"{MAX_BODY_BYTES}-byte limit a reader accepts; plan fewer micro-batches per iteration.")
+    payload = zlib.compress(body, 1)
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, _FLAG_ZLIB, len(payload), zlib.crc32(payload), len(body)) + payload
+
+
+def serialize_plan_v1(plan: ExecutionPlan) -> bytes:
+    """The plan in the version-1 format (JSON), which this release still reads."""
     try:
         with gc_paused():
             doc = _plan_document(plan)
@@ -103,7 +121,7 @@ def serialize_plan(plan: ExecutionPlan) -> bytes:
         raise PlanError(f"plan of stage {plan.stage} cannot be serialized: {e} "
                         f"(plan.meta may hold only JSON values).") from None
     payload = zlib.compress(text.encode("ascii"), 6)
-    return _HEADER.pack(MAGIC, FORMAT_VERSION, _FLAG_ZLIB, len(payload), zlib.crc32(payload)) + payload
+    return _HEADER_V1.pack(MAGIC, 1, _FLAG_ZLIB, len(payload), zlib.crc32(payload)) + payload
 
 
 # -- reading ---------------------------------------------------------------------------------
@@ -184,37 +202,75 @@ def _decode_micro_batch(i: int, v: Any) -> MicroBatchInfo:
                           rows=tuple(rows))
 
 
-def deserialize_plan(data: bytes) -> ExecutionPlan:
-    """Rebuild an :class:`ExecutionPlan` from :func:`serialize_plan` bytes.
+def _inflate(payload: bytes, flags: int, limit: int, exact: Optional[int]) -> bytes:
+    """Inflate at most ``limit`` bytes; refuse a payload that would give more (or, with
+    ``exact``, a different length)."""
+    if not flags & _FLAG_ZLIB:
+        out = payload
+    else:
+        d = zlib.decompressobj()
+        try:
+            out = d.decompress(payload, limit + 1)
+        except zlib.error as e:
+            raise PlanError(f"plan payload is corrupted: {e}.") from None
+        if len(out) > limit or d.unconsumed_tail:
+            raise PlanError(f"plan payload inflates past {exact if exact is not None else limit} bytes, more than "
+                            f"its header allows: refused before inflating it (corrupted or hostile).")
+        if not d.eof:
+            raise PlanError("plan payload is corrupted: the compressed stream ends early.")
+    if exact is not None and len(out) != exact:
+        raise PlanError(f"plan payload inflates to {len(out)} bytes, its header declares {exact}.")
+    if len(out) > limit:
+        raise PlanError(f"plan payload of {len(out)} bytes is larger than the {limit}-byte limit.")
+    return out
 
-    Raises :class:`PlanError` for a wrong magic or version, a truncated payload, a CRC
-    mismatch (corruption), and any field of the wrong type.
+
+def deserialize_plan(data: bytes) -> ExecutionPlan:
+    """Rebuild an :class:`ExecutionPlan` from :func:`serialize_plan` bytes (version 2,
+    or version 1 written by earlier releases).
+
+    Raises :class:`PlanError` for a wrong magic or an unknown version, a truncated
+    payload, a CRC mismatch (corruption), a body larger than its header declares or
+    than the limits allow (checked before inflating), and any malformed field.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise PlanError(f"a serialized plan must be bytes, got {type(data).__name__}.")
     data = bytes(data)
-    if len(data) < HEADER_BYTES:
+    if len(data) < _HEADER_V1.size:
         raise PlanError(f"plan payload is truncated: {len(data)} bytes, shorter than the "
-                        f"{HEADER_BYTES}-byte header.")
-    magic, version, flags, length, crc = _HEADER.unpack_from(data)
+                        f"{_HEADER_V1.size}-byte header.")
+    magic, version = data[:4], struct.unpack_from(">H", data, 4)[0]
     if magic != MAGIC:
         raise PlanError(f"not a DynaPipe execution plan (magic {magic!r}, expected {MAGIC!r}).")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise PlanError(f"execution plan format version {version} is not supported "
-                        f"(this DynaPipe reads version {FORMAT_VERSION}); plan and run with the same release.")
-    if length > _MAX_PAYLOAD:
-        raise PlanError(f"plan payload claims {length} bytes: the header is corrupted.")
-    payload = data[HEADER_BYTES:]
+                        f"(this DynaPipe reads versions {list(READABLE_VERSIONS)}); plan and run with the same "
+                        f"release.")
+    if version == 1:
+        _, _, flags, length, crc = _HEADER_V1.unpack_from(data)
+        body_len, head = None, _HEADER_V1.size
+    else:
+        if len(data) < HEADER_BYTES:
+            raise PlanError(f"plan payload is truncated: {len(data)} bytes, shorter than the "
+                            f"{HEADER_BYTES}-byte header.")
+        _, _, flags, length, crc, body_len = _HEADER.unpack_from(data)
+        head = HEADER_BYTES
+        if body_len > MAX_BODY_BYTES:
+            raise PlanError(f"plan header declares a body of {body_len} bytes, more than the {MAX_BODY_BYTES}-byte "
+                            f"limit: refused before inflating it (corrupted or hostile).")
+    payload = data[head:]
     if len(payload) < length:
         raise PlanError(f"plan payload is truncated: {len(payload)} of {length} bytes.")
     if len(payload) > length:
         raise PlanError(f"plan payload has {len(payload) - length} unexpected trailing bytes.")
     if zlib.crc32(payload) != crc:
         raise PlanError("plan payload is corrupted: CRC32 mismatch.")
+    if version == 2:
+        return decode_body(_inflate(payload, flags, body_len, body_len))
+    text = _inflate(payload, flags, MAX_V1_JSON_BYTES, None)
     try:
-        text = zlib.decompress(payload) if flags & _FLAG_ZLIB else payload
         doc = json.loads(text.decode("ascii"))
-    except (zlib.error, UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise PlanError(f"plan payload is corrupted: {e}.") from None
     _want(isinstance(doc, dict), "the document must be an object")
     missing = [k for k in _PLAN_FIELDS + ("micro_batches", "instructions", "tensors", "meta") if k not in doc]

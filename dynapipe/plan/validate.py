@@ -23,14 +23,21 @@ run in posting order on one stream, an op completes only when its peer's matchin
 is at the head of the peer's stream too (Starts posted together in one group complete
 together), and a ``*Finish`` blocks until its op has completed. Plans that pass also
 run under gloo. Errors name the replica, rank, instruction index and reason.
+
+Plans the compiler made (instruction tables) are first offered to
+:func:`dynapipe.plan.validate_fast.group_is_valid`, a linear-time check that can only
+accept; everything it does not accept is checked here, object by object.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from dynapipe.errors import PlanError
 from dynapipe.plan.deadlock import Transfer, symbolic_run, where as _where
+from dynapipe.plan.validate_fast import group_is_valid
 from dynapipe.plan.instructions import (DTYPES, BackwardPass, ExecutionPlan, ForwardPass,
                                         FreeBuffer, Instruction, LoadInput, RecvActivationFinish,
                                         RecvActivationStart, RecvGradFinish, RecvGradStart,
@@ -282,28 +289,48 @@ def _check_group(plans: list[ExecutionPlan]) -> int:
                                 f"{getattr(first, field)}.")
         if p.micro_batches != first.micro_batches:
             raise PlanError(f"{_where(p, -1)}: its micro-batch list differs from rank {first.stage}'s.")
+        for m in p.micro_batches:
+            if not m.samples or m.real_tokens < 0 or m.real_tokens > m.mbs * (m.seqlen + m.dec_seqlen):
+                raise PlanError(f"{_where(p, -1)}: micro-batch {m.mb} holds {len(m.samples)} sample(s) and "
+                                f"{m.real_tokens} real tokens, which {m.mbs} x {m.seqlen + m.dec_seqlen} padded "
+                                f"tokens cannot hold.")
         if p.real_tokens != sum(m.real_tokens for m in p.micro_batches):
             raise PlanError(f"{_where(p, -1)}: real_tokens={p.real_tokens} is not the sum of its micro-batches' "
                             f"{sum(m.real_tokens for m in p.micro_batches)}.")
+    if group_is_valid(plans):
+        return _count_transfers(plans)
     comms = [_collect_comms(p) for p in plans]
     S = len(plans)
+    # One pass buckets every transfer by (sender, receiver): linear in the plan size.
+    sends: dict[tuple[int, int], list] = {}
+    recvs: dict[tuple[int, int], list] = {}
     for a in range(S):
-        for b in range(S):
-            if a != b:
-                sends = [c for c in comms[a] if c.direction == "send" and c.inst.peer == b]
-                recvs = [c for c in comms[b] if c.direction == "recv" and c.inst.peer == a]
-                _match_pair(plans[a], plans[b], sends, recvs)
+        for c in comms[a]:
+            if c.direction == "send":
+                sends.setdefault((a, c.inst.peer), []).append(c)
+            else:
+                recvs.setdefault((c.inst.peer, a), []).append(c)
+    for a, b in sorted(set(sends) | set(recvs)):
+        _match_pair(plans[a], plans[b], sends.get((a, b), []), recvs.get((a, b), []))
     for p in plans:
         _check_buffers(p)
     symbolic_run(plans, comms)
     return sum(len(c) for c in comms) // 2
 
 
-def validate_plans(plans: Sequence[ExecutionPlan]) -> ValidationSummary:
+def _count_transfers(plans: list[ExecutionPlan]) -> int:
+    from dynapipe.plan.table import COL, OPCODE_INDEX
+    starts = [OPCODE_INDEX[o] for o in ("send_act_start", "send_grad_start")]
+    return sum(int(np.isin(p.instructions.rows[:, COL["op"]], starts).sum()) for p in plans)
+
+
+def validate_plans(plans: Sequence[ExecutionPlan], *, complete: bool = True) -> ValidationSummary:
     """Validate the plans of one or more pipeline replicas; raise :class:`PlanError`.
 
-    ``plans`` holds, for every replica present, exactly one plan per stage. When every
-    replica ``0..num_replicas-1`` is present, their real tokens must add up to
+    ``plans`` holds, for every replica present, exactly one plan per stage. With
+    ``complete`` (the default) every replica ``0..num_replicas-1`` of the declared
+    layout must be present; ``complete=False`` checks a subset (one planner worker's
+    share). When every replica is present, their real tokens must add up to
     ``global_real_tokens`` and no sample may appear in two replicas.
     """
     plans = list(plans)
@@ -321,6 +348,13 @@ def validate_plans(plans: Sequence[ExecutionPlan]) -> ValidationSummary:
             raise PlanError(f"two plans for replica {p.replica} rank {p.stage}.")
         g[p.stage] = p
     S = plans[0].num_stages
+    if complete:
+        R = plans[0].num_replicas
+        missing = [r for r in range(R) if r not in groups]
+        if missing:
+            shown = ", ".join(map(str, missing[:8])) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise PlanError(f"the plan set is incomplete: the layout declares {R} replica(s) x {S} stages, but "
+                            f"replica(s) {shown} have no plans ({len(missing) * S} of {R * S} plans missing).")
     transfers = insts = 0
     for replica in sorted(groups):
         g = groups[replica]
@@ -339,7 +373,10 @@ def validate_plans(plans: Sequence[ExecutionPlan]) -> ValidationSummary:
         if real != first.global_real_tokens:
             raise PlanError(f"the replicas' real tokens add up to {real}, but the plans normalise the loss by "
                             f"global_real_tokens={first.global_real_tokens}.")
-        seen: dict[int, tuple[int, int]] = {}
+        every = [x for r in sorted(groups) for m in groups[r][0].micro_batches for x in m.samples]
+        if len(np.unique(np.asarray(every, dtype=np.int64))) == len(every):
+            return ValidationSummary(len(groups), S, total_mbs, insts, transfers)
+        seen: dict[int, tuple[int, int]] = {}   # a sample repeats: find and name it
         for r in sorted(groups):
             for m in groups[r][0].micro_batches:
                 for x in m.samples:

@@ -2,8 +2,13 @@
 
 Layout (little-endian)::
 
-    b"DPIT" | u16 version | u16 reserved | u32 header length | header (UTF-8 JSON)
-    | plan bytes | tensor 0 bytes | tensor 1 bytes | ...
+    b"DPIT" | u16 version | u16 reserved | u32 header length | u32 CRC32 of the rest
+    | header (UTF-8 JSON) | plan bytes | tensor 0 bytes | tensor 1 bytes | ...
+
+The CRC32 covers the header, the plan and every tensor byte, so a flipped bit anywhere
+(token data included) is refused before anything is decoded; the header is at most
+:data:`MAX_HEADER_BYTES`, and the plan bytes carry their
+own inflation bound (see :mod:`dynapipe.plan.serialize`).
 
 The JSON header gives the iteration, replica and stage, the plan's byte range, and for
 every tensor its micro-batch, name, dtype, shape and byte range; plus metadata (numbers
@@ -16,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,8 +29,10 @@ import numpy as np
 from dynapipe.errors import DynaPipeError
 
 MAGIC = b"DPIT"
-VERSION = 1
-_PREFIX = struct.Struct("<4sHHI")
+VERSION = 2
+_PREFIX = struct.Struct("<4sHHII")
+# The header lists one entry (about 100 bytes) per tensor: a few MiB at most.
+MAX_HEADER_BYTES = 64 << 20
 DTYPES = {"int64": np.int64, "int32": np.int32, "float32": np.float32, "float16": np.float16,
           "bool": np.bool_, "uint8": np.uint8}
 
@@ -60,7 +68,11 @@ def encode_payload(iteration: int, replica: int, stage: int, plan_bytes: bytes,
     header = json.dumps({"iteration": int(iteration), "replica": int(replica), "stage": int(stage),
                          "plan_nbytes": len(plan_bytes), "tensors": entries, "meta": meta},
                         separators=(",", ":"), sort_keys=True).encode()
-    return b"".join([_PREFIX.pack(MAGIC, VERSION, 0, len(header)), header, plan_bytes, *blobs])
+    crc = zlib.crc32(header)
+    crc = zlib.crc32(plan_bytes, crc)
+    for b in blobs:
+        crc = zlib.crc32(b, crc)
+    return b"".join([_PREFIX.pack(MAGIC, VERSION, 0, len(header), crc), header, plan_bytes, *blobs])
 
 
 def _int(obj: dict, key: str, where: str) -> int:
@@ -73,20 +85,29 @@ def _int(obj: dict, key: str, where: str) -> int:
 def decode_payload(data: bytes) -> Payload:
     """Parse and check a payload; :class:`DynaPipeError` naming what is wrong otherwise."""
     where = "plan payload"
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise DynaPipeError(f"{where}: expected bytes, got {type(data).__name__}.")
     if len(data) < _PREFIX.size:
         raise DynaPipeError(f"{where}: {len(data)} bytes is too short.")
-    magic, version, _, hlen = _PREFIX.unpack_from(data)
-    if magic != MAGIC:
-        raise DynaPipeError(f"{where}: bad magic {magic!r}; not a plan payload.")
+    if data[:4] != MAGIC:
+        raise DynaPipeError(f"{where}: bad magic {bytes(data[:4])!r}; not a plan payload.")
+    version = struct.unpack_from("<H", data, 4)[0]
     if version != VERSION:
         raise DynaPipeError(f"{where}: version {version}, this reader understands {VERSION}; "
                             f"run the same dynapipe version on every node.")
+    magic, version, _, hlen, crc = _PREFIX.unpack_from(data)
+    if hlen > MAX_HEADER_BYTES:
+        raise DynaPipeError(f"{where}: header claims {hlen} bytes, more than the {MAX_HEADER_BYTES}-byte limit; "
+                            f"corrupted.")
     body = _PREFIX.size + hlen
     if body > len(data):
         raise DynaPipeError(f"{where}: header of {hlen} bytes runs past the end ({len(data)} bytes); truncated?")
+    if zlib.crc32(memoryview(data)[_PREFIX.size:]) != crc:
+        raise DynaPipeError(f"{where}: CRC32 mismatch over header, plan and tensor bytes; the payload is "
+                            f"corrupted (or truncated).")
     try:
-        header = json.loads(data[_PREFIX.size:body])
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        header = json.loads(bytes(data[_PREFIX.size:body]))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise DynaPipeError(f"{where}: corrupted header ({e}).") from None
     if not isinstance(header, dict):
         raise DynaPipeError(f"{where}: header is not a JSON object.")
@@ -98,7 +119,10 @@ def decode_payload(data: bytes) -> Payload:
                   _int(header, "stage", where), bytes(rest[:plan_n]), meta=header.get("meta") or {})
     if not isinstance(out.meta, dict):
         raise DynaPipeError(f"{where}: 'meta' must be an object.")
-    for i, t in enumerate(header.get("tensors") or []):
+    entries = header.get("tensors") or []
+    if not isinstance(entries, list):
+        raise DynaPipeError(f"{where}: 'tensors' must be a list.")
+    for i, t in enumerate(entries):
         tw = f"{where}: tensor {i}"
         if not isinstance(t, dict):
             raise DynaPipeError(f"{tw}: entry is not an object.")

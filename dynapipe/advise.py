@@ -1,0 +1,210 @@
+"""The layout advisor: which parallel layout to train a model with, chosen by simulation.
+
+For a model, a device, a cluster and a number of GPUs, :func:`enumerate_layouts` lists
+the layouts (tensor-parallel x pipeline-parallel x data-parallel, and Megatron's
+distributed optimizer on or off); :func:`advise` plans and simulates a few sampled
+global batches on each with DynaPipe (its schedule search picks the schedule and the
+recompute level per stage) and with the best tuned packing baseline, and ranks the
+layouts by DynaPipe's predicted real tokens per second. Layouts whose model states
+alone exceed the memory are refused without planning; a layout is shown only if every
+batch's plan fits.
+
+Tensor parallelism is not priced by the cost model yet, so layouts use TP = 1; the
+enumeration already takes the TP sizes to try (``tp_sizes``), within a node.
+Pure Python + numpy: no torch.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from dynapipe.config import ClusterConfig, DeviceConfig, ModelConfig
+from dynapipe.cost import build_cost_model
+from dynapipe.errors import DynaPipeError
+from dynapipe.method_compare import BatchesResult, compare_over_batches
+
+# Only TP = 1 until the cost model prices tensor-parallel collectives.
+SUPPORTED_TP = (1,)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to place the model on the GPUs: ``tp x pp x dp`` GPUs, ``zero``: the
+    optimizer state sharded over the ``dp`` replicas (Megatron's distributed optimizer)."""
+
+    tp: int
+    pp: int
+    dp: int
+    zero: bool = False
+
+    def label(self) -> str:
+        return f"TP{self.tp} PP{self.pp} DP{self.dp}" + (" ZeRO-1" if self.zero else "")
+
+
+@dataclass
+class LayoutResult:
+    """The simulated figures of one layout over the sampled batches.
+
+    ``dynapipe``/``packing``: :class:`~dynapipe.method_compare.BatchesResult` of each
+    method (``packing`` is ``None`` when no packed micro-batch size fits, or when the
+    comparison was not asked for). ``advise_ms``: wall time spent on this layout.
+    """
+
+    layout: Layout
+    dynapipe: BatchesResult
+    packing: Optional[BatchesResult]
+    advise_ms: float = 0.0
+
+    @property
+    def real_tokens_per_s(self) -> float:
+        return self.dynapipe.real_tokens_per_s
+
+    @property
+    def stage_peak_mib(self) -> list[float]:
+        """Highest simulated memory of every stage over the batches, model states included (MiB)."""
+        return [float(x) for x in np.max([r.stage_peak_mib for r in self.dynapipe.runs], axis=0)]
+
+    @property
+    def speedup_vs_packing(self) -> Optional[float]:
+        if self.packing is None or self.packing.real_tokens_per_s <= 0:
+            return None
+        return self.real_tokens_per_s / self.packing.real_tokens_per_s
+
+    def to_json(self) -> dict:
+        d = self.dynapipe.summary()
+        out = {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp, "zero": self.layout.zero,
+               "real_tokens_per_s": d["real_tokens_per_s"], "iteration_ms": d["iteration_ms"],
+               "bubble_fraction": d["bubble_fraction"], "stage_peak_mib": [round(p, 1) for p in self.stage_peak_mib],
+               "planning_ms": d["planning_ms"], "recompute": d["recompute"], "schedule": d["schedule"]}
+        if self.packing is not None:
+            p = self.packing.summary()
+            out["packing"] = {"micro_batch_size": p["micro_batch_size"], "real_tokens_per_s": p["real_tokens_per_s"],
+                              "iteration_ms": p["iteration_ms"], "recompute": p["recompute"]}
+            out["speedup_vs_packing"] = round(self.speedup_vs_packing, 3)
+        return out
+
+
+@dataclass
+class Advice:
+    """The ranked layouts (fastest first) and the layouts refused, with the reason."""
+
+    results: list[LayoutResult]
+    refused: list[tuple[Layout, str]] = field(default_factory=list)
+    elapsed_ms: float = 0.0
+
+    @property
+    def best(self) -> LayoutResult:
+        if not self.results:
+            raise DynaPipeError("no layout fits: " + "; ".join(f"{l.label()}: {why}" for l, why in self.refused[:4]))
+        return self.results[0]
+
+
+def enumerate_layouts(model: ModelConfig, gpus: int, cluster: Optional[ClusterConfig] = None, *,
+                      tp_sizes: Sequence[int] = SUPPORTED_TP, zero: Optional[bool] = None) -> list[Layout]:
+    """Every layout of ``gpus`` GPUs: TP among ``tp_sizes`` dividing the GPUs of a node,
+    PP dividing the model's layers, DP the rest; with the distributed optimizer off and
+    (when DP > 1) on. ``zero``: only that setting (``None``: both)."""
+    if gpus < 1:
+        raise DynaPipeError(f"--gpus {gpus}: need at least one GPU.")
+    per_node = cluster.gpus_per_node if cluster is not None else gpus
+    layers = model.total_layers
+    out = []
+    for tp in sorted(set(tp_sizes)):
+        if tp < 1 or per_node % tp or gpus % tp:
+            continue
+        for pp in range(1, layers + 1):
+            if layers % pp or gpus % (tp * pp):
+                continue
+            dp = gpus // (tp * pp)
+            settings = (False, True) if dp > 1 else (False,)
+            for z in settings:
+                if zero is None or z == zero:
+                    out.append(Layout(tp, pp, dp, z))
+    if not out:
+        raise DynaPipeError(f"no layout of {gpus} GPU(s) splits the {layers} layers of {model.name!r}: use a GPU "
+                            f"count with a divisor that also divides {layers}.")
+    return out
+
+
+def advise(batches: Sequence[np.ndarray], model: ModelConfig, device: DeviceConfig, gpus: int, *,
+           cluster: Optional[ClusterConfig] = None, seq_length: Optional[int] = None,
+           memory_limit_mib: Optional[float] = None, layouts: Optional[Sequence[Layout]] = None,
+           compare_packing: bool = True,
+           progress: Optional[Callable[[int, int, Layout], None]] = None) -> Advice:
+    """Simulate every layout (default :func:`enumerate_layouts`) on ``batches`` (sample
+    lengths in tokens, one array per global batch) and rank them by DynaPipe's real
+    tokens/s. ``memory_limit_mib`` per GPU defaults to the device's memory; the
+    device's reserved MiB is taken off it. ``progress(done, total, layout)`` is called
+    before each layout and once at the end (``layout`` then ``None``).
+    """
+    if not len(batches):
+        raise DynaPipeError("no global batch to simulate.")
+    layouts = list(layouts) if layouts is not None else enumerate_layouts(model, gpus, cluster)
+    limit = device.memory_mib if memory_limit_mib is None else float(memory_limit_mib)
+    capacity = limit - device.reserved_mib
+    t0 = time.perf_counter()
+    results, refused = [], []
+    cost_models: dict[int, object] = {}
+    for k, layout in enumerate(layouts):
+        if progress is not None:
+            progress(k, len(layouts), layout)
+        if layout.tp not in SUPPORTED_TP:
+            refused.append((layout, "tensor parallelism is not priced by the cost model yet"))
+            continue
+        started = time.perf_counter()
+        cm = cost_models.get(layout.pp)
+        if cm is None:
+            cm = cost_models[layout.pp] = build_cost_model(model, device, layout.pp)
+        states = cm.model_state_mib(dp=layout.dp, zero=layout.zero)
+        if states >= capacity:
+            refused.append((layout, f"model states need {states:.0f} MiB of the {capacity:.0f} MiB a GPU may use"))
+            continue
+        kw = dict(dp=layout.dp, seq_length=seq_length, memory_limit_mib=limit, reserved_mib=device.reserved_mib,
+                  cluster=cluster, tp=layout.tp, zero=layout.zero)
+        try:
+            dyn = compare_over_batches(batches, "dynapipe", cm, **kw)
+        except DynaPipeError as e:
+            refused.append((layout, str(e)))
+            continue
+        peak = max(max(r.stage_peak_mib) for r in dyn.runs)
+        if peak > capacity + 1e-6:
+            refused.append((layout, f"simulated peak {peak:.0f} MiB exceeds the {capacity:.0f} MiB a GPU may use"))
+            continue
+        pack = None
+        if compare_packing:
+            try:
+                pack = compare_over_batches(batches, "packing", cm, **kw)
+            except DynaPipeError:
+                pack = None
+        results.append(LayoutResult(layout, dyn, pack, (time.perf_counter() - started) * 1e3))
+    if progress is not None:
+        progress(len(layouts), len(layouts), None)
+    # Fastest first; ties broken towards fewer pipeline stages, then no sharding.
+    results.sort(key=lambda r: (-r.real_tokens_per_s, r.layout.pp, r.layout.zero))
+    return Advice(results, refused, (time.perf_counter() - t0) * 1e3)
+
+
+def sample_batches(tokens: int, count: int, seed: int, seq_length: int, *, encoder_decoder: bool = False,
+                   mixture=None, pool: Optional[np.ndarray] = None) -> list[np.ndarray]:
+    """``count`` global batches of about ``tokens`` tokens each (samples clipped at
+    ``seq_length``): drawn from the synthetic ``mixture``, or without replacement from
+    the lengths ``pool`` (shuffled with ``seed``; each batch takes samples until the next
+    would pass ``tokens``)."""
+    if tokens < 1 or count < 1:
+        raise DynaPipeError(f"--tokens-per-iteration {tokens} and --batches {count} must be positive.")
+    if pool is None:
+        from dynapipe.method_compare import global_batch_of_tokens
+
+        return [global_batch_of_tokens(tokens, seed + b, seq_length, encoder_decoder, mixture) for b in range(count)]
+    pool = np.asarray(pool)
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        order = rng.permutation(len(pool))
+        per = np.minimum(pool[order], seq_length).reshape(len(pool), -1).sum(axis=1)
+        n = int(np.searchsorted(np.cumsum(per), tokens, side="right"))
+        out.append(pool[order[:max(n, 1)]])
+    return out

@@ -1,0 +1,209 @@
+"""``python -m dynapipe advise``: rank the parallel layouts of a model on a cluster by simulation."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from dynapipe.data.synthetic import DEFAULT_MIXTURE
+from dynapipe.errors import DynaPipeError
+
+HELP = "rank parallel layouts (PP, DP, distributed optimizer) for a model and cluster by simulation"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="model config (shipped name such as gpt-13b, or a YAML path)")
+    p.add_argument("--device", required=True, help="device config (a100-40gb, h100-80gb, cpu, or a YAML path)")
+    p.add_argument("--cluster", required=True, help="cluster config: GPUs per node and links (a100-8x, ...)")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs of the job")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--lengths", help="lengths file to draw the global batches from (one length a line)")
+    src.add_argument("--mixture", help="synthetic mixture to draw them from: a name in configs/data or a YAML path")
+    p.add_argument("--tokens-per-iteration", type=int, default=1 << 20,
+                   help="tokens of a global batch (default 1048576)")
+    p.add_argument("--seq-length", type=int, default=None,
+                   help="samples are clipped to this many tokens (default: the model's max_seq_length)")
+    p.add_argument("--batches", type=int, default=2, help="global batches simulated per layout (default 2)")
+    p.add_argument("--memory-limit-mb", type=float, default=None,
+                   help="memory per GPU the plans may use, MiB (default: the device config's)")
+    p.add_argument("--top", type=int, default=10, help="layouts shown (default 10)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampled batches (default 0)")
+    p.add_argument("--no-packing", action="store_true", help="skip the tuned-packing comparison (faster)")
+    p.add_argument("--output", default=None, help="write the best layout as a run config (YAML) here")
+    p.add_argument("--json", default=None, help="write every ranked layout as JSON here")
+
+
+def _positive(name: str, value, minimum: int = 1) -> None:
+    if value is not None and value < minimum:
+        raise DynaPipeError(f"--{name} {value}: must be at least {minimum}.")
+
+
+def _check_writable(path: str, flag: str) -> None:
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise DynaPipeError(f"--{flag} {path!r}: cannot write a file there (a directory, or the folder does "
+                            f"not exist or is not writable).")
+
+
+class _Progress:
+    """One stderr line redrawn in place (only on a terminal, so logs stay clean)."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.enabled = self.stream.isatty()
+
+    def __call__(self, done: int, total: int, layout) -> None:
+        if not self.enabled:
+            return
+        width = 24
+        fill = width * done // max(total, 1)
+        what = f"simulating {layout.label()}" if layout is not None else "done"
+        self.stream.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{total} {what:<36}")
+        if layout is None:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def _gib(mib: float) -> str:
+    return f"{mib / 1024:.1f}"
+
+
+def format_table(advice, top: int) -> list[str]:
+    """The ranked table as text lines."""
+    head = (f"{'rank':>4}  {'layout':<20} {'tokens/s':>10} {'iter ms':>9} {'bubble':>6}  "
+            f"{'peak GiB per stage':<28} {'recompute':<12} {'schedule':<10} {'plan ms':>8}  "
+            f"{'packing tokens/s (mbs)':>22} {'vs packing':>10}")
+    lines = [head, "-" * len(head)]
+    for i, r in enumerate(advice.results[:top], 1):
+        d = r.dynapipe.summary()
+        peaks = r.stage_peak_mib
+        peak = "/".join(_gib(p) for p in peaks) if len(peaks) <= 6 else f"max {_gib(max(peaks))} of {len(peaks)}"
+        if r.packing is not None:
+            p = r.packing.summary()
+            pack = f"{p['real_tokens_per_s']:,.0f} ({p['micro_batch_size']})"
+            vs = f"{r.speedup_vs_packing:.2f}x"
+        else:
+            pack, vs = "-", "-"
+        lines.append(f"{i:>4}  {r.layout.label():<20} {d['real_tokens_per_s']:>10,.0f} {d['iteration_ms']:>9.1f} "
+                     f"{d['bubble_fraction']:>6.3f}  {peak:<28} {','.join(d['recompute']):<12} "
+                     f"{','.join(d['schedule']):<10} {d['planning_ms']:>8.1f}  {pack:>22} {vs:>10}")
+    return lines
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def run_config_text(best, model, device_name: str, cluster_name: str, cluster, gpus: int, tokens: int,
+                    seq_length: int, memory_limit_mib, mixture_path, batches) -> str:
+    """The best layout as a run config (``scripts/pretrain_gpt.py --run-config``)."""
+    lay = best.layout
+    per_node = cluster.gpus_per_node if cluster is not None else gpus
+    nnodes = max(1, -(-gpus // per_node))
+    nproc = gpus // nnodes
+    samples = int(round(sum(len(b) for b in batches) / len(batches)))
+    args = {"num-layers": model.num_layers, "hidden-size": model.hidden_size,
+            "num-attention-heads": model.num_attention_heads, "ffn-hidden-size": model.ffn_hidden_size,
+            "seq-length": seq_length, "max-position-embeddings": max(seq_length, model.max_seq_length),
+            "vocab-size": model.vocab_size}
+    if model.kv_channels:
+        args["kv-channels"] = model.kv_channels
+    if model.dtype in ("bf16", "fp16"):
+        args[model.dtype] = True
+    args.update({"micro-batch-size": 1, "global-batch-size": max(samples, lay.dp),
+                 "tensor-model-parallel-size": lay.tp, "pipeline-model-parallel-size": lay.pp})
+    if lay.zero:
+        args["use-distributed-optimizer"] = True
+    args.update({"lr": 1.5e-4, "train-iters": 1000, "log-interval": 10, "mock-data": True,
+                 "use-dynapipe": True, "dynapipe-device": device_name, "dynapipe-cluster": cluster_name,
+                 "dynapipe-schedule": "auto", "dynapipe-tokens-per-global-batch": tokens})
+    if memory_limit_mib is not None:
+        args["dynapipe-memory-limit-mb"] = memory_limit_mib
+    if mixture_path is not None and not _same_file(mixture_path, DEFAULT_MIXTURE):
+        args["dynapipe-mixture"] = os.path.abspath(mixture_path)
+    d = best.dynapipe.summary()
+    lines = ["description: >",
+             f"  Written by `python -m dynapipe advise`: {model.name} on {gpus} x {device_name} ({cluster_name}),",
+             f"  {lay.label()}, predicted {d['real_tokens_per_s']:,.0f} real tokens/s by simulation",
+             f"  (DynaPipe, schedule search; TP 1 only). lr and train-iters are placeholders, and mock-data",
+             f"  stands in for data-path. Launch on every node:",
+             f"  torchrun --nnodes {nnodes} --nproc-per-node {nproc} scripts/pretrain_gpt.py --run-config FILE",
+             f"launch: {{nnodes: {nnodes}, nproc_per_node: {nproc}}}", "args:"]
+    for k, v in args.items():
+        lines.append(f"  {k}: {json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}")
+    return "\n".join(lines) + "\n"
+
+
+def run(args) -> int:
+    from dynapipe.advise import advise, enumerate_layouts, sample_batches
+    from dynapipe.batching import read_lengths
+    from dynapipe.config import load_cluster_config, load_device_config, load_model_config
+
+    for name in ("gpus", "tokens-per-iteration", "batches", "top", "seq-length"):
+        _positive(name, getattr(args, name.replace("-", "_")))
+    _positive("seed", args.seed, 0)
+    if args.memory_limit_mb is not None and not args.memory_limit_mb > 0:
+        raise DynaPipeError(f"--memory-limit-mb {args.memory_limit_mb}: must be a positive number of MiB.")
+    for flag in ("output", "json"):
+        if getattr(args, flag):
+            _check_writable(getattr(args, flag), flag)
+    model, device = load_model_config(args.model), load_device_config(args.device)
+    cluster = load_cluster_config(args.cluster)
+    seq = args.seq_length or model.max_seq_length
+    if seq > model.max_seq_length:
+        raise DynaPipeError(f"--seq-length {seq} exceeds the model's max_seq_length {model.max_seq_length}.")
+    mixture_path = None
+    if args.mixture is not None:
+        from dynapipe.config import CONFIG_DIR
+        from dynapipe.data.synthetic import load_mixture
+
+        mixture_path = args.mixture
+        if not os.path.isfile(mixture_path):
+            shipped = os.path.join(CONFIG_DIR, "data", args.mixture.removesuffix(".yaml") + ".yaml")
+            if not os.path.isfile(shipped):
+                raise DynaPipeError(f"--mixture {args.mixture!r}: no such file nor a mixture in configs/data/.")
+            mixture_path = shipped
+        batches = sample_batches(args.tokens_per_iteration, args.batches, args.seed, seq,
+                                 encoder_decoder=model.is_encoder_decoder, mixture=load_mixture(mixture_path))
+    else:
+        batches = sample_batches(args.tokens_per_iteration, args.batches, args.seed, seq,
+                                 pool=read_lengths(args.lengths))
+    layouts = enumerate_layouts(model, args.gpus, cluster, zero=False if device.name == "cpu" else None)
+    advice = advise(batches, model, device, args.gpus, cluster=cluster, seq_length=seq,
+                    memory_limit_mib=args.memory_limit_mb, layouts=layouts, compare_packing=not args.no_packing,
+                    progress=_Progress())
+    best = advice.best
+    mean_tokens = sum(int(b.sum()) for b in batches) / len(batches)
+    print(f"{model.name} on {args.gpus} x {device.name} ({cluster.name}): {len(layouts)} layouts, "
+          f"{len(advice.results)} fit; {len(batches)} global batch(es) of ~{mean_tokens:,.0f} tokens "
+          f"(seq-length {seq}); {advice.elapsed_ms / 1e3:.1f} s")
+    print("TP = 1 only: the cost model does not price tensor parallelism yet. tokens/s: real (non-pad) tokens, "
+          "simulated; packing: the best packed micro-batch size under 1F1B.")
+    for line in format_table(advice, args.top):
+        print(line)
+    if advice.refused:
+        print(f"refused ({len(advice.refused)}): " + "; ".join(
+            f"{l.label()}: {why.split('; ')[0].split('. ')[0]}" for l, why in advice.refused[:6])
+              + (" ..." if len(advice.refused) > 6 else ""))
+    if args.output:
+        text = run_config_text(best, model, device.name, cluster.name, cluster, args.gpus, args.tokens_per_iteration,
+                               seq, args.memory_limit_mb, mixture_path, batches)
+        _write(args.output, text, "output")
+        print(f"best layout written to {args.output}")
+    if args.json:
+        _write(args.json, json.dumps({"layouts": [r.to_json() for r in advice.results],
+                                      "refused": [{"layout": l.label(), "reason": why} for l, why in advice.refused]},
+                                     indent=1) + "\n", "json")
+    return 0
+
+
+def _write(path: str, text: str, flag: str) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError as e:
+        raise DynaPipeError(f"--{flag} {path!r}: cannot write ({e.strerror}).") from None

@@ -1,0 +1,134 @@
+"""One rank's instructions, built as columns with numpy (no object per instruction).
+
+The order is the one :mod:`dynapipe.plan.compile` documents. Every instruction gets a
+sort key ``(major, minor, sub)``: ``major`` is the op it stands next to (its index in
+the rank's op order; -1 before the first op), ``minor`` its place around that op
+(0 load, 1 receive finish, 2 the op, 3 frees after a backward, 4 posted transfers,
+5 send finish and its free), and ``sub`` the order among equals (the transfer's place
+in the global post order, or the buffer kind). One lexsort then gives the list.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from dynapipe.errors import DynaPipeError
+from dynapipe.plan.instructions import BUFFER_KINDS
+from dynapipe.plan.table import COL, NCOLS, OPCODE_INDEX, InstructionTable
+
+_BUF = {k: -1 - i for i, k in enumerate(BUFFER_KINDS)}
+_OP = OPCODE_INDEX
+
+
+def op_positions(name: str, stage: int, ops: Sequence, M: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(index of F(i), index of B(i))`` in stage ``stage``'s op list, per micro-batch
+    ``i``; :class:`DynaPipeError` unless the stage runs every micro-batch's forward once,
+    then its backward once (kinds F and B, chunk 0), as ``Schedule.check`` demands."""
+    code = {"F": 0, "B": 1}
+    try:
+        kind = np.fromiter((code[op.kind] + 2 * op.chunk for op in ops), dtype=np.int64, count=len(ops))
+    except KeyError as e:
+        raise DynaPipeError(f"schedule {name!r}: stage {stage} has an op of kind {e.args[0]!r}; only F and B "
+                            f"are compiled so far.") from None
+    mb = np.fromiter((op.mb for op in ops), dtype=np.int64, count=len(ops))
+    if ((kind > 1) | (mb < 0) | (mb >= M)).any() or len(ops) != 2 * M:
+        raise DynaPipeError(f"schedule {name!r}: stage {stage} must run micro-batches 0..{M - 1} (chunk 0), "
+                            f"each forward and backward once; it has {len(ops)} ops.")
+    is_b = kind == 1
+    pos = np.arange(len(ops))
+    f, b = np.full(M, -1, np.int64), np.full(M, -1, np.int64)
+    f[mb[~is_b]] = pos[~is_b]
+    b[mb[is_b]] = pos[is_b]
+    if (f < 0).any() or (b < 0).any() or (b < f).any():
+        bad = int(np.flatnonzero((f < 0) | (b < 0) | (b < f))[0])
+        raise DynaPipeError(f"schedule {name!r}: stage {stage} does not run F{bad} once and then B{bad} once.")
+    return f, b
+
+
+def rank_table(s: int, S: int, M: int, f_idx: list, b_idx: list, ends: list, mb_shape: np.ndarray,
+               msg_ids: list, load_ids: np.ndarray, strings: tuple, tensor_lists: tuple,
+               recompute_sid: int, full_sid: int) -> InstructionTable:
+    """The instruction table of pipeline rank ``s`` of ``S`` running ``M`` micro-batches.
+
+    ``f_idx[r]``/``b_idx[r]``: op positions of every micro-batch's forward/backward on
+    rank ``r``; ``ends[r]``: simulated end (ms) of rank ``r``'s ops, in op order;
+    ``mb_shape``: ``[M, 3]`` mbs, seqlen, dec_seqlen; ``msg_ids[b]``: per micro-batch,
+    the tensor-list index of boundary ``b``'s message; ``load_ids``: per micro-batch
+    the tensor-list index of what this rank loads (-1: nothing).
+    """
+    i = np.arange(M, dtype=np.int64)
+    fi, bi = f_idx[s], b_idx[s]
+    loads = bool(M) and load_ids[0] >= 0
+    parts = []   # (major, minor, sub, op, buffer kind code, tensors, peer)
+
+    def add(major, minor, sub, op, buf=0, tensors=-1, peer=0, mb=i):
+        parts.append((major, minor, sub, _OP[op], buf, tensors, peer, mb))
+
+    if loads:
+        add(fi, 0, 0, "load", tensors=load_ids)
+    add(fi, 2, 0, "fw")
+    add(bi, 2, 0, "bw")
+    free_kinds = [k for k, present in (("input", loads), ("act_in", s > 0), ("act_out", s < S - 1),
+                                       ("grad_in", s < S - 1)) if present]
+    for j, k in enumerate(free_kinds):
+        add(bi, 3, j, "free", buf=_BUF[k])
+    # Posts: (gap, ready time, kind, micro-batch, boundary) orders them globally.
+    post_gap, post_t, post_kind, post_b, post_rows = [], [], [], [], []
+    e_s = np.asarray(ends[s])
+
+    def recv_gap(t, consumer):
+        return np.minimum(np.searchsorted(e_s, t, side="right") - 1, consumer - 1)
+
+    if s < S - 1:
+        ids = msg_ids[s]
+        add(fi, 5, 0, "send_act_finish", buf=_BUF["act_out"], tensors=ids, peer=s + 1)
+        add(bi, 1, 0, "recv_grad_finish", buf=_BUF["grad_in"], tensors=ids, peer=s + 1)
+        t = np.asarray(ends[s])[fi]
+        post_gap.append(fi), post_t.append(t), post_kind.append(0), post_b.append(s)
+        post_rows.append(("send_act_start", _BUF["act_out"], ids, s + 1))
+        t = np.asarray(ends[s + 1])[b_idx[s + 1]]
+        post_gap.append(recv_gap(t, bi)), post_t.append(t), post_kind.append(1), post_b.append(s)
+        post_rows.append(("recv_grad_start", _BUF["grad_in"], ids, s + 1))
+    if s > 0:
+        ids = msg_ids[s - 1]
+        add(fi, 1, 0, "recv_act_finish", buf=_BUF["act_in"], tensors=ids, peer=s - 1)
+        add(bi, 5, 0, "send_grad_finish", buf=_BUF["grad_out"], tensors=ids, peer=s - 1)
+        add(bi, 5, 1, "free", buf=_BUF["grad_out"])
+        t = np.asarray(ends[s - 1])[f_idx[s - 1]]
+        post_gap.append(recv_gap(t, fi)), post_t.append(t), post_kind.append(0), post_b.append(s - 1)
+        post_rows.append(("recv_act_start", _BUF["act_in"], ids, s - 1))
+        t = e_s[bi]
+        post_gap.append(bi), post_t.append(t), post_kind.append(1), post_b.append(s - 1)
+        post_rows.append(("send_grad_start", _BUF["grad_out"], ids, s - 1))
+    if post_gap:
+        n = len(post_gap)
+        gap = np.concatenate(post_gap)
+        tt = np.concatenate(post_t)
+        kk = np.repeat(np.array(post_kind), M)
+        bb = np.repeat(np.array(post_b), M)
+        mm = np.tile(i, n)
+        rank = np.empty(n * M, np.int64)
+        rank[np.lexsort((bb, mm, kk, tt, gap))] = np.arange(n * M)
+        for j, (op, buf, ids, peer) in enumerate(post_rows):
+            sl = slice(j * M, (j + 1) * M)
+            add(gap[sl], 4, rank[sl], op, buf=buf, tensors=ids, peer=peer)
+    cols = [np.concatenate([np.full(M, p[c], np.int64) if np.isscalar(p[c]) else p[c] for p in parts])
+            for c in range(8)]
+    order = np.lexsort((cols[2], cols[1], cols[0]))
+    major, _, _, op, buf, tensors, peer, mb = (c[order] for c in cols)
+    rows = np.zeros((len(order), NCOLS), dtype=np.int32)
+    rows[:, COL["op"]] = op
+    rows[:, COL["mb"]] = mb
+    comm = (op >= _OP["send_act_start"]) & (op <= _OP["recv_grad_finish"])
+    rows[:, COL["peer"]] = np.where(comm, peer, 0)
+    rows[:, COL["group"]] = np.where(comm, -1, 0)
+    rows[:, COL["buffer"]] = buf
+    rows[:, COL["tensors"]] = np.where(comm | (op == _OP["load"]), tensors, 0)
+    compute = (op == _OP["fw"]) | (op == _OP["bw"])
+    shape = mb_shape[mb]
+    for c, name in enumerate(("mbs", "seqlen", "dec_seqlen")):
+        rows[:, COL[name]] = np.where(compute, shape[:, c], 0)
+    rows[:, COL["recompute"]] = np.where(compute, recompute_sid, 0)
+    rows[:, COL["part"]] = np.where(op == _OP["bw"], full_sid, 0)
+    return InstructionTable(rows, strings, tensor_lists)

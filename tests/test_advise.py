@@ -1,0 +1,129 @@
+"""The layout advisor: its ranking against an exhaustive grid, memory, and the run config it writes."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dynapipe.advise import Layout, advise, enumerate_layouts, sample_batches
+from dynapipe.cli import main
+from dynapipe.config import load_cluster_config, load_device_config, load_model_config
+from dynapipe.cost import build_cost_model
+from dynapipe.errors import DynaPipeError
+from dynapipe.method_compare import simulate_method
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_layouts_split_the_layers_and_the_gpus():
+    gpt13 = load_model_config("gpt-13b")
+    a100 = load_cluster_config("a100-8x")
+    got = {(l.tp, l.pp, l.dp, l.zero) for l in enumerate_layouts(gpt13, 64, a100)}
+    assert got == {(1, pp, 64 // pp, z) for pp in (1, 2, 4, 8) for z in (False, True)}
+    assert all(l.pp * l.dp * l.tp == 12 for l in enumerate_layouts(load_model_config("gpt-7b"), 12, a100))
+    # A prime GPU count leaves only pure data parallelism.
+    assert [(l.pp, l.dp) for l in enumerate_layouts(load_model_config("gpt-tiny"), 7, a100)] == [(1, 7), (1, 7)]
+
+
+def test_top_layout_is_the_best_of_an_exhaustive_grid_and_every_shown_layout_fits():
+    model, device = load_model_config("gpt-7b"), load_device_config("a100-40gb")
+    cluster = load_cluster_config("a100-8x")
+    batches = sample_batches(12_000, 2, 0, 1024)
+    calls = []
+    advice = advise(batches, model, device, 8, cluster=cluster, seq_length=1024, compare_packing=False,
+                    progress=lambda done, total, layout: calls.append((done, total, layout)))
+    assert calls[0][:2] == (0, 7) and calls[-1] == (7, 7, None)
+    # The exhaustive grid, simulated independently: every PP dividing the 32 layers and the
+    # 8 GPUs, with and without the distributed optimizer.
+    grid = {}
+    for pp in (1, 2, 4, 8):
+        cm = build_cost_model(model, device, pp)
+        for zero in ((False, True) if pp < 8 else (False,)):
+            try:
+                runs = [simulate_method(b, "dynapipe", cm, dp=8 // pp, seq_length=1024, cluster=cluster, zero=zero)
+                        for b in batches]
+            except DynaPipeError:
+                continue
+            grid[Layout(1, pp, 8 // pp, zero)] = (sum(r.real_tokens for r in runs)
+                                                  / (sum(r.iteration_ms for r in runs) / 1e3))
+    assert len(grid) >= 3 and len(advice.results) == len(grid)
+    best = max(grid, key=grid.get)
+    assert advice.best.layout == best
+    assert advice.best.real_tokens_per_s == pytest.approx(grid[best], rel=1e-9)
+    ranked = [r.real_tokens_per_s for r in advice.results]
+    assert ranked == sorted(ranked, reverse=True)
+    capacity = device.memory_mib - device.reserved_mib
+    for r in advice.results:
+        assert max(r.stage_peak_mib) <= capacity
+    # PP1 holds 6.7B parameters' states on one GPU: refused before planning.
+    refused = {l: why for l, why in advice.refused}
+    assert "model states need" in refused[Layout(1, 1, 8, False)]
+    assert set(refused) | set(grid) == set(enumerate_layouts(model, 8, cluster))
+
+
+def test_advise_command_writes_a_run_config_that_trains_on_cpu(tmp_path, capsys):
+    out, js = tmp_path / "best.yaml", tmp_path / "advice.json"
+    rc = main(["advise", "--model", "gpt-tiny", "--device", "cpu", "--cluster", "cpu-local", "--gpus", "2",
+               "--mixture", "flan-mixture", "--tokens-per-iteration", "1200", "--seq-length", "128",
+               "--batches", "1", "--output", str(out), "--json", str(js)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "TP = 1 only" in text and "vs packing" in text
+    layouts = json.loads(js.read_text())["layouts"]
+    shown = [l for l in text.splitlines() if l.strip().startswith(("1 ", "2 "))]
+    assert len(shown) == len(layouts) == 2
+    cpu = load_device_config("cpu")
+    for l in layouts:
+        assert max(l["stage_peak_mib"]) <= cpu.memory_mib - cpu.reserved_mib
+        assert l["tp"] * l["pp"] * l["dp"] == 2
+    best = layouts[0]
+    config = out.read_text()
+    assert f"pipeline-model-parallel-size: {best['pp']}" in config
+    assert "dynapipe-tokens-per-global-batch: 1200" in config
+    port = str(20000 + os.getpid() % 20000)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-port", port, os.path.join(ROOT, "scripts", "pretrain_gpt.py"),
+                             "--run-config", str(out), "--train-iters", "1", "--log-interval", "1"],
+                            capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re_loss(result.stdout)
+
+
+def re_loss(stdout: str) -> bool:
+    import re
+    return re.search(r"iteration\s+1/\s+1 \|.*lm loss: \d\.\d{6}E[+-]\d\d", stdout) is not None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpus", "0"], "--gpus 0: must be at least 1"),
+    (["--gpus", "2", "--batches", "0"], "--batches 0: must be at least 1"),
+    (["--gpus", "2", "--tokens-per-iteration", "-5"], "--tokens-per-iteration -5"),
+    (["--gpus", "2", "--seq-length", "4096"], "exceeds the model's max_seq_length"),
+    (["--gpus", "2", "--output", "/"], "--output '/': cannot write"),
+])
+def test_bad_advise_arguments_give_one_line(argv, message, capsys):
+    rc = main(["advise", "--model", "gpt-tiny", "--device", "cpu", "--cluster", "cpu-local",
+               "--mixture", "flan-mixture", *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_bad_mixture_and_lengths_give_one_line(tmp_path, capsys):
+    base = ["advise", "--model", "gpt-tiny", "--device", "cpu", "--cluster", "cpu-local", "--gpus", "2"]
+    assert main(base + ["--mixture", "no-such-mixture"]) == 2
+    assert "no-such-mixture" in capsys.readouterr().err
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("12\nabc\n")
+    assert main(base + ["--lengths", str(lengths)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "lengths.txt" in err
+
+
+def test_batches_from_a_lengths_pool_respect_the_token_budget():
+    pool = np.arange(1, 400)
+    batches = sample_batches(5000, 3, 1, 256, pool=pool)
+    for b in batches:
+        assert np.minimum(b, 256).sum() <= 5000 and len(set(b.tolist())) == len(b)
+    assert not np.array_equal(batches[0], batches[1])

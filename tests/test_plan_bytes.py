@@ -1,0 +1,212 @@
+"""Plan and payload bytes under hostile input: bounded inflation, checksums, complete sets.
+
+Every case must end in one :class:`DynaPipeError` line (no traceback, no newline), fast.
+"""
+import dataclasses
+import json
+import os
+import struct
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+from dynapipe.cli import main
+from dynapipe.config import load_model_config
+from dynapipe.errors import DynaPipeError, PlanError
+from dynapipe.plan import compile_plans, deserialize_plan, serialize_plan, validate_plans, write_plan_dir
+from dynapipe.plan.binary import encode_body
+from dynapipe.plan.serialize import HEADER_BYTES, MAX_BODY_BYTES, MAX_V1_JSON_BYTES, serialize_plan_v1
+from dynapipe.plan.table import COL, InstructionTable, table_of
+from dynapipe.runtime.plan_payload import decode_payload, encode_payload
+from plan_helpers import chunked_micro_batches
+
+
+@pytest.fixture(scope="module")
+def grid():
+    """Two replicas x three stages of the tiny model, compiled for one global batch."""
+    tiny = load_model_config("gpt-tiny")
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(1, 200, 24)
+    mbs = chunked_micro_batches(lengths, 3)
+    halves = [mbs[::2], mbs[1::2]]
+    total = int(sum(m.real_tokens for m in mbs))
+    return [compile_plans("1f1b", h, tiny, num_stages=3, replica=r, num_replicas=2, global_real_tokens=total)
+            for r, h in enumerate(halves)]
+
+
+def _one_line(excinfo) -> str:
+    msg = str(excinfo.value)
+    assert "\n" not in msg and msg
+    return msg
+
+
+def _v2(body: bytes, *, declared=None, level=1) -> bytes:
+    payload = zlib.compress(body, level)
+    n = len(body) if declared is None else declared
+    return struct.pack(">4sHHIII", b"DPPL", 2, 1, len(payload), zlib.crc32(payload), n) + payload
+
+
+def test_binary_round_trip_is_exact_deterministic_and_lazy(grid):
+    for plan in (p for row in grid for p in row):
+        data = serialize_plan(plan)
+        back = deserialize_plan(data)
+        assert isinstance(back.instructions, InstructionTable)
+        assert back.instructions._objects is None  # decoded as columns; objects only on demand
+        assert back == plan and serialize_plan(back) == data
+        assert list(back.instructions) == list(plan.instructions)
+    # Version-1 files written by earlier releases still load.
+    p = grid[1][2]
+    assert deserialize_plan(serialize_plan_v1(p)) == p
+
+
+def test_inflation_is_bounded_by_the_header(grid):
+    body = encode_body(grid[0][1])
+    # A header that declares more than any plan: refused before inflating anything.
+    huge = _v2(b"\0" * 1000, declared=MAX_BODY_BYTES + 1)
+    with pytest.raises(PlanError, match="before inflating") as e:
+        deserialize_plan(huge)
+    _one_line(e)
+    # A stream of zeros that would inflate to 64 MiB, under a modest declared size.
+    bomb = zlib.compressobj(9)
+    chunk = b"\0" * (1 << 20)
+    stream = b"".join(bomb.compress(chunk) for _ in range(64)) + bomb.flush()
+    t0 = time.perf_counter()
+    with pytest.raises(PlanError, match="inflates past") as e:
+        deserialize_plan(struct.pack(">4sHHIII", b"DPPL", 2, 1, len(stream), zlib.crc32(stream), len(body))
+                         + stream)
+    _one_line(e)
+    assert time.perf_counter() - t0 < 2.0
+    # A payload inflating to fewer bytes than declared.
+    with pytest.raises(PlanError, match="declares"):
+        deserialize_plan(_v2(body, declared=len(body) + 5))
+    # Version 1 has no declared size: inflation stops at the version-1 limit.
+    big = zlib.compress(b" " * (MAX_V1_JSON_BYTES + 10), 9)
+    v1 = struct.pack(">4sHHII", b"DPPL", 1, 1, len(big), zlib.crc32(big)) + big
+    with pytest.raises(PlanError, match="inflates past") as e:
+        deserialize_plan(v1)
+    _one_line(e)
+
+
+def test_malformed_binary_bodies_are_refused(grid):
+    plan = grid[0][1]
+    body = bytearray(encode_body(plan))
+    fixed = struct.calcsize("<qiiiiqq")
+    cases = []
+    bad = bytearray(body)
+    struct.pack_into("<I", bad, fixed + 4 * 10, struct.unpack_from("<I", body, fixed + 40)[0] + 1)
+    cases.append((bytes(bad), "counts describe"))
+    cases.append((bytes(body[:-3]), "counts describe"))
+    # Bad values in otherwise well-formed bodies, re-encoded with a valid CRC.
+    rows = table_of(plan.instructions).rows
+    for col, value, message in (("op", 99, "unknown opcode"), ("tensors", 10_000, "tensor-list index"),
+                                ("recompute", 10_000, "string index")):
+        t = table_of(plan.instructions)
+        r = rows.copy()
+        k = 1 if col != "recompute" else int(np.flatnonzero(r[:, 0] == 1)[0])
+        r[k, COL[col]] = value
+        doctored = InstructionTable(r, t.strings, t.tensor_lists)
+        cases.append((encode_body(dataclasses.replace(plan, instructions=doctored)), message))
+    for data, message in cases:
+        with pytest.raises(PlanError, match=message) as e:
+            deserialize_plan(_v2(data))
+        _one_line(e)
+    # Deeply nested JSON (meta of a version-2 body, or a version-1 document).
+    deep = b"[" * 100_000 + b"]" * 100_000
+    v1 = zlib.compress(deep)
+    with pytest.raises(PlanError) as e:
+        deserialize_plan(struct.pack(">4sHHII", b"DPPL", 1, 1, len(v1), zlib.crc32(v1)) + v1)
+    _one_line(e)
+    meta = json.dumps(plan.meta, sort_keys=True, separators=(",", ":")).encode()
+    at = bytes(body).index(meta)
+    swapped = bytes(body[:at]) + b"[" * (len(meta) // 2) + b"]" * (len(meta) - len(meta) // 2) + bytes(
+        body[at + len(meta):])
+    with pytest.raises(PlanError, match="meta") as e:
+        deserialize_plan(_v2(swapped))
+    _one_line(e)
+
+
+def _payload(plan) -> bytes:
+    tensors = {0: {"tokens": np.arange(12, dtype=np.int64).reshape(3, 4),
+                   "loss_mask": np.ones((3, 4), np.float32)}}
+    return encode_payload(plan.iteration, plan.replica, plan.stage, serialize_plan(plan), tensors, {"k": 1})
+
+
+def test_store_payloads_are_checksummed_over_every_byte(grid):
+    plan = grid[1][0]
+    data = _payload(plan)
+    p = decode_payload(data)
+    assert deserialize_plan(p.plan_bytes) == plan
+    assert p.tensors[0]["tokens"].tolist() == np.arange(12).reshape(3, 4).tolist()
+    # A single flipped bit anywhere after the prefix: header, plan, token data.
+    for pos in (20, 40, len(data) - 60, len(data) - 1):
+        bad = bytearray(data)
+        bad[pos] ^= 0x01
+        with pytest.raises(DynaPipeError, match="CRC32") as e:
+            decode_payload(bytes(bad))
+        _one_line(e)
+    for cut in (3, 17, len(data) // 2, len(data) - 1):
+        with pytest.raises(DynaPipeError) as e:
+            decode_payload(data[:cut])
+        _one_line(e)
+    # A header length beyond the limit is refused without reading it.
+    bad = bytearray(data)
+    struct.pack_into("<I", bad, 8, 1 << 31)
+    with pytest.raises(DynaPipeError, match="limit") as e:
+        decode_payload(bytes(bad))
+    _one_line(e)
+    # A previous version's payload is refused by version, clearly.
+    old = bytearray(data)
+    struct.pack_into("<H", old, 4, 1)
+    with pytest.raises(DynaPipeError, match="version 1") as e:
+        decode_payload(bytes(old))
+    _one_line(e)
+    # A compression bomb inside a well-formed payload: refused by the plan's bound.
+    stream = zlib.compress(b"\0" * (8 << 20), 9)
+    bomb = struct.pack(">4sHHIII", b"DPPL", 2, 1, len(stream), zlib.crc32(stream), 1000) + stream
+    wrapped = decode_payload(encode_payload(0, 0, 0, bomb, {}, {}))
+    with pytest.raises(PlanError, match="inflates past"):
+        deserialize_plan(wrapped.plan_bytes)
+
+
+def test_validate_requires_every_replica_and_agreeing_token_totals(grid, tmp_path, capsys):
+    flat = [p for row in grid for p in row]
+    assert validate_plans(flat).replicas == 2
+    with pytest.raises(PlanError, match=r"incomplete.*replica\(s\) 1 have no plans") as e:
+        validate_plans(grid[0])
+    _one_line(e)
+    assert validate_plans(grid[0], complete=False).replicas == 1
+    off = [dataclasses.replace(p, global_real_tokens=p.global_real_tokens + 1) for p in flat]
+    with pytest.raises(PlanError, match="add up to") as e:
+        validate_plans(off)
+    _one_line(e)
+    # Through the command line: a whole replica missing, a renamed file, a directory.
+    d = tmp_path / "plans"
+    write_plan_dir(flat, str(d))
+    assert main(["validate", str(d)]) == 0
+    assert "valid: 6 plans" in capsys.readouterr().out
+    for name in sorted(os.listdir(d))[3:]:
+        os.remove(d / name)
+    assert main(["validate", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "incomplete" in err
+    write_plan_dir(flat, str(d))
+    os.rename(d / "replica001-stage000.plan", d / "replica001-stage009.plan")
+    assert main(["validate", str(d)]) == 2
+    assert "belongs in replica001-stage000.plan" in capsys.readouterr().err
+    os.remove(d / "replica001-stage009.plan")
+    os.mkdir(d / "replica001-stage000.plan")
+    assert main(["validate", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a regular file" in err
+
+
+def test_decoded_instruction_tables_behave_like_tuples(grid):
+    plan = grid[0][0]
+    back = deserialize_plan(serialize_plan(plan)).instructions
+    objs = tuple(plan.instructions)
+    assert back + objs[:1] == objs + objs[:1] and objs[:1] + back == objs[:1] + objs
+    assert back[-1] == objs[-1] and back[1:3] == objs[1:3] and len(back) == len(objs)
+    assert objs[2] in back and back.index(objs[2]) == objs.index(objs[2])
+    assert hash(back) == hash(objs) and back == objs
