@@ -88,7 +88,7 @@ def clip_lengths(raw_input: np.ndarray, raw_target: np.ndarray, limits: LengthLi
         raise DynaPipeError(
             f"{source}: sample {i} has {what} ({int(truncated.sum())} over-long sample(s) in all). "
             f"Raise --seq-length, filter the data, or truncate over-long samples "
-            f"(overlong='truncate', --dynapipe-overlong-samples truncate).")
+            f"(overlong='truncate', --dynapipe-overlong truncate).")
     return inp, tgt, truncated
 
 
