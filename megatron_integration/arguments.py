@@ -63,6 +63,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="packing: restart position ids at every sample of a packed row")
     g.add_argument("--reset-attention-mask", action="store_true",
                    help="packing: samples of a packed row do not attend to each other")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
+                   help="stop the job when the loss or the gradient norm is NaN or infinite, before the optimizer "
+                        "step (default on; --no-check-for-nan-in-loss-and-grad disables)")
 
     g = parser.add_argument_group("learning rate and optimizer")
     g.add_argument("--lr", type=float, default=None, help="peak learning rate")
@@ -323,7 +326,8 @@ def training_config_from_args(args: argparse.Namespace, world_size: int,
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         save=args.save, load=args.load, save_interval=args.save_interval,
         load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, log_interval=args.log_interval,
-        tensorboard_dir=args.tensorboard_dir)
+        tensorboard_dir=args.tensorboard_dir,
+        check_for_nan_in_loss_and_grad=getattr(args, "check_for_nan_in_loss_and_grad", True))
 
 
 def data_files(data_path: Sequence[str]) -> list[str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -92,8 +92,12 @@ def reduce_loss(loss_sum: float, loss_tokens: int, is_last_stage: bool, device: 
 
 
 def megatron_train_step(stage: Stage, optimizer, scheduler, micro_batches: list[MicroBatchTensors],
-                        seq_length: int, mbs: int, info: RankInfo, real_tokens: int, padded_tokens: int) -> StepResult:
-    """One iteration of megatron-core 1F1B over fixed-shape micro-batches, with the optimizer step."""
+                        seq_length: int, mbs: int, info: RankInfo, real_tokens: int, padded_tokens: int,
+                        before_step: Optional[Callable] = None) -> StepResult:
+    """One iteration of megatron-core 1F1B over fixed-shape micro-batches, with the optimizer step.
+
+    ``before_step(local_loss_sum)`` runs after the backward pass and before the optimizer
+    step (the NaN/Inf check); the loss sum is None on ranks that hold no loss."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     start = time.perf_counter()
@@ -103,6 +107,8 @@ def megatron_train_step(stage: Stage, optimizer, scheduler, micro_batches: list[
     reports = forward_backward(forward_step_func=forward_step, data_iterator=iter(micro_batches),
                                model=[stage.module], num_microbatches=len(micro_batches),
                                seq_length=seq_length, micro_batch_size=mbs, forward_only=False)
+    if before_step is not None:
+        before_step(sum(float(r["lm loss"][0]) for r in reports) if info.is_last_stage else None)
     ok, grad_norm, _ = optimizer.step()
     if ok:
         scheduler.step(increment=1)

@@ -129,6 +129,8 @@ class DynaPipeTrainingConfig:
     load_rng: bool = True
     log_interval: int = 100
     tensorboard_dir: Optional[str] = None
+    # Megatron's --check-for-nan-in-loss-and-grad: stop on a NaN/Inf loss or gradient.
+    check_for_nan_in_loss_and_grad: bool = True
     extra: dict = field(default_factory=dict, compare=False)
 
     @property

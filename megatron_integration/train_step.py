@@ -35,6 +35,7 @@ from megatron_integration.data import dataset_config
 from megatron_integration.initialize import RankInfo
 from megatron_integration.megatron_step import StepResult, reduce_loss
 from megatron_integration.model import Stage, finalize_grads_func
+from megatron_integration.nan_guard import check_before_step
 
 
 class MegatronStageHandlers:
@@ -163,6 +164,8 @@ class DynaPipeStepper:
         # DP sum of gradients and tied-embedding all-reduce; the executor already divided the
         # loss by the global token count, so no further scaling (num_tokens=None).
         finalize_grads_func()([self.stage.module], None)
+        check_before_step(self.cfg.check_for_nan_in_loss_and_grad, self.cfg.model.dtype == "fp16", self.stage.module,
+                          iteration, self.handlers.loss_sum if self.info.is_last_stage else None, self.info.device)
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)

@@ -49,6 +49,8 @@ def training_argv(args) -> list[str]:
         if isinstance(action, argparse._StoreTrueAction):
             if value:
                 out.append(flag)
+        elif isinstance(action, argparse.BooleanOptionalAction):
+            out.append(flag if value else action.option_strings[1])
         elif isinstance(value, list):
             out += [flag] + [str(v) for v in value]
         else:
