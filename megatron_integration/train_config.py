@@ -102,6 +102,7 @@ class DynaPipeArgs:
     kv_backend: str = "store"
     redis_host: str = "127.0.0.1"
     redis_port: int = 6379
+    store_retry_s: float = 30.0  # seconds a lost Redis connection is retried
     max_tokens: Optional[int] = None
     timeout_s: float = 300.0
     trace_dir: Optional[str] = None

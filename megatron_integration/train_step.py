@@ -107,7 +107,7 @@ def make_loader(cfg: DynaPipeTrainingConfig, info: RankInfo, start_iteration: in
                               consumed_samples=consumed_samples, start_iteration=start_iteration,
                               train_iters=cfg.train_iters - start_iteration, num_workers=d.planner_workers,
                               prefetch=d.prefetch, kv_backend=d.kv_backend, redis_host=d.redis_host,
-                              redis_port=d.redis_port, plan_timeout_s=d.timeout_s)
+                              redis_port=d.redis_port, plan_timeout_s=d.timeout_s, store_retry_s=d.store_retry_s)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
     layout = RankLayout(rank=info.rank, world_size=info.world_size, dp_rank=info.dp_rank, dp_size=info.dp_size,
                         pp_rank=info.pp_rank, pp_size=info.pp_size,
