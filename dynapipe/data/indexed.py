@@ -74,7 +74,10 @@ def _check_index_header(path: str) -> None:
         raise DynaPipeError(f"{path} is truncated: {size:,} bytes, but its header announces {sequences:,} sequences "
                             f"and {documents:,} documents ({need:,} bytes); copy the file again or rebuild it.")
     bin_path = path[:-len(".idx")] + ".bin"
-    if sequences and os.path.getsize(bin_path) == 0:
+    lengths = np.fromfile(path, dtype=np.int32, count=sequences, offset=_INDEX_HEAD.size)
+    if sequences and not lengths.any():
+        _no_empty(path[:-len(".idx")], lengths)
+    if os.path.getsize(bin_path) == 0:
         raise DynaPipeError(f"{bin_path} is empty, but its index announces {sequences:,} sequences; copy the file "
                             f"again or rebuild the dataset.")
 
