@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 
 import numpy as np
 import pytest
@@ -783,6 +784,8 @@ def fault_job(steps: list) -> list:
     """Rank body: run ``steps`` in order in one process group; each step's outcome.
 
     ``("train", argv)`` trains (a DynaPipeError is an outcome, not a failure of the job);
+    ``("train", argv, (iteration, marker))`` also pauses rank 0 after that iteration until
+    the test removes the file ``marker`` it creates (a fault is injected meanwhile);
     ``("rank0", fn, args)`` runs a file operation on rank 0 between runs.
     """
     import io
@@ -804,8 +807,11 @@ def fault_job(steps: list) -> list:
                 out.append(None)
                 continue
             cfg = parse_training_args(step[1].split(), world)
+            hook = None
+            if len(step) > 2 and dist.get_rank() == 0:
+                hook = partial(_pause_at, *step[2])
             try:
-                run = pretrain(cfg, stream=io.StringIO())
+                run = pretrain(cfg, stream=io.StringIO(), on_iteration=hook)
                 out.append({"losses": run.losses, "skipped": [r.skipped for r in run.results],
                             "start": run.start_iteration})
             except DynaPipeError as e:
@@ -815,6 +821,25 @@ def fault_job(steps: list) -> list:
     finally:
         destroy()
     return out
+
+
+def _pause_at(iteration, marker, it, result):
+    if it != iteration:
+        return
+    open(marker, "w").close()
+    deadline = time.monotonic() + 60
+    while os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _restart_on_marker(marker, procs, port, stop):
+    """Test-side thread: when rank 0 pauses, kill Redis, bring it back empty, let rank 0 go on."""
+    while not stop.is_set():
+        if os.path.exists(marker):
+            _restart(procs, port, 0.5)
+            os.remove(marker)
+            return
+        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -843,8 +868,28 @@ def fault_outcomes(tmp_path_factory):
         "data_dynapipe": ("train", f"{TINY} --data-path {out_of_vocab} --train-iters 1 --lr 1e-3 --use-dynapipe"),
         "good_data": ("train", f"{TINY} --data-path {good} --train-iters 1 --lr 1e-3"),
     }
-    results = spawn(fault_job, 2, (list(steps.values()),), timeout_s=240, threads_per_rank=1)
-    return {name: [r[i] for r in results] for i, name in enumerate(steps)}, {"save": save, "nan_save": nan_save}
+    from megatron_integration.launch import free_port
+
+    port = free_port()
+    procs = [_redis_start(port)]
+    marker = str(d / "paused")
+    redis = f" --use-dynapipe --dynapipe-kv-backend redis --dynapipe-redis-port {port} --dynapipe-store-retry-s 20"
+    steps["redis_undisturbed"] = ("train", f"{TINY}{MOCK} --train-iters 5 --lr 1e-3{redis}")
+    steps["redis_restarted"] = ("train", f"{TINY}{MOCK} --train-iters 5 --lr 1e-3{redis}", (1, marker))
+    stop = threading.Event()
+    restarter = threading.Thread(target=_restart_on_marker, args=(marker, procs, port, stop), daemon=True)
+    restarter.start()
+    try:
+        results = spawn(fault_job, 2, (list(steps.values()),), timeout_s=300, threads_per_rank=1)
+    finally:
+        stop.set()
+        restarter.join(10)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    outcomes = {name: [r[i] for r in results] for i, name in enumerate(steps)}
+    return outcomes, {"save": save, "nan_save": nan_save, "redis_restarts": len(procs) - 1}
 
 
 @pytest.mark.parametrize("name", ["nan_padding", "nan_dynapipe"])
@@ -893,6 +938,15 @@ def test_out_of_vocabulary_ids_stop_every_batching_path(fault_outcomes, name):
     outcomes, _ = fault_outcomes
     for o in outcomes[name]:
         assert "vocab.bin: sequence 6, token 1 has id 200" in o["error"], o
+
+
+def test_training_survives_a_redis_restart_with_the_same_losses(fault_outcomes):
+    outcomes, paths = fault_outcomes
+    assert paths["redis_restarts"] == 1
+    undisturbed, restarted = outcomes["redis_undisturbed"][0], outcomes["redis_restarted"][0]
+    assert "error" not in restarted, restarted
+    assert len(restarted["losses"]) == 5
+    assert restarted["losses"] == undisturbed["losses"]
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="fp16 loss scaling needs a GPU")
@@ -953,12 +1007,22 @@ def test_loader_survives_a_redis_restart_with_the_same_data(redis_port):
     spec = KVStoreSpec("redis", "127.0.0.1", port, connect_timeout_s=10.0)
     iterations = 6
     got = []
-    with make_loader(kv_backend="redis", redis=spec, train_iters=iterations, store_retry_s=20) as dl:
+    probe = spec.connect()
+    with make_loader(kv_backend="redis", redis=spec, train_iters=iterations, store_retry_s=20, prefetch=4) as dl:
         for i, d in enumerate(dl):
             got.append(summarize(d))
-            if i == 1:  # payloads of later iterations are on the server now; the restart loses them
+            if i == 1:
+                # Iteration 5 is planned and waiting on the server (the fetch thread holds
+                # 2 and 3 at most): the restart loses it, which only planning again recovers.
+                deadline = time.monotonic() + 60
+                while probe.get(dl.keys.payload(5, 0, 0)) is None and time.monotonic() < deadline:
+                    time.sleep(0.02)
                 _restart(procs, port, 0.5)
+                deadline = time.monotonic() + 10
+                while dl._watcher.restarts == 0 and time.monotonic() < deadline:
+                    time.sleep(0.02)
         assert dl._watcher.restarts == 1
+    probe.close()
     ref = reference_iterations(iterations)
     assert [g["plan"] for g in got] == [r["plan"] for r in ref]
     assert [g["tensors"] for g in got] == [r["tensors"] for r in ref]
