@@ -832,14 +832,24 @@ def _pause_at(iteration, marker, it, result):
         time.sleep(0.02)
 
 
-def _restart_on_marker(marker, procs, port, stop):
-    """Test-side thread: when rank 0 pauses, kill Redis, bring it back empty, let rank 0 go on."""
+def _restart_on_marker(marker, procs, port, stop, seen):
+    """Test-side thread: when rank 0 pauses and a payload waits unread on the server, kill
+    Redis, bring it back empty, and let rank 0 go on."""
+    from dynapipe.runtime.kv_store import KVStoreSpec
+
+    probe = KVStoreSpec("redis", "127.0.0.1", port, connect_timeout_s=10.0).connect()
     while not stop.is_set():
         if os.path.exists(marker):
+            deadline = time.monotonic() + 30
+            while not any(k.endswith("/it5/r0/s1") for k in probe.keys("")) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            seen.append(any(k.endswith("/it5/r0/s1") for k in probe.keys("")))
+            probe.close()
             _restart(procs, port, 0.5)
             os.remove(marker)
             return
         time.sleep(0.02)
+    probe.close()
 
 
 @pytest.fixture(scope="module")
@@ -873,11 +883,15 @@ def fault_outcomes(tmp_path_factory):
     port = free_port()
     procs = [_redis_start(port)]
     marker = str(d / "paused")
-    redis = f" --use-dynapipe --dynapipe-kv-backend redis --dynapipe-redis-port {port} --dynapipe-store-retry-s 20"
-    steps["redis_undisturbed"] = ("train", f"{TINY}{MOCK} --train-iters 5 --lr 1e-3{redis}")
-    steps["redis_restarted"] = ("train", f"{TINY}{MOCK} --train-iters 5 --lr 1e-3{redis}", (1, marker))
-    stop = threading.Event()
-    restarter = threading.Thread(target=_restart_on_marker, args=(marker, procs, port, stop), daemon=True)
+    # Six iterations planned ahead: when rank 0 pauses after iteration 1, iteration 5 waits
+    # unread on the server (each fetch thread holds two queued and one in hand) and is lost.
+    redis = (f" --use-dynapipe --dynapipe-kv-backend redis --dynapipe-redis-port {port} --dynapipe-store-retry-s 20"
+             f" --dynapipe-prefetch 6")
+    steps["redis_undisturbed"] = ("train", f"{TINY}{MOCK} --train-iters 7 --lr 1e-3{redis}")
+    steps["redis_restarted"] = ("train", f"{TINY}{MOCK} --train-iters 7 --lr 1e-3{redis}", (1, marker))
+    stop, lost_unread = threading.Event(), []
+    restarter = threading.Thread(target=_restart_on_marker, args=(marker, procs, port, stop, lost_unread),
+                                 daemon=True)
     restarter.start()
     try:
         results = spawn(fault_job, 2, (list(steps.values()),), timeout_s=300, threads_per_rank=1)
@@ -889,7 +903,8 @@ def fault_outcomes(tmp_path_factory):
                 p.kill()
                 p.wait(10)
     outcomes = {name: [r[i] for r in results] for i, name in enumerate(steps)}
-    return outcomes, {"save": save, "nan_save": nan_save, "redis_restarts": len(procs) - 1}
+    return outcomes, {"save": save, "nan_save": nan_save, "redis_restarts": len(procs) - 1,
+                      "lost_unread": lost_unread}
 
 
 @pytest.mark.parametrize("name", ["nan_padding", "nan_dynapipe"])
@@ -942,10 +957,10 @@ def test_out_of_vocabulary_ids_stop_every_batching_path(fault_outcomes, name):
 
 def test_training_survives_a_redis_restart_with_the_same_losses(fault_outcomes):
     outcomes, paths = fault_outcomes
-    assert paths["redis_restarts"] == 1
+    assert paths["redis_restarts"] == 1 and paths["lost_unread"] == [True]  # a payload was lost unread
     undisturbed, restarted = outcomes["redis_undisturbed"][0], outcomes["redis_restarted"][0]
     assert "error" not in restarted, restarted
-    assert len(restarted["losses"]) == 5
+    assert len(restarted["losses"]) == 7
     assert restarted["losses"] == undisturbed["losses"]
 
 
@@ -1005,15 +1020,16 @@ def test_loader_survives_a_redis_restart_with_the_same_data(redis_port):
 
     port, procs = redis_port
     spec = KVStoreSpec("redis", "127.0.0.1", port, connect_timeout_s=10.0)
-    iterations = 6
+    iterations = 7
     got = []
     probe = spec.connect()
-    with make_loader(kv_backend="redis", redis=spec, train_iters=iterations, store_retry_s=20, prefetch=4) as dl:
+    with make_loader(kv_backend="redis", redis=spec, train_iters=iterations, store_retry_s=20, prefetch=6) as dl:
         for i, d in enumerate(dl):
             got.append(summarize(d))
             if i == 1:
-                # Iteration 5 is planned and waiting on the server (the fetch thread holds
-                # 2 and 3 at most): the restart loses it, which only planning again recovers.
+                # Iterations up to 6 are planned; the fetch thread holds 2 and 3 queued and 4
+                # in hand, so 5 waits on the server: the restart loses it, which only planning
+                # again recovers.
                 deadline = time.monotonic() + 60
                 while probe.get(dl.keys.payload(5, 0, 0)) is None and time.monotonic() < deadline:
                     time.sleep(0.02)

@@ -62,7 +62,7 @@ def run(args) -> int:
     from dynapipe.errors import DynaPipeError
     from megatron_integration.arguments import parse_training_args
     from megatron_integration.bench import METHOD_FLAGS, run_bench, with_defaults
-    from megatron_integration.launch import RankFailed
+    from megatron_integration.launch import RankFailed, RankUserError
 
     argv = training_argv(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -92,6 +92,8 @@ def run(args) -> int:
     try:
         run_bench(argv, methods, nproc, args.output, png=args.png, warmup_iters=args.warmup_iters,
                   threads_per_rank=args.threads_per_rank, timeout_s=args.timeout_s)
+    except RankUserError as e:
+        raise DynaPipeError(str(e)) from None  # bad input or a diverged run: one line, exit 2
     except RankFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
