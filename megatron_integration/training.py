@@ -56,7 +56,7 @@ class MegatronStepper:
                         self.stage.module, iteration, device=self.info.device)
         result = megatron_train_step(self.stage, self.optimizer, self.scheduler, micro_batches, cfg.model.seq_length,
                                      cfg.micro_batch_size, self.info, int(lengths.sum()), padded,
-                                     before_step=lambda loss_sum: guard(loss_sum))
+                                     before_step=guard)
         result.consumed_samples = batch.consumed_samples
         result.truncated = int(self.batches.dataset.truncated[batch.indices].sum())
         return result
