@@ -19,12 +19,13 @@ from typing import Optional, Sequence
 from dynapipe.errors import DynaPipeError
 from megatron_integration.run_config import RunConfig, load_run_config  # noqa: F401  (re-exported)
 from megatron_integration.train_config import (DataArgs, DynaPipeArgs, DynaPipeTrainingConfig,  # noqa: F401
-                                               GPTModelArgs, OptimizerArgs, ParallelArgs)
+                                               GPTModelArgs, OptimizerArgs, ParallelArgs, RecomputeArgs)
 
 BATCHINGS = ("dynapipe", "padding", "packing", "token-budget")
 # Batchings megatron-core's own fixed-shape 1F1B runs (without --use-dynapipe).
 MEGATRON_BATCHINGS = ("padding", "packing")
 SCHEDULES = ("auto", "adaptive", "1f1b")
+RECOMPUTE_CHOICES = ("auto", "none", "selective", "full")
 KV_BACKENDS = ("store", "redis")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
@@ -66,6 +67,13 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
                    help="stop the job when the loss or the gradient norm is NaN or infinite, before the optimizer "
                         "step (default on; --no-check-for-nan-in-loss-and-grad disables)")
+    g.add_argument("--recompute-granularity", default=None, choices=("full", "selective"),
+                   help="activation recomputation: selective (core attention) or full (whole layers)")
+    g.add_argument("--recompute-method", default=None, choices=("uniform", "block"),
+                   help="full recompute: uniform (chunks of --recompute-num-layers layers) or block "
+                        "(the first --recompute-num-layers layers of each stage)")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="full recompute: layers per chunk (uniform) or layers recomputed per stage (block)")
 
     g = parser.add_argument_group("learning rate and optimizer")
     g.add_argument("--lr", type=float, default=None, help="peak learning rate")
@@ -147,6 +155,9 @@ def add_dynapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--dynapipe-timeout-s", type=float, default=300.0,
                    help="seconds a rank waits for a peer or a plan before failing")
     g.add_argument("--dynapipe-trace-dir", default=None, help="write per-rank Chrome traces of what ran")
+    g.add_argument("--dynapipe-recompute", default="auto", choices=RECOMPUTE_CHOICES,
+                   help="recompute level the planner uses on every stage (auto: the schedule search chooses "
+                        "per stage, lightest first)")
     return parser
 
 
@@ -278,9 +289,18 @@ def training_config_from_args(args: argparse.Namespace, world_size: int,
     if args.dynapipe_max_tokens is not None and args.dynapipe_max_tokens < args.seq_length:
         raise DynaPipeError(f"--dynapipe-max-tokens {args.dynapipe_max_tokens} is below --seq-length "
                             f"{args.seq_length}: a full-length sample would not fit in any micro-batch.")
+    if args.use_dynapipe and batching == "packing":
+        # Only the first stage loads the packed rows' positions; the other stages could not
+        # mask attention across samples, so packed samples would silently attend to each other.
+        raise DynaPipeError("--use-dynapipe --dynapipe-batching packing cannot isolate packed samples yet (their "
+                            "attention would cross sample boundaries); use --dynapipe-batching dynapipe, or "
+                            "Megatron's packing without --use-dynapipe with --reset-position-ids "
+                            "--reset-attention-mask.")
     if (args.reset_position_ids or args.reset_attention_mask) and batching != "packing":
         raise DynaPipeError("--reset-position-ids / --reset-attention-mask apply to packed rows only "
                             "(--dynapipe-batching packing).")
+
+    recompute, level = recompute_from_args(args)
 
     cost_model = args.dynapipe_cost_model
     if cost_model != "analytic" and not os.path.isfile(cost_model):
@@ -295,7 +315,7 @@ def training_config_from_args(args: argparse.Namespace, world_size: int,
         kv_backend=args.dynapipe_kv_backend, redis_host=args.dynapipe_redis_host,
         redis_port=args.dynapipe_redis_port, store_retry_s=args.dynapipe_store_retry_s,
         max_tokens=args.dynapipe_max_tokens,
-        timeout_s=args.dynapipe_timeout_s, trace_dir=args.dynapipe_trace_dir)
+        timeout_s=args.dynapipe_timeout_s, trace_dir=args.dynapipe_trace_dir, recompute=level)
 
     if args.mock_data and args.data_path:
         raise DynaPipeError("--mock-data and --data-path were both given; use one.")
@@ -339,8 +359,42 @@ def training_config_from_args(args: argparse.Namespace, world_size: int,
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         save=args.save, load=args.load, save_interval=args.save_interval,
         load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, log_interval=args.log_interval,
-        tensorboard_dir=args.tensorboard_dir,
+        tensorboard_dir=args.tensorboard_dir, recompute=recompute,
         check_for_nan_in_loss_and_grad=getattr(args, "check_for_nan_in_loss_and_grad", True))
+
+
+def recompute_from_args(args: argparse.Namespace) -> tuple[RecomputeArgs, Optional[str]]:
+    """Megatron's ``--recompute-*`` (validated as Megatron-LM validates them) and the level
+    DynaPipe's planner must use (None: ``--dynapipe-recompute auto``, the search chooses)."""
+    gran, method, layers = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
+    if gran is None and (method is not None or layers is not None):
+        raise DynaPipeError("--recompute-method / --recompute-num-layers need --recompute-granularity full.")
+    if gran == "selective" and (method is not None or layers is not None):
+        raise DynaPipeError("--recompute-granularity selective takes no --recompute-method / --recompute-num-layers "
+                            "(as in Megatron-LM); drop them.")
+    if gran == "full":
+        if method is None or layers is None:
+            raise DynaPipeError("--recompute-granularity full needs --recompute-method {uniform,block} and "
+                                "--recompute-num-layers N (as in Megatron-LM).")
+        per_stage = args.num_layers // max(args.pipeline_model_parallel_size, 1)
+        if not 1 <= layers <= per_stage:
+            raise DynaPipeError(f"--recompute-num-layers {layers}: must be between 1 and the {per_stage} layers "
+                                f"of each pipeline stage.")
+    recompute = RecomputeArgs(gran, method, layers)
+    dyn = getattr(args, "dynapipe_recompute", "auto")
+    if not args.use_dynapipe:
+        if dyn != "auto":
+            raise DynaPipeError(f"--dynapipe-recompute {dyn} needs --use-dynapipe; the baselines take Megatron's "
+                                f"--recompute-granularity.")
+        return recompute, None
+    if gran == "full" and (method, layers) != ("uniform", 1):
+        # The planner's 'full' keeps every layer's input and rematerialises one layer at a time.
+        raise DynaPipeError(f"--use-dynapipe plans full recompute layer by layer; --recompute-method {method} "
+                            f"--recompute-num-layers {layers} cannot be honoured: use --recompute-method uniform "
+                            f"--recompute-num-layers 1, or --dynapipe-recompute full.")
+    if gran is not None and dyn not in ("auto", gran):
+        raise DynaPipeError(f"--recompute-granularity {gran} and --dynapipe-recompute {dyn} disagree; give one.")
+    return recompute, gran or (None if dyn == "auto" else dyn)
 
 
 def data_files(data_path: Sequence[str]) -> list[str]:

@@ -8,7 +8,10 @@ and summarises each method over the iterations after ``warmup_iters``:
 * ``real_tokens_per_s``: sample tokens (padding excluded) trained per second;
 * ``padding_efficiency``: real tokens / tokens computed (padding included);
 * ``iteration_ms``: mean wall time of an iteration (the slowest rank's);
-* ``plan_wait_ms``: mean time the training loop waited for its plan (0 for the baselines).
+* ``plan_wait_ms``: mean time the training loop waited for its plan (0 for the baselines);
+* ``activation_peak_mib``: per pipeline stage, the highest measured activation peak and
+  the highest the plans promised (``planned`` is None for the baselines), over replicas
+  and timed iterations.
 """
 from __future__ import annotations
 
@@ -75,13 +78,15 @@ class MethodResult:
     losses: list[float] = field(default_factory=list)
     timed_iterations: int = 0
     layer_spec: str = ""
+    activation_peak_mib: list = field(default_factory=list)  # per stage {"measured", "planned"}
 
     def to_json(self) -> dict:
         return {"real_tokens_per_s": round(self.real_tokens_per_s, 2),
                 "padding_efficiency": round(self.padding_efficiency, 4),
                 "iteration_ms": round(self.iteration_ms, 2), "plan_wait_ms": round(self.plan_wait_ms, 3),
                 "plan_wait_fraction": round(self.plan_wait_ms / self.iteration_ms, 5) if self.iteration_ms else 0.0,
-                "timed_iterations": self.timed_iterations, "lm_loss": self.losses, "layer_spec": self.layer_spec}
+                "timed_iterations": self.timed_iterations, "lm_loss": self.losses, "layer_spec": self.layer_spec,
+                "activation_peak_mib": self.activation_peak_mib}
 
 
 def summarise(ranks: list[dict], warmup_iters: int) -> MethodResult:
@@ -95,7 +100,24 @@ def summarise(ranks: list[dict], warmup_iters: int) -> MethodResult:
     padded = sum(ranks[0]["padded_tokens"][i] for i in keep)
     return MethodResult(real_tokens_per_s=real / (sum(iter_ms) / 1e3), padding_efficiency=real / max(padded, 1),
                         iteration_ms=statistics.fmean(iter_ms), plan_wait_ms=statistics.fmean(wait_ms),
-                        losses=ranks[0]["losses"], timed_iterations=len(keep), layer_spec=ranks[0]["layer_spec"])
+                        losses=ranks[0]["losses"], timed_iterations=len(keep), layer_spec=ranks[0]["layer_spec"],
+                        activation_peak_mib=stage_activation_peaks(ranks, keep))
+
+
+def stage_activation_peaks(ranks: list[dict], keep: Sequence[int]) -> list[dict]:
+    """Per pipeline stage: the highest measured and planned activation peak (MiB) over its
+    ranks and the iterations ``keep``; ``planned`` None where no plan promised one."""
+    stages: dict[int, dict] = {}
+    for r in ranks:
+        if "activation_measured_mib" not in r:
+            continue
+        entry = stages.setdefault(r.get("pp_rank", 0), {"measured": 0.0, "planned": None})
+        entry["measured"] = max(entry["measured"], max(r["activation_measured_mib"][i] for i in keep))
+        planned = [r["activation_planned_mib"][i] for i in keep if r["activation_planned_mib"][i] is not None]
+        if planned:
+            entry["planned"] = max(entry["planned"] or 0.0, max(planned))
+    return [{"stage": s, "measured": round(e["measured"], 3),
+             "planned": None if e["planned"] is None else round(e["planned"], 3)} for s, e in sorted(stages.items())]
 
 
 def _profile_job(argv: Sequence[str], output: str, threads: int) -> str:
@@ -106,7 +128,7 @@ def _profile_job(argv: Sequence[str], output: str, threads: int) -> str:
             "--repeats", "3", "--threads", str(threads)]
     for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--kv-channels",
                  "--seq-length", "--max-position-embeddings", "--vocab-size", "--position-embedding-type",
-                 "--normalization"):
+                 "--normalization", "--hidden-dropout", "--attention-dropout"):
         value = _arg(argv, flag)
         if value is not None:
             args += [flag, value]

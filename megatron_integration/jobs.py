@@ -26,6 +26,9 @@ def training_job(argv: Sequence[str], echo: bool = False) -> dict:
     stream = sys.stdout if echo else io.StringIO()
     try:
         run = pretrain(cfg, stream=stream)
+        from megatron.core import parallel_state
+
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     finally:
         destroy()
     return {
@@ -37,6 +40,9 @@ def training_job(argv: Sequence[str], echo: bool = False) -> dict:
         "padded_tokens": [r.padded_tokens for r in run.results],
         "loss_tokens": [r.loss_tokens for r in run.results],
         "plan_wait_ms": [r.plan_wait_ms for r in run.results],
+        "activation_measured_mib": [r.activation_measured_mib for r in run.results],
+        "activation_planned_mib": [r.activation_planned_mib for r in run.results],
+        "pp_rank": pp_rank,
         "log_lines": run.log_lines,
         "layer_spec": run.spec_name,
     }

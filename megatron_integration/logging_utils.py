@@ -5,7 +5,11 @@ first replica (where Megatron-LM prints), averaged over the interval::
 
      iteration       10/      50 | consumed samples:          640 | elapsed time per iteration (ms): 812.3 |
      learning rate: 1.000000E-03 | global batch size:    64 | lm loss: 5.912345E+00 | grad norm: 0.812 |
-     real tokens/s: 12345.6 | padding efficiency: 0.912 | plan wait (ms): 0.04 | number of skipped iterations:   0 |
+     real tokens/s: 12345.6 | padding efficiency: 0.912 | plan wait (ms): 0.04 |
+     activation peak (MiB): 812.4/790.2 | number of skipped iterations:   0 |
+
+``activation peak (MiB)``: this stage's measured peak / the peak its plan promised
+(``-`` for the fixed-shape baselines, which have no plan), highest over the interval.
 """
 from __future__ import annotations
 
@@ -30,6 +34,8 @@ class IntervalStats:
     grad_norm: float = 0.0
     skipped: int = 0
     truncated: int = 0
+    activation_measured_mib: float = 0.0  # highest over the interval
+    activation_planned_mib: Optional[float] = None
     started: float = field(default_factory=time.perf_counter)
 
     def add(self, r: StepResult) -> None:
@@ -42,6 +48,9 @@ class IntervalStats:
         self.grad_norm = r.grad_norm
         self.skipped += int(r.skipped)
         self.truncated += r.truncated
+        self.activation_measured_mib = max(self.activation_measured_mib, r.activation_measured_mib)
+        if r.activation_planned_mib is not None:
+            self.activation_planned_mib = max(self.activation_planned_mib or 0.0, r.activation_planned_mib)
 
 
 def format_log_line(iteration: int, train_iters: int, consumed_samples: int, stats: IntervalStats, elapsed_s: float,
@@ -61,6 +70,8 @@ def format_log_line(iteration: int, train_iters: int, consumed_samples: int, sta
         f"real tokens/s: {stats.real_tokens / max(elapsed_s, 1e-9):.1f}",
         f"padding efficiency: {stats.real_tokens / max(stats.padded_tokens, 1):.3f}",
         f"plan wait (ms): {stats.plan_wait_ms / n:.2f}",
+        f"activation peak (MiB): {stats.activation_measured_mib:.1f}/"
+        + ("-" if stats.activation_planned_mib is None else f"{stats.activation_planned_mib:.1f}"),
         f"number of skipped iterations: {stats.skipped:3d}",
     ]
     if stats.truncated:

@@ -42,6 +42,9 @@ class StepResult:
     skipped: bool = False
     consumed_samples: int = 0
     truncated: int = 0
+    # This rank's activation peak over the iteration (MiB), and what its plan promised (None: no plan).
+    activation_measured_mib: float = 0.0
+    activation_planned_mib: Optional[float] = None
 
     @property
     def padding_efficiency(self) -> float:
@@ -103,10 +106,13 @@ def megatron_train_step(stage: Stage, optimizer, scheduler, micro_batches: list[
     start = time.perf_counter()
     stage.module.zero_grad_buffer()
     optimizer.zero_grad()
+    from dynapipe.runtime.activation_meter import measure_activations
+
     forward_backward = get_forward_backward_func()
-    reports = forward_backward(forward_step_func=forward_step, data_iterator=iter(micro_batches),
-                               model=[stage.module], num_microbatches=len(micro_batches),
-                               seq_length=seq_length, micro_batch_size=mbs, forward_only=False)
+    with measure_activations(stage.module, info.device) as activations:
+        reports = forward_backward(forward_step_func=forward_step, data_iterator=iter(micro_batches),
+                                   model=[stage.module], num_microbatches=len(micro_batches),
+                                   seq_length=seq_length, micro_batch_size=mbs, forward_only=False)
     if before_step is not None:
         before_step(sum(float(r["lm loss"][0]) for r in reports) if info.is_last_stage else None)
     ok, grad_norm, _ = optimizer.step()
@@ -120,4 +126,5 @@ def megatron_train_step(stage: Stage, optimizer, scheduler, micro_batches: list[
     elapsed = (time.perf_counter() - start) * 1e3
     return StepResult(loss=loss_sum / max(loss_tokens, 1), loss_tokens=loss_tokens, real_tokens=real_tokens,
                       padded_tokens=padded_tokens, iteration_ms=elapsed,
-                      grad_norm=float(grad_norm or 0.0), skipped=not ok)
+                      grad_norm=float(grad_norm or 0.0), skipped=not ok,
+                      activation_measured_mib=activations["peak_mib"])

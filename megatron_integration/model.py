@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from megatron_integration.train_config import DynaPipeTrainingConfig, GPTModelArgs, ParallelArgs
+from megatron_integration.train_config import DynaPipeTrainingConfig, GPTModelArgs, ParallelArgs, RecomputeArgs
 from megatron_integration.initialize import RankInfo
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -39,8 +39,10 @@ def te_available() -> bool:
     return True
 
 
-def transformer_config(model: GPTModelArgs, parallel: ParallelArgs, cuda: Optional[bool] = None):
-    """megatron-core ``TransformerConfig`` for this model and process layout."""
+def transformer_config(model: GPTModelArgs, parallel: ParallelArgs, cuda: Optional[bool] = None,
+                       recompute: Optional[RecomputeArgs] = None):
+    """megatron-core ``TransformerConfig`` for this model and process layout; ``recompute``:
+    Megatron's ``--recompute-*`` settings, applied as megatron-core applies them (baselines)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cuda = torch.cuda.is_available() if cuda is None else cuda
@@ -59,6 +61,9 @@ def transformer_config(model: GPTModelArgs, parallel: ParallelArgs, cuda: Option
         use_cpu_initialization=not cuda,
         deallocate_pipeline_outputs=True,
     )
+    if recompute is not None and recompute.granularity is not None:
+        kwargs.update(recompute_granularity=recompute.granularity, recompute_method=recompute.method,
+                      recompute_num_layers=recompute.num_layers)
     if not cuda:
         # Fused kernels are CUDA-only (or need a compiler); the unfused paths are the same maths.
         kwargs.update(gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
@@ -99,7 +104,10 @@ def build_gpt_stage(cfg: DynaPipeTrainingConfig, info: RankInfo, use_te: Optiona
     """The unwrapped ``GPTModel`` of this rank's stage, deterministically initialised."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    tconfig = transformer_config(cfg.model, cfg.parallel, cuda=info.device.type == "cuda")
+    # The baselines run Megatron's --recompute-* as given; DynaPipe sets the level per micro-batch
+    # (set_recompute_level), so its stage is built without a fixed one.
+    fixed = None if cfg.dynapipe.enabled else cfg.recompute
+    tconfig = transformer_config(cfg.model, cfg.parallel, cuda=info.device.type == "cuda", recompute=fixed)
     spec, _ = layer_spec(use_te)
     m = cfg.model
     gpt = GPTModel(config=tconfig, transformer_layer_spec=spec, vocab_size=m.vocab_size,
@@ -129,6 +137,40 @@ def build_stage(cfg: DynaPipeTrainingConfig, info: RankInfo, use_te: Optional[bo
     module = DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=inner)
     return Stage(module=module, gpt=gpt, config=tconfig, info=info,
                  spec_name="transformer_engine" if use_te else "local")
+
+
+# -- recompute level per forward ----------------------------------------------------------
+
+RECOMPUTE_LEVELS = ("none", "selective", "full")
+
+
+def set_recompute_level(gpt: torch.nn.Module, config, level: str) -> None:
+    """Make the stage's next forward, and the recomputation in its backward, run at ``level``.
+
+    ``selective`` checkpoints each layer's core attention (megatron-core's
+    ``_checkpointed_attention_forward``), ``full`` each transformer layer on its own
+    (``recompute_method="uniform"``, ``recompute_num_layers=1``: the stage keeps only every
+    layer's input, and the backward rematerialises one layer at a time). Both go through
+    megatron-core's ``tensor_parallel.checkpoint``, which saves and restores the CPU, CUDA and
+    model-parallel tracker RNG states, so dropout masks are redrawn identically.
+
+    megatron-core (0.16 to 0.19) reads ``config.recompute_granularity == "full"`` and
+    ``recompute_method``/``recompute_num_layers`` in ``TransformerBlock.forward``, but
+    decides core-attention checkpointing once, in ``Attention.__init__``
+    (``checkpoint_core_attention``); that attribute is set here on every layer.
+    """
+    if level not in RECOMPUTE_LEVELS:
+        raise ValueError(f"recompute level {level!r} is not one of {RECOMPUTE_LEVELS}")
+    if level == "full":
+        config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
+    else:
+        config.recompute_granularity = "selective" if level == "selective" else None
+        config.recompute_method = config.recompute_num_layers = None
+    decoder = getattr(gpt, "decoder", None)
+    for layer in getattr(decoder, "layers", ()):
+        attention = getattr(layer, "self_attention", None)
+        if attention is not None and hasattr(attention, "checkpoint_core_attention"):
+            attention.checkpoint_core_attention = level == "selective"
 
 
 # -- deterministic initialisation ---------------------------------------------------------

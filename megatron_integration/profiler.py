@@ -4,6 +4,10 @@ For every (mbs, seqlen) of a grid, three ops are measured on the current device:
 
 * ``layer``: one transformer layer as a pipeline stage runs it (a one-layer
   ``GPTModel`` stage without embedding or output layer, RoPE included when used);
+  ``layer_selective`` and ``layer_full``: the same layer at those recompute levels, set
+  exactly as the training handlers set them
+  (:func:`megatron_integration.model.set_recompute_level`), so the backward time includes
+  the recomputation and the stored memory is what that level keeps;
 * ``embedding``: the word (+ position) embedding;
 * ``output``: final norm, output layer and the cross-entropy loss.
 
@@ -11,8 +15,9 @@ Times: the fastest wall ms of the forward and of the backward over ``repeats`` r
 after warm-up (CUDA synchronised around each); the minimum, because interference from
 other processes only ever adds time. Memory, MiB:
 
-* ``stored_mib``: the distinct storages autograd saves for the backward (recorded with
-  ``torch.autograd.graph.saved_tensors_hooks``), parameters excluded;
+* ``stored_mib``: the distinct storages autograd saves for the backward, parameters
+  excluded, counted by the :class:`~dynapipe.runtime.activation_meter.ActivationMeter`
+  that measures the training ranks;
 * ``peak_mib``: the highest live activation memory during the forward or the backward,
   minus ``stored_mib``. On CUDA from the allocator's peak statistics; on CPU from a
   dispatch-level tracker that counts every storage an op creates until it is freed.
@@ -31,7 +36,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from dynapipe.cost.profile import FIELDS, OPS, PROFILE_FORMAT, PROFILE_VERSION
+from dynapipe.cost.profile import FIELDS, LEVEL_OPS, OPS, PROFILE_FORMAT, PROFILE_VERSION
+from dynapipe.runtime.activation_meter import ActivationMeter
 from megatron_integration.train_config import GPTModelArgs, ParallelArgs
 
 MIB = float(1 << 20)
@@ -102,19 +108,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _saved_storage_bytes(fn: Callable[[], torch.Tensor], exclude: set[int]) -> tuple[torch.Tensor, int]:
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        st = t.untyped_storage()
-        key = st.data_ptr()
-        if key and key not in exclude:
-            seen[key] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+def _saved_storage_bytes(fn: Callable[[], torch.Tensor], params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Run ``fn`` and return its output and the bytes autograd holds for its backward,
+    counted as the training ranks count them."""
+    meter = ActivationMeter(exclude=params)
+    with meter.saving():
         out = fn()
-    return out, sum(seen.values())
+    return out, meter.live_bytes
 
 
 def measure_op(forward: Callable[[], torch.Tensor], params: Sequence[torch.Tensor], device: torch.device,
@@ -124,8 +124,6 @@ def measure_op(forward: Callable[[], torch.Tensor], params: Sequence[torch.Tenso
     The backward is driven by a random gradient of the output's shape (a scalar
     output, a loss, is backpropagated directly).
     """
-    exclude = {p.untyped_storage().data_ptr() for p in params}
-
     def grad_like(out):
         return None if out.dim() == 0 else torch.randn_like(out)
 
@@ -150,7 +148,7 @@ def measure_op(forward: Callable[[], torch.Tensor], params: Sequence[torch.Tenso
         del out, g
 
     # Memory: one more run, untimed.
-    out, stored = _saved_storage_bytes(forward, exclude)
+    out, stored = _saved_storage_bytes(forward, params)
     del out
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -183,9 +181,11 @@ class _Ops:
 
         from megatron.core.models.gpt.gpt_model import GPTModel
 
-        from megatron_integration.model import layer_spec, transformer_config
+        from megatron_integration.model import layer_spec, set_recompute_level, transformer_config
 
-        one = replace(model, num_layers=1, hidden_dropout=0.0, attention_dropout=0.0)
+        self._set_level = set_recompute_level
+        # The model's own dropout: its masks are part of what the backward keeps.
+        one = replace(model, num_layers=1)
         tconfig = transformer_config(one, ParallelArgs(world_size=1), cuda=device.type == "cuda")
         spec, self.spec_name = layer_spec(use_te)
         common = dict(config=tconfig, transformer_layer_spec=spec, vocab_size=model.vocab_size,
@@ -199,10 +199,11 @@ class _Ops:
         self.model, self.device = model, device
         self.dtype = tconfig.params_dtype
 
-    def layer_fn(self, b: int, s: int):
+    def layer_fn(self, b: int, s: int, level: str = "none"):
         x = torch.randn(s, b, self.model.hidden_size, device=self.device, dtype=self.dtype, requires_grad=True)
 
         def fw():
+            self._set_level(self.layer, self.layer.config, level)
             self.layer.set_input_tensor(x)
             return self.layer(None, None, None)
 
@@ -236,11 +237,13 @@ def profile_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: Seq
     megatron's parallel state must be initialised (one rank is enough).
     """
     ops = _Ops(model, device, use_te)
-    builders = {"layer": ops.layer_fn, "embedding": ops.embedding_fn, "output": ops.output_fn}
-    tables = {op: {f: [[0.0] * len(seqlen_grid) for _ in mbs_grid] for f in FIELDS} for op in OPS}
+    builders = {"layer": ops.layer_fn, "embedding": ops.embedding_fn, "output": ops.output_fn,
+                **{op: (lambda b, s, lv=lv: ops.layer_fn(b, s, lv)) for lv, op in LEVEL_OPS.items()}}
+    names = OPS + tuple(LEVEL_OPS.values())
+    tables = {op: {f: [[0.0] * len(seqlen_grid) for _ in mbs_grid] for f in FIELDS} for op in names}
     for i, b in enumerate(mbs_grid):
         for j, s in enumerate(seqlen_grid):
-            for op in OPS:
+            for op in names:
                 fw, params = builders[op](b, s)
                 m = measure_op(fw, params, device, repeats=repeats, warmup=warmup)
                 for f in FIELDS:
@@ -249,7 +252,9 @@ def profile_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: Seq
                 layer = tables["layer"]
                 progress(f"mbs={b:<4d} seqlen={s:<6d} layer fw {layer['fw_ms'][i][j]:8.2f} ms  "
                          f"bw {layer['bw_ms'][i][j]:8.2f} ms  stored {layer['stored_mib'][i][j]:8.2f} MiB  "
-                         f"peak {layer['peak_mib'][i][j]:8.2f} MiB")
+                         f"peak {layer['peak_mib'][i][j]:8.2f} MiB  stored selective/full "
+                         f"{tables['layer_selective']['stored_mib'][i][j]:.2f}/"
+                         f"{tables['layer_full']['stored_mib'][i][j]:.2f} MiB")
     return {
         "format": PROFILE_FORMAT,
         "version": PROFILE_VERSION,
@@ -260,7 +265,8 @@ def profile_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: Seq
         "model": {"num_layers": model.num_layers, "hidden_size": model.hidden_size,
                   "num_attention_heads": model.num_attention_heads, "ffn_hidden_size": model.ffn_hidden_size,
                   "kv_channels": model.kv_channels, "vocab_size": model.vocab_size,
-                  "position_embedding_type": model.position_embedding_type},
+                  "position_embedding_type": model.position_embedding_type,
+                  "hidden_dropout": model.hidden_dropout, "attention_dropout": model.attention_dropout},
         "mbs": [int(b) for b in mbs_grid],
         "seqlen": [int(s) for s in seqlen_grid],
         "stage_overhead_ms": 0.0,

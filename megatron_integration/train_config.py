@@ -87,6 +87,24 @@ class DataArgs:
 
 
 @dataclass(frozen=True)
+class RecomputeArgs:
+    """Megatron's activation recomputation (``--recompute-granularity/-method/-num-layers``).
+
+    ``granularity``: None (no recompute), ``selective`` (core attention) or ``full``
+    (whole layers; ``method`` ``uniform`` or ``block`` and ``num_layers`` as in Megatron).
+    """
+
+    granularity: Optional[str] = None
+    method: Optional[str] = None
+    num_layers: Optional[int] = None
+
+    @property
+    def level(self) -> Optional[str]:
+        """The planner's level this fixes (None: not fixed)."""
+        return self.granularity
+
+
+@dataclass(frozen=True)
 class DynaPipeArgs:
     """DynaPipe's planner, executor and loader settings."""
 
@@ -106,6 +124,8 @@ class DynaPipeArgs:
     max_tokens: Optional[int] = None
     timeout_s: float = 300.0
     trace_dir: Optional[str] = None
+    # The recompute level the planner must use (None: the schedule search chooses per stage).
+    recompute: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -130,6 +150,7 @@ class DynaPipeTrainingConfig:
     load_rng: bool = True
     log_interval: int = 100
     tensorboard_dir: Optional[str] = None
+    recompute: RecomputeArgs = field(default_factory=RecomputeArgs)
     # Megatron's --check-for-nan-in-loss-and-grad: stop on a NaN/Inf loss or gradient.
     check_for_nan_in_loss_and_grad: bool = True
     extra: dict = field(default_factory=dict, compare=False)

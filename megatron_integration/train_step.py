@@ -6,8 +6,11 @@ Per iteration, on every rank:
    plan and the micro-batch tensors its plan loads (planned ahead in worker processes);
 2. the :class:`~dynapipe.runtime.executor.Executor` runs the plan; its handlers
    (:class:`MegatronStageHandlers`) call this rank's megatron-core ``GPTModel`` stage
-   for load, forward and (by default) backward, and it moves activations and gradients
-   between stages point-to-point with the shapes the plan carries;
+   for load, forward and backward, and it moves activations and gradients
+   between stages point-to-point with the shapes the plan carries; the handlers run each
+   micro-batch at the recompute level its instruction carries
+   (:func:`~megatron_integration.model.set_recompute_level`), in the forward and again
+   before its backward, so the level may change from one micro-batch to the next;
 3. megatron-core's ``finalize_model_grads`` sums the gradients over data-parallel
    replicas (DDP, ``calculate_per_token_loss``: no averaging) and over the tied
    embedding copies, and megatron-core's optimizer steps.
@@ -18,6 +21,12 @@ its loss tokens, and the executor divides it by the data loader's ``global_loss_
 ``Executor.run(..., loss_tokens=)``), the normaliser the fixed-shape baselines use too:
 the gradient is that of the mean loss per loss token of the global batch, whatever the
 micro-batching.
+
+Activation memory: every iteration each rank measures its activation peak
+(:func:`dynapipe.runtime.activation_meter.measure_activations`: the CUDA allocator's peak
+above the model states, or on CPU what autograd saves plus the executor's buffers) and
+computes what its plan promised from the same cost model the planner used
+(:func:`dynapipe.runtime.activation_plan.planned_activation_peak_mib`).
 """
 from __future__ import annotations
 
@@ -29,12 +38,15 @@ from typing import Optional
 import torch
 
 from dynapipe.errors import DynaPipeError
-from dynapipe.plan.instructions import ForwardPass, MicroBatchInfo, TensorSpec
+from dynapipe.plan.instructions import BackwardPass, ForwardPass, MicroBatchInfo, TensorSpec
+from dynapipe.runtime.activation_meter import ActivationMeter, measure_activations
+from dynapipe.runtime.activation_plan import planned_activation_peak_mib
+from dynapipe.runtime.buffers import backward_from
 from megatron_integration.train_config import DynaPipeTrainingConfig
 from megatron_integration.data import dataset_config
 from megatron_integration.initialize import RankInfo
 from megatron_integration.megatron_step import StepResult, reduce_loss
-from megatron_integration.model import Stage, finalize_grads_func
+from megatron_integration.model import Stage, finalize_grads_func, set_recompute_level
 from megatron_integration.nan_guard import check_before_step
 
 
@@ -66,8 +78,13 @@ class MegatronStageHandlers:
             raise DynaPipeError(f"the data loader sent no tensors for micro-batch {mb.mb}.")
         return {s.name: data[s.name].to(self.device, non_blocking=True) for s in specs}
 
+    def _level(self, op) -> None:
+        if op is not None and self.stage.gpt is not None:
+            set_recompute_level(self.stage.gpt, self.stage.config, op.recompute)
+
     def forward(self, mb: MicroBatchInfo, inputs: dict[str, torch.Tensor], op: ForwardPass):
         st = self.stage
+        self._level(op)
         if not st.pre_process:
             st.gpt.set_input_tensor(inputs["hidden_states"])
         out = st.module(inputs.get("tokens"), inputs.get("position_ids"), None, labels=inputs.get("labels"))
@@ -81,6 +98,12 @@ class MegatronStageHandlers:
         scale = st.config.grad_scale_func
         return loss_sum if scale is None else scale(loss_sum)
 
+    def backward(self, mb: MicroBatchInfo, roots, grads, op: BackwardPass) -> None:
+        """Backward of one micro-batch at its level: a layer rematerialised under ``full``
+        must not checkpoint its core attention again because a later forward is ``selective``."""
+        self._level(op)
+        backward_from(roots, grads)
+
 
 def planner_settings(cfg: DynaPipeTrainingConfig, info: RankInfo):
     """What the planner workers need to plan this run's iterations."""
@@ -93,7 +116,7 @@ def planner_settings(cfg: DynaPipeTrainingConfig, info: RankInfo):
         num_stages=info.pp_size, dp=info.dp_size, method=d.batching, schedule=d.schedule,
         memory_limit_mib=d.memory_limit_mb, cost_profile=None if d.cost_model == "analytic" else d.cost_model,
         micro_batch_size=cfg.micro_batch_size, seq_length=cfg.model.seq_length, max_tokens=d.max_tokens or 0,
-        cluster=load_cluster_config(d.cluster), zero=cfg.optimizer.distributed)
+        cluster=load_cluster_config(d.cluster), zero=cfg.optimizer.distributed, recompute=d.recompute)
 
 
 def make_loader(cfg: DynaPipeTrainingConfig, info: RankInfo, start_iteration: int, consumed_samples: int):
@@ -128,6 +151,8 @@ class DynaPipeStepper:
     loader: object
     executor: object
     handlers: MegatronStageHandlers
+    cost_model: object  # the planner's, to price what this rank's plan promises
+    meter: ActivationMeter
     traces: Optional[list] = None
 
     @classmethod
@@ -141,14 +166,19 @@ class DynaPipeStepper:
         if info.tp_size > 1:
             raise DynaPipeError("--use-dynapipe with --tensor-model-parallel-size > 1 is not supported yet; "
                                 "use tensor-parallel size 1.")
+        from dynapipe.cost import build_cost_model
+
         handlers = MegatronStageHandlers(stage, info.device)
+        meter = ActivationMeter()
         executor = Executor(handlers, group=parallel_state.get_pipeline_model_parallel_group(), device=info.device,
-                            store=job_tcp_store(),
+                            store=job_tcp_store(), meter=meter,
                             config=ExecutorConfig(timeout_s=cfg.dynapipe.timeout_s,
                                                   trace=cfg.dynapipe.trace_dir is not None),
                             replica=info.dp_rank)
         loader = make_loader(cfg, info, start_iteration, consumed_samples)
-        return cls(cfg, info, stage, optimizer, scheduler, loader, executor, handlers,
+        s = planner_settings(cfg, info)
+        cost_model = build_cost_model(s.model, s.device, s.num_stages, s.cost_profile)
+        return cls(cfg, info, stage, optimizer, scheduler, loader, executor, handlers, cost_model, meter,
                    [] if cfg.dynapipe.trace_dir else None)
 
     def step(self, iteration: int) -> StepResult:
@@ -160,7 +190,8 @@ class DynaPipeStepper:
         self.handlers.begin(data.micro_batches, meta.global_loss_tokens)
         self.stage.module.zero_grad_buffer()
         self.optimizer.zero_grad()
-        result = self.executor.run(data.plan, loss_tokens=meta.global_loss_tokens)
+        with measure_activations(self.stage.module, self.info.device, self.meter) as activations:
+            result = self.executor.run(data.plan, loss_tokens=meta.global_loss_tokens)
         # DP sum of gradients and tied-embedding all-reduce; the executor already divided the
         # loss by the global token count, so no further scaling (num_tokens=None).
         finalize_grads_func()([self.stage.module], None)
@@ -182,7 +213,9 @@ class DynaPipeStepper:
                           real_tokens=meta.global_real_tokens, padded_tokens=meta.global_padded_tokens,
                           iteration_ms=(time.perf_counter() - start) * 1e3, grad_norm=float(grad_norm or 0.0),
                           plan_wait_ms=meta.wait_ms, skipped=not ok, consumed_samples=meta.consumed_samples,
-                          truncated=meta.truncated_samples)
+                          truncated=meta.truncated_samples, activation_measured_mib=activations["peak_mib"],
+                          activation_planned_mib=planned_activation_peak_mib(
+                              data.plan, self.cost_model, transient=self.info.device.type == "cuda"))
 
     def close(self) -> None:
         try:

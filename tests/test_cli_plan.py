@@ -104,7 +104,7 @@ def test_plan_reads_stdin_and_encoder_decoder_pairs(monkeypatch, capsys):
     ("5\n0\n", [], "line 2: length 0 must be a positive"),
     ("5\nx\n", [], "line 2: 'x' is not an integer"),
     ("", [], "empty"),
-    ("100\n4000\n", ["--memory-limit-mb", "30000"], "sample 1 (length 4000 tokens"),
+    ("100\n4000\n", ["--memory-limit-mb", "30000", "--recompute", "none"], "sample 1 (length 4000 tokens"),
     ("5\n", ["--stages", "64"], "--stages 64 exceeds the 32 layers"),
     ("5\n", ["--memory-limit-mb", "0"], "--memory-limit-mb 0 must be positive"),
     ("5 3\n", [], "decoder-only"),

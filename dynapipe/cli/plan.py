@@ -8,12 +8,14 @@ output dict (extend it with more keys) and :func:`summary_lines` for stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
 from dynapipe.batching import METHODS, BatchPlan, plan_micro_batches, read_lengths
 from dynapipe.cli.cost import CostSetup, add_cost_model_arguments, add_memory_arguments, cost_setup_from_args
-from dynapipe.cli.schedule_options import add_schedule_arguments, schedule_json
+from dynapipe.cli.schedule_options import (add_recompute_default, add_schedule_arguments, escalate_recompute,
+                                           schedule_json)
 from dynapipe.errors import DynaPipeError
 
 HELP = "plan the micro-batches (and schedule) of one global batch"
@@ -23,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", required=True,
                    help="lengths file: one integer a line, or 'input target' pairs for encoder-decoder; - reads stdin")
     add_cost_model_arguments(p)
+    add_recompute_default(p)
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
     add_memory_arguments(p)
     p.add_argument("--batching", choices=METHODS, default="dynapipe", help="batching method (default dynapipe)")
@@ -39,20 +42,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def plan_from_args(args: argparse.Namespace, setup: CostSetup | None = None,
                    lengths=None) -> tuple[BatchPlan, CostSetup]:
-    """Read the lengths and plan them as the arguments say; returns the plan and its setup."""
+    """Read the lengths and plan them as the arguments say; returns the plan and its setup,
+    whose ``recompute`` is the level the micro-batches were cut for (without ``--recompute``:
+    the lightest of none, selective, full under which every sample fits)."""
     setup = setup or cost_setup_from_args(args)
     lengths = read_lengths(args.lengths) if lengths is None else lengths
-    plan = plan_micro_batches(
+    plan, level = escalate_recompute(lambda level: plan_micro_batches(
         lengths, setup.cost_model, method=args.batching, dp=args.dp, memory_limit_mib=setup.memory_limit_mib,
         reserved_mib=setup.reserved_mib, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
-        max_tokens=args.max_tokens, recompute=setup.recompute)
-    return plan, setup
+        max_tokens=args.max_tokens, recompute=level), setup.recompute)
+    return plan, dataclasses.replace(setup, recompute=level)
 
 
 def build_plan_json(args: argparse.Namespace, batch_plan: BatchPlan, setup: CostSetup) -> dict:
     """The JSON object the command writes: the plan plus what it was planned for."""
     out = batch_plan.to_json()
     out.update(model=setup.model.name, device=setup.device.name, recompute=setup.recompute,
+               batching_recompute=setup.recompute,
                memory_limit_mib=setup.memory_limit_mib, reserved_mib=setup.reserved_mib,
                cost_model="profile" if getattr(args, "profile", None) else "analytic")
     return out
@@ -122,7 +128,10 @@ def run(args: argparse.Namespace) -> int:
     write_json(out, args.output)
     for line in summary_lines(batch_plan, setup):
         print(line, file=sys.stderr)
-    print(f"  schedule {out['schedule']} (recompute {out['recompute']}): simulated {out['simulated_ms']:.1f} ms, "
+    chosen = out["recompute"] if isinstance(out["recompute"], str) else "/".join(out["recompute"]) + " by stage"
+    how = "as given" if args.recompute else "chosen"
+    print(f"  schedule {out['schedule']} (recompute {chosen}, {how}; micro-batches cut for "
+          f"{setup.recompute}): simulated {out['simulated_ms']:.1f} ms, "
           f"bubble {100 * out['bubble_fraction']:.1f}%, stage peak "
           + ", ".join(f"{m:.0f}" for m in out["stage_peak_mib"]) + " MiB; "
           f"whole planning {out['planning_ms']:.1f} ms", file=sys.stderr)

@@ -54,6 +54,33 @@ def levels_from(recompute: Optional[str]) -> list[str]:
     return list(RECOMPUTE_LEVELS[RECOMPUTE_LEVELS.index(recompute):])
 
 
+def escalate_recompute(plan_at, recompute: Optional[str]):
+    """``(plan_at(level), level)`` for the lightest level that plans, trying ``recompute``
+    alone when given, else none, then selective, then full (as ``plan_iteration`` does).
+
+    Only a batch that fits at no level is an error: the heaviest level's, which names the
+    sample and the memory it needs.
+    """
+    levels = [recompute] if recompute not in (None, "auto") else list(RECOMPUTE_LEVELS)
+    error = None
+    for level in levels:
+        try:
+            return plan_at(level), level
+        except DynaPipeError as e:  # a sample too large at this level may fit with more recompute
+            error = e
+    raise error
+
+
+def add_recompute_default(p: argparse.ArgumentParser) -> None:
+    """Make ``--recompute`` default to trying every level, lightest first."""
+    p.set_defaults(recompute=None)
+    for action in p._actions:
+        if action.dest == "recompute":
+            action.help = ("activation recomputation level; default: none, then selective, then full, "
+                           "the lightest under which every sample fits (the schedule search may mix levels "
+                           "per stage from there up)")
+
+
 def plan_schedule(args: argparse.Namespace, batch_plan: BatchPlan, cost_model: CostModel, *,
                   memory_limit_mib: Optional[float] = None, reserved_mib: Optional[float] = None,
                   lengths=None, iteration: int = 0) -> IterationPlan:

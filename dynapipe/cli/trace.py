@@ -13,7 +13,7 @@ import sys
 
 from dynapipe.batching import METHODS, read_lengths
 from dynapipe.cli.cost import add_cost_model_arguments, add_memory_arguments, cost_setup_from_args
-from dynapipe.cli.schedule_options import levels_from, resolve_cluster
+from dynapipe.cli.schedule_options import add_recompute_default, escalate_recompute, levels_from, resolve_cluster
 from dynapipe.data.synthetic import sample_lengths
 from dynapipe.errors import DynaPipeError
 from dynapipe.pipeline_planner import schedule_batch_plan
@@ -30,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--samples", type=int, help="draw this many samples from the synthetic mixture instead")
     p.add_argument("--seed", type=int, default=0, help="seed for --samples (default 0)")
     add_cost_model_arguments(p)
+    add_recompute_default(p)
     add_memory_arguments(p)
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
     p.add_argument("--batching", choices=METHODS, default="dynapipe", help="batching method (default dynapipe)")
@@ -52,14 +53,14 @@ def run(args: argparse.Namespace) -> int:
             raise DynaPipeError(f"--samples {args.samples} must be a positive integer.")
         lengths = sample_lengths(args.samples, args.seed, args.seq_length or setup.model.max_seq_length,
                                  setup.model.is_encoder_decoder)
-    batch_plan = plan_micro_batches(lengths, setup.cost_model, method=args.batching, dp=args.dp,
-                                    memory_limit_mib=setup.memory_limit_mib, reserved_mib=setup.reserved_mib,
-                                    micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
-                                    max_tokens=args.max_tokens, recompute=setup.recompute)
+    batch_plan, level = escalate_recompute(lambda level: plan_micro_batches(
+        lengths, setup.cost_model, method=args.batching, dp=args.dp, memory_limit_mib=setup.memory_limit_mib,
+        reserved_mib=setup.reserved_mib, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+        max_tokens=args.max_tokens, recompute=level), setup.recompute)
     it = schedule_batch_plan(batch_plan, setup.cost_model, schedule=args.schedule,
                              memory_limit_mib=setup.memory_limit_mib, reserved_mib=setup.reserved_mib,
                              cluster=resolve_cluster(args.cluster, setup.device.name),
-                             recompute=levels_from(setup.recompute), lengths=lengths)
+                             recompute=levels_from(args.recompute), lengths=lengths)
     meta = {"model": setup.model.name, "device": setup.device.name, "stages": setup.cost_model.num_stages,
             **it.schedule_json()}
     trace = chrome_trace(it.timelines, it.search.micro_batches, meta)
@@ -79,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
                  f"{tl.makespan_ms:.1f} ms, bubble {100 * tl.bubble_fraction:.1f}%")
         plot_timeline(tl, it.search.micro_batches[args.replica], args.png, title=title,
                       capacity_mib=setup.memory_limit_mib - setup.reserved_mib)
-    print(f"{it.schedule} ({it.order} order, recompute {recompute}): simulated {it.simulated_ms:.1f} ms, "
+    how = "as given" if args.recompute else f"chosen; micro-batches cut for {level}"
+    print(f"{it.schedule} ({it.order} order, recompute {recompute}, {how}): simulated {it.simulated_ms:.1f} ms, "
           f"bubble {100 * it.bubble_fraction:.1f}%, peak " + ", ".join(f"{p:.0f}" for p in it.stage_peak_mib)
           + f" MiB; trace written to {args.out}" + (f", picture to {args.png}" if args.png else ""),
           file=sys.stderr)

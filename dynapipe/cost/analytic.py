@@ -61,6 +61,14 @@ class AnalyticCostModel(CostModel):
         scores = 5 * m.num_attention_heads * b * s_dec * s_enc * scale
         return linear, scores
 
+    def output_stored_mib(self, layout: StageLayout, mbs, seqlen, dec_seqlen) -> np.ndarray:
+        if not layout.has_output:
+            return super().output_stored_mib(layout, mbs, seqlen, dec_seqlen)
+        m = self.model
+        s_dec = dec_seqlen if m.is_encoder_decoder else seqlen
+        b = np.asarray(mbs, dtype=np.float64)
+        return b * s_dec * (m.hidden_size * m.dtype_bytes + m.vocab_size * FP32_BYTES) / MIB
+
     def layout_cost(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str) -> StageCost:
         m, d = self.model, self.model.dtype_bytes
         b = mbs

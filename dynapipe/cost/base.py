@@ -160,6 +160,37 @@ class CostModel(ABC):
         costs = [self.layout_cost(by_key[k], mbs, seqlen, dec, recompute) for k in self._distinct]
         return costs[0] if len(costs) == 1 else StageCost.maximum(costs)
 
+    def output_stored_mib(self, layout: StageLayout, mbs, seqlen, dec_seqlen) -> np.ndarray:
+        """Stored activations of the output layer and loss on ``layout``, MiB (0 without one);
+        the backward frees them before it reaches the transformer layers."""
+        return np.zeros(np.broadcast(np.asarray(mbs), np.asarray(seqlen)).shape)
+
+    def recompute_held_mib(self, mbs, seqlen, dec_seqlen=None, *, recompute: str, stage: int) -> np.ndarray:
+        """How far the backward of one micro-batch on ``stage`` rises above its stored
+        activations through recomputation, MiB (0 for ``none``).
+
+        megatron-core rematerialises one layer (``full``) or one layer's core attention
+        (``selective``) at a time, saving again that layer's share of what the level does
+        not store; the highest point is the first layer the backward reaches, after the
+        output layer's activations were freed.
+        """
+        if check_recompute(recompute) == "none":
+            return np.zeros(np.broadcast(np.asarray(mbs), np.asarray(seqlen)).shape)
+        layout = self.layouts[stage]
+        layers = max(layout.encoder_layers + layout.decoder_layers, 1)
+        kept = self.stage_cost(mbs, seqlen, dec_seqlen, recompute="none", stage=stage).stored_mib
+        stored = self.stage_cost(mbs, seqlen, dec_seqlen, recompute=recompute, stage=stage).stored_mib
+        one_layer = np.maximum(np.asarray(kept) - np.asarray(stored), 0.0) / layers
+        freed = self.output_stored_mib(layout, mbs, seqlen, dec_seqlen)
+        if recompute == "selective":
+            # Before the core attention is rematerialised the backward has also freed the
+            # layer's MLP side: all it stores but its input, norm output and Q, K, V.
+            m = self.model
+            attn_inputs = (np.asarray(mbs, dtype=np.float64) * np.asarray(seqlen, dtype=np.float64)
+                           * (2 * m.hidden_size + 3 * m.attention_dim) * m.dtype_bytes / MIB)
+            freed = freed + np.maximum(np.asarray(stored) / layers - attn_inputs, 0.0)
+        return np.maximum(one_layer - freed, 0.0)
+
     def model_state_mib(self, stage: Optional[int] = None, *, dp: int = 1, zero: bool = False) -> float:
         """Parameters, gradients and optimizer state of a stage in MiB (``None``: the largest).
 

@@ -12,16 +12,20 @@ Profile format (JSON, ``"format": "dynapipe-profile"``, ``"version": 1``)::
       "ops": {
         "layer":     {"fw_ms": [[...]], "bw_ms": [[...]], "stored_mib": [[...]], "peak_mib": [[...]]},
         "embedding": {... same keys ...},
-        "output":    {... same keys ...}
+        "output":    {... same keys ...},
+        "layer_selective": {...}, "layer_full": {...}   # optional: the layer at those levels
       }
     }
 
 Each table is ``len(mbs) x len(seqlen)``; ``layer`` is one transformer layer, with no
-recomputation. Inside the grid values are bilinear in (mbs, seqlen). Outside it:
+recomputation; ``layer_selective``/``layer_full`` (optional) the same layer measured at
+that recompute level (backward including the recomputation, stored memory what the level
+keeps, counted as the training ranks count it). Inside the grid values are bilinear in (mbs, seqlen). Outside it:
 ``mbs`` scales proportionally from the nearest grid row (every cost is linear in the
 number of samples); ``seqlen`` above the grid follows the power law through the last two
 columns (which captures the quadratic attention term), and below the grid takes the
-first column (per-op overheads dominate short sequences). Recompute levels are derived:
+first column (per-op overheads dominate short sequences). A recompute level the profile
+has no table for is derived:
 ``full`` adds a forward to the backward and stores only each layer's input; ``selective``
 adds the attention-core share of the forward (from the analytic FLOP split) and drops
 the attention-score share of the stored memory.
@@ -43,6 +47,8 @@ PROFILE_FORMAT = "dynapipe-profile"
 PROFILE_VERSION = 1
 FIELDS = ("fw_ms", "bw_ms", "stored_mib", "peak_mib")
 OPS = ("layer", "embedding", "output")
+# Optional tables: the layer measured at a recompute level.
+LEVEL_OPS = {"selective": "layer_selective", "full": "layer_full"}
 
 
 class _Table:
@@ -100,7 +106,7 @@ def _check_profile(data: Mapping[str, Any], source: str) -> None:
     ops = data.get("ops")
     if not isinstance(ops, Mapping):
         raise DynaPipeError(f"{source}: 'ops' must be an object with tables for {list(OPS)}.")
-    for op in OPS:
+    for op in OPS + tuple(k for k in LEVEL_OPS.values() if k in ops):
         table = ops.get(op)
         if table is None:
             raise DynaPipeError(f"{source}: ops.{op} is missing; a profile needs {list(OPS)}.")
@@ -130,8 +136,9 @@ class ProfileCostModel(CostModel):
         super().__init__(model, num_stages)
         mbs = np.asarray(profile["mbs"], dtype=np.float64)
         seqlen = np.asarray(profile["seqlen"], dtype=np.float64)
+        present = OPS + tuple(k for k in LEVEL_OPS.values() if k in profile["ops"])
         self.tables = {op: {f: _Table(mbs, seqlen, np.asarray(profile["ops"][op][f], dtype=np.float64))
-                            for f in FIELDS} for op in OPS}
+                            for f in FIELDS} for op in present}
         self.stage_overhead_ms = float(profile.get("stage_overhead_ms", 0.0))
         self.profile = profile
 
@@ -159,6 +166,11 @@ class ProfileCostModel(CostModel):
     def _op(self, op: str, b, s) -> dict:
         return {f: self.tables[op][f](b, s) for f in FIELDS}
 
+    def output_stored_mib(self, layout: StageLayout, mbs, seqlen, dec_seqlen) -> np.ndarray:
+        if not layout.has_output:
+            return super().output_stored_mib(layout, mbs, seqlen, dec_seqlen)
+        return self.tables["output"]["stored_mib"](mbs, seqlen)
+
     def layout_cost(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str) -> StageCost:
         m = self.model
         n = layout.decoder_layers
@@ -166,7 +178,11 @@ class ProfileCostModel(CostModel):
         fw, bw = n * layer["fw_ms"], n * layer["bw_ms"]
         stored = n * layer["stored_mib"]
         peak = layer["peak_mib"]
-        if recompute != "none":
+        measured = LEVEL_OPS.get(recompute)
+        if measured in self.tables:
+            at = self._op(measured, mbs, seqlen)
+            fw, bw, stored, peak = n * at["fw_ms"], n * at["bw_ms"], n * at["stored_mib"], at["peak_mib"]
+        elif recompute != "none":
             # Shares of the attention core in FLOPs and of attention scores in stored memory.
             h, ad, f = m.hidden_size, m.attention_dim, m.ffn_hidden_size
             s = np.asarray(seqlen, dtype=np.float64)

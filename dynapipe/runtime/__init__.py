@@ -8,6 +8,9 @@ Names are loaded on first use, so a module of this package that does not need to
   (:mod:`dynapipe.runtime.contract`)
 - :func:`chrome_trace`, :func:`write_chrome_trace`, :func:`gather_traces`
   (:mod:`dynapipe.runtime.exec_trace`)
+- :class:`ActivationMeter`, :func:`measure_activations` (:mod:`dynapipe.runtime.activation_meter`)
+  and :func:`planned_activation_peak_mib` (:mod:`dynapipe.runtime.activation_plan`): a rank's
+  measured activation peak and the one its plan promises
 - :func:`spawn`, :func:`spawn_outcomes`, :func:`init_distributed`, :func:`free_port`
   (:mod:`dynapipe.runtime.distributed`)
 """
@@ -24,6 +27,8 @@ _EXPORTS = {
     "spawn": "distributed", "spawn_outcomes": "distributed", "init_distributed": "distributed",
     "free_port": "distributed", "DistContext": "distributed", "RankOutcome": "distributed",
     "SpawnError": "distributed",
+    "ActivationMeter": "activation_meter", "measure_activations": "activation_meter",
+    "planned_activation_peak_mib": "activation_plan",
 }
 
 __all__ = sorted(_EXPORTS)

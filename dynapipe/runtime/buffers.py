@@ -15,7 +15,7 @@ since their shape no longer matches their gradient's).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch.autograd import Variable
@@ -67,13 +67,18 @@ class BufferTable:
 
     ``live_bytes``/``peak_bytes`` count the data held by live buffers (received and sent
     activations, gradients, loaded inputs); tensors saved inside autograd graphs are not
-    counted, they belong to the model.
+    counted, they belong to the model. ``meter`` (an
+    :class:`~dynapipe.runtime.activation_meter.ActivationMeter`) is told of every buffer
+    tensor held and dropped, so the rank's activation peak counts the buffers with what
+    autograd saves, each storage once.
     """
 
     live: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     freed_at: dict[str, int] = field(default_factory=dict)
     live_bytes: int = 0
     peak_bytes: int = 0
+    meter: Optional[Any] = None
+    _keys: dict = field(default_factory=dict)  # buffer -> {tensor name: meter key}
 
     def put(self, name: str, tensors: dict[str, torch.Tensor], where: str) -> None:
         """Fill buffer ``name``; a buffer is filled once per iteration."""
@@ -82,6 +87,8 @@ class BufferTable:
         self.live[name] = tensors
         self.live_bytes += sum(tensor_bytes(t) for t in tensors.values())
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if self.meter is not None:
+            self._keys[name] = {k: self.meter.hold(t) for k, t in tensors.items()}
 
     def get(self, name: str, where: str) -> dict[str, torch.Tensor]:
         """The tensors of a live buffer; an error if it was freed or never filled."""
@@ -95,9 +102,18 @@ class BufferTable:
     def has(self, name: str) -> bool:
         return name in self.live
 
-    def released(self, nbytes: int) -> None:
-        """Account for data of a live buffer released in place (see :func:`release_data`)."""
-        self.live_bytes -= nbytes
+    def release(self, name: str, where: str) -> int:
+        """Release the data of every tensor of live buffer ``name`` in place (see
+        :func:`release_data`), keeping their graphs; bytes released."""
+        total = 0
+        keys = self._keys.get(name, {})
+        for k, t in self.get(name, where).items():
+            n = release_data(t)
+            if n and self.meter is not None:
+                self.meter.drop(keys.pop(k, 0))
+            total += n
+        self.live_bytes -= total
+        return total
 
     def free(self, name: str, index: int, where: str) -> None:
         """Drop buffer ``name`` (instruction ``index`` frees it)."""
@@ -106,10 +122,18 @@ class BufferTable:
         tensors = self.live.pop(name)
         self.live_bytes -= sum(tensor_bytes(t) for t in tensors.values())
         self.freed_at[name] = index
+        self._forget(name)
+
+    def _forget(self, name: str) -> None:
+        if self.meter is not None:
+            for key in self._keys.pop(name, {}).values():
+                self.meter.drop(key)
 
     def clear(self) -> list[str]:
         """Drop every buffer; returns the names the plan left unfreed."""
         left = sorted(self.live)
+        for name in left:
+            self._forget(name)
         self.live.clear()
         self.freed_at.clear()
         self.live_bytes = 0

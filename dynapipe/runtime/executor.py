@@ -7,7 +7,10 @@ of received activations, buffer lifetimes, loss normalisation, timeouts and fail
 reports. The same executor drives a plain torch stage and a megatron-core stage.
 
 The contract with the model integration (handlers, configuration, results) is in
-:mod:`dynapipe.runtime.contract`.
+:mod:`dynapipe.runtime.contract`. This module holds the entry point, the instruction loop
+and failure handling; the compute instructions are in :mod:`dynapipe.runtime.exec_compute`,
+the transfers in :mod:`dynapipe.runtime.exec_transfers`, an iteration's bookkeeping in
+:mod:`dynapipe.runtime.run_state`.
 
 Before anything is sent, every pipeline rank's plan is compared with its peers'
 (:class:`dynapipe.runtime.plan_check.PeerPlanCheck`); the exchange is started with the
@@ -26,7 +29,6 @@ wait never makes a deadlock-free plan deadlock.
 from __future__ import annotations
 
 import traceback
-from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
@@ -34,65 +36,22 @@ import torch.distributed as dist
 
 from dynapipe.errors import ExecutorError, PlanError
 from dynapipe.plan.instructions import (RECV_STARTS, SEND_STARTS, BackwardPass, ExecutionPlan, FINISHES,
-                                        ForwardPass, FreeBuffer, Instruction, LoadInput, MicroBatchInfo,
-                                        RecvActivationFinish, RecvGradFinish, SendActivationFinish,
-                                        SendActivationStart, SendGradFinish, SendGradStart, TensorSpec,
-                                        buffer_name)
+                                        ForwardPass, FreeBuffer, Instruction, LoadInput, SendActivationStart,
+                                        SendGradStart)
 from dynapipe.plan.serialize import deserialize_plan
-from dynapipe.runtime.buffers import BufferTable, backward_from, release_data
+from dynapipe.runtime.activation_meter import ActivationMeter
+from dynapipe.runtime.buffers import BufferTable
+from dynapipe.runtime.exec_compute import ComputeOps
+from dynapipe.runtime.exec_transfers import TransferOps
 from dynapipe.runtime.exec_trace import WAIT_SENDS, ExecEvent, ExecTrace, describe, now_us
 from dynapipe.runtime.contract import ExecutorConfig, HandlerFailure, IterationResult, StageHandlers
-from dynapipe.runtime.p2p import AbortChannel, CommFailure, PeerComm, RemoteFailure, Waiter, allocate, check_tensor
+from dynapipe.runtime.p2p import AbortChannel, CommFailure, PeerComm, RemoteFailure, Waiter
 from dynapipe.runtime.plan_check import (PeerPlanCheck, check_plan_locally, executor_prefix, pair_starts,
                                          row_key)
-
-SEND_FINISHES = (SendActivationFinish, SendGradFinish)
-TRANSFERS = SEND_STARTS + RECV_STARTS + FINISHES
+from dynapipe.runtime.run_state import TRANSFERS, RunState, Where
 
 
-class _At:
-    """Where an instruction runs, as text only when an error message needs it (the
-    instruction loop is hot; formatting every location up front would cost more than
-    some transfers)."""
-
-    __slots__ = ("ex", "i", "ins", "what")
-
-    def __init__(self, ex: "Executor", i: int, ins: Instruction, what: str = ""):
-        self.ex, self.i, self.ins, self.what = ex, i, ins, what
-
-    def also(self, what: str) -> "_At":
-        return _At(self.ex, self.i, self.ins, self.what + what)
-
-    def __str__(self) -> str:
-        return self.ex._where(self.i, self.ins) + self.what
-
-    def __format__(self, spec: str) -> str:
-        return str(self)
-
-
-@dataclass
-class _Run:
-    """State of one iteration."""
-
-    plan: ExecutionPlan
-    mbs: dict[int, MicroBatchInfo]
-    start_of: dict[int, int]
-    batches: dict[int, list[int]]
-    send_specs: dict[tuple[int, int], tuple[TensorSpec, ...]]
-    grad_specs: dict[tuple[int, int], tuple[TensorSpec, ...]]
-    buffers: BufferTable = field(default_factory=BufferTable)
-    pending: dict = field(default_factory=dict)
-    inflight: set = field(default_factory=set)
-    roots: dict = field(default_factory=dict)
-    act_inputs: dict = field(default_factory=dict)
-    losses: dict = field(default_factory=dict)
-    loss_tokens: int = 0  # what the summed loss is divided by
-    released: int = 0
-    deferred: list = field(default_factory=list)  # (pending, where, SendFinish) not yet waited for
-    check: Optional[PeerPlanCheck] = None  # the peer plan check, until settled
-
-
-class Executor:
+class Executor(ComputeOps, TransferOps):
     """Runs execution plans on one pipeline rank.
 
     ``group``: the pipeline process group (``None``: the default group); pipeline rank
@@ -101,7 +60,9 @@ class Executor:
     the one the process group was initialised with); with it a failure on any rank stops
     every rank promptly with that rank's message, without it ranks stop on a broken
     connection or the timeout. ``replica``: this rank's data-parallel index, checked
-    against the plan's when given.
+    against the plan's when given. ``meter``: an
+    :class:`~dynapipe.runtime.activation_meter.ActivationMeter` told of every buffer, so a
+    rank measuring its activation memory counts received and unsent tensors too.
 
     :meth:`close` (or ``with Executor(...) as ex:``) stops its helper threads and removes
     its store keys. Every rank of a pipeline must create its executors in the same order;
@@ -110,7 +71,8 @@ class Executor:
 
     def __init__(self, handlers: StageHandlers, *, group: Optional[dist.ProcessGroup] = None,
                  device: Union[str, torch.device] = "cpu", store: Optional[dist.Store] = None,
-                 config: Optional[ExecutorConfig] = None, replica: Optional[int] = None):
+                 config: Optional[ExecutorConfig] = None, replica: Optional[int] = None,
+                 meter: Optional[ActivationMeter] = None):
         self.handlers = handlers
         self.config = config or ExecutorConfig()
         self.device = torch.device(device)
@@ -126,6 +88,8 @@ class Executor:
         self.waiter = Waiter(self.config.timeout_s, self.abort, self.config.poll_s,
                              stream_ordered=self.device.type == "cuda", watch=self.config.watch_failures)
         self.replica = replica
+        # Told of every buffer held and dropped, so the rank's activation peak counts them.
+        self.meter = meter
         self._runs = 0
         self._failed: Optional[str] = None
         self._closed = False
@@ -234,10 +198,10 @@ class Executor:
     # ---- the instruction loop ----------------------------------------------------------
     def _execute(self, plan: ExecutionPlan, start_of: dict, batches: dict,
                  check: Optional[PeerPlanCheck], loss_tokens: int) -> IterationResult:
-        run = _Run(plan, {m.mb: m for m in plan.micro_batches}, start_of, batches,
-                   {(x.mb, x.chunk): x.tensors for x in plan.instructions if isinstance(x, SendActivationStart)},
-                   {(x.mb, x.chunk): x.tensors for x in plan.instructions if isinstance(x, SendGradStart)},
-                   check=check, loss_tokens=loss_tokens)
+        run = RunState(plan, {m.mb: m for m in plan.micro_batches}, start_of, batches,
+                       {(x.mb, x.chunk): x.tensors for x in plan.instructions if isinstance(x, SendActivationStart)},
+                       {(x.mb, x.chunk): x.tensors for x in plan.instructions if isinstance(x, SendGradStart)},
+                       buffers=BufferTable(meter=self.meter), check=check, loss_tokens=loss_tokens)
         trace = ExecTrace(plan.stage, plan.replica, plan.iteration) if self.config.trace else None
         posted0 = self.comm.posted
         t_begin = now_us()
@@ -264,9 +228,9 @@ class Executor:
         return IterationResult(plan.iteration, loss, {k: float(v) for k, v in run.losses.items()}, wall_ms,
                                run.buffers.peak_bytes, run.released, self.comm.posted - posted0, trace, unfreed)
 
-    def _step(self, i: int, ins: Instruction, run: _Run, trace: Optional[ExecTrace], op) -> None:
+    def _step(self, i: int, ins: Instruction, run: RunState, trace: Optional[ExecTrace], op) -> None:
         """Run ``op`` for instruction ``i``, timing it when tracing; every failure is reported."""
-        where = _At(self, i, ins)
+        where = Where(self, i, ins)
         t0 = now_us() if trace is not None else 0.0
         try:
             op(i, ins, run, where)
@@ -290,7 +254,7 @@ class Executor:
             trace.events.append(ExecEvent(i, opcode, ins.mb, name, cat, t0, now_us() - t0, kind, shape))
             trace.memory.append((t0, run.buffers.live_bytes))
 
-    def _settle(self, run: _Run) -> None:
+    def _settle(self, run: RunState) -> None:
         """Finish the peer plan check started in :meth:`run` (raises :class:`PlanError` on a refusal)."""
         check, run.check = run.check, None
         self._guard(lambda: check.settle(self.waiter))
@@ -308,173 +272,13 @@ class Executor:
         if self.abort is not None:
             self.abort.report(self.global_rank, str(err), primary)
 
-    def _dispatch(self, i: int, ins: Instruction, run: _Run, where: _At) -> None:
+    def _dispatch(self, i: int, ins: Instruction, run: RunState, where: Where) -> None:
         op = self._ops.get(type(ins))
         if op is None:
             raise ExecutorError(f"{where}: no handler for instruction {type(ins).__name__}.")
         op(i, ins, run, where)
 
-    def _free(self, i: int, ins: FreeBuffer, run: _Run, where: _At) -> None:
+    def _free(self, i: int, ins: FreeBuffer, run: RunState, where: Where) -> None:
         if ins.buffer in run.inflight:
             raise ExecutorError(f"{where}: buffer {ins.buffer!r} is freed while its transfer is in flight.")
         run.buffers.free(ins.buffer, i, where)
-
-    # ---- compute -----------------------------------------------------------------------
-    def _load(self, i: int, ins: LoadInput, run: _Run, where: _At) -> None:
-        data = self.handlers.load(run.mbs[ins.mb], ins.tensors)
-        if not isinstance(data, dict) or set(data) != {s.name for s in ins.tensors}:
-            got = sorted(data) if isinstance(data, dict) else type(data).__name__
-            raise ExecutorError(f"{where}: load returned {got}, the plan expects tensors "
-                                f"{[s.name for s in ins.tensors]}.")
-        run.buffers.put(buffer_name("input", ins.mb, ins.chunk),
-                        {s.name: check_tensor(data[s.name], s, self.device, where.also(" load")) for s in ins.tensors},
-                        where)
-
-    def _usable(self, name: str, run: _Run, where: _At) -> dict[str, torch.Tensor]:
-        if name in run.inflight:
-            raise ExecutorError(f"{where}: buffer {name!r} is used before its receive finished.")
-        return run.buffers.get(name, where)
-
-    def _forward(self, i: int, ins: ForwardPass, run: _Run, where: _At) -> None:
-        key, plan = (ins.mb, ins.chunk), run.plan
-        inputs: dict[str, torch.Tensor] = {}
-        received: dict[str, torch.Tensor] = {}
-        if plan.stage > 0:
-            for name, t in self._usable(buffer_name("act_in", *key), run, where).items():
-                if t.is_floating_point():
-                    t.requires_grad_(True)
-                    received[name] = t
-                inputs[name] = t
-        loaded = buffer_name("input", *key)
-        if run.buffers.has(loaded):
-            for name, t in run.buffers.get(loaded, where).items():
-                if name in inputs:
-                    raise ExecutorError(f"{where}: loaded tensor {name!r} has the name of a received activation.")
-                inputs[name] = t
-        out = self.handlers.forward(run.mbs[ins.mb], inputs, ins)
-        run.act_inputs[key] = received
-        if plan.stage == plan.num_stages - 1:
-            if not isinstance(out, torch.Tensor) or out.numel() != 1 or not out.is_floating_point():
-                raise ExecutorError(f"{where}: the last stage's forward must return the summed token loss as a "
-                                    f"scalar float tensor, got {type(out).__name__}"
-                                    f"{list(out.shape) if isinstance(out, torch.Tensor) else ''}.")
-            if run.loss_tokens <= 0:
-                raise ExecutorError(f"{where}: the loss normaliser is {run.loss_tokens} tokens (plan."
-                                    f"global_real_tokens or run(loss_tokens=...)); the loss cannot be normalised.")
-            run.losses[ins.mb] = out.detach().reshape(())
-            scale = run.loss_tokens if self.config.normalise_loss else 1
-            run.roots[key] = ([out.reshape(()) / scale], [None])
-            return
-        specs = run.send_specs.get(key, ())
-        if isinstance(out, torch.Tensor):
-            if len(specs) != 1:
-                raise ExecutorError(f"{where}: forward returned one tensor, the plan sends "
-                                    f"{[s.name for s in specs]}; return a dict by name.")
-            out = {specs[0].name: out}
-        if not isinstance(out, dict) or set(out) != {s.name for s in specs}:
-            got = sorted(out) if isinstance(out, dict) else type(out).__name__
-            raise ExecutorError(f"{where}: forward returned {got}, the plan sends {[s.name for s in specs]}.")
-        outs = {s.name: check_tensor(out[s.name], s, self.device, where.also(" forward output")) for s in specs}
-        run.roots[key] = (list(outs.values()), list(outs))
-        run.buffers.put(buffer_name("act_out", *key), outs, where)
-
-    def _backward(self, i: int, ins: BackwardPass, run: _Run, where: _At) -> None:
-        key, plan = (ins.mb, ins.chunk), run.plan
-        if key not in run.roots:
-            raise ExecutorError(f"{where}: backward of a micro-batch whose forward did not run on this rank.")
-        roots, names = run.roots.pop(key)
-        if plan.stage == plan.num_stages - 1:
-            grads: list[Optional[torch.Tensor]] = [None]
-        else:
-            got = self._usable(buffer_name("grad_in", *key), run, where)
-            missing = [n for n in names if n not in got]
-            if missing:
-                raise ExecutorError(f"{where}: received gradients {sorted(got)} lack {missing}.")
-            grads = [got[n] for n in names]
-        custom = getattr(self.handlers, "backward", None)
-        if custom is not None:
-            custom(run.mbs[ins.mb], roots, grads, ins)
-        else:
-            backward_from(roots, grads)
-        received = run.act_inputs.pop(key)
-        specs = run.grad_specs.get(key)
-        if specs is not None:
-            grads_out = {}
-            for s in specs:
-                t = received.get(s.name)
-                if t is None:
-                    raise ExecutorError(f"{where}: the plan sends a gradient for {s.name!r}, which this stage "
-                                        f"did not receive as a float activation.")
-                g = t.grad if t.grad is not None else torch.zeros_like(t)
-                grads_out[s.name] = check_tensor(g, s, self.device, where.also(" input gradient"))
-                t.grad = None
-            run.buffers.put(buffer_name("grad_out", *key), grads_out, where)
-
-    # ---- communication -----------------------------------------------------------------
-    def _start(self, i: int, ins: Instruction, run: _Run, where: _At) -> None:
-        if i in run.pending:
-            return  # posted with an earlier start of its batch
-        ops = []
-        members = run.batches.get(i, [i])
-        for j in members:
-            x = run.plan.instructions[j]
-            where = _At(self, j, x)
-            if isinstance(x, SEND_STARTS):
-                data = self._usable(x.buffer, run, where)
-                for s in x.tensors:
-                    if s.name not in data:
-                        raise ExecutorError(f"{where}: buffer {x.buffer!r} has no tensor {s.name!r} to send.")
-                    ops.append((j, True, check_tensor(data[s.name], s, self.device, where), x.peer))
-            else:
-                bufs = {s.name: allocate(s, self.device) for s in x.tensors}
-                run.buffers.put(x.buffer, bufs, where)
-                run.inflight.add(x.buffer)
-                ops.extend((j, False, bufs[s.name], x.peer) for s in x.tensors)
-        posted = self.comm.post(ops) if ops else {}
-        for j in members:
-            pending = run.pending[j] = posted.get(j)
-            if pending is not None:
-                x = run.plan.instructions[j]
-                self.waiter.watch(pending, (x.peer, isinstance(x, SEND_STARTS)))
-
-    def _finish(self, i: int, ins: Instruction, run: _Run, where: _At) -> None:
-        pending = run.pending.pop(run.start_of[i], None)
-        if isinstance(ins, SEND_FINISHES):
-            # A send is waited for at the next point this rank blocks anyway (a receive, or
-            # before the next compute op or the free of its buffer): the plan's order of
-            # transfers and compute is unchanged, one wait serves several transfers, and
-            # the sent data is still released before the next op runs.
-            run.deferred.append((pending, where, ins))
-            return
-        # A receive is waited for together with the deferred sends and the receives that
-        # directly follow it: the same condition (all complete) for the cost of one wait.
-        group = [(p, w) for p, w, _ in run.deferred if p is not None]
-        if pending is not None:
-            group.append((pending, where))
-        for k in range(i + 1, len(run.plan.instructions)):
-            nxt = run.plan.instructions[k]
-            if not isinstance(nxt, (RecvActivationFinish, RecvGradFinish)):
-                break
-            p = run.pending.get(run.start_of[k])
-            if p is not None:
-                group.append((p, _At(self, k, nxt)))
-        self.waiter.wait_many(group)
-        self._sent(run)
-        run.inflight.discard(ins.buffer)
-
-    def _flush_sends(self, i: int, ins: Instruction, run: _Run, where: _At) -> None:
-        """Wait for the deferred sends (see :meth:`_finish`)."""
-        self.waiter.wait_many([(p, w) for p, w, _ in run.deferred if p is not None])
-        self._sent(run)
-
-    def _sent(self, run: _Run) -> None:
-        """The deferred sends completed: release the data of the sent activations."""
-        done, run.deferred = run.deferred, []
-        if not self.config.release_sent_activations:
-            return
-        for _, where, ins in done:
-            if isinstance(ins, SendActivationFinish):
-                for t in run.buffers.get(ins.buffer, where).values():
-                    n = release_data(t)
-                    run.released += n
-                    run.buffers.released(n)

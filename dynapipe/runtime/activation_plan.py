@@ -1,0 +1,88 @@
+"""The activation memory a rank's plan promises, from the cost model: what the measurement is checked against.
+
+:func:`planned_activation_peak_mib` walks one rank's instruction list as the executor
+runs it and keeps, in MiB:
+
+* the stored activations of every micro-batch between its forward and its backward,
+  priced by the cost model at the level the instruction carries (``stored_mib``);
+* the buffers the executor holds: loaded inputs, received activations until their
+  forward (from then on they are the first layer's stored input), outputs until their
+  send finishes, received gradients and produced input gradients until freed, sized
+  exactly from the plan's tensor specs;
+* during a backward, what that op holds on top: with ``transient=False`` the
+  activations the recomputation saves again (:meth:`CostModel.recompute_held_mib`),
+  which is what a CPU rank measures; with ``transient=True`` the op's whole transient
+  peak (``peak_mib``, during the forward too), as the simulator budgets it and as a
+  GPU's allocator measures it.
+
+Pure Python and numpy: no torch.
+"""
+from __future__ import annotations
+
+from dynapipe.cost.base import MIB, CostModel
+from dynapipe.plan.instructions import (BackwardPass, ExecutionPlan, FreeBuffer, ForwardPass, LoadInput,
+                                        RecvActivationStart, RecvGradStart, SendActivationFinish, SendGradStart,
+                                        TensorSpec,
+                                        buffer_name)
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1, "uint8": 1}
+
+
+def message_mib(specs: tuple[TensorSpec, ...]) -> float:
+    """MiB of the tensors ``specs`` describe."""
+    return sum(s.numel * DTYPE_BYTES[s.dtype] for s in specs) / MIB
+
+
+def _mb_costs(plan: ExecutionPlan, cost_model: CostModel) -> dict:
+    """(mb, level) -> (stored, transient, recompute-held) MiB on this plan's stage."""
+    out = {}
+    for ins in plan.instructions:
+        if not isinstance(ins, (ForwardPass, BackwardPass)) or (ins.mb, ins.recompute) in out:
+            continue
+        dec = ins.dec_seqlen if cost_model.model.is_encoder_decoder else None
+        c = cost_model.stage_cost(ins.mbs, ins.seqlen, dec, recompute=ins.recompute, stage=plan.stage)
+        held = cost_model.recompute_held_mib(ins.mbs, ins.seqlen, dec, recompute=ins.recompute, stage=plan.stage)
+        out[(ins.mb, ins.recompute)] = (float(c.stored_mib), float(c.peak_mib), float(held))
+    return out
+
+
+def planned_activation_peak_mib(plan: ExecutionPlan, cost_model: CostModel, *, transient: bool = False) -> float:
+    """Highest activation memory of ``plan``'s rank over the iteration, MiB (see the module docstring)."""
+    costs = _mb_costs(plan, cost_model)
+    send_specs = {ins.buffer: ins.tensors for ins in plan.instructions if isinstance(ins, SendActivationFinish)}
+    grad_specs = {ins.buffer: ins.tensors for ins in plan.instructions if isinstance(ins, SendGradStart)}
+    buffers: dict[str, float] = {}
+    stored_of: dict[int, float] = {}
+    stored = peak = 0.0
+    for ins in plan.instructions:
+        high = None
+        if isinstance(ins, LoadInput):
+            buffers[buffer_name("input", ins.mb, ins.chunk)] = message_mib(ins.tensors)
+        elif isinstance(ins, (RecvActivationStart, RecvGradStart)):
+            buffers[ins.buffer] = message_mib(ins.tensors)
+        elif isinstance(ins, ForwardPass):
+            st, pk, _ = costs[(ins.mb, ins.recompute)]
+            buffers.pop(buffer_name("act_in", ins.mb, ins.chunk), None)  # now the first layer's stored input
+            if transient:
+                high = stored + st + pk
+            stored += st
+            stored_of[ins.mb] = st
+            out = buffer_name("act_out", ins.mb, ins.chunk)
+            if out in send_specs:
+                buffers[out] = message_mib(send_specs[out])
+        elif isinstance(ins, BackwardPass):
+            _, pk, held = costs[(ins.mb, ins.recompute)]
+            high = stored + (pk if transient else held)
+            stored -= stored_of.pop(ins.mb, 0.0)
+            grad_out = buffer_name("grad_out", ins.mb, ins.chunk)
+            if grad_out in grad_specs:
+                buffers[grad_out] = message_mib(grad_specs[grad_out])
+        elif isinstance(ins, SendActivationFinish):
+            buffers.pop(ins.buffer, None)  # the executor releases sent data
+        elif isinstance(ins, FreeBuffer):
+            buffers.pop(ins.buffer, None)
+        held_buffers = sum(buffers.values())
+        if high is not None:
+            peak = max(peak, high + held_buffers)
+        peak = max(peak, stored + held_buffers)
+    return peak
