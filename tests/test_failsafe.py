@@ -74,7 +74,7 @@ def files(tmp_path_factory):
     f["missing"] = str(d / "no-such-file")
     f["under_file"] = str(d / "binary" / "x")
     text("good_lengths", "100\n200\n50\n")
-    text("deep.yaml", "a: " + "[" * 1500 + "]" * 1500 + "\n")
+    text("deep.yaml", "a: " + "[" * 800 + "]" * 800 + "\n")
     text("deep.json", "[" * 100000 + "]" * 100000)
     return f
 
@@ -841,9 +841,9 @@ def _restart_on_marker(marker, procs, port, stop, seen):
     while not stop.is_set():
         if os.path.exists(marker):
             deadline = time.monotonic() + 30
-            while not any(k.endswith("/it5/r0/s1") for k in probe.keys("")) and time.monotonic() < deadline:
+            while not any(k.endswith("/it5/r0/s0") for k in probe.keys("")) and time.monotonic() < deadline:
                 time.sleep(0.02)
-            seen.append(any(k.endswith("/it5/r0/s1") for k in probe.keys("")))
+            seen.append(any(k.endswith("/it5/r0/s0") for k in probe.keys("")))
             probe.close()
             _restart(procs, port, 0.5)
             os.remove(marker)
@@ -883,8 +883,9 @@ def fault_outcomes(tmp_path_factory):
     port = free_port()
     procs = [_redis_start(port)]
     marker = str(d / "paused")
-    # Six iterations planned ahead: when rank 0 pauses after iteration 1, iteration 5 waits
-    # unread on the server (each fetch thread holds two queued and one in hand) and is lost.
+    # Six iterations planned ahead: when rank 0 pauses after iteration 1, its payload of
+    # iteration 5 waits unread on the server (its fetch thread holds 2 and 3 queued and 4 in
+    # hand) and is lost.
     redis = (f" --use-dynapipe --dynapipe-kv-backend redis --dynapipe-redis-port {port} --dynapipe-store-retry-s 20"
              f" --dynapipe-prefetch 6")
     steps["redis_undisturbed"] = ("train", f"{TINY}{MOCK} --train-iters 7 --lr 1e-3{redis}")
