@@ -7,6 +7,7 @@ Pure Python: no torch, no megatron.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -159,14 +160,26 @@ class ClusterConfig:
 def _read_yaml(path: str) -> dict:
     if not os.path.exists(path):
         raise DynaPipeError(f"config file {path!r} does not exist.")
-    with open(path) as f:
-        try:
+    if os.path.isdir(path):
+        raise DynaPipeError(f"config file {path!r} is a directory; give a YAML file.")
+    try:
+        with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
-        except yaml.YAMLError as e:
-            raise DynaPipeError(f"config file {path!r} is not valid YAML: {e}") from None
+    except yaml.YAMLError as e:
+        first = " ".join(str(e).split())
+        raise DynaPipeError(f"config file {path!r} is not valid YAML: {first}") from None
+    except UnicodeDecodeError:
+        raise DynaPipeError(f"config file {path!r} is not UTF-8 text (a binary file?); give a YAML file.") from None
+    except OSError as e:
+        raise DynaPipeError(f"config file {path!r} cannot be read: {e.strerror}.") from None
+    except RecursionError:
+        raise DynaPipeError(f"config file {path!r} is nested too deeply to be a config.") from None
     if not isinstance(data, dict):
         raise DynaPipeError(f"config file {path!r} must hold a mapping of keys to values.")
     return data
+
+
+read_yaml = _read_yaml  # a YAML file that must hold a mapping; clear errors for anything else
 
 
 # Field annotations are strings (postponed evaluation); these are the scalar ones to check.
@@ -175,6 +188,8 @@ _SCALAR_TYPES = {"int": ((int,), "an integer"), "float": ((int, float), "a numbe
 
 
 def _build(cls, data: Mapping[str, Any], source: str):
+    if not isinstance(data, Mapping):
+        raise DynaPipeError(f"{source}: expected a mapping of keys to values, got {type(data).__name__}.")
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
@@ -185,6 +200,8 @@ def _build(cls, data: Mapping[str, Any], source: str):
             value = data[f.name]
             if not isinstance(value, types) or (isinstance(value, bool) and f.type != "bool"):
                 raise DynaPipeError(f"{source}: {f.name}={value!r} must be {what}.")
+            if f.type in ("int", "float") and not math.isfinite(value):
+                raise DynaPipeError(f"{source}: {f.name}={value!r} must be a finite number.")
     try:
         return cls(**data)
     except TypeError as e:

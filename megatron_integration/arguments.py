@@ -64,6 +64,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="packing: restart position ids at every sample of a packed row")
     g.add_argument("--reset-attention-mask", action="store_true",
                    help="packing: samples of a packed row do not attend to each other")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
+                   help="stop the job when the loss or the gradient norm is NaN or infinite, before the optimizer "
+                        "step (default on; --no-check-for-nan-in-loss-and-grad disables)")
     g.add_argument("--recompute-granularity", default=None, choices=("full", "selective"),
                    help="activation recomputation: selective (core attention) or full (whole layers)")
     g.add_argument("--recompute-method", default=None, choices=("uniform", "block"),
@@ -136,6 +139,9 @@ def add_dynapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="plan delivery: the job's torch.distributed store, or Redis")
     g.add_argument("--dynapipe-redis-host", default="127.0.0.1")
     g.add_argument("--dynapipe-redis-port", type=int, default=6379)
+    g.add_argument("--dynapipe-store-retry-s", type=float, default=30.0,
+                   help="seconds a lost Redis connection is retried with backoff before the job stops; what a "
+                        "restarted server lost is planned again (default 30)")
     g.add_argument("--dynapipe-max-tokens", type=int, default=None,
                    help="token-budget batching: padded tokens per micro-batch")
     g.add_argument("--dynapipe-tokens-per-global-batch", type=int, default=None,
@@ -157,7 +163,9 @@ def add_dynapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 def build_parser(prog: Optional[str] = None, description: Optional[str] = None) -> argparse.ArgumentParser:
     """A standalone parser with the Megatron and DynaPipe arguments."""
-    parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
+    from dynapipe.cli.argtypes import StrictArgumentParser
+
+    parser = StrictArgumentParser(prog=prog, description=description, allow_abbrev=False)
     add_megatron_args(parser)
     add_dynapipe_args(parser)
     return parser
@@ -238,6 +246,9 @@ def training_config_from_args(args: argparse.Namespace, world_size: int,
         _positive(flag, getattr(args, flag.replace("-", "_")))
     _positive("lr", args.lr, allow_zero=True)
     _positive("dynapipe-prefetch", args.dynapipe_prefetch, allow_zero=True)
+    _positive("dynapipe-store-retry-s", args.dynapipe_store_retry_s, allow_zero=True)
+    if not 0 < args.dynapipe_redis_port < 65536:
+        raise DynaPipeError(f"--dynapipe-redis-port {args.dynapipe_redis_port}: a TCP port is 1 to 65535.")
     model = model_args_from_args(args, cuda)
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -302,7 +313,8 @@ def training_config_from_args(args: argparse.Namespace, world_size: int,
         cluster=args.dynapipe_cluster or ("h100-8x" if cuda else "cpu-local"),
         planner_workers=args.dynapipe_planner_workers, prefetch=args.dynapipe_prefetch,
         kv_backend=args.dynapipe_kv_backend, redis_host=args.dynapipe_redis_host,
-        redis_port=args.dynapipe_redis_port, max_tokens=args.dynapipe_max_tokens,
+        redis_port=args.dynapipe_redis_port, store_retry_s=args.dynapipe_store_retry_s,
+        max_tokens=args.dynapipe_max_tokens,
         timeout_s=args.dynapipe_timeout_s, trace_dir=args.dynapipe_trace_dir, recompute=level)
 
     if args.mock_data and args.data_path:
@@ -334,6 +346,10 @@ def training_config_from_args(args: argparse.Namespace, world_size: int,
                               distributed=args.use_distributed_optimizer)
     if args.save_interval is not None and not args.save:
         raise DynaPipeError("--save-interval needs --save DIR to write the checkpoints to.")
+    if args.save:
+        from megatron_integration.checkpoint_files import check_save_dir
+
+        check_save_dir(args.save)
     if args.load and not os.path.isdir(args.load):
         raise DynaPipeError(f"--load {args.load!r}: no such checkpoint directory.")
 
@@ -343,7 +359,8 @@ def training_config_from_args(args: argparse.Namespace, world_size: int,
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         save=args.save, load=args.load, save_interval=args.save_interval,
         load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, log_interval=args.log_interval,
-        tensorboard_dir=args.tensorboard_dir, recompute=recompute)
+        tensorboard_dir=args.tensorboard_dir, recompute=recompute,
+        check_for_nan_in_loss_and_grad=getattr(args, "check_for_nan_in_loss_and_grad", True))
 
 
 def recompute_from_args(args: argparse.Namespace) -> tuple[RecomputeArgs, Optional[str]]:

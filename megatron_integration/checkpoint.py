@@ -15,6 +15,8 @@ megatron-core's ``save_parameter_state`` gathers it into ``distrib_optim.pt``
 ``latest_checkpointed_iteration.txt`` is written last, after a barrier, so a job that
 dies mid-save resumes from the previous complete checkpoint. Files are loaded with
 ``torch.load(weights_only=True)``: nothing but tensors and plain values is unpickled.
+Every file has a ``.sha256`` sidecar, verified before loading
+(:mod:`megatron_integration.checkpoint_files`).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from dynapipe.errors import DynaPipeError
+from megatron_integration.checkpoint_files import load_verified, save_with_checksum, verify_file, write_checksum
 from megatron_integration.initialize import RankInfo
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -82,9 +85,11 @@ def set_rng_state(state: dict) -> None:
 
 
 def _atomic_save(obj, path: str) -> None:
-    tmp = path + ".tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    save_with_checksum(lambda tmp: torch.save(obj, tmp), path)
+
+
+def _load(path: str, map_location) -> dict:
+    return load_verified(lambda p: torch.load(p, map_location=map_location, weights_only=True), path)
 
 
 def _is_distributed(optimizer) -> bool:
@@ -112,7 +117,10 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, gpt: torch
         }
         _atomic_save(payload, os.path.join(rank_dir, "model_optim_rng.pt"))
     if _is_distributed(optimizer):
-        optimizer.save_parameter_state(os.path.join(rank_dir, "distrib_optim.pt"))
+        optim_path = os.path.join(rank_dir, "distrib_optim.pt")
+        optimizer.save_parameter_state(optim_path)
+        if info.dp_rank == 0 and os.path.exists(optim_path):
+            write_checksum(optim_path)
     _atomic_save(get_rng_state(), os.path.join(rank_dir, f"rng_dp_{info.dp_rank:03d}.pt"))
     dist.barrier()
     if info.rank == 0:
@@ -129,20 +137,44 @@ def latest_iteration(root: str) -> Optional[int]:
     path = os.path.join(root, LATEST)
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        text = f.read().strip()
     try:
-        return int(text)
-    except ValueError:
-        raise DynaPipeError(f"{path}: expected an iteration number, found {text!r}.") from None
+        with open(path, "rb") as f:
+            raw = f.read(64)
+    except OSError as e:
+        raise DynaPipeError(f"{path} cannot be read: {e.strerror}.") from None
+    text = raw.decode("ascii", errors="replace").strip()
+    if not text.isascii() or not text.isdigit():
+        raise DynaPipeError(f"{path}: expected an iteration number, found {text[:20]!r}; the file is corrupted.")
+    return int(text)
 
 
 def load_checkpoint(root: str, gpt: torch.nn.Module, optimizer, scheduler, info: RankInfo,
                     load_optim: bool = True, load_rng: bool = True) -> Optional[ResumeState]:
-    """Restore this rank's part of the newest checkpoint under ``root``.
+    """Restore this rank's part of the newest checkpoint under ``root``; collective.
 
-    Returns None when ``root`` holds no checkpoint yet (a fresh start).
+    Returns None when ``root`` holds no checkpoint yet (a fresh start). Every file is
+    verified against its checksum first. A rank that cannot load its part makes every
+    rank raise the same one-line error, so none goes on to wait for it in training.
     """
+    error: Optional[str] = None
+    resumed = None
+    try:
+        resumed = _load_rank(root, gpt, optimizer, scheduler, info, load_optim, load_rng)
+    except DynaPipeError as e:
+        error = str(e)
+    errors = [error]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, text = failed[0]
+        raise DynaPipeError(text if len(errors) == 1 else f"rank {rank}: {text}")
+    return resumed
+
+
+def _load_rank(root: str, gpt: torch.nn.Module, optimizer, scheduler, info: RankInfo,
+               load_optim: bool, load_rng: bool) -> Optional[ResumeState]:
     iteration = latest_iteration(root)
     if iteration is None:
         return None
@@ -151,8 +183,8 @@ def load_checkpoint(root: str, gpt: torch.nn.Module, optimizer, scheduler, info:
     if not os.path.exists(main):
         raise DynaPipeError(f"checkpoint {main} is missing: was it saved with the same "
                             f"--tensor/--pipeline-model-parallel-size?")
-    payload = torch.load(main, map_location=info.device, weights_only=True)
-    if payload.get("format_version") != FORMAT_VERSION:
+    payload = _load(main, info.device)
+    if not isinstance(payload, dict) or payload.get("format_version") != FORMAT_VERSION:
         raise DynaPipeError(f"{main}: checkpoint format {payload.get('format_version')!r} is not supported.")
     try:
         gpt.load_state_dict(payload["model"], strict=True)
@@ -163,11 +195,13 @@ def load_checkpoint(root: str, gpt: torch.nn.Module, optimizer, scheduler, info:
         optimizer.load_state_dict(payload["optimizer"])
         scheduler.load_state_dict(payload["scheduler"])
         if _is_distributed(optimizer):
-            optimizer.load_parameter_state(os.path.join(rank_dir, "distrib_optim.pt"))
+            optim_path = os.path.join(rank_dir, "distrib_optim.pt")
+            verify_file(optim_path)
+            optimizer.load_parameter_state(optim_path)
     if load_rng:
         rng = os.path.join(rank_dir, f"rng_dp_{info.dp_rank:03d}.pt")
         if not os.path.exists(rng):
             raise DynaPipeError(f"{rng} is missing: the checkpoint was saved with fewer data-parallel ranks; "
                                 f"resume with --no-load-rng.")
-        set_rng_state(torch.load(rng, map_location="cpu", weights_only=True))
+        set_rng_state(_load(rng, "cpu"))
     return ResumeState(iteration=int(payload["iteration"]), consumed_samples=int(payload["consumed_samples"]))

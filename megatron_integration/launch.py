@@ -4,7 +4,7 @@ Used by ``python -m dynapipe bench`` (so the command alone trains PP2 on a CPU) 
 the tests. Each rank runs ``fn(*args)`` in a spawned process with torchrun's
 environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``)
 set; the results come back in rank order. A rank that raises stops the whole job and
-its traceback is re-raised here; a job that runs past ``timeout_s`` is killed and
+its traceback is re-raised here (a :class:`DynaPipeError` comes back as its one line); a job that runs past ``timeout_s`` is killed and
 reported, never left hanging.
 """
 from __future__ import annotations
@@ -25,6 +25,11 @@ class RankFailed(RuntimeError):
     """A rank of a spawned job raised; the message holds its traceback."""
 
 
+class RankUserError(RankFailed, DynaPipeError):
+    """A rank stopped on a :class:`DynaPipeError` (bad input, a diverged loss): the message
+    is that rank's one line, no traceback."""
+
+
 def free_port() -> int:
     """A TCP port free on this host right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -42,6 +47,9 @@ def _entry(rank: int, world_size: int, port: int, threads: int, fn: Callable, ar
         torch.set_num_threads(threads)
     try:
         results.put((rank, "ok", fn(*args)))
+    except DynaPipeError as e:
+        results.put((rank, "user-error", " ".join(str(e).split())))
+        raise SystemExit(2)
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
         raise SystemExit(1)
@@ -90,6 +98,8 @@ def spawn(fn: Callable, world_size: int, args: Sequence[Any] = (), timeout_s: fl
                     raise RankFailed(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} "
                                      f"before reporting a result")
                 continue
+            if status == "user-error":
+                raise RankUserError(f"rank {rank}: {payload}")
             if status == "error":
                 raise RankFailed(f"rank {rank} failed:\n{payload}")
             out[rank] = payload

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -114,12 +114,14 @@ def reduce_loss(loss_sum: float, loss_tokens: int, is_last_stage: bool, device: 
 
 def megatron_train_step(stage: Stage, optimizer, scheduler, micro_batches: list[MicroBatchTensors],
                         seq_length: int, mbs: int, info: RankInfo, real_tokens: int, padded_tokens: int,
-                        variable_seq_lengths: bool = False) -> StepResult:
+                        variable_seq_lengths: bool = False, before_step: Optional[Callable] = None) -> StepResult:
     """One iteration of megatron-core 1F1B over the micro-batches, with the optimizer step.
 
     Micro-batches of different lengths (``padding-mb``) turn on megatron-core's
     ``variable_seq_lengths`` for this call, as does ``variable_seq_lengths=True``: its p2p
-    then sends each activation's shape ahead of the activation."""
+    then sends each activation's shape ahead of the activation. ``before_step(local_loss_sum)``
+    runs after the backward pass and before the optimizer step (the NaN/Inf check); the
+    loss sum is None on ranks that hold no loss."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     start = time.perf_counter()
@@ -141,6 +143,8 @@ def megatron_train_step(stage: Stage, optimizer, scheduler, micro_batches: list[
                                        seq_length=seq_length, micro_batch_size=mbs, forward_only=False)
     finally:
         stage.config.variable_seq_lengths = saved_variable
+    if before_step is not None:
+        before_step(sum(float(r["lm loss"][0]) for r in reports) if info.is_last_stage else None)
     t_opt = time.perf_counter()
     ok, grad_norm, _ = optimizer.step()
     if ok:

@@ -26,20 +26,14 @@ class RunConfig:
 def load_run_config(path: str) -> RunConfig:
     """Read a run config: ``launch: {nnodes, nproc_per_node}`` and ``args: {flag: value}``
     (``true`` for a bare flag, a list for several values; names without the ``--``)."""
-    import yaml
-
-    from dynapipe.config import CONFIG_DIR
+    from dynapipe.config import CONFIG_DIR, read_yaml
 
     if not os.path.exists(path):
         shipped = os.path.join(CONFIG_DIR, "runs", path if path.endswith(".yaml") else path + ".yaml")
         if not os.path.exists(shipped):
             raise DynaPipeError(f"--run-config {path!r}: no such file (nor a shipped run in configs/runs/).")
         path = shipped
-    with open(path) as f:
-        try:
-            data = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise DynaPipeError(f"{path}: not valid YAML: {e}") from None
+    data = {} if os.path.isfile(path) and os.path.getsize(path) == 0 else read_yaml(path)
     unknown = sorted(set(data) - {"launch", "args", "description"})
     if unknown or not isinstance(data.get("args", {}), dict):
         raise DynaPipeError(f"{path}: a run config holds 'description', 'launch' and an 'args' mapping; "
@@ -56,4 +50,9 @@ def load_run_config(path: str) -> RunConfig:
         else:
             argv += [flag, str(value)]
     launch = data.get("launch", {}) or {}
+    if not isinstance(launch, dict) or set(launch) - {"nnodes", "nproc_per_node"}:
+        raise DynaPipeError(f"{path}: 'launch' holds nnodes and nproc_per_node only; got {launch!r}.")
+    for key, value in launch.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise DynaPipeError(f"{path}: launch.{key}={value!r} must be a positive integer.")
     return RunConfig(path, tuple(argv), launch.get("nnodes"), launch.get("nproc_per_node"))

@@ -120,6 +120,7 @@ class DynaPipeArgs:
     kv_backend: str = "store"
     redis_host: str = "127.0.0.1"
     redis_port: int = 6379
+    store_retry_s: float = 30.0  # seconds a lost Redis connection is retried
     max_tokens: Optional[int] = None
     timeout_s: float = 300.0
     trace_dir: Optional[str] = None
@@ -150,6 +151,8 @@ class DynaPipeTrainingConfig:
     log_interval: int = 100
     tensorboard_dir: Optional[str] = None
     recompute: RecomputeArgs = field(default_factory=RecomputeArgs)
+    # Megatron's --check-for-nan-in-loss-and-grad: stop on a NaN/Inf loss or gradient.
+    check_for_nan_in_loss_and_grad: bool = True
     extra: dict = field(default_factory=dict, compare=False)
 
     @property

@@ -47,6 +47,7 @@ from megatron_integration.data import dataset_config
 from megatron_integration.initialize import RankInfo
 from megatron_integration.megatron_step import StepResult, reduce_loss
 from megatron_integration.model import Stage, finalize_grads_func, set_recompute_level
+from megatron_integration.nan_guard import check_before_step
 
 
 class MegatronStageHandlers:
@@ -129,7 +130,7 @@ def make_loader(cfg: DynaPipeTrainingConfig, info: RankInfo, start_iteration: in
                               consumed_samples=consumed_samples, start_iteration=start_iteration,
                               train_iters=cfg.train_iters - start_iteration, num_workers=d.planner_workers,
                               prefetch=d.prefetch, kv_backend=d.kv_backend, redis_host=d.redis_host,
-                              redis_port=d.redis_port, plan_timeout_s=d.timeout_s)
+                              redis_port=d.redis_port, plan_timeout_s=d.timeout_s, store_retry_s=d.store_retry_s)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
     layout = RankLayout(rank=info.rank, world_size=info.world_size, dp_rank=info.dp_rank, dp_size=info.dp_size,
                         pp_rank=info.pp_rank, pp_size=info.pp_size,
@@ -194,6 +195,8 @@ class DynaPipeStepper:
         # DP sum of gradients and tied-embedding all-reduce; the executor already divided the
         # loss by the global token count, so no further scaling (num_tokens=None).
         finalize_grads_func()([self.stage.module], None)
+        check_before_step(self.cfg.check_for_nan_in_loss_and_grad, self.cfg.model.dtype == "fp16", self.stage.module,
+                          iteration, self.handlers.loss_sum if self.info.is_last_stage else None, self.info.device)
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Optional, Protocol, TextIO
 
 from megatron_integration.checkpoint import load_checkpoint, save_checkpoint
@@ -20,6 +21,7 @@ from megatron_integration.initialize import RankInfo, initialize_megatron
 from megatron_integration.logging_utils import TrainingLogger
 from megatron_integration.megatron_step import StepResult, build_micro_batches, megatron_train_step
 from megatron_integration.model import Stage, attach_training_hooks, build_optimizer, build_stage
+from megatron_integration.nan_guard import check_before_step
 from megatron_integration.train_config import DynaPipeTrainingConfig
 
 
@@ -50,8 +52,11 @@ class MegatronStepper:
         micro_batches, padded = build_micro_batches(cfg.method, samples, lengths, cfg.model.seq_length,
                                                     cfg.micro_batch_size, self.info, cfg.reset_position_ids,
                                                     cfg.reset_attention_mask)
+        guard = partial(check_before_step, cfg.check_for_nan_in_loss_and_grad, cfg.model.dtype == "fp16",
+                        self.stage.module, iteration, device=self.info.device)
         result = megatron_train_step(self.stage, self.optimizer, self.scheduler, micro_batches, cfg.model.seq_length,
-                                     cfg.micro_batch_size, self.info, int(lengths.sum()), padded)
+                                     cfg.micro_batch_size, self.info, int(lengths.sum()), padded,
+                                     before_step=guard)
         result.consumed_samples = batch.consumed_samples
         result.truncated = int(self.batches.dataset.truncated[batch.indices].sum())
         return result

@@ -26,9 +26,8 @@ from dynapipe.errors import DynaPipeError  # noqa: E402
 
 def main(argv=None) -> int:
     from megatron_integration.arguments import build_parser, load_run_config, training_config_from_args
-    from megatron_integration.initialize import destroy
-    from megatron_integration.training import pretrain
 
+    started = False
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(prog="pretrain_gpt.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-config", default=None, help="YAML run config (configs/runs/) giving the arguments")
@@ -44,12 +43,22 @@ def main(argv=None) -> int:
             argv = list(run.argv) + argv  # later arguments win
         args = parser.parse_args(argv)
         cfg = training_config_from_args(args, world_size)
+        # megatron-core is imported only now: a bad command line is reported before its notices.
+        from megatron_integration.initialize import quiet_megatron_warnings
+
+        quiet_megatron_warnings()
+        from megatron_integration.training import pretrain
+
+        started = True
         pretrain(cfg)
     except DynaPipeError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
         return 2
     finally:
-        destroy()
+        if started:
+            from megatron_integration.initialize import destroy
+
+            destroy()
     return 0
 
 

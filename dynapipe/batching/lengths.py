@@ -6,12 +6,18 @@ or two (encoder-decoder: input and target tokens). Blank lines and lines startin
 """
 from __future__ import annotations
 
+import re
 import sys
 from typing import Iterable, Optional, TextIO
 
 import numpy as np
 
 from dynapipe.errors import DynaPipeError
+
+# A sign and ASCII digits: int() alone also takes "1_000", blanks and non-ASCII digits.
+_INTEGER = re.compile(r"[+-]?[0-9]+\Z")
+# No sample is longer than this (tokens); it also keeps lengths well inside int64.
+MAX_LENGTH = 2**31 - 1
 
 
 def _parse_lines(lines: Iterable[str], source: str) -> np.ndarray:
@@ -35,12 +41,15 @@ def _parse_lines(lines: Iterable[str], source: str) -> np.ndarray:
                 f"{width}; use one column (decoder-only) or two (encoder-decoder) throughout.")
         row = []
         for field in fields:
-            try:
-                value = int(field, 10)
-            except ValueError:
-                raise DynaPipeError(f"{source}, line {lineno}: {field!r} is not an integer length in tokens.") from None
+            if not _INTEGER.match(field):
+                raise DynaPipeError(f"{source}, line {lineno}: {field!r} is not an integer length in tokens "
+                                    f"(ASCII digits only).")
+            value = int(field, 10)
             if value <= 0:
                 raise DynaPipeError(f"{source}, line {lineno}: length {value} must be a positive number of tokens.")
+            if value > MAX_LENGTH:
+                raise DynaPipeError(f"{source}, line {lineno}: length {field[:24]}{'...' if len(field) > 24 else ''} "
+                                    f"is above {MAX_LENGTH:,} tokens, longer than any sample can be.")
             row.append(value)
         rows.append(row)
     if not rows:
@@ -55,7 +64,7 @@ def read_lengths(path: str, stdin: Optional[TextIO] = None) -> np.ndarray:
         stream = stdin if stdin is not None else sys.stdin
         return _parse_lines(stream, "<stdin>")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             return _parse_lines(f, path)
     except FileNotFoundError:
         raise DynaPipeError(f"lengths file {path!r} does not exist; "
@@ -64,6 +73,8 @@ def read_lengths(path: str, stdin: Optional[TextIO] = None) -> np.ndarray:
         raise DynaPipeError(f"lengths file {path!r} is a directory; give a file with one length a line.") from None
     except UnicodeDecodeError:
         raise DynaPipeError(f"lengths file {path!r} is not a text file of integers.") from None
+    except OSError as e:
+        raise DynaPipeError(f"lengths file {path!r} cannot be read: {e.strerror}.") from None
 
 
 def validate_lengths(lengths, encoder_decoder: bool) -> np.ndarray:
@@ -92,9 +103,15 @@ def validate_lengths(lengths, encoder_decoder: bool) -> np.ndarray:
                 if not ok:
                     shown = v.item() if hasattr(v, "item") else v
                     raise DynaPipeError(f"sample {i}: length {shown!r} is not an integer number of tokens.")
+                if abs(float(v)) > MAX_LENGTH:
+                    raise DynaPipeError(f"sample {i}: length {float(v):g} is above {MAX_LENGTH:,} tokens.")
         arr = np.asarray(arr, dtype=np.int64)
     bad = np.flatnonzero((arr.reshape(len(arr), -1) <= 0).any(axis=1))
     if len(bad):
         i = int(bad[0])
         raise DynaPipeError(f"sample {i}: length {arr[i].tolist()} must be a positive number of tokens.")
+    big = np.flatnonzero((arr.reshape(len(arr), -1) > MAX_LENGTH).any(axis=1))
+    if len(big):
+        i = int(big[0])
+        raise DynaPipeError(f"sample {i}: length {arr[i].tolist()} is above {MAX_LENGTH:,} tokens.")
     return np.ascontiguousarray(arr, dtype=np.int64)

@@ -12,6 +12,7 @@ import importlib.util
 import sys
 from typing import Optional, Sequence
 
+from dynapipe.cli.argtypes import StrictArgumentParser, print_error
 from dynapipe.errors import DynaPipeError
 
 # command -> (module, one-line help). Order is the order ``--help`` lists them.
@@ -39,8 +40,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse ``argv`` and run one command; user errors print one line and return 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = _available()
-    parser = argparse.ArgumentParser(prog="python -m dynapipe",
-                                     description="DynaPipe: dynamic micro-batching and pipeline planning.")
+    parser = StrictArgumentParser(prog="python -m dynapipe",
+                                  description="DynaPipe: dynamic micro-batching and pipeline planning.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     # Only the chosen command's module is imported (and so only it may pull in torch).
     chosen = next((a for a in argv if not a.startswith("-")), None)
@@ -50,14 +51,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if name == chosen:
             modules[name] = importlib.import_module(module)
             modules[name].add_arguments(p)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a bad command line (2, already printed on one line)
+        return e.code if isinstance(e.code, int) else 2
     if args.command is None:
         parser.print_help()
         return 2
     try:
         return int(modules[args.command].run(args) or 0)
     except DynaPipeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        print_error(str(e))
+    except OSError as e:
+        # A file the command reads or writes: name it and say what the system said.
+        where = f"{e.filename!r}: " if e.filename else ""
+        print_error(f"{where}{e.strerror or e}; check the path and its permissions.")
+    except RecursionError:
+        print_error("the input is nested too deeply to read; it is not a file this command writes.")
+    except UnicodeError as e:
+        print_error(f"the input is not valid UTF-8 text ({e.reason}).")
+    except MemoryError:
+        print_error("out of memory while reading the input; is it the file you meant?")
     except KeyboardInterrupt:
         return 130
+    return 2

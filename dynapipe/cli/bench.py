@@ -59,6 +59,8 @@ def training_argv(args) -> list[str]:
         if isinstance(action, argparse._StoreTrueAction):
             if value:
                 out.append(flag)
+        elif isinstance(action, argparse.BooleanOptionalAction):
+            out.append(flag if value else action.option_strings[1])
         elif isinstance(value, list):
             out += [flag] + [str(v) for v in value]
         else:
@@ -70,7 +72,7 @@ def run(args) -> int:
     from dynapipe.errors import DynaPipeError
     from megatron_integration.arguments import parse_training_args
     from megatron_integration.bench import METHOD_FLAGS, PRESETS, run_bench, with_defaults
-    from megatron_integration.launch import RankFailed
+    from megatron_integration.launch import RankFailed, RankUserError
 
     argv = training_argv(args)
     preset = PRESETS[args.preset]
@@ -113,6 +115,8 @@ def run(args) -> int:
         run_bench(argv, methods, nproc, args.output, png=args.png, warmup_iters=warmup,
                   threads_per_rank=args.threads_per_rank, timeout_s=args.timeout_s, preset=args.preset,
                   rounds=args.rounds, sweep_top=args.sweep_top)
+    except RankUserError as e:
+        raise DynaPipeError(str(e)) from None  # bad input or a diverged run: one line, exit 2
     except RankFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import dataclass
 from typing import Optional
@@ -18,6 +19,7 @@ from dynapipe.cost import RECOMPUTE_LEVELS, CostModel, build_cost_model
 from dynapipe.errors import DynaPipeError
 
 HELP = "print the cost model's time and memory for given shapes"
+_DIGITS = re.compile(r"[+-]?[0-9]{1,12}\Z")
 
 
 def add_cost_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,16 +70,23 @@ def parse_shape(text: str, encoder_decoder: bool) -> tuple[int, int, Optional[in
     """``MBS,SEQLEN[,DEC_SEQLEN]`` -> integers; the decoder length only for encoder-decoder models."""
     parts = text.split(",")
     want = "MBS,SEQLEN,DEC_SEQLEN" if encoder_decoder else "MBS,SEQLEN"
-    try:
-        values = [int(v) for v in parts]
-    except ValueError:
-        raise DynaPipeError(f"--shape {text!r}: expected {want} as positive integers.") from None
+    if not all(_DIGITS.match(v) for v in parts):
+        raise DynaPipeError(f"--shape {text!r}: expected {want} as positive integers (ASCII digits).")
+    values = [int(v) for v in parts]
     if len(values) != (3 if encoder_decoder else 2):
         kind = "encoder-decoder" if encoder_decoder else "decoder-only"
         raise DynaPipeError(f"--shape {text!r}: the model is {kind}, so give {want}.")
     if any(v <= 0 for v in values):
         raise DynaPipeError(f"--shape {text!r}: every value must be a positive integer.")
     return values[0], values[1], (values[2] if encoder_decoder else None)
+
+
+def check_shape(text: str, shape: tuple[int, int, Optional[int]], model: ModelConfig) -> None:
+    """Refuse a shape the model cannot run: a sequence above its ``max_seq_length``."""
+    longest = max(s for s in shape[1:] if s is not None)
+    if longest > model.max_seq_length:
+        raise DynaPipeError(f"--shape {text!r}: {longest} tokens exceed the model's max_seq_length "
+                            f"{model.max_seq_length} ({model.name}); use a shorter sequence.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -109,6 +118,10 @@ def cost_rows(setup: CostSetup, shapes: list[tuple[int, int, Optional[int]]],
 def run(args: argparse.Namespace) -> int:
     setup = cost_setup_from_args(args)
     shapes = [parse_shape(s, setup.model.is_encoder_decoder) for s in args.shape]
+    for text, shape in zip(args.shape, shapes):
+        check_shape(text, shape, setup.model)
+    if args.stage is not None and not 0 <= args.stage < args.stages:
+        raise DynaPipeError(f"--stage {args.stage}: stages are numbered 0 to {args.stages - 1}.")
     json.dump(cost_rows(setup, shapes, args.stage), sys.stdout, indent=2)
     sys.stdout.write("\n")
     return 0

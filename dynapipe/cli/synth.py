@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 
 from dynapipe.data.synthetic import load_mixture, sample_lengths
+from dynapipe.errors import DynaPipeError
 
 HELP = "write a lengths file drawn from the synthetic multi-task mixture"
 
@@ -24,7 +25,10 @@ def run(args) -> int:
     lines = "\n".join(" ".join(map(str, row)) if lengths.ndim == 2 else str(row) for row in lengths.tolist())
     if args.output == "-":
         sys.stdout.write(lines + "\n")
-    else:
+        return 0
+    try:
         with open(args.output, "w") as f:
             f.write(lines + "\n")
+    except OSError as e:
+        raise DynaPipeError(f"--output {args.output!r} cannot be written: {e.strerror}.") from None
     return 0

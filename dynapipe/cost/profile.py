@@ -152,6 +152,15 @@ class ProfileCostModel(CostModel):
             raise DynaPipeError(f"profile {path!r} does not exist; write one with `python -m dynapipe profile`.") from None
         except json.JSONDecodeError as e:
             raise DynaPipeError(f"profile {path!r} is not valid JSON: {e}") from None
+        except IsADirectoryError:
+            raise DynaPipeError(f"profile {path!r} is a directory; give the JSON file "
+                                f"`python -m dynapipe profile --output` wrote.") from None
+        except UnicodeDecodeError:
+            raise DynaPipeError(f"profile {path!r} is not UTF-8 JSON text (a binary file?).") from None
+        except RecursionError:
+            raise DynaPipeError(f"profile {path!r} is nested too deeply to be a cost profile.") from None
+        except OSError as e:
+            raise DynaPipeError(f"profile {path!r} cannot be read: {e.strerror}.") from None
         return cls(model, data, num_stages, source=path)
 
     def _op(self, op: str, b, s) -> dict:

@@ -49,7 +49,18 @@ class DatasetConfig:
         return LengthLimits(self.seq_length, self.dec_seq_length, self.overlong).validate()
 
     def build(self) -> SampleDataset:
-        """Open the dataset (tokenising JSONL, reading indexed-dataset indices)."""
+        """Open the dataset (tokenising JSONL, reading indexed-dataset indices) and, when
+        ``vocab_size`` is set, check every token id is below it (once per dataset)."""
+        dataset = self._open()
+        if self.vocab_size:
+            data_vocab = int(getattr(dataset, "vocab_size", 0) or 0)
+            if data_vocab > self.vocab_size:
+                raise DynaPipeError(f"the data's tokenizer has {data_vocab} ids but --vocab-size is "
+                                    f"{self.vocab_size}; raise --vocab-size to at least {data_vocab}.")
+            dataset.validate_tokens(self.vocab_size)
+        return dataset
+
+    def _open(self) -> SampleDataset:
         if self.kind == "synthetic":
             from dynapipe.data.mixture_dataset import MixtureDataset
             from dynapipe.data.synthetic import load_mixture

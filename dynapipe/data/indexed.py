@@ -16,6 +16,8 @@ imports without it.
 """
 from __future__ import annotations
 
+import os
+import struct
 from typing import Optional, Sequence
 
 import numpy as np
@@ -32,7 +34,110 @@ def _open(prefix: str):
     if not _MegatronIndexed.exists(prefix):
         raise DynaPipeError(f"indexed dataset {prefix!r}: {prefix}.bin and {prefix}.idx must both exist "
                             f"(pass the path prefix, without the extension).")
-    return _MegatronIndexed(prefix, mmap=True)
+    for ext in (".idx", ".bin"):
+        if not os.path.isfile(prefix + ext):
+            raise DynaPipeError(f"{prefix}{ext} is not a regular file; give the prefix of a Megatron indexed dataset.")
+    _check_index_header(prefix + ".idx")
+    try:
+        handle = _MegatronIndexed(prefix, mmap=True)
+    except Exception as e:  # megatron-core asserts, struct and numpy errors: all mean a bad index
+        text = " ".join(str(e).split()) or type(e).__name__
+        raise DynaPipeError(f"{prefix}.idx cannot be read as a Megatron index ({text}): the file is truncated, "
+                            f"corrupted or not an index; write it again with Megatron's preprocess_data.py.") from None
+    _check_index(prefix, handle)
+    return handle
+
+
+_INDEX_MAGIC = b"MMIDIDX\x00\x00"
+_INDEX_HEAD = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, documents
+_DTYPE_CODES = range(1, 9)
+
+
+def _check_index_header(path: str) -> None:
+    """The ``.idx`` header is Megatron's and the file holds every array it announces.
+
+    Checked before megatron-core opens the file: its reader fails half-way through its
+    constructor on a bad file and then prints a second traceback from ``__del__``.
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(_INDEX_HEAD.size)
+    if len(head) < _INDEX_HEAD.size:
+        raise DynaPipeError(f"{path} is truncated: {size} bytes, shorter than an index header; "
+                            f"write it again with Megatron's preprocess_data.py.")
+    magic, version, code, sequences, documents = _INDEX_HEAD.unpack(head)
+    if magic != _INDEX_MAGIC or version != 1 or code not in _DTYPE_CODES:
+        raise DynaPipeError(f"{path} is not a Megatron index (header {head[:9]!r}, version {version}, dtype code "
+                            f"{code}); give the prefix of a dataset written by preprocess_data.py.")
+    need = _INDEX_HEAD.size + sequences * (4 + 8) + documents * 8
+    if size < need:
+        raise DynaPipeError(f"{path} is truncated: {size:,} bytes, but its header announces {sequences:,} sequences "
+                            f"and {documents:,} documents ({need:,} bytes); copy the file again or rebuild it.")
+    bin_path = path[:-len(".idx")] + ".bin"
+    lengths = np.fromfile(path, dtype=np.int32, count=sequences, offset=_INDEX_HEAD.size)
+    if sequences and not lengths.any():
+        _no_empty(path[:-len(".idx")], lengths)
+    if os.path.getsize(bin_path) == 0:
+        raise DynaPipeError(f"{bin_path} is empty, but its index announces {sequences:,} sequences; copy the file "
+                            f"again or rebuild the dataset.")
+
+
+def _check_index(prefix: str, handle) -> None:
+    """The index and the ``.bin`` agree: no negative length, contiguous pointers, and a
+    ``.bin`` long enough for the last sequence (a truncated copy is caught here, not
+    mid-training)."""
+    index = handle.index
+    lengths = np.asarray(index.sequence_lengths, dtype=np.int64)
+    pointers = np.asarray(index.sequence_pointers, dtype=np.int64)
+    item = np.dtype(index.dtype).itemsize
+    if lengths.shape[0] == 0:
+        return
+    bad = np.flatnonzero(lengths < 0)
+    if len(bad):
+        raise DynaPipeError(f"{prefix}.idx: sequence {int(bad[0])} has a negative length {int(lengths[bad[0]])}; "
+                            f"the index is corrupted.")
+    ends = pointers + lengths * item
+    gaps = np.flatnonzero((pointers[1:] != ends[:-1]) | (pointers[1:] < 0))
+    if pointers[0] != 0 or len(gaps):
+        i = 0 if pointers[0] != 0 else int(gaps[0]) + 1
+        raise DynaPipeError(f"{prefix}.idx: sequence {i} starts at byte {int(pointers[i])}, not where the sequence "
+                            f"before it ends; the index is corrupted.")
+    need, have = int(ends[-1]), os.path.getsize(prefix + ".bin")
+    if have < need:
+        raise DynaPipeError(f"{prefix}.bin is truncated: {have:,} bytes, but its index needs {need:,}; copy the "
+                            f"file again or rebuild the dataset.")
+
+
+# Token ids are checked this many at a time, so a large .bin never sits in memory whole.
+_CHECK_CHUNK = 1 << 24
+
+
+def first_bad_token(prefix: str, handle, vocab_size: int) -> Optional[tuple[int, int, int]]:
+    """(sequence index, position in it, id) of the first token id outside ``[0, vocab_size)``
+    in the dataset at ``prefix``, or None. Vectorised over the ``.bin`` in chunks."""
+    index = handle.index
+    dtype = np.dtype(index.dtype)
+    lengths = np.asarray(index.sequence_lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return None
+    data = np.memmap(prefix + ".bin", dtype=dtype, mode="r", shape=(total,))
+    for start in range(0, total, _CHECK_CHUNK):
+        chunk = data[start:start + _CHECK_CHUNK]
+        if int(chunk.min()) >= 0 and int(chunk.max()) < vocab_size:
+            continue
+        pos = start + int(np.flatnonzero((chunk < 0) | (chunk >= vocab_size))[0])
+        starts = np.asarray(index.sequence_pointers, dtype=np.int64) // dtype.itemsize
+        seq = int(np.searchsorted(starts, pos, side="right")) - 1
+        return seq, pos - int(starts[seq]), int(data[pos])
+    return None
+
+
+def _no_empty(prefix: str, lengths: np.ndarray) -> None:
+    empty = np.flatnonzero(lengths == 0)
+    if len(empty):
+        raise DynaPipeError(f"{prefix}.idx: sequence {int(empty[0])} has no tokens ({len(empty)} empty sequence(s) "
+                            f"in all); every sample needs at least one token: filter them out when building it.")
 
 
 def _as_list(x: Optional[str | Sequence[str]]) -> list[str]:
@@ -74,9 +179,13 @@ class MegatronIndexedDataset(SampleDataset):
                 if tlengths.shape != lengths.shape:
                     raise DynaPipeError(f"paired datasets disagree: {prefix!r} holds {lengths.shape[0]} sequences, "
                                         f"{tprefix!r} holds {tlengths.shape[0]}; they must pair one to one.")
+                _no_empty(tprefix, tlengths)
+                if encoder_decoder:
+                    _no_empty(prefix, lengths)
                 raw_in.append(lengths)
                 raw_tg.append(tlengths)
             else:
+                _no_empty(prefix, lengths)
                 raw_in.append(np.zeros_like(lengths))
                 raw_tg.append(lengths)
             tasks.append(np.full(lengths.shape[0], task, dtype=np.int64))
@@ -86,6 +195,15 @@ class MegatronIndexedDataset(SampleDataset):
             raise DynaPipeError(f"indexed dataset(s) {self.prefixes} hold no sequences.")
         self.input_lengths, self.target_lengths, self.truncated = clip_lengths(
             np.concatenate(raw_in), np.concatenate(raw_tg), limits, encoder_decoder, ",".join(self.prefixes))
+
+    def _check_token_ids(self, vocab_size: int) -> None:
+        for prefix in self.prefixes + self.target_prefixes:
+            bad = first_bad_token(prefix, self._handle(prefix), vocab_size)
+            if bad is not None:
+                seq, pos, token = bad
+                raise DynaPipeError(f"{prefix}.bin: sequence {seq}, token {pos} has id {token}, outside the "
+                                    f"vocabulary [0, {vocab_size}); raise --vocab-size to the tokenizer's "
+                                    f"vocabulary or rebuild the dataset with the model's tokenizer.")
 
     def __getstate__(self):
         state = dict(self.__dict__)

@@ -25,6 +25,8 @@ class _Parsed:
     inputs: list
     targets: list
     tasks: list
+    files: list
+    lines: list
 
 
 def _field(obj: dict, name: str, where: str) -> str:
@@ -34,8 +36,17 @@ def _field(obj: dict, name: str, where: str) -> str:
     return value
 
 
+def _tokens(tokenizer, obj: dict, name: str, where: str) -> np.ndarray:
+    try:
+        return tokenize_to_array(tokenizer, _field(obj, name, where))
+    except UnicodeEncodeError as e:
+        # JSON escapes can spell lone surrogates ("\ud800"), which are not text.
+        raise DynaPipeError(f"{where}: field {name!r} holds {e.object[e.start:e.end]!r}, which is not valid "
+                            f"Unicode text (a lone surrogate); fix the line.") from None
+
+
 def _parse_file(path: str, tokenizer, encoder_decoder: bool, append_eod: bool,
-                task_ids: dict, out: _Parsed) -> None:
+                task_ids: dict, out: _Parsed, file_index: int = 0) -> None:
     eod = np.array([tokenizer.eod], dtype=np.int64) if append_eod else np.zeros(0, dtype=np.int64)
     empty = np.zeros(0, dtype=np.int64)
     with open(path, "rb") as f:
@@ -47,19 +58,21 @@ def _parse_file(path: str, tokenizer, encoder_decoder: bool, append_eod: bool,
                 obj = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise DynaPipeError(f"{where}: not a valid JSON line ({e}); every line must be one JSON object.") from None
+            except RecursionError:
+                raise DynaPipeError(f"{where}: the JSON is nested too deeply to be a sample.") from None
             if not isinstance(obj, dict):
                 raise DynaPipeError(f"{where}: expected a JSON object, got {type(obj).__name__}.")
             if "input" in obj or "target" in obj:
                 if "input" not in obj or "target" not in obj:
                     raise DynaPipeError(f"{where}: a multi-task record needs both 'input' and 'target'.")
-                inp = tokenize_to_array(tokenizer, _field(obj, "input", where))
-                tgt = np.concatenate([tokenize_to_array(tokenizer, _field(obj, "target", where)), eod])
+                inp = _tokens(tokenizer, obj, "input", where)
+                tgt = np.concatenate([_tokens(tokenizer, obj, "target", where), eod])
             elif "text" in obj:
                 if encoder_decoder:
                     raise DynaPipeError(f"{where}: an encoder-decoder dataset needs 'input' and 'target' "
                                         f"fields; {{\"text\"}} records are for decoder-only models.")
                 inp = empty
-                tgt = np.concatenate([tokenize_to_array(tokenizer, _field(obj, "text", where)), eod])
+                tgt = np.concatenate([_tokens(tokenizer, obj, "text", where), eod])
             else:
                 raise DynaPipeError(f"{where}: expected fields 'input' and 'target' (multi-task) or "
                                     f"'text' (Megatron), found {sorted(obj)}.")
@@ -71,6 +84,8 @@ def _parse_file(path: str, tokenizer, encoder_decoder: bool, append_eod: bool,
             out.inputs.append(inp)
             out.targets.append(tgt)
             out.tasks.append(task_ids.setdefault(str(task), len(task_ids)))
+            out.files.append(file_index)
+            out.lines.append(lineno)
 
 
 def _flatten(arrays: list) -> tuple[np.ndarray, np.ndarray]:
@@ -99,23 +114,40 @@ class JsonlDataset(SampleDataset):
         self.encoder_decoder = encoder_decoder
         self.paths = paths
         task_ids: dict = {}
-        parsed = _Parsed([], [], [])
-        for path in paths:
+        parsed = _Parsed([], [], [], [], [])
+        for i, path in enumerate(paths):
             if not os.path.exists(path):
                 raise DynaPipeError(f"JSONL file {path!r} does not exist.")
-            _parse_file(path, tokenizer, encoder_decoder, append_eod, task_ids, parsed)
+            if not os.path.isfile(path):
+                raise DynaPipeError(f"JSONL file {path!r} is not a regular file.")
+            try:
+                _parse_file(path, tokenizer, encoder_decoder, append_eod, task_ids, parsed, i)
+            except OSError as e:
+                raise DynaPipeError(f"JSONL file {path!r} cannot be read: {e.strerror}.") from None
         if not parsed.targets:
             raise DynaPipeError(f"JSONL file(s) {paths} hold no samples.")
         self.task_names = list(task_ids)
         self._input_flat, self._input_off = _flatten(parsed.inputs)
         self._target_flat, self._target_off = _flatten(parsed.targets)
         self.tasks = np.asarray(parsed.tasks, dtype=np.int64)
+        # Where each sample came from, for messages: file index and line number.
+        self._files = np.asarray(parsed.files, dtype=np.int32)
+        self._lines = np.asarray(parsed.lines, dtype=np.int64)
         self.input_lengths, self.target_lengths, self.truncated = clip_lengths(
             np.diff(self._input_off), np.diff(self._target_off), limits, encoder_decoder, ",".join(paths))
         self.vocab_size = int(tokenizer.vocab_size)
         self.eod_id = int(tokenizer.eod)
         pad = getattr(tokenizer, "pad", None)
         self.pad_id = int(pad) if isinstance(pad, (int, np.integer)) and 0 <= pad < self.vocab_size else 0
+
+    def _check_token_ids(self, vocab_size: int) -> None:
+        for flat, offsets in ((self._input_flat, self._input_off), (self._target_flat, self._target_off)):
+            bad = np.flatnonzero((flat < 0) | (flat >= vocab_size))
+            if len(bad):
+                sample = int(np.searchsorted(offsets, bad[0], side="right")) - 1
+                where = f"{self.paths[int(self._files[sample])]}:{int(self._lines[sample])}"
+                raise DynaPipeError(f"{where}: token id {int(flat[bad[0]])} is outside the vocabulary "
+                                    f"[0, {vocab_size}); the tokenizer's vocabulary is larger than --vocab-size.")
 
     def _read(self, idx: int, input_len: int, target_len: int):
         i0 = self._input_off[idx]

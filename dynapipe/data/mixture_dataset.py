@@ -51,6 +51,12 @@ class MixtureDataset(SampleDataset):
         self.input_lengths, self.target_lengths, self.truncated = clip_lengths(
             mix.input_lengths, mix.target_lengths, limits, encoder_decoder, "synthetic mixture")
 
+    def _check_token_ids(self, vocab_size: int) -> None:
+        # Ids are drawn in [FIRST_TOKEN_ID, self.vocab_size) by construction.
+        if self.vocab_size > vocab_size:
+            raise DynaPipeError(f"the synthetic mixture draws token ids below {self.vocab_size}, more than "
+                                f"--vocab-size {vocab_size}; build it with the model's vocabulary size.")
+
     def _read(self, idx: int, input_len: int, target_len: int):
         ids = hashed_token_ids(self.seed, idx, input_len + target_len, self.vocab_size)
         return ids[:input_len], ids[input_len:], int(self.tasks[idx])

@@ -88,7 +88,7 @@ def clip_lengths(raw_input: np.ndarray, raw_target: np.ndarray, limits: LengthLi
         raise DynaPipeError(
             f"{source}: sample {i} has {what} ({int(truncated.sum())} over-long sample(s) in all). "
             f"Raise --seq-length, filter the data, or truncate over-long samples "
-            f"(overlong='truncate', --dynapipe-overlong-samples truncate).")
+            f"(overlong='truncate', --dynapipe-overlong truncate).")
     return inp, tgt, truncated
 
 
@@ -111,6 +111,35 @@ class SampleDataset(ABC):
 
     def __len__(self) -> int:
         return int(self.input_lengths.shape[0])
+
+    def validate_tokens(self, vocab_size: int) -> None:
+        """Check that every token id of the dataset lies in ``[0, vocab_size)``.
+
+        Vectorised over the whole dataset and done once per dataset and vocabulary size
+        (the result is kept, and travels with the dataset into planner workers), so every
+        batching path trains only on ids the embedding has. Raises :class:`DynaPipeError`
+        naming the file and the document.
+        """
+        if vocab_size <= 0:
+            raise DynaPipeError(f"--vocab-size {vocab_size}: must be positive.")
+        if getattr(self, "_tokens_valid_below", None) == vocab_size:
+            return
+        self._check_token_ids(int(vocab_size))
+        self._tokens_valid_below = int(vocab_size)
+
+    def _check_token_ids(self, vocab_size: int) -> None:
+        """Raise :class:`DynaPipeError` for the first id outside ``[0, vocab_size)``.
+
+        The default reads every sample; datasets holding their tokens in arrays override
+        it with a vectorised check.
+        """
+        for idx in range(len(self)):
+            s = self[idx]
+            for part in (s.input_ids, s.target_ids):
+                bad = np.flatnonzero((part < 0) | (part >= vocab_size))
+                if len(bad):
+                    raise DynaPipeError(f"sample {idx}: token id {int(part[bad[0]])} is outside the vocabulary "
+                                        f"[0, {vocab_size}); raise --vocab-size or fix the data.")
 
     @property
     def num_truncated(self) -> int:

@@ -7,6 +7,7 @@ encoder-decoder: each side) and are at least one token.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -42,24 +43,37 @@ class Mixture:
         return w / w.sum()
 
 
+# Lengths of more samples than this do not fit a reasonable amount of memory at once.
+MAX_SAMPLES = 100_000_000
+
+
 def load_mixture(path: Optional[str] = None) -> Mixture:
     """Read a mixture YAML file (default: ``configs/data/flan-mixture.yaml``)."""
+    from dynapipe.config import read_yaml
+
     path = path or DEFAULT_MIXTURE
     if not os.path.exists(path):
         raise DynaPipeError(f"mixture file {path!r} does not exist.")
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+    data = read_yaml(path)
     tasks = data.get("tasks")
     if not isinstance(tasks, list) or not tasks:
         raise DynaPipeError(f"{path}: a mixture needs a non-empty 'tasks' list.")
     specs = []
     for i, t in enumerate(tasks):
+        if not isinstance(t, dict):
+            raise DynaPipeError(f"{path}: task {i} must be a mapping of {list(TaskSpec.__dataclass_fields__)}.")
         try:
             spec = TaskSpec(**t)
         except TypeError as e:
             raise DynaPipeError(f"{path}: task {i}: {e}") from None
+        for key in ("weight", "median_input", "sigma_input", "median_target", "sigma_target"):
+            value = getattr(spec, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise DynaPipeError(f"{path}: task {i}: {key}={value!r} must be a finite number.")
         if spec.weight <= 0 or spec.median_input <= 0 or spec.median_target <= 0:
             raise DynaPipeError(f"{path}: task {spec.name!r}: weight and medians must be > 0.")
+        if spec.sigma_input < 0 or spec.sigma_target < 0:
+            raise DynaPipeError(f"{path}: task {spec.name!r}: sigmas must be >= 0.")
         specs.append(spec)
     return Mixture(tuple(specs))
 
@@ -78,6 +92,10 @@ def sample_mixture(mixture: Mixture, n: int, seed: int, seq_length: int,
     """Draw ``n`` samples. Decoder-only: input + target together fit in ``seq_length``."""
     if n <= 0:
         raise DynaPipeError(f"--samples {n}: the number of samples must be positive.")
+    if n > MAX_SAMPLES:
+        raise DynaPipeError(f"--samples {n}: at most {MAX_SAMPLES:,} samples can be drawn at once.")
+    if seed < 0:
+        raise DynaPipeError(f"--seed {seed}: the seed must be a non-negative integer.")
     if seq_length < 2:
         raise DynaPipeError(f"--seq-length {seq_length}: must be at least 2 tokens.")
     rng = np.random.default_rng(seed)

@@ -91,33 +91,65 @@ class TorchStoreKV(KVStore):
 
 
 class RedisKV(KVStore):
-    """A Redis server; every key expires after ``ttl_s`` so a crashed job leaves nothing behind."""
+    """A Redis server; every key expires after ``ttl_s`` so a crashed job leaves nothing behind.
+
+    A lost connection is retried with exponential backoff (50 ms doubling to 1 s) for up
+    to ``retry_s`` seconds, so a restarted server costs a pause, not the job; only then
+    is :class:`StoreUnreachableError` raised. What a restarted server lost is the
+    caller's to redo (:meth:`server_id` tells one server from its restart).
+    """
 
     chunk_bytes = REDIS_CHUNK_BYTES
 
-    def __init__(self, client, ttl_s: int):
+    def __init__(self, client, ttl_s: int, retry_s: float = 30.0, address: str = "redis"):
         self.client = client
         self.ttl_s = int(ttl_s)
+        self.retry_s = float(retry_s)
+        self.address = address
+
+    def _call(self, op: Callable):
+        import redis
+
+        deadline = None
+        delay = 0.05
+        while True:
+            try:
+                return op()
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+                now = time.monotonic()
+                deadline = deadline if deadline is not None else now + self.retry_s
+                if now >= deadline:
+                    raise StoreUnreachableError(
+                        f"lost Redis at {self.address} for more than --dynapipe-store-retry-s {self.retry_s:g} s "
+                        f"({' '.join(str(e).split())}); restart the server or raise the retry window.") from None
+                time.sleep(min(delay, max(deadline - now, 0.0)))
+                delay = min(delay * 2, 1.0)
 
     def set(self, key: str, value: bytes) -> None:
-        self.client.set(key, value, ex=self.ttl_s)
+        self._call(lambda: self.client.set(key, value, ex=self.ttl_s))
 
     def get(self, key: str) -> Optional[bytes]:
-        return self.client.get(key)
+        return self._call(lambda: self.client.get(key))
 
     def add(self, key: str, amount: int) -> int:
-        pipe = self.client.pipeline()
-        pipe.incrby(key, amount)
-        pipe.expire(key, self.ttl_s)
-        return int(pipe.execute()[0])
+        def incr():
+            pipe = self.client.pipeline()
+            pipe.incrby(key, amount)
+            pipe.expire(key, self.ttl_s)
+            return int(pipe.execute()[0])
+        return self._call(incr)
 
     def delete(self, key: str) -> bool:
-        return bool(self.client.delete(key))
+        return bool(self._call(lambda: self.client.delete(key)))
 
     def keys(self, prefix: str) -> list[str]:
         # Every glob character of the prefix is literal (a namespace may hold any of them).
         literal = re.sub(r"([*?\[\]\\])", r"\\\1", prefix)
-        return [k.decode() for k in self.client.scan_iter(match=literal + "*")]
+        return self._call(lambda: [k.decode() for k in self.client.scan_iter(match=literal + "*")])
+
+    def server_id(self) -> str:
+        """The server process's run id: it changes when the server restarts (and loses its data)."""
+        return str(self._call(lambda: self.client.info("server")["run_id"]))
 
     def close(self) -> None:
         self.client.close()
@@ -128,7 +160,8 @@ class KVStoreSpec:
     """How any process (a training rank or a planner worker) reaches the store.
 
     ``backend`` ``store``: the TCPStore at ``host:port``; ``redis``: a Redis server at
-    ``host:port`` database ``db``. ``connect_timeout_s`` bounds connecting (seconds).
+    ``host:port`` database ``db``. ``connect_timeout_s`` bounds connecting (seconds);
+    ``retry_s`` how long a Redis connection lost later is retried before giving up.
     """
 
     backend: str
@@ -137,13 +170,14 @@ class KVStoreSpec:
     db: int = 0
     connect_timeout_s: float = 30.0
     ttl_s: int = 3600
+    retry_s: float = 30.0
 
     def connect(self) -> KVStore:
         """Open a client connection; :class:`StoreUnreachableError` after the timeout."""
         if self.backend == "store":
             return _connect_tcp_store(self.host, self.port, self.connect_timeout_s)
         if self.backend == "redis":
-            return _connect_redis(self.host, self.port, self.db, self.connect_timeout_s, self.ttl_s)
+            return _connect_redis(self.host, self.port, self.db, self.connect_timeout_s, self.ttl_s, self.retry_s)
         raise DynaPipeError(f"--dynapipe-kv-backend {self.backend!r} is not known; use one of {list(KV_BACKENDS)}.")
 
 
@@ -161,21 +195,22 @@ def _connect_tcp_store(host: str, port: int, timeout_s: float) -> TorchStoreKV:
     return TorchStoreKV(store, owned=True)
 
 
-def _connect_redis(host: str, port: int, db: int, timeout_s: float, ttl_s: int) -> RedisKV:
+def _connect_redis(host: str, port: int, db: int, timeout_s: float, ttl_s: int, retry_s: float = 30.0) -> RedisKV:
     try:
         import redis
         from redis.backoff import ExponentialBackoff
         from redis.retry import Retry
     except ImportError:
         raise DynaPipeError("--dynapipe-kv-backend redis needs the redis package: pip install redis") from None
-    # A few quick retries per command; connecting keeps trying until the timeout.
-    client = redis.Redis(host=host, port=int(port), db=db, socket_connect_timeout=timeout_s,
-                         socket_timeout=max(timeout_s, 60.0), retry=Retry(ExponentialBackoff(0.5, 0.01), 3))
+    # One quick retry per command inside the client; RedisKV retries lost connections for
+    # retry_s; connecting keeps trying until the timeout.
+    client = redis.Redis(host=host, port=int(port), db=db, socket_connect_timeout=min(timeout_s, 5.0),
+                         socket_timeout=max(timeout_s, 60.0), retry=Retry(ExponentialBackoff(0.05, 0.01), 1))
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             client.ping()
-            return RedisKV(client, ttl_s)
+            return RedisKV(client, ttl_s, retry_s, f"{host}:{port} (db {db})")
         except redis.exceptions.RedisError as e:
             if time.monotonic() >= deadline:
                 client.close()

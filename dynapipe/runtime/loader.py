@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from dynapipe.runtime.kv_store import KV_BACKENDS, KVStore, KVStoreSpec, TorchSt
 from dynapipe.runtime.plan_fetcher import IterationData, IterationMeta, PayloadFetcher
 from dynapipe.runtime.plan_source import PlannerSettings, check_planner_settings
 from dynapipe.runtime.planner_workers import Keyspace, PlannerPool, WorkerJob
+from dynapipe.runtime.store_watch import RestartWatcher
 
 __all__ = ["DynaPipeDataLoader", "LoaderConfig", "RankLayout", "IterationData", "IterationMeta"]
 
@@ -48,7 +50,9 @@ class LoaderConfig:
     Store: ``kv_backend`` ``store`` (the job's TCPStore) or ``redis`` at
     ``redis_host:redis_port``; ``connect_timeout_s`` to reach it, ``plan_timeout_s`` the
     longest the training loop waits for one iteration. ``fetch_ahead``: decoded
-    iterations each rank holds ready ahead of the training loop.
+    iterations each rank holds ready ahead of the training loop. ``store_retry_s``: how
+    long a lost Redis connection is retried (a restarted server costs a pause, and the
+    iterations it lost are planned again).
     """
 
     global_batch_size: int = 0
@@ -69,6 +73,7 @@ class LoaderConfig:
     connect_timeout_s: float = 30.0
     plan_timeout_s: float = 300.0
     fetch_ahead: int = 2
+    store_retry_s: float = 30.0
 
     def validate(self) -> "LoaderConfig":
         if self.kv_backend not in KV_BACKENDS:
@@ -83,6 +88,8 @@ class LoaderConfig:
             raise DynaPipeError("consumed_samples, start_iteration and train_iters must be >= 0.")
         if self.plan_timeout_s <= 0 or self.connect_timeout_s <= 0:
             raise DynaPipeError("plan_timeout_s and connect_timeout_s must be > 0 seconds.")
+        if not self.store_retry_s >= 0:
+            raise DynaPipeError(f"--dynapipe-store-retry-s {self.store_retry_s}: must be >= 0 seconds.")
         return self
 
 
@@ -179,6 +186,9 @@ class DynaPipeDataLoader:
         self.consumed_samples = config.consumed_samples
         self._dispatched = config.start_iteration  # next iteration not yet considered for dispatch
         self._pool: Optional[PlannerPool] = None
+        self._watcher: Optional[RestartWatcher] = None
+        self._lock = threading.Lock()  # _dispatched is also read by the restart watcher
+        self._replanned_from: Optional[int] = None
         self._closed = False
         self._fetcher: Optional[PayloadFetcher] = None
         num_planner_nodes = config.planner_nodes or layout.num_nodes
@@ -198,14 +208,16 @@ class DynaPipeDataLoader:
                                        config.start_iteration, self._end(), config.fetch_ahead)
         # Workers and the fetch thread stop even if close() is never called (garbage
         # collection or exit).
-        self._finalizer = weakref.finalize(self, DynaPipeDataLoader._shutdown, self._pool, self._fetcher)
+        self._finalizer = weakref.finalize(self, DynaPipeDataLoader._shutdown, self._pool, self._fetcher,
+                                           self._watcher)
 
     # ---- set-up -----------------------------------------------------------------------
 
     def _connect(self, store) -> tuple[KVStore, KVStoreSpec]:
         c = self.config
         if c.kv_backend == "redis":
-            spec = KVStoreSpec("redis", c.redis_host, c.redis_port, c.redis_db, c.connect_timeout_s)
+            spec = KVStoreSpec("redis", c.redis_host, c.redis_port, c.redis_db, c.connect_timeout_s,
+                               retry_s=c.store_retry_s)
             return spec.connect(), spec
         if store is None:
             store = job_tcp_store()
@@ -223,7 +235,23 @@ class DynaPipeDataLoader:
         job = WorkerJob(dataset, sampler, c.consumed_samples, c.start_iteration, self.planner, spec,
                         self.keys, self.layout.node)
         self._pool = PlannerPool(job, c.num_workers)
+        if spec.backend == "redis":
+            self._watcher = RestartWatcher(spec, self._replan_lost)
         self._dispatch(self._next)
+
+    def _replan_lost(self) -> None:
+        """The Redis server restarted: plan again what it may have lost.
+
+        Every rank has finished iteration ``_next - 2`` (each step ends in a collective),
+        so payloads from ``_next - 1`` on may still be unread; the planned-ahead ones are
+        all lost. Plans are deterministic, so republishing gives every rank the same data.
+        """
+        with self._lock:
+            first = max(self.config.start_iteration, self._next - 1)
+            for it in range(first, self._dispatched):
+                if self._plans_here(it):
+                    self._pool.submit(it)
+            self._replanned_from = first if self._replanned_from is None else min(first, self._replanned_from)
 
     def _end(self) -> Optional[int]:
         return self.config.start_iteration + self.config.train_iters if self.config.train_iters else None
@@ -233,11 +261,12 @@ class DynaPipeDataLoader:
         end = current + self.config.prefetch
         if self._end() is not None:
             end = min(end, self._end())
-        while self._dispatched < end:
-            it = self._dispatched
-            if self._plans_here(it):
-                self._pool.submit(it)
-            self._dispatched += 1
+        with self._lock:
+            while self._dispatched < end:
+                it = self._dispatched
+                if self._plans_here(it):
+                    self._pool.submit(it)
+                self._dispatched += 1
 
     def _plans_here(self, iteration: int) -> bool:
         return iteration % self._planner_nodes == self.layout.node
@@ -307,8 +336,11 @@ class DynaPipeDataLoader:
         return {"consumed_samples": self.consumed_samples, "iteration": self._next}
 
     @staticmethod
-    def _shutdown(pool: Optional[PlannerPool], fetcher: Optional[PayloadFetcher]) -> None:
+    def _shutdown(pool: Optional[PlannerPool], fetcher: Optional[PayloadFetcher],
+                  watcher: Optional[RestartWatcher] = None) -> None:
         # No reference to the loader itself. The fetch thread would otherwise poll the store for ever.
+        if watcher is not None:
+            watcher.close()
         if fetcher is not None:
             fetcher.close()
         if pool is not None:
@@ -319,12 +351,16 @@ class DynaPipeDataLoader:
         if self._closed:
             return
         self._closed = True
+        if self._watcher is not None:
+            self._watcher.close()
         if self._fetcher is not None:
             self._fetcher.close()
         if self._pool is not None:
             self._pool.close()
+            # Iterations planned again after a server restart may have been published twice.
+            first = min(self._next, self._replanned_from if self._replanned_from is not None else self._next)
             try:
-                for it in filter(self._plans_here, range(self._next, self._dispatched)):
+                for it in filter(self._plans_here, range(first, self._dispatched)):
                     for r in range(self.layout.dp_size):
                         for s in range(self.layout.pp_size):
                             key = self.keys.payload(it, r, s)

@@ -1,0 +1,55 @@
+"""Notice a restarted Redis server, so what it lost can be planned again.
+
+A restarted server (without persistence) comes back empty: payloads published but not
+yet read are gone, and the ranks waiting for them would wait until the plan timeout.
+:class:`RestartWatcher` runs on each planner node: a thread with its own connection
+that reads the server's run id every ``poll_s`` seconds and calls ``on_restart`` when it
+changes. Planning is deterministic (same seed, same batches, same plans), so publishing
+a lost iteration again gives every rank exactly what it would have read.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional
+
+from dynapipe.runtime.kv_store import KVStoreSpec
+
+
+class RestartWatcher:
+    """Calls ``on_restart()`` from a daemon thread whenever the Redis server's run id changes.
+
+    A server that stays away longer than the spec's ``retry_s`` ends the thread quietly:
+    the ranks' own store calls report that, with the same one-line error.
+    """
+
+    def __init__(self, spec: KVStoreSpec, on_restart: Callable[[], None], poll_s: float = 0.2):
+        self.spec = spec
+        self.on_restart = on_restart
+        self.poll_s = poll_s
+        self.restarts = 0
+        self._stop = threading.Event()
+        self._kv = spec.connect()
+        self._server: Optional[str] = self._kv.server_id()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="dynapipe-redis-watch")
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(self.poll_s):
+                server = self._kv.server_id()
+                if server != self._server:
+                    self._server = server
+                    self.restarts += 1
+                    self.on_restart()
+        except Exception:
+            pass  # lost for good, or closing: the training ranks report it
+        finally:
+            try:
+                self._kv.close()
+            except Exception:
+                pass
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop the thread."""
+        self._stop.set()
+        self._thread.join(timeout_s)

@@ -1,0 +1,109 @@
+"""Checkpoint files that prove their own integrity: a SHA-256 next to every file.
+
+Each file a checkpoint writes (``model_optim_rng.pt``, ``rng_dp_XXX.pt``,
+``distrib_optim.pt``) gets a sidecar ``FILE.sha256`` holding its digest and size in
+bytes, written after the file itself is complete. Loading verifies both before the file
+is unpickled, so an empty, truncated or bit-flipped file is refused with one line naming
+it, instead of a ``RuntimeError``/``EOFError`` traceback or, worse, weights that load
+silently with a changed value. The mechanism knows nothing of what is inside the files,
+so it applies unchanged to any other checkpoint format's files.
+
+:func:`check_save_dir` runs at start-up, so a ``--save`` that cannot be written is found
+before any work is done, not at the first save.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from typing import Any, Callable
+
+from dynapipe.errors import DynaPipeError
+
+CHECKSUM_SUFFIX = ".sha256"
+_READ_BLOCK = 8 << 20
+
+
+def check_save_dir(path: str) -> None:
+    """Create ``path`` if needed and prove a file can be written in it; one-line error if not."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise DynaPipeError(f"--save {path!r} is a file, not a directory; give a directory for the checkpoints.")
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=path)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise DynaPipeError(f"--save {path!r} cannot be written ({e.strerror}); give a writable directory.") from None
+
+
+def file_digest(path: str) -> tuple[str, int]:
+    """SHA-256 (hex) and size in bytes of a file."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(_READ_BLOCK)
+            if not block:
+                break
+            h.update(block)
+            size += len(block)
+    return h.hexdigest(), size
+
+
+def write_checksum(path: str) -> None:
+    """Record ``path``'s digest and size in ``path + .sha256`` (atomically)."""
+    digest, size = file_digest(path)
+    tmp = path + CHECKSUM_SUFFIX + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{digest} {size}\n")
+    os.replace(tmp, path + CHECKSUM_SUFFIX)
+
+
+def verify_file(path: str) -> None:
+    """Raise :class:`DynaPipeError` unless ``path`` matches its recorded digest and size."""
+    if not os.path.isfile(path):
+        what = "a directory" if os.path.isdir(path) else "missing"
+        raise DynaPipeError(f"checkpoint file {path} is {what}; resume from a complete checkpoint.")
+    record = path + CHECKSUM_SUFFIX
+    try:
+        with open(record) as f:
+            fields = f.read().split()
+        digest, size = fields[0], int(fields[1])
+        if len(digest) != 64 or len(fields) != 2:
+            raise ValueError
+    except FileNotFoundError:
+        raise DynaPipeError(f"checkpoint file {path} has no checksum ({record} is missing), so it cannot be "
+                            f"verified; resume from a checkpoint this version saved.") from None
+    except (OSError, ValueError, IndexError, UnicodeDecodeError):
+        raise DynaPipeError(f"checksum file {record} is unreadable or corrupted; the checkpoint cannot be "
+                            f"verified.") from None
+    actual = os.path.getsize(path)
+    if actual == 0:
+        raise DynaPipeError(f"checkpoint file {path} is empty (0 of {size:,} bytes); it was not written completely.")
+    if actual != size:
+        kind = "truncated" if actual < size else "longer than when it was saved"
+        raise DynaPipeError(f"checkpoint file {path} is {kind} ({actual:,} bytes, {size:,} saved).")
+    if file_digest(path)[0] != digest:
+        raise DynaPipeError(f"checkpoint file {path} is corrupted: its SHA-256 differs from the one recorded at "
+                            f"save time; resume from another checkpoint.")
+
+
+def save_with_checksum(save: Callable[[str], None], path: str) -> None:
+    """Write ``path`` through ``save(tmp_path)``, rename it into place, then record its checksum."""
+    tmp = path + ".tmp"
+    save(tmp)
+    os.replace(tmp, path)
+    write_checksum(path)
+
+
+def load_verified(load: Callable[[str], Any], path: str) -> Any:
+    """Verify ``path`` against its checksum, then ``load(path)``; any failure is one line."""
+    verify_file(path)
+    try:
+        return load(path)
+    except DynaPipeError:
+        raise
+    except Exception as e:  # a file that passes its checksum but cannot be read: wrong format or version
+        text = " ".join(str(e).split())[:300]
+        raise DynaPipeError(f"checkpoint file {path} cannot be loaded ({type(e).__name__}: {text}).") from None
