@@ -159,3 +159,21 @@ def test_cost_command_tp_errors(capsys):
     assert rc == 0
     row = json.loads(capsys.readouterr().out)[0]
     assert row["stored_mib"] > 0
+
+
+@pytest.mark.parametrize("name,tp", [("gpt-13b-tp2-pp4-dp2-a100-40gb", 2), ("gpt-30b-tp4-pp4-dp2-h100", 4)])
+def test_tp_run_configs_need_their_tensor_parallelism(name, tp):
+    from megatron_integration.arguments import build_parser, load_run_config, training_config_from_args
+
+    run = load_run_config(name)
+    cfg = training_config_from_args(build_parser().parse_args(list(run.argv)), run.world_size, cuda=True)
+    assert cfg.parallel.tensor_model_parallel_size == tp and cfg.parallel.data_parallel_size == 2
+    assert run.nproc_per_node % tp == 0  # a TP group never spans nodes
+    model = cfg.model.to_model_config(name)
+    device = load_device_config(cfg.dynapipe.device)
+    pp, limit = cfg.parallel.pipeline_model_parallel_size, cfg.dynapipe.memory_limit_mb
+    states = [AnalyticCostModel(model, device, pp, TensorParallelConfig(t)).model_state_mib(dp=2, zero=True)
+              for t in (1, tp)]
+    # Without TP the model states alone overflow the device; with it activations get room.
+    assert states[0] > limit - device.reserved_mib
+    assert limit - device.reserved_mib - states[1] > 8 * 1024
