@@ -25,9 +25,9 @@ with it.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from typing import Optional
+
+import numpy as np
 
 from dynapipe.config import DeviceConfig, ModelConfig, TensorParallelConfig
 from dynapipe.cost.base import MIB, CostModel, StageCost, StageLayout
@@ -48,12 +48,16 @@ class AnalyticCostModel(CostModel):
         """Divisor of the activations TP alone replicates: ``t`` with sequence parallelism."""
         return self.tp.size if self.tp.sequence_parallel else 1
 
-    def _layer_comm_ms(self, b, s):
-        """One layer's TP collectives in one direction (forward or backward), ms."""
+    def _collective_ms(self, b, s):
+        """One TP collective of ``b x s x h`` activations, ms: an all-reduce, or with sequence
+        parallelism an all-gather or a reduce-scatter (half the ring traffic each)."""
         nbytes = b * s * self.model.hidden_size * self.model.dtype_bytes
-        if self.tp.sequence_parallel:
-            return 2 * (self.tp.gather_ms(nbytes) + self.tp.gather_ms(nbytes))
-        return 2 * self.tp.allreduce_ms(nbytes)
+        return self.tp.gather_ms(nbytes) if self.tp.sequence_parallel else self.tp.allreduce_ms(nbytes)
+
+    def _layer_comm_ms(self, b, s):
+        """One layer's TP collectives in one direction (forward or backward), ms: after the
+        attention and MLP blocks (all-reduce), or around each (all-gather, reduce-scatter)."""
+        return (4 if self.tp.sequence_parallel else 2) * self._collective_ms(b, s)
 
     # -- FLOPs of the forward of one layer ------------------------------------------------
     def _self_attn_mlp_flops(self, b, s):
@@ -143,18 +147,20 @@ class AnalyticCostModel(CostModel):
         out_fw = 0.0
         out_stored = 0.0
         out_peak = 0.0
-        # The vocabulary-parallel embedding reduces its output (forward); the output layer's
-        # input gradient is reduced in the backward: one bsh collective each.
-        edge = lambda s_: self._layer_comm_ms(b, s_) / 2  # noqa: E731
+        # The vocabulary-parallel embedding reduces (SP: reduce-scatters) its output in the
+        # forward; the output layer's input gradient is reduced in the backward, and with SP
+        # its input is all-gathered in the forward.
         fw_comm, bw_comm = comm, comm
         if layout.has_embedding:
-            fw_comm = fw_comm + edge(s_enc)
+            fw_comm = fw_comm + self._collective_ms(b, s_enc)
         if layout.has_output:
             out_fw = 2 * b * s_dec * m.hidden_size * m.vocab_size
             # The loss keeps fp32 logits/softmax for its backward; the op needs a second copy.
             out_stored = b * s_dec * self._output_row_bytes()
             out_peak = b * s_dec * m.vocab_size * FP32_BYTES / t
-            bw_comm = bw_comm + edge(s_dec)
+            bw_comm = bw_comm + self._collective_ms(b, s_dec)
+            if self.tp.sequence_parallel:
+                fw_comm = fw_comm + self._collective_ms(b, s_dec)
 
         fw_flops = (fw_lin + fw_core + out_fw) / t
         fw_lin, fw_core = fw_lin / t, fw_core / t
