@@ -10,7 +10,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import yaml
 
@@ -155,6 +155,44 @@ class ClusterConfig:
         """The link between two global ranks (same node: intra-node link)."""
         same = rank_a // self.gpus_per_node == rank_b // self.gpus_per_node
         return self.intra_node if same else self.inter_node
+
+
+@dataclass(frozen=True)
+class TensorParallelConfig:
+    """Tensor parallelism of every stage (Megatron's ``--tensor-model-parallel-size`` and
+    ``--sequence-parallel``); ``link``: the intra-node link its collectives run over."""
+
+    size: int = 1
+    sequence_parallel: bool = False
+    link: LinkConfig = field(default_factory=lambda: LinkConfig(300.0, 0.005))
+
+    def validate(self, model: "ModelConfig", gpus_per_node: Optional[int] = None) -> "TensorParallelConfig":
+        """Refuse a TP size the model cannot be split by (heads, FFN width) or that leaves the node."""
+        t = self.size
+        if t < 1:
+            raise DynaPipeError(f"--tp {t}: the tensor-parallel size must be at least 1.")
+        if self.sequence_parallel and t == 1:
+            raise DynaPipeError("--sequence-parallel needs --tp 2 or more (it shards the sequence over TP ranks).")
+        for what, n in (("num_attention_heads", model.num_attention_heads), ("ffn_hidden_size", model.ffn_hidden_size)):
+            if n % t:
+                raise DynaPipeError(f"--tp {t} does not divide {what}={n} of model {model.name!r}; "
+                                    f"use a divisor of {n}.")
+        if gpus_per_node is not None and t > gpus_per_node:
+            raise DynaPipeError(f"--tp {t} exceeds the {gpus_per_node} GPUs of a node; tensor parallelism "
+                                f"stays inside a node, so use at most {gpus_per_node}.")
+        return self
+
+    def allreduce_ms(self, nbytes):
+        """Ring all-reduce of ``nbytes`` bytes over the TP group, ms (0 without TP)."""
+        if self.size == 1:
+            return 0.0 * nbytes
+        return 2 * self.link.latency_ms + 2 * (self.size - 1) / self.size * nbytes / (self.link.bandwidth_gbps * 1e6)
+
+    def gather_ms(self, nbytes):
+        """Ring all-gather (or reduce-scatter) whose full result is ``nbytes`` bytes, ms."""
+        if self.size == 1:
+            return 0.0 * nbytes
+        return self.link.latency_ms + (self.size - 1) / self.size * nbytes / (self.link.bandwidth_gbps * 1e6)
 
 
 def _read_yaml(path: str) -> dict:

@@ -197,14 +197,42 @@ def _name_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
 
 
+def _tp_partition(param: torch.nn.Parameter) -> Optional[int]:
+    """The dimension along which megatron-core splits ``param`` over tensor-parallel ranks,
+    or ``None`` for a parameter every TP rank holds whole (norms, row-parallel biases)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return None
+    return int(getattr(param, "partition_dim", 0))
+
+
+def _tp_coordinates() -> tuple[int, int]:
+    """(rank, size) of this process in its tensor-parallel group; (0, 1) without one."""
+    try:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    except Exception:
+        pass
+    return 0, 1
+
+
 @torch.no_grad()
-def deterministic_init_(gpt: torch.nn.Module, model: GPTModelArgs, seed: int) -> None:
+def deterministic_init_(gpt: torch.nn.Module, model: GPTModelArgs, seed: int,
+                        tp: Optional[tuple[int, int]] = None) -> None:
     """Re-initialise every parameter from a generator seeded by (seed, global name).
 
     Same distributions as Megatron (normal(0, std) weights, scaled normal for output
     projections, zero biases, unit norm weights); the draws depend only on the global
-    parameter name, so a 1-stage and an N-stage model hold identical weights.
+    parameter name and the unsplit shape, so a 1-stage and an N-stage model hold identical
+    weights, and a tensor-parallel shard is the exact slice of the unsplit weight that
+    megatron-core gives this rank: rows for column-parallel layers (QKV, FC1, the
+    vocabulary-parallel embedding and output layer), columns for row-parallel ones (the
+    attention projection, FC2). megatron-core lays out QKV as contiguous query groups and
+    shards whole groups, so its slice is contiguous too. ``tp``: (rank, size) of the
+    tensor-parallel group; megatron's parallel state when omitted.
     """
+    tp_rank, tp_size = _tp_coordinates() if tp is None else tp
     tied = model.tie_embeddings
     std = model.init_method_std
     scaled_std = std / math.sqrt(2.0 * model.num_layers)
@@ -215,9 +243,19 @@ def deterministic_init_(gpt: torch.nn.Module, model: GPTModelArgs, seed: int) ->
         elif any(name.endswith(s) for s in _ONES) or param.dim() == 1:
             param.fill_(1.0)
         else:
+            dim = _tp_partition(param) if tp_size > 1 else None
+            if dim is not None and int(getattr(param, "partition_stride", 1)) != 1:
+                raise ValueError(f"parameter {name!r} is split over tensor-parallel ranks with stride "
+                                 f"{param.partition_stride}; deterministic initialisation slices contiguously only.")
+            full_shape = list(param.shape)
+            if dim is not None:
+                full_shape[dim] *= tp_size
+            # Draw the unsplit weight (the same on every split), keep this rank's slice.
             gen = torch.Generator(device=param.device).manual_seed(_name_seed(seed, name))
-            value = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+            value = torch.empty(full_shape, dtype=torch.float32, device=param.device)
             value.normal_(0.0, scaled_std if name.endswith(_SCALED) else std, generator=gen)
+            if dim is not None:
+                value = value.narrow(dim, tp_rank * param.shape[dim], param.shape[dim])
             param.copy_(value)
 
 

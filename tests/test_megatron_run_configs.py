@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from dynapipe.config import CONFIG_DIR, load_cluster_config, load_device_config
+from dynapipe.config import CONFIG_DIR, TensorParallelConfig, load_cluster_config, load_device_config
 from dynapipe.cost import build_cost_model
 from dynapipe.data.synthetic import sample_lengths
 from dynapipe.errors import DynaPipeError
@@ -27,10 +27,14 @@ def test_run_config_is_valid_and_plannable(path):
     model = cfg.model.to_model_config("run")
     device = load_device_config(cfg.dynapipe.device)
     assert cfg.dynapipe.memory_limit_mb is None or cfg.dynapipe.memory_limit_mb <= device.memory_mib
-    cost = build_cost_model(model, device, cfg.parallel.pipeline_model_parallel_size)
+    cluster = load_cluster_config(cfg.dynapipe.cluster)
+    tp = TensorParallelConfig(cfg.parallel.tensor_model_parallel_size, link=cluster.intra_node)
+    # Tensor parallelism stays inside a node.
+    tp.validate(model, cluster.gpus_per_node)
+    cost = build_cost_model(model, device, cfg.parallel.pipeline_model_parallel_size, tp=tp)
     lengths = sample_lengths(cfg.global_batch_size, 0, cfg.model.seq_length)
     plan = plan_iteration(lengths, cost, dp=cfg.parallel.data_parallel_size, memory_limit_mib=cfg.dynapipe.memory_limit_mb,
-                          cluster=load_cluster_config(cfg.dynapipe.cluster), seq_length=cfg.model.seq_length,
+                          cluster=cluster, seq_length=cfg.model.seq_length,
                           zero=cfg.optimizer.distributed)
     limit = cfg.dynapipe.memory_limit_mb or device.memory_mib
     assert max(plan.stage_peak_mib) <= limit

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from dynapipe.config import DeviceConfig, ModelConfig, load_device_config, load_model_config
+from dynapipe.config import DeviceConfig, ModelConfig, TensorParallelConfig, load_device_config, load_model_config
 from dynapipe.cost import RECOMPUTE_LEVELS, CostModel, build_cost_model
 from dynapipe.errors import DynaPipeError
 
@@ -31,6 +31,10 @@ def add_cost_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="measured cost profile (JSON) instead of the analytic cost model")
     p.add_argument("--recompute", choices=RECOMPUTE_LEVELS, default="none",
                    help="activation recomputation level (default none)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks per stage, inside a node; figures are per TP rank (default 1)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron's sequence parallelism over the TP ranks (needs --tp 2 or more)")
 
 
 def add_memory_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,20 +54,33 @@ class CostSetup:
     memory_limit_mib: float
     reserved_mib: float
     recompute: str
+    tp: TensorParallelConfig = TensorParallelConfig()
+
+
+def tp_from_args(args: argparse.Namespace, model: ModelConfig, device: DeviceConfig) -> TensorParallelConfig:
+    """``--tp``/``--sequence-parallel``, priced on the intra-node link of ``--cluster`` (or the
+    shipped cluster of the device)."""
+    from dynapipe.cli.schedule_options import resolve_cluster
+
+    size = getattr(args, "tp", 1)
+    sp = bool(getattr(args, "sequence_parallel", False))
+    cluster = resolve_cluster(getattr(args, "cluster", None), device.name)
+    return TensorParallelConfig(size, sp, cluster.intra_node).validate(model, cluster.gpus_per_node)
 
 
 def cost_setup_from_args(args: argparse.Namespace) -> CostSetup:
     """Load the configs and build the cost model and memory limit from parsed arguments."""
     model = load_model_config(args.model)
     device = load_device_config(args.device)
-    cost_model = build_cost_model(model, device, args.stages, getattr(args, "profile", None))
+    tp = tp_from_args(args, model, device)
+    cost_model = build_cost_model(model, device, args.stages, getattr(args, "profile", None), tp)
     limit: Optional[float] = getattr(args, "memory_limit_mb", None)
     if limit is None:
         limit = device.memory_mib
     elif not limit > 0:
         raise DynaPipeError(f"--memory-limit-mb {limit:g} must be positive (1e12 means no limit).")
     return CostSetup(model, device, cost_model, float(limit), float(device.reserved_mib),
-                     getattr(args, "recompute", "none"))
+                     getattr(args, "recompute", "none"), tp)
 
 
 def parse_shape(text: str, encoder_decoder: bool) -> tuple[int, int, Optional[int]]:

@@ -60,6 +60,7 @@ def build_plan_json(args: argparse.Namespace, batch_plan: BatchPlan, setup: Cost
     out.update(model=setup.model.name, device=setup.device.name, recompute=setup.recompute,
                batching_recompute=setup.recompute,
                memory_limit_mib=setup.memory_limit_mib, reserved_mib=setup.reserved_mib,
+               tp=setup.tp.size, sequence_parallel=setup.tp.sequence_parallel,
                cost_model="profile" if getattr(args, "profile", None) else "analytic")
     return out
 
@@ -72,7 +73,9 @@ def summary_lines(batch_plan: BatchPlan, setup: CostSetup) -> list[str]:
     heaviest = max(mb.stored_mib + mb.peak_mib for mb in mbs)
     lines = [
         f"{p.batching}: {p.num_samples} samples -> {len(mbs)} micro-batches for {setup.model.name} on "
-        f"{p.num_stages} stages x {p.dp} replica(s) of {setup.device.name}",
+        f"{p.num_stages} stages x {p.dp} replica(s) of {setup.device.name}"
+        + (f", TP {setup.tp.size}{' with SP' if setup.tp.sequence_parallel else ''} per stage (figures per TP rank)"
+           if setup.tp.size > 1 else ""),
         f"  objective {p.objective_ms:.1f} ms (sum/dp + (S-1) x slowest {slowest:.2f} ms), "
         f"padding efficiency {100 * p.padding_efficiency:.1f}%, planned in {p.planning_ms:.1f} ms",
         f"  activations: largest micro-batch {heaviest:.0f} MiB of a {x['activation_budget_mib']:.0f} MiB budget "

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from dynapipe.config import DeviceConfig, ModelConfig
+from dynapipe.config import DeviceConfig, ModelConfig, TensorParallelConfig
+from dynapipe.errors import DynaPipeError
 from dynapipe.cost.analytic import AnalyticCostModel
 from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, StageCost, StageLayout, stage_layouts
 from dynapipe.cost.profile import ProfileCostModel
@@ -17,8 +18,14 @@ __all__ = ["AnalyticCostModel", "ProfileCostModel", "CostModel", "StageCost", "S
 
 
 def build_cost_model(model: ModelConfig, device: DeviceConfig, num_stages: int,
-                     profile: Optional[str] = None) -> CostModel:
-    """An analytic cost model, or a profile-based one when ``profile`` names a JSON file."""
+                     profile: Optional[str] = None, tp: Optional[TensorParallelConfig] = None) -> CostModel:
+    """An analytic cost model, or a profile-based one when ``profile`` names a JSON file.
+    ``tp``: tensor parallelism of every stage (figures are then per TP rank)."""
+    if tp is not None:
+        tp.validate(model)
     if profile in (None, "", "analytic"):
-        return AnalyticCostModel(model, device, num_stages)
+        return AnalyticCostModel(model, device, num_stages, tp)
+    if tp is not None and tp.size > 1:
+        raise DynaPipeError(f"--profile {profile!r} with --tp {tp.size}: profiles are measured at TP 1; "
+                            f"use the analytic cost model for tensor parallelism.")
     return ProfileCostModel.from_file(model, profile, num_stages)

@@ -13,12 +13,23 @@ Stored activations per layer, in bytes for 2-byte activations, generalise
 Korthikanti's ``sbh(34 + 5ns/h)``: ``bs(10h + 8a_d + 4f) + 5nbs^2`` (equal to the
 paper's formula when ``a_d = h`` and ``f = 4h``), scaled by dtype bytes / 2. Selective
 recompute drops the ``5nbs^2`` term; full recompute keeps only each layer's input.
+
+Tensor parallelism over ``t`` ranks (figures are per rank): GEMMs, attention heads and
+the vocabulary are split ``t`` ways; each layer adds two collectives of its ``bsh``
+activations in the forward and two in the backward (all-reduces, or with sequence
+parallelism an all-gather and a reduce-scatter each, the same ring volume), priced on
+the TP link and not overlapped with compute, as megatron-core runs them. Stored
+activations follow Korthikanti: ``bs(10h + (8a_d + 4f)/t) + 5nbs^2/t`` without sequence
+parallelism (the norms, dropout masks and residuals are replicated), everything ``/t``
+with it.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
-from dynapipe.config import DeviceConfig, ModelConfig
+from dynapipe.config import DeviceConfig, ModelConfig, TensorParallelConfig
 from dynapipe.cost.base import MIB, CostModel, StageCost, StageLayout
 
 FP32_BYTES = 4
@@ -27,9 +38,26 @@ FP32_BYTES = 4
 class AnalyticCostModel(CostModel):
     """Cost model computed from a model config and a device config alone."""
 
-    def __init__(self, model: ModelConfig, device: DeviceConfig, num_stages: int):
-        super().__init__(model, num_stages)
+    def __init__(self, model: ModelConfig, device: DeviceConfig, num_stages: int,
+                 tp: Optional[TensorParallelConfig] = None):
+        super().__init__(model, num_stages, tp)
         self.device = device
+
+    @property
+    def _sp_div(self) -> int:
+        """Divisor of the activations TP alone replicates: ``t`` with sequence parallelism."""
+        return self.tp.size if self.tp.sequence_parallel else 1
+
+    def _collective_ms(self, b, s):
+        """One TP collective of ``b x s x h`` activations, ms: an all-reduce, or with sequence
+        parallelism an all-gather or a reduce-scatter (half the ring traffic each)."""
+        nbytes = b * s * self.model.hidden_size * self.model.dtype_bytes
+        return self.tp.gather_ms(nbytes) if self.tp.sequence_parallel else self.tp.allreduce_ms(nbytes)
+
+    def _layer_comm_ms(self, b, s):
+        """One layer's TP collectives in one direction (forward or backward), ms: after the
+        attention and MLP blocks (all-reduce), or around each (all-gather, reduce-scatter)."""
+        return (4 if self.tp.sequence_parallel else 2) * self._collective_ms(b, s)
 
     # -- FLOPs of the forward of one layer ------------------------------------------------
     def _self_attn_mlp_flops(self, b, s):
@@ -48,17 +76,18 @@ class AnalyticCostModel(CostModel):
 
     # -- activation bytes of one layer -----------------------------------------------------
     def _layer_act_bytes(self, b, s):
-        m = self.model
+        m, t = self.model, self.tp.size
         scale = m.dtype_bytes / 2
-        linear = b * s * (10 * m.hidden_size + 8 * m.attention_dim + 4 * m.ffn_hidden_size) * scale
-        scores = 5 * m.num_attention_heads * b * s * s * scale
+        linear = b * s * (10 * m.hidden_size / self._sp_div + (8 * m.attention_dim + 4 * m.ffn_hidden_size) / t) * scale
+        scores = 5 * m.num_attention_heads * b * s * s * scale / t
         return linear, scores
 
     def _cross_act_bytes(self, b, s_dec, s_enc):
-        m = self.model
+        m, t = self.model, self.tp.size
         scale = m.dtype_bytes / 2
-        linear = b * (s_dec * (3 * m.hidden_size + 4 * m.attention_dim) + s_enc * 4 * m.attention_dim) * scale
-        scores = 5 * m.num_attention_heads * b * s_dec * s_enc * scale
+        linear = b * (s_dec * (3 * m.hidden_size / self._sp_div + 4 * m.attention_dim / t)
+                      + s_enc * 4 * m.attention_dim / t) * scale
+        scores = 5 * m.num_attention_heads * b * s_dec * s_enc * scale / t
         return linear, scores
 
     def output_stored_mib(self, layout: StageLayout, mbs, seqlen, dec_seqlen) -> np.ndarray:
@@ -67,7 +96,13 @@ class AnalyticCostModel(CostModel):
         m = self.model
         s_dec = dec_seqlen if m.is_encoder_decoder else seqlen
         b = np.asarray(mbs, dtype=np.float64)
-        return b * s_dec * (m.hidden_size * m.dtype_bytes + m.vocab_size * FP32_BYTES) / MIB
+        return b * s_dec * self._output_row_bytes() / MIB
+
+    def _output_row_bytes(self) -> float:
+        """Stored bytes a token of the output layer and loss: its input (sequence-sharded
+        with SP) and the fp32 logits of this rank's vocabulary shard."""
+        m = self.model
+        return m.hidden_size * m.dtype_bytes / self._sp_div + m.vocab_size * FP32_BYTES / self.tp.size
 
     def layout_cost(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str) -> StageCost:
         m, d = self.model, self.model.dtype_bytes
@@ -76,18 +111,21 @@ class AnalyticCostModel(CostModel):
         s_enc = seqlen
         s_dec = dec_seqlen if m.is_encoder_decoder else seqlen
 
+        t, sp = self.tp.size, self._sp_div
         fw_lin = fw_core = 0.0
         st_lin = st_scores = 0.0
         layer_inputs = 0.0
         one_layer_full = 0.0
+        comm = 0.0  # TP collectives of the layers, one direction, ms
         if layout.encoder_layers:
             lin, core = self._self_attn_mlp_flops(b, s_enc)
             a_lin, a_sc = self._layer_act_bytes(b, s_enc)
             n = layout.encoder_layers
             fw_lin, fw_core = fw_lin + n * lin, fw_core + n * core
             st_lin, st_scores = st_lin + n * a_lin, st_scores + n * a_sc
-            layer_inputs = layer_inputs + n * b * s_enc * m.hidden_size * d
+            layer_inputs = layer_inputs + n * b * s_enc * m.hidden_size * d / sp
             one_layer_full = np.maximum(one_layer_full, a_lin + a_sc)
+            comm = comm + n * self._layer_comm_ms(b, s_enc)
         if layout.decoder_layers:
             lin, core = self._self_attn_mlp_flops(b, s_dec)
             a_lin, a_sc = self._layer_act_bytes(b, s_dec)
@@ -98,22 +136,34 @@ class AnalyticCostModel(CostModel):
             n = layout.decoder_layers
             fw_lin, fw_core = fw_lin + n * lin, fw_core + n * core
             st_lin, st_scores = st_lin + n * a_lin, st_scores + n * a_sc
-            layer_inputs = layer_inputs + n * b * s_dec * m.hidden_size * d
+            layer_inputs = layer_inputs + n * b * s_dec * m.hidden_size * d / sp
             one_layer_full = np.maximum(one_layer_full, a_lin + a_sc)
+            # Cross-attention adds a third row-parallel output per layer.
+            comm = comm + n * self._layer_comm_ms(b, s_dec) * (1.5 if m.is_encoder_decoder else 1.0)
             if m.is_encoder_decoder:
                 # Decoder stages also hold the encoder output they attend to.
-                layer_inputs = layer_inputs + b * s_enc * m.hidden_size * d
+                layer_inputs = layer_inputs + b * s_enc * m.hidden_size * d / sp
 
         out_fw = 0.0
         out_stored = 0.0
         out_peak = 0.0
+        # The vocabulary-parallel embedding reduces (SP: reduce-scatters) its output in the
+        # forward; the output layer's input gradient is reduced in the backward, and with SP
+        # its input is all-gathered in the forward.
+        fw_comm, bw_comm = comm, comm
+        if layout.has_embedding:
+            fw_comm = fw_comm + self._collective_ms(b, s_enc)
         if layout.has_output:
             out_fw = 2 * b * s_dec * m.hidden_size * m.vocab_size
             # The loss keeps fp32 logits/softmax for its backward; the op needs a second copy.
-            out_stored = b * s_dec * (m.hidden_size * d + m.vocab_size * FP32_BYTES)
-            out_peak = b * s_dec * m.vocab_size * FP32_BYTES
+            out_stored = b * s_dec * self._output_row_bytes()
+            out_peak = b * s_dec * m.vocab_size * FP32_BYTES / t
+            bw_comm = bw_comm + self._collective_ms(b, s_dec)
+            if self.tp.sequence_parallel:
+                fw_comm = fw_comm + self._collective_ms(b, s_dec)
 
-        fw_flops = fw_lin + fw_core + out_fw
+        fw_flops = (fw_lin + fw_core + out_fw) / t
+        fw_lin, fw_core = fw_lin / t, fw_core / t
         bw_flops = 2 * fw_flops
         if recompute == "selective":
             bw_flops = bw_flops + fw_core
@@ -121,6 +171,7 @@ class AnalyticCostModel(CostModel):
             layer_peak = one_layer_full
         elif recompute == "full":
             bw_flops = bw_flops + fw_lin + fw_core
+            bw_comm = bw_comm + comm  # the recomputed forward repeats the layers' collectives
             stored = layer_inputs + out_stored
             # Backward rematerialises one layer at a time, plus its gradients.
             layer_peak = 2 * one_layer_full
@@ -134,8 +185,8 @@ class AnalyticCostModel(CostModel):
         overhead = self.device.op_overhead_ms
         shape = np.broadcast(b, s_enc, s_dec).shape
         return StageCost(
-            fw_ms=np.broadcast_to(fw_flops / rate + overhead, shape),
-            bw_ms=np.broadcast_to(bw_flops / rate + overhead, shape),
+            fw_ms=np.broadcast_to(fw_flops / rate + fw_comm + overhead, shape),
+            bw_ms=np.broadcast_to(bw_flops / rate + bw_comm + overhead, shape),
             stored_mib=np.broadcast_to(stored / MIB, shape),
             peak_mib=np.broadcast_to(peak / MIB, shape),
         )

@@ -13,7 +13,7 @@ from typing import Optional
 
 import numpy as np
 
-from dynapipe.config import ModelConfig
+from dynapipe.config import ModelConfig, TensorParallelConfig
 from dynapipe.errors import DynaPipeError
 
 RECOMPUTE_LEVELS = ("none", "selective", "full")
@@ -58,20 +58,22 @@ def stage_layouts(model: ModelConfig, num_stages: int) -> list[StageLayout]:
     return layouts
 
 
-def stage_param_count(model: ModelConfig, layout: StageLayout) -> int:
-    """Parameters held by one stage: layers with biases and norms, embedding, output layer."""
+def stage_param_count(model: ModelConfig, layout: StageLayout, tp: int = 1) -> int:
+    """Parameters held by one stage on one of its ``tp`` tensor-parallel ranks: layers with
+    biases and norms, embedding, output layer. The GEMM weights, the column-parallel biases
+    and the vocabulary are split over TP; norms and row-parallel biases are replicated."""
     h, ad, f = model.hidden_size, model.attention_dim, model.ffn_hidden_size
-    layer = 4 * h * ad + 3 * ad + h + 2 * h * f + f + h + 4 * h
-    cross = 4 * h * ad + 3 * ad + h + 2 * h
+    layer = (4 * h * ad + 3 * ad + 2 * h * f + f) / tp + h + h + 4 * h
+    cross = (4 * h * ad + 3 * ad) / tp + h + 2 * h
     dec_layer = layer + (cross if model.is_encoder_decoder else 0)
     count = layout.encoder_layers * layer + layout.decoder_layers * dec_layer
     if layout.has_embedding:
-        count += model.vocab_size * h
+        count += model.vocab_size * h / tp
     if layout.has_output:
         count += 2 * h  # final layer norm
         # Tied embeddings: the last stage keeps its own copy unless it is also the first.
         if not (layout.has_embedding and model.tie_embeddings):
-            count += model.vocab_size * h
+            count += model.vocab_size * h / tp
     return int(count)
 
 
@@ -119,9 +121,11 @@ class CostModel(ABC):
     model-state memory.
     """
 
-    def __init__(self, model: ModelConfig, num_stages: int):
+    def __init__(self, model: ModelConfig, num_stages: int, tp: Optional[TensorParallelConfig] = None):
         self.model = model
         self.num_stages = num_stages
+        # Every figure is per rank of a stage's tensor-parallel group.
+        self.tp = tp or TensorParallelConfig()
         self.layouts = stage_layouts(model, num_stages)
         # Stages with the same layout cost the same; price each distinct layout once.
         self._distinct = sorted({self._key(l) for l in self.layouts})
@@ -135,8 +139,8 @@ class CostModel(ABC):
         """Cost of one micro-batch on a stage with this layout (arrays broadcast)."""
 
     def layout_param_count(self, layout: StageLayout) -> int:
-        """Number of parameters held by a stage with this layout."""
-        return stage_param_count(self.model, layout)
+        """Number of parameters held by one TP rank of a stage with this layout."""
+        return stage_param_count(self.model, layout, self.tp.size)
 
     def stage_cost(self, mbs, seqlen, dec_seqlen=None, *, recompute: str = "none",
                    stage: Optional[int] = None) -> StageCost:
@@ -185,14 +189,17 @@ class CostModel(ABC):
         if recompute == "selective":
             # Before the core attention is rematerialised the backward has also freed the
             # layer's MLP side: all it stores but its input, norm output and Q, K, V.
-            m = self.model
+            m, t = self.model, self.tp.size
+            # Q, K, V are split over TP ranks; the input and norm output only with SP.
+            replicated = 2 * m.hidden_size / (t if self.tp.sequence_parallel else 1)
             attn_inputs = (np.asarray(mbs, dtype=np.float64) * np.asarray(seqlen, dtype=np.float64)
-                           * (2 * m.hidden_size + 3 * m.attention_dim) * m.dtype_bytes / MIB)
+                           * (replicated + 3 * m.attention_dim / t) * m.dtype_bytes / MIB)
             freed = freed + np.maximum(np.asarray(stored) / layers - attn_inputs, 0.0)
         return np.maximum(one_layer - freed, 0.0)
 
     def model_state_mib(self, stage: Optional[int] = None, *, dp: int = 1, zero: bool = False) -> float:
-        """Parameters, gradients and optimizer state of a stage in MiB (``None``: the largest).
+        """Parameters, gradients and optimizer state of one TP rank of a stage in MiB
+        (``None``: the largest).
 
         Mixed precision (bf16/fp16) keeps 2-byte parameters, fp32 main gradients and
         fp32 master weights plus two Adam moments (18 bytes a parameter); fp32 keeps

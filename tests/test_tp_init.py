@@ -1,0 +1,168 @@
+"""Tensor-parallel initialisation: TP2 shards are exact slices of the TP1 model.
+
+One spawned job of 4 gloo ranks builds the same seeded GPT as TP2 (x DP2), as TP1 and as
+TP2 x PP2 (each group layout re-created in the same processes), and compares gathered
+shards, and for PP1 the per-token loss and gradients of a fixed batch (fp32, dropout 0).
+"""
+import pytest
+
+from megatron_integration.launch import spawn
+
+SEED = 11
+WORLD = 4
+
+
+def _model_args(tied: bool):
+    from megatron_integration.train_config import GPTModelArgs
+
+    return GPTModelArgs(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, kv_channels=16,
+                        seq_length=64, max_position_embeddings=64, vocab_size=256, hidden_dropout=0.0,
+                        attention_dropout=0.0, tie_embeddings=tied, position_embedding_type="rope")
+
+
+def _build(model, tp: int):
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megatron_integration.initialize import init_model_parallel, set_seeds, rank_info
+    from megatron_integration.model import deterministic_init_, layer_spec, transformer_config
+    from megatron_integration.train_config import ParallelArgs
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    init_model_parallel(tp, 1)
+    set_seeds(SEED, rank_info())
+    parallel = ParallelArgs(world_size=WORLD, tensor_model_parallel_size=tp)
+    gpt = GPTModel(config=transformer_config(model, parallel, cuda=False), transformer_layer_spec=layer_spec(False)[0],
+                   vocab_size=model.vocab_size, max_sequence_length=model.max_position_embeddings,
+                   share_embeddings_and_output_weights=model.tie_embeddings,
+                   position_embedding_type=model.position_embedding_type)
+    deterministic_init_(gpt, model, SEED)
+    torch.manual_seed(0)
+    tokens = torch.randint(0, model.vocab_size, (2, 48))
+    labels = torch.roll(tokens, -1, dims=1)
+    positions = torch.arange(48).unsqueeze(0).expand(2, -1)
+    loss = gpt(tokens, positions, None, labels=labels)  # per-token loss [b, s]
+    loss.sum().backward()
+    return gpt, loss.detach()
+
+
+def tp_job():
+    """Rank body: {tp1/tp2 gathered weights, losses and gradient sums}."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_integration.initialize import init_distributed
+    from megatron_integration.train_config import ParallelArgs
+
+    init_distributed(ParallelArgs(world_size=WORLD))
+    out = {"pp2": _pp_tp_weights()}
+    for tied in (True, False):
+        model = _model_args(tied)
+        gpt2, loss2 = _build(model, 2)
+        group = ps.get_tensor_model_parallel_group()
+        weights2, grads2 = {}, {}
+        for name, p in gpt2.named_parameters():
+            if getattr(p, "tensor_model_parallel", False):
+                for store, t in ((weights2, p.detach()), (grads2, p.main_grad if hasattr(p, "main_grad") else p.grad)):
+                    parts = [torch.empty_like(t) for _ in range(2)]
+                    dist.all_gather(parts, t.contiguous(), group=group)
+                    store[name] = torch.cat(parts, dim=p.partition_dim)
+            else:
+                weights2[name], grads2[name] = p.detach().clone(), p.grad.clone()
+        gpt1, loss1 = _build(model, 1)
+        weights1 = {n: p.detach().clone() for n, p in gpt1.named_parameters()}
+        grads1 = {n: p.grad.clone() for n, p in gpt1.named_parameters()}
+        # numpy, not tensors: tensors would travel back as shared memory of an exited process.
+        out[tied] = {k: ({n: t.numpy() for n, t in v.items()} if isinstance(v, dict) else v.numpy())
+                     for k, v in dict(weights1=weights1, weights2=weights2, grads1=grads1, grads2=grads2,
+                                      loss1=loss1, loss2=loss2).items()}
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return spawn(tp_job, WORLD, timeout_s=300)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_gathered_tp2_shards_equal_tp1_weights(ranks, tied):
+    for r in ranks:
+        res = r[tied]
+        assert set(res["weights1"]) == set(res["weights2"])
+        for name, w1 in res["weights1"].items():
+            w2 = res["weights2"][name]
+            assert w2.shape == w1.shape, name
+            assert bool((w2 == w1).all()), f"{name}: TP2 shards are not slices of the TP1 weight"
+    # The check compares something: weights differ between parameters and are not trivial.
+    w = ranks[0][tied]["weights1"]
+    qkv = next(v for k, v in w.items() if "linear_qkv.weight" in k)
+    assert float(qkv.std()) == pytest.approx(0.02, rel=0.1)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_tp2_loss_and_gradients_equal_tp1(ranks, tied):
+    import numpy as np
+
+    for r in ranks:
+        res = r[tied]
+        np.testing.assert_allclose(res["loss2"], res["loss1"], atol=1e-5, rtol=1e-5)
+        for name, g1 in res["grads1"].items():
+            np.testing.assert_allclose(res["grads2"][name], g1, atol=1e-5, rtol=1e-4, err_msg=name)
+
+
+def _pp_tp_weights():
+    """TP2 x PP2: {local name: (this stage's gathered weight, the TP1 PP1 weight)}."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megatron_integration.initialize import init_model_parallel
+    from megatron_integration.model import deterministic_init_, global_parameter_name, layer_spec, transformer_config
+    from megatron_integration.train_config import ParallelArgs
+
+    model = _model_args(True)
+
+    def build(tp, pp):
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        init_model_parallel(tp, pp)
+        parallel = ParallelArgs(world_size=WORLD, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        gpt = GPTModel(config=transformer_config(model, parallel, cuda=False),
+                       transformer_layer_spec=layer_spec(False)[0], vocab_size=model.vocab_size,
+                       max_sequence_length=model.max_position_embeddings,
+                       pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                       share_embeddings_and_output_weights=True, position_embedding_type=model.position_embedding_type)
+        deterministic_init_(gpt, model, SEED)
+        return gpt
+
+    gpt = build(2, 2)
+    group = ps.get_tensor_model_parallel_group()
+    split = {}
+    for name, p in gpt.named_parameters():
+        t = p.detach()
+        if getattr(p, "tensor_model_parallel", False):
+            parts = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            t = torch.cat(parts, dim=p.partition_dim)
+        split[(name, global_parameter_name(gpt, name, True))] = t
+    whole = dict(build(1, 1).named_parameters())
+    return {local: (t.numpy(), whole[glob].detach().numpy()) for (local, glob), t in split.items()}
+
+
+def test_pp2_tp2_stages_hold_slices_of_the_unsplit_model(ranks):
+    """Layer numbering and the last stage's tied output copy line up under PP x TP too."""
+    ranks = [r["pp2"] for r in ranks]
+    names = [set(r) for r in ranks]
+    # Both stages are covered: stage 0 has the embedding, stage 1 the output layer and layer 2 of 2.
+    assert any("embedding.word_embeddings.weight" in n for n in names)
+    assert any("output_layer.weight" in n for n in names)
+    for r in ranks:
+        for name, (got, want) in r.items():
+            assert got.shape == want.shape, name
+            assert (got == want).all(), f"{name}: PP2 x TP2 weight differs from the unsplit model's"
