@@ -1123,7 +1123,7 @@ def _validate_copy(capsys, plan_set, tmp_path, mutate):
     return rc, err
 
 
-def _flip(fraction):
+def _flip_plan_byte(fraction):
     def mutate(d, names):
         path = d / names[-1]
         data = bytearray(path.read_bytes())
@@ -1132,7 +1132,7 @@ def _flip(fraction):
     return mutate
 
 
-def _cut(fraction):
+def _cut_plan(fraction):
     def mutate(d, names):
         path = d / names[0]
         data = path.read_bytes()
@@ -1142,12 +1142,12 @@ def _cut(fraction):
 
 @pytest.mark.parametrize("fraction", [i / 24 for i in range(24)] + [0.999], ids=lambda f: f"at{f:.3f}")
 def test_a_flipped_plan_file_bit_is_refused(capsys, plan_set, tmp_path, fraction):
-    one_line_error(*_validate_copy(capsys, plan_set, tmp_path, _flip(fraction)))
+    one_line_error(*_validate_copy(capsys, plan_set, tmp_path, _flip_plan_byte(fraction)))
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.01, 0.05, 0.2, 0.5, 0.8, 0.95, 0.999])
 def test_a_truncated_plan_file_is_refused(capsys, plan_set, tmp_path, fraction):
-    one_line_error(*_validate_copy(capsys, plan_set, tmp_path, _cut(fraction)))
+    one_line_error(*_validate_copy(capsys, plan_set, tmp_path, _cut_plan(fraction)))
 
 
 @pytest.mark.parametrize("index", range(4))
