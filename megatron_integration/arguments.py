@@ -289,13 +289,14 @@ def training_config_from_args(args: argparse.Namespace, world_size: int,
     if args.dynapipe_max_tokens is not None and args.dynapipe_max_tokens < args.seq_length:
         raise DynaPipeError(f"--dynapipe-max-tokens {args.dynapipe_max_tokens} is below --seq-length "
                             f"{args.seq_length}: a full-length sample would not fit in any micro-batch.")
-    if args.use_dynapipe and batching == "packing":
-        # Only the first stage loads the packed rows' positions; the other stages could not
-        # mask attention across samples, so packed samples would silently attend to each other.
-        raise DynaPipeError("--use-dynapipe --dynapipe-batching packing cannot isolate packed samples yet (their "
-                            "attention would cross sample boundaries); use --dynapipe-batching dynapipe, or "
-                            "Megatron's packing without --use-dynapipe with --reset-position-ids "
-                            "--reset-attention-mask.")
+    if args.use_dynapipe and batching == "packing" and not (args.reset_position_ids and args.reset_attention_mask):
+        # The executor's packing always isolates samples (every stage masks attention per
+        # sample, positions restart); Megatron's packing without these flags would not.
+        missing = [f for f, on in (("--reset-position-ids", args.reset_position_ids),
+                                   ("--reset-attention-mask", args.reset_attention_mask)) if not on]
+        raise DynaPipeError(f"--use-dynapipe --dynapipe-batching packing always isolates packed samples; add "
+                            f"{' '.join(missing)} (packing whose samples attend to each other runs only "
+                            f"without --use-dynapipe).")
     if (args.reset_position_ids or args.reset_attention_mask) and batching != "packing":
         raise DynaPipeError("--reset-position-ids / --reset-attention-mask apply to packed rows only "
                             "(--dynapipe-batching packing).")

@@ -50,6 +50,23 @@ from megatron_integration.model import Stage, finalize_grads_func, set_recompute
 from megatron_integration.nan_guard import check_before_step
 
 
+def packed_attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal causal mask ``[mbs, 1, s, s]`` bool (True = masked, as megatron-core's
+    local attention takes it) from per-token sample ids ``[mbs, s]`` (0 on padding).
+
+    Built on the device from the ``mbs x s`` ids the plan loads, so no ``s x s`` tensor
+    crosses the store. A token attends to the earlier tokens of its own sample; a padding
+    token to itself only, so no softmax row is empty (its loss is masked anyway). This is
+    the mask megatron's ``--reset-attention-mask`` baseline builds on the host.
+    """
+    s = segment_ids.shape[1]
+    q, k = segment_ids[:, :, None], segment_ids[:, None, :]
+    causal = torch.ones((s, s), dtype=torch.bool, device=segment_ids.device).tril_()
+    keep = (q == k) & (q > 0) & causal
+    keep |= torch.eye(s, dtype=torch.bool, device=segment_ids.device)
+    return (~keep).unsqueeze(1)
+
+
 class MegatronStageHandlers:
     """Executor handlers that run one megatron-core GPT stage (see the module docstring)."""
 
@@ -87,7 +104,9 @@ class MegatronStageHandlers:
         self._level(op)
         if not st.pre_process:
             st.gpt.set_input_tensor(inputs["hidden_states"])
-        out = st.module(inputs.get("tokens"), inputs.get("position_ids"), None, labels=inputs.get("labels"))
+        seg = inputs.get("segment_ids")
+        attn_mask = None if seg is None else packed_attention_mask(seg)
+        out = st.module(inputs.get("tokens"), inputs.get("position_ids"), attn_mask, labels=inputs.get("labels"))
         if not st.post_process:
             return out
         mask = inputs["loss_mask"]

@@ -36,7 +36,7 @@ def test_megatron_recompute_flags_keep_megatrons_meaning():
     ("--use-dynapipe --recompute-granularity full --recompute-method block --recompute-num-layers 1",
      "cannot be honoured"),
     ("--use-dynapipe --recompute-granularity selective --dynapipe-recompute full", "disagree"),
-    ("--use-dynapipe --dynapipe-batching packing", "cannot isolate packed samples"),
+    ("--use-dynapipe --dynapipe-batching packing --reset-position-ids", "add --reset-attention-mask"),
 ])
 def test_inputs_the_path_cannot_honour_are_refused(extra, words):
     with pytest.raises(DynaPipeError, match=words):

@@ -73,7 +73,7 @@ def _decoder_rows(rows: Sequence[Sequence[Sample]], seqlen: int, pad_id: int,
     if "loss_mask" in names:
         out["loss_mask"] = np.zeros((mbs, seqlen), dtype=np.float32)
     if "segment_ids" in names:
-        out["segment_ids"] = np.zeros((mbs, seqlen), dtype=np.int64)
+        out["segment_ids"] = np.zeros((mbs, seqlen), dtype=np.int32)
     tokens, positions, labels = out.get("tokens"), out.get("position_ids"), out.get("labels")
     loss_mask, segments = out.get("loss_mask"), out.get("segment_ids")
     ramp = np.arange(seqlen, dtype=np.int64)

@@ -3,8 +3,9 @@
 Every rank's instructions follow its op order in the schedule. Around each op:
 
 - before a forward: ``LoadInput`` on the stages that read data (first stage: tokens and
-  position ids; last stage: labels and loss mask), and the ``*Finish`` of the receives
-  the op needs;
+  position ids; last stage: labels and loss mask; every stage, for packed rows, the
+  per-token sample ids that its attention mask is built from), and the ``*Finish`` of
+  the receives the op needs;
 - after a backward: ``FreeBuffer`` of the micro-batch's input, received activation,
   produced activation and received gradient; a produced gradient is freed once its send
   has finished.
@@ -55,7 +56,7 @@ def message_specs(model: ModelConfig, src_stage: int, num_stages: int, mbs: int,
 
 
 def input_specs(model: ModelConfig, stage: int, num_stages: int, mbs: int, seqlen: int,
-                dec_seqlen: int = 0) -> tuple[TensorSpec, ...]:
+                dec_seqlen: int = 0, packed: bool = False) -> tuple[TensorSpec, ...]:
     """What ``LoadInput`` brings in on ``stage`` (empty: the stage loads nothing).
 
     Decoder-only: the first stage loads ``tokens`` and ``position_ids`` ``[mbs, seqlen]``
@@ -63,6 +64,11 @@ def input_specs(model: ModelConfig, stage: int, num_stages: int, mbs: int, seqle
     ``loss_mask`` float32 ``[mbs, seqlen]``. Encoder-decoder: the first stage loads the
     encoder ``tokens``, the first stage holding decoder layers ``dec_tokens``
     ``[mbs, dec_seqlen]``, and labels and loss mask are ``[mbs, dec_seqlen]``.
+
+    ``packed`` (decoder-only rows holding several samples): every stage also loads
+    ``segment_ids`` ``[mbs, seqlen]`` int32 (1-based sample index within the row, 0 on
+    padding), so each stage builds its block-diagonal causal mask on the device; an
+    ``s x s`` mask would cost ``seqlen`` times more to ship.
     """
     layouts = _layouts(model, num_stages)
     last = num_stages - 1
@@ -77,6 +83,8 @@ def input_specs(model: ModelConfig, stage: int, num_stages: int, mbs: int, seqle
     else:
         if stage == 0:
             specs += [TensorSpec("tokens", (mbs, seqlen), "int64"), TensorSpec("position_ids", (mbs, seqlen), "int64")]
+        if packed:
+            specs.append(TensorSpec("segment_ids", (mbs, seqlen), "int32"))
         target = seqlen
     if stage == last:
         specs += [TensorSpec("labels", (mbs, target), "int64"), TensorSpec("loss_mask", (mbs, target), "float32")]
@@ -111,8 +119,8 @@ def _message(model, b, S, mbs, seqlen, dec):
     return _cached(message_specs, model, S, b, mbs, seqlen, dec)
 
 
-def _inputs(model, s, S, mbs, seqlen, dec):
-    return _cached(input_specs, model, S, s, mbs, seqlen, dec)
+def _inputs(model, s, S, mbs, seqlen, dec, packed):
+    return _cached(input_specs, model, S, s, mbs, seqlen, dec, bool(packed))
 
 
 def _info(i: int, mb: MicroBatch) -> MicroBatchInfo:
@@ -188,10 +196,18 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
             lists.append(ts)
         return j
 
-    uniq, inv = np.unique(shape, axis=0, return_inverse=True) if M else (shape, np.zeros(0, np.int64))
+    # Packed rows load their sample ids on every stage: part of the load key, not of the messages.
+    packed = np.array([len(i.rows) > 0 for i in infos], dtype=np.int64)
+    if S > 2 and 0 < packed.sum() < M and not model.is_encoder_decoder:
+        # A middle stage would load for some micro-batches only; its instruction table
+        # (and the validator) have one load slot for all or none.
+        raise DynaPipeError(f"compile_plans: {int(packed.sum())} of {M} micro-batches are packed rows; a plan "
+                            f"packs all of its micro-batches or none (use one batching method per iteration).")
+    key_arr = np.concatenate([shape, packed[:, None]], axis=1)
+    uniq, inv = np.unique(key_arr, axis=0, return_inverse=True) if M else (key_arr, np.zeros(0, np.int64))
     inv = inv.reshape(-1)
     keys = [tuple(r) for r in uniq.tolist()]
-    msg_ids = [np.array([list_id(_message(model, b, S, *k)) for k in keys], dtype=np.int64)[inv]
+    msg_ids = [np.array([list_id(_message(model, b, S, *k[:3])) for k in keys], dtype=np.int64)[inv]
                for b in range(S - 1)]
     load_ids = []
     for s in range(S):
