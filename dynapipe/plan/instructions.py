@@ -65,7 +65,9 @@ class Instruction:
 @dataclass(frozen=True)
 class LoadInput(Instruction):
     """Load this micro-batch's data (first stage: tokens and positions; last stage:
-    labels and loss mask) into buffer ``input:<mb>:<chunk>``."""
+    labels and loss mask; every stage of a packed micro-batch: ``segment_ids``, the sample
+    number of each token, from which the stage builds its attention mask) into buffer
+    ``input:<mb>:<chunk>``."""
 
     OPCODE: ClassVar[str] = "load"
     tensors: tuple[TensorSpec, ...] = ()
