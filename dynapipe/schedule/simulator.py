@@ -91,12 +91,19 @@ def schedule_arrays(schedule: Schedule, num_micro_batches: int) -> tuple[np.ndar
     kind = np.zeros((S, max(L, 1)), dtype=np.int64)
     mb = np.zeros((S, max(L, 1)), dtype=np.int64)
     for s, ops in enumerate(schedule.stage_ops):
-        for i, op in enumerate(ops):
-            if op.kind not in _KIND_CODE or op.chunk != 0 or not 0 <= op.mb < num_micro_batches:
-                raise DynaPipeError(f"schedule {schedule.name!r}: op {op} cannot be simulated (kinds F/B, "
-                                    f"chunk 0, micro-batches 0..{num_micro_batches - 1} are supported).")
-            kind[s, i] = _KIND_CODE[op.kind]
-            mb[s, i] = op.mb
+        n = len(ops)
+        if not n:
+            continue
+        codes = [_KIND_CODE.get(op.kind, -1) for op in ops]
+        mbs = [op.mb for op in ops]
+        chunks = [op.chunk for op in ops]
+        bad = [i for i in range(n) if codes[i] < 0 or chunks[i] != 0 or not 0 <= mbs[i] < num_micro_batches]
+        if bad:
+            op = ops[bad[0]]
+            raise DynaPipeError(f"schedule {schedule.name!r}: op {op} cannot be simulated (kinds F/B, "
+                                f"chunk 0, micro-batches 0..{num_micro_batches - 1} are supported).")
+        kind[s, :n] = codes
+        mb[s, :n] = mbs
     return kind, mb, nops
 
 
@@ -106,18 +113,22 @@ def memory_steps(schedule: Schedule, times: StageTimes, starts: list[list[float]
     out = []
     for s, ops in enumerate(schedule.stage_ops):
         state = float(times.state_mib[s])
-        st, pk = times.stored_mib[s], times.peak_mib[s]
-        stored = 0.0
         steps = [(0.0, state)]
-        for i, op in enumerate(ops):
-            if op.kind == "F":
-                high = stored + st[op.mb] + pk[op.mb]
-                stored += st[op.mb]
-            else:
-                high = stored + pk[op.mb]
-                stored -= st[op.mb]
-            steps.append((starts[s][i], state + float(high)))
-            steps.append((ends[s][i], state + float(stored)))
+        if ops:
+            st, pk = np.asarray(times.stored_mib[s]), np.asarray(times.peak_mib[s])
+            idx = np.fromiter((op.mb for op in ops), dtype=np.int64, count=len(ops))
+            fw = np.fromiter((op.kind == "F" for op in ops), dtype=bool, count=len(ops))
+            # A running sum adds left to right, so ``stored`` takes the same float values
+            # as adding and subtracting op by op; a forward's high mark is the new
+            # ``stored`` plus its peak, a backward's the old one plus its peak.
+            stored = np.cumsum(np.where(fw, st[idx], -st[idx]))
+            before = np.concatenate(([0.0], stored[:-1]))
+            high = np.where(fw, stored, before) + pk[idx]
+            lo = (state + stored.astype(np.float64)).tolist()
+            hi = (state + high.astype(np.float64)).tolist()
+            for point in zip(starts[s], hi, ends[s], lo):
+                steps.append(point[:2])
+                steps.append(point[2:])
         out.append(steps)
     return out
 
