@@ -48,3 +48,9 @@ def memory_steps(schedule: Schedule, times: StageTimes, starts: list[list[float]
             steps.append((ends[s][i], state + float(stored)))
         out.append(steps)
     return out
+
+
+def stage_times_per_replica(cost_model, replicas, **kw):
+    """Each replica priced on its own, as the search did before pricing them in one call."""
+    from dynapipe.schedule.costs import stage_times
+    return [stage_times(cost_model, list(r), **kw) for r in replicas]

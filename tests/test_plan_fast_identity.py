@@ -9,26 +9,26 @@ import pytest
 import balance_reference
 import schedule_reference
 from dynapipe.batching import planner as batching_planner
-from dynapipe.config import load_device_config, load_model_config
+from dynapipe.config import load_cluster_config, load_device_config, load_model_config
 from dynapipe.cost import build_cost_model
 from dynapipe.data.synthetic import sample_lengths
 from dynapipe.pipeline_planner import plan_iteration
 from dynapipe.plan import serialize_plan
-from dynapipe.schedule import simulator
+from dynapipe.schedule import search, simulator
 
 
-def _plan(lengths, cm, dp, memory_limit_mib, schedule):
+def _plan(lengths, cm, dp, memory_limit_mib, schedule, cluster):
     it = plan_iteration(lengths, cm, stages=cm.num_stages, dp=dp, seq_length=2048, schedule=schedule,
-                        memory_limit_mib=memory_limit_mib)
+                        memory_limit_mib=memory_limit_mib, cluster=cluster)
     return it, [serialize_plan(p) for p in it.all_plans()]
 
 
-CASES = [  # (model, stages, dp, samples, seed, memory limit MiB or None, schedule)
-    ("gpt-7b", 4, 8, 1500, 0, None, "auto"),
-    ("gpt-7b", 8, 16, 3000, 1, None, "auto"),
-    ("gpt-7b", 8, 3, 700, 2, 22_000, "auto"),
-    ("gpt-7b", 4, 5, 400, 3, None, "adaptive"),
-    ("gpt-7b", 4, 2, 500, 4, None, "1f1b"),
+CASES = [  # (model, stages, dp, samples, seed, memory limit MiB or None, schedule, cluster)
+    ("gpt-7b", 4, 8, 1500, 0, None, "auto", "a100-8x"),
+    ("gpt-7b", 8, 16, 3000, 1, None, "auto", None),
+    ("gpt-7b", 8, 3, 700, 2, 22_000, "auto", None),
+    ("gpt-7b", 4, 5, 400, 3, None, "adaptive", None),
+    ("gpt-7b", 4, 2, 500, 4, None, "1f1b", None),
 ]
 
 
@@ -41,15 +41,17 @@ def cost_models():
 
 @pytest.mark.parametrize("case", CASES)
 def test_plans_are_byte_identical_to_the_reference_path(case, cost_models, monkeypatch):
-    _, stages, dp, n, seed, limit, schedule = case
+    _, stages, dp, n, seed, limit, schedule, cluster_name = case
     cm = cost_models[stages]
+    cluster = load_cluster_config(cluster_name) if cluster_name else None
     lengths = sample_lengths(n, seed, 2048)
-    fast, fast_blobs = _plan(lengths, cm, dp, limit, schedule)
+    fast, fast_blobs = _plan(lengths, cm, dp, limit, schedule, cluster)
     with monkeypatch.context() as m:
         m.setattr(batching_planner, "balance_replicas", balance_reference.balance_replicas)
         m.setattr(simulator, "memory_steps", schedule_reference.memory_steps)
         m.setattr(simulator, "schedule_arrays", schedule_reference.schedule_arrays)
-        ref, ref_blobs = _plan(lengths, cm, dp, limit, schedule)
+        m.setattr(search, "stage_times_per_replica", schedule_reference.stage_times_per_replica)
+        ref, ref_blobs = _plan(lengths, cm, dp, limit, schedule, cluster)
     assert [mb.samples for mb in fast.batch_plan.micro_batches] == [mb.samples for mb in ref.batch_plan.micro_batches]
     assert [mb.replica for mb in fast.batch_plan.micro_batches] == [mb.replica for mb in ref.batch_plan.micro_batches]
     assert fast.search.best == ref.search.best
