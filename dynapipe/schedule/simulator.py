@@ -126,9 +126,11 @@ def memory_steps(schedule: Schedule, times: StageTimes, starts: list[list[float]
             high = np.where(fw, stored, before) + pk[idx]
             lo = (state + stored.astype(np.float64)).tolist()
             hi = (state + high.astype(np.float64)).tolist()
-            for point in zip(starts[s], hi, ends[s], lo):
-                steps.append(point[:2])
-                steps.append(point[2:])
+            n = len(ops)
+            when, mib = [0.0] * (2 * n), [0.0] * (2 * n)
+            when[0::2], when[1::2] = starts[s][:n], ends[s][:n]
+            mib[0::2], mib[1::2] = hi, lo
+            steps.extend(zip(when, mib))
         out.append(steps)
     return out
 
