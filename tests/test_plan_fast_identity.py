@@ -48,7 +48,11 @@ def test_plans_are_byte_identical_to_the_reference_path(case, cost_models, monke
     fast, fast_blobs = _plan(lengths, cm, dp, limit, schedule, cluster)
     with monkeypatch.context() as m:
         m.setattr(batching_planner, "balance_replicas", balance_reference.balance_replicas)
-        m.setattr(simulator, "memory_steps", schedule_reference.memory_steps)
+        m.setattr(simulator, "memory_steps",
+                  lambda sched, t, st, en, arrays=None: schedule_reference.memory_steps(sched, t, st, en))
+        # The reference re-simulates the chosen schedule from its ops, not from the run's arrays.
+        m.setattr(search, "simulate", lambda sched, t, record_memory=True, arrays=None:
+                  simulator.simulate(sched, t, record_memory=record_memory))
         m.setattr(simulator, "schedule_arrays", schedule_reference.schedule_arrays)
         m.setattr(search, "stage_times_per_replica", schedule_reference.stage_times_per_replica)
         ref, ref_blobs = _plan(lengths, cm, dp, limit, schedule, cluster)

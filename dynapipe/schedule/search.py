@@ -226,6 +226,8 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
             sched = schedule_from_arrays(cand.schedule, r[1], r[2], r[3], recompute=cand.recompute,
                                          order=cand.order, mb_order=p, stage_recompute=cand.stage_recompute)
         schedules.append(sched)
-        timelines.append(simulate(sched, t, record_memory=True))
+        # The run's op arrays are the schedule's ops (it was built from them), so the
+        # timeline is re-simulated without reading the ops back.
+        timelines.append(simulate(sched, t, record_memory=True, arrays=(r[1], r[2], r[3])))
     ordered = [[replicas[r][i] for i in p] for r, p in enumerate(perms)]
     return SearchResult(cand, schedules, ordered, timelines, permuted, candidates)

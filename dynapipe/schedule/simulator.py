@@ -14,6 +14,7 @@ end releases the micro-batch's stored activations. Units: ms, MiB.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 import numpy as np
 
 from dynapipe.errors import DynaPipeError
@@ -108,16 +109,24 @@ def schedule_arrays(schedule: Schedule, num_micro_batches: int) -> tuple[np.ndar
 
 
 def memory_steps(schedule: Schedule, times: StageTimes, starts: list[list[float]],
-                 ends: list[list[float]]) -> list[list[tuple[float, float]]]:
-    """Per stage, ``(time ms, MiB)`` points of memory over time (model states included)."""
+                 ends: list[list[float]], arrays: Optional[tuple[np.ndarray, np.ndarray]] = None
+                 ) -> list[list[tuple[float, float]]]:
+    """Per stage, ``(time ms, MiB)`` points of memory over time (model states included).
+
+    ``arrays``: the schedule's ``(kind, mb)`` from :func:`schedule_arrays`, when the
+    caller has them (saves reading the ops again).
+    """
     out = []
     for s, ops in enumerate(schedule.stage_ops):
         state = float(times.state_mib[s])
         steps = [(0.0, state)]
         if ops:
             st, pk = np.asarray(times.stored_mib[s]), np.asarray(times.peak_mib[s])
-            idx = np.fromiter((op.mb for op in ops), dtype=np.int64, count=len(ops))
-            fw = np.fromiter((op.kind == "F" for op in ops), dtype=bool, count=len(ops))
+            if arrays is not None:
+                idx, fw = arrays[1][s, :len(ops)], arrays[0][s, :len(ops)] == K.F
+            else:
+                idx = np.fromiter((op.mb for op in ops), dtype=np.int64, count=len(ops))
+                fw = np.fromiter((op.kind == "F" for op in ops), dtype=bool, count=len(ops))
             # A running sum adds left to right, so ``stored`` takes the same float values
             # as adding and subtracting op by op; a forward's high mark is the new
             # ``stored`` plus its peak, a backward's the old one plus its peak.
@@ -136,29 +145,34 @@ def memory_steps(schedule: Schedule, times: StageTimes, starts: list[list[float]
 
 
 def timeline_from_arrays(schedule: Schedule, times: StageTimes, starts: np.ndarray, ends: np.ndarray,
-                         busy: np.ndarray, peak: np.ndarray, record_memory: bool) -> Timeline:
-    """Wrap kernel outputs (``[S, L]`` arrays aligned with ``schedule.stage_ops``)."""
+                         busy: np.ndarray, peak: np.ndarray, record_memory: bool,
+                         arrays: Optional[tuple[np.ndarray, np.ndarray]] = None) -> Timeline:
+    """Wrap kernel outputs (``[S, L]`` arrays aligned with ``schedule.stage_ops``);
+    ``arrays``: the schedule's ``(kind, mb)`` when known (see :func:`memory_steps`)."""
     n = [len(ops) for ops in schedule.stage_ops]
     st = [starts[s, :n[s]].tolist() for s in range(len(n))]
     en = [ends[s, :n[s]].tolist() for s in range(len(n))]
     makespan = max((e[-1] for e in en if e), default=0.0)
-    mem = memory_steps(schedule, times, st, en) if record_memory else []
+    mem = memory_steps(schedule, times, st, en, arrays) if record_memory else []
     return Timeline(schedule, makespan, st, en, busy.tolist(), peak.tolist(), mem)
 
 
-def simulate(schedule: Schedule, times: StageTimes, *, record_memory: bool = True) -> Timeline:
+def simulate(schedule: Schedule, times: StageTimes, *, record_memory: bool = True,
+             arrays: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None) -> Timeline:
     """Run ``schedule`` on ``times`` and return its :class:`Timeline`.
 
     Raises :class:`DynaPipeError` if the schedule's order cannot run (an op waits on
-    one that its own stage or a neighbour only runs later).
+    one that its own stage or a neighbour only runs later). ``arrays``: the schedule's
+    ``(kind, mb, nops)`` as :func:`schedule_arrays` gives them, when the caller already
+    holds them (the search's own runs of the chosen candidate).
     """
     if times.num_stages != schedule.num_stages:
         raise DynaPipeError(f"schedule {schedule.name!r} has {schedule.num_stages} stages, the costs "
                             f"{times.num_stages}.")
-    kind, mb, nops = schedule_arrays(schedule, times.num_micro_batches)
+    kind, mb, nops = schedule_arrays(schedule, times.num_micro_batches) if arrays is None else arrays
     status, starts, ends, busy, peak, stage = K.simulate_kernel(kind, mb, nops, *kernel_inputs(times),
                                                                 np.inf, np.inf)
     if status == K.STUCK:
         raise DynaPipeError(f"schedule {schedule.name!r} cannot run: stage {stage} waits forever on an op whose "
                             f"input its neighbour produces only later in its own order.")
-    return timeline_from_arrays(schedule, times, starts, ends, busy, peak, record_memory)
+    return timeline_from_arrays(schedule, times, starts, ends, busy, peak, record_memory, (kind, mb))
