@@ -43,7 +43,7 @@ def karmarkar_karp(weights: Sequence[float], parts: int) -> list[int]:
     heap = [(-float(w[i]), i, init_sums[i], init_ids[i]) for i in range(n)]
     heapq.heapify(heap)
     counter = n
-    next_id = n + 1
+    new_ids = np.arange(n + 1, n + 1 + (n - 1) * parts, dtype=np.int64).reshape(max(n - 1, 0), parts)
     lefts, rights = [], []
     while len(heap) > 1:
         _, _, sa, ia = heapq.heappop(heap)
@@ -54,10 +54,9 @@ def karmarkar_karp(weights: Sequence[float], parts: int) -> list[int]:
         sums = merged[order]
         lefts.append(ia[order])
         rights.append(ib[::-1][order])
-        ids = np.arange(next_id, next_id + parts, dtype=np.int64)
-        next_id += parts
-        heapq.heappush(heap, (-(float(sums[0]) - float(sums[-1])), counter, sums, ids))
+        heapq.heappush(heap, (-(float(sums[0]) - float(sums[-1])), counter, sums, new_ids[counter - n]))
         counter += 1
+    next_id = n + 1 + (n - 1) * parts
     label = np.zeros(next_id, dtype=np.int64)
     label[heap[0][3]] = np.arange(parts)
     # Children always have smaller ids than their parent: walk the merges newest first.
