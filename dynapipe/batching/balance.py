@@ -5,11 +5,17 @@ at the gradient all-reduce, so the iteration waits for the most loaded one. The
 micro-batch times are split into ``dp`` parts of near-equal sum with the Karmarkar-Karp
 largest-differencing method, then improved by moves and swaps between the heaviest and
 lightest parts while that lowers the heaviest.
+
+Both steps are numpy over the ``dp`` parts (or the heavy x light pairs); they perform
+the same float operations in the same order as the one-item-at-a-time formulation kept
+in ``tests/balance_reference.py`` and return the same assignment.
 """
 from __future__ import annotations
 
 import heapq
 from typing import Sequence
+
+import numpy as np
 
 
 def karmarkar_karp(weights: Sequence[float], parts: int) -> list[int]:
@@ -25,26 +31,42 @@ def karmarkar_karp(weights: Sequence[float], parts: int) -> list[int]:
     n = len(weights)
     if parts == 1 or n == 0:
         return [0] * n
-    # (negative spread, tie-break, sums descending, item lists)
-    heap = []
-    for i, w in enumerate(weights):
-        sums = [float(w)] + [0.0] * (parts - 1)
-        heap.append((-float(w), i, sums, [[i]] + [[] for _ in range(parts - 1)]))
+    # Parts are not lists of items but nodes of a merge forest: ids < n are the items,
+    # id n is "empty", and merge k creates ids base_k .. base_k + parts - 1 whose two
+    # children are recorded in ``left``/``right``. Assignments are read off at the end.
+    empty = n
+    w = np.asarray([float(x) for x in weights], dtype=np.float64)
+    init_sums = np.zeros((n, parts))
+    init_sums[:, 0] = w
+    init_ids = np.full((n, parts), empty, dtype=np.int64)
+    init_ids[:, 0] = np.arange(n)
+    heap = [(-float(w[i]), i, init_sums[i], init_ids[i]) for i in range(n)]
     heapq.heapify(heap)
     counter = n
+    new_ids = np.arange(n + 1, n + 1 + (n - 1) * parts, dtype=np.int64).reshape(max(n - 1, 0), parts)
+    lefts, rights = [], []
     while len(heap) > 1:
         _, _, sa, ia = heapq.heappop(heap)
         _, _, sb, ib = heapq.heappop(heap)
-        merged = sorted(((sa[p] + sb[parts - 1 - p], ia[p] + ib[parts - 1 - p]) for p in range(parts)),
-                        key=lambda x: -x[0])
-        sums = [m[0] for m in merged]
-        heapq.heappush(heap, (-(sums[0] - sums[-1]), counter, sums, [m[1] for m in merged]))
+        merged = sa + sb[::-1]
+        # A stable sort on the negated sums keeps equal sums in part order, as sorted() does.
+        order = np.argsort(-merged, kind="stable")
+        sums = merged[order]
+        lefts.append(ia[order])
+        rights.append(ib[::-1][order])
+        heapq.heappush(heap, (-(float(sums[0]) - float(sums[-1])), counter, sums, new_ids[counter - n]))
         counter += 1
-    assignment = [0] * n
-    for p, items in enumerate(heap[0][3]):
-        for i in items:
-            assignment[i] = p
-    return assignment
+    next_id = n + 1 + (n - 1) * parts
+    label = np.zeros(next_id, dtype=np.int64)
+    label[heap[0][3]] = np.arange(parts)
+    # Children always have smaller ids than their parent: walk the merges newest first.
+    base = next_id
+    for left, right in zip(reversed(lefts), reversed(rights)):
+        base -= parts
+        lab = label[base:base + parts]
+        label[left] = lab
+        label[right] = lab
+    return label[:n].tolist()
 
 
 def _improve(weights: Sequence[float], assignment: list[int], parts: int, max_rounds: int = 64,
@@ -53,7 +75,11 @@ def _improve(weights: Sequence[float], assignment: list[int], parts: int, max_ro
 
     Each step strictly lowers the sum of squared part sums, so it terminates; the rounds
     and the pairs a swap search may try are capped to bound the time on large batches.
+    Among equally good steps the first in (heavy item, then its move before its swaps
+    with the light items) order is taken.
     """
+    w = np.asarray(weights, dtype=np.float64)
+    assign = np.asarray(assignment, dtype=np.int64)
     sums = [0.0] * parts
     for i, p in enumerate(assignment):
         sums[p] += weights[i]
@@ -63,29 +89,33 @@ def _improve(weights: Sequence[float], assignment: list[int], parts: int, max_ro
         gap = sums[hi] - sums[lo]
         if gap <= 0:
             break
-        heavy = [i for i, p in enumerate(assignment) if p == hi]
-        light = [i for i, p in enumerate(assignment) if p == lo]
+        heavy = np.flatnonzero(assign == hi)
+        light = np.flatnonzero(assign == lo)
         # Moving d from hi to lo lowers the pair's maximum iff 0 < d < gap; best is d nearest gap / 2.
-        best, best_move = gap, None
-        for i in heavy:
-            d = weights[i]
-            if 0 < d < gap and abs(gap - 2 * d) < best:
-                best, best_move = abs(gap - 2 * d), (i, None)
-            for k in (light if len(heavy) * len(light) <= max_pairs else ()):
-                d2 = weights[i] - weights[k]
-                if 0 < d2 < gap and abs(gap - 2 * d2) < best:
-                    best, best_move = abs(gap - 2 * d2), (i, k)
-        if best_move is None:
+        # Column 0 is moving the heavy item, column 1 + k swapping it with light item k.
+        if len(heavy) * len(light) <= max_pairs:
+            d = np.empty((len(heavy), 1 + len(light)))
+            d[:, 0] = w[heavy]
+            d[:, 1:] = w[heavy][:, None] - w[light][None, :]
+        else:
+            d = w[heavy][:, None]
+        score = np.where((d > 0) & (d < gap), np.abs(gap - 2 * d), np.inf)
+        if score.size == 0:
             break
-        i, k = best_move
-        assignment[i] = lo
+        flat = int(np.argmin(score))
+        if not score.flat[flat] < gap:
+            break
+        row, col = divmod(flat, score.shape[1])
+        i = int(heavy[row])
+        k = int(light[col - 1]) if col > 0 else None
+        assign[i] = lo
         sums[hi] -= weights[i]
         sums[lo] += weights[i]
         if k is not None:
-            assignment[k] = hi
+            assign[k] = hi
             sums[lo] -= weights[k]
             sums[hi] += weights[k]
-    return assignment
+    return assign.tolist()
 
 
 def balance_replicas(times_ms: Sequence[float], dp: int) -> list[int]:

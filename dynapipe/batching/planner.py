@@ -156,7 +156,7 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
         mb.replica = r
     per_replica = replica_times(times, [mb.replica for mb in mbs], dp)
     extra["replica_spread_ms"] = max(per_replica) - min(per_replica)
-    extra["empty_replicas"] = sum(1 for r in range(dp) if not any(mb.replica == r for mb in mbs))
+    extra["empty_replicas"] = dp - len({mb.replica for mb in mbs})
     plan = BatchPlan(batching=method, micro_batches=mbs, num_stages=cost_model.num_stages, dp=dp,
                      objective_ms=0.0, padding_efficiency=0.0, replica_time_ms=per_replica, extra=extra)
     plan.objective_ms = plan.compute_objective_ms()

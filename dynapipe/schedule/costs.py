@@ -110,3 +110,29 @@ def stage_times(cost_model: CostModel, micro_batches: Sequence[MicroBatch], *, r
     state = np.array([cost_model.model_state_mib(s, dp=dp, zero=zero) for s in range(S)])
     return StageTimes(act_comm_ms=comm, grad_comm_ms=comm.copy(), state_mib=state, recompute=recompute,
                       **fields)
+
+
+def stage_times_per_replica(cost_model: CostModel, replicas: Sequence[Sequence[MicroBatch]], *,
+                            recompute: str = "none", cluster: Optional[ClusterConfig] = None, dp: int = 1,
+                            tp: int = 1, zero: bool = False) -> list[StageTimes]:
+    """:func:`stage_times` of each replica's micro-batches, priced in one call.
+
+    Every cost is elementwise in the micro-batch, so pricing the replicas' micro-batches
+    side by side and cutting the columns apart gives each replica exactly the arrays
+    :func:`stage_times` gives it alone, at one cost-model call instead of ``len(replicas)``.
+    """
+    reps = [list(r) for r in replicas]
+    if cost_model.model.is_encoder_decoder and any(mb.dec_seqlen <= 0 for r in reps for mb in r):
+        # Let the per-replica path name the offending micro-batch by its index in its replica.
+        return [stage_times(cost_model, r, recompute=recompute, cluster=cluster, dp=dp, tp=tp, zero=zero)
+                for r in reps]
+    allt = stage_times(cost_model, [mb for r in reps for mb in r], recompute=recompute, cluster=cluster,
+                       dp=dp, tp=tp, zero=zero)
+    out, lo = [], 0
+    for r in reps:
+        hi = lo + len(r)
+        cut = lambda a: np.ascontiguousarray(a[:, lo:hi])  # noqa: E731
+        out.append(StageTimes(cut(allt.fw_ms), cut(allt.bw_ms), cut(allt.stored_mib), cut(allt.peak_mib),
+                              cut(allt.act_comm_ms), cut(allt.grad_comm_ms), allt.state_mib.copy(), recompute))
+        lo = hi
+    return out

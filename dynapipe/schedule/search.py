@@ -24,7 +24,7 @@ from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, check_recompute
 from dynapipe.errors import DynaPipeError
 from dynapipe.schedule import _kernels as K
 from dynapipe.schedule.adaptive import adaptive_arrays, schedule_from_arrays
-from dynapipe.schedule.costs import StageTimes, stage_times
+from dynapipe.schedule.costs import StageTimes, stage_times_per_replica
 from dynapipe.schedule.one_f_one_b import one_f_one_b, one_f_one_b_arrays
 from dynapipe.schedule.orders import ORDERS
 from dynapipe.schedule.simulator import Timeline, kernel_inputs, simulate
@@ -182,8 +182,8 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
         return Candidate(name, o, level, status, makespan, bubble, peak, mix), runs
 
     evaluated = []
-    level_times = {lv: [stage_times(cost_model, mbs, recompute=lv, cluster=cluster, dp=dp, tp=tp, zero=zero)
-                        for mbs in replicas] for lv in levels}
+    level_times = {lv: stage_times_per_replica(cost_model, replicas, recompute=lv, cluster=cluster, dp=dp, tp=tp,
+                                               zero=zero) for lv in levels}
     weights = [(t.fw_ms + t.bw_ms).sum(axis=0) for t in level_times[levels[0]]]
     for o in order_names:
         perms = [tuple(ORDERS[o](w)) for w in weights]
@@ -226,6 +226,8 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
             sched = schedule_from_arrays(cand.schedule, r[1], r[2], r[3], recompute=cand.recompute,
                                          order=cand.order, mb_order=p, stage_recompute=cand.stage_recompute)
         schedules.append(sched)
-        timelines.append(simulate(sched, t, record_memory=True))
+        # The run's op arrays are the schedule's ops (it was built from them), so the
+        # timeline is re-simulated without reading the ops back.
+        timelines.append(simulate(sched, t, record_memory=True, arrays=(r[1], r[2], r[3])))
     ordered = [[replicas[r][i] for i in p] for r, p in enumerate(perms)]
     return SearchResult(cand, schedules, ordered, timelines, permuted, candidates)

@@ -14,6 +14,7 @@ end releases the micro-batch's stored activations. Units: ms, MiB.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 import numpy as np
 
 from dynapipe.errors import DynaPipeError
@@ -91,61 +92,87 @@ def schedule_arrays(schedule: Schedule, num_micro_batches: int) -> tuple[np.ndar
     kind = np.zeros((S, max(L, 1)), dtype=np.int64)
     mb = np.zeros((S, max(L, 1)), dtype=np.int64)
     for s, ops in enumerate(schedule.stage_ops):
-        for i, op in enumerate(ops):
-            if op.kind not in _KIND_CODE or op.chunk != 0 or not 0 <= op.mb < num_micro_batches:
-                raise DynaPipeError(f"schedule {schedule.name!r}: op {op} cannot be simulated (kinds F/B, "
-                                    f"chunk 0, micro-batches 0..{num_micro_batches - 1} are supported).")
-            kind[s, i] = _KIND_CODE[op.kind]
-            mb[s, i] = op.mb
+        n = len(ops)
+        if not n:
+            continue
+        codes = [_KIND_CODE.get(op.kind, -1) for op in ops]
+        mbs = [op.mb for op in ops]
+        chunks = [op.chunk for op in ops]
+        bad = [i for i in range(n) if codes[i] < 0 or chunks[i] != 0 or not 0 <= mbs[i] < num_micro_batches]
+        if bad:
+            op = ops[bad[0]]
+            raise DynaPipeError(f"schedule {schedule.name!r}: op {op} cannot be simulated (kinds F/B, "
+                                f"chunk 0, micro-batches 0..{num_micro_batches - 1} are supported).")
+        kind[s, :n] = codes
+        mb[s, :n] = mbs
     return kind, mb, nops
 
 
 def memory_steps(schedule: Schedule, times: StageTimes, starts: list[list[float]],
-                 ends: list[list[float]]) -> list[list[tuple[float, float]]]:
-    """Per stage, ``(time ms, MiB)`` points of memory over time (model states included)."""
+                 ends: list[list[float]], arrays: Optional[tuple[np.ndarray, np.ndarray]] = None
+                 ) -> list[list[tuple[float, float]]]:
+    """Per stage, ``(time ms, MiB)`` points of memory over time (model states included).
+
+    ``arrays``: the schedule's ``(kind, mb)`` from :func:`schedule_arrays`, when the
+    caller has them (saves reading the ops again).
+    """
     out = []
     for s, ops in enumerate(schedule.stage_ops):
         state = float(times.state_mib[s])
-        st, pk = times.stored_mib[s], times.peak_mib[s]
-        stored = 0.0
         steps = [(0.0, state)]
-        for i, op in enumerate(ops):
-            if op.kind == "F":
-                high = stored + st[op.mb] + pk[op.mb]
-                stored += st[op.mb]
+        if ops:
+            st, pk = np.asarray(times.stored_mib[s]), np.asarray(times.peak_mib[s])
+            if arrays is not None:
+                idx, fw = arrays[1][s, :len(ops)], arrays[0][s, :len(ops)] == K.F
             else:
-                high = stored + pk[op.mb]
-                stored -= st[op.mb]
-            steps.append((starts[s][i], state + float(high)))
-            steps.append((ends[s][i], state + float(stored)))
+                idx = np.fromiter((op.mb for op in ops), dtype=np.int64, count=len(ops))
+                fw = np.fromiter((op.kind == "F" for op in ops), dtype=bool, count=len(ops))
+            # A running sum adds left to right, so ``stored`` takes the same float values
+            # as adding and subtracting op by op; a forward's high mark is the new
+            # ``stored`` plus its peak, a backward's the old one plus its peak.
+            stored = np.cumsum(np.where(fw, st[idx], -st[idx]))
+            before = np.concatenate(([0.0], stored[:-1]))
+            high = np.where(fw, stored, before) + pk[idx]
+            lo = (state + stored.astype(np.float64)).tolist()
+            hi = (state + high.astype(np.float64)).tolist()
+            n = len(ops)
+            when, mib = [0.0] * (2 * n), [0.0] * (2 * n)
+            when[0::2], when[1::2] = starts[s][:n], ends[s][:n]
+            mib[0::2], mib[1::2] = hi, lo
+            steps.extend(zip(when, mib))
         out.append(steps)
     return out
 
 
 def timeline_from_arrays(schedule: Schedule, times: StageTimes, starts: np.ndarray, ends: np.ndarray,
-                         busy: np.ndarray, peak: np.ndarray, record_memory: bool) -> Timeline:
-    """Wrap kernel outputs (``[S, L]`` arrays aligned with ``schedule.stage_ops``)."""
+                         busy: np.ndarray, peak: np.ndarray, record_memory: bool,
+                         arrays: Optional[tuple[np.ndarray, np.ndarray]] = None) -> Timeline:
+    """Wrap kernel outputs (``[S, L]`` arrays aligned with ``schedule.stage_ops``);
+    ``arrays``: the schedule's ``(kind, mb)`` when known (see :func:`memory_steps`)."""
     n = [len(ops) for ops in schedule.stage_ops]
     st = [starts[s, :n[s]].tolist() for s in range(len(n))]
     en = [ends[s, :n[s]].tolist() for s in range(len(n))]
     makespan = max((e[-1] for e in en if e), default=0.0)
-    mem = memory_steps(schedule, times, st, en) if record_memory else []
+    mem = memory_steps(schedule, times, st, en, arrays) if record_memory else []
     return Timeline(schedule, makespan, st, en, busy.tolist(), peak.tolist(), mem)
 
 
-def simulate(schedule: Schedule, times: StageTimes, *, record_memory: bool = True) -> Timeline:
+def simulate(schedule: Schedule, times: StageTimes, *, record_memory: bool = True,
+             arrays: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None) -> Timeline:
     """Run ``schedule`` on ``times`` and return its :class:`Timeline`.
 
     Raises :class:`DynaPipeError` if the schedule's order cannot run (an op waits on
-    one that its own stage or a neighbour only runs later).
+    one that its own stage or a neighbour only runs later). ``arrays``: the schedule's
+    ``(kind, mb, nops)`` as :func:`schedule_arrays` gives them, when the caller already
+    holds them (the search's own runs of the chosen candidate).
     """
     if times.num_stages != schedule.num_stages:
         raise DynaPipeError(f"schedule {schedule.name!r} has {schedule.num_stages} stages, the costs "
                             f"{times.num_stages}.")
-    kind, mb, nops = schedule_arrays(schedule, times.num_micro_batches)
+    kind, mb, nops = schedule_arrays(schedule, times.num_micro_batches) if arrays is None else arrays
     status, starts, ends, busy, peak, stage = K.simulate_kernel(kind, mb, nops, *kernel_inputs(times),
                                                                 np.inf, np.inf)
     if status == K.STUCK:
         raise DynaPipeError(f"schedule {schedule.name!r} cannot run: stage {stage} waits forever on an op whose "
                             f"input its neighbour produces only later in its own order.")
-    return timeline_from_arrays(schedule, times, starts, ends, busy, peak, record_memory)
+    return timeline_from_arrays(schedule, times, starts, ends, busy, peak, record_memory, (kind, mb))
