@@ -452,7 +452,9 @@ def training_config_from_args(args: argparse.Namespace, world_size: int,
     if args.dynapipe_tokens_per_global_batch is not None and not args.use_dynapipe:
         raise DynaPipeError("--dynapipe-tokens-per-global-batch needs --use-dynapipe: the fixed-shape baselines "
                             "take --global-batch-size samples.")
-    data = DataArgs(mock_data=args.mock_data, data_path=tuple(args.data_path or ()),
+    _, weights = parse_blend(args.data_path or ())
+    data = DataArgs(mock_data=args.mock_data, data_path=tuple(data_files(args.data_path or ())),
+                    data_weights=tuple(weights or ()),
                     tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
                     mixture=args.dynapipe_mixture, overlong=args.dynapipe_overlong,
                     tokens_per_global_batch=args.dynapipe_tokens_per_global_batch,
@@ -564,15 +566,34 @@ def recompute_from_args(args: argparse.Namespace) -> tuple[RecomputeArgs, Option
     return recompute, gran or (None if dyn == "auto" else dyn)
 
 
+def _weight(text: str) -> Optional[float]:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def parse_blend(data_path: Sequence[str]) -> tuple[list[str], Optional[list[float]]]:
+    """``--data-path`` as Megatron-LM reads it: ``P1 P2 ...`` (no weights) or ``W1 P1 W2 P2 ...``
+    (an even count whose every other item is a number). Raises :class:`DynaPipeError` for a
+    list that mixes the two or has a weight that is not positive."""
+    items = list(data_path)
+    weights = [_weight(w) for w in items[0::2]]
+    if len(items) % 2 == 0 and items and all(w is not None for w in weights):
+        bad = [items[2 * i] for i, w in enumerate(weights) if not (w > 0 and w != float("inf"))]
+        if bad:
+            raise DynaPipeError(f"--data-path weight {bad[0]}: blend weights must be positive numbers.")
+        return items[1::2], weights
+    numbers = [x for x in items if _weight(x) is not None]
+    if numbers:
+        raise DynaPipeError(f"--data-path {' '.join(items)}: {numbers[0]!r} looks like a blend weight but the list "
+                            f"is not weight/path pairs; give W1 P1 W2 P2 ... or paths only.")
+    return items, None
+
+
 def data_files(data_path: Sequence[str]) -> list[str]:
-    """The paths of ``--data-path``, skipping Megatron-style blend weights."""
-    out = []
-    for item in data_path:
-        try:
-            float(item)
-        except ValueError:
-            out.append(item)
-    return out
+    """The paths of ``--data-path`` (without Megatron-style blend weights)."""
+    return parse_blend(data_path)[0]
 
 
 def parse_training_args(argv: Optional[Sequence[str]], world_size: int, cuda: Optional[bool] = None,

@@ -82,6 +82,7 @@ class DataArgs:
 
     mock_data: bool
     data_path: tuple[str, ...] = ()
+    data_weights: tuple[float, ...] = ()  # Megatron's blend weights, one per path (empty: no blend)
     tokenizer_type: str = "ByteLevel"
     tokenizer_model: Optional[str] = None
     mixture: Optional[str] = None
