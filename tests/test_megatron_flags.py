@@ -140,3 +140,22 @@ def test_script_prints_the_line_once_without_usage():
     assert result.stderr.startswith("error: --eval-iters is a Megatron-LM flag that dynapipe-megatron does not "
                                     "support: ") and result.stderr.count("\n") == 1, result.stderr
     assert "usage" not in result.stderr
+
+
+def test_megatron_flags_in_a_real_run(tmp_path):
+    """One torchrun job: --train-samples, --lr-warmup-fraction, --exit-interval (with a checkpoint
+    at the exit) and the vocabulary-padding line, end to end."""
+    from megatron_integration.launch import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(free_port()),
+           os.path.join(ROOT, "scripts", "pretrain_gpt.py"), *BASE.split(), "--seq-length", "64",
+           "--train-samples", "48", "--lr-warmup-fraction", "0.5", "--exit-interval", "2", "--log-interval", "1",
+           "--vocab-size", "300", "--save", str(tmp_path / "ckpt"), "--dynapipe-mock-samples", "256",
+           "--transformer-impl", "transformer_engine", "--num-workers", "2", "--optimizer", "adam"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert " > padded vocab (size: 300) with 84 dummy tokens (new size: 384)" in result.stdout
+    lines = [l for l in result.stdout.splitlines() if "iteration" in l and "lm loss" in l]
+    # 48 samples / 8 per batch = 6 iterations, but the run exits after iteration 2 and saves it.
+    assert len(lines) == 2 and "iteration        2/       6" in lines[1], lines
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
