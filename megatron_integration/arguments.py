@@ -49,8 +49,7 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this x --tensor-model-parallel-size (Megatron's rule)")
     g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP instead of GeLU")
-    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
-                   help="no biases in the linear layers")
+    g.add_argument("--disable-bias-linear", action="store_true", help="no biases in the linear layers")
     g.add_argument("--group-query-attention", action="store_true", help="grouped-query attention")
     g.add_argument("--num-query-groups", type=int, default=1, help="key/value groups with --group-query-attention")
     g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base period")
@@ -289,7 +288,7 @@ def _model_flags_honoured(args: argparse.Namespace, cuda: bool) -> None:
     (the default of each, which is what is built, is accepted)."""
     if args.swiglu:
         raise _unsupported("--swiglu", "the stages are built with GeLU MLPs; drop it")
-    if not args.add_bias_linear:
+    if args.disable_bias_linear:
         raise _unsupported("--disable-bias-linear", "the stages are built with biased linear layers; drop it")
     if args.group_query_attention and args.num_query_groups != args.num_attention_heads:
         raise _unsupported("--group-query-attention", f"the stages are built with one key/value head per query "
