@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Optional, Sequence
 
 from dynapipe.errors import DynaPipeError
@@ -29,6 +30,7 @@ RECOMPUTE_CHOICES = ("auto", "none", "selective", "full")
 KV_BACKENDS = ("store", "redis")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
 
 def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -43,7 +45,19 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="maximum sequence length the position embedding supports (default: --seq-length)")
     g.add_argument("--position-embedding-type", default="learned_absolute", choices=POSITION_EMBEDDINGS)
     g.add_argument("--vocab-size", type=int, default=None,
-                   help="vocabulary size (default: the tokenizer's, padded to a multiple of 128)")
+                   help="vocabulary size before padding (default: the byte-level tokenizer's)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this x --tensor-model-parallel-size (Megatron's rule)")
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP instead of GeLU")
+    g.add_argument("--disable-bias-linear", action="store_true", help="no biases in the linear layers")
+    g.add_argument("--group-query-attention", action="store_true", help="grouped-query attention")
+    g.add_argument("--num-query-groups", type=int, default=1, help="key/value groups with --group-query-attention")
+    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base period")
+    g.add_argument("--use-flash-attn", action="store_true", help="flash attention (GPU)")
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="attention implementation (auto: megatron-core chooses)")
+    g.add_argument("--transformer-impl", default="transformer_engine", choices=("local", "transformer_engine"),
+                   help="layer implementation; Transformer Engine's spec where it is installed, else local")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="separate output layer instead of the tied input embedding")
     g.add_argument("--normalization", default="LayerNorm", choices=("LayerNorm", "RMSNorm"))
@@ -57,6 +71,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="samples (or packed rows) per micro-batch of the fixed-shape baselines")
     g.add_argument("--global-batch-size", type=int, default=None, help="samples per iteration over all replicas")
     g.add_argument("--train-iters", type=int, default=None, help="iterations to train")
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="samples to train (instead of --train-iters): iterations = samples / --global-batch-size")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (after saving, with --save) at the first iteration divisible by this")
     g.add_argument("--seed", type=int, default=1234, help="random seed (initialisation, data, dropout)")
     g.add_argument("--bf16", action="store_true", help="bfloat16 parameters and activations (GPU)")
     g.add_argument("--fp16", action="store_true", help="float16 parameters and activations (GPU)")
@@ -78,8 +96,13 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g = parser.add_argument_group("learning rate and optimizer")
     g.add_argument("--lr", type=float, default=None, help="peak learning rate")
     g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", default="constant", choices=LR_DECAY_STYLES)
+    g.add_argument("--lr-decay-style", default="linear", choices=LR_DECAY_STYLES)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warm-up as a fraction of the decay iterations (instead of --lr-warmup-iters)")
+    g.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
+    g.add_argument("--loss-scale", type=float, default=None, help="fp16: static loss scale (default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32, help="fp16: initial dynamic loss scale")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -102,6 +125,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--mock-data", action="store_true", help="train on the synthetic multi-task mixture")
     g.add_argument("--tokenizer-type", default="ByteLevel", help="tokenizer for JSONL data (default ByteLevel)")
     g.add_argument("--tokenizer-model", default=None, help="tokenizer model file or name, when the type needs one")
+    g.add_argument("--num-workers", type=int, default=2,
+                   help="data-loader workers (accepted; samples are read in-process from memory-mapped files)")
 
     g = parser.add_argument_group("checkpointing")
     g.add_argument("--save", default=None, help="directory to save checkpoints to")
@@ -162,10 +187,28 @@ def add_dynapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 
 def build_parser(prog: Optional[str] = None, description: Optional[str] = None) -> argparse.ArgumentParser:
-    """A standalone parser with the Megatron and DynaPipe arguments."""
+    """A standalone parser with the Megatron and DynaPipe arguments (one-line errors; a
+    Megatron-LM flag this build does not take is named with the reason)."""
     from dynapipe.cli.argtypes import StrictArgumentParser
 
-    parser = StrictArgumentParser(prog=prog, description=description, allow_abbrev=False)
+    class MegatronArgumentParser(StrictArgumentParser):
+        def parse_known_args(self, args=None, namespace=None):
+            parsed, extras = super().parse_known_args(args, namespace)
+            for item in extras:
+                flag = item.split("=", 1)[0]
+                if flag in UNSUPPORTED_MEGATRON_FLAGS:
+                    # torchrun runs this on every rank; one copy of the line is enough.
+                    if os.environ.get("RANK", "0") == "0":
+                        print("error: " + str(_unsupported(flag, UNSUPPORTED_MEGATRON_FLAGS[flag])), file=sys.stderr)
+                    self.exit(2)
+            return parsed, extras
+
+        def error(self, message):
+            if os.environ.get("RANK", "0") != "0":
+                self.exit(2)
+            super().error(message)
+
+    parser = MegatronArgumentParser(prog=prog, description=description, allow_abbrev=False)
     add_megatron_args(parser)
     add_dynapipe_args(parser)
     return parser
@@ -185,11 +228,84 @@ def _positive(flag: str, value, allow_zero: bool = False):
     return value
 
 
-def _default_vocab_size(args) -> int:
-    if args.vocab_size is not None:
-        return args.vocab_size
-    # A byte-level tokenizer (256 bytes + a few specials) padded as Megatron pads vocabularies.
-    return 384
+# The byte-level tokenizer's ids (256 bytes and its specials), before padding.
+BYTE_LEVEL_VOCAB = 384
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
+    """Megatron-LM's vocabulary padding: round ``vocab_size`` (ids) up to a multiple of
+    ``divisible_by x tensor_parallel`` so every tensor-parallel shard of the embedding is equal
+    and aligned (50257 -> 50304 with the defaults)."""
+    multiple = divisible_by * tensor_parallel
+    return -(-vocab_size // multiple) * multiple
+
+
+def _unsupported(flag: str, reason: str) -> DynaPipeError:
+    return DynaPipeError(f"{flag} is a Megatron-LM flag that dynapipe-megatron does not support: {reason}")
+
+
+# Megatron-LM flags this build does not take, and why (or what to use instead). Anything
+# not listed here and not declared above is not a Megatron-LM flag and gets argparse's error.
+UNSUPPORTED_MEGATRON_FLAGS = {
+    "--ckpt-format": "checkpoints are written in this project's own format (torch_dist is not implemented yet); "
+                     "drop it",
+    "--use-dist-ckpt": "checkpoints are written in this project's own format; drop it",
+    "--wandb-project": "use --tensorboard-dir for metrics",
+    "--wandb-exp-name": "use --tensorboard-dir for metrics",
+    "--wandb-save-dir": "use --tensorboard-dir for metrics",
+    "--split": "all of --data-path is training data (no validation/test split yet); drop it",
+    "--train-data-path": "give the training data with --data-path",
+    "--valid-data-path": "there is no evaluation yet; drop it",
+    "--test-data-path": "there is no evaluation yet; drop it",
+    "--eval-interval": "there is no evaluation yet; drop it",
+    "--eval-iters": "there is no evaluation yet; drop it",
+    "--vocab-file": "only pre-tokenised indexed data or byte-level JSONL is read; tokenise with Megatron's "
+                    "tools/preprocess_data.py and give --vocab-size",
+    "--merge-file": "only pre-tokenised indexed data or byte-level JSONL is read; tokenise with Megatron's "
+                    "tools/preprocess_data.py and give --vocab-size",
+    "--sequence-parallel": "stages run without sequence parallelism; drop it",
+    "--context-parallel-size": "no context parallelism; split long sequences over fewer tokens per sample",
+    "--virtual-pipeline-model-parallel-size": "interleaved pipeline stages are not run; drop it",
+    "--num-layers-per-virtual-pipeline-stage": "interleaved pipeline stages are not run; drop it",
+    "--num-experts": "mixture-of-experts models are not built; drop it",
+    "--expert-model-parallel-size": "mixture-of-experts models are not built; drop it",
+    "--overlap-grad-reduce": "gradients are all-reduced once after the last micro-batch of an iteration; drop it",
+    "--overlap-param-gather": "parameters are gathered after the optimizer step; drop it",
+    "--rampup-batch-size": "the global batch is fixed (or set by --dynapipe-tokens-per-global-batch)",
+    "--lr-decay-samples": "give the decay in iterations (--lr-decay-iters)",
+    "--lr-warmup-samples": "give the warm-up in iterations (--lr-warmup-iters) or --lr-warmup-fraction",
+    "--dataloader-type": "global batches come from this project's sampler; drop it",
+    "--eod-mask-loss": "samples are whole documents without separators; drop it",
+    "--fp8-format": "fp8 training is not supported; use --bf16",
+    "--rotary-percent": "rotary embeddings cover the whole head; drop it",
+    "--use-checkpoint-opt_param-scheduler": "the scheduler is restored with the checkpoint; drop it",
+    "--override-opt_param-scheduler": "the scheduler is restored with the checkpoint; drop it",
+}
+
+
+def _model_flags_honoured(args: argparse.Namespace, cuda: bool) -> None:
+    """Refuse the Megatron model flags whose non-default values the stage builder cannot honour yet
+    (the default of each, which is what is built, is accepted)."""
+    if args.swiglu:
+        raise _unsupported("--swiglu", "the stages are built with GeLU MLPs; drop it")
+    if args.disable_bias_linear:
+        raise _unsupported("--disable-bias-linear", "the stages are built with biased linear layers; drop it")
+    if args.group_query_attention and args.num_query_groups != args.num_attention_heads:
+        raise _unsupported("--group-query-attention", f"the stages are built with one key/value head per query "
+                                                      f"head; drop it or give --num-query-groups "
+                                                      f"{args.num_attention_heads}")
+    if args.position_embedding_type == "rope" and args.rotary_base != 10000:
+        raise _unsupported("--rotary-base", f"{args.rotary_base}: RoPE is built with base 10000; drop it")
+    if args.use_flash_attn:
+        raise _unsupported("--use-flash-attn", "attention runs through Transformer Engine's spec where installed "
+                                               "(it picks flash attention itself) or megatron-core's local one; "
+                                               "drop it")
+    if args.attention_backend != "auto":
+        raise _unsupported("--attention-backend", f"{args.attention_backend}: megatron-core chooses the backend "
+                                                  f"(auto); drop it")
+    if args.transformer_impl == "local" and cuda:
+        raise _unsupported("--transformer-impl", "local: on GPUs the stages use Transformer Engine's spec where "
+                                                 "it is installed; drop it")
 
 
 def model_args_from_args(args: argparse.Namespace, cuda: bool) -> GPTModelArgs:
@@ -211,6 +327,10 @@ def model_args_from_args(args: argparse.Namespace, cuda: bool) -> GPTModelArgs:
     if args.hidden_size % args.num_attention_heads:
         raise DynaPipeError(f"--hidden-size {args.hidden_size} is not divisible by "
                             f"--num-attention-heads {args.num_attention_heads}.")
+    _model_flags_honoured(args, cuda)
+    _positive("make-vocab-size-divisible-by", args.make_vocab_size_divisible_by)
+    unpadded = args.vocab_size or BYTE_LEVEL_VOCAB
+    vocab = padded_vocab_size(unpadded, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     max_pos = args.max_position_embeddings or args.seq_length
     if args.position_embedding_type == "learned_absolute" and args.seq_length > max_pos:
         raise DynaPipeError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings {max_pos}; "
@@ -219,7 +339,8 @@ def model_args_from_args(args: argparse.Namespace, cuda: bool) -> GPTModelArgs:
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
         kv_channels=args.kv_channels or args.hidden_size // args.num_attention_heads,
-        seq_length=args.seq_length, max_position_embeddings=max_pos, vocab_size=_default_vocab_size(args),
+        seq_length=args.seq_length, max_position_embeddings=max_pos, vocab_size=vocab,
+        unpadded_vocab_size=unpadded,
         position_embedding_type=args.position_embedding_type,
         tie_embeddings=not args.untie_embeddings_and_output_weights, normalization=args.normalization,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
@@ -237,6 +358,7 @@ def training_config_from_args(args: argparse.Namespace, world_size: int,
         import torch
 
         cuda = torch.cuda.is_available()
+    _schedule_from_samples(args)
     for flag in ("global-batch-size", "train-iters", "lr"):
         _need(args, flag, getattr(args, flag.replace("-", "_")))
     for flag in ("global-batch-size", "train-iters", "micro-batch-size", "tensor-model-parallel-size",
@@ -330,18 +452,41 @@ def training_config_from_args(args: argparse.Namespace, world_size: int,
     if args.dynapipe_tokens_per_global_batch is not None and not args.use_dynapipe:
         raise DynaPipeError("--dynapipe-tokens-per-global-batch needs --use-dynapipe: the fixed-shape baselines "
                             "take --global-batch-size samples.")
-    data = DataArgs(mock_data=args.mock_data, data_path=tuple(args.data_path or ()),
+    _, weights = parse_blend(args.data_path or ())
+    data = DataArgs(mock_data=args.mock_data, data_path=tuple(data_files(args.data_path or ())),
+                    data_weights=tuple(weights or ()),
                     tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
                     mixture=args.dynapipe_mixture, overlong=args.dynapipe_overlong,
                     tokens_per_global_batch=args.dynapipe_tokens_per_global_batch,
                     mock_samples=args.dynapipe_mock_samples)
 
-    if args.lr_decay_style != "constant" and args.lr_warmup_iters >= (args.lr_decay_iters or args.train_iters):
-        raise DynaPipeError(f"--lr-warmup-iters {args.lr_warmup_iters} must be below the decay iterations "
-                            f"({args.lr_decay_iters or args.train_iters}).")
+    decay_iters = _positive("lr-decay-iters", args.lr_decay_iters) or args.train_iters
+    warmup_iters = _positive("lr-warmup-iters", args.lr_warmup_iters, allow_zero=True)
+    if args.lr_warmup_fraction is not None:
+        if args.lr_warmup_iters:
+            raise DynaPipeError(f"--lr-warmup-fraction {args.lr_warmup_fraction} and --lr-warmup-iters "
+                                f"{args.lr_warmup_iters} were both given; give one (as in Megatron-LM).")
+        if not 0.0 <= args.lr_warmup_fraction < 1.0:
+            raise DynaPipeError(f"--lr-warmup-fraction {args.lr_warmup_fraction}: must be in [0, 1).")
+        # Megatron-LM: warm-up steps = fraction x decay steps.
+        warmup_iters = int(args.lr_warmup_fraction * decay_iters)
+    if args.min_lr > args.lr:
+        raise DynaPipeError(f"--min-lr {args.min_lr} is above --lr {args.lr}; the decay would raise the rate.")
+    if args.lr_decay_style != "constant" and warmup_iters >= decay_iters:
+        raise DynaPipeError(f"the warm-up ({warmup_iters} iterations) must be shorter than the decay "
+                            f"({decay_iters} iterations, --lr-decay-iters or --train-iters).")
+    if args.optimizer != "adam":
+        raise _unsupported("--optimizer", f"{args.optimizer}: only adam (megatron-core's Adam with decoupled "
+                                          f"weight decay) is built; use --optimizer adam")
+    if args.loss_scale is not None or args.initial_loss_scale != 2.0 ** 32:
+        flag = "--loss-scale" if args.loss_scale is not None else "--initial-loss-scale"
+        if not args.fp16:
+            raise DynaPipeError(f"{flag} applies to --fp16 only (bf16 and fp32 are not loss-scaled); drop it.")
+        raise _unsupported(flag, "fp16 runs megatron-core's dynamic loss scaler from 2^32; drop it")
+    _positive("num-workers", args.num_workers, allow_zero=True)
+    _positive("exit-interval", args.exit_interval)
     optimizer = OptimizerArgs(lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
-                              lr_warmup_iters=args.lr_warmup_iters,
-                              lr_decay_iters=args.lr_decay_iters or args.train_iters,
+                              lr_warmup_iters=warmup_iters, lr_decay_iters=decay_iters,
                               weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
                               adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
                               distributed=args.use_distributed_optimizer)
@@ -361,7 +506,30 @@ def training_config_from_args(args: argparse.Namespace, world_size: int,
         save=args.save, load=args.load, save_interval=args.save_interval,
         load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, log_interval=args.log_interval,
         tensorboard_dir=args.tensorboard_dir, recompute=recompute,
-        check_for_nan_in_loss_and_grad=getattr(args, "check_for_nan_in_loss_and_grad", True))
+        check_for_nan_in_loss_and_grad=getattr(args, "check_for_nan_in_loss_and_grad", True),
+        exit_interval=args.exit_interval)
+
+
+def _schedule_from_samples(args: argparse.Namespace) -> None:
+    """Megatron-LM's ``--train-samples``: iterations = samples // global batch (no batch ramp-up),
+    written into ``args.train_iters``; the learning-rate schedule then runs in those iterations."""
+    if args.train_samples is None:
+        return
+    if args.train_iters is not None:
+        raise DynaPipeError(f"--train-samples {args.train_samples} and --train-iters {args.train_iters} were both "
+                            f"given; give one (as in Megatron-LM).")
+    if args.lr_decay_iters is not None or args.lr_warmup_iters:
+        raise DynaPipeError("--train-samples schedules in samples: drop --lr-decay-iters / --lr-warmup-iters "
+                            "(the decay then spans the run; use --lr-warmup-fraction for the warm-up).")
+    if args.dynapipe_tokens_per_global_batch is not None:
+        raise DynaPipeError("--train-samples needs global batches of --global-batch-size samples; with "
+                            "--dynapipe-tokens-per-global-batch give --train-iters.")
+    gbs = _need(args, "global-batch-size", args.global_batch_size)
+    _positive("train-samples", args.train_samples)
+    if args.train_samples < gbs:
+        raise DynaPipeError(f"--train-samples {args.train_samples} is below --global-batch-size {gbs}: not one "
+                            f"iteration; raise it.")
+    args.train_iters = args.train_samples // gbs
 
 
 def recompute_from_args(args: argparse.Namespace) -> tuple[RecomputeArgs, Optional[str]]:
@@ -398,15 +566,34 @@ def recompute_from_args(args: argparse.Namespace) -> tuple[RecomputeArgs, Option
     return recompute, gran or (None if dyn == "auto" else dyn)
 
 
+def _weight(text: str) -> Optional[float]:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def parse_blend(data_path: Sequence[str]) -> tuple[list[str], Optional[list[float]]]:
+    """``--data-path`` as Megatron-LM reads it: ``P1 P2 ...`` (no weights) or ``W1 P1 W2 P2 ...``
+    (an even count whose every other item is a number). Raises :class:`DynaPipeError` for a
+    list that mixes the two or has a weight that is not positive."""
+    items = list(data_path)
+    weights = [_weight(w) for w in items[0::2]]
+    if len(items) % 2 == 0 and items and all(w is not None for w in weights):
+        bad = [items[2 * i] for i, w in enumerate(weights) if not (w > 0 and w != float("inf"))]
+        if bad:
+            raise DynaPipeError(f"--data-path weight {bad[0]}: blend weights must be positive numbers.")
+        return items[1::2], weights
+    numbers = [x for x in items if _weight(x) is not None]
+    if numbers:
+        raise DynaPipeError(f"--data-path {' '.join(items)}: {numbers[0]!r} looks like a blend weight but the list "
+                            f"is not weight/path pairs; give W1 P1 W2 P2 ... or paths only.")
+    return items, None
+
+
 def data_files(data_path: Sequence[str]) -> list[str]:
-    """The paths of ``--data-path``, skipping Megatron-style blend weights."""
-    out = []
-    for item in data_path:
-        try:
-            float(item)
-        except ValueError:
-            out.append(item)
-    return out
+    """The paths of ``--data-path`` (without Megatron-style blend weights)."""
+    return parse_blend(data_path)[0]
 
 
 def parse_training_args(argv: Optional[Sequence[str]], world_size: int, cuda: Optional[bool] = None,

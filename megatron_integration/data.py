@@ -41,6 +41,7 @@ def dataset_config(cfg: DynaPipeTrainingConfig) -> DatasetConfig:
     jsonl = [p for p in files if p.endswith((".jsonl", ".json"))]
     if jsonl and len(jsonl) != len(files):
         raise DynaPipeError("--data-path mixes JSONL files and indexed-dataset prefixes; give one kind.")
+    common["weights"] = d.data_weights
     if jsonl:
         return DatasetConfig(kind="jsonl", paths=tuple(jsonl), **common)
     for p in files:

@@ -29,6 +29,9 @@ class GPTModelArgs:
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
     dtype: str = "fp32"  # fp32, bf16 or fp16
+    # Megatron's vocabulary padding, recorded for the start-up log: the tokenizer's size
+    # before padding (0: --vocab-size was given, nothing padded).
+    unpadded_vocab_size: int = 0
 
     def to_model_config(self, name: str = "megatron-gpt"):
         """The planner's :class:`dynapipe.config.ModelConfig` for this model."""
@@ -70,6 +73,7 @@ class OptimizerArgs:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     distributed: bool = False  # megatron-core's distributed optimizer (ZeRO-1 over data parallel)
+    optimizer: str = "adam"  # Megatron's --optimizer (Adam with decoupled weight decay)
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ class DataArgs:
 
     mock_data: bool
     data_path: tuple[str, ...] = ()
+    data_weights: tuple[float, ...] = ()  # Megatron's blend weights, one per path (empty: no blend)
     tokenizer_type: str = "ByteLevel"
     tokenizer_model: Optional[str] = None
     mixture: Optional[str] = None
@@ -153,12 +158,21 @@ class DynaPipeTrainingConfig:
     recompute: RecomputeArgs = field(default_factory=RecomputeArgs)
     # Megatron's --check-for-nan-in-loss-and-grad: stop on a NaN/Inf loss or gradient.
     check_for_nan_in_loss_and_grad: bool = True
+    # Megatron's --exit-interval: stop (after saving, with --save) at the first multiple of it.
+    exit_interval: Optional[int] = None
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
     def method(self) -> str:
         """``dynapipe`` (the executor path) or the megatron baseline: ``padding`` / ``packing``."""
         return "dynapipe" if self.dynapipe.enabled else self.dynapipe.batching
+
+    def last_iteration(self, start_iteration: int) -> int:
+        """The iteration a run resumed at ``start_iteration`` stops after (``--exit-interval``
+        as Megatron-LM applies it: the first multiple of it past the start, capped by ``--train-iters``)."""
+        if not self.exit_interval:
+            return self.train_iters
+        return min(self.train_iters, (start_iteration // self.exit_interval + 1) * self.exit_interval)
 
     @property
     def num_micro_batches(self) -> int:

@@ -96,10 +96,22 @@ def current_lr(optimizer) -> float:
     return float(optimizer.param_groups[0]["lr"])
 
 
+def vocab_padding_line(cfg: DynaPipeTrainingConfig) -> Optional[str]:
+    """Megatron-LM's start-up line on the vocabulary padding (None when nothing was padded)."""
+    m = cfg.model
+    if not m.unpadded_vocab_size:
+        return None
+    return (f" > padded vocab (size: {m.unpadded_vocab_size}) with {m.vocab_size - m.unpadded_vocab_size} "
+            f"dummy tokens (new size: {m.vocab_size})")
+
+
 def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
              on_iteration: Optional[Callable[[int, StepResult], None]] = None) -> TrainingRun:
-    """Train ``cfg.train_iters`` iterations (from the checkpoint in ``cfg.load`` when present)."""
+    """Train up to ``cfg.train_iters`` iterations (from the checkpoint in ``cfg.load`` when present),
+    stopping early at ``--exit-interval`` as Megatron-LM does."""
     info = initialize_megatron(cfg.parallel, cfg.seed)
+    if info.rank == 0 and vocab_padding_line(cfg) is not None:
+        print(vocab_padding_line(cfg), file=stream, flush=True)
     stage = build_stage(cfg, info)
     optimizer, scheduler = build_optimizer(cfg, stage)
     attach_training_hooks(stage, optimizer)
@@ -114,7 +126,8 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
         logger = TrainingLogger(cfg.train_iters, cfg.global_batch_size, cfg.log_interval,
                                 is_logging_rank=info.is_last_stage and info.dp_rank == 0 and info.tp_rank == 0,
                                 tensorboard_dir=cfg.tensorboard_dir, stream=stream)
-        for iteration in range(run.start_iteration, cfg.train_iters):
+        last = cfg.last_iteration(run.start_iteration)
+        for iteration in range(run.start_iteration, last):
             result = stepper.step(iteration)
             run.consumed_samples = result.consumed_samples
             run.results.append(result)
@@ -124,10 +137,10 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
             if on_iteration is not None:
                 on_iteration(iteration, result)
             done = iteration + 1
-            if cfg.save and cfg.save_interval and done % cfg.save_interval == 0 and done != cfg.train_iters:
+            if cfg.save and cfg.save_interval and done % cfg.save_interval == 0 and done != last:
                 save_checkpoint(cfg.save, done, run.consumed_samples, stage.gpt, optimizer, scheduler, info)
-        if cfg.save and cfg.train_iters > run.start_iteration:
-            save_checkpoint(cfg.save, cfg.train_iters, run.consumed_samples, stage.gpt, optimizer, scheduler, info)
+        if cfg.save and last > run.start_iteration:
+            save_checkpoint(cfg.save, last, run.consumed_samples, stage.gpt, optimizer, scheduler, info)
     finally:
         stepper.close()
         if logger is not None:

@@ -23,6 +23,10 @@ class DatasetConfig:
     - ``indexed``: ``paths`` are Megatron ``.bin``/``.idx`` prefixes (one task each),
       ``target_paths`` the paired target datasets.
 
+    ``weights`` (one per path, any positive scale) blend the paths as Megatron-LM's
+    ``--data-path W1 P1 W2 P2`` does (:class:`~dynapipe.data.blend.BlendedSampleDataset`);
+    without them every sample of every path is used once per epoch.
+
     Lengths above ``seq_length`` (``dec_seq_length`` for encoder-decoder targets) are
     truncated or rejected as ``overlong`` says.
     """
@@ -43,6 +47,7 @@ class DatasetConfig:
     tokenizer_metadata: Optional[str] = None
     pad_id: int = 0
     eod_id: int = 1
+    weights: tuple[float, ...] = ()
 
     @property
     def limits(self) -> LengthLimits:
@@ -61,6 +66,18 @@ class DatasetConfig:
         return dataset
 
     def _open(self) -> SampleDataset:
+        if self.weights:
+            from dataclasses import replace
+
+            from dynapipe.data.blend import BlendedSampleDataset
+
+            if self.kind == "synthetic" or len(self.weights) != len(self.paths):
+                raise DynaPipeError(f"{len(self.weights)} blend weights for {len(self.paths)} {self.kind} paths; "
+                                    f"give one weight per data path.")
+            targets = self.target_paths or (None,) * len(self.paths)
+            parts = [replace(self, paths=(p,), target_paths=(t,) if t else (), weights=())._open()
+                     for p, t in zip(self.paths, targets)]
+            return BlendedSampleDataset(parts, self.weights, self.seed)
         if self.kind == "synthetic":
             from dynapipe.data.mixture_dataset import MixtureDataset
             from dynapipe.data.synthetic import load_mixture
