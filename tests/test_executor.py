@@ -283,7 +283,7 @@ def test_wrong_shape_from_a_handler_is_caught_before_sending():
     assert "tensor 'hidden_states' is [" in results[0]["message"] and "the plan says" in results[0]["message"]
     # The other rank stops on the report, or on the failed rank's closed connection, and
     # names the failure either way.
-    assert results[1]["error"] in ("RemoteFailure", "CommFailure")
+    assert results[1]["error"] in ("RemoteFailure", "CommFailure"), results[1]
     assert "pipeline rank 1 (global rank 1), instruction" in results[1]["message"]
     assert "the plan says" in results[1]["message"]
     assert max(r["elapsed"] for r in results) < 10
