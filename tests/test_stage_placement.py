@@ -1,6 +1,7 @@
 """Stage placement: the split data structure, the search's optimality and memory, the
 bubble it removes. Pure Python + numpy, tiny models."""
 import itertools
+import json
 
 import numpy as np
 import pytest
@@ -133,3 +134,48 @@ def test_planned_placement_reduces_the_simulated_bubble():
     planned = plan_iteration(batch, chosen.cost_model, seq_length=1024)
     assert planned.simulated_ms < 0.85 * even.simulated_ms
     assert planned.bubble_fraction < even.bubble_fraction - 0.1
+
+
+def test_plans_follow_the_placement():
+    """Compiled plans carry the placement, and the encoder output joins the message at
+    the placement's first decoder stage, not the even split's."""
+    placement = StagePlacement.parse("3+0,3+0,2+1,0+7", T5_DEEP, 4)
+    cm = AnalyticCostModel(T5_DEEP, DEVICE, 4).with_placement(placement)
+    it = plan_iteration(sample_lengths(12, 3, 512, True), cm, seq_length=512)
+    plans = it.plans[0]
+    assert all(p.meta["placement"] == placement.to_json() for p in plans)
+    sends = {p.stage: {t.name for i in p.instructions if type(i).__name__ == "SendActivationStart" for t in i.tensors}
+             for p in plans}
+    assert sends == {0: {"hidden_states"}, 1: {"hidden_states"}, 2: {"hidden_states", "encoder_output"}, 3: set()}
+    loads = {p.stage: {t.name for i in p.instructions if type(i).__name__ == "LoadInput" for t in i.tensors}
+             for p in plans}
+    assert "dec_tokens" in loads[2] and "dec_tokens" not in loads[3]
+    even = plan_iteration(sample_lengths(12, 3, 512, True), AnalyticCostModel(T5_DEEP, DEVICE, 4), seq_length=512)
+    assert "placement" not in even.plans[0][0].meta
+
+
+def test_plan_and_trace_commands_report_the_placement(tmp_path, capsys):
+    from dynapipe.cli import main
+
+    model = tmp_path / "t5.yaml"
+    model.write_text("name: t5-toy-deep\narch: t5\nencoder_layers: 8\ndecoder_layers: 8\nhidden_size: 512\n"
+                     "num_attention_heads: 8\nffn_hidden_size: 2048\nvocab_size: 1000\nmax_seq_length: 1024\n")
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("".join(f"{a} {b}\n" for a, b in sample_lengths(24, 5, 1024, True)))
+    base = ["--model", str(model), "--device", "a100-40gb", "--stages", "4", "--lengths", str(lengths)]
+    assert main(["plan", *base, "--placement", "auto"]) == 0
+    out, err = capsys.readouterr()
+    plan = json.loads(out)
+    chosen = StagePlacement.from_json(plan["placement"], T5_DEEP)
+    assert chosen != StagePlacement.even(T5_DEEP, 4)
+    assert plan["bubble_fraction"] < plan["even_split"]["bubble_fraction"]
+    assert plan["simulated_ms"] < plan["even_split"]["simulated_ms"]
+    assert f"placement {chosen}" in err and "even split 4+0,4+0,0+4,0+4" in err
+    trace = tmp_path / "trace.json"
+    assert main(["trace", *base, "--placement", str(chosen), "--out", str(trace)]) == 0
+    meta = json.loads(trace.read_text())["metadata"]
+    assert meta["placement"] == chosen.to_json()
+    assert meta["bubble_fraction"] == pytest.approx(plan["bubble_fraction"], abs=1e-4)
+    assert meta["even_split"]["bubble_fraction"] == pytest.approx(plan["even_split"]["bubble_fraction"], abs=1e-4)
+    assert main(["plan", *base, "--placement", "4+0,4+0,0+4"]) == 2
+    assert "names 3 stages" in capsys.readouterr().err
