@@ -107,6 +107,8 @@ def test_placement_structure_and_errors():
     assert str(even) == "2+0,2+0,0+2,0+2"
     assert StagePlacement.parse("3+0,1+1,0+2,0+1", T5, 4) == StagePlacement((3, 1, 0, 0), (0, 1, 2, 1))
     assert StagePlacement.from_json(even.to_json(), T5) == even
+    with pytest.raises(DynaPipeError, match="holds 9 layers; model 'gpt-toy' has 8"):
+        StagePlacement.parse("3,2,2,2", GPT, 4)
     gpt = StagePlacement.parse("3,2,2,1", GPT, 4)
     assert gpt.to_json() == {"layers": [3, 2, 2, 1]} and StagePlacement.from_json(gpt.to_json(), GPT) == gpt
     for text, match in [("2+0,2+0,0+2", "3 stages"), ("2+0,2+0,0+3,0+2", "5 decoder layers"),

@@ -61,6 +61,9 @@ class StagePlacement:
                                 f"give one of each per stage.")
         if any(v < 0 for v in enc + dec):
             raise DynaPipeError(f"stage placement {self}: layer counts must not be negative.")
+        if not model.is_encoder_decoder and sum(enc) + sum(dec) != want_d:
+            raise DynaPipeError(f"stage placement {self} holds {sum(enc) + sum(dec)} layers; model {model.name!r} "
+                                f"has {want_d}.")
         if sum(enc) != want_e or sum(dec) != want_d:
             raise DynaPipeError(f"stage placement {self} holds {sum(enc)} encoder + {sum(dec)} decoder layers; "
                                 f"model {model.name!r} has {want_e} + {want_d}.")
