@@ -181,3 +181,23 @@ def test_plan_and_trace_commands_report_the_placement(tmp_path, capsys):
     assert meta["even_split"]["bubble_fraction"] == pytest.approx(plan["even_split"]["bubble_fraction"], abs=1e-4)
     assert main(["plan", *base, "--placement", "4+0,4+0,0+4"]) == 2
     assert "names 3 stages" in capsys.readouterr().err
+
+
+def test_decoder_gemms_take_the_efficiency_of_decoder_tokens():
+    """A T5 decoder layer's own GEMMs span only the target tokens: short targets run thin
+    however long the input is; encoder layers keep the encoder tokens' efficiency."""
+    import dataclasses
+
+    from dynapipe.config import load_device_config
+
+    curved = load_device_config("a100-40gb")
+    flat = dataclasses.replace(curved, half_efficiency_tokens=0.0)
+    k = curved.half_efficiency_tokens
+    ratio = {}
+    for stage in (0, 3):  # all-encoder and all-decoder stages of the even split
+        t = [float(AnalyticCostModel(T5_DEEP, dev, 4).stage_cost(1, 1024, 16, stage=stage).fw_ms) - dev.op_overhead_ms
+             for dev in (flat, curved)]
+        ratio[stage] = t[1] / t[0]
+    assert ratio[0] == pytest.approx((1024 + k) / 1024, rel=1e-12)
+    # Priced on input + target tokens, as before, it would be 1.25 too; the decoder GEMMs make it 3.2.
+    assert ratio[3] > 2 * ratio[0]
