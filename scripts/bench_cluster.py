@@ -12,6 +12,10 @@ of ``--device`` and the links of ``--cluster`` (see :mod:`dynapipe.method_compar
 * ``padding`` and ``padding-mb``: Megatron's padding to the sequence length, and padding
   each micro-batch to its longest sample, tuned like packing.
 
+Encoder-decoder cases run every method on the stage placement the planner chooses on
+other batches of the mixture (:func:`dynapipe.schedule.placement.choose_placement`);
+``dynapipe-even-split`` is DynaPipe on Megatron's even split, the before.
+
 A baseline's micro-batch size is tuned once per case (the size with the best real
 tokens/s over all its batches). Writes JSON and a Markdown table; prints the table.
 
