@@ -17,6 +17,7 @@ import numpy as np
 from dynapipe.batching import BatchPlan, plan_micro_batches
 from dynapipe.config import ClusterConfig
 from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, check_recompute
+from dynapipe.cost.placement import StagePlacement
 from dynapipe.errors import DynaPipeError
 from dynapipe.plan.compile import compile_plans
 from dynapipe.plan.instructions import ExecutionPlan
@@ -161,8 +162,14 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
                             f"replicas (0..{dp - 1}).")
     plans = [compile_plans(result.schedules[r], result.micro_batches[r], cost_model.model,
                            timeline=result.timelines[r], replica=r, num_replicas=dp, iteration=iteration,
-                           global_real_tokens=total_real) if r in wanted else []
+                           global_real_tokens=total_real, layouts=cost_model.layouts) if r in wanted else []
              for r in range(dp)]
+    placement = cost_model.placement
+    if placement != StagePlacement.even(cost_model.model, cost_model.num_stages):
+        # The model stages must hold the layers the plan was priced for; an absent key
+        # means Megatron's even split.
+        for p in (p for rep in plans for p in rep):
+            p.meta["placement"] = placement.to_json()
     t2 = time.perf_counter()
     timings = {"batching": batch_plan.planning_ms, "schedule": (t1 - t0) * 1e3, "compile": (t2 - t1) * 1e3}
     out = IterationPlan(batch_plan, result, plans, iteration, timings)

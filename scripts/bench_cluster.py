@@ -12,6 +12,10 @@ of ``--device`` and the links of ``--cluster`` (see :mod:`dynapipe.method_compar
 * ``padding`` and ``padding-mb``: Megatron's padding to the sequence length, and padding
   each micro-batch to its longest sample, tuned like packing.
 
+Encoder-decoder cases run every method on the stage placement the planner chooses on
+other batches of the mixture (:func:`dynapipe.schedule.placement.choose_placement`);
+``dynapipe-even-split`` is DynaPipe on Megatron's even split, the before.
+
 A baseline's micro-batch size is tuned once per case (the size with the best real
 tokens/s over all its batches). Writes JSON and a Markdown table; prints the table.
 
@@ -35,6 +39,7 @@ from dynapipe.cost import build_cost_model  # noqa: E402
 from dynapipe.errors import DynaPipeError  # noqa: E402
 from dynapipe.method_compare import BatchesResult, compare_over_batches, global_batch_of_tokens  # noqa: E402
 from dynapipe.pipeline_planner import plan_iteration  # noqa: E402
+from dynapipe.schedule.placement import choose_placement  # noqa: E402
 
 METHODS = ("dynapipe", "dynapipe-1f1b", "packing", "packing-search", "padding", "padding-mb")
 # The DynaPipe paper (EuroSys 2024), best reported speed-up over packing on FLANv2.
@@ -62,7 +67,9 @@ CASES = (
     Case("gpt-7b", 8, 2, 2048), Case("gpt-7b", 8, 2, 4096),
     # 13B's model states need the distributed optimizer on 40 GB at PP8 (configs/runs/gpt-13b-pp8-dp2-a100-40gb.yaml).
     Case("gpt-13b", 8, 2, 4096, zero=True),
-    Case("t5-11b", 8, 2, 2048),
+    # T5-11B's decoder layers (269M parameters each) need the distributed optimizer too, or
+    # their states leave the decoder stages no room for the layers a balanced split gives them.
+    Case("t5-11b", 8, 2, 2048, zero=True),
 )
 QUICK_CASES = (Case("gpt-7b", 4, 2, 2048),)
 
@@ -75,6 +82,14 @@ def run_case(case: Case, args) -> dict:
     batches = [global_batch_of_tokens(args.tokens, args.seed + b, case.seq_length, model.is_encoder_decoder)
                for b in range(args.batches)]
     kwargs = dict(dp=case.dp, seq_length=case.seq_length, cluster=cluster, zero=case.zero)
+    placement = None
+    if model.is_encoder_decoder:
+        # Layers per stage chosen on batches drawn apart from the measured ones (other seeds),
+        # then used by every method; DynaPipe on the even split is kept as the before.
+        sample = [global_batch_of_tokens(args.tokens, args.seed + 1000 + b, case.seq_length, True)
+                  for b in range(args.batches)]
+        placement = choose_placement(sample, cost, dp=case.dp, seq_length=case.seq_length, zero=case.zero)
+        even_cost, cost = cost, placement.cost_model
     # Compile the simulator kernels and fill caches outside the timed planning.
     plan_iteration(batches[0], cost, **kwargs)
     results: dict[str, BatchesResult] = {}
@@ -82,6 +97,8 @@ def run_case(case: Case, args) -> dict:
         results[method] = compare_over_batches(batches, method, cost, **kwargs)
     ref = results.get("packing")
     ref_search = results.get("packing-search")
+    if placement is not None and "dynapipe" in args.methods:
+        results["dynapipe-even-split"] = compare_over_batches(batches, "dynapipe", even_cost, **kwargs)
     rows = {}
     for name, res in results.items():
         row = res.summary()
@@ -96,6 +113,7 @@ def run_case(case: Case, args) -> dict:
             "seq_length": case.seq_length, "distributed_optimizer": case.zero,
             "samples_per_batch": [len(b) for b in batches],
             "real_tokens_per_batch": [int(b.sum()) for b in batches], "methods": rows,
+            "placement": placement.to_json() if placement is not None else None,
             "paper_speedup_vs_packing": PAPER_SPEEDUP["t5" if model.is_encoder_decoder else "gpt"]}
 
 

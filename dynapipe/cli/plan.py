@@ -14,6 +14,7 @@ import sys
 
 from dynapipe.batching import METHODS, BatchPlan, plan_micro_batches, read_lengths
 from dynapipe.cli.cost import CostSetup, add_cost_model_arguments, add_memory_arguments, cost_setup_from_args
+from dynapipe.cli.placement_options import add_placement_argument, apply_placement, placement_json
 from dynapipe.cli.schedule_options import (add_recompute_default, add_schedule_arguments, escalate_recompute,
                                            schedule_json)
 from dynapipe.errors import DynaPipeError
@@ -38,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="padded tokens a micro-batch for token-budget (default micro-batch-size x seq-length)")
     p.add_argument("--output", default="-", help="write the JSON plan here (default: stdout)")
     add_schedule_arguments(p)
+    add_placement_argument(p)
 
 
 def plan_from_args(args: argparse.Namespace, setup: CostSetup | None = None,
@@ -121,13 +123,23 @@ def write_json(obj: dict, path: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     lengths = read_lengths(args.lengths)
-    batch_plan, setup = plan_from_args(args, lengths=lengths)
+    even_setup = cost_setup_from_args(args)
+    setup, searched = apply_placement(args, even_setup, lengths)
+    batch_plan, setup = plan_from_args(args, setup, lengths=lengths)
     out = build_plan_json(args, batch_plan, setup)
     sched = schedule_json(args, batch_plan, setup.cost_model, memory_limit_mib=setup.memory_limit_mib,
                           reserved_mib=setup.reserved_mib, lengths=lengths)
     # planning_ms covers micro-batching, schedule search and plan compilation together.
     out["planning_ms"] = round(out["planning_ms"] + sched.pop("schedule_planning_ms"), 3)
     out.update(sched)
+    out.update(placement_json(setup, searched))
+    if setup.cost_model.placement != even_setup.cost_model.placement:
+        # The same batch on Megatron's even split: the before of the placement's after.
+        quiet = argparse.Namespace(**{**vars(args), "plan_out": None, "explain": False})
+        even_plan, even_setup = plan_from_args(quiet, even_setup, lengths=lengths)
+        even = schedule_json(quiet, even_plan, even_setup.cost_model, memory_limit_mib=even_setup.memory_limit_mib,
+                             reserved_mib=even_setup.reserved_mib, lengths=lengths)
+        out["even_split"] = {k: even[k] for k in ("simulated_ms", "bubble_fraction", "recompute")}
     write_json(out, args.output)
     for line in summary_lines(batch_plan, setup):
         print(line, file=sys.stderr)
@@ -138,4 +150,9 @@ def run(args: argparse.Namespace) -> int:
           f"bubble {100 * out['bubble_fraction']:.1f}%, stage peak "
           + ", ".join(f"{m:.0f}" for m in out["stage_peak_mib"]) + " MiB; "
           f"whole planning {out['planning_ms']:.1f} ms", file=sys.stderr)
+    if "even_split" in out:
+        e = out["even_split"]
+        print(f"  placement {setup.cost_model.placement}: simulated {out['simulated_ms']:.1f} ms, bubble "
+              f"{100 * out['bubble_fraction']:.1f}% (even split {even_setup.cost_model.placement}: "
+              f"{e['simulated_ms']:.1f} ms, bubble {100 * e['bubble_fraction']:.1f}%)", file=sys.stderr)
     return 0

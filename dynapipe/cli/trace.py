@@ -13,6 +13,7 @@ import sys
 
 from dynapipe.batching import METHODS, read_lengths
 from dynapipe.cli.cost import add_cost_model_arguments, add_memory_arguments, cost_setup_from_args
+from dynapipe.cli.placement_options import add_placement_argument, apply_placement, placement_json
 from dynapipe.cli.schedule_options import add_recompute_default, escalate_recompute, levels_from, resolve_cluster
 from dynapipe.data.synthetic import sample_lengths
 from dynapipe.errors import DynaPipeError
@@ -42,27 +43,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, metavar="FILE.json", help="write the Chrome/Perfetto trace here")
     p.add_argument("--png", default=None, metavar="FILE.png", help="also draw the timeline (replica --replica)")
     p.add_argument("--replica", type=int, default=0, help="replica drawn by --png (default 0)")
+    add_placement_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    setup = cost_setup_from_args(args)
+    even_setup = cost_setup_from_args(args)
     if args.lengths is not None:
         lengths = read_lengths(args.lengths)
     else:
         if args.samples <= 0:
             raise DynaPipeError(f"--samples {args.samples} must be a positive integer.")
-        lengths = sample_lengths(args.samples, args.seed, args.seq_length or setup.model.max_seq_length,
-                                 setup.model.is_encoder_decoder)
-    batch_plan, level = escalate_recompute(lambda level: plan_micro_batches(
-        lengths, setup.cost_model, method=args.batching, dp=args.dp, memory_limit_mib=setup.memory_limit_mib,
-        reserved_mib=setup.reserved_mib, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
-        max_tokens=args.max_tokens, recompute=level), setup.recompute)
-    it = schedule_batch_plan(batch_plan, setup.cost_model, schedule=args.schedule,
-                             memory_limit_mib=setup.memory_limit_mib, reserved_mib=setup.reserved_mib,
-                             cluster=resolve_cluster(args.cluster, setup.device.name),
-                             recompute=levels_from(args.recompute), lengths=lengths)
+        lengths = sample_lengths(args.samples, args.seed, args.seq_length or even_setup.model.max_seq_length,
+                                 even_setup.model.is_encoder_decoder)
+    setup, searched = apply_placement(args, even_setup, lengths)
+
+    def simulate_on(cost_model):
+        batch_plan, level = escalate_recompute(lambda level: plan_micro_batches(
+            lengths, cost_model, method=args.batching, dp=args.dp, memory_limit_mib=setup.memory_limit_mib,
+            reserved_mib=setup.reserved_mib, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+            max_tokens=args.max_tokens, recompute=level), setup.recompute)
+        return schedule_batch_plan(batch_plan, cost_model, schedule=args.schedule,
+                                   memory_limit_mib=setup.memory_limit_mib, reserved_mib=setup.reserved_mib,
+                                   cluster=resolve_cluster(args.cluster, setup.device.name),
+                                   recompute=levels_from(args.recompute), lengths=lengths), level
+
+    it, level = simulate_on(setup.cost_model)
     meta = {"model": setup.model.name, "device": setup.device.name, "stages": setup.cost_model.num_stages,
-            **it.schedule_json()}
+            **it.schedule_json(), **placement_json(setup, searched)}
+    even_line = ""
+    if setup.cost_model.placement != even_setup.cost_model.placement:
+        even, _ = simulate_on(even_setup.cost_model)
+        meta["even_split"] = {"simulated_ms": round(even.simulated_ms, 3),
+                              "bubble_fraction": round(even.bubble_fraction, 4)}
+        even_line = (f"; placement {setup.cost_model.placement} (even split {even_setup.cost_model.placement}: "
+                     f"{even.simulated_ms:.1f} ms, bubble {100 * even.bubble_fraction:.1f}%)")
     trace = chrome_trace(it.timelines, it.search.micro_batches, meta)
     try:
         with open(args.out, "w") as f:
@@ -83,6 +97,6 @@ def run(args: argparse.Namespace) -> int:
     how = "as given" if args.recompute else f"chosen; micro-batches cut for {level}"
     print(f"{it.schedule} ({it.order} order, recompute {recompute}, {how}): simulated {it.simulated_ms:.1f} ms, "
           f"bubble {100 * it.bubble_fraction:.1f}%, peak " + ", ".join(f"{p:.0f}" for p in it.stage_peak_mib)
-          + f" MiB; trace written to {args.out}" + (f", picture to {args.png}" if args.png else ""),
+          + f" MiB{even_line}; trace written to {args.out}" + (f", picture to {args.png}" if args.png else ""),
           file=sys.stderr)
     return 0

@@ -11,16 +11,26 @@ from dynapipe.config import DeviceConfig, ModelConfig, TensorParallelConfig
 from dynapipe.errors import DynaPipeError
 from dynapipe.cost.analytic import AnalyticCostModel
 from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, StageCost, StageLayout, stage_layouts
+from dynapipe.cost.placement import PlacementChoice, PlacementSample, StagePlacement, plan_placement
 from dynapipe.cost.profile import ProfileCostModel
 
 __all__ = ["AnalyticCostModel", "ProfileCostModel", "CostModel", "StageCost", "StageLayout",
-           "RECOMPUTE_LEVELS", "stage_layouts", "build_cost_model"]
+           "RECOMPUTE_LEVELS", "stage_layouts", "build_cost_model", "StagePlacement", "PlacementChoice",
+           "PlacementSample", "plan_placement"]
 
 
 def build_cost_model(model: ModelConfig, device: DeviceConfig, num_stages: int,
-                     profile: Optional[str] = None, tp: Optional[TensorParallelConfig] = None) -> CostModel:
+                     profile: Optional[str] = None, tp: Optional[TensorParallelConfig] = None,
+                     placement: Optional[StagePlacement] = None) -> CostModel:
     """An analytic cost model, or a profile-based one when ``profile`` names a JSON file.
-    ``tp``: tensor parallelism of every stage (figures are then per TP rank)."""
+    ``tp``: tensor parallelism of every stage (figures are then per TP rank).
+    ``placement``: layers per stage (default: Megatron's even split)."""
+    cm = _build(model, device, num_stages, profile, tp)
+    return cm if placement is None else cm.with_placement(placement)
+
+
+def _build(model: ModelConfig, device: DeviceConfig, num_stages: int, profile: Optional[str],
+           tp: Optional[TensorParallelConfig]) -> CostModel:
     if tp is not None:
         tp.validate(model)
     if profile in (None, "", "analytic"):

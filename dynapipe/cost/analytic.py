@@ -2,7 +2,10 @@
 
 Time of an op = FLOPs / (peak x achievable fraction x efficiency(tokens)) + a fixed
 per-op overhead, where ``efficiency(tokens) = tokens / (tokens + half_efficiency_tokens)``
-models how thin micro-batches under-use an accelerator (see ``DeviceConfig``).
+models how thin micro-batches under-use an accelerator (see ``DeviceConfig``). Each
+FLOP takes the efficiency of the tokens its GEMM spans: for T5, the encoder layers and
+the cross-attention key/value projections the encoder tokens, everything else in the
+decoder (and the output layer) the decoder tokens.
 Per transformer layer with ``b`` samples of ``s`` tokens, hidden ``h``, attention width
 ``a_d`` (heads x kv_channels), ``n`` heads and FFN width ``f``, the forward FLOPs are
 ``6bsh*a_d + 2bs*a_d*h`` (QKV and output projections) ``+ 4bs^2*a_d`` (scores and
@@ -112,6 +115,11 @@ class AnalyticCostModel(CostModel):
         s_dec = dec_seqlen if m.is_encoder_decoder else seqlen
 
         t, sp = self.tp.size, self._sp_div
+        # FLOPs are weighted by 1 / efficiency of the GEMMs they run in: encoder-side
+        # GEMMs span the encoder tokens, decoder-side ones only the decoder tokens, which
+        # for short targets are thin however long the input is.
+        eff_e = self.device.efficiency(b * s_enc)
+        eff_d = self.device.efficiency(b * s_dec)
         fw_lin = fw_core = 0.0
         st_lin = st_scores = 0.0
         layer_inputs = 0.0
@@ -119,6 +127,7 @@ class AnalyticCostModel(CostModel):
         comm = 0.0  # TP collectives of the layers, one direction, ms
         if layout.encoder_layers:
             lin, core = self._self_attn_mlp_flops(b, s_enc)
+            lin, core = lin / eff_e, core / eff_e
             a_lin, a_sc = self._layer_act_bytes(b, s_enc)
             n = layout.encoder_layers
             fw_lin, fw_core = fw_lin + n * lin, fw_core + n * core
@@ -128,9 +137,13 @@ class AnalyticCostModel(CostModel):
             comm = comm + n * self._layer_comm_ms(b, s_enc)
         if layout.decoder_layers:
             lin, core = self._self_attn_mlp_flops(b, s_dec)
+            lin, core = lin / eff_d, core / eff_d
             a_lin, a_sc = self._layer_act_bytes(b, s_dec)
             if m.is_encoder_decoder:
                 c_lin, c_core = self._cross_attn_flops(b, s_dec, s_enc)
+                # The key and value projections of the encoder output span the encoder tokens.
+                kv = 4 * b * s_enc * m.hidden_size * m.attention_dim
+                c_lin, c_core = (c_lin - kv) / eff_d + kv / eff_e, c_core / eff_d
                 x_lin, x_sc = self._cross_act_bytes(b, s_dec, s_enc)
                 lin, core, a_lin, a_sc = lin + c_lin, core + c_core, a_lin + x_lin, a_sc + x_sc
             n = layout.decoder_layers
@@ -154,7 +167,7 @@ class AnalyticCostModel(CostModel):
         if layout.has_embedding:
             fw_comm = fw_comm + self._collective_ms(b, s_enc)
         if layout.has_output:
-            out_fw = 2 * b * s_dec * m.hidden_size * m.vocab_size
+            out_fw = 2 * b * s_dec * m.hidden_size * m.vocab_size / eff_d
             # The loss keeps fp32 logits/softmax for its backward; the op needs a second copy.
             out_stored = b * s_dec * self._output_row_bytes()
             out_peak = b * s_dec * m.vocab_size * FP32_BYTES / t
@@ -180,8 +193,7 @@ class AnalyticCostModel(CostModel):
             layer_peak = one_layer_full
         peak = np.maximum(layer_peak, out_peak)
 
-        tokens = b * (s_enc + s_dec) if m.is_encoder_decoder else b * s_dec
-        rate = self.device.effective_flops_per_ms * self.device.efficiency(tokens)
+        rate = self.device.effective_flops_per_ms
         overhead = self.device.op_overhead_ms
         shape = np.broadcast(b, s_enc, s_dec).shape
         return StageCost(

@@ -126,9 +126,33 @@ class CostModel(ABC):
         self.num_stages = num_stages
         # Every figure is per rank of a stage's tensor-parallel group.
         self.tp = tp or TensorParallelConfig()
-        self.layouts = stage_layouts(model, num_stages)
+        self._set_layouts(stage_layouts(model, num_stages))
+
+    def _set_layouts(self, layouts: list[StageLayout]) -> None:
+        self.layouts = layouts
         # Stages with the same layout cost the same; price each distinct layout once.
         self._distinct = sorted({self._key(l) for l in self.layouts})
+
+    @property
+    def placement(self):
+        """The :class:`~dynapipe.cost.placement.StagePlacement` this cost model prices."""
+        from dynapipe.cost.placement import StagePlacement
+
+        return StagePlacement(tuple(l.encoder_layers for l in self.layouts),
+                              tuple(l.decoder_layers for l in self.layouts))
+
+    def with_placement(self, placement) -> "CostModel":
+        """A copy of this cost model for the stages of ``placement`` (a
+        :class:`~dynapipe.cost.placement.StagePlacement` with ``num_stages`` stages)."""
+        import copy
+
+        placement.validate(self.model)
+        if placement.num_stages != self.num_stages:
+            raise DynaPipeError(f"stage placement {placement} has {placement.num_stages} stages; the cost model "
+                                f"{self.num_stages}.")
+        out = copy.copy(self)
+        out._set_layouts(placement.layouts())
+        return out
 
     @staticmethod
     def _key(layout: StageLayout) -> tuple:
@@ -206,11 +230,15 @@ class CostModel(ABC):
         4 + 4 + 8 = 16. ``zero=True`` shards the optimizer part over ``dp`` replicas
         (Megatron's distributed optimizer).
         """
+        layouts = self.layouts if stage is None else [self.layouts[stage]]
+        return max(self.layout_state_mib(l, dp=dp, zero=zero) for l in layouts)
+
+    def layout_state_mib(self, layout: StageLayout, *, dp: int = 1, zero: bool = False) -> float:
+        """Model states of one TP rank of a stage with ``layout``, MiB (see :meth:`model_state_mib`)."""
         half = self.model.dtype in ("bf16", "fp16")
         param_b, grad_b, optim_b = (2, 4, 12) if half else (4, 4, 8)
         per_param = param_b + grad_b + optim_b / (dp if zero else 1)
-        layouts = self.layouts if stage is None else [self.layouts[stage]]
-        return max(self.layout_param_count(l) for l in layouts) * per_param / MIB
+        return self.layout_param_count(layout) * per_param / MIB
 
     def activation_budget_mib(self, memory_limit_mib: float, *, reserved_mib: float = 0.0,
                               dp: int = 1, zero: bool = False) -> float:

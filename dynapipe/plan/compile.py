@@ -28,7 +28,7 @@ import numpy as np
 
 from dynapipe.batching.types import MicroBatch
 from dynapipe.config import ModelConfig
-from dynapipe.cost.base import CostModel, stage_layouts
+from dynapipe.cost.base import CostModel, StageLayout, stage_layouts
 from dynapipe.errors import DynaPipeError
 from dynapipe.plan.instructions import ExecutionPlan, MicroBatchInfo, TensorSpec
 from dynapipe.plan.rank_table import op_positions, rank_table
@@ -46,17 +46,19 @@ def _layouts(model: ModelConfig, num_stages: int):
 
 
 def message_specs(model: ModelConfig, src_stage: int, num_stages: int, mbs: int, seqlen: int,
-                  dec_seqlen: int = 0) -> tuple[TensorSpec, ...]:
+                  dec_seqlen: int = 0, layouts: Optional[Sequence[StageLayout]] = None) -> tuple[TensorSpec, ...]:
     """Tensors of the activation message ``src_stage -> src_stage + 1`` (and of the
     gradient message back): ``[seqlen, mbs, hidden]`` in the model dtype; for
-    encoder-decoder decoder stages also the encoder output."""
-    layouts = _layouts(model, num_stages)
+    encoder-decoder decoder stages also the encoder output. ``layouts``: the stages'
+    layers (default: Megatron's even split)."""
+    layouts = layouts or _layouts(model, num_stages)
     return tuple(TensorSpec(name, shape, model.torch_dtype_name)
                  for name, shape in message_shapes(model, layouts, src_stage, mbs, seqlen, dec_seqlen))
 
 
 def input_specs(model: ModelConfig, stage: int, num_stages: int, mbs: int, seqlen: int,
-                dec_seqlen: int = 0, packed: bool = False) -> tuple[TensorSpec, ...]:
+                dec_seqlen: int = 0, packed: bool = False,
+                layouts: Optional[Sequence[StageLayout]] = None) -> tuple[TensorSpec, ...]:
     """What ``LoadInput`` brings in on ``stage`` (empty: the stage loads nothing).
 
     Decoder-only: the first stage loads ``tokens`` and ``position_ids`` ``[mbs, seqlen]``
@@ -68,9 +70,10 @@ def input_specs(model: ModelConfig, stage: int, num_stages: int, mbs: int, seqle
     ``packed`` (decoder-only rows holding several samples): every stage also loads
     ``segment_ids`` ``[mbs, seqlen]`` int32 (1-based sample index within the row, 0 on
     padding), so each stage builds its block-diagonal causal mask on the device; an
-    ``s x s`` mask would cost ``seqlen`` times more to ship.
+    ``s x s`` mask would cost ``seqlen`` times more to ship. ``layouts``: the stages'
+    layers (default: Megatron's even split).
     """
-    layouts = _layouts(model, num_stages)
+    layouts = layouts or _layouts(model, num_stages)
     last = num_stages - 1
     specs = []
     if model.is_encoder_decoder:
@@ -115,12 +118,12 @@ def _cached(fn, model: ModelConfig, *key):
     return hit[1]
 
 
-def _message(model, b, S, mbs, seqlen, dec):
-    return _cached(message_specs, model, S, b, mbs, seqlen, dec)
+def _message(model, b, S, mbs, seqlen, dec, layouts=None):
+    return _cached(message_specs, model, S, b, mbs, seqlen, dec, layouts)
 
 
-def _inputs(model, s, S, mbs, seqlen, dec, packed):
-    return _cached(input_specs, model, S, s, mbs, seqlen, dec, bool(packed))
+def _inputs(model, s, S, mbs, seqlen, dec, packed, layouts=None):
+    return _cached(input_specs, model, S, s, mbs, seqlen, dec, bool(packed), layouts)
 
 
 def _info(i: int, mb: MicroBatch) -> MicroBatchInfo:
@@ -133,7 +136,8 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
                   num_stages: Optional[int] = None, timeline: Optional[Timeline] = None,
                   cost_model: Optional[CostModel] = None, replica: int = 0, num_replicas: int = 1,
                   iteration: int = 0, global_real_tokens: Optional[int] = None,
-                  recompute: Optional[str] = None) -> list[ExecutionPlan]:
+                  recompute: Optional[str] = None,
+                  layouts: Optional[Sequence[StageLayout]] = None) -> list[ExecutionPlan]:
     """One :class:`ExecutionPlan` per pipeline stage (list index = stage) for one replica.
 
     ``schedule``: a :class:`Schedule` whose ``Op.mb`` index ``micro_batches``, or the name
@@ -145,8 +149,13 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
     whole global batch over all replicas (needed when ``num_replicas > 1``).
     ``recompute`` overrides the schedule's level(s) in the plans; otherwise each rank's
     plan (and its forward/backward instructions) carries its stage's level.
+    ``layouts``: the layers of every stage, which decide the messages of encoder-decoder
+    models (default: ``cost_model``'s, else Megatron's even split).
     """
     mbs_list = list(micro_batches)
+    if layouts is None and cost_model is not None:
+        layouts = cost_model.layouts
+    layouts = tuple(layouts) if layouts is not None else None
     if isinstance(schedule, str):
         if not num_stages:
             raise DynaPipeError(f"compile_plans(schedule={schedule!r}) needs num_stages.")
@@ -207,11 +216,11 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
     uniq, inv = np.unique(key_arr, axis=0, return_inverse=True) if M else (key_arr, np.zeros(0, np.int64))
     inv = inv.reshape(-1)
     keys = [tuple(r) for r in uniq.tolist()]
-    msg_ids = [np.array([list_id(_message(model, b, S, *k[:3])) for k in keys], dtype=np.int64)[inv]
+    msg_ids = [np.array([list_id(_message(model, b, S, *k[:3], layouts)) for k in keys], dtype=np.int64)[inv]
                for b in range(S - 1)]
     load_ids = []
     for s in range(S):
-        specs = [_inputs(model, s, S, *k) for k in keys]
+        specs = [_inputs(model, s, S, *k, layouts) for k in keys]
         load_ids.append(np.array([list_id(t) if t else -1 for t in specs], dtype=np.int64)[inv])
     f_idx, b_idx = [p[0] for p in positions], [p[1] for p in positions]
     plans = []

@@ -1,0 +1,48 @@
+"""``--placement`` of ``plan`` and ``trace``: the layers every pipeline stage holds.
+
+``even`` is Megatron's split; ``auto`` lets the planner choose from the cost model over
+the command's own batch (:func:`dynapipe.schedule.placement.choose_placement`); any
+other value is a split written out (``12,12,8`` for GPT, ``ENC+DEC`` per stage for T5).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Optional
+
+from dynapipe.cli.cost import CostSetup
+from dynapipe.cost.placement import StagePlacement
+from dynapipe.schedule.placement import PlacementPlan, choose_placement
+
+
+def add_placement_argument(p: argparse.ArgumentParser) -> None:
+    """``--placement even|auto|SPEC`` (default even)."""
+    p.add_argument("--placement", default="even", metavar="even|auto|SPEC",
+                   help="layers per pipeline stage: even (Megatron's split, default), auto (chosen from the cost "
+                        "model over this batch so that no stage is the bottleneck), or a split such as "
+                        "12,12,8 (GPT) or 6+0,6+0,5+1,0+7 (T5: encoder+decoder layers per stage)")
+
+
+def apply_placement(args: argparse.Namespace, setup: CostSetup, lengths) -> tuple[CostSetup, Optional[PlacementPlan]]:
+    """``setup`` with the cost model of ``--placement``, and the search's result for ``auto``."""
+    choice = getattr(args, "placement", "even") or "even"
+    cm = setup.cost_model
+    if choice == "even":
+        return setup, None
+    if choice == "auto":
+        plan = choose_placement([lengths], cm, dp=getattr(args, "dp", 1), memory_limit_mib=setup.memory_limit_mib,
+                                reserved_mib=setup.reserved_mib, seq_length=getattr(args, "seq_length", None),
+                                recompute=getattr(args, "recompute", None))
+        return dataclasses.replace(setup, cost_model=plan.cost_model), plan
+    placement = StagePlacement.parse(choice, cm.model, cm.num_stages)
+    return dataclasses.replace(setup, cost_model=cm.with_placement(placement)), None
+
+
+def placement_json(setup: CostSetup, plan: Optional[PlacementPlan]) -> dict:
+    """``placement`` (layers per stage) and, for ``auto``, ``placement_search`` (per-stage
+    sample times and levels of the chosen split and of the even one)."""
+    out = {"placement": setup.cost_model.placement.to_json()}
+    if plan is not None:
+        out["placement_search"] = {"chosen": plan.chosen.to_json(), "even": plan.before.to_json(),
+                                   "rounds": plan.rounds}
+    return out

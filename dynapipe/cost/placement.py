@@ -1,0 +1,340 @@
+"""Stage placement: how many encoder and decoder layers every pipeline stage holds.
+
+A :class:`StagePlacement` is the split itself (one data structure for GPT and T5, shared
+by the cost model, the plan JSON and the model stages that build it).
+:func:`plan_placement` chooses one from the cost model over a sample of micro-batch
+shapes: the contiguous split whose slowest stage is fastest, every stage's model states
+and in-flight activations within the memory limit. Pure Python + numpy; ms and MiB.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from dynapipe.config import ModelConfig
+from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, StageLayout, check_recompute, stage_layouts
+from dynapipe.errors import DynaPipeError
+
+_STAGE_SPEC = re.compile(r"\s*([0-9]{1,6})\s*(?:\+\s*([0-9]{1,6})\s*)?\Z")
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    """Layers of every pipeline stage, in model order.
+
+    ``encoder_layers[s]``/``decoder_layers[s]``: layers stage ``s`` holds. Layers are
+    contiguous: the encoder's come first, so at most one stage holds both. Decoder-only
+    (GPT) models put all their layers in ``decoder_layers``. Stage 0 holds the embedding,
+    the last stage the output layer.
+    """
+
+    encoder_layers: tuple[int, ...]
+    decoder_layers: tuple[int, ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.decoder_layers)
+
+    @staticmethod
+    def even(model: ModelConfig, num_stages: int) -> "StagePlacement":
+        """Megatron's split: layers as evenly as possible, earlier stages taking the remainder."""
+        layouts = stage_layouts(model, num_stages)
+        return StagePlacement(tuple(l.encoder_layers for l in layouts), tuple(l.decoder_layers for l in layouts))
+
+    def layouts(self) -> list[StageLayout]:
+        """The :class:`StageLayout` of every stage."""
+        S = self.num_stages
+        return [StageLayout(s, e, d, s == 0, s == S - 1)
+                for s, (e, d) in enumerate(zip(self.encoder_layers, self.decoder_layers))]
+
+    def validate(self, model: ModelConfig) -> "StagePlacement":
+        """Raise :class:`DynaPipeError` unless this placement holds exactly ``model``'s
+        layers, contiguously, with at least one layer on every stage."""
+        enc, dec = list(self.encoder_layers), list(self.decoder_layers)
+        want_e = model.encoder_layers if model.is_encoder_decoder else 0
+        want_d = model.total_layers - want_e
+        if len(enc) != len(dec) or not dec:
+            raise DynaPipeError(f"stage placement {self}: {len(enc)} encoder and {len(dec)} decoder counts; "
+                                f"give one of each per stage.")
+        if any(v < 0 for v in enc + dec):
+            raise DynaPipeError(f"stage placement {self}: layer counts must not be negative.")
+        if not model.is_encoder_decoder and sum(enc) + sum(dec) != want_d:
+            raise DynaPipeError(f"stage placement {self} holds {sum(enc) + sum(dec)} layers; model {model.name!r} "
+                                f"has {want_d}.")
+        if sum(enc) != want_e or sum(dec) != want_d:
+            raise DynaPipeError(f"stage placement {self} holds {sum(enc)} encoder + {sum(dec)} decoder layers; "
+                                f"model {model.name!r} has {want_e} + {want_d}.")
+        empty = [s for s in range(len(dec)) if enc[s] + dec[s] == 0]
+        if empty:
+            raise DynaPipeError(f"stage placement {self}: stage {empty[0]} holds no layer; every stage needs one.")
+        first_dec = next((s for s, d in enumerate(dec) if d), len(dec))
+        if any(enc[first_dec + 1:]) or (first_dec < len(dec) and sum(enc[:first_dec + 1]) != want_e):
+            raise DynaPipeError(f"stage placement {self}: encoder layers must all come before the first "
+                                f"decoder layer (contiguous stages).")
+        return self
+
+    def __str__(self) -> str:
+        if not any(self.encoder_layers):
+            return ",".join(str(d) for d in self.decoder_layers)
+        return ",".join(f"{e}+{d}" for e, d in zip(self.encoder_layers, self.decoder_layers))
+
+    def to_json(self) -> dict:
+        """``{"encoder_layers": [...], "decoder_layers": [...]}`` per stage (GPT: ``{"layers": [...]}``)."""
+        if not any(self.encoder_layers):
+            return {"layers": list(self.decoder_layers)}
+        return {"encoder_layers": list(self.encoder_layers), "decoder_layers": list(self.decoder_layers)}
+
+    @staticmethod
+    def from_json(obj: dict, model: ModelConfig) -> "StagePlacement":
+        """Inverse of :meth:`to_json`, validated against ``model``."""
+        if "layers" in obj:
+            dec = tuple(int(v) for v in obj["layers"])
+            return StagePlacement((0,) * len(dec), dec).validate(model)
+        return StagePlacement(tuple(int(v) for v in obj["encoder_layers"]),
+                              tuple(int(v) for v in obj["decoder_layers"])).validate(model)
+
+    @staticmethod
+    def parse(text: str, model: ModelConfig, num_stages: int) -> "StagePlacement":
+        """``--placement`` text: comma-separated layers per stage (``12,12,8``), or
+        ``ENC+DEC`` per stage for encoder-decoder models (``6+0,5+1,0+6``)."""
+        parts = text.split(",")
+        enc, dec = [], []
+        for part in parts:
+            m = _STAGE_SPEC.match(part)
+            if not m:
+                raise DynaPipeError(f"--placement {text!r}: {part!r} is not a layer count; write LAYERS per stage "
+                                    f"(GPT) or ENC+DEC per stage (T5), comma-separated.")
+            if m.group(2) is None:
+                enc.append(0)
+                dec.append(int(m.group(1)))
+            else:
+                enc.append(int(m.group(1)))
+                dec.append(int(m.group(2)))
+        if model.is_encoder_decoder and any("+" not in p for p in parts):
+            raise DynaPipeError(f"--placement {text!r}: model {model.name!r} is encoder-decoder; write ENC+DEC "
+                                f"for every stage.")
+        if len(parts) != num_stages:
+            raise DynaPipeError(f"--placement {text!r} names {len(parts)} stages; --stages is {num_stages}.")
+        return StagePlacement(tuple(enc), tuple(dec)).validate(model)
+
+
+@dataclass(frozen=True)
+class PlacementChoice:
+    """A placement and how it prices on the sample.
+
+    ``stage_ms[s]``: forward + backward time of every sample micro-batch on stage ``s``
+    (ms), at ``stage_recompute[s]``, the lightest level whose estimated memory fits.
+    ``bottleneck_ms``: the largest of them. ``stage_mib[s]``: that estimate (model states
+    plus in-flight activations, MiB).
+    """
+
+    placement: StagePlacement
+    stage_ms: tuple[float, ...]
+    stage_recompute: tuple[str, ...]
+    stage_mib: tuple[float, ...]
+
+    @property
+    def bottleneck_ms(self) -> float:
+        return max(self.stage_ms)
+
+    def to_json(self) -> dict:
+        return {**self.placement.to_json(), "stage_ms": [round(t, 3) for t in self.stage_ms],
+                "stage_recompute": list(self.stage_recompute), "stage_mib": [round(m, 1) for m in self.stage_mib]}
+
+
+@dataclass(frozen=True)
+class PlacementSample:
+    """Micro-batch shapes the placement is priced on: ``mbs`` (rows), ``seqlen`` and
+    ``dec_seqlen`` (tokens; 0 for decoder-only models), arrays of equal length."""
+
+    mbs: np.ndarray
+    seqlen: np.ndarray
+    dec_seqlen: np.ndarray
+
+    @staticmethod
+    def of(micro_batches) -> "PlacementSample":
+        """The shapes of planned :class:`~dynapipe.batching.types.MicroBatch` es."""
+        mbs = list(micro_batches)
+        if not mbs:
+            raise DynaPipeError("stage placement needs at least one micro-batch to price.")
+        arr = lambda f: np.array([float(f(mb)) for mb in mbs])  # noqa: E731
+        return PlacementSample(arr(lambda mb: mb.mbs), arr(lambda mb: mb.seqlen), arr(lambda mb: mb.dec_seqlen))
+
+
+class _Pricer:
+    """Time and memory of one stage layout on the sample, each layout priced once.
+
+    The micro-batch planner checks every micro-batch against the memory left by the
+    heaviest stage's model states (``state_cap``), so a placement is priced under such a
+    cap: a stage's level must let the sample's largest micro-batch fit alone in
+    ``capacity - state_cap``, and its in-flight activations fit beside its own states.
+    """
+
+    def __init__(self, cost_model: CostModel, sample: PlacementSample, num_stages: int, levels: Sequence[str],
+                 capacity_mib: Optional[float], dp: int, zero: bool):
+        self.cm, self.sample, self.S, self.levels = cost_model, sample, num_stages, tuple(levels)
+        self.capacity = np.inf if capacity_mib is None else float(capacity_mib)
+        self.dp, self.zero = dp, zero
+        self._levels: dict = {}
+        self._states: dict = {}
+
+    def state_mib(self, layout: StageLayout) -> float:
+        key = (layout.encoder_layers, layout.decoder_layers, layout.has_embedding, layout.has_output)
+        hit = self._states.get(key)
+        if hit is None:
+            hit = self._states[key] = self.cm.layout_state_mib(layout, dp=self.dp, zero=self.zero)
+        return hit
+
+    def _level(self, layout: StageLayout, i: int) -> tuple[float, float, float]:
+        """``(ms, in-flight MiB, alone MiB)`` at level ``self.levels[i]``: summed fw + bw
+        time; stored activations of the ``S - stage`` largest micro-batches (1F1B's
+        warm-up depth) plus the largest transient peak; the largest micro-batch's stored
+        + peak. Layouts that differ only in their stage share one cost-model call."""
+        key = (layout.encoder_layers, layout.decoder_layers, layout.has_embedding, layout.has_output, i)
+        hit = self._levels.get(key)
+        if hit is None:
+            smp = self.sample
+            dec = smp.dec_seqlen if self.cm.model.is_encoder_decoder else None
+            c = self.cm.layout_cost(layout, smp.mbs, smp.seqlen, dec, self.levels[i])
+            ones = np.ones(len(smp.mbs))
+            stored = np.asarray(c.stored_mib, dtype=np.float64) * ones
+            peak = np.asarray(c.peak_mib, dtype=np.float64) * ones
+            hit = self._levels[key] = (float(np.sum((np.asarray(c.fw_ms) + np.asarray(c.bw_ms)) * ones)),
+                                       np.cumsum(np.sort(stored)[::-1]), float(peak.max()),
+                                       float((stored + peak).max()))
+        ms, flight, peak, alone = hit
+        in_flight = min(self.S - layout.stage, len(flight))
+        return ms, float(flight[in_flight - 1]) + peak, alone
+
+    def price(self, layout: StageLayout, state_cap: float = np.inf) -> tuple[float, str, float]:
+        """``(ms, level, MiB)`` at the lightest level that fits under ``state_cap`` (``inf``
+        ms when none does); MiB: the stage's states plus in-flight activations."""
+        state = self.state_mib(layout)
+        cap = max(state, state_cap) if np.isfinite(state_cap) else state
+        if state > cap or state >= self.capacity:
+            return np.inf, self.levels[-1], np.inf
+        for i, level in enumerate(self.levels):
+            ms, flight, alone = self._level(layout, i)
+            if state + flight <= self.capacity and cap + alone <= self.capacity:
+                return ms, level, state + flight
+        return np.inf, self.levels[-1], np.inf
+
+
+def _segment(s: int, S: int, p: int, q: int, enc_total: int) -> StageLayout:
+    """Stage ``s`` holding layers ``p..q-1`` of the model (encoder layers first)."""
+    e = max(0, min(q, enc_total) - p)
+    return StageLayout(s, e, (q - p) - e, s == 0, s == S - 1)
+
+
+def _dp(pricer: _Pricer, S: int, L: int, enc_total: int, cap_ms: float,
+        state_cap: float) -> tuple[float, list[int]]:
+    """Contiguous split of ``L`` layers into ``S`` non-empty stages whose states are at
+    most ``state_cap`` MiB each.
+
+    ``cap_ms = inf``: minimise the slowest stage's time. Otherwise: minimise the sum of
+    squared stage times among splits whose every stage takes at most ``cap_ms`` (the
+    second pass, which picks the most balanced of the splits with the least bottleneck).
+    Returns ``(objective, cuts)`` with ``cuts[s]`` the first layer of stage ``s``.
+    """
+    minimax = not np.isfinite(cap_ms)
+    best = np.full((S + 1, L + 1), np.inf)
+    arg = np.zeros((S + 1, L + 1), dtype=np.int64)
+    best[0, 0] = 0.0
+    for s in range(S):
+        # Stage s takes layers p..q-1; the later stages need at least one layer each.
+        for p in range(s, L - (S - s) + 1):
+            prev = best[s, p]
+            if not np.isfinite(prev):
+                continue
+            for q in range(p + 1, L - (S - s - 1) + 1):
+                layout = _segment(s, S, p, q, enc_total)
+                if pricer.state_mib(layout) > state_cap:
+                    break  # states only grow with more layers
+                ms = pricer.price(layout, state_cap)[0]
+                if ms > cap_ms:
+                    continue
+                val = max(prev, ms) if minimax else prev + ms * ms
+                if val < best[s + 1, q]:
+                    best[s + 1, q], arg[s + 1, q] = val, p
+    if not np.isfinite(best[S, L]):
+        return np.inf, []
+    cuts, q = [], L
+    for s in range(S, 0, -1):
+        p = int(arg[s, q])
+        cuts.append(p)
+        q = p
+    return float(best[S, L]), cuts[::-1]
+
+
+def _choice(pricer: _Pricer, placement: StagePlacement) -> PlacementChoice:
+    """``placement`` priced under the cap its own heaviest stage sets."""
+    layouts = placement.layouts()
+    cap = max(pricer.state_mib(l) for l in layouts)
+    priced = [pricer.price(l, cap) for l in layouts]
+    return PlacementChoice(placement, tuple(p[0] for p in priced), tuple(p[1] for p in priced),
+                           tuple(p[2] for p in priced))
+
+
+def price_placement(cost_model: CostModel, placement: StagePlacement, sample: PlacementSample, *,
+                    capacity_mib: Optional[float] = None, dp: int = 1, zero: bool = False,
+                    recompute: Optional[str] = None) -> PlacementChoice:
+    """How ``placement`` prices on ``sample`` (see :class:`PlacementChoice`); stages that fit
+    at no level get ``inf`` ms. ``recompute``: the lightest level tried (``None``: none)."""
+    pricer = _Pricer(cost_model, sample, placement.num_stages, _levels(recompute), capacity_mib, dp, zero)
+    return _choice(pricer, placement.validate(cost_model.model))
+
+
+def _levels(recompute: Optional[str]) -> list[str]:
+    if recompute is None:
+        return list(RECOMPUTE_LEVELS)
+    return list(RECOMPUTE_LEVELS[RECOMPUTE_LEVELS.index(check_recompute(recompute)):])
+
+
+def plan_placement(cost_model: CostModel, sample: PlacementSample, num_stages: Optional[int] = None, *,
+                   capacity_mib: Optional[float] = None, dp: int = 1, zero: bool = False,
+                   recompute: Optional[str] = None) -> PlacementChoice:
+    """The contiguous stage placement whose slowest stage is fastest on ``sample``.
+
+    Every stage is priced with ``cost_model.layout_cost`` at the lightest recompute level
+    (from ``recompute`` up) whose memory estimate fits ``capacity_mib`` (MiB for model
+    states and activations: the device limit minus its reserve; ``None``: unlimited).
+    A dynamic program over (stages, layers) finds the least bottleneck exactly; among
+    the splits that reach it, a second pass keeps the one with the least sum of squared
+    stage times. ``dp``/``zero`` size the model states as the planner does.
+    Raises :class:`DynaPipeError` when no split fits.
+    """
+    model = cost_model.model
+    S = cost_model.num_stages if num_stages is None else int(num_stages)
+    L = model.total_layers
+    if not 1 <= S <= L:
+        raise DynaPipeError(f"--stages {S}: stage placement needs 1 to {L} stages for model {model.name!r}.")
+    enc_total = model.encoder_layers if model.is_encoder_decoder else 0
+    pricer = _Pricer(cost_model, sample, S, _levels(recompute), capacity_mib, dp, zero)
+    # Every state cap a stage can set, lightest first: a tighter cap leaves the planner
+    # more activation memory, a looser one lets stages hold more layers.
+    caps = sorted({pricer.state_mib(_segment(s, S, p, q, enc_total))
+                   for s in range(S) for p in range(L) for q in range(p + 1, L + 1)
+                   if (s == 0) == (p == 0) and (s == S - 1) == (q == L)})
+    if not np.isfinite(pricer.capacity):
+        caps = [np.inf]  # nothing to leave room for: one pass
+    found = (np.inf, [], np.inf)
+    for cap in caps:
+        if np.isfinite(cap) and cap >= pricer.capacity:
+            break
+        bottleneck, cuts = _dp(pricer, S, L, enc_total, np.inf, cap)
+        if cuts and bottleneck < found[0]:
+            found = (bottleneck, cuts, cap)
+    bottleneck, cuts, cap = found
+    if not cuts:
+        raise DynaPipeError(f"no placement of {model.name!r}'s {L} layers on {S} stages fits "
+                            f"{pricer.capacity:.0f} MiB per device; use more stages, the distributed optimizer "
+                            f"or more memory.")
+    # A relative slack so float rounding cannot exclude the split the first pass found.
+    _, balanced = _dp(pricer, S, L, enc_total, bottleneck * (1 + 1e-12), cap)
+    bounds = (balanced or cuts) + [L]
+    layouts = [_segment(s, S, bounds[s], bounds[s + 1], enc_total) for s in range(S)]
+    placement = StagePlacement(tuple(l.encoder_layers for l in layouts), tuple(l.decoder_layers for l in layouts))
+    return _choice(pricer, placement.validate(model))
