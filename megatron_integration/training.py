@@ -16,7 +16,7 @@ from functools import partial
 from typing import Callable, Optional, Protocol, TextIO
 
 from megatron_integration.checkpoint import load_checkpoint, save_checkpoint
-from megatron_integration.data import GlobalBatches
+from megatron_integration.data import GlobalBatches, data_summary_lines
 from megatron_integration.initialize import RankInfo, initialize_megatron
 from megatron_integration.logging_utils import TrainingLogger
 from megatron_integration.megatron_step import StepResult, build_micro_batches, megatron_train_step
@@ -112,6 +112,9 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
     info = initialize_megatron(cfg.parallel, cfg.seed)
     if info.rank == 0 and vocab_padding_line(cfg) is not None:
         print(vocab_padding_line(cfg), file=stream, flush=True)
+    if info.rank == 0:
+        for line in data_summary_lines(cfg):
+            print(line, file=stream, flush=True)
     stage = build_stage(cfg, info)
     optimizer, scheduler = build_optimizer(cfg, stage)
     attach_training_hooks(stage, optimizer)
