@@ -174,3 +174,22 @@ def test_per_split_data_paths(corpora):
             parse_training_args(f"{BASE} {extra}".split(), 1, cuda=False)
     for flag in ("--split", "--train-data-path", "--valid-data-path", "--test-data-path"):
         assert flag not in UNSUPPORTED_MEGATRON_FLAGS
+
+
+def test_long_instruction_samples_truncated_or_rejected_and_counted(tmp_path):
+    """Instruction data (input/target) is not split: a long sample is truncated (default) or refused."""
+    import json
+
+    path = tmp_path / "tasks.jsonl"
+    with open(path, "w") as f:
+        for i, (n_in, n_out) in enumerate(((10, 5), (80, 20), (30, 10), (5, 90))):
+            f.write(json.dumps({"input": "i" * n_in, "target": "t" * n_out, "task": f"t{i % 2}"}) + "\n")
+    argv = f"{BASE.replace('--vocab-size 4096', '')} --data-path {path} --split 1,0,0".split()
+    cfg = parse_training_args(argv, 1, cuda=False)
+    assert cfg.data.overlong == "truncate"
+    ds = dataset_config(cfg).build()
+    assert ds.truncated.tolist() == [False, True, False, True] and ds.planner_lengths(range(4)).max() == SEQ
+    assert data_summary_lines(cfg) == [" > train data: 4 documents -> 4 samples, 254 tokens, 2 truncated"]
+    cfg = parse_training_args(argv + ["--dynapipe-overlong", "reject"], 1, cuda=False)
+    with pytest.raises(DynaPipeError, match=r"sample 1 has 101 tokens .*--seq-length 64.*2 over-long"):
+        dataset_config(cfg).build()

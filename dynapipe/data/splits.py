@@ -75,6 +75,8 @@ class RangeDataset(SampleDataset):
         self.input_lengths = parent.input_lengths[begin:end]
         self.target_lengths = parent.target_lengths[begin:end]
         self.truncated = parent.truncated[begin:end]
+        raw = getattr(parent, "raw_lengths", None)
+        self.document_tokens = int((self.input_lengths + self.target_lengths if raw is None else raw[begin:end]).sum())
 
     def _check_token_ids(self, vocab_size: int) -> None:
         self.parent.validate_tokens(vocab_size)

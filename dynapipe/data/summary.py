@@ -12,8 +12,8 @@ class DataSummary:
 
     ``documents``: documents (records, sequences) read; ``split_documents``: of those, how
     many were longer than ``--seq-length`` and cut into pieces; ``samples``: what the sampler
-    draws from (pieces, or blended samples); ``document_tokens``: tokens of the documents,
-    each counted once; ``truncated``: samples cut short (tokens lost), ``blended``: whether
+    draws from (pieces, or blended samples); ``document_tokens``: tokens of the documents as
+    stored, each counted once (before truncation); ``truncated``: samples cut short (tokens lost), ``blended``: whether
     the samples are a weighted blend of the documents (repeats or subsamples).
     """
 
@@ -41,9 +41,6 @@ def summarize(dataset: SampleDataset) -> DataSummary:
         sums = [summarize(p) for p in parts]
         return DataSummary(sum(s.documents for s in sums), sum(s.split_documents for s in sums), len(dataset),
                            sum(s.document_tokens for s in sums), sum(s.truncated for s in sums), blended=True)
-    parent = getattr(dataset, "parent", None)  # a --split range of records: each record one document
-    if parent is not None:
-        return DataSummary(len(dataset), 0, len(dataset), int(dataset.sample_tokens().sum()), dataset.num_truncated)
     return DataSummary(int(getattr(dataset, "num_documents", len(dataset))),
                        int(getattr(dataset, "num_split_documents", 0)), len(dataset),
                        int(getattr(dataset, "document_tokens", int(dataset.sample_tokens().sum()))),
