@@ -138,9 +138,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g = parser.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100, help="iterations between log lines")
     g.add_argument("--tensorboard-dir", default=None, help="write TensorBoard scalars here")
-    from megatron_integration.data_args import add_split_and_eval_args
+    from megatron_integration.data_args import add_eval_args, add_split_args
 
-    add_split_and_eval_args(parser)
+    add_split_args(parser)
+    add_eval_args(parser)
     return parser
 
 
@@ -256,8 +257,6 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--wandb-project": "use --tensorboard-dir for metrics",
     "--wandb-exp-name": "use --tensorboard-dir for metrics",
     "--wandb-save-dir": "use --tensorboard-dir for metrics",
-    "--eval-interval": "there is no evaluation yet; drop it",
-    "--eval-iters": "there is no evaluation yet; drop it",
     "--vocab-file": "only pre-tokenised indexed data or byte-level JSONL is read; tokenise with Megatron's "
                     "tools/preprocess_data.py and give --vocab-size",
     "--merge-file": "only pre-tokenised indexed data or byte-level JSONL is read; tokenise with Megatron's "
@@ -439,9 +438,10 @@ def training_config_from_args(args: argparse.Namespace, world_size: int,
         max_tokens=args.dynapipe_max_tokens,
         timeout_s=args.dynapipe_timeout_s, trace_dir=args.dynapipe_trace_dir, recompute=level)
 
-    from megatron_integration.data_args import data_sources_from_args
+    from megatron_integration.data_args import data_sources_from_args, eval_args_from_args
 
     sources = data_sources_from_args(args)
+    evaluation = eval_args_from_args(args)
     if args.dynapipe_mixture is not None and not os.path.isfile(args.dynapipe_mixture):
         raise DynaPipeError(f"--dynapipe-mixture {args.dynapipe_mixture!r}: no such file.")
     if args.dynapipe_tokens_per_global_batch is not None and not args.use_dynapipe:
@@ -500,7 +500,7 @@ def training_config_from_args(args: argparse.Namespace, world_size: int,
         load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, log_interval=args.log_interval,
         tensorboard_dir=args.tensorboard_dir, recompute=recompute,
         check_for_nan_in_loss_and_grad=getattr(args, "check_for_nan_in_loss_and_grad", True),
-        exit_interval=args.exit_interval)
+        exit_interval=args.exit_interval, evaluation=evaluation)
 
 
 def _schedule_from_samples(args: argparse.Namespace) -> None:

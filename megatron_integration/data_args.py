@@ -26,7 +26,7 @@ from megatron_integration.train_config import EvalArgs
 PER_SPLIT_FLAGS = ("train-data-path", "valid-data-path", "test-data-path")
 
 
-def add_split_and_eval_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_split_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Declare ``--split`` and the per-split paths."""
     g = parser.add_argument_group("data splits and evaluation")
     g.add_argument("--split", default=None,
