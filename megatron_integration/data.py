@@ -34,8 +34,9 @@ def dataset_config(cfg: DynaPipeTrainingConfig, split: str = "train") -> Optiona
     d = cfg.data
     if split not in SPLITS:
         raise DynaPipeError(f"split {split!r} is not known; use one of {list(SPLITS)}.")
+    # --dynapipe-overlong reject refuses long pretraining documents too, instead of cutting them.
     common = dict(seq_length=cfg.model.seq_length, overlong=d.overlong, seed=cfg.seed,
-                  vocab_size=cfg.model.vocab_size, split_name=split)
+                  vocab_size=cfg.model.vocab_size, split_name=split, split_documents=d.overlong != "reject")
     ranges = split_ranges(list(d.split)) if d.split else {"train": WHOLE, "valid": None, "test": None}
     if d.mock_data:
         if ranges[split] is None:

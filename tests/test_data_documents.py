@@ -131,6 +131,10 @@ def test_default_split_is_megatrons_and_splits_are_disjoint(corpora):
     batches = GlobalBatches.create(cfg, consumed_samples=0, start_iteration=0)
     idx = np.concatenate([batches.batch(i).indices for i in range(50)])
     assert _tokens_at(batches.dataset, idx) <= set(range(969)) and batches.lengths(batches.batch(0)).max() <= SEQ
+    # Asked to reject over-long samples, long documents are refused rather than cut.
+    cfg = parse_training_args(f"{BASE} --data-path {corpora['A']} --dynapipe-overlong reject".split(), 1, cuda=False)
+    with pytest.raises(DynaPipeError, match="more than --seq-length 64"):
+        dataset_config(cfg).build()
 
 
 def _tokens_at(dataset, indices):
