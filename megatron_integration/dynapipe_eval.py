@@ -60,6 +60,8 @@ class DynaPipeEvalRunner:
         return forward_only(grid[self.info.dp_rank][self.info.pp_rank])
 
     def __call__(self, samples: Sequence[Sample], lengths: np.ndarray, k: int, dataset) -> tuple[float, int]:
+        """Plan evaluation batch ``k`` (``samples`` of ``lengths`` tokens from ``dataset``), run this
+        rank's forward-only plan; the global (loss sum, loss tokens), known on every rank."""
         plan = self._plan(lengths, k)
         global_loss_tokens = sum(loss_tokens(s, dataset.encoder_decoder) for s in samples)
         handlers = self.stepper.handlers

@@ -110,9 +110,10 @@ class Evaluator:
         method = "padding" if cfg.method == "dynapipe" else cfg.method
         self.batch_fn = batch_fn or (lambda samples, lengths, k, dataset: megatron_eval_batch(
             stage, info, cfg, samples, lengths, method))
-        self._index = 0
+        self.batches_run = 0  # evaluation batches so far (also numbers their plans)
 
     def has(self, split: str) -> bool:
+        """Whether ``split`` (``valid``/``test``) has data to evaluate."""
         return split in self.datasets
 
     def evaluate(self, split: str, first_batch: int) -> EvalResult:
@@ -128,8 +129,8 @@ class Evaluator:
                     batch = sampler.batch(k)
                     samples = [dataset[int(i)] for i in batch.indices]
                     lengths = dataset.planner_lengths(batch.indices)
-                    s, t = self.batch_fn(samples, lengths, self._index, dataset)
-                    self._index += 1
+                    s, t = self.batch_fn(samples, lengths, self.batches_run, dataset)
+                    self.batches_run += 1
                     total, tokens = total + s, tokens + t
         finally:
             module.train(was_training)

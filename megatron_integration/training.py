@@ -105,7 +105,7 @@ class TrainingRun:
     spec_name: str = ""
     # Megatron-format validation / test lines (with their rules of dashes), in order.
     eval_lines: list[str] = field(default_factory=list)
-    # How evaluation batches ran: "dynapipe-plans" (forward-only plans through the executor),
+    # How evaluation batches ran: "dynapipe-plans:N" (N forward-only plans through the executor),
     # "megatron-forward-only" (megatron-core's schedule), "" (no evaluation).
     eval_path: str = ""
 
@@ -148,8 +148,6 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
             run.start_iteration, run.consumed_samples = resumed.iteration, resumed.consumed_samples
     stepper = make_stepper(cfg, info, stage, optimizer, scheduler, run.start_iteration, run.consumed_samples)
     evaluator = make_evaluator(cfg, info, stage, stepper)
-    if evaluator is not None:
-        run.eval_path = "dynapipe-plans" if cfg.method == "dynapipe" else "megatron-forward-only"
     logging_rank = info.is_last_stage and info.dp_rank == 0 and info.tp_rank == 0
     logger = None
     try:
@@ -182,6 +180,10 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
                 result = evaluator.evaluate(split, evaluator.first_batch(last, final=True) if split == "valid" else 0)
                 log_eval(validation_lines(f"iteration {last} on {SPLIT_NAMES[split]}", result), stream,
                          logging_rank, run.eval_lines)
+        if evaluator is not None and evaluator.batches_run:
+            # What ran, not what was configured: forward-only plans counted by their runner.
+            plans = getattr(evaluator.batch_fn, "plans_run", None)
+            run.eval_path = "megatron-forward-only" if plans is None else f"dynapipe-plans:{plans}"
     finally:
         stepper.close()
         if logger is not None:

@@ -47,7 +47,8 @@ def test_dynapipe_loss_equals_padding(world):
     if world == 2:
         padding_eval = run(EVAL, world)
         assert padding_eval["losses"] == padding["losses"]  # forward only: training untouched, bit for bit
-        assert (dynapipe["eval_path"], padding_eval["eval_path"]) == ("dynapipe-plans", "megatron-forward-only")
+        # 2 batches at iteration 2, then 2 of validation and 2 of test: all through forward-only plans.
+        assert (dynapipe["eval_path"], padding_eval["eval_path"]) == ("dynapipe-plans:6", "megatron-forward-only")
         mine, ref = _eval_values(dynapipe), _eval_values(padding_eval)
         assert [w for w, _, _ in ref] == ["validation loss at iteration 2",
                                           "validation loss at iteration 3 on validation set",
