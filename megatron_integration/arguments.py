@@ -257,6 +257,9 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--wandb-project": "use --tensorboard-dir for metrics",
     "--wandb-exp-name": "use --tensorboard-dir for metrics",
     "--wandb-save-dir": "use --tensorboard-dir for metrics",
+    "--eval-global-batch-size": "evaluation batches are --global-batch-size samples; drop it",
+    "--full-validation": "evaluation reads --eval-iters global batches; drop it",
+    "--skip-train": "training always runs (evaluation follows it); drop it",
     "--vocab-file": "only pre-tokenised indexed data or byte-level JSONL is read; tokenise with Megatron's "
                     "tools/preprocess_data.py and give --vocab-size",
     "--merge-file": "only pre-tokenised indexed data or byte-level JSONL is read; tokenise with Megatron's "
