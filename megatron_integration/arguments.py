@@ -138,6 +138,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g = parser.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100, help="iterations between log lines")
     g.add_argument("--tensorboard-dir", default=None, help="write TensorBoard scalars here")
+    from megatron_integration.data_args import add_eval_args, add_split_args
+
+    add_split_args(parser)
+    add_eval_args(parser)
     return parser
 
 
@@ -253,12 +257,9 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--wandb-project": "use --tensorboard-dir for metrics",
     "--wandb-exp-name": "use --tensorboard-dir for metrics",
     "--wandb-save-dir": "use --tensorboard-dir for metrics",
-    "--split": "all of --data-path is training data (no validation/test split yet); drop it",
-    "--train-data-path": "give the training data with --data-path",
-    "--valid-data-path": "there is no evaluation yet; drop it",
-    "--test-data-path": "there is no evaluation yet; drop it",
-    "--eval-interval": "there is no evaluation yet; drop it",
-    "--eval-iters": "there is no evaluation yet; drop it",
+    "--eval-global-batch-size": "evaluation batches are --global-batch-size samples; drop it",
+    "--full-validation": "evaluation reads --eval-iters global batches; drop it",
+    "--skip-train": "training always runs (evaluation follows it); drop it",
     "--vocab-file": "only pre-tokenised indexed data or byte-level JSONL is read; tokenise with Megatron's "
                     "tools/preprocess_data.py and give --vocab-size",
     "--merge-file": "only pre-tokenised indexed data or byte-level JSONL is read; tokenise with Megatron's "
@@ -440,21 +441,16 @@ def training_config_from_args(args: argparse.Namespace, world_size: int,
         max_tokens=args.dynapipe_max_tokens,
         timeout_s=args.dynapipe_timeout_s, trace_dir=args.dynapipe_trace_dir, recompute=level)
 
-    if args.mock_data and args.data_path:
-        raise DynaPipeError("--mock-data and --data-path were both given; use one.")
-    if not args.mock_data and not args.data_path:
-        raise DynaPipeError("no data: give --data-path FILE... or --mock-data (the synthetic multi-task mixture).")
-    for path in data_files(args.data_path or ()):
-        if not (os.path.exists(path) or os.path.exists(path + ".idx")):
-            raise DynaPipeError(f"--data-path {path!r}: no such file (nor an indexed dataset {path}.idx/.bin).")
+    from megatron_integration.data_args import data_sources_from_args, eval_args_from_args
+
+    sources = data_sources_from_args(args)
+    evaluation = eval_args_from_args(args)
     if args.dynapipe_mixture is not None and not os.path.isfile(args.dynapipe_mixture):
         raise DynaPipeError(f"--dynapipe-mixture {args.dynapipe_mixture!r}: no such file.")
     if args.dynapipe_tokens_per_global_batch is not None and not args.use_dynapipe:
         raise DynaPipeError("--dynapipe-tokens-per-global-batch needs --use-dynapipe: the fixed-shape baselines "
                             "take --global-batch-size samples.")
-    _, weights = parse_blend(args.data_path or ())
-    data = DataArgs(mock_data=args.mock_data, data_path=tuple(data_files(args.data_path or ())),
-                    data_weights=tuple(weights or ()),
+    data = DataArgs(mock_data=args.mock_data, **sources,
                     tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
                     mixture=args.dynapipe_mixture, overlong=args.dynapipe_overlong,
                     tokens_per_global_batch=args.dynapipe_tokens_per_global_batch,
@@ -507,7 +503,7 @@ def training_config_from_args(args: argparse.Namespace, world_size: int,
         load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, log_interval=args.log_interval,
         tensorboard_dir=args.tensorboard_dir, recompute=recompute,
         check_for_nan_in_loss_and_grad=getattr(args, "check_for_nan_in_loss_and_grad", True),
-        exit_interval=args.exit_interval)
+        exit_interval=args.exit_interval, evaluation=evaluation)
 
 
 def _schedule_from_samples(args: argparse.Namespace) -> None:

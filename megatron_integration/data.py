@@ -9,45 +9,88 @@ the same global batches.
 ``--mock-data`` is the synthetic multi-task mixture: ``--dynapipe-mock-samples``
 samples (default 65,536), reshuffled every epoch. ``--data-path`` takes JSONL files
 (``*.jsonl``, tokenised byte-level) or Megatron indexed-dataset prefixes
-(``PREFIX.bin``/``PREFIX.idx``).
+(``PREFIX.bin``/``PREFIX.idx``), split into train / validation / test by ``--split``;
+``--train/valid/test-data-path`` give the splits separately.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
 from dynapipe.data.config import DatasetConfig
 from dynapipe.data.samples import Sample, SampleDataset
 from dynapipe.data.sampler import GlobalBatch, GlobalBatchSampler, SamplerConfig
+from dynapipe.data.splits import SPLITS, WHOLE, EmptySplitError, split_ranges
 from dynapipe.errors import DynaPipeError
-from megatron_integration.arguments import data_files
 from megatron_integration.train_config import DynaPipeTrainingConfig
 
 
-def dataset_config(cfg: DynaPipeTrainingConfig) -> DatasetConfig:
-    """The :class:`DatasetConfig` of a run's data arguments."""
+def dataset_config(cfg: DynaPipeTrainingConfig, split: str = "train") -> Optional[DatasetConfig]:
+    """The :class:`DatasetConfig` of one split (``train``, ``valid`` or ``test``) of a run's data
+    arguments, or None when the run has no such split (see :mod:`megatron_integration.data_args`)."""
     d = cfg.data
+    if split not in SPLITS:
+        raise DynaPipeError(f"split {split!r} is not known; use one of {list(SPLITS)}.")
+    # --dynapipe-overlong reject refuses long pretraining documents too, instead of cutting them.
     common = dict(seq_length=cfg.model.seq_length, overlong=d.overlong, seed=cfg.seed,
-                  vocab_size=cfg.model.vocab_size)
+                  vocab_size=cfg.model.vocab_size, split_name=split, split_documents=d.overlong != "reject")
+    ranges = split_ranges(list(d.split)) if d.split else {"train": WHOLE, "valid": None, "test": None}
     if d.mock_data:
+        if ranges[split] is None:
+            return None
+        # Each split is a mixture of its own: the same distribution, other samples.
+        common["seed"] = cfg.seed + SPLITS.index(split)
         return DatasetConfig(kind="synthetic", num_samples=d.mock_samples, mixture=d.mixture, **common)
     if d.tokenizer_type != "ByteLevel":
         raise DynaPipeError(f"--tokenizer-type {d.tokenizer_type}: this build tokenises JSONL byte-level "
                             f"(--tokenizer-type ByteLevel); pre-tokenise other vocabularies into a Megatron "
                             f"indexed dataset with Megatron's preprocess_data.py.")
-    files = data_files(d.data_path)
+    if d.train_data_path:
+        files, weights = getattr(d, f"{split}_data_path"), getattr(d, f"{split}_data_weights")
+        if not files:
+            return None
+        flag = f"--{split}-data-path"
+    else:
+        if ranges[split] is None:
+            return None
+        files, weights, flag = d.data_path, d.data_weights, "--data-path"
+        common["split_range"] = ranges[split]
+    return _files_config(files, weights, flag, common)
+
+
+def _files_config(files, weights, flag: str, common: dict) -> DatasetConfig:
     jsonl = [p for p in files if p.endswith((".jsonl", ".json"))]
     if jsonl and len(jsonl) != len(files):
-        raise DynaPipeError("--data-path mixes JSONL files and indexed-dataset prefixes; give one kind.")
-    common["weights"] = d.data_weights
+        raise DynaPipeError(f"{flag} mixes JSONL files and indexed-dataset prefixes; give one kind.")
+    common["weights"] = tuple(weights)
     if jsonl:
         return DatasetConfig(kind="jsonl", paths=tuple(jsonl), **common)
     for p in files:
         if not (os.path.exists(p + ".idx") and os.path.exists(p + ".bin")):
-            raise DynaPipeError(f"--data-path {p}: neither a .jsonl file nor an indexed dataset ({p}.bin/.idx).")
+            raise DynaPipeError(f"{flag} {p}: neither a .jsonl file nor an indexed dataset ({p}.bin/.idx).")
     return DatasetConfig(kind="indexed", paths=tuple(files), **common)
+
+
+def data_summary_lines(cfg: DynaPipeTrainingConfig) -> list[str]:
+    """Start-up lines counting each split's documents, pieces (documents longer than
+    ``--seq-length`` cut into samples), tokens and truncated samples."""
+    from dynapipe.data.summary import summarize
+
+    lines = []
+    for split in SPLITS:
+        config = dataset_config(cfg, split)
+        if config is None:
+            continue
+        try:
+            dataset = config.open()
+        except EmptySplitError:
+            lines.append(f" > {split} data: empty (no document falls in its --split range)")
+            continue
+        lines.append(summarize(dataset).line(split, cfg.model.seq_length))
+    return lines
 
 
 def sampler_config(cfg: DynaPipeTrainingConfig) -> SamplerConfig:

@@ -46,6 +46,10 @@ def training_job(argv: Sequence[str], echo: bool = False) -> dict:
         "activation_planned_mib": [r.activation_planned_mib for r in run.results],
         "pp_rank": pp_rank,
         "log_lines": run.log_lines,
+        # Megatron-format validation/test lines (every rank computes them; the logging rank prints them).
+        "eval_lines": run.eval_lines,
+        "eval_path": run.eval_path,
+        "printed": stream.getvalue() if isinstance(stream, io.StringIO) else "",
         "layer_spec": run.spec_name,
         # Where each iteration's time went (megatron-core baselines: measured around its steps).
         "breakdown_ms": [r.breakdown_ms for r in run.results],

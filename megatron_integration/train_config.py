@@ -89,6 +89,26 @@ class DataArgs:
     overlong: str = "truncate"
     tokens_per_global_batch: Optional[int] = None
     mock_samples: int = 65536
+    # Megatron's --split, normalised train/valid/test proportions of --data-path (empty: no
+    # split, --data-path is all training data; with --mock-data each split is its own mixture).
+    split: tuple[float, ...] = ()
+    # Megatron's --train/valid/test-data-path (instead of --data-path), weighted like it.
+    train_data_path: tuple[str, ...] = ()
+    train_data_weights: tuple[float, ...] = ()
+    valid_data_path: tuple[str, ...] = ()
+    valid_data_weights: tuple[float, ...] = ()
+    test_data_path: tuple[str, ...] = ()
+    test_data_weights: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class EvalArgs:
+    """Megatron's evaluation: ``eval_iters`` global batches of the validation set every
+    ``eval_interval`` iterations (None: not during training) and of the validation and test
+    sets after training; ``eval_iters`` 0 turns evaluation off."""
+
+    eval_iters: int = 100
+    eval_interval: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -160,6 +180,7 @@ class DynaPipeTrainingConfig:
     check_for_nan_in_loss_and_grad: bool = True
     # Megatron's --exit-interval: stop (after saving, with --save) at the first multiple of it.
     exit_interval: Optional[int] = None
+    evaluation: EvalArgs = field(default_factory=EvalArgs)
     extra: dict = field(default_factory=dict, compare=False)
 
     @property

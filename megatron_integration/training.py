@@ -4,7 +4,8 @@
 schedule, resumes from ``--load`` when given, then runs ``--train-iters`` iterations
 of the chosen method (``dynapipe``: planned variable-shape micro-batches through the
 DynaPipe executor; ``padding`` / ``packing``: megatron-core's fixed-shape 1F1B),
-logging in Megatron's format and saving checkpoints on ``--save-interval`` and at the end.
+logging in Megatron's format, evaluating (forward only) every ``--eval-interval`` iterations
+and after training, and saving checkpoints on ``--save-interval`` and at the end.
 Every method sees the same global batches (same samples, same order) and starts from
 the same weights for a given ``--seed``.
 """
@@ -16,7 +17,8 @@ from functools import partial
 from typing import Callable, Optional, Protocol, TextIO
 
 from megatron_integration.checkpoint import load_checkpoint, save_checkpoint
-from megatron_integration.data import GlobalBatches
+from megatron_integration.data import GlobalBatches, data_summary_lines
+from megatron_integration.evaluation import SPLIT_NAMES, log_eval, validation_lines
 from megatron_integration.initialize import RankInfo, initialize_megatron
 from megatron_integration.logging_utils import TrainingLogger
 from megatron_integration.megatron_step import StepResult, build_micro_batches, megatron_train_step
@@ -76,6 +78,22 @@ def make_stepper(cfg: DynaPipeTrainingConfig, info: RankInfo, stage: Stage, opti
     return MegatronStepper(cfg, info, stage, optimizer, scheduler, batches)
 
 
+def make_evaluator(cfg: DynaPipeTrainingConfig, info: RankInfo, stage: Stage, stepper: Stepper):
+    """The run's :class:`~megatron_integration.evaluation.Evaluator` (None without evaluation
+    data or with ``--eval-iters 0``); ``--use-dynapipe`` evaluates through forward-only plans."""
+    from megatron_integration.evaluation import Evaluator
+
+    if cfg.evaluation.eval_iters <= 0:
+        return None
+    batch_fn = None
+    if cfg.method == "dynapipe":
+        from megatron_integration.dynapipe_eval import DynaPipeEvalRunner
+
+        batch_fn = DynaPipeEvalRunner(cfg, info, stepper)
+    evaluator = Evaluator(cfg, info, stage, batch_fn)
+    return evaluator if evaluator.datasets else None
+
+
 @dataclass
 class TrainingRun:
     """What a finished run reports (identical on every rank, except the log lines)."""
@@ -85,6 +103,11 @@ class TrainingRun:
     start_iteration: int = 0
     consumed_samples: int = 0
     spec_name: str = ""
+    # Megatron-format validation / test lines (with their rules of dashes), in order.
+    eval_lines: list[str] = field(default_factory=list)
+    # How evaluation batches ran: "dynapipe-plans:N" (N forward-only plans through the executor),
+    # "megatron-forward-only" (megatron-core's schedule), "" (no evaluation).
+    eval_path: str = ""
 
     @property
     def losses(self) -> list[float]:
@@ -112,6 +135,9 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
     info = initialize_megatron(cfg.parallel, cfg.seed)
     if info.rank == 0 and vocab_padding_line(cfg) is not None:
         print(vocab_padding_line(cfg), file=stream, flush=True)
+    if info.rank == 0:
+        for line in data_summary_lines(cfg):
+            print(line, file=stream, flush=True)
     stage = build_stage(cfg, info)
     optimizer, scheduler = build_optimizer(cfg, stage)
     attach_training_hooks(stage, optimizer)
@@ -121,11 +147,12 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
         if resumed is not None:
             run.start_iteration, run.consumed_samples = resumed.iteration, resumed.consumed_samples
     stepper = make_stepper(cfg, info, stage, optimizer, scheduler, run.start_iteration, run.consumed_samples)
+    evaluator = make_evaluator(cfg, info, stage, stepper)
+    logging_rank = info.is_last_stage and info.dp_rank == 0 and info.tp_rank == 0
     logger = None
     try:
         logger = TrainingLogger(cfg.train_iters, cfg.global_batch_size, cfg.log_interval,
-                                is_logging_rank=info.is_last_stage and info.dp_rank == 0 and info.tp_rank == 0,
-                                tensorboard_dir=cfg.tensorboard_dir, stream=stream)
+                                is_logging_rank=logging_rank, tensorboard_dir=cfg.tensorboard_dir, stream=stream)
         last = cfg.last_iteration(run.start_iteration)
         for iteration in range(run.start_iteration, last):
             result = stepper.step(iteration)
@@ -137,10 +164,26 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
             if on_iteration is not None:
                 on_iteration(iteration, result)
             done = iteration + 1
+            if evaluator is not None and evaluator.periodic_due(done):
+                result = evaluator.evaluate("valid", evaluator.first_batch(done))
+                log_eval(validation_lines(f"iteration {done}", result), stream, logging_rank, run.eval_lines)
+                if logger.writer is not None:
+                    logger.writer.add_scalar("lm loss validation", result.loss, done)
             if cfg.save and cfg.save_interval and done % cfg.save_interval == 0 and done != last:
                 save_checkpoint(cfg.save, done, run.consumed_samples, stage.gpt, optimizer, scheduler, info)
         if cfg.save and last > run.start_iteration:
             save_checkpoint(cfg.save, last, run.consumed_samples, stage.gpt, optimizer, scheduler, info)
+        # Megatron-LM evaluates the validation and test sets once training is done (not when
+        # --exit-interval stopped it).
+        for split in ("valid", "test") if evaluator is not None and last == cfg.train_iters else ():
+            if evaluator.has(split):
+                result = evaluator.evaluate(split, evaluator.first_batch(last, final=True) if split == "valid" else 0)
+                log_eval(validation_lines(f"iteration {last} on {SPLIT_NAMES[split]}", result), stream,
+                         logging_rank, run.eval_lines)
+        if evaluator is not None and evaluator.batches_run:
+            # What ran, not what was configured: forward-only plans counted by their runner.
+            plans = getattr(evaluator.batch_fn, "plans_run", None)
+            run.eval_path = "megatron-forward-only" if plans is None else f"dynapipe-plans:{plans}"
     finally:
         stepper.close()
         if logger is not None:

@@ -9,7 +9,7 @@ from megatron_integration.arguments import parse_blend, parse_training_args
 from megatron_integration.data import GlobalBatches, dataset_config
 
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --micro-batch-size 2 "
-        "--global-batch-size 8 --train-iters 4 --lr 1e-3 --vocab-size 128")
+        "--global-batch-size 8 --train-iters 4 --lr 1e-3 --vocab-size 128 --split 1,0,0")  # all of it: training data
 
 
 @pytest.fixture(scope="module")

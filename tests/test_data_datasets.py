@@ -152,7 +152,8 @@ def test_indexed_dataset_written_by_megatron_builder_reads_back(tmp_path):
     seqs = [rng.integers(2, 500, size=n) for n in (5, 17, 1, 40, 9)]
     prefix = str(tmp_path / "docs")
     write_indexed_dataset(prefix, seqs)
-    ds = MegatronIndexedDataset(prefix, LengthLimits(32))
+    # Truncation instead of Megatron's split into pieces (tests/test_data_documents.py).
+    ds = MegatronIndexedDataset(prefix, LengthLimits(32), split_documents=False)
     assert len(ds) == 5
     assert ds.target_lengths.tolist() == [5, 17, 1, 32, 9]
     assert ds.truncated.tolist() == [False, False, False, True, False]

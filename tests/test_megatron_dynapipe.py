@@ -2,8 +2,11 @@
 
 Same model, seed and global batches; DynaPipe plans variable-shape micro-batches, the
 executor runs them on the megatron-core stages; the per-iteration ``lm loss`` equals the
-padding baseline's (fp32, ~1e-5) on PP2 and PP2 x DP2.
+padding baseline's (fp32, ~1e-5) on PP2 and PP2 x DP2, and so do the validation and test
+losses (forward-only plans vs megatron-core's forward-only schedule).
 """
+import math
+
 import pytest
 
 from megatron_integration.jobs import run_training
@@ -18,14 +21,47 @@ TIMEOUT = 300
 def run(extra: str, world: int) -> dict:
     ranks = run_training((TINY + " " + extra).split(), world, timeout_s=TIMEOUT)
     for r in ranks[1:]:
-        assert r["losses"] == ranks[0]["losses"]
-    return ranks[0]
+        assert r["losses"] == ranks[0]["losses"] and r["eval_lines"] == ranks[0]["eval_lines"]
+    return dict(ranks[0], printed_first=ranks[0]["printed"], printed_last=ranks[-1]["printed"])
+
+
+# Megatron's evaluation: validation after iteration 2, validation and test after training.
+EVAL = "--split 80,10,10 --eval-interval 2 --eval-iters 2"
+
+
+def _eval_values(r: dict) -> list[tuple[str, float, float]]:
+    """(where, lm loss value, PPL) of each validation line."""
+    out = []
+    for line in r["eval_lines"][1::3]:
+        where, loss, ppl = (p.strip() for p in line.split("|")[:3])
+        out.append((where, float(loss.split(":")[1]), float(ppl.split(":")[1])))
+    return out
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=["pp2", "pp2xdp2"])
 def test_dynapipe_loss_equals_padding(world):
     padding = run("", world)
-    dynapipe = run("--use-dynapipe", world)
+    # PP2: DynaPipe also evaluates (forward-only plans), and the padding baseline once more with
+    # evaluation (megatron-core's forward-only schedule): same training losses, same validation losses.
+    dynapipe = run("--use-dynapipe" + (" " + EVAL if world == 2 else ""), world)
+    if world == 2:
+        padding_eval = run(EVAL, world)
+        assert padding_eval["losses"] == padding["losses"]  # forward only: training untouched, bit for bit
+        # 2 batches at iteration 2, then 2 of validation and 2 of test: all through forward-only plans.
+        assert (dynapipe["eval_path"], padding_eval["eval_path"]) == ("dynapipe-plans:6", "megatron-forward-only")
+        mine, ref = _eval_values(dynapipe), _eval_values(padding_eval)
+        assert [w for w, _, _ in ref] == ["validation loss at iteration 2",
+                                          "validation loss at iteration 3 on validation set",
+                                          "validation loss at iteration 3 on test set"]
+        assert [w for w, _, _ in mine] == [w for w, _, _ in ref]
+        assert [v for _, v, _ in mine] == pytest.approx([v for _, v, _ in ref], abs=1e-5, rel=1e-5)
+        assert all(ppl == pytest.approx(math.exp(v), rel=1e-6) for _, v, ppl in ref)
+        assert ref[0][1] != ref[1][1]  # the second validation read the next batches of the stream
+        # Printed by the last stage only, between rules of dashes, as Megatron-LM prints them.
+        assert "validation loss at iteration 2 |" in dynapipe["printed_last"]
+        assert "validation loss" not in dynapipe["printed_first"]
+        assert set(padding_eval["eval_lines"][0]) == {"-"} and len(padding_eval["eval_lines"][0]) == \
+            len(padding_eval["eval_lines"][1]) + 1
     assert dynapipe["method"] == "dynapipe" and padding["method"] == "padding"
     assert len(dynapipe["losses"]) == 3
     assert dynapipe["losses"] == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)

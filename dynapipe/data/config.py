@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from dynapipe.data.samples import LengthLimits, SampleDataset
+from dynapipe.data.splits import WHOLE, EmptySplitError, RangeDataset, range_indices
 from dynapipe.errors import DynaPipeError
 
 DATASET_KINDS = ("synthetic", "jsonl", "indexed")
@@ -28,7 +29,14 @@ class DatasetConfig:
     without them every sample of every path is used once per epoch.
 
     Lengths above ``seq_length`` (``dec_seq_length`` for encoder-decoder targets) are
-    truncated or rejected as ``overlong`` says.
+    truncated or rejected as ``overlong`` says, except indexed pretraining documents (no
+    targets), which are cut into pieces that keep every token while ``split_documents``
+    is True (the default; :mod:`dynapipe.data.pieces`).
+
+    ``split_range`` keeps one ``--split`` range ``[lo, hi)`` of every path's documents
+    (:mod:`dynapipe.data.splits`; the synthetic mixture ignores it: give each split its own
+    ``seed``); ``split_name`` names the split in messages. In a blend, a path whose part of a
+    validation or test split is empty is left out of that split.
     """
 
     kind: str
@@ -48,6 +56,9 @@ class DatasetConfig:
     pad_id: int = 0
     eod_id: int = 1
     weights: tuple[float, ...] = ()
+    split_range: tuple[float, float] = WHOLE
+    split_name: str = "train"
+    split_documents: bool = True
 
     @property
     def limits(self) -> LengthLimits:
@@ -65,6 +76,10 @@ class DatasetConfig:
             dataset.validate_tokens(self.vocab_size)
         return dataset
 
+    def open(self) -> SampleDataset:
+        """Open the dataset without checking its token ids (lengths and counts only)."""
+        return self._open()
+
     def _open(self) -> SampleDataset:
         if self.weights:
             from dataclasses import replace
@@ -75,9 +90,18 @@ class DatasetConfig:
                 raise DynaPipeError(f"{len(self.weights)} blend weights for {len(self.paths)} {self.kind} paths; "
                                     f"give one weight per data path.")
             targets = self.target_paths or (None,) * len(self.paths)
-            parts = [replace(self, paths=(p,), target_paths=(t,) if t else (), weights=())._open()
-                     for p, t in zip(self.paths, targets)]
-            return BlendedSampleDataset(parts, self.weights, self.seed)
+            parts, weights = [], []
+            for p, t, w in zip(self.paths, targets, self.weights):
+                try:
+                    parts.append(replace(self, paths=(p,), target_paths=(t,) if t else (), weights=())._open())
+                except EmptySplitError:
+                    if self.split_name == "train":
+                        raise
+                    continue  # too small to give this split a document: the other paths carry it
+                weights.append(w)
+            if not parts:
+                raise EmptySplitError(f"no path of the blend has a document in the {self.split_name} split.")
+            return BlendedSampleDataset(parts, weights, self.seed)
         if self.kind == "synthetic":
             from dynapipe.data.mixture_dataset import MixtureDataset
             from dynapipe.data.synthetic import load_mixture
@@ -93,10 +117,14 @@ class DatasetConfig:
             tok = self.tokenizer
             if tok is None and self.tokenizer_metadata:
                 tok = load_megatron_tokenizer(self.tokenizer_path, self.tokenizer_metadata)
-            return JsonlDataset(self.paths, self.limits, tok, self.encoder_decoder)
+            records = JsonlDataset(self.paths, self.limits, tok, self.encoder_decoder)
+            if self.split_range == WHOLE:
+                return records
+            return RangeDataset(records, *range_indices(self.split_range, len(records)))
         if self.kind == "indexed":
             from dynapipe.data.indexed import MegatronIndexedDataset
 
             return MegatronIndexedDataset(self.paths, self.limits, self.target_paths or None,
-                                          self.encoder_decoder, self.pad_id, self.eod_id, self.vocab_size)
+                                          self.encoder_decoder, self.pad_id, self.eod_id, self.vocab_size,
+                                          self.split_range, self.split_documents)
         raise DynaPipeError(f"dataset kind {self.kind!r} is not known; use one of {list(DATASET_KINDS)}.")

@@ -3,13 +3,15 @@
 Files written by Megatron's ``preprocess_data.py`` (or megatron-core's
 ``IndexedDatasetBuilder``) are opened with ``megatron.core.datasets.indexed_dataset``.
 Lengths come from the ``.idx`` index alone (no token is read until a sample is planned
-into a batch). One sequence of the index is one sample.
+into a batch). One sequence of the index is one document.
 
 - One prefix per task: ``MegatronIndexedDataset(["flan_cls", "flan_qa"])`` makes two tasks.
 - Paired input / target datasets (encoder-decoder training, or instruction data for a
   decoder-only model): ``target_prefixes`` lists, for each input prefix, a dataset with
   the same number of sequences holding the targets.
-- Without targets each sequence is a decoder-only document whose every token is a target.
+- Without targets each sequence is a decoder-only document whose every token is a target;
+  a document longer than ``--seq-length`` is cut into pieces of at most ``--seq-length``
+  tokens that keep every token (:mod:`dynapipe.data.pieces`), each piece a sample.
 
 megatron-core is imported only when a dataset is opened, so the rest of ``dynapipe.data``
 imports without it.
@@ -22,7 +24,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from dynapipe.data.pieces import split_documents as split_documents_into_pieces
 from dynapipe.data.samples import LengthLimits, SampleDataset, clip_lengths
+from dynapipe.data.splits import WHOLE, EmptySplitError, range_indices
 from dynapipe.errors import DynaPipeError
 
 
@@ -150,12 +154,17 @@ class MegatronIndexedDataset(SampleDataset):
     """Samples from Megatron indexed datasets; see the module docstring.
 
     ``pad_id`` / ``eod_id`` / ``vocab_size`` are the tokenizer's the files were written
-    with (they are not stored in the files).
+    with (they are not stored in the files). ``split_range`` keeps the documents of one
+    ``--split`` range of every prefix (:mod:`dynapipe.data.splits`). Without targets, a
+    document longer than the limit is cut into pieces that keep every token
+    (:mod:`dynapipe.data.pieces`) unless ``split_documents`` is False (then it is truncated
+    or rejected as ``limits.overlong`` says, like any over-long sample).
     """
 
     def __init__(self, prefixes: str | Sequence[str], limits: LengthLimits,
                  target_prefixes: Optional[str | Sequence[str]] = None,
-                 encoder_decoder: bool = False, pad_id: int = 0, eod_id: int = 1, vocab_size: int = 0):
+                 encoder_decoder: bool = False, pad_id: int = 0, eod_id: int = 1, vocab_size: int = 0,
+                 split_range: tuple[float, float] = WHOLE, split_documents: bool = True):
         self.prefixes = _as_list(prefixes)
         self.target_prefixes = _as_list(target_prefixes)
         if not self.prefixes:
@@ -169,10 +178,11 @@ class MegatronIndexedDataset(SampleDataset):
         self.encoder_decoder = encoder_decoder
         self.pad_id, self.eod_id, self.vocab_size = pad_id, eod_id, vocab_size
         self._handles: dict = {}
-        raw_in, raw_tg, tasks, self._starts = [], [], [], [0]
+        raw_in, raw_tg, tasks, seqs = [], [], [], []
         for task, prefix in enumerate(self.prefixes):
             # Copy the lengths while the handle lives: they are a view of its memory map.
             lengths = np.array(self._handle(prefix).sequence_lengths, dtype=np.int64)
+            begin, end = range_indices(split_range, lengths.shape[0])
             if self.target_prefixes:
                 tprefix = self.target_prefixes[task]
                 tlengths = np.array(self._handle(tprefix).sequence_lengths, dtype=np.int64)
@@ -182,19 +192,35 @@ class MegatronIndexedDataset(SampleDataset):
                 _no_empty(tprefix, tlengths)
                 if encoder_decoder:
                     _no_empty(prefix, lengths)
-                raw_in.append(lengths)
-                raw_tg.append(tlengths)
+                raw_in.append(lengths[begin:end])
+                raw_tg.append(tlengths[begin:end])
             else:
                 _no_empty(prefix, lengths)
-                raw_in.append(np.zeros_like(lengths))
-                raw_tg.append(lengths)
-            tasks.append(np.full(lengths.shape[0], task, dtype=np.int64))
-            self._starts.append(self._starts[-1] + lengths.shape[0])
-        self.tasks = np.concatenate(tasks)
-        if self.tasks.shape[0] == 0:
-            raise DynaPipeError(f"indexed dataset(s) {self.prefixes} hold no sequences.")
-        self.input_lengths, self.target_lengths, self.truncated = clip_lengths(
-            np.concatenate(raw_in), np.concatenate(raw_tg), limits, encoder_decoder, ",".join(self.prefixes))
+                raw_in.append(np.zeros(end - begin, dtype=np.int64))
+                raw_tg.append(lengths[begin:end])
+            tasks.append(np.full(end - begin, task, dtype=np.int64))
+            seqs.append(np.arange(begin, end, dtype=np.int64))
+        doc_tasks, doc_seqs = np.concatenate(tasks), np.concatenate(seqs)
+        raw_in, raw_tg = np.concatenate(raw_in), np.concatenate(raw_tg)
+        if doc_tasks.shape[0] == 0:
+            raise EmptySplitError(f"indexed dataset(s) {self.prefixes} hold no sequences"
+                                  + ("" if split_range == WHOLE else f" in the --split range {split_range}") + ".")
+        self.num_documents = int(doc_tasks.shape[0])
+        self.document_tokens = int(raw_in.sum() + raw_tg.sum())
+        if self.target_prefixes or not split_documents:
+            self.tasks, self._seqs = doc_tasks, doc_seqs
+            self._offsets = np.zeros_like(doc_seqs)
+            self.input_lengths, self.target_lengths, self.truncated = clip_lengths(
+                raw_in, raw_tg, limits, encoder_decoder, ",".join(self.prefixes))
+            self.num_split_documents = 0
+        else:
+            pieces = split_documents_into_pieces(raw_tg, limits.validate().seq_length)
+            self.tasks, self._seqs = doc_tasks[pieces.document], doc_seqs[pieces.document]
+            self._offsets = pieces.offset
+            self.target_lengths = pieces.length
+            self.input_lengths = np.zeros_like(pieces.length)
+            self.truncated = np.zeros(len(pieces), dtype=bool)
+            self.num_split_documents = int((raw_tg > limits.seq_length).sum())
 
     def _check_token_ids(self, vocab_size: int) -> None:
         for prefix in self.prefixes + self.target_prefixes:
@@ -218,13 +244,13 @@ class MegatronIndexedDataset(SampleDataset):
 
     def _read(self, idx: int, input_len: int, target_len: int):
         task = int(self.tasks[idx])
-        local = idx - self._starts[task]
+        local, offset = int(self._seqs[idx]), int(self._offsets[idx])
         if self.target_prefixes:
             inp = self._handle(self.prefixes[task]).get(local, 0, input_len) if input_len else np.zeros(0, np.int64)
             tgt = self._handle(self.target_prefixes[task]).get(local, 0, target_len)
         else:
             inp = np.zeros(0, dtype=np.int64)
-            tgt = self._handle(self.prefixes[task]).get(local, 0, target_len)
+            tgt = self._handle(self.prefixes[task]).get(local, offset, target_len)
         # Copies: the reads are views of memory maps that close with their handle.
         return np.array(inp, dtype=np.int64), np.array(tgt, dtype=np.int64), task
 

@@ -133,6 +133,9 @@ class JsonlDataset(SampleDataset):
         # Where each sample came from, for messages: file index and line number.
         self._files = np.asarray(parsed.files, dtype=np.int32)
         self._lines = np.asarray(parsed.lines, dtype=np.int64)
+        # Tokens of each record before any truncation (the start-up log counts them).
+        self.raw_lengths = np.diff(self._input_off) + np.diff(self._target_off)
+        self.document_tokens = int(self.raw_lengths.sum())
         self.input_lengths, self.target_lengths, self.truncated = clip_lengths(
             np.diff(self._input_off), np.diff(self._target_off), limits, encoder_decoder, ",".join(paths))
         self.vocab_size = int(tokenizer.vocab_size)

@@ -244,8 +244,10 @@ def _check_buffers(plan: ExecutionPlan) -> None:
         if st != "freed":
             raise PlanError(f"{_where(plan, born[buf])}: buffer {buf!r} created here is never freed "
                             f"(plan ends at instruction {end}).")
+    # A forward-only (evaluation) plan runs no backward (dynapipe.plan.forward_only).
+    needs_backward = not plan.meta.get("forward_only", False)
     for m in plan.micro_batches:
-        if (m.mb, 0) not in fw_done or (m.mb, 0) not in bw_done:
+        if (m.mb, 0) not in fw_done or ((m.mb, 0) not in bw_done and needs_backward):
             missing = "forward" if (m.mb, 0) not in fw_done else "backward"
             raise PlanError(f"{_where(plan, end)}: micro-batch {m.mb} has no {missing} on this rank.")
 

@@ -1,0 +1,88 @@
+"""Train / validation / test splits, as Megatron-LM's ``--split`` cuts a dataset.
+
+Megatron-LM reads ``--split "969, 30, 1"`` (its default with ``--data-path``) as three
+proportions, pads missing ones with 0 and normalises them to sum to 1
+(megatron-core's ``parse_and_normalize_split``); the split matrix
+(``convert_split_vector_to_split_matrix``) gives each split a range ``[lo, hi)`` of the
+dataset, and split ``s`` of a dataset of ``n`` documents is documents
+``round(lo x n) .. round(hi x n) - 1`` (what ``BlendedMegatronDatasetBuilder`` takes).
+A document therefore belongs to exactly one split, before any document is cut into pieces,
+so the splits are disjoint by construction. Each path of a blend is split on its own and
+the blend's weights then mix the parts of the same split.
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import numpy as np
+
+from dynapipe.data.samples import SampleDataset
+from dynapipe.errors import DynaPipeError
+
+SPLITS = ("train", "valid", "test")
+MEGATRON_DEFAULT_SPLIT = "969, 30, 1"
+# A split range [lo, hi) as fractions of a dataset's documents: the whole dataset.
+WHOLE = (0.0, 1.0)
+
+
+class EmptySplitError(DynaPipeError):
+    """A split (or the part of a blend path in it) holds no document."""
+
+
+def parse_split(text: str) -> list[float]:
+    """``--split`` as three train/valid/test proportions normalised to sum to 1, as
+    megatron-core's ``parse_and_normalize_split`` reads it (missing ones are 0); raises
+    :class:`DynaPipeError` where megatron-core would assert or divide by zero. Pure Python,
+    so a bad command line is refused before megatron-core is imported."""
+    items = [x for x in re.split(r"[\s,/]+", text.strip()) if x]
+    values = [float(x) for x in items if re.fullmatch(r"[.0-9]+", x) and x.count(".") <= 1 and x != "."]
+    if not 1 <= len(items) <= 3 or len(values) != len(items) or sum(values) <= 0:
+        raise DynaPipeError(f"--split {text!r}: give up to three non-negative train, validation and test "
+                            f"proportions with a positive sum, e.g. --split \"{MEGATRON_DEFAULT_SPLIT}\".")
+    values += [0.0] * (len(SPLITS) - len(values))
+    total = sum(values)
+    return [v / total for v in values]
+
+
+def split_ranges(proportions: list[float]) -> dict[str, Optional[tuple[float, float]]]:
+    """Each split's ``[lo, hi)`` range of a dataset (None for an empty split), from
+    megatron-core's split matrix."""
+    from megatron.core.datasets.blended_megatron_dataset_config import convert_split_vector_to_split_matrix
+
+    matrix = convert_split_vector_to_split_matrix(list(proportions))
+    return {name: (None if r is None else (float(r[0]), float(r[1]))) for name, r in zip(SPLITS, matrix)}
+
+
+def range_indices(split_range: tuple[float, float], n: int) -> tuple[int, int]:
+    """First and one-past-last document of ``split_range`` in a dataset of ``n`` documents
+    (Megatron's rounding)."""
+    lo, hi = split_range
+    return int(round(lo * float(n))), int(round(hi * float(n)))
+
+
+class RangeDataset(SampleDataset):
+    """Samples ``begin .. end - 1`` of ``parent`` (one split of a dataset whose samples are
+    its documents, e.g. JSONL records)."""
+
+    def __init__(self, parent: SampleDataset, begin: int, end: int):
+        if end <= begin:
+            raise EmptySplitError(f"the --split range holds none of the {len(parent)} samples.")
+        self.parent, self.begin = parent, int(begin)
+        self.encoder_decoder = parent.encoder_decoder
+        self.pad_id, self.eod_id, self.vocab_size = parent.pad_id, parent.eod_id, parent.vocab_size
+        self.tasks = np.asarray(getattr(parent, "tasks", np.zeros(len(parent), np.int64)))[begin:end]
+        self.input_lengths = parent.input_lengths[begin:end]
+        self.target_lengths = parent.target_lengths[begin:end]
+        self.truncated = parent.truncated[begin:end]
+        raw = getattr(parent, "raw_lengths", None)
+        self.document_tokens = int((self.input_lengths + self.target_lengths if raw is None else raw[begin:end]).sum())
+
+    def _check_token_ids(self, vocab_size: int) -> None:
+        self.parent.validate_tokens(vocab_size)
+
+    def _read(self, idx: int, input_len: int, target_len: int):
+        return self.parent._read(self.begin + idx, input_len, target_len)
+
+
+__all__ = ["RangeDataset", "EmptySplitError", "MEGATRON_DEFAULT_SPLIT", "SPLITS", "WHOLE", "parse_split", "range_indices", "split_ranges"]

@@ -1,0 +1,102 @@
+"""Megatron-LM's data-source and evaluation arguments: ``--split``, the per-split data paths,
+``--eval-interval`` and ``--eval-iters``, with Megatron-LM's meaning and defaults.
+
+- ``--data-path`` is split into train / validation / test by ``--split`` (Megatron-LM's
+  legacy default ``"969, 30, 1"`` when ``--split`` is not given), by document.
+- ``--train-data-path``, ``--valid-data-path``, ``--test-data-path`` give each split its own
+  paths (weighted as ``--data-path`` is); they exclude ``--data-path``, ``--mock-data`` and
+  ``--split`` (Megatron-LM asserts a single data source, and megatron-core's
+  ``BlendedMegatronDatasetConfig`` refuses a split with per-split blends).
+- ``--eval-iters`` (default 100; 0 turns evaluation off) global batches of the validation
+  set every ``--eval-interval`` iterations (default: none during training), and of the
+  validation and test sets once after training, as Megatron-LM's ``pretrain`` does.
+
+No torch or megatron import here: the config is plain data.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Optional
+
+from dynapipe.data.splits import MEGATRON_DEFAULT_SPLIT, parse_split
+from dynapipe.errors import DynaPipeError
+from megatron_integration.train_config import EvalArgs
+
+PER_SPLIT_FLAGS = ("train-data-path", "valid-data-path", "test-data-path")
+
+
+def add_split_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Declare ``--split`` and the per-split paths."""
+    g = parser.add_argument_group("data splits and evaluation")
+    g.add_argument("--split", default=None,
+                   help=f"train, validation and test proportions of --data-path, by document, normalised "
+                        f"(default with --data-path: \"{MEGATRON_DEFAULT_SPLIT}\")")
+    for flag in PER_SPLIT_FLAGS:
+        g.add_argument(f"--{flag}", nargs="*", default=None,
+                       help=f"paths (optionally weighted, as --data-path) of the {flag.split('-')[0]} split; "
+                            f"excludes --data-path and --split")
+    return parser
+
+
+def add_eval_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Declare ``--eval-iters`` and ``--eval-interval`` (Megatron-LM's defaults)."""
+    g = parser.add_argument_group("evaluation")
+    g.add_argument("--eval-iters", type=int, default=100,
+                   help="global batches per evaluation of the validation (and, after training, test) set; "
+                        "0 disables evaluation")
+    g.add_argument("--eval-interval", type=int, default=None,
+                   help="iterations between validation runs during training (default: none; the validation "
+                        "and test sets are still evaluated once after training)")
+    return parser
+
+
+def data_sources_from_args(args: argparse.Namespace) -> dict:
+    """The data fields of :class:`~megatron_integration.train_config.DataArgs` that say where
+    each split's samples come from, validated as Megatron-LM validates them."""
+    from megatron_integration.arguments import data_files, parse_blend
+
+    per_split = {f: getattr(args, f.replace("-", "_")) for f in PER_SPLIT_FLAGS}
+    given = [f for f, v in per_split.items() if v is not None]
+    sources = [name for name, on in (("--mock-data", args.mock_data), ("--data-path", args.data_path is not None),
+                                     ("--train/valid/test-data-path", bool(given))) if on]
+    if len(sources) > 1:
+        raise DynaPipeError(f"{' and '.join(sources)} were both given; give one data source (as in Megatron-LM).")
+    if not sources:
+        raise DynaPipeError("no data: give --data-path FILE... (or --train-data-path ...) or --mock-data "
+                            "(the synthetic multi-task mixture).")
+    if given and args.split is not None:
+        raise DynaPipeError(f"--split {args.split!r} applies to --data-path; with --{given[0]} each split has its "
+                            f"own paths: drop --split (as megatron-core's dataset config requires).")
+    if given and per_split["train-data-path"] is None:
+        raise DynaPipeError("--valid-data-path / --test-data-path without --train-data-path: give the training "
+                            "data with --train-data-path.")
+    fields: dict = {}
+    for flag, value in [("data-path", args.data_path)] + list(per_split.items()):
+        if value is None:
+            continue
+        if not value:
+            raise DynaPipeError(f"--{flag} was given without a path.")
+        paths = data_files(value)
+        for path in paths:
+            if not (os.path.exists(path) or os.path.exists(path + ".idx")):
+                raise DynaPipeError(f"--{flag} {path!r}: no such file (nor an indexed dataset {path}.idx/.bin).")
+        key = flag.replace("-", "_")
+        fields[key] = tuple(paths)
+        fields[key.replace("_path", "_weights")] = tuple(parse_blend(value)[1] or ())
+    if args.data_path is not None or args.mock_data:
+        split = args.split if args.split is not None else (MEGATRON_DEFAULT_SPLIT if args.data_path else None)
+        if split is not None:
+            fields["split"] = tuple(parse_split(split))
+    return fields
+
+
+def eval_args_from_args(args: argparse.Namespace) -> EvalArgs:
+    """``--eval-iters`` / ``--eval-interval``, validated."""
+    if args.eval_iters < 0:
+        raise DynaPipeError(f"--eval-iters {args.eval_iters}: must be >= 0 (0 disables evaluation).")
+    interval: Optional[int] = args.eval_interval
+    if interval is not None and interval <= 0:
+        raise DynaPipeError(f"--eval-interval {interval}: must be positive (leave it out for no evaluation "
+                            f"during training).")
+    return EvalArgs(eval_iters=args.eval_iters, eval_interval=interval)

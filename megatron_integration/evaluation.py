@@ -1,0 +1,164 @@
+"""Megatron-LM's evaluation: ``--eval-iters`` global batches of the validation set every
+``--eval-interval`` iterations, and of the validation and test sets after training.
+
+Forward only: the model is put in eval mode (no dropout) and runs under ``torch.no_grad``;
+no gradient buffer, optimizer state, learning rate or training data position changes, so
+a run's training losses are the same with and without evaluation. The loss is the
+validation batches' summed token loss over their loss tokens (every replica), and the log
+line is Megatron-LM's::
+
+     validation loss at iteration 10 | lm loss value: 5.123456E+00 | lm loss PPL: 1.678161E+02 |
+
+between two rules of dashes (``... at iteration N on validation set`` / ``on test set`` after
+training). Each evaluation reads the next ``--eval-iters`` global batches of the split's own
+stream (seeded by ``--seed``), as Megatron-LM's validation iterator continues across
+evaluations; the position follows from the iteration, so a resumed run reads the same ones.
+
+The fixed-shape baselines evaluate through megatron-core's ``forward_backward_func(...,
+forward_only=True)`` with the run's batching; ``--use-dynapipe`` evaluates through DynaPipe
+plans (:mod:`megatron_integration.dynapipe_eval`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, TextIO
+
+import torch
+
+from dynapipe.data.samples import SampleDataset
+from dynapipe.data.sampler import GlobalBatchSampler, SamplerConfig
+from dynapipe.data.splits import EmptySplitError
+from megatron_integration.data import dataset_config
+from megatron_integration.initialize import RankInfo
+from megatron_integration.megatron_step import build_micro_batches, forward_step, reduce_loss
+from megatron_integration.model import Stage
+from megatron_integration.train_config import DynaPipeTrainingConfig
+
+SPLIT_NAMES = {"valid": "validation set", "test": "test set"}
+
+
+@dataclass
+class EvalResult:
+    """One evaluation: mean loss per loss token over ``loss_tokens`` tokens (whole eval batches)."""
+
+    loss: float
+    loss_tokens: int
+
+    @property
+    def ppl(self) -> float:
+        """Perplexity as Megatron-LM reports it (``exp`` of the loss capped at 20)."""
+        return math.exp(min(20.0, self.loss))
+
+
+def validation_lines(prefix: str, result: EvalResult) -> list[str]:
+    """Megatron-LM's three validation lines for ``prefix`` (``iteration N`` or ``iteration N on
+    validation set``)."""
+    text = (f" validation loss at {prefix} | lm loss value: {result.loss:.6E} | "
+            f"lm loss PPL: {result.ppl:.6E} | ")
+    rule = "-" * (len(text) + 1)
+    return [rule, text, rule]
+
+
+def megatron_eval_batch(stage: Stage, info: RankInfo, cfg: DynaPipeTrainingConfig, samples, lengths,
+                        method: str) -> tuple[float, int]:
+    """Forward-only megatron-core schedule over one global batch: (loss sum, loss tokens), global."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    micro_batches, _ = build_micro_batches(method, samples, lengths, cfg.model.seq_length, cfg.micro_batch_size,
+                                           info, cfg.reset_position_ids, cfg.reset_attention_mask)
+    seq_lengths = {int(m.tokens.shape[1]) for m in micro_batches}
+    saved = stage.config.variable_seq_lengths
+    stage.config.variable_seq_lengths = saved or len(seq_lengths) > 1
+    try:
+        reports = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[stage.module],
+            num_microbatches=len(micro_batches), seq_length=max(seq_lengths), micro_batch_size=cfg.micro_batch_size,
+            forward_only=True)
+    finally:
+        stage.config.variable_seq_lengths = saved
+    loss_sum = sum(float(r["lm loss"][0]) for r in reports) if info.is_last_stage else 0.0
+    tokens = sum(int(r["lm loss"][1]) for r in reports) if info.is_last_stage else 0
+    return reduce_loss(loss_sum, tokens, info.is_last_stage, info.device)
+
+
+class Evaluator:
+    """Evaluates the run's validation and test splits (see the module docstring).
+
+    ``batch_fn(samples, lengths, eval_index, dataset)`` runs one global batch forward only and returns
+    the global (loss sum, loss tokens); the default is megatron-core's schedule with the
+    run's fixed-shape batching.
+    """
+
+    def __init__(self, cfg: DynaPipeTrainingConfig, info: RankInfo, stage: Stage,
+                 batch_fn: Optional[Callable] = None):
+        self.cfg, self.info, self.stage = cfg, info, stage
+        self.datasets: dict[str, SampleDataset] = {}
+        self.samplers: dict[str, GlobalBatchSampler] = {}
+        for split in SPLIT_NAMES:
+            config = dataset_config(cfg, split) if cfg.evaluation.eval_iters > 0 else None
+            if config is None:
+                continue
+            try:
+                dataset = config.build()
+            except EmptySplitError:
+                continue
+            self.datasets[split] = dataset
+            self.samplers[split] = GlobalBatchSampler(
+                dataset.sample_tokens(), SamplerConfig(global_batch_size=cfg.global_batch_size, seed=cfg.seed,
+                                                       shuffle=True, min_samples=cfg.parallel.data_parallel_size))
+        method = "padding" if cfg.method == "dynapipe" else cfg.method
+        self.batch_fn = batch_fn or (lambda samples, lengths, k, dataset: megatron_eval_batch(
+            stage, info, cfg, samples, lengths, method))
+        self.batches_run = 0  # evaluation batches so far (also numbers their plans)
+
+    def has(self, split: str) -> bool:
+        """Whether ``split`` (``valid``/``test``) has data to evaluate."""
+        return split in self.datasets
+
+    def evaluate(self, split: str, first_batch: int) -> EvalResult:
+        """``--eval-iters`` global batches of ``split`` from its ``first_batch``, forward only."""
+        dataset, sampler = self.datasets[split], self.samplers[split]
+        module = self.stage.module
+        was_training = module.training
+        module.eval()
+        total, tokens = 0.0, 0
+        try:
+            with torch.no_grad():
+                for k in range(first_batch, first_batch + self.cfg.evaluation.eval_iters):
+                    batch = sampler.batch(k)
+                    samples = [dataset[int(i)] for i in batch.indices]
+                    lengths = dataset.planner_lengths(batch.indices)
+                    s, t = self.batch_fn(samples, lengths, self.batches_run, dataset)
+                    self.batches_run += 1
+                    total, tokens = total + s, tokens + t
+        finally:
+            module.train(was_training)
+        return EvalResult(total / max(tokens, 1), tokens)
+
+    def periodic_due(self, iteration: int) -> bool:
+        """Whether Megatron-LM evaluates after ``iteration`` (1-based) during training."""
+        interval = self.cfg.evaluation.eval_interval
+        return bool(interval) and iteration % interval == 0 and self.has("valid")
+
+    def first_batch(self, iteration: int, final: bool = False) -> int:
+        """Where the validation stream stands at ``iteration`` (:func:`valid_first_batch`)."""
+        e = self.cfg.evaluation
+        return valid_first_batch(iteration, e.eval_interval, e.eval_iters, final)
+
+
+def valid_first_batch(iteration: int, eval_interval, eval_iters: int, final: bool = False) -> int:
+    """First validation batch of the evaluation at ``iteration``: ``eval_iters`` batches per
+    evaluation already run (Megatron-LM's ``consumed_valid_samples``). A periodic one at a
+    multiple of ``eval_interval`` follows the earlier ones; the final one (after training)
+    follows every periodic one up to ``iteration``."""
+    done = iteration // eval_interval if eval_interval else 0
+    return (done if final else done - 1) * eval_iters
+
+
+def log_eval(lines: list[str], stream: TextIO, is_logging_rank: bool, sink: list[str]) -> None:
+    """Print the lines on the logging rank and keep them in ``sink``."""
+    sink.extend(lines)
+    if is_logging_rank:
+        for line in lines:
+            print(line, file=stream, flush=True)

@@ -1,0 +1,199 @@
+"""Megatron-LM pretraining data: long documents cut into pieces that keep every token, ``--split``
+and the per-split data paths, on indexed datasets written by megatron-core's ``IndexedDatasetBuilder``."""
+import numpy as np
+import pytest
+import torch
+
+from dynapipe.data.collate import loss_token_counts
+from dynapipe.data.indexed import MegatronIndexedDataset, write_indexed_dataset
+from dynapipe.data.pieces import split_documents
+from dynapipe.data.samples import LengthLimits
+from dynapipe.data.splits import parse_split, split_ranges
+from dynapipe.data.summary import summarize
+from dynapipe.errors import DynaPipeError
+from megatron_integration.arguments import UNSUPPORTED_MEGATRON_FLAGS, parse_training_args
+from megatron_integration.data import GlobalBatches, data_summary_lines, dataset_config
+
+SEQ = 64
+# Around every edge: 1 token, just below / at / above the limit, and several pieces.
+EDGE_LENGTHS = (1, 2, SEQ - 1, SEQ, SEQ + 1, 2 * SEQ - 2, 2 * SEQ - 1, 2 * SEQ, 5 * SEQ + 3, 700)
+BASE = (f"--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length {SEQ} --micro-batch-size 2 "
+        f"--global-batch-size 8 --train-iters 4 --lr 1e-3 --vocab-size 4096")
+
+
+def _docs(lengths, first_id=0):
+    """Documents whose tokens are all distinct: (document id, position) encoded in the id."""
+    return [(first_id + d) * 1000 + np.arange(n) % 1000 for d, n in enumerate(lengths)]
+
+
+def _rebuild(pieces_of_doc):
+    """A document from its pieces: every piece after the first repeats its predecessor's last token."""
+    return np.concatenate([pieces_of_doc[0]] + [p[1:] for p in pieces_of_doc[1:]])
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory):
+    root = tmp_path_factory.mktemp("docs")
+    rng = np.random.default_rng(1)
+    paths = {"edges": str(root / "edges"), "A": str(root / "A"), "B": str(root / "B"), "C": str(root / "C")}
+    write_indexed_dataset(paths["edges"], [d % 4096 for d in _docs(EDGE_LENGTHS)])
+    # 1000 documents (token ids 0..999 name the document), some longer than SEQ.
+    write_indexed_dataset(paths["A"], [np.full(rng.integers(2, 3 * SEQ), d) for d in range(1000)])
+    write_indexed_dataset(paths["B"], [np.full(rng.integers(2, SEQ), 1000 + d) for d in range(300)])
+    write_indexed_dataset(paths["C"], [np.full(rng.integers(2, SEQ), 2000 + d) for d in range(40)])
+    return paths
+
+
+def test_piece_arithmetic_keeps_every_prediction():
+    lengths = np.array(EDGE_LENGTHS)
+    p = split_documents(lengths, SEQ)
+    assert p.length.max() <= SEQ and p.length.min() >= 1
+    for d, n in enumerate(lengths):
+        mine = p.document == d
+        if n <= SEQ:  # short documents stay whole
+            assert mine.sum() == 1 and p.length[mine][0] == n
+        else:
+            assert p.length[mine].min() >= 2  # no piece without a prediction
+        # Pieces overlap by one token: the next-token predictions of the pieces are the document's.
+        assert (p.length[mine] - 1).sum() == max(n - 1, 0)
+        np.testing.assert_array_equal(p.offset[mine][1:], p.offset[mine][:-1] + p.length[mine][:-1] - 1)
+    with pytest.raises(DynaPipeError, match="no tokens"):
+        split_documents(np.array([3, 0]), SEQ)
+
+
+def test_long_documents_split_into_pieces_no_token_lost(corpora):
+    docs = [d % 4096 for d in _docs(EDGE_LENGTHS)]
+    ds = MegatronIndexedDataset(corpora["edges"], LengthLimits(SEQ))
+    assert ds.target_lengths.max() <= SEQ and not ds.truncated.any() and ds.input_lengths.sum() == 0
+    samples = [ds[i].target_ids for i in range(len(ds))]
+    # Pieces read from the .bin, grouped by document in order, rebuild every document exactly.
+    by_doc = {}
+    for i, s in enumerate(samples):
+        by_doc.setdefault(int(ds._seqs[i]), []).append(s)
+    assert sorted(by_doc) == list(range(len(docs)))
+    for d, doc in enumerate(docs):
+        np.testing.assert_array_equal(_rebuild(by_doc[d]), doc)
+    # The loss counts exactly the documents' next-token predictions.
+    assert loss_token_counts(ds.input_lengths, ds.target_lengths, False).sum() == sum(n - 1 for n in EDGE_LENGTHS)
+    s = summarize(ds)
+    assert (s.documents, s.split_documents, s.samples, s.document_tokens, s.truncated) == (
+        len(EDGE_LENGTHS), sum(n > SEQ for n in EDGE_LENGTHS), len(ds), sum(EDGE_LENGTHS), 0)
+    assert "6 longer than --seq-length 64, split into pieces" in s.line("train", SEQ)
+
+
+def test_baselines_train_every_piece(corpora):
+    """Padding: one piece a row, padded to --seq-length; packing: pieces packed whole into rows."""
+    from megatron_integration.initialize import RankInfo
+    from megatron_integration.megatron_step import build_micro_batches
+
+    ds = MegatronIndexedDataset(corpora["edges"], LengthLimits(SEQ))
+    n = len(ds) - len(ds) % 2
+    samples, lengths = [ds[i] for i in range(n)], ds.planner_lengths(range(n))
+    info = RankInfo(0, 1, 0, 1, 0, 1, 0, 1, torch.device("cpu"))
+    want = int(loss_token_counts(np.zeros(n), lengths, False).sum())
+    for method in ("padding", "packing"):
+        mbs, padded = build_micro_batches(method, samples, lengths, SEQ, 2, info)
+        assert int(sum(m.loss_mask.sum() for m in mbs)) == want, method
+        tokens = torch.cat([m.tokens.reshape(-1) for m in mbs])
+        assert sorted(tokens[tokens > 0].tolist()) == sorted(np.concatenate([s.target_ids for s in samples])
+                                                             [np.concatenate([s.target_ids for s in samples]) > 0]
+                                                             .tolist())
+
+
+def test_split_parsing_matches_megatron_core():
+    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+
+    for text in ("969, 30, 1", "90,5,5", "1", "99,1", "0.5/0.25/0.25", "3 1 0"):
+        assert parse_split(text) == pytest.approx(parse_and_normalize_split(text), abs=0)
+    for bad in ("a,b", "0,0,0", "1,2,3,4", "-1,2", ""):
+        with pytest.raises(DynaPipeError, match="--split"):
+            parse_split(bad)
+    r = split_ranges(parse_split("969, 30, 1"))
+    assert r["train"] == (0.0, 0.969) and r["valid"][1] == pytest.approx(0.999) and r["test"][1] == 1.0
+    assert split_ranges(parse_split("1,0,0"))["valid"] is None
+
+
+def _tokens(dataset):
+    return {int(t) for i in range(len(dataset)) for t in np.unique(dataset[i].target_ids)}
+
+
+def test_default_split_is_megatrons_and_splits_are_disjoint(corpora):
+    cfg = parse_training_args(f"{BASE} --data-path {corpora['A']}".split(), 1, cuda=False)
+    assert cfg.data.split == pytest.approx((0.969, 0.03, 0.001))
+    parts = {s: dataset_config(cfg, s).build() for s in ("train", "valid", "test")}
+    docs = {s: _tokens(d) for s, d in parts.items()}  # a document's tokens are its id
+    assert docs["train"] == set(range(969)) and docs["valid"] == set(range(969, 999)) and docs["test"] == {999}
+    assert all(d.target_lengths.max() <= SEQ for d in parts.values())
+    lines = data_summary_lines(cfg)
+    assert [ln.split(":")[0] for ln in lines] == [" > train data", " > valid data", " > test data"]
+    assert "969 documents (" in lines[0] and "split into pieces" in lines[0] and "0 truncated" in lines[0]
+    # What training samples: only training documents, never longer than --seq-length.
+    batches = GlobalBatches.create(cfg, consumed_samples=0, start_iteration=0)
+    idx = np.concatenate([batches.batch(i).indices for i in range(50)])
+    assert _tokens_at(batches.dataset, idx) <= set(range(969)) and batches.lengths(batches.batch(0)).max() <= SEQ
+    # Asked to reject over-long samples, long documents are refused rather than cut.
+    cfg = parse_training_args(f"{BASE} --data-path {corpora['A']} --dynapipe-overlong reject".split(), 1, cuda=False)
+    with pytest.raises(DynaPipeError, match="more than --seq-length 64"):
+        dataset_config(cfg).build()
+
+
+def _tokens_at(dataset, indices):
+    return {int(t) for i in indices for t in np.unique(dataset[int(i)].target_ids)}
+
+
+def test_blend_weights_keep_working_with_splits(corpora):
+    a, b = corpora["A"], corpora["B"]
+    cfg = parse_training_args(f"{BASE} --data-path 1 {a} 3 {b} --split 80,20,0".split(), 1, cuda=False)
+    train, valid = dataset_config(cfg, "train").build(), dataset_config(cfg, "valid").build()
+    assert dataset_config(cfg, "test") is None
+    for ds, (a_docs, b_docs) in ((train, (range(800), range(1000, 1240))), (valid, (range(800, 1000),
+                                                                                    range(1240, 1300)))):
+        seen = _tokens(ds)
+        assert seen <= set(a_docs) | set(b_docs)  # each path split on its own, by document
+        from_b = sum(int(ds[i].target_ids[0] >= 1000) for i in range(len(ds)))
+        assert from_b / len(ds) == pytest.approx(0.75, abs=0.01)  # the weights mix the parts of a split
+    assert not _tokens(train) & _tokens(valid)
+    # A path too small for a split's range is left out of that split only.
+    cfg = parse_training_args(f"{BASE} --data-path 1 {a} 1 {corpora['C']}".split(), 1, cuda=False)
+    test = dataset_config(cfg, "test").build()  # C's 40 documents give the test split none
+    assert _tokens(test) == {999} and len(test.parts) == 1
+
+
+def test_per_split_data_paths(corpora):
+    a, b, c = corpora["A"], corpora["B"], corpora["C"]
+    cfg = parse_training_args(f"{BASE} --train-data-path {a} --valid-data-path 1 {b} 1 {c}".split(), 1, cuda=False)
+    assert cfg.data.split == () and dataset_config(cfg, "test") is None
+    assert len(_tokens(dataset_config(cfg, "train").build())) == 1000  # all of it, no --split
+    valid = dataset_config(cfg, "valid").build()
+    assert _tokens(valid) <= set(range(1000, 1300)) | set(range(2000, 2040)) and valid.weights == (1.0, 1.0)
+    for extra, needle in (
+            (f"--data-path {a} --train-data-path {b}", "give one data source"),
+            (f"--mock-data --train-data-path {b}", "give one data source"),
+            (f"--train-data-path {a} --split 90,10,0", "drop --split"),
+            (f"--valid-data-path {a}", "without --train-data-path"),
+            (f"--data-path {a} --split 1,x", "--split '1,x'"),
+            (f"--train-data-path {a}.missing", "--train-data-path"),
+            ("", "no data")):
+        with pytest.raises(DynaPipeError, match=needle):
+            parse_training_args(f"{BASE} {extra}".split(), 1, cuda=False)
+    for flag in ("--split", "--train-data-path", "--valid-data-path", "--test-data-path"):
+        assert flag not in UNSUPPORTED_MEGATRON_FLAGS
+
+
+def test_long_instruction_samples_truncated_or_rejected_and_counted(tmp_path):
+    """Instruction data (input/target) is not split: a long sample is truncated (default) or refused."""
+    import json
+
+    path = tmp_path / "tasks.jsonl"
+    with open(path, "w") as f:
+        for i, (n_in, n_out) in enumerate(((10, 5), (80, 20), (30, 10), (5, 90))):
+            f.write(json.dumps({"input": "i" * n_in, "target": "t" * n_out, "task": f"t{i % 2}"}) + "\n")
+    argv = f"{BASE.replace('--vocab-size 4096', '')} --data-path {path} --split 1,0,0".split()
+    cfg = parse_training_args(argv, 1, cuda=False)
+    assert cfg.data.overlong == "truncate"
+    ds = dataset_config(cfg).build()
+    assert ds.truncated.tolist() == [False, True, False, True] and ds.planner_lengths(range(4)).max() == SEQ
+    assert data_summary_lines(cfg) == [" > train data: 4 documents -> 4 samples, 254 tokens, 2 truncated"]
+    cfg = parse_training_args(argv + ["--dynapipe-overlong", "reject"], 1, cuda=False)
+    with pytest.raises(DynaPipeError, match=r"sample 1 has 101 tokens .*--seq-length 64.*2 over-long"):
+        dataset_config(cfg).build()
