@@ -97,8 +97,10 @@ def sequence_parallel_block_spec(layer_spec, config, num_layers: int):
     import megatron.core.transformer.transformer_block as block
 
     layer = _replace_torch_norms(layer_spec)
-    final = SequenceParallelTorchNorm if block.LayerNormImpl is WrappedTorchNorm else block.LayerNormImpl
-    if layer is layer_spec and final is block.LayerNormImpl:
+    # The final norm megatron-core would build for this spec (the same across 0.16 to 0.19).
+    default = getattr(block, "LayerNormImpl", WrappedTorchNorm)
+    final = SequenceParallelTorchNorm if default is WrappedTorchNorm else default
+    if layer == layer_spec and final is default:
         return layer_spec
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final)
 
