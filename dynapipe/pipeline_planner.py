@@ -126,6 +126,37 @@ def _loss_tokens(batch_plan: BatchPlan, lengths, cost_model: CostModel) -> Batch
     return dataclasses.replace(batch_plan, micro_batches=mbs)
 
 
+def _tp_size(cost_model: CostModel) -> int:
+    tp = getattr(cost_model, "tp", None)
+    return tp.size if tp is not None else 1
+
+
+def _sequence_shards(cost_model: CostModel) -> int:
+    tp = getattr(cost_model, "tp", None)
+    return tp.size if tp is not None and tp.sequence_parallel else 1
+
+
+def round_for_sequence_parallel(batch_plan: BatchPlan, shards: int, max_seq_length: int) -> BatchPlan:
+    """``batch_plan`` with every micro-batch's padded lengths rounded up to a multiple of
+    ``shards`` (the TP size under sequence parallelism, which splits each sequence evenly
+    over the TP ranks). Padding to multiples of 8 already gives this for TP 2, 4 and 8, so
+    only odd TP sizes change anything; the schedule search prices the rounded shapes.
+    Raises :class:`DynaPipeError` when rounding would pass ``max_seq_length`` tokens."""
+    if shards <= 1:
+        return batch_plan
+    out, changed = [], False
+    for i, mb in enumerate(batch_plan.micro_batches):
+        seq, dec = -(-mb.seqlen // shards) * shards, -(-mb.dec_seqlen // shards) * shards
+        if (seq, dec) != (mb.seqlen, mb.dec_seqlen):
+            if max(seq, dec) > max_seq_length:
+                raise DynaPipeError(f"micro-batch {i} ({mb.seqlen} tokens) rounded up to a multiple of the "
+                                    f"{shards} sequence-parallel ranks exceeds the model's {max_seq_length} "
+                                    f"tokens; use a sequence length divisible by {shards}.")
+            mb, changed = dataclasses.replace(mb, seqlen=seq, dec_seqlen=dec), True
+        out.append(mb)
+    return dataclasses.replace(batch_plan, micro_batches=out) if changed else batch_plan
+
+
 def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedule: str = "auto",
                         memory_limit_mib: Optional[float] = None, reserved_mib: Optional[float] = None,
                         cluster: Optional[ClusterConfig] = None, recompute: Optional[str] = None,
@@ -142,6 +173,9 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
     ``replicas``: compile only these replicas' plans (``plans[r]`` is empty for the
     others), so planner nodes can split a large iteration's compilation by replica;
     every node gets the same micro-batches and schedules, hence the same plans.
+    Under sequence parallelism (``cost_model.tp``) micro-batch lengths are rounded up to
+    multiples of the TP size (:func:`round_for_sequence_parallel`) and the plans' messages
+    are the ``[seqlen / tp, mbs, hidden]`` shards.
     """
     if batch_plan.num_stages != cost_model.num_stages:
         raise DynaPipeError(f"the batch plan is for {batch_plan.num_stages} stages, the cost model for "
@@ -149,6 +183,8 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
     limit, reserved = _default_memory(cost_model, memory_limit_mib, reserved_mib)
     capacity = None if limit is None or not np.isfinite(limit) else limit - reserved
     batch_plan = _loss_tokens(batch_plan, lengths, cost_model)
+    shards = _sequence_shards(cost_model)
+    batch_plan = round_for_sequence_parallel(batch_plan, shards, cost_model.model.max_seq_length)
     dp = batch_plan.dp
     replica_batches = [batch_plan.replica(r) for r in range(dp)]
     t0 = time.perf_counter()
@@ -162,7 +198,8 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
                             f"replicas (0..{dp - 1}).")
     plans = [compile_plans(result.schedules[r], result.micro_batches[r], cost_model.model,
                            timeline=result.timelines[r], replica=r, num_replicas=dp, iteration=iteration,
-                           global_real_tokens=total_real, layouts=cost_model.layouts) if r in wanted else []
+                           global_real_tokens=total_real, layouts=cost_model.layouts,
+                           tp=max(tp, _tp_size(cost_model)), sequence_parallel=shards > 1) if r in wanted else []
              for r in range(dp)]
     placement = cost_model.placement
     if placement != StagePlacement.even(cost_model.model, cost_model.num_stages):

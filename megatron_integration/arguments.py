@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 
 from dynapipe.errors import DynaPipeError
 from megatron_integration.run_config import RunConfig, load_run_config  # noqa: F401  (re-exported)
+from megatron_integration.tensor_parallel import check_tensor_parallel_args
 from megatron_integration.train_config import (DataArgs, DynaPipeArgs, DynaPipeTrainingConfig,  # noqa: F401
                                                GPTModelArgs, OptimizerArgs, ParallelArgs, RecomputeArgs)
 
@@ -114,6 +115,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
     g = parser.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="split norms, dropout and the activations between stages along the sequence over the "
+                        "tensor-parallel ranks (needs --tensor-model-parallel-size 2 or more)")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--distributed-backend", default=None, choices=("nccl", "gloo"),
                    help="default: nccl with CUDA, gloo without")
@@ -264,7 +268,6 @@ UNSUPPORTED_MEGATRON_FLAGS = {
                     "tools/preprocess_data.py and give --vocab-size",
     "--merge-file": "only pre-tokenised indexed data or byte-level JSONL is read; tokenise with Megatron's "
                     "tools/preprocess_data.py and give --vocab-size",
-    "--sequence-parallel": "stages run without sequence parallelism; drop it",
     "--context-parallel-size": "no context parallelism; split long sequences over fewer tokens per sample",
     "--virtual-pipeline-model-parallel-size": "interleaved pipeline stages are not run; drop it",
     "--num-layers-per-virtual-pipeline-stage": "interleaved pipeline stages are not run; drop it",
@@ -381,8 +384,7 @@ def training_config_from_args(args: argparse.Namespace, world_size: int,
     if args.use_distributed_optimizer and not cuda:
         raise DynaPipeError("--use-distributed-optimizer needs GPUs (megatron-core's distributed optimizer wraps "
                             "CUDA parameters only); on CPU drop it.")
-    if tp > 1 and not cuda:
-        raise DynaPipeError(f"--tensor-model-parallel-size {tp} needs GPUs; on CPU use 1.")
+    check_tensor_parallel_args(args, cuda)
     if pp > args.num_layers or args.num_layers % pp:
         raise DynaPipeError(f"--num-layers {args.num_layers} cannot be split evenly over "
                             f"--pipeline-model-parallel-size {pp}; use a divisor of the layer count.")
@@ -390,7 +392,8 @@ def training_config_from_args(args: argparse.Namespace, world_size: int,
     if backend == "nccl" and not cuda:
         raise DynaPipeError("--distributed-backend nccl needs GPUs; use gloo on CPU.")
     parallel = ParallelArgs(world_size=world_size, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                            backend=backend, timeout_minutes=args.distributed_timeout_minutes)
+                            backend=backend, timeout_minutes=args.distributed_timeout_minutes,
+                            sequence_parallel=args.sequence_parallel)
     dp = parallel.data_parallel_size
 
     batching = args.dynapipe_batching or ("dynapipe" if args.use_dynapipe else "padding")

@@ -44,6 +44,7 @@ PATCHED_MODULES = (
     "megatron.core.utils",  # GlobalMemoryBuffer.get_tensor (local attention)
     "megatron.core.tensor_parallel.random",  # RNG tracker
     "megatron.core.tensor_parallel.layers",  # weights on the current device
+    "megatron.core.tensor_parallel.mappings",  # sequence-parallel gather/scatter outputs
     "megatron.core.models.common.embeddings.rotary_pos_embedding",  # inv_freq
     "megatron.core.transformer.utils",  # get_default_causal_mask
     "megatron.core.pipeline_parallel.schedules",  # token counters

@@ -105,7 +105,8 @@ def build_micro_batches(method: str, samples: Sequence[Sample], lengths: np.ndar
 
 
 def reduce_loss(loss_sum: float, loss_tokens: int, is_last_stage: bool, device: torch.device) -> tuple[float, int]:
-    """Global (sum, tokens) from the last stage of every replica, known on every rank."""
+    """Global (sum, tokens) from the ranks where ``is_last_stage`` (one rank of the last stage
+    of every replica), known on every rank."""
     t = torch.tensor([loss_sum, float(loss_tokens)] if is_last_stage else [0.0, 0.0],
                      dtype=torch.float64, device=device)
     dist.all_reduce(t)
@@ -151,7 +152,8 @@ def megatron_train_step(stage: Stage, optimizer, scheduler, micro_batches: list[
         scheduler.step(increment=1)
     loss_sum = sum(float(r["lm loss"][0]) for r in reports) if info.is_last_stage else 0.0
     loss_tokens = sum(int(r["lm loss"][1]) for r in reports) if info.is_last_stage else 0
-    loss_sum, loss_tokens = reduce_loss(loss_sum, loss_tokens, info.is_last_stage, info.device)
+    # Every TP rank of the last stage holds the same (TP-reduced) loss; TP rank 0 counts it.
+    loss_sum, loss_tokens = reduce_loss(loss_sum, loss_tokens, info.is_last_stage and info.tp_rank == 0, info.device)
     if info.device.type == "cuda":
         torch.cuda.synchronize()
     end = time.perf_counter()

@@ -24,6 +24,7 @@ import torch
 
 from megatron_integration.train_config import DynaPipeTrainingConfig, GPTModelArgs, ParallelArgs, RecomputeArgs
 from megatron_integration.initialize import RankInfo
+from megatron_integration.tensor_parallel import sequence_parallel_block_spec
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -54,6 +55,7 @@ def transformer_config(model: GPTModelArgs, parallel: ParallelArgs, cuda: Option
         init_method_std=model.init_method_std, normalization=model.normalization,
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=model.dtype == "bf16", fp16=model.dtype == "fp16",
         # The loss is a sum over real tokens; gradients are divided by the global batch's
         # real-token count in finalize_model_grads (comparable across batching methods).
@@ -109,6 +111,7 @@ def build_gpt_stage(cfg: DynaPipeTrainingConfig, info: RankInfo, use_te: Optiona
     fixed = None if cfg.dynapipe.enabled else cfg.recompute
     tconfig = transformer_config(cfg.model, cfg.parallel, cuda=info.device.type == "cuda", recompute=fixed)
     spec, _ = layer_spec(use_te)
+    spec = sequence_parallel_block_spec(spec, tconfig, cfg.model.num_layers // info.pp_size)
     m = cfg.model
     gpt = GPTModel(config=tconfig, transformer_layer_spec=spec, vocab_size=m.vocab_size,
                    max_sequence_length=m.max_position_embeddings, pre_process=info.is_first_stage,

@@ -52,6 +52,9 @@ class ParallelArgs:
     pipeline_model_parallel_size: int = 1
     backend: str = "gloo"
     timeout_minutes: float = 10.0
+    # Megatron's --sequence-parallel: norms, dropout and the activations between stages are
+    # split along the sequence over the tensor-parallel ranks.
+    sequence_parallel: bool = False
 
     @property
     def data_parallel_size(self) -> int:

@@ -48,6 +48,7 @@ from megatron_integration.initialize import RankInfo
 from megatron_integration.megatron_step import StepResult, reduce_loss
 from megatron_integration.model import Stage, finalize_grads_func, set_recompute_level
 from megatron_integration.nan_guard import check_before_step
+from megatron_integration.tensor_parallel import check_plan_tensor_parallel, check_tp_plans_agree
 
 
 def packed_attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -135,7 +136,8 @@ def planner_settings(cfg: DynaPipeTrainingConfig, info: RankInfo):
         num_stages=info.pp_size, dp=info.dp_size, method=d.batching, schedule=d.schedule,
         memory_limit_mib=d.memory_limit_mb, cost_profile=None if d.cost_model == "analytic" else d.cost_model,
         micro_batch_size=cfg.micro_batch_size, seq_length=cfg.model.seq_length, max_tokens=d.max_tokens or 0,
-        cluster=load_cluster_config(d.cluster), zero=cfg.optimizer.distributed, recompute=d.recompute)
+        cluster=load_cluster_config(d.cluster), zero=cfg.optimizer.distributed, recompute=d.recompute,
+        tp=info.tp_size, sequence_parallel=cfg.parallel.sequence_parallel)
 
 
 def make_loader(cfg: DynaPipeTrainingConfig, info: RankInfo, start_iteration: int, consumed_samples: int):
@@ -182,13 +184,13 @@ class DynaPipeStepper:
         from dynapipe.runtime.executor import Executor, ExecutorConfig
         from dynapipe.runtime.kv_store import job_tcp_store
 
-        if info.tp_size > 1:
-            raise DynaPipeError("--use-dynapipe with --tensor-model-parallel-size > 1 is not supported yet; "
-                                "use tensor-parallel size 1.")
         from dynapipe.cost import build_cost_model
+        from dynapipe.runtime.plan_source import tensor_parallel_config
 
         handlers = MegatronStageHandlers(stage, info.device)
         meter = ActivationMeter()
+        # megatron's pipeline group links the same TP rank of every stage, so each transfer
+        # goes between matching TP ranks (under sequence parallelism: their sequence shards).
         executor = Executor(handlers, group=parallel_state.get_pipeline_model_parallel_group(), device=info.device,
                             store=job_tcp_store(), meter=meter,
                             config=ExecutorConfig(timeout_s=cfg.dynapipe.timeout_s,
@@ -196,7 +198,7 @@ class DynaPipeStepper:
                             replica=info.dp_rank)
         loader = make_loader(cfg, info, start_iteration, consumed_samples)
         s = planner_settings(cfg, info)
-        cost_model = build_cost_model(s.model, s.device, s.num_stages, s.cost_profile)
+        cost_model = build_cost_model(s.model, s.device, s.num_stages, s.cost_profile, tensor_parallel_config(s))
         return cls(cfg, info, stage, optimizer, scheduler, loader, executor, handlers, cost_model, meter,
                    [] if cfg.dynapipe.trace_dir else None)
 
@@ -206,6 +208,9 @@ class DynaPipeStepper:
         if data.iteration != iteration:
             raise DynaPipeError(f"the data loader yielded iteration {data.iteration} for iteration {iteration}.")
         meta = data.meta
+        # Every TP rank of a stage must run the same payload; then the plan must be for this layout.
+        check_tp_plans_agree(iteration, data.digest, self.info)
+        check_plan_tensor_parallel(data.plan, self.info.tp_size, self.cfg.parallel.sequence_parallel)
         self.handlers.begin(data.micro_batches, meta.global_loss_tokens)
         self.stage.module.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -220,7 +225,7 @@ class DynaPipeStepper:
         if ok:
             self.scheduler.step(increment=1)
         loss_sum, loss_tokens = reduce_loss(float(self.handlers.loss_sum), int(self.handlers.loss_tokens),
-                                            self.info.is_last_stage, self.info.device)
+                                            self.info.is_last_stage and self.info.tp_rank == 0, self.info.device)
         if loss_tokens != meta.global_loss_tokens:
             raise DynaPipeError(f"iteration {iteration}: the executed micro-batches hold {loss_tokens} loss tokens, "
                                 f"the plan's global batch {meta.global_loss_tokens}; plan and data disagree.")

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 # Runnable as `python scripts/bench_cluster.py` from the repository root.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dynapipe.config import load_cluster_config, load_device_config, load_model_config  # noqa: E402
+from dynapipe.config import (TensorParallelConfig, load_cluster_config, load_device_config,  # noqa: E402
+                             load_model_config)
 from dynapipe.cost import build_cost_model  # noqa: E402
 from dynapipe.errors import DynaPipeError  # noqa: E402
 from dynapipe.method_compare import BatchesResult, compare_over_batches, global_batch_of_tokens  # noqa: E402
@@ -56,10 +57,12 @@ class Case:
     dp: int
     seq_length: int
     zero: bool = False
+    tp: int = 1  # tensor-parallel ranks per stage (inside a node); figures are per TP rank
 
     @property
     def label(self) -> str:
-        return f"{self.model} PP{self.stages} x DP{self.dp}, seq {self.seq_length}"
+        tp = f"TP{self.tp} x " if self.tp > 1 else ""
+        return f"{self.model} {tp}PP{self.stages} x DP{self.dp}, seq {self.seq_length}"
 
 
 CASES = (
@@ -70,6 +73,8 @@ CASES = (
     # T5-11B's decoder layers (269M parameters each) need the distributed optimizer too, or
     # their states leave the decoder stages no room for the layers a balanced split gives them.
     Case("t5-11b", 8, 2, 2048, zero=True),
+    # 13B with TP inside a node, as configs/runs/gpt-13b-tp2-pp4-dp2-a100-40gb.yaml runs it.
+    Case("gpt-13b", 4, 2, 4096, zero=True, tp=2),
 )
 QUICK_CASES = (Case("gpt-7b", 4, 2, 2048),)
 
@@ -78,17 +83,18 @@ def run_case(case: Case, args) -> dict:
     """Every method on the case's batches; the JSON record of the case."""
     model = load_model_config(case.model)
     device, cluster = load_device_config(args.device), load_cluster_config(args.cluster)
-    cost = build_cost_model(model, device, case.stages)
+    tp = TensorParallelConfig(case.tp, False, cluster.intra_node) if case.tp > 1 else None
+    cost = build_cost_model(model, device, case.stages, None, tp)
     batches = [global_batch_of_tokens(args.tokens, args.seed + b, case.seq_length, model.is_encoder_decoder)
                for b in range(args.batches)]
-    kwargs = dict(dp=case.dp, seq_length=case.seq_length, cluster=cluster, zero=case.zero)
+    kwargs = dict(dp=case.dp, seq_length=case.seq_length, cluster=cluster, zero=case.zero, tp=case.tp)
     placement = None
     if model.is_encoder_decoder:
         # Layers per stage chosen on batches drawn apart from the measured ones (other seeds),
         # then used by every method; DynaPipe on the even split is kept as the before.
         sample = [global_batch_of_tokens(args.tokens, args.seed + 1000 + b, case.seq_length, True)
                   for b in range(args.batches)]
-        placement = choose_placement(sample, cost, dp=case.dp, seq_length=case.seq_length, zero=case.zero)
+        placement = choose_placement(sample, cost, dp=case.dp, seq_length=case.seq_length, zero=case.zero, tp=case.tp)
         even_cost, cost = cost, placement.cost_model
     # Compile the simulator kernels and fill caches outside the timed planning.
     plan_iteration(batches[0], cost, **kwargs)
@@ -109,7 +115,7 @@ def run_case(case: Case, args) -> dict:
         if res.sweep:
             row["sweep"] = res.sweep
         rows[name] = row
-    return {"case": case.label, "model": case.model, "stages": case.stages, "dp": case.dp,
+    return {"case": case.label, "model": case.model, "stages": case.stages, "dp": case.dp, "tp": case.tp,
             "seq_length": case.seq_length, "distributed_optimizer": case.zero,
             "samples_per_batch": [len(b) for b in batches],
             "real_tokens_per_batch": [int(b.sum()) for b in batches], "methods": rows,

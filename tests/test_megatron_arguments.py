@@ -42,7 +42,11 @@ def test_without_use_dynapipe_the_method_is_a_megatron_baseline():
     ("--num-attention-heads 5", 1, False, "--hidden-size 64 is not divisible by --num-attention-heads 5"),
     ("--use-dynapipe --dynapipe-batching token-budget", 1, False, "needs --dynapipe-max-tokens"),
     ("--use-dynapipe --dynapipe-batching token-budget --dynapipe-max-tokens 100", 1, False, "below --seq-length"),
-    ("--tensor-model-parallel-size 2", 2, False, "needs GPUs"),
+    ("--sequence-parallel", 2, False, "--sequence-parallel needs --tensor-model-parallel-size 2 or more"),
+    ("--tensor-model-parallel-size 2 --sequence-parallel --seq-length 255 --max-position-embeddings 256", 2, False,
+     "--seq-length 255 is not a multiple of 2; use 256"),
+    ("--tensor-model-parallel-size 3", 3, False, "--tensor-model-parallel-size 3 does not divide --num-attention-heads 4"),
+    ("--tensor-model-parallel-size 2 --use-dynapipe --dynapipe-cost-model /dev/null", 2, False, "profiles are measured at TP 1"),
     ("--distributed-backend nccl", 1, False, "nccl needs GPUs"),
     ("--reset-position-ids", 1, False, "packed rows only"),
     ("--save-interval 5", 1, False, "--save-interval needs --save"),
@@ -85,3 +89,12 @@ def test_parser_has_megatron_and_dynapipe_flags():
                  "--dynapipe-memory-limit-mb", "--dynapipe-cost-model", "--dynapipe-planner-workers",
                  "--dynapipe-prefetch", "--dynapipe-kv-backend"):
         assert flag in text, flag
+
+
+def test_tensor_and_sequence_parallel_run_on_cpu():
+    """TP > 1 (with or without --sequence-parallel) is accepted on CPU, on both paths."""
+    cfg = parse("--tensor-model-parallel-size 2 --sequence-parallel --use-dynapipe", world=4)
+    assert cfg.parallel.tensor_model_parallel_size == 2 and cfg.parallel.sequence_parallel
+    assert cfg.parallel.data_parallel_size == 2 and cfg.method == "dynapipe"
+    cfg = parse("--tensor-model-parallel-size 2", world=2)
+    assert not cfg.parallel.sequence_parallel and cfg.method == "padding"

@@ -46,13 +46,16 @@ def _layouts(model: ModelConfig, num_stages: int):
 
 
 def message_specs(model: ModelConfig, src_stage: int, num_stages: int, mbs: int, seqlen: int,
-                  dec_seqlen: int = 0, layouts: Optional[Sequence[StageLayout]] = None) -> tuple[TensorSpec, ...]:
+                  dec_seqlen: int = 0, layouts: Optional[Sequence[StageLayout]] = None,
+                  shards: int = 1) -> tuple[TensorSpec, ...]:
     """Tensors of the activation message ``src_stage -> src_stage + 1`` (and of the
     gradient message back): ``[seqlen, mbs, hidden]`` in the model dtype; for
     encoder-decoder decoder stages also the encoder output. ``layouts``: the stages'
-    layers (default: Megatron's even split)."""
+    layers (default: Megatron's even split). ``shards``: the TP size under sequence
+    parallelism, where each TP rank sends its ``seqlen / shards`` slice to the same TP
+    rank of the next stage."""
     layouts = layouts or _layouts(model, num_stages)
-    return tuple(TensorSpec(name, shape, model.torch_dtype_name)
+    return tuple(TensorSpec(name, (shape[0] // shards,) + tuple(shape[1:]), model.torch_dtype_name)
                  for name, shape in message_shapes(model, layouts, src_stage, mbs, seqlen, dec_seqlen))
 
 
@@ -118,8 +121,8 @@ def _cached(fn, model: ModelConfig, *key):
     return hit[1]
 
 
-def _message(model, b, S, mbs, seqlen, dec, layouts=None):
-    return _cached(message_specs, model, S, b, mbs, seqlen, dec, layouts)
+def _message(model, b, S, mbs, seqlen, dec, layouts=None, shards=1):
+    return _cached(message_specs, model, S, b, mbs, seqlen, dec, layouts, shards)
 
 
 def _inputs(model, s, S, mbs, seqlen, dec, packed, layouts=None):
@@ -137,7 +140,8 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
                   cost_model: Optional[CostModel] = None, replica: int = 0, num_replicas: int = 1,
                   iteration: int = 0, global_real_tokens: Optional[int] = None,
                   recompute: Optional[str] = None,
-                  layouts: Optional[Sequence[StageLayout]] = None) -> list[ExecutionPlan]:
+                  layouts: Optional[Sequence[StageLayout]] = None, tp: int = 1,
+                  sequence_parallel: bool = False) -> list[ExecutionPlan]:
     """One :class:`ExecutionPlan` per pipeline stage (list index = stage) for one replica.
 
     ``schedule``: a :class:`Schedule` whose ``Op.mb`` index ``micro_batches``, or the name
@@ -151,7 +155,14 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
     plan (and its forward/backward instructions) carries its stage's level.
     ``layouts``: the layers of every stage, which decide the messages of encoder-decoder
     models (default: ``cost_model``'s, else Megatron's even split).
+    ``tp``: tensor-parallel ranks per stage (every one runs the same plan; recorded in
+    ``meta["tp"]``); with ``sequence_parallel`` messages are ``[seqlen / tp, mbs, hidden]``
+    and every micro-batch's lengths must be multiples of ``tp``.
     """
+    shards = tp if sequence_parallel else 1
+    if tp < 1 or (sequence_parallel and tp < 2):
+        raise DynaPipeError(f"compile_plans(tp={tp}, sequence_parallel={sequence_parallel}): sequence "
+                            f"parallelism needs tp >= 2, and tp must be at least 1.")
     mbs_list = list(micro_batches)
     if layouts is None and cost_model is not None:
         layouts = cost_model.layouts
@@ -186,6 +197,11 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
     if timeline.schedule.stage_ops != schedule.stage_ops:
         raise DynaPipeError("the timeline given to compile_plans belongs to a different schedule.")
     infos = tuple(_info(i, mb) for i, mb in enumerate(mbs_list))
+    bad = next((i for i in infos if i.seqlen % shards or i.dec_seqlen % shards), None)
+    if bad is not None:
+        raise DynaPipeError(f"micro-batch {bad.mb} is padded to {bad.seqlen} tokens, which sequence parallelism "
+                            f"cannot split over {shards} tensor-parallel ranks; pad micro-batches to multiples "
+                            f"of {shards} (the planner does under sequence parallelism).")
     real = sum(i.real_tokens for i in infos)
     if global_real_tokens is None:
         if num_replicas > 1:
@@ -216,13 +232,16 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
     uniq, inv = np.unique(key_arr, axis=0, return_inverse=True) if M else (key_arr, np.zeros(0, np.int64))
     inv = inv.reshape(-1)
     keys = [tuple(r) for r in uniq.tolist()]
-    msg_ids = [np.array([list_id(_message(model, b, S, *k[:3], layouts)) for k in keys], dtype=np.int64)[inv]
+    msg_ids = [np.array([list_id(_message(model, b, S, *k[:3], layouts, shards)) for k in keys],
+                        dtype=np.int64)[inv]
                for b in range(S - 1)]
     load_ids = []
     for s in range(S):
         specs = [_inputs(model, s, S, *k, layouts) for k in keys]
         load_ids.append(np.array([list_id(t) if t else -1 for t in specs], dtype=np.int64)[inv])
     f_idx, b_idx = [p[0] for p in positions], [p[1] for p in positions]
+    # Only TP plans carry the keys, so TP 1 plans stay byte-identical to earlier ones.
+    tp_meta = ({"tp": int(tp)} if tp > 1 else {}) | ({"sequence_parallel": True} if sequence_parallel else {})
     plans = []
     for s in range(S):
         level = recompute or schedule.recompute_of(s)
@@ -247,5 +266,5 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
             schedule=schedule.name, recompute=level, micro_batches=infos, instructions=instructions,
             real_tokens=real, global_real_tokens=int(global_real_tokens),
             meta={"order": schedule.order, "mb_order": [int(x) for x in schedule.mb_order],
-                  "simulated_ms": round(float(timeline.makespan_ms), 6)}))
+                  "simulated_ms": round(float(timeline.makespan_ms), 6), **tp_meta}))
     return plans

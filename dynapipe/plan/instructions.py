@@ -209,3 +209,14 @@ class ExecutionPlan:
     real_tokens: int = 0
     global_real_tokens: int = 0
     meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+
+def sequence_shards(plan: ExecutionPlan) -> int:
+    """Tensor-parallel ranks each sequence is split over between stages: the plan's TP size
+    under Megatron's sequence parallelism (``meta["tp"]`` with ``meta["sequence_parallel"]``),
+    else 1. Activation and gradient messages are then ``[seqlen / shards, mbs, hidden]``."""
+    meta = plan.meta or {}
+    if not meta.get("sequence_parallel"):
+        return 1
+    tp = meta.get("tp", 1)
+    return tp if isinstance(tp, int) and not isinstance(tp, bool) else 0

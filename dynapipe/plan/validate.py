@@ -42,7 +42,7 @@ from dynapipe.plan.instructions import (DTYPES, BackwardPass, ExecutionPlan, For
                                         FreeBuffer, Instruction, LoadInput, RecvActivationFinish,
                                         RecvActivationStart, RecvGradFinish, RecvGradStart,
                                         SendActivationFinish, SendActivationStart, SendGradFinish,
-                                        SendGradStart, buffer_name)
+                                        SendGradStart, buffer_name, sequence_shards)
 
 # Start class -> (finish class, direction, message kind, buffer kind).
 _STARTS = {
@@ -85,6 +85,10 @@ def _collect_comms(plan: ExecutionPlan) -> list[Transfer]:
     infos = {m.mb: m for m in plan.micro_batches}
     if len(infos) != len(plan.micro_batches):
         raise PlanError(f"{_where(plan, -1)}: micro-batch indices repeat in the plan's micro-batch list.")
+    shards = sequence_shards(plan)
+    if shards < 1 or any(m.seqlen % shards or m.dec_seqlen % shards for m in plan.micro_batches):
+        raise PlanError(f"{_where(plan, -1)}: sequence parallelism over {plan.meta.get('tp')!r} tensor-parallel "
+                        f"ranks needs a positive TP size dividing every micro-batch's sequence length.")
     open_starts: dict[tuple, Transfer] = {}
     comms: list[Transfer] = []
     groups_seen: dict[int, int] = {}
@@ -118,9 +122,11 @@ def _collect_comms(plan: ExecutionPlan) -> list[Transfer]:
             for t in inst.tensors:
                 if t.dtype not in DTYPES:
                     _fail(plan, k, inst, f"tensor {t.name!r} has dtype {t.dtype!r}, not one of {DTYPES}.")
-                if len(t.shape) != 3 or t.shape[1] != info.mbs or t.shape[0] not in (info.seqlen, info.dec_seqlen):
+                if len(t.shape) != 3 or t.shape[1] != info.mbs or \
+                        t.shape[0] not in (info.seqlen // shards, info.dec_seqlen // shards):
+                    want = "[seqlen, mbs, hidden]" if shards == 1 else f"[seqlen / {shards}, mbs, hidden]"
                     _fail(plan, k, inst, f"tensor {t.name} {list(t.shape)} does not match micro-batch {inst.mb} "
-                                         f"(mbs {info.mbs}, seqlen {info.seqlen}); expected [seqlen, mbs, hidden].")
+                                         f"(mbs {info.mbs}, seqlen {info.seqlen}); expected {want}.")
             oid = (finish_cls, inst.peer, inst.buffer)
             if oid in open_starts:
                 _fail(plan, k, inst, f"starts a second transfer of {inst.buffer!r} with rank {inst.peer} before "

@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dynapipe.plan.instructions import BUFFER_KINDS, DTYPES, ExecutionPlan
+from dynapipe.plan.instructions import BUFFER_KINDS, DTYPES, ExecutionPlan, sequence_shards
 from dynapipe.plan.table import COL, OPCODE_INDEX, InstructionTable
 
 _OP = OPCODE_INDEX
@@ -105,6 +105,11 @@ def _rank(plan: ExecutionPlan, canon: dict):
     info = np.array([(m.mb, m.mbs, m.seqlen, m.dec_seqlen) for m in plan.micro_batches], np.int64).reshape(M, 4)
     if M and not (info[:, 0] == np.arange(M)).all():
         return None
+    # Messages carry [seqlen / shards, mbs, hidden] under sequence parallelism.
+    shards = sequence_shards(plan)
+    if shards < 1 or (info[:, 2:4] % shards).any():
+        return None
+    seq_msg, dec_msg = info[:, 2:3] // shards, info[:, 3:4] // shards
     strings = t.strings
     for which in (F, B):
         rows = r[which]
@@ -143,7 +148,7 @@ def _rank(plan: ExecutionPlan, canon: dict):
         tl, tf = r[start][:, COL["tensors"]].astype(np.int64), r[finish][:, COL["tensors"]]
         if (tl < 0).any() or not (tl == tf).all():
             return None
-        shape_ok = (nd[tl] == 3) & (d1[tl] == info[:, 1:2]) & ((d0[tl] == info[:, 2:3]) | (d0[tl] == info[:, 3:4]))
+        shape_ok = (nd[tl] == 3) & (d1[tl] == info[:, 1:2]) & ((d0[tl] == seq_msg) | (d0[tl] == dec_msg))
         if not (ok[tl] & (~present[tl] | shape_ok).all(axis=1)).all():
             return None
         transfers[o] = (start, finish, ids[tl])

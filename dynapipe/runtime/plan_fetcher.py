@@ -61,6 +61,7 @@ class IterationData:
     plan: ExecutionPlan
     micro_batches: dict  # mb -> {name: torch.Tensor}
     meta: IterationMeta
+    digest: int = 0  # CRC32 of the payload (plan, tensors, metadata) as received
 
     @property
     def iteration(self) -> int:
@@ -85,7 +86,7 @@ def unpack(blob: bytes, iteration: int, replica: int, stage: int) -> IterationDa
         raise DynaPipeError(f"payload of iteration {iteration} lacks metadata {missing}; "
                             f"run the same dynapipe version on every node.")
     meta = IterationMeta(iteration=iteration, **{k: m.pop(k) for k in fields}, extra=m)
-    return IterationData(plan, tensors, meta)
+    return IterationData(plan, tensors, meta, p.crc)
 
 
 class _Stopped(Exception):

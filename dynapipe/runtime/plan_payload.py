@@ -47,6 +47,9 @@ class Payload:
     plan_bytes: bytes
     tensors: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
+    # CRC32 of header, plan and tensor bytes: equal payloads have equal CRCs, so the ranks
+    # that read one payload (a stage's tensor-parallel ranks) compare it cheaply.
+    crc: int = 0
 
 
 def encode_payload(iteration: int, replica: int, stage: int, plan_bytes: bytes,
@@ -116,7 +119,7 @@ def decode_payload(data: bytes) -> Payload:
     if plan_n > len(rest):
         raise DynaPipeError(f"{where}: plan of {plan_n} bytes runs past the end; truncated?")
     out = Payload(_int(header, "iteration", where), _int(header, "replica", where),
-                  _int(header, "stage", where), bytes(rest[:plan_n]), meta=header.get("meta") or {})
+                  _int(header, "stage", where), bytes(rest[:plan_n]), meta=header.get("meta") or {}, crc=crc)
     if not isinstance(out.meta, dict):
         raise DynaPipeError(f"{where}: 'meta' must be an object.")
     entries = header.get("tensors") or []

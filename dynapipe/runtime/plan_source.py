@@ -28,8 +28,11 @@ class PlannerSettings:
     ``memory_limit_mib`` / ``reserved_mib``: None takes the device config's.
     ``recompute``: a level, or None to let the schedule search choose.
     ``seq_length`` / ``max_tokens``: for the padding / packing / token-budget baselines
-    (0: unset). ``tp``: tensor-parallel size; ``zero``: sharded optimizer states (both
-    for the memory model). ``validate`` checks every plan before it is published.
+    (0: unset). ``tp``: tensor-parallel size of every stage (the cost model then prices one
+    TP rank, its collectives on the cluster's intra-node link); ``sequence_parallel``:
+    Megatron's sequence parallelism (activations between stages are ``[seqlen / tp, mbs,
+    hidden]``); ``zero``: sharded optimizer states. ``validate`` checks every plan before it
+    is published.
     """
 
     model: ModelConfig
@@ -49,6 +52,7 @@ class PlannerSettings:
     tp: int = 1
     zero: bool = False
     validate: bool = False
+    sequence_parallel: bool = False
 
 
 class IterationPlanner:
@@ -62,7 +66,7 @@ class IterationPlanner:
         check_planner_settings(settings)
         self.settings = settings
         self.cost_model = build_cost_model(settings.model, settings.device, settings.num_stages,
-                                           settings.cost_profile)
+                                           settings.cost_profile, tensor_parallel_config(settings))
 
     def plan(self, lengths: np.ndarray, iteration: int) -> list[list[ExecutionPlan]]:
         """``[replica][stage]`` plans for a global batch of ``lengths`` (tokens; ``(n,)``, or
@@ -77,6 +81,18 @@ class IterationPlanner:
                                 seq_length=s.seq_length or None, max_tokens=s.max_tokens or None,
                                 tp=s.tp, zero=s.zero, validate=s.validate)
         return result.plans
+
+
+def tensor_parallel_config(settings: PlannerSettings):
+    """The cost model's :class:`~dynapipe.config.TensorParallelConfig` of ``settings`` (None at
+    TP 1 without sequence parallelism); collectives priced on the cluster's intra-node link."""
+    from dynapipe.config import TensorParallelConfig
+
+    if settings.tp == 1 and not settings.sequence_parallel:
+        return None
+    if settings.cluster is None:
+        return TensorParallelConfig(settings.tp, settings.sequence_parallel)
+    return TensorParallelConfig(settings.tp, settings.sequence_parallel, settings.cluster.intra_node)
 
 
 def encode_plan(plan: ExecutionPlan) -> bytes:
@@ -96,3 +112,6 @@ def check_planner_settings(settings: PlannerSettings) -> None:
                             f"({settings.dp}) must be at least 1.")
     if not isinstance(settings.model, ModelConfig) or not isinstance(settings.device, DeviceConfig):
         raise DynaPipeError("planner settings need a ModelConfig and a DeviceConfig.")
+    tp = tensor_parallel_config(settings)
+    if tp is not None:
+        tp.validate(settings.model)
