@@ -54,23 +54,60 @@ def test_median_over_rounds():
 
 
 def test_breakdown_from_megatron_steps_and_from_executor_traces(tmp_path):
-    ranks = _ranks([[100.0, 100.0]])
+    # Two megatron-core stages, iteration 1 (us). Stage 0 sends from 1,000 to 11,000; stage 1
+    # posts the matching receive at 3,000 and is blocked until 12,000.
+    ranks = _ranks([[100.0, 100.0], [100.0, 100.0]])
+    ranks[0]["pp_rank"], ranks[1]["pp_rank"] = 0, 1
     ranks[0]["breakdown_ms"] = [{}, {"forward_ms": 30.0, "backward_ms": 40.0, "finalize_ms": 5.0,
-                                     "schedule_ms": 90.0, "p2p_and_wait_ms": 15.0, "optimizer_ms": 6.0}]
-    (b,) = breakdown(ranks, 1)
-    assert (b["compute"], b["p2p_and_wait"], b["optimizer_and_grads"]) == (70.0, 15.0, 11.0)
-    assert b["other"] == pytest.approx(4.0)
-    # DynaPipe: the executor's Chrome trace of iteration 1 (us), one file per rank.
-    ev = [{"ph": "X", "cat": "forward", "ts": 0, "dur": 20000, "args": {"iteration": 1}},
-          {"ph": "X", "cat": "comm", "ts": 20000, "dur": 30000, "args": {"iteration": 1}},
-          {"ph": "X", "cat": "backward", "ts": 50000, "dur": 40000, "args": {"iteration": 1}},
-          {"ph": "X", "cat": "forward", "ts": 0, "dur": 99000, "args": {"iteration": 0}}]
-    (tmp_path / "rank000.json").write_text(json.dumps({"traceEvents": ev}))
-    dyn = _ranks([[100.0, 100.0]])
-    dyn[0]["breakdown_ms"] = [{}, {}]
-    (d,) = breakdown(dyn, 1, str(tmp_path))
-    assert (d["compute"], d["p2p_and_wait"], d["plan_wait"]) == (60.0, 30.0, 1.0)
-    assert d["optimizer_and_grads"] == pytest.approx(100.0 - 90.0 - 1.0)
+                                     "schedule_ms": 90.0, "optimizer_ms": 6.0, "micro_batches": 2,
+                                     "p2p_calls": [[1000.0, 11000.0, True, False, False, False]]}]
+    ranks[1]["breakdown_ms"] = [{}, {"forward_ms": 30.0, "backward_ms": 40.0, "finalize_ms": 5.0,
+                                     "schedule_ms": 90.0, "optimizer_ms": 6.0, "micro_batches": 2,
+                                     "p2p_calls": [[3000.0, 12000.0, False, False, True, False]]}]
+    b0, b1 = breakdown(ranks, 1)
+    assert (b0["compute"], b0["optimizer_and_grads"], b0["stage"]) == (70.0, 11.0, 0)
+    # Stage 0 waited 2 ms for stage 1 to post the receive, then 8 ms for the transfer.
+    assert (b0["bubble"], b0["comm"]) == (2.0, 8.0)
+    # When stage 1 posted its receive the send was already posted: all its wait is the transfer.
+    assert (b1["bubble"], b1["comm"]) == (0.0, 9.0)
+    assert b0["overhead"] == pytest.approx(90.0 - 70.0 - 10.0 - 5.0) and b0["overhead_per_mb"] == pytest.approx(2.5)
+    assert b0["unattributed"] == pytest.approx(100.0 - 70.0 - 10.0 - 5.0 - 11.0)
+    # DynaPipe: the executors' Chrome traces of iteration 1 (us, each on its own origin).
+    ev0 = [{"ph": "X", "cat": "forward", "ts": 0, "dur": 20000, "pid": 0, "tid": 0, "args": {"iteration": 1, "mb": 0}},
+           {"ph": "X", "cat": "comm", "name": "send_act_start 0 peer 1 [1x8x4]", "ts": 20000, "dur": 1000,
+            "pid": 0, "tid": 0, "args": {"iteration": 1}},
+           {"ph": "X", "cat": "comm", "name": "recv_grad_start 0 peer 1 [1x8x4]", "ts": 21000, "dur": 1000,
+            "pid": 0, "tid": 0, "args": {"iteration": 1}},
+           {"ph": "X", "cat": "comm", "name": "recv_grad_finish 0 peer 1 [1x8x4]", "ts": 22000, "dur": 48000,
+            "pid": 0, "tid": 0, "args": {"iteration": 1}},
+           {"ph": "X", "cat": "backward", "ts": 75000, "dur": 20000, "pid": 0, "tid": 0,
+            "args": {"iteration": 1, "mb": 0}},
+           {"ph": "X", "cat": "forward", "ts": 0, "dur": 99000, "pid": 0, "tid": 0, "args": {"iteration": 0}}]
+    # Stage 1's clock origin is 10 ms later: it receives, computes 40 ms, sends the gradient at 60 ms.
+    ev1 = [{"ph": "X", "cat": "comm", "name": "recv_act_start 0 peer 0 [1x8x4]", "ts": 0, "dur": 1000,
+            "pid": 0, "tid": 1, "args": {"iteration": 1}},
+           {"ph": "X", "cat": "comm", "name": "recv_act_finish 0 peer 0 [1x8x4]", "ts": 1000, "dur": 11000,
+            "pid": 0, "tid": 1, "args": {"iteration": 1}},
+           {"ph": "X", "cat": "forward", "ts": 12000, "dur": 20000, "pid": 0, "tid": 1, "args": {"iteration": 1, "mb": 0}},
+           {"ph": "X", "cat": "backward", "ts": 32000, "dur": 20000, "pid": 0, "tid": 1, "args": {"iteration": 1}},
+           {"ph": "X", "cat": "comm", "name": "send_grad_start 0 peer 0 [1x8x4]", "ts": 52000, "dur": 1000,
+            "pid": 0, "tid": 1, "args": {"iteration": 1}}]
+    (tmp_path / "rank000.json").write_text(json.dumps({"traceEvents": ev0, "otherData": {"origin_us": 0.0}}))
+    (tmp_path / "rank001.json").write_text(json.dumps({"traceEvents": ev1, "otherData": {"origin_us": 10000.0}}))
+    dyn = _ranks([[100.0, 100.0], [100.0, 100.0]])
+    for r in dyn:
+        r["breakdown_ms"] = [{}, {}]
+    d0, d1 = breakdown(dyn, 1, str(tmp_path))
+    assert (d0["compute"], d0["plan_wait"], d0["stage"], d1["stage"]) == (40.0, 1.0, 0, 1)
+    # Stage 0 is blocked 22..70 ms; stage 1 posts the gradient's send at 62 ms: 40 ms bubble, 8 ms transfer.
+    assert d0["bubble"] == pytest.approx(40.0) and d0["comm"] == pytest.approx(8.0 + 2.0)
+    # Stage 1 is blocked 11..22 ms on an activation stage 0 had sent at 20 ms.
+    assert d1["bubble"] == pytest.approx(9.0) and d1["comm"] == pytest.approx(2.0 + 2.0)
+    # The executor's span is 95 ms of which 5 ms are gaps between instructions.
+    assert d0["overhead"] == pytest.approx(95.0 - 40.0 - 50.0) and d0["optimizer_and_grads"] == pytest.approx(4.0)
+    for d in (d0, d1):
+        parts = sum(d[k] for k in ("compute", "bubble", "comm", "overhead", "optimizer_and_grads", "plan_wait"))
+        assert parts + d["unattributed"] == pytest.approx(d["iteration"])
 
 
 def test_sweep_keeps_the_best_measured_size():
@@ -108,13 +145,17 @@ def test_bench_refuses_what_the_preset_cannot_honour(tmp_path, capsys):
     assert not (tmp_path / "x.json").exists()
 
 
-def test_breakdown_summary_names_the_busiest_rank():
+def test_breakdown_summary_is_per_stage():
     from megatron_integration.bench_report import breakdown_summary, breakdown_table
 
-    rnd = [{"rank": 0, "iteration": 100.0, "compute": 80.0, "p2p_and_wait": 10.0, "optimizer_and_grads": 5.0,
-            "plan_wait": 0.0, "other": 5.0},
-           {"rank": 1, "iteration": 100.0, "compute": 40.0, "p2p_and_wait": 50.0, "optimizer_and_grads": 5.0,
-            "plan_wait": 1.0, "other": 4.0}]
+    def row(rank, stage, compute, bubble):
+        return {"rank": rank, "stage": stage, "iteration": 100.0, "compute": compute, "bubble": bubble, "comm": 5.0,
+                "overhead": 2.0, "overhead_per_mb": 0.5, "micro_batches": 4, "optimizer_and_grads": 5.0,
+                "plan_wait": 0.0, "unattributed": 100.0 - compute - bubble - 12.0}
+
+    rnd = [row(0, 0, 80.0, 3.0), row(1, 1, 40.0, 43.0)]
     s = breakdown_summary([rnd, rnd])
-    assert s["compute"] == 60.0 and s["p2p_and_wait"] == 30.0 and s["busy_fraction"] == 0.8
-    assert "80.0%" in breakdown_table({"packing": s}) and breakdown_summary([]) == {}
+    assert s["compute"] == 60.0 and s["bubble"] == 23.0 and s["busy_fraction"] == 0.8
+    assert [st["stage"] for st in s["stages"]] == [0, 1] and s["stages"][1]["bubble"] == 43.0
+    table = breakdown_table({"packing": s})
+    assert "bubble" in table and "43.0" in table and breakdown_summary([]) == {}
