@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -55,7 +56,10 @@ _COMMON = {"--lr": "1e-4", "--hidden-dropout": "0", "--attention-dropout": "0", 
 class Preset:
     """Default arguments and protocol of a bench preset. ``sweep_top``: how many of the
     baselines' micro-batch sizes (best simulated first) run for real; 0 keeps
-    ``--micro-batch-size``."""
+    ``--micro-batch-size``. ``sweep_within``: of those, only sizes simulated at least
+    ``1 - sweep_within`` times the best simulated throughput run (0: all ``sweep_top``).
+    ``profile_mbs``: micro-batch sizes the cost profile measures (larger ones scale
+    linearly from the largest)."""
 
     args: dict
     methods: tuple[str, ...]
@@ -64,6 +68,8 @@ class Preset:
     warmup_iters: int
     about: str
     profile_repeats: int = 3
+    sweep_within: float = 0.0
+    profile_mbs: tuple[int, ...] = (1, 2, 4, 8)
 
 
 PRESETS = {
@@ -80,11 +86,13 @@ PRESETS = {
         args={"--num-layers": "2", "--hidden-size": "512", "--num-attention-heads": "8", "--ffn-hidden-size": "2048",
               "--seq-length": "512", "--max-position-embeddings": "512", "--micro-batch-size": "1",
               "--global-batch-size": "16", "--train-iters": "4", "--dynapipe-prefetch": "2", **_COMMON},
+        # Second-best sizes run only when simulated within 10% of the best; the profile stops at 4
+        # samples (8 x 512 tokens costs as much to measure as all smaller shapes together).
         methods=("dynapipe", "dynapipe-1f1b", "padding", "padding-mb", "packing"), rounds=2, sweep_top=2,
-        warmup_iters=1, profile_repeats=2,
+        warmup_iters=1, profile_repeats=2, sweep_within=0.1, profile_mbs=(1, 2, 4),
         about="GPT-7B's attention share of layer FLOPs (hidden 512 at 512 tokens), tuned baselines"),
 }
-PROFILE_MBS = (1, 2, 4, 8)
+PROFILE_MBS = (1, 2, 4, 8)  # the default of Preset.profile_mbs
 PROFILE_SEQLENS = (32, 64, 128, 256, 512, 1024)
 # GPT-7B at this sequence length is the attention-share reference (issue: within 5 points).
 REFERENCE_SEQ_LENGTH = 4096
@@ -226,6 +234,22 @@ def _arg(argv: Sequence[str], flag: str, default: Optional[str] = None) -> Optio
     return value
 
 
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of this process's finished child processes (and theirs)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def pick_sizes(ranked: Sequence[dict], top: int, within: float) -> list[dict]:
+    """The sweep rows (best simulated first) that run for real: at most ``top``, and with
+    ``within`` > 0 only those simulated at least ``1 - within`` times the best one's real
+    tokens/s (a clearly slower size is not worth a run)."""
+    if not ranked:
+        return []
+    floor = ranked[0]["real_tokens_per_s"] * (1.0 - within) if within > 0 else float("-inf")
+    return [r for r in ranked[:top] if r["real_tokens_per_s"] >= floor]
+
+
 def rotated(entries: Sequence, round_index: int) -> list:
     """Round ``round_index``'s order: the list rotated left by the round number, so each
     entry runs at a different position (and after different neighbours) in every round."""
@@ -233,15 +257,57 @@ def rotated(entries: Sequence, round_index: int) -> list:
     return list(entries[k:]) + list(entries[:k])
 
 
-def measure_profile(model, output: str, threads: int, timeout_s: float, repeats: int = 3) -> str:
+def measure_profile(model, output: str, threads: int, timeout_s: float, repeats: int = 3,
+                    mbs_grid: Sequence[int] = PROFILE_MBS) -> str:
     """Profile this machine for ``model`` (GPTModelArgs; one spawned rank, ``threads`` threads)
-    over :data:`PROFILE_MBS` x the :data:`PROFILE_SEQLENS` up to its sequence length."""
+    over ``mbs_grid`` x the :data:`PROFILE_SEQLENS` up to its sequence length."""
     from megatron_integration.profile_job import measure_profile as measure
 
     seqlens = [s for s in PROFILE_SEQLENS if s <= model.seq_length]
     if model.seq_length not in seqlens:
         seqlens.append(model.seq_length)
-    return measure(model, output, PROFILE_MBS, seqlens, repeats=repeats, threads=threads, timeout_s=timeout_s)
+    return measure(model, output, list(mbs_grid), seqlens, repeats=repeats, threads=threads, timeout_s=timeout_s)
+
+
+def check_request(argv: Sequence[str], methods: Sequence[str], preset: str = "tiny", *,
+                  rounds: Optional[int] = None, sweep_top: Optional[int] = None,
+                  warmup_iters: Optional[int] = None, nproc: Optional[int] = None) -> int:
+    """Refuse a bench request it cannot honour before any process starts (DynaPipeError,
+    one line naming the value); returns the number of ranks to spawn (default: the
+    pipeline size). ``None`` arguments take the preset's value."""
+    from dynapipe.errors import DynaPipeError
+    from megatron_integration.arguments import parse_training_args
+
+    if preset not in PRESETS:
+        raise DynaPipeError(f"preset {preset!r}: choose one of {', '.join(PRESETS)}.")
+    p = PRESETS[preset]
+    unknown = [m for m in methods if m not in METHOD_FLAGS]
+    if unknown or not methods or len(set(methods)) != len(methods):
+        raise DynaPipeError(f"--methods {','.join(methods)!r}: choose each at most once from "
+                            f"{', '.join(METHOD_FLAGS)}.")
+    if rounds is not None and rounds < 1:
+        raise DynaPipeError(f"--rounds {rounds}: must be at least 1.")
+    if sweep_top is not None and sweep_top < 0:
+        raise DynaPipeError(f"--sweep-top {sweep_top}: must be 0 (no sweep) or more.")
+    warmup = p.warmup_iters if warmup_iters is None else warmup_iters
+    top = p.sweep_top if sweep_top is None else sweep_top
+    given = {a.split("=")[0] for a in argv if a.startswith("--")}
+    if top > 0 and "--micro-batch-size" in given and any(m in BASELINES for m in methods):
+        raise DynaPipeError("--micro-batch-size: this preset tunes the baselines' micro-batch size; "
+                            "add --sweep-top 0 to run the size given instead.")
+    for flag in ("--use-dynapipe", "--dynapipe-batching"):
+        if flag in given:
+            raise DynaPipeError(f"{flag}: the bench sets the method itself; choose methods with --methods.")
+    if warmup < 0:
+        raise DynaPipeError(f"--warmup-iters {warmup}: must be >= 0.")
+    full = with_defaults(argv, preset)
+    nproc = nproc or int(_arg(full, "--pipeline-model-parallel-size", "1"))
+    for m in methods:  # every method's command line, before starting any process
+        cfg = parse_training_args(full + METHOD_FLAGS[m], nproc)
+    if cfg.train_iters <= warmup:
+        raise DynaPipeError(f"--train-iters {cfg.train_iters} leaves no timed iteration after --warmup-iters "
+                            f"{warmup}; raise --train-iters.")
+    return nproc
 
 
 def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int, output: str,
@@ -255,6 +321,7 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
 
     p = PRESETS[preset]
     methods = list(methods or p.methods)
+    check_request(argv, methods, preset, rounds=rounds, sweep_top=sweep_top, warmup_iters=warmup_iters, nproc=nproc)
     rounds = p.rounds if rounds is None else rounds
     sweep_top = p.sweep_top if sweep_top is None else sweep_top
     warmup_iters = p.warmup_iters if warmup_iters is None else warmup_iters
@@ -263,13 +330,15 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     given_profile = _arg(argv, "--dynapipe-cost-model")
     started = time.perf_counter()
+    profile_s = 0.0
     if given_profile is not None:
         profile = given_profile
     elif profile is None:
         profile = os.path.splitext(output)[0] + ".profile.json"
         print(f"measuring a cost profile of this machine ({threads} thread(s) per rank) -> {profile}", file=stream,
               flush=True)
-        measure_profile(cfg.model, profile, threads, timeout_s, p.profile_repeats)
+        measure_profile(cfg.model, profile, threads, timeout_s, p.profile_repeats, p.profile_mbs)
+    profile_s = time.perf_counter() - started
     sim = bench_sim.BenchSimulation(cfg, nproc, None if profile == "analytic" else profile, warmup_iters)
 
     # Which sizes of each baseline run for real: the best simulated ones among those that fit.
@@ -279,7 +348,7 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
         if m in BASELINES and sweep_top > 0:
             sweeps[m] = sim.sweep(m)
             ranked = sorted((r for r in sweeps[m] if r["fits"]), key=lambda r: -r["real_tokens_per_s"])
-            entries += [Entry(m, r["micro_batch_size"]) for r in ranked[:sweep_top]]
+            entries += [Entry(m, r["micro_batch_size"]) for r in pick_sizes(ranked, sweep_top, p.sweep_within)]
         else:
             entries.append(Entry(m))
 
@@ -339,7 +408,11 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
         "best_baseline": best_base,
         "setup": {"argv": list(argv), "nproc": nproc, "threads_per_rank": threads, "warmup_iters": warmup_iters,
                   "rounds": rounds, "round_orders": order_log, "sweep_top": sweep_top,
-                  "elapsed_s": round(time.perf_counter() - started, 1),
+                  "sweep_within": p.sweep_within, "profile_mbs": list(p.profile_mbs),
+                  "elapsed_s": round(time.perf_counter() - started, 1), "profile_s": round(profile_s, 1),
+                  # CPU seconds of every process the bench started (ranks, planner workers, profiler):
+                  # what bounds its wall time on an idle machine (>= cpu_s / cores).
+                  "cpu_s": round(_children_cpu_s() - cpu0, 1),
                   "cost_model": profile or "analytic", "timed_regions": bench_sim.TIMED_REGIONS,
                   "attention_share_reference": f"gpt-7b at --seq-length {REFERENCE_SEQ_LENGTH}, same method, "
                                                f"simulated on the same mixture (65,536 tokens, PP4 x DP2 a100-40gb)"},

@@ -40,8 +40,7 @@ def test_bench_rounds_sweep_and_methods(tmp_path):
             parts = [b[k] for k in ("compute", "bubble", "comm", "overhead", "optimizer_and_grads", "plan_wait")]
             assert min(parts) >= 0 and b["compute"] > 0 and b["comm"] > 0, (name, b)
             assert sum(parts) <= b["iteration"] * 1.01 + 0.5 and b["unattributed"] <= 0.1 * b["iteration"], (name, b)
-            assert b["micro_batches"] >= 1 and b["overhead_per_mb"] * b["micro_batches"] == pytest.approx(
-                b["overhead"], rel=0.01, abs=0.01)
+            assert b["micro_batches"] >= 1 and 0 <= b["overhead_per_mb"] <= b["overhead"] + 0.01
         split = m["time_split_ms"]
         assert [st["stage"] for st in split["stages"]] == [0, 1]
         # Per stage, the breakdown covers the iteration the method reports (the slowest rank's).

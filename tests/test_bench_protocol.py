@@ -159,3 +159,34 @@ def test_breakdown_summary_is_per_stage():
     assert [st["stage"] for st in s["stages"]] == [0, 1] and s["stages"][1]["bubble"] == 43.0
     table = breakdown_table({"packing": s})
     assert "bubble" in table and "43.0" in table and breakdown_summary([]) == {}
+
+
+def test_sweep_runs_only_sizes_close_to_the_best_simulated():
+    from megatron_integration.bench import pick_sizes
+
+    ranked = [{"micro_batch_size": m, "real_tokens_per_s": v} for m, v in ((2, 100.0), (1, 95.0), (4, 80.0))]
+    assert [r["micro_batch_size"] for r in pick_sizes(ranked, 2, 0.1)] == [2, 1]
+    assert [r["micro_batch_size"] for r in pick_sizes(ranked, 3, 0.1)] == [2, 1]
+    assert [r["micro_batch_size"] for r in pick_sizes(ranked, 3, 0.0)] == [2, 1, 4]
+    assert [r["micro_batch_size"] for r in pick_sizes(ranked, 2, 0.01)] == [2] and pick_sizes([], 2, 0.1) == []
+
+
+def test_bench_layer_checks_requests_without_the_command_line():
+    # The bench is called by the command line, never the other way round: checking a request
+    # (which parses every method's Megatron arguments) must not load dynapipe.cli.
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from dynapipe.errors import DynaPipeError\n"
+            "from megatron_integration.bench import check_request\n"
+            "assert check_request([], ['dynapipe', 'packing'], 'representative') == 2\n"
+            "try:\n"
+            "    check_request(['--train-iters', '1'], ['dynapipe'], 'tiny')\n"
+            "except DynaPipeError as e:\n"
+            "    assert '--train-iters 1' in str(e)\n"
+            "else:\n"
+            "    raise SystemExit('accepted')\n"
+            "print(sorted(m for m in sys.modules if m.startswith('dynapipe.cli')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
