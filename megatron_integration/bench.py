@@ -13,9 +13,15 @@ layer FLOPs matches GPT-7B at 4,096 tokens).
 * ``plan_wait_ms``: mean time the training loop waited for its plan (0 for the baselines);
 * ``activation_peak_mib``: per pipeline stage, the highest measured activation peak and
   the highest the plans promised (``planned`` is None for the baselines), over replicas
-  and timed iterations.
+  and timed iterations;
+* ``time_breakdown_ms`` / ``time_split_ms``: where each stage's iteration went (compute,
+  bubble, communication, schedule overhead, optimizer, plan wait), from the executor's
+  traces and megatron-core's timed steps (:mod:`megatron_integration.bench_breakdown`).
 
-Fairness: the baselines' ``--micro-batch-size`` is tuned (the sizes that fit memory are
+Before the timed rounds, a preset with ``calibrate_iters`` runs DynaPipe untimed and fits
+the profile's fixed cost per stage op from its traces
+(:mod:`megatron_integration.bench_calibrate`); every method is planned and simulated with
+that calibrated profile. Fairness: the baselines' ``--micro-batch-size`` is tuned (the sizes that fit memory are
 simulated with the measured profile, the best ``sweep_top`` run for real, the fastest
 kept); methods run in rotated order over ``rounds`` rounds and report medians; DynaPipe's
 planner workers plan ahead during the timed iterations and their CPU time is recorded.
@@ -59,7 +65,10 @@ class Preset:
     ``--micro-batch-size``. ``sweep_within``: of those, only sizes simulated at least
     ``1 - sweep_within`` times the best simulated throughput run (0: all ``sweep_top``).
     ``profile_mbs``: micro-batch sizes the cost profile measures (larger ones scale
-    linearly from the largest)."""
+    linearly from the largest). ``calibrate_iters``: iterations of an untimed DynaPipe run
+    after profiling, from whose traces the profile's fixed cost per stage op is fitted
+    (:mod:`megatron_integration.bench_calibrate`; 0: none). ``profile_levels``: also
+    profile the recompute levels (else derived; the baselines never recompute here)."""
 
     args: dict
     methods: tuple[str, ...]
@@ -70,6 +79,8 @@ class Preset:
     profile_repeats: int = 3
     sweep_within: float = 0.0
     profile_mbs: tuple[int, ...] = (1, 2, 4, 8)
+    calibrate_iters: int = 0
+    profile_levels: bool = True
 
 
 PRESETS = {
@@ -89,7 +100,8 @@ PRESETS = {
         # Second-best sizes run only when simulated within 10% of the best; the profile stops at 4
         # samples (8 x 512 tokens costs as much to measure as all smaller shapes together).
         methods=("dynapipe", "dynapipe-1f1b", "padding", "padding-mb", "packing"), rounds=2, sweep_top=2,
-        warmup_iters=1, profile_repeats=2, sweep_within=0.1, profile_mbs=(1, 2, 4),
+        warmup_iters=1, profile_repeats=2, sweep_within=0.1, profile_mbs=(1, 2, 4), calibrate_iters=2,
+        profile_levels=False,
         about="GPT-7B's attention share of layer FLOPs (hidden 512 at 512 tokens), tuned baselines"),
 }
 PROFILE_MBS = (1, 2, 4, 8)  # the default of Preset.profile_mbs
@@ -258,7 +270,7 @@ def rotated(entries: Sequence, round_index: int) -> list:
 
 
 def measure_profile(model, output: str, threads: int, timeout_s: float, repeats: int = 3,
-                    mbs_grid: Sequence[int] = PROFILE_MBS) -> str:
+                    mbs_grid: Sequence[int] = PROFILE_MBS, levels: bool = True) -> str:
     """Profile this machine for ``model`` (GPTModelArgs; one spawned rank, ``threads`` threads)
     over ``mbs_grid`` x the :data:`PROFILE_SEQLENS` up to its sequence length."""
     from megatron_integration.profile_job import measure_profile as measure
@@ -266,7 +278,8 @@ def measure_profile(model, output: str, threads: int, timeout_s: float, repeats:
     seqlens = [s for s in PROFILE_SEQLENS if s <= model.seq_length]
     if model.seq_length not in seqlens:
         seqlens.append(model.seq_length)
-    return measure(model, output, list(mbs_grid), seqlens, repeats=repeats, threads=threads, timeout_s=timeout_s)
+    return measure(model, output, list(mbs_grid), seqlens, repeats=repeats, threads=threads, timeout_s=timeout_s,
+                   levels=levels)
 
 
 def check_request(argv: Sequence[str], methods: Sequence[str], preset: str = "tiny", *,
@@ -310,10 +323,37 @@ def check_request(argv: Sequence[str], methods: Sequence[str], preset: str = "ti
     return nproc
 
 
+def calibrate(argv: Sequence[str], profile: str, cfg, nproc: int, iters: int, threads: int, timeout_s: float,
+              stream: TextIO) -> tuple[str, dict]:
+    """Run DynaPipe untimed for ``iters`` iterations with ``profile`` and write the profile
+    with its fitted fixed cost per stage op next to it; returns that file and the fit
+    (with the run's wall time) for the JSON. Every method's planning and simulation then
+    uses it alike."""
+    from dynapipe.config import load_device_config
+    from dynapipe.cost import build_cost_model
+    from megatron_integration import bench_calibrate
+
+    t0 = time.perf_counter()
+    trace_dir = os.path.splitext(profile)[0] + ".calibration-traces"
+    margv = Entry("dynapipe").argv(argv) + ["--dynapipe-cost-model", profile, "--dynapipe-trace-dir", trace_dir,
+                                            "--train-iters", str(iters)]
+    print(f"calibrating the profile's fixed cost per stage op ({iters} DynaPipe iterations, untimed) ...",
+          end=" ", file=stream, flush=True)
+    ranks = run_training(margv, nproc, timeout_s=timeout_s, threads_per_rank=threads)
+    cost = build_cost_model(cfg.model.to_model_config("bench"), load_device_config(cfg.dynapipe.device),
+                            cfg.parallel.pipeline_model_parallel_size, profile)
+    # The first iteration pays one-off costs (allocations, first calls); fit the others.
+    fit = bench_calibrate.calibrate_from_run(ranks, trace_dir, cost, list(range(min(1, iters - 1), iters)))
+    out = bench_calibrate.write_calibrated_profile(profile, os.path.splitext(profile)[0] + ".calibrated.json", fit)
+    print(f"{fit.stage_overhead_ms:.2f} ms per op ({time.perf_counter() - t0:.0f} s)", file=stream, flush=True)
+    return out, {**fit.to_json(), "profile": out, "seconds": round(time.perf_counter() - t0, 1)}
+
+
 def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int, output: str,
               png: Optional[str] = None, warmup_iters: Optional[int] = None, profile: Optional[str] = None,
               threads_per_rank: Optional[int] = None, timeout_s: float = 1800.0, stream: TextIO = sys.stdout,
-              preset: str = "tiny", rounds: Optional[int] = None, sweep_top: Optional[int] = None) -> dict:
+              preset: str = "tiny", rounds: Optional[int] = None, sweep_top: Optional[int] = None,
+              calibrate_iters: Optional[int] = None) -> dict:
     """Train every method with ``argv`` on ``nproc`` ranks, ``rounds`` rounds in rotated order;
     write the JSON (and PNG). ``None`` arguments take the preset's value."""
     from megatron_integration.arguments import parse_training_args
@@ -325,6 +365,7 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
     rounds = p.rounds if rounds is None else rounds
     sweep_top = p.sweep_top if sweep_top is None else sweep_top
     warmup_iters = p.warmup_iters if warmup_iters is None else warmup_iters
+    calibrate_iters = p.calibrate_iters if calibrate_iters is None else calibrate_iters
     argv = with_defaults(argv, preset)
     cfg = parse_training_args(argv + METHOD_FLAGS["dynapipe"], nproc)
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
@@ -337,8 +378,13 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
         profile = os.path.splitext(output)[0] + ".profile.json"
         print(f"measuring a cost profile of this machine ({threads} thread(s) per rank) -> {profile}", file=stream,
               flush=True)
-        measure_profile(cfg.model, profile, threads, timeout_s, p.profile_repeats, p.profile_mbs)
+        measure_profile(cfg.model, profile, threads, timeout_s, p.profile_repeats, p.profile_mbs,
+                        p.profile_levels)
     profile_s = time.perf_counter() - started
+    calibration = None
+    if calibrate_iters > 0 and given_profile is None and profile != "analytic" and any(
+            m.startswith("dynapipe") for m in methods):
+        profile, calibration = calibrate(argv, profile, cfg, nproc, calibrate_iters, threads, timeout_s, stream)
     sim = bench_sim.BenchSimulation(cfg, nproc, None if profile == "analytic" else profile, warmup_iters)
 
     # Which sizes of each baseline run for real: the best simulated ones among those that fit.
@@ -409,7 +455,9 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
         "setup": {"argv": list(argv), "nproc": nproc, "threads_per_rank": threads, "warmup_iters": warmup_iters,
                   "rounds": rounds, "round_orders": order_log, "sweep_top": sweep_top,
                   "sweep_within": p.sweep_within, "profile_mbs": list(p.profile_mbs),
+                  "profile_recompute_levels": "measured" if p.profile_levels else "derived",
                   "elapsed_s": round(time.perf_counter() - started, 1), "profile_s": round(profile_s, 1),
+                  "calibration": calibration,
                   # CPU seconds of every process the bench started (ranks, planner workers, profiler):
                   # what bounds its wall time on an idle machine (>= cpu_s / cores).
                   "cpu_s": round(_children_cpu_s() - cpu0, 1),

@@ -1,5 +1,6 @@
-"""``python -m dynapipe bench``: one small run of the whole protocol (profile, simulated sweep,
-two rotated rounds, DynaPipe against tuned padding-mb and packing), and bad input refused."""
+"""``python -m dynapipe bench``: one small run of the whole protocol (profile, calibration,
+simulated sweep, two rotated rounds, DynaPipe against tuned padding-mb and packing, where
+the time went), and bad input refused."""
 import json
 import subprocess
 import sys
@@ -12,13 +13,20 @@ def test_bench_rounds_sweep_and_methods(tmp_path):
     cmd = [sys.executable, "-m", "dynapipe", "bench", "--output", str(out), "--png", str(png),
            "--methods", "dynapipe,padding-mb,packing", "--rounds", "2", "--sweep-top", "1",
            "--num-layers", "2", "--seq-length", "128", "--max-position-embeddings", "128",
-           "--global-batch-size", "8", "--train-iters", "3", "--dynapipe-prefetch", "2"]
+           "--global-batch-size", "8", "--train-iters", "3", "--dynapipe-prefetch", "2", "--calibrate-iters", "2"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
     setup = report["setup"]
     assert report["preset"] == "tiny" and setup["rounds"] == 2
-    assert setup["cost_model"].endswith(".profile.json")
+    # The profile's fixed cost per stage op was fitted from an untimed DynaPipe run's traces, and
+    # every method planned and simulated with the calibrated profile.
+    cal = setup["calibration"]
+    assert cal["ops"] >= 8 and cal["slope"] > 0 and cal["stage_overhead_ms"] >= 0 and cal["executor_ms"] > 0
+    assert setup["cost_model"] == cal["profile"] and setup["cost_model"].endswith(".calibrated.json")
+    assert json.loads(open(cal["profile"]).read())["stage_overhead_ms"] == pytest.approx(cal["stage_overhead_ms"],
+                                                                                         abs=1e-3)
+    assert setup["cpu_s"] > 0 and 0 < setup["profile_s"] < setup["elapsed_s"]
     first, second = setup["round_orders"]
     assert sorted(first) == sorted(second) and second == first[1:] + first[:1]
     assert set(setup["timed_regions"]) >= set(report["methods"])

@@ -190,3 +190,49 @@ def test_bench_layer_checks_requests_without_the_command_line():
             "print(sorted(m for m in sys.modules if m.startswith('dynapipe.cli')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_fixed_cost_per_op_is_fitted_in_profile_units(tmp_path):
+    import numpy as np
+
+    from megatron_integration.bench_calibrate import fit_stage_overhead, write_calibrated_profile
+
+    predicted = np.array([1.0, 2.0, 4.0, 8.0, 16.0])
+    # A loaded machine (everything 1.5x slower) with a fixed 3 ms per op the profile did not see.
+    fit = fit_stage_overhead(predicted, 1.5 * predicted + 3.0, executor_ms=0.6)
+    assert fit.slope == pytest.approx(1.5) and fit.intercept_ms == pytest.approx(3.0) and fit.ops == 5
+    assert fit.stage_overhead_ms == pytest.approx((3.0 + 0.6) / 1.5)
+    # Ops cheaper than predicted by a constant: no negative overhead.
+    assert fit_stage_overhead(predicted, predicted - 1.0, 0.0).stage_overhead_ms == 0.0
+    assert fit_stage_overhead(predicted[:1], predicted[:1], 0.5).stage_overhead_ms == pytest.approx(0.5)
+
+    from dynapipe.config import load_model_config
+    from dynapipe.cost.profile import ProfileCostModel
+
+    grid = [[1.0, 2.0], [2.0, 4.0]]
+    table = {f: grid for f in ("fw_ms", "bw_ms", "stored_mib", "peak_mib")}
+    profile = {"format": "dynapipe-profile", "version": 1, "mbs": [1, 2], "seqlen": [64, 128],
+               "ops": {op: table for op in ("layer", "embedding", "output")}}
+    src, out = tmp_path / "p.json", tmp_path / "p.calibrated.json"
+    src.write_text(json.dumps(profile))
+    write_calibrated_profile(str(src), str(out), fit)
+    written = json.loads(out.read_text())
+    assert written["stage_overhead_ms"] == pytest.approx(2.4) and written["calibration"]["ops"] == 5
+    assert written["ops"] == profile["ops"]
+    # The planner's cost model pays it once per stage forward and once per backward.
+    model = load_model_config("gpt-tiny")
+    plain = ProfileCostModel.from_file(model, str(src), 2).stage_cost(2, 100, stage=1)
+    paid = ProfileCostModel.from_file(model, str(out), 2).stage_cost(2, 100, stage=1)
+    assert float(paid.fw_ms - plain.fw_ms) == pytest.approx(2.4) and float(paid.bw_ms - plain.bw_ms) == pytest.approx(2.4)
+
+
+def test_executed_trace_keeps_its_wall_clock_origin():
+    # Ranks write their traces separately, each starting at 0: the origin puts them on one clock again.
+    from dynapipe.runtime.exec_trace import ExecEvent, ExecTrace, chrome_trace
+
+    tr = ExecTrace(stage=1, replica=0, iteration=2)
+    tr.events += [ExecEvent(0, "fw", 0, "F0", "forward", 5000.0, 10.0, "F", (1, 8, 0)),
+                  ExecEvent(1, "send_act_start", 0, "send_act_start 0 peer 2 [8x1x4]", "comm", 5020.0, 1.0)]
+    doc = chrome_trace([tr])
+    assert doc["otherData"]["origin_us"] == 5000.0
+    assert [e["ts"] + doc["otherData"]["origin_us"] for e in doc["traceEvents"] if e["ph"] == "X"] == [5000.0, 5020.0]

@@ -35,6 +35,9 @@ def add_arguments(p) -> None:
                    help="ranks to spawn (default: --pipeline-model-parallel-size, i.e. one replica)")
     p.add_argument("--warmup-iters", type=int, default=None,
                    help="first iterations left out of the figures (default: the preset's, 1)")
+    p.add_argument("--calibrate-iters", type=int, default=None,
+                   help="iterations of an untimed DynaPipe run that measures the profile's fixed cost per stage op "
+                        "before the timed rounds; 0: none (default: the preset's, 2 for representative, 0 for tiny)")
     p.add_argument("--threads-per-rank", type=int, default=None, help="CPU threads per rank (default cores / ranks)")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="give up on a method after this long (s)")
     # Every Megatron / DynaPipe training argument, passed through to the training jobs as given.
@@ -78,6 +81,8 @@ def run(args) -> int:
                else [m.strip() for m in args.methods.split(",") if m.strip()])
     if not methods:
         raise DynaPipeError(f"--methods {args.methods!r}: name at least one method.")
+    if args.calibrate_iters is not None and args.calibrate_iters < 0:
+        raise DynaPipeError(f"--calibrate-iters {args.calibrate_iters}: must be 0 (none) or more.")
     nproc = check_request(argv, methods, args.preset, rounds=args.rounds, sweep_top=args.sweep_top,
                           warmup_iters=args.warmup_iters, nproc=args.nproc)
     for path in filter(None, (args.output, args.png)):
@@ -89,7 +94,7 @@ def run(args) -> int:
     try:
         run_bench(argv, methods, nproc, args.output, png=args.png, warmup_iters=args.warmup_iters,
                   threads_per_rank=args.threads_per_rank, timeout_s=args.timeout_s, preset=args.preset,
-                  rounds=args.rounds, sweep_top=args.sweep_top)
+                  rounds=args.rounds, sweep_top=args.sweep_top, calibrate_iters=args.calibrate_iters)
     except RankUserError as e:
         raise DynaPipeError(str(e)) from None  # bad input or a diverged run: one line, exit 2
     except RankFailed as e:
