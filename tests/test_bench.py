@@ -22,7 +22,7 @@ def test_bench_rounds_sweep_and_methods(tmp_path):
     # The profile's fixed cost per stage op was fitted from an untimed DynaPipe run's traces, and
     # every method planned and simulated with the calibrated profile.
     cal = setup["calibration"]
-    assert cal["ops"] >= 8 and cal["slope"] > 0 and cal["stage_overhead_ms"] >= 0 and cal["executor_ms"] > 0
+    assert cal["ops"] >= 4 and cal["slope"] > 0 and cal["stage_overhead_ms"] >= 0 and cal["executor_ms"] > 0
     assert setup["cost_model"] == cal["profile"] and setup["cost_model"].endswith(".calibrated.json")
     assert json.loads(open(cal["profile"]).read())["stage_overhead_ms"] == pytest.approx(cal["stage_overhead_ms"],
                                                                                          abs=1e-3)
