@@ -60,11 +60,13 @@ def fit_stage_overhead(predicted: np.ndarray, measured: np.ndarray, executor_ms:
     """Fit ``measured = slope * predicted + intercept`` (ms) and turn it into the fixed
     cost per stage op in the profile's units (see the module doc); a negative intercept
     counts as none."""
-    if len(predicted) < 2 or float(np.ptp(predicted)) == 0.0:
-        slope, intercept = 1.0, 0.0
-    else:
-        slope, intercept = (float(v) for v in np.polyfit(predicted, measured, 1))
-        slope = max(slope, 1e-6)
+    slope, intercept = 1.0, 0.0
+    if len(predicted) >= 2 and float(np.ptp(predicted)) > 0.0:
+        s, i = (float(v) for v in np.polyfit(predicted, measured, 1))
+        # Times that do not grow with the predicted cost are noise (a loaded machine, shapes too
+        # alike): no fixed cost can be read from them, only the executor's own time is kept.
+        if s > 0.05:
+            slope, intercept = s, i
     overhead = (max(intercept, 0.0) + max(executor_ms, 0.0)) / slope
     return OverheadFit(slope, intercept, executor_ms, overhead, int(len(predicted)))
 

@@ -205,6 +205,9 @@ def test_fixed_cost_per_op_is_fitted_in_profile_units(tmp_path):
     # Ops cheaper than predicted by a constant: no negative overhead.
     assert fit_stage_overhead(predicted, predicted - 1.0, 0.0).stage_overhead_ms == 0.0
     assert fit_stage_overhead(predicted[:1], predicted[:1], 0.5).stage_overhead_ms == pytest.approx(0.5)
+    # Times that shrink as the predicted cost grows are noise: only the executor's time is kept.
+    noise = fit_stage_overhead(predicted, 20.0 - predicted, 0.5)
+    assert (noise.slope, noise.intercept_ms, noise.stage_overhead_ms) == (1.0, 0.0, 0.5)
 
     from dynapipe.config import load_model_config
     from dynapipe.cost.profile import ProfileCostModel
