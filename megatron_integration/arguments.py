@@ -197,7 +197,7 @@ def add_dynapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 def build_parser(prog: Optional[str] = None, description: Optional[str] = None) -> argparse.ArgumentParser:
     """A standalone parser with the Megatron and DynaPipe arguments (one-line errors; a
     Megatron-LM flag this build does not take is named with the reason)."""
-    from dynapipe.cli.argtypes import StrictArgumentParser
+    from dynapipe.argparsing import StrictArgumentParser
 
     class MegatronArgumentParser(StrictArgumentParser):
         def parse_known_args(self, args=None, namespace=None):

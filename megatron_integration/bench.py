@@ -13,9 +13,15 @@ layer FLOPs matches GPT-7B at 4,096 tokens).
 * ``plan_wait_ms``: mean time the training loop waited for its plan (0 for the baselines);
 * ``activation_peak_mib``: per pipeline stage, the highest measured activation peak and
   the highest the plans promised (``planned`` is None for the baselines), over replicas
-  and timed iterations.
+  and timed iterations;
+* ``time_breakdown_ms`` / ``time_split_ms``: where each stage's iteration went (compute,
+  bubble, communication, schedule overhead, optimizer, plan wait), from the executor's
+  traces and megatron-core's timed steps (:mod:`megatron_integration.bench_breakdown`).
 
-Fairness: the baselines' ``--micro-batch-size`` is tuned (the sizes that fit memory are
+Before the timed rounds, a preset with ``calibrate_iters`` runs DynaPipe untimed and fits
+the profile's fixed cost per stage op from its traces
+(:mod:`megatron_integration.bench_calibrate`); every method is planned and simulated with
+that calibrated profile. Fairness: the baselines' ``--micro-batch-size`` is tuned (the sizes that fit memory are
 simulated with the measured profile, the best ``sweep_top`` run for real, the fastest
 kept); methods run in rotated order over ``rounds`` rounds and report medians; DynaPipe's
 planner workers plan ahead during the timed iterations and their CPU time is recorded.
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -55,7 +62,14 @@ _COMMON = {"--lr": "1e-4", "--hidden-dropout": "0", "--attention-dropout": "0", 
 class Preset:
     """Default arguments and protocol of a bench preset. ``sweep_top``: how many of the
     baselines' micro-batch sizes (best simulated first) run for real; 0 keeps
-    ``--micro-batch-size``."""
+    ``--micro-batch-size``. ``sweep_within``: of those, only sizes simulated at least
+    ``1 - sweep_within`` times the best simulated throughput run (0: all ``sweep_top``).
+    ``profile_mbs``: micro-batch sizes the cost profile measures (larger ones scale
+    linearly from the largest). ``calibrate_iters``: iterations of an untimed DynaPipe run
+    after profiling, from whose traces the profile's fixed cost per stage op is fitted
+    (:mod:`megatron_integration.bench_calibrate`; 0: none). ``profile_levels``: also
+    profile the recompute levels (else derived; the baselines never recompute here).
+    ``sweep_top_of``: ``sweep_top`` of single methods (when the preset's applies)."""
 
     args: dict
     methods: tuple[str, ...]
@@ -64,6 +78,11 @@ class Preset:
     warmup_iters: int
     about: str
     profile_repeats: int = 3
+    sweep_within: float = 0.0
+    profile_mbs: tuple[int, ...] = (1, 2, 4, 8)
+    calibrate_iters: int = 0
+    profile_levels: bool = True
+    sweep_top_of: dict = field(default_factory=dict)
 
 
 PRESETS = {
@@ -80,11 +99,18 @@ PRESETS = {
         args={"--num-layers": "2", "--hidden-size": "512", "--num-attention-heads": "8", "--ffn-hidden-size": "2048",
               "--seq-length": "512", "--max-position-embeddings": "512", "--micro-batch-size": "1",
               "--global-batch-size": "16", "--train-iters": "4", "--dynapipe-prefetch": "2", **_COMMON},
+        # The two best simulated sizes of padding-mb and packing both run: a profile measured on a
+        # loaded machine can misrank them. The profile stops at 4 samples (8 x 512 tokens costs as
+        # much to measure as all smaller shapes together).
         methods=("dynapipe", "dynapipe-1f1b", "padding", "padding-mb", "packing"), rounds=2, sweep_top=2,
-        warmup_iters=1, profile_repeats=2,
+        warmup_iters=1, profile_repeats=2, sweep_within=0.0, profile_mbs=(1, 2, 4), calibrate_iters=2,
+        profile_levels=False,
+        # Padding to --seq-length is twice as slow as any other baseline at this shape: a second
+        # size of it cannot change which baseline is best, and its runs are the longest.
+        sweep_top_of={"padding": 1},
         about="GPT-7B's attention share of layer FLOPs (hidden 512 at 512 tokens), tuned baselines"),
 }
-PROFILE_MBS = (1, 2, 4, 8)
+PROFILE_MBS = (1, 2, 4, 8)  # the default of Preset.profile_mbs
 PROFILE_SEQLENS = (32, 64, 128, 256, 512, 1024)
 # GPT-7B at this sequence length is the attention-share reference (issue: within 5 points).
 REFERENCE_SEQ_LENGTH = 4096
@@ -226,6 +252,22 @@ def _arg(argv: Sequence[str], flag: str, default: Optional[str] = None) -> Optio
     return value
 
 
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of this process's finished child processes (and theirs)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def pick_sizes(ranked: Sequence[dict], top: int, within: float) -> list[dict]:
+    """The sweep rows (best simulated first) that run for real: at most ``top``, and with
+    ``within`` > 0 only those simulated at least ``1 - within`` times the best one's real
+    tokens/s (a clearly slower size is not worth a run)."""
+    if not ranked:
+        return []
+    floor = ranked[0]["real_tokens_per_s"] * (1.0 - within) if within > 0 else float("-inf")
+    return [r for r in ranked[:top] if r["real_tokens_per_s"] >= floor]
+
+
 def rotated(entries: Sequence, round_index: int) -> list:
     """Round ``round_index``'s order: the list rotated left by the round number, so each
     entry runs at a different position (and after different neighbours) in every round."""
@@ -233,21 +275,91 @@ def rotated(entries: Sequence, round_index: int) -> list:
     return list(entries[k:]) + list(entries[:k])
 
 
-def measure_profile(model, output: str, threads: int, timeout_s: float, repeats: int = 3) -> str:
+def measure_profile(model, output: str, threads: int, timeout_s: float, repeats: int = 3,
+                    mbs_grid: Sequence[int] = PROFILE_MBS, levels: bool = True) -> str:
     """Profile this machine for ``model`` (GPTModelArgs; one spawned rank, ``threads`` threads)
-    over :data:`PROFILE_MBS` x the :data:`PROFILE_SEQLENS` up to its sequence length."""
+    over ``mbs_grid`` x the :data:`PROFILE_SEQLENS` up to its sequence length."""
     from megatron_integration.profile_job import measure_profile as measure
 
     seqlens = [s for s in PROFILE_SEQLENS if s <= model.seq_length]
     if model.seq_length not in seqlens:
         seqlens.append(model.seq_length)
-    return measure(model, output, PROFILE_MBS, seqlens, repeats=repeats, threads=threads, timeout_s=timeout_s)
+    return measure(model, output, list(mbs_grid), seqlens, repeats=repeats, threads=threads, timeout_s=timeout_s,
+                   levels=levels)
+
+
+def check_request(argv: Sequence[str], methods: Sequence[str], preset: str = "tiny", *,
+                  rounds: Optional[int] = None, sweep_top: Optional[int] = None,
+                  warmup_iters: Optional[int] = None, nproc: Optional[int] = None) -> int:
+    """Refuse a bench request it cannot honour before any process starts (DynaPipeError,
+    one line naming the value); returns the number of ranks to spawn (default: the
+    pipeline size). ``None`` arguments take the preset's value."""
+    from dynapipe.errors import DynaPipeError
+    from megatron_integration.arguments import parse_training_args
+
+    if preset not in PRESETS:
+        raise DynaPipeError(f"preset {preset!r}: choose one of {', '.join(PRESETS)}.")
+    p = PRESETS[preset]
+    unknown = [m for m in methods if m not in METHOD_FLAGS]
+    if unknown or not methods or len(set(methods)) != len(methods):
+        raise DynaPipeError(f"--methods {','.join(methods)!r}: choose each at most once from "
+                            f"{', '.join(METHOD_FLAGS)}.")
+    if rounds is not None and rounds < 1:
+        raise DynaPipeError(f"--rounds {rounds}: must be at least 1.")
+    if sweep_top is not None and sweep_top < 0:
+        raise DynaPipeError(f"--sweep-top {sweep_top}: must be 0 (no sweep) or more.")
+    warmup = p.warmup_iters if warmup_iters is None else warmup_iters
+    top = p.sweep_top if sweep_top is None else sweep_top
+    given = {a.split("=")[0] for a in argv if a.startswith("--")}
+    if top > 0 and "--micro-batch-size" in given and any(m in BASELINES for m in methods):
+        raise DynaPipeError("--micro-batch-size: this preset tunes the baselines' micro-batch size; "
+                            "add --sweep-top 0 to run the size given instead.")
+    for flag in ("--use-dynapipe", "--dynapipe-batching"):
+        if flag in given:
+            raise DynaPipeError(f"{flag}: the bench sets the method itself; choose methods with --methods.")
+    if warmup < 0:
+        raise DynaPipeError(f"--warmup-iters {warmup}: must be >= 0.")
+    full = with_defaults(argv, preset)
+    nproc = nproc or int(_arg(full, "--pipeline-model-parallel-size", "1"))
+    for m in methods:  # every method's command line, before starting any process
+        cfg = parse_training_args(full + METHOD_FLAGS[m], nproc)
+    if cfg.train_iters <= warmup:
+        raise DynaPipeError(f"--train-iters {cfg.train_iters} leaves no timed iteration after --warmup-iters "
+                            f"{warmup}; raise --train-iters.")
+    return nproc
+
+
+def calibrate(argv: Sequence[str], profile: str, cfg, nproc: int, iters: int, threads: int, timeout_s: float,
+              stream: TextIO) -> tuple[str, dict]:
+    """Run DynaPipe untimed for ``iters`` iterations with ``profile`` and write the profile
+    with its fitted fixed cost per stage op next to it; returns that file and the fit
+    (with the run's wall time) for the JSON. Every method's planning and simulation then
+    uses it alike."""
+    from dynapipe.config import load_device_config
+    from dynapipe.cost import build_cost_model
+    from megatron_integration import bench_calibrate
+
+    t0 = time.perf_counter()
+    trace_dir = os.path.splitext(profile)[0] + ".calibration-traces"
+    margv = Entry("dynapipe").argv(argv) + ["--dynapipe-cost-model", profile, "--dynapipe-trace-dir", trace_dir,
+                                            "--train-iters", str(iters)]
+    print(f"calibrating the profile's fixed cost per stage op ({iters} DynaPipe iterations, untimed) ...",
+          end=" ", file=stream, flush=True)
+    ranks = run_training(margv, nproc, timeout_s=timeout_s, threads_per_rank=threads)
+    cost = build_cost_model(cfg.model.to_model_config("bench"), load_device_config(cfg.dynapipe.device),
+                            cfg.parallel.pipeline_model_parallel_size, profile)
+    # The first iteration pays one-off costs (allocations, first calls); fit the others.
+    fit = bench_calibrate.calibrate_from_run(ranks, trace_dir, cost, list(range(min(1, iters - 1), iters)))
+    out = bench_calibrate.write_calibrated_profile(profile, os.path.splitext(profile)[0] + ".calibrated.json", fit)
+    print(f"{fit.stage_overhead_ms:.2f} ms per op ({time.perf_counter() - t0:.0f} s)", file=stream, flush=True)
+    return out, {**fit.to_json(), "profile": out, "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int, output: str,
               png: Optional[str] = None, warmup_iters: Optional[int] = None, profile: Optional[str] = None,
               threads_per_rank: Optional[int] = None, timeout_s: float = 1800.0, stream: TextIO = sys.stdout,
-              preset: str = "tiny", rounds: Optional[int] = None, sweep_top: Optional[int] = None) -> dict:
+              preset: str = "tiny", rounds: Optional[int] = None, sweep_top: Optional[int] = None,
+              calibrate_iters: Optional[int] = None) -> dict:
     """Train every method with ``argv`` on ``nproc`` ranks, ``rounds`` rounds in rotated order;
     write the JSON (and PNG). ``None`` arguments take the preset's value."""
     from megatron_integration.arguments import parse_training_args
@@ -255,21 +367,31 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
 
     p = PRESETS[preset]
     methods = list(methods or p.methods)
+    check_request(argv, methods, preset, rounds=rounds, sweep_top=sweep_top, warmup_iters=warmup_iters, nproc=nproc)
     rounds = p.rounds if rounds is None else rounds
     sweep_top = p.sweep_top if sweep_top is None else sweep_top
     warmup_iters = p.warmup_iters if warmup_iters is None else warmup_iters
+    calibrate_iters = p.calibrate_iters if calibrate_iters is None else calibrate_iters
     argv = with_defaults(argv, preset)
     cfg = parse_training_args(argv + METHOD_FLAGS["dynapipe"], nproc)
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     given_profile = _arg(argv, "--dynapipe-cost-model")
     started = time.perf_counter()
+    cpu0 = _children_cpu_s()
+    profile_s = 0.0
     if given_profile is not None:
         profile = given_profile
     elif profile is None:
         profile = os.path.splitext(output)[0] + ".profile.json"
         print(f"measuring a cost profile of this machine ({threads} thread(s) per rank) -> {profile}", file=stream,
               flush=True)
-        measure_profile(cfg.model, profile, threads, timeout_s, p.profile_repeats)
+        measure_profile(cfg.model, profile, threads, timeout_s, p.profile_repeats, p.profile_mbs,
+                        p.profile_levels)
+    profile_s = time.perf_counter() - started
+    calibration = None
+    if calibrate_iters > 0 and given_profile is None and profile != "analytic" and any(
+            m.startswith("dynapipe") for m in methods):
+        profile, calibration = calibrate(argv, profile, cfg, nproc, calibrate_iters, threads, timeout_s, stream)
     sim = bench_sim.BenchSimulation(cfg, nproc, None if profile == "analytic" else profile, warmup_iters)
 
     # Which sizes of each baseline run for real: the best simulated ones among those that fit.
@@ -279,7 +401,8 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
         if m in BASELINES and sweep_top > 0:
             sweeps[m] = sim.sweep(m)
             ranked = sorted((r for r in sweeps[m] if r["fits"]), key=lambda r: -r["real_tokens_per_s"])
-            entries += [Entry(m, r["micro_batch_size"]) for r in ranked[:sweep_top]]
+            entries += [Entry(m, r["micro_batch_size"]) for r in pick_sizes(
+                ranked, p.sweep_top_of.get(m, sweep_top) if sweep_top == p.sweep_top else sweep_top, p.sweep_within)]
         else:
             entries.append(Entry(m))
 
@@ -318,7 +441,11 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
 
     print(ratio_table(results, tuple(b for b in BASELINES if b in results), shares, sizes), file=stream)
     time_split = {m: breakdown_summary(splits[chosen[m].label]) for m in methods}
-    print("\nwhere an iteration's time went (ms, mean over rounds and ranks):", file=stream)
+    for m in methods:
+        if time_split[m]:
+            time_split[m]["planner_cpu_ms"] = results[m].planner_cpu_ms
+    print("\nwhere an iteration's time went (ms per iteration, mean over rounds and timed iterations):",
+          file=stream)
     print(breakdown_table(time_split), file=stream)
     best_base = max((b for b in BASELINES if b in results), key=lambda b: results[b].real_tokens_per_s, default=None)
     report = {
@@ -335,7 +462,13 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
         "best_baseline": best_base,
         "setup": {"argv": list(argv), "nproc": nproc, "threads_per_rank": threads, "warmup_iters": warmup_iters,
                   "rounds": rounds, "round_orders": order_log, "sweep_top": sweep_top,
-                  "elapsed_s": round(time.perf_counter() - started, 1),
+                  "sweep_within": p.sweep_within, "sweep_top_of": dict(p.sweep_top_of), "profile_mbs": list(p.profile_mbs),
+                  "profile_recompute_levels": "measured" if p.profile_levels else "derived",
+                  "elapsed_s": round(time.perf_counter() - started, 1), "profile_s": round(profile_s, 1),
+                  "calibration": calibration,
+                  # CPU seconds of every process the bench started (ranks, planner workers, profiler):
+                  # what bounds its wall time on an idle machine (>= cpu_s / cores).
+                  "cpu_s": round(_children_cpu_s() - cpu0, 1),
                   "cost_model": profile or "analytic", "timed_regions": bench_sim.TIMED_REGIONS,
                   "attention_share_reference": f"gpt-7b at --seq-length {REFERENCE_SEQ_LENGTH}, same method, "
                                                f"simulated on the same mixture (65,536 tokens, PP4 x DP2 a100-40gb)"},

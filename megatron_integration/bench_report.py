@@ -23,66 +23,50 @@ def timed_indices(ranks: list[dict], warmup_iters: int) -> list[int]:
     return list(range(min(warmup_iters, n - 1), n))
 
 
-def _trace_breakdown(trace_dir: str, iterations: set[int]) -> dict[int, dict[int, dict]]:
-    """``rank -> iteration -> {compute_ms, comm_ms, data_ms, executor_ms}`` from the executor's
-    Chrome traces (``rankNNN.json``); comm includes waiting for the peer."""
-    out: dict[int, dict[int, dict]] = {}
+def _trace_events(trace_dir: str, iterations: set[int]) -> dict[int, tuple[float, dict[int, list[dict]]]]:
+    """``rank -> (wall-clock origin us, iteration -> complete events)`` of the executor's
+    Chrome traces (``rankNNN.json``) in ``trace_dir``."""
+    out: dict[int, tuple[float, dict[int, list[dict]]]] = {}
     for path in sorted(glob.glob(os.path.join(trace_dir, "rank*.json"))):
         rank = int(os.path.basename(path)[4:-5])
         with open(path) as f:
-            events = json.load(f)["traceEvents"]
-        per: dict[int, dict] = {}
-        for e in events:
-            if e.get("ph") != "X":
-                continue
-            it = e.get("args", {}).get("iteration")
-            if it not in iterations:
-                continue
-            d = per.setdefault(it, {"compute_ms": 0.0, "comm_ms": 0.0, "data_ms": 0.0, "start": e["ts"], "end": 0.0})
-            key = {"forward": "compute_ms", "backward": "compute_ms", "comm": "comm_ms", "data": "data_ms"}.get(
-                e.get("cat"))
-            if key:
-                d[key] += e["dur"] / 1e3
-            d["start"] = min(d["start"], e["ts"])
-            d["end"] = max(d["end"], e["ts"] + e["dur"])
-        for d in per.values():
-            d["executor_ms"] = (d.pop("end") - d.pop("start")) / 1e3
-        out[rank] = per
+            doc = json.load(f)
+        per: dict[int, list[dict]] = {}
+        for e in doc["traceEvents"]:
+            it = e.get("args", {}).get("iteration") if e.get("ph") == "X" else None
+            if it in iterations:
+                per.setdefault(it, []).append(e)
+        out[rank] = (doc.get("otherData", {}).get("origin_us", 0.0), per)
     return out
 
 
 def breakdown(ranks: list[dict], warmup_iters: int, trace_dir: Optional[str] = None) -> list[dict]:
-    """Mean ms per timed iteration on every rank: ``iteration``, ``compute`` (forward +
-    backward), ``p2p_and_wait`` (transfers and waiting for the other stage: bubble plus
-    communication), ``optimizer_and_grads`` (gradient finaliser and optimizer step),
-    ``plan_wait`` and ``other``; from megatron-core's timed steps, or for DynaPipe from
-    the executor traces in ``trace_dir``. Empty when the run recorded neither."""
+    """Mean ms per timed iteration on every rank, split as
+    :mod:`megatron_integration.bench_breakdown` says (compute, bubble, comm, overhead,
+    optimizer_and_grads, plan_wait, unattributed; plus ``iteration``, ``overhead_per_mb``,
+    ``stage`` and ``rank``); from megatron-core's timed steps, or for DynaPipe from the
+    executor traces in ``trace_dir``. Empty when the run recorded neither."""
+    from megatron_integration import bench_breakdown as bb
+
     keep = timed_indices(ranks, warmup_iters)
-    traces = _trace_breakdown(trace_dir, set(keep)) if trace_dir and os.path.isdir(trace_dir) else {}
-    out = []
-    for rank, r in enumerate(ranks):
-        rows = []
-        for i in keep:
-            it_ms = r["iteration_ms"][i]
-            b = (r.get("breakdown_ms") or [{}] * (i + 1))[i] or {}
-            t = traces.get(rank, {}).get(i)
-            if b:
-                compute, p2p = b["forward_ms"] + b["backward_ms"], b["p2p_and_wait_ms"]
-                opt = b["finalize_ms"] + b["optimizer_ms"]
-                wait = 0.0
-            elif t:
-                compute, p2p = t["compute_ms"], t["comm_ms"]
-                wait = r["plan_wait_ms"][i]
-                # Outside the executor: loader wait, gradient finaliser, optimizer, loss reduction.
-                opt = max(it_ms - t["executor_ms"] - wait, 0.0)
-            else:
-                continue
-            rows.append({"iteration": it_ms, "compute": compute, "p2p_and_wait": p2p,
-                         "optimizer_and_grads": opt, "plan_wait": wait,
-                         "other": max(it_ms - compute - p2p - opt - wait, 0.0)})
-        if rows:
-            out.append({k: round(statistics.fmean(x[k] for x in rows), 2) for k in rows[0]} | {"rank": rank})
-    return out
+    traces = _trace_events(trace_dir, set(keep)) if trace_dir and os.path.isdir(trace_dir) else {}
+    replica_of, seen = [], {}
+    for r in ranks:  # megatron-core's rank order: the k-th rank of a stage is in replica k
+        s = r.get("pp_rank", 0)
+        replica_of.append(seen.get(s, 0))
+        seen[s] = replica_of[-1] + 1
+    per_iteration = []
+    for i in keep:
+        timelines = []
+        for rank, r in enumerate(ranks):
+            t = bb.megatron_timeline(r, i, replica_of[rank])
+            if t is None and rank in traces and i in traces[rank][1]:
+                t = bb.executor_timeline(traces[rank][1][i], traces[rank][0], r, i)
+            if t is None:
+                return []
+            timelines.append(t)
+        per_iteration.append(bb.rows(timelines))
+    return [{**row, "rank": rank} for rank, row in enumerate(bb.mean_rows(per_iteration))]
 
 
 def ratio_table(results: dict[str, MethodResult], baselines: tuple[str, ...] = ("padding", "packing"),
@@ -133,28 +117,39 @@ def write_png(results: dict[str, MethodResult], path: str, title: str) -> None:
 
 
 def breakdown_summary(splits: list[list[dict]]) -> dict:
-    """Mean over rounds and ranks of :func:`breakdown`'s figures (ms per iteration), and
-    ``busy_fraction``: compute / iteration time on the busiest rank (1 - idle share)."""
+    """:func:`breakdown`'s figures over rounds: per pipeline stage the mean over rounds and
+    ranks of that stage (``stages``), the mean over all ranks, and ``busy_fraction``:
+    compute / iteration time on the busiest stage (1 - its idle share)."""
     rows = [b for rnd in splits for b in rnd]
     if not rows:
         return {}
-    keys = ("iteration", "compute", "p2p_and_wait", "optimizer_and_grads", "plan_wait", "other")
-    out = {k: round(statistics.fmean(r[k] for r in rows), 1) for k in keys}
-    out["busy_fraction"] = round(max(statistics.fmean(r["compute"] / r["iteration"] for r in rows
-                                                      if r["rank"] == rank)
-                                     for rank in {r["rank"] for r in rows}), 3)
+    from megatron_integration.bench_breakdown import PARTS
+
+    keys = ("iteration",) + PARTS + ("unattributed", "overhead_per_mb", "micro_batches")
+
+    def mean(rs):
+        return {k: round(statistics.fmean(r[k] for r in rs), 2) for k in keys}
+
+    stages = [{"stage": s, **mean([r for r in rows if r["stage"] == s])} for s in sorted({r["stage"] for r in rows})]
+    out = mean(rows)
+    out["busy_fraction"] = round(max(s["compute"] / s["iteration"] for s in stages if s["iteration"]), 3)
+    out["stages"] = stages
     return out
 
 
 def breakdown_table(summaries: dict[str, dict]) -> str:
-    """Where the time of an iteration went, per method (ms, means over rounds and ranks)."""
-    header = (f"{'method':<14} {'iter ms':>9} {'compute':>9} {'p2p+wait':>9} {'optim+grads':>12} {'plan wait':>10} "
-              f"{'other':>7} {'busiest rank busy':>18}")
+    """Where the time of an iteration went, per method and pipeline stage (ms, means over
+    rounds and timed iterations). ``planner CPU``: CPU ms per iteration of the planner
+    workers, all ranks together, spent on the same cores meanwhile (not a part of the sum)."""
+    header = (f"{'method':<14} {'stage':>5} {'iter ms':>9} {'compute':>9} {'bubble':>8} {'comm':>7} "
+              f"{'overhead':>9} {'(per mb)':>9} {'optim+grads':>12} {'plan wait':>10} {'unattrib.':>10} "
+              f"{'planner CPU':>12}")
     lines = [header, "-" * len(header)]
     for name, s in summaries.items():
-        if not s:
-            continue
-        lines.append(f"{name:<14} {s['iteration']:>9.1f} {s['compute']:>9.1f} {s['p2p_and_wait']:>9.1f} "
-                     f"{s['optimizer_and_grads']:>12.1f} {s['plan_wait']:>10.1f} {s['other']:>7.1f} "
-                     f"{s['busy_fraction']:>18.1%}")
+        cpu = "-" if s.get("planner_cpu_ms") is None else f"{s['planner_cpu_ms']:.1f}"
+        for st in s.get("stages", []):
+            lines.append(f"{name:<14} {st['stage']:>5} {st['iteration']:>9.1f} {st['compute']:>9.1f} "
+                         f"{st['bubble']:>8.1f} {st['comm']:>7.1f} {st['overhead']:>9.1f} "
+                         f"{st['overhead_per_mb']:>9.2f} {st['optimizer_and_grads']:>12.1f} "
+                         f"{st['plan_wait']:>10.1f} {st['unattributed']:>10.1f} {cpu:>12}")
     return "\n".join(lines)

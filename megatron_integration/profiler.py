@@ -231,15 +231,17 @@ class _Ops:
 
 def profile_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: Sequence[int], device: torch.device,
                   repeats: int = 3, warmup: int = 1, use_te: Optional[bool] = None,
-                  progress: Optional[Callable[[str], None]] = None) -> dict:
+                  progress: Optional[Callable[[str], None]] = None, levels: bool = True) -> dict:
     """Measure every op over the grid; returns the profile as a JSON-ready dict.
 
-    megatron's parallel state must be initialised (one rank is enough).
+    megatron's parallel state must be initialised (one rank is enough). ``levels=False``
+    skips the layer at the recompute levels (the cost model then derives them), which is
+    most of the profiling time.
     """
     ops = _Ops(model, device, use_te)
     builders = {"layer": ops.layer_fn, "embedding": ops.embedding_fn, "output": ops.output_fn,
                 **{op: (lambda b, s, lv=lv: ops.layer_fn(b, s, lv)) for lv, op in LEVEL_OPS.items()}}
-    names = OPS + tuple(LEVEL_OPS.values())
+    names = OPS + (tuple(LEVEL_OPS.values()) if levels else ())
     tables = {op: {f: [[0.0] * len(seqlen_grid) for _ in mbs_grid] for f in FIELDS} for op in names}
     for i, b in enumerate(mbs_grid):
         for j, s in enumerate(seqlen_grid):

@@ -5,6 +5,10 @@ megatron-core's per-micro-batch ``forward_step`` and ``backward_step`` (module f
 its schedules look up by name) and the config's gradient finaliser, adding their wall
 time to a :class:`ScheduleTiming`. What is left of the schedule call is point-to-point
 transfers, waiting for the neighbouring stage (the pipeline bubble) and bookkeeping.
+Each point-to-point exchange (``P2PCommunicator._communicate``: its sends, its receives and
+the wait for all of them) is recorded with its wall-clock start and end and its
+directions, so that :mod:`megatron_integration.bench_breakdown` can tell waiting for the
+neighbouring stage from the transfer itself by matching it with the peer's exchange.
 The wrappers only read a clock around the original call, so the maths is untouched.
 A megatron-core version without those names is left alone and reports zeros.
 """
@@ -12,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -23,6 +27,9 @@ class ScheduleTiming:
     backward_ms: float = 0.0
     finalize_ms: float = 0.0
     schedule_ms: float = 0.0
+    micro_batches: int = 0
+    # One [start_us, end_us, send_next, send_prev, recv_prev, recv_next] per p2p exchange (wall clock).
+    p2p_calls: list = field(default_factory=list)
 
     @property
     def compute_ms(self) -> float:
@@ -34,7 +41,7 @@ class ScheduleTiming:
         return max(self.schedule_ms - self.compute_ms - self.finalize_ms, 0.0)
 
     def to_json(self) -> dict:
-        out = {k: round(v, 3) for k, v in asdict(self).items()}
+        out = {k: round(v, 3) if isinstance(v, float) else v for k, v in asdict(self).items()}
         out["p2p_and_wait_ms"] = round(self.p2p_and_wait_ms, 3)
         return out
 
@@ -50,6 +57,28 @@ def _timed(fn, timing: ScheduleTiming, attr: str):
     return wrapper
 
 
+def _counted(fn, timing: ScheduleTiming):
+    def wrapper(*args, **kwargs):
+        timing.micro_batches += 1
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _recorded(fn, timing: ScheduleTiming):
+    def wrapper(self, *args, **kwargs):
+        t0 = time.time_ns() / 1e3
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            timing.p2p_calls.append([round(t0, 1), round(time.time_ns() / 1e3, 1),
+                                     kwargs.get("tensor_send_next") is not None,
+                                     kwargs.get("tensor_send_prev") is not None,
+                                     bool(kwargs.get("recv_prev")), bool(kwargs.get("recv_next"))])
+
+    return wrapper
+
+
 @contextlib.contextmanager
 def timed_schedule(config, timing: ScheduleTiming):
     """Time megatron-core's forward/backward steps and ``config.finalize_model_grads_func``
@@ -60,7 +89,12 @@ def timed_schedule(config, timing: ScheduleTiming):
              if callable(getattr(schedules, name, None))}
     finalize = getattr(config, "finalize_model_grads_func", None)
     for name, fn in saved.items():
-        setattr(schedules, name, _timed(fn, timing, "forward_ms" if name == "forward_step" else "backward_ms"))
+        wrapped = _timed(fn, timing, "forward_ms" if name == "forward_step" else "backward_ms")
+        setattr(schedules, name, _counted(wrapped, timing) if name == "forward_step" else wrapped)
+    communicator = _communicator_class()
+    communicate = getattr(communicator, "_communicate", None) if communicator is not None else None
+    if communicate is not None:
+        communicator._communicate = _recorded(communicate, timing)
     if finalize is not None:
         config.finalize_model_grads_func = _timed(finalize, timing, "finalize_ms")
     t0 = time.perf_counter()
@@ -70,5 +104,16 @@ def timed_schedule(config, timing: ScheduleTiming):
         timing.schedule_ms += (time.perf_counter() - t0) * 1e3
         for name, fn in saved.items():
             setattr(schedules, name, fn)
+        if communicate is not None:
+            communicator._communicate = communicate
         if finalize is not None:
             config.finalize_model_grads_func = finalize
+
+
+def _communicator_class():
+    """megatron-core's P2PCommunicator (None in a version without it)."""
+    try:
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    except ImportError:
+        return None
+    return P2PCommunicator

@@ -1,5 +1,6 @@
-"""``python -m dynapipe bench``: one small run of the whole protocol (profile, simulated sweep,
-two rotated rounds, DynaPipe against tuned padding-mb and packing), and bad input refused."""
+"""``python -m dynapipe bench``: one small run of the whole protocol (profile, calibration,
+simulated sweep, two rotated rounds, DynaPipe against tuned padding-mb and packing, where
+the time went), and bad input refused."""
 import json
 import subprocess
 import sys
@@ -12,13 +13,20 @@ def test_bench_rounds_sweep_and_methods(tmp_path):
     cmd = [sys.executable, "-m", "dynapipe", "bench", "--output", str(out), "--png", str(png),
            "--methods", "dynapipe,padding-mb,packing", "--rounds", "2", "--sweep-top", "1",
            "--num-layers", "2", "--seq-length", "128", "--max-position-embeddings", "128",
-           "--global-batch-size", "8", "--train-iters", "3", "--dynapipe-prefetch", "2"]
+           "--global-batch-size", "8", "--train-iters", "3", "--dynapipe-prefetch", "2", "--calibrate-iters", "2"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
     setup = report["setup"]
     assert report["preset"] == "tiny" and setup["rounds"] == 2
-    assert setup["cost_model"].endswith(".profile.json")
+    # The profile's fixed cost per stage op was fitted from an untimed DynaPipe run's traces, and
+    # every method planned and simulated with the calibrated profile.
+    cal = setup["calibration"]
+    assert cal["ops"] >= 4 and cal["slope"] > 0 and cal["stage_overhead_ms"] >= 0 and cal["executor_ms"] > 0
+    assert setup["cost_model"] == cal["profile"] and setup["cost_model"].endswith(".calibrated.json")
+    assert json.loads(open(cal["profile"]).read())["stage_overhead_ms"] == pytest.approx(cal["stage_overhead_ms"],
+                                                                                         abs=1e-3)
+    assert setup["cpu_s"] > 0 and 0 < setup["profile_s"] < setup["elapsed_s"]
     first, second = setup["round_orders"]
     assert sorted(first) == sorted(second) and second == first[1:] + first[:1]
     assert set(setup["timed_regions"]) >= set(report["methods"])
@@ -34,7 +42,17 @@ def test_bench_rounds_sweep_and_methods(tmp_path):
         assert m["real_tokens_per_s"] == pytest.approx(sum(m["rounds_real_tokens_per_s"]) / 2, rel=1e-3)
         assert 0 < m["attention_share"] < 1 and 0 < m["gpt7b_attention_share"] < 1
         assert len(m["time_breakdown_ms"]) == 2 and all(len(r) == 2 for r in m["time_breakdown_ms"])
-        assert all(b["compute"] > 0 for r in m["time_breakdown_ms"] for b in r)
+        # Where the time went, from the executed traces / megatron-core's timed steps: the parts never
+        # overlap (they sum to at most the measured iteration) and leave little of it unexplained.
+        for b in (b for r in m["time_breakdown_ms"] for b in r):
+            parts = [b[k] for k in ("compute", "bubble", "comm", "overhead", "optimizer_and_grads", "plan_wait")]
+            assert min(parts) >= 0 and b["compute"] > 0 and b["comm"] > 0, (name, b)
+            assert sum(parts) <= b["iteration"] * 1.01 + 0.5 and b["unattributed"] <= 0.1 * b["iteration"], (name, b)
+            assert b["micro_batches"] >= 1 and 0 <= b["overhead_per_mb"] <= b["overhead"] + 0.01
+        split = m["time_split_ms"]
+        assert [st["stage"] for st in split["stages"]] == [0, 1]
+        # Per stage, the breakdown covers the iteration the method reports (the slowest rank's).
+        assert max(st["iteration"] for st in split["stages"]) == pytest.approx(m["iteration_ms"], rel=0.1)
     for name in ("padding-mb", "packing"):
         sweep = methods[name]["sweep"]
         ran = [s for s in sweep if s["measured_real_tokens_per_s"] is not None]
@@ -46,7 +64,7 @@ def test_bench_rounds_sweep_and_methods(tmp_path):
     assert methods["dynapipe"]["micro_batch_size"] is None
     assert methods["dynapipe"]["padding_efficiency"] > methods["packing"]["padding_efficiency"] * 0.9
     assert report["best_baseline"] in ("padding-mb", "packing") and "dynapipe_vs_best_baseline" in report["ratios"]
-    assert "vs packing" in result.stdout and "attn share" in result.stdout
+    assert "vs packing" in result.stdout and "attn share" in result.stdout and "bubble" in result.stdout
     assert png.stat().st_size > 1000
 
 

@@ -54,23 +54,60 @@ def test_median_over_rounds():
 
 
 def test_breakdown_from_megatron_steps_and_from_executor_traces(tmp_path):
-    ranks = _ranks([[100.0, 100.0]])
+    # Two megatron-core stages, iteration 1 (us). Stage 0 sends from 1,000 to 11,000; stage 1
+    # posts the matching receive at 3,000 and is blocked until 12,000.
+    ranks = _ranks([[100.0, 100.0], [100.0, 100.0]])
+    ranks[0]["pp_rank"], ranks[1]["pp_rank"] = 0, 1
     ranks[0]["breakdown_ms"] = [{}, {"forward_ms": 30.0, "backward_ms": 40.0, "finalize_ms": 5.0,
-                                     "schedule_ms": 90.0, "p2p_and_wait_ms": 15.0, "optimizer_ms": 6.0}]
-    (b,) = breakdown(ranks, 1)
-    assert (b["compute"], b["p2p_and_wait"], b["optimizer_and_grads"]) == (70.0, 15.0, 11.0)
-    assert b["other"] == pytest.approx(4.0)
-    # DynaPipe: the executor's Chrome trace of iteration 1 (us), one file per rank.
-    ev = [{"ph": "X", "cat": "forward", "ts": 0, "dur": 20000, "args": {"iteration": 1}},
-          {"ph": "X", "cat": "comm", "ts": 20000, "dur": 30000, "args": {"iteration": 1}},
-          {"ph": "X", "cat": "backward", "ts": 50000, "dur": 40000, "args": {"iteration": 1}},
-          {"ph": "X", "cat": "forward", "ts": 0, "dur": 99000, "args": {"iteration": 0}}]
-    (tmp_path / "rank000.json").write_text(json.dumps({"traceEvents": ev}))
-    dyn = _ranks([[100.0, 100.0]])
-    dyn[0]["breakdown_ms"] = [{}, {}]
-    (d,) = breakdown(dyn, 1, str(tmp_path))
-    assert (d["compute"], d["p2p_and_wait"], d["plan_wait"]) == (60.0, 30.0, 1.0)
-    assert d["optimizer_and_grads"] == pytest.approx(100.0 - 90.0 - 1.0)
+                                     "schedule_ms": 90.0, "optimizer_ms": 6.0, "micro_batches": 2,
+                                     "p2p_calls": [[1000.0, 11000.0, True, False, False, False]]}]
+    ranks[1]["breakdown_ms"] = [{}, {"forward_ms": 30.0, "backward_ms": 40.0, "finalize_ms": 5.0,
+                                     "schedule_ms": 90.0, "optimizer_ms": 6.0, "micro_batches": 2,
+                                     "p2p_calls": [[3000.0, 12000.0, False, False, True, False]]}]
+    b0, b1 = breakdown(ranks, 1)
+    assert (b0["compute"], b0["optimizer_and_grads"], b0["stage"]) == (70.0, 11.0, 0)
+    # Stage 0 waited 2 ms for stage 1 to post the receive, then 8 ms for the transfer.
+    assert (b0["bubble"], b0["comm"]) == (2.0, 8.0)
+    # When stage 1 posted its receive the send was already posted: all its wait is the transfer.
+    assert (b1["bubble"], b1["comm"]) == (0.0, 9.0)
+    assert b0["overhead"] == pytest.approx(90.0 - 70.0 - 10.0 - 5.0) and b0["overhead_per_mb"] == pytest.approx(2.5)
+    assert b0["unattributed"] == pytest.approx(100.0 - 70.0 - 10.0 - 5.0 - 11.0)
+    # DynaPipe: the executors' Chrome traces of iteration 1 (us, each on its own origin).
+    ev0 = [{"ph": "X", "cat": "forward", "ts": 0, "dur": 20000, "pid": 0, "tid": 0, "args": {"iteration": 1, "mb": 0}},
+           {"ph": "X", "cat": "comm", "name": "send_act_start 0 peer 1 [1x8x4]", "ts": 20000, "dur": 1000,
+            "pid": 0, "tid": 0, "args": {"iteration": 1}},
+           {"ph": "X", "cat": "comm", "name": "recv_grad_start 0 peer 1 [1x8x4]", "ts": 21000, "dur": 1000,
+            "pid": 0, "tid": 0, "args": {"iteration": 1}},
+           {"ph": "X", "cat": "comm", "name": "recv_grad_finish 0 peer 1 [1x8x4]", "ts": 22000, "dur": 48000,
+            "pid": 0, "tid": 0, "args": {"iteration": 1}},
+           {"ph": "X", "cat": "backward", "ts": 75000, "dur": 20000, "pid": 0, "tid": 0,
+            "args": {"iteration": 1, "mb": 0}},
+           {"ph": "X", "cat": "forward", "ts": 0, "dur": 99000, "pid": 0, "tid": 0, "args": {"iteration": 0}}]
+    # Stage 1's clock origin is 10 ms later: it receives, computes 40 ms, sends the gradient at 60 ms.
+    ev1 = [{"ph": "X", "cat": "comm", "name": "recv_act_start 0 peer 0 [1x8x4]", "ts": 0, "dur": 1000,
+            "pid": 0, "tid": 1, "args": {"iteration": 1}},
+           {"ph": "X", "cat": "comm", "name": "recv_act_finish 0 peer 0 [1x8x4]", "ts": 1000, "dur": 11000,
+            "pid": 0, "tid": 1, "args": {"iteration": 1}},
+           {"ph": "X", "cat": "forward", "ts": 12000, "dur": 20000, "pid": 0, "tid": 1, "args": {"iteration": 1, "mb": 0}},
+           {"ph": "X", "cat": "backward", "ts": 32000, "dur": 20000, "pid": 0, "tid": 1, "args": {"iteration": 1}},
+           {"ph": "X", "cat": "comm", "name": "send_grad_start 0 peer 0 [1x8x4]", "ts": 52000, "dur": 1000,
+            "pid": 0, "tid": 1, "args": {"iteration": 1}}]
+    (tmp_path / "rank000.json").write_text(json.dumps({"traceEvents": ev0, "otherData": {"origin_us": 0.0}}))
+    (tmp_path / "rank001.json").write_text(json.dumps({"traceEvents": ev1, "otherData": {"origin_us": 10000.0}}))
+    dyn = _ranks([[100.0, 100.0], [100.0, 100.0]])
+    for r in dyn:
+        r["breakdown_ms"] = [{}, {}]
+    d0, d1 = breakdown(dyn, 1, str(tmp_path))
+    assert (d0["compute"], d0["plan_wait"], d0["stage"], d1["stage"]) == (40.0, 1.0, 0, 1)
+    # Stage 0 is blocked 22..70 ms; stage 1 posts the gradient's send at 62 ms: 40 ms bubble, 8 ms transfer.
+    assert d0["bubble"] == pytest.approx(40.0) and d0["comm"] == pytest.approx(8.0 + 2.0)
+    # Stage 1 is blocked 11..22 ms on an activation stage 0 had sent at 20 ms.
+    assert d1["bubble"] == pytest.approx(9.0) and d1["comm"] == pytest.approx(2.0 + 2.0)
+    # The executor's span is 95 ms of which 5 ms are gaps between instructions.
+    assert d0["overhead"] == pytest.approx(95.0 - 40.0 - 50.0) and d0["optimizer_and_grads"] == pytest.approx(4.0)
+    for d in (d0, d1):
+        parts = sum(d[k] for k in ("compute", "bubble", "comm", "overhead", "optimizer_and_grads", "plan_wait"))
+        assert parts + d["unattributed"] == pytest.approx(d["iteration"])
 
 
 def test_sweep_keeps_the_best_measured_size():
@@ -108,13 +145,97 @@ def test_bench_refuses_what_the_preset_cannot_honour(tmp_path, capsys):
     assert not (tmp_path / "x.json").exists()
 
 
-def test_breakdown_summary_names_the_busiest_rank():
+def test_breakdown_summary_is_per_stage():
     from megatron_integration.bench_report import breakdown_summary, breakdown_table
 
-    rnd = [{"rank": 0, "iteration": 100.0, "compute": 80.0, "p2p_and_wait": 10.0, "optimizer_and_grads": 5.0,
-            "plan_wait": 0.0, "other": 5.0},
-           {"rank": 1, "iteration": 100.0, "compute": 40.0, "p2p_and_wait": 50.0, "optimizer_and_grads": 5.0,
-            "plan_wait": 1.0, "other": 4.0}]
+    def row(rank, stage, compute, bubble):
+        return {"rank": rank, "stage": stage, "iteration": 100.0, "compute": compute, "bubble": bubble, "comm": 5.0,
+                "overhead": 2.0, "overhead_per_mb": 0.5, "micro_batches": 4, "optimizer_and_grads": 5.0,
+                "plan_wait": 0.0, "unattributed": 100.0 - compute - bubble - 12.0}
+
+    rnd = [row(0, 0, 80.0, 3.0), row(1, 1, 40.0, 43.0)]
     s = breakdown_summary([rnd, rnd])
-    assert s["compute"] == 60.0 and s["p2p_and_wait"] == 30.0 and s["busy_fraction"] == 0.8
-    assert "80.0%" in breakdown_table({"packing": s}) and breakdown_summary([]) == {}
+    assert s["compute"] == 60.0 and s["bubble"] == 23.0 and s["busy_fraction"] == 0.8
+    assert [st["stage"] for st in s["stages"]] == [0, 1] and s["stages"][1]["bubble"] == 43.0
+    table = breakdown_table({"packing": s})
+    assert "bubble" in table and "43.0" in table and breakdown_summary([]) == {}
+
+
+def test_sweep_runs_only_sizes_close_to_the_best_simulated():
+    from megatron_integration.bench import pick_sizes
+
+    ranked = [{"micro_batch_size": m, "real_tokens_per_s": v} for m, v in ((2, 100.0), (1, 95.0), (4, 80.0))]
+    assert [r["micro_batch_size"] for r in pick_sizes(ranked, 2, 0.1)] == [2, 1]
+    assert [r["micro_batch_size"] for r in pick_sizes(ranked, 3, 0.1)] == [2, 1]
+    assert [r["micro_batch_size"] for r in pick_sizes(ranked, 3, 0.0)] == [2, 1, 4]
+    assert [r["micro_batch_size"] for r in pick_sizes(ranked, 2, 0.01)] == [2] and pick_sizes([], 2, 0.1) == []
+
+
+def test_bench_layer_checks_requests_without_the_command_line():
+    # The bench is called by the command line, never the other way round: checking a request
+    # (which parses every method's Megatron arguments) must not load dynapipe.cli.
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from dynapipe.errors import DynaPipeError\n"
+            "from megatron_integration.bench import check_request\n"
+            "assert check_request([], ['dynapipe', 'packing'], 'representative') == 2\n"
+            "try:\n"
+            "    check_request(['--train-iters', '1'], ['dynapipe'], 'tiny')\n"
+            "except DynaPipeError as e:\n"
+            "    assert '--train-iters 1' in str(e)\n"
+            "else:\n"
+            "    raise SystemExit('accepted')\n"
+            "print(sorted(m for m in sys.modules if m.startswith('dynapipe.cli')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_fixed_cost_per_op_is_fitted_in_profile_units(tmp_path):
+    import numpy as np
+
+    from megatron_integration.bench_calibrate import fit_stage_overhead, write_calibrated_profile
+
+    predicted = np.array([1.0, 2.0, 4.0, 8.0, 16.0])
+    # A loaded machine (everything 1.5x slower) with a fixed 3 ms per op the profile did not see.
+    fit = fit_stage_overhead(predicted, 1.5 * predicted + 3.0, executor_ms=0.6)
+    assert fit.slope == pytest.approx(1.5) and fit.intercept_ms == pytest.approx(3.0) and fit.ops == 5
+    assert fit.stage_overhead_ms == pytest.approx((3.0 + 0.6) / 1.5)
+    # Ops cheaper than predicted by a constant: no negative overhead.
+    assert fit_stage_overhead(predicted, predicted - 1.0, 0.0).stage_overhead_ms == 0.0
+    assert fit_stage_overhead(predicted[:1], predicted[:1], 0.5).stage_overhead_ms == pytest.approx(0.5)
+    # Times that shrink as the predicted cost grows are noise: only the executor's time is kept.
+    noise = fit_stage_overhead(predicted, 20.0 - predicted, 0.5)
+    assert (noise.slope, noise.intercept_ms, noise.stage_overhead_ms) == (1.0, 0.0, 0.5)
+
+    from dynapipe.config import load_model_config
+    from dynapipe.cost.profile import ProfileCostModel
+
+    grid = [[1.0, 2.0], [2.0, 4.0]]
+    table = {f: grid for f in ("fw_ms", "bw_ms", "stored_mib", "peak_mib")}
+    profile = {"format": "dynapipe-profile", "version": 1, "mbs": [1, 2], "seqlen": [64, 128],
+               "ops": {op: table for op in ("layer", "embedding", "output")}}
+    src, out = tmp_path / "p.json", tmp_path / "p.calibrated.json"
+    src.write_text(json.dumps(profile))
+    write_calibrated_profile(str(src), str(out), fit)
+    written = json.loads(out.read_text())
+    assert written["stage_overhead_ms"] == pytest.approx(2.4) and written["calibration"]["ops"] == 5
+    assert written["ops"] == profile["ops"]
+    # The planner's cost model pays it once per stage forward and once per backward.
+    model = load_model_config("gpt-tiny")
+    plain = ProfileCostModel.from_file(model, str(src), 2).stage_cost(2, 100, stage=1)
+    paid = ProfileCostModel.from_file(model, str(out), 2).stage_cost(2, 100, stage=1)
+    assert float(paid.fw_ms - plain.fw_ms) == pytest.approx(2.4) and float(paid.bw_ms - plain.bw_ms) == pytest.approx(2.4)
+
+
+def test_executed_trace_keeps_its_wall_clock_origin():
+    # Ranks write their traces separately, each starting at 0: the origin puts them on one clock again.
+    from dynapipe.runtime.exec_trace import ExecEvent, ExecTrace, chrome_trace
+
+    tr = ExecTrace(stage=1, replica=0, iteration=2)
+    tr.events += [ExecEvent(0, "fw", 0, "F0", "forward", 5000.0, 10.0, "F", (1, 8, 0)),
+                  ExecEvent(1, "send_act_start", 0, "send_act_start 0 peer 2 [8x1x4]", "comm", 5020.0, 1.0)]
+    doc = chrome_trace([tr])
+    assert doc["otherData"]["origin_us"] == 5000.0
+    assert [e["ts"] + doc["otherData"]["origin_us"] for e in doc["traceEvents"] if e["ph"] == "X"] == [5000.0, 5020.0]

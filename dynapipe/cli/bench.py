@@ -35,6 +35,9 @@ def add_arguments(p) -> None:
                    help="ranks to spawn (default: --pipeline-model-parallel-size, i.e. one replica)")
     p.add_argument("--warmup-iters", type=int, default=None,
                    help="first iterations left out of the figures (default: the preset's, 1)")
+    p.add_argument("--calibrate-iters", type=int, default=None,
+                   help="iterations of an untimed DynaPipe run that measures the profile's fixed cost per stage op "
+                        "before the timed rounds; 0: none (default: the preset's, 2 for representative, 0 for tiny)")
     p.add_argument("--threads-per-rank", type=int, default=None, help="CPU threads per rank (default cores / ranks)")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="give up on a method after this long (s)")
     # Every Megatron / DynaPipe training argument, passed through to the training jobs as given.
@@ -70,41 +73,18 @@ def training_argv(args) -> list[str]:
 
 def run(args) -> int:
     from dynapipe.errors import DynaPipeError
-    from megatron_integration.arguments import parse_training_args
-    from megatron_integration.bench import METHOD_FLAGS, PRESETS, run_bench, with_defaults
+    from megatron_integration.bench import PRESETS, check_request, run_bench
     from megatron_integration.launch import RankFailed, RankUserError
 
     argv = training_argv(args)
-    preset = PRESETS[args.preset]
-    methods = (list(preset.methods) if args.methods is None
+    methods = (list(PRESETS[args.preset].methods) if args.methods is None
                else [m.strip() for m in args.methods.split(",") if m.strip()])
-    unknown = [m for m in methods if m not in METHOD_FLAGS]
-    if unknown or not methods or len(set(methods)) != len(methods):
-        raise DynaPipeError(f"--methods {args.methods!r}: choose each at most once from {', '.join(METHOD_FLAGS)}.")
-    if args.rounds is not None and args.rounds < 1:
-        raise DynaPipeError(f"--rounds {args.rounds}: must be at least 1.")
-    if args.sweep_top is not None and args.sweep_top < 0:
-        raise DynaPipeError(f"--sweep-top {args.sweep_top}: must be 0 (no sweep) or more.")
-    warmup = preset.warmup_iters if args.warmup_iters is None else args.warmup_iters
-    sweep_top = preset.sweep_top if args.sweep_top is None else args.sweep_top
-    if sweep_top > 0 and "--micro-batch-size" in argv and any(m in ("padding", "padding-mb", "packing")
-                                                               for m in methods):
-        raise DynaPipeError("--micro-batch-size: this preset tunes the baselines' micro-batch size; "
-                            "add --sweep-top 0 to run the size given instead.")
-    for flag in ("--use-dynapipe", "--dynapipe-batching"):
-        if flag in argv:
-            raise DynaPipeError(f"{flag}: the bench sets the method itself; choose methods with --methods.")
-    full = with_defaults(argv, args.preset)
-    pp = int(full[full.index("--pipeline-model-parallel-size") + 1])
-    nproc = args.nproc or pp
-    if warmup < 0:
-        raise DynaPipeError(f"--warmup-iters {warmup}: must be >= 0.")
-    # Validate every method's command line before starting any process.
-    for m in methods:
-        cfg = parse_training_args(full + METHOD_FLAGS[m], nproc)
-    if cfg.train_iters <= warmup:
-        raise DynaPipeError(f"--train-iters {cfg.train_iters} leaves no timed iteration after --warmup-iters "
-                            f"{warmup}; raise --train-iters.")
+    if not methods:
+        raise DynaPipeError(f"--methods {args.methods!r}: name at least one method.")
+    if args.calibrate_iters is not None and args.calibrate_iters < 0:
+        raise DynaPipeError(f"--calibrate-iters {args.calibrate_iters}: must be 0 (none) or more.")
+    nproc = check_request(argv, methods, args.preset, rounds=args.rounds, sweep_top=args.sweep_top,
+                          warmup_iters=args.warmup_iters, nproc=args.nproc)
     for path in filter(None, (args.output, args.png)):
         out_dir = os.path.dirname(os.path.abspath(path))
         try:
@@ -112,9 +92,9 @@ def run(args) -> int:
         except OSError as e:
             raise DynaPipeError(f"{path}: cannot create its directory {out_dir}: {e.strerror}.") from None
     try:
-        run_bench(argv, methods, nproc, args.output, png=args.png, warmup_iters=warmup,
+        run_bench(argv, methods, nproc, args.output, png=args.png, warmup_iters=args.warmup_iters,
                   threads_per_rank=args.threads_per_rank, timeout_s=args.timeout_s, preset=args.preset,
-                  rounds=args.rounds, sweep_top=args.sweep_top)
+                  rounds=args.rounds, sweep_top=args.sweep_top, calibrate_iters=args.calibrate_iters)
     except RankUserError as e:
         raise DynaPipeError(str(e)) from None  # bad input or a diverged run: one line, exit 2
     except RankFailed as e:

@@ -1,0 +1,108 @@
+"""The cost profile's fixed cost per stage op, measured from a short executed run.
+
+The profiler times each op (layer, embedding, output) alone. A micro-batch on a training
+rank pays more: the stage handler around the ops (inputs, loss, autograd entry), the
+executor's dispatch, loading its inputs and posting its transfers. On a CPU that is a
+large share of a short micro-batch, and a cost model without it lets the planner cut
+more, smaller micro-batches than pay for themselves.
+
+:func:`fit_stage_overhead` takes one executed DynaPipe run (its executor traces) and
+fits every forward and backward it ran as ``measured = slope * predicted + intercept``
+against the profile's prediction for its shape and stage; the fixed cost is the
+intercept plus the executor's own time per op outside compute and waiting (its
+overhead and transfer posting, from :mod:`megatron_integration.bench_breakdown`),
+divided by the slope so that it is in the profile's units (the slope is the machine's
+load, which scales every op alike). :func:`write_calibrated_profile` writes the profile
+with that cost as ``stage_overhead_ms``, which the profile cost model adds to every
+stage's forward and backward.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class OverheadFit:
+    """The fit of measured against predicted op times (ms): ``slope`` and ``intercept``
+    of the least-squares line over ``ops`` ops, ``executor_ms`` the executor's own time
+    per op, and ``stage_overhead_ms`` the fixed cost per op in the profile's units."""
+
+    slope: float
+    intercept_ms: float
+    executor_ms: float
+    stage_overhead_ms: float
+    ops: int
+
+    def to_json(self) -> dict:
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+
+def op_samples(events: Sequence[dict], stage: int, cost) -> tuple[np.ndarray, np.ndarray]:
+    """Predicted and measured ms of every forward/backward among a rank's trace events
+    (``cost``: the cost model the plans were made with; recompute none)."""
+    pred, meas = [], []
+    for e in events:
+        kind = e.get("cat")
+        if kind not in ("forward", "backward"):
+            continue
+        a = e.get("args", {})
+        c = cost.stage_cost(a["mbs"], a["seqlen"], stage=stage)
+        pred.append(float(c.fw_ms if kind == "forward" else c.bw_ms))
+        meas.append(e["dur"] / 1e3)
+    return np.asarray(pred), np.asarray(meas)
+
+
+def fit_stage_overhead(predicted: np.ndarray, measured: np.ndarray, executor_ms: float) -> OverheadFit:
+    """Fit ``measured = slope * predicted + intercept`` (ms) and turn it into the fixed
+    cost per stage op in the profile's units (see the module doc); a negative intercept
+    counts as none."""
+    slope, intercept = 1.0, 0.0
+    if len(predicted) >= 2 and float(np.ptp(predicted)) > 0.0:
+        s, i = (float(v) for v in np.polyfit(predicted, measured, 1))
+        # Times that do not grow with the predicted cost are noise (a loaded machine, shapes too
+        # alike): no fixed cost can be read from them, only the executor's own time is kept.
+        if s > 0.05:
+            slope, intercept = s, i
+    overhead = (max(intercept, 0.0) + max(executor_ms, 0.0)) / slope
+    return OverheadFit(slope, intercept, executor_ms, overhead, int(len(predicted)))
+
+
+def calibrate_from_run(ranks: list[dict], trace_dir: str, cost, iterations: Sequence[int]) -> OverheadFit:
+    """:func:`fit_stage_overhead` over the ``iterations`` of a DynaPipe run (its rank
+    summaries and executor traces in ``trace_dir``)."""
+    from megatron_integration.bench_breakdown import executor_timeline
+    from megatron_integration.bench_report import _trace_events
+
+    traces = _trace_events(trace_dir, set(iterations))
+    pred, meas, per_op = [], [], []
+    for rank, (origin, per) in traces.items():
+        for i in iterations:
+            events = per.get(i, [])
+            if not events:
+                continue
+            stage = events[0].get("tid", 0)
+            p, m = op_samples(events, stage, cost)
+            pred.append(p)
+            meas.append(m)
+            t = executor_timeline(events, origin, ranks[rank], i)
+            if t.micro_batches:
+                per_op.append((t.overhead_ms + t.posting_ms) / (2 * t.micro_batches))
+    if not pred:
+        return OverheadFit(1.0, 0.0, 0.0, 0.0, 0)
+    return fit_stage_overhead(np.concatenate(pred), np.concatenate(meas), float(np.mean(per_op) if per_op else 0.0))
+
+
+def write_calibrated_profile(profile_path: str, output: str, fit: OverheadFit) -> str:
+    """The profile at ``profile_path`` with ``stage_overhead_ms`` from ``fit`` (and the fit
+    itself under ``calibration``), written to ``output``; returns ``output``."""
+    with open(profile_path) as f:
+        profile = json.load(f)
+    profile["stage_overhead_ms"] = round(fit.stage_overhead_ms, 4)
+    profile["calibration"] = fit.to_json()
+    with open(output, "w") as f:
+        json.dump(profile, f, indent=1)
+    return output
