@@ -2,7 +2,9 @@
 
 Same model, seed and global batches; DynaPipe plans variable-shape micro-batches, the
 executor runs them on the megatron-core stages; the per-iteration ``lm loss`` equals the
-padding baseline's (fp32, ~1e-5) on PP2 and PP2 x DP2.
+padding baseline's (fp32, ~1e-5) on PP2 and on PP2 x DP2, the latter with a Llama-style
+model (SwiGLU, grouped-query attention, no linear biases, RMSNorm, RoPE base 500000, untied
+output layer) that the planner prices as built.
 """
 import pytest
 
@@ -22,10 +24,14 @@ def run(extra: str, world: int) -> dict:
     return ranks[0]
 
 
-@pytest.mark.parametrize("world", [2, 4], ids=["pp2", "pp2xdp2"])
-def test_dynapipe_loss_equals_padding(world):
-    padding = run("", world)
-    dynapipe = run("--use-dynapipe", world)
+LLAMA = ("--swiglu --disable-bias-linear --group-query-attention --num-query-groups 2 --normalization RMSNorm "
+         "--position-embedding-type rope --rotary-base 500000 --untie-embeddings-and-output-weights")
+
+
+@pytest.mark.parametrize("world, model", [(2, ""), (4, LLAMA)], ids=["pp2", "pp2xdp2-llama"])
+def test_dynapipe_loss_equals_padding(world, model):
+    padding = run(model, world)
+    dynapipe = run(f"{model} --use-dynapipe", world)
     assert dynapipe["method"] == "dynapipe" and padding["method"] == "padding"
     assert len(dynapipe["losses"]) == 3
     assert dynapipe["losses"] == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)

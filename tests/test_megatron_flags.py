@@ -54,16 +54,10 @@ def test_flags_at_their_built_values_are_accepted():
 
 
 @pytest.mark.parametrize("extra, cuda, flag", [
-    ("--swiglu", False, "--swiglu"),
-    ("--disable-bias-linear", False, "--disable-bias-linear"),
-    ("--group-query-attention --num-query-groups 2", False, "--group-query-attention"),
-    ("--position-embedding-type rope --rotary-base 500000", False, "--rotary-base"),
     ("--use-flash-attn", True, "--use-flash-attn"),
     ("--attention-backend flash", True, "--attention-backend"),
     ("--transformer-impl local", True, "--transformer-impl"),
     ("--optimizer sgd", False, "--optimizer"),
-    ("--fp16 --loss-scale 1024", True, "--loss-scale"),
-    ("--fp16 --initial-loss-scale 65536", True, "--initial-loss-scale"),
 ])
 def test_values_that_cannot_be_honoured_are_refused(extra, cuda, flag):
     with pytest.raises(DynaPipeError) as e:
