@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 from dynapipe.errors import DynaPipeError
 from megatron_integration.model_flags import add_loss_scale_args, loss_scale_from_args, model_shape_from_args
 from megatron_integration.run_config import RunConfig, load_run_config  # noqa: F401  (re-exported)
+from megatron_integration.tokenizer import add_tokenizer_args, tokenizer_info
 from megatron_integration.train_config import (DataArgs, DynaPipeArgs, DynaPipeTrainingConfig,  # noqa: F401
                                                GPTModelArgs, OptimizerArgs, ParallelArgs, RecomputeArgs)
 
@@ -104,8 +105,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
     g.add_argument("--loss-scale", type=float, default=None, help="fp16: static loss scale (default: dynamic)")
     g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32, help="fp16: initial dynamic loss scale")
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
     add_loss_scale_args(g)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
@@ -125,8 +126,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--data-path", nargs="*", default=None,
                    help="JSONL files or Megatron indexed-dataset prefixes (optionally weighted: W1 P1 W2 P2)")
     g.add_argument("--mock-data", action="store_true", help="train on the synthetic multi-task mixture")
-    g.add_argument("--tokenizer-type", default="ByteLevel", help="tokenizer for JSONL data (default ByteLevel)")
+    g.add_argument("--tokenizer-type", default="ByteLevel", help="ByteLevel (default), NullTokenizer, GPT2BPETokenizer or HuggingFaceTokenizer: the vocabulary size "
+                        "and end of document; JSONL text is tokenised byte-level")
     g.add_argument("--tokenizer-model", default=None, help="tokenizer model file or name, when the type needs one")
+    add_tokenizer_args(g)
     g.add_argument("--num-workers", type=int, default=2,
                    help="data-loader workers (accepted; samples are read in-process from memory-mapped files)")
 
@@ -261,10 +264,6 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--test-data-path": "there is no evaluation yet; drop it",
     "--eval-interval": "there is no evaluation yet; drop it",
     "--eval-iters": "there is no evaluation yet; drop it",
-    "--vocab-file": "only pre-tokenised indexed data or byte-level JSONL is read; tokenise with Megatron's "
-                    "tools/preprocess_data.py and give --vocab-size",
-    "--merge-file": "only pre-tokenised indexed data or byte-level JSONL is read; tokenise with Megatron's "
-                    "tools/preprocess_data.py and give --vocab-size",
     "--sequence-parallel": "stages run without sequence parallelism; drop it",
     "--context-parallel-size": "no context parallelism; split long sequences over fewer tokens per sample",
     "--virtual-pipeline-model-parallel-size": "interleaved pipeline stages are not run; drop it",
@@ -319,10 +318,10 @@ def model_args_from_args(args: argparse.Namespace, cuda: bool) -> GPTModelArgs:
     if args.hidden_size % args.num_attention_heads:
         raise DynaPipeError(f"--hidden-size {args.hidden_size} is not divisible by "
                             f"--num-attention-heads {args.num_attention_heads}.")
-    shape = model_shape_from_args(args)
     _model_flags_honoured(args, cuda)
+    shape = model_shape_from_args(args)
     _positive("make-vocab-size-divisible-by", args.make_vocab_size_divisible_by)
-    unpadded = args.vocab_size or BYTE_LEVEL_VOCAB
+    unpadded = tokenizer_info(args).vocab_size
     vocab = padded_vocab_size(unpadded, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     max_pos = args.max_position_embeddings or args.seq_length
     if args.position_embedding_type == "learned_absolute" and args.seq_length > max_pos:
