@@ -27,6 +27,19 @@ def argument_dump(args: argparse.Namespace, title: str = TITLE) -> list[str]:
             + [f"-------------------- end of {title} ---------------------"])
 
 
+def resolved_args(args: argparse.Namespace, cfg) -> argparse.Namespace:
+    """``args`` with the values validation derived filled in, as Megatron-LM dumps them after
+    ``validate_args``: FFN width, per-head width, position limit, padded vocabulary, iterations
+    and schedule lengths, world and data-parallel sizes. ``cfg``: the run's DynaPipeTrainingConfig."""
+    m, o = cfg.model, cfg.optimizer
+    derived = dict(ffn_hidden_size=m.ffn_hidden_size, kv_channels=m.kv_channels,
+                   max_position_embeddings=m.max_position_embeddings, padded_vocab_size=m.vocab_size,
+                   train_iters=cfg.train_iters, lr_decay_iters=o.lr_decay_iters, lr_warmup_iters=o.lr_warmup_iters,
+                   world_size=cfg.parallel.world_size, data_parallel_size=cfg.parallel.data_parallel_size,
+                   distributed_backend=cfg.parallel.backend)
+    return argparse.Namespace(**{**vars(args), **derived})
+
+
 def parameter_count_line(tp_rank: int, pp_rank: int, count: int) -> str:
     """Megatron-LM's line for the parameters one model-parallel rank holds."""
     return f" > number of parameters on (tensor, pipeline) model parallel rank ({tp_rank}, {pp_rank}): {count}"

@@ -205,6 +205,9 @@ def test_megatron_gpt_command_line_runs_unchanged(tmp_path):
         # Rank 0's argument dump, once.
         assert out.count("------------------------ arguments ------------------------") == 1
         assert "  swiglu .......................................... True" in out
+        # Values validation derived, as Megatron-LM dumps them: 48 / 8 iterations, the padded vocabulary.
+        assert "  train_iters ..................................... 6\n" in out
+        assert "  padded_vocab_size ............................... 128\n" in out
         assert "  vocab_file " in out and "-------------------- end of arguments ---------------------" in out
         assert " > padded vocab (size: 21) with 107 dummy tokens (new size: 128)" in out
         counts[method] = {int(l.split("(0, ")[1].split(")")[0]): int(l.rsplit(": ", 1)[1]) for l in out.splitlines()
