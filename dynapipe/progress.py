@@ -29,25 +29,39 @@ def bars_wanted(enabled: bool = True, stream: Optional[TextIO] = None) -> bool:
 
 class Progress:
     """A phase of ``total`` steps: ``step(line)`` advances it by one and shows ``line`` (above the
-    bar, or as a plain line without one); ``close()`` ends it. Usable as a context manager."""
+    bar, or as a plain line without one); ``close()`` ends it. Usable as a context manager.
+
+    For steps that take long, ``begin(head)`` announces one first (the bar's label, or ``head``
+    printed without a line break); ``step(tail)`` then completes the line ``head tail``."""
 
     def __init__(self, total: int, desc: str, enabled: bool = True, stream: Optional[TextIO] = None):
         self.stream = sys.stderr if stream is None else stream
         self.quiet = os.environ.get("RANK", "0") != "0"  # other ranks print nothing
         self.bar = None
+        self.head: Optional[str] = None
         if bars_wanted(enabled, self.stream):
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, desc=desc, file=self.stream, leave=False, dynamic_ncols=True)
 
-    def step(self, line: Optional[str] = None) -> None:
-        """One step done; ``line``: what it measured or did."""
+    def begin(self, head: str) -> None:
+        """A step starts: ``head`` says what it does."""
+        self.head = head
         if self.bar is not None:
-            if line:
-                self.bar.write(line, file=self.stream)
+            self.bar.set_description_str(head)
+        elif not self.quiet:
+            print(head, end=" ", file=self.stream, flush=True)
+
+    def step(self, line: Optional[str] = None) -> None:
+        """One step done; ``line``: what it measured or did (after ``begin``: the rest of its line)."""
+        head, self.head = self.head, None
+        if self.bar is not None:
+            full = " ".join(filter(None, (head, line)))
+            if full:
+                self.bar.write(full, file=self.stream)
             self.bar.update(1)
-        elif line and not self.quiet:
-            print(line, file=self.stream, flush=True)
+        elif not self.quiet and (line or head):
+            print(line or "", file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

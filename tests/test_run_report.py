@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 
 from dynapipe.progress import Progress, bars_wanted
-from megatron_integration.run_report import argument_dump, parameter_count_line, training_summary_lines
+from megatron_integration.run_report import (argument_dump, parameter_count_line, resolved_args,
+                                             training_summary_lines)
 
 
 def test_argument_dump_is_megatrons_block():
@@ -75,3 +76,35 @@ def test_progress_bar_on_a_terminal_and_switches(monkeypatch):
     with Progress(1, "profiling", stream=term) as bar:
         bar.step("line")
     assert term.getvalue() == ""
+
+
+def test_progress_steps_announced_before_they_end(monkeypatch):
+    """The bench's long steps: announced, then completed on the same line (plain), or shown as the
+    bar's label and written whole above it (terminal)."""
+    monkeypatch.setenv("RANK", "0")
+    out = io.StringIO()
+    with Progress(2, "bench", stream=out) as bar:
+        bar.begin("round 1/1: training padding on 2 rank(s) ...")
+        bar.step("12 s")
+        bar.step("plain")
+    assert out.getvalue() == "round 1/1: training padding on 2 rank(s) ... 12 s\nplain\n"
+    pytest.importorskip("tqdm")
+    term = Terminal()
+    with Progress(1, "bench", stream=term) as bar:
+        bar.begin("round 1/1: training dynapipe ...")
+        bar.step("3 s")
+    assert "\rround 1/1: training dynapipe ...: " in term.getvalue()  # the label while it runs
+    assert "round 1/1: training dynapipe ... 3 s\n" in term.getvalue()
+
+
+def test_dump_shows_values_validation_derived():
+    from megatron_integration.arguments import build_parser, training_config_from_args
+
+    argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --micro-batch-size 2 "
+            "--global-batch-size 8 --lr 1e-3 --mock-data --train-samples 80 --swiglu --vocab-size 50257").split()
+    args = build_parser().parse_args(argv)
+    cfg = training_config_from_args(args, 2, cuda=False)
+    text = "\n".join(argument_dump(resolved_args(args, cfg)))
+    for name, value in (("ffn_hidden_size", 128), ("kv_channels", 16), ("padded_vocab_size", 50304),
+                        ("train_iters", 10), ("data_parallel_size", 2), ("max_position_embeddings", 128)):
+        assert f"  {name} {'.' * (48 - len(name))} {value}\n" in text + "\n", name
