@@ -141,7 +141,7 @@ FIXTURES = os.path.join(ROOT, "tests", "fixtures", "gpt2-tiny")
 
 def _megatron_gpt_argv(data: str, save: str) -> list[str]:
     """A Megatron-LM GPT pretraining command line (its GPT/Llama examples' flags) scaled to a tiny
-    model: 48 flags. Left out: --split/--eval-*/--ckpt-format (not supported here yet), --fp16/--bf16,
+    model: 50 flags. Left out: --split/--eval-*/--ckpt-format (not supported here yet), --fp16/--bf16,
     --use-flash-attn and tensor/sequence parallelism (GPU-only)."""
     return f"""
         --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --kv-channels 16
