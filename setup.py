@@ -28,7 +28,11 @@ setup(
         "megatron-core>=0.16.1",
     ],
     extras_require={
-        "dev": ["pytest>=7", "hypothesis>=6", "matplotlib>=3.7", "redis>=5"],
+        "dev": ["pytest>=7", "hypothesis>=6", "matplotlib>=3.7", "redis>=5", "tqdm>=4.60"],
+        # Progress bars for `python -m dynapipe profile` on a terminal (plain lines without it).
+        "progress": ["tqdm>=4.60"],
+        # --tokenizer-type HuggingFaceTokenizer.
+        "hf": ["transformers>=4.40"],
         "plot": ["matplotlib>=3.7"],
         "redis": ["redis>=5"],
         "tensorboard": ["tensorboard>=2.14"],

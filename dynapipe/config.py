@@ -44,11 +44,33 @@ class ModelConfig:
     tie_embeddings: bool = True
     # Per-head dimension; 0 means hidden_size / num_attention_heads (T5-11B uses 128 with 128 heads).
     kv_channels: int = 0
+    # Grouped-query attention: key/value heads (Megatron's --num-query-groups); 0 means one per query head.
+    num_query_groups: int = 0
+    # Gated MLP (Megatron's --swiglu): FC1 produces gate and up projections, 2 x ffn_hidden_size wide.
+    gated_linear_unit: bool = False
+    # Biases on the linear layers (Megatron's --disable-bias-linear clears it).
+    add_bias_linear: bool = True
+    normalization: str = "LayerNorm"  # or RMSNorm (a weight, no bias)
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head width (kv_channels)."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
     def attention_dim(self) -> int:
-        """Width of the query/key/value projections: heads x kv_channels."""
-        return self.num_attention_heads * (self.kv_channels or self.hidden_size // self.num_attention_heads)
+        """Width of the query projection and of the attention output: heads x kv_channels."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the key projection (and of the value projection): key/value heads x kv_channels."""
+        return (self.num_query_groups or self.num_attention_heads) * self.head_dim
+
+    @property
+    def fc1_width(self) -> int:
+        """Output width of the MLP's first linear layer: doubled for a gated (SwiGLU) MLP."""
+        return self.ffn_hidden_size * (2 if self.gated_linear_unit else 1)
 
     @property
     def is_encoder_decoder(self) -> bool:
@@ -84,6 +106,11 @@ class ModelConfig:
                 raise DynaPipeError(f"{source}: a t5 model needs encoder_layers and decoder_layers > 0.")
         elif self.num_layers <= 0:
             raise DynaPipeError(f"{source}: num_layers={self.num_layers} must be a positive integer.")
+        if self.num_query_groups < 0 or (self.num_query_groups and self.num_attention_heads % self.num_query_groups):
+            raise DynaPipeError(f"{source}: num_query_groups={self.num_query_groups} must divide "
+                                f"num_attention_heads={self.num_attention_heads}.")
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise DynaPipeError(f"{source}: normalization={self.normalization!r}; use 'LayerNorm' or 'RMSNorm'.")
         return self
 
 
@@ -173,7 +200,8 @@ class TensorParallelConfig:
             raise DynaPipeError(f"--tp {t}: the tensor-parallel size must be at least 1.")
         if self.sequence_parallel and t == 1:
             raise DynaPipeError("--sequence-parallel needs --tp 2 or more (it shards the sequence over TP ranks).")
-        for what, n in (("num_attention_heads", model.num_attention_heads), ("ffn_hidden_size", model.ffn_hidden_size)):
+        for what, n in (("num_attention_heads", model.num_attention_heads), ("ffn_hidden_size", model.ffn_hidden_size),
+                        ("num_query_groups", model.num_query_groups or model.num_attention_heads)):
             if n % t:
                 raise DynaPipeError(f"--tp {t} does not divide {what}={n} of model {model.name!r}; "
                                     f"use a divisor of {n}.")

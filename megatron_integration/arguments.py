@@ -18,8 +18,10 @@ import sys
 from typing import Optional, Sequence
 
 from dynapipe.errors import DynaPipeError
+from megatron_integration.model_flags import add_loss_scale_args, loss_scale_from_args, model_shape_from_args
 from megatron_integration.run_config import RunConfig, load_run_config  # noqa: F401  (re-exported)
 from megatron_integration.tensor_parallel import check_tensor_parallel_args
+from megatron_integration.tokenizer import add_tokenizer_args, tokenizer_info
 from megatron_integration.train_config import (DataArgs, DynaPipeArgs, DynaPipeTrainingConfig,  # noqa: F401
                                                GPTModelArgs, OptimizerArgs, ParallelArgs, RecomputeArgs)
 
@@ -104,6 +106,7 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
     g.add_argument("--loss-scale", type=float, default=None, help="fp16: static loss scale (default: dynamic)")
     g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32, help="fp16: initial dynamic loss scale")
+    add_loss_scale_args(g)
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -127,8 +130,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--data-path", nargs="*", default=None,
                    help="JSONL files or Megatron indexed-dataset prefixes (optionally weighted: W1 P1 W2 P2)")
     g.add_argument("--mock-data", action="store_true", help="train on the synthetic multi-task mixture")
-    g.add_argument("--tokenizer-type", default="ByteLevel", help="tokenizer for JSONL data (default ByteLevel)")
+    g.add_argument("--tokenizer-type", default="ByteLevel", help="ByteLevel (default), NullTokenizer, GPT2BPETokenizer or HuggingFaceTokenizer: the vocabulary size "
+                        "and end of document; JSONL text is tokenised byte-level")
     g.add_argument("--tokenizer-model", default=None, help="tokenizer model file or name, when the type needs one")
+    add_tokenizer_args(g)
     g.add_argument("--num-workers", type=int, default=2,
                    help="data-loader workers (accepted; samples are read in-process from memory-mapped files)")
 
@@ -264,10 +269,6 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--eval-global-batch-size": "evaluation batches are --global-batch-size samples; drop it",
     "--full-validation": "evaluation reads --eval-iters global batches; drop it",
     "--skip-train": "training always runs (evaluation follows it); drop it",
-    "--vocab-file": "only pre-tokenised indexed data or byte-level JSONL is read; tokenise with Megatron's "
-                    "tools/preprocess_data.py and give --vocab-size",
-    "--merge-file": "only pre-tokenised indexed data or byte-level JSONL is read; tokenise with Megatron's "
-                    "tools/preprocess_data.py and give --vocab-size",
     "--context-parallel-size": "no context parallelism; split long sequences over fewer tokens per sample",
     "--virtual-pipeline-model-parallel-size": "interleaved pipeline stages are not run; drop it",
     "--num-layers-per-virtual-pipeline-stage": "interleaved pipeline stages are not run; drop it",
@@ -290,16 +291,6 @@ UNSUPPORTED_MEGATRON_FLAGS = {
 def _model_flags_honoured(args: argparse.Namespace, cuda: bool) -> None:
     """Refuse the Megatron model flags whose non-default values the stage builder cannot honour yet
     (the default of each, which is what is built, is accepted)."""
-    if args.swiglu:
-        raise _unsupported("--swiglu", "the stages are built with GeLU MLPs; drop it")
-    if args.disable_bias_linear:
-        raise _unsupported("--disable-bias-linear", "the stages are built with biased linear layers; drop it")
-    if args.group_query_attention and args.num_query_groups != args.num_attention_heads:
-        raise _unsupported("--group-query-attention", f"the stages are built with one key/value head per query "
-                                                      f"head; drop it or give --num-query-groups "
-                                                      f"{args.num_attention_heads}")
-    if args.position_embedding_type == "rope" and args.rotary_base != 10000:
-        raise _unsupported("--rotary-base", f"{args.rotary_base}: RoPE is built with base 10000; drop it")
     if args.use_flash_attn:
         raise _unsupported("--use-flash-attn", "attention runs through Transformer Engine's spec where installed "
                                                "(it picks flash attention itself) or megatron-core's local one; "
@@ -332,8 +323,9 @@ def model_args_from_args(args: argparse.Namespace, cuda: bool) -> GPTModelArgs:
         raise DynaPipeError(f"--hidden-size {args.hidden_size} is not divisible by "
                             f"--num-attention-heads {args.num_attention_heads}.")
     _model_flags_honoured(args, cuda)
+    shape = model_shape_from_args(args)
     _positive("make-vocab-size-divisible-by", args.make_vocab_size_divisible_by)
-    unpadded = args.vocab_size or BYTE_LEVEL_VOCAB
+    unpadded = tokenizer_info(args).vocab_size
     vocab = padded_vocab_size(unpadded, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     max_pos = args.max_position_embeddings or args.seq_length
     if args.position_embedding_type == "learned_absolute" and args.seq_length > max_pos:
@@ -341,14 +333,14 @@ def model_args_from_args(args: argparse.Namespace, cuda: bool) -> GPTModelArgs:
                             f"raise --max-position-embeddings to at least {args.seq_length} or shorten --seq-length.")
     return GPTModelArgs(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        ffn_hidden_size=shape.pop("ffn_hidden_size"),
         kv_channels=args.kv_channels or args.hidden_size // args.num_attention_heads,
         seq_length=args.seq_length, max_position_embeddings=max_pos, vocab_size=vocab,
         unpadded_vocab_size=unpadded,
         position_embedding_type=args.position_embedding_type,
         tie_embeddings=not args.untie_embeddings_and_output_weights, normalization=args.normalization,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std, dtype=dtype)
+        init_method_std=args.init_method_std, dtype=dtype, **shape)
 
 
 def training_config_from_args(args: argparse.Namespace, world_size: int,
@@ -477,18 +469,14 @@ def training_config_from_args(args: argparse.Namespace, world_size: int,
     if args.optimizer != "adam":
         raise _unsupported("--optimizer", f"{args.optimizer}: only adam (megatron-core's Adam with decoupled "
                                           f"weight decay) is built; use --optimizer adam")
-    if args.loss_scale is not None or args.initial_loss_scale != 2.0 ** 32:
-        flag = "--loss-scale" if args.loss_scale is not None else "--initial-loss-scale"
-        if not args.fp16:
-            raise DynaPipeError(f"{flag} applies to --fp16 only (bf16 and fp32 are not loss-scaled); drop it.")
-        raise _unsupported(flag, "fp16 runs megatron-core's dynamic loss scaler from 2^32; drop it")
+    loss_scale = loss_scale_from_args(args)
     _positive("num-workers", args.num_workers, allow_zero=True)
     _positive("exit-interval", args.exit_interval)
     optimizer = OptimizerArgs(lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
                               lr_warmup_iters=warmup_iters, lr_decay_iters=decay_iters,
                               weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
                               adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
-                              distributed=args.use_distributed_optimizer)
+                              distributed=args.use_distributed_optimizer, **loss_scale)
     if args.save_interval is not None and not args.save:
         raise DynaPipeError("--save-interval needs --save DIR to write the checkpoints to.")
     if args.save:

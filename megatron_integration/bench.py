@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence, TextIO
 
+from dynapipe.progress import Progress
 from megatron_integration.bench_report import (breakdown, breakdown_summary, breakdown_table, ratio_table,
                                                timed_indices, write_png)
 from megatron_integration.jobs import run_training
@@ -359,9 +360,10 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
               png: Optional[str] = None, warmup_iters: Optional[int] = None, profile: Optional[str] = None,
               threads_per_rank: Optional[int] = None, timeout_s: float = 1800.0, stream: TextIO = sys.stdout,
               preset: str = "tiny", rounds: Optional[int] = None, sweep_top: Optional[int] = None,
-              calibrate_iters: Optional[int] = None) -> dict:
+              calibrate_iters: Optional[int] = None, progress: bool = True) -> dict:
     """Train every method with ``argv`` on ``nproc`` ranks, ``rounds`` rounds in rotated order;
-    write the JSON (and PNG). ``None`` arguments take the preset's value."""
+    write the JSON (and PNG). ``None`` arguments take the preset's value. ``progress``: a bar over
+    the training runs on a terminal (see :mod:`dynapipe.progress`)."""
     from megatron_integration.arguments import parse_training_args
     from megatron_integration import bench_sim
 
@@ -410,6 +412,7 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
     runs: dict[str, list[MethodResult]] = {e.label: [] for e in entries}
     splits: dict[str, list[list[dict]]] = {e.label: [] for e in entries}
     order_log = []
+    bar = Progress(rounds * len(entries), "bench", enabled=progress, stream=stream)
     for k in range(rounds):
         order = rotated(entries, k)
         order_log.append([e.label for e in order])
@@ -421,13 +424,14 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
                     margv += ["--dynapipe-cost-model", profile]
                 trace_dir = os.path.join(trace_root, f"{e.label}-round{k}")
                 margv += ["--dynapipe-trace-dir", trace_dir]
-            print(f"round {k + 1}/{rounds}: training {e.label} on {nproc} rank(s) ...", end=" ", file=stream, flush=True)
+            bar.begin(f"round {k + 1}/{rounds}: training {e.label} on {nproc} rank(s) ...")
             t0 = time.perf_counter()
             ranks = run_training(margv, nproc, timeout_s=timeout_s, threads_per_rank=threads)
-            print(f"{time.perf_counter() - t0:.0f} s", file=stream, flush=True)
+            bar.step(f"{time.perf_counter() - t0:.0f} s")
             runs[e.label].append(summarise(ranks, warmup_iters))
             splits[e.label].append(breakdown(ranks, warmup_iters, trace_dir))
 
+    bar.close()
     per_entry = {label: median_result(rs) for label, rs in runs.items()}
     chosen: dict[str, Entry] = {}
     for e in entries:

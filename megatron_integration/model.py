@@ -62,7 +62,12 @@ def transformer_config(model: GPTModelArgs, parallel: ParallelArgs, cuda: Option
         calculate_per_token_loss=True,
         use_cpu_initialization=not cuda,
         deallocate_pipeline_outputs=True,
+        # Megatron-LM's --swiglu, --disable-bias-linear and --group-query-attention, as its
+        # core_transformer_config_from_args maps them (None query groups: one per head).
+        add_bias_linear=model.add_bias_linear, num_query_groups=model.num_query_groups,
     )
+    if model.swiglu:
+        kwargs.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
     if recompute is not None and recompute.granularity is not None:
         kwargs.update(recompute_granularity=recompute.granularity, recompute_method=recompute.method,
                       recompute_num_layers=recompute.num_layers)
@@ -73,14 +78,15 @@ def transformer_config(model: GPTModelArgs, parallel: ParallelArgs, cuda: Option
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(use_te: Optional[bool] = None):
-    """(spec, name): Transformer Engine's GPT layer spec when usable, else megatron-core's local one."""
+def layer_spec(use_te: Optional[bool] = None, normalization: str = "LayerNorm"):
+    """(spec, name): Transformer Engine's GPT layer spec when usable, else megatron-core's local one.
+    ``normalization``: the local spec's norm class depends on it (TE's norm reads the config)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     use_te = te_available() if use_te is None else use_te
     if use_te:
         return specs.get_gpt_layer_with_transformer_engine_spec(), "transformer_engine"
-    return specs.get_gpt_layer_local_spec(), "local"
+    return specs.get_gpt_layer_local_spec(normalization=normalization), "local"
 
 
 @dataclass
@@ -110,13 +116,13 @@ def build_gpt_stage(cfg: DynaPipeTrainingConfig, info: RankInfo, use_te: Optiona
     # (set_recompute_level), so its stage is built without a fixed one.
     fixed = None if cfg.dynapipe.enabled else cfg.recompute
     tconfig = transformer_config(cfg.model, cfg.parallel, cuda=info.device.type == "cuda", recompute=fixed)
-    spec, _ = layer_spec(use_te)
-    spec = sequence_parallel_block_spec(spec, tconfig, cfg.model.num_layers // info.pp_size)
     m = cfg.model
+    spec, _ = layer_spec(use_te, m.normalization)
+    spec = sequence_parallel_block_spec(spec, tconfig, m.num_layers // info.pp_size)
     gpt = GPTModel(config=tconfig, transformer_layer_spec=spec, vocab_size=m.vocab_size,
                    max_sequence_length=m.max_position_embeddings, pre_process=info.is_first_stage,
                    post_process=info.is_last_stage, share_embeddings_and_output_weights=m.tie_embeddings,
-                   position_embedding_type=m.position_embedding_type)
+                   position_embedding_type=m.position_embedding_type, rotary_base=m.rotary_base)
     gpt.to(info.device)
     deterministic_init_(gpt, m, cfg.seed)
     return gpt
@@ -231,9 +237,12 @@ def deterministic_init_(gpt: torch.nn.Module, model: GPTModelArgs, seed: int,
     weights, and a tensor-parallel shard is the exact slice of the unsplit weight that
     megatron-core gives this rank: rows for column-parallel layers (QKV, FC1, the
     vocabulary-parallel embedding and output layer), columns for row-parallel ones (the
-    attention projection, FC2). megatron-core lays out QKV as contiguous query groups and
-    shards whole groups, so its slice is contiguous too. ``tp``: (rank, size) of the
-    tensor-parallel group; megatron's parallel state when omitted.
+    attention projection, FC2). megatron-core lays out QKV as contiguous query groups (with
+    grouped-query attention: each group's query heads, then its key and value head) and
+    shards whole groups, so its slice is contiguous too. A SwiGLU FC1 is split with stride 2:
+    the unsplit weight is [gate; up] and each rank holds [its gate rows; its up rows], the
+    rank's slice of each half, as megatron-core's own CPU initialisation strides it.
+    ``tp``: (rank, size) of the tensor-parallel group; megatron's parallel state when omitted.
     """
     tp_rank, tp_size = _tp_coordinates() if tp is None else tp
     tied = model.tie_embeddings
@@ -247,9 +256,6 @@ def deterministic_init_(gpt: torch.nn.Module, model: GPTModelArgs, seed: int,
             param.fill_(1.0)
         else:
             dim = _tp_partition(param) if tp_size > 1 else None
-            if dim is not None and int(getattr(param, "partition_stride", 1)) != 1:
-                raise ValueError(f"parameter {name!r} is split over tensor-parallel ranks with stride "
-                                 f"{param.partition_stride}; deterministic initialisation slices contiguously only.")
             full_shape = list(param.shape)
             if dim is not None:
                 full_shape[dim] *= tp_size
@@ -258,25 +264,47 @@ def deterministic_init_(gpt: torch.nn.Module, model: GPTModelArgs, seed: int,
             value = torch.empty(full_shape, dtype=torch.float32, device=param.device)
             value.normal_(0.0, scaled_std if name.endswith(_SCALED) else std, generator=gen)
             if dim is not None:
-                value = value.narrow(dim, tp_rank * param.shape[dim], param.shape[dim])
+                value = _tp_slice(value, dim, tp_rank, tp_size, int(getattr(param, "partition_stride", 1)))
             param.copy_(value)
+
+
+def _tp_slice(full: torch.Tensor, dim: int, rank: int, size: int, stride: int) -> torch.Tensor:
+    """This rank's shard of the unsplit ``full`` along ``dim``: the unsplit weight is cut into
+    ``stride`` x ``size`` equal chunks and rank r keeps chunks r, r + size, ... (megatron-core's
+    strided split; stride 1 is one contiguous slice)."""
+    chunk = full.shape[dim] // (stride * size)
+    if chunk * stride * size != full.shape[dim]:
+        raise ValueError(f"a dimension of {full.shape[dim]} cannot be split into {stride} x {size} equal chunks.")
+    return torch.cat([full.narrow(dim, (k * size + rank) * chunk, chunk) for k in range(stride)], dim=dim)
 
 
 # -- optimizer -------------------------------------------------------------------------------
 
-def build_optimizer(cfg: DynaPipeTrainingConfig, stage: Stage):
-    """megatron-core's optimizer (AdamW; torch's implementation without Apex/TE) and its
-    learning-rate scheduler (warm-up, then constant / linear / cosine decay)."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+def optimizer_config(cfg: DynaPipeTrainingConfig):
+    """megatron-core's ``OptimizerConfig`` for the run: Adam, the precision and, with fp16,
+    Megatron's loss scaling (static ``--loss-scale``, else dynamic from ``--initial-loss-scale``
+    with ``--min-loss-scale``, ``--loss-scale-window`` and ``--hysteresis``)."""
+    from megatron.core.optimizer import OptimizerConfig
 
     o = cfg.optimizer
-    ocfg = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+    return OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
                            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
                            clip_grad=o.clip_grad, bf16=cfg.model.dtype == "bf16", fp16=cfg.model.dtype == "fp16",
                            params_dtype=TORCH_DTYPES[cfg.model.dtype],
-                           use_distributed_optimizer=cfg.optimizer.distributed)
-    optimizer = get_megatron_optimizer(ocfg, [stage.module])
+                           use_distributed_optimizer=cfg.optimizer.distributed,
+                           loss_scale=o.loss_scale, initial_loss_scale=o.initial_loss_scale,
+                           min_loss_scale=o.min_loss_scale, loss_scale_window=o.loss_scale_window,
+                           hysteresis=o.hysteresis)
+
+
+def build_optimizer(cfg: DynaPipeTrainingConfig, stage: Stage):
+    """megatron-core's optimizer (AdamW; torch's implementation without Apex/TE) and its
+    learning-rate scheduler (warm-up, then constant / linear / cosine decay)."""
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    o = cfg.optimizer
+    optimizer = get_megatron_optimizer(optimizer_config(cfg), [stage.module])
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if o.lr_warmup_iters else o.lr, max_lr=o.lr, min_lr=o.min_lr,
         lr_warmup_steps=o.lr_warmup_iters, lr_decay_steps=max(o.lr_decay_iters, 1),

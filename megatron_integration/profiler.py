@@ -187,7 +187,7 @@ class _Ops:
         # The model's own dropout: its masks are part of what the backward keeps.
         one = replace(model, num_layers=1)
         tconfig = transformer_config(one, ParallelArgs(world_size=1), cuda=device.type == "cuda")
-        spec, self.spec_name = layer_spec(use_te)
+        spec, self.spec_name = layer_spec(use_te, model.normalization)
         common = dict(config=tconfig, transformer_layer_spec=spec, vocab_size=model.vocab_size,
                       max_sequence_length=model.max_position_embeddings,
                       position_embedding_type=model.position_embedding_type)
@@ -268,7 +268,10 @@ def profile_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: Seq
                   "num_attention_heads": model.num_attention_heads, "ffn_hidden_size": model.ffn_hidden_size,
                   "kv_channels": model.kv_channels, "vocab_size": model.vocab_size,
                   "position_embedding_type": model.position_embedding_type,
-                  "hidden_dropout": model.hidden_dropout, "attention_dropout": model.attention_dropout},
+                  "hidden_dropout": model.hidden_dropout, "attention_dropout": model.attention_dropout,
+                  # The layer-shape switches ProfileCostModel checks against the model it prices.
+                  "gated_linear_unit": model.swiglu, "num_query_groups": model.num_query_groups or 0,
+                  "add_bias_linear": model.add_bias_linear, "normalization": model.normalization},
         "mbs": [int(b) for b in mbs_grid],
         "seqlen": [int(s) for s in seqlen_grid],
         "stage_overhead_ms": 0.0,

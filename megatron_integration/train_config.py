@@ -32,6 +32,10 @@ class GPTModelArgs:
     # Megatron's vocabulary padding, recorded for the start-up log: the tokenizer's size
     # before padding (0: --vocab-size was given, nothing padded).
     unpadded_vocab_size: int = 0
+    swiglu: bool = False  # --swiglu: gated SiLU MLP (FC1 twice ffn_hidden_size wide)
+    add_bias_linear: bool = True  # cleared by --disable-bias-linear
+    num_query_groups: Optional[int] = None  # --group-query-attention's key/value heads (None: one per head)
+    rotary_base: int = 10000  # --rotary-base, with RoPE
 
     def to_model_config(self, name: str = "megatron-gpt"):
         """The planner's :class:`dynapipe.config.ModelConfig` for this model."""
@@ -40,7 +44,9 @@ class GPTModelArgs:
         return ModelConfig(name=name, arch="gpt", num_layers=self.num_layers, hidden_size=self.hidden_size,
                            num_attention_heads=self.num_attention_heads, ffn_hidden_size=self.ffn_hidden_size,
                            vocab_size=self.vocab_size, max_seq_length=self.seq_length, dtype=self.dtype,
-                           tie_embeddings=self.tie_embeddings, kv_channels=self.kv_channels).validate(name)
+                           tie_embeddings=self.tie_embeddings, kv_channels=self.kv_channels,
+                           num_query_groups=self.num_query_groups or 0, gated_linear_unit=self.swiglu,
+                           add_bias_linear=self.add_bias_linear, normalization=self.normalization).validate(name)
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,14 @@ class OptimizerArgs:
     clip_grad: float = 1.0
     distributed: bool = False  # megatron-core's distributed optimizer (ZeRO-1 over data parallel)
     optimizer: str = "adam"  # Megatron's --optimizer (Adam with decoupled weight decay)
+    # fp16 loss scaling, Megatron's flags and defaults: a static --loss-scale, else a dynamic
+    # scale from --initial-loss-scale, halved after --hysteresis overflowing steps (not below
+    # --min-loss-scale) and doubled after --loss-scale-window clean ones.
+    loss_scale: Optional[float] = None
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: float = 1000
+    hysteresis: int = 2
 
 
 @dataclass(frozen=True)

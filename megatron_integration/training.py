@@ -12,6 +12,7 @@ the same weights for a given ``--seed``.
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Optional, Protocol, TextIO
@@ -24,6 +25,7 @@ from megatron_integration.logging_utils import TrainingLogger
 from megatron_integration.megatron_step import StepResult, build_micro_batches, megatron_train_step
 from megatron_integration.model import Stage, attach_training_hooks, build_optimizer, build_stage
 from megatron_integration.nan_guard import check_before_step
+from megatron_integration.run_report import parameter_count_line, training_summary_lines
 from megatron_integration.train_config import DynaPipeTrainingConfig
 
 
@@ -139,6 +141,11 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
         for line in data_summary_lines(cfg):
             print(line, file=stream, flush=True)
     stage = build_stage(cfg, info)
+    if info.dp_rank == 0:
+        count = sum(p.nelement() for p in stage.gpt.parameters())
+        # One write per line: the stages share the job's stdout.
+        stream.write(parameter_count_line(info.tp_rank, info.pp_rank, count) + "\n")
+        stream.flush()
     optimizer, scheduler = build_optimizer(cfg, stage)
     attach_training_hooks(stage, optimizer)
     run = TrainingRun(spec_name=stage.spec_name)
@@ -154,6 +161,7 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
         logger = TrainingLogger(cfg.train_iters, cfg.global_batch_size, cfg.log_interval,
                                 is_logging_rank=logging_rank, tensorboard_dir=cfg.tensorboard_dir, stream=stream)
         last = cfg.last_iteration(run.start_iteration)
+        started = time.perf_counter()
         for iteration in range(run.start_iteration, last):
             result = stepper.step(iteration)
             run.consumed_samples = result.consumed_samples
@@ -173,6 +181,11 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
                 save_checkpoint(cfg.save, done, run.consumed_samples, stage.gpt, optimizer, scheduler, info)
         if cfg.save and last > run.start_iteration:
             save_checkpoint(cfg.save, last, run.consumed_samples, stage.gpt, optimizer, scheduler, info)
+        if logger.is_logging_rank:  # after its own last iteration line (every rank has the same results)
+            summary = training_summary_lines(run.results, run.start_iteration, run.consumed_samples,
+                                             time.perf_counter() - started)
+            stream.write("\n".join(summary) + "\n")
+            stream.flush()
         # Megatron-LM evaluates the validation and test sets once training is done (not when
         # --exit-interval stopped it).
         for split in ("valid", "test") if evaluator is not None and last == cfg.train_iters else ():

@@ -43,6 +43,10 @@ def main(argv=None) -> int:
             argv = list(run.argv) + argv  # later arguments win
         args = parser.parse_args(argv)
         cfg = training_config_from_args(args, world_size)
+        if os.environ.get("RANK", "0") == "0":
+            from megatron_integration.run_report import argument_dump, resolved_args
+
+            print("\n".join(argument_dump(resolved_args(args, cfg))), flush=True)
         # megatron-core is imported only now: a bad command line is reported before its notices.
         from megatron_integration.initialize import quiet_megatron_warnings
 

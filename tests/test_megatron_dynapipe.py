@@ -2,7 +2,9 @@
 
 Same model, seed and global batches; DynaPipe plans variable-shape micro-batches, the
 executor runs them on the megatron-core stages; the per-iteration ``lm loss`` equals the
-padding baseline's (fp32, ~1e-5) on PP2 and PP2 x DP2, and so do the validation and test
+padding baseline's (fp32, ~1e-5) on PP2 and on PP2 x DP2, the latter with a Llama-style
+model (SwiGLU, grouped-query attention, no linear biases, RMSNorm, RoPE base 500000, untied
+output layer) that the planner prices as built; on PP2 so do the validation and test
 losses (forward-only plans vs megatron-core's forward-only schedule).
 """
 import math
@@ -38,12 +40,16 @@ def _eval_values(r: dict) -> list[tuple[str, float, float]]:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4], ids=["pp2", "pp2xdp2"])
-def test_dynapipe_loss_equals_padding(world):
-    padding = run("", world)
+LLAMA = ("--swiglu --disable-bias-linear --group-query-attention --num-query-groups 2 --normalization RMSNorm "
+         "--position-embedding-type rope --rotary-base 500000 --untie-embeddings-and-output-weights")
+
+
+@pytest.mark.parametrize("world, model", [(2, ""), (4, LLAMA)], ids=["pp2", "pp2xdp2-llama"])
+def test_dynapipe_loss_equals_padding(world, model):
+    padding = run(model, world)
     # PP2: DynaPipe also evaluates (forward-only plans), and the padding baseline once more with
     # evaluation (megatron-core's forward-only schedule): same training losses, same validation losses.
-    dynapipe = run("--use-dynapipe" + (" " + EVAL if world == 2 else ""), world)
+    dynapipe = run(f"{model} --use-dynapipe" + (" " + EVAL if world == 2 else ""), world)
     if world == 2:
         padding_eval = run(EVAL, world)
         assert padding_eval["losses"] == padding["losses"]  # forward only: training untouched, bit for bit

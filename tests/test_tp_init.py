@@ -3,6 +3,8 @@
 One spawned job of 4 gloo ranks builds the same seeded GPT as TP2 (x DP2), as TP1 and as
 TP2 x PP2 (each group layout re-created in the same processes), and compares gathered
 shards, and for PP1 the per-token loss and gradients of a fixed batch (fp32, dropout 0).
+Three models: tied and untied embeddings, and a Llama-style layer (SwiGLU, whose FC1 is
+split with stride 2; grouped-query attention; no linear biases; RMSNorm).
 """
 import pytest
 
@@ -12,12 +14,30 @@ SEED = 11
 WORLD = 4
 
 
-def _model_args(tied: bool):
+MODELS = [True, False, "llama"]  # tied, untied, untied Llama-style layer
+
+
+def _model_args(tied):
     from megatron_integration.train_config import GPTModelArgs
 
+    llama = dict(swiglu=True, num_query_groups=2, add_bias_linear=False, normalization="RMSNorm",
+                 rotary_base=500000) if tied == "llama" else {}
     return GPTModelArgs(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, kv_channels=16,
                         seq_length=64, max_position_embeddings=64, vocab_size=256, hidden_dropout=0.0,
-                        attention_dropout=0.0, tie_embeddings=tied, position_embedding_type="rope")
+                        attention_dropout=0.0, tie_embeddings=tied is True, position_embedding_type="rope", **llama)
+
+
+def _gather(p, t, group, size=2):
+    """The unsplit tensor of a TP-split parameter: shards concatenated along its partition dim,
+    strided splits (SwiGLU's FC1: each rank holds [gate; up]) de-interleaved."""
+    import torch
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    stride = int(getattr(p, "partition_stride", 1))
+    chunks = [part.chunk(stride, dim=p.partition_dim) for part in parts]
+    return torch.cat([chunks[r][k] for k in range(stride) for r in range(size)], dim=p.partition_dim)
 
 
 def _build(model, tp: int):
@@ -34,10 +54,11 @@ def _build(model, tp: int):
     init_model_parallel(tp, 1)
     set_seeds(SEED, rank_info())
     parallel = ParallelArgs(world_size=WORLD, tensor_model_parallel_size=tp)
-    gpt = GPTModel(config=transformer_config(model, parallel, cuda=False), transformer_layer_spec=layer_spec(False)[0],
+    gpt = GPTModel(config=transformer_config(model, parallel, cuda=False),
+                   transformer_layer_spec=layer_spec(False, model.normalization)[0],
                    vocab_size=model.vocab_size, max_sequence_length=model.max_position_embeddings,
                    share_embeddings_and_output_weights=model.tie_embeddings,
-                   position_embedding_type=model.position_embedding_type)
+                   position_embedding_type=model.position_embedding_type, rotary_base=model.rotary_base)
     deterministic_init_(gpt, model, SEED)
     torch.manual_seed(0)
     tokens = torch.randint(0, model.vocab_size, (2, 48))
@@ -58,8 +79,8 @@ def tp_job():
     from megatron_integration.train_config import ParallelArgs
 
     init_distributed(ParallelArgs(world_size=WORLD))
-    out = {"pp2": _pp_tp_weights()}
-    for tied in (True, False):
+    out = {"pp2": _pp_tp_weights(), "flags": _flag_models()}
+    for tied in MODELS:
         model = _model_args(tied)
         gpt2, loss2 = _build(model, 2)
         group = ps.get_tensor_model_parallel_group()
@@ -67,9 +88,7 @@ def tp_job():
         for name, p in gpt2.named_parameters():
             if getattr(p, "tensor_model_parallel", False):
                 for store, t in ((weights2, p.detach()), (grads2, p.main_grad if hasattr(p, "main_grad") else p.grad)):
-                    parts = [torch.empty_like(t) for _ in range(2)]
-                    dist.all_gather(parts, t.contiguous(), group=group)
-                    store[name] = torch.cat(parts, dim=p.partition_dim)
+                    store[name] = _gather(p, t, group)
             else:
                 weights2[name], grads2[name] = p.detach().clone(), p.grad.clone()
         gpt1, loss1 = _build(model, 1)
@@ -89,7 +108,7 @@ def ranks():
     return spawn(tp_job, WORLD, timeout_s=300)
 
 
-@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("tied", MODELS)
 def test_gathered_tp2_shards_equal_tp1_weights(ranks, tied):
     for r in ranks:
         res = r[tied]
@@ -104,7 +123,7 @@ def test_gathered_tp2_shards_equal_tp1_weights(ranks, tied):
     assert float(qkv.std()) == pytest.approx(0.02, rel=0.1)
 
 
-@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("tied", MODELS)
 def test_tp2_loss_and_gradients_equal_tp1(ranks, tied):
     import numpy as np
 
@@ -166,3 +185,91 @@ def test_pp2_tp2_stages_hold_slices_of_the_unsplit_model(ranks):
         for name, (got, want) in r.items():
             assert got.shape == want.shape, name
             assert (got == want).all(), f"{name}: PP2 x TP2 weight differs from the unsplit model's"
+
+
+def test_llama_layer_layout(ranks):
+    """The Llama-style model is what the flags ask for: a 2 x 128 FC1, QKV of 4 query + 2 x 2
+    key/value heads of 16, no linear biases, RMSNorm (weights only)."""
+    w = ranks[0]["llama"]["weights1"]
+    assert w["decoder.layers.0.mlp.linear_fc1.weight"].shape == (256, 64)
+    assert w["decoder.layers.0.self_attention.linear_qkv.weight"].shape == (128, 64)
+    assert not any(k.endswith(".bias") for k in w), sorted(k for k in w if k.endswith(".bias"))
+    assert "output_layer.weight" in w
+
+
+# Megatron model-shape flags, each alone on a small RoPE model (RoPE: no position-embedding
+# table, so the planner's parameter count covers every parameter).
+FLAG_BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --vocab-size 256 "
+             "--micro-batch-size 1 --global-batch-size 4 --train-iters 1 --lr 1e-3 --mock-data "
+             "--position-embedding-type rope")
+FLAGS = ["", "--swiglu", "--swiglu --ffn-hidden-size 96", "--disable-bias-linear",
+         "--group-query-attention --num-query-groups 2", "--normalization RMSNorm",
+         "--untie-embeddings-and-output-weights", "--kv-channels 32", "--rotary-base 500000"]
+
+
+def _flag_models():
+    """{flags: ({parameter name: shape}, parameters built, planner's count, rotary base used)} at TP1 PP1."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from dynapipe.cost.base import StageLayout, stage_param_count
+    from megatron_integration.arguments import parse_training_args
+    from megatron_integration.initialize import init_model_parallel
+    from megatron_integration.model import layer_spec, transformer_config
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    init_model_parallel(1, 1)
+    out = {}
+    for flags in FLAGS:
+        cfg = parse_training_args(f"{FLAG_BASE} {flags}".split(), WORLD, cuda=False)
+        m = cfg.model
+        gpt = GPTModel(config=transformer_config(m, cfg.parallel, cuda=False),
+                       transformer_layer_spec=layer_spec(False, m.normalization)[0], vocab_size=m.vocab_size,
+                       max_sequence_length=m.max_position_embeddings, share_embeddings_and_output_weights=m.tie_embeddings,
+                       position_embedding_type=m.position_embedding_type, rotary_base=m.rotary_base)
+        planned = stage_param_count(m.to_model_config(), StageLayout(0, 0, m.num_layers, True, True))
+        out[flags] = ({n: tuple(p.shape) for n, p in gpt.named_parameters()},
+                      sum(p.numel() for p in gpt.parameters()), planned, _rope_base(gpt.rotary_pos_emb.inv_freq))
+    return out
+
+
+def _rope_base(inv_freq) -> float:
+    """The base RoPE frequencies were built with: inv_freq[i] = base^(-2i / dim)."""
+    dim = 2 * inv_freq.numel()
+    return float(inv_freq[1].double() ** (-dim / 2))
+
+
+def _layer0(shapes: dict) -> dict:
+    prefix = "decoder.layers.0."
+    return {k[len(prefix):]: v for k, v in shapes.items() if k.startswith(prefix)}
+
+
+def test_each_model_flag_builds_what_megatron_builds(ranks):
+    flags = ranks[0]["flags"]
+    base = _layer0(flags[""][0])
+    assert base["mlp.linear_fc1.weight"] == (256, 64) and base["self_attention.linear_qkv.weight"] == (192, 64)
+    expect = {
+        # Megatron's SwiGLU default width: int(4h x 2/3 / 64) x 64 = 128, FC1 holds gate and up.
+        "--swiglu": {"mlp.linear_fc1.weight": (256, 64), "mlp.linear_fc1.bias": (256,),
+                     "mlp.linear_fc2.weight": (64, 128)},
+        "--swiglu --ffn-hidden-size 96": {"mlp.linear_fc1.weight": (192, 64), "mlp.linear_fc1.bias": (192,),
+                                          "mlp.linear_fc2.weight": (64, 96)},
+        # 4 query heads + 2 key and 2 value heads of 16.
+        "--group-query-attention --num-query-groups 2": {"self_attention.linear_qkv.weight": (128, 64),
+                                                        "self_attention.linear_qkv.bias": (128,)},
+        "--kv-channels 32": {"self_attention.linear_qkv.weight": (384, 64), "self_attention.linear_qkv.bias": (384,),
+                             "self_attention.linear_proj.weight": (64, 128)},
+    }
+    for f, changed in expect.items():
+        assert _layer0(flags[f][0]) == {**base, **changed}, f
+    no_bias = _layer0(flags["--disable-bias-linear"][0])
+    assert no_bias == {k: v for k, v in base.items() if not (k.endswith("bias") and "linear" in k)}
+    rms = _layer0(flags["--normalization RMSNorm"][0])
+    assert rms == {k: v for k, v in base.items() if not k.endswith("layernorm.bias")}
+    untied = flags["--untie-embeddings-and-output-weights"][0]
+    assert "output_layer.weight" in untied and "output_layer.weight" not in flags[""][0]
+    assert flags["--rotary-base 500000"][3] == pytest.approx(500000) and flags[""][3] == pytest.approx(10000)
+    # The planner prices exactly the parameters each flag builds.
+    for f, (_, built, planned, _) in flags.items():
+        assert planned == built, f

@@ -40,6 +40,8 @@ def add_arguments(p) -> None:
                         "before the timed rounds; 0: none (default: the preset's, 2 for representative, 0 for tiny)")
     p.add_argument("--threads-per-rank", type=int, default=None, help="CPU threads per rank (default cores / ranks)")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="give up on a method after this long (s)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar over the training runs (one is drawn only on a terminal, with tqdm)")
     # Every Megatron / DynaPipe training argument, passed through to the training jobs as given.
     from megatron_integration.arguments import add_dynapipe_args, add_megatron_args
 
@@ -94,7 +96,8 @@ def run(args) -> int:
     try:
         run_bench(argv, methods, nproc, args.output, png=args.png, warmup_iters=args.warmup_iters,
                   threads_per_rank=args.threads_per_rank, timeout_s=args.timeout_s, preset=args.preset,
-                  rounds=args.rounds, sweep_top=args.sweep_top, calibrate_iters=args.calibrate_iters)
+                  rounds=args.rounds, sweep_top=args.sweep_top, calibrate_iters=args.calibrate_iters,
+                  progress=not args.no_progress)
     except RankUserError as e:
         raise DynaPipeError(str(e)) from None  # bad input or a diverged run: one line, exit 2
     except RankFailed as e:

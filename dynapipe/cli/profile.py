@@ -31,6 +31,8 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per point first (default 1)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads (default: torch's; match the threads each training rank gets)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (one is drawn only on a terminal, with tqdm installed)")
     p.add_argument("--no-transformer-engine", action="store_true",
                    help="measure megatron-core's local layer spec even when Transformer Engine is available")
     add_megatron_args(p)
@@ -106,9 +108,11 @@ def run(args) -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     print(f"profiling on {device} ({model.dtype}, {torch.get_num_threads()} threads): mbs {mbs} x seqlen {seqlens}",
           file=sys.stderr)
-    profile = profile_model(model, mbs, seqlens, device, repeats=args.repeats, warmup=args.warmup,
-                            use_te=False if args.no_transformer_engine else None,
-                            progress=lambda line: print(line, file=sys.stderr))
+    from dynapipe.progress import Progress
+
+    with Progress(len(mbs) * len(seqlens), "profiling", enabled=not args.no_progress) as bar:
+        profile = profile_model(model, mbs, seqlens, device, repeats=args.repeats, warmup=args.warmup,
+                                use_te=False if args.no_transformer_engine else None, progress=bar.step)
     # Refuse to write a profile the cost model would not read.
     ProfileCostModel(model.to_model_config("profiled"), profile, num_stages=1, source=args.output)
     with open(args.output, "w") as f:

@@ -7,14 +7,19 @@ FLOP takes the efficiency of the tokens its GEMM spans: for T5, the encoder laye
 the cross-attention key/value projections the encoder tokens, everything else in the
 decoder (and the output layer) the decoder tokens.
 Per transformer layer with ``b`` samples of ``s`` tokens, hidden ``h``, attention width
-``a_d`` (heads x kv_channels), ``n`` heads and FFN width ``f``, the forward FLOPs are
-``6bsh*a_d + 2bs*a_d*h`` (QKV and output projections) ``+ 4bs^2*a_d`` (scores and
-weighted values: the quadratic term) ``+ 4bshf`` (MLP). Backward is twice the forward;
+``a_d`` (heads x kv_channels), key/value width ``k_d`` (query groups x kv_channels; ``a_d``
+without grouped-query attention), ``n`` heads and FFN width ``f``, the forward FLOPs are
+``2bsh(a_d + 2k_d) + 2bs*a_d*h`` (QKV and output projections) ``+ 4bs^2*a_d`` (scores
+and weighted values: the quadratic term) ``+ 2bshf(g + 1)`` (MLP; ``g`` = 2 for a gated
+SwiGLU MLP, whose FC1 is twice as wide, else 1). Backward is twice the forward;
 recomputation adds the attention core (selective) or the whole layer forward (full).
+Biases and the norm type change the parameter count (``stage_param_count``), not these
+GEMM FLOPs.
 
 Stored activations per layer, in bytes for 2-byte activations, generalise
-Korthikanti's ``sbh(34 + 5ns/h)``: ``bs(10h + 8a_d + 4f) + 5nbs^2`` (equal to the
-paper's formula when ``a_d = h`` and ``f = 4h``), scaled by dtype bytes / 2. Selective
+Korthikanti's ``sbh(34 + 5ns/h)``: ``bs(10h + 4a_d + 4k_d + (2g + 2)f) + 5nbs^2`` (equal
+to the paper's formula when ``a_d = k_d = h``, ``g = 1`` and ``f = 4h``; a gated MLP
+keeps its two FC1 halves and their product), scaled by dtype bytes / 2. Selective
 recompute drops the ``5nbs^2`` term; full recompute keeps only each layer's input.
 
 Tensor parallelism over ``t`` ranks (figures are per rank): GEMMs, attention heads and
@@ -66,7 +71,7 @@ class AnalyticCostModel(CostModel):
     def _self_attn_mlp_flops(self, b, s):
         m = self.model
         h, ad, f = m.hidden_size, m.attention_dim, m.ffn_hidden_size
-        linear = 6 * b * s * h * ad + 2 * b * s * ad * h + 4 * b * s * h * f
+        linear = 2 * b * s * h * (ad + 2 * m.kv_dim) + 2 * b * s * ad * h + 2 * b * s * h * (m.fc1_width + f)
         core = 4 * b * s * s * ad
         return linear, core
 
@@ -81,7 +86,8 @@ class AnalyticCostModel(CostModel):
     def _layer_act_bytes(self, b, s):
         m, t = self.model, self.tp.size
         scale = m.dtype_bytes / 2
-        linear = b * s * (10 * m.hidden_size / self._sp_div + (8 * m.attention_dim + 4 * m.ffn_hidden_size) / t) * scale
+        mlp = 2 * m.fc1_width + 2 * m.ffn_hidden_size
+        linear = b * s * (10 * m.hidden_size / self._sp_div + (4 * m.attention_dim + 4 * m.kv_dim + mlp) / t) * scale
         scores = 5 * m.num_attention_heads * b * s * s * scale / t
         return linear, scores
 

@@ -61,16 +61,21 @@ def stage_layouts(model: ModelConfig, num_stages: int) -> list[StageLayout]:
 def stage_param_count(model: ModelConfig, layout: StageLayout, tp: int = 1) -> int:
     """Parameters held by one stage on one of its ``tp`` tensor-parallel ranks: layers with
     biases and norms, embedding, output layer. The GEMM weights, the column-parallel biases
-    and the vocabulary are split over TP; norms and row-parallel biases are replicated."""
+    and the vocabulary are split over TP; norms and row-parallel biases are replicated.
+    Grouped-query attention narrows the key and value projections, a gated MLP doubles FC1,
+    ``add_bias_linear=False`` drops the biases and RMSNorm has no norm bias."""
     h, ad, f = model.hidden_size, model.attention_dim, model.ffn_hidden_size
-    layer = (4 * h * ad + 3 * ad + 2 * h * f + f) / tp + h + h + 4 * h
+    qkv, fc1 = ad + 2 * model.kv_dim, model.fc1_width
+    bias = 1 if model.add_bias_linear else 0
+    norm = h if model.normalization == "RMSNorm" else 2 * h
+    layer = (h * qkv + ad * h + h * fc1 + f * h + bias * (qkv + fc1)) / tp + bias * 2 * h + 2 * norm
     cross = (4 * h * ad + 3 * ad) / tp + h + 2 * h
     dec_layer = layer + (cross if model.is_encoder_decoder else 0)
     count = layout.encoder_layers * layer + layout.decoder_layers * dec_layer
     if layout.has_embedding:
         count += model.vocab_size * h / tp
     if layout.has_output:
-        count += 2 * h  # final layer norm
+        count += norm  # final layer norm
         # Tied embeddings: the last stage keeps its own copy unless it is also the first.
         if not (layout.has_embedding and model.tie_embeddings):
             count += model.vocab_size * h / tp
@@ -217,7 +222,7 @@ class CostModel(ABC):
             # Q, K, V are split over TP ranks; the input and norm output only with SP.
             replicated = 2 * m.hidden_size / (t if self.tp.sequence_parallel else 1)
             attn_inputs = (np.asarray(mbs, dtype=np.float64) * np.asarray(seqlen, dtype=np.float64)
-                           * (replicated + 3 * m.attention_dim / t) * m.dtype_bytes / MIB)
+                           * (replicated + (m.attention_dim + 2 * m.kv_dim) / t) * m.dtype_bytes / MIB)
             freed = freed + np.maximum(np.asarray(stored) / layers - attn_inputs, 0.0)
         return np.maximum(one_layer - freed, 0.0)
 

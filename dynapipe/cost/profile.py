@@ -86,6 +86,24 @@ class _Table:
         return np.where(b < grid_b[0], below, np.where(b > grid_b[-1], above, inside))
 
 
+# Layer-shape switches a measured table depends on, with the value a profile that does not
+# record them was measured at (profiles written before these switches existed).
+LAYER_SHAPE_KEYS = {"gated_linear_unit": False, "num_query_groups": 0, "add_bias_linear": True}
+
+
+def _check_layer_shape(data: Mapping[str, Any], model: ModelConfig, source: str) -> None:
+    """Refuse a profile measured on a layer of another kind (GeLU vs SwiGLU MLP, grouped-query
+    attention, biases): its tables would misprice every micro-batch."""
+    measured = data.get("model")
+    measured = measured if isinstance(measured, Mapping) else {}
+    for key, default in LAYER_SHAPE_KEYS.items():
+        have, want = measured.get(key, default), getattr(model, key)
+        if have != want:
+            raise DynaPipeError(f"{source}: the profile was measured with {key}={have!r} but the model has "
+                                f"{key}={want!r}; profile this model (`python -m dynapipe profile` with the same "
+                                f"model flags) or use the analytic cost model.")
+
+
 def _check_profile(data: Mapping[str, Any], source: str) -> None:
     if not isinstance(data, Mapping):
         raise DynaPipeError(f"{source}: not a DynaPipe profile (a JSON object with \"format\": "
@@ -133,6 +151,7 @@ class ProfileCostModel(CostModel):
             raise DynaPipeError(f"{source}: profiles of encoder-decoder models are not defined in "
                                 f"version {PROFILE_VERSION}; use the analytic cost model for {model.name!r}.")
         _check_profile(profile, source)
+        _check_layer_shape(profile, model, source)
         super().__init__(model, num_stages)
         mbs = np.asarray(profile["mbs"], dtype=np.float64)
         seqlen = np.asarray(profile["seqlen"], dtype=np.float64)
@@ -184,10 +203,12 @@ class ProfileCostModel(CostModel):
             fw, bw, stored, peak = n * at["fw_ms"], n * at["bw_ms"], n * at["stored_mib"], at["peak_mib"]
         elif recompute != "none":
             # Shares of the attention core in FLOPs and of attention scores in stored memory.
-            h, ad, f = m.hidden_size, m.attention_dim, m.ffn_hidden_size
+            h, ad, kd, f, f1 = m.hidden_size, m.attention_dim, m.kv_dim, m.ffn_hidden_size, m.fc1_width
             s = np.asarray(seqlen, dtype=np.float64)
-            core_share = 4 * s * ad / (8 * h * ad + 4 * h * f + 4 * s * ad)
-            score_share = 5 * m.num_attention_heads * s / (10 * h + 8 * ad + 4 * f + 5 * m.num_attention_heads * s)
+            linear = 2 * h * (ad + 2 * kd) + 2 * ad * h + 2 * h * (f1 + f)
+            core_share = 4 * s * ad / (linear + 4 * s * ad)
+            scores = 5 * m.num_attention_heads * s
+            score_share = scores / (10 * h + 4 * ad + 4 * kd + 2 * f1 + 2 * f + scores)
             if recompute == "selective":
                 bw = bw + fw * core_share
                 stored = stored * (1 - score_share)

@@ -1,0 +1,80 @@
+"""Megatron-LM's model-shape and fp16 loss-scale flags: validated, with Megatron's defaults.
+
+Called from :mod:`megatron_integration.arguments`; returns plain values for
+:class:`~megatron_integration.train_config.GPTModelArgs` and
+:class:`~megatron_integration.train_config.OptimizerArgs`. No torch or megatron import.
+"""
+from __future__ import annotations
+
+import argparse
+
+from dynapipe.errors import DynaPipeError
+
+# Megatron-LM's loss-scale defaults (arguments.py, "mixed precision" group).
+LOSS_SCALE_DEFAULTS = {"initial_loss_scale": 2.0 ** 32, "min_loss_scale": 1.0, "loss_scale_window": 1000.0,
+                       "hysteresis": 2}
+
+
+def add_loss_scale_args(group: argparse._ArgumentGroup) -> None:
+    """The fp16 loss-scale flags Megatron-LM has besides ``--loss-scale``/``--initial-loss-scale``."""
+    group.add_argument("--min-loss-scale", type=float, default=LOSS_SCALE_DEFAULTS["min_loss_scale"],
+                       help="fp16: the dynamic loss scale is never lowered below this")
+    group.add_argument("--loss-scale-window", type=float, default=LOSS_SCALE_DEFAULTS["loss_scale_window"],
+                       help="fp16: steps without overflow before the dynamic loss scale is doubled")
+    group.add_argument("--hysteresis", type=int, default=LOSS_SCALE_DEFAULTS["hysteresis"],
+                       help="fp16: overflowing steps tolerated before the dynamic loss scale is halved")
+
+
+def swiglu_ffn_hidden_size(hidden_size: int) -> int:
+    """Megatron-LM's FFN width for ``--swiglu`` without ``--ffn-hidden-size``: 2/3 of 4 x hidden
+    (the two FC1 halves then hold about as many weights as a 4h GeLU MLP), rounded down to a
+    multiple of 64."""
+    return int((4 * hidden_size * 2 / 3) / 64) * 64
+
+
+def model_shape_from_args(args: argparse.Namespace) -> dict:
+    """``GPTModelArgs`` fields of the shape flags, as Megatron-LM derives them:
+    ``ffn_hidden_size``, ``swiglu``, ``add_bias_linear``, ``num_query_groups``, ``rotary_base``."""
+    ffn = args.ffn_hidden_size
+    if ffn is None:
+        ffn = swiglu_ffn_hidden_size(args.hidden_size) if args.swiglu else 4 * args.hidden_size
+        if ffn <= 0:
+            raise DynaPipeError(f"--swiglu with --hidden-size {args.hidden_size}: Megatron's default FFN width "
+                                f"(2/3 of 4 x hidden, rounded down to a multiple of 64) is 0; give --ffn-hidden-size.")
+    groups = None
+    if args.group_query_attention:
+        groups = args.num_query_groups
+        heads, tp = args.num_attention_heads, args.tensor_model_parallel_size
+        if groups is None or groups <= 0 or heads % groups:
+            raise DynaPipeError(f"--num-query-groups {groups} must be a positive divisor of --num-attention-heads "
+                                f"{heads} (each key/value head serves heads / groups query heads).")
+        if groups % tp:
+            raise DynaPipeError(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}; "
+                                f"every tensor-parallel rank needs whole key/value groups.")
+    if args.rotary_base <= 0:
+        raise DynaPipeError(f"--rotary-base {args.rotary_base}: must be positive (RoPE's base period, "
+                            f"Megatron's default 10000).")
+    return dict(ffn_hidden_size=ffn, swiglu=bool(args.swiglu), add_bias_linear=not args.disable_bias_linear,
+                num_query_groups=groups, rotary_base=int(args.rotary_base))
+
+
+def loss_scale_from_args(args: argparse.Namespace) -> dict:
+    """``OptimizerArgs`` fields of the fp16 loss-scale flags (Megatron-LM's meaning and defaults);
+    a value given without ``--fp16`` is refused (bf16 and fp32 are not loss-scaled)."""
+    values = dict(loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+                  min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
+                  hysteresis=args.hysteresis)
+    changed = [k for k, v in values.items() if v != LOSS_SCALE_DEFAULTS.get(k)]
+    if changed and not args.fp16:
+        flag = "--" + changed[0].replace("_", "-")
+        raise DynaPipeError(f"{flag} applies to --fp16 only (bf16 and fp32 are not loss-scaled); drop it.")
+    for key in ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window"):
+        if values[key] is not None and not values[key] > 0:
+            raise DynaPipeError(f"--{key.replace('_', '-')} {values[key]}: must be positive.")
+    if values["hysteresis"] < 1:
+        raise DynaPipeError(f"--hysteresis {values['hysteresis']}: must be at least 1 (overflowing steps before "
+                            f"the scale is halved).")
+    if values["min_loss_scale"] > values["initial_loss_scale"]:
+        raise DynaPipeError(f"--min-loss-scale {values['min_loss_scale']} is above --initial-loss-scale "
+                            f"{values['initial_loss_scale']}; lower it.")
+    return values

@@ -1,0 +1,66 @@
+"""What a run prints at start and end, in the shape Megatron-LM prints it.
+
+* :func:`argument_dump`: every parsed argument, one per line, dotted to a column and sorted
+  case-insensitively, between Megatron's ``arguments`` rules (printed by rank 0).
+* :func:`parameter_count_line`: Megatron's per-stage count, printed by the first data-parallel
+  rank of every (tensor, pipeline) coordinate, since only that stage knows its parameters.
+* :func:`training_summary_lines`: iterations, samples, tokens, time and throughput of the run,
+  printed by the rank that prints the iteration lines (the last stage, where Megatron-LM logs),
+  right after its last one; every rank holds the same step results.
+No torch import.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Sequence
+
+TITLE = "arguments"
+NAME_COLUMN = 48  # argument names are dotted out to this column, as Megatron-LM does
+
+
+def argument_dump(args: argparse.Namespace, title: str = TITLE) -> list[str]:
+    """Megatron-LM's start-up block of ``args``: a rule, ``  name ..... value`` lines, a closing rule."""
+    lines = [f"  {name} {'.' * max(NAME_COLUMN - len(name), 1)} {value}" for name, value in vars(args).items()]
+    return ([f"------------------------ {title} ------------------------"]
+            + sorted(lines, key=str.lower)
+            + [f"-------------------- end of {title} ---------------------"])
+
+
+def resolved_args(args: argparse.Namespace, cfg) -> argparse.Namespace:
+    """``args`` with the values validation derived filled in, as Megatron-LM dumps them after
+    ``validate_args``: FFN width, per-head width, position limit, padded vocabulary, iterations
+    and schedule lengths, world and data-parallel sizes. ``cfg``: the run's DynaPipeTrainingConfig."""
+    m, o = cfg.model, cfg.optimizer
+    derived = dict(ffn_hidden_size=m.ffn_hidden_size, kv_channels=m.kv_channels,
+                   max_position_embeddings=m.max_position_embeddings, padded_vocab_size=m.vocab_size,
+                   train_iters=cfg.train_iters, lr_decay_iters=o.lr_decay_iters, lr_warmup_iters=o.lr_warmup_iters,
+                   world_size=cfg.parallel.world_size, data_parallel_size=cfg.parallel.data_parallel_size,
+                   distributed_backend=cfg.parallel.backend)
+    return argparse.Namespace(**{**vars(args), **derived})
+
+
+def parameter_count_line(tp_rank: int, pp_rank: int, count: int) -> str:
+    """Megatron-LM's line for the parameters one model-parallel rank holds."""
+    return f" > number of parameters on (tensor, pipeline) model parallel rank ({tp_rank}, {pp_rank}): {count}"
+
+
+def training_summary_lines(results: Sequence, start_iteration: int, consumed_samples: int,
+                           elapsed_s: float) -> list[str]:
+    """The end-of-training lines: Megatron's ``[after training is done]`` stamp, then what the run
+    did: ``results`` are the iterations' StepResults (times in ms, tokens over the global batch)."""
+    done = len(results)
+    real = sum(r.real_tokens for r in results)
+    padded = sum(r.padded_tokens for r in results)
+    loss_tokens = sum(r.loss_tokens for r in results)
+    skipped = sum(int(r.skipped) for r in results)
+    ms_per_iter = elapsed_s * 1e3 / max(done, 1)
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    return [
+        f"[after training is done] datetime: {stamp} ",
+        f" > training summary: iterations {start_iteration + 1}-{start_iteration + done} ({done}) | "
+        f"consumed samples: {consumed_samples} | real tokens: {real} | padded tokens: {padded} | "
+        f"loss tokens: {loss_tokens} | skipped iterations: {skipped} | time (s): {elapsed_s:.1f} | "
+        f"elapsed time per iteration (ms): {ms_per_iter:.1f} | "
+        f"real tokens/s: {real / max(elapsed_s, 1e-9):.1f} | padding efficiency: {real / max(padded, 1):.3f}",
+    ]

@@ -1,0 +1,136 @@
+"""Megatron-LM's ``--tokenizer-type``: the vocabulary size and end-of-document id a run gets
+from its tokenizer, built through megatron-core's tokenizer classes where they work offline.
+
+* ``NullTokenizer`` (``--vocab-size N``): megatron-core's; ids 0..N-1 plus the EOD id N, so
+  N + 1 ids, as Megatron-LM counts them.
+* ``GPT2BPETokenizer`` (``--vocab-file vocab.json --merge-file merges.txt``): the vocabulary
+  is the JSON file's token -> id map (50,257 ids for GPT-2), EOD is ``<|endoftext|>``.
+  megatron-core 0.16's class for it resolves the ``gpt2`` name on the Hugging Face hub even
+  with local files, so the size and EOD are read from the files themselves, which is all
+  pre-tokenised (indexed) data needs.
+* ``HuggingFaceTokenizer`` (``--tokenizer-model DIR_OR_NAME``): megatron-core's class, which
+  needs the ``transformers`` package.
+* ``ByteLevel`` (this project's default): UTF-8 bytes, for JSONL text without a tokenizer.
+
+The vocabulary is then padded as Megatron-LM pads it (``--make-vocab-size-divisible-by``).
+No torch import; megatron-core is imported only for the types that use it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from dynapipe.errors import DynaPipeError
+
+TOKENIZER_TYPES = ("ByteLevel", "NullTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer")
+GPT2_EOD = "<|endoftext|>"
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """What the model and the data need of a tokenizer: ``vocab_size`` ids before padding,
+    ``eod`` the end-of-document id (None for the byte-level default, which has its own)."""
+
+    tokenizer_type: str
+    vocab_size: int
+    eod: Optional[int] = None
+
+
+def add_tokenizer_args(group: argparse._ArgumentGroup) -> None:
+    """Megatron-LM's vocabulary-file flags (``--tokenizer-type``/``--tokenizer-model`` are declared
+    with the data arguments)."""
+    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: the vocabulary JSON (token -> id)")
+    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: the BPE merges file")
+
+
+def _need_file(flag: str, path: Optional[str], tokenizer_type: str) -> str:
+    if not path:
+        raise DynaPipeError(f"--tokenizer-type {tokenizer_type} needs {flag} FILE.")
+    if not os.path.isfile(path):
+        raise DynaPipeError(f"{flag} {path!r}: no such file.")
+    return path
+
+
+def gpt2_bpe_info(vocab_file: str, merge_file: str) -> TokenizerInfo:
+    """Size and EOD of a GPT-2 BPE vocabulary from its files (Megatron-LM's ``--vocab-file``
+    JSON and ``--merge-file``), checked for the shape GPT-2's files have."""
+    try:
+        with open(vocab_file, encoding="utf-8") as f:
+            encoder = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DynaPipeError(f"--vocab-file {vocab_file!r} is not a GPT-2 vocabulary JSON ({e}).") from None
+    if not isinstance(encoder, dict) or not encoder or not all(isinstance(v, int) for v in encoder.values()):
+        raise DynaPipeError(f"--vocab-file {vocab_file!r}: expected a JSON object of token -> integer id.")
+    if GPT2_EOD not in encoder:
+        raise DynaPipeError(f"--vocab-file {vocab_file!r} has no {GPT2_EOD!r} token (GPT2BPETokenizer's "
+                            f"end of document); give GPT-2's vocabulary or use --tokenizer-type HuggingFaceTokenizer.")
+    with open(merge_file, encoding="utf-8") as f:
+        merges = [line for line in f.read().splitlines() if line and not line.startswith("#version")]
+    bad = next((m for m in merges if len(m.split(" ")) != 2), None)
+    if bad is not None:
+        raise DynaPipeError(f"--merge-file {merge_file!r}: line {bad!r} is not a BPE merge ('left right').")
+    return TokenizerInfo("GPT2BPETokenizer", len(encoder), int(encoder[GPT2_EOD]))
+
+
+def null_info(vocab_size: int) -> TokenizerInfo:
+    """megatron-core's ``NullTokenizer`` of ``--vocab-size`` ids (its EOD is one more id)."""
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    tok = MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=vocab_size)
+    return TokenizerInfo("NullTokenizer", int(tok.vocab_size), int(tok.eod))
+
+
+def huggingface_info(model: str) -> TokenizerInfo:
+    """megatron-core's ``HuggingFaceTokenizer`` of ``--tokenizer-model`` (needs ``transformers``)."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise DynaPipeError("--tokenizer-type HuggingFaceTokenizer needs the transformers package: "
+                            "pip install transformers (or pre-tokenise and use --tokenizer-type NullTokenizer "
+                            "--vocab-size N).") from None
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    try:
+        tok = MegatronTokenizer.from_pretrained(tokenizer_path=model, metadata_path={"library": "huggingface"})
+    except Exception as e:  # transformers raises many types for a missing or malformed model
+        raise DynaPipeError(f"--tokenizer-model {model!r}: could not load a Hugging Face tokenizer "
+                            f"({' '.join(str(e).split())[:200]}).") from None
+    return TokenizerInfo("HuggingFaceTokenizer", int(tok.vocab_size), int(tok.eod))
+
+
+def tokenizer_info(args: argparse.Namespace) -> TokenizerInfo:
+    """The run's tokenizer from Megatron-LM's flags, validated; a flag the chosen type does not
+    read is refused rather than ignored."""
+    kind = args.tokenizer_type
+    if kind not in TOKENIZER_TYPES:
+        raise DynaPipeError(f"--tokenizer-type {kind}: not supported; use one of {', '.join(TOKENIZER_TYPES)}.")
+    files = [f for f, v in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)) if v]
+    if files and kind != "GPT2BPETokenizer":
+        raise DynaPipeError(f"{files[0]} is read by --tokenizer-type GPT2BPETokenizer only (not {kind}); drop it "
+                            f"or set the tokenizer type.")
+    if args.tokenizer_model and kind != "HuggingFaceTokenizer":
+        raise DynaPipeError(f"--tokenizer-model is read by --tokenizer-type HuggingFaceTokenizer only (not {kind}).")
+    if kind == "ByteLevel":
+        from megatron_integration.arguments import BYTE_LEVEL_VOCAB
+
+        return TokenizerInfo(kind, args.vocab_size or BYTE_LEVEL_VOCAB)
+    if kind == "NullTokenizer":
+        if not args.vocab_size:
+            raise DynaPipeError("--tokenizer-type NullTokenizer needs --vocab-size N (ids in the data, "
+                                "end of document excluded).")
+        return null_info(args.vocab_size)
+    if kind == "GPT2BPETokenizer":
+        info = gpt2_bpe_info(_need_file("--vocab-file", args.vocab_file, kind),
+                             _need_file("--merge-file", args.merge_file, kind))
+    else:
+        if not args.tokenizer_model:
+            raise DynaPipeError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a local "
+                                "tokenizer directory).")
+        info = huggingface_info(args.tokenizer_model)
+    if args.vocab_size and args.vocab_size != info.vocab_size:
+        raise DynaPipeError(f"--vocab-size {args.vocab_size} disagrees with the {kind}'s {info.vocab_size} ids "
+                            f"(Megatron sizes the vocabulary from the tokenizer); drop --vocab-size.")
+    return info

@@ -1,0 +1,170 @@
+"""Megatron's model-shape and fp16 loss-scale flags: parsed with Megatron's defaults, priced by
+the planner's cost model, mapped into megatron-core's configs (no processes; the built
+models are checked in tests/test_tp_init.py's spawned job)."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from dynapipe.config import DeviceConfig, ModelConfig, TensorParallelConfig
+from dynapipe.cost import AnalyticCostModel, ProfileCostModel, StageLayout
+from dynapipe.errors import DynaPipeError
+from megatron_integration.arguments import parse_training_args
+from megatron_integration.model_flags import swiglu_ffn_hidden_size
+
+BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --micro-batch-size 2 "
+        "--global-batch-size 8 --lr 1e-3 --mock-data --train-iters 10")
+
+
+def parse(extra: str = "", world: int = 1, cuda: bool = False):
+    return parse_training_args(f"{BASE} {extra}".split(), world, cuda=cuda)
+
+
+def test_shape_flags_with_megatron_defaults():
+    m = parse().model
+    assert (m.swiglu, m.add_bias_linear, m.num_query_groups, m.rotary_base, m.ffn_hidden_size) == \
+        (False, True, None, 10000, 256)
+    # Megatron-LM's SwiGLU width: int(4h x 2/3 / 64) x 64.
+    assert swiglu_ffn_hidden_size(64) == 128 and swiglu_ffn_hidden_size(4096) == 10880
+    assert parse("--swiglu").model.ffn_hidden_size == 128
+    assert parse("--swiglu --ffn-hidden-size 96").model.ffn_hidden_size == 96
+    assert parse("--disable-bias-linear").model.add_bias_linear is False
+    assert parse("--group-query-attention --num-query-groups 2").model.num_query_groups == 2
+    # Megatron ignores --num-query-groups without --group-query-attention.
+    assert parse("--num-query-groups 2").model.num_query_groups is None
+    cfg = parse("--position-embedding-type rope --rotary-base 500000 --normalization RMSNorm")
+    assert (cfg.model.rotary_base, cfg.model.normalization) == (500000, "RMSNorm")
+    mc = parse("--swiglu --disable-bias-linear --group-query-attention --num-query-groups 2 "
+               "--normalization RMSNorm").model.to_model_config()
+    assert (mc.gated_linear_unit, mc.add_bias_linear, mc.num_query_groups, mc.normalization) == \
+        (True, False, 2, "RMSNorm")
+    assert (mc.fc1_width, mc.kv_dim, mc.attention_dim) == (256, 32, 64)
+
+
+@pytest.mark.parametrize("extra, world, cuda, needle", [
+    ("--group-query-attention --num-query-groups 3", 1, False, "--num-query-groups 3 must be a positive divisor of"),
+    ("--group-query-attention --num-query-groups 0", 1, False, "--num-query-groups 0 must be a positive divisor"),
+    ("--group-query-attention --num-query-groups 1 --tensor-model-parallel-size 2", 2, True,
+     "--num-query-groups 1 is not divisible by --tensor-model-parallel-size 2"),
+    ("--swiglu --hidden-size 16", 1, False, "give --ffn-hidden-size"),
+    ("--position-embedding-type rope --rotary-base 0", 1, False, "--rotary-base 0: must be positive"),
+])
+def test_shape_flags_refused_with_the_fix(extra, world, cuda, needle):
+    with pytest.raises(DynaPipeError) as e:
+        parse(extra, world, cuda)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_loss_scale_flags_reach_megatron_optimizer_config():
+    pytest.importorskip("megatron.core")
+    from megatron_integration.model import optimizer_config
+
+    dynamic = optimizer_config(parse("--fp16", cuda=True))
+    # Megatron-LM's defaults.
+    assert (dynamic.fp16, dynamic.loss_scale, dynamic.initial_loss_scale, dynamic.min_loss_scale,
+            dynamic.loss_scale_window, dynamic.hysteresis) == (True, None, 2.0 ** 32, 1.0, 1000, 2)
+    cfg = parse("--fp16 --initial-loss-scale 65536 --min-loss-scale 16 --loss-scale-window 200 --hysteresis 4",
+                cuda=True)
+    o = optimizer_config(cfg)
+    assert (o.initial_loss_scale, o.min_loss_scale, o.loss_scale_window, o.hysteresis) == (65536, 16, 200, 4)
+    assert optimizer_config(parse("--fp16 --loss-scale 1024", cuda=True)).loss_scale == 1024
+    assert optimizer_config(parse()).fp16 is False
+
+
+@pytest.mark.parametrize("extra, cuda, needle", [
+    ("--loss-scale 1024", False, "--loss-scale applies to --fp16 only"),
+    ("--hysteresis 3", False, "--hysteresis applies to --fp16 only"),
+    ("--bf16 --min-loss-scale 2", True, "--min-loss-scale applies to --fp16 only"),
+    ("--fp16 --hysteresis 0", True, "--hysteresis 0: must be at least 1"),
+    ("--fp16 --loss-scale-window 0", True, "--loss-scale-window 0.0: must be positive"),
+    ("--fp16 --loss-scale -1", True, "--loss-scale -1.0: must be positive"),
+    ("--fp16 --initial-loss-scale 8 --min-loss-scale 16", True, "--min-loss-scale 16.0 is above --initial-loss-scale"),
+])
+def test_loss_scale_flags_refused(extra, cuda, needle):
+    with pytest.raises(DynaPipeError) as e:
+        parse(extra, cuda=cuda)
+    assert needle in str(e.value)
+
+
+# -- the planner prices what the flags change -------------------------------------------------
+
+DEVICE = DeviceConfig(name="flat", peak_tflops=1.0, achievable_fraction=1.0, memory_mib=1e6)
+GPT = ModelConfig(name="t", num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                  vocab_size=256, max_seq_length=512, dtype="fp32")
+MIDDLE = StageLayout(1, 0, 2, False, False)  # two layers, no embedding or output layer
+B, S = 2.0, 96.0
+
+
+def _cost(model, recompute="none"):
+    return AnalyticCostModel(model, DEVICE, 2).layout_cost(MIDDLE, B, S, S, recompute)
+
+
+def test_cost_model_prices_swiglu_flops_and_activations():
+    gelu, glu = _cost(GPT), _cost(dataclasses.replace(GPT, gated_linear_unit=True))
+    ms_per_flop = 1 / DEVICE.effective_flops_per_ms
+    h, f = GPT.hidden_size, GPT.ffn_hidden_size
+    # The gated FC1 adds a second h x f GEMM per layer: 2bshf forward FLOPs, twice that backward.
+    assert float(glu.fw_ms - gelu.fw_ms) == pytest.approx(2 * 2 * B * S * h * f * ms_per_flop)
+    assert float(glu.bw_ms - gelu.bw_ms) == pytest.approx(2 * 4 * B * S * h * f * ms_per_flop)
+    # It also keeps the second FC1 half: 2bsf more bytes a layer at 2-byte scale (x2 for fp32).
+    assert float(glu.stored_mib - gelu.stored_mib) * 2 ** 20 == pytest.approx(2 * 2 * B * S * f * 2)
+
+
+def test_cost_model_prices_grouped_query_attention():
+    mha, gqa = _cost(GPT), _cost(dataclasses.replace(GPT, num_query_groups=1))
+    h, ad, kd = GPT.hidden_size, GPT.attention_dim, 16
+    # Key and value projections shrink from a_d to k_d columns each.
+    assert float(mha.fw_ms - gqa.fw_ms) == pytest.approx(2 * 2 * 2 * B * S * h * (ad - kd) / DEVICE.effective_flops_per_ms)
+    # K and V activations shrink likewise (4 bytes a column at 2-byte scale, x2 for fp32).
+    assert float(mha.stored_mib - gqa.stored_mib) * 2 ** 20 == pytest.approx(2 * B * S * 4 * (ad - kd) * 2)
+    # The attention core (scores over every query head) is unchanged: selective recompute adds the same.
+    sel = _cost(dataclasses.replace(GPT, num_query_groups=1), "selective")
+    assert float(sel.bw_ms - gqa.bw_ms) == pytest.approx(float(_cost(GPT, "selective").bw_ms - mha.bw_ms))
+
+
+def test_parameter_count_follows_the_flags():
+    from dynapipe.cost.base import stage_param_count
+
+    def count(**kw):
+        return stage_param_count(dataclasses.replace(GPT, **kw), MIDDLE)
+
+    h, f, layers = GPT.hidden_size, GPT.ffn_hidden_size, 2
+    assert count(gated_linear_unit=True) - count() == layers * (h * f + f)
+    assert count() - count(add_bias_linear=False) == layers * (3 * h + f + h + h)
+    assert count() - count(num_query_groups=2) == layers * 2 * (h + 1) * (h - 32)
+    assert count() - count(normalization="RMSNorm") == layers * 2 * h
+    # Model state memory follows the count (what the planner subtracts from the memory limit).
+    full = AnalyticCostModel(GPT, DEVICE, 2).model_state_mib()
+    glu = AnalyticCostModel(dataclasses.replace(GPT, gated_linear_unit=True), DEVICE, 2).model_state_mib()
+    assert glu > full
+
+
+def test_tp_refuses_query_groups_it_cannot_split():
+    with pytest.raises(DynaPipeError, match="num_query_groups=1"):
+        TensorParallelConfig(size=2).validate(dataclasses.replace(GPT, num_query_groups=1))
+    TensorParallelConfig(size=2).validate(dataclasses.replace(GPT, num_query_groups=2))
+    with pytest.raises(DynaPipeError, match="num_query_groups=3 must divide"):
+        dataclasses.replace(GPT, num_query_groups=3).validate()
+
+
+def _grid(value):
+    return [[value] * 2 for _ in range(2)]
+
+
+def _profile(model: dict):
+    table = {k: _grid(0.5) for k in ("fw_ms", "bw_ms", "stored_mib", "peak_mib")}
+    return {"format": "dynapipe-profile", "version": 1, "mbs": [1, 2], "seqlen": [64, 128], "model": model,
+            "ops": {"layer": table, "embedding": table, "output": table}}
+
+
+def test_profile_of_another_layer_kind_is_refused():
+    swiglu = dataclasses.replace(GPT, gated_linear_unit=True)
+    # A profile that does not record the switches was measured on the default layer.
+    ProfileCostModel(GPT, _profile({"hidden_size": 64}), 2)
+    with pytest.raises(DynaPipeError, match="measured with gated_linear_unit=False but the model has "
+                                            "gated_linear_unit=True"):
+        ProfileCostModel(swiglu, _profile({"hidden_size": 64}), 2)
+    ProfileCostModel(swiglu, _profile({"gated_linear_unit": True}), 2)
+    with pytest.raises(DynaPipeError, match="num_query_groups=2"):
+        ProfileCostModel(GPT, _profile({"num_query_groups": 2}), 2)
+    assert np.isfinite(float(ProfileCostModel(GPT, _profile({}), 2).stage_cost(2, 96, stage=0).fw_ms))

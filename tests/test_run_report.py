@@ -1,0 +1,110 @@
+"""Start-up and end-of-run output in Megatron-LM's shape, and progress bars (no processes)."""
+import argparse
+import io
+from types import SimpleNamespace
+
+import pytest
+
+from dynapipe.progress import Progress, bars_wanted
+from megatron_integration.run_report import (argument_dump, parameter_count_line, resolved_args,
+                                             training_summary_lines)
+
+
+def test_argument_dump_is_megatrons_block():
+    args = argparse.Namespace(num_layers=2, Zeta="z", hidden_size=64, use_dynapipe=True, data_path=["a", "b"])
+    lines = argument_dump(args)
+    assert lines[0] == "------------------------ arguments ------------------------"
+    assert lines[-1] == "-------------------- end of arguments ---------------------"
+    body = lines[1:-1]
+    # Sorted case-insensitively, names dotted out to one column, values as Python prints them.
+    assert [l.split()[0] for l in body] == ["data_path", "hidden_size", "num_layers", "use_dynapipe", "Zeta"]
+    assert body[1] == "  hidden_size " + "." * 37 + " 64"
+    assert body[0].endswith(" ['a', 'b']") and body[3].endswith(" True")
+    assert len({l.index(" ", 2 + len(l.split()[0]) + 1) for l in body}) == 1  # values start in one column
+
+
+def test_parameter_count_line():
+    assert parameter_count_line(1, 3, 123456) == \
+        " > number of parameters on (tensor, pipeline) model parallel rank (1, 3): 123456"
+
+
+def test_training_summary_counts_the_run():
+    r = SimpleNamespace(real_tokens=300, padded_tokens=400, loss_tokens=290, skipped=False)
+    stamp, summary = training_summary_lines([r, r, SimpleNamespace(**{**vars(r), "skipped": True})], 4, 56, 2.0)
+    assert stamp.startswith("[after training is done] datetime: ")
+    assert summary == (" > training summary: iterations 5-7 (3) | consumed samples: 56 | real tokens: 900 | "
+                       "padded tokens: 1200 | loss tokens: 870 | skipped iterations: 1 | time (s): 2.0 | "
+                       "elapsed time per iteration (ms): 666.7 | real tokens/s: 450.0 | padding efficiency: 0.750")
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_is_plain_lines_off_a_terminal(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    out = io.StringIO()
+    with Progress(2, "profiling", stream=out) as bar:
+        assert bar.bar is None
+        bar.step("first")
+        bar.step("second")
+    assert out.getvalue() == "first\nsecond\n"
+
+
+def test_progress_bar_on_a_terminal_and_switches(monkeypatch):
+    pytest.importorskip("tqdm")
+    monkeypatch.setenv("RANK", "0")
+    term = Terminal()
+    assert bars_wanted(True, term) and not bars_wanted(False, term) and not bars_wanted(True, io.StringIO())
+    with Progress(2, "profiling", stream=term) as bar:
+        assert bar.bar is not None
+        bar.step("first")
+        bar.step("second")
+    text = term.getvalue()
+    # The lines above a drawn bar (carriage returns redraw it; tqdm throttles redraws).
+    assert "first\n" in text and "second\n" in text and "\rprofiling:" in text and "/2 [" in text
+    # --no-progress: plain lines even on a terminal.
+    term = Terminal()
+    with Progress(1, "profiling", enabled=False, stream=term) as bar:
+        bar.step("only")
+    assert term.getvalue() == "only\n"
+    # Other ranks of a job draw and print nothing.
+    monkeypatch.setenv("RANK", "1")
+    term = Terminal()
+    assert not bars_wanted(True, term)
+    with Progress(1, "profiling", stream=term) as bar:
+        bar.step("line")
+    assert term.getvalue() == ""
+
+
+def test_progress_steps_announced_before_they_end(monkeypatch):
+    """The bench's long steps: announced, then completed on the same line (plain), or shown as the
+    bar's label and written whole above it (terminal)."""
+    monkeypatch.setenv("RANK", "0")
+    out = io.StringIO()
+    with Progress(2, "bench", stream=out) as bar:
+        bar.begin("round 1/1: training padding on 2 rank(s) ...")
+        bar.step("12 s")
+        bar.step("plain")
+    assert out.getvalue() == "round 1/1: training padding on 2 rank(s) ... 12 s\nplain\n"
+    pytest.importorskip("tqdm")
+    term = Terminal()
+    with Progress(1, "bench", stream=term) as bar:
+        bar.begin("round 1/1: training dynapipe ...")
+        bar.step("3 s")
+    assert "\rround 1/1: training dynapipe ...: " in term.getvalue()  # the label while it runs
+    assert "round 1/1: training dynapipe ... 3 s\n" in term.getvalue()
+
+
+def test_dump_shows_values_validation_derived():
+    from megatron_integration.arguments import build_parser, training_config_from_args
+
+    argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --micro-batch-size 2 "
+            "--global-batch-size 8 --lr 1e-3 --mock-data --train-samples 80 --swiglu --vocab-size 50257").split()
+    args = build_parser().parse_args(argv)
+    cfg = training_config_from_args(args, 2, cuda=False)
+    text = "\n".join(argument_dump(resolved_args(args, cfg)))
+    for name, value in (("ffn_hidden_size", 128), ("kv_channels", 16), ("padded_vocab_size", 50304),
+                        ("train_iters", 10), ("data_parallel_size", 2), ("max_position_embeddings", 128)):
+        assert f"  {name} {'.' * (48 - len(name))} {value}\n" in text + "\n", name
