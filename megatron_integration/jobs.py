@@ -46,6 +46,7 @@ def training_job(argv: Sequence[str], echo: bool = False) -> dict:
         "activation_planned_mib": [r.activation_planned_mib for r in run.results],
         "pp_rank": pp_rank,
         "log_lines": run.log_lines,
+        "checkpoint_lines": run.checkpoint_lines,
         "layer_spec": run.spec_name,
         # Where each iteration's time went (megatron-core baselines: measured around its steps).
         "breakdown_ms": [r.breakdown_ms for r in run.results],

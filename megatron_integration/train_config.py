@@ -160,6 +160,11 @@ class DynaPipeTrainingConfig:
     check_for_nan_in_loss_and_grad: bool = True
     # Megatron's --exit-interval: stop (after saving, with --save) at the first multiple of it.
     exit_interval: Optional[int] = None
+    # Checkpoints: Megatron's --ckpt-format (torch_dist or this project's dynapipe) and --finetune
+    # (weights only, from iteration 0); the parsed arguments, stored as the checkpoint's ``args``.
+    ckpt_format: str = "torch_dist"
+    finetune: bool = False
+    megatron_args: dict = field(default_factory=dict, compare=False)
     extra: dict = field(default_factory=dict, compare=False)
 
     @property

@@ -1,5 +1,6 @@
 """Checkpoints: a run resumed from iteration k continues exactly as the uninterrupted run."""
 import os
+import re
 
 import pytest
 
@@ -21,10 +22,23 @@ def test_resume_continues_identically(tmp_path):
     assert first["losses"] == full[:2]
     with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
         assert f.read().strip() == "2"
-    assert os.path.exists(os.path.join(save, "iter_0000002", "mp_rank_00_001", "model_optim_rng.pt"))
+    # Megatron's torch_dist layout (the default --ckpt-format), every file with its checksum.
+    iter_dir = os.path.join(save, "iter_0000002")
+    files = sorted(os.listdir(iter_dir))
+    assert {"metadata.json", "common.pt", ".metadata"} <= set(files)
+    assert any(f.startswith("__1_") and f.endswith(".distcp") for f in files)  # the second stage's shards
+    assert all(f + ".sha256" in files for f in files if not f.endswith(".sha256"))
+    saving, saved = first["checkpoint_lines"]
+    assert re.fullmatch(rf"\[[-0-9: .]+\] saving checkpoint at iteration       2 to {save} in torch_dist format",
+                        saving)
+    assert re.fullmatch(rf"  \[[-0-9: .]+\] successfully saved checkpoint from iteration       2 to {save} "
+                        rf"\[ t 1/1, p 1/2 \]", saved)
     resumed = run_training(f"{TINY} --train-iters 4 --load {save}".split(), 2, timeout_s=TIMEOUT)[0]
     assert resumed["start_iteration"] == 2
-    assert resumed["losses"] == pytest.approx(full[2:], abs=1e-6, rel=1e-6)
+    assert resumed["losses"] == full[2:]  # bitwise: same weights, optimizer state, data position and RNG
+    assert resumed["checkpoint_lines"][:2] == [f" loading distributed checkpoint from {save} at iteration 2",
+                                               f"  successfully loaded checkpoint from {save} [ t 1/1, p 1/2 ] "
+                                               f"at iteration 2"]
     # Without restoring RNG states the dropout masks differ, so the check above has teeth.
     no_rng = run_training(f"{TINY} --train-iters 4 --load {save} --no-load-rng".split(), 2,
                           timeout_s=TIMEOUT)[0]
