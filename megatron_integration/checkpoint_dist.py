@@ -253,7 +253,11 @@ def load_dist(iter_dir: str, cfg, gpt, optimizer, scheduler, info: RankInfo, loa
         log(f"(TP, PP) mismatch after resume (({info.tp_size}, {info.pp_size}) vs {ckpt_layout} from "
             f"checkpoint): RNG state will be ignored")
         load_rng = False
-    has_optim = load_optim and _holds_optimizer(iter_dir)
+    saved = _saved_keys(iter_dir)
+    if load_rng and not any(k.startswith("rng_state") for k in saved):
+        raise DynaPipeError(f"{iter_dir} holds no RNG state; add --no-load-rng (or --finetune) to start the "
+                            f"generators from --seed.")
+    has_optim = load_optim and any(k.startswith("optimizer.") for k in saved)
     if has_optim and cfg.optimizer.distributed != ("distrib_optim_sharding_type" in metadata):
         saved = "without" if cfg.optimizer.distributed else "with"
         raise DynaPipeError(f"{iter_dir}: the optimizer state was saved {saved} --use-distributed-optimizer; resume "
@@ -274,6 +278,10 @@ def load_dist(iter_dir: str, cfg, gpt, optimizer, scheduler, info: RankInfo, loa
         optimizer.load_state_dict(loaded["optimizer"])
         if "opt_param_scheduler" in loaded:
             scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    else:
+        # As Megatron-LM: half-precision runs keep fp32 main copies of the weights in the
+        # optimizer; without its state they are refreshed from the loaded weights.
+        optimizer.reload_model_params()
     if load_rng:
         states = loaded["rng_state"]
         _set_rng_state(states[info.dp_rank] if len(states) == info.dp_size else states[0])
@@ -282,12 +290,11 @@ def load_dist(iter_dir: str, cfg, gpt, optimizer, scheduler, info: RankInfo, loa
     return iteration, consumed
 
 
-def _holds_optimizer(iter_dir: str) -> bool:
-    """Whether the checkpoint has optimizer state (a model-only export has none)."""
-    from megatron.core import dist_checkpointing
+def _saved_keys(iter_dir: str) -> set:
+    """The keys of the checkpoint's tensors and objects (``optimizer.*``, ``rng_state/*``, ...)."""
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
     try:
-        keys = dist_checkpointing.load_tensors_metadata(iter_dir).keys()
+        return set(load_sharded_metadata(iter_dir).keys())
     except Exception as e:
         raise _checkpoint_error(iter_dir, e) from None
-    return any(k.startswith("optimizer.") for k in keys)

@@ -1,6 +1,9 @@
 """Checkpoints: a run resumed from iteration k continues exactly as the uninterrupted run."""
+import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -52,3 +55,34 @@ def test_loading_into_a_different_model_is_refused(tmp_path):
     wider = one_stage.replace("--ffn-hidden-size 128", "--ffn-hidden-size 192")
     with pytest.raises(RankFailed, match="does not fit this model"):
         run_training(f"{wider} --train-iters 2 --load {save}".split(), 1, timeout_s=TIMEOUT)
+
+
+PEER = os.path.join(os.path.dirname(__file__), "mcore_checkpoint_peer.py")
+
+
+def _peer(command: str, root: str) -> str:
+    """Run the megatron-core-only peer script (a process without this project's code)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, PEER, command, root], capture_output=True, text=True, timeout=TIMEOUT,
+                          env=env, cwd=os.path.dirname(root))
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_checkpoints_interoperate_with_megatron_core(tmp_path):
+    """megatron-core's own save -> this project's run at PP2 -> megatron-core's own load at PP1."""
+    theirs, ours = str(tmp_path / "mcore"), str(tmp_path / "ours")
+    _peer("write", theirs)
+    # --finetune: weights only, from iteration 0 (the peer saved no optimizer or RNG state).
+    # --lr 0: one real training step that leaves every weight as loaded, then a torch_dist save.
+    run = run_training(f"{TINY} --hidden-dropout 0 --attention-dropout 0 --train-iters 1 --lr 0 --load {theirs} "
+                       f"--finetune --save {ours}".split(), 2, timeout_s=TIMEOUT)[0]
+    assert run["start_iteration"] == 0 and len(run["losses"]) == 1
+    assert run["checkpoint_lines"][:2] == [f" loading distributed checkpoint from {theirs} at iteration 5",
+                                           f" {theirs}/iter_0000005 has no checksums (not written by "
+                                           f"dynapipe-megatron): loading it unverified"]
+    report = json.loads(_peer("check", ours).strip().splitlines()[-1])
+    assert report["tensors"] > 10 and report["differ"] == []
+    assert report["iteration"] == 1 and report["checkpoint_version"] == 3.0
+    assert report["pipeline_model_parallel_size"] == 2 and report["consumed_train_samples"] == 4
+    assert {"args", "iteration", "checkpoint_version", "opt_param_scheduler"} <= set(report["keys"])
