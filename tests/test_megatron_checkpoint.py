@@ -2,11 +2,13 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
 import pytest
 
+from dynapipe.errors import DynaPipeError
 from megatron_integration.jobs import run_training
 from megatron_integration.launch import RankFailed
 
@@ -46,6 +48,41 @@ def test_resume_continues_identically(tmp_path):
     no_rng = run_training(f"{TINY} --train-iters 4 --load {save} --no-load-rng".split(), 2,
                           timeout_s=TIMEOUT)[0]
     assert abs(no_rng["losses"][0] - full[2]) > 1e-6
+    _verifier_catches_damage(iter_dir, tmp_path / "damaged")
+
+
+def _flip_middle_byte(path):
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x01]))
+
+
+def _verifier_catches_damage(iter_dir, scratch):
+    """The checksums of a real torch_dist checkpoint catch a flipped byte and a lost sidecar."""
+    from megatron_integration.checkpoint_dist import verify_dist_checkpoint
+
+    shutil.copytree(iter_dir, scratch)
+    assert verify_dist_checkpoint(str(scratch), 0, 1) is True
+    shard = sorted(str(p) for p in scratch.glob("__1_*.distcp"))[0]
+    _flip_middle_byte(shard)
+    # Every rank checks its share of the files; together they check all.
+    errors = []
+    for rank in range(3):
+        try:
+            verify_dist_checkpoint(str(scratch), rank, 3)
+        except DynaPipeError as e:
+            errors.append(str(e))
+    assert errors == [f"checkpoint file {shard} is corrupted: its SHA-256 differs from the one recorded at save "
+                      f"time; resume from another checkpoint."]
+    _flip_middle_byte(shard)  # repaired
+    os.remove(str(scratch / "common.pt.sha256"))
+    with pytest.raises(DynaPipeError, match="common.pt has no checksum"):
+        verify_dist_checkpoint(str(scratch), 0, 1)
+    for sidecar in scratch.glob("*.sha256"):
+        sidecar.unlink()
+    assert verify_dist_checkpoint(str(scratch), 0, 1) is False  # as Megatron-LM writes them: unverified
 
 
 def test_loading_into_a_different_model_is_refused(tmp_path):
@@ -86,3 +123,22 @@ def test_checkpoints_interoperate_with_megatron_core(tmp_path):
     assert report["iteration"] == 1 and report["checkpoint_version"] == 3.0
     assert report["pipeline_model_parallel_size"] == 2 and report["consumed_train_samples"] == 4
     assert {"args", "iteration", "checkpoint_version", "opt_param_scheduler"} <= set(report["keys"])
+
+
+def _parse(extra: str):
+    from megatron_integration.arguments import parse_training_args
+
+    return parse_training_args(f"{TINY} --train-iters 2 {extra}".split(), 2, cuda=False)
+
+
+def test_checkpoint_flags_have_megatrons_meaning(tmp_path):
+    cfg = _parse("")
+    assert cfg.ckpt_format == "torch_dist" and not cfg.finetune  # Megatron-LM's default
+    assert cfg.megatron_args["seq_length"] == 128 and cfg.megatron_args["global_batch_size"] == 4
+    assert _parse(f"--ckpt-format dynapipe --load {tmp_path} --finetune").finetune
+    assert _parse("--use-dist-ckpt --auto-detect-ckpt-format").ckpt_format == "torch_dist"  # accepted, no effect
+    with pytest.raises(DynaPipeError, match="^--ckpt-format is a Megatron-LM flag that dynapipe-megatron does not "
+                                            "support: torch .*use torch_dist"):
+        _parse("--ckpt-format torch")
+    with pytest.raises(DynaPipeError, match="--finetune needs --load"):
+        _parse("--finetune")

@@ -105,7 +105,7 @@ def test_vocabulary_is_padded_as_megatron_pads_it():
     assert parse("").model.vocab_size == 384  # the byte-level tokenizer's ids, already a multiple of 128
 
 
-@pytest.mark.parametrize("argv", [["--ckpt-format", "torch_dist"], ["--wandb-project=gpt"], ["--sequence-parallel"],
+@pytest.mark.parametrize("argv", [["--context-parallel-size", "2"], ["--wandb-project=gpt"], ["--sequence-parallel"],
                                   ["--split", "949,50,1"], ["--overlap-grad-reduce"]])
 def test_unsupported_megatron_flag_is_one_line(argv, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "0")
