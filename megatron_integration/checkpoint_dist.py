@@ -50,12 +50,23 @@ _CPU_REDIRECTS = ("megatron.core.dist_checkpointing.strategies.filesystem_async"
                   "megatron.core.dist_checkpointing.strategies.state_dict_saver")
 
 
-def _cpu_redirects() -> None:
+def _prepare_writer() -> None:
+    """CPU redirects, and an in-process results queue for the synchronous writer.
+
+    megatron-core's writer collects its results through a queue made by a ``Manager`` on
+    first use: a spawned interpreter (seconds per job) that only a background (async) save
+    needs. Saves here are synchronous, so the writer's results are put and taken in this
+    process and a plain queue serves."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
     from megatron_integration import cpu_compat
 
     if cpu_compat.is_applied():
         for name in _CPU_REDIRECTS:
             cpu_compat._patch_module(name)
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def is_dist_checkpoint(iter_dir: str) -> bool:
@@ -157,7 +168,7 @@ def save_dist(root: str, iter_dir: str, iteration: int, consumed_samples: int, g
     The caller writes ``latest_checkpointed_iteration.txt`` afterwards (after a barrier)."""
     from megatron.core import dist_checkpointing
 
-    _cpu_redirects()
+    _prepare_writer()
     metadata = _sharding_metadata(distributed_optimizer)
     state = _sharded_state_dict(gpt, optimizer, metadata, with_optim=True, is_loading=False)
     state.update(args=args, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration,
