@@ -123,6 +123,15 @@ def test_checkpoints_interoperate_with_megatron_core(tmp_path):
     assert report["iteration"] == 1 and report["checkpoint_version"] == 3.0
     assert report["pipeline_model_parallel_size"] == 2 and report["consumed_train_samples"] == 4
     assert {"args", "iteration", "checkpoint_version", "opt_param_scheduler"} <= set(report["keys"])
+    # The PP2 checkpoint, optimizer state included, resumes at PP1 (RNG states are per stage: skipped).
+    one_stage = TINY.replace(" --pipeline-model-parallel-size 2", "")
+    pp1 = run_training(f"{one_stage} --hidden-dropout 0 --attention-dropout 0 --train-iters 2 --lr 0 "
+                       f"--load {ours}".split(), 1, timeout_s=TIMEOUT)[0]
+    assert pp1["start_iteration"] == 1 and len(pp1["losses"]) == 1
+    assert pp1["checkpoint_lines"] == [f" loading distributed checkpoint from {ours} at iteration 1",
+                                       "(TP, PP) mismatch after resume ((1, 1) vs (1, 2) from checkpoint): RNG state "
+                                       "will be ignored",
+                                       f"  successfully loaded checkpoint from {ours} [ t 1/1, p 1/1 ] at iteration 1"]
 
 
 def _parse(extra: str):
