@@ -85,15 +85,6 @@ def _verifier_catches_damage(iter_dir, scratch):
     assert verify_dist_checkpoint(str(scratch), 0, 1) is False  # as Megatron-LM writes them: unverified
 
 
-def test_loading_into_a_different_model_is_refused(tmp_path):
-    save = str(tmp_path / "ckpt")
-    one_stage = TINY.replace(" --pipeline-model-parallel-size 2", "")
-    run_training(f"{one_stage} --train-iters 1 --save {save}".split(), 1, timeout_s=TIMEOUT)
-    wider = one_stage.replace("--ffn-hidden-size 128", "--ffn-hidden-size 192")
-    with pytest.raises(RankFailed, match="does not fit this model"):
-        run_training(f"{wider} --train-iters 2 --load {save}".split(), 1, timeout_s=TIMEOUT)
-
-
 PEER = os.path.join(os.path.dirname(__file__), "mcore_checkpoint_peer.py")
 
 
@@ -107,7 +98,8 @@ def _peer(command: str, root: str) -> str:
 
 
 def test_checkpoints_interoperate_with_megatron_core(tmp_path):
-    """megatron-core's own save -> this project's run at PP2 -> megatron-core's own load at PP1."""
+    """megatron-core's own save -> this project's run at PP2 -> megatron-core's own load at PP1; the PP2
+    checkpoint also resumes this project's PP1 run, and a model of another shape is refused."""
     theirs, ours = str(tmp_path / "mcore"), str(tmp_path / "ours")
     _peer("write", theirs)
     # --finetune: weights only, from iteration 0 (the peer saved no optimizer or RNG state).
@@ -132,6 +124,11 @@ def test_checkpoints_interoperate_with_megatron_core(tmp_path):
                                        "(TP, PP) mismatch after resume ((1, 1) vs (1, 2) from checkpoint): RNG state "
                                        "will be ignored",
                                        f"  successfully loaded checkpoint from {ours} [ t 1/1, p 1/1 ] at iteration 1"]
+    # A model of another shape is refused before any tensor is read.
+    wider = one_stage.replace("--ffn-hidden-size 128", "--ffn-hidden-size 192")
+    with pytest.raises(RankFailed, match=r"does not fit this model \(--ffn-hidden-size 128 in the checkpoint, 192 "
+                                         r"here\); use the model arguments it was saved with"):
+        run_training(f"{wider} --train-iters 2 --load {ours}".split(), 1, timeout_s=TIMEOUT)
 
 
 def _parse(extra: str):
