@@ -285,6 +285,14 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--rotary-percent": "rotary embeddings cover the whole head; drop it",
     "--use-checkpoint-opt_param-scheduler": "the scheduler is restored with the checkpoint; drop it",
     "--override-opt_param-scheduler": "the scheduler is restored with the checkpoint; drop it",
+    "--no-save-optim": "checkpoints always hold the optimizer state; drop it (load with --no-load-optim or "
+                       "--finetune to leave it out)",
+    "--no-save-rng": "checkpoints always hold the RNG states; drop it (load with --no-load-rng to leave them out)",
+    "--async-save": "checkpoints are saved synchronously; drop it",
+    "--use-checkpoint-args": "the model is built from the command line, and a checkpoint of another shape is "
+                             "refused; give the model arguments it was saved with",
+    "--ckpt-step": "--load resumes from the iteration in latest_checkpointed_iteration.txt; drop it",
+    "--pretrained-checkpoint": "give the checkpoint with --load (and --finetune to start from its weights)",
 }
 
 

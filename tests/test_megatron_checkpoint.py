@@ -148,3 +148,15 @@ def test_checkpoint_flags_have_megatrons_meaning(tmp_path):
         _parse("--ckpt-format torch")
     with pytest.raises(DynaPipeError, match="--finetune needs --load"):
         _parse("--finetune")
+
+
+def test_checkpoint_flags_not_honoured_are_one_line(capsys, monkeypatch):
+    from megatron_integration.arguments import build_parser
+
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as e:
+        build_parser("pretrain_gpt.py").parse_args(f"{TINY} --train-iters 2 --no-save-optim".split())
+    assert e.value.code == 2
+    assert capsys.readouterr().err == ("error: --no-save-optim is a Megatron-LM flag that dynapipe-megatron does not "
+                                       "support: checkpoints always hold the optimizer state; drop it (load with "
+                                       "--no-load-optim or --finetune to leave it out)\n")
