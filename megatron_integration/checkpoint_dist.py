@@ -161,11 +161,12 @@ def _sharded_state_dict(gpt, optimizer, metadata: dict, with_optim: bool, is_loa
     return state
 
 
-def save_dist(root: str, iter_dir: str, iteration: int, consumed_samples: int, gpt, optimizer, scheduler,
-              info: RankInfo, args: argparse.Namespace, distributed_optimizer: bool) -> None:
+def save_dist(iter_dir: str, iteration: int, gpt, optimizer, scheduler, info: RankInfo,
+              args: argparse.Namespace, distributed_optimizer: bool) -> None:
     """Write this rank's shards of the checkpoint of ``iteration`` into ``iter_dir``; collective.
 
-    The caller writes ``latest_checkpointed_iteration.txt`` afterwards (after a barrier)."""
+    ``args`` (see :func:`megatron_args`) carries the consumed samples. The caller writes
+    ``latest_checkpointed_iteration.txt`` afterwards (after a barrier)."""
     from megatron.core import dist_checkpointing
 
     _prepare_writer()

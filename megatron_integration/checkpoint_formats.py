@@ -51,8 +51,8 @@ def save(cfg, iteration: int, consumed_samples: int, gpt, optimizer, scheduler, 
     if cfg.ckpt_format == "torch_dist":
         iter_dir = _iter_dir(root, iteration)
         args = checkpoint_dist.megatron_args(cfg.megatron_args, cfg, info, iteration, consumed_samples)
-        checkpoint_dist.save_dist(root, iter_dir, iteration, consumed_samples, gpt, optimizer, scheduler, info,
-                                  args, cfg.optimizer.distributed)
+        checkpoint_dist.save_dist(iter_dir, iteration, gpt, optimizer, scheduler, info, args,
+                                  cfg.optimizer.distributed)
         dist.barrier()
         if info.rank == 0:
             tmp = os.path.join(root, LATEST + ".tmp")

@@ -1,4 +1,5 @@
 """Checkpoints: a run resumed from iteration k continues exactly as the uninterrupted run."""
+import io
 import json
 import os
 import re
@@ -10,7 +11,7 @@ import pytest
 
 from dynapipe.errors import DynaPipeError
 from megatron_integration.jobs import run_training
-from megatron_integration.launch import RankFailed
+from megatron_integration.launch import spawn
 
 # Dropout on: the resumed run must also restore every RNG to draw the same masks.
 TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --seq-length 128 "
@@ -115,20 +116,41 @@ def test_checkpoints_interoperate_with_megatron_core(tmp_path):
     assert report["iteration"] == 1 and report["checkpoint_version"] == 3.0
     assert report["pipeline_model_parallel_size"] == 2 and report["consumed_train_samples"] == 4
     assert {"args", "iteration", "checkpoint_version", "opt_param_scheduler"} <= set(report["keys"])
-    # The PP2 checkpoint, optimizer state included, resumes at PP1 (RNG states are per stage: skipped).
+    # The PP2 checkpoint, optimizer state included, resumes at PP1 (RNG states are per stage: skipped);
+    # a model of another shape is refused before any tensor is read. One process runs both.
     one_stage = TINY.replace(" --pipeline-model-parallel-size 2", "")
-    pp1 = run_training(f"{one_stage} --hidden-dropout 0 --attention-dropout 0 --train-iters 2 --lr 0 "
-                       f"--load {ours}".split(), 1, timeout_s=TIMEOUT)[0]
+    wider = one_stage.replace("--ffn-hidden-size 128", "--ffn-hidden-size 192")
+    pp1, refused = spawn(_runs_in_one_job, 1, ([f"{one_stage} --hidden-dropout 0 --attention-dropout 0 "
+                                                 f"--train-iters 2 --lr 0 --load {ours}",
+                                                 f"{wider} --train-iters 2 --load {ours}"],), timeout_s=TIMEOUT)[0]
     assert pp1["start_iteration"] == 1 and len(pp1["losses"]) == 1
     assert pp1["checkpoint_lines"] == [f" loading distributed checkpoint from {ours} at iteration 1",
                                        "(TP, PP) mismatch after resume ((1, 1) vs (1, 2) from checkpoint): RNG state "
                                        "will be ignored",
                                        f"  successfully loaded checkpoint from {ours} [ t 1/1, p 1/1 ] at iteration 1"]
-    # A model of another shape is refused before any tensor is read.
-    wider = one_stage.replace("--ffn-hidden-size 128", "--ffn-hidden-size 192")
-    with pytest.raises(RankFailed, match=r"does not fit this model \(--ffn-hidden-size 128 in the checkpoint, 192 "
-                                         r"here\); use the model arguments it was saved with"):
-        run_training(f"{wider} --train-iters 2 --load {ours}".split(), 1, timeout_s=TIMEOUT)
+    assert refused["error"] == (f"{ours}/iter_0000001: the checkpoint does not fit this model (--ffn-hidden-size "
+                                f"128 in the checkpoint, 192 here); use the model arguments it was saved with.")
+
+
+def _runs_in_one_job(argvs: list) -> list:
+    """Rank body: one training run per command line, in the same process group (saves the start-up
+    of a job per run); each run's start, losses and checkpoint lines, or its one-line error."""
+    from megatron_integration.arguments import parse_training_args
+    from megatron_integration.initialize import destroy
+    from megatron_integration.training import pretrain
+
+    out = []
+    try:
+        for argv in argvs:
+            try:
+                run = pretrain(parse_training_args(argv.split(), int(os.environ["WORLD_SIZE"])), stream=io.StringIO())
+                out.append({"start_iteration": run.start_iteration, "losses": run.losses,
+                            "checkpoint_lines": run.checkpoint_lines})
+            except DynaPipeError as e:
+                out.append({"error": str(e)})
+    finally:
+        destroy()
+    return out
 
 
 def _parse(extra: str):
