@@ -26,6 +26,8 @@ setup(
         # Runtime and integration layers; the planning layers need only numpy and pyyaml.
         "torch>=2.1",
         "megatron-core>=0.16.1",
+        # megatron-core's dist_checkpointing writer (torch_dist checkpoints) needs it and does not declare it.
+        "psutil>=5.9",
     ],
     extras_require={
         "dev": ["pytest>=7", "hypothesis>=6", "matplotlib>=3.7", "redis>=5", "tqdm>=4.60"],

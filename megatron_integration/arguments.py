@@ -143,6 +143,14 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
     g.add_argument("--no-load-optim", action="store_true", help="do not restore the optimizer state")
     g.add_argument("--no-load-rng", action="store_true", help="do not restore the RNG states")
+    g.add_argument("--ckpt-format", default="torch_dist", choices=("torch_dist", "torch", "dynapipe"),
+                   help="torch_dist: megatron-core's distributed checkpoint, as Megatron-LM writes it (default); "
+                        "dynapipe: this project's per-rank files (torch: Megatron's legacy format, not written)")
+    g.add_argument("--finetune", action="store_true",
+                   help="load the model weights only (no optimizer, scheduler or RNG) and start at iteration 0")
+    g.add_argument("--auto-detect-ckpt-format", action="store_true",
+                   help="accepted: --load always reads the format the checkpoint is in")
+    g.add_argument("--use-dist-ckpt", action="store_true", help="deprecated in Megatron-LM (see --ckpt-format); no effect")
 
     g = parser.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100, help="iterations between log lines")
@@ -260,9 +268,6 @@ def _unsupported(flag: str, reason: str) -> DynaPipeError:
 # Megatron-LM flags this build does not take, and why (or what to use instead). Anything
 # not listed here and not declared above is not a Megatron-LM flag and gets argparse's error.
 UNSUPPORTED_MEGATRON_FLAGS = {
-    "--ckpt-format": "checkpoints are written in this project's own format (torch_dist is not implemented yet); "
-                     "drop it",
-    "--use-dist-ckpt": "checkpoints are written in this project's own format; drop it",
     "--wandb-project": "use --tensorboard-dir for metrics",
     "--wandb-exp-name": "use --tensorboard-dir for metrics",
     "--wandb-save-dir": "use --tensorboard-dir for metrics",
@@ -285,6 +290,14 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--rotary-percent": "rotary embeddings cover the whole head; drop it",
     "--use-checkpoint-opt_param-scheduler": "the scheduler is restored with the checkpoint; drop it",
     "--override-opt_param-scheduler": "the scheduler is restored with the checkpoint; drop it",
+    "--no-save-optim": "checkpoints always hold the optimizer state; drop it (load with --no-load-optim or "
+                       "--finetune to leave it out)",
+    "--no-save-rng": "checkpoints always hold the RNG states; drop it (load with --no-load-rng to leave them out)",
+    "--async-save": "checkpoints are saved synchronously; drop it",
+    "--use-checkpoint-args": "the model is built from the command line, and a checkpoint of another shape is "
+                             "refused; give the model arguments it was saved with",
+    "--ckpt-step": "--load resumes from the iteration in latest_checkpointed_iteration.txt; drop it",
+    "--pretrained-checkpoint": "give the checkpoint with --load (and --finetune to start from its weights)",
 }
 
 
@@ -485,6 +498,7 @@ def training_config_from_args(args: argparse.Namespace, world_size: int,
         check_save_dir(args.save)
     if args.load and not os.path.isdir(args.load):
         raise DynaPipeError(f"--load {args.load!r}: no such checkpoint directory.")
+    _checkpoint_args_honoured(args)
 
     return DynaPipeTrainingConfig(
         model=model, parallel=parallel, optimizer=optimizer, data=data, dynapipe=dyn,
@@ -494,7 +508,24 @@ def training_config_from_args(args: argparse.Namespace, world_size: int,
         load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, log_interval=args.log_interval,
         tensorboard_dir=args.tensorboard_dir, recompute=recompute,
         check_for_nan_in_loss_and_grad=getattr(args, "check_for_nan_in_loss_and_grad", True),
-        exit_interval=args.exit_interval, evaluation=evaluation)
+        exit_interval=args.exit_interval, evaluation=evaluation, ckpt_format=args.ckpt_format, finetune=args.finetune,
+        megatron_args=_recorded_args(args))
+
+
+def _checkpoint_args_honoured(args: argparse.Namespace) -> None:
+    """Refuse the checkpoint flags this build cannot honour."""
+    if args.ckpt_format == "torch":
+        raise _unsupported("--ckpt-format", "torch (Megatron's legacy per-rank files) is not written; use "
+                                            "torch_dist (the default, which Megatron-LM loads) or dynapipe")
+    if args.finetune and not args.load:
+        raise DynaPipeError("--finetune needs --load DIR (the checkpoint whose weights to start from).")
+
+
+def _recorded_args(args: argparse.Namespace) -> dict:
+    """The parsed arguments with plain values, as a checkpoint records them (Megatron-LM's ``args``)."""
+    plain = (str, int, float, bool, type(None))
+    return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in vars(args).items()
+            if isinstance(v, plain) or (isinstance(v, (list, tuple)) and all(isinstance(x, plain) for x in v))}
 
 
 def _schedule_from_samples(args: argparse.Namespace) -> None:

@@ -1,6 +1,9 @@
-"""Save and resume training: model, optimizer, LR schedule, consumed samples, RNG.
+"""``--ckpt-format dynapipe``: this project's own per-rank checkpoint files (model, optimizer,
+LR schedule, consumed samples, RNG), read only by this project; Megatron's ``torch_dist`` is
+:mod:`megatron_integration.checkpoint_dist`, and :mod:`megatron_integration.checkpoint_formats`
+chooses between the two.
 
-Layout (Megatron's, so the directories look familiar)::
+Layout (Megatron's directory names, so they look familiar)::
 
     SAVE/latest_checkpointed_iteration.txt              # the newest complete iteration
     SAVE/iter_0000100/mp_rank_00_001/model_optim_rng.pt # per (tensor, pipeline) rank, written by DP rank 0

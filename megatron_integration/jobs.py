@@ -50,6 +50,7 @@ def training_job(argv: Sequence[str], echo: bool = False) -> dict:
         "eval_lines": run.eval_lines,
         "eval_path": run.eval_path,
         "printed": stream.getvalue() if isinstance(stream, io.StringIO) else "",
+        "checkpoint_lines": run.checkpoint_lines,
         "layer_spec": run.spec_name,
         # Where each iteration's time went (megatron-core baselines: measured around its steps).
         "breakdown_ms": [r.breakdown_ms for r in run.results],

@@ -198,6 +198,11 @@ class DynaPipeTrainingConfig:
     # Megatron's --exit-interval: stop (after saving, with --save) at the first multiple of it.
     exit_interval: Optional[int] = None
     evaluation: EvalArgs = field(default_factory=EvalArgs)
+    # Checkpoints: Megatron's --ckpt-format (torch_dist or this project's dynapipe) and --finetune
+    # (weights only, from iteration 0); the parsed arguments, stored as the checkpoint's ``args``.
+    ckpt_format: str = "torch_dist"
+    finetune: bool = False
+    megatron_args: dict = field(default_factory=dict, compare=False)
     extra: dict = field(default_factory=dict, compare=False)
 
     @property

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Optional, Protocol, TextIO
 
-from megatron_integration.checkpoint import load_checkpoint, save_checkpoint
+from megatron_integration import checkpoint_formats
 from megatron_integration.data import GlobalBatches, data_summary_lines
 from megatron_integration.evaluation import SPLIT_NAMES, log_eval, validation_lines
 from megatron_integration.initialize import RankInfo, initialize_megatron
@@ -110,6 +110,8 @@ class TrainingRun:
     # How evaluation batches ran: "dynapipe-plans:N" (N forward-only plans through the executor),
     # "megatron-forward-only" (megatron-core's schedule), "" (no evaluation).
     eval_path: str = ""
+    # Megatron-LM's checkpoint save/load lines (rank 0).
+    checkpoint_lines: list[str] = field(default_factory=list)
 
     @property
     def losses(self) -> list[float]:
@@ -119,6 +121,13 @@ class TrainingRun:
 def current_lr(optimizer) -> float:
     """The learning rate of the first parameter group."""
     return float(optimizer.param_groups[0]["lr"])
+
+
+def _print_rank_0(info: RankInfo, stream: TextIO, lines: list[str], line: str) -> None:
+    """Megatron-LM's ``print_rank_0``, also kept in ``lines``."""
+    if info.rank == 0:
+        print(line, file=stream, flush=True)
+        lines.append(line)
 
 
 def vocab_padding_line(cfg: DynaPipeTrainingConfig) -> Optional[str]:
@@ -149,8 +158,9 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
     optimizer, scheduler = build_optimizer(cfg, stage)
     attach_training_hooks(stage, optimizer)
     run = TrainingRun(spec_name=stage.spec_name)
+    log = partial(_print_rank_0, info, stream, run.checkpoint_lines)
     if cfg.load:
-        resumed = load_checkpoint(cfg.load, stage.gpt, optimizer, scheduler, info, cfg.load_optim, cfg.load_rng)
+        resumed = checkpoint_formats.load(cfg, stage.gpt, optimizer, scheduler, info, log)
         if resumed is not None:
             run.start_iteration, run.consumed_samples = resumed.iteration, resumed.consumed_samples
     stepper = make_stepper(cfg, info, stage, optimizer, scheduler, run.start_iteration, run.consumed_samples)
@@ -178,9 +188,9 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
                 if logger.writer is not None:
                     logger.writer.add_scalar("lm loss validation", result.loss, done)
             if cfg.save and cfg.save_interval and done % cfg.save_interval == 0 and done != last:
-                save_checkpoint(cfg.save, done, run.consumed_samples, stage.gpt, optimizer, scheduler, info)
+                checkpoint_formats.save(cfg, done, run.consumed_samples, stage.gpt, optimizer, scheduler, info, log)
         if cfg.save and last > run.start_iteration:
-            save_checkpoint(cfg.save, last, run.consumed_samples, stage.gpt, optimizer, scheduler, info)
+            checkpoint_formats.save(cfg, last, run.consumed_samples, stage.gpt, optimizer, scheduler, info, log)
         if logger.is_logging_rank:  # after its own last iteration line (every rank has the same results)
             summary = training_summary_lines(run.results, run.start_iteration, run.consumed_samples,
                                              time.perf_counter() - started)

@@ -723,6 +723,13 @@ def _flip(path, offset, mask=0xFF):
         f.write(bytes([b ^ mask]))
 
 
+def _strip_checksums_and_cut_common(iter_dir):
+    for name in os.listdir(iter_dir):
+        if name.endswith(".sha256"):
+            os.remove(os.path.join(iter_dir, name))
+    _truncate(os.path.join(iter_dir, "common.pt"), 100)
+
+
 def _replace_with_other(path):
     import torch
 
@@ -860,6 +867,7 @@ def fault_outcomes(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("faults")
     save, nan_save, data = str(d / "ckpt"), str(d / "nan-ckpt"), d / "data"
+    dist_save = str(d / "dist-ckpt")
     data.mkdir()
     out_of_vocab = _indexed(data / "vocab", [[5, 6, 7, 8]] * 6 + [[5, 200, 7]] + [[9, 10]] * 5)
     good = _indexed(data / "good", [list(range(5, 9 + 3 * (i % 7))) for i in range(32)])
@@ -868,13 +876,20 @@ def fault_outcomes(tmp_path_factory):
         # Indexed data through the planner workers: the data checks pass, then the loss diverges.
         "nan_dynapipe": ("train", f"{TINY} --data-path {good} --train-iters 3 --lr 1e20 --use-dynapipe"),
         "nan_unchecked": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e20 --no-check-for-nan-in-loss-and-grad"),
-        "saved": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --save {save}"),
+        "saved": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --save {save} --ckpt-format dynapipe"),
         "resumed": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --load {save}"),
         "flip_rank1_rng": ("rank0", _flip, (os.path.join(save, "iter_0000002", "mp_rank_00_001", "rng_dp_000.pt"), 99)),
         "load_flipped_rng": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --load {save}"),
         "truncate_rank0_model": ("rank0", _truncate, (os.path.join(save, "iter_0000002", "mp_rank_00_000",
                                                                    "model_optim_rng.pt"), -10)),
         "load_truncated": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --load {save} --no-load-rng"),
+        # torch_dist: a shard cut short is named by its checksum; without checksums (as Megatron-LM
+        # writes them) dist_checkpointing's own error comes back as one line naming the file.
+        "saved_dist": ("train", f"{TINY}{MOCK} --train-iters 1 --lr 1e-3 --save {dist_save}"),
+        "truncate_dist_shard": ("rank0", _truncate, (os.path.join(dist_save, "iter_0000001", "__1_0.distcp"), -7)),
+        "load_truncated_dist": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {dist_save}"),
+        "unverified_and_broken": ("rank0", _strip_checksums_and_cut_common, (os.path.join(dist_save, "iter_0000001"),)),
+        "load_unverified_broken": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {dist_save}"),
         "data_padding": ("train", f"{TINY} --data-path {out_of_vocab} --train-iters 1 --lr 1e-3"),
         "data_dynapipe": ("train", f"{TINY} --data-path {out_of_vocab} --train-iters 1 --lr 1e-3 --use-dynapipe"),
         "good_data": ("train", f"{TINY} --data-path {good} --train-iters 1 --lr 1e-3"),
@@ -948,6 +963,17 @@ def test_a_corrupted_file_of_one_rank_stops_every_rank(fault_outcomes):
         assert kind in texts[0] and ".pt" in texts[0] and "\n" not in texts[0]
     assert "rank 1: " in outcomes["load_flipped_rng"][0]["error"]
     assert "rank 0: " in outcomes["load_truncated"][0]["error"]
+
+
+def test_a_broken_torch_dist_checkpoint_stops_every_rank_with_one_line(fault_outcomes):
+    outcomes, _ = fault_outcomes
+    assert outcomes["saved_dist"][0]["losses"]
+    truncated = [o["error"] for o in outcomes["load_truncated_dist"]]
+    assert truncated[0] == truncated[1] and "\n" not in truncated[0]
+    assert "__1_0.distcp is truncated" in truncated[0]
+    broken = [o["error"] for o in outcomes["load_unverified_broken"]]
+    assert broken[0] == broken[1] and "\n" not in broken[0]
+    assert "common.pt" in broken[0] and "cannot be loaded" in broken[0]
 
 
 @pytest.mark.parametrize("name", ["data_padding", "data_dynapipe"])

@@ -1,10 +1,17 @@
 """Checkpoints: a run resumed from iteration k continues exactly as the uninterrupted run."""
+import io
+import json
 import os
+import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 
+from dynapipe.errors import DynaPipeError
 from megatron_integration.jobs import run_training
-from megatron_integration.launch import RankFailed
+from megatron_integration.launch import spawn
 
 # Dropout on: the resumed run must also restore every RNG to draw the same masks.
 TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --seq-length 128 "
@@ -21,20 +28,157 @@ def test_resume_continues_identically(tmp_path):
     assert first["losses"] == full[:2]
     with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
         assert f.read().strip() == "2"
-    assert os.path.exists(os.path.join(save, "iter_0000002", "mp_rank_00_001", "model_optim_rng.pt"))
+    # Megatron's torch_dist layout (the default --ckpt-format), every file with its checksum.
+    iter_dir = os.path.join(save, "iter_0000002")
+    files = sorted(os.listdir(iter_dir))
+    assert {"metadata.json", "common.pt", ".metadata"} <= set(files)
+    assert any(f.startswith("__1_") and f.endswith(".distcp") for f in files)  # the second stage's shards
+    assert all(f + ".sha256" in files for f in files if not f.endswith(".sha256"))
+    saving, saved = first["checkpoint_lines"]
+    assert re.fullmatch(rf"\[[-0-9: .]+\] saving checkpoint at iteration       2 to {save} in torch_dist format",
+                        saving)
+    assert re.fullmatch(rf"  \[[-0-9: .]+\] successfully saved checkpoint from iteration       2 to {save} "
+                        rf"\[ t 1/1, p 1/2 \]", saved)
     resumed = run_training(f"{TINY} --train-iters 4 --load {save}".split(), 2, timeout_s=TIMEOUT)[0]
     assert resumed["start_iteration"] == 2
-    assert resumed["losses"] == pytest.approx(full[2:], abs=1e-6, rel=1e-6)
+    assert resumed["losses"] == full[2:]  # bitwise: same weights, optimizer state, data position and RNG
+    assert resumed["checkpoint_lines"][:2] == [f" loading distributed checkpoint from {save} at iteration 2",
+                                               f"  successfully loaded checkpoint from {save} [ t 1/1, p 1/2 ] "
+                                               f"at iteration 2"]
     # Without restoring RNG states the dropout masks differ, so the check above has teeth.
     no_rng = run_training(f"{TINY} --train-iters 4 --load {save} --no-load-rng".split(), 2,
                           timeout_s=TIMEOUT)[0]
     assert abs(no_rng["losses"][0] - full[2]) > 1e-6
+    _verifier_catches_damage(iter_dir, tmp_path / "damaged")
 
 
-def test_loading_into_a_different_model_is_refused(tmp_path):
-    save = str(tmp_path / "ckpt")
+def _flip_middle_byte(path):
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x01]))
+
+
+def _verifier_catches_damage(iter_dir, scratch):
+    """The checksums of a real torch_dist checkpoint catch a flipped byte and a lost sidecar."""
+    from megatron_integration.checkpoint_dist import verify_dist_checkpoint
+
+    shutil.copytree(iter_dir, scratch)
+    assert verify_dist_checkpoint(str(scratch), 0, 1) is True
+    shard = sorted(str(p) for p in scratch.glob("__1_*.distcp"))[0]
+    _flip_middle_byte(shard)
+    # Every rank checks its share of the files; together they check all.
+    errors = []
+    for rank in range(3):
+        try:
+            verify_dist_checkpoint(str(scratch), rank, 3)
+        except DynaPipeError as e:
+            errors.append(str(e))
+    assert errors == [f"checkpoint file {shard} is corrupted: its SHA-256 differs from the one recorded at save "
+                      f"time; resume from another checkpoint."]
+    _flip_middle_byte(shard)  # repaired
+    os.remove(str(scratch / "common.pt.sha256"))
+    with pytest.raises(DynaPipeError, match="common.pt has no checksum"):
+        verify_dist_checkpoint(str(scratch), 0, 1)
+    for sidecar in scratch.glob("*.sha256"):
+        sidecar.unlink()
+    assert verify_dist_checkpoint(str(scratch), 0, 1) is False  # as Megatron-LM writes them: unverified
+
+
+PEER = os.path.join(os.path.dirname(__file__), "mcore_checkpoint_peer.py")
+
+
+def _peer(command: str, root: str) -> str:
+    """Run the megatron-core-only peer script (a process without this project's code)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, PEER, command, root], capture_output=True, text=True, timeout=TIMEOUT,
+                          env=env, cwd=os.path.dirname(root))
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_checkpoints_interoperate_with_megatron_core(tmp_path):
+    """megatron-core's own save -> this project's run at PP2 -> megatron-core's own load at PP1; the PP2
+    checkpoint also resumes this project's PP1 run, and a model of another shape is refused."""
+    theirs, ours = str(tmp_path / "mcore"), str(tmp_path / "ours")
+    _peer("write", theirs)
+    # --finetune: weights only, from iteration 0 (the peer saved no optimizer or RNG state).
+    # --lr 0: one real training step that leaves every weight as loaded, then a torch_dist save.
+    run = run_training(f"{TINY} --hidden-dropout 0 --attention-dropout 0 --train-iters 1 --lr 0 --load {theirs} "
+                       f"--finetune --save {ours}".split(), 2, timeout_s=TIMEOUT)[0]
+    assert run["start_iteration"] == 0 and len(run["losses"]) == 1
+    assert run["checkpoint_lines"][:2] == [f" loading distributed checkpoint from {theirs} at iteration 5",
+                                           f" {theirs}/iter_0000005 has no checksums (not written by "
+                                           f"dynapipe-megatron): loading it unverified"]
+    report = json.loads(_peer("check", ours).strip().splitlines()[-1])
+    assert report["tensors"] > 10 and report["differ"] == []
+    assert report["iteration"] == 1 and report["checkpoint_version"] == 3.0
+    assert report["pipeline_model_parallel_size"] == 2 and report["consumed_train_samples"] == 4
+    assert {"args", "iteration", "checkpoint_version", "opt_param_scheduler"} <= set(report["keys"])
+    # The PP2 checkpoint, optimizer state included, resumes at PP1 (RNG states are per stage: skipped);
+    # a model of another shape is refused before any tensor is read. One process runs both.
     one_stage = TINY.replace(" --pipeline-model-parallel-size 2", "")
-    run_training(f"{one_stage} --train-iters 1 --save {save}".split(), 1, timeout_s=TIMEOUT)
     wider = one_stage.replace("--ffn-hidden-size 128", "--ffn-hidden-size 192")
-    with pytest.raises(RankFailed, match="does not fit this model"):
-        run_training(f"{wider} --train-iters 2 --load {save}".split(), 1, timeout_s=TIMEOUT)
+    pp1, refused = spawn(_runs_in_one_job, 1, ([f"{one_stage} --hidden-dropout 0 --attention-dropout 0 "
+                                                 f"--train-iters 2 --lr 0 --load {ours}",
+                                                 f"{wider} --train-iters 2 --load {ours}"],), timeout_s=TIMEOUT)[0]
+    assert pp1["start_iteration"] == 1 and len(pp1["losses"]) == 1
+    assert pp1["checkpoint_lines"] == [f" loading distributed checkpoint from {ours} at iteration 1",
+                                       "(TP, PP) mismatch after resume ((1, 1) vs (1, 2) from checkpoint): RNG state "
+                                       "will be ignored",
+                                       f"  successfully loaded checkpoint from {ours} [ t 1/1, p 1/1 ] at iteration 1"]
+    assert refused["error"] == (f"{ours}/iter_0000001: the checkpoint does not fit this model (--ffn-hidden-size "
+                                f"128 in the checkpoint, 192 here); use the model arguments it was saved with.")
+
+
+def _runs_in_one_job(argvs: list) -> list:
+    """Rank body: one training run per command line, in the same process group (saves the start-up
+    of a job per run); each run's start, losses and checkpoint lines, or its one-line error."""
+    from megatron_integration.arguments import parse_training_args
+    from megatron_integration.initialize import destroy
+    from megatron_integration.training import pretrain
+
+    out = []
+    try:
+        for argv in argvs:
+            try:
+                run = pretrain(parse_training_args(argv.split(), int(os.environ["WORLD_SIZE"])), stream=io.StringIO())
+                out.append({"start_iteration": run.start_iteration, "losses": run.losses,
+                            "checkpoint_lines": run.checkpoint_lines})
+            except DynaPipeError as e:
+                out.append({"error": str(e)})
+    finally:
+        destroy()
+    return out
+
+
+def _parse(extra: str):
+    from megatron_integration.arguments import parse_training_args
+
+    return parse_training_args(f"{TINY} --train-iters 2 {extra}".split(), 2, cuda=False)
+
+
+def test_checkpoint_flags_have_megatrons_meaning(tmp_path):
+    cfg = _parse("")
+    assert cfg.ckpt_format == "torch_dist" and not cfg.finetune  # Megatron-LM's default
+    assert cfg.megatron_args["seq_length"] == 128 and cfg.megatron_args["global_batch_size"] == 4
+    assert _parse(f"--ckpt-format dynapipe --load {tmp_path} --finetune").finetune
+    assert _parse("--use-dist-ckpt --auto-detect-ckpt-format").ckpt_format == "torch_dist"  # accepted, no effect
+    with pytest.raises(DynaPipeError, match="^--ckpt-format is a Megatron-LM flag that dynapipe-megatron does not "
+                                            "support: torch .*use torch_dist"):
+        _parse("--ckpt-format torch")
+    with pytest.raises(DynaPipeError, match="--finetune needs --load"):
+        _parse("--finetune")
+
+
+def test_checkpoint_flags_not_honoured_are_one_line(capsys, monkeypatch):
+    from megatron_integration.arguments import build_parser
+
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as e:
+        build_parser("pretrain_gpt.py").parse_args(f"{TINY} --train-iters 2 --no-save-optim".split())
+    assert e.value.code == 2
+    assert capsys.readouterr().err == ("error: --no-save-optim is a Megatron-LM flag that dynapipe-megatron does not "
+                                       "support: checkpoints always hold the optimizer state; drop it (load with "
+                                       "--no-load-optim or --finetune to leave it out)\n")

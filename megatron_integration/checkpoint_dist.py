@@ -1,0 +1,312 @@
+"""Megatron's distributed checkpoint format (``--ckpt-format torch_dist``).
+
+Written and read by megatron-core's ``dist_checkpointing`` with the state dict Megatron-LM's
+``generate_state_dict`` builds, so Megatron-LM and megatron-core load these checkpoints and
+this project loads theirs::
+
+    SAVE/latest_checkpointed_iteration.txt
+    SAVE/iter_0000100/metadata.json       # dist_checkpointing's format marker
+    SAVE/iter_0000100/common.pt           # args, iteration, checkpoint_version, opt_param_scheduler
+    SAVE/iter_0000100/.metadata           # torch.distributed.checkpoint's index of the shards
+    SAVE/iter_0000100/__R_I.distcp        # tensor shards (model, optimizer) and the RNG objects
+
+State dict keys (Megatron-LM's): ``args`` (an ``argparse.Namespace`` with Megatron's names,
+``consumed_train_samples`` among them), ``checkpoint_version`` (3.0), ``iteration``, ``model``
+(``GPTModel.sharded_state_dict()``: global layer numbers, so a checkpoint saved at one
+pipeline split loads at another), ``optimizer`` (megatron-core's ``sharded_state_dict`` of
+the optimizer), ``opt_param_scheduler`` and ``rng_state`` (a ``ShardedObject`` per
+(pipeline, tensor) rank holding every data-parallel rank's generators, so each replica
+resumes its own dropout stream; Megatron-LM reads element 0 unless
+``--data-parallel-random-init``).
+
+Integrity: after a save every file gets a ``.sha256`` sidecar (each rank digests the shard
+files it wrote, rank 0 the rest), verified before loading; a checkpoint without sidecars
+(written by Megatron-LM or megatron-core directly) loads unverified, and whatever
+``dist_checkpointing`` raises on it comes back as one line naming the directory.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import random
+import shutil
+import warnings
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dynapipe.errors import DynaPipeError
+from megatron_integration.checkpoint_files import CHECKSUM_SUFFIX, verify_file, write_checksum
+from megatron_integration.initialize import RankInfo
+
+CHECKPOINT_VERSION = 3.0
+
+# megatron-core modules that ask for CUDA during a dist_checkpointing save (a synchronize after
+# the device-to-host copy, the verification and failure flags); redirected to the CPU like the others.
+_CPU_REDIRECTS = ("megatron.core.dist_checkpointing.strategies.filesystem_async",
+                  "megatron.core.dist_checkpointing.strategies.state_dict_saver")
+
+
+def _prepare_writer() -> None:
+    """CPU redirects, and an in-process results queue for the synchronous writer.
+
+    megatron-core's writer collects its results through a queue made by a ``Manager`` on
+    first use: a spawned interpreter (seconds per job) that only a background (async) save
+    needs. Saves here are synchronous, so the writer's results are put and taken in this
+    process and a plain queue serves."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron_integration import cpu_compat
+
+    if cpu_compat.is_applied():
+        for name in _CPU_REDIRECTS:
+            cpu_compat._patch_module(name)
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+def is_dist_checkpoint(iter_dir: str) -> bool:
+    """Whether ``iter_dir`` holds a ``dist_checkpointing`` checkpoint (its ``metadata.json``)."""
+    return os.path.isfile(os.path.join(iter_dir, "metadata.json"))
+
+
+def megatron_args(recorded: dict, cfg, info: RankInfo, iteration: int, consumed_samples: int) -> argparse.Namespace:
+    """The ``args`` Megatron-LM stores in a checkpoint: the run's parsed arguments under Megatron's
+    names, with the values Megatron-LM derives (padded vocabulary, parallel sizes, consumed samples),
+    which its ``load_checkpoint`` and ``check_checkpoint_args`` read."""
+    m, p = cfg.model, cfg.parallel
+    values = dict(recorded)
+    values.update(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads, kv_channels=m.kv_channels, seq_length=m.seq_length,
+        max_position_embeddings=m.max_position_embeddings, padded_vocab_size=m.vocab_size,
+        position_embedding_type=m.position_embedding_type,
+        add_position_embedding=m.position_embedding_type == "learned_absolute",
+        untie_embeddings_and_output_weights=not m.tie_embeddings, normalization=m.normalization,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        data_parallel_size=p.data_parallel_size, world_size=p.world_size,
+        micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.global_batch_size,
+        train_iters=cfg.train_iters, iteration=iteration, consumed_train_samples=consumed_samples,
+        consumed_valid_samples=0, ckpt_format="torch_dist", use_dist_ckpt=True,
+        use_distributed_optimizer=cfg.optimizer.distributed, ckpt_fully_parallel_save=False,
+        data_parallel_random_init=False, no_save_optim=False, no_save_rng=False)
+    values.setdefault("make_vocab_size_divisible_by", 128)
+    values.setdefault("tokenizer_type", cfg.data.tokenizer_type)
+    values.setdefault("tokenizer_model", cfg.data.tokenizer_model)
+    values.setdefault("vocab_file", None)
+    return argparse.Namespace(**values)
+
+
+def _sharding_metadata(distributed_optimizer: bool) -> dict:
+    """Megatron-LM's content metadata (how the model and optimizer were cut into shards)."""
+    meta = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if distributed_optimizer:
+        meta["distrib_optim_sharding_type"] = "dp_reshardable"
+    return meta
+
+
+def _rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+             "torch_rng_state": torch.get_rng_state(),
+             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if "cuda_rng_state" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def _rng_sharded_object(info: RankInfo, payload):
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject("rng_state", payload, (info.pp_size, info.tp_size), (info.pp_rank, info.tp_rank),
+                         replica_id=ps.get_data_parallel_rank())
+
+
+def _gathered_rng(info: RankInfo) -> list:
+    from megatron.core import parallel_state as ps
+
+    mine = _rng_state()
+    if info.dp_size == 1:
+        return [mine]
+    states = [None] * info.dp_size
+    dist.all_gather_object(states, mine, group=ps.get_data_parallel_group())
+    return states
+
+
+def _sharded_state_dict(gpt, optimizer, metadata: dict, with_optim: bool, is_loading: bool) -> dict:
+    from megatron.core import parallel_state as ps
+
+    meta = dict(metadata, dp_cp_group=ps.get_data_parallel_group())
+    state = {"model": gpt.sharded_state_dict(metadata=meta)}
+    if with_optim:
+        state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=is_loading, metadata=meta)
+    return state
+
+
+def save_dist(iter_dir: str, iteration: int, gpt, optimizer, scheduler, info: RankInfo,
+              args: argparse.Namespace, distributed_optimizer: bool) -> None:
+    """Write this rank's shards of the checkpoint of ``iteration`` into ``iter_dir``; collective.
+
+    ``args`` (see :func:`megatron_args`) carries the consumed samples. The caller writes
+    ``latest_checkpointed_iteration.txt`` afterwards (after a barrier)."""
+    from megatron.core import dist_checkpointing
+
+    _prepare_writer()
+    metadata = _sharding_metadata(distributed_optimizer)
+    state = _sharded_state_dict(gpt, optimizer, metadata, with_optim=True, is_loading=False)
+    state.update(args=args, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration,
+                 opt_param_scheduler=scheduler.state_dict(),
+                 rng_state=_rng_sharded_object(info, _gathered_rng(info)))
+    if info.rank == 0:
+        if os.path.isdir(iter_dir):  # a save of this iteration that did not finish
+            shutil.rmtree(iter_dir)
+        os.makedirs(iter_dir)
+    dist.barrier()
+    dist_checkpointing.save(state, iter_dir, content_metadata=metadata)
+    # Each rank digests the shard files it wrote (in parallel, still in the page cache) ...
+    for path in glob.glob(os.path.join(iter_dir, f"__{info.rank}_*.distcp")):
+        write_checksum(path)
+    dist.barrier()
+    # ... and rank 0 the shared files (common.pt, metadata.json, .metadata).
+    if info.rank == 0:
+        for path in _checkpoint_files(iter_dir):
+            if not os.path.exists(path + CHECKSUM_SUFFIX):
+                write_checksum(path)
+
+
+def _checkpoint_files(iter_dir: str) -> list[str]:
+    files = []
+    for dirpath, _, names in os.walk(iter_dir):
+        files.extend(os.path.join(dirpath, n) for n in names
+                     if not n.endswith(CHECKSUM_SUFFIX) and not n.endswith(".tmp"))
+    return sorted(files)
+
+
+def verify_dist_checkpoint(iter_dir: str, rank: int = 0, world_size: int = 1) -> bool:
+    """Verify this rank's share (every ``world_size``-th file) of ``iter_dir`` against the sidecars.
+
+    Returns False, verifying nothing, when no file has a sidecar (a checkpoint written by
+    Megatron-LM or megatron-core itself); a checkpoint with some sidecars must have them all.
+    Raises :class:`DynaPipeError` naming the first bad file.
+    """
+    files = _checkpoint_files(iter_dir)
+    if not any(os.path.exists(f + CHECKSUM_SUFFIX) for f in files):
+        return False
+    for path in files[rank::world_size]:
+        verify_file(path)
+    return True
+
+
+def _checkpoint_error(path: str, e: Exception) -> DynaPipeError:
+    text = " ".join(str(e).split())[:300]
+    return DynaPipeError(f"checkpoint {path} cannot be loaded ({type(e).__name__}: {text}).")
+
+
+def read_common(iter_dir: str) -> dict:
+    """The checkpoint's common part (``common.pt``: args, iteration, scheduler); one-line errors."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        return dist_checkpointing.load_common_state_dict(iter_dir)
+    except Exception as e:
+        raise _checkpoint_error(os.path.join(iter_dir, "common.pt"), e) from None
+
+
+# Megatron-LM argument name -> this model's value; compared before any tensor is read.
+def _model_mismatch(ckpt_args, cfg) -> Optional[str]:
+    m = cfg.model
+    mine = {"num_layers": m.num_layers, "hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads,
+            "ffn_hidden_size": m.ffn_hidden_size, "kv_channels": m.kv_channels, "padded_vocab_size": m.vocab_size,
+            "add_position_embedding": m.position_embedding_type == "learned_absolute",
+            "untie_embeddings_and_output_weights": not m.tie_embeddings}
+    for name, value in mine.items():
+        theirs = getattr(ckpt_args, name, None)
+        if theirs is not None and theirs != value:
+            return f"--{name.replace('_', '-')} {theirs} in the checkpoint, {value} here"
+    return None
+
+
+def load_dist(iter_dir: str, cfg, gpt, optimizer, scheduler, info: RankInfo, load_optim: bool,
+              load_rng: bool, log) -> tuple[int, int]:
+    """Load ``iter_dir`` into this rank's stage (and optimizer, scheduler and RNG unless told not
+    to); collective. Returns (iteration, consumed samples) as the checkpoint records them.
+    ``log(line)`` prints Megatron-LM's notices (rank 0)."""
+    from megatron.core import dist_checkpointing
+
+    common = read_common(iter_dir)
+    ckpt_args = common.get("args")
+    mismatch = _model_mismatch(ckpt_args, cfg) if ckpt_args is not None else None
+    if mismatch:
+        raise DynaPipeError(f"{iter_dir}: the checkpoint does not fit this model ({mismatch}); use the model "
+                            f"arguments it was saved with.")
+    metadata = dict(dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {})
+    metadata.pop("dp_cp_group", None)
+    ckpt_layout = (getattr(ckpt_args, "tensor_model_parallel_size", info.tp_size),
+                   getattr(ckpt_args, "pipeline_model_parallel_size", info.pp_size))
+    if load_rng and ckpt_layout != (info.tp_size, info.pp_size):
+        log(f"(TP, PP) mismatch after resume (({info.tp_size}, {info.pp_size}) vs {ckpt_layout} from "
+            f"checkpoint): RNG state will be ignored")
+        load_rng = False
+    saved = _saved_keys(iter_dir)
+    if load_rng and not any(k.startswith("rng_state") for k in saved):
+        raise DynaPipeError(f"{iter_dir} holds no RNG state; add --no-load-rng (or --finetune) to start the "
+                            f"generators from --seed.")
+    has_optim = load_optim and any(k.startswith("optimizer.") for k in saved)
+    if has_optim and cfg.optimizer.distributed != ("distrib_optim_sharding_type" in metadata):
+        saved = "without" if cfg.optimizer.distributed else "with"
+        raise DynaPipeError(f"{iter_dir}: the optimizer state was saved {saved} --use-distributed-optimizer; resume "
+                            f"with the same setting, or add --no-load-optim to start a fresh optimizer.")
+    state = _sharded_state_dict(gpt, optimizer, metadata, with_optim=has_optim, is_loading=True)
+    if load_rng:
+        state["rng_state"] = _rng_sharded_object(info, [_rng_state()])
+    try:
+        with warnings.catch_warnings():
+            # torch's notices about its own deprecated ShardedTensor/load_state_dict, which
+            # megatron-core 0.16 calls; nothing the user can act on.
+            warnings.simplefilter("ignore", FutureWarning)
+            loaded = dist_checkpointing.load(state, iter_dir)
+        gpt.load_state_dict(loaded["model"], strict=True)
+    except Exception as e:
+        raise _checkpoint_error(iter_dir, e) from None
+    if has_optim:
+        optimizer.load_state_dict(loaded["optimizer"])
+        if "opt_param_scheduler" in loaded:
+            scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    else:
+        # As Megatron-LM: half-precision runs keep fp32 main copies of the weights in the
+        # optimizer; without its state they are refreshed from the loaded weights.
+        optimizer.reload_model_params()
+    if load_rng:
+        states = loaded["rng_state"]
+        _set_rng_state(states[info.dp_rank] if len(states) == info.dp_size else states[0])
+    iteration = int(common.get("iteration", 0))
+    consumed = int(getattr(ckpt_args, "consumed_train_samples", iteration * cfg.global_batch_size))
+    return iteration, consumed
+
+
+def _saved_keys(iter_dir: str) -> set:
+    """The keys of the checkpoint's tensors and objects (``optimizer.*``, ``rng_state/*``, ...)."""
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    try:
+        return set(load_sharded_metadata(iter_dir).keys())
+    except Exception as e:
+        raise _checkpoint_error(iter_dir, e) from None

@@ -1,0 +1,126 @@
+"""Saving and resuming in the format ``--ckpt-format`` names, with Megatron-LM's log lines.
+
+* ``torch_dist`` (the default, as in Megatron-LM): megatron-core's ``dist_checkpointing``
+  (:mod:`megatron_integration.checkpoint_dist`); Megatron-LM loads it and this project loads
+  Megatron-LM's and megatron-core's.
+* ``dynapipe``: this project's per-rank ``torch.save`` files (:mod:`megatron_integration.checkpoint`),
+  which only this project reads.
+
+``--load`` reads whichever of the two the newest checkpoint is (Megatron-LM's
+``--auto-detect-ckpt-format`` behaviour), so changing ``--ckpt-format`` between runs is
+fine. ``--finetune`` (Megatron's meaning): load the weights only and start at iteration 0.
+Every loading error is raised on every rank as the same one line, so no rank goes on to
+wait for the others in training.
+"""
+from __future__ import annotations
+
+import glob
+import os
+from datetime import datetime
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+from dynapipe.errors import DynaPipeError
+from megatron_integration import checkpoint_dist
+from megatron_integration.checkpoint import (LATEST, ResumeState, _iter_dir, latest_iteration, load_checkpoint,
+                                             save_checkpoint)
+from megatron_integration.checkpoint_files import CHECKSUM_SUFFIX
+from megatron_integration.initialize import RankInfo
+
+CKPT_FORMATS = ("torch_dist", "dynapipe")
+
+Log = Callable[[str], None]
+
+
+def _now() -> str:
+    return datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
+def _layout(info: RankInfo) -> str:
+    return f"[ t {info.tp_rank + 1}/{info.tp_size}, p {info.pp_rank + 1}/{info.pp_size} ]"
+
+
+def save(cfg, iteration: int, consumed_samples: int, gpt, optimizer, scheduler, info: RankInfo, log: Log) -> str:
+    """Save the checkpoint of ``iteration`` to ``cfg.save`` in ``cfg.ckpt_format``; collective.
+
+    Returns the iteration directory. ``latest_checkpointed_iteration.txt`` is replaced last,
+    after every rank finished, so a job that dies mid-save resumes from the previous one."""
+    root = cfg.save
+    log(f"[{_now()}] saving checkpoint at iteration {iteration:7d} to {root} in {cfg.ckpt_format} format")
+    if cfg.ckpt_format == "torch_dist":
+        iter_dir = _iter_dir(root, iteration)
+        args = checkpoint_dist.megatron_args(cfg.megatron_args, cfg, info, iteration, consumed_samples)
+        checkpoint_dist.save_dist(iter_dir, iteration, gpt, optimizer, scheduler, info, args,
+                                  cfg.optimizer.distributed)
+        dist.barrier()
+        if info.rank == 0:
+            tmp = os.path.join(root, LATEST + ".tmp")
+            with open(tmp, "w") as f:
+                f.write(str(iteration))
+            os.replace(tmp, os.path.join(root, LATEST))
+        dist.barrier()
+    else:
+        iter_dir = save_checkpoint(root, iteration, consumed_samples, gpt, optimizer, scheduler, info)
+    log(f"  [{_now()}] successfully saved checkpoint from iteration {iteration:7d} to {root} {_layout(info)}")
+    return iter_dir
+
+
+def _same_error_everywhere(error: Optional[str]) -> None:
+    """Raise on every rank if any rank failed (the first failing rank's line)."""
+    errors = [error]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, text = failed[0]
+        raise DynaPipeError(text if len(errors) == 1 else f"rank {rank}: {text}")
+
+
+def _attempt(fn):
+    try:
+        return fn(), None
+    except DynaPipeError as e:
+        return None, str(e)
+
+
+def load(cfg, gpt, optimizer, scheduler, info: RankInfo, log: Log) -> Optional[ResumeState]:
+    """Restore the newest checkpoint under ``cfg.load`` (either format); collective.
+
+    Returns None when there is none yet (a fresh start, as in Megatron-LM)."""
+    root = cfg.load
+    iteration, error = _attempt(lambda: latest_iteration(root))
+    _same_error_everywhere(error)
+    if iteration is None:
+        log(f"WARNING: could not find the metadata file {os.path.join(root, LATEST)}")
+        log("    will not load any checkpoints and will start from random")
+        return None
+    iter_dir = _iter_dir(root, iteration)
+    load_optim = cfg.load_optim and not cfg.finetune
+    load_rng = cfg.load_rng and not cfg.finetune
+    if checkpoint_dist.is_dist_checkpoint(iter_dir):
+        log(f" loading distributed checkpoint from {root} at iteration {iteration}")
+        verified, error = _attempt(lambda: checkpoint_dist.verify_dist_checkpoint(iter_dir, info.rank,
+                                                                                 info.world_size))
+        _same_error_everywhere(error)
+        if not verified:
+            log(f" {iter_dir} has no checksums (not written by dynapipe-megatron): loading it unverified")
+        result, error = _attempt(lambda: checkpoint_dist.load_dist(iter_dir, cfg, gpt, optimizer, scheduler, info,
+                                                                   load_optim, load_rng, log))
+        _same_error_everywhere(error)
+        resumed = ResumeState(*result)
+    elif glob.glob(os.path.join(iter_dir, "mp_rank_*", "model_optim_rng.pt" + CHECKSUM_SUFFIX)):
+        log(f" loading checkpoint from {root} at iteration {iteration}")
+        resumed = load_checkpoint(root, gpt, optimizer, scheduler, info, load_optim, load_rng)
+    elif glob.glob(os.path.join(iter_dir, "mp_rank_*", "model_optim_rng.pt")):
+        raise DynaPipeError(f"{iter_dir} is in Megatron-LM's legacy --ckpt-format torch, which this project does "
+                            f"not read; resave it as torch_dist (Megatron-LM's tools/checkpoint/convert.py or a "
+                            f"Megatron-LM run with --ckpt-format torch_dist).")
+    else:
+        raise DynaPipeError(f"{iter_dir} holds no checkpoint (no metadata.json, no mp_rank_* files) although "
+                            f"{os.path.join(root, LATEST)} names iteration {iteration}; resume from a complete one.")
+    if cfg.finetune:
+        resumed = ResumeState(iteration=0, consumed_samples=0)
+    log(f"  successfully loaded checkpoint from {root} {_layout(info)} at iteration {resumed.iteration}")
+    return resumed
