@@ -141,8 +141,8 @@ FIXTURES = os.path.join(ROOT, "tests", "fixtures", "gpt2-tiny")
 
 def _megatron_gpt_argv(data: str, save: str) -> list[str]:
     """A Megatron-LM GPT pretraining command line (its GPT/Llama examples' flags) scaled to a tiny
-    model: 50 flags. Left out: --split/--eval-*/--ckpt-format (not supported here yet), --fp16/--bf16,
-    --use-flash-attn and tensor/sequence parallelism (GPU-only)."""
+    model: 55 flags. Left out: --fp16/--bf16 and --use-flash-attn (GPU-only) and tensor/sequence
+    parallelism (tested in test_megatron_tp.py)."""
     return f"""
         --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --kv-channels 16
         --group-query-attention --num-query-groups 2 --seq-length 128 --max-position-embeddings 128
@@ -157,7 +157,8 @@ def _megatron_gpt_argv(data: str, save: str) -> list[str]:
         --data-path 0.7 {data}/a_text_document 0.3 {data}/b_text_document
         --tokenizer-type GPT2BPETokenizer --vocab-file {FIXTURES}/vocab.json --merge-file {FIXTURES}/merges.txt
         --make-vocab-size-divisible-by 128 --num-workers 2
-        --save {save} --load {save} --save-interval 1000 --log-interval 1""".split()
+        --split 90,8,2 --eval-interval 2 --eval-iters 1
+        --save {save} --load {save} --save-interval 1000 --ckpt-format torch_dist --log-interval 1""".split()
 
 
 def _write_indexed(prefix: str, seed: int, docs: int) -> None:
@@ -193,7 +194,7 @@ def test_megatron_gpt_command_line_runs_unchanged(tmp_path):
     data.mkdir()
     _write_indexed(str(data / "a_text_document"), 0, 40)
     _write_indexed(str(data / "b_text_document"), 1, 40)
-    losses, counts = {}, {}
+    losses, counts, valid = {}, {}, {}
     for method in ("padding", "dynapipe"):
         save = tmp_path / f"ckpt-{method}"
         save.mkdir()  # --load names the same directory, as in Megatron-LM's examples
@@ -221,7 +222,13 @@ def test_megatron_gpt_command_line_runs_unchanged(tmp_path):
                                                            "consumed samples: 16 |"), summary
         assert out.index(summary[0]) > out.index(lines[1])
         assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+        assert "saving checkpoint at iteration       2 to" in out and "in torch_dist format" in out
+        # --eval-interval 2: one validation batch after iteration 2 (the --exit-interval stop skips the final one).
+        evals = [l for l in out.splitlines() if l.startswith(" validation loss at iteration")]
+        assert len(evals) == 1 and evals[0].startswith(" validation loss at iteration 2 | lm loss value: "), evals
+        valid[method] = float(evals[0].split("lm loss value: ")[1].split(" ")[0])
     assert losses["dynapipe"] == pytest.approx(losses["padding"], rel=2e-5)
+    assert valid["dynapipe"] == pytest.approx(valid["padding"], rel=2e-5)
     # Each stage reports the parameters it holds: what the planner prices for that stage.
     model = parse_training_args(_megatron_gpt_argv(str(data), str(tmp_path)), 2).model.to_model_config()
     planned = {l.stage: stage_param_count(model, l) for l in stage_layouts(model, 2)}
