@@ -138,8 +138,10 @@ def planner_settings(cfg: DynaPipeTrainingConfig, info: RankInfo):
         cluster=load_cluster_config(d.cluster), zero=cfg.optimizer.distributed, recompute=d.recompute)
 
 
-def make_loader(cfg: DynaPipeTrainingConfig, info: RankInfo, start_iteration: int, consumed_samples: int):
-    """This rank's data loader (planner workers on each node's local rank 0)."""
+def make_loader(cfg: DynaPipeTrainingConfig, info: RankInfo, start_iteration: int, consumed_samples: int,
+                dataset=None, settings=None):
+    """This rank's data loader (planner workers on each node's local rank 0); ``dataset`` /
+    ``settings`` replace the run's GPT dataset config and planner settings (T5 runs)."""
     from dynapipe.runtime.loader import DynaPipeDataLoader, LoaderConfig, RankLayout
 
     d = cfg.dynapipe
@@ -155,7 +157,8 @@ def make_loader(cfg: DynaPipeTrainingConfig, info: RankInfo, start_iteration: in
                         pp_rank=info.pp_rank, pp_size=info.pp_size,
                         local_rank=int(os.environ.get("LOCAL_RANK", info.rank % local_world)),
                         local_world_size=local_world)
-    return DynaPipeDataLoader(loader_cfg, dataset_config(cfg), planner_settings(cfg, info), layout)
+    return DynaPipeDataLoader(loader_cfg, dataset or dataset_config(cfg), settings or planner_settings(cfg, info),
+                              layout)
 
 
 @dataclass
