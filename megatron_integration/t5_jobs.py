@@ -34,6 +34,7 @@ def t5_training_job(runs: Sequence[Sequence[str]], echo: bool = False) -> list[d
 
             out.append({
                 "method": cfg.method,
+                "start_iteration": run.start_iteration,
                 "losses": run.losses,
                 "iteration_ms": [r.iteration_ms for r in run.results],
                 "real_tokens": [r.real_tokens for r in run.results],

@@ -89,14 +89,11 @@ def _block_spec(layer_spec, count: int):
 
 
 def _layer_specs():
-    """megatron-core's T5 encoder and decoder layer specs (Transformer Engine's on GPUs with it)."""
+    """megatron-core's local T5 encoder and decoder layer specs. Their attention takes the
+    ``[mbs, 1, sq, sk]`` masks the handlers build (per-sample isolation); Transformer Engine's
+    T5 specs take padding masks in another form and are not used."""
     from megatron.core.models.T5 import t5_spec
 
-    from megatron_integration.model import te_available
-
-    if te_available():
-        return (t5_spec.encoder_model_with_transformer_engine_default_spec(),
-                t5_spec.decoder_model_with_transformer_engine_default_spec(), "transformer_engine")
     return t5_spec.encoder_model_with_local_spec(), t5_spec.decoder_model_with_local_spec(), "local"
 
 

@@ -3,7 +3,8 @@
 ``pretrain_t5(cfg)`` initialises megatron, builds this rank's T5 stage (megatron-core DDP,
 its optimizer and learning-rate schedule), then runs ``--train-iters`` iterations of the
 chosen method through the DynaPipe executor (:mod:`megatron_integration.t5_step`), logging
-in Megatron's format. Every method sees the same global batches and starts from the same
+in Megatron's format; resumes from ``--load`` and saves on ``--save-interval`` and at the end
+(the GPT checkpoint format: each stage's parameters, optimizer, schedule, RNG states). Every method sees the same global batches and starts from the same
 weights for a given ``--seed``.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Callable, Optional, TextIO
 
+from megatron_integration.checkpoint import load_checkpoint, save_checkpoint
 from megatron_integration.initialize import RankInfo, initialize_megatron
 from megatron_integration.logging_utils import TrainingLogger
 from megatron_integration.megatron_step import StepResult
@@ -47,6 +49,10 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
     optimizer, scheduler = build_optimizer(base, stage)
     sync = EmbeddingSync.create(stage_places(cfg.planner_model(), info.pp_size), base.model.tie_embeddings)
     run = TrainingRun(spec_name=stage.spec_name)
+    if base.load:
+        resumed = load_checkpoint(base.load, stage.gpt, optimizer, scheduler, info, base.load_optim, base.load_rng)
+        if resumed is not None:
+            run.start_iteration, run.consumed_samples = resumed.iteration, resumed.consumed_samples
     stepper = T5Stepper.create(cfg, info, stage, optimizer, scheduler, sync, run.start_iteration,
                                run.consumed_samples)
     logger = None
@@ -54,7 +60,8 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
         logger = TrainingLogger(base.train_iters, base.global_batch_size, base.log_interval,
                                 is_logging_rank=info.is_last_stage and info.dp_rank == 0,
                                 tensorboard_dir=base.tensorboard_dir, stream=stream)
-        for iteration in range(run.start_iteration, base.last_iteration(run.start_iteration)):
+        last = base.last_iteration(run.start_iteration)
+        for iteration in range(run.start_iteration, last):
             result = stepper.step(iteration)
             run.consumed_samples = result.consumed_samples
             run.results.append(result)
@@ -63,6 +70,11 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
                 run.log_lines.append(line)
             if on_iteration is not None:
                 on_iteration(iteration, result)
+            done = iteration + 1
+            if base.save and base.save_interval and done % base.save_interval == 0 and done != last:
+                save_checkpoint(base.save, done, run.consumed_samples, stage.gpt, optimizer, scheduler, info)
+        if base.save and last > run.start_iteration:
+            save_checkpoint(base.save, last, run.consumed_samples, stage.gpt, optimizer, scheduler, info)
     finally:
         stepper.close()
         if logger is not None:

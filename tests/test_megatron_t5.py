@@ -97,17 +97,21 @@ def test_segment_masks_and_positions():
 # -- spawned gloo jobs ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def pp2():
+def pp2(tmp_path_factory):
     from megatron_integration.t5_jobs import run_t5_training
 
-    runs = [TINY.split(), (TINY + " --use-dynapipe").split(), (TINY + PACKING).split()]
+    save = tmp_path_factory.mktemp("t5ckpt")
+    dyn = TINY + " --use-dynapipe"
+    # The last two runs: interrupted by --exit-interval after a checkpoint, then resumed from it.
+    runs = [TINY.split(), dyn.split(), (TINY + PACKING).split(),
+            (dyn + f" --exit-interval 2 --save {save}").split(), (dyn + f" --load {save}").split()]
     ranks = run_t5_training(runs, 2, timeout_s=TIMEOUT)
     assert [r["losses"] for r in ranks[1]] == [r["losses"] for r in ranks[0]]  # every rank reports the same
     return ranks[0]
 
 
 def test_t5_dynapipe_and_packing_losses_equal_padding_pp2(pp2):
-    padding, dynapipe, packing = pp2
+    padding, dynapipe, packing = pp2[:3]
     assert (padding["method"], dynapipe["method"], packing["method"]) == ("padding", "dynapipe", "packing")
     assert len(padding["losses"]) == 3 and all(np.isfinite(padding["losses"]))
     assert dynapipe["losses"] == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)
@@ -123,11 +127,44 @@ def test_t5_dynapipe_and_packing_losses_equal_padding_pp2(pp2):
 def test_t5_pp2_x_dp2_trains_like_pp2(pp2):
     from megatron_integration.t5_jobs import run_t5_training
 
-    runs = [TINY.split(), (TINY + " --use-dynapipe").split()]
+    # Two iterations (the same learning-rate schedule: --exit-interval stops a --train-iters 3 run).
+    runs = [(TINY + " --exit-interval 2").split(), (TINY + " --use-dynapipe --exit-interval 2").split()]
     ranks = run_t5_training(runs, 4, timeout_s=TIMEOUT)
     padding, dynapipe = ranks[0]
     for r in ranks[1:]:
         assert [x["losses"] for x in r] == [padding["losses"], dynapipe["losses"]]
     assert dynapipe["losses"] == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)
     # Two replicas summing their gradients train the same global batches as one pipeline.
-    assert padding["losses"] == pytest.approx(pp2[0]["losses"], abs=1e-5, rel=1e-5)
+    assert len(padding["losses"]) == 2
+    assert padding["losses"] == pytest.approx(pp2[0]["losses"][:2], abs=1e-5, rel=1e-5)
+
+
+def test_t5_dynapipe_resume_continues_identically(pp2):
+    full, first, resumed = pp2[1], pp2[3], pp2[4]
+    assert first["losses"] == pytest.approx(full["losses"][:2], abs=1e-6, rel=1e-6)
+    assert resumed["start_iteration"] == 2
+    assert resumed["losses"] == pytest.approx(full["losses"][2:], abs=1e-6, rel=1e-6)
+
+
+def test_bench_t5_refuses_what_it_cannot_run(tmp_path, capsys):
+    from dynapipe.cli import main
+
+    out = str(tmp_path / "t5.json")
+    for extra, text in ((["--methods", "padding-mb"], "for --model t5 choose"),
+                        (["--micro-batch-size", "2"], "tunes the baselines' micro-batch size"),
+                        (["--t5-sweep", "0,2"], "--t5-sweep"),
+                        (["--train-iters", "1"], "leaves no timed iteration")):
+        assert main(["bench", "--model", "t5", "--output", out] + extra) == 2
+        assert text in capsys.readouterr().err
+    assert not (tmp_path / "t5.json").exists()
+
+
+def test_bench_t5_figures_count_the_slowest_rank_after_the_warm_up():
+    from megatron_integration.bench_t5 import t5_figures
+
+    rank = {"iteration_ms": [900.0, 100.0, 300.0], "real_tokens": [50, 100, 200], "padded_tokens": [80, 200, 400],
+            "plan_wait_ms": [0.0, 1.0, 3.0], "losses": [3.0, 2.0, 1.0]}
+    slow = dict(rank, iteration_ms=[900.0, 200.0, 300.0])
+    fig = t5_figures([rank, slow], warmup_iters=1)
+    assert fig["real_tokens_per_s"] == pytest.approx(300 / 0.5)
+    assert fig["padding_efficiency"] == pytest.approx(0.5) and fig["timed_iterations"] == 2
