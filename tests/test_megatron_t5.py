@@ -103,8 +103,12 @@ def pp2(tmp_path_factory):
     save = tmp_path_factory.mktemp("t5ckpt")
     dyn = TINY + " --use-dynapipe"
     # The last two runs: interrupted by --exit-interval after a checkpoint, then resumed from it.
+    # 3 + 1 layers over 2 stages: stage 1 ends the encoder and holds the decoder (two iterations).
+    mixed = TINY.replace("--encoder-num-layers 2 --decoder-num-layers 2", "--encoder-num-layers 3 "
+                         "--decoder-num-layers 1") + " --exit-interval 2"
     runs = [TINY.split(), dyn.split(), (TINY + PACKING).split(),
-            (dyn + f" --exit-interval 2 --save {save}").split(), (dyn + f" --load {save}").split()]
+            (dyn + f" --exit-interval 2 --save {save}").split(), (dyn + f" --load {save}").split(),
+            mixed.split(), (mixed + " --use-dynapipe").split()]
     ranks = run_t5_training(runs, 2, timeout_s=TIMEOUT)
     assert [r["losses"] for r in ranks[1]] == [r["losses"] for r in ranks[0]]  # every rank reports the same
     return ranks[0]
@@ -122,6 +126,12 @@ def test_t5_dynapipe_and_packing_losses_equal_padding_pp2(pp2):
     assert sum(dynapipe["padded_tokens"]) < 0.8 * sum(padding["padded_tokens"])
     # Training moves the loss: the comparison is not of untrained constants.
     assert len(set(np.round(padding["losses"], 6))) == 3
+
+
+def test_t5_stage_holding_encoder_end_and_decoder(pp2):
+    padding, dynapipe = pp2[5], pp2[6]
+    assert len(padding["losses"]) == 2 and padding["losses"] != pp2[0]["losses"][:2]
+    assert dynapipe["losses"] == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)
 
 
 def test_t5_pp2_x_dp2_trains_like_pp2(pp2):
@@ -168,3 +178,16 @@ def test_bench_t5_figures_count_the_slowest_rank_after_the_warm_up():
     fig = t5_figures([rank, slow], warmup_iters=1)
     assert fig["real_tokens_per_s"] == pytest.approx(300 / 0.5)
     assert fig["padding_efficiency"] == pytest.approx(0.5) and fig["timed_iterations"] == 2
+
+
+def test_pretrain_t5_script_reports_bad_input_in_one_line(capsys):
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "pretrain_t5.py")
+    spec = importlib.util.spec_from_file_location("pretrain_t5_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(TINY.replace("--decoder-seq-length 64", "").split()) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --decoder-seq-length is required") and "\n" not in err
