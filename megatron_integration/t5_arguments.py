@@ -86,6 +86,9 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
     if args.bf16 or args.fp16:
         raise DynaPipeError(f"--{'bf16' if args.bf16 else 'fp16'}: T5 stages are built in fp32 in this build "
                             f"(no half-precision wrapper yet); drop it.")
+    if args.use_distributed_optimizer:
+        raise DynaPipeError("--use-distributed-optimizer: T5 stages keep their embedding copies in sync on whole "
+                            "gradients (no sharded optimizer yet); drop it.")
     for flag in ("tensor-model-parallel-size",):
         if getattr(args, flag.replace("-", "_")) != 1:
             raise DynaPipeError(f"--{flag} {getattr(args, flag.replace('-', '_'))}: T5 stages run without tensor "

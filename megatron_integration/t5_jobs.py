@@ -42,6 +42,8 @@ def t5_training_job(runs: Sequence[Sequence[str]], echo: bool = False) -> list[d
                 "loss_tokens": [r.loss_tokens for r in run.results],
                 "grad_norms": [r.grad_norm for r in run.results],
                 "plan_wait_ms": [r.plan_wait_ms for r in run.results],
+                "activation_measured_mib": [r.activation_measured_mib for r in run.results],
+                "activation_planned_mib": [r.activation_planned_mib for r in run.results],
                 "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
                 "log_lines": run.log_lines,
                 "layer_spec": run.spec_name,

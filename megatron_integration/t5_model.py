@@ -257,8 +257,10 @@ def set_t5_recompute_level(stage: T5Stage, config, level: str) -> None:
 
 # -- keeping the embedding copies equal -------------------------------------------------------
 
-def _main_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
-    return getattr(param, "main_grad", None) if getattr(param, "main_grad", None) is not None else param.grad
+def _main_grad(param: torch.Tensor) -> torch.Tensor:
+    """The gradient the optimizer reads: DDP's ``main_grad`` buffer view, else ``.grad``."""
+    grad = getattr(param, "main_grad", None)
+    return param.grad if grad is None else grad
 
 
 @dataclass

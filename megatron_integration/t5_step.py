@@ -20,8 +20,9 @@ copies, and the loss is normalised by the global batch's target tokens.
 """
 from __future__ import annotations
 
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -30,6 +31,7 @@ import torch
 from dynapipe.errors import DynaPipeError
 from dynapipe.plan.instructions import BackwardPass, ForwardPass, MicroBatchInfo, TensorSpec
 from dynapipe.runtime.activation_meter import ActivationMeter, measure_activations
+from dynapipe.runtime.activation_plan import planned_activation_peak_mib
 from dynapipe.runtime.buffers import backward_from
 from megatron_integration.initialize import RankInfo
 from megatron_integration.megatron_step import StepResult, reduce_loss
@@ -149,9 +151,8 @@ class LoaderSource:
         from megatron_integration.train_step import make_loader, planner_settings
 
         base = cfg.base
-        settings = planner_settings(base, info)
-        settings = type(settings)(**{**settings.__dict__, "model": cfg.planner_model(),
-                                     "seq_length": cfg.encoder_seq_length})
+        settings = replace(planner_settings(base, info), model=cfg.planner_model(), seq_length=cfg.encoder_seq_length)
+        self.settings = settings
         self.loader = make_loader(base, info, start_iteration, consumed_samples, dataset=cfg.dataset_config(),
                                   settings=settings)
 
@@ -220,6 +221,8 @@ class T5Stepper:
     handlers: T5StageHandlers
     sync: EmbeddingSync
     meter: ActivationMeter
+    cost_model: Optional[object] = None  # the planner's, to price what a DynaPipe plan promises
+    traces: Optional[list] = None
 
     @classmethod
     def create(cls, cfg: T5TrainingConfig, info: RankInfo, stage: Stage, optimizer, scheduler, sync: EmbeddingSync,
@@ -234,14 +237,22 @@ class T5Stepper:
         d = cfg.base.dynapipe
         executor = Executor(handlers, group=parallel_state.get_pipeline_model_parallel_group(), device=info.device,
                             store=job_tcp_store(), meter=meter,
-                            config=ExecutorConfig(timeout_s=d.timeout_s, trace=False), replica=info.dp_rank)
+                            config=ExecutorConfig(timeout_s=d.timeout_s, trace=d.trace_dir is not None),
+                            replica=info.dp_rank)
         source_cls = LoaderSource if cfg.method == "dynapipe" else BaselineSource
         try:
             source = source_cls(cfg, info, start_iteration, consumed_samples)
         except BaseException:
             executor.close()
             raise
-        return cls(cfg, info, stage, optimizer, scheduler, source, executor, handlers, sync, meter)
+        cost_model = None
+        if isinstance(source, LoaderSource):
+            from dynapipe.cost import build_cost_model
+
+            s = source.settings
+            cost_model = build_cost_model(s.model, s.device, s.num_stages, s.cost_profile)
+        return cls(cfg, info, stage, optimizer, scheduler, source, executor, handlers, sync, meter, cost_model,
+                   [] if d.trace_dir else None)
 
     def step(self, iteration: int) -> StepResult:
         start = time.perf_counter()
@@ -250,7 +261,9 @@ class T5Stepper:
         self.stage.module.zero_grad_buffer()
         self.optimizer.zero_grad()
         with measure_activations(self.stage.module, self.info.device, self.meter) as activations:
-            self.executor.run(item.plan, loss_tokens=item.loss_tokens)
+            result = self.executor.run(item.plan, loss_tokens=item.loss_tokens)
+        if self.traces is not None and result.trace is not None:
+            self.traces.append(result.trace)
         # Replicas' gradients are summed (calculate_per_token_loss: no averaging), then the
         # embedding copies'; the executor already divided the loss by the global target tokens.
         self.stage.module.finish_grad_sync()
@@ -272,10 +285,18 @@ class T5Stepper:
                           padded_tokens=item.padded_tokens, iteration_ms=(time.perf_counter() - start) * 1e3,
                           grad_norm=float(grad_norm or 0.0), plan_wait_ms=item.wait_ms, skipped=not ok,
                           consumed_samples=item.consumed_samples, truncated=item.truncated,
-                          activation_measured_mib=activations["peak_mib"])
+                          activation_measured_mib=activations["peak_mib"],
+                          activation_planned_mib=None if self.cost_model is None else planned_activation_peak_mib(
+                              item.plan, self.cost_model, transient=self.info.device.type == "cuda"))
 
     def close(self) -> None:
         try:
             self.source.close()
         finally:
             self.executor.close()
+        if self.traces and self.cfg.base.dynapipe.trace_dir:
+            from dynapipe.runtime.exec_trace import write_chrome_trace
+
+            os.makedirs(self.cfg.base.dynapipe.trace_dir, exist_ok=True)
+            write_chrome_trace(os.path.join(self.cfg.base.dynapipe.trace_dir, f"rank{self.info.rank:03d}.json"),
+                               self.traces)
