@@ -12,7 +12,10 @@ same seed and global batches of the multi-task mixture, all through the DynaPipe
 Tuning: each baseline runs at every micro-batch size of ``--t5-sweep`` (default: the
 preset's) and its fastest is kept. All runs of one bench share one spawned job (runs in
 turn, the slowest rank's iteration time counted). ``real_tokens_per_s`` counts input +
-target tokens (padding excluded) per second over the iterations after the warm-up.
+target tokens (padding excluded) per second of wall time over the iterations after the
+warm-up; ``real_tokens_per_cpu_s`` the same per CPU second of the ranks and their planner
+workers (on a machine shared with other jobs, wall time also holds the time runnable ranks
+wait for a core, which weighs most on the method with the most synchronisation points).
 """
 from __future__ import annotations
 
@@ -99,7 +102,13 @@ def t5_figures(ranks: list[dict], warmup_iters: int) -> dict:
     iter_ms = [max(r["iteration_ms"][i] for r in ranks) for i in keep]
     real = sum(ranks[0]["real_tokens"][i] for i in keep)
     padded = sum(ranks[0]["padded_tokens"][i] for i in keep)
+    # CPU time of the ranks and of what they started (planner workers): the work done, which a
+    # shared machine's run queue does not stretch the way it stretches wall time.
+    cpu_ms = sum(r["cpu_ms"][i] + (r["children_cpu_ms"][i] or 0.0) for r in ranks for i in keep) \
+        if all(r.get("cpu_ms") for r in ranks) else None
     return {"real_tokens_per_s": round(real / (sum(iter_ms) / 1e3), 2),
+            "real_tokens_per_cpu_s": None if not cpu_ms else round(real / (cpu_ms / 1e3), 2),
+            "cpu_ms_per_iteration": None if cpu_ms is None else round(cpu_ms / len(keep), 1),
             "padding_efficiency": round(real / max(padded, 1), 4),
             "iteration_ms": round(statistics.fmean(iter_ms), 2),
             "plan_wait_ms": round(statistics.fmean(max(r["plan_wait_ms"][i] for r in ranks) for i in keep), 3),
@@ -143,6 +152,10 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
     best_base = max(base, key=lambda b: results[b]["real_tokens_per_s"], default=None)
     ratios = {f"{m}_vs_{b}": round(results[m]["real_tokens_per_s"] / results[b]["real_tokens_per_s"], 3)
               for m in results for b in base if m != b}
+    if all(results[m]["real_tokens_per_cpu_s"] for m in results):
+        ratios.update({f"{m}_vs_{b}_per_cpu_s": round(results[m]["real_tokens_per_cpu_s"]
+                                                      / results[b]["real_tokens_per_cpu_s"], 3)
+                       for m in results for b in base if m != b})
     if best_base is not None and "dynapipe" in results:
         ratios["dynapipe_vs_best_baseline"] = ratios[f"dynapipe_vs_{best_base}"]
     report = {"model": "t5", "preset": preset, "about": p.about, "methods": results, "runs": per_entry,
@@ -151,10 +164,12 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
                         "elapsed_s": round(time.perf_counter() - started, 1),
                         "executor": "every method through the DynaPipe executor (fixed-shape 1F1B plans for "
                                     "the baselines)"}}
-    print(f"{'method':<10} {'run':<14} {'real tok/s':>11} {'pad eff':>8} {'iter ms':>9}", file=stream)
+    print(f"{'method':<10} {'run':<14} {'real tok/s':>11} {'tok/CPU-s':>10} {'pad eff':>8} {'iter ms':>9}",
+          file=stream)
     for m, r in results.items():
-        print(f"{m:<10} {r['run']:<14} {r['real_tokens_per_s']:>11.1f} {r['padding_efficiency']:>8.3f} "
-              f"{r['iteration_ms']:>9.1f}", file=stream)
+        per_cpu = r["real_tokens_per_cpu_s"]
+        print(f"{m:<10} {r['run']:<14} {r['real_tokens_per_s']:>11.1f} {per_cpu or 0:>10.1f} "
+              f"{r['padding_efficiency']:>8.3f} {r['iteration_ms']:>9.1f}", file=stream)
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x", file=stream)
     with open(output, "w") as f:

@@ -173,11 +173,14 @@ def test_bench_t5_figures_count_the_slowest_rank_after_the_warm_up():
     from megatron_integration.bench_t5 import t5_figures
 
     rank = {"iteration_ms": [900.0, 100.0, 300.0], "real_tokens": [50, 100, 200], "padded_tokens": [80, 200, 400],
-            "plan_wait_ms": [0.0, 1.0, 3.0], "losses": [3.0, 2.0, 1.0]}
+            "plan_wait_ms": [0.0, 1.0, 3.0], "losses": [3.0, 2.0, 1.0], "cpu_ms": [5.0, 100.0, 200.0],
+            "children_cpu_ms": [1.0, 50.0, None]}
     slow = dict(rank, iteration_ms=[900.0, 200.0, 300.0])
     fig = t5_figures([rank, slow], warmup_iters=1)
     assert fig["real_tokens_per_s"] == pytest.approx(300 / 0.5)
     assert fig["padding_efficiency"] == pytest.approx(0.5) and fig["timed_iterations"] == 2
+XX
+    assert fig["real_tokens_per_cpu_s"] == pytest.approx(300 / 0.65)
 
 
 def test_pretrain_t5_script_reports_bad_input_in_one_line(capsys):
