@@ -98,62 +98,58 @@ def test_segment_masks_and_positions():
 
 @pytest.fixture(scope="module")
 def pp2(tmp_path_factory):
+    """One 2-rank job: padding, DynaPipe interrupted after 2 iterations (with a checkpoint) and
+    resumed for the third, packing; then a 3 + 1 layer model (two iterations) with padding
+    and DynaPipe."""
     from megatron_integration.t5_jobs import run_t5_training
 
     save = tmp_path_factory.mktemp("t5ckpt")
     dyn = TINY + " --use-dynapipe"
-    # The last two runs: interrupted by --exit-interval after a checkpoint, then resumed from it.
-    # 3 + 1 layers over 2 stages: stage 1 ends the encoder and holds the decoder (two iterations).
+    # 3 + 1 layers over 2 stages: stage 1 ends the encoder and holds the decoder.
     mixed = TINY.replace("--encoder-num-layers 2 --decoder-num-layers 2", "--encoder-num-layers 3 "
                          "--decoder-num-layers 1") + " --exit-interval 2"
-    runs = [TINY.split(), dyn.split(), (TINY + PACKING).split(),
-            (dyn + f" --exit-interval 2 --save {save}").split(), (dyn + f" --load {save}").split(),
-            mixed.split(), (mixed + " --use-dynapipe").split()]
+    runs = [TINY.split(), (dyn + f" --exit-interval 2 --save {save}").split(), (dyn + f" --load {save}").split(),
+            (TINY + PACKING).split(), mixed.split(), (mixed + " --use-dynapipe").split()]
     ranks = run_t5_training(runs, 2, timeout_s=TIMEOUT)
     assert [r["losses"] for r in ranks[1]] == [r["losses"] for r in ranks[0]]  # every rank reports the same
     return ranks[0]
 
 
 def test_t5_dynapipe_and_packing_losses_equal_padding_pp2(pp2):
-    padding, dynapipe, packing = pp2[:3]
-    assert (padding["method"], dynapipe["method"], packing["method"]) == ("padding", "dynapipe", "packing")
+    padding, first, resumed, packing = pp2[:4]
+    assert (padding["method"], first["method"], packing["method"]) == ("padding", "dynapipe", "packing")
     assert len(padding["losses"]) == 3 and all(np.isfinite(padding["losses"]))
-    assert dynapipe["losses"] == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)
+    # DynaPipe: two iterations, then (resumed from the checkpoint of the second) the third.
+    assert resumed["start_iteration"] == 2 and len(first["losses"]) == 2 and len(resumed["losses"]) == 1
+    dynapipe = first["losses"] + resumed["losses"]
+    assert dynapipe == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)
     # Packed pairs are isolated (masks, positions): the same per-sample computation.
     assert packing["losses"] == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)
-    for run in (dynapipe, packing):
-        assert run["real_tokens"] == padding["real_tokens"] and run["loss_tokens"] == padding["loss_tokens"]
-    assert sum(dynapipe["padded_tokens"]) < 0.8 * sum(padding["padded_tokens"])
+    assert packing["real_tokens"] == padding["real_tokens"] and packing["loss_tokens"] == padding["loss_tokens"]
+    assert first["real_tokens"] + resumed["real_tokens"] == padding["real_tokens"]
+    assert first["loss_tokens"] + resumed["loss_tokens"] == padding["loss_tokens"]
+    assert sum(first["padded_tokens"]) < 0.8 * sum(padding["padded_tokens"][:2])
     # Training moves the loss: the comparison is not of untrained constants.
     assert len(set(np.round(padding["losses"], 6))) == 3
 
 
 def test_t5_stage_holding_encoder_end_and_decoder(pp2):
-    padding, dynapipe = pp2[5], pp2[6]
+    padding, dynapipe = pp2[4], pp2[5]
     assert len(padding["losses"]) == 2 and padding["losses"] != pp2[0]["losses"][:2]
     assert dynapipe["losses"] == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)
 
 
-def test_t5_pp2_x_dp2_trains_like_pp2(pp2):
+def test_t5_dynapipe_pp2_x_dp2_trains_like_pp2(pp2):
     from megatron_integration.t5_jobs import run_t5_training
 
     # Two iterations (the same learning-rate schedule: --exit-interval stops a --train-iters 3 run).
-    runs = [(TINY + " --exit-interval 2").split(), (TINY + " --use-dynapipe --exit-interval 2").split()]
-    ranks = run_t5_training(runs, 4, timeout_s=TIMEOUT)
-    padding, dynapipe = ranks[0]
-    for r in ranks[1:]:
-        assert [x["losses"] for x in r] == [padding["losses"], dynapipe["losses"]]
-    assert dynapipe["losses"] == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)
-    # Two replicas summing their gradients train the same global batches as one pipeline.
-    assert len(padding["losses"]) == 2
-    assert padding["losses"] == pytest.approx(pp2[0]["losses"][:2], abs=1e-5, rel=1e-5)
-
-
-def test_t5_dynapipe_resume_continues_identically(pp2):
-    full, first, resumed = pp2[1], pp2[3], pp2[4]
-    assert first["losses"] == pytest.approx(full["losses"][:2], abs=1e-6, rel=1e-6)
-    assert resumed["start_iteration"] == 2
-    assert resumed["losses"] == pytest.approx(full["losses"][2:], abs=1e-6, rel=1e-6)
+    ranks = run_t5_training([(TINY + " --use-dynapipe --exit-interval 2").split()], 4, timeout_s=TIMEOUT)
+    dynapipe = ranks[0][0]
+    assert all(r[0]["losses"] == dynapipe["losses"] for r in ranks[1:])
+    assert len(dynapipe["losses"]) == 2
+    # Two replicas summing their gradients train the same global batches as PP2's padding.
+    assert dynapipe["losses"] == pytest.approx(pp2[0]["losses"][:2], abs=1e-5, rel=1e-5)
+    assert dynapipe["loss_tokens"] == pp2[0]["loss_tokens"][:2]
 
 
 def test_bench_t5_refuses_what_it_cannot_run(tmp_path, capsys):
