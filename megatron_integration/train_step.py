@@ -140,8 +140,10 @@ def planner_settings(cfg: DynaPipeTrainingConfig, info: RankInfo):
         tp=info.tp_size, sequence_parallel=cfg.parallel.sequence_parallel)
 
 
-def make_loader(cfg: DynaPipeTrainingConfig, info: RankInfo, start_iteration: int, consumed_samples: int):
-    """This rank's data loader (planner workers on each node's local rank 0)."""
+def make_loader(cfg: DynaPipeTrainingConfig, info: RankInfo, start_iteration: int, consumed_samples: int,
+                dataset=None, settings=None):
+    """This rank's data loader (planner workers on each node's local rank 0); ``dataset`` /
+    ``settings`` replace the run's GPT dataset config and planner settings (T5 runs)."""
     from dynapipe.runtime.loader import DynaPipeDataLoader, LoaderConfig, RankLayout
 
     d = cfg.dynapipe
@@ -157,7 +159,8 @@ def make_loader(cfg: DynaPipeTrainingConfig, info: RankInfo, start_iteration: in
                         pp_rank=info.pp_rank, pp_size=info.pp_size,
                         local_rank=int(os.environ.get("LOCAL_RANK", info.rank % local_world)),
                         local_world_size=local_world)
-    return DynaPipeDataLoader(loader_cfg, dataset_config(cfg), planner_settings(cfg, info), layout)
+    return DynaPipeDataLoader(loader_cfg, dataset or dataset_config(cfg), settings or planner_settings(cfg, info),
+                              layout)
 
 
 @dataclass

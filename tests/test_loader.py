@@ -318,7 +318,7 @@ def test_encoder_decoder_jsonl_through_the_loader(tmp_path):
             assert d.meta.global_loss_tokens == int(ds.target_lengths[batch.indices].sum()) == d.plan.global_real_tokens
             for info in d.plan.micro_batches:
                 t = d.micro_batches[info.mb]
-                assert set(t) == {"tokens", "dec_tokens", "labels", "loss_mask"}
+                assert set(t) == {"tokens", "dec_tokens", "labels", "loss_mask", "enc_mask", "dec_mask"}
                 assert tuple(t["tokens"].shape) == (info.mbs, info.seqlen)
                 assert tuple(t["labels"].shape) == (info.mbs, info.dec_seqlen)
                 for row, pos in enumerate(info.samples):
@@ -328,3 +328,6 @@ def test_encoder_decoder_jsonl_through_the_loader(tmp_path):
                     assert t["labels"][row, :n_tg].tolist() == s.target_ids.tolist()
                     assert t["dec_tokens"][row, 1:n_tg].tolist() == s.target_ids[:-1].tolist()
                     assert t["loss_mask"][row].sum().item() == n_tg
+                    # The padding masks the stages build their attention masks from.
+                    assert t["enc_mask"][row].tolist() == [1] * n_in + [0] * (info.seqlen - n_in)
+                    assert t["dec_mask"][row].tolist() == [1] * n_tg + [0] * (info.dec_seqlen - n_tg)

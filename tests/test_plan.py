@@ -68,9 +68,11 @@ def test_encoder_decoder_plans_carry_the_encoder_output():
     assert [(t.name, t.shape) for t in message_specs(t5, 1, 4, 2, 128, 32)] == [("encoder_output", (128, 2, 1024))]
     assert [(t.name, t.shape, t.dtype) for t in message_specs(t5, 2, 4, 2, 128, 32)] == [
         ("hidden_states", (32, 2, 1024), "bfloat16"), ("encoder_output", (128, 2, 1024), "bfloat16")]
-    assert [t.name for t in input_specs(t5, 2, 4, 2, 128, 32)] == ["dec_tokens"]
-    assert [(t.name, t.shape) for t in input_specs(t5, 3, 4, 2, 128, 32)] == [("labels", (2, 32)),
-                                                                                ("loss_mask", (2, 32))]
+    assert [t.name for t in input_specs(t5, 2, 4, 2, 128, 32)] == ["dec_tokens", "enc_mask", "dec_mask"]
+    # Every stage masks padding (and packed samples) out of its attention itself.
+    assert [(t.name, t.shape) for t in input_specs(t5, 1, 4, 2, 128, 32)] == [("enc_mask", (2, 128))]
+    assert [(t.name, t.shape) for t in input_specs(t5, 3, 4, 2, 128, 32)] == [
+        ("enc_mask", (2, 128)), ("dec_mask", (2, 32)), ("labels", (2, 32)), ("loss_mask", (2, 32))]
     rng = np.random.default_rng(3)
     mbs = chunked_micro_batches(rng.integers(1, 200, 12), 3, dec_lengths=rng.integers(1, 40, 12))
     cm = build_cost_model(t5, load_device_config("a100-40gb"), 4)

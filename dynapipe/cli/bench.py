@@ -42,12 +42,17 @@ def add_arguments(p) -> None:
     p.add_argument("--timeout-s", type=float, default=1800.0, help="give up on a method after this long (s)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar over the training runs (one is drawn only on a terminal, with tqdm)")
+    p.add_argument("--model", default="gpt", choices=("gpt", "t5"),
+                   help="gpt (default) or t5: an encoder-decoder, every method through the DynaPipe executor")
+    p.add_argument("--t5-sweep", default=None, help="--model t5: the baselines' micro-batch sizes to try, e.g. 1,2,4")
     # Every Megatron / DynaPipe training argument, passed through to the training jobs as given.
     from megatron_integration.arguments import add_dynapipe_args, add_megatron_args
+    from megatron_integration.t5_arguments import add_t5_args
 
     before = len(p._actions)
     add_megatron_args(p)
     add_dynapipe_args(p)
+    add_t5_args(p)
     p.set_defaults(_training_actions=p._actions[before:])
     for action in p._actions[before:]:
         action.default = argparse.SUPPRESS  # absent unless given: the bench's defaults apply
@@ -79,6 +84,10 @@ def run(args) -> int:
     from megatron_integration.launch import RankFailed, RankUserError
 
     argv = training_argv(args)
+    if args.model == "t5":
+        from megatron_integration.bench_t5 import run_t5_cli
+
+        return run_t5_cli(args, argv)
     methods = (list(PRESETS[args.preset].methods) if args.methods is None
                else [m.strip() for m in args.methods.split(",") if m.strip()])
     if not methods:

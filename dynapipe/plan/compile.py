@@ -68,7 +68,13 @@ def input_specs(model: ModelConfig, stage: int, num_stages: int, mbs: int, seqle
     int64 (position ids restart per packed sample); the last stage ``labels`` int64 and
     ``loss_mask`` float32 ``[mbs, seqlen]``. Encoder-decoder: the first stage loads the
     encoder ``tokens``, the first stage holding decoder layers ``dec_tokens``
-    ``[mbs, dec_seqlen]``, and labels and loss mask are ``[mbs, dec_seqlen]``.
+    ``[mbs, dec_seqlen]``, and labels and loss mask are ``[mbs, dec_seqlen]``. Every
+    encoder-decoder stage also loads ``enc_mask`` ``[mbs, seqlen]`` int32 and every stage
+    holding decoder layers ``dec_mask`` ``[mbs, dec_seqlen]`` int32: the sample number of
+    each token within its row (1 for an unpacked row, 1-based per sample for a packed one;
+    0 on padding). Bidirectional encoder attention and cross-attention must not see
+    padding, so each stage builds its masks (and embedding stages their positions) from
+    these on the device; the micro-batch's padded shape then never changes a sample's result.
 
     ``packed`` (decoder-only rows holding several samples): every stage also loads
     ``segment_ids`` ``[mbs, seqlen]`` int32 (1-based sample index within the row, 0 on
@@ -85,6 +91,9 @@ def input_specs(model: ModelConfig, stage: int, num_stages: int, mbs: int, seqle
         first_dec = next(s for s, l in enumerate(layouts) if l.decoder_layers > 0)
         if stage == first_dec:
             specs.append(TensorSpec("dec_tokens", (mbs, dec_seqlen), "int64"))
+        specs.append(TensorSpec("enc_mask", (mbs, seqlen), "int32"))
+        if layouts[stage].decoder_layers > 0:
+            specs.append(TensorSpec("dec_mask", (mbs, dec_seqlen), "int32"))
         target = dec_seqlen
     else:
         if stage == 0:

@@ -1,0 +1,219 @@
+"""``bench --model t5``: DynaPipe against tuned padding and packing on a T5, side by side.
+
+Every method trains the same T5 (megatron-core stages, 2 pipeline stages by default) on the
+same seed and global batches of the multi-task mixture, all through the DynaPipe executor
+(megatron-core's schedules no longer pipeline encoder-decoder models):
+
+* ``dynapipe``: planned variable-shape micro-batches (analytic cost model of the
+  ``--dynapipe-device``, the schedule search's choice);
+* ``padding``: pairs padded to ``--encoder-seq-length`` / ``--decoder-seq-length``;
+* ``packing``: pairs packed into encoder and decoder rows, samples isolated by masks.
+
+Tuning: each baseline runs at every micro-batch size of ``--t5-sweep`` (default: the
+preset's) and its fastest is kept. All runs of one bench share one spawned job (runs in
+turn, the slowest rank's iteration time counted). ``real_tokens_per_s`` counts input +
+target tokens (padding excluded) per second of wall time over the iterations after the
+warm-up; ``real_tokens_per_cpu_s`` the same per CPU second of the ranks and their planner
+workers (on a machine shared with other jobs, wall time also holds the time runnable ranks
+wait for a core, which weighs most on the method with the most synchronisation points).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence, TextIO
+
+from dynapipe.errors import DynaPipeError
+
+T5_METHOD_FLAGS = {
+    "dynapipe": ["--use-dynapipe"],
+    "padding": ["--dynapipe-batching", "padding"],
+    "packing": ["--dynapipe-batching", "packing", "--reset-position-ids", "--reset-attention-mask"],
+}
+T5_BASELINES = ("padding", "packing")
+
+_COMMON = {"--lr": "1e-4", "--hidden-dropout": "0", "--attention-dropout": "0", "--log-interval": "1",
+           "--seed": "1234", "--vocab-size": "512", "--pipeline-model-parallel-size": "2"}
+
+
+@dataclass(frozen=True)
+class T5Preset:
+    """Default arguments of a T5 bench preset and the baselines' micro-batch sizes to try."""
+
+    args: dict
+    sweep: tuple[int, ...]
+    warmup_iters: int
+    about: str
+
+
+T5_PRESETS = {
+    "tiny": T5Preset(
+        args={"--encoder-num-layers": "2", "--decoder-num-layers": "2", "--hidden-size": "64",
+              "--num-attention-heads": "4", "--ffn-hidden-size": "256", "--encoder-seq-length": "1024",
+              "--decoder-seq-length": "256", "--global-batch-size": "32", "--train-iters": "4", **_COMMON},
+        sweep=(1, 2, 4), warmup_iters=1,
+        about="tiny T5 (2+2 layers, hidden 64), inputs up to 1,024 and targets up to 256 tokens"),
+    "representative": T5Preset(
+        args={"--encoder-num-layers": "1", "--decoder-num-layers": "1", "--hidden-size": "512",
+              "--num-attention-heads": "8", "--ffn-hidden-size": "2048", "--encoder-seq-length": "512",
+              "--decoder-seq-length": "128", "--global-batch-size": "16", "--train-iters": "4",
+              "--dynapipe-prefetch": "2", **_COMMON},
+        sweep=(1, 2), warmup_iters=1,
+        about="T5 with hidden = encoder length (1+1 layers, hidden 512 at 512/128 tokens)"),
+}
+
+
+def t5_with_defaults(argv: Sequence[str], preset: str) -> list[str]:
+    """``argv`` plus every default of the preset it does not set (``--mock-data`` unless data is given)."""
+    out = list(argv)
+    given = {a.split("=")[0] for a in out if a.startswith("--")}
+    for flag, value in T5_PRESETS[preset].args.items():
+        if flag not in given:
+            out += [flag, value]
+    if "--mock-data" not in given and "--data-path" not in given:
+        out.append("--mock-data")
+    return out
+
+
+@dataclass(frozen=True)
+class T5Entry:
+    """One run of the bench: a method at a micro-batch size (None: DynaPipe's own micro-batches)."""
+
+    method: str
+    micro_batch_size: Optional[int] = None
+
+    @property
+    def label(self) -> str:
+        return self.method if self.micro_batch_size is None else f"{self.method}@mbs{self.micro_batch_size}"
+
+    def argv(self, argv: Sequence[str]) -> list[str]:
+        out = list(argv) + T5_METHOD_FLAGS[self.method]
+        return out + (["--micro-batch-size", str(self.micro_batch_size)] if self.micro_batch_size else [])
+
+
+def t5_figures(ranks: list[dict], warmup_iters: int) -> dict:
+    """Figures of one run from every rank's summary, iterations after the warm-up."""
+    n = len(ranks[0]["iteration_ms"])
+    keep = list(range(min(warmup_iters, n - 1), n))
+    iter_ms = [max(r["iteration_ms"][i] for r in ranks) for i in keep]
+    real = sum(ranks[0]["real_tokens"][i] for i in keep)
+    padded = sum(ranks[0]["padded_tokens"][i] for i in keep)
+    # CPU time of the ranks and of what they started (planner workers): the work done, which a
+    # shared machine's run queue does not stretch the way it stretches wall time.
+    cpu_ms = sum(r["cpu_ms"][i] + (r["children_cpu_ms"][i] or 0.0) for r in ranks for i in keep) \
+        if all(r.get("cpu_ms") for r in ranks) else None
+    return {"real_tokens_per_s": round(real / (sum(iter_ms) / 1e3), 2),
+            "real_tokens_per_cpu_s": None if not cpu_ms else round(real / (cpu_ms / 1e3), 2),
+            "cpu_ms_per_iteration": None if cpu_ms is None else round(cpu_ms / len(keep), 1),
+            "padding_efficiency": round(real / max(padded, 1), 4),
+            "iteration_ms": round(statistics.fmean(iter_ms), 2),
+            "plan_wait_ms": round(statistics.fmean(max(r["plan_wait_ms"][i] for r in ranks) for i in keep), 3),
+            "timed_iterations": len(keep), "lm_loss": ranks[0]["losses"]}
+
+
+def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output: str, preset: str = "tiny",
+                 sweep: Optional[Sequence[int]] = None, warmup_iters: Optional[int] = None,
+                 threads_per_rank: Optional[int] = None, timeout_s: float = 1800.0,
+                 stream: TextIO = sys.stdout) -> dict:
+    """Train every method (each baseline at every size of ``sweep``) and write the JSON report."""
+    from megatron_integration.t5_arguments import parse_t5_args
+    from megatron_integration.t5_jobs import run_t5_training
+
+    p = T5_PRESETS[preset]
+    sweep = tuple(p.sweep if sweep is None else sweep)
+    warmup = p.warmup_iters if warmup_iters is None else warmup_iters
+    argv = t5_with_defaults(argv, preset)
+    entries = [T5Entry(m, s) for m in methods for s in (sweep if m in T5_BASELINES else (None,))]
+    runs = [e.argv(argv) for e in entries]
+    for margv in runs:  # every command line checked before any process starts
+        cfg = parse_t5_args(margv, nproc)
+    if cfg.base.train_iters <= warmup:
+        raise DynaPipeError(f"--train-iters {cfg.base.train_iters} leaves no timed iteration after the "
+                            f"{warmup} warm-up iteration(s); raise --train-iters.")
+    out_dir = os.path.dirname(os.path.abspath(output))
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise DynaPipeError(f"{output}: cannot create its directory {out_dir}: {e.strerror}.") from None
+    print(f"training {', '.join(e.label for e in entries)} on {nproc} rank(s) ...", file=stream, flush=True)
+    started = time.perf_counter()
+    ranks = run_t5_training(runs, nproc, timeout_s=timeout_s, threads_per_rank=threads_per_rank)
+    per_entry = {e.label: t5_figures([r[k] for r in ranks], warmup) for k, e in enumerate(entries)}
+    best = {}
+    for e in entries:
+        if e.method not in best or per_entry[e.label]["real_tokens_per_s"] > best[e.method][1]["real_tokens_per_s"]:
+            best[e.method] = (e, per_entry[e.label])
+    results = {m: {**fig, "run": e.label, "micro_batch_size": e.micro_batch_size} for m, (e, fig) in best.items()}
+    base = [b for b in T5_BASELINES if b in results]
+    best_base = max(base, key=lambda b: results[b]["real_tokens_per_s"], default=None)
+    ratios = {f"{m}_vs_{b}": round(results[m]["real_tokens_per_s"] / results[b]["real_tokens_per_s"], 3)
+              for m in results for b in base if m != b}
+    if all(results[m]["real_tokens_per_cpu_s"] for m in results):
+        ratios.update({f"{m}_vs_{b}_per_cpu_s": round(results[m]["real_tokens_per_cpu_s"]
+                                                      / results[b]["real_tokens_per_cpu_s"], 3)
+                       for m in results for b in base if m != b})
+    if best_base is not None and "dynapipe" in results:
+        ratios["dynapipe_vs_best_baseline"] = ratios[f"dynapipe_vs_{best_base}"]
+    report = {"model": "t5", "preset": preset, "about": p.about, "methods": results, "runs": per_entry,
+              "ratios": ratios, "best_baseline": best_base,
+              "setup": {"argv": list(argv), "nproc": nproc, "warmup_iters": warmup, "sweep": list(sweep),
+                        "elapsed_s": round(time.perf_counter() - started, 1),
+                        "executor": "every method through the DynaPipe executor (fixed-shape 1F1B plans for "
+                                    "the baselines)"}}
+    print(f"{'method':<10} {'run':<14} {'real tok/s':>11} {'tok/CPU-s':>10} {'pad eff':>8} {'iter ms':>9}",
+          file=stream)
+    for m, r in results.items():
+        per_cpu = r["real_tokens_per_cpu_s"]
+        print(f"{m:<10} {r['run']:<14} {r['real_tokens_per_s']:>11.1f} {per_cpu or 0:>10.1f} "
+              f"{r['padding_efficiency']:>8.3f} {r['iteration_ms']:>9.1f}", file=stream)
+    for k, v in ratios.items():
+        print(f"{k}: {v:.2f}x", file=stream)
+    with open(output, "w") as f:
+        json.dump(report, f, indent=1)
+    return report
+
+
+def run_t5_cli(args, argv: list[str]) -> int:
+    """``python -m dynapipe bench --model t5 ...`` (argv: the training flags given)."""
+    from megatron_integration.launch import RankFailed, RankUserError
+
+    preset = args.preset
+    methods = (["dynapipe", "padding", "packing"] if args.methods is None
+               else [m.strip() for m in args.methods.split(",") if m.strip()])
+    unknown = [m for m in methods if m not in T5_METHOD_FLAGS]
+    if unknown or not methods or len(set(methods)) != len(methods):
+        raise DynaPipeError(f"--methods {args.methods!r}: for --model t5 choose each at most once from "
+                            f"{', '.join(T5_METHOD_FLAGS)}.")
+    for flag in ("--use-dynapipe", "--dynapipe-batching", "--micro-batch-size"):
+        if flag in argv:
+            raise DynaPipeError(f"{flag}: the T5 bench sets the method and tunes the baselines' micro-batch size "
+                                f"itself (--t5-sweep).")
+    for unsupported in ("rounds", "sweep_top", "png"):
+        if getattr(args, unsupported, None):
+            raise DynaPipeError(f"--{unsupported.replace('_', '-')} is not supported with --model t5 "
+                                f"(one round; the baselines' sizes come from --t5-sweep).")
+    sweep = None
+    if args.t5_sweep:
+        try:
+            sweep = tuple(int(x) for x in args.t5_sweep.split(","))
+        except ValueError:
+            sweep = ()
+        if not sweep or min(sweep) < 1:
+            raise DynaPipeError(f"--t5-sweep {args.t5_sweep!r}: give micro-batch sizes like 1,2,4.")
+    full = t5_with_defaults(argv, preset)
+    pp = int(full[len(full) - 1 - full[::-1].index("--pipeline-model-parallel-size") + 1])
+    try:
+        run_t5_bench(argv, methods, args.nproc or pp, args.output, preset=preset, sweep=sweep,
+                     warmup_iters=args.warmup_iters, threads_per_rank=args.threads_per_rank,
+                     timeout_s=args.timeout_s)
+    except RankUserError as e:
+        raise DynaPipeError(str(e)) from None
+    except RankFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.output}")
+    return 0

@@ -1,0 +1,109 @@
+"""Megatron-LM's T5 arguments, on top of the shared Megatron and DynaPipe ones.
+
+``--encoder-num-layers`` / ``--decoder-num-layers`` and ``--encoder-seq-length`` /
+``--decoder-seq-length`` mean what they mean in Megatron-LM: ``--num-layers`` is the
+same as ``--encoder-num-layers`` (give one), the decoder has as many layers as the encoder
+unless ``--decoder-num-layers`` says otherwise, ``--seq-length`` is the same as
+``--encoder-seq-length`` (give one). Every other flag is validated as for GPT by
+:func:`~megatron_integration.arguments.training_config_from_args`.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+from dynapipe.errors import DynaPipeError
+from megatron_integration.arguments import _positive, _unsupported, build_parser, training_config_from_args
+from megatron_integration.t5_config import T5TrainingConfig
+
+# Fixed-shape baselines the T5 script runs (through the DynaPipe executor: megatron-core's
+# schedules no longer pipeline encoder-decoder models).
+T5_BASELINES = ("padding", "packing")
+
+
+def add_t5_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Declare Megatron-LM's T5 arguments (names and defaults as Megatron's)."""
+    g = parser.add_argument_group("t5")
+    g.add_argument("--encoder-num-layers", type=int, default=None, help="encoder layers (same as --num-layers)")
+    g.add_argument("--decoder-num-layers", type=int, default=None,
+                   help="decoder layers (default: as many as the encoder)")
+    g.add_argument("--encoder-seq-length", type=int, default=None,
+                   help="longest encoder input in tokens (same as --seq-length)")
+    g.add_argument("--decoder-seq-length", type=int, default=None, help="longest decoder target in tokens")
+    return parser
+
+
+def build_t5_parser(prog: Optional[str] = None, description: Optional[str] = None) -> argparse.ArgumentParser:
+    """The GPT parser (Megatron and DynaPipe arguments) with the T5 group added."""
+    return add_t5_args(build_parser(prog=prog, description=description))
+
+
+def _one_of(args, flag_a: str, flag_b: str):
+    a, b = getattr(args, flag_a.replace("-", "_")), getattr(args, flag_b.replace("-", "_"))
+    if a is not None and b is not None:
+        raise DynaPipeError(f"--{flag_a} {a} and --{flag_b} {b} were both given; they are the same setting "
+                            f"(as in Megatron-LM), give one.")
+    if a is None and b is None:
+        raise DynaPipeError(f"--{flag_b} (or --{flag_a}) is required.")
+    return a if a is not None else b
+
+
+def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optional[bool] = None) -> T5TrainingConfig:
+    """Validate parsed T5 arguments for a job of ``world_size`` ranks and build the config."""
+    enc_layers = _positive("encoder-num-layers", _one_of(args, "num-layers", "encoder-num-layers"))
+    dec_layers = _positive("decoder-num-layers", args.decoder_num_layers) or enc_layers
+    enc_seq = _positive("encoder-seq-length", _one_of(args, "seq-length", "encoder-seq-length"))
+    if args.decoder_seq_length is None:
+        raise DynaPipeError("--decoder-seq-length is required for T5 (the longest target in tokens).")
+    dec_seq = _positive("decoder-seq-length", args.decoder_seq_length)
+    max_pos = args.max_position_embeddings or max(enc_seq, dec_seq)
+    for flag, length in (("encoder-seq-length", enc_seq), ("decoder-seq-length", dec_seq)):
+        if length > max_pos:
+            raise DynaPipeError(f"--{flag} {length} exceeds --max-position-embeddings {max_pos}; raise it to at "
+                                f"least {length}.")
+    if args.position_embedding_type != "learned_absolute":
+        raise _unsupported("--position-embedding-type", f"{args.position_embedding_type}: T5 stages use learned "
+                                                        f"absolute positions; drop it")
+    pp = args.pipeline_model_parallel_size
+    total = enc_layers + dec_layers
+    if pp > total or total % pp:
+        raise DynaPipeError(f"--encoder-num-layers {enc_layers} + --decoder-num-layers {dec_layers} = {total} "
+                            f"layers cannot be split evenly over --pipeline-model-parallel-size {pp}; use a "
+                            f"divisor of {total}.")
+    batching = args.dynapipe_batching or ("dynapipe" if args.use_dynapipe else "padding")
+    if args.use_dynapipe and batching != "dynapipe":
+        raise DynaPipeError(f"--use-dynapipe --dynapipe-batching {batching}: T5 plans dynapipe micro-batches; the "
+                            f"baselines ({', '.join(T5_BASELINES)}) run without --use-dynapipe.")
+    if not args.use_dynapipe and batching not in T5_BASELINES:
+        raise DynaPipeError(f"--dynapipe-batching {batching} is not a T5 baseline; use one of "
+                            f"{list(T5_BASELINES)}, or --use-dynapipe.")
+    if batching == "packing" and not (args.reset_position_ids and args.reset_attention_mask):
+        raise DynaPipeError("T5 packing always isolates the packed samples (block-diagonal masks, positions "
+                            "restarting per sample); add --reset-position-ids --reset-attention-mask.")
+    if args.recompute_granularity == "full" and (args.recompute_method, args.recompute_num_layers) != ("uniform", 1):
+        raise DynaPipeError("T5 stages recompute full layers one at a time; use --recompute-method uniform "
+                            "--recompute-num-layers 1 with --recompute-granularity full.")
+    if args.bf16 or args.fp16:
+        raise DynaPipeError(f"--{'bf16' if args.bf16 else 'fp16'}: T5 stages are built in fp32 in this build "
+                            f"(no half-precision wrapper yet); drop it.")
+    if args.use_distributed_optimizer:
+        raise DynaPipeError("--use-distributed-optimizer: T5 stages keep their embedding copies in sync on whole "
+                            "gradients (no sharded optimizer yet); drop it.")
+    for flag in ("tensor-model-parallel-size",):
+        if getattr(args, flag.replace("-", "_")) != 1:
+            raise DynaPipeError(f"--{flag} {getattr(args, flag.replace('-', '_'))}: T5 stages run without tensor "
+                                f"parallelism; use 1.")
+    # The shared validators see the whole model: every layer, the encoder's length.
+    shared = argparse.Namespace(**vars(args))
+    shared.num_layers, shared.seq_length, shared.max_position_embeddings = total, enc_seq, max_pos
+    base = training_config_from_args(shared, world_size, cuda)
+    if base.data.data_path and any(not p.endswith((".jsonl", ".json")) for p in base.data.data_path):
+        raise DynaPipeError("T5 reads (input, target) pairs from JSONL files ({\"input\": ..., \"target\": ...} "
+                            "lines) or --mock-data; indexed datasets are not read for T5 yet.")
+    return T5TrainingConfig(base=base, encoder_layers=enc_layers, decoder_layers=dec_layers,
+                            decoder_seq_length=dec_seq)
+
+
+def parse_t5_args(argv, world_size: int, cuda: Optional[bool] = None) -> T5TrainingConfig:
+    """Parse a Megatron-style T5 command line and validate it into a config."""
+    return t5_config_from_args(build_t5_parser().parse_args(argv), world_size, cuda)

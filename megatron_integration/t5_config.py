@@ -1,0 +1,56 @@
+"""The configuration of a T5 (encoder-decoder) training run: plain dataclasses, no torch.
+
+A T5 run is a :class:`~megatron_integration.train_config.DynaPipeTrainingConfig` (``base``:
+optimizer, data, parallel layout, DynaPipe settings, the shared model shape with
+``seq_length`` = the encoder's and ``num_layers`` = encoder + decoder layers) plus what
+only an encoder-decoder has. Built by :func:`megatron_integration.t5_arguments.t5_config_from_args`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_integration.train_config import DynaPipeTrainingConfig
+
+
+@dataclass(frozen=True)
+class T5TrainingConfig:
+    """A validated T5 run. Lengths in tokens.
+
+    ``encoder_layers`` / ``decoder_layers``: Megatron's ``--encoder-num-layers`` /
+    ``--decoder-num-layers``; ``decoder_seq_length``: ``--decoder-seq-length`` (the
+    encoder's is ``base.model.seq_length``).
+    """
+
+    base: DynaPipeTrainingConfig
+    encoder_layers: int
+    decoder_layers: int
+    decoder_seq_length: int
+
+    @property
+    def encoder_seq_length(self) -> int:
+        return self.base.model.seq_length
+
+    @property
+    def method(self) -> str:
+        """``dynapipe``, or the fixed-shape baseline ``padding`` / ``packing``."""
+        return self.base.method
+
+    def planner_model(self):
+        """The planner's :class:`dynapipe.config.ModelConfig` (``arch: t5``) of this model."""
+        from dynapipe.config import ModelConfig
+
+        m = self.base.model
+        return ModelConfig(name="megatron-t5", arch="t5", num_layers=self.encoder_layers + self.decoder_layers,
+                           encoder_layers=self.encoder_layers, decoder_layers=self.decoder_layers,
+                           hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+                           ffn_hidden_size=m.ffn_hidden_size, vocab_size=m.vocab_size,
+                           max_seq_length=max(m.seq_length, self.decoder_seq_length), dtype=m.dtype,
+                           tie_embeddings=m.tie_embeddings, kv_channels=m.kv_channels).validate("megatron-t5")
+
+    def dataset_config(self):
+        """The run's :class:`~dynapipe.data.config.DatasetConfig`, as (input, target) pairs."""
+        from dataclasses import replace
+
+        from megatron_integration.data import dataset_config
+
+        return replace(dataset_config(self.base), encoder_decoder=True, dec_seq_length=self.decoder_seq_length)

@@ -1,0 +1,63 @@
+"""T5 training jobs started from Python: several runs in one spawned gloo job.
+
+``run_t5_training([argv, ...], world_size)`` launches ``world_size`` local ranks that run
+:func:`megatron_integration.t5_training.pretrain_t5` once per command line, one after the
+other in the same process group (the start-up of a job costs more than a tiny run), and
+returns the per-iteration figures of every run on every rank. Used by ``bench --model t5``
+and the tests.
+"""
+from __future__ import annotations
+
+import io
+import os
+import sys
+from typing import Optional, Sequence
+
+from megatron_integration.launch import spawn
+
+
+def t5_training_job(runs: Sequence[Sequence[str]], echo: bool = False) -> list[dict]:
+    """Rank body: train each command line of ``runs`` in turn; a picklable summary of each."""
+    from megatron_integration.cpu_time import IterationCpu
+    from megatron_integration.initialize import destroy
+    from megatron_integration.t5_arguments import parse_t5_args
+    from megatron_integration.t5_training import pretrain_t5
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    configs = [parse_t5_args(list(argv), world) for argv in runs]  # every command line checked first
+    out = []
+    try:
+        for cfg in configs:
+            cpu = IterationCpu()
+            run = pretrain_t5(cfg, stream=sys.stdout if echo else io.StringIO(), on_iteration=cpu.record)
+            from megatron.core import parallel_state
+
+            out.append({
+                "method": cfg.method,
+                "start_iteration": run.start_iteration,
+                "losses": run.losses,
+                "iteration_ms": [r.iteration_ms for r in run.results],
+                "real_tokens": [r.real_tokens for r in run.results],
+                "padded_tokens": [r.padded_tokens for r in run.results],
+                "loss_tokens": [r.loss_tokens for r in run.results],
+                "grad_norms": [r.grad_norm for r in run.results],
+                "plan_wait_ms": [r.plan_wait_ms for r in run.results],
+                "activation_measured_mib": [r.activation_measured_mib for r in run.results],
+                "activation_planned_mib": [r.activation_planned_mib for r in run.results],
+                "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+                "log_lines": run.log_lines,
+                "layer_spec": run.spec_name,
+                "cpu_ms": cpu.rank_ms,
+                "children_cpu_ms": cpu.children_ms,
+            })
+    finally:
+        destroy()
+    return out
+
+
+def run_t5_training(runs: Sequence[Sequence[str]], world_size: int, timeout_s: float = 600.0, echo: bool = False,
+                    threads_per_rank: Optional[int] = None) -> list[list[dict]]:
+    """Spawn ``world_size`` ranks training each command line of ``runs`` in turn;
+    ``result[rank][run]`` is that rank's summary of that run."""
+    return spawn(t5_training_job, world_size, ([list(a) for a in runs], echo), timeout_s=timeout_s,
+                 threads_per_rank=threads_per_rank)

@@ -1,0 +1,302 @@
+"""One T5 training iteration through the DynaPipe executor: handlers, plan sources, stepper.
+
+Every method runs through :class:`~dynapipe.runtime.executor.Executor` (megatron-core's
+schedules no longer pipeline encoder-decoder models); they differ only in where the plan
+and the micro-batch tensors come from:
+
+* ``dynapipe``: the :class:`~dynapipe.runtime.loader.DynaPipeDataLoader` (planner workers,
+  variable-shape micro-batches, the schedule search's choice);
+* ``padding`` / ``packing``: fixed-shape micro-batches
+  (:func:`~megatron_integration.t5_batches.baseline_micro_batches`) compiled on every rank
+  into 1F1B plans, at Megatron's ``--recompute-granularity`` level.
+
+The handlers build each stage's attention masks from the plan's ``enc_mask`` / ``dec_mask``
+(per-token sample numbers, 0 on padding): encoder self-attention and cross-attention see
+only their own sample's input tokens, decoder self-attention is causal within its sample;
+embedding stages restart positions at every sample. So a sample's loss does not depend on
+how it was padded or packed. After the executor, megatron-core's DDP sums the gradients
+over replicas, :class:`~megatron_integration.t5_model.EmbeddingSync` over the embedding
+copies, and the loss is normalised by the global batch's target tokens.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import numpy as np
+import torch
+
+from dynapipe.errors import DynaPipeError
+from dynapipe.plan.instructions import BackwardPass, ForwardPass, MicroBatchInfo, TensorSpec
+from dynapipe.runtime.activation_meter import ActivationMeter, measure_activations
+from dynapipe.runtime.activation_plan import planned_activation_peak_mib
+from dynapipe.runtime.buffers import backward_from
+from megatron_integration.initialize import RankInfo
+from megatron_integration.megatron_step import StepResult, reduce_loss
+from megatron_integration.model import Stage
+from megatron_integration.nan_guard import check_before_step
+from megatron_integration.t5_config import T5TrainingConfig
+from megatron_integration.t5_model import EmbeddingSync, set_t5_recompute_level
+
+
+def segment_mask(q_seg: torch.Tensor, k_seg: torch.Tensor, causal: bool = False,
+                 self_attention: bool = True) -> torch.Tensor:
+    """Attention mask ``[mbs, 1, sq, sk]`` bool (True = masked, megatron-core's convention)
+    from per-token sample numbers ``[mbs, sq]`` / ``[mbs, sk]`` (0 on padding): a query sees
+    the keys of its own sample (the earlier ones when ``causal``). In self-attention a
+    padding query sees itself, so no row is empty; a padding decoder query in
+    cross-attention sees nothing (megatron fills masked scores with -10000, a uniform row;
+    its loss is masked)."""
+    q, k = q_seg.unsqueeze(2), k_seg.unsqueeze(1)
+    keep = (q == k) & (q > 0)
+    sq, sk = q_seg.shape[1], k_seg.shape[1]
+    if causal:
+        keep &= torch.ones((sq, sk), dtype=torch.bool, device=q_seg.device).tril_()
+    if self_attention:
+        keep |= torch.eye(sq, dtype=torch.bool, device=q_seg.device)
+    return (~keep).unsqueeze(1)
+
+
+def segment_positions(seg: torch.Tensor) -> torch.Tensor:
+    """Position ids ``[mbs, s]`` int64 restarting at every sample of a row (runs of equal
+    sample numbers; padding counts on from its own start)."""
+    b, s = seg.shape
+    idx = torch.arange(s, device=seg.device).expand(b, s)
+    starts = torch.ones_like(seg, dtype=torch.bool)
+    starts[:, 1:] = seg[:, 1:] != seg[:, :-1]
+    first = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return (idx - first).to(torch.int64)
+
+
+class T5StageHandlers:
+    """Executor handlers that run one :class:`~megatron_integration.t5_model.T5Stage`."""
+
+    def __init__(self, stage: Stage, device: torch.device):
+        self.stage = stage
+        self.device = device
+        self.tensors: dict = {}
+        self._reset_loss()
+
+    def _reset_loss(self) -> None:
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.loss_tokens = torch.zeros((), dtype=torch.float64, device=self.device)
+
+    def begin(self, micro_batch_tensors: dict, global_loss_tokens: int) -> None:
+        """Take one iteration's tensors (``{mb: {name: array}}``) before the executor runs."""
+        if global_loss_tokens <= 0:
+            raise DynaPipeError("the global batch has no target tokens; the loss cannot be normalised.")
+        self.tensors = micro_batch_tensors
+        self._reset_loss()
+
+    def load(self, mb: MicroBatchInfo, specs: tuple[TensorSpec, ...]) -> dict[str, torch.Tensor]:
+        data = self.tensors.get(mb.mb)
+        if data is None:
+            raise DynaPipeError(f"no tensors were given for micro-batch {mb.mb}.")
+        return {s.name: torch.as_tensor(data[s.name]).to(self.device, non_blocking=True) for s in specs}
+
+    def _level(self, op) -> None:
+        if op is not None:
+            set_t5_recompute_level(self.stage.gpt, self.stage.config, op.recompute)
+
+    def forward(self, mb: MicroBatchInfo, inputs: dict[str, torch.Tensor], op: ForwardPass):
+        st, t5 = self.stage, self.stage.gpt
+        place = t5.place
+        self._level(op)
+        enc_seg, dec_seg = inputs["enc_mask"], inputs.get("dec_mask")
+        kwargs = dict(hidden_states=inputs.get("hidden_states"), encoder_output=inputs.get("encoder_output"),
+                      labels=inputs.get("labels"))
+        if place.embeds_encoder:
+            kwargs.update(enc_tokens=inputs["tokens"], enc_positions=segment_positions(enc_seg))
+        if place.embeds_decoder:
+            kwargs.update(dec_tokens=inputs["dec_tokens"], dec_positions=segment_positions(dec_seg))
+        if t5.encoder is not None:
+            kwargs["enc_attn_mask"] = segment_mask(enc_seg, enc_seg)
+        if t5.decoder is not None:
+            kwargs["dec_attn_mask"] = segment_mask(dec_seg, dec_seg, causal=True)
+            kwargs["cross_attn_mask"] = segment_mask(dec_seg, enc_seg, self_attention=False)
+        out = st.module(**kwargs)
+        if not place.is_last:
+            return out
+        mask = inputs["loss_mask"]
+        loss_sum = torch.sum(out.float() * mask)
+        self.loss_sum += loss_sum.detach()
+        self.loss_tokens += mask.sum()
+        return loss_sum
+
+    def backward(self, mb: MicroBatchInfo, roots, grads, op: BackwardPass) -> None:
+        self._level(op)
+        backward_from(roots, grads)
+
+
+@dataclass
+class PlannedIteration:
+    """What one iteration runs on this rank: its plan, the tensors it loads, the global figures."""
+
+    plan: object
+    tensors: dict
+    loss_tokens: int
+    real_tokens: int
+    padded_tokens: int
+    consumed_samples: int
+    truncated: int = 0
+    wait_ms: float = 0.0
+
+
+class LoaderSource:
+    """``dynapipe``: plans and tensors from the DynaPipe data loader (planner workers)."""
+
+    def __init__(self, cfg: T5TrainingConfig, info: RankInfo, start_iteration: int, consumed_samples: int):
+        from megatron_integration.train_step import make_loader, planner_settings
+
+        base = cfg.base
+        settings = replace(planner_settings(base, info), model=cfg.planner_model(), seq_length=cfg.encoder_seq_length)
+        self.settings = settings
+        self.loader = make_loader(base, info, start_iteration, consumed_samples, dataset=cfg.dataset_config(),
+                                  settings=settings)
+
+    def next(self, iteration: int) -> PlannedIteration:
+        data = next(self.loader)
+        if data.iteration != iteration:
+            raise DynaPipeError(f"the data loader yielded iteration {data.iteration} for iteration {iteration}.")
+        m = data.meta
+        return PlannedIteration(data.plan, data.micro_batches, m.global_loss_tokens, m.global_real_tokens,
+                                m.global_padded_tokens, m.consumed_samples, m.truncated_samples, m.wait_ms)
+
+    def close(self) -> None:
+        self.loader.close()
+
+
+class BaselineSource:
+    """``padding`` / ``packing``: fixed-shape micro-batches compiled into 1F1B plans on every rank."""
+
+    def __init__(self, cfg: T5TrainingConfig, info: RankInfo, start_iteration: int, consumed_samples: int):
+        from dynapipe.data.sampler import GlobalBatchSampler
+        from megatron_integration.data import GlobalBatches, sampler_config
+
+        self.cfg, self.info = cfg, info
+        self.model = cfg.planner_model()
+        dataset = cfg.dataset_config().build()
+        sampler = GlobalBatchSampler(dataset.sample_tokens(), sampler_config(cfg.base), consumed_samples)
+        self.batches = GlobalBatches(dataset, sampler, start_iteration)
+        self.level = cfg.base.recompute.granularity or "none"
+
+    def next(self, iteration: int) -> PlannedIteration:
+        from dynapipe.plan.compile import compile_plans
+        from megatron_integration.t5_batches import baseline_micro_batches, t5_row_tensors
+
+        cfg, info = self.cfg, self.info
+        batch = self.batches.batch(iteration)
+        ds = self.batches.dataset
+        lengths = ds.planner_lengths(batch.indices)
+        mbs_list, padded = baseline_micro_batches(cfg.method, lengths, cfg.encoder_seq_length, cfg.decoder_seq_length,
+                                                  cfg.base.micro_batch_size, info.dp_size, info.dp_rank)
+        loss_tokens = int(lengths[:, 1].sum())
+        plan = compile_plans("1f1b", mbs_list, self.model, num_stages=info.pp_size, replica=info.dp_rank,
+                             num_replicas=info.dp_size, iteration=iteration, global_real_tokens=loss_tokens,
+                             recompute=self.level)[info.pp_rank]
+        tensors = {}
+        for i, mb in enumerate(mbs_list):
+            rows = [[ds[int(batch.indices[p])] for p in row] for row in (mb.rows or [[s] for s in mb.samples])]
+            tensors[i] = t5_row_tensors(rows, mb.seqlen, mb.dec_seqlen, ds.pad_id, ds.eod_id)
+        return PlannedIteration(plan, tensors, loss_tokens, int(lengths.sum()), padded, batch.consumed_samples,
+                                int(ds.truncated[batch.indices].sum()))
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class T5Stepper:
+    """Runs T5 iterations: plan source -> executor (T5 stage) -> gradient sums -> optimizer."""
+
+    cfg: T5TrainingConfig
+    info: RankInfo
+    stage: Stage
+    optimizer: object
+    scheduler: object
+    source: object
+    executor: object
+    handlers: T5StageHandlers
+    sync: EmbeddingSync
+    meter: ActivationMeter
+    cost_model: Optional[object] = None  # the planner's, to price what a DynaPipe plan promises
+    traces: Optional[list] = None
+
+    @classmethod
+    def create(cls, cfg: T5TrainingConfig, info: RankInfo, stage: Stage, optimizer, scheduler, sync: EmbeddingSync,
+               start_iteration: int, consumed_samples: int) -> "T5Stepper":
+        from megatron.core import parallel_state
+
+        from dynapipe.runtime.executor import Executor, ExecutorConfig
+        from dynapipe.runtime.kv_store import job_tcp_store
+
+        handlers = T5StageHandlers(stage, info.device)
+        meter = ActivationMeter()
+        d = cfg.base.dynapipe
+        executor = Executor(handlers, group=parallel_state.get_pipeline_model_parallel_group(), device=info.device,
+                            store=job_tcp_store(), meter=meter,
+                            config=ExecutorConfig(timeout_s=d.timeout_s, trace=d.trace_dir is not None),
+                            replica=info.dp_rank)
+        source_cls = LoaderSource if cfg.method == "dynapipe" else BaselineSource
+        try:
+            source = source_cls(cfg, info, start_iteration, consumed_samples)
+        except BaseException:
+            executor.close()
+            raise
+        cost_model = None
+        if isinstance(source, LoaderSource):
+            from dynapipe.cost import build_cost_model
+
+            s = source.settings
+            cost_model = build_cost_model(s.model, s.device, s.num_stages, s.cost_profile)
+        return cls(cfg, info, stage, optimizer, scheduler, source, executor, handlers, sync, meter, cost_model,
+                   [] if d.trace_dir else None)
+
+    def step(self, iteration: int) -> StepResult:
+        start = time.perf_counter()
+        item = self.source.next(iteration)
+        self.handlers.begin(item.tensors, item.loss_tokens)
+        self.stage.module.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        with measure_activations(self.stage.module, self.info.device, self.meter) as activations:
+            result = self.executor.run(item.plan, loss_tokens=item.loss_tokens)
+        if self.traces is not None and result.trace is not None:
+            self.traces.append(result.trace)
+        # Replicas' gradients are summed (calculate_per_token_loss: no averaging), then the
+        # embedding copies'; the executor already divided the loss by the global target tokens.
+        self.stage.module.finish_grad_sync()
+        self.sync(self.stage.gpt)
+        base = self.cfg.base
+        check_before_step(base.check_for_nan_in_loss_and_grad, base.model.dtype == "fp16", self.stage.module,
+                          iteration, self.handlers.loss_sum if self.info.is_last_stage else None, self.info.device)
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        loss_sum, loss_tokens = reduce_loss(float(self.handlers.loss_sum), int(self.handlers.loss_tokens),
+                                            self.info.is_last_stage, self.info.device)
+        if loss_tokens != item.loss_tokens:
+            raise DynaPipeError(f"iteration {iteration}: the executed micro-batches hold {loss_tokens} target tokens, "
+                                f"the global batch {item.loss_tokens}; plan and data disagree.")
+        if self.info.device.type == "cuda":
+            torch.cuda.synchronize()
+        return StepResult(loss=loss_sum / max(loss_tokens, 1), loss_tokens=loss_tokens, real_tokens=item.real_tokens,
+                          padded_tokens=item.padded_tokens, iteration_ms=(time.perf_counter() - start) * 1e3,
+                          grad_norm=float(grad_norm or 0.0), plan_wait_ms=item.wait_ms, skipped=not ok,
+                          consumed_samples=item.consumed_samples, truncated=item.truncated,
+                          activation_measured_mib=activations["peak_mib"],
+                          activation_planned_mib=None if self.cost_model is None else planned_activation_peak_mib(
+                              item.plan, self.cost_model, transient=self.info.device.type == "cuda"))
+
+    def close(self) -> None:
+        try:
+            self.source.close()
+        finally:
+            self.executor.close()
+        if self.traces and self.cfg.base.dynapipe.trace_dir:
+            from dynapipe.runtime.exec_trace import write_chrome_trace
+
+            os.makedirs(self.cfg.base.dynapipe.trace_dir, exist_ok=True)
+            write_chrome_trace(os.path.join(self.cfg.base.dynapipe.trace_dir, f"rank{self.info.rank:03d}.json"),
+                               self.traces)

@@ -1,0 +1,82 @@
+"""The T5 training loop shared by ``scripts/pretrain_t5.py``, ``bench --model t5`` and the tests.
+
+``pretrain_t5(cfg)`` initialises megatron, builds this rank's T5 stage (megatron-core DDP,
+its optimizer and learning-rate schedule), then runs ``--train-iters`` iterations of the
+chosen method through the DynaPipe executor (:mod:`megatron_integration.t5_step`), logging
+in Megatron's format; resumes from ``--load`` and saves on ``--save-interval`` and at the end
+(the GPT checkpoint format: each stage's parameters, optimizer, schedule, RNG states). Every method sees the same global batches and starts from the same
+weights for a given ``--seed``.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Callable, Optional, TextIO
+
+from megatron_integration.checkpoint import load_checkpoint, save_checkpoint
+from megatron_integration.initialize import RankInfo, initialize_megatron
+from megatron_integration.logging_utils import TrainingLogger
+from megatron_integration.megatron_step import StepResult
+from megatron_integration.model import Stage, build_optimizer
+from megatron_integration.t5_config import T5TrainingConfig
+from megatron_integration.training import TrainingRun, current_lr, vocab_padding_line
+
+
+def build_t5_training_stage(cfg: T5TrainingConfig, info: RankInfo) -> Stage:
+    """This rank's T5 stage wrapped in megatron-core's ``DistributedDataParallel``."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_integration.t5_model import build_t5_stage
+
+    t5 = build_t5_stage(cfg, info)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=cfg.base.optimizer.distributed)
+    module = DistributedDataParallel(config=t5.config, ddp_config=ddp_config, module=t5)
+    t5.config.no_sync_func = module.no_sync
+    return Stage(module=module, gpt=t5, config=t5.config, info=info, spec_name=t5.spec_name)
+
+
+def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
+                on_iteration: Optional[Callable[[int, StepResult], None]] = None) -> TrainingRun:
+    """Train ``cfg.base.train_iters`` iterations (stopping early at ``--exit-interval``)."""
+    from megatron_integration.t5_model import EmbeddingSync, stage_places
+    from megatron_integration.t5_step import T5Stepper
+
+    base = cfg.base
+    info = initialize_megatron(base.parallel, base.seed)
+    if info.rank == 0 and vocab_padding_line(base) is not None:
+        print(vocab_padding_line(base), file=stream, flush=True)
+    stage = build_t5_training_stage(cfg, info)
+    optimizer, scheduler = build_optimizer(base, stage)
+    sync = EmbeddingSync.create(stage_places(cfg.planner_model(), info.pp_size), base.model.tie_embeddings)
+    run = TrainingRun(spec_name=stage.spec_name)
+    if base.load:
+        resumed = load_checkpoint(base.load, stage.gpt, optimizer, scheduler, info, base.load_optim, base.load_rng)
+        if resumed is not None:
+            run.start_iteration, run.consumed_samples = resumed.iteration, resumed.consumed_samples
+    stepper = T5Stepper.create(cfg, info, stage, optimizer, scheduler, sync, run.start_iteration,
+                               run.consumed_samples)
+    logger = None
+    try:
+        logger = TrainingLogger(base.train_iters, base.global_batch_size, base.log_interval,
+                                is_logging_rank=info.is_last_stage and info.dp_rank == 0,
+                                tensorboard_dir=base.tensorboard_dir, stream=stream)
+        last = base.last_iteration(run.start_iteration)
+        for iteration in range(run.start_iteration, last):
+            result = stepper.step(iteration)
+            run.consumed_samples = result.consumed_samples
+            run.results.append(result)
+            line = logger.record(iteration + 1, run.consumed_samples, result, current_lr(optimizer))
+            if line is not None:
+                run.log_lines.append(line)
+            if on_iteration is not None:
+                on_iteration(iteration, result)
+            done = iteration + 1
+            if base.save and base.save_interval and done % base.save_interval == 0 and done != last:
+                save_checkpoint(base.save, done, run.consumed_samples, stage.gpt, optimizer, scheduler, info)
+        if base.save and last > run.start_iteration:
+            save_checkpoint(base.save, last, run.consumed_samples, stage.gpt, optimizer, scheduler, info)
+    finally:
+        stepper.close()
+        if logger is not None:
+            logger.close()
+    return run

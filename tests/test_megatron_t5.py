@@ -1,0 +1,192 @@
+"""T5 (encoder-decoder) training through the DynaPipe executor on megatron-core stages.
+
+Same model, seed and global batches: DynaPipe's variable-shape micro-batches, padding to
+--encoder-seq-length / --decoder-seq-length and isolated packing give the same per-iteration
+``lm loss`` (fp32, dropout 0, 1e-5) on PP2, and PP2 x DP2 gives the losses of PP2. One
+spawned job per layout runs every method in turn.
+"""
+import numpy as np
+import pytest
+import torch
+
+from dynapipe.data.samples import Sample
+from dynapipe.errors import DynaPipeError
+from megatron_integration.t5_arguments import parse_t5_args
+from megatron_integration.t5_batches import baseline_micro_batches, pack_pairs, t5_row_tensors
+from megatron_integration.t5_step import segment_mask, segment_positions
+
+TINY = ("--encoder-num-layers 2 --decoder-num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 "
+        "--encoder-seq-length 128 --decoder-seq-length 64 --vocab-size 256 --micro-batch-size 2 --global-batch-size 8 "
+        "--train-iters 3 --lr 1e-2 --mock-data --hidden-dropout 0 --attention-dropout 0 --log-interval 1 --seed 7 "
+        "--pipeline-model-parallel-size 2 --dynapipe-timeout-s 60")
+PACKING = " --dynapipe-batching packing --reset-position-ids --reset-attention-mask"
+TIMEOUT = 300
+
+
+# -- pure Python ------------------------------------------------------------------------------
+
+def test_megatron_t5_flags_and_their_errors():
+    cfg = parse_t5_args(TINY.split(), 2, cuda=False)
+    assert (cfg.encoder_layers, cfg.decoder_layers, cfg.encoder_seq_length, cfg.decoder_seq_length) == (2, 2, 128, 64)
+    assert cfg.base.model.max_position_embeddings == 128 and cfg.method == "padding"
+    m = cfg.planner_model()
+    assert m.is_encoder_decoder and (m.encoder_layers, m.decoder_layers) == (2, 2)
+    # --num-layers is --encoder-num-layers; the decoder defaults to as many layers (Megatron-LM).
+    same = parse_t5_args(TINY.replace("--encoder-num-layers 2 --decoder-num-layers 2", "--num-layers 3").split()
+                         + ["--pipeline-model-parallel-size", "3"], 3, cuda=False)
+    assert (same.encoder_layers, same.decoder_layers) == (3, 3)
+    bad = {
+        "--num-layers 2": "were both given",
+        "--seq-length 128": "were both given",
+        "--max-position-embeddings 100": "exceeds --max-position-embeddings",
+        "--use-dynapipe --dynapipe-batching packing": "T5 plans dynapipe micro-batches",
+        "--dynapipe-batching packing": "--reset-position-ids --reset-attention-mask",
+        "--position-embedding-type rope": "learned absolute",
+        "--pipeline-model-parallel-size 3": "cannot be split evenly",
+    }
+    for extra, text in bad.items():
+        with pytest.raises(DynaPipeError, match=text):
+            parse_t5_args(TINY.split() + extra.split(), 6, cuda=False)
+    with pytest.raises(DynaPipeError, match="--decoder-seq-length is required"):
+        parse_t5_args(TINY.replace("--decoder-seq-length 64", "").split(), 2, cuda=False)
+
+
+def test_t5_baselines_pad_to_the_flags_and_pack_pairs_whole():
+    rng = np.random.default_rng(0)
+    lengths = np.stack([rng.integers(1, 100, 24), rng.integers(1, 40, 24)], axis=1)
+    pad, padded = baseline_micro_batches("padding", lengths, 128, 64, 2, 2, 1)
+    assert [mb.samples for mb in pad[:2]] == [[2, 3], [6, 7]]
+    assert {(mb.seqlen, mb.dec_seqlen) for mb in pad} == {(128, 64)} and padded == 24 * (128 + 64)
+    rows = pack_pairs(lengths, 128, 64)
+    assert sorted(i for r in rows for i in r) == list(range(24))
+    assert all(lengths[r, 0].sum() <= 128 and lengths[r, 1].sum() <= 64 for r in rows)
+    per_replica = [baseline_micro_batches("packing", lengths, 128, 64, 2, 2, r)[0] for r in range(2)]
+    assert len(per_replica[0]) == len(per_replica[1])   # every replica runs as many micro-batches
+    assert sorted(i for mbs in per_replica for mb in mbs for i in mb.samples) == list(range(24))
+    assert sum(mb.real_tokens for mbs in per_replica for mb in mbs) == int(lengths[:, 1].sum())
+
+
+def test_packed_t5_rows_keep_each_pair_in_its_own_segment():
+    a = Sample(np.array([5, 6, 7]), np.array([8, 9]))
+    b = Sample(np.array([10, 11]), np.array([12, 13, 14]))
+    t = t5_row_tensors([[a, b], []], 8, 6, pad_id=0, eod_id=1)
+    assert t["tokens"][0].tolist() == [5, 6, 7, 10, 11, 0, 0, 0]
+    assert t["enc_mask"][0].tolist() == [1, 1, 1, 2, 2, 0, 0, 0]
+    assert t["dec_tokens"][0].tolist() == [1, 8, 1, 12, 13, 0]        # each target shifted behind its own start
+    assert t["labels"][0].tolist() == [8, 9, 12, 13, 14, 0]
+    assert t["dec_mask"][0].tolist() == [1, 1, 2, 2, 2, 0] and t["loss_mask"][0].tolist() == [1] * 5 + [0]
+    assert not t["enc_mask"][1].any() and not t["loss_mask"][1].any()
+    # One pair a row: the data loader's own tensors.
+    one = t5_row_tensors([[a]], 4, 3)
+    assert one["enc_mask"][0].tolist() == [1, 1, 1, 0] and one["dec_tokens"][0].tolist() == [1, 8, 0]
+
+
+def test_segment_masks_and_positions():
+    enc = torch.tensor([[1, 1, 2, 0]])
+    dec = torch.tensor([[1, 2, 2]])
+    assert segment_positions(enc).tolist() == [[0, 1, 0, 0]]
+    keep = ~segment_mask(enc, enc)[0, 0]
+    assert keep.tolist() == [[True, True, False, False], [True, True, False, False],
+                             [False, False, True, False], [False, False, False, True]]
+    causal = ~segment_mask(dec, dec, causal=True)[0, 0]
+    assert causal.tolist() == [[True, False, False], [False, True, False], [False, True, True]]
+    cross = ~segment_mask(dec, enc, self_attention=False)[0, 0]
+    assert cross.tolist() == [[True, True, False, False], [False, False, True, False], [False, False, True, False]]
+
+
+# -- spawned gloo jobs ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory):
+    """One 2-rank job: padding, DynaPipe interrupted after 2 iterations (with a checkpoint) and
+    resumed for the third, packing; then a 3 + 1 layer model (two iterations) with padding
+    and DynaPipe."""
+    from megatron_integration.t5_jobs import run_t5_training
+
+    save = tmp_path_factory.mktemp("t5ckpt")
+    dyn = TINY + " --use-dynapipe"
+    # 3 + 1 layers over 2 stages: stage 1 ends the encoder and holds the decoder.
+    mixed = TINY.replace("--encoder-num-layers 2 --decoder-num-layers 2", "--encoder-num-layers 3 "
+                         "--decoder-num-layers 1") + " --exit-interval 2"
+    runs = [TINY.split(), (dyn + f" --exit-interval 2 --save {save}").split(), (dyn + f" --load {save}").split(),
+            (TINY + PACKING).split(), mixed.split(), (mixed + " --use-dynapipe").split()]
+    ranks = run_t5_training(runs, 2, timeout_s=TIMEOUT)
+    assert [r["losses"] for r in ranks[1]] == [r["losses"] for r in ranks[0]]  # every rank reports the same
+    return ranks[0]
+
+
+def test_t5_dynapipe_and_packing_losses_equal_padding_pp2(pp2):
+    padding, first, resumed, packing = pp2[:4]
+    assert (padding["method"], first["method"], packing["method"]) == ("padding", "dynapipe", "packing")
+    assert len(padding["losses"]) == 3 and all(np.isfinite(padding["losses"]))
+    # DynaPipe: two iterations, then (resumed from the checkpoint of the second) the third.
+    assert resumed["start_iteration"] == 2 and len(first["losses"]) == 2 and len(resumed["losses"]) == 1
+    dynapipe = first["losses"] + resumed["losses"]
+    assert dynapipe == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)
+    # Packed pairs are isolated (masks, positions): the same per-sample computation.
+    assert packing["losses"] == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)
+    assert packing["real_tokens"] == padding["real_tokens"] and packing["loss_tokens"] == padding["loss_tokens"]
+    assert first["real_tokens"] + resumed["real_tokens"] == padding["real_tokens"]
+    assert first["loss_tokens"] + resumed["loss_tokens"] == padding["loss_tokens"]
+    assert sum(first["padded_tokens"]) < 0.8 * sum(padding["padded_tokens"][:2])
+    # Training moves the loss: the comparison is not of untrained constants.
+    assert len(set(np.round(padding["losses"], 6))) == 3
+
+
+def test_t5_stage_holding_encoder_end_and_decoder(pp2):
+    padding, dynapipe = pp2[4], pp2[5]
+    assert len(padding["losses"]) == 2 and padding["losses"] != pp2[0]["losses"][:2]
+    assert dynapipe["losses"] == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)
+
+
+def test_t5_dynapipe_pp2_x_dp2_trains_like_pp2(pp2):
+    from megatron_integration.t5_jobs import run_t5_training
+
+    # Two iterations (the same learning-rate schedule: --exit-interval stops a --train-iters 3 run).
+    ranks = run_t5_training([(TINY + " --use-dynapipe --exit-interval 2").split()], 4, timeout_s=TIMEOUT)
+    dynapipe = ranks[0][0]
+    assert all(r[0]["losses"] == dynapipe["losses"] for r in ranks[1:])
+    assert len(dynapipe["losses"]) == 2
+    # Two replicas summing their gradients train the same global batches as PP2's padding.
+    assert dynapipe["losses"] == pytest.approx(pp2[0]["losses"][:2], abs=1e-5, rel=1e-5)
+    assert dynapipe["loss_tokens"] == pp2[0]["loss_tokens"][:2]
+
+
+def test_bench_t5_refuses_what_it_cannot_run(tmp_path, capsys):
+    from dynapipe.cli import main
+
+    out = str(tmp_path / "t5.json")
+    for extra, text in ((["--methods", "padding-mb"], "for --model t5 choose"),
+                        (["--micro-batch-size", "2"], "tunes the baselines' micro-batch size"),
+                        (["--t5-sweep", "0,2"], "--t5-sweep"),
+                        (["--train-iters", "1"], "leaves no timed iteration")):
+        assert main(["bench", "--model", "t5", "--output", out] + extra) == 2
+        assert text in capsys.readouterr().err
+    assert not (tmp_path / "t5.json").exists()
+
+
+def test_bench_t5_figures_count_the_slowest_rank_after_the_warm_up():
+    from megatron_integration.bench_t5 import t5_figures
+
+    rank = {"iteration_ms": [900.0, 100.0, 300.0], "real_tokens": [50, 100, 200], "padded_tokens": [80, 200, 400],
+            "plan_wait_ms": [0.0, 1.0, 3.0], "losses": [3.0, 2.0, 1.0], "cpu_ms": [5.0, 100.0, 200.0],
+            "children_cpu_ms": [1.0, 50.0, None]}
+    slow = dict(rank, iteration_ms=[900.0, 200.0, 300.0])
+    fig = t5_figures([rank, slow], warmup_iters=1)
+    assert fig["real_tokens_per_s"] == pytest.approx(300 / 0.5)
+    assert fig["padding_efficiency"] == pytest.approx(0.5) and fig["timed_iterations"] == 2
+    # Both ranks' CPU and their planner workers' over the timed iterations: 2 x (300 + 50) ms.
+    assert fig["real_tokens_per_cpu_s"] == pytest.approx(300 / 0.7, abs=0.01)
+
+
+def test_pretrain_t5_script_reports_bad_input_in_one_line(capsys):
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "pretrain_t5.py")
+    spec = importlib.util.spec_from_file_location("pretrain_t5_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(TINY.replace("--decoder-seq-length 64", "").split()) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --decoder-seq-length is required") and "\n" not in err
