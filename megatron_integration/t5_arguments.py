@@ -100,6 +100,7 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
     if base.data.data_path and any(not p.endswith((".jsonl", ".json")) for p in base.data.data_path):
         raise DynaPipeError("T5 reads (input, target) pairs from JSONL files ({\"input\": ..., \"target\": ...} "
                             "lines) or --mock-data; indexed datasets are not read for T5 yet.")
+    _t5_data_and_checkpoints_honoured(args, base)
     return T5TrainingConfig(base=base, encoder_layers=enc_layers, decoder_layers=dec_layers,
                             decoder_seq_length=dec_seq)
 
@@ -107,3 +108,31 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
 def parse_t5_args(argv, world_size: int, cuda: Optional[bool] = None) -> T5TrainingConfig:
     """Parse a Megatron-style T5 command line and validate it into a config."""
     return t5_config_from_args(build_t5_parser().parse_args(argv), world_size, cuda)
+
+
+def _t5_data_and_checkpoints_honoured(args: argparse.Namespace, base) -> None:
+    """Refuse what T5 training does not do yet instead of ignoring it: Megatron's data splits and
+    evaluation (T5 trains on every pair of --data-path), and torch_dist checkpoints (T5 stages
+    save in this project's format)."""
+    model_flags = {"--swiglu": args.swiglu, "--disable-bias-linear": args.disable_bias_linear,
+                   "--group-query-attention": args.group_query_attention,
+                   "--normalization RMSNorm": args.normalization != "LayerNorm",
+                   "--untie-embeddings-and-output-weights": args.untie_embeddings_and_output_weights}
+    for flag, given in model_flags.items():
+        if given:
+            raise DynaPipeError(f"{flag}: T5 stages are built as Megatron's T5 (GeLU MLP with biases, LayerNorm, "
+                                f"multi-head attention, tied output layer) in this build; drop it.")
+    data = base.data
+    per_split = [f for f in ("train", "valid", "test") if getattr(data, f"{f}_data_path")]
+    if per_split:
+        raise DynaPipeError(f"--{per_split[0]}-data-path: T5 reads --data-path only (no evaluation yet); give the "
+                            f"training pairs with --data-path.")
+    if data.split and any(data.split[1:]):
+        shown = args.split if args.split is not None else "969, 30, 1 (Megatron's default with --data-path)"
+        raise DynaPipeError(f"--split {shown}: T5 trains on every pair of --data-path and runs no evaluation yet; "
+                            f"pass --split 100,0,0.")
+    if args.eval_interval is not None:
+        raise DynaPipeError(f"--eval-interval {args.eval_interval}: T5 runs no evaluation yet; drop it.")
+    if (args.save or args.load) and base.ckpt_format != "dynapipe":
+        raise DynaPipeError(f"--ckpt-format {base.ckpt_format}: T5 stages save and load this project's checkpoint "
+                            f"format only (no Megatron sharded state dict for them yet); add --ckpt-format dynapipe.")

@@ -47,6 +47,11 @@ def test_megatron_t5_flags_and_their_errors():
     for extra, text in bad.items():
         with pytest.raises(DynaPipeError, match=text):
             parse_t5_args(TINY.split() + extra.split(), 6, cuda=False)
+    # What T5 training does not do yet is refused, not ignored.
+    for extra, text in {"--swiglu": "built as Megatron's T5", "--eval-interval 2": "runs no evaluation yet",
+                        "--save /tmp/t5-ckpt": "add --ckpt-format dynapipe"}.items():
+        with pytest.raises(DynaPipeError, match=text):
+            parse_t5_args(TINY.split() + extra.split(), 2, cuda=False)
     with pytest.raises(DynaPipeError, match="--decoder-seq-length is required"):
         parse_t5_args(TINY.replace("--decoder-seq-length 64", "").split(), 2, cuda=False)
 
@@ -108,7 +113,8 @@ def pp2(tmp_path_factory):
     # 3 + 1 layers over 2 stages: stage 1 ends the encoder and holds the decoder.
     mixed = TINY.replace("--encoder-num-layers 2 --decoder-num-layers 2", "--encoder-num-layers 3 "
                          "--decoder-num-layers 1") + " --exit-interval 2"
-    runs = [TINY.split(), (dyn + f" --exit-interval 2 --save {save}").split(), (dyn + f" --load {save}").split(),
+    runs = [TINY.split(), (dyn + f" --exit-interval 2 --ckpt-format dynapipe --save {save}").split(),
+            (dyn + f" --ckpt-format dynapipe --load {save}").split(),
             (TINY + PACKING).split(), mixed.split(), (mixed + " --use-dynapipe").split()]
     ranks = run_t5_training(runs, 2, timeout_s=TIMEOUT)
     assert [r["losses"] for r in ranks[1]] == [r["losses"] for r in ranks[0]]  # every rank reports the same
