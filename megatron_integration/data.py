@@ -44,7 +44,8 @@ def dataset_config(cfg: DynaPipeTrainingConfig, split: str = "train") -> Optiona
         # Each split is a mixture of its own: the same distribution, other samples.
         common["seed"] = cfg.seed + SPLITS.index(split)
         return DatasetConfig(kind="synthetic", num_samples=d.mock_samples, mixture=d.mixture, **common)
-    if d.tokenizer_type != "ByteLevel" and any(p.endswith((".jsonl", ".json")) for p in data_files(d.data_path)):
+    every_path = (*d.data_path, *d.train_data_path, *d.valid_data_path, *d.test_data_path)
+    if d.tokenizer_type != "ByteLevel" and any(p.endswith((".jsonl", ".json")) for p in every_path):
         raise DynaPipeError(f"--tokenizer-type {d.tokenizer_type}: this build tokenises JSONL byte-level "
                             f"(--tokenizer-type ByteLevel); pre-tokenise other vocabularies into a Megatron "
                             f"indexed dataset with Megatron's preprocess_data.py.")
