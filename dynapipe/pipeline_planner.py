@@ -31,7 +31,9 @@ class IterationPlan:
 
     ``plans[r][s]``: the plan of replica ``r``'s pipeline rank ``s``. ``timings_ms``: wall
     time of ``batching``, ``schedule`` (search) and ``compile``, and ``validate`` when
-    validation ran; ``planning_ms`` is batching + schedule + compile.
+    validation ran; ``planning_ms`` is batching + schedule + compile. ``cpu_ms``: the same
+    phases in CPU time of the planning process (``time.process_time``), which a loaded
+    machine inflates far less than wall time.
     """
 
     batch_plan: BatchPlan
@@ -39,6 +41,7 @@ class IterationPlan:
     plans: list[list[ExecutionPlan]]
     iteration: int = 0
     timings_ms: dict = field(default_factory=dict)
+    cpu_ms: dict = field(default_factory=dict)
 
     @property
     def schedule(self) -> str:
@@ -150,10 +153,10 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
     batch_plan = _loss_tokens(batch_plan, lengths, cost_model)
     dp = batch_plan.dp
     replica_batches = [batch_plan.replica(r) for r in range(dp)]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     result = search_schedules(replica_batches, cost_model, schedule=schedule, recompute=recompute, capacity_mib=capacity,
                               cluster=cluster, dp=dp, tp=tp, zero=zero, explain=explain)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     total_real = sum(mb.real_tokens for mb in batch_plan.micro_batches)
     wanted = set(range(dp)) if replicas is None else {int(r) for r in replicas}
     if not wanted <= set(range(dp)):
@@ -163,12 +166,14 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
                            timeline=result.timelines[r], replica=r, num_replicas=dp, iteration=iteration,
                            global_real_tokens=total_real) if r in wanted else []
              for r in range(dp)]
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     timings = {"batching": batch_plan.planning_ms, "schedule": (t1 - t0) * 1e3, "compile": (t2 - t1) * 1e3}
-    out = IterationPlan(batch_plan, result, plans, iteration, timings)
+    cpu = {"schedule": (c1 - c0) * 1e3, "compile": (c2 - c1) * 1e3}
+    out = IterationPlan(batch_plan, result, plans, iteration, timings, cpu)
     if validate:
         validate_plans(out.all_plans(), complete=replicas is None)
         timings["validate"] = (time.perf_counter() - t2) * 1e3
+        cpu["validate"] = (time.process_time() - c2) * 1e3
     return out
 
 
@@ -194,7 +199,7 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
         raise DynaPipeError(f"--stages {stages} but the cost model was built for {cost_model.num_stages} stages.")
     limit, reserved = _default_memory(cost_model, memory_limit_mib, reserved_mib)
     levels = [check_recompute(recompute)] if recompute is not None else list(RECOMPUTE_LEVELS)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     batch_plan, error = None, None
     for level in levels:
         try:
@@ -208,7 +213,10 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
     if batch_plan is None:
         raise error
     batch_plan.planning_ms = (time.perf_counter() - t0) * 1e3
-    return schedule_batch_plan(batch_plan, cost_model, schedule=schedule, memory_limit_mib=limit,
-                               reserved_mib=reserved, cluster=cluster, recompute=recompute, iteration=iteration,
-                               tp=tp, zero=zero, explain=explain, validate=validate, lengths=lengths,
-                               replicas=replicas)
+    batching_cpu_ms = (time.process_time() - c0) * 1e3
+    out = schedule_batch_plan(batch_plan, cost_model, schedule=schedule, memory_limit_mib=limit,
+                              reserved_mib=reserved, cluster=cluster, recompute=recompute, iteration=iteration,
+                              tp=tp, zero=zero, explain=explain, validate=validate, lengths=lengths,
+                              replicas=replicas)
+    out.cpu_ms = {"batching": batching_cpu_ms, **out.cpu_ms}
+    return out
