@@ -243,6 +243,7 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
         lists[n] = seq[j]
     msg_ids = [ids[b][inv] for b in range(S - 1)]
     load_ids = [ids[S - 1 + s][inv] for s in range(S)]
+    mb_order = list(map(int, schedule.mb_order))
     plans = []
     for s in range(S):
         level = recompute or schedule.recompute_of(s)
@@ -259,13 +260,13 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
             rank_msgs[s - 1], k = remap[0], 1
         if s < S - 1:
             rank_msgs[s], k = remap[k], k + 1
-        tensor_lists = tuple(lists[j] for j in used[offset:].tolist())
+        tensor_lists = tuple(map(lists.__getitem__, used[offset:].tolist()))
         instructions = rank_table(s, S, M, f_idx, b_idx, ends, shape, rank_msgs, remap[k], strings,
                                   tensor_lists, 0, strings.index("full"))
         plans.append(ExecutionPlan(
             iteration=iteration, stage=s, num_stages=S, replica=replica, num_replicas=num_replicas,
             schedule=schedule.name, recompute=level, micro_batches=infos, instructions=instructions,
             real_tokens=real, global_real_tokens=int(global_real_tokens),
-            meta={"order": schedule.order, "mb_order": [int(x) for x in schedule.mb_order],
+            meta={"order": schedule.order, "mb_order": list(mb_order),
                   "simulated_ms": round(float(timeline.makespan_ms), 6)}))
     return plans
