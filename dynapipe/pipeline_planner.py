@@ -18,6 +18,7 @@ from dynapipe.batching import BatchPlan, plan_micro_batches
 from dynapipe.config import ClusterConfig
 from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, check_recompute
 from dynapipe.errors import DynaPipeError
+from dynapipe.plan._fast import without_gc_pauses
 from dynapipe.plan.compile import compile_plans
 from dynapipe.plan.instructions import ExecutionPlan
 from dynapipe.plan.validate import validate_plans
@@ -128,6 +129,7 @@ def _loss_tokens(batch_plan: BatchPlan, lengths, cost_model: CostModel) -> Batch
     return dataclasses.replace(batch_plan, micro_batches=mbs)
 
 
+@without_gc_pauses
 def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedule: str = "auto",
                         memory_limit_mib: Optional[float] = None, reserved_mib: Optional[float] = None,
                         cluster: Optional[ClusterConfig] = None, recompute: Optional[str] = None,
@@ -152,7 +154,11 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
     capacity = None if limit is None or not np.isfinite(limit) else limit - reserved
     batch_plan = _loss_tokens(batch_plan, lengths, cost_model)
     dp = batch_plan.dp
-    replica_batches = [batch_plan.replica(r) for r in range(dp)]
+    # batch_plan.replica(r) for every r, in one pass over the micro-batches.
+    replica_batches: list[list] = [[] for _ in range(dp)]
+    for mb in batch_plan.micro_batches:
+        if 0 <= mb.replica < dp:
+            replica_batches[mb.replica].append(mb)
     t0, c0 = time.perf_counter(), time.process_time()
     result = search_schedules(replica_batches, cost_model, schedule=schedule, recompute=recompute, capacity_mib=capacity,
                               cluster=cluster, dp=dp, tp=tp, zero=zero, explain=explain)
@@ -177,6 +183,7 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
     return out
 
 
+@without_gc_pauses
 def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = None, dp: int = 1,
                    method: str = "dynapipe", schedule: str = "auto", memory_limit_mib: Optional[float] = None,
                    reserved_mib: Optional[float] = None, cluster: Optional[ClusterConfig] = None,

@@ -116,20 +116,22 @@ _WIDTH_TYPES = {1: "<i1", 2: "<i2", 4: "<i4"}
 
 
 def _encode_columns(rows: np.ndarray) -> list[bytes]:
-    if rows.shape[0]:
-        lo, hi = rows.min(axis=0), rows.max(axis=0)
+    # Column-major once: each column is then contiguous, for its range and its bytes.
+    cols = np.ascontiguousarray(rows.T)
+    if cols.shape[1]:
+        lo, hi = cols.min(axis=1), cols.max(axis=1)
     else:
         lo = hi = np.zeros(NCOLS, np.int64)
     widths = np.where((lo >= -128) & (hi < 128), 1, np.where((lo >= -32768) & (hi < 32768), 2, 4)).tolist()
     out = [bytes(widths)]
-    # Neighbouring columns of one width are written together: a transposed block holds
-    # them one after another, exactly the bytes of each column in turn.
+    # Neighbouring columns of one width are written together: their rows of ``cols``
+    # are exactly the bytes of each column in turn.
     c = 0
     while c < NCOLS:
         e = c + 1
         while e < NCOLS and widths[e] == widths[c]:
             e += 1
-        out.append(np.ascontiguousarray(rows[:, c:e].T, dtype=_WIDTH_TYPES[widths[c]]).tobytes())
+        out.append(cols[c:e].astype(_WIDTH_TYPES[widths[c]]).tobytes())
         c = e
     return out
 
