@@ -54,7 +54,7 @@ class Timeline:
     busy_ms: list[float]
     peak_mib: list[float]
     # The memory steps, or a function that builds them.
-    _memory: Any = field(default=None, repr=False)
+    _memory: Any = field(default=None, repr=False, compare=False)
     op_arrays: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     @property
