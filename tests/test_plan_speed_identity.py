@@ -45,12 +45,21 @@ def test_encoded_bodies_match_the_reference_encoder(iterations):
 def test_encoder_refuses_what_the_reference_refuses(iterations):
     p = iterations[0][1].plans[0][1]
     table = p.instructions
-    bad = dataclasses.replace(p, instructions=type(table)(table.rows, table.strings, (
-        (TensorSpec("hidden", (1, 2), "float64"),),) + table.tensor_lists[1:]))
+
+    def with_lists(first_two):
+        return dataclasses.replace(p, instructions=type(table)(table.rows, table.strings,
+                                                               first_two + table.tensor_lists[2:]))
+
+    fresh = (TensorSpec("extra", (3, 4), "float32"),)
+    bad = with_lists((fresh, (TensorSpec("hidden", (1, 2), "float64"),)))
     with pytest.raises(Exception) as ref:
         reference_encode_body(bad)
     with pytest.raises(type(ref.value), match="float64"):
         binary.encode_body(bad)
+    # The refused plan registered nothing half-way: its good new list encodes right later.
+    good = with_lists((fresh, table.tensor_lists[1]))
+    assert binary.encode_body(good) == reference_encode_body(good)
+    assert binary.encode_body(p) == reference_encode_body(p)
 
 
 def test_compiling_from_op_arrays_equals_compiling_from_ops(iterations):

@@ -37,12 +37,15 @@ class _Registry:
         self.dims = np.zeros(0, np.int64)
 
     def add(self, lists: Sequence[tuple], stage: int) -> None:
-        """Register the lists not seen yet (each checked as the encoder requires)."""
+        """Register the lists not seen yet (each checked as the encoder requires); a
+        list that fails its check leaves the registry as it was."""
         count, dim_count, items, dims = [], [], [], []
         n_items, n_dims = len(self.items), len(self.dims)
         item_start, dim_start = [], []
+        fresh: dict[int, tuple] = {}
+        names = dict(self.names)
         for ts in lists:
-            if id(ts) in self.number:
+            if id(ts) in self.number or id(ts) in fresh:
                 continue
             rows, shape_dims = [], []
             for t in ts:
@@ -51,14 +54,12 @@ class _Registry:
                     raise PlanError(f"tensor {t.name!r} has dtype {t.dtype!r}, not one of {DTYPES}.")
                 if type(t.name) is not str:
                     raise PlanError(f"plan of stage {stage}: expected a string, got {t.name!r}.")
-                code = self.names.get(t.name)
+                code = names.get(t.name)
                 if code is None:
-                    code = self.names[t.name] = len(self.name_list)
-                    self.name_list.append(t.name)
+                    code = names[t.name] = len(names)
                 rows.append((code, d, len(t.shape)))
                 shape_dims.extend(t.shape)
-            self.number[id(ts)] = len(self.held)
-            self.held.append(ts)
+            fresh[id(ts)] = ts
             count.append(len(rows))
             dim_count.append(len(shape_dims))
             item_start.append(n_items + len(items))
@@ -66,12 +67,18 @@ class _Registry:
             items.extend(rows)
             dims.extend(shape_dims)
         if count:
+            dims_arr = np.array(dims, np.int64)
+            for ts in fresh.values():
+                self.number[id(ts)] = len(self.held)
+                self.held.append(ts)
+            self.name_list.extend(list(names)[len(self.name_list):])
+            self.names = names
             self.count = np.concatenate([self.count, np.array(count, np.int64)])
             self.dim_count = np.concatenate([self.dim_count, np.array(dim_count, np.int64)])
             self.item_start = np.concatenate([self.item_start, np.array(item_start, np.int64)])
             self.dim_start = np.concatenate([self.dim_start, np.array(dim_start, np.int64)])
             self.items = np.concatenate([self.items, np.array(items, np.int64).reshape(-1, 3)])
-            self.dims = np.concatenate([self.dims, np.array(dims, np.int64)])
+            self.dims = np.concatenate([self.dims, dims_arr])
 
 
 _REGISTRY = _Registry()
@@ -108,7 +115,6 @@ def tensor_section(lists: Sequence[tuple], sid: Callable[[str], int],
         local = np.zeros(int(codes.max()) + 1, np.int64)
         for c in codes[np.argsort(first)].tolist():
             local[c] = sid(reg.name_list[c])
-        items = items.copy()
-        items[:, 0] = local[items[:, 0]]
+        items[:, 0] = local[items[:, 0]]   # a gathered copy: the registry is untouched
     return lens, items, dims
 
