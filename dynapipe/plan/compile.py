@@ -101,8 +101,9 @@ def _proxy_times(micro_batches: Sequence[MicroBatch], num_stages: int) -> StageT
     return StageTimes(fw, 2 * fw, zeros, zeros.copy(), comm, comm.copy(), np.zeros(num_stages))
 
 
-# Specs by (model, stages, boundary or stage, shape): a global batch repeats a few
-# hundred shapes over thousands of micro-batches. The model is held with its key.
+# Specs by (model, stages, shape): a global batch repeats a few thousand shapes over
+# tens of thousands of micro-batches, and every rank and replica shares the tuples (the
+# encoder reads each distinct one once). The model is held with its key.
 _SPEC_CACHE: dict = {}
 
 
@@ -112,27 +113,19 @@ def _cached(fn, model: ModelConfig, *key):
     if hit is None or hit[0] is not model:
         if len(_SPEC_CACHE) > 1 << 14:
             _SPEC_CACHE.clear()
-        hit = _SPEC_CACHE[k] = (model, fn(model, key[1], key[0], *key[2:]))
+        hit = _SPEC_CACHE[k] = (model, fn(model, *key))
     return hit[1]
-
-
-def _message(model, b, S, mbs, seqlen, dec):
-    return _cached(message_specs, model, S, b, mbs, seqlen, dec)
-
-
-def _inputs(model, s, S, mbs, seqlen, dec, packed):
-    return _cached(input_specs, model, S, s, mbs, seqlen, dec, bool(packed))
 
 
 def _key_specs(model, S, key) -> tuple[tuple, tuple]:
     """Every boundary's message and every stage's loads for micro-batches of one
     ``(mbs, seqlen, dec_seqlen, packed)`` shape: one cache lookup per shape."""
-    return _cached(_specs_of_key, model, S, None, *key)
+    return _cached(_specs_of_key, model, S, *key)
 
 
-def _specs_of_key(model, _, S, mbs, seqlen, dec, packed):
-    return (tuple(_message(model, b, S, mbs, seqlen, dec) for b in range(S - 1)),
-            tuple(_inputs(model, s, S, mbs, seqlen, dec, packed) for s in range(S)))
+def _specs_of_key(model, S, mbs, seqlen, dec, packed):
+    return (tuple(message_specs(model, b, S, mbs, seqlen, dec) for b in range(S - 1)),
+            tuple(input_specs(model, s, S, mbs, seqlen, dec, bool(packed)) for s in range(S)))
 
 
 _make_info = maker(MicroBatchInfo)
