@@ -19,6 +19,7 @@ from dynapipe.config import ClusterConfig
 from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, check_recompute
 from dynapipe.cost.placement import StagePlacement
 from dynapipe.errors import DynaPipeError
+from dynapipe.plan._fast import without_gc_pauses
 from dynapipe.plan.compile import compile_plans
 from dynapipe.plan.instructions import ExecutionPlan
 from dynapipe.plan.validate import validate_plans
@@ -32,7 +33,9 @@ class IterationPlan:
 
     ``plans[r][s]``: the plan of replica ``r``'s pipeline rank ``s``. ``timings_ms``: wall
     time of ``batching``, ``schedule`` (search) and ``compile``, and ``validate`` when
-    validation ran; ``planning_ms`` is batching + schedule + compile.
+    validation ran; ``planning_ms`` is batching + schedule + compile. ``cpu_ms``: the same
+    phases in CPU time of the planning process (``time.process_time``), which a loaded
+    machine inflates far less than wall time.
     """
 
     batch_plan: BatchPlan
@@ -40,6 +43,7 @@ class IterationPlan:
     plans: list[list[ExecutionPlan]]
     iteration: int = 0
     timings_ms: dict = field(default_factory=dict)
+    cpu_ms: dict = field(default_factory=dict)
 
     @property
     def schedule(self) -> str:
@@ -157,6 +161,7 @@ def round_for_sequence_parallel(batch_plan: BatchPlan, shards: int, max_seq_leng
     return dataclasses.replace(batch_plan, micro_batches=out) if changed else batch_plan
 
 
+@without_gc_pauses
 def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedule: str = "auto",
                         memory_limit_mib: Optional[float] = None, reserved_mib: Optional[float] = None,
                         cluster: Optional[ClusterConfig] = None, recompute: Optional[str] = None,
@@ -186,11 +191,15 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
     shards = _sequence_shards(cost_model)
     batch_plan = round_for_sequence_parallel(batch_plan, shards, cost_model.model.max_seq_length)
     dp = batch_plan.dp
-    replica_batches = [batch_plan.replica(r) for r in range(dp)]
-    t0 = time.perf_counter()
+    # batch_plan.replica(r) for every r, in one pass over the micro-batches.
+    replica_batches: list[list] = [[] for _ in range(dp)]
+    for mb in batch_plan.micro_batches:
+        if 0 <= mb.replica < dp:
+            replica_batches[mb.replica].append(mb)
+    t0, c0 = time.perf_counter(), time.process_time()
     result = search_schedules(replica_batches, cost_model, schedule=schedule, recompute=recompute, capacity_mib=capacity,
                               cluster=cluster, dp=dp, tp=tp, zero=zero, explain=explain)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     total_real = sum(mb.real_tokens for mb in batch_plan.micro_batches)
     wanted = set(range(dp)) if replicas is None else {int(r) for r in replicas}
     if not wanted <= set(range(dp)):
@@ -208,14 +217,18 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
         for p in (p for rep in plans for p in rep):
             p.meta["placement"] = placement.to_json()
     t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     timings = {"batching": batch_plan.planning_ms, "schedule": (t1 - t0) * 1e3, "compile": (t2 - t1) * 1e3}
-    out = IterationPlan(batch_plan, result, plans, iteration, timings)
+    cpu = {"schedule": (c1 - c0) * 1e3, "compile": (c2 - c1) * 1e3}
+    out = IterationPlan(batch_plan, result, plans, iteration, timings, cpu)
     if validate:
         validate_plans(out.all_plans(), complete=replicas is None)
         timings["validate"] = (time.perf_counter() - t2) * 1e3
+        cpu["validate"] = (time.process_time() - c2) * 1e3
     return out
 
 
+@without_gc_pauses
 def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = None, dp: int = 1,
                    method: str = "dynapipe", schedule: str = "auto", memory_limit_mib: Optional[float] = None,
                    reserved_mib: Optional[float] = None, cluster: Optional[ClusterConfig] = None,
@@ -238,7 +251,7 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
         raise DynaPipeError(f"--stages {stages} but the cost model was built for {cost_model.num_stages} stages.")
     limit, reserved = _default_memory(cost_model, memory_limit_mib, reserved_mib)
     levels = [check_recompute(recompute)] if recompute is not None else list(RECOMPUTE_LEVELS)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     batch_plan, error = None, None
     for level in levels:
         try:
@@ -252,7 +265,10 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
     if batch_plan is None:
         raise error
     batch_plan.planning_ms = (time.perf_counter() - t0) * 1e3
-    return schedule_batch_plan(batch_plan, cost_model, schedule=schedule, memory_limit_mib=limit,
-                               reserved_mib=reserved, cluster=cluster, recompute=recompute, iteration=iteration,
-                               tp=tp, zero=zero, explain=explain, validate=validate, lengths=lengths,
-                               replicas=replicas)
+    batching_cpu_ms = (time.process_time() - c0) * 1e3
+    out = schedule_batch_plan(batch_plan, cost_model, schedule=schedule, memory_limit_mib=limit,
+                              reserved_mib=reserved, cluster=cluster, recompute=recompute, iteration=iteration,
+                              tp=tp, zero=zero, explain=explain, validate=validate, lengths=lengths,
+                              replicas=replicas)
+    out.cpu_ms = {"batching": batching_cpu_ms, **out.cpu_ms}
+    return out

@@ -331,3 +331,40 @@ def test_encoder_decoder_jsonl_through_the_loader(tmp_path):
                     # The padding masks the stages build their attention masks from.
                     assert t["enc_mask"][row].tolist() == [1] * n_in + [0] * (info.seqlen - n_in)
                     assert t["dec_mask"][row].tolist() == [1] * n_tg + [0] * (info.dec_seqlen - n_tg)
+
+
+def test_planner_nodes_splitting_the_replicas_publish_their_share_of_the_same_payloads():
+    # Nodes that split the replicas (LoaderConfig.split_replicas) each publish only their
+    # replicas' payloads, and those are the payloads one node planning everything
+    # publishes: same plan bytes, tensors and iteration totals.
+    ds, dp, stages = dataset(), 3, 2
+    sampler_cfg = SamplerConfig(GBS, 0, SEED, True, min_samples=dp)
+    settings = planner_settings(stages, dp)
+    planner = IterationPlanner(settings)
+
+    def publish(node, replicas):
+        job = WorkerJob(ds, sampler_cfg, 0, 0, settings, None, Keyspace("k"), node, replicas)
+        kv = DictKV()
+        plan_and_publish(job, planner, GlobalBatchSampler(ds.sample_tokens(), sampler_cfg, 0), kv, 0, 0)
+        return {(r, s): get_blob(kv, job.keys.payload(0, r, s)) for r in range(dp) for s in range(stages)}
+
+    def same(a, b):
+        pa, pb = decode_payload(a), decode_payload(b)
+        timing = {"planning_ms", "planner_node"}
+        assert pa.plan_bytes == pb.plan_bytes
+        assert {m: sorted(d) for m, d in pa.tensors.items()} == {m: sorted(d) for m, d in pb.tensors.items()}
+        assert all(np.array_equal(pa.tensors[m][n], pb.tensors[m][n]) for m in pa.tensors for n in pa.tensors[m])
+        assert {k: v for k, v in pa.meta.items() if k not in timing} == \
+            {k: v for k, v in pb.meta.items() if k not in timing}
+
+    whole = publish(0, None)
+    assert all(v is not None for v in whole.values())
+    shares = {0: (0, 2), 1: (1,)}
+    for node, replicas in shares.items():
+        got = publish(node, replicas)
+        for (r, s), blob in got.items():
+            if r in replicas:
+                same(blob, whole[(r, s)])
+                assert decode_payload(blob).meta["planner_node"] == node
+            else:
+                assert blob is None, f"node {node} published replica {r}, which is not its share"

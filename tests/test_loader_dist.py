@@ -20,7 +20,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank, world, port, dp, pp, local_world, out_dir):
+def _rank_main(rank, world, port, dp, pp, local_world, out_dir, split=False):
     import datetime
 
     from dynapipe.runtime.kv_store import job_tcp_store
@@ -32,7 +32,8 @@ def _rank_main(rank, world, port, dp, pp, local_world, out_dir):
     # Megatron's rank order: tensor-parallel fastest, then data-parallel, then pipeline.
     layout = RankLayout(rank, world, (rank // tp) % dp, dp, rank // (tp * dp), pp, rank % local_world, local_world)
     ds = dataset() if layout.local_rank == 0 else None  # only planner nodes read data
-    cfg = LoaderConfig(global_batch_size=GBS, seed=SEED, train_iters=ITERATIONS, prefetch=3, plan_timeout_s=60)
+    cfg = LoaderConfig(global_batch_size=GBS, seed=SEED, train_iters=ITERATIONS, prefetch=3, plan_timeout_s=60,
+                       split_replicas=split)
     loader = DynaPipeDataLoader(cfg, ds, planner_settings(pp, dp), layout)
     records = []
     for d in loader:
@@ -51,8 +52,8 @@ def _rank_main(rank, world, port, dp, pp, local_world, out_dir):
     dist.destroy_process_group()
 
 
-def run_ranks(world, dp, pp, local_world, out_dir, timeout_s=150):
-    ctx = tmp.start_processes(_rank_main, args=(world, _free_port(), dp, pp, local_world, str(out_dir)),
+def run_ranks(world, dp, pp, local_world, out_dir, timeout_s=150, split=False):
+    ctx = tmp.start_processes(_rank_main, args=(world, _free_port(), dp, pp, local_world, str(out_dir), split),
                               nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1):
@@ -71,7 +72,7 @@ def _json(x):
     return json.loads(json.dumps(x))
 
 
-def check_delivery(results, dp, pp, planner_nodes):
+def check_delivery(results, dp, pp, planner_nodes, split=False):
     ref = reference_iterations(ITERATIONS, stages=pp, dp=dp)
     for res in results:
         r, s = res["layout"]
@@ -87,7 +88,8 @@ def check_delivery(results, dp, pp, planner_nodes):
             if s == pp - 1:
                 want |= {"labels", "loss_mask"}
             assert set(rec["names"]) == want
-            assert rec["planner_node"] == it % planner_nodes
+            # Split: each node publishes its replicas' plans of every iteration.
+            assert rec["planner_node"] == (r if split else it) % planner_nodes
         assert res["leftover"] == [], f"keys left in the store: {res['leftover']}"
 
 
@@ -104,11 +106,13 @@ def test_two_tensor_parallel_ranks_read_one_payload(tmp_path):
     assert results[0]["records"] == results[1]["records"]
 
 
-def test_four_ranks_pp2_dp2_on_two_nodes(tmp_path):
-    results = run_ranks(world=4, dp=2, pp=2, local_world=2, out_dir=tmp_path)
+def test_four_ranks_pp2_dp2_on_two_nodes_splitting_the_replicas(tmp_path):
+    # Each planner node plans every iteration and publishes only its replica's plans
+    # (LoaderConfig.split_replicas); every rank still gets exactly the single-planner plans.
+    results = run_ranks(world=4, dp=2, pp=2, local_world=2, out_dir=tmp_path, split=True)
     assert [r["is_planner"] for r in results] == [True, False, True, False]
     assert sorted(tuple(r["layout"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    check_delivery(results, dp=2, pp=2, planner_nodes=2)
+    check_delivery(results, dp=2, pp=2, planner_nodes=2, split=True)
 
 
 def _crash_rank_main(rank, world, port, out_dir):

@@ -29,10 +29,10 @@ import numpy as np
 from dynapipe.errors import PlanError
 from dynapipe.plan.instructions import DTYPES, ExecutionPlan, MicroBatchInfo, TensorSpec
 from dynapipe.plan.table import NCOLS, InstructionTable, table_of
+from dynapipe.plan.tensor_section import tensor_section
 
 _FIXED = struct.Struct("<qiiiiqq")
 _COUNTS = struct.Struct("<12I")
-_DTYPE_INDEX = {d: i for i, d in enumerate(DTYPES)}
 # Encoded micro-batch lists, keyed by the identity of the tuple (every stage of a
 # replica shares one), holding the tuple so the identity stays valid.
 _MB_CACHE: dict[int, tuple] = {}
@@ -87,15 +87,7 @@ def encode_body(plan: ExecutionPlan) -> bytes:
             strings.append(s)
         return i
 
-    list_lens, items, dims = [], [], []
-    for ts in table.tensor_lists:
-        list_lens.append(len(ts))
-        for t in ts:
-            d = _DTYPE_INDEX.get(t.dtype)
-            if d is None:
-                raise PlanError(f"tensor {t.name!r} has dtype {t.dtype!r}, not one of {DTYPES}.")
-            items.append((sid(t.name), d, len(t.shape)))
-            dims.extend(t.shape)
+    list_lens, items, dims = tensor_section(table.tensor_lists, sid, plan.stage)
     sched, rec = sid(plan.schedule), sid(plan.recompute)
     try:
         meta = json.dumps(plan.meta, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
@@ -116,22 +108,32 @@ def encode_body(plan: ExecutionPlan) -> bytes:
                           n_rows, n_row_items, len(list_lens), len(items), len(dims), len(table),
                           sched << 16 | rec)
     return b"".join([fixed, counts, np.array([len(e) for e in encoded], "<u4").tobytes(), *encoded, meta, mb_bytes,
-                     np.array(list_lens, "<i4").tobytes(), np.array(items, "<i4").reshape(-1, 3).tobytes(),
-                     np.array(dims, "<i8").tobytes(), *_encode_columns(table.rows)])
+                     list_lens.astype("<i4").tobytes(), items.astype("<i4").tobytes(),
+                     dims.astype("<i8").tobytes(), *_encode_columns(table.rows)])
 
 
 _WIDTH_TYPES = {1: "<i1", 2: "<i2", 4: "<i4"}
 
 
 def _encode_columns(rows: np.ndarray) -> list[bytes]:
-    widths, cols = [], []
-    for c in range(NCOLS):
-        col = rows[:, c]
-        lo, hi = (int(col.min()), int(col.max())) if col.size else (0, 0)
-        w = 1 if -128 <= lo and hi < 128 else 2 if -32768 <= lo and hi < 32768 else 4
-        widths.append(w)
-        cols.append(col.astype(_WIDTH_TYPES[w]).tobytes())
-    return [bytes(widths)] + cols
+    # Column-major once: each column is then contiguous, for its range and its bytes.
+    cols = np.ascontiguousarray(rows.T)
+    if cols.shape[1]:
+        lo, hi = cols.min(axis=1), cols.max(axis=1)
+    else:
+        lo = hi = np.zeros(NCOLS, np.int64)
+    widths = np.where((lo >= -128) & (hi < 128), 1, np.where((lo >= -32768) & (hi < 32768), 2, 4)).tolist()
+    out = [bytes(widths)]
+    # Neighbouring columns of one width are written together: their rows of ``cols``
+    # are exactly the bytes of each column in turn.
+    c = 0
+    while c < NCOLS:
+        e = c + 1
+        while e < NCOLS and widths[e] == widths[c]:
+            e += 1
+        out.append(cols[c:e].astype(_WIDTH_TYPES[widths[c]]).tobytes())
+        c = e
+    return out
 
 
 class _Reader:

@@ -30,8 +30,9 @@ from dynapipe.batching.types import MicroBatch
 from dynapipe.config import ModelConfig
 from dynapipe.cost.base import CostModel, StageLayout, stage_layouts
 from dynapipe.errors import DynaPipeError
+from dynapipe.plan._fast import maker
 from dynapipe.plan.instructions import ExecutionPlan, MicroBatchInfo, TensorSpec
-from dynapipe.plan.rank_table import op_positions, rank_table
+from dynapipe.plan.rank_table import op_positions, positions_from_arrays, rank_table
 from dynapipe.schedule.adaptive import adaptive_schedule
 from dynapipe.schedule.comm import message_shapes
 from dynapipe.schedule.costs import MIN_OP_MS, StageTimes, stage_times
@@ -115,8 +116,9 @@ def _proxy_times(micro_batches: Sequence[MicroBatch], num_stages: int) -> StageT
     return StageTimes(fw, 2 * fw, zeros, zeros.copy(), comm, comm.copy(), np.zeros(num_stages))
 
 
-# Specs by (model, stages, boundary or stage, shape): a global batch repeats a few
-# hundred shapes over thousands of micro-batches. The model is held with its key.
+# Specs by (model, stages, shape): a global batch repeats a few thousand shapes over
+# tens of thousands of micro-batches, and every rank and replica shares the tuples (the
+# encoder reads each distinct one once). The model is held with its key.
 _SPEC_CACHE: dict = {}
 
 
@@ -126,22 +128,30 @@ def _cached(fn, model: ModelConfig, *key):
     if hit is None or hit[0] is not model:
         if len(_SPEC_CACHE) > 1 << 14:
             _SPEC_CACHE.clear()
-        hit = _SPEC_CACHE[k] = (model, fn(model, key[1], key[0], *key[2:]))
+        hit = _SPEC_CACHE[k] = (model, fn(model, *key))
     return hit[1]
 
 
-def _message(model, b, S, mbs, seqlen, dec, layouts=None, shards=1):
-    return _cached(message_specs, model, S, b, mbs, seqlen, dec, layouts, shards)
+def _key_specs(model, S, key, layouts=None, shards=1) -> tuple[tuple, tuple]:
+    """Every boundary's message and every stage's loads for micro-batches of one
+    ``(mbs, seqlen, dec_seqlen, packed)`` shape: one cache lookup per shape. ``layouts``
+    (a tuple, or None: the even split) and ``shards`` (sequence-parallel TP size) are part
+    of the key."""
+    return _cached(_specs_of_key, model, S, layouts, shards, *key)
 
 
-def _inputs(model, s, S, mbs, seqlen, dec, packed, layouts=None):
-    return _cached(input_specs, model, S, s, mbs, seqlen, dec, bool(packed), layouts)
+def _specs_of_key(model, S, layouts, shards, mbs, seqlen, dec, packed):
+    return (tuple(message_specs(model, b, S, mbs, seqlen, dec, layouts, shards) for b in range(S - 1)),
+            tuple(input_specs(model, s, S, mbs, seqlen, dec, bool(packed), layouts) for s in range(S)))
+
+
+_make_info = maker(MicroBatchInfo)
 
 
 def _info(i: int, mb: MicroBatch) -> MicroBatchInfo:
-    rows = tuple(tuple(int(x) for x in r) for r in mb.rows) if mb.rows is not None else ()
-    return MicroBatchInfo(mb=i, samples=tuple(int(x) for x in mb.samples), mbs=mb.mbs, seqlen=int(mb.seqlen),
-                          dec_seqlen=int(mb.dec_seqlen), real_tokens=int(mb.real_tokens), rows=rows)
+    rows = tuple(tuple(map(int, r)) for r in mb.rows) if mb.rows is not None else ()
+    return _make_info(mb=i, samples=tuple(map(int, mb.samples)), mbs=mb.mbs, seqlen=int(mb.seqlen),
+                      dec_seqlen=int(mb.dec_seqlen), real_tokens=int(mb.real_tokens), rows=rows)
 
 
 def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroBatch], model: ModelConfig, *,
@@ -198,13 +208,25 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
     if S and len(schedule.stage_ops[0]) != 2 * M:
         raise DynaPipeError(f"schedule {schedule.name!r} runs {len(schedule.stage_ops[0]) // 2} micro-batches, "
                             f"{M} were given.")
-    # Checks what Schedule.check does, vectorised: every stage runs F(i) once, then B(i).
-    positions = [op_positions(schedule.name, s, schedule.stage_ops[s], M) for s in range(S)]
+    # Op positions from the simulation's arrays when it kept them (they are the ops it
+    # ran), else from the ops; either way every stage must run F(i) once, then B(i),
+    # as Schedule.check demands.
+    arrays = timeline.op_arrays if timeline is not None and timeline.schedule is schedule else None
+    pos = positions_from_arrays(*arrays[:3], M) if arrays is not None else None
+    if pos is None:
+        positions = [op_positions(schedule.name, s, schedule.stage_ops[s], M) for s in range(S)]
+        f_idx, b_idx = [p[0] for p in positions], [p[1] for p in positions]
+    else:
+        f_idx, b_idx = list(pos[0]), list(pos[1])
     if timeline is None:
         times = stage_times(cost_model, mbs_list) if cost_model is not None else _proxy_times(mbs_list, S)
         timeline = simulate(schedule, times, record_memory=False)
-    if timeline.schedule.stage_ops != schedule.stage_ops:
+    if timeline.schedule is not schedule and timeline.schedule.stage_ops != schedule.stage_ops:
         raise DynaPipeError("the timeline given to compile_plans belongs to a different schedule.")
+    if pos is not None:
+        ends = [e[:2 * M] for e in arrays[3]]
+    else:
+        ends = [np.asarray(e, dtype=np.float64) for e in timeline.ends]
     infos = tuple(_info(i, mb) for i, mb in enumerate(mbs_list))
     bad = next((i for i in infos if i.seqlen % shards or i.dec_seqlen % shards), None)
     if bad is not None:
@@ -218,18 +240,8 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
                                 "(real tokens of the whole global batch).")
         global_real_tokens = real
     # Tensor lists of every boundary's message and every rank's loads, each distinct one
-    # built once (shapes repeat across micro-batches) and shared by every rank's table.
+    # numbered once (shapes repeat across micro-batches) and shared by every rank's table.
     shape = np.array([(i.mbs, i.seqlen, i.dec_seqlen) for i in infos], dtype=np.int64).reshape(M, 3)
-    lists: list = []
-    list_ids: dict[int, int] = {}
-
-    def list_id(ts: tuple) -> int:
-        j = list_ids.get(id(ts))
-        if j is None:
-            j = list_ids[id(ts)] = len(lists)
-            lists.append(ts)
-        return j
-
     # Packed rows load their sample ids on every stage: part of the load key, not of the messages.
     packed = np.array([len(i.rows) > 0 for i in infos], dtype=np.int64)
     if S > 2 and 0 < packed.sum() < M and not model.is_encoder_decoder:
@@ -240,15 +252,27 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
     key_arr = np.concatenate([shape, packed[:, None]], axis=1)
     uniq, inv = np.unique(key_arr, axis=0, return_inverse=True) if M else (key_arr, np.zeros(0, np.int64))
     inv = inv.reshape(-1)
-    keys = [tuple(r) for r in uniq.tolist()]
-    msg_ids = [np.array([list_id(_message(model, b, S, *k[:3], layouts, shards)) for k in keys],
-                        dtype=np.int64)[inv]
-               for b in range(S - 1)]
-    load_ids = []
-    for s in range(S):
-        specs = [_inputs(model, s, S, *k, layouts) for k in keys]
-        load_ids.append(np.array([list_id(t) if t else -1 for t in specs], dtype=np.int64)[inv])
-    f_idx, b_idx = [p[0] for p in positions], [p[1] for p in positions]
+    K = len(uniq)
+    specs = [_key_specs(model, S, k, layouts, shards) for k in map(tuple, uniq.tolist())]
+    # Lists numbered in order of first use, boundary by boundary then stage by stage
+    # (an object met again keeps its number); a stage that loads nothing gets -1.
+    seq = [sp[0][b] for b in range(S - 1) for sp in specs] + [sp[1][s] for s in range(S) for sp in specs]
+    empty = np.fromiter(map(len, seq), dtype=np.int64, count=len(seq)) == 0
+    empty[:(S - 1) * K] = False
+    ident = np.fromiter(map(id, seq), dtype=np.int64, count=len(seq))
+    ident[empty] = -1
+    _, first, which = np.unique(ident, return_index=True, return_inverse=True)
+    number = np.full(len(first), -1, np.int64)
+    kept = ident[first] != -1
+    by_first = np.argsort(first[kept], kind="stable")
+    number[np.flatnonzero(kept)[by_first]] = np.arange(int(kept.sum()))
+    ids = number[which.reshape(-1)].reshape(2 * S - 1, K) if K else np.zeros((2 * S - 1, 0), np.int64)
+    lists = [None] * int(kept.sum())
+    for n, j in zip(number[kept].tolist(), first[kept].tolist()):
+        lists[n] = seq[j]
+    msg_ids = [ids[b][inv] for b in range(S - 1)]
+    load_ids = [ids[S - 1 + s][inv] for s in range(S)]
+    mb_order = list(map(int, schedule.mb_order))
     # Only TP plans carry the keys, so TP 1 plans stay byte-identical to earlier ones.
     tp_meta = ({"tp": int(tp)} if tp > 1 else {}) | ({"sequence_parallel": True} if sequence_parallel else {})
     plans = []
@@ -267,13 +291,13 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
             rank_msgs[s - 1], k = remap[0], 1
         if s < S - 1:
             rank_msgs[s], k = remap[k], k + 1
-        tensor_lists = tuple(lists[j] for j in used[offset:].tolist())
-        instructions = rank_table(s, S, M, f_idx, b_idx, timeline.ends, shape, rank_msgs, remap[k], strings,
+        tensor_lists = tuple(map(lists.__getitem__, used[offset:].tolist()))
+        instructions = rank_table(s, S, M, f_idx, b_idx, ends, shape, rank_msgs, remap[k], strings,
                                   tensor_lists, 0, strings.index("full"))
         plans.append(ExecutionPlan(
             iteration=iteration, stage=s, num_stages=S, replica=replica, num_replicas=num_replicas,
             schedule=schedule.name, recompute=level, micro_batches=infos, instructions=instructions,
             real_tokens=real, global_real_tokens=int(global_real_tokens),
-            meta={"order": schedule.order, "mb_order": [int(x) for x in schedule.mb_order],
+            meta={"order": schedule.order, "mb_order": list(mb_order),
                   "simulated_ms": round(float(timeline.makespan_ms), 6), **tp_meta}))
     return plans

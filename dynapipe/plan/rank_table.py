@@ -9,7 +9,7 @@ in the global post order, or the buffer kind). One lexsort then gives the list.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -46,24 +46,51 @@ def op_positions(name: str, stage: int, ops: Sequence, M: int) -> tuple[np.ndarr
     return f, b
 
 
-def rank_table(s: int, S: int, M: int, f_idx: list, b_idx: list, ends: list, mb_shape: np.ndarray,
-               msg_ids: list, load_ids: np.ndarray, strings: tuple, tensor_lists: tuple,
-               recompute_sid: int, full_sid: int) -> InstructionTable:
+def positions_from_arrays(kind: np.ndarray, mb: np.ndarray, nops: np.ndarray,
+                          M: int) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """``(f, b)``: ``[S, M]`` op positions of every forward and backward, from a simulated
+    schedule's ``[S, L]`` kind/micro-batch arrays (kind 0 = F, 1 = B); ``None`` unless every
+    stage runs each micro-batch's forward once and then its backward once (the caller
+    then reads the ops, which names what is wrong)."""
+    S = kind.shape[0]
+    if S == 0 or (np.asarray(nops) != 2 * M).any() or kind.shape[1] < 2 * M:
+        return None
+    kind, mb = kind[:, :2 * M], mb[:, :2 * M]
+    if ((kind != 0) & (kind != 1)).any() or ((mb < 0) | (mb >= M)).any():
+        return None
+    # Flat slot of every op: (stage, micro-batch, kind); each must be hit exactly once.
+    slot = (np.arange(S)[:, None] * M + mb) * 2 + kind
+    if M and (np.bincount(slot.ravel(), minlength=2 * S * M) != 1).any():
+        return None
+    pos = np.empty(2 * S * M, np.int64)
+    pos[slot.ravel()] = np.tile(np.arange(2 * M), S)
+    pos = pos.reshape(S, M, 2)
+    f, b = pos[:, :, 0], pos[:, :, 1]
+    if (b < f).any():
+        return None
+    return f, b
+
+
+def rank_table(s: int, S: int, M: int, f_idx: Sequence[np.ndarray], b_idx: Sequence[np.ndarray],
+               ends: Sequence[np.ndarray], mb_shape: np.ndarray, msg_ids: list, load_ids: np.ndarray,
+               strings: tuple, tensor_lists: tuple, recompute_sid: int, full_sid: int) -> InstructionTable:
     """The instruction table of pipeline rank ``s`` of ``S`` running ``M`` micro-batches.
 
     ``f_idx[r]``/``b_idx[r]``: op positions of every micro-batch's forward/backward on
-    rank ``r``; ``ends[r]``: simulated end (ms) of rank ``r``'s ops, in op order;
-    ``mb_shape``: ``[M, 3]`` mbs, seqlen, dec_seqlen; ``msg_ids[b]``: per micro-batch,
-    the tensor-list index of boundary ``b``'s message; ``load_ids``: per micro-batch
-    the tensor-list index of what this rank loads (-1: nothing).
+    rank ``r``; ``ends[r]``: simulated end (ms) of rank ``r``'s ops, in op order (an
+    array); ``mb_shape``: ``[M, 3]`` mbs, seqlen, dec_seqlen; ``msg_ids[b]``: per
+    micro-batch, the tensor-list index of boundary ``b``'s message; ``load_ids``: per
+    micro-batch the tensor-list index of what this rank loads (-1: nothing).
     """
     i = np.arange(M, dtype=np.int64)
     fi, bi = f_idx[s], b_idx[s]
     loads = bool(M) and load_ids[0] >= 0
-    parts = []   # (major, minor, sub, op, buffer kind code, tensors, peer)
+    # Every part has one row per micro-batch: (major, minor, sub, op, buffer kind code,
+    # tensors, peer); major and the array-valued fields are [M] arrays.
+    parts = []
 
-    def add(major, minor, sub, op, buf=0, tensors=-1, peer=0, mb=i):
-        parts.append((major, minor, sub, _OP[op], buf, tensors, peer, mb))
+    def add(major, minor, sub, op, buf=0, tensors=-1, peer=0):
+        parts.append((major, minor, sub, _OP[op], buf, tensors, peer))
 
     if loads:
         add(fi, 0, 0, "load", tensors=load_ids)
@@ -75,7 +102,7 @@ def rank_table(s: int, S: int, M: int, f_idx: list, b_idx: list, ends: list, mb_
         add(bi, 3, j, "free", buf=_BUF[k])
     # Posts: (gap, ready time, kind, micro-batch, boundary) orders them globally.
     post_gap, post_t, post_kind, post_b, post_rows = [], [], [], [], []
-    e_s = np.asarray(ends[s])
+    e_s = ends[s]
 
     def recv_gap(t, consumer):
         return np.minimum(np.searchsorted(e_s, t, side="right") - 1, consumer - 1)
@@ -84,10 +111,10 @@ def rank_table(s: int, S: int, M: int, f_idx: list, b_idx: list, ends: list, mb_
         ids = msg_ids[s]
         add(fi, 5, 0, "send_act_finish", buf=_BUF["act_out"], tensors=ids, peer=s + 1)
         add(bi, 1, 0, "recv_grad_finish", buf=_BUF["grad_in"], tensors=ids, peer=s + 1)
-        t = np.asarray(ends[s])[fi]
+        t = e_s[fi]
         post_gap.append(fi), post_t.append(t), post_kind.append(0), post_b.append(s)
         post_rows.append(("send_act_start", _BUF["act_out"], ids, s + 1))
-        t = np.asarray(ends[s + 1])[b_idx[s + 1]]
+        t = ends[s + 1][b_idx[s + 1]]
         post_gap.append(recv_gap(t, bi)), post_t.append(t), post_kind.append(1), post_b.append(s)
         post_rows.append(("recv_grad_start", _BUF["grad_in"], ids, s + 1))
     if s > 0:
@@ -95,7 +122,7 @@ def rank_table(s: int, S: int, M: int, f_idx: list, b_idx: list, ends: list, mb_
         add(fi, 1, 0, "recv_act_finish", buf=_BUF["act_in"], tensors=ids, peer=s - 1)
         add(bi, 5, 0, "send_grad_finish", buf=_BUF["grad_out"], tensors=ids, peer=s - 1)
         add(bi, 5, 1, "free", buf=_BUF["grad_out"])
-        t = np.asarray(ends[s - 1])[f_idx[s - 1]]
+        t = ends[s - 1][f_idx[s - 1]]
         post_gap.append(recv_gap(t, fi)), post_t.append(t), post_kind.append(0), post_b.append(s - 1)
         post_rows.append(("recv_act_start", _BUF["act_in"], ids, s - 1))
         t = e_s[bi]
@@ -113,10 +140,23 @@ def rank_table(s: int, S: int, M: int, f_idx: list, b_idx: list, ends: list, mb_
         for j, (op, buf, ids, peer) in enumerate(post_rows):
             sl = slice(j * M, (j + 1) * M)
             add(gap[sl], 4, rank[sl], op, buf=buf, tensors=ids, peer=peer)
-    cols = [np.concatenate([np.full(M, p[c], np.int64) if np.isscalar(p[c]) else p[c] for p in parts])
-            for c in range(8)]
-    order = np.lexsort((cols[2], cols[1], cols[0]))
-    major, _, _, op, buf, tensors, peer, mb = (c[order] for c in cols)
+    P = len(parts)
+    # One sort key: (major, minor, sub) with major >= -1, minor < 6 and sub < 4M, as one
+    # integer; the stable sort keeps the order of the parts for equal keys, as a
+    # lexsort on the three columns would.
+    major = np.empty((P, M), np.int64)
+    sub = np.empty((P, M), np.int64)
+    tensors = np.empty((P, M), np.int64)
+    for k, p in enumerate(parts):
+        major[k], sub[k], tensors[k] = p[0], p[2], p[5]
+    scalars = np.array([(p[1], p[3], p[4], p[6]) for p in parts], dtype=np.int64).reshape(P, 4)
+    minor = np.repeat(scalars[:, 0], M)
+    width = 4 * M + 8
+    key = ((major.ravel() + 1) * 6 + minor) * width + sub.ravel()
+    order = np.argsort(key, kind="stable")
+    part = order // M if M else order
+    op, buf, peer = (scalars[:, c][part] for c in (1, 2, 3))
+    mb = order % M if M else order
     rows = np.zeros((len(order), NCOLS), dtype=np.int32)
     rows[:, COL["op"]] = op
     rows[:, COL["mb"]] = mb
@@ -124,7 +164,7 @@ def rank_table(s: int, S: int, M: int, f_idx: list, b_idx: list, ends: list, mb_
     rows[:, COL["peer"]] = np.where(comm, peer, 0)
     rows[:, COL["group"]] = np.where(comm, -1, 0)
     rows[:, COL["buffer"]] = buf
-    rows[:, COL["tensors"]] = np.where(comm | (op == _OP["load"]), tensors, 0)
+    rows[:, COL["tensors"]] = np.where(comm | (op == _OP["load"]), tensors.ravel()[order], 0)
     compute = (op == _OP["fw"]) | (op == _OP["bw"])
     shape = mb_shape[mb]
     for c, name in enumerate(("mbs", "seqlen", "dec_seqlen")):

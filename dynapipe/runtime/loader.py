@@ -46,7 +46,11 @@ class LoaderConfig:
     them), ``seed``, ``shuffle``; resume with ``consumed_samples`` and
     ``start_iteration`` from the checkpoint; ``train_iters`` > 0 ends the stream.
     Workers: ``num_workers`` planner processes per planner node, ``prefetch`` iterations
-    planned ahead, ``planner_nodes`` nodes that plan (0: every node).
+    planned ahead, ``planner_nodes`` nodes that plan (0: every node). ``split_replicas``:
+    every planner node plans every iteration but compiles and publishes only the plans of
+    its share of the data-parallel replicas (replica ``r`` on planner node
+    ``r % planner_nodes``); batching and the schedule search are deterministic, so the
+    nodes agree, and each node's compile and serialize work shrinks with their number.
     Store: ``kv_backend`` ``store`` (the job's TCPStore) or ``redis`` at
     ``redis_host:redis_port``; ``connect_timeout_s`` to reach it, ``plan_timeout_s`` the
     longest the training loop waits for one iteration. ``fetch_ahead``: decoded
@@ -65,6 +69,7 @@ class LoaderConfig:
     num_workers: int = 1
     prefetch: int = 4
     planner_nodes: int = 0
+    split_replicas: bool = False
     kv_backend: str = "store"
     redis_host: str = "127.0.0.1"
     redis_port: int = 6379
@@ -193,6 +198,8 @@ class DynaPipeDataLoader:
         self._fetcher: Optional[PayloadFetcher] = None
         num_planner_nodes = config.planner_nodes or layout.num_nodes
         self._planner_nodes = min(num_planner_nodes, layout.num_nodes)
+        if config.split_replicas:  # a node without a replica to plan stays out
+            self._planner_nodes = min(self._planner_nodes, layout.dp_size)
         self.is_planner = layout.local_rank == 0 and layout.node < self._planner_nodes
 
         self._kv, spec = self._connect(store)
@@ -233,7 +240,7 @@ class DynaPipeDataLoader:
         sampler = SamplerConfig(c.global_batch_size, c.tokens_per_global_batch, c.seed, c.shuffle,
                                 min_samples=self.layout.dp_size).validate()
         job = WorkerJob(dataset, sampler, c.consumed_samples, c.start_iteration, self.planner, spec,
-                        self.keys, self.layout.node)
+                        self.keys, self.layout.node, self._replicas_here())
         self._pool = PlannerPool(job, c.num_workers)
         if spec.backend == "redis":
             self._watcher = RestartWatcher(spec, self._replan_lost)
@@ -269,7 +276,19 @@ class DynaPipeDataLoader:
                 self._dispatched += 1
 
     def _plans_here(self, iteration: int) -> bool:
-        return iteration % self._planner_nodes == self.layout.node
+        return self.config.split_replicas or iteration % self._planner_nodes == self.layout.node
+
+    def _replicas_here(self) -> Optional[tuple[int, ...]]:
+        """The replicas whose plans this node publishes (None: all of them)."""
+        if not self.config.split_replicas:
+            return None
+        return tuple(r for r in range(self.layout.dp_size) if r % self._planner_nodes == self.layout.node)
+
+    def _planner_of(self, iteration: int) -> int:
+        """The node that publishes this rank's plan of ``iteration``."""
+        if self.config.split_replicas:
+            return self.layout.dp_rank % self._planner_nodes
+        return iteration % self._planner_nodes
 
     # ---- iteration --------------------------------------------------------------------
 
@@ -296,7 +315,7 @@ class DynaPipeDataLoader:
             if time.monotonic() > deadline:
                 raise DynaPipeError(
                     f"the plan of iteration {it} (replica {self.layout.dp_rank}, stage {self.layout.pp_rank}, planned "
-                    f"on node {it % self._planner_nodes}) did not arrive within {self.config.plan_timeout_s:g} s. "
+                    f"on node {self._planner_of(it)}) did not arrive within {self.config.plan_timeout_s:g} s. "
                     f"The planner workers may be stuck or too slow: raise the plan timeout or the number of "
                     f"planner workers, and check the planner nodes' logs.")
         if data.iteration != it:

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -71,16 +71,21 @@ class IterationPlanner:
     def plan(self, lengths: np.ndarray, iteration: int) -> list[list[ExecutionPlan]]:
         """``[replica][stage]`` plans for a global batch of ``lengths`` (tokens; ``(n,)``, or
         ``(n, 2)`` input and target). Micro-batch ``samples`` index into ``lengths``."""
+        return self.plan_iteration(lengths, iteration).plans
+
+    def plan_iteration(self, lengths: np.ndarray, iteration: int, replicas: Optional[Sequence[int]] = None):
+        """The whole :class:`~dynapipe.pipeline_planner.IterationPlan`; ``replicas``: compile
+        only these replicas' plans (the others' rows are empty), as a node does that
+        publishes a share of the replicas."""
         from dynapipe.pipeline_planner import plan_iteration
 
         s = self.settings
-        result = plan_iteration(lengths, self.cost_model, stages=s.num_stages, dp=s.dp, method=s.method,
-                                schedule=s.schedule, memory_limit_mib=s.memory_limit_mib,
-                                reserved_mib=s.reserved_mib, cluster=s.cluster, recompute=s.recompute,
-                                iteration=iteration, micro_batch_size=s.micro_batch_size,
-                                seq_length=s.seq_length or None, max_tokens=s.max_tokens or None,
-                                tp=s.tp, zero=s.zero, validate=s.validate)
-        return result.plans
+        return plan_iteration(lengths, self.cost_model, stages=s.num_stages, dp=s.dp, method=s.method,
+                              schedule=s.schedule, memory_limit_mib=s.memory_limit_mib,
+                              reserved_mib=s.reserved_mib, cluster=s.cluster, recompute=s.recompute,
+                              iteration=iteration, micro_batch_size=s.micro_batch_size,
+                              seq_length=s.seq_length or None, max_tokens=s.max_tokens or None,
+                              tp=s.tp, zero=s.zero, validate=s.validate, replicas=replicas)
 
 
 def tensor_parallel_config(settings: PlannerSettings):

@@ -3,7 +3,8 @@
 A planner node (a node's local rank 0) starts ``num_workers`` processes (spawn). They
 share one task queue of iteration numbers; for each, a worker draws the global batch
 from the sampler, plans it, fills every (replica, stage)'s micro-batch tensors and puts
-one payload per (replica, stage) into the key-value store. Workers talk to their parent
+one payload per (replica, stage) into the key-value store (with ``WorkerJob.replicas``,
+only those replicas' plans are compiled and published: nodes split the replicas). Workers talk to their parent
 only through two local queues (iterations in; "done" and error reports out).
 
 A worker that fails reports its traceback to its parent and writes a short error to
@@ -68,6 +69,7 @@ class WorkerJob:
     store: KVStoreSpec
     keys: Keyspace
     node: int
+    replicas: Optional[tuple[int, ...]] = None
 
 
 def _rank_tensors(plan: ExecutionPlan, dataset: SampleDataset, batch_indices: np.ndarray,
@@ -102,16 +104,19 @@ def plan_and_publish(job: WorkerJob, planner: IterationPlanner, sampler: GlobalB
     batch = sampler.batch(iteration - job.start_iteration)
     lengths = job.dataset.planner_lengths(batch.indices)
     t0 = time.perf_counter()
-    grid = planner.plan(lengths, iteration)
+    planned = planner.plan_iteration(lengths, iteration, replicas=job.replicas)
+    grid = planned.plans
     planning_ms = (time.perf_counter() - t0) * 1e3
-    # Every stage of a replica runs the same micro-batches: stage 0 stands for the replica.
-    padded = [sum(m.mbs * (m.seqlen + m.dec_seqlen) for m in row[0].micro_batches) for row in grid]
-    real = [int(sum(int(lengths[list(m.samples)].sum()) for m in row[0].micro_batches)) for row in grid]
+    # Every stage of a replica runs the same micro-batches: stage 0 stands for the replica
+    # (rows of replicas another node publishes are empty).
+    padded = [sum(m.mbs * (m.seqlen + m.dec_seqlen) for m in row[0].micro_batches) if row else 0 for row in grid]
+    real = [int(sum(int(lengths[list(m.samples)].sum()) for m in row[0].micro_batches)) if row else 0
+            for row in grid]
     common = {
         "num_samples": int(batch.indices.shape[0]),
         "consumed_samples": batch.end,
         "global_real_tokens": int(lengths.sum()),
-        "global_padded_tokens": int(sum(padded)),
+        "global_padded_tokens": int(sum(mb.padded_tokens for mb in planned.batch_plan.micro_batches)),
         "global_loss_tokens": int(loss_token_counts(job.dataset.input_lengths[batch.indices],
                                                     job.dataset.target_lengths[batch.indices],
                                                     job.dataset.encoder_decoder).sum()),

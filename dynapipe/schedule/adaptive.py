@@ -79,4 +79,5 @@ def adaptive_schedule(times: StageTimes, capacity_mib: Optional[Sequence[float]]
         raise DynaPipeError(f"the adaptive schedule stalled (status {status}; internal error, please report).")
     sched = schedule_from_arrays("adaptive", kind, mb, [2 * M] * S, recompute=times.recompute, order=order,
                                  mb_order=mb_order or tuple(range(M)))
-    return sched, timeline_from_arrays(sched, times, starts, ends, busy, peak, record_memory)
+    return sched, timeline_from_arrays(sched, times, starts, ends, busy, peak, record_memory,
+                                       (kind, mb, np.full(S, 2 * M, dtype=np.int64)))

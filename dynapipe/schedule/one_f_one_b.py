@@ -48,11 +48,8 @@ def one_f_one_b(num_stages: int, num_micro_batches: int, *, recompute: str = "no
     stage_ops = []
     for s in range(num_stages):
         warm = min(num_stages - s - 1, M)
-        ops = f[:warm]
-        for i in range(M - warm):
-            ops.append(f[warm + i])
-            ops.append(b[i])
-        ops.extend(b[M - warm:])
-        stage_ops.append(tuple(ops))
+        steady = [None] * (2 * (M - warm))
+        steady[0::2], steady[1::2] = f[warm:], b[:M - warm]
+        stage_ops.append(tuple(f[:warm] + steady + b[M - warm:]))
     return Schedule("1f1b", num_stages, tuple(stage_ops), recompute=recompute, order=order,
                     mb_order=mb_order or tuple(range(M)), stage_recompute=tuple(stage_recompute))

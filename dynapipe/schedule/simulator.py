@@ -14,7 +14,7 @@ end releases the micro-batch's stored activations. Units: ms, MiB.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 import numpy as np
 
 from dynapipe.errors import DynaPipeError
@@ -41,7 +41,10 @@ class Timeline:
 
     ``starts[s][i]``/``ends[s][i]``: start and end (ms) of stage ``s``'s ``i``-th op in
     ``schedule.stage_ops[s]``. ``peak_mib[s]``: stage ``s``'s highest memory, model states
-    included. ``memory[s]``: ``(time ms, MiB)`` steps (filled when recorded).
+    included. ``memory[s]``: ``(time ms, MiB)`` steps (when recorded; built on first
+    access, since only traces read them). ``op_arrays``: the schedule's ``(kind, mb,
+    nops)`` as :func:`schedule_arrays` gives them and ``ends`` as an ``[S, L]`` array,
+    when the simulation had them (the plan compiler reads them instead of the ops).
     """
 
     schedule: Schedule
@@ -50,7 +53,15 @@ class Timeline:
     ends: list[list[float]]
     busy_ms: list[float]
     peak_mib: list[float]
-    memory: list[list[tuple[float, float]]] = field(default_factory=list)
+    # The memory steps, or a function that builds them.
+    _memory: Any = field(default=None, repr=False, compare=False)
+    op_arrays: Optional[tuple] = field(default=None, repr=False, compare=False)
+
+    @property
+    def memory(self) -> list[list[tuple[float, float]]]:
+        if callable(self._memory):
+            self._memory = self._memory()
+        return self._memory if self._memory is not None else []
 
     @property
     def num_stages(self) -> int:
@@ -148,13 +159,20 @@ def timeline_from_arrays(schedule: Schedule, times: StageTimes, starts: np.ndarr
                          busy: np.ndarray, peak: np.ndarray, record_memory: bool,
                          arrays: Optional[tuple[np.ndarray, np.ndarray]] = None) -> Timeline:
     """Wrap kernel outputs (``[S, L]`` arrays aligned with ``schedule.stage_ops``);
-    ``arrays``: the schedule's ``(kind, mb)`` when known (see :func:`memory_steps`)."""
+    ``arrays``: the schedule's ``(kind, mb)`` or ``(kind, mb, nops)`` when known (see
+    :func:`memory_steps`; with ``nops`` they are kept as the timeline's ``op_arrays``)."""
     n = [len(ops) for ops in schedule.stage_ops]
     st = [starts[s, :n[s]].tolist() for s in range(len(n))]
     en = [ends[s, :n[s]].tolist() for s in range(len(n))]
     makespan = max((e[-1] for e in en if e), default=0.0)
-    mem = memory_steps(schedule, times, st, en, arrays) if record_memory else []
-    return Timeline(schedule, makespan, st, en, busy.tolist(), peak.tolist(), mem)
+    mem = None
+    if record_memory:
+        steps = memory_steps  # bound now: the steps are built on first access
+        mem = lambda: steps(schedule, times, st, en, arrays)  # noqa: E731
+    op_arrays = None
+    if arrays is not None and len(arrays) == 3:
+        op_arrays = (arrays[0], arrays[1], arrays[2], ends)
+    return Timeline(schedule, makespan, st, en, busy.tolist(), peak.tolist(), mem, op_arrays)
 
 
 def simulate(schedule: Schedule, times: StageTimes, *, record_memory: bool = True,
@@ -175,4 +193,4 @@ def simulate(schedule: Schedule, times: StageTimes, *, record_memory: bool = Tru
     if status == K.STUCK:
         raise DynaPipeError(f"schedule {schedule.name!r} cannot run: stage {stage} waits forever on an op whose "
                             f"input its neighbour produces only later in its own order.")
-    return timeline_from_arrays(schedule, times, starts, ends, busy, peak, record_memory, (kind, mb))
+    return timeline_from_arrays(schedule, times, starts, ends, busy, peak, record_memory, (kind, mb, nops))
