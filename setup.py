@@ -30,7 +30,9 @@ setup(
         "psutil>=5.9",
     ],
     extras_require={
-        "dev": ["pytest>=7", "hypothesis>=6", "matplotlib>=3.7", "redis>=5", "tqdm>=4.60"],
+        "dev": ["pytest>=7", "hypothesis>=6", "matplotlib>=3.7", "redis>=5", "tqdm>=4.60",
+                # The HuggingFaceTokenizer path is tested against the real package.
+                "transformers>=4.40"],
         # Progress bars for `python -m dynapipe profile` on a terminal (plain lines without it).
         "progress": ["tqdm>=4.60"],
         # --tokenizer-type HuggingFaceTokenizer.

@@ -85,3 +85,23 @@ def test_huggingface_tokenizer_without_transformers_is_refused(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
     with pytest.raises(DynaPipeError, match="needs the transformers package: pip install transformers"):
         parse("--tokenizer-type HuggingFaceTokenizer --tokenizer-model /some/dir")
+
+
+def test_huggingface_tokenizer_from_a_local_directory(tmp_path):
+    # A real Hugging Face tokenizer directory (tokenizer.json + config) built offline from the
+    # GPT-2 fixture files, loaded through megatron-core's HuggingFaceTokenizer.
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE.from_file(VOCAB, MERGES))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    eod = "<|endoftext|>"
+    hf = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=eod, bos_token=eod, unk_token=eod)
+    hf.save_pretrained(str(tmp_path))
+    assert hf("hello the world")["input_ids"][:2] == [14, 17]  # "he" + "llo": the fixture's merges applied
+    m = parse(f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {tmp_path}").model
+    assert (m.unpadded_vocab_size, m.vocab_size) == (21, 128)
+    with pytest.raises(DynaPipeError, match="could not load a Hugging Face tokenizer"):
+        parse(f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {tmp_path / 'missing'}")
