@@ -146,6 +146,11 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--ckpt-format", default="torch_dist", choices=("torch_dist", "torch", "dynapipe"),
                    help="torch_dist: megatron-core's distributed checkpoint, as Megatron-LM writes it (default); "
                         "dynapipe: this project's per-rank files (torch: Megatron's legacy format, not written)")
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   help="on --load, take the learning-rate schedule from this run's arguments, not the checkpoint's")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   help="on --load, keep the checkpoint's learning-rate schedule whatever this run's arguments say "
+                        "(without either flag a schedule that differs from the checkpoint's is refused)")
     g.add_argument("--finetune", action="store_true",
                    help="load the model weights only (no optimizer, scheduler or RNG) and start at iteration 0")
     g.add_argument("--auto-detect-ckpt-format", action="store_true",
@@ -288,8 +293,6 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--eod-mask-loss": "samples are whole documents without separators; drop it",
     "--fp8-format": "fp8 training is not supported; use --bf16",
     "--rotary-percent": "rotary embeddings cover the whole head; drop it",
-    "--use-checkpoint-opt_param-scheduler": "the scheduler is restored with the checkpoint; drop it",
-    "--override-opt_param-scheduler": "the scheduler is restored with the checkpoint; drop it",
     "--no-save-optim": "checkpoints always hold the optimizer state; drop it (load with --no-load-optim or "
                        "--finetune to leave it out)",
     "--no-save-rng": "checkpoints always hold the RNG states; drop it (load with --no-load-rng to leave them out)",
@@ -489,7 +492,9 @@ def training_config_from_args(args: argparse.Namespace, world_size: int,
                               lr_warmup_iters=warmup_iters, lr_decay_iters=decay_iters,
                               weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
                               adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
-                              distributed=args.use_distributed_optimizer, **loss_scale)
+                              distributed=args.use_distributed_optimizer,
+                              override_scheduler=args.override_opt_param_scheduler,
+                              use_checkpoint_scheduler=args.use_checkpoint_opt_param_scheduler, **loss_scale)
     if args.save_interval is not None and not args.save:
         raise DynaPipeError("--save-interval needs --save DIR to write the checkpoints to.")
     if args.save:
@@ -514,6 +519,9 @@ def training_config_from_args(args: argparse.Namespace, world_size: int,
 
 def _checkpoint_args_honoured(args: argparse.Namespace) -> None:
     """Refuse the checkpoint flags this build cannot honour."""
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise DynaPipeError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict "
+                            "each other (this run's schedule vs the checkpoint's); give one of them.")
     if args.ckpt_format == "torch":
         raise _unsupported("--ckpt-format", "torch (Megatron's legacy per-rank files) is not written; use "
                                             "torch_dist (the default, which Megatron-LM loads) or dynapipe")

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from dynapipe.errors import DynaPipeError
 from megatron_integration.checkpoint_files import load_verified, save_with_checksum, verify_file, write_checksum
 from megatron_integration.initialize import RankInfo
+from megatron_integration.scheduler_state import load_scheduler_state
 
 LATEST = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
@@ -196,7 +197,7 @@ def _load_rank(root: str, gpt: torch.nn.Module, optimizer, scheduler, info: Rank
                             f"use the model arguments it was saved with.") from None
     if load_optim:
         optimizer.load_state_dict(payload["optimizer"])
-        scheduler.load_state_dict(payload["scheduler"])
+        load_scheduler_state(scheduler, payload["scheduler"], main)
         if _is_distributed(optimizer):
             optim_path = os.path.join(rank_dir, "distrib_optim.pt")
             verify_file(optim_path)

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from dynapipe.errors import DynaPipeError
 from megatron_integration.checkpoint_files import CHECKSUM_SUFFIX, verify_file, write_checksum
 from megatron_integration.initialize import RankInfo
+from megatron_integration.scheduler_state import load_scheduler_state
 
 CHECKPOINT_VERSION = 3.0
 
@@ -289,7 +290,7 @@ def load_dist(iter_dir: str, cfg, gpt, optimizer, scheduler, info: RankInfo, loa
     if has_optim:
         optimizer.load_state_dict(loaded["optimizer"])
         if "opt_param_scheduler" in loaded:
-            scheduler.load_state_dict(loaded["opt_param_scheduler"])
+            load_scheduler_state(scheduler, loaded["opt_param_scheduler"], iter_dir)
     else:
         # As Megatron-LM: half-precision runs keep fp32 main copies of the weights in the
         # optimizer; without its state they are refreshed from the loaded weights.

@@ -309,7 +309,8 @@ def build_optimizer(cfg: DynaPipeTrainingConfig, stage: Stage):
         optimizer, init_lr=0.0 if o.lr_warmup_iters else o.lr, max_lr=o.lr, min_lr=o.min_lr,
         lr_warmup_steps=o.lr_warmup_iters, lr_decay_steps=max(o.lr_decay_iters, 1),
         lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
-        wd_incr_steps=max(cfg.train_iters, 1), wd_incr_style="constant")
+        wd_incr_steps=max(cfg.train_iters, 1), wd_incr_style="constant",
+        override_opt_param_scheduler=o.override_scheduler, use_checkpoint_opt_param_scheduler=o.use_checkpoint_scheduler)
     return optimizer, scheduler
 
 

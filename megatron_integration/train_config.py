@@ -83,6 +83,10 @@ class OptimizerArgs:
     clip_grad: float = 1.0
     distributed: bool = False  # megatron-core's distributed optimizer (ZeRO-1 over data parallel)
     optimizer: str = "adam"  # Megatron's --optimizer (Adam with decoupled weight decay)
+    # On --load, Megatron's rule for the learning-rate schedule: a checkpoint whose schedule
+    # differs from these arguments is refused unless one of these says which one wins.
+    override_scheduler: bool = False
+    use_checkpoint_scheduler: bool = False
     # fp16 loss scaling, Megatron's flags and defaults: a static --loss-scale, else a dynamic
     # scale from --initial-loss-scale, halved after --hysteresis overflowing steps (not below
     # --min-loss-scale) and doubled after --loss-scale-window clean ones.
