@@ -121,7 +121,10 @@ def test_checkpoints_interoperate_with_megatron_core(tmp_path):
     one_stage = TINY.replace(" --pipeline-model-parallel-size 2", "")
     wider = one_stage.replace("--ffn-hidden-size 128", "--ffn-hidden-size 192")
     pp1, refused = spawn(_runs_in_one_job, 1, ([f"{one_stage} --hidden-dropout 0 --attention-dropout 0 "
-                                                 f"--train-iters 2 --lr 0 --load {ours}",
+                                                 # A longer run than the saved one: its own schedule,
+                                                 # said as Megatron-LM asks for it.
+                                                 f"--train-iters 2 --lr 0 --load {ours} "
+                                                 f"--override-opt_param-scheduler",
                                                  f"{wider} --train-iters 2 --load {ours}"],), timeout_s=TIMEOUT)[0]
     assert pp1["start_iteration"] == 1 and len(pp1["losses"]) == 1
     assert pp1["checkpoint_lines"] == [f" loading distributed checkpoint from {ours} at iteration 1",
