@@ -876,20 +876,26 @@ def fault_outcomes(tmp_path_factory):
         # Indexed data through the planner workers: the data checks pass, then the loss diverges.
         "nan_dynapipe": ("train", f"{TINY} --data-path {good} --train-iters 3 --lr 1e20 --use-dynapipe"),
         "nan_unchecked": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e20 --no-check-for-nan-in-loss-and-grad"),
+        # The resumed runs are longer than the saved ones: they take their own learning-rate schedule.
         "saved": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --save {save} --ckpt-format dynapipe"),
-        "resumed": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --load {save}"),
+        "resumed": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --load {save} "
+                           "--override-opt_param-scheduler"),
         "flip_rank1_rng": ("rank0", _flip, (os.path.join(save, "iter_0000002", "mp_rank_00_001", "rng_dp_000.pt"), 99)),
-        "load_flipped_rng": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --load {save}"),
+        "load_flipped_rng": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --load {save} "
+                           "--override-opt_param-scheduler"),
         "truncate_rank0_model": ("rank0", _truncate, (os.path.join(save, "iter_0000002", "mp_rank_00_000",
                                                                    "model_optim_rng.pt"), -10)),
-        "load_truncated": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --load {save} --no-load-rng"),
+        "load_truncated": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --load {save} "
+                           "--override-opt_param-scheduler --no-load-rng"),
         # torch_dist: a shard cut short is named by its checksum; without checksums (as Megatron-LM
         # writes them) dist_checkpointing's own error comes back as one line naming the file.
         "saved_dist": ("train", f"{TINY}{MOCK} --train-iters 1 --lr 1e-3 --save {dist_save}"),
         "truncate_dist_shard": ("rank0", _truncate, (os.path.join(dist_save, "iter_0000001", "__1_0.distcp"), -7)),
-        "load_truncated_dist": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {dist_save}"),
+        "load_truncated_dist": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {dist_save} "
+                                  "--override-opt_param-scheduler"),
         "unverified_and_broken": ("rank0", _strip_checksums_and_cut_common, (os.path.join(dist_save, "iter_0000001"),)),
-        "load_unverified_broken": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {dist_save}"),
+        "load_unverified_broken": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {dist_save} "
+                                  "--override-opt_param-scheduler"),
         "data_padding": ("train", f"{TINY} --data-path {out_of_vocab} --train-iters 1 --lr 1e-3"),
         "data_dynapipe": ("train", f"{TINY} --data-path {out_of_vocab} --train-iters 1 --lr 1e-3 --use-dynapipe"),
         "good_data": ("train", f"{TINY} --data-path {good} --train-iters 1 --lr 1e-3"),
