@@ -178,8 +178,8 @@ def test_training_arguments_accept_a_profile_of_the_run_tp_only(tmp_path):
         parse_training_args(base + [str(path), "--sequence-parallel"], 2, cuda=False)
     assert str(e.value) == (f"--dynapipe-cost-model {path}: the profile was measured at tensor-parallel size 2 "
                             f"without sequence parallelism, but the run uses tensor-parallel size 2 with sequence "
-                            f"parallelism; profile with the run's --tensor-model-parallel-size and "
-                            f"--sequence-parallel or use the analytic cost model.")
+                            f"parallelism; measure one with `python -m dynapipe profile "
+                            f"--tensor-model-parallel-size 2 --sequence-parallel` or use the analytic cost model.")
     path.write_text(json.dumps(_synthetic_profile()))
     with pytest.raises(DynaPipeError, match="measured at tensor-parallel size 1 without sequence parallelism"):
         parse_training_args(base + [str(path)], 2, cuda=False)

@@ -123,11 +123,11 @@ def check_profile_tensor_parallel(data: Mapping[str, Any], tp: int, sequence_par
     """Refuse a profile measured at another TP size or sequence-parallel setting than the run's:
     its times carry other collectives and its memory is another rank's share."""
     have = profile_tensor_parallel(data)
+    flags = f"--tensor-model-parallel-size {tp}{' --sequence-parallel' if sequence_parallel else ''}"
     if have != (tp, bool(sequence_parallel)):
         raise DynaPipeError(f"{source}: the profile was measured at {_describe_tp(*have)}, but the run uses "
-                            f"{_describe_tp(tp, bool(sequence_parallel))}; profile with the run's "
-                            f"--tensor-model-parallel-size{' and --sequence-parallel' if sequence_parallel else ''} "
-                            f"or use the analytic cost model.")
+                            f"{_describe_tp(tp, bool(sequence_parallel))}; measure one with `python -m dynapipe "
+                            f"profile {flags}` or use the analytic cost model.")
 
 
 def read_profile(path: str) -> Any:
