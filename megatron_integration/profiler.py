@@ -22,6 +22,13 @@ other processes only ever adds time. Memory, MiB:
   minus ``stored_mib``. On CUDA from the allocator's peak statistics; on CPU from a
   dispatch-level tracker that counts every storage an op creates until it is freed.
 
+With tensor parallelism (``tp`` > 1, every rank of megatron's TP group calls
+:func:`profile_model`), the ops are megatron-core's tensor-parallel layers and every figure is
+one TP rank's: the times include the TP collectives (all-reduces, or all-gathers and
+reduce-scatters with sequence parallelism, whose inputs are then ``seqlen / tp`` tokens
+long), the memory is what one rank holds. The ranks start every timed run together (a
+barrier on the TP group) and the profile keeps the slowest rank's time.
+
 The output is the format :mod:`dynapipe.cost.profile` documents and
 ``ProfileCostModel`` reads.
 """
@@ -103,9 +110,15 @@ class OpMeasurement:
     peak_mib: float
 
 
-def _sync(device: torch.device) -> None:
+def _sync(device: torch.device, group=None) -> None:
+    """Wait for the device, then (``group``: a TP group) for the group's other ranks, so a
+    timed run starts when every rank's does."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.barrier(group=group)
 
 
 def _saved_storage_bytes(fn: Callable[[], torch.Tensor], params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -118,24 +131,25 @@ def _saved_storage_bytes(fn: Callable[[], torch.Tensor], params: Sequence[torch.
 
 
 def measure_op(forward: Callable[[], torch.Tensor], params: Sequence[torch.Tensor], device: torch.device,
-               repeats: int = 3, warmup: int = 1) -> OpMeasurement:
+               repeats: int = 3, warmup: int = 1, group=None) -> OpMeasurement:
     """Time and memory of ``forward()`` (returns the op's output) and its backward.
 
     The backward is driven by a random gradient of the output's shape (a scalar
-    output, a loss, is backpropagated directly).
+    output, a loss, is backpropagated directly). ``group``: the TP group every rank of
+    which runs the same op; each timed forward and backward starts after a barrier on it.
     """
     def grad_like(out):
         return None if out.dim() == 0 else torch.randn_like(out)
 
     fw, bw = [], []
     for i in range(warmup + repeats):
-        _sync(device)
+        _sync(device, group)
         t0 = time.perf_counter()
         out = forward()
         _sync(device)
         t1 = time.perf_counter()
         g = grad_like(out)
-        _sync(device)
+        _sync(device, group)
         t2 = time.perf_counter()
         out.backward(g)
         _sync(device)
@@ -176,18 +190,25 @@ def measure_op(forward: Callable[[], torch.Tensor], params: Sequence[torch.Tenso
 class _Ops:
     """The three measured ops built from megatron-core modules for one model shape."""
 
-    def __init__(self, model: GPTModelArgs, device: torch.device, use_te: Optional[bool]):
+    def __init__(self, model: GPTModelArgs, device: torch.device, use_te: Optional[bool], tp: int = 1,
+                 sequence_parallel: bool = False):
         from dataclasses import replace
 
         from megatron.core.models.gpt.gpt_model import GPTModel
 
         from megatron_integration.model import layer_spec, set_recompute_level, transformer_config
+        from megatron_integration.tensor_parallel import sequence_parallel_block_spec
 
         self._set_level = set_recompute_level
         # The model's own dropout: its masks are part of what the backward keeps.
         one = replace(model, num_layers=1)
-        tconfig = transformer_config(one, ParallelArgs(world_size=1), cuda=device.type == "cuda")
+        parallel = ParallelArgs(world_size=tp, tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel)
+        tconfig = transformer_config(one, parallel, cuda=device.type == "cuda")
         spec, self.spec_name = layer_spec(use_te, model.normalization)
+        # The norms the training stages build under sequence parallelism.
+        spec = sequence_parallel_block_spec(spec, tconfig, 1)
+        # A stage's activations between layers are sequence-sharded under sequence parallelism.
+        self.shard = tp if sequence_parallel else 1
         common = dict(config=tconfig, transformer_layer_spec=spec, vocab_size=model.vocab_size,
                       max_sequence_length=model.max_position_embeddings,
                       position_embedding_type=model.position_embedding_type)
@@ -200,7 +221,8 @@ class _Ops:
         self.dtype = tconfig.params_dtype
 
     def layer_fn(self, b: int, s: int, level: str = "none"):
-        x = torch.randn(s, b, self.model.hidden_size, device=self.device, dtype=self.dtype, requires_grad=True)
+        x = torch.randn(s // self.shard, b, self.model.hidden_size, device=self.device, dtype=self.dtype,
+                        requires_grad=True)
 
         def fw():
             self._set_level(self.layer, self.layer.config, level)
@@ -216,7 +238,8 @@ class _Ops:
         return (lambda: emb(ids, pos)), list(emb.parameters())
 
     def output_fn(self, b: int, s: int):
-        x = torch.randn(s, b, self.model.hidden_size, device=self.device, dtype=self.dtype, requires_grad=True)
+        x = torch.randn(s // self.shard, b, self.model.hidden_size, device=self.device, dtype=self.dtype,
+                        requires_grad=True)
         labels = torch.randint(1, self.model.vocab_size, (b, s), device=self.device)
         m = self.ends
 
@@ -229,16 +252,37 @@ class _Ops:
         return fw, params
 
 
+def _slowest_rank(m: OpMeasurement, group, device: torch.device) -> OpMeasurement:
+    """Every field's maximum over the TP group (a stage is as fast as its slowest TP rank)."""
+    if group is None:
+        return m
+    import torch.distributed as dist
+
+    values = torch.tensor([getattr(m, f) for f in FIELDS], dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return OpMeasurement(*values.tolist())
+
+
 def profile_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: Sequence[int], device: torch.device,
                   repeats: int = 3, warmup: int = 1, use_te: Optional[bool] = None,
-                  progress: Optional[Callable[[str], None]] = None, levels: bool = True) -> dict:
+                  progress: Optional[Callable[[str], None]] = None, levels: bool = True,
+                  sequence_parallel: bool = False) -> dict:
     """Measure every op over the grid; returns the profile as a JSON-ready dict.
 
-    megatron's parallel state must be initialised (one rank is enough). ``levels=False``
-    skips the layer at the recompute levels (the cost model then derives them), which is
-    most of the profiling time.
+    megatron's parallel state must be initialised; its tensor-parallel size is the one
+    measured, and every rank of the TP group calls this with the same arguments (each gets
+    the same profile: the slowest rank's times, the largest rank's memory).
+    ``sequence_parallel``: Megatron's ``--sequence-parallel`` (every sequence length must
+    then be a multiple of the TP size). ``levels=False`` skips the layer at the recompute
+    levels (the cost model then derives them), which is most of the profiling time.
     """
-    ops = _Ops(model, device, use_te)
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    if sequence_parallel and (tp == 1 or any(s % tp for s in seqlen_grid)):
+        raise ValueError(f"sequence parallelism needs TP > 1 and sequence lengths divisible by {tp}: {seqlen_grid}")
+    group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+    ops = _Ops(model, device, use_te, tp, sequence_parallel)
     builders = {"layer": ops.layer_fn, "embedding": ops.embedding_fn, "output": ops.output_fn,
                 **{op: (lambda b, s, lv=lv: ops.layer_fn(b, s, lv)) for lv, op in LEVEL_OPS.items()}}
     names = OPS + (tuple(LEVEL_OPS.values()) if levels else ())
@@ -247,7 +291,8 @@ def profile_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: Seq
         for j, s in enumerate(seqlen_grid):
             for op in names:
                 fw, params = builders[op](b, s)
-                m = measure_op(fw, params, device, repeats=repeats, warmup=warmup)
+                m = measure_op(fw, params, device, repeats=repeats, warmup=warmup, group=group)
+                m = _slowest_rank(m, group, device)
                 for f in FIELDS:
                     tables[op][f][i][j] = round(getattr(m, f), 6)
             if progress:
@@ -275,5 +320,7 @@ def profile_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: Seq
         "mbs": [int(b) for b in mbs_grid],
         "seqlen": [int(s) for s in seqlen_grid],
         "stage_overhead_ms": 0.0,
+        "tp": int(tp),
+        "sequence_parallel": bool(sequence_parallel),
         "ops": tables,
     }

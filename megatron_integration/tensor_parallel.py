@@ -15,6 +15,8 @@ norm for megatron-core's local layer spec, and the agreement of a TP group's pla
 from __future__ import annotations
 
 import argparse
+import os
+
 from dynapipe.errors import DynaPipeError, PlanError
 
 
@@ -23,7 +25,9 @@ def check_tensor_parallel_args(args: argparse.Namespace, cuda: bool) -> None:
 
     TP runs on CPUs too (megatron-core's tensor-parallel layers over gloo). Megatron-LM
     switches ``--sequence-parallel`` off at TP 1 with a warning; this build refuses it
-    instead, so a command line never claims what does not run.
+    instead, so a command line never claims what does not run. A ``--dynapipe-cost-model``
+    profile must have been measured at this TP size and sequence-parallel setting
+    (``python -m dynapipe profile --tensor-model-parallel-size N [--sequence-parallel]``).
     """
     tp = args.tensor_model_parallel_size
     sp = bool(getattr(args, "sequence_parallel", False))
@@ -41,10 +45,13 @@ def check_tensor_parallel_args(args: argparse.Namespace, cuda: bool) -> None:
                             f"--seq-length {args.seq_length} is not a multiple of {tp}; use "
                             f"{-(-args.seq_length // tp) * tp}.")
     cost_model = getattr(args, "dynapipe_cost_model", "analytic")
-    if tp > 1 and args.use_dynapipe and cost_model != "analytic":
-        raise DynaPipeError(f"--dynapipe-cost-model {cost_model!r} with --tensor-model-parallel-size {tp}: "
-                            f"profiles are measured at TP 1; use --dynapipe-cost-model analytic, which prices "
-                            f"the TP split and its collectives.")
+    if args.use_dynapipe and cost_model != "analytic" and os.path.isfile(cost_model):
+        # A profile is one TP rank's measurement at the TP size and SP setting it was taken at.
+        from dynapipe.cost.profile import check_profile_tensor_parallel, read_profile
+
+        data = read_profile(cost_model)
+        if isinstance(data, dict):
+            check_profile_tensor_parallel(data, tp, sp, f"--dynapipe-cost-model {cost_model}")
 
 
 class SequenceParallelTorchNorm:

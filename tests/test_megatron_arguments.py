@@ -46,7 +46,6 @@ def test_without_use_dynapipe_the_method_is_a_megatron_baseline():
     ("--tensor-model-parallel-size 2 --sequence-parallel --seq-length 255 --max-position-embeddings 256", 2, False,
      "--seq-length 255 is not a multiple of 2; use 256"),
     ("--tensor-model-parallel-size 3", 3, False, "--tensor-model-parallel-size 3 does not divide --num-attention-heads 4"),
-    ("--tensor-model-parallel-size 2 --use-dynapipe --dynapipe-cost-model /dev/null", 2, False, "profiles are measured at TP 1"),
     ("--distributed-backend nccl", 1, False, "nccl needs GPUs"),
     ("--reset-position-ids", 1, False, "packed rows only"),
     ("--save-interval 5", 1, False, "--save-interval needs --save"),

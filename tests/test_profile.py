@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from dynapipe.config import load_model_config
+from dynapipe.config import load_device_config, load_model_config
 from dynapipe.cost import build_cost_model
 from dynapipe.cost.profile import ProfileCostModel
+from dynapipe.errors import DynaPipeError
 from megatron_integration.profiler import MIB, LiveMemoryTracker, measure_op
 
 
@@ -76,3 +77,124 @@ def test_bad_grid_is_refused(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "--seqlens '64,32'" in result.stderr
+
+
+# -- tensor parallelism ------------------------------------------------------------------
+
+TP_SEQLENS = [64, 128]
+
+
+@pytest.fixture(scope="module")
+def tp2_profile_path(tmp_path_factory):
+    """One TP2 group with sequence parallelism (two spawned gloo ranks) over a tiny grid,
+    through the command line."""
+    from dynapipe.cli import main
+
+    path = tmp_path_factory.mktemp("profile_tp") / "tp2.json"
+    rc = main(["profile", "--output", str(path), "--model", "gpt-tiny", "--mbs", "1",
+               "--seqlens", ",".join(map(str, TP_SEQLENS)), "--repeats", "1", "--threads", "1", "--no-progress",
+               "--tensor-model-parallel-size", "2", "--sequence-parallel"])
+    assert rc == 0
+    return path
+
+
+def test_tp_profile_measures_one_rank_of_the_group(tp2_profile_path, profile_path):
+    from dynapipe.config import TensorParallelConfig
+    from dynapipe.cost import AnalyticCostModel
+
+    data = json.loads(tp2_profile_path.read_text())
+    assert data["tp"] == 2 and data["sequence_parallel"] is True
+    assert data["mbs"] == [1] and data["seqlen"] == TP_SEQLENS
+    for op, table in data["ops"].items():
+        for field in ("fw_ms", "bw_ms"):
+            assert np.all(np.isfinite(table[field])) and np.all(np.array(table[field]) > 0), (op, field)
+    # Per-rank activations against the TP1 profile measured in this module (same model, same
+    # shapes): with sequence parallelism every stored layer activation is split over the two
+    # ranks, which is the analytic model's TP2-SP / TP1 ratio (one half).
+    one = json.loads(profile_path.read_text())
+    cols = [one["seqlen"].index(s) for s in TP_SEQLENS]
+    tp1 = np.array(one["ops"]["layer"]["stored_mib"])[0, cols]
+    tp2 = np.array(data["ops"]["layer"]["stored_mib"])[0]
+    tiny = load_model_config("gpt-tiny")
+    analytic = [AnalyticCostModel(tiny, load_device_config("cpu"), 1, t).stage_cost(1, TP_SEQLENS).stored_mib
+                for t in (None, TensorParallelConfig(2, True))]
+    ratio = analytic[1] / analytic[0]
+    assert np.all(tp2 < tp1)
+    np.testing.assert_allclose(tp2 / tp1, ratio, atol=0.1)
+    # The cost model prices a TP2-SP run with the measured per-rank times.
+    cm = build_cost_model(tiny, None, num_stages=2, profile=str(tp2_profile_path), tp=TensorParallelConfig(2, True))
+    layer, emb = data["ops"]["layer"], data["ops"]["embedding"]
+    assert float(cm.stage_cost(1, 64, stage=0).fw_ms) == pytest.approx(2 * layer["fw_ms"][0][0] + emb["fw_ms"][0][0])
+    # And refuses the profile for any other TP layout, naming both.
+    for tp in (None, TensorParallelConfig(2), TensorParallelConfig(4, True)):
+        with pytest.raises(DynaPipeError) as e:
+            build_cost_model(tiny, None, num_stages=2, profile=str(tp2_profile_path), tp=tp)
+        assert "measured at tensor-parallel size 2 with sequence parallelism, but the run uses" in str(e.value)
+        assert "\n" not in str(e.value)
+
+
+def _synthetic_profile(**tp_keys):
+    table = {k: [[0.5, 1.0]] for k in ("fw_ms", "bw_ms", "stored_mib", "peak_mib")}
+    return {"format": "dynapipe-profile", "version": 1, "mbs": [1], "seqlen": [64, 128], "model": {},
+            "ops": {"layer": table, "embedding": table, "output": table}, **tp_keys}
+
+
+def test_profile_tp_layout_must_match_the_run():
+    from dynapipe.config import TensorParallelConfig
+
+    tiny = load_model_config("gpt-tiny")
+    # A profile that does not say was measured at TP 1.
+    ProfileCostModel(tiny, _synthetic_profile(), 2)
+    with pytest.raises(DynaPipeError, match="measured at tensor-parallel size 1 without sequence parallelism, "
+                                            "but the run uses tensor-parallel size 2 without"):
+        ProfileCostModel(tiny, _synthetic_profile(), 2, tp=TensorParallelConfig(2))
+    # Four stages: stage 1 holds one layer, no embedding or output layer.
+    tp2 = ProfileCostModel(tiny, _synthetic_profile(tp=2), 4, tp=TensorParallelConfig(2))
+    # Model states are one TP rank's.
+    assert tp2.layout_param_count(tp2.layouts[1]) < ProfileCostModel(tiny, _synthetic_profile(), 4).layout_param_count(
+        tp2.layouts[1])
+    # Full recompute keeps each layer's input, sequence-sharded only with sequence parallelism.
+    sp2 = ProfileCostModel(tiny, _synthetic_profile(tp=2, sequence_parallel=True), 4, tp=TensorParallelConfig(2, True))
+    full = [float(m.stage_cost(1, 128, recompute="full", stage=1).stored_mib) for m in (tp2, sp2)]
+    assert full[1] == pytest.approx(full[0] / 2)
+    for bad, needle in (({"tp": 0}, "'tp' 0 must be a positive integer"),
+                        ({"tp": "2"}, "'tp' '2' must be a positive integer"),
+                        ({"sequence_parallel": "yes"}, "'sequence_parallel' 'yes' must be true or false")):
+        with pytest.raises(DynaPipeError, match=needle):
+            ProfileCostModel(tiny, _synthetic_profile(**bad), 2)
+
+
+def test_training_arguments_accept_a_profile_of_the_run_tp_only(tmp_path):
+    from megatron_integration.arguments import parse_training_args
+
+    base = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --micro-batch-size 1 "
+            "--global-batch-size 4 --train-iters 1 --lr 1e-3 --mock-data --use-dynapipe "
+            "--tensor-model-parallel-size 2 --dynapipe-cost-model ").split()
+    path = tmp_path / "tp2.json"
+    path.write_text(json.dumps(_synthetic_profile(tp=2)))
+    cfg = parse_training_args(base + [str(path)], 2, cuda=False)
+    assert cfg.dynapipe.cost_model == str(path) and cfg.parallel.tensor_model_parallel_size == 2
+    with pytest.raises(DynaPipeError) as e:
+        parse_training_args(base + [str(path), "--sequence-parallel"], 2, cuda=False)
+    assert str(e.value) == (f"--dynapipe-cost-model {path}: the profile was measured at tensor-parallel size 2 "
+                            f"without sequence parallelism, but the run uses tensor-parallel size 2 with sequence "
+                            f"parallelism; measure one with `python -m dynapipe profile "
+                            f"--tensor-model-parallel-size 2 --sequence-parallel` or use the analytic cost model.")
+    path.write_text(json.dumps(_synthetic_profile()))
+    with pytest.raises(DynaPipeError, match="measured at tensor-parallel size 1 without sequence parallelism"):
+        parse_training_args(base + [str(path)], 2, cuda=False)
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size 3 does not divide --num-attention-heads 4"),
+    (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size 2 or more"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seqlens", "64,99"],
+     "--seqlens holds 99, not a multiple of 2"),
+])
+def test_profile_command_refuses_a_tp_layout_it_cannot_measure(tmp_path, capsys, extra, needle):
+    from dynapipe.cli import main
+
+    rc = main(["profile", "--output", str(tmp_path / "p.json"), "--model", "gpt-tiny", "--seqlens", "64,128", *extra])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert needle in err and not (tmp_path / "p.json").exists()

@@ -5,6 +5,11 @@ shipped/YAML model config) and measures the transformer layer, embedding and out
 layer over an (mbs, seqlen) grid on this machine's device (the GPU when CUDA is up,
 else the CPU). The JSON it writes is what ``--dynapipe-cost-model PATH`` and
 ``python -m dynapipe plan --cost-model PATH`` read.
+
+With ``--tensor-model-parallel-size N`` (and ``--sequence-parallel``) it spawns N local
+ranks, one tensor-parallel group, and measures one TP rank of megatron-core's
+tensor-parallel layers, collectives included; the profile then prices runs of that TP
+size and sequence-parallel setting only.
 """
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ HELP = "measure megatron-core layers and write a cost profile"
 
 DEFAULT_MBS = "1,2,4,8"
 DEFAULT_SEQLENS = "64,128,256,512,1024"
+# Wall-clock limit of a spawned tensor-parallel profiling job, s: a rank that hangs is killed.
+TP_TIMEOUT_S = 3600.0
 
 
 def add_arguments(p) -> None:
@@ -73,6 +80,31 @@ def fill_from_model_config(args) -> None:
         args.bf16 = torch.cuda.is_available()
 
 
+def check_tensor_parallel(args, model, seqlens: list[int]) -> tuple[int, bool]:
+    """The (tp, sequence_parallel) to measure, refused with the flag and the fix when the
+    model or the grid cannot be split that way."""
+    from dynapipe.errors import DynaPipeError
+
+    tp, sp = args.tensor_model_parallel_size, bool(args.sequence_parallel)
+    if tp < 1:
+        raise DynaPipeError(f"--tensor-model-parallel-size {tp}: must be at least 1.")
+    if sp and tp == 1:
+        raise DynaPipeError("--sequence-parallel needs --tensor-model-parallel-size 2 or more (it shards the "
+                            "sequence over the tensor-parallel ranks); drop it or raise the TP size.")
+    if tp > 1:
+        cfg = model.to_model_config("profiled")
+        for what, n in (("--num-attention-heads", cfg.num_attention_heads), ("--ffn-hidden-size", cfg.ffn_hidden_size),
+                        ("--num-query-groups", cfg.num_query_groups or cfg.num_attention_heads)):
+            if n % tp:
+                raise DynaPipeError(f"--tensor-model-parallel-size {tp} does not divide {what} {n}; "
+                                    f"use a tensor-parallel size that divides it.")
+    bad = [s for s in seqlens if sp and s % tp]
+    if bad:
+        raise DynaPipeError(f"--sequence-parallel splits every sequence over the {tp} tensor-parallel ranks, but "
+                            f"--seqlens holds {bad[0]}, not a multiple of {tp}; use multiples of {tp}.")
+    return tp, sp
+
+
 def run(args) -> int:
     import torch
 
@@ -100,6 +132,9 @@ def run(args) -> int:
     out_dir = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(out_dir):
         raise DynaPipeError(f"--output {args.output}: directory {out_dir} does not exist.")
+    tp, sp = check_tensor_parallel(args, model, seqlens)
+    if tp > 1:
+        return _run_tensor_parallel(args, model, mbs, seqlens, tp, sp)
     if args.threads:
         torch.set_num_threads(args.threads)
     if "RANK" not in os.environ:
@@ -117,5 +152,26 @@ def run(args) -> int:
     ProfileCostModel(model.to_model_config("profiled"), profile, num_stages=1, source=args.output)
     with open(args.output, "w") as f:
         json.dump(profile, f, indent=1)
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def _run_tensor_parallel(args, model, mbs: list[int], seqlens: list[int], tp: int, sp: bool) -> int:
+    """Measure one TP group: ``tp`` spawned local ranks (NCCL on GPUs, else gloo)."""
+    import torch
+
+    from dynapipe.errors import DynaPipeError
+    from megatron_integration.profile_job import measure_profile
+
+    if torch.cuda.is_available() and torch.cuda.device_count() < tp:
+        raise DynaPipeError(f"--tensor-model-parallel-size {tp} needs {tp} GPUs on this machine, which has "
+                            f"{torch.cuda.device_count()}; profile with a TP size of at most that.")
+    threads = args.threads or max(1, (os.cpu_count() or 1) // tp)
+    where = f"{tp} GPUs" if torch.cuda.is_available() else f"{tp} CPU ranks x {threads} threads"
+    print(f"profiling a tensor-parallel group of {tp}{' with sequence parallelism' if sp else ''} on {where} "
+          f"({model.dtype}): mbs {mbs} x seqlen {seqlens}", file=sys.stderr)
+    measure_profile(model, args.output, mbs, seqlens, repeats=args.repeats, warmup=args.warmup, threads=threads,
+                    timeout_s=TP_TIMEOUT_S, tp=tp, sequence_parallel=sp, seed=args.seed,
+                    use_te=False if args.no_transformer_engine else None, progress=not args.no_progress)
     print(f"wrote {args.output}", file=sys.stderr)
     return 0

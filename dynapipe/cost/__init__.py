@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Optional
 
 from dynapipe.config import DeviceConfig, ModelConfig, TensorParallelConfig
-from dynapipe.errors import DynaPipeError
 from dynapipe.cost.analytic import AnalyticCostModel
 from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, StageCost, StageLayout, stage_layouts
 from dynapipe.cost.placement import PlacementChoice, PlacementSample, StagePlacement, plan_placement
@@ -35,7 +34,4 @@ def _build(model: ModelConfig, device: DeviceConfig, num_stages: int, profile: O
         tp.validate(model)
     if profile in (None, "", "analytic"):
         return AnalyticCostModel(model, device, num_stages, tp)
-    if tp is not None and tp.size > 1:
-        raise DynaPipeError(f"--profile {profile!r} with --tp {tp.size}: profiles are measured at TP 1; "
-                            f"use the analytic cost model for tensor parallelism.")
-    return ProfileCostModel.from_file(model, profile, num_stages)
+    return ProfileCostModel.from_file(model, profile, num_stages, tp)

@@ -9,6 +9,7 @@ Profile format (JSON, ``"format": "dynapipe-profile"``, ``"version": 1``)::
       "mbs": [1, 2, 4, 8],                 # grid rows, ascending
       "seqlen": [64, 128, 256, 512, 1024], # grid columns, ascending
       "stage_overhead_ms": 0.0,            # optional: paid once per stage op
+      "tp": 1, "sequence_parallel": false, # optional: the tensor-parallel group measured
       "ops": {
         "layer":     {"fw_ms": [[...]], "bw_ms": [[...]], "stored_mib": [[...]], "peak_mib": [[...]]},
         "embedding": {... same keys ...},
@@ -30,6 +31,11 @@ has no table for is derived:
 adds the attention-core share of the forward (from the analytic FLOP split) and drops
 the attention-score share of the stored memory.
 
+A profile measured with ``tp`` > 1 holds one TP rank's figures: times include the TP
+collectives (all-reduces, or all-gathers and reduce-scatters with ``sequence_parallel``),
+memory is per rank. It prices only a run of the same ``tp`` and ``sequence_parallel``
+(profiles without these keys were measured at TP 1 without sequence parallelism).
+
 Only decoder-only (GPT) profiles are defined in version 1.
 """
 from __future__ import annotations
@@ -39,7 +45,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from dynapipe.config import ModelConfig
+from dynapipe.config import ModelConfig, TensorParallelConfig
 from dynapipe.cost.base import MIB, CostModel, StageCost, StageLayout
 from dynapipe.errors import DynaPipeError
 
@@ -104,6 +110,46 @@ def _check_layer_shape(data: Mapping[str, Any], model: ModelConfig, source: str)
                                 f"model flags) or use the analytic cost model.")
 
 
+def profile_tensor_parallel(data: Mapping[str, Any]) -> tuple[int, bool]:
+    """(tp, sequence_parallel) a profile was measured at; (1, False) when it does not say."""
+    return int(data.get("tp", 1)), bool(data.get("sequence_parallel", False))
+
+
+def _describe_tp(tp: int, sp: bool) -> str:
+    return f"tensor-parallel size {tp} {'with' if sp else 'without'} sequence parallelism"
+
+
+def check_profile_tensor_parallel(data: Mapping[str, Any], tp: int, sequence_parallel: bool, source: str) -> None:
+    """Refuse a profile measured at another TP size or sequence-parallel setting than the run's:
+    its times carry other collectives and its memory is another rank's share."""
+    have = profile_tensor_parallel(data)
+    flags = f"--tensor-model-parallel-size {tp}{' --sequence-parallel' if sequence_parallel else ''}"
+    if have != (tp, bool(sequence_parallel)):
+        raise DynaPipeError(f"{source}: the profile was measured at {_describe_tp(*have)}, but the run uses "
+                            f"{_describe_tp(tp, bool(sequence_parallel))}; measure one with `python -m dynapipe "
+                            f"profile {flags}` or use the analytic cost model.")
+
+
+def read_profile(path: str) -> Any:
+    """The parsed JSON of a profile file, or a one-line :class:`DynaPipeError` naming the problem."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise DynaPipeError(f"profile {path!r} does not exist; write one with `python -m dynapipe profile`.") from None
+    except json.JSONDecodeError as e:
+        raise DynaPipeError(f"profile {path!r} is not valid JSON: {e}") from None
+    except IsADirectoryError:
+        raise DynaPipeError(f"profile {path!r} is a directory; give the JSON file "
+                            f"`python -m dynapipe profile --output` wrote.") from None
+    except UnicodeDecodeError:
+        raise DynaPipeError(f"profile {path!r} is not UTF-8 JSON text (a binary file?).") from None
+    except RecursionError:
+        raise DynaPipeError(f"profile {path!r} is nested too deeply to be a cost profile.") from None
+    except OSError as e:
+        raise DynaPipeError(f"profile {path!r} cannot be read: {e.strerror}.") from None
+
+
 def _check_profile(data: Mapping[str, Any], source: str) -> None:
     if not isinstance(data, Mapping):
         raise DynaPipeError(f"{source}: not a DynaPipe profile (a JSON object with \"format\": "
@@ -120,6 +166,11 @@ def _check_profile(data: Mapping[str, Any], source: str) -> None:
             raise DynaPipeError(f"{source}: {axis!r} must be a non-empty list of positive numbers.")
         if any(b <= a for a, b in zip(grid, grid[1:])):
             raise DynaPipeError(f"{source}: {axis!r} grid {grid} must be strictly ascending.")
+    tp = data.get("tp", 1)
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise DynaPipeError(f"{source}: 'tp' {tp!r} must be a positive integer (the tensor-parallel size measured).")
+    if not isinstance(data.get("sequence_parallel", False), bool):
+        raise DynaPipeError(f"{source}: 'sequence_parallel' {data.get('sequence_parallel')!r} must be true or false.")
     shape = (len(data["mbs"]), len(data["seqlen"]))
     ops = data.get("ops")
     if not isinstance(ops, Mapping):
@@ -143,16 +194,21 @@ def _check_profile(data: Mapping[str, Any], source: str) -> None:
 
 
 class ProfileCostModel(CostModel):
-    """Cost model that interpolates measured per-layer costs (see the module docstring)."""
+    """Cost model that interpolates measured per-layer costs (see the module docstring).
+
+    ``tp``: the run's tensor parallelism (default none); the profile must have been measured
+    at the same size and sequence-parallel setting."""
 
     def __init__(self, model: ModelConfig, profile: Mapping[str, Any], num_stages: int,
-                 source: str = "profile"):
+                 source: str = "profile", tp: TensorParallelConfig | None = None):
         if model.is_encoder_decoder:
             raise DynaPipeError(f"{source}: profiles of encoder-decoder models are not defined in "
                                 f"version {PROFILE_VERSION}; use the analytic cost model for {model.name!r}.")
         _check_profile(profile, source)
         _check_layer_shape(profile, model, source)
-        super().__init__(model, num_stages)
+        tp = tp or TensorParallelConfig()
+        check_profile_tensor_parallel(profile, tp.size, tp.sequence_parallel, source)
+        super().__init__(model, num_stages, tp)
         mbs = np.asarray(profile["mbs"], dtype=np.float64)
         seqlen = np.asarray(profile["seqlen"], dtype=np.float64)
         present = OPS + tuple(k for k in LEVEL_OPS.values() if k in profile["ops"])
@@ -162,25 +218,10 @@ class ProfileCostModel(CostModel):
         self.profile = profile
 
     @classmethod
-    def from_file(cls, model: ModelConfig, path: str, num_stages: int) -> "ProfileCostModel":
+    def from_file(cls, model: ModelConfig, path: str, num_stages: int,
+                  tp: TensorParallelConfig | None = None) -> "ProfileCostModel":
         """Read a profile JSON file written by ``python -m dynapipe profile``."""
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except FileNotFoundError:
-            raise DynaPipeError(f"profile {path!r} does not exist; write one with `python -m dynapipe profile`.") from None
-        except json.JSONDecodeError as e:
-            raise DynaPipeError(f"profile {path!r} is not valid JSON: {e}") from None
-        except IsADirectoryError:
-            raise DynaPipeError(f"profile {path!r} is a directory; give the JSON file "
-                                f"`python -m dynapipe profile --output` wrote.") from None
-        except UnicodeDecodeError:
-            raise DynaPipeError(f"profile {path!r} is not UTF-8 JSON text (a binary file?).") from None
-        except RecursionError:
-            raise DynaPipeError(f"profile {path!r} is nested too deeply to be a cost profile.") from None
-        except OSError as e:
-            raise DynaPipeError(f"profile {path!r} cannot be read: {e.strerror}.") from None
-        return cls(model, data, num_stages, source=path)
+        return cls(model, read_profile(path), num_stages, source=path, tp=tp)
 
     def _op(self, op: str, b, s) -> dict:
         return {f: self.tables[op][f](b, s) for f in FIELDS}
@@ -214,7 +255,9 @@ class ProfileCostModel(CostModel):
                 stored = stored * (1 - score_share)
             else:
                 bw = bw + fw
-                stored = n * np.asarray(mbs, dtype=np.float64) * s * h * m.dtype_bytes / MIB
+                # Each layer's input; sequence-sharded over the TP ranks with sequence parallelism.
+                shard = self.tp.size if self.tp.sequence_parallel else 1
+                stored = n * np.asarray(mbs, dtype=np.float64) * s * h * m.dtype_bytes / shard / MIB
                 peak = 2 * peak + layer["stored_mib"]
         for op, present in (("embedding", layout.has_embedding), ("output", layout.has_output)):
             if present:
