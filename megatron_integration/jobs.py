@@ -33,28 +33,36 @@ def training_job(argv: Sequence[str], echo: bool = False) -> dict:
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     finally:
         destroy()
+    return dict(iteration_summary(cfg.method, run, cpu, pp_rank), **{
+        # Megatron-format validation/test lines (every rank computes them; the logging rank prints them).
+        "eval_lines": run.eval_lines,
+        "eval_path": run.eval_path,
+        "printed": stream.getvalue() if isinstance(stream, io.StringIO) else "",
+        "checkpoint_lines": run.checkpoint_lines,
+        # Where each iteration's time went (megatron-core baselines: measured around its steps).
+        "breakdown_ms": [r.breakdown_ms for r in run.results],
+    })
+
+
+def iteration_summary(method: str, run, cpu, pp_rank: int) -> dict:
+    """The picklable per-iteration figures of a finished run (GPT or T5) on one rank:
+    losses, times (ms), token counts, activation peaks (MiB), CPU ms of the rank and of the
+    processes it started (planner workers)."""
     return {
-        "method": cfg.method,
+        "method": method,
         "start_iteration": run.start_iteration,
         "losses": run.losses,
         "iteration_ms": [r.iteration_ms for r in run.results],
         "real_tokens": [r.real_tokens for r in run.results],
         "padded_tokens": [r.padded_tokens for r in run.results],
         "loss_tokens": [r.loss_tokens for r in run.results],
+        "grad_norms": [r.grad_norm for r in run.results],
         "plan_wait_ms": [r.plan_wait_ms for r in run.results],
         "activation_measured_mib": [r.activation_measured_mib for r in run.results],
         "activation_planned_mib": [r.activation_planned_mib for r in run.results],
         "pp_rank": pp_rank,
         "log_lines": run.log_lines,
-        # Megatron-format validation/test lines (every rank computes them; the logging rank prints them).
-        "eval_lines": run.eval_lines,
-        "eval_path": run.eval_path,
-        "printed": stream.getvalue() if isinstance(stream, io.StringIO) else "",
-        "checkpoint_lines": run.checkpoint_lines,
         "layer_spec": run.spec_name,
-        # Where each iteration's time went (megatron-core baselines: measured around its steps).
-        "breakdown_ms": [r.breakdown_ms for r in run.results],
-        # CPU ms of this rank and of the processes it started (planner workers), per iteration.
         "cpu_ms": cpu.rank_ms,
         "children_cpu_ms": cpu.children_ms,
     }

@@ -13,6 +13,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from megatron_integration.jobs import iteration_summary
 from megatron_integration.launch import spawn
 
 
@@ -32,24 +33,7 @@ def t5_training_job(runs: Sequence[Sequence[str]], echo: bool = False) -> list[d
             run = pretrain_t5(cfg, stream=sys.stdout if echo else io.StringIO(), on_iteration=cpu.record)
             from megatron.core import parallel_state
 
-            out.append({
-                "method": cfg.method,
-                "start_iteration": run.start_iteration,
-                "losses": run.losses,
-                "iteration_ms": [r.iteration_ms for r in run.results],
-                "real_tokens": [r.real_tokens for r in run.results],
-                "padded_tokens": [r.padded_tokens for r in run.results],
-                "loss_tokens": [r.loss_tokens for r in run.results],
-                "grad_norms": [r.grad_norm for r in run.results],
-                "plan_wait_ms": [r.plan_wait_ms for r in run.results],
-                "activation_measured_mib": [r.activation_measured_mib for r in run.results],
-                "activation_planned_mib": [r.activation_planned_mib for r in run.results],
-                "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
-                "log_lines": run.log_lines,
-                "layer_spec": run.spec_name,
-                "cpu_ms": cpu.rank_ms,
-                "children_cpu_ms": cpu.children_ms,
-            })
+            out.append(iteration_summary(cfg.method, run, cpu, parallel_state.get_pipeline_model_parallel_rank()))
     finally:
         destroy()
     return out
