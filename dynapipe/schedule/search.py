@@ -107,6 +107,12 @@ def _run(name: str, times: StageTimes, capacity: np.ndarray, abort_ms: float, ab
     return status, kind, mb, nops, starts, ends, busy, peak
 
 
+def heavy_first(times: Sequence[StageTimes]) -> list[int]:
+    """Replica indices by descending work lower bound (ms), ties in replica order."""
+    bounds = np.array([t.work_lower_bound_ms() for t in times])
+    return np.argsort(-bounds, kind="stable").tolist()
+
+
 def per_stage_levels(by_level: dict, levels: Sequence[str], cap_mib: float) -> tuple[str, ...]:
     """For every stage, the lightest level in ``levels`` (ordered light to heavy) under
     which 1F1B fits that stage on every replica (the heaviest if none does)."""
@@ -168,12 +174,17 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
     best: Optional[tuple] = None
 
     def evaluate(name, level, mix, o, permuted, abort_ms, abort_mib):
-        runs = [_run(name, t, capacity, abort_ms, abort_mib) for t in permuted]
-        statuses = {r[0] for r in runs}
-        if K.OVER in statuses:
-            return Candidate(name, o, level, OVER_MEMORY, np.nan, stage_recompute=mix), runs
-        if K.SLOW in statuses:
-            return Candidate(name, o, level, SLOWER, np.nan, stage_recompute=mix), runs
+        # The makespan is the slowest replica's, so one replica that aborts (slower than
+        # the best candidate, or over memory) decides the candidate: the heaviest replicas
+        # run first and the rest are not simulated. A candidate both slower and over memory
+        # is labelled by whichever its first aborting replica hit.
+        runs = [None] * len(permuted)
+        for i in heavy_first(permuted):
+            runs[i] = _run(name, permuted[i], capacity, abort_ms, abort_mib)
+            if runs[i][0] == K.OVER:
+                return Candidate(name, o, level, OVER_MEMORY, np.nan, stage_recompute=mix), runs
+            if runs[i][0] == K.SLOW:
+                return Candidate(name, o, level, SLOWER, np.nan, stage_recompute=mix), runs
         makespan = max(float(r[5].max()) if r[5].size else 0.0 for r in runs)
         peak = tuple(float(max(r[7][s] for r in runs)) for s in range(S))
         busy = sum(float(r[6].sum()) for r in runs)
