@@ -1,10 +1,12 @@
-"""The numpy replica balancing returns exactly the assignment of the original pure-Python one."""
+"""The replica balancing (compiled merge loop and numpy loop) returns exactly the assignment
+of the original pure-Python one."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 import balance_reference as ref
+from dynapipe.batching import _balance_kernel
 from dynapipe.batching.balance import _improve, balance_replicas, karmarkar_karp
 
 
@@ -23,8 +25,13 @@ def _cases():
         yield w.tolist(), parts
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["kernel", "numpy"])
 @pytest.mark.parametrize("case", list(_cases()))
-def test_numpy_balancing_matches_the_reference(case):
+def test_balancing_matches_the_reference(case, compiled, monkeypatch):
+    if compiled and not _balance_kernel.compiled():
+        pytest.skip("numba is not installed")
+    if not compiled:  # the loop used where numba is missing
+        monkeypatch.setattr(_balance_kernel, "compiled", lambda: False)
     w, parts = case
     kk = karmarkar_karp(w, parts)
     assert kk == ref.karmarkar_karp(w, parts)

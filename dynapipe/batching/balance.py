@@ -17,6 +17,8 @@ from typing import Sequence
 
 import numpy as np
 
+from dynapipe.batching import _balance_kernel as _kernel
+
 
 def karmarkar_karp(weights: Sequence[float], parts: int) -> list[int]:
     """Assign each weight to one of ``parts`` parts with the largest differencing method.
@@ -34,8 +36,10 @@ def karmarkar_karp(weights: Sequence[float], parts: int) -> list[int]:
     # Parts are not lists of items but nodes of a merge forest: ids < n are the items,
     # id n is "empty", and merge k creates ids base_k .. base_k + parts - 1 whose two
     # children are recorded in ``left``/``right``. Assignments are read off at the end.
-    empty = n
     w = np.asarray([float(x) for x in weights], dtype=np.float64)
+    if _kernel.compiled():
+        return _kernel.karmarkar_karp_labels(w, parts).tolist()
+    empty = n
     init_sums = np.zeros((n, parts))
     init_sums[:, 0] = w
     init_ids = np.full((n, parts), empty, dtype=np.int64)
