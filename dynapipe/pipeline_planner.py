@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from dynapipe.batching import BatchPlan, plan_micro_batches
+from dynapipe.batching.dp_partition import DEFAULT_GAP
 from dynapipe.config import ClusterConfig
 from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, check_recompute
 from dynapipe.cost.placement import StagePlacement
@@ -235,7 +236,7 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
                    recompute: Optional[str] = None, iteration: int = 0, micro_batch_size: int = 1,
                    seq_length: Optional[int] = None, max_tokens: Optional[int] = None, tp: int = 1,
                    zero: bool = False, explain: bool = False, validate: bool = False,
-                   replicas: Optional[Sequence[int]] = None) -> IterationPlan:
+                   replicas: Optional[Sequence[int]] = None, gap: float = DEFAULT_GAP) -> IterationPlan:
     """Plan one iteration of a global batch of sample ``lengths`` (tokens; ``(n, 2)``
     input and target lengths for encoder-decoder models).
 
@@ -246,6 +247,7 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
     ``recompute=None`` lets the search choose the level; micro-batches are then cut so
     that each fits alone at the lightest level that lets every sample fit.
     ``replicas``: compile only these replicas' plans (see :func:`schedule_batch_plan`).
+    ``gap``: relative optimality gap of DynaPipe's cut (0: the exact optimum).
     """
     if stages is not None and stages != cost_model.num_stages:
         raise DynaPipeError(f"--stages {stages} but the cost model was built for {cost_model.num_stages} stages.")
@@ -258,7 +260,7 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
             batch_plan = plan_micro_batches(lengths, cost_model, method=method, dp=dp, memory_limit_mib=limit,
                                             reserved_mib=reserved, micro_batch_size=micro_batch_size,
                                             seq_length=seq_length, max_tokens=max_tokens, recompute=level,
-                                            zero=zero)
+                                            zero=zero, gap=gap)
             break
         except DynaPipeError as e:  # a sample too large at this level may fit with more recompute
             error = e

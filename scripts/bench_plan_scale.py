@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dynapipe.config import load_device_config, load_model_config  # noqa: E402
 from dynapipe.cost import build_cost_model  # noqa: E402
+from dynapipe.batching.dp_partition import DEFAULT_GAP  # noqa: E402
 from dynapipe.data.synthetic import sample_lengths  # noqa: E402
 from dynapipe.errors import DynaPipeError  # noqa: E402
 from dynapipe.pipeline_planner import plan_iteration  # noqa: E402
@@ -40,7 +41,8 @@ def _timed(fn):
 def once(lengths, cost_model, args) -> dict:
     """``{phase: (wall ms, CPU ms)}`` of one end-to-end planning of ``lengths``."""
     out = {}
-    it = plan_iteration(lengths, cost_model, stages=args.stages, dp=args.dp, seq_length=args.seq_length)
+    it = plan_iteration(lengths, cost_model, stages=args.stages, dp=args.dp, seq_length=args.seq_length,
+                        gap=args.gap)
     for k in ("batching", "schedule", "compile"):
         out[k] = (it.timings_ms[k], it.cpu_ms[k])
     plans = it.all_plans()
@@ -53,7 +55,7 @@ def once(lengths, cost_model, args) -> dict:
         # batch (every node needs every replica's schedule to agree), compile and
         # serialize for its own replicas only.
         it2 = plan_iteration(lengths, cost_model, stages=args.stages, dp=args.dp, seq_length=args.seq_length,
-                             replicas=range(args.replicas))
+                             replicas=range(args.replicas), gap=args.gap)
         part, *ser = _timed(lambda: [serialize_plan(p) for p in it2.all_plans()])
         out[f"compile of {args.replicas} replica(s)"] = (it2.timings_ms["compile"], it2.cpu_ms["compile"])
         out[f"serialize of {args.replicas} replica(s)"] = tuple(ser)
@@ -78,6 +80,8 @@ def main(argv=None) -> int:
     p.add_argument("--replicas", type=int, default=0, help="also time compiling only this many replicas")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-pin", action="store_true")
+    p.add_argument("--gap", type=float, default=DEFAULT_GAP,
+                   help="relative optimality gap of the DP cut (0: exact; default %(default)s)")
     args = p.parse_args(argv)
     if not args.no_pin and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
@@ -89,7 +93,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{args.model} PP{args.stages} x DP{args.dp}, {args.samples} samples (seq-length {args.seq_length}), "
-          f"{'one pinned core' if not args.no_pin else 'unpinned'}, min of {args.repeats} runs")
+          f"{'one pinned core' if not args.no_pin else 'unpinned'}, min of {args.repeats} runs, "
+          f"DP cut gap {args.gap:g}")
     print(f"  {runs[0]['_summary']}; {runs[0]['_bytes'] / 2**20:.1f} MiB of plan bytes")
     # Targets are judged on CPU time: wall time also counts the time other processes
     # hold the core, which says nothing about the planner.

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from dynapipe.batching import plan_micro_batches
 from dynapipe.batching.candidates import CandidateTable, build_candidate_table
-from dynapipe.batching.dp_partition import compiled_kernel_available, optimal_partition, solve_capped
+from dynapipe.batching.dp_partition import DEFAULT_GAP, compiled_kernel_available, optimal_partition, solve_capped
 from dynapipe.batching.memory import memory_budget
 from dynapipe.batching.ordering import candidate_orders, padded_length
 from dynapipe.config import load_device_config, load_model_config
@@ -60,7 +60,7 @@ def test_dp_equals_brute_force(lengths, stages, dp, factor):
     lengths = np.array(lengths)
     cm = COST[stages]
     limit = limit_for(cm, lengths, factor)
-    plan = plan_micro_batches(lengths, cm, dp=dp, memory_limit_mib=limit, reserved_mib=A100.reserved_mib)
+    plan = plan_micro_batches(lengths, cm, dp=dp, memory_limit_mib=limit, reserved_mib=A100.reserved_mib, gap=0.0)
     budget = limit - A100.reserved_mib - cm.model_state_mib()
     expect = brute_force(np.sort(lengths), cm, budget, dp, GPT7B.max_seq_length)
     assert plan.objective_ms == pytest.approx(expect, rel=1e-9)
@@ -74,9 +74,12 @@ def test_dp_equals_brute_force_twelve_samples(seed):
     lengths = rng.integers(1, 2049, size=12)
     cm = COST[8]
     limit = limit_for(cm, lengths, 2.0)
-    plan = plan_micro_batches(lengths, cm, dp=2, memory_limit_mib=limit, reserved_mib=A100.reserved_mib)
+    plan = plan_micro_batches(lengths, cm, dp=2, memory_limit_mib=limit, reserved_mib=A100.reserved_mib, gap=0.0)
     budget = limit - A100.reserved_mib - cm.model_state_mib()
     assert plan.objective_ms == pytest.approx(brute_force(np.sort(lengths), cm, budget, 2, 4096), rel=1e-9)
+    # The planner's default gap stays within it of the optimum.
+    near = plan_micro_batches(lengths, cm, dp=2, memory_limit_mib=limit, reserved_mib=A100.reserved_mib)
+    assert plan.objective_ms <= near.objective_ms <= plan.objective_ms / (1 - DEFAULT_GAP) * (1 + 1e-12)
 
 
 @settings(max_examples=15, deadline=None)
@@ -92,7 +95,7 @@ def test_encoder_decoder_dp_equals_brute_force_over_each_order(pairs, dp):
         expect = brute_force(lengths[order], T5_COST, np.inf, dp, T5.max_seq_length)
         assert part.objective_ms == pytest.approx(expect, rel=1e-9)
         per_order.append(expect)
-    plan = plan_micro_batches(lengths, T5_COST, dp=dp)
+    plan = plan_micro_batches(lengths, T5_COST, dp=dp, gap=0.0)
     assert plan.objective_ms == pytest.approx(min(per_order), rel=1e-9)
     assert sorted(i for mb in plan.micro_batches for i in mb.samples) == list(range(len(lengths)))
     for mb in plan.micro_batches:  # padded shapes cover every sample
@@ -123,6 +126,22 @@ def test_pruned_search_equals_solving_every_cap():
         part = optimal_partition(table, 8, 2)
         assert part.objective_ms == pytest.approx(min(every), rel=1e-12)
         assert part.evaluations < len(np.unique(table.time_ms)) / 4  # the bounds prune most caps
+
+
+def test_gap_stops_within_it_of_the_optimum_with_fewer_solves():
+    rng = np.random.default_rng(11)
+    lengths = np.sort(np.minimum(rng.lognormal(5.5, 1.0, size=3000).astype(int) + 1, 2048))
+    cm = COST[8]
+    table = build_candidate_table(lengths, np.arange(len(lengths)), cm, memory_budget(cm, None), cap=2048)
+    exact = optimal_partition(table, 8, 16)
+    for gap in (1e-4, 1e-3, 1e-2):
+        part = optimal_partition(table, 8, 16, gap=gap)
+        assert exact.objective_ms <= part.objective_ms <= exact.objective_ms / (1 - gap) * (1 + 1e-12)
+        assert part.evaluations <= exact.evaluations
+        assert sum(e - s for s, e in part.cuts) == len(lengths)
+    assert optimal_partition(table, 8, 16, gap=1e-2).evaluations < exact.evaluations
+    with pytest.raises(ValueError, match="gap=1.5"):
+        optimal_partition(table, 8, 16, gap=1.5)
 
 
 class ToyCost(CostModel):

@@ -88,6 +88,12 @@ def solve_capped(table: CandidateTable, cap_ms: float, total: np.ndarray, choice
     return _solve_capped_numpy(table, float(cap_ms), total, choice)
 
 
+# The cut's objective is an estimate from the cost model, whose own error is percents;
+# proving the last 0.1% of it optimal costs most of the search at cluster scale (81 of
+# 100,000 samples' capped solves at PP8 x DP64 against 24 within 0.1%).
+DEFAULT_GAP = 1e-3
+
+
 @dataclass
 class Partition:
     """An optimal cut: micro-batches as (start, end) positions of the order, end exclusive."""
@@ -114,8 +120,15 @@ def cuts_from_choice(choice: np.ndarray, n: int) -> list[tuple[int, int]]:
 
 
 def optimal_partition(table: CandidateTable, num_stages: int, dp: int = 1,
-                      use_compiled: Optional[bool] = None) -> Partition:
-    """The cut minimising ``sum(t)/dp + (num_stages - 1) * max(t)`` exactly (ms)."""
+                      use_compiled: Optional[bool] = None, gap: float = 0.0) -> Partition:
+    """The cut minimising ``sum(t)/dp + (num_stages - 1) * max(t)`` (ms).
+
+    ``gap``: relative optimality gap; the search stops once no candidate cap left can
+    beat the best cut found by more than this fraction of it (0: the exact optimum, as
+    the tests' brute force checks; the planner uses :data:`DEFAULT_GAP`).
+    """
+    if not 0.0 <= gap < 1.0:
+        raise ValueError(f"gap={gap} must lie in [0, 1)")
     n, w = table.n, float(num_stages - 1)
     if use_compiled is None:
         use_compiled = _dp_kernel is not None
@@ -137,7 +150,7 @@ def optimal_partition(table: CandidateTable, num_stages: int, dp: int = 1,
     heap = [(f_top / dp + w * float(cands[0]), 0, int(np.searchsorted(cands, m_top, "left")), f_top)]
     while heap:
         bound, lo, hi, f_above = heapq.heappop(heap)
-        if bound >= best:
+        if bound >= best * (1.0 - gap):
             break
         if w > 0:  # G(v) >= F_floor/dp + w v, so only v below this can still win
             hi = min(hi, int(np.searchsorted(cands, (best - f_floor / dp) / w, "left")))

@@ -16,7 +16,7 @@ import numpy as np
 from dynapipe.batching import baselines
 from dynapipe.batching.balance import balance_replicas, replica_times
 from dynapipe.batching.candidates import build_candidate_table
-from dynapipe.batching.dp_partition import optimal_partition
+from dynapipe.batching.dp_partition import DEFAULT_GAP, optimal_partition
 from dynapipe.batching.lengths import validate_lengths
 from dynapipe.batching.memory import MemoryBudget, memory_budget
 from dynapipe.batching.ordering import candidate_orders
@@ -66,12 +66,12 @@ def _set_real_tokens(lengths: np.ndarray, mbs: list[MicroBatch]) -> None:
 
 
 def _plan_dynapipe(lengths: np.ndarray, cost_model: CostModel, budget: MemoryBudget, dp: int, recompute: str,
-                   cap: int, use_compiled: Optional[bool]) -> tuple[list[MicroBatch], dict]:
+                   cap: int, use_compiled: Optional[bool], gap: float) -> tuple[list[MicroBatch], dict]:
     """The exact DP cut of each candidate order; the order with the lowest objective wins."""
     best = None
     for name, order in zip(ORDER_NAMES if lengths.ndim == 2 else ("sorted",), candidate_orders(lengths)):
         table = build_candidate_table(lengths[order], order, cost_model, budget, recompute, cap)
-        part = optimal_partition(table, cost_model.num_stages, dp, use_compiled=use_compiled)
+        part = optimal_partition(table, cost_model.num_stages, dp, use_compiled=use_compiled, gap=gap)
         if best is None or part.objective_ms < best[2].objective_ms:
             best = (name, order, part, table)
     name, order, part, table = best
@@ -102,7 +102,8 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
                        memory_limit_mib: Optional[float] = None, reserved_mib: float = 0.0,
                        micro_batch_size: int = 1, seq_length: Optional[int] = None,
                        max_tokens: Optional[int] = None, recompute: str = "none",
-                       zero: bool = False, use_compiled: Optional[bool] = None) -> BatchPlan:
+                       zero: bool = False, use_compiled: Optional[bool] = None,
+                       gap: float = DEFAULT_GAP) -> BatchPlan:
     """Micro-batches of one global batch, priced, balanced over ``dp`` replicas.
 
     ``lengths``: ``(n,)`` tokens (decoder-only) or ``(n, 2)`` input and target tokens
@@ -117,7 +118,8 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
     baselines; ``max_tokens`` (padded tokens a micro-batch, default
     ``micro_batch_size x seq_length``) by ``token-budget``. ``zero`` shards optimizer
     state over the ``dp`` replicas when pricing model states. ``use_compiled`` selects the
-    DP kernel (``None``: C when built).
+    DP kernel (``None``: C when built). ``gap``: relative optimality gap of the
+    ``dynapipe`` cut's objective (0: exact; default :data:`DEFAULT_GAP`, 0.1%).
     """
     start = time.perf_counter()
     if method not in METHODS:
@@ -133,7 +135,7 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
                    "seq_length": cap, "truncated_samples": truncated}
 
     if method == "dynapipe":
-        mbs, more = _plan_dynapipe(arr, cost_model, budget, dp, recompute, cap, use_compiled)
+        mbs, more = _plan_dynapipe(arr, cost_model, budget, dp, recompute, cap, use_compiled, gap)
         extra.update(more)
     else:
         if method == "padding":
