@@ -94,7 +94,10 @@ def run_case(case: Case, args) -> dict:
         # then used by every method; DynaPipe on the even split is kept as the before.
         sample = [global_batch_of_tokens(args.tokens, args.seed + 1000 + b, case.seq_length, True)
                   for b in range(args.batches)]
-        placement = choose_placement(sample, cost, dp=case.dp, seq_length=case.seq_length, zero=case.zero, tp=case.tp)
+        if case.tp > 1:  # the placement search prices stages without tensor parallelism
+            raise DynaPipeError(f"case {case.label}: stage placement for encoder-decoder models is not "
+                                f"implemented with tensor parallelism (tp={case.tp}); use tp=1.")
+        placement = choose_placement(sample, cost, dp=case.dp, seq_length=case.seq_length, zero=case.zero)
         even_cost, cost = cost, placement.cost_model
     # Compile the simulator kernels and fill caches outside the timed planning.
     plan_iteration(batches[0], cost, **kwargs)
@@ -151,6 +154,8 @@ def main(argv=None) -> int:
     p.add_argument("--cluster", default="a100-8x")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated, from " + ", ".join(METHODS))
     p.add_argument("--quick", action="store_true", help="one case (gpt-7b PP4 x DP2, seq 2048), one batch")
+    p.add_argument("--case", default=None, metavar="TEXT",
+                   help="only the cases whose label contains TEXT, e.g. 't5-11b' (with --quick: one batch each)")
     args = p.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     try:
@@ -159,7 +164,12 @@ def main(argv=None) -> int:
             raise DynaPipeError(f"--methods {','.join(args.methods)!r}: choose from {', '.join(METHODS)}.")
         if args.batches < 1:
             raise DynaPipeError(f"--batches {args.batches}: need at least one global batch.")
-        cases = QUICK_CASES if args.quick else CASES
+        cases = QUICK_CASES if args.quick and not args.case else CASES
+        if args.case:
+            cases = tuple(c for c in cases if args.case in c.label)
+            if not cases:
+                raise DynaPipeError(f"--case {args.case!r} matches no case; the cases are: "
+                                    f"{'; '.join(c.label for c in CASES)}.")
         if args.quick:
             args.batches = 1
         md_path = args.markdown or os.path.splitext(args.output)[0] + ".md"
