@@ -11,7 +11,7 @@ import os
 from typing import Optional
 
 from dynapipe.errors import DynaPipeError
-from megatron_integration.args_checks import _need
+from megatron_integration.args_checks import _need, _positive
 from megatron_integration.train_config import DynaPipeArgs
 
 BATCHINGS = ("dynapipe", "padding", "padding-mb", "packing", "token-budget")
@@ -40,6 +40,13 @@ def add_dynapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="device config for the analytic cost model (default: cpu without CUDA, else h100-80gb)")
     g.add_argument("--dynapipe-cluster", default=None, help="cluster config for link costs (default cpu-local / h100-8x)")
     g.add_argument("--dynapipe-planner-workers", type=int, default=1, help="planner worker processes per node")
+    g.add_argument("--dynapipe-planner-nodes", type=int, default=0,
+                   help="nodes that plan: the first N of the job, their local rank 0 hosting the planner workers "
+                        "(default 0: every node); they take turns by iteration")
+    g.add_argument("--dynapipe-split-replicas", action="store_true",
+                   help="every planner node plans every iteration but compiles and publishes only its share of "
+                        "the data-parallel replicas (replica r on planner node r mod N; at most one planner node "
+                        "a replica); no effect with one planner node")
     g.add_argument("--dynapipe-prefetch", type=int, default=4, help="iterations planned ahead")
     g.add_argument("--dynapipe-kv-backend", default="store", choices=KV_BACKENDS,
                    help="plan delivery: the job's torch.distributed store, or Redis")
@@ -104,21 +111,54 @@ def batching_from_args(args: argparse.Namespace, dp: int) -> tuple[str, Optional
     return batching, mbs
 
 
-def dynapipe_args_from_args(args: argparse.Namespace, cuda: bool, batching: str,
-                            recompute: Optional[str]) -> DynaPipeArgs:
+def dynapipe_args_from_args(args: argparse.Namespace, cuda: bool, batching: str, recompute: Optional[str],
+                            dp: int, num_nodes: Optional[int]) -> DynaPipeArgs:
     """DynaPipe's planner, executor and loader settings, validated; ``batching`` from
-    :func:`batching_from_args`, ``recompute`` the planner's fixed level (None: it chooses)."""
+    :func:`batching_from_args`, ``recompute`` the planner's fixed level (None: it chooses),
+    ``dp`` the data-parallel replicas, ``num_nodes`` the job's nodes (None: not known yet)."""
     cost_model = args.dynapipe_cost_model
     if cost_model != "analytic" and not os.path.isfile(cost_model):
         raise DynaPipeError(f"--dynapipe-cost-model {cost_model!r}: no such profile file; use 'analytic' or "
                             f"write a profile with `python -m dynapipe profile --output {cost_model}`.")
+    planner_nodes, split = planner_nodes_from_args(args, dp, num_nodes)
     return DynaPipeArgs(
         enabled=args.use_dynapipe, batching=batching, schedule=args.dynapipe_schedule,
         memory_limit_mb=args.dynapipe_memory_limit_mb, cost_model=cost_model,
         device=args.dynapipe_device or ("h100-80gb" if cuda else "cpu"),
         cluster=args.dynapipe_cluster or ("h100-8x" if cuda else "cpu-local"),
-        planner_workers=args.dynapipe_planner_workers, prefetch=args.dynapipe_prefetch,
+        planner_workers=args.dynapipe_planner_workers, planner_nodes=planner_nodes, split_replicas=split,
+        prefetch=args.dynapipe_prefetch,
         kv_backend=args.dynapipe_kv_backend, redis_host=args.dynapipe_redis_host,
         redis_port=args.dynapipe_redis_port, store_retry_s=args.dynapipe_store_retry_s,
         max_tokens=args.dynapipe_max_tokens,
         timeout_s=args.dynapipe_timeout_s, trace_dir=args.dynapipe_trace_dir, recompute=recompute)
+
+
+def planner_nodes_from_args(args: argparse.Namespace, dp: int, num_nodes: Optional[int]) -> tuple[int, bool]:
+    """``--dynapipe-planner-nodes`` and ``--dynapipe-split-replicas``, validated (see
+    :func:`check_planner_nodes`); both need ``--use-dynapipe``, the only path that plans."""
+    planner_nodes = _positive("dynapipe-planner-nodes", args.dynapipe_planner_nodes, allow_zero=True)
+    split = args.dynapipe_split_replicas
+    if not args.use_dynapipe and (planner_nodes or split):
+        flag = f"--dynapipe-planner-nodes {planner_nodes}" if planner_nodes else "--dynapipe-split-replicas"
+        raise DynaPipeError(f"{flag} needs --use-dynapipe: without it every rank cuts its own fixed-shape "
+                            f"micro-batches and nothing is planned.")
+    check_planner_nodes(planner_nodes, split, num_nodes, dp)
+    return planner_nodes, split
+
+
+def check_planner_nodes(planner_nodes: int, split_replicas: bool, num_nodes: Optional[int], dp: int) -> None:
+    """Refuse planner nodes the job cannot honour: more than its ``num_nodes`` nodes (None: not
+    known, as when the command line is parsed outside torchrun; the data loader's caller checks
+    again with the launched layout), or, when splitting, more than its ``dp`` data-parallel
+    replicas (a node would have no replica to plan). Splitting over one planner node is
+    accepted: that node plans every replica, exactly as without the flag."""
+    if planner_nodes < 0:
+        raise DynaPipeError(f"--dynapipe-planner-nodes {planner_nodes}: must be non-negative (0: every node plans).")
+    if num_nodes is not None and planner_nodes > num_nodes:
+        raise DynaPipeError(f"--dynapipe-planner-nodes {planner_nodes}: the job runs on {num_nodes} node(s); "
+                            f"give at most {num_nodes} (0: every node plans).")
+    if split_replicas and planner_nodes > dp:
+        raise DynaPipeError(f"--dynapipe-planner-nodes {planner_nodes} --dynapipe-split-replicas: the job has "
+                            f"{dp} data-parallel replica(s) to share out; give at most {dp} planner nodes, or "
+                            f"drop --dynapipe-split-replicas (the nodes then take turns by iteration).")

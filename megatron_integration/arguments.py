@@ -33,7 +33,8 @@ from megatron_integration.args_blend import _weight, data_files, parse_blend  # 
 from megatron_integration.args_checks import _need, _positive, _unsupported
 from megatron_integration.args_dynapipe import (BATCHINGS, KV_BACKENDS, MEGATRON_BATCHINGS,  # noqa: F401
                                                 RECOMPUTE_CHOICES, SCHEDULES, add_dynapipe_args,
-                                                batching_from_args, dynapipe_args_from_args)
+                                                batching_from_args, check_planner_nodes,
+                                                dynapipe_args_from_args)
 from megatron_integration.args_megatron import (ATTENTION_BACKENDS, LR_DECAY_STYLES,  # noqa: F401
                                                 POSITION_EMBEDDINGS, add_megatron_args)
 from megatron_integration.args_model import (BYTE_LEVEL_VOCAB, model_args_from_args,  # noqa: F401
@@ -75,12 +76,14 @@ def build_parser(prog: Optional[str] = None, description: Optional[str] = None) 
     return parser
 
 
-def training_config_from_args(args: argparse.Namespace, world_size: int,
-                              cuda: Optional[bool] = None) -> DynaPipeTrainingConfig:
+def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optional[bool] = None,
+                              num_nodes: Optional[int] = None) -> DynaPipeTrainingConfig:
     """Validate parsed arguments for a job of ``world_size`` ranks and build the config.
 
-    ``cuda`` says whether the job runs on GPUs (default: ask torch). Raises
-    :class:`DynaPipeError` naming the offending flag for every invalid combination.
+    ``cuda`` says whether the job runs on GPUs (default: ask torch). ``num_nodes``: the nodes
+    the job runs on (None: not known here; the data loader checks ``--dynapipe-planner-nodes``
+    against the launched layout). Raises :class:`DynaPipeError` naming the offending flag for
+    every invalid combination.
     """
     if cuda is None:
         import torch
@@ -104,7 +107,7 @@ def training_config_from_args(args: argparse.Namespace, world_size: int,
     dp = parallel.data_parallel_size
     batching, mbs = batching_from_args(args, dp)
     recompute, level = recompute_from_args(args)
-    dyn = dynapipe_args_from_args(args, cuda, batching, level)
+    dyn = dynapipe_args_from_args(args, cuda, batching, level, dp, num_nodes)
 
     from megatron_integration.data_args import data_sources_from_args, eval_args_from_args
 
@@ -177,7 +180,9 @@ def _recorded_args(args: argparse.Namespace) -> dict:
 
 
 def parse_training_args(argv: Optional[Sequence[str]], world_size: int, cuda: Optional[bool] = None,
-                        parser: Optional[argparse.ArgumentParser] = None) -> DynaPipeTrainingConfig:
-    """Parse a Megatron-style command line and validate it into a config."""
+                        parser: Optional[argparse.ArgumentParser] = None,
+                        num_nodes: Optional[int] = None) -> DynaPipeTrainingConfig:
+    """Parse a Megatron-style command line and validate it into a config (``num_nodes``: see
+    :func:`training_config_from_args`)."""
     parser = parser or build_parser()
-    return training_config_from_args(parser.parse_args(argv), world_size, cuda)
+    return training_config_from_args(parser.parse_args(argv), world_size, cuda, num_nodes=num_nodes)
