@@ -4,6 +4,10 @@ A :class:`DynaPipeError` carries a message meant for the person running the job:
 the offending value and says what would fix it. The command line prints it without a
 traceback and exits with status 2; library callers can catch it like any exception.
 """
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
 
 
 class DynaPipeError(Exception):
@@ -18,3 +22,21 @@ class ExecutorError(DynaPipeError):
     """A pipeline rank could not run its plan: a failed or timed-out transfer, a tensor that
     does not match the plan, a handler exception, or another rank's failure. The message
     names the rank, the instruction index and the peer."""
+
+
+@contextmanager
+def file_read_errors(what: str, path: str, missing: str, directory: str, not_text: str) -> Iterator[None]:
+    """Turn the errors of opening and reading ``path`` inside the block into one-line
+    :class:`DynaPipeError` s that name the file as ``what 'path'``: missing (then ``missing``,
+    the fix), a directory (then ``directory``), not decodable text (``not_text`` says what
+    was expected), or any other OS error (its reason). Other exceptions pass through."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise DynaPipeError(f"{what} {path!r} does not exist; {missing}") from None
+    except IsADirectoryError:
+        raise DynaPipeError(f"{what} {path!r} is a directory; {directory}") from None
+    except UnicodeDecodeError:
+        raise DynaPipeError(f"{what} {path!r} {not_text}") from None
+    except OSError as e:
+        raise DynaPipeError(f"{what} {path!r} cannot be read: {e.strerror}.") from None

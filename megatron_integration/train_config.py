@@ -162,6 +162,10 @@ class DynaPipeArgs:
     device: str = "cpu"
     cluster: str = "cpu-local"
     planner_workers: int = 1
+    # Nodes that plan (0: every node), and whether they share out each iteration's replicas
+    # instead of taking turns by iteration (LoaderConfig.planner_nodes / split_replicas).
+    planner_nodes: int = 0
+    split_replicas: bool = False
     prefetch: int = 4
     kv_backend: str = "store"
     redis_host: str = "127.0.0.1"

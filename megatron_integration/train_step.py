@@ -140,25 +140,39 @@ def planner_settings(cfg: DynaPipeTrainingConfig, info: RankInfo):
         tp=info.tp_size, sequence_parallel=cfg.parallel.sequence_parallel)
 
 
+def loader_config(cfg: DynaPipeTrainingConfig, start_iteration: int, consumed_samples: int):
+    """The data loader's settings (:class:`~dynapipe.runtime.loader.LoaderConfig`) of a run
+    resumed at ``start_iteration`` after ``consumed_samples`` samples."""
+    from dynapipe.runtime.loader import LoaderConfig
+
+    d = cfg.dynapipe
+    tokens = cfg.data.tokens_per_global_batch or 0
+    return LoaderConfig(global_batch_size=0 if tokens else cfg.global_batch_size,
+                        tokens_per_global_batch=tokens, seed=cfg.seed, shuffle=True,
+                        consumed_samples=consumed_samples, start_iteration=start_iteration,
+                        train_iters=cfg.train_iters - start_iteration, num_workers=d.planner_workers,
+                        planner_nodes=d.planner_nodes, split_replicas=d.split_replicas,
+                        prefetch=d.prefetch, kv_backend=d.kv_backend, redis_host=d.redis_host,
+                        redis_port=d.redis_port, plan_timeout_s=d.timeout_s, store_retry_s=d.store_retry_s)
+
+
 def make_loader(cfg: DynaPipeTrainingConfig, info: RankInfo, start_iteration: int, consumed_samples: int,
                 dataset=None, settings=None):
     """This rank's data loader (planner workers on each node's local rank 0); ``dataset`` /
     ``settings`` replace the run's GPT dataset config and planner settings (T5 runs)."""
-    from dynapipe.runtime.loader import DynaPipeDataLoader, LoaderConfig, RankLayout
+    from dynapipe.runtime.loader import DynaPipeDataLoader, RankLayout
+    from megatron_integration.args_dynapipe import check_planner_nodes
 
-    d = cfg.dynapipe
-    tokens = cfg.data.tokens_per_global_batch or 0
-    loader_cfg = LoaderConfig(global_batch_size=0 if tokens else cfg.global_batch_size,
-                              tokens_per_global_batch=tokens, seed=cfg.seed, shuffle=True,
-                              consumed_samples=consumed_samples, start_iteration=start_iteration,
-                              train_iters=cfg.train_iters - start_iteration, num_workers=d.planner_workers,
-                              prefetch=d.prefetch, kv_backend=d.kv_backend, redis_host=d.redis_host,
-                              redis_port=d.redis_port, plan_timeout_s=d.timeout_s, store_retry_s=d.store_retry_s)
+    loader_cfg = loader_config(cfg, start_iteration, consumed_samples)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
     layout = RankLayout(rank=info.rank, world_size=info.world_size, dp_rank=info.dp_rank, dp_size=info.dp_size,
                         pp_rank=info.pp_rank, pp_size=info.pp_size,
                         local_rank=int(os.environ.get("LOCAL_RANK", info.rank % local_world)),
-                        local_world_size=local_world)
+                        local_world_size=local_world).validate()
+    # The command line may have been parsed without the node count (T5, jobs started from
+    # Python); the loader would quietly plan on fewer nodes than asked, so refuse it here,
+    # on every rank alike, before any planner starts.
+    check_planner_nodes(loader_cfg.planner_nodes, loader_cfg.split_replicas, layout.num_nodes, layout.dp_size)
     return DynaPipeDataLoader(loader_cfg, dataset or dataset_config(cfg), settings or planner_settings(cfg, info),
                               layout)
 

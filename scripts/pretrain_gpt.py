@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     parser = build_parser(prog="pretrain_gpt.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-config", default=None, help="YAML run config (configs/runs/) giving the arguments")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # torchrun's ranks per node; --dynapipe-planner-nodes is checked against the node count.
+    num_nodes = max(world_size // max(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), 1), 1)
     try:
         run_config = parser.parse_known_args(argv)[0].run_config
         if run_config:
@@ -42,7 +44,7 @@ def main(argv=None) -> int:
                                     f"torchrun --nnodes {run.nnodes} --nproc-per-node {run.nproc_per_node}.")
             argv = list(run.argv) + argv  # later arguments win
         args = parser.parse_args(argv)
-        cfg = training_config_from_args(args, world_size)
+        cfg = training_config_from_args(args, world_size, num_nodes=num_nodes)
         if os.environ.get("RANK", "0") == "0":
             from megatron_integration.run_report import argument_dump, resolved_args
 

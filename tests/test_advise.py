@@ -68,10 +68,14 @@ def test_advise_command_writes_a_run_config_that_trains_on_cpu(tmp_path, capsys)
     rc = main(["advise", "--model", "gpt-tiny", "--device", "cpu", "--cluster", "cpu-local", "--gpus", "2",
                "--mixture", "flan-mixture", "--tokens-per-iteration", "1200", "--seq-length", "128",
                "--batches", "1", "--output", str(out), "--json", str(js)])
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert rc == 0, text
     assert "TP = 1 only" in text and "vs packing" in text
     layouts = json.loads(js.read_text())["layouts"]
+    # Progress on stderr (not a terminal here): one plain line per layout simulated or refused.
+    progress = [l for l in captured.err.splitlines() if l.startswith("simulating ")]
+    assert len(progress) == len(layouts) + len(json.loads(js.read_text())["refused"])
     shown = [l for l in text.splitlines() if l.strip().startswith(("1 ", "2 "))]
     assert len(shown) == len(layouts) == 2
     cpu = load_device_config("cpu")

@@ -12,7 +12,7 @@ from typing import Iterable, Optional, TextIO
 
 import numpy as np
 
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, file_read_errors
 
 # A sign and ASCII digits: int() alone also takes "1_000", blanks and non-ASCII digits.
 _INTEGER = re.compile(r"[+-]?[0-9]+\Z")
@@ -63,18 +63,11 @@ def read_lengths(path: str, stdin: Optional[TextIO] = None) -> np.ndarray:
     if path == "-":
         stream = stdin if stdin is not None else sys.stdin
         return _parse_lines(stream, "<stdin>")
-    try:
+    with file_read_errors("lengths file", path, missing="write one with `python -m dynapipe synth`.",
+                          directory="give a file with one length a line.",
+                          not_text="is not a text file of integers."):
         with open(path, encoding="utf-8") as f:
             return _parse_lines(f, path)
-    except FileNotFoundError:
-        raise DynaPipeError(f"lengths file {path!r} does not exist; "
-                            f"write one with `python -m dynapipe synth`.") from None
-    except IsADirectoryError:
-        raise DynaPipeError(f"lengths file {path!r} is a directory; give a file with one length a line.") from None
-    except UnicodeDecodeError:
-        raise DynaPipeError(f"lengths file {path!r} is not a text file of integers.") from None
-    except OSError as e:
-        raise DynaPipeError(f"lengths file {path!r} cannot be read: {e.strerror}.") from None
 
 
 def validate_lengths(lengths, encoder_decoder: bool) -> np.ndarray:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 from dynapipe.data.synthetic import DEFAULT_MIXTURE
 from dynapipe.errors import DynaPipeError
@@ -32,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-packing", action="store_true", help="skip the tuned-packing comparison (faster)")
     p.add_argument("--output", default=None, help="write the best layout as a run config (YAML) here")
     p.add_argument("--json", default=None, help="write every ranked layout as JSON here")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress on stderr (a bar on a terminal with tqdm installed, else a line per layout)")
 
 
 def _positive(name: str, value, minimum: int = 1) -> None:
@@ -46,23 +47,15 @@ def _check_writable(path: str, flag: str) -> None:
                             f"not exist or is not writable).")
 
 
-class _Progress:
-    """One stderr line redrawn in place (only on a terminal, so logs stay clean)."""
-
-    def __init__(self, stream=None):
-        self.stream = stream or sys.stderr
-        self.enabled = self.stream.isatty()
-
-    def __call__(self, done: int, total: int, layout) -> None:
-        if not self.enabled:
-            return
-        width = 24
-        fill = width * done // max(total, 1)
-        what = f"simulating {layout.label()}" if layout is not None else "done"
-        self.stream.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{total} {what:<36}")
-        if layout is None:
-            self.stream.write("\n")
-        self.stream.flush()
+def _report_layouts(bar):
+    """:func:`dynapipe.advise.advise`'s progress callback on a shared
+    :class:`~dynapipe.progress.Progress`: one step per layout, labelled while it is simulated."""
+    def report(done: int, total: int, layout) -> None:
+        if done:
+            bar.step()
+        if layout is not None:
+            bar.begin(f"simulating {layout.label()}")
+    return report
 
 
 def _gib(mib: float) -> str:
@@ -142,6 +135,7 @@ def run(args) -> int:
     from dynapipe.advise import advise, enumerate_layouts, sample_batches
     from dynapipe.batching import read_lengths
     from dynapipe.config import load_cluster_config, load_device_config, load_model_config
+    from dynapipe.progress import Progress
 
     for name in ("gpus", "tokens-per-iteration", "batches", "top", "seq-length"):
         _positive(name, getattr(args, name.replace("-", "_")))
@@ -173,9 +167,10 @@ def run(args) -> int:
         batches = sample_batches(args.tokens_per_iteration, args.batches, args.seed, seq,
                                  pool=read_lengths(args.lengths))
     layouts = enumerate_layouts(model, args.gpus, cluster, zero=False if device.name == "cpu" else None)
-    advice = advise(batches, model, device, args.gpus, cluster=cluster, seq_length=seq,
-                    memory_limit_mib=args.memory_limit_mb, layouts=layouts, compare_packing=not args.no_packing,
-                    progress=_Progress())
+    with Progress(len(layouts), "advise", enabled=not args.no_progress) as bar:
+        advice = advise(batches, model, device, args.gpus, cluster=cluster, seq_length=seq,
+                        memory_limit_mib=args.memory_limit_mb, layouts=layouts, compare_packing=not args.no_packing,
+                        progress=_report_layouts(bar))
     best = advice.best
     mean_tokens = sum(int(b.sum()) for b in batches) / len(batches)
     print(f"{model.name} on {args.gpus} x {device.name} ({cluster.name}): {len(layouts)} layouts, "

@@ -47,7 +47,7 @@ import numpy as np
 
 from dynapipe.config import ModelConfig, TensorParallelConfig
 from dynapipe.cost.base import MIB, CostModel, StageCost, StageLayout
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, file_read_errors
 
 PROFILE_FORMAT = "dynapipe-profile"
 PROFILE_VERSION = 1
@@ -132,22 +132,16 @@ def check_profile_tensor_parallel(data: Mapping[str, Any], tp: int, sequence_par
 
 def read_profile(path: str) -> Any:
     """The parsed JSON of a profile file, or a one-line :class:`DynaPipeError` naming the problem."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise DynaPipeError(f"profile {path!r} does not exist; write one with `python -m dynapipe profile`.") from None
-    except json.JSONDecodeError as e:
-        raise DynaPipeError(f"profile {path!r} is not valid JSON: {e}") from None
-    except IsADirectoryError:
-        raise DynaPipeError(f"profile {path!r} is a directory; give the JSON file "
-                            f"`python -m dynapipe profile --output` wrote.") from None
-    except UnicodeDecodeError:
-        raise DynaPipeError(f"profile {path!r} is not UTF-8 JSON text (a binary file?).") from None
-    except RecursionError:
-        raise DynaPipeError(f"profile {path!r} is nested too deeply to be a cost profile.") from None
-    except OSError as e:
-        raise DynaPipeError(f"profile {path!r} cannot be read: {e.strerror}.") from None
+    with file_read_errors("profile", path, missing="write one with `python -m dynapipe profile`.",
+                          directory="give the JSON file `python -m dynapipe profile --output` wrote.",
+                          not_text="is not UTF-8 JSON text (a binary file?)."):
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except json.JSONDecodeError as e:
+            raise DynaPipeError(f"profile {path!r} is not valid JSON: {e}") from None
+        except RecursionError:
+            raise DynaPipeError(f"profile {path!r} is nested too deeply to be a cost profile.") from None
 
 
 def _check_profile(data: Mapping[str, Any], source: str) -> None:

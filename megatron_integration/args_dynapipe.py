@@ -1,0 +1,164 @@
+"""DynaPipe's own arguments (Megatron style: one group, ``--dynapipe-*`` names), and their
+validation into :class:`DynaPipeArgs`: the micro-batching method against Megatron's
+batch sizes, the cost model, the planner workers and plan delivery.
+
+No torch or megatron import.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Optional
+
+from dynapipe.errors import DynaPipeError
+from megatron_integration.args_checks import _need, _positive
+from megatron_integration.train_config import DynaPipeArgs
+
+BATCHINGS = ("dynapipe", "padding", "padding-mb", "packing", "token-budget")
+# Batchings megatron-core's own 1F1B runs (without --use-dynapipe); padding-mb with variable_seq_lengths.
+MEGATRON_BATCHINGS = ("padding", "padding-mb", "packing")
+SCHEDULES = ("auto", "adaptive", "1f1b")
+RECOMPUTE_CHOICES = ("auto", "none", "selective", "full")
+KV_BACKENDS = ("store", "redis")
+
+
+def add_dynapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Declare DynaPipe's arguments (Megatron style: one group, ``--dynapipe-*`` names)."""
+    g = parser.add_argument_group("dynapipe")
+    g.add_argument("--use-dynapipe", action="store_true",
+                   help="plan variable-shape micro-batches and run them through the DynaPipe executor; "
+                        "without it, megatron-core's fixed-shape 1F1B runs padding or packing")
+    g.add_argument("--dynapipe-batching", default=None, choices=BATCHINGS,
+                   help="micro-batching method (default: dynapipe with --use-dynapipe, padding without)")
+    g.add_argument("--dynapipe-schedule", default="auto", choices=SCHEDULES,
+                   help="pipeline schedule (auto: the fastest candidate that fits in memory)")
+    g.add_argument("--dynapipe-memory-limit-mb", type=float, default=None,
+                   help="device memory the plans may use, MiB (default: the device config's)")
+    g.add_argument("--dynapipe-cost-model", default="analytic",
+                   help="'analytic', or the path of a profile written by `python -m dynapipe profile`")
+    g.add_argument("--dynapipe-device", default=None,
+                   help="device config for the analytic cost model (default: cpu without CUDA, else h100-80gb)")
+    g.add_argument("--dynapipe-cluster", default=None, help="cluster config for link costs (default cpu-local / h100-8x)")
+    g.add_argument("--dynapipe-planner-workers", type=int, default=1, help="planner worker processes per node")
+    g.add_argument("--dynapipe-planner-nodes", type=int, default=0,
+                   help="nodes that plan: the first N of the job, their local rank 0 hosting the planner workers "
+                        "(default 0: every node); they take turns by iteration")
+    g.add_argument("--dynapipe-split-replicas", action="store_true",
+                   help="every planner node plans every iteration but compiles and publishes only its share of "
+                        "the data-parallel replicas (replica r on planner node r mod N; at most one planner node "
+                        "a replica); no effect with one planner node")
+    g.add_argument("--dynapipe-prefetch", type=int, default=4, help="iterations planned ahead")
+    g.add_argument("--dynapipe-kv-backend", default="store", choices=KV_BACKENDS,
+                   help="plan delivery: the job's torch.distributed store, or Redis")
+    g.add_argument("--dynapipe-redis-host", default="127.0.0.1")
+    g.add_argument("--dynapipe-redis-port", type=int, default=6379)
+    g.add_argument("--dynapipe-store-retry-s", type=float, default=30.0,
+                   help="seconds a lost Redis connection is retried with backoff before the job stops; what a "
+                        "restarted server lost is planned again (default 30)")
+    g.add_argument("--dynapipe-max-tokens", type=int, default=None,
+                   help="token-budget batching: padded tokens per micro-batch")
+    g.add_argument("--dynapipe-tokens-per-global-batch", type=int, default=None,
+                   help="form global batches by real-token budget instead of --global-batch-size samples")
+    g.add_argument("--dynapipe-overlong", default="truncate", choices=("truncate", "reject"),
+                   help="samples longer than --seq-length: truncate (counted, logged) or reject")
+    g.add_argument("--dynapipe-mixture", default=None,
+                   help="mixture YAML for --mock-data (default configs/data/flan-mixture.yaml)")
+    g.add_argument("--dynapipe-mock-samples", type=int, default=65536,
+                   help="samples in the --mock-data dataset (reshuffled every epoch; default 65536)")
+    g.add_argument("--dynapipe-timeout-s", type=float, default=300.0,
+                   help="seconds a rank waits for a peer or a plan before failing")
+    g.add_argument("--dynapipe-trace-dir", default=None, help="write per-rank Chrome traces of what ran")
+    g.add_argument("--dynapipe-recompute", default="auto", choices=RECOMPUTE_CHOICES,
+                   help="recompute level the planner uses on every stage (auto: the schedule search chooses "
+                        "per stage, lightest first)")
+    return parser
+
+
+def batching_from_args(args: argparse.Namespace, dp: int) -> tuple[str, Optional[int]]:
+    """The micro-batching method (``--dynapipe-batching``, defaulted by ``--use-dynapipe``) and
+    the micro-batch size it needs (samples; None where the planner cuts the micro-batches),
+    validated against the global batch and the ``dp`` data-parallel replicas."""
+    batching = args.dynapipe_batching or ("dynapipe" if args.use_dynapipe else "padding")
+    if not args.use_dynapipe and batching not in MEGATRON_BATCHINGS:
+        raise DynaPipeError(f"--dynapipe-batching {batching} runs through the DynaPipe executor: add --use-dynapipe "
+                            f"(without it megatron-core's fixed-shape 1F1B runs {' or '.join(MEGATRON_BATCHINGS)}).")
+    mbs = args.micro_batch_size
+    gbs = args.global_batch_size
+    if not args.use_dynapipe or batching in MEGATRON_BATCHINGS:
+        mbs = _need(args, "micro-batch-size", mbs)
+        if gbs % (mbs * dp):
+            raise DynaPipeError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x "
+                                f"data-parallel size {dp}; use a multiple of {mbs * dp}.")
+    elif gbs < dp:
+        raise DynaPipeError(f"--global-batch-size {gbs} is smaller than the data-parallel size {dp}: "
+                            f"every replica needs at least one sample.")
+    if batching == "token-budget" and args.dynapipe_max_tokens is None:
+        raise DynaPipeError("--dynapipe-batching token-budget needs --dynapipe-max-tokens (padded tokens per micro-batch).")
+    if args.dynapipe_max_tokens is not None and args.dynapipe_max_tokens < args.seq_length:
+        raise DynaPipeError(f"--dynapipe-max-tokens {args.dynapipe_max_tokens} is below --seq-length "
+                            f"{args.seq_length}: a full-length sample would not fit in any micro-batch.")
+    if args.use_dynapipe and batching == "packing" and not (args.reset_position_ids and args.reset_attention_mask):
+        # The executor's packing always isolates samples (every stage masks attention per
+        # sample, positions restart); Megatron's packing without these flags would not.
+        missing = [f for f, on in (("--reset-position-ids", args.reset_position_ids),
+                                   ("--reset-attention-mask", args.reset_attention_mask)) if not on]
+        raise DynaPipeError(f"--use-dynapipe --dynapipe-batching packing always isolates packed samples; add "
+                            f"{' '.join(missing)} (packing whose samples attend to each other runs only "
+                            f"without --use-dynapipe).")
+    if (args.reset_position_ids or args.reset_attention_mask) and batching != "packing":
+        raise DynaPipeError("--reset-position-ids / --reset-attention-mask apply to packed rows only "
+                            "(--dynapipe-batching packing).")
+    return batching, mbs
+
+
+def dynapipe_args_from_args(args: argparse.Namespace, cuda: bool, batching: str, recompute: Optional[str],
+                            dp: int, num_nodes: Optional[int]) -> DynaPipeArgs:
+    """DynaPipe's planner, executor and loader settings, validated; ``batching`` from
+    :func:`batching_from_args`, ``recompute`` the planner's fixed level (None: it chooses),
+    ``dp`` the data-parallel replicas, ``num_nodes`` the job's nodes (None: not known yet)."""
+    cost_model = args.dynapipe_cost_model
+    if cost_model != "analytic" and not os.path.isfile(cost_model):
+        raise DynaPipeError(f"--dynapipe-cost-model {cost_model!r}: no such profile file; use 'analytic' or "
+                            f"write a profile with `python -m dynapipe profile --output {cost_model}`.")
+    planner_nodes, split = planner_nodes_from_args(args, dp, num_nodes)
+    return DynaPipeArgs(
+        enabled=args.use_dynapipe, batching=batching, schedule=args.dynapipe_schedule,
+        memory_limit_mb=args.dynapipe_memory_limit_mb, cost_model=cost_model,
+        device=args.dynapipe_device or ("h100-80gb" if cuda else "cpu"),
+        cluster=args.dynapipe_cluster or ("h100-8x" if cuda else "cpu-local"),
+        planner_workers=args.dynapipe_planner_workers, planner_nodes=planner_nodes, split_replicas=split,
+        prefetch=args.dynapipe_prefetch,
+        kv_backend=args.dynapipe_kv_backend, redis_host=args.dynapipe_redis_host,
+        redis_port=args.dynapipe_redis_port, store_retry_s=args.dynapipe_store_retry_s,
+        max_tokens=args.dynapipe_max_tokens,
+        timeout_s=args.dynapipe_timeout_s, trace_dir=args.dynapipe_trace_dir, recompute=recompute)
+
+
+def planner_nodes_from_args(args: argparse.Namespace, dp: int, num_nodes: Optional[int]) -> tuple[int, bool]:
+    """``--dynapipe-planner-nodes`` and ``--dynapipe-split-replicas``, validated (see
+    :func:`check_planner_nodes`); both need ``--use-dynapipe``, the only path that plans."""
+    planner_nodes = _positive("dynapipe-planner-nodes", args.dynapipe_planner_nodes, allow_zero=True)
+    split = args.dynapipe_split_replicas
+    if not args.use_dynapipe and (planner_nodes or split):
+        flag = f"--dynapipe-planner-nodes {planner_nodes}" if planner_nodes else "--dynapipe-split-replicas"
+        raise DynaPipeError(f"{flag} needs --use-dynapipe: without it every rank cuts its own fixed-shape "
+                            f"micro-batches and nothing is planned.")
+    check_planner_nodes(planner_nodes, split, num_nodes, dp)
+    return planner_nodes, split
+
+
+def check_planner_nodes(planner_nodes: int, split_replicas: bool, num_nodes: Optional[int], dp: int) -> None:
+    """Refuse planner nodes the job cannot honour: more than its ``num_nodes`` nodes (None: not
+    known, as when the command line is parsed outside torchrun; the data loader's caller checks
+    again with the launched layout), or, when splitting, more than its ``dp`` data-parallel
+    replicas (a node would have no replica to plan). Splitting over one planner node is
+    accepted: that node plans every replica, exactly as without the flag."""
+    if planner_nodes < 0:
+        raise DynaPipeError(f"--dynapipe-planner-nodes {planner_nodes}: must be non-negative (0: every node plans).")
+    if num_nodes is not None and planner_nodes > num_nodes:
+        raise DynaPipeError(f"--dynapipe-planner-nodes {planner_nodes}: the job runs on {num_nodes} node(s); "
+                            f"give at most {num_nodes} (0: every node plans).")
+    if split_replicas and planner_nodes > dp:
+        raise DynaPipeError(f"--dynapipe-planner-nodes {planner_nodes} --dynapipe-split-replicas: the job has "
+                            f"{dp} data-parallel replica(s) to share out; give at most {dp} planner nodes, or "
+                            f"drop --dynapipe-split-replicas (the nodes then take turns by iteration).")

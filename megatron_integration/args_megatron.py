@@ -1,0 +1,151 @@
+"""Megatron-LM's own arguments, declared with Megatron's names, meanings and defaults.
+
+``add_megatron_args`` declares the standard Megatron-LM flags this project reads, so an
+existing Megatron command line carries over. Declarations only: the values are validated
+where they become config (:mod:`~megatron_integration.args_model`,
+:mod:`~megatron_integration.args_training`, :mod:`~megatron_integration.arguments`), and
+the Megatron-LM flags this build refuses are in :mod:`~megatron_integration.args_refusals`.
+
+No torch or megatron import.
+"""
+from __future__ import annotations
+
+import argparse
+
+from megatron_integration.model_flags import add_loss_scale_args
+from megatron_integration.tokenizer import add_tokenizer_args
+
+POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+
+
+def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Declare the Megatron-LM arguments the project reads (names and defaults as Megatron's)."""
+    g = parser.add_argument_group("network size")
+    g.add_argument("--num-layers", type=int, default=None, help="number of transformer layers")
+    g.add_argument("--hidden-size", type=int, default=None, help="transformer hidden size")
+    g.add_argument("--num-attention-heads", type=int, default=None, help="number of attention heads")
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP width (default 4 x hidden size)")
+    g.add_argument("--kv-channels", type=int, default=None, help="per-head width (default hidden / heads)")
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="maximum sequence length the position embedding supports (default: --seq-length)")
+    g.add_argument("--position-embedding-type", default="learned_absolute", choices=POSITION_EMBEDDINGS)
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="vocabulary size before padding (default: the byte-level tokenizer's)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this x --tensor-model-parallel-size (Megatron's rule)")
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP instead of GeLU")
+    g.add_argument("--disable-bias-linear", action="store_true", help="no biases in the linear layers")
+    g.add_argument("--group-query-attention", action="store_true", help="grouped-query attention")
+    g.add_argument("--num-query-groups", type=int, default=1, help="key/value groups with --group-query-attention")
+    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base period")
+    g.add_argument("--use-flash-attn", action="store_true", help="flash attention (GPU)")
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="attention implementation (auto: megatron-core chooses)")
+    g.add_argument("--transformer-impl", default="transformer_engine", choices=("local", "transformer_engine"),
+                   help="layer implementation; Transformer Engine's spec where it is installed, else local")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="separate output layer instead of the tied input embedding")
+    g.add_argument("--normalization", default="LayerNorm", choices=("LayerNorm", "RMSNorm"))
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+
+    g = parser.add_argument_group("training")
+    g.add_argument("--seq-length", type=int, default=None, help="maximum sequence length in tokens")
+    g.add_argument("--micro-batch-size", type=int, default=None,
+                   help="samples (or packed rows) per micro-batch of the fixed-shape baselines")
+    g.add_argument("--global-batch-size", type=int, default=None, help="samples per iteration over all replicas")
+    g.add_argument("--train-iters", type=int, default=None, help="iterations to train")
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="samples to train (instead of --train-iters): iterations = samples / --global-batch-size")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (after saving, with --save) at the first iteration divisible by this")
+    g.add_argument("--seed", type=int, default=1234, help="random seed (initialisation, data, dropout)")
+    g.add_argument("--bf16", action="store_true", help="bfloat16 parameters and activations (GPU)")
+    g.add_argument("--fp16", action="store_true", help="float16 parameters and activations (GPU)")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="packing: restart position ids at every sample of a packed row")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="packing: samples of a packed row do not attend to each other")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
+                   help="stop the job when the loss or the gradient norm is NaN or infinite, before the optimizer "
+                        "step (default on; --no-check-for-nan-in-loss-and-grad disables)")
+    g.add_argument("--recompute-granularity", default=None, choices=("full", "selective"),
+                   help="activation recomputation: selective (core attention) or full (whole layers)")
+    g.add_argument("--recompute-method", default=None, choices=("uniform", "block"),
+                   help="full recompute: uniform (chunks of --recompute-num-layers layers) or block "
+                        "(the first --recompute-num-layers layers of each stage)")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="full recompute: layers per chunk (uniform) or layers recomputed per stage (block)")
+
+    g = parser.add_argument_group("learning rate and optimizer")
+    g.add_argument("--lr", type=float, default=None, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", default="linear", choices=LR_DECAY_STYLES)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warm-up as a fraction of the decay iterations (instead of --lr-warmup-iters)")
+    g.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
+    g.add_argument("--loss-scale", type=float, default=None, help="fp16: static loss scale (default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32, help="fp16: initial dynamic loss scale")
+    add_loss_scale_args(g)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="gradient norm clip (0 disables)")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard optimizer state over data-parallel ranks (megatron-core's distributed optimizer)")
+
+    g = parser.add_argument_group("distributed")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="split norms, dropout and the activations between stages along the sequence over the "
+                        "tensor-parallel ranks (needs --tensor-model-parallel-size 2 or more)")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--distributed-backend", default=None, choices=("nccl", "gloo"),
+                   help="default: nccl with CUDA, gloo without")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+
+    g = parser.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="JSONL files or Megatron indexed-dataset prefixes (optionally weighted: W1 P1 W2 P2)")
+    g.add_argument("--mock-data", action="store_true", help="train on the synthetic multi-task mixture")
+    g.add_argument("--tokenizer-type", default="ByteLevel", help="ByteLevel (default), NullTokenizer, GPT2BPETokenizer or HuggingFaceTokenizer: the vocabulary size "
+                        "and end of document; JSONL text is tokenised byte-level")
+    g.add_argument("--tokenizer-model", default=None, help="tokenizer model file or name, when the type needs one")
+    add_tokenizer_args(g)
+    g.add_argument("--num-workers", type=int, default=2,
+                   help="data-loader workers (accepted; samples are read in-process from memory-mapped files)")
+
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None, help="directory to save checkpoints to")
+    g.add_argument("--load", default=None, help="directory to resume from (its latest checkpoint)")
+    g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
+    g.add_argument("--no-load-optim", action="store_true", help="do not restore the optimizer state")
+    g.add_argument("--no-load-rng", action="store_true", help="do not restore the RNG states")
+    g.add_argument("--ckpt-format", default="torch_dist", choices=("torch_dist", "torch", "dynapipe"),
+                   help="torch_dist: megatron-core's distributed checkpoint, as Megatron-LM writes it (default); "
+                        "dynapipe: this project's per-rank files (torch: Megatron's legacy format, not written)")
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   help="on --load, take the learning-rate schedule from this run's arguments, not the checkpoint's")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   help="on --load, keep the checkpoint's learning-rate schedule whatever this run's arguments say "
+                        "(without either flag a schedule that differs from the checkpoint's is refused)")
+    g.add_argument("--finetune", action="store_true",
+                   help="load the model weights only (no optimizer, scheduler or RNG) and start at iteration 0")
+    g.add_argument("--auto-detect-ckpt-format", action="store_true",
+                   help="accepted: --load always reads the format the checkpoint is in")
+    g.add_argument("--use-dist-ckpt", action="store_true", help="deprecated in Megatron-LM (see --ckpt-format); no effect")
+
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=100, help="iterations between log lines")
+    g.add_argument("--tensorboard-dir", default=None, help="write TensorBoard scalars here")
+    from megatron_integration.data_args import add_eval_args, add_split_args
+
+    add_split_args(parser)
+    add_eval_args(parser)
+    return parser

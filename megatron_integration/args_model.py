@@ -1,0 +1,102 @@
+"""The model part of Megatron's arguments, validated into config: the network's shape and
+numerics (:class:`GPTModelArgs`, with Megatron-LM's vocabulary padding) and activation
+recomputation (Megatron's ``--recompute-*`` and the level DynaPipe's planner must use).
+
+Shared by training and profiling. No torch or megatron import.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+from dynapipe.errors import DynaPipeError
+from megatron_integration.args_checks import _need, _positive
+from megatron_integration.args_refusals import _model_flags_honoured
+from megatron_integration.model_flags import model_shape_from_args
+from megatron_integration.tokenizer import tokenizer_info
+from megatron_integration.train_config import GPTModelArgs, RecomputeArgs
+
+# The byte-level tokenizer's ids (256 bytes and its specials), before padding.
+BYTE_LEVEL_VOCAB = 384
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
+    """Megatron-LM's vocabulary padding: round ``vocab_size`` (ids) up to a multiple of
+    ``divisible_by x tensor_parallel`` so every tensor-parallel shard of the embedding is equal
+    and aligned (50257 -> 50304 with the defaults)."""
+    multiple = divisible_by * tensor_parallel
+    return -(-vocab_size // multiple) * multiple
+
+
+def model_args_from_args(args: argparse.Namespace, cuda: bool) -> GPTModelArgs:
+    """The model part of the arguments, validated (shared by training and profiling)."""
+    for flag in ("num-layers", "hidden-size", "num-attention-heads", "seq-length"):
+        _need(args, flag, getattr(args, flag.replace("-", "_")))
+    for flag in ("num-layers", "hidden-size", "num-attention-heads", "seq-length", "ffn-hidden-size",
+                 "kv-channels", "max-position-embeddings", "vocab-size"):
+        _positive(flag, getattr(args, flag.replace("-", "_")))
+    for flag in ("hidden-dropout", "attention-dropout"):
+        value = getattr(args, flag.replace("-", "_"))
+        if not 0.0 <= value < 1.0:
+            raise DynaPipeError(f"--{flag} {value}: must be in [0, 1).")
+    if args.fp16 and args.bf16:
+        raise DynaPipeError("--fp16 and --bf16 were both given; choose one (or neither for fp32).")
+    dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    if dtype != "fp32" and not cuda:
+        raise DynaPipeError(f"--{dtype} needs a GPU; on CPU drop --{dtype} and train in fp32.")
+    if args.hidden_size % args.num_attention_heads:
+        raise DynaPipeError(f"--hidden-size {args.hidden_size} is not divisible by "
+                            f"--num-attention-heads {args.num_attention_heads}.")
+    _model_flags_honoured(args, cuda)
+    shape = model_shape_from_args(args)
+    _positive("make-vocab-size-divisible-by", args.make_vocab_size_divisible_by)
+    unpadded = tokenizer_info(args).vocab_size
+    vocab = padded_vocab_size(unpadded, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    max_pos = args.max_position_embeddings or args.seq_length
+    if args.position_embedding_type == "learned_absolute" and args.seq_length > max_pos:
+        raise DynaPipeError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings {max_pos}; "
+                            f"raise --max-position-embeddings to at least {args.seq_length} or shorten --seq-length.")
+    return GPTModelArgs(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=shape.pop("ffn_hidden_size"),
+        kv_channels=args.kv_channels or args.hidden_size // args.num_attention_heads,
+        seq_length=args.seq_length, max_position_embeddings=max_pos, vocab_size=vocab,
+        unpadded_vocab_size=unpadded,
+        position_embedding_type=args.position_embedding_type,
+        tie_embeddings=not args.untie_embeddings_and_output_weights, normalization=args.normalization,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std, dtype=dtype, **shape)
+
+
+def recompute_from_args(args: argparse.Namespace) -> tuple[RecomputeArgs, Optional[str]]:
+    """Megatron's ``--recompute-*`` (validated as Megatron-LM validates them) and the level
+    DynaPipe's planner must use (None: ``--dynapipe-recompute auto``, the search chooses)."""
+    gran, method, layers = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
+    if gran is None and (method is not None or layers is not None):
+        raise DynaPipeError("--recompute-method / --recompute-num-layers need --recompute-granularity full.")
+    if gran == "selective" and (method is not None or layers is not None):
+        raise DynaPipeError("--recompute-granularity selective takes no --recompute-method / --recompute-num-layers "
+                            "(as in Megatron-LM); drop them.")
+    if gran == "full":
+        if method is None or layers is None:
+            raise DynaPipeError("--recompute-granularity full needs --recompute-method {uniform,block} and "
+                                "--recompute-num-layers N (as in Megatron-LM).")
+        per_stage = args.num_layers // max(args.pipeline_model_parallel_size, 1)
+        if not 1 <= layers <= per_stage:
+            raise DynaPipeError(f"--recompute-num-layers {layers}: must be between 1 and the {per_stage} layers "
+                                f"of each pipeline stage.")
+    recompute = RecomputeArgs(gran, method, layers)
+    dyn = getattr(args, "dynapipe_recompute", "auto")
+    if not args.use_dynapipe:
+        if dyn != "auto":
+            raise DynaPipeError(f"--dynapipe-recompute {dyn} needs --use-dynapipe; the baselines take Megatron's "
+                                f"--recompute-granularity.")
+        return recompute, None
+    if gran == "full" and (method, layers) != ("uniform", 1):
+        # The planner's 'full' keeps every layer's input and rematerialises one layer at a time.
+        raise DynaPipeError(f"--use-dynapipe plans full recompute layer by layer; --recompute-method {method} "
+                            f"--recompute-num-layers {layers} cannot be honoured: use --recompute-method uniform "
+                            f"--recompute-num-layers 1, or --dynapipe-recompute full.")
+    if gran is not None and dyn not in ("auto", gran):
+        raise DynaPipeError(f"--recompute-granularity {gran} and --dynapipe-recompute {dyn} disagree; give one.")
+    return recompute, gran or (None if dyn == "auto" else dyn)

@@ -1,0 +1,73 @@
+"""What this build refuses instead of ignoring: Megatron-LM flags it does not take, and
+non-default values of declared flags that the stages or checkpoints cannot honour.
+
+Each refusal is one line naming the flag, why, and what to give instead
+(:func:`~megatron_integration.args_checks._unsupported`). No torch or megatron import.
+"""
+from __future__ import annotations
+
+import argparse
+
+from dynapipe.errors import DynaPipeError
+from megatron_integration.args_checks import _unsupported
+
+# Megatron-LM flags this build does not take, and why (or what to use instead). Anything
+# not listed here and not declared by add_megatron_args / add_dynapipe_args is not a
+# Megatron-LM flag and gets argparse's error.
+UNSUPPORTED_MEGATRON_FLAGS = {
+    "--wandb-project": "use --tensorboard-dir for metrics",
+    "--wandb-exp-name": "use --tensorboard-dir for metrics",
+    "--wandb-save-dir": "use --tensorboard-dir for metrics",
+    "--eval-global-batch-size": "evaluation batches are --global-batch-size samples; drop it",
+    "--full-validation": "evaluation reads --eval-iters global batches; drop it",
+    "--skip-train": "training always runs (evaluation follows it); drop it",
+    "--context-parallel-size": "no context parallelism; split long sequences over fewer tokens per sample",
+    "--virtual-pipeline-model-parallel-size": "interleaved pipeline stages are not run; drop it",
+    "--num-layers-per-virtual-pipeline-stage": "interleaved pipeline stages are not run; drop it",
+    "--num-experts": "mixture-of-experts models are not built; drop it",
+    "--expert-model-parallel-size": "mixture-of-experts models are not built; drop it",
+    "--overlap-grad-reduce": "gradients are all-reduced once after the last micro-batch of an iteration; drop it",
+    "--overlap-param-gather": "parameters are gathered after the optimizer step; drop it",
+    "--rampup-batch-size": "the global batch is fixed (or set by --dynapipe-tokens-per-global-batch)",
+    "--lr-decay-samples": "give the decay in iterations (--lr-decay-iters)",
+    "--lr-warmup-samples": "give the warm-up in iterations (--lr-warmup-iters) or --lr-warmup-fraction",
+    "--dataloader-type": "global batches come from this project's sampler; drop it",
+    "--eod-mask-loss": "samples are whole documents without separators; drop it",
+    "--fp8-format": "fp8 training is not supported; use --bf16",
+    "--rotary-percent": "rotary embeddings cover the whole head; drop it",
+    "--no-save-optim": "checkpoints always hold the optimizer state; drop it (load with --no-load-optim or "
+                       "--finetune to leave it out)",
+    "--no-save-rng": "checkpoints always hold the RNG states; drop it (load with --no-load-rng to leave them out)",
+    "--async-save": "checkpoints are saved synchronously; drop it",
+    "--use-checkpoint-args": "the model is built from the command line, and a checkpoint of another shape is "
+                             "refused; give the model arguments it was saved with",
+    "--ckpt-step": "--load resumes from the iteration in latest_checkpointed_iteration.txt; drop it",
+    "--pretrained-checkpoint": "give the checkpoint with --load (and --finetune to start from its weights)",
+}
+
+
+def _model_flags_honoured(args: argparse.Namespace, cuda: bool) -> None:
+    """Refuse the Megatron model flags whose non-default values the stage builder cannot honour yet
+    (the default of each, which is what is built, is accepted)."""
+    if args.use_flash_attn:
+        raise _unsupported("--use-flash-attn", "attention runs through Transformer Engine's spec where installed "
+                                               "(it picks flash attention itself) or megatron-core's local one; "
+                                               "drop it")
+    if args.attention_backend != "auto":
+        raise _unsupported("--attention-backend", f"{args.attention_backend}: megatron-core chooses the backend "
+                                                  f"(auto); drop it")
+    if args.transformer_impl == "local" and cuda:
+        raise _unsupported("--transformer-impl", "local: on GPUs the stages use Transformer Engine's spec where "
+                                                 "it is installed; drop it")
+
+
+def _checkpoint_args_honoured(args: argparse.Namespace) -> None:
+    """Refuse the checkpoint flags this build cannot honour."""
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise DynaPipeError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict "
+                            "each other (this run's schedule vs the checkpoint's); give one of them.")
+    if args.ckpt_format == "torch":
+        raise _unsupported("--ckpt-format", "torch (Megatron's legacy per-rank files) is not written; use "
+                                            "torch_dist (the default, which Megatron-LM loads) or dynapipe")
+    if args.finetune and not args.load:
+        raise DynaPipeError("--finetune needs --load DIR (the checkpoint whose weights to start from).")
