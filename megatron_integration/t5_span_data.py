@@ -20,12 +20,14 @@ padding baseline's rows are Megatron's own tensors (pads are 0, as Megatron writ
 and DynaPipe and packing train on the same pairs.
 
 The run's samples are the first ``--train-iters x --global-batch-size`` of Megatron's train
-split, the samples a Megatron-LM run trains on; every sample's lengths are computed up front
-(the planner and sampler need them), which costs one span corruption per sample.
+split, the samples a Megatron-LM run trains on. Every sample's lengths are computed up front
+(the planner and sampler need them; one span corruption a sample) on rank 0, broadcast, and
+kept next to megatron-core's index cache for the next run of the same data and flags.
 """
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -112,6 +114,29 @@ def build_megatron_train_dataset(cfg: SpanCorruptionConfig):
     return train
 
 
+def _on_rank0(compute):
+    """``compute()`` on rank 0 only, its result (or its :class:`DynaPipeError`) broadcast to every
+    rank, so a bad sample is reported by all ranks and none waits; plain call without a group."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return compute()
+    box, failure = [None], None
+    if dist.get_rank() == 0:
+        try:
+            box = [("ok", compute())]
+        except Exception as e:  # every rank must hear of it, not only rank 0
+            failure = e
+            box = [("error", str(e) if isinstance(e, DynaPipeError) else f"rank 0: {type(e).__name__}: {e}")]
+    dist.broadcast_object_list(box, src=0)
+    if failure is not None:
+        raise failure
+    kind, value = box[0]
+    if kind == "error":
+        raise DynaPipeError(value)
+    return value
+
+
 def pair_lengths(sample: dict, bos: int, eos: int) -> tuple[int, int]:
     """(input, target) tokens of one of Megatron's padded samples, from its masks; checks that
     its decoder input is ``[BOS]`` + the labels shifted right (what collate rebuilds)."""
@@ -142,16 +167,39 @@ class SpanCorruptionDataset(SampleDataset):
         self.pad_id, self.eod_id, self.vocab_size = 0, vocab.bos, vocab.vocab_size
         self._eos = vocab.eos
         self._megatron = build_megatron_train_dataset(cfg)
-        n = min(cfg.num_samples, len(self._megatron))
-        lengths = np.zeros((n, 2), dtype=np.int64)
-        self.truncated = np.zeros(n, dtype=bool)
-        self.tasks = np.zeros(n, dtype=np.int64)
+        table = _on_rank0(self._sample_table)
+        self.input_lengths, self.target_lengths = table[:, 0].copy(), table[:, 1].copy()
+        self.truncated, self.tasks = table[:, 2].astype(bool), table[:, 3].copy()
+
+    def _sample_table(self) -> np.ndarray:
+        """Per sample: input tokens, target tokens, Megatron's truncated flag, dataset index;
+        read from (or saved to) the index cache next to Megatron's own, keyed by its hash."""
+        n = min(self.cfg.num_samples, len(self._megatron))
+        cache = self._table_cache_path(n)
+        if cache is not None and os.path.isfile(cache):
+            table = np.load(cache)
+            if table.shape == (n, 4):
+                return table
+        table = np.zeros((n, 4), dtype=np.int64)
         for i in range(n):
             s = self._sample(i)
-            lengths[i] = pair_lengths(s, self.eod_id, self._eos)
-            self.truncated[i] = bool(s["truncated"])
-            self.tasks[i] = int(s.get("dataset_id", 0))
-        self.input_lengths, self.target_lengths = lengths[:, 0].copy(), lengths[:, 1].copy()
+            table[i, :2] = pair_lengths(s, self.eod_id, self._eos)
+            table[i, 2], table[i, 3] = int(s["truncated"]), int(s.get("dataset_id", 0))
+        if cache is not None:
+            try:
+                os.makedirs(os.path.dirname(cache), exist_ok=True)
+                np.save(cache + ".tmp.npy", table)
+                os.replace(cache + ".tmp.npy", cache)
+            except OSError:
+                pass  # a read-only data directory: computed again next time
+        return table
+
+    def _table_cache_path(self, n: int) -> Optional[str]:
+        key = getattr(self._megatron, "unique_description_hash", None)
+        if key is None:
+            return None
+        folder = self.cfg.cache_path or os.path.join(self.cfg.paths[0], "cache", "T5MaskedWordPieceDataset_indices")
+        return os.path.join(folder, f"{key}-SpanCorruptionDataset-{n}-lengths.npy")
 
     def build(self) -> "SpanCorruptionDataset":
         """Already open: itself (what :meth:`dynapipe.data.config.DatasetConfig.build` gives)."""
@@ -188,4 +236,7 @@ class SpanCorruptionDataset(SampleDataset):
 
     def _read(self, idx: int, input_len: int, target_len: int) -> tuple[np.ndarray, np.ndarray, int]:
         s = self._sample(idx)
+        if pair_lengths(s, self.eod_id, self._eos) != (input_len, target_len):
+            raise DynaPipeError(f"T5 sample {idx}: the lengths cached in {self._table_cache_path(len(self))} "
+                                f"disagree with the data (rewritten since?); delete that file.")
         return s["text_enc"][:input_len], s["labels"][:target_len], int(self.tasks[idx])

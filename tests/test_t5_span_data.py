@@ -124,6 +124,23 @@ def test_blend_mixes_the_datasets_and_survives_pickling(corpus):
         np.testing.assert_array_equal(copy[i].target_ids, ds[i].target_ids)
 
 
+def test_lengths_are_kept_next_to_megatrons_index_cache(corpus):
+    cfg = parse_t5_args(_args(corpus), 1, cuda=False)
+    ds = cfg.dataset_config()
+    cache = ds._table_cache_path(len(ds))
+    assert cache.startswith(os.path.join(corpus["a"], "cache")) and os.path.isfile(cache)
+    table = np.load(cache)
+    np.testing.assert_array_equal(table[:, 0], ds.input_lengths)
+    np.testing.assert_array_equal(table[:, 1], ds.target_lengths)
+    table[3, 0] += 1
+    np.save(cache, table)
+    stale = cfg.dataset_config()  # reads the cache instead of corrupting every sample again
+    assert stale.input_lengths[3] == ds.input_lengths[3] + 1
+    with pytest.raises(DynaPipeError, match="disagree with the data"):
+        stale[3]
+    os.remove(cache)
+
+
 def test_bad_span_corruption_input_is_refused_in_one_line(corpus, tmp_path):
     only_idx = str(tmp_path / "only_idx")
     shutil.copy(corpus["a"] + ".idx", only_idx + ".idx")
