@@ -21,8 +21,9 @@ and DynaPipe and packing train on the same pairs.
 
 The run's samples are the first ``--train-iters x --global-batch-size`` of Megatron's train
 split, the samples a Megatron-LM run trains on. Every sample's lengths are computed up front
-(the planner and sampler need them; one span corruption a sample) on rank 0, broadcast, and
-kept next to megatron-core's index cache for the next run of the same data and flags.
+(the planner and sampler need them; one span corruption a sample), each rank a share, then
+gathered, and kept next to megatron-core's index cache for the next run of the same data and
+flags.
 """
 from __future__ import annotations
 
@@ -114,27 +115,42 @@ def build_megatron_train_dataset(cfg: SpanCorruptionConfig):
     return train
 
 
-def _on_rank0(compute):
-    """``compute()`` on rank 0 only, its result (or its :class:`DynaPipeError`) broadcast to every
-    rank, so a bad sample is reported by all ranks and none waits; plain call without a group."""
+def _everyone_hears(fn, *args):
+    """``(("ok", fn(*args)), None)`` or ``(("error", message), exception)``: what collective
+    callers share before going on, so that a failure on one rank is raised on all and none waits."""
+    try:
+        return ("ok", fn(*args)), None
+    except Exception as e:
+        text = str(e) if isinstance(e, DynaPipeError) else f"{type(e).__name__}: {e}"
+        return ("error", text), e
+
+
+def _collective_table(cached, compute_rows, n: int) -> tuple[np.ndarray, bool]:
+    """The ``(n, 4)`` sample table: rank 0's ``cached()`` (None on a miss) broadcast, else every
+    rank's ``compute_rows(lo, hi)`` share gathered; True when it was computed. Without a
+    process group (or alone) a plain call."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return compute()
+        table = cached()
+        return (table, False) if table is not None else (compute_rows(0, n), True)
+    rank, world = dist.get_rank(), dist.get_world_size()
     box, failure = [None], None
-    if dist.get_rank() == 0:
-        try:
-            box = [("ok", compute())]
-        except Exception as e:  # every rank must hear of it, not only rank 0
-            failure = e
-            box = [("error", str(e) if isinstance(e, DynaPipeError) else f"rank 0: {type(e).__name__}: {e}")]
+    if rank == 0:
+        (box[0], failure) = _everyone_hears(cached)
     dist.broadcast_object_list(box, src=0)
-    if failure is not None:
-        raise failure
-    kind, value = box[0]
-    if kind == "error":
-        raise DynaPipeError(value)
-    return value
+    if box[0][0] == "error":
+        raise failure or DynaPipeError(box[0][1])
+    if box[0][1] is not None:
+        return box[0][1], False
+    lo, hi = n * rank // world, n * (rank + 1) // world
+    mine, failure = _everyone_hears(compute_rows, lo, hi)
+    shares = [None] * world
+    dist.all_gather_object(shares, mine)
+    bad = next((text for kind, text in shares if kind == "error"), None)
+    if bad is not None:
+        raise failure or DynaPipeError(bad)
+    return np.concatenate([rows for _, rows in shares]), True
 
 
 def pair_lengths(sample: dict, bos: int, eos: int) -> tuple[int, int]:
@@ -167,32 +183,45 @@ class SpanCorruptionDataset(SampleDataset):
         self.pad_id, self.eod_id, self.vocab_size = 0, vocab.bos, vocab.vocab_size
         self._eos = vocab.eos
         self._megatron = build_megatron_train_dataset(cfg)
-        table = _on_rank0(self._sample_table)
+        n = min(cfg.num_samples, len(self._megatron))
+        table, computed = _collective_table(lambda: self._cached_table(n), self._table_rows, n)
+        if computed:
+            self._save_table(table)
         self.input_lengths, self.target_lengths = table[:, 0].copy(), table[:, 1].copy()
         self.truncated, self.tasks = table[:, 2].astype(bool), table[:, 3].copy()
 
-    def _sample_table(self) -> np.ndarray:
-        """Per sample: input tokens, target tokens, Megatron's truncated flag, dataset index;
-        read from (or saved to) the index cache next to Megatron's own, keyed by its hash."""
-        n = min(self.cfg.num_samples, len(self._megatron))
-        cache = self._table_cache_path(n)
-        if cache is not None and os.path.isfile(cache):
-            table = np.load(cache)
-            if table.shape == (n, 4):
-                return table
-        table = np.zeros((n, 4), dtype=np.int64)
-        for i in range(n):
+    def _table_rows(self, lo: int, hi: int) -> np.ndarray:
+        """Samples ``[lo, hi)``: input tokens, target tokens, Megatron's truncated flag, dataset index."""
+        rows = np.zeros((hi - lo, 4), dtype=np.int64)
+        for i in range(lo, hi):
             s = self._sample(i)
-            table[i, :2] = pair_lengths(s, self.eod_id, self._eos)
-            table[i, 2], table[i, 3] = int(s["truncated"]), int(s.get("dataset_id", 0))
-        if cache is not None:
-            try:
-                os.makedirs(os.path.dirname(cache), exist_ok=True)
-                np.save(cache + ".tmp.npy", table)
-                os.replace(cache + ".tmp.npy", cache)
-            except OSError:
-                pass  # a read-only data directory: computed again next time
-        return table
+            rows[i - lo, :2] = pair_lengths(s, self.eod_id, self._eos)
+            rows[i - lo, 2], rows[i - lo, 3] = int(s["truncated"]), int(s.get("dataset_id", 0))
+        return rows
+
+    def _cached_table(self, n: int) -> Optional[np.ndarray]:
+        cache = self._table_cache_path(n)
+        if cache is None or not os.path.isfile(cache):
+            return None
+        try:
+            table = np.load(cache)
+        except (OSError, ValueError):
+            return None  # half-written or foreign: computed again
+        return table if table.shape == (n, 4) else None
+
+    def _save_table(self, table: np.ndarray) -> None:
+        """Keep the table next to megatron-core's index cache (rank 0; best effort)."""
+        import torch.distributed as dist
+
+        cache = self._table_cache_path(len(table))
+        if cache is None or (dist.is_initialized() and dist.get_rank() != 0):
+            return
+        try:
+            os.makedirs(os.path.dirname(cache), exist_ok=True)
+            np.save(cache + ".tmp.npy", table)
+            os.replace(cache + ".tmp.npy", cache)
+        except OSError:
+            pass  # a read-only data directory: computed again next time
 
     def _table_cache_path(self, n: int) -> Optional[str]:
         key = getattr(self._megatron, "unique_description_hash", None)
