@@ -55,6 +55,16 @@ def test_wordpiece_vocabulary_has_megatron_lm_ids(corpus):
                                                                   ("[PAD]", "[CLS]", "[SEP]", "[MASK]"))
     assert cfg.base.model.unpadded_vocab_size == n + 2 + EXTRA and cfg.base.model.vocab_size == 128
     assert cfg.span_corruption.num_samples == 5 * 8
+    # GPT reads the same vocabulary (pre-tokenised data): no sentinels without T5's --vocab-extra-ids.
+    from megatron_integration.arguments import parse_training_args
+
+    gpt = parse_training_args(["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
+                               "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+                               "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--tokenizer-type",
+                               "BertWordPieceCase", "--vocab-file", corpus["vocab"]], 1, cuda=False)
+    assert gpt.model.unpadded_vocab_size == n + 2
+    with pytest.raises(DynaPipeError, match="--merge-file is read by --tokenizer-type GPT2BPETokenizer only"):
+        parse_t5_args(_args(corpus, "--merge-file", corpus["vocab"]), 1, cuda=False)
 
 
 def test_pairs_are_megatrons_t5_samples_unpadded(corpus):
