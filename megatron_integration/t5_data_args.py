@@ -43,6 +43,10 @@ def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> O
         if given:
             raise DynaPipeError(f"{given[0]} applies to T5 span corruption of indexed --data-path datasets; JSONL "
                                 f"pairs and --mock-data are not masked: drop it.")
+        if args.vocab_extra_ids and args.tokenizer_type not in WORDPIECE_TYPES:
+            raise DynaPipeError(f"--vocab-extra-ids {args.vocab_extra_ids}: sentinels are added to the WordPiece "
+                                f"vocabularies only (--tokenizer-type BertWordPieceLowerCase or BertWordPieceCase), "
+                                f"not to {args.tokenizer_type}; drop it.")
         return None
     if len(indexed) != len(paths):
         raise DynaPipeError("--data-path mixes JSONL files and indexed-dataset prefixes; give one kind.")

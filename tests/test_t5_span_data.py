@@ -173,6 +173,8 @@ def test_bad_span_corruption_input_is_refused_in_one_line(corpus, tmp_path):
     assert parse_t5_args(mock, 1, cuda=False).span_corruption is None
     with pytest.raises(DynaPipeError, match="--mask-prob applies to T5 span corruption of indexed"):
         parse_t5_args(mock + ["--mask-prob", "0.3"], 1, cuda=False)
+    with pytest.raises(DynaPipeError, match="sentinels are added to the WordPiece vocabularies only"):
+        parse_t5_args(mock + ["--tokenizer-type", "ByteLevel", "--vocab-file", ""], 1, cuda=False)
 
 
 def test_samples_megatron_cannot_make_are_refused_before_training(corpus, tmp_path):
