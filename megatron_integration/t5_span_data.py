@@ -239,10 +239,6 @@ class SpanCorruptionDataset(SampleDataset):
         state["_megatron"] = None
         return state
 
-    def megatron_sample(self, idx: int) -> dict:
-        """Megatron's own padded sample ``idx`` (``text_enc``, ``text_dec``, ``labels``, ``loss_mask``, ...)."""
-        return self._sample(int(idx))
-
     def _sample(self, idx: int) -> dict:
         if self._megatron is None:
             self._megatron = build_megatron_train_dataset(self.cfg)
