@@ -122,10 +122,10 @@ def _t5_data_and_checkpoints_honoured(args: argparse.Namespace, base) -> None:
             raise DynaPipeError(f"{flag}: T5 stages are built as Megatron's T5 (GeLU MLP with biases, LayerNorm, "
                                 f"multi-head attention, tied output layer) in this build; drop it.")
     data = base.data
-    per_split = [f for f in ("train", "valid", "test") if getattr(data, f"{f}_data_path")]
+    per_split = [f for f in ("valid", "test") if getattr(data, f"{f}_data_path")]
     if per_split:
-        raise DynaPipeError(f"--{per_split[0]}-data-path: T5 reads --data-path only (no evaluation yet); give the "
-                            f"training pairs with --data-path.")
+        raise DynaPipeError(f"--{per_split[0]}-data-path: T5 runs no evaluation yet; give the training data with "
+                            f"--data-path or --train-data-path.")
     if data.split and any(data.split[1:]):
         shown = args.split if args.split is not None else "969, 30, 1 (Megatron's default with --data-path)"
         raise DynaPipeError(f"--split {shown}: T5 trains on every pair of --data-path and runs no evaluation yet; "

@@ -1,7 +1,8 @@
 """Megatron-LM's T5 span-corruption data arguments: ``--vocab-extra-ids``, ``--mask-prob``,
 ``--short-seq-prob``, ``--data-cache-path``, with Megatron-LM's meanings and defaults.
 
-They apply to ``--data-path`` indexed datasets (sentences grouped into documents), which
+They apply to ``--data-path`` (or ``--train-data-path``) indexed datasets (sentences grouped
+into documents), which
 T5 reads through megatron-core's ``T5MaskedWordPieceDataset``
 (:mod:`megatron_integration.t5_span_data`); JSONL pairs and ``--mock-data`` are already
 (input, target) pairs, so a non-default masking flag with them is refused. No torch or
@@ -36,7 +37,9 @@ def add_t5_data_args(group: argparse._ArgumentGroup) -> None:
 def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> Optional[SpanCorruptionConfig]:
     """The span-corruption data of a T5 run validated from its arguments (``base``: the shared
     config, already validated), or None when the run reads JSONL pairs or ``--mock-data``."""
-    paths = tuple(base.data.data_path)
+    flag = "--data-path" if base.data.data_path else "--train-data-path"
+    paths = tuple(base.data.data_path or base.data.train_data_path)
+    weights = tuple(base.data.data_weights if base.data.data_path else base.data.train_data_weights)
     indexed = [p for p in paths if not p.endswith((".jsonl", ".json"))]
     if not indexed:
         given = [f"--{k.replace('_', '-')}" for k, v in DEFAULTS.items() if getattr(args, k) != v]
@@ -49,10 +52,10 @@ def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> O
                                 f"not to {args.tokenizer_type}; drop it.")
         return None
     if len(indexed) != len(paths):
-        raise DynaPipeError("--data-path mixes JSONL files and indexed-dataset prefixes; give one kind.")
+        raise DynaPipeError(f"{flag} mixes JSONL files and indexed-dataset prefixes; give one kind.")
     for p in paths:
         if not (os.path.isfile(p + ".bin") and os.path.isfile(p + ".idx")):
-            raise DynaPipeError(f"--data-path {p}: no indexed dataset there ({p}.bin and {p}.idx must both exist; "
+            raise DynaPipeError(f"{flag} {p}: no indexed dataset there ({p}.bin and {p}.idx must both exist; "
                                 f"pass the prefix preprocess_data.py wrote, without the extension).")
     kind = args.tokenizer_type
     if kind not in WORDPIECE_TYPES:
@@ -76,7 +79,7 @@ def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> O
     if base.seed <= 0:
         raise DynaPipeError(f"--seed {base.seed}: megatron-core's T5 sample mapping needs a positive seed.")
     cfg = SpanCorruptionConfig(
-        paths=paths, weights=tuple(base.data.data_weights), split=_train_split(base),
+        paths=paths, weights=weights, split=_train_split(base) if base.data.data_path else None,
         num_samples=base.train_iters * base.global_batch_size,
         encoder_seq_length=enc_seq, decoder_seq_length=dec_seq, seed=base.seed, tokenizer_type=kind,
         vocab_file=args.vocab_file, vocab_extra_ids=args.vocab_extra_ids, mask_prob=args.mask_prob,

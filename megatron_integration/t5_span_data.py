@@ -1,6 +1,6 @@
 """T5 span-corruption pairs from Megatron indexed datasets, made by megatron-core's T5 dataset.
 
-``--data-path PREFIX [PREFIX ...]`` (or ``W1 P1 W2 P2 ...``) with ``--tokenizer-type
+``--data-path PREFIX [PREFIX ...]`` (or ``W1 P1 W2 P2 ...``; or ``--train-data-path``) with ``--tokenizer-type
 BertWordPieceLowerCase|BertWordPieceCase --vocab-file vocab.txt --vocab-extra-ids N``
 names indexed datasets of sentences grouped into documents (Megatron-LM's
 ``tools/preprocess_data.py --split-sentences``). megatron-core's
@@ -46,15 +46,16 @@ MAX_NGRAM = 10
 class SpanCorruptionConfig:
     """Where the pairs come from and how they are cut. Lengths in tokens.
 
-    ``paths`` / ``weights``: ``--data-path`` (weights empty when not given); ``split``:
-    megatron-core's split string; ``num_samples``: samples of the run (``--train-iters x
+    ``paths`` / ``weights``: ``--data-path`` or ``--train-data-path`` (weights empty when not
+    given); ``split``: megatron-core's split string of ``--data-path`` (None: the paths are
+    ``--train-data-path``, megatron-core's train blend of its per-split blends); ``num_samples``: samples of the run (``--train-iters x
     --global-batch-size``); ``cache_path``: ``--data-cache-path`` (None: megatron-core's
     default, a ``cache`` directory under each dataset prefix).
     """
 
     paths: tuple[str, ...]
     weights: tuple[float, ...]
-    split: str
+    split: Optional[str]
     num_samples: int
     encoder_seq_length: int
     decoder_seq_length: int
@@ -80,9 +81,11 @@ def megatron_dataset_config(cfg: SpanCorruptionConfig):
     """megatron-core's ``T5MaskedWordPieceDatasetConfig`` as Megatron-LM's ``pretrain_t5.py`` fills it."""
     from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDatasetConfig
 
+    blend = (list(cfg.paths), list(cfg.weights) if cfg.weights else None)
     return T5MaskedWordPieceDatasetConfig(
         random_seed=cfg.seed, sequence_length=cfg.encoder_seq_length, sequence_length_decoder=cfg.decoder_seq_length,
-        blend=(list(cfg.paths), list(cfg.weights) if cfg.weights else None), split=cfg.split,
+        blend=blend if cfg.split is not None else None, split=cfg.split,
+        blend_per_split=None if cfg.split is not None else [blend, None, None],
         path_to_cache=cfg.cache_path, tokenizer=cfg.vocab(), masking_probability=cfg.mask_prob,
         short_sequence_probability=cfg.short_seq_prob, masking_max_ngram=MAX_NGRAM, masking_do_full_word=True,
         masking_do_permutation=False, masking_use_longer_ngrams=False, masking_use_geometric_distribution=True)
@@ -109,7 +112,7 @@ def build_megatron_train_dataset(cfg: SpanCorruptionConfig):
         raise DynaPipeError(f"the T5 dataset index cache of {list(cfg.paths)} is missing in this process ({e}); "
                             f"give every node the same --data-cache-path on a shared file system.") from None
     if train is None or len(train) == 0:
-        raise DynaPipeError(f"--data-path {' '.join(cfg.paths)}: Megatron's T5 dataset made no sample (it skips "
+        raise DynaPipeError(f"{' '.join(cfg.paths)}: Megatron's T5 dataset made no sample (it skips "
                             f"empty documents and documents holding a sentence over 512 tokens); check the data was "
                             f"written with preprocess_data.py --split-sentences.")
     return train

@@ -134,6 +134,19 @@ def test_blend_mixes_the_datasets_and_survives_pickling(corpus):
         np.testing.assert_array_equal(copy[i].target_ids, ds[i].target_ids)
 
 
+def test_train_data_path_gives_the_pairs_of_the_whole_data_path(corpus):
+    whole = parse_t5_args(_args(corpus), 1, cuda=False).dataset_config()
+    argv = BASE.replace("--split 100,0,0", "").split() + ["--vocab-file", corpus["vocab"], "--train-data-path",
+                                                          corpus["a"]]
+    cfg = parse_t5_args(argv, 1, cuda=False)
+    assert cfg.span_corruption.split is None and cfg.span_corruption.paths == (corpus["a"],)
+    train = cfg.dataset_config()
+    np.testing.assert_array_equal(train.input_lengths, whole.input_lengths)
+    np.testing.assert_array_equal(train[5].target_ids, whole[5].target_ids)
+    with pytest.raises(DynaPipeError, match="--valid-data-path: T5 runs no evaluation yet"):
+        parse_t5_args(argv + ["--valid-data-path", corpus["b"]], 1, cuda=False)
+
+
 def test_lengths_are_kept_next_to_megatrons_index_cache(corpus):
     cfg = parse_t5_args(_args(corpus), 1, cuda=False)
     ds = cfg.dataset_config()
