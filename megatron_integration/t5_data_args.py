@@ -2,8 +2,7 @@
 ``--short-seq-prob``, ``--data-cache-path``, with Megatron-LM's meanings and defaults.
 
 They apply to ``--data-path`` (or ``--train-data-path``) indexed datasets (sentences grouped
-into documents), which
-T5 reads through megatron-core's ``T5MaskedWordPieceDataset``
+into documents), which T5 reads through megatron-core's ``T5MaskedWordPieceDataset``
 (:mod:`megatron_integration.t5_span_data`); JSONL pairs and ``--mock-data`` are already
 (input, target) pairs, so a non-default masking flag with them is refused. No torch or
 megatron import here.
