@@ -15,6 +15,7 @@ from typing import Optional
 from dynapipe.errors import DynaPipeError
 from megatron_integration.arguments import _positive, _unsupported, build_parser, training_config_from_args
 from megatron_integration.t5_config import T5TrainingConfig
+from megatron_integration.t5_data_args import add_t5_data_args, span_corruption_from_args
 
 # Fixed-shape baselines the T5 script runs (through the DynaPipe executor: megatron-core's
 # schedules no longer pipeline encoder-decoder models).
@@ -30,6 +31,7 @@ def add_t5_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--encoder-seq-length", type=int, default=None,
                    help="longest encoder input in tokens (same as --seq-length)")
     g.add_argument("--decoder-seq-length", type=int, default=None, help="longest decoder target in tokens")
+    add_t5_data_args(g)
     return parser
 
 
@@ -97,12 +99,9 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
     shared = argparse.Namespace(**vars(args))
     shared.num_layers, shared.seq_length, shared.max_position_embeddings = total, enc_seq, max_pos
     base = training_config_from_args(shared, world_size, cuda)
-    if base.data.data_path and any(not p.endswith((".jsonl", ".json")) for p in base.data.data_path):
-        raise DynaPipeError("T5 reads (input, target) pairs from JSONL files ({\"input\": ..., \"target\": ...} "
-                            "lines) or --mock-data; indexed datasets are not read for T5 yet.")
     _t5_data_and_checkpoints_honoured(args, base)
     return T5TrainingConfig(base=base, encoder_layers=enc_layers, decoder_layers=dec_layers,
-                            decoder_seq_length=dec_seq)
+                            decoder_seq_length=dec_seq, span_corruption=span_corruption_from_args(args, base, dec_seq))
 
 
 def parse_t5_args(argv, world_size: int, cuda: Optional[bool] = None) -> T5TrainingConfig:
@@ -123,10 +122,10 @@ def _t5_data_and_checkpoints_honoured(args: argparse.Namespace, base) -> None:
             raise DynaPipeError(f"{flag}: T5 stages are built as Megatron's T5 (GeLU MLP with biases, LayerNorm, "
                                 f"multi-head attention, tied output layer) in this build; drop it.")
     data = base.data
-    per_split = [f for f in ("train", "valid", "test") if getattr(data, f"{f}_data_path")]
+    per_split = [f for f in ("valid", "test") if getattr(data, f"{f}_data_path")]
     if per_split:
-        raise DynaPipeError(f"--{per_split[0]}-data-path: T5 reads --data-path only (no evaluation yet); give the "
-                            f"training pairs with --data-path.")
+        raise DynaPipeError(f"--{per_split[0]}-data-path: T5 runs no evaluation yet; give the training data with "
+                            f"--data-path or --train-data-path.")
     if data.split and any(data.split[1:]):
         shown = args.split if args.split is not None else "969, 30, 1 (Megatron's default with --data-path)"
         raise DynaPipeError(f"--split {shown}: T5 trains on every pair of --data-path and runs no evaluation yet; "

@@ -8,7 +8,9 @@ only an encoder-decoder has. Built by :func:`megatron_integration.t5_arguments.t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
+from megatron_integration.t5_span_data import SpanCorruptionConfig
 from megatron_integration.train_config import DynaPipeTrainingConfig
 
 
@@ -18,13 +20,15 @@ class T5TrainingConfig:
 
     ``encoder_layers`` / ``decoder_layers``: Megatron's ``--encoder-num-layers`` /
     ``--decoder-num-layers``; ``decoder_seq_length``: ``--decoder-seq-length`` (the
-    encoder's is ``base.model.seq_length``).
+    encoder's is ``base.model.seq_length``); ``span_corruption``: the indexed ``--data-path``
+    datasets Megatron's T5 dataset span-corrupts (None: JSONL pairs or ``--mock-data``).
     """
 
     base: DynaPipeTrainingConfig
     encoder_layers: int
     decoder_layers: int
     decoder_seq_length: int
+    span_corruption: Optional[SpanCorruptionConfig] = None
 
     @property
     def encoder_seq_length(self) -> int:
@@ -48,7 +52,13 @@ class T5TrainingConfig:
                            tie_embeddings=m.tie_embeddings, kv_channels=m.kv_channels).validate("megatron-t5")
 
     def dataset_config(self):
-        """The run's :class:`~dynapipe.data.config.DatasetConfig`, as (input, target) pairs."""
+        """The run's :class:`~dynapipe.data.config.DatasetConfig`, as (input, target) pairs; for
+        span-corruption data the opened :class:`~megatron_integration.t5_span_data.SpanCorruptionDataset`
+        (megatron-core builds it collectively: call on every rank)."""
+        if self.span_corruption is not None:
+            from megatron_integration.t5_span_data import SpanCorruptionDataset
+
+            return SpanCorruptionDataset(self.span_corruption)
         from dataclasses import replace
 
         from megatron_integration.data import dataset_config

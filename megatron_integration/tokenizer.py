@@ -11,6 +11,9 @@ from its tokenizer, built through megatron-core's tokenizer classes where they w
 * ``HuggingFaceTokenizer`` (``--tokenizer-model DIR_OR_NAME``): megatron-core's class, which
   needs the ``transformers`` package.
 * ``ByteLevel`` (this project's default): UTF-8 bytes, for JSONL text without a tokenizer.
+* ``BertWordPieceLowerCase`` / ``BertWordPieceCase`` (``--vocab-file vocab.txt``, T5's
+  ``--vocab-extra-ids N``): Megatron-LM's WordPiece vocabulary with its added ``[BOS]``,
+  ``[EOS]`` and sentinel tokens (:mod:`megatron_integration.wordpiece`); EOD is ``[EOS]``.
 
 The vocabulary is then padded as Megatron-LM pads it (``--make-vocab-size-divisible-by``).
 No torch import; megatron-core is imported only for the types that use it.
@@ -25,7 +28,8 @@ from typing import Optional
 
 from dynapipe.errors import DynaPipeError
 
-TOKENIZER_TYPES = ("ByteLevel", "NullTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer")
+TOKENIZER_TYPES = ("ByteLevel", "NullTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "BertWordPieceLowerCase",
+                   "BertWordPieceCase")
 GPT2_EOD = "<|endoftext|>"
 
 
@@ -42,7 +46,8 @@ class TokenizerInfo:
 def add_tokenizer_args(group: argparse._ArgumentGroup) -> None:
     """Megatron-LM's vocabulary-file flags (``--tokenizer-type``/``--tokenizer-model`` are declared
     with the data arguments)."""
-    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: the vocabulary JSON (token -> id)")
+    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: the vocabulary JSON (token -> id); "
+                                                          "BertWordPiece*: the WordPiece vocab.txt")
     group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: the BPE merges file")
 
 
@@ -108,6 +113,8 @@ def tokenizer_info(args: argparse.Namespace) -> TokenizerInfo:
     if kind not in TOKENIZER_TYPES:
         raise DynaPipeError(f"--tokenizer-type {kind}: not supported; use one of {', '.join(TOKENIZER_TYPES)}.")
     files = [f for f, v in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)) if v]
+    if kind.startswith("BertWordPiece"):
+        files = [f for f in files if f != "--vocab-file"]
     if files and kind != "GPT2BPETokenizer":
         raise DynaPipeError(f"{files[0]} is read by --tokenizer-type GPT2BPETokenizer only (not {kind}); drop it "
                             f"or set the tokenizer type.")
@@ -122,7 +129,12 @@ def tokenizer_info(args: argparse.Namespace) -> TokenizerInfo:
             raise DynaPipeError("--tokenizer-type NullTokenizer needs --vocab-size N (ids in the data, "
                                 "end of document excluded).")
         return null_info(args.vocab_size)
-    if kind == "GPT2BPETokenizer":
+    if kind.startswith("BertWordPiece"):
+        from megatron_integration.wordpiece import wordpiece_vocab
+
+        vocab = wordpiece_vocab(kind, args.vocab_file, getattr(args, "vocab_extra_ids", 0))
+        info = TokenizerInfo(kind, vocab.vocab_size, vocab.eod)
+    elif kind == "GPT2BPETokenizer":
         info = gpt2_bpe_info(_need_file("--vocab-file", args.vocab_file, kind),
                              _need_file("--merge-file", args.merge_file, kind))
     else:

@@ -105,17 +105,26 @@ def test_segment_masks_and_positions():
 def pp2(tmp_path_factory):
     """One 2-rank job: padding, DynaPipe interrupted after 2 iterations (with a checkpoint) and
     resumed for the third, packing; then a 3 + 1 layer model (two iterations) with padding
-    and DynaPipe."""
+    and DynaPipe; then span-corrupted indexed data (two iterations) with padding and DynaPipe."""
     from megatron_integration.t5_jobs import run_t5_training
+    from t5_span_fixture import write_sentences, write_vocab
 
     save = tmp_path_factory.mktemp("t5ckpt")
     dyn = TINY + " --use-dynapipe"
     # 3 + 1 layers over 2 stages: stage 1 ends the encoder and holds the decoder.
     mixed = TINY.replace("--encoder-num-layers 2 --decoder-num-layers 2", "--encoder-num-layers 3 "
                          "--decoder-num-layers 1") + " --exit-interval 2"
+    # Megatron's T5 dataset over documents of sentences, a WordPiece vocabulary with sentinels.
+    data = tmp_path_factory.mktemp("t5span")
+    write_vocab(data / "vocab.txt")
+    write_sentences(data / "docs", docs=60, seed=3, max_sentence=40)
+    span = TINY.replace("--mock-data", f"--data-path {data / 'docs'} --split 100,0,0").replace(
+        "--vocab-size 256", f"--tokenizer-type BertWordPieceLowerCase --vocab-file {data / 'vocab.txt'} "
+                            f"--vocab-extra-ids 32").replace("--train-iters 3", "--train-iters 2")
     runs = [TINY.split(), (dyn + f" --exit-interval 2 --ckpt-format dynapipe --save {save}").split(),
             (dyn + f" --ckpt-format dynapipe --load {save}").split(),
-            (TINY + PACKING).split(), mixed.split(), (mixed + " --use-dynapipe").split()]
+            (TINY + PACKING).split(), mixed.split(), (mixed + " --use-dynapipe").split(),
+            span.split(), (span + " --use-dynapipe").split()]
     ranks = run_t5_training(runs, 2, timeout_s=TIMEOUT)
     assert [r["losses"] for r in ranks[1]] == [r["losses"] for r in ranks[0]]  # every rank reports the same
     return ranks[0]
@@ -143,6 +152,17 @@ def test_t5_stage_holding_encoder_end_and_decoder(pp2):
     padding, dynapipe = pp2[4], pp2[5]
     assert len(padding["losses"]) == 2 and padding["losses"] != pp2[0]["losses"][:2]
     assert dynapipe["losses"] == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)
+
+
+def test_t5_span_corruption_of_indexed_data_dynapipe_equals_padding_pp2(pp2):
+    padding, dynapipe = pp2[6], pp2[7]
+    assert (padding["method"], dynapipe["method"]) == ("padding", "dynapipe")
+    assert len(padding["losses"]) == 2 and all(np.isfinite(padding["losses"]))
+    # Megatron's fixed-shape samples (padding) and their unpadded pairs (DynaPipe): same losses.
+    assert dynapipe["losses"] == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)
+    assert dynapipe["loss_tokens"] == padding["loss_tokens"] and dynapipe["real_tokens"] == padding["real_tokens"]
+    assert sum(dynapipe["padded_tokens"]) < sum(padding["padded_tokens"])
+    assert padding["losses"] != pp2[0]["losses"][:2]   # other data than the mock mixture
 
 
 def test_t5_dynapipe_pp2_x_dp2_trains_like_pp2(pp2):

@@ -1,0 +1,98 @@
+"""Megatron-LM's T5 span-corruption data arguments: ``--vocab-extra-ids``, ``--mask-prob``,
+``--short-seq-prob``, ``--data-cache-path``, with Megatron-LM's meanings and defaults.
+
+They apply to ``--data-path`` (or ``--train-data-path``) indexed datasets (sentences grouped
+into documents), which T5 reads through megatron-core's ``T5MaskedWordPieceDataset``
+(:mod:`megatron_integration.t5_span_data`); JSONL pairs and ``--mock-data`` are already
+(input, target) pairs, so a non-default masking flag with them is refused. No torch or
+megatron import here.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Optional
+
+from dynapipe.errors import DynaPipeError
+from megatron_integration.t5_span_data import SpanCorruptionConfig
+from megatron_integration.wordpiece import WORDPIECE_TYPES
+
+DEFAULTS = {"mask_prob": 0.15, "short_seq_prob": 0.1, "data_cache_path": None}
+
+
+def add_t5_data_args(group: argparse._ArgumentGroup) -> None:
+    """Declare the span-corruption flags (Megatron-LM's names and defaults)."""
+    group.add_argument("--vocab-extra-ids", type=int, default=0,
+                       help="sentinel tokens <extra_id_0>... added to a WordPiece vocabulary; T5 span corruption "
+                            "needs them (Megatron-LM's T5 uses 100)")
+    group.add_argument("--mask-prob", type=float, default=DEFAULTS["mask_prob"],
+                       help="fraction of a sample's tokens masked into spans (indexed data)")
+    group.add_argument("--short-seq-prob", type=float, default=DEFAULTS["short_seq_prob"],
+                       help="probability of a sample shorter than --encoder-seq-length (indexed data)")
+    group.add_argument("--data-cache-path", default=None,
+                       help="directory for megatron-core's dataset index cache (default: under each data prefix)")
+
+
+def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> Optional[SpanCorruptionConfig]:
+    """The span-corruption data of a T5 run validated from its arguments (``base``: the shared
+    config, already validated), or None when the run reads JSONL pairs or ``--mock-data``."""
+    flag = "--data-path" if base.data.data_path else "--train-data-path"
+    paths = tuple(base.data.data_path or base.data.train_data_path)
+    weights = tuple(base.data.data_weights if base.data.data_path else base.data.train_data_weights)
+    indexed = [p for p in paths if not p.endswith((".jsonl", ".json"))]
+    if not indexed:
+        given = [f"--{k.replace('_', '-')}" for k, v in DEFAULTS.items() if getattr(args, k) != v]
+        if given:
+            raise DynaPipeError(f"{given[0]} applies to T5 span corruption of indexed --data-path datasets; JSONL "
+                                f"pairs and --mock-data are not masked: drop it.")
+        if args.vocab_extra_ids and args.tokenizer_type not in WORDPIECE_TYPES:
+            raise DynaPipeError(f"--vocab-extra-ids {args.vocab_extra_ids}: sentinels are added to the WordPiece "
+                                f"vocabularies only (--tokenizer-type BertWordPieceLowerCase or BertWordPieceCase), "
+                                f"not to {args.tokenizer_type}; drop it.")
+        return None
+    if len(indexed) != len(paths):
+        raise DynaPipeError(f"{flag} mixes JSONL files and indexed-dataset prefixes; give one kind.")
+    for p in paths:
+        if not (os.path.isfile(p + ".bin") and os.path.isfile(p + ".idx")):
+            raise DynaPipeError(f"{flag} {p}: no indexed dataset there ({p}.bin and {p}.idx must both exist; "
+                                f"pass the prefix preprocess_data.py wrote, without the extension).")
+    kind = args.tokenizer_type
+    if kind not in WORDPIECE_TYPES:
+        raise DynaPipeError(f"--tokenizer-type {kind}: T5 span corruption of indexed data masks whole WordPiece "
+                            f"words, as Megatron's T5 dataset does; use --tokenizer-type BertWordPieceLowerCase or "
+                            f"BertWordPieceCase with the --vocab-file the data was tokenised with.")
+    if args.vocab_extra_ids <= 0:
+        raise DynaPipeError(f"--vocab-extra-ids {args.vocab_extra_ids}: T5 span corruption replaces every masked "
+                            f"span by a sentinel token and needs them; add --vocab-extra-ids 100 (Megatron-LM's T5).")
+    if not 0.0 < args.mask_prob < 1.0:
+        raise DynaPipeError(f"--mask-prob {args.mask_prob}: must be in (0, 1) (Megatron-LM's default 0.15).")
+    if not 0.0 <= args.short_seq_prob <= 1.0:
+        raise DynaPipeError(f"--short-seq-prob {args.short_seq_prob}: must be in [0, 1] (Megatron-LM's default 0.1).")
+    enc_seq = base.model.seq_length
+    if enc_seq < 4:
+        raise DynaPipeError(f"--encoder-seq-length {enc_seq}: too short for T5 span corruption, whose samples hold "
+                            f"--encoder-seq-length - 2 text tokens; use at least 4.")
+    if base.data.tokens_per_global_batch:
+        raise DynaPipeError("--dynapipe-tokens-per-global-batch: Megatron's T5 dataset draws --train-iters x "
+                            "--global-batch-size samples; give global batches by --global-batch-size.")
+    if base.seed <= 0:
+        raise DynaPipeError(f"--seed {base.seed}: megatron-core's T5 sample mapping needs a positive seed.")
+    cfg = SpanCorruptionConfig(
+        paths=paths, weights=weights, split=_train_split(base) if base.data.data_path else None,
+        num_samples=base.train_iters * base.global_batch_size,
+        encoder_seq_length=enc_seq, decoder_seq_length=dec_seq, seed=base.seed, tokenizer_type=kind,
+        vocab_file=args.vocab_file, vocab_extra_ids=args.vocab_extra_ids, mask_prob=args.mask_prob,
+        short_seq_prob=args.short_seq_prob, cache_path=args.data_cache_path)
+    if dec_seq < min(3, cfg.worst_decoder_length):
+        raise DynaPipeError(f"--decoder-seq-length {dec_seq}: too short for T5 span corruption ([BOS], a sentinel "
+                            f"and a masked token); use at least 3 (up to {cfg.worst_decoder_length} at these lengths).")
+    return cfg
+
+
+def _train_split(base) -> str:
+    """megatron-core's split string of a T5 run (train only: T5 runs no evaluation yet, and
+    ``--split`` with validation or test parts is refused before this)."""
+    split = tuple(base.data.split) or (1.0, 0.0, 0.0)
+    if any(split[1:]):
+        raise DynaPipeError(f"--split {split}: T5 trains on the whole --data-path; pass --split 100,0,0.")
+    return "1,0,0"

@@ -1,0 +1,219 @@
+"""T5 span corruption of Megatron indexed datasets (sentences grouped into documents), made by
+megatron-core's ``T5MaskedWordPieceDataset``: the unpadded pairs DynaPipe plans are exactly
+Megatron's samples (lengths, sentinels, loss mask; padded rows equal Megatron's tensors), every
+span goes back where it was cut from, blends mix their datasets, and bad input is refused in
+one line. In-process, with a one-rank gloo group (megatron-core's index builder asks for the rank).
+"""
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from dynapipe.errors import DynaPipeError
+from megatron_integration.t5_arguments import parse_t5_args
+from megatron_integration.t5_batches import t5_row_tensors
+from t5_span_fixture import SPECIALS, write_sentences, write_vocab
+
+ENC, DEC, EXTRA = 64, 32, 16
+BASE = (f"--encoder-num-layers 1 --decoder-num-layers 1 --hidden-size 64 --num-attention-heads 4 "
+        f"--encoder-seq-length {ENC} --decoder-seq-length {DEC} --micro-batch-size 2 --global-batch-size 8 "
+        f"--train-iters 5 --lr 1e-3 --split 100,0,0 --seed 5 --tokenizer-type BertWordPieceLowerCase "
+        f"--vocab-extra-ids {EXTRA}")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    import torch.distributed as dist
+
+    from megatron_integration.launch import free_port
+
+    root = tmp_path_factory.mktemp("t5span")
+    paths = {"vocab": str(root / "vocab.txt"), "a": str(root / "a"), "b": str(root / "b")}
+    paths["tokens"] = write_vocab(paths["vocab"])
+    paths["docs_a"] = write_sentences(paths["a"], docs=40, seed=1)
+    write_sentences(paths["b"], docs=20, seed=2)
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield paths
+    if owned:
+        dist.destroy_process_group()
+
+
+def _args(corpus, *extra, data=None):
+    return BASE.split() + ["--vocab-file", corpus["vocab"], "--data-path", *(data or [corpus["a"]])] + list(extra)
+
+
+def test_wordpiece_vocabulary_has_megatron_lm_ids(corpus):
+    cfg = parse_t5_args(_args(corpus), 1, cuda=False)
+    vocab = cfg.span_corruption.vocab()
+    n = len(corpus["tokens"])
+    # Megatron-LM appends [BOS], [EOS], then the sentinels, and sizes the vocabulary with them.
+    assert (vocab.bos, vocab.eos, vocab.additional_special_tokens_ids) == (n, n + 1, list(range(n + 2, n + 2 + EXTRA)))
+    assert (vocab.pad, vocab.cls, vocab.sep, vocab.mask) == tuple(SPECIALS.index(t) for t in
+                                                                  ("[PAD]", "[CLS]", "[SEP]", "[MASK]"))
+    assert cfg.base.model.unpadded_vocab_size == n + 2 + EXTRA and cfg.base.model.vocab_size == 128
+    assert cfg.span_corruption.num_samples == 5 * 8
+    # GPT reads the same vocabulary (pre-tokenised data): no sentinels without T5's --vocab-extra-ids.
+    from megatron_integration.arguments import parse_training_args
+
+    gpt = parse_training_args(["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
+                               "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+                               "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--tokenizer-type",
+                               "BertWordPieceCase", "--vocab-file", corpus["vocab"]], 1, cuda=False)
+    assert gpt.model.unpadded_vocab_size == n + 2
+    with pytest.raises(DynaPipeError, match="--merge-file is read by --tokenizer-type GPT2BPETokenizer only"):
+        parse_t5_args(_args(corpus, "--merge-file", corpus["vocab"]), 1, cuda=False)
+
+
+def test_pairs_are_megatrons_t5_samples_unpadded(corpus):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDataset, T5MaskedWordPieceDatasetConfig
+    from megatron.core.datasets.utils import Split
+
+    cfg = parse_t5_args(_args(corpus), 1, cuda=False)
+    ds = cfg.dataset_config()
+    vocab = cfg.span_corruption.vocab()
+    # megatron-core's dataset built directly, with Megatron-LM pretrain_t5.py's masking settings.
+    mconfig = T5MaskedWordPieceDatasetConfig(
+        random_seed=5, sequence_length=ENC, sequence_length_decoder=DEC, blend=([corpus["a"]], None), split="1,0,0",
+        tokenizer=vocab, masking_probability=0.15, short_sequence_probability=0.1, masking_max_ngram=10,
+        masking_do_full_word=True, masking_do_permutation=False, masking_use_longer_ngrams=False,
+        masking_use_geometric_distribution=True)
+    megatron = T5MaskedWordPieceDataset(IndexedDataset(corpus["a"]), corpus["a"], np.arange(40, dtype=np.int32),
+                                        40, Split.train, mconfig)
+    assert len(ds) == 40 and ds.eod_id == vocab.bos and ds.pad_id == 0
+    sentences = [s for doc in corpus["docs_a"] for s in doc]
+    sentinels = vocab.additional_special_tokens_ids
+    spans_seen = []
+    for i in range(len(ds)):
+        ref = megatron[i]
+        pair = ds[i]
+        n_in, n_out = int(ref["enc_mask"].sum()), int(ref["loss_mask"].sum())
+        assert (ds.input_lengths[i], ds.target_lengths[i]) == (n_in, n_out) == (len(pair.input_ids),
+                                                                                  len(pair.target_ids))
+        # The padding baseline's row of the pair is Megatron's fixed-shape sample.
+        row = t5_row_tensors([[pair]], ENC, DEC, ds.pad_id, ds.eod_id)
+        np.testing.assert_array_equal(row["tokens"][0], ref["text_enc"])
+        np.testing.assert_array_equal(row["dec_tokens"][0], ref["text_dec"])
+        np.testing.assert_array_equal(row["loss_mask"][0], ref["loss_mask"])
+        np.testing.assert_array_equal(row["labels"][0][:n_out], ref["labels"][:n_out])
+        # Sentinel structure: the k-th sentinel stands in the input where the k-th span was cut
+        # out, the target lists each sentinel with its span, then [EOS]; putting the spans back
+        # gives the text of the sample's sentences (cut to --encoder-seq-length - 2).
+        k_in = [t for t in pair.input_ids if t in sentinels]
+        assert k_in == sentinels[:len(k_in)] and pair.target_ids[-1] == vocab.eos
+        target = pair.target_ids[:-1].tolist()
+        starts = [j for j, t in enumerate(target) if t in sentinels]
+        assert [target[j] for j in starts] == k_in and (not starts or starts[0] == 0)
+        spans = [target[a + 1:b] for a, b in zip(starts, starts[1:] + [len(target)])]
+        assert all(spans) and sum(map(len, spans)) <= 0.15 * (ENC - 2)
+        text = []
+        for t in pair.input_ids.tolist():
+            text.extend(spans[sentinels.index(t)] if t in sentinels else [t])
+        beg, end, length = megatron.sample_index[i]
+        np.testing.assert_array_equal(text, np.concatenate(sentences[beg:end])[:length])
+        spans_seen.append(len(spans))
+    # Not a vacuous comparison: pairs of many lengths, samples with several spans.
+    assert len(set(ds.input_lengths.tolist())) > 5 and max(spans_seen) >= 2 and min(spans_seen) >= 1
+
+
+def test_blend_mixes_the_datasets_and_survives_pickling(corpus):
+    import pickle
+
+    cfg = parse_t5_args(_args(corpus, data=["2", corpus["a"], "1", corpus["b"]]), 1, cuda=False)
+    assert cfg.span_corruption.weights == (2.0, 1.0)
+    ds = cfg.dataset_config()
+    assert len(ds) == 40 and set(ds.tasks.tolist()) == {0, 1} and (ds.tasks == 0).sum() > (ds.tasks == 1).sum()
+    # A planner worker receives the dataset pickled, without megatron-core objects, and reopens it.
+    copy = pickle.loads(pickle.dumps(ds))
+    assert copy._megatron is None
+    for i in (0, 7, 39):
+        np.testing.assert_array_equal(copy[i].input_ids, ds[i].input_ids)
+        np.testing.assert_array_equal(copy[i].target_ids, ds[i].target_ids)
+
+
+def test_train_data_path_gives_the_pairs_of_the_whole_data_path(corpus):
+    whole = parse_t5_args(_args(corpus), 1, cuda=False).dataset_config()
+    argv = BASE.replace("--split 100,0,0", "").split() + ["--vocab-file", corpus["vocab"], "--train-data-path",
+                                                          corpus["a"]]
+    cfg = parse_t5_args(argv, 1, cuda=False)
+    assert cfg.span_corruption.split is None and cfg.span_corruption.paths == (corpus["a"],)
+    train = cfg.dataset_config()
+    np.testing.assert_array_equal(train.input_lengths, whole.input_lengths)
+    np.testing.assert_array_equal(train[5].target_ids, whole[5].target_ids)
+    with pytest.raises(DynaPipeError, match="--valid-data-path: T5 runs no evaluation yet"):
+        parse_t5_args(argv + ["--valid-data-path", corpus["b"]], 1, cuda=False)
+
+
+def test_lengths_are_kept_next_to_megatrons_index_cache(corpus):
+    cfg = parse_t5_args(_args(corpus), 1, cuda=False)
+    ds = cfg.dataset_config()
+    cache = ds._table_cache_path(len(ds))
+    assert cache.startswith(os.path.join(corpus["a"], "cache")) and os.path.isfile(cache)
+    table = np.load(cache)
+    np.testing.assert_array_equal(table[:, 0], ds.input_lengths)
+    np.testing.assert_array_equal(table[:, 1], ds.target_lengths)
+    table[3, 0] += 1
+    np.save(cache, table)
+    stale = cfg.dataset_config()  # reads the cache instead of corrupting every sample again
+    assert stale.input_lengths[3] == ds.input_lengths[3] + 1
+    with pytest.raises(DynaPipeError, match="disagree with the data"):
+        stale[3]
+    os.remove(cache)
+
+
+def test_bad_span_corruption_input_is_refused_in_one_line(corpus, tmp_path):
+    only_idx = str(tmp_path / "only_idx")
+    shutil.copy(corpus["a"] + ".idx", only_idx + ".idx")
+    refused = {
+        ("--vocab-extra-ids", "0"): "--vocab-extra-ids 0: T5 span corruption",
+        ("--data-path", str(tmp_path / "missing")): "no such file",
+        ("--data-path", only_idx): "must both exist",
+        ("--encoder-seq-length", "3", "--max-position-embeddings", "32"): "too short for T5 span corruption",
+        ("--decoder-seq-length", "2"): "--decoder-seq-length 2: too short",
+        ("--tokenizer-type", "ByteLevel", "--vocab-file", ""): "masks whole WordPiece words",
+        ("--vocab-file", str(tmp_path / "none.txt")): "--vocab-file .* no such file",
+        ("--mask-prob", "1.5"): "--mask-prob 1.5: must be in",
+        ("--split", "90,10,0"): "pass --split 100,0,0",
+        ("--dynapipe-tokens-per-global-batch", "500", "--use-dynapipe"): "--global-batch-size samples",
+    }
+    for extra, text in refused.items():
+        with pytest.raises(DynaPipeError, match=text):
+            parse_t5_args(_args(corpus) + list(extra), 1, cuda=False)
+    mock = BASE.replace("--split 100,0,0", "--mock-data").split() + ["--vocab-file", corpus["vocab"]]
+    assert parse_t5_args(mock, 1, cuda=False).span_corruption is None
+    with pytest.raises(DynaPipeError, match="--mask-prob applies to T5 span corruption of indexed"):
+        parse_t5_args(mock + ["--mask-prob", "0.3"], 1, cuda=False)
+    with pytest.raises(DynaPipeError, match="sentinels are added to the WordPiece vocabularies only"):
+        parse_t5_args(mock + ["--tokenizer-type", "ByteLevel", "--vocab-file", ""], 1, cuda=False)
+
+
+def test_samples_megatron_cannot_make_are_refused_before_training(corpus, tmp_path):
+    # A decoder too short for some sample's spans (Megatron asserts mid-training).
+    with pytest.raises(DynaPipeError, match="longer than --decoder-seq-length 6; raise"):
+        parse_t5_args(_args(corpus, "--decoder-seq-length", "6"), 1, cuda=False).dataset_config()
+    # Fewer sentinels than a sample's spans.
+    with pytest.raises(DynaPipeError, match="masks more spans than the 1 sentinels of --vocab-extra-ids"):
+        parse_t5_args(_args(corpus, "--vocab-extra-ids", "1"), 1, cuda=False).dataset_config()
+    # Data tokenised with another vocabulary.
+    foreign = str(tmp_path / "foreign")
+    write_sentences(foreign, docs=10, seed=3)
+    vocab = str(tmp_path / "small.txt")
+    with open(vocab, "w") as f:
+        f.write("\n".join(SPECIALS + ["w0"]) + "\n")
+    with pytest.raises(DynaPipeError, match="is not in --vocab-file"):
+        parse_t5_args(_args(corpus, "--vocab-file", vocab, data=[foreign]), 1, cuda=False).dataset_config()
+
+
+def test_pretrain_t5_script_refuses_missing_sentinels_with_exit_status_2(corpus, capsys):
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "pretrain_t5.py")
+    spec = importlib.util.spec_from_file_location("pretrain_t5_span_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(_args(corpus, "--vocab-extra-ids", "0")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --vocab-extra-ids 0") and "\n" not in err
