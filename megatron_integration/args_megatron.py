@@ -114,7 +114,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--data-path", nargs="*", default=None,
                    help="JSONL files or Megatron indexed-dataset prefixes (optionally weighted: W1 P1 W2 P2)")
     g.add_argument("--mock-data", action="store_true", help="train on the synthetic multi-task mixture")
-    g.add_argument("--tokenizer-type", default="ByteLevel", help="ByteLevel (default), NullTokenizer, GPT2BPETokenizer or HuggingFaceTokenizer: the vocabulary size "
+    g.add_argument("--tokenizer-type", default="ByteLevel", help="ByteLevel (default), NullTokenizer, GPT2BPETokenizer, HuggingFaceTokenizer, "
+                        "BertWordPieceLowerCase or BertWordPieceCase: the vocabulary size "
                         "and end of document; JSONL text is tokenised byte-level")
     g.add_argument("--tokenizer-model", default=None, help="tokenizer model file or name, when the type needs one")
     add_tokenizer_args(g)
