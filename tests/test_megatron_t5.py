@@ -105,7 +105,7 @@ def test_segment_masks_and_positions():
 def pp2(tmp_path_factory):
     """One 2-rank job: padding, DynaPipe interrupted after 2 iterations (with a checkpoint) and
     resumed for the third, packing; then a 3 + 1 layer model (two iterations) with padding
-    and DynaPipe."""
+    and DynaPipe; then padding and DynaPipe (two iterations) on the placement 2+1,0+1."""
     from megatron_integration.t5_jobs import run_t5_training
 
     save = tmp_path_factory.mktemp("t5ckpt")
@@ -116,6 +116,9 @@ def pp2(tmp_path_factory):
     runs = [TINY.split(), (dyn + f" --exit-interval 2 --ckpt-format dynapipe --save {save}").split(),
             (dyn + f" --ckpt-format dynapipe --load {save}").split(),
             (TINY + PACKING).split(), mixed.split(), (mixed + " --use-dynapipe").split()]
+    # A non-even stage placement (stage 0: the encoder and the first decoder layer), padding and DynaPipe.
+    placed = TINY + " --dynapipe-placement 2+1,0+1 --exit-interval 2"
+    runs += [placed.split(), (placed + " --use-dynapipe").split()]
     ranks = run_t5_training(runs, 2, timeout_s=TIMEOUT)
     assert [r["losses"] for r in ranks[1]] == [r["losses"] for r in ranks[0]]  # every rank reports the same
     return ranks[0]
@@ -143,6 +146,15 @@ def test_t5_stage_holding_encoder_end_and_decoder(pp2):
     padding, dynapipe = pp2[4], pp2[5]
     assert len(padding["losses"]) == 2 and padding["losses"] != pp2[0]["losses"][:2]
     assert dynapipe["losses"] == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)
+
+
+def test_t5_non_even_placement_trains_dynapipe_like_padding(pp2):
+    padding, dynapipe = pp2[6], pp2[7]
+    assert (padding["method"], dynapipe["method"]) == ("padding", "dynapipe") and len(dynapipe["losses"]) == 2
+    assert dynapipe["losses"] == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)
+    # Weights are drawn by global parameter name: the same model as on the even split.
+    assert padding["losses"] == pytest.approx(pp2[0]["losses"][:2], abs=1e-5, rel=1e-5)
+    assert dynapipe["loss_tokens"] == pp2[0]["loss_tokens"][:2]
 
 
 def test_t5_dynapipe_pp2_x_dp2_trains_like_pp2(pp2):
