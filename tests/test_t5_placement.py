@@ -125,3 +125,23 @@ def test_resume_with_another_placement_is_refused():
         check_checkpoint_placement({}, placed, model, "ckpt/x.pt")
     with pytest.raises(DynaPipeError, match="saved with stage placement 2\\+1,0\\+1"):
         check_checkpoint_placement(checkpoint_record(placed), even, model, "ckpt/x.pt")
+
+
+def test_bench_t5_runs_one_placement_and_simulates_the_bubble_before_and_after():
+    from megatron_integration.bench_t5 import _placement
+    from megatron_integration.bench_t5_placement import t5_bench_placement
+
+    argv = (TINY.replace("--encoder-num-layers 2 --decoder-num-layers 2", "--encoder-num-layers 4 --decoder-num-layers 4")
+            + " --encoder-seq-length 1024 --global-batch-size 16").split()
+    cfg = parse_t5_args(argv + ["--use-dynapipe"], 2, cuda=False)
+    auto = t5_bench_placement(cfg, 2, 1)
+    chosen = choose_t5_placement(cfg, 2, 1).chosen.placement
+    assert auto["placement"] == str(chosen) and auto["source"] == "auto"
+    even, placed = auto["simulated"]["even"], auto["simulated"]["placed"]
+    assert (even["placement"], placed["placement"]) == ("4+0,0+4", str(chosen))
+    # The planner's own estimate: the chosen split idles the pipeline less than Megatron's.
+    assert placed["bubble_fraction"] < even["bubble_fraction"] and placed["simulated_ms"] < even["simulated_ms"]
+    # A placement on the command line is what every run builds.
+    given = _placement(argv + ["--dynapipe-placement", "3+0,1+4"], 2, 1)
+    assert (given["placement"], given["source"]) == ("3+0,1+4", "--dynapipe-placement")
+    assert given["simulated"]["placed"]["placement"] == "3+0,1+4"
