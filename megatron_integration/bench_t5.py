@@ -128,8 +128,10 @@ def t5_figures(ranks: list[dict], warmup_iters: int) -> dict:
 def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output: str, preset: str = "tiny",
                  sweep: Optional[Sequence[int]] = None, warmup_iters: Optional[int] = None,
                  threads_per_rank: Optional[int] = None, timeout_s: float = 1800.0,
-                 stream: TextIO = sys.stdout) -> dict:
-    """Train every method (each baseline at every size of ``sweep``) and write the JSON report."""
+                 stream: TextIO = sys.stdout, rounds: int = 1) -> dict:
+    """Train every method (each baseline at every size of ``sweep``) and write the JSON report.
+    ``rounds``: every run repeated in a rotated order (in the same job); each run's figures
+    are those of its round with the median real tokens/s (the lower one of two)."""
     from megatron_integration.bench_report import breakdown, breakdown_summary, breakdown_table
     from megatron_integration.t5_arguments import parse_t5_args
     from megatron_integration.t5_jobs import run_t5_training
@@ -149,24 +151,37 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
         argv += ["--dynapipe-placement", placement["placement"]]
     # Every run records executor traces: where each stage's time went (compute, bubble, ...).
     trace_root = os.path.splitext(output)[0] + ".traces"
-    runs = [e.argv(argv) + ["--dynapipe-trace-dir", os.path.join(trace_root, e.label)] for e in entries]
+    rounds = max(int(rounds), 1)
+    # Rotated orders, so that no method always runs first or last on a machine whose load drifts.
+    order = [(k, entries[(i + k) % len(entries)]) for k in range(rounds) for i in range(len(entries))]
+    trace = {(k, e.label): os.path.join(trace_root, e.label if rounds == 1 else f"{e.label}-round{k}")
+             for k, e in order}
+    runs = [e.argv(argv) + ["--dynapipe-trace-dir", trace[k, e.label]] for k, e in order]
     out_dir = os.path.dirname(os.path.abspath(output))
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         raise DynaPipeError(f"{output}: cannot create its directory {out_dir}: {e.strerror}.") from None
     print(f"training {', '.join(e.label for e in entries)} on {nproc} rank(s) ...", file=stream, flush=True)
-    started = time.perf_counter()
+    started, load_start = time.perf_counter(), _load_average()
     ranks = run_t5_training(runs, nproc, timeout_s=timeout_s, threads_per_rank=threads_per_rank)
-    per_entry = {e.label: t5_figures([r[k] for r in ranks], warmup) for k, e in enumerate(entries)}
+    by_round: dict = {}
+    for j, (k, e) in enumerate(order):
+        by_round.setdefault(e.label, []).append((t5_figures([r[j] for r in ranks], warmup), j, k))
+    per_entry, picked = {}, {}
+    for label, figs in by_round.items():
+        mid = statistics.median_low([f["real_tokens_per_s"] for f, _, _ in figs])
+        fig, j, k = next(x for x in figs if x[0]["real_tokens_per_s"] == mid)
+        per_entry[label] = {**fig, "rounds_real_tokens_per_s": [f["real_tokens_per_s"] for f, _, _ in figs]}
+        picked[label] = (j, k)
     best = {}
     for e in entries:
         if e.method not in best or per_entry[e.label]["real_tokens_per_s"] > best[e.method][1]["real_tokens_per_s"]:
             best[e.method] = (e, per_entry[e.label])
     results = {m: {**fig, "run": e.label, "micro_batch_size": e.micro_batch_size} for m, (e, fig) in best.items()}
     for m, (e, _) in best.items():
-        k = entries.index(e)
-        rows = breakdown([r[k] for r in ranks], warmup, os.path.join(trace_root, e.label))
+        j, k = picked[e.label]
+        rows = breakdown([r[j] for r in ranks], warmup, trace[k, e.label])
         results[m]["time_breakdown_ms"], results[m]["time_split_ms"] = rows, breakdown_summary([rows])
     base = [b for b in T5_BASELINES if b in results]
     best_base = max(base, key=lambda b: results[b]["real_tokens_per_s"], default=None)
@@ -181,6 +196,8 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
     report = {"model": "t5", "preset": preset, "about": p.about, "methods": results, "runs": per_entry,
               "ratios": ratios, "best_baseline": best_base, "placement": placement,
               "setup": {"argv": list(argv), "nproc": nproc, "warmup_iters": warmup, "sweep": list(sweep),
+                        "rounds": rounds, "round_orders": [[e.label for k2, e in order if k2 == k] for k in range(rounds)],
+                        "load_average": {"start": load_start, "end": _load_average()},
                         "elapsed_s": round(time.perf_counter() - started, 1),
                         "executor": "every method through the DynaPipe executor (fixed-shape 1F1B plans for "
                                     "the baselines)"}}
@@ -192,6 +209,8 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
               f"{r['padding_efficiency']:>8.3f} {r['iteration_ms']:>9.1f}", file=stream)
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x", file=stream)
+    print(f"load average (1, 5, 15 min) at the start {load_start}, at the end {report['setup']['load_average']['end']}",
+          file=stream)
     print("where an iteration's time went (ms per iteration, mean over timed iterations):", file=stream)
     print(breakdown_table({m: r["time_split_ms"] for m, r in results.items() if r["time_split_ms"]}), file=stream)
     sim = placement["simulated"]
@@ -202,6 +221,15 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
     with open(output, "w") as f:
         json.dump(report, f, indent=1)
     return report
+
+
+def _load_average() -> Optional[list[float]]:
+    """The machine's 1, 5 and 15 minute load averages when the report is written (None where
+    the OS has none): how shared the cores were."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
 
 
 def _placement(argv: list[str], nproc: int, warmup: int) -> dict:
@@ -234,10 +262,12 @@ def run_t5_cli(args, argv: list[str]) -> int:
         if flag in argv:
             raise DynaPipeError(f"{flag}: the T5 bench sets the method and tunes the baselines' micro-batch size "
                                 f"itself (--t5-sweep).")
-    for unsupported in ("rounds", "sweep_top", "png"):
+    if args.rounds is not None and args.rounds < 1:
+        raise DynaPipeError(f"--rounds {args.rounds}: give at least 1 round.")
+    for unsupported in ("sweep_top", "png"):
         if getattr(args, unsupported, None):
             raise DynaPipeError(f"--{unsupported.replace('_', '-')} is not supported with --model t5 "
-                                f"(one round; the baselines' sizes come from --t5-sweep).")
+                                f"(the baselines' sizes come from --t5-sweep).")
     sweep = None
     if args.t5_sweep:
         try:
@@ -251,7 +281,7 @@ def run_t5_cli(args, argv: list[str]) -> int:
     try:
         run_t5_bench(argv, methods, args.nproc or pp, args.output, preset=preset, sweep=sweep,
                      warmup_iters=args.warmup_iters, threads_per_rank=args.threads_per_rank,
-                     timeout_s=args.timeout_s)
+                     timeout_s=args.timeout_s, rounds=args.rounds or 1)
     except RankUserError as e:
         raise DynaPipeError(str(e)) from None
     except RankFailed as e:

@@ -176,7 +176,7 @@ def test_bench_t5_refuses_what_it_cannot_run(tmp_path, capsys):
     out = str(tmp_path / "t5.json")
     for extra, text in ((["--methods", "padding-mb"], "for --model t5 choose"),
                         (["--micro-batch-size", "2"], "tunes the baselines' micro-batch size"),
-                        (["--t5-sweep", "0,2"], "--t5-sweep"),
+                        (["--t5-sweep", "0,2"], "--t5-sweep"), (["--rounds", "0"], "give at least 1 round"),
                         (["--train-iters", "1"], "leaves no timed iteration")):
         assert main(["bench", "--model", "t5", "--output", out] + extra) == 2
         assert text in capsys.readouterr().err
