@@ -196,7 +196,8 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
     report = {"model": "t5", "preset": preset, "about": p.about, "methods": results, "runs": per_entry,
               "ratios": ratios, "best_baseline": best_base, "placement": placement,
               "setup": {"argv": list(argv), "nproc": nproc, "warmup_iters": warmup, "sweep": list(sweep),
-                        "rounds": rounds, "round_orders": [[e.label for k2, e in order if k2 == k] for k in range(rounds)],
+                        "rounds": rounds,
+                        "round_orders": [[e.label for k2, e in order if k2 == k] for k in range(rounds)],
                         "load_average": {"start": load_start, "end": _load_average()},
                         "elapsed_s": round(time.perf_counter() - started, 1),
                         "executor": "every method through the DynaPipe executor (fixed-shape 1F1B plans for "

@@ -131,7 +131,8 @@ def test_bench_t5_runs_one_placement_and_simulates_the_bubble_before_and_after()
     from megatron_integration.bench_t5 import _placement
     from megatron_integration.bench_t5_placement import t5_bench_placement
 
-    argv = (TINY.replace("--encoder-num-layers 2 --decoder-num-layers 2", "--encoder-num-layers 4 --decoder-num-layers 4")
+    layers = "--encoder-num-layers 4 --decoder-num-layers 4"
+    argv = (TINY.replace("--encoder-num-layers 2 --decoder-num-layers 2", layers)
             + " --encoder-seq-length 1024 --global-batch-size 16").split()
     cfg = parse_t5_args(argv + ["--use-dynapipe"], 2, cuda=False)
     auto = t5_bench_placement(cfg, 2, 1)
