@@ -9,6 +9,14 @@ same seed and global batches of the multi-task mixture, all through the DynaPipe
 * ``padding``: pairs padded to ``--encoder-seq-length`` / ``--decoder-seq-length``;
 * ``packing``: pairs packed into encoder and decoder rows, samples isolated by masks.
 
+Stage placement: every method builds the same stages, the placement
+``--dynapipe-placement auto`` chooses (computed once here, passed to every run written
+out; a ``--dynapipe-placement`` given is used instead), so the comparison is fair; the
+report gives DynaPipe's simulated bubble under the even split and under the placement
+(``placement.simulated``), and the method ``dynapipe-even`` runs DynaPipe on the even
+split for the measured before. Every run records executor traces, split per stage into
+compute, bubble, communication and overhead as for GPT (``time_split_ms``).
+
 Tuning: each baseline runs at every micro-batch size of ``--t5-sweep`` (default: the
 preset's) and its fastest is kept. All runs of one bench share one spawned job (runs in
 turn, the slowest rank's iteration time counted). ``real_tokens_per_s`` counts input +
@@ -31,6 +39,8 @@ from dynapipe.errors import DynaPipeError
 
 T5_METHOD_FLAGS = {
     "dynapipe": ["--use-dynapipe"],
+    # DynaPipe on Megatron's even split: the measured "before" of the stage placement.
+    "dynapipe-even": ["--use-dynapipe", "--dynapipe-placement", "even"],
     "padding": ["--dynapipe-batching", "padding"],
     "packing": ["--dynapipe-batching", "packing", "--reset-position-ids", "--reset-attention-mask"],
 }
@@ -118,8 +128,11 @@ def t5_figures(ranks: list[dict], warmup_iters: int) -> dict:
 def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output: str, preset: str = "tiny",
                  sweep: Optional[Sequence[int]] = None, warmup_iters: Optional[int] = None,
                  threads_per_rank: Optional[int] = None, timeout_s: float = 1800.0,
-                 stream: TextIO = sys.stdout) -> dict:
-    """Train every method (each baseline at every size of ``sweep``) and write the JSON report."""
+                 stream: TextIO = sys.stdout, rounds: int = 1) -> dict:
+    """Train every method (each baseline at every size of ``sweep``) and write the JSON report.
+    ``rounds``: every run repeated in a rotated order (in the same job); each run's figures
+    are those of its round with the median real tokens/s (the lower one of two)."""
+    from megatron_integration.bench_report import breakdown, breakdown_summary, breakdown_table
     from megatron_integration.t5_arguments import parse_t5_args
     from megatron_integration.t5_jobs import run_t5_training
 
@@ -128,26 +141,48 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
     warmup = p.warmup_iters if warmup_iters is None else warmup_iters
     argv = t5_with_defaults(argv, preset)
     entries = [T5Entry(m, s) for m in methods for s in (sweep if m in T5_BASELINES else (None,))]
-    runs = [e.argv(argv) for e in entries]
-    for margv in runs:  # every command line checked before any process starts
+    for margv in [e.argv(argv) for e in entries]:  # every command line checked before any process starts
         cfg = parse_t5_args(margv, nproc)
     if cfg.base.train_iters <= warmup:
         raise DynaPipeError(f"--train-iters {cfg.base.train_iters} leaves no timed iteration after the "
                             f"{warmup} warm-up iteration(s); raise --train-iters.")
+    placement = _placement(argv, nproc, warmup)
+    if placement["source"] == "auto":  # chosen once here: every run builds the same split
+        argv += ["--dynapipe-placement", placement["placement"]]
+    # Every run records executor traces: where each stage's time went (compute, bubble, ...).
+    trace_root = os.path.splitext(output)[0] + ".traces"
+    rounds = max(int(rounds), 1)
+    # Rotated orders, so that no method always runs first or last on a machine whose load drifts.
+    order = [(k, entries[(i + k) % len(entries)]) for k in range(rounds) for i in range(len(entries))]
+    trace = {(k, e.label): os.path.join(trace_root, e.label if rounds == 1 else f"{e.label}-round{k}")
+             for k, e in order}
+    runs = [e.argv(argv) + ["--dynapipe-trace-dir", trace[k, e.label]] for k, e in order]
     out_dir = os.path.dirname(os.path.abspath(output))
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         raise DynaPipeError(f"{output}: cannot create its directory {out_dir}: {e.strerror}.") from None
     print(f"training {', '.join(e.label for e in entries)} on {nproc} rank(s) ...", file=stream, flush=True)
-    started = time.perf_counter()
+    started, load_start = time.perf_counter(), _load_average()
     ranks = run_t5_training(runs, nproc, timeout_s=timeout_s, threads_per_rank=threads_per_rank)
-    per_entry = {e.label: t5_figures([r[k] for r in ranks], warmup) for k, e in enumerate(entries)}
+    by_round: dict = {}
+    for j, (k, e) in enumerate(order):
+        by_round.setdefault(e.label, []).append((t5_figures([r[j] for r in ranks], warmup), j, k))
+    per_entry, picked = {}, {}
+    for label, figs in by_round.items():
+        mid = statistics.median_low([f["real_tokens_per_s"] for f, _, _ in figs])
+        fig, j, k = next(x for x in figs if x[0]["real_tokens_per_s"] == mid)
+        per_entry[label] = {**fig, "rounds_real_tokens_per_s": [f["real_tokens_per_s"] for f, _, _ in figs]}
+        picked[label] = (j, k)
     best = {}
     for e in entries:
         if e.method not in best or per_entry[e.label]["real_tokens_per_s"] > best[e.method][1]["real_tokens_per_s"]:
             best[e.method] = (e, per_entry[e.label])
     results = {m: {**fig, "run": e.label, "micro_batch_size": e.micro_batch_size} for m, (e, fig) in best.items()}
+    for m, (e, _) in best.items():
+        j, k = picked[e.label]
+        rows = breakdown([r[j] for r in ranks], warmup, trace[k, e.label])
+        results[m]["time_breakdown_ms"], results[m]["time_split_ms"] = rows, breakdown_summary([rows])
     base = [b for b in T5_BASELINES if b in results]
     best_base = max(base, key=lambda b: results[b]["real_tokens_per_s"], default=None)
     ratios = {f"{m}_vs_{b}": round(results[m]["real_tokens_per_s"] / results[b]["real_tokens_per_s"], 3)
@@ -159,8 +194,11 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
     if best_base is not None and "dynapipe" in results:
         ratios["dynapipe_vs_best_baseline"] = ratios[f"dynapipe_vs_{best_base}"]
     report = {"model": "t5", "preset": preset, "about": p.about, "methods": results, "runs": per_entry,
-              "ratios": ratios, "best_baseline": best_base,
+              "ratios": ratios, "best_baseline": best_base, "placement": placement,
               "setup": {"argv": list(argv), "nproc": nproc, "warmup_iters": warmup, "sweep": list(sweep),
+                        "rounds": rounds,
+                        "round_orders": [[e.label for k2, e in order if k2 == k] for k in range(rounds)],
+                        "load_average": {"start": load_start, "end": _load_average()},
                         "elapsed_s": round(time.perf_counter() - started, 1),
                         "executor": "every method through the DynaPipe executor (fixed-shape 1F1B plans for "
                                     "the baselines)"}}
@@ -172,9 +210,42 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
               f"{r['padding_efficiency']:>8.3f} {r['iteration_ms']:>9.1f}", file=stream)
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x", file=stream)
+    print(f"load average (1, 5, 15 min) at the start {load_start}, at the end {report['setup']['load_average']['end']}",
+          file=stream)
+    print("where an iteration's time went (ms per iteration, mean over timed iterations):", file=stream)
+    print(breakdown_table({m: r["time_split_ms"] for m, r in results.items() if r["time_split_ms"]}), file=stream)
+    sim = placement["simulated"]
+    print(f"stage placement {placement['placement']} ({placement['source']}); DynaPipe plans simulated: even split "
+          f"{sim['even']['placement']} bubble {100 * sim['even']['bubble_fraction']:.1f}% "
+          f"{sim['even']['simulated_ms']:.0f} ms, placed bubble {100 * sim['placed']['bubble_fraction']:.1f}% "
+          f"{sim['placed']['simulated_ms']:.0f} ms", file=stream)
     with open(output, "w") as f:
         json.dump(report, f, indent=1)
     return report
+
+
+def _load_average() -> Optional[list[float]]:
+    """The machine's 1, 5 and 15 minute load averages when the report is written (None where
+    the OS has none): how shared the cores were."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def _placement(argv: list[str], nproc: int, warmup: int) -> dict:
+    """The stage placement of every run (``--dynapipe-placement`` if given, else what ``auto``
+    chooses) and DynaPipe's simulated bubble under the even split and under it."""
+    from megatron_integration.bench_t5_placement import t5_bench_placement
+    from megatron_integration.t5_arguments import parse_t5_args
+
+    flags = [a for a in argv if a.split("=")[0] == "--dynapipe-placement"]
+    given = None
+    if flags:
+        i = len(argv) - 1 - argv[::-1].index(flags[-1])
+        given = argv[i].split("=", 1)[1] if "=" in argv[i] else argv[i + 1]
+    cfg = parse_t5_args(list(argv) + ["--use-dynapipe"], nproc)
+    return t5_bench_placement(cfg, nproc, warmup, given)
 
 
 def run_t5_cli(args, argv: list[str]) -> int:
@@ -182,7 +253,7 @@ def run_t5_cli(args, argv: list[str]) -> int:
     from megatron_integration.launch import RankFailed, RankUserError
 
     preset = args.preset
-    methods = (["dynapipe", "padding", "packing"] if args.methods is None
+    methods = (["dynapipe", "dynapipe-even", "padding", "packing"] if args.methods is None
                else [m.strip() for m in args.methods.split(",") if m.strip()])
     unknown = [m for m in methods if m not in T5_METHOD_FLAGS]
     if unknown or not methods or len(set(methods)) != len(methods):
@@ -192,10 +263,12 @@ def run_t5_cli(args, argv: list[str]) -> int:
         if flag in argv:
             raise DynaPipeError(f"{flag}: the T5 bench sets the method and tunes the baselines' micro-batch size "
                                 f"itself (--t5-sweep).")
-    for unsupported in ("rounds", "sweep_top", "png"):
+    if args.rounds is not None and args.rounds < 1:
+        raise DynaPipeError(f"--rounds {args.rounds}: give at least 1 round.")
+    for unsupported in ("sweep_top", "png"):
         if getattr(args, unsupported, None):
             raise DynaPipeError(f"--{unsupported.replace('_', '-')} is not supported with --model t5 "
-                                f"(one round; the baselines' sizes come from --t5-sweep).")
+                                f"(the baselines' sizes come from --t5-sweep).")
     sweep = None
     if args.t5_sweep:
         try:
@@ -209,7 +282,7 @@ def run_t5_cli(args, argv: list[str]) -> int:
     try:
         run_t5_bench(argv, methods, args.nproc or pp, args.output, preset=preset, sweep=sweep,
                      warmup_iters=args.warmup_iters, threads_per_rank=args.threads_per_rank,
-                     timeout_s=args.timeout_s)
+                     timeout_s=args.timeout_s, rounds=args.rounds or 1)
     except RankUserError as e:
         raise DynaPipeError(str(e)) from None
     except RankFailed as e:

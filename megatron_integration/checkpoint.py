@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -153,17 +153,20 @@ def latest_iteration(root: str) -> Optional[int]:
 
 
 def load_checkpoint(root: str, gpt: torch.nn.Module, optimizer, scheduler, info: RankInfo,
-                    load_optim: bool = True, load_rng: bool = True) -> Optional[ResumeState]:
+                    load_optim: bool = True, load_rng: bool = True,
+                    check_extra: Optional[Callable[[dict, str], None]] = None) -> Optional[ResumeState]:
     """Restore this rank's part of the newest checkpoint under ``root``; collective.
 
     Returns None when ``root`` holds no checkpoint yet (a fresh start). Every file is
-    verified against its checksum first. A rank that cannot load its part makes every
-    rank raise the same one-line error, so none goes on to wait for it in training.
+    verified against its checksum first. ``check_extra(extra, path)`` may refuse what
+    :func:`save_checkpoint` recorded in ``extra`` (raising :class:`DynaPipeError`) before
+    anything is loaded. A rank that cannot load its part makes every rank raise the same
+    one-line error, so none goes on to wait for it in training.
     """
     error: Optional[str] = None
     resumed = None
     try:
-        resumed = _load_rank(root, gpt, optimizer, scheduler, info, load_optim, load_rng)
+        resumed = _load_rank(root, gpt, optimizer, scheduler, info, load_optim, load_rng, check_extra)
     except DynaPipeError as e:
         error = str(e)
     errors = [error]
@@ -178,7 +181,7 @@ def load_checkpoint(root: str, gpt: torch.nn.Module, optimizer, scheduler, info:
 
 
 def _load_rank(root: str, gpt: torch.nn.Module, optimizer, scheduler, info: RankInfo,
-               load_optim: bool, load_rng: bool) -> Optional[ResumeState]:
+               load_optim: bool, load_rng: bool, check_extra=None) -> Optional[ResumeState]:
     iteration = latest_iteration(root)
     if iteration is None:
         return None
@@ -190,6 +193,8 @@ def _load_rank(root: str, gpt: torch.nn.Module, optimizer, scheduler, info: Rank
     payload = _load(main, info.device)
     if not isinstance(payload, dict) or payload.get("format_version") != FORMAT_VERSION:
         raise DynaPipeError(f"{main}: checkpoint format {payload.get('format_version')!r} is not supported.")
+    if check_extra is not None:
+        check_extra(payload.get("extra") or {}, main)
     try:
         gpt.load_state_dict(payload["model"], strict=True)
     except RuntimeError as e:

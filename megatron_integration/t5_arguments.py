@@ -10,6 +10,7 @@ unless ``--decoder-num-layers`` says otherwise, ``--seq-length`` is the same as
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from typing import Optional
 
 from dynapipe.errors import DynaPipeError
@@ -32,6 +33,10 @@ def add_t5_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="longest encoder input in tokens (same as --seq-length)")
     g.add_argument("--decoder-seq-length", type=int, default=None, help="longest decoder target in tokens")
     add_t5_data_args(g)
+    g.add_argument("--dynapipe-placement", default="even", metavar="even|auto|SPEC",
+                   help="layers per pipeline stage: even (Megatron's split, default), auto (the planner chooses from "
+                        "the run's first global batches so that no stage is the bottleneck; the baselines use it "
+                        "too), or ENC+DEC per stage such as 3+0,1+4")
     return parser
 
 
@@ -68,7 +73,8 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
                                                         f"absolute positions; drop it")
     pp = args.pipeline_model_parallel_size
     total = enc_layers + dec_layers
-    if pp > total or total % pp:
+    placement_flag = (getattr(args, "dynapipe_placement", None) or "even").strip()
+    if placement_flag == "even" and (pp > total or total % pp):
         raise DynaPipeError(f"--encoder-num-layers {enc_layers} + --decoder-num-layers {dec_layers} = {total} "
                             f"layers cannot be split evenly over --pipeline-model-parallel-size {pp}; use a "
                             f"divisor of {total}.")
@@ -98,10 +104,15 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
     # The shared validators see the whole model: every layer, the encoder's length.
     shared = argparse.Namespace(**vars(args))
     shared.num_layers, shared.seq_length, shared.max_position_embeddings = total, enc_seq, max_pos
+    if placement_flag != "even" and total % pp:
+        shared.num_layers = pp * (total // pp) or pp  # the split is the placement's, not an even one
     base = training_config_from_args(shared, world_size, cuda)
+    if base.model.num_layers != total:
+        base = replace(base, model=replace(base.model, num_layers=total))
     _t5_data_and_checkpoints_honoured(args, base)
-    return T5TrainingConfig(base=base, encoder_layers=enc_layers, decoder_layers=dec_layers,
-                            decoder_seq_length=dec_seq, span_corruption=span_corruption_from_args(args, base, dec_seq))
+    cfg = T5TrainingConfig(base=base, encoder_layers=enc_layers, decoder_layers=dec_layers,
+                           decoder_seq_length=dec_seq, span_corruption=span_corruption_from_args(args, base, dec_seq))
+    return _with_placement(cfg, placement_flag, pp)
 
 
 def parse_t5_args(argv, world_size: int, cuda: Optional[bool] = None) -> T5TrainingConfig:
@@ -135,3 +146,11 @@ def _t5_data_and_checkpoints_honoured(args: argparse.Namespace, base) -> None:
     if (args.save or args.load) and base.ckpt_format != "dynapipe":
         raise DynaPipeError(f"--ckpt-format {base.ckpt_format}: T5 stages save and load this project's checkpoint "
                             f"format only (no Megatron sharded state dict for them yet); add --ckpt-format dynapipe.")
+
+
+def _with_placement(cfg: T5TrainingConfig, flag: str, pp: int) -> T5TrainingConfig:
+    """``cfg`` with ``--dynapipe-placement`` checked against the model (``auto``: chosen at start-up)."""
+    from megatron_integration.t5_placement import parse_t5_placement
+
+    placement = parse_t5_placement(flag, cfg.planner_model(), pp)
+    return replace(cfg, placement=placement, placement_flag=flag)

@@ -29,6 +29,22 @@ class T5TrainingConfig:
     decoder_layers: int
     decoder_seq_length: int
     span_corruption: Optional[SpanCorruptionConfig] = None
+    # Layers per pipeline stage (--dynapipe-placement): the split itself, or None for
+    # Megatron's even split when placement_flag is "even" and for "auto" until chosen.
+    placement: Optional[object] = None
+    placement_flag: str = "even"
+
+    def stage_placement(self):
+        """The :class:`~dynapipe.cost.placement.StagePlacement` the stages build."""
+        from dynapipe.cost.placement import StagePlacement
+        from dynapipe.errors import DynaPipeError
+
+        if self.placement is not None:
+            return self.placement
+        if self.placement_flag == "auto":
+            raise DynaPipeError("--dynapipe-placement auto is chosen at start-up "
+                                "(megatron_integration.t5_placement.resolve_t5_placement); it was not chosen yet.")
+        return StagePlacement.even(self.planner_model(), self.base.parallel.pipeline_model_parallel_size)
 
     @property
     def encoder_seq_length(self) -> int:

@@ -10,9 +10,11 @@ models), so a stage is assembled here from the same building blocks:
   ``get_t5_*_with_local_block_spec`` helpers put Transformer Engine's ``TENorm`` there,
   which is ``None`` without Transformer Engine, so their blocks silently lose the final
   norms; the block spec is built here instead.
-* the stage's layers come from :func:`dynapipe.cost.base.stage_layouts`, the split the
-  planner prices and the plan compiler ships messages for: encoder layers first, then
-  decoder layers, a stage may hold the end of the encoder and the start of the decoder.
+* the stage's layers come from the run's stage placement (``--dynapipe-placement``:
+  Megatron's even split :func:`dynapipe.cost.base.stage_layouts` by default, or the
+  planner's choice), the split the planner prices and the plan compiler ships messages
+  for: encoder layers first, then decoder layers, a stage may hold the end of the
+  encoder and the start of the decoder.
 * one ``LanguageModelEmbedding`` (word + learned absolute positions, shared by encoder
   and decoder as in megatron-core's ``T5Model``) on stage 0 and on the first stage holding
   decoder layers; the output layer is megatron-core's ``T5LMHead`` (tied to the word
@@ -67,12 +69,21 @@ class T5StagePlace:
         return self.stage == self.num_stages - 1
 
 
-def stage_places(model_config, num_stages: int) -> list[T5StagePlace]:
-    """Every stage's place, from the planner's :func:`~dynapipe.cost.base.stage_layouts`."""
+def stage_places(model_config, num_stages: int, placement=None) -> list[T5StagePlace]:
+    """Every stage's place: the layers of ``placement`` (a
+    :class:`~dynapipe.cost.placement.StagePlacement` of ``num_stages`` stages, validated
+    against ``model_config``), by default the planner's even
+    :func:`~dynapipe.cost.base.stage_layouts`."""
     from dynapipe.cost.base import stage_layouts
+    from dynapipe.errors import DynaPipeError
 
+    if placement is not None and placement.num_stages != num_stages:
+        raise DynaPipeError(f"stage placement {placement} has {placement.num_stages} stages; the pipeline has "
+                            f"{num_stages} (--pipeline-model-parallel-size).")
+    layouts = stage_layouts(model_config, num_stages) if placement is None \
+        else placement.validate(model_config).layouts()
     places, enc, dec = [], 0, 0
-    for layout in stage_layouts(model_config, num_stages):
+    for layout in layouts:
         places.append(T5StagePlace(layout.stage, num_stages, enc, layout.encoder_layers, dec, layout.decoder_layers,
                                    model_config.encoder_layers, model_config.decoder_layers))
         enc += layout.encoder_layers
@@ -230,7 +241,7 @@ def t5_deterministic_init_(stage: T5Stage, std: float, seed: int) -> None:
 def build_t5_stage(cfg: T5TrainingConfig, info: RankInfo) -> T5Stage:
     """This rank's unwrapped :class:`T5Stage`, deterministically initialised."""
     base = cfg.base
-    place = stage_places(cfg.planner_model(), info.pp_size)[info.pp_rank]
+    place = stage_places(cfg.planner_model(), info.pp_size, cfg.stage_placement())[info.pp_rank]
     # Each block gets the explicit list of its layers: the config describes one unsplit
     # block (no pipeline offsets), and DynaPipe sets the recompute level per micro-batch.
     fixed = None if base.dynapipe.enabled else base.recompute

@@ -39,6 +39,7 @@ from megatron_integration.model import Stage
 from megatron_integration.nan_guard import check_before_step
 from megatron_integration.t5_config import T5TrainingConfig
 from megatron_integration.t5_model import EmbeddingSync, set_t5_recompute_level
+from megatron_integration.t5_placement import check_plan_placement
 
 
 def segment_mask(q_seg: torch.Tensor, k_seg: torch.Tensor, causal: bool = False,
@@ -151,7 +152,9 @@ class LoaderSource:
         from megatron_integration.train_step import make_loader, planner_settings
 
         base = cfg.base
-        settings = replace(planner_settings(base, info), model=cfg.planner_model(), seq_length=cfg.encoder_seq_length)
+        self.placement, self.model = cfg.stage_placement(), cfg.planner_model()
+        settings = replace(planner_settings(base, info), model=self.model, seq_length=cfg.encoder_seq_length,
+                           placement=self.placement)
         self.settings = settings
         self.loader = make_loader(base, info, start_iteration, consumed_samples, dataset=cfg.dataset_config(),
                                   settings=settings)
@@ -160,6 +163,7 @@ class LoaderSource:
         data = next(self.loader)
         if data.iteration != iteration:
             raise DynaPipeError(f"the data loader yielded iteration {data.iteration} for iteration {iteration}.")
+        check_plan_placement(data.plan, self.placement, self.model, iteration)
         m = data.meta
         return PlannedIteration(data.plan, data.micro_batches, m.global_loss_tokens, m.global_real_tokens,
                                 m.global_padded_tokens, m.consumed_samples, m.truncated_samples, m.wait_ms)
@@ -181,6 +185,7 @@ class BaselineSource:
         sampler = GlobalBatchSampler(dataset.sample_tokens(), sampler_config(cfg.base), consumed_samples)
         self.batches = GlobalBatches(dataset, sampler, start_iteration)
         self.level = cfg.base.recompute.granularity or "none"
+        self.layouts = cfg.stage_placement().layouts()  # the layers the stages hold decide the messages
 
     def next(self, iteration: int) -> PlannedIteration:
         from dynapipe.plan.compile import compile_plans
@@ -195,7 +200,7 @@ class BaselineSource:
         loss_tokens = int(lengths[:, 1].sum())
         plan = compile_plans("1f1b", mbs_list, self.model, num_stages=info.pp_size, replica=info.dp_rank,
                              num_replicas=info.dp_size, iteration=iteration, global_real_tokens=loss_tokens,
-                             recompute=self.level)[info.pp_rank]
+                             recompute=self.level, layouts=self.layouts)[info.pp_rank]
         tensors = {}
         for i, mb in enumerate(mbs_list):
             rows = [[ds[int(batch.indices[p])] for p in row] for row in (mb.rows or [[s] for s in mb.samples])]
@@ -250,7 +255,7 @@ class T5Stepper:
             from dynapipe.cost import build_cost_model
 
             s = source.settings
-            cost_model = build_cost_model(s.model, s.device, s.num_stages, s.cost_profile)
+            cost_model = build_cost_model(s.model, s.device, s.num_stages, s.cost_profile, placement=s.placement)
         return cls(cfg, info, stage, optimizer, scheduler, source, executor, handlers, sync, meter, cost_model,
                    [] if d.trace_dir else None)
 

@@ -39,18 +39,28 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
                 on_iteration: Optional[Callable[[int, StepResult], None]] = None) -> TrainingRun:
     """Train ``cfg.base.train_iters`` iterations (stopping early at ``--exit-interval``)."""
     from megatron_integration.t5_model import EmbeddingSync, stage_places
+    from megatron_integration.t5_placement import check_checkpoint_placement, checkpoint_record, resolve_t5_placement
     from megatron_integration.t5_step import T5Stepper
 
     base = cfg.base
     info = initialize_megatron(base.parallel, base.seed)
     if info.rank == 0 and vocab_padding_line(base) is not None:
         print(vocab_padding_line(base), file=stream, flush=True)
+    # --dynapipe-placement auto is chosen here, before any stage is built.
+    cfg = resolve_t5_placement(cfg, info.pp_size, info.dp_size)
+    placement = cfg.stage_placement()
+    if info.rank == 0 and cfg.placement_flag != "even":
+        print(f" > stage placement (encoder+decoder layers per stage): {placement} "
+              f"(--dynapipe-placement {cfg.placement_flag})", file=stream, flush=True)
     stage = build_t5_training_stage(cfg, info)
     optimizer, scheduler = build_optimizer(base, stage)
-    sync = EmbeddingSync.create(stage_places(cfg.planner_model(), info.pp_size), base.model.tie_embeddings)
+    sync = EmbeddingSync.create(stage_places(cfg.planner_model(), info.pp_size, placement), base.model.tie_embeddings)
     run = TrainingRun(spec_name=stage.spec_name)
+    record = checkpoint_record(placement)
     if base.load:
-        resumed = load_checkpoint(base.load, stage.gpt, optimizer, scheduler, info, base.load_optim, base.load_rng)
+        resumed = load_checkpoint(base.load, stage.gpt, optimizer, scheduler, info, base.load_optim, base.load_rng,
+                                  check_extra=lambda extra, path: check_checkpoint_placement(
+                                      extra, placement, cfg.planner_model(), path))
         if resumed is not None:
             run.start_iteration, run.consumed_samples = resumed.iteration, resumed.consumed_samples
     stepper = T5Stepper.create(cfg, info, stage, optimizer, scheduler, sync, run.start_iteration,
@@ -72,9 +82,11 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
                 on_iteration(iteration, result)
             done = iteration + 1
             if base.save and base.save_interval and done % base.save_interval == 0 and done != last:
-                save_checkpoint(base.save, done, run.consumed_samples, stage.gpt, optimizer, scheduler, info)
+                save_checkpoint(base.save, done, run.consumed_samples, stage.gpt, optimizer, scheduler, info,
+                                extra=record)
         if base.save and last > run.start_iteration:
-            save_checkpoint(base.save, last, run.consumed_samples, stage.gpt, optimizer, scheduler, info)
+            save_checkpoint(base.save, last, run.consumed_samples, stage.gpt, optimizer, scheduler, info,
+                            extra=record)
     finally:
         stepper.close()
         if logger is not None:

@@ -105,7 +105,8 @@ def test_segment_masks_and_positions():
 def pp2(tmp_path_factory):
     """One 2-rank job: padding, DynaPipe interrupted after 2 iterations (with a checkpoint) and
     resumed for the third, packing; then a 3 + 1 layer model (two iterations) with padding
-    and DynaPipe; then span-corrupted indexed data (two iterations) with padding and DynaPipe."""
+    and DynaPipe; then span-corrupted indexed data (two iterations) with padding and DynaPipe;
+    then padding and DynaPipe (two iterations) on the placement 2+1,0+1."""
     from megatron_integration.t5_jobs import run_t5_training
     from t5_span_fixture import write_sentences, write_vocab
 
@@ -125,6 +126,9 @@ def pp2(tmp_path_factory):
             (dyn + f" --ckpt-format dynapipe --load {save}").split(),
             (TINY + PACKING).split(), mixed.split(), (mixed + " --use-dynapipe").split(),
             span.split(), (span + " --use-dynapipe").split()]
+    # A non-even stage placement (stage 0: the encoder and the first decoder layer), padding and DynaPipe.
+    placed = TINY + " --dynapipe-placement 2+1,0+1 --exit-interval 2"
+    runs += [placed.split(), (placed + " --use-dynapipe").split()]
     ranks = run_t5_training(runs, 2, timeout_s=TIMEOUT)
     assert [r["losses"] for r in ranks[1]] == [r["losses"] for r in ranks[0]]  # every rank reports the same
     return ranks[0]
@@ -165,6 +169,15 @@ def test_t5_span_corruption_of_indexed_data_dynapipe_equals_padding_pp2(pp2):
     assert padding["losses"] != pp2[0]["losses"][:2]   # other data than the mock mixture
 
 
+def test_t5_non_even_placement_trains_dynapipe_like_padding(pp2):
+    padding, dynapipe = pp2[8], pp2[9]
+    assert (padding["method"], dynapipe["method"]) == ("padding", "dynapipe") and len(dynapipe["losses"]) == 2
+    assert dynapipe["losses"] == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)
+    # Weights are drawn by global parameter name: the same model as on the even split.
+    assert padding["losses"] == pytest.approx(pp2[0]["losses"][:2], abs=1e-5, rel=1e-5)
+    assert dynapipe["loss_tokens"] == pp2[0]["loss_tokens"][:2]
+
+
 def test_t5_dynapipe_pp2_x_dp2_trains_like_pp2(pp2):
     from megatron_integration.t5_jobs import run_t5_training
 
@@ -184,7 +197,7 @@ def test_bench_t5_refuses_what_it_cannot_run(tmp_path, capsys):
     out = str(tmp_path / "t5.json")
     for extra, text in ((["--methods", "padding-mb"], "for --model t5 choose"),
                         (["--micro-batch-size", "2"], "tunes the baselines' micro-batch size"),
-                        (["--t5-sweep", "0,2"], "--t5-sweep"),
+                        (["--t5-sweep", "0,2"], "--t5-sweep"), (["--rounds", "0"], "give at least 1 round"),
                         (["--train-iters", "1"], "leaves no timed iteration")):
         assert main(["bench", "--model", "t5", "--output", out] + extra) == 2
         assert text in capsys.readouterr().err

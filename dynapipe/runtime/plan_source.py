@@ -53,6 +53,8 @@ class PlannerSettings:
     zero: bool = False
     validate: bool = False
     sequence_parallel: bool = False
+    # Layers per stage (a dynapipe.cost.placement.StagePlacement); None: Megatron's even split.
+    placement: Optional[object] = None
 
 
 class IterationPlanner:
@@ -67,6 +69,9 @@ class IterationPlanner:
         self.settings = settings
         self.cost_model = build_cost_model(settings.model, settings.device, settings.num_stages,
                                            settings.cost_profile, tensor_parallel_config(settings))
+        if settings.placement is not None:
+            # Priced and compiled for the stages the model builds; the plans carry it in meta.
+            self.cost_model = self.cost_model.with_placement(settings.placement)
 
     def plan(self, lengths: np.ndarray, iteration: int) -> list[list[ExecutionPlan]]:
         """``[replica][stage]`` plans for a global batch of ``lengths`` (tokens; ``(n,)``, or

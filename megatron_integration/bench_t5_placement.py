@@ -1,0 +1,51 @@
+"""``bench --model t5``: the stage placement every method runs with, and what it changes in simulation.
+
+The bench chooses the placement once, as ``--dynapipe-placement auto`` would on every rank
+(:func:`megatron_integration.t5_placement.choose_t5_placement` on the run's first global
+batches), and passes it to every run written out, so DynaPipe and the baselines build the
+same stages. Beside it, DynaPipe's plans of the timed global batches are simulated with the
+planner's cost model under Megatron's even split and under the chosen placement: the
+before and after of the pipeline bubble. Pure Python (no torch); times in ms.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Optional
+
+
+def _simulate(batches, cost_model, cfg, pp: int, dp: int) -> dict:
+    """Mean bubble fraction and summed simulated ms of DynaPipe's plans of ``batches``."""
+    from dynapipe.config import load_cluster_config
+    from dynapipe.pipeline_planner import plan_iteration
+
+    d = cfg.base.dynapipe
+    plans = [plan_iteration(lengths, cost_model, stages=pp, dp=dp, method="dynapipe", schedule=d.schedule,
+                            memory_limit_mib=d.memory_limit_mb, cluster=load_cluster_config(d.cluster),
+                            recompute=d.recompute, seq_length=cfg.encoder_seq_length,
+                            zero=cfg.base.optimizer.distributed) for lengths in batches]
+    return {"placement": str(cost_model.placement),
+            "bubble_fraction": round(statistics.fmean(p.bubble_fraction for p in plans), 4),
+            "simulated_ms": round(sum(p.simulated_ms for p in plans), 1),
+            "micro_batches": sum(len(p.batch_plan.micro_batches) for p in plans)}
+
+
+def t5_bench_placement(cfg, nproc: int, warmup_iters: int, given: Optional[str] = None) -> dict:
+    """The placement the bench runs (``given``: the user's ``--dynapipe-placement``, else the
+    one ``auto`` chooses) and DynaPipe's simulated plans of the timed batches under the
+    even split and under it (``simulated.even`` / ``simulated.placed``)."""
+    from dynapipe.cost.placement import StagePlacement
+    from megatron_integration.t5_placement import (AUTO_SAMPLE_BATCHES, choose_t5_placement, first_global_batches,
+                                                   planner_cost_model)
+
+    pp = cfg.base.parallel.pipeline_model_parallel_size
+    dp = max(nproc // pp, 1)
+    batches = first_global_batches(cfg, cfg.base.train_iters)
+    search = choose_t5_placement(cfg, pp, dp, batches=batches[:AUTO_SAMPLE_BATCHES])
+    placement = search.chosen.placement if given in (None, "auto") else cfg.stage_placement()
+    even_cm = planner_cost_model(cfg, pp)
+    timed = batches[min(warmup_iters, len(batches) - 1):]
+    even = _simulate(timed, even_cm, cfg, pp, dp)
+    placed = even if placement == StagePlacement.even(even_cm.model, pp) \
+        else _simulate(timed, even_cm.with_placement(placement), cfg, pp, dp)
+    return {"placement": str(placement), "source": "auto" if given in (None, "auto") else "--dynapipe-placement",
+            "search": search.to_json(), "simulated": {"even": even, "placed": placed}}

@@ -1,0 +1,129 @@
+"""Stage placement of a T5 run: how many encoder and decoder layers every pipeline stage builds.
+
+``--dynapipe-placement`` takes ``even`` (Megatron's split, the default), a split written
+out (``ENC+DEC`` per stage, the syntax of ``python -m dynapipe plan --placement``), or
+``auto``: the planner chooses it (:func:`dynapipe.schedule.placement.choose_placement`)
+from the run's first global batches and the planner's cost model, before the model is
+built. Every rank computes ``auto`` itself from the same batches and the same cost model,
+so every rank gets the same split; the ranks then compare their choices, so a
+disagreement stops the job instead of building stages that do not fit together.
+
+The chosen placement is what the stages build, what DynaPipe's planner prices and compiles
+messages for (the plans' ``meta["placement"]``, checked when a plan is loaded), what the
+baselines' fixed-shape plans use, and what a checkpoint records (a resume with another
+placement is refused: its stages hold other layers).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+import numpy as np
+
+from dynapipe.cost.placement import StagePlacement
+from dynapipe.errors import DynaPipeError
+
+# Global batches ``auto`` chooses from: the run's first ones (from iteration 0, so a resumed
+# run chooses what the interrupted one chose).
+AUTO_SAMPLE_BATCHES = 4
+
+
+def parse_t5_placement(text: str, model, num_stages: int) -> Optional[StagePlacement]:
+    """``--dynapipe-placement`` text for ``model`` (a T5 :class:`~dynapipe.config.ModelConfig`)
+    on ``num_stages`` stages: the placement, or None for ``auto`` (chosen at start-up)."""
+    text = (text or "even").strip()
+    if text == "auto":
+        return None
+    if text == "even":
+        return StagePlacement.even(model, num_stages)
+    try:
+        return StagePlacement.parse(text, model, num_stages)
+    except DynaPipeError as e:
+        detail = " ".join(str(e).split()).replace("--stages is", "--pipeline-model-parallel-size is")
+        raise DynaPipeError(f"--dynapipe-placement {text!r}: {detail.split(': ', 1)[-1]} (or use even / auto)") \
+            from None
+
+
+def first_global_batches(cfg, count: int = AUTO_SAMPLE_BATCHES) -> list[np.ndarray]:
+    """``(n, 2)`` input and target lengths (tokens) of the run's first ``count`` global batches
+    (fewer when the run has fewer iterations), as every method's sampler draws them."""
+    from dynapipe.data.sampler import GlobalBatchSampler
+    from megatron_integration.data import sampler_config
+
+    dataset = cfg.dataset_config().build()
+    sampler = GlobalBatchSampler(dataset.sample_tokens(), sampler_config(cfg.base), 0)
+    n = max(1, min(count, cfg.base.train_iters))
+    return [np.asarray(dataset.planner_lengths(sampler.batch(i).indices)) for i in range(n)]
+
+
+def planner_cost_model(cfg, num_stages: int):
+    """The cost model DynaPipe's planner prices this run with (even split): the
+    ``--dynapipe-cost-model`` profile or the analytic model of ``--dynapipe-device``."""
+    from dynapipe.config import load_device_config
+    from dynapipe.cost import build_cost_model
+
+    d = cfg.base.dynapipe
+    return build_cost_model(cfg.planner_model(), load_device_config(d.device), num_stages,
+                            None if d.cost_model == "analytic" else d.cost_model)
+
+
+def choose_t5_placement(cfg, num_stages: int, dp: int, batches: Optional[list] = None):
+    """The :class:`~dynapipe.schedule.placement.PlacementPlan` ``auto`` takes: the split whose
+    slowest stage is fastest on the DynaPipe micro-batches of ``batches`` (default: the
+    run's first global batches), under the run's memory limit (MiB), recompute level and
+    data-parallel size. Pure and deterministic: the same config gives the same split."""
+    from dynapipe.schedule.placement import choose_placement
+
+    d = cfg.base.dynapipe
+    batches = first_global_batches(cfg) if batches is None else batches
+    return choose_placement(batches, planner_cost_model(cfg, num_stages), dp=dp, memory_limit_mib=d.memory_limit_mb,
+                            seq_length=cfg.encoder_seq_length, zero=cfg.base.optimizer.distributed,
+                            recompute=d.recompute)
+
+
+def resolve_t5_placement(cfg, num_stages: int, dp: int):
+    """``cfg`` with its placement decided (``auto`` chosen here), every rank's choice compared
+    when torch.distributed is running; one-line error when the ranks disagree."""
+    placement = cfg.placement
+    if placement is None and cfg.placement_flag == "auto":
+        placement = choose_t5_placement(cfg, num_stages, dp).chosen.placement
+    elif placement is None:
+        placement = cfg.stage_placement()
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        mine = str(placement)
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        other = next((r for r, p in enumerate(every) if p != mine), None)
+        if other is not None:
+            raise DynaPipeError(f"--dynapipe-placement {cfg.placement_flag}: rank {dist.get_rank()} chose {mine} but "
+                                f"rank {other} chose {every[other]}; give the split explicitly (e.g. "
+                                f"--dynapipe-placement {mine}).")
+    return replace(cfg, placement=placement)
+
+
+def check_plan_placement(plan, placement: StagePlacement, model, iteration: int) -> None:
+    """Refuse a plan priced for other stages than the ones built (``meta["placement"]``; an
+    absent key means Megatron's even split)."""
+    meta = getattr(plan, "meta", None) or {}
+    raw = meta.get("placement")
+    planned = StagePlacement.even(model, placement.num_stages) if raw is None else StagePlacement.from_json(raw, model)
+    if planned != placement:
+        raise DynaPipeError(f"iteration {iteration}: the plan was made for stage placement {planned} but this run's "
+                            f"stages hold {placement}; plan with the run's --dynapipe-placement (a planner or plan "
+                            f"store of another run?).")
+
+
+def checkpoint_record(placement: StagePlacement) -> dict:
+    """What a checkpoint records of the placement (its ``extra``)."""
+    return {"placement": str(placement)}
+
+
+def check_checkpoint_placement(extra: dict, placement: StagePlacement, model, path: str) -> None:
+    """Refuse to resume stages of ``placement`` from a checkpoint saved with another split
+    (a checkpoint without a record was saved by Megatron's even split, the only one then)."""
+    saved = (extra or {}).get("placement") or str(StagePlacement.even(model, placement.num_stages))
+    if saved != str(placement):
+        raise DynaPipeError(f"{path}: saved with stage placement {saved}; this run's stages hold {placement}. "
+                            f"Resume with --dynapipe-placement {saved}.")

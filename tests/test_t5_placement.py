@@ -1,0 +1,148 @@
+"""T5 stage placement in training (``--dynapipe-placement``): pure Python, no process group.
+
+The placement decides what every stage builds (layer ranges, roles, embedding copies), what
+DynaPipe's planner prices and compiles (``meta["placement"]``, checked when a plan is
+loaded) and what a checkpoint records (a resume with another split is refused). The
+spawned check that a non-even placement trains like padding is in ``test_megatron_t5.py``.
+"""
+import re
+
+import pytest
+
+from dynapipe.cost.placement import StagePlacement
+from dynapipe.errors import DynaPipeError
+from megatron_integration.t5_arguments import parse_t5_args
+from megatron_integration.t5_model import stage_places, t5_global_name
+from megatron_integration.t5_placement import (check_checkpoint_placement, check_plan_placement, checkpoint_record,
+                                               choose_t5_placement, first_global_batches, resolve_t5_placement)
+
+TINY = ("--encoder-num-layers 2 --decoder-num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 "
+        "--encoder-seq-length 128 --decoder-seq-length 64 --vocab-size 256 --micro-batch-size 2 --global-batch-size 8 "
+        "--train-iters 3 --lr 1e-2 --mock-data --pipeline-model-parallel-size 2")
+
+
+def _cfg(extra: str = "", layers: str = "", world: int = 2):
+    argv = TINY if not layers else TINY.replace("--encoder-num-layers 2 --decoder-num-layers 2", layers)
+    return parse_t5_args((argv + " " + extra).split(), world, cuda=False)
+
+
+def _roles(p):
+    return (p.enc_start, p.enc_layers, p.dec_start, p.dec_layers, p.embeds_encoder, p.embeds_decoder,
+            p.ends_encoder, p.is_last)
+
+
+def test_placement_decides_every_stages_layers_and_roles():
+    # The default is Megatron's even split, as before the flag existed.
+    even = _cfg()
+    assert even.placement_flag == "even" and str(even.stage_placement()) == "2+0,0+2"
+    assert [_roles(p) for p in stage_places(even.planner_model(), 2)] == \
+        [_roles(p) for p in stage_places(even.planner_model(), 2, even.stage_placement())]
+    # Stage 0 holds the whole encoder and the first decoder layer: it embeds both (one
+    # embedding), stage 1 holds no embedding and the tied output layer.
+    cfg = _cfg("--dynapipe-placement 2+1,0+1")
+    places = stage_places(cfg.planner_model(), 2, cfg.stage_placement())
+    assert [_roles(p) for p in places] == [(0, 2, 0, 1, True, True, True, False),
+                                           (2, 0, 1, 1, False, False, False, True)]
+    assert t5_global_name(places[1], "decoder.layers.0.mlp.linear_fc1.weight", True) == \
+        "decoder.layers.1.mlp.linear_fc1.weight"
+    # Uneven encoder and decoder (3 + 2 layers do not split evenly over 2 stages: Megatron's
+    # split is refused, a written-out or chosen one is not).
+    with pytest.raises(DynaPipeError, match="cannot be split evenly"):
+        _cfg(layers="--encoder-num-layers 3 --decoder-num-layers 2")
+    odd = _cfg("--dynapipe-placement 1+0,2+2", layers="--encoder-num-layers 3 --decoder-num-layers 2")
+    assert odd.base.model.num_layers == 5
+    assert [_roles(p) for p in stage_places(odd.planner_model(), 2, odd.stage_placement())] == \
+        [(0, 1, 0, 0, True, False, False, False), (1, 2, 0, 2, False, True, True, True)]
+    # PP3: an encoder-only stage in the middle; the decoder's embedding copy on stage 2.
+    pp3 = _cfg("--dynapipe-placement 1+0,2+0,0+2 --pipeline-model-parallel-size 3",
+               layers="--encoder-num-layers 3 --decoder-num-layers 2", world=3)
+    places = stage_places(pp3.planner_model(), 3, pp3.stage_placement())
+    assert [(p.enc_start, p.enc_layers, p.dec_layers, p.embeds_decoder) for p in places] == \
+        [(0, 1, 0, False), (1, 2, 0, False), (3, 0, 2, True)]
+    assert t5_global_name(places[1], "encoder.layers.1.self_attention.linear_qkv.weight", True) == \
+        "encoder.layers.2.self_attention.linear_qkv.weight"
+
+
+def test_placement_flag_errors_name_the_value():
+    for value, text in (("2+2,0+1", "holds 2 encoder \\+ 3 decoder"), ("4,0", "write ENC\\+DEC"),
+                        ("2+0,0+1,0+1", "names 3 stages"), ("2+0,x", "is not a layer count"),
+                        ("0+2,2+0", "encoder layers must all come before")):
+        with pytest.raises(DynaPipeError, match=f"--dynapipe-placement {re.escape(repr(value))}.*{text}"):
+            _cfg(f"--dynapipe-placement {value}")
+    auto = _cfg("--dynapipe-placement auto")
+    assert auto.placement is None
+    with pytest.raises(DynaPipeError, match="chosen at start-up"):
+        auto.stage_placement()
+
+
+def test_auto_placement_is_chosen_from_the_runs_batches_and_priced_by_the_planner():
+    from dynapipe.runtime.plan_source import IterationPlanner
+    from megatron_integration.t5_placement import planner_cost_model
+
+    # Long inputs, short targets, 4 + 4 layers: the even split's encoder stage is the bottleneck.
+    cfg = _cfg("--dynapipe-placement auto --encoder-seq-length 1024 --global-batch-size 16 --use-dynapipe",
+               layers="--encoder-num-layers 4 --decoder-num-layers 4")
+    batches = first_global_batches(cfg)
+    assert len(batches) == 3 and all(b.shape == (16, 2) for b in batches)  # --train-iters 3
+    plan = choose_t5_placement(cfg, 2, 1)
+    chosen = plan.chosen.placement
+    assert chosen != StagePlacement.even(cfg.planner_model(), 2)
+    assert plan.chosen.bottleneck_ms < plan.before.bottleneck_ms
+    # Deterministic: every rank computes the same split from the same batches and cost model.
+    resolved = resolve_t5_placement(cfg, 2, 1)
+    assert resolved.stage_placement() == chosen == choose_t5_placement(cfg, 2, 1).chosen.placement
+    # The planner workers price and compile for it; the plans say so, and a stage built
+    # with another split refuses them.
+    from dataclasses import replace
+
+    from dynapipe.config import load_device_config
+    from dynapipe.runtime.plan_source import PlannerSettings
+
+    settings = PlannerSettings(model=cfg.planner_model(), device=load_device_config("cpu"), num_stages=2,
+                               seq_length=1024, placement=chosen)
+    planned = IterationPlanner(settings).plan(batches[0], 0)[0]
+    assert all(StagePlacement.from_json(p.meta["placement"], cfg.planner_model()) == chosen for p in planned)
+    check_plan_placement(planned[0], chosen, cfg.planner_model(), 0)
+    with pytest.raises(DynaPipeError, match=re.escape(f"iteration 5: the plan was made for stage placement {chosen} "
+                                                      f"but this run's stages hold 4+0,0+4")):
+        check_plan_placement(planned[1], StagePlacement.even(cfg.planner_model(), 2), cfg.planner_model(), 5)
+    # An even plan (no meta key) against non-even stages is refused too.
+    even_plan = IterationPlanner(replace(settings, placement=None)).plan(batches[0], 0)[0][0]
+    assert "placement" not in even_plan.meta
+    with pytest.raises(DynaPipeError, match="made for stage placement 4\\+0,0\\+4"):
+        check_plan_placement(even_plan, chosen, cfg.planner_model(), 0)
+    assert planner_cost_model(cfg, 2).placement == StagePlacement.even(cfg.planner_model(), 2)
+
+
+def test_resume_with_another_placement_is_refused():
+    model = _cfg().planner_model()
+    placed = StagePlacement.parse("2+1,0+1", model, 2)
+    even = StagePlacement.even(model, 2)
+    check_checkpoint_placement(checkpoint_record(placed), placed, model, "ckpt/model_optim_rng.pt")
+    check_checkpoint_placement({}, even, model, "ckpt/model_optim_rng.pt")  # saved before placements were recorded
+    with pytest.raises(DynaPipeError, match="ckpt/x.pt: saved with stage placement 2\\+0,0\\+2; this run's stages "
+                                            "hold 2\\+1,0\\+1. Resume with --dynapipe-placement 2\\+0,0\\+2"):
+        check_checkpoint_placement({}, placed, model, "ckpt/x.pt")
+    with pytest.raises(DynaPipeError, match="saved with stage placement 2\\+1,0\\+1"):
+        check_checkpoint_placement(checkpoint_record(placed), even, model, "ckpt/x.pt")
+
+
+def test_bench_t5_runs_one_placement_and_simulates_the_bubble_before_and_after():
+    from megatron_integration.bench_t5 import _placement
+    from megatron_integration.bench_t5_placement import t5_bench_placement
+
+    layers = "--encoder-num-layers 4 --decoder-num-layers 4"
+    argv = (TINY.replace("--encoder-num-layers 2 --decoder-num-layers 2", layers)
+            + " --encoder-seq-length 1024 --global-batch-size 16").split()
+    cfg = parse_t5_args(argv + ["--use-dynapipe"], 2, cuda=False)
+    auto = t5_bench_placement(cfg, 2, 1)
+    chosen = choose_t5_placement(cfg, 2, 1).chosen.placement
+    assert auto["placement"] == str(chosen) and auto["source"] == "auto"
+    even, placed = auto["simulated"]["even"], auto["simulated"]["placed"]
+    assert (even["placement"], placed["placement"]) == ("4+0,0+4", str(chosen))
+    # The planner's own estimate: the chosen split idles the pipeline less than Megatron's.
+    assert placed["bubble_fraction"] < even["bubble_fraction"] and placed["simulated_ms"] < even["simulated_ms"]
+    # A placement on the command line is what every run builds.
+    given = _placement(argv + ["--dynapipe-placement", "3+0,1+4"], 2, 1)
+    assert (given["placement"], given["source"]) == ("3+0,1+4", "--dynapipe-placement")
+    assert given["simulated"]["placed"]["placement"] == "3+0,1+4"
