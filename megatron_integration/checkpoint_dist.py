@@ -6,9 +6,13 @@ this project loads theirs::
 
     SAVE/latest_checkpointed_iteration.txt
     SAVE/iter_0000100/metadata.json       # dist_checkpointing's format marker
-    SAVE/iter_0000100/common.pt           # args, iteration, checkpoint_version, opt_param_scheduler
+    SAVE/iter_0000100/common.pt           # args, iteration, checkpoint_version, opt_param_scheduler (0.16)
     SAVE/iter_0000100/.metadata           # torch.distributed.checkpoint's index of the shards
     SAVE/iter_0000100/__R_I.distcp        # tensor shards (model, optimizer) and the RNG objects
+
+megatron-core 0.19 writes no ``common.pt``: the common part is the ``common_state`` object
+inside rank 0's shard file, and ``load_common_state_dict`` reads either layout
+(:func:`common_state_file` names whichever holds it).
 
 State dict keys (Megatron-LM's): ``args`` (an ``argparse.Namespace`` with Megatron's names,
 ``consumed_train_samples`` among them), ``checkpoint_version`` (3.0), ``iteration``, ``model``
@@ -186,7 +190,7 @@ def save_dist(iter_dir: str, iteration: int, gpt, optimizer, scheduler, info: Ra
     for path in glob.glob(os.path.join(iter_dir, f"__{info.rank}_*.distcp")):
         write_checksum(path)
     dist.barrier()
-    # ... and rank 0 the shared files (common.pt, metadata.json, .metadata).
+    # ... and rank 0 the shared files (metadata.json, .metadata, common.pt where written).
     if info.rank == 0:
         for path in _checkpoint_files(iter_dir):
             if not os.path.exists(path + CHECKSUM_SUFFIX):
@@ -216,19 +220,54 @@ def verify_dist_checkpoint(iter_dir: str, rank: int = 0, world_size: int = 1) ->
     return True
 
 
-def _checkpoint_error(path: str, e: Exception) -> DynaPipeError:
+try:
+    # torch.distributed.checkpoint's wrapper of the ranks' read errors derives from BaseException;
+    # megatron-core 0.19 reads the common part through it (0.16 through a plain torch.load).
+    from torch.distributed.checkpoint.api import CheckpointException as _DcpException
+except ImportError:  # pragma: no cover - a torch without it raises plain exceptions only
+    _DcpException = Exception
+_LOAD_ERRORS = (Exception, _DcpException)
+
+
+def _checkpoint_error(path: str, e: BaseException) -> DynaPipeError:
+    if isinstance(e, _DcpException) and getattr(e, "failures", None):
+        # The first failing rank's own exception, not the wrapper's multi-line traceback dump.
+        e = next(iter(e.failures.values()))[0]
     text = " ".join(str(e).split())[:300]
     return DynaPipeError(f"checkpoint {path} cannot be loaded ({type(e).__name__}: {text}).")
 
 
+def common_state_file(iter_dir: str) -> str:
+    """The file of ``iter_dir`` that holds the common part (args, iteration, scheduler).
+
+    ``common.pt`` where megatron-core wrote one (0.16); otherwise the shard file that the
+    torch_dist index maps the ``common_state`` object to (0.19). ``iter_dir`` itself when
+    neither can be found (a broken or foreign index), so an error still names a path.
+    """
+    legacy = os.path.join(iter_dir, "common.pt")
+    if os.path.exists(legacy):
+        return legacy
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        storage = FileSystemReader(iter_dir).read_metadata().storage_data
+    except Exception:
+        return iter_dir
+    for index, info in storage.items():
+        if index.fqn.split("/", 1)[0] == "common_state":
+            return os.path.join(iter_dir, info.relative_path)
+    return iter_dir
+
+
 def read_common(iter_dir: str) -> dict:
-    """The checkpoint's common part (``common.pt``: args, iteration, scheduler); one-line errors."""
+    """The checkpoint's common part (args, iteration, scheduler; see :func:`common_state_file`);
+    one-line errors naming the file that holds it."""
     from megatron.core import dist_checkpointing
 
     try:
         return dist_checkpointing.load_common_state_dict(iter_dir)
-    except Exception as e:
-        raise _checkpoint_error(os.path.join(iter_dir, "common.pt"), e) from None
+    except _LOAD_ERRORS as e:
+        raise _checkpoint_error(common_state_file(iter_dir), e) from None
 
 
 # Megatron-LM argument name -> this model's value; compared before any tensor is read.
@@ -285,7 +324,7 @@ def load_dist(iter_dir: str, cfg, gpt, optimizer, scheduler, info: RankInfo, loa
             warnings.simplefilter("ignore", FutureWarning)
             loaded = dist_checkpointing.load(state, iter_dir)
         gpt.load_state_dict(loaded["model"], strict=True)
-    except Exception as e:
+    except _LOAD_ERRORS as e:
         raise _checkpoint_error(iter_dir, e) from None
     if has_optim:
         optimizer.load_state_dict(loaded["optimizer"])
@@ -309,5 +348,5 @@ def _saved_keys(iter_dir: str) -> set:
 
     try:
         return set(load_sharded_metadata(iter_dir).keys())
-    except Exception as e:
+    except _LOAD_ERRORS as e:
         raise _checkpoint_error(iter_dir, e) from None

@@ -83,8 +83,17 @@ def gpt2_bpe_info(vocab_file: str, merge_file: str) -> TokenizerInfo:
 def null_info(vocab_size: int) -> TokenizerInfo:
     """megatron-core's ``NullTokenizer`` of ``--vocab-size`` ids (its EOD is one more id)."""
     from megatron.core.tokenizers import MegatronTokenizer
+    from megatron.core.tokenizers import megatron_tokenizer
 
-    tok = MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=vocab_size)
+    # The library is "null" in megatron-core 0.16 and "null-text" from 0.19 (next to "null-multimodal").
+    libraries = getattr(megatron_tokenizer, "TEXT_LIBRARIES", getattr(megatron_tokenizer, "TOKENIZER_LIBRARIES", ()))
+    if "null-text" in libraries:
+        # 0.19's class counts its EOD inside vocab_size (default id vocab_size - 1); asked for
+        # Megatron-LM's count explicitly, so --vocab-size means the same on both.
+        tok = MegatronTokenizer.from_pretrained(metadata_path={"library": "null-text"}, vocab_size=vocab_size + 1,
+                                                eod_id=vocab_size)
+    else:
+        tok = MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=vocab_size)
     return TokenizerInfo("NullTokenizer", int(tok.vocab_size), int(tok.eod))
 
 

@@ -724,10 +724,12 @@ def _flip(path, offset, mask=0xFF):
 
 
 def _strip_checksums_and_cut_common(iter_dir):
+    from megatron_integration.checkpoint_dist import common_state_file
+
     for name in os.listdir(iter_dir):
         if name.endswith(".sha256"):
             os.remove(os.path.join(iter_dir, name))
-    _truncate(os.path.join(iter_dir, "common.pt"), 100)
+    _truncate(common_state_file(iter_dir), 100)  # common.pt (megatron-core 0.16) or rank 0's shards (0.19)
 
 
 def _replace_with_other(path):
@@ -927,7 +929,7 @@ def fault_outcomes(tmp_path_factory):
                 p.wait(10)
     outcomes = {name: [r[i] for r in results] for i, name in enumerate(steps)}
     return outcomes, {"save": save, "nan_save": nan_save, "redis_restarts": len(procs) - 1,
-                      "lost_unread": lost_unread}
+                      "lost_unread": lost_unread, "dist_save": dist_save}
 
 
 @pytest.mark.parametrize("name", ["nan_padding", "nan_dynapipe"])
@@ -972,14 +974,18 @@ def test_a_corrupted_file_of_one_rank_stops_every_rank(fault_outcomes):
 
 
 def test_a_broken_torch_dist_checkpoint_stops_every_rank_with_one_line(fault_outcomes):
-    outcomes, _ = fault_outcomes
+    from megatron_integration.checkpoint_dist import common_state_file
+
+    outcomes, paths = fault_outcomes
     assert outcomes["saved_dist"][0]["losses"]
     truncated = [o["error"] for o in outcomes["load_truncated_dist"]]
     assert truncated[0] == truncated[1] and "\n" not in truncated[0]
     assert "__1_0.distcp is truncated" in truncated[0]
     broken = [o["error"] for o in outcomes["load_unverified_broken"]]
     assert broken[0] == broken[1] and "\n" not in broken[0]
-    assert "common.pt" in broken[0] and "cannot be loaded" in broken[0]
+    common = common_state_file(os.path.join(paths["dist_save"], "iter_0000001"))
+    assert os.path.basename(common) in ("common.pt", "__0_0.distcp")
+    assert f"checkpoint {common} cannot be loaded" in broken[0], broken[0]
 
 
 @pytest.mark.parametrize("name", ["data_padding", "data_dynapipe"])

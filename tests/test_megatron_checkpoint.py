@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from dynapipe.errors import DynaPipeError
+from megatron_integration.checkpoint_dist import common_state_file
 from megatron_integration.jobs import run_training
 from megatron_integration.launch import spawn
 
@@ -31,7 +32,10 @@ def test_resume_continues_identically(tmp_path):
     # Megatron's torch_dist layout (the default --ckpt-format), every file with its checksum.
     iter_dir = os.path.join(save, "iter_0000002")
     files = sorted(os.listdir(iter_dir))
-    assert {"metadata.json", "common.pt", ".metadata"} <= set(files)
+    assert {"metadata.json", ".metadata"} <= set(files)
+    # The common part: common.pt (megatron-core 0.16) or an object in rank 0's shards (0.19).
+    common = os.path.basename(common_state_file(iter_dir))
+    assert common == ("common.pt" if "common.pt" in files else "__0_0.distcp"), files
     assert any(f.startswith("__1_") and f.endswith(".distcp") for f in files)  # the second stage's shards
     assert all(f + ".sha256" in files for f in files if not f.endswith(".sha256"))
     saving, saved = first["checkpoint_lines"]
@@ -78,8 +82,9 @@ def _verifier_catches_damage(iter_dir, scratch):
     assert errors == [f"checkpoint file {shard} is corrupted: its SHA-256 differs from the one recorded at save "
                       f"time; resume from another checkpoint."]
     _flip_middle_byte(shard)  # repaired
-    os.remove(str(scratch / "common.pt.sha256"))
-    with pytest.raises(DynaPipeError, match="common.pt has no checksum"):
+    common = common_state_file(str(scratch))
+    os.remove(common + ".sha256")
+    with pytest.raises(DynaPipeError, match=f"{re.escape(os.path.basename(common))} has no checksum"):
         verify_dist_checkpoint(str(scratch), 0, 1)
     for sidecar in scratch.glob("*.sha256"):
         sidecar.unlink()
@@ -185,3 +190,17 @@ def test_checkpoint_flags_not_honoured_are_one_line(capsys, monkeypatch):
     assert capsys.readouterr().err == ("error: --no-save-optim is a Megatron-LM flag that dynapipe-megatron does not "
                                        "support: checkpoints always hold the optimizer state; drop it (load with "
                                        "--no-load-optim or --finetune to leave it out)\n")
+
+
+def test_wrapped_read_errors_become_one_line():
+    """torch.distributed.checkpoint wraps each rank's read error in a BaseException whose text is a
+    multi-line traceback (megatron-core 0.19 reads the common part through it); the line names the
+    file and the rank's own error."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_integration.checkpoint_dist import _LOAD_ERRORS, _checkpoint_error
+
+    wrapped = CheckpointException("read", {0: (EOFError("Ran out of input"), None)})
+    assert isinstance(wrapped, _LOAD_ERRORS) and not isinstance(wrapped, Exception)
+    err = _checkpoint_error("ckpt/iter_0000001/__0_0.distcp", wrapped)
+    assert str(err) == "checkpoint ckpt/iter_0000001/__0_0.distcp cannot be loaded (EOFError: Ran out of input)."
