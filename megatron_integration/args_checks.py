@@ -25,3 +25,13 @@ def _positive(flag: str, value, allow_zero: bool = False):
 
 def _unsupported(flag: str, reason: str) -> DynaPipeError:
     return DynaPipeError(f"{flag} is a Megatron-LM flag that dynapipe-megatron does not support: {reason}")
+
+
+def _fraction(flag: str, value: float, low_open: bool = False, high_open: bool = True, default=None) -> float:
+    """``value`` of ``--flag`` inside the unit interval, each end open or closed as Megatron-LM
+    reads that flag; ``default`` (Megatron-LM's) is named in the error when given."""
+    if (value > 0.0 if low_open else value >= 0.0) and (value < 1.0 if high_open else value <= 1.0):
+        return value
+    interval = f"{'(' if low_open else '['}0, 1{')' if high_open else ']'}"
+    hint = f" (Megatron-LM's default {default})" if default is not None else ""
+    raise DynaPipeError(f"--{flag} {value}: must be in {interval}{hint}.")

@@ -10,7 +10,7 @@ import argparse
 from typing import Optional
 
 from dynapipe.errors import DynaPipeError
-from megatron_integration.args_checks import _need, _positive
+from megatron_integration.args_checks import _fraction, _need, _positive
 from megatron_integration.args_refusals import _model_flags_honoured
 from megatron_integration.model_flags import model_shape_from_args
 from megatron_integration.tokenizer import tokenizer_info
@@ -36,9 +36,7 @@ def model_args_from_args(args: argparse.Namespace, cuda: bool) -> GPTModelArgs:
                  "kv-channels", "max-position-embeddings", "vocab-size"):
         _positive(flag, getattr(args, flag.replace("-", "_")))
     for flag in ("hidden-dropout", "attention-dropout"):
-        value = getattr(args, flag.replace("-", "_"))
-        if not 0.0 <= value < 1.0:
-            raise DynaPipeError(f"--{flag} {value}: must be in [0, 1).")
+        _fraction(flag, getattr(args, flag.replace("-", "_")))
     if args.fp16 and args.bf16:
         raise DynaPipeError("--fp16 and --bf16 were both given; choose one (or neither for fp32).")
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"

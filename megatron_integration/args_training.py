@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from dynapipe.errors import DynaPipeError
-from megatron_integration.args_checks import _need, _positive, _unsupported
+from megatron_integration.args_checks import _fraction, _need, _positive, _unsupported
 from megatron_integration.model_flags import loss_scale_from_args
 from megatron_integration.train_config import OptimizerArgs
 
@@ -44,8 +44,7 @@ def optimizer_args_from_args(args: argparse.Namespace) -> OptimizerArgs:
         if args.lr_warmup_iters:
             raise DynaPipeError(f"--lr-warmup-fraction {args.lr_warmup_fraction} and --lr-warmup-iters "
                                 f"{args.lr_warmup_iters} were both given; give one (as in Megatron-LM).")
-        if not 0.0 <= args.lr_warmup_fraction < 1.0:
-            raise DynaPipeError(f"--lr-warmup-fraction {args.lr_warmup_fraction}: must be in [0, 1).")
+        _fraction("lr-warmup-fraction", args.lr_warmup_fraction)
         # Megatron-LM: warm-up steps = fraction x decay steps.
         warmup_iters = int(args.lr_warmup_fraction * decay_iters)
     if args.min_lr > args.lr:

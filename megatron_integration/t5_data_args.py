@@ -14,6 +14,7 @@ import os
 from typing import Optional
 
 from dynapipe.errors import DynaPipeError
+from megatron_integration.args_checks import _fraction
 from megatron_integration.t5_span_data import SpanCorruptionConfig
 from megatron_integration.wordpiece import WORDPIECE_TYPES
 
@@ -64,10 +65,8 @@ def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> O
     if args.vocab_extra_ids <= 0:
         raise DynaPipeError(f"--vocab-extra-ids {args.vocab_extra_ids}: T5 span corruption replaces every masked "
                             f"span by a sentinel token and needs them; add --vocab-extra-ids 100 (Megatron-LM's T5).")
-    if not 0.0 < args.mask_prob < 1.0:
-        raise DynaPipeError(f"--mask-prob {args.mask_prob}: must be in (0, 1) (Megatron-LM's default 0.15).")
-    if not 0.0 <= args.short_seq_prob <= 1.0:
-        raise DynaPipeError(f"--short-seq-prob {args.short_seq_prob}: must be in [0, 1] (Megatron-LM's default 0.1).")
+    _fraction("mask-prob", args.mask_prob, low_open=True, default=DEFAULTS["mask_prob"])
+    _fraction("short-seq-prob", args.short_seq_prob, high_open=False, default=DEFAULTS["short_seq_prob"])
     enc_seq = base.model.seq_length
     if enc_seq < 4:
         raise DynaPipeError(f"--encoder-seq-length {enc_seq}: too short for T5 span corruption, whose samples hold "
