@@ -206,6 +206,10 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
     if not wanted <= set(range(dp)):
         raise DynaPipeError(f"replicas {sorted(wanted - set(range(dp)))} are outside the {dp} data-parallel "
                             f"replicas (0..{dp - 1}).")
+    if result.schedules and result.schedules[0].num_chunks > 1:
+        if replicas:
+            compile_plans(result.schedules[0], result.micro_batches[0], cost_model.model)  # raises: not compiled yet
+        wanted = set()  # interleaved schedules are simulated; their plans are not compiled yet
     plans = [compile_plans(result.schedules[r], result.micro_batches[r], cost_model.model,
                            timeline=result.timelines[r], replica=r, num_replicas=dp, iteration=iteration,
                            global_real_tokens=total_real, layouts=cost_model.layouts,

@@ -1,0 +1,159 @@
+"""Interleaved (virtual-pipeline) placements and schedules: the chunked placement, interleaved
+1F1B, its simulator, memory per rank, the search over it. Pure Python + numpy, tiny models."""
+import json
+
+import numpy as np
+import pytest
+
+from dynapipe.config import DeviceConfig, LinkConfig, ModelConfig
+from dynapipe.cost import AnalyticCostModel, PlacementSample, StagePlacement
+from dynapipe.cost.base import StageLayout
+from dynapipe.cost.chunked_placement import even_chunked_placement, plan_chunked_placement
+from dynapipe.batching.types import MicroBatch
+from dynapipe.errors import DynaPipeError
+from dynapipe.plan.compile import compile_plans
+from dynapipe.schedule.costs import StageTimes
+from dynapipe.schedule.interleaved import (interleaved_1f1b, interleaved_arrays, micro_batch_groups,
+                                           schedule_from_chunked_arrays,
+                                           virtual_stage_times_per_replica)
+from dynapipe.schedule.search import search_schedules
+from dynapipe.schedule.simulator import simulate
+
+DEVICE = DeviceConfig("toy", peak_tflops=10.0, achievable_fraction=0.5, memory_mib=1e9, op_overhead_ms=0.01)
+T5 = ModelConfig("t5-toy", arch="t5", encoder_layers=4, decoder_layers=4, hidden_size=512, num_attention_heads=8,
+                 ffn_hidden_size=2048, vocab_size=1000, max_seq_length=1024, dtype="bf16")
+GPT = ModelConfig("gpt-toy", num_layers=8, hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048,
+                  vocab_size=1000, max_seq_length=1024, dtype="bf16")
+
+
+def _times(P, v, M, rng=None, fw=1.0, bw=2.0, stored=0.0, comm=0.0, state=0.0):
+    V = P * v
+    if rng is not None:
+        f = rng.uniform(0.5, 3.0, (V, M))
+        return StageTimes(f, f * rng.uniform(1.5, 3.0, (V, M)), rng.uniform(0, 5, (V, M)), rng.uniform(0, 1, (V, M)),
+                          rng.uniform(0, 0.3, (V - 1, M)), rng.uniform(0, 0.3, (V - 1, M)), np.zeros(P))
+    full = lambda x: np.full((V, M), float(x))  # noqa: E731
+    return StageTimes(full(fw), full(bw), full(stored), full(0.0), np.full((V - 1, M), comm),
+                      np.full((V - 1, M), comm), np.full(P, float(state)))
+
+
+def test_interleaved_schedule_is_valid_and_runs_for_random_shapes():
+    rng = np.random.default_rng(0)
+    for P in range(2, 9):
+        for v in (2, 3):
+            for M in sorted({1, 2, P - 1, P, P + 1, 2 * P - 1, 2 * P + 3, int(rng.integers(1, 25))} - {0}):
+                sched = interleaved_1f1b(P, v, M).check()
+                assert sched.num_chunks == v
+                # Every rank runs every (micro-batch, chunk) forward, then its backward.
+                assert all(len(ops) == 2 * v * M for ops in sched.stage_ops)
+                tl = simulate(sched, _times(P, v, M, rng))  # raises if the order waits in a cycle
+                assert tl.makespan_ms > 0 and len(tl.busy_ms) == P
+
+
+def test_uniform_micro_batches_take_the_interleaved_slot_count():
+    # Equal chunks: (v M + P - 1) forward+backward slots of one chunk, fill and drain cut by v.
+    for P, v, M in [(4, 2, 8), (8, 2, 16), (8, 2, 17), (4, 3, 5), (2, 2, 3)]:
+        tl = simulate(interleaved_1f1b(P, v, M), _times(P, v, M))
+        assert tl.makespan_ms == pytest.approx(3.0 * (v * M + P - 1))
+    # Megatron's groups (a short last group) leave more idle for M not a multiple of P.
+    assert micro_batch_groups(8, 17) == (9, 8) and micro_batch_groups(8, 17, spread=False) == (8, 8, 1)
+    megatron = schedule_from_chunked_arrays("interleaved", *interleaved_arrays(8, 2, 17, spread=False), chunks=2)
+    assert simulate(megatron.check(), _times(8, 2, 17)).makespan_ms == pytest.approx(3.0 * 50)
+
+
+def test_simulated_time_of_a_toy_case_by_hand():
+    # One micro-batch, 2 ranks x 2 chunks: the forward chain through virtual stages 0..3
+    # (rank 0, 1, 0, 1) with transfers between, then the backward chain back.
+    fw = np.array([[1.0], [2.0], [3.0], [4.0]])
+    bw = 2 * fw
+    ac = np.array([[0.5], [0.25], [0.125]])
+    t = StageTimes(fw, bw, np.zeros((4, 1)), np.zeros((4, 1)), ac, ac.copy(), np.zeros(2))
+    tl = simulate(interleaved_1f1b(2, 2, 1), t)
+    assert tl.makespan_ms == pytest.approx(10.0 + 20.0 + 2 * 0.875)
+    # Rank 0 runs F(vs0) [0, 1], F(vs2) [3.75, 6.75], then B(vs2), B(vs0).
+    assert tl.starts[0][1] == pytest.approx(1 + 0.5 + 2 + 0.25)
+    assert tl.busy_ms == pytest.approx([3.0 * (1 + 3), 3.0 * (2 + 4)])
+
+
+def test_rank_memory_counts_every_chunk_it_holds():
+    # 1 micro-batch on 2 ranks x 2 chunks: rank 0 stores chunk 0's activations (5 MiB) until
+    # its backward, so when chunk 1 (7 MiB) runs its forward both are stored.
+    st = np.array([[5.0], [1.0], [7.0], [1.0]])
+    pk = np.array([[0.0], [0.0], [2.0], [0.0]])
+    z = np.zeros((3, 1))
+    t = StageTimes(np.ones((4, 1)), np.ones((4, 1)), st, pk, z, z.copy(), np.array([100.0, 50.0]))
+    tl = simulate(interleaved_1f1b(2, 2, 1), t)
+    assert tl.peak_mib[0] == pytest.approx(100 + 5 + 7 + 2)
+    assert tl.peak_mib[1] == pytest.approx(50 + 1 + 1)
+    assert max(m for _, m in tl.memory[0]) == pytest.approx(tl.peak_mib[0])
+    assert tl.memory[0][-1][1] == pytest.approx(100.0)  # everything freed at the end
+
+
+def test_chunked_placement_spec_json_and_layouts():
+    p = StagePlacement.parse("2+0,2+0|0+2,0+2", T5, 2)
+    assert p.chunks == 2 and p.num_stages == 2 and p.num_virtual_stages == 4
+    assert str(p) == "2+0,2+0|0+2,0+2"
+    assert StagePlacement.from_json(json.loads(json.dumps(p.to_json())), T5) == p
+    assert p == StagePlacement.parse("interleaved", T5, 2) == StagePlacement.interleaved(T5, 2)
+    # Every rank holds encoder and decoder layers; the cost model prices the rank as both.
+    assert [(l.encoder_layers, l.decoder_layers) for l in p.layouts()] == [(2, 2), (2, 2)]
+    assert [(l.encoder_layers, l.decoder_layers, l.has_embedding, l.has_output) for l in p.virtual_layouts()] == \
+        [(2, 0, True, False), (2, 0, False, False), (0, 2, False, False), (0, 2, False, True)]
+    g = StagePlacement.parse("2,2|2,2", GPT, 2)
+    assert g.to_json() == {"layers": [2, 2, 2, 2], "chunks": 2} and str(g) == "2,2|2,2"
+    for bad, match in [("2+0,2+0|0+2", "per chunk"), ("2+0,0+2|2+0,0+2", "before the first decoder"),
+                       ("3+0,1+0|0+2,0+1", "decoder layers")]:
+        with pytest.raises(DynaPipeError, match=match):
+            StagePlacement.parse(bad, T5, 2)
+    with pytest.raises(DynaPipeError, match="not encoder-decoder"):
+        StagePlacement.interleaved(GPT, 2)
+
+
+def test_cost_model_keeps_the_chunks_and_states_count_both_chunks():
+    cm = AnalyticCostModel(T5, DEVICE, 2)
+    icm = cm.with_placement(StagePlacement.interleaved(T5, 2))
+    assert icm.placement.chunks == 2 and cm.placement.chunks == 1
+    both = cm.layout_state_mib(StageLayout(0, 2, 2, True, False))
+    assert icm.model_state_mib(0) == pytest.approx(both)
+    assert both > cm.layout_state_mib(StageLayout(0, 2, 0, True, False))
+    # Per virtual stage costs: the decoder chunk's transfers carry the encoder output too.
+    mbs = [MicroBatch(samples=[0, 1], seqlen=128, dec_seqlen=32), MicroBatch(samples=[2], seqlen=256, dec_seqlen=16)]
+    link = LinkConfig(bandwidth_gbps=1.0, latency_ms=0.001)
+
+    class Cluster:
+        def link(self, a, b):
+            return link
+
+    (t,) = virtual_stage_times_per_replica(icm, [mbs], cluster=Cluster())
+    assert t.fw_ms.shape == (4, 2) and t.state_mib.shape == (2,)
+    assert t.act_comm_ms[2, 0] > t.act_comm_ms[0, 0]  # decoder message: hidden + encoder output
+
+
+def test_search_runs_interleaved_on_a_chunked_placement_and_compile_refuses_it():
+    cm = AnalyticCostModel(T5, DEVICE, 2).with_placement(StagePlacement.interleaved(T5, 2))
+    rng = np.random.default_rng(1)
+    mbs = [MicroBatch(samples=[i], seqlen=int(rng.integers(64, 512)), dec_seqlen=int(rng.integers(8, 64)))
+           for i in range(7)]
+    res = search_schedules([mbs], cm, capacity_mib=None)
+    assert res.best.schedule == "interleaved" and res.schedules[0].num_chunks == 2
+    assert res.makespan_ms == pytest.approx(res.timelines[0].makespan_ms)
+    with pytest.raises(DynaPipeError, match="adaptive"):
+        search_schedules([mbs], cm, schedule="adaptive")
+    with pytest.raises(DynaPipeError, match="interleaved"):
+        search_schedules([mbs], AnalyticCostModel(T5, DEVICE, 2), schedule="interleaved")
+
+
+def test_chunked_placement_balances_virtual_stages():
+    rng = np.random.default_rng(0)
+    n = 12
+    sample = PlacementSample(np.ones(n), rng.integers(256, 1024, n).astype(float), rng.integers(8, 64, n).astype(float))
+    cm = AnalyticCostModel(T5, DEVICE, 2)
+    p = plan_chunked_placement(cm, sample, 2)
+    assert p.chunks == 2 and p.num_stages == 2
+    even = even_chunked_placement(cm, 2)
+    vt = lambda pl: [sum(AnalyticCostModel(T5, DEVICE, 4).layout_cost(l, sample.mbs, sample.seqlen, sample.dec_seqlen,  # noqa: E731
+                                                                         "none").time_ms) for l in pl.virtual_layouts()]
+    assert max(vt(p)) <= max(vt(even)) + 1e-9
+    # Encoder layers cost more than decoder layers on long inputs: the split moves an
+    # encoder layer off the encoder-only chunks.
+    assert max(vt(p)) < max(vt(even))
