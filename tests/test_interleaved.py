@@ -129,7 +129,7 @@ def test_cost_model_keeps_the_chunks_and_states_count_both_chunks():
     assert t.act_comm_ms[2, 0] > t.act_comm_ms[0, 0]  # decoder message: hidden + encoder output
 
 
-def test_search_runs_interleaved_on_a_chunked_placement_and_compile_refuses_it():
+def test_search_runs_interleaved_on_a_chunked_placement():
     cm = AnalyticCostModel(T5, DEVICE, 2).with_placement(StagePlacement.interleaved(T5, 2))
     rng = np.random.default_rng(1)
     mbs = [MicroBatch(samples=[i], seqlen=int(rng.integers(64, 512)), dec_seqlen=int(rng.integers(8, 64)))
@@ -137,6 +137,8 @@ def test_search_runs_interleaved_on_a_chunked_placement_and_compile_refuses_it()
     res = search_schedules([mbs], cm, capacity_mib=None)
     assert res.best.schedule == "interleaved" and res.schedules[0].num_chunks == 2
     assert res.makespan_ms == pytest.approx(res.timelines[0].makespan_ms)
+    with pytest.raises(DynaPipeError, match="compile_chunked_plans"):
+        compile_plans(res.schedules[0], res.micro_batches[0], T5, timeline=res.timelines[0])
     with pytest.raises(DynaPipeError, match="adaptive"):
         search_schedules([mbs], cm, schedule="adaptive")
     with pytest.raises(DynaPipeError, match="interleaved"):
@@ -157,3 +159,84 @@ def test_chunked_placement_balances_virtual_stages():
     # Encoder layers cost more than decoder layers on long inputs: the split moves an
     # encoder layer off the encoder-only chunks.
     assert max(vt(p)) < max(vt(even))
+
+
+def _chunked_iteration(P=2, spec="interleaved", n=9, seed=0, dp=2):
+    from dynapipe.pipeline_planner import plan_iteration
+
+    rng = np.random.default_rng(seed)
+    cm = AnalyticCostModel(T5, DEVICE, P).with_placement(StagePlacement.parse(spec, T5, P))
+    lengths = np.stack([rng.integers(16, 1000, n), rng.integers(4, 200, n)], 1)
+    return plan_iteration(lengths, cm, dp=dp, memory_limit_mib=None), cm
+
+
+@pytest.mark.parametrize("P,spec", [(2, "interleaved"), (2, "1+0,2+0|1+1,0+3"), (4, "interleaved"),
+                                    (3, "1+0,1+0,1+0|1+0,0+2,0+2")])
+def test_compiled_interleaved_plans_validate_with_chunk_tagged_transfers(P, spec):
+    from dynapipe.plan.instructions import ForwardPass, RecvActivationStart, SendActivationStart
+    from dynapipe.plan.serialize import deserialize_plan, serialize_plan
+    from dynapipe.plan.validate import validate_plans
+
+    it, cm = _chunked_iteration(P, spec, n=11, seed=P)
+    plans = it.all_plans()
+    summary = validate_plans(plans)
+    assert summary.stages == P and summary.transfers > 0
+    V = 2 * P
+    for p in plans:
+        assert p.meta["chunks"] == 2 and p.meta["placement"] == cm.placement.to_json()
+        fw = [(i.mb, i.chunk) for i in p.instructions if isinstance(i, ForwardPass)]
+        assert sorted(fw) == sorted((m.mb, c) for m in p.micro_batches for c in range(2))
+        assert deserialize_plan(serialize_plan(p)).instructions == p.instructions
+    # The activation crossing from the last rank's chunk 0 to rank 0's chunk 1 carries the
+    # tensors of that virtual boundary, with the peers of the ring.
+    last, first = plans[P - 1], plans[0]
+    sends = [i for i in last.instructions if isinstance(i, SendActivationStart) and i.chunk == 0]
+    recvs = [i for i in first.instructions if isinstance(i, RecvActivationStart) and i.chunk == 1]
+    assert sends and [(i.mb, i.tensors) for i in sends] == [(i.mb, i.tensors) for i in recvs]
+    assert {i.peer for i in sends} == {0} and {i.peer for i in recvs} == {P - 1}
+    layouts = cm.placement.virtual_layouts()
+    names = [t.name for t in sends[0].tensors]
+    assert names == (["encoder_output"] if layouts[P].encoder_layers == 0 else ["hidden_states"])
+    assert V == len(layouts)
+
+
+def test_validator_catches_broken_interleaved_plans():
+    import dataclasses
+
+    from dynapipe.errors import PlanError
+    from dynapipe.plan.instructions import RecvActivationStart, SendActivationStart
+    from dynapipe.plan.validate import validate_plans
+
+    it, _ = _chunked_iteration(2, "interleaved", n=7, dp=1)
+    plans = it.all_plans()
+    validate_plans(plans)
+    # Rank 1 sends its chunk-0 and chunk-1 activations to rank 0 in one order; swapping two
+    # of its sends breaks the FIFO pairing with rank 0's receives.
+    p = plans[1]
+    idx = [k for k, i in enumerate(p.instructions) if isinstance(i, SendActivationStart)]
+    insts = list(p.instructions)
+    a, b = idx[0], idx[1]
+    insts[a], insts[b] = insts[b], insts[a]
+    with pytest.raises(PlanError):
+        validate_plans([plans[0], dataclasses.replace(p, instructions=tuple(insts))])
+    # A receive on rank 0 that names the wrong chunk is a receive into a buffer nobody fills.
+    q = plans[0]
+    k = next(k for k, i in enumerate(q.instructions) if isinstance(i, RecvActivationStart) and i.chunk == 1)
+    insts = list(q.instructions)
+    insts[k] = dataclasses.replace(insts[k], chunk=0, buffer="act_in:%d:0" % insts[k].mb)
+    with pytest.raises(PlanError):
+        validate_plans([dataclasses.replace(q, instructions=tuple(insts)), plans[1]])
+    # A chunk the plan does not run is refused.
+    insts = list(q.instructions)
+    insts[0] = dataclasses.replace(insts[0], chunk=5)
+    with pytest.raises(PlanError, match="chunk 5"):
+        validate_plans([dataclasses.replace(q, instructions=tuple(insts)), plans[1]])
+
+
+def test_executor_refuses_interleaved_plans_with_one_line():
+    from dynapipe.errors import PlanError
+    from dynapipe.runtime.plan_check import check_plan_locally
+
+    it, _ = _chunked_iteration(2, "interleaved", n=5, dp=1)
+    with pytest.raises(PlanError, match="2 virtual-pipeline chunks per rank.*not executed yet"):
+        check_plan_locally(it.plans[0][0], stage=0, num_stages=2)

@@ -110,9 +110,5 @@ def schedule_json(args: argparse.Namespace, batch_plan: BatchPlan, cost_model: C
     out = it.schedule_json(explain=bool(getattr(args, "explain", False)))
     out["schedule_planning_ms"] = round((time.perf_counter() - start) * 1e3, 3)
     if getattr(args, "plan_out", None):
-        if it.search.schedules and it.search.schedules[0].num_chunks > 1:
-            raise DynaPipeError(f"--plan-out {args.plan_out}: placement {cost_model.placement} is interleaved; its "
-                                f"schedule is simulated but its plans are not compiled yet. Drop --plan-out or use "
-                                f"a contiguous --placement (even, auto or ENC+DEC per stage).")
         out["plan_files"] = write_plan_dir(it.all_plans(), args.plan_out)
     return out

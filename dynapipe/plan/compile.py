@@ -201,8 +201,8 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
             timeline = simulate(schedule, times, record_memory=False)
     if schedule.num_chunks > 1:
         raise DynaPipeError(f"compile_plans: schedule {schedule.name!r} runs {schedule.num_chunks} virtual-pipeline "
-                            f"chunks per stage; interleaved plans are simulated but not compiled yet. Use a "
-                            f"contiguous placement (even, auto or ENC+DEC per stage) for execution plans.")
+                            f"chunks per stage; compile them with "
+                            f"dynapipe.plan.compile_chunked.compile_chunked_plans.")
     S = schedule.num_stages
     if num_stages is not None and num_stages != S:
         raise DynaPipeError(f"num_stages={num_stages} but the schedule has {S} stages.")
