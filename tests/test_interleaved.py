@@ -240,3 +240,24 @@ def test_executor_refuses_interleaved_plans_with_one_line():
     it, _ = _chunked_iteration(2, "interleaved", n=5, dp=1)
     with pytest.raises(PlanError, match="2 virtual-pipeline chunks per rank.*not executed yet"):
         check_plan_locally(it.plans[0][0], stage=0, num_stages=2)
+
+
+def test_plan_command_writes_interleaved_plans_that_validate(tmp_path, capsys):
+    from dynapipe.cli import main
+    from dynapipe.data.synthetic import sample_lengths
+
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("".join(f"{a} {b}\n" for a, b in sample_lengths(24, 5, 1024, True)))
+    base = ["--model", "t5-11b", "--device", "a100-40gb", "--stages", "4", "--dp", "2", "--memory-limit-mb", "200000",
+            "--lengths", str(lengths)]
+    assert main(["plan", *base, "--placement", "interleaved", "--plan-out", str(tmp_path / "plans")]) == 0
+    out, err = capsys.readouterr()
+    plan = json.loads(out)
+    assert plan["schedule"] == "interleaved" and plan["placement"]["chunks"] == 2
+    assert "even split" in err
+    assert main(["validate", str(tmp_path / "plans")]) == 0
+    assert "valid: 8 plans" in capsys.readouterr().out
+    assert main(["plan", *base, "--placement", "6+0,6+0,6+0,6+0|0+6,0+6,0+6"]) == 2
+    assert "names" in capsys.readouterr().err
+    assert main(["plan", *base, "--placement", "interleaved", "--schedule", "adaptive"]) == 2
+    assert "use --schedule interleaved or auto" in capsys.readouterr().err
