@@ -257,6 +257,10 @@ def test_plan_command_writes_interleaved_plans_that_validate(tmp_path, capsys):
     assert "even split" in err
     assert main(["validate", str(tmp_path / "plans")]) == 0
     assert "valid: 8 plans" in capsys.readouterr().out
+    assert main(["trace", *base, "--placement", "interleaved", "--out", str(tmp_path / "t.json")]) == 0
+    capsys.readouterr()
+    ops = [e for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e.get("ph") == "X"]
+    assert {e["args"]["chunk"] for e in ops} == {0, 1}
     assert main(["plan", *base, "--placement", "6+0,6+0,6+0,6+0|0+6,0+6,0+6"]) == 2
     assert "names" in capsys.readouterr().err
     assert main(["plan", *base, "--placement", "interleaved", "--schedule", "adaptive"]) == 2
