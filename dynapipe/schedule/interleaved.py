@@ -36,7 +36,7 @@ from dynapipe.config import ClusterConfig
 from dynapipe.cost.base import CostModel
 from dynapipe.errors import DynaPipeError
 from dynapipe.schedule import _kernels as K
-from dynapipe.schedule.comm import stage_global_rank
+from dynapipe.schedule.comm import message_bytes, stage_global_rank
 from dynapipe.schedule.costs import StageTimes, stage_times_per_replica
 from dynapipe.schedule.types import Op, Schedule
 
@@ -243,8 +243,6 @@ def virtual_stage_times_per_replica(cost_model: CostModel, replicas: Sequence[Se
     vcm = virtual_cost_model(cost_model)
     rows = stage_times_per_replica(vcm, replicas, recompute=recompute, cluster=None, dp=dp, tp=tp, zero=zero)
     state = np.array([cost_model.model_state_mib(s, dp=dp, zero=zero) for s in range(P)])
-    from dynapipe.schedule.comm import message_bytes
-
     out = []
     for r, t in zip(replicas, rows):
         comm = np.zeros((max(V - 1, 0), len(r)))

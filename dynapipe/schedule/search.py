@@ -1,6 +1,7 @@
 """Schedule search: simulate candidate schedules and keep the fastest that fits.
 
-Candidates are schedules (``1f1b``, ``adaptive``) x micro-batch orders
+Candidates are schedules (``1f1b``, ``adaptive``; on a placement with virtual-pipeline
+chunks ``interleaved`` only, with a recompute level per chunk) x micro-batch orders
 (:mod:`dynapipe.schedule.orders`) x recompute levels (none, selective, full, and for
 ``auto`` a per-stage mix: stages that hold fewer micro-batches in flight recompute less). Every
 data-parallel replica runs the same candidate on its own micro-batches; a candidate's
