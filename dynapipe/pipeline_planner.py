@@ -19,6 +19,7 @@ from dynapipe.batching.dp_partition import DEFAULT_GAP
 from dynapipe.config import ClusterConfig
 from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, check_recompute
 from dynapipe.cost.placement import StagePlacement
+from dynapipe.plan.compile_chunked import compile_chunked_plans
 from dynapipe.errors import DynaPipeError
 from dynapipe.plan._fast import without_gc_pauses
 from dynapipe.plan.compile import compile_plans
@@ -206,11 +207,20 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
     if not wanted <= set(range(dp)):
         raise DynaPipeError(f"replicas {sorted(wanted - set(range(dp)))} are outside the {dp} data-parallel "
                             f"replicas (0..{dp - 1}).")
-    plans = [compile_plans(result.schedules[r], result.micro_batches[r], cost_model.model,
-                           timeline=result.timelines[r], replica=r, num_replicas=dp, iteration=iteration,
-                           global_real_tokens=total_real, layouts=cost_model.layouts,
-                           tp=max(tp, _tp_size(cost_model)), sequence_parallel=shards > 1) if r in wanted else []
-             for r in range(dp)]
+    if result.schedules and result.schedules[0].num_chunks > 1:
+        if max(tp, _tp_size(cost_model)) > 1:
+            raise DynaPipeError(f"placement {cost_model.placement} is interleaved; interleaved plans are compiled "
+                                f"without tensor parallelism only (tp={max(tp, _tp_size(cost_model))}).")
+        vl = cost_model.placement.virtual_layouts()
+        plans = [compile_chunked_plans(result.schedules[r], result.micro_batches[r], cost_model.model,
+                                       result.timelines[r], vl, replica=r, num_replicas=dp, iteration=iteration,
+                                       global_real_tokens=total_real) if r in wanted else [] for r in range(dp)]
+    else:
+            plans = [compile_plans(result.schedules[r], result.micro_batches[r], cost_model.model,
+                               timeline=result.timelines[r], replica=r, num_replicas=dp, iteration=iteration,
+                               global_real_tokens=total_real, layouts=cost_model.layouts,
+                               tp=max(tp, _tp_size(cost_model)), sequence_parallel=shards > 1) if r in wanted else []
+                 for r in range(dp)]
     placement = cost_model.placement
     if placement != StagePlacement.even(cost_model.model, cost_model.num_stages):
         # The model stages must hold the layers the plan was priced for; an absent key

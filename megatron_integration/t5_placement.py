@@ -37,11 +37,16 @@ def parse_t5_placement(text: str, model, num_stages: int) -> Optional[StagePlace
     if text == "even":
         return StagePlacement.even(model, num_stages)
     try:
-        return StagePlacement.parse(text, model, num_stages)
+        placement = StagePlacement.parse(text, model, num_stages)
     except DynaPipeError as e:
         detail = " ".join(str(e).split()).replace("--stages is", "--pipeline-model-parallel-size is")
         raise DynaPipeError(f"--dynapipe-placement {text!r}: {detail.split(': ', 1)[-1]} (or use even / auto)") \
             from None
+    if placement.chunks > 1:
+        raise DynaPipeError(f"--dynapipe-placement {text!r}: interleaved placements ({placement.chunks} chunks per "
+                            f"stage) are simulated and planned (python -m dynapipe plan/trace --placement) but not "
+                            f"executed yet; train with even, auto or ENC+DEC per stage.")
+    return placement
 
 
 def first_global_batches(cfg, count: int = AUTO_SAMPLE_BATCHES) -> list[np.ndarray]:

@@ -13,7 +13,8 @@ of ``--device`` and the links of ``--cluster`` (see :mod:`dynapipe.method_compar
   each micro-batch to its longest sample, tuned like packing.
 
 Encoder-decoder cases run every method on the stage placement the planner chooses on
-other batches of the mixture (:func:`dynapipe.schedule.placement.choose_placement`);
+other batches of the mixture, contiguous or interleaved, whichever DynaPipe's simulation
+of those batches finds faster (:func:`dynapipe.schedule.placement.choose_placement_kind`);
 ``dynapipe-even-split`` is DynaPipe on Megatron's even split, the before.
 
 A baseline's micro-batch size is tuned once per case (the size with the best real
@@ -40,7 +41,7 @@ from dynapipe.cost import build_cost_model  # noqa: E402
 from dynapipe.errors import DynaPipeError  # noqa: E402
 from dynapipe.method_compare import BatchesResult, compare_over_batches, global_batch_of_tokens  # noqa: E402
 from dynapipe.pipeline_planner import plan_iteration  # noqa: E402
-from dynapipe.schedule.placement import choose_placement  # noqa: E402
+from dynapipe.schedule.placement import choose_placement_kind  # noqa: E402
 
 METHODS = ("dynapipe", "dynapipe-1f1b", "packing", "packing-search", "padding", "padding-mb")
 # The DynaPipe paper (EuroSys 2024), best reported speed-up over packing on FLANv2.
@@ -97,7 +98,10 @@ def run_case(case: Case, args) -> dict:
         if case.tp > 1:  # the placement search prices stages without tensor parallelism
             raise DynaPipeError(f"case {case.label}: stage placement for encoder-decoder models is not "
                                 f"implemented with tensor parallelism (tp={case.tp}); use tp=1.")
-        placement = choose_placement(sample, cost, dp=case.dp, seq_length=case.seq_length, zero=case.zero)
+        # Contiguous or interleaved (encoder and decoder chunks on every stage): the faster
+        # in DynaPipe's simulation of the sample batches.
+        placement = choose_placement_kind(sample, cost, dp=case.dp, seq_length=case.seq_length, zero=case.zero,
+                                          cluster=cluster)
         even_cost, cost = cost, placement.cost_model
     # Compile the simulator kernels and fill caches outside the timed planning.
     plan_iteration(batches[0], cost, **kwargs)

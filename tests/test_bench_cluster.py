@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,6 +61,12 @@ def test_encoder_decoder_case_runs_on_its_planned_placement(tmp_path):
     assert sum(chosen["encoder_layers"]) == sum(before["encoder_layers"]) == 24
     assert sum(chosen["decoder_layers"]) == sum(before["decoder_layers"]) == 24
     assert max(case["placement"]["chosen"]["stage_ms"]) < max(before["stage_ms"])  # the bottleneck got lighter
+    # Contiguous and interleaved were both simulated on the choice batches; the faster was kept.
+    cmp = case["placement"]["compared"]
+    assert np.isfinite(cmp["contiguous_ms"]) and np.isfinite(cmp["interleaved_ms"])
+    assert (chosen.get("chunks", 1) == 2) == (cmp["interleaved_ms"] < cmp["contiguous_ms"])
+    if chosen.get("chunks"):
+        assert case["methods"]["dynapipe"]["schedule"] == ["interleaved"]
     bad = subprocess.run([sys.executable, SCRIPT, "--case", "no-such-case", "--output", str(tmp_path / "x.json")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "matches no case" in bad.stderr and "t5-11b" in bad.stderr

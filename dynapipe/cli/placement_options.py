@@ -1,8 +1,10 @@
 """``--placement`` of ``plan`` and ``trace``: the layers every pipeline stage holds.
 
 ``even`` is Megatron's split; ``auto`` lets the planner choose from the cost model over
-the command's own batch (:func:`dynapipe.schedule.placement.choose_placement`); any
-other value is a split written out (``12,12,8`` for GPT, ``ENC+DEC`` per stage for T5).
+the command's own batch (:func:`dynapipe.schedule.placement.choose_placement`; for T5
+:func:`~dynapipe.schedule.placement.choose_placement_kind`, which also tries interleaved
+chunks and keeps the faster in simulation); any other value is a split written out
+(``12,12,8`` for GPT, ``ENC+DEC`` per stage for T5, chunks separated by ``|``).
 """
 from __future__ import annotations
 
@@ -12,15 +14,18 @@ from typing import Optional
 
 from dynapipe.cli.cost import CostSetup
 from dynapipe.cost.placement import StagePlacement
-from dynapipe.schedule.placement import PlacementPlan, choose_placement
+from dynapipe.cli.schedule_options import resolve_cluster
+from dynapipe.schedule.placement import PlacementPlan, choose_placement, choose_placement_kind
 
 
 def add_placement_argument(p: argparse.ArgumentParser) -> None:
     """``--placement even|auto|SPEC`` (default even)."""
-    p.add_argument("--placement", default="even", metavar="even|auto|SPEC",
+    p.add_argument("--placement", default="even", metavar="even|auto|interleaved|SPEC",
                    help="layers per pipeline stage: even (Megatron's split, default), auto (chosen from the cost "
-                        "model over this batch so that no stage is the bottleneck), or a split such as "
-                        "12,12,8 (GPT) or 6+0,6+0,5+1,0+7 (T5: encoder+decoder layers per stage)")
+                        "model over this batch so that no stage is the bottleneck; for T5 contiguous or interleaved, "
+                        "whichever simulates faster), interleaved (T5: the encoder as chunk 0 and the decoder as "
+                        "chunk 1 of every stage), or a split such as 12,12,8 (GPT) or 6+0,6+0,5+1,0+7 (T5: "
+                        "encoder+decoder layers per stage), virtual-pipeline chunks separated by | (3+0,3+0|0+3,0+3)")
 
 
 def apply_placement(args: argparse.Namespace, setup: CostSetup, lengths) -> tuple[CostSetup, Optional[PlacementPlan]]:
@@ -30,9 +35,14 @@ def apply_placement(args: argparse.Namespace, setup: CostSetup, lengths) -> tupl
     if choice == "even":
         return setup, None
     if choice == "auto":
-        plan = choose_placement([lengths], cm, dp=getattr(args, "dp", 1), memory_limit_mib=setup.memory_limit_mib,
-                                reserved_mib=setup.reserved_mib, seq_length=getattr(args, "seq_length", None),
-                                recompute=getattr(args, "recompute", None))
+        kw = dict(dp=getattr(args, "dp", 1), memory_limit_mib=setup.memory_limit_mib, reserved_mib=setup.reserved_mib,
+                  seq_length=getattr(args, "seq_length", None), recompute=getattr(args, "recompute", None))
+        if cm.model.is_encoder_decoder:  # contiguous or interleaved, by simulated time on this batch
+            device = getattr(cm, "device", None)
+            cluster = resolve_cluster(getattr(args, "cluster", None), device.name if device is not None else None)
+            plan = choose_placement_kind([lengths], cm, cluster=cluster, **kw)
+        else:
+            plan = choose_placement([lengths], cm, **kw)
         return dataclasses.replace(setup, cost_model=plan.cost_model), plan
     placement = StagePlacement.parse(choice, cm.model, cm.num_stages)
     return dataclasses.replace(setup, cost_model=cm.with_placement(placement)), None
@@ -44,5 +54,5 @@ def placement_json(setup: CostSetup, plan: Optional[PlacementPlan]) -> dict:
     out = {"placement": setup.cost_model.placement.to_json()}
     if plan is not None:
         out["placement_search"] = {"chosen": plan.chosen.to_json(), "even": plan.before.to_json(),
-                                   "rounds": plan.rounds}
+                                   "rounds": plan.rounds, **({"compared": plan.compared} if plan.compared else {})}
     return out

@@ -143,6 +143,9 @@ class CostModel(ABC):
         """The :class:`~dynapipe.cost.placement.StagePlacement` this cost model prices."""
         from dynapipe.cost.placement import StagePlacement
 
+        chunked = getattr(self, "_chunked", None)  # a chunked placement is not recoverable from rank layouts
+        if chunked is not None:
+            return chunked
         return StagePlacement(tuple(l.encoder_layers for l in self.layouts),
                               tuple(l.decoder_layers for l in self.layouts))
 
@@ -157,6 +160,7 @@ class CostModel(ABC):
                                 f"{self.num_stages}.")
         out = copy.copy(self)
         out._set_layouts(placement.layouts())
+        out._chunked = placement if placement.chunks > 1 else None
         return out
 
     @staticmethod

@@ -25,17 +25,28 @@ _STAGE_SPEC = re.compile(r"\s*([0-9]{1,6})\s*(?:\+\s*([0-9]{1,6})\s*)?\Z")
 class StagePlacement:
     """Layers of every pipeline stage, in model order.
 
-    ``encoder_layers[s]``/``decoder_layers[s]``: layers stage ``s`` holds. Layers are
-    contiguous: the encoder's come first, so at most one stage holds both. Decoder-only
-    (GPT) models put all their layers in ``decoder_layers``. Stage 0 holds the embedding,
-    the last stage the output layer.
+    ``encoder_layers[k]``/``decoder_layers[k]``: layers virtual stage ``k`` holds. With
+    ``chunks == 1`` (the default) virtual stages are the pipeline ranks. With ``chunks = v``
+    there are ``v * P`` virtual stages and virtual stage ``k`` is chunk ``k // P`` of rank
+    ``k % P`` (Megatron's virtual pipeline): a micro-batch runs through ranks ``0..P-1``
+    once per chunk. Layers are contiguous in virtual-stage order: the encoder's come
+    first, so at most one virtual stage holds both. Decoder-only (GPT) models put all their
+    layers in ``decoder_layers``. Virtual stage 0 holds the embedding, the last one the
+    output layer. The interleaved T5 placement puts the encoder in chunk 0 and the decoder
+    in chunk 1, so every rank holds encoder and decoder layers.
     """
 
     encoder_layers: tuple[int, ...]
     decoder_layers: tuple[int, ...]
+    chunks: int = 1
 
     @property
     def num_stages(self) -> int:
+        """Pipeline ranks (virtual stages / chunks)."""
+        return len(self.decoder_layers) // max(self.chunks, 1)
+
+    @property
+    def num_virtual_stages(self) -> int:
         return len(self.decoder_layers)
 
     @staticmethod
@@ -44,21 +55,50 @@ class StagePlacement:
         layouts = stage_layouts(model, num_stages)
         return StagePlacement(tuple(l.encoder_layers for l in layouts), tuple(l.decoder_layers for l in layouts))
 
+    @staticmethod
+    def interleaved(model: ModelConfig, num_stages: int) -> "StagePlacement":
+        """Encoder-decoder models, two chunks per rank: the encoder split evenly over the
+        ranks as chunk 0, the decoder as chunk 1 (earlier ranks take the remainders), so
+        every rank holds about the same encoder and decoder work."""
+        if not model.is_encoder_decoder:
+            raise DynaPipeError(f"--placement interleaved: model {model.name!r} is not encoder-decoder; give a "
+                                f"chunked split such as 4,4|4,4 instead.")
+        P = int(num_stages)
+        if P < 2 or P > min(model.encoder_layers, model.decoder_layers):
+            raise DynaPipeError(f"--placement interleaved needs 2 to {min(model.encoder_layers, model.decoder_layers)} "
+                                f"stages for model {model.name!r} (one encoder and one decoder layer per rank); "
+                                f"--stages is {P}.")
+        split = lambda n: [n // P + (1 if s < n % P else 0) for s in range(P)]  # noqa: E731
+        return StagePlacement(tuple(split(model.encoder_layers) + [0] * P),
+                              tuple([0] * P + split(model.decoder_layers)), 2).validate(model)
+
     def layouts(self) -> list[StageLayout]:
-        """The :class:`StageLayout` of every stage."""
-        S = self.num_stages
-        return [StageLayout(s, e, d, s == 0, s == S - 1)
-                for s, (e, d) in enumerate(zip(self.encoder_layers, self.decoder_layers))]
+        """The :class:`StageLayout` of every rank (all its chunks' layers together: what the
+        rank computes and stores per micro-batch, priced as one stage)."""
+        S, v = self.num_stages, max(self.chunks, 1)
+        enc = [sum(self.encoder_layers[c * S + s] for c in range(v)) for s in range(S)]
+        dec = [sum(self.decoder_layers[c * S + s] for c in range(v)) for s in range(S)]
+        return [StageLayout(s, e, d, s == 0, s == S - 1) for s, (e, d) in enumerate(zip(enc, dec))]
+
+    def virtual_layouts(self) -> list[StageLayout]:
+        """The :class:`StageLayout` of every virtual stage (``stage`` = virtual index; the
+        embedding on the first, the output layer on the last)."""
+        V = self.num_virtual_stages
+        return [StageLayout(k, e, d, k == 0, k == V - 1)
+                for k, (e, d) in enumerate(zip(self.encoder_layers, self.decoder_layers))]
 
     def validate(self, model: ModelConfig) -> "StagePlacement":
         """Raise :class:`DynaPipeError` unless this placement holds exactly ``model``'s
-        layers, contiguously, with at least one layer on every stage."""
+        layers, contiguously, with at least one layer on every (virtual) stage."""
         enc, dec = list(self.encoder_layers), list(self.decoder_layers)
         want_e = model.encoder_layers if model.is_encoder_decoder else 0
         want_d = model.total_layers - want_e
         if len(enc) != len(dec) or not dec:
             raise DynaPipeError(f"stage placement {self}: {len(enc)} encoder and {len(dec)} decoder counts; "
                                 f"give one of each per stage.")
+        if self.chunks < 1 or len(dec) % self.chunks:
+            raise DynaPipeError(f"stage placement {self}: {len(dec)} virtual stages do not split into "
+                                f"{self.chunks} chunks of equal rank count.")
         if any(v < 0 for v in enc + dec):
             raise DynaPipeError(f"stage placement {self}: layer counts must not be negative.")
         if not model.is_encoder_decoder and sum(enc) + sum(dec) != want_d:
@@ -78,35 +118,47 @@ class StagePlacement:
 
     def __str__(self) -> str:
         if not any(self.encoder_layers):
-            return ",".join(str(d) for d in self.decoder_layers)
-        return ",".join(f"{e}+{d}" for e, d in zip(self.encoder_layers, self.decoder_layers))
+            items = [str(d) for d in self.decoder_layers]
+        else:
+            items = [f"{e}+{d}" for e, d in zip(self.encoder_layers, self.decoder_layers)]
+        S = self.num_stages or 1
+        return "|".join(",".join(items[c * S:(c + 1) * S]) for c in range(max(len(items) // S, 1)))
 
     def to_json(self) -> dict:
-        """``{"encoder_layers": [...], "decoder_layers": [...]}`` per stage (GPT: ``{"layers": [...]}``)."""
+        """``{"encoder_layers": [...], "decoder_layers": [...]}`` per stage (GPT: ``{"layers": [...]}``);
+        chunked placements list every virtual stage and add ``"chunks"``."""
+        extra = {"chunks": self.chunks} if self.chunks > 1 else {}
         if not any(self.encoder_layers):
-            return {"layers": list(self.decoder_layers)}
-        return {"encoder_layers": list(self.encoder_layers), "decoder_layers": list(self.decoder_layers)}
+            return {"layers": list(self.decoder_layers), **extra}
+        return {"encoder_layers": list(self.encoder_layers), "decoder_layers": list(self.decoder_layers), **extra}
 
     @staticmethod
     def from_json(obj: dict, model: ModelConfig) -> "StagePlacement":
         """Inverse of :meth:`to_json`, validated against ``model``."""
+        chunks = int(obj.get("chunks", 1))
         if "layers" in obj:
             dec = tuple(int(v) for v in obj["layers"])
-            return StagePlacement((0,) * len(dec), dec).validate(model)
+            return StagePlacement((0,) * len(dec), dec, chunks).validate(model)
         return StagePlacement(tuple(int(v) for v in obj["encoder_layers"]),
-                              tuple(int(v) for v in obj["decoder_layers"])).validate(model)
+                              tuple(int(v) for v in obj["decoder_layers"]), chunks).validate(model)
 
     @staticmethod
     def parse(text: str, model: ModelConfig, num_stages: int) -> "StagePlacement":
         """``--placement`` text: comma-separated layers per stage (``12,12,8``), or
-        ``ENC+DEC`` per stage for encoder-decoder models (``6+0,5+1,0+6``)."""
-        parts = text.split(",")
+        ``ENC+DEC`` per stage for encoder-decoder models (``6+0,5+1,0+6``); virtual-pipeline
+        chunks separated by ``|``, each listing every rank (``3+0,3+0|0+3,0+3``: the
+        encoder as chunk 0, the decoder as chunk 1); ``interleaved``: that split for T5
+        with the layers of each chunk spread evenly."""
+        if text.strip() == "interleaved":
+            return StagePlacement.interleaved(model, num_stages)
+        chunk_texts = text.split("|")
+        parts = [p for c in chunk_texts for p in c.split(",")]
         enc, dec = [], []
         for part in parts:
             m = _STAGE_SPEC.match(part)
             if not m:
                 raise DynaPipeError(f"--placement {text!r}: {part!r} is not a layer count; write LAYERS per stage "
-                                    f"(GPT) or ENC+DEC per stage (T5), comma-separated.")
+                                    f"(GPT) or ENC+DEC per stage (T5), comma-separated (chunks separated by |).")
             if m.group(2) is None:
                 enc.append(0)
                 dec.append(int(m.group(1)))
@@ -116,9 +168,11 @@ class StagePlacement:
         if model.is_encoder_decoder and any("+" not in p for p in parts):
             raise DynaPipeError(f"--placement {text!r}: model {model.name!r} is encoder-decoder; write ENC+DEC "
                                 f"for every stage.")
-        if len(parts) != num_stages:
-            raise DynaPipeError(f"--placement {text!r} names {len(parts)} stages; --stages is {num_stages}.")
-        return StagePlacement(tuple(enc), tuple(dec)).validate(model)
+        widths = {len(c.split(",")) for c in chunk_texts}
+        if widths != {num_stages}:
+            raise DynaPipeError(f"--placement {text!r} names {sorted(widths)[-1]} stages per chunk; --stages is "
+                                f"{num_stages} (every chunk lists every stage).")
+        return StagePlacement(tuple(enc), tuple(dec), len(chunk_texts)).validate(model)
 
 
 @dataclass(frozen=True)

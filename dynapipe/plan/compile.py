@@ -199,6 +199,10 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
             raise DynaPipeError(f"schedule {schedule!r} is not known; use '1f1b', 'adaptive' or a Schedule.")
         if timeline is None:
             timeline = simulate(schedule, times, record_memory=False)
+    if schedule.num_chunks > 1:
+        raise DynaPipeError(f"compile_plans: schedule {schedule.name!r} runs {schedule.num_chunks} virtual-pipeline "
+                            f"chunks per stage; compile them with "
+                            f"dynapipe.plan.compile_chunked.compile_chunked_plans.")
     S = schedule.num_stages
     if num_stages is not None and num_stages != S:
         raise DynaPipeError(f"num_stages={num_stages} but the schedule has {S} stages.")

@@ -29,10 +29,13 @@ class Transfer:
     finish: int = -1    # instruction index of the Finish
     partner: "Transfer | None" = None
     done: bool = False
+    # The sender's chunk (interleaved plans: a receive's own chunk differs where the
+    # message crosses from the last rank to the first); -1: the instruction's chunk.
+    sender_chunk: int = -1
 
     @property
     def key(self) -> tuple:
-        return (self.kind, self.inst.mb, self.inst.chunk)
+        return (self.kind, self.inst.mb, self.inst.chunk if self.sender_chunk < 0 else self.sender_chunk)
 
     def describe(self) -> str:
         arrow = "to" if self.direction == "send" else "from"

@@ -89,6 +89,7 @@ def _collect_comms(plan: ExecutionPlan) -> list[Transfer]:
     if shards < 1 or any(m.seqlen % shards or m.dec_seqlen % shards for m in plan.micro_batches):
         raise PlanError(f"{_where(plan, -1)}: sequence parallelism over {plan.meta.get('tp')!r} tensor-parallel "
                         f"ranks needs a positive TP size dividing every micro-batch's sequence length.")
+    chunks = _chunks(plan)
     open_starts: dict[tuple, Transfer] = {}
     comms: list[Transfer] = []
     groups_seen: dict[int, int] = {}
@@ -102,6 +103,8 @@ def _collect_comms(plan: ExecutionPlan) -> list[Transfer]:
             _fail(plan, k, inst, f"names micro-batch {inst.mb}, which is not in the plan's list "
                                  f"({len(infos)} micro-batches).")
         cls = type(inst)
+        if not 0 <= inst.chunk < chunks:
+            _fail(plan, k, inst, f"names chunk {inst.chunk}; the plan runs {chunks} chunk(s) per rank.")
         grouped = cls in _STARTS and inst.group >= 0
         if not (grouped and prev_group == inst.group):
             post_group += 1
@@ -132,6 +135,9 @@ def _collect_comms(plan: ExecutionPlan) -> list[Transfer]:
                 _fail(plan, k, inst, f"starts a second transfer of {inst.buffer!r} with rank {inst.peer} before "
                                      f"the first (instruction {open_starts[oid].index}) finished.")
             c = Transfer(s, k, inst, direction, kind, post_group)
+            if direction == "recv" and chunks > 1:
+                # Virtual stage of the sender: the one before (activation) or after (gradient).
+                c.sender_chunk = (inst.chunk * S + s + (-1 if kind == "act" else 1)) // S
             open_starts[oid] = c
             comms.append(c)
         elif cls in _FINISH_OF:
@@ -148,9 +154,20 @@ def _collect_comms(plan: ExecutionPlan) -> list[Transfer]:
     return comms
 
 
+def _chunks(plan: ExecutionPlan) -> int:
+    """Virtual-pipeline chunks per rank (``meta["chunks"]``, 1 when absent)."""
+    chunks = (plan.meta or {}).get("chunks", 1)
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        raise PlanError(f"{_where(plan, -1)}: meta chunks={chunks!r} is not a positive number of chunks.")
+    return chunks
+
+
 def _check_buffers(plan: ExecutionPlan) -> None:
-    """Buffer lifetimes and compute order of one plan (see the module docstring)."""
-    S, s = plan.num_stages, plan.stage
+    """Buffer lifetimes and compute order of one plan (see the module docstring). With
+    ``chunks`` per rank, the first/last-rank rules apply to the virtual stage
+    ``chunk * S + stage`` of ``chunks * S``."""
+    P, s, chunks = plan.num_stages, plan.stage, _chunks(plan)
+    S = P * chunks
     infos = {m.mb: m for m in plan.micro_batches}
     state: dict[str, str] = {}        # buffer -> "pending" | "ready" | "freed"
     born: dict[str, int] = {}
@@ -179,6 +196,7 @@ def _check_buffers(plan: ExecutionPlan) -> None:
     for k, inst in enumerate(plan.instructions):
         info = infos[inst.mb]
         key = (inst.mb, inst.chunk)
+        s = inst.chunk * P + plan.stage  # the virtual stage (the rank itself without chunks)
         cls = type(inst)
         if cls in _STARTS:
             if _STARTS[cls][1] == "send":
@@ -253,9 +271,11 @@ def _check_buffers(plan: ExecutionPlan) -> None:
     # A forward-only (evaluation) plan runs no backward (dynapipe.plan.forward_only).
     needs_backward = not plan.meta.get("forward_only", False)
     for m in plan.micro_batches:
-        if (m.mb, 0) not in fw_done or ((m.mb, 0) not in bw_done and needs_backward):
-            missing = "forward" if (m.mb, 0) not in fw_done else "backward"
-            raise PlanError(f"{_where(plan, end)}: micro-batch {m.mb} has no {missing} on this rank.")
+        for c in range(chunks):
+            if (m.mb, c) not in fw_done or ((m.mb, c) not in bw_done and needs_backward):
+                missing = "forward" if (m.mb, c) not in fw_done else "backward"
+                of = f" of chunk {c}" if chunks > 1 else ""
+                raise PlanError(f"{_where(plan, end)}: micro-batch {m.mb} has no {missing}{of} on this rank.")
 
 
 def _match_pair(a: ExecutionPlan, b: ExecutionPlan, sends: list[Transfer], recvs: list[Transfer]) -> None:

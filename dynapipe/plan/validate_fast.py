@@ -160,6 +160,8 @@ def group_is_valid(plans: Sequence[ExecutionPlan]) -> bool:
     :func:`dynapipe.plan.validate.validate_plans`; ``False`` also when undecided."""
     if not all(isinstance(p.instructions, InstructionTable) for p in plans):
         return False
+    if any((p.meta or {}).get("chunks", 1) != 1 for p in plans):
+        return False  # interleaved plans: the object-by-object check handles virtual stages
     canon: dict = {}
     ranks = []
     for p in plans:

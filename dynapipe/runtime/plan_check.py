@@ -41,6 +41,11 @@ def check_plan_locally(plan: ExecutionPlan, *, stage: int, num_stages: int, repl
     def bad(i: int, x, why: str) -> PlanError:
         return PlanError(f"pipeline rank {plan.stage}, instruction {i} ({x.OPCODE} mb {x.mb}): {why}")
 
+    chunks = (plan.meta or {}).get("chunks", 1)
+    if chunks != 1:
+        raise PlanError(f"the plan runs {chunks!r} virtual-pipeline chunks per rank (an interleaved placement), "
+                        f"which is planned and simulated but not executed yet; plan with a contiguous placement "
+                        f"(even, auto or ENC+DEC per stage).")
     if plan.num_stages != num_stages or plan.stage != stage:
         raise PlanError(f"the plan is for stage {plan.stage} of {plan.num_stages}, but this rank is pipeline rank "
                         f"{stage} of {num_stages}; give each rank the plan of its own stage.")

@@ -9,8 +9,10 @@ memory in MiB.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
+
+import numpy as np
 
 from dynapipe.batching import plan_micro_batches
 from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel
@@ -31,11 +33,17 @@ class PlacementPlan:
     before: PlacementChoice
     cost_model: CostModel
     rounds: int
+    # Simulated ms over the sample of each kind of placement compared (choose_placement_kind).
+    compared: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        """``placement`` (layers per stage), both splits' per-stage sample times and levels."""
-        return {"placement": self.chosen.placement.to_json(), "chosen": self.chosen.to_json(),
-                "before": self.before.to_json(), "rounds": self.rounds}
+        """``placement`` (layers per stage), both splits' per-stage sample times and levels
+        (and ``compared``: simulated ms of every kind of placement tried, when compared)."""
+        out = {"placement": self.chosen.placement.to_json(), "chosen": self.chosen.to_json(),
+               "before": self.before.to_json(), "rounds": self.rounds}
+        if self.compared:
+            out["compared"] = self.compared
+        return out
 
 
 def _cut(batches: Sequence, cost_model: CostModel, *, dp: int, memory_limit_mib: Optional[float],
@@ -98,3 +106,64 @@ def choose_placement(batches: Sequence, cost_model: CostModel, *, dp: int = 1,
     before = price_placement(cost_model, cost_model.placement, first_sample, **kw)
     final = price_placement(cost_model, chosen.placement, first_sample, **kw)
     return PlacementPlan(final, before, current, r)
+
+
+def simulated_ms(batches: Sequence, cost_model: CostModel, *, dp: int, memory_limit_mib: Optional[float],
+                 reserved_mib: float, seq_length: Optional[int], zero: bool, recompute: Optional[str],
+                 cluster=None) -> float:
+    """Summed simulated iteration time (ms) of DynaPipe's plans of ``batches`` on
+    ``cost_model``'s placement: the cut, then the schedule search under the memory limit
+    (``inf`` when nothing fits)."""
+    from dynapipe.schedule.search import search_schedules
+
+    capacity = None if memory_limit_mib is None else memory_limit_mib - reserved_mib
+    total = 0.0
+    for lengths in batches:
+        try:
+            mbs = _cut([lengths], cost_model, dp=dp, memory_limit_mib=memory_limit_mib, reserved_mib=reserved_mib,
+                       seq_length=seq_length, zero=zero, recompute=recompute)
+            reps = [[mb for mb in mbs if mb.replica == r] for r in range(dp)]
+            total += search_schedules(reps, cost_model, recompute=recompute, capacity_mib=capacity, cluster=cluster,
+                                      dp=dp, zero=zero).makespan_ms
+        except DynaPipeError:
+            return float(np.inf)
+    return total
+
+
+def choose_placement_kind(batches: Sequence, cost_model: CostModel, *, dp: int = 1,
+                          memory_limit_mib: Optional[float] = None, reserved_mib: Optional[float] = None,
+                          seq_length: Optional[int] = None, zero: bool = False, recompute: Optional[str] = None,
+                          cluster=None, chunks: int = 2) -> PlacementPlan:
+    """The faster of the contiguous placement (:func:`choose_placement`) and the
+    ``chunks``-chunk interleaved one (:func:`~dynapipe.cost.chunked_placement.plan_chunked_placement`
+    on the micro-batches cut under the even chunked split), by DynaPipe's simulated time
+    on ``batches`` (ms, summed; schedules searched under the memory limit). ``compared``
+    of the result holds both times."""
+    from dynapipe.cost.chunked_placement import even_chunked_placement, plan_chunked_placement
+
+    device = getattr(cost_model, "device", None)
+    if memory_limit_mib is None and device is not None:
+        memory_limit_mib = device.memory_mib
+    if reserved_mib is None:
+        reserved_mib = device.reserved_mib if device is not None else 0.0
+    kw = dict(dp=dp, memory_limit_mib=memory_limit_mib, reserved_mib=reserved_mib, seq_length=seq_length,
+              zero=zero, recompute=recompute)
+    contiguous = choose_placement(batches, cost_model, rounds=3, **kw)
+    compared = {"contiguous": str(contiguous.chosen.placement),
+                "contiguous_ms": simulated_ms(batches, contiguous.cost_model, cluster=cluster, **kw)}
+    try:
+        even = cost_model.with_placement(even_chunked_placement(cost_model, chunks))
+        sample = PlacementSample.of(_cut(batches, even, **kw))
+        placement = plan_chunked_placement(cost_model, sample, chunks)
+    except DynaPipeError as e:  # too few layers for the chunks, or nothing plans
+        compared["interleaved_error"] = str(e)
+        return PlacementPlan(contiguous.chosen, contiguous.before, contiguous.cost_model, contiguous.rounds, compared)
+    chunked = cost_model.with_placement(placement)
+    compared.update({"interleaved": str(placement),
+                     "interleaved_ms": simulated_ms(batches, chunked, cluster=cluster, **kw)})
+    if compared["interleaved_ms"] < compared["contiguous_ms"]:
+        capacity = None if memory_limit_mib is None else memory_limit_mib - reserved_mib
+        chosen = price_placement(cost_model, placement, sample, capacity_mib=capacity, dp=dp, zero=zero,
+                                 recompute=recompute)
+        return PlacementPlan(chosen, contiguous.before, chunked, contiguous.rounds, compared)
+    return PlacementPlan(contiguous.chosen, contiguous.before, contiguous.cost_model, contiguous.rounds, compared)

@@ -1,6 +1,7 @@
 """Schedule search: simulate candidate schedules and keep the fastest that fits.
 
-Candidates are schedules (``1f1b``, ``adaptive``) x micro-batch orders
+Candidates are schedules (``1f1b``, ``adaptive``; on a placement with virtual-pipeline
+chunks ``interleaved`` only, with a recompute level per chunk) x micro-batch orders
 (:mod:`dynapipe.schedule.orders`) x recompute levels (none, selective, full, and for
 ``auto`` a per-stage mix: stages that hold fewer micro-batches in flight recompute less). Every
 data-parallel replica runs the same candidate on its own micro-batches; a candidate's
@@ -25,12 +26,14 @@ from dynapipe.errors import DynaPipeError
 from dynapipe.schedule import _kernels as K
 from dynapipe.schedule.adaptive import adaptive_arrays, schedule_from_arrays
 from dynapipe.schedule.costs import StageTimes, stage_times_per_replica
+from dynapipe.schedule.interleaved import (INTERLEAVED, chunk_count, chunk_levels, chunked_kernel, interleaved_1f1b,
+                                           interleaved_arrays, virtual_stage_times_per_replica)
 from dynapipe.schedule.one_f_one_b import one_f_one_b, one_f_one_b_arrays
 from dynapipe.schedule.orders import ORDERS
 from dynapipe.schedule.simulator import Timeline, kernel_inputs, simulate
-from dynapipe.schedule.types import SCHEDULE_NAMES, Schedule
+from dynapipe.schedule.types import CHUNKED_SCHEDULE_NAMES, SCHEDULE_NAMES, Schedule
 
-SCHEDULE_CHOICES = SCHEDULE_NAMES + ("auto",)
+SCHEDULE_CHOICES = SCHEDULE_NAMES + CHUNKED_SCHEDULE_NAMES + ("auto",)
 # Candidate outcomes.
 FITS, OVER_MEMORY, SLOWER, SKIPPED = "fits", "over-memory", "slower", "skipped"
 PER_STAGE = "per-stage"
@@ -90,8 +93,16 @@ class SearchResult:
 
 
 def _run(name: str, times: StageTimes, capacity: np.ndarray, abort_ms: float, abort_mib: float):
-    """One replica, one candidate: ``(status, kind, mb, nops, starts, ends, busy, peak)``."""
+    """One replica, one candidate: ``(status, kind, mb, nops, starts, ends, busy, peak, chunk)``
+    (``chunk``: the op chunks of an interleaved schedule, else None)."""
     S, M = times.num_stages, times.num_micro_batches
+    if name == INTERLEAVED:
+        P = len(times.state_mib)
+        kind, mb, ch, nops = interleaved_arrays(P, S // P, M)
+        out = chunked_kernel(kind, mb, ch, nops, *kernel_inputs(times), abort_ms, abort_mib)
+        if out[0] == K.STUCK:
+            raise DynaPipeError("interleaved 1f1b could not be simulated (internal error, please report).")
+        return (out[0], kind, mb, nops) + tuple(out[1:5]) + (ch,)
     if name == "1f1b":
         kind, mb, nops = one_f_one_b_arrays(S, M)
         status, starts, ends, busy, peak, _ = K.simulate_kernel(kind, mb, nops, *kernel_inputs(times),
@@ -104,7 +115,7 @@ def _run(name: str, times: StageTimes, capacity: np.ndarray, abort_ms: float, ab
         nops = np.full(S, 2 * M, dtype=np.int64)
         if status == K.STUCK:
             raise DynaPipeError("the adaptive schedule stalled (internal error, please report).")
-    return status, kind, mb, nops, starts, ends, busy, peak
+    return status, kind, mb, nops, starts, ends, busy, peak, None
 
 
 def heavy_first(times: Sequence[StageTimes]) -> list[int]:
@@ -148,7 +159,12 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
     """
     if schedule not in SCHEDULE_CHOICES:
         raise DynaPipeError(f"--schedule {schedule!r} is not known; use one of {', '.join(SCHEDULE_CHOICES)}.")
-    names = list(SCHEDULE_NAMES) if schedule == "auto" else [schedule]
+    chunks = chunk_count(cost_model)
+    # On a chunked placement 1F1B is Megatron's interleaved 1F1B; nothing adaptive is chunked yet.
+    if (chunks > 1 and schedule == "adaptive") or (chunks == 1 and schedule in CHUNKED_SCHEDULE_NAMES):
+        raise DynaPipeError(f"--schedule {schedule}: placement {cost_model.placement} has {chunks} chunk(s) per "
+                            f"stage; use --schedule {'interleaved' if chunks > 1 else '1f1b or adaptive'} or auto.")
+    names = [INTERLEAVED] if chunks > 1 else (list(SCHEDULE_NAMES) if schedule == "auto" else [schedule])
     order_names = list(orders) if orders else (list(ORDERS) if schedule == "auto" else ["planned"])
     for o in order_names:
         if o not in ORDERS:
@@ -193,17 +209,19 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
         return Candidate(name, o, level, status, makespan, bubble, peak, mix), runs
 
     evaluated = []
-    level_times = {lv: stage_times_per_replica(cost_model, replicas, recompute=lv, cluster=cluster, dp=dp, tp=tp,
-                                               zero=zero) for lv in levels}
+    pricer = virtual_stage_times_per_replica if chunks > 1 else stage_times_per_replica
+    level_times = {lv: pricer(cost_model, replicas, recompute=lv, cluster=cluster, dp=dp, tp=tp, zero=zero)
+                   for lv in levels}
     weights = [(t.fw_ms + t.bw_ms).sum(axis=0) for t in level_times[levels[0]]]
     for o in order_names:
         perms = [tuple(ORDERS[o](w)) for w in weights]
         by_level = {lv: [t.permuted(p) for t, p in zip(level_times[lv], perms)] for lv in levels}
         policies = [(lv, (lv,) * S, by_level[lv]) for lv in levels]
         if per_stage and len(levels) > 1 and capacity_mib is not None:
-            mix = per_stage_levels(by_level, levels, cap_mib)
+            # Chunked: one level per virtual stage (chunk), so one rank's chunks may differ.
+            mix = chunk_levels(by_level, levels, cap_mib) if chunks > 1 else per_stage_levels(by_level, levels, cap_mib)
             if len(set(mix)) > 1:
-                mixed = [StageTimes.mixed([by_level[mix[st]][r] for st in range(S)]) for r in range(len(replicas))]
+                mixed = [StageTimes.mixed([by_level[mix[k]][r] for k in range(len(mix))]) for r in range(len(replicas))]
                 policies.insert(1, (PER_STAGE, mix, mixed))
         for label, mix, permuted in policies:
             bound = max(t.work_lower_bound_ms() for t in permuted)
@@ -230,6 +248,12 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
     cand, runs, permuted, perms = best
     schedules, timelines = [], []
     for r, t, p in zip(runs, permuted, perms):
+        if cand.schedule == INTERLEAVED:
+            sched = interleaved_1f1b(S, chunks, t.num_micro_batches, recompute=cand.recompute, order=cand.order,
+                                     mb_order=p, stage_recompute=cand.stage_recompute)
+            schedules.append(sched)
+            timelines.append(simulate(sched, t, record_memory=True, arrays=(r[1], r[2], r[8], r[3])))
+            continue
         if cand.schedule == "1f1b":
             sched = one_f_one_b(S, t.num_micro_batches, recompute=cand.recompute, order=cand.order, mb_order=p,
                                 stage_recompute=cand.stage_recompute)

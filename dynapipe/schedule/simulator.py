@@ -184,6 +184,10 @@ def simulate(schedule: Schedule, times: StageTimes, *, record_memory: bool = Tru
     ``(kind, mb, nops)`` as :func:`schedule_arrays` gives them, when the caller already
     holds them (the search's own runs of the chosen candidate).
     """
+    if schedule.num_chunks > 1:
+        from dynapipe.schedule.interleaved import simulate_chunked
+
+        return simulate_chunked(schedule, times, record_memory=record_memory, arrays=arrays)
     if times.num_stages != schedule.num_stages:
         raise DynaPipeError(f"schedule {schedule.name!r} has {schedule.num_stages} stages, the costs "
                             f"{times.num_stages}.")

@@ -59,7 +59,8 @@ def chrome_trace(timelines: Sequence[Timeline], micro_batches: Sequence[Sequence
             mb = mbs[ev.op.mb]
             events.append(op_event(r, ev.stage, ev.op.kind, ev.op.mb, ev.start_ms, ev.end_ms, mbs=mb.mbs,
                                    seqlen=mb.seqlen, dec_seqlen=mb.dec_seqlen,
-                                   extra={"samples": len(mb.samples), "real_tokens": mb.real_tokens}))
+                                   extra={"samples": len(mb.samples), "real_tokens": mb.real_tokens,
+                                          **({"chunk": ev.op.chunk} if tl.schedule.num_chunks > 1 else {})}))
         for s, steps in enumerate(tl.memory):
             for t, mib in steps:
                 events.append({"name": f"memory stage {s}", "ph": "C", "pid": r, "ts": round(t * 1e3, 3),
@@ -89,7 +90,7 @@ def plot_timeline(timeline: Timeline, micro_batches: Sequence[MicroBatch], path:
         ax.broken_barh([(ev.start_ms, width)], (y + 0.08, 0.84), facecolors=colour,
                        edgecolors="black", linewidth=0.3, hatch="//" if ev.op.kind != "F" else None)
         if width > span / 60:
-            ax.text(ev.start_ms + width / 2, y + 0.5, f"{ev.op.kind}{ev.op.mb}", ha="center", va="center",
+            ax.text(ev.start_ms + width / 2, y + 0.5, str(ev.op), ha="center", va="center",
                     fontsize=6)
     ax.set_yticks([S - 1 - s + 0.5 for s in range(S)], [f"stage {s}" for s in range(S)])
     ax.set_ylim(0, S)

@@ -17,6 +17,8 @@ OP_KINDS = ("F", "B", "BI", "BW")
 # Kinds the simulator and the plan compiler run today.
 SUPPORTED_KINDS = ("F", "B")
 SCHEDULE_NAMES = ("1f1b", "adaptive")
+# Schedules of chunked (interleaved) placements.
+CHUNKED_SCHEDULE_NAMES = ("interleaved",)
 
 
 @dataclass(frozen=True, order=True)
@@ -41,6 +43,8 @@ class Schedule:
     the micro-batch order the schedule was built for, and ``mb_order`` maps each
     micro-batch index to its position in the planner's original list.
     ``stage_recompute`` (one level per stage) overrides ``recompute`` when given.
+    ``num_chunks``: virtual-pipeline chunks per stage (ops carry ``chunk`` in
+    ``0..num_chunks-1``; see :mod:`dynapipe.schedule.interleaved`).
     """
 
     name: str
@@ -50,6 +54,7 @@ class Schedule:
     order: str = "planned"
     mb_order: tuple[int, ...] = ()
     stage_recompute: tuple[str, ...] = ()
+    num_chunks: int = 1
     meta: dict = field(default_factory=dict, compare=False, hash=False)
 
     def recompute_of(self, stage: int) -> str:
@@ -73,6 +78,9 @@ class Schedule:
                 if op.kind not in SUPPORTED_KINDS:
                     raise DynaPipeError(f"schedule {self.name!r}: stage {s} op {i} has kind {op.kind!r}; "
                                         f"only {SUPPORTED_KINDS} are supported so far.")
+                if not 0 <= op.chunk < self.num_chunks:
+                    raise DynaPipeError(f"schedule {self.name!r}: stage {s} op {i} ({op}) has chunk {op.chunk}; "
+                                        f"the schedule has {self.num_chunks} chunk(s).")
                 key = (op.mb, op.chunk)
                 if op.kind == "F":
                     if key in seen_f:

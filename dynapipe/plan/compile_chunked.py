@@ -1,0 +1,176 @@
+"""Compile an interleaved (chunked) schedule into one plan per pipeline rank.
+
+Rank ``s`` runs chunk ``c`` as virtual stage ``k = c * P + s``; its instructions carry
+``chunk = c`` and its buffers are ``<kind>:<mb>:<c>``. A forward of virtual stage ``k``
+sends its activation to rank ``(s + 1) % P`` (chunk ``c + 1`` on rank 0 after the last
+rank), a backward its input gradient to rank ``(s - 1) % P``; each message holds the
+tensors :func:`~dynapipe.plan.compile.message_specs` gives for the virtual stages'
+layers (for T5 the encoder output joins at the first decoder layer and travels on).
+
+Communication follows the rule of :mod:`dynapipe.plan.compile`: one global order of
+transfers by simulated ready time (ties by kind, micro-batch, virtual stage); every rank
+posts its share in that order, a send right after the op that produces it and waited
+for before the rank's next op, a receive as soon as every earlier transfer of the rank
+is posted, and its finish just before the op that reads it. The plans are instruction
+objects (the compiled instruction tables are for unchunked plans), so
+:func:`~dynapipe.plan.validate.validate_plans` checks them on its object path.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from dynapipe.batching.types import MicroBatch
+from dynapipe.config import ModelConfig
+from dynapipe.cost.base import StageLayout
+from dynapipe.errors import DynaPipeError
+from dynapipe.plan.instructions import (BackwardPass, ExecutionPlan, ForwardPass, FreeBuffer, LoadInput,
+                                        MicroBatchInfo, RecvActivationFinish, RecvActivationStart, RecvGradFinish,
+                                        RecvGradStart, SendActivationFinish, SendActivationStart, SendGradFinish,
+                                        SendGradStart, buffer_name)
+from dynapipe.schedule.simulator import Timeline
+from dynapipe.schedule.types import Schedule
+
+
+def _info(i: int, mb: MicroBatch) -> MicroBatchInfo:
+    rows = tuple(tuple(map(int, r)) for r in mb.rows) if mb.rows is not None else ()
+    return MicroBatchInfo(mb=i, samples=tuple(map(int, mb.samples)), mbs=mb.mbs, seqlen=int(mb.seqlen),
+                          dec_seqlen=int(mb.dec_seqlen), real_tokens=int(mb.real_tokens), rows=rows)
+
+
+def compile_chunked_plans(schedule: Schedule, micro_batches: Sequence[MicroBatch], model: ModelConfig,
+                          timeline: Timeline, virtual_layouts: Sequence[StageLayout], *, replica: int = 0,
+                          num_replicas: int = 1, iteration: int = 0,
+                          global_real_tokens: Optional[int] = None) -> list[ExecutionPlan]:
+    """One :class:`ExecutionPlan` per rank of a chunked ``schedule`` (``num_chunks > 1``) and
+    its simulated ``timeline``; ``virtual_layouts``: the layers of every virtual stage
+    (:meth:`~dynapipe.cost.placement.StagePlacement.virtual_layouts`)."""
+    from dynapipe.plan.compile import input_specs, message_specs
+
+    P, v = schedule.num_stages, schedule.num_chunks
+    V = P * v
+    if len(virtual_layouts) != V:
+        raise DynaPipeError(f"compile_chunked_plans: {len(virtual_layouts)} virtual stage layouts for {P} ranks x "
+                            f"{v} chunks.")
+    if P < 2:
+        raise DynaPipeError("an interleaved plan needs at least 2 pipeline ranks.")
+    if timeline.schedule.stage_ops != schedule.stage_ops:
+        raise DynaPipeError("the timeline given to compile_chunked_plans belongs to a different schedule.")
+    mbs_list = list(micro_batches)
+    infos = tuple(_info(i, mb) for i, mb in enumerate(mbs_list))
+    real = sum(i.real_tokens for i in infos)
+    if global_real_tokens is None:
+        if num_replicas > 1:
+            raise DynaPipeError("compile_chunked_plans with num_replicas > 1 needs global_real_tokens.")
+        global_real_tokens = real
+    layouts = tuple(virtual_layouts)
+    packed = {i.mb: bool(i.rows) for i in infos}
+    msg = {}
+
+    def message(k: int, m: int):
+        key = (k, m)
+        if key not in msg:
+            i = infos[m]
+            msg[key] = message_specs(model, k, V, i.mbs, i.seqlen, i.dec_seqlen, layouts)
+        return msg[key]
+
+    # Every transfer: (ready ms, kind 0 act / 1 grad, mb, sending virtual stage), sender, receiver.
+    transfers = []
+    for s, ops in enumerate(schedule.stage_ops):
+        for j, op in enumerate(ops):
+            k = op.chunk * P + s
+            if op.kind == "F" and k < V - 1:
+                transfers.append(((timeline.ends[s][j], 0, op.mb, k), s, (k + 1) % P))
+            elif op.kind == "B" and k > 0:
+                transfers.append(((timeline.ends[s][j], 1, op.mb, k), s, (k - 1) % P))
+    transfers.sort(key=lambda t: t[0])
+    plans = []
+    for s in range(P):
+        plans.append(_rank_plan(s, P, v, schedule, infos, transfers, message, packed, model, layouts, input_specs))
+    out = []
+    for s, instructions in enumerate(plans):
+        levels = [schedule.recompute_of(c * P + s) if len(schedule.stage_recompute) == V
+                  else schedule.recompute_of(s) for c in range(v)]
+        out.append(ExecutionPlan(
+            iteration=iteration, stage=s, num_stages=P, replica=replica, num_replicas=num_replicas,
+            schedule=schedule.name, recompute=levels[0], micro_batches=infos, instructions=tuple(instructions),
+            real_tokens=real, global_real_tokens=int(global_real_tokens),
+            meta={"order": schedule.order, "mb_order": list(map(int, schedule.mb_order)), "chunks": v,
+                  "chunk_recompute": levels, "simulated_ms": round(float(timeline.makespan_ms), 6)}))
+    return out
+
+
+def _level(schedule: Schedule, k: int, s: int, V: int) -> str:
+    return schedule.recompute_of(k) if len(schedule.stage_recompute) == V else schedule.recompute_of(s)
+
+
+def _rank_plan(s, P, v, schedule, infos, transfers, message, packed, model, layouts, input_specs) -> list:
+    """Rank ``s``'s instructions (see the module docstring)."""
+    V = P * v
+    mine = [(key, src, dst) for key, src, dst in transfers if s in (src, dst)]
+    ops = schedule.stage_ops[s]
+    op_index = {(op.kind, op.mb, op.chunk): j for j, op in enumerate(ops)}
+    out: list = []
+    pending_send_finish: list = []
+    ptr = 0
+
+    def post_until(done: int) -> None:
+        """Post this rank's transfers in global order while each one can be posted now:
+        a receive always, a send once its producing op (index < ``done``) has run."""
+        nonlocal ptr
+        while ptr < len(mine):
+            (t, kind, m, k), src, dst = mine[ptr]
+            chunk = k // P
+            if src == s:
+                producer = op_index[("F" if kind == 0 else "B", m, chunk)]
+                if producer >= done:
+                    return
+                cls_s, cls_f, buf = ((SendActivationStart, SendActivationFinish, "act_out") if kind == 0
+                                     else (SendGradStart, SendGradFinish, "grad_out"))
+                name = buffer_name(buf, m, chunk)
+                tensors = message(k, m) if kind == 0 else message(k - 1, m)
+                out.append(cls_s(mb=m, chunk=chunk, peer=dst, buffer=name, tensors=tensors))
+                pending_send_finish.append(cls_f(mb=m, chunk=chunk, peer=dst, buffer=name, tensors=tensors))
+                if kind == 1:
+                    pending_send_finish.append(FreeBuffer(mb=m, chunk=chunk, buffer=name))
+            else:
+                rk = k + 1 if kind == 0 else k - 1  # the receiving virtual stage
+                rchunk = rk // P
+                cls_s, buf = (RecvActivationStart, "act_in") if kind == 0 else (RecvGradStart, "grad_in")
+                tensors = message(k, m) if kind == 0 else message(rk, m)
+                out.append(cls_s(mb=m, chunk=rchunk, peer=src, buffer=buffer_name(buf, m, rchunk), tensors=tensors))
+            ptr += 1
+
+    for j, op in enumerate(ops):
+        post_until(j)
+        out.extend(pending_send_finish)
+        pending_send_finish.clear()
+        k = op.chunk * P + s
+        info = infos[op.mb]
+        c, m = op.chunk, op.mb
+        level = _level(schedule, k, s, V)
+        shape = dict(mbs=info.mbs, seqlen=info.seqlen, dec_seqlen=info.dec_seqlen, recompute=level)
+        if op.kind == "F":
+            loads = input_specs(model, k, V, info.mbs, info.seqlen, info.dec_seqlen, packed[m], layouts)
+            if loads:
+                out.append(LoadInput(mb=m, chunk=c, tensors=loads))
+            if k > 0:
+                out.append(RecvActivationFinish(mb=m, chunk=c, peer=(s - 1) % P, buffer=buffer_name("act_in", m, c),
+                                                tensors=message(k - 1, m)))
+            out.append(ForwardPass(mb=m, chunk=c, **shape))
+        else:
+            if k < V - 1:
+                out.append(RecvGradFinish(mb=m, chunk=c, peer=(s + 1) % P, buffer=buffer_name("grad_in", m, c),
+                                          tensors=message(k, m)))
+            out.append(BackwardPass(mb=m, chunk=c, **shape))
+            loads = input_specs(model, k, V, info.mbs, info.seqlen, info.dec_seqlen, packed[m], layouts)
+            frees = (["input"] if loads else []) + (["act_in"] if k > 0 else []) + \
+                (["act_out", "grad_in"] if k < V - 1 else [])
+            out.extend(FreeBuffer(mb=m, chunk=c, buffer=buffer_name(b, m, c)) for b in frees)
+    post_until(len(ops))
+    out.extend(pending_send_finish)
+    if ptr != len(mine):
+        raise DynaPipeError(f"rank {s}: {len(mine) - ptr} transfers could not be placed in the rank's order "
+                            f"(internal error, please report).")
+    return out

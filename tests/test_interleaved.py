@@ -1,0 +1,267 @@
+"""Interleaved (virtual-pipeline) placements and schedules: the chunked placement, interleaved
+1F1B, its simulator, memory per rank, the search over it. Pure Python + numpy, tiny models."""
+import json
+
+import numpy as np
+import pytest
+
+from dynapipe.config import DeviceConfig, LinkConfig, ModelConfig
+from dynapipe.cost import AnalyticCostModel, PlacementSample, StagePlacement
+from dynapipe.cost.base import StageLayout
+from dynapipe.cost.chunked_placement import even_chunked_placement, plan_chunked_placement
+from dynapipe.batching.types import MicroBatch
+from dynapipe.errors import DynaPipeError
+from dynapipe.plan.compile import compile_plans
+from dynapipe.schedule.costs import StageTimes
+from dynapipe.schedule.interleaved import (interleaved_1f1b, interleaved_arrays, micro_batch_groups,
+                                           schedule_from_chunked_arrays,
+                                           virtual_stage_times_per_replica)
+from dynapipe.schedule.search import search_schedules
+from dynapipe.schedule.simulator import simulate
+
+DEVICE = DeviceConfig("toy", peak_tflops=10.0, achievable_fraction=0.5, memory_mib=1e9, op_overhead_ms=0.01)
+T5 = ModelConfig("t5-toy", arch="t5", encoder_layers=4, decoder_layers=4, hidden_size=512, num_attention_heads=8,
+                 ffn_hidden_size=2048, vocab_size=1000, max_seq_length=1024, dtype="bf16")
+GPT = ModelConfig("gpt-toy", num_layers=8, hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048,
+                  vocab_size=1000, max_seq_length=1024, dtype="bf16")
+
+
+def _times(P, v, M, rng=None, fw=1.0, bw=2.0, stored=0.0, comm=0.0, state=0.0):
+    V = P * v
+    if rng is not None:
+        f = rng.uniform(0.5, 3.0, (V, M))
+        return StageTimes(f, f * rng.uniform(1.5, 3.0, (V, M)), rng.uniform(0, 5, (V, M)), rng.uniform(0, 1, (V, M)),
+                          rng.uniform(0, 0.3, (V - 1, M)), rng.uniform(0, 0.3, (V - 1, M)), np.zeros(P))
+    full = lambda x: np.full((V, M), float(x))  # noqa: E731
+    return StageTimes(full(fw), full(bw), full(stored), full(0.0), np.full((V - 1, M), comm),
+                      np.full((V - 1, M), comm), np.full(P, float(state)))
+
+
+def test_interleaved_schedule_is_valid_and_runs_for_random_shapes():
+    rng = np.random.default_rng(0)
+    for P in range(2, 9):
+        for v in (2, 3):
+            for M in sorted({1, 2, P - 1, P, P + 1, 2 * P - 1, 2 * P + 3, int(rng.integers(1, 25))} - {0}):
+                sched = interleaved_1f1b(P, v, M).check()
+                assert sched.num_chunks == v
+                # Every rank runs every (micro-batch, chunk) forward, then its backward.
+                assert all(len(ops) == 2 * v * M for ops in sched.stage_ops)
+                tl = simulate(sched, _times(P, v, M, rng))  # raises if the order waits in a cycle
+                assert tl.makespan_ms > 0 and len(tl.busy_ms) == P
+
+
+def test_uniform_micro_batches_take_the_interleaved_slot_count():
+    # Equal chunks: (v M + P - 1) forward+backward slots of one chunk, fill and drain cut by v.
+    for P, v, M in [(4, 2, 8), (8, 2, 16), (8, 2, 17), (4, 3, 5), (2, 2, 3)]:
+        tl = simulate(interleaved_1f1b(P, v, M), _times(P, v, M))
+        assert tl.makespan_ms == pytest.approx(3.0 * (v * M + P - 1))
+    # Megatron's groups (a short last group) leave more idle for M not a multiple of P.
+    assert micro_batch_groups(8, 17) == (9, 8) and micro_batch_groups(8, 17, spread=False) == (8, 8, 1)
+    megatron = schedule_from_chunked_arrays("interleaved", *interleaved_arrays(8, 2, 17, spread=False), chunks=2)
+    assert simulate(megatron.check(), _times(8, 2, 17)).makespan_ms == pytest.approx(3.0 * 50)
+
+
+def test_simulated_time_of_a_toy_case_by_hand():
+    # One micro-batch, 2 ranks x 2 chunks: the forward chain through virtual stages 0..3
+    # (rank 0, 1, 0, 1) with transfers between, then the backward chain back.
+    fw = np.array([[1.0], [2.0], [3.0], [4.0]])
+    bw = 2 * fw
+    ac = np.array([[0.5], [0.25], [0.125]])
+    t = StageTimes(fw, bw, np.zeros((4, 1)), np.zeros((4, 1)), ac, ac.copy(), np.zeros(2))
+    tl = simulate(interleaved_1f1b(2, 2, 1), t)
+    assert tl.makespan_ms == pytest.approx(10.0 + 20.0 + 2 * 0.875)
+    # Rank 0 runs F(vs0) [0, 1], F(vs2) [3.75, 6.75], then B(vs2), B(vs0).
+    assert tl.starts[0][1] == pytest.approx(1 + 0.5 + 2 + 0.25)
+    assert tl.busy_ms == pytest.approx([3.0 * (1 + 3), 3.0 * (2 + 4)])
+
+
+def test_rank_memory_counts_every_chunk_it_holds():
+    # 1 micro-batch on 2 ranks x 2 chunks: rank 0 stores chunk 0's activations (5 MiB) until
+    # its backward, so when chunk 1 (7 MiB) runs its forward both are stored.
+    st = np.array([[5.0], [1.0], [7.0], [1.0]])
+    pk = np.array([[0.0], [0.0], [2.0], [0.0]])
+    z = np.zeros((3, 1))
+    t = StageTimes(np.ones((4, 1)), np.ones((4, 1)), st, pk, z, z.copy(), np.array([100.0, 50.0]))
+    tl = simulate(interleaved_1f1b(2, 2, 1), t)
+    assert tl.peak_mib[0] == pytest.approx(100 + 5 + 7 + 2)
+    assert tl.peak_mib[1] == pytest.approx(50 + 1 + 1)
+    assert max(m for _, m in tl.memory[0]) == pytest.approx(tl.peak_mib[0])
+    assert tl.memory[0][-1][1] == pytest.approx(100.0)  # everything freed at the end
+
+
+def test_chunked_placement_spec_json_and_layouts():
+    p = StagePlacement.parse("2+0,2+0|0+2,0+2", T5, 2)
+    assert p.chunks == 2 and p.num_stages == 2 and p.num_virtual_stages == 4
+    assert str(p) == "2+0,2+0|0+2,0+2"
+    assert StagePlacement.from_json(json.loads(json.dumps(p.to_json())), T5) == p
+    assert p == StagePlacement.parse("interleaved", T5, 2) == StagePlacement.interleaved(T5, 2)
+    # Every rank holds encoder and decoder layers; the cost model prices the rank as both.
+    assert [(l.encoder_layers, l.decoder_layers) for l in p.layouts()] == [(2, 2), (2, 2)]
+    assert [(l.encoder_layers, l.decoder_layers, l.has_embedding, l.has_output) for l in p.virtual_layouts()] == \
+        [(2, 0, True, False), (2, 0, False, False), (0, 2, False, False), (0, 2, False, True)]
+    g = StagePlacement.parse("2,2|2,2", GPT, 2)
+    assert g.to_json() == {"layers": [2, 2, 2, 2], "chunks": 2} and str(g) == "2,2|2,2"
+    for bad, match in [("2+0,2+0|0+2", "per chunk"), ("2+0,0+2|2+0,0+2", "before the first decoder"),
+                       ("3+0,1+0|0+2,0+1", "decoder layers")]:
+        with pytest.raises(DynaPipeError, match=match):
+            StagePlacement.parse(bad, T5, 2)
+    with pytest.raises(DynaPipeError, match="not encoder-decoder"):
+        StagePlacement.interleaved(GPT, 2)
+
+
+def test_cost_model_keeps_the_chunks_and_states_count_both_chunks():
+    cm = AnalyticCostModel(T5, DEVICE, 2)
+    icm = cm.with_placement(StagePlacement.interleaved(T5, 2))
+    assert icm.placement.chunks == 2 and cm.placement.chunks == 1
+    both = cm.layout_state_mib(StageLayout(0, 2, 2, True, False))
+    assert icm.model_state_mib(0) == pytest.approx(both)
+    assert both > cm.layout_state_mib(StageLayout(0, 2, 0, True, False))
+    # Per virtual stage costs: the decoder chunk's transfers carry the encoder output too.
+    mbs = [MicroBatch(samples=[0, 1], seqlen=128, dec_seqlen=32), MicroBatch(samples=[2], seqlen=256, dec_seqlen=16)]
+    link = LinkConfig(bandwidth_gbps=1.0, latency_ms=0.001)
+
+    class Cluster:
+        def link(self, a, b):
+            return link
+
+    (t,) = virtual_stage_times_per_replica(icm, [mbs], cluster=Cluster())
+    assert t.fw_ms.shape == (4, 2) and t.state_mib.shape == (2,)
+    assert t.act_comm_ms[2, 0] > t.act_comm_ms[0, 0]  # decoder message: hidden + encoder output
+
+
+def test_search_runs_interleaved_on_a_chunked_placement():
+    cm = AnalyticCostModel(T5, DEVICE, 2).with_placement(StagePlacement.interleaved(T5, 2))
+    rng = np.random.default_rng(1)
+    mbs = [MicroBatch(samples=[i], seqlen=int(rng.integers(64, 512)), dec_seqlen=int(rng.integers(8, 64)))
+           for i in range(7)]
+    res = search_schedules([mbs], cm, capacity_mib=None)
+    assert res.best.schedule == "interleaved" and res.schedules[0].num_chunks == 2
+    assert res.makespan_ms == pytest.approx(res.timelines[0].makespan_ms)
+    with pytest.raises(DynaPipeError, match="compile_chunked_plans"):
+        compile_plans(res.schedules[0], res.micro_batches[0], T5, timeline=res.timelines[0])
+    with pytest.raises(DynaPipeError, match="adaptive"):
+        search_schedules([mbs], cm, schedule="adaptive")
+    with pytest.raises(DynaPipeError, match="interleaved"):
+        search_schedules([mbs], AnalyticCostModel(T5, DEVICE, 2), schedule="interleaved")
+
+
+def test_chunked_placement_balances_virtual_stages():
+    rng = np.random.default_rng(0)
+    n = 12
+    sample = PlacementSample(np.ones(n), rng.integers(256, 1024, n).astype(float), rng.integers(8, 64, n).astype(float))
+    cm = AnalyticCostModel(T5, DEVICE, 2)
+    p = plan_chunked_placement(cm, sample, 2)
+    assert p.chunks == 2 and p.num_stages == 2
+    even = even_chunked_placement(cm, 2)
+    vt = lambda pl: [sum(AnalyticCostModel(T5, DEVICE, 4).layout_cost(l, sample.mbs, sample.seqlen, sample.dec_seqlen,  # noqa: E731
+                                                                         "none").time_ms) for l in pl.virtual_layouts()]
+    assert max(vt(p)) <= max(vt(even)) + 1e-9
+    # Encoder layers cost more than decoder layers on long inputs: the split moves an
+    # encoder layer off the encoder-only chunks.
+    assert max(vt(p)) < max(vt(even))
+
+
+def _chunked_iteration(P=2, spec="interleaved", n=9, seed=0, dp=2):
+    from dynapipe.pipeline_planner import plan_iteration
+
+    rng = np.random.default_rng(seed)
+    cm = AnalyticCostModel(T5, DEVICE, P).with_placement(StagePlacement.parse(spec, T5, P))
+    lengths = np.stack([rng.integers(16, 1000, n), rng.integers(4, 200, n)], 1)
+    return plan_iteration(lengths, cm, dp=dp, memory_limit_mib=None), cm
+
+
+@pytest.mark.parametrize("P,spec", [(2, "interleaved"), (2, "1+0,2+0|1+1,0+3"), (4, "interleaved"),
+                                    (3, "1+0,1+0,1+0|1+0,0+2,0+2")])
+def test_compiled_interleaved_plans_validate_with_chunk_tagged_transfers(P, spec):
+    from dynapipe.plan.instructions import ForwardPass, RecvActivationStart, SendActivationStart
+    from dynapipe.plan.serialize import deserialize_plan, serialize_plan
+    from dynapipe.plan.validate import validate_plans
+
+    it, cm = _chunked_iteration(P, spec, n=11, seed=P)
+    plans = it.all_plans()
+    summary = validate_plans(plans)
+    assert summary.stages == P and summary.transfers > 0
+    V = 2 * P
+    for p in plans:
+        assert p.meta["chunks"] == 2 and p.meta["placement"] == cm.placement.to_json()
+        fw = [(i.mb, i.chunk) for i in p.instructions if isinstance(i, ForwardPass)]
+        assert sorted(fw) == sorted((m.mb, c) for m in p.micro_batches for c in range(2))
+        assert deserialize_plan(serialize_plan(p)).instructions == p.instructions
+    # The activation crossing from the last rank's chunk 0 to rank 0's chunk 1 carries the
+    # tensors of that virtual boundary, with the peers of the ring.
+    last, first = plans[P - 1], plans[0]
+    sends = [i for i in last.instructions if isinstance(i, SendActivationStart) and i.chunk == 0]
+    recvs = [i for i in first.instructions if isinstance(i, RecvActivationStart) and i.chunk == 1]
+    assert sends and [(i.mb, i.tensors) for i in sends] == [(i.mb, i.tensors) for i in recvs]
+    assert {i.peer for i in sends} == {0} and {i.peer for i in recvs} == {P - 1}
+    layouts = cm.placement.virtual_layouts()
+    names = [t.name for t in sends[0].tensors]
+    assert names == (["encoder_output"] if layouts[P].encoder_layers == 0 else ["hidden_states"])
+    assert V == len(layouts)
+
+
+def test_validator_catches_broken_interleaved_plans():
+    import dataclasses
+
+    from dynapipe.errors import PlanError
+    from dynapipe.plan.instructions import RecvActivationStart, SendActivationStart
+    from dynapipe.plan.validate import validate_plans
+
+    it, _ = _chunked_iteration(2, "interleaved", n=7, dp=1)
+    plans = it.all_plans()
+    validate_plans(plans)
+    # Rank 1 sends its chunk-0 and chunk-1 activations to rank 0 in one order; swapping two
+    # of its sends breaks the FIFO pairing with rank 0's receives.
+    p = plans[1]
+    idx = [k for k, i in enumerate(p.instructions) if isinstance(i, SendActivationStart)]
+    insts = list(p.instructions)
+    a, b = idx[0], idx[1]
+    insts[a], insts[b] = insts[b], insts[a]
+    with pytest.raises(PlanError):
+        validate_plans([plans[0], dataclasses.replace(p, instructions=tuple(insts))])
+    # A receive on rank 0 that names the wrong chunk is a receive into a buffer nobody fills.
+    q = plans[0]
+    k = next(k for k, i in enumerate(q.instructions) if isinstance(i, RecvActivationStart) and i.chunk == 1)
+    insts = list(q.instructions)
+    insts[k] = dataclasses.replace(insts[k], chunk=0, buffer="act_in:%d:0" % insts[k].mb)
+    with pytest.raises(PlanError):
+        validate_plans([dataclasses.replace(q, instructions=tuple(insts)), plans[1]])
+    # A chunk the plan does not run is refused.
+    insts = list(q.instructions)
+    insts[0] = dataclasses.replace(insts[0], chunk=5)
+    with pytest.raises(PlanError, match="chunk 5"):
+        validate_plans([dataclasses.replace(q, instructions=tuple(insts)), plans[1]])
+
+
+def test_executor_refuses_interleaved_plans_with_one_line():
+    from dynapipe.errors import PlanError
+    from dynapipe.runtime.plan_check import check_plan_locally
+
+    it, _ = _chunked_iteration(2, "interleaved", n=5, dp=1)
+    with pytest.raises(PlanError, match="2 virtual-pipeline chunks per rank.*not executed yet"):
+        check_plan_locally(it.plans[0][0], stage=0, num_stages=2)
+
+
+def test_plan_command_writes_interleaved_plans_that_validate(tmp_path, capsys):
+    from dynapipe.cli import main
+    from dynapipe.data.synthetic import sample_lengths
+
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("".join(f"{a} {b}\n" for a, b in sample_lengths(24, 5, 1024, True)))
+    base = ["--model", "t5-11b", "--device", "a100-40gb", "--stages", "4", "--dp", "2", "--memory-limit-mb", "200000",
+            "--lengths", str(lengths)]
+    assert main(["plan", *base, "--placement", "interleaved", "--plan-out", str(tmp_path / "plans")]) == 0
+    out, err = capsys.readouterr()
+    plan = json.loads(out)
+    assert plan["schedule"] == "interleaved" and plan["placement"]["chunks"] == 2
+    assert "even split" in err
+    assert main(["validate", str(tmp_path / "plans")]) == 0
+    assert "valid: 8 plans" in capsys.readouterr().out
+    assert main(["trace", *base, "--placement", "interleaved", "--out", str(tmp_path / "t.json")]) == 0
+    capsys.readouterr()
+    ops = [e for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e.get("ph") == "X"]
+    assert {e["args"]["chunk"] for e in ops} == {0, 1}
+    assert main(["plan", *base, "--placement", "6+0,6+0,6+0,6+0|0+6,0+6,0+6"]) == 2
+    assert "names" in capsys.readouterr().err
+    assert main(["plan", *base, "--placement", "interleaved", "--schedule", "adaptive"]) == 2
+    assert "use --schedule interleaved or auto" in capsys.readouterr().err
