@@ -3,7 +3,8 @@
 Same model, seed and global batches: DynaPipe's variable-shape micro-batches, padding to
 --encoder-seq-length / --decoder-seq-length and isolated packing give the same per-iteration
 ``lm loss`` (fp32, dropout 0, 1e-5) on PP2, and PP2 x DP2 gives the losses of PP2. One
-spawned job per layout runs every method in turn.
+spawned job per layout runs every method in turn. torch_dist checkpoints resume bitwise, load at
+another stage placement and at PP1, and carry megatron-core ``T5Model``'s keys.
 """
 import io
 import os
