@@ -273,11 +273,11 @@ def read_common(iter_dir: str) -> dict:
 # Megatron-LM argument name -> this model's value; compared before any tensor is read.
 def _model_mismatch(ckpt_args, cfg, mine: Optional[dict] = None) -> Optional[str]:
     m = cfg.model
-    mine = mine or {"num_layers": m.num_layers, "hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads,
+    ours = {"num_layers": m.num_layers, "hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads,
             "ffn_hidden_size": m.ffn_hidden_size, "kv_channels": m.kv_channels, "padded_vocab_size": m.vocab_size,
             "add_position_embedding": m.position_embedding_type == "learned_absolute",
             "untie_embeddings_and_output_weights": not m.tie_embeddings}
-    for name, value in mine.items():
+    for name, value in (mine or ours).items():
         theirs = getattr(ckpt_args, name, None)
         if theirs is not None and theirs != value:
             return f"--{name.replace('_', '-')} {theirs} in the checkpoint, {value} here"

@@ -198,17 +198,25 @@ def test_t5_non_even_placement_trains_dynapipe_like_padding(pp2):
     assert dynapipe["loss_tokens"] == pp2[0]["loss_tokens"][:2]
 
 
-def test_t5_dynapipe_pp2_x_dp2_trains_like_pp2(pp2):
+def test_t5_dynapipe_pp2_x_dp2_trains_like_pp2(pp2, t5_dist, tmp_path):
     from megatron_integration.t5_jobs import run_t5_training
 
-    # Two iterations (the same learning-rate schedule: --exit-interval stops a --train-iters 3 run).
-    ranks = run_t5_training([(TINY + " --use-dynapipe --exit-interval 2").split()], 4, timeout_s=TIMEOUT)
-    dynapipe = ranks[0][0]
+    # Two iterations (the same learning-rate schedule: --exit-interval stops a --train-iters 3 run);
+    # then the PP2 torch_dist checkpoint of iteration 2 resumed on two replicas, saved by both.
+    ranks = run_t5_training([(TINY + " --use-dynapipe --exit-interval 2").split(),
+                             (TINY + f" --load {t5_dist / 'cut'} --save {t5_dist / 'dp2'}").split()], 4,
+                            timeout_s=TIMEOUT)
+    dynapipe, resumed = ranks[0]
     assert all(r[0]["losses"] == dynapipe["losses"] for r in ranks[1:])
     assert len(dynapipe["losses"]) == 2
     # Two replicas summing their gradients train the same global batches as PP2's padding.
     assert dynapipe["losses"] == pytest.approx(pp2[0]["losses"][:2], abs=1e-5, rel=1e-5)
     assert dynapipe["loss_tokens"] == pp2[0]["loss_tokens"][:2]
+    # The embedding copies of the second replica are replicas too: one tensor a key, equal to PP2's.
+    assert resumed["start_iteration"] == 2 and resumed["losses"] == pytest.approx(pp2[0]["losses"][2:], abs=1e-6)
+    final = _dist_tensors(t5_dist / "full" / "iter_0000003", tmp_path)
+    dp2 = _dist_tensors(t5_dist / "dp2" / "iter_0000003", tmp_path)
+    assert set(dp2) == set(final) and max((dp2[k] - final[k]).abs().max().item() for k in final) < 1e-6
 
 
 def _dist_tensors(iter_dir, scratch) -> dict:
