@@ -271,13 +271,13 @@ def read_common(iter_dir: str) -> dict:
 
 
 # Megatron-LM argument name -> this model's value; compared before any tensor is read.
-def _model_mismatch(ckpt_args, cfg) -> Optional[str]:
+def _model_mismatch(ckpt_args, cfg, mine: Optional[dict] = None) -> Optional[str]:
     m = cfg.model
-    mine = {"num_layers": m.num_layers, "hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads,
+    ours = {"num_layers": m.num_layers, "hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads,
             "ffn_hidden_size": m.ffn_hidden_size, "kv_channels": m.kv_channels, "padded_vocab_size": m.vocab_size,
             "add_position_embedding": m.position_embedding_type == "learned_absolute",
             "untie_embeddings_and_output_weights": not m.tie_embeddings}
-    for name, value in mine.items():
+    for name, value in (mine or ours).items():
         theirs = getattr(ckpt_args, name, None)
         if theirs is not None and theirs != value:
             return f"--{name.replace('_', '-')} {theirs} in the checkpoint, {value} here"
@@ -285,15 +285,16 @@ def _model_mismatch(ckpt_args, cfg) -> Optional[str]:
 
 
 def load_dist(iter_dir: str, cfg, gpt, optimizer, scheduler, info: RankInfo, load_optim: bool,
-              load_rng: bool, log) -> tuple[int, int]:
+              load_rng: bool, log, model_values: Optional[dict] = None) -> tuple[int, int]:
     """Load ``iter_dir`` into this rank's stage (and optimizer, scheduler and RNG unless told not
     to); collective. Returns (iteration, consumed samples) as the checkpoint records them.
-    ``log(line)`` prints Megatron-LM's notices (rank 0)."""
+    ``log(line)`` prints Megatron-LM's notices (rank 0). ``model_values`` (Megatron-LM argument
+    name -> value) replaces GPT's shape arguments in the check of the checkpoint's ``args``."""
     from megatron.core import dist_checkpointing
 
     common = read_common(iter_dir)
     ckpt_args = common.get("args")
-    mismatch = _model_mismatch(ckpt_args, cfg) if ckpt_args is not None else None
+    mismatch = _model_mismatch(ckpt_args, cfg, model_values) if ckpt_args is not None else None
     if mismatch:
         raise DynaPipeError(f"{iter_dir}: the checkpoint does not fit this model ({mismatch}); use the model "
                             f"arguments it was saved with.")

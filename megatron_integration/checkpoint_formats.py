@@ -41,16 +41,21 @@ def _layout(info: RankInfo) -> str:
     return f"[ t {info.tp_rank + 1}/{info.tp_size}, p {info.pp_rank + 1}/{info.pp_size} ]"
 
 
-def save(cfg, iteration: int, consumed_samples: int, gpt, optimizer, scheduler, info: RankInfo, log: Log) -> str:
+def save(cfg, iteration: int, consumed_samples: int, gpt, optimizer, scheduler, info: RankInfo, log: Log,
+         extra: Optional[dict] = None, args_update: Optional[dict] = None) -> str:
     """Save the checkpoint of ``iteration`` to ``cfg.save`` in ``cfg.ckpt_format``; collective.
 
     Returns the iteration directory. ``latest_checkpointed_iteration.txt`` is replaced last,
-    after every rank finished, so a job that dies mid-save resumes from the previous one."""
+    after every rank finished, so a job that dies mid-save resumes from the previous one.
+    ``extra``: what the ``dynapipe`` format records besides the state (see ``load``'s
+    ``check_extra``); ``args_update``: values that replace or add to the ``args`` a ``torch_dist``
+    checkpoint records (another model's Megatron-LM arguments, T5's)."""
     root = cfg.save
     log(f"[{_now()}] saving checkpoint at iteration {iteration:7d} to {root} in {cfg.ckpt_format} format")
     if cfg.ckpt_format == "torch_dist":
         iter_dir = _iter_dir(root, iteration)
         args = checkpoint_dist.megatron_args(cfg.megatron_args, cfg, info, iteration, consumed_samples)
+        vars(args).update(args_update or {})
         checkpoint_dist.save_dist(iter_dir, iteration, gpt, optimizer, scheduler, info, args,
                                   cfg.optimizer.distributed)
         dist.barrier()
@@ -61,7 +66,7 @@ def save(cfg, iteration: int, consumed_samples: int, gpt, optimizer, scheduler, 
             os.replace(tmp, os.path.join(root, LATEST))
         dist.barrier()
     else:
-        iter_dir = save_checkpoint(root, iteration, consumed_samples, gpt, optimizer, scheduler, info)
+        iter_dir = save_checkpoint(root, iteration, consumed_samples, gpt, optimizer, scheduler, info, extra=extra)
     log(f"  [{_now()}] successfully saved checkpoint from iteration {iteration:7d} to {root} {_layout(info)}")
     return iter_dir
 
@@ -85,10 +90,15 @@ def _attempt(fn):
         return None, str(e)
 
 
-def load(cfg, gpt, optimizer, scheduler, info: RankInfo, log: Log) -> Optional[ResumeState]:
+def load(cfg, gpt, optimizer, scheduler, info: RankInfo, log: Log,
+         check_extra: Optional[Callable[[dict, str], None]] = None,
+         model_values: Optional[dict] = None) -> Optional[ResumeState]:
     """Restore the newest checkpoint under ``cfg.load`` (either format); collective.
 
-    Returns None when there is none yet (a fresh start, as in Megatron-LM)."""
+    Returns None when there is none yet (a fresh start, as in Megatron-LM). ``check_extra``
+    may refuse what a ``dynapipe`` checkpoint recorded in ``extra``; ``model_values`` replaces
+    GPT's model arguments in the check of a ``torch_dist`` checkpoint's ``args``
+    (:func:`~megatron_integration.checkpoint_dist.load_dist`)."""
     root = cfg.load
     iteration, error = _attempt(lambda: latest_iteration(root))
     _same_error_everywhere(error)
@@ -107,12 +117,12 @@ def load(cfg, gpt, optimizer, scheduler, info: RankInfo, log: Log) -> Optional[R
         if not verified:
             log(f" {iter_dir} has no checksums (not written by dynapipe-megatron): loading it unverified")
         result, error = _attempt(lambda: checkpoint_dist.load_dist(iter_dir, cfg, gpt, optimizer, scheduler, info,
-                                                                   load_optim, load_rng, log))
+                                                                   load_optim, load_rng, log, model_values))
         _same_error_everywhere(error)
         resumed = ResumeState(*result)
     elif glob.glob(os.path.join(iter_dir, "mp_rank_*", "model_optim_rng.pt" + CHECKSUM_SUFFIX)):
         log(f" loading checkpoint from {root} at iteration {iteration}")
-        resumed = load_checkpoint(root, gpt, optimizer, scheduler, info, load_optim, load_rng)
+        resumed = load_checkpoint(root, gpt, optimizer, scheduler, info, load_optim, load_rng, check_extra)
     elif glob.glob(os.path.join(iter_dir, "mp_rank_*", "model_optim_rng.pt")):
         raise DynaPipeError(f"{iter_dir} is in Megatron-LM's legacy --ckpt-format torch, which this project does "
                             f"not read; resave it as torch_dist (Megatron-LM's tools/checkpoint/convert.py or a "

@@ -109,7 +109,7 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
     base = training_config_from_args(shared, world_size, cuda)
     if base.model.num_layers != total:
         base = replace(base, model=replace(base.model, num_layers=total))
-    _t5_data_and_checkpoints_honoured(args, base)
+    _t5_model_and_data_honoured(args, base)
     cfg = T5TrainingConfig(base=base, encoder_layers=enc_layers, decoder_layers=dec_layers,
                            decoder_seq_length=dec_seq, span_corruption=span_corruption_from_args(args, base, dec_seq))
     return _with_placement(cfg, placement_flag, pp)
@@ -120,10 +120,10 @@ def parse_t5_args(argv, world_size: int, cuda: Optional[bool] = None) -> T5Train
     return t5_config_from_args(build_t5_parser().parse_args(argv), world_size, cuda)
 
 
-def _t5_data_and_checkpoints_honoured(args: argparse.Namespace, base) -> None:
-    """Refuse what T5 training does not do yet instead of ignoring it: Megatron's data splits and
-    evaluation (T5 trains on every pair of --data-path), and torch_dist checkpoints (T5 stages
-    save in this project's format)."""
+def _t5_model_and_data_honoured(args: argparse.Namespace, base) -> None:
+    """Refuse what T5 training does not do yet instead of ignoring it: other layers than Megatron's
+    T5 has, Megatron's data splits and evaluation (T5 trains on every pair of --data-path).
+    Both checkpoint formats are honoured (:mod:`megatron_integration.t5_checkpoint`)."""
     model_flags = {"--swiglu": args.swiglu, "--disable-bias-linear": args.disable_bias_linear,
                    "--group-query-attention": args.group_query_attention,
                    "--normalization RMSNorm": args.normalization != "LayerNorm",
@@ -143,9 +143,6 @@ def _t5_data_and_checkpoints_honoured(args: argparse.Namespace, base) -> None:
                             f"pass --split 100,0,0.")
     if args.eval_interval is not None:
         raise DynaPipeError(f"--eval-interval {args.eval_interval}: T5 runs no evaluation yet; drop it.")
-    if (args.save or args.load) and base.ckpt_format != "dynapipe":
-        raise DynaPipeError(f"--ckpt-format {base.ckpt_format}: T5 stages save and load this project's checkpoint "
-                            f"format only (no Megatron sharded state dict for them yet); add --ckpt-format dynapipe.")
 
 
 def _with_placement(cfg: T5TrainingConfig, flag: str, pp: int) -> T5TrainingConfig:

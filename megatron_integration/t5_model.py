@@ -167,6 +167,20 @@ class T5Stage(torch.nn.Module):
     def set_input_tensor(self, input_tensor) -> None:  # megatron's hook; inputs arrive as arguments here
         pass
 
+    # torch_dist checkpoints: megatron-core T5Model's keys, global layer indices (t5_checkpoint).
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """This stage's sharded state dict, keyed as megatron-core's ``T5Model`` keys the same tensors."""
+        from megatron_integration.t5_checkpoint import stage_sharded_state_dict
+
+        assert not sharded_offsets, "a T5 stage is the top-level module"
+        return stage_sharded_state_dict(self, prefix, metadata)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``torch.nn.Module.load_state_dict``, skipping the alias entries of ``T5Model``'s keys."""
+        from megatron_integration.t5_checkpoint import without_aliases
+
+        return super().load_state_dict(without_aliases(state_dict), strict=strict, assign=assign)
+
     def forward(self, enc_tokens=None, enc_positions=None, dec_tokens=None, dec_positions=None,
                 hidden_states=None, encoder_output=None, enc_attn_mask=None, dec_attn_mask=None,
                 cross_attn_mask=None, labels=None):

@@ -3,22 +3,25 @@
 ``pretrain_t5(cfg)`` initialises megatron, builds this rank's T5 stage (megatron-core DDP,
 its optimizer and learning-rate schedule), then runs ``--train-iters`` iterations of the
 chosen method through the DynaPipe executor (:mod:`megatron_integration.t5_step`), logging
-in Megatron's format; resumes from ``--load`` and saves on ``--save-interval`` and at the end
-(the GPT checkpoint format: each stage's parameters, optimizer, schedule, RNG states). Every method sees the same global batches and starts from the same
-weights for a given ``--seed``.
+in Megatron's format; resumes from ``--load`` and saves on ``--save-interval`` and at the end,
+in ``--ckpt-format`` as GPT does (:mod:`megatron_integration.t5_checkpoint`: ``torch_dist`` under
+megatron-core ``T5Model``'s keys, loadable at any stage placement, or this project's per-stage
+files). Every method sees the same global batches and starts from the same weights for a given
+``--seed``.
 """
 from __future__ import annotations
 
 import sys
+from functools import partial
 from typing import Callable, Optional, TextIO
 
-from megatron_integration.checkpoint import load_checkpoint, save_checkpoint
+from megatron_integration import checkpoint_formats
 from megatron_integration.initialize import RankInfo, initialize_megatron
 from megatron_integration.logging_utils import TrainingLogger
 from megatron_integration.megatron_step import StepResult
 from megatron_integration.model import Stage, build_optimizer
 from megatron_integration.t5_config import T5TrainingConfig
-from megatron_integration.training import TrainingRun, current_lr, vocab_padding_line
+from megatron_integration.training import TrainingRun, _print_rank_0, current_lr, vocab_padding_line
 
 
 def build_t5_training_stage(cfg: T5TrainingConfig, info: RankInfo) -> Stage:
@@ -38,6 +41,7 @@ def build_t5_training_stage(cfg: T5TrainingConfig, info: RankInfo) -> Stage:
 def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
                 on_iteration: Optional[Callable[[int, StepResult], None]] = None) -> TrainingRun:
     """Train ``cfg.base.train_iters`` iterations (stopping early at ``--exit-interval``)."""
+    from megatron_integration.t5_checkpoint import t5_megatron_args, t5_model_values
     from megatron_integration.t5_model import EmbeddingSync, stage_places
     from megatron_integration.t5_placement import check_checkpoint_placement, checkpoint_record, resolve_t5_placement
     from megatron_integration.t5_step import T5Stepper
@@ -56,11 +60,14 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
     optimizer, scheduler = build_optimizer(base, stage)
     sync = EmbeddingSync.create(stage_places(cfg.planner_model(), info.pp_size, placement), base.model.tie_embeddings)
     run = TrainingRun(spec_name=stage.spec_name)
-    record = checkpoint_record(placement)
+    log = partial(_print_rank_0, info, stream, run.checkpoint_lines)
+    save = partial(checkpoint_formats.save, gpt=stage.gpt, optimizer=optimizer, scheduler=scheduler, info=info,
+                   log=log, extra=checkpoint_record(placement), args_update=t5_megatron_args(cfg))
     if base.load:
-        resumed = load_checkpoint(base.load, stage.gpt, optimizer, scheduler, info, base.load_optim, base.load_rng,
-                                  check_extra=lambda extra, path: check_checkpoint_placement(
-                                      extra, placement, cfg.planner_model(), path))
+        resumed = checkpoint_formats.load(base, stage.gpt, optimizer, scheduler, info, log,
+                                          check_extra=lambda extra, path: check_checkpoint_placement(
+                                              extra, placement, cfg.planner_model(), path),
+                                          model_values=t5_model_values(cfg))
         if resumed is not None:
             run.start_iteration, run.consumed_samples = resumed.iteration, resumed.consumed_samples
     stepper = T5Stepper.create(cfg, info, stage, optimizer, scheduler, sync, run.start_iteration,
@@ -82,11 +89,9 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
                 on_iteration(iteration, result)
             done = iteration + 1
             if base.save and base.save_interval and done % base.save_interval == 0 and done != last:
-                save_checkpoint(base.save, done, run.consumed_samples, stage.gpt, optimizer, scheduler, info,
-                                extra=record)
+                save(base, done, run.consumed_samples)
         if base.save and last > run.start_iteration:
-            save_checkpoint(base.save, last, run.consumed_samples, stage.gpt, optimizer, scheduler, info,
-                            extra=record)
+            save(base, last, run.consumed_samples)
     finally:
         stepper.close()
         if logger is not None:

@@ -3,8 +3,12 @@
 Same model, seed and global batches: DynaPipe's variable-shape micro-batches, padding to
 --encoder-seq-length / --decoder-seq-length and isolated packing give the same per-iteration
 ``lm loss`` (fp32, dropout 0, 1e-5) on PP2, and PP2 x DP2 gives the losses of PP2. One
-spawned job per layout runs every method in turn.
+spawned job per layout runs every method in turn. torch_dist checkpoints resume bitwise, load at
+another stage placement and at PP1, and carry megatron-core ``T5Model``'s keys.
 """
+import io
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -49,9 +53,11 @@ def test_megatron_t5_flags_and_their_errors():
             parse_t5_args(TINY.split() + extra.split(), 6, cuda=False)
     # What T5 training does not do yet is refused, not ignored.
     for extra, text in {"--swiglu": "built as Megatron's T5", "--eval-interval 2": "runs no evaluation yet",
-                        "--save /tmp/t5-ckpt": "add --ckpt-format dynapipe"}.items():
+                        "--use-distributed-optimizer": "no sharded optimizer yet"}.items():
         with pytest.raises(DynaPipeError, match=text):
             parse_t5_args(TINY.split() + extra.split(), 2, cuda=False)
+    # Megatron-LM's default checkpoint format is T5's too.
+    assert parse_t5_args(TINY.split() + ["--save", "/tmp/t5-ckpt"], 2, cuda=False).base.ckpt_format == "torch_dist"
     with pytest.raises(DynaPipeError, match="--decoder-seq-length is required"):
         parse_t5_args(TINY.replace("--decoder-seq-length 64", "").split(), 2, cuda=False)
 
@@ -102,11 +108,20 @@ def test_segment_masks_and_positions():
 # -- spawned gloo jobs ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def pp2(tmp_path_factory):
+def t5_dist(tmp_path_factory):
+    """Where the pp2 job writes its torch_dist checkpoints: ``full`` (padding, 3 iterations),
+    ``cut`` (the same run stopped after 2), ``resumed`` and ``placed`` (``cut`` resumed for the
+    third iteration on the even split and on the placement 2+1,0+1)."""
+    return tmp_path_factory.mktemp("t5dist")
+
+
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory, t5_dist):
     """One 2-rank job: padding, DynaPipe interrupted after 2 iterations (with a checkpoint) and
     resumed for the third, packing; then a 3 + 1 layer model (two iterations) with padding
     and DynaPipe; then span-corrupted indexed data (two iterations) with padding and DynaPipe;
-    then padding and DynaPipe (two iterations) on the placement 2+1,0+1."""
+    then padding and DynaPipe (two iterations) on the placement 2+1,0+1; then padding through
+    torch_dist checkpoints (see ``t5_dist``)."""
     from megatron_integration.t5_jobs import run_t5_training
     from t5_span_fixture import write_sentences, write_vocab
 
@@ -122,13 +137,18 @@ def pp2(tmp_path_factory):
     span = TINY.replace("--mock-data", f"--data-path {data / 'docs'} --split 100,0,0").replace(
         "--vocab-size 256", f"--tokenizer-type BertWordPieceLowerCase --vocab-file {data / 'vocab.txt'} "
                             f"--vocab-extra-ids 32").replace("--train-iters 3", "--train-iters 2")
-    runs = [TINY.split(), (dyn + f" --exit-interval 2 --ckpt-format dynapipe --save {save}").split(),
+    runs = [(TINY + f" --save {t5_dist / 'full'}").split(),
+            (dyn + f" --exit-interval 2 --ckpt-format dynapipe --save {save}").split(),
             (dyn + f" --ckpt-format dynapipe --load {save}").split(),
             (TINY + PACKING).split(), mixed.split(), (mixed + " --use-dynapipe").split(),
             span.split(), (span + " --use-dynapipe").split()]
     # A non-even stage placement (stage 0: the encoder and the first decoder layer), padding and DynaPipe.
     placed = TINY + " --dynapipe-placement 2+1,0+1 --exit-interval 2"
     runs += [placed.split(), (placed + " --use-dynapipe").split()]
+    # torch_dist (Megatron-LM's default format): interrupted after 2, resumed on the even split and on 2+1,0+1.
+    runs += [(TINY + f" --exit-interval 2 --save {t5_dist / 'cut'}").split(),
+             (TINY + f" --load {t5_dist / 'cut'} --save {t5_dist / 'resumed'}").split(),
+             (TINY + f" --dynapipe-placement 2+1,0+1 --load {t5_dist / 'cut'} --save {t5_dist / 'placed'}").split()]
     ranks = run_t5_training(runs, 2, timeout_s=TIMEOUT)
     assert [r["losses"] for r in ranks[1]] == [r["losses"] for r in ranks[0]]  # every rank reports the same
     return ranks[0]
@@ -178,17 +198,139 @@ def test_t5_non_even_placement_trains_dynapipe_like_padding(pp2):
     assert dynapipe["loss_tokens"] == pp2[0]["loss_tokens"][:2]
 
 
-def test_t5_dynapipe_pp2_x_dp2_trains_like_pp2(pp2):
+def test_t5_dynapipe_pp2_x_dp2_trains_like_pp2(pp2, t5_dist, tmp_path):
     from megatron_integration.t5_jobs import run_t5_training
 
-    # Two iterations (the same learning-rate schedule: --exit-interval stops a --train-iters 3 run).
-    ranks = run_t5_training([(TINY + " --use-dynapipe --exit-interval 2").split()], 4, timeout_s=TIMEOUT)
-    dynapipe = ranks[0][0]
+    # Two iterations (the same learning-rate schedule: --exit-interval stops a --train-iters 3 run);
+    # then the PP2 torch_dist checkpoint of iteration 2 resumed on two replicas, saved by both.
+    ranks = run_t5_training([(TINY + " --use-dynapipe --exit-interval 2").split(),
+                             (TINY + f" --load {t5_dist / 'cut'} --save {t5_dist / 'dp2'}").split()], 4,
+                            timeout_s=TIMEOUT)
+    dynapipe, resumed = ranks[0]
     assert all(r[0]["losses"] == dynapipe["losses"] for r in ranks[1:])
     assert len(dynapipe["losses"]) == 2
     # Two replicas summing their gradients train the same global batches as PP2's padding.
     assert dynapipe["losses"] == pytest.approx(pp2[0]["losses"][:2], abs=1e-5, rel=1e-5)
     assert dynapipe["loss_tokens"] == pp2[0]["loss_tokens"][:2]
+    # The embedding copies of the second replica are replicas too: one tensor a key, equal to PP2's.
+    assert resumed["start_iteration"] == 2 and resumed["losses"] == pytest.approx(pp2[0]["losses"][2:], abs=1e-6)
+    final = _dist_tensors(t5_dist / "full" / "iter_0000003", tmp_path)
+    dp2 = _dist_tensors(t5_dist / "dp2" / "iter_0000003", tmp_path)
+    assert set(dp2) == set(final) and max((dp2[k] - final[k]).abs().max().item() for k in final) < 1e-6
+
+
+def _dist_tensors(iter_dir, scratch) -> dict:
+    """Every tensor of a torch_dist checkpoint (model and optimizer state) by its global key, read
+    by torch.distributed.checkpoint alone (no process group, no model)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = scratch / f"{iter_dir.parent.name}-{iter_dir.name}.pt"
+    dcp_to_torch_save(str(iter_dir), str(out))
+    return {k: v for k, v in torch.load(out, weights_only=False).items() if torch.is_tensor(v)}
+
+
+def test_t5_torch_dist_resume_is_exact_and_loads_at_another_placement(pp2, t5_dist, tmp_path):
+    from megatron_integration.checkpoint_dist import read_common
+
+    full, cut, resumed, placed = pp2[0], pp2[10], pp2[11], pp2[12]
+    assert cut["losses"] == full["losses"][:2]
+    # Bitwise: the same weights, optimizer state, data position and RNG after the round trip.
+    assert resumed["start_iteration"] == 2 and resumed["losses"] == full["losses"][2:]
+    final = _dist_tensors(t5_dist / "full" / "iter_0000003", tmp_path)
+    again = _dist_tensors(t5_dist / "resumed" / "iter_0000003", tmp_path)
+    assert any(k.startswith("optimizer.state.exp_avg_sq.") for k in final) and set(again) == set(final)
+    assert [k for k in final if not torch.equal(final[k], again[k])] == []  # Adam's moments included
+    # Stage 1 of 2+1,0+1 holds the last decoder layer and the tied output layer (a copy of the word
+    # embedding): loaded from the even split's checkpoint by global keys, it trains the same step.
+    assert placed["start_iteration"] == 2 and placed["losses"] == pytest.approx(full["losses"][2:], abs=1e-6)
+    moved = _dist_tensors(t5_dist / "placed" / "iter_0000003", tmp_path)
+    assert set(moved) == set(final)
+    assert max((moved[k] - final[k]).abs().max().item() for k in final) < 1e-6
+    before = _dist_tensors(t5_dist / "cut" / "iter_0000002", tmp_path)
+    assert max((before[k] - final[k]).abs().max().item() for k in final) > 1e-4  # the step above is not empty
+    # Megatron-LM's T5 arguments (--num-layers is the encoder's) and the placement saved at.
+    args = read_common(str(t5_dist / "placed" / "iter_0000003"))["args"]
+    assert (args.num_layers, args.encoder_num_layers, args.decoder_num_layers) == (2, 2, 2)
+    assert (args.encoder_seq_length, args.decoder_seq_length, args.dynapipe_placement) == (128, 64, "2+1,0+1")
+    files = os.listdir(t5_dist / "placed" / "iter_0000003")
+    assert all(f + ".sha256" in files for f in files if not f.endswith(".sha256"))
+
+
+def _reference_sharded_keys(cfg) -> dict:
+    """megatron-core's own one-stage ``T5Model`` of ``cfg``'s shape (local layer specs, tied output
+    layer): its sharded keys, tensors with their global shapes."""
+    from dataclasses import replace
+
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.models.T5 import t5_spec
+    from megatron.core.models.T5.t5_model import T5Model
+
+    from megatron_integration.model import transformer_config
+
+    base = cfg.base
+    parallel = replace(base.parallel, pipeline_model_parallel_size=1)
+    enc, dec = (transformer_config(replace(base.model, num_layers=n), parallel, cuda=False)
+                for n in (cfg.encoder_layers, cfg.decoder_layers))
+    t5 = T5Model(config=dec, encoder_config=enc, transformer_encoder_layer_spec=t5_spec.encoder_model_with_local_spec(),
+                 transformer_decoder_layer_spec=t5_spec.decoder_model_with_local_spec(),
+                 vocab_size=base.model.vocab_size, max_sequence_length=base.model.max_position_embeddings,
+                 share_embeddings_and_output_weights=True)
+    metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    return {v.key if isinstance(v, ShardedTensor) else v.unique_key:
+            tuple(v.global_shape) if isinstance(v, ShardedTensor) else "object"
+            for v in nested_values(t5.sharded_state_dict(metadata=metadata))}
+
+
+def _one_stage_job(argvs: list) -> dict:
+    """Rank body of a one-rank job: each T5 command line (start, losses, checkpoint lines, or its
+    one-line error), then megatron-core ``T5Model``'s sharded keys for the first one's shape."""
+    from megatron_integration.initialize import destroy
+    from megatron_integration.t5_training import pretrain_t5
+
+    configs = [parse_t5_args(argv.split(), 1) for argv in argvs]
+    out = {"runs": []}
+    try:
+        for cfg in configs:
+            try:
+                run = pretrain_t5(cfg, stream=io.StringIO())
+                out["runs"].append({"start_iteration": run.start_iteration, "losses": run.losses,
+                                    "checkpoint_lines": run.checkpoint_lines})
+            except DynaPipeError as e:
+                out["runs"].append({"error": str(e)})
+        out["reference"] = _reference_sharded_keys(configs[0])
+    finally:
+        destroy()
+    return out
+
+
+def test_t5_torch_dist_checkpoint_loads_at_pp1_with_megatron_cores_t5_keys(pp2, t5_dist, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from megatron_integration.launch import spawn
+
+    cut, one_stage = t5_dist / "cut", TINY.replace(" --pipeline-model-parallel-size 2", "")
+    job = spawn(_one_stage_job, 1, ([f"{one_stage} --load {cut} --save {t5_dist / 'pp1'}",
+                                     f"{one_stage} --decoder-num-layers 3 --load {cut}"],), timeout_s=TIMEOUT)[0]
+    pp1, refused = job["runs"]
+    # The PP2 checkpoint's layers, embeddings (one copy) and optimizer state on one stage: the same step.
+    assert pp1["start_iteration"] == 2 and pp1["losses"] == pytest.approx(pp2[0]["losses"][2:], abs=1e-6)
+    assert pp1["checkpoint_lines"][1] == ("(TP, PP) mismatch after resume ((1, 1) vs (1, 2) from checkpoint): RNG "
+                                          "state will be ignored")
+    final = _dist_tensors(t5_dist / "full" / "iter_0000003", tmp_path)
+    one = _dist_tensors(t5_dist / "pp1" / "iter_0000003", tmp_path)
+    assert set(one) == set(final) and max((one[k] - final[k]).abs().max().item() for k in final) < 1e-6
+    assert refused["error"] == (f"{cut}/iter_0000002: the checkpoint does not fit this model (--decoder-num-layers "
+                                f"2 in the checkpoint, 3 here); use the model arguments it was saved with.")
+    # What the PP2 stages wrote is what megatron-core's unsplit T5Model keys: names, global shapes, objects.
+    saved = {}
+    for key, meta in FileSystemReader(str(cut / "iter_0000002")).read_metadata().state_dict_metadata.items():
+        if not key.startswith(("optimizer.", "rng_state")):
+            saved[key] = tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else "object"
+    assert saved == job["reference"]
+    assert {"encoder.layers.self_attention.linear_qkv.weight", "decoder.layers.cross_attention.linear_kv.weight",
+            "embedding.word_embeddings.weight", "lm_head.output_layer.bias"} <= set(saved)
 
 
 def test_bench_t5_refuses_what_it_cannot_run(tmp_path, capsys):
