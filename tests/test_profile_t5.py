@@ -192,3 +192,45 @@ def test_profile_command_refuses_what_a_t5_profile_cannot_measure(tmp_path, caps
     assert rc == 2
     err = capsys.readouterr().err
     assert needle in err and not (tmp_path / "p.json").exists()
+
+
+def test_bench_profile_grid_covers_the_run_lengths():
+    from megatron_integration.bench_t5_profile import profile_grids
+
+    assert profile_grids(1024, 256) == ([1, 2, 4], [64, 128, 256, 512, 1024], [32, 64, 128, 256])
+    assert profile_grids(300, 20) == ([1, 2, 4], [64, 128, 256, 300], [20])
+
+
+def test_bench_stage_check_sets_predicted_against_executed_compute(tmp_path):
+    """Per stage, the profile's prediction for the traced ops against their traced time."""
+    from megatron_integration.bench_t5_profile import format_stage_check, op_fit, stage_check
+
+    cm = ProfileCostModel(T5, t5_profile(), 2)
+    ops = [(0, "forward", 2, 128, 64), (0, "backward", 2, 128, 64), (1, "forward", 2, 128, 64),
+           (1, "backward", 2, 128, 64), (0, "forward", 1, 256, 32), (1, "forward", 1, 256, 32)]
+    for rank in (0, 1):
+        events = []
+        for it in (0, 1, 2):
+            for stage, cat, b, s, d in ops:
+                if stage != rank:
+                    continue
+                c = cm.stage_cost(b, s, d, stage=stage)
+                ms = float(c.fw_ms if cat == "forward" else c.bw_ms)
+                # Executed: stage 1 twice as slow as predicted, plus 1 ms per op.
+                ms = ms * (1 + stage) + 1.0
+                events.append({"ph": "X", "cat": cat, "tid": stage, "ts": 0.0, "dur": ms * 1e3,
+                               "args": {"iteration": it, "mbs": b, "seqlen": s, "dec_seqlen": d}})
+        (tmp_path / f"rank{rank:03d}.json").write_text(json.dumps({"traceEvents": events,
+                                                                    "otherData": {"origin_us": 0.0}}))
+    check = stage_check(str(tmp_path), [1, 2], cm)
+    pred = [sum(float(getattr(cm.stage_cost(b, s, d, stage=k), "fw_ms" if cat == "forward" else "bw_ms"))
+                for st, cat, b, s, d in ops if st == k) for k in (0, 1)]
+    s0, s1 = check["stages"]
+    assert (s0["layers"], s1["layers"]) == ("2+0", "0+2")
+    assert s0["predicted_ms"] == pytest.approx(pred[0], abs=0.05)
+    assert s0["executed_ms"] == pytest.approx(pred[0] + 3, abs=0.05)
+    assert s1["executed_ms"] == pytest.approx(2 * pred[1] + 3, abs=0.05)
+    assert check["first_over_last_predicted"] == pytest.approx(pred[0] / pred[1], rel=1e-2)
+    assert "stage 1 (0+2)" in format_stage_check("dynapipe", check)
+    fit = op_fit(str(tmp_path), [1, 2], cm)
+    assert fit["ops"] == 12 and 1.0 < fit["slope"] < 2.2  # between the two stages' slowdowns
