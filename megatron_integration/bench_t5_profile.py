@@ -36,7 +36,7 @@ def profile_grids(encoder_seq_length: int, decoder_seq_length: int) -> tuple[lis
             _doubling(min(MIN_DEC_SEQLEN, decoder_seq_length), decoder_seq_length))
 
 
-def measure_bench_profile(cfg, output: str, threads: int, timeout_s: float, repeats: int = 2) -> float:
+def measure_bench_profile(cfg, output: str, threads: int, timeout_s: float, repeats: int = 3) -> float:
     """Measure the T5 profile of ``cfg`` (a T5TrainingConfig) into ``output``; seconds taken."""
     from megatron_integration.t5_profiler import measure_t5_profile
 

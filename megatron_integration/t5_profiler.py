@@ -12,8 +12,10 @@ with the ``[mbs, 1, sq, sk]`` masks the stage handlers build
 * ``embedding`` at every (mbs, seqlen); ``output`` (the decoder block's final norm, LM head,
   loss) at every (mbs, dec_seqlen).
 
-Times and memory are measured by :func:`megatron_integration.profiler.measure_op`, as for
-GPT (fastest of ``repeats``; stored and peak MiB). The result is the version 2,
+Times and memory are measured as for GPT (:func:`megatron_integration.profiler.measure_op`:
+stored and peak MiB; the fastest of ``repeats`` timed runs), except that a point's timed runs
+are spread over ``repeats`` passes over the whole grid, and a time is lowered to the least
+time of any larger shape (:func:`suffix_minimum`), which removes interference spikes. The result is the version 2,
 ``kind: encoder-decoder`` profile :mod:`dynapipe.cost.profile_t5` documents.
 """
 from __future__ import annotations
@@ -112,21 +114,34 @@ def profile_t5_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: 
     axes = {"mbs": list(mbs_grid), "seqlen": list(seqlen_grid), "dec_seqlen": list(dec_seqlen_grid)}
     builders = {"encoder_layer": ops.encoder_layer, "decoder_layer": ops.decoder_layer,
                 "embedding": ops.embedding_op, "output": ops.output_op}
-    tables: dict = {}
+    values: dict = {}
     started = time.perf_counter()
-    for op in T5_OPS:
-        grids = [axes[a] for a in T5_AXES[op]]
-        shape = tuple(len(g) for g in grids)
-        values = {f: torch.zeros(shape, dtype=torch.float64) for f in FIELDS}
-        for index in torch.cartesian_prod(*[torch.arange(n) for n in shape]).reshape(-1, len(shape)).tolist():
-            point = [g[i] for g, i in zip(grids, index)]
-            fw, params = builders[op](*point)
-            m = measure_op(fw, params, device, repeats=repeats, warmup=warmup)
-            for f in FIELDS:
-                values[f][tuple(index)] = getattr(m, f)
-        tables[op] = {f: _nested(values[f].tolist()) for f in FIELDS}
+    # The timed runs of a point are spread over ``repeats`` passes over the whole grid, not run
+    # back to back: on a shared machine a burst of other load then spoils one run of many
+    # points instead of every run of a few, and the fastest run of each point is kept.
+    for rep in range(repeats):
+        for op in T5_OPS:
+            grids = [axes[a] for a in T5_AXES[op]]
+            shape = tuple(len(g) for g in grids)
+            if rep == 0:
+                values[op] = {f: torch.zeros(shape, dtype=torch.float64) for f in FIELDS}
+            for index in torch.cartesian_prod(*[torch.arange(n) for n in shape]).reshape(-1, len(shape)).tolist():
+                fw, params = builders[op](*[g[i] for g, i in zip(grids, index)])
+                at = tuple(index)
+                if rep == 0:  # time and memory, after the warm-up
+                    m = measure_op(fw, params, device, repeats=1, warmup=warmup)
+                    for f in FIELDS:
+                        values[op][f][at] = getattr(m, f)
+                else:
+                    fw_ms, bw_ms = time_op(fw, params)
+                    values[op]["fw_ms"][at] = min(float(values[op]["fw_ms"][at]), fw_ms)
+                    values[op]["bw_ms"][at] = min(float(values[op]["bw_ms"][at]), bw_ms)
         if progress:
-            progress(f"{op}: {int(torch.tensor(shape).prod())} points, {time.perf_counter() - started:.1f} s so far")
+            progress(f"pass {rep + 1}/{repeats} over the grid: {time.perf_counter() - started:.1f} s so far")
+    for v in values.values():
+        for f in ("fw_ms", "bw_ms"):
+            v[f] = suffix_minimum(v[f])
+    tables = {op: {f: _nested(v[f].tolist()) for f in FIELDS} for op, v in values.items()}
     m = model
     return {
         "format": PROFILE_FORMAT, "version": PROFILE_VERSION, "kind": KIND_ENCODER_DECODER,
@@ -140,9 +155,46 @@ def profile_t5_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: 
         "mbs": [int(b) for b in mbs_grid], "seqlen": [int(s) for s in seqlen_grid],
         "dec_seqlen": [int(s) for s in dec_seqlen_grid],
         "stage_overhead_ms": 0.0, "tp": 1, "sequence_parallel": False,
-        "profiling_s": round(time.perf_counter() - started, 2),
+        "profiling_s": round(time.perf_counter() - started, 2), "repeats": repeats,
+        "times": "fastest of the repeats, lowered to the fastest of any larger shape",
         "ops": tables,
     }
+
+
+def suffix_minimum(table: torch.Tensor) -> torch.Tensor:
+    """Each point's time lowered to the least time measured at any point at least as large on
+    every axis. An op's time never falls when samples or tokens are added, and other load
+    only ever adds time, so a larger shape's time bounds a smaller one's from above: this
+    removes interference spikes without lowering any time below one that was measured."""
+    out = table.clone()
+    for axis in range(out.dim()):
+        flipped = out.flip(axis)
+        out = torch.cummin(flipped, dim=axis).values.flip(axis)
+    return out
+
+
+def time_op(forward: Callable[[], torch.Tensor], params: Sequence[torch.Tensor]) -> tuple[float, float]:
+    """Wall ms of one forward and of its backward (a random output gradient; a scalar loss
+    directly), synchronised on CUDA as :func:`~megatron_integration.profiler.measure_op` is."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = forward()
+    if cuda:
+        torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    grad = None if out.dim() == 0 else torch.randn_like(out)
+    if cuda:
+        torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    out.backward(grad)
+    if cuda:
+        torch.cuda.synchronize()
+    t3 = time.perf_counter()
+    for p in params:
+        p.grad = None
+    return (t1 - t0) * 1e3, (t3 - t2) * 1e3
 
 
 def _nested(values):
