@@ -132,8 +132,10 @@ def t5_figures(ranks: list[dict], warmup_iters: int) -> dict:
 def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output: str, preset: str = "tiny",
                  sweep: Optional[Sequence[int]] = None, warmup_iters: Optional[int] = None,
                  threads_per_rank: Optional[int] = None, timeout_s: float = 1800.0,
-                 stream: TextIO = sys.stdout, rounds: int = 1) -> dict:
+                 stream: TextIO = sys.stdout, rounds: int = 1, calibrate_iters: int = 0) -> dict:
     """Train every method (each baseline at every size of ``sweep``) and write the JSON report.
+    ``calibrate_iters``: iterations of an untimed DynaPipe run that fits the measured profile's
+    fixed cost per stage op before the timed runs (0: none; ignored with a given profile).
     ``rounds``: every run repeated in a rotated order (in the same job); each run's figures
     are those of its round with the median real tokens/s (the lower one of two)."""
     from megatron_integration.bench_report import breakdown, breakdown_summary, breakdown_table
@@ -159,7 +161,7 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
     # DynaPipe's cuts, the auto placement and the simulation are priced with a profile of this
     # machine unless --dynapipe-cost-model says otherwise (the analytic model misjudges the
     # encoder/decoder balance on CPUs).
-    profile, profile_s = _flag_value(argv, "--dynapipe-cost-model"), None
+    profile, profile_s, calibration = _flag_value(argv, "--dynapipe-cost-model"), None, None
     if profile is None:
         from megatron_integration.bench_t5_profile import measure_bench_profile
 
@@ -169,6 +171,17 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
               flush=True)
         profile_s = measure_bench_profile(cfg, profile, threads, timeout_s)
         print(f"profiled in {profile_s:.1f} s", file=stream, flush=True)
+        if calibrate_iters:
+            from megatron_integration.bench_t5_profile import calibrate_t5_profile
+
+            print(f"calibrating the profile's fixed cost per stage op ({calibrate_iters} DynaPipe iterations on the "
+                  f"even split, untimed) ...", file=stream, flush=True)
+            profile, calibration = calibrate_t5_profile(argv + ["--dynapipe-cost-model", profile], profile, cfg,
+                                                        nproc, calibrate_iters, threads, timeout_s,
+                                                        _flag_value(argv, "--dynapipe-placement"))
+            print(f"calibrated: executed = {calibration['slope']:.2f} x profiled + {calibration['intercept_ms']:.1f} "
+                  f"ms per op, executor {calibration['executor_ms']:.1f} ms per op -> stage_overhead_ms "
+                  f"{calibration['stage_overhead_ms']:.1f} ({calibration['seconds']:.0f} s)", file=stream, flush=True)
         argv += ["--dynapipe-cost-model", profile]
     placement = _placement(argv, nproc, warmup)
     if placement["source"] == "auto":  # chosen once here: every run builds the same split
@@ -215,7 +228,7 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
     report = {"model": "t5", "preset": preset, "about": p.about, "methods": results, "runs": per_entry,
               "ratios": ratios, "best_baseline": best_base, "placement": placement,
               "cost_model": {"profile": profile, "profile_s": None if profile_s is None else round(profile_s, 1),
-                             "stage_check": checks},
+                             "calibration": calibration, "stage_check": checks},
               "setup": {"argv": list(argv), "nproc": nproc, "warmup_iters": warmup, "sweep": list(sweep),
                         "rounds": rounds,
                         "round_orders": [[e.label for k2, e in order if k2 == k] for k in range(rounds)],
@@ -330,6 +343,13 @@ def run_t5_cli(args, argv: list[str]) -> int:
                                 f"itself (--t5-sweep).")
     if args.rounds is not None and args.rounds < 1:
         raise DynaPipeError(f"--rounds {args.rounds}: give at least 1 round.")
+    calibrate_iters = args.calibrate_iters or 0
+    if calibrate_iters < 0 or calibrate_iters == 1:
+        raise DynaPipeError(f"--calibrate-iters {args.calibrate_iters}: give 0 (none) or at least 2 (the first "
+                            f"iteration is a warm-up the fit leaves out).")
+    if calibrate_iters and "--dynapipe-cost-model" in {a.split("=")[0] for a in argv}:
+        raise DynaPipeError("--calibrate-iters calibrates the profile the bench measures; with --dynapipe-cost-model "
+                            "given there is none to calibrate: drop one of them.")
     for unsupported in ("sweep_top", "png"):
         if getattr(args, unsupported, None):
             raise DynaPipeError(f"--{unsupported.replace('_', '-')} is not supported with --model t5 "
@@ -347,7 +367,7 @@ def run_t5_cli(args, argv: list[str]) -> int:
     try:
         run_t5_bench(argv, methods, args.nproc or pp, args.output, preset=preset, sweep=sweep,
                      warmup_iters=args.warmup_iters, threads_per_rank=args.threads_per_rank,
-                     timeout_s=args.timeout_s, rounds=args.rounds or 1)
+                     timeout_s=args.timeout_s, rounds=args.rounds or 1, calibrate_iters=calibrate_iters)
     except RankUserError as e:
         raise DynaPipeError(str(e)) from None
     except RankFailed as e:

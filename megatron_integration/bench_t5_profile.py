@@ -110,3 +110,51 @@ def op_fit(trace_dir: str, iterations: Sequence[int], cost_model) -> dict:
         return {"ops": len(p)}
     slope, intercept = (float(v) for v in np.polyfit(p, m, 1))
     return {"ops": len(p), "slope": round(slope, 3), "intercept_ms": round(intercept, 3)}
+
+
+def calibrate_t5_profile(argv: Sequence[str], profile: str, cfg, nproc: int, iters: int, threads: int,
+                         timeout_s: float, placement: Optional[str] = None) -> tuple[str, dict]:
+    """Run DynaPipe untimed for ``iters`` iterations with ``profile`` on ``placement`` (a
+    ``--dynapipe-placement`` split; None or ``auto``: Megatron's even split)
+    and write ``<profile>.calibrated.json`` with the fixed cost per stage op that the run
+    shows beyond the profile (:func:`megatron_integration.bench_calibrate.fit_stage_overhead`
+    over the traced forwards and backwards after the first iteration, at their encoder and
+    decoder lengths, plus the executor's own time per op). Returns the path and the fit."""
+    import os
+
+    from dynapipe.config import load_device_config
+    from dynapipe.cost import build_cost_model
+    from megatron_integration.bench_breakdown import executor_timeline
+    from megatron_integration.bench_calibrate import fit_stage_overhead, write_calibrated_profile
+    from megatron_integration.bench_report import _trace_events
+    from megatron_integration.t5_jobs import run_t5_training
+
+    started = time.perf_counter()
+    trace_dir = os.path.splitext(profile)[0] + ".calibration-traces"
+    from megatron_integration.t5_placement import parse_t5_placement
+
+    split = "even" if placement in (None, "auto") else placement
+    margv = list(argv) + ["--use-dynapipe", "--dynapipe-placement", split, "--dynapipe-trace-dir", trace_dir,
+                          "--train-iters", str(iters)]
+    ranks = [r[0] for r in run_t5_training([margv], nproc, timeout_s=timeout_s, threads_per_rank=threads)]
+    model, pp = cfg.planner_model(), cfg.base.parallel.pipeline_model_parallel_size
+    cost = build_cost_model(model, load_device_config(cfg.base.dynapipe.device), pp, profile,
+                            placement=parse_t5_placement(split, model, pp))
+    iterations = list(range(min(1, iters - 1), iters))
+    pred, meas, per_op = [], [], []
+    for rank, (origin, per) in _trace_events(trace_dir, set(iterations)).items():
+        for i in iterations:
+            events = per.get(i, [])
+            for e in events:
+                if e.get("cat") in ("forward", "backward"):
+                    a = e["args"]
+                    c = cost.stage_cost(a["mbs"], a["seqlen"], a.get("dec_seqlen", 0), stage=int(e.get("tid", 0)))
+                    pred.append(float(c.fw_ms if e["cat"] == "forward" else c.bw_ms))
+                    meas.append(e["dur"] / 1e3)
+            if events:
+                t = executor_timeline(events, origin, ranks[rank], i)
+                if t.micro_batches:
+                    per_op.append((t.overhead_ms + t.posting_ms) / (2 * t.micro_batches))
+    fit = fit_stage_overhead(np.asarray(pred), np.asarray(meas), float(np.mean(per_op)) if per_op else 0.0)
+    out = write_calibrated_profile(profile, os.path.splitext(profile)[0] + ".calibrated.json", fit)
+    return out, {**fit.to_json(), "profile": out, "seconds": round(time.perf_counter() - started, 1)}

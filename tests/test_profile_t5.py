@@ -247,3 +247,14 @@ def test_profiler_removes_interference_spikes_without_inventing_times():
     assert torch.all(out <= measured) and set(out.flatten().tolist()) <= set(measured.flatten().tolist())
     for axis in range(3):
         assert torch.all(out.diff(dim=axis) >= 0)
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--calibrate-iters", "1"], "--calibrate-iters 1: give 0 (none) or at least 2"),
+    (["--calibrate-iters", "2", "--dynapipe-cost-model", "analytic"], "with --dynapipe-cost-model given there is none"),
+])
+def test_t5_bench_refuses_a_calibration_it_cannot_run(tmp_path, capsys, extra, needle):
+    from dynapipe.cli import main
+
+    assert main(["bench", "--model", "t5", "--output", str(tmp_path / "b.json"), *extra]) == 2
+    assert needle in capsys.readouterr().err and not (tmp_path / "b.json").exists()
