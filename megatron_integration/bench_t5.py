@@ -4,18 +4,22 @@ Every method trains the same T5 (megatron-core stages, 2 pipeline stages by defa
 same seed and global batches of the multi-task mixture, all through the DynaPipe executor
 (megatron-core's schedules no longer pipeline encoder-decoder models):
 
-* ``dynapipe``: planned variable-shape micro-batches (analytic cost model of the
-  ``--dynapipe-device``, the schedule search's choice);
+* ``dynapipe``: planned variable-shape micro-batches (the schedule search's choice), priced
+  with a T5 cost profile of this machine measured at the start
+  (:mod:`megatron_integration.bench_t5_profile`; ``--dynapipe-cost-model`` given: that
+  profile, or ``analytic``);
 * ``padding``: pairs padded to ``--encoder-seq-length`` / ``--decoder-seq-length``;
 * ``packing``: pairs packed into encoder and decoder rows, samples isolated by masks.
 
 Stage placement: every method builds the same stages, the placement
-``--dynapipe-placement auto`` chooses (computed once here, passed to every run written
-out; a ``--dynapipe-placement`` given is used instead), so the comparison is fair; the
+``--dynapipe-placement auto`` chooses with that profile (computed once here, passed to every
+run written out; a ``--dynapipe-placement`` given is used instead), so the comparison is fair; the
 report gives DynaPipe's simulated bubble under the even split and under the placement
 (``placement.simulated``), and the method ``dynapipe-even`` runs DynaPipe on the even
 split for the measured before. Every run records executor traces, split per stage into
-compute, bubble, communication and overhead as for GPT (``time_split_ms``).
+compute, bubble, communication and overhead as for GPT (``time_split_ms``), and each
+method's per-stage compute is set against what the cost model predicted for the ops it ran
+(``cost_model.stage_check``).
 
 Tuning: each baseline runs at every micro-batch size of ``--t5-sweep`` (default: the
 preset's) and its fastest is kept. All runs of one bench share one spawned job (runs in
@@ -128,8 +132,10 @@ def t5_figures(ranks: list[dict], warmup_iters: int) -> dict:
 def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output: str, preset: str = "tiny",
                  sweep: Optional[Sequence[int]] = None, warmup_iters: Optional[int] = None,
                  threads_per_rank: Optional[int] = None, timeout_s: float = 1800.0,
-                 stream: TextIO = sys.stdout, rounds: int = 1) -> dict:
+                 stream: TextIO = sys.stdout, rounds: int = 1, calibrate_iters: int = 0) -> dict:
     """Train every method (each baseline at every size of ``sweep``) and write the JSON report.
+    ``calibrate_iters``: iterations of an untimed DynaPipe run that fits the measured profile's
+    fixed cost per stage op before the timed runs (0: none; ignored with a given profile).
     ``rounds``: every run repeated in a rotated order (in the same job); each run's figures
     are those of its round with the median real tokens/s (the lower one of two)."""
     from megatron_integration.bench_report import breakdown, breakdown_summary, breakdown_table
@@ -146,6 +152,37 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
     if cfg.base.train_iters <= warmup:
         raise DynaPipeError(f"--train-iters {cfg.base.train_iters} leaves no timed iteration after the "
                             f"{warmup} warm-up iteration(s); raise --train-iters.")
+    out_dir = os.path.dirname(os.path.abspath(output))
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise DynaPipeError(f"{output}: cannot create its directory {out_dir}: {e.strerror}.") from None
+    started, load_start = time.perf_counter(), _load_average()
+    # DynaPipe's cuts, the auto placement and the simulation are priced with a profile of this
+    # machine unless --dynapipe-cost-model says otherwise (the analytic model misjudges the
+    # encoder/decoder balance on CPUs).
+    profile, profile_s, calibration = _flag_value(argv, "--dynapipe-cost-model"), None, None
+    if profile is None:
+        from megatron_integration.bench_t5_profile import measure_bench_profile
+
+        profile = os.path.splitext(output)[0] + ".profile.json"
+        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
+        print(f"measuring a T5 cost profile of this machine ({threads} thread(s)) -> {profile}", file=stream,
+              flush=True)
+        profile_s = measure_bench_profile(cfg, profile, threads, timeout_s)
+        print(f"profiled in {profile_s:.1f} s", file=stream, flush=True)
+        if calibrate_iters:
+            from megatron_integration.bench_t5_profile import calibrate_t5_profile
+
+            print(f"calibrating the profile's fixed cost per stage op ({calibrate_iters} DynaPipe iterations on the "
+                  f"even split, untimed) ...", file=stream, flush=True)
+            profile, calibration = calibrate_t5_profile(argv + ["--dynapipe-cost-model", profile], profile, cfg,
+                                                        nproc, calibrate_iters, threads, timeout_s,
+                                                        _flag_value(argv, "--dynapipe-placement"))
+            print(f"calibrated: executed = {calibration['slope']:.2f} x profiled + {calibration['intercept_ms']:.1f} "
+                  f"ms per op, executor {calibration['executor_ms']:.1f} ms per op -> stage_overhead_ms "
+                  f"{calibration['stage_overhead_ms']:.1f} ({calibration['seconds']:.0f} s)", file=stream, flush=True)
+        argv += ["--dynapipe-cost-model", profile]
     placement = _placement(argv, nproc, warmup)
     if placement["source"] == "auto":  # chosen once here: every run builds the same split
         argv += ["--dynapipe-placement", placement["placement"]]
@@ -157,13 +194,7 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
     trace = {(k, e.label): os.path.join(trace_root, e.label if rounds == 1 else f"{e.label}-round{k}")
              for k, e in order}
     runs = [e.argv(argv) + ["--dynapipe-trace-dir", trace[k, e.label]] for k, e in order]
-    out_dir = os.path.dirname(os.path.abspath(output))
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as e:
-        raise DynaPipeError(f"{output}: cannot create its directory {out_dir}: {e.strerror}.") from None
     print(f"training {', '.join(e.label for e in entries)} on {nproc} rank(s) ...", file=stream, flush=True)
-    started, load_start = time.perf_counter(), _load_average()
     ranks = run_t5_training(runs, nproc, timeout_s=timeout_s, threads_per_rank=threads_per_rank)
     by_round: dict = {}
     for j, (k, e) in enumerate(order):
@@ -183,6 +214,7 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
         j, k = picked[e.label]
         rows = breakdown([r[j] for r in ranks], warmup, trace[k, e.label])
         results[m]["time_breakdown_ms"], results[m]["time_split_ms"] = rows, breakdown_summary([rows])
+    checks = _stage_checks(cfg, nproc, profile, placement["placement"], results, ranks, picked, trace, warmup)
     base = [b for b in T5_BASELINES if b in results]
     best_base = max(base, key=lambda b: results[b]["real_tokens_per_s"], default=None)
     ratios = {f"{m}_vs_{b}": round(results[m]["real_tokens_per_s"] / results[b]["real_tokens_per_s"], 3)
@@ -195,6 +227,8 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
         ratios["dynapipe_vs_best_baseline"] = ratios[f"dynapipe_vs_{best_base}"]
     report = {"model": "t5", "preset": preset, "about": p.about, "methods": results, "runs": per_entry,
               "ratios": ratios, "best_baseline": best_base, "placement": placement,
+              "cost_model": {"profile": profile, "profile_s": None if profile_s is None else round(profile_s, 1),
+                             "calibration": calibration, "stage_check": checks},
               "setup": {"argv": list(argv), "nproc": nproc, "warmup_iters": warmup, "sweep": list(sweep),
                         "rounds": rounds,
                         "round_orders": [[e.label for k2, e in order if k2 == k] for k in range(rounds)],
@@ -219,9 +253,53 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
           f"{sim['even']['placement']} bubble {100 * sim['even']['bubble_fraction']:.1f}% "
           f"{sim['even']['simulated_ms']:.0f} ms, placed bubble {100 * sim['placed']['bubble_fraction']:.1f}% "
           f"{sim['placed']['simulated_ms']:.0f} ms", file=stream)
+    from megatron_integration.bench_t5_profile import format_stage_check
+
+    print(f"cost model {profile}{'' if profile_s is None else f' (measured in {profile_s:.1f} s)'}; compute per "
+          f"iteration and stage, predicted -> executed:", file=stream)
+    for m, check in checks.items():
+        print("  " + format_stage_check(f"{m} ({results[m]['run']})", check), file=stream)
     with open(output, "w") as f:
         json.dump(report, f, indent=1)
     return report
+
+
+def _flag_value(argv: Sequence[str], flag: str) -> Optional[str]:
+    """The value of the last ``flag`` in ``argv`` (``--flag V`` or ``--flag=V``), or None."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def _stage_checks(cfg, nproc: int, profile: str, placed: str, results: dict, ranks, picked: dict, trace: dict,
+                  warmup: int) -> dict:
+    """Per method, :func:`~megatron_integration.bench_t5_profile.stage_check` and
+    :func:`~megatron_integration.bench_t5_profile.op_fit` of its reported run against the cost
+    model it was planned with (on the stages it ran)."""
+    from dynapipe.config import load_device_config
+    from dynapipe.cost import build_cost_model
+    from megatron_integration.bench_report import timed_indices
+    from megatron_integration.bench_t5_profile import op_fit, stage_check
+    from megatron_integration.t5_placement import parse_t5_placement
+
+    model, pp = cfg.planner_model(), cfg.base.parallel.pipeline_model_parallel_size
+    cost = build_cost_model(model, load_device_config(cfg.base.dynapipe.device), pp,
+                            None if profile == "analytic" else profile)
+    out = {}
+    for m, r in results.items():
+        j, k = picked[r["run"]]
+        split = "even" if m == "dynapipe-even" else placed
+        cm = cost.with_placement(parse_t5_placement(split, model, pp))
+        keep = timed_indices([rank[j] for rank in ranks], warmup)
+        path = trace[k, r["run"]]
+        if os.path.isdir(path):
+            out[m] = {"placement": str(cm.placement), **(stage_check(path, keep, cm) or {}),
+                      "op_fit": op_fit(path, keep, cm)}
+    return out
 
 
 def _load_average() -> Optional[list[float]]:
@@ -265,6 +343,13 @@ def run_t5_cli(args, argv: list[str]) -> int:
                                 f"itself (--t5-sweep).")
     if args.rounds is not None and args.rounds < 1:
         raise DynaPipeError(f"--rounds {args.rounds}: give at least 1 round.")
+    calibrate_iters = args.calibrate_iters or 0
+    if calibrate_iters < 0 or calibrate_iters == 1:
+        raise DynaPipeError(f"--calibrate-iters {args.calibrate_iters}: give 0 (none) or at least 2 (the first "
+                            f"iteration is a warm-up the fit leaves out).")
+    if calibrate_iters and "--dynapipe-cost-model" in {a.split("=")[0] for a in argv}:
+        raise DynaPipeError("--calibrate-iters calibrates the profile the bench measures; with --dynapipe-cost-model "
+                            "given there is none to calibrate: drop one of them.")
     for unsupported in ("sweep_top", "png"):
         if getattr(args, unsupported, None):
             raise DynaPipeError(f"--{unsupported.replace('_', '-')} is not supported with --model t5 "
@@ -282,7 +367,7 @@ def run_t5_cli(args, argv: list[str]) -> int:
     try:
         run_t5_bench(argv, methods, args.nproc or pp, args.output, preset=preset, sweep=sweep,
                      warmup_iters=args.warmup_iters, threads_per_rank=args.threads_per_rank,
-                     timeout_s=args.timeout_s, rounds=args.rounds or 1)
+                     timeout_s=args.timeout_s, rounds=args.rounds or 1, calibrate_iters=calibrate_iters)
     except RankUserError as e:
         raise DynaPipeError(str(e)) from None
     except RankFailed as e:

@@ -305,6 +305,7 @@ def profile_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: Seq
     return {
         "format": PROFILE_FORMAT,
         "version": PROFILE_VERSION,
+        "kind": "decoder-only",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": model.dtype,
         "layer_spec": ops.spec_name,

@@ -205,7 +205,7 @@ def _broken(edit):
 
 @pytest.mark.parametrize("edit, message", [
     (lambda p: p.update(format="other"), "not a DynaPipe profile"),
-    (lambda p: p.update(version=2), "version 2 is not supported"),
+    (lambda p: p.update(version=3), "version 3 is not supported"),
     (lambda p: p.update(mbs=[2, 1, 4]), "strictly ascending"),
     (lambda p: p.update(seqlen=[]), "non-empty list"),
     (lambda p: p["ops"].pop("output"), "ops.output is missing"),

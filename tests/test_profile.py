@@ -26,7 +26,7 @@ def profile_path(tmp_path_factory):
 
 def test_profile_loads_in_the_cost_model(profile_path):
     data = json.loads(profile_path.read_text())
-    assert data["format"] == "dynapipe-profile" and data["version"] == 1
+    assert data["format"] == "dynapipe-profile" and (data["version"], data["kind"]) == (2, "decoder-only")
     assert data["mbs"] == [1, 2] and data["seqlen"] == [32, 64, 128]
     assert data["layer_spec"] == "local" and data["device"] == "cpu"
     tiny = load_model_config("gpt-tiny")

@@ -10,6 +10,11 @@ With ``--tensor-model-parallel-size N`` (and ``--sequence-parallel``) it spawns 
 ranks, one tensor-parallel group, and measures one TP rank of megatron-core's
 tensor-parallel layers, collectives included; the profile then prices runs of that TP
 size and sequence-parallel setting only.
+
+With ``--t5`` (or a ``--model`` config of an encoder-decoder) it measures megatron-core's T5
+encoder layer, decoder layer (over ``--dec-seqlens`` decoder tokens for every encoder
+length of ``--seqlens``), embedding and LM head with loss, and writes an encoder-decoder
+profile (:mod:`dynapipe.cost.profile_t5`) that prices T5 runs.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ HELP = "measure megatron-core layers and write a cost profile"
 
 DEFAULT_MBS = "1,2,4,8"
 DEFAULT_SEQLENS = "64,128,256,512,1024"
+DEFAULT_DEC_SEQLENS = "32,64,128,256"
 # Wall-clock limit of a spawned tensor-parallel profiling job, s: a rank that hangs is killed.
 TP_TIMEOUT_S = 3600.0
 
@@ -34,6 +40,10 @@ def add_arguments(p) -> None:
     p.add_argument("--mbs", default=DEFAULT_MBS, help=f"micro-batch sizes to measure (default {DEFAULT_MBS})")
     p.add_argument("--seqlens", default=DEFAULT_SEQLENS,
                    help=f"sequence lengths to measure, tokens (default {DEFAULT_SEQLENS})")
+    p.add_argument("--t5", action="store_true",
+                   help="measure a T5 (encoder-decoder): encoder layer, decoder layer, embedding, LM head")
+    p.add_argument("--dec-seqlens", default=None,
+                   help=f"--t5: decoder lengths to measure, tokens (default {DEFAULT_DEC_SEQLENS})")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point; the fastest is kept (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per point first (default 1)")
     p.add_argument("--threads", type=int, default=None,
@@ -66,7 +76,7 @@ def fill_from_model_config(args) -> None:
 
     cfg = load_model_config(args.model)
     if cfg.is_encoder_decoder:
-        raise DynaPipeError(f"--model {args.model}: profiles are defined for GPT (decoder-only) models only.")
+        args.t5 = True
     defaults = dict(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
                     num_attention_heads=cfg.num_attention_heads, ffn_hidden_size=cfg.ffn_hidden_size,
                     vocab_size=cfg.vocab_size, seq_length=cfg.max_seq_length,
@@ -118,13 +128,18 @@ def run(args) -> int:
     fill_from_model_config(args)
     mbs = _grid(args.mbs, "--mbs")
     seqlens = _grid(args.seqlens, "--seqlens")
+    if args.dec_seqlens is not None and not args.t5:
+        raise DynaPipeError("--dec-seqlens measures T5 decoder lengths; add --t5 (or --model with a T5 config).")
+    dec_seqlens = _grid(args.dec_seqlens or DEFAULT_DEC_SEQLENS, "--dec-seqlens") if args.t5 else []
     if args.repeats < 1 or args.warmup < 0:
         raise DynaPipeError("--repeats must be >= 1 and --warmup >= 0.")
     cuda = torch.cuda.is_available()
+    if args.t5 and args.num_layers is None:
+        args.num_layers = 2  # one layer of each kind is measured; the count changes nothing measured
     if args.seq_length is None:
         args.seq_length = max(seqlens)
     if args.max_position_embeddings is None:
-        args.max_position_embeddings = max(args.seq_length, max(seqlens))
+        args.max_position_embeddings = max([args.seq_length, *seqlens, *dec_seqlens])
     model = model_args_from_args(args, cuda)
     if model.position_embedding_type == "learned_absolute" and max(seqlens) > model.max_position_embeddings:
         raise DynaPipeError(f"--seqlens reaches {max(seqlens)} tokens, beyond --max-position-embeddings "
@@ -132,6 +147,8 @@ def run(args) -> int:
     out_dir = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(out_dir):
         raise DynaPipeError(f"--output {args.output}: directory {out_dir} does not exist.")
+    if args.t5:
+        return _run_t5(args, model, mbs, seqlens, dec_seqlens)
     tp, sp = check_tensor_parallel(args, model, seqlens)
     if tp > 1:
         return _run_tensor_parallel(args, model, mbs, seqlens, tp, sp)
@@ -173,5 +190,35 @@ def _run_tensor_parallel(args, model, mbs: list[int], seqlens: list[int], tp: in
     measure_profile(model, args.output, mbs, seqlens, repeats=args.repeats, warmup=args.warmup, threads=threads,
                     timeout_s=TP_TIMEOUT_S, tp=tp, sequence_parallel=sp, seed=args.seed,
                     use_te=False if args.no_transformer_engine else None, progress=not args.no_progress)
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def _run_t5(args, model, mbs: list[int], seqlens: list[int], dec_seqlens: list[int]) -> int:
+    """Measure a T5's ops in this process (one rank, no tensor parallelism)."""
+    import torch
+
+    from dynapipe.errors import DynaPipeError
+    from megatron_integration.t5_profiler import write_t5_profile
+
+    if args.tensor_model_parallel_size != 1 or args.sequence_parallel:
+        raise DynaPipeError(f"--t5 --tensor-model-parallel-size {args.tensor_model_parallel_size}: T5 stages run "
+                            f"without tensor parallelism; profile with 1.")
+    for flag, bad in (("--swiglu", model.swiglu), ("--disable-bias-linear", not model.add_bias_linear),
+                      ("--group-query-attention", bool(model.num_query_groups)),
+                      ("--normalization RMSNorm", model.normalization != "LayerNorm"),
+                      ("--bf16/--fp16", model.dtype != "fp32"),
+                      ("--position-embedding-type", model.position_embedding_type != "learned_absolute")):
+        if bad:
+            raise DynaPipeError(f"--t5 {flag}: T5 stages are built as Megatron's T5 (fp32, GeLU MLP with biases, "
+                                f"LayerNorm, multi-head attention, learned absolute positions); drop it.")
+    longest = max(seqlens + dec_seqlens)
+    if longest > model.max_position_embeddings:
+        raise DynaPipeError(f"--seqlens/--dec-seqlens reach {longest} tokens, beyond --max-position-embeddings "
+                            f"{model.max_position_embeddings}; shorten the grid or raise the limit.")
+    print(f"profiling a T5 on {'cuda' if torch.cuda.is_available() else 'cpu'} ({args.threads or torch.get_num_threads()}"
+          f" threads): mbs {mbs} x seqlen {seqlens} x dec_seqlen {dec_seqlens}", file=sys.stderr)
+    write_t5_profile(model, args.output, mbs, seqlens, dec_seqlens, repeats=args.repeats, warmup=args.warmup,
+                     threads=args.threads, seed=args.seed, progress=not args.no_progress)
     print(f"wrote {args.output}", file=sys.stderr)
     return 0

@@ -1,9 +1,9 @@
 """Profile-based cost model: measured per-layer costs over a grid, interpolated.
 
-Profile format (JSON, ``"format": "dynapipe-profile"``, ``"version": 1``)::
+Profile format (JSON, ``"format": "dynapipe-profile"``, ``"version": 2``)::
 
     {
-      "format": "dynapipe-profile", "version": 1,
+      "format": "dynapipe-profile", "version": 2, "kind": "decoder-only",
       "device": "cpu", "dtype": "fp32",
       "model": {"hidden_size": 64, "num_attention_heads": 4, ...},   # what was measured
       "mbs": [1, 2, 4, 8],                 # grid rows, ascending
@@ -36,7 +36,10 @@ collectives (all-reduces, or all-gathers and reduce-scatters with ``sequence_par
 memory is per rank. It prices only a run of the same ``tp`` and ``sequence_parallel``
 (profiles without these keys were measured at TP 1 without sequence parallelism).
 
-Only decoder-only (GPT) profiles are defined in version 1.
+Version 2 adds ``kind``: ``decoder-only`` (the tables above) or ``encoder-decoder`` (T5:
+encoder-layer, decoder-layer, embedding and output tables over a third axis of decoder
+lengths, see :mod:`dynapipe.cost.profile_t5`). Version 1 profiles (no ``kind``) are
+decoder-only and still load.
 """
 from __future__ import annotations
 
@@ -47,10 +50,14 @@ import numpy as np
 
 from dynapipe.config import ModelConfig, TensorParallelConfig
 from dynapipe.cost.base import MIB, CostModel, StageCost, StageLayout
+from dynapipe.cost.profile_t5 import (KIND_DECODER_ONLY, KIND_ENCODER_DECODER, check_t5_tables, load_t5_tables,
+                                      profile_kind, t5_layout_cost)
 from dynapipe.errors import DynaPipeError, file_read_errors
 
 PROFILE_FORMAT = "dynapipe-profile"
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
+# Version 1: decoder-only profiles written before ``kind`` existed.
+READABLE_VERSIONS = (1, 2)
 FIELDS = ("fw_ms", "bw_ms", "stored_mib", "peak_mib")
 OPS = ("layer", "embedding", "output")
 # Optional tables: the layer measured at a recompute level.
@@ -151,9 +158,14 @@ def _check_profile(data: Mapping[str, Any], source: str) -> None:
     if data.get("format") != PROFILE_FORMAT:
         raise DynaPipeError(f"{source}: not a DynaPipe profile (format={data.get('format')!r}, "
                             f"expected {PROFILE_FORMAT!r}); write one with `python -m dynapipe profile`.")
-    if data.get("version") != PROFILE_VERSION:
-        raise DynaPipeError(f"{source}: profile version {data.get('version')!r} is not supported "
-                            f"(this DynaPipe reads version {PROFILE_VERSION}).")
+    version = data.get("version")
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:
+        raise DynaPipeError(f"{source}: profile version {version!r} is not supported "
+                            f"(this DynaPipe reads versions {', '.join(map(str, READABLE_VERSIONS))}).")
+    kind = profile_kind(data)
+    if kind not in (KIND_DECODER_ONLY, KIND_ENCODER_DECODER) or (version == 1 and kind != KIND_DECODER_ONLY):
+        raise DynaPipeError(f"{source}: profile kind {kind!r} is not one of {KIND_DECODER_ONLY!r}, "
+                            f"{KIND_ENCODER_DECODER!r} (version 2; version 1 profiles are decoder-only).")
     for axis in ("mbs", "seqlen"):
         grid = data.get(axis)
         if not isinstance(grid, list) or not grid or any(not isinstance(v, (int, float)) or v <= 0 for v in grid):
@@ -165,6 +177,9 @@ def _check_profile(data: Mapping[str, Any], source: str) -> None:
         raise DynaPipeError(f"{source}: 'tp' {tp!r} must be a positive integer (the tensor-parallel size measured).")
     if not isinstance(data.get("sequence_parallel", False), bool):
         raise DynaPipeError(f"{source}: 'sequence_parallel' {data.get('sequence_parallel')!r} must be true or false.")
+    if kind == KIND_ENCODER_DECODER:
+        check_t5_tables(data, source)
+        return
     shape = (len(data["mbs"]), len(data["seqlen"]))
     ops = data.get("ops")
     if not isinstance(ops, Mapping):
@@ -195,21 +210,27 @@ class ProfileCostModel(CostModel):
 
     def __init__(self, model: ModelConfig, profile: Mapping[str, Any], num_stages: int,
                  source: str = "profile", tp: TensorParallelConfig | None = None):
-        if model.is_encoder_decoder:
-            raise DynaPipeError(f"{source}: profiles of encoder-decoder models are not defined in "
-                                f"version {PROFILE_VERSION}; use the analytic cost model for {model.name!r}.")
         _check_profile(profile, source)
+        kind = profile_kind(profile)
+        want = KIND_ENCODER_DECODER if model.is_encoder_decoder else KIND_DECODER_ONLY
+        if kind != want:
+            raise DynaPipeError(f"{source}: a {kind} profile cannot price {want} model {model.name!r}; measure one "
+                                f"with `python -m dynapipe profile`{' --t5' if model.is_encoder_decoder else ''} "
+                                f"for this model.")
         _check_layer_shape(profile, model, source)
         tp = tp or TensorParallelConfig()
         check_profile_tensor_parallel(profile, tp.size, tp.sequence_parallel, source)
         super().__init__(model, num_stages, tp)
+        self.stage_overhead_ms = float(profile.get("stage_overhead_ms", 0.0))
+        self.profile = profile
+        if model.is_encoder_decoder:
+            self.tables = load_t5_tables(profile, _Table)
+            return
         mbs = np.asarray(profile["mbs"], dtype=np.float64)
         seqlen = np.asarray(profile["seqlen"], dtype=np.float64)
         present = OPS + tuple(k for k in LEVEL_OPS.values() if k in profile["ops"])
         self.tables = {op: {f: _Table(mbs, seqlen, np.asarray(profile["ops"][op][f], dtype=np.float64))
                             for f in FIELDS} for op in present}
-        self.stage_overhead_ms = float(profile.get("stage_overhead_ms", 0.0))
-        self.profile = profile
 
     @classmethod
     def from_file(cls, model: ModelConfig, path: str, num_stages: int,
@@ -223,10 +244,12 @@ class ProfileCostModel(CostModel):
     def output_stored_mib(self, layout: StageLayout, mbs, seqlen, dec_seqlen) -> np.ndarray:
         if not layout.has_output:
             return super().output_stored_mib(layout, mbs, seqlen, dec_seqlen)
-        return self.tables["output"]["stored_mib"](mbs, seqlen)
+        return self.tables["output"]["stored_mib"](mbs, dec_seqlen if self.model.is_encoder_decoder else seqlen)
 
     def layout_cost(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str) -> StageCost:
         m = self.model
+        if m.is_encoder_decoder:
+            return t5_layout_cost(m, self.tables, layout, mbs, seqlen, dec_seqlen, recompute, self.stage_overhead_ms)
         n = layout.decoder_layers
         layer = self._op("layer", mbs, seqlen)
         fw, bw = n * layer["fw_ms"], n * layer["bw_ms"]

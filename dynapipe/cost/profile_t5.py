@@ -1,0 +1,189 @@
+"""Encoder-decoder (T5) profiles: the tables, their checks and the stage cost they give.
+
+A T5 profile is a ``dynapipe-profile`` of version 2 with ``"kind": "encoder-decoder"`` and
+a third grid axis, ``dec_seqlen`` (decoder tokens); ``seqlen`` is the encoder's. Ops::
+
+    "encoder_layer": mbs x seqlen               one encoder layer (bidirectional self-attention, MLP)
+    "decoder_layer": mbs x dec_seqlen x seqlen  one decoder layer (causal self-attention,
+                                                cross-attention to seqlen encoder tokens, MLP)
+    "embedding":     mbs x seqlen               word + position embedding of seqlen tokens
+    "output":        mbs x dec_seqlen           final norm, LM head and cross-entropy
+
+each with ``fw_ms``, ``bw_ms``, ``stored_mib`` and ``peak_mib``. The decoder layer's
+backward includes the gradient of the encoder output it attends to. A stage prices its
+encoder layers at (mbs, seqlen), its decoder layers at (mbs, dec_seqlen, seqlen), the
+embedding of stage 0 at the encoder tokens and the output layer at the decoder tokens
+(the decoder's own embedding, a lookup on the first decoder stage, is not priced, as in
+the analytic model). The decoder table is interpolated as stacked (mbs, dec_seqlen)
+tables, one per encoder length, then along the encoder length with the rules of the 2-D
+tables (linear inside, the power law of the last two points above, the first point
+below). Recompute levels are derived as for GPT profiles: ``selective`` adds the
+attention cores' share of the forward (self- and cross-attention, analytic FLOP split)
+to the backward and drops the attention scores' share of the stored memory; ``full``
+adds a forward to the backward and stores each layer's input (and, on a decoder stage,
+the encoder output).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from dynapipe.config import ModelConfig
+from dynapipe.cost.base import MIB, StageCost, StageLayout
+from dynapipe.errors import DynaPipeError
+
+KIND_DECODER_ONLY = "decoder-only"
+KIND_ENCODER_DECODER = "encoder-decoder"
+T5_OPS = ("encoder_layer", "decoder_layer", "embedding", "output")
+FIELDS = ("fw_ms", "bw_ms", "stored_mib", "peak_mib")
+# Grid axes of each op's table, outermost first.
+T5_AXES = {"encoder_layer": ("mbs", "seqlen"), "decoder_layer": ("mbs", "dec_seqlen", "seqlen"),
+           "embedding": ("mbs", "seqlen"), "output": ("mbs", "dec_seqlen")}
+
+
+def profile_kind(data: Mapping[str, Any]) -> str:
+    """``decoder-only`` or ``encoder-decoder``; version 1 profiles (no ``kind``) are decoder-only."""
+    return str(data.get("kind", KIND_DECODER_ONLY))
+
+
+def check_t5_tables(data: Mapping[str, Any], source: str) -> None:
+    """Refuse an encoder-decoder profile whose ``dec_seqlen`` axis or op tables are malformed
+    (one line naming the table and the shape it must have)."""
+    grid = data.get("dec_seqlen")
+    if not isinstance(grid, list) or not grid or any(not isinstance(v, (int, float)) or v <= 0 for v in grid):
+        raise DynaPipeError(f"{source}: 'dec_seqlen' must be a non-empty list of positive numbers (decoder tokens) "
+                            f"in an encoder-decoder profile.")
+    if any(b <= a for a, b in zip(grid, grid[1:])):
+        raise DynaPipeError(f"{source}: 'dec_seqlen' grid {grid} must be strictly ascending.")
+    ops = data.get("ops")
+    if not isinstance(ops, Mapping):
+        raise DynaPipeError(f"{source}: 'ops' must be an object with tables for {list(T5_OPS)}.")
+    for op in T5_OPS:
+        table = ops.get(op)
+        if not isinstance(table, Mapping):
+            raise DynaPipeError(f"{source}: ops.{op} is missing or not an object; an encoder-decoder profile needs "
+                                f"{list(T5_OPS)}, each with {list(FIELDS)}.")
+        shape = tuple(len(data[a]) for a in T5_AXES[op])
+        for field in FIELDS:
+            try:
+                arr = np.asarray(table[field], dtype=np.float64) if field in table else None
+            except (TypeError, ValueError):
+                arr = None
+            if arr is None or arr.shape != shape:
+                dims = "x".join(str(n) for n in shape)
+                raise DynaPipeError(f"{source}: ops.{op}.{field} must be a {dims} table "
+                                    f"({' x '.join(T5_AXES[op])}).")
+            if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+                raise DynaPipeError(f"{source}: ops.{op}.{field} holds negative or non-finite values.")
+
+
+def interp_axis(grid: np.ndarray, values: list, x: np.ndarray) -> np.ndarray:
+    """Values at ``x`` along one grid axis from ``values[k]`` (arrays) at ``grid[k]``: linear
+    inside the grid, the first point's value below it, and above it the power law through
+    the last two points (attention grows faster than linearly in the length)."""
+    x = np.asarray(x, dtype=np.float64)
+    if len(grid) == 1:
+        return np.broadcast_to(values[0], np.broadcast(values[0], x).shape).copy()
+    arrays = np.broadcast_arrays(*values, x)
+    stack, x = np.stack(arrays[:-1]), arrays[-1]
+    idx = np.clip(np.searchsorted(grid, x) - 1, 0, len(grid) - 2)
+    x0, x1 = grid[idx], grid[idx + 1]
+    v0 = np.take_along_axis(stack, idx[None, ...], 0)[0] if stack.ndim > 1 else stack[idx]
+    v1 = np.take_along_axis(stack, (idx + 1)[None, ...], 0)[0] if stack.ndim > 1 else stack[idx + 1]
+    w = np.clip((x - x0) / (x1 - x0), 0.0, 1.0)
+    inside = v0 + (v1 - v0) * w
+    last, prev = np.maximum(stack[-1], 1e-12), np.maximum(stack[-2], 1e-12)
+    power = np.log(last / prev) / np.log(grid[-1] / grid[-2])
+    above = stack[-1] * (np.maximum(x, grid[-1]) / grid[-1]) ** power
+    return np.where(x > grid[-1], above, inside)
+
+
+class DecoderTable:
+    """One quantity of the decoder layer over (mbs, dec_seqlen, seqlen): a 2-D (mbs,
+    dec_seqlen) table per encoder length, interpolated along the encoder length."""
+
+    def __init__(self, table_cls, mbs: np.ndarray, dec: np.ndarray, enc: np.ndarray, values: np.ndarray):
+        self.enc = enc
+        self.slices = [table_cls(mbs, dec, values[:, :, k]) for k in range(len(enc))]
+
+    def __call__(self, b, s_dec, s_enc) -> np.ndarray:
+        return interp_axis(self.enc, [t(b, s_dec) for t in self.slices], s_enc)
+
+
+def load_t5_tables(profile: Mapping[str, Any], table_cls) -> dict:
+    """``{op: {field: callable}}`` of a checked encoder-decoder profile; 2-D ops take
+    ``(mbs, tokens)``, the decoder layer ``(mbs, dec_seqlen, seqlen)``."""
+    axes = {a: np.asarray(profile[a], dtype=np.float64) for a in ("mbs", "seqlen", "dec_seqlen")}
+    out = {}
+    for op in T5_OPS:
+        names = T5_AXES[op]
+        out[op] = {}
+        for f in FIELDS:
+            values = np.asarray(profile["ops"][op][f], dtype=np.float64)
+            if op == "decoder_layer":
+                out[op][f] = DecoderTable(table_cls, axes["mbs"], axes["dec_seqlen"], axes["seqlen"], values)
+            else:
+                out[op][f] = table_cls(axes[names[0]], axes[names[1]], values)
+    return out
+
+
+def _core_shares(model: ModelConfig, s_enc, s_dec) -> tuple:
+    """Analytic shares of one layer's forward FLOPs in its attention cores (encoder, decoder)
+    and of its stored activations in attention scores (encoder, decoder)."""
+    h, ad, f = model.hidden_size, model.attention_dim, model.ffn_hidden_size
+    lin = 2 * h * (ad + 2 * model.kv_dim) + 2 * ad * h + 2 * h * (model.fc1_width + f)  # per token
+    enc_core = 4 * s_enc * ad
+    # Decoder per decoder token: self-attention + cross-attention (query, output, and the
+    # key/value projections of the encoder tokens spread over the decoder tokens).
+    cross_lin = 4 * h * ad + 4 * h * ad * s_enc / np.maximum(s_dec, 1)
+    dec_core = 4 * s_dec * ad + 4 * s_enc * ad
+    enc_share = enc_core / (lin + enc_core)
+    dec_share = dec_core / (lin + cross_lin + dec_core)
+    n = model.num_attention_heads
+    act = 10 * h + 4 * ad + 4 * model.kv_dim + 2 * model.fc1_width + 2 * f
+    enc_scores = 5 * n * s_enc
+    dec_scores = 5 * n * (s_dec + s_enc)
+    return enc_share, dec_share, enc_scores / (act + enc_scores), dec_scores / (act + 7 * h + dec_scores)
+
+
+def t5_layout_cost(model: ModelConfig, tables: dict, layout: StageLayout, mbs, seqlen, dec_seqlen,
+                   recompute: str, overhead_ms: float) -> StageCost:
+    """Cost of one micro-batch of ``mbs`` samples (``seqlen`` encoder, ``dec_seqlen`` decoder
+    tokens) on a stage of ``layout`` from the tables of :func:`load_t5_tables` (ms, MiB)."""
+    b = np.asarray(mbs, dtype=np.float64)
+    s_enc, s_dec = np.asarray(seqlen, dtype=np.float64), np.asarray(dec_seqlen, dtype=np.float64)
+    shape = np.broadcast(b, s_enc, s_dec).shape
+    zero = np.zeros(shape)
+    fw, bw, stored, peak = zero.copy(), zero.copy(), zero.copy(), zero.copy()
+    enc_share, dec_share, enc_scores, dec_scores = _core_shares(model, s_enc, s_dec)
+    one_layer = zero.copy()
+    inputs = zero.copy()  # what full recompute keeps: each layer's input (+ the encoder output)
+    row = b * model.hidden_size * model.dtype_bytes / MIB
+    for n, op, args, share, scores, tokens in (
+            (layout.encoder_layers, "encoder_layer", (b, s_enc), enc_share, enc_scores, s_enc),
+            (layout.decoder_layers, "decoder_layer", (b, s_dec, s_enc), dec_share, dec_scores, s_dec)):
+        if not n:
+            continue
+        t = {f: tables[op][f](*args) for f in FIELDS}
+        l_fw, l_bw, l_st = t["fw_ms"], t["bw_ms"], t["stored_mib"]
+        if recompute == "selective":
+            l_bw, l_st = l_bw + l_fw * share, l_st * (1 - scores)
+        elif recompute == "full":
+            l_bw = l_bw + l_fw
+        fw, bw = fw + n * l_fw, bw + n * l_bw
+        stored = stored + n * l_st
+        peak = np.maximum(peak, t["peak_mib"])
+        one_layer = np.maximum(one_layer, t["stored_mib"])
+        inputs = inputs + n * row * tokens
+        if op == "decoder_layer":
+            inputs = inputs + row * s_enc
+    if recompute == "full":
+        stored, peak = inputs, 2 * peak + one_layer
+    for op, present, tokens in (("embedding", layout.has_embedding, s_enc), ("output", layout.has_output, s_dec)):
+        if present:
+            fw = fw + tables[op]["fw_ms"](b, tokens)
+            bw = bw + tables[op]["bw_ms"](b, tokens)
+            stored = stored + tables[op]["stored_mib"](b, tokens)
+            peak = np.maximum(peak, tables[op]["peak_mib"](b, tokens))
+    return StageCost(fw_ms=fw + overhead_ms, bw_ms=bw + overhead_ms, stored_mib=stored, peak_mib=peak)

@@ -1,0 +1,264 @@
+"""Measure megatron-core's T5 building blocks and write an encoder-decoder cost profile.
+
+The ops are built as :mod:`megatron_integration.t5_model` builds a T5 stage (megatron-core's
+local T5 layer specs in a ``TransformerBlock``, ``LanguageModelEmbedding`` with learned
+absolute positions, ``T5LMHead`` and megatron-core's vocab-parallel cross-entropy) and run
+with the ``[mbs, 1, sq, sk]`` masks the stage handlers build
+(:func:`megatron_integration.t5_step.segment_mask`, one sample a row):
+
+* ``encoder_layer`` at every (mbs, seqlen): one encoder layer, bidirectional self-attention;
+* ``decoder_layer`` at every (mbs, dec_seqlen, seqlen): one decoder layer attending to an
+  encoder output of ``seqlen`` tokens; its backward includes that output's gradient;
+* ``embedding`` at every (mbs, seqlen); ``output`` (the decoder block's final norm, LM head,
+  loss) at every (mbs, dec_seqlen).
+
+Times and memory are measured as for GPT (:func:`megatron_integration.profiler.measure_op`:
+stored and peak MiB; the fastest of ``repeats`` timed runs), except that a point's timed runs
+are spread over ``repeats`` passes over the whole grid, and a time is lowered to the least
+time of any larger shape (:func:`suffix_minimum`), which removes interference spikes. The result is the version 2,
+``kind: encoder-decoder`` profile :mod:`dynapipe.cost.profile_t5` documents.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import replace
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from dynapipe.cost.profile import PROFILE_FORMAT, PROFILE_VERSION
+from dynapipe.cost.profile_t5 import FIELDS, KIND_ENCODER_DECODER, T5_AXES, T5_OPS
+from megatron_integration.profiler import measure_op
+from megatron_integration.train_config import GPTModelArgs, ParallelArgs
+
+
+class T5Ops:
+    """The four measured ops of one T5 shape, on ``device``."""
+
+    def __init__(self, model: GPTModelArgs, device: torch.device):
+        from megatron.core.models.T5.t5_model import T5LMHead
+        from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+        from megatron.core.transformer.transformer_block import TransformerBlock
+
+        from megatron_integration.model import transformer_config
+        from megatron_integration.t5_model import _block_spec, _layer_specs
+
+        config = transformer_config(replace(model, num_layers=2), ParallelArgs(world_size=1),
+                                    cuda=device.type == "cuda")
+        enc_spec, dec_spec, self.spec_name = _layer_specs()
+        self.encoder = TransformerBlock(config=config, spec=_block_spec(enc_spec, 1), pre_process=True,
+                                        post_process=False).to(device)
+        # post_process: the block's final norm, which the output op runs as the last stage does.
+        self.decoder = TransformerBlock(config=config, spec=_block_spec(dec_spec, 1), pre_process=True,
+                                        post_process=True).to(device)
+        self.embedding = LanguageModelEmbedding(config=config, vocab_size=model.vocab_size,
+                                                max_sequence_length=model.max_position_embeddings,
+                                                position_embedding_type="learned_absolute").to(device)
+        self.lm_head = T5LMHead(config, parallel_output=True, vocab_size=model.vocab_size, pre_process=False,
+                                share_embeddings_and_output_weights=False).to(device)
+        self.model, self.device, self.dtype = model, device, config.params_dtype
+
+    def _masks(self, b: int, sq: int, sk: int, causal: bool, self_attention: bool) -> torch.Tensor:
+        from megatron_integration.t5_step import segment_mask
+
+        return segment_mask(torch.ones(b, sq, dtype=torch.int64, device=self.device),
+                            torch.ones(b, sk, dtype=torch.int64, device=self.device), causal=causal,
+                            self_attention=self_attention)
+
+    def _hidden(self, s: int, b: int) -> torch.Tensor:
+        return torch.randn(s, b, self.model.hidden_size, device=self.device, dtype=self.dtype, requires_grad=True)
+
+    def encoder_layer(self, b: int, s: int):
+        x, mask = self._hidden(s, b), self._masks(b, s, s, causal=False, self_attention=True)
+        return (lambda: self.encoder(hidden_states=x, attention_mask=mask)), list(self.encoder.parameters())
+
+    def decoder_layer(self, b: int, s_dec: int, s_enc: int):
+        y, ctx = self._hidden(s_dec, b), self._hidden(s_enc, b)
+        self_mask = self._masks(b, s_dec, s_dec, causal=True, self_attention=True)
+        cross_mask = self._masks(b, s_dec, s_enc, causal=False, self_attention=False)
+        layer = self.decoder.layers[0]
+
+        def fw():
+            out = layer(hidden_states=y, attention_mask=self_mask, context=ctx, context_mask=cross_mask)
+            return out[0] if isinstance(out, tuple) else out
+
+        return fw, list(layer.parameters())
+
+    def embedding_op(self, b: int, s: int):
+        ids = torch.randint(1, self.model.vocab_size, (b, s), device=self.device)
+        pos = torch.arange(s, device=self.device).unsqueeze(0).expand(b, s)
+        return (lambda: self.embedding(input_ids=ids, position_ids=pos)), list(self.embedding.parameters())
+
+    def output_op(self, b: int, s_dec: int):
+        from megatron.core import tensor_parallel
+
+        y = self._hidden(s_dec, b)
+        labels = torch.randint(1, self.model.vocab_size, (s_dec, b), device=self.device)
+        norm = self.decoder.final_layernorm
+
+        def fw():
+            logits = self.lm_head(norm(y), word_embeddings_weight=None)
+            return tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels).sum()
+
+        return fw, list(norm.parameters()) + list(self.lm_head.parameters())
+
+
+def profile_t5_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: Sequence[int],
+                     dec_seqlen_grid: Sequence[int], device: torch.device, repeats: int = 3, warmup: int = 1,
+                     progress: Optional[Callable[[str], None]] = None) -> dict:
+    """Measure the four T5 ops over the grid (samples; encoder and decoder tokens); returns the
+    JSON-ready profile. megatron's parallel state must be initialised (one rank)."""
+    ops = T5Ops(model, device)
+    axes = {"mbs": list(mbs_grid), "seqlen": list(seqlen_grid), "dec_seqlen": list(dec_seqlen_grid)}
+    builders = {"encoder_layer": ops.encoder_layer, "decoder_layer": ops.decoder_layer,
+                "embedding": ops.embedding_op, "output": ops.output_op}
+    values: dict = {}
+    started = time.perf_counter()
+    # The timed runs of a point are spread over ``repeats`` passes over the whole grid, not run
+    # back to back: on a shared machine a burst of other load then spoils one run of many
+    # points instead of every run of a few, and the fastest run of each point is kept.
+    for rep in range(repeats):
+        for op in T5_OPS:
+            grids = [axes[a] for a in T5_AXES[op]]
+            shape = tuple(len(g) for g in grids)
+            if rep == 0:
+                values[op] = {f: torch.zeros(shape, dtype=torch.float64) for f in FIELDS}
+            for index in torch.cartesian_prod(*[torch.arange(n) for n in shape]).reshape(-1, len(shape)).tolist():
+                fw, params = builders[op](*[g[i] for g, i in zip(grids, index)])
+                at = tuple(index)
+                if rep == 0:  # time and memory, after the warm-up
+                    m = measure_op(fw, params, device, repeats=1, warmup=warmup)
+                    for f in FIELDS:
+                        values[op][f][at] = getattr(m, f)
+                else:
+                    fw_ms, bw_ms = time_op(fw, params)
+                    values[op]["fw_ms"][at] = min(float(values[op]["fw_ms"][at]), fw_ms)
+                    values[op]["bw_ms"][at] = min(float(values[op]["bw_ms"][at]), bw_ms)
+        if progress:
+            progress(f"pass {rep + 1}/{repeats} over the grid: {time.perf_counter() - started:.1f} s so far")
+    for v in values.values():
+        for f in ("fw_ms", "bw_ms"):
+            v[f] = suffix_minimum(v[f])
+    tables = {op: {f: _nested(v[f].tolist()) for f in FIELDS} for op, v in values.items()}
+    m = model
+    return {
+        "format": PROFILE_FORMAT, "version": PROFILE_VERSION, "kind": KIND_ENCODER_DECODER,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": m.dtype, "layer_spec": ops.spec_name, "threads": torch.get_num_threads(),
+        "model": {"arch": "t5", "hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads,
+                  "ffn_hidden_size": m.ffn_hidden_size, "kv_channels": m.kv_channels, "vocab_size": m.vocab_size,
+                  "position_embedding_type": "learned_absolute", "hidden_dropout": m.hidden_dropout,
+                  "attention_dropout": m.attention_dropout, "gated_linear_unit": False, "num_query_groups": 0,
+                  "add_bias_linear": True, "normalization": "LayerNorm"},
+        "mbs": [int(b) for b in mbs_grid], "seqlen": [int(s) for s in seqlen_grid],
+        "dec_seqlen": [int(s) for s in dec_seqlen_grid],
+        "stage_overhead_ms": 0.0, "tp": 1, "sequence_parallel": False,
+        "profiling_s": round(time.perf_counter() - started, 2), "repeats": repeats,
+        "times": "fastest of the repeats, lowered to the fastest of any larger shape",
+        "ops": tables,
+    }
+
+
+def suffix_minimum(table: torch.Tensor) -> torch.Tensor:
+    """Each point's time lowered to the least time measured at any point at least as large on
+    every axis. An op's time never falls when samples or tokens are added, and other load
+    only ever adds time, so a larger shape's time bounds a smaller one's from above: this
+    removes interference spikes without lowering any time below one that was measured."""
+    out = table.clone()
+    for axis in range(out.dim()):
+        flipped = out.flip(axis)
+        out = torch.cummin(flipped, dim=axis).values.flip(axis)
+    return out
+
+
+def time_op(forward: Callable[[], torch.Tensor], params: Sequence[torch.Tensor]) -> tuple[float, float]:
+    """Wall ms of one forward and of its backward (a random output gradient; a scalar loss
+    directly), synchronised on CUDA as :func:`~megatron_integration.profiler.measure_op` is."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = forward()
+    if cuda:
+        torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    grad = None if out.dim() == 0 else torch.randn_like(out)
+    if cuda:
+        torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    out.backward(grad)
+    if cuda:
+        torch.cuda.synchronize()
+    t3 = time.perf_counter()
+    for p in params:
+        p.grad = None
+    return (t1 - t0) * 1e3, (t3 - t2) * 1e3
+
+
+def _nested(values):
+    """Rounded nested lists (2-D or 3-D tables) as JSON keeps them."""
+    if isinstance(values, list):
+        return [_nested(v) for v in values]
+    return round(float(values), 6)
+
+
+def write_t5_profile(model: GPTModelArgs, output: str, mbs_grid: Sequence[int], seqlen_grid: Sequence[int],
+                     dec_seqlen_grid: Sequence[int], *, repeats: int = 3, warmup: int = 1,
+                     threads: Optional[int] = None, seed: int = 1234, progress: bool = False) -> dict:
+    """Profile ``model`` as a T5 on this process's device (one rank), check the result is a
+    profile the cost model reads, write it to ``output`` and return it."""
+    import sys
+
+    from dynapipe.cost.profile import ProfileCostModel
+    from megatron_integration.initialize import initialize_megatron
+    from megatron_integration.launch import free_port
+
+    cuda = torch.cuda.is_available()
+    if threads:
+        torch.set_num_threads(threads)
+    if "RANK" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    initialize_megatron(ParallelArgs(world_size=1, backend="nccl" if cuda else "gloo"), seed=seed)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    profile = profile_t5_model(model, mbs_grid, seqlen_grid, dec_seqlen_grid, device, repeats=repeats,
+                               warmup=warmup, progress=(lambda line: print(line, file=sys.stderr)) if progress
+                               else None)
+    ProfileCostModel(t5_model_config(model), profile, num_stages=1, source=output)
+    with open(output, "w") as f:
+        json.dump(profile, f, indent=1)
+    return profile
+
+
+def t5_model_config(model: GPTModelArgs, encoder_layers: int = 1, decoder_layers: int = 1):
+    """A planner :class:`~dynapipe.config.ModelConfig` (``arch: t5``) of ``model``'s shape."""
+    from dynapipe.config import ModelConfig
+
+    return ModelConfig(name="profiled-t5", arch="t5", num_layers=encoder_layers + decoder_layers,
+                       encoder_layers=encoder_layers, decoder_layers=decoder_layers, hidden_size=model.hidden_size,
+                       num_attention_heads=model.num_attention_heads, ffn_hidden_size=model.ffn_hidden_size,
+                       vocab_size=model.vocab_size, max_seq_length=model.max_position_embeddings, dtype=model.dtype,
+                       tie_embeddings=model.tie_embeddings, kv_channels=model.kv_channels).validate("profiled-t5")
+
+
+def _job(model: GPTModelArgs, output: str, grids: tuple, kwargs: dict) -> str:
+    from megatron_integration.initialize import destroy
+
+    try:
+        write_t5_profile(model, output, *grids, **kwargs)
+    finally:
+        destroy()
+    return output
+
+
+def measure_t5_profile(model: GPTModelArgs, output: str, mbs_grid: Sequence[int], seqlen_grid: Sequence[int],
+                       dec_seqlen_grid: Sequence[int], *, threads: int = 1, timeout_s: float = 1800.0,
+                       **kwargs) -> str:
+    """:func:`write_t5_profile` in one spawned rank of ``threads`` threads (the caller keeps no
+    megatron state); a job past ``timeout_s`` s is killed and reported. Returns ``output``."""
+    from megatron_integration.launch import spawn
+
+    grids = (list(mbs_grid), list(seqlen_grid), list(dec_seqlen_grid))
+    return spawn(_job, 1, (model, output, grids, dict(threads=threads, **kwargs)), timeout_s=timeout_s,
+                 threads_per_rank=threads)[0]

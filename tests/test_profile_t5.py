@@ -1,0 +1,260 @@
+"""Encoder-decoder (T5) cost profiles: the format, its interpolation, the stage costs it gives,
+and one real profiling of a tiny T5 through ``python -m dynapipe profile --t5``."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dynapipe.config import ModelConfig, load_model_config
+from dynapipe.cost import build_cost_model
+from dynapipe.cost.base import StageLayout
+from dynapipe.cost.placement import StagePlacement
+from dynapipe.cost.profile import ProfileCostModel
+from dynapipe.errors import DynaPipeError
+
+MBS, ENC, DEC = [1, 2, 4], [64, 128, 256], [32, 64]
+T5 = ModelConfig(name="t5-test", arch="t5", num_layers=4, encoder_layers=2, decoder_layers=2, hidden_size=64,
+                 num_attention_heads=4, ffn_hidden_size=256, vocab_size=512, max_seq_length=1024,
+                 dtype="fp32").validate("t5-test")
+
+
+def enc_ms(b, s):
+    return b * (0.01 * s + 1e-4 * s * s)
+
+
+def dec_ms(b, d, s):
+    return b * (0.02 * d + 2e-4 * d * d + 1e-4 * d * s + 0.001 * s)
+
+
+def t5_profile(scale_dec: float = 1.0) -> dict:
+    """A synthetic profile whose tables follow known formulas (ms; MiB = ms / 10)."""
+    def table(values):
+        arr = np.asarray(values, dtype=np.float64)
+        return {"fw_ms": arr.tolist(), "bw_ms": (2 * arr).tolist(), "stored_mib": (arr / 10).tolist(),
+                "peak_mib": (arr / 20).tolist()}
+
+    return {"format": "dynapipe-profile", "version": 2, "kind": "encoder-decoder", "device": "cpu", "dtype": "fp32",
+            "mbs": MBS, "seqlen": ENC, "dec_seqlen": DEC,
+            "ops": {"encoder_layer": table([[enc_ms(b, s) for s in ENC] for b in MBS]),
+                    "decoder_layer": table([[[scale_dec * dec_ms(b, d, s) for s in ENC] for d in DEC] for b in MBS]),
+                    "embedding": table([[0.01 * b * s for s in ENC] for b in MBS]),
+                    "output": table([[0.05 * b * d for d in DEC] for b in MBS])}}
+
+
+def test_t5_profile_prices_stages_exactly_on_the_grid():
+    cm = ProfileCostModel(T5, t5_profile(), num_stages=2)
+    assert str(cm.placement) == str(StagePlacement.even(T5, 2))
+    b, s, d = 2, 128, 64
+    enc = cm.stage_cost(b, s, d, stage=0)
+    assert enc.fw_ms == pytest.approx(2 * enc_ms(b, s) + 0.01 * b * s)
+    assert enc.bw_ms == pytest.approx(2 * enc.fw_ms)
+    assert enc.stored_mib == pytest.approx(enc.fw_ms / 10)
+    dec = cm.stage_cost(b, s, d, stage=1)
+    assert dec.fw_ms == pytest.approx(2 * dec_ms(b, d, s) + 0.05 * b * d)
+    # The bottleneck is the elementwise maximum of the two stages.
+    both = cm.stage_cost([1, 4], [256, 64], [32, 64])
+    per = [cm.stage_cost([1, 4], [256, 64], [32, 64], stage=k).fw_ms for k in (0, 1)]
+    assert np.allclose(both.fw_ms, np.maximum(*per))
+    # A stage holding the end of the encoder and the decoder pays for both kinds of layers.
+    placed = cm.with_placement(StagePlacement.parse("1+0,1+2", T5, 2))
+    mixed = placed.stage_cost(b, s, d, stage=1)
+    assert mixed.fw_ms == pytest.approx(enc_ms(b, s) + 2 * dec_ms(b, d, s) + 0.05 * b * d)
+
+
+def test_t5_profile_interpolates_and_extrapolates_monotonically():
+    cm = ProfileCostModel(T5, t5_profile(), num_stages=2)
+    # Between grid points along the encoder length the decoder layer is linear.
+    mid = cm.stage_cost(1, 192, 32, stage=1).fw_ms
+    lo, hi = (cm.stage_cost(1, s, 32, stage=1).fw_ms for s in (128, 256))
+    assert mid == pytest.approx((lo + hi) / 2)
+    enc = np.linspace(16, 2048, 60)
+    for stage in (0, 1):
+        along_enc = cm.stage_cost(2, enc, 48, stage=stage).time_ms
+        assert np.all(np.diff(along_enc) >= -1e-9)
+        along_dec = cm.stage_cost(2, 200, np.linspace(8, 512, 60), stage=stage).time_ms
+        assert np.all(np.diff(along_dec) >= -1e-9)
+        along_mbs = cm.stage_cost(np.arange(1, 12), 200, 48, stage=stage).time_ms
+        assert np.all(np.diff(along_mbs) > 0)
+    # Above the grid the power law of the last two points holds the quadratic growth.
+    assert cm.stage_cost(1, 512, 32, stage=0).fw_ms > 2 * cm.stage_cost(1, 256, 32, stage=0).fw_ms
+    # More samples than the grid scale linearly from its last row.
+    assert cm.stage_cost(8, 128, 32, stage=1).fw_ms == pytest.approx(2 * cm.stage_cost(4, 128, 32, stage=1).fw_ms)
+
+
+def test_t5_profile_derives_recompute_levels():
+    cm = ProfileCostModel(T5, t5_profile(), num_stages=2)
+    args = (2, 256, 64)
+    none, sel, full = (cm.stage_cost(*args, stage=1, recompute=lv) for lv in ("none", "selective", "full"))
+    assert none.bw_ms < sel.bw_ms < full.bw_ms
+    assert full.bw_ms == pytest.approx(none.bw_ms + 2 * dec_ms(*args[:1], args[2], args[1]))
+    assert full.stored_mib < sel.stored_mib < none.stored_mib
+    # Full recompute keeps each decoder layer's input and the encoder output (fp32 bytes).
+    b, s, d = args
+    assert full.stored_mib == pytest.approx((2 * b * d * 64 * 4 + b * s * 64 * 4) / 2**20 + 0.05 * b * d / 10)
+
+
+def test_t5_profile_round_trips_through_a_file_and_build_cost_model(tmp_path):
+    path = tmp_path / "t5.json"
+    path.write_text(json.dumps(t5_profile()))
+    cm = build_cost_model(T5, None, 2, profile=str(path), placement=StagePlacement.parse("1+0,1+2", T5, 2))
+    ref = ProfileCostModel(T5, t5_profile(), 2).with_placement(StagePlacement.parse("1+0,1+2", T5, 2))
+    for stage in (0, 1):
+        a, b = cm.stage_cost([1, 3], [100, 300], [40, 70], stage=stage), ref.stage_cost([1, 3], [100, 300], [40, 70],
+                                                                                      stage=stage)
+        assert np.allclose(a.time_ms, b.time_ms) and np.allclose(a.memory_mib, b.memory_mib)
+
+
+def test_auto_placement_follows_the_profile():
+    """The split the planner chooses moves with the measured encoder/decoder balance."""
+    from dynapipe.schedule.placement import choose_placement
+
+    rng = np.random.default_rng(0)
+    batches = [np.stack([rng.integers(64, 256, 8), rng.integers(16, 64, 8)], axis=1)]
+    chosen = {}
+    for scale in (0.05, 20.0):  # decoder layers far cheaper / far dearer than encoder layers
+        cm = ProfileCostModel(T5, t5_profile(scale_dec=scale), 2)
+        chosen[scale] = choose_placement(batches, cm, dp=1, memory_limit_mib=1e6, seq_length=256).chosen.placement
+    assert chosen[0.05] != chosen[20.0]
+    cheap_dec = chosen[0.05].layouts()[1]
+    dear_dec = chosen[20.0].layouts()[0]
+    assert cheap_dec.encoder_layers >= 1  # the last stage takes encoder work when decoders are cheap
+    assert dear_dec.decoder_layers >= 1   # the first stage takes decoder work when decoders are dear
+
+
+def test_old_and_decoder_only_profiles_still_load_and_kinds_must_match():
+    gpt = load_model_config("gpt-tiny")
+    table = {"fw_ms": [[1.0, 2.0]], "bw_ms": [[2.0, 4.0]], "stored_mib": [[1.0, 2.0]], "peak_mib": [[1.0, 1.0]]}
+    v1 = {"format": "dynapipe-profile", "version": 1, "mbs": [1], "seqlen": [64, 128],
+          "ops": {op: table for op in ("layer", "embedding", "output")}}
+    assert ProfileCostModel(gpt, v1, 2).stage_cost(1, 64).fw_ms > 0
+    v2 = {**v1, "version": 2, "kind": "decoder-only"}
+    assert ProfileCostModel(gpt, v2, 2).stage_cost(1, 96).fw_ms == ProfileCostModel(gpt, v1, 2).stage_cost(1, 96).fw_ms
+    with pytest.raises(DynaPipeError, match="decoder-only profile cannot price encoder-decoder"):
+        ProfileCostModel(T5, v1, 2)
+    with pytest.raises(DynaPipeError, match="encoder-decoder profile cannot price decoder-only"):
+        ProfileCostModel(gpt, t5_profile(), 2)
+    with pytest.raises(DynaPipeError, match="kind 'encoder-decoder'"):
+        ProfileCostModel(T5, {**t5_profile(), "version": 1}, 2)
+    with pytest.raises(DynaPipeError, match="version 3"):
+        ProfileCostModel(T5, {**t5_profile(), "version": 3}, 2)
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda p: p.pop("dec_seqlen"), "'dec_seqlen' must be a non-empty list"),
+    (lambda p: p.update(dec_seqlen=[64, 32]), "strictly ascending"),
+    (lambda p: p["ops"].pop("decoder_layer"), "ops.decoder_layer is missing"),
+    (lambda p: p["ops"]["decoder_layer"].update(fw_ms=[[1.0]]), r"ops.decoder_layer.fw_ms must be a 3x2x3 table"),
+    (lambda p: p["ops"]["output"].update(bw_ms=[[-1.0, 1.0]] * 3), "ops.output.bw_ms holds negative"),
+])
+def test_malformed_t5_profiles_are_refused_in_one_line(edit, needle):
+    p = t5_profile()
+    edit(p)
+    with pytest.raises(DynaPipeError, match=needle) as err:
+        ProfileCostModel(T5, p, 2)
+    assert "\n" not in str(err.value)
+
+
+def test_profile_command_measures_a_tiny_t5(tmp_path):
+    """One real profiling of megatron-core's T5 layers (a tiny grid, one thread)."""
+    path = tmp_path / "t5.json"
+    cmd = [sys.executable, "-m", "dynapipe", "profile", "--t5", "--output", str(path), "--hidden-size", "64",
+           "--num-attention-heads", "4", "--ffn-hidden-size", "256", "--vocab-size", "512", "--mbs", "1,2",
+           "--seqlens", "32,96", "--dec-seqlens", "16,48", "--repeats", "1", "--threads", "1", "--no-progress"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(path.read_text())
+    assert (data["version"], data["kind"], data["layer_spec"]) == (2, "encoder-decoder", "local")
+    assert data["dec_seqlen"] == [16, 48] and np.asarray(data["ops"]["decoder_layer"]["fw_ms"]).shape == (2, 2, 2)
+    ops = {op: {f: np.asarray(v) for f, v in t.items()} for op, t in data["ops"].items()}
+    for op in ("encoder_layer", "decoder_layer", "output"):
+        assert np.all(ops[op]["fw_ms"] > 0) and np.all(ops[op]["bw_ms"] > 0)
+        # Activations are kept per sample: twice the samples store twice the bytes.
+        assert np.allclose(ops[op]["stored_mib"][1], 2 * ops[op]["stored_mib"][0], rtol=0.05)
+    # A decoder layer keeps more for a longer encoder output (cross-attention keys, values, scores).
+    dec = ops["decoder_layer"]["stored_mib"]
+    assert np.all(dec[:, :, 1] > dec[:, :, 0])
+    cm = ProfileCostModel(ModelConfig(**{**T5.__dict__, "name": "t"}), data, 2)
+    assert np.all(cm.stage_cost([1, 2], [64, 96], [16, 48]).time_ms > 0)
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--model", "gpt-tiny", "--dec-seqlens", "16"], "--dec-seqlens measures T5 decoder lengths; add --t5"),
+    (["--t5", "--hidden-size", "64", "--num-attention-heads", "4", "--swiglu"], "--t5 --swiglu: T5 stages are built"),
+    (["--t5", "--hidden-size", "64", "--num-attention-heads", "4", "--dec-seqlens", "8,4"],
+     "--dec-seqlens '8,4': give strictly ascending"),
+])
+def test_profile_command_refuses_what_a_t5_profile_cannot_measure(tmp_path, capsys, extra, needle):
+    from dynapipe.cli import main
+
+    rc = main(["profile", "--output", str(tmp_path / "p.json"), "--seqlens", "64,128", *extra])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert needle in err and not (tmp_path / "p.json").exists()
+
+
+def test_bench_profile_grid_covers_the_run_lengths():
+    from megatron_integration.bench_t5_profile import profile_grids
+
+    assert profile_grids(1024, 256) == ([1, 2, 4], [64, 128, 256, 512, 1024], [32, 64, 128, 256])
+    assert profile_grids(300, 20) == ([1, 2, 4], [64, 128, 256, 300], [20])
+
+
+def test_bench_stage_check_sets_predicted_against_executed_compute(tmp_path):
+    """Per stage, the profile's prediction for the traced ops against their traced time."""
+    from megatron_integration.bench_t5_profile import format_stage_check, op_fit, stage_check
+
+    cm = ProfileCostModel(T5, t5_profile(), 2)
+    ops = [(0, "forward", 2, 128, 64), (0, "backward", 2, 128, 64), (1, "forward", 2, 128, 64),
+           (1, "backward", 2, 128, 64), (0, "forward", 1, 256, 32), (1, "forward", 1, 256, 32)]
+    for rank in (0, 1):
+        events = []
+        for it in (0, 1, 2):
+            for stage, cat, b, s, d in ops:
+                if stage != rank:
+                    continue
+                c = cm.stage_cost(b, s, d, stage=stage)
+                ms = float(c.fw_ms if cat == "forward" else c.bw_ms)
+                # Executed: stage 1 twice as slow as predicted, plus 1 ms per op.
+                ms = ms * (1 + stage) + 1.0
+                events.append({"ph": "X", "cat": cat, "tid": stage, "ts": 0.0, "dur": ms * 1e3,
+                               "args": {"iteration": it, "mbs": b, "seqlen": s, "dec_seqlen": d}})
+        (tmp_path / f"rank{rank:03d}.json").write_text(json.dumps({"traceEvents": events,
+                                                                    "otherData": {"origin_us": 0.0}}))
+    check = stage_check(str(tmp_path), [1, 2], cm)
+    pred = [sum(float(getattr(cm.stage_cost(b, s, d, stage=k), "fw_ms" if cat == "forward" else "bw_ms"))
+                for st, cat, b, s, d in ops if st == k) for k in (0, 1)]
+    s0, s1 = check["stages"]
+    assert (s0["layers"], s1["layers"]) == ("2+0", "0+2")
+    assert s0["predicted_ms"] == pytest.approx(pred[0], abs=0.05)
+    assert s0["executed_ms"] == pytest.approx(pred[0] + 3, abs=0.05)
+    assert s1["executed_ms"] == pytest.approx(2 * pred[1] + 3, abs=0.05)
+    assert check["first_over_last_predicted"] == pytest.approx(pred[0] / pred[1], rel=1e-2)
+    assert "stage 1 (0+2)" in format_stage_check("dynapipe", check)
+    fit = op_fit(str(tmp_path), [1, 2], cm)
+    assert fit["ops"] == 12 and 1.0 < fit["slope"] < 2.2  # between the two stages' slowdowns
+
+
+def test_profiler_removes_interference_spikes_without_inventing_times():
+    import torch
+
+    from megatron_integration.t5_profiler import suffix_minimum
+
+    measured = torch.tensor([[[1.0, 2.0], [9.0, 3.0]], [[2.0, 8.0], [3.0, 4.0]]])  # 9 and 8: spikes
+    out = suffix_minimum(measured)
+    assert out[0, 1, 0] == 3.0 and out[1, 0, 1] == 4.0  # lowered to a larger shape's time
+    assert torch.all(out <= measured) and set(out.flatten().tolist()) <= set(measured.flatten().tolist())
+    for axis in range(3):
+        assert torch.all(out.diff(dim=axis) >= 0)
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--calibrate-iters", "1"], "--calibrate-iters 1: give 0 (none) or at least 2"),
+    (["--calibrate-iters", "2", "--dynapipe-cost-model", "analytic"], "with --dynapipe-cost-model given there is none"),
+])
+def test_t5_bench_refuses_a_calibration_it_cannot_run(tmp_path, capsys, extra, needle):
+    from dynapipe.cli import main
+
+    assert main(["bench", "--model", "t5", "--output", str(tmp_path / "b.json"), *extra]) == 2
+    assert needle in capsys.readouterr().err and not (tmp_path / "b.json").exists()
