@@ -18,10 +18,10 @@ layer FLOPs matches GPT-7B at 4,096 tokens).
   bubble, communication, schedule overhead, optimizer, plan wait), from the executor's
   traces and megatron-core's timed steps (:mod:`megatron_integration.bench_breakdown`).
 
-Before the timed rounds, a preset with ``calibrate_iters`` runs DynaPipe untimed and fits
-the profile's fixed cost per stage op from its traces
-(:mod:`megatron_integration.bench_calibrate`); every method is planned and simulated with
-that calibrated profile. Fairness: the baselines' ``--micro-batch-size`` is tuned (the sizes that fit memory are
+Before the timed rounds, a preset with ``calibrate_iters`` runs DynaPipe untimed and refits
+the profile's times per shape from the ops it executed
+(:mod:`megatron_integration.bench_calibrate`, :mod:`megatron_integration.bench_refit`);
+every method is planned and simulated with that calibrated profile. Fairness: the baselines' ``--micro-batch-size`` is tuned (the sizes that fit memory are
 simulated with the measured profile, the best ``sweep_top`` run for real, the fastest
 kept); methods run in rotated order over ``rounds`` rounds and report medians; DynaPipe's
 planner workers plan ahead during the timed iterations and their CPU time is recorded.
@@ -463,6 +463,7 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
     results = {m: per_entry[chosen[m].label] for m in methods}
     sizes = {m: (chosen[m].micro_batch_size or cfg.micro_batch_size) if m in BASELINES else None for m in methods}
     shares = {m: sim.attention_share(m, sizes[m]) for m in methods}
+    simulated = {m: sim.simulated(m, sizes[m]) for m in methods}
     reference = bench_sim.gpt7b_attention_shares(methods, REFERENCE_SEQ_LENGTH)
 
     print(ratio_table(results, tuple(b for b in BASELINES if b in results), shares, sizes), file=stream)
@@ -473,6 +474,11 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
     print("\nwhere an iteration's time went (ms per iteration, mean over rounds and timed iterations):",
           file=stream)
     print(breakdown_table(time_split), file=stream)
+    print("\nthe cost model's own prediction (simulated pipeline iteration, ms) against the measured iteration:",
+          file=stream)
+    for m in methods:
+        print(f"  {m}: simulated {simulated[m]['iteration_ms']:.0f}, measured {results[m].iteration_ms:.0f} "
+              f"({results[m].iteration_ms / max(simulated[m]['iteration_ms'], 1e-9):.2f}x)", file=stream)
     errors = {}
     if calibration is not None:
         keep = list(range(warmup_iters, cfg.train_iters))
@@ -495,6 +501,8 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
                         "gpt7b_attention_share": reference.get(m),
                         "time_breakdown_ms": splits[chosen[m].label], "time_split_ms": time_split[m],
                         **({"cost_model_error": errors[m]} if m in errors else {}),
+                        # The cost model's own prediction of this method's run, next to what was measured.
+                        "simulated": simulated[m],
                         **({"sweep": sim.sweep_with_measured(sweeps[m], per_entry, m)} if m in sweeps else {})}
                     for m in methods},
         "ratios": {f"{m}_vs_{b}": round(results[m].real_tokens_per_s / results[b].real_tokens_per_s, 3)

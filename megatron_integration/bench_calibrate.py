@@ -1,20 +1,21 @@
-"""The cost profile's fixed cost per stage op, measured from a short executed run.
+"""Calibrating the cost profile from a short executed DynaPipe run.
 
-The profiler times each op (layer, embedding, output) alone. A micro-batch on a training
-rank pays more: the stage handler around the ops (inputs, loss, autograd entry), the
-executor's dispatch, loading its inputs and posting its transfers. On a CPU that is a
-large share of a short micro-batch, and a cost model without it lets the planner cut
-more, smaller micro-batches than pay for themselves.
+The profiler times each op (layer, embedding, output) alone, in a tight loop, one
+process on the machine. A micro-batch on a training rank pays more: the stage handler
+around the ops, the executor's dispatch, input loading and transfer posting, and on a
+shared machine the other ranks' use of caches and memory bandwidth.
 
-:func:`fit_stage_overhead` takes one executed DynaPipe run (its executor traces) and
-fits every forward and backward it ran as ``measured = slope * predicted + intercept``
-against the profile's prediction for its shape and stage; the fixed cost is the
-intercept plus the executor's own time per op outside compute and waiting (its
-overhead and transfer posting, from :mod:`megatron_integration.bench_breakdown`),
-divided by the slope so that it is in the profile's units (the slope is the machine's
-load, which scales every op alike). :func:`write_calibrated_profile` writes the profile
-with that cost as ``stage_overhead_ms``, which the profile cost model adds to every
-stage's forward and backward.
+:func:`executed_ops` reads every forward and backward a run executed from its executor
+traces, with the profile's prediction for its shape and stage, and
+:func:`executor_ms_per_op` the executor's own time per op outside compute and waiting
+(from :mod:`megatron_integration.bench_breakdown`). :func:`refit_from_run` refits the
+profile's times per shape from them (:mod:`megatron_integration.bench_refit`): what the
+bench plans with. :func:`fit_stage_overhead` is the single line
+``measured = slope * predicted + intercept`` through the same ops, kept as the
+comparison the JSON records (and for :func:`write_calibrated_profile`, which writes
+only a fixed cost per op): on the representative preset its intercept is negative
+because long rows run further above the profile than mid-sized ones, so a line cannot
+price small micro-batches right.
 """
 from __future__ import annotations
 
