@@ -148,15 +148,24 @@ def refit_factors(ops: ExecutedOps, mbs_grid: Sequence[float], seqlen_grid: Sequ
 def refit_profile(profile: Mapping[str, Any], refit: ShapeRefit, stage_overhead_ms: float) -> dict:
     """A copy of ``profile`` (the parsed JSON) whose forward and backward tables of every op
     (layer at every recompute level, embedding, output) are multiplied by ``refit``'s
-    factors, with ``stage_overhead_ms`` (ms per stage pass, the executor's own time)."""
+    factors and made :func:`monotone`, with ``stage_overhead_ms`` (ms per stage pass, the
+    executor's own time)."""
     if list(profile["mbs"]) != list(refit.mbs) or list(profile["seqlen"]) != list(refit.seqlen):
         raise ValueError("the refit was fitted on another grid than the profile's")
     out = copy.deepcopy(dict(profile))
     for table in out["ops"].values():
-        table["fw_ms"] = (np.asarray(table["fw_ms"], dtype=np.float64) * refit.fw).round(6).tolist()
-        table["bw_ms"] = (np.asarray(table["bw_ms"], dtype=np.float64) * refit.bw).round(6).tolist()
+        for key, factor in (("fw_ms", refit.fw), ("bw_ms", refit.bw)):
+            table[key] = monotone(np.asarray(table[key], dtype=np.float64) * factor).round(6).tolist()
     out["stage_overhead_ms"] = round(float(stage_overhead_ms), 4)
     return out
+
+
+def monotone(table: np.ndarray) -> np.ndarray:
+    """``table`` (mbs x seqlen) raised where a larger shape was timed faster than a smaller one
+    (running maximum along both axes): a profile measured on a busy machine can hold such
+    cells, and the planner would then merge samples into the shape that was timed while the
+    machine happened to be quieter."""
+    return np.maximum.accumulate(np.maximum.accumulate(table, axis=1), axis=0)
 
 
 def size_class(tokens: int) -> str:

@@ -113,6 +113,13 @@ def test_refitted_profile_prices_every_table_and_the_executor(tmp_path):
     assert float(paid.bw_ms) == pytest.approx(float(plain.bw_ms) * refit.bw[1, 2] + 0.7, rel=1e-4)
     with pytest.raises(ValueError):
         refit_profile({**profile, "seqlen": SEQ[:-1]}, refit, 0.0)
+    # A cell timed while the machine was quieter (2 x 512 below 1 x 512) is raised: a larger shape
+    # never costs less, else the planner would merge samples into it.
+    noisy = json.loads(json.dumps(profile))
+    noisy["ops"]["layer"]["fw_ms"][1][4] = 0.5 * noisy["ops"]["layer"]["fw_ms"][0][4]
+    fixed = np.asarray(refit_profile(noisy, refit, 0.0)["ops"]["layer"]["fw_ms"])
+    assert fixed[1, 4] == pytest.approx(fixed[0, 4]) and fixed[1, 4] >= fixed[1, 3]
+    assert (np.diff(fixed, axis=0) >= 0).all() and (np.diff(fixed, axis=1) >= 0).all()
 
 
 def test_dp_cuts_larger_micro_batches_when_small_ones_are_priced_less_efficient(tmp_path):
