@@ -21,8 +21,9 @@ layer FLOPs matches GPT-7B at 4,096 tokens).
 Before the timed rounds, a preset with ``calibrate_iters`` runs DynaPipe untimed and refits
 the profile's times per shape from the ops it executed
 (:mod:`megatron_integration.bench_calibrate`, :mod:`megatron_integration.bench_refit`);
-every method is planned and simulated with that calibrated profile. Fairness: the baselines' ``--micro-batch-size`` is tuned (the sizes that fit memory are
-simulated with the measured profile, the best ``sweep_top`` run for real, the fastest
+every method is planned and simulated with that calibrated profile. Fairness: the
+baselines' ``--micro-batch-size`` is tuned (the sizes that fit memory are simulated with
+the calibrated profile, the best ``sweep_top`` run for real, the fastest
 kept); methods run in rotated order over ``rounds`` rounds and report medians; DynaPipe's
 planner workers plan ahead during the timed iterations and their CPU time is recorded.
 Figures: see :class:`MethodResult`.

@@ -75,7 +75,8 @@ def test_bench_rounds_sweep_and_methods(tmp_path):
     assert methods["dynapipe"]["micro_batch_size"] is None
     # Out of sample: both profiles' errors on the ops the timed DynaPipe runs executed, per size class.
     err = methods["dynapipe"]["cost_model_error"]
-    assert set(err) == {"calibrated", "measured"} and err["calibrated"]["total"]["ops"] == err["measured"]["total"]["ops"] > 0
+    assert set(err) == {"calibrated", "measured"}
+    assert err["calibrated"]["total"]["ops"] == err["measured"]["total"]["ops"] > 0
     assert sum(r["ops"] for r in err["calibrated"]["per_size"]) == err["calibrated"]["total"]["ops"]
     assert all(m["simulated"]["iteration_ms"] > 0 for m in methods.values())
     assert "cost_model_error" not in methods["packing"] and "own prediction" in result.stdout
