@@ -18,11 +18,12 @@ layer FLOPs matches GPT-7B at 4,096 tokens).
   bubble, communication, schedule overhead, optimizer, plan wait), from the executor's
   traces and megatron-core's timed steps (:mod:`megatron_integration.bench_breakdown`).
 
-Before the timed rounds, a preset with ``calibrate_iters`` runs DynaPipe untimed and fits
-the profile's fixed cost per stage op from its traces
-(:mod:`megatron_integration.bench_calibrate`); every method is planned and simulated with
-that calibrated profile. Fairness: the baselines' ``--micro-batch-size`` is tuned (the sizes that fit memory are
-simulated with the measured profile, the best ``sweep_top`` run for real, the fastest
+Before the timed rounds, a preset with ``calibrate_iters`` runs DynaPipe untimed and refits
+the profile's times per shape from the ops it executed
+(:mod:`megatron_integration.bench_calibrate`, :mod:`megatron_integration.bench_refit`);
+every method is planned and simulated with that calibrated profile. Fairness: the
+baselines' ``--micro-batch-size`` is tuned (the sizes that fit memory are simulated with
+the calibrated profile, the best ``sweep_top`` run for real, the fastest
 kept); methods run in rotated order over ``rounds`` rounds and report medians; DynaPipe's
 planner workers plan ahead during the timed iterations and their CPU time is recorded.
 Figures: see :class:`MethodResult`.
@@ -104,7 +105,7 @@ PRESETS = {
         # loaded machine can misrank them. The profile stops at 4 samples (8 x 512 tokens costs as
         # much to measure as all smaller shapes together).
         methods=("dynapipe", "dynapipe-1f1b", "padding", "padding-mb", "packing"), rounds=2, sweep_top=2,
-        warmup_iters=1, profile_repeats=2, sweep_within=0.0, profile_mbs=(1, 2, 4), calibrate_iters=2,
+        warmup_iters=1, profile_repeats=2, sweep_within=0.0, profile_mbs=(1, 2, 4), calibrate_iters=3,
         profile_levels=False,
         # Padding to --seq-length is twice as slow as any other baseline at this shape: a second
         # size of it cannot change which baseline is best, and its runs are the longest.
@@ -332,10 +333,11 @@ def check_request(argv: Sequence[str], methods: Sequence[str], preset: str = "ti
 
 def calibrate(argv: Sequence[str], profile: str, cfg, nproc: int, iters: int, threads: int, timeout_s: float,
               stream: TextIO) -> tuple[str, dict]:
-    """Run DynaPipe untimed for ``iters`` iterations with ``profile`` and write the profile
-    with its fitted fixed cost per stage op next to it; returns that file and the fit
-    (with the run's wall time) for the JSON. Every method's planning and simulation then
-    uses it alike."""
+    """Run DynaPipe untimed for ``iters`` iterations with ``profile`` and write next to it the
+    profile refitted per shape from the ops it executed
+    (:func:`megatron_integration.bench_calibrate.refit_from_run`); returns that file and what
+    the JSON records of the fit (with the run's wall time). Every method's planning and
+    simulation then uses it alike."""
     from dynapipe.config import load_device_config
     from dynapipe.cost import build_cost_model
     from megatron_integration import bench_calibrate
@@ -344,16 +346,36 @@ def calibrate(argv: Sequence[str], profile: str, cfg, nproc: int, iters: int, th
     trace_dir = os.path.splitext(profile)[0] + ".calibration-traces"
     margv = Entry("dynapipe").argv(argv) + ["--dynapipe-cost-model", profile, "--dynapipe-trace-dir", trace_dir,
                                             "--train-iters", str(iters)]
-    print(f"calibrating the profile's fixed cost per stage op ({iters} DynaPipe iterations, untimed) ...",
+    print(f"calibrating the profile per shape from executed ops ({iters} DynaPipe iterations, untimed) ...",
           end=" ", file=stream, flush=True)
     ranks = run_training(margv, nproc, timeout_s=timeout_s, threads_per_rank=threads)
     cost = build_cost_model(cfg.model.to_model_config("bench"), load_device_config(cfg.dynapipe.device),
                             cfg.parallel.pipeline_model_parallel_size, profile)
+    out = os.path.splitext(profile)[0] + ".calibrated.json"
     # The first iteration pays one-off costs (allocations, first calls); fit the others.
-    fit = bench_calibrate.calibrate_from_run(ranks, trace_dir, cost, list(range(min(1, iters - 1), iters)))
-    out = bench_calibrate.write_calibrated_profile(profile, os.path.splitext(profile)[0] + ".calibrated.json", fit)
-    print(f"{fit.stage_overhead_ms:.2f} ms per op ({time.perf_counter() - t0:.0f} s)", file=stream, flush=True)
-    return out, {**fit.to_json(), "profile": out, "seconds": round(time.perf_counter() - t0, 1)}
+    info = bench_calibrate.refit_from_run(ranks, trace_dir, profile, cost, list(range(min(1, iters - 1), iters)), out)
+    before, after = info["error_before"]["total"], info["error_after"]["total"]
+    print(f"{before.get('ops', 0)} ops, executed/profiled {before.get('ratio', 1.0):.2f}x, mean error per op "
+          f"{before.get('mean_abs_error', 0.0):.0%} -> {after.get('mean_abs_error', 0.0):.0%} "
+          f"({time.perf_counter() - t0:.0f} s)", file=stream, flush=True)
+    return out, {**info, "profile": out, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def cost_model_error(cfg, profiles: dict, trace_dirs: Sequence[str], iterations: Sequence[int]) -> dict:
+    """How well each cost profile (name -> path) predicts the forwards and backwards timed
+    DynaPipe runs executed (their traces, all rounds): totals and errors per size class. The
+    calibrated profile is out of sample here (fitted on the calibration run, not on these ops)."""
+    from dynapipe.config import load_device_config
+    from dynapipe.cost import build_cost_model
+    from megatron_integration import bench_calibrate, bench_refit
+
+    out = {}
+    for name, path in profiles.items():
+        cost = build_cost_model(cfg.model.to_model_config("bench"), load_device_config(cfg.dynapipe.device),
+                                cfg.parallel.pipeline_model_parallel_size, path)
+        ops = bench_refit.ExecutedOps.concat([bench_calibrate.executed_ops(d, cost, iterations) for d in trace_dirs])
+        out[name] = {"total": bench_refit.total_error(ops), "per_size": bench_refit.shape_errors(ops)}
+    return out
 
 
 def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int, output: str,
@@ -391,6 +413,7 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
                         p.profile_levels)
     profile_s = time.perf_counter() - started
     calibration = None
+    measured_profile = profile
     if calibrate_iters > 0 and given_profile is None and profile != "analytic" and any(
             m.startswith("dynapipe") for m in methods):
         profile, calibration = calibrate(argv, profile, cfg, nproc, calibrate_iters, threads, timeout_s, stream)
@@ -441,6 +464,7 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
     results = {m: per_entry[chosen[m].label] for m in methods}
     sizes = {m: (chosen[m].micro_batch_size or cfg.micro_batch_size) if m in BASELINES else None for m in methods}
     shares = {m: sim.attention_share(m, sizes[m]) for m in methods}
+    simulated = {m: sim.simulated(m, sizes[m]) for m in methods}
     reference = bench_sim.gpt7b_attention_shares(methods, REFERENCE_SEQ_LENGTH)
 
     print(ratio_table(results, tuple(b for b in BASELINES if b in results), shares, sizes), file=stream)
@@ -451,6 +475,24 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
     print("\nwhere an iteration's time went (ms per iteration, mean over rounds and timed iterations):",
           file=stream)
     print(breakdown_table(time_split), file=stream)
+    print("\nthe cost model's own prediction (simulated pipeline iteration, ms) against the measured iteration:",
+          file=stream)
+    for m in methods:
+        print(f"  {m}: simulated {simulated[m]['iteration_ms']:.0f}, measured {results[m].iteration_ms:.0f} "
+              f"({results[m].iteration_ms / max(simulated[m]['iteration_ms'], 1e-9):.2f}x)", file=stream)
+    errors = {}
+    if calibration is not None:
+        keep = list(range(warmup_iters, cfg.train_iters))
+        errors = {m: cost_model_error(cfg, {"calibrated": profile, "measured": measured_profile},
+                                      [os.path.join(trace_root, f"{chosen[m].label}-round{k}") for k in range(rounds)],
+                                      keep)
+                  for m in methods if m.startswith("dynapipe")}
+        print("\nthe cost model against the forwards and backwards the timed runs executed (executed / predicted ms, "
+              "mean error per op):", file=stream)
+        for m, e in errors.items():
+            print(f"  {m}: " + "; ".join(f"{name} profile {v['total'].get('ratio', 0):.2f}x, "
+                                        f"{v['total'].get('mean_abs_error', 0):.0%}" for name, v in e.items()),
+                  file=stream)
     best_base = max((b for b in BASELINES if b in results), key=lambda b: results[b].real_tokens_per_s, default=None)
     report = {
         "preset": preset, "about": p.about,
@@ -459,6 +501,9 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
                         "attention_share": round(shares[m], 4),
                         "gpt7b_attention_share": reference.get(m),
                         "time_breakdown_ms": splits[chosen[m].label], "time_split_ms": time_split[m],
+                        **({"cost_model_error": errors[m]} if m in errors else {}),
+                        # The cost model's own prediction of this method's run, next to what was measured.
+                        "simulated": simulated[m],
                         **({"sweep": sim.sweep_with_measured(sweeps[m], per_entry, m)} if m in sweeps else {})}
                     for m in methods},
         "ratios": {f"{m}_vs_{b}": round(results[m].real_tokens_per_s / results[b].real_tokens_per_s, 3)

@@ -1,25 +1,26 @@
-"""The cost profile's fixed cost per stage op, measured from a short executed run.
+"""Calibrating the cost profile from a short executed DynaPipe run.
 
-The profiler times each op (layer, embedding, output) alone. A micro-batch on a training
-rank pays more: the stage handler around the ops (inputs, loss, autograd entry), the
-executor's dispatch, loading its inputs and posting its transfers. On a CPU that is a
-large share of a short micro-batch, and a cost model without it lets the planner cut
-more, smaller micro-batches than pay for themselves.
+The profiler times each op (layer, embedding, output) alone, in a tight loop, one
+process on the machine. A micro-batch on a training rank pays more: the stage handler
+around the ops, the executor's dispatch, input loading and transfer posting, and on a
+shared machine the other ranks' use of caches and memory bandwidth.
 
-:func:`fit_stage_overhead` takes one executed DynaPipe run (its executor traces) and
-fits every forward and backward it ran as ``measured = slope * predicted + intercept``
-against the profile's prediction for its shape and stage; the fixed cost is the
-intercept plus the executor's own time per op outside compute and waiting (its
-overhead and transfer posting, from :mod:`megatron_integration.bench_breakdown`),
-divided by the slope so that it is in the profile's units (the slope is the machine's
-load, which scales every op alike). :func:`write_calibrated_profile` writes the profile
-with that cost as ``stage_overhead_ms``, which the profile cost model adds to every
-stage's forward and backward.
+:func:`executed_ops` reads every forward and backward a run executed from its executor
+traces, with the profile's prediction for its shape and stage, and
+:func:`executor_ms_per_op` the executor's own time per op outside compute and waiting
+(from :mod:`megatron_integration.bench_breakdown`). :func:`refit_from_run` refits the
+profile's times per shape from them (:mod:`megatron_integration.bench_refit`): what the
+bench plans with. :func:`fit_stage_overhead` is the single line
+``measured = slope * predicted + intercept`` through the same ops, kept as the
+comparison the JSON records (and for :func:`write_calibrated_profile`, which writes
+only a fixed cost per op): on the representative preset its intercept is negative
+because long rows run further above the profile than mid-sized ones, so a line cannot
+price small micro-batches right.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -71,29 +72,84 @@ def fit_stage_overhead(predicted: np.ndarray, measured: np.ndarray, executor_ms:
     return OverheadFit(slope, intercept, executor_ms, overhead, int(len(predicted)))
 
 
-def calibrate_from_run(ranks: list[dict], trace_dir: str, cost, iterations: Sequence[int]) -> OverheadFit:
-    """:func:`fit_stage_overhead` over the ``iterations`` of a DynaPipe run (its rank
-    summaries and executor traces in ``trace_dir``)."""
+def executed_ops(trace_dir: str, cost, iterations: Sequence[int]):
+    """Every forward and backward of the ``iterations`` in the executor traces of
+    ``trace_dir``, with what ``cost`` predicts for it (its stage pass without the fixed
+    ``stage_overhead_ms``, which the executor pays outside the pass), as
+    :class:`~megatron_integration.bench_refit.ExecutedOps`."""
+    from megatron_integration.bench_refit import ExecutedOps
+    from megatron_integration.bench_report import _trace_events
+
+    fixed = float(getattr(cost, "stage_overhead_ms", 0.0))
+    rows = []
+    for _rank, (_origin, per) in _trace_events(trace_dir, set(iterations)).items():
+        for i in iterations:
+            for e in per.get(i, []):
+                kind = e.get("cat")
+                if kind not in ("forward", "backward"):
+                    continue
+                a, stage = e.get("args", {}), e.get("tid", 0)
+                c = cost.stage_cost(a["mbs"], a["seqlen"], stage=stage)
+                pred = float(c.fw_ms if kind == "forward" else c.bw_ms) - fixed
+                rows.append((a["mbs"], a["seqlen"], stage, kind == "backward", e["dur"] / 1e3, pred))
+    return ExecutedOps.from_rows(rows)
+
+
+def executor_ms_per_op(ranks: list[dict], trace_dir: str, iterations: Sequence[int]) -> float:
+    """The executor's own time per stage pass (ms: its overhead and transfer posting over the
+    forwards and backwards it ran), mean over ranks and ``iterations``."""
     from megatron_integration.bench_breakdown import executor_timeline
     from megatron_integration.bench_report import _trace_events
 
-    traces = _trace_events(trace_dir, set(iterations))
-    pred, meas, per_op = [], [], []
-    for rank, (origin, per) in traces.items():
+    per_op = []
+    for rank, (origin, per) in _trace_events(trace_dir, set(iterations)).items():
         for i in iterations:
-            events = per.get(i, [])
-            if not events:
-                continue
-            stage = events[0].get("tid", 0)
-            p, m = op_samples(events, stage, cost)
-            pred.append(p)
-            meas.append(m)
-            t = executor_timeline(events, origin, ranks[rank], i)
-            if t.micro_batches:
-                per_op.append((t.overhead_ms + t.posting_ms) / (2 * t.micro_batches))
-    if not pred:
+            if per.get(i):
+                t = executor_timeline(per[i], origin, ranks[rank], i)
+                if t.micro_batches:
+                    per_op.append((t.overhead_ms + t.posting_ms) / (2 * t.micro_batches))
+    return float(np.mean(per_op)) if per_op else 0.0
+
+
+def calibrate_from_run(ranks: list[dict], trace_dir: str, cost, iterations: Sequence[int]) -> OverheadFit:
+    """:func:`fit_stage_overhead` over the ``iterations`` of a DynaPipe run (its rank
+    summaries and executor traces in ``trace_dir``)."""
+    ops = executed_ops(trace_dir, cost, iterations)
+    if not len(ops):
         return OverheadFit(1.0, 0.0, 0.0, 0.0, 0)
-    return fit_stage_overhead(np.concatenate(pred), np.concatenate(meas), float(np.mean(per_op) if per_op else 0.0))
+    return fit_stage_overhead(ops.predicted_ms, ops.measured_ms, executor_ms_per_op(ranks, trace_dir, iterations))
+
+
+def refit_from_run(ranks: list[dict], trace_dir: str, profile_path: str, cost, iterations: Sequence[int],
+                   output: str) -> dict:
+    """Refit the profile at ``profile_path`` (which ``cost`` was built from) per shape from the
+    ops of a DynaPipe run (:func:`megatron_integration.bench_refit.refit_factors`), with the
+    executor's own time per op as ``stage_overhead_ms``; write it to ``output``. Returns what
+    the JSON records: the factors, the line fit for comparison, and the errors per size class
+    of the profile before and after (on the same ops, so in-sample)."""
+    from megatron_integration import bench_refit as br
+
+    with open(profile_path) as f:
+        profile = json.load(f)
+    ops = executed_ops(trace_dir, cost, iterations)
+    executor_ms = executor_ms_per_op(ranks, trace_dir, iterations)
+    line = fit_stage_overhead(ops.predicted_ms, ops.measured_ms, executor_ms) if len(ops) else None
+    refit = br.refit_factors(ops, profile["mbs"], profile["seqlen"])
+    out = br.refit_profile(profile, refit, executor_ms)
+    after = replace_predicted(ops, ops.predicted_ms * refit.factor(ops.mbs, ops.seqlen, ops.backward))
+    info = {"method": "per-shape refit", "executor_ms": round(executor_ms, 4), "refit": refit.to_json(),
+            "line_fit": None if line is None else line.to_json(),
+            "error_before": {"total": br.total_error(ops), "per_size": br.shape_errors(ops)},
+            "error_after": {"total": br.total_error(after), "per_size": br.shape_errors(after)}}
+    out["calibration"] = info
+    with open(output, "w") as f:
+        json.dump(out, f, indent=1)
+    return info
+
+
+def replace_predicted(ops, predicted: np.ndarray):
+    """``ops`` with other predicted times (ms)."""
+    return replace(ops, predicted_ms=np.asarray(predicted, dtype=np.float64))
 
 
 def write_calibrated_profile(profile_path: str, output: str, fit: OverheadFit) -> str:

@@ -115,6 +115,19 @@ class BenchSimulation:
                               micro_batch_size=self.cfg.micro_batch_size, **self._kwargs())
         return plan_shapes(plan, False)
 
+    def simulated(self, method: str, micro_batch_size: Optional[int] = None) -> dict:
+        """``method`` planned and simulated with this cost model over the timed batches: mean
+        iteration (ms; the pipeline's makespan, without the optimizer step and the executor's
+        bookkeeping between ops), bubble fraction and micro-batches; what the bench compares with
+        the measured iteration to show where the cost model is wrong, per method."""
+        runs = [simulate_method(b, method, self.cost, micro_batch_size=micro_batch_size, **self._kwargs())
+                for b in self.batches]
+        return {"iteration_ms": round(float(np.mean([r.iteration_ms for r in runs])), 1),
+                "bubble_fraction": round(float(np.mean([r.bubble_fraction for r in runs])), 4),
+                "micro_batches": round(float(np.mean([r.micro_batches for r in runs])), 2),
+                "real_tokens_per_s": round(sum(r.real_tokens for r in runs) /
+                                           (sum(r.iteration_ms for r in runs) / 1e3), 1)}
+
     def attention_share(self, method: str, micro_batch_size: Optional[int] = None) -> float:
         """Mean attention share of the layer FLOPs over the timed batches, at ``method``'s shapes."""
         return float(np.mean([attention_share(self.model, self.shapes(method, b, micro_batch_size))

@@ -5,7 +5,10 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+
+from megatron_integration.bench_refit import monotone
 
 
 def test_bench_rounds_sweep_and_methods(tmp_path):
@@ -19,13 +22,21 @@ def test_bench_rounds_sweep_and_methods(tmp_path):
     report = json.loads(out.read_text())
     setup = report["setup"]
     assert report["preset"] == "tiny" and setup["rounds"] == 2
-    # The profile's fixed cost per stage op was fitted from an untimed DynaPipe run's traces, and
-    # every method planned and simulated with the calibrated profile.
+    # The profile was refitted per shape from an untimed DynaPipe run's executed ops, and every
+    # method planned and simulated with the refitted profile.
     cal = setup["calibration"]
-    assert cal["ops"] >= 4 and cal["slope"] > 0 and cal["stage_overhead_ms"] >= 0 and cal["executor_ms"] > 0
+    assert cal["refit"]["ops"] >= 4 and cal["executor_ms"] > 0 and cal["line_fit"]["slope"] > 0
     assert setup["cost_model"] == cal["profile"] and setup["cost_model"].endswith(".calibrated.json")
-    assert json.loads(open(cal["profile"]).read())["stage_overhead_ms"] == pytest.approx(cal["stage_overhead_ms"],
-                                                                                         abs=1e-3)
+    raw, fitted = (json.loads(open(p).read()) for p in (str(out).replace(".json", ".profile.json"), cal["profile"]))
+    assert fitted["stage_overhead_ms"] == pytest.approx(cal["executor_ms"], abs=1e-3)
+    for kind in ("fw", "bw"):
+        factor = cal["refit"][f"{kind}_factor"]
+        assert all(f > 0 for row in factor for f in row)
+        scaled = monotone(np.asarray(raw["ops"]["layer"][f"{kind}_ms"]) * np.asarray(factor))
+        assert np.allclose(fitted["ops"]["layer"][f"{kind}_ms"], scaled, rtol=2e-3, atol=1e-5)
+    # In sample, the refitted profile prices the ops it was fitted on about right in total.
+    assert cal["error_before"]["total"]["ops"] == cal["error_after"]["total"]["ops"] == cal["refit"]["ops"]
+    assert abs(cal["error_after"]["total"]["ratio"] - 1.0) < 0.4
     assert setup["cpu_s"] > 0 and 0 < setup["profile_s"] < setup["elapsed_s"]
     first, second = setup["round_orders"]
     assert sorted(first) == sorted(second) and second == first[1:] + first[:1]
@@ -62,6 +73,13 @@ def test_bench_rounds_sweep_and_methods(tmp_path):
     # Planner workers' CPU is counted for DynaPipe (the baselines start no such processes).
     assert methods["dynapipe"]["planner_cpu_ms"] is not None and methods["packing"]["planner_cpu_ms"] == 0
     assert methods["dynapipe"]["micro_batch_size"] is None
+    # Out of sample: both profiles' errors on the ops the timed DynaPipe runs executed, per size class.
+    err = methods["dynapipe"]["cost_model_error"]
+    assert set(err) == {"calibrated", "measured"}
+    assert err["calibrated"]["total"]["ops"] == err["measured"]["total"]["ops"] > 0
+    assert sum(r["ops"] for r in err["calibrated"]["per_size"]) == err["calibrated"]["total"]["ops"]
+    assert all(m["simulated"]["iteration_ms"] > 0 for m in methods.values())
+    assert "cost_model_error" not in methods["packing"] and "own prediction" in result.stdout
     assert methods["dynapipe"]["padding_efficiency"] > methods["packing"]["padding_efficiency"] * 0.9
     assert report["best_baseline"] in ("padding-mb", "packing") and "dynapipe_vs_best_baseline" in report["ratios"]
     assert "vs packing" in result.stdout and "attn share" in result.stdout and "bubble" in result.stdout
