@@ -19,7 +19,7 @@ from dynapipe.data.collate import TensorRequest, collate, loss_tokens
 from dynapipe.data.samples import Sample
 from dynapipe.plan.forward_only import forward_only
 from dynapipe.plan.instructions import ExecutionPlan, LoadInput
-from megatron_integration.megatron_step import reduce_loss
+from megatron_integration.baseline_step import reduce_loss
 
 # Plan iteration numbers of evaluation batches: apart from training iterations in traces.
 EVAL_ITERATION_BASE = 1 << 40
@@ -53,7 +53,7 @@ class DynaPipeEvalRunner:
     def _plan(self, lengths: np.ndarray, k: int) -> ExecutionPlan:
         if self._planner is None:
             from dynapipe.runtime.plan_source import IterationPlanner
-            from megatron_integration.train_step import planner_settings
+            from megatron_integration.dynapipe_step import planner_settings
 
             self._planner = IterationPlanner(planner_settings(self.cfg, self.info))
         grid = self._planner.plan(np.asarray(lengths), EVAL_ITERATION_BASE + k)

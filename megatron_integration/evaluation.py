@@ -31,7 +31,7 @@ from dynapipe.data.sampler import GlobalBatchSampler, SamplerConfig
 from dynapipe.data.splits import EmptySplitError
 from megatron_integration.data import dataset_config
 from megatron_integration.initialize import RankInfo
-from megatron_integration.megatron_step import build_micro_batches, forward_step, reduce_loss
+from megatron_integration.baseline_step import build_micro_batches, forward_step, reduce_loss
 from megatron_integration.model import Stage
 from megatron_integration.train_config import DynaPipeTrainingConfig
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, TextIO
 
-from megatron_integration.megatron_step import StepResult
+from megatron_integration.baseline_step import StepResult
 
 
 @dataclass

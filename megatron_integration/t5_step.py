@@ -34,7 +34,7 @@ from dynapipe.runtime.activation_meter import ActivationMeter, measure_activatio
 from dynapipe.runtime.activation_plan import planned_activation_peak_mib
 from dynapipe.runtime.buffers import backward_from
 from megatron_integration.initialize import RankInfo
-from megatron_integration.megatron_step import StepResult, reduce_loss
+from megatron_integration.baseline_step import StepResult, reduce_loss
 from megatron_integration.model import Stage
 from megatron_integration.nan_guard import check_before_step
 from megatron_integration.t5_config import T5TrainingConfig
@@ -149,7 +149,7 @@ class LoaderSource:
     """``dynapipe``: plans and tensors from the DynaPipe data loader (planner workers)."""
 
     def __init__(self, cfg: T5TrainingConfig, info: RankInfo, start_iteration: int, consumed_samples: int):
-        from megatron_integration.train_step import make_loader, planner_settings
+        from megatron_integration.dynapipe_step import make_loader, planner_settings
 
         base = cfg.base
         self.placement, self.model = cfg.stage_placement(), cfg.planner_model()

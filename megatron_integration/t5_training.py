@@ -18,7 +18,7 @@ from typing import Callable, Optional, TextIO
 from megatron_integration import checkpoint_formats
 from megatron_integration.initialize import RankInfo, initialize_megatron
 from megatron_integration.logging_utils import TrainingLogger
-from megatron_integration.megatron_step import StepResult
+from megatron_integration.baseline_step import StepResult
 from megatron_integration.model import Stage, build_optimizer
 from megatron_integration.t5_config import T5TrainingConfig
 from megatron_integration.training import TrainingRun, _print_rank_0, current_lr, vocab_padding_line

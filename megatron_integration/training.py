@@ -22,7 +22,7 @@ from megatron_integration.data import GlobalBatches, data_summary_lines
 from megatron_integration.evaluation import SPLIT_NAMES, log_eval, validation_lines
 from megatron_integration.initialize import RankInfo, initialize_megatron
 from megatron_integration.logging_utils import TrainingLogger
-from megatron_integration.megatron_step import StepResult, build_micro_batches, megatron_train_step
+from megatron_integration.baseline_step import StepResult, build_micro_batches, megatron_train_step
 from megatron_integration.model import Stage, attach_training_hooks, build_optimizer, build_stage
 from megatron_integration.nan_guard import check_before_step
 from megatron_integration.run_report import parameter_count_line, training_summary_lines
@@ -73,7 +73,7 @@ def make_stepper(cfg: DynaPipeTrainingConfig, info: RankInfo, stage: Stage, opti
                  start_iteration: int, consumed_samples: int) -> Stepper:
     """The stepper of ``cfg.method``."""
     if cfg.method == "dynapipe":
-        from megatron_integration.train_step import DynaPipeStepper
+        from megatron_integration.dynapipe_step import DynaPipeStepper
 
         return DynaPipeStepper.create(cfg, info, stage, optimizer, scheduler, start_iteration, consumed_samples)
     batches = GlobalBatches.create(cfg, consumed_samples, start_iteration)

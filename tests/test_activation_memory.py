@@ -106,7 +106,7 @@ def test_planned_peak_follows_levels_per_micro_batch():
 def test_bench_and_log_line_report_measured_against_planned():
     from megatron_integration.bench import stage_activation_peaks
     from megatron_integration.logging_utils import IntervalStats, format_log_line
-    from megatron_integration.megatron_step import StepResult
+    from megatron_integration.baseline_step import StepResult
 
     ranks = [{"pp_rank": 1, "activation_measured_mib": [50.0, 9.0, 11.0], "activation_planned_mib": [1.0, 10.0, 12.0]},
              {"pp_rank": 0, "activation_measured_mib": [7.0, 8.0, 6.0], "activation_planned_mib": [None] * 3}]

@@ -84,7 +84,7 @@ def test_long_documents_split_into_pieces_no_token_lost(corpora):
 def test_baselines_train_every_piece(corpora):
     """Padding: one piece a row, padded to --seq-length; packing: pieces packed whole into rows."""
     from megatron_integration.initialize import RankInfo
-    from megatron_integration.megatron_step import build_micro_batches
+    from megatron_integration.baseline_step import build_micro_batches
 
     ds = MegatronIndexedDataset(corpora["edges"], LengthLimits(SEQ))
     n = len(ds) - len(ds) % 2

@@ -2,7 +2,7 @@
 import io
 
 from megatron_integration.logging_utils import TrainingLogger
-from megatron_integration.megatron_step import StepResult
+from megatron_integration.baseline_step import StepResult
 
 
 def result(loss, tokens, ms, wait=0.0):

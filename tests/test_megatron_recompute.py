@@ -44,7 +44,7 @@ def _rank_body(dropouts):
     from megatron_integration.arguments import parse_training_args
     from megatron_integration.initialize import destroy, initialize_megatron
     from megatron_integration.model import build_stage
-    from megatron_integration.train_step import MegatronStageHandlers
+    from megatron_integration.dynapipe_step import MegatronStageHandlers
 
     out = {}
     info = None

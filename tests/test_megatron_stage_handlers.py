@@ -5,7 +5,7 @@ import torch
 
 from dynapipe.plan.instructions import MicroBatchInfo
 from megatron_integration.model import attach_training_hooks
-from megatron_integration.train_step import MegatronStageHandlers
+from megatron_integration.dynapipe_step import MegatronStageHandlers
 
 
 def _last_stage(per_token_loss: torch.Tensor, grad_scale_func=None):

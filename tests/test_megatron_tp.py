@@ -32,7 +32,7 @@ def tp_job():
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    import megatron_integration.train_step as train_step
+    import megatron_integration.dynapipe_step as dynapipe_step
     from dynapipe.errors import DynaPipeError
     from megatron_integration.arguments import parse_training_args
     from megatron_integration.initialize import destroy
@@ -40,7 +40,7 @@ def tp_job():
 
     seen: list = []  # (iteration, digest, tp rank, pp rank, dp rank) the step compared, on this rank
     corrupt = {"at": None}
-    real_check = train_step.check_tp_plans_agree
+    real_check = dynapipe_step.check_tp_plans_agree
 
     def recording_check(iteration, digest, info, device=None):
         if corrupt["at"] == iteration:
@@ -50,7 +50,7 @@ def tp_job():
             seen.append((iteration, digest, info.tp_rank, info.pp_rank, info.dp_rank))
         return real_check(iteration, digest, info, device)
 
-    train_step.check_tp_plans_agree = recording_check
+    dynapipe_step.check_tp_plans_agree = recording_check
     out = {"runs": {}, "pairing": {}, "mismatch": None}
     runs = _runs()
     try:
@@ -83,7 +83,7 @@ def tp_job():
             ps.destroy_model_parallel()
         out["digests"] = list(seen)
     finally:
-        train_step.check_tp_plans_agree = real_check
+        dynapipe_step.check_tp_plans_agree = real_check
         destroy()
     return out
 

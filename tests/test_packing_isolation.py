@@ -69,7 +69,7 @@ def test_mixing_packed_and_unpacked_micro_batches_is_refused(tiny):
 
 def test_device_mask_equals_the_reset_attention_mask_baseline():
     from megatron_integration.batches import rows_micro_batch
-    from megatron_integration.train_step import packed_attention_mask
+    from megatron_integration.dynapipe_step import packed_attention_mask
 
     rng = np.random.default_rng(3)
     mk = lambda n: Sample(rng.integers(2, 200, n // 2), rng.integers(2, 200, n - n // 2))

@@ -45,7 +45,7 @@ from dynapipe.runtime.buffers import backward_from
 from megatron_integration.train_config import DynaPipeTrainingConfig
 from megatron_integration.data import dataset_config
 from megatron_integration.initialize import RankInfo
-from megatron_integration.megatron_step import StepResult, reduce_loss
+from megatron_integration.baseline_step import StepResult, reduce_loss
 from megatron_integration.model import Stage, finalize_grads_func, set_recompute_level
 from megatron_integration.nan_guard import check_before_step
 from megatron_integration.tensor_parallel import check_plan_tensor_parallel, check_tp_plans_agree
