@@ -2,21 +2,14 @@
 
 :func:`run_bench` trains every method on the same model, seed and global batches (each
 run a fresh spawned job of ``nproc`` gloo/NCCL ranks), after measuring a cost profile of
-this machine for DynaPipe's planner (unless one is given). Two presets
-(:data:`PRESETS`): ``tiny`` (the quick start: hidden 64 at 1,024 tokens, where attention
-is most of a layer's FLOPs) and ``representative`` (a shape whose attention share of the
-layer FLOPs matches GPT-7B at 4,096 tokens).
-
-* ``real_tokens_per_s``: sample tokens (padding excluded) trained per second;
-* ``padding_efficiency``: real tokens / tokens computed (padding included);
-* ``iteration_ms``: mean wall time of an iteration (the slowest rank's);
-* ``plan_wait_ms``: mean time the training loop waited for its plan (0 for the baselines);
-* ``activation_peak_mib``: per pipeline stage, the highest measured activation peak and
-  the highest the plans promised (``planned`` is None for the baselines), over replicas
-  and timed iterations;
-* ``time_breakdown_ms`` / ``time_split_ms``: where each stage's iteration went (compute,
-  bubble, communication, schedule overhead, optimizer, plan wait), from the executor's
-  traces and megatron-core's timed steps (:mod:`megatron_integration.bench_breakdown`).
+this machine for DynaPipe's planner (unless one is given). The methods and the presets
+are in :mod:`megatron_integration.bench_presets`; every method's figures (tokens per
+second, padding efficiency, iteration and plan-wait time, activation peaks: see
+:class:`~megatron_integration.bench_results.MethodResult`) come from
+:mod:`megatron_integration.bench_results`. Next to them the report gives
+``time_breakdown_ms`` / ``time_split_ms``: where each stage's iteration went (compute,
+bubble, communication, schedule overhead, optimizer, plan wait), from the executor's
+traces and megatron-core's timed steps (:mod:`megatron_integration.bench_breakdown`).
 
 Before the timed rounds, a preset with ``calibrate_iters`` runs DynaPipe untimed and refits
 the profile's times per shape from the ops it executed
@@ -26,96 +19,24 @@ baselines' ``--micro-batch-size`` is tuned (the sizes that fit memory are simula
 the calibrated profile, the best ``sweep_top`` run for real, the fastest
 kept); methods run in rotated order over ``rounds`` rounds and report medians; DynaPipe's
 planner workers plan ahead during the timed iterations and their CPU time is recorded.
-Figures: see :class:`MethodResult`.
 """
 from __future__ import annotations
 
 import json
 import os
 import resource
-import statistics
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Optional, Sequence, TextIO
 
 from dynapipe.progress import Progress
-from megatron_integration.bench_report import (breakdown, breakdown_summary, breakdown_table, ratio_table,
-                                               timed_indices, write_png)
+# Preset and stage_activation_peaks are not used here: callers import them from this module.
+from megatron_integration.bench_presets import (BASELINES, METHOD_FLAGS, PRESETS, PROFILE_MBS, PROFILE_SEQLENS,
+                                                REFERENCE_SEQ_LENGTH, Preset, flag_value, with_defaults)
+from megatron_integration.bench_report import breakdown, breakdown_summary, breakdown_table, ratio_table, write_png
+from megatron_integration.bench_results import MethodResult, median_result, stage_activation_peaks, summarise
 from megatron_integration.jobs import run_training
-
-METHOD_FLAGS = {
-    "dynapipe": ["--use-dynapipe"],
-    # DynaPipe's micro-batches under plain 1F1B: the gain of cutting without the schedule search.
-    "dynapipe-1f1b": ["--use-dynapipe", "--dynapipe-schedule", "1f1b"],
-    "padding": ["--dynapipe-batching", "padding"],
-    # Each micro-batch padded to its own longest sample (megatron-core's variable_seq_lengths).
-    "padding-mb": ["--dynapipe-batching", "padding-mb"],
-    # Megatron's packing with per-sample positions and attention isolation: the same loss as the others.
-    "packing": ["--dynapipe-batching", "packing", "--reset-position-ids", "--reset-attention-mask"],
-}
-BASELINES = ("padding", "padding-mb", "packing")
-
-_COMMON = {"--lr": "1e-4", "--hidden-dropout": "0", "--attention-dropout": "0", "--log-interval": "1",
-           "--seed": "1234", "--vocab-size": "512", "--pipeline-model-parallel-size": "2"}
-
-
-@dataclass(frozen=True)
-class Preset:
-    """Default arguments and protocol of a bench preset. ``sweep_top``: how many of the
-    baselines' micro-batch sizes (best simulated first) run for real; 0 keeps
-    ``--micro-batch-size``. ``sweep_within``: of those, only sizes simulated at least
-    ``1 - sweep_within`` times the best simulated throughput run (0: all ``sweep_top``).
-    ``profile_mbs``: micro-batch sizes the cost profile measures (larger ones scale
-    linearly from the largest). ``calibrate_iters``: iterations of an untimed DynaPipe run
-    after profiling, from whose traces the profile's fixed cost per stage op is fitted
-    (:mod:`megatron_integration.bench_calibrate`; 0: none). ``profile_levels``: also
-    profile the recompute levels (else derived; the baselines never recompute here).
-    ``sweep_top_of``: ``sweep_top`` of single methods (when the preset's applies)."""
-
-    args: dict
-    methods: tuple[str, ...]
-    rounds: int
-    sweep_top: int
-    warmup_iters: int
-    about: str
-    profile_repeats: int = 3
-    sweep_within: float = 0.0
-    profile_mbs: tuple[int, ...] = (1, 2, 4, 8)
-    calibrate_iters: int = 0
-    profile_levels: bool = True
-    sweep_top_of: dict = field(default_factory=dict)
-
-
-PRESETS = {
-    # The README's quick start: the tiny GPT, 2 stages, the mixture at 1,024 tokens, one round.
-    "tiny": Preset(
-        args={"--num-layers": "4", "--hidden-size": "64", "--num-attention-heads": "4", "--ffn-hidden-size": "256",
-              "--seq-length": "1024", "--max-position-embeddings": "1024", "--micro-batch-size": "4",
-              "--global-batch-size": "64", "--train-iters": "4", **_COMMON},
-        methods=("dynapipe", "padding", "packing"), rounds=1, sweep_top=0, warmup_iters=1,
-        about="tiny GPT (hidden 64) at 1,024 tokens: attention dominates, the quick demo"),
-    # Hidden = sequence length with FFN 4h: on full rows the attention core is 4s/(4s + 24h) = 1/7 of a
-    # layer's FLOPs, as GPT-7B's at 4,096 tokens. One layer a stage keeps it within minutes on 2 cores.
-    "representative": Preset(
-        args={"--num-layers": "2", "--hidden-size": "512", "--num-attention-heads": "8", "--ffn-hidden-size": "2048",
-              "--seq-length": "512", "--max-position-embeddings": "512", "--micro-batch-size": "1",
-              "--global-batch-size": "16", "--train-iters": "4", "--dynapipe-prefetch": "2", **_COMMON},
-        # The two best simulated sizes of padding-mb and packing both run: a profile measured on a
-        # loaded machine can misrank them. The profile stops at 4 samples (8 x 512 tokens costs as
-        # much to measure as all smaller shapes together).
-        methods=("dynapipe", "dynapipe-1f1b", "padding", "padding-mb", "packing"), rounds=2, sweep_top=2,
-        warmup_iters=1, profile_repeats=2, sweep_within=0.0, profile_mbs=(1, 2, 4), calibrate_iters=3,
-        profile_levels=False,
-        # Padding to --seq-length is twice as slow as any other baseline at this shape: a second
-        # size of it cannot change which baseline is best, and its runs are the longest.
-        sweep_top_of={"padding": 1},
-        about="GPT-7B's attention share of layer FLOPs (hidden 512 at 512 tokens), tuned baselines"),
-}
-PROFILE_MBS = (1, 2, 4, 8)  # the default of Preset.profile_mbs
-PROFILE_SEQLENS = (32, 64, 128, 256, 512, 1024)
-# GPT-7B at this sequence length is the attention-share reference (issue: within 5 points).
-REFERENCE_SEQ_LENGTH = 4096
 
 
 @dataclass(frozen=True)
@@ -134,124 +55,6 @@ class Entry:
         if self.micro_batch_size is not None:
             out += ["--micro-batch-size", str(self.micro_batch_size)]
         return out
-
-
-@dataclass
-class MethodResult:
-    """One method's figures over the timed iterations of one run (or medians over runs).
-
-    ``real_tokens_per_s``: sample tokens (padding excluded) per second of iteration wall
-    time; ``padding_efficiency``: real / computed tokens; ``iteration_ms``: mean wall
-    time of an iteration (the slowest rank's); ``plan_wait_ms``: mean time the training
-    loop waited for its plan; ``planner_cpu_ms``: mean CPU ms per iteration of the
-    processes the ranks started (DynaPipe's planner workers), summed over ranks;
-    ``rank_cpu_ms``: mean CPU ms per iteration of the ranks themselves, summed.
-    """
-
-    real_tokens_per_s: float
-    padding_efficiency: float
-    iteration_ms: float
-    plan_wait_ms: float
-    losses: list[float] = field(default_factory=list)
-    timed_iterations: int = 0
-    layer_spec: str = ""
-    activation_peak_mib: list = field(default_factory=list)  # per stage {"measured", "planned"}
-    planner_cpu_ms: Optional[float] = None
-    rank_cpu_ms: float = 0.0
-    real_tokens: int = 0
-    rounds: int = 1
-
-    @property
-    def planning_overhead(self) -> float:
-        """(plan wait + planner CPU) / iteration time: the planning cost inside the timed window,
-        counted as if every planner CPU millisecond delayed the iteration."""
-        if not self.iteration_ms:
-            return 0.0
-        return (self.plan_wait_ms + (self.planner_cpu_ms or 0.0)) / self.iteration_ms
-
-    def to_json(self) -> dict:
-        return {"real_tokens_per_s": round(self.real_tokens_per_s, 2),
-                "padding_efficiency": round(self.padding_efficiency, 4),
-                "iteration_ms": round(self.iteration_ms, 2), "plan_wait_ms": round(self.plan_wait_ms, 3),
-                "plan_wait_fraction": round(self.plan_wait_ms / self.iteration_ms, 5) if self.iteration_ms else 0.0,
-                "planner_cpu_ms": None if self.planner_cpu_ms is None else round(self.planner_cpu_ms, 2),
-                "rank_cpu_ms": round(self.rank_cpu_ms, 2),
-                "planning_overhead_fraction": round(self.planning_overhead, 5),
-                "real_tokens_per_iteration": self.real_tokens, "timed_iterations": self.timed_iterations,
-                "rounds": self.rounds, "lm_loss": self.losses, "layer_spec": self.layer_spec,
-                "activation_peak_mib": self.activation_peak_mib}
-
-
-def summarise(ranks: list[dict], warmup_iters: int) -> MethodResult:
-    """Figures of one method from every rank's summary, iterations after the warm-up."""
-    keep = timed_indices(ranks, warmup_iters)
-    # An iteration lasts as long as its slowest rank.
-    iter_ms = [max(r["iteration_ms"][i] for r in ranks) for i in keep]
-    wait_ms = [max(r["plan_wait_ms"][i] for r in ranks) for i in keep]
-    real = sum(ranks[0]["real_tokens"][i] for i in keep)
-    padded = sum(ranks[0]["padded_tokens"][i] for i in keep)
-    children = [r.get("children_cpu_ms") for r in ranks]
-    planner = None
-    if all(c and all(c[i] is not None for i in keep) for c in children):
-        planner = statistics.fmean(sum(c[i] for c in children) for i in keep)
-    rank_cpu = statistics.fmean(sum(r["cpu_ms"][i] for r in ranks) for i in keep) if "cpu_ms" in ranks[0] else 0.0
-    return MethodResult(real_tokens_per_s=real / (sum(iter_ms) / 1e3), padding_efficiency=real / max(padded, 1),
-                        iteration_ms=statistics.fmean(iter_ms), plan_wait_ms=statistics.fmean(wait_ms),
-                        losses=ranks[0]["losses"], timed_iterations=len(keep), layer_spec=ranks[0]["layer_spec"],
-                        planner_cpu_ms=planner, rank_cpu_ms=rank_cpu, real_tokens=real // max(len(keep), 1),
-                        activation_peak_mib=stage_activation_peaks(ranks, keep))
-
-
-def median_result(runs: list[MethodResult]) -> MethodResult:
-    """One method over several rounds: the median of every timing figure (throughput and
-    iteration time each on their own), the rest from the first round."""
-    if len(runs) == 1:
-        return runs[0]
-    med = statistics.median
-    waits = [r.planner_cpu_ms for r in runs]
-    return replace(runs[0], real_tokens_per_s=med(r.real_tokens_per_s for r in runs),
-                   iteration_ms=med(r.iteration_ms for r in runs), plan_wait_ms=med(r.plan_wait_ms for r in runs),
-                   planner_cpu_ms=None if None in waits else med(waits),
-                   rank_cpu_ms=med(r.rank_cpu_ms for r in runs), rounds=len(runs))
-
-
-def stage_activation_peaks(ranks: list[dict], keep: Sequence[int]) -> list[dict]:
-    """Per pipeline stage: the highest measured and planned activation peak (MiB) over its
-    ranks and the iterations ``keep``; ``planned`` None where no plan promised one."""
-    stages: dict[int, dict] = {}
-    for r in ranks:
-        if "activation_measured_mib" not in r:
-            continue
-        entry = stages.setdefault(r.get("pp_rank", 0), {"measured": 0.0, "planned": None})
-        entry["measured"] = max(entry["measured"], max(r["activation_measured_mib"][i] for i in keep))
-        planned = [r["activation_planned_mib"][i] for i in keep if r["activation_planned_mib"][i] is not None]
-        if planned:
-            entry["planned"] = max(entry["planned"] or 0.0, max(planned))
-    return [{"stage": s, "measured": round(e["measured"], 3),
-             "planned": None if e["planned"] is None else round(e["planned"], 3)} for s, e in sorted(stages.items())]
-
-
-def with_defaults(argv: Sequence[str], preset: str = "tiny") -> list[str]:
-    """``argv`` plus every default of the preset it does not set (and ``--mock-data`` unless
-    data is given)."""
-    out = list(argv)
-    given = {a.split("=")[0] for a in out if a.startswith("--")}
-    for flag, value in PRESETS[preset].args.items():
-        if flag not in given:
-            out += [flag, value]
-    if "--mock-data" not in given and "--data-path" not in given:
-        out.append("--mock-data")
-    return out
-
-
-def _arg(argv: Sequence[str], flag: str, default: Optional[str] = None) -> Optional[str]:
-    value = default
-    for i, a in enumerate(argv):  # the last occurrence wins, as with argparse
-        if a == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif a.startswith(flag + "="):
-            value = a.split("=", 1)[1]
-    return value
 
 
 def _children_cpu_s() -> float:
@@ -280,7 +83,8 @@ def rotated(entries: Sequence, round_index: int) -> list:
 def measure_profile(model, output: str, threads: int, timeout_s: float, repeats: int = 3,
                     mbs_grid: Sequence[int] = PROFILE_MBS, levels: bool = True) -> str:
     """Profile this machine for ``model`` (GPTModelArgs; one spawned rank, ``threads`` threads)
-    over ``mbs_grid`` x the :data:`PROFILE_SEQLENS` up to its sequence length."""
+    over ``mbs_grid`` x the :data:`~megatron_integration.bench_presets.PROFILE_SEQLENS` up to
+    its sequence length."""
     from megatron_integration.profile_job import measure_profile as measure
 
     seqlens = [s for s in PROFILE_SEQLENS if s <= model.seq_length]
@@ -322,7 +126,7 @@ def check_request(argv: Sequence[str], methods: Sequence[str], preset: str = "ti
     if warmup < 0:
         raise DynaPipeError(f"--warmup-iters {warmup}: must be >= 0.")
     full = with_defaults(argv, preset)
-    nproc = nproc or int(_arg(full, "--pipeline-model-parallel-size", "1"))
+    nproc = nproc or int(flag_value(full, "--pipeline-model-parallel-size", "1"))
     for m in methods:  # every method's command line, before starting any process
         cfg = parse_training_args(full + METHOD_FLAGS[m], nproc)
     if cfg.train_iters <= warmup:
@@ -399,7 +203,7 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
     argv = with_defaults(argv, preset)
     cfg = parse_training_args(argv + METHOD_FLAGS["dynapipe"], nproc)
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
-    given_profile = _arg(argv, "--dynapipe-cost-model")
+    given_profile = flag_value(argv, "--dynapipe-cost-model")
     started = time.perf_counter()
     cpu0 = _children_cpu_s()
     profile_s = 0.0
@@ -530,6 +334,6 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
     with open(output, "w") as f:
         json.dump(report, f, indent=1)
     if png:
-        write_png(results, png, f"{preset}: {nproc} ranks, seq-length {_arg(argv, '--seq-length')}, "
-                                f"global batch {_arg(argv, '--global-batch-size')}, median of {rounds} round(s)")
+        write_png(results, png, f"{preset}: {nproc} ranks, seq-length {flag_value(argv, '--seq-length')}, "
+                                f"global batch {flag_value(argv, '--global-batch-size')}, median of {rounds} round(s)")
     return report

@@ -3,7 +3,7 @@
 :func:`breakdown` says where the time of the timed iterations went on each rank, from
 what the run recorded (megatron-core's steps timed as they ran, or the DynaPipe
 executor's traces); :func:`ratio_table`, :func:`breakdown_table` and :func:`write_png`
-present a run's :class:`~megatron_integration.bench.MethodResult` figures.
+present a run's :class:`~megatron_integration.bench_results.MethodResult` figures.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import statistics
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from megatron_integration.bench import MethodResult
+    from megatron_integration.bench_results import MethodResult
 
 
 def timed_indices(ranks: list[dict], warmup_iters: int) -> list[int]:

@@ -15,8 +15,8 @@ What each instruction reads and writes on pipeline rank ``s`` of ``S`` (buffers 
 Checks, in order: every plan's transfers (each Start finished once, valid peers and
 tensors); every send has exactly one receive on its peer with the same micro-batch,
 shapes and dtypes, and for each ordered pair of ranks sends and receives come in the
-same order (NCCL's point-to-point is tagless and pairs messages first-in first-out);
-buffer lifetimes (created before use, freed exactly once, never used after the free);
+same order (NCCL's point-to-point is tagless and pairs messages first-in first-out;
+these two in :mod:`dynapipe.plan.validate_transfers`); buffer lifetimes (created before use, freed exactly once, never used after the free);
 and a symbolic run
 of all ranks finishes under a conservative NCCL model: each rank's communication ops
 run in posting order on one stream, an op completes only when its peer's matching op
@@ -36,22 +36,11 @@ from typing import Sequence
 import numpy as np
 
 from dynapipe.errors import PlanError
-from dynapipe.plan.deadlock import Transfer, symbolic_run, where as _where
+from dynapipe.plan.deadlock import symbolic_run, where as _where
+from dynapipe.plan.instructions import (DTYPES, BackwardPass, ExecutionPlan, ForwardPass, FreeBuffer, LoadInput,
+                                        buffer_name)
 from dynapipe.plan.validate_fast import group_is_valid
-from dynapipe.plan.instructions import (DTYPES, BackwardPass, ExecutionPlan, ForwardPass,
-                                        FreeBuffer, Instruction, LoadInput, RecvActivationFinish,
-                                        RecvActivationStart, RecvGradFinish, RecvGradStart,
-                                        SendActivationFinish, SendActivationStart, SendGradFinish,
-                                        SendGradStart, buffer_name, sequence_shards)
-
-# Start class -> (finish class, direction, message kind, buffer kind).
-_STARTS = {
-    SendActivationStart: (SendActivationFinish, "send", "act", "act_out"),
-    SendGradStart: (SendGradFinish, "send", "grad", "grad_out"),
-    RecvActivationStart: (RecvActivationFinish, "recv", "act", "act_in"),
-    RecvGradStart: (RecvGradFinish, "recv", "grad", "grad_in"),
-}
-_FINISH_OF = {v[0]: k for k, v in _STARTS.items()}
+from dynapipe.plan.validate_transfers import FINISH_OF, START_ROLES, collect_transfers, fail, match_pair, plan_chunks
 
 
 @dataclass(frozen=True)
@@ -69,104 +58,11 @@ class ValidationSummary:
                 f"{self.micro_batches} micro-batches, {self.instructions} instructions, {self.transfers} transfers")
 
 
-def _fail(plan: ExecutionPlan, index: int, inst, reason: str) -> None:
-    raise PlanError(f"{_where(plan, index, inst)}: {reason}")
-
-
-def _shapes(tensors) -> str:
-    return "[" + ", ".join(f"{t.name} {list(t.shape)} {t.dtype}" for t in tensors) + "]"
-
-
-def _collect_comms(plan: ExecutionPlan) -> list[Transfer]:
-    """Every transfer of one plan in posting order, with its Finish; checks that each
-    Start has one later Finish of the same transfer, peers and buffer names are valid,
-    tensors fit the micro-batch, and posting groups stand together."""
-    S, s = plan.num_stages, plan.stage
-    infos = {m.mb: m for m in plan.micro_batches}
-    if len(infos) != len(plan.micro_batches):
-        raise PlanError(f"{_where(plan, -1)}: micro-batch indices repeat in the plan's micro-batch list.")
-    shards = sequence_shards(plan)
-    if shards < 1 or any(m.seqlen % shards or m.dec_seqlen % shards for m in plan.micro_batches):
-        raise PlanError(f"{_where(plan, -1)}: sequence parallelism over {plan.meta.get('tp')!r} tensor-parallel "
-                        f"ranks needs a positive TP size dividing every micro-batch's sequence length.")
-    chunks = _chunks(plan)
-    open_starts: dict[tuple, Transfer] = {}
-    comms: list[Transfer] = []
-    groups_seen: dict[int, int] = {}
-    post_group = -1
-    prev_group = None
-    for k, inst in enumerate(plan.instructions):
-        if not isinstance(inst, Instruction):
-            raise PlanError(f"{_where(plan, k)}: {inst!r} is not an instruction.")
-        info = infos.get(inst.mb)
-        if info is None:
-            _fail(plan, k, inst, f"names micro-batch {inst.mb}, which is not in the plan's list "
-                                 f"({len(infos)} micro-batches).")
-        cls = type(inst)
-        if not 0 <= inst.chunk < chunks:
-            _fail(plan, k, inst, f"names chunk {inst.chunk}; the plan runs {chunks} chunk(s) per rank.")
-        grouped = cls in _STARTS and inst.group >= 0
-        if not (grouped and prev_group == inst.group):
-            post_group += 1
-            if grouped:
-                if inst.group in groups_seen:
-                    _fail(plan, k, inst, f"group {inst.group} was already used at instruction "
-                                         f"{groups_seen[inst.group]}; a group's starts must stand together.")
-                groups_seen[inst.group] = k
-        prev_group = inst.group if grouped else None
-        if cls in _STARTS:
-            finish_cls, direction, kind, buf_kind = _STARTS[cls]
-            if not 0 <= inst.peer < S or inst.peer == s:
-                _fail(plan, k, inst, f"peer rank {inst.peer} is not another rank of the {S}-stage pipeline.")
-            if inst.buffer != buffer_name(buf_kind, inst.mb, inst.chunk):
-                _fail(plan, k, inst, f"buffer {inst.buffer!r} should be {buffer_name(buf_kind, inst.mb, inst.chunk)!r}.")
-            if not inst.tensors:
-                _fail(plan, k, inst, "moves no tensors.")
-            for t in inst.tensors:
-                if t.dtype not in DTYPES:
-                    _fail(plan, k, inst, f"tensor {t.name!r} has dtype {t.dtype!r}, not one of {DTYPES}.")
-                if len(t.shape) != 3 or t.shape[1] != info.mbs or \
-                        t.shape[0] not in (info.seqlen // shards, info.dec_seqlen // shards):
-                    want = "[seqlen, mbs, hidden]" if shards == 1 else f"[seqlen / {shards}, mbs, hidden]"
-                    _fail(plan, k, inst, f"tensor {t.name} {list(t.shape)} does not match micro-batch {inst.mb} "
-                                         f"(mbs {info.mbs}, seqlen {info.seqlen}); expected {want}.")
-            oid = (finish_cls, inst.peer, inst.buffer)
-            if oid in open_starts:
-                _fail(plan, k, inst, f"starts a second transfer of {inst.buffer!r} with rank {inst.peer} before "
-                                     f"the first (instruction {open_starts[oid].index}) finished.")
-            c = Transfer(s, k, inst, direction, kind, post_group)
-            if direction == "recv" and chunks > 1:
-                # Virtual stage of the sender: the one before (activation) or after (gradient).
-                c.sender_chunk = (inst.chunk * S + s + (-1 if kind == "act" else 1)) // S
-            open_starts[oid] = c
-            comms.append(c)
-        elif cls in _FINISH_OF:
-            c = open_starts.pop((cls, inst.peer, inst.buffer), None)
-            if c is None:
-                _fail(plan, k, inst, f"finishes a transfer of {inst.buffer!r} with rank {inst.peer} that was "
-                                     f"never started.")
-            if c.inst.tensors != inst.tensors or c.inst.mb != inst.mb or c.inst.chunk != inst.chunk:
-                _fail(plan, k, inst, f"does not match its start at instruction {c.index} "
-                                     f"({_shapes(c.inst.tensors)} vs {_shapes(inst.tensors)}).")
-            c.finish = k
-    for c in open_starts.values():
-        _fail(plan, c.index, c.inst, "is never finished.")
-    return comms
-
-
-def _chunks(plan: ExecutionPlan) -> int:
-    """Virtual-pipeline chunks per rank (``meta["chunks"]``, 1 when absent)."""
-    chunks = (plan.meta or {}).get("chunks", 1)
-    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-        raise PlanError(f"{_where(plan, -1)}: meta chunks={chunks!r} is not a positive number of chunks.")
-    return chunks
-
-
 def _check_buffers(plan: ExecutionPlan) -> None:
     """Buffer lifetimes and compute order of one plan (see the module docstring). With
     ``chunks`` per rank, the first/last-rank rules apply to the virtual stage
     ``chunk * S + stage`` of ``chunks * S``."""
-    P, s, chunks = plan.num_stages, plan.stage, _chunks(plan)
+    P, s, chunks = plan.num_stages, plan.stage, plan_chunks(plan)
     S = P * chunks
     infos = {m.mb: m for m in plan.micro_batches}
     state: dict[str, str] = {}        # buffer -> "pending" | "ready" | "freed"
@@ -179,18 +75,18 @@ def _check_buffers(plan: ExecutionPlan) -> None:
     def use(k: int, inst, buf: str, *, need: bool = True) -> None:
         st = state.get(buf)
         if st == "freed":
-            _fail(plan, k, inst, f"uses buffer {buf!r} after it was freed at instruction {freed_at[buf]} "
-                                 f"(use after free).")
+            fail(plan, k, inst, f"uses buffer {buf!r} after it was freed at instruction {freed_at[buf]} "
+                                f"(use after free).")
         if st == "pending":
-            _fail(plan, k, inst, f"reads buffer {buf!r} before the receive into it finished.")
+            fail(plan, k, inst, f"reads buffer {buf!r} before the receive into it finished.")
         if st is None and need:
-            _fail(plan, k, inst, f"reads buffer {buf!r}, which no earlier instruction created.")
+            fail(plan, k, inst, f"reads buffer {buf!r}, which no earlier instruction created.")
 
     def create(k: int, inst, buf: str, st: str) -> None:
         if buf in state:
             old = "was freed" if state[buf] == "freed" else "already exists"
-            _fail(plan, k, inst, f"creates buffer {buf!r}, which {old} (instruction {born[buf]}); "
-                                 f"each buffer is created once per iteration.")
+            fail(plan, k, inst, f"creates buffer {buf!r}, which {old} (instruction {born[buf]}); "
+                                f"each buffer is created once per iteration.")
         state[buf], born[buf] = st, k
 
     for k, inst in enumerate(plan.instructions):
@@ -198,36 +94,36 @@ def _check_buffers(plan: ExecutionPlan) -> None:
         key = (inst.mb, inst.chunk)
         s = inst.chunk * P + plan.stage  # the virtual stage (the rank itself without chunks)
         cls = type(inst)
-        if cls in _STARTS:
-            if _STARTS[cls][1] == "send":
+        if cls in START_ROLES:
+            if START_ROLES[cls][1] == "send":
                 use(k, inst, inst.buffer)
                 sending[inst.buffer] = sending.get(inst.buffer, 0) + 1
             else:
                 create(k, inst, inst.buffer, "pending")
-        elif cls in _FINISH_OF:
-            if _STARTS[_FINISH_OF[cls]][1] == "send":
+        elif cls in FINISH_OF:
+            if START_ROLES[FINISH_OF[cls]][1] == "send":
                 sending[inst.buffer] -= 1
             else:
                 state[inst.buffer] = "ready"
         elif cls is LoadInput:
             if not inst.tensors:
-                _fail(plan, k, inst, "loads no tensors.")
+                fail(plan, k, inst, "loads no tensors.")
             for t in inst.tensors:
                 if t.dtype not in DTYPES or not t.shape or t.shape[0] != info.mbs:
-                    _fail(plan, k, inst, f"input tensor {t.name} {list(t.shape)} {t.dtype} does not match "
-                                         f"micro-batch {inst.mb} of {info.mbs} samples.")
+                    fail(plan, k, inst, f"input tensor {t.name} {list(t.shape)} {t.dtype} does not match "
+                                        f"micro-batch {inst.mb} of {info.mbs} samples.")
             create(k, inst, buffer_name("input", *key), "ready")
         elif cls in (ForwardPass, BackwardPass):
             if (inst.mbs, inst.seqlen, inst.dec_seqlen) != (info.mbs, info.seqlen, info.dec_seqlen):
-                _fail(plan, k, inst, f"shape mbs={inst.mbs} seqlen={inst.seqlen} dec_seqlen={inst.dec_seqlen} "
-                                     f"differs from the micro-batch's mbs={info.mbs} seqlen={info.seqlen} "
-                                     f"dec_seqlen={info.dec_seqlen}.")
+                fail(plan, k, inst, f"shape mbs={inst.mbs} seqlen={inst.seqlen} dec_seqlen={inst.dec_seqlen} "
+                                    f"differs from the micro-batch's mbs={info.mbs} seqlen={info.seqlen} "
+                                    f"dec_seqlen={info.dec_seqlen}.")
             if inst.recompute not in ("none", "selective", "full"):
-                _fail(plan, k, inst, f"recompute level {inst.recompute!r} is not none, selective or full.")
+                fail(plan, k, inst, f"recompute level {inst.recompute!r} is not none, selective or full.")
             inp = buffer_name("input", *key)
             if cls is ForwardPass:
                 if key in fw_done:
-                    _fail(plan, k, inst, f"runs the forward a second time (first at instruction {fw_done[key]}).")
+                    fail(plan, k, inst, f"runs the forward a second time (first at instruction {fw_done[key]}).")
                 use(k, inst, inp, need=s in (0, S - 1))
                 if s > 0:
                     use(k, inst, buffer_name("act_in", *key))
@@ -236,11 +132,11 @@ def _check_buffers(plan: ExecutionPlan) -> None:
                 fw_done[key] = k
             else:
                 if inst.part != "full":
-                    _fail(plan, k, inst, f"backward part {inst.part!r} is reserved; only 'full' runs today.")
+                    fail(plan, k, inst, f"backward part {inst.part!r} is reserved; only 'full' runs today.")
                 if key not in fw_done:
-                    _fail(plan, k, inst, "runs the backward before the forward.")
+                    fail(plan, k, inst, "runs the backward before the forward.")
                 if key in bw_done:
-                    _fail(plan, k, inst, f"runs the backward a second time (first at instruction {bw_done[key]}).")
+                    fail(plan, k, inst, f"runs the backward a second time (first at instruction {bw_done[key]}).")
                 use(k, inst, inp, need=False)
                 if s < S - 1:
                     use(k, inst, buffer_name("grad_in", *key))
@@ -253,15 +149,15 @@ def _check_buffers(plan: ExecutionPlan) -> None:
             buf = inst.buffer
             st = state.get(buf)
             if st is None:
-                _fail(plan, k, inst, f"frees buffer {buf!r}, which was never created.")
+                fail(plan, k, inst, f"frees buffer {buf!r}, which was never created.")
             if st == "freed":
-                _fail(plan, k, inst, f"frees buffer {buf!r} a second time (double free; first at instruction "
-                                     f"{freed_at[buf]}).")
+                fail(plan, k, inst, f"frees buffer {buf!r} a second time (double free; first at instruction "
+                                    f"{freed_at[buf]}).")
             if st == "pending" or sending.get(buf, 0):
-                _fail(plan, k, inst, f"frees buffer {buf!r} while a transfer of it is still in flight.")
+                fail(plan, k, inst, f"frees buffer {buf!r} while a transfer of it is still in flight.")
             state[buf], freed_at[buf] = "freed", k
-        elif cls not in _STARTS and cls not in _FINISH_OF:
-            _fail(plan, k, inst, f"unknown instruction type {cls.__name__}.")
+        elif cls not in START_ROLES and cls not in FINISH_OF:
+            fail(plan, k, inst, f"unknown instruction type {cls.__name__}.")
 
     end = len(plan.instructions)
     for buf, st in state.items():
@@ -276,36 +172,6 @@ def _check_buffers(plan: ExecutionPlan) -> None:
                 missing = "forward" if (m.mb, c) not in fw_done else "backward"
                 of = f" of chunk {c}" if chunks > 1 else ""
                 raise PlanError(f"{_where(plan, end)}: micro-batch {m.mb} has no {missing}{of} on this rank.")
-
-
-def _match_pair(a: ExecutionPlan, b: ExecutionPlan, sends: list[Transfer], recvs: list[Transfer]) -> None:
-    """Pair rank a's sends to b with b's receives from a, first-in first-out."""
-    send_keys = {c.key: c for c in sends}
-    recv_keys = {c.key: c for c in recvs}
-    for c in sends:
-        if c.key not in recv_keys:
-            _fail(a, c.index, c.inst, f"rank {b.stage} posts no matching receive (missing receive of the "
-                                      f"{c.kind} of micro-batch {c.inst.mb} from rank {a.stage}).")
-    for c in recvs:
-        if c.key not in send_keys:
-            _fail(b, c.index, c.inst, f"rank {a.stage} never sends the {c.kind} of micro-batch {c.inst.mb} "
-                                      f"this receives (missing send).")
-    if len(send_keys) != len(sends) or len(recv_keys) != len(recvs):
-        dup = next(c for i, c in enumerate(sends + recvs) if c.key in {x.key for x in (sends + recvs)[:i]
-                                                                        if x.direction == c.direction})
-        _fail(a if dup.direction == "send" else b, dup.index, dup.inst, f"transfers the {dup.kind} of "
-                                                                        f"micro-batch {dup.inst.mb} twice.")
-    for n, (s, r) in enumerate(zip(sends, recvs)):
-        if s.key != r.key:
-            _fail(b, r.index, r.inst,
-                  f"message order differs from the sender: rank {a.stage}'s message #{n} to rank {b.stage} is "
-                  f"the {s.kind} of micro-batch {s.inst.mb} ({_where(a, s.index)}), but this receive, #{n} "
-                  f"from rank {a.stage}, expects the {r.kind} of micro-batch {r.inst.mb}; point-to-point "
-                  f"messages pair in posting order (swapped send order).")
-        if s.inst.tensors != r.inst.tensors:
-            _fail(b, r.index, r.inst, f"expects {_shapes(r.inst.tensors)} but {_where(a, s.index)} sends "
-                                      f"{_shapes(s.inst.tensors)} (shape mismatch).")
-        s.partner, r.partner = r, s
 
 
 def _check_group(plans: list[ExecutionPlan]) -> int:
@@ -327,7 +193,7 @@ def _check_group(plans: list[ExecutionPlan]) -> int:
                             f"{sum(m.real_tokens for m in p.micro_batches)}.")
     if group_is_valid(plans):
         return _count_transfers(plans)
-    comms = [_collect_comms(p) for p in plans]
+    comms = [collect_transfers(p) for p in plans]
     S = len(plans)
     # One pass buckets every transfer by (sender, receiver): linear in the plan size.
     sends: dict[tuple[int, int], list] = {}
@@ -339,7 +205,7 @@ def _check_group(plans: list[ExecutionPlan]) -> int:
             else:
                 recvs.setdefault((c.inst.peer, a), []).append(c)
     for a, b in sorted(set(sends) | set(recvs)):
-        _match_pair(plans[a], plans[b], sends.get((a, b), []), recvs.get((a, b), []))
+        match_pair(plans[a], plans[b], sends.get((a, b), []), recvs.get((a, b), []))
     for p in plans:
         _check_buffers(p)
     symbolic_run(plans, comms)

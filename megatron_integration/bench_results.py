@@ -1,0 +1,115 @@
+"""One bench method's figures, from what its ranks reported.
+
+:func:`summarise` turns every rank's summary of one run into a :class:`MethodResult`
+(timed iterations only), :func:`median_result` combines the rounds of one method:
+
+* ``real_tokens_per_s``: sample tokens (padding excluded) trained per second;
+* ``padding_efficiency``: real tokens / tokens computed (padding included);
+* ``iteration_ms``: mean wall time of an iteration (the slowest rank's);
+* ``plan_wait_ms``: mean time the training loop waited for its plan (0 for the baselines);
+* ``activation_peak_mib``: per pipeline stage, the highest measured activation peak and
+  the highest the plans promised (``planned`` is None for the baselines), over replicas
+  and timed iterations (:func:`stage_activation_peaks`).
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field, replace
+from typing import Optional, Sequence
+
+from megatron_integration.bench_report import timed_indices
+
+
+@dataclass
+class MethodResult:
+    """One method's figures over the timed iterations of one run (or medians over runs).
+
+    ``real_tokens_per_s``: sample tokens (padding excluded) per second of iteration wall
+    time; ``padding_efficiency``: real / computed tokens; ``iteration_ms``: mean wall
+    time of an iteration (the slowest rank's); ``plan_wait_ms``: mean time the training
+    loop waited for its plan; ``planner_cpu_ms``: mean CPU ms per iteration of the
+    processes the ranks started (DynaPipe's planner workers), summed over ranks;
+    ``rank_cpu_ms``: mean CPU ms per iteration of the ranks themselves, summed.
+    """
+
+    real_tokens_per_s: float
+    padding_efficiency: float
+    iteration_ms: float
+    plan_wait_ms: float
+    losses: list[float] = field(default_factory=list)
+    timed_iterations: int = 0
+    layer_spec: str = ""
+    activation_peak_mib: list = field(default_factory=list)  # per stage {"measured", "planned"}
+    planner_cpu_ms: Optional[float] = None
+    rank_cpu_ms: float = 0.0
+    real_tokens: int = 0
+    rounds: int = 1
+
+    @property
+    def planning_overhead(self) -> float:
+        """(plan wait + planner CPU) / iteration time: the planning cost inside the timed window,
+        counted as if every planner CPU millisecond delayed the iteration."""
+        if not self.iteration_ms:
+            return 0.0
+        return (self.plan_wait_ms + (self.planner_cpu_ms or 0.0)) / self.iteration_ms
+
+    def to_json(self) -> dict:
+        return {"real_tokens_per_s": round(self.real_tokens_per_s, 2),
+                "padding_efficiency": round(self.padding_efficiency, 4),
+                "iteration_ms": round(self.iteration_ms, 2), "plan_wait_ms": round(self.plan_wait_ms, 3),
+                "plan_wait_fraction": round(self.plan_wait_ms / self.iteration_ms, 5) if self.iteration_ms else 0.0,
+                "planner_cpu_ms": None if self.planner_cpu_ms is None else round(self.planner_cpu_ms, 2),
+                "rank_cpu_ms": round(self.rank_cpu_ms, 2),
+                "planning_overhead_fraction": round(self.planning_overhead, 5),
+                "real_tokens_per_iteration": self.real_tokens, "timed_iterations": self.timed_iterations,
+                "rounds": self.rounds, "lm_loss": self.losses, "layer_spec": self.layer_spec,
+                "activation_peak_mib": self.activation_peak_mib}
+
+
+def summarise(ranks: list[dict], warmup_iters: int) -> MethodResult:
+    """Figures of one method from every rank's summary, iterations after the warm-up."""
+    keep = timed_indices(ranks, warmup_iters)
+    # An iteration lasts as long as its slowest rank.
+    iter_ms = [max(r["iteration_ms"][i] for r in ranks) for i in keep]
+    wait_ms = [max(r["plan_wait_ms"][i] for r in ranks) for i in keep]
+    real = sum(ranks[0]["real_tokens"][i] for i in keep)
+    padded = sum(ranks[0]["padded_tokens"][i] for i in keep)
+    children = [r.get("children_cpu_ms") for r in ranks]
+    planner = None
+    if all(c and all(c[i] is not None for i in keep) for c in children):
+        planner = statistics.fmean(sum(c[i] for c in children) for i in keep)
+    rank_cpu = statistics.fmean(sum(r["cpu_ms"][i] for r in ranks) for i in keep) if "cpu_ms" in ranks[0] else 0.0
+    return MethodResult(real_tokens_per_s=real / (sum(iter_ms) / 1e3), padding_efficiency=real / max(padded, 1),
+                        iteration_ms=statistics.fmean(iter_ms), plan_wait_ms=statistics.fmean(wait_ms),
+                        losses=ranks[0]["losses"], timed_iterations=len(keep), layer_spec=ranks[0]["layer_spec"],
+                        planner_cpu_ms=planner, rank_cpu_ms=rank_cpu, real_tokens=real // max(len(keep), 1),
+                        activation_peak_mib=stage_activation_peaks(ranks, keep))
+
+
+def median_result(runs: list[MethodResult]) -> MethodResult:
+    """One method over several rounds: the median of every timing figure (throughput and
+    iteration time each on their own), the rest from the first round."""
+    if len(runs) == 1:
+        return runs[0]
+    med = statistics.median
+    waits = [r.planner_cpu_ms for r in runs]
+    return replace(runs[0], real_tokens_per_s=med(r.real_tokens_per_s for r in runs),
+                   iteration_ms=med(r.iteration_ms for r in runs), plan_wait_ms=med(r.plan_wait_ms for r in runs),
+                   planner_cpu_ms=None if None in waits else med(waits),
+                   rank_cpu_ms=med(r.rank_cpu_ms for r in runs), rounds=len(runs))
+
+
+def stage_activation_peaks(ranks: list[dict], keep: Sequence[int]) -> list[dict]:
+    """Per pipeline stage: the highest measured and planned activation peak (MiB) over its
+    ranks and the iterations ``keep``; ``planned`` None where no plan promised one."""
+    stages: dict[int, dict] = {}
+    for r in ranks:
+        if "activation_measured_mib" not in r:
+            continue
+        entry = stages.setdefault(r.get("pp_rank", 0), {"measured": 0.0, "planned": None})
+        entry["measured"] = max(entry["measured"], max(r["activation_measured_mib"][i] for i in keep))
+        planned = [r["activation_planned_mib"][i] for i in keep if r["activation_planned_mib"][i] is not None]
+        if planned:
+            entry["planned"] = max(entry["planned"] or 0.0, max(planned))
+    return [{"stage": s, "measured": round(e["measured"], 3),
+             "planned": None if e["planned"] is None else round(e["planned"], 3)} for s, e in sorted(stages.items())]
