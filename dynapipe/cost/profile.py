@@ -50,15 +50,14 @@ import numpy as np
 
 from dynapipe.config import ModelConfig, TensorParallelConfig
 from dynapipe.cost.base import MIB, CostModel, StageCost, StageLayout
-from dynapipe.cost.profile_t5 import (KIND_DECODER_ONLY, KIND_ENCODER_DECODER, check_t5_tables, load_t5_tables,
-                                      profile_kind, t5_layout_cost)
+from dynapipe.cost.profile_t5 import (FIELDS, KIND_DECODER_ONLY, KIND_ENCODER_DECODER, check_grid, check_op_table,
+                                      check_t5_tables, load_t5_tables, profile_kind, t5_layout_cost)
 from dynapipe.errors import DynaPipeError, file_read_errors
 
 PROFILE_FORMAT = "dynapipe-profile"
 PROFILE_VERSION = 2
 # Version 1: decoder-only profiles written before ``kind`` existed.
 READABLE_VERSIONS = (1, 2)
-FIELDS = ("fw_ms", "bw_ms", "stored_mib", "peak_mib")
 OPS = ("layer", "embedding", "output")
 # Optional tables: the layer measured at a recompute level.
 LEVEL_OPS = {"selective": "layer_selective", "full": "layer_full"}
@@ -167,11 +166,7 @@ def _check_profile(data: Mapping[str, Any], source: str) -> None:
         raise DynaPipeError(f"{source}: profile kind {kind!r} is not one of {KIND_DECODER_ONLY!r}, "
                             f"{KIND_ENCODER_DECODER!r} (version 2; version 1 profiles are decoder-only).")
     for axis in ("mbs", "seqlen"):
-        grid = data.get(axis)
-        if not isinstance(grid, list) or not grid or any(not isinstance(v, (int, float)) or v <= 0 for v in grid):
-            raise DynaPipeError(f"{source}: {axis!r} must be a non-empty list of positive numbers.")
-        if any(b <= a for a, b in zip(grid, grid[1:])):
-            raise DynaPipeError(f"{source}: {axis!r} grid {grid} must be strictly ascending.")
+        check_grid(data, axis, source)
     tp = data.get("tp", 1)
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise DynaPipeError(f"{source}: 'tp' {tp!r} must be a positive integer (the tensor-parallel size measured).")
@@ -190,16 +185,7 @@ def _check_profile(data: Mapping[str, Any], source: str) -> None:
             raise DynaPipeError(f"{source}: ops.{op} is missing; a profile needs {list(OPS)}.")
         if not isinstance(table, Mapping):
             raise DynaPipeError(f"{source}: ops.{op} must be an object with tables {list(FIELDS)}.")
-        for field in FIELDS:
-            try:
-                arr = np.asarray(table[field], dtype=np.float64) if field in table else None
-            except (TypeError, ValueError):
-                arr = None
-            if arr is None or arr.shape != shape:
-                raise DynaPipeError(f"{source}: ops.{op}.{field} must be a {shape[0]}x{shape[1]} table "
-                                    f"(mbs x seqlen).")
-            if not np.all(np.isfinite(arr)) or np.any(arr < 0):
-                raise DynaPipeError(f"{source}: ops.{op}.{field} holds negative or non-finite values.")
+        check_op_table(table, op, shape, ("mbs", "seqlen"), source)
 
 
 class ProfileCostModel(CostModel):

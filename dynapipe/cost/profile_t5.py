@@ -47,15 +47,37 @@ def profile_kind(data: Mapping[str, Any]) -> str:
     return str(data.get("kind", KIND_DECODER_ONLY))
 
 
+def check_grid(data: Mapping[str, Any], axis: str, source: str, what: str = "") -> None:
+    """Refuse a grid axis of a profile (``mbs``, ``seqlen``, ``dec_seqlen``) that is not a
+    non-empty, strictly ascending list of positive numbers; ``what`` is appended to the
+    first error (e.g. what the axis counts)."""
+    grid = data.get(axis)
+    if not isinstance(grid, list) or not grid or any(not isinstance(v, (int, float)) or v <= 0 for v in grid):
+        raise DynaPipeError(f"{source}: {axis!r} must be a non-empty list of positive numbers{what}.")
+    if any(b <= a for a, b in zip(grid, grid[1:])):
+        raise DynaPipeError(f"{source}: {axis!r} grid {grid} must be strictly ascending.")
+
+
+def check_op_table(table: Mapping[str, Any], op: str, shape: tuple[int, ...], axes: tuple[str, ...],
+                   source: str) -> None:
+    """Refuse an op's tables (every field of :data:`FIELDS`) that are not ``shape`` (one
+    entry per point of the grid ``axes``) or hold negative or non-finite values."""
+    for field in FIELDS:
+        try:
+            arr = np.asarray(table[field], dtype=np.float64) if field in table else None
+        except (TypeError, ValueError):
+            arr = None
+        if arr is None or arr.shape != shape:
+            dims = "x".join(str(n) for n in shape)
+            raise DynaPipeError(f"{source}: ops.{op}.{field} must be a {dims} table ({' x '.join(axes)}).")
+        if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+            raise DynaPipeError(f"{source}: ops.{op}.{field} holds negative or non-finite values.")
+
+
 def check_t5_tables(data: Mapping[str, Any], source: str) -> None:
     """Refuse an encoder-decoder profile whose ``dec_seqlen`` axis or op tables are malformed
     (one line naming the table and the shape it must have)."""
-    grid = data.get("dec_seqlen")
-    if not isinstance(grid, list) or not grid or any(not isinstance(v, (int, float)) or v <= 0 for v in grid):
-        raise DynaPipeError(f"{source}: 'dec_seqlen' must be a non-empty list of positive numbers (decoder tokens) "
-                            f"in an encoder-decoder profile.")
-    if any(b <= a for a, b in zip(grid, grid[1:])):
-        raise DynaPipeError(f"{source}: 'dec_seqlen' grid {grid} must be strictly ascending.")
+    check_grid(data, "dec_seqlen", source, " (decoder tokens) in an encoder-decoder profile")
     ops = data.get("ops")
     if not isinstance(ops, Mapping):
         raise DynaPipeError(f"{source}: 'ops' must be an object with tables for {list(T5_OPS)}.")
@@ -64,18 +86,7 @@ def check_t5_tables(data: Mapping[str, Any], source: str) -> None:
         if not isinstance(table, Mapping):
             raise DynaPipeError(f"{source}: ops.{op} is missing or not an object; an encoder-decoder profile needs "
                                 f"{list(T5_OPS)}, each with {list(FIELDS)}.")
-        shape = tuple(len(data[a]) for a in T5_AXES[op])
-        for field in FIELDS:
-            try:
-                arr = np.asarray(table[field], dtype=np.float64) if field in table else None
-            except (TypeError, ValueError):
-                arr = None
-            if arr is None or arr.shape != shape:
-                dims = "x".join(str(n) for n in shape)
-                raise DynaPipeError(f"{source}: ops.{op}.{field} must be a {dims} table "
-                                    f"({' x '.join(T5_AXES[op])}).")
-            if not np.all(np.isfinite(arr)) or np.any(arr < 0):
-                raise DynaPipeError(f"{source}: ops.{op}.{field} holds negative or non-finite values.")
+        check_op_table(table, op, tuple(len(data[a]) for a in T5_AXES[op]), T5_AXES[op], source)
 
 
 def interp_axis(grid: np.ndarray, values: list, x: np.ndarray) -> np.ndarray:
