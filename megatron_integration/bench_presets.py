@@ -11,7 +11,7 @@ reads one back.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 METHOD_FLAGS = {
     "dynapipe": ["--use-dynapipe"],
@@ -90,9 +90,15 @@ REFERENCE_SEQ_LENGTH = 4096
 def with_defaults(argv: Sequence[str], preset: str = "tiny") -> list[str]:
     """``argv`` plus every default of the preset it does not set (and ``--mock-data`` unless
     data is given)."""
+    return fill_defaults(argv, PRESETS[preset].args)
+
+
+def fill_defaults(argv: Sequence[str], defaults: Mapping[str, str]) -> list[str]:
+    """``argv`` plus every ``defaults`` flag it does not set, and ``--mock-data`` unless it
+    names data (``--data-path``); a bench preset's command line, GPT or T5."""
     out = list(argv)
     given = {a.split("=")[0] for a in out if a.startswith("--")}
-    for flag, value in PRESETS[preset].args.items():
+    for flag, value in defaults.items():
         if flag not in given:
             out += [flag, value]
     if "--mock-data" not in given and "--data-path" not in given:

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, TextIO
 
 from dynapipe.errors import DynaPipeError
+from megatron_integration.bench_presets import fill_defaults
 
 T5_METHOD_FLAGS = {
     "dynapipe": ["--use-dynapipe"],
@@ -83,14 +84,7 @@ T5_PRESETS = {
 
 def t5_with_defaults(argv: Sequence[str], preset: str) -> list[str]:
     """``argv`` plus every default of the preset it does not set (``--mock-data`` unless data is given)."""
-    out = list(argv)
-    given = {a.split("=")[0] for a in out if a.startswith("--")}
-    for flag, value in T5_PRESETS[preset].args.items():
-        if flag not in given:
-            out += [flag, value]
-    if "--mock-data" not in given and "--data-path" not in given:
-        out.append("--mock-data")
-    return out
+    return fill_defaults(argv, T5_PRESETS[preset].args)
 
 
 @dataclass(frozen=True)
