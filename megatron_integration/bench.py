@@ -32,6 +32,7 @@ from typing import Optional, Sequence, TextIO
 
 from dynapipe.progress import Progress
 # Preset and stage_activation_peaks are not used here: callers import them from this module.
+from megatron_integration import cpu_allocator
 from megatron_integration.bench_presets import (BASELINES, METHOD_FLAGS, PRESETS, PROFILE_MBS, PROFILE_SEQLENS,
                                                 REFERENCE_SEQ_LENGTH, Preset, flag_value, with_defaults)
 from megatron_integration.bench_report import breakdown, breakdown_summary, breakdown_table, ratio_table, write_png
@@ -323,6 +324,7 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
                   # what bounds its wall time on an idle machine (>= cpu_s / cores).
                   "cpu_s": round(_children_cpu_s() - cpu0, 1),
                   "cost_model": profile or "analytic", "timed_regions": bench_sim.TIMED_REGIONS,
+                  "cpu_allocator": cpu_allocator.describe(),
                   "attention_share_reference": f"gpt-7b at --seq-length {REFERENCE_SEQ_LENGTH}, same method, "
                                                f"simulated on the same mixture (65,536 tokens, PP4 x DP2 a100-40gb)"},
     }

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, TextIO
 
 from dynapipe.errors import DynaPipeError
+from megatron_integration import cpu_allocator
 from megatron_integration.bench_presets import fill_defaults
 
 T5_METHOD_FLAGS = {
@@ -228,6 +229,7 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
                         "round_orders": [[e.label for k2, e in order if k2 == k] for k in range(rounds)],
                         "load_average": {"start": load_start, "end": _load_average()},
                         "elapsed_s": round(time.perf_counter() - started, 1),
+                        "cpu_allocator": cpu_allocator.describe(),
                         "executor": "every method through the DynaPipe executor (fixed-shape 1F1B plans for "
                                     "the baselines)"}}
     print(f"{'method':<10} {'run':<14} {'real tok/s':>11} {'tok/CPU-s':>10} {'pad eff':>8} {'iter ms':>9}",

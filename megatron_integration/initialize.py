@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_integration import cpu_compat
+from megatron_integration.cpu_allocator import keep_freed_memory
 from megatron_integration.train_config import ParallelArgs
 
 # Optional-dependency notices megatron-core prints at import; expected on CPU.
@@ -83,9 +84,13 @@ def initialize_megatron(parallel: ParallelArgs, seed: int) -> RankInfo:
 
 def init_model_parallel(tp_size: int, pp_size: int) -> None:
     """megatron's tensor/pipeline/data-parallel groups on the joined process group, the CPU
-    compatibility layer first when there is no CUDA; idempotent. Collective: every rank calls it."""
+    compatibility layer first when there is no CUDA; idempotent. Collective: every rank calls it.
+
+    CPU ranks also keep freed memory for reuse (:mod:`megatron_integration.cpu_allocator`):
+    every method a bench compares starts here, so all get the same allocator."""
     if not torch.cuda.is_available():
         cpu_compat.apply()
+        keep_freed_memory()
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
