@@ -38,16 +38,16 @@ from typing import Optional
 import torch
 
 from dynapipe.errors import DynaPipeError
-from dynapipe.plan.instructions import BackwardPass, ForwardPass, MicroBatchInfo, TensorSpec
+from dynapipe.plan.instructions import ForwardPass, MicroBatchInfo
 from dynapipe.runtime.activation_meter import ActivationMeter, measure_activations
 from dynapipe.runtime.activation_plan import planned_activation_peak_mib
-from dynapipe.runtime.buffers import backward_from
 from megatron_integration.train_config import DynaPipeTrainingConfig
 from megatron_integration.data import dataset_config
 from megatron_integration.initialize import RankInfo
 from megatron_integration.baseline_step import StepResult, reduce_loss
 from megatron_integration.model import Stage, finalize_grads_func, set_recompute_level
 from megatron_integration.nan_guard import check_before_step
+from megatron_integration.stage_handlers import ModelStageHandlers
 from megatron_integration.tensor_parallel import check_plan_tensor_parallel, check_tp_plans_agree
 
 
@@ -68,33 +68,11 @@ def packed_attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     return (~keep).unsqueeze(1)
 
 
-class MegatronStageHandlers:
+class MegatronStageHandlers(ModelStageHandlers):
     """Executor handlers that run one megatron-core GPT stage (see the module docstring)."""
 
-    def __init__(self, stage: Stage, device: torch.device):
-        self.stage = stage
-        self.device = device
-        self.tensors: dict = {}
-        self._reset_loss()
-
-    def _reset_loss(self) -> None:
-        # Accumulated on the device: reading them per micro-batch would stall the pipeline.
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.loss_tokens = torch.zeros((), dtype=torch.float64, device=self.device)
-
-    def begin(self, micro_batch_tensors: dict, global_loss_tokens: int) -> None:
-        """Take one iteration's tensors before the executor runs (loss tokens: checked > 0)."""
-        if global_loss_tokens <= 0:
-            raise DynaPipeError("the global batch has no loss tokens (every sample is input only); "
-                                "the loss cannot be normalised.")
-        self.tensors = micro_batch_tensors
-        self._reset_loss()
-
-    def load(self, mb: MicroBatchInfo, specs: tuple[TensorSpec, ...]) -> dict[str, torch.Tensor]:
-        data = self.tensors.get(mb.mb)
-        if data is None:
-            raise DynaPipeError(f"the data loader sent no tensors for micro-batch {mb.mb}.")
-        return {s.name: data[s.name].to(self.device, non_blocking=True) for s in specs}
+    no_loss_tokens = ("the global batch has no loss tokens (every sample is input only); "
+                      "the loss cannot be normalised.")
 
     def _level(self, op) -> None:
         if op is not None and self.stage.gpt is not None:
@@ -110,19 +88,10 @@ class MegatronStageHandlers:
         out = st.module(inputs.get("tokens"), inputs.get("position_ids"), attn_mask, labels=inputs.get("labels"))
         if not st.post_process:
             return out
-        mask = inputs["loss_mask"]
-        loss_sum = torch.sum(out.float() * mask)
-        self.loss_sum += loss_sum.detach()
-        self.loss_tokens += mask.sum()
+        loss_sum = self._sum_loss(out, inputs["loss_mask"])
         # fp16: the loss scale the optimizer divides the gradients by (see attach_training_hooks).
         scale = st.config.grad_scale_func
         return loss_sum if scale is None else scale(loss_sum)
-
-    def backward(self, mb: MicroBatchInfo, roots, grads, op: BackwardPass) -> None:
-        """Backward of one micro-batch at its level: a layer rematerialised under ``full``
-        must not checkpoint its core attention again because a later forward is ``selective``."""
-        self._level(op)
-        backward_from(roots, grads)
 
 
 def planner_settings(cfg: DynaPipeTrainingConfig, info: RankInfo):

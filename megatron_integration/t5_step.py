@@ -29,14 +29,14 @@ import numpy as np
 import torch
 
 from dynapipe.errors import DynaPipeError
-from dynapipe.plan.instructions import BackwardPass, ForwardPass, MicroBatchInfo, TensorSpec
+from dynapipe.plan.instructions import ForwardPass, MicroBatchInfo
 from dynapipe.runtime.activation_meter import ActivationMeter, measure_activations
 from dynapipe.runtime.activation_plan import planned_activation_peak_mib
-from dynapipe.runtime.buffers import backward_from
 from megatron_integration.initialize import RankInfo
 from megatron_integration.baseline_step import StepResult, reduce_loss
 from megatron_integration.model import Stage
 from megatron_integration.nan_guard import check_before_step
+from megatron_integration.stage_handlers import ModelStageHandlers
 from megatron_integration.t5_config import T5TrainingConfig
 from megatron_integration.t5_model import EmbeddingSync, set_t5_recompute_level
 from megatron_integration.t5_placement import check_plan_placement
@@ -71,31 +71,10 @@ def segment_positions(seg: torch.Tensor) -> torch.Tensor:
     return (idx - first).to(torch.int64)
 
 
-class T5StageHandlers:
+class T5StageHandlers(ModelStageHandlers):
     """Executor handlers that run one :class:`~megatron_integration.t5_model.T5Stage`."""
 
-    def __init__(self, stage: Stage, device: torch.device):
-        self.stage = stage
-        self.device = device
-        self.tensors: dict = {}
-        self._reset_loss()
-
-    def _reset_loss(self) -> None:
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.loss_tokens = torch.zeros((), dtype=torch.float64, device=self.device)
-
-    def begin(self, micro_batch_tensors: dict, global_loss_tokens: int) -> None:
-        """Take one iteration's tensors (``{mb: {name: array}}``) before the executor runs."""
-        if global_loss_tokens <= 0:
-            raise DynaPipeError("the global batch has no target tokens; the loss cannot be normalised.")
-        self.tensors = micro_batch_tensors
-        self._reset_loss()
-
-    def load(self, mb: MicroBatchInfo, specs: tuple[TensorSpec, ...]) -> dict[str, torch.Tensor]:
-        data = self.tensors.get(mb.mb)
-        if data is None:
-            raise DynaPipeError(f"no tensors were given for micro-batch {mb.mb}.")
-        return {s.name: torch.as_tensor(data[s.name]).to(self.device, non_blocking=True) for s in specs}
+    no_loss_tokens = "the global batch has no target tokens; the loss cannot be normalised."
 
     def _level(self, op) -> None:
         if op is not None:
@@ -120,15 +99,7 @@ class T5StageHandlers:
         out = st.module(**kwargs)
         if not place.is_last:
             return out
-        mask = inputs["loss_mask"]
-        loss_sum = torch.sum(out.float() * mask)
-        self.loss_sum += loss_sum.detach()
-        self.loss_tokens += mask.sum()
-        return loss_sum
-
-    def backward(self, mb: MicroBatchInfo, roots, grads, op: BackwardPass) -> None:
-        self._level(op)
-        backward_from(roots, grads)
+        return self._sum_loss(out, inputs["loss_mask"])
 
 
 @dataclass

@@ -1,0 +1,68 @@
+"""What every model's executor handlers share: taking an iteration's tensors, loading a
+micro-batch's, summing the last stage's token loss, and the backward at a recompute level.
+
+A model's handlers (:class:`~megatron_integration.dynapipe_step.MegatronStageHandlers` for
+GPT, :class:`~megatron_integration.t5_step.T5StageHandlers` for T5) subclass
+:class:`ModelStageHandlers` and supply ``forward`` and ``_level`` (how the model switches its
+recompute level); the executor sees them through the
+:class:`~dynapipe.runtime.contract.StageHandlers` protocol.
+"""
+from __future__ import annotations
+
+import torch
+
+from dynapipe.errors import DynaPipeError
+from dynapipe.plan.instructions import BackwardPass, MicroBatchInfo, TensorSpec
+from dynapipe.runtime.buffers import backward_from
+from megatron_integration.model import Stage
+
+
+class ModelStageHandlers:
+    """The model-independent half of a stage's executor handlers."""
+
+    #: Why a global batch without loss tokens cannot train, in the model's words.
+    no_loss_tokens = "the global batch has no loss tokens; the loss cannot be normalised."
+
+    def __init__(self, stage: Stage, device: torch.device):
+        self.stage = stage
+        self.device = device
+        self.tensors: dict = {}
+        self._reset_loss()
+
+    def _reset_loss(self) -> None:
+        # Accumulated on the device: reading them per micro-batch would stall the pipeline.
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.loss_tokens = torch.zeros((), dtype=torch.float64, device=self.device)
+
+    def begin(self, micro_batch_tensors: dict, global_loss_tokens: int) -> None:
+        """Take one iteration's tensors (``{mb: {name: tensor or array}}``) before the
+        executor runs; ``global_loss_tokens`` (tokens, every replica) must be > 0."""
+        if global_loss_tokens <= 0:
+            raise DynaPipeError(self.no_loss_tokens)
+        self.tensors = micro_batch_tensors
+        self._reset_loss()
+
+    def load(self, mb: MicroBatchInfo, specs: tuple[TensorSpec, ...]) -> dict[str, torch.Tensor]:
+        """The tensors ``specs`` names for micro-batch ``mb``, on this rank's device."""
+        data = self.tensors.get(mb.mb)
+        if data is None:
+            raise DynaPipeError(f"the plan loads micro-batch {mb.mb}, but its data source gave no tensors for it.")
+        return {s.name: torch.as_tensor(data[s.name]).to(self.device, non_blocking=True) for s in specs}
+
+    def _level(self, op) -> None:
+        """Switch the stage to ``op.recompute`` (``op`` None: leave it)."""
+        raise NotImplementedError
+
+    def _sum_loss(self, per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's summed token loss (fp32) over ``loss_mask``, counted into the
+        iteration's loss and loss tokens."""
+        loss_sum = torch.sum(per_token_loss.float() * loss_mask)
+        self.loss_sum += loss_sum.detach()
+        self.loss_tokens += loss_mask.sum()
+        return loss_sum
+
+    def backward(self, mb: MicroBatchInfo, roots, grads, op: BackwardPass) -> None:
+        """Backward of one micro-batch at its level: a layer rematerialised under ``full``
+        must not checkpoint its core attention again because a later forward is ``selective``."""
+        self._level(op)
+        backward_from(roots, grads)
