@@ -12,6 +12,7 @@ from typing import Optional
 
 from dynapipe.errors import DynaPipeError
 from megatron_integration.args_checks import _need, _positive
+from megatron_integration.cpu_affinity import AFFINITIES
 from megatron_integration.train_config import DynaPipeArgs
 
 BATCHINGS = ("dynapipe", "padding", "padding-mb", "packing", "token-budget")
@@ -68,6 +69,9 @@ def add_dynapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--dynapipe-timeout-s", type=float, default=300.0,
                    help="seconds a rank waits for a peer or a plan before failing")
     g.add_argument("--dynapipe-trace-dir", default=None, help="write per-rank Chrome traces of what ran")
+    g.add_argument("--dynapipe-cpu-affinity", default="none", choices=AFFINITIES,
+                   help="cores: pin each rank on a host to its own equal slice of the cores (refused with fewer "
+                        "cores than ranks); none: the kernel places them (default)")
     g.add_argument("--dynapipe-recompute", default="auto", choices=RECOMPUTE_CHOICES,
                    help="recompute level the planner uses on every stage (auto: the schedule search chooses "
                         "per stage, lightest first)")

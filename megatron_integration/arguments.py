@@ -169,7 +169,8 @@ def _parallel_args_from_args(args: argparse.Namespace, world_size: int, cuda: bo
         raise DynaPipeError("--distributed-backend nccl needs GPUs; use gloo on CPU.")
     return ParallelArgs(world_size=world_size, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                         backend=backend, timeout_minutes=args.distributed_timeout_minutes,
-                        sequence_parallel=args.sequence_parallel)
+                        sequence_parallel=args.sequence_parallel,
+                        cpu_affinity=getattr(args, "dynapipe_cpu_affinity", "none"))
 
 
 def _recorded_args(args: argparse.Namespace) -> dict:

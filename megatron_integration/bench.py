@@ -33,8 +33,10 @@ from typing import Optional, Sequence, TextIO
 from dynapipe.progress import Progress
 # Preset and stage_activation_peaks are not used here: callers import them from this module.
 from megatron_integration import cpu_allocator
+from megatron_integration.cpu_affinity import bench_default
 from megatron_integration.bench_presets import (BASELINES, METHOD_FLAGS, PRESETS, PROFILE_MBS, PROFILE_SEQLENS,
-                                                REFERENCE_SEQ_LENGTH, Preset, flag_value, with_defaults)
+                                                REFERENCE_SEQ_LENGTH, Preset, fill_defaults, flag_value,
+                                                with_defaults)
 from megatron_integration.bench_report import breakdown, breakdown_summary, breakdown_table, ratio_table, write_png
 from megatron_integration.bench_results import MethodResult, median_result, stage_activation_peaks, summarise
 from megatron_integration.jobs import run_training
@@ -201,7 +203,7 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
     sweep_top = p.sweep_top if sweep_top is None else sweep_top
     warmup_iters = p.warmup_iters if warmup_iters is None else warmup_iters
     calibrate_iters = p.calibrate_iters if calibrate_iters is None else calibrate_iters
-    argv = with_defaults(argv, preset)
+    argv = fill_defaults(with_defaults(argv, preset), {"--dynapipe-cpu-affinity": bench_default(nproc)})
     cfg = parse_training_args(argv + METHOD_FLAGS["dynapipe"], nproc)
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     given_profile = flag_value(argv, "--dynapipe-cost-model")

@@ -41,6 +41,7 @@ from typing import Optional, Sequence, TextIO
 
 from dynapipe.errors import DynaPipeError
 from megatron_integration import cpu_allocator
+from megatron_integration.cpu_affinity import bench_default
 from megatron_integration.bench_presets import fill_defaults
 
 T5_METHOD_FLAGS = {
@@ -140,7 +141,7 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
     p = T5_PRESETS[preset]
     sweep = tuple(p.sweep if sweep is None else sweep)
     warmup = p.warmup_iters if warmup_iters is None else warmup_iters
-    argv = t5_with_defaults(argv, preset)
+    argv = fill_defaults(t5_with_defaults(argv, preset), {"--dynapipe-cpu-affinity": bench_default(nproc)})
     entries = [T5Entry(m, s) for m in methods for s in (sweep if m in T5_BASELINES else (None,))]
     for margv in [e.argv(argv) for e in entries]:  # every command line checked before any process starts
         cfg = parse_t5_args(margv, nproc)

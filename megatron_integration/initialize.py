@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_integration import cpu_compat
+from megatron_integration.cpu_affinity import pin_local_rank
 from megatron_integration.cpu_allocator import keep_freed_memory
 from megatron_integration.train_config import ParallelArgs
 
@@ -73,10 +74,13 @@ def init_distributed(parallel: ParallelArgs) -> None:
 
 
 def initialize_megatron(parallel: ParallelArgs, seed: int) -> RankInfo:
-    """Process groups, megatron parallel state, CPU compatibility and seeds; returns this rank's place."""
+    """Process groups, megatron parallel state, CPU compatibility, the rank's CPU cores
+    (``parallel.cpu_affinity``) and seeds; returns this rank's place."""
     quiet_megatron_warnings()
     init_distributed(parallel)
     init_model_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size)
+    if parallel.cpu_affinity == "cores":
+        pin_local_rank()
     info = rank_info()
     set_seeds(seed, info)
     return info

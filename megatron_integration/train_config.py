@@ -61,6 +61,9 @@ class ParallelArgs:
     # Megatron's --sequence-parallel: norms, dropout and the activations between stages are
     # split along the sequence over the tensor-parallel ranks.
     sequence_parallel: bool = False
+    # --dynapipe-cpu-affinity: "cores" pins each local rank to its own slice of the host's
+    # cores (megatron_integration.cpu_affinity), "none" leaves placement to the kernel.
+    cpu_affinity: str = "none"
 
     @property
     def data_parallel_size(self) -> int:

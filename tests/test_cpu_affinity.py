@@ -1,0 +1,66 @@
+"""--dynapipe-cpu-affinity: each local rank pinned to its own slice of the host's cores."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dynapipe.errors import DynaPipeError
+from megatron_integration.cpu_affinity import bench_default, core_slice
+
+GPT = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+       "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "1", "--lr", "1e-3",
+       "--mock-data", "--vocab-size", "128"]
+
+
+def test_core_slices_are_equal_and_disjoint():
+    assert [core_slice([0, 1, 2, 3], r, 2) for r in (0, 1)] == [[0, 1], [2, 3]]
+    assert [core_slice([4, 6, 7], r, 2) for r in (0, 1)] == [[4], [6]]
+    with pytest.raises(DynaPipeError, match=r"a core for each of the 3 ranks.*may use 2.*--dynapipe-cpu-affinity none"):
+        core_slice([0, 1], 0, 3)
+    with pytest.raises(DynaPipeError, match="local rank 2 is outside the 2 ranks"):
+        core_slice([0, 1], 2, 2)
+
+
+def test_flag_reaches_the_parallel_config():
+    from megatron_integration.arguments import parse_training_args
+
+    assert parse_training_args(GPT, 1, cuda=False).parallel.cpu_affinity == "none"
+    assert parse_training_args(GPT + ["--dynapipe-cpu-affinity", "cores"], 1, cuda=False).parallel.cpu_affinity == "cores"
+    with pytest.raises(SystemExit):
+        parse_training_args(GPT + ["--dynapipe-cpu-affinity", "numa"], 1, cuda=False)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
+def test_pin_takes_the_ranks_slice_once():
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    probe = ("import json, os\n"
+             "from megatron_integration.cpu_affinity import pin_local_rank\n"
+             "first = pin_local_rank()\n"
+             "again = pin_local_rank()\n"
+             "print(json.dumps([first, again, sorted(os.sched_getaffinity(0))]))\n")
+    env = dict(os.environ, LOCAL_RANK="1", LOCAL_WORLD_SIZE="2")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, again, now = json.loads(out.stdout.strip().splitlines()[-1])
+    per = len(cores) // 2
+    assert first == again == now == cores[per:2 * per]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux only")
+def test_bench_pins_only_where_every_rank_gets_a_core():
+    assert bench_default(1) == "cores"
+    assert bench_default(len(os.sched_getaffinity(0)) + 1) == "none"
+
+
+def test_contention_probe_measures_both_phases():
+    from megatron_integration.bench_contention import measure_contention
+
+    c = measure_contention(ranks=2, tokens=64, hidden=64, passes=1, timeout_s=120)
+    assert c.alone_ms > 0 and c.together_ms > 0
+    assert c.to_json()["factor"] == pytest.approx(c.together_ms / c.alone_ms, abs=1e-3)
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        measure_contention(ranks=1)
