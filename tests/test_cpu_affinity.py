@@ -64,3 +64,18 @@ def test_contention_probe_measures_both_phases():
     assert c.to_json()["factor"] == pytest.approx(c.together_ms / c.alone_ms, abs=1e-3)
     with pytest.raises(ValueError, match="at least 2 ranks"):
         measure_contention(ranks=1)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
+def test_profiler_runs_on_as_many_cores_as_threads():
+    cores = sorted(os.sched_getaffinity(0))
+    probe = ("import json, os\n"
+             "from megatron_integration.cpu_affinity import pin_profiler\n"
+             f"too_many = pin_profiler({len(cores) + 1})\n"
+             "one = pin_profiler(1)\n"
+             "print(json.dumps([too_many, one, sorted(os.sched_getaffinity(0))]))\n")
+    env = dict(os.environ, LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    too_many, one, now = json.loads(out.stdout.strip().splitlines()[-1])
+    assert too_many is None and one == now == cores[:1]
