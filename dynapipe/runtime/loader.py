@@ -21,124 +21,21 @@ import secrets
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Optional
 
 from dynapipe.data.config import DatasetConfig
 from dynapipe.data.sampler import SamplerConfig
 from dynapipe.data.samples import SampleDataset
 from dynapipe.errors import DynaPipeError
-from dynapipe.runtime.kv_store import KV_BACKENDS, KVStore, KVStoreSpec, TorchStoreKV, delete_blob, job_tcp_store, \
+from dynapipe.runtime.kv_store import KVStore, KVStoreSpec, TorchStoreKV, delete_blob, job_tcp_store, \
     tcp_store_address
+from dynapipe.runtime.loader_config import LoaderConfig, RankLayout
 from dynapipe.runtime.plan_fetcher import IterationData, IterationMeta, PayloadFetcher
 from dynapipe.runtime.plan_source import PlannerSettings, check_planner_settings
 from dynapipe.runtime.planner_workers import Keyspace, PlannerPool, WorkerJob
 from dynapipe.runtime.store_watch import RestartWatcher
 
 __all__ = ["DynaPipeDataLoader", "LoaderConfig", "RankLayout", "IterationData", "IterationMeta"]
-
-
-@dataclass(frozen=True)
-class LoaderConfig:
-    """Data loader settings (built from Megatron-style arguments by the integration).
-
-    Batches: ``global_batch_size`` samples or ``tokens_per_global_batch`` tokens (one of
-    them), ``seed``, ``shuffle``; resume with ``consumed_samples`` and
-    ``start_iteration`` from the checkpoint; ``train_iters`` > 0 ends the stream.
-    Workers: ``num_workers`` planner processes per planner node, ``prefetch`` iterations
-    planned ahead, ``planner_nodes`` nodes that plan (0: every node). ``split_replicas``:
-    every planner node plans every iteration but compiles and publishes only the plans of
-    its share of the data-parallel replicas (replica ``r`` on planner node
-    ``r % planner_nodes``); batching and the schedule search are deterministic, so the
-    nodes agree, and each node's compile and serialize work shrinks with their number.
-    Store: ``kv_backend`` ``store`` (the job's TCPStore) or ``redis`` at
-    ``redis_host:redis_port``; ``connect_timeout_s`` to reach it, ``plan_timeout_s`` the
-    longest the training loop waits for one iteration. ``fetch_ahead``: decoded
-    iterations each rank holds ready ahead of the training loop. ``store_retry_s``: how
-    long a lost Redis connection is retried (a restarted server costs a pause, and the
-    iterations it lost are planned again).
-    """
-
-    global_batch_size: int = 0
-    tokens_per_global_batch: int = 0
-    seed: int = 1234
-    shuffle: bool = True
-    consumed_samples: int = 0
-    start_iteration: int = 0
-    train_iters: int = 0
-    num_workers: int = 1
-    prefetch: int = 4
-    planner_nodes: int = 0
-    split_replicas: bool = False
-    kv_backend: str = "store"
-    redis_host: str = "127.0.0.1"
-    redis_port: int = 6379
-    redis_db: int = 0
-    namespace: str = "dynapipe"
-    connect_timeout_s: float = 30.0
-    plan_timeout_s: float = 300.0
-    fetch_ahead: int = 2
-    store_retry_s: float = 30.0
-
-    def validate(self) -> "LoaderConfig":
-        if self.kv_backend not in KV_BACKENDS:
-            raise DynaPipeError(f"--dynapipe-kv-backend {self.kv_backend!r}: use one of {list(KV_BACKENDS)}.")
-        if self.num_workers < 1:
-            raise DynaPipeError(f"--dynapipe-planner-workers {self.num_workers}: must be at least 1.")
-        if self.fetch_ahead < 1:
-            raise DynaPipeError(f"fetch_ahead {self.fetch_ahead}: must be at least 1 iteration.")
-        if self.prefetch < 1:
-            raise DynaPipeError(f"--dynapipe-prefetch {self.prefetch}: must be at least 1 iteration.")
-        if self.consumed_samples < 0 or self.start_iteration < 0 or self.train_iters < 0:
-            raise DynaPipeError("consumed_samples, start_iteration and train_iters must be >= 0.")
-        if self.plan_timeout_s <= 0 or self.connect_timeout_s <= 0:
-            raise DynaPipeError("plan_timeout_s and connect_timeout_s must be > 0 seconds.")
-        if not self.store_retry_s >= 0:
-            raise DynaPipeError(f"--dynapipe-store-retry-s {self.store_retry_s}: must be >= 0 seconds.")
-        return self
-
-
-@dataclass(frozen=True)
-class RankLayout:
-    """Where this rank sits: global rank, data-parallel replica, pipeline stage, node.
-
-    Ranks of one node are consecutive (as torchrun assigns them); node ``n`` is ranks
-    ``[n * local_world_size, (n + 1) * local_world_size)``.
-    """
-
-    rank: int = 0
-    world_size: int = 1
-    dp_rank: int = 0
-    dp_size: int = 1
-    pp_rank: int = 0
-    pp_size: int = 1
-    local_rank: int = 0
-    local_world_size: int = 1
-
-    def validate(self) -> "RankLayout":
-        if self.world_size % (self.dp_size * self.pp_size):
-            raise DynaPipeError(f"world size {self.world_size} is not a multiple of dp {self.dp_size} x "
-                                f"pp {self.pp_size}.")
-        if self.world_size % self.local_world_size:
-            raise DynaPipeError(f"world size {self.world_size} is not a multiple of the "
-                                f"{self.local_world_size} ranks per node.")
-        if not (0 <= self.dp_rank < self.dp_size and 0 <= self.pp_rank < self.pp_size
-                and 0 <= self.rank < self.world_size and 0 <= self.local_rank < self.local_world_size):
-            raise DynaPipeError(f"rank layout {self} has an index out of range.")
-        return self
-
-    @property
-    def node(self) -> int:
-        return self.rank // self.local_world_size
-
-    @property
-    def num_nodes(self) -> int:
-        return self.world_size // self.local_world_size
-
-    @property
-    def readers_per_payload(self) -> int:
-        """Ranks that read the same (replica, stage) payload: tensor/context-parallel peers."""
-        return self.world_size // (self.dp_size * self.pp_size)
 
 
 _loaders_created = itertools.count()
