@@ -14,6 +14,14 @@ GPT = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
        "--mock-data", "--vocab-size", "128"]
 
 
+def _probe(code: str, **env: str):
+    """Run ``code`` in a fresh process (pinning is process-wide) and parse its last line."""
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env), capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def test_core_slices_are_equal_and_disjoint():
     assert [core_slice([0, 1, 2, 3], r, 2) for r in (0, 1)] == [[0, 1], [2, 3]]
     assert [core_slice([4, 6, 7], r, 2) for r in (0, 1)] == [[4], [6]]
@@ -42,10 +50,7 @@ def test_pin_takes_the_ranks_slice_once():
              "first = pin_local_rank()\n"
              "again = pin_local_rank()\n"
              "print(json.dumps([first, again, sorted(os.sched_getaffinity(0))]))\n")
-    env = dict(os.environ, LOCAL_RANK="1", LOCAL_WORLD_SIZE="2")
-    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr[-2000:]
-    first, again, now = json.loads(out.stdout.strip().splitlines()[-1])
+    first, again, now = _probe(probe, LOCAL_RANK="1", LOCAL_WORLD_SIZE="2")
     per = len(cores) // 2
     assert first == again == now == cores[per:2 * per]
 
@@ -74,8 +79,5 @@ def test_profiler_runs_on_as_many_cores_as_threads():
              f"too_many = pin_profiler({len(cores) + 1})\n"
              "one = pin_profiler(1)\n"
              "print(json.dumps([too_many, one, sorted(os.sched_getaffinity(0))]))\n")
-    env = dict(os.environ, LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr[-2000:]
-    too_many, one, now = json.loads(out.stdout.strip().splitlines()[-1])
+    too_many, one, now = _probe(probe, LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     assert too_many is None and one == now == cores[:1]
