@@ -104,7 +104,8 @@ class T5StageHandlers(ModelStageHandlers):
 
 @dataclass
 class PlannedIteration:
-    """What one iteration runs on this rank: its plan, the tensors it loads, the global figures."""
+    """What one iteration runs on this rank: its plan, the tensors it loads, the global figures
+    (``loss_tokens``: target tokens; ``real_tokens``: non-pad tokens, input + target)."""
 
     plan: object
     tensors: dict
