@@ -60,6 +60,7 @@ class LayoutResult:
 
     @property
     def real_tokens_per_s(self) -> float:
+        """DynaPipe's simulated non-pad tokens (input + target) per second at this layout."""
         return self.dynapipe.real_tokens_per_s
 
     @property

@@ -46,9 +46,9 @@ class MethodSimulation:
     """One method's simulated iteration.
 
     ``iteration_ms``: simulated makespan of the slowest replica (ms). ``real_tokens``:
-    sample tokens of the global batch after truncation at the sequence length
-    (input + target for encoder-decoder); ``padded_tokens``: tokens computed, padding
-    included. ``real_tokens_per_s``: ``real_tokens / iteration_ms``. ``stage_peak_mib``:
+    non-pad tokens of the global batch, input + target, every replica, after truncation at
+    the sequence length; ``padded_tokens``: tokens computed, padding included.
+    ``real_tokens_per_s``: ``real_tokens`` per second of ``iteration_ms``. ``stage_peak_mib``:
     simulated peak memory of every stage, model states included (MiB). ``planning_ms``:
     wall time of planning this configuration (batching + schedule + compile; the sweep
     of :func:`tune_baseline` is not included). ``micro_batch_size``: samples (rows for
@@ -73,7 +73,7 @@ class MethodSimulation:
 
     @property
     def padding_efficiency(self) -> float:
-        """Real tokens / tokens computed."""
+        """Non-pad tokens (input + target) / tokens computed."""
         return self.real_tokens / max(self.padded_tokens, 1)
 
     def to_json(self) -> dict:
@@ -299,12 +299,13 @@ class BatchesResult:
 
     @property
     def real_tokens_per_s(self) -> float:
-        """All batches' real tokens over their summed simulated time."""
+        """All batches' non-pad tokens (input + target) per second of their summed simulated
+        iteration time."""
         ms = sum(r.iteration_ms for r in self.runs)
         return sum(r.real_tokens for r in self.runs) / (ms / 1e3) if ms > 0 else 0.0
 
     def summary(self) -> dict:
-        """Aggregate figures: real tokens/s, mean iteration ms, median planning ms (wall
+        """Aggregate figures: real tokens/s (non-pad, input + target), mean iteration ms, median planning ms (wall
         time, so the median resists a busy machine), mean bubble,
         highest stage peak (MiB), FLOP-weighted attention share, and the recompute levels
         and schedules chosen (a set over the batches)."""

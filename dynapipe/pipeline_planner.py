@@ -121,14 +121,14 @@ def _default_memory(cost_model: CostModel, memory_limit_mib: Optional[float],
 
 
 def _loss_tokens(batch_plan: BatchPlan, lengths, cost_model: CostModel) -> BatchPlan:
-    """Encoder-decoder losses count target tokens: replace the micro-batches' real-token
-    counts (input + target) by their target tokens."""
+    """Encoder-decoder losses count target tokens: set the micro-batches' ``loss_tokens``
+    to their target tokens (``real_tokens`` keeps input + target)."""
     if not cost_model.model.is_encoder_decoder or lengths is None:
         return batch_plan
     arr = np.asarray(lengths)
     if arr.ndim != 2:
         return batch_plan
-    mbs = [dataclasses.replace(mb, real_tokens=int(arr[mb.samples, 1].sum())) for mb in batch_plan.micro_batches]
+    mbs = [dataclasses.replace(mb, loss_tokens=int(arr[mb.samples, 1].sum())) for mb in batch_plan.micro_batches]
     return dataclasses.replace(batch_plan, micro_batches=mbs)
 
 
@@ -175,7 +175,7 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
     ``memory_limit_mib``/``reserved_mib`` default to the cost model's device config; a
     stage may use ``memory_limit_mib - reserved_mib`` MiB, model states included.
     ``recompute``: a level, or ``None`` to let the search choose. ``lengths`` (the
-    batch's lengths) lets encoder-decoder plans count target tokens for the loss.
+    batch's lengths) lets encoder-decoder plans count target tokens as loss tokens.
     ``validate=True`` runs :func:`validate_plans` on the result (timed separately).
     ``replicas``: compile only these replicas' plans (``plans[r]`` is empty for the
     others), so planner nodes can split a large iteration's compilation by replica;
@@ -202,7 +202,7 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
     result = search_schedules(replica_batches, cost_model, schedule=schedule, recompute=recompute, capacity_mib=capacity,
                               cluster=cluster, dp=dp, tp=tp, zero=zero, explain=explain)
     t1, c1 = time.perf_counter(), time.process_time()
-    total_real = sum(mb.real_tokens for mb in batch_plan.micro_batches)
+    total_loss = sum(mb.planned_loss_tokens for mb in batch_plan.micro_batches)
     wanted = set(range(dp)) if replicas is None else {int(r) for r in replicas}
     if not wanted <= set(range(dp)):
         raise DynaPipeError(f"replicas {sorted(wanted - set(range(dp)))} are outside the {dp} data-parallel "
@@ -214,11 +214,11 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
         vl = cost_model.placement.virtual_layouts()
         plans = [compile_chunked_plans(result.schedules[r], result.micro_batches[r], cost_model.model,
                                        result.timelines[r], vl, replica=r, num_replicas=dp, iteration=iteration,
-                                       global_real_tokens=total_real) if r in wanted else [] for r in range(dp)]
+                                       global_loss_tokens=total_loss) if r in wanted else [] for r in range(dp)]
     else:
             plans = [compile_plans(result.schedules[r], result.micro_batches[r], cost_model.model,
                                timeline=result.timelines[r], replica=r, num_replicas=dp, iteration=iteration,
-                               global_real_tokens=total_real, layouts=cost_model.layouts,
+                               global_loss_tokens=total_loss, layouts=cost_model.layouts,
                                tp=max(tp, _tp_size(cost_model)), sequence_parallel=shards > 1) if r in wanted else []
                  for r in range(dp)]
     placement = cost_model.placement

@@ -36,7 +36,9 @@ class StepResult:
     """One iteration's outcome, identical on every rank.
 
     ``loss`` is the global batch's mean loss per loss token (``lm loss``); token counts
-    are over the whole global batch; times in ms.
+    are over the whole global batch: ``loss_tokens`` the sum of its ``loss_mask``,
+    ``real_tokens`` its non-pad tokens (input + target), ``padded_tokens`` the tokens
+    computed, padding included; times in ms.
     """
 
     loss: float

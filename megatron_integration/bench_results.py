@@ -3,8 +3,8 @@
 :func:`summarise` turns every rank's summary of one run into a :class:`MethodResult`
 (timed iterations only), :func:`median_result` combines the rounds of one method:
 
-* ``real_tokens_per_s``: sample tokens (padding excluded) trained per second;
-* ``padding_efficiency``: real tokens / tokens computed (padding included);
+* ``real_tokens_per_s``: non-pad tokens (input + target) trained per second;
+* ``padding_efficiency``: those tokens / tokens computed (padding included);
 * ``iteration_ms``: mean wall time of an iteration (the slowest rank's);
 * ``plan_wait_ms``: mean time the training loop waited for its plan (0 for the baselines);
 * ``activation_peak_mib``: per pipeline stage, the highest measured activation peak and
@@ -24,8 +24,9 @@ from megatron_integration.bench_report import timed_indices
 class MethodResult:
     """One method's figures over the timed iterations of one run (or medians over runs).
 
-    ``real_tokens_per_s``: sample tokens (padding excluded) per second of iteration wall
-    time; ``padding_efficiency``: real / computed tokens; ``iteration_ms``: mean wall
+    ``real_tokens_per_s``: non-pad tokens (input + target) per second of iteration wall
+    time; ``real_tokens``: those tokens of one iteration (the global batch, every replica;
+    mean over the timed iterations); ``padding_efficiency``: real / computed tokens; ``iteration_ms``: mean wall
     time of an iteration (the slowest rank's); ``plan_wait_ms``: mean time the training
     loop waited for its plan; ``planner_cpu_ms``: mean CPU ms per iteration of the
     processes the ranks started (DynaPipe's planner workers), summed over ranks;

@@ -58,12 +58,14 @@ def pack_pairs(lengths: np.ndarray, enc_capacity: int, dec_capacity: int) -> lis
 
 def baseline_micro_batches(method: str, lengths: np.ndarray, enc_seq: int, dec_seq: int, mbs: int, dp: int,
                            dp_rank: int) -> tuple[list[MicroBatch], int]:
-    """Replica ``dp_rank``'s fixed-shape micro-batches (``real_tokens``: target tokens, what the
-    loss counts) and the global batch's padded tokens (encoder + decoder, every replica)."""
+    """Replica ``dp_rank``'s fixed-shape micro-batches (``real_tokens``: input + target tokens;
+    ``loss_tokens``: target tokens, what the loss counts) and the global batch's padded tokens
+    (encoder + decoder, every replica)."""
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1, 2)
     if method == "padding":
         groups = padding_assignment(len(lengths), mbs, dp, dp_rank)
-        out = [MicroBatch(samples=g, seqlen=enc_seq, dec_seqlen=dec_seq, real_tokens=int(lengths[g, 1].sum()))
+        out = [MicroBatch(samples=g, seqlen=enc_seq, dec_seqlen=dec_seq, real_tokens=int(lengths[g].sum()),
+                          loss_tokens=int(lengths[g, 1].sum()))
                for g in groups]
         return out, len(lengths) * (enc_seq + dec_seq)
     if method == "packing":
@@ -76,7 +78,8 @@ def baseline_micro_batches(method: str, lengths: np.ndarray, enc_seq: int, dec_s
             group = rows[j * step + dp_rank * mbs: j * step + (dp_rank + 1) * mbs]
             samples = [i for r in group for i in r]
             out.append(MicroBatch(samples=samples, seqlen=enc_seq, dec_seqlen=dec_seq, rows=group,
-                                  real_tokens=int(lengths[samples, 1].sum()) if samples else 0))
+                                  real_tokens=int(lengths[samples].sum()) if samples else 0,
+                                  loss_tokens=int(lengths[samples, 1].sum()) if samples else 0))
         return out, num_mb * step * (enc_seq + dec_seq)
     raise DynaPipeError(f"not a T5 baseline: {method!r}; use padding or packing.")
 

@@ -104,7 +104,8 @@ class T5StageHandlers(ModelStageHandlers):
 
 @dataclass
 class PlannedIteration:
-    """What one iteration runs on this rank: its plan, the tensors it loads, the global figures."""
+    """What one iteration runs on this rank: its plan, the tensors it loads, the global figures
+    (``loss_tokens``: target tokens; ``real_tokens``: non-pad tokens, input + target)."""
 
     plan: object
     tensors: dict
@@ -170,7 +171,7 @@ class BaselineSource:
                                                   cfg.base.micro_batch_size, info.dp_size, info.dp_rank)
         loss_tokens = int(lengths[:, 1].sum())
         plan = compile_plans("1f1b", mbs_list, self.model, num_stages=info.pp_size, replica=info.dp_rank,
-                             num_replicas=info.dp_size, iteration=iteration, global_real_tokens=loss_tokens,
+                             num_replicas=info.dp_size, iteration=iteration, global_loss_tokens=loss_tokens,
                              recompute=self.level, layouts=self.layouts)[info.pp_rank]
         tensors = {}
         for i, mb in enumerate(mbs_list):

@@ -191,7 +191,7 @@ def _worker(ctx, args):
                   store=None if args.no_store else ctx.store,
                   config=ExecutorConfig(timeout_s=120, check_peers=not args.no_peer_check,
                                         watch_failures=not args.no_watch))
-    plain = Plain1F1B(stage, ctx.stage, S, (args.seqlen, args.mbs, cfg.hidden_size), plan.global_real_tokens)
+    plain = Plain1F1B(stage, ctx.stage, S, (args.seqlen, args.mbs, cfg.hidden_size), plan.global_loss_tokens)
     runners = {"executor": lambda: ex.run(plan).loss, "plain": lambda: plain.run(batches)}
     megatron_info = None
     if not args.no_megatron:
@@ -200,7 +200,7 @@ def _worker(ctx, args):
         init_pipeline_parallel(S)
         mpipe = MegatronPipeline(stage, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
                                  num_attention_heads=cfg.num_attention_heads, seq_length=args.seqlen,
-                                 micro_batch_size=args.mbs, global_tokens=plan.global_real_tokens)
+                                 micro_batch_size=args.mbs, global_tokens=plan.global_loss_tokens)
         runners["megatron"] = lambda: mpipe.run(batches)
         megatron_info = {"schedule": mpipe.schedule_name, "batched_p2p": mpipe.batched_p2p}
     names = list(runners)

@@ -43,7 +43,7 @@ def reference_encode_body(plan) -> bytes:
     encoded = [s.encode("utf-8", "surrogatepass") for s in strings]
     mb_bytes, n_samples, n_rows, n_row_items = _encode_micro_batches(plan.micro_batches)
     fixed = _FIXED.pack(plan.iteration, plan.stage, plan.num_stages, plan.replica, plan.num_replicas,
-                        plan.real_tokens, plan.global_real_tokens)
+                        plan.loss_tokens, plan.global_loss_tokens)
     counts = _COUNTS.pack(len(strings), sum(map(len, encoded)), len(meta), len(plan.micro_batches), n_samples,
                           n_rows, n_row_items, len(list_lens), len(items), len(dims), len(table),
                           sched << 16 | rec)

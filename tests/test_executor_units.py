@@ -91,7 +91,7 @@ def test_plans_from_the_compiler_pass_the_local_check():
     ("unknown_mb", "micro-batch 9 is not in the plan"),
     ("bad_peer", "peer 1 is not another stage"),
     ("bad_dtype", "is not a valid transfer"),
-    ("no_tokens", "global_real_tokens is 0"),
+    ("no_tokens", "global_loss_tokens is 0"),
 ])
 def test_local_check_refuses_broken_plans(breakage, message):
     plans = _plans(2)
@@ -116,7 +116,7 @@ def test_local_check_refuses_broken_plans(breakage, message):
         ins[k] = dataclasses.replace(ins[k], tensors=(TensorSpec("hidden_states", (32, 1, 64), "float64"),))
     elif breakage == "no_tokens":
         plan, stage = plans[1], 1
-        plan = dataclasses.replace(plan, global_real_tokens=0)
+        plan = dataclasses.replace(plan, global_loss_tokens=0)
         ins = list(plan.instructions)
     broken = dataclasses.replace(plan, instructions=tuple(ins))
     with pytest.raises(PlanError, match=message):

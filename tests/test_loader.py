@@ -315,7 +315,7 @@ def test_encoder_decoder_jsonl_through_the_loader(tmp_path):
     with DynaPipeDataLoader(cfg, data, planner, RankLayout(), store=default_store_for_single_process()) as dl:
         for d in dl:
             batch = sampler.batch(d.iteration)
-            assert d.meta.global_loss_tokens == int(ds.target_lengths[batch.indices].sum()) == d.plan.global_real_tokens
+            assert d.meta.global_loss_tokens == int(ds.target_lengths[batch.indices].sum()) == d.plan.global_loss_tokens
             for info in d.plan.micro_batches:
                 t = d.micro_batches[info.mb]
                 assert set(t) == {"tokens", "dec_tokens", "labels", "loss_mask", "enc_mask", "dec_mask"}

@@ -75,10 +75,10 @@ def _rank_body(dropouts):
                     torch.manual_seed(99)
                     model_parallel_cuda_manual_seed(99)
                     stage.module.zero_grad_buffer()
-                    handlers.begin(tensors, plan.global_real_tokens)
+                    handlers.begin(tensors, plan.global_loss_tokens)
                     p = with_levels(plan, level_of)
                     with measure_activations(stage.module, info.device, meter) as act:
-                        res = ex.run(p, loss_tokens=plan.global_real_tokens)
+                        res = ex.run(p, loss_tokens=plan.global_loss_tokens)
                     # numpy: torch tensors would travel back through shared memory the rank releases.
                     grads = {n: q.main_grad.detach().numpy().copy() for n, q in stage.gpt.named_parameters()}
                     runs[name] = {"loss": res.loss, "mb_losses": res.mb_loss_sums, "grads": grads,

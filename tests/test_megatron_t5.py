@@ -74,7 +74,8 @@ def test_t5_baselines_pad_to_the_flags_and_pack_pairs_whole():
     per_replica = [baseline_micro_batches("packing", lengths, 128, 64, 2, 2, r)[0] for r in range(2)]
     assert len(per_replica[0]) == len(per_replica[1])   # every replica runs as many micro-batches
     assert sorted(i for mbs in per_replica for mb in mbs for i in mb.samples) == list(range(24))
-    assert sum(mb.real_tokens for mbs in per_replica for mb in mbs) == int(lengths[:, 1].sum())
+    assert sum(mb.loss_tokens for mbs in per_replica for mb in mbs) == int(lengths[:, 1].sum())
+    assert sum(mb.real_tokens for mbs in per_replica for mb in mbs) == int(lengths.sum())
 
 
 def test_packed_t5_rows_keep_each_pair_in_its_own_segment():

@@ -28,8 +28,8 @@ def test_plan_iteration_covers_every_sample_once(tiny_cost):
     assert len(it.plans) == 2 and all(len(rep) == 2 for rep in it.plans)
     samples = sorted(x for rep in it.plans for m in rep[0].micro_batches for x in m.samples)
     assert samples == list(range(96))
-    assert all(p.global_real_tokens == int(lengths.sum()) for p in it.all_plans())
-    assert sum(rep[0].real_tokens for rep in it.plans) == int(lengths.sum())
+    assert all(p.global_loss_tokens == int(lengths.sum()) for p in it.all_plans())
+    assert sum(rep[0].loss_tokens for rep in it.plans) == int(lengths.sum())
     assert it.plan_for(1, 0) is it.plans[1][0] and it.plan_for(1, 0).replica == 1
     assert set(it.timings_ms) == {"batching", "schedule", "compile", "validate"}
     assert it.planning_ms == pytest.approx(sum(it.timings_ms[k] for k in ("batching", "schedule", "compile")))
@@ -62,7 +62,10 @@ def test_encoder_decoder_loss_counts_target_tokens():
     cm = build_cost_model(t5, load_device_config("h200"), 4)
     lengths = sample_lengths(24, 0, 512, encoder_decoder=True)
     it = plan_iteration(lengths, cm, validate=True)
-    assert it.plans[0][0].global_real_tokens == int(lengths[:, 1].sum())
+    assert it.plans[0][0].global_loss_tokens == int(lengths[:, 1].sum())
+    # The micro-batches keep their non-pad tokens (input + target); the loss count is apart.
+    assert sum(mb.real_tokens for mb in it.batch_plan.micro_batches) == int(lengths.sum())
+    assert sum(mb.planned_loss_tokens for mb in it.batch_plan.micro_batches) == int(lengths[:, 1].sum())
 
 
 def test_stages_must_match_the_cost_model(tiny_cost):

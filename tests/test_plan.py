@@ -27,7 +27,7 @@ def test_every_rank_gets_its_inputs_and_exact_shapes(tiny):
     assert [p.stage for p in plans] == [0, 1, 2]
     total = sum(m.real_tokens for m in mbs)
     for p in plans:
-        assert p.real_tokens == p.global_real_tokens == total
+        assert p.loss_tokens == p.global_loss_tokens == total
         assert [m.samples for m in p.micro_batches] == [tuple(m.samples) for m in mbs]
         loads = {i.mb: i for i in p.instructions if isinstance(i, LoadInput)}
         fws = [i for i in p.instructions if isinstance(i, ForwardPass)]
@@ -78,7 +78,7 @@ def test_encoder_decoder_plans_carry_the_encoder_output():
     cm = build_cost_model(t5, load_device_config("a100-40gb"), 4)
     plans = compile_plans("adaptive", mbs, t5, num_stages=4, cost_model=cm)
     validate_plans(plans)
-    assert plans[0].real_tokens == sum(m.real_tokens for m in mbs)
+    assert plans[0].loss_tokens == sum(m.real_tokens for m in mbs)
 
 
 def test_compile_follows_the_given_schedule_and_timeline(tiny):
@@ -96,7 +96,7 @@ def test_compile_follows_the_given_schedule_and_timeline(tiny):
 
 def test_replicas_need_the_global_token_count(tiny):
     mbs = chunked_micro_batches([3, 4, 5], 1)
-    with pytest.raises(DynaPipeError, match="global_real_tokens"):
+    with pytest.raises(DynaPipeError, match="global_loss_tokens"):
         compile_plans("1f1b", mbs, tiny, num_stages=2, num_replicas=2)
 
 

@@ -32,7 +32,7 @@ def grid():
     mbs = chunked_micro_batches(lengths, 3)
     halves = [mbs[::2], mbs[1::2]]
     total = int(sum(m.real_tokens for m in mbs))
-    return [compile_plans("1f1b", h, tiny, num_stages=3, replica=r, num_replicas=2, global_real_tokens=total)
+    return [compile_plans("1f1b", h, tiny, num_stages=3, replica=r, num_replicas=2, global_loss_tokens=total)
             for r, h in enumerate(halves)]
 
 
@@ -59,6 +59,20 @@ def test_binary_round_trip_is_exact_deterministic_and_lazy(grid):
     # Version-1 files written by earlier releases still load.
     p = grid[1][2]
     assert deserialize_plan(serialize_plan_v1(p)) == p
+
+
+def test_version1_token_keys_of_earlier_releases_read_as_loss_tokens(grid):
+    """Earlier releases wrote the loss tokens under the keys ``real_tokens`` and
+    ``global_real_tokens``; a document written by them reads into the renamed fields."""
+    p = grid[1][2]
+    doc = json.loads(zlib.decompress(serialize_plan_v1(p)[16:]))
+    assert doc["real_tokens"] == p.loss_tokens > 0 and doc["global_real_tokens"] == p.global_loss_tokens
+    assert "loss_tokens" not in doc and "global_loss_tokens" not in doc
+    doc["real_tokens"], doc["global_real_tokens"] = 11, 22
+    doc["micro_batches"][0][5] = 7
+    payload = zlib.compress(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("ascii"))
+    back = deserialize_plan(struct.pack(">4sHHII", b"DPPL", 1, 1, len(payload), zlib.crc32(payload)) + payload)
+    assert (back.loss_tokens, back.global_loss_tokens, back.micro_batches[0].loss_tokens) == (11, 22, 7)
 
 
 def test_inflation_is_bounded_by_the_header(grid):
@@ -177,7 +191,7 @@ def test_validate_requires_every_replica_and_agreeing_token_totals(grid, tmp_pat
         validate_plans(grid[0])
     _one_line(e)
     assert validate_plans(grid[0], complete=False).replicas == 1
-    off = [dataclasses.replace(p, global_real_tokens=p.global_real_tokens + 1) for p in flat]
+    off = [dataclasses.replace(p, global_loss_tokens=p.global_loss_tokens + 1) for p in flat]
     with pytest.raises(PlanError, match="add up to") as e:
         validate_plans(off)
     _one_line(e)

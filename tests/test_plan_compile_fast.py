@@ -92,7 +92,7 @@ def test_fast_validation_never_accepts_what_the_full_validator_refuses(S, dp, se
     mbs = chunked_micro_batches(rng.integers(1, 200, 8 * dp), 2)
     total = int(sum(m.real_tokens for m in mbs))
     grid = [compile_plans("1f1b" if r % 2 else "adaptive", mbs[r::dp], model, num_stages=S, replica=r,
-                          num_replicas=dp, global_real_tokens=total) for r in range(dp)]
+                          num_replicas=dp, global_loss_tokens=total) for r in range(dp)]
     assert all(group_is_valid(row) for row in grid)     # the compiler's plans take the fast path
     flat = [p for row in grid for p in row]
     refused = 0

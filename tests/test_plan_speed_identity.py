@@ -69,7 +69,7 @@ def test_compiling_from_op_arrays_equals_compiling_from_ops(iterations):
             tl = res.timelines[r]
             assert tl.op_arrays is not None
             kw = dict(timeline=tl, replica=r, num_replicas=len(res.schedules),
-                      global_real_tokens=it.plans[0][0].global_real_tokens)
+                      global_loss_tokens=it.plans[0][0].global_loss_tokens)
             fast = compile_plans(res.schedules[r], res.micro_batches[r], model, **kw)
             kw["timeline"] = dataclasses.replace(tl, op_arrays=None)
             slow = compile_plans(res.schedules[r], res.micro_batches[r], model, **kw)

@@ -188,8 +188,8 @@ def test_plan_set_structure():
         validate_plans([plans[0], plans[2]])
     with pytest.raises(PlanError, match="two plans"):
         validate_plans([plans[0], plans[0], plans[1], plans[2]])
-    wrong = dataclasses.replace(plans[2], global_real_tokens=plans[2].global_real_tokens + 1)
-    with pytest.raises(PlanError, match="global_real_tokens"):
+    wrong = dataclasses.replace(plans[2], global_loss_tokens=plans[2].global_loss_tokens + 1)
+    with pytest.raises(PlanError, match="global_loss_tokens"):
         validate_plans([plans[0], plans[1], wrong])
 
 
@@ -225,7 +225,7 @@ def test_plans_from_random_batches_validate(schedule, S, lengths, dp, headroom):
     assert summary.replicas == dp and summary.stages == S
     samples = sorted(x for rep in it.plans for m in rep[0].micro_batches for x in m.samples)
     assert samples == list(range(len(lengths)))
-    assert it.plans[0][0].global_real_tokens == sum(lengths)
+    assert it.plans[0][0].global_loss_tokens == sum(lengths)
 
 
 @settings(max_examples=60, deadline=None)

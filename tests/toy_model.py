@@ -170,5 +170,5 @@ def plan_batch(lengths: Sequence[int], cfg: ModelConfig, *, pp: int, dp: int, sc
     cost = build_cost_model(cfg, load_device_config("cpu"), pp)
     planned = plan_iteration(np.asarray(lengths), cost, stages=pp, dp=dp, schedule=schedule,
                              iteration=iteration, validate=True)
-    assert all(p.global_real_tokens == int(sum(lengths)) for p in planned.all_plans())
+    assert all(p.global_loss_tokens == int(sum(lengths)) for p in planned.all_plans())
     return planned.plans

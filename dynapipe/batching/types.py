@@ -14,6 +14,13 @@ class MicroBatch:
     ``seqlen`` (and ``dec_seqlen`` for encoder-decoder models) is the padded length in
     tokens; ``time_ms`` is forward + backward of the bottleneck stage;
     ``stored_mib``/``peak_mib`` its activation memory.
+
+    ``real_tokens``: non-pad tokens of its samples, input + target (encoder + decoder
+    tokens for encoder-decoder models); with :attr:`padded_tokens` it gives the padding
+    efficiency. ``loss_tokens``: the tokens of its samples the loss counts when they
+    differ from ``real_tokens``: target tokens of an encoder-decoder micro-batch, set
+    when the planner knows the target lengths; ``None`` otherwise. Read
+    :attr:`planned_loss_tokens`, which the execution plans record.
     """
 
     samples: list[int]
@@ -25,6 +32,14 @@ class MicroBatch:
     stored_mib: float = 0.0
     peak_mib: float = 0.0
     real_tokens: int = 0
+    loss_tokens: Optional[int] = None
+
+    @property
+    def planned_loss_tokens(self) -> int:
+        """Tokens the loss counts, as the planner knows them: ``loss_tokens`` when set, else
+        every non-pad token (``real_tokens``; decoder-only lengths do not separate input
+        from target)."""
+        return self.real_tokens if self.loss_tokens is None else self.loss_tokens
 
     @property
     def mbs(self) -> int:
@@ -48,6 +63,8 @@ class MicroBatch:
         }
         if self.dec_seqlen:
             out["dec_seqlen"] = self.dec_seqlen
+        if self.loss_tokens is not None:
+            out["loss_tokens"] = self.loss_tokens
         return out
 
 
@@ -81,7 +98,7 @@ class BatchPlan:
         return sum(times) / self.dp + (self.num_stages - 1) * max(times) if times else 0.0
 
     def compute_padding_efficiency(self) -> float:
-        """Real tokens / padded tokens computed, over the whole batch."""
+        """Non-pad tokens (input + target) / padded tokens computed, over the whole batch."""
         padded = sum(mb.padded_tokens for mb in self.micro_batches)
         return sum(mb.real_tokens for mb in self.micro_batches) / padded if padded else 0.0
 

@@ -4,13 +4,13 @@ Body layout (before compression; every count is in the fixed part, so the body's
 size follows from it and is checked before anything is read)::
 
     fixed      <qiiiiqq : iteration, stage, num_stages, replica, num_replicas,
-                          real_tokens, global_real_tokens
+                          loss_tokens, global_loss_tokens
     counts     <12I     : strings, string bytes, meta bytes, micro-batches, samples,
                           rows, row items, tensor lists, tensor items, dims,
                           instructions, (schedule string << 16 | recompute string)
     strings    u32[strings] lengths, then the UTF-8 bytes
     meta       JSON (UTF-8), the plan's ``meta``
-    mbs        i64[micro-batches, 7] : mb, mbs, seqlen, dec_seqlen, real_tokens,
+    mbs        i64[micro-batches, 7] : mb, mbs, seqlen, dec_seqlen, loss_tokens,
                                         samples, rows
     samples    i32[samples]; row lengths i32[rows]; row items i32[row items]
     tensors    i32[tensor lists] items per list; i32[tensor items, 3] name string,
@@ -51,7 +51,7 @@ def _encode_micro_batches(mbs: tuple) -> tuple[bytes, int, int, int]:
         return hit[1]
     head, samples, row_lens, row_items = [], [], [], []
     for m in mbs:
-        head.append((m.mb, m.mbs, m.seqlen, m.dec_seqlen, m.real_tokens, len(m.samples), len(m.rows)))
+        head.append((m.mb, m.mbs, m.seqlen, m.dec_seqlen, m.loss_tokens, len(m.samples), len(m.rows)))
         samples.extend(m.samples)
         for r in m.rows:
             row_lens.append(len(r))
@@ -101,7 +101,7 @@ def encode_body(plan: ExecutionPlan) -> bytes:
     mb_bytes, n_samples, n_rows, n_row_items = _encode_micro_batches(plan.micro_batches)
     try:
         fixed = _FIXED.pack(plan.iteration, plan.stage, plan.num_stages, plan.replica, plan.num_replicas,
-                            plan.real_tokens, plan.global_real_tokens)
+                            plan.loss_tokens, plan.global_loss_tokens)
     except struct.error as e:
         raise PlanError(f"plan of stage {plan.stage} has a field out of range: {e}.") from None
     counts = _COUNTS.pack(len(strings), sum(map(len, encoded)), len(meta), len(plan.micro_batches), n_samples,
@@ -202,11 +202,11 @@ def decode_body(body: bytes) -> ExecutionPlan:
         rows[:, c] = rd.take(_WIDTH_TYPES[w], n_insts)
     table = InstructionTable(rows, strings, tensor_lists)
     table.check("plan payload")
-    iteration, stage, num_stages, replica, num_replicas, real, global_real = fixed
+    iteration, stage, num_stages, replica, num_replicas, loss, global_loss = fixed
     return ExecutionPlan(iteration=iteration, stage=stage, num_stages=num_stages, replica=replica,
                          num_replicas=num_replicas, schedule=strings[sched], recompute=strings[rec],
-                         micro_batches=micro_batches, instructions=table, real_tokens=real,
-                         global_real_tokens=global_real, meta=meta)
+                         micro_batches=micro_batches, instructions=table, loss_tokens=loss,
+                         global_loss_tokens=global_loss, meta=meta)
 
 
 def _decode_micro_batches(rd: _Reader, n_mb: int, n_samples: int, n_rows: int, n_row_items: int) -> tuple:
@@ -220,13 +220,13 @@ def _decode_micro_batches(rd: _Reader, n_mb: int, n_samples: int, n_rows: int, n
     _want(bool((row_lens >= 0).all()) and int(row_lens.sum()) == n_row_items, "row lengths do not add up")
     s_list, r_lens, r_items = samples.tolist(), row_lens.tolist(), row_items.tolist()
     out, si, ri, ii = [], 0, 0, 0
-    for mb, mbs, seqlen, dec, real, ns, nr in head.tolist():
+    for mb, mbs, seqlen, dec, loss, ns, nr in head.tolist():
         rows = []
         for n in r_lens[ri:ri + nr]:
             rows.append(tuple(r_items[ii:ii + n]))
             ii += n
         out.append(MicroBatchInfo(mb=mb, samples=tuple(s_list[si:si + ns]), mbs=mbs, seqlen=seqlen,
-                                  dec_seqlen=dec, real_tokens=real, rows=tuple(rows)))
+                                  dec_seqlen=dec, loss_tokens=loss, rows=tuple(rows)))
         si += ns
         ri += nr
     return tuple(out)

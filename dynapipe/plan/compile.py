@@ -151,13 +151,13 @@ _make_info = maker(MicroBatchInfo)
 def _info(i: int, mb: MicroBatch) -> MicroBatchInfo:
     rows = tuple(tuple(map(int, r)) for r in mb.rows) if mb.rows is not None else ()
     return _make_info(mb=i, samples=tuple(map(int, mb.samples)), mbs=mb.mbs, seqlen=int(mb.seqlen),
-                      dec_seqlen=int(mb.dec_seqlen), real_tokens=int(mb.real_tokens), rows=rows)
+                      dec_seqlen=int(mb.dec_seqlen), loss_tokens=int(mb.planned_loss_tokens), rows=rows)
 
 
 def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroBatch], model: ModelConfig, *,
                   num_stages: Optional[int] = None, timeline: Optional[Timeline] = None,
                   cost_model: Optional[CostModel] = None, replica: int = 0, num_replicas: int = 1,
-                  iteration: int = 0, global_real_tokens: Optional[int] = None,
+                  iteration: int = 0, global_loss_tokens: Optional[int] = None,
                   recompute: Optional[str] = None,
                   layouts: Optional[Sequence[StageLayout]] = None, tp: int = 1,
                   sequence_parallel: bool = False) -> list[ExecutionPlan]:
@@ -168,8 +168,10 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
     then unbounded in memory). ``micro_batches``: this replica's micro-batches in the
     order the schedule indexes them. ``timeline``: the schedule's simulated timeline,
     which orders communication; without one it is simulated on ``cost_model``'s costs,
-    or on costs proportional to padded tokens. ``global_real_tokens``: real tokens of the
-    whole global batch over all replicas (needed when ``num_replicas > 1``).
+    or on costs proportional to padded tokens. ``global_loss_tokens``: loss tokens of the
+    whole global batch over all replicas, the plans' default loss normaliser (see
+    :class:`ExecutionPlan`; needed when ``num_replicas > 1``). Each micro-batch's loss
+    tokens are its :attr:`MicroBatch.planned_loss_tokens`.
     ``recompute`` overrides the schedule's level(s) in the plans; otherwise each rank's
     plan (and its forward/backward instructions) carries its stage's level.
     ``layouts``: the layers of every stage, which decide the messages of encoder-decoder
@@ -237,12 +239,12 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
         raise DynaPipeError(f"micro-batch {bad.mb} is padded to {bad.seqlen} tokens, which sequence parallelism "
                             f"cannot split over {shards} tensor-parallel ranks; pad micro-batches to multiples "
                             f"of {shards} (the planner does under sequence parallelism).")
-    real = sum(i.real_tokens for i in infos)
-    if global_real_tokens is None:
+    loss = sum(i.loss_tokens for i in infos)
+    if global_loss_tokens is None:
         if num_replicas > 1:
-            raise DynaPipeError("compile_plans with num_replicas > 1 needs global_real_tokens "
-                                "(real tokens of the whole global batch).")
-        global_real_tokens = real
+            raise DynaPipeError("compile_plans with num_replicas > 1 needs global_loss_tokens "
+                                "(loss tokens of the whole global batch).")
+        global_loss_tokens = loss
     # Tensor lists of every boundary's message and every rank's loads, each distinct one
     # numbered once (shapes repeat across micro-batches) and shared by every rank's table.
     shape = np.array([(i.mbs, i.seqlen, i.dec_seqlen) for i in infos], dtype=np.int64).reshape(M, 3)
@@ -301,7 +303,7 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
         plans.append(ExecutionPlan(
             iteration=iteration, stage=s, num_stages=S, replica=replica, num_replicas=num_replicas,
             schedule=schedule.name, recompute=level, micro_batches=infos, instructions=instructions,
-            real_tokens=real, global_real_tokens=int(global_real_tokens),
+            loss_tokens=loss, global_loss_tokens=int(global_loss_tokens),
             meta={"order": schedule.order, "mb_order": list(mb_order),
                   "simulated_ms": round(float(timeline.makespan_ms), 6), **tp_meta}))
     return plans

@@ -36,13 +36,13 @@ from dynapipe.schedule.types import Schedule
 def _info(i: int, mb: MicroBatch) -> MicroBatchInfo:
     rows = tuple(tuple(map(int, r)) for r in mb.rows) if mb.rows is not None else ()
     return MicroBatchInfo(mb=i, samples=tuple(map(int, mb.samples)), mbs=mb.mbs, seqlen=int(mb.seqlen),
-                          dec_seqlen=int(mb.dec_seqlen), real_tokens=int(mb.real_tokens), rows=rows)
+                          dec_seqlen=int(mb.dec_seqlen), loss_tokens=int(mb.planned_loss_tokens), rows=rows)
 
 
 def compile_chunked_plans(schedule: Schedule, micro_batches: Sequence[MicroBatch], model: ModelConfig,
                           timeline: Timeline, virtual_layouts: Sequence[StageLayout], *, replica: int = 0,
                           num_replicas: int = 1, iteration: int = 0,
-                          global_real_tokens: Optional[int] = None) -> list[ExecutionPlan]:
+                          global_loss_tokens: Optional[int] = None) -> list[ExecutionPlan]:
     """One :class:`ExecutionPlan` per rank of a chunked ``schedule`` (``num_chunks > 1``) and
     its simulated ``timeline``; ``virtual_layouts``: the layers of every virtual stage
     (:meth:`~dynapipe.cost.placement.StagePlacement.virtual_layouts`)."""
@@ -59,11 +59,11 @@ def compile_chunked_plans(schedule: Schedule, micro_batches: Sequence[MicroBatch
         raise DynaPipeError("the timeline given to compile_chunked_plans belongs to a different schedule.")
     mbs_list = list(micro_batches)
     infos = tuple(_info(i, mb) for i, mb in enumerate(mbs_list))
-    real = sum(i.real_tokens for i in infos)
-    if global_real_tokens is None:
+    loss = sum(i.loss_tokens for i in infos)
+    if global_loss_tokens is None:
         if num_replicas > 1:
-            raise DynaPipeError("compile_chunked_plans with num_replicas > 1 needs global_real_tokens.")
-        global_real_tokens = real
+            raise DynaPipeError("compile_chunked_plans with num_replicas > 1 needs global_loss_tokens.")
+        global_loss_tokens = loss
     layouts = tuple(virtual_layouts)
     packed = {i.mb: bool(i.rows) for i in infos}
     msg = {}
@@ -95,7 +95,7 @@ def compile_chunked_plans(schedule: Schedule, micro_batches: Sequence[MicroBatch
         out.append(ExecutionPlan(
             iteration=iteration, stage=s, num_stages=P, replica=replica, num_replicas=num_replicas,
             schedule=schedule.name, recompute=levels[0], micro_batches=infos, instructions=tuple(instructions),
-            real_tokens=real, global_real_tokens=int(global_real_tokens),
+            loss_tokens=loss, global_loss_tokens=int(global_loss_tokens),
             meta={"order": schedule.order, "mb_order": list(map(int, schedule.mb_order)), "chunks": v,
                   "chunk_recompute": levels, "simulated_ms": round(float(timeline.makespan_ms), 6)}))
     return out

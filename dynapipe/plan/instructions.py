@@ -176,14 +176,19 @@ FINISHES = (SendActivationFinish, SendGradFinish, RecvActivationFinish, RecvGrad
 
 @dataclass(frozen=True)
 class MicroBatchInfo:
-    """What a plan records of each micro-batch: its samples and token counts."""
+    """What a plan records of each micro-batch: its samples, padded shape and loss tokens.
+
+    ``loss_tokens``: the tokens of its samples the loss counts, as the planner counts them
+    (:attr:`MicroBatch.planned_loss_tokens`): target tokens for encoder-decoder models,
+    every non-pad token for decoder-only ones.
+    """
 
     mb: int
     samples: tuple[int, ...]
     mbs: int
     seqlen: int
     dec_seqlen: int = 0
-    real_tokens: int = 0
+    loss_tokens: int = 0
     # Packing: samples of each row (empty otherwise).
     rows: tuple[tuple[int, ...], ...] = ()
 
@@ -192,9 +197,16 @@ class MicroBatchInfo:
 class ExecutionPlan:
     """One pipeline rank's instructions for one iteration, and what it needs to know.
 
-    ``real_tokens`` counts the real (non-pad) target tokens of this replica's share;
-    ``global_real_tokens`` those of the whole global batch over every replica, which
-    the loss is normalised by so any micro-batching gives the same gradient.
+    ``loss_tokens``: the loss tokens of this replica's micro-batches (the sum of their
+    :attr:`MicroBatchInfo.loss_tokens`); ``global_loss_tokens`` those of the whole global
+    batch over every replica: what :meth:`Executor.run` divides the summed loss by when it
+    is given no ``loss_tokens``, so any micro-batching gives the same gradient. Both are
+    the planner's counts: target tokens for encoder-decoder models; for decoder-only
+    models every non-pad token, since the planner's lengths do not separate input from
+    target. Megatron training passes the data loader's exact count instead (the sum of
+    every ``loss_mask``, ``IterationMeta.global_loss_tokens``), which for decoder-only
+    data counts target tokens only. Non-pad tokens (input + target) are not in the plan:
+    they are ``MicroBatch.real_tokens`` and ``IterationMeta.real_tokens``.
     """
 
     iteration: int
@@ -206,8 +218,8 @@ class ExecutionPlan:
     recompute: str
     micro_batches: tuple[MicroBatchInfo, ...]
     instructions: tuple[Instruction, ...]
-    real_tokens: int = 0
-    global_real_tokens: int = 0
+    loss_tokens: int = 0
+    global_loss_tokens: int = 0
     meta: dict = field(default_factory=dict, compare=False, hash=False)
 
 

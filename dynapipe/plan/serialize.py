@@ -48,6 +48,11 @@ MAX_V1_JSON_BYTES = 16 << 20
 
 _PLAN_FIELDS = ("iteration", "stage", "num_stages", "replica", "num_replicas", "schedule",
                 "recompute", "real_tokens", "global_real_tokens")
+# Version 1 is the frozen format of earlier releases: its keys "real_tokens" and
+# "global_real_tokens" (and each micro-batch's sixth field) hold what the plan now calls
+# loss_tokens and global_loss_tokens. The keys stay, so that plans written by those
+# releases still read and a version-1 document means one thing.
+_V1_ATTRS = {"real_tokens": "loss_tokens", "global_real_tokens": "global_loss_tokens"}
 _DTYPES = frozenset(DTYPES)
 
 
@@ -89,8 +94,8 @@ def _plan_document(plan: ExecutionPlan) -> dict:
             v = getattr(inst, name)
             row.append(tensors_index(v) if kind == "tensors" else v)
         insts.append(row)
-    doc = {k: getattr(plan, k) for k in _PLAN_FIELDS}
-    doc["micro_batches"] = [[m.mb, list(m.samples), m.mbs, m.seqlen, m.dec_seqlen, m.real_tokens,
+    doc = {k: getattr(plan, _V1_ATTRS.get(k, k)) for k in _PLAN_FIELDS}
+    doc["micro_batches"] = [[m.mb, list(m.samples), m.mbs, m.seqlen, m.dec_seqlen, m.loss_tokens,
                              [list(r) for r in m.rows]] for m in plan.micro_batches]
     doc["instructions"] = insts
     doc["tensors"] = table
@@ -198,7 +203,7 @@ def _decode_micro_batch(i: int, v: Any) -> MicroBatchInfo:
         rows.append(tuple(r))
     if not all(type(x) is int for x in ints):
         _want(False, f"{what} must hold integers only")
-    return MicroBatchInfo(mb=v[0], samples=tuple(v[1]), mbs=v[2], seqlen=v[3], dec_seqlen=v[4], real_tokens=v[5],
+    return MicroBatchInfo(mb=v[0], samples=tuple(v[1]), mbs=v[2], seqlen=v[3], dec_seqlen=v[4], loss_tokens=v[5],
                           rows=tuple(rows))
 
 
@@ -275,7 +280,7 @@ def deserialize_plan(data: bytes) -> ExecutionPlan:
     _want(isinstance(doc, dict), "the document must be an object")
     missing = [k for k in _PLAN_FIELDS + ("micro_batches", "instructions", "tensors", "meta") if k not in doc]
     _want(not missing, f"missing field(s) {missing}")
-    kwargs = {k: (_str if k in ("schedule", "recompute") else _int)(doc[k], k) for k in _PLAN_FIELDS}
+    kwargs = {_V1_ATTRS.get(k, k): (_str if k in ("schedule", "recompute") else _int)(doc[k], k) for k in _PLAN_FIELDS}
     for k in ("micro_batches", "instructions", "tensors"):
         _want(isinstance(doc[k], list), f"{k} must be an array")
     _want(isinstance(doc["meta"], dict), "meta must be an object")

@@ -177,20 +177,20 @@ def _check_buffers(plan: ExecutionPlan) -> None:
 def _check_group(plans: list[ExecutionPlan]) -> int:
     first = plans[0]
     for p in plans:
-        for field in ("num_stages", "num_replicas", "iteration", "global_real_tokens"):
+        for field in ("num_stages", "num_replicas", "iteration", "global_loss_tokens"):
             if getattr(p, field) != getattr(first, field):
                 raise PlanError(f"{_where(p, -1)}: {field}={getattr(p, field)} differs from rank {first.stage}'s "
                                 f"{getattr(first, field)}.")
         if p.micro_batches != first.micro_batches:
             raise PlanError(f"{_where(p, -1)}: its micro-batch list differs from rank {first.stage}'s.")
         for m in p.micro_batches:
-            if not m.samples or m.real_tokens < 0 or m.real_tokens > m.mbs * (m.seqlen + m.dec_seqlen):
+            if not m.samples or m.loss_tokens < 0 or m.loss_tokens > m.mbs * (m.seqlen + m.dec_seqlen):
                 raise PlanError(f"{_where(p, -1)}: micro-batch {m.mb} holds {len(m.samples)} sample(s) and "
-                                f"{m.real_tokens} real tokens, which {m.mbs} x {m.seqlen + m.dec_seqlen} padded "
+                                f"{m.loss_tokens} loss tokens, which {m.mbs} x {m.seqlen + m.dec_seqlen} padded "
                                 f"tokens cannot hold.")
-        if p.real_tokens != sum(m.real_tokens for m in p.micro_batches):
-            raise PlanError(f"{_where(p, -1)}: real_tokens={p.real_tokens} is not the sum of its micro-batches' "
-                            f"{sum(m.real_tokens for m in p.micro_batches)}.")
+        if p.loss_tokens != sum(m.loss_tokens for m in p.micro_batches):
+            raise PlanError(f"{_where(p, -1)}: loss_tokens={p.loss_tokens} is not the sum of its micro-batches' "
+                            f"{sum(m.loss_tokens for m in p.micro_batches)}.")
     if group_is_valid(plans):
         return _count_transfers(plans)
     comms = [collect_transfers(p) for p in plans]
@@ -224,8 +224,8 @@ def validate_plans(plans: Sequence[ExecutionPlan], *, complete: bool = True) -> 
     ``plans`` holds, for every replica present, exactly one plan per stage. With
     ``complete`` (the default) every replica ``0..num_replicas-1`` of the declared
     layout must be present; ``complete=False`` checks a subset (one planner worker's
-    share). When every replica is present, their real tokens must add up to
-    ``global_real_tokens`` and no sample may appear in two replicas.
+    share). When every replica is present, their loss tokens must add up to
+    ``global_loss_tokens`` and no sample may appear in two replicas.
     """
     plans = list(plans)
     if not plans:
@@ -263,10 +263,10 @@ def validate_plans(plans: Sequence[ExecutionPlan], *, complete: bool = True) -> 
     total_mbs = sum(len(groups[r][0].micro_batches) for r in groups)
     first = plans[0]
     if set(groups) == set(range(first.num_replicas)):
-        real = sum(groups[r][0].real_tokens for r in groups)
-        if real != first.global_real_tokens:
-            raise PlanError(f"the replicas' real tokens add up to {real}, but the plans normalise the loss by "
-                            f"global_real_tokens={first.global_real_tokens}.")
+        loss = sum(groups[r][0].loss_tokens for r in groups)
+        if loss != first.global_loss_tokens:
+            raise PlanError(f"the replicas' loss tokens add up to {loss}, but the plans normalise the loss by "
+                            f"global_loss_tokens={first.global_loss_tokens}.")
         every = [x for r in sorted(groups) for m in groups[r][0].micro_batches for x in m.samples]
         if len(np.unique(np.asarray(every, dtype=np.int64))) == len(every):
             return ValidationSummary(len(groups), S, total_mbs, insts, transfers)

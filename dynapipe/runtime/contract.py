@@ -9,14 +9,15 @@ failures) is the executor's.
   ``{spec.name: tensor}``, each tensor exactly as the plan's specs say (for a GPT:
   ``tokens``/``position_ids`` on the first stage, ``labels``/``loss_mask`` on the last,
   ``[mbs, seqlen]``). ``mb`` is the plan's :class:`MicroBatchInfo`: sample indices into
-  the global batch, ``mbs``, ``seqlen``, real tokens.
+  the global batch, ``mbs``, ``seqlen``, loss tokens.
 - ``forward(mb, inputs, op)`` (``ForwardPass``) gets the received activations
   (``requires_grad`` already set) and the loaded data in one dict, by name. On every
   stage but the last it returns the activation to send (``[seqlen, mbs, hidden]``): one
   tensor, or ``{name: tensor}`` for a message of several (an encoder-decoder stage's
   hidden states and encoder output). On the last stage it returns the SUM of the
-  per-token losses over the micro-batch's real tokens, a scalar: the executor divides it
-  by ``plan.global_real_tokens`` (real tokens of the whole global batch, every replica),
+  per-token losses over the micro-batch's loss tokens, a scalar: the executor divides it
+  by ``run(plan, loss_tokens=N)``, default ``plan.global_loss_tokens`` (loss tokens of
+  the whole global batch, every replica, as the planner counts them),
   so the gradients equal one unpipelined pass over the global batch whatever the
   micro-batching; replicas' gradients are then summed, not averaged. ``op`` carries the
   recompute level and the virtual-pipeline chunk.

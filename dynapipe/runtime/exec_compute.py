@@ -61,7 +61,7 @@ class ComputeOps:
                                     f"{list(out.shape) if isinstance(out, torch.Tensor) else ''}.")
             if run.loss_tokens <= 0:
                 raise ExecutorError(f"{where}: the loss normaliser is {run.loss_tokens} tokens (plan."
-                                    f"global_real_tokens or run(loss_tokens=...)); the loss cannot be normalised.")
+                                    f"global_loss_tokens or run(loss_tokens=...)); the loss cannot be normalised.")
             run.losses[ins.mb] = out.detach().reshape(())
             scale = run.loss_tokens if self.config.normalise_loss else 1
             run.roots[key] = ([out.reshape(()) / scale], [None])

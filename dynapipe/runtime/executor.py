@@ -105,8 +105,9 @@ class Executor(ComputeOps, TransferOps):
         """Run one iteration of ``plan`` (an :class:`ExecutionPlan` or its serialized bytes).
 
         ``loss_tokens``: the number of tokens (whole global batch, every replica) the summed
-        loss is divided by; default ``plan.global_real_tokens``. Data whose loss covers only
-        some tokens (instruction targets) passes its loss-mask count here.
+        loss is divided by; default ``plan.global_loss_tokens``, the planner's count (every
+        non-pad token of a decoder-only batch). Data whose loss covers only some tokens
+        (instruction targets) passes its loss-mask count here.
 
         Every pipeline rank must call ``run`` for the same iteration. Raises
         :class:`PlanError` on every rank, before anything is sent, when any rank's plan is
@@ -134,7 +135,7 @@ class Executor(ComputeOps, TransferOps):
         elif refusal is not None:
             raise PlanError(refusal)
         result = self._execute(plan_obj, *pairing, check,
-                               plan_obj.global_real_tokens if loss_tokens is None else int(loss_tokens))
+                               plan_obj.global_loss_tokens if loss_tokens is None else int(loss_tokens))
         if any(isinstance(x, RECV_STARTS) for x in plan_obj.instructions):
             # A peer sends only after it read every row, and in a plan whose micro-batches
             # pass through every stage, each receive depends on every stage having sent.

@@ -116,9 +116,9 @@ def check_plan_locally(plan: ExecutionPlan, *, stage: int, num_stages: int, repl
         elif isinstance(x, FreeBuffer):
             need(i, x, x.buffer)
             live.discard(x.buffer)
-    if last and fw and plan.global_real_tokens <= 0:
-        raise PlanError(f"pipeline rank {stage} (last stage): global_real_tokens is {plan.global_real_tokens}; "
-                        f"the loss cannot be normalised by the global batch's real tokens.")
+    if last and fw and plan.global_loss_tokens <= 0:
+        raise PlanError(f"pipeline rank {stage} (last stage): global_loss_tokens is {plan.global_loss_tokens}; "
+                        f"the loss cannot be normalised by the global batch's loss tokens.")
 
 
 _FINISH_OF = {SendActivationStart: SendActivationFinish, RecvActivationStart: RecvActivationFinish,

@@ -30,10 +30,12 @@ from dynapipe.runtime.planner_workers import Keyspace, PlannerWorkerError
 class IterationMeta:
     """Figures of one iteration. Tokens are counts; times in ms.
 
-    ``real_tokens`` / ``padded_tokens``: this rank's replica (padded = computed,
-    padding included); ``global_*`` over the whole global batch; ``global_loss_tokens``
-    the tokens the loss counts, i.e. the sum of every ``loss_mask`` of the global batch
-    (normalise the loss by it). ``truncated_samples`` of the batch were cut to the length
+    ``real_tokens`` / ``padded_tokens``: this rank's replica; real = non-pad tokens,
+    input + target; padded = computed, padding included. ``global_*`` over the whole
+    global batch, every replica; ``global_loss_tokens`` the tokens the loss counts, i.e.
+    the sum of every ``loss_mask`` of the global batch (normalise the loss by it; the
+    plan's own ``global_loss_tokens`` is the planner's count, which for decoder-only data
+    also counts the input tokens). ``truncated_samples`` of the batch were cut to the length
     limit. ``planning_ms`` the planner's time for this iteration (in a worker);
     ``wait_ms`` the time this rank's training loop spent in ``next()`` for it.
     """

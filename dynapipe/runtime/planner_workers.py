@@ -108,7 +108,8 @@ def plan_and_publish(job: WorkerJob, planner: IterationPlanner, sampler: GlobalB
     grid = planned.plans
     planning_ms = (time.perf_counter() - t0) * 1e3
     # Every stage of a replica runs the same micro-batches: stage 0 stands for the replica
-    # (rows of replicas another node publishes are empty).
+    # (rows of replicas another node publishes are empty). Real tokens: non-pad, input +
+    # target (the planner's lengths); see IterationMeta.
     padded = [sum(m.mbs * (m.seqlen + m.dec_seqlen) for m in row[0].micro_batches) if row else 0 for row in grid]
     real = [int(sum(int(lengths[list(m.samples)].sum()) for m in row[0].micro_batches)) if row else 0
             for row in grid]
