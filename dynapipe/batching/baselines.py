@@ -10,8 +10,13 @@ same cost model as the DP.
 - ``padding-mb``: fixed ``micro_batch_size`` in arrival order, padded to the
   micro-batch's longest sample (rounded up to a multiple of 8).
 - ``packing``: samples packed whole (best-fit decreasing, never split) into rows of
-  ``seq_length`` tokens, ``micro_batch_size`` rows a micro-batch. Attention inside a row
-  is not masked per sample, so the rows pay attention across sample boundaries.
+  ``seq_length`` tokens, ``micro_batch_size`` rows a micro-batch, priced as full dense
+  rows. Whether samples see each other is the runtime's choice, not the planner's: the
+  training paths isolate them with a per-sample mask (``segment_ids``; Megatron's
+  ``--reset-attention-mask`` baseline), which keeps the loss exact but not the compute, since
+  masked attention still computes every (query, key) pair of the row.
+  ``cross_sample_attention_pairs`` counts the pairs that cross samples (what an unmasked
+  run would attend to, and what a masked one computes and discards).
 - ``token-budget``: samples sorted by length, each micro-batch greedily filled while its
   padded tokens stay within ``max_tokens``.
 """
@@ -92,7 +97,8 @@ def _pack_rows_2d(inputs: np.ndarray, targets: np.ndarray, capacity: int) -> lis
 
 
 def cross_sample_attention_pairs(lengths: np.ndarray, rows: list[list[int]]) -> int:
-    """Attention (query, key) pairs that cross sample boundaries in packed rows, unmasked.
+    """Attention (query, key) pairs that cross sample boundaries in packed rows: attended to
+    without a per-sample mask, computed and discarded with one.
 
     Decoder (causal) attention: a token sees every earlier token of its row, so each
     pair of samples a, b in a row adds ``l_a * l_b`` pairs. Encoder-decoder rows add the
