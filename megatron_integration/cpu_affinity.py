@@ -69,16 +69,22 @@ def bench_default(nproc: int) -> str:
     return "cores" if nproc <= len(os.sched_getaffinity(0)) else "none"
 
 
-def pin_profiler(threads: Optional[int]) -> Optional[list[int]]:
-    """Run this profiling process on ``threads`` cores of its own (its local rank's slice),
-    as a training rank with that many threads runs under ``cores``; returns the cores, or
-    None where it cannot (no ``threads``, not Linux, fewer cores than asked).
+def use_profiler_threads(threads: Optional[int], cuda: bool) -> Optional[list[int]]:
+    """Give this profiling process ``threads`` torch threads and, on CPU, ``threads`` cores of
+    its own (its local rank's slice), as a training rank with that many threads runs under
+    ``cores``; returns the cores, or None where it pins nothing (no ``threads``, CUDA, not
+    Linux, fewer cores than asked).
 
     Why: a profile is what the planner prices the pinned training ranks with. Measured on the
     2-core host, an unpinned one-thread profile timed the ops 1.5x faster than the pinned ranks
     then ran them (its process could use the second core); a pinned one, within 3%.
     """
-    if not threads or not hasattr(os, "sched_setaffinity"):
+    if not threads:
+        return None
+    import torch
+
+    torch.set_num_threads(threads)
+    if cuda or not hasattr(os, "sched_setaffinity"):
         return None
     cores = sorted(os.sched_getaffinity(0)) if _pinned is None else list(_pinned)
     rank, _ = local_rank_and_size()

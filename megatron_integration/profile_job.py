@@ -37,17 +37,14 @@ def write_profile(model: GPTModelArgs, output: str, mbs_grid: Sequence[int], seq
     from dynapipe.config import TensorParallelConfig
     from dynapipe.cost.profile import ProfileCostModel
     from dynapipe.progress import Progress
-    from megatron_integration.cpu_affinity import pin_profiler
+    from megatron_integration.cpu_affinity import use_profiler_threads
     from megatron_integration.initialize import initialize_megatron
     from megatron_integration.launch import free_port
     from megatron_integration.profiler import profile_model
     from megatron_integration.train_config import ParallelArgs
 
     cuda = torch.cuda.is_available()
-    if threads:
-        torch.set_num_threads(threads)
-        if not cuda:
-            pin_profiler(threads)
+    use_profiler_threads(threads, cuda)
     if "RANK" not in os.environ:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     parallel = ParallelArgs(world_size=tp, tensor_model_parallel_size=tp, backend="nccl" if cuda else "gloo",

@@ -212,15 +212,12 @@ def write_t5_profile(model: GPTModelArgs, output: str, mbs_grid: Sequence[int], 
     import sys
 
     from dynapipe.cost.profile import ProfileCostModel
-    from megatron_integration.cpu_affinity import pin_profiler
+    from megatron_integration.cpu_affinity import use_profiler_threads
     from megatron_integration.initialize import initialize_megatron
     from megatron_integration.launch import free_port
 
     cuda = torch.cuda.is_available()
-    if threads:
-        torch.set_num_threads(threads)
-        if not cuda:
-            pin_profiler(threads)
+    use_profiler_threads(threads, cuda)
     if "RANK" not in os.environ:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     initialize_megatron(ParallelArgs(world_size=1, backend="nccl" if cuda else "gloo"), seed=seed)

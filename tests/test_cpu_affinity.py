@@ -75,9 +75,10 @@ def test_contention_probe_measures_both_phases():
 def test_profiler_runs_on_as_many_cores_as_threads():
     cores = sorted(os.sched_getaffinity(0))
     probe = ("import json, os\n"
-             "from megatron_integration.cpu_affinity import pin_profiler\n"
-             f"too_many = pin_profiler({len(cores) + 1})\n"
-             "one = pin_profiler(1)\n"
-             "print(json.dumps([too_many, one, sorted(os.sched_getaffinity(0))]))\n")
-    too_many, one, now = _probe(probe, LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    assert too_many is None and one == now == cores[:1]
+             "from megatron_integration.cpu_affinity import use_profiler_threads\n"
+             f"too_many = use_profiler_threads({len(cores) + 1}, cuda=False)\n"
+             "on_gpu = use_profiler_threads(1, cuda=True)\n"
+             "one = use_profiler_threads(1, cuda=False)\n"
+             "print(json.dumps([too_many, on_gpu, one, sorted(os.sched_getaffinity(0))]))\n")
+    too_many, on_gpu, one, now = _probe(probe, LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    assert too_many is None and on_gpu is None and one == now == cores[:1]

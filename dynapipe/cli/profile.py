@@ -121,7 +121,7 @@ def run(args) -> int:
     from dynapipe.cost.profile import ProfileCostModel
     from dynapipe.errors import DynaPipeError
     from megatron_integration.arguments import ParallelArgs, model_args_from_args
-    from megatron_integration.cpu_affinity import pin_profiler
+    from megatron_integration.cpu_affinity import use_profiler_threads
     from megatron_integration.initialize import initialize_megatron
     from megatron_integration.launch import free_port
     from megatron_integration.profiler import profile_model
@@ -153,10 +153,7 @@ def run(args) -> int:
     tp, sp = check_tensor_parallel(args, model, seqlens)
     if tp > 1:
         return _run_tensor_parallel(args, model, mbs, seqlens, tp, sp)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-        if not cuda:
-            pin_profiler(args.threads)
+    use_profiler_threads(args.threads, cuda)
     if "RANK" not in os.environ:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     initialize_megatron(ParallelArgs(world_size=1, backend="nccl" if cuda else "gloo"), seed=args.seed)
