@@ -25,7 +25,8 @@ TIMEOUT = 300
 # baseline), and trained together: the suite's time budget is mostly process start-up, so the
 # first test that needs a run of ``world`` ranks starts one job that trains, one after the other,
 # every run of that world size the collected tests declare with ``@pytest.mark.megatron_runs``.
-# A job that fails fails every test of its runs with its error (kept, not retried).
+# A job that fails fails every test of its runs with its error (kept, not retried). ``{tmp}`` in
+# a run's flags stands for the session's temporary directory (known before any test runs).
 _RUNS: dict = {}
 
 
@@ -44,8 +45,9 @@ def run(extra: str, world: int, request) -> dict:
                 for k in (_key(*a) for a in mark.args):
                     if k[1] == world and k not in _RUNS and k not in batch:
                         batch.append(k)
+        tmp = str(request.getfixturevalue("tmp_path_factory").getbasetemp())
         try:
-            jobs = run_trainings([(TINY + " " + e).split() for e, _ in batch], world,
+            jobs = run_trainings([(TINY + " " + e.replace("{tmp}", tmp)).split() for e, _ in batch], world,
                                  timeout_s=TIMEOUT * len(batch))
         except Exception as e:
             _RUNS.update((k, e) for k in batch)
@@ -120,16 +122,21 @@ def test_dynapipe_loss_equals_padding(world, model, request):
     assert sum(dynapipe["padded_tokens"]) < 0.9 * sum(padding["padded_tokens"])
 
 
-def test_dynapipe_resume_continues_identically(tmp_path, request):
-    save = str(tmp_path / "ckpt")
-    extra = "--use-dynapipe --train-iters 4"
+RESUME = "--use-dynapipe --train-iters 4"
+# The uninterrupted run trains in the PP2 job, saving under the session's temporary directory.
+RESUME_FULL = f"{RESUME} --save {{tmp}}/dynapipe-resume --save-interval 2"
+
+
+@pytest.mark.megatron_runs((RESUME_FULL, 2))
+def test_dynapipe_resume_continues_identically(request, tmp_path_factory):
+    save = str(tmp_path_factory.getbasetemp() / "dynapipe-resume")
     # The uninterrupted run also saves after iteration 2; the resumed one starts from that
     # checkpoint (the tracker file pointed back at it, as when the job had been stopped there:
     # test_megatron_flags.py stops a run with --exit-interval).
-    full = run(f"{extra} --save {save} --save-interval 2", 2, request)
+    full = run(RESUME_FULL, 2, request)
     assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"]
     with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("2")
-    resumed = run(f"{extra} --load {save}", 2, request)
+    resumed = run(f"{RESUME} --load {save}", 2, request)
     assert resumed["start_iteration"] == 2
     assert resumed["losses"] == pytest.approx(full["losses"][2:], abs=1e-6, rel=1e-6)
