@@ -4,6 +4,8 @@
 :mod:`megatron_integration.launch`), each parsing the Megatron-style ``argv`` and
 running :func:`megatron_integration.training.pretrain`; it returns the per-iteration
 figures every rank agrees on. ``python -m dynapipe bench`` and the tests use it.
+``run_trainings([argv, ...], world_size)`` runs several command lines one after the
+other in one such job (the start-up of a job costs more than a tiny run).
 """
 from __future__ import annotations
 
@@ -18,21 +20,51 @@ from megatron_integration.launch import spawn
 def training_job(argv: Sequence[str], echo: bool = False) -> dict:
     """Rank body: train with ``argv``; returns a picklable summary of the run."""
     from megatron_integration.arguments import parse_training_args
-    from megatron_integration.cpu_time import IterationCpu
     from megatron_integration.initialize import destroy
-    from megatron_integration.training import pretrain
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = parse_training_args(list(argv), world)
-    stream = sys.stdout if echo else io.StringIO()
-    cpu = IterationCpu()
     try:
-        run = pretrain(cfg, stream=stream, on_iteration=cpu.record)
-        from megatron.core import parallel_state
-
-        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        return _train(cfg, echo)
     finally:
         destroy()
+
+
+def training_jobs(runs: Sequence[Sequence[str]], echo: bool = False) -> list[dict]:
+    """Rank body: train each command line of ``runs`` in turn, in this job's process group;
+    a picklable summary of each (as :func:`training_job`'s).
+
+    Each command line is parsed just before its run (a run may load what an earlier one
+    saved), and megatron's parallel state is torn down after every run, so each run sets up
+    its own pipeline/data-parallel layout and seeds as a fresh job would."""
+    from megatron.core import parallel_state
+
+    from megatron_integration.arguments import parse_training_args
+    from megatron_integration.initialize import destroy
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    out = []
+    try:
+        for argv in runs:
+            out.append(_train(parse_training_args(list(argv), world), echo))
+            if parallel_state.model_parallel_is_initialized():
+                parallel_state.destroy_model_parallel()
+    finally:
+        destroy()
+    return out
+
+
+def _train(cfg, echo: bool) -> dict:
+    """Train ``cfg`` on this rank (joining the process group if not joined); its summary."""
+    from megatron.core import parallel_state
+
+    from megatron_integration.cpu_time import IterationCpu
+    from megatron_integration.training import pretrain
+
+    stream = sys.stdout if echo else io.StringIO()
+    cpu = IterationCpu()
+    run = pretrain(cfg, stream=stream, on_iteration=cpu.record)
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     return dict(iteration_summary(cfg.method, run, cpu, pp_rank), **{
         # Megatron-format validation/test lines (every rank computes them; the logging rank prints them).
         "eval_lines": run.eval_lines,
@@ -73,3 +105,14 @@ def run_training(argv: Sequence[str], world_size: int, timeout_s: float = 600.0,
     """Spawn ``world_size`` ranks training with ``argv``; their summaries in rank order."""
     return spawn(training_job, world_size, (list(argv), echo), timeout_s=timeout_s,
                  threads_per_rank=threads_per_rank)
+
+
+def run_trainings(runs: Sequence[Sequence[str]], world_size: int, timeout_s: float = 600.0, echo: bool = False,
+                  threads_per_rank: Optional[int] = None) -> list[list[dict]]:
+    """Spawn ``world_size`` ranks training each command line of ``runs`` in turn, in one job;
+    ``result[run][rank]`` is that rank's summary of that run (as :func:`run_training` gives it).
+    A run that fails stops the job: the error is raised for all of them; ``timeout_s`` is for
+    the whole job."""
+    ranks = spawn(training_jobs, world_size, ([list(a) for a in runs], echo), timeout_s=timeout_s,
+                  threads_per_rank=threads_per_rank)
+    return [[ranks[r][i] for r in range(world_size)] for i in range(len(runs))]

@@ -2,11 +2,12 @@
 
 Same model, seed and global batches: a 2-stage pipeline (and 2 stages x 2 replicas)
 gives the same per-iteration ``lm loss`` as one process; packing with per-sample
-positions and attention isolation gives it too (fp32, ~1e-5).
+positions and attention isolation gives it too (fp32, ~1e-5). The three PP2 runs train one
+after the other in one spawned job of 2 ranks (the start-up of a job costs more than a run).
 """
 import pytest
 
-from megatron_integration.jobs import run_training
+from megatron_integration.jobs import run_training, run_trainings
 
 TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --seq-length 256 "
         "--vocab-size 256 --micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 1e-2 --mock-data "
@@ -14,8 +15,11 @@ TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-si
 TIMEOUT = 240
 
 
-def losses(extra: str, world: int) -> list[float]:
-    ranks = run_training((TINY + " " + extra).split(), world, timeout_s=TIMEOUT)
+def losses(extra: str, world: int) -> tuple:
+    return checked(run_training((TINY + " " + extra).split(), world, timeout_s=TIMEOUT))
+
+
+def checked(ranks: list) -> tuple:
     # Every rank reports the same global loss.
     for r in ranks[1:]:
         assert r["losses"] == ranks[0]["losses"]
@@ -27,9 +31,25 @@ def single_process():
     return losses("", 1)
 
 
-def test_pp2_padding_matches_single_process(single_process):
+PP2 = "--pipeline-model-parallel-size 2"
+PP2_RUNS = {
+    "padding": PP2,
+    "packing": f"{PP2} --dynapipe-batching packing --reset-position-ids --reset-attention-mask",
+    "padding-mb": f"{PP2} --dynapipe-batching padding-mb",
+}
+
+
+@pytest.fixture(scope="module")
+def pp2():
+    """Every PP2 run of 2 ranks, by name, from one job; each test checks its own."""
+    runs = run_trainings([(TINY + " " + extra).split() for extra in PP2_RUNS.values()], 2,
+                         timeout_s=TIMEOUT * len(PP2_RUNS))
+    return dict(zip(PP2_RUNS, runs))
+
+
+def test_pp2_padding_matches_single_process(single_process, pp2):
     ref, ref_ranks = single_process
-    got, ranks = losses("--pipeline-model-parallel-size 2", 2)
+    got, ranks = checked(pp2["padding"])
     assert len(got) == 3
     assert got == pytest.approx(ref, abs=1e-5, rel=1e-5)
     assert ranks[0]["loss_tokens"] == ref_ranks[0]["loss_tokens"]
@@ -46,19 +66,18 @@ def test_pp2_dp2_padding_matches_single_process(single_process):
     assert got == pytest.approx(ref, abs=1e-5, rel=1e-5)
 
 
-def test_pp2_packing_with_isolation_matches_padding(single_process):
+def test_pp2_packing_with_isolation_matches_padding(single_process, pp2):
     ref, ref_ranks = single_process
-    got, ranks = losses("--pipeline-model-parallel-size 2 --dynapipe-batching packing "
-                        "--reset-position-ids --reset-attention-mask", 2)
+    got, ranks = checked(pp2["packing"])
     assert got == pytest.approx(ref, abs=1e-5, rel=1e-5)
     # Packing computes fewer padded tokens than padding to --seq-length.
     assert sum(ranks[0]["padded_tokens"]) < sum(ref_ranks[0]["padded_tokens"])
     assert ranks[0]["real_tokens"] == ref_ranks[0]["real_tokens"]
 
 
-def test_pp2_padding_to_each_micro_batch_longest_matches_padding(single_process):
+def test_pp2_padding_to_each_micro_batch_longest_matches_padding(single_process, pp2):
     ref, ref_ranks = single_process
-    got, ranks = losses("--pipeline-model-parallel-size 2 --dynapipe-batching padding-mb", 2)
+    got, ranks = checked(pp2["padding-mb"])
     # megatron-core's variable_seq_lengths path: shapes exchanged before every transfer, same maths.
     assert got == pytest.approx(ref, abs=1e-5, rel=1e-5)
     assert sum(ranks[0]["padded_tokens"]) < sum(ref_ranks[0]["padded_tokens"])

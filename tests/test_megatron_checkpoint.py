@@ -11,7 +11,7 @@ import pytest
 
 from dynapipe.errors import DynaPipeError
 from megatron_integration.checkpoint_dist import common_state_file
-from megatron_integration.jobs import run_training
+from megatron_integration.jobs import run_training, run_trainings
 from megatron_integration.launch import spawn
 
 # Dropout on: the resumed run must also restore every RNG to draw the same masks.
@@ -23,9 +23,18 @@ TIMEOUT = 240
 
 def test_resume_continues_identically(tmp_path):
     save = str(tmp_path / "ckpt")
-    full = run_training(f"{TINY} --train-iters 4".split(), 2, timeout_s=TIMEOUT)[0]["losses"]
-    # Interrupted as Megatron-LM runs are: same --train-iters (the learning-rate decay spans it), --exit-interval.
-    first = run_training(f"{TINY} --train-iters 4 --exit-interval 2 --save {save}".split(), 2, timeout_s=TIMEOUT)[0]
+    # The four runs train one after the other in one job of 2 ranks (the start-up of a job costs more
+    # than a run); the third and fourth load what the second saved.
+    argvs = [f"{TINY} --train-iters 4",
+             # Interrupted as Megatron-LM runs are: same --train-iters (the learning-rate decay spans it),
+             # --exit-interval.
+             f"{TINY} --train-iters 4 --exit-interval 2 --save {save}",
+             f"{TINY} --train-iters 4 --load {save}",
+             # Without restoring RNG states.
+             f"{TINY} --train-iters 4 --load {save} --no-load-rng"]
+    full, first, resumed, no_rng = (ranks[0] for ranks in run_trainings([a.split() for a in argvs], 2,
+                                                                          timeout_s=TIMEOUT * len(argvs)))
+    full = full["losses"]
     assert first["losses"] == full[:2]
     with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
         assert f.read().strip() == "2"
@@ -43,15 +52,12 @@ def test_resume_continues_identically(tmp_path):
                         saving)
     assert re.fullmatch(rf"  \[[-0-9: .]+\] successfully saved checkpoint from iteration       2 to {save} "
                         rf"\[ t 1/1, p 1/2 \]", saved)
-    resumed = run_training(f"{TINY} --train-iters 4 --load {save}".split(), 2, timeout_s=TIMEOUT)[0]
     assert resumed["start_iteration"] == 2
     assert resumed["losses"] == full[2:]  # bitwise: same weights, optimizer state, data position and RNG
     assert resumed["checkpoint_lines"][:2] == [f" loading distributed checkpoint from {save} at iteration 2",
                                                f"  successfully loaded checkpoint from {save} [ t 1/1, p 1/2 ] "
                                                f"at iteration 2"]
     # Without restoring RNG states the dropout masks differ, so the check above has teeth.
-    no_rng = run_training(f"{TINY} --train-iters 4 --load {save} --no-load-rng".split(), 2,
-                          timeout_s=TIMEOUT)[0]
     assert abs(no_rng["losses"][0] - full[2]) > 1e-6
     _verifier_catches_damage(iter_dir, tmp_path / "damaged")
 

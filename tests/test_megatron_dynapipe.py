@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from megatron_integration.jobs import run_training
+from megatron_integration.jobs import run_trainings
 
 TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --seq-length 256 "
         "--vocab-size 256 --micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 1e-2 --mock-data "
@@ -21,21 +21,49 @@ TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-si
 TIMEOUT = 300
 
 
-# Runs by command line: test modules that need the same job (the PP2 padding baseline) share
-# one, since the suite's time budget is mostly process start-up.
+# Runs by command line, shared by the test modules that need the same run (the PP2 padding
+# baseline), and trained together: the suite's time budget is mostly process start-up, so the
+# first test that needs a run of ``world`` ranks starts one job that trains, one after the other,
+# every run of that world size the collected tests declare with ``@pytest.mark.megatron_runs``.
+# A job that fails fails every test of its runs with its error (kept, not retried). ``{tmp}`` in
+# a run's flags stands for the session's temporary directory (known before any test runs).
 _RUNS: dict = {}
 
 
-def run(extra: str, world: int) -> dict:
-    """Rank 0's summary of one training job of TINY + ``extra`` on ``world`` ranks (cached)."""
-    key = (" ".join(extra.split()), world)
+def _key(extra: str, world: int) -> tuple:
+    return " ".join(extra.split()), world
+
+
+def run(extra: str, world: int, request) -> dict:
+    """Rank 0's summary of one training job of TINY + ``extra`` on ``world`` ranks (cached);
+    ``request``: the calling test's, to find the other runs its job can train."""
+    key = _key(extra, world)
     if key not in _RUNS:
-        _RUNS[key] = _run(extra, world)
-    return _RUNS[key]
+        batch = [key]
+        for item in request.session.items:
+            for mark in item.iter_markers("megatron_runs"):
+                for k in (_key(*a) for a in mark.args):
+                    if k[1] == world and k not in _RUNS and k not in batch:
+                        batch.append(k)
+        tmp = str(request.getfixturevalue("tmp_path_factory").getbasetemp())
+        try:
+            jobs = run_trainings([(TINY + " " + e.replace("{tmp}", tmp)).split() for e, _ in batch], world,
+                                 timeout_s=TIMEOUT * len(batch))
+        except Exception as e:
+            _RUNS.update((k, e) for k in batch)
+        else:
+            for k, ranks in zip(batch, jobs):
+                try:
+                    _RUNS[k] = _summary(ranks)
+                except AssertionError as e:
+                    _RUNS[k] = e
+    got = _RUNS[key]
+    if isinstance(got, Exception):
+        raise got
+    return got
 
 
-def _run(extra: str, world: int) -> dict:
-    ranks = run_training((TINY + " " + extra).split(), world, timeout_s=TIMEOUT)
+def _summary(ranks: list) -> dict:
     for r in ranks[1:]:
         assert r["losses"] == ranks[0]["losses"] and r["eval_lines"] == ranks[0]["eval_lines"]
     return dict(ranks[0], printed_first=ranks[0]["printed"], printed_last=ranks[-1]["printed"])
@@ -58,14 +86,17 @@ LLAMA = ("--swiglu --disable-bias-linear --group-query-attention --num-query-gro
          "--position-embedding-type rope --rotary-base 500000 --untie-embeddings-and-output-weights")
 
 
-@pytest.mark.parametrize("world, model", [(2, ""), (4, LLAMA)], ids=["pp2", "pp2xdp2-llama"])
-def test_dynapipe_loss_equals_padding(world, model):
-    padding = run(model, world)
+@pytest.mark.parametrize("world, model", [
+    pytest.param(2, "", marks=pytest.mark.megatron_runs(("", 2), (f"--use-dynapipe {EVAL}", 2), (EVAL, 2))),
+    pytest.param(4, LLAMA, marks=pytest.mark.megatron_runs((LLAMA, 4), (f"{LLAMA} --use-dynapipe", 4))),
+], ids=["pp2", "pp2xdp2-llama"])
+def test_dynapipe_loss_equals_padding(world, model, request):
+    padding = run(model, world, request)
     # PP2: DynaPipe also evaluates (forward-only plans), and the padding baseline once more with
     # evaluation (megatron-core's forward-only schedule): same training losses, same validation losses.
-    dynapipe = run(f"{model} --use-dynapipe" + (" " + EVAL if world == 2 else ""), world)
+    dynapipe = run(f"{model} --use-dynapipe" + (" " + EVAL if world == 2 else ""), world, request)
     if world == 2:
-        padding_eval = run(EVAL, world)
+        padding_eval = run(EVAL, world, request)
         assert padding_eval["losses"] == padding["losses"]  # forward only: training untouched, bit for bit
         # 2 batches at iteration 2, then 2 of validation and 2 of test: all through forward-only plans.
         assert (dynapipe["eval_path"], padding_eval["eval_path"]) == ("dynapipe-plans:6", "megatron-forward-only")
@@ -91,16 +122,21 @@ def test_dynapipe_loss_equals_padding(world, model):
     assert sum(dynapipe["padded_tokens"]) < 0.9 * sum(padding["padded_tokens"])
 
 
-def test_dynapipe_resume_continues_identically(tmp_path):
-    save = str(tmp_path / "ckpt")
-    extra = "--use-dynapipe --train-iters 4"
+RESUME = "--use-dynapipe --train-iters 4"
+# The uninterrupted run trains in the PP2 job, saving under the session's temporary directory.
+RESUME_FULL = f"{RESUME} --save {{tmp}}/dynapipe-resume --save-interval 2"
+
+
+@pytest.mark.megatron_runs((RESUME_FULL, 2))
+def test_dynapipe_resume_continues_identically(request, tmp_path_factory):
+    save = str(tmp_path_factory.getbasetemp() / "dynapipe-resume")
     # The uninterrupted run also saves after iteration 2; the resumed one starts from that
     # checkpoint (the tracker file pointed back at it, as when the job had been stopped there:
     # test_megatron_flags.py stops a run with --exit-interval).
-    full = run(f"{extra} --save {save} --save-interval 2", 2)
+    full = run(RESUME_FULL, 2, request)
     assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"]
     with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("2")
-    resumed = run(f"{extra} --load {save}", 2)
+    resumed = run(f"{RESUME} --load {save}", 2, request)
     assert resumed["start_iteration"] == 2
     assert resumed["losses"] == pytest.approx(full["losses"][2:], abs=1e-6, rel=1e-6)

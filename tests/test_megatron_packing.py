@@ -6,6 +6,7 @@ With samples isolated (the block-diagonal mask built on both stages, positions
 restarting at every sample) the logged ``lm loss`` is the padding loss (~1e-5); a
 packed sample attending to its row neighbours would change it. (Megatron's own
 packing with ``--reset-attention-mask`` against padding: test_megatron_baselines.py.)
+Both runs train in one job with the PP2 runs of test_megatron_dynapipe.py when both files run.
 """
 import re
 
@@ -20,9 +21,10 @@ def _logged_losses(rank: dict) -> list[float]:
     return [float(m.group(1)) for l in rank["log_lines"] for m in [re.search(r"lm loss: (\S+) \|", l)] if m]
 
 
-def test_dynapipe_packing_logs_the_padding_loss():
-    padding = run("", 2)
-    packed = run("--use-dynapipe " + PACK, 2)
+@pytest.mark.megatron_runs(("", 2), ("--use-dynapipe " + PACK, 2))
+def test_dynapipe_packing_logs_the_padding_loss(request):
+    padding = run("", 2, request)
+    packed = run("--use-dynapipe " + PACK, 2, request)
     assert packed["method"] == "dynapipe" and padding["method"] == "padding"
     assert len(packed["losses"]) == 3
     assert packed["losses"] == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)
