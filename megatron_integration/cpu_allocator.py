@@ -28,7 +28,8 @@ _M_MMAP_THRESHOLD = -3
 
 #: Blocks above this many bytes still get their own mmap: far above any CPU activation.
 MMAP_THRESHOLD_BYTES = 1024 * 1024 * 1024
-#: The largest mmap threshold glibc before 2.35 accepts on 64-bit hosts (HEAP_MAX_SIZE / 2), bytes.
+#: The largest mmap threshold older glibc releases accept on 64-bit hosts (HEAP_MAX_SIZE / 2), bytes;
+#: glibc 2.36 (measured) accepts 1 GiB and more.
 OLD_GLIBC_MMAP_LIMIT_BYTES = 32 * 1024 * 1024
 #: Free heap top kept before glibc trims it back to the kernel, bytes.
 TRIM_THRESHOLD_BYTES = 1024 * 1024 * 1024
@@ -91,5 +92,5 @@ def current_setting() -> Optional[AllocatorSetting]:
 def describe() -> str:
     """One line for a bench's JSON: the allocator setting every CPU rank applies."""
     return (f"glibc malloc on every CPU rank: mmap threshold {MMAP_THRESHOLD_BYTES >> 20} MiB "
-            f"({OLD_GLIBC_MMAP_LIMIT_BYTES >> 20} MiB on glibc before 2.35), trim threshold "
+            f"({OLD_GLIBC_MMAP_LIMIT_BYTES >> 20} MiB where an older glibc caps it), trim threshold "
             f"{TRIM_THRESHOLD_BYTES >> 20} MiB (megatron_integration.cpu_allocator)")
