@@ -233,13 +233,21 @@ def test_validator_catches_broken_interleaved_plans():
         validate_plans([dataclasses.replace(q, instructions=tuple(insts)), plans[1]])
 
 
-def test_executor_refuses_interleaved_plans_with_one_line():
+def test_executor_checks_interleaved_plans_locally():
+    import dataclasses
+
     from dynapipe.errors import PlanError
     from dynapipe.runtime.plan_check import check_plan_locally
 
     it, _ = _chunked_iteration(2, "interleaved", n=5, dp=1)
-    with pytest.raises(PlanError, match="2 virtual-pipeline chunks per rank.*not executed yet"):
-        check_plan_locally(it.plans[0][0], stage=0, num_stages=2)
+    plan = it.plans[0][0]
+    check_plan_locally(plan, stage=0, num_stages=2)  # accepted: the executor runs chunks
+    ins = list(plan.instructions)
+    ins[0] = dataclasses.replace(ins[0], chunk=2)
+    with pytest.raises(PlanError, match="chunk 2 is not one of this plan's 2 virtual-pipeline chunk"):
+        check_plan_locally(dataclasses.replace(plan, instructions=tuple(ins)), stage=0, num_stages=2)
+    with pytest.raises(PlanError, match=r"meta\['chunks'\] is 'two'"):
+        check_plan_locally(dataclasses.replace(plan, meta={**plan.meta, "chunks": "two"}), stage=0, num_stages=2)
 
 
 def test_plan_command_writes_interleaved_plans_that_validate(tmp_path, capsys):

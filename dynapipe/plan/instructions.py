@@ -223,6 +223,29 @@ class ExecutionPlan:
     meta: dict = field(default_factory=dict, compare=False, hash=False)
 
 
+def plan_chunks(plan: ExecutionPlan) -> int:
+    """Virtual-pipeline chunks each rank of ``plan`` runs (``meta["chunks"]``, 1 unless the
+    placement is interleaved); 0 when the recorded value is not a positive integer."""
+    chunks = (plan.meta or {}).get("chunks", 1)
+    return chunks if isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1 else 0
+
+
+def virtual_stage(plan: ExecutionPlan, chunk: int) -> int:
+    """The virtual stage chunk ``chunk`` of ``plan``'s rank runs: ``chunk * num_stages + stage``
+    (Megatron's interleaved order; the rank's stage itself without chunks)."""
+    return chunk * plan.num_stages + plan.stage
+
+
+def is_first_virtual(plan: ExecutionPlan, chunk: int) -> bool:
+    """Chunk ``chunk`` of this rank starts the model (it receives no activation)."""
+    return virtual_stage(plan, chunk) == 0
+
+
+def is_last_virtual(plan: ExecutionPlan, chunk: int) -> bool:
+    """Chunk ``chunk`` of this rank ends the model (it computes the loss, receives no gradient)."""
+    return virtual_stage(plan, chunk) == plan_chunks(plan) * plan.num_stages - 1
+
+
 def sequence_shards(plan: ExecutionPlan) -> int:
     """Tensor-parallel ranks each sequence is split over between stages: the plan's TP size
     under Megatron's sequence parallelism (``meta["tp"]`` with ``meta["sequence_parallel"]``),

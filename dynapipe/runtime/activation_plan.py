@@ -20,10 +20,10 @@ Pure Python and numpy: no torch.
 from __future__ import annotations
 
 from dynapipe.cost.base import MIB, CostModel
+from dynapipe.errors import DynaPipeError
 from dynapipe.plan.instructions import (BackwardPass, ExecutionPlan, FreeBuffer, ForwardPass, LoadInput,
                                         RecvActivationStart, RecvGradStart, SendActivationFinish, SendGradStart,
-                                        TensorSpec,
-                                        buffer_name)
+                                        TensorSpec, buffer_name, plan_chunks, virtual_stage)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1, "uint8": 1}
 
@@ -34,15 +34,25 @@ def message_mib(specs: tuple[TensorSpec, ...]) -> float:
 
 
 def _mb_costs(plan: ExecutionPlan, cost_model: CostModel) -> dict:
-    """(mb, level) -> (stored, transient, recompute-held) MiB on this plan's stage."""
+    """(mb, chunk, level) -> (stored, transient, recompute-held) MiB on this plan's stage;
+    with an interleaved placement each chunk is priced as its own virtual stage."""
+    if plan_chunks(plan) > 1:
+        from dynapipe.schedule.interleaved import virtual_cost_model
+
+        if cost_model.placement.chunks != plan_chunks(plan):
+            raise DynaPipeError(f"the plan runs {plan_chunks(plan)} chunks per rank; the cost model's placement "
+                             f"{cost_model.placement} has {cost_model.placement.chunks}.")
+        cost_model = virtual_cost_model(cost_model)
     out = {}
     for ins in plan.instructions:
-        if not isinstance(ins, (ForwardPass, BackwardPass)) or (ins.mb, ins.recompute) in out:
+        key = (ins.mb, ins.chunk, getattr(ins, "recompute", None))
+        if not isinstance(ins, (ForwardPass, BackwardPass)) or key in out:
             continue
         dec = ins.dec_seqlen if cost_model.model.is_encoder_decoder else None
-        c = cost_model.stage_cost(ins.mbs, ins.seqlen, dec, recompute=ins.recompute, stage=plan.stage)
-        held = cost_model.recompute_held_mib(ins.mbs, ins.seqlen, dec, recompute=ins.recompute, stage=plan.stage)
-        out[(ins.mb, ins.recompute)] = (float(c.stored_mib), float(c.peak_mib), float(held))
+        stage = virtual_stage(plan, ins.chunk)
+        c = cost_model.stage_cost(ins.mbs, ins.seqlen, dec, recompute=ins.recompute, stage=stage)
+        held = cost_model.recompute_held_mib(ins.mbs, ins.seqlen, dec, recompute=ins.recompute, stage=stage)
+        out[key] = (float(c.stored_mib), float(c.peak_mib), float(held))
     return out
 
 
@@ -61,19 +71,19 @@ def planned_activation_peak_mib(plan: ExecutionPlan, cost_model: CostModel, *, t
         elif isinstance(ins, (RecvActivationStart, RecvGradStart)):
             buffers[ins.buffer] = message_mib(ins.tensors)
         elif isinstance(ins, ForwardPass):
-            st, pk, _ = costs[(ins.mb, ins.recompute)]
+            st, pk, _ = costs[(ins.mb, ins.chunk, ins.recompute)]
             buffers.pop(buffer_name("act_in", ins.mb, ins.chunk), None)  # now the first layer's stored input
             if transient:
                 high = stored + st + pk
             stored += st
-            stored_of[ins.mb] = st
+            stored_of[(ins.mb, ins.chunk)] = st
             out = buffer_name("act_out", ins.mb, ins.chunk)
             if out in send_specs:
                 buffers[out] = message_mib(send_specs[out])
         elif isinstance(ins, BackwardPass):
-            _, pk, held = costs[(ins.mb, ins.recompute)]
+            _, pk, held = costs[(ins.mb, ins.chunk, ins.recompute)]
             high = stored + (pk if transient else held)
-            stored -= stored_of.pop(ins.mb, 0.0)
+            stored -= stored_of.pop((ins.mb, ins.chunk), 0.0)
             grad_out = buffer_name("grad_out", ins.mb, ins.chunk)
             if grad_out in grad_specs:
                 buffers[grad_out] = message_mib(grad_specs[grad_out])

@@ -1,5 +1,9 @@
 """The compute instructions of a plan: load a micro-batch, forward, backward.
 
+With an interleaved placement a rank runs several chunks (virtual stages ``chunk * P +
+stage``); whether an op receives activations, returns the loss or receives a gradient
+follows from its chunk's virtual stage, not from the rank's.
+
 :class:`ComputeOps` is the part of :class:`~dynapipe.runtime.executor.Executor` that calls
 the model's handlers and checks what they return against the plan; received activations
 get ``requires_grad`` before the forward, their gradients are collected after the backward.
@@ -11,7 +15,8 @@ from typing import Optional
 import torch
 
 from dynapipe.errors import ExecutorError
-from dynapipe.plan.instructions import BackwardPass, ForwardPass, LoadInput, buffer_name
+from dynapipe.plan.instructions import (BackwardPass, ForwardPass, LoadInput, buffer_name, is_first_virtual,
+                                        is_last_virtual)
 from dynapipe.runtime.buffers import backward_from
 from dynapipe.runtime.p2p import check_tensor
 from dynapipe.runtime.run_state import RunState, Where
@@ -40,7 +45,7 @@ class ComputeOps:
         key, plan = (ins.mb, ins.chunk), run.plan
         inputs: dict[str, torch.Tensor] = {}
         received: dict[str, torch.Tensor] = {}
-        if plan.stage > 0:
+        if not is_first_virtual(plan, ins.chunk):
             for name, t in self._usable(buffer_name("act_in", *key), run, where).items():
                 if t.is_floating_point():
                     t.requires_grad_(True)
@@ -54,7 +59,7 @@ class ComputeOps:
                 inputs[name] = t
         out = self.handlers.forward(run.mbs[ins.mb], inputs, ins)
         run.act_inputs[key] = received
-        if plan.stage == plan.num_stages - 1:
+        if is_last_virtual(plan, ins.chunk):
             if not isinstance(out, torch.Tensor) or out.numel() != 1 or not out.is_floating_point():
                 raise ExecutorError(f"{where}: the last stage's forward must return the summed token loss as a "
                                     f"scalar float tensor, got {type(out).__name__}"
@@ -84,7 +89,7 @@ class ComputeOps:
         if key not in run.roots:
             raise ExecutorError(f"{where}: backward of a micro-batch whose forward did not run on this rank.")
         roots, names = run.roots.pop(key)
-        if plan.stage == plan.num_stages - 1:
+        if is_last_virtual(plan, ins.chunk):
             grads: list[Optional[torch.Tensor]] = [None]
         else:
             got = self._usable(buffer_name("grad_in", *key), run, where)

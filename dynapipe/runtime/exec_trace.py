@@ -35,7 +35,8 @@ def now_us() -> float:
 class ExecEvent:
     """One instruction as it ran: ``start_us`` wall clock, ``dur_us`` duration (us);
     ``kind`` ``F``/``B`` for compute ops with their micro-batch ``shape``
-    ``(mbs, seqlen, dec_seqlen)``."""
+    ``(mbs, seqlen, dec_seqlen)``; ``chunk``: the virtual-pipeline chunk it belongs to (0
+    without an interleaved placement)."""
 
     index: int
     opcode: str
@@ -46,6 +47,7 @@ class ExecEvent:
     dur_us: float
     kind: str = ""
     shape: Optional[tuple] = None
+    chunk: int = 0
 
 
 @dataclass
@@ -111,6 +113,8 @@ def chrome_trace(traces: Sequence[ExecTrace], pid_offset: int = 0) -> dict:
         for e in t.events:
             start_ms, end_ms = (e.start_us - t0) / 1e3, (e.start_us + e.dur_us - t0) / 1e3
             extra = {"instruction": e.index, "iteration": t.iteration}
+            if e.chunk:
+                extra["chunk"] = e.chunk
             if e.kind in ("F", "B") and e.shape is not None:
                 mbs, seqlen, dec = e.shape
                 out.append(op_event(pid, t.stage, e.kind, e.mb, start_ms, end_ms, mbs=mbs, seqlen=seqlen,

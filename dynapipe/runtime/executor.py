@@ -252,7 +252,7 @@ class Executor(ComputeOps, TransferOps):
                 opcode = ins.OPCODE
             else:
                 name, cat, kind, shape, opcode = WAIT_SENDS, "comm", "", None, "wait_sends"
-            trace.events.append(ExecEvent(i, opcode, ins.mb, name, cat, t0, now_us() - t0, kind, shape))
+            trace.events.append(ExecEvent(i, opcode, ins.mb, name, cat, t0, now_us() - t0, kind, shape, ins.chunk))
             trace.memory.append((t0, run.buffers.live_bytes))
 
     def _settle(self, run: RunState) -> None:

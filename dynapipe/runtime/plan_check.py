@@ -23,7 +23,7 @@ from dynapipe.plan.instructions import (DTYPES, FINISHES, INSTRUCTION_TYPES, SEN
                                         CommInstruction, ExecutionPlan, ForwardPass, FreeBuffer, Instruction,
                                         LoadInput, RecvActivationFinish, RecvActivationStart, RecvGradFinish,
                                         RecvGradStart, SendActivationFinish, SendActivationStart, SendGradFinish,
-                                        SendGradStart, buffer_name)
+                                        SendGradStart, buffer_name, plan_chunks, virtual_stage)
 from dynapipe.runtime.p2p import CommFailure, Pending, PeerComm, Waiter
 
 
@@ -41,11 +41,13 @@ def check_plan_locally(plan: ExecutionPlan, *, stage: int, num_stages: int, repl
     def bad(i: int, x, why: str) -> PlanError:
         return PlanError(f"pipeline rank {plan.stage}, instruction {i} ({x.OPCODE} mb {x.mb}): {why}")
 
-    chunks = (plan.meta or {}).get("chunks", 1)
-    if chunks != 1:
-        raise PlanError(f"the plan runs {chunks!r} virtual-pipeline chunks per rank (an interleaved placement), "
-                        f"which is planned and simulated but not executed yet; plan with a contiguous placement "
-                        f"(even, auto or ENC+DEC per stage).")
+    chunks = plan_chunks(plan)
+    if not chunks:
+        raise PlanError(f"pipeline rank {stage}: the plan's meta['chunks'] is {(plan.meta or {}).get('chunks')!r}; "
+                        f"it must be the number of virtual-pipeline chunks per rank, an integer >= 1.")
+    if chunks > 1 and num_stages < 2:
+        raise PlanError(f"the plan runs {chunks} virtual-pipeline chunks on a 1-stage pipeline; interleaving needs "
+                        f"at least 2 pipeline ranks.")
     if plan.num_stages != num_stages or plan.stage != stage:
         raise PlanError(f"the plan is for stage {plan.stage} of {plan.num_stages}, but this rank is pipeline rank "
                         f"{stage} of {num_stages}; give each rank the plan of its own stage.")
@@ -54,7 +56,7 @@ def check_plan_locally(plan: ExecutionPlan, *, stage: int, num_stages: int, repl
     known = {m.mb for m in plan.micro_batches}
     if len(known) != len(plan.micro_batches):
         raise PlanError(f"pipeline rank {stage}: micro-batch indices repeat in the plan's micro-batch list.")
-    last = stage == num_stages - 1
+    last_chunk = chunks - 1 if stage == num_stages - 1 else -1  # the chunk ending the model, if this rank holds it
     sends = {(x.mb, x.chunk) for x in plan.instructions if isinstance(x, SendActivationStart)}
     grads = {(x.mb, x.chunk) for x in plan.instructions if isinstance(x, SendGradStart)}
     live: set[str] = set()
@@ -82,6 +84,8 @@ def check_plan_locally(plan: ExecutionPlan, *, stage: int, num_stages: int, repl
         if x.mb not in known:
             raise bad(i, x, f"micro-batch {x.mb} is not in the plan's micro-batch list {sorted(known)}.")
         key = (x.mb, x.chunk)
+        if not 0 <= x.chunk < chunks:
+            raise bad(i, x, f"chunk {x.chunk} is not one of this plan's {chunks} virtual-pipeline chunk(s).")
         if isinstance(x, CommInstruction):
             if not 0 <= x.peer < num_stages or x.peer == stage:
                 raise bad(i, x, f"peer {x.peer} is not another stage of this {num_stages}-stage pipeline.")
@@ -101,7 +105,7 @@ def check_plan_locally(plan: ExecutionPlan, *, stage: int, num_stages: int, repl
             if key in fw:
                 raise bad(i, x, "the forward of this micro-batch runs twice.")
             fw.add(key)
-            if stage > 0:
+            if stage > 0 or x.chunk > 0:  # every virtual stage but the first receives its input
                 need(i, x, buffer_name("act_in", *key))
             if key in sends:
                 fill(i, x, buffer_name("act_out", *key))
@@ -109,14 +113,14 @@ def check_plan_locally(plan: ExecutionPlan, *, stage: int, num_stages: int, repl
             if key not in fw or key in bw:
                 raise bad(i, x, "the backward runs " + ("twice." if key in bw else "before the forward."))
             bw.add(key)
-            if not last:
+            if x.chunk != last_chunk:
                 need(i, x, buffer_name("grad_in", *key))
             if key in grads:
                 fill(i, x, buffer_name("grad_out", *key))
         elif isinstance(x, FreeBuffer):
             need(i, x, x.buffer)
             live.discard(x.buffer)
-    if last and fw and plan.global_loss_tokens <= 0:
+    if last_chunk >= 0 and fw and plan.global_loss_tokens <= 0:
         raise PlanError(f"pipeline rank {stage} (last stage): global_loss_tokens is {plan.global_loss_tokens}; "
                         f"the loss cannot be normalised by the global batch's loss tokens.")
 
@@ -170,9 +174,14 @@ def message_digests(plan: ExecutionPlan) -> tuple[list[int], list[int]]:
     for x in plan.instructions:
         if not isinstance(x, STARTS) or not 0 <= x.peer < plan.num_stages:
             continue
-        kind = "act" if isinstance(x, (SendActivationStart, RecvActivationStart)) else "grad"
+        act = isinstance(x, (SendActivationStart, RecvActivationStart))
+        # Sender and receiver name a message by the virtual stage that sends it: with chunks
+        # the two ends' chunk numbers differ where the ring wraps (last rank -> rank 0).
+        k = virtual_stage(plan, x.chunk)
+        if not isinstance(x, SEND_STARTS):
+            k += -1 if act else 1
         h = (sends if isinstance(x, SEND_STARTS) else recvs)[x.peer]
-        h.update(repr((kind, x.mb, x.chunk, [(t.name, tuple(t.shape), t.dtype) for t in x.tensors])).encode())
+        h.update(repr(("act" if act else "grad", x.mb, k, [(t.name, tuple(t.shape), t.dtype) for t in x.tensors])).encode())
     as_int = [int.from_bytes(h.digest(), "big") >> 1 for h in sends + recvs]
     return as_int[:plan.num_stages], as_int[plan.num_stages:]
 
