@@ -73,18 +73,23 @@ def stage_places(model_config, num_stages: int, placement=None) -> list[T5StageP
     """Every stage's place: the layers of ``placement`` (a
     :class:`~dynapipe.cost.placement.StagePlacement` of ``num_stages`` stages, validated
     against ``model_config``), by default the planner's even
-    :func:`~dynapipe.cost.base.stage_layouts`."""
+    :func:`~dynapipe.cost.base.stage_layouts`. An interleaved placement gives one place per
+    virtual stage (``chunks * num_stages`` of them; virtual stage ``k`` runs as chunk
+    ``k // num_stages`` of rank ``k % num_stages``)."""
     from dynapipe.cost.base import stage_layouts
     from dynapipe.errors import DynaPipeError
 
     if placement is not None and placement.num_stages != num_stages:
         raise DynaPipeError(f"stage placement {placement} has {placement.num_stages} stages; the pipeline has "
                             f"{num_stages} (--pipeline-model-parallel-size).")
-    layouts = stage_layouts(model_config, num_stages) if placement is None \
-        else placement.validate(model_config).layouts()
+    if placement is None:
+        layouts = stage_layouts(model_config, num_stages)
+    else:
+        placement = placement.validate(model_config)
+        layouts = placement.virtual_layouts() if placement.chunks > 1 else placement.layouts()
     places, enc, dec = [], 0, 0
-    for layout in layouts:
-        places.append(T5StagePlace(layout.stage, num_stages, enc, layout.encoder_layers, dec, layout.decoder_layers,
+    for k, layout in enumerate(layouts):
+        places.append(T5StagePlace(k, len(layouts), enc, layout.encoder_layers, dec, layout.decoder_layers,
                                    model_config.encoder_layers, model_config.decoder_layers))
         enc += layout.encoder_layers
         dec += layout.decoder_layers
@@ -252,20 +257,31 @@ def t5_deterministic_init_(stage: T5Stage, std: float, seed: int) -> None:
             param.copy_(value)
 
 
-def build_t5_stage(cfg: T5TrainingConfig, info: RankInfo) -> T5Stage:
-    """This rank's unwrapped :class:`T5Stage`, deterministically initialised."""
+def build_t5_stage(cfg: T5TrainingConfig, info: RankInfo) -> torch.nn.Module:
+    """This rank's unwrapped :class:`T5Stage`, deterministically initialised; with an
+    interleaved placement a :class:`~megatron_integration.t5_chunks.T5Chunks` holding one
+    stage per chunk."""
     base = cfg.base
-    place = stage_places(cfg.planner_model(), info.pp_size, cfg.stage_placement())[info.pp_rank]
+    placement = cfg.stage_placement()
+    places = stage_places(cfg.planner_model(), info.pp_size, placement)
+    mine = places[info.pp_rank::info.pp_size]  # virtual stages rank, rank + P, ... (one without chunks)
     # Each block gets the explicit list of its layers: the config describes one unsplit
     # block (no pipeline offsets), and DynaPipe sets the recompute level per micro-batch.
     fixed = None if base.dynapipe.enabled else base.recompute
     model = replace(base.model, num_layers=cfg.encoder_layers + cfg.decoder_layers)
     parallel = replace(base.parallel, pipeline_model_parallel_size=1)
     tconfig = transformer_config(model, parallel, cuda=info.device.type == "cuda", recompute=fixed)
-    stage = T5Stage(tconfig, place, model.vocab_size, model.max_position_embeddings, model.tie_embeddings)
-    stage.to(info.device)
-    t5_deterministic_init_(stage, model.init_method_std, base.seed)
-    return stage
+    stages = []
+    for place in mine:
+        stage = T5Stage(tconfig, place, model.vocab_size, model.max_position_embeddings, model.tie_embeddings)
+        stage.to(info.device)
+        t5_deterministic_init_(stage, model.init_method_std, base.seed)
+        stages.append(stage)
+    if len(stages) == 1:
+        return stages[0]
+    from megatron_integration.t5_chunks import T5Chunks
+
+    return T5Chunks(stages, info.pp_rank, info.pp_size)
 
 
 def set_t5_recompute_level(stage: T5Stage, config, level: str) -> None:
@@ -299,17 +315,21 @@ class EmbeddingSync:
     position_group: Optional[object]
 
     @classmethod
-    def create(cls, places: list[T5StagePlace], tied: bool) -> "EmbeddingSync":
-        """Collective: every rank creates every pipeline's groups, in the same order."""
+    def create(cls, places: list[T5StagePlace], tied: bool, num_ranks: Optional[int] = None) -> "EmbeddingSync":
+        """Collective: every rank creates every pipeline's groups, in the same order.
+        ``places``: every (virtual) stage's place; ``num_ranks``: pipeline ranks (default one
+        per place). Copies on one rank are one tensor (see ``T5Chunks``), so the groups
+        join the ranks holding copies."""
         from megatron.core import parallel_state
 
+        num_ranks = num_ranks or len(places)
         mine = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, list(mine))
         pipelines = sorted({tuple(r) for r in gathered})
         first_dec = next(p.stage for p in places if p.embeds_decoder)
-        word_stages = sorted({0, first_dec} | ({len(places) - 1} if tied else set()))
-        pos_stages = sorted({0, first_dec})
+        word_stages = sorted({s % num_ranks for s in {0, first_dec} | ({len(places) - 1} if tied else set())})
+        pos_stages = sorted({s % num_ranks for s in (0, first_dec)})
         word = pos = None
         for ranks in pipelines:
             for stages, kind in ((word_stages, "word"), (pos_stages, "pos")):
@@ -323,9 +343,11 @@ class EmbeddingSync:
                         pos = group
         return cls(word, pos)
 
-    def __call__(self, stage: T5Stage) -> None:
+    def __call__(self, stage) -> None:
+        """Sum the copies' gradients (``stage``: this rank's :class:`T5Stage` or ``T5Chunks``)."""
         if self.word_group is not None:
             weight = stage.shared_embedding_or_output_weight()
             dist.all_reduce(_main_grad(weight), group=self.word_group)
         if self.position_group is not None:
-            dist.all_reduce(_main_grad(stage.embedding.position_embeddings.weight), group=self.position_group)
+            embedding = stage.embedding if isinstance(stage, T5Stage) else stage.rank_embedding()
+            dist.all_reduce(_main_grad(embedding.position_embeddings.weight), group=self.position_group)

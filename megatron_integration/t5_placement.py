@@ -42,11 +42,18 @@ def parse_t5_placement(text: str, model, num_stages: int) -> Optional[StagePlace
         detail = " ".join(str(e).split()).replace("--stages is", "--pipeline-model-parallel-size is")
         raise DynaPipeError(f"--dynapipe-placement {text!r}: {detail.split(': ', 1)[-1]} (or use even / auto)") \
             from None
-    if placement.chunks > 1:
-        raise DynaPipeError(f"--dynapipe-placement {text!r}: interleaved placements ({placement.chunks} chunks per "
-                            f"stage) are simulated and planned (python -m dynapipe plan/trace --placement) but not "
-                            f"executed yet; train with even, auto or ENC+DEC per stage.")
     return placement
+
+
+def refuse_interleaved_checkpoints(placement: StagePlacement, base) -> None:
+    """One-line refusal of ``--save``/``--load`` on an interleaved placement (``base``: the
+    run's :class:`~megatron_integration.config.TrainingConfig`), whose checkpoints are not
+    written yet: refused before the run, not after its training."""
+    if placement.chunks > 1 and (base.save or base.load):
+        flags = " and ".join(f for f, v in (("--save", base.save), ("--load", base.load)) if v)
+        raise DynaPipeError(f"{flags} with stage placement {placement}: checkpoints of interleaved placements "
+                            f"({placement.chunks} chunks per stage) are not written yet; drop {flags} or pass a "
+                            f"contiguous --dynapipe-placement (even or ENC+DEC per stage).")
 
 
 def first_global_batches(cfg, count: int = AUTO_SAMPLE_BATCHES) -> list[np.ndarray]:

@@ -37,6 +37,7 @@ from megatron_integration.baseline_step import StepResult, reduce_loss
 from megatron_integration.model import Stage
 from megatron_integration.nan_guard import check_before_step
 from megatron_integration.stage_handlers import ModelStageHandlers
+from megatron_integration.t5_chunks import T5Chunks
 from megatron_integration.t5_config import T5TrainingConfig
 from megatron_integration.t5_model import EmbeddingSync, set_t5_recompute_level
 from megatron_integration.t5_placement import check_plan_placement
@@ -76,12 +77,17 @@ class T5StageHandlers(ModelStageHandlers):
 
     no_loss_tokens = "the global batch has no target tokens; the loss cannot be normalised."
 
+    def _part(self, chunk: int):
+        """The :class:`T5Stage` running chunk ``chunk`` (the rank's only stage without chunks)."""
+        t5 = self.stage.gpt
+        return t5.chunk(chunk) if isinstance(t5, T5Chunks) else t5
+
     def _level(self, op) -> None:
         if op is not None:
-            set_t5_recompute_level(self.stage.gpt, self.stage.config, op.recompute)
+            set_t5_recompute_level(self._part(op.chunk), self.stage.config, op.recompute)
 
     def forward(self, mb: MicroBatchInfo, inputs: dict[str, torch.Tensor], op: ForwardPass):
-        st, t5 = self.stage, self.stage.gpt
+        st, t5 = self.stage, self._part(op.chunk)
         place = t5.place
         self._level(op)
         enc_seg, dec_seg = inputs["enc_mask"], inputs.get("dec_mask")
@@ -96,6 +102,8 @@ class T5StageHandlers(ModelStageHandlers):
         if t5.decoder is not None:
             kwargs["dec_attn_mask"] = segment_mask(dec_seg, dec_seg, causal=True)
             kwargs["cross_attn_mask"] = segment_mask(dec_seg, enc_seg, self_attention=False)
+        if isinstance(st.gpt, T5Chunks):
+            kwargs["chunk"] = op.chunk
         out = st.module(**kwargs)
         if not place.is_last:
             return out
@@ -157,7 +165,8 @@ class BaselineSource:
         sampler = GlobalBatchSampler(dataset.sample_tokens(), sampler_config(cfg.base), consumed_samples)
         self.batches = GlobalBatches(dataset, sampler, start_iteration)
         self.level = cfg.base.recompute.granularity or "none"
-        self.layouts = cfg.stage_placement().layouts()  # the layers the stages hold decide the messages
+        self.placement = cfg.stage_placement()
+        self.layouts = self.placement.layouts()  # the layers the stages hold decide the messages
 
     def next(self, iteration: int) -> PlannedIteration:
         from dynapipe.plan.compile import compile_plans
@@ -170,9 +179,17 @@ class BaselineSource:
         mbs_list, padded = baseline_micro_batches(cfg.method, lengths, cfg.encoder_seq_length, cfg.decoder_seq_length,
                                                   cfg.base.micro_batch_size, info.dp_size, info.dp_rank)
         loss_tokens = int(lengths[:, 1].sum())
-        plan = compile_plans("1f1b", mbs_list, self.model, num_stages=info.pp_size, replica=info.dp_rank,
-                             num_replicas=info.dp_size, iteration=iteration, global_loss_tokens=loss_tokens,
-                             recompute=self.level, layouts=self.layouts)[info.pp_rank]
+        common = dict(replica=info.dp_rank, num_replicas=info.dp_size, iteration=iteration,
+                      global_loss_tokens=loss_tokens, recompute=self.level)
+        if self.placement.chunks > 1:  # Megatron's interleaved 1F1B on the same chunks as DynaPipe
+            from dynapipe.plan.compile_chunked import compile_interleaved_1f1b
+
+            plan = compile_interleaved_1f1b(mbs_list, self.model, self.placement.virtual_layouts(), info.pp_size,
+                                            **common)[info.pp_rank]
+        else:
+            plan = compile_plans("1f1b", mbs_list, self.model, num_stages=info.pp_size, layouts=self.layouts,
+                                 **common)[info.pp_rank]
+        plan.meta["placement"] = self.placement.to_json()
         tensors = {}
         for i, mb in enumerate(mbs_list):
             rows = [[ds[int(batch.indices[p])] for p in row] for row in (mb.rows or [[s] for s in mb.samples])]

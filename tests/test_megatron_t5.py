@@ -146,6 +146,9 @@ def pp2(tmp_path_factory, t5_dist):
     # A non-even stage placement (stage 0: the encoder and the first decoder layer), padding and DynaPipe.
     placed = TINY + " --dynapipe-placement 2+1,0+1 --exit-interval 2"
     runs += [placed.split(), (placed + " --use-dynapipe").split()]
+    # The interleaved placement (two chunks a rank: the encoder, then the decoder), every method.
+    interleaved = TINY + " --dynapipe-placement interleaved --exit-interval 2"
+    runs += [interleaved.split(), (interleaved + " --use-dynapipe").split(), (interleaved + PACKING).split()]
     # torch_dist (Megatron-LM's default format): interrupted after 2, resumed on the even split and on 2+1,0+1.
     runs += [(TINY + f" --exit-interval 2 --save {t5_dist / 'cut'}").split(),
              (TINY + f" --load {t5_dist / 'cut'} --save {t5_dist / 'resumed'}").split(),
@@ -199,6 +202,24 @@ def test_t5_non_even_placement_trains_dynapipe_like_padding(pp2):
     assert dynapipe["loss_tokens"] == pp2[0]["loss_tokens"][:2]
 
 
+def test_t5_interleaved_placement_trains_every_method_like_the_even_split(pp2):
+    padding, dynapipe, packing = pp2[10:13]
+    assert (padding["method"], dynapipe["method"], packing["method"]) == ("padding", "dynapipe", "packing")
+    # Two chunks a rank, one T5 stage each: the same model and losses as on the contiguous split.
+    for run in (padding, dynapipe, packing):
+        assert len(run["losses"]) == 2
+        assert run["losses"] == pytest.approx(pp2[0]["losses"][:2], abs=1e-5, rel=1e-5)
+        assert run["loss_tokens"] == pp2[0]["loss_tokens"][:2]
+    assert sum(dynapipe["padded_tokens"]) < sum(padding["padded_tokens"])
+
+
+def test_t5_interleaved_placement_refuses_checkpoints_before_training():
+    for flag in ("--save", "--load"):
+        with pytest.raises(DynaPipeError, match=f"{flag} with stage placement 1\\+0,1\\+0\\|0\\+1,0\\+1: "
+                                                f"checkpoints of interleaved placements"):
+            parse_t5_args((TINY + f" --dynapipe-placement interleaved {flag} /tmp/t5").split(), 2, cuda=False)
+
+
 def test_t5_dynapipe_pp2_x_dp2_trains_like_pp2(pp2, t5_dist, tmp_path):
     from megatron_integration.t5_jobs import run_t5_training
 
@@ -233,7 +254,7 @@ def _dist_tensors(iter_dir, scratch) -> dict:
 def test_t5_torch_dist_resume_is_exact_and_loads_at_another_placement(pp2, t5_dist, tmp_path):
     from megatron_integration.checkpoint_dist import read_common
 
-    full, cut, resumed, placed = pp2[0], pp2[10], pp2[11], pp2[12]
+    full, cut, resumed, placed = pp2[0], pp2[13], pp2[14], pp2[15]
     assert cut["losses"] == full["losses"][:2]
     # Bitwise: the same weights, optimizer state, data position and RNG after the round trip.
     assert resumed["start_iteration"] == 2 and resumed["losses"] == full["losses"][2:]

@@ -174,3 +174,31 @@ def _rank_plan(s, P, v, schedule, infos, transfers, message, packed, model, layo
         raise DynaPipeError(f"rank {s}: {len(mine) - ptr} transfers could not be placed in the rank's order "
                             f"(internal error, please report).")
     return out
+
+
+def compile_interleaved_1f1b(micro_batches: Sequence[MicroBatch], model: ModelConfig,
+                             virtual_layouts: Sequence[StageLayout], num_stages: int, *, replica: int = 0,
+                             num_replicas: int = 1, iteration: int = 0, global_loss_tokens: Optional[int] = None,
+                             recompute: str = "none") -> list[ExecutionPlan]:
+    """Plans of Megatron's interleaved 1F1B for fixed-shape micro-batches (the baselines on an
+    interleaved placement), one per rank, every op at ``recompute``. Transfers are ordered
+    by a simulation on costs proportional to padded tokens, as
+    :func:`~dynapipe.plan.compile.compile_plans` orders a schedule given by name."""
+    from dynapipe.schedule.costs import StageTimes
+    from dynapipe.schedule.interleaved import interleaved_1f1b, simulate_chunked
+
+    V = len(virtual_layouts)
+    if num_stages < 2 or V % num_stages:
+        raise DynaPipeError(f"an interleaved plan needs at least 2 pipeline ranks and whole chunks per rank; "
+                            f"got {V} virtual stages on {num_stages} ranks.")
+    mbs_list = list(micro_batches)
+    schedule = interleaved_1f1b(num_stages, V // num_stages, len(mbs_list), recompute=recompute)
+    tokens = np.array([max(mb.padded_tokens, 1) for mb in mbs_list], dtype=np.float64) * 1e-3
+    fw = np.tile(tokens, (V, 1))
+    zeros = np.zeros_like(fw)
+    comm = np.zeros((V - 1, len(mbs_list)))
+    times = StageTimes(fw, 2 * fw, zeros, zeros.copy(), comm, comm.copy(), np.zeros(num_stages))
+    timeline = simulate_chunked(schedule, times, record_memory=False)
+    return compile_chunked_plans(schedule, mbs_list, model, timeline, virtual_layouts, replica=replica,
+                                 num_replicas=num_replicas, iteration=iteration,
+                                 global_loss_tokens=global_loss_tokens)
