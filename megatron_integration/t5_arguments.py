@@ -147,9 +147,7 @@ def _t5_model_and_data_honoured(args: argparse.Namespace, base) -> None:
 
 def _with_placement(cfg: T5TrainingConfig, flag: str, pp: int) -> T5TrainingConfig:
     """``cfg`` with ``--dynapipe-placement`` checked against the model (``auto``: chosen at start-up)."""
-    from megatron_integration.t5_placement import parse_t5_placement, refuse_interleaved_checkpoints
+    from megatron_integration.t5_placement import parse_t5_placement
 
     placement = parse_t5_placement(flag, cfg.planner_model(), pp)
-    if placement is not None:
-        refuse_interleaved_checkpoints(placement, cfg.base)
     return replace(cfg, placement=placement, placement_flag=flag)

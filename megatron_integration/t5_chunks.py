@@ -11,7 +11,8 @@ embedding stage and the first decoder stage (rank 0 of the T5 interleaved split)
 with the same ``LanguageModelEmbedding``, and a tied output layer on a rank that holds an
 embedding multiplies by that embedding's weight. Gradients of one tensor add up in the
 backward, so :class:`~megatron_integration.t5_model.EmbeddingSync` only joins copies on other
-ranks, and the optimizer sees every parameter once.
+ranks, and the optimizer sees every parameter once. Checkpoints (both formats) hold every
+chunk's layers at their global indices, as a contiguous placement's stages do.
 """
 from __future__ import annotations
 
@@ -85,8 +86,41 @@ class T5Chunks(torch.nn.Module):
         """Run chunk ``chunk`` (see :meth:`T5Stage.forward`)."""
         return self.stages[chunk](**inputs)
 
+    # torch_dist checkpoints: every chunk's entries under megatron-core T5Model's global keys,
+    # so a checkpoint saved interleaved loads at any placement and the other way round.
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
-        from dynapipe.errors import DynaPipeError
+        """Each chunk's :func:`~megatron_integration.t5_checkpoint.stage_sharded_state_dict`
+        under ``stages.<c>.``; an entry a previous chunk already lists (the same global key
+        of the same tensor: a shared embedding) is left out, so the main copy (rank 0, chunk
+        0) keeps its entry and the optimizer state of the tensor is written with it."""
+        from megatron_integration.t5_checkpoint import stage_sharded_state_dict
 
-        raise DynaPipeError("checkpoints of an interleaved T5 placement are not written yet; train it without "
-                            "--save/--load, or use a contiguous placement (even, auto or ENC+DEC per stage).")
+        assert not sharded_offsets, "a rank's T5 chunks are the top-level module"
+        state, seen = {}, set()
+        for c, stage in enumerate(self.stages):
+            for key, sharded in stage_sharded_state_dict(stage, "", metadata).items():
+                tensor = getattr(sharded, "data", None)
+                mark = (getattr(sharded, "key", key), id(tensor))
+                if tensor is not None and mark in seen:
+                    continue
+                seen.add(mark)
+                state[f"{prefix}stages.{c}.{key}"] = sharded
+        return state
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``torch.nn.Module.load_state_dict`` of the chunks: ``T5Model``'s alias entries
+        skipped, and an entry of a shared tensor left out of one chunk taken from the chunk
+        that holds it (see :meth:`sharded_state_dict`)."""
+        from megatron_integration.t5_checkpoint import without_aliases
+
+        given = {}
+        for c in range(len(self.stages)):
+            head = f"stages.{c}."
+            part = {k[len(head):]: v for k, v in state_dict.items() if k.startswith(head)}
+            given.update({head + k: v for k, v in without_aliases(part).items()})
+        own = self.state_dict(keep_vars=True)
+        by_tensor = {id(own[k]): v for k, v in given.items() if k in own}
+        merged = {k: given[k] if k in given else by_tensor.get(id(t), None) for k, t in own.items()}
+        merged = {k: v for k, v in merged.items() if v is not None}
+        merged.update({k: v for k, v in given.items() if k not in own})  # unexpected keys stay visible
+        return super().load_state_dict(merged, strict=strict, assign=assign)

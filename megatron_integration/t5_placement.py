@@ -45,17 +45,6 @@ def parse_t5_placement(text: str, model, num_stages: int) -> Optional[StagePlace
     return placement
 
 
-def refuse_interleaved_checkpoints(placement: StagePlacement, base) -> None:
-    """One-line refusal of ``--save``/``--load`` on an interleaved placement (``base``: the
-    run's :class:`~megatron_integration.config.TrainingConfig`), whose checkpoints are not
-    written yet: refused before the run, not after its training."""
-    if placement.chunks > 1 and (base.save or base.load):
-        flags = " and ".join(f for f, v in (("--save", base.save), ("--load", base.load)) if v)
-        raise DynaPipeError(f"{flags} with stage placement {placement}: checkpoints of interleaved placements "
-                            f"({placement.chunks} chunks per stage) are not written yet; drop {flags} or pass a "
-                            f"contiguous --dynapipe-placement (even or ENC+DEC per stage).")
-
-
 def first_global_batches(cfg, count: int = AUTO_SAMPLE_BATCHES) -> list[np.ndarray]:
     """``(n, 2)`` input and target lengths (tokens) of the run's first ``count`` global batches
     (fewer when the run has fewer iterations), as every method's sampler draws them."""

@@ -43,8 +43,7 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
     """Train ``cfg.base.train_iters`` iterations (stopping early at ``--exit-interval``)."""
     from megatron_integration.t5_checkpoint import t5_megatron_args, t5_model_values
     from megatron_integration.t5_model import EmbeddingSync, stage_places
-    from megatron_integration.t5_placement import (check_checkpoint_placement, checkpoint_record,
-                                                   refuse_interleaved_checkpoints, resolve_t5_placement)
+    from megatron_integration.t5_placement import check_checkpoint_placement, checkpoint_record, resolve_t5_placement
     from megatron_integration.t5_step import T5Stepper
 
     base = cfg.base
@@ -57,7 +56,6 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
     if info.rank == 0 and cfg.placement_flag != "even":
         print(f" > stage placement (encoder+decoder layers per stage): {placement} "
               f"(--dynapipe-placement {cfg.placement_flag})", file=stream, flush=True)
-    refuse_interleaved_checkpoints(placement, base)  # as auto chose it
     stage = build_t5_training_stage(cfg, info)
     optimizer, scheduler = build_optimizer(base, stage)
     sync = EmbeddingSync.create(stage_places(cfg.planner_model(), info.pp_size, placement), base.model.tie_embeddings,

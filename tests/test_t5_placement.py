@@ -66,12 +66,13 @@ def test_placement_decides_every_stages_layers_and_roles():
 def test_placement_flag_errors_name_the_value():
     for value, text in (("2+2,0+1", "holds 2 encoder \\+ 3 decoder"), ("4,0", "write ENC\\+DEC"),
                         ("2+0,0+1,0+1", "names 3 stages"), ("2+0,x", "is not a layer count"),
-                        ("0+2,2+0", "encoder layers must all come before"),
-                        # Interleaved chunks are planned and simulated, not executed: refused, not ignored.
-                        ("interleaved", "2 chunks per stage.*not executed yet"),
-                        ("1+0,1+0|0+1,0+1", "not executed yet")):
+                        ("0+2,2+0", "encoder layers must all come before")):
         with pytest.raises(DynaPipeError, match=f"--dynapipe-placement {re.escape(repr(value))}.*{text}"):
             _cfg(f"--dynapipe-placement {value}")
+    # Interleaved chunks are trained: the keyword and a chunked split written out.
+    for value in ("interleaved", "1+0,1+0|0+1,0+1"):
+        placement = _cfg(f"--dynapipe-placement {value}").stage_placement()
+        assert placement.chunks == 2 and str(placement) == "1+0,1+0|0+1,0+1"
     auto = _cfg("--dynapipe-placement auto")
     assert auto.placement is None
     with pytest.raises(DynaPipeError, match="chosen at start-up"):
