@@ -91,18 +91,32 @@ def t5_with_defaults(argv: Sequence[str], preset: str) -> list[str]:
 
 @dataclass(frozen=True)
 class T5Entry:
-    """One run of the bench: a method at a micro-batch size (None: DynaPipe's own micro-batches)."""
+    """One run of the bench: a method at a micro-batch size (None: DynaPipe's own micro-batches),
+    on the bench's stage placement or, for a baseline, on ``contiguous`` (the best contiguous
+    split, tried beside an interleaved placement so that each baseline keeps its best)."""
 
     method: str
     micro_batch_size: Optional[int] = None
+    contiguous: Optional[str] = None
 
     @property
     def label(self) -> str:
-        return self.method if self.micro_batch_size is None else f"{self.method}@mbs{self.micro_batch_size}"
+        label = self.method if self.micro_batch_size is None else f"{self.method}@mbs{self.micro_batch_size}"
+        return label + ("-contiguous" if self.contiguous else "")
 
     def argv(self, argv: Sequence[str]) -> list[str]:
         out = list(argv) + T5_METHOD_FLAGS[self.method]
+        out += ["--dynapipe-placement", self.contiguous] if self.contiguous else []
         return out + (["--micro-batch-size", str(self.micro_batch_size)] if self.micro_batch_size else [])
+
+
+def t5_entries(methods: Sequence[str], sweep: Sequence[int], placement: dict) -> list[T5Entry]:
+    """Every run: each baseline at every size of ``sweep``, also on the best contiguous split
+    when the bench's placement (``placement``, see ``_placement``) is interleaved."""
+    contiguous = (placement.get("search", {}).get("compared") or {}).get("contiguous")
+    splits = (None, contiguous) if "|" in placement["placement"] and contiguous else (None,)
+    return [T5Entry(m, s, c) for m in methods for s in (sweep if m in T5_BASELINES else (None,))
+            for c in (splits if m in T5_BASELINES else (None,))]
 
 
 def t5_figures(ranks: list[dict], warmup_iters: int) -> dict:
@@ -142,8 +156,9 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
     sweep = tuple(p.sweep if sweep is None else sweep)
     warmup = p.warmup_iters if warmup_iters is None else warmup_iters
     argv = fill_defaults(t5_with_defaults(argv, preset), {"--dynapipe-cpu-affinity": bench_default(nproc)})
-    entries = [T5Entry(m, s) for m in methods for s in (sweep if m in T5_BASELINES else (None,))]
-    for margv in [e.argv(argv) for e in entries]:  # every command line checked before any process starts
+    # Every command line checked before any process starts (the contiguous splits tried beside
+    # an interleaved placement are the planner's own).
+    for margv in [e.argv(argv) for e in t5_entries(methods, sweep, {"placement": ""})]:
         cfg = parse_t5_args(margv, nproc)
     if cfg.base.train_iters <= warmup:
         raise DynaPipeError(f"--train-iters {cfg.base.train_iters} leaves no timed iteration after the "
@@ -182,6 +197,7 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
     placement = _placement(argv, nproc, warmup)
     if placement["source"] == "auto":  # chosen once here: every run builds the same split
         argv += ["--dynapipe-placement", placement["placement"]]
+    entries = t5_entries(methods, sweep, placement)
     # Every run records executor traces: where each stage's time went (compute, bubble, ...).
     trace_root = os.path.splitext(output)[0] + ".traces"
     rounds = max(int(rounds), 1)
@@ -205,12 +221,14 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
     for e in entries:
         if e.method not in best or per_entry[e.label]["real_tokens_per_s"] > best[e.method][1]["real_tokens_per_s"]:
             best[e.method] = (e, per_entry[e.label])
-    results = {m: {**fig, "run": e.label, "micro_batch_size": e.micro_batch_size} for m, (e, fig) in best.items()}
+    results = {m: {**fig, "run": e.label, "micro_batch_size": e.micro_batch_size,
+                   "placement": e.contiguous or ("even" if m == "dynapipe-even" else placement["placement"])}
+               for m, (e, fig) in best.items()}
     for m, (e, _) in best.items():
         j, k = picked[e.label]
         rows = breakdown([r[j] for r in ranks], warmup, trace[k, e.label])
         results[m]["time_breakdown_ms"], results[m]["time_split_ms"] = rows, breakdown_summary([rows])
-    checks = _stage_checks(cfg, nproc, profile, placement["placement"], results, ranks, picked, trace, warmup)
+    checks = _stage_checks(cfg, nproc, profile, results, ranks, picked, trace, warmup)
     base = [b for b in T5_BASELINES if b in results]
     best_base = max(base, key=lambda b: results[b]["real_tokens_per_s"], default=None)
     ratios = {f"{m}_vs_{b}": round(results[m]["real_tokens_per_s"] / results[b]["real_tokens_per_s"], 3)
@@ -272,11 +290,11 @@ def _flag_value(argv: Sequence[str], flag: str) -> Optional[str]:
     return value
 
 
-def _stage_checks(cfg, nproc: int, profile: str, placed: str, results: dict, ranks, picked: dict, trace: dict,
+def _stage_checks(cfg, nproc: int, profile: str, results: dict, ranks, picked: dict, trace: dict,
                   warmup: int) -> dict:
     """Per method, :func:`~megatron_integration.bench_t5_profile.stage_check` and
     :func:`~megatron_integration.bench_t5_profile.op_fit` of its reported run against the cost
-    model it was planned with (on the stages it ran)."""
+    model it was planned with (on the stages it ran: ``results[m]["placement"]``)."""
     from dynapipe.config import load_device_config
     from dynapipe.cost import build_cost_model
     from megatron_integration.bench_report import timed_indices
@@ -289,8 +307,7 @@ def _stage_checks(cfg, nproc: int, profile: str, placed: str, results: dict, ran
     out = {}
     for m, r in results.items():
         j, k = picked[r["run"]]
-        split = "even" if m == "dynapipe-even" else placed
-        cm = cost.with_placement(parse_t5_placement(split, model, pp))
+        cm = cost.with_placement(parse_t5_placement(r["placement"], model, pp))
         keep = timed_indices([rank[j] for rank in ranks], warmup)
         path = trace[k, r["run"]]
         if os.path.isdir(path):

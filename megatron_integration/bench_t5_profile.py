@@ -47,6 +47,22 @@ def measure_bench_profile(cfg, output: str, threads: int, timeout_s: float, repe
     return time.perf_counter() - started
 
 
+def _op_ms(cost_model):
+    """``event -> predicted ms`` of a traced forward or backward: priced on its rank's stage, or
+    on an interleaved placement on its chunk's virtual stage (``args.chunk``, 0 when absent)."""
+    from dynapipe.schedule.interleaved import chunk_count, virtual_cost_model
+
+    chunks, P = chunk_count(cost_model), cost_model.num_stages
+    priced = virtual_cost_model(cost_model) if chunks > 1 else cost_model
+
+    def price(e: dict) -> float:
+        a = e["args"]
+        stage = int(a.get("chunk", 0)) * P + int(e.get("tid", 0)) if chunks > 1 else int(e.get("tid", 0))
+        c = priced.stage_cost(a["mbs"], a["seqlen"], a.get("dec_seqlen", 0), stage=stage)
+        return float(c.fw_ms if e["cat"] == "forward" else c.bw_ms)
+    return price
+
+
 def stage_check(trace_dir: str, iterations: Sequence[int], cost_model) -> Optional[dict]:
     """Per stage, the predicted (``cost_model`` at the traced shapes, recompute none) and the
     executed forward + backward ms per iteration of a run's ``iterations``, their ratio, and
@@ -57,14 +73,14 @@ def stage_check(trace_dir: str, iterations: Sequence[int], cost_model) -> Option
     pred: dict[int, float] = {}
     meas: dict[int, float] = {}
     counted: dict[int, set] = {}
+    price = _op_ms(cost_model)
     for _, (_, per) in traces.items():
         for it, events in per.items():
             for e in events:
                 if e.get("cat") not in ("forward", "backward"):
                     continue
-                a, stage = e.get("args", {}), int(e.get("tid", 0))
-                c = cost_model.stage_cost(a["mbs"], a["seqlen"], a.get("dec_seqlen", 0), stage=stage)
-                pred[stage] = pred.get(stage, 0.0) + float(c.fw_ms if e["cat"] == "forward" else c.bw_ms)
+                stage = int(e.get("tid", 0))
+                pred[stage] = pred.get(stage, 0.0) + price(e)
                 meas[stage] = meas.get(stage, 0.0) + e["dur"] / 1e3
                 counted.setdefault(stage, set()).add((id(per), it))
     if not pred:
@@ -98,13 +114,12 @@ def op_fit(trace_dir: str, iterations: Sequence[int], cost_model) -> dict:
     from megatron_integration.bench_report import _trace_events
 
     p, m = [], []
+    price = _op_ms(cost_model)
     for _, (_, per) in _trace_events(trace_dir, set(iterations)).items():
         for events in per.values():
             for e in events:
                 if e.get("cat") in ("forward", "backward"):
-                    a = e["args"]
-                    c = cost_model.stage_cost(a["mbs"], a["seqlen"], a.get("dec_seqlen", 0), stage=int(e["tid"]))
-                    p.append(float(c.fw_ms if e["cat"] == "forward" else c.bw_ms))
+                    p.append(price(e))
                     m.append(e["dur"] / 1e3)
     if len(p) < 2 or float(np.ptp(p)) == 0.0:
         return {"ops": len(p)}
@@ -142,14 +157,13 @@ def calibrate_t5_profile(argv: Sequence[str], profile: str, cfg, nproc: int, ite
                             placement=parse_t5_placement(split, model, pp))
     iterations = list(range(min(1, iters - 1), iters))
     pred, meas, per_op = [], [], []
+    price = _op_ms(cost)
     for rank, (origin, per) in _trace_events(trace_dir, set(iterations)).items():
         for i in iterations:
             events = per.get(i, [])
             for e in events:
                 if e.get("cat") in ("forward", "backward"):
-                    a = e["args"]
-                    c = cost.stage_cost(a["mbs"], a["seqlen"], a.get("dec_seqlen", 0), stage=int(e.get("tid", 0)))
-                    pred.append(float(c.fw_ms if e["cat"] == "forward" else c.bw_ms))
+                    pred.append(price(e))
                     meas.append(e["dur"] / 1e3)
             if events:
                 t = executor_timeline(events, origin, ranks[rank], i)

@@ -1,10 +1,11 @@
 """Stage placement of a T5 run: how many encoder and decoder layers every pipeline stage builds.
 
 ``--dynapipe-placement`` takes ``even`` (Megatron's split, the default), a split written
-out (``ENC+DEC`` per stage, the syntax of ``python -m dynapipe plan --placement``), or
-``auto``: the planner chooses it (:func:`dynapipe.schedule.placement.choose_placement`)
-from the run's first global batches and the planner's cost model, before the model is
-built. Every rank computes ``auto`` itself from the same batches and the same cost model,
+out (``ENC+DEC`` per stage, chunks separated by ``|``: the syntax of ``python -m dynapipe
+plan --placement``), ``interleaved`` (two chunks a rank: the encoder, then the decoder), or
+``auto``: the planner chooses it (:func:`dynapipe.schedule.placement.choose_placement_kind`:
+the best contiguous split or the interleaved one, by simulated time) from the run's first
+global batches and the planner's cost model, before the model is built. Every rank computes ``auto`` itself from the same batches and the same cost model,
 so every rank gets the same split; the ranks then compare their choices, so a
 disagreement stops the job instead of building stages that do not fit together.
 
@@ -69,17 +70,21 @@ def planner_cost_model(cfg, num_stages: int):
 
 
 def choose_t5_placement(cfg, num_stages: int, dp: int, batches: Optional[list] = None):
-    """The :class:`~dynapipe.schedule.placement.PlacementPlan` ``auto`` takes: the split whose
-    slowest stage is fastest on the DynaPipe micro-batches of ``batches`` (default: the
-    run's first global batches), under the run's memory limit (MiB), recompute level and
-    data-parallel size. Pure and deterministic: the same config gives the same split."""
-    from dynapipe.schedule.placement import choose_placement
+    """The :class:`~dynapipe.schedule.placement.PlacementPlan` ``auto`` takes: the contiguous
+    split whose slowest stage is fastest on the DynaPipe micro-batches of ``batches``
+    (default: the run's first global batches), or the interleaved one (two chunks a rank,
+    each virtual stage balanced) when DynaPipe's plans of ``batches`` simulate faster on it
+    (``compared`` holds both times, ms); under the run's memory limit (MiB), recompute level
+    and data-parallel size. Pure and deterministic: the same config gives the same split."""
+    from dynapipe.config import load_cluster_config
+    from dynapipe.schedule.placement import choose_placement_kind
 
     d = cfg.base.dynapipe
     batches = first_global_batches(cfg) if batches is None else batches
-    return choose_placement(batches, planner_cost_model(cfg, num_stages), dp=dp, memory_limit_mib=d.memory_limit_mb,
-                            seq_length=cfg.encoder_seq_length, zero=cfg.base.optimizer.distributed,
-                            recompute=d.recompute)
+    return choose_placement_kind(batches, planner_cost_model(cfg, num_stages), dp=dp,
+                                 memory_limit_mib=d.memory_limit_mb, seq_length=cfg.encoder_seq_length,
+                                 zero=cfg.base.optimizer.distributed, recompute=d.recompute,
+                                 cluster=load_cluster_config(d.cluster))
 
 
 def resolve_t5_placement(cfg, num_stages: int, dp: int):

@@ -388,6 +388,19 @@ def test_bench_t5_refuses_what_it_cannot_run(tmp_path, capsys):
     assert not (tmp_path / "t5.json").exists()
 
 
+def test_bench_t5_baselines_also_run_contiguous_beside_an_interleaved_placement():
+    from megatron_integration.bench_t5 import t5_entries
+
+    placed = {"placement": "1+0,1+0|0+1,0+1", "search": {"compared": {"contiguous": "1+0,1+2"}}}
+    entries = t5_entries(["dynapipe", "packing"], (1, 2), placed)
+    assert [e.label for e in entries] == ["dynapipe", "packing@mbs1", "packing@mbs1-contiguous", "packing@mbs2",
+                                          "packing@mbs2-contiguous"]
+    argv = entries[2].argv(["--dynapipe-placement", "1+0,1+0|0+1,0+1"])
+    assert argv[argv.index("--dynapipe-placement", 2) + 1] == "1+0,1+2"  # the later flag wins
+    contiguous = {"placement": "1+0,1+2", "search": {"compared": {"contiguous": "1+0,1+2"}}}
+    assert [e.label for e in t5_entries(["packing"], (1,), contiguous)] == ["packing@mbs1"]
+
+
 def test_bench_t5_figures_count_the_slowest_rank_after_the_warm_up():
     from megatron_integration.bench_t5 import t5_figures
 

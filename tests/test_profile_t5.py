@@ -236,6 +236,28 @@ def test_bench_stage_check_sets_predicted_against_executed_compute(tmp_path):
     assert fit["ops"] == 12 and 1.0 < fit["slope"] < 2.2  # between the two stages' slowdowns
 
 
+def test_bench_stage_check_prices_interleaved_ops_on_their_virtual_stage(tmp_path):
+    """On an interleaved placement each traced op is priced on its chunk's layers, not the rank's."""
+    from dynapipe.cost.placement import StagePlacement
+    from dynapipe.schedule.interleaved import virtual_cost_model
+    from megatron_integration.bench_t5_profile import stage_check
+
+    cm = ProfileCostModel(T5, t5_profile(), 2).with_placement(StagePlacement.parse("interleaved", T5, 2))
+    virtual = virtual_cost_model(cm)
+    for rank in (0, 1):
+        events = [{"ph": "X", "cat": "forward", "tid": rank, "ts": 0.0, "dur": 1e3,
+                   "args": {"iteration": 1, "mbs": 2, "seqlen": 128, "dec_seqlen": 64, **({"chunk": c} if c else {})}}
+                  for c in (0, 1)]
+        (tmp_path / f"rank{rank:03d}.json").write_text(json.dumps({"traceEvents": events,
+                                                                    "otherData": {"origin_us": 0.0}}))
+    check = stage_check(str(tmp_path), [1], cm)
+    for rank, row in enumerate(check["stages"]):
+        want = sum(float(virtual.stage_cost(2, 128, 64, stage=c * 2 + rank).fw_ms) for c in (0, 1))
+        assert row["predicted_ms"] == pytest.approx(want, abs=0.05)
+        whole = 2 * float(cm.stage_cost(2, 128, 64, stage=rank).fw_ms)  # each op priced as the whole rank
+        assert row["predicted_ms"] < 0.75 * whole
+
+
 def test_profiler_removes_interference_spikes_without_inventing_times():
     import torch
 

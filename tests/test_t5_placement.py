@@ -92,6 +92,12 @@ def test_auto_placement_is_chosen_from_the_runs_batches_and_priced_by_the_planne
     chosen = plan.chosen.placement
     assert chosen != StagePlacement.even(cfg.planner_model(), 2)
     assert plan.chosen.bottleneck_ms < plan.before.bottleneck_ms
+    # The best contiguous split and the interleaved one were both simulated; the faster is chosen.
+    times = plan.compared
+    assert StagePlacement.parse(times["interleaved"], cfg.planner_model(), 2).chunks == 2
+    assert times["contiguous_ms"] > 0 and times["interleaved_ms"] > 0
+    faster = "interleaved" if times["interleaved_ms"] < times["contiguous_ms"] else "contiguous"
+    assert str(chosen) == times[faster]
     # Deterministic: every rank computes the same split from the same batches and cost model.
     resolved = resolve_t5_placement(cfg, 2, 1)
     assert resolved.stage_placement() == chosen == choose_t5_placement(cfg, 2, 1).chosen.placement
