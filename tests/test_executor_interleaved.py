@@ -1,5 +1,6 @@
 """The executor runs interleaved plans (several virtual-pipeline chunks per rank) across
-spawned gloo processes: losses and gradients equal one unpipelined pass, the trace names
+spawned gloo processes (Megatron's interleaved 1F1B and the adaptive interleaved schedule):
+losses and gradients equal one unpipelined pass, the trace names
 each op's chunk, and a plan whose wrap-around message (last rank -> rank 0's next chunk)
 disagrees with its peer's is refused on every rank before anything is sent.
 
@@ -46,12 +47,13 @@ class ChunkHandlers:
         return self.chunks[op.chunk](inputs)
 
 
-def _plans(it: int, ctx):
+def _plans(it: int, ctx, schedule: str = "auto"):
     from dynapipe.pipeline_planner import plan_iteration
 
     lengths = [int(x) for x in sample_lengths(12, 300 + it, 160)]
     cost = build_cost_model(CFG, load_device_config("cpu"), PP).with_placement(StagePlacement.parse(SPEC, CFG, PP))
-    planned = plan_iteration(np.asarray(lengths), cost, stages=PP, dp=DP, iteration=it, validate=True)
+    planned = plan_iteration(np.asarray(lengths), cost, stages=PP, dp=DP, iteration=it, schedule=schedule,
+                             validate=True)
     return make_samples(lengths, CFG.vocab_size, seed=it), planned.plans
 
 
@@ -69,8 +71,8 @@ def _worker(ctx):
     ex = Executor(handlers, group=ctx.pipeline_group, store=ctx.store, replica=ctx.replica,
                   config=ExecutorConfig(timeout_s=60, trace=True))
     rows = []
-    for it in range(2):
-        samples, plans = _plans(it, ctx)
+    for it, schedule in enumerate(("interleaved", "interleaved-adaptive")):
+        samples, plans = _plans(it, ctx, schedule)
         plan = plans[ctx.replica][ctx.stage]
         handlers.samples = samples
         for p in own.values():
@@ -83,7 +85,7 @@ def _worker(ctx):
         dist.all_reduce(loss, group=ctx.data_group)
         ref_loss, ref_grads = reference_step(ref, samples)
         want = torch.cat([ref_grads[n].reshape(-1) for n in sorted(own)])
-        rows.append(dict(loss=float(loss), ref_loss=ref_loss, grad_err=float((flat - want).abs().max()),
+        rows.append(dict(schedule=plan.schedule, loss=float(loss), ref_loss=ref_loss, grad_err=float((flat - want).abs().max()),
                          grad_scale=float(want.abs().max()), chunks=plan.meta["chunks"],
                          last=[is_last_virtual(plan, c) for c in range(CHUNKS)],
                          fw_chunks=sorted({c for kind, _, c in handlers.calls if kind == "fw"}),
@@ -113,6 +115,7 @@ def _worker(ctx):
 def test_interleaved_plans_train_like_one_unpipelined_pass_and_bad_chunks_are_refused():
     results = spawn(_worker, PP * DP, pp=PP, timeout_s=240)
     for res in results:
+        assert [r["schedule"] for r in res["rows"]] == ["interleaved", "interleaved-adaptive"]
         for r in res["rows"]:
             assert r["chunks"] == CHUNKS and r["unfreed"] == []
             assert r["fw_chunks"] == [0, 1] and r["trace_chunks"] == [0, 1]

@@ -61,6 +61,65 @@ def test_uniform_micro_batches_take_the_interleaved_slot_count():
     assert simulate(megatron.check(), _times(8, 2, 17)).makespan_ms == pytest.approx(3.0 * 50)
 
 
+def _adaptive(times, P, capacity=np.inf):
+    from dynapipe.schedule.interleaved_adaptive import INTERLEAVED_ADAPTIVE, interleaved_adaptive_orders
+
+    arrays = interleaved_adaptive_orders(times, P, capacity)
+    return schedule_from_chunked_arrays(INTERLEAVED_ADAPTIVE, *arrays, chunks=times.num_stages // P).check()
+
+
+def test_adaptive_interleaved_schedule_is_valid_for_random_shapes_and_never_waits_in_a_cycle():
+    rng = np.random.default_rng(1)
+    for P in (2, 3, 4, 8):
+        for v in (2, 3):
+            for M in (1, P - 1 or 1, P, 2 * P + 1, int(rng.integers(1, 20))):
+                t = _times(P, v, M, rng)
+                sched = _adaptive(t, P)
+                assert all(len(ops) == 2 * v * M for ops in sched.stage_ops)
+                tl = simulate(sched, t)  # raises if an order waits in a cycle
+                # Wait-free: a rank idles only while nothing it may run has arrived, so it is
+                # never slower than running every op of the rank back to back after the fill.
+                assert tl.makespan_ms <= float((t.fw_ms + t.bw_ms).sum() + t.act_comm_ms.sum() + t.grad_comm_ms.sum()) + 1e-9
+
+
+def test_adaptive_interleaved_beats_the_fixed_order_where_chunks_are_uneven():
+    # A T5 on 2 ranks x 2 chunks: encoder chunks (virtual stages 0, 1) cost 4x the decoder
+    # chunks, and micro-batches vary 1-8x: interleaved 1F1B waits on the pattern.
+    rng = np.random.default_rng(3)
+    P, v, M = 2, 2, 11
+    scale = rng.uniform(1.0, 8.0, M)
+    fw = np.outer([4.0, 4.0, 1.0, 1.0], scale)
+    t = StageTimes(fw, 2 * fw, np.outer([2.0, 2.0, 1.0, 1.0], scale), np.zeros((4, M)), np.full((3, M), 0.1),
+                   np.full((3, M), 0.1), np.zeros(2))
+    fixed = simulate(interleaved_1f1b(P, v, M), t)
+    adaptive = simulate(_adaptive(t, P), t)
+    assert adaptive.makespan_ms < 0.97 * fixed.makespan_ms
+    # Under a memory cap a rank admits a forward only while it fits (one always runs).
+    cap = 0.6 * max(adaptive.peak_mib)
+    capped = simulate(_adaptive(t, P, cap), t)
+    assert max(capped.peak_mib) <= max(cap, float((t.stored_mib[[0, 2]]).max(axis=0).sum())) + 1e-9
+    assert max(capped.peak_mib) < max(adaptive.peak_mib)
+
+
+def test_search_tries_both_interleaved_schedules_and_compiles_the_winner():
+    from dynapipe.plan.validate import validate_plans
+
+    it, _ = _chunked_iteration(2, "interleaved", n=11, seed=4, dp=1)
+    tried = {c.schedule for c in it.search.candidates}
+    assert tried == {"interleaved", "interleaved-adaptive"}
+    fits = [c for c in it.search.candidates if c.fits]
+    assert it.search.best.makespan_ms == min(c.makespan_ms for c in fits)
+    validate_plans(it.all_plans())
+    # Chosen by name, the adaptive one compiles into plans that validate too.
+    from dynapipe.pipeline_planner import plan_iteration
+
+    rng = np.random.default_rng(4)
+    cm = AnalyticCostModel(T5, DEVICE, 2).with_placement(StagePlacement.parse("interleaved", T5, 2))
+    lengths = np.stack([rng.integers(16, 1000, 11), rng.integers(4, 200, 11)], 1)
+    named = plan_iteration(lengths, cm, dp=1, memory_limit_mib=None, schedule="interleaved-adaptive", validate=True)
+    assert named.schedule == "interleaved-adaptive" and named.all_plans()[0].schedule == "interleaved-adaptive"
+
+
 def test_simulated_time_of_a_toy_case_by_hand():
     # One micro-batch, 2 ranks x 2 chunks: the forward chain through virtual stages 0..3
     # (rank 0, 1, 0, 1) with transfers between, then the backward chain back.
@@ -135,7 +194,8 @@ def test_search_runs_interleaved_on_a_chunked_placement():
     mbs = [MicroBatch(samples=[i], seqlen=int(rng.integers(64, 512)), dec_seqlen=int(rng.integers(8, 64)))
            for i in range(7)]
     res = search_schedules([mbs], cm, capacity_mib=None)
-    assert res.best.schedule == "interleaved" and res.schedules[0].num_chunks == 2
+    assert res.best.schedule in ("interleaved", "interleaved-adaptive") and res.schedules[0].num_chunks == 2
+    assert search_schedules([mbs], cm, capacity_mib=None, schedule="interleaved").best.schedule == "interleaved"
     assert res.makespan_ms == pytest.approx(res.timelines[0].makespan_ms)
     with pytest.raises(DynaPipeError, match="compile_chunked_plans"):
         compile_plans(res.schedules[0], res.micro_batches[0], T5, timeline=res.timelines[0])
@@ -272,4 +332,4 @@ def test_plan_command_writes_interleaved_plans_that_validate(tmp_path, capsys):
     assert main(["plan", *base, "--placement", "6+0,6+0,6+0,6+0|0+6,0+6,0+6"]) == 2
     assert "names" in capsys.readouterr().err
     assert main(["plan", *base, "--placement", "interleaved", "--schedule", "adaptive"]) == 2
-    assert "use --schedule interleaved or auto" in capsys.readouterr().err
+    assert "use --schedule interleaved, interleaved-adaptive or auto" in capsys.readouterr().err

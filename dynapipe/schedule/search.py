@@ -27,7 +27,9 @@ from dynapipe.schedule import _kernels as K
 from dynapipe.schedule.adaptive import adaptive_arrays, schedule_from_arrays
 from dynapipe.schedule.costs import StageTimes, stage_times_per_replica
 from dynapipe.schedule.interleaved import (INTERLEAVED, chunk_count, chunk_levels, chunked_kernel, interleaved_1f1b,
-                                           interleaved_arrays, virtual_stage_times_per_replica)
+                                           interleaved_arrays, schedule_from_chunked_arrays,
+                                           virtual_stage_times_per_replica)
+from dynapipe.schedule.interleaved_adaptive import INTERLEAVED_ADAPTIVE, interleaved_adaptive_orders
 from dynapipe.schedule.one_f_one_b import one_f_one_b, one_f_one_b_arrays
 from dynapipe.schedule.orders import ORDERS
 from dynapipe.schedule.simulator import Timeline, kernel_inputs, simulate
@@ -96,12 +98,13 @@ def _run(name: str, times: StageTimes, capacity: np.ndarray, abort_ms: float, ab
     """One replica, one candidate: ``(status, kind, mb, nops, starts, ends, busy, peak, chunk)``
     (``chunk``: the op chunks of an interleaved schedule, else None)."""
     S, M = times.num_stages, times.num_micro_batches
-    if name == INTERLEAVED:
+    if name in (INTERLEAVED, INTERLEAVED_ADAPTIVE):
         P = len(times.state_mib)
-        kind, mb, ch, nops = interleaved_arrays(P, S // P, M)
+        kind, mb, ch, nops = (interleaved_arrays(P, S // P, M) if name == INTERLEAVED
+                              else interleaved_adaptive_orders(times, P, float(np.min(capacity))))
         out = chunked_kernel(kind, mb, ch, nops, *kernel_inputs(times), abort_ms, abort_mib)
         if out[0] == K.STUCK:
-            raise DynaPipeError("interleaved 1f1b could not be simulated (internal error, please report).")
+            raise DynaPipeError(f"{name} could not be simulated (internal error, please report).")
         return (out[0], kind, mb, nops) + tuple(out[1:5]) + (ch,)
     if name == "1f1b":
         kind, mb, nops = one_f_one_b_arrays(S, M)
@@ -160,11 +163,16 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
     if schedule not in SCHEDULE_CHOICES:
         raise DynaPipeError(f"--schedule {schedule!r} is not known; use one of {', '.join(SCHEDULE_CHOICES)}.")
     chunks = chunk_count(cost_model)
-    # On a chunked placement 1F1B is Megatron's interleaved 1F1B; nothing adaptive is chunked yet.
+    # On a chunked placement 1F1B is Megatron's interleaved 1F1B; adaptive is interleaved-adaptive.
     if (chunks > 1 and schedule == "adaptive") or (chunks == 1 and schedule in CHUNKED_SCHEDULE_NAMES):
+        use = "interleaved, interleaved-adaptive" if chunks > 1 else "1f1b or adaptive"
         raise DynaPipeError(f"--schedule {schedule}: placement {cost_model.placement} has {chunks} chunk(s) per "
-                            f"stage; use --schedule {'interleaved' if chunks > 1 else '1f1b or adaptive'} or auto.")
-    names = [INTERLEAVED] if chunks > 1 else (list(SCHEDULE_NAMES) if schedule == "auto" else [schedule])
+                            f"stage; use --schedule {use} or auto.")
+    if chunks > 1:
+        names = {"auto": [INTERLEAVED, INTERLEAVED_ADAPTIVE], INTERLEAVED_ADAPTIVE: [INTERLEAVED_ADAPTIVE]}.get(
+            schedule, [INTERLEAVED])
+    else:
+        names = list(SCHEDULE_NAMES) if schedule == "auto" else [schedule]
     order_names = list(orders) if orders else (list(ORDERS) if schedule == "auto" else ["planned"])
     for o in order_names:
         if o not in ORDERS:
@@ -248,9 +256,13 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
     cand, runs, permuted, perms = best
     schedules, timelines = [], []
     for r, t, p in zip(runs, permuted, perms):
-        if cand.schedule == INTERLEAVED:
-            sched = interleaved_1f1b(S, chunks, t.num_micro_batches, recompute=cand.recompute, order=cand.order,
-                                     mb_order=p, stage_recompute=cand.stage_recompute)
+        if cand.schedule in (INTERLEAVED, INTERLEAVED_ADAPTIVE):
+            sched = (interleaved_1f1b(S, chunks, t.num_micro_batches, recompute=cand.recompute, order=cand.order,
+                                      mb_order=p, stage_recompute=cand.stage_recompute)
+                     if cand.schedule == INTERLEAVED else
+                     schedule_from_chunked_arrays(INTERLEAVED_ADAPTIVE, r[1], r[2], r[8], r[3], chunks=chunks,
+                                                  recompute=cand.recompute, order=cand.order, mb_order=p,
+                                                  stage_recompute=cand.stage_recompute))
             schedules.append(sched)
             timelines.append(simulate(sched, t, record_memory=True, arrays=(r[1], r[2], r[8], r[3])))
             continue

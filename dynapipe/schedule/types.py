@@ -18,7 +18,7 @@ OP_KINDS = ("F", "B", "BI", "BW")
 SUPPORTED_KINDS = ("F", "B")
 SCHEDULE_NAMES = ("1f1b", "adaptive")
 # Schedules of chunked (interleaved) placements.
-CHUNKED_SCHEDULE_NAMES = ("interleaved",)
+CHUNKED_SCHEDULE_NAMES = ("interleaved", "interleaved-adaptive")
 
 
 @dataclass(frozen=True, order=True)
