@@ -331,5 +331,14 @@ def test_plan_command_writes_interleaved_plans_that_validate(tmp_path, capsys):
     assert {e["args"]["chunk"] for e in ops} == {0, 1}
     assert main(["plan", *base, "--placement", "6+0,6+0,6+0,6+0|0+6,0+6,0+6"]) == 2
     assert "names" in capsys.readouterr().err
+    # A chunked --schedule names the placement's schedule; the even split beside it takes auto.
+    for schedule in ("interleaved", "interleaved-adaptive"):
+        assert main(["plan", *base, "--placement", "interleaved", "--schedule", schedule]) == 0
+        out, _ = capsys.readouterr()
+        named = json.loads(out)
+        assert named["schedule"] == schedule and named["even_split"]["simulated_ms"] > 0
+    assert main(["trace", *base, "--placement", "interleaved", "--schedule", "interleaved-adaptive",
+                 "--out", str(tmp_path / "a.json")]) == 0
+    capsys.readouterr()
     assert main(["plan", *base, "--placement", "interleaved", "--schedule", "adaptive"]) == 2
     assert "use --schedule interleaved, interleaved-adaptive or auto" in capsys.readouterr().err

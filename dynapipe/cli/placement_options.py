@@ -48,6 +48,14 @@ def apply_placement(args: argparse.Namespace, setup: CostSetup, lengths) -> tupl
     return dataclasses.replace(setup, cost_model=cm.with_placement(placement)), None
 
 
+def even_split_schedule(schedule: str) -> str:
+    """The ``--schedule`` to price Megatron's even split with beside a placement: a chunked
+    schedule (``interleaved...``) has no chunks to run there, so the search's ``auto``."""
+    from dynapipe.schedule.types import CHUNKED_SCHEDULE_NAMES
+
+    return "auto" if schedule in CHUNKED_SCHEDULE_NAMES else schedule
+
+
 def placement_json(setup: CostSetup, plan: Optional[PlacementPlan]) -> dict:
     """``placement`` (layers per stage) and, for ``auto``, ``placement_search`` (per-stage
     sample times and levels of the chosen split and of the even one)."""

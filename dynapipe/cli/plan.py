@@ -14,7 +14,8 @@ import sys
 
 from dynapipe.batching import METHODS, BatchPlan, plan_micro_batches, read_lengths
 from dynapipe.cli.cost import CostSetup, add_cost_model_arguments, add_memory_arguments, cost_setup_from_args
-from dynapipe.cli.placement_options import add_placement_argument, apply_placement, placement_json
+from dynapipe.cli.placement_options import (add_placement_argument, apply_placement, even_split_schedule,
+                                             placement_json)
 from dynapipe.cli.schedule_options import (add_recompute_default, add_schedule_arguments, escalate_recompute,
                                            schedule_json)
 from dynapipe.errors import DynaPipeError
@@ -135,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
     out.update(placement_json(setup, searched))
     if setup.cost_model.placement != even_setup.cost_model.placement:
         # The same batch on Megatron's even split: the before of the placement's after.
-        quiet = argparse.Namespace(**{**vars(args), "plan_out": None, "explain": False})
+        quiet = argparse.Namespace(**{**vars(args), "plan_out": None, "explain": False,
+                                      "schedule": even_split_schedule(args.schedule)})
         even_plan, even_setup = plan_from_args(quiet, even_setup, lengths=lengths)
         even = schedule_json(quiet, even_plan, even_setup.cost_model, memory_limit_mib=even_setup.memory_limit_mib,
                              reserved_mib=even_setup.reserved_mib, lengths=lengths)

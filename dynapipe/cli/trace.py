@@ -13,7 +13,8 @@ import sys
 
 from dynapipe.batching import METHODS, read_lengths
 from dynapipe.cli.cost import add_cost_model_arguments, add_memory_arguments, cost_setup_from_args
-from dynapipe.cli.placement_options import add_placement_argument, apply_placement, placement_json
+from dynapipe.cli.placement_options import (add_placement_argument, apply_placement, even_split_schedule,
+                                             placement_json)
 from dynapipe.cli.schedule_options import add_recompute_default, escalate_recompute, levels_from, resolve_cluster
 from dynapipe.data.synthetic import sample_lengths
 from dynapipe.errors import DynaPipeError
@@ -57,12 +58,12 @@ def run(args: argparse.Namespace) -> int:
                                  even_setup.model.is_encoder_decoder)
     setup, searched = apply_placement(args, even_setup, lengths)
 
-    def simulate_on(cost_model):
+    def simulate_on(cost_model, schedule=args.schedule):
         batch_plan, level = escalate_recompute(lambda level: plan_micro_batches(
             lengths, cost_model, method=args.batching, dp=args.dp, memory_limit_mib=setup.memory_limit_mib,
             reserved_mib=setup.reserved_mib, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
             max_tokens=args.max_tokens, recompute=level), setup.recompute)
-        return schedule_batch_plan(batch_plan, cost_model, schedule=args.schedule,
+        return schedule_batch_plan(batch_plan, cost_model, schedule=schedule,
                                    memory_limit_mib=setup.memory_limit_mib, reserved_mib=setup.reserved_mib,
                                    cluster=resolve_cluster(args.cluster, setup.device.name),
                                    recompute=levels_from(args.recompute), lengths=lengths), level
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
             **it.schedule_json(), **placement_json(setup, searched)}
     even_line = ""
     if setup.cost_model.placement != even_setup.cost_model.placement:
-        even, _ = simulate_on(even_setup.cost_model)
+        even, _ = simulate_on(even_setup.cost_model, even_split_schedule(args.schedule))
         meta["even_split"] = {"simulated_ms": round(even.simulated_ms, 3),
                               "bubble_fraction": round(even.bubble_fraction, 4)}
         even_line = (f"; placement {setup.cost_model.placement} (even split {even_setup.cost_model.placement}: "
