@@ -87,16 +87,19 @@ class Evaluator:
 
     ``batch_fn(samples, lengths, eval_index, dataset)`` runs one global batch forward only and returns
     the global (loss sum, loss tokens); the default is megatron-core's schedule with the
-    run's fixed-shape batching.
+    run's fixed-shape batching. ``dataset_fn(split)``: the split's dataset config or None
+    (default: :func:`~megatron_integration.data.dataset_config` of ``cfg``; a T5 run passes its
+    encoder-decoder one).
     """
 
     def __init__(self, cfg: DynaPipeTrainingConfig, info: RankInfo, stage: Stage,
-                 batch_fn: Optional[Callable] = None):
+                 batch_fn: Optional[Callable] = None, dataset_fn: Optional[Callable] = None):
         self.cfg, self.info, self.stage = cfg, info, stage
         self.datasets: dict[str, SampleDataset] = {}
         self.samplers: dict[str, GlobalBatchSampler] = {}
+        dataset_fn = dataset_fn or (lambda split: dataset_config(cfg, split))
         for split in SPLIT_NAMES:
-            config = dataset_config(cfg, split) if cfg.evaluation.eval_iters > 0 else None
+            config = dataset_fn(split) if cfg.evaluation.eval_iters > 0 else None
             if config is None:
                 continue
             try:

@@ -133,16 +133,28 @@ def _t5_model_and_data_honoured(args: argparse.Namespace, base) -> None:
             raise DynaPipeError(f"{flag}: T5 stages are built as Megatron's T5 (GeLU MLP with biases, LayerNorm, "
                                 f"multi-head attention, tied output layer) in this build; drop it.")
     data = base.data
+    if not _span_corruption(args, data):
+        return  # mock and JSONL pairs: Megatron's splits and evaluation, as for GPT
     per_split = [f for f in ("valid", "test") if getattr(data, f"{f}_data_path")]
     if per_split:
-        raise DynaPipeError(f"--{per_split[0]}-data-path: T5 runs no evaluation yet; give the training data with "
-                            f"--data-path or --train-data-path.")
+        raise DynaPipeError(f"--{per_split[0]}-data-path: span-corrupted indexed data is evaluated on no split yet "
+                            f"(JSONL pairs and --mock-data are); give the training data with --data-path or "
+                            f"--train-data-path.")
     if data.split and any(data.split[1:]):
         shown = args.split if args.split is not None else "969, 30, 1 (Megatron's default with --data-path)"
-        raise DynaPipeError(f"--split {shown}: T5 trains on every pair of --data-path and runs no evaluation yet; "
-                            f"pass --split 100,0,0.")
+        raise DynaPipeError(f"--split {shown}: span-corrupted indexed data trains on every sample and builds no "
+                            f"validation or test split yet (JSONL pairs and --mock-data do); pass --split 100,0,0.")
     if args.eval_interval is not None:
-        raise DynaPipeError(f"--eval-interval {args.eval_interval}: T5 runs no evaluation yet; drop it.")
+        raise DynaPipeError(f"--eval-interval {args.eval_interval}: span-corrupted indexed data has no validation "
+                            f"split yet (JSONL pairs and --mock-data do); drop it.")
+
+
+def _span_corruption(args: argparse.Namespace, data) -> bool:
+    """Whether the run's data is Megatron indexed datasets (span-corrupted), not JSONL or mock pairs."""
+    if data.mock_data:
+        return False
+    paths = (*data.data_path, *data.train_data_path, *data.valid_data_path, *data.test_data_path)
+    return bool(paths) and not any(p.endswith((".jsonl", ".json")) for p in paths)
 
 
 def _with_placement(cfg: T5TrainingConfig, flag: str, pp: int) -> T5TrainingConfig:

@@ -67,11 +67,15 @@ class T5TrainingConfig:
                            max_seq_length=max(m.seq_length, self.decoder_seq_length), dtype=m.dtype,
                            tie_embeddings=m.tie_embeddings, kv_channels=m.kv_channels).validate("megatron-t5")
 
-    def dataset_config(self):
-        """The run's :class:`~dynapipe.data.config.DatasetConfig`, as (input, target) pairs; for
-        span-corruption data the opened :class:`~megatron_integration.t5_span_data.SpanCorruptionDataset`
-        (megatron-core builds it collectively: call on every rank)."""
+    def dataset_config(self, split: str = "train"):
+        """The :class:`~dynapipe.data.config.DatasetConfig` of one split (``train``, ``valid``,
+        ``test``) as (input, target) pairs, None when the run has no such split; for
+        span-corruption data (training only) the opened
+        :class:`~megatron_integration.t5_span_data.SpanCorruptionDataset` (megatron-core builds it
+        collectively: call on every rank)."""
         if self.span_corruption is not None:
+            if split != "train":
+                return None
             from megatron_integration.t5_span_data import SpanCorruptionDataset
 
             return SpanCorruptionDataset(self.span_corruption)
@@ -79,4 +83,6 @@ class T5TrainingConfig:
 
         from megatron_integration.data import dataset_config
 
-        return replace(dataset_config(self.base), encoder_decoder=True, dec_seq_length=self.decoder_seq_length)
+        config = dataset_config(self.base, split)
+        return None if config is None else replace(config, encoder_decoder=True,
+                                                   dec_seq_length=self.decoder_seq_length)

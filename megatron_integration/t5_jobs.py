@@ -33,7 +33,8 @@ def t5_training_job(runs: Sequence[Sequence[str]], echo: bool = False) -> list[d
             run = pretrain_t5(cfg, stream=sys.stdout if echo else io.StringIO(), on_iteration=cpu.record)
             from megatron.core import parallel_state
 
-            out.append(iteration_summary(cfg.method, run, cpu, parallel_state.get_pipeline_model_parallel_rank()))
+            out.append(dict(iteration_summary(cfg.method, run, cpu, parallel_state.get_pipeline_model_parallel_rank()),
+                            eval_lines=run.eval_lines, eval_path=run.eval_path))
     finally:
         destroy()
     return out

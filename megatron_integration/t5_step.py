@@ -169,13 +169,21 @@ class BaselineSource:
         self.layouts = self.placement.layouts()  # the layers the stages hold decide the messages
 
     def next(self, iteration: int) -> PlannedIteration:
+        batch = self.batches.batch(iteration)
+        ds = self.batches.dataset
+        lengths = ds.planner_lengths(batch.indices)
+        plan, tensors, padded = self.plan_batch(lengths, [ds[int(i)] for i in batch.indices], iteration,
+                                                ds.pad_id, ds.eod_id)
+        return PlannedIteration(plan, tensors, int(lengths[:, 1].sum()), int(lengths.sum()), padded,
+                                batch.consumed_samples, int(ds.truncated[batch.indices].sum()))
+
+    def plan_batch(self, lengths: np.ndarray, samples: list, iteration: int, pad_id: int, eod_id: int):
+        """This rank's fixed-shape plan of a global batch (``samples`` with their ``(n, 2)``
+        ``lengths`` in tokens), its micro-batches' tensors and the batch's padded tokens."""
         from dynapipe.plan.compile import compile_plans
         from megatron_integration.t5_batches import baseline_micro_batches, t5_row_tensors
 
         cfg, info = self.cfg, self.info
-        batch = self.batches.batch(iteration)
-        ds = self.batches.dataset
-        lengths = ds.planner_lengths(batch.indices)
         mbs_list, padded = baseline_micro_batches(cfg.method, lengths, cfg.encoder_seq_length, cfg.decoder_seq_length,
                                                   cfg.base.micro_batch_size, info.dp_size, info.dp_rank)
         loss_tokens = int(lengths[:, 1].sum())
@@ -192,10 +200,9 @@ class BaselineSource:
         plan.meta["placement"] = self.placement.to_json()
         tensors = {}
         for i, mb in enumerate(mbs_list):
-            rows = [[ds[int(batch.indices[p])] for p in row] for row in (mb.rows or [[s] for s in mb.samples])]
-            tensors[i] = t5_row_tensors(rows, mb.seqlen, mb.dec_seqlen, ds.pad_id, ds.eod_id)
-        return PlannedIteration(plan, tensors, loss_tokens, int(lengths.sum()), padded, batch.consumed_samples,
-                                int(ds.truncated[batch.indices].sum()))
+            rows = [[samples[p] for p in row] for row in (mb.rows or [[s] for s in mb.samples])]
+            tensors[i] = t5_row_tensors(rows, mb.seqlen, mb.dec_seqlen, pad_id, eod_id)
+        return plan, tensors, padded
 
     def close(self) -> None:
         pass

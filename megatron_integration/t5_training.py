@@ -6,7 +6,8 @@ chosen method through the DynaPipe executor (:mod:`megatron_integration.t5_step`
 in Megatron's format; resumes from ``--load`` and saves on ``--save-interval`` and at the end,
 in ``--ckpt-format`` as GPT does (:mod:`megatron_integration.t5_checkpoint`: ``torch_dist`` under
 megatron-core ``T5Model``'s keys, loadable at any stage placement, or this project's per-stage
-files). Every method sees the same global batches and starts from the same weights for a given
+files); evaluates every ``--eval-interval`` iterations and after training, as GPT does
+(:mod:`megatron_integration.t5_eval`). Every method sees the same global batches and starts from the same weights for a given
 ``--seed``.
 """
 from __future__ import annotations
@@ -21,6 +22,8 @@ from megatron_integration.logging_utils import TrainingLogger
 from megatron_integration.baseline_step import StepResult
 from megatron_integration.model import Stage, build_optimizer
 from megatron_integration.t5_config import T5TrainingConfig
+from megatron_integration.evaluation import SPLIT_NAMES, log_eval, validation_lines
+from megatron_integration.t5_eval import make_t5_evaluator
 from megatron_integration.training import TrainingRun, _print_rank_0, current_lr, vocab_padding_line
 
 
@@ -74,10 +77,11 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
     stepper = T5Stepper.create(cfg, info, stage, optimizer, scheduler, sync, run.start_iteration,
                                run.consumed_samples)
     logger = None
+    logging_rank = info.is_last_stage and info.dp_rank == 0
     try:
+        evaluator = make_t5_evaluator(cfg, info, stage, stepper)
         logger = TrainingLogger(base.train_iters, base.global_batch_size, base.log_interval,
-                                is_logging_rank=info.is_last_stage and info.dp_rank == 0,
-                                tensorboard_dir=base.tensorboard_dir, stream=stream)
+                                is_logging_rank=logging_rank, tensorboard_dir=base.tensorboard_dir, stream=stream)
         last = base.last_iteration(run.start_iteration)
         for iteration in range(run.start_iteration, last):
             result = stepper.step(iteration)
@@ -89,10 +93,24 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
             if on_iteration is not None:
                 on_iteration(iteration, result)
             done = iteration + 1
+            if evaluator is not None and evaluator.periodic_due(done):
+                result = evaluator.evaluate("valid", evaluator.first_batch(done))
+                log_eval(validation_lines(f"iteration {done}", result), stream, logging_rank, run.eval_lines)
+                if logger.writer is not None:
+                    logger.writer.add_scalar("lm loss validation", result.loss, done)
             if base.save and base.save_interval and done % base.save_interval == 0 and done != last:
                 save(base, done, run.consumed_samples)
         if base.save and last > run.start_iteration:
             save(base, last, run.consumed_samples)
+        # Megatron-LM evaluates the validation and test sets once training is done (not when
+        # --exit-interval stopped it).
+        for split in ("valid", "test") if evaluator is not None and last == base.train_iters else ():
+            if evaluator.has(split):
+                first = evaluator.first_batch(last, final=True) if split == "valid" else 0
+                log_eval(validation_lines(f"iteration {last} on {SPLIT_NAMES[split]}", evaluator.evaluate(split, first)),
+                         stream, logging_rank, run.eval_lines)
+        if evaluator is not None and evaluator.batches_run:
+            run.eval_path = f"dynapipe-plans:{evaluator.batch_fn.plans_run}"
     finally:
         stepper.close()
         if logger is not None:

@@ -52,7 +52,11 @@ def test_megatron_t5_flags_and_their_errors():
         with pytest.raises(DynaPipeError, match=text):
             parse_t5_args(TINY.split() + extra.split(), 6, cuda=False)
     # What T5 training does not do yet is refused, not ignored.
-    for extra, text in {"--swiglu": "built as Megatron's T5", "--eval-interval 2": "runs no evaluation yet",
+    evaluated = parse_t5_args(TINY.split() + "--split 80,10,10 --eval-interval 2 --eval-iters 1".split(), 2, cuda=False)
+    assert (evaluated.base.evaluation.eval_interval, evaluated.base.evaluation.eval_iters) == (2, 1)
+    assert evaluated.dataset_config("valid").encoder_decoder and evaluated.dataset_config("test") is not None
+    assert parse_t5_args(TINY.split(), 2, cuda=False).dataset_config("valid") is None  # mock data, no --split
+    for extra, text in {"--swiglu": "built as Megatron's T5",
                         "--use-distributed-optimizer": "no sharded optimizer yet"}.items():
         with pytest.raises(DynaPipeError, match=text):
             parse_t5_args(TINY.split() + extra.split(), 2, cuda=False)
@@ -149,6 +153,10 @@ def pp2(tmp_path_factory, t5_dist):
     # The interleaved placement (two chunks a rank: the encoder, then the decoder), every method.
     interleaved = TINY + " --dynapipe-placement interleaved --exit-interval 2"
     runs += [interleaved.split(), (interleaved + " --use-dynapipe").split(), (interleaved + PACKING).split()]
+    # Evaluation (a validation and a test split of the mock mixture), every method; DynaPipe interleaved too.
+    evaluated = TINY + " --split 80,10,10 --eval-interval 2 --eval-iters 1"
+    runs += [evaluated.split(), (evaluated + " --use-dynapipe").split(), (evaluated + PACKING).split(),
+             (evaluated + " --use-dynapipe --dynapipe-placement interleaved").split()]
     # torch_dist (Megatron-LM's default format): interrupted after 2, resumed on the even split and on 2+1,0+1.
     runs += [(TINY + f" --exit-interval 2 --save {t5_dist / 'cut'}").split(),
              (TINY + f" --load {t5_dist / 'cut'} --save {t5_dist / 'resumed'}").split(),
@@ -255,7 +263,7 @@ def _dist_tensors(iter_dir, scratch) -> dict:
 def test_t5_torch_dist_resume_is_exact_and_loads_at_another_placement(pp2, t5_dist, tmp_path):
     from megatron_integration.checkpoint_dist import read_common
 
-    full, cut, resumed, placed = pp2[0], pp2[13], pp2[14], pp2[15]
+    full, cut, resumed, placed = pp2[0], pp2[17], pp2[18], pp2[19]
     assert cut["losses"] == full["losses"][:2]
     # Bitwise: the same weights, optimizer state, data position and RNG after the round trip.
     assert resumed["start_iteration"] == 2 and resumed["losses"] == full["losses"][2:]
@@ -279,9 +287,31 @@ def test_t5_torch_dist_resume_is_exact_and_loads_at_another_placement(pp2, t5_di
     assert all(f + ".sha256" in files for f in files if not f.endswith(".sha256"))
 
 
+def test_t5_evaluation_runs_every_method_forward_only_with_megatrons_lines(pp2):
+    runs = pp2[13:17]
+    assert [r["method"] for r in runs] == ["padding", "dynapipe", "packing", "dynapipe"]
+    values = []
+    for run in runs:
+        lines = [line for line in run["eval_lines"] if "validation loss at" in line]
+        # Megatron-LM's lines: after iteration 2, then after training on the validation and test sets.
+        assert [line.split("|")[0].strip() for line in lines] == [
+            "validation loss at iteration 2", "validation loss at iteration 3 on validation set",
+            "validation loss at iteration 3 on test set"], run["eval_lines"]
+        values.append([float(line.split("lm loss value:")[1].split("|")[0]) for line in lines])
+        assert run["eval_path"] == "dynapipe-plans:3"  # forward-only plans through the executor
+        assert len(run["losses"]) == 3
+    # Forward only, no dropout: every method (and placement) gives the same validation losses and,
+    # between evaluations, the same training losses.
+    for v in values[1:]:
+        assert v == pytest.approx(values[0], abs=1e-5, rel=1e-5)
+    for run in runs[1:]:
+        assert run["losses"] == pytest.approx(runs[0]["losses"], abs=1e-5, rel=1e-5)
+    assert values[0][0] != values[0][1] and values[0][1] != values[0][2]  # other batches, other weights
+
+
 def test_t5_interleaved_checkpoints_resume_and_load_at_any_placement(pp2, t5_dist, tmp_path):
     full = pp2[0]
-    from_even, il_cut, to_even, cut, resumed = pp2[16:21]
+    from_even, il_cut, to_even, cut, resumed = pp2[20:25]
     final = _dist_tensors(t5_dist / "full" / "iter_0000003", tmp_path)
     # Chunks of the interleaved split loaded from the even split's checkpoint by global keys
     # (optimizer state included): the same third step, every tensor of the even split's end.

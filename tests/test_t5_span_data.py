@@ -143,8 +143,13 @@ def test_train_data_path_gives_the_pairs_of_the_whole_data_path(corpus):
     train = cfg.dataset_config()
     np.testing.assert_array_equal(train.input_lengths, whole.input_lengths)
     np.testing.assert_array_equal(train[5].target_ids, whole[5].target_ids)
-    with pytest.raises(DynaPipeError, match="--valid-data-path: T5 runs no evaluation yet"):
+    with pytest.raises(DynaPipeError, match="--valid-data-path: span-corrupted indexed data is evaluated on no "
+                                            "split yet"):
         parse_t5_args(argv + ["--valid-data-path", corpus["b"]], 1, cuda=False)
+    with pytest.raises(DynaPipeError, match="--split 90,10,0: span-corrupted indexed data .* no validation"):
+        parse_t5_args(_args(corpus) + ["--split", "90,10,0"], 1, cuda=False)
+    with pytest.raises(DynaPipeError, match="--eval-interval 5: span-corrupted indexed data has no validation"):
+        parse_t5_args(_args(corpus) + ["--eval-interval", "5"], 1, cuda=False)
 
 
 def test_lengths_are_kept_next_to_megatrons_index_cache(corpus):
