@@ -70,9 +70,11 @@ class T5Chunks(torch.nn.Module):
         if embedding is not None:
             copies += [embedding.word_embeddings.weight, embedding.position_embeddings.weight]
         for s in self.stages:
-            if s.lm_head is not None and s.share_embeddings_and_output_weights:
-                copies.append(s.output_layer.weight)
-        for p in copies:
+            weight = getattr(s.output_layer, "weight", None) if s.lm_head is not None else None
+            # A last stage that also embeds the decoder multiplies by its embedding (no own weight).
+            if s.share_embeddings_and_output_weights and weight is not None:
+                copies.append(weight)
+        for p in {id(p): p for p in copies}.values():
             p.shared = True
 
     def shared_embedding_or_output_weight(self) -> Optional[torch.Tensor]:

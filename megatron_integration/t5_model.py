@@ -315,14 +315,13 @@ class EmbeddingSync:
     position_group: Optional[object]
 
     @classmethod
-    def create(cls, places: list[T5StagePlace], tied: bool, num_ranks: Optional[int] = None) -> "EmbeddingSync":
+    def create(cls, places: list[T5StagePlace], tied: bool, num_ranks: int) -> "EmbeddingSync":
         """Collective: every rank creates every pipeline's groups, in the same order.
-        ``places``: every (virtual) stage's place; ``num_ranks``: pipeline ranks (default one
-        per place). Copies on one rank are one tensor (see ``T5Chunks``), so the groups
-        join the ranks holding copies."""
+        ``places``: every (virtual) stage's place; ``num_ranks``: pipeline ranks (virtual
+        stage ``k`` runs on rank ``k % num_ranks``). Copies on one rank are one tensor (see
+        ``T5Chunks``), so the groups join the ranks holding copies."""
         from megatron.core import parallel_state
 
-        num_ranks = num_ranks or len(places)
         mine = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, list(mine))

@@ -74,7 +74,7 @@ def _worker(ctx):
     for it, schedule in enumerate(("interleaved", "interleaved-adaptive")):
         samples, plans = _plans(it, ctx, schedule)
         plan = plans[ctx.replica][ctx.stage]
-        handlers.samples = samples
+        handlers.samples, handlers.calls = samples, []
         for p in own.values():
             p.grad = None
         res = ex.run(plan)

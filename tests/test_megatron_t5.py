@@ -19,12 +19,7 @@ from megatron_integration.t5_arguments import parse_t5_args
 from megatron_integration.t5_batches import baseline_micro_batches, pack_pairs, t5_row_tensors
 from megatron_integration.t5_step import segment_mask, segment_positions
 
-TINY = ("--encoder-num-layers 2 --decoder-num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 "
-        "--encoder-seq-length 128 --decoder-seq-length 64 --vocab-size 256 --micro-batch-size 2 --global-batch-size 8 "
-        "--train-iters 3 --lr 1e-2 --mock-data --hidden-dropout 0 --attention-dropout 0 --log-interval 1 --seed 7 "
-        "--pipeline-model-parallel-size 2 --dynapipe-timeout-s 60")
-PACKING = " --dynapipe-batching packing --reset-position-ids --reset-attention-mask"
-TIMEOUT = 300
+from t5_job import TIMEOUT, TINY, dist_tensors as _dist_tensors
 
 
 # -- pure Python ------------------------------------------------------------------------------
@@ -112,68 +107,6 @@ def test_segment_masks_and_positions():
 
 # -- spawned gloo jobs ------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def t5_dist(tmp_path_factory):
-    """Where the pp2 job writes its torch_dist checkpoints: ``full`` (padding, 3 iterations),
-    ``cut`` (the same run stopped after 2), ``resumed`` and ``placed`` (``cut`` resumed for the
-    third iteration on the even split and on the placement 2+1,0+1)."""
-    return tmp_path_factory.mktemp("t5dist")
-
-
-@pytest.fixture(scope="module")
-def pp2(tmp_path_factory, t5_dist):
-    """One 2-rank job: padding, DynaPipe interrupted after 2 iterations (with a checkpoint) and
-    resumed for the third, packing; then a 3 + 1 layer model (two iterations) with padding
-    and DynaPipe; then span-corrupted indexed data (two iterations) with padding and DynaPipe;
-    then padding and DynaPipe (two iterations) on the placement 2+1,0+1; then padding through
-    torch_dist checkpoints (see ``t5_dist``)."""
-    from megatron_integration.t5_jobs import run_t5_training
-    from t5_span_fixture import write_sentences, write_vocab
-
-    save = tmp_path_factory.mktemp("t5ckpt")
-    dyn = TINY + " --use-dynapipe"
-    # 3 + 1 layers over 2 stages: stage 1 ends the encoder and holds the decoder.
-    mixed = TINY.replace("--encoder-num-layers 2 --decoder-num-layers 2", "--encoder-num-layers 3 "
-                         "--decoder-num-layers 1") + " --exit-interval 2"
-    # Megatron's T5 dataset over documents of sentences, a WordPiece vocabulary with sentinels.
-    data = tmp_path_factory.mktemp("t5span")
-    write_vocab(data / "vocab.txt")
-    write_sentences(data / "docs", docs=60, seed=3, max_sentence=40)
-    span = TINY.replace("--mock-data", f"--data-path {data / 'docs'} --split 100,0,0").replace(
-        "--vocab-size 256", f"--tokenizer-type BertWordPieceLowerCase --vocab-file {data / 'vocab.txt'} "
-                            f"--vocab-extra-ids 32").replace("--train-iters 3", "--train-iters 2")
-    runs = [(TINY + f" --save {t5_dist / 'full'}").split(),
-            (dyn + f" --exit-interval 2 --ckpt-format dynapipe --save {save}").split(),
-            (dyn + f" --ckpt-format dynapipe --load {save}").split(),
-            (TINY + PACKING).split(), mixed.split(), (mixed + " --use-dynapipe").split(),
-            span.split(), (span + " --use-dynapipe").split()]
-    # A non-even stage placement (stage 0: the encoder and the first decoder layer), padding and DynaPipe.
-    placed = TINY + " --dynapipe-placement 2+1,0+1 --exit-interval 2"
-    runs += [placed.split(), (placed + " --use-dynapipe").split()]
-    # The interleaved placement (two chunks a rank: the encoder, then the decoder), every method.
-    interleaved = TINY + " --dynapipe-placement interleaved --exit-interval 2"
-    runs += [interleaved.split(), (interleaved + " --use-dynapipe").split(), (interleaved + PACKING).split()]
-    # Evaluation (a validation and a test split of the mock mixture), every method; DynaPipe interleaved too.
-    evaluated = TINY + " --split 80,10,10 --eval-interval 2 --eval-iters 1"
-    runs += [evaluated.split(), (evaluated + " --use-dynapipe").split(), (evaluated + PACKING).split(),
-             (evaluated + " --use-dynapipe --dynapipe-placement interleaved").split()]
-    # torch_dist (Megatron-LM's default format): interrupted after 2, resumed on the even split and on 2+1,0+1.
-    runs += [(TINY + f" --exit-interval 2 --save {t5_dist / 'cut'}").split(),
-             (TINY + f" --load {t5_dist / 'cut'} --save {t5_dist / 'resumed'}").split(),
-             (TINY + f" --dynapipe-placement 2+1,0+1 --load {t5_dist / 'cut'} --save {t5_dist / 'placed'}").split()]
-    # Interleaved checkpoints: the even split's resumed interleaved; interleaved ones resumed on the
-    # even split (torch_dist) and interleaved again (the per-stage format).
-    il = TINY + " --dynapipe-placement interleaved"
-    runs += [(il + f" --load {t5_dist / 'cut'} --save {t5_dist / 'il_resumed'}").split(),
-             (il + f" --exit-interval 2 --save {t5_dist / 'il_cut'}").split(),
-             (TINY + f" --load {t5_dist / 'il_cut'} --save {t5_dist / 'from_il'}").split(),
-             (il + f" --exit-interval 2 --ckpt-format dynapipe --save {save / 'il'}").split(),
-             (il + f" --ckpt-format dynapipe --load {save / 'il'}").split()]
-    ranks = run_t5_training(runs, 2, timeout_s=TIMEOUT)
-    assert [r["losses"] for r in ranks[1]] == [r["losses"] for r in ranks[0]]  # every rank reports the same
-    return ranks[0]
-
-
 def test_t5_dynapipe_and_packing_losses_equal_padding_pp2(pp2):
     padding, first, resumed, packing = pp2[:4]
     assert (padding["method"], first["method"], packing["method"]) == ("padding", "dynapipe", "packing")
@@ -218,17 +151,6 @@ def test_t5_non_even_placement_trains_dynapipe_like_padding(pp2):
     assert dynapipe["loss_tokens"] == pp2[0]["loss_tokens"][:2]
 
 
-def test_t5_interleaved_placement_trains_every_method_like_the_even_split(pp2):
-    padding, dynapipe, packing = pp2[10:13]
-    assert (padding["method"], dynapipe["method"], packing["method"]) == ("padding", "dynapipe", "packing")
-    # Two chunks a rank, one T5 stage each: the same model and losses as on the contiguous split.
-    for run in (padding, dynapipe, packing):
-        assert len(run["losses"]) == 2
-        assert run["losses"] == pytest.approx(pp2[0]["losses"][:2], abs=1e-5, rel=1e-5)
-        assert run["loss_tokens"] == pp2[0]["loss_tokens"][:2]
-    assert sum(dynapipe["padded_tokens"]) < sum(padding["padded_tokens"])
-
-
 def test_t5_dynapipe_pp2_x_dp2_trains_like_pp2(pp2, t5_dist, tmp_path):
     from megatron_integration.t5_jobs import run_t5_training
 
@@ -250,20 +172,10 @@ def test_t5_dynapipe_pp2_x_dp2_trains_like_pp2(pp2, t5_dist, tmp_path):
     assert set(dp2) == set(final) and max((dp2[k] - final[k]).abs().max().item() for k in final) < 1e-6
 
 
-def _dist_tensors(iter_dir, scratch) -> dict:
-    """Every tensor of a torch_dist checkpoint (model and optimizer state) by its global key, read
-    by torch.distributed.checkpoint alone (no process group, no model)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = scratch / f"{iter_dir.parent.name}-{iter_dir.name}.pt"
-    dcp_to_torch_save(str(iter_dir), str(out))
-    return {k: v for k, v in torch.load(out, weights_only=False).items() if torch.is_tensor(v)}
-
-
 def test_t5_torch_dist_resume_is_exact_and_loads_at_another_placement(pp2, t5_dist, tmp_path):
     from megatron_integration.checkpoint_dist import read_common
 
-    full, cut, resumed, placed = pp2[0], pp2[17], pp2[18], pp2[19]
+    full, cut, resumed, placed = pp2[0], pp2[19], pp2[20], pp2[21]
     assert cut["losses"] == full["losses"][:2]
     # Bitwise: the same weights, optimizer state, data position and RNG after the round trip.
     assert resumed["start_iteration"] == 2 and resumed["losses"] == full["losses"][2:]
@@ -285,46 +197,6 @@ def test_t5_torch_dist_resume_is_exact_and_loads_at_another_placement(pp2, t5_di
     assert (args.encoder_seq_length, args.decoder_seq_length, args.dynapipe_placement) == (128, 64, "2+1,0+1")
     files = os.listdir(t5_dist / "placed" / "iter_0000003")
     assert all(f + ".sha256" in files for f in files if not f.endswith(".sha256"))
-
-
-def test_t5_evaluation_runs_every_method_forward_only_with_megatrons_lines(pp2):
-    runs = pp2[13:17]
-    assert [r["method"] for r in runs] == ["padding", "dynapipe", "packing", "dynapipe"]
-    values = []
-    for run in runs:
-        lines = [line for line in run["eval_lines"] if "validation loss at" in line]
-        # Megatron-LM's lines: after iteration 2, then after training on the validation and test sets.
-        assert [line.split("|")[0].strip() for line in lines] == [
-            "validation loss at iteration 2", "validation loss at iteration 3 on validation set",
-            "validation loss at iteration 3 on test set"], run["eval_lines"]
-        values.append([float(line.split("lm loss value:")[1].split("|")[0]) for line in lines])
-        assert run["eval_path"] == "dynapipe-plans:3"  # forward-only plans through the executor
-        assert len(run["losses"]) == 3
-    # Forward only, no dropout: every method (and placement) gives the same validation losses and,
-    # between evaluations, the same training losses.
-    for v in values[1:]:
-        assert v == pytest.approx(values[0], abs=1e-5, rel=1e-5)
-    for run in runs[1:]:
-        assert run["losses"] == pytest.approx(runs[0]["losses"], abs=1e-5, rel=1e-5)
-    assert values[0][0] != values[0][1] and values[0][1] != values[0][2]  # other batches, other weights
-
-
-def test_t5_interleaved_checkpoints_resume_and_load_at_any_placement(pp2, t5_dist, tmp_path):
-    full = pp2[0]
-    from_even, il_cut, to_even, cut, resumed = pp2[20:25]
-    final = _dist_tensors(t5_dist / "full" / "iter_0000003", tmp_path)
-    # Chunks of the interleaved split loaded from the even split's checkpoint by global keys
-    # (optimizer state included): the same third step, every tensor of the even split's end.
-    for run in (from_even, to_even, resumed):
-        assert run["start_iteration"] == 2 and run["losses"] == pytest.approx(full["losses"][2:], abs=1e-6)
-    assert il_cut["losses"] == pytest.approx(full["losses"][:2], abs=1e-6)
-    assert cut["losses"] == pytest.approx(full["losses"][:2], abs=1e-6)
-    # from_il's first two steps ran on the interleaved split (another summation order: losses
-    # agree within 2e-7), which Adam's normalised step carries into the weights at 1e-6 or so.
-    for name, tol in (("il_resumed", 1e-6), ("from_il", 1e-5)):
-        got = _dist_tensors(t5_dist / name / "iter_0000003", tmp_path)
-        assert set(got) == set(final), name
-        assert max((got[k] - final[k]).abs().max().item() for k in final) < tol, name
 
 
 def _reference_sharded_keys(cfg) -> dict:
@@ -416,19 +288,6 @@ def test_bench_t5_refuses_what_it_cannot_run(tmp_path, capsys):
         assert main(["bench", "--model", "t5", "--output", out] + extra) == 2
         assert text in capsys.readouterr().err
     assert not (tmp_path / "t5.json").exists()
-
-
-def test_bench_t5_baselines_also_run_contiguous_beside_an_interleaved_placement():
-    from megatron_integration.bench_t5 import t5_entries
-
-    placed = {"placement": "1+0,1+0|0+1,0+1", "search": {"compared": {"contiguous": "1+0,1+2"}}}
-    entries = t5_entries(["dynapipe", "packing"], (1, 2), placed)
-    assert [e.label for e in entries] == ["dynapipe", "packing@mbs1", "packing@mbs1-contiguous", "packing@mbs2",
-                                          "packing@mbs2-contiguous"]
-    argv = entries[2].argv(["--dynapipe-placement", "1+0,1+0|0+1,0+1"])
-    assert argv[argv.index("--dynapipe-placement", 2) + 1] == "1+0,1+2"  # the later flag wins
-    contiguous = {"placement": "1+0,1+2", "search": {"compared": {"contiguous": "1+0,1+2"}}}
-    assert [e.label for e in t5_entries(["packing"], (1,), contiguous)] == ["packing@mbs1"]
 
 
 def test_bench_t5_figures_count_the_slowest_rank_after_the_warm_up():

@@ -62,7 +62,7 @@ def planned_activation_peak_mib(plan: ExecutionPlan, cost_model: CostModel, *, t
     send_specs = {ins.buffer: ins.tensors for ins in plan.instructions if isinstance(ins, SendActivationFinish)}
     grad_specs = {ins.buffer: ins.tensors for ins in plan.instructions if isinstance(ins, SendGradStart)}
     buffers: dict[str, float] = {}
-    stored_of: dict[int, float] = {}
+    stored_of: dict[tuple[int, int], float] = {}  # (mb, chunk) -> stored MiB
     stored = peak = 0.0
     for ins in plan.instructions:
         high = None

@@ -11,7 +11,9 @@ other work is ready. Here every rank, whenever it is free, runs what is ready:
   deepest virtual stage first (it brings its micro-batch closest to its backward), if
   admitting it keeps the rank's memory (model states + stored activations of every op in
   flight + the largest transient peak among them) within the limit; a rank with nothing
-  in flight always admits one, so the schedule never deadlocks.
+  in flight always admits one, and when memory blocks every rank the earliest ready op
+  runs anyway, so the schedule never deadlocks (its peak may then exceed the limit, and the
+  search discards it as over memory).
 
 The op orders are then fixed into a chunked :class:`~dynapipe.schedule.types.Schedule`
 and priced by :func:`~dynapipe.schedule.interleaved.chunked_kernel` like any other, so it
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dynapipe.errors import DynaPipeError
 from dynapipe.schedule import _kernels as K
 from dynapipe.schedule.costs import StageTimes
 
@@ -38,6 +41,9 @@ def interleaved_adaptive_orders(times: StageTimes, num_ranks: int, capacity_mib:
     ``capacity_mib``: memory one rank may use (MiB), model states included."""
     f64 = lambda a: np.ascontiguousarray(a, dtype=np.float64)  # noqa: E731
     V, M = times.num_stages, times.num_micro_batches
+    if num_ranks < 1 or V % num_ranks or len(times.state_mib) != num_ranks:
+        raise DynaPipeError(f"interleaved-adaptive: {V} virtual stages and model states of {len(times.state_mib)} "
+                            f"ranks do not make whole chunks on {num_ranks} ranks.")
     comm = np.zeros((max(V - 1, 1), M))
     ac = f64(times.act_comm_ms) if V > 1 else comm
     gc = f64(times.grad_comm_ms) if V > 1 else comm
@@ -109,7 +115,7 @@ def _orders_kernel(fw, bw, st, pk, ac, gc, state, P, capacity):
     for _ in range(2 * V * M):
         # The rank that can start something earliest decides next: nothing another rank
         # does later makes work ready for it sooner. When memory blocks every rank, the
-        # earliest forward runs anyway (one always fits alone).
+        # earliest ready op runs regardless of memory (the search then judges the peak).
         s = -1
         for r in range(P):
             if c_kind[r] >= 0 and (s < 0 or c_t[r] < c_t[s]):

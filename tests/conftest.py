@@ -1,0 +1,73 @@
+"""Session-wide fixtures: the spawned T5 jobs the T5 test modules share (a 2-rank job costs
+tens of seconds; it runs once however many modules read it)."""
+import pytest
+
+from t5_job import PACKING, TIMEOUT, TINY
+
+
+@pytest.fixture(scope="session")
+def t5_dist(tmp_path_factory):
+    """Where the pp2 job writes its torch_dist checkpoints: ``full`` (padding, 3 iterations),
+    ``cut`` (the same run stopped after 2), ``resumed`` and ``placed`` (``cut`` resumed for the
+    third iteration on the even split and on the placement 2+1,0+1)."""
+    return tmp_path_factory.mktemp("t5dist")
+
+
+@pytest.fixture(scope="session")
+def pp2(tmp_path_factory, t5_dist):
+    """One 2-rank job: padding, DynaPipe interrupted after 2 iterations (with a checkpoint) and
+    resumed for the third, packing; then a 3 + 1 layer model (two iterations) with padding
+    and DynaPipe; then span-corrupted indexed data (two iterations) with padding and DynaPipe;
+    then padding and DynaPipe (two iterations) on the placement 2+1,0+1; then padding, DynaPipe
+    and packing on the interleaved placement; a 3 + 2 layer model interleaved with the decoder's
+    embedding in the last chunk; evaluation of every method; then padding through torch_dist
+    checkpoints (see ``t5_dist``), interleaved checkpoints in both formats."""
+    from megatron_integration.t5_jobs import run_t5_training
+    from t5_span_fixture import write_sentences, write_vocab
+
+    save = tmp_path_factory.mktemp("t5ckpt")
+    dyn = TINY + " --use-dynapipe"
+    # 3 + 1 layers over 2 stages: stage 1 ends the encoder and holds the decoder.
+    mixed = TINY.replace("--encoder-num-layers 2 --decoder-num-layers 2", "--encoder-num-layers 3 "
+                         "--decoder-num-layers 1") + " --exit-interval 2"
+    # Megatron's T5 dataset over documents of sentences, a WordPiece vocabulary with sentinels.
+    data = tmp_path_factory.mktemp("t5span")
+    write_vocab(data / "vocab.txt")
+    write_sentences(data / "docs", docs=60, seed=3, max_sentence=40)
+    span = TINY.replace("--mock-data", f"--data-path {data / 'docs'} --split 100,0,0").replace(
+        "--vocab-size 256", f"--tokenizer-type BertWordPieceLowerCase --vocab-file {data / 'vocab.txt'} "
+                            f"--vocab-extra-ids 32").replace("--train-iters 3", "--train-iters 2")
+    runs = [(TINY + f" --save {t5_dist / 'full'}").split(),
+            (dyn + f" --exit-interval 2 --ckpt-format dynapipe --save {save}").split(),
+            (dyn + f" --ckpt-format dynapipe --load {save}").split(),
+            (TINY + PACKING).split(), mixed.split(), (mixed + " --use-dynapipe").split(),
+            span.split(), (span + " --use-dynapipe").split()]
+    # A non-even stage placement (stage 0: the encoder and the first decoder layer), padding and DynaPipe.
+    placed = TINY + " --dynapipe-placement 2+1,0+1 --exit-interval 2"
+    runs += [placed.split(), (placed + " --use-dynapipe").split()]
+    # The interleaved placement (two chunks a rank: the encoder, then the decoder), every method.
+    interleaved = TINY + " --dynapipe-placement interleaved --exit-interval 2"
+    runs += [interleaved.split(), (interleaved + " --use-dynapipe").split(), (interleaved + PACKING).split()]
+    # 3 + 2 layers interleaved as 1+0,1+0|1+0,0+2: rank 1's last chunk embeds the decoder and ends the model.
+    last_embeds = TINY.replace("--encoder-num-layers 2 --decoder-num-layers 2", "--encoder-num-layers 3 "
+                               "--decoder-num-layers 2") + " --dynapipe-placement 1+0,1+0|1+0,0+2 --exit-interval 1"
+    runs += [last_embeds.split(), (last_embeds + " --use-dynapipe").split()]
+    # Evaluation (a validation and a test split of the mock mixture), every method; DynaPipe interleaved too.
+    evaluated = TINY + " --split 80,10,10 --eval-interval 2 --eval-iters 1"
+    runs += [evaluated.split(), (evaluated + " --use-dynapipe").split(), (evaluated + PACKING).split(),
+             (evaluated + " --use-dynapipe --dynapipe-placement interleaved").split()]
+    # torch_dist (Megatron-LM's default format): interrupted after 2, resumed on the even split and on 2+1,0+1.
+    runs += [(TINY + f" --exit-interval 2 --save {t5_dist / 'cut'}").split(),
+             (TINY + f" --load {t5_dist / 'cut'} --save {t5_dist / 'resumed'}").split(),
+             (TINY + f" --dynapipe-placement 2+1,0+1 --load {t5_dist / 'cut'} --save {t5_dist / 'placed'}").split()]
+    # Interleaved checkpoints: the even split's resumed interleaved; interleaved ones resumed on the
+    # even split (torch_dist) and interleaved again (the per-stage format).
+    il = TINY + " --dynapipe-placement interleaved"
+    runs += [(il + f" --load {t5_dist / 'cut'} --save {t5_dist / 'il_resumed'}").split(),
+             (il + f" --exit-interval 2 --save {t5_dist / 'il_cut'}").split(),
+             (TINY + f" --load {t5_dist / 'il_cut'} --save {t5_dist / 'from_il'}").split(),
+             (il + f" --exit-interval 2 --ckpt-format dynapipe --save {save / 'il'}").split(),
+             (il + f" --ckpt-format dynapipe --load {save / 'il'}").split()]
+    ranks = run_t5_training(runs, 2, timeout_s=TIMEOUT)
+    assert [r["losses"] for r in ranks[1]] == [r["losses"] for r in ranks[0]]  # every rank reports the same
+    return ranks[0]

@@ -1,0 +1,79 @@
+"""T5 on interleaved placements and T5 evaluation, from the shared 2-rank T5 job (``pp2`` in
+``conftest.py``): every method trains the even split's losses on two chunks a rank, checkpoints
+resume across placements, evaluation logs Megatron's lines, and the bench runs each baseline on
+the contiguous split too beside an interleaved placement.
+"""
+import pytest
+
+from t5_job import dist_tensors as _dist_tensors
+
+
+def test_t5_interleaved_placement_trains_every_method_like_the_even_split(pp2):
+    padding, dynapipe, packing = pp2[10:13]
+    assert (padding["method"], dynapipe["method"], packing["method"]) == ("padding", "dynapipe", "packing")
+    # Two chunks a rank, one T5 stage each: the same model and losses as on the contiguous split.
+    for run in (padding, dynapipe, packing):
+        assert len(run["losses"]) == 2
+        assert run["losses"] == pytest.approx(pp2[0]["losses"][:2], abs=1e-5, rel=1e-5)
+        assert run["loss_tokens"] == pp2[0]["loss_tokens"][:2]
+    assert sum(dynapipe["padded_tokens"]) < sum(padding["padded_tokens"])
+
+
+def test_t5_evaluation_runs_every_method_forward_only_with_megatrons_lines(pp2):
+    runs = pp2[15:19]
+    assert [r["method"] for r in runs] == ["padding", "dynapipe", "packing", "dynapipe"]
+    values = []
+    for run in runs:
+        lines = [line for line in run["eval_lines"] if "validation loss at" in line]
+        # Megatron-LM's lines: after iteration 2, then after training on the validation and test sets.
+        assert [line.split("|")[0].strip() for line in lines] == [
+            "validation loss at iteration 2", "validation loss at iteration 3 on validation set",
+            "validation loss at iteration 3 on test set"], run["eval_lines"]
+        values.append([float(line.split("lm loss value:")[1].split("|")[0]) for line in lines])
+        assert run["eval_path"] == "dynapipe-plans:3"  # forward-only plans through the executor
+        assert len(run["losses"]) == 3
+    # Forward only, no dropout: every method (and placement) gives the same validation losses and,
+    # between evaluations, the same training losses.
+    for v in values[1:]:
+        assert v == pytest.approx(values[0], abs=1e-5, rel=1e-5)
+    for run in runs[1:]:
+        assert run["losses"] == pytest.approx(runs[0]["losses"], abs=1e-5, rel=1e-5)
+    assert values[0][0] != values[0][1] and values[0][1] != values[0][2]  # other batches, other weights
+
+
+def test_t5_interleaved_last_chunk_that_also_embeds_the_decoder(pp2):
+    padding, dynapipe = pp2[13:15]
+    assert (padding["method"], dynapipe["method"]) == ("padding", "dynapipe") and len(padding["losses"]) == 1
+    assert dynapipe["losses"] == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)
+    assert padding["losses"] != pp2[0]["losses"][:1]  # another model (3 + 2 layers)
+
+
+def test_t5_interleaved_checkpoints_resume_and_load_at_any_placement(pp2, t5_dist, tmp_path):
+    full = pp2[0]
+    from_even, il_cut, to_even, cut, resumed = pp2[22:27]
+    final = _dist_tensors(t5_dist / "full" / "iter_0000003", tmp_path)
+    # Chunks of the interleaved split loaded from the even split's checkpoint by global keys
+    # (optimizer state included): the same third step, every tensor of the even split's end.
+    for run in (from_even, to_even, resumed):
+        assert run["start_iteration"] == 2 and run["losses"] == pytest.approx(full["losses"][2:], abs=1e-6)
+    assert il_cut["losses"] == pytest.approx(full["losses"][:2], abs=1e-6)
+    assert cut["losses"] == pytest.approx(full["losses"][:2], abs=1e-6)
+    # from_il's first two steps ran on the interleaved split (another summation order: losses
+    # agree within 2e-7), which Adam's normalised step carries into the weights at 1e-6 or so.
+    for name, tol in (("il_resumed", 1e-6), ("from_il", 1e-5)):
+        got = _dist_tensors(t5_dist / name / "iter_0000003", tmp_path)
+        assert set(got) == set(final), name
+        assert max((got[k] - final[k]).abs().max().item() for k in final) < tol, name
+
+
+def test_bench_t5_baselines_also_run_contiguous_beside_an_interleaved_placement():
+    from megatron_integration.bench_t5 import t5_entries
+
+    placed = {"placement": "1+0,1+0|0+1,0+1", "search": {"compared": {"contiguous": "1+0,1+2"}}}
+    entries = t5_entries(["dynapipe", "packing"], (1, 2), placed)
+    assert [e.label for e in entries] == ["dynapipe", "packing@mbs1", "packing@mbs1-contiguous", "packing@mbs2",
+                                          "packing@mbs2-contiguous"]
+    argv = entries[2].argv(["--dynapipe-placement", "1+0,1+0|0+1,0+1"])
+    assert argv[argv.index("--dynapipe-placement", 2) + 1] == "1+0,1+2"  # the later flag wins
+    contiguous = {"placement": "1+0,1+2", "search": {"compared": {"contiguous": "1+0,1+2"}}}
+    assert [e.label for e in t5_entries(["packing"], (1,), contiguous)] == ["packing@mbs1"]
