@@ -122,8 +122,9 @@ def parse_t5_args(argv, world_size: int, cuda: Optional[bool] = None) -> T5Train
 
 def _t5_model_and_data_honoured(args: argparse.Namespace, base) -> None:
     """Refuse what T5 training does not do yet instead of ignoring it: other layers than Megatron's
-    T5 has, Megatron's data splits and evaluation (T5 trains on every pair of --data-path).
-    Both checkpoint formats are honoured (:mod:`megatron_integration.t5_checkpoint`)."""
+    T5 has, and per-split paths of span-corrupted indexed data (its evaluation reads the
+    validation and test parts of --split). Both checkpoint formats are honoured
+    (:mod:`megatron_integration.t5_checkpoint`)."""
     model_flags = {"--swiglu": args.swiglu, "--disable-bias-linear": args.disable_bias_linear,
                    "--group-query-attention": args.group_query_attention,
                    "--normalization RMSNorm": args.normalization != "LayerNorm",
@@ -137,16 +138,9 @@ def _t5_model_and_data_honoured(args: argparse.Namespace, base) -> None:
         return  # mock and JSONL pairs: Megatron's splits and evaluation, as for GPT
     per_split = [f for f in ("valid", "test") if getattr(data, f"{f}_data_path")]
     if per_split:
-        raise DynaPipeError(f"--{per_split[0]}-data-path: span-corrupted indexed data is evaluated on no split yet "
-                            f"(JSONL pairs and --mock-data are); give the training data with --data-path or "
-                            f"--train-data-path.")
-    if data.split and any(data.split[1:]):
-        shown = args.split if args.split is not None else "969, 30, 1 (Megatron's default with --data-path)"
-        raise DynaPipeError(f"--split {shown}: span-corrupted indexed data trains on every sample and builds no "
-                            f"validation or test split yet (JSONL pairs and --mock-data do); pass --split 100,0,0.")
-    if args.eval_interval is not None:
-        raise DynaPipeError(f"--eval-interval {args.eval_interval}: span-corrupted indexed data has no validation "
-                            f"split yet (JSONL pairs and --mock-data do); drop it.")
+        raise DynaPipeError(f"--{per_split[0]}-data-path: span-corrupted indexed data is evaluated on the "
+                            f"validation and test parts of --data-path's --split (JSONL pairs take per-split "
+                            f"paths); give --data-path with --split instead.")
 
 
 def _span_corruption(args: argparse.Namespace, data) -> bool:

@@ -70,15 +70,22 @@ class T5TrainingConfig:
     def dataset_config(self, split: str = "train"):
         """The :class:`~dynapipe.data.config.DatasetConfig` of one split (``train``, ``valid``,
         ``test``) as (input, target) pairs, None when the run has no such split; for
-        span-corruption data (training only) the opened
+        span-corruption data (Megatron's splits of ``--split``) the opened
         :class:`~megatron_integration.t5_span_data.SpanCorruptionDataset` (megatron-core builds it
         collectively: call on every rank)."""
         if self.span_corruption is not None:
-            if split != "train":
-                return None
+            from dataclasses import replace
+
+            from megatron_integration.t5_data_args import span_split_samples
             from megatron_integration.t5_span_data import SpanCorruptionDataset
 
-            return SpanCorruptionDataset(self.span_corruption)
+            index = ("train", "valid", "test").index(split)
+            weights = [float(w) for w in self.span_corruption.split.split(",")] if self.span_corruption.split \
+                else [1.0, 0.0, 0.0]
+            if index and (not weights[index] or self.base.evaluation.eval_iters <= 0):
+                return None
+            return SpanCorruptionDataset(replace(self.span_corruption, split_index=index,
+                                                 num_samples=span_split_samples(self.base, split)))
         from dataclasses import replace
 
         from megatron_integration.data import dataset_config

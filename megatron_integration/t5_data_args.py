@@ -89,9 +89,20 @@ def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> O
 
 
 def _train_split(base) -> str:
-    """megatron-core's split string of a T5 run (train only: T5 runs no evaluation yet, and
-    ``--split`` with validation or test parts is refused before this)."""
+    """megatron-core's split string of a T5 run's ``--split`` (train, validation, test weights;
+    default Megatron-LM's 969,30,1 with --data-path)."""
     split = tuple(base.data.split) or (1.0, 0.0, 0.0)
-    if any(split[1:]):
-        raise DynaPipeError(f"--split {split}: T5 trains on the whole --data-path; pass --split 100,0,0.")
-    return "1,0,0"
+    return ",".join(f"{float(w):g}" for w in split)
+
+
+def span_split_samples(base, split: str) -> int:
+    """Samples of ``split`` a Megatron-LM run draws (``base``: the run's shared config): every
+    training sample; ``--eval-iters`` global batches per evaluation for validation (one every
+    ``--eval-interval`` iterations and one after training) and test (once)."""
+    e, gbs = base.evaluation, base.global_batch_size
+    if split == "train":
+        return base.train_iters * gbs
+    if split == "valid":
+        periodic = base.train_iters // e.eval_interval if e.eval_interval else 0
+        return (periodic + 1) * e.eval_iters * gbs
+    return e.eval_iters * gbs

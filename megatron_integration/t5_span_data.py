@@ -20,7 +20,8 @@ padding baseline's rows are Megatron's own tensors (pads are 0, as Megatron writ
 and DynaPipe and packing train on the same pairs.
 
 The run's samples are the first ``--train-iters x --global-batch-size`` of Megatron's train
-split, the samples a Megatron-LM run trains on. Every sample's lengths are computed up front
+split, the samples a Megatron-LM run trains on; evaluation reads Megatron's validation and
+test splits of ``--split`` (as many samples as Megatron-LM's run draws of each). Every sample's lengths are computed up front
 (the planner and sampler need them; one span corruption a sample), each rank a share, then
 gathered, and kept next to megatron-core's index cache for the next run of the same data and
 flags.
@@ -66,6 +67,8 @@ class SpanCorruptionConfig:
     mask_prob: float = 0.15
     short_seq_prob: float = 0.1
     cache_path: Optional[str] = None
+    # Which of megatron-core's splits: 0 train, 1 validation, 2 test (of ``split``).
+    split_index: int = 0
 
     def vocab(self) -> WordPieceVocab:
         return wordpiece_vocab(self.tokenizer_type, self.vocab_file, self.vocab_extra_ids)
@@ -91,8 +94,9 @@ def megatron_dataset_config(cfg: SpanCorruptionConfig):
         masking_do_permutation=False, masking_use_longer_ngrams=False, masking_use_geometric_distribution=True)
 
 
-def build_megatron_train_dataset(cfg: SpanCorruptionConfig):
-    """Megatron's train split (a ``T5MaskedWordPieceDataset``, or a ``BlendedDataset`` of them).
+def build_megatron_dataset(cfg: SpanCorruptionConfig):
+    """Megatron's split ``cfg.split_index`` of ``cfg.num_samples`` samples (a
+    ``T5MaskedWordPieceDataset``, or a ``BlendedDataset`` of them).
 
     Collective when torch.distributed is initialised (megatron-core builds its index cache on
     rank 0 first); without it (planner worker processes) it reads the cache the job wrote.
@@ -101,10 +105,11 @@ def build_megatron_train_dataset(cfg: SpanCorruptionConfig):
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDataset
 
-    builder = BlendedMegatronDatasetBuilder(T5MaskedWordPieceDataset, [cfg.num_samples, 0, 0], lambda: True,
-                                            megatron_dataset_config(cfg))
+    sizes = [0, 0, 0]
+    sizes[cfg.split_index] = cfg.num_samples
+    builder = BlendedMegatronDatasetBuilder(T5MaskedWordPieceDataset, sizes, lambda: True, megatron_dataset_config(cfg))
     try:
-        train = builder.build()[0]
+        train = builder.build()[cfg.split_index]
     except (ValueError, RuntimeError) as e:
         if dist.is_initialized():
             raise
@@ -185,7 +190,7 @@ class SpanCorruptionDataset(SampleDataset):
         vocab = cfg.vocab()
         self.pad_id, self.eod_id, self.vocab_size = 0, vocab.bos, vocab.vocab_size
         self._eos = vocab.eos
-        self._megatron = build_megatron_train_dataset(cfg)
+        self._megatron = build_megatron_dataset(cfg)
         n = min(cfg.num_samples, len(self._megatron))
         table, computed = _collective_table(lambda: self._cached_table(n), self._table_rows, n)
         if computed:
@@ -244,7 +249,7 @@ class SpanCorruptionDataset(SampleDataset):
 
     def _sample(self, idx: int) -> dict:
         if self._megatron is None:
-            self._megatron = build_megatron_train_dataset(self.cfg)
+            self._megatron = build_megatron_dataset(self.cfg)
         cfg = self.cfg
         try:
             return self._megatron[idx]

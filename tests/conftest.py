@@ -34,7 +34,9 @@ def pp2(tmp_path_factory, t5_dist):
     data = tmp_path_factory.mktemp("t5span")
     write_vocab(data / "vocab.txt")
     write_sentences(data / "docs", docs=60, seed=3, max_sentence=40)
-    span = TINY.replace("--mock-data", f"--data-path {data / 'docs'} --split 100,0,0").replace(
+    # Megatron's T5 dataset over documents of sentences; 20% of them its validation split.
+    span = TINY.replace("--mock-data", f"--data-path {data / 'docs'} --split 80,20,0 --eval-interval 2 "
+                                       f"--eval-iters 1").replace(
         "--vocab-size 256", f"--tokenizer-type BertWordPieceLowerCase --vocab-file {data / 'vocab.txt'} "
                             f"--vocab-extra-ids 32").replace("--train-iters 3", "--train-iters 2")
     runs = [(TINY + f" --save {t5_dist / 'full'}").split(),

@@ -140,6 +140,10 @@ def test_t5_span_corruption_of_indexed_data_dynapipe_equals_padding_pp2(pp2):
     assert dynapipe["loss_tokens"] == padding["loss_tokens"] and dynapipe["real_tokens"] == padding["real_tokens"]
     assert sum(dynapipe["padded_tokens"]) < sum(padding["padded_tokens"])
     assert padding["losses"] != pp2[0]["losses"][:2]   # other data than the mock mixture
+    # Megatron's validation split evaluated after iteration 2 and after training, alike for both.
+    values = [[float(line.split("lm loss value:")[1].split("|")[0]) for line in run["eval_lines"]
+               if "validation loss at" in line] for run in (padding, dynapipe)]
+    assert len(values[0]) == 2 and values[1] == pytest.approx(values[0], abs=1e-5, rel=1e-5)
 
 
 def test_t5_non_even_placement_trains_dynapipe_like_padding(pp2):

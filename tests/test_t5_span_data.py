@@ -143,13 +143,39 @@ def test_train_data_path_gives_the_pairs_of_the_whole_data_path(corpus):
     train = cfg.dataset_config()
     np.testing.assert_array_equal(train.input_lengths, whole.input_lengths)
     np.testing.assert_array_equal(train[5].target_ids, whole[5].target_ids)
-    with pytest.raises(DynaPipeError, match="--valid-data-path: span-corrupted indexed data is evaluated on no "
-                                            "split yet"):
+    with pytest.raises(DynaPipeError, match="--valid-data-path: span-corrupted indexed data is evaluated on the "
+                                            "validation and test parts of --data-path's --split"):
         parse_t5_args(argv + ["--valid-data-path", corpus["b"]], 1, cuda=False)
-    with pytest.raises(DynaPipeError, match="--split 90,10,0: span-corrupted indexed data .* no validation"):
-        parse_t5_args(_args(corpus) + ["--split", "90,10,0"], 1, cuda=False)
-    with pytest.raises(DynaPipeError, match="--eval-interval 5: span-corrupted indexed data has no validation"):
-        parse_t5_args(_args(corpus) + ["--eval-interval", "5"], 1, cuda=False)
+
+
+def test_validation_pairs_are_megatrons_validation_split_unpadded(corpus):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDataset
+    from megatron.core.datasets.utils import Split
+
+    from megatron_integration.t5_span_data import megatron_dataset_config
+
+    cfg = parse_t5_args(_args(corpus, "--split", "80,20,0", "--eval-interval", "2", "--eval-iters", "1"), 1,
+                        cuda=False)
+    valid, train = cfg.dataset_config("valid"), cfg.dataset_config()
+    assert cfg.dataset_config("test") is None  # no test part in --split
+    # Megatron-LM's count: one evaluation after iterations 2 and 4 and one after training, a batch each.
+    assert len(valid) == 3 * 8 and len(train) == 5 * 8
+    # megatron-core's own validation split: documents 32..39 of 40.
+    mconfig = megatron_dataset_config(cfg.span_corruption)
+    megatron = T5MaskedWordPieceDataset(IndexedDataset(corpus["a"]), corpus["a"], np.arange(32, 40, dtype=np.int32),
+                                        len(valid), Split.valid, mconfig)
+    for i in range(len(valid)):
+        ref, pair = megatron[i], valid[i]
+        assert (valid.input_lengths[i], valid.target_lengths[i]) == (int(ref["enc_mask"].sum()),
+                                                                     int(ref["loss_mask"].sum()))
+        row = t5_row_tensors([[pair]], ENC, DEC, valid.pad_id, valid.eod_id)
+        np.testing.assert_array_equal(row["tokens"][0], ref["text_enc"])
+        np.testing.assert_array_equal(row["dec_tokens"][0], ref["text_dec"])
+        np.testing.assert_array_equal(row["loss_mask"][0], ref["loss_mask"])
+    # Training reads the other 80% of the documents: not the pairs of --split 100,0,0.
+    whole = parse_t5_args(_args(corpus), 1, cuda=False).dataset_config()
+    assert not np.array_equal(train.input_lengths, whole.input_lengths[:len(train)])
 
 
 def test_lengths_are_kept_next_to_megatrons_index_cache(corpus):
@@ -181,7 +207,6 @@ def test_bad_span_corruption_input_is_refused_in_one_line(corpus, tmp_path):
         ("--tokenizer-type", "ByteLevel", "--vocab-file", ""): "masks whole WordPiece words",
         ("--vocab-file", str(tmp_path / "none.txt")): "--vocab-file .* no such file",
         ("--mask-prob", "1.5"): "--mask-prob 1.5: must be in",
-        ("--split", "90,10,0"): "pass --split 100,0,0",
         ("--dynapipe-tokens-per-global-batch", "500", "--use-dynapipe"): "--global-batch-size samples",
     }
     for extra, text in refused.items():
