@@ -121,10 +121,9 @@ def parse_t5_args(argv, world_size: int, cuda: Optional[bool] = None) -> T5Train
 
 
 def _t5_model_and_data_honoured(args: argparse.Namespace, base) -> None:
-    """Refuse what T5 training does not do yet instead of ignoring it: other layers than Megatron's
-    T5 has, and per-split paths of span-corrupted indexed data (its evaluation reads the
-    validation and test parts of --split). Both checkpoint formats are honoured
-    (:mod:`megatron_integration.t5_checkpoint`)."""
+    """Refuse what T5 training does not do yet instead of ignoring it: other layers than
+    Megatron's T5 has. Megatron's data splits and evaluation are honoured for every kind of
+    data, and both checkpoint formats (:mod:`megatron_integration.t5_checkpoint`)."""
     model_flags = {"--swiglu": args.swiglu, "--disable-bias-linear": args.disable_bias_linear,
                    "--group-query-attention": args.group_query_attention,
                    "--normalization RMSNorm": args.normalization != "LayerNorm",
@@ -133,22 +132,6 @@ def _t5_model_and_data_honoured(args: argparse.Namespace, base) -> None:
         if given:
             raise DynaPipeError(f"{flag}: T5 stages are built as Megatron's T5 (GeLU MLP with biases, LayerNorm, "
                                 f"multi-head attention, tied output layer) in this build; drop it.")
-    data = base.data
-    if not _span_corruption(args, data):
-        return  # mock and JSONL pairs: Megatron's splits and evaluation, as for GPT
-    per_split = [f for f in ("valid", "test") if getattr(data, f"{f}_data_path")]
-    if per_split:
-        raise DynaPipeError(f"--{per_split[0]}-data-path: span-corrupted indexed data is evaluated on the "
-                            f"validation and test parts of --data-path's --split (JSONL pairs take per-split "
-                            f"paths); give --data-path with --split instead.")
-
-
-def _span_corruption(args: argparse.Namespace, data) -> bool:
-    """Whether the run's data is Megatron indexed datasets (span-corrupted), not JSONL or mock pairs."""
-    if data.mock_data:
-        return False
-    paths = (*data.data_path, *data.train_data_path, *data.valid_data_path, *data.test_data_path)
-    return bool(paths) and not any(p.endswith((".jsonl", ".json")) for p in paths)
 
 
 def _with_placement(cfg: T5TrainingConfig, flag: str, pp: int) -> T5TrainingConfig:

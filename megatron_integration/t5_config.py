@@ -80,9 +80,7 @@ class T5TrainingConfig:
             from megatron_integration.t5_span_data import SpanCorruptionDataset
 
             index = ("train", "valid", "test").index(split)
-            weights = [float(w) for w in self.span_corruption.split.split(",")] if self.span_corruption.split \
-                else [1.0, 0.0, 0.0]
-            if index and (not weights[index] or self.base.evaluation.eval_iters <= 0):
+            if index and (not self.span_corruption.has_split(index) or self.base.evaluation.eval_iters <= 0):
                 return None
             return SpanCorruptionDataset(replace(self.span_corruption, split_index=index,
                                                  num_samples=span_split_samples(self.base, split)))

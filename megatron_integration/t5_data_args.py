@@ -42,6 +42,11 @@ def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> O
     weights = tuple(base.data.data_weights if base.data.data_path else base.data.train_data_weights)
     indexed = [p for p in paths if not p.endswith((".jsonl", ".json"))]
     if not indexed:
+        other = [p for s in ("valid", "test") for p in getattr(base.data, f"{s}_data_path")
+                 if not p.endswith((".jsonl", ".json"))]
+        if paths and other:
+            raise DynaPipeError(f"{other[0]}: an indexed prefix beside JSONL training pairs; give every split in "
+                                f"one kind (JSONL pairs, or indexed datasets for span corruption).")
         given = [f"--{k.replace('_', '-')}" for k, v in DEFAULTS.items() if getattr(args, k) != v]
         if given:
             raise DynaPipeError(f"{given[0]} applies to T5 span corruption of indexed --data-path datasets; JSONL "
@@ -53,10 +58,19 @@ def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> O
         return None
     if len(indexed) != len(paths):
         raise DynaPipeError(f"{flag} mixes JSONL files and indexed-dataset prefixes; give one kind.")
-    for p in paths:
-        if not (os.path.isfile(p + ".bin") and os.path.isfile(p + ".idx")):
-            raise DynaPipeError(f"{flag} {p}: no indexed dataset there ({p}.bin and {p}.idx must both exist; "
-                                f"pass the prefix preprocess_data.py wrote, without the extension).")
+    # With --train-data-path, --valid-data-path / --test-data-path name the evaluation sets (one
+    # blend a split, as megatron-core's blend_per_split).
+    per_split = {} if base.data.data_path else {
+        s: (tuple(getattr(base.data, f"{s}_data_path")), tuple(getattr(base.data, f"{s}_data_weights")))
+        for s in ("valid", "test") if getattr(base.data, f"{s}_data_path")}
+    for flag_of, prefixes in [(flag, paths)] + [(f"--{s}-data-path", p) for s, (p, _) in per_split.items()]:
+        for p in prefixes:
+            if p.endswith((".jsonl", ".json")):
+                raise DynaPipeError(f"{flag_of} {p}: a JSONL file beside indexed --train-data-path prefixes; give "
+                                    f"every split in one kind.")
+            if not (os.path.isfile(p + ".bin") and os.path.isfile(p + ".idx")):
+                raise DynaPipeError(f"{flag_of} {p}: no indexed dataset there ({p}.bin and {p}.idx must both exist; "
+                                    f"pass the prefix preprocess_data.py wrote, without the extension).")
     kind = args.tokenizer_type
     if kind not in WORDPIECE_TYPES:
         raise DynaPipeError(f"--tokenizer-type {kind}: T5 span corruption of indexed data masks whole WordPiece "
@@ -81,7 +95,9 @@ def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> O
         num_samples=base.train_iters * base.global_batch_size,
         encoder_seq_length=enc_seq, decoder_seq_length=dec_seq, seed=base.seed, tokenizer_type=kind,
         vocab_file=args.vocab_file, vocab_extra_ids=args.vocab_extra_ids, mask_prob=args.mask_prob,
-        short_seq_prob=args.short_seq_prob, cache_path=args.data_cache_path)
+        short_seq_prob=args.short_seq_prob, cache_path=args.data_cache_path,
+        valid_paths=per_split.get("valid", ((), ()))[0], valid_weights=per_split.get("valid", ((), ()))[1],
+        test_paths=per_split.get("test", ((), ()))[0], test_weights=per_split.get("test", ((), ()))[1])
     if dec_seq < min(3, cfg.worst_decoder_length):
         raise DynaPipeError(f"--decoder-seq-length {dec_seq}: too short for T5 span corruption ([BOS], a sentinel "
                             f"and a masked token); use at least 3 (up to {cfg.worst_decoder_length} at these lengths).")

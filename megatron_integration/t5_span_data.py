@@ -67,8 +67,19 @@ class SpanCorruptionConfig:
     mask_prob: float = 0.15
     short_seq_prob: float = 0.1
     cache_path: Optional[str] = None
-    # Which of megatron-core's splits: 0 train, 1 validation, 2 test (of ``split``).
+    # Which of megatron-core's splits: 0 train, 1 validation, 2 test (of ``split``, or of the
+    # per-split blends: ``paths`` for training and these, from --valid/--test-data-path).
     split_index: int = 0
+    valid_paths: tuple[str, ...] = ()
+    valid_weights: tuple[float, ...] = ()
+    test_paths: tuple[str, ...] = ()
+    test_weights: tuple[float, ...] = ()
+
+    def has_split(self, index: int) -> bool:
+        """Whether split ``index`` (0 train, 1 validation, 2 test) has data."""
+        if self.split is not None:
+            return float(self.split.split(",")[index]) > 0
+        return index == 0 or bool((self.valid_paths, self.test_paths)[index - 1])
 
     def vocab(self) -> WordPieceVocab:
         return wordpiece_vocab(self.tokenizer_type, self.vocab_file, self.vocab_extra_ids)
@@ -84,11 +95,15 @@ def megatron_dataset_config(cfg: SpanCorruptionConfig):
     """megatron-core's ``T5MaskedWordPieceDatasetConfig`` as Megatron-LM's ``pretrain_t5.py`` fills it."""
     from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDatasetConfig
 
-    blend = (list(cfg.paths), list(cfg.weights) if cfg.weights else None)
+    def blend(paths, weights):
+        return (list(paths), list(weights) if weights else None) if paths else None
+
+    train = blend(cfg.paths, cfg.weights)
+    per_split = [train, blend(cfg.valid_paths, cfg.valid_weights), blend(cfg.test_paths, cfg.test_weights)]
     return T5MaskedWordPieceDatasetConfig(
         random_seed=cfg.seed, sequence_length=cfg.encoder_seq_length, sequence_length_decoder=cfg.decoder_seq_length,
-        blend=blend if cfg.split is not None else None, split=cfg.split,
-        blend_per_split=None if cfg.split is not None else [blend, None, None],
+        blend=train if cfg.split is not None else None, split=cfg.split,
+        blend_per_split=None if cfg.split is not None else per_split,
         path_to_cache=cfg.cache_path, tokenizer=cfg.vocab(), masking_probability=cfg.mask_prob,
         short_sequence_probability=cfg.short_seq_prob, masking_max_ngram=MAX_NGRAM, masking_do_full_word=True,
         masking_do_permutation=False, masking_use_longer_ngrams=False, masking_use_geometric_distribution=True)

@@ -143,9 +143,36 @@ def test_train_data_path_gives_the_pairs_of_the_whole_data_path(corpus):
     train = cfg.dataset_config()
     np.testing.assert_array_equal(train.input_lengths, whole.input_lengths)
     np.testing.assert_array_equal(train[5].target_ids, whole[5].target_ids)
-    with pytest.raises(DynaPipeError, match="--valid-data-path: span-corrupted indexed data is evaluated on the "
-                                            "validation and test parts of --data-path's --split"):
-        parse_t5_args(argv + ["--valid-data-path", corpus["b"]], 1, cuda=False)
+    # --valid-data-path: Megatron's validation blend of its own, evaluated as megatron-core builds it.
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDataset
+    from megatron.core.datasets.utils import Split
+
+    from megatron_integration.t5_span_data import megatron_dataset_config
+
+    evaluated = parse_t5_args(argv + ["--valid-data-path", corpus["b"], "--eval-iters", "1"], 1, cuda=False)
+    valid = evaluated.dataset_config("valid")
+    assert evaluated.dataset_config("test") is None and len(valid) == 8  # one evaluation, after training
+    megatron = T5MaskedWordPieceDataset(IndexedDataset(corpus["b"]), corpus["b"], np.arange(20, dtype=np.int32), 8,
+                                        Split.valid, megatron_dataset_config(evaluated.span_corruption))
+    for i in range(len(valid)):
+        ref = megatron[i]
+        assert (valid.input_lengths[i], valid.target_lengths[i]) == (int(ref["enc_mask"].sum()),
+                                                                     int(ref["loss_mask"].sum()))
+    with open(str(corpus["b"]) + ".jsonl", "w") as f:
+        f.write('{"input": "a b", "target": "c"}\n')
+    refused = {"--valid-data-path": (str(corpus["b"]) + "x", "no such file"),
+               "--test-data-path": (str(corpus["b"]) + ".jsonl", "a JSONL file beside indexed")}
+    for flag, (value, text) in refused.items():
+        with pytest.raises(DynaPipeError, match=f"{flag} .*{text}"):
+            parse_t5_args(argv + [flag, value], 1, cuda=False)
+    # JSONL training pairs with an indexed validation prefix: one kind for every split.
+    jsonl = BASE.replace("--split 100,0,0", "").replace("--tokenizer-type BertWordPieceLowerCase",
+                                                          "--tokenizer-type ByteLevel --vocab-size 300")
+    jsonl = jsonl.replace(f"--vocab-extra-ids {EXTRA}", "").split()
+    with pytest.raises(DynaPipeError, match="an indexed prefix beside JSONL training pairs"):
+        parse_t5_args(jsonl + ["--train-data-path", str(corpus["b"]) + ".jsonl", "--valid-data-path", corpus["b"]],
+                      1, cuda=False)
 
 
 def test_validation_pairs_are_megatrons_validation_split_unpadded(corpus):
