@@ -139,6 +139,24 @@ class Evaluator:
             module.train(was_training)
         return EvalResult(total / max(tokens, 1), tokens)
 
+    def after_iteration(self, done: int, stream: TextIO, logging_rank: bool, sink: list[str], writer=None) -> None:
+        """Megatron-LM's periodic evaluation after iteration ``done`` (1-based), when due: logged
+        on the logging rank, kept in ``sink``, and written to TensorBoard's ``writer``."""
+        if not self.periodic_due(done):
+            return
+        result = self.evaluate("valid", self.first_batch(done))
+        log_eval(validation_lines(f"iteration {done}", result), stream, logging_rank, sink)
+        if writer is not None:
+            writer.add_scalar("lm loss validation", result.loss, done)
+
+    def after_training(self, last: int, stream: TextIO, logging_rank: bool, sink: list[str]) -> None:
+        """Megatron-LM's evaluation of the validation and test sets once training is done."""
+        for split in ("valid", "test"):
+            if self.has(split):
+                result = self.evaluate(split, self.first_batch(last, final=True) if split == "valid" else 0)
+                log_eval(validation_lines(f"iteration {last} on {SPLIT_NAMES[split]}", result), stream,
+                         logging_rank, sink)
+
     def periodic_due(self, iteration: int) -> bool:
         """Whether Megatron-LM evaluates after ``iteration`` (1-based) during training."""
         interval = self.cfg.evaluation.eval_interval

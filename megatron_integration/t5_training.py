@@ -22,7 +22,6 @@ from megatron_integration.logging_utils import TrainingLogger
 from megatron_integration.baseline_step import StepResult
 from megatron_integration.model import Stage, build_optimizer
 from megatron_integration.t5_config import T5TrainingConfig
-from megatron_integration.evaluation import SPLIT_NAMES, log_eval, validation_lines
 from megatron_integration.t5_eval import make_t5_evaluator
 from megatron_integration.training import TrainingRun, _print_rank_0, current_lr, vocab_padding_line
 
@@ -93,22 +92,16 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
             if on_iteration is not None:
                 on_iteration(iteration, result)
             done = iteration + 1
-            if evaluator is not None and evaluator.periodic_due(done):
-                result = evaluator.evaluate("valid", evaluator.first_batch(done))
-                log_eval(validation_lines(f"iteration {done}", result), stream, logging_rank, run.eval_lines)
-                if logger.writer is not None:
-                    logger.writer.add_scalar("lm loss validation", result.loss, done)
+            if evaluator is not None:
+                evaluator.after_iteration(done, stream, logging_rank, run.eval_lines, logger.writer)
             if base.save and base.save_interval and done % base.save_interval == 0 and done != last:
                 save(base, done, run.consumed_samples)
         if base.save and last > run.start_iteration:
             save(base, last, run.consumed_samples)
         # Megatron-LM evaluates the validation and test sets once training is done (not when
         # --exit-interval stopped it).
-        for split in ("valid", "test") if evaluator is not None and last == base.train_iters else ():
-            if evaluator.has(split):
-                first = evaluator.first_batch(last, final=True) if split == "valid" else 0
-                log_eval(validation_lines(f"iteration {last} on {SPLIT_NAMES[split]}", evaluator.evaluate(split, first)),
-                         stream, logging_rank, run.eval_lines)
+        if evaluator is not None and last == base.train_iters:
+            evaluator.after_training(last, stream, logging_rank, run.eval_lines)
         if evaluator is not None and evaluator.batches_run:
             run.eval_path = f"dynapipe-plans:{evaluator.batch_fn.plans_run}"
     finally:

@@ -19,7 +19,6 @@ from typing import Callable, Optional, Protocol, TextIO
 
 from megatron_integration import checkpoint_formats
 from megatron_integration.data import GlobalBatches, data_summary_lines
-from megatron_integration.evaluation import SPLIT_NAMES, log_eval, validation_lines
 from megatron_integration.initialize import RankInfo, initialize_megatron
 from megatron_integration.logging_utils import TrainingLogger
 from megatron_integration.baseline_step import StepResult, build_micro_batches, megatron_train_step
@@ -182,11 +181,8 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
             if on_iteration is not None:
                 on_iteration(iteration, result)
             done = iteration + 1
-            if evaluator is not None and evaluator.periodic_due(done):
-                result = evaluator.evaluate("valid", evaluator.first_batch(done))
-                log_eval(validation_lines(f"iteration {done}", result), stream, logging_rank, run.eval_lines)
-                if logger.writer is not None:
-                    logger.writer.add_scalar("lm loss validation", result.loss, done)
+            if evaluator is not None:
+                evaluator.after_iteration(done, stream, logging_rank, run.eval_lines, logger.writer)
             if cfg.save and cfg.save_interval and done % cfg.save_interval == 0 and done != last:
                 checkpoint_formats.save(cfg, done, run.consumed_samples, stage.gpt, optimizer, scheduler, info, log)
         if cfg.save and last > run.start_iteration:
@@ -198,11 +194,8 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
             stream.flush()
         # Megatron-LM evaluates the validation and test sets once training is done (not when
         # --exit-interval stopped it).
-        for split in ("valid", "test") if evaluator is not None and last == cfg.train_iters else ():
-            if evaluator.has(split):
-                result = evaluator.evaluate(split, evaluator.first_batch(last, final=True) if split == "valid" else 0)
-                log_eval(validation_lines(f"iteration {last} on {SPLIT_NAMES[split]}", result), stream,
-                         logging_rank, run.eval_lines)
+        if evaluator is not None and last == cfg.train_iters:
+            evaluator.after_training(last, stream, logging_rank, run.eval_lines)
         if evaluator is not None and evaluator.batches_run:
             # What ran, not what was configured: forward-only plans counted by their runner.
             plans = getattr(evaluator.batch_fn, "plans_run", None)

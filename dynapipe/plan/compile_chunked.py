@@ -184,7 +184,9 @@ def compile_interleaved_1f1b(micro_batches: Sequence[MicroBatch], model: ModelCo
     interleaved placement), one per rank, every op at ``recompute``. Transfers are ordered
     by a simulation on costs proportional to padded tokens, as
     :func:`~dynapipe.plan.compile.compile_plans` orders a schedule given by name."""
-    from dynapipe.schedule.costs import StageTimes
+    from dataclasses import replace
+
+    from dynapipe.plan.compile import _proxy_times
     from dynapipe.schedule.interleaved import interleaved_1f1b, simulate_chunked
 
     V = len(virtual_layouts)
@@ -193,11 +195,8 @@ def compile_interleaved_1f1b(micro_batches: Sequence[MicroBatch], model: ModelCo
                             f"got {V} virtual stages on {num_stages} ranks.")
     mbs_list = list(micro_batches)
     schedule = interleaved_1f1b(num_stages, V // num_stages, len(mbs_list), recompute=recompute)
-    tokens = np.array([max(mb.padded_tokens, 1) for mb in mbs_list], dtype=np.float64) * 1e-3
-    fw = np.tile(tokens, (V, 1))
-    zeros = np.zeros_like(fw)
-    comm = np.zeros((V - 1, len(mbs_list)))
-    times = StageTimes(fw, 2 * fw, zeros, zeros.copy(), comm, comm.copy(), np.zeros(num_stages))
+    # Per virtual stage, with model states per rank as the chunked simulator takes them.
+    times = replace(_proxy_times(mbs_list, V), state_mib=np.zeros(num_stages))
     timeline = simulate_chunked(schedule, times, record_memory=False)
     return compile_chunked_plans(schedule, mbs_list, model, timeline, virtual_layouts, replica=replica,
                                  num_replicas=num_replicas, iteration=iteration,
