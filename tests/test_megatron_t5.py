@@ -17,7 +17,8 @@ from dynapipe.data.samples import Sample
 from dynapipe.errors import DynaPipeError
 from megatron_integration.t5_arguments import parse_t5_args
 from megatron_integration.t5_batches import baseline_micro_batches, pack_pairs, t5_row_tensors
-from megatron_integration.t5_step import segment_mask, segment_positions
+from megatron_integration.launch import spawn
+from megatron_integration.t5_step import segment_mask, segment_positions, unmasked_mask
 
 from t5_job import TIMEOUT, TINY, dist_tensors as _dist_tensors
 
@@ -103,6 +104,62 @@ def test_segment_masks_and_positions():
     assert causal.tolist() == [[True, False, False], [False, True, False], [False, True, True]]
     cross = ~segment_mask(dec, enc, self_attention=False)[0, 0]
     assert cross.tolist() == [[True, True, False, False], [False, False, True, False], [False, False, True, False]]
+
+
+def _unmasked_layers_job() -> dict:
+    """One rank: a megatron-core encoder layer and decoder layer (the T5 stage's local specs) run
+    with an all-keep mask and with None; their outputs and parameter gradients."""
+    from megatron_integration.initialize import destroy, initialize_megatron
+    from megatron_integration.t5_profiler import T5Ops
+    from megatron_integration.train_config import GPTModelArgs, ParallelArgs
+
+    initialize_megatron(ParallelArgs(world_size=1, backend="gloo"), seed=3)
+    try:
+        model = GPTModelArgs(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                             vocab_size=256, max_position_embeddings=96, seq_length=96, kv_channels=16,
+                             hidden_dropout=0.0, attention_dropout=0.0)
+        ops = T5Ops(model, torch.device("cpu"))
+        gen = torch.Generator().manual_seed(0)
+        x, ctx = torch.randn(96, 2, 64, generator=gen), torch.randn(96, 2, 64, generator=gen)
+        y = torch.randn(24, 2, 64, generator=gen)
+        enc_seg, dec_seg = torch.ones(2, 96, dtype=torch.int64), torch.ones(2, 24, dtype=torch.int64)
+        causal = segment_mask(dec_seg, dec_seg, causal=True)
+        layer = ops.decoder.layers[0]
+        out = {}
+        for name, omit in (("mask", False), ("none", True)):
+            enc_mask = unmasked_mask(enc_seg, enc_seg) if omit else segment_mask(enc_seg, enc_seg)
+            cross = unmasked_mask(dec_seg, enc_seg, self_attention=False) if omit else \
+                segment_mask(dec_seg, enc_seg, self_attention=False)
+            enc_out = ops.encoder(hidden_states=x, attention_mask=enc_mask)
+            dec_out = layer(hidden_states=y, attention_mask=causal, context=ctx, context_mask=cross)[0]
+            (enc_out.square().sum() + dec_out.square().sum()).backward()
+            params = list(ops.encoder.parameters()) + list(layer.parameters())
+            # numpy: torch tensors would cross the result queue as shared memory of an exited process.
+            out[name] = {"masks": (enc_mask is None, cross is None), "enc": enc_out.detach().numpy(),
+                         "dec": dec_out.detach().numpy(), "grads": [p.grad.numpy().copy() for p in params]}
+            for p in params:
+                p.grad = None
+        return out
+    finally:
+        destroy()
+
+
+def test_a_mask_that_masks_nothing_is_omitted_and_changes_nothing():
+    # Rows of one whole sample each (the same one in queries and keys): nothing to mask, no mask built.
+    one, dec = torch.tensor([[1, 1, 1], [2, 2, 2]]), torch.tensor([[1, 1], [2, 2]])
+    assert unmasked_mask(one, one) is None and unmasked_mask(dec, one, self_attention=False) is None
+    # Padding, a second sample in a row, or another sample in the keys: the segment mask itself.
+    padded, two = torch.tensor([[1, 1, 0], [1, 1, 1]]), torch.tensor([[1, 2, 2], [1, 1, 1]])
+    for q, k, self_attention in ((padded, padded, True), (two, two, True), (dec, padded, False),
+                                 (torch.tensor([[2, 2], [2, 2]]), one, False), (dec[:, :1], two, False)):
+        assert torch.equal(unmasked_mask(q, k, self_attention), segment_mask(q, k, self_attention=self_attention))
+    # megatron-core's encoder layer and decoder layer (cross-attention) give the same outputs and
+    # gradients with the all-keep masks and without them.
+    (res,) = spawn(_unmasked_layers_job, 1, timeout_s=TIMEOUT, threads_per_rank=1)
+    assert res["mask"]["masks"] == (False, False) and res["none"]["masks"] == (True, True)
+    for key in ("enc", "dec"):
+        assert np.array_equal(res["mask"][key], res["none"][key])
+    assert all(np.array_equal(a, b) for a, b in zip(res["mask"]["grads"], res["none"]["grads"]))
 
 
 # -- spawned gloo jobs ------------------------------------------------------------------------
