@@ -62,6 +62,13 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="samples to train (instead of --train-iters): iterations = samples / --global-batch-size")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving, with --save) at the first iteration divisible by this")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="Python's garbage collector off during training, collecting only at the start, every "
+                        "--manual-gc-interval iterations and around evaluations, on every rank at once")
+    g.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="with --manual-gc: iterations between collections (default 0: none between iterations)")
+    g.add_argument("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",
+                   help="with --manual-gc: no collection before and after each periodic evaluation")
     g.add_argument("--seed", type=int, default=1234, help="random seed (initialisation, data, dropout)")
     g.add_argument("--bf16", action="store_true", help="bfloat16 parameters and activations (GPU)")
     g.add_argument("--fp16", action="store_true", help="float16 parameters and activations (GPU)")

@@ -127,6 +127,9 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
     optimizer = optimizer_args_from_args(args)
     _positive("num-workers", args.num_workers, allow_zero=True)
     _positive("exit-interval", args.exit_interval)
+    from megatron_integration.manual_gc import ManualGC
+
+    manual_gc = ManualGC(args.manual_gc, args.manual_gc_interval, args.manual_gc_eval).validate()
     if args.save_interval is not None and not args.save:
         raise DynaPipeError("--save-interval needs --save DIR to write the checkpoints to.")
     if args.save:
@@ -146,7 +149,7 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
         load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, log_interval=args.log_interval,
         tensorboard_dir=args.tensorboard_dir, recompute=recompute,
         check_for_nan_in_loss_and_grad=getattr(args, "check_for_nan_in_loss_and_grad", True),
-        exit_interval=args.exit_interval, evaluation=evaluation, ckpt_format=args.ckpt_format, finetune=args.finetune,
+        exit_interval=args.exit_interval, manual_gc=manual_gc, evaluation=evaluation, ckpt_format=args.ckpt_format, finetune=args.finetune,
         megatron_args=_recorded_args(args))
 
 

@@ -144,7 +144,8 @@ class Evaluator:
         on the logging rank, kept in ``sink``, and written to TensorBoard's ``writer``."""
         if not self.periodic_due(done):
             return
-        result = self.evaluate("valid", self.first_batch(done))
+        with self.cfg.manual_gc.evaluation():
+            result = self.evaluate("valid", self.first_batch(done))
         log_eval(validation_lines(f"iteration {done}", result), stream, logging_rank, sink)
         if writer is not None:
             writer.add_scalar("lm loss validation", result.loss, done)

@@ -77,11 +77,13 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
                                run.consumed_samples)
     logger = None
     logging_rank = info.is_last_stage and info.dp_rank == 0
+    gc_was_enabled = None
     try:
         evaluator = make_t5_evaluator(cfg, info, stage, stepper)
         logger = TrainingLogger(base.train_iters, base.global_batch_size, base.log_interval,
                                 is_logging_rank=logging_rank, tensorboard_dir=base.tensorboard_dir, stream=stream)
         last = base.last_iteration(run.start_iteration)
+        gc_was_enabled = base.manual_gc.start()
         for iteration in range(run.start_iteration, last):
             result = stepper.step(iteration)
             run.consumed_samples = result.consumed_samples
@@ -92,6 +94,7 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
             if on_iteration is not None:
                 on_iteration(iteration, result)
             done = iteration + 1
+            base.manual_gc.after_iteration(done)
             if evaluator is not None:
                 evaluator.after_iteration(done, stream, logging_rank, run.eval_lines, logger.writer)
             if base.save and base.save_interval and done % base.save_interval == 0 and done != last:
@@ -105,6 +108,8 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
         if evaluator is not None and evaluator.batches_run:
             run.eval_path = f"dynapipe-plans:{evaluator.batch_fn.plans_run}"
     finally:
+        if gc_was_enabled is not None:
+            base.manual_gc.stop(gc_was_enabled)
         stepper.close()
         if logger is not None:
             logger.close()

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megatron_integration.manual_gc import ManualGC
+
 
 @dataclass(frozen=True)
 class GPTModelArgs:
@@ -208,6 +210,8 @@ class DynaPipeTrainingConfig:
     check_for_nan_in_loss_and_grad: bool = True
     # Megatron's --exit-interval: stop (after saving, with --save) at the first multiple of it.
     exit_interval: Optional[int] = None
+    # Megatron's --manual-gc, --manual-gc-interval, --no-manual-gc-eval.
+    manual_gc: ManualGC = field(default_factory=ManualGC)
     evaluation: EvalArgs = field(default_factory=EvalArgs)
     # Checkpoints: Megatron's --ckpt-format (torch_dist or this project's dynapipe) and --finetune
     # (weights only, from iteration 0); the parsed arguments, stored as the checkpoint's ``args``.

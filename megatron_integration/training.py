@@ -166,11 +166,13 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
     evaluator = make_evaluator(cfg, info, stage, stepper)
     logging_rank = info.is_last_stage and info.dp_rank == 0 and info.tp_rank == 0
     logger = None
+    gc_was_enabled = None
     try:
         logger = TrainingLogger(cfg.train_iters, cfg.global_batch_size, cfg.log_interval,
                                 is_logging_rank=logging_rank, tensorboard_dir=cfg.tensorboard_dir, stream=stream)
         last = cfg.last_iteration(run.start_iteration)
         started = time.perf_counter()
+        gc_was_enabled = cfg.manual_gc.start()
         for iteration in range(run.start_iteration, last):
             result = stepper.step(iteration)
             run.consumed_samples = result.consumed_samples
@@ -181,6 +183,7 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
             if on_iteration is not None:
                 on_iteration(iteration, result)
             done = iteration + 1
+            cfg.manual_gc.after_iteration(done)
             if evaluator is not None:
                 evaluator.after_iteration(done, stream, logging_rank, run.eval_lines, logger.writer)
             if cfg.save and cfg.save_interval and done % cfg.save_interval == 0 and done != last:
@@ -201,6 +204,8 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
             plans = getattr(evaluator.batch_fn, "plans_run", None)
             run.eval_path = "megatron-forward-only" if plans is None else f"dynapipe-plans:{plans}"
     finally:
+        if gc_was_enabled is not None:
+            cfg.manual_gc.stop(gc_was_enabled)
         stepper.close()
         if logger is not None:
             logger.close()

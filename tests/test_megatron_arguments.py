@@ -97,3 +97,54 @@ def test_tensor_and_sequence_parallel_run_on_cpu():
     assert cfg.parallel.data_parallel_size == 2 and cfg.method == "dynapipe"
     cfg = parse("--tensor-model-parallel-size 2", world=2)
     assert not cfg.parallel.sequence_parallel and cfg.method == "padding"
+
+
+def test_manual_gc_flags_take_megatrons_defaults_and_points():
+    import gc
+
+    from megatron_integration.manual_gc import ManualGC
+    from megatron_integration.t5_arguments import parse_t5_args
+    from t5_job import TINY
+
+    assert parse().manual_gc == ManualGC(enabled=False, interval=0, eval=True)
+    assert parse("--manual-gc --manual-gc-interval 5 --no-manual-gc-eval").manual_gc == ManualGC(True, 5, False)
+    assert parse_t5_args((TINY + " --manual-gc").split(), 2, cuda=False).base.manual_gc.enabled
+    with pytest.raises(DynaPipeError, match="--manual-gc-interval -1: must be >= 0"):
+        parse("--manual-gc --manual-gc-interval -1")
+    # Where collections happen: the generation of every collection, as the collector reports it.
+    seen: list[int] = []
+
+    def record(phase, info):
+        if phase == "start":
+            seen.append(info["generation"])
+
+    gc.callbacks.append(record)
+    try:
+        was = ManualGC(True, 2).start()
+        assert not gc.isenabled() and seen == [2]  # collector off, one full collection first
+        for iteration in (1, 2, 3, 4):
+            ManualGC(True, 2).after_iteration(iteration)
+        assert seen == [2, 2, 2]  # after iterations 2 and 4
+        with ManualGC(True, 2).evaluation():
+            assert seen[-1] == 2
+        assert seen == [2, 2, 2, 2, 0]  # all generations before an evaluation, the youngest after
+        with ManualGC(True, 2, eval=False).evaluation():
+            pass
+        ManualGC(True, 0).after_iteration(10)  # interval 0: none between iterations
+        assert len(seen) == 5
+        ManualGC(True, 2).stop(was)
+        assert gc.isenabled() == was
+        # Without --manual-gc nothing changes (the collector held off here, so that no
+        # threshold collection lands in the count).
+        gc.disable()
+        collected = len(seen)
+        off = ManualGC()
+        assert off.start() is False and not gc.isenabled()
+        off.after_iteration(2)
+        with off.evaluation():
+            pass
+        off.stop(True)
+        assert len(seen) == collected and not gc.isenabled()
+    finally:
+        gc.callbacks.remove(record)
+        gc.enable()

@@ -17,8 +17,10 @@ def torchrun(nproc: int, *args: str, timeout: int = 240) -> subprocess.Completed
 
 
 def test_tiny_cpu_run_logs_in_megatron_format(tmp_path):
+    # Megatron's manual garbage collection too: the collector off, a collection after every iteration.
     result = torchrun(2, "--run-config", "configs/runs/gpt-tiny-cpu-pp2.yaml", "--train-iters", "2",
-                      "--seq-length", "128", "--global-batch-size", "8", "--save", str(tmp_path / "ckpt"))
+                      "--seq-length", "128", "--global-batch-size", "8", "--save", str(tmp_path / "ckpt"),
+                      "--manual-gc", "--manual-gc-interval", "1")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [l for l in result.stdout.splitlines() if "iteration" in l and "lm loss" in l]
     assert len(lines) == 2  # --log-interval 1, printed once (by the last stage)
