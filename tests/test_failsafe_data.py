@@ -1,0 +1,183 @@
+"""Fail-safety battery, data: damaged indexed (``.bin``/``.idx``) datasets, bad JSONL files and
+tokenizers or token ids that do not fit the model's vocabulary.
+
+Data is checked where it enters, and the one-line error names the file and the document
+(sequence or line), so that a bad record is found without searching the corpus; an id outside
+the vocabulary must never reach an embedding.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from dynapipe.errors import DynaPipeError
+
+from failsafe_common import truncate_file, write_indexed
+
+
+def _idx_case(tmp_path, name):
+    p = tmp_path / "data"
+    good = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    if name == "id_at_vocab":
+        return write_indexed(p, [[5, 6], [7, 100]]), ("data.bin", "sequence 1", "id 100")
+    if name == "id_far_above":
+        return write_indexed(p, [[5, 6], [7, 8], [2**30]]), ("data.bin", "sequence 2", "outside the vocabulary")
+    if name == "negative_id":
+        return write_indexed(p, [[5, -1], [7, 8]]), ("data.bin", "sequence 0", "id -1")
+    if name == "uint16_above":
+        return write_indexed(p, [[5, 6], [60000]], np.uint16), ("data.bin", "sequence 1", "id 60000")
+    if name == "empty_sequence":
+        return write_indexed(p, [[5, 6], [], [7]]), ("data.idx", "sequence 1", "no tokens")
+    if name == "all_empty":
+        return write_indexed(p, [[], []]), ("data.idx", "sequence 0", "no tokens")
+    prefix = write_indexed(p, good)
+    if name == "bin_truncated":
+        truncate_file(prefix + ".bin", -3)
+        return prefix, ("data.bin", "truncated")
+    if name == "bin_empty":
+        truncate_file(prefix + ".bin", 0)
+        return prefix, ("data.bin", "empty")
+    if name == "idx_truncated_tail":
+        truncate_file(prefix + ".idx", -5)
+        return prefix, ("data.idx", "truncated")
+    if name == "idx_truncated_header":
+        truncate_file(prefix + ".idx", 12)
+        return prefix, ("data.idx", "truncated")
+    if name == "idx_empty":
+        truncate_file(prefix + ".idx", 0)
+        return prefix, ("data.idx", "truncated")
+    if name == "idx_garbage":
+        with open(prefix + ".idx", "wb") as f:
+            f.write(os.urandom(200))
+        return prefix, ("data.idx", "not a Megatron index")
+    if name in ("idx_bad_version", "idx_bad_dtype"):
+        with open(prefix + ".idx", "r+b") as f:
+            f.seek(9 if name == "idx_bad_version" else 17)
+            f.write(b"\x63")
+        return prefix, ("data.idx", "not a Megatron index")
+    if name == "idx_negative_length":
+        with open(prefix + ".idx", "r+b") as f:
+            f.seek(34 + 4)
+            f.write(np.int32(-2).tobytes())
+        return prefix, ("data.idx", "negative length")
+    if name == "idx_bad_pointer":
+        with open(prefix + ".idx", "r+b") as f:
+            f.seek(34 + 3 * 4 + 8)
+            f.write(np.int64(4).tobytes())
+        return prefix, ("data.idx", "sequence 1")
+    if name == "bin_is_dir":
+        os.remove(prefix + ".bin")
+        os.mkdir(prefix + ".bin")
+        return prefix, ("data.bin", "not a regular file")
+    raise KeyError(name)
+
+
+IDX_CASES = ["id_at_vocab", "id_far_above", "negative_id", "uint16_above", "empty_sequence", "all_empty",
+             "bin_truncated", "bin_empty", "idx_truncated_tail", "idx_truncated_header", "idx_empty", "idx_garbage",
+             "idx_bad_version", "idx_bad_dtype", "idx_negative_length", "idx_bad_pointer", "bin_is_dir"]
+
+
+@pytest.mark.parametrize("name", IDX_CASES)
+def test_indexed_data_is_checked_where_it_enters(tmp_path, name):
+    from dynapipe.data.config import DatasetConfig
+
+    prefix, needles = _idx_case(tmp_path, name)
+    with pytest.raises(DynaPipeError) as e:
+        DatasetConfig(kind="indexed", seq_length=64, paths=(prefix,), vocab_size=100).build()
+    text = str(e.value)
+    assert "\n" not in text
+    for needle in needles:
+        assert needle in text
+
+
+def test_token_check_runs_once_per_dataset_and_is_vectorised(tmp_path, monkeypatch):
+    from dynapipe.data import indexed
+    from dynapipe.data.config import DatasetConfig
+
+    prefix = write_indexed(tmp_path / "ok", [list(range(2, 48)) + ([49] if i == 38 else []) for i in range(40)])
+    calls = []
+    real = indexed.first_bad_token
+    monkeypatch.setattr(indexed, "first_bad_token", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(indexed, "_CHECK_CHUNK", 100)  # several chunks: the bad id is in a later one
+    ds = DatasetConfig(kind="indexed", seq_length=64, paths=(prefix,), vocab_size=100).build()
+    ds.validate_tokens(100)
+    ds.validate_tokens(100)
+    assert len(calls) == 1
+    with pytest.raises(DynaPipeError, match="sequence 38, token 46 has id 49"):
+        ds.validate_tokens(49)
+    import pickle
+
+    assert pickle.loads(pickle.dumps(ds))._tokens_valid_below == 100  # travels into planner workers
+
+
+JSONL = {
+    "lone_surrogate": ('{"text": "ab\\ud800cd"}\n', ":1", "lone surrogate"),
+    "lone_surrogate_target": ('{"text": "ok"}\n{"input": "a", "target": "\\udfff"}\n', ":2", "surrogate"),
+    "not_json": ('{"text": "a"\n', ":1", "not a valid JSON"),
+    "not_object": ('[1, 2]\n', ":1", "JSON object"),
+    "no_fields": ('{"body": "a"}\n', ":1", "'text'"),
+    "input_only": ('{"input": "a"}\n', ":1", "both"),
+    "text_not_string": ('{"text": 5}\n', ":1", "must be a string"),
+    "empty_text_no_eod": None,
+    "task_list": ('{"text": "a", "task": [1]}\n', ":1", "task"),
+    "deep": ('{"text": ' + "[" * 100000 + "]" * 100000 + '}\n', ":1", "nested too deeply"),
+    "invalid_utf8": (b'{"text": "\xff\xfe"}\n', ":1", "JSON"),
+    "no_samples": ("\n\n", "hold no samples", "no samples"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(k for k, v in JSONL.items() if v is not None))
+def test_bad_jsonl(tmp_path, name):
+    from dynapipe.data.config import DatasetConfig
+
+    content, *needles = JSONL[name]
+    p = tmp_path / "data.jsonl"
+    p.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))
+    with pytest.raises(DynaPipeError) as e:
+        DatasetConfig(kind="jsonl", seq_length=64, paths=(str(p),), vocab_size=384).build()
+    text = str(e.value)
+    assert "\n" not in text
+    for needle in needles:
+        assert needle in text
+
+
+def test_jsonl_ids_above_the_vocabulary_name_the_line(tmp_path):
+    from dynapipe.data.config import DatasetConfig
+
+    class Wide:
+        vocab_size, eod, pad = 100, 1, 0
+
+        def tokenize(self, text):
+            return [ord(c) for c in text]
+
+    p = tmp_path / "data.jsonl"
+    p.write_text('{"text": "AB"}\n\n{"text": "Ab"}\n')  # 'b' is 98 + eod... fine; 'A'..; id 98 < 100
+    DatasetConfig(kind="jsonl", seq_length=64, paths=(str(p),), vocab_size=100, tokenizer=Wide()).build()
+    p.write_text('{"text": "AB"}\n\n{"text": "Az"}\n')  # 'z' is 122
+    with pytest.raises(DynaPipeError, match=r"data.jsonl:3: token id 122 is outside the vocabulary \[0, 100\)"):
+        DatasetConfig(kind="jsonl", seq_length=64, paths=(str(p),), vocab_size=100, tokenizer=Wide()).build()
+
+
+@pytest.mark.parametrize("vocab", [1, 100, 258])
+def test_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path, vocab):
+    from dynapipe.data.config import DatasetConfig
+
+    p = tmp_path / "data.jsonl"
+    p.write_text('{"text": "hello"}\n')
+    with pytest.raises(DynaPipeError, match=f"259 ids but --vocab-size is {vocab}"):
+        DatasetConfig(kind="jsonl", seq_length=64, paths=(str(p),), vocab_size=vocab).build()
+
+
+def test_overlong_error_names_the_real_flag(tmp_path):
+    from dynapipe.data.config import DatasetConfig
+    from megatron_integration.arguments import build_parser
+
+    p = tmp_path / "data.jsonl"
+    p.write_text('{"text": "' + "x" * 100 + '"}\n')
+    with pytest.raises(DynaPipeError) as e:
+        DatasetConfig(kind="jsonl", seq_length=64, paths=(str(p),), overlong="reject", vocab_size=384).build()
+    flags = [f.rstrip(",.;:)") for f in str(e.value).split() if f.startswith("--")]
+    known = {s for a in build_parser()._actions for s in a.option_strings}
+    assert flags and all(f in known for f in flags), flags

@@ -1,0 +1,370 @@
+"""Fail-safety battery, training faults: NaN losses, one rank's corrupted checkpoint files,
+out-of-vocabulary data, a Redis restart mid-run, an fp16 overflow; then the Redis store alone.
+
+A fault must stop every rank with the same one line, or, for a fault the job is meant to
+survive, change nothing: a Redis restart within the retry window gives the losses of an
+undisturbed run, an fp16 overflow is a skipped step. The training faults share one spawned
+two-rank job (a spawn costs tens of seconds); the Redis cases use a real ``redis-server``
+started on a free port, since only a real server loses what a restart loses.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import threading
+import time
+from functools import partial
+
+import numpy as np
+import pytest
+
+from dynapipe.errors import DynaPipeError
+
+from failsafe_common import flip_byte, truncate_file, write_indexed
+
+
+# ---- training faults: one spawned two-rank job runs them all ------------------------------------
+
+TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --seq-length 64 "
+        "--max-position-embeddings 64 --vocab-size 128 --micro-batch-size 2 --global-batch-size 4 "
+        "--log-interval 1 --seed 7 --pipeline-model-parallel-size 2 --hidden-dropout 0 --attention-dropout 0")
+MOCK = " --mock-data --dynapipe-mock-samples 64"
+
+
+def fault_job(steps: list) -> list:
+    """Rank body: run ``steps`` in order in one process group; each step's outcome.
+
+    ``("train", argv)`` trains (a DynaPipeError is an outcome, not a failure of the job);
+    ``("train", argv, (iteration, marker))`` also pauses rank 0 after that iteration until
+    the test removes the file ``marker`` it creates (a fault is injected meanwhile);
+    ``("rank0", fn, args)`` runs a file operation on rank 0 between runs.
+    """
+    import io
+
+    import torch.distributed as dist
+
+    from megatron_integration.arguments import parse_training_args
+    from megatron_integration.initialize import destroy
+    from megatron_integration.training import pretrain
+
+    world = int(os.environ["WORLD_SIZE"])
+    out = []
+    try:
+        for step in steps:
+            if step[0] == "rank0":
+                if dist.get_rank() == 0:
+                    step[1](*step[2])
+                dist.barrier()
+                out.append(None)
+                continue
+            cfg = parse_training_args(step[1].split(), world)
+            hook = None
+            if len(step) > 2 and dist.get_rank() == 0:
+                hook = partial(_pause_at, *step[2])
+            try:
+                run = pretrain(cfg, stream=io.StringIO(), on_iteration=hook)
+                out.append({"losses": run.losses, "skipped": [r.skipped for r in run.results],
+                            "start": run.start_iteration})
+            except DynaPipeError as e:
+                out.append({"error": str(e)})
+            if not dist.is_initialized():
+                break
+    finally:
+        destroy()
+    return out
+
+
+def _strip_checksums_and_cut_common(iter_dir):
+    from megatron_integration.checkpoint_dist import common_state_file
+
+    for name in os.listdir(iter_dir):
+        if name.endswith(".sha256"):
+            os.remove(os.path.join(iter_dir, name))
+    truncate_file(common_state_file(iter_dir), 100)  # common.pt (megatron-core 0.16) or rank 0's shards (0.19)
+
+
+def _pause_at(iteration, marker, it, result):
+    if it != iteration:
+        return
+    open(marker, "w").close()
+    deadline = time.monotonic() + 60
+    while os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _restart_on_marker(marker, procs, port, stop, seen):
+    """Test-side thread: when rank 0 pauses and a payload waits unread on the server, kill
+    Redis, bring it back empty, and let rank 0 go on."""
+    from dynapipe.runtime.kv_store import KVStoreSpec
+
+    probe = KVStoreSpec("redis", "127.0.0.1", port, connect_timeout_s=10.0).connect()
+    while not stop.is_set():
+        if os.path.exists(marker):
+            deadline = time.monotonic() + 30
+            while not any(k.endswith("/it5/r0/s0") for k in probe.keys("")) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            seen.append(any(k.endswith("/it5/r0/s0") for k in probe.keys("")))
+            probe.close()
+            _restart(procs, port, 0.5)
+            os.remove(marker)
+            return
+        time.sleep(0.02)
+    probe.close()
+
+
+@pytest.fixture(scope="module")
+def fault_outcomes(tmp_path_factory):
+    """Every training fault of this module, in one spawned job of two pipeline stages."""
+    from megatron_integration.launch import spawn
+
+    d = tmp_path_factory.mktemp("faults")
+    save, nan_save, data = str(d / "ckpt"), str(d / "nan-ckpt"), d / "data"
+    dist_save = str(d / "dist-ckpt")
+    data.mkdir()
+    out_of_vocab = write_indexed(data / "vocab", [[5, 6, 7, 8]] * 6 + [[5, 200, 7]] + [[9, 10]] * 5)
+    good = write_indexed(data / "good", [list(range(5, 9 + 3 * (i % 7))) for i in range(32)])
+    steps = {
+        "nan_padding": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e20 --save {nan_save}"),
+        # Indexed data through the planner workers: the data checks pass, then the loss diverges.
+        "nan_dynapipe": ("train", f"{TINY} --data-path {good} --train-iters 3 --lr 1e20 --use-dynapipe"),
+        "nan_unchecked": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e20 --no-check-for-nan-in-loss-and-grad"),
+        # The resumed runs are longer than the saved ones: they take their own learning-rate schedule.
+        "saved": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --save {save} --ckpt-format dynapipe"),
+        "resumed": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --load {save} "
+                           "--override-opt_param-scheduler"),
+        "flip_rank1_rng": ("rank0", flip_byte, (os.path.join(save, "iter_0000002", "mp_rank_00_001", "rng_dp_000.pt"),
+                                                99)),
+        "load_flipped_rng": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --load {save} "
+                           "--override-opt_param-scheduler"),
+        "truncate_rank0_model": ("rank0", truncate_file, (os.path.join(save, "iter_0000002", "mp_rank_00_000",
+                                                                        "model_optim_rng.pt"), -10)),
+        "load_truncated": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --load {save} "
+                           "--override-opt_param-scheduler --no-load-rng"),
+        # torch_dist: a shard cut short is named by its checksum; without checksums (as Megatron-LM
+        # writes them) dist_checkpointing's own error comes back as one line naming the file.
+        "saved_dist": ("train", f"{TINY}{MOCK} --train-iters 1 --lr 1e-3 --save {dist_save}"),
+        "truncate_dist_shard": ("rank0", truncate_file, (os.path.join(dist_save, "iter_0000001", "__1_0.distcp"), -7)),
+        "load_truncated_dist": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {dist_save} "
+                                  "--override-opt_param-scheduler"),
+        "unverified_and_broken": ("rank0", _strip_checksums_and_cut_common, (os.path.join(dist_save, "iter_0000001"),)),
+        "load_unverified_broken": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {dist_save} "
+                                  "--override-opt_param-scheduler"),
+        "data_padding": ("train", f"{TINY} --data-path {out_of_vocab} --train-iters 1 --lr 1e-3"),
+        "data_dynapipe": ("train", f"{TINY} --data-path {out_of_vocab} --train-iters 1 --lr 1e-3 --use-dynapipe"),
+        "good_data": ("train", f"{TINY} --data-path {good} --train-iters 1 --lr 1e-3"),
+    }
+    from megatron_integration.launch import free_port
+
+    port = free_port()
+    procs = [_redis_start(port)]
+    marker = str(d / "paused")
+    # Six iterations planned ahead: when rank 0 pauses after iteration 1, its payload of
+    # iteration 5 waits unread on the server (its fetch thread holds 2 and 3 queued and 4 in
+    # hand) and is lost.
+    redis = (f" --use-dynapipe --dynapipe-kv-backend redis --dynapipe-redis-port {port} --dynapipe-store-retry-s 20"
+             f" --dynapipe-prefetch 6")
+    steps["redis_undisturbed"] = ("train", f"{TINY}{MOCK} --train-iters 7 --lr 1e-3{redis}")
+    steps["redis_restarted"] = ("train", f"{TINY}{MOCK} --train-iters 7 --lr 1e-3{redis}", (1, marker))
+    stop, lost_unread = threading.Event(), []
+    restarter = threading.Thread(target=_restart_on_marker, args=(marker, procs, port, stop, lost_unread),
+                                 daemon=True)
+    restarter.start()
+    try:
+        results = spawn(fault_job, 2, (list(steps.values()),), timeout_s=300, threads_per_rank=1)
+    finally:
+        stop.set()
+        restarter.join(10)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    outcomes = {name: [r[i] for r in results] for i, name in enumerate(steps)}
+    return outcomes, {"save": save, "nan_save": nan_save, "redis_restarts": len(procs) - 1,
+                      "lost_unread": lost_unread, "dist_save": dist_save}
+
+
+@pytest.mark.parametrize("name", ["nan_padding", "nan_dynapipe"])
+def test_nan_stops_every_rank_before_the_step(fault_outcomes, name):
+    outcomes, _ = fault_outcomes
+    per_rank = outcomes[name]
+    texts = [o["error"] for o in per_rank]
+    assert texts[0] == texts[1]  # the same line on every rank
+    assert texts[0].startswith("iteration 2: ") and "rank 1" in texts[0] and "\n" not in texts[0]
+    assert "--no-check-for-nan-in-loss-and-grad" in texts[0]
+
+
+def test_nan_run_saves_nothing(fault_outcomes):
+    _, paths = fault_outcomes
+    assert not os.path.exists(os.path.join(paths["nan_save"], "latest_checkpointed_iteration.txt"))
+    assert not any(n.startswith("iter_") for n in os.listdir(paths["nan_save"]))
+
+
+def test_nan_check_can_be_disabled(fault_outcomes):
+    outcomes, _ = fault_outcomes
+    losses = outcomes["nan_unchecked"][0]["losses"]
+    assert len(losses) == 3 and np.isfinite(losses[0]) and not np.isfinite(losses[1])
+
+
+def test_healthy_runs_are_untouched_by_the_checks(fault_outcomes):
+    outcomes, _ = fault_outcomes
+    saved, resumed = outcomes["saved"][0], outcomes["resumed"][0]
+    assert len(saved["losses"]) == 2 and all(np.isfinite(saved["losses"]))
+    assert resumed["start"] == 2 and len(resumed["losses"]) == 1 and not any(saved["skipped"])
+    good = outcomes["good_data"][0]
+    assert len(good["losses"]) == 1 and np.isfinite(good["losses"][0])
+
+
+def test_a_corrupted_file_of_one_rank_stops_every_rank(fault_outcomes):
+    outcomes, _ = fault_outcomes
+    for name, kind in (("load_flipped_rng", "corrupted"), ("load_truncated", "truncated")):
+        texts = [o["error"] for o in outcomes[name]]
+        assert texts[0] == texts[1]
+        assert kind in texts[0] and ".pt" in texts[0] and "\n" not in texts[0]
+    assert "rank 1: " in outcomes["load_flipped_rng"][0]["error"]
+    assert "rank 0: " in outcomes["load_truncated"][0]["error"]
+
+
+def test_a_broken_torch_dist_checkpoint_stops_every_rank_with_one_line(fault_outcomes):
+    from megatron_integration.checkpoint_dist import common_state_file
+
+    outcomes, paths = fault_outcomes
+    assert outcomes["saved_dist"][0]["losses"]
+    truncated = [o["error"] for o in outcomes["load_truncated_dist"]]
+    assert truncated[0] == truncated[1] and "\n" not in truncated[0]
+    assert "__1_0.distcp is truncated" in truncated[0]
+    broken = [o["error"] for o in outcomes["load_unverified_broken"]]
+    assert broken[0] == broken[1] and "\n" not in broken[0]
+    common = common_state_file(os.path.join(paths["dist_save"], "iter_0000001"))
+    assert os.path.basename(common) in ("common.pt", "__0_0.distcp")
+    assert f"checkpoint {common} cannot be loaded" in broken[0], broken[0]
+
+
+@pytest.mark.parametrize("name", ["data_padding", "data_dynapipe"])
+def test_out_of_vocabulary_ids_stop_every_batching_path(fault_outcomes, name):
+    outcomes, _ = fault_outcomes
+    for o in outcomes[name]:
+        assert "vocab.bin: sequence 6, token 1 has id 200" in o["error"], o
+
+
+def test_training_survives_a_redis_restart_with_the_same_losses(fault_outcomes):
+    outcomes, paths = fault_outcomes
+    assert paths["redis_restarts"] == 1 and paths["lost_unread"] == [True]  # a payload was lost unread
+    undisturbed, restarted = outcomes["redis_undisturbed"][0], outcomes["redis_restarted"][0]
+    assert "error" not in restarted, restarted
+    assert len(restarted["losses"]) == 7
+    assert restarted["losses"] == undisturbed["losses"]
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="fp16 loss scaling needs a GPU")
+def test_fp16_overflow_is_a_skipped_step_not_an_error():
+    from megatron_integration.jobs import run_training
+
+    # A loss scale of 2**32 (megatron-core's initial) overflows fp16 gradients at once.
+    r = run_training(f"{TINY.replace('--pipeline-model-parallel-size 2', '')}{MOCK} --train-iters 3 --lr 1e-3 "
+                     f"--fp16".split(), 1, timeout_s=240)[0]
+    assert len(r["losses"]) == 3 and all(np.isfinite(r["losses"]))
+    skipped = [int(line.split("number of skipped iterations:")[1].split("|")[0]) for line in r["log_lines"]]
+    assert len(skipped) == 3 and sum(skipped) >= 1, r["log_lines"]
+
+
+# ---- the Redis store: a restart within the window costs a pause, not the job ----------------------
+
+def _redis_start(port):
+    exe = shutil.which("redis-server")
+    if exe is None:
+        if os.environ.get("DYNAPIPE_REQUIRE_REDIS") == "1":
+            pytest.fail("redis-server is not installed but DYNAPIPE_REQUIRE_REDIS=1 requires the Redis tests")
+        pytest.skip("redis-server binary not found")
+    from dynapipe.runtime.kv_store import KVStoreSpec
+
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    spec = KVStoreSpec("redis", "127.0.0.1", port, connect_timeout_s=10.0)
+    spec.connect().close()
+    return proc
+
+
+@pytest.fixture
+def redis_port():
+    from megatron_integration.launch import free_port
+
+    port = free_port()
+    procs = [_redis_start(port)]
+    yield port, procs
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
+def _restart(procs, port, down_s):
+    procs[-1].kill()
+    procs[-1].wait(10)
+    time.sleep(down_s)
+    procs.append(_redis_start(port))
+
+
+def test_loader_survives_a_redis_restart_with_the_same_data(redis_port):
+    from test_loader import make_loader, reference_iterations, summarize
+
+    from dynapipe.runtime.kv_store import KVStoreSpec
+
+    port, procs = redis_port
+    spec = KVStoreSpec("redis", "127.0.0.1", port, connect_timeout_s=10.0)
+    iterations = 7
+    got = []
+    probe = spec.connect()
+    with make_loader(kv_backend="redis", redis=spec, train_iters=iterations, store_retry_s=20, prefetch=6) as dl:
+        for i, d in enumerate(dl):
+            got.append(summarize(d))
+            if i == 1:
+                # Iterations up to 6 are planned; the fetch thread holds 2 and 3 queued and 4
+                # in hand, so 5 waits on the server: the restart loses it, which only planning
+                # again recovers.
+                deadline = time.monotonic() + 60
+                while probe.get(dl.keys.payload(5, 0, 0)) is None and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                _restart(procs, port, 0.5)
+                deadline = time.monotonic() + 10
+                while dl._watcher.restarts == 0 and time.monotonic() < deadline:
+                    time.sleep(0.02)
+        assert dl._watcher.restarts == 1
+    probe.close()
+    ref = reference_iterations(iterations)
+    assert [g["plan"] for g in got] == [r["plan"] for r in ref]
+    assert [g["tensors"] for g in got] == [r["tensors"] for r in ref]
+
+
+def test_store_calls_wait_through_a_restart_within_the_window(redis_port):
+    from dynapipe.runtime.kv_store import KVStoreSpec
+
+    port, procs = redis_port
+    kv = KVStoreSpec("redis", "127.0.0.1", port, connect_timeout_s=5.0, retry_s=10.0).connect()
+    kv.set("k", b"v")
+    before = kv.server_id()
+    restarter = threading.Thread(target=_restart, args=(procs, port, 1.0))
+    restarter.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    kv.set("k2", b"v2")  # the server is down: waits for it, then succeeds
+    restarter.join()
+    assert time.monotonic() - t0 >= 0.5
+    assert kv.get("k2") == b"v2" and kv.get("k") is None  # the restarted server lost the old key
+    assert kv.server_id() != before
+    kv.close()
+
+
+def test_store_gives_up_after_the_window_with_one_line(redis_port):
+    from dynapipe.runtime.kv_store import KVStoreSpec, StoreUnreachableError
+
+    port, procs = redis_port
+    kv = KVStoreSpec("redis", "127.0.0.1", port, connect_timeout_s=5.0, retry_s=0.8).connect()
+    procs[-1].kill()
+    procs[-1].wait(10)
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnreachableError, match="--dynapipe-store-retry-s 0.8") as e:
+        kv.get("k")
+    assert 0.7 <= time.monotonic() - t0 < 5.0
+    assert "\n" not in str(e.value)
+    kv.close()
