@@ -149,7 +149,8 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
         load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, log_interval=args.log_interval,
         tensorboard_dir=args.tensorboard_dir, recompute=recompute,
         check_for_nan_in_loss_and_grad=getattr(args, "check_for_nan_in_loss_and_grad", True),
-        exit_interval=args.exit_interval, manual_gc=manual_gc, evaluation=evaluation, ckpt_format=args.ckpt_format, finetune=args.finetune,
+        exit_interval=args.exit_interval, manual_gc=manual_gc, evaluation=evaluation, ckpt_format=args.ckpt_format,
+        finetune=args.finetune,
         megatron_args=_recorded_args(args))
 
 

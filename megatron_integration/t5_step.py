@@ -61,7 +61,7 @@ def segment_mask(q_seg: torch.Tensor, k_seg: torch.Tensor, causal: bool = False,
     return (~keep).unsqueeze(1)
 
 
-def unmasked_mask(q_seg: torch.Tensor, k_seg: torch.Tensor, self_attention: bool = True) -> Optional[torch.Tensor]:
+def needed_mask(q_seg: torch.Tensor, k_seg: torch.Tensor, self_attention: bool = True) -> Optional[torch.Tensor]:
     """The bidirectional :func:`segment_mask` of ``q_seg`` / ``k_seg``, or None when it would
     mask nothing: every row of both is one whole sample (no padding), the same one.
 
@@ -114,10 +114,10 @@ class T5StageHandlers(ModelStageHandlers):
         if place.embeds_decoder:
             kwargs.update(dec_tokens=inputs["dec_tokens"], dec_positions=segment_positions(dec_seg))
         if t5.encoder is not None:
-            kwargs["enc_attn_mask"] = unmasked_mask(enc_seg, enc_seg)
+            kwargs["enc_attn_mask"] = needed_mask(enc_seg, enc_seg)
         if t5.decoder is not None:
             kwargs["dec_attn_mask"] = segment_mask(dec_seg, dec_seg, causal=True)
-            kwargs["cross_attn_mask"] = unmasked_mask(dec_seg, enc_seg, self_attention=False)
+            kwargs["cross_attn_mask"] = needed_mask(dec_seg, enc_seg, self_attention=False)
         if isinstance(st.gpt, T5Chunks):
             kwargs["chunk"] = op.chunk
         out = st.module(**kwargs)

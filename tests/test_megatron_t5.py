@@ -18,7 +18,7 @@ from dynapipe.errors import DynaPipeError
 from megatron_integration.t5_arguments import parse_t5_args
 from megatron_integration.t5_batches import baseline_micro_batches, pack_pairs, t5_row_tensors
 from megatron_integration.launch import spawn
-from megatron_integration.t5_step import segment_mask, segment_positions, unmasked_mask
+from megatron_integration.t5_step import needed_mask, segment_mask, segment_positions
 
 from t5_job import TIMEOUT, TINY, dist_tensors as _dist_tensors
 
@@ -127,8 +127,8 @@ def _unmasked_layers_job() -> dict:
         layer = ops.decoder.layers[0]
         out = {}
         for name, omit in (("mask", False), ("none", True)):
-            enc_mask = unmasked_mask(enc_seg, enc_seg) if omit else segment_mask(enc_seg, enc_seg)
-            cross = unmasked_mask(dec_seg, enc_seg, self_attention=False) if omit else \
+            enc_mask = needed_mask(enc_seg, enc_seg) if omit else segment_mask(enc_seg, enc_seg)
+            cross = needed_mask(dec_seg, enc_seg, self_attention=False) if omit else \
                 segment_mask(dec_seg, enc_seg, self_attention=False)
             enc_out = ops.encoder(hidden_states=x, attention_mask=enc_mask)
             dec_out = layer(hidden_states=y, attention_mask=causal, context=ctx, context_mask=cross)[0]
@@ -147,12 +147,12 @@ def _unmasked_layers_job() -> dict:
 def test_a_mask_that_masks_nothing_is_omitted_and_changes_nothing():
     # Rows of one whole sample each (the same one in queries and keys): nothing to mask, no mask built.
     one, dec = torch.tensor([[1, 1, 1], [2, 2, 2]]), torch.tensor([[1, 1], [2, 2]])
-    assert unmasked_mask(one, one) is None and unmasked_mask(dec, one, self_attention=False) is None
+    assert needed_mask(one, one) is None and needed_mask(dec, one, self_attention=False) is None
     # Padding, a second sample in a row, or another sample in the keys: the segment mask itself.
     padded, two = torch.tensor([[1, 1, 0], [1, 1, 1]]), torch.tensor([[1, 2, 2], [1, 1, 1]])
     for q, k, self_attention in ((padded, padded, True), (two, two, True), (dec, padded, False),
                                  (torch.tensor([[2, 2], [2, 2]]), one, False), (dec[:, :1], two, False)):
-        assert torch.equal(unmasked_mask(q, k, self_attention), segment_mask(q, k, self_attention=self_attention))
+        assert torch.equal(needed_mask(q, k, self_attention), segment_mask(q, k, self_attention=self_attention))
     # megatron-core's encoder layer and decoder layer (cross-attention) give the same outputs and
     # gradients with the all-keep masks and without them.
     (res,) = spawn(_unmasked_layers_job, 1, timeout_s=TIMEOUT, threads_per_rank=1)
