@@ -53,8 +53,9 @@ T5_METHOD_FLAGS = {
 }
 T5_BASELINES = ("padding", "packing")
 
+# --manual-gc as in the GPT presets (see bench_presets._COMMON).
 _COMMON = {"--lr": "1e-4", "--hidden-dropout": "0", "--attention-dropout": "0", "--log-interval": "1",
-           "--seed": "1234", "--vocab-size": "512", "--pipeline-model-parallel-size": "2"}
+           "--seed": "1234", "--vocab-size": "512", "--pipeline-model-parallel-size": "2", "--manual-gc": None}
 
 
 @dataclass(frozen=True)
