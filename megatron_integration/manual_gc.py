@@ -29,7 +29,11 @@ class ManualGC:
     eval: bool = True
 
     def validate(self) -> "ManualGC":
-        """``self``, or ``DynaPipeError`` naming the bad interval."""
+        """``self``, or ``DynaPipeError`` naming the bad interval, or a setting that would do
+        nothing without ``--manual-gc`` (Megatron-LM ignores those; this build refuses them)."""
+        if not self.enabled and (self.interval or not self.eval):
+            flag = f"--manual-gc-interval {self.interval}" if self.interval else "--no-manual-gc-eval"
+            raise DynaPipeError(f"{flag} has no effect without --manual-gc: add --manual-gc, or drop it.")
         if self.interval < 0:
             raise DynaPipeError(f"--manual-gc-interval {self.interval}: must be >= 0 iterations "
                                 f"(0: no collection between training iterations).")

@@ -111,6 +111,10 @@ def test_manual_gc_flags_take_megatrons_defaults_and_points():
     assert parse_t5_args((TINY + " --manual-gc").split(), 2, cuda=False).base.manual_gc.enabled
     with pytest.raises(DynaPipeError, match="--manual-gc-interval -1: must be >= 0"):
         parse("--manual-gc --manual-gc-interval -1")
+    # Settings that would do nothing without --manual-gc are refused, not ignored.
+    for extra in ("--manual-gc-interval 5", "--no-manual-gc-eval"):
+        with pytest.raises(DynaPipeError, match=f"{extra.split()[0]}.* has no effect without --manual-gc"):
+            parse(extra)
     # Where collections happen: the generation of every collection, as the collector reports it.
     seen: list[int] = []
 
