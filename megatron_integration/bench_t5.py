@@ -11,12 +11,13 @@ same seed and global batches of the multi-task mixture, all through the DynaPipe
 * ``padding``: pairs padded to ``--encoder-seq-length`` / ``--decoder-seq-length``;
 * ``packing``: pairs packed into encoder and decoder rows, samples isolated by masks.
 
-Stage placement: every method builds the same stages, the placement
-``--dynapipe-placement auto`` chooses with that profile (computed once here, passed to every
-run written out; a ``--dynapipe-placement`` given is used instead), so the comparison is fair; the
-report gives DynaPipe's simulated bubble under the even split and under the placement
-(``placement.simulated``), and the method ``dynapipe-even`` runs DynaPipe on the even
-split for the measured before. Every run records executor traces, split per stage into
+Stage placement: the bench chooses it once with that profile, as ``--dynapipe-placement
+auto`` would (a ``--dynapipe-placement`` given is used instead), and reports DynaPipe's
+simulated bubble under the even split and under it (``placement.simulated``). As each
+baseline keeps its fastest micro-batch size, every method keeps its fastest placement of
+that one, the best contiguous split and Megatron's even split
+(:mod:`megatron_integration.bench_t5_entries`); ``dynapipe-even`` reports DynaPipe's
+even-split run, the measured before. Every run records executor traces, split per stage into
 compute, bubble, communication and overhead as for GPT (``time_split_ms``), and each
 method's per-stage compute is set against what the cost model predicted for the ops it ran
 (``cost_model.stage_check``).
@@ -43,15 +44,8 @@ from dynapipe.errors import DynaPipeError
 from megatron_integration import cpu_allocator
 from megatron_integration.cpu_affinity import bench_default
 from megatron_integration.bench_presets import fill_defaults
+from megatron_integration.bench_t5_entries import T5_BASELINES, T5_METHOD_FLAGS, best_runs, t5_entries
 
-T5_METHOD_FLAGS = {
-    "dynapipe": ["--use-dynapipe"],
-    # DynaPipe on Megatron's even split: the measured "before" of the stage placement.
-    "dynapipe-even": ["--use-dynapipe", "--dynapipe-placement", "even"],
-    "padding": ["--dynapipe-batching", "padding"],
-    "packing": ["--dynapipe-batching", "packing", "--reset-position-ids", "--reset-attention-mask"],
-}
-T5_BASELINES = ("padding", "packing")
 
 # --manual-gc as in the GPT presets (see bench_presets._COMMON).
 _COMMON = {"--lr": "1e-4", "--hidden-dropout": "0", "--attention-dropout": "0", "--log-interval": "1",
@@ -90,36 +84,6 @@ T5_PRESETS = {
 def t5_with_defaults(argv: Sequence[str], preset: str) -> list[str]:
     """``argv`` plus every default of the preset it does not set (``--mock-data`` unless data is given)."""
     return fill_defaults(argv, T5_PRESETS[preset].args)
-
-
-@dataclass(frozen=True)
-class T5Entry:
-    """One run of the bench: a method at a micro-batch size (None: DynaPipe's own micro-batches),
-    on the bench's stage placement or, for a baseline, on ``contiguous`` (the best contiguous
-    split, tried beside an interleaved placement so that each baseline keeps its best)."""
-
-    method: str
-    micro_batch_size: Optional[int] = None
-    contiguous: Optional[str] = None
-
-    @property
-    def label(self) -> str:
-        label = self.method if self.micro_batch_size is None else f"{self.method}@mbs{self.micro_batch_size}"
-        return label + ("-contiguous" if self.contiguous else "")
-
-    def argv(self, argv: Sequence[str]) -> list[str]:
-        out = list(argv) + T5_METHOD_FLAGS[self.method]
-        out += ["--dynapipe-placement", self.contiguous] if self.contiguous else []
-        return out + (["--micro-batch-size", str(self.micro_batch_size)] if self.micro_batch_size else [])
-
-
-def t5_entries(methods: Sequence[str], sweep: Sequence[int], placement: dict) -> list[T5Entry]:
-    """Every run: each baseline at every size of ``sweep``, also on the best contiguous split
-    when the bench's placement (``placement``, see ``_placement``) is interleaved."""
-    contiguous = (placement.get("search", {}).get("compared") or {}).get("contiguous")
-    splits = (None, contiguous) if "|" in placement["placement"] and contiguous else (None,)
-    return [T5Entry(m, s, c) for m in methods for s in (sweep if m in T5_BASELINES else (None,))
-            for c in (splits if m in T5_BASELINES else (None,))]
 
 
 def t5_figures(ranks: list[dict], warmup_iters: int) -> dict:
@@ -225,19 +189,15 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
         fig, j, k = next(x for x in figs if x[0]["real_tokens_per_s"] == mid)
         per_entry[label] = {**fig, "rounds_real_tokens_per_s": [f["real_tokens_per_s"] for f, _, _ in figs]}
         picked[label] = (j, k)
-    best = {}
-    for e in entries:
-        if e.method not in best or per_entry[e.label]["real_tokens_per_s"] > best[e.method][1]["real_tokens_per_s"]:
-            best[e.method] = (e, per_entry[e.label])
+    best = best_runs(entries, per_entry, methods)
     results = {m: {**fig, "run": e.label, "micro_batch_size": e.micro_batch_size,
-                   "placement": e.contiguous or ("even" if m == "dynapipe-even" else placement["placement"])}
-               for m, (e, fig) in best.items()}
+                   "placement": e.split or placement["placement"]} for m, (e, fig) in best.items()}
     for m, (e, _) in best.items():
         j, k = picked[e.label]
         rows = breakdown([r[j] for r in ranks], warmup, trace[k, e.label])
         results[m]["time_breakdown_ms"], results[m]["time_split_ms"] = rows, breakdown_summary([rows])
         results[m]["time_split_ms"]["planner_cpu_ms"] = results[m]["planner_cpu_ms"]
-    checks = _stage_checks(cfg, nproc, profile, results, ranks, picked, trace, warmup)
+    checks, floor = _stage_checks(cfg, nproc, profile, results, ranks, picked, trace, warmup)
     base = [b for b in T5_BASELINES if b in results]
     best_base = max(base, key=lambda b: results[b]["real_tokens_per_s"], default=None)
     ratios = {f"{m}_vs_{b}": round(results[m]["real_tokens_per_s"] / results[b]["real_tokens_per_s"], 3)
@@ -251,7 +211,7 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
     report = {"model": "t5", "preset": preset, "about": p.about, "methods": results, "runs": per_entry,
               "ratios": ratios, "best_baseline": best_base, "placement": placement,
               "cost_model": {"profile": profile, "profile_s": None if profile_s is None else round(profile_s, 1),
-                             "calibration": calibration, "stage_check": checks},
+                             "calibration": calibration, "stage_check": checks, "compute_floor": floor},
               "setup": {"argv": list(argv), "nproc": nproc, "warmup_iters": warmup, "sweep": list(sweep),
                         "rounds": rounds,
                         "round_orders": [[e.label for k2, e in order if k2 == k] for k in range(rounds)],
@@ -277,12 +237,14 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
           f"{sim['even']['placement']} bubble {100 * sim['even']['bubble_fraction']:.1f}% "
           f"{sim['even']['simulated_ms']:.0f} ms, placed bubble {100 * sim['placed']['bubble_fraction']:.1f}% "
           f"{sim['placed']['simulated_ms']:.0f} ms", file=stream)
-    from megatron_integration.bench_t5_profile import format_stage_check
+    from megatron_integration.bench_t5_profile import format_compute_floor, format_stage_check
 
     print(f"cost model {profile}{'' if profile_s is None else f' (measured in {profile_s:.1f} s)'}; compute per "
           f"iteration and stage, predicted -> executed:", file=stream)
     for m, check in checks.items():
         print("  " + format_stage_check(f"{m} ({results[m]['run']})", check), file=stream)
+    if floor["predicted_ms"]:
+        print(format_compute_floor(floor, best_base), file=stream)
     with open(output, "w") as f:
         json.dump(report, f, indent=1)
     return report
@@ -300,14 +262,15 @@ def _flag_value(argv: Sequence[str], flag: str) -> Optional[str]:
 
 
 def _stage_checks(cfg, nproc: int, profile: str, results: dict, ranks, picked: dict, trace: dict,
-                  warmup: int) -> dict:
+                  warmup: int) -> tuple[dict, dict]:
     """Per method, :func:`~megatron_integration.bench_t5_profile.stage_check` and
     :func:`~megatron_integration.bench_t5_profile.op_fit` of its reported run against the cost
-    model it was planned with (on the stages it ran: ``results[m]["placement"]``)."""
+    model it was planned with (on the stages it ran: ``results[m]["placement"]``), and the
+    :func:`~megatron_integration.bench_t5_profile.compute_floor_check` of the timed batches."""
     from dynapipe.config import load_device_config
     from dynapipe.cost import build_cost_model
     from megatron_integration.bench_report import timed_indices
-    from megatron_integration.bench_t5_profile import op_fit, stage_check
+    from megatron_integration.bench_t5_profile import compute_floor_check, op_fit, stage_check
     from megatron_integration.t5_placement import parse_t5_placement
 
     model, pp = cfg.planner_model(), cfg.base.parallel.pipeline_model_parallel_size
@@ -322,7 +285,7 @@ def _stage_checks(cfg, nproc: int, profile: str, results: dict, ranks, picked: d
         if os.path.isdir(path):
             out[m] = {"placement": str(cm.placement), **(stage_check(path, keep, cm) or {}),
                       "op_fit": op_fit(path, keep, cm)}
-    return out
+    return out, compute_floor_check(cfg, cost, out, warmup, nproc // pp)
 
 
 def _load_average() -> Optional[list[float]]:

@@ -6,7 +6,9 @@ over a grid that covers the run's lengths; DynaPipe's cuts, the ``auto`` stage p
 and the simulation are priced with it. After the runs, :func:`stage_check` compares, per
 pipeline stage, the compute the profile predicted for the ops a run executed (its traced
 forwards and backwards at their shapes) with the executed compute, so a reader sees
-whether the model has the encoder/decoder balance right. Times in ms.
+whether the model has the encoder/decoder balance right, and :func:`compute_floor_check` sets
+each method's predicted compute against the least any batching of the timed batches needs.
+Times in ms.
 """
 from __future__ import annotations
 
@@ -172,3 +174,33 @@ def calibrate_t5_profile(argv: Sequence[str], profile: str, cfg, nproc: int, ite
     fit = fit_stage_overhead(np.asarray(pred), np.asarray(meas), float(np.mean(per_op)) if per_op else 0.0)
     out = write_calibrated_profile(profile, os.path.splitext(profile)[0] + ".calibrated.json", fit)
     return out, {**fit.to_json(), "profile": out, "seconds": round(time.perf_counter() - started, 1)}
+
+
+def compute_floor_check(cfg, cost_model, checks: dict, warmup: int, replicas: int) -> dict:
+    """The compute floor of the run's timed global batches
+    (:func:`dynapipe.cost.compute_floor.compute_floor_ms`: no padding, every sample at its
+    cheapest micro-batch size, summed over the stages of ``cost_model``), per data-parallel
+    replica and iteration, and each method's predicted compute (``checks``: the
+    :func:`stage_check` of each method) over it. A baseline's figure is the most any batching
+    can gain on it by compute alone, before bubble, transfers and the optimizer step. ms."""
+    from dynapipe.cost.compute_floor import floor_over_batches
+    from megatron_integration.t5_placement import first_global_batches
+
+    batches = first_global_batches(cfg, cfg.base.train_iters)[warmup:]
+    floor = floor_over_batches(cost_model, batches) / max(replicas, 1)
+    predicted = {m: round(sum(s["predicted_ms"] for s in c["stages"]), 1)
+                 for m, c in checks.items() if c.get("stages")}
+    return {"floor_ms": round(floor, 1), "iterations": len(batches), "predicted_ms": predicted,
+            "over_floor": {m: round(v / floor, 3) for m, v in predicted.items()}}
+
+
+def format_compute_floor(floor: dict, baseline: Optional[str]) -> str:
+    """One line: the floor, each method's predicted compute over it, and what that caps
+    DynaPipe's gain on ``baseline`` at (by compute alone)."""
+    parts = ", ".join(f"{m} {v:.0f} ({floor['over_floor'][m]:.2f}x)" for m, v in floor["predicted_ms"].items())
+    line = (f"compute floor (no padding, each sample at its cheapest micro-batch size, by the cost model): "
+            f"{floor['floor_ms']:.0f} ms an iteration over all stages; predicted compute {parts}")
+    if baseline in floor["over_floor"]:
+        line += (f"; {baseline}'s compute is {floor['over_floor'][baseline]:.2f}x the floor, the most any "
+                 f"batching gains on it by compute alone")
+    return line

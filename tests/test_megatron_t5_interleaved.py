@@ -66,14 +66,43 @@ def test_t5_interleaved_checkpoints_resume_and_load_at_any_placement(pp2, t5_dis
         assert max((got[k] - final[k]).abs().max().item() for k in final) < tol, name
 
 
-def test_bench_t5_baselines_also_run_contiguous_beside_an_interleaved_placement():
-    from megatron_integration.bench_t5 import t5_entries
+def test_bench_t5_every_method_also_runs_contiguous_and_even_and_keeps_its_best():
+    from megatron_integration.bench_t5_entries import t5_entries
 
-    placed = {"placement": "1+0,1+0|0+1,0+1", "search": {"compared": {"contiguous": "1+0,1+2"}}}
+    even = {"even": {"placement": "2+0,0+2"}}
+    placed = {"placement": "1+0,1+0|0+1,0+1", "search": {"compared": {"contiguous": "1+0,1+2"}}, "simulated": even}
     entries = t5_entries(["dynapipe", "packing"], (1, 2), placed)
-    assert [e.label for e in entries] == ["dynapipe", "packing@mbs1", "packing@mbs1-contiguous", "packing@mbs2",
-                                          "packing@mbs2-contiguous"]
-    argv = entries[2].argv(["--dynapipe-placement", "1+0,1+0|0+1,0+1"])
+    assert [e.label for e in entries] == [
+        "dynapipe", "dynapipe-contiguous", "dynapipe-even", "packing@mbs1", "packing@mbs1-contiguous",
+        "packing@mbs1-even", "packing@mbs2", "packing@mbs2-contiguous", "packing@mbs2-even"]
+    argv = entries[4].argv(["--dynapipe-placement", "1+0,1+0|0+1,0+1"])
     assert argv[argv.index("--dynapipe-placement", 2) + 1] == "1+0,1+2"  # the later flag wins
-    contiguous = {"placement": "1+0,1+2", "search": {"compared": {"contiguous": "1+0,1+2"}}}
-    assert [e.label for e in t5_entries(["packing"], (1,), contiguous)] == ["packing@mbs1"]
+    assert entries[2].argv([])[-2:] == ["--dynapipe-placement", "even"] and entries[2].method == "dynapipe-even"
+    # With dynapipe-even asked for, DynaPipe's even run is that method's, run once.
+    labels = [e.label for e in t5_entries(["dynapipe", "dynapipe-even"], (1,), placed)]
+    assert labels == ["dynapipe", "dynapipe-contiguous", "dynapipe-even"]
+    # A contiguous placement tries the even split beside it; the even split itself nothing more.
+    contiguous = {"placement": "1+0,1+2", "search": {"compared": {"contiguous": "1+0,1+2"}}, "simulated": even}
+    assert [e.label for e in t5_entries(["packing"], (1,), contiguous)] == ["packing@mbs1", "packing@mbs1-even"]
+    on_even = {"placement": "2+0,0+2", "simulated": even}
+    assert [e.label for e in t5_entries(["packing"], (1,), on_even)] == ["packing@mbs1"]
+
+
+def test_bench_t5_keeps_each_methods_fastest_run_dynapipes_even_one_included():
+    from megatron_integration.bench_t5_entries import best_runs, t5_entries
+
+    placed = {"placement": "1+0,1+0|0+1,0+1", "search": {"compared": {"contiguous": "1+0,1+2"}},
+              "simulated": {"even": {"placement": "2+0,0+2"}}}
+    entries = t5_entries(["dynapipe", "dynapipe-even", "packing"], (1, 2), placed)
+    speed = {"dynapipe": 10.0, "dynapipe-contiguous": 9.0, "dynapipe-even": 12.0, "packing@mbs1": 6.0,
+             "packing@mbs1-contiguous": 7.0, "packing@mbs1-even": 5.0, "packing@mbs2": 6.5,
+             "packing@mbs2-contiguous": 4.0, "packing@mbs2-even": 3.0}
+    figures = {k: {"real_tokens_per_s": v} for k, v in speed.items()}
+    best = {m: e.label for m, (e, _) in best_runs(entries, figures, ["dynapipe", "dynapipe-even", "packing"]).items()}
+    assert best == {"dynapipe": "dynapipe-even", "dynapipe-even": "dynapipe-even", "packing": "packing@mbs1-contiguous"}
+    figures["dynapipe"]["real_tokens_per_s"] = 13.0
+    assert best_runs(entries, figures, ["dynapipe", "dynapipe-even"])["dynapipe"][0].label == "dynapipe"
+    # Asked for DynaPipe alone, its even run still counts; dynapipe-even is not reported.
+    only = t5_entries(["dynapipe"], (1,), placed)
+    figures["dynapipe"]["real_tokens_per_s"] = 1.0
+    assert {m: e.label for m, (e, _) in best_runs(only, figures, ["dynapipe"]).items()} == {"dynapipe": "dynapipe-even"}

@@ -156,3 +156,25 @@ def test_bench_t5_runs_one_placement_and_simulates_the_bubble_before_and_after()
     given = _placement(argv + ["--dynapipe-placement", "3+0,1+4"], 2, 1)
     assert (given["placement"], given["source"]) == ("3+0,1+4", "--dynapipe-placement")
     assert given["simulated"]["placed"]["placement"] == "3+0,1+4"
+
+
+def test_bench_t5_compute_floor_is_taken_over_the_timed_batches_per_replica():
+    from dynapipe.cost.compute_floor import compute_floor_ms
+    from megatron_integration.bench_t5_profile import compute_floor_check, format_compute_floor
+    from megatron_integration.t5_placement import first_global_batches, planner_cost_model
+
+    cfg = _cfg("--use-dynapipe")
+    cm = planner_cost_model(cfg, 2)
+    timed = first_global_batches(cfg, 3)[1:]
+    floor = sum(compute_floor_ms(cm, b) for b in timed) / len(timed)
+    checks = {"dynapipe": {"stages": [{"predicted_ms": floor * 0.6}, {"predicted_ms": floor * 0.5}]},
+              "packing": {"stages": [{"predicted_ms": floor}, {"predicted_ms": floor}]},
+              "padding": {}}  # a run without traces has no prediction
+    out = compute_floor_check(cfg, cm, checks, warmup=1, replicas=1)
+    assert out["iterations"] == 2 and out["floor_ms"] == pytest.approx(floor, abs=0.05)
+    assert out["over_floor"] == {"dynapipe": pytest.approx(1.1, rel=0.02), "packing": pytest.approx(2.0, rel=0.02)}
+    # Two data-parallel replicas share each global batch.
+    assert compute_floor_check(cfg, cm, checks, 1, 2)["floor_ms"] == pytest.approx(floor / 2, abs=0.05)
+    line = format_compute_floor(out, "packing")
+    assert "packing's compute is 2.00x the floor, the most any batching gains" in line and "dynapipe" in line
+    assert "gains" not in format_compute_floor(out, None)

@@ -1,0 +1,68 @@
+"""The compute floor of a global batch: the least compute any batching of its samples needs.
+
+Every batching method (padding, packing, DynaPipe's cuts) runs a global batch as micro-batches
+whose samples are padded to the micro-batch's longest one. By the cost model no such
+micro-batch of ``m`` samples can cost less than the sum, over its samples, of each sample's
+cost alone at its own length in a micro-batch of ``m`` same-shaped samples (costs grow with
+the lengths), and that is no less than each sample's cheapest per-sample cost over
+micro-batch sizes. Summed over samples and stages this is the floor: compute with no padding
+and every sample at its most efficient batch size. A method's predicted compute over the
+floor says how much of its compute is waste; a baseline's predicted compute over the floor is
+the most any batching can gain on it through compute alone (the pipeline's bubble,
+transfers and optimizer step come on top for every method).
+
+Pure numpy; times in ms, lengths in tokens.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from dynapipe.cost.base import CostModel
+from dynapipe.errors import DynaPipeError
+
+
+def micro_batch_sizes(num_samples: int) -> list[int]:
+    """The micro-batch sizes the floor tries: powers of two up to ``num_samples`` (samples).
+    A profile prices sizes beyond its grid linearly from its largest, so larger ones add nothing."""
+    if num_samples < 1:
+        raise DynaPipeError(f"a global batch of {num_samples} samples has no compute floor; give at least one.")
+    out, m = [], 1
+    while m <= num_samples:
+        out.append(m)
+        m *= 2
+    return out
+
+
+def compute_floor_ms(cost_model: CostModel, lengths, *, recompute: str = "none",
+                     max_micro_batch: Optional[int] = None) -> float:
+    """Forward + backward ms, summed over every stage of ``cost_model``, that one global batch
+    needs at the least: every sample (a row of ``lengths``: tokens, or (input, target) tokens
+    for an encoder-decoder model) priced alone at its own length, at the micro-batch size
+    (powers of two up to ``max_micro_batch``, default the batch's sample count) where its cost
+    per sample is lowest. No batching of these samples computes less by this cost model."""
+    arr = np.asarray(lengths)
+    encdec = cost_model.model.is_encoder_decoder
+    if arr.ndim != (2 if encdec else 1) or (encdec and arr.shape[1] != 2) or len(arr) == 0:
+        want = "(n, 2) input and target lengths" if encdec else "a 1-D list of sample lengths"
+        raise DynaPipeError(f"compute floor: lengths of shape {arr.shape} given; give {want} (tokens).")
+    if np.any(arr <= 0):
+        raise DynaPipeError(f"compute floor: a sample length {int(arr.min())} is not positive; every sample "
+                            f"has at least one token.")
+    sizes = np.asarray(micro_batch_sizes(max_micro_batch or len(arr)), dtype=np.float64)[:, None]
+    seq = (arr[:, 0] if encdec else arr)[None, :].astype(np.float64)
+    dec = arr[:, 1][None, :].astype(np.float64) if encdec else None
+    total = 0.0
+    for stage in range(cost_model.num_stages):
+        cost = cost_model.stage_cost(sizes, seq, dec, recompute=recompute, stage=stage)
+        per_sample = np.asarray(cost.time_ms, dtype=np.float64) / sizes
+        total += float(per_sample.min(axis=0).sum())
+    return total
+
+
+def floor_over_batches(cost_model: CostModel, batches: Sequence, *, recompute: str = "none") -> float:
+    """Mean :func:`compute_floor_ms` (ms) over ``batches`` (one global batch's lengths each)."""
+    if not batches:
+        raise DynaPipeError("compute floor: no global batches given.")
+    return float(np.mean([compute_floor_ms(cost_model, b, recompute=recompute) for b in batches]))

@@ -1,0 +1,85 @@
+"""``bench --model t5``: the runs of one bench, each method on each micro-batch size and placement it tries.
+
+As each baseline keeps its fastest micro-batch size, every method keeps its fastest stage
+placement: the bench's placement (what ``auto`` chose, or ``--dynapipe-placement``), the
+best contiguous split beside an interleaved one, and Megatron's even split. DynaPipe's
+even-split run is also reported as its own method, ``dynapipe-even``: the measured before of
+the placement. Pure Python.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+T5_METHOD_FLAGS = {
+    "dynapipe": ["--use-dynapipe"],
+    # DynaPipe on Megatron's even split (its entry carries the split): the measured "before"
+    # of the stage placement.
+    "dynapipe-even": ["--use-dynapipe"],
+    "padding": ["--dynapipe-batching", "padding"],
+    "packing": ["--dynapipe-batching", "packing", "--reset-position-ids", "--reset-attention-mask"],
+}
+T5_BASELINES = ("padding", "packing")
+
+
+@dataclass(frozen=True)
+class T5Entry:
+    """One run of the bench: a method at a micro-batch size (None: DynaPipe's own micro-batches),
+    on the bench's stage placement or on ``split`` (a ``--dynapipe-placement`` SPEC: the best
+    contiguous split or Megatron's even split, tried so that every method keeps its fastest
+    placement; ``split_name`` ends the label)."""
+
+    method: str
+    micro_batch_size: Optional[int] = None
+    split: Optional[str] = None
+    split_name: str = ""
+
+    @property
+    def label(self) -> str:
+        label = self.method if self.micro_batch_size is None else f"{self.method}@mbs{self.micro_batch_size}"
+        return label + (f"-{self.split_name}" if self.split_name else "")
+
+    def argv(self, argv: Sequence[str]) -> list[str]:
+        out = list(argv) + T5_METHOD_FLAGS[self.method]
+        out += ["--dynapipe-placement", self.split] if self.split else []
+        return out + (["--micro-batch-size", str(self.micro_batch_size)] if self.micro_batch_size else [])
+
+
+def t5_entries(methods: Sequence[str], sweep: Sequence[int], placement: dict) -> list[T5Entry]:
+    """Every run: each baseline at every size of ``sweep``; every method on the bench's
+    placement (``placement``, see ``_placement``), on the best contiguous split when that
+    placement is interleaved, and on Megatron's even split when it is not that (DynaPipe's
+    even-split run is ``dynapipe-even``)."""
+    chosen = placement["placement"]
+    even = ((placement.get("simulated") or {}).get("even") or {}).get("placement")
+    contiguous = (placement.get("search", {}).get("compared") or {}).get("contiguous")
+    splits = [(None, "")]
+    if "|" in chosen and contiguous and contiguous != even:
+        splits.append((contiguous, "contiguous"))
+    if even and chosen != even:
+        splits.append(("even", "even"))
+    out = []
+    for m in methods:
+        if m == "dynapipe-even":
+            out.append(T5Entry(m, None, "even"))
+            continue
+        for size in (sweep if m in T5_BASELINES else (None,)):
+            for split, name in splits:
+                if m != "dynapipe" or name != "even":
+                    out.append(T5Entry(m, size, split, name))
+                elif "dynapipe-even" not in methods:  # else that method's run is this one
+                    out.append(T5Entry("dynapipe-even", None, "even"))
+    return out
+
+
+def best_runs(entries: Sequence[T5Entry], figures: dict, methods: Sequence[str]) -> dict:
+    """``method -> (entry, figures)`` of each method's fastest run (``figures``: label ->
+    the run's figures, ``real_tokens_per_s`` among them): over its micro-batch sizes and
+    placements; DynaPipe's candidates include its even-split run."""
+    best: dict = {}
+    for e in entries:
+        candidate_of = {e.method} | ({"dynapipe"} if e.method == "dynapipe-even" else set())
+        for m in candidate_of & set(methods):
+            if m not in best or figures[e.label]["real_tokens_per_s"] > best[m][1]["real_tokens_per_s"]:
+                best[m] = (e, figures[e.label])
+    return best
