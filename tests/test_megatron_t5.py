@@ -351,6 +351,20 @@ def test_bench_t5_refuses_what_it_cannot_run(tmp_path, capsys):
     assert not (tmp_path / "t5.json").exists()
 
 
+def test_bench_long_preset_is_the_tiny_t5_on_long_rows_and_t5_only(tmp_path, capsys):
+    from dynapipe.cli import main
+    from megatron_integration.bench_t5 import T5_PRESETS, t5_with_defaults
+
+    argv = t5_with_defaults([], "long")
+    flags = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
+    tiny = t5_with_defaults([], "tiny")
+    assert flags["--encoder-seq-length"] == "4096" and flags["--global-batch-size"] == "128"
+    assert [a for a in argv if a not in ("4096", "128")] == [a for a in tiny if a not in ("1024", "32")]
+    assert "padding" not in T5_PRESETS["long"].methods and "padding" in T5_PRESETS["tiny"].methods
+    assert main(["bench", "--preset", "long", "--output", str(tmp_path / "g.json")]) == 2
+    assert "--preset long is a T5 preset: add --model t5" in capsys.readouterr().err
+
+
 def test_bench_t5_figures_count_the_slowest_rank_after_the_warm_up():
     from megatron_integration.bench_t5 import t5_figures
 

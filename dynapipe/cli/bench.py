@@ -21,8 +21,9 @@ HELP = "train with dynapipe and megatron-core's padding / packing baselines side
 def add_arguments(p) -> None:
     p.add_argument("--output", required=True, help="JSON results file")
     p.add_argument("--png", default=None, help="also draw the comparison as a PNG")
-    p.add_argument("--preset", default="tiny", choices=("tiny", "representative"),
-                   help="default model, methods and protocol (default tiny: the quick start)")
+    p.add_argument("--preset", default="tiny", choices=("tiny", "representative", "long"),
+                   help="default model, methods and protocol (default tiny: the quick start; long: --model t5 "
+                        "only, inputs up to 4,096 tokens)")
     p.add_argument("--methods", default=None,
                    help="comma-separated methods to run, from dynapipe, dynapipe-1f1b, padding, padding-mb, packing "
                         "(default: the preset's)")
@@ -88,6 +89,9 @@ def run(args) -> int:
         from megatron_integration.bench_t5 import run_t5_cli
 
         return run_t5_cli(args, argv)
+    if args.preset not in PRESETS:
+        raise DynaPipeError(f"--preset {args.preset} is a T5 preset: add --model t5, or choose tiny or "
+                            f"representative for GPT.")
     methods = (list(PRESETS[args.preset].methods) if args.methods is None
                else [m.strip() for m in args.methods.split(",") if m.strip()])
     if not methods:
