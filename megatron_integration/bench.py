@@ -37,7 +37,8 @@ from megatron_integration.cpu_affinity import bench_default
 from megatron_integration.bench_presets import (BASELINES, METHOD_FLAGS, PRESETS, PROFILE_MBS, PROFILE_SEQLENS,
                                                 REFERENCE_SEQ_LENGTH, Preset, fill_defaults, flag_value,
                                                 with_defaults)
-from megatron_integration.bench_report import breakdown, breakdown_summary, breakdown_table, ratio_table, write_png
+from megatron_integration.bench_report import (breakdown, breakdown_summary, breakdown_table, format_compute_floor,
+                                               ratio_table, write_png)
 from megatron_integration.bench_results import MethodResult, median_result, stage_activation_peaks, summarise
 from megatron_integration.jobs import run_training
 
@@ -301,6 +302,8 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
                                         f"{v['total'].get('mean_abs_error', 0):.0%}" for name, v in e.items()),
                   file=stream)
     best_base = max((b for b in BASELINES if b in results), key=lambda b: results[b].real_tokens_per_s, default=None)
+    floor = sim.compute_floor(sizes)
+    print("\n" + format_compute_floor(floor, best_base), file=stream)
     report = {
         "preset": preset, "about": p.about,
         "methods": {m: {**results[m].to_json(), "micro_batch_size": sizes[m], "run": chosen[m].label,
@@ -315,7 +318,7 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
                     for m in methods},
         "ratios": {f"{m}_vs_{b}": round(results[m].real_tokens_per_s / results[b].real_tokens_per_s, 3)
                    for m in results for b in BASELINES if b in results and m != b},
-        "best_baseline": best_base,
+        "best_baseline": best_base, "compute_floor": floor,
         "setup": {"argv": list(argv), "nproc": nproc, "threads_per_rank": threads, "warmup_iters": warmup_iters,
                   "rounds": rounds, "round_orders": order_log, "sweep_top": sweep_top,
                   "sweep_within": p.sweep_within, "sweep_top_of": dict(p.sweep_top_of), "profile_mbs": list(p.profile_mbs),

@@ -3,7 +3,8 @@
 :func:`breakdown` says where the time of the timed iterations went on each rank, from
 what the run recorded (megatron-core's steps timed as they ran, or the DynaPipe
 executor's traces); :func:`ratio_table`, :func:`breakdown_table` and :func:`write_png`
-present a run's :class:`~megatron_integration.bench_results.MethodResult` figures.
+present a run's :class:`~megatron_integration.bench_results.MethodResult` figures, and
+:func:`format_compute_floor` the compute floor of its timed batches.
 """
 from __future__ import annotations
 
@@ -153,3 +154,15 @@ def breakdown_table(summaries: dict[str, dict]) -> str:
                          f"{st['overhead_per_mb']:>9.2f} {st['optimizer_and_grads']:>12.1f} "
                          f"{st['plan_wait']:>10.1f} {st['unattributed']:>10.1f} {cpu:>12}")
     return "\n".join(lines)
+
+
+def format_compute_floor(floor: dict, baseline: Optional[str]) -> str:
+    """One line: the floor, each method's predicted compute over it, and what that caps
+    DynaPipe's gain on ``baseline`` at (by compute alone)."""
+    parts = ", ".join(f"{m} {v:.0f} ({floor['over_floor'][m]:.2f}x)" for m, v in floor["predicted_ms"].items())
+    line = (f"compute floor (no padding, each sample at its cheapest micro-batch size, by the cost model): "
+            f"{floor['floor_ms']:.0f} ms an iteration over all stages; predicted compute {parts}")
+    if baseline in floor["over_floor"]:
+        line += (f"; {baseline}'s compute is {floor['over_floor'][baseline]:.2f}x the floor, the most any "
+                 f"batching gains on it by compute alone")
+    return line

@@ -1,4 +1,4 @@
-"""The bench's planning-side figures: the baselines' micro-batch-size sweep and attention shares.
+"""The bench's planning-side figures: the baselines' micro-batch-size sweep, attention shares, compute floor.
 
 :class:`BenchSimulation` re-creates the global batches a bench run trains on (the same
 dataset, sampler and seed as the ranks) and plans them with the same planner and cost
@@ -13,7 +13,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from dynapipe.batching.baselines import padding_to_longest
+from dynapipe.batching.baselines import packing, padding, padding_to_longest
+from dynapipe.cost.compute_floor import floor_over_batches
 from dynapipe.config import load_cluster_config, load_device_config, load_model_config
 from dynapipe.cost import build_cost_model
 from dynapipe.method_compare import (attention_share, compare_over_batches, global_batch_of_tokens,
@@ -127,6 +128,35 @@ class BenchSimulation:
                 "micro_batches": round(float(np.mean([r.micro_batches for r in runs])), 2),
                 "real_tokens_per_s": round(sum(r.real_tokens for r in runs) /
                                            (sum(r.iteration_ms for r in runs) / 1e3), 1)}
+
+    def micro_batches(self, method: str, lengths: np.ndarray, micro_batch_size: Optional[int]) -> list[tuple]:
+        """``(rows, seqlen)`` of every micro-batch ``method`` computes for one global batch (all
+        replicas): the baselines' as their batch builders make them, DynaPipe's as planned."""
+        size = micro_batch_size or self.cfg.micro_batch_size
+        if method == "padding":
+            mbs = padding(lengths, size, self.seq_length)
+        elif method == "padding-mb":
+            mbs = padding_to_longest(lengths, size, self.seq_length)
+        elif method == "packing":
+            mbs = packing(lengths, size, self.seq_length)[0]
+        else:
+            return self.shapes(method, lengths, micro_batch_size)
+        return [(mb.mbs, mb.seqlen) for mb in mbs]
+
+    def compute_floor(self, sizes: dict) -> dict:
+        """The compute floor of the timed batches (:mod:`dynapipe.cost.compute_floor`) and each
+        method's predicted compute over it (``sizes``: method -> micro-batch size, None for
+        DynaPipe); ms an iteration per data-parallel replica, summed over the stages."""
+        def compute(shapes) -> float:
+            return sum(float(self.cost.stage_cost(b, s, stage=k).time_ms) for b, s in shapes
+                       for k in range(self.pp))
+
+        floor = floor_over_batches(self.cost, self.batches) / self.dp
+        predicted = {m: float(np.mean([compute(self.micro_batches(m, b, size)) for b in self.batches])) / self.dp
+                     for m, size in sizes.items()}
+        return {"floor_ms": round(floor, 1), "iterations": len(self.batches),
+                "predicted_ms": {m: round(v, 1) for m, v in predicted.items()},
+                "over_floor": {m: round(v / floor, 3) for m, v in predicted.items()}}
 
     def attention_share(self, method: str, micro_batch_size: Optional[int] = None) -> float:
         """Mean attention share of the layer FLOPs over the timed batches, at ``method``'s shapes."""

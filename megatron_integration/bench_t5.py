@@ -249,7 +249,8 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
           f"{sim['even']['placement']} bubble {100 * sim['even']['bubble_fraction']:.1f}% "
           f"{sim['even']['simulated_ms']:.0f} ms, placed bubble {100 * sim['placed']['bubble_fraction']:.1f}% "
           f"{sim['placed']['simulated_ms']:.0f} ms", file=stream)
-    from megatron_integration.bench_t5_profile import format_compute_floor, format_stage_check
+    from megatron_integration.bench_report import format_compute_floor
+    from megatron_integration.bench_t5_profile import format_stage_check
 
     print(f"cost model {profile}{'' if profile_s is None else f' (measured in {profile_s:.1f} s)'}; compute per "
           f"iteration and stage, predicted -> executed:", file=stream)

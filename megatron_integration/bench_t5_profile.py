@@ -193,14 +193,3 @@ def compute_floor_check(cfg, cost_model, checks: dict, warmup: int, replicas: in
     return {"floor_ms": round(floor, 1), "iterations": len(batches), "predicted_ms": predicted,
             "over_floor": {m: round(v / floor, 3) for m, v in predicted.items()}}
 
-
-def format_compute_floor(floor: dict, baseline: Optional[str]) -> str:
-    """One line: the floor, each method's predicted compute over it, and what that caps
-    DynaPipe's gain on ``baseline`` at (by compute alone)."""
-    parts = ", ".join(f"{m} {v:.0f} ({floor['over_floor'][m]:.2f}x)" for m, v in floor["predicted_ms"].items())
-    line = (f"compute floor (no padding, each sample at its cheapest micro-batch size, by the cost model): "
-            f"{floor['floor_ms']:.0f} ms an iteration over all stages; predicted compute {parts}")
-    if baseline in floor["over_floor"]:
-        line += (f"; {baseline}'s compute is {floor['over_floor'][baseline]:.2f}x the floor, the most any "
-                 f"batching gains on it by compute alone")
-    return line

@@ -6,6 +6,7 @@ import pytest
 from megatron_integration.bench import PRESETS, Entry, rotated, with_defaults
 from megatron_integration.bench import MethodResult, median_result, summarise
 from megatron_integration.bench_report import breakdown
+from megatron_integration.bench_report import format_compute_floor
 from megatron_integration.bench_sim import BenchSimulation
 
 
@@ -131,6 +132,28 @@ def test_simulated_sweep_lists_sizes_that_divide_the_batch():
     # Full rows give GPT-7B's 1/7 (hidden = sequence length, FFN 4h); shorter rows give less.
     assert sim.attention_share("padding") == pytest.approx(1 / 7 * 256 / 512 / (1 / 7 * 256 / 512 + 6 / 7), rel=1e-6)
     assert sim.attention_share("dynapipe") < sim.attention_share("padding")
+
+
+def test_bench_compute_floor_prices_every_methods_micro_batches_over_the_timed_batches():
+    from megatron_integration.arguments import parse_training_args
+    from dynapipe.cost.compute_floor import compute_floor_ms
+
+    argv = with_defaults(["--global-batch-size", "12", "--train-iters", "3", "--seq-length", "256",
+                          "--max-position-embeddings", "256", "--use-dynapipe"], "representative")
+    sim = BenchSimulation(parse_training_args(argv, 2), 2, None, warmup_iters=1)
+    out = sim.compute_floor({"padding": 2, "padding-mb": 2, "packing": 1, "dynapipe": None})
+    floor = sum(compute_floor_ms(sim.cost, b) for b in sim.batches) / 2
+    assert out["iterations"] == 2 and out["floor_ms"] == pytest.approx(floor, abs=0.05)
+    # Padding computes 6 micro-batches of 2 full rows a batch, priced on both stages.
+    full = 6 * sum(float(sim.cost.stage_cost(2, 256, stage=k).time_ms) for k in range(2))
+    assert out["predicted_ms"]["padding"] == pytest.approx(full, rel=1e-3)
+    packed = [sim.micro_batches("packing", b, 1) for b in sim.batches]
+    assert all(len(rows) < 12 and all(shape == (1, 256) for shape in rows) for rows in packed)
+    # Nothing computes below the floor; padding to the longest of each micro-batch wastes less than full rows.
+    assert all(v >= 1.0 for v in out["over_floor"].values())
+    assert out["over_floor"]["padding-mb"] < out["over_floor"]["padding"]
+    line = format_compute_floor(out, "packing")
+    assert f"packing's compute is {out['over_floor']['packing']:.2f}x the floor" in line
 
 
 def test_bench_refuses_what_the_preset_cannot_honour(tmp_path, capsys):

@@ -160,7 +160,8 @@ def test_bench_t5_runs_one_placement_and_simulates_the_bubble_before_and_after()
 
 def test_bench_t5_compute_floor_is_taken_over_the_timed_batches_per_replica():
     from dynapipe.cost.compute_floor import compute_floor_ms
-    from megatron_integration.bench_t5_profile import compute_floor_check, format_compute_floor
+    from megatron_integration.bench_report import format_compute_floor
+    from megatron_integration.bench_t5_profile import compute_floor_check
     from megatron_integration.t5_placement import first_global_batches, planner_cost_model
 
     cfg = _cfg("--use-dynapipe")
