@@ -18,7 +18,9 @@ of those batches finds faster (:func:`dynapipe.schedule.placement.choose_placeme
 ``dynapipe-even-split`` is DynaPipe on Megatron's even split, the before.
 
 A baseline's micro-batch size is tuned once per case (the size with the best real
-tokens/s over all its batches). Writes JSON and a Markdown table; prints the table.
+tokens/s over all its batches). ``compute_over_floor``: a method's compute over the batches'
+compute floor (:mod:`dynapipe.cost.compute_floor`), how much of its compute the cut wastes.
+Writes JSON and a Markdown table; prints the table.
 
     python scripts/bench_cluster.py                       # every case, 3 batches each (under a minute)
     python scripts/bench_cluster.py --quick               # one case, one batch (seconds)
@@ -35,11 +37,14 @@ from dataclasses import dataclass
 # Runnable as `python scripts/bench_cluster.py` from the repository root.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from dynapipe.batching import plan_micro_batches  # noqa: E402
 from dynapipe.config import (TensorParallelConfig, load_cluster_config, load_device_config,  # noqa: E402
                              load_model_config)
 from dynapipe.cost import build_cost_model  # noqa: E402
+from dynapipe.cost.compute_floor import floor_over_batches  # noqa: E402
 from dynapipe.errors import DynaPipeError  # noqa: E402
-from dynapipe.method_compare import BatchesResult, compare_over_batches, global_batch_of_tokens  # noqa: E402
+from dynapipe.method_compare import (BatchesResult, compare_over_batches, global_batch_of_tokens,  # noqa: E402
+                                     plan_shapes)
 from dynapipe.pipeline_planner import plan_iteration  # noqa: E402
 from dynapipe.schedule.placement import choose_placement_kind  # noqa: E402
 
@@ -78,6 +83,26 @@ CASES = (
     Case("gpt-13b", 4, 2, 4096, zero=True, tp=2),
 )
 QUICK_CASES = (Case("gpt-7b", 4, 2, 2048),)
+
+
+def compute_over_floor(batches, cost, method: str, micro_batch_size, encdec: bool, **kwargs) -> float:
+    """``method``'s forward + backward compute over the batches' compute floor (both summed
+    over every stage, recompute none: the cost of the cut alone). Baselines at their tuned
+    micro-batch size; DynaPipe's micro-batches as it plans them."""
+    def compute(shapes) -> float:
+        return sum(float(cost.stage_cost(*shape, stage=k).time_ms) for shape in shapes
+                   for k in range(cost.num_stages))
+
+    total = 0.0
+    for b in batches:
+        if method.startswith("dynapipe"):
+            shapes = plan_shapes(plan_iteration(b, cost, **kwargs), encdec)
+        else:
+            mbs = plan_micro_batches(b, cost, method=method, micro_batch_size=micro_batch_size,
+                                     seq_length=kwargs["seq_length"]).micro_batches
+            shapes = [(mb.mbs, mb.seqlen, mb.dec_seqlen) if encdec else (mb.mbs, mb.seqlen) for mb in mbs]
+        total += compute(shapes)
+    return total / len(batches) / floor_over_batches(cost, batches)
 
 
 def run_case(case: Case, args) -> dict:
@@ -119,6 +144,11 @@ def run_case(case: Case, args) -> dict:
             row["vs_packing"] = round(res.real_tokens_per_s / ref.real_tokens_per_s, 3)
         if ref_search is not None:
             row["vs_packing_search"] = round(res.real_tokens_per_s / ref_search.real_tokens_per_s, 3)
+        method = "dynapipe" if name == "dynapipe-even-split" else name
+        if method in ("dynapipe", "packing", "padding", "padding-mb"):
+            row["compute_over_floor"] = round(compute_over_floor(
+                batches, even_cost if name == "dynapipe-even-split" else cost, method, res.micro_batch_size,
+                model.is_encoder_decoder, **kwargs), 3)
         if res.sweep:
             row["sweep"] = res.sweep
         rows[name] = row
@@ -133,17 +163,18 @@ def run_case(case: Case, args) -> dict:
 def markdown(records: list[dict]) -> str:
     """One table: a row per (case, method)."""
     lines = ["| case | method | mbs | recompute | schedule | iteration (ms) | real tokens/s | vs packing "
-             "| vs packing + search | bubble | padding eff. | attention share | planning (ms) |",
-             "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| vs packing + search | bubble | padding eff. | attention share | compute / floor | planning (ms) |",
+             "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for rec in records:
         for name, r in rec["methods"].items():
             mbs = "-" if r["micro_batch_size"] is None else str(r["micro_batch_size"])
             vs = f"{r['vs_packing']:.2f}x" if "vs_packing" in r else "-"
             vs2 = f"{r['vs_packing_search']:.2f}x" if "vs_packing_search" in r else "-"
+            floor = f"{r['compute_over_floor']:.2f}x" if "compute_over_floor" in r else "-"
             lines.append(f"| {rec['case']} | {name} | {mbs} | {'/'.join(r['recompute'])} | "
                          f"{'/'.join(r['schedule'])} | {r['iteration_ms']:,.0f} | {r['real_tokens_per_s']:,.0f} | "
                          f"{vs} | {vs2} | {r['bubble_fraction']:.2f} | {r['padding_efficiency']:.2f} | "
-                         f"{r['attention_share']:.3f} | {r['planning_ms']:.1f} |")
+                         f"{r['attention_share']:.3f} | {floor} | {r['planning_ms']:.1f} |")
     return "\n".join(lines)
 
 

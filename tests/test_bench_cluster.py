@@ -36,6 +36,10 @@ def test_quick_writes_every_method_with_tuned_baselines(tmp_path):
             fits = [s for s in m["sweep"] if s["fits"]]
             assert fits and m["micro_batch_size"] == max(fits, key=lambda s: s["real_tokens_per_s"])["micro_batch_size"]
     assert methods["dynapipe"]["real_tokens_per_s"] >= methods["dynapipe-1f1b"]["real_tokens_per_s"]
+    # Nothing computes below the compute floor; padding to --seq-length wastes the most.
+    floors = {k: m["compute_over_floor"] for k, m in methods.items() if "compute_over_floor" in m}
+    assert set(floors) == {"dynapipe", "packing", "padding", "padding-mb"} and min(floors.values()) >= 1.0
+    assert floors["padding"] == max(floors.values()) > 2.0
     assert methods["dynapipe-1f1b"]["schedule"] == ["1f1b"] and methods["packing"]["schedule"] == ["1f1b"]
     md = (tmp_path / "cluster.md").read_text().splitlines()
     assert md[0].startswith("| case | method") and len(md) == 2 + len(methods)
