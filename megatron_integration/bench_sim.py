@@ -13,8 +13,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from dynapipe.batching.baselines import packing, padding, padding_to_longest
-from dynapipe.cost.compute_floor import floor_over_batches
+from dynapipe.batching import plan_micro_batches
+from dynapipe.batching.baselines import padding_to_longest
+from dynapipe.cost.compute_floor import floor_over_batches, shapes_compute_ms
 from dynapipe.config import load_cluster_config, load_device_config, load_model_config
 from dynapipe.cost import build_cost_model
 from dynapipe.method_compare import (attention_share, compare_over_batches, global_batch_of_tokens,
@@ -132,28 +133,19 @@ class BenchSimulation:
     def micro_batches(self, method: str, lengths: np.ndarray, micro_batch_size: Optional[int]) -> list[tuple]:
         """``(rows, seqlen)`` of every micro-batch ``method`` computes for one global batch (all
         replicas): the baselines' as their batch builders make them, DynaPipe's as planned."""
-        size = micro_batch_size or self.cfg.micro_batch_size
-        if method == "padding":
-            mbs = padding(lengths, size, self.seq_length)
-        elif method == "padding-mb":
-            mbs = padding_to_longest(lengths, size, self.seq_length)
-        elif method == "packing":
-            mbs = packing(lengths, size, self.seq_length)[0]
-        else:
-            return self.shapes(method, lengths, micro_batch_size)
-        return [(mb.mbs, mb.seqlen) for mb in mbs]
+        if not method.startswith("dynapipe"):
+            plan = plan_micro_batches(lengths, self.cost, method=method, seq_length=self.seq_length,
+                                      micro_batch_size=micro_batch_size or self.cfg.micro_batch_size)
+            return [(mb.mbs, mb.seqlen) for mb in plan.micro_batches]
+        return self.shapes(method, lengths, micro_batch_size)
 
     def compute_floor(self, sizes: dict) -> dict:
         """The compute floor of the timed batches (:mod:`dynapipe.cost.compute_floor`) and each
         method's predicted compute over it (``sizes``: method -> micro-batch size, None for
         DynaPipe); ms an iteration per data-parallel replica, summed over the stages."""
-        def compute(shapes) -> float:
-            return sum(float(self.cost.stage_cost(b, s, stage=k).time_ms) for b, s in shapes
-                       for k in range(self.pp))
-
         floor = floor_over_batches(self.cost, self.batches) / self.dp
-        predicted = {m: float(np.mean([compute(self.micro_batches(m, b, size)) for b in self.batches])) / self.dp
-                     for m, size in sizes.items()}
+        predicted = {m: float(np.mean([shapes_compute_ms(self.cost, self.micro_batches(m, b, size))
+                                       for b in self.batches])) / self.dp for m, size in sizes.items()}
         return {"floor_ms": round(floor, 1), "iterations": len(self.batches),
                 "predicted_ms": {m: round(v, 1) for m, v in predicted.items()},
                 "over_floor": {m: round(v / floor, 3) for m, v in predicted.items()}}

@@ -41,7 +41,7 @@ from dynapipe.batching import plan_micro_batches  # noqa: E402
 from dynapipe.config import (TensorParallelConfig, load_cluster_config, load_device_config,  # noqa: E402
                              load_model_config)
 from dynapipe.cost import build_cost_model  # noqa: E402
-from dynapipe.cost.compute_floor import floor_over_batches  # noqa: E402
+from dynapipe.cost.compute_floor import floor_over_batches, shapes_compute_ms  # noqa: E402
 from dynapipe.errors import DynaPipeError  # noqa: E402
 from dynapipe.method_compare import (BatchesResult, compare_over_batches, global_batch_of_tokens,  # noqa: E402
                                      plan_shapes)
@@ -89,10 +89,6 @@ def compute_over_floor(batches, cost, method: str, micro_batch_size, encdec: boo
     """``method``'s forward + backward compute over the batches' compute floor (both summed
     over every stage, recompute none: the cost of the cut alone). Baselines at their tuned
     micro-batch size; DynaPipe's micro-batches as it plans them."""
-    def compute(shapes) -> float:
-        return sum(float(cost.stage_cost(*shape, stage=k).time_ms) for shape in shapes
-                   for k in range(cost.num_stages))
-
     total = 0.0
     for b in batches:
         if method.startswith("dynapipe"):
@@ -101,7 +97,7 @@ def compute_over_floor(batches, cost, method: str, micro_batch_size, encdec: boo
             mbs = plan_micro_batches(b, cost, method=method, micro_batch_size=micro_batch_size,
                                      seq_length=kwargs["seq_length"]).micro_batches
             shapes = [(mb.mbs, mb.seqlen, mb.dec_seqlen) if encdec else (mb.mbs, mb.seqlen) for mb in mbs]
-        total += compute(shapes)
+        total += shapes_compute_ms(cost, shapes)
     return total / len(batches) / floor_over_batches(cost, batches)
 
 

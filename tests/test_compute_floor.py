@@ -7,7 +7,7 @@ import pytest
 
 from dynapipe.config import load_device_config, load_model_config
 from dynapipe.cost import build_cost_model
-from dynapipe.cost.compute_floor import compute_floor_ms, floor_over_batches, micro_batch_sizes
+from dynapipe.cost.compute_floor import compute_floor_ms, floor_over_batches, micro_batch_sizes, shapes_compute_ms
 from dynapipe.errors import DynaPipeError
 from dynapipe.method_compare import global_batch_of_tokens, plan_shapes
 from dynapipe.pipeline_planner import plan_iteration
@@ -18,9 +18,16 @@ T5 = build_cost_model(load_model_config("t5-11b"), A100, 8)
 
 
 def _compute_ms(cost_model, shapes) -> float:
-    """Forward + backward ms of micro-batches of ``shapes`` summed over every stage."""
+    """Forward + backward ms of micro-batches of ``shapes`` summed over every stage, by hand."""
     return sum(float(cost_model.stage_cost(*shape, stage=s).time_ms)
                for shape in shapes for s in range(cost_model.num_stages))
+
+
+def test_shapes_compute_sums_every_micro_batch_on_every_stage():
+    shapes = [(2, 512), (1, 1024), (4, 128)]
+    assert shapes_compute_ms(GPT, shapes) == pytest.approx(_compute_ms(GPT, shapes), rel=1e-12)
+    assert shapes_compute_ms(GPT, shapes, recompute="full") > shapes_compute_ms(GPT, shapes)
+    assert shapes_compute_ms(T5, [(2, 400, 64)]) == pytest.approx(_compute_ms(T5, [(2, 400, 64)]), rel=1e-12)
 
 
 @pytest.mark.parametrize("cost_model,encdec", [(GPT, False), (T5, True)])

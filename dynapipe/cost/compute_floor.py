@@ -61,6 +61,14 @@ def compute_floor_ms(cost_model: CostModel, lengths, *, recompute: str = "none",
     return total
 
 
+def shapes_compute_ms(cost_model: CostModel, shapes: Sequence[tuple], *, recompute: str = "none") -> float:
+    """Forward + backward ms of micro-batches of ``shapes`` (``(rows, seqlen[, dec_seqlen])``,
+    tokens), summed over every stage of ``cost_model``: what a method's batching of a global
+    batch computes, to set against :func:`compute_floor_ms`."""
+    return sum(float(cost_model.stage_cost(*shape, recompute=recompute, stage=k).time_ms)
+               for shape in shapes for k in range(cost_model.num_stages))
+
+
 def floor_over_batches(cost_model: CostModel, batches: Sequence, *, recompute: str = "none") -> float:
     """Mean :func:`compute_floor_ms` (ms) over ``batches`` (one global batch's lengths each)."""
     if not batches:
