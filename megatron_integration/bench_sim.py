@@ -14,7 +14,6 @@ from typing import Optional, Sequence
 import numpy as np
 
 from dynapipe.batching import plan_micro_batches
-from dynapipe.batching.baselines import padding_to_longest
 from dynapipe.cost.compute_floor import floor_over_batches, shapes_compute_ms
 from dynapipe.config import load_cluster_config, load_device_config, load_model_config
 from dynapipe.cost import build_cost_model
@@ -105,18 +104,6 @@ class BenchSimulation:
             r["chosen"] = r is best
         return out
 
-    def shapes(self, method: str, lengths: np.ndarray, micro_batch_size: Optional[int]) -> list[tuple[int, int]]:
-        """Padded ``(rows, seqlen)`` of every micro-batch ``method`` computes for one batch."""
-        if method in ("padding", "packing"):
-            # Every row is --seq-length long (packing rows are masked, not shortened).
-            return [(1, self.seq_length)]
-        if method == "padding-mb":
-            return [(mb.mbs, mb.seqlen) for mb in padding_to_longest(lengths, micro_batch_size or 1, self.seq_length)]
-        schedule = "1f1b" if method == "dynapipe-1f1b" else self.cfg.dynapipe.schedule
-        plan = plan_iteration(lengths, self.cost, stages=self.pp, method="dynapipe", schedule=schedule,
-                              micro_batch_size=self.cfg.micro_batch_size, **self._kwargs())
-        return plan_shapes(plan, False)
-
     def simulated(self, method: str, micro_batch_size: Optional[int] = None) -> dict:
         """``method`` planned and simulated with this cost model over the timed batches: mean
         iteration (ms; the pipeline's makespan, without the optimizer step and the executor's
@@ -132,12 +119,16 @@ class BenchSimulation:
 
     def micro_batches(self, method: str, lengths: np.ndarray, micro_batch_size: Optional[int]) -> list[tuple]:
         """``(rows, seqlen)`` of every micro-batch ``method`` computes for one global batch (all
-        replicas): the baselines' as their batch builders make them, DynaPipe's as planned."""
+        replicas): the baselines' as their batch builders make them (padding and packing rows
+        are --seq-length long; packing's are masked, not shortened), DynaPipe's as planned."""
         if not method.startswith("dynapipe"):
             plan = plan_micro_batches(lengths, self.cost, method=method, seq_length=self.seq_length,
                                       micro_batch_size=micro_batch_size or self.cfg.micro_batch_size)
             return [(mb.mbs, mb.seqlen) for mb in plan.micro_batches]
-        return self.shapes(method, lengths, micro_batch_size)
+        schedule = "1f1b" if method == "dynapipe-1f1b" else self.cfg.dynapipe.schedule
+        plan = plan_iteration(lengths, self.cost, stages=self.pp, method="dynapipe", schedule=schedule,
+                              micro_batch_size=self.cfg.micro_batch_size, **self._kwargs())
+        return plan_shapes(plan, False)
 
     def compute_floor(self, sizes: dict) -> dict:
         """The compute floor of the timed batches (:mod:`dynapipe.cost.compute_floor`) and each
@@ -152,7 +143,7 @@ class BenchSimulation:
 
     def attention_share(self, method: str, micro_batch_size: Optional[int] = None) -> float:
         """Mean attention share of the layer FLOPs over the timed batches, at ``method``'s shapes."""
-        return float(np.mean([attention_share(self.model, self.shapes(method, b, micro_batch_size))
+        return float(np.mean([attention_share(self.model, self.micro_batches(method, b, micro_batch_size))
                               for b in self.batches]))
 
 

@@ -192,4 +192,3 @@ def compute_floor_check(cfg, cost_model, checks: dict, warmup: int, replicas: in
                  for m, c in checks.items() if c.get("stages")}
     return {"floor_ms": round(floor, 1), "iterations": len(batches), "predicted_ms": predicted,
             "over_floor": {m: round(v / floor, 3) for m, v in predicted.items()}}
-
