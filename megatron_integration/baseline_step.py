@@ -106,6 +106,12 @@ def build_micro_batches(method: str, samples: Sequence[Sample], lengths: np.ndar
     return [m.to(info.device) for m in mbs_list], padded
 
 
+def holds_loss(info: RankInfo) -> bool:
+    """Whether this rank's loss counts in the global sums: the last stage's tensor-parallel
+    rank 0 of every replica (every TP rank of the last stage computes the same loss)."""
+    return info.is_last_stage and info.tp_rank == 0
+
+
 def reduce_loss(loss_sum: float, loss_tokens: int, is_last_stage: bool, device: torch.device) -> tuple[float, int]:
     """Global (sum, tokens) from the ranks where ``is_last_stage`` (one rank of the last stage
     of every replica), known on every rank."""
@@ -155,7 +161,7 @@ def megatron_train_step(stage: Stage, optimizer, scheduler, micro_batches: list[
     loss_sum = sum(float(r["lm loss"][0]) for r in reports) if info.is_last_stage else 0.0
     loss_tokens = sum(int(r["lm loss"][1]) for r in reports) if info.is_last_stage else 0
     # Every TP rank of the last stage holds the same (TP-reduced) loss; TP rank 0 counts it.
-    loss_sum, loss_tokens = reduce_loss(loss_sum, loss_tokens, info.is_last_stage and info.tp_rank == 0, info.device)
+    loss_sum, loss_tokens = reduce_loss(loss_sum, loss_tokens, holds_loss(info), info.device)
     if info.device.type == "cuda":
         torch.cuda.synchronize()
     end = time.perf_counter()

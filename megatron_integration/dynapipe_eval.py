@@ -19,7 +19,7 @@ from dynapipe.data.collate import TensorRequest, collate, loss_tokens
 from dynapipe.data.samples import Sample
 from dynapipe.plan.forward_only import forward_only
 from dynapipe.plan.instructions import ExecutionPlan, LoadInput
-from megatron_integration.baseline_step import reduce_loss
+from megatron_integration.baseline_step import holds_loss, reduce_loss
 
 # Plan iteration numbers of evaluation batches: apart from training iterations in traces.
 EVAL_ITERATION_BASE = 1 << 40
@@ -69,5 +69,5 @@ class DynaPipeEvalRunner:
                        global_loss_tokens)
         self.stepper.executor.run(plan, loss_tokens=global_loss_tokens)
         self.plans_run += 1
-        return reduce_loss(float(handlers.loss_sum), int(handlers.loss_tokens), self.info.is_last_stage,
+        return reduce_loss(float(handlers.loss_sum), int(handlers.loss_tokens), holds_loss(self.info),
                            self.info.device)

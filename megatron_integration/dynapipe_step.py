@@ -44,7 +44,7 @@ from dynapipe.runtime.activation_plan import planned_activation_peak_mib
 from megatron_integration.train_config import DynaPipeTrainingConfig
 from megatron_integration.data import dataset_config
 from megatron_integration.initialize import RankInfo
-from megatron_integration.baseline_step import StepResult, reduce_loss
+from megatron_integration.baseline_step import StepResult, holds_loss, reduce_loss
 from megatron_integration.model import Stage, finalize_grads_func, set_recompute_level
 from megatron_integration.nan_guard import check_before_step
 from megatron_integration.stage_handlers import ModelStageHandlers
@@ -211,7 +211,7 @@ class DynaPipeStepper:
         if ok:
             self.scheduler.step(increment=1)
         loss_sum, loss_tokens = reduce_loss(float(self.handlers.loss_sum), int(self.handlers.loss_tokens),
-                                            self.info.is_last_stage and self.info.tp_rank == 0, self.info.device)
+                                            holds_loss(self.info), self.info.device)
         if loss_tokens != meta.global_loss_tokens:
             raise DynaPipeError(f"iteration {iteration}: the executed micro-batches hold {loss_tokens} loss tokens, "
                                 f"the plan's global batch {meta.global_loss_tokens}; plan and data disagree.")

@@ -31,7 +31,7 @@ from dynapipe.data.sampler import GlobalBatchSampler, SamplerConfig
 from dynapipe.data.splits import EmptySplitError
 from megatron_integration.data import dataset_config
 from megatron_integration.initialize import RankInfo
-from megatron_integration.baseline_step import build_micro_batches, forward_step, reduce_loss
+from megatron_integration.baseline_step import build_micro_batches, forward_step, holds_loss, reduce_loss
 from megatron_integration.model import Stage
 from megatron_integration.train_config import DynaPipeTrainingConfig
 
@@ -79,7 +79,7 @@ def megatron_eval_batch(stage: Stage, info: RankInfo, cfg: DynaPipeTrainingConfi
         stage.config.variable_seq_lengths = saved
     loss_sum = sum(float(r["lm loss"][0]) for r in reports) if info.is_last_stage else 0.0
     tokens = sum(int(r["lm loss"][1]) for r in reports) if info.is_last_stage else 0
-    return reduce_loss(loss_sum, tokens, info.is_last_stage, info.device)
+    return reduce_loss(loss_sum, tokens, holds_loss(info), info.device)
 
 
 class Evaluator:

@@ -250,22 +250,32 @@ def deterministic_init_(gpt: torch.nn.Module, model: GPTModelArgs, seed: int,
     scaled_std = std / math.sqrt(2.0 * model.num_layers)
     for local_name, param in gpt.named_parameters():
         name = global_parameter_name(gpt, local_name, tied)
-        if name.endswith("bias"):
-            param.zero_()
-        elif any(name.endswith(s) for s in _ONES) or param.dim() == 1:
-            param.fill_(1.0)
-        else:
-            dim = _tp_partition(param) if tp_size > 1 else None
-            full_shape = list(param.shape)
-            if dim is not None:
-                full_shape[dim] *= tp_size
-            # Draw the unsplit weight (the same on every split), keep this rank's slice.
-            gen = torch.Generator(device=param.device).manual_seed(_name_seed(seed, name))
-            value = torch.empty(full_shape, dtype=torch.float32, device=param.device)
-            value.normal_(0.0, scaled_std if name.endswith(_SCALED) else std, generator=gen)
-            if dim is not None:
-                value = _tp_slice(value, dim, tp_rank, tp_size, int(getattr(param, "partition_stride", 1)))
-            param.copy_(value)
+        init_parameter_(param, name, std, scaled_std, seed, tp_rank, tp_size)
+
+
+@torch.no_grad()
+def init_parameter_(param: torch.nn.Parameter, name: str, std: float, scaled_std: float, seed: int,
+                    tp_rank: int = 0, tp_size: int = 1) -> None:
+    """Megatron's distribution for the parameter of global name ``name``: zero biases, unit
+    norm weights, normal(0, ``scaled_std``) output projections, normal(0, ``std``) otherwise;
+    drawn unsplit from a generator seeded by (seed, name), then cut to this rank's
+    tensor-parallel shard (:func:`_tp_slice`)."""
+    if name.endswith("bias"):
+        param.zero_()
+    elif any(name.endswith(s) for s in _ONES) or param.dim() == 1:
+        param.fill_(1.0)
+    else:
+        dim = _tp_partition(param) if tp_size > 1 else None
+        full_shape = list(param.shape)
+        if dim is not None:
+            full_shape[dim] *= tp_size
+        # Draw the unsplit weight (the same on every split), keep this rank's slice.
+        gen = torch.Generator(device=param.device).manual_seed(_name_seed(seed, name))
+        value = torch.empty(full_shape, dtype=torch.float32, device=param.device)
+        value.normal_(0.0, scaled_std if name.endswith(_SCALED) else std, generator=gen)
+        if dim is not None:
+            value = _tp_slice(value, dim, tp_rank, tp_size, int(getattr(param, "partition_stride", 1)))
+        param.copy_(value)
 
 
 def _tp_slice(full: torch.Tensor, dim: int, rank: int, size: int, stride: int) -> torch.Tensor:

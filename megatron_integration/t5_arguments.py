@@ -97,10 +97,9 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
     if args.use_distributed_optimizer:
         raise DynaPipeError("--use-distributed-optimizer: T5 stages keep their embedding copies in sync on whole "
                             "gradients (no sharded optimizer yet); drop it.")
-    for flag in ("tensor-model-parallel-size",):
-        if getattr(args, flag.replace("-", "_")) != 1:
-            raise DynaPipeError(f"--{flag} {getattr(args, flag.replace('-', '_'))}: T5 stages run without tensor "
-                                f"parallelism; use 1.")
+    if args.sequence_parallel:
+        raise DynaPipeError("--sequence-parallel: T5 stages shard layers over the tensor-parallel ranks but not "
+                            "sequences (the encoder output every decoder stage reads travels whole); drop it.")
     # The shared validators see the whole model: every layer, the encoder's length.
     shared = argparse.Namespace(**vars(args))
     shared.num_layers, shared.seq_length, shared.max_position_embeddings = total, enc_seq, max_pos
@@ -139,4 +138,9 @@ def _with_placement(cfg: T5TrainingConfig, flag: str, pp: int) -> T5TrainingConf
     from megatron_integration.t5_placement import parse_t5_placement
 
     placement = parse_t5_placement(flag, cfg.planner_model(), pp)
+    tp = cfg.base.parallel.tensor_model_parallel_size
+    if placement is not None and placement.chunks > 1 and tp > 1:
+        raise DynaPipeError(f"--dynapipe-placement {flag} is interleaved ({placement.chunks} chunks a rank), and "
+                            f"interleaved plans are compiled without tensor parallelism only; use a contiguous "
+                            f"placement (even, auto or ENC+DEC per stage) with --tensor-model-parallel-size {tp}.")
     return replace(cfg, placement=placement, placement_flag=flag)

@@ -18,7 +18,7 @@ import numpy as np
 
 from dynapipe.data.samples import Sample
 from dynapipe.plan.forward_only import forward_only
-from megatron_integration.baseline_step import reduce_loss
+from megatron_integration.baseline_step import holds_loss, reduce_loss
 from megatron_integration.dynapipe_eval import EVAL_ITERATION_BASE, rank_tensors
 
 
@@ -56,7 +56,7 @@ class T5EvalRunner:
         handlers.begin(tensors, global_loss_tokens)
         self.stepper.executor.run(forward_only(plan), loss_tokens=global_loss_tokens)
         self.plans_run += 1
-        return reduce_loss(float(handlers.loss_sum), int(handlers.loss_tokens), self.info.is_last_stage,
+        return reduce_loss(float(handlers.loss_sum), int(handlers.loss_tokens), holds_loss(self.info),
                            self.info.device)
 
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_integration.initialize import RankInfo
-from megatron_integration.model import _ONES, _SCALED, _name_seed, set_recompute_level, transformer_config
+from megatron_integration.model import _tp_coordinates, init_parameter_, set_recompute_level, transformer_config
 from megatron_integration.t5_config import T5TrainingConfig
 
 
@@ -238,23 +238,19 @@ def t5_global_name(place: T5StagePlace, local_name: str, tied: bool) -> str:
 
 
 @torch.no_grad()
-def t5_deterministic_init_(stage: T5Stage, std: float, seed: int) -> None:
+def t5_deterministic_init_(stage: T5Stage, std: float, seed: int, tp: Optional[tuple[int, int]] = None) -> None:
     """Megatron's distributions (normal(0, std), output projections scaled by
     ``1/sqrt(2 x layers of their block)``, zero biases, unit norms), each parameter drawn from
-    a generator seeded by (seed, global name): any pipeline split holds the same weights."""
+    a generator seeded by (seed, global name): any pipeline split holds the same weights, and
+    a tensor-parallel shard is the slice of the unsplit weight megatron-core gives its rank
+    (:func:`~megatron_integration.model.init_parameter_`). ``tp``: (rank, size) of the
+    tensor-parallel group; megatron's parallel state when omitted."""
     place, tied = stage.place, stage.share_embeddings_and_output_weights
+    tp_rank, tp_size = _tp_coordinates() if tp is None else tp
     for local_name, param in stage.named_parameters():
         name = t5_global_name(place, local_name, tied)
-        if name.endswith("bias"):
-            param.zero_()
-        elif any(name.endswith(s) for s in _ONES) or param.dim() == 1:
-            param.fill_(1.0)
-        else:
-            layers = place.encoder_total if name.startswith("encoder.") else place.decoder_total
-            gen = torch.Generator(device=param.device).manual_seed(_name_seed(seed, name))
-            value = torch.empty(param.shape, dtype=torch.float32, device=param.device)
-            value.normal_(0.0, std / math.sqrt(2.0 * layers) if name.endswith(_SCALED) else std, generator=gen)
-            param.copy_(value)
+        layers = place.encoder_total if name.startswith("encoder.") else place.decoder_total
+        init_parameter_(param, name, std, std / math.sqrt(2.0 * layers), seed, tp_rank, tp_size)
 
 
 def build_t5_stage(cfg: T5TrainingConfig, info: RankInfo) -> torch.nn.Module:

@@ -37,7 +37,7 @@ from megatron_integration.train_config import GPTModelArgs, ParallelArgs
 class T5Ops:
     """The four measured ops of one T5 shape, on ``device``."""
 
-    def __init__(self, model: GPTModelArgs, device: torch.device):
+    def __init__(self, model: GPTModelArgs, device: torch.device, tp: int = 1):
         from megatron.core.models.T5.t5_model import T5LMHead
         from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
         from megatron.core.transformer.transformer_block import TransformerBlock
@@ -45,7 +45,8 @@ class T5Ops:
         from megatron_integration.model import transformer_config
         from megatron_integration.t5_model import _block_spec, _layer_specs
 
-        config = transformer_config(replace(model, num_layers=2), ParallelArgs(world_size=1),
+        config = transformer_config(replace(model, num_layers=2),
+                                    ParallelArgs(world_size=tp, tensor_model_parallel_size=tp),
                                     cuda=device.type == "cuda")
         enc_spec, dec_spec, self.spec_name = _layer_specs()
         self.encoder = TransformerBlock(config=config, spec=_block_spec(enc_spec, 1), pre_process=True,
@@ -109,8 +110,12 @@ def profile_t5_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: 
                      dec_seqlen_grid: Sequence[int], device: torch.device, repeats: int = 3, warmup: int = 1,
                      progress: Optional[Callable[[str], None]] = None) -> dict:
     """Measure the four T5 ops over the grid (samples; encoder and decoder tokens); returns the
-    JSON-ready profile. megatron's parallel state must be initialised (one rank)."""
-    ops = T5Ops(model, device)
+    JSON-ready profile. megatron's parallel state must be initialised: one rank, or one
+    tensor-parallel group whose ranks all call this (the figures are this rank's)."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    ops = T5Ops(model, device, tp)
     axes = {"mbs": list(mbs_grid), "seqlen": list(seqlen_grid), "dec_seqlen": list(dec_seqlen_grid)}
     builders = {"encoder_layer": ops.encoder_layer, "decoder_layer": ops.decoder_layer,
                 "embedding": ops.embedding_op, "output": ops.output_op}
@@ -154,7 +159,7 @@ def profile_t5_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: 
                   "add_bias_linear": True, "normalization": "LayerNorm"},
         "mbs": [int(b) for b in mbs_grid], "seqlen": [int(s) for s in seqlen_grid],
         "dec_seqlen": [int(s) for s in dec_seqlen_grid],
-        "stage_overhead_ms": 0.0, "tp": 1, "sequence_parallel": False,
+        "stage_overhead_ms": 0.0, "tp": tp, "sequence_parallel": False,
         "profiling_s": round(time.perf_counter() - started, 2), "repeats": repeats,
         "times": "fastest of the repeats, lowered to the fastest of any larger shape",
         "ops": tables,
@@ -206,11 +211,14 @@ def _nested(values):
 
 def write_t5_profile(model: GPTModelArgs, output: str, mbs_grid: Sequence[int], seqlen_grid: Sequence[int],
                      dec_seqlen_grid: Sequence[int], *, repeats: int = 3, warmup: int = 1,
-                     threads: Optional[int] = None, seed: int = 1234, progress: bool = False) -> dict:
-    """Profile ``model`` as a T5 on this process's device (one rank), check the result is a
-    profile the cost model reads, write it to ``output`` and return it."""
+                     threads: Optional[int] = None, seed: int = 1234, progress: bool = False, tp: int = 1) -> dict:
+    """Profile ``model`` as a T5 on this process's device, check the result is a profile the
+    cost model reads, write it to ``output`` (rank 0) and return it. ``tp`` > 1: every rank of
+    a job of ``tp`` ranks calls this; the job is one tensor-parallel group, and the profile
+    holds rank 0's figures (times include the group's all-reduces, memory is per rank)."""
     import sys
 
+    from dynapipe.config import TensorParallelConfig
     from dynapipe.cost.profile import ProfileCostModel
     from megatron_integration.cpu_affinity import use_profiler_threads
     from megatron_integration.initialize import initialize_megatron
@@ -220,14 +228,16 @@ def write_t5_profile(model: GPTModelArgs, output: str, mbs_grid: Sequence[int], 
     use_profiler_threads(threads, cuda)
     if "RANK" not in os.environ:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
-    initialize_megatron(ParallelArgs(world_size=1, backend="nccl" if cuda else "gloo"), seed=seed)
+    info = initialize_megatron(ParallelArgs(world_size=tp, tensor_model_parallel_size=tp,
+                                            backend="nccl" if cuda else "gloo"), seed=seed)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     profile = profile_t5_model(model, mbs_grid, seqlen_grid, dec_seqlen_grid, device, repeats=repeats,
-                               warmup=warmup, progress=(lambda line: print(line, file=sys.stderr)) if progress
-                               else None)
-    ProfileCostModel(t5_model_config(model), profile, num_stages=1, source=output)
-    with open(output, "w") as f:
-        json.dump(profile, f, indent=1)
+                               warmup=warmup, progress=(lambda line: print(line, file=sys.stderr))
+                               if progress and info.rank == 0 else None)
+    ProfileCostModel(t5_model_config(model), profile, num_stages=1, source=output, tp=TensorParallelConfig(tp))
+    if info.rank == 0:
+        with open(output, "w") as f:
+            json.dump(profile, f, indent=1)
     return profile
 
 
@@ -254,11 +264,12 @@ def _job(model: GPTModelArgs, output: str, grids: tuple, kwargs: dict) -> str:
 
 def measure_t5_profile(model: GPTModelArgs, output: str, mbs_grid: Sequence[int], seqlen_grid: Sequence[int],
                        dec_seqlen_grid: Sequence[int], *, threads: int = 1, timeout_s: float = 1800.0,
-                       **kwargs) -> str:
-    """:func:`write_t5_profile` in one spawned rank of ``threads`` threads (the caller keeps no
-    megatron state); a job past ``timeout_s`` s is killed and reported. Returns ``output``."""
+                       tp: int = 1, **kwargs) -> str:
+    """:func:`write_t5_profile` in ``tp`` spawned ranks (one tensor-parallel group) of
+    ``threads`` threads each (the caller keeps no megatron state); a job past ``timeout_s`` s
+    is killed and reported. Returns ``output``."""
     from megatron_integration.launch import spawn
 
     grids = (list(mbs_grid), list(seqlen_grid), list(dec_seqlen_grid))
-    return spawn(_job, 1, (model, output, grids, dict(threads=threads, **kwargs)), timeout_s=timeout_s,
+    return spawn(_job, tp, (model, output, grids, dict(threads=threads, tp=tp, **kwargs)), timeout_s=timeout_s,
                  threads_per_rank=threads)[0]

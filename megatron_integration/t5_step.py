@@ -33,7 +33,7 @@ from dynapipe.plan.instructions import ForwardPass, MicroBatchInfo
 from dynapipe.runtime.activation_meter import ActivationMeter, measure_activations
 from dynapipe.runtime.activation_plan import planned_activation_peak_mib
 from megatron_integration.initialize import RankInfo
-from megatron_integration.baseline_step import StepResult, reduce_loss
+from megatron_integration.baseline_step import StepResult, holds_loss, reduce_loss
 from megatron_integration.model import Stage
 from megatron_integration.nan_guard import check_before_step
 from megatron_integration.stage_handlers import ModelStageHandlers
@@ -41,6 +41,7 @@ from megatron_integration.t5_chunks import T5Chunks
 from megatron_integration.t5_config import T5TrainingConfig
 from megatron_integration.t5_model import EmbeddingSync, set_t5_recompute_level
 from megatron_integration.t5_placement import check_plan_placement
+from megatron_integration.tensor_parallel import check_plan_tensor_parallel, check_tp_plans_agree
 
 
 def segment_mask(q_seg: torch.Tensor, k_seg: torch.Tensor, causal: bool = False,
@@ -139,6 +140,7 @@ class PlannedIteration:
     consumed_samples: int
     truncated: int = 0
     wait_ms: float = 0.0
+    digest: Optional[int] = None  # the planned payload's checksum (DynaPipe plans), compared over TP ranks
 
 
 class LoaderSource:
@@ -162,7 +164,8 @@ class LoaderSource:
         check_plan_placement(data.plan, self.placement, self.model, iteration)
         m = data.meta
         return PlannedIteration(data.plan, data.micro_batches, m.global_loss_tokens, m.global_real_tokens,
-                                m.global_padded_tokens, m.consumed_samples, m.truncated_samples, m.wait_ms)
+                                m.global_padded_tokens, m.consumed_samples, m.truncated_samples, m.wait_ms,
+                                data.digest)
 
     def close(self) -> None:
         self.loader.close()
@@ -265,15 +268,21 @@ class T5Stepper:
         cost_model = None
         if isinstance(source, LoaderSource):
             from dynapipe.cost import build_cost_model
+            from dynapipe.runtime.plan_source import tensor_parallel_config
 
             s = source.settings
-            cost_model = build_cost_model(s.model, s.device, s.num_stages, s.cost_profile, placement=s.placement)
+            cost_model = build_cost_model(s.model, s.device, s.num_stages, s.cost_profile, tensor_parallel_config(s),
+                                          placement=s.placement)
         return cls(cfg, info, stage, optimizer, scheduler, source, executor, handlers, sync, meter, cost_model,
                    [] if d.trace_dir else None)
 
     def step(self, iteration: int) -> StepResult:
         start = time.perf_counter()
         item = self.source.next(iteration)
+        if item.digest is not None:
+            # Every TP rank of a stage must run the same payload, planned for this TP size.
+            check_tp_plans_agree(iteration, item.digest, self.info)
+            check_plan_tensor_parallel(item.plan, self.info.tp_size, False)
         self.handlers.begin(item.tensors, item.loss_tokens)
         self.stage.module.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -292,7 +301,7 @@ class T5Stepper:
         if ok:
             self.scheduler.step(increment=1)
         loss_sum, loss_tokens = reduce_loss(float(self.handlers.loss_sum), int(self.handlers.loss_tokens),
-                                            self.info.is_last_stage, self.info.device)
+                                            holds_loss(self.info), self.info.device)
         if loss_tokens != item.loss_tokens:
             raise DynaPipeError(f"iteration {iteration}: the executed micro-batches hold {loss_tokens} target tokens, "
                                 f"the global batch {item.loss_tokens}; plan and data disagree.")

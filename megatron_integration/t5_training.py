@@ -76,7 +76,7 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
     stepper = T5Stepper.create(cfg, info, stage, optimizer, scheduler, sync, run.start_iteration,
                                run.consumed_samples)
     logger = None
-    logging_rank = info.is_last_stage and info.dp_rank == 0
+    logging_rank = info.is_last_stage and info.dp_rank == 0 and info.tp_rank == 0
     gc_was_enabled = None
     try:
         evaluator = make_t5_evaluator(cfg, info, stage, stepper)

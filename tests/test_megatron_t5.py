@@ -2,9 +2,9 @@
 
 Same model, seed and global batches: DynaPipe's variable-shape micro-batches, padding to
 --encoder-seq-length / --decoder-seq-length and isolated packing give the same per-iteration
-``lm loss`` (fp32, dropout 0, 1e-5) on PP2, and PP2 x DP2 gives the losses of PP2. One
+``lm loss`` (fp32, dropout 0, 1e-5) on PP2, and PP2 x DP2 and TP2 x PP2 give the losses of PP2. One
 spawned job per layout runs every method in turn. torch_dist checkpoints resume bitwise, load at
-another stage placement and at PP1, and carry megatron-core ``T5Model``'s keys.
+another stage placement, at PP1 and at TP2, and carry megatron-core ``T5Model``'s keys.
 """
 import io
 import os
@@ -20,7 +20,7 @@ from megatron_integration.t5_batches import baseline_micro_batches, pack_pairs, 
 from megatron_integration.launch import spawn
 from megatron_integration.t5_step import needed_mask, segment_mask, segment_positions
 
-from t5_job import TIMEOUT, TINY, dist_tensors as _dist_tensors
+from t5_job import PACKING, TIMEOUT, TINY, dist_tensors as _dist_tensors
 
 
 # -- pure Python ------------------------------------------------------------------------------
@@ -43,10 +43,15 @@ def test_megatron_t5_flags_and_their_errors():
         "--dynapipe-batching packing": "--reset-position-ids --reset-attention-mask",
         "--position-embedding-type rope": "learned absolute",
         "--pipeline-model-parallel-size 3": "cannot be split evenly",
+        "--tensor-model-parallel-size 3 --pipeline-model-parallel-size 1": "does not divide --num-attention-heads 4",
+        "--tensor-model-parallel-size 2 --sequence-parallel": "T5 stages shard layers",
     }
     for extra, text in bad.items():
         with pytest.raises(DynaPipeError, match=text):
             parse_t5_args(TINY.split() + extra.split(), 6, cuda=False)
+    with pytest.raises(DynaPipeError, match="interleaved plans are compiled without tensor parallelism only"):
+        parse_t5_args(TINY.split() + "--tensor-model-parallel-size 2 --dynapipe-placement interleaved".split(), 4,
+                      cuda=False)
     # What T5 training does not do yet is refused, not ignored.
     evaluated = parse_t5_args(TINY.split() + "--split 80,10,10 --eval-interval 2 --eval-iters 1".split(), 2, cuda=False)
     assert (evaluated.base.evaluation.eval_interval, evaluated.base.evaluation.eval_iters) == (2, 1)
@@ -212,15 +217,21 @@ def test_t5_non_even_placement_trains_dynapipe_like_padding(pp2):
     assert dynapipe["loss_tokens"] == pp2[0]["loss_tokens"][:2]
 
 
-def test_t5_dynapipe_pp2_x_dp2_trains_like_pp2(pp2, t5_dist, tmp_path):
+def test_t5_dynapipe_pp2_x_dp2_and_tp2_x_pp2_train_like_pp2(pp2, t5_dist, tmp_path):
     from megatron_integration.t5_jobs import run_t5_training
 
     # Two iterations (the same learning-rate schedule: --exit-interval stops a --train-iters 3 run);
     # then the PP2 torch_dist checkpoint of iteration 2 resumed on two replicas, saved by both.
+    # Then every method on TP2 x PP2 (two iterations, padding saving), and the PP2 checkpoint
+    # resumed at TP2 for the third.
+    tp2 = TINY + " --tensor-model-parallel-size 2"
     ranks = run_t5_training([(TINY + " --use-dynapipe --exit-interval 2").split(),
-                             (TINY + f" --load {t5_dist / 'cut'} --save {t5_dist / 'dp2'}").split()], 4,
-                            timeout_s=TIMEOUT)
-    dynapipe, resumed = ranks[0]
+                             (TINY + f" --load {t5_dist / 'cut'} --save {t5_dist / 'dp2'}").split(),
+                             (tp2 + f" --exit-interval 2 --save {t5_dist / 'tp2'}").split(),
+                             (tp2 + " --exit-interval 2 --use-dynapipe").split(),
+                             (tp2 + " --exit-interval 2" + PACKING).split(),
+                             (tp2 + f" --load {t5_dist / 'cut'}").split()], 4, timeout_s=TIMEOUT)
+    dynapipe, resumed = ranks[0][:2]
     assert all(r[0]["losses"] == dynapipe["losses"] for r in ranks[1:])
     assert len(dynapipe["losses"]) == 2
     # Two replicas summing their gradients train the same global batches as PP2's padding.
@@ -231,6 +242,22 @@ def test_t5_dynapipe_pp2_x_dp2_trains_like_pp2(pp2, t5_dist, tmp_path):
     final = _dist_tensors(t5_dist / "full" / "iter_0000003", tmp_path)
     dp2 = _dist_tensors(t5_dist / "dp2" / "iter_0000003", tmp_path)
     assert set(dp2) == set(final) and max((dp2[k] - final[k]).abs().max().item() for k in final) < 1e-6
+    # TP2 x PP2: each layer's weights split over two ranks (the sharded weights are slices of the
+    # unsplit ones), the same losses and token counts as PP2 for every method, on every rank.
+    tp_runs = [r[2:5] for r in ranks]
+    assert [run["method"] for run in tp_runs[0]] == ["padding", "dynapipe", "packing"]
+    for run in (run for rank in tp_runs for run in rank):
+        assert run["losses"] == pytest.approx(pp2[0]["losses"][:2], abs=1e-5, rel=1e-5), run["method"]
+        assert run["loss_tokens"] == pp2[0]["loss_tokens"][:2]
+    # Saved at TP2: the unsplit tensors under the same keys as PP2's checkpoint of iteration 2 (two
+    # Adam steps of lr 1e-2 apart from the init, std 0.02; the sums' rounding differs at TP2).
+    cut = _dist_tensors(t5_dist / "cut" / "iter_0000002", tmp_path)
+    at_tp2 = _dist_tensors(t5_dist / "tp2" / "iter_0000002", tmp_path)
+    assert set(at_tp2) == set(cut) and max((at_tp2[k] - cut[k]).abs().max().item() for k in cut) < 1e-4
+    # PP2's checkpoint resharded at load: TP2 trains the third step as PP2 did.
+    resharded = ranks[0][5]
+    assert resharded["start_iteration"] == 2
+    assert resharded["losses"] == pytest.approx(pp2[0]["losses"][2:], abs=1e-5, rel=1e-5)
 
 
 def test_t5_torch_dist_resume_is_exact_and_loads_at_another_placement(pp2, t5_dist, tmp_path):

@@ -1,5 +1,5 @@
 """Encoder-decoder (T5) cost profiles: the format, its interpolation, the stage costs it gives,
-and one real profiling of a tiny T5 through ``python -m dynapipe profile --t5``."""
+and real profilings of a tiny T5 through ``python -m dynapipe profile --t5`` (one rank, a TP2 group)."""
 import json
 import subprocess
 import sys
@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from dynapipe.config import ModelConfig, load_model_config
+from dynapipe.config import ModelConfig, TensorParallelConfig, load_model_config
 from dynapipe.cost import build_cost_model
 from dynapipe.cost.base import StageLayout
 from dynapipe.cost.placement import StagePlacement
@@ -106,6 +106,24 @@ def test_t5_profile_round_trips_through_a_file_and_build_cost_model(tmp_path):
         assert np.allclose(a.time_ms, b.time_ms) and np.allclose(a.memory_mib, b.memory_mib)
 
 
+def test_a_t5_run_takes_only_a_profile_of_its_tensor_parallel_size(tmp_path):
+    """A T5 command line at TP2 refuses a profile measured at TP1 (and the reverse), naming both."""
+    from megatron_integration.t5_arguments import parse_t5_args
+    from t5_job import TINY
+
+    one, two = tmp_path / "tp1.json", tmp_path / "tp2.json"
+    one.write_text(json.dumps(t5_profile()))
+    two.write_text(json.dumps({**t5_profile(), "tp": 2}))
+    argv = TINY.split() + ["--use-dynapipe", "--dynapipe-cost-model"]
+    assert parse_t5_args(argv + [str(two), "--tensor-model-parallel-size", "2"], 4, cuda=False).base.parallel \
+        .tensor_model_parallel_size == 2
+    with pytest.raises(DynaPipeError, match="measured at tensor-parallel size 1 without sequence parallelism, but "
+                                            "the run uses tensor-parallel size 2"):
+        parse_t5_args(argv + [str(one), "--tensor-model-parallel-size", "2"], 4, cuda=False)
+    with pytest.raises(DynaPipeError, match="measured at tensor-parallel size 2"):
+        parse_t5_args(argv + [str(two)], 2, cuda=False)
+
+
 def test_auto_placement_follows_the_profile():
     """The split the planner chooses moves with the measured encoder/decoder balance."""
     from dynapipe.schedule.placement import choose_placement
@@ -156,16 +174,19 @@ def test_malformed_t5_profiles_are_refused_in_one_line(edit, needle):
     assert "\n" not in str(err.value)
 
 
-def test_profile_command_measures_a_tiny_t5(tmp_path):
-    """One real profiling of megatron-core's T5 layers (a tiny grid, one thread)."""
-    path = tmp_path / "t5.json"
-    cmd = [sys.executable, "-m", "dynapipe", "profile", "--t5", "--output", str(path), "--hidden-size", "64",
-           "--num-attention-heads", "4", "--ffn-hidden-size", "256", "--vocab-size", "512", "--mbs", "1,2",
-           "--seqlens", "32,96", "--dec-seqlens", "16,48", "--repeats", "1", "--threads", "1", "--no-progress"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stderr[-3000:]
-    data = json.loads(path.read_text())
-    assert (data["version"], data["kind"], data["layer_spec"]) == (2, "encoder-decoder", "local")
+def test_profile_command_measures_a_tiny_t5_alone_and_as_a_tensor_parallel_group(tmp_path):
+    """Real profilings of megatron-core's T5 layers (a tiny grid, one thread a rank): one rank,
+    then a TP2 group of two spawned gloo ranks."""
+    paths = {tp: tmp_path / f"t5-tp{tp}.json" for tp in (1, 2)}
+    for tp, path in paths.items():
+        cmd = [sys.executable, "-m", "dynapipe", "profile", "--t5", "--output", str(path), "--hidden-size", "64",
+               "--num-attention-heads", "4", "--ffn-hidden-size", "256", "--vocab-size", "512", "--mbs", "1,2",
+               "--seqlens", "32,96", "--dec-seqlens", "16,48", "--repeats", "1", "--threads", "1", "--no-progress",
+               "--tensor-model-parallel-size", str(tp)]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+        assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(paths[1].read_text())
+    assert (data["version"], data["kind"], data["layer_spec"], data["tp"]) == (2, "encoder-decoder", "local", 1)
     assert data["dec_seqlen"] == [16, 48] and np.asarray(data["ops"]["decoder_layer"]["fw_ms"]).shape == (2, 2, 2)
     ops = {op: {f: np.asarray(v) for f, v in t.items()} for op, t in data["ops"].items()}
     for op in ("encoder_layer", "decoder_layer", "output"):
@@ -177,6 +198,16 @@ def test_profile_command_measures_a_tiny_t5(tmp_path):
     assert np.all(dec[:, :, 1] > dec[:, :, 0])
     cm = ProfileCostModel(ModelConfig(**{**T5.__dict__, "name": "t"}), data, 2)
     assert np.all(cm.stage_cost([1, 2], [64, 96], [16, 48]).time_ms > 0)
+    # The TP2 group's figures are one rank's: the heads and the MLP are split, so a layer keeps
+    # less than the whole layer does; the profile says so, and prices only TP2 runs.
+    tp2 = json.loads(paths[2].read_text())
+    assert (tp2["tp"], tp2["sequence_parallel"]) == (2, False)
+    for op in ("encoder_layer", "decoder_layer"):
+        assert np.all(np.asarray(tp2["ops"][op]["stored_mib"]) < ops[op]["stored_mib"])
+        assert np.all(np.asarray(tp2["ops"][op]["fw_ms"]) > 0)
+    with pytest.raises(DynaPipeError, match="measured at tensor-parallel size 2"):
+        ProfileCostModel(ModelConfig(**{**T5.__dict__, "name": "t"}), tp2, 2)
+    assert ProfileCostModel(ModelConfig(**{**T5.__dict__, "name": "t"}), tp2, 2, tp=TensorParallelConfig(2))
 
 
 @pytest.mark.parametrize("extra, needle", [

@@ -124,6 +124,26 @@ def test_auto_placement_is_chosen_from_the_runs_batches_and_priced_by_the_planne
     assert planner_cost_model(cfg, 2).placement == StagePlacement.even(cfg.planner_model(), 2)
 
 
+def test_auto_placement_under_tensor_parallelism_is_contiguous_and_priced_per_tp_rank():
+    from megatron_integration.t5_placement import planner_cost_model
+
+    layers = "--encoder-num-layers 4 --decoder-num-layers 4"
+    args = "--dynapipe-placement auto --encoder-seq-length 1024 --global-batch-size 16 --use-dynapipe"
+    cfg = parse_t5_args((TINY.replace("--encoder-num-layers 2 --decoder-num-layers 2", layers) + " " + args
+                         + " --tensor-model-parallel-size 2").split(), 4, cuda=False)
+    one = _cfg(args, layers=layers)
+    # Each TP rank computes half a layer (plus the collectives): a stage costs less than at TP1.
+    batch = first_global_batches(one)[0]
+    tp_cost, one_cost = planner_cost_model(cfg, 2), planner_cost_model(one, 2)
+    assert tp_cost.tp.size == 2
+    assert (tp_cost.stage_cost([2], [1024], [64], stage=0).time_ms
+            < one_cost.stage_cost([2], [1024], [64], stage=0).time_ms)
+    # Interleaved plans are not compiled under TP, so auto considers contiguous splits only.
+    plan = choose_t5_placement(cfg, 2, 1, batches=[batch])
+    assert plan.chosen.placement.chunks == 1
+    assert plan.chosen.placement != StagePlacement.even(cfg.planner_model(), 2)
+
+
 def test_resume_with_another_placement_is_refused():
     model = _cfg().planner_model()
     placed = StagePlacement.parse("2+1,0+1", model, 2)

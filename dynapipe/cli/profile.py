@@ -195,15 +195,26 @@ def _run_tensor_parallel(args, model, mbs: list[int], seqlens: list[int], tp: in
 
 
 def _run_t5(args, model, mbs: list[int], seqlens: list[int], dec_seqlens: list[int]) -> int:
-    """Measure a T5's ops in this process (one rank, no tensor parallelism)."""
+    """Measure a T5's ops in this process, or in ``--tensor-model-parallel-size`` spawned ranks
+    (one tensor-parallel group; T5 stages do not shard sequences)."""
     import torch
 
     from dynapipe.errors import DynaPipeError
-    from megatron_integration.t5_profiler import write_t5_profile
+    from megatron_integration.t5_profiler import measure_t5_profile, write_t5_profile
 
-    if args.tensor_model_parallel_size != 1 or args.sequence_parallel:
-        raise DynaPipeError(f"--t5 --tensor-model-parallel-size {args.tensor_model_parallel_size}: T5 stages run "
-                            f"without tensor parallelism; profile with 1.")
+    tp = args.tensor_model_parallel_size
+    if args.sequence_parallel:
+        raise DynaPipeError("--t5 --sequence-parallel: T5 stages shard layers over the tensor-parallel ranks but "
+                            "not sequences; drop it.")
+    if tp < 1:
+        raise DynaPipeError(f"--tensor-model-parallel-size {tp}: give a positive size.")
+    for flag, value in (("--num-attention-heads", model.num_attention_heads), ("--ffn-hidden-size", model.ffn_hidden_size)):
+        if value % tp:
+            raise DynaPipeError(f"--t5 --tensor-model-parallel-size {tp} does not divide {flag} {value}; use a "
+                                f"tensor-parallel size that divides it.")
+    if tp > 1 and torch.cuda.is_available() and torch.cuda.device_count() < tp:
+        raise DynaPipeError(f"--tensor-model-parallel-size {tp} needs {tp} GPUs on this machine, which has "
+                            f"{torch.cuda.device_count()}; profile with a TP size of at most that.")
     for flag, bad in (("--swiglu", model.swiglu), ("--disable-bias-linear", not model.add_bias_linear),
                       ("--group-query-attention", bool(model.num_query_groups)),
                       ("--normalization RMSNorm", model.normalization != "LayerNorm"),
@@ -216,6 +227,16 @@ def _run_t5(args, model, mbs: list[int], seqlens: list[int], dec_seqlens: list[i
     if longest > model.max_position_embeddings:
         raise DynaPipeError(f"--seqlens/--dec-seqlens reach {longest} tokens, beyond --max-position-embeddings "
                             f"{model.max_position_embeddings}; shorten the grid or raise the limit.")
+    if tp > 1:
+        threads = args.threads or max(1, (os.cpu_count() or 1) // tp)
+        where = f"{tp} GPUs" if torch.cuda.is_available() else f"{tp} CPU ranks x {threads} threads"
+        print(f"profiling a T5 tensor-parallel group of {tp} on {where}: mbs {mbs} x seqlen {seqlens} x dec_seqlen "
+              f"{dec_seqlens}", file=sys.stderr)
+        measure_t5_profile(model, args.output, mbs, seqlens, dec_seqlens, repeats=args.repeats, warmup=args.warmup,
+                           threads=threads, timeout_s=TP_TIMEOUT_S, tp=tp, seed=args.seed,
+                           progress=not args.no_progress)
+        print(f"wrote {args.output}", file=sys.stderr)
+        return 0
     print(f"profiling a T5 on {'cuda' if torch.cuda.is_available() else 'cpu'} ({args.threads or torch.get_num_threads()}"
           f" threads): mbs {mbs} x seqlen {seqlens} x dec_seqlen {dec_seqlens}", file=sys.stderr)
     write_t5_profile(model, args.output, mbs, seqlens, dec_seqlens, repeats=args.repeats, warmup=args.warmup,
