@@ -19,6 +19,8 @@ them, and only when CUDA is unavailable:
   and restores the state, as it does on a GPU;
 * ``Tensor.cuda()`` returns the tensor itself during the one method that calls it
   (tied-embedding set-up with PP > 1);
+* ``Tensor.type()`` names a CPU tensor's CUDA counterpart during the one method that sorts
+  parameters by those names (the bf16 optimizer's set-up of its fp32 main copies);
 * gradient clipping, which asserts its gradients are CUDA tensors, is replaced by the
   same scaling without that assertion.
 
@@ -65,6 +67,14 @@ TENSOR_CUDA_METHODS = (
     # Tied embeddings with PP > 1: the last stage's copy is all-reduced from the first's.
     ("megatron.core.models.common.language_module.language_module", "LanguageModule",
      "setup_embeddings_and_output_layer"),
+)
+
+# Methods that sort parameters by ``Tensor.type()`` names and know only CUDA ones: during
+# these calls a CPU tensor's type name is its CUDA counterpart's (the maths is the same).
+# (module, class, method)
+TENSOR_TYPE_METHODS = (
+    # bf16: the mixed-precision optimizer keeps fp32 main copies of "torch.cuda.BFloat16Tensor"s.
+    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params", "__init__"),
 )
 
 _TENSOR_FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn",
@@ -265,7 +275,24 @@ def _tensor_cuda_is_identity():
         torch.Tensor.cuda = original
 
 
-def _wrap_tensor_cuda_method(module_name: str, class_name: str, method_name: str) -> bool:
+@contextlib.contextmanager
+def _tensor_type_names_cuda():
+    original = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs and not self.is_cuda:
+            return original(self).replace("torch.", "torch.cuda.", 1)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _wrap_tensor_cuda_method(module_name: str, class_name: str, method_name: str,
+                             context=_tensor_cuda_is_identity) -> bool:
     try:
         module = importlib.import_module(module_name)
         cls = getattr(module, class_name)
@@ -277,7 +304,7 @@ def _wrap_tensor_cuda_method(module_name: str, class_name: str, method_name: str
         return True
 
     def wrapped(self, *args, **kwargs):
-        with _tensor_cuda_is_identity():
+        with context():
             return method(self, *args, **kwargs)
 
     wrapped._dynapipe_cpu_wrapped = True
@@ -310,6 +337,8 @@ def apply(force: bool = False) -> bool:
     logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_DropExpectedRngWarning())
     for spec in TENSOR_CUDA_METHODS:
         _wrap_tensor_cuda_method(*spec)
+    for spec in TENSOR_TYPE_METHODS:
+        _wrap_tensor_cuda_method(*spec, context=_tensor_type_names_cuda)
     for spec in FUNCTION_REPLACEMENTS:
         _replace_function(*spec)
     log.debug("cpu_compat: patched %s", patched)

@@ -27,15 +27,22 @@ from megatron_integration.training import TrainingRun, _print_rank_0, current_lr
 
 
 def build_t5_training_stage(cfg: T5TrainingConfig, info: RankInfo) -> Stage:
-    """This rank's T5 stage wrapped in megatron-core's ``DistributedDataParallel``."""
+    """This rank's T5 stage wrapped in megatron-core's ``DistributedDataParallel`` (and, with
+    ``--bf16``, in its ``Float16Module``, as Megatron-LM wraps a half-precision model: bf16
+    weights and activations, fp32 gradient buffers and optimizer main copies)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from megatron_integration.t5_model import build_t5_stage
 
     t5 = build_t5_stage(cfg, info)
+    inner = t5
+    if cfg.base.model.dtype == "bf16":
+        from megatron.core.transformer.module import Float16Module
+
+        inner = Float16Module(t5.config, t5)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=cfg.base.optimizer.distributed)
-    module = DistributedDataParallel(config=t5.config, ddp_config=ddp_config, module=t5)
+    module = DistributedDataParallel(config=t5.config, ddp_config=ddp_config, module=inner)
     t5.config.no_sync_func = module.no_sync
     return Stage(module=module, gpt=t5, config=t5.config, info=info, spec_name=t5.spec_name)
 

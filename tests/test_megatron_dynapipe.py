@@ -5,7 +5,7 @@ executor runs them on the megatron-core stages; the per-iteration ``lm loss`` eq
 padding baseline's (fp32, ~1e-5) on PP2 and on PP2 x DP2, the latter with a Llama-style
 model (SwiGLU, grouped-query attention, no linear biases, RMSNorm, RoPE base 500000, untied
 output layer) that the planner prices as built; on PP2 so do the validation and test
-losses (forward-only plans vs megatron-core's forward-only schedule).
+losses (forward-only plans vs megatron-core's forward-only schedule); in bf16 within its rounding.
 """
 import math
 import os
@@ -119,6 +119,18 @@ def test_dynapipe_loss_equals_padding(world, model, request):
     # Same samples: same real and loss tokens; DynaPipe computes far fewer padded tokens.
     assert dynapipe["real_tokens"] == padding["real_tokens"]
     assert dynapipe["loss_tokens"] == padding["loss_tokens"]
+    assert sum(dynapipe["padded_tokens"]) < 0.9 * sum(padding["padded_tokens"])
+
+
+@pytest.mark.megatron_runs(("", 2), ("--bf16", 2), ("--bf16 --use-dynapipe", 2))
+def test_bf16_dynapipe_trains_like_padding(request):
+    """bf16 (megatron-core's Float16Module and fp32 main copies, on CPUs too): DynaPipe's losses are
+    the padding baseline's within bf16's rounding of other micro-batch shapes."""
+    fp32, padding, dynapipe = run("", 2, request), run("--bf16", 2, request), run("--bf16 --use-dynapipe", 2, request)
+    assert padding["losses"] != fp32["losses"]  # bf16 weights and activations, not fp32's numbers
+    assert padding["losses"] == pytest.approx(fp32["losses"], rel=5e-3)
+    assert dynapipe["losses"] == pytest.approx(padding["losses"], rel=5e-4)
+    assert dynapipe["loss_tokens"] == padding["loss_tokens"] and dynapipe["real_tokens"] == padding["real_tokens"]
     assert sum(dynapipe["padded_tokens"]) < 0.9 * sum(padding["padded_tokens"])
 
 

@@ -141,8 +141,9 @@ FIXTURES = os.path.join(ROOT, "tests", "fixtures", "gpt2-tiny")
 
 def _megatron_gpt_argv(data: str, save: str) -> list[str]:
     """A Megatron-LM GPT pretraining command line (its GPT/Llama examples' flags) scaled to a tiny
-    model: 55 flags. Left out: --fp16/--bf16 and --use-flash-attn (GPU-only) and tensor/sequence
-    parallelism (tested in test_megatron_tp.py)."""
+    model: 55 flags. Left out: --fp16 and --use-flash-attn (GPU-only), --bf16 (tested in
+    test_megatron_dynapipe.py at bf16's tolerance) and tensor/sequence parallelism (tested in
+    test_megatron_tp.py)."""
     return f"""
         --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --kv-channels 16
         --group-query-attention --num-query-groups 2 --seq-length 128 --max-position-embeddings 128

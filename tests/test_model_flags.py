@@ -168,3 +168,8 @@ def test_profile_of_another_layer_kind_is_refused():
     with pytest.raises(DynaPipeError, match="num_query_groups=2"):
         ProfileCostModel(GPT, _profile({"num_query_groups": 2}), 2)
     assert np.isfinite(float(ProfileCostModel(GPT, _profile({}), 2).stage_cost(2, 96, stage=0).fw_ms))
+    # Precision too: a profile without "dtype" was measured in fp32.
+    bf16 = dataclasses.replace(GPT, dtype="bf16")
+    with pytest.raises(DynaPipeError, match="measured in fp32 but the model trains in bf16; profile in bf16"):
+        ProfileCostModel(bf16, _profile({}), 2)
+    ProfileCostModel(bf16, {**_profile({}), "dtype": "bf16"}, 2)

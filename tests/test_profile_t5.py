@@ -174,15 +174,15 @@ def test_malformed_t5_profiles_are_refused_in_one_line(edit, needle):
     assert "\n" not in str(err.value)
 
 
-def test_profile_command_measures_a_tiny_t5_alone_and_as_a_tensor_parallel_group(tmp_path):
+def test_profile_command_measures_a_tiny_t5_alone_as_a_tensor_parallel_group_and_in_bf16(tmp_path):
     """Real profilings of megatron-core's T5 layers (a tiny grid, one thread a rank): one rank,
-    then a TP2 group of two spawned gloo ranks."""
-    paths = {tp: tmp_path / f"t5-tp{tp}.json" for tp in (1, 2)}
-    for tp, path in paths.items():
+    a TP2 group of two spawned gloo ranks, and one rank in bf16."""
+    paths = {1: tmp_path / "t5-tp1.json", 2: tmp_path / "t5-tp2.json", "bf16": tmp_path / "t5-bf16.json"}
+    for key, path in paths.items():
         cmd = [sys.executable, "-m", "dynapipe", "profile", "--t5", "--output", str(path), "--hidden-size", "64",
                "--num-attention-heads", "4", "--ffn-hidden-size", "256", "--vocab-size", "512", "--mbs", "1,2",
                "--seqlens", "32,96", "--dec-seqlens", "16,48", "--repeats", "1", "--threads", "1", "--no-progress",
-               "--tensor-model-parallel-size", str(tp)]
+               "--tensor-model-parallel-size", str(2 if key == 2 else 1)] + (["--bf16"] if key == "bf16" else [])
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
         assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(paths[1].read_text())
@@ -208,6 +208,14 @@ def test_profile_command_measures_a_tiny_t5_alone_and_as_a_tensor_parallel_group
     with pytest.raises(DynaPipeError, match="measured at tensor-parallel size 2"):
         ProfileCostModel(ModelConfig(**{**T5.__dict__, "name": "t"}), tp2, 2)
     assert ProfileCostModel(ModelConfig(**{**T5.__dict__, "name": "t"}), tp2, 2, tp=TensorParallelConfig(2))
+    # bf16 layers keep half the bytes (masks aside); the profile prices bf16 models only.
+    half = json.loads(paths["bf16"].read_text())
+    assert half["dtype"] == "bf16"
+    for op in ("encoder_layer", "decoder_layer"):
+        assert np.all(np.asarray(half["ops"][op]["stored_mib"]) < 0.75 * ops[op]["stored_mib"])
+    with pytest.raises(DynaPipeError, match="measured in bf16 but the model trains in fp32"):
+        ProfileCostModel(ModelConfig(**{**T5.__dict__, "name": "t"}), half, 2)
+    assert ProfileCostModel(ModelConfig(**{**T5.__dict__, "name": "t", "dtype": "bf16"}), half, 2)
 
 
 @pytest.mark.parametrize("extra, needle", [

@@ -105,9 +105,14 @@ LAYER_SHAPE_KEYS = {"gated_linear_unit": False, "num_query_groups": 0, "add_bias
 
 def _check_layer_shape(data: Mapping[str, Any], model: ModelConfig, source: str) -> None:
     """Refuse a profile measured on a layer of another kind (GeLU vs SwiGLU MLP, grouped-query
-    attention, biases): its tables would misprice every micro-batch."""
+    attention, biases) or in another precision: its tables would misprice every micro-batch."""
     measured = data.get("model")
     measured = measured if isinstance(measured, Mapping) else {}
+    dtype = data.get("dtype", "fp32")
+    if dtype != model.dtype:
+        raise DynaPipeError(f"{source}: the profile was measured in {dtype} but the model trains in {model.dtype}; "
+                            f"profile in {model.dtype} (`python -m dynapipe profile` with the run's precision flag) "
+                            f"or use the analytic cost model.")
     for key, default in LAYER_SHAPE_KEYS.items():
         have, want = measured.get(key, default), getattr(model, key)
         if have != want:
