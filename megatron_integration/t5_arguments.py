@@ -97,9 +97,11 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
     if args.use_distributed_optimizer:
         raise DynaPipeError("--use-distributed-optimizer: T5 stages keep their embedding copies in sync on whole "
                             "gradients (no sharded optimizer yet); drop it.")
-    if args.sequence_parallel:
-        raise DynaPipeError("--sequence-parallel: T5 stages shard layers over the tensor-parallel ranks but not "
-                            "sequences (the encoder output every decoder stage reads travels whole); drop it.")
+    tp = args.tensor_model_parallel_size
+    if args.sequence_parallel and tp > 1 and dec_seq % tp:
+        raise DynaPipeError(f"--sequence-parallel splits every sequence over the {tp} tensor-parallel ranks, but "
+                            f"--decoder-seq-length {dec_seq} is not a multiple of {tp}; use "
+                            f"{-(-dec_seq // tp) * tp}.")
     # The shared validators see the whole model: every layer, the encoder's length.
     shared = argparse.Namespace(**vars(args))
     shared.num_layers, shared.seq_length, shared.max_position_embeddings = total, enc_seq, max_pos

@@ -37,6 +37,22 @@ def _copy_replica(sharded) -> None:
     sharded.replica_id = (1,) + tuple(rid[1:]) if isinstance(rid, tuple) else 1
 
 
+def _default(module, prefix: str, metadata: Optional[dict]) -> dict:
+    """megatron-core's ``sharded_state_dict_default`` with the tensor-parallel group given: for a
+    plain torch module it otherwise numbers every TP rank's copy as the main replica (its groups
+    default only when neither group is given, and the data-parallel one always is), and
+    ``dist_checkpointing`` refuses the save."""
+    import inspect
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.utils import sharded_state_dict_default
+
+    kwargs = {}
+    if "tp_group" in inspect.signature(sharded_state_dict_default).parameters:
+        kwargs["tp_group"] = ps.get_tensor_model_parallel_group()
+    return sharded_state_dict_default(module, prefix, (), metadata, **kwargs)
+
+
 def _block_sharded_state_dict(block, prefix: str, start: int, total: int, per_layer: bool,
                               metadata: Optional[dict]) -> dict:
     """A ``TransformerBlock``'s entries with its layers at global indices ``start, start + 1, ...``
@@ -44,7 +60,6 @@ def _block_sharded_state_dict(block, prefix: str, start: int, total: int, per_la
     stacked tensors with the layer as the first axis, or one key per layer when ``per_layer``
     (``non_homogeneous_layers`` / ``singleton_local_shards``)."""
     from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
-    from megatron.core.transformer.utils import sharded_state_dict_default
 
     state = {}
     for index, layer in enumerate(block.layers):
@@ -58,7 +73,7 @@ def _block_sharded_state_dict(block, prefix: str, start: int, total: int, per_la
         state.update(part)
     for name, module in block.named_children():
         if module is not block.layers:
-            state.update(sharded_state_dict_default(module, f"{prefix}{name}.", (), metadata))
+            state.update(_default(module, f"{prefix}{name}.", metadata))
     return state
 
 
@@ -67,7 +82,6 @@ def stage_sharded_state_dict(stage, prefix: str = "", metadata: Optional[dict] =
     keys mapped to megatron-core ``T5Model``'s sharded keys, in ``T5Model``'s order (which also
     decides the keys of the optimizer state of aliased parameters)."""
     from megatron.core import parallel_state as ps
-    from megatron.core.transformer.utils import sharded_state_dict_default
     from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
     metadata = metadata or {}
@@ -75,9 +89,8 @@ def stage_sharded_state_dict(stage, prefix: str = "", metadata: Optional[dict] =
     per_layer = bool(metadata.get("non_homogeneous_layers") or metadata.get("singleton_local_shards"))
     state = {}
     if stage.embedding is not None:
-        part = sharded_state_dict_default(stage.embedding, f"{prefix}embedding.", (), metadata)
-        part.update(sharded_state_dict_default(stage.embedding.position_embeddings,
-                                               f"{prefix}position_embeddings.", (), metadata))
+        part = _default(stage.embedding, f"{prefix}embedding.", metadata)
+        part.update(_default(stage.embedding.position_embeddings, f"{prefix}position_embeddings.", metadata))
         if not place.embeds_encoder:  # the first decoder stage's copy of stage 0's embeddings
             for sharded in part.values():
                 _copy_replica(sharded)
@@ -88,7 +101,7 @@ def stage_sharded_state_dict(stage, prefix: str = "", metadata: Optional[dict] =
         if block is not None:
             state.update(_block_sharded_state_dict(block, f"{prefix}{name}.", start, total, per_layer, metadata))
     if stage.lm_head is not None:
-        head = sharded_state_dict_default(stage.lm_head, f"{prefix}lm_head.", (), metadata)
+        head = _default(stage.lm_head, f"{prefix}lm_head.", metadata)
         weight_key = f"{prefix}lm_head.output_layer.weight"
         if weight_key in head and stage.share_embeddings_and_output_weights:
             # The last stage's copy of the word embedding: stored once, under stage 0's key.
@@ -99,7 +112,7 @@ def stage_sharded_state_dict(stage, prefix: str = "", metadata: Optional[dict] =
         elif weight_key in head:
             head[weight_key].allow_shape_mismatch = True  # padded vocabulary, as LanguageModule allows
         state.update(head)
-        alias = sharded_state_dict_default(stage.output_layer, f"{prefix}output_layer.", (), metadata)
+        alias = _default(stage.output_layer, f"{prefix}output_layer.", metadata)
         if stage.share_embeddings_and_output_weights:  # T5Model's output layer has no weight of its own
             alias.pop(f"{prefix}output_layer.weight", None)
         state.update(alias)

@@ -18,7 +18,9 @@ from megatron_integration.launch import spawn
 
 
 def t5_training_job(runs: Sequence[Sequence[str]], echo: bool = False) -> list[dict]:
-    """Rank body: train each command line of ``runs`` in turn; a picklable summary of each."""
+    """Rank body: train each command line of ``runs`` in turn; a picklable summary of each.
+    megatron's parallel state is torn down after every run, so each run sets up its own
+    tensor/pipeline/data-parallel layout as a fresh job would."""
     from megatron_integration.cpu_time import IterationCpu
     from megatron_integration.initialize import destroy
     from megatron_integration.t5_arguments import parse_t5_args
@@ -34,7 +36,9 @@ def t5_training_job(runs: Sequence[Sequence[str]], echo: bool = False) -> list[d
             from megatron.core import parallel_state
 
             out.append(dict(iteration_summary(cfg.method, run, cpu, parallel_state.get_pipeline_model_parallel_rank()),
-                            eval_lines=run.eval_lines, eval_path=run.eval_path))
+                            eval_lines=run.eval_lines, eval_path=run.eval_path,
+                            tp_size=parallel_state.get_tensor_model_parallel_world_size()))
+            parallel_state.destroy_model_parallel()
     finally:
         destroy()
     return out

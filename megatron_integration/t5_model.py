@@ -96,11 +96,19 @@ def stage_places(model_config, num_stages: int, placement=None) -> list[T5StageP
     return places
 
 
-def _block_spec(layer_spec, count: int):
-    """A block of ``count`` layers ending in a LayerNorm (the local spec's final norm)."""
+def _block_spec(layer_spec, count: int, sequence_parallel: bool = False):
+    """A block of ``count`` layers ending in a LayerNorm (the local spec's final norm). Under
+    sequence parallelism its torch norms become ones whose parameters are marked
+    ``sequence_parallel`` (see :mod:`megatron_integration.tensor_parallel`), so their gradients,
+    computed on sequence shards, are summed over the TP group."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+    if sequence_parallel:
+        from megatron_integration.tensor_parallel import SequenceParallelTorchNorm, _replace_torch_norms
+
+        return TransformerBlockSubmodules(layer_specs=[_replace_torch_norms(layer_spec)] * count,
+                                          layer_norm=SequenceParallelTorchNorm)
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * count, layer_norm=WrappedTorchNorm)
 
 
@@ -136,10 +144,13 @@ class T5Stage(torch.nn.Module):
                                                     max_sequence_length=max_positions,
                                                     position_embedding_type="learned_absolute")
         # pre_process=True: the block takes its input as an argument (not set_input_tensor).
-        self.encoder = (TransformerBlock(config=config, spec=_block_spec(enc_spec, place.enc_layers), pre_process=True,
-                                         post_process=place.ends_encoder) if place.enc_layers else None)
-        self.decoder = (TransformerBlock(config=config, spec=_block_spec(dec_spec, place.dec_layers), pre_process=True,
-                                         post_process=place.is_last) if place.dec_layers else None)
+        sp = bool(config.sequence_parallel)
+        self.encoder = (TransformerBlock(config=config, spec=_block_spec(enc_spec, place.enc_layers, sp),
+                                         pre_process=True, post_process=place.ends_encoder)
+                        if place.enc_layers else None)
+        self.decoder = (TransformerBlock(config=config, spec=_block_spec(dec_spec, place.dec_layers, sp),
+                                         pre_process=True, post_process=place.is_last)
+                        if place.dec_layers else None)
         self.lm_head = None
         if place.is_last:
             self.lm_head = T5LMHead(config, parallel_output=True, vocab_size=vocab_size,
@@ -298,6 +309,24 @@ def _main_grad(param: torch.Tensor) -> torch.Tensor:
     """The gradient the optimizer reads: DDP's ``main_grad`` buffer view, else ``.grad``."""
     grad = getattr(param, "main_grad", None)
     return param.grad if grad is None else grad
+
+
+def sum_sequence_parallel_grads(stage) -> None:
+    """Sum over the tensor-parallel group the gradients computed on sequence shards: the norms'
+    and the row-parallel biases' (parameters megatron-core marks ``sequence_parallel``), as
+    megatron-core's ``finalize_model_grads`` does for GPT stages. ``stage``: this rank's
+    :class:`T5Stage` or ``T5Chunks``; nothing to do without sequence parallelism."""
+    from megatron.core import parallel_state as ps
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    grads = [_main_grad(p) for p in stage.parameters() if p.requires_grad and getattr(p, "sequence_parallel", False)]
+    grads = [g for g in grads if g is not None]
+    if not grads or ps.get_tensor_model_parallel_world_size() == 1:
+        return
+    coalesced = _flatten_dense_tensors(grads)
+    dist.all_reduce(coalesced, group=ps.get_tensor_model_parallel_group())
+    for grad, summed in zip(grads, _unflatten_dense_tensors(coalesced, grads)):
+        grad.copy_(summed)
 
 
 @dataclass

@@ -69,8 +69,9 @@ def planner_cost_model(cfg, num_stages: int):
     tp_size, tp = cfg.base.parallel.tensor_model_parallel_size, None
     if tp_size > 1:
         cluster = load_cluster_config(d.cluster)
-        tp = TensorParallelConfig(tp_size) if cluster is None else TensorParallelConfig(tp_size, False,
-                                                                                        cluster.intra_node)
+        sp = cfg.base.parallel.sequence_parallel
+        tp = TensorParallelConfig(tp_size, sp) if cluster is None else TensorParallelConfig(tp_size, sp,
+                                                                                            cluster.intra_node)
     return build_cost_model(cfg.planner_model(), load_device_config(d.device), num_stages,
                             None if d.cost_model == "analytic" else d.cost_model, tp)
 

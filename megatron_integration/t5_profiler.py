@@ -37,7 +37,7 @@ from megatron_integration.train_config import GPTModelArgs, ParallelArgs
 class T5Ops:
     """The four measured ops of one T5 shape, on ``device``."""
 
-    def __init__(self, model: GPTModelArgs, device: torch.device, tp: int = 1):
+    def __init__(self, model: GPTModelArgs, device: torch.device, tp: int = 1, sequence_parallel: bool = False):
         from megatron.core.models.T5.t5_model import T5LMHead
         from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
         from megatron.core.transformer.transformer_block import TransformerBlock
@@ -46,20 +46,23 @@ class T5Ops:
         from megatron_integration.t5_model import _block_spec, _layer_specs
 
         config = transformer_config(replace(model, num_layers=2),
-                                    ParallelArgs(world_size=tp, tensor_model_parallel_size=tp),
+                                    ParallelArgs(world_size=tp, tensor_model_parallel_size=tp,
+                                                 sequence_parallel=sequence_parallel),
                                     cuda=device.type == "cuda")
         enc_spec, dec_spec, self.spec_name = _layer_specs()
-        self.encoder = TransformerBlock(config=config, spec=_block_spec(enc_spec, 1), pre_process=True,
-                                        post_process=False).to(device)
+        self.encoder = TransformerBlock(config=config, spec=_block_spec(enc_spec, 1, sequence_parallel),
+                                        pre_process=True, post_process=False).to(device)
         # post_process: the block's final norm, which the output op runs as the last stage does.
-        self.decoder = TransformerBlock(config=config, spec=_block_spec(dec_spec, 1), pre_process=True,
-                                        post_process=True).to(device)
+        self.decoder = TransformerBlock(config=config, spec=_block_spec(dec_spec, 1, sequence_parallel),
+                                        pre_process=True, post_process=True).to(device)
         self.embedding = LanguageModelEmbedding(config=config, vocab_size=model.vocab_size,
                                                 max_sequence_length=model.max_position_embeddings,
                                                 position_embedding_type="learned_absolute").to(device)
         self.lm_head = T5LMHead(config, parallel_output=True, vocab_size=model.vocab_size, pre_process=False,
                                 share_embeddings_and_output_weights=False).to(device)
         self.model, self.device, self.dtype = model, device, config.params_dtype
+        # Under sequence parallelism a stage's inputs and outputs are this rank's sequence shard.
+        self.shards = tp if sequence_parallel else 1
 
     def _masks(self, b: int, sq: int, sk: int, causal: bool, self_attention: bool) -> torch.Tensor:
         from megatron_integration.t5_step import segment_mask
@@ -69,7 +72,8 @@ class T5Ops:
                             self_attention=self_attention)
 
     def _hidden(self, s: int, b: int) -> torch.Tensor:
-        return torch.randn(s, b, self.model.hidden_size, device=self.device, dtype=self.dtype, requires_grad=True)
+        return torch.randn(s // self.shards, b, self.model.hidden_size, device=self.device, dtype=self.dtype,
+                           requires_grad=True)
 
     def encoder_layer(self, b: int, s: int):
         x, mask = self._hidden(s, b), self._masks(b, s, s, causal=False, self_attention=True)
@@ -108,14 +112,15 @@ class T5Ops:
 
 def profile_t5_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: Sequence[int],
                      dec_seqlen_grid: Sequence[int], device: torch.device, repeats: int = 3, warmup: int = 1,
-                     progress: Optional[Callable[[str], None]] = None) -> dict:
+                     progress: Optional[Callable[[str], None]] = None, sequence_parallel: bool = False) -> dict:
     """Measure the four T5 ops over the grid (samples; encoder and decoder tokens); returns the
     JSON-ready profile. megatron's parallel state must be initialised: one rank, or one
-    tensor-parallel group whose ranks all call this (the figures are this rank's)."""
+    tensor-parallel group whose ranks all call this (the figures are this rank's; under
+    ``sequence_parallel`` every length of the grid must be a multiple of the TP size)."""
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
-    ops = T5Ops(model, device, tp)
+    ops = T5Ops(model, device, tp, sequence_parallel)
     axes = {"mbs": list(mbs_grid), "seqlen": list(seqlen_grid), "dec_seqlen": list(dec_seqlen_grid)}
     builders = {"encoder_layer": ops.encoder_layer, "decoder_layer": ops.decoder_layer,
                 "embedding": ops.embedding_op, "output": ops.output_op}
@@ -159,7 +164,7 @@ def profile_t5_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: 
                   "add_bias_linear": True, "normalization": "LayerNorm"},
         "mbs": [int(b) for b in mbs_grid], "seqlen": [int(s) for s in seqlen_grid],
         "dec_seqlen": [int(s) for s in dec_seqlen_grid],
-        "stage_overhead_ms": 0.0, "tp": tp, "sequence_parallel": False,
+        "stage_overhead_ms": 0.0, "tp": tp, "sequence_parallel": bool(sequence_parallel),
         "profiling_s": round(time.perf_counter() - started, 2), "repeats": repeats,
         "times": "fastest of the repeats, lowered to the fastest of any larger shape",
         "ops": tables,
@@ -211,7 +216,8 @@ def _nested(values):
 
 def write_t5_profile(model: GPTModelArgs, output: str, mbs_grid: Sequence[int], seqlen_grid: Sequence[int],
                      dec_seqlen_grid: Sequence[int], *, repeats: int = 3, warmup: int = 1,
-                     threads: Optional[int] = None, seed: int = 1234, progress: bool = False, tp: int = 1) -> dict:
+                     threads: Optional[int] = None, seed: int = 1234, progress: bool = False, tp: int = 1,
+                     sequence_parallel: bool = False) -> dict:
     """Profile ``model`` as a T5 on this process's device, check the result is a profile the
     cost model reads, write it to ``output`` (rank 0) and return it. ``tp`` > 1: every rank of
     a job of ``tp`` ranks calls this; the job is one tensor-parallel group, and the profile
@@ -229,12 +235,15 @@ def write_t5_profile(model: GPTModelArgs, output: str, mbs_grid: Sequence[int], 
     if "RANK" not in os.environ:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     info = initialize_megatron(ParallelArgs(world_size=tp, tensor_model_parallel_size=tp,
+                                            sequence_parallel=sequence_parallel,
                                             backend="nccl" if cuda else "gloo"), seed=seed)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     profile = profile_t5_model(model, mbs_grid, seqlen_grid, dec_seqlen_grid, device, repeats=repeats,
-                               warmup=warmup, progress=(lambda line: print(line, file=sys.stderr))
-                               if progress and info.rank == 0 else None)
-    ProfileCostModel(t5_model_config(model), profile, num_stages=1, source=output, tp=TensorParallelConfig(tp))
+                               warmup=warmup, sequence_parallel=sequence_parallel,
+                               progress=(lambda line: print(line, file=sys.stderr)) if progress and info.rank == 0
+                               else None)
+    ProfileCostModel(t5_model_config(model), profile, num_stages=1, source=output,
+                     tp=TensorParallelConfig(tp, sequence_parallel))
     if info.rank == 0:
         with open(output, "w") as f:
             json.dump(profile, f, indent=1)

@@ -39,7 +39,7 @@ from megatron_integration.nan_guard import check_before_step
 from megatron_integration.stage_handlers import ModelStageHandlers
 from megatron_integration.t5_chunks import T5Chunks
 from megatron_integration.t5_config import T5TrainingConfig
-from megatron_integration.t5_model import EmbeddingSync, set_t5_recompute_level
+from megatron_integration.t5_model import EmbeddingSync, set_t5_recompute_level, sum_sequence_parallel_grads
 from megatron_integration.t5_placement import check_plan_placement
 from megatron_integration.tensor_parallel import check_plan_tensor_parallel, check_tp_plans_agree
 
@@ -208,6 +208,7 @@ class BaselineSource:
         loss_tokens = int(lengths[:, 1].sum())
         common = dict(replica=info.dp_rank, num_replicas=info.dp_size, iteration=iteration,
                       global_loss_tokens=loss_tokens, recompute=self.level)
+        tp = dict(tp=info.tp_size, sequence_parallel=cfg.base.parallel.sequence_parallel)
         if self.placement.chunks > 1:  # Megatron's interleaved 1F1B on the same chunks as DynaPipe
             from dynapipe.plan.compile_chunked import compile_interleaved_1f1b
 
@@ -215,7 +216,7 @@ class BaselineSource:
                                             **common)[info.pp_rank]
         else:
             plan = compile_plans("1f1b", mbs_list, self.model, num_stages=info.pp_size, layouts=self.layouts,
-                                 **common)[info.pp_rank]
+                                 **common, **tp)[info.pp_rank]
         plan.meta["placement"] = self.placement.to_json()
         tensors = {}
         for i, mb in enumerate(mbs_list):
@@ -280,9 +281,9 @@ class T5Stepper:
         start = time.perf_counter()
         item = self.source.next(iteration)
         if item.digest is not None:
-            # Every TP rank of a stage must run the same payload, planned for this TP size.
+            # Every TP rank of a stage must run the same payload, planned for this TP layout.
             check_tp_plans_agree(iteration, item.digest, self.info)
-            check_plan_tensor_parallel(item.plan, self.info.tp_size, False)
+            check_plan_tensor_parallel(item.plan, self.info.tp_size, self.cfg.base.parallel.sequence_parallel)
         self.handlers.begin(item.tensors, item.loss_tokens)
         self.stage.module.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -294,6 +295,8 @@ class T5Stepper:
         # embedding copies'; the executor already divided the loss by the global target tokens.
         self.stage.module.finish_grad_sync()
         self.sync(self.stage.gpt)
+        if self.cfg.base.parallel.sequence_parallel:
+            sum_sequence_parallel_grads(self.stage.gpt)
         base = self.cfg.base
         check_before_step(base.check_for_nan_in_loss_and_grad, base.model.dtype == "fp16", self.stage.module,
                           iteration, self.handlers.loss_sum if self.info.is_last_stage else None, self.info.device)

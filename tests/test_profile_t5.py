@@ -176,13 +176,14 @@ def test_malformed_t5_profiles_are_refused_in_one_line(edit, needle):
 
 def test_profile_command_measures_a_tiny_t5_alone_as_a_tensor_parallel_group_and_in_bf16(tmp_path):
     """Real profilings of megatron-core's T5 layers (a tiny grid, one thread a rank): one rank,
-    a TP2 group of two spawned gloo ranks, and one rank in bf16."""
+    a TP2 group of two spawned gloo ranks with sequence parallelism, and one rank in bf16."""
     paths = {1: tmp_path / "t5-tp1.json", 2: tmp_path / "t5-tp2.json", "bf16": tmp_path / "t5-bf16.json"}
     for key, path in paths.items():
         cmd = [sys.executable, "-m", "dynapipe", "profile", "--t5", "--output", str(path), "--hidden-size", "64",
                "--num-attention-heads", "4", "--ffn-hidden-size", "256", "--vocab-size", "512", "--mbs", "1,2",
                "--seqlens", "32,96", "--dec-seqlens", "16,48", "--repeats", "1", "--threads", "1", "--no-progress",
                "--tensor-model-parallel-size", str(2 if key == 2 else 1)] + (["--bf16"] if key == "bf16" else [])
+        cmd += ["--sequence-parallel"] if key == 2 else []
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
         assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(paths[1].read_text())
@@ -198,16 +199,19 @@ def test_profile_command_measures_a_tiny_t5_alone_as_a_tensor_parallel_group_and
     assert np.all(dec[:, :, 1] > dec[:, :, 0])
     cm = ProfileCostModel(ModelConfig(**{**T5.__dict__, "name": "t"}), data, 2)
     assert np.all(cm.stage_cost([1, 2], [64, 96], [16, 48]).time_ms > 0)
-    # The TP2 group's figures are one rank's: the heads and the MLP are split, so a layer keeps
-    # less than the whole layer does; the profile says so, and prices only TP2 runs.
+    # The TP2 group's figures are one rank's: the heads, the MLP and (sequence parallelism) the
+    # sequence are split, so a layer keeps less than the whole layer does; the profile says so,
+    # and prices only TP2-SP runs.
     tp2 = json.loads(paths[2].read_text())
-    assert (tp2["tp"], tp2["sequence_parallel"]) == (2, False)
+    assert (tp2["tp"], tp2["sequence_parallel"]) == (2, True)
     for op in ("encoder_layer", "decoder_layer"):
         assert np.all(np.asarray(tp2["ops"][op]["stored_mib"]) < ops[op]["stored_mib"])
         assert np.all(np.asarray(tp2["ops"][op]["fw_ms"]) > 0)
     with pytest.raises(DynaPipeError, match="measured at tensor-parallel size 2"):
         ProfileCostModel(ModelConfig(**{**T5.__dict__, "name": "t"}), tp2, 2)
-    assert ProfileCostModel(ModelConfig(**{**T5.__dict__, "name": "t"}), tp2, 2, tp=TensorParallelConfig(2))
+    with pytest.raises(DynaPipeError, match="measured at tensor-parallel size 2 with sequence parallelism"):
+        ProfileCostModel(ModelConfig(**{**T5.__dict__, "name": "t"}), tp2, 2, tp=TensorParallelConfig(2))
+    assert ProfileCostModel(ModelConfig(**{**T5.__dict__, "name": "t"}), tp2, 2, tp=TensorParallelConfig(2, True))
     # bf16 layers keep half the bytes (masks aside); the profile prices bf16 models only.
     half = json.loads(paths["bf16"].read_text())
     assert half["dtype"] == "bf16"

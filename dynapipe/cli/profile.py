@@ -196,18 +196,22 @@ def _run_tensor_parallel(args, model, mbs: list[int], seqlens: list[int], tp: in
 
 def _run_t5(args, model, mbs: list[int], seqlens: list[int], dec_seqlens: list[int]) -> int:
     """Measure a T5's ops in this process, or in ``--tensor-model-parallel-size`` spawned ranks
-    (one tensor-parallel group; T5 stages do not shard sequences)."""
+    (one tensor-parallel group, with ``--sequence-parallel`` on sequence shards)."""
     import torch
 
     from dynapipe.errors import DynaPipeError
     from megatron_integration.t5_profiler import measure_t5_profile, write_t5_profile
 
-    tp = args.tensor_model_parallel_size
-    if args.sequence_parallel:
-        raise DynaPipeError("--t5 --sequence-parallel: T5 stages shard layers over the tensor-parallel ranks but "
-                            "not sequences; drop it.")
+    tp, sp = args.tensor_model_parallel_size, bool(args.sequence_parallel)
     if tp < 1:
         raise DynaPipeError(f"--tensor-model-parallel-size {tp}: give a positive size.")
+    if sp and tp == 1:
+        raise DynaPipeError("--sequence-parallel needs --tensor-model-parallel-size 2 or more (it shards the "
+                            "sequence over the tensor-parallel ranks); drop it.")
+    odd = [s for s in seqlens + dec_seqlens if s % tp] if sp else []
+    if odd:
+        raise DynaPipeError(f"--sequence-parallel splits every sequence over the {tp} tensor-parallel ranks, but "
+                            f"the grid holds lengths {odd} that are not multiples of {tp}; measure multiples of {tp}.")
     for flag, value in (("--num-attention-heads", model.num_attention_heads), ("--ffn-hidden-size", model.ffn_hidden_size)):
         if value % tp:
             raise DynaPipeError(f"--t5 --tensor-model-parallel-size {tp} does not divide {flag} {value}; use a "
@@ -230,10 +234,10 @@ def _run_t5(args, model, mbs: list[int], seqlens: list[int], dec_seqlens: list[i
     if tp > 1:
         threads = args.threads or max(1, (os.cpu_count() or 1) // tp)
         where = f"{tp} GPUs" if torch.cuda.is_available() else f"{tp} CPU ranks x {threads} threads"
-        print(f"profiling a T5 tensor-parallel group of {tp} on {where}: mbs {mbs} x seqlen {seqlens} x dec_seqlen "
-              f"{dec_seqlens}", file=sys.stderr)
+        print(f"profiling a T5 tensor-parallel group of {tp}{' with sequence parallelism' if sp else ''} on {where}: "
+              f"mbs {mbs} x seqlen {seqlens} x dec_seqlen {dec_seqlens}", file=sys.stderr)
         measure_t5_profile(model, args.output, mbs, seqlens, dec_seqlens, repeats=args.repeats, warmup=args.warmup,
-                           threads=threads, timeout_s=TP_TIMEOUT_S, tp=tp, seed=args.seed,
+                           threads=threads, timeout_s=TP_TIMEOUT_S, tp=tp, sequence_parallel=sp, seed=args.seed,
                            progress=not args.no_progress)
         print(f"wrote {args.output}", file=sys.stderr)
         return 0
