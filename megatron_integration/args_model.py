@@ -40,10 +40,6 @@ def model_args_from_args(args: argparse.Namespace, cuda: bool) -> GPTModelArgs:
     if args.fp16 and args.bf16:
         raise DynaPipeError("--fp16 and --bf16 were both given; choose one (or neither for fp32).")
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-    if dtype == "fp16" and not cuda:
-        # fp16 is loss-scaled, and megatron-core's grad scaler keeps its scale on the GPU; bf16 is
-        # not loss-scaled and trains on CPUs too (torch's bf16 kernels, megatron-core's Float16Module).
-        raise DynaPipeError("--fp16 needs a GPU; on CPU use --bf16 or drop --fp16 and train in fp32.")
     if args.hidden_size % args.num_attention_heads:
         raise DynaPipeError(f"--hidden-size {args.hidden_size} is not divisible by "
                             f"--num-attention-heads {args.num_attention_heads}.")

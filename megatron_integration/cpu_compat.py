@@ -17,8 +17,8 @@ them, and only when CUDA is unavailable:
 * the RNG tracker's ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` read and write the
   CPU generator, so ``fork()`` (entered by attention even at dropout 0) really isolates
   and restores the state, as it does on a GPU;
-* ``Tensor.cuda()`` returns the tensor itself during the one method that calls it
-  (tied-embedding set-up with PP > 1);
+* ``Tensor.cuda()`` returns the tensor itself during the two methods that call it
+  (tied-embedding set-up with PP > 1, the fp16 loss scaler's checkpoint load);
 * ``Tensor.type()`` names a CPU tensor's CUDA counterpart during the one method that sorts
   parameters by those names (the bf16 optimizer's set-up of its fp32 main copies);
 * gradient clipping, which asserts its gradients are CUDA tensors, is replaced by the
@@ -56,6 +56,7 @@ PATCHED_MODULES = (
     "megatron.core.distributed.finalize_model_grads",
     "megatron.core.optimizer.optimizer",  # found-inf flags, grad norms
     "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",  # fp16 loss scale, found-inf flags
     "megatron.core.optimizer.optimizer_config",
     "megatron.core.models.common.language_module.language_module",
 )
@@ -67,6 +68,8 @@ TENSOR_CUDA_METHODS = (
     # Tied embeddings with PP > 1: the last stage's copy is all-reduced from the first's.
     ("megatron.core.models.common.language_module.language_module", "LanguageModule",
      "setup_embeddings_and_output_layer"),
+    # fp16: a checkpoint's loss scale is moved back to the GPU on load.
+    ("megatron.core.optimizer.grad_scaler", "DynamicGradScaler", "load_state_dict"),
 )
 
 # Methods that sort parameters by ``Tensor.type()`` names and know only CUDA ones: during

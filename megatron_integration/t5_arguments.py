@@ -91,9 +91,6 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
     if args.recompute_granularity == "full" and (args.recompute_method, args.recompute_num_layers) != ("uniform", 1):
         raise DynaPipeError("T5 stages recompute full layers one at a time; use --recompute-method uniform "
                             "--recompute-num-layers 1 with --recompute-granularity full.")
-    if args.fp16:
-        raise DynaPipeError("--fp16: T5 stages train in fp32 or bf16 (Megatron-LM trains T5 in bf16; fp16 would "
-                            "need loss scaling of every stage's loss); use --bf16.")
     if args.use_distributed_optimizer:
         raise DynaPipeError("--use-distributed-optimizer: T5 stages keep their embedding copies in sync on whole "
                             "gradients (no sharded optimizer yet); drop it.")

@@ -124,7 +124,10 @@ class T5StageHandlers(ModelStageHandlers):
         out = st.module(**kwargs)
         if not place.is_last:
             return out
-        return self._sum_loss(out, inputs["loss_mask"])
+        loss_sum = self._sum_loss(out, inputs["loss_mask"])
+        # fp16: the loss scale the optimizer divides the gradients by.
+        scale = st.config.grad_scale_func
+        return loss_sum if scale is None else scale(loss_sum)
 
 
 @dataclass

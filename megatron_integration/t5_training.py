@@ -28,15 +28,15 @@ from megatron_integration.training import TrainingRun, _print_rank_0, current_lr
 
 def build_t5_training_stage(cfg: T5TrainingConfig, info: RankInfo) -> Stage:
     """This rank's T5 stage wrapped in megatron-core's ``DistributedDataParallel`` (and, with
-    ``--bf16``, in its ``Float16Module``, as Megatron-LM wraps a half-precision model: bf16
-    weights and activations, fp32 gradient buffers and optimizer main copies)."""
+    ``--bf16`` or ``--fp16``, in its ``Float16Module``, as Megatron-LM wraps a half-precision
+    model: half-precision weights and activations, fp32 gradient buffers and optimizer main copies)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from megatron_integration.t5_model import build_t5_stage
 
     t5 = build_t5_stage(cfg, info)
     inner = t5
-    if cfg.base.model.dtype == "bf16":
+    if cfg.base.model.dtype in ("bf16", "fp16"):
         from megatron.core.transformer.module import Float16Module
 
         inner = Float16Module(t5.config, t5)
@@ -67,6 +67,9 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
               f"(--dynapipe-placement {cfg.placement_flag})", file=stream, flush=True)
     stage = build_t5_training_stage(cfg, info)
     optimizer, scheduler = build_optimizer(base, stage)
+    # fp16: the last stage's loss is multiplied by the optimizer's loss scale before the backward
+    # (the optimizer divides the gradients by it), as GPT's attach_training_hooks arranges.
+    stage.config.grad_scale_func = optimizer.scale_loss if base.model.dtype == "fp16" else None
     sync = EmbeddingSync.create(stage_places(cfg.planner_model(), info.pp_size, placement), base.model.tie_embeddings,
                                 info.pp_size)
     run = TrainingRun(spec_name=stage.spec_name)

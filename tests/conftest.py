@@ -22,7 +22,7 @@ def pp2(tmp_path_factory, t5_dist):
     and packing on the interleaved placement; a 3 + 2 layer model interleaved with the decoder's
     embedding in the last chunk; evaluation of every method; then padding through torch_dist
     checkpoints (see ``t5_dist``), interleaved checkpoints in both formats; then bf16 runs of
-    every method, padding cut and resumed through torch_dist."""
+    every method, padding cut and resumed through torch_dist; fp16 padding and DynaPipe."""
     from megatron_integration.t5_jobs import run_t5_training
     from t5_span_fixture import write_sentences, write_vocab
 
@@ -72,11 +72,11 @@ def pp2(tmp_path_factory, t5_dist):
              (il + f" --exit-interval 2 --ckpt-format dynapipe --save {save / 'il'}").split(),
              (il + f" --ckpt-format dynapipe --load {save / 'il'}").split()]
     # bf16 (Float16Module, fp32 main copies): padding for 3 iterations, the same cut after 2 with a
-    # torch_dist checkpoint and resumed for the third; DynaPipe; packing.
+    # torch_dist checkpoint and resumed for the third; DynaPipe; packing. fp16: padding, DynaPipe.
     bf16 = TINY + " --bf16"
     runs += [bf16.split(), (bf16 + f" --exit-interval 2 --save {t5_dist / 'bf16_cut'}").split(),
              (bf16 + f" --load {t5_dist / 'bf16_cut'}").split(), (bf16 + " --use-dynapipe").split(),
-             (bf16 + PACKING).split()]
+             (bf16 + PACKING).split(), (TINY + " --fp16").split(), (TINY + " --fp16 --use-dynapipe").split()]
     ranks = run_t5_training(runs, 2, timeout_s=TIMEOUT)
     assert [r["losses"] for r in ranks[1]] == [r["losses"] for r in ranks[0]]  # every rank reports the same
     return ranks[0]

@@ -5,7 +5,8 @@ executor runs them on the megatron-core stages; the per-iteration ``lm loss`` eq
 padding baseline's (fp32, ~1e-5) on PP2 and on PP2 x DP2, the latter with a Llama-style
 model (SwiGLU, grouped-query attention, no linear biases, RMSNorm, RoPE base 500000, untied
 output layer) that the planner prices as built; on PP2 so do the validation and test
-losses (forward-only plans vs megatron-core's forward-only schedule); in bf16 within its rounding.
+losses (forward-only plans vs megatron-core's forward-only schedule); in bf16 and fp16 within
+their rounding.
 """
 import math
 import os
@@ -122,16 +123,26 @@ def test_dynapipe_loss_equals_padding(world, model, request):
     assert sum(dynapipe["padded_tokens"]) < 0.9 * sum(padding["padded_tokens"])
 
 
-@pytest.mark.megatron_runs(("", 2), ("--bf16", 2), ("--bf16 --use-dynapipe", 2))
-def test_bf16_dynapipe_trains_like_padding(request):
-    """bf16 (megatron-core's Float16Module and fp32 main copies, on CPUs too): DynaPipe's losses are
-    the padding baseline's within bf16's rounding of other micro-batch shapes."""
-    fp32, padding, dynapipe = run("", 2, request), run("--bf16", 2, request), run("--bf16 --use-dynapipe", 2, request)
-    assert padding["losses"] != fp32["losses"]  # bf16 weights and activations, not fp32's numbers
-    assert padding["losses"] == pytest.approx(fp32["losses"], rel=5e-3)
-    assert dynapipe["losses"] == pytest.approx(padding["losses"], rel=5e-4)
-    assert dynapipe["loss_tokens"] == padding["loss_tokens"] and dynapipe["real_tokens"] == padding["real_tokens"]
-    assert sum(dynapipe["padded_tokens"]) < 0.9 * sum(padding["padded_tokens"])
+@pytest.mark.megatron_runs(("", 2), ("--bf16", 2), ("--bf16 --use-dynapipe", 2), ("--fp16", 2),
+                           ("--fp16 --use-dynapipe", 2))
+def test_half_precision_dynapipe_trains_like_padding(request):
+    """bf16 and fp16 (megatron-core's Float16Module and fp32 main copies, on CPUs too): DynaPipe's
+    losses are the padding baseline's within the rounding of other micro-batch shapes; fp16's
+    loss scale (2**32 at first) overflows, and the same iterations are skipped, not failed."""
+    fp32 = run("", 2, request)
+    for dtype in ("bf16", "fp16"):
+        padding, dynapipe = run(f"--{dtype}", 2, request), run(f"--{dtype} --use-dynapipe", 2, request)
+        assert padding["losses"] != fp32["losses"]  # half-precision weights and activations, not fp32's numbers
+        # fp16 skips overflowing steps, so only its first loss (the initial weights) is fp32's.
+        same = 3 if dtype == "bf16" else 1
+        assert padding["losses"][:same] == pytest.approx(fp32["losses"][:same], rel=5e-3), dtype
+        assert dynapipe["losses"] == pytest.approx(padding["losses"], rel=5e-4), dtype
+        assert dynapipe["loss_tokens"] == padding["loss_tokens"] and dynapipe["real_tokens"] == padding["real_tokens"]
+        assert sum(dynapipe["padded_tokens"]) < 0.9 * sum(padding["padded_tokens"])
+        skipped = [[int(line.split("number of skipped iterations:")[1].split("|")[0]) for line in r["log_lines"]]
+                   for r in (padding, dynapipe)]
+        assert skipped[0] == skipped[1] and len(skipped[0]) == 3
+        assert (sum(skipped[0]) >= 1) == (dtype == "fp16"), (dtype, skipped)
 
 
 RESUME = "--use-dynapipe --train-iters 4"

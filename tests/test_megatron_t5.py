@@ -59,7 +59,8 @@ def test_megatron_t5_flags_and_their_errors():
     assert evaluated.dataset_config("valid").encoder_decoder and evaluated.dataset_config("test") is not None
     assert parse_t5_args(TINY.split(), 2, cuda=False).dataset_config("valid") is None  # mock data, no --split
     assert parse_t5_args(TINY.split() + ["--bf16"], 2, cuda=False).base.model.dtype == "bf16"
-    for extra, text in {"--swiglu": "built as Megatron's T5", "--fp16": "use --bf16",
+    assert parse_t5_args(TINY.split() + ["--fp16"], 2, cuda=False).base.model.dtype == "fp16"
+    for extra, text in {"--swiglu": "built as Megatron's T5",
                         "--use-distributed-optimizer": "no sharded optimizer yet"}.items():
         with pytest.raises(DynaPipeError, match=text):
             parse_t5_args(TINY.split() + extra.split(), 2, cuda=False)
@@ -189,7 +190,7 @@ def test_t5_dynapipe_and_packing_losses_equal_padding_pp2(pp2):
     assert len(set(np.round(padding["losses"], 6))) == 3
 
 
-def test_t5_bf16_every_method_trains_like_padding_and_resumes_exactly(pp2):
+def test_t5_half_precision_trains_like_padding_and_bf16_resumes_exactly(pp2):
     fp32 = pp2[0]
     full, cut, resumed, dynapipe, packing = pp2[27:32]
     assert [r["method"] for r in (full, dynapipe, packing)] == ["padding", "dynapipe", "packing"]
@@ -205,6 +206,14 @@ def test_t5_bf16_every_method_trains_like_padding_and_resumes_exactly(pp2):
     # The checkpoint holds the optimizer's fp32 main copies: the resumed step is bitwise the same.
     assert cut["losses"] == full["losses"][:2]
     assert resumed["start_iteration"] == 2 and resumed["losses"] == full["losses"][2:]
+    # fp16: the loss scale (2**32 at first) overflows; the same iterations are skipped, not failed.
+    fp16, fp16_dynapipe = pp2[32:34]
+    # Only the first loss (the initial weights) is fp32's: the skipped steps changed no weight.
+    assert fp16["losses"] != fp32["losses"] and fp16["losses"][0] == pytest.approx(fp32["losses"][0], rel=5e-3)
+    assert fp16_dynapipe["losses"] == pytest.approx(fp16["losses"], rel=5e-4)
+    skipped = [[int(line.split("number of skipped iterations:")[1].split("|")[0]) for line in r["log_lines"]]
+               for r in (fp16, fp16_dynapipe)]
+    assert skipped[0] == skipped[1] and len(skipped[0]) == 3 and sum(skipped[0]) >= 1
 
 
 def test_t5_stage_holding_encoder_end_and_decoder(pp2):

@@ -222,10 +222,9 @@ def _run_t5(args, model, mbs: list[int], seqlens: list[int], dec_seqlens: list[i
     for flag, bad in (("--swiglu", model.swiglu), ("--disable-bias-linear", not model.add_bias_linear),
                       ("--group-query-attention", bool(model.num_query_groups)),
                       ("--normalization RMSNorm", model.normalization != "LayerNorm"),
-                      ("--fp16", model.dtype == "fp16"),
                       ("--position-embedding-type", model.position_embedding_type != "learned_absolute")):
         if bad:
-            raise DynaPipeError(f"--t5 {flag}: T5 stages are built as Megatron's T5 (fp32 or bf16, GeLU MLP with biases, "
+            raise DynaPipeError(f"--t5 {flag}: T5 stages are built as Megatron's T5 (GeLU MLP with biases, "
                                 f"LayerNorm, multi-head attention, learned absolute positions); drop it.")
     longest = max(seqlens + dec_seqlens)
     if longest > model.max_position_embeddings:
