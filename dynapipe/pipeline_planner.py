@@ -208,13 +208,11 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
         raise DynaPipeError(f"replicas {sorted(wanted - set(range(dp)))} are outside the {dp} data-parallel "
                             f"replicas (0..{dp - 1}).")
     if result.schedules and result.schedules[0].num_chunks > 1:
-        if max(tp, _tp_size(cost_model)) > 1:
-            raise DynaPipeError(f"placement {cost_model.placement} is interleaved; interleaved plans are compiled "
-                                f"without tensor parallelism only (tp={max(tp, _tp_size(cost_model))}).")
         vl = cost_model.placement.virtual_layouts()
         plans = [compile_chunked_plans(result.schedules[r], result.micro_batches[r], cost_model.model,
                                        result.timelines[r], vl, replica=r, num_replicas=dp, iteration=iteration,
-                                       global_loss_tokens=total_loss) if r in wanted else [] for r in range(dp)]
+                                       global_loss_tokens=total_loss, tp=max(tp, _tp_size(cost_model)),
+                                       sequence_parallel=shards > 1) if r in wanted else [] for r in range(dp)]
     else:
             plans = [compile_plans(result.schedules[r], result.micro_batches[r], cost_model.model,
                                timeline=result.timelines[r], replica=r, num_replicas=dp, iteration=iteration,

@@ -137,9 +137,4 @@ def _with_placement(cfg: T5TrainingConfig, flag: str, pp: int) -> T5TrainingConf
     from megatron_integration.t5_placement import parse_t5_placement
 
     placement = parse_t5_placement(flag, cfg.planner_model(), pp)
-    tp = cfg.base.parallel.tensor_model_parallel_size
-    if placement is not None and placement.chunks > 1 and tp > 1:
-        raise DynaPipeError(f"--dynapipe-placement {flag} is interleaved ({placement.chunks} chunks a rank), and "
-                            f"interleaved plans are compiled without tensor parallelism only; use a contiguous "
-                            f"placement (even, auto or ENC+DEC per stage) with --tensor-model-parallel-size {tp}.")
     return replace(cfg, placement=placement, placement_flag=flag)

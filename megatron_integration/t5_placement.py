@@ -80,8 +80,7 @@ def choose_t5_placement(cfg, num_stages: int, dp: int, batches: Optional[list] =
     """The :class:`~dynapipe.schedule.placement.PlacementPlan` ``auto`` takes: the contiguous
     split whose slowest stage is fastest on the DynaPipe micro-batches of ``batches``
     (default: the run's first global batches), or the interleaved one (two chunks a rank,
-    each virtual stage balanced; not under tensor parallelism, whose interleaved plans are not
-    compiled) when DynaPipe's plans of ``batches`` simulate faster on it
+    each virtual stage balanced) when DynaPipe's plans of ``batches`` simulate faster on it
     (``compared`` holds both times, ms); under the run's memory limit (MiB), recompute level
     and data-parallel size. Pure and deterministic: the same config gives the same split."""
     from dynapipe.config import load_cluster_config
@@ -89,15 +88,10 @@ def choose_t5_placement(cfg, num_stages: int, dp: int, batches: Optional[list] =
 
     d = cfg.base.dynapipe
     batches = first_global_batches(cfg) if batches is None else batches
-    kw = dict(dp=dp, memory_limit_mib=d.memory_limit_mb, seq_length=cfg.encoder_seq_length,
-              zero=cfg.base.optimizer.distributed, recompute=d.recompute)
-    if cfg.base.parallel.tensor_model_parallel_size > 1:
-        # Interleaved plans are compiled without tensor parallelism only: contiguous splits.
-        from dynapipe.schedule.placement import choose_placement
-
-        return choose_placement(batches, planner_cost_model(cfg, num_stages), rounds=3, **kw)
-    return choose_placement_kind(batches, planner_cost_model(cfg, num_stages), cluster=load_cluster_config(d.cluster),
-                                 **kw)
+    return choose_placement_kind(batches, planner_cost_model(cfg, num_stages), dp=dp,
+                                 memory_limit_mib=d.memory_limit_mb, seq_length=cfg.encoder_seq_length,
+                                 zero=cfg.base.optimizer.distributed, recompute=d.recompute,
+                                 cluster=load_cluster_config(d.cluster))
 
 
 def resolve_t5_placement(cfg, num_stages: int, dp: int):

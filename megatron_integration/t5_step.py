@@ -216,7 +216,7 @@ class BaselineSource:
             from dynapipe.plan.compile_chunked import compile_interleaved_1f1b
 
             plan = compile_interleaved_1f1b(mbs_list, self.model, self.placement.virtual_layouts(), info.pp_size,
-                                            **common)[info.pp_rank]
+                                            **common, **tp)[info.pp_rank]
         else:
             plan = compile_plans("1f1b", mbs_list, self.model, num_stages=info.pp_size, layouts=self.layouts,
                                  **common, **tp)[info.pp_rank]

@@ -50,9 +50,6 @@ def test_megatron_t5_flags_and_their_errors():
     for extra, text in bad.items():
         with pytest.raises(DynaPipeError, match=text):
             parse_t5_args(TINY.split() + extra.split(), 6, cuda=False)
-    with pytest.raises(DynaPipeError, match="interleaved plans are compiled without tensor parallelism only"):
-        parse_t5_args(TINY.split() + "--tensor-model-parallel-size 2 --dynapipe-placement interleaved".split(), 4,
-                      cuda=False)
     # What T5 training does not do yet is refused, not ignored.
     evaluated = parse_t5_args(TINY.split() + "--split 80,10,10 --eval-interval 2 --eval-iters 1".split(), 2, cuda=False)
     assert (evaluated.base.evaluation.eval_interval, evaluated.base.evaluation.eval_iters) == (2, 1)
@@ -252,7 +249,8 @@ def test_t5_dynapipe_pp2_x_dp2_and_tp2_x_pp2_with_and_without_sp_train_like_pp2(
     # Two iterations (the same learning-rate schedule: --exit-interval stops a --train-iters 3 run);
     # then the PP2 torch_dist checkpoint of iteration 2 resumed on two replicas, saved by both.
     # Then every method on TP2 x PP2 (two iterations, padding saving), the PP2 checkpoint resumed
-    # at TP2 for the third, and every method on TP2 x PP2 with sequence parallelism.
+    # at TP2 for the third, and every method on TP2 x PP2 with sequence parallelism, contiguous
+    # and (padding, DynaPipe) interleaved.
     tp2 = TINY + " --tensor-model-parallel-size 2"
     sp = tp2 + " --sequence-parallel --exit-interval 2"
     ranks = run_t5_training([(TINY + " --use-dynapipe --exit-interval 2").split(),
@@ -261,7 +259,9 @@ def test_t5_dynapipe_pp2_x_dp2_and_tp2_x_pp2_with_and_without_sp_train_like_pp2(
                              (tp2 + " --exit-interval 2 --use-dynapipe").split(),
                              (tp2 + " --exit-interval 2" + PACKING).split(),
                              (tp2 + f" --load {t5_dist / 'cut'}").split(),
-                             sp.split(), (sp + " --use-dynapipe").split(), (sp + PACKING).split()],
+                             sp.split(), (sp + " --use-dynapipe").split(), (sp + PACKING).split(),
+                             (sp + " --dynapipe-placement interleaved").split(),
+                             (sp + " --dynapipe-placement interleaved --use-dynapipe").split()],
                             4, timeout_s=TIMEOUT)
     dynapipe, resumed = ranks[0][:2]
     assert all(r[0]["losses"] == dynapipe["losses"] for r in ranks[1:])
@@ -277,9 +277,9 @@ def test_t5_dynapipe_pp2_x_dp2_and_tp2_x_pp2_with_and_without_sp_train_like_pp2(
     # TP2 x PP2: each layer's weights split over two ranks (the sharded weights are slices of the
     # unsplit ones), the same losses and token counts as PP2 for every method, on every rank.
     # With sequence parallelism too: messages are sequence shards, norms' and row-parallel biases'
-    # gradients are summed over the TP group.
-    tp_runs = [r[2:5] + r[6:9] for r in ranks]
-    assert [run["method"] for run in tp_runs[0]] == ["padding", "dynapipe", "packing"] * 2
+    # gradients are summed over the TP group; and on the interleaved placement (two chunks a rank).
+    tp_runs = [r[2:5] + r[6:11] for r in ranks]
+    assert [run["method"] for run in tp_runs[0]] == ["padding", "dynapipe", "packing"] * 2 + ["padding", "dynapipe"]
     assert [r[0]["tp_size"] for r in ranks] == [1] * 4 and all(run["tp_size"] == 2 for rank in tp_runs for run in rank)
     for run in (run for rank in tp_runs for run in rank):
         assert run["losses"] == pytest.approx(pp2[0]["losses"][:2], abs=1e-5, rel=1e-5), run["method"]

@@ -57,6 +57,36 @@ def test_tp_plans_carry_the_layout_and_sharded_messages(sp):
         assert again.meta["tp"] == 2 and sequence_shards(again) == sequence_shards(p)
 
 
+@pytest.mark.parametrize("sp", [False, True])
+def test_interleaved_tp_plans_carry_the_layout_and_sharded_messages(sp):
+    """Chunked plans (a T5 on an interleaved placement) under TP: the layout in meta, every message
+    (decoder states and the encoder output) a sequence shard under SP, the validator agreeing."""
+    from dynapipe.config import ModelConfig
+    from dynapipe.cost.placement import StagePlacement
+
+    t5 = ModelConfig(name="t5-tp", arch="t5", num_layers=4, encoder_layers=2, decoder_layers=2, hidden_size=64,
+                     num_attention_heads=4, ffn_hidden_size=256, vocab_size=512, max_seq_length=512,
+                     dtype="fp32").validate("t5-tp")
+    placement = StagePlacement.parse("1+0,1+0|0+1,0+1", t5, 2)
+    cost = build_cost_model(t5, DEVICE, 2, None, TensorParallelConfig(2, sp), placement=placement)
+    lengths = np.stack([LENGTHS, LENGTHS // 3 + 4], axis=1)
+    plans = plan_iteration(lengths, cost, dp=1, tp=2, memory_limit_mib=1e9, schedule="interleaved").all_plans()
+    validate_plans(plans)
+    shards = 2 if sp else 1
+    names = set()
+    for p, x in _messages(plans):
+        info = p.micro_batches[x.mb]
+        for t in x.tensors:
+            names.add(t.name)
+            if t.name == "encoder_output":
+                assert t.shape[0] == info.seqlen // shards
+            else:
+                assert t.shape[0] in (info.seqlen // shards, info.dec_seqlen // shards)
+    assert {"hidden_states", "encoder_output"} <= names
+    for p in plans:
+        assert p.meta["tp"] == 2 and p.meta.get("sequence_parallel", False) == sp and p.meta["chunks"] == 2
+
+
 def test_tp1_plans_have_no_tp_keys():
     for p in _plan(1, False).all_plans():
         assert "tp" not in p.meta and "sequence_parallel" not in p.meta

@@ -42,12 +42,19 @@ def _info(i: int, mb: MicroBatch) -> MicroBatchInfo:
 def compile_chunked_plans(schedule: Schedule, micro_batches: Sequence[MicroBatch], model: ModelConfig,
                           timeline: Timeline, virtual_layouts: Sequence[StageLayout], *, replica: int = 0,
                           num_replicas: int = 1, iteration: int = 0,
-                          global_loss_tokens: Optional[int] = None) -> list[ExecutionPlan]:
+                          global_loss_tokens: Optional[int] = None, tp: int = 1,
+                          sequence_parallel: bool = False) -> list[ExecutionPlan]:
     """One :class:`ExecutionPlan` per rank of a chunked ``schedule`` (``num_chunks > 1``) and
     its simulated ``timeline``; ``virtual_layouts``: the layers of every virtual stage
-    (:meth:`~dynapipe.cost.placement.StagePlacement.virtual_layouts`)."""
+    (:meth:`~dynapipe.cost.placement.StagePlacement.virtual_layouts`). ``tp`` /
+    ``sequence_parallel``: as for :func:`~dynapipe.plan.compile.compile_plans` (recorded in
+    ``meta``; under sequence parallelism messages are sequence shards)."""
     from dynapipe.plan.compile import input_specs, message_specs
 
+    if tp < 1 or (sequence_parallel and tp < 2):
+        raise DynaPipeError(f"compile_chunked_plans(tp={tp}, sequence_parallel={sequence_parallel}): sequence "
+                            f"parallelism needs tp >= 2, and tp must be at least 1.")
+    shards = tp if sequence_parallel else 1
     P, v = schedule.num_stages, schedule.num_chunks
     V = P * v
     if len(virtual_layouts) != V:
@@ -72,7 +79,7 @@ def compile_chunked_plans(schedule: Schedule, micro_batches: Sequence[MicroBatch
         key = (k, m)
         if key not in msg:
             i = infos[m]
-            msg[key] = message_specs(model, k, V, i.mbs, i.seqlen, i.dec_seqlen, layouts)
+            msg[key] = message_specs(model, k, V, i.mbs, i.seqlen, i.dec_seqlen, layouts, shards=shards)
         return msg[key]
 
     # Every transfer: (ready ms, kind 0 act / 1 grad, mb, sending virtual stage), sender, receiver.
@@ -88,6 +95,8 @@ def compile_chunked_plans(schedule: Schedule, micro_batches: Sequence[MicroBatch
     plans = []
     for s in range(P):
         plans.append(_rank_plan(s, P, v, schedule, infos, transfers, message, packed, model, layouts, input_specs))
+    # Only TP plans carry the keys, as compile_plans writes them.
+    tp_meta = ({"tp": int(tp)} if tp > 1 else {}) | ({"sequence_parallel": True} if sequence_parallel else {})
     out = []
     for s, instructions in enumerate(plans):
         levels = [schedule.recompute_of(c * P + s) if len(schedule.stage_recompute) == V
@@ -97,7 +106,7 @@ def compile_chunked_plans(schedule: Schedule, micro_batches: Sequence[MicroBatch
             schedule=schedule.name, recompute=levels[0], micro_batches=infos, instructions=tuple(instructions),
             loss_tokens=loss, global_loss_tokens=int(global_loss_tokens),
             meta={"order": schedule.order, "mb_order": list(map(int, schedule.mb_order)), "chunks": v,
-                  "chunk_recompute": levels, "simulated_ms": round(float(timeline.makespan_ms), 6)}))
+                  "chunk_recompute": levels, "simulated_ms": round(float(timeline.makespan_ms), 6)} | tp_meta))
     return out
 
 
@@ -179,7 +188,8 @@ def _rank_plan(s, P, v, schedule, infos, transfers, message, packed, model, layo
 def compile_interleaved_1f1b(micro_batches: Sequence[MicroBatch], model: ModelConfig,
                              virtual_layouts: Sequence[StageLayout], num_stages: int, *, replica: int = 0,
                              num_replicas: int = 1, iteration: int = 0, global_loss_tokens: Optional[int] = None,
-                             recompute: str = "none") -> list[ExecutionPlan]:
+                             recompute: str = "none", tp: int = 1,
+                             sequence_parallel: bool = False) -> list[ExecutionPlan]:
     """Plans of Megatron's interleaved 1F1B for fixed-shape micro-batches (the baselines on an
     interleaved placement), one per rank, every op at ``recompute``. Transfers are ordered
     by a simulation on costs proportional to padded tokens, as
@@ -200,4 +210,4 @@ def compile_interleaved_1f1b(micro_batches: Sequence[MicroBatch], model: ModelCo
     timeline = simulate_chunked(schedule, times, record_memory=False)
     return compile_chunked_plans(schedule, mbs_list, model, timeline, virtual_layouts, replica=replica,
                                  num_replicas=num_replicas, iteration=iteration,
-                                 global_loss_tokens=global_loss_tokens)
+                                 global_loss_tokens=global_loss_tokens, tp=tp, sequence_parallel=sequence_parallel)
