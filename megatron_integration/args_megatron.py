@@ -70,8 +70,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",
                    help="with --manual-gc: no collection before and after each periodic evaluation")
     g.add_argument("--seed", type=int, default=1234, help="random seed (initialisation, data, dropout)")
-    g.add_argument("--bf16", action="store_true", help="bfloat16 parameters and activations (fp32 main copies in the optimizer)")
-    g.add_argument("--fp16", action="store_true", help="float16 parameters and activations (GPU)")
+    g.add_argument("--bf16", action="store_true",
+                   help="bfloat16 parameters and activations (fp32 main copies in the optimizer)")
+    g.add_argument("--fp16", action="store_true",
+                   help="float16 parameters and activations, loss-scaled (fp32 main copies in the optimizer)")
     g.add_argument("--reset-position-ids", action="store_true",
                    help="packing: restart position ids at every sample of a packed row")
     g.add_argument("--reset-attention-mask", action="store_true",

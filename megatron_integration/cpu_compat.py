@@ -20,7 +20,7 @@ them, and only when CUDA is unavailable:
 * ``Tensor.cuda()`` returns the tensor itself during the two methods that call it
   (tied-embedding set-up with PP > 1, the fp16 loss scaler's checkpoint load);
 * ``Tensor.type()`` names a CPU tensor's CUDA counterpart during the one method that sorts
-  parameters by those names (the bf16 optimizer's set-up of its fp32 main copies);
+  parameters by those names (the half-precision optimizer's set-up of its fp32 main copies);
 * gradient clipping, which asserts its gradients are CUDA tensors, is replaced by the
   same scaling without that assertion.
 
@@ -76,7 +76,8 @@ TENSOR_CUDA_METHODS = (
 # these calls a CPU tensor's type name is its CUDA counterpart's (the maths is the same).
 # (module, class, method)
 TENSOR_TYPE_METHODS = (
-    # bf16: the mixed-precision optimizer keeps fp32 main copies of "torch.cuda.BFloat16Tensor"s.
+    # bf16/fp16: the mixed-precision optimizer keeps fp32 main copies of "torch.cuda.BFloat16Tensor"s
+    # and "torch.cuda.HalfTensor"s.
     ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params", "__init__"),
 )
 

@@ -212,7 +212,8 @@ def _run_t5(args, model, mbs: list[int], seqlens: list[int], dec_seqlens: list[i
     if odd:
         raise DynaPipeError(f"--sequence-parallel splits every sequence over the {tp} tensor-parallel ranks, but "
                             f"the grid holds lengths {odd} that are not multiples of {tp}; measure multiples of {tp}.")
-    for flag, value in (("--num-attention-heads", model.num_attention_heads), ("--ffn-hidden-size", model.ffn_hidden_size)):
+    for flag, value in (("--num-attention-heads", model.num_attention_heads),
+                        ("--ffn-hidden-size", model.ffn_hidden_size)):
         if value % tp:
             raise DynaPipeError(f"--t5 --tensor-model-parallel-size {tp} does not divide {flag} {value}; use a "
                                 f"tensor-parallel size that divides it.")
