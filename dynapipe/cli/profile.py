@@ -90,9 +90,12 @@ def fill_from_model_config(args) -> None:
         args.bf16 = torch.cuda.is_available()
 
 
-def check_tensor_parallel(args, model, seqlens: list[int]) -> tuple[int, bool]:
+def check_tensor_parallel(args, model, seqlens: list[int], dec_seqlens: tuple = ()) -> tuple[int, bool]:
     """The (tp, sequence_parallel) to measure, refused with the flag and the fix when the
-    model or the grid cannot be split that way."""
+    model, the grid (tokens; ``dec_seqlens``: a T5's decoder lengths) or this machine's GPUs
+    cannot be split that way."""
+    import torch
+
     from dynapipe.errors import DynaPipeError
 
     tp, sp = args.tensor_model_parallel_size, bool(args.sequence_parallel)
@@ -108,10 +111,14 @@ def check_tensor_parallel(args, model, seqlens: list[int]) -> tuple[int, bool]:
             if n % tp:
                 raise DynaPipeError(f"--tensor-model-parallel-size {tp} does not divide {what} {n}; "
                                     f"use a tensor-parallel size that divides it.")
-    bad = [s for s in seqlens if sp and s % tp]
+    bad = [(flag, s) for flag, grid in (("--seqlens", seqlens), ("--dec-seqlens", dec_seqlens))
+           for s in grid if sp and s % tp]
     if bad:
         raise DynaPipeError(f"--sequence-parallel splits every sequence over the {tp} tensor-parallel ranks, but "
-                            f"--seqlens holds {bad[0]}, not a multiple of {tp}; use multiples of {tp}.")
+                            f"{bad[0][0]} holds {bad[0][1]}, not a multiple of {tp}; use multiples of {tp}.")
+    if tp > 1 and torch.cuda.is_available() and torch.cuda.device_count() < tp:
+        raise DynaPipeError(f"--tensor-model-parallel-size {tp} needs {tp} GPUs on this machine, which has "
+                            f"{torch.cuda.device_count()}; profile with a TP size of at most that.")
     return tp, sp
 
 
@@ -177,12 +184,8 @@ def _run_tensor_parallel(args, model, mbs: list[int], seqlens: list[int], tp: in
     """Measure one TP group: ``tp`` spawned local ranks (NCCL on GPUs, else gloo)."""
     import torch
 
-    from dynapipe.errors import DynaPipeError
     from megatron_integration.profile_job import measure_profile
 
-    if torch.cuda.is_available() and torch.cuda.device_count() < tp:
-        raise DynaPipeError(f"--tensor-model-parallel-size {tp} needs {tp} GPUs on this machine, which has "
-                            f"{torch.cuda.device_count()}; profile with a TP size of at most that.")
     threads = args.threads or max(1, (os.cpu_count() or 1) // tp)
     where = f"{tp} GPUs" if torch.cuda.is_available() else f"{tp} CPU ranks x {threads} threads"
     print(f"profiling a tensor-parallel group of {tp}{' with sequence parallelism' if sp else ''} on {where} "
@@ -202,24 +205,7 @@ def _run_t5(args, model, mbs: list[int], seqlens: list[int], dec_seqlens: list[i
     from dynapipe.errors import DynaPipeError
     from megatron_integration.t5_profiler import measure_t5_profile, write_t5_profile
 
-    tp, sp = args.tensor_model_parallel_size, bool(args.sequence_parallel)
-    if tp < 1:
-        raise DynaPipeError(f"--tensor-model-parallel-size {tp}: give a positive size.")
-    if sp and tp == 1:
-        raise DynaPipeError("--sequence-parallel needs --tensor-model-parallel-size 2 or more (it shards the "
-                            "sequence over the tensor-parallel ranks); drop it.")
-    odd = [s for s in seqlens + dec_seqlens if s % tp] if sp else []
-    if odd:
-        raise DynaPipeError(f"--sequence-parallel splits every sequence over the {tp} tensor-parallel ranks, but "
-                            f"the grid holds lengths {odd} that are not multiples of {tp}; measure multiples of {tp}.")
-    for flag, value in (("--num-attention-heads", model.num_attention_heads),
-                        ("--ffn-hidden-size", model.ffn_hidden_size)):
-        if value % tp:
-            raise DynaPipeError(f"--t5 --tensor-model-parallel-size {tp} does not divide {flag} {value}; use a "
-                                f"tensor-parallel size that divides it.")
-    if tp > 1 and torch.cuda.is_available() and torch.cuda.device_count() < tp:
-        raise DynaPipeError(f"--tensor-model-parallel-size {tp} needs {tp} GPUs on this machine, which has "
-                            f"{torch.cuda.device_count()}; profile with a TP size of at most that.")
+    tp, sp = check_tensor_parallel(args, model, seqlens, dec_seqlens)
     for flag, bad in (("--swiglu", model.swiglu), ("--disable-bias-linear", not model.add_bias_linear),
                       ("--group-query-attention", bool(model.num_query_groups)),
                       ("--normalization RMSNorm", model.normalization != "LayerNorm"),
