@@ -81,6 +81,8 @@ CASES = (
     Case("t5-11b", 8, 2, 2048, zero=True),
     # 13B with TP inside a node, as configs/runs/gpt-13b-tp2-pp4-dp2-a100-40gb.yaml runs it.
     Case("gpt-13b", 4, 2, 4096, zero=True, tp=2),
+    # The same 16 GPUs as t5-11b PP8 x DP2, half the stages each split over two GPUs of a node.
+    Case("t5-11b", 4, 2, 2048, zero=True, tp=2),
 )
 QUICK_CASES = (Case("gpt-7b", 4, 2, 2048),)
 
@@ -116,9 +118,6 @@ def run_case(case: Case, args) -> dict:
         # then used by every method; DynaPipe on the even split is kept as the before.
         sample = [global_batch_of_tokens(args.tokens, args.seed + 1000 + b, case.seq_length, True)
                   for b in range(args.batches)]
-        if case.tp > 1:  # the placement search prices stages without tensor parallelism
-            raise DynaPipeError(f"case {case.label}: stage placement for encoder-decoder models is not "
-                                f"implemented with tensor parallelism (tp={case.tp}); use tp=1.")
         # Contiguous or interleaved (encoder and decoder chunks on every stage): the faster
         # in DynaPipe's simulation of the sample batches.
         placement = choose_placement_kind(sample, cost, dp=case.dp, seq_length=case.seq_length, zero=case.zero,

@@ -53,24 +53,26 @@ def test_unknown_method_is_refused(tmp_path):
 
 
 def test_encoder_decoder_case_runs_on_its_planned_placement(tmp_path):
-    # The T5 row chooses a stage placement first; every method then runs on it and
-    # DynaPipe on Megatron's even split is kept as the "before".
+    # The T5 rows (PP8 x DP2, and TP2 x PP4 x DP2 on the same GPUs) choose a stage placement
+    # first; every method then runs on it and DynaPipe on Megatron's even split is kept as the "before".
     out = tmp_path / "t5.json"
     r = subprocess.run([sys.executable, SCRIPT, "--quick", "--case", "t5-11b", "--methods", "dynapipe,packing",
                         "--tokens", "16384", "--output", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    (case,) = json.loads(out.read_text())["cases"]
-    assert case["model"] == "t5-11b" and set(case["methods"]) == {"dynapipe", "packing", "dynapipe-even-split"}
-    chosen, before = case["placement"]["placement"], case["placement"]["before"]
-    assert sum(chosen["encoder_layers"]) == sum(before["encoder_layers"]) == 24
-    assert sum(chosen["decoder_layers"]) == sum(before["decoder_layers"]) == 24
-    assert max(case["placement"]["chosen"]["stage_ms"]) < max(before["stage_ms"])  # the bottleneck got lighter
-    # Contiguous and interleaved were both simulated on the choice batches; the faster was kept.
-    cmp = case["placement"]["compared"]
-    assert np.isfinite(cmp["contiguous_ms"]) and np.isfinite(cmp["interleaved_ms"])
-    assert (chosen.get("chunks", 1) == 2) == (cmp["interleaved_ms"] < cmp["contiguous_ms"])
-    if chosen.get("chunks"):
-        assert case["methods"]["dynapipe"]["schedule"] == ["interleaved"]
+    cases = json.loads(out.read_text())["cases"]
+    assert [(c["model"], c["stages"], c["tp"]) for c in cases] == [("t5-11b", 8, 1), ("t5-11b", 4, 2)]
+    for case in cases:
+        assert set(case["methods"]) == {"dynapipe", "packing", "dynapipe-even-split"}
+        chosen, before = case["placement"]["placement"], case["placement"]["before"]
+        assert sum(chosen["encoder_layers"]) == sum(before["encoder_layers"]) == 24
+        assert sum(chosen["decoder_layers"]) == sum(before["decoder_layers"]) == 24
+        assert max(case["placement"]["chosen"]["stage_ms"]) < max(before["stage_ms"])  # the bottleneck got lighter
+        # Contiguous and interleaved were both simulated on the choice batches; the faster was kept.
+        cmp = case["placement"]["compared"]
+        assert np.isfinite(cmp["contiguous_ms"]) and np.isfinite(cmp["interleaved_ms"])
+        assert (chosen.get("chunks", 1) == 2) == (cmp["interleaved_ms"] < cmp["contiguous_ms"])
+        if chosen.get("chunks"):
+            assert case["methods"]["dynapipe"]["schedule"] == ["interleaved"]
     bad = subprocess.run([sys.executable, SCRIPT, "--case", "no-such-case", "--output", str(tmp_path / "x.json")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "matches no case" in bad.stderr and "t5-11b" in bad.stderr

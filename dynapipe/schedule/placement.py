@@ -117,6 +117,8 @@ def simulated_ms(batches: Sequence, cost_model: CostModel, *, dp: int, memory_li
     from dynapipe.schedule.search import search_schedules
 
     capacity = None if memory_limit_mib is None else memory_limit_mib - reserved_mib
+    # A stage of TP ranks spans that many GPUs of a node, which decides the links it sends over.
+    tp = getattr(getattr(cost_model, "tp", None), "size", 1)
     total = 0.0
     for lengths in batches:
         try:
@@ -124,7 +126,7 @@ def simulated_ms(batches: Sequence, cost_model: CostModel, *, dp: int, memory_li
                        seq_length=seq_length, zero=zero, recompute=recompute)
             reps = [[mb for mb in mbs if mb.replica == r] for r in range(dp)]
             total += search_schedules(reps, cost_model, recompute=recompute, capacity_mib=capacity, cluster=cluster,
-                                      dp=dp, zero=zero).makespan_ms
+                                      dp=dp, tp=tp, zero=zero).makespan_ms
         except DynaPipeError:
             return float(np.inf)
     return total
