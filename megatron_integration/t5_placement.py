@@ -62,16 +62,13 @@ def planner_cost_model(cfg, num_stages: int):
     """The cost model DynaPipe's planner prices this run with (even split): the
     ``--dynapipe-cost-model`` profile or the analytic model of ``--dynapipe-device``, per
     tensor-parallel rank (collectives on the cluster's intra-node link)."""
-    from dynapipe.config import TensorParallelConfig, load_cluster_config, load_device_config
+    from dynapipe.config import load_cluster_config, load_device_config
     from dynapipe.cost import build_cost_model
+    from dynapipe.runtime.plan_source import tensor_parallel_of
 
-    d = cfg.base.dynapipe
-    tp_size, tp = cfg.base.parallel.tensor_model_parallel_size, None
-    if tp_size > 1:
-        cluster = load_cluster_config(d.cluster)
-        sp = cfg.base.parallel.sequence_parallel
-        tp = TensorParallelConfig(tp_size, sp) if cluster is None else TensorParallelConfig(tp_size, sp,
-                                                                                            cluster.intra_node)
+    d, parallel = cfg.base.dynapipe, cfg.base.parallel
+    tp = tensor_parallel_of(parallel.tensor_model_parallel_size, parallel.sequence_parallel,
+                            load_cluster_config(d.cluster))
     return build_cost_model(cfg.planner_model(), load_device_config(d.device), num_stages,
                             None if d.cost_model == "analytic" else d.cost_model, tp)
 

@@ -154,6 +154,17 @@ def _info(i: int, mb: MicroBatch) -> MicroBatchInfo:
                       dec_seqlen=int(mb.dec_seqlen), loss_tokens=int(mb.planned_loss_tokens), rows=rows)
 
 
+def tensor_parallel_layout(caller: str, tp: int, sequence_parallel: bool) -> tuple[int, dict]:
+    """(sequence shards of every message, the plan ``meta`` keys) of a TP layout, refused in one
+    line when it is not one (``caller`` names the compiler in the error). Only TP plans carry
+    the keys, so TP 1 plans stay byte-identical to plans compiled before TP existed."""
+    if tp < 1 or (sequence_parallel and tp < 2):
+        raise DynaPipeError(f"{caller}(tp={tp}, sequence_parallel={sequence_parallel}): sequence "
+                            f"parallelism needs tp >= 2, and tp must be at least 1.")
+    meta = ({"tp": int(tp)} if tp > 1 else {}) | ({"sequence_parallel": True} if sequence_parallel else {})
+    return (tp if sequence_parallel else 1), meta
+
+
 def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroBatch], model: ModelConfig, *,
                   num_stages: Optional[int] = None, timeline: Optional[Timeline] = None,
                   cost_model: Optional[CostModel] = None, replica: int = 0, num_replicas: int = 1,
@@ -180,10 +191,7 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
     ``meta["tp"]``); with ``sequence_parallel`` messages are ``[seqlen / tp, mbs, hidden]``
     and every micro-batch's lengths must be multiples of ``tp``.
     """
-    shards = tp if sequence_parallel else 1
-    if tp < 1 or (sequence_parallel and tp < 2):
-        raise DynaPipeError(f"compile_plans(tp={tp}, sequence_parallel={sequence_parallel}): sequence "
-                            f"parallelism needs tp >= 2, and tp must be at least 1.")
+    shards, tp_meta = tensor_parallel_layout("compile_plans", tp, sequence_parallel)
     mbs_list = list(micro_batches)
     if layouts is None and cost_model is not None:
         layouts = cost_model.layouts
@@ -279,8 +287,6 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
     msg_ids = [ids[b][inv] for b in range(S - 1)]
     load_ids = [ids[S - 1 + s][inv] for s in range(S)]
     mb_order = list(map(int, schedule.mb_order))
-    # Only TP plans carry the keys, so TP 1 plans stay byte-identical to earlier ones.
-    tp_meta = ({"tp": int(tp)} if tp > 1 else {}) | ({"sequence_parallel": True} if sequence_parallel else {})
     plans = []
     for s in range(S):
         level = recompute or schedule.recompute_of(s)

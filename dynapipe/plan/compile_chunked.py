@@ -49,12 +49,9 @@ def compile_chunked_plans(schedule: Schedule, micro_batches: Sequence[MicroBatch
     (:meth:`~dynapipe.cost.placement.StagePlacement.virtual_layouts`). ``tp`` /
     ``sequence_parallel``: as for :func:`~dynapipe.plan.compile.compile_plans` (recorded in
     ``meta``; under sequence parallelism messages are sequence shards)."""
-    from dynapipe.plan.compile import input_specs, message_specs
+    from dynapipe.plan.compile import input_specs, message_specs, tensor_parallel_layout
 
-    if tp < 1 or (sequence_parallel and tp < 2):
-        raise DynaPipeError(f"compile_chunked_plans(tp={tp}, sequence_parallel={sequence_parallel}): sequence "
-                            f"parallelism needs tp >= 2, and tp must be at least 1.")
-    shards = tp if sequence_parallel else 1
+    shards, tp_meta = tensor_parallel_layout("compile_chunked_plans", tp, sequence_parallel)
     P, v = schedule.num_stages, schedule.num_chunks
     V = P * v
     if len(virtual_layouts) != V:
@@ -95,8 +92,6 @@ def compile_chunked_plans(schedule: Schedule, micro_batches: Sequence[MicroBatch
     plans = []
     for s in range(P):
         plans.append(_rank_plan(s, P, v, schedule, infos, transfers, message, packed, model, layouts, input_specs))
-    # Only TP plans carry the keys, as compile_plans writes them.
-    tp_meta = ({"tp": int(tp)} if tp > 1 else {}) | ({"sequence_parallel": True} if sequence_parallel else {})
     out = []
     for s, instructions in enumerate(plans):
         levels = [schedule.recompute_of(c * P + s) if len(schedule.stage_recompute) == V

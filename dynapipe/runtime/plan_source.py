@@ -94,15 +94,22 @@ class IterationPlanner:
 
 
 def tensor_parallel_config(settings: PlannerSettings):
-    """The cost model's :class:`~dynapipe.config.TensorParallelConfig` of ``settings`` (None at
-    TP 1 without sequence parallelism); collectives priced on the cluster's intra-node link."""
+    """The cost model's :class:`~dynapipe.config.TensorParallelConfig` of ``settings`` (see
+    :func:`tensor_parallel_of`)."""
+    return tensor_parallel_of(settings.tp, settings.sequence_parallel, settings.cluster)
+
+
+def tensor_parallel_of(tp: int, sequence_parallel: bool, cluster=None):
+    """A cost model's :class:`~dynapipe.config.TensorParallelConfig` for ``tp`` ranks a stage
+    (None at TP 1 without sequence parallelism); collectives priced on ``cluster``'s intra-node
+    link when a cluster config is given."""
     from dynapipe.config import TensorParallelConfig
 
-    if settings.tp == 1 and not settings.sequence_parallel:
+    if tp == 1 and not sequence_parallel:
         return None
-    if settings.cluster is None:
-        return TensorParallelConfig(settings.tp, settings.sequence_parallel)
-    return TensorParallelConfig(settings.tp, settings.sequence_parallel, settings.cluster.intra_node)
+    if cluster is None:
+        return TensorParallelConfig(tp, sequence_parallel)
+    return TensorParallelConfig(tp, sequence_parallel, cluster.intra_node)
 
 
 def encode_plan(plan: ExecutionPlan) -> bytes:
