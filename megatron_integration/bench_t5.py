@@ -62,6 +62,9 @@ class T5Preset:
     warmup_iters: int
     about: str
     methods: tuple[str, ...] = ("dynapipe", "dynapipe-even", "padding", "packing")
+    #: Iterations of the untimed DynaPipe run that fits the profile's fixed cost per stage op
+    #: (0: none); ``--calibrate-iters`` overrides it.
+    calibrate_iters: int = 0
 
 
 # As the GPT presets, one iteration planned ahead: planning runs during the timed iterations.
@@ -70,9 +73,13 @@ _TINY_ARGS = {"--encoder-num-layers": "2", "--decoder-num-layers": "2", "--hidde
               "--decoder-seq-length": "256", "--global-batch-size": "32", "--train-iters": "4",
               "--dynapipe-prefetch": "2", **_COMMON}
 T5_PRESETS = {
+    # Calibrated: the profiler times an op alone in a tight loop; on a training rank each stage op
+    # also pays a fixed 5-8 ms here (handler, dispatch, two ranks on two cores), and a planner
+    # that does not see it cuts DynaPipe's micro-batches too fine. Four iterations: the first is
+    # a warm-up the fit leaves out, and one fitted iteration alone has given a 0.28x slope.
     "tiny": T5Preset(
         args=_TINY_ARGS,
-        sweep=(1, 2, 4), warmup_iters=1,
+        sweep=(1, 2, 4), warmup_iters=1, calibrate_iters=4,
         about="tiny T5 (2+2 layers, hidden 64), inputs up to 1,024 and targets up to 256 tokens"),
     "representative": T5Preset(
         args={"--encoder-num-layers": "1", "--decoder-num-layers": "1", "--hidden-size": "512",
@@ -325,6 +332,22 @@ def _placement(argv: list[str], nproc: int, warmup: int) -> dict:
     return t5_bench_placement(cfg, nproc, warmup, given)
 
 
+def t5_calibrate_iters(given: Optional[int], preset: str, argv: Sequence[str]) -> int:
+    """The calibration run's iterations: ``given`` (``--calibrate-iters``), else the preset's,
+    which a given ``--dynapipe-cost-model`` turns off (there is no measured profile to
+    calibrate); refuses 1 and negative counts, and an explicit calibration with a given model."""
+    model_given = "--dynapipe-cost-model" in {a.split("=")[0] for a in argv}
+    if given is None:
+        return 0 if model_given else T5_PRESETS[preset].calibrate_iters
+    if given < 0 or given == 1:
+        raise DynaPipeError(f"--calibrate-iters {given}: give 0 (none) or at least 2 (the first "
+                            f"iteration is a warm-up the fit leaves out).")
+    if given and model_given:
+        raise DynaPipeError("--calibrate-iters calibrates the profile the bench measures; with --dynapipe-cost-model "
+                            "given there is none to calibrate: drop one of them.")
+    return given
+
+
 def run_t5_cli(args, argv: list[str]) -> int:
     """``python -m dynapipe bench --model t5 ...`` (argv: the training flags given)."""
     from megatron_integration.launch import RankFailed, RankUserError
@@ -342,13 +365,7 @@ def run_t5_cli(args, argv: list[str]) -> int:
                                 f"itself (--t5-sweep).")
     if args.rounds is not None and args.rounds < 1:
         raise DynaPipeError(f"--rounds {args.rounds}: give at least 1 round.")
-    calibrate_iters = args.calibrate_iters or 0
-    if calibrate_iters < 0 or calibrate_iters == 1:
-        raise DynaPipeError(f"--calibrate-iters {args.calibrate_iters}: give 0 (none) or at least 2 (the first "
-                            f"iteration is a warm-up the fit leaves out).")
-    if calibrate_iters and "--dynapipe-cost-model" in {a.split("=")[0] for a in argv}:
-        raise DynaPipeError("--calibrate-iters calibrates the profile the bench measures; with --dynapipe-cost-model "
-                            "given there is none to calibrate: drop one of them.")
+    calibrate_iters = t5_calibrate_iters(args.calibrate_iters, preset, argv)
     for unsupported in ("sweep_top", "png"):
         if getattr(args, unsupported, None):
             raise DynaPipeError(f"--{unsupported.replace('_', '-')} is not supported with --model t5 "

@@ -231,6 +231,12 @@ def test_fixed_cost_per_op_is_fitted_in_profile_units(tmp_path):
     # Times that shrink as the predicted cost grows are noise: only the executor's time is kept.
     noise = fit_stage_overhead(predicted, 20.0 - predicted, 0.5)
     assert (noise.slope, noise.intercept_ms, noise.stage_overhead_ms) == (1.0, 0.0, 0.5)
+    # So do times that grow at under half the predicted rate (a 0.28x slope fitted on a loaded
+    # host): no fixed cost is read from them; at half the rate the fit is kept.
+    flat = fit_stage_overhead(predicted, 0.28 * predicted + 11.9, 0.5)
+    assert (flat.slope, flat.intercept_ms, flat.stage_overhead_ms) == (1.0, 0.0, 0.5)
+    half = fit_stage_overhead(predicted, 0.5 * predicted + 2.0, 0.0)
+    assert half.slope == pytest.approx(0.5) and half.stage_overhead_ms == pytest.approx(4.0)
 
     from dynapipe.config import load_model_config
     from dynapipe.cost.profile import ProfileCostModel

@@ -329,3 +329,20 @@ def test_t5_bench_refuses_a_calibration_it_cannot_run(tmp_path, capsys, extra, n
 
     assert main(["bench", "--model", "t5", "--output", str(tmp_path / "b.json"), *extra]) == 2
     assert needle in capsys.readouterr().err and not (tmp_path / "b.json").exists()
+
+
+def test_t5_bench_calibrates_by_the_presets_default_unless_told_or_given_a_model():
+    from dynapipe.errors import DynaPipeError
+    from megatron_integration.bench_t5 import T5_PRESETS, t5_calibrate_iters
+
+    assert T5_PRESETS["tiny"].calibrate_iters == 4
+    assert t5_calibrate_iters(None, "tiny", []) == 4
+    assert t5_calibrate_iters(None, "long", []) == T5_PRESETS["long"].calibrate_iters
+    assert t5_calibrate_iters(0, "tiny", []) == 0 and t5_calibrate_iters(3, "tiny", []) == 3
+    # A given cost model has no measured profile to calibrate: the default steps aside ...
+    assert t5_calibrate_iters(None, "tiny", ["--dynapipe-cost-model", "analytic"]) == 0
+    assert t5_calibrate_iters(None, "tiny", ["--dynapipe-cost-model=p.json"]) == 0
+    assert t5_calibrate_iters(0, "tiny", ["--dynapipe-cost-model", "analytic"]) == 0
+    # ... and an explicit request is refused, not dropped.
+    with pytest.raises(DynaPipeError, match="--calibrate-iters calibrates the profile"):
+        t5_calibrate_iters(2, "tiny", ["--dynapipe-cost-model=p.json"])

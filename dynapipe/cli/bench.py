@@ -38,7 +38,8 @@ def add_arguments(p) -> None:
                    help="first iterations left out of the figures (default: the preset's, 1)")
     p.add_argument("--calibrate-iters", type=int, default=None,
                    help="iterations of an untimed DynaPipe run that measures the profile's fixed cost per stage op "
-                        "before the timed rounds; 0: none (default: the preset's, 2 for representative, 0 for tiny)")
+                        "before the timed rounds; 0: none (default: the preset's: 3 for representative, 4 for --model t5 "
+                        "tiny, else 0)")
     p.add_argument("--threads-per-rank", type=int, default=None, help="CPU threads per rank (default cores / ranks)")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="give up on a method after this long (s)")
     p.add_argument("--no-progress", action="store_true",
