@@ -44,7 +44,7 @@ from dynapipe.errors import DynaPipeError
 from megatron_integration import cpu_allocator
 from megatron_integration.cpu_affinity import bench_default
 from megatron_integration.bench_presets import fill_defaults
-from megatron_integration.bench_t5_entries import T5_BASELINES, T5_METHOD_FLAGS, best_runs, t5_entries
+from megatron_integration.bench_t5_entries import T5_BASELINES, T5_METHOD_FLAGS, UNCALIBRATED, best_runs, t5_entries
 
 
 # --manual-gc as in the GPT presets (see bench_presets._COMMON).
@@ -164,6 +164,7 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
     # machine unless --dynapipe-cost-model says otherwise (the analytic model misjudges the
     # encoder/decoder balance on CPUs).
     profile, profile_s, calibration = _flag_value(argv, "--dynapipe-cost-model"), None, None
+    measured = None  # the measured profile, when the bench calibrated it
     if profile is None:
         from megatron_integration.bench_t5_profile import measure_bench_profile
 
@@ -178,6 +179,7 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
 
             print(f"calibrating the profile's fixed cost per stage op ({calibrate_iters} DynaPipe iterations on the "
                   f"even split, untimed) ...", file=stream, flush=True)
+            measured = profile
             profile, calibration = calibrate_t5_profile(argv + ["--dynapipe-cost-model", profile], profile, cfg,
                                                         nproc, calibrate_iters, threads, timeout_s,
                                                         _flag_value(argv, "--dynapipe-placement"))
@@ -188,7 +190,8 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
     placement = _placement(argv, nproc, warmup)
     if placement["source"] == "auto":  # chosen once here: every run builds the same split
         argv += ["--dynapipe-placement", placement["placement"]]
-    entries = t5_entries(methods, sweep, placement)
+    entries = t5_entries(methods, sweep, placement, measured)
+    methods = list(methods) + ([UNCALIBRATED] if any(e.method == UNCALIBRATED for e in entries) else [])
     # Every run records executor traces: where each stage's time went (compute, bubble, ...).
     trace_root = os.path.splitext(output)[0] + ".traces"
     rounds = max(int(rounds), 1)
@@ -227,6 +230,10 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
                        for m in results for b in base if m != b})
     if best_base is not None and "dynapipe" in results:
         ratios["dynapipe_vs_best_baseline"] = ratios[f"dynapipe_vs_{best_base}"]
+    if UNCALIBRATED in per_entry and "dynapipe" in per_entry:
+        # Both on the bench's placement, planned with the calibrated and the measured profile.
+        ratios["calibrated_vs_uncalibrated"] = round(per_entry["dynapipe"]["real_tokens_per_s"]
+                                                     / per_entry[UNCALIBRATED]["real_tokens_per_s"], 3)
     report = {"model": "t5", "preset": preset, "about": p.about, "methods": results, "runs": per_entry,
               "ratios": ratios, "best_baseline": best_base, "placement": placement,
               "cost_model": {"profile": profile, "profile_s": None if profile_s is None else round(profile_s, 1),
@@ -355,10 +362,13 @@ def run_t5_cli(args, argv: list[str]) -> int:
     preset = args.preset
     methods = (list(T5_PRESETS[preset].methods) if args.methods is None
                else [m.strip() for m in args.methods.split(",") if m.strip()])
-    unknown = [m for m in methods if m not in T5_METHOD_FLAGS]
+    choices = [m for m in T5_METHOD_FLAGS if m != UNCALIBRATED]
+    unknown = [m for m in methods if m not in choices]
     if unknown or not methods or len(set(methods)) != len(methods):
+        extra = (f" ({UNCALIBRATED} runs by itself whenever the bench calibrates)"
+                 if UNCALIBRATED in unknown else "")
         raise DynaPipeError(f"--methods {args.methods!r}: for --model t5 choose each at most once from "
-                            f"{', '.join(T5_METHOD_FLAGS)}.")
+                            f"{', '.join(choices)}{extra}.")
     for flag in ("--use-dynapipe", "--dynapipe-batching", "--micro-batch-size"):
         if flag in argv:
             raise DynaPipeError(f"{flag}: the T5 bench sets the method and tunes the baselines' micro-batch size "

@@ -4,7 +4,9 @@ As each baseline keeps its fastest micro-batch size, every method keeps its fast
 placement: the bench's placement (what ``auto`` chose, or ``--dynapipe-placement``), the
 best contiguous split beside an interleaved one, and Megatron's even split. DynaPipe's
 even-split run is also reported as its own method, ``dynapipe-even``: the measured before of
-the placement. Pure Python.
+the placement. When the bench calibrated its profile, ``dynapipe-uncalibrated`` runs DynaPipe
+planned with the measured profile as it was, on the bench's placement: what the calibration
+changed, measured side by side. Pure Python.
 """
 from __future__ import annotations
 
@@ -16,10 +18,14 @@ T5_METHOD_FLAGS = {
     # DynaPipe on Megatron's even split (its entry carries the split): the measured "before"
     # of the stage placement.
     "dynapipe-even": ["--use-dynapipe"],
+    # DynaPipe planned with the profile before calibration (its entry carries that profile).
+    "dynapipe-uncalibrated": ["--use-dynapipe"],
     "padding": ["--dynapipe-batching", "padding"],
     "packing": ["--dynapipe-batching", "packing", "--reset-position-ids", "--reset-attention-mask"],
 }
 T5_BASELINES = ("padding", "packing")
+#: Added by the bench itself when it calibrates, not a ``--methods`` choice.
+UNCALIBRATED = "dynapipe-uncalibrated"
 
 
 @dataclass(frozen=True)
@@ -27,12 +33,14 @@ class T5Entry:
     """One run of the bench: a method at a micro-batch size (None: DynaPipe's own micro-batches),
     on the bench's stage placement or on ``split`` (a ``--dynapipe-placement`` SPEC: the best
     contiguous split or Megatron's even split, tried so that every method keeps its fastest
-    placement; ``split_name`` ends the label)."""
+    placement; ``split_name`` ends the label). ``extra``: flags after all others (the last
+    occurrence of a flag wins)."""
 
     method: str
     micro_batch_size: Optional[int] = None
     split: Optional[str] = None
     split_name: str = ""
+    extra: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
@@ -42,14 +50,18 @@ class T5Entry:
     def argv(self, argv: Sequence[str]) -> list[str]:
         out = list(argv) + T5_METHOD_FLAGS[self.method]
         out += ["--dynapipe-placement", self.split] if self.split else []
-        return out + (["--micro-batch-size", str(self.micro_batch_size)] if self.micro_batch_size else [])
+        out += ["--micro-batch-size", str(self.micro_batch_size)] if self.micro_batch_size else []
+        return out + list(self.extra)
 
 
-def t5_entries(methods: Sequence[str], sweep: Sequence[int], placement: dict) -> list[T5Entry]:
+def t5_entries(methods: Sequence[str], sweep: Sequence[int], placement: dict,
+               uncalibrated_profile: Optional[str] = None) -> list[T5Entry]:
     """Every run: each baseline at every size of ``sweep``; every method on the bench's
     placement (``placement``, see ``_placement``), on the best contiguous split when that
     placement is interleaved, and on Megatron's even split when it is not that (DynaPipe's
-    even-split run is ``dynapipe-even``)."""
+    even-split run is ``dynapipe-even``); with ``uncalibrated_profile`` (the profile the
+    bench calibrated) and DynaPipe among ``methods``, also :data:`UNCALIBRATED` on the bench's
+    placement."""
     chosen = placement["placement"]
     even = ((placement.get("simulated") or {}).get("even") or {}).get("placement")
     contiguous = (placement.get("search", {}).get("compared") or {}).get("contiguous")
@@ -69,6 +81,8 @@ def t5_entries(methods: Sequence[str], sweep: Sequence[int], placement: dict) ->
                     out.append(T5Entry(m, size, split, name))
                 elif "dynapipe-even" not in methods:  # else that method's run is this one
                     out.append(T5Entry("dynapipe-even", None, "even"))
+    if uncalibrated_profile and "dynapipe" in methods:
+        out.append(T5Entry(UNCALIBRATED, extra=("--dynapipe-cost-model", uncalibrated_profile)))
     return out
 
 

@@ -106,3 +106,40 @@ def test_bench_t5_keeps_each_methods_fastest_run_dynapipes_even_one_included():
     only = t5_entries(["dynapipe"], (1,), placed)
     figures["dynapipe"]["real_tokens_per_s"] = 1.0
     assert {m: e.label for m, (e, _) in best_runs(only, figures, ["dynapipe"]).items()} == {"dynapipe": "dynapipe-even"}
+
+
+def test_bench_t5_runs_dynapipe_with_the_profile_before_calibration_beside_it(tmp_path):
+    from megatron_integration.bench_t5_entries import UNCALIBRATED, best_runs, t5_entries
+    from megatron_integration.t5_arguments import parse_t5_args
+
+    measured, calibrated = str(tmp_path / "measured.json"), str(tmp_path / "calibrated.json")
+    for path in (measured, calibrated):
+        open(path, "w").write("{}")
+    placed = {"placement": "1+0,1+2", "simulated": {"even": {"placement": "2+0,0+2"}}}
+    entries = t5_entries(["dynapipe", "packing"], (1,), placed, measured)
+    assert [e.label for e in entries] == ["dynapipe", "dynapipe-even", "packing@mbs1", "packing@mbs1-even",
+                                          UNCALIBRATED]
+    # On the bench's placement, planned with the measured profile: the later flag wins.
+    argv = entries[-1].argv(["--dynapipe-cost-model", calibrated, "--dynapipe-placement", "1+0,1+2",
+                             "--encoder-num-layers", "2", "--decoder-num-layers", "2", "--hidden-size", "64",
+                             "--num-attention-heads", "4", "--encoder-seq-length", "128",
+                             "--decoder-seq-length", "64", "--global-batch-size", "8", "--mock-data",
+                             "--pipeline-model-parallel-size", "2", "--train-iters", "2", "--lr", "1e-4"])
+    cfg = parse_t5_args(argv, 2)
+    assert cfg.base.dynapipe.enabled and cfg.base.dynapipe.cost_model == measured
+    assert cfg.placement_flag == "1+0,1+2"
+    # It is its own method: never DynaPipe's fastest run.
+    figures = {e.label: {"real_tokens_per_s": 1.0} for e in entries}
+    figures[UNCALIBRATED]["real_tokens_per_s"] = 99.0
+    assert best_runs(entries, figures, ["dynapipe", "packing", UNCALIBRATED])["dynapipe"][0].label != UNCALIBRATED
+    # Nothing calibrated, or no DynaPipe: no such run.
+    assert UNCALIBRATED not in [e.label for e in t5_entries(["dynapipe"], (1,), placed)]
+    assert UNCALIBRATED not in [e.label for e in t5_entries(["packing"], (1,), placed, measured)]
+
+
+def test_bench_t5_refuses_the_uncalibrated_run_as_a_method(tmp_path, capsys):
+    from dynapipe.cli import main
+
+    assert main(["bench", "--model", "t5", "--output", str(tmp_path / "b.json"),
+                 "--methods", "dynapipe,dynapipe-uncalibrated"]) == 2
+    assert "dynapipe-uncalibrated runs by itself whenever the bench calibrates" in capsys.readouterr().err
