@@ -142,14 +142,15 @@ def breakdown_table(summaries: dict[str, dict]) -> str:
     """Where the time of an iteration went, per method and pipeline stage (ms, means over
     rounds and timed iterations). ``planner CPU``: CPU ms per iteration of the planner
     workers, all ranks together, spent on the same cores meanwhile (not a part of the sum)."""
-    header = (f"{'method':<14} {'stage':>5} {'iter ms':>9} {'compute':>9} {'bubble':>8} {'comm':>7} "
+    w = max([14] + [len(name) for name in summaries])
+    header = (f"{'method':<{w}} {'stage':>5} {'iter ms':>9} {'compute':>9} {'bubble':>8} {'comm':>7} "
               f"{'overhead':>9} {'(per mb)':>9} {'optim+grads':>12} {'plan wait':>10} {'unattrib.':>10} "
               f"{'planner CPU':>12}")
     lines = [header, "-" * len(header)]
     for name, s in summaries.items():
         cpu = "-" if s.get("planner_cpu_ms") is None else f"{s['planner_cpu_ms']:.1f}"
         for st in s.get("stages", []):
-            lines.append(f"{name:<14} {st['stage']:>5} {st['iteration']:>9.1f} {st['compute']:>9.1f} "
+            lines.append(f"{name:<{w}} {st['stage']:>5} {st['iteration']:>9.1f} {st['compute']:>9.1f} "
                          f"{st['bubble']:>8.1f} {st['comm']:>7.1f} {st['overhead']:>9.1f} "
                          f"{st['overhead_per_mb']:>9.2f} {st['optimizer_and_grads']:>12.1f} "
                          f"{st['plan_wait']:>10.1f} {st['unattributed']:>10.1f} {cpu:>12}")

@@ -246,11 +246,12 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
                         "cpu_allocator": cpu_allocator.describe(),
                         "executor": "every method through the DynaPipe executor (fixed-shape 1F1B plans for "
                                     "the baselines)"}}
-    print(f"{'method':<10} {'run':<14} {'real tok/s':>11} {'tok/CPU-s':>10} {'pad eff':>8} {'iter ms':>9}",
+    wm, wr = max([10] + [len(m) for m in results]), max([14] + [len(r["run"]) for r in results.values()])
+    print(f"{'method':<{wm}} {'run':<{wr}} {'real tok/s':>11} {'tok/CPU-s':>10} {'pad eff':>8} {'iter ms':>9}",
           file=stream)
     for m, r in results.items():
         per_cpu = r["real_tokens_per_cpu_s"]
-        print(f"{m:<10} {r['run']:<14} {r['real_tokens_per_s']:>11.1f} {per_cpu or 0:>10.1f} "
+        print(f"{m:<{wm}} {r['run']:<{wr}} {r['real_tokens_per_s']:>11.1f} {per_cpu or 0:>10.1f} "
               f"{r['padding_efficiency']:>8.3f} {r['iteration_ms']:>9.1f}", file=stream)
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x", file=stream)
