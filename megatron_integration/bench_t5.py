@@ -344,7 +344,7 @@ def t5_calibrate_iters(given: Optional[int], preset: str, argv: Sequence[str]) -
     """The calibration run's iterations: ``given`` (``--calibrate-iters``), else the preset's,
     which a given ``--dynapipe-cost-model`` turns off (there is no measured profile to
     calibrate); refuses 1 and negative counts, and an explicit calibration with a given model."""
-    model_given = "--dynapipe-cost-model" in {a.split("=")[0] for a in argv}
+    model_given = _flag_value(argv, "--dynapipe-cost-model") is not None
     if given is None:
         return 0 if model_given else T5_PRESETS[preset].calibrate_iters
     if given < 0 or given == 1:
