@@ -139,7 +139,8 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
     fixed cost per stage op before the timed runs (0: none; ignored with a given profile).
     ``rounds``: every run repeated in a rotated order (in the same job); each run's figures
     are those of its round with the median real tokens/s (the lower one of two)."""
-    from megatron_integration.bench_report import breakdown, breakdown_summary, breakdown_table
+    from megatron_integration.bench_report import breakdown, breakdown_summary, timed_indices
+    from megatron_integration.bench_t5_report import print_t5_report, round_ratios, trace_spread
     from megatron_integration.t5_arguments import parse_t5_args
     from megatron_integration.t5_jobs import run_t5_training
 
@@ -219,6 +220,9 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
         rows = breakdown([r[j] for r in ranks], warmup, trace[k, e.label])
         results[m]["time_breakdown_ms"], results[m]["time_split_ms"] = rows, breakdown_summary([rows])
         results[m]["time_split_ms"]["planner_cpu_ms"] = results[m]["planner_cpu_ms"]
+        timed = timed_indices([r[j] for r in ranks], warmup)
+        results[m]["same_shape_spread"] = (trace_spread(trace[k, e.label], timed)
+                                           if os.path.isdir(trace[k, e.label]) else None)
     checks, floor = _stage_checks(cfg, nproc, profile, results, ranks, picked, trace, warmup)
     base = [b for b in T5_BASELINES if b in results]
     best_base = max(base, key=lambda b: results[b]["real_tokens_per_s"], default=None)
@@ -230,12 +234,15 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
                        for m in results for b in base if m != b})
     if best_base is not None and "dynapipe" in results:
         ratios["dynapipe_vs_best_baseline"] = ratios[f"dynapipe_vs_{best_base}"]
+    pairs = {}
     if UNCALIBRATED in per_entry and "dynapipe" in per_entry:
         # Both on the bench's placement, planned with the calibrated and the measured profile.
+        pairs["calibrated_vs_uncalibrated"] = ("dynapipe", UNCALIBRATED)
         ratios["calibrated_vs_uncalibrated"] = round(per_entry["dynapipe"]["real_tokens_per_s"]
                                                      / per_entry[UNCALIBRATED]["real_tokens_per_s"], 3)
     report = {"model": "t5", "preset": preset, "about": p.about, "methods": results, "runs": per_entry,
-              "ratios": ratios, "best_baseline": best_base, "placement": placement,
+              "ratios": ratios, "ratios_per_round": round_ratios(results, per_entry, base, best_base, pairs),
+              "best_baseline": best_base, "placement": placement,
               "cost_model": {"profile": profile, "profile_s": None if profile_s is None else round(profile_s, 1),
                              "calibration": calibration, "stage_check": checks, "compute_floor": floor},
               "setup": {"argv": list(argv), "nproc": nproc, "warmup_iters": warmup, "sweep": list(sweep),
@@ -246,33 +253,7 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
                         "cpu_allocator": cpu_allocator.describe(),
                         "executor": "every method through the DynaPipe executor (fixed-shape 1F1B plans for "
                                     "the baselines)"}}
-    wm, wr = max([10] + [len(m) for m in results]), max([14] + [len(r["run"]) for r in results.values()])
-    print(f"{'method':<{wm}} {'run':<{wr}} {'real tok/s':>11} {'tok/CPU-s':>10} {'pad eff':>8} {'iter ms':>9}",
-          file=stream)
-    for m, r in results.items():
-        per_cpu = r["real_tokens_per_cpu_s"]
-        print(f"{m:<{wm}} {r['run']:<{wr}} {r['real_tokens_per_s']:>11.1f} {per_cpu or 0:>10.1f} "
-              f"{r['padding_efficiency']:>8.3f} {r['iteration_ms']:>9.1f}", file=stream)
-    for k, v in ratios.items():
-        print(f"{k}: {v:.2f}x", file=stream)
-    print(f"load average (1, 5, 15 min) at the start {load_start}, at the end {report['setup']['load_average']['end']}",
-          file=stream)
-    print("where an iteration's time went (ms per iteration, mean over timed iterations):", file=stream)
-    print(breakdown_table({m: r["time_split_ms"] for m, r in results.items() if r["time_split_ms"]}), file=stream)
-    sim = placement["simulated"]
-    print(f"stage placement {placement['placement']} ({placement['source']}); DynaPipe plans simulated: even split "
-          f"{sim['even']['placement']} bubble {100 * sim['even']['bubble_fraction']:.1f}% "
-          f"{sim['even']['simulated_ms']:.0f} ms, placed bubble {100 * sim['placed']['bubble_fraction']:.1f}% "
-          f"{sim['placed']['simulated_ms']:.0f} ms", file=stream)
-    from megatron_integration.bench_report import format_compute_floor
-    from megatron_integration.bench_t5_profile import format_stage_check
-
-    print(f"cost model {profile}{'' if profile_s is None else f' (measured in {profile_s:.1f} s)'}; compute per "
-          f"iteration and stage, predicted -> executed:", file=stream)
-    for m, check in checks.items():
-        print("  " + format_stage_check(f"{m} ({results[m]['run']})", check), file=stream)
-    if floor["predicted_ms"]:
-        print(format_compute_floor(floor, best_base), file=stream)
+    print_t5_report(report, stream)
     with open(output, "w") as f:
         json.dump(report, f, indent=1)
     return report

@@ -1,0 +1,85 @@
+"""What ``bench --model t5`` reports beyond each run's figures: the ratios round by round, and
+the spread of identical ops (the machine's noise), and how they are printed."""
+import io
+
+import pytest
+
+from megatron_integration.bench_t5_report import print_t5_report, round_ratios, same_shape_spread
+
+
+def _runs(**rounds):
+    return {label: {"rounds_real_tokens_per_s": list(v)} for label, v in rounds.items()}
+
+
+def test_round_ratios_pair_the_reported_runs_round_by_round():
+    results = {"dynapipe": {"run": "dynapipe-even"}, "padding": {"run": "padding@mbs2"},
+               "packing": {"run": "packing@mbs1"}}
+    runs = _runs(**{"dynapipe-even": (200.0, 150.0, 180.0), "padding@mbs2": (50.0, 50.0, 60.0),
+                    "packing@mbs1": (100.0, 60.0, 90.0), "dynapipe": (190.0, 120.0, 170.0)})
+    out = round_ratios(results, runs, ["padding", "packing"], "packing",
+                       {"even_vs_placed": ("dynapipe-even", "dynapipe")})
+    assert out["dynapipe_vs_packing"] == [2.0, 2.5, 2.0]
+    assert out["dynapipe_vs_padding"] == [4.0, 3.0, 3.0]
+    assert out["padding_vs_packing"] == [0.5, pytest.approx(0.833), pytest.approx(0.667)]
+    assert out["packing_vs_padding"] == [2.0, 1.2, 1.5]
+    # The best baseline's and the named pairs' ratios the same way.
+    assert out["dynapipe_vs_best_baseline"] == out["dynapipe_vs_packing"]
+    assert out["even_vs_placed"] == [pytest.approx(1.053), 1.25, pytest.approx(1.059)]
+    assert "padding_vs_padding" not in out
+
+
+def test_round_ratios_are_empty_with_one_round():
+    results = {"dynapipe": {"run": "dynapipe"}, "packing": {"run": "packing@mbs1"}}
+    assert round_ratios(results, _runs(dynapipe=(2.0,), **{"packing@mbs1": (1.0,)}), ["packing"], "packing") == {}
+
+
+def _op(dur_us, kind="backward", stage=0, mbs=1, seqlen=1024, dec=256, chunk=None, replica=0):
+    args = {"mbs": mbs, "seqlen": seqlen, "dec_seqlen": dec, "iteration": 1}
+    if chunk is not None:
+        args["chunk"] = chunk
+    return {"ph": "X", "cat": kind, "pid": replica, "tid": stage, "dur": dur_us, "args": args}
+
+
+def test_same_shape_spread_divides_each_op_by_its_groups_median():
+    # Two groups of identical ops: times 1, 2, 2, 4 (median 2) and 10, 10, 10 (median 10).
+    events = [_op(t) for t in (1.0, 2.0, 2.0, 4.0)] + [_op(t, kind="forward") for t in (10.0, 10.0, 10.0)]
+    # Too few of a shape, another stage, or another chunk: each its own group, all left out.
+    events += [_op(5.0, seqlen=512), _op(50.0, stage=1), _op(50.0, stage=1), _op(3.0, chunk=1)]
+    events += [{"ph": "X", "cat": "comm", "pid": 0, "tid": 0, "dur": 99.0, "args": {}}]
+    out = same_shape_spread(events)
+    assert out["groups"] == 2 and out["ops"] == 7
+    # Quotients 0.5, 1, 1, 2, 1, 1, 1: the 10th and 90th percentiles (linear).
+    assert out["p10"] == pytest.approx(0.8) and out["p90"] == pytest.approx(1.4)
+    assert out["p90_over_p10"] == pytest.approx(1.75)
+
+
+def test_same_shape_spread_keeps_replicas_apart_and_needs_a_repeated_shape():
+    # Each replica's stage 0 has two ops of the shape: together three would make a group.
+    assert same_shape_spread([_op(1.0), _op(2.0), _op(1.0, replica=1), _op(9.0, replica=1)]) is None
+    assert same_shape_spread([]) is None
+
+
+def _report(per_round, spread):
+    method = {"run": "dynapipe-even", "real_tokens_per_cpu_s": 1.0, "real_tokens_per_s": 2.0,
+              "padding_efficiency": 0.9, "iteration_ms": 10.0, "time_split_ms": {}, "same_shape_spread": None}
+    packing = {**method, "run": "packing@mbs1", "real_tokens_per_s": 1.0, "same_shape_spread": spread}
+    placed = {"placement": "2+0,0+2", "bubble_fraction": 0.2, "simulated_ms": 5.0}
+    return {"methods": {"dynapipe": method, "packing": packing}, "ratios": {"dynapipe_vs_packing": 2.0},
+            "ratios_per_round": per_round, "best_baseline": "packing",
+            "setup": {"load_average": {"start": [1.0], "end": [2.0]}},
+            "placement": {"placement": "2+0,0+2", "source": "even", "simulated": {"even": placed, "placed": placed}},
+            "cost_model": {"profile": "p.json", "profile_s": None, "stage_check": {},
+                           "compute_floor": {"predicted_ms": {}}}}
+
+
+def test_the_report_prints_each_ratio_round_by_round_and_the_ops_spread():
+    spread = {"ops": 92, "groups": 4, "p10": 0.54, "p90": 1.19, "p90_over_p10": 2.2}
+    out = io.StringIO()
+    print_t5_report(_report({"dynapipe_vs_packing": [1.94, 1.46]}, spread), out)
+    text = out.getvalue()
+    assert "dynapipe_vs_packing: 2.00x (round by round: 1.94x, 1.46x)" in text
+    assert "packing 0.54-1.19 (92 ops)" in text and "dynapipe 0." not in text
+    # One round, no repeated shapes: neither line.
+    out = io.StringIO()
+    print_t5_report(_report({}, None), out)
+    assert "dynapipe_vs_packing: 2.00x\n" in out.getvalue() and "identical ops" not in out.getvalue()
