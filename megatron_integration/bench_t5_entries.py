@@ -34,13 +34,15 @@ class T5Entry:
     on the bench's stage placement or on ``split`` (a ``--dynapipe-placement`` SPEC: the best
     contiguous split or Megatron's even split, tried so that every method keeps its fastest
     placement; ``split_name`` ends the label). ``extra``: flags after all others (the last
-    occurrence of a flag wins)."""
+    occurrence of a flag wins). ``also``: the methods this run also stands for (DynaPipe's run
+    on a bench placement that is the even split is ``dynapipe-even``'s too)."""
 
     method: str
     micro_batch_size: Optional[int] = None
     split: Optional[str] = None
     split_name: str = ""
     extra: tuple[str, ...] = ()
+    also: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
@@ -59,7 +61,8 @@ def t5_entries(methods: Sequence[str], sweep: Sequence[int], placement: dict,
     """Every run: each baseline at every size of ``sweep``; every method on the bench's
     placement (``placement``, see ``_placement``), on the best contiguous split when that
     placement is interleaved, and on Megatron's even split when it is not that (DynaPipe's
-    even-split run is ``dynapipe-even``); with ``uncalibrated_profile`` (the profile the
+    even-split run is ``dynapipe-even``; on the even split itself DynaPipe runs once, for
+    both); with ``uncalibrated_profile`` (the profile the
     bench calibrated) and DynaPipe among ``methods``, also :data:`UNCALIBRATED` on the bench's
     placement."""
     chosen = placement["placement"]
@@ -70,14 +73,21 @@ def t5_entries(methods: Sequence[str], sweep: Sequence[int], placement: dict,
         splits.append((contiguous, "contiguous"))
     if even and chosen != even:
         splits.append(("even", "even"))
+    # The bench's placement is the even split: one DynaPipe run is both methods' (the same
+    # config run twice measured nothing but the machine).
+    one_run = even is not None and chosen == even and "dynapipe" in methods
     out = []
     for m in methods:
         if m == "dynapipe-even":
-            out.append(T5Entry(m, None, "even"))
+            if not one_run:
+                out.append(T5Entry(m, None, "even"))
             continue
         for size in (sweep if m in T5_BASELINES else (None,)):
             for split, name in splits:
-                if m != "dynapipe" or name != "even":
+                if m == "dynapipe" and not name:
+                    out.append(T5Entry(m, size, split, name,
+                                       also=("dynapipe-even",) if one_run and "dynapipe-even" in methods else ()))
+                elif m != "dynapipe" or name != "even":
                     out.append(T5Entry(m, size, split, name))
                 elif "dynapipe-even" not in methods:  # else that method's run is this one
                     out.append(T5Entry("dynapipe-even", None, "even"))
@@ -89,10 +99,11 @@ def t5_entries(methods: Sequence[str], sweep: Sequence[int], placement: dict,
 def best_runs(entries: Sequence[T5Entry], figures: dict, methods: Sequence[str]) -> dict:
     """``method -> (entry, figures)`` of each method's fastest run (``figures``: label ->
     the run's figures, ``real_tokens_per_s`` among them): over its micro-batch sizes and
-    placements; DynaPipe's candidates include its even-split run."""
+    placements; DynaPipe's candidates include its even-split run, and a run stands for the
+    methods of its ``also`` too."""
     best: dict = {}
     for e in entries:
-        candidate_of = {e.method} | ({"dynapipe"} if e.method == "dynapipe-even" else set())
+        candidate_of = {e.method, *e.also} | ({"dynapipe"} if e.method == "dynapipe-even" else set())
         for m in candidate_of & set(methods):
             if m not in best or figures[e.label]["real_tokens_per_s"] > best[m][1]["real_tokens_per_s"]:
                 best[m] = (e, figures[e.label])

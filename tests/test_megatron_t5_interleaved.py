@@ -86,6 +86,17 @@ def test_bench_t5_every_method_also_runs_contiguous_and_even_and_keeps_its_best(
     assert [e.label for e in t5_entries(["packing"], (1,), contiguous)] == ["packing@mbs1", "packing@mbs1-even"]
     on_even = {"placement": "2+0,0+2", "simulated": even}
     assert [e.label for e in t5_entries(["packing"], (1,), on_even)] == ["packing@mbs1"]
+    # On the even split, DynaPipe runs once for both of its methods; dynapipe-even alone keeps its run.
+    from megatron_integration.bench_t5_entries import best_runs
+
+    once = t5_entries(["dynapipe", "dynapipe-even", "packing"], (1,), on_even)
+    assert [(e.label, e.also) for e in once] == [("dynapipe", ("dynapipe-even",)), ("packing@mbs1", ())]
+    figures = {"dynapipe": {"real_tokens_per_s": 2.0}, "packing@mbs1": {"real_tokens_per_s": 1.0}}
+    best = best_runs(once, figures, ["dynapipe", "dynapipe-even", "packing"])
+    assert {m: e.label for m, (e, _) in best.items()} == {"dynapipe": "dynapipe", "dynapipe-even": "dynapipe",
+                                                           "packing": "packing@mbs1"}
+    assert [e.label for e in t5_entries(["dynapipe-even"], (1,), on_even)] == ["dynapipe-even"]
+    assert [(e.label, e.also) for e in t5_entries(["dynapipe"], (1,), on_even)] == [("dynapipe", ())]
 
 
 def test_bench_t5_keeps_each_methods_fastest_run_dynapipes_even_one_included():
