@@ -97,7 +97,8 @@ def t5_entries(methods: Sequence[str], sweep: Sequence[int], placement: dict,
 
 
 def best_runs(entries: Sequence[T5Entry], figures: dict, methods: Sequence[str]) -> dict:
-    """``method -> (entry, figures)`` of each method's fastest run (``figures``: label ->
+    """``method -> (entry, figures)`` of each method's fastest run, in the order of ``methods``
+    (``figures``: label ->
     the run's figures, ``real_tokens_per_s`` among them): over its micro-batch sizes and
     placements; DynaPipe's candidates include its even-split run, and a run stands for the
     methods of its ``also`` too."""
@@ -107,4 +108,4 @@ def best_runs(entries: Sequence[T5Entry], figures: dict, methods: Sequence[str])
         for m in candidate_of & set(methods):
             if m not in best or figures[e.label]["real_tokens_per_s"] > best[m][1]["real_tokens_per_s"]:
                 best[m] = (e, figures[e.label])
-    return best
+    return {m: best[m] for m in methods if m in best}
