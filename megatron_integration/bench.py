@@ -38,7 +38,7 @@ from megatron_integration.bench_presets import (BASELINES, METHOD_FLAGS, PRESETS
                                                 REFERENCE_SEQ_LENGTH, Preset, fill_defaults, flag_value,
                                                 with_defaults)
 from megatron_integration.bench_report import (breakdown, breakdown_summary, breakdown_table, format_compute_floor,
-                                               ratio_table, write_png)
+                                               ratio_table, round_ratios, write_png)
 from megatron_integration.bench_results import MethodResult, median_result, stage_activation_peaks, summarise
 from megatron_integration.jobs import run_training
 
@@ -338,6 +338,13 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
             if m in results:
                 report["ratios"][f"{m}_vs_best_baseline"] = round(
                     results[m].real_tokens_per_s / results[best_base].real_tokens_per_s, 3)
+    report["ratios_per_round"] = round_ratios(
+        report["methods"], {e.label: {"rounds_real_tokens_per_s": [r.real_tokens_per_s for r in runs[e.label]]}
+                            for e in chosen.values()},
+        [b for b in BASELINES if b in results], best_base, best_for=("dynapipe", "dynapipe-1f1b"))
+    if report["ratios_per_round"]:
+        print("\nratios round by round (each round's runs side by side): " + "; ".join(
+            f"{k} {', '.join(f'{x:.2f}x' for x in v)}" for k, v in report["ratios_per_round"].items()), file=stream)
     with open(output, "w") as f:
         json.dump(report, f, indent=1)
     if png:

@@ -2,8 +2,8 @@
 
 :func:`breakdown` says where the time of the timed iterations went on each rank, from
 what the run recorded (megatron-core's steps timed as they ran, or the DynaPipe
-executor's traces); :func:`ratio_table`, :func:`breakdown_table` and :func:`write_png`
-present a run's :class:`~megatron_integration.bench_results.MethodResult` figures, and
+executor's traces); :func:`ratio_table`, :func:`round_ratios`, :func:`breakdown_table`
+and :func:`write_png` present a run's :class:`~megatron_integration.bench_results.MethodResult` figures, and
 :func:`format_compute_floor` the compute floor of its timed batches.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import glob
 import json
 import os
 import statistics
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 if TYPE_CHECKING:
     from megatron_integration.bench_results import MethodResult
@@ -85,6 +85,31 @@ def ratio_table(results: dict[str, MethodResult], baselines: tuple[str, ...] = (
                      f"{r.padding_efficiency:>8.3f} {r.iteration_ms:>10.1f} {r.plan_wait_ms:>13.2f} "
                      f"{('-' if share is None else f'{share:.1%}'):>10}" + "".join(f" {v:>14}" for v in vs))
     return "\n".join(lines)
+
+
+def round_ratios(results: dict, runs: dict, baselines: Sequence[str], best_baseline: Optional[str] = None,
+                 pairs: Optional[dict[str, tuple[str, str]]] = None,
+                 best_for: Sequence[str] = ("dynapipe",)) -> dict[str, list[float]]:
+    """``{"<method>_vs_<baseline>": [ratio of round 0, round 1, ...]}``: real tokens/s of each
+    method's reported run (``results[m]["run"]``) over the baseline's, round by round
+    (``runs[label]["rounds_real_tokens_per_s"]`` in round order), with
+    ``<m>_vs_best_baseline`` for the methods of ``best_for`` and ``pairs`` (``name -> (run
+    label, run label)``) the same way; empty with one round.
+
+    Why: each method reports its median round, and two methods' medians may come from rounds
+    minutes apart; the runs of one round ran side by side, so these ratios and their spread
+    say how far one round can be trusted on a shared machine."""
+    named = {f"{m}_vs_{b}": (results[m]["run"], results[b]["run"]) for m in results for b in baselines if b != m}
+    if best_baseline is not None:
+        named.update({f"{m}_vs_best_baseline": named[f"{m}_vs_{best_baseline}"] for m in best_for if m in results})
+    named.update(pairs or {})
+    out: dict[str, list[float]] = {}
+    for name, (a, b) in named.items():
+        mine, theirs = runs[a]["rounds_real_tokens_per_s"], runs[b]["rounds_real_tokens_per_s"]
+        if min(len(mine), len(theirs)) < 2:
+            return {}
+        out[name] = [round(x / y, 3) for x, y in zip(mine, theirs)]
+    return out
 
 
 def write_png(results: dict[str, MethodResult], path: str, title: str) -> None:

@@ -139,8 +139,8 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
     fixed cost per stage op before the timed runs (0: none; ignored with a given profile).
     ``rounds``: every run repeated in a rotated order (in the same job); each run's figures
     are those of its round with the median real tokens/s (the lower one of two)."""
-    from megatron_integration.bench_report import breakdown, breakdown_summary, timed_indices
-    from megatron_integration.bench_t5_report import print_t5_report, round_ratios, trace_spread
+    from megatron_integration.bench_report import breakdown, breakdown_summary, round_ratios, timed_indices
+    from megatron_integration.bench_t5_report import print_t5_report, trace_spread
     from megatron_integration.t5_arguments import parse_t5_args
     from megatron_integration.t5_jobs import run_t5_training
 

@@ -1,9 +1,7 @@
 """What ``bench --model t5`` prints and adds to its JSON beyond the figures of each run.
 
-* :func:`round_ratios`: every ratio of the report, round by round. Each method's reported
-  run is the round with its median real tokens/s, and the medians of two methods may come
-  from different rounds; the per-round ratios pair two runs of the same round (minutes
-  apart, not tens of minutes), so their spread shows how far one round can be trusted.
+* every ratio of the report, round by round
+  (:func:`~megatron_integration.bench_report.round_ratios`), printed beside it;
 * :func:`same_shape_spread`: how much the time of one op varied within a run when its
   work did not (the same forward or backward, stage and shape). The work of such ops is
   identical, so their spread is the machine's: on a shared 2-core host, the 21 identical
@@ -17,25 +15,6 @@ import statistics
 from typing import Optional, Sequence, TextIO
 
 import numpy as np
-
-
-def round_ratios(results: dict, runs: dict, baselines: Sequence[str], best_baseline: Optional[str] = None,
-                 pairs: Optional[dict[str, tuple[str, str]]] = None) -> dict[str, list[float]]:
-    """``{"<method>_vs_<baseline>": [ratio of round 0, round 1, ...]}``: real tokens/s of each
-    method's reported run over the baseline's, round by round (``runs[label]
-    ["rounds_real_tokens_per_s"]`` in round order), with ``dynapipe_vs_best_baseline`` and
-    ``pairs`` (``name -> (run label, run label)``) the same way; empty with one round."""
-    named = {f"{m}_vs_{b}": (results[m]["run"], results[b]["run"]) for m in results for b in baselines if b != m}
-    if best_baseline is not None and "dynapipe" in results:
-        named["dynapipe_vs_best_baseline"] = named[f"dynapipe_vs_{best_baseline}"]
-    named.update(pairs or {})
-    out: dict[str, list[float]] = {}
-    for name, (a, b) in named.items():
-        mine, theirs = runs[a]["rounds_real_tokens_per_s"], runs[b]["rounds_real_tokens_per_s"]
-        if min(len(mine), len(theirs)) < 2:
-            return {}
-        out[name] = [round(x / y, 3) for x, y in zip(mine, theirs)]
-    return out
 
 
 def same_shape_spread(events: Sequence[dict], min_ops: int = 3) -> Optional[dict]:

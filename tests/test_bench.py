@@ -89,6 +89,14 @@ def test_bench_rounds_sweep_and_methods(tmp_path):
     full_padding = methods["dynapipe"]["real_tokens_per_iteration"] / (8 * 128)
     assert 0 < full_padding < 1 and methods["dynapipe"]["padding_efficiency"] > full_padding
     assert report["best_baseline"] in ("padding-mb", "packing") and "dynapipe_vs_best_baseline" in report["ratios"]
+    # Every ratio round by round: the two methods' runs of the same round, side by side.
+    per_round = report["ratios_per_round"]
+    assert set(per_round) == set(report["ratios"])
+    for k in range(2):
+        mine, theirs = (methods[m]["rounds_real_tokens_per_s"][k] for m in ("dynapipe", "packing"))
+        assert per_round["dynapipe_vs_packing"][k] == pytest.approx(mine / theirs, rel=2e-3)
+    assert per_round["dynapipe_vs_best_baseline"] == per_round[f"dynapipe_vs_{report['best_baseline']}"]
+    assert "ratios round by round" in result.stdout
     assert "vs packing" in result.stdout and "attn share" in result.stdout and "bubble" in result.stdout
     assert png.stat().st_size > 1000
 

@@ -4,7 +4,8 @@ import io
 
 import pytest
 
-from megatron_integration.bench_t5_report import print_t5_report, round_ratios, same_shape_spread
+from megatron_integration.bench_report import round_ratios
+from megatron_integration.bench_t5_report import print_t5_report, same_shape_spread
 
 
 def _runs(**rounds):
