@@ -35,20 +35,20 @@ def training_jobs(runs: Sequence[Sequence[str]], echo: bool = False) -> list[dic
     a picklable summary of each (as :func:`training_job`'s).
 
     Each command line is parsed just before its run (a run may load what an earlier one
-    saved), and megatron's parallel state is torn down after every run, so each run sets up
+    saved), and megatron's parallel state and every process group the run created are torn down after
+    every run (:func:`~megatron_integration.initialize.end_run`; ``threads_after`` counts the
+    rank's threads then), so each run sets up
     its own pipeline/data-parallel layout and seeds as a fresh job would."""
-    from megatron.core import parallel_state
-
     from megatron_integration.arguments import parse_training_args
-    from megatron_integration.initialize import destroy
+    from megatron_integration.initialize import destroy, end_run, thread_count
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     out = []
     try:
         for argv in runs:
             out.append(_train(parse_training_args(list(argv), world), echo))
-            if parallel_state.model_parallel_is_initialized():
-                parallel_state.destroy_model_parallel()
+            end_run()
+            out[-1]["threads_after"] = thread_count()
     finally:
         destroy()
     return out

@@ -19,10 +19,12 @@ from megatron_integration.launch import spawn
 
 def t5_training_job(runs: Sequence[Sequence[str]], echo: bool = False) -> list[dict]:
     """Rank body: train each command line of ``runs`` in turn; a picklable summary of each.
-    megatron's parallel state is torn down after every run, so each run sets up its own
+    megatron's parallel state and every process group the run created are torn down after
+    every run (:func:`~megatron_integration.initialize.end_run`; ``threads_after`` counts the
+    rank's threads then), so each run sets up its own
     tensor/pipeline/data-parallel layout as a fresh job would."""
     from megatron_integration.cpu_time import IterationCpu
-    from megatron_integration.initialize import destroy
+    from megatron_integration.initialize import destroy, end_run, thread_count
     from megatron_integration.t5_arguments import parse_t5_args
     from megatron_integration.t5_training import pretrain_t5
 
@@ -38,7 +40,8 @@ def t5_training_job(runs: Sequence[Sequence[str]], echo: bool = False) -> list[d
             out.append(dict(iteration_summary(cfg.method, run, cpu, parallel_state.get_pipeline_model_parallel_rank()),
                             eval_lines=run.eval_lines, eval_path=run.eval_path,
                             tp_size=parallel_state.get_tensor_model_parallel_world_size()))
-            parallel_state.destroy_model_parallel()
+            end_run()
+            out[-1]["threads_after"] = thread_count()
     finally:
         destroy()
     return out

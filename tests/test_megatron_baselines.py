@@ -47,6 +47,14 @@ def pp2():
     return dict(zip(PP2_RUNS, runs))
 
 
+def test_the_runs_of_one_job_leave_no_threads_behind(pp2):
+    # end_run destroys each run's process groups: before, every run left megatron-core's
+    # gloo groups alive (three threads each), and a job's later runs ran among them.
+    for rank in range(2):
+        counts = [ranks[rank]["threads_after"] for ranks in pp2.values()]
+        assert max(counts) - min(counts) <= 16, counts
+
+
 def test_pp2_padding_matches_single_process(single_process, pp2):
     ref, ref_ranks = single_process
     got, ranks = checked(pp2["padding"])
