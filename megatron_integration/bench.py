@@ -338,9 +338,9 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
             if m in results:
                 report["ratios"][f"{m}_vs_best_baseline"] = round(
                     results[m].real_tokens_per_s / results[best_base].real_tokens_per_s, 3)
+    # Each reported method carries its run's label and its figure of every round.
     report["ratios_per_round"] = round_ratios(
-        report["methods"], {e.label: {"rounds_real_tokens_per_s": [r.real_tokens_per_s for r in runs[e.label]]}
-                            for e in chosen.values()},
+        report["methods"], {r["run"]: r for r in report["methods"].values()},
         [b for b in BASELINES if b in results], best_base, best_for=("dynapipe", "dynapipe-1f1b"))
     if report["ratios_per_round"]:
         print("\nratios round by round (each round's runs side by side): " + "; ".join(
