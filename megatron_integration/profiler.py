@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_flatten
 from dynapipe.cost.profile import FIELDS, LEVEL_OPS, OPS, PROFILE_FORMAT, PROFILE_VERSION
 from dynapipe.runtime.activation_meter import ActivationMeter
 from megatron_integration.train_config import GPTModelArgs, ParallelArgs
+from megatron_integration.masked_softmax import use_additive_masks
 
 MIB = float(1 << 20)
 
@@ -219,6 +220,8 @@ class _Ops:
                              **common).to(device)
         self.model, self.device = model, device
         self.dtype = tconfig.params_dtype
+        if device.type == "cpu":  # as the training stages are built (megatron_integration.masked_softmax)
+            use_additive_masks(self.layer)
 
     def layer_fn(self, b: int, s: int, level: str = "none"):
         x = torch.randn(s // self.shard, b, self.model.hidden_size, device=self.device, dtype=self.dtype,

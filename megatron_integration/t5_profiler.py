@@ -32,6 +32,7 @@ from dynapipe.cost.profile import PROFILE_FORMAT, PROFILE_VERSION
 from dynapipe.cost.profile_t5 import FIELDS, KIND_ENCODER_DECODER, T5_AXES, T5_OPS
 from megatron_integration.profiler import measure_op
 from megatron_integration.train_config import GPTModelArgs, ParallelArgs
+from megatron_integration.masked_softmax import use_additive_masks
 
 
 class T5Ops:
@@ -61,6 +62,9 @@ class T5Ops:
         self.lm_head = T5LMHead(config, parallel_output=True, vocab_size=model.vocab_size, pre_process=False,
                                 share_embeddings_and_output_weights=False).to(device)
         self.model, self.device, self.dtype = model, device, config.params_dtype
+        if device.type == "cpu":  # as the training stages are built (megatron_integration.masked_softmax)
+            for block in (self.encoder, self.decoder):
+                use_additive_masks(block)
         # Under sequence parallelism a stage's inputs and outputs are this rank's sequence shard.
         self.shards = tp if sequence_parallel else 1
 
