@@ -3,10 +3,13 @@
 * every ratio of the report, round by round
   (:func:`~megatron_integration.bench_report.round_ratios`), printed beside it;
 * :func:`same_shape_spread`: how much the time of one op varied within a run when its
-  work did not (the same forward or backward, stage and shape). The work of such ops is
-  identical, so their spread is the machine's: on a shared 2-core host, the 21 identical
-  encoder backwards of one packing run took from 44 to 175 ms, with the other rank idle
-  for some of the slow ones and busy for some of the fast ones.
+  shape did not (the same forward or backward, stage and shape). Such ops do the same
+  work but for their attention masks: a row of one whole sample needs none
+  (:func:`~megatron_integration.t5_step.needed_mask`), so a packing run's single-sample
+  rows run a little faster than its packed ones. With megatron-core's in-place
+  ``masked_fill_`` that difference was most of the spread (encoder backwards of 48 against
+  100 ms); with the additive mask (:mod:`megatron_integration.masked_softmax`) what is
+  left is mostly the machine's.
 * :func:`print_t5_report`: the tables and lines the bench prints.
 """
 from __future__ import annotations
@@ -73,7 +76,8 @@ def print_t5_report(report: dict, stream: TextIO) -> None:
     if spread:
         print("identical ops (same stage, pass and shape), time over their median, 10th-90th percentile: "
               + "; ".join(f"{m} {s['p10']:.2f}-{s['p90']:.2f} ({s['ops']} ops)" for m, s in spread.items())
-              + " (the machine's noise: the work was the same)", file=stream)
+              + " (the same work but for the rows that need no attention mask: mostly the machine's noise)",
+              file=stream)
     load = report["setup"]["load_average"]
     print(f"load average (1, 5, 15 min) at the start {load['start']}, at the end {load['end']}", file=stream)
     print("where an iteration's time went (ms per iteration, mean over timed iterations):", file=stream)

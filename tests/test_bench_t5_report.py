@@ -1,5 +1,5 @@
 """What ``bench --model t5`` reports beyond each run's figures: the ratios round by round, and
-the spread of identical ops (the machine's noise), and how they are printed."""
+the spread of ops of one shape (mostly the machine's noise), and how they are printed."""
 import io
 
 import pytest
