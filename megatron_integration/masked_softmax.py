@@ -20,8 +20,6 @@ and whose keys no other query sees, so no loss and no gradient changes.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 # megatron-core's attention_mask_func fills masked scores with this value.
@@ -29,20 +27,23 @@ MASK_FILL = -10000.0
 
 
 class _BiasCache:
-    """The bias of the last mask seen: every layer of a stage is given the same mask object
-    for a micro-batch, so the bias is built once per micro-batch, not once per layer."""
+    """The biases of the last few masks seen. Every layer of a stage is given the same mask
+    objects for a micro-batch (a T5 decoder layer alternates its self-attention and its
+    cross-attention mask), so each bias is built once per micro-batch, not once per layer.
+    The entries hold their masks, so an identity match cannot be a recycled object."""
 
-    def __init__(self) -> None:
-        self.mask: Optional[torch.Tensor] = None
-        self.version = -1
-        self.dtype: Optional[torch.dtype] = None
-        self.bias: Optional[torch.Tensor] = None
+    def __init__(self, size: int = 4) -> None:
+        self.size = size
+        self.entries: list[tuple[torch.Tensor, int, torch.dtype, torch.Tensor]] = []
 
     def bias_of(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if self.mask is not mask or self.version != mask._version or self.dtype != dtype:
-            bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, MASK_FILL)
-            self.mask, self.version, self.dtype, self.bias = mask, mask._version, dtype, bias
-        return self.bias
+        for i, (m, version, dt, bias) in enumerate(self.entries):
+            if m is mask and version == mask._version and dt == dtype:
+                self.entries.insert(0, self.entries.pop(i))
+                return bias
+        bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, MASK_FILL)
+        self.entries = [(mask, mask._version, dtype, bias)] + self.entries[:self.size - 1]
+        return bias
 
 
 _CACHE = _BiasCache()

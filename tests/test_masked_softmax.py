@@ -141,3 +141,17 @@ def test_use_additive_masks_counts_what_it_changed():
     assert use_additive_masks(holder) == 2
     assert all(m.mask_func is additive_attention_mask for m in holder if hasattr(m, "mask_func"))
     assert use_additive_masks(torch.nn.Linear(2, 2)) == 0
+
+
+def test_each_mask_gets_its_bias_once_and_a_changed_mask_a_new_one():
+    from megatron_integration.masked_softmax import _BiasCache
+
+    cache = _BiasCache(size=2)
+    a, b = torch.tensor([[True, False]]), torch.tensor([[False, True]])
+    first = cache.bias_of(a, torch.float32)
+    assert first.tolist() == [[-10000.0, 0.0]]
+    assert cache.bias_of(b, torch.float32).tolist() == [[0.0, -10000.0]]
+    assert cache.bias_of(a, torch.float32) is first                 # alternating masks: no rebuild
+    assert cache.bias_of(a, torch.bfloat16).dtype == torch.bfloat16  # another dtype: its own bias
+    a[0, 1] = True                                                   # changed in place: rebuilt
+    assert cache.bias_of(a, torch.float32).tolist() == [[-10000.0, -10000.0]]
