@@ -3,13 +3,12 @@
 * every ratio of the report, round by round
   (:func:`~megatron_integration.bench_report.round_ratios`), printed beside it;
 * :func:`same_shape_spread`: how much the time of one op varied within a run when its
-  shape did not (the same forward or backward, stage and shape). Such ops do the same
-  work but for their attention masks: a row of one whole sample needs none
-  (:func:`~megatron_integration.t5_step.needed_mask`), so a packing run's single-sample
-  rows run a little faster than its packed ones. With megatron-core's in-place
-  ``masked_fill_`` that difference was most of the spread (encoder backwards of 48 against
-  100 ms); with the additive mask (:mod:`megatron_integration.masked_softmax`) what is
-  left is mostly the machine's.
+  work did not (the same forward or backward, stage, shape, and attention mask or none:
+  a row of one whole sample needs none, :func:`~megatron_integration.t5_step.needed_mask`,
+  and the T5 handlers' ``trace_note`` records which ops applied one). The work of such ops
+  is the same, so their spread is the machine's. Grouped by shape alone, a packing run's
+  encoder backwards had split into 48 ms (no mask) and 100 ms (megatron-core's in-place
+  ``masked_fill_``), which read as noise.
 * :func:`print_t5_report`: the tables and lines the bench prints.
 """
 from __future__ import annotations
@@ -22,8 +21,9 @@ import numpy as np
 
 def same_shape_spread(events: Sequence[dict], min_ops: int = 3) -> Optional[dict]:
     """How much identical ops among executor trace ``events`` varied: ops are grouped by
-    replica and stage (``pid``/``tid``), chunk, forward or backward, and shape (``mbs``,
-    ``seqlen``, ``dec_seqlen``); every op of a group of at least ``min_ops`` is divided by
+    replica and stage (``pid``/``tid``), chunk, forward or backward, shape (``mbs``,
+    ``seqlen``, ``dec_seqlen``) and whether they applied an attention mask (``masked``,
+    where the trace records it); every op of a group of at least ``min_ops`` is divided by
     its group's median time, and the 10th and 90th percentiles of those quotients are
     returned with their ratio (``{"ops", "groups", "p10", "p90", "p90_over_p10"}``), or
     None where no group is large enough. Percentiles of quotients, not a group's slowest
@@ -34,7 +34,7 @@ def same_shape_spread(events: Sequence[dict], min_ops: int = 3) -> Optional[dict
             continue
         a = e.get("args", {})
         key = (e.get("pid"), e.get("tid"), a.get("chunk", 0), e["cat"], a.get("mbs"), a.get("seqlen"),
-               a.get("dec_seqlen"))
+               a.get("dec_seqlen"), a.get("masked"))
         groups.setdefault(key, []).append(float(e["dur"]))
     kept = [d for d in groups.values() if len(d) >= min_ops and statistics.median(d) > 0]
     if not kept:
@@ -74,10 +74,9 @@ def print_t5_report(report: dict, stream: TextIO) -> None:
         print(f"{k}: {v:.2f}x{more}", file=stream)
     spread = {m: r["same_shape_spread"] for m, r in results.items() if r.get("same_shape_spread")}
     if spread:
-        print("identical ops (same stage, pass and shape), time over their median, 10th-90th percentile: "
+        print("identical ops (same stage, pass, shape and mask), time over their median, 10th-90th percentile: "
               + "; ".join(f"{m} {s['p10']:.2f}-{s['p90']:.2f} ({s['ops']} ops)" for m, s in spread.items())
-              + " (the same work but for the rows that need no attention mask: mostly the machine's noise)",
-              file=stream)
+              + " (the machine's noise: the work was the same)", file=stream)
     load = report["setup"]["load_average"]
     print(f"load average (1, 5, 15 min) at the start {load['start']}, at the end {load['end']}", file=stream)
     print("where an iteration's time went (ms per iteration, mean over timed iterations):", file=stream)

@@ -94,6 +94,22 @@ class T5StageHandlers(ModelStageHandlers):
 
     no_loss_tokens = "the global batch has no target tokens; the loss cannot be normalised."
 
+    def __init__(self, stage: Stage, device: torch.device):
+        super().__init__(stage, device)
+        # (micro-batch, chunk) -> whether its forward applied an encoder or cross-attention mask.
+        self.masked: dict[tuple[int, int], bool] = {}
+
+    def begin(self, micro_batch_tensors: dict, global_loss_tokens: int) -> None:
+        super().begin(micro_batch_tensors, global_loss_tokens)
+        self.masked = {}
+
+    def trace_note(self, op) -> Optional[dict]:
+        """What an executor trace adds to a forward or backward: ``masked``, whether its
+        encoder or cross-attention applied a mask (a row of one whole sample needs none,
+        :func:`needed_mask`), so that ops of one shape are compared on the same work."""
+        masked = self.masked.get((op.mb, op.chunk))
+        return None if masked is None else {"masked": masked}
+
     def _part(self, chunk: int):
         """The :class:`T5Stage` running chunk ``chunk`` (the rank's only stage without chunks)."""
         t5 = self.stage.gpt
@@ -119,6 +135,7 @@ class T5StageHandlers(ModelStageHandlers):
         if t5.decoder is not None:
             kwargs["dec_attn_mask"] = segment_mask(dec_seg, dec_seg, causal=True)
             kwargs["cross_attn_mask"] = needed_mask(dec_seg, enc_seg, self_attention=False)
+        self.masked[(op.mb, op.chunk)] = any(kwargs.get(k) is not None for k in ("enc_attn_mask", "cross_attn_mask"))
         if isinstance(st.gpt, T5Chunks):
             kwargs["chunk"] = op.chunk
         out = st.module(**kwargs)

@@ -16,7 +16,7 @@ def t5_dist(tmp_path_factory):
 @pytest.fixture(scope="session")
 def pp2(tmp_path_factory, t5_dist):
     """One 2-rank job: padding, DynaPipe interrupted after 2 iterations (with a checkpoint) and
-    resumed for the third, packing; then a 3 + 1 layer model (two iterations) with padding
+    resumed for the third, packing (its executor traces in ``t5_dist / "packing-traces"``); then a 3 + 1 layer model (two iterations) with padding
     and DynaPipe; then span-corrupted indexed data (two iterations) with padding and DynaPipe;
     then padding and DynaPipe (two iterations) on the placement 2+1,0+1; then padding, DynaPipe
     and packing on the interleaved placement; a 3 + 2 layer model interleaved with the decoder's
@@ -43,7 +43,8 @@ def pp2(tmp_path_factory, t5_dist):
     runs = [(TINY + f" --save {t5_dist / 'full'}").split(),
             (dyn + f" --exit-interval 2 --ckpt-format dynapipe --save {save}").split(),
             (dyn + f" --ckpt-format dynapipe --load {save}").split(),
-            (TINY + PACKING).split(), mixed.split(), (mixed + " --use-dynapipe").split(),
+            (TINY + PACKING + f" --dynapipe-trace-dir {t5_dist / 'packing-traces'}").split(), mixed.split(),
+            (mixed + " --use-dynapipe").split(),
             span.split(), (span + " --use-dynapipe").split()]
     # A non-even stage placement (stage 0: the encoder and the first decoder layer), padding and DynaPipe.
     placed = TINY + " --dynapipe-placement 2+1,0+1 --exit-interval 2"

@@ -1,5 +1,5 @@
 """What ``bench --model t5`` reports beyond each run's figures: the ratios round by round, and
-the spread of ops of one shape (mostly the machine's noise), and how they are printed."""
+the spread of identical ops (the machine's noise), and how they are printed."""
 import io
 
 import pytest
@@ -34,10 +34,12 @@ def test_round_ratios_are_empty_with_one_round():
     assert round_ratios(results, _runs(dynapipe=(2.0,), **{"packing@mbs1": (1.0,)}), ["packing"], "packing") == {}
 
 
-def _op(dur_us, kind="backward", stage=0, mbs=1, seqlen=1024, dec=256, chunk=None, replica=0):
+def _op(dur_us, kind="backward", stage=0, mbs=1, seqlen=1024, dec=256, chunk=None, replica=0, masked=None):
     args = {"mbs": mbs, "seqlen": seqlen, "dec_seqlen": dec, "iteration": 1}
     if chunk is not None:
         args["chunk"] = chunk
+    if masked is not None:
+        args["masked"] = masked
     return {"ph": "X", "cat": kind, "pid": replica, "tid": stage, "dur": dur_us, "args": args}
 
 
@@ -52,6 +54,16 @@ def test_same_shape_spread_divides_each_op_by_its_groups_median():
     # Quotients 0.5, 1, 1, 2, 1, 1, 1: the 10th and 90th percentiles (linear).
     assert out["p10"] == pytest.approx(0.8) and out["p90"] == pytest.approx(1.4)
     assert out["p90_over_p10"] == pytest.approx(1.75)
+
+
+def test_ops_with_and_without_a_mask_are_not_identical():
+    # One shape, two kinds of work: the rows that needed a mask took twice as long.
+    events = [_op(t, masked=True) for t in (100.0, 98.0, 102.0)] + [_op(t, masked=False) for t in (48.0, 50.0, 49.0)]
+    out = same_shape_spread(events)
+    assert out["groups"] == 2 and out["p90_over_p10"] < 1.05
+    # Without the note the six would be one group, and the mask would read as noise.
+    blind = same_shape_spread([_op(e["dur"]) for e in events])
+    assert blind["groups"] == 1 and blind["p90_over_p10"] > 1.8
 
 
 def test_same_shape_spread_keeps_replicas_apart_and_needs_a_repeated_shape():

@@ -191,6 +191,20 @@ def test_executed_trace_is_laid_out_like_the_simulated_one():
     assert {e["pid"] for e in shifted} == {5}
 
 
+def test_a_handlers_trace_note_joins_its_ops_arguments():
+    plan = _plans(2)[0]
+    mbs = {m.mb: m for m in plan.micro_batches}
+    tr = ExecTrace(stage=0, replica=0, iteration=0)
+    for i, x in enumerate(plan.instructions):
+        name, cat, kind, shape = describe(x, mbs[x.mb])
+        note = {"masked": x.mb % 2 == 0} if kind else None
+        tr.events.append(ExecEvent(i, x.OPCODE, x.mb, name, cat, 10.0 * i, 5.0, kind, shape, 0, note))
+    ops = [e for e in chrome_trace([tr])["traceEvents"] if e["ph"] == "X"]
+    compute = [e for e in ops if e["cat"] in ("forward", "backward")]
+    assert compute and all(e["args"]["masked"] == (e["args"]["mb"] % 2 == 0) for e in compute)
+    assert all("masked" not in e["args"] for e in ops if e not in compute)
+
+
 def test_pipeline_rank_layout_is_megatrons():
     assert pipeline_ranks(4, 2) == [[0, 2], [1, 3]]
     assert pipeline_ranks(4, 4) == [[0, 1, 2, 3]]

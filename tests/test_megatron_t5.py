@@ -195,6 +195,23 @@ def test_a_job_of_many_runs_leaves_no_threads_behind(pp2):
     assert len(counts) >= 30 and max(counts) - min(counts) <= 16, counts
 
 
+def test_t5_traces_record_which_ops_applied_a_mask(pp2, t5_dist):
+    # Packing's rows: several samples need their masks, a row of one whole sample none. The
+    # trace says which (the handlers' trace_note), so ops of one shape are compared on one work.
+    import json
+
+    notes = []
+    for rank in range(2):
+        with open(t5_dist / "packing-traces" / f"rank{rank:03d}.json") as f:
+            ops = [e for e in json.load(f)["traceEvents"] if e.get("cat") in ("forward", "backward")]
+        assert ops and all(isinstance(e["args"].get("masked"), bool) for e in ops)
+        forward = {(e["args"]["iteration"], e["args"]["mb"]): e["args"]["masked"] for e in ops if e["cat"] == "forward"}
+        assert all(forward[e["args"]["iteration"], e["args"]["mb"]] == e["args"]["masked"]
+                   for e in ops if e["cat"] == "backward")
+        notes += list(forward.values())
+    assert True in notes
+
+
 def test_t5_half_precision_trains_like_padding_and_bf16_resumes_exactly(pp2):
     fp32 = pp2[0]
     full, cut, resumed, dynapipe, packing = pp2[27:32]

@@ -27,6 +27,9 @@ failures) is the executor's.
   activations in their ``.grad``. The default,
   :func:`dynapipe.runtime.buffers.backward_from`, also works on outputs whose data was
   released after their send.
+- ``trace_note(op)`` (optional, called only when tracing) returns a small dict of
+  JSON values the trace adds to the forward or backward it just ran, or None: what the
+  plan cannot know of the op (a T5 stage: whether it applied an attention mask).
 
 A handler that raises stops every rank: the executor raises :class:`HandlerFailure`
 with the traceback, and the other ranks raise with it in their message.

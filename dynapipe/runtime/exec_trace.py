@@ -36,7 +36,8 @@ class ExecEvent:
     """One instruction as it ran: ``start_us`` wall clock, ``dur_us`` duration (us);
     ``kind`` ``F``/``B`` for compute ops with their micro-batch ``shape``
     ``(mbs, seqlen, dec_seqlen)``; ``chunk``: the virtual-pipeline chunk it belongs to (0
-    without an interleaved placement)."""
+    without an interleaved placement); ``note``: the handlers' ``trace_note`` of a compute
+    op (added to its trace arguments)."""
 
     index: int
     opcode: str
@@ -48,6 +49,7 @@ class ExecEvent:
     kind: str = ""
     shape: Optional[tuple] = None
     chunk: int = 0
+    note: Optional[dict] = None
 
 
 @dataclass
@@ -115,6 +117,8 @@ def chrome_trace(traces: Sequence[ExecTrace], pid_offset: int = 0) -> dict:
             extra = {"instruction": e.index, "iteration": t.iteration}
             if e.chunk:
                 extra["chunk"] = e.chunk
+            if e.note:
+                extra.update(e.note)
             if e.kind in ("F", "B") and e.shape is not None:
                 mbs, seqlen, dec = e.shape
                 out.append(op_event(pid, t.stage, e.kind, e.mb, start_ms, end_ms, mbs=mbs, seqlen=seqlen,

@@ -74,6 +74,7 @@ class Executor(ComputeOps, TransferOps):
                  config: Optional[ExecutorConfig] = None, replica: Optional[int] = None,
                  meter: Optional[ActivationMeter] = None):
         self.handlers = handlers
+        self._trace_note = getattr(handlers, "trace_note", None)  # optional: what the trace adds to an op
         self.config = config or ExecutorConfig()
         self.device = torch.device(device)
         self.comm = PeerComm(group, self.device)
@@ -247,12 +248,15 @@ class Executor(ComputeOps, TransferOps):
             self._fail(err, primary=True)
             raise err from e
         if trace is not None:
+            dur, note = now_us() - t0, None
             if op == self._dispatch:
                 name, cat, kind, shape = describe(ins, run.mbs.get(ins.mb))
                 opcode = ins.OPCODE
+                if kind and self._trace_note is not None:
+                    note = self._trace_note(ins)
             else:
                 name, cat, kind, shape, opcode = WAIT_SENDS, "comm", "", None, "wait_sends"
-            trace.events.append(ExecEvent(i, opcode, ins.mb, name, cat, t0, now_us() - t0, kind, shape, ins.chunk))
+            trace.events.append(ExecEvent(i, opcode, ins.mb, name, cat, t0, dur, kind, shape, ins.chunk, note))
             trace.memory.append((t0, run.buffers.live_bytes))
 
     def _settle(self, run: RunState) -> None:
