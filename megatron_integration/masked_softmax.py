@@ -61,12 +61,15 @@ def additive_attention_mask(scores: torch.Tensor, mask: torch.Tensor) -> torch.T
     return scores + _CACHE.bias_of(mask, scores.dtype)
 
 
-def use_additive_masks(module: torch.nn.Module) -> int:
-    """Give every ``FusedScaleMaskSoftmax`` in ``module`` :func:`additive_attention_mask`;
-    returns how many it changed (0 for Transformer Engine layers, which mask in their own
-    kernels). Call it on a freshly built model, before training or profiling."""
+def use_additive_masks(module: torch.nn.Module, device: torch.device = torch.device("cpu")) -> int:
+    """Give every ``FusedScaleMaskSoftmax`` in ``module`` :func:`additive_attention_mask`
+    when ``device`` (where the module runs) is a CPU, the only place it was measured; returns
+    how many it changed (0 on a GPU, and for Transformer Engine layers, which mask in their
+    own kernels). Call it on a freshly built model, before training or profiling."""
     from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
 
+    if torch.device(device).type != "cpu":
+        return 0
     changed = 0
     for m in module.modules():
         if isinstance(m, FusedScaleMaskSoftmax) and hasattr(m, "mask_func"):

@@ -126,8 +126,7 @@ def build_gpt_stage(cfg: DynaPipeTrainingConfig, info: RankInfo, use_te: Optiona
                    position_embedding_type=m.position_embedding_type, rotary_base=m.rotary_base)
     gpt.to(info.device)
     deterministic_init_(gpt, m, cfg.seed)
-    if info.device.type == "cpu":
-        use_additive_masks(gpt)  # the same probabilities, at half the cost of the CPU's masked softmax
+    use_additive_masks(gpt, info.device)  # the same probabilities, at half the cost of the CPU's masked softmax
     return gpt
 
 

@@ -220,8 +220,7 @@ class _Ops:
                              **common).to(device)
         self.model, self.device = model, device
         self.dtype = tconfig.params_dtype
-        if device.type == "cpu":  # as the training stages are built (megatron_integration.masked_softmax)
-            use_additive_masks(self.layer)
+        use_additive_masks(self.layer, device)  # as the training stages are built
 
     def layer_fn(self, b: int, s: int, level: str = "none"):
         x = torch.randn(s // self.shard, b, self.model.hidden_size, device=self.device, dtype=self.dtype,

@@ -284,8 +284,7 @@ def build_t5_stage(cfg: T5TrainingConfig, info: RankInfo) -> torch.nn.Module:
         stage = T5Stage(tconfig, place, model.vocab_size, model.max_position_embeddings, model.tie_embeddings)
         stage.to(info.device)
         t5_deterministic_init_(stage, model.init_method_std, base.seed)
-        if info.device.type == "cpu":
-            use_additive_masks(stage)  # the same probabilities, at half the cost of the CPU's masked softmax
+        use_additive_masks(stage, info.device)  # the same probabilities, at half the cost of the CPU's masked softmax
         stages.append(stage)
     if len(stages) == 1:
         return stages[0]

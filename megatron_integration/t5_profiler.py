@@ -62,9 +62,8 @@ class T5Ops:
         self.lm_head = T5LMHead(config, parallel_output=True, vocab_size=model.vocab_size, pre_process=False,
                                 share_embeddings_and_output_weights=False).to(device)
         self.model, self.device, self.dtype = model, device, config.params_dtype
-        if device.type == "cpu":  # as the training stages are built (megatron_integration.masked_softmax)
-            for block in (self.encoder, self.decoder):
-                use_additive_masks(block)
+        for block in (self.encoder, self.decoder):
+            use_additive_masks(block, device)  # as the training stages are built
         # Under sequence parallelism a stage's inputs and outputs are this rank's sequence shard.
         self.shards = tp if sequence_parallel else 1
 
