@@ -115,6 +115,14 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="split norms, dropout and the activations between stages along the sequence over the "
                         "tensor-parallel ranks (needs --tensor-model-parallel-size 2 or more)")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    # Megatron-LM's interleaved (virtual) pipeline: each rank holds several chunks of layers.
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="layers per virtual pipeline stage (interleaved schedule; default: none)")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                   help="virtual pipeline stages (model chunks) per pipeline rank (interleaved schedule)")
+    g.add_argument("--overlap-p2p-comm", action="store_true",
+                   help="interleaved schedule: overlap the pipeline's sends and receives with compute "
+                        "(Megatron-LM needs it at --pipeline-model-parallel-size 2)")
     g.add_argument("--distributed-backend", default=None, choices=("nccl", "gloo"),
                    help="default: nccl with CUDA, gloo without")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)

@@ -14,10 +14,6 @@ from megatron_integration.args_checks import _unsupported
 # Megatron-LM flags this build does not take, and why (or what to use instead). Anything
 # not listed here and not declared by add_megatron_args / add_dynapipe_args is not a
 # Megatron-LM flag and gets argparse's error.
-# The executor and planner run virtual-pipeline chunks; megatron-core GPT stages are one a rank.
-_GPT_CHUNKS = ("GPT stages are built one per rank (T5 trains interleaved: --dynapipe-placement interleaved); "
-               "drop it")
-
 UNSUPPORTED_MEGATRON_FLAGS = {
     "--wandb-project": "use --tensorboard-dir for metrics",
     "--wandb-exp-name": "use --tensorboard-dir for metrics",
@@ -26,8 +22,13 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--full-validation": "evaluation reads --eval-iters global batches; drop it",
     "--skip-train": "training always runs (evaluation follows it); drop it",
     "--context-parallel-size": "no context parallelism; split long sequences over fewer tokens per sample",
-    "--virtual-pipeline-model-parallel-size": _GPT_CHUNKS,
-    "--num-layers-per-virtual-pipeline-stage": _GPT_CHUNKS,
+    "--virtual-pipeline-model-parallel-size": ("not a Megatron-LM flag (Megatron derives the virtual pipeline size); "
+                                               "give --num-virtual-stages-per-pipeline-rank or "
+                                               "--num-layers-per-virtual-pipeline-stage"),
+    "--pipeline-model-parallel-layout": ("uneven layouts are not built; give --num-virtual-stages-per-pipeline-rank "
+                                         "or --num-layers-per-virtual-pipeline-stage"),
+    "--microbatch-group-size-per-vp-stage": ("the interleaved schedule groups --pipeline-model-parallel-size "
+                                             "micro-batches per chunk (Megatron's default); drop it"),
     "--num-experts": "mixture-of-experts models are not built; drop it",
     "--expert-model-parallel-size": "mixture-of-experts models are not built; drop it",
     "--overlap-grad-reduce": "gradients are all-reduced once after the last micro-batch of an iteration; drop it",

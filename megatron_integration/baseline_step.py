@@ -71,6 +71,21 @@ def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
     return loss_sum, tokens.to(torch.int), {"lm loss": torch.stack([loss_sum.detach(), tokens.detach()])}
 
 
+def schedule_inputs(stage: Stage, micro_batches: list) -> tuple[list, object]:
+    """megatron-core's ``model`` and ``data_iterator`` arguments: the chunks' DDP modules, and
+    one iterator over the micro-batches per chunk under the interleaved pipeline (every chunk
+    runs every micro-batch, in order)."""
+    if stage.chunked:
+        return stage.modules, [iter(micro_batches) for _ in stage.modules]
+    return stage.modules, iter(micro_batches)
+
+
+def schedule_group(stage: Stage) -> int:
+    """The multiple megatron-core's schedule needs the micro-batch count to be: the pipeline
+    size under the interleaved pipeline (whole groups per chunk), else 1."""
+    return stage.info.pp_size if stage.chunked else 1
+
+
 def forward_step(data_iterator, model):
     """megatron-core ``forward_step_func``: run the stage on the next micro-batch."""
     mb: MicroBatchTensors = next(data_iterator)
@@ -79,16 +94,18 @@ def forward_step(data_iterator, model):
 
 
 def build_micro_batches(method: str, samples: Sequence[Sample], lengths: np.ndarray, seq_length: int, mbs: int,
-                        info: RankInfo, reset_position_ids: bool = False,
-                        reset_attention_mask: bool = False) -> tuple[list[MicroBatchTensors], int]:
-    """This replica's fixed-shape micro-batches and the global batch's padded-token count."""
+                        info: RankInfo, reset_position_ids: bool = False, reset_attention_mask: bool = False,
+                        mb_multiple: int = 1) -> tuple[list[MicroBatchTensors], int]:
+    """This replica's fixed-shape micro-batches and the global batch's padded-token count;
+    ``mb_multiple``: packing rounds its micro-batch count up to a multiple of it with empty
+    rows (the interleaved schedule's groups; padding's count is checked at start-up)."""
     dp, r = info.dp_size, info.dp_rank
     if method == "padding":
         groups = padding_assignment(len(samples), mbs, dp, r)
         mbs_list = [rows_micro_batch([[samples[i]] for i in g], seq_length) for g in groups]
         padded = len(samples) * seq_length
     elif method == "packing":
-        groups = packing_assignment(lengths, seq_length, mbs, dp, r)
+        groups = packing_assignment(lengths, seq_length, mbs, dp, r, mb_multiple)
         mbs_list = [rows_micro_batch([[samples[i] for i in row] for row in g], seq_length,
                                      reset_position_ids, reset_attention_mask) for g in groups]
         padded = len(groups) * mbs * dp * seq_length
@@ -134,7 +151,8 @@ def megatron_train_step(stage: Stage, optimizer, scheduler, micro_batches: list[
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     start = time.perf_counter()
-    stage.module.zero_grad_buffer()
+    for module in stage.modules:
+        module.zero_grad_buffer()
     optimizer.zero_grad()
     from dynapipe.runtime.activation_meter import measure_activations
 
@@ -147,8 +165,9 @@ def megatron_train_step(stage: Stage, optimizer, scheduler, micro_batches: list[
     stage.config.variable_seq_lengths = variable_seq_lengths or saved_variable
     try:
         with timed_schedule(stage.config, timing), measure_activations(stage.module, info.device) as activations:
-            reports = forward_backward(forward_step_func=forward_step, data_iterator=iter(micro_batches),
-                                       model=[stage.module], num_microbatches=len(micro_batches),
+            model, data = schedule_inputs(stage, micro_batches)
+            reports = forward_backward(forward_step_func=forward_step, data_iterator=data,
+                                       model=model, num_microbatches=len(micro_batches),
                                        seq_length=seq_length, micro_batch_size=mbs, forward_only=False)
     finally:
         stage.config.variable_seq_lengths = saved_variable

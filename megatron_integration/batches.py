@@ -87,11 +87,15 @@ def pack_rows(lengths: np.ndarray, seqlen: int) -> list[list[int]]:
     return [list(mb.rows[0]) for mb in micro_batches]
 
 
-def packing_assignment(lengths: np.ndarray, seqlen: int, mbs: int, dp: int, dp_rank: int) -> list[list[list[int]]]:
+def packing_assignment(lengths: np.ndarray, seqlen: int, mbs: int, dp: int, dp_rank: int,
+                       mb_multiple: int = 1) -> list[list[list[int]]]:
     """Rows (lists of sample positions) of each micro-batch of replica ``dp_rank``;
-    every replica gets the same number of micro-batches, padded with empty rows."""
+    every replica gets the same number of micro-batches, padded with empty rows, and a
+    multiple of ``mb_multiple`` of them (megatron-core's interleaved schedule runs whole groups
+    of ``--pipeline-model-parallel-size`` micro-batches)."""
     rows = pack_rows(lengths, seqlen)
     step = mbs * dp
     num_mb = -(-len(rows) // step)
+    num_mb = -(-num_mb // mb_multiple) * mb_multiple
     rows = rows + [[] for _ in range(num_mb * step - len(rows))]
     return [rows[j * step + dp_rank * mbs: j * step + (dp_rank + 1) * mbs] for j in range(num_mb)]

@@ -76,17 +76,20 @@ class MegatronStageHandlers(ModelStageHandlers):
 
     def _level(self, op) -> None:
         if op is not None and self.stage.gpt is not None:
-            set_recompute_level(self.stage.gpt, self.stage.config, op.recompute)
+            chunk = self.stage.gpts[getattr(op, "chunk", 0)]
+            set_recompute_level(chunk, self.stage.config, op.recompute)
 
     def forward(self, mb: MicroBatchInfo, inputs: dict[str, torch.Tensor], op: ForwardPass):
         st = self.stage
         self._level(op)
-        if not st.pre_process:
-            st.gpt.set_input_tensor(inputs["hidden_states"])
+        c = getattr(op, "chunk", 0)  # the model chunk the op runs (interleaved pipeline)
+        gpt, module = st.gpts[c], st.modules[c]
+        if not gpt.pre_process:
+            gpt.set_input_tensor(inputs["hidden_states"])
         seg = inputs.get("segment_ids")
         attn_mask = None if seg is None else packed_attention_mask(seg)
-        out = st.module(inputs.get("tokens"), inputs.get("position_ids"), attn_mask, labels=inputs.get("labels"))
-        if not st.post_process:
+        out = module(inputs.get("tokens"), inputs.get("position_ids"), attn_mask, labels=inputs.get("labels"))
+        if not gpt.post_process:
             return out
         loss_sum = self._sum_loss(out, inputs["loss_mask"])
         # fp16: the loss scale the optimizer divides the gradients by (see attach_training_hooks).
@@ -106,7 +109,21 @@ def planner_settings(cfg: DynaPipeTrainingConfig, info: RankInfo):
         memory_limit_mib=d.memory_limit_mb, cost_profile=None if d.cost_model == "analytic" else d.cost_model,
         micro_batch_size=cfg.micro_batch_size, seq_length=cfg.model.seq_length, max_tokens=d.max_tokens or 0,
         cluster=load_cluster_config(d.cluster), zero=cfg.optimizer.distributed, recompute=d.recompute,
-        tp=info.tp_size, sequence_parallel=cfg.parallel.sequence_parallel)
+        tp=info.tp_size, sequence_parallel=cfg.parallel.sequence_parallel, placement=gpt_placement(cfg, info))
+
+
+def gpt_placement(cfg: DynaPipeTrainingConfig, info: RankInfo):
+    """The planner's :class:`~dynapipe.cost.placement.StagePlacement` of the run's chunks under
+    the interleaved pipeline (every virtual stage an equal share of the layers, as megatron-core
+    builds them), or None (Megatron's even split, one chunk a rank)."""
+    from dynapipe.cost.placement import StagePlacement
+
+    chunks = cfg.parallel.virtual_pipeline_model_parallel_size
+    if not chunks:
+        return None
+    virtual = info.pp_size * chunks
+    per = cfg.model.num_layers // virtual
+    return StagePlacement((0,) * virtual, (per,) * virtual, chunks)
 
 
 def loader_config(cfg: DynaPipeTrainingConfig, start_iteration: int, consumed_samples: int):
@@ -185,6 +202,8 @@ class DynaPipeStepper:
         loader = make_loader(cfg, info, start_iteration, consumed_samples)
         s = planner_settings(cfg, info)
         cost_model = build_cost_model(s.model, s.device, s.num_stages, s.cost_profile, tensor_parallel_config(s))
+        if s.placement is not None:
+            cost_model = cost_model.with_placement(s.placement)
         return cls(cfg, info, stage, optimizer, scheduler, loader, executor, handlers, cost_model, meter,
                    [] if cfg.dynapipe.trace_dir else None)
 
@@ -198,13 +217,14 @@ class DynaPipeStepper:
         check_tp_plans_agree(iteration, data.digest, self.info)
         check_plan_tensor_parallel(data.plan, self.info.tp_size, self.cfg.parallel.sequence_parallel)
         self.handlers.begin(data.micro_batches, meta.global_loss_tokens)
-        self.stage.module.zero_grad_buffer()
+        for module in self.stage.modules:
+            module.zero_grad_buffer()
         self.optimizer.zero_grad()
         with measure_activations(self.stage.module, self.info.device, self.meter) as activations:
             result = self.executor.run(data.plan, loss_tokens=meta.global_loss_tokens)
         # DP sum of gradients and tied-embedding all-reduce; the executor already divided the
         # loss by the global token count, so no further scaling (num_tokens=None).
-        finalize_grads_func()([self.stage.module], None)
+        finalize_grads_func()(self.stage.modules, None)
         check_before_step(self.cfg.check_for_nan_in_loss_and_grad, self.cfg.model.dtype == "fp16", self.stage.module,
                           iteration, self.handlers.loss_sum if self.info.is_last_stage else None, self.info.device)
         ok, grad_norm, _ = self.optimizer.step()

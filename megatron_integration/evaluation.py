@@ -31,7 +31,8 @@ from dynapipe.data.sampler import GlobalBatchSampler, SamplerConfig
 from dynapipe.data.splits import EmptySplitError
 from megatron_integration.data import dataset_config
 from megatron_integration.initialize import RankInfo
-from megatron_integration.baseline_step import build_micro_batches, forward_step, holds_loss, reduce_loss
+from megatron_integration.baseline_step import (build_micro_batches, forward_step, holds_loss, reduce_loss,
+                                                schedule_group, schedule_inputs)
 from megatron_integration.model import Stage
 from megatron_integration.train_config import DynaPipeTrainingConfig
 
@@ -66,13 +67,15 @@ def megatron_eval_batch(stage: Stage, info: RankInfo, cfg: DynaPipeTrainingConfi
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     micro_batches, _ = build_micro_batches(method, samples, lengths, cfg.model.seq_length, cfg.micro_batch_size,
-                                           info, cfg.reset_position_ids, cfg.reset_attention_mask)
+                                           info, cfg.reset_position_ids, cfg.reset_attention_mask,
+                                           schedule_group(stage))
     seq_lengths = {int(m.tokens.shape[1]) for m in micro_batches}
     saved = stage.config.variable_seq_lengths
     stage.config.variable_seq_lengths = saved or len(seq_lengths) > 1
     try:
+        model, data = schedule_inputs(stage, micro_batches)
         reports = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[stage.module],
+            forward_step_func=forward_step, data_iterator=data, model=model,
             num_microbatches=len(micro_batches), seq_length=max(seq_lengths), micro_batch_size=cfg.micro_batch_size,
             forward_only=True)
     finally:

@@ -14,6 +14,7 @@ import os
 import random
 import warnings
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -79,7 +80,8 @@ def initialize_megatron(parallel: ParallelArgs, seed: int) -> RankInfo:
     (``parallel.cpu_affinity``) and seeds; returns this rank's place."""
     quiet_megatron_warnings()
     init_distributed(parallel)
-    init_model_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size)
+    init_model_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                        parallel.virtual_pipeline_model_parallel_size)
     if parallel.cpu_affinity == "cores":
         pin_local_rank()
     info = rank_info()
@@ -87,9 +89,10 @@ def initialize_megatron(parallel: ParallelArgs, seed: int) -> RankInfo:
     return info
 
 
-def init_model_parallel(tp_size: int, pp_size: int) -> None:
+def init_model_parallel(tp_size: int, pp_size: int, vp_size: Optional[int] = None) -> None:
     """megatron's tensor/pipeline/data-parallel groups on the joined process group, the CPU
     compatibility layer first when there is no CUDA; idempotent. Collective: every rank calls it.
+    ``vp_size``: model chunks per pipeline rank (megatron's virtual pipeline size; None: one).
 
     CPU ranks also keep freed memory for reuse (:mod:`megatron_integration.cpu_allocator`):
     every method a bench compares starts here, so all get the same allocator."""
@@ -100,7 +103,8 @@ def init_model_parallel(tp_size: int, pp_size: int) -> None:
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size,
-                                                 pipeline_model_parallel_size=pp_size)
+                                                 pipeline_model_parallel_size=pp_size,
+                                                 virtual_pipeline_model_parallel_size=vp_size)
 
 
 def rank_info() -> RankInfo:

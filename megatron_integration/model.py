@@ -57,6 +57,9 @@ def transformer_config(model: GPTModelArgs, parallel: ParallelArgs, cuda: Option
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
+        # Megatron's interleaved pipeline: each chunk builds its share of layers at its offset.
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        overlap_p2p_comm=parallel.overlap_p2p_comm, batch_p2p_comm=not parallel.overlap_p2p_comm,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=model.dtype == "bf16", fp16=model.dtype == "fp16",
         # The loss is a sum over real tokens; gradients are divided by the global batch's
         # real-token count in finalize_model_grads (comparable across batching methods).
@@ -92,13 +95,20 @@ def layer_spec(use_te: Optional[bool] = None, normalization: str = "LayerNorm"):
 
 @dataclass
 class Stage:
-    """This rank's model stage: the DDP-wrapped module and where it sits in the pipeline."""
+    """This rank's model stage: the DDP-wrapped module and where it sits in the pipeline.
 
-    module: torch.nn.Module  # megatron DistributedDataParallel([Float16Module](GPTModel))
-    gpt: torch.nn.Module  # the unwrapped GPTModel
+    Under Megatron's interleaved pipeline a rank holds several chunks, each wrapped in its own
+    DDP as Megatron-LM wraps them: ``module`` is then a ``ModuleList`` of those DDPs and ``gpt``
+    a :class:`~megatron_integration.gpt_chunks.GPTChunks` of the unwrapped chunks (both whole
+    for parameters, ``train``/``eval`` and the NaN check); :attr:`modules` and :attr:`gpts` list
+    the chunks in either case."""
+
+    module: torch.nn.Module  # megatron DistributedDataParallel([Float16Module](GPTModel)), or a list of them
+    gpt: torch.nn.Module  # the unwrapped GPTModel, or GPTChunks
     config: object  # TransformerConfig
     info: RankInfo  # where this rank sits in the pipeline and data-parallel groups
     spec_name: str
+    chunked: bool = False  # several model chunks (interleaved pipeline)
 
     @property
     def pre_process(self) -> bool:
@@ -108,46 +118,81 @@ class Stage:
     def post_process(self) -> bool:
         return self.info.is_last_stage
 
+    @property
+    def modules(self) -> list:
+        """The DDP module of every chunk (one without interleaving), in chunk order."""
+        return list(self.module) if self.chunked else [self.module]
 
-def build_gpt_stage(cfg: DynaPipeTrainingConfig, info: RankInfo, use_te: Optional[bool] = None) -> torch.nn.Module:
-    """The unwrapped ``GPTModel`` of this rank's stage, deterministically initialised."""
-    from megatron.core.models.gpt.gpt_model import GPTModel
+    @property
+    def gpts(self) -> list:
+        """The unwrapped ``GPTModel`` of every chunk, in chunk order."""
+        return list(self.gpt.chunks) if self.chunked else [self.gpt]
 
+
+def stage_config(cfg: DynaPipeTrainingConfig, info: RankInfo):
+    """The ``TransformerConfig`` of this rank's stage (all its chunks share it, as in Megatron-LM:
+    the recompute level and schedule hooks set on it reach every chunk)."""
     # The baselines run Megatron's --recompute-* as given; DynaPipe sets the level per micro-batch
     # (set_recompute_level), so its stage is built without a fixed one.
     fixed = None if cfg.dynapipe.enabled else cfg.recompute
-    tconfig = transformer_config(cfg.model, cfg.parallel, cuda=info.device.type == "cuda", recompute=fixed)
+    return transformer_config(cfg.model, cfg.parallel, cuda=info.device.type == "cuda", recompute=fixed)
+
+
+def build_gpt_stage(cfg: DynaPipeTrainingConfig, info: RankInfo, use_te: Optional[bool] = None,
+                    vp_stage: Optional[int] = None, tconfig=None) -> torch.nn.Module:
+    """The unwrapped ``GPTModel`` of this rank's stage (``vp_stage``: of its chunk ``vp_stage``
+    under the interleaved pipeline, built on the stage's shared ``tconfig``), deterministically
+    initialised."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    tconfig = tconfig or stage_config(cfg, info)
     m = cfg.model
+    chunks = cfg.parallel.virtual_pipeline_model_parallel_size or 1
+    first = info.is_first_stage and (vp_stage or 0) == 0
+    last = info.is_last_stage and (vp_stage is None or vp_stage == chunks - 1)
     spec, _ = layer_spec(use_te, m.normalization)
-    spec = sequence_parallel_block_spec(spec, tconfig, m.num_layers // info.pp_size)
+    spec = sequence_parallel_block_spec(spec, tconfig, m.num_layers // (info.pp_size * chunks))
+    kwargs = {} if vp_stage is None else {"vp_stage": vp_stage}
     gpt = GPTModel(config=tconfig, transformer_layer_spec=spec, vocab_size=m.vocab_size,
-                   max_sequence_length=m.max_position_embeddings, pre_process=info.is_first_stage,
-                   post_process=info.is_last_stage, share_embeddings_and_output_weights=m.tie_embeddings,
-                   position_embedding_type=m.position_embedding_type, rotary_base=m.rotary_base)
+                   max_sequence_length=m.max_position_embeddings, pre_process=first,
+                   post_process=last, share_embeddings_and_output_weights=m.tie_embeddings,
+                   position_embedding_type=m.position_embedding_type, rotary_base=m.rotary_base, **kwargs)
     gpt.to(info.device)
     deterministic_init_(gpt, m, cfg.seed)
     use_additive_masks(gpt, info.device)  # the same probabilities, at half the cost of the CPU's masked softmax
     return gpt
 
 
-def build_stage(cfg: DynaPipeTrainingConfig, info: RankInfo, use_te: Optional[bool] = None) -> Stage:
-    """Build, initialise and wrap this rank's stage in megatron-core DDP."""
+def _wrap(cfg: DynaPipeTrainingConfig, gpt: torch.nn.Module) -> torch.nn.Module:
+    """``gpt`` wrapped as Megatron-LM wraps a model chunk: Float16Module (bf16/fp16), then DDP."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    use_te = te_available() if use_te is None else use_te
-    gpt = build_gpt_stage(cfg, info, use_te)
-    tconfig = gpt.config
     inner = gpt
     if cfg.model.dtype in ("bf16", "fp16"):
         from megatron.core.transformer.module import Float16Module
 
         # As Megatron-LM does: half-precision weights, fp32 loss on the last stage.
-        inner = Float16Module(tconfig, gpt)
+        inner = Float16Module(gpt.config, gpt)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=cfg.optimizer.distributed)
-    module = DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=inner)
-    return Stage(module=module, gpt=gpt, config=tconfig, info=info,
-                 spec_name="transformer_engine" if use_te else "local")
+    return DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=inner)
+
+
+def build_stage(cfg: DynaPipeTrainingConfig, info: RankInfo, use_te: Optional[bool] = None) -> Stage:
+    """Build, initialise and wrap this rank's stage (every chunk of it) in megatron-core DDP."""
+    use_te = te_available() if use_te is None else use_te
+    name = "transformer_engine" if use_te else "local"
+    chunks = cfg.parallel.virtual_pipeline_model_parallel_size
+    if chunks:
+        from megatron_integration.gpt_chunks import GPTChunks
+
+        tconfig = stage_config(cfg, info)
+        gpts = [build_gpt_stage(cfg, info, use_te, vp_stage=c, tconfig=tconfig) for c in range(chunks)]
+        module = torch.nn.ModuleList([_wrap(cfg, g) for g in gpts])
+        return Stage(module=module, gpt=GPTChunks(gpts), config=gpts[0].config, info=info, spec_name=name,
+                     chunked=True)
+    gpt = build_gpt_stage(cfg, info, use_te)
+    return Stage(module=_wrap(cfg, gpt), gpt=gpt, config=gpt.config, info=info, spec_name=name)
 
 
 # -- recompute level per forward ----------------------------------------------------------
@@ -316,7 +361,7 @@ def build_optimizer(cfg: DynaPipeTrainingConfig, stage: Stage):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     o = cfg.optimizer
-    optimizer = get_megatron_optimizer(optimizer_config(cfg), [stage.module])
+    optimizer = get_megatron_optimizer(optimizer_config(cfg), stage.modules)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if o.lr_warmup_iters else o.lr, max_lr=o.lr, min_lr=o.min_lr,
         lr_warmup_steps=o.lr_warmup_iters, lr_decay_steps=max(o.lr_decay_iters, 1),
@@ -336,7 +381,9 @@ def finalize_grads_func():
 def attach_training_hooks(stage: Stage, optimizer) -> None:
     """Point the TransformerConfig at DDP's no-sync, the grad finaliser and (fp16) the
     optimizer's loss scaling, as Megatron-LM's training does."""
-    stage.config.no_sync_func = stage.module.no_sync
+    # One no-sync per chunk under the interleaved pipeline, as Megatron-LM sets it.
+    syncs = [m.no_sync for m in stage.modules]
+    stage.config.no_sync_func = syncs if stage.chunked else syncs[0]
     stage.config.finalize_model_grads_func = finalize_grads_func()
     # fp16: the optimizer divides gradients by its loss scale before stepping, so the loss
     # must be multiplied by it before the backward (the schedules call grad_scale_func).

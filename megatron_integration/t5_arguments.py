@@ -68,6 +68,10 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
         if length > max_pos:
             raise DynaPipeError(f"--{flag} {length} exceeds --max-position-embeddings {max_pos}; raise it to at "
                                 f"least {length}.")
+    for flag in ("num-layers-per-virtual-pipeline-stage", "num-virtual-stages-per-pipeline-rank"):
+        if getattr(args, flag.replace("-", "_")) is not None:
+            raise _unsupported(f"--{flag}", "T5 chunks are a stage placement here; use --dynapipe-placement "
+                                            "interleaved (or a chunked split such as 1+0,1+0|0+1,0+1)")
     if args.position_embedding_type != "learned_absolute":
         raise _unsupported("--position-embedding-type", f"{args.position_embedding_type}: T5 stages use learned "
                                                         f"absolute positions; drop it")

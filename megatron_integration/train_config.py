@@ -66,6 +66,10 @@ class ParallelArgs:
     # --dynapipe-cpu-affinity: "cores" pins each local rank to its own slice of the host's
     # cores (megatron_integration.cpu_affinity), "none" leaves placement to the kernel.
     cpu_affinity: str = "none"
+    # Megatron's interleaved pipeline: model chunks per pipeline rank (None: one, no interleaving),
+    # and --overlap-p2p-comm for megatron-core's interleaved schedule (the baselines).
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    overlap_p2p_comm: bool = False
 
     @property
     def data_parallel_size(self) -> int:

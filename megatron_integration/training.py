@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Optional, Protocol, TextIO
 
+from dynapipe.errors import DynaPipeError
 from megatron_integration import checkpoint_formats
 from megatron_integration.data import GlobalBatches, data_summary_lines
 from megatron_integration.initialize import RankInfo, initialize_megatron
 from megatron_integration.logging_utils import TrainingLogger
-from megatron_integration.baseline_step import StepResult, build_micro_batches, megatron_train_step
+from megatron_integration.baseline_step import StepResult, build_micro_batches, megatron_train_step, schedule_group
 from megatron_integration.model import Stage, attach_training_hooks, build_optimizer, build_stage
 from megatron_integration.nan_guard import check_before_step
 from megatron_integration.run_report import parameter_count_line, training_summary_lines
@@ -54,7 +55,7 @@ class MegatronStepper:
         lengths = self.batches.lengths(batch)
         micro_batches, padded = build_micro_batches(cfg.method, samples, lengths, cfg.model.seq_length,
                                                     cfg.micro_batch_size, self.info, cfg.reset_position_ids,
-                                                    cfg.reset_attention_mask)
+                                                    cfg.reset_attention_mask, schedule_group(self.stage))
         guard = partial(check_before_step, cfg.check_for_nan_in_loss_and_grad, cfg.model.dtype == "fp16",
                         self.stage.module, iteration, device=self.info.device)
         result = megatron_train_step(self.stage, self.optimizer, self.scheduler, micro_batches, cfg.model.seq_length,
@@ -138,6 +139,16 @@ def vocab_padding_line(cfg: DynaPipeTrainingConfig) -> Optional[str]:
             f"dummy tokens (new size: {m.vocab_size})")
 
 
+def check_chunks(chunks: int, extra: dict, path: str) -> None:
+    """Refuse a ``dynapipe``-format checkpoint saved with another number of model chunks a rank
+    (its tensors are stored by local names; ``torch_dist`` ones load at any chunking)."""
+    saved = int(extra.get("virtual_stages_per_rank", 1))
+    if saved != chunks:
+        raise DynaPipeError(f"{path} was saved with {saved} model chunk(s) a rank, this run builds {chunks}; "
+                            f"resume with --num-virtual-stages-per-pipeline-rank {saved}, or save in --ckpt-format "
+                            f"torch_dist, which loads at any chunking.")
+
+
 def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
              on_iteration: Optional[Callable[[int, StepResult], None]] = None) -> TrainingRun:
     """Train up to ``cfg.train_iters`` iterations (from the checkpoint in ``cfg.load`` when present),
@@ -157,9 +168,13 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
     optimizer, scheduler = build_optimizer(cfg, stage)
     attach_training_hooks(stage, optimizer)
     run = TrainingRun(spec_name=stage.spec_name)
+    # The per-rank (dynapipe) format stores the chunks by local name: it resumes at its own chunking.
+    chunks = cfg.parallel.virtual_pipeline_model_parallel_size or 1
+    record = {"virtual_stages_per_rank": chunks}
     log = partial(_print_rank_0, info, stream, run.checkpoint_lines)
     if cfg.load:
-        resumed = checkpoint_formats.load(cfg, stage.gpt, optimizer, scheduler, info, log)
+        resumed = checkpoint_formats.load(cfg, stage.gpt, optimizer, scheduler, info, log,
+                                          check_extra=partial(check_chunks, chunks))
         if resumed is not None:
             run.start_iteration, run.consumed_samples = resumed.iteration, resumed.consumed_samples
     stepper = make_stepper(cfg, info, stage, optimizer, scheduler, run.start_iteration, run.consumed_samples)
@@ -187,9 +202,11 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
             if evaluator is not None:
                 evaluator.after_iteration(done, stream, logging_rank, run.eval_lines, logger.writer)
             if cfg.save and cfg.save_interval and done % cfg.save_interval == 0 and done != last:
-                checkpoint_formats.save(cfg, done, run.consumed_samples, stage.gpt, optimizer, scheduler, info, log)
+                checkpoint_formats.save(cfg, done, run.consumed_samples, stage.gpt, optimizer, scheduler, info, log,
+                                        extra=record)
         if cfg.save and last > run.start_iteration:
-            checkpoint_formats.save(cfg, last, run.consumed_samples, stage.gpt, optimizer, scheduler, info, log)
+            checkpoint_formats.save(cfg, last, run.consumed_samples, stage.gpt, optimizer, scheduler, info, log,
+                                    extra=record)
         if logger.is_logging_rank:  # after its own last iteration line (every rank has the same results)
             summary = training_summary_lines(run.results, run.start_iteration, run.consumed_samples,
                                              time.perf_counter() - started)

@@ -11,7 +11,10 @@ from megatron_integration.dynapipe_step import MegatronStageHandlers
 def _last_stage(per_token_loss: torch.Tensor, grad_scale_func=None):
     module = lambda tokens, position_ids, mask, labels=None: per_token_loss  # noqa: E731
     config = types.SimpleNamespace(grad_scale_func=grad_scale_func)
-    return types.SimpleNamespace(module=module, gpt=None, config=config, pre_process=True, post_process=True)
+    # One chunk that is the whole model: it embeds and computes the loss.
+    gpt = types.SimpleNamespace(pre_process=True, post_process=True)
+    return types.SimpleNamespace(module=module, gpt=None, config=config, pre_process=True, post_process=True,
+                                 modules=[module], gpts=[gpt], chunked=False)
 
 
 def _forward(handlers, mask):
@@ -42,8 +45,9 @@ def test_last_stage_without_loss_scaling_returns_the_summed_loss():
 def test_fp16_training_scales_the_loss_by_the_optimizer():
     optimizer = types.SimpleNamespace(scale_loss=lambda loss: loss * 4.0)
     for fp16, expect_scaled in ((True, True), (False, False)):
+        module = types.SimpleNamespace(no_sync=lambda: None)
         stage = types.SimpleNamespace(config=types.SimpleNamespace(fp16=fp16, grad_scale_func="unset"),
-                                      module=types.SimpleNamespace(no_sync=lambda: None))
+                                      module=module, modules=[module], chunked=False)
         attach_training_hooks(stage, optimizer)
         assert stage.config.no_sync_func is stage.module.no_sync
         assert callable(stage.config.finalize_model_grads_func)

@@ -1,0 +1,198 @@
+"""Megatron's interleaved pipeline for GPT: every rank holds several model chunks.
+
+``--num-virtual-stages-per-pipeline-rank`` / ``--num-layers-per-virtual-pipeline-stage`` build
+megatron-core ``GPTModel`` chunks at their global layer offsets. DynaPipe runs its interleaved
+plans through the executor (2 stages x 2 chunks here), the baselines megatron-core's
+interleaved 1F1B (3 stages x 2 chunks: over gloo it needs 3 or more). Every run gives the
+losses of the plain pipeline of the same model and seed (fp32, dropout 0, 1e-5), evaluation
+included. Each layout's runs share one spawned job.
+"""
+import json
+import os
+
+import pytest
+
+from dynapipe.errors import DynaPipeError
+from megatron_integration.arguments import parse_training_args
+from megatron_integration.jobs import run_trainings
+
+BASE = ("--hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --vocab-size 256 --micro-batch-size 2 "
+        "--lr 1e-2 --mock-data --hidden-dropout 0 --attention-dropout 0 --log-interval 1 --seed 7 --train-iters 3")
+EVAL = " --split 80,10,10 --eval-interval 2 --eval-iters 1"
+PP2 = BASE + " --num-layers 4 --seq-length 256 --global-batch-size 8 --pipeline-model-parallel-size 2"
+PP3 = BASE + EVAL + " --num-layers 6 --seq-length 128 --global-batch-size 12 --pipeline-model-parallel-size 3"
+V2 = " --num-virtual-stages-per-pipeline-rank 2"
+PACKING = " --dynapipe-batching packing --reset-position-ids --reset-attention-mask"
+TIMEOUT = 300
+
+
+def parse(extra: str, world: int = 2, base: str = PP2, cuda: bool = False):
+    return parse_training_args(f"{base} {extra}".split(), world, cuda=cuda)
+
+
+def close(a: list, b: list, tol: float = 1e-5) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= tol * max(1.0, abs(y)) for x, y in zip(a, b))
+
+
+def eval_values(run: dict) -> list[str]:
+    return [line.split("lm loss value: ")[1].split(" ")[0] for line in run["eval_lines"] if "lm loss value" in line]
+
+
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory):
+    """One 2-rank job: padding on the plain pipeline, then DynaPipe on 2 chunks a rank (its
+    executor traces kept), both evaluating; DynaPipe on 2 chunks recomputing every layer; then
+    DynaPipe on 2 chunks cut after 2 iterations
+    with a torch_dist checkpoint, resumed on 2 chunks and on the plain pipeline, and the same
+    through the per-rank dynapipe format."""
+    traces = tmp_path_factory.mktemp("gpt-interleaved-traces")
+    ckpt = tmp_path_factory.mktemp("gpt-interleaved-ckpt")
+    dyn = PP2 + " --use-dynapipe"
+    names = ("padding", "dynapipe", "full-recompute", "cut", "resumed", "resumed-plain", "cut-dynapipe-format",
+             "resumed-dynapipe-format")
+    runs = [PP2 + EVAL, dyn + EVAL + V2 + f" --dynapipe-trace-dir {traces}", dyn + V2 + " --dynapipe-recompute full",
+            dyn + V2 + f" --exit-interval 2 --save {ckpt / 'dist'}", dyn + V2 + f" --load {ckpt / 'dist'}",
+            dyn + f" --load {ckpt / 'dist'}",
+            dyn + V2 + f" --exit-interval 2 --ckpt-format dynapipe --save {ckpt / 'own'}",
+            dyn + V2 + f" --ckpt-format dynapipe --load {ckpt / 'own'}"]
+    ranks = run_trainings([r.split() for r in runs], 2, timeout_s=TIMEOUT)
+    return dict(zip(names, ranks)), traces
+
+
+@pytest.fixture(scope="module")
+def pp3():
+    """One 3-rank job: padding on the plain pipeline, padding and packing through megatron-core's
+    interleaved 1F1B on 2 chunks a rank."""
+    runs = [PP3, PP3 + V2, PP3 + V2 + PACKING]
+    ranks = run_trainings([r.split() for r in runs], 3, timeout_s=TIMEOUT)
+    return dict(zip(("padding", "padding-interleaved", "packing-interleaved"), ranks))
+
+
+def test_dynapipe_on_chunks_trains_and_evaluates_as_the_plain_pipeline(pp2):
+    runs, _ = pp2
+    ref = runs["padding"][0]
+    got = runs["dynapipe"]
+    assert got[0]["losses"] == got[1]["losses"]  # every rank reports the same global loss
+    assert close(got[0]["losses"], ref["losses"]), (got[0]["losses"], ref["losses"])
+    assert close([float(v) for v in eval_values(got[0])], [float(v) for v in eval_values(ref)])
+    assert eval_values(ref) and got[0]["eval_path"].startswith("dynapipe-plans:")
+
+
+def test_recompute_reaches_every_chunk(pp2):
+    # One TransformerConfig for all of a rank's chunks: the level the plan sets applies to each,
+    # so full recompute keeps only layer inputs on every rank (within what the plans promised),
+    # at the same losses. With a config per chunk, chunk 1 kept its activations.
+    runs, _ = pp2
+    none, full = runs["dynapipe"], runs["full-recompute"]
+    assert close(full[0]["losses"], none[0]["losses"])
+    for rank in range(2):
+        measured, planned = full[rank]["activation_measured_mib"], full[rank]["activation_planned_mib"]
+        assert all(m <= p for m, p in zip(measured, planned)), (rank, measured, planned)
+        assert max(measured) < 0.4 * max(none[rank]["activation_measured_mib"]), rank
+
+
+def test_dynapipe_plans_run_the_second_chunk_on_every_rank(pp2):
+    # Without the chunks, every op would be chunk 0 and the losses above could not match; the
+    # traces show each rank ran forwards and backwards of its chunk 1.
+    _, traces = pp2
+    for rank in range(2):
+        with open(os.path.join(traces, f"rank{rank:03d}.json")) as f:
+            events = json.load(f)
+        events = events["traceEvents"] if isinstance(events, dict) else events
+        chunks = {e.get("args", {}).get("chunk", 0) for e in events if e.get("ph") == "X"}
+        assert 1 in chunks, (rank, chunks)
+
+
+def test_checkpoints_of_chunks_resume_exactly_and_torch_dist_ones_on_the_plain_pipeline(pp2):
+    runs, _ = pp2
+    full = runs["dynapipe"][0]["losses"]
+    assert runs["cut"][0]["losses"] == full[:2]
+    for name in ("resumed", "resumed-dynapipe-format"):
+        got = runs[name][0]
+        assert got["start_iteration"] == 2 and got["losses"] == full[2:], (name, got["losses"], full)
+    # torch_dist keys are the model's global ones: the chunks' checkpoint loads one chunk a rank.
+    plain = runs["resumed-plain"][0]
+    assert plain["start_iteration"] == 2 and close(plain["losses"], full[2:])
+    assert runs["cut-dynapipe-format"][0]["losses"] == full[:2]
+
+
+def test_a_per_rank_checkpoint_of_other_chunking_is_refused_with_the_fix():
+    from megatron_integration.training import check_chunks
+
+    check_chunks(2, {"virtual_stages_per_rank": 2}, "ckpt.pt")
+    check_chunks(1, {}, "ckpt.pt")  # saved before chunks were recorded: one a rank
+    with pytest.raises(DynaPipeError, match="saved with 2 model chunk.*--num-virtual-stages-per-pipeline-rank 2"):
+        check_chunks(1, {"virtual_stages_per_rank": 2}, "ckpt.pt")
+    with pytest.raises(DynaPipeError, match="saved with 1 model chunk"):
+        check_chunks(2, {}, "ckpt.pt")
+
+
+def test_training_hooks_give_megatron_core_one_no_sync_per_chunk():
+    import types
+
+    from megatron_integration.model import attach_training_hooks
+
+    modules = [types.SimpleNamespace(no_sync=object()) for _ in range(2)]
+    stage = types.SimpleNamespace(config=types.SimpleNamespace(fp16=False), modules=modules, chunked=True)
+    attach_training_hooks(stage, types.SimpleNamespace(scale_loss=None))
+    assert stage.config.no_sync_func == [m.no_sync for m in modules]
+
+
+def test_megatron_cores_interleaved_schedule_gives_the_plain_pipelines_losses(pp3):
+    ref = pp3["padding"][0]
+    for name in ("padding-interleaved", "packing-interleaved"):
+        got = pp3[name][0]
+        assert close(got["losses"], ref["losses"]), (name, got["losses"], ref["losses"])
+        assert close([float(v) for v in eval_values(got)], [float(v) for v in eval_values(ref)])
+        assert got["eval_path"] == "megatron-forward-only"
+
+
+def test_virtual_stage_flags_mean_what_they_mean_in_megatron():
+    assert parse("--num-virtual-stages-per-pipeline-rank 2 --use-dynapipe").parallel \
+        .virtual_pipeline_model_parallel_size == 2
+    # Layers per virtual stage: 4 layers over 2 stages, 1 a chunk -> 2 chunks a rank.
+    assert parse("--num-layers-per-virtual-pipeline-stage 1 --use-dynapipe").parallel \
+        .virtual_pipeline_model_parallel_size == 2
+    # One chunk a rank is the plain pipeline, as Megatron-LM sets no virtual size for it.
+    assert parse("--num-layers-per-virtual-pipeline-stage 2").parallel.virtual_pipeline_model_parallel_size is None
+    assert parse("").parallel.virtual_pipeline_model_parallel_size is None
+    # megatron-core's interleaved schedule on GPUs: Megatron-LM's rule at 2 stages.
+    assert parse("--num-virtual-stages-per-pipeline-rank 2 --overlap-p2p-comm", cuda=True).parallel \
+        .overlap_p2p_comm
+
+
+@pytest.mark.parametrize("extra, world, base, needle", [
+    ("--num-virtual-stages-per-pipeline-rank 2 --num-layers-per-virtual-pipeline-stage 1 --use-dynapipe", 2, PP2,
+     "give one"),
+    ("--num-layers-per-virtual-pipeline-stage 3 --use-dynapipe", 2, PP2, "use a divisor of 2"),
+    ("--num-virtual-stages-per-pipeline-rank 3 --use-dynapipe", 2, PP2, "cannot be split evenly"),
+    ("--num-virtual-stages-per-pipeline-rank 2 --use-dynapipe --pipeline-model-parallel-size 1", 1, PP2,
+     "2 or more"),
+    ("--num-virtual-stages-per-pipeline-rank 2", 2, PP2, "3 or more stages there"),
+    ("--num-virtual-stages-per-pipeline-rank 2 --overlap-p2p-comm", 3, PP3, "not safe on gloo"),
+    ("--num-virtual-stages-per-pipeline-rank 2 --use-dynapipe --overlap-p2p-comm", 2, PP2, "Drop it"),
+    ("--overlap-p2p-comm", 2, PP2, "interleaved schedule only"),
+    ("--num-virtual-stages-per-pipeline-rank 2 --dynapipe-batching padding-mb", 3, PP3, "padding-mb"),
+    ("--num-virtual-stages-per-pipeline-rank 2 --global-batch-size 8", 3, PP3, "multiple of 6 samples"),
+    ("--num-virtual-stages-per-pipeline-rank 2 --use-dynapipe --tensor-model-parallel-size 2", 4, PP2,
+     "tensor parallelism"),
+])
+def test_virtual_stage_combinations_this_build_cannot_run_are_refused(extra, world, base, needle):
+    with pytest.raises(DynaPipeError, match=needle):
+        parse(extra, world, base)
+
+
+def test_gpu_rule_at_two_stages_is_megatrons():
+    with pytest.raises(DynaPipeError, match="needs --overlap-p2p-comm"):
+        parse("--num-virtual-stages-per-pipeline-rank 2", cuda=True)
+
+
+def test_t5_takes_its_chunks_as_a_placement():
+    from megatron_integration.t5_arguments import parse_t5_args
+
+    argv = ("--encoder-num-layers 2 --decoder-num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+            "--encoder-seq-length 128 --decoder-seq-length 32 --micro-batch-size 2 --global-batch-size 8 "
+            "--train-iters 2 --lr 1e-3 --mock-data --pipeline-model-parallel-size 2 "
+            "--num-virtual-stages-per-pipeline-rank 2").split()
+    with pytest.raises(DynaPipeError, match="--dynapipe-placement interleaved"):
+        parse_t5_args(argv, 2)
