@@ -196,3 +196,17 @@ def test_t5_takes_its_chunks_as_a_placement():
             "--num-virtual-stages-per-pipeline-rank 2").split()
     with pytest.raises(DynaPipeError, match="--dynapipe-placement interleaved"):
         parse_t5_args(argv, 2)
+
+
+def test_the_interleaved_bench_script_times_each_run_on_its_slowest_rank():
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    from bench_gpt_interleaved import main, tokens_per_s
+
+    ranks = [{"iteration_ms": [900.0, 100.0, 300.0], "real_tokens": [50, 100, 200]},
+             {"iteration_ms": [950.0, 200.0, 100.0], "real_tokens": [50, 100, 200]}]
+    # The first iteration is left out; 300 tokens over 200 + 300 ms.
+    assert tokens_per_s(ranks) == pytest.approx(300 / 0.5)
+    with pytest.raises(SystemExit):
+        main(["--chunks", "1"])
