@@ -72,9 +72,6 @@ def virtual_stages_from_args(args: argparse.Namespace, pp: int, dp: int, backend
     elif pp == 2 and method != "dynapipe" and not args.overlap_p2p_comm:
         raise DynaPipeError(f"{_flag(args)} at --pipeline-model-parallel-size 2: megatron-core's interleaved schedule "
                             f"needs --overlap-p2p-comm there (as Megatron-LM requires), or more stages.")
-    if args.tensor_model_parallel_size > 1:
-        raise DynaPipeError(f"{_flag(args)} with --tensor-model-parallel-size {args.tensor_model_parallel_size}: "
-                            f"interleaved GPT stages are built without tensor parallelism in this build; drop one.")
     if method == "padding-mb":
         raise DynaPipeError(f"{_flag(args)} with --dynapipe-batching padding-mb: megatron-core's interleaved "
                             f"schedule runs one sequence length an iteration; use padding or packing.")

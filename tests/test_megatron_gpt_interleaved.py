@@ -3,9 +3,10 @@
 ``--num-virtual-stages-per-pipeline-rank`` / ``--num-layers-per-virtual-pipeline-stage`` build
 megatron-core ``GPTModel`` chunks at their global layer offsets. DynaPipe runs its interleaved
 plans through the executor (2 stages x 2 chunks here), the baselines megatron-core's
-interleaved 1F1B (3 stages x 2 chunks: over gloo it needs 3 or more). Every run gives the
-losses of the plain pipeline of the same model and seed (fp32, dropout 0, 1e-5), evaluation
-included. Each layout's runs share one spawned job.
+interleaved 1F1B (3 stages x 2 chunks: over gloo it needs 3 or more), and DynaPipe on
+TP2 x PP2 x 2 chunks with sequence parallelism. Every run gives the losses of the plain
+pipeline of the same model and seed (fp32, dropout 0, 1e-5), evaluation included. Each
+layout's runs share one spawned job.
 """
 import json
 import os
@@ -138,6 +139,23 @@ def test_training_hooks_give_megatron_core_one_no_sync_per_chunk():
     assert stage.config.no_sync_func == [m.no_sync for m in modules]
 
 
+@pytest.fixture(scope="module")
+def tp2():
+    """One 4-rank job: padding on TP2 x PP2, DynaPipe on TP2 x PP2 x 2 chunks with sequence
+    parallelism (megatron-core's interleaved baselines on TP2 x PP3 need 6 ranks: measured
+    once, not in the suite)."""
+    tp = PP2 + " --tensor-model-parallel-size 2"
+    runs = [tp, tp + V2 + " --use-dynapipe --sequence-parallel"]
+    return run_trainings([r.split() for r in runs], 4, timeout_s=TIMEOUT)
+
+
+def test_chunks_split_over_tensor_parallel_ranks_train_as_the_plain_pipeline(tp2, pp2):
+    padding, chunks = tp2
+    assert all(r["losses"] == chunks[0]["losses"] for r in chunks)
+    assert close(chunks[0]["losses"], padding[0]["losses"])
+    assert close(chunks[0]["losses"], pp2[0]["padding"][0]["losses"])  # TP changes the split, not the model
+
+
 def test_megatron_cores_interleaved_schedule_gives_the_plain_pipelines_losses(pp3):
     ref = pp3["padding"][0]
     for name in ("padding-interleaved", "packing-interleaved"):
@@ -174,8 +192,6 @@ def test_virtual_stage_flags_mean_what_they_mean_in_megatron():
     ("--overlap-p2p-comm", 2, PP2, "interleaved schedule only"),
     ("--num-virtual-stages-per-pipeline-rank 2 --dynapipe-batching padding-mb", 3, PP3, "padding-mb"),
     ("--num-virtual-stages-per-pipeline-rank 2 --global-batch-size 8", 3, PP3, "multiple of 6 samples"),
-    ("--num-virtual-stages-per-pipeline-rank 2 --use-dynapipe --tensor-model-parallel-size 2", 4, PP2,
-     "tensor parallelism"),
 ])
 def test_virtual_stage_combinations_this_build_cannot_run_are_refused(extra, world, base, needle):
     with pytest.raises(DynaPipeError, match=needle):
