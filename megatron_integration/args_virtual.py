@@ -72,11 +72,8 @@ def virtual_stages_from_args(args: argparse.Namespace, pp: int, dp: int, backend
     elif pp == 2 and method != "dynapipe" and not args.overlap_p2p_comm:
         raise DynaPipeError(f"{_flag(args)} at --pipeline-model-parallel-size 2: megatron-core's interleaved schedule "
                             f"needs --overlap-p2p-comm there (as Megatron-LM requires), or more stages.")
-    if method == "padding-mb":
-        raise DynaPipeError(f"{_flag(args)} with --dynapipe-batching padding-mb: megatron-core's interleaved "
-                            f"schedule runs one sequence length an iteration; use padding or packing.")
     mbs = args.micro_batch_size or 1
-    if method == "padding" and args.global_batch_size:
+    if method in ("padding", "padding-mb") and args.global_batch_size:
         count = args.global_batch_size // (mbs * dp)
         if count % pp:
             raise DynaPipeError(f"{_flag(args)}: megatron-core's interleaved schedule runs micro-batches in groups of "

@@ -62,11 +62,11 @@ def pp2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pp3():
-    """One 3-rank job: padding on the plain pipeline, padding and packing through megatron-core's
-    interleaved 1F1B on 2 chunks a rank."""
-    runs = [PP3, PP3 + V2, PP3 + V2 + PACKING]
+    """One 3-rank job: padding on the plain pipeline; padding, packing and padding-mb (its
+    micro-batches of different lengths) through megatron-core's interleaved 1F1B on 2 chunks a rank."""
+    runs = [PP3, PP3 + V2, PP3 + V2 + PACKING, PP3 + V2 + " --dynapipe-batching padding-mb"]
     ranks = run_trainings([r.split() for r in runs], 3, timeout_s=TIMEOUT)
-    return dict(zip(("padding", "padding-interleaved", "packing-interleaved"), ranks))
+    return dict(zip(("padding", "padding-interleaved", "packing-interleaved", "padding-mb-interleaved"), ranks))
 
 
 def test_dynapipe_on_chunks_trains_and_evaluates_as_the_plain_pipeline(pp2):
@@ -158,7 +158,8 @@ def test_chunks_split_over_tensor_parallel_ranks_train_as_the_plain_pipeline(tp2
 
 def test_megatron_cores_interleaved_schedule_gives_the_plain_pipelines_losses(pp3):
     ref = pp3["padding"][0]
-    for name in ("padding-interleaved", "packing-interleaved"):
+    assert len(set(pp3["padding-mb-interleaved"][0]["padded_tokens"])) > 1  # micro-batches of other lengths
+    for name in ("padding-interleaved", "packing-interleaved", "padding-mb-interleaved"):
         got = pp3[name][0]
         assert close(got["losses"], ref["losses"]), (name, got["losses"], ref["losses"])
         assert close([float(v) for v in eval_values(got)], [float(v) for v in eval_values(ref)])
@@ -190,7 +191,8 @@ def test_virtual_stage_flags_mean_what_they_mean_in_megatron():
     ("--num-virtual-stages-per-pipeline-rank 2 --overlap-p2p-comm", 3, PP3, "not safe on gloo"),
     ("--num-virtual-stages-per-pipeline-rank 2 --use-dynapipe --overlap-p2p-comm", 2, PP2, "Drop it"),
     ("--overlap-p2p-comm", 2, PP2, "interleaved schedule only"),
-    ("--num-virtual-stages-per-pipeline-rank 2 --dynapipe-batching padding-mb", 3, PP3, "padding-mb"),
+    ("--num-virtual-stages-per-pipeline-rank 2 --dynapipe-batching padding-mb --global-batch-size 8", 3, PP3,
+     "multiple of 6 samples"),
     ("--num-virtual-stages-per-pipeline-rank 2 --global-batch-size 8", 3, PP3, "multiple of 6 samples"),
 ])
 def test_virtual_stage_combinations_this_build_cannot_run_are_refused(extra, world, base, needle):
