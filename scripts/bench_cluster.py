@@ -15,7 +15,9 @@ of ``--device`` and the links of ``--cluster`` (see :mod:`dynapipe.method_compar
 Encoder-decoder cases run every method on the stage placement the planner chooses on
 other batches of the mixture, contiguous or interleaved, whichever DynaPipe's simulation
 of those batches finds faster (:func:`dynapipe.schedule.placement.choose_placement_kind`);
-``dynapipe-even-split`` is DynaPipe on Megatron's even split, the before.
+``dynapipe-even-split`` is DynaPipe on Megatron's even split, the before. Cases with
+chunks run every method on Megatron's interleaved split (GPT's
+``--num-virtual-stages-per-pipeline-rank``); ``dynapipe-one-chunk`` is DynaPipe without them.
 
 A baseline's micro-batch size is tuned once per case (the size with the best real
 tokens/s over all its batches). ``compute_over_floor``: a method's compute over the batches'
@@ -47,6 +49,7 @@ from dynapipe.method_compare import (BatchesResult, compare_over_batches, global
                                      plan_shapes)
 from dynapipe.pipeline_planner import plan_iteration  # noqa: E402
 from dynapipe.schedule.placement import choose_placement_kind  # noqa: E402
+from dynapipe.cost.chunked_placement import even_chunked_placement  # noqa: E402
 
 METHODS = ("dynapipe", "dynapipe-1f1b", "packing", "packing-search", "padding", "padding-mb")
 # The DynaPipe paper (EuroSys 2024), best reported speed-up over packing on FLANv2.
@@ -64,11 +67,15 @@ class Case:
     seq_length: int
     zero: bool = False
     tp: int = 1  # tensor-parallel ranks per stage (inside a node); figures are per TP rank
+    # Model chunks a rank on Megatron's even interleaved split (GPT's --num-virtual-stages-per-pipeline-rank);
+    # every method then runs interleaved 1F1B (DynaPipe: or its adaptive interleaved schedule).
+    chunks: int = 1
 
     @property
     def label(self) -> str:
         tp = f"TP{self.tp} x " if self.tp > 1 else ""
-        return f"{self.model} {tp}PP{self.stages} x DP{self.dp}, seq {self.seq_length}"
+        chunks = f", {self.chunks} chunks a rank (interleaved)" if self.chunks > 1 else ""
+        return f"{self.model} {tp}PP{self.stages} x DP{self.dp}, seq {self.seq_length}{chunks}"
 
 
 CASES = (
@@ -83,6 +90,9 @@ CASES = (
     Case("gpt-13b", 4, 2, 4096, zero=True, tp=2),
     # The same 16 GPUs as t5-11b PP8 x DP2, half the stages each split over two GPUs of a node.
     Case("t5-11b", 4, 2, 2048, zero=True, tp=2),
+    # The PP8 GPT cases at 4,096 tokens on Megatron's interleaved split: 4 chunks of 1 layer a rank (7b),
+    # 5 of 1 (13b): the most interleaving Megatron allows, the strongest for packing here.
+    Case("gpt-7b", 8, 2, 4096, chunks=4), Case("gpt-13b", 8, 2, 4096, zero=True, chunks=5),
 )
 QUICK_CASES = (Case("gpt-7b", 4, 2, 2048),)
 
@@ -123,6 +133,9 @@ def run_case(case: Case, args) -> dict:
         placement = choose_placement_kind(sample, cost, dp=case.dp, seq_length=case.seq_length, zero=case.zero,
                                           cluster=cluster)
         even_cost, cost = cost, placement.cost_model
+    elif case.chunks > 1:
+        # Every method on the chunks; DynaPipe on one chunk a rank is kept as the before.
+        even_cost, cost = cost, cost.with_placement(even_chunked_placement(cost, case.chunks))
     # Compile the simulator kernels and fill caches outside the timed planning.
     plan_iteration(batches[0], cost, **kwargs)
     results: dict[str, BatchesResult] = {}
@@ -130,8 +143,10 @@ def run_case(case: Case, args) -> dict:
         results[method] = compare_over_batches(batches, method, cost, **kwargs)
     ref = results.get("packing")
     ref_search = results.get("packing-search")
-    if placement is not None and "dynapipe" in args.methods:
-        results["dynapipe-even-split"] = compare_over_batches(batches, "dynapipe", even_cost, **kwargs)
+    # The before: DynaPipe on Megatron's even split (encoder-decoder), or on one chunk a rank.
+    before = "dynapipe-even-split" if placement is not None else "dynapipe-one-chunk"
+    if (placement is not None or case.chunks > 1) and "dynapipe" in args.methods:
+        results[before] = compare_over_batches(batches, "dynapipe", even_cost, **kwargs)
     rows = {}
     floors: dict[int, float] = {}  # one compute floor per cost model (the placed one, the even split)
     for name, res in results.items():
@@ -140,9 +155,9 @@ def run_case(case: Case, args) -> dict:
             row["vs_packing"] = round(res.real_tokens_per_s / ref.real_tokens_per_s, 3)
         if ref_search is not None:
             row["vs_packing_search"] = round(res.real_tokens_per_s / ref_search.real_tokens_per_s, 3)
-        method = "dynapipe" if name == "dynapipe-even-split" else name
+        method = "dynapipe" if name == before else name
         if method in ("dynapipe", "packing", "padding", "padding-mb"):
-            priced = even_cost if name == "dynapipe-even-split" else cost
+            priced = even_cost if name == before else cost
             if id(priced) not in floors:
                 floors[id(priced)] = floor_over_batches(priced, batches)
             row["compute_over_floor"] = round(mean_compute_ms(
@@ -152,7 +167,7 @@ def run_case(case: Case, args) -> dict:
             row["sweep"] = res.sweep
         rows[name] = row
     return {"case": case.label, "model": case.model, "stages": case.stages, "dp": case.dp, "tp": case.tp,
-            "seq_length": case.seq_length, "distributed_optimizer": case.zero,
+            "seq_length": case.seq_length, "distributed_optimizer": case.zero, "chunks": case.chunks,
             "samples_per_batch": [len(b) for b in batches],
             "real_tokens_per_batch": [int(b.sum()) for b in batches], "methods": rows,
             "placement": placement.to_json() if placement is not None else None,

@@ -76,3 +76,18 @@ def test_encoder_decoder_case_runs_on_its_planned_placement(tmp_path):
     bad = subprocess.run([sys.executable, SCRIPT, "--case", "no-such-case", "--output", str(tmp_path / "x.json")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "matches no case" in bad.stderr and "t5-11b" in bad.stderr
+
+
+def test_gpt_chunk_case_runs_every_method_interleaved(tmp_path):
+    # The interleaved GPT rows run every method on Megatron's chunked split; DynaPipe on one chunk
+    # a rank is kept as the "before".
+    out = tmp_path / "chunks.json"
+    r = subprocess.run([sys.executable, SCRIPT, "--quick", "--case", "gpt-7b PP8 x DP2, seq 4096, 4 chunks",
+                        "--methods", "dynapipe,packing", "--tokens", "16384", "--output", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    (case,) = json.loads(out.read_text())["cases"]
+    assert case["chunks"] == 4 and set(case["methods"]) == {"dynapipe", "packing", "dynapipe-one-chunk"}
+    assert case["methods"]["packing"]["schedule"] == ["interleaved"]
+    assert set(case["methods"]["dynapipe"]["schedule"]) <= {"interleaved", "interleaved-adaptive"}
+    assert not set(case["methods"]["dynapipe-one-chunk"]["schedule"]) & {"interleaved", "interleaved-adaptive"}
