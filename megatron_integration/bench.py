@@ -127,6 +127,11 @@ def check_request(argv: Sequence[str], methods: Sequence[str], preset: str = "ti
     for flag in ("--use-dynapipe", "--dynapipe-batching"):
         if flag in given:
             raise DynaPipeError(f"{flag}: the bench sets the method itself; choose methods with --methods.")
+    for flag in ("--num-virtual-stages-per-pipeline-rank", "--num-layers-per-virtual-pipeline-stage"):
+        if flag in given:
+            # Its simulated sweep, compute floor and breakdown price one chunk a rank.
+            raise DynaPipeError(f"{flag}: the bench compares methods on one chunk a rank; compare DynaPipe with "
+                                f"and without chunks with scripts/bench_gpt_interleaved.py.")
     if warmup < 0:
         raise DynaPipeError(f"--warmup-iters {warmup}: must be >= 0.")
     full = with_defaults(argv, preset)
