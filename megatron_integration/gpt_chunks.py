@@ -31,14 +31,7 @@ class GPTChunks(torch.nn.Module):
     def __init__(self, gpts: list):
         super().__init__()
         self.chunks = torch.nn.ModuleList(gpts)
-        self.config = gpts[0].config
-        self.share_embeddings_and_output_weights = gpts[0].share_embeddings_and_output_weights
-
-    def shared_embedding_or_output_weight(self) -> Optional[torch.Tensor]:
-        """The word embedding this rank holds (chunk 0 of the first rank, the tied output layer of
-        the last chunk of the last rank), or None."""
-        return next((w for w in (g.shared_embedding_or_output_weight() for g in self.chunks
-                                 if g.pre_process or g.post_process) if w is not None), None)
+        self.config = gpts[0].config  # the stage's TransformerConfig, which every chunk shares
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """Every chunk's megatron-core sharded state dict under ``chunks.<c>.`` (the keys of this
@@ -49,7 +42,3 @@ class GPTChunks(torch.nn.Module):
             for key, sharded in gpt.sharded_state_dict(prefix="", metadata=metadata).items():
                 state[f"{prefix}chunks.{c}.{key}"] = sharded
         return state
-
-    def forward(self, *args, chunk: int = 0, **kwargs):
-        """Run chunk ``chunk`` (``GPTModel.forward``'s arguments)."""
-        return self.chunks[chunk](*args, **kwargs)
