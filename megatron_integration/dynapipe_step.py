@@ -121,9 +121,7 @@ def gpt_placement(cfg: DynaPipeTrainingConfig, info: RankInfo):
     chunks = cfg.parallel.virtual_pipeline_model_parallel_size
     if not chunks:
         return None
-    virtual = info.pp_size * chunks
-    per = cfg.model.num_layers // virtual
-    return StagePlacement((0,) * virtual, (per,) * virtual, chunks)
+    return StagePlacement.even(cfg.model.to_model_config("megatron-gpt"), info.pp_size, chunks)
 
 
 def loader_config(cfg: DynaPipeTrainingConfig, start_iteration: int, consumed_samples: int):

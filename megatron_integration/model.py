@@ -108,7 +108,6 @@ class Stage:
     config: object  # TransformerConfig
     info: RankInfo  # where this rank sits in the pipeline and data-parallel groups
     spec_name: str
-    chunked: bool = False  # several model chunks (interleaved pipeline)
 
     @property
     def pre_process(self) -> bool:
@@ -117,6 +116,13 @@ class Stage:
     @property
     def post_process(self) -> bool:
         return self.info.is_last_stage
+
+    @property
+    def chunked(self) -> bool:
+        """Whether the rank holds several model chunks (interleaved pipeline)."""
+        from megatron_integration.gpt_chunks import GPTChunks
+
+        return isinstance(self.gpt, GPTChunks)
 
     @property
     def modules(self) -> list:
@@ -189,8 +195,7 @@ def build_stage(cfg: DynaPipeTrainingConfig, info: RankInfo, use_te: Optional[bo
         tconfig = stage_config(cfg, info)
         gpts = [build_gpt_stage(cfg, info, use_te, vp_stage=c, tconfig=tconfig) for c in range(chunks)]
         module = torch.nn.ModuleList([_wrap(cfg, g) for g in gpts])
-        return Stage(module=module, gpt=GPTChunks(gpts), config=gpts[0].config, info=info, spec_name=name,
-                     chunked=True)
+        return Stage(module=module, gpt=GPTChunks(gpts), config=gpts[0].config, info=info, spec_name=name)
     gpt = build_gpt_stage(cfg, info, use_te)
     return Stage(module=_wrap(cfg, gpt), gpt=gpt, config=gpt.config, info=info, spec_name=name)
 

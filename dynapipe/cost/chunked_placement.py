@@ -23,10 +23,7 @@ from dynapipe.errors import DynaPipeError
 def even_chunked_placement(cost_model: CostModel, chunks: int = 2) -> StagePlacement:
     """Megatron's even split over the ``chunks * P`` virtual stages (T5-11B on 8 ranks, 2
     chunks: the encoder as chunk 0, the decoder as chunk 1, 3 layers each)."""
-    model, P = cost_model.model, cost_model.num_stages
-    layouts = stage_layouts(model, chunks * P)
-    return StagePlacement(tuple(l.encoder_layers for l in layouts), tuple(l.decoder_layers for l in layouts),
-                          chunks).validate(model)
+    return StagePlacement.even(cost_model.model, cost_model.num_stages, chunks).validate(cost_model.model)
 
 
 def virtual_pipeline_cost_model(cost_model: CostModel, chunks: int) -> CostModel:

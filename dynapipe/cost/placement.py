@@ -50,10 +50,12 @@ class StagePlacement:
         return len(self.decoder_layers)
 
     @staticmethod
-    def even(model: ModelConfig, num_stages: int) -> "StagePlacement":
-        """Megatron's split: layers as evenly as possible, earlier stages taking the remainder."""
-        layouts = stage_layouts(model, num_stages)
-        return StagePlacement(tuple(l.encoder_layers for l in layouts), tuple(l.decoder_layers for l in layouts))
+    def even(model: ModelConfig, num_stages: int, chunks: int = 1) -> "StagePlacement":
+        """Megatron's split: layers as evenly as possible over the ``chunks * num_stages``
+        virtual stages, earlier ones taking the remainder (``chunks`` > 1: its interleaved split)."""
+        layouts = stage_layouts(model, chunks * num_stages)
+        return StagePlacement(tuple(l.encoder_layers for l in layouts), tuple(l.decoder_layers for l in layouts),
+                              chunks)
 
     @staticmethod
     def interleaved(model: ModelConfig, num_stages: int) -> "StagePlacement":
