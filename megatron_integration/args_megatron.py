@@ -120,9 +120,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="layers per virtual pipeline stage (interleaved schedule; default: none)")
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
                    help="virtual pipeline stages (model chunks) per pipeline rank (interleaved schedule)")
-    g.add_argument("--overlap-p2p-comm", action="store_true",
-                   help="interleaved schedule: overlap the pipeline's sends and receives with compute "
-                        "(Megatron-LM needs it at --pipeline-model-parallel-size 2)")
+    # Megatron-LM's flag since 2023: the interleaved schedule overlaps its transfers unless told not to.
+    g.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm",
+                   help="interleaved schedule: do not overlap the pipeline's sends and receives with compute "
+                        "(default: overlap, as in Megatron-LM; without interleaving nothing is overlapped)")
     g.add_argument("--distributed-backend", default=None, choices=("nccl", "gloo"),
                    help="default: nccl with CUDA, gloo without")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)

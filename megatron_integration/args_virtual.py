@@ -4,9 +4,10 @@
 (at most one; ``V = layers per pipeline stage / N``) give every pipeline rank ``V`` model
 chunks: chunk ``c`` of rank ``p`` is virtual stage ``c * P + p``. ``V = 1`` is no
 interleaving, as in Megatron-LM. The fixed-shape baselines run megatron-core's interleaved
-1F1B, which Megatron-LM allows at ``--pipeline-model-parallel-size 2`` only with
-``--overlap-p2p-comm`` (its batched sends and receives would pair twice between the same two
-ranks); DynaPipe's executor does its own point-to-point and takes 2 stages either way.
+1F1B, which overlaps its transfers with compute unless ``--no-overlap-p2p-communication`` is
+given, and which Megatron-LM allows at ``--pipeline-model-parallel-size 2`` only overlapped (its
+batched sends and receives would pair twice between the same two ranks). DynaPipe's executor
+places its transfers where its plans put them (posted ahead of compute) and takes 2 stages.
 
 No torch or megatron import.
 """
@@ -21,16 +22,14 @@ from dynapipe.errors import DynaPipeError
 def virtual_stages_from_args(args: argparse.Namespace, pp: int, dp: int, backend: str) -> Optional[int]:
     """Model chunks per pipeline rank (None: not interleaved), validated against the layer
     count, the pipeline size, the backend (``gloo``/``nccl``) and what this build trains
-    interleaved."""
+    interleaved. ``args.overlap_p2p_comm`` (Megatron-LM's default True) only means something
+    with chunks: :func:`overlap_p2p_comm` gives the value the schedule gets."""
     per_stage, per_rank = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
     if per_stage is not None and per_rank is not None:
         raise DynaPipeError(f"--num-layers-per-virtual-pipeline-stage {per_stage} and "
                             f"--num-virtual-stages-per-pipeline-rank {per_rank} were both given; give one "
                             f"(as in Megatron-LM).")
     if per_stage is None and per_rank is None:
-        if args.overlap_p2p_comm:
-            raise DynaPipeError("--overlap-p2p-comm applies to the interleaved schedule only (Megatron-LM turns it off "
-                                "without one); drop it, or give --num-virtual-stages-per-pipeline-rank.")
         return None
     layers = args.num_layers
     if per_stage is not None:
@@ -53,25 +52,28 @@ def virtual_stages_from_args(args: argparse.Namespace, pp: int, dp: int, backend
     if chunks == 1:
         return None  # one chunk a rank is the plain pipeline (Megatron-LM sets no virtual size)
     method = "dynapipe" if args.use_dynapipe else (args.dynapipe_batching or "padding")
-    if method == "dynapipe" and args.overlap_p2p_comm:
-        raise DynaPipeError("--overlap-p2p-comm sets megatron-core's interleaved schedule; DynaPipe's executor posts "
-                            "its own transfers ahead of compute. Drop it with --use-dynapipe.")
+    if method == "dynapipe" and not args.overlap_p2p_comm:
+        raise DynaPipeError("--no-overlap-p2p-communication sets megatron-core's interleaved schedule; DynaPipe's "
+                            "executor posts its transfers where its plans put them, ahead of compute. Drop it with "
+                            "--use-dynapipe.")
     if pp < 2:
         raise DynaPipeError(f"{_flag(args)} needs --pipeline-model-parallel-size 2 or more (interleaving splits a "
                             f"pipeline's stages into chunks); drop it or add stages.")
     if method != "dynapipe" and backend == "gloo":
         # Measured: over gloo, megatron-core's interleaved schedule gives other losses than its 1F1B
-        # at 2 stages (both neighbours are one rank) and, with --overlap-p2p-comm, at 4 stages too
-        # (an asynchronous send of a tensor the schedule frees right after).
+        # at 2 stages (both neighbours are one rank) and, overlapped, at 4 stages too (an
+        # asynchronous send of a tensor the schedule frees right after).
         if args.overlap_p2p_comm:
-            raise DynaPipeError(f"--overlap-p2p-comm with {_flag(args)} over gloo: megatron-core's overlapped sends "
-                                f"are not safe on gloo; drop --overlap-p2p-comm.")
+            raise DynaPipeError(f"{_flag(args)} over gloo: megatron-core's interleaved schedule overlaps its "
+                                f"transfers by default, and its overlapped sends are not safe on gloo; add "
+                                f"--no-overlap-p2p-communication (or --use-dynapipe).")
         if pp < 3:
             raise DynaPipeError(f"{_flag(args)} at --pipeline-model-parallel-size {pp} over gloo: megatron-core's "
                                 f"interleaved schedule needs 3 or more stages there (--use-dynapipe runs 2).")
     elif pp == 2 and method != "dynapipe" and not args.overlap_p2p_comm:
         raise DynaPipeError(f"{_flag(args)} at --pipeline-model-parallel-size 2: megatron-core's interleaved schedule "
-                            f"needs --overlap-p2p-comm there (as Megatron-LM requires), or more stages.")
+                            f"needs its transfers overlapped there (as Megatron-LM requires); drop "
+                            f"--no-overlap-p2p-communication, or add stages.")
     mbs = args.micro_batch_size or 1
     if method in ("padding", "padding-mb") and args.global_batch_size:
         count = args.global_batch_size // (mbs * dp)
@@ -82,6 +84,13 @@ def virtual_stages_from_args(args: argparse.Namespace, pp: int, dp: int, backend
                                 f"replica; use a global batch of a multiple of "
                                 f"{pp * mbs * dp} samples.")
     return chunks
+
+
+def overlap_p2p_comm(args: argparse.Namespace, chunks: Optional[int]) -> bool:
+    """Whether megatron-core's schedule overlaps its transfers: Megatron-LM's
+    ``--no-overlap-p2p-communication`` (default: overlap), off without interleaving as
+    Megatron-LM sets it."""
+    return chunks is not None and bool(args.overlap_p2p_comm)
 
 
 def _flag(args: argparse.Namespace) -> str:

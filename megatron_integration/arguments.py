@@ -42,7 +42,7 @@ from megatron_integration.args_model import (BYTE_LEVEL_VOCAB, model_args_from_a
 from megatron_integration.args_refusals import (UNSUPPORTED_MEGATRON_FLAGS, _checkpoint_args_honoured,  # noqa: F401
                                                 _model_flags_honoured)
 from megatron_integration.args_training import _schedule_from_samples, optimizer_args_from_args
-from megatron_integration.args_virtual import virtual_stages_from_args
+from megatron_integration.args_virtual import overlap_p2p_comm, virtual_stages_from_args
 from megatron_integration.run_config import RunConfig, load_run_config  # noqa: F401  (re-exported)
 from megatron_integration.tensor_parallel import check_tensor_parallel_args
 from megatron_integration.train_config import (DataArgs, DynaPipeArgs, DynaPipeTrainingConfig,  # noqa: F401
@@ -178,7 +178,7 @@ def _parallel_args_from_args(args: argparse.Namespace, world_size: int, cuda: bo
                         sequence_parallel=args.sequence_parallel,
                         cpu_affinity=getattr(args, "dynapipe_cpu_affinity", "none"),
                         virtual_pipeline_model_parallel_size=chunks,
-                        overlap_p2p_comm=args.overlap_p2p_comm)
+                        overlap_p2p_comm=overlap_p2p_comm(args, chunks))
 
 
 def _recorded_args(args: argparse.Namespace) -> dict:

@@ -67,7 +67,8 @@ class ParallelArgs:
     # cores (megatron_integration.cpu_affinity), "none" leaves placement to the kernel.
     cpu_affinity: str = "none"
     # Megatron's interleaved pipeline: model chunks per pipeline rank (None: one, no interleaving),
-    # and --overlap-p2p-comm for megatron-core's interleaved schedule (the baselines).
+    # and whether megatron-core's interleaved schedule (the baselines) overlaps its transfers
+    # (Megatron-LM's default with chunks; --no-overlap-p2p-communication turns it off).
     virtual_pipeline_model_parallel_size: Optional[int] = None
     overlap_p2p_comm: bool = False
 

@@ -60,7 +60,8 @@ def pp2(tmp_path_factory):
 def pp3():
     """One 3-rank job: padding on the plain pipeline; padding, packing and padding-mb (its
     micro-batches of different lengths) through megatron-core's interleaved 1F1B on 2 chunks a rank."""
-    runs = [PP3, PP3 + V2, PP3 + V2 + PACKING, PP3 + V2 + " --dynapipe-batching padding-mb"]
+    v2 = V2 + " --no-overlap-p2p-communication"  # megatron-core's overlapped sends are not safe on gloo
+    runs = [PP3, PP3 + v2, PP3 + v2 + PACKING, PP3 + v2 + " --dynapipe-batching padding-mb"]
     ranks = run_trainings([r.split() for r in runs], 3, timeout_s=TIMEOUT)
     return dict(zip(("padding", "padding-interleaved", "packing-interleaved", "padding-mb-interleaved"), ranks))
 
@@ -167,9 +168,14 @@ def test_virtual_stage_flags_mean_what_they_mean_in_megatron():
     # One chunk a rank is the plain pipeline, as Megatron-LM sets no virtual size for it.
     assert parse("--num-layers-per-virtual-pipeline-stage 2").parallel.virtual_pipeline_model_parallel_size is None
     assert parse("").parallel.virtual_pipeline_model_parallel_size is None
-    # megatron-core's interleaved schedule on GPUs: Megatron-LM's rule at 2 stages.
-    assert parse("--num-virtual-stages-per-pipeline-rank 2 --overlap-p2p-comm", cuda=True).parallel \
-        .overlap_p2p_comm
+    # Megatron-LM's default: the interleaved schedule overlaps its transfers (on GPUs, at 2 stages,
+    # it must); --no-overlap-p2p-communication turns it off; without chunks it is off.
+    assert parse("--num-virtual-stages-per-pipeline-rank 2", cuda=True).parallel.overlap_p2p_comm
+    assert not parse("--num-virtual-stages-per-pipeline-rank 2 --no-overlap-p2p-communication", 3, PP3,
+                     cuda=True).parallel.overlap_p2p_comm
+    assert not parse("", cuda=True).parallel.overlap_p2p_comm
+    assert not parse("--no-overlap-p2p-communication").parallel.overlap_p2p_comm
+    assert parse("--num-virtual-stages-per-pipeline-rank 2 --use-dynapipe").parallel.overlap_p2p_comm
 
 
 @pytest.mark.parametrize("extra, world, base, needle", [
@@ -179,13 +185,13 @@ def test_virtual_stage_flags_mean_what_they_mean_in_megatron():
     ("--num-virtual-stages-per-pipeline-rank 3 --use-dynapipe", 2, PP2, "cannot be split evenly"),
     ("--num-virtual-stages-per-pipeline-rank 2 --use-dynapipe --pipeline-model-parallel-size 1", 1, PP2,
      "2 or more"),
-    ("--num-virtual-stages-per-pipeline-rank 2", 2, PP2, "3 or more stages there"),
-    ("--num-virtual-stages-per-pipeline-rank 2 --overlap-p2p-comm", 3, PP3, "not safe on gloo"),
-    ("--num-virtual-stages-per-pipeline-rank 2 --use-dynapipe --overlap-p2p-comm", 2, PP2, "Drop it"),
-    ("--overlap-p2p-comm", 2, PP2, "interleaved schedule only"),
-    ("--num-virtual-stages-per-pipeline-rank 2 --dynapipe-batching padding-mb --global-batch-size 8", 3, PP3,
+    ("--num-virtual-stages-per-pipeline-rank 2 --no-overlap-p2p-communication", 2, PP2, "3 or more stages there"),
+    ("--num-virtual-stages-per-pipeline-rank 2", 3, PP3, "add --no-overlap-p2p-communication"),
+    ("--num-virtual-stages-per-pipeline-rank 2 --use-dynapipe --no-overlap-p2p-communication", 2, PP2, "Drop it"),
+    ("--num-virtual-stages-per-pipeline-rank 2 --no-overlap-p2p-communication --dynapipe-batching padding-mb "
+     "--global-batch-size 8", 3, PP3, "multiple of 6 samples"),
+    ("--num-virtual-stages-per-pipeline-rank 2 --no-overlap-p2p-communication --global-batch-size 8", 3, PP3,
      "multiple of 6 samples"),
-    ("--num-virtual-stages-per-pipeline-rank 2 --global-batch-size 8", 3, PP3, "multiple of 6 samples"),
 ])
 def test_virtual_stage_combinations_this_build_cannot_run_are_refused(extra, world, base, needle):
     with pytest.raises(DynaPipeError, match=needle):
@@ -193,8 +199,15 @@ def test_virtual_stage_combinations_this_build_cannot_run_are_refused(extra, wor
 
 
 def test_gpu_rule_at_two_stages_is_megatrons():
-    with pytest.raises(DynaPipeError, match="needs --overlap-p2p-comm"):
-        parse("--num-virtual-stages-per-pipeline-rank 2", cuda=True)
+    with pytest.raises(DynaPipeError, match="needs its transfers overlapped"):
+        parse("--num-virtual-stages-per-pipeline-rank 2 --no-overlap-p2p-communication", cuda=True)
+
+
+@pytest.mark.parametrize("flag", ["--overlap-p2p-communication", "--overlap-p2p-comm"])
+def test_the_old_overlap_flags_are_named_as_the_default_now(flag, capsys):
+    with pytest.raises(SystemExit):
+        parse(f"--num-virtual-stages-per-pipeline-rank 2 {flag}", cuda=True)
+    assert "--no-overlap-p2p-communication" in capsys.readouterr().err
 
 
 def test_t5_takes_its_chunks_as_a_placement():
