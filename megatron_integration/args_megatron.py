@@ -120,6 +120,18 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="layers per virtual pipeline stage (interleaved schedule; default: none)")
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
                    help="virtual pipeline stages (model chunks) per pipeline rank (interleaved schedule)")
+    # Megatron-LM's uneven pipeline splits (megatron_integration.args_layout).
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="transformer layers on the first pipeline stage (default: the even split)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="transformer layers on the last pipeline stage (default: the even split)")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="count the embedding as a layer of the split (the first stage builds one layer fewer)")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="count the output layer and loss as a layer of the split (the last stage builds one fewer)")
+    g.add_argument("--pipeline-model-parallel-layout", default=None,
+                   help='every (virtual) stage written out: E embedding, t transformer layer, L loss, | between '
+                        'stages, (..)*n and x*n repeat; e.g. "Ettt|(tt|)*2,ttL" (default: none)')
     # Megatron-LM's flag since 2023: the interleaved schedule overlaps its transfers unless told not to.
     g.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm",
                    help="interleaved schedule: do not overlap the pipeline's sends and receives with compute "

@@ -64,9 +64,11 @@ def model_args_from_args(args: argparse.Namespace, cuda: bool) -> GPTModelArgs:
         init_method_std=args.init_method_std, dtype=dtype, **shape)
 
 
-def recompute_from_args(args: argparse.Namespace) -> tuple[RecomputeArgs, Optional[str]]:
+def recompute_from_args(args: argparse.Namespace,
+                        stage_layers: Optional[int] = None) -> tuple[RecomputeArgs, Optional[str]]:
     """Megatron's ``--recompute-*`` (validated as Megatron-LM validates them) and the level
-    DynaPipe's planner must use (None: ``--dynapipe-recompute auto``, the search chooses)."""
+    DynaPipe's planner must use (None: ``--dynapipe-recompute auto``, the search chooses).
+    ``stage_layers``: the most layers a pipeline rank holds (default: the even split's)."""
     gran, method, layers = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
     if gran is None and (method is not None or layers is not None):
         raise DynaPipeError("--recompute-method / --recompute-num-layers need --recompute-granularity full.")
@@ -77,10 +79,10 @@ def recompute_from_args(args: argparse.Namespace) -> tuple[RecomputeArgs, Option
         if method is None or layers is None:
             raise DynaPipeError("--recompute-granularity full needs --recompute-method {uniform,block} and "
                                 "--recompute-num-layers N (as in Megatron-LM).")
-        per_stage = args.num_layers // max(args.pipeline_model_parallel_size, 1)
+        per_stage = stage_layers or args.num_layers // max(args.pipeline_model_parallel_size, 1)
         if not 1 <= layers <= per_stage:
             raise DynaPipeError(f"--recompute-num-layers {layers}: must be between 1 and the {per_stage} layers "
-                                f"of each pipeline stage.")
+                                f"of the largest pipeline stage.")
     recompute = RecomputeArgs(gran, method, layers)
     dyn = getattr(args, "dynapipe_recompute", "auto")
     if not args.use_dynapipe:

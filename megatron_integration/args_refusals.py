@@ -25,8 +25,6 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--virtual-pipeline-model-parallel-size": ("not a Megatron-LM flag (Megatron derives the virtual pipeline size); "
                                                "give --num-virtual-stages-per-pipeline-rank or "
                                                "--num-layers-per-virtual-pipeline-stage"),
-    "--pipeline-model-parallel-layout": ("uneven layouts are not built; give --num-virtual-stages-per-pipeline-rank "
-                                         "or --num-layers-per-virtual-pipeline-stage"),
     # Megatron-LM's flag before its overlap became the default (and this build's own spelling
     # of it in one release): both now ask for what is already done.
     "--overlap-p2p-communication": ("the interleaved schedule overlaps its transfers by default, as in Megatron-LM; "

@@ -42,7 +42,8 @@ from megatron_integration.args_model import (BYTE_LEVEL_VOCAB, model_args_from_a
 from megatron_integration.args_refusals import (UNSUPPORTED_MEGATRON_FLAGS, _checkpoint_args_honoured,  # noqa: F401
                                                 _model_flags_honoured)
 from megatron_integration.args_training import _schedule_from_samples, optimizer_args_from_args
-from megatron_integration.args_virtual import overlap_p2p_comm, virtual_stages_from_args
+from megatron_integration.args_layout import pipeline_split_from_args
+from megatron_integration.args_virtual import check_interleaved, overlap_p2p_comm
 from megatron_integration.run_config import RunConfig, load_run_config  # noqa: F401  (re-exported)
 from megatron_integration.tensor_parallel import check_tensor_parallel_args
 from megatron_integration.train_config import (DataArgs, DynaPipeArgs, DynaPipeTrainingConfig,  # noqa: F401
@@ -107,7 +108,7 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
     parallel = _parallel_args_from_args(args, world_size, cuda)
     dp = parallel.data_parallel_size
     batching, mbs = batching_from_args(args, dp)
-    recompute, level = recompute_from_args(args)
+    recompute, level = recompute_from_args(args, max(parallel.rank_layers(args.num_layers)))
     dyn = dynapipe_args_from_args(args, cuda, batching, level, dp, num_nodes)
 
     from megatron_integration.data_args import data_sources_from_args, eval_args_from_args
@@ -166,18 +167,17 @@ def _parallel_args_from_args(args: argparse.Namespace, world_size: int, cuda: bo
         raise DynaPipeError("--use-distributed-optimizer needs GPUs (megatron-core's distributed optimizer wraps "
                             "CUDA parameters only); on CPU drop it.")
     check_tensor_parallel_args(args, cuda)
-    if pp > args.num_layers or args.num_layers % pp:
-        raise DynaPipeError(f"--num-layers {args.num_layers} cannot be split evenly over "
-                            f"--pipeline-model-parallel-size {pp}; use a divisor of the layer count.")
     backend = args.distributed_backend or ("nccl" if cuda else "gloo")
     if backend == "nccl" and not cuda:
         raise DynaPipeError("--distributed-backend nccl needs GPUs; use gloo on CPU.")
-    chunks = virtual_stages_from_args(args, pp, world_size // (tp * pp), backend)
+    split = pipeline_split_from_args(args, pp)
+    chunks = split.chunks
+    check_interleaved(args, chunks, pp, world_size // (tp * pp), backend)
     return ParallelArgs(world_size=world_size, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                         backend=backend, timeout_minutes=args.distributed_timeout_minutes,
                         sequence_parallel=args.sequence_parallel,
                         cpu_affinity=getattr(args, "dynapipe_cpu_affinity", "none"),
-                        virtual_pipeline_model_parallel_size=chunks,
+                        virtual_pipeline_model_parallel_size=chunks, stage_layers=split.layers,
                         overlap_p2p_comm=overlap_p2p_comm(args, chunks))
 
 

@@ -127,11 +127,17 @@ def check_request(argv: Sequence[str], methods: Sequence[str], preset: str = "ti
     for flag in ("--use-dynapipe", "--dynapipe-batching"):
         if flag in given:
             raise DynaPipeError(f"{flag}: the bench sets the method itself; choose methods with --methods.")
-    for flag in ("--num-virtual-stages-per-pipeline-rank", "--num-layers-per-virtual-pipeline-stage"):
+    for flag in ("--num-virtual-stages-per-pipeline-rank", "--num-layers-per-virtual-pipeline-stage",
+                 "--pipeline-model-parallel-layout"):
         if flag in given:
             # Its simulated sweep, compute floor and breakdown price one chunk a rank.
             raise DynaPipeError(f"{flag}: the bench compares methods on one chunk a rank; compare DynaPipe with "
                                 f"and without chunks with scripts/bench_gpt_interleaved.py.")
+    for flag in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                 "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"):
+        if flag in given:
+            raise DynaPipeError(f"{flag}: the bench's simulated sweep and compute floor price Megatron's even split; "
+                                f"train the uneven split with scripts/pretrain_gpt.py.")
     if warmup < 0:
         raise DynaPipeError(f"--warmup-iters {warmup}: must be >= 0.")
     full = with_defaults(argv, preset)

@@ -113,15 +113,19 @@ def planner_settings(cfg: DynaPipeTrainingConfig, info: RankInfo):
 
 
 def gpt_placement(cfg: DynaPipeTrainingConfig, info: RankInfo):
-    """The planner's :class:`~dynapipe.cost.placement.StagePlacement` of the run's chunks under
-    the interleaved pipeline (every virtual stage an equal share of the layers, as megatron-core
-    builds them), or None (Megatron's even split, one chunk a rank)."""
+    """The planner's :class:`~dynapipe.cost.placement.StagePlacement` of the stages megatron-core
+    builds: the uneven split Megatron's flags gave (``ParallelArgs.stage_layers``), or the even
+    interleaved one (every virtual stage an equal share), or None (the even split, one chunk a rank)."""
     from dynapipe.cost.placement import StagePlacement
 
     chunks = cfg.parallel.virtual_pipeline_model_parallel_size
+    model = cfg.model.to_model_config("megatron-gpt")
+    layers = cfg.parallel.stage_layers
+    if layers is not None:
+        return StagePlacement((0,) * len(layers), tuple(layers), chunks or 1).validate(model)
     if not chunks:
         return None
-    return StagePlacement.even(cfg.model.to_model_config("megatron-gpt"), info.pp_size, chunks)
+    return StagePlacement.even(model, info.pp_size, chunks)
 
 
 def loader_config(cfg: DynaPipeTrainingConfig, start_iteration: int, consumed_samples: int):

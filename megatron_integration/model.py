@@ -26,6 +26,7 @@ from megatron_integration.train_config import DynaPipeTrainingConfig, GPTModelAr
 from megatron_integration.initialize import RankInfo
 from megatron_integration.tensor_parallel import sequence_parallel_block_spec
 from megatron_integration.masked_softmax import use_additive_masks
+from megatron_integration.args_layout import megatron_layout, stage_layer_count
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -70,6 +71,8 @@ def transformer_config(model: GPTModelArgs, parallel: ParallelArgs, cuda: Option
         # core_transformer_config_from_args maps them (None query groups: one per head).
         add_bias_linear=model.add_bias_linear, num_query_groups=model.num_query_groups,
     )
+    if parallel.stage_layers is not None:
+        kwargs.update(pipeline_model_parallel_layout=megatron_layout(parallel.stage_layers))
     if model.swiglu:
         kwargs.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
     if recompute is not None and recompute.granularity is not None:
@@ -157,7 +160,8 @@ def build_gpt_stage(cfg: DynaPipeTrainingConfig, info: RankInfo, use_te: Optiona
     first = info.is_first_stage and (vp_stage or 0) == 0
     last = info.is_last_stage and (vp_stage is None or vp_stage == chunks - 1)
     spec, _ = layer_spec(use_te, m.normalization)
-    spec = sequence_parallel_block_spec(spec, tconfig, m.num_layers // (info.pp_size * chunks))
+    spec = sequence_parallel_block_spec(spec, tconfig, stage_layer_count(cfg.parallel, m.num_layers, info.pp_rank,
+                                                                         vp_stage))
     kwargs = {} if vp_stage is None else {"vp_stage": vp_stage}
     gpt = GPTModel(config=tconfig, transformer_layer_spec=spec, vocab_size=m.vocab_size,
                    max_sequence_length=m.max_position_embeddings, pre_process=first,

@@ -72,6 +72,12 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
         if getattr(args, flag.replace("-", "_")) is not None:
             raise _unsupported(f"--{flag}", "T5 chunks are a stage placement here; use --dynapipe-placement "
                                             "interleaved (or a chunked split such as 1+0,1+0|0+1,0+1)")
+    for flag in ("decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers",
+                 "pipeline-model-parallel-layout", "account-for-embedding-in-pipeline-split",
+                 "account-for-loss-in-pipeline-split"):
+        if getattr(args, flag.replace("-", "_")) not in (None, False):
+            raise _unsupported(f"--{flag}", "a T5 stage split is a stage placement here; give it with "
+                                            "--dynapipe-placement (such as 2+0,1+3), or auto")
     if args.position_embedding_type != "learned_absolute":
         raise _unsupported("--position-embedding-type", f"{args.position_embedding_type}: T5 stages use learned "
                                                         f"absolute positions; drop it")

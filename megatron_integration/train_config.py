@@ -71,6 +71,16 @@ class ParallelArgs:
     # (Megatron-LM's default with chunks; --no-overlap-p2p-communication turns it off).
     virtual_pipeline_model_parallel_size: Optional[int] = None
     overlap_p2p_comm: bool = False
+    # Transformer layers of every virtual stage (virtual stage k: chunk k // P of rank k % P) when
+    # Megatron's uneven split flags ask for one; None: the even split.
+    stage_layers: Optional[tuple[int, ...]] = None
+
+    def rank_layers(self, num_layers: int) -> list[int]:
+        """Transformer layers of every pipeline rank (all its chunks), of a ``num_layers`` model."""
+        pp = self.pipeline_model_parallel_size
+        if self.stage_layers is None:
+            return [num_layers // pp] * pp
+        return [sum(self.stage_layers[p::pp]) for p in range(pp)]
 
     @property
     def data_parallel_size(self) -> int:

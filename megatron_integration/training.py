@@ -139,14 +139,22 @@ def vocab_padding_line(cfg: DynaPipeTrainingConfig) -> Optional[str]:
             f"dummy tokens (new size: {m.vocab_size})")
 
 
-def check_chunks(chunks: int, extra: dict, path: str) -> None:
-    """Refuse a ``dynapipe``-format checkpoint saved with another number of model chunks a rank
-    (its tensors are stored by local names; ``torch_dist`` ones load at any chunking)."""
+def check_split(chunks: int, layers: Optional[list], extra: dict, path: str) -> None:
+    """Refuse a ``dynapipe``-format checkpoint saved with another number of model chunks a rank,
+    or another uneven split (``layers``: transformer layers of every virtual stage, None: the even
+    split); its tensors are stored by local names, while ``torch_dist`` ones load at any split."""
     saved = int(extra.get("virtual_stages_per_rank", 1))
     if saved != chunks:
         raise DynaPipeError(f"{path} was saved with {saved} model chunk(s) a rank, this run builds {chunks}; "
                             f"resume with --num-virtual-stages-per-pipeline-rank {saved}, or save in --ckpt-format "
                             f"torch_dist, which loads at any chunking.")
+    saved_layers = extra.get("stage_layers")
+    if saved_layers != layers:
+        def name(v):
+            return "the even split" if v is None else f"layers {v} a (virtual) stage"
+        raise DynaPipeError(f"{path} was saved on {name(saved_layers)}, this run builds {name(layers)}; resume "
+                            f"with the pipeline split flags it was saved with, or save in --ckpt-format torch_dist, "
+                            f"which loads at any split.")
 
 
 def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
@@ -170,11 +178,12 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
     run = TrainingRun(spec_name=stage.spec_name)
     # The per-rank (dynapipe) format stores the chunks by local name: it resumes at its own chunking.
     chunks = cfg.parallel.virtual_pipeline_model_parallel_size or 1
-    record = {"virtual_stages_per_rank": chunks}
+    layers = None if cfg.parallel.stage_layers is None else list(cfg.parallel.stage_layers)
+    record = {"virtual_stages_per_rank": chunks, "stage_layers": layers}
     log = partial(_print_rank_0, info, stream, run.checkpoint_lines)
     if cfg.load:
         resumed = checkpoint_formats.load(cfg, stage.gpt, optimizer, scheduler, info, log,
-                                          check_extra=partial(check_chunks, chunks))
+                                          check_extra=partial(check_split, chunks, layers))
         if resumed is not None:
             run.start_iteration, run.consumed_samples = resumed.iteration, resumed.consumed_samples
     stepper = make_stepper(cfg, info, stage, optimizer, scheduler, run.start_iteration, run.consumed_samples)

@@ -162,7 +162,8 @@ def test_bench_refuses_what_the_preset_cannot_honour(tmp_path, capsys):
     base = ["bench", "--output", str(tmp_path / "x.json"), "--preset", "representative"]
     for extra, message in ((["--micro-batch-size", "2"], "--sweep-top 0"), (["--rounds", "0"], "--rounds 0"),
                            (["--methods", "dynapipe,dynapipe"], "at most once"),
-                           (["--num-virtual-stages-per-pipeline-rank", "2"], "bench_gpt_interleaved.py")):
+                           (["--num-virtual-stages-per-pipeline-rank", "2"], "bench_gpt_interleaved.py"),
+                           (["--decoder-first-pipeline-num-layers", "3"], "pretrain_gpt.py")):
         assert main(base + extra) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err

@@ -113,14 +113,20 @@ def test_checkpoints_of_chunks_resume_exactly_and_torch_dist_ones_on_the_plain_p
 
 
 def test_a_per_rank_checkpoint_of_other_chunking_is_refused_with_the_fix():
-    from megatron_integration.training import check_chunks
+    from megatron_integration.training import check_split
 
-    check_chunks(2, {"virtual_stages_per_rank": 2}, "ckpt.pt")
-    check_chunks(1, {}, "ckpt.pt")  # saved before chunks were recorded: one a rank
+    check_split(2, None, {"virtual_stages_per_rank": 2}, "ckpt.pt")
+    check_split(1, None, {}, "ckpt.pt")  # saved before chunks were recorded: one a rank
     with pytest.raises(DynaPipeError, match="saved with 2 model chunk.*--num-virtual-stages-per-pipeline-rank 2"):
-        check_chunks(1, {"virtual_stages_per_rank": 2}, "ckpt.pt")
+        check_split(1, None, {"virtual_stages_per_rank": 2}, "ckpt.pt")
     with pytest.raises(DynaPipeError, match="saved with 1 model chunk"):
-        check_chunks(2, {}, "ckpt.pt")
+        check_split(2, None, {}, "ckpt.pt")
+    # An uneven split is recorded too: the same layers load, other ones are refused.
+    check_split(1, [3, 1], {"stage_layers": [3, 1]}, "ckpt.pt")
+    with pytest.raises(DynaPipeError, match=r"saved on the even split, this run builds layers \[3, 1\]"):
+        check_split(1, [3, 1], {}, "ckpt.pt")
+    with pytest.raises(DynaPipeError, match=r"saved on layers \[1, 3\] a \(virtual\) stage.*torch_dist"):
+        check_split(1, [3, 1], {"stage_layers": [1, 3]}, "ckpt.pt")
 
 
 def test_training_hooks_give_megatron_core_one_no_sync_per_chunk():
@@ -182,7 +188,7 @@ def test_virtual_stage_flags_mean_what_they_mean_in_megatron():
     ("--num-virtual-stages-per-pipeline-rank 2 --num-layers-per-virtual-pipeline-stage 1 --use-dynapipe", 2, PP2,
      "give one"),
     ("--num-layers-per-virtual-pipeline-stage 3 --use-dynapipe", 2, PP2, "use a divisor of 2"),
-    ("--num-virtual-stages-per-pipeline-rank 3 --use-dynapipe", 2, PP2, "cannot be split evenly"),
+    ("--num-virtual-stages-per-pipeline-rank 3 --use-dynapipe", 2, PP2, "do not split into 3 equal chunks"),
     ("--num-virtual-stages-per-pipeline-rank 2 --use-dynapipe --pipeline-model-parallel-size 1", 1, PP2,
      "2 or more"),
     ("--num-virtual-stages-per-pipeline-rank 2 --no-overlap-p2p-communication", 2, PP2, "3 or more stages there"),
