@@ -4,6 +4,7 @@ resume across placements, evaluation logs Megatron's lines, and the bench runs e
 the contiguous split too beside an interleaved placement.
 """
 import pytest
+import torch
 
 from t5_job import dist_tensors as _dist_tensors
 
@@ -58,12 +59,19 @@ def test_t5_interleaved_checkpoints_resume_and_load_at_any_placement(pp2, t5_dis
         assert run["start_iteration"] == 2 and run["losses"] == pytest.approx(full["losses"][2:], abs=1e-6)
     assert il_cut["losses"] == pytest.approx(full["losses"][:2], abs=1e-6)
     assert cut["losses"] == pytest.approx(full["losses"][:2], abs=1e-6)
+    got = _dist_tensors(t5_dist / "il_resumed" / "iter_0000003", tmp_path)
+    assert set(got) == set(final)
+    assert max((got[k] - final[k]).abs().max().item() for k in final) < 1e-6
     # from_il's first two steps ran on the interleaved split (another summation order: losses
-    # agree within 2e-7), which Adam's normalised step carries into the weights at 1e-6 or so.
-    for name, tol in (("il_resumed", 1e-6), ("from_il", 1e-5)):
-        got = _dist_tensors(t5_dist / name / "iter_0000003", tmp_path)
-        assert set(got) == set(final), name
-        assert max((got[k] - final[k]).abs().max().item() for k in final) < tol, name
+    # agree within 2e-7). Adam's normalised step carries that into the weights at about 1e-6,
+    # more on the few elements whose gradients are near zero (measured: 153 of 586k elements
+    # above 1e-6, the largest 1.3e-5, on a bias). A checkpoint loaded into the wrong places
+    # would be off by the weights' own size, on most elements.
+    got = _dist_tensors(t5_dist / "from_il" / "iter_0000003", tmp_path)
+    assert set(got) == set(final)
+    diffs = [(got[k] - final[k]).abs().flatten() for k in final if torch.is_floating_point(final[k])]
+    diffs = torch.cat(diffs)
+    assert diffs.max().item() < 1e-4 and (diffs > 1e-6).float().mean().item() < 1e-3
 
 
 def test_bench_t5_every_method_also_runs_contiguous_and_even_and_keeps_its_best():
