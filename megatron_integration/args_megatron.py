@@ -51,6 +51,13 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="epsilon of every LayerNorm / RMSNorm")
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="share of each head's channels rotary embeddings cover (only 1.0, the default, is built)")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="zero-centred norm weights (refused: not built)")
+    g.add_argument("--use-mcore-models", action="store_true", dest="deprecated_use_mcore_models",
+                   help="deprecated in Megatron-LM, which ignores it: the stages are megatron-core models")
 
     g = parser.add_argument_group("training")
     g.add_argument("--seq-length", type=int, default=None, help="maximum sequence length in tokens")
@@ -88,6 +95,19 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         "(the first --recompute-num-layers layers of each stage)")
     g.add_argument("--recompute-num-layers", type=int, default=None,
                    help="full recompute: layers per chunk (uniform) or layers recomputed per stage (block)")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="Megatron-LM's short form of --recompute-granularity selective")
+    g.add_argument("--exit-duration-in-mins", type=int, default=None,
+                   help="stop (after saving, with --save) once the job has run this many minutes")
+    g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=(0, 1, 2),
+                   help="return the CUDA caching allocator's unused memory: 1 after each forward-backward, 2 also "
+                        "after each optimizer step (no effect on CPU, which has no such cache)")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="accepted: the loss is always a sum over tokens divided by the global batch's token count")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="megatron-core's fused cross-entropy for the loss")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="with --bf16: all-reduce gradients in bf16 instead of fp32")
 
     g = parser.add_argument_group("learning rate and optimizer")
     g.add_argument("--lr", type=float, default=None, help="peak learning rate")
@@ -101,6 +121,13 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32, help="fp16: initial dynamic loss scale")
     add_loss_scale_args(g)
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="with --train-samples: samples the decay spans (default: --train-samples)")
+    g.add_argument("--lr-warmup-samples", type=int, default=0, help="with --train-samples: samples of warm-up")
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="separate peak learning rate for the input embedding and the output layer")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="minimum learning rate for the input embedding and the output layer")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
@@ -139,6 +166,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--distributed-backend", default=None, choices=("nccl", "gloo"),
                    help="default: nccl with CUDA, gloo without")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="context-parallel ranks (only 1, the default: no context parallelism)")
 
     g = parser.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None,
@@ -149,6 +178,14 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         "and end of document; JSONL text is tokenised byte-level")
     g.add_argument("--tokenizer-model", default=None, help="tokenizer model file or name, when the type needs one")
     add_tokenizer_args(g)
+    g.add_argument("--data-cache-path", default=None,
+                   help="directory for dataset index caches: T5 span corruption's (megatron-core's; default beside "
+                        "each data prefix); GPT data caches none (its sampler orders samples in memory)")
+    g.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
+                   help="read indexed datasets' .bin files with plain reads instead of memory-mapping them")
+    g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
+                   dest="create_attention_mask_in_dataloader",
+                   help="accepted: masks are made on the device, and only for packed rows")
     g.add_argument("--num-workers", type=int, default=2,
                    help="data-loader workers (accepted; samples are read in-process from memory-mapped files)")
 

@@ -61,7 +61,8 @@ def model_args_from_args(args: argparse.Namespace, cuda: bool) -> GPTModelArgs:
         position_embedding_type=args.position_embedding_type,
         tie_embeddings=not args.untie_embeddings_and_output_weights, normalization=args.normalization,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std, dtype=dtype, **shape)
+        init_method_std=args.init_method_std, dtype=dtype, norm_epsilon=_positive("norm-epsilon", args.norm_epsilon),
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion, **shape)
 
 
 def recompute_from_args(args: argparse.Namespace,
@@ -70,6 +71,12 @@ def recompute_from_args(args: argparse.Namespace,
     DynaPipe's planner must use (None: ``--dynapipe-recompute auto``, the search chooses).
     ``stage_layers``: the most layers a pipeline rank holds (default: the even split's)."""
     gran, method, layers = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
+    if args.recompute_activations:
+        # Megatron-LM: --recompute-activations sets the selective granularity.
+        if gran == "full":
+            raise DynaPipeError("--recompute-activations (selective) and --recompute-granularity full were both "
+                                "given; give one.")
+        gran = "selective"
     if gran is None and (method is not None or layers is not None):
         raise DynaPipeError("--recompute-method / --recompute-num-layers need --recompute-granularity full.")
     if gran == "selective" and (method is not None or layers is not None):

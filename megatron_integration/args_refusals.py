@@ -21,7 +21,6 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--eval-global-batch-size": "evaluation batches are --global-batch-size samples; drop it",
     "--full-validation": "evaluation reads --eval-iters global batches; drop it",
     "--skip-train": "training always runs (evaluation follows it); drop it",
-    "--context-parallel-size": "no context parallelism; split long sequences over fewer tokens per sample",
     "--virtual-pipeline-model-parallel-size": ("not a Megatron-LM flag (Megatron derives the virtual pipeline size); "
                                                "give --num-virtual-stages-per-pipeline-rank or "
                                                "--num-layers-per-virtual-pipeline-stage"),
@@ -43,7 +42,20 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--dataloader-type": "global batches come from this project's sampler; drop it",
     "--eod-mask-loss": "samples are whole documents without separators; drop it",
     "--fp8-format": "fp8 training is not supported; use --bf16",
-    "--rotary-percent": "rotary embeddings cover the whole head; drop it",
+    "--fp8-recipe": "fp8 training is not supported; use --bf16",
+    "--fp8-amax-history-len": "fp8 training is not supported; use --bf16",
+    "--fp8-amax-compute-algo": "fp8 training is not supported; use --bf16",
+    "--fp8-param-gather": "fp8 training is not supported; use --bf16",
+    "--profile": ("Nsight/PyTorch profiling hooks are not built; use --dynapipe-trace-dir for per-op traces of "
+                  "DynaPipe's executor, or run the job under nsys"),
+    "--profile-step-start": "profiling hooks are not built (see --profile); drop it",
+    "--profile-step-end": "profiling hooks are not built (see --profile); drop it",
+    "--use-pytorch-profiler": "profiling hooks are not built (see --profile); drop it",
+    "--profile-ranks": "profiling hooks are not built (see --profile); drop it",
+    "--log-throughput": ("the log line reports real tokens/s, the measure every batching method is compared by; "
+                         "TFLOP/s per GPU is not printed. Drop it"),
+    "--step-batch-size-schedule": "the global batch is fixed (or set by --dynapipe-tokens-per-global-batch)",
+    "--tiktoken-pattern": "the TikTokenizer is not a --tokenizer-type here; use HuggingFaceTokenizer",
     "--no-save-optim": "checkpoints always hold the optimizer state; drop it (load with --no-load-optim or "
                        "--finetune to leave it out)",
     "--no-save-rng": "checkpoints always hold the RNG states; drop it (load with --no-load-rng to leave them out)",
@@ -58,6 +70,15 @@ UNSUPPORTED_MEGATRON_FLAGS = {
 def _model_flags_honoured(args: argparse.Namespace, cuda: bool) -> None:
     """Refuse the Megatron model flags whose non-default values the stage builder cannot honour yet
     (the default of each, which is what is built, is accepted)."""
+    if args.rotary_percent != 1.0:
+        raise _unsupported("--rotary-percent", f"{args.rotary_percent}: rotary embeddings cover the whole head "
+                                               f"(1.0, the default); drop it")
+    if args.apply_layernorm_1p:
+        raise _unsupported("--apply-layernorm-1p", "zero-centred norm weights are not built (the deterministic "
+                                                   "initialisation sets norm weights to one); drop it")
+    if args.cross_entropy_loss_fusion and not cuda:
+        raise _unsupported("--cross-entropy-loss-fusion", "megatron-core's fused cross-entropy is a GPU kernel; "
+                                                          "drop it on CPU")
     if args.use_flash_attn:
         raise _unsupported("--use-flash-attn", "attention runs through Transformer Engine's spec where installed "
                                                "(it picks flash attention itself) or megatron-core's local one; "

@@ -23,7 +23,7 @@ def _schedule_from_samples(args: argparse.Namespace) -> None:
                             f"given; give one (as in Megatron-LM).")
     if args.lr_decay_iters is not None or args.lr_warmup_iters:
         raise DynaPipeError("--train-samples schedules in samples: drop --lr-decay-iters / --lr-warmup-iters "
-                            "(the decay then spans the run; use --lr-warmup-fraction for the warm-up).")
+                            "(give --lr-decay-samples / --lr-warmup-samples, or --lr-warmup-fraction).")
     if args.dynapipe_tokens_per_global_batch is not None:
         raise DynaPipeError("--train-samples needs global batches of --global-batch-size samples; with "
                             "--dynapipe-tokens-per-global-batch give --train-iters.")
@@ -35,15 +35,33 @@ def _schedule_from_samples(args: argparse.Namespace) -> None:
     args.train_iters = args.train_samples // gbs
 
 
+def _schedule_in_iterations(args: argparse.Namespace) -> tuple[float, float]:
+    """(decay, warm-up) of the learning-rate schedule in iterations: Megatron's ``--lr-*-iters``,
+    or with ``--train-samples`` its ``--lr-*-samples`` over ``--global-batch-size`` (Megatron-LM
+    steps its scheduler by the samples of each iteration, so a fixed global batch makes the two
+    the same schedule, fractional iterations included)."""
+    samples = args.lr_decay_samples is not None or args.lr_warmup_samples
+    if not samples:
+        return _positive("lr-decay-iters", args.lr_decay_iters) or args.train_iters, \
+            _positive("lr-warmup-iters", args.lr_warmup_iters, allow_zero=True)
+    if args.train_samples is None:
+        raise DynaPipeError("--lr-decay-samples / --lr-warmup-samples schedule in samples and need --train-samples "
+                            "(as in Megatron-LM); with --train-iters give --lr-decay-iters / --lr-warmup-iters.")
+    gbs = args.global_batch_size
+    decay = _positive("lr-decay-samples", args.lr_decay_samples) or args.train_samples
+    warmup = _positive("lr-warmup-samples", args.lr_warmup_samples, allow_zero=True)
+    return decay / gbs, warmup / gbs
+
+
 def optimizer_args_from_args(args: argparse.Namespace) -> OptimizerArgs:
     """The learning-rate schedule (iterations) and Adam's settings, validated as Megatron-LM
     validates them; ``args.train_iters`` must be set (see :func:`_schedule_from_samples`)."""
-    decay_iters = _positive("lr-decay-iters", args.lr_decay_iters) or args.train_iters
-    warmup_iters = _positive("lr-warmup-iters", args.lr_warmup_iters, allow_zero=True)
+    decay_iters, warmup_iters = _schedule_in_iterations(args)
     if args.lr_warmup_fraction is not None:
-        if args.lr_warmup_iters:
-            raise DynaPipeError(f"--lr-warmup-fraction {args.lr_warmup_fraction} and --lr-warmup-iters "
-                                f"{args.lr_warmup_iters} were both given; give one (as in Megatron-LM).")
+        if warmup_iters:
+            raise DynaPipeError(f"--lr-warmup-fraction {args.lr_warmup_fraction} and a warm-up length "
+                                f"(--lr-warmup-iters / --lr-warmup-samples) were both given; give one (as in "
+                                f"Megatron-LM).")
         _fraction("lr-warmup-fraction", args.lr_warmup_fraction)
         # Megatron-LM: warm-up steps = fraction x decay steps.
         warmup_iters = int(args.lr_warmup_fraction * decay_iters)
@@ -52,6 +70,10 @@ def optimizer_args_from_args(args: argparse.Namespace) -> OptimizerArgs:
     if args.lr_decay_style != "constant" and warmup_iters >= decay_iters:
         raise DynaPipeError(f"the warm-up ({warmup_iters} iterations) must be shorter than the decay "
                             f"({decay_iters} iterations, --lr-decay-iters or --train-iters).")
+    decoupled = _decoupled_lr(args)
+    if args.grad_reduce_in_bf16 and not args.bf16:
+        raise DynaPipeError("--grad-reduce-in-bf16 applies to --bf16 only (gradients of other precisions are "
+                            "reduced as they are); add --bf16 or drop it.")
     if args.optimizer != "adam":
         raise _unsupported("--optimizer", f"{args.optimizer}: only adam (megatron-core's Adam with decoupled "
                                           f"weight decay) is built; use --optimizer adam")
@@ -62,4 +84,18 @@ def optimizer_args_from_args(args: argparse.Namespace) -> OptimizerArgs:
                          adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
                          distributed=args.use_distributed_optimizer,
                          override_scheduler=args.override_opt_param_scheduler,
-                         use_checkpoint_scheduler=args.use_checkpoint_opt_param_scheduler, **loss_scale)
+                         use_checkpoint_scheduler=args.use_checkpoint_opt_param_scheduler,
+                         grad_reduce_in_bf16=args.grad_reduce_in_bf16, **decoupled, **loss_scale)
+
+
+def _decoupled_lr(args: argparse.Namespace) -> dict:
+    """Megatron's ``--decoupled-lr`` / ``--decoupled-min-lr`` (the embedding's and output layer's
+    own rates), validated."""
+    lr, min_lr = _positive("decoupled-lr", args.decoupled_lr, allow_zero=True), \
+        _positive("decoupled-min-lr", args.decoupled_min_lr, allow_zero=True)
+    if min_lr is not None and lr is None:
+        raise DynaPipeError(f"--decoupled-min-lr {min_lr} needs --decoupled-lr (the embedding's own peak rate); "
+                            f"add it or drop --decoupled-min-lr.")
+    if lr is not None and min_lr is not None and min_lr > lr:
+        raise DynaPipeError(f"--decoupled-min-lr {min_lr} is above --decoupled-lr {lr}; the decay would raise it.")
+    return {"decoupled_lr": lr, "decoupled_min_lr": min_lr}

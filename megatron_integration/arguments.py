@@ -46,6 +46,7 @@ from megatron_integration.args_layout import pipeline_split_from_args
 from megatron_integration.args_virtual import check_interleaved, overlap_p2p_comm
 from megatron_integration.run_config import RunConfig, load_run_config  # noqa: F401  (re-exported)
 from megatron_integration.tensor_parallel import check_tensor_parallel_args
+from megatron_integration.training_limits import check_exit_duration
 from megatron_integration.train_config import (DataArgs, DynaPipeArgs, DynaPipeTrainingConfig,  # noqa: F401
                                                GPTModelArgs, OptimizerArgs, ParallelArgs, RecomputeArgs)
 
@@ -120,11 +121,15 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
     if args.dynapipe_tokens_per_global_batch is not None and not args.use_dynapipe:
         raise DynaPipeError("--dynapipe-tokens-per-global-batch needs --use-dynapipe: the fixed-shape baselines "
                             "take --global-batch-size samples.")
+    if not args.create_attention_mask_in_dataloader and args.reset_attention_mask:
+        # Megatron-LM's data loader then returns no mask, so its packed samples would see each other.
+        raise DynaPipeError("--no-create-attention-mask-in-dataloader drops the masks that --reset-attention-mask "
+                            "needs to keep packed samples apart; give one of them.")
     data = DataArgs(mock_data=args.mock_data, **sources,
                     tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
                     mixture=args.dynapipe_mixture, overlong=args.dynapipe_overlong,
                     tokens_per_global_batch=args.dynapipe_tokens_per_global_batch,
-                    mock_samples=args.dynapipe_mock_samples)
+                    mock_samples=args.dynapipe_mock_samples, mmap_bin_files=args.mmap_bin_files)
 
     optimizer = optimizer_args_from_args(args)
     _positive("num-workers", args.num_workers, allow_zero=True)
@@ -151,7 +156,8 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
         load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, log_interval=args.log_interval,
         tensorboard_dir=args.tensorboard_dir, recompute=recompute,
         check_for_nan_in_loss_and_grad=getattr(args, "check_for_nan_in_loss_and_grad", True),
-        exit_interval=args.exit_interval, manual_gc=manual_gc, evaluation=evaluation, ckpt_format=args.ckpt_format,
+        exit_interval=args.exit_interval, exit_duration_in_mins=check_exit_duration(args.exit_duration_in_mins),
+        empty_unused_memory_level=args.empty_unused_memory_level, manual_gc=manual_gc, evaluation=evaluation, ckpt_format=args.ckpt_format,
         finetune=args.finetune,
         megatron_args=_recorded_args(args))
 
@@ -167,6 +173,10 @@ def _parallel_args_from_args(args: argparse.Namespace, world_size: int, cuda: bo
         raise DynaPipeError("--use-distributed-optimizer needs GPUs (megatron-core's distributed optimizer wraps "
                             "CUDA parameters only); on CPU drop it.")
     check_tensor_parallel_args(args, cuda)
+    if args.context_parallel_size != 1:
+        raise _unsupported("--context-parallel-size", f"{args.context_parallel_size}: no context parallelism "
+                                                      f"(1, the default); split long sequences over fewer tokens "
+                                                      f"per sample instead")
     backend = args.distributed_backend or ("nccl" if cuda else "gloo")
     if backend == "nccl" and not cuda:
         raise DynaPipeError("--distributed-backend nccl needs GPUs; use gloo on CPU.")

@@ -26,6 +26,7 @@ from megatron_integration.batches import (MicroBatchTensors, packing_assignment,
 from megatron_integration.initialize import RankInfo
 from megatron_integration.model import Stage
 from megatron_integration.schedule_timing import ScheduleTiming, timed_schedule
+from megatron_integration.training_limits import empty_unused_memory
 
 # Baselines whose micro-batches differ in sequence length (megatron-core's variable_seq_lengths).
 VARIABLE_LENGTH_METHODS = ("padding-mb",)
@@ -140,14 +141,16 @@ def reduce_loss(loss_sum: float, loss_tokens: int, is_last_stage: bool, device: 
 
 def megatron_train_step(stage: Stage, optimizer, scheduler, micro_batches: list[MicroBatchTensors],
                         seq_length: int, mbs: int, info: RankInfo, real_tokens: int, padded_tokens: int,
-                        variable_seq_lengths: bool = False, before_step: Optional[Callable] = None) -> StepResult:
+                        variable_seq_lengths: bool = False, before_step: Optional[Callable] = None,
+                        memory_level: int = 0) -> StepResult:
     """One iteration of megatron-core 1F1B over the micro-batches, with the optimizer step.
 
     Micro-batches of different lengths (``padding-mb``) turn on megatron-core's
     ``variable_seq_lengths`` for this call, as does ``variable_seq_lengths=True``: its p2p
     then sends each activation's shape ahead of the activation. ``before_step(local_loss_sum)``
     runs after the backward pass and before the optimizer step (the NaN/Inf check); the
-    loss sum is None on ranks that hold no loss."""
+    loss sum is None on ranks that hold no loss. ``memory_level``: Megatron's
+    ``--empty-unused-memory-level``."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     start = time.perf_counter()
@@ -174,9 +177,11 @@ def megatron_train_step(stage: Stage, optimizer, scheduler, micro_batches: list[
     if before_step is not None:
         before_step(sum(float(r["lm loss"][0]) for r in reports) if info.is_last_stage else None)
     t_opt = time.perf_counter()
+    empty_unused_memory(memory_level, info.device, after_optimizer=False)
     ok, grad_norm, _ = optimizer.step()
     if ok:
         scheduler.step(increment=1)
+    empty_unused_memory(memory_level, info.device, after_optimizer=True)
     loss_sum = sum(float(r["lm loss"][0]) for r in reports) if info.is_last_stage else 0.0
     loss_tokens = sum(int(r["lm loss"][1]) for r in reports) if info.is_last_stage else 0
     # Every TP rank of the last stage holds the same (TP-reduced) loss; TP rank 0 counts it.

@@ -36,7 +36,8 @@ def dataset_config(cfg: DynaPipeTrainingConfig, split: str = "train") -> Optiona
         raise DynaPipeError(f"split {split!r} is not known; use one of {list(SPLITS)}.")
     # --dynapipe-overlong reject refuses long pretraining documents too, instead of cutting them.
     common = dict(seq_length=cfg.model.seq_length, overlong=d.overlong, seed=cfg.seed,
-                  vocab_size=cfg.model.vocab_size, split_name=split, split_documents=d.overlong != "reject")
+                  vocab_size=cfg.model.vocab_size, split_name=split, split_documents=d.overlong != "reject",
+                  mmap_bin_files=d.mmap_bin_files)
     ranges = split_ranges(list(d.split)) if d.split else {"train": WHOLE, "valid": None, "test": None}
     if d.mock_data:
         if ranges[split] is None:

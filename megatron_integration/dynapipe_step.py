@@ -49,6 +49,7 @@ from megatron_integration.model import Stage, finalize_grads_func, set_recompute
 from megatron_integration.nan_guard import check_before_step
 from megatron_integration.stage_handlers import ModelStageHandlers
 from megatron_integration.tensor_parallel import check_plan_tensor_parallel, check_tp_plans_agree
+from megatron_integration.training_limits import empty_unused_memory
 
 
 def packed_attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -229,9 +230,11 @@ class DynaPipeStepper:
         finalize_grads_func()(self.stage.modules, None)
         check_before_step(self.cfg.check_for_nan_in_loss_and_grad, self.cfg.model.dtype == "fp16", self.stage.module,
                           iteration, self.handlers.loss_sum if self.info.is_last_stage else None, self.info.device)
+        empty_unused_memory(self.cfg.empty_unused_memory_level, self.info.device, after_optimizer=False)
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
+        empty_unused_memory(self.cfg.empty_unused_memory_level, self.info.device, after_optimizer=True)
         loss_sum, loss_tokens = reduce_loss(float(self.handlers.loss_sum), int(self.handlers.loss_tokens),
                                             holds_loss(self.info), self.info.device)
         if loss_tokens != meta.global_loss_tokens:

@@ -70,6 +70,7 @@ def transformer_config(model: GPTModelArgs, parallel: ParallelArgs, cuda: Option
         # Megatron-LM's --swiglu, --disable-bias-linear and --group-query-attention, as its
         # core_transformer_config_from_args maps them (None query groups: one per head).
         add_bias_linear=model.add_bias_linear, num_query_groups=model.num_query_groups,
+        layernorm_epsilon=model.norm_epsilon, cross_entropy_loss_fusion=model.cross_entropy_loss_fusion,
     )
     if parallel.stage_layers is not None:
         kwargs.update(pipeline_model_parallel_layout=megatron_layout(parallel.stage_layers))
@@ -183,7 +184,8 @@ def _wrap(cfg: DynaPipeTrainingConfig, gpt: torch.nn.Module) -> torch.nn.Module:
 
         # As Megatron-LM does: half-precision weights, fp32 loss on the last stage.
         inner = Float16Module(gpt.config, gpt)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=not cfg.optimizer.grad_reduce_in_bf16,
+                                               overlap_grad_reduce=False,
                                                use_distributed_optimizer=cfg.optimizer.distributed)
     return DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=inner)
 
@@ -360,7 +362,8 @@ def optimizer_config(cfg: DynaPipeTrainingConfig):
                            use_distributed_optimizer=cfg.optimizer.distributed,
                            loss_scale=o.loss_scale, initial_loss_scale=o.initial_loss_scale,
                            min_loss_scale=o.min_loss_scale, loss_scale_window=o.loss_scale_window,
-                           hysteresis=o.hysteresis)
+                           hysteresis=o.hysteresis, decoupled_lr=o.decoupled_lr,
+                           decoupled_min_lr=o.decoupled_min_lr)
 
 
 def build_optimizer(cfg: DynaPipeTrainingConfig, stage: Stage):

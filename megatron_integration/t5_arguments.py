@@ -72,6 +72,12 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
         if getattr(args, flag.replace("-", "_")) is not None:
             raise _unsupported(f"--{flag}", "T5 chunks are a stage placement here; use --dynapipe-placement "
                                             "interleaved (or a chunked split such as 1+0,1+0|0+1,0+1)")
+    for flag, why in (("cross-entropy-loss-fusion", "T5's loss is megatron-core's vocab-parallel cross-entropy, "
+                                                    "unfused"),
+                      ("decoupled-lr", "the T5 stages' embeddings take the model's learning rate"),
+                      ("decoupled-min-lr", "the T5 stages' embeddings take the model's learning rate")):
+        if getattr(args, flag.replace("-", "_")) not in (None, False):
+            raise _unsupported(f"--{flag}", f"{why}; drop it")
     for flag in ("decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers",
                  "pipeline-model-parallel-layout", "account-for-embedding-in-pipeline-split",
                  "account-for-loss-in-pipeline-split"):

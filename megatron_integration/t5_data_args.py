@@ -30,8 +30,7 @@ def add_t5_data_args(group: argparse._ArgumentGroup) -> None:
                        help="fraction of a sample's tokens masked into spans (indexed data)")
     group.add_argument("--short-seq-prob", type=float, default=DEFAULTS["short_seq_prob"],
                        help="probability of a sample shorter than --encoder-seq-length (indexed data)")
-    group.add_argument("--data-cache-path", default=None,
-                       help="directory for megatron-core's dataset index cache (default: under each data prefix)")
+    # --data-cache-path is the shared parser's (megatron_integration.args_megatron).
 
 
 def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> Optional[SpanCorruptionConfig]:

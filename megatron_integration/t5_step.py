@@ -42,6 +42,7 @@ from megatron_integration.t5_config import T5TrainingConfig
 from megatron_integration.t5_model import EmbeddingSync, set_t5_recompute_level, sum_sequence_parallel_grads
 from megatron_integration.t5_placement import check_plan_placement
 from megatron_integration.tensor_parallel import check_plan_tensor_parallel, check_tp_plans_agree
+from megatron_integration.training_limits import empty_unused_memory
 
 
 def segment_mask(q_seg: torch.Tensor, k_seg: torch.Tensor, causal: bool = False,
@@ -320,9 +321,11 @@ class T5Stepper:
         base = self.cfg.base
         check_before_step(base.check_for_nan_in_loss_and_grad, base.model.dtype == "fp16", self.stage.module,
                           iteration, self.handlers.loss_sum if self.info.is_last_stage else None, self.info.device)
+        empty_unused_memory(base.empty_unused_memory_level, self.info.device, after_optimizer=False)
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
+        empty_unused_memory(base.empty_unused_memory_level, self.info.device, after_optimizer=True)
         loss_sum, loss_tokens = reduce_loss(float(self.handlers.loss_sum), int(self.handlers.loss_tokens),
                                             holds_loss(self.info), self.info.device)
         if loss_tokens != item.loss_tokens:

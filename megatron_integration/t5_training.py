@@ -13,6 +13,7 @@ files); evaluates every ``--eval-interval`` iterations and after training, as GP
 from __future__ import annotations
 
 import sys
+import time
 from functools import partial
 from typing import Callable, Optional, TextIO
 
@@ -24,6 +25,7 @@ from megatron_integration.model import Stage, build_optimizer
 from megatron_integration.t5_config import T5TrainingConfig
 from megatron_integration.t5_eval import make_t5_evaluator
 from megatron_integration.training import TrainingRun, _print_rank_0, current_lr, vocab_padding_line
+from megatron_integration.training_limits import exit_duration_line, exit_duration_reached
 
 
 def build_t5_training_stage(cfg: T5TrainingConfig, info: RankInfo) -> Stage:
@@ -40,7 +42,8 @@ def build_t5_training_stage(cfg: T5TrainingConfig, info: RankInfo) -> Stage:
         from megatron.core.transformer.module import Float16Module
 
         inner = Float16Module(t5.config, t5)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=not cfg.base.optimizer.grad_reduce_in_bf16,
+                                               overlap_grad_reduce=False,
                                                use_distributed_optimizer=cfg.base.optimizer.distributed)
     module = DistributedDataParallel(config=t5.config, ddp_config=ddp_config, module=inner)
     t5.config.no_sync_func = module.no_sync
@@ -56,6 +59,7 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
     from megatron_integration.t5_step import T5Stepper
 
     base = cfg.base
+    started_s = time.time()  # --exit-duration-in-mins counts from here
     info = initialize_megatron(base.parallel, base.seed)
     if info.rank == 0 and vocab_padding_line(base) is not None:
         print(vocab_padding_line(base), file=stream, flush=True)
@@ -94,6 +98,7 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
                                 is_logging_rank=logging_rank, tensorboard_dir=base.tensorboard_dir, stream=stream)
         last = base.last_iteration(run.start_iteration)
         gc_was_enabled = base.manual_gc.start()
+        stop, saved_at = last, None
         for iteration in range(run.start_iteration, last):
             result = stepper.step(iteration)
             run.consumed_samples = result.consumed_samples
@@ -109,12 +114,17 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
                 evaluator.after_iteration(done, stream, logging_rank, run.eval_lines, logger.writer)
             if base.save and base.save_interval and done % base.save_interval == 0 and done != last:
                 save(base, done, run.consumed_samples)
-        if base.save and last > run.start_iteration:
-            save(base, last, run.consumed_samples)
+                saved_at = done
+            if exit_duration_reached(base.exit_duration_in_mins, started_s, info.device):
+                stop = done
+                _print_rank_0(info, stream, [], exit_duration_line(base.exit_duration_in_mins, started_s, done))
+                break
+        if base.save and stop > run.start_iteration and saved_at != stop:
+            save(base, stop, run.consumed_samples)
         # Megatron-LM evaluates the validation and test sets once training is done (not when
         # --exit-interval stopped it).
-        if evaluator is not None and last == base.train_iters:
-            evaluator.after_training(last, stream, logging_rank, run.eval_lines)
+        if evaluator is not None and stop == base.train_iters:
+            evaluator.after_training(stop, stream, logging_rank, run.eval_lines)
         if evaluator is not None and evaluator.batches_run:
             run.eval_path = f"dynapipe-plans:{evaluator.batch_fn.plans_run}"
     finally:

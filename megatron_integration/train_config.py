@@ -38,6 +38,8 @@ class GPTModelArgs:
     add_bias_linear: bool = True  # cleared by --disable-bias-linear
     num_query_groups: Optional[int] = None  # --group-query-attention's key/value heads (None: one per head)
     rotary_base: int = 10000  # --rotary-base, with RoPE
+    norm_epsilon: float = 1e-5  # --norm-epsilon
+    cross_entropy_loss_fusion: bool = False  # --cross-entropy-loss-fusion (GPU)
 
     def to_model_config(self, name: str = "megatron-gpt"):
         """The planner's :class:`dynapipe.config.ModelConfig` for this model."""
@@ -94,8 +96,10 @@ class OptimizerArgs:
     lr: float
     min_lr: float = 0.0
     lr_decay_style: str = "constant"
-    lr_warmup_iters: int = 0
-    lr_decay_iters: int = 0
+    # Iterations; a schedule given in samples (--lr-warmup-samples / --lr-decay-samples) is
+    # samples / --global-batch-size, which may be fractional: the same rates at every iteration.
+    lr_warmup_iters: float = 0
+    lr_decay_iters: float = 0
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -115,6 +119,12 @@ class OptimizerArgs:
     min_loss_scale: float = 1.0
     loss_scale_window: float = 1000
     hysteresis: int = 2
+    # Megatron's --decoupled-lr / --decoupled-min-lr: the input embedding's and output layer's
+    # own peak and minimum rates (None: the model's).
+    decoupled_lr: Optional[float] = None
+    decoupled_min_lr: Optional[float] = None
+    # Megatron's --grad-reduce-in-bf16 (with --bf16): gradients all-reduced in bf16, not fp32.
+    grad_reduce_in_bf16: bool = False
 
 
 @dataclass(frozen=True)
@@ -140,6 +150,8 @@ class DataArgs:
     valid_data_weights: tuple[float, ...] = ()
     test_data_path: tuple[str, ...] = ()
     test_data_weights: tuple[float, ...] = ()
+    # Megatron's --no-mmap-bin-files clears it: indexed .bin files are read, not memory-mapped.
+    mmap_bin_files: bool = True
 
 
 @dataclass(frozen=True)
@@ -225,6 +237,10 @@ class DynaPipeTrainingConfig:
     check_for_nan_in_loss_and_grad: bool = True
     # Megatron's --exit-interval: stop (after saving, with --save) at the first multiple of it.
     exit_interval: Optional[int] = None
+    # Megatron's --exit-duration-in-mins (None: no limit) and --empty-unused-memory-level
+    # (megatron_integration.training_limits).
+    exit_duration_in_mins: Optional[int] = None
+    empty_unused_memory_level: int = 0
     # Megatron's --manual-gc, --manual-gc-interval, --no-manual-gc-eval.
     manual_gc: ManualGC = field(default_factory=ManualGC)
     evaluation: EvalArgs = field(default_factory=EvalArgs)

@@ -27,6 +27,7 @@ from megatron_integration.model import Stage, attach_training_hooks, build_optim
 from megatron_integration.nan_guard import check_before_step
 from megatron_integration.run_report import parameter_count_line, training_summary_lines
 from megatron_integration.train_config import DynaPipeTrainingConfig
+from megatron_integration.training_limits import exit_duration_line, exit_duration_reached
 
 
 class Stepper(Protocol):
@@ -60,7 +61,7 @@ class MegatronStepper:
                         self.stage.module, iteration, device=self.info.device)
         result = megatron_train_step(self.stage, self.optimizer, self.scheduler, micro_batches, cfg.model.seq_length,
                                      cfg.micro_batch_size, self.info, int(lengths.sum()), padded,
-                                     before_step=guard)
+                                     before_step=guard, memory_level=cfg.empty_unused_memory_level)
         result.consumed_samples = batch.consumed_samples
         result.truncated = int(self.batches.dataset.truncated[batch.indices].sum())
         return result
@@ -161,6 +162,7 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
              on_iteration: Optional[Callable[[int, StepResult], None]] = None) -> TrainingRun:
     """Train up to ``cfg.train_iters`` iterations (from the checkpoint in ``cfg.load`` when present),
     stopping early at ``--exit-interval`` as Megatron-LM does."""
+    started_s = time.time()  # --exit-duration-in-mins counts from here, as Megatron-LM's from its start
     info = initialize_megatron(cfg.parallel, cfg.seed)
     if info.rank == 0 and vocab_padding_line(cfg) is not None:
         print(vocab_padding_line(cfg), file=stream, flush=True)
@@ -197,6 +199,7 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
         last = cfg.last_iteration(run.start_iteration)
         started = time.perf_counter()
         gc_was_enabled = cfg.manual_gc.start()
+        stop, saved_at = last, None
         for iteration in range(run.start_iteration, last):
             result = stepper.step(iteration)
             run.consumed_samples = result.consumed_samples
@@ -213,8 +216,13 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
             if cfg.save and cfg.save_interval and done % cfg.save_interval == 0 and done != last:
                 checkpoint_formats.save(cfg, done, run.consumed_samples, stage.gpt, optimizer, scheduler, info, log,
                                         extra=record)
-        if cfg.save and last > run.start_iteration:
-            checkpoint_formats.save(cfg, last, run.consumed_samples, stage.gpt, optimizer, scheduler, info, log,
+                saved_at = done
+            if exit_duration_reached(cfg.exit_duration_in_mins, started_s, info.device):
+                stop = done
+                _print_rank_0(info, stream, [], exit_duration_line(cfg.exit_duration_in_mins, started_s, done))
+                break
+        if cfg.save and stop > run.start_iteration and saved_at != stop:
+            checkpoint_formats.save(cfg, stop, run.consumed_samples, stage.gpt, optimizer, scheduler, info, log,
                                     extra=record)
         if logger.is_logging_rank:  # after its own last iteration line (every rank has the same results)
             summary = training_summary_lines(run.results, run.start_iteration, run.consumed_samples,
@@ -223,8 +231,8 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
             stream.flush()
         # Megatron-LM evaluates the validation and test sets once training is done (not when
         # --exit-interval stopped it).
-        if evaluator is not None and last == cfg.train_iters:
-            evaluator.after_training(last, stream, logging_rank, run.eval_lines)
+        if evaluator is not None and stop == cfg.train_iters:
+            evaluator.after_training(stop, stream, logging_rank, run.eval_lines)
         if evaluator is not None and evaluator.batches_run:
             # What ran, not what was configured: forward-only plans counted by their runner.
             plans = getattr(evaluator.batch_fn, "plans_run", None)

@@ -99,7 +99,7 @@ def test_vocabulary_is_padded_as_megatron_pads_it():
     assert parse("").model.vocab_size == 384  # the byte-level tokenizer's ids, already a multiple of 128
 
 
-@pytest.mark.parametrize("argv", [["--wandb-project=gpt"], ["--context-parallel-size", "2"],
+@pytest.mark.parametrize("argv", [["--wandb-project=gpt"], ["--fp8-format", "hybrid"],
                                   ["--dataloader-type", "cyclic"], ["--overlap-grad-reduce"]])
 def test_unsupported_megatron_flag_is_one_line(argv, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "0")

@@ -33,6 +33,9 @@ class DatasetConfig:
     targets), which are cut into pieces that keep every token while ``split_documents``
     is True (the default; :mod:`dynapipe.data.pieces`).
 
+    ``mmap_bin_files`` False reads indexed ``.bin`` files with plain reads instead of memory
+    maps (Megatron's ``--no-mmap-bin-files``, for file systems where maps are slow).
+
     ``split_range`` keeps one ``--split`` range ``[lo, hi)`` of every path's documents
     (:mod:`dynapipe.data.splits`; the synthetic mixture ignores it: give each split its own
     ``seed``); ``split_name`` names the split in messages. In a blend, a path whose part of a
@@ -59,6 +62,8 @@ class DatasetConfig:
     split_range: tuple[float, float] = WHOLE
     split_name: str = "train"
     split_documents: bool = True
+    # Megatron's --no-mmap-bin-files clears it: indexed .bin files are read with plain reads.
+    mmap_bin_files: bool = True
 
     @property
     def limits(self) -> LengthLimits:
@@ -126,5 +131,5 @@ class DatasetConfig:
 
             return MegatronIndexedDataset(self.paths, self.limits, self.target_paths or None,
                                           self.encoder_decoder, self.pad_id, self.eod_id, self.vocab_size,
-                                          self.split_range, self.split_documents)
+                                          self.split_range, self.split_documents, self.mmap_bin_files)
         raise DynaPipeError(f"dataset kind {self.kind!r} is not known; use one of {list(DATASET_KINDS)}.")

@@ -30,7 +30,7 @@ from dynapipe.data.splits import WHOLE, EmptySplitError, range_indices
 from dynapipe.errors import DynaPipeError
 
 
-def _open(prefix: str):
+def _open(prefix: str, mmap: bool = True):
     try:
         from megatron.core.datasets.indexed_dataset import IndexedDataset as _MegatronIndexed
     except ImportError as e:  # pragma: no cover - megatron-core is a dependency
@@ -43,7 +43,7 @@ def _open(prefix: str):
             raise DynaPipeError(f"{prefix}{ext} is not a regular file; give the prefix of a Megatron indexed dataset.")
     _check_index_header(prefix + ".idx")
     try:
-        handle = _MegatronIndexed(prefix, mmap=True)
+        handle = _MegatronIndexed(prefix, mmap=mmap)
     except Exception as e:  # megatron-core asserts, struct and numpy errors: all mean a bad index
         text = " ".join(str(e).split()) or type(e).__name__
         raise DynaPipeError(f"{prefix}.idx cannot be read as a Megatron index ({text}): the file is truncated, "
@@ -116,24 +116,29 @@ def _check_index(prefix: str, handle) -> None:
 _CHECK_CHUNK = 1 << 24
 
 
-def first_bad_token(prefix: str, handle, vocab_size: int) -> Optional[tuple[int, int, int]]:
+def first_bad_token(prefix: str, handle, vocab_size: int, mmap: bool = True) -> Optional[tuple[int, int, int]]:
     """(sequence index, position in it, id) of the first token id outside ``[0, vocab_size)``
-    in the dataset at ``prefix``, or None. Vectorised over the ``.bin`` in chunks."""
+    in the dataset at ``prefix``, or None. Vectorised over the ``.bin`` in chunks (read with
+    plain reads when ``mmap`` is False)."""
     index = handle.index
     dtype = np.dtype(index.dtype)
     lengths = np.asarray(index.sequence_lengths, dtype=np.int64)
     total = int(lengths.sum())
     if total == 0:
         return None
-    data = np.memmap(prefix + ".bin", dtype=dtype, mode="r", shape=(total,))
+    data = np.memmap(prefix + ".bin", dtype=dtype, mode="r", shape=(total,)) if mmap else None
     for start in range(0, total, _CHECK_CHUNK):
-        chunk = data[start:start + _CHECK_CHUNK]
+        if data is not None:
+            chunk = data[start:start + _CHECK_CHUNK]
+        else:
+            chunk = np.fromfile(prefix + ".bin", dtype=dtype, count=min(_CHECK_CHUNK, total - start),
+                                offset=start * dtype.itemsize)
         if int(chunk.min()) >= 0 and int(chunk.max()) < vocab_size:
             continue
         pos = start + int(np.flatnonzero((chunk < 0) | (chunk >= vocab_size))[0])
         starts = np.asarray(index.sequence_pointers, dtype=np.int64) // dtype.itemsize
         seq = int(np.searchsorted(starts, pos, side="right")) - 1
-        return seq, pos - int(starts[seq]), int(data[pos])
+        return seq, pos - int(starts[seq]), int(chunk[pos - start])
     return None
 
 
@@ -158,13 +163,14 @@ class MegatronIndexedDataset(SampleDataset):
     ``--split`` range of every prefix (:mod:`dynapipe.data.splits`). Without targets, a
     document longer than the limit is cut into pieces that keep every token
     (:mod:`dynapipe.data.pieces`) unless ``split_documents`` is False (then it is truncated
-    or rejected as ``limits.overlong`` says, like any over-long sample).
+    or rejected as ``limits.overlong`` says, like any over-long sample). ``mmap`` False reads
+    the ``.bin`` files with plain reads (Megatron's ``--no-mmap-bin-files``).
     """
 
     def __init__(self, prefixes: str | Sequence[str], limits: LengthLimits,
                  target_prefixes: Optional[str | Sequence[str]] = None,
                  encoder_decoder: bool = False, pad_id: int = 0, eod_id: int = 1, vocab_size: int = 0,
-                 split_range: tuple[float, float] = WHOLE, split_documents: bool = True):
+                 split_range: tuple[float, float] = WHOLE, split_documents: bool = True, mmap: bool = True):
         self.prefixes = _as_list(prefixes)
         self.target_prefixes = _as_list(target_prefixes)
         if not self.prefixes:
@@ -176,6 +182,7 @@ class MegatronIndexedDataset(SampleDataset):
             raise DynaPipeError("an encoder-decoder model needs paired datasets: pass target_prefixes "
                                 "(one target dataset per input dataset).")
         self.encoder_decoder = encoder_decoder
+        self.mmap = mmap
         self.pad_id, self.eod_id, self.vocab_size = pad_id, eod_id, vocab_size
         self._handles: dict = {}
         raw_in, raw_tg, tasks, seqs = [], [], [], []
@@ -224,7 +231,7 @@ class MegatronIndexedDataset(SampleDataset):
 
     def _check_token_ids(self, vocab_size: int) -> None:
         for prefix in self.prefixes + self.target_prefixes:
-            bad = first_bad_token(prefix, self._handle(prefix), vocab_size)
+            bad = first_bad_token(prefix, self._handle(prefix), vocab_size, self.mmap)
             if bad is not None:
                 seq, pos, token = bad
                 raise DynaPipeError(f"{prefix}.bin: sequence {seq}, token {pos} has id {token}, outside the "
@@ -239,7 +246,7 @@ class MegatronIndexedDataset(SampleDataset):
     def _handle(self, prefix: str):
         h = self._handles.get(prefix)
         if h is None:
-            h = self._handles[prefix] = _open(prefix)
+            h = self._handles[prefix] = _open(prefix, self.mmap)
         return h
 
     def _read(self, idx: int, input_len: int, target_len: int):

@@ -1,0 +1,214 @@
+"""Megatron-LM's own example command lines (its Llama-3 8B and GPT-3 175B training scripts),
+scaled to a tiny model: every flag they use is honoured, accepted as what this build already
+does, or refused in one line naming the flag and why; none is an unknown argument.
+
+The flags are written out here (the scripts are not copied); the shapes are tiny and the
+process counts one, but each flag keeps the meaning and value kind the scripts give it.
+"""
+import types
+
+import numpy as np
+import pytest
+
+from dynapipe.errors import DynaPipeError
+from megatron_integration.arguments import UNSUPPORTED_MEGATRON_FLAGS, build_parser, parse_training_args
+
+TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 "
+        "--micro-batch-size 1 --global-batch-size 8")
+# The flags of Megatron-LM's Llama-3 8B script that this build takes (values scaled down).
+LLAMA3 = (TINY + " --use-mcore-models --ffn-hidden-size 224 --group-query-attention --num-query-groups 2 "
+          "--kv-channels 16 --position-embedding-type rope --rotary-base 1000000 --rotary-percent 1.0 "
+          "--attention-dropout 0.0 --hidden-dropout 0.0 --swiglu --normalization RMSNorm --init-method-std 0.0134 "
+          "--untie-embeddings-and-output-weights --disable-bias-linear --train-samples 64 --lr-decay-samples 60 "
+          "--lr-warmup-samples 12 --lr 0.00015 --min-lr 0.00001 --decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5 "
+          "--lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --bf16 "
+          "--grad-reduce-in-bf16 --calculate-per-token-loss --manual-gc --empty-unused-memory-level 1 "
+          "--exit-duration-in-mins 235 --tensor-model-parallel-size 1 --context-parallel-size 1 --mock-data "
+          "--tokenizer-type NullTokenizer --vocab-size 1000 --data-cache-path /tmp/cache --split 99,1,0 "
+          "--no-create-attention-mask-in-dataloader --no-mmap-bin-files --num-workers 1 --log-interval 1 "
+          "--eval-iters 2 --eval-interval 4 --ckpt-format torch_dist "
+          "--distributed-timeout-minutes 60")
+# The ones it refuses, each with the words of its reason (on this CPU machine).
+LLAMA3_REFUSED = {
+    "--attention-backend fused": "megatron-core chooses the backend",
+    "--apply-layernorm-1p": "zero-centred norm weights",
+    "--cross-entropy-loss-fusion": "GPU kernel",
+    "--fp8-format hybrid": "fp8 training",
+    "--fp8-amax-history-len 1024": "fp8 training",
+    "--fp8-amax-compute-algo max": "fp8 training",
+    "--fp8-param-gather": "fp8 training",
+    "--tiktoken-pattern v2": "TikTokenizer",
+    "--overlap-grad-reduce": "all-reduced once",
+    "--overlap-param-gather": "gathered after the optimizer step",
+    "--log-throughput": "real tokens/s",
+    "--profile": "--dynapipe-trace-dir",
+    "--profile-step-start 4": "profiling hooks",
+    "--profile-step-end 6": "profiling hooks",
+    "--use-distributed-optimizer": "needs GPUs",
+    "--context-parallel-size 2": "no context parallelism",
+    "--rotary-percent 0.5": "cover the whole head",
+}
+# Megatron-LM's GPT-3 175B script's flags (values scaled down): taken ...
+GPT3 = (TINY + " --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --train-samples 64 "
+        "--lr-decay-samples 48 --lr-warmup-samples 8 --lr 6.0e-5 --min-lr 6.0e-6 --lr-decay-style cosine "
+        "--log-interval 1 --eval-iters 1 --eval-interval 4 --mock-data --split 949,50,1 --clip-grad 1.0 "
+        "--weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.006 --fp16")
+# ... and refused.
+GPT3_REFUSED = {"--rampup-batch-size 16 16 5859375": "the global batch is fixed",
+                "--overlap-grad-reduce": "all-reduced once", "--overlap-param-gather": "gathered after"}
+
+
+def parse(line: str, world: int = 1, cuda: bool = False):
+    return parse_training_args(line.split(), world, cuda=cuda)
+
+
+def refusal(line: str, capsys) -> str:
+    """The one-line error a command line gets (a DynaPipeError's text, or the parser's)."""
+    try:
+        parse(line)
+    except DynaPipeError as e:
+        return str(e)
+    except SystemExit:
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0, err
+        return err
+    raise AssertionError(f"accepted: {line}")
+
+
+def test_megatrons_llama3_flags_parse_and_reach_the_configs():
+    cfg = parse(LLAMA3)
+    o = cfg.optimizer
+    assert (o.decoupled_lr, o.decoupled_min_lr, o.grad_reduce_in_bf16) == (5.0e-4, 4.5e-5, True)
+    assert cfg.train_iters == 8 and (o.lr_warmup_iters, o.lr_decay_iters) == (12 / 8, 60 / 8)
+    assert (cfg.exit_duration_in_mins, cfg.empty_unused_memory_level) == (235, 1)
+    assert cfg.data.mmap_bin_files is False and cfg.model.norm_epsilon == 1e-5
+    pytest.importorskip("megatron.core")
+    from megatron_integration.model import optimizer_config, transformer_config
+
+    oc = optimizer_config(cfg)
+    assert (oc.decoupled_lr, oc.decoupled_min_lr) == (5.0e-4, 4.5e-5)
+    tc = transformer_config(cfg.model, cfg.parallel, cuda=False)
+    assert tc.layernorm_epsilon == 1e-5 and not tc.cross_entropy_loss_fusion
+
+
+def test_megatrons_gpt3_flags_parse():
+    cfg = parse(GPT3)
+    assert cfg.train_iters == 8 and cfg.optimizer.lr_warmup_iters == 1 and cfg.optimizer.lr_decay_iters == 6
+
+
+@pytest.mark.parametrize("line, flags", [(LLAMA3, LLAMA3_REFUSED), (GPT3, GPT3_REFUSED)])
+def test_the_rest_is_refused_in_one_line_naming_the_flag(line, flags, capsys):
+    for extra, why in flags.items():
+        message = refusal(f"{line} {extra}", capsys)
+        assert extra.split()[0] in message and why in message, (extra, message)
+
+
+def test_no_flag_of_the_examples_is_unknown():
+    parser = build_parser()
+    declared = {s for a in parser._actions for s in a.option_strings}
+    for line in (LLAMA3, GPT3, *LLAMA3_REFUSED, *GPT3_REFUSED):
+        for flag in (w for w in line.split() if w.startswith("--")):
+            assert flag in declared or flag in UNSUPPORTED_MEGATRON_FLAGS, flag
+
+
+def test_a_schedule_in_samples_is_megatrons_schedule():
+    """Megatron-LM steps its scheduler by the samples of each iteration; the iterations here,
+    fractional where the samples do not divide, give the same rate at every iteration."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    o = parse(LLAMA3).optimizer
+
+    def rates(warmup, decay, increment):
+        opt = types.SimpleNamespace(param_groups=[{"lr": 0.0}])
+        s = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1.5e-4, min_lr=1e-5, lr_warmup_steps=warmup,
+                                    lr_decay_steps=decay, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
+                                    wd_incr_steps=1, wd_incr_style="constant")
+        out = []
+        for _ in range(8):
+            s.step(increment)
+            out.append(opt.param_groups[0]["lr"])
+        return out
+
+    ours, megatrons = rates(o.lr_warmup_iters, o.lr_decay_iters, 1), rates(12, 60, 8)
+    assert np.allclose(ours, megatrons, rtol=1e-12, atol=0) and len(set(ours)) > 4
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ("--train-iters 8 --lr-warmup-samples 8", "need --train-samples"),
+    ("--train-samples 64 --lr-warmup-samples 8 --lr-warmup-fraction 0.1", "were both given"),
+    ("--train-iters 8 --decoupled-min-lr 1e-5", "needs --decoupled-lr"),
+    ("--train-iters 8 --decoupled-lr 1e-5 --decoupled-min-lr 1e-4", "above --decoupled-lr"),
+    ("--train-iters 8 --grad-reduce-in-bf16", "applies to --bf16 only"),
+    ("--train-iters 8 --recompute-activations --recompute-granularity full --recompute-method uniform "
+     "--recompute-num-layers 1", "were both given"),
+    ("--train-iters 8 --exit-duration-in-mins -1", "must be a number of minutes"),
+    ("--train-iters 8 --norm-epsilon 0", "--norm-epsilon 0.0: must be positive"),
+    ("--train-iters 8 --no-create-attention-mask-in-dataloader --dynapipe-batching packing --reset-position-ids "
+     "--reset-attention-mask", "give one of them"),
+])
+def test_bad_values_are_refused_with_the_fix(extra, needle):
+    with pytest.raises(DynaPipeError, match=needle):
+        parse(f"{TINY} --lr 1e-3 --mock-data {extra}")
+
+
+def test_recompute_activations_is_selective():
+    assert parse(f"{TINY} --lr 1e-3 --mock-data --train-iters 2 --recompute-activations").recompute.granularity \
+        == "selective"
+
+
+def test_t5_refuses_what_its_stages_do_not_take():
+    from megatron_integration.t5_arguments import parse_t5_args
+
+    argv = ("--encoder-num-layers 2 --decoder-num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+            "--encoder-seq-length 128 --decoder-seq-length 32 --micro-batch-size 2 --global-batch-size 8 "
+            "--train-iters 2 --lr 1e-3 --mock-data --pipeline-model-parallel-size 2").split()
+    for extra in ("--decoupled-lr 1e-3", "--cross-entropy-loss-fusion"):
+        with pytest.raises(DynaPipeError, match=extra.split()[0]):
+            parse_t5_args(argv + extra.split(), 2, cuda=True)
+
+
+def test_indexed_data_read_without_memory_maps_is_the_same(tmp_path):
+    from dynapipe.data.indexed import MegatronIndexedDataset, write_indexed_dataset
+    from dynapipe.data.samples import LengthLimits
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 50, size=int(n)) for n in rng.integers(5, 40, size=12)]
+    docs[7][3] = 60  # one id outside a 50-token vocabulary
+    prefix = str(tmp_path / "docs")
+    write_indexed_dataset(prefix, docs)
+    limits = LengthLimits(32, 0, "truncate")
+    mapped, read = (MegatronIndexedDataset(prefix, limits, mmap=m) for m in (True, False))
+    assert read.mmap is False and len(read) == len(mapped)
+    for i in range(len(mapped)):
+        assert np.array_equal(read[i].target_ids, mapped[i].target_ids)
+    with pytest.raises(DynaPipeError, match="sequence 7, token 3 has id 60"):
+        read.validate_tokens(50)
+
+
+def _exit_worker(ctx, late_rank: int):
+    import torch
+    import torch.distributed as dist
+
+    from megatron_integration.training_limits import exit_duration_reached
+
+    started = 1000.0
+    # Only one rank's clock is past the limit; every rank must stop at this iteration.
+    now = started + (121.0 if dist.get_rank() == late_rank else 30.0)
+    return (exit_duration_reached(2, started, torch.device("cpu"), now_s=now),
+            exit_duration_reached(3, started, torch.device("cpu"), now_s=now))
+
+
+def test_every_rank_stops_when_one_rank_is_past_the_duration():
+    from dynapipe.runtime.distributed import spawn
+
+    assert spawn(_exit_worker, 2, args=(1,), timeout_s=120) == [(True, False), (True, False)]
+
+
+def test_no_limit_means_no_collective():
+    import torch
+
+    from megatron_integration.training_limits import check_exit_duration, exit_duration_reached
+
+    # Megatron-LM treats 0 as no limit; no process group is needed then.
+    assert check_exit_duration(0) is None
+    assert not exit_duration_reached(None, 0.0, torch.device("cpu"), now_s=1e9)
