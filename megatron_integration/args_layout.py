@@ -87,8 +87,7 @@ def pipeline_split_from_args(args: argparse.Namespace, pp: int) -> PipelineSplit
     odd = [(p, r) for p, r in enumerate(ranks) if r % chunks]
     if odd:
         p, r = odd[0]
-        what = ("--num-layers" if not uneven else
-                "the uneven split" if first is None and last is None else uneven[0] if p == 0 else uneven[-1])
+        what = " / ".join(uneven) or "--num-layers"
         raise DynaPipeError(f"--num-virtual-stages-per-pipeline-rank {chunks}: pipeline rank {p} holds {r} layers "
                             f"({what}), which do not split into {chunks} equal chunks; use a number of chunks "
                             f"that divides every rank's layers, or change {what}.")

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch.multiprocessing as mp
 
 from dynapipe.errors import DynaPipeError
+from dynapipe.runtime.process_start import rank_context
 
 
 class RankFailed(RuntimeError):
@@ -73,7 +74,7 @@ def spawn(fn: Callable, world_size: int, args: Sequence[Any] = (), timeout_s: fl
     if world_size < 1:
         raise DynaPipeError(f"world size {world_size}: need at least one rank.")
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     port = free_port()
     procs = []

@@ -212,3 +212,28 @@ def test_no_limit_means_no_collective():
     # Megatron-LM treats 0 as no limit; no process group is needed then.
     assert check_exit_duration(0) is None
     assert not exit_duration_reached(None, 0.0, torch.device("cpu"), now_s=1e9)
+
+
+def _optimizer_groups(argv: list):
+    """(max_lr, lr, parameter names) of every optimizer group of a one-rank GPT stage."""
+    from megatron_integration.initialize import initialize_megatron
+    from megatron_integration.model import build_optimizer, build_stage
+
+    cfg = parse_training_args(argv, 1)
+    info = initialize_megatron(cfg.parallel, cfg.seed)
+    stage = build_stage(cfg, info)
+    optimizer, _ = build_optimizer(cfg, stage)
+    names = {id(p): n for n, p in stage.gpt.named_parameters()}
+    return [(g.get("max_lr"), g["lr"], sorted(names[id(p)] for p in g["params"])) for g in optimizer.param_groups]
+
+
+def test_decoupled_lr_reaches_the_embedding_and_output_layer_only():
+    from megatron_integration.launch import spawn
+
+    argv = f"{TINY} --mock-data --train-iters 4 --lr 1e-3 --decoupled-lr 5e-4 --untie-embeddings-and-output-weights"
+    groups = spawn(_optimizer_groups, 1, (argv.split(),), timeout_s=120)[0]
+    decoupled = [g for g in groups if g[0] == 5e-4]
+    named = sorted(n for g in decoupled for n in g[2])
+    assert named == ["embedding.word_embeddings.weight", "output_layer.weight"], groups
+    assert all(g[1] == 5e-4 for g in decoupled)  # no warm-up: the peak rate from the first step
+    assert all(g[1] == 1e-3 for g in groups if g[0] != 5e-4) and len(groups) > len(decoupled)

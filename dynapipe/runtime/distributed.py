@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dynapipe.errors import DynaPipeError
+from dynapipe.runtime.process_start import rank_start_method
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -140,10 +141,11 @@ def spawn_outcomes(fn: Callable, world_size: int, *, args: Sequence = (), pp: in
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timeout, wait_for_workers=False)
-    results = mp.get_context("spawn").SimpleQueue()
+    method = rank_start_method()
+    results = mp.get_context(method).SimpleQueue()
     pc = mp.start_processes(_rank_main, args=(fn, world_size, store.port, pp, backend, timeout_s, threads,
                                               tuple(args), results),
-                            nprocs=world_size, join=False, start_method="spawn")
+                            nprocs=world_size, join=False, start_method=method)
     outcomes = {r: RankOutcome(r) for r in range(world_size)}
 
     def drain() -> None:
