@@ -62,9 +62,12 @@ class Entry:
 
 
 def _children_cpu_s() -> float:
-    """User + system CPU seconds of this process's finished child processes (and theirs)."""
+    """User + system CPU seconds of this process's finished child processes (and theirs), the
+    ranks of its jobs included (they fork from a server, so they report their own)."""
+    from megatron_integration.launch import ranks_cpu_s
+
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
+    return r.ru_utime + r.ru_stime + ranks_cpu_s()
 
 
 def pick_sizes(ranked: Sequence[dict], top: int, within: float) -> list[dict]:

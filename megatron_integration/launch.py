@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import queue
+import resource
 import socket
 import time
 import traceback
@@ -38,6 +39,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# CPU seconds the ranks of finished spawn() jobs reported (see ranks_cpu_s).
+_RANKS_CPU_S = [0.0]
+
+
+def ranks_cpu_s() -> float:
+    """User + system CPU seconds of every rank this process started with :func:`spawn`, and
+    of the processes those ranks started and reaped (planner workers), as each rank measured
+    them when it finished. Ranks fork from a server process (:mod:`dynapipe.runtime.process_start`),
+    so they are not this process's children and ``RUSAGE_CHILDREN`` here never counts them."""
+    return _RANKS_CPU_S[0]
+
+
+def _own_cpu_s() -> float:
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def _entry(rank: int, world_size: int, port: int, threads: int, fn: Callable, args: Sequence[Any],
            results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -47,12 +65,13 @@ def _entry(rank: int, world_size: int, port: int, threads: int, fn: Callable, ar
     if threads > 0:
         torch.set_num_threads(threads)
     try:
-        results.put((rank, "ok", fn(*args)))
+        value = fn(*args)
+        results.put((rank, "ok", value, _own_cpu_s()))
     except DynaPipeError as e:
-        results.put((rank, "user-error", " ".join(str(e).split())))
+        results.put((rank, "user-error", " ".join(str(e).split()), _own_cpu_s()))
         raise SystemExit(2)
     except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
+        results.put((rank, "error", traceback.format_exc(), _own_cpu_s()))
         raise SystemExit(1)
     finally:
         import torch.distributed as dist
@@ -92,13 +111,14 @@ def spawn(fn: Callable, world_size: int, args: Sequence[Any] = (), timeout_s: fl
                 raise RankFailed(f"job of {world_size} ranks did not finish within {timeout_s:.0f} s "
                                  f"(ranks done: {sorted(out)})")
             try:
-                rank, status, payload = results.get(timeout=min(remaining, 1.0))
+                rank, status, payload, cpu_s = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
                 if dead:
                     raise RankFailed(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} "
                                      f"before reporting a result")
                 continue
+            _RANKS_CPU_S[0] += cpu_s
             if status == "user-error":
                 raise RankUserError(f"rank {rank}: {payload}")
             if status == "error":
