@@ -20,7 +20,12 @@ from typing import Any, Callable, Optional, Sequence
 import torch.multiprocessing as mp
 
 from dynapipe.errors import DynaPipeError
-from dynapipe.runtime.process_start import rank_context
+from dynapipe.runtime.process_start import add_preload, rank_context
+
+# What a training or profiling rank imports, so forked ranks find it imported.
+add_preload("megatron.core", "megatron.core.models.gpt", "megatron.core.pipeline_parallel",
+            "megatron.core.distributed", "megatron.core.optimizer", "megatron_integration.training",
+            "megatron_integration.t5_training")
 
 
 class RankFailed(RuntimeError):

@@ -17,8 +17,13 @@ import torch
 import torch.multiprocessing as mp
 
 # Imported once in the server; a module that is not installed is skipped by multiprocessing.
-PRELOAD = ("torch", "torch.distributed", "numpy", "megatron.core", "megatron.core.models.gpt",
-           "megatron.core.pipeline_parallel", "megatron.core.distributed", "megatron.core.optimizer")
+# Higher layers add the modules their ranks run (add_preload) when they are imported.
+PRELOAD = ["torch", "torch.distributed", "numpy", "dynapipe.runtime.executor", "dynapipe.runtime.loader"]
+
+
+def add_preload(*modules: str) -> None:
+    """Have the server import ``modules`` too (effective until the server starts: the first rank)."""
+    PRELOAD.extend(m for m in modules if m not in PRELOAD)
 
 
 def rank_start_method() -> str:
