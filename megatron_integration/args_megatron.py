@@ -212,6 +212,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g = parser.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100, help="iterations between log lines")
     g.add_argument("--tensorboard-dir", default=None, help="write TensorBoard scalars here")
+    g.add_argument("--log-throughput", action="store_true",
+                   help="add the model TFLOP/s per GPU (rank, on CPU) to the log line: of the shapes executed, "
+                        "as Megatron-LM counts them, and of the real tokens")
     from megatron_integration.data_args import add_eval_args, add_split_args
 
     add_split_args(parser)

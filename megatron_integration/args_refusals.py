@@ -37,8 +37,6 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--overlap-grad-reduce": "gradients are all-reduced once after the last micro-batch of an iteration; drop it",
     "--overlap-param-gather": "parameters are gathered after the optimizer step; drop it",
     "--rampup-batch-size": "the global batch is fixed (or set by --dynapipe-tokens-per-global-batch)",
-    "--lr-decay-samples": "give the decay in iterations (--lr-decay-iters)",
-    "--lr-warmup-samples": "give the warm-up in iterations (--lr-warmup-iters) or --lr-warmup-fraction",
     "--dataloader-type": "global batches come from this project's sampler; drop it",
     "--eod-mask-loss": "samples are whole documents without separators; drop it",
     "--fp8-format": "fp8 training is not supported; use --bf16",
@@ -52,8 +50,6 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--profile-step-end": "profiling hooks are not built (see --profile); drop it",
     "--use-pytorch-profiler": "profiling hooks are not built (see --profile); drop it",
     "--profile-ranks": "profiling hooks are not built (see --profile); drop it",
-    "--log-throughput": ("the log line reports real tokens/s, the measure every batching method is compared by; "
-                         "TFLOP/s per GPU is not printed. Drop it"),
     "--step-batch-size-schedule": "the global batch is fixed (or set by --dynapipe-tokens-per-global-batch)",
     "--tiktoken-pattern": "the TikTokenizer is not a --tokenizer-type here; use HuggingFaceTokenizer",
     "--no-save-optim": "checkpoints always hold the optimizer state; drop it (load with --no-load-optim or "

@@ -154,6 +154,7 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         save=args.save, load=args.load, save_interval=args.save_interval,
         load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, log_interval=args.log_interval,
+        log_throughput=args.log_throughput,
         tensorboard_dir=args.tensorboard_dir, recompute=recompute,
         check_for_nan_in_loss_and_grad=getattr(args, "check_for_nan_in_loss_and_grad", True),
         exit_interval=args.exit_interval, exit_duration_in_mins=check_exit_duration(args.exit_duration_in_mins),

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dynapipe.cost.model_flops import TokenWork, rows_work
 from dynapipe.data.samples import Sample
 from megatron_integration.batches import (MicroBatchTensors, packing_assignment, padding_assignment,
                                           rows_micro_batch)
@@ -57,6 +58,10 @@ class StepResult:
     activation_planned_mib: Optional[float] = None
     # Where the iteration's time went on this rank (ms), when the step measured it.
     breakdown_ms: dict = field(default_factory=dict)
+    # Over the global batch: the shapes it executed (rows at their padded lengths) and its samples
+    # at their own lengths; what --log-throughput prices (dynapipe.cost.model_flops).
+    executed_work: Optional[TokenWork] = None
+    real_work: Optional[TokenWork] = None
 
     @property
     def padding_efficiency(self) -> float:
@@ -96,20 +101,21 @@ def forward_step(data_iterator, model):
 
 def build_micro_batches(method: str, samples: Sequence[Sample], lengths: np.ndarray, seq_length: int, mbs: int,
                         info: RankInfo, reset_position_ids: bool = False, reset_attention_mask: bool = False,
-                        mb_multiple: int = 1) -> tuple[list[MicroBatchTensors], int]:
-    """This replica's fixed-shape micro-batches and the global batch's padded-token count;
-    ``mb_multiple``: packing rounds its micro-batch count up to a multiple of it with empty
-    rows (the interleaved schedule's groups; padding's count is checked at start-up)."""
+                        mb_multiple: int = 1) -> tuple[list[MicroBatchTensors], TokenWork]:
+    """This replica's fixed-shape micro-batches and what the global batch executes (every
+    replica's rows at their padded length; its ``tokens`` are the padded tokens); ``mb_multiple``:
+    packing rounds its micro-batch count up to a multiple of it with empty rows (the interleaved
+    schedule's groups; padding's count is checked at start-up)."""
     dp, r = info.dp_size, info.dp_rank
     if method == "padding":
         groups = padding_assignment(len(samples), mbs, dp, r)
         mbs_list = [rows_micro_batch([[samples[i]] for i in g], seq_length) for g in groups]
-        padded = len(samples) * seq_length
+        executed = rows_work(len(samples), seq_length)
     elif method == "packing":
         groups = packing_assignment(lengths, seq_length, mbs, dp, r, mb_multiple)
         mbs_list = [rows_micro_batch([[samples[i] for i in row] for row in g], seq_length,
                                      reset_position_ids, reset_attention_mask) for g in groups]
-        padded = len(groups) * mbs * dp * seq_length
+        executed = rows_work(len(groups) * mbs * dp, seq_length)
     elif method == "padding-mb":
         from dynapipe.batching.ordering import padded_length
 
@@ -118,10 +124,13 @@ def build_micro_batches(method: str, samples: Sequence[Sample], lengths: np.ndar
 
         groups = padding_assignment(len(samples), mbs, dp, r)
         mbs_list = [rows_micro_batch([[samples[i]] for i in g], longest(g)) for g in groups]
-        padded = sum(len(g) * longest(g) for rep in range(dp) for g in padding_assignment(len(samples), mbs, dp, rep))
+        executed = TokenWork()
+        for rep in range(dp):
+            for g in padding_assignment(len(samples), mbs, dp, rep):
+                executed = executed + rows_work(len(g), longest(g))
     else:
         raise ValueError(f"not a fixed-shape method: {method!r}")
-    return [m.to(info.device) for m in mbs_list], padded
+    return [m.to(info.device) for m in mbs_list], executed
 
 
 def holds_loss(info: RankInfo) -> bool:

@@ -37,6 +37,7 @@ from typing import Optional
 
 import torch
 
+from dynapipe.cost.model_flops import TokenWork
 from dynapipe.errors import DynaPipeError
 from dynapipe.plan.instructions import ForwardPass, MicroBatchInfo
 from dynapipe.runtime.activation_meter import ActivationMeter, measure_activations
@@ -250,7 +251,9 @@ class DynaPipeStepper:
                           plan_wait_ms=meta.wait_ms, skipped=not ok, consumed_samples=meta.consumed_samples,
                           truncated=meta.truncated_samples, activation_measured_mib=activations["peak_mib"],
                           activation_planned_mib=planned_activation_peak_mib(
-                              data.plan, self.cost_model, transient=self.info.device.type == "cuda"))
+                              data.plan, self.cost_model, transient=self.info.device.type == "cuda"),
+                          executed_work=TokenWork.from_json(meta.global_executed_work),
+                          real_work=TokenWork.from_json(meta.global_real_work))
 
     def close(self) -> None:
         try:

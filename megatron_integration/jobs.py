@@ -87,6 +87,9 @@ def iteration_summary(method: str, run, cpu, pp_rank: int) -> dict:
         "iteration_ms": [r.iteration_ms for r in run.results],
         "real_tokens": [r.real_tokens for r in run.results],
         "padded_tokens": [r.padded_tokens for r in run.results],
+        # dynapipe.cost.model_flops.TokenWork of each global batch: executed shapes, samples' own.
+        "executed_work": [r.executed_work for r in run.results],
+        "real_work": [r.real_work for r in run.results],
         "loss_tokens": [r.loss_tokens for r in run.results],
         "grad_norms": [r.grad_norm for r in run.results],
         "plan_wait_ms": [r.plan_wait_ms for r in run.results],

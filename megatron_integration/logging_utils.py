@@ -10,6 +10,13 @@ first replica (where Megatron-LM prints), averaged over the interval::
 
 ``activation peak (MiB)``: this stage's measured peak / the peak its plan promised
 (``-`` for the fixed-shape baselines, which have no plan), highest over the interval.
+
+With ``--log-throughput`` the line also carries Megatron-LM's ``throughput per GPU
+(TFLOP/s/GPU)`` after the iteration time: the model FLOPs of the shapes the interval executed
+(every row at its padded length, as Megatron-LM counts a batch of that layout) over the
+elapsed time and the world size, and ``real-token throughput per GPU (TFLOP/s/GPU)``: the same
+for the samples at their own lengths, the work any batching must do
+(:mod:`dynapipe.cost.model_flops`). One rank a "GPU" on CPU.
 """
 from __future__ import annotations
 
@@ -18,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, TextIO
 
+from dynapipe.config import ModelConfig
+from dynapipe.cost.model_flops import model_flops, tflops_per_device
 from megatron_integration.baseline_step import StepResult
 
 
@@ -36,9 +45,17 @@ class IntervalStats:
     truncated: int = 0
     activation_measured_mib: float = 0.0  # highest over the interval
     activation_planned_mib: Optional[float] = None
+    # Model FLOPs of the interval (--log-throughput): executed shapes, and the samples' own.
+    executed_flops: float = 0.0
+    real_flops: float = 0.0
     started: float = field(default_factory=time.perf_counter)
 
-    def add(self, r: StepResult) -> None:
+    def add(self, r: StepResult, flops_model: Optional[ModelConfig] = None) -> None:
+        if flops_model is not None:
+            if r.executed_work is None or r.real_work is None:
+                raise ValueError("--log-throughput: this method's step results carry no token work to price")
+            self.executed_flops += model_flops(flops_model, r.executed_work)
+            self.real_flops += model_flops(flops_model, r.real_work)
         self.iterations += 1
         self.loss_sum += r.loss * r.loss_tokens
         self.loss_tokens += r.loss_tokens
@@ -53,9 +70,16 @@ class IntervalStats:
             self.activation_planned_mib = max(self.activation_planned_mib or 0.0, r.activation_planned_mib)
 
 
+def _tflops(value: float) -> str:
+    """Megatron-LM's one decimal, with three significant digits below 10 (a CPU rank's figure
+    would otherwise print as 0.0)."""
+    return f"{value:.1f}" if value >= 10 else f"{value:.3g}"
+
+
 def format_log_line(iteration: int, train_iters: int, consumed_samples: int, stats: IntervalStats, elapsed_s: float,
-                    lr: float, global_batch_size: int) -> str:
-    """The Megatron-style line for one logging interval."""
+                    lr: float, global_batch_size: int, world_size: Optional[int] = None) -> str:
+    """The Megatron-style line for one logging interval (``world_size``: the ranks the
+    throughput is divided over, given with ``--log-throughput``)."""
     n = max(stats.iterations, 1)
     ms_per_iter = elapsed_s * 1e3 / n
     loss = stats.loss_sum / max(stats.loss_tokens, 1)
@@ -63,6 +87,13 @@ def format_log_line(iteration: int, train_iters: int, consumed_samples: int, sta
         f" iteration {iteration:8d}/{train_iters:8d}",
         f"consumed samples: {consumed_samples:12d}",
         f"elapsed time per iteration (ms): {ms_per_iter:.1f}",
+    ]
+    if world_size is not None:
+        parts += [f"throughput per GPU (TFLOP/s/GPU): "
+                  f"{_tflops(tflops_per_device(stats.executed_flops, elapsed_s, world_size))}",
+                  f"real-token throughput per GPU (TFLOP/s/GPU): "
+                  f"{_tflops(tflops_per_device(stats.real_flops, elapsed_s, world_size))}"]
+    parts += [
         f"learning rate: {lr:.6E}",
         f"global batch size: {global_batch_size:5d}",
         f"lm loss: {loss:.6E}",
@@ -83,8 +114,10 @@ class TrainingLogger:
     """Collects step results and prints (and writes to TensorBoard) every ``log_interval``."""
 
     def __init__(self, train_iters: int, global_batch_size: int, log_interval: int, is_logging_rank: bool,
-                 tensorboard_dir: Optional[str] = None, stream: TextIO = sys.stdout):
+                 tensorboard_dir: Optional[str] = None, stream: TextIO = sys.stdout,
+                 flops_model: Optional[ModelConfig] = None, world_size: int = 1):
         self.train_iters, self.global_batch_size = train_iters, global_batch_size
+        self.flops_model, self.world_size = flops_model, world_size
         self.log_interval = log_interval
         self.is_logging_rank = is_logging_rank
         self.stream = stream
@@ -102,7 +135,7 @@ class TrainingLogger:
 
     def record(self, iteration: int, consumed_samples: int, result: StepResult, lr: float) -> Optional[str]:
         """Add one iteration (1-based ``iteration``); returns the log line when one is due."""
-        self.stats.add(result)
+        self.stats.add(result, self.flops_model)
         if self.writer is not None:
             w = self.writer
             w.add_scalar("lm loss", result.loss, iteration)
@@ -117,7 +150,12 @@ class TrainingLogger:
             return None
         elapsed = time.perf_counter() - self.stats.started
         line = format_log_line(iteration, self.train_iters, consumed_samples, self.stats, elapsed, lr,
-                               self.global_batch_size)
+                               self.global_batch_size, None if self.flops_model is None else self.world_size)
+        if self.writer is not None and self.flops_model is not None:
+            self.writer.add_scalar("throughput (TFLOP/s/GPU)",
+                                   tflops_per_device(self.stats.executed_flops, elapsed, self.world_size), iteration)
+            self.writer.add_scalar("real-token throughput (TFLOP/s/GPU)",
+                                   tflops_per_device(self.stats.real_flops, elapsed, self.world_size), iteration)
         self.stats = IntervalStats()
         self.lines.append(line)
         if self.is_logging_rank:

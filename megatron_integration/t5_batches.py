@@ -21,6 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from dynapipe.batching.types import MicroBatch
+from dynapipe.cost.model_flops import TokenWork, rows_work
 from dynapipe.data.collate import TensorRequest, collate
 from dynapipe.data.samples import Sample
 from dynapipe.errors import DynaPipeError
@@ -57,17 +58,17 @@ def pack_pairs(lengths: np.ndarray, enc_capacity: int, dec_capacity: int) -> lis
 
 
 def baseline_micro_batches(method: str, lengths: np.ndarray, enc_seq: int, dec_seq: int, mbs: int, dp: int,
-                           dp_rank: int) -> tuple[list[MicroBatch], int]:
+                           dp_rank: int) -> tuple[list[MicroBatch], TokenWork]:
     """Replica ``dp_rank``'s fixed-shape micro-batches (``real_tokens``: input + target tokens;
-    ``loss_tokens``: target tokens, what the loss counts) and the global batch's padded tokens
-    (encoder + decoder, every replica)."""
+    ``loss_tokens``: target tokens, what the loss counts) and what the global batch executes
+    (every replica's rows at ``enc_seq`` / ``dec_seq``; ``total_tokens``: the padded tokens)."""
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1, 2)
     if method == "padding":
         groups = padding_assignment(len(lengths), mbs, dp, dp_rank)
         out = [MicroBatch(samples=g, seqlen=enc_seq, dec_seqlen=dec_seq, real_tokens=int(lengths[g].sum()),
                           loss_tokens=int(lengths[g, 1].sum()))
                for g in groups]
-        return out, len(lengths) * (enc_seq + dec_seq)
+        return out, rows_work(len(lengths), enc_seq, dec_seq, encoder_decoder=True)
     if method == "packing":
         rows = pack_pairs(lengths, enc_seq, dec_seq)
         step = mbs * dp
@@ -80,7 +81,7 @@ def baseline_micro_batches(method: str, lengths: np.ndarray, enc_seq: int, dec_s
             out.append(MicroBatch(samples=samples, seqlen=enc_seq, dec_seqlen=dec_seq, rows=group,
                                   real_tokens=int(lengths[samples].sum()) if samples else 0,
                                   loss_tokens=int(lengths[samples, 1].sum()) if samples else 0))
-        return out, num_mb * step * (enc_seq + dec_seq)
+        return out, rows_work(num_mb * step, enc_seq, dec_seq, encoder_decoder=True)
     raise DynaPipeError(f"not a T5 baseline: {method!r}; use padding or packing.")
 
 

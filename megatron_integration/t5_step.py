@@ -28,6 +28,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from dynapipe.cost.model_flops import TokenWork, samples_work
 from dynapipe.errors import DynaPipeError
 from dynapipe.plan.instructions import ForwardPass, MicroBatchInfo
 from dynapipe.runtime.activation_meter import ActivationMeter, measure_activations
@@ -162,6 +163,9 @@ class PlannedIteration:
     truncated: int = 0
     wait_ms: float = 0.0
     digest: Optional[int] = None  # the planned payload's checksum (DynaPipe plans), compared over TP ranks
+    # Over the global batch: its executed shapes and its samples (dynapipe.cost.model_flops).
+    executed_work: Optional[TokenWork] = None
+    real_work: Optional[TokenWork] = None
 
 
 class LoaderSource:
@@ -186,7 +190,8 @@ class LoaderSource:
         m = data.meta
         return PlannedIteration(data.plan, data.micro_batches, m.global_loss_tokens, m.global_real_tokens,
                                 m.global_padded_tokens, m.consumed_samples, m.truncated_samples, m.wait_ms,
-                                data.digest)
+                                data.digest, TokenWork.from_json(m.global_executed_work),
+                                TokenWork.from_json(m.global_real_work))
 
     def close(self) -> None:
         self.loader.close()
@@ -212,19 +217,21 @@ class BaselineSource:
         batch = self.batches.batch(iteration)
         ds = self.batches.dataset
         lengths = ds.planner_lengths(batch.indices)
-        plan, tensors, padded = self.plan_batch(lengths, [ds[int(i)] for i in batch.indices], iteration,
-                                                ds.pad_id, ds.eod_id)
-        return PlannedIteration(plan, tensors, int(lengths[:, 1].sum()), int(lengths.sum()), padded,
-                                batch.consumed_samples, int(ds.truncated[batch.indices].sum()))
+        plan, tensors, executed = self.plan_batch(lengths, [ds[int(i)] for i in batch.indices], iteration,
+                                                  ds.pad_id, ds.eod_id)
+        return PlannedIteration(plan, tensors, int(lengths[:, 1].sum()), int(lengths.sum()), executed.total_tokens,
+                                batch.consumed_samples, int(ds.truncated[batch.indices].sum()),
+                                executed_work=executed, real_work=samples_work(lengths))
 
     def plan_batch(self, lengths: np.ndarray, samples: list, iteration: int, pad_id: int, eod_id: int):
         """This rank's fixed-shape plan of a global batch (``samples`` with their ``(n, 2)``
-        ``lengths`` in tokens), its micro-batches' tensors and the batch's padded tokens."""
+        ``lengths`` in tokens), its micro-batches' tensors and what the global batch executes
+        (:class:`~dynapipe.cost.model_flops.TokenWork`; its ``total_tokens`` are the padded tokens)."""
         from dynapipe.plan.compile import compile_plans
         from megatron_integration.t5_batches import baseline_micro_batches, t5_row_tensors
 
         cfg, info = self.cfg, self.info
-        mbs_list, padded = baseline_micro_batches(cfg.method, lengths, cfg.encoder_seq_length, cfg.decoder_seq_length,
+        mbs_list, executed = baseline_micro_batches(cfg.method, lengths, cfg.encoder_seq_length, cfg.decoder_seq_length,
                                                   cfg.base.micro_batch_size, info.dp_size, info.dp_rank)
         loss_tokens = int(lengths[:, 1].sum())
         common = dict(replica=info.dp_rank, num_replicas=info.dp_size, iteration=iteration,
@@ -243,7 +250,7 @@ class BaselineSource:
         for i, mb in enumerate(mbs_list):
             rows = [[samples[p] for p in row] for row in (mb.rows or [[s] for s in mb.samples])]
             tensors[i] = t5_row_tensors(rows, mb.seqlen, mb.dec_seqlen, pad_id, eod_id)
-        return plan, tensors, padded
+        return plan, tensors, executed
 
     def close(self) -> None:
         pass
@@ -339,7 +346,8 @@ class T5Stepper:
                           consumed_samples=item.consumed_samples, truncated=item.truncated,
                           activation_measured_mib=activations["peak_mib"],
                           activation_planned_mib=None if self.cost_model is None else planned_activation_peak_mib(
-                              item.plan, self.cost_model, transient=self.info.device.type == "cuda"))
+                              item.plan, self.cost_model, transient=self.info.device.type == "cuda"),
+                          executed_work=item.executed_work, real_work=item.real_work)
 
     def close(self) -> None:
         try:

@@ -19,13 +19,12 @@ from typing import Callable, Optional, TextIO
 
 from megatron_integration import checkpoint_formats
 from megatron_integration.initialize import RankInfo, initialize_megatron
-from megatron_integration.logging_utils import TrainingLogger
 from megatron_integration.baseline_step import StepResult
 from megatron_integration.model import Stage, build_optimizer
 from megatron_integration.t5_config import T5TrainingConfig
 from megatron_integration.t5_eval import make_t5_evaluator
-from megatron_integration.training import TrainingRun, _print_rank_0, current_lr, vocab_padding_line
-from megatron_integration.training_limits import exit_duration_line, exit_duration_reached
+from megatron_integration.training import vocab_padding_line
+from megatron_integration.training_loop import LoopParts, TrainingRun, print_rank_0, run_iterations
 
 
 def build_t5_training_stage(cfg: T5TrainingConfig, info: RankInfo) -> Stage:
@@ -77,9 +76,7 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
     sync = EmbeddingSync.create(stage_places(cfg.planner_model(), info.pp_size, placement), base.model.tie_embeddings,
                                 info.pp_size)
     run = TrainingRun(spec_name=stage.spec_name)
-    log = partial(_print_rank_0, info, stream, run.checkpoint_lines)
-    save = partial(checkpoint_formats.save, gpt=stage.gpt, optimizer=optimizer, scheduler=scheduler, info=info,
-                   log=log, extra=checkpoint_record(placement), args_update=t5_megatron_args(cfg))
+    log = partial(print_rank_0, info, stream, run.checkpoint_lines)
     if base.load:
         resumed = checkpoint_formats.load(base, stage.gpt, optimizer, scheduler, info, log,
                                           check_extra=lambda extra, path: check_checkpoint_placement(
@@ -89,48 +86,11 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
             run.start_iteration, run.consumed_samples = resumed.iteration, resumed.consumed_samples
     stepper = T5Stepper.create(cfg, info, stage, optimizer, scheduler, sync, run.start_iteration,
                                run.consumed_samples)
-    logger = None
-    logging_rank = info.is_last_stage and info.dp_rank == 0 and info.tp_rank == 0
-    gc_was_enabled = None
-    try:
-        evaluator = make_t5_evaluator(cfg, info, stage, stepper)
-        logger = TrainingLogger(base.train_iters, base.global_batch_size, base.log_interval,
-                                is_logging_rank=logging_rank, tensorboard_dir=base.tensorboard_dir, stream=stream)
-        last = base.last_iteration(run.start_iteration)
-        gc_was_enabled = base.manual_gc.start()
-        stop, saved_at = last, None
-        for iteration in range(run.start_iteration, last):
-            result = stepper.step(iteration)
-            run.consumed_samples = result.consumed_samples
-            run.results.append(result)
-            line = logger.record(iteration + 1, run.consumed_samples, result, current_lr(optimizer))
-            if line is not None:
-                run.log_lines.append(line)
-            if on_iteration is not None:
-                on_iteration(iteration, result)
-            done = iteration + 1
-            base.manual_gc.after_iteration(done)
-            if evaluator is not None:
-                evaluator.after_iteration(done, stream, logging_rank, run.eval_lines, logger.writer)
-            if base.save and base.save_interval and done % base.save_interval == 0 and done != last:
-                save(base, done, run.consumed_samples)
-                saved_at = done
-            if exit_duration_reached(base.exit_duration_in_mins, started_s, info.device):
-                stop = done
-                _print_rank_0(info, stream, [], exit_duration_line(base.exit_duration_in_mins, started_s, done))
-                break
-        if base.save and stop > run.start_iteration and saved_at != stop:
-            save(base, stop, run.consumed_samples)
-        # Megatron-LM evaluates the validation and test sets once training is done (not when
-        # --exit-interval stopped it).
-        if evaluator is not None and stop == base.train_iters:
-            evaluator.after_training(stop, stream, logging_rank, run.eval_lines)
-        if evaluator is not None and evaluator.batches_run:
-            run.eval_path = f"dynapipe-plans:{evaluator.batch_fn.plans_run}"
-    finally:
-        if gc_was_enabled is not None:
-            base.manual_gc.stop(gc_was_enabled)
-        stepper.close()
-        if logger is not None:
-            logger.close()
-    return run
+
+    def save(iteration: int, consumed_samples: int) -> None:
+        checkpoint_formats.save(base, iteration, consumed_samples, stage.gpt, optimizer, scheduler, info, log,
+                                extra=checkpoint_record(placement), args_update=t5_megatron_args(cfg))
+
+    parts = LoopParts(base, info, optimizer, stepper, save, lambda: make_t5_evaluator(cfg, info, stage, stepper),
+                      started_s, flops_model=cfg.planner_model() if base.log_throughput else None)
+    return run_iterations(parts, run, stream, on_iteration)

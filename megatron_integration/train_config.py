@@ -231,6 +231,7 @@ class DynaPipeTrainingConfig:
     load_optim: bool = True
     load_rng: bool = True
     log_interval: int = 100
+    log_throughput: bool = False  # Megatron's --log-throughput: model TFLOP/s per GPU on the log line
     tensorboard_dir: Optional[str] = None
     recompute: RecomputeArgs = field(default_factory=RecomputeArgs)
     # Megatron's --check-for-nan-in-loss-and-grad: stop on a NaN/Inf loss or gradient.

@@ -13,29 +13,23 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Optional, Protocol, TextIO
+from typing import Callable, Optional, TextIO
 
+from dynapipe.cost.model_flops import samples_work
 from dynapipe.errors import DynaPipeError
 from megatron_integration import checkpoint_formats
 from megatron_integration.data import GlobalBatches, data_summary_lines
 from megatron_integration.initialize import RankInfo, initialize_megatron
-from megatron_integration.logging_utils import TrainingLogger
 from megatron_integration.baseline_step import StepResult, build_micro_batches, megatron_train_step, schedule_group
 from megatron_integration.model import Stage, attach_training_hooks, build_optimizer, build_stage
 from megatron_integration.nan_guard import check_before_step
-from megatron_integration.run_report import parameter_count_line, training_summary_lines
+from megatron_integration.run_report import parameter_count_line
 from megatron_integration.train_config import DynaPipeTrainingConfig
-from megatron_integration.training_limits import exit_duration_line, exit_duration_reached
-
-
-class Stepper(Protocol):
-    """Runs one training iteration (forward, backward, optimizer step) of a method."""
-
-    def step(self, iteration: int) -> StepResult: ...
-
-    def close(self) -> None: ...
+# Re-exported: the T5 loop, the command line and the tests import them from here.
+from megatron_integration.training_loop import (LoopParts, Stepper, TrainingRun, current_lr,  # noqa: F401
+                                                print_rank_0, run_iterations)
 
 
 @dataclass
@@ -54,16 +48,17 @@ class MegatronStepper:
         batch = self.batches.batch(iteration)
         samples = self.batches.samples(batch)
         lengths = self.batches.lengths(batch)
-        micro_batches, padded = build_micro_batches(cfg.method, samples, lengths, cfg.model.seq_length,
-                                                    cfg.micro_batch_size, self.info, cfg.reset_position_ids,
-                                                    cfg.reset_attention_mask, schedule_group(self.stage))
+        micro_batches, executed = build_micro_batches(cfg.method, samples, lengths, cfg.model.seq_length,
+                                                      cfg.micro_batch_size, self.info, cfg.reset_position_ids,
+                                                      cfg.reset_attention_mask, schedule_group(self.stage))
         guard = partial(check_before_step, cfg.check_for_nan_in_loss_and_grad, cfg.model.dtype == "fp16",
                         self.stage.module, iteration, device=self.info.device)
         result = megatron_train_step(self.stage, self.optimizer, self.scheduler, micro_batches, cfg.model.seq_length,
-                                     cfg.micro_batch_size, self.info, int(lengths.sum()), padded,
+                                     cfg.micro_batch_size, self.info, int(lengths.sum()), executed.tokens,
                                      before_step=guard, memory_level=cfg.empty_unused_memory_level)
         result.consumed_samples = batch.consumed_samples
         result.truncated = int(self.batches.dataset.truncated[batch.indices].sum())
+        result.executed_work, result.real_work = executed, samples_work(lengths)
         return result
 
     def close(self) -> None:
@@ -95,40 +90,6 @@ def make_evaluator(cfg: DynaPipeTrainingConfig, info: RankInfo, stage: Stage, st
         batch_fn = DynaPipeEvalRunner(cfg, info, stepper)
     evaluator = Evaluator(cfg, info, stage, batch_fn)
     return evaluator if evaluator.datasets else None
-
-
-@dataclass
-class TrainingRun:
-    """What a finished run reports (identical on every rank, except the log lines)."""
-
-    results: list[StepResult] = field(default_factory=list)
-    log_lines: list[str] = field(default_factory=list)
-    start_iteration: int = 0
-    consumed_samples: int = 0
-    spec_name: str = ""
-    # Megatron-format validation / test lines (with their rules of dashes), in order.
-    eval_lines: list[str] = field(default_factory=list)
-    # How evaluation batches ran: "dynapipe-plans:N" (N forward-only plans through the executor),
-    # "megatron-forward-only" (megatron-core's schedule), "" (no evaluation).
-    eval_path: str = ""
-    # Megatron-LM's checkpoint save/load lines (rank 0).
-    checkpoint_lines: list[str] = field(default_factory=list)
-
-    @property
-    def losses(self) -> list[float]:
-        return [r.loss for r in self.results]
-
-
-def current_lr(optimizer) -> float:
-    """The learning rate of the first parameter group."""
-    return float(optimizer.param_groups[0]["lr"])
-
-
-def _print_rank_0(info: RankInfo, stream: TextIO, lines: list[str], line: str) -> None:
-    """Megatron-LM's ``print_rank_0``, also kept in ``lines``."""
-    if info.rank == 0:
-        print(line, file=stream, flush=True)
-        lines.append(line)
 
 
 def vocab_padding_line(cfg: DynaPipeTrainingConfig) -> Optional[str]:
@@ -182,65 +143,18 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
     chunks = cfg.parallel.virtual_pipeline_model_parallel_size or 1
     layers = None if cfg.parallel.stage_layers is None else list(cfg.parallel.stage_layers)
     record = {"virtual_stages_per_rank": chunks, "stage_layers": layers}
-    log = partial(_print_rank_0, info, stream, run.checkpoint_lines)
+    log = partial(print_rank_0, info, stream, run.checkpoint_lines)
     if cfg.load:
         resumed = checkpoint_formats.load(cfg, stage.gpt, optimizer, scheduler, info, log,
                                           check_extra=partial(check_split, chunks, layers))
         if resumed is not None:
             run.start_iteration, run.consumed_samples = resumed.iteration, resumed.consumed_samples
     stepper = make_stepper(cfg, info, stage, optimizer, scheduler, run.start_iteration, run.consumed_samples)
-    evaluator = make_evaluator(cfg, info, stage, stepper)
-    logging_rank = info.is_last_stage and info.dp_rank == 0 and info.tp_rank == 0
-    logger = None
-    gc_was_enabled = None
-    try:
-        logger = TrainingLogger(cfg.train_iters, cfg.global_batch_size, cfg.log_interval,
-                                is_logging_rank=logging_rank, tensorboard_dir=cfg.tensorboard_dir, stream=stream)
-        last = cfg.last_iteration(run.start_iteration)
-        started = time.perf_counter()
-        gc_was_enabled = cfg.manual_gc.start()
-        stop, saved_at = last, None
-        for iteration in range(run.start_iteration, last):
-            result = stepper.step(iteration)
-            run.consumed_samples = result.consumed_samples
-            run.results.append(result)
-            line = logger.record(iteration + 1, run.consumed_samples, result, current_lr(optimizer))
-            if line is not None:
-                run.log_lines.append(line)
-            if on_iteration is not None:
-                on_iteration(iteration, result)
-            done = iteration + 1
-            cfg.manual_gc.after_iteration(done)
-            if evaluator is not None:
-                evaluator.after_iteration(done, stream, logging_rank, run.eval_lines, logger.writer)
-            if cfg.save and cfg.save_interval and done % cfg.save_interval == 0 and done != last:
-                checkpoint_formats.save(cfg, done, run.consumed_samples, stage.gpt, optimizer, scheduler, info, log,
-                                        extra=record)
-                saved_at = done
-            if exit_duration_reached(cfg.exit_duration_in_mins, started_s, info.device):
-                stop = done
-                _print_rank_0(info, stream, [], exit_duration_line(cfg.exit_duration_in_mins, started_s, done))
-                break
-        if cfg.save and stop > run.start_iteration and saved_at != stop:
-            checkpoint_formats.save(cfg, stop, run.consumed_samples, stage.gpt, optimizer, scheduler, info, log,
-                                    extra=record)
-        if logger.is_logging_rank:  # after its own last iteration line (every rank has the same results)
-            summary = training_summary_lines(run.results, run.start_iteration, run.consumed_samples,
-                                             time.perf_counter() - started)
-            stream.write("\n".join(summary) + "\n")
-            stream.flush()
-        # Megatron-LM evaluates the validation and test sets once training is done (not when
-        # --exit-interval stopped it).
-        if evaluator is not None and stop == cfg.train_iters:
-            evaluator.after_training(stop, stream, logging_rank, run.eval_lines)
-        if evaluator is not None and evaluator.batches_run:
-            # What ran, not what was configured: forward-only plans counted by their runner.
-            plans = getattr(evaluator.batch_fn, "plans_run", None)
-            run.eval_path = "megatron-forward-only" if plans is None else f"dynapipe-plans:{plans}"
-    finally:
-        if gc_was_enabled is not None:
-            cfg.manual_gc.stop(gc_was_enabled)
-        stepper.close()
-        if logger is not None:
-            logger.close()
-    return run
+
+    def save(iteration: int, consumed_samples: int) -> None:
+        checkpoint_formats.save(cfg, iteration, consumed_samples, stage.gpt, optimizer, scheduler, info, log,
+                                extra=record)
+
+    parts = LoopParts(cfg, info, optimizer, stepper, save, lambda: make_evaluator(cfg, info, stage, stepper),
+                      started_s, flops_model=cfg.model.to_model_config() if cfg.log_throughput else None)
+    return run_iterations(parts, run, stream, on_iteration)

@@ -46,8 +46,9 @@ def pp2(tmp_path_factory, t5_dist):
             (TINY + PACKING + f" --dynapipe-trace-dir {t5_dist / 'packing-traces'}").split(), mixed.split(),
             (mixed + " --use-dynapipe").split(),
             span.split(), (span + " --use-dynapipe").split()]
-    # A non-even stage placement (stage 0: the encoder and the first decoder layer), padding and DynaPipe.
-    placed = TINY + " --dynapipe-placement 2+1,0+1 --exit-interval 2"
+    # A non-even stage placement (stage 0: the encoder and the first decoder layer), padding and
+    # DynaPipe, logging Megatron-LM's throughput.
+    placed = TINY + " --dynapipe-placement 2+1,0+1 --exit-interval 2 --log-throughput"
     runs += [placed.split(), (placed + " --use-dynapipe").split()]
     # The interleaved placement (two chunks a rank: the encoder, then the decoder), every method.
     interleaved = TINY + " --dynapipe-placement interleaved --exit-interval 2"

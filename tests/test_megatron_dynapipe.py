@@ -70,8 +70,9 @@ def _summary(ranks: list) -> dict:
     return dict(ranks[0], printed_first=ranks[0]["printed"], printed_last=ranks[-1]["printed"])
 
 
-# Megatron's evaluation: validation after iteration 2, validation and test after training.
-EVAL = "--split 80,10,10 --eval-interval 2 --eval-iters 2"
+# Megatron's evaluation: validation after iteration 2, validation and test after training; these
+# runs also log Megatron-LM's throughput.
+EVAL = "--split 80,10,10 --eval-interval 2 --eval-iters 2 --log-throughput"
 
 
 def _eval_values(r: dict) -> list[tuple[str, float, float]]:
@@ -114,6 +115,7 @@ def test_dynapipe_loss_equals_padding(world, model, request):
         assert "validation loss" not in dynapipe["printed_first"]
         assert set(padding_eval["eval_lines"][0]) == {"-"} and len(padding_eval["eval_lines"][0]) == \
             len(padding_eval["eval_lines"][1]) + 1
+        _check_throughput(dynapipe, padding_eval)
     assert dynapipe["method"] == "dynapipe" and padding["method"] == "padding"
     assert len(dynapipe["losses"]) == 3
     assert dynapipe["losses"] == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)
@@ -121,6 +123,35 @@ def test_dynapipe_loss_equals_padding(world, model, request):
     assert dynapipe["real_tokens"] == padding["real_tokens"]
     assert dynapipe["loss_tokens"] == padding["loss_tokens"]
     assert sum(dynapipe["padded_tokens"]) < 0.9 * sum(padding["padded_tokens"])
+
+
+def _logged(line: str, field: str) -> float:
+    return float(line.split(field + ":")[1].split("|")[0])
+
+
+def _check_throughput(dynapipe: dict, padding: dict) -> None:
+    """--log-throughput: each log line's TFLOP/s are the model FLOPs of its iteration (executed
+    shapes; the samples' own) over its time and the 2 ranks; padding executes every sample at
+    --seq-length, DynaPipe less, and both hold the same samples."""
+    from dynapipe.cost.model_flops import model_flops, rows_work
+    from megatron_integration.arguments import parse_training_args
+
+    model = parse_training_args(TINY.split(), 2, cuda=False).model.to_model_config()
+    for r in (dynapipe, padding):
+        assert len(r["log_lines"]) == 3
+        for line, executed, real in zip(r["log_lines"], r["executed_work"], r["real_work"]):
+            seconds = _logged(line, "elapsed time per iteration (ms)") / 1e3
+            for field, work in (("throughput per GPU (TFLOP/s/GPU)", executed),
+                                ("real-token throughput per GPU (TFLOP/s/GPU)", real)):
+                assert _logged(line, " " + field) == pytest.approx(model_flops(model, work) / (seconds * 2e12),
+                                                                   rel=0.01), (field, line)
+    assert padding["executed_work"] == [rows_work(8, 256)] * 3
+    assert dynapipe["real_work"] == padding["real_work"]
+    assert [w.tokens for w in padding["real_work"]] == padding["real_tokens"]
+    assert all(model_flops(model, d) < 0.9 * model_flops(model, p)
+               for d, p in zip(dynapipe["executed_work"], padding["executed_work"]))
+    assert all(model_flops(model, r) <= model_flops(model, d)
+               for r, d in zip(dynapipe["real_work"], dynapipe["executed_work"]))
 
 
 @pytest.mark.megatron_runs(("", 2), ("--bf16", 2), ("--bf16 --use-dynapipe", 2), ("--fp16", 2),

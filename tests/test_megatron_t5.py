@@ -72,7 +72,8 @@ def test_t5_baselines_pad_to_the_flags_and_pack_pairs_whole():
     lengths = np.stack([rng.integers(1, 100, 24), rng.integers(1, 40, 24)], axis=1)
     pad, padded = baseline_micro_batches("padding", lengths, 128, 64, 2, 2, 1)
     assert [mb.samples for mb in pad[:2]] == [[2, 3], [6, 7]]
-    assert {(mb.seqlen, mb.dec_seqlen) for mb in pad} == {(128, 64)} and padded == 24 * (128 + 64)
+    assert {(mb.seqlen, mb.dec_seqlen) for mb in pad} == {(128, 64)} and padded.total_tokens == 24 * (128 + 64)
+    assert padded.cross == 24 * 128 * 64 and padded.enc_squares == 24 * 128 ** 2
     rows = pack_pairs(lengths, 128, 64)
     assert sorted(i for r in rows for i in r) == list(range(24))
     assert all(lengths[r, 0].sum() <= 128 and lengths[r, 1].sum() <= 64 for r in rows)
@@ -266,6 +267,24 @@ def test_t5_non_even_placement_trains_dynapipe_like_padding(pp2):
     # Weights are drawn by global parameter name: the same model as on the even split.
     assert padding["losses"] == pytest.approx(pp2[0]["losses"][:2], abs=1e-5, rel=1e-5)
     assert dynapipe["loss_tokens"] == pp2[0]["loss_tokens"][:2]
+    # --log-throughput: the T5 FLOPs of each iteration (bidirectional encoder, causal decoder,
+    # cross-attention) over its time and the 2 ranks; padding executes every pair at 128 + 64.
+    from dynapipe.cost.model_flops import model_flops, rows_work
+
+    model = parse_t5_args(TINY.split(), 2, cuda=False).planner_model()
+    assert padding["executed_work"] == [rows_work(8, 128, 64, encoder_decoder=True)] * 2
+    assert dynapipe["real_work"] == padding["real_work"]
+    assert [w.total_tokens for w in padding["real_work"]] == padding["real_tokens"]
+    for r in (padding, dynapipe):
+        assert len(r["log_lines"]) == 2
+        for line, executed, real in zip(r["log_lines"], r["executed_work"], r["real_work"]):
+            seconds = float(line.split("elapsed time per iteration (ms):")[1].split("|")[0]) / 1e3
+            for field, work in (("| throughput per GPU (TFLOP/s/GPU):", executed),
+                                ("real-token throughput per GPU (TFLOP/s/GPU):", real)):
+                logged = float(line.split(field)[1].split("|")[0])
+                assert logged == pytest.approx(model_flops(model, work) / (seconds * 2e12), rel=0.01), line
+    assert all(model_flops(model, d) < 0.8 * model_flops(model, p)
+               for d, p in zip(dynapipe["executed_work"], padding["executed_work"]))
 
 
 def test_t5_dynapipe_pp2_x_dp2_and_tp2_x_pp2_with_and_without_sp_train_like_pp2(pp2, t5_dist, tmp_path):

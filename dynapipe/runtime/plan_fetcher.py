@@ -48,6 +48,10 @@ class IterationMeta:
     global_real_tokens: int
     global_padded_tokens: int
     global_loss_tokens: int
+    # dynapipe.cost.model_flops.TokenWork as JSON, over the global batch: the planned
+    # micro-batches' shapes, and the samples at their own lengths (--log-throughput prices them).
+    global_executed_work: dict
+    global_real_work: dict
     truncated_samples: int
     planning_ms: float
     planner_node: int

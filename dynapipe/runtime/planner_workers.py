@@ -25,6 +25,7 @@ from typing import Optional
 
 import numpy as np
 
+from dynapipe.cost.model_flops import micro_batches_work, samples_work
 from dynapipe.data.collate import TensorRequest, collate, loss_token_counts
 from dynapipe.data.sampler import GlobalBatchSampler, SamplerConfig
 from dynapipe.data.samples import SampleDataset
@@ -118,6 +119,9 @@ def plan_and_publish(job: WorkerJob, planner: IterationPlanner, sampler: GlobalB
         "consumed_samples": batch.end,
         "global_real_tokens": int(lengths.sum()),
         "global_padded_tokens": int(sum(mb.padded_tokens for mb in planned.batch_plan.micro_batches)),
+        "global_executed_work": micro_batches_work(planned.batch_plan.micro_batches,
+                                                   job.dataset.encoder_decoder).to_json(),
+        "global_real_work": samples_work(lengths).to_json(),
         "global_loss_tokens": int(loss_token_counts(job.dataset.input_lengths[batch.indices],
                                                     job.dataset.target_lengths[batch.indices],
                                                     job.dataset.encoder_decoder).sum()),

@@ -1,0 +1,145 @@
+"""The iteration loop every model's training shares (GPT: :mod:`megatron_integration.training`,
+T5: :mod:`megatron_integration.t5_training`).
+
+Both build their stage, optimizer, stepper and checkpoint callbacks their own way, then hand
+them to :func:`run_iterations`, which runs the iterations as Megatron-LM's ``train()`` does:
+a log line every ``--log-interval``, evaluation every ``--eval-interval``, a checkpoint every
+``--save-interval`` and at the end, ``--exit-interval`` and ``--exit-duration-in-mins``
+(checkpoint first), manual garbage collection, and the end-of-training summary and evaluation.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol, TextIO
+
+from dynapipe.config import ModelConfig
+from megatron_integration.baseline_step import StepResult
+from megatron_integration.initialize import RankInfo
+from megatron_integration.logging_utils import TrainingLogger
+from megatron_integration.run_report import training_summary_lines
+from megatron_integration.train_config import DynaPipeTrainingConfig
+from megatron_integration.training_limits import exit_duration_line, exit_duration_reached
+
+
+class Stepper(Protocol):
+    """Runs one training iteration (forward, backward, optimizer step) of a method."""
+
+    def step(self, iteration: int) -> StepResult: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class TrainingRun:
+    """What a finished run reports (identical on every rank, except the log lines)."""
+
+    results: list[StepResult] = field(default_factory=list)
+    log_lines: list[str] = field(default_factory=list)
+    start_iteration: int = 0
+    consumed_samples: int = 0
+    spec_name: str = ""
+    # Megatron-format validation / test lines (with their rules of dashes), in order.
+    eval_lines: list[str] = field(default_factory=list)
+    # How evaluation batches ran: "dynapipe-plans:N" (N forward-only plans through the executor),
+    # "megatron-forward-only" (megatron-core's schedule), "" (no evaluation).
+    eval_path: str = ""
+    # Megatron-LM's checkpoint save/load lines (rank 0).
+    checkpoint_lines: list[str] = field(default_factory=list)
+
+    @property
+    def losses(self) -> list[float]:
+        return [r.loss for r in self.results]
+
+
+def current_lr(optimizer) -> float:
+    """The learning rate of the first parameter group."""
+    return float(optimizer.param_groups[0]["lr"])
+
+
+def print_rank_0(info: RankInfo, stream: TextIO, lines: list[str], line: str) -> None:
+    """Megatron-LM's ``print_rank_0``, also kept in ``lines``."""
+    if info.rank == 0:
+        print(line, file=stream, flush=True)
+        lines.append(line)
+
+
+@dataclass
+class LoopParts:
+    """What :func:`run_iterations` drives; built by the model's own ``pretrain``.
+
+    ``save(iteration, consumed_samples)`` writes a checkpoint (called only with ``--save``);
+    ``make_evaluator()`` returns the run's evaluator or None (called inside the loop's cleanup
+    scope, so the stepper's planner workers are stopped even if building it fails);
+    ``flops_model``: the model ``--log-throughput`` prices the iterations with (None: not asked).
+    """
+
+    cfg: DynaPipeTrainingConfig
+    info: RankInfo
+    optimizer: object
+    stepper: Stepper
+    save: Callable[[int, int], None]
+    make_evaluator: Callable[[], object]
+    started_s: float  # time.time() at the start of pretrain: --exit-duration-in-mins counts from it
+    flops_model: Optional[ModelConfig] = None
+
+
+def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
+                   on_iteration: Optional[Callable[[int, StepResult], None]] = None) -> TrainingRun:
+    """Train from ``run.start_iteration`` up to ``--train-iters`` (or ``--exit-interval``), filling
+    ``run``; closes the stepper whatever happens."""
+    cfg, info = parts.cfg, parts.info
+    logging_rank = info.is_last_stage and info.dp_rank == 0 and info.tp_rank == 0
+    logger = None
+    gc_was_enabled = None
+    try:
+        evaluator = parts.make_evaluator()
+        logger = TrainingLogger(cfg.train_iters, cfg.global_batch_size, cfg.log_interval,
+                                is_logging_rank=logging_rank, tensorboard_dir=cfg.tensorboard_dir, stream=stream,
+                                flops_model=parts.flops_model, world_size=info.world_size)
+        last = cfg.last_iteration(run.start_iteration)
+        started = time.perf_counter()
+        gc_was_enabled = cfg.manual_gc.start()
+        stop, saved_at = last, None
+        for iteration in range(run.start_iteration, last):
+            result = parts.stepper.step(iteration)
+            run.consumed_samples = result.consumed_samples
+            run.results.append(result)
+            line = logger.record(iteration + 1, run.consumed_samples, result, current_lr(parts.optimizer))
+            if line is not None:
+                run.log_lines.append(line)
+            if on_iteration is not None:
+                on_iteration(iteration, result)
+            done = iteration + 1
+            cfg.manual_gc.after_iteration(done)
+            if evaluator is not None:
+                evaluator.after_iteration(done, stream, logging_rank, run.eval_lines, logger.writer)
+            if cfg.save and cfg.save_interval and done % cfg.save_interval == 0 and done != last:
+                parts.save(done, run.consumed_samples)
+                saved_at = done
+            if exit_duration_reached(cfg.exit_duration_in_mins, parts.started_s, info.device):
+                stop = done
+                print_rank_0(info, stream, [], exit_duration_line(cfg.exit_duration_in_mins, parts.started_s, done))
+                break
+        if cfg.save and stop > run.start_iteration and saved_at != stop:
+            parts.save(stop, run.consumed_samples)
+        if logger.is_logging_rank:  # after its own last iteration line (every rank has the same results)
+            summary = training_summary_lines(run.results, run.start_iteration, run.consumed_samples,
+                                             time.perf_counter() - started)
+            stream.write("\n".join(summary) + "\n")
+            stream.flush()
+        # Megatron-LM evaluates the validation and test sets once training is done (not when
+        # --exit-interval or --exit-duration-in-mins stopped it).
+        if evaluator is not None and stop == cfg.train_iters:
+            evaluator.after_training(stop, stream, logging_rank, run.eval_lines)
+        if evaluator is not None and evaluator.batches_run:
+            # What ran, not what was configured: forward-only plans counted by their runner.
+            plans = getattr(evaluator.batch_fn, "plans_run", None)
+            run.eval_path = "megatron-forward-only" if plans is None else f"dynapipe-plans:{plans}"
+    finally:
+        if gc_was_enabled is not None:
+            cfg.manual_gc.stop(gc_was_enabled)
+        parts.stepper.close()
+        if logger is not None:
+            logger.close()
+    return run
