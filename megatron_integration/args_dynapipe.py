@@ -29,6 +29,11 @@ def add_dynapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--use-dynapipe", action="store_true",
                    help="plan variable-shape micro-batches and run them through the DynaPipe executor; "
                         "without it, megatron-core's fixed-shape 1F1B runs padding or packing")
+    g.add_argument("--dynapipe-placement", default="even", metavar="even|auto|SPEC",
+                   help="layers per pipeline stage: even (Megatron's split, default) or auto (DynaPipe's cost model "
+                        "chooses from the run's first global batches so that no stage is the bottleneck; every "
+                        "method runs on it); T5 also takes interleaved or ENC+DEC per stage such as 3+0,1+4 (GPT "
+                        "splits are written with --pipeline-model-parallel-layout)")
     g.add_argument("--dynapipe-batching", default=None, choices=BATCHINGS,
                    help="micro-batching method (default: dynapipe with --use-dynapipe, padding without)")
     g.add_argument("--dynapipe-schedule", default="auto", choices=SCHEDULES,

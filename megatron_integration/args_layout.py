@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from dynapipe.errors import DynaPipeError
@@ -38,6 +38,8 @@ class PipelineSplit:
 
     chunks: Optional[int] = None
     layers: Optional[tuple[int, ...]] = None
+    # --dynapipe-placement auto: the layers are chosen at start-up (placement_auto.resolve_gpt_split).
+    auto: bool = False
 
 
 def pipeline_split_from_args(args: argparse.Namespace, pp: int) -> PipelineSplit:
@@ -58,6 +60,19 @@ def pipeline_split_from_args(args: argparse.Namespace, pp: int) -> PipelineSplit
                              ("--decoder-last-pipeline-num-layers", last is not None),
                              ("--account-for-embedding-in-pipeline-split", emb),
                              ("--account-for-loss-in-pipeline-split", loss)) if v]
+    placement = (getattr(args, "dynapipe_placement", None) or "even").strip()
+    if placement not in ("even", "auto"):
+        raise DynaPipeError(f"--dynapipe-placement {placement}: a GPT takes even or auto; write a split with "
+                            f"Megatron-LM's --pipeline-model-parallel-layout (such as Ettt|tttL) or "
+                            f"--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers.")
+    if placement == "auto":
+        explicit = ([f for f in given if f == "--pipeline-model-parallel-layout"] + uneven)
+        if explicit:
+            raise DynaPipeError(f"--dynapipe-placement auto and {explicit[0]} were both given; auto chooses the "
+                                f"split, {explicit[0]} gives it: drop one.")
+        if pp < 2:
+            raise DynaPipeError("--dynapipe-placement auto splits the layers over pipeline stages; it needs "
+                                "--pipeline-model-parallel-size 2 or more.")
     if layout is not None:
         if uneven:
             raise DynaPipeError(f"--pipeline-model-parallel-layout and {uneven[0]} were both given; the layout "
@@ -94,7 +109,8 @@ def pipeline_split_from_args(args: argparse.Namespace, pp: int) -> PipelineSplit
     layers = [ranks[p] // chunks for c in range(chunks) for p in range(pp)]
     layers[0] -= emb
     layers[-1] -= loss
-    return _checked(layers, pp, uneven[0] if uneven else "--num-layers")
+    split = _checked(layers, pp, uneven[0] if uneven else "--num-layers")
+    return replace(split, auto=placement == "auto")
 
 
 def layout_layers(layout: str, pp: int, num_layers: int) -> list[int]:

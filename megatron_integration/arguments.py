@@ -188,7 +188,7 @@ def _parallel_args_from_args(args: argparse.Namespace, world_size: int, cuda: bo
                         backend=backend, timeout_minutes=args.distributed_timeout_minutes,
                         sequence_parallel=args.sequence_parallel,
                         cpu_affinity=getattr(args, "dynapipe_cpu_affinity", "none"),
-                        virtual_pipeline_model_parallel_size=chunks, stage_layers=split.layers,
+                        virtual_pipeline_model_parallel_size=chunks, stage_layers=split.layers, auto_split=split.auto,
                         overlap_p2p_comm=overlap_p2p_comm(args, chunks))
 
 

@@ -137,7 +137,8 @@ def check_request(argv: Sequence[str], methods: Sequence[str], preset: str = "ti
             raise DynaPipeError(f"{flag}: the bench compares methods on one chunk a rank; compare DynaPipe with "
                                 f"and without chunks with scripts/bench_gpt_interleaved.py.")
     for flag in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
-                 "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"):
+                 "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+                 "--dynapipe-placement"):
         if flag in given:
             raise DynaPipeError(f"{flag}: the bench's simulated sweep and compute floor price Megatron's even split; "
                                 f"train the uneven split with scripts/pretrain_gpt.py.")

@@ -33,10 +33,6 @@ def add_t5_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="longest encoder input in tokens (same as --seq-length)")
     g.add_argument("--decoder-seq-length", type=int, default=None, help="longest decoder target in tokens")
     add_t5_data_args(g)
-    g.add_argument("--dynapipe-placement", default="even", metavar="even|auto|SPEC",
-                   help="layers per pipeline stage: even (Megatron's split, default), auto (the planner chooses from "
-                        "the run's first global batches so that no stage is the bottleneck; the baselines use it "
-                        "too), or ENC+DEC per stage such as 3+0,1+4")
     return parser
 
 
@@ -118,6 +114,7 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
     # The shared validators see the whole model: every layer, the encoder's length.
     shared = argparse.Namespace(**vars(args))
     shared.num_layers, shared.seq_length, shared.max_position_embeddings = total, enc_seq, max_pos
+    shared.dynapipe_placement = "even"  # T5's placement is its own (below), not a GPT split
     if placement_flag != "even" and total % pp:
         shared.num_layers = pp * (total // pp) or pp  # the split is the placement's, not an even one
     base = training_config_from_args(shared, world_size, cuda)

@@ -23,10 +23,8 @@ import numpy as np
 
 from dynapipe.cost.placement import StagePlacement
 from dynapipe.errors import DynaPipeError
-
-# Global batches ``auto`` chooses from: the run's first ones (from iteration 0, so a resumed
-# run chooses what the interrupted one chose).
-AUTO_SAMPLE_BATCHES = 4
+from megatron_integration import placement_auto
+from megatron_integration.placement_auto import AUTO_SAMPLE_BATCHES, ranks_agree
 
 
 def parse_t5_placement(text: str, model, num_stages: int) -> Optional[StagePlacement]:
@@ -59,18 +57,9 @@ def first_global_batches(cfg, count: int = AUTO_SAMPLE_BATCHES) -> list[np.ndarr
 
 
 def planner_cost_model(cfg, num_stages: int):
-    """The cost model DynaPipe's planner prices this run with (even split): the
-    ``--dynapipe-cost-model`` profile or the analytic model of ``--dynapipe-device``, per
-    tensor-parallel rank (collectives on the cluster's intra-node link)."""
-    from dynapipe.config import load_cluster_config, load_device_config
-    from dynapipe.cost import build_cost_model
-    from dynapipe.runtime.plan_source import tensor_parallel_of
-
-    d, parallel = cfg.base.dynapipe, cfg.base.parallel
-    tp = tensor_parallel_of(parallel.tensor_model_parallel_size, parallel.sequence_parallel,
-                            load_cluster_config(d.cluster))
-    return build_cost_model(cfg.planner_model(), load_device_config(d.device), num_stages,
-                            None if d.cost_model == "analytic" else d.cost_model, tp)
+    """The cost model DynaPipe's planner prices this T5 run with (even split; see
+    :func:`megatron_integration.placement_auto.planner_cost_model`)."""
+    return placement_auto.planner_cost_model(cfg.planner_model(), cfg.base, num_stages)
 
 
 def choose_t5_placement(cfg, num_stages: int, dp: int, batches: Optional[list] = None):
@@ -99,17 +88,7 @@ def resolve_t5_placement(cfg, num_stages: int, dp: int):
         placement = choose_t5_placement(cfg, num_stages, dp).chosen.placement
     elif placement is None:
         placement = cfg.stage_placement()
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        mine = str(placement)
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        other = next((r for r, p in enumerate(every) if p != mine), None)
-        if other is not None:
-            raise DynaPipeError(f"--dynapipe-placement {cfg.placement_flag}: rank {dist.get_rank()} chose {mine} but "
-                                f"rank {other} chose {every[other]}; give the split explicitly (e.g. "
-                                f"--dynapipe-placement {mine}).")
+    ranks_agree(str(placement), f"--dynapipe-placement {cfg.placement_flag}")
     return replace(cfg, placement=placement)
 
 

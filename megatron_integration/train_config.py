@@ -76,6 +76,9 @@ class ParallelArgs:
     # Transformer layers of every virtual stage (virtual stage k: chunk k // P of rank k % P) when
     # Megatron's uneven split flags ask for one; None: the even split.
     stage_layers: Optional[tuple[int, ...]] = None
+    # --dynapipe-placement auto: stage_layers is chosen at start-up by the planner's cost model
+    # (megatron_integration.placement_auto.resolve_gpt_split), before any stage is built.
+    auto_split: bool = False
 
     def rank_layers(self, num_layers: int) -> list[int]:
         """Transformer layers of every pipeline rank (all its chunks), of a ``num_layers`` model."""

@@ -25,6 +25,7 @@ from megatron_integration.initialize import RankInfo, initialize_megatron
 from megatron_integration.baseline_step import StepResult, build_micro_batches, megatron_train_step, schedule_group
 from megatron_integration.model import Stage, attach_training_hooks, build_optimizer, build_stage
 from megatron_integration.nan_guard import check_before_step
+from megatron_integration.placement_auto import resolve_gpt_split
 from megatron_integration.run_report import parameter_count_line
 from megatron_integration.train_config import DynaPipeTrainingConfig
 # Re-exported: the T5 loop, the command line and the tests import them from here.
@@ -130,6 +131,10 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
     if info.rank == 0:
         for line in data_summary_lines(cfg):
             print(line, file=stream, flush=True)
+    # --dynapipe-placement auto is chosen here, before any stage is built.
+    cfg, split_line = resolve_gpt_split(cfg)
+    if info.rank == 0 and split_line is not None:
+        print(split_line, file=stream, flush=True)
     stage = build_stage(cfg, info)
     if info.dp_rank == 0:
         count = sum(p.nelement() for p in stage.gpt.parameters())

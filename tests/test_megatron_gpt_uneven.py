@@ -111,6 +111,44 @@ def test_splits_this_build_cannot_run_are_refused(kw, needle):
         pipeline_split_from_args(flags(**kw), 2)
 
 
+@pytest.mark.parametrize("extra, needle", [
+    ("--dynapipe-placement auto --pipeline-model-parallel-layout Ettt|tttL", "auto and --pipeline-model-parallel"),
+    ("--dynapipe-placement auto --decoder-last-pipeline-num-layers 2", "auto and --decoder-last"),
+    ("--dynapipe-placement 4,2", "a GPT takes even or auto"),
+    ("--dynapipe-placement auto --pipeline-model-parallel-size 1", "needs --pipeline-model-parallel-size 2"),
+])
+def test_auto_split_refusals(extra, needle):
+    with pytest.raises(DynaPipeError, match=needle):
+        parse_training_args(f"{BASE} {extra}".split(), 2)
+
+
+def test_auto_split_leaves_a_heavy_output_layer_fewer_layers():
+    """The planner's cost model prices the output layer: a 4096-token vocabulary on hidden 64 weighs
+    more than four transformer layers, so ``auto`` gives the last stage one layer; a 256-token one
+    leaves Megatron's even split. Pure: no process group, the same choice every time."""
+    from megatron_integration.placement_auto import choose_gpt_split, layout_text, resolve_gpt_split
+
+    auto = f"{BASE} --use-dynapipe --dynapipe-placement auto"
+    cfg = parse_training_args(f"{auto} --vocab-size 4096".split(), 2)
+    assert cfg.parallel.auto_split and cfg.parallel.stage_layers is None
+    resolved, line = resolve_gpt_split(cfg)
+    assert resolved.parallel.stage_layers == (5, 1) and "5,1" in line and "Ettttt|tL" in line
+    plan = choose_gpt_split(cfg)
+    assert plan.chosen.bottleneck_ms < plan.before.bottleneck_ms
+    assert plan.before.placement.decoder_layers == (3, 3)
+    assert resolve_gpt_split(parse_training_args(auto.split(), 2))[0].parallel.stage_layers is None
+    # On two chunks a rank: every virtual stage chosen, the last one lightest.
+    chunked = resolve_gpt_split(parse_training_args(
+        f"{auto} --vocab-size 4096 --num-layers 8 --num-virtual-stages-per-pipeline-rank 2".split(), 2))[0]
+    layers = chunked.parallel.stage_layers
+    assert len(layers) == 4 and sum(layers) == 8 and layers[-1] == min(layers)
+    assert chunked.parallel.virtual_pipeline_model_parallel_size == 2
+    assert layout_layers(layout_text(layers), 2, 8) == list(layers)
+    # Given splits are left as given.
+    given = parse_training_args(f"{BASE} --decoder-last-pipeline-num-layers 2".split(), 2)
+    assert resolve_gpt_split(given) == (given, None)
+
+
 def test_t5_takes_its_split_as_a_placement():
     from megatron_integration.t5_arguments import parse_t5_args
 
@@ -144,6 +182,12 @@ def job(tmp_path_factory):
             "last-4-cut": dyn + f" --decoder-last-pipeline-num-layers 4 --exit-interval 2 --save {ckpt}",
             "resumed-even": dyn + f" --load {ckpt}",
             "layout-chunks": dyn + evaluate + " --pipeline-model-parallel-layout Ettt|t|t|tL"}
+    # --dynapipe-placement auto on a model whose output layer outweighs four layers: padding, and
+    # DynaPipe cut after 2 iterations (per-rank checkpoint) and resumed, choosing again.
+    auto = " --vocab-size 4096 --dynapipe-placement auto"
+    runs.update({"auto-padding": BASE + auto,
+                 "auto-cut": dyn + auto + f" --exit-interval 2 --ckpt-format dynapipe --save {ckpt}/auto",
+                 "auto-resumed": dyn + auto + f" --ckpt-format dynapipe --load {ckpt}/auto"})
     ranks = run_trainings([r.split() for r in runs.values()], 2, timeout_s=TIMEOUT)
     return dict(zip(runs, ranks))
 
@@ -176,6 +220,20 @@ def test_every_split_trains_the_even_splits_model(job):
     assert close(cut["losses"], ref[:2]) and resumed["start_iteration"] == 2
     # torch_dist keeps megatron-core's global layer keys: saved on 2,4, it resumes on 3,3.
     assert close(resumed["losses"], ref[2:]), (resumed["losses"], ref)
+
+
+def test_auto_split_trains_and_resumes_on_the_split_it_chose(job):
+    padding, cut, resumed = (job[k][0] for k in ("auto-padding", "auto-cut", "auto-resumed"))
+    for run in (padding, cut, resumed):
+        assert "pipeline split (transformer layers per virtual stage): 5,1 (--dynapipe-placement auto" \
+            in run["printed"]
+    assert close(cut["losses"], padding["losses"][:2]), (cut["losses"], padding["losses"])
+    # The per-rank checkpoint recorded 5,1 and the resumed run chose 5,1 again, so it loaded.
+    assert resumed["start_iteration"] == 2 and close(resumed["losses"], padding["losses"][2:])
+    even, first4, auto = params(job["even"]), params(job["first-4"]), params(job["auto-padding"])
+    layer = first4[0] - even[0]
+    grown = (4096 - 256) * 64  # the embedding (rank 0) and its tied output copy (rank 1)
+    assert auto == [even[0] + 2 * layer + grown, even[1] - 2 * layer + grown]
 
 
 def test_each_rank_holds_the_layers_its_split_gives_it(job):

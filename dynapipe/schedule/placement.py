@@ -81,11 +81,7 @@ def choose_placement(batches: Sequence, cost_model: CostModel, *, dp: int = 1,
     """
     if not len(batches):
         raise DynaPipeError("stage placement needs at least one global batch of lengths.")
-    device = getattr(cost_model, "device", None)
-    if memory_limit_mib is None and device is not None:
-        memory_limit_mib = device.memory_mib
-    if reserved_mib is None:
-        reserved_mib = device.reserved_mib if device is not None else 0.0
+    memory_limit_mib, reserved_mib = _memory(cost_model, memory_limit_mib, reserved_mib)
     capacity = None if memory_limit_mib is None else memory_limit_mib - reserved_mib
     kw = dict(capacity_mib=capacity, dp=dp, zero=zero, recompute=recompute)
     current, seen, first_sample = cost_model, {cost_model.placement}, None
@@ -132,40 +128,61 @@ def simulated_ms(batches: Sequence, cost_model: CostModel, *, dp: int, memory_li
     return total
 
 
-def choose_placement_kind(batches: Sequence, cost_model: CostModel, *, dp: int = 1,
-                          memory_limit_mib: Optional[float] = None, reserved_mib: Optional[float] = None,
-                          seq_length: Optional[int] = None, zero: bool = False, recompute: Optional[str] = None,
-                          cluster=None, chunks: int = 2) -> PlacementPlan:
-    """The faster of the contiguous placement (:func:`choose_placement`) and the
-    ``chunks``-chunk interleaved one (:func:`~dynapipe.cost.chunked_placement.plan_chunked_placement`
-    on the micro-batches cut under the even chunked split), by DynaPipe's simulated time
-    on ``batches`` (ms, summed; schedules searched under the memory limit). ``compared``
-    of the result holds both times."""
+def choose_chunked_placement(batches: Sequence, cost_model: CostModel, chunks: int, *, dp: int = 1,
+                             memory_limit_mib: Optional[float] = None, reserved_mib: Optional[float] = None,
+                             seq_length: Optional[int] = None, zero: bool = False,
+                             recompute: Optional[str] = None) -> PlacementPlan:
+    """The ``chunks``-chunk interleaved split for global batches like ``batches``
+    (:func:`~dynapipe.cost.chunked_placement.plan_chunked_placement` on the micro-batches cut
+    under the even chunked split, which is ``before``); :class:`DynaPipeError` when the model
+    has too few layers for the chunks or nothing plans. Memory as :func:`choose_placement`."""
     from dynapipe.cost.chunked_placement import even_chunked_placement, plan_chunked_placement
 
+    memory_limit_mib, reserved_mib = _memory(cost_model, memory_limit_mib, reserved_mib)
+    even = cost_model.with_placement(even_chunked_placement(cost_model, chunks))
+    sample = PlacementSample.of(_cut(batches, even, dp=dp, memory_limit_mib=memory_limit_mib,
+                                     reserved_mib=reserved_mib, seq_length=seq_length, zero=zero,
+                                     recompute=recompute))
+    placement = plan_chunked_placement(cost_model, sample, chunks)
+    capacity = None if memory_limit_mib is None else memory_limit_mib - reserved_mib
+    kw = dict(capacity_mib=capacity, dp=dp, zero=zero, recompute=recompute)
+    return PlacementPlan(price_placement(cost_model, placement, sample, **kw),
+                         price_placement(cost_model, even.placement, sample, **kw),
+                         cost_model.with_placement(placement), 1)
+
+
+def _memory(cost_model: CostModel, memory_limit_mib: Optional[float],
+            reserved_mib: Optional[float]) -> tuple[Optional[float], float]:
+    """The memory limit and reserved MiB per device, defaulting to the cost model's device config."""
     device = getattr(cost_model, "device", None)
     if memory_limit_mib is None and device is not None:
         memory_limit_mib = device.memory_mib
     if reserved_mib is None:
         reserved_mib = device.reserved_mib if device is not None else 0.0
+    return memory_limit_mib, reserved_mib
+
+
+def choose_placement_kind(batches: Sequence, cost_model: CostModel, *, dp: int = 1,
+                          memory_limit_mib: Optional[float] = None, reserved_mib: Optional[float] = None,
+                          seq_length: Optional[int] = None, zero: bool = False, recompute: Optional[str] = None,
+                          cluster=None, chunks: int = 2) -> PlacementPlan:
+    """The faster of the contiguous placement (:func:`choose_placement`) and the
+    ``chunks``-chunk interleaved one (:func:`choose_chunked_placement`), by DynaPipe's
+    simulated time on ``batches`` (ms, summed; schedules searched under the memory limit).
+    ``compared`` of the result holds both times."""
+    memory_limit_mib, reserved_mib = _memory(cost_model, memory_limit_mib, reserved_mib)
     kw = dict(dp=dp, memory_limit_mib=memory_limit_mib, reserved_mib=reserved_mib, seq_length=seq_length,
               zero=zero, recompute=recompute)
     contiguous = choose_placement(batches, cost_model, rounds=3, **kw)
     compared = {"contiguous": str(contiguous.chosen.placement),
                 "contiguous_ms": simulated_ms(batches, contiguous.cost_model, cluster=cluster, **kw)}
     try:
-        even = cost_model.with_placement(even_chunked_placement(cost_model, chunks))
-        sample = PlacementSample.of(_cut(batches, even, **kw))
-        placement = plan_chunked_placement(cost_model, sample, chunks)
+        chunked = choose_chunked_placement(batches, cost_model, chunks, **kw)
     except DynaPipeError as e:  # too few layers for the chunks, or nothing plans
         compared["interleaved_error"] = str(e)
         return PlacementPlan(contiguous.chosen, contiguous.before, contiguous.cost_model, contiguous.rounds, compared)
-    chunked = cost_model.with_placement(placement)
-    compared.update({"interleaved": str(placement),
-                     "interleaved_ms": simulated_ms(batches, chunked, cluster=cluster, **kw)})
+    compared.update({"interleaved": str(chunked.chosen.placement),
+                     "interleaved_ms": simulated_ms(batches, chunked.cost_model, cluster=cluster, **kw)})
     if compared["interleaved_ms"] < compared["contiguous_ms"]:
-        capacity = None if memory_limit_mib is None else memory_limit_mib - reserved_mib
-        chosen = price_placement(cost_model, placement, sample, capacity_mib=capacity, dp=dp, zero=zero,
-                                 recompute=recompute)
-        return PlacementPlan(chosen, contiguous.before, chunked, contiguous.rounds, compared)
+        return PlacementPlan(chunked.chosen, contiguous.before, chunked.cost_model, contiguous.rounds, compared)
     return PlacementPlan(contiguous.chosen, contiguous.before, contiguous.cost_model, contiguous.rounds, compared)
