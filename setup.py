@@ -31,8 +31,9 @@ setup(
     ],
     extras_require={
         "dev": ["pytest>=7", "hypothesis>=6", "matplotlib>=3.7", "redis>=5", "tqdm>=4.60",
-                # The HuggingFaceTokenizer path is tested against the real package.
-                "transformers>=4.40"],
+                # The HuggingFaceTokenizer path and the TensorBoard scalars are tested against
+                # the real packages.
+                "transformers>=4.40", "tensorboard>=2.14"],
         # Progress bars for `python -m dynapipe profile` on a terminal (plain lines without it).
         "progress": ["tqdm>=4.60"],
         # --tokenizer-type HuggingFaceTokenizer.

@@ -108,6 +108,16 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="megatron-core's fused cross-entropy for the loss")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="with --bf16: all-reduce gradients in bf16 instead of fp32")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="accepted: gradients are accumulated and all-reduced in fp32 unless --grad-reduce-in-bf16")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true",
+                   help="accepted: the attention softmax is always computed in fp32 (megatron-core's default)")
+    # Megatron-LM fuses these kernels by default on GPUs; this build runs megatron-core's unfused
+    # paths (its TransformerConfig defaults), so turning a fusion off asks for what is done.
+    for flag in ("--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion",
+                 "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
+                 "--no-rope-fusion"):
+        g.add_argument(flag, action="store_true", help="accepted: megatron-core's unfused path runs")
 
     g = parser.add_argument_group("learning rate and optimizer")
     g.add_argument("--lr", type=float, default=None, help="peak learning rate")
@@ -129,6 +139,12 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--decoupled-min-lr", type=float, default=None,
                    help="minimum learning rate for the input embedding and the output layer")
     g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--start-weight-decay", type=float, default=None,
+                   help="weight decay at the start (with --weight-decay-incr-style linear or cosine)")
+    g.add_argument("--end-weight-decay", type=float, default=None,
+                   help="weight decay at the end (with --weight-decay-incr-style linear or cosine)")
+    g.add_argument("--weight-decay-incr-style", default="constant", choices=("constant", "linear", "cosine"),
+                   help="how the weight decay goes from its start to its end value over the run")
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
@@ -209,13 +225,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="accepted: --load always reads the format the checkpoint is in")
     g.add_argument("--use-dist-ckpt", action="store_true", help="deprecated in Megatron-LM (see --ckpt-format); no effect")
 
-    g = parser.add_argument_group("logging")
-    g.add_argument("--log-interval", type=int, default=100, help="iterations between log lines")
-    g.add_argument("--tensorboard-dir", default=None, help="write TensorBoard scalars here")
-    g.add_argument("--log-throughput", action="store_true",
-                   help="add the model TFLOP/s per GPU (rank, on CPU) to the log line: of the shapes executed, "
-                        "as Megatron-LM counts them, and of the real tokens")
+    from megatron_integration.args_logging import add_logging_args
     from megatron_integration.data_args import add_eval_args, add_split_args
+
+    add_logging_args(parser)
 
     add_split_args(parser)
     add_eval_args(parser)

@@ -50,6 +50,17 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--profile-step-end": "profiling hooks are not built (see --profile); drop it",
     "--use-pytorch-profiler": "profiling hooks are not built (see --profile); drop it",
     "--profile-ranks": "profiling hooks are not built (see --profile); drop it",
+    "--log-progress": ("progress.txt is not written; the training summary line at the end has the tokens and "
+                       "time (and --log-throughput the FLOP/s)"),
+    "--log-memory-to-tensorboard": ("CUDA allocator statistics are not written; the log line has each stage's "
+                                    "activation peak (MiB) against its plan's"),
+    "--log-straggler": "straggler detection is not built; drop it",
+    "--log-energy": "energy monitoring is not built; drop it",
+    "--record-memory-history": "CUDA memory snapshots are not built; run under torch.cuda.memory._record_memory_history",
+    "--use-torch-fsdp2": "parameters are held whole per stage with megatron-core's DDP (or its distributed optimizer)",
+    "--use-legacy-models": "the stages are megatron-core's models; drop it",
+    "--spec": "the layer spec is megatron-core's GPT spec (Transformer Engine's on GPUs, the local one on CPU)",
+    "--check-weight-hash-across-dp-replicas-interval": "not built; drop it",
     "--step-batch-size-schedule": "the global batch is fixed (or set by --dynapipe-tokens-per-global-batch)",
     "--tiktoken-pattern": "the TikTokenizer is not a --tokenizer-type here; use HuggingFaceTokenizer",
     "--no-save-optim": "checkpoints always hold the optimizer state; drop it (load with --no-load-optim or "

@@ -74,6 +74,9 @@ def optimizer_args_from_args(args: argparse.Namespace) -> OptimizerArgs:
     if args.grad_reduce_in_bf16 and not args.bf16:
         raise DynaPipeError("--grad-reduce-in-bf16 applies to --bf16 only (gradients of other precisions are "
                             "reduced as they are); add --bf16 or drop it.")
+    if args.grad_reduce_in_bf16 and args.accumulate_allreduce_grads_in_fp32:
+        raise DynaPipeError("--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 were both given; give "
+                            "one (as in Megatron-LM).")
     if args.optimizer != "adam":
         raise _unsupported("--optimizer", f"{args.optimizer}: only adam (megatron-core's Adam with decoupled "
                                           f"weight decay) is built; use --optimizer adam")
@@ -85,7 +88,27 @@ def optimizer_args_from_args(args: argparse.Namespace) -> OptimizerArgs:
                          distributed=args.use_distributed_optimizer,
                          override_scheduler=args.override_opt_param_scheduler,
                          use_checkpoint_scheduler=args.use_checkpoint_opt_param_scheduler,
-                         grad_reduce_in_bf16=args.grad_reduce_in_bf16, **decoupled, **loss_scale)
+                         grad_reduce_in_bf16=args.grad_reduce_in_bf16, log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+                         **_weight_decay_schedule(args), **decoupled, **loss_scale)
+
+
+def _weight_decay_schedule(args: argparse.Namespace) -> dict:
+    """Megatron's ``--start-weight-decay`` / ``--end-weight-decay`` / ``--weight-decay-incr-style``,
+    validated as Megatron-LM validates them: the constant style takes ``--weight-decay`` and
+    neither bound, the others take both."""
+    style = args.weight_decay_incr_style
+    start = _positive("start-weight-decay", args.start_weight_decay, allow_zero=True)
+    end = _positive("end-weight-decay", args.end_weight_decay, allow_zero=True)
+    _positive("weight-decay", args.weight_decay, allow_zero=True)
+    given = [f for f, v in (("--start-weight-decay", start), ("--end-weight-decay", end)) if v is not None]
+    if style == "constant" and given:
+        raise DynaPipeError(f"{given[0]} with --weight-decay-incr-style constant: the constant decay is "
+                            f"--weight-decay; give --weight-decay-incr-style linear or cosine to move between "
+                            f"--start-weight-decay and --end-weight-decay.")
+    if style != "constant" and len(given) < 2:
+        raise DynaPipeError(f"--weight-decay-incr-style {style} needs --start-weight-decay and --end-weight-decay "
+                            f"(as in Megatron-LM).")
+    return {"start_weight_decay": start, "end_weight_decay": end, "weight_decay_incr_style": style}
 
 
 def _decoupled_lr(args: argparse.Namespace) -> dict:

@@ -62,10 +62,22 @@ class StepResult:
     # at their own lengths; what --log-throughput prices (dynapipe.cost.model_flops).
     executed_work: Optional[TokenWork] = None
     real_work: Optional[TokenWork] = None
+    # Megatron's --log-num-zeros-in-grad (the optimizer's count, every stage) and
+    # --log-params-norm (after the step); None when not asked for.
+    num_zeros_in_grad: Optional[int] = None
+    params_norm: Optional[float] = None
 
     @property
     def padding_efficiency(self) -> float:
         return self.real_tokens / max(self.padded_tokens, 1)
+
+
+def step_split_ms(t_run: float, t_grads: float, t_opt: float) -> dict:
+    """Where an executor-driven iteration went (ms; ``time.perf_counter()`` seconds at the
+    executor's start, at its end, and at the optimizer step's start; up to now)."""
+    now = time.perf_counter()
+    return {"executor_ms": round((t_grads - t_run) * 1e3, 3), "grads_ms": round((t_opt - t_grads) * 1e3, 3),
+            "optimizer_ms": round((now - t_opt) * 1e3, 3)}
 
 
 def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
@@ -187,7 +199,7 @@ def megatron_train_step(stage: Stage, optimizer, scheduler, micro_batches: list[
         before_step(sum(float(r["lm loss"][0]) for r in reports) if info.is_last_stage else None)
     t_opt = time.perf_counter()
     empty_unused_memory(memory_level, info.device, after_optimizer=False)
-    ok, grad_norm, _ = optimizer.step()
+    ok, grad_norm, num_zeros = optimizer.step()
     if ok:
         scheduler.step(increment=1)
     empty_unused_memory(memory_level, info.device, after_optimizer=True)
@@ -203,4 +215,5 @@ def megatron_train_step(stage: Stage, optimizer, scheduler, micro_batches: list[
     return StepResult(loss=loss_sum / max(loss_tokens, 1), loss_tokens=loss_tokens, real_tokens=real_tokens,
                       padded_tokens=padded_tokens, iteration_ms=(end - start) * 1e3,
                       grad_norm=float(grad_norm or 0.0), skipped=not ok, breakdown_ms=breakdown,
+                      num_zeros_in_grad=None if num_zeros is None else int(num_zeros),
                       activation_measured_mib=activations["peak_mib"])

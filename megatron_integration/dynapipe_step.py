@@ -45,7 +45,7 @@ from dynapipe.runtime.activation_plan import planned_activation_peak_mib
 from megatron_integration.train_config import DynaPipeTrainingConfig
 from megatron_integration.data import dataset_config
 from megatron_integration.initialize import RankInfo
-from megatron_integration.baseline_step import StepResult, holds_loss, reduce_loss
+from megatron_integration.baseline_step import StepResult, holds_loss, reduce_loss, step_split_ms
 from megatron_integration.model import Stage, finalize_grads_func, set_recompute_level
 from megatron_integration.nan_guard import check_before_step
 from megatron_integration.stage_handlers import ModelStageHandlers
@@ -224,15 +224,18 @@ class DynaPipeStepper:
         for module in self.stage.modules:
             module.zero_grad_buffer()
         self.optimizer.zero_grad()
+        t_run = time.perf_counter()
         with measure_activations(self.stage.module, self.info.device, self.meter) as activations:
             result = self.executor.run(data.plan, loss_tokens=meta.global_loss_tokens)
+        t_grads = time.perf_counter()
         # DP sum of gradients and tied-embedding all-reduce; the executor already divided the
         # loss by the global token count, so no further scaling (num_tokens=None).
         finalize_grads_func()(self.stage.modules, None)
         check_before_step(self.cfg.check_for_nan_in_loss_and_grad, self.cfg.model.dtype == "fp16", self.stage.module,
                           iteration, self.handlers.loss_sum if self.info.is_last_stage else None, self.info.device)
         empty_unused_memory(self.cfg.empty_unused_memory_level, self.info.device, after_optimizer=False)
-        ok, grad_norm, _ = self.optimizer.step()
+        t_opt = time.perf_counter()
+        ok, grad_norm, num_zeros = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
         empty_unused_memory(self.cfg.empty_unused_memory_level, self.info.device, after_optimizer=True)
@@ -253,7 +256,9 @@ class DynaPipeStepper:
                           activation_planned_mib=planned_activation_peak_mib(
                               data.plan, self.cost_model, transient=self.info.device.type == "cuda"),
                           executed_work=TokenWork.from_json(meta.global_executed_work),
-                          real_work=TokenWork.from_json(meta.global_real_work))
+                          real_work=TokenWork.from_json(meta.global_real_work),
+                          num_zeros_in_grad=None if num_zeros is None else int(num_zeros),
+                          breakdown_ms=step_split_ms(t_run, t_grads, t_opt))
 
     def close(self) -> None:
         try:

@@ -152,6 +152,8 @@ class Evaluator:
         log_eval(validation_lines(f"iteration {done}", result), stream, logging_rank, sink)
         if writer is not None:
             writer.add_scalar("lm loss validation", result.loss, done)
+            if self.cfg.tensorboard.log_validation_ppl:  # Megatron's --log-validation-ppl-to-tensorboard
+                writer.add_scalar("lm loss validation ppl", result.ppl, done)
 
     def after_training(self, last: int, stream: TextIO, logging_rank: bool, sink: list[str]) -> None:
         """Megatron-LM's evaluation of the validation and test sets once training is done."""

@@ -90,6 +90,9 @@ def iteration_summary(method: str, run, cpu, pp_rank: int) -> dict:
         # dynapipe.cost.model_flops.TokenWork of each global batch: executed shapes, samples' own.
         "executed_work": [r.executed_work for r in run.results],
         "real_work": [r.real_work for r in run.results],
+        # --log-params-norm / --log-num-zeros-in-grad (None when not asked for).
+        "params_norm": [r.params_norm for r in run.results],
+        "num_zeros_in_grad": [r.num_zeros_in_grad for r in run.results],
         "loss_tokens": [r.loss_tokens for r in run.results],
         "grad_norms": [r.grad_norm for r in run.results],
         "plan_wait_ms": [r.plan_wait_ms for r in run.results],

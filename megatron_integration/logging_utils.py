@@ -28,6 +28,7 @@ from typing import Optional, TextIO
 from dynapipe.config import ModelConfig
 from dynapipe.cost.model_flops import model_flops, tflops_per_device
 from megatron_integration.baseline_step import StepResult
+from megatron_integration.train_config import TensorBoardArgs
 
 
 @dataclass
@@ -45,6 +46,8 @@ class IntervalStats:
     truncated: int = 0
     activation_measured_mib: float = 0.0  # highest over the interval
     activation_planned_mib: Optional[float] = None
+    num_zeros_in_grad: Optional[int] = None  # the last iteration's, as Megatron-LM logs them
+    params_norm: Optional[float] = None
     # Model FLOPs of the interval (--log-throughput): executed shapes, and the samples' own.
     executed_flops: float = 0.0
     real_flops: float = 0.0
@@ -63,6 +66,7 @@ class IntervalStats:
         self.padded_tokens += r.padded_tokens
         self.plan_wait_ms += r.plan_wait_ms
         self.grad_norm = r.grad_norm
+        self.num_zeros_in_grad, self.params_norm = r.num_zeros_in_grad, r.params_norm
         self.skipped += int(r.skipped)
         self.truncated += r.truncated
         self.activation_measured_mib = max(self.activation_measured_mib, r.activation_measured_mib)
@@ -98,6 +102,13 @@ def format_log_line(iteration: int, train_iters: int, consumed_samples: int, sta
         f"global batch size: {global_batch_size:5d}",
         f"lm loss: {loss:.6E}",
         f"grad norm: {stats.grad_norm:.3f}",
+    ]
+    # Megatron-LM's --log-num-zeros-in-grad and --log-params-norm fields, where it prints them.
+    if stats.num_zeros_in_grad is not None:
+        parts.append(f"num zeros: {stats.num_zeros_in_grad}")
+    if stats.params_norm is not None:
+        parts.append(f"params norm: {stats.params_norm:.3f}")
+    parts += [
         f"real tokens/s: {stats.real_tokens / max(elapsed_s, 1e-9):.1f}",
         f"padding efficiency: {stats.real_tokens / max(stats.padded_tokens, 1):.3f}",
         f"plan wait (ms): {stats.plan_wait_ms / n:.2f}",
@@ -115,9 +126,11 @@ class TrainingLogger:
 
     def __init__(self, train_iters: int, global_batch_size: int, log_interval: int, is_logging_rank: bool,
                  tensorboard_dir: Optional[str] = None, stream: TextIO = sys.stdout,
-                 flops_model: Optional[ModelConfig] = None, world_size: int = 1):
+                 flops_model: Optional[ModelConfig] = None, world_size: int = 1,
+                 tensorboard: Optional[TensorBoardArgs] = None):
         self.train_iters, self.global_batch_size = train_iters, global_batch_size
         self.flops_model, self.world_size = flops_model, world_size
+        self.tensorboard = tensorboard or TensorBoardArgs()
         self.log_interval = log_interval
         self.is_logging_rank = is_logging_rank
         self.stream = stream
@@ -131,12 +144,12 @@ class TrainingLogger:
                 print(f"warning: --tensorboard-dir given but TensorBoard is unavailable ({e}); "
                       f"install it with `pip install tensorboard`.", file=sys.stderr)
             else:
-                self.writer = SummaryWriter(log_dir=tensorboard_dir, max_queue=1000)
+                self.writer = SummaryWriter(log_dir=tensorboard_dir, max_queue=self.tensorboard.queue_size)
 
     def record(self, iteration: int, consumed_samples: int, result: StepResult, lr: float) -> Optional[str]:
         """Add one iteration (1-based ``iteration``); returns the log line when one is due."""
         self.stats.add(result, self.flops_model)
-        if self.writer is not None:
+        if self.writer is not None and iteration % self.tensorboard.log_interval == 0:
             w = self.writer
             w.add_scalar("lm loss", result.loss, iteration)
             w.add_scalar("lm loss vs samples", result.loss, consumed_samples)
@@ -146,6 +159,14 @@ class TrainingLogger:
             w.add_scalar("plan wait (ms)", result.plan_wait_ms, iteration)
             w.add_scalar("learning-rate", lr, iteration)
             w.add_scalar("grad-norm", result.grad_norm, iteration)
+            if result.num_zeros_in_grad is not None:
+                w.add_scalar("num-zeros", result.num_zeros_in_grad, iteration)
+            if result.params_norm is not None:
+                w.add_scalar("params-norm", result.params_norm, iteration)
+            if self.tensorboard.log_timers:  # Megatron's --log-timers-to-tensorboard: the measured split
+                for key, ms in sorted(result.breakdown_ms.items()):
+                    if key.endswith("_ms") and isinstance(ms, (int, float)):
+                        w.add_scalar(f"{key.removesuffix('_ms')}-time (ms)", ms, iteration)
         if iteration % self.log_interval and iteration != self.train_iters:
             return None
         elapsed = time.perf_counter() - self.stats.started

@@ -34,7 +34,7 @@ from dynapipe.plan.instructions import ForwardPass, MicroBatchInfo
 from dynapipe.runtime.activation_meter import ActivationMeter, measure_activations
 from dynapipe.runtime.activation_plan import planned_activation_peak_mib
 from megatron_integration.initialize import RankInfo
-from megatron_integration.baseline_step import StepResult, holds_loss, reduce_loss
+from megatron_integration.baseline_step import StepResult, holds_loss, reduce_loss, step_split_ms
 from megatron_integration.model import Stage
 from megatron_integration.nan_guard import check_before_step
 from megatron_integration.stage_handlers import ModelStageHandlers
@@ -315,8 +315,10 @@ class T5Stepper:
         self.handlers.begin(item.tensors, item.loss_tokens)
         self.stage.module.zero_grad_buffer()
         self.optimizer.zero_grad()
+        t_run = time.perf_counter()
         with measure_activations(self.stage.module, self.info.device, self.meter) as activations:
             result = self.executor.run(item.plan, loss_tokens=item.loss_tokens)
+        t_grads = time.perf_counter()
         if self.traces is not None and result.trace is not None:
             self.traces.append(result.trace)
         # Replicas' gradients are summed (calculate_per_token_loss: no averaging), then the
@@ -329,7 +331,8 @@ class T5Stepper:
         check_before_step(base.check_for_nan_in_loss_and_grad, base.model.dtype == "fp16", self.stage.module,
                           iteration, self.handlers.loss_sum if self.info.is_last_stage else None, self.info.device)
         empty_unused_memory(base.empty_unused_memory_level, self.info.device, after_optimizer=False)
-        ok, grad_norm, _ = self.optimizer.step()
+        t_opt = time.perf_counter()
+        ok, grad_norm, num_zeros = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
         empty_unused_memory(base.empty_unused_memory_level, self.info.device, after_optimizer=True)
@@ -347,7 +350,9 @@ class T5Stepper:
                           activation_measured_mib=activations["peak_mib"],
                           activation_planned_mib=None if self.cost_model is None else planned_activation_peak_mib(
                               item.plan, self.cost_model, transient=self.info.device.type == "cuda"),
-                          executed_work=item.executed_work, real_work=item.real_work)
+                          executed_work=item.executed_work, real_work=item.real_work,
+                          num_zeros_in_grad=None if num_zeros is None else int(num_zeros),
+                          breakdown_ms=step_split_ms(t_run, t_grads, t_opt))
 
     def close(self) -> None:
         try:

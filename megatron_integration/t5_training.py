@@ -20,7 +20,9 @@ from typing import Callable, Optional, TextIO
 from megatron_integration import checkpoint_formats
 from megatron_integration.initialize import RankInfo, initialize_megatron
 from megatron_integration.baseline_step import StepResult
-from megatron_integration.model import Stage, build_optimizer
+from megatron_integration.model import Stage
+from megatron_integration.optimizer import build_optimizer
+from megatron_integration.params_norm import params_l2_norm
 from megatron_integration.t5_config import T5TrainingConfig
 from megatron_integration.t5_eval import make_t5_evaluator
 from megatron_integration.training import vocab_padding_line
@@ -92,5 +94,6 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
                                 extra=checkpoint_record(placement), args_update=t5_megatron_args(cfg))
 
     parts = LoopParts(base, info, optimizer, stepper, save, lambda: make_t5_evaluator(cfg, info, stage, stepper),
-                      started_s, flops_model=cfg.planner_model() if base.log_throughput else None)
+                      started_s, flops_model=cfg.planner_model() if base.log_throughput else None,
+                      params_norm=partial(params_l2_norm, stage.modules, info.device) if base.log_params_norm else None)
     return run_iterations(parts, run, stream, on_iteration)

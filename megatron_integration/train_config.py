@@ -128,6 +128,20 @@ class OptimizerArgs:
     decoupled_min_lr: Optional[float] = None
     # Megatron's --grad-reduce-in-bf16 (with --bf16): gradients all-reduced in bf16, not fp32.
     grad_reduce_in_bf16: bool = False
+    # Megatron's weight-decay schedule: from the start to the end value over the run
+    # (--weight-decay-incr-style constant, linear or cosine; None: --weight-decay throughout).
+    start_weight_decay: Optional[float] = None
+    end_weight_decay: Optional[float] = None
+    weight_decay_incr_style: str = "constant"
+    # Megatron's --log-num-zeros-in-grad: the optimizer counts the zero gradient elements.
+    log_num_zeros_in_grad: bool = False
+
+    @property
+    def weight_decay_range(self) -> tuple[float, float]:
+        """(start, end) weight decay of the schedule."""
+        start = self.weight_decay if self.start_weight_decay is None else self.start_weight_decay
+        end = self.weight_decay if self.end_weight_decay is None else self.end_weight_decay
+        return start, end
 
 
 @dataclass(frozen=True)
@@ -214,6 +228,18 @@ class DynaPipeArgs:
 
 
 @dataclass(frozen=True)
+class TensorBoardArgs:
+    """Megatron's TensorBoard settings (with ``--tensorboard-dir``): scalars every ``log_interval``
+    iterations, at most ``queue_size`` pending events; the iteration's timers (its measured
+    time split) and validation perplexity when asked for."""
+
+    log_interval: int = 1
+    queue_size: int = 1000
+    log_timers: bool = False
+    log_validation_ppl: bool = False
+
+
+@dataclass(frozen=True)
 class DynaPipeTrainingConfig:
     """Everything one training run needs, validated. Built by :func:`training_config_from_args`."""
 
@@ -235,7 +261,9 @@ class DynaPipeTrainingConfig:
     load_rng: bool = True
     log_interval: int = 100
     log_throughput: bool = False  # Megatron's --log-throughput: model TFLOP/s per GPU on the log line
+    log_params_norm: bool = False  # Megatron's --log-params-norm: the parameters' L2 norm on the log line
     tensorboard_dir: Optional[str] = None
+    tensorboard: TensorBoardArgs = field(default_factory=lambda: TensorBoardArgs())
     recompute: RecomputeArgs = field(default_factory=RecomputeArgs)
     # Megatron's --check-for-nan-in-loss-and-grad: stop on a NaN/Inf loss or gradient.
     check_for_nan_in_loss_and_grad: bool = True

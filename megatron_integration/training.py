@@ -23,7 +23,9 @@ from megatron_integration import checkpoint_formats
 from megatron_integration.data import GlobalBatches, data_summary_lines
 from megatron_integration.initialize import RankInfo, initialize_megatron
 from megatron_integration.baseline_step import StepResult, build_micro_batches, megatron_train_step, schedule_group
-from megatron_integration.model import Stage, attach_training_hooks, build_optimizer, build_stage
+from megatron_integration.model import Stage, attach_training_hooks, build_stage
+from megatron_integration.optimizer import build_optimizer
+from megatron_integration.params_norm import params_l2_norm
 from megatron_integration.nan_guard import check_before_step
 from megatron_integration.placement_auto import resolve_gpt_split
 from megatron_integration.run_report import parameter_count_line
@@ -161,5 +163,6 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
                                 extra=record)
 
     parts = LoopParts(cfg, info, optimizer, stepper, save, lambda: make_evaluator(cfg, info, stage, stepper),
-                      started_s, flops_model=cfg.model.to_model_config() if cfg.log_throughput else None)
+                      started_s, flops_model=cfg.model.to_model_config() if cfg.log_throughput else None,
+                      params_norm=partial(params_l2_norm, stage.modules, info.device) if cfg.log_params_norm else None)
     return run_iterations(parts, run, stream, on_iteration)

@@ -71,7 +71,8 @@ class LoopParts:
     ``save(iteration, consumed_samples)`` writes a checkpoint (called only with ``--save``);
     ``make_evaluator()`` returns the run's evaluator or None (called inside the loop's cleanup
     scope, so the stepper's planner workers are stopped even if building it fails);
-    ``flops_model``: the model ``--log-throughput`` prices the iterations with (None: not asked).
+    ``flops_model``: the model ``--log-throughput`` prices the iterations with (None: not asked);
+    ``params_norm``: returns the parameters' L2 norm, on every rank after every step.
     """
 
     cfg: DynaPipeTrainingConfig
@@ -82,6 +83,8 @@ class LoopParts:
     make_evaluator: Callable[[], object]
     started_s: float  # time.time() at the start of pretrain: --exit-duration-in-mins counts from it
     flops_model: Optional[ModelConfig] = None
+    # --log-params-norm: the model's parameter norm after each step (collective; None: not asked).
+    params_norm: Optional[Callable[[], float]] = None
 
 
 def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
@@ -96,13 +99,15 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
         evaluator = parts.make_evaluator()
         logger = TrainingLogger(cfg.train_iters, cfg.global_batch_size, cfg.log_interval,
                                 is_logging_rank=logging_rank, tensorboard_dir=cfg.tensorboard_dir, stream=stream,
-                                flops_model=parts.flops_model, world_size=info.world_size)
+                                flops_model=parts.flops_model, world_size=info.world_size, tensorboard=cfg.tensorboard)
         last = cfg.last_iteration(run.start_iteration)
         started = time.perf_counter()
         gc_was_enabled = cfg.manual_gc.start()
         stop, saved_at = last, None
         for iteration in range(run.start_iteration, last):
             result = parts.stepper.step(iteration)
+            if parts.params_norm is not None:
+                result.params_norm = parts.params_norm()
             run.consumed_samples = result.consumed_samples
             run.results.append(result)
             line = logger.record(iteration + 1, run.consumed_samples, result, current_lr(parts.optimizer))

@@ -83,7 +83,8 @@ def _thd_packing_job(argv: Sequence[str]) -> dict:
     from megatron_integration.batches import pack_rows
     from megatron_integration.data import GlobalBatches
     from megatron_integration.initialize import destroy, initialize_megatron
-    from megatron_integration.model import attach_training_hooks, build_optimizer, build_stage, finalize_grads_func
+    from megatron_integration.model import attach_training_hooks, build_stage, finalize_grads_func
+    from megatron_integration.optimizer import build_optimizer
 
     cfg = parse_training_args(list(argv), 1)
     info = initialize_megatron(cfg.parallel, cfg.seed)

@@ -11,7 +11,7 @@ from megatron_integration.jobs import run_training, run_trainings
 
 TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --seq-length 256 "
         "--vocab-size 256 --micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 1e-2 --mock-data "
-        "--hidden-dropout 0 --attention-dropout 0 --log-interval 1 --seed 7")
+        "--hidden-dropout 0 --attention-dropout 0 --log-interval 1 --seed 7 --log-params-norm --log-num-zeros-in-grad")
 TIMEOUT = 240
 
 
@@ -64,14 +64,27 @@ def test_pp2_padding_matches_single_process(single_process, pp2):
     # Megatron-format lines from the logging rank (the last stage).
     line = ranks[1]["log_lines"][0]
     for key in ("iteration", "consumed samples:", "elapsed time per iteration (ms):", "lm loss:",
-                "real tokens/s:", "padding efficiency:", "plan wait (ms):"):
+                "real tokens/s:", "padding efficiency:", "plan wait (ms):", "num zeros:", "params norm:"):
         assert key in line
+    # --log-params-norm and --log-num-zeros-in-grad count every parameter once however the model
+    # is split: the second stage's copy of the tied embedding is left out, as in one process. The
+    # zeros are mostly whole embedding rows of ids the batch lacks (64 elements each, which a
+    # counted copy would double); a few elements summed in another order may land on 0.0 or not.
+    for r in ranks:
+        assert r["params_norm"] == pytest.approx(ref_ranks[0]["params_norm"], rel=1e-6)
+        assert all(abs(a - b) <= 4 for a, b in zip(r["num_zeros_in_grad"], ref_ranks[0]["num_zeros_in_grad"]))
+    norms, zeros = ref_ranks[0]["params_norm"], ref_ranks[0]["num_zeros_in_grad"]
+    assert len(set(norms)) == 3 and all(z >= 64 for z in zeros)  # training moves them; unused rows
+    assert f"params norm: {norms[0]:.3f}" in line and f"num zeros: {zeros[0]} |" in line
 
 
 def test_pp2_dp2_padding_matches_single_process(single_process):
-    ref, _ = single_process
-    got, _ = losses("--pipeline-model-parallel-size 2", 4)
+    ref, ref_ranks = single_process
+    got, ranks = losses("--pipeline-model-parallel-size 2", 4)
     assert got == pytest.approx(ref, abs=1e-5, rel=1e-5)
+    # Replicas hold the same parameters: counted once, not once a replica.
+    assert ranks[3]["params_norm"] == pytest.approx(ref_ranks[0]["params_norm"], rel=1e-6)
+    assert all(abs(a - b) <= 4 for a, b in zip(ranks[3]["num_zeros_in_grad"], ref_ranks[0]["num_zeros_in_grad"]))
 
 
 def test_pp2_packing_with_isolation_matches_padding(single_process, pp2):

@@ -82,7 +82,8 @@ def test_megatrons_llama3_flags_parse_and_reach_the_configs():
     assert (cfg.exit_duration_in_mins, cfg.empty_unused_memory_level) == (235, 1)
     assert cfg.data.mmap_bin_files is False and cfg.model.norm_epsilon == 1e-5 and cfg.log_throughput
     pytest.importorskip("megatron.core")
-    from megatron_integration.model import optimizer_config, transformer_config
+    from megatron_integration.model import transformer_config
+    from megatron_integration.optimizer import optimizer_config
 
     oc = optimizer_config(cfg)
     assert (oc.decoupled_lr, oc.decoupled_min_lr) == (5.0e-4, 4.5e-5)
@@ -223,7 +224,8 @@ def test_no_limit_means_no_collective():
 def _optimizer_groups(argv: list):
     """(max_lr, lr, parameter names) of every optimizer group of a one-rank GPT stage."""
     from megatron_integration.initialize import initialize_megatron
-    from megatron_integration.model import build_optimizer, build_stage
+    from megatron_integration.model import build_stage
+    from megatron_integration.optimizer import build_optimizer
 
     cfg = parse_training_args(argv, 1)
     info = initialize_megatron(cfg.parallel, cfg.seed)

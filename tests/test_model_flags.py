@@ -57,7 +57,7 @@ def test_shape_flags_refused_with_the_fix(extra, world, cuda, needle):
 
 def test_loss_scale_flags_reach_megatron_optimizer_config():
     pytest.importorskip("megatron.core")
-    from megatron_integration.model import optimizer_config
+    from megatron_integration.optimizer import optimizer_config
 
     dynamic = optimizer_config(parse("--fp16", cuda=True))
     # Megatron-LM's defaults.

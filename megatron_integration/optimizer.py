@@ -1,0 +1,47 @@
+"""megatron-core's optimizer and learning-rate / weight-decay schedule for a run's stage.
+
+Adam with decoupled weight decay (torch's implementation when Apex and Transformer Engine are
+absent), the precision's main copies and, with fp16, Megatron's loss scaling; Megatron-LM's
+schedule: warm-up, then constant / linear / cosine decay of the rate, and the weight decay
+from ``--start-weight-decay`` to ``--end-weight-decay`` (``--weight-decay-incr-style``).
+"""
+from __future__ import annotations
+
+from megatron_integration.model import TORCH_DTYPES, Stage
+from megatron_integration.train_config import DynaPipeTrainingConfig
+
+
+def optimizer_config(cfg: DynaPipeTrainingConfig):
+    """megatron-core's ``OptimizerConfig`` for the run: Adam, the precision and, with fp16,
+    Megatron's loss scaling (static ``--loss-scale``, else dynamic from ``--initial-loss-scale``
+    with ``--min-loss-scale``, ``--loss-scale-window`` and ``--hysteresis``)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    o = cfg.optimizer
+    return OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                           adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+                           clip_grad=o.clip_grad, bf16=cfg.model.dtype == "bf16", fp16=cfg.model.dtype == "fp16",
+                           params_dtype=TORCH_DTYPES[cfg.model.dtype],
+                           use_distributed_optimizer=cfg.optimizer.distributed,
+                           loss_scale=o.loss_scale, initial_loss_scale=o.initial_loss_scale,
+                           min_loss_scale=o.min_loss_scale, loss_scale_window=o.loss_scale_window,
+                           hysteresis=o.hysteresis, decoupled_lr=o.decoupled_lr,
+                           decoupled_min_lr=o.decoupled_min_lr, log_num_zeros_in_grad=o.log_num_zeros_in_grad)
+
+
+def build_optimizer(cfg: DynaPipeTrainingConfig, stage: Stage):
+    """megatron-core's optimizer (AdamW; torch's implementation without Apex/TE) and its
+    scheduler (learning rate: warm-up, then constant / linear / cosine decay; weight decay from
+    its start to its end value over ``--train-iters``, as Megatron-LM's over the training samples)."""
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    o = cfg.optimizer
+    optimizer = get_megatron_optimizer(optimizer_config(cfg), stage.modules)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if o.lr_warmup_iters else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+        lr_warmup_steps=o.lr_warmup_iters, lr_decay_steps=max(o.lr_decay_iters, 1),
+        lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay_range[0], end_wd=o.weight_decay_range[1],
+        wd_incr_steps=max(cfg.train_iters, 1), wd_incr_style=o.weight_decay_incr_style,
+        override_opt_param_scheduler=o.override_scheduler, use_checkpoint_opt_param_scheduler=o.use_checkpoint_scheduler)
+    return optimizer, scheduler
