@@ -3,7 +3,8 @@
 Honoured: ``--log-interval``, ``--log-throughput``, ``--log-params-norm``,
 ``--log-num-zeros-in-grad`` (log line and TensorBoard), ``--tensorboard-dir``,
 ``--tensorboard-log-interval``, ``--tensorboard-queue-size``, ``--log-timers-to-tensorboard``
-(the iteration's measured time split), ``--log-validation-ppl-to-tensorboard``;
+(the iteration's measured time split), ``--log-validation-ppl-to-tensorboard``,
+``--no-log-loss-scale-to-tensorboard``, ``--log-world-size-to-tensorboard``;
 ``--timing-log-level 0`` and ``--timing-log-option`` (Megatron-LM's defaults: the iteration
 time only) are accepted, higher levels refused. No torch or megatron import.
 """
@@ -36,6 +37,10 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
                    help="write the iteration's measured time split (ms) to TensorBoard")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
                    help="write the validation perplexity to TensorBoard")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false", dest="log_loss_scale_to_tensorboard",
+                   help="do not write the loss scale to TensorBoard")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true",
+                   help="write the world size to TensorBoard")
     g.add_argument("--timing-log-level", type=int, default=0, choices=(0, 1, 2),
                    help="0 (default): the iteration time only; 1 and 2 are refused (use --dynapipe-trace-dir)")
     g.add_argument("--timing-log-option", default="minmax", choices=("max", "minmax", "all"),
@@ -51,10 +56,12 @@ def tensorboard_args_from_args(args: argparse.Namespace) -> TensorBoardArgs:
                                                  f"and --dynapipe-trace-dir writes every op's time")
     for flag in ("tensorboard-log-interval", "tensorboard-queue-size"):
         _positive(flag, getattr(args, flag.replace("-", "_")))
-    wants = [f for f in ("log-timers-to-tensorboard", "log-validation-ppl-to-tensorboard")
-             if getattr(args, f.replace("-", "_"))]
+    wants = [f for f in ("log-timers-to-tensorboard", "log-validation-ppl-to-tensorboard",
+                         "log-world-size-to-tensorboard") if getattr(args, f.replace("-", "_"))]
     if wants and not args.tensorboard_dir:
         raise DynaPipeError(f"--{wants[0]} writes to TensorBoard; add --tensorboard-dir DIR or drop it.")
     return TensorBoardArgs(log_interval=args.tensorboard_log_interval, queue_size=args.tensorboard_queue_size,
                            log_timers=args.log_timers_to_tensorboard,
-                           log_validation_ppl=args.log_validation_ppl_to_tensorboard)
+                           log_validation_ppl=args.log_validation_ppl_to_tensorboard,
+                           log_loss_scale=args.log_loss_scale_to_tensorboard,
+                           log_world_size=args.log_world_size_to_tensorboard)

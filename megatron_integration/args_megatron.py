@@ -40,6 +40,11 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--group-query-attention", action="store_true", help="grouped-query attention")
     g.add_argument("--num-query-groups", type=int, default=1, help="key/value groups with --group-query-attention")
     g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base period")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama 3.x's RoPE frequency scaling (with --position-embedding-type rope)")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="Llama 3.x's RoPE scaling factor")
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
+                   help="divide RoPE positions by this factor (position interpolation)")
     g.add_argument("--use-flash-attn", action="store_true", help="flash attention (GPU)")
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="attention implementation (auto: megatron-core chooses)")

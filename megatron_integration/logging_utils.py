@@ -4,7 +4,8 @@ One line every ``--log-interval`` iterations, printed by the last pipeline stage
 first replica (where Megatron-LM prints), averaged over the interval::
 
      iteration       10/      50 | consumed samples:          640 | elapsed time per iteration (ms): 812.3 |
-     learning rate: 1.000000E-03 | global batch size:    64 | lm loss: 5.912345E+00 | grad norm: 0.812 |
+     learning rate: 1.000000E-03 | global batch size:    64 | lm loss: 5.912345E+00 | loss scale: 1.0 |
+     grad norm: 0.812 |
      real tokens/s: 12345.6 | padding efficiency: 0.912 | plan wait (ms): 0.04 |
      activation peak (MiB): 812.4/790.2 | number of skipped iterations:   0 |
 
@@ -47,6 +48,7 @@ class IntervalStats:
     activation_measured_mib: float = 0.0  # highest over the interval
     activation_planned_mib: Optional[float] = None
     num_zeros_in_grad: Optional[int] = None  # the last iteration's, as Megatron-LM logs them
+    loss_scale: float = 1.0
     params_norm: Optional[float] = None
     # Model FLOPs of the interval (--log-throughput): executed shapes, and the samples' own.
     executed_flops: float = 0.0
@@ -66,7 +68,7 @@ class IntervalStats:
         self.padded_tokens += r.padded_tokens
         self.plan_wait_ms += r.plan_wait_ms
         self.grad_norm = r.grad_norm
-        self.num_zeros_in_grad, self.params_norm = r.num_zeros_in_grad, r.params_norm
+        self.num_zeros_in_grad, self.params_norm, self.loss_scale = r.num_zeros_in_grad, r.params_norm, r.loss_scale
         self.skipped += int(r.skipped)
         self.truncated += r.truncated
         self.activation_measured_mib = max(self.activation_measured_mib, r.activation_measured_mib)
@@ -101,6 +103,7 @@ def format_log_line(iteration: int, train_iters: int, consumed_samples: int, sta
         f"learning rate: {lr:.6E}",
         f"global batch size: {global_batch_size:5d}",
         f"lm loss: {loss:.6E}",
+        f"loss scale: {stats.loss_scale:.1f}",
         f"grad norm: {stats.grad_norm:.3f}",
     ]
     # Megatron-LM's --log-num-zeros-in-grad and --log-params-norm fields, where it prints them.
@@ -159,6 +162,10 @@ class TrainingLogger:
             w.add_scalar("plan wait (ms)", result.plan_wait_ms, iteration)
             w.add_scalar("learning-rate", lr, iteration)
             w.add_scalar("grad-norm", result.grad_norm, iteration)
+            if self.tensorboard.log_loss_scale:  # off with Megatron's --no-log-loss-scale-to-tensorboard
+                w.add_scalar("loss-scale", result.loss_scale, iteration)
+            if self.tensorboard.log_world_size:
+                w.add_scalar("world-size", self.world_size, iteration)
             if result.num_zeros_in_grad is not None:
                 w.add_scalar("num-zeros", result.num_zeros_in_grad, iteration)
             if result.params_norm is not None:

@@ -167,7 +167,9 @@ def build_gpt_stage(cfg: DynaPipeTrainingConfig, info: RankInfo, use_te: Optiona
     gpt = GPTModel(config=tconfig, transformer_layer_spec=spec, vocab_size=m.vocab_size,
                    max_sequence_length=m.max_position_embeddings, pre_process=first,
                    post_process=last, share_embeddings_and_output_weights=m.tie_embeddings,
-                   position_embedding_type=m.position_embedding_type, rotary_base=m.rotary_base, **kwargs)
+                   position_embedding_type=m.position_embedding_type, rotary_base=m.rotary_base,
+                   rope_scaling=m.rope_scaling, rope_scaling_factor=m.rope_scaling_factor,
+                   seq_len_interpolation_factor=m.rotary_seq_len_interpolation_factor, **kwargs)
     gpt.to(info.device)
     deterministic_init_(gpt, m, cfg.seed)
     use_additive_masks(gpt, info.device)  # the same probabilities, at half the cost of the CPU's masked softmax

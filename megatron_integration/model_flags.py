@@ -55,7 +55,29 @@ def model_shape_from_args(args: argparse.Namespace) -> dict:
         raise DynaPipeError(f"--rotary-base {args.rotary_base}: must be positive (RoPE's base period, "
                             f"Megatron's default 10000).")
     return dict(ffn_hidden_size=ffn, swiglu=bool(args.swiglu), add_bias_linear=not args.disable_bias_linear,
-                num_query_groups=groups, rotary_base=int(args.rotary_base))
+                num_query_groups=groups, rotary_base=int(args.rotary_base), **rope_scaling_from_args(args))
+
+
+def rope_scaling_from_args(args: argparse.Namespace) -> dict:
+    """Megatron's ``--use-rope-scaling``, ``--rope-scaling-factor`` and
+    ``--rotary-seq-len-interpolation-factor`` as ``GPTModelArgs`` fields; they change rotary
+    embeddings only, so without ``--position-embedding-type rope`` they are refused."""
+    scaling = bool(getattr(args, "use_rope_scaling", False))
+    factor = float(getattr(args, "rope_scaling_factor", 8.0))
+    interpolation = getattr(args, "rotary_seq_len_interpolation_factor", None)
+    given = [f for f, v in (("--use-rope-scaling", scaling), ("--rope-scaling-factor", factor != 8.0),
+                            ("--rotary-seq-len-interpolation-factor", interpolation is not None)) if v]
+    if given and args.position_embedding_type != "rope":
+        raise DynaPipeError(f"{given[0]} applies to rotary position embeddings; add --position-embedding-type rope "
+                            f"or drop it.")
+    if factor <= 0:
+        raise DynaPipeError(f"--rope-scaling-factor {factor}: must be positive (Llama 3.x uses 8).")
+    if factor != 8.0 and not scaling:
+        raise DynaPipeError(f"--rope-scaling-factor {factor} needs --use-rope-scaling; add it or drop the factor.")
+    if interpolation is not None and interpolation < 1:
+        raise DynaPipeError(f"--rotary-seq-len-interpolation-factor {interpolation}: must be 1 or more (positions "
+                            f"are divided by it).")
+    return dict(rope_scaling=scaling, rope_scaling_factor=factor, rotary_seq_len_interpolation_factor=interpolation)
 
 
 def loss_scale_from_args(args: argparse.Namespace) -> dict:

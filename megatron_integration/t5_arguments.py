@@ -80,6 +80,10 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
         if getattr(args, flag.replace("-", "_")) not in (None, False):
             raise _unsupported(f"--{flag}", "a T5 stage split is a stage placement here; give it with "
                                             "--dynapipe-placement (such as 2+0,1+3), or auto")
+    for flag, default in (("use-rope-scaling", False), ("rope-scaling-factor", 8.0),
+                          ("rotary-seq-len-interpolation-factor", None)):
+        if getattr(args, flag.replace("-", "_")) != default:
+            raise _unsupported(f"--{flag}", "T5 stages use learned absolute positions, not rotary ones; drop it")
     if args.position_embedding_type != "learned_absolute":
         raise _unsupported("--position-embedding-type", f"{args.position_embedding_type}: T5 stages use learned "
                                                         f"absolute positions; drop it")

@@ -38,6 +38,11 @@ class GPTModelArgs:
     add_bias_linear: bool = True  # cleared by --disable-bias-linear
     num_query_groups: Optional[int] = None  # --group-query-attention's key/value heads (None: one per head)
     rotary_base: int = 10000  # --rotary-base, with RoPE
+    # --use-rope-scaling / --rope-scaling-factor (Llama 3.x's frequency scaling) and
+    # --rotary-seq-len-interpolation-factor (positions divided by it), with RoPE.
+    rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    rotary_seq_len_interpolation_factor: Optional[int] = None
     norm_epsilon: float = 1e-5  # --norm-epsilon
     cross_entropy_loss_fusion: bool = False  # --cross-entropy-loss-fusion (GPU)
 
@@ -237,6 +242,8 @@ class TensorBoardArgs:
     queue_size: int = 1000
     log_timers: bool = False
     log_validation_ppl: bool = False
+    log_loss_scale: bool = True  # cleared by --no-log-loss-scale-to-tensorboard
+    log_world_size: bool = False  # --log-world-size-to-tensorboard
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,7 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
         stop, saved_at = last, None
         for iteration in range(run.start_iteration, last):
             result = parts.stepper.step(iteration)
+            result.loss_scale = float(parts.optimizer.get_loss_scale())
             if parts.params_norm is not None:
                 result.params_norm = parts.params_norm()
             run.consumed_samples = result.consumed_samples

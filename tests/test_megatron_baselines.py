@@ -64,7 +64,8 @@ def test_pp2_padding_matches_single_process(single_process, pp2):
     # Megatron-format lines from the logging rank (the last stage).
     line = ranks[1]["log_lines"][0]
     for key in ("iteration", "consumed samples:", "elapsed time per iteration (ms):", "lm loss:",
-                "real tokens/s:", "padding efficiency:", "plan wait (ms):", "num zeros:", "params norm:"):
+                "real tokens/s:", "padding efficiency:", "plan wait (ms):", "num zeros:", "params norm:",
+                "loss scale: 1.0 |"):
         assert key in line
     # --log-params-norm and --log-num-zeros-in-grad count every parameter once however the model
     # is split: the second stage's copy of the tied embedding is left out, as in one process. The

@@ -3,8 +3,8 @@
 Same model, seed and global batches; DynaPipe plans variable-shape micro-batches, the
 executor runs them on the megatron-core stages; the per-iteration ``lm loss`` equals the
 padding baseline's (fp32, ~1e-5) on PP2 and on PP2 x DP2, the latter with a Llama-style
-model (SwiGLU, grouped-query attention, no linear biases, RMSNorm, RoPE base 500000, untied
-output layer) that the planner prices as built; on PP2 so do the validation and test
+model (SwiGLU, grouped-query attention, no linear biases, RMSNorm, RoPE base 500000 with Llama
+3.x's frequency scaling, untied output layer) that the planner prices as built; on PP2 so do the validation and test
 losses (forward-only plans vs megatron-core's forward-only schedule); in bf16 and fp16 within
 their rounding.
 """
@@ -85,7 +85,7 @@ def _eval_values(r: dict) -> list[tuple[str, float, float]]:
 
 
 LLAMA = ("--swiglu --disable-bias-linear --group-query-attention --num-query-groups 2 --normalization RMSNorm "
-         "--position-embedding-type rope --rotary-base 500000 --untie-embeddings-and-output-weights")
+         "--position-embedding-type rope --rotary-base 500000 --use-rope-scaling --untie-embeddings-and-output-weights")
 
 
 @pytest.mark.parametrize("world, model", [

@@ -58,6 +58,8 @@ def test_accepted_flags_reach_the_configs():
     tb = cfg.tensorboard
     assert (tb.log_interval, tb.queue_size, tb.log_timers, tb.log_validation_ppl) == (2, 10, True, True)
     assert cfg.log_params_norm and cfg.optimizer.log_num_zeros_in_grad
+    assert tb.log_loss_scale and not tb.log_world_size
+    assert not parse("--tensorboard-dir /tmp/tb --no-log-loss-scale-to-tensorboard").tensorboard.log_loss_scale
     assert cfg.optimizer.weight_decay_range == (0.0, 0.1) and cfg.optimizer.weight_decay_incr_style == "linear"
     assert parse("").optimizer.weight_decay_range == (0.01, 0.01)
     from megatron_integration.optimizer import optimizer_config
@@ -116,13 +118,15 @@ def test_tensorboard_gets_megatrons_scalars_at_its_interval(tmp_path):
     tb = str(tmp_path / "tb")
     argv = (f"{TINY} --train-iters 4 --log-interval 2 --tensorboard-dir {tb} --tensorboard-log-interval 2 "
             f"--log-params-norm --log-num-zeros-in-grad --log-timers-to-tensorboard "
-            f"--log-validation-ppl-to-tensorboard --split 80,10,10 --eval-interval 2 --eval-iters 1").split()
+            f"--log-validation-ppl-to-tensorboard --log-world-size-to-tensorboard --split 80,10,10 --eval-interval 2 "
+            f"--eval-iters 1").split()
     got = spawn(_tensorboard_run, 1, (argv, tb), timeout_s=180)[0]
     s = got["scalars"]
     # Every --tensorboard-log-interval (2) iterations, not every iteration.
     assert [step for step, _ in s["lm loss"]] == [2, 4]
     assert [v for _, v in s["params-norm"]] == pytest.approx([got["params_norm"][1], got["params_norm"][3]])
     assert [v for _, v in s["num-zeros"]] == [got["num_zeros"][1], got["num_zeros"][3]]
+    assert s["loss-scale"] == [(2, 1.0), (4, 1.0)] and s["world-size"] == [(2, 1.0), (4, 1.0)]  # fp32, one rank
     # The measured time split of megatron-core's schedule, in ms.
     for tag in ("forward-time (ms)", "backward-time (ms)", "optimizer-time (ms)"):
         assert [step for step, _ in s[tag]] == [2, 4] and all(v > 0 for _, v in s[tag]), tag

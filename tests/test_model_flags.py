@@ -173,3 +173,61 @@ def test_profile_of_another_layer_kind_is_refused():
     with pytest.raises(DynaPipeError, match="measured in fp32 but the model trains in bf16; profile in bf16"):
         ProfileCostModel(bf16, _profile({}), 2)
     ProfileCostModel(bf16, {**_profile({}), "dtype": "bf16"}, 2)
+
+
+def _rotary(argv: list) -> dict:
+    """The inverse frequencies and the first positions' angles of a one-rank GPT stage's RoPE."""
+    from megatron_integration.initialize import initialize_megatron
+    from megatron_integration.model import build_stage
+
+    cfg = parse_training_args(argv, 1)
+    stage = build_stage(cfg, initialize_megatron(cfg.parallel, cfg.seed))
+    rope = stage.gpt.rotary_pos_emb
+    return {"inv_freq": rope.inv_freq.double().numpy(), "angles": rope(4).reshape(4, -1).double().numpy()}
+
+
+def test_rope_scaling_and_interpolation_reach_the_rotary_embedding():
+    """--use-rope-scaling (Llama 3.x: wavelengths beyond 8,192 / 1 positions divided by the factor,
+    below 8,192 / 4 kept, smoothly between) and --rotary-seq-len-interpolation-factor (positions
+    divided by it), checked against the formulas on kv_channels 16, base 10000, whose wavelengths
+    (6 to 19,869 positions) fall in all three bands."""
+    import math
+
+    from megatron_integration.launch import spawn
+
+    base = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --vocab-size 256 "
+            "--micro-batch-size 1 --global-batch-size 1 --train-iters 1 --lr 1e-3 --mock-data "
+            "--position-embedding-type rope")
+    plain = spawn(_rotary, 1, (base.split(),), timeout_s=120)[0]
+    scaled = spawn(_rotary, 1, ((base + " --use-rope-scaling --rope-scaling-factor 4").split(),), timeout_s=120)[0]
+    interp = spawn(_rotary, 1, ((base + " --rotary-seq-len-interpolation-factor 2").split(),), timeout_s=120)[0]
+    freq = 1.0 / 10000 ** (np.arange(0, 16, 2) / 16)
+    assert np.allclose(plain["inv_freq"], freq)
+    want = []
+    for f in freq:
+        wavelen = 2 * math.pi / f
+        if wavelen < 8192 / 4:
+            want.append(f)
+        elif wavelen > 8192:
+            want.append(f / 4)
+        else:
+            smooth = (8192 / wavelen - 1) / (4 - 1)
+            want.append((1 - smooth) * f / 4 + smooth * f)
+    assert np.allclose(scaled["inv_freq"], want, rtol=1e-6)
+    assert not np.allclose(scaled["inv_freq"], freq)  # the two longest wavelengths changed
+    # Positions 0..3 at half speed: angle = position / 2 x frequency.
+    assert np.allclose(interp["angles"][:, :8], np.outer(np.arange(4) / 2, freq), rtol=1e-6)
+    assert np.allclose(plain["angles"][:, :8], np.outer(np.arange(4), freq), rtol=1e-6)
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ("--use-rope-scaling", "add --position-embedding-type rope"),
+    ("--position-embedding-type rope --rope-scaling-factor 4", "needs --use-rope-scaling"),
+    ("--position-embedding-type rope --use-rope-scaling --rope-scaling-factor 0", "must be positive"),
+    ("--position-embedding-type rope --rotary-seq-len-interpolation-factor 0", "must be 1 or more"),
+])
+def test_rope_flags_without_rope_or_with_bad_values_are_refused(extra, needle):
+    argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --vocab-size 256 "
+            f"--micro-batch-size 1 --global-batch-size 1 --train-iters 1 --lr 1e-3 --mock-data {extra}")
+    with pytest.raises(DynaPipeError, match=needle):
+        parse_training_args(argv.split(), 1, cuda=False)
