@@ -234,7 +234,6 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     from megatron_integration.data_args import add_eval_args, add_split_args
 
     add_logging_args(parser)
-
     add_split_args(parser)
     add_eval_args(parser)
     return parser

@@ -35,11 +35,12 @@ from dynapipe.progress import Progress
 from megatron_integration import cpu_allocator
 from megatron_integration.cpu_affinity import bench_default
 from megatron_integration.bench_presets import (BASELINES, METHOD_FLAGS, PRESETS, PROFILE_MBS, PROFILE_SEQLENS,
-                                                REFERENCE_SEQ_LENGTH, Preset, fill_defaults, flag_value,
+                                                REFERENCE_SEQ_LENGTH, fill_defaults, flag_value,
                                                 with_defaults)
 from megatron_integration.bench_report import (breakdown, breakdown_summary, breakdown_table, format_compute_floor,
                                                ratio_table, round_ratios, write_png)
-from megatron_integration.bench_results import MethodResult, median_result, stage_activation_peaks, summarise
+from megatron_integration.bench_results import (MethodResult, median_result,  # noqa: F401 (re-exported)
+                                                stage_activation_peaks, summarise)
 from megatron_integration.jobs import run_training
 
 

@@ -9,7 +9,6 @@ import pytest
 
 from dynapipe.config import ModelConfig, TensorParallelConfig, load_model_config
 from dynapipe.cost import build_cost_model
-from dynapipe.cost.base import StageLayout
 from dynapipe.cost.placement import StagePlacement
 from dynapipe.cost.profile import ProfileCostModel
 from dynapipe.errors import DynaPipeError
