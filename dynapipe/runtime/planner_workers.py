@@ -1,6 +1,7 @@
 """Planner worker processes: plan iterations ahead and publish each rank's payload.
 
-A planner node (a node's local rank 0) starts ``num_workers`` processes (spawn). They
+A planner node (a node's local rank 0) starts ``num_workers`` processes (forked from a server
+that has imported the planner: :func:`~dynapipe.runtime.process_start.helper_context`). They
 share one task queue of iteration numbers; for each, a worker draws the global batch
 from the sampler, plans it, fills every (replica, stage)'s micro-batch tensors and puts
 one payload per (replica, stage) into the key-value store (with ``WorkerJob.replicas``,
@@ -34,6 +35,7 @@ from dynapipe.plan.instructions import ExecutionPlan, LoadInput
 from dynapipe.runtime.kv_store import KVStoreSpec, put_blob
 from dynapipe.runtime.plan_payload import encode_payload
 from dynapipe.runtime.plan_source import IterationPlanner, PlannerSettings, encode_plan
+from dynapipe.runtime.process_start import helper_context
 
 
 class PlannerWorkerError(DynaPipeError):
@@ -151,7 +153,7 @@ def _exit_with_parent(parent) -> None:
 
 
 def worker_main(worker: int, job: WorkerJob, tasks, events) -> None:
-    """Entry point of a planner worker process (spawned)."""
+    """Entry point of a planner worker process."""
     parent = multiprocessing.parent_process()
     if parent is not None:
         threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="parent-watch").start()
@@ -193,7 +195,7 @@ class PlannerPool:
     def __init__(self, job: WorkerJob, num_workers: int):
         if num_workers < 1:
             raise DynaPipeError(f"--dynapipe-planner-workers {num_workers}: a planner node needs at least 1 worker.")
-        ctx = multiprocessing.get_context("spawn")
+        ctx = helper_context()
         self.job = job
         self.tasks = ctx.Queue()
         self.events = ctx.Queue()

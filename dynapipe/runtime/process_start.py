@@ -26,15 +26,48 @@ def add_preload(*modules: str) -> None:
     PRELOAD.extend(m for m in modules if m not in PRELOAD)
 
 
+# What a helper's forkserver imports: planner workers need the planner and torch's store client,
+# never megatron-core or CUDA.
+HELPER_PRELOAD = ["torch", "numpy", "dynapipe.runtime.planner_workers"]
+
+# The preload this process's forkserver started with (None: not started by this module yet). A
+# process has one forkserver; whichever of rank_context / helper_context asks first sets it.
+_server_preload: list[str] | None = None
+
+
+def _forkserver(preload: list[str]):
+    global _server_preload
+    ctx = mp.get_context("forkserver")
+    if _server_preload is None:
+        _server_preload = list(preload)
+        ctx.set_forkserver_preload(_server_preload)  # takes effect when the server starts (the first child)
+    return ctx
+
+
 def rank_start_method() -> str:
     """``forkserver`` (with :data:`PRELOAD`) where it is available and CUDA is not, else ``spawn``."""
     if "forkserver" not in mp.get_all_start_methods() or torch.cuda.is_available():
         return "spawn"
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))  # takes effect when the server starts (the first rank)
+    _forkserver(PRELOAD)
     return "forkserver"
 
 
 def rank_context():
     """The multiprocessing context to start local ranks with (see :func:`rank_start_method`)."""
     return mp.get_context(rank_start_method())
+
+
+def helper_context():
+    """The context to start helper processes with (planner workers): ``forkserver`` wherever it
+    is available, CUDA or not, since helpers never touch the device.
+
+    Why: a spawned helper imports torch (for the store client) and the planner, about 3-4 s of
+    CPU on a 2-core host, on the critical path of a run's first plan. Started from a rank, the
+    forkserver is that rank's own (a fresh interpreter with :data:`HELPER_PRELOAD`), so it is
+    paid once a rank process however many runs or workers follow; a process that starts ranks
+    first reuses the ranks' server (which has imported more). A helper forked from it gets the
+    rank's ``sys.path``, and :func:`multiprocessing.parent_process` is still the rank.
+    """
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    return _forkserver(HELPER_PRELOAD)
