@@ -230,10 +230,12 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="accepted: --load always reads the format the checkpoint is in")
     g.add_argument("--use-dist-ckpt", action="store_true", help="deprecated in Megatron-LM (see --ckpt-format); no effect")
 
+    from megatron_integration.args_ddp import add_ddp_args
     from megatron_integration.args_logging import add_logging_args
     from megatron_integration.data_args import add_eval_args, add_split_args
 
     add_logging_args(parser)
+    add_ddp_args(parser)
     add_split_args(parser)
     add_eval_args(parser)
     return parser

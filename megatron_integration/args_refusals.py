@@ -34,8 +34,12 @@ UNSUPPORTED_MEGATRON_FLAGS = {
                                              "micro-batches per chunk (Megatron's default); drop it"),
     "--num-experts": "mixture-of-experts models are not built; drop it",
     "--expert-model-parallel-size": "mixture-of-experts models are not built; drop it",
-    "--overlap-grad-reduce": "gradients are all-reduced once after the last micro-batch of an iteration; drop it",
-    "--overlap-param-gather": "parameters are gathered after the optimizer step; drop it",
+    "--overlap-param-gather": ("the distributed optimizer gathers its parameters within the optimizer step "
+                               "(--overlap-grad-reduce overlaps the gradient reduction); drop it"),
+    "--overlap-param-gather-with-optimizer-step": "see --overlap-param-gather; drop it",
+    "--ddp-average-in-collective": ("the loss is per token of the global batch (--calculate-per-token-loss), so "
+                                    "replicas' gradients are summed, not averaged (megatron-core refuses averaging "
+                                    "in the collective then); drop it"),
     "--rampup-batch-size": "the global batch is fixed (or set by --dynapipe-tokens-per-global-batch)",
     "--dataloader-type": "global batches come from this project's sampler; drop it",
     "--eod-mask-loss": "samples are whole documents without separators; drop it",

@@ -43,6 +43,7 @@ from megatron_integration.args_refusals import (UNSUPPORTED_MEGATRON_FLAGS, _che
                                                 _model_flags_honoured)
 from megatron_integration.args_training import _schedule_from_samples, optimizer_args_from_args
 from megatron_integration.args_layout import pipeline_split_from_args
+from megatron_integration.args_ddp import ddp_args_from_args
 from megatron_integration.args_logging import tensorboard_args_from_args
 from megatron_integration.args_virtual import check_interleaved, overlap_p2p_comm
 from megatron_integration.run_config import RunConfig, load_run_config  # noqa: F401  (re-exported)
@@ -157,7 +158,7 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
         load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, log_interval=args.log_interval,
         log_throughput=args.log_throughput, log_params_norm=args.log_params_norm,
         tensorboard=tensorboard_args_from_args(args),
-        tensorboard_dir=args.tensorboard_dir, recompute=recompute,
+        tensorboard_dir=args.tensorboard_dir, recompute=recompute, ddp=ddp_args_from_args(args),
         check_for_nan_in_loss_and_grad=getattr(args, "check_for_nan_in_loss_and_grad", True),
         exit_interval=args.exit_interval, exit_duration_in_mins=check_exit_duration(args.exit_duration_in_mins),
         empty_unused_memory_level=args.empty_unused_memory_level, manual_gc=manual_gc, evaluation=evaluation, ckpt_format=args.ckpt_format,

@@ -220,7 +220,7 @@ class DynaPipeStepper:
         # Every TP rank of a stage must run the same payload; then the plan must be for this layout.
         check_tp_plans_agree(iteration, data.digest, self.info)
         check_plan_tensor_parallel(data.plan, self.info.tp_size, self.cfg.parallel.sequence_parallel)
-        self.handlers.begin(data.micro_batches, meta.global_loss_tokens)
+        self.handlers.begin(data.micro_batches, meta.global_loss_tokens, data.plan)
         for module in self.stage.modules:
             module.zero_grad_buffer()
         self.optimizer.zero_grad()

@@ -27,6 +27,7 @@ from megatron_integration.initialize import RankInfo
 from megatron_integration.tensor_parallel import sequence_parallel_block_spec
 from megatron_integration.masked_softmax import use_additive_masks
 from megatron_integration.args_layout import megatron_layout, stage_layer_count
+from megatron_integration.ddp import attach_grad_sync, count_parameters
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -176,9 +177,10 @@ def build_gpt_stage(cfg: DynaPipeTrainingConfig, info: RankInfo, use_te: Optiona
     return gpt
 
 
-def _wrap(cfg: DynaPipeTrainingConfig, gpt: torch.nn.Module) -> torch.nn.Module:
-    """``gpt`` wrapped as Megatron-LM wraps a model chunk: Float16Module (bf16/fp16), then DDP."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+def _wrap(cfg: DynaPipeTrainingConfig, gpt: torch.nn.Module, chunk: int = 0, num_parameters: int = 0) -> torch.nn.Module:
+    """``gpt`` wrapped as Megatron-LM wraps a model chunk: Float16Module (bf16/fp16), then DDP
+    (:mod:`megatron_integration.ddp`); ``num_parameters``: the rank's, over all its chunks."""
+    from megatron_integration.ddp import wrap_chunk
 
     inner = gpt
     if cfg.model.dtype in ("bf16", "fp16"):
@@ -186,10 +188,7 @@ def _wrap(cfg: DynaPipeTrainingConfig, gpt: torch.nn.Module) -> torch.nn.Module:
 
         # As Megatron-LM does: half-precision weights, fp32 loss on the last stage.
         inner = Float16Module(gpt.config, gpt)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=not cfg.optimizer.grad_reduce_in_bf16,
-                                               overlap_grad_reduce=False,
-                                               use_distributed_optimizer=cfg.optimizer.distributed)
-    return DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=inner)
+    return wrap_chunk(cfg, gpt.config, inner, chunk, num_parameters)
 
 
 def build_stage(cfg: DynaPipeTrainingConfig, info: RankInfo, use_te: Optional[bool] = None) -> Stage:
@@ -202,10 +201,12 @@ def build_stage(cfg: DynaPipeTrainingConfig, info: RankInfo, use_te: Optional[bo
 
         tconfig = stage_config(cfg, info)
         gpts = [build_gpt_stage(cfg, info, use_te, vp_stage=c, tconfig=tconfig) for c in range(chunks)]
-        module = torch.nn.ModuleList([_wrap(cfg, g) for g in gpts])
+        n = count_parameters(gpts)
+        module = torch.nn.ModuleList([_wrap(cfg, g, c, n) for c, g in enumerate(gpts)])
         return Stage(module=module, gpt=GPTChunks(gpts), config=gpts[0].config, info=info, spec_name=name)
     gpt = build_gpt_stage(cfg, info, use_te)
-    return Stage(module=_wrap(cfg, gpt), gpt=gpt, config=gpt.config, info=info, spec_name=name)
+    return Stage(module=_wrap(cfg, gpt, 0, count_parameters([gpt])), gpt=gpt, config=gpt.config, info=info,
+                 spec_name=name)
 
 
 # -- recompute level per forward ----------------------------------------------------------
@@ -358,9 +359,9 @@ def finalize_grads_func():
 def attach_training_hooks(stage: Stage, optimizer) -> None:
     """Point the TransformerConfig at DDP's no-sync, the grad finaliser and (fp16) the
     optimizer's loss scaling, as Megatron-LM's training does."""
-    # One no-sync per chunk under the interleaved pipeline, as Megatron-LM sets it.
-    syncs = [m.no_sync for m in stage.modules]
-    stage.config.no_sync_func = syncs if stage.chunked else syncs[0]
+    # One no-sync (and with --overlap-grad-reduce one grad-sync) per chunk under the interleaved
+    # pipeline, as Megatron-LM sets them.
+    attach_grad_sync(stage.config, stage.modules)
     stage.config.finalize_model_grads_func = finalize_grads_func()
     # fp16: the optimizer divides gradients by its loss scale before stepping, so the loss
     # must be multiplied by it before the backward (the schedules call grad_scale_func).

@@ -14,6 +14,7 @@ import torch
 from dynapipe.errors import DynaPipeError
 from dynapipe.plan.instructions import BackwardPass, MicroBatchInfo, TensorSpec
 from dynapipe.runtime.buffers import backward_from
+from megatron_integration.ddp import backward_syncs
 from megatron_integration.model import Stage
 
 
@@ -27,6 +28,7 @@ class ModelStageHandlers:
         self.stage = stage
         self.device = device
         self.tensors: dict = {}
+        self.syncs = backward_syncs(stage.modules, None)
         self._reset_loss()
 
     def _reset_loss(self) -> None:
@@ -34,12 +36,14 @@ class ModelStageHandlers:
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.loss_tokens = torch.zeros((), dtype=torch.float64, device=self.device)
 
-    def begin(self, micro_batch_tensors: dict, global_loss_tokens: int) -> None:
+    def begin(self, micro_batch_tensors: dict, global_loss_tokens: int, plan=None) -> None:
         """Take one iteration's tensors (``{mb: {name: tensor or array}}``) before the
-        executor runs; ``global_loss_tokens`` (tokens, every replica) must be > 0."""
+        executor runs ``plan`` (this rank's ``ExecutionPlan``; None: forward only);
+        ``global_loss_tokens`` (tokens, every replica) must be > 0."""
         if global_loss_tokens <= 0:
             raise DynaPipeError(self.no_loss_tokens)
         self.tensors = micro_batch_tensors
+        self.syncs = backward_syncs(self.stage.modules, plan)
         self._reset_loss()
 
     def load(self, mb: MicroBatchInfo, specs: tuple[TensorSpec, ...]) -> dict[str, torch.Tensor]:
@@ -65,4 +69,7 @@ class ModelStageHandlers:
         """Backward of one micro-batch at its level: a layer rematerialised under ``full``
         must not checkpoint its core attention again because a later forward is ``selective``."""
         self._level(op)
-        backward_from(roots, grads)
+        # With --overlap-grad-reduce, only each chunk's last backward of the plan lets DDP
+        # start reducing; every earlier one accumulates under no_sync.
+        with self.syncs.context(op.chunk, op.mb):
+            backward_from(roots, grads)

@@ -151,7 +151,8 @@ def _t5_model_and_data_honoured(args: argparse.Namespace, base) -> None:
 
 def _with_placement(cfg: T5TrainingConfig, flag: str, pp: int) -> T5TrainingConfig:
     """``cfg`` with ``--dynapipe-placement`` checked against the model (``auto``: chosen at start-up)."""
-    from megatron_integration.t5_placement import parse_t5_placement
+    from megatron_integration.t5_placement import check_overlap_placement, parse_t5_placement
 
     placement = parse_t5_placement(flag, cfg.planner_model(), pp)
+    check_overlap_placement(replace(cfg, placement_flag=flag), placement)
     return replace(cfg, placement=placement, placement_flag=flag)

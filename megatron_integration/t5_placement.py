@@ -68,7 +68,8 @@ def choose_t5_placement(cfg, num_stages: int, dp: int, batches: Optional[list] =
     (default: the run's first global batches), or the interleaved one (two chunks a rank,
     each virtual stage balanced) when DynaPipe's plans of ``batches`` simulate faster on it
     (``compared`` holds both times, ms); under the run's memory limit (MiB), recompute level
-    and data-parallel size. Pure and deterministic: the same config gives the same split."""
+    and data-parallel size. With ``--overlap-grad-reduce`` contiguous splits only
+    (:func:`check_overlap_placement`). Pure and deterministic: the same config gives the same split."""
     from dynapipe.config import load_cluster_config
     from dynapipe.schedule.placement import choose_placement_kind
 
@@ -77,7 +78,19 @@ def choose_t5_placement(cfg, num_stages: int, dp: int, batches: Optional[list] =
     return choose_placement_kind(batches, planner_cost_model(cfg, num_stages), dp=dp,
                                  memory_limit_mib=d.memory_limit_mb, seq_length=cfg.encoder_seq_length,
                                  zero=cfg.base.optimizer.distributed, recompute=d.recompute,
-                                 cluster=load_cluster_config(d.cluster))
+                                 cluster=load_cluster_config(d.cluster),
+                                 chunks=1 if cfg.base.ddp.overlap_grad_reduce else 2)
+
+
+def check_overlap_placement(cfg, placement: Optional[StagePlacement]) -> None:
+    """Refuse ``--overlap-grad-reduce`` on a placement of several chunks a rank: a T5 rank's
+    chunks share one DDP gradient buffer (and, where a chunk embeds, parameters), and the
+    overlapped reduction needs each buffer's gradients complete in one last backward."""
+    if cfg.base.ddp.overlap_grad_reduce and placement is not None and placement.chunks > 1:
+        raise DynaPipeError(f"--overlap-grad-reduce with --dynapipe-placement {cfg.placement_flag} ({placement.chunks} "
+                            f"chunks a rank): a T5 rank's chunks share one gradient buffer, which cannot be "
+                            f"reduced while another chunk's backward still adds to it; use a contiguous placement "
+                            f"(even, auto or one written per stage) or drop --overlap-grad-reduce.")
 
 
 def resolve_t5_placement(cfg, num_stages: int, dp: int):
@@ -89,6 +102,7 @@ def resolve_t5_placement(cfg, num_stages: int, dp: int):
     elif placement is None:
         placement = cfg.stage_placement()
     ranks_agree(str(placement), f"--dynapipe-placement {cfg.placement_flag}")
+    check_overlap_placement(cfg, placement)
     return replace(cfg, placement=placement)
 
 

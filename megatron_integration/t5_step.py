@@ -101,8 +101,8 @@ class T5StageHandlers(ModelStageHandlers):
         # (micro-batch, chunk) -> whether its forward applied an encoder or cross-attention mask.
         self.masked: dict[tuple[int, int], bool] = {}
 
-    def begin(self, micro_batch_tensors: dict, global_loss_tokens: int) -> None:
-        super().begin(micro_batch_tensors, global_loss_tokens)
+    def begin(self, micro_batch_tensors: dict, global_loss_tokens: int, plan=None) -> None:
+        super().begin(micro_batch_tensors, global_loss_tokens, plan)
         self.masked = {}
 
     def trace_note(self, op) -> Optional[dict]:
@@ -312,7 +312,7 @@ class T5Stepper:
             # Every TP rank of a stage must run the same payload, planned for this TP layout.
             check_tp_plans_agree(iteration, item.digest, self.info)
             check_plan_tensor_parallel(item.plan, self.info.tp_size, self.cfg.base.parallel.sequence_parallel)
-        self.handlers.begin(item.tensors, item.loss_tokens)
+        self.handlers.begin(item.tensors, item.loss_tokens, item.plan)
         self.stage.module.zero_grad_buffer()
         self.optimizer.zero_grad()
         t_run = time.perf_counter()

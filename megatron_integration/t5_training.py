@@ -33,8 +33,7 @@ def build_t5_training_stage(cfg: T5TrainingConfig, info: RankInfo) -> Stage:
     """This rank's T5 stage wrapped in megatron-core's ``DistributedDataParallel`` (and, with
     ``--bf16`` or ``--fp16``, in its ``Float16Module``, as Megatron-LM wraps a half-precision
     model: half-precision weights and activations, fp32 gradient buffers and optimizer main copies)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
+    from megatron_integration.ddp import attach_grad_sync, count_parameters, wrap_chunk
     from megatron_integration.t5_model import build_t5_stage
 
     t5 = build_t5_stage(cfg, info)
@@ -43,11 +42,9 @@ def build_t5_training_stage(cfg: T5TrainingConfig, info: RankInfo) -> Stage:
         from megatron.core.transformer.module import Float16Module
 
         inner = Float16Module(t5.config, t5)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=not cfg.base.optimizer.grad_reduce_in_bf16,
-                                               overlap_grad_reduce=False,
-                                               use_distributed_optimizer=cfg.base.optimizer.distributed)
-    module = DistributedDataParallel(config=t5.config, ddp_config=ddp_config, module=inner)
-    t5.config.no_sync_func = module.no_sync
+    # One DDP over the rank's chunks (interleaved placements too: their chunks share parameters).
+    module = wrap_chunk(cfg.base, t5.config, inner, 0, count_parameters([t5]))
+    attach_grad_sync(t5.config, [module])
     return Stage(module=module, gpt=t5, config=t5.config, info=info, spec_name=t5.spec_name)
 
 

@@ -247,6 +247,21 @@ class TensorBoardArgs:
 
 
 @dataclass(frozen=True)
+class DDPArgs:
+    """megatron-core DDP's gradient reduction, Megatron-LM's flags and defaults.
+
+    ``overlap_grad_reduce``: each bucket's data-parallel reduction starts as soon as the
+    iteration's last backward has produced its gradients (else all of them are reduced in one
+    bucket after the backward). Buckets hold ``bucket_size`` parameters (None: megatron-core's
+    default, max(40M, 1M x data-parallel size)), or the rank's parameters over ``num_buckets``."""
+
+    overlap_grad_reduce: bool = False
+    bucket_size: Optional[int] = None
+    num_buckets: Optional[int] = None
+    pad_buckets_for_high_nccl_busbw: bool = False
+
+
+@dataclass(frozen=True)
 class DynaPipeTrainingConfig:
     """Everything one training run needs, validated. Built by :func:`training_config_from_args`."""
 
@@ -272,6 +287,7 @@ class DynaPipeTrainingConfig:
     tensorboard_dir: Optional[str] = None
     tensorboard: TensorBoardArgs = field(default_factory=lambda: TensorBoardArgs())
     recompute: RecomputeArgs = field(default_factory=RecomputeArgs)
+    ddp: DDPArgs = field(default_factory=DDPArgs)
     # Megatron's --check-for-nan-in-loss-and-grad: stop on a NaN/Inf loss or gradient.
     check_for_nan_in_loss_and_grad: bool = True
     # Megatron's --exit-interval: stop (after saving, with --save) at the first multiple of it.

@@ -27,7 +27,7 @@ LLAMA3 = (TINY + " --use-mcore-models --ffn-hidden-size 224 --group-query-attent
           "--tokenizer-type NullTokenizer --vocab-size 1000 --data-cache-path /tmp/cache --split 99,1,0 "
           "--no-create-attention-mask-in-dataloader --no-mmap-bin-files --num-workers 1 --log-interval 1 "
           "--eval-iters 2 --eval-interval 4 --ckpt-format torch_dist --log-throughput "
-          "--distributed-timeout-minutes 60")
+          "--distributed-timeout-minutes 60 --overlap-grad-reduce")
 # The ones it refuses, each with the words of its reason (on this CPU machine).
 LLAMA3_REFUSED = {
     "--attention-backend fused": "megatron-core chooses the backend",
@@ -38,8 +38,7 @@ LLAMA3_REFUSED = {
     "--fp8-amax-compute-algo max": "fp8 training",
     "--fp8-param-gather": "fp8 training",
     "--tiktoken-pattern v2": "TikTokenizer",
-    "--overlap-grad-reduce": "all-reduced once",
-    "--overlap-param-gather": "gathered after the optimizer step",
+    "--overlap-param-gather": "within the optimizer step",
     "--profile": "--dynapipe-trace-dir",
     "--profile-step-start 4": "profiling hooks",
     "--profile-step-end 6": "profiling hooks",
@@ -51,10 +50,10 @@ LLAMA3_REFUSED = {
 GPT3 = (TINY + " --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --train-samples 64 "
         "--lr-decay-samples 48 --lr-warmup-samples 8 --lr 6.0e-5 --min-lr 6.0e-6 --lr-decay-style cosine "
         "--log-interval 1 --eval-iters 1 --eval-interval 4 --mock-data --split 949,50,1 --clip-grad 1.0 "
-        "--weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.006 --fp16")
+        "--weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.006 --fp16 --overlap-grad-reduce")
 # ... and refused.
 GPT3_REFUSED = {"--rampup-batch-size 16 16 5859375": "the global batch is fixed",
-                "--overlap-grad-reduce": "all-reduced once", "--overlap-param-gather": "gathered after"}
+                "--overlap-param-gather": "within the optimizer step"}
 
 
 def parse(line: str, world: int = 1, cuda: bool = False):
@@ -81,6 +80,7 @@ def test_megatrons_llama3_flags_parse_and_reach_the_configs():
     assert cfg.train_iters == 8 and (o.lr_warmup_iters, o.lr_decay_iters) == (12 / 8, 60 / 8)
     assert (cfg.exit_duration_in_mins, cfg.empty_unused_memory_level) == (235, 1)
     assert cfg.data.mmap_bin_files is False and cfg.model.norm_epsilon == 1e-5 and cfg.log_throughput
+    assert cfg.ddp.overlap_grad_reduce and cfg.ddp.bucket_size is None
     pytest.importorskip("megatron.core")
     from megatron_integration.model import transformer_config
     from megatron_integration.optimizer import optimizer_config

@@ -100,7 +100,7 @@ def test_vocabulary_is_padded_as_megatron_pads_it():
 
 
 @pytest.mark.parametrize("argv", [["--wandb-project=gpt"], ["--fp8-format", "hybrid"],
-                                  ["--dataloader-type", "cyclic"], ["--overlap-grad-reduce"]])
+                                  ["--dataloader-type", "cyclic"], ["--ddp-average-in-collective"]])
 def test_unsupported_megatron_flag_is_one_line(argv, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(SystemExit) as e:

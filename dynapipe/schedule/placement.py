@@ -169,13 +169,16 @@ def choose_placement_kind(batches: Sequence, cost_model: CostModel, *, dp: int =
     """The faster of the contiguous placement (:func:`choose_placement`) and the
     ``chunks``-chunk interleaved one (:func:`choose_chunked_placement`), by DynaPipe's
     simulated time on ``batches`` (ms, summed; schedules searched under the memory limit).
-    ``compared`` of the result holds both times."""
+    ``compared`` of the result holds both times. ``chunks`` below 2: the contiguous one only
+    (for stages that cannot interleave)."""
     memory_limit_mib, reserved_mib = _memory(cost_model, memory_limit_mib, reserved_mib)
     kw = dict(dp=dp, memory_limit_mib=memory_limit_mib, reserved_mib=reserved_mib, seq_length=seq_length,
               zero=zero, recompute=recompute)
     contiguous = choose_placement(batches, cost_model, rounds=3, **kw)
     compared = {"contiguous": str(contiguous.chosen.placement),
                 "contiguous_ms": simulated_ms(batches, contiguous.cost_model, cluster=cluster, **kw)}
+    if chunks < 2:
+        return PlacementPlan(contiguous.chosen, contiguous.before, contiguous.cost_model, contiguous.rounds, compared)
     try:
         chunked = choose_chunked_placement(batches, cost_model, chunks, **kw)
     except DynaPipeError as e:  # too few layers for the chunks, or nothing plans

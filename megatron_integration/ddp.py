@@ -1,0 +1,95 @@
+"""megatron-core's ``DistributedDataParallel`` as Megatron-LM configures it, for GPT and T5 stages.
+
+One place builds the ``DistributedDataParallelConfig`` from the run's arguments
+(:class:`~megatron_integration.train_config.DDPArgs`: ``--overlap-grad-reduce`` and the bucket
+flags; fp32 or bf16 reduction; the distributed optimizer) and wraps each model chunk; and one
+place says which backward of an execution plan runs outside ``no_sync``
+(:func:`backward_syncs`), so DynaPipe's executor overlaps the reduction exactly where
+megatron-core's schedules do: during each chunk's last backward of the iteration.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Optional, Sequence
+
+import torch
+
+from dynapipe.plan.grad_sync import grad_sync_points
+
+
+def ddp_config(cfg, num_parameters: int):
+    """The ``DistributedDataParallelConfig`` of a run (``cfg``: its
+    :class:`~megatron_integration.train_config.DynaPipeTrainingConfig`); ``num_parameters``:
+    this rank's parameters over all its chunks, which ``--ddp-num-buckets`` divides
+    (Megatron-LM's rule). A fresh object each call: megatron-core's DDP writes its resolved
+    bucket size into the one it is given."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    d = cfg.ddp
+    bucket_size = d.bucket_size
+    if d.num_buckets is not None:
+        bucket_size = max(1, num_parameters // d.num_buckets)
+    return DistributedDataParallelConfig(grad_reduce_in_fp32=not cfg.optimizer.grad_reduce_in_bf16,
+                                         overlap_grad_reduce=d.overlap_grad_reduce, bucket_size=bucket_size,
+                                         pad_buckets_for_high_nccl_busbw=d.pad_buckets_for_high_nccl_busbw,
+                                         use_distributed_optimizer=cfg.optimizer.distributed)
+
+
+def wrap_chunk(cfg, tconfig, module: torch.nn.Module, chunk: int, num_parameters: int) -> torch.nn.Module:
+    """``module`` (chunk ``chunk`` of this rank, already in its ``Float16Module`` if any) in DDP.
+    Chunks after the first keep one bucket, as Megatron-LM wraps them (their reductions start
+    while the first chunk's backward still runs)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    return DistributedDataParallel(config=tconfig, ddp_config=ddp_config(cfg, num_parameters), module=module,
+                                   disable_bucketing=chunk > 0)
+
+
+def count_parameters(modules: Sequence[torch.nn.Module]) -> int:
+    """Parameters (elements) of this rank's chunks, each counted once."""
+    seen = {id(p): p.numel() for m in modules for p in m.parameters()}
+    return sum(seen.values())
+
+
+def attach_grad_sync(tconfig, ddps: Sequence[torch.nn.Module]) -> None:
+    """Point megatron-core's schedules at the chunks' ``no_sync`` and, with
+    ``--overlap-grad-reduce``, at their ``start_grad_sync`` (Megatron-LM's ``grad_sync_func``:
+    the interleaved schedule launches a chunk's reduction once its last backward is done)."""
+    ddps = list(ddps)
+    one = len(ddps) == 1
+    tconfig.no_sync_func = ddps[0].no_sync if one else [m.no_sync for m in ddps]
+    if overlaps(ddps):
+        tconfig.grad_sync_func = ddps[0].start_grad_sync if one else [m.start_grad_sync for m in ddps]
+
+
+def overlaps(ddps: Sequence[torch.nn.Module]) -> bool:
+    """Whether the chunks reduce their gradients during the backward (``--overlap-grad-reduce``)."""
+    return any(getattr(getattr(m, "ddp_config", None), "overlap_grad_reduce", False) for m in ddps)
+
+
+class BackwardSyncs:
+    """For one iteration's plan on this rank: which backward runs outside ``no_sync``.
+
+    Without the overlap every backward runs as it is (gradients are reduced after the plan,
+    by ``finalize_model_grads``). With it, each DDP module's last weight-gradient backward of
+    the plan runs outside ``no_sync`` and every other one inside, as megatron-core's schedules
+    run theirs; a chunk of the plan without a DDP module of its own shares the rank's only one."""
+
+    def __init__(self, ddps: Sequence[torch.nn.Module], instructions=None):
+        self.ddps = list(ddps)
+        self.overlap = overlaps(self.ddps) and instructions is not None
+        self.points = grad_sync_points(instructions, self._index) if self.overlap else frozenset()
+
+    def _index(self, chunk: int) -> int:
+        return chunk if len(self.ddps) > 1 else 0
+
+    def context(self, chunk: int, mb: int):
+        """The context the backward of (``chunk``, ``mb``) runs in."""
+        if not self.overlap or (chunk, mb) in self.points:
+            return nullcontext()
+        return self.ddps[self._index(chunk)].no_sync()
+
+
+def backward_syncs(ddps: Sequence[torch.nn.Module], plan: Optional[object]) -> BackwardSyncs:
+    """:class:`BackwardSyncs` of ``plan`` (an ``ExecutionPlan``; None: forward only)."""
+    return BackwardSyncs(ddps, None if plan is None else plan.instructions)

@@ -1,0 +1,116 @@
+"""Megatron-LM's ``--overlap-grad-reduce`` and DDP bucket flags, on every method.
+
+One 2-rank gloo job: GPT on two data-parallel replicas (megatron-core's schedule for padding,
+DynaPipe's executor), GPT interleaved on two stages (DynaPipe, a DDP per chunk), T5 on two
+stages (every method through the executor). With the overlap each run gives the same losses as
+without it, and after the first iteration (where megatron-core's DDP learns how many gradients
+each parameter gets) every bucket's reduction starts inside the backward, once an iteration;
+without it, after the backward.
+"""
+import pytest
+
+from dynapipe.errors import DynaPipeError
+from dynapipe.plan.grad_sync import grad_sync_points
+from dynapipe.plan.instructions import BackwardPass, ForwardPass
+from megatron_integration.launch import spawn
+from t5_job import TINY as T5
+
+GPT = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --seq-length 256 "
+       "--vocab-size 256 --micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 1e-2 --mock-data "
+       "--hidden-dropout 0 --attention-dropout 0 --log-interval 1 --seed 7 --dynapipe-timeout-s 60")
+OVERLAP = " --overlap-grad-reduce --ddp-bucket-size 20000"
+CHUNKED = (GPT.replace("--num-layers 2", "--num-layers 4") +
+           " --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --use-dynapipe")
+GPT_RUNS = ["", OVERLAP, " --use-dynapipe", " --use-dynapipe" + OVERLAP]
+T5_RUNS = ["", OVERLAP, " --use-dynapipe" + OVERLAP]
+
+
+@pytest.fixture(scope="module")
+def job():
+    from ddp_probe import probed_runs
+
+    gpt = [(GPT + e).split() for e in GPT_RUNS] + [CHUNKED.split(), (CHUNKED + " --ddp-num-buckets 3 "
+                                                                    "--overlap-grad-reduce").split()]
+    t5 = [(T5 + e).split() for e in T5_RUNS]
+    ranks = spawn(probed_runs, 2, (gpt, t5), timeout_s=600)
+    return dict(zip(["padding", "padding+overlap", "dynapipe", "dynapipe+overlap", "chunks", "chunks+overlap",
+                     "t5", "t5+overlap", "t5-dynapipe+overlap"], zip(*ranks)))
+
+
+def _overlapped(runs) -> None:
+    """After the first iteration every reduction of every rank starts inside the backward,
+    the same number each iteration (one per bucket group)."""
+    for r in runs:
+        assert all(r["syncs"][len(r["syncs"]) // r["iterations"]:]), r["syncs"]
+        assert len(r["syncs"]) % r["iterations"] == 0
+
+
+def test_overlapped_reduction_gives_the_same_losses_and_starts_inside_the_backward(job):
+    for plain, overlapped in [("padding", "padding+overlap"), ("dynapipe", "dynapipe+overlap"),
+                              ("chunks", "chunks+overlap"), ("t5", "t5+overlap"), ("t5", "t5-dynapipe+overlap")]:
+        ref = job[plain][0]["losses"]
+        for r in job[overlapped]:
+            assert r["losses"] == pytest.approx(ref, abs=1e-6, rel=1e-6), (plain, overlapped)
+        _overlapped(job[overlapped])
+        assert not any(s for r in job[plain] for s in r["syncs"]), plain  # after the backward
+    # DynaPipe and padding agree (same samples), and the replicas' gradients were summed.
+    assert job["dynapipe+overlap"][0]["losses"] == pytest.approx(job["padding"][0]["losses"], abs=1e-5)
+    # --ddp-bucket-size 20000 cuts a 2-layer GPT (about 100k parameters) into several buckets.
+    gpt = job["padding+overlap"][0]
+    assert len(gpt["syncs"]) // gpt["iterations"] >= 4
+    # Interleaved, --ddp-num-buckets 3 (the rank's parameters over 3): the first stage cuts its
+    # first chunk into buckets and keeps its second whole (Megatron-LM's rule), the second stage
+    # keeps each chunk whole (megatron-core's).
+    per_iteration = {r["pp_rank"]: len(r["syncs"]) // r["iterations"] for r in job["chunks+overlap"]}
+    assert per_iteration[0] >= 3 and per_iteration[1] == 2, per_iteration
+
+
+def test_grad_sync_points_are_each_chunks_last_weight_backward():
+    ins = [ForwardPass(0, 0), ForwardPass(1, 0), BackwardPass(0, 0), ForwardPass(0, 1), BackwardPass(1, 0),
+           BackwardPass(0, 1), BackwardPass(2, 1, part="input"), BackwardPass(2, 1, part="weight"),
+           BackwardPass(1, 1, part="input")]
+    assert grad_sync_points(ins) == {(0, 1), (1, 2)}  # (chunk, micro-batch)
+    assert grad_sync_points(ins, lambda chunk: 0) == {(1, 2)}  # one gradient buffer for both chunks
+    assert grad_sync_points([ForwardPass(0, 0)]) == frozenset()
+
+
+def _parse(extra: str, world: int = 2):
+    from megatron_integration.arguments import parse_training_args
+
+    return parse_training_args((GPT + " " + extra).split(), world, cuda=False)
+
+
+def test_bucket_flags_reach_megatron_cores_config():
+    pytest.importorskip("megatron.core")
+    from megatron_integration.ddp import ddp_config
+
+    cfg = _parse("--overlap-grad-reduce --ddp-num-buckets 4")
+    c = ddp_config(cfg, 1000)
+    assert (c.overlap_grad_reduce, c.bucket_size, c.grad_reduce_in_fp32) == (True, 250, True)
+    assert ddp_config(_parse("--overlap-grad-reduce --ddp-bucket-size 777"), 1000).bucket_size == 777
+    plain = ddp_config(_parse(""), 1000)
+    assert (plain.overlap_grad_reduce, plain.bucket_size) == (False, None)
+
+
+@pytest.mark.parametrize("extra, words", [
+    ("--ddp-bucket-size 1000", "--ddp-bucket-size 1000 without --overlap-grad-reduce"),
+    ("--ddp-num-buckets 2", "--ddp-num-buckets 2 without --overlap-grad-reduce"),
+    ("--overlap-grad-reduce --ddp-bucket-size 10 --ddp-num-buckets 2", "were both given"),
+    ("--overlap-grad-reduce --ddp-bucket-size 0", "--ddp-bucket-size 0: must be positive"),
+    ("--ddp-pad-buckets-for-high-nccl-busbw", "add --use-distributed-optimizer"),
+])
+def test_bucket_flags_that_would_change_nothing_are_refused(extra, words):
+    with pytest.raises(DynaPipeError, match=words):
+        _parse(extra)
+
+
+def test_t5_interleaved_placement_refuses_the_overlap_and_auto_stays_contiguous():
+    from megatron_integration.t5_arguments import parse_t5_args
+
+    with pytest.raises(DynaPipeError, match="share one gradient buffer"):
+        parse_t5_args((T5 + " --dynapipe-placement interleaved --overlap-grad-reduce").split(), 2, cuda=False)
+    cfg = parse_t5_args((T5 + " --dynapipe-placement auto --overlap-grad-reduce").split(), 2, cuda=False)
+    from megatron_integration.t5_placement import choose_t5_placement
+
+    plan = choose_t5_placement(cfg, 2, 1)
+    assert plan.chosen.placement.chunks == 1 and "interleaved_ms" not in plan.compared
