@@ -50,6 +50,10 @@ class ModelConfig:
     gated_linear_unit: bool = False
     # Biases on the linear layers (Megatron's --disable-bias-linear clears it).
     add_bias_linear: bool = True
+    # The QKV projection's bias without the others (Megatron's --add-qkv-bias, Qwen2's layer).
+    add_qkv_bias: bool = False
+    # Per-head query and key norms over head_dim (Megatron's --qk-layernorm, Qwen3's layer).
+    qk_layernorm: bool = False
     normalization: str = "LayerNorm"  # or RMSNorm (a weight, no bias)
 
     @property

@@ -37,9 +37,19 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="pad the vocabulary to a multiple of this x --tensor-model-parallel-size (Megatron's rule)")
     g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP instead of GeLU")
     g.add_argument("--disable-bias-linear", action="store_true", help="no biases in the linear layers")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="keep the query/key/value projection's bias under --disable-bias-linear (Qwen2's layer)")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="normalise each head's queries and keys (--normalization's kind, over --kv-channels; "
+                        "Qwen3's layer)")
     g.add_argument("--group-query-attention", action="store_true", help="grouped-query attention")
     g.add_argument("--num-query-groups", type=int, default=1, help="key/value groups with --group-query-attention")
     g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base period")
+    # Megatron-LM's deprecated spellings of --position-embedding-type rope (its legacy RoPE arguments).
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="deprecated in Megatron-LM: --position-embedding-type rope")
+    g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
+                   help="deprecated in Megatron-LM: accepted with rotary embeddings (which add none)")
     g.add_argument("--use-rope-scaling", action="store_true",
                    help="Llama 3.x's RoPE frequency scaling (with --position-embedding-type rope)")
     g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="Llama 3.x's RoPE scaling factor")
@@ -100,6 +110,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         "(the first --recompute-num-layers layers of each stage)")
     g.add_argument("--recompute-num-layers", type=int, default=None,
                    help="full recompute: layers per chunk (uniform) or layers recomputed per stage (block)")
+    g.add_argument("--recompute-modules", nargs="*", default=None,
+                   help="selective recompute: the submodules to recompute (only core_attn, Megatron's default, "
+                        "is built)")
     g.add_argument("--recompute-activations", action="store_true",
                    help="Megatron-LM's short form of --recompute-granularity selective")
     g.add_argument("--exit-duration-in-mins", type=int, default=None,
@@ -144,6 +157,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--decoupled-min-lr", type=float, default=None,
                    help="minimum learning rate for the input embedding and the output layer")
     g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--apply-wd-to-qk-layernorm", action="store_true",
+                   help="with --qk-layernorm: decay the query/key norm weights too (other norms and biases never decay)")
     g.add_argument("--start-weight-decay", type=float, default=None,
                    help="weight decay at the start (with --weight-decay-incr-style linear or cosine)")
     g.add_argument("--end-weight-decay", type=float, default=None,

@@ -12,7 +12,7 @@ from typing import Optional
 from dynapipe.errors import DynaPipeError
 from megatron_integration.args_checks import _fraction, _need, _positive
 from megatron_integration.args_refusals import _model_flags_honoured
-from megatron_integration.model_flags import model_shape_from_args
+from megatron_integration.model_flags import model_shape_from_args, position_embedding_from_args
 from megatron_integration.tokenizer import tokenizer_info
 from megatron_integration.train_config import GPTModelArgs, RecomputeArgs
 
@@ -44,6 +44,8 @@ def model_args_from_args(args: argparse.Namespace, cuda: bool) -> GPTModelArgs:
         raise DynaPipeError(f"--hidden-size {args.hidden_size} is not divisible by "
                             f"--num-attention-heads {args.num_attention_heads}.")
     _model_flags_honoured(args, cuda)
+    # Megatron-LM's legacy RoPE spellings mean --position-embedding-type rope from here on.
+    args.position_embedding_type = position_embedding_from_args(args)
     shape = model_shape_from_args(args)
     _positive("make-vocab-size-divisible-by", args.make_vocab_size_divisible_by)
     unpadded = tokenizer_info(args).vocab_size
@@ -65,6 +67,23 @@ def model_args_from_args(args: argparse.Namespace, cuda: bool) -> GPTModelArgs:
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion, **shape)
 
 
+def _recompute_modules(modules: Optional[list], granularity: Optional[str]) -> None:
+    """Megatron's ``--recompute-modules``: which submodules selective recompute checkpoints. The
+    selective level here checkpoints the core attention, Megatron's default and the one the
+    planner prices; any other list is refused, as is the flag without selective recompute
+    (where Megatron-LM drops it unsaid)."""
+    if modules is None:
+        return
+    given = " ".join(modules) or "(none)"
+    if granularity != "selective":
+        raise DynaPipeError(f"--recompute-modules {given} chooses what selective recompute checkpoints; add "
+                            f"--recompute-granularity selective (or --recompute-activations) or drop it.")
+    if modules != ["core_attn"]:
+        raise DynaPipeError(f"--recompute-modules {given}: selective recompute here checkpoints the core attention "
+                            f"only (core_attn, Megatron's default, which the planner prices); give "
+                            f"--recompute-modules core_attn or drop it.")
+
+
 def recompute_from_args(args: argparse.Namespace,
                         stage_layers: Optional[int] = None) -> tuple[RecomputeArgs, Optional[str]]:
     """Megatron's ``--recompute-*`` (validated as Megatron-LM validates them) and the level
@@ -77,6 +96,7 @@ def recompute_from_args(args: argparse.Namespace,
             raise DynaPipeError("--recompute-activations (selective) and --recompute-granularity full were both "
                                 "given; give one.")
         gran = "selective"
+    _recompute_modules(args.recompute_modules, gran)
     if gran is None and (method is not None or layers is not None):
         raise DynaPipeError("--recompute-method / --recompute-num-layers need --recompute-granularity full.")
     if gran == "selective" and (method is not None or layers is not None):

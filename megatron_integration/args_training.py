@@ -89,6 +89,7 @@ def optimizer_args_from_args(args: argparse.Namespace) -> OptimizerArgs:
                          override_scheduler=args.override_opt_param_scheduler,
                          use_checkpoint_scheduler=args.use_checkpoint_opt_param_scheduler,
                          grad_reduce_in_bf16=args.grad_reduce_in_bf16, log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+                         apply_wd_to_qk_layernorm=bool(getattr(args, "apply_wd_to_qk_layernorm", False)),
                          **_weight_decay_schedule(args), **decoupled, **loss_scale)
 
 

@@ -92,6 +92,8 @@ def megatron_args(recorded: dict, cfg, info: RankInfo, iteration: int, consumed_
         position_embedding_type=m.position_embedding_type,
         add_position_embedding=m.position_embedding_type == "learned_absolute",
         untie_embeddings_and_output_weights=not m.tie_embeddings, normalization=m.normalization,
+        # Megatron-LM's validate_args sets add_qkv_bias whenever the linear layers have biases.
+        qk_layernorm=m.qk_layernorm, add_qkv_bias=m.add_qkv_bias or m.add_bias_linear,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         data_parallel_size=p.data_parallel_size, world_size=p.world_size,
@@ -276,7 +278,8 @@ def _model_mismatch(ckpt_args, cfg, mine: Optional[dict] = None) -> Optional[str
     ours = {"num_layers": m.num_layers, "hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads,
             "ffn_hidden_size": m.ffn_hidden_size, "kv_channels": m.kv_channels, "padded_vocab_size": m.vocab_size,
             "add_position_embedding": m.position_embedding_type == "learned_absolute",
-            "untie_embeddings_and_output_weights": not m.tie_embeddings}
+            "untie_embeddings_and_output_weights": not m.tie_embeddings, "qk_layernorm": m.qk_layernorm,
+            "add_qkv_bias": m.add_qkv_bias or m.add_bias_linear}
     for name, value in (mine or ours).items():
         theirs = getattr(ckpt_args, name, None)
         if theirs is not None and theirs != value:

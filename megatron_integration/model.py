@@ -71,6 +71,7 @@ def transformer_config(model: GPTModelArgs, parallel: ParallelArgs, cuda: Option
         # Megatron-LM's --swiglu, --disable-bias-linear and --group-query-attention, as its
         # core_transformer_config_from_args maps them (None query groups: one per head).
         add_bias_linear=model.add_bias_linear, num_query_groups=model.num_query_groups,
+        add_qkv_bias=model.add_qkv_bias, qk_layernorm=model.qk_layernorm,
         layernorm_epsilon=model.norm_epsilon, cross_entropy_loss_fusion=model.cross_entropy_loss_fusion,
     )
     if parallel.stage_layers is not None:
@@ -87,15 +88,16 @@ def transformer_config(model: GPTModelArgs, parallel: ParallelArgs, cuda: Option
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(use_te: Optional[bool] = None, normalization: str = "LayerNorm"):
+def layer_spec(use_te: Optional[bool] = None, normalization: str = "LayerNorm", qk_layernorm: bool = False):
     """(spec, name): Transformer Engine's GPT layer spec when usable, else megatron-core's local one.
-    ``normalization``: the local spec's norm class depends on it (TE's norm reads the config)."""
+    ``normalization``: the local spec's norm class depends on it (TE's norm reads the config);
+    ``qk_layernorm``: the spec builds the per-head query and key norms."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     use_te = te_available() if use_te is None else use_te
     if use_te:
-        return specs.get_gpt_layer_with_transformer_engine_spec(), "transformer_engine"
-    return specs.get_gpt_layer_local_spec(normalization=normalization), "local"
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm), "transformer_engine"
+    return specs.get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm), "local"
 
 
 @dataclass
@@ -161,7 +163,7 @@ def build_gpt_stage(cfg: DynaPipeTrainingConfig, info: RankInfo, use_te: Optiona
     chunks = cfg.parallel.virtual_pipeline_model_parallel_size or 1
     first = info.is_first_stage and (vp_stage or 0) == 0
     last = info.is_last_stage and (vp_stage is None or vp_stage == chunks - 1)
-    spec, _ = layer_spec(use_te, m.normalization)
+    spec, _ = layer_spec(use_te, m.normalization, m.qk_layernorm)
     spec = sequence_parallel_block_spec(spec, tconfig, stage_layer_count(cfg.parallel, m.num_layers, info.pp_rank,
                                                                          vp_stage))
     kwargs = {} if vp_stage is None else {"vp_stage": vp_stage}

@@ -34,7 +34,8 @@ def swiglu_ffn_hidden_size(hidden_size: int) -> int:
 
 def model_shape_from_args(args: argparse.Namespace) -> dict:
     """``GPTModelArgs`` fields of the shape flags, as Megatron-LM derives them:
-    ``ffn_hidden_size``, ``swiglu``, ``add_bias_linear``, ``num_query_groups``, ``rotary_base``."""
+    ``ffn_hidden_size``, ``swiglu``, ``add_bias_linear``, ``add_qkv_bias`` (only with
+    ``--disable-bias-linear``: the linear biases include it), ``qk_layernorm``, ``num_query_groups``, ``rotary_base``, the RoPE scaling."""
     ffn = args.ffn_hidden_size
     if ffn is None:
         ffn = swiglu_ffn_hidden_size(args.hidden_size) if args.swiglu else 4 * args.hidden_size
@@ -54,8 +55,28 @@ def model_shape_from_args(args: argparse.Namespace) -> dict:
     if args.rotary_base <= 0:
         raise DynaPipeError(f"--rotary-base {args.rotary_base}: must be positive (RoPE's base period, "
                             f"Megatron's default 10000).")
+    if args.add_qkv_bias and not args.disable_bias_linear:
+        raise DynaPipeError("--add-qkv-bias without --disable-bias-linear: every linear layer (the QKV projection "
+                            "too) already has its bias; add --disable-bias-linear (Qwen2's layer) or drop it.")
+    if getattr(args, "apply_wd_to_qk_layernorm", False) and not args.qk_layernorm:
+        raise DynaPipeError("--apply-wd-to-qk-layernorm without --qk-layernorm: there are no query/key norm "
+                            "weights to decay; add --qk-layernorm or drop it.")
     return dict(ffn_hidden_size=ffn, swiglu=bool(args.swiglu), add_bias_linear=not args.disable_bias_linear,
-                num_query_groups=groups, rotary_base=int(args.rotary_base), **rope_scaling_from_args(args))
+                add_qkv_bias=bool(args.add_qkv_bias),
+                qk_layernorm=bool(args.qk_layernorm), num_query_groups=groups, rotary_base=int(args.rotary_base),
+                **rope_scaling_from_args(args))
+
+
+def position_embedding_from_args(args: argparse.Namespace) -> str:
+    """``--position-embedding-type`` with Megatron-LM's legacy RoPE arguments applied, as its
+    ``validate_args`` applies them: ``--use-rotary-position-embeddings`` means ``rope``, and
+    ``--no-position-embedding`` is only taken with rotary embeddings (which add none)."""
+    kind = "rope" if getattr(args, "use_rotary_position_embeddings", False) else args.position_embedding_type
+    if not getattr(args, "add_position_embedding", True) and kind != "rope":
+        raise DynaPipeError(f"--no-position-embedding with --position-embedding-type {kind}: deprecated in "
+                            f"Megatron-LM, which takes it with rotary embeddings only; give --position-embedding-type "
+                            f"rope (or drop it).")
+    return kind
 
 
 def rope_scaling_from_args(args: argparse.Namespace) -> dict:

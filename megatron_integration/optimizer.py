@@ -18,6 +18,8 @@ def optimizer_config(cfg: DynaPipeTrainingConfig):
     from megatron.core.optimizer import OptimizerConfig
 
     o = cfg.optimizer
+    # Only when asked: megatron-core releases without the field keep their own default.
+    extra = {"apply_wd_to_qk_layernorm": True} if o.apply_wd_to_qk_layernorm else {}
     return OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
                            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
                            clip_grad=o.clip_grad, bf16=cfg.model.dtype == "bf16", fp16=cfg.model.dtype == "fp16",
@@ -26,7 +28,8 @@ def optimizer_config(cfg: DynaPipeTrainingConfig):
                            loss_scale=o.loss_scale, initial_loss_scale=o.initial_loss_scale,
                            min_loss_scale=o.min_loss_scale, loss_scale_window=o.loss_scale_window,
                            hysteresis=o.hysteresis, decoupled_lr=o.decoupled_lr,
-                           decoupled_min_lr=o.decoupled_min_lr, log_num_zeros_in_grad=o.log_num_zeros_in_grad)
+                           decoupled_min_lr=o.decoupled_min_lr, log_num_zeros_in_grad=o.log_num_zeros_in_grad,
+                           **extra)
 
 
 def build_optimizer(cfg: DynaPipeTrainingConfig, stage: Stage):

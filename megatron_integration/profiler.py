@@ -205,7 +205,7 @@ class _Ops:
         one = replace(model, num_layers=1)
         parallel = ParallelArgs(world_size=tp, tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel)
         tconfig = transformer_config(one, parallel, cuda=device.type == "cuda")
-        spec, self.spec_name = layer_spec(use_te, model.normalization)
+        spec, self.spec_name = layer_spec(use_te, model.normalization, model.qk_layernorm)
         # The norms the training stages build under sequence parallelism.
         spec = sequence_parallel_block_spec(spec, tconfig, 1)
         # A stage's activations between layers are sequence-sharded under sequence parallelism.
@@ -319,7 +319,8 @@ def profile_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: Seq
                   "hidden_dropout": model.hidden_dropout, "attention_dropout": model.attention_dropout,
                   # The layer-shape switches ProfileCostModel checks against the model it prices.
                   "gated_linear_unit": model.swiglu, "num_query_groups": model.num_query_groups or 0,
-                  "add_bias_linear": model.add_bias_linear, "normalization": model.normalization},
+                  "add_bias_linear": model.add_bias_linear, "add_qkv_bias": model.add_qkv_bias,
+                  "qk_layernorm": model.qk_layernorm, "normalization": model.normalization},
         "mbs": [int(b) for b in mbs_grid],
         "seqlen": [int(s) for s in seqlen_grid],
         "stage_overhead_ms": 0.0,

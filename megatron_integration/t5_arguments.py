@@ -84,6 +84,12 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
                           ("rotary-seq-len-interpolation-factor", None)):
         if getattr(args, flag.replace("-", "_")) != default:
             raise _unsupported(f"--{flag}", "T5 stages use learned absolute positions, not rotary ones; drop it")
+    for flag in ("use-rotary-position-embeddings", "qk-layernorm", "add-qkv-bias", "apply-wd-to-qk-layernorm"):
+        if getattr(args, flag.replace("-", "_")):
+            raise _unsupported(f"--{flag}", "T5 stages are built as Megatron's T5 (learned absolute positions, "
+                                            "biased linear layers, no query/key norms); drop it")
+    if not args.add_position_embedding:
+        raise _unsupported("--no-position-embedding", "T5 stages use learned absolute positions; drop it")
     if args.position_embedding_type != "learned_absolute":
         raise _unsupported("--position-embedding-type", f"{args.position_embedding_type}: T5 stages use learned "
                                                         f"absolute positions; drop it")

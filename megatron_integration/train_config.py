@@ -36,6 +36,10 @@ class GPTModelArgs:
     unpadded_vocab_size: int = 0
     swiglu: bool = False  # --swiglu: gated SiLU MLP (FC1 twice ffn_hidden_size wide)
     add_bias_linear: bool = True  # cleared by --disable-bias-linear
+    # --add-qkv-bias: the QKV projection keeps its bias under --disable-bias-linear (megatron-core
+    # gives it one when either is set).
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False  # --qk-layernorm: per-head query and key norms
     num_query_groups: Optional[int] = None  # --group-query-attention's key/value heads (None: one per head)
     rotary_base: int = 10000  # --rotary-base, with RoPE
     # --use-rope-scaling / --rope-scaling-factor (Llama 3.x's frequency scaling) and
@@ -55,7 +59,8 @@ class GPTModelArgs:
                            vocab_size=self.vocab_size, max_seq_length=self.seq_length, dtype=self.dtype,
                            tie_embeddings=self.tie_embeddings, kv_channels=self.kv_channels,
                            num_query_groups=self.num_query_groups or 0, gated_linear_unit=self.swiglu,
-                           add_bias_linear=self.add_bias_linear, normalization=self.normalization).validate(name)
+                           add_bias_linear=self.add_bias_linear, add_qkv_bias=self.add_qkv_bias,
+                           qk_layernorm=self.qk_layernorm, normalization=self.normalization).validate(name)
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,9 @@ class OptimizerArgs:
     # Megatron's weight-decay schedule: from the start to the end value over the run
     # (--weight-decay-incr-style constant, linear or cosine; None: --weight-decay throughout).
     start_weight_decay: Optional[float] = None
+    # Megatron's --apply-wd-to-qk-layernorm: the query/key norm weights decay too (other norms
+    # and all biases never do).
+    apply_wd_to_qk_layernorm: bool = False
     end_weight_decay: Optional[float] = None
     weight_decay_incr_style: str = "constant"
     # Megatron's --log-num-zeros-in-grad: the optimizer counts the zero gradient elements.

@@ -4,7 +4,8 @@ Same model, seed and global batches; DynaPipe plans variable-shape micro-batches
 executor runs them on the megatron-core stages; the per-iteration ``lm loss`` equals the
 padding baseline's (fp32, ~1e-5) on PP2 and on PP2 x DP2, the latter with a Llama-style
 model (SwiGLU, grouped-query attention, no linear biases, RMSNorm, RoPE base 500000 with Llama
-3.x's frequency scaling, untied output layer) that the planner prices as built; on PP2 so do the validation and test
+3.x's frequency scaling, untied output layer) that the planner prices as built, and on PP2 with
+Qwen3's layer (the same plus a QKV bias and per-head query/key norms); on PP2 so do the validation and test
 losses (forward-only plans vs megatron-core's forward-only schedule); in bf16 and fp16 within
 their rounding.
 """
@@ -88,16 +89,24 @@ LLAMA = ("--swiglu --disable-bias-linear --group-query-attention --num-query-gro
          "--position-embedding-type rope --rotary-base 500000 --use-rope-scaling --untie-embeddings-and-output-weights")
 
 
+# Qwen3's layer as Megatron-LM's Qwen scripts write it (legacy RoPE spellings included).
+QWEN = ("--swiglu --disable-bias-linear --add-qkv-bias --qk-layernorm --group-query-attention --num-query-groups 2 "
+        "--normalization RMSNorm --use-rotary-position-embeddings --no-position-embedding --rotary-base 1000000 "
+        "--untie-embeddings-and-output-weights --apply-wd-to-qk-layernorm")
+
+
 @pytest.mark.parametrize("world, model", [
     pytest.param(2, "", marks=pytest.mark.megatron_runs(("", 2), (f"--use-dynapipe {EVAL}", 2), (EVAL, 2))),
     pytest.param(4, LLAMA, marks=pytest.mark.megatron_runs((LLAMA, 4), (f"{LLAMA} --use-dynapipe", 4))),
-], ids=["pp2", "pp2xdp2-llama"])
+    pytest.param(2, QWEN, marks=pytest.mark.megatron_runs((QWEN, 2), (f"{QWEN} --use-dynapipe", 2))),
+], ids=["pp2", "pp2xdp2-llama", "pp2-qwen"])
 def test_dynapipe_loss_equals_padding(world, model, request):
     padding = run(model, world, request)
     # PP2: DynaPipe also evaluates (forward-only plans), and the padding baseline once more with
     # evaluation (megatron-core's forward-only schedule): same training losses, same validation losses.
-    dynapipe = run(f"{model} --use-dynapipe" + (" " + EVAL if world == 2 else ""), world, request)
-    if world == 2:
+    evaluated = not model  # the plain PP2 model also evaluates
+    dynapipe = run(f"{model} --use-dynapipe" + (" " + EVAL if evaluated else ""), world, request)
+    if evaluated:
         padding_eval = run(EVAL, world, request)
         assert padding_eval["losses"] == padding["losses"]  # forward only: training untouched, bit for bit
         # 2 batches at iteration 2, then 2 of validation and 2 of test: all through forward-only plans.

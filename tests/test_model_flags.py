@@ -231,3 +231,60 @@ def test_rope_flags_without_rope_or_with_bad_values_are_refused(extra, needle):
             f"--micro-batch-size 1 --global-batch-size 1 --train-iters 1 --lr 1e-3 --mock-data {extra}")
     with pytest.raises(DynaPipeError, match=needle):
         parse_training_args(argv.split(), 1, cuda=False)
+
+
+def test_qwen_layer_flags_parse_price_and_reach_megatron_core():
+    """Qwen2's ``--add-qkv-bias`` (QKV bias without the others) and Qwen3's ``--qk-layernorm``
+    (per-head query/key norms); the legacy RoPE spellings; ``--apply-wd-to-qk-layernorm``."""
+    m = parse("--disable-bias-linear --add-qkv-bias --qk-layernorm --use-rotary-position-embeddings "
+              "--no-position-embedding --apply-wd-to-qk-layernorm").model
+    assert (m.add_bias_linear, m.add_qkv_bias, m.qk_layernorm, m.position_embedding_type) == (False, True, True, "rope")
+    mc = m.to_model_config()
+    assert (mc.add_qkv_bias, mc.qk_layernorm) == (True, True)
+    assert parse("").model.position_embedding_type == "learned_absolute"
+    from dynapipe.cost.base import stage_param_count
+
+    def count(**kw):
+        return stage_param_count(dataclasses.replace(GPT, **kw), MIDDLE)
+
+    h, hd, layers = GPT.hidden_size, GPT.head_dim, 2
+    qkv = GPT.attention_dim + 2 * GPT.kv_dim
+    assert count(add_bias_linear=False, add_qkv_bias=True) - count(add_bias_linear=False) == layers * qkv
+    assert count(add_qkv_bias=True) == count()  # the linear biases already include it
+    assert count(qk_layernorm=True) - count() == layers * 2 * 2 * hd  # LayerNorm: weight and bias, q and k
+    assert count(qk_layernorm=True, normalization="RMSNorm") - count(normalization="RMSNorm") == layers * 2 * hd
+    # The norms keep fp32 statistics per head (LayerNorm: mean and 1/std; RMSNorm: 1/rms and a
+    # copy of the queries and keys, as measured on CPU), 2 layers.
+    plain, qk = _cost(GPT), _cost(dataclasses.replace(GPT, qk_layernorm=True))
+    assert float(qk.stored_mib - plain.stored_mib) * 2 ** 20 == pytest.approx(2 * B * S * (4 + 4) * 2 * 4)
+    rms = dataclasses.replace(GPT, normalization="RMSNorm")
+    plain, qk = _cost(rms), _cost(dataclasses.replace(rms, qk_layernorm=True))
+    assert float(qk.stored_mib - plain.stored_mib) * 2 ** 20 == pytest.approx(
+        2 * B * S * ((4 + 4) * 4 + (GPT.attention_dim + GPT.kv_dim) * 4))
+    pytest.importorskip("megatron.core")
+    from megatron_integration.model import transformer_config
+    from megatron_integration.optimizer import optimizer_config
+
+    cfg = parse("--disable-bias-linear --add-qkv-bias --qk-layernorm --apply-wd-to-qk-layernorm")
+    tc = transformer_config(cfg.model, cfg.parallel, cuda=False)
+    assert (tc.add_bias_linear, tc.add_qkv_bias, tc.qk_layernorm) == (False, True, True)
+    assert optimizer_config(cfg).apply_wd_to_qk_layernorm
+    assert not optimizer_config(parse("--qk-layernorm")).apply_wd_to_qk_layernorm
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ("--add-qkv-bias", "--add-qkv-bias without --disable-bias-linear"),
+    ("--apply-wd-to-qk-layernorm", "--apply-wd-to-qk-layernorm without --qk-layernorm"),
+    ("--no-position-embedding", "--no-position-embedding with --position-embedding-type learned_absolute"),
+    ("--recompute-modules core_attn", "add --recompute-granularity selective"),
+    ("--recompute-activations --recompute-modules core_attn mlp", "--recompute-modules core_attn mlp: selective"),
+    ("--recompute-activations --recompute-modules", "--recompute-modules (none): selective"),
+])
+def test_layer_flags_that_cannot_be_honoured_are_refused(extra, needle):
+    with pytest.raises(DynaPipeError) as e:
+        parse(extra)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_recompute_modules_core_attn_is_selective_recompute():
+    assert parse("--recompute-activations --recompute-modules core_attn").recompute.granularity == "selective"

@@ -3,8 +3,9 @@
 One spawned job of 4 gloo ranks builds the same seeded GPT as TP2 (x DP2), as TP1 and as
 TP2 x PP2 (each group layout re-created in the same processes), and compares gathered
 shards, and for PP1 the per-token loss and gradients of a fixed batch (fp32, dropout 0).
-Three models: tied and untied embeddings, and a Llama-style layer (SwiGLU, whose FC1 is
-split with stride 2; grouped-query attention; no linear biases; RMSNorm).
+Four models: tied and untied embeddings, a Llama-style layer (SwiGLU, whose FC1 is split
+with stride 2; grouped-query attention; no linear biases; RMSNorm), and that layer with
+Qwen's QKV bias and per-head query/key norms (replicated over TP: their gradients summed).
 """
 import pytest
 
@@ -14,14 +15,16 @@ SEED = 11
 WORLD = 4
 
 
-MODELS = [True, False, "llama"]  # tied, untied, untied Llama-style layer
+MODELS = [True, False, "llama", "qwen"]  # tied, untied, untied Llama-style and Qwen3-style layers
 
 
 def _model_args(tied):
     from megatron_integration.train_config import GPTModelArgs
 
     llama = dict(swiglu=True, num_query_groups=2, add_bias_linear=False, normalization="RMSNorm",
-                 rotary_base=500000) if tied == "llama" else {}
+                 rotary_base=500000) if tied in ("llama", "qwen") else {}
+    if tied == "qwen":  # Llama's layer with a QKV bias and per-head query/key norms
+        llama.update(add_qkv_bias=True, qk_layernorm=True)
     return GPTModelArgs(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, kv_channels=16,
                         seq_length=64, max_position_embeddings=64, vocab_size=256, hidden_dropout=0.0,
                         attention_dropout=0.0, tie_embeddings=tied is True, position_embedding_type="rope", **llama)
@@ -55,7 +58,7 @@ def _build(model, tp: int):
     set_seeds(SEED, rank_info())
     parallel = ParallelArgs(world_size=WORLD, tensor_model_parallel_size=tp)
     gpt = GPTModel(config=transformer_config(model, parallel, cuda=False),
-                   transformer_layer_spec=layer_spec(False, model.normalization)[0],
+                   transformer_layer_spec=layer_spec(False, model.normalization, model.qk_layernorm)[0],
                    vocab_size=model.vocab_size, max_sequence_length=model.max_position_embeddings,
                    share_embeddings_and_output_weights=model.tie_embeddings,
                    position_embedding_type=model.position_embedding_type, rotary_base=model.rotary_base)
@@ -91,6 +94,10 @@ def tp_job():
                     store[name] = _gather(p, t, group)
             else:
                 weights2[name], grads2[name] = p.detach().clone(), p.grad.clone()
+                if "q_layernorm" in name or "k_layernorm" in name:
+                    # Each TP rank normalised its own heads: summed over the group, as megatron-core's
+                    # finalize_model_grads sums them under --qk-layernorm.
+                    dist.all_reduce(grads2[name], group=group)
         gpt1, loss1 = _build(model, 1)
         weights1 = {n: p.detach().clone() for n, p in gpt1.named_parameters()}
         grads1 = {n: p.grad.clone() for n, p in gpt1.named_parameters()}
@@ -204,7 +211,8 @@ FLAG_BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-leng
              "--position-embedding-type rope")
 FLAGS = ["", "--swiglu", "--swiglu --ffn-hidden-size 96", "--disable-bias-linear",
          "--group-query-attention --num-query-groups 2", "--normalization RMSNorm",
-         "--untie-embeddings-and-output-weights", "--kv-channels 32", "--rotary-base 500000"]
+         "--untie-embeddings-and-output-weights", "--kv-channels 32", "--rotary-base 500000",
+         "--qk-layernorm", "--qk-layernorm --normalization RMSNorm", "--disable-bias-linear --add-qkv-bias"]
 
 
 def _flag_models():
@@ -225,7 +233,8 @@ def _flag_models():
         cfg = parse_training_args(f"{FLAG_BASE} {flags}".split(), WORLD, cuda=False)
         m = cfg.model
         gpt = GPTModel(config=transformer_config(m, cfg.parallel, cuda=False),
-                       transformer_layer_spec=layer_spec(False, m.normalization)[0], vocab_size=m.vocab_size,
+                       transformer_layer_spec=layer_spec(False, m.normalization, m.qk_layernorm)[0],
+                       vocab_size=m.vocab_size,
                        max_sequence_length=m.max_position_embeddings, share_embeddings_and_output_weights=m.tie_embeddings,
                        position_embedding_type=m.position_embedding_type, rotary_base=m.rotary_base)
         planned = stage_param_count(m.to_model_config(), StageLayout(0, 0, m.num_layers, True, True))
@@ -267,6 +276,13 @@ def test_each_model_flag_builds_what_megatron_builds(ranks):
     assert no_bias == {k: v for k, v in base.items() if not (k.endswith("bias") and "linear" in k)}
     rms = _layer0(flags["--normalization RMSNorm"][0])
     assert rms == {k: v for k, v in base.items() if not k.endswith("layernorm.bias")}
+    # Qwen3's per-head query and key norms (over the 16 channels of a head); Qwen2's QKV bias alone.
+    qk = {f"self_attention.{n}_layernorm.{w}": (16,) for n in "qk" for w in ("weight", "bias")}
+    assert _layer0(flags["--qk-layernorm"][0]) == {**base, **qk}
+    assert _layer0(flags["--qk-layernorm --normalization RMSNorm"][0]) == \
+        {**rms, **{k: v for k, v in qk.items() if k.endswith("weight")}}
+    assert _layer0(flags["--disable-bias-linear --add-qkv-bias"][0]) == \
+        {**no_bias, "self_attention.linear_qkv.bias": (192,)}
     untied = flags["--untie-embeddings-and-output-weights"][0]
     assert "output_layer.weight" in untied and "output_layer.weight" not in flags[""][0]
     assert flags["--rotary-base 500000"][3] == pytest.approx(500000) and flags[""][3] == pytest.approx(10000)

@@ -208,6 +208,7 @@ def _run_t5(args, model, mbs: list[int], seqlens: list[int], dec_seqlens: list[i
     tp, sp = check_tensor_parallel(args, model, seqlens, dec_seqlens)
     for flag, bad in (("--swiglu", model.swiglu), ("--disable-bias-linear", not model.add_bias_linear),
                       ("--group-query-attention", bool(model.num_query_groups)),
+                      ("--qk-layernorm", model.qk_layernorm), ("--add-qkv-bias", model.add_qkv_bias),
                       ("--normalization RMSNorm", model.normalization != "LayerNorm"),
                       ("--position-embedding-type", model.position_embedding_type != "learned_absolute")):
         if bad:

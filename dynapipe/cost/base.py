@@ -63,12 +63,17 @@ def stage_param_count(model: ModelConfig, layout: StageLayout, tp: int = 1) -> i
     biases and norms, embedding, output layer. The GEMM weights, the column-parallel biases
     and the vocabulary are split over TP; norms and row-parallel biases are replicated.
     Grouped-query attention narrows the key and value projections, a gated MLP doubles FC1,
-    ``add_bias_linear=False`` drops the biases and RMSNorm has no norm bias."""
+    ``add_bias_linear=False`` drops the biases (``add_qkv_bias`` keeps the QKV one), RMSNorm has
+    no norm bias, and ``qk_layernorm`` adds a query and a key norm over the head width."""
     h, ad, f = model.hidden_size, model.attention_dim, model.ffn_hidden_size
     qkv, fc1 = ad + 2 * model.kv_dim, model.fc1_width
     bias = 1 if model.add_bias_linear else 0
-    norm = h if model.normalization == "RMSNorm" else 2 * h
-    layer = (h * qkv + ad * h + h * fc1 + f * h + bias * (qkv + fc1)) / tp + bias * 2 * h + 2 * norm
+    qkv_bias = 1 if (model.add_bias_linear or model.add_qkv_bias) else 0
+    per_width = 1 if model.normalization == "RMSNorm" else 2  # weight (and bias) per normalised channel
+    norm = per_width * h
+    qk_norms = 2 * per_width * model.head_dim if model.qk_layernorm else 0
+    layer = ((h * qkv + ad * h + h * fc1 + f * h + qkv_bias * qkv + bias * fc1) / tp + bias * 2 * h + 2 * norm
+             + qk_norms)
     cross = (4 * h * ad + 3 * ad) / tp + h + 2 * h
     dec_layer = layer + (cross if model.is_encoder_decoder else 0)
     count = layout.encoder_layers * layer + layout.decoder_layers * dec_layer

@@ -100,12 +100,13 @@ class _Table:
 
 # Layer-shape switches a measured table depends on, with the value a profile that does not
 # record them was measured at (profiles written before these switches existed).
-LAYER_SHAPE_KEYS = {"gated_linear_unit": False, "num_query_groups": 0, "add_bias_linear": True}
+LAYER_SHAPE_KEYS = {"gated_linear_unit": False, "num_query_groups": 0, "add_bias_linear": True,
+                    "add_qkv_bias": False, "qk_layernorm": False}
 
 
 def _check_layer_shape(data: Mapping[str, Any], model: ModelConfig, source: str) -> None:
     """Refuse a profile measured on a layer of another kind (GeLU vs SwiGLU MLP, grouped-query
-    attention, biases) or in another precision: its tables would misprice every micro-batch."""
+    attention, biases, query/key norms) or in another precision: its tables would misprice every micro-batch."""
     measured = data.get("model")
     measured = measured if isinstance(measured, Mapping) else {}
     dtype = data.get("dtype", "fp32")
