@@ -244,6 +244,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--auto-detect-ckpt-format", action="store_true",
                    help="accepted: --load always reads the format the checkpoint is in")
     g.add_argument("--use-dist-ckpt", action="store_true", help="deprecated in Megatron-LM (see --ckpt-format); no effect")
+    from megatron_integration.args_checkpoint import add_checkpoint_args
+
+    add_checkpoint_args(g)
 
     from megatron_integration.args_ddp import add_ddp_args
     from megatron_integration.args_logging import add_logging_args

@@ -43,6 +43,7 @@ from megatron_integration.args_refusals import (UNSUPPORTED_MEGATRON_FLAGS, _che
                                                 _model_flags_honoured)
 from megatron_integration.args_training import _schedule_from_samples, optimizer_args_from_args
 from megatron_integration.args_layout import pipeline_split_from_args
+from megatron_integration.args_checkpoint import dist_ckpt_args_from_args
 from megatron_integration.args_ddp import ddp_args_from_args
 from megatron_integration.args_logging import tensorboard_args_from_args
 from megatron_integration.args_virtual import check_interleaved, overlap_p2p_comm
@@ -163,7 +164,7 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
         exit_interval=args.exit_interval, exit_duration_in_mins=check_exit_duration(args.exit_duration_in_mins),
         empty_unused_memory_level=args.empty_unused_memory_level, manual_gc=manual_gc, evaluation=evaluation, ckpt_format=args.ckpt_format,
         finetune=args.finetune,
-        megatron_args=_recorded_args(args))
+        dist_ckpt=dist_ckpt_args_from_args(args, cuda), megatron_args=_recorded_args(args))
 
 
 def _parallel_args_from_args(args: argparse.Namespace, world_size: int, cuda: bool) -> ParallelArgs:

@@ -100,7 +100,7 @@ def megatron_args(recorded: dict, cfg, info: RankInfo, iteration: int, consumed_
         micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.global_batch_size,
         train_iters=cfg.train_iters, iteration=iteration, consumed_train_samples=consumed_samples,
         consumed_valid_samples=0, ckpt_format="torch_dist", use_dist_ckpt=True,
-        use_distributed_optimizer=cfg.optimizer.distributed, ckpt_fully_parallel_save=False,
+        use_distributed_optimizer=cfg.optimizer.distributed, ckpt_fully_parallel_save=cfg.dist_ckpt.fully_parallel_save,
         data_parallel_random_init=False, no_save_optim=False, no_save_rng=False)
     values.setdefault("make_vocab_size_divisible_by", 128)
     values.setdefault("tokenizer_type", cfg.data.tokenizer_type)
@@ -168,11 +168,39 @@ def _sharded_state_dict(gpt, optimizer, metadata: dict, with_optim: bool, is_loa
     return state
 
 
+def _save_strategy(fully_parallel: bool):
+    """megatron-core's default torch_dist writer, wrapped as Megatron-LM wraps it for
+    ``--ckpt-fully-parallel-save`` (its default): the data-parallel replicas split the writing
+    of what they all hold instead of leaving it to the first. None: megatron-core's default."""
+    if not fully_parallel:
+        return None
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(),
+                                            ps.get_data_parallel_group(with_context_parallel=True))
+
+
+def _load_strategy(iter_dir: str, fully_parallel: bool):
+    """The torch_dist reader; with ``--ckpt-fully-parallel-load`` wrapped so the data-parallel
+    replicas split the reading and exchange the shards. None: megatron-core's default."""
+    if not fully_parallel:
+        return None
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+    return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(iter_dir),
+                                            ps.get_data_parallel_group(with_context_parallel=True))
+
+
 def save_dist(iter_dir: str, iteration: int, gpt, optimizer, scheduler, info: RankInfo,
-              args: argparse.Namespace, distributed_optimizer: bool) -> None:
+              args: argparse.Namespace, distributed_optimizer: bool, fully_parallel: bool = True) -> None:
     """Write this rank's shards of the checkpoint of ``iteration`` into ``iter_dir``; collective.
 
-    ``args`` (see :func:`megatron_args`) carries the consumed samples. The caller writes
+    ``args`` (see :func:`megatron_args`) carries the consumed samples; ``fully_parallel``:
+    Megatron-LM's ``--ckpt-fully-parallel-save``. The caller writes
     ``latest_checkpointed_iteration.txt`` afterwards (after a barrier)."""
     from megatron.core import dist_checkpointing
 
@@ -187,7 +215,8 @@ def save_dist(iter_dir: str, iteration: int, gpt, optimizer, scheduler, info: Ra
             shutil.rmtree(iter_dir)
         os.makedirs(iter_dir)
     dist.barrier()
-    dist_checkpointing.save(state, iter_dir, content_metadata=metadata)
+    dist_checkpointing.save(state, iter_dir, sharded_strategy=_save_strategy(fully_parallel),
+                            content_metadata=metadata)
     # Each rank digests the shard files it wrote (in parallel, still in the page cache) ...
     for path in glob.glob(os.path.join(iter_dir, f"__{info.rank}_*.distcp")):
         write_checksum(path)
@@ -326,7 +355,8 @@ def load_dist(iter_dir: str, cfg, gpt, optimizer, scheduler, info: RankInfo, loa
             # torch's notices about its own deprecated ShardedTensor/load_state_dict, which
             # megatron-core 0.16 calls; nothing the user can act on.
             warnings.simplefilter("ignore", FutureWarning)
-            loaded = dist_checkpointing.load(state, iter_dir)
+            loaded = dist_checkpointing.load(state, iter_dir, sharded_strategy=_load_strategy(
+                iter_dir, cfg.dist_ckpt.fully_parallel_load), strict=cfg.dist_ckpt.strictness)
         gpt.load_state_dict(loaded["model"], strict=True)
     except _LOAD_ERRORS as e:
         raise _checkpoint_error(iter_dir, e) from None

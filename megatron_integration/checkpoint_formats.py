@@ -57,7 +57,7 @@ def save(cfg, iteration: int, consumed_samples: int, gpt, optimizer, scheduler, 
         args = checkpoint_dist.megatron_args(cfg.megatron_args, cfg, info, iteration, consumed_samples)
         vars(args).update(args_update or {})
         checkpoint_dist.save_dist(iter_dir, iteration, gpt, optimizer, scheduler, info, args,
-                                  cfg.optimizer.distributed)
+                                  cfg.optimizer.distributed, cfg.dist_ckpt.fully_parallel_save)
         dist.barrier()
         if info.rank == 0:
             tmp = os.path.join(root, LATEST + ".tmp")

@@ -255,6 +255,18 @@ class TensorBoardArgs:
 
 
 @dataclass(frozen=True)
+class DistCkptArgs:
+    """How ``torch_dist`` checkpoints are written and read, Megatron-LM's flags and defaults:
+    the data-parallel replicas split the writing of what they share (``fully_parallel_save``)
+    and, when asked, the reading (``fully_parallel_load``); ``strictness`` is megatron-core's
+    ``StrictHandling`` for keys the checkpoint and the run do not share."""
+
+    fully_parallel_save: bool = True
+    fully_parallel_load: bool = False
+    strictness: str = "assume_ok_unexpected"
+
+
+@dataclass(frozen=True)
 class DDPArgs:
     """megatron-core DDP's gradient reduction, Megatron-LM's flags and defaults.
 
@@ -296,6 +308,7 @@ class DynaPipeTrainingConfig:
     tensorboard: TensorBoardArgs = field(default_factory=lambda: TensorBoardArgs())
     recompute: RecomputeArgs = field(default_factory=RecomputeArgs)
     ddp: DDPArgs = field(default_factory=DDPArgs)
+    dist_ckpt: DistCkptArgs = field(default_factory=DistCkptArgs)
     # Megatron's --check-for-nan-in-loss-and-grad: stop on a NaN/Inf loss or gradient.
     check_for_nan_in_loss_and_grad: bool = True
     # Megatron's --exit-interval: stop (after saving, with --save) at the first multiple of it.

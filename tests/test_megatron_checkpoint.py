@@ -179,11 +179,58 @@ def test_checkpoint_flags_have_megatrons_meaning(tmp_path):
     assert cfg.megatron_args["seq_length"] == 128 and cfg.megatron_args["global_batch_size"] == 4
     assert _parse(f"--ckpt-format dynapipe --load {tmp_path} --finetune").finetune
     assert _parse("--use-dist-ckpt --auto-detect-ckpt-format").ckpt_format == "torch_dist"  # accepted, no effect
+    d = cfg.dist_ckpt  # Megatron-LM's defaults: fully parallel save, plain load, unexpected keys assumed fine
+    assert (d.fully_parallel_save, d.fully_parallel_load, d.strictness) == (True, False, "assume_ok_unexpected")
+    assert _parse("--ckpt-fully-parallel-save").dist_ckpt.fully_parallel_save  # deprecated spelling of the default
     with pytest.raises(DynaPipeError, match="^--ckpt-format is a Megatron-LM flag that dynapipe-megatron does not "
                                             "support: torch .*use torch_dist"):
         _parse("--ckpt-format torch")
     with pytest.raises(DynaPipeError, match="--finetune needs --load"):
         _parse("--finetune")
+
+
+def _shard_bytes(iter_dir, rank: int) -> int:
+    return sum(os.path.getsize(os.path.join(iter_dir, f)) for f in os.listdir(iter_dir)
+               if f.startswith(f"__{rank}_") and f.endswith(".distcp"))
+
+
+def test_fully_parallel_save_and_load_and_strictness_on_two_replicas(tmp_path):
+    """Two data-parallel replicas: Megatron-LM's default fully parallel save splits the writing of
+    what both hold (without it the first writes it all); either checkpoint resumes exactly; ``--dist-ckpt-strictness``
+    decides what the optimizer keys a ``--no-load-optim`` run leaves unread do."""
+    dp2 = TINY.replace("--pipeline-model-parallel-size 2", "--pipeline-model-parallel-size 1") + " --train-iters 4"
+    split, whole = str(tmp_path / "split"), str(tmp_path / "whole")
+    argvs = [dp2, f"{dp2} --exit-interval 2 --save {split}",
+             f"{dp2} --exit-interval 2 --save {whole} --no-ckpt-fully-parallel-save",
+             f"{dp2} --load {split}", f"{dp2} --load {whole}",
+             f"{dp2} --load {split} --no-load-optim --dist-ckpt-strictness log_all"]
+    full, _, _, from_split, from_whole, fresh_optim = (
+        ranks[0] for ranks in run_trainings([a.split() for a in argvs], 2, timeout_s=TIMEOUT * len(argvs)))
+    assert from_split["losses"] == full["losses"][2:] and from_whole["losses"] == full["losses"][2:]
+    assert fresh_optim["start_iteration"] == 2
+    for root, rank1_share in ((split, (0.3, 0.7)), (whole, (0.0, 0.05))):
+        iter_dir = os.path.join(root, "iter_0000002")
+        sizes = [_shard_bytes(iter_dir, r) for r in (0, 1)]
+        low, high = rank1_share
+        assert low <= sizes[1] / sum(sizes) <= high, (root, sizes)
+    # megatron-core's terms: the optimizer keys the run leaves unread are "missing" (raise_all raises on
+    # them), keys the run asked for that the checkpoint lacks "unexpected" (none here).
+    with pytest.raises(Exception, match="[Mm]issing keys.*optimizer"):
+        run_training(f"{dp2} --load {split} --no-load-optim --dist-ckpt-strictness raise_all".split(), 2,
+                     timeout_s=TIMEOUT)
+    assert run_training(f"{dp2} --load {split} --dist-ckpt-strictness raise_all".split(), 2,
+                        timeout_s=TIMEOUT)[0]["losses"] == full["losses"][2:]
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ("--dist-ckpt-strictness return_all", "use log_all or raise_all"),
+    ("--ckpt-format dynapipe --no-ckpt-fully-parallel-save", "--no-ckpt-fully-parallel-save applies to torch_dist"),
+    ("--ckpt-fully-parallel-load", "--ckpt-fully-parallel-load sets how a checkpoint is loaded; add --load"),
+    ("--ckpt-fully-parallel-load --load {tmp}", "--ckpt-fully-parallel-load needs GPUs"),
+])
+def test_dist_checkpoint_flags_that_change_nothing_are_refused(extra, needle, tmp_path):
+    with pytest.raises(DynaPipeError, match=needle):
+        _parse(extra.replace("{tmp}", str(tmp_path)))
 
 
 def test_checkpoint_flags_not_honoured_are_one_line(capsys, monkeypatch):
