@@ -67,6 +67,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--norm-epsilon", type=float, default=1e-5, help="epsilon of every LayerNorm / RMSNorm")
+    g.add_argument("--apply-query-key-layer-scaling", action="store_true",
+                   help="scale Q x K^T by 1 / layer number before the softmax and back inside it, in fp32 "
+                        "(fp16 range headroom)")
     g.add_argument("--rotary-percent", type=float, default=1.0,
                    help="share of each head's channels rotary embeddings cover (only 1.0, the default, is built)")
     g.add_argument("--apply-layernorm-1p", action="store_true",
@@ -120,6 +123,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=(0, 1, 2),
                    help="return the CUDA caching allocator's unused memory: 1 after each forward-backward, 2 also "
                         "after each optimizer step (no effect on CPU, which has no such cache)")
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="bit-reproducible execution: deterministic torch algorithms, NCCL ring reductions, a "
+                        "deterministic cuBLAS workspace (as Megatron-LM sets them)")
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="accepted: the loss is always a sum over tokens divided by the global batch's token count")
     g.add_argument("--cross-entropy-loss-fusion", action="store_true",

@@ -44,6 +44,9 @@ def model_args_from_args(args: argparse.Namespace, cuda: bool) -> GPTModelArgs:
         raise DynaPipeError(f"--hidden-size {args.hidden_size} is not divisible by "
                             f"--num-attention-heads {args.num_attention_heads}.")
     _model_flags_honoured(args, cuda)
+    if args.deterministic_mode and args.cross_entropy_loss_fusion:
+        raise DynaPipeError("--deterministic-mode with --cross-entropy-loss-fusion: Megatron-LM requires the fused "
+                            "cross-entropy off for bit-reproducible runs; drop one of them.")
     # Megatron-LM's legacy RoPE spellings mean --position-embedding-type rope from here on.
     args.position_embedding_type = position_embedding_from_args(args)
     shape = model_shape_from_args(args)
@@ -64,7 +67,8 @@ def model_args_from_args(args: argparse.Namespace, cuda: bool) -> GPTModelArgs:
         tie_embeddings=not args.untie_embeddings_and_output_weights, normalization=args.normalization,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, dtype=dtype, norm_epsilon=_positive("norm-epsilon", args.norm_epsilon),
-        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion, **shape)
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion, deterministic_mode=args.deterministic_mode,
+        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling, **shape)
 
 
 def _recompute_modules(modules: Optional[list], granularity: Optional[str]) -> None:

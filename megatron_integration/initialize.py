@@ -75,9 +75,13 @@ def init_distributed(parallel: ParallelArgs) -> None:
                             timeout=datetime.timedelta(minutes=parallel.timeout_minutes))
 
 
-def initialize_megatron(parallel: ParallelArgs, seed: int) -> RankInfo:
+def initialize_megatron(parallel: ParallelArgs, seed: int, deterministic: bool = False) -> RankInfo:
     """Process groups, megatron parallel state, CPU compatibility, the rank's CPU cores
-    (``parallel.cpu_affinity``) and seeds; returns this rank's place."""
+    (``parallel.cpu_affinity``) and seeds; returns this rank's place. ``deterministic``:
+    ``--deterministic-mode``, applied before the process group exists."""
+    from megatron_integration.determinism import start_deterministic_run
+
+    start_deterministic_run(deterministic)
     quiet_megatron_warnings()
     init_distributed(parallel)
     init_model_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
@@ -142,8 +146,8 @@ def destroy() -> None:
 
 def end_run() -> int:
     """Tear down one run's megatron parallel state and every process group it created, keeping
-    the default one (jobs that train several runs in one process: the bench, the tests);
-    returns how many groups were destroyed.
+    the default one (jobs that train several runs in one process: the bench, the tests), and
+    turn ``--deterministic-mode``'s torch switch off; returns how many groups were destroyed.
 
     Why: megatron's ``destroy_model_parallel`` only drops its references; torch keeps every
     group, and each gloo group keeps three threads and its connections. Measured: a T5 bench
@@ -152,6 +156,9 @@ def end_run() -> int:
     from megatron.core import parallel_state
     from torch.distributed import distributed_c10d as c10d
 
+    from megatron_integration.determinism import end_deterministic_run
+
+    end_deterministic_run()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if not dist.is_initialized():

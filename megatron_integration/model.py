@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import math
+import os
 import zlib
 from dataclasses import dataclass
 from typing import Optional
@@ -73,9 +74,16 @@ def transformer_config(model: GPTModelArgs, parallel: ParallelArgs, cuda: Option
         add_bias_linear=model.add_bias_linear, num_query_groups=model.num_query_groups,
         add_qkv_bias=model.add_qkv_bias, qk_layernorm=model.qk_layernorm,
         layernorm_epsilon=model.norm_epsilon, cross_entropy_loss_fusion=model.cross_entropy_loss_fusion,
+        deterministic_mode=model.deterministic_mode,
+        # Megatron-LM's --apply-query-key-layer-scaling (megatron-core then keeps the softmax in fp32).
+        apply_query_key_layer_scaling=model.apply_query_key_layer_scaling,
     )
     if parallel.stage_layers is not None:
         kwargs.update(pipeline_model_parallel_layout=megatron_layout(parallel.stage_layers))
+    if model.apply_query_key_layer_scaling:
+        # Transformer Engine's attention takes the scaling from this variable only (megatron-core
+        # refuses a config and environment that disagree); megatron-core's local one from the config.
+        os.environ["NVTE_APPLY_QK_LAYER_SCALING"] = "1"
     if model.swiglu:
         kwargs.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
     if recompute is not None and recompute.granularity is not None:

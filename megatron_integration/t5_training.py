@@ -58,7 +58,7 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
 
     base = cfg.base
     started_s = time.time()  # --exit-duration-in-mins counts from here
-    info = initialize_megatron(base.parallel, base.seed)
+    info = initialize_megatron(base.parallel, base.seed, base.model.deterministic_mode)
     if info.rank == 0 and vocab_padding_line(base) is not None:
         print(vocab_padding_line(base), file=stream, flush=True)
     # --dynapipe-placement auto is chosen here, before any stage is built.

@@ -49,6 +49,8 @@ class GPTModelArgs:
     rotary_seq_len_interpolation_factor: Optional[int] = None
     norm_epsilon: float = 1e-5  # --norm-epsilon
     cross_entropy_loss_fusion: bool = False  # --cross-entropy-loss-fusion (GPU)
+    deterministic_mode: bool = False  # --deterministic-mode (megatron_integration.determinism)
+    apply_query_key_layer_scaling: bool = False  # --apply-query-key-layer-scaling
 
     def to_model_config(self, name: str = "megatron-gpt"):
         """The planner's :class:`dynapipe.config.ModelConfig` for this model."""

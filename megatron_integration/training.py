@@ -127,7 +127,7 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
     """Train up to ``cfg.train_iters`` iterations (from the checkpoint in ``cfg.load`` when present),
     stopping early at ``--exit-interval`` as Megatron-LM does."""
     started_s = time.time()  # --exit-duration-in-mins counts from here, as Megatron-LM's from its start
-    info = initialize_megatron(cfg.parallel, cfg.seed)
+    info = initialize_megatron(cfg.parallel, cfg.seed, cfg.model.deterministic_mode)
     if info.rank == 0 and vocab_padding_line(cfg) is not None:
         print(vocab_padding_line(cfg), file=stream, flush=True)
     if info.rank == 0:

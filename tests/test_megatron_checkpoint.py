@@ -203,10 +203,12 @@ def test_fully_parallel_save_and_load_and_strictness_on_two_replicas(tmp_path):
     argvs = [dp2, f"{dp2} --exit-interval 2 --save {split}",
              f"{dp2} --exit-interval 2 --save {whole} --no-ckpt-fully-parallel-save",
              f"{dp2} --load {split}", f"{dp2} --load {whole}",
-             f"{dp2} --load {split} --no-load-optim --dist-ckpt-strictness log_all"]
-    full, _, _, from_split, from_whole, fresh_optim = (
+             f"{dp2} --load {split} --no-load-optim --dist-ckpt-strictness log_all",
+             f"{dp2} --load {split} --dist-ckpt-strictness raise_all"]
+    full, _, _, from_split, from_whole, fresh_optim, strict = (
         ranks[0] for ranks in run_trainings([a.split() for a in argvs], 2, timeout_s=TIMEOUT * len(argvs)))
     assert from_split["losses"] == full["losses"][2:] and from_whole["losses"] == full["losses"][2:]
+    assert strict["losses"] == full["losses"][2:]  # raise_all: nothing missing when all is read
     assert fresh_optim["start_iteration"] == 2
     for root, rank1_share in ((split, (0.3, 0.7)), (whole, (0.0, 0.05))):
         iter_dir = os.path.join(root, "iter_0000002")
@@ -218,8 +220,6 @@ def test_fully_parallel_save_and_load_and_strictness_on_two_replicas(tmp_path):
     with pytest.raises(Exception, match="[Mm]issing keys.*optimizer"):
         run_training(f"{dp2} --load {split} --no-load-optim --dist-ckpt-strictness raise_all".split(), 2,
                      timeout_s=TIMEOUT)
-    assert run_training(f"{dp2} --load {split} --dist-ckpt-strictness raise_all".split(), 2,
-                        timeout_s=TIMEOUT)[0]["losses"] == full["losses"][2:]
 
 
 @pytest.mark.parametrize("extra, needle", [

@@ -134,6 +134,16 @@ def test_dynapipe_loss_equals_padding(world, model, request):
     assert sum(dynapipe["padded_tokens"]) < 0.9 * sum(padding["padded_tokens"])
 
 
+@pytest.mark.megatron_runs(("", 2), ("--deterministic-mode", 2), ("--deterministic-mode --use-dynapipe", 2))
+def test_deterministic_mode_trains_the_same_losses(request):
+    """Megatron-LM's --deterministic-mode (torch's deterministic algorithms on, which a CPU op
+    without one would refuse) trains the same losses on padding and DynaPipe (1e-5: torch's
+    deterministic CPU kernels round differently, about 1e-7 here)."""
+    plain = run("", 2, request)["losses"]
+    for extra in ("--deterministic-mode", "--deterministic-mode --use-dynapipe"):
+        assert run(extra, 2, request)["losses"] == pytest.approx(plain, abs=1e-5, rel=1e-5), extra
+
+
 def _logged(line: str, field: str) -> float:
     return float(line.split(field + ":")[1].split("|")[0])
 

@@ -288,3 +288,36 @@ def test_layer_flags_that_cannot_be_honoured_are_refused(extra, needle):
 
 def test_recompute_modules_core_attn_is_selective_recompute():
     assert parse("--recompute-activations --recompute-modules core_attn").recompute.granularity == "selective"
+
+
+def test_deterministic_mode_sets_megatrons_environment_and_reaches_the_config(monkeypatch):
+    import os
+
+    import torch
+
+    from megatron_integration.determinism import (DETERMINISTIC_ENV, deterministic_env, end_deterministic_run,
+                                                  start_deterministic_run)
+
+    assert deterministic_env({"NCCL_ALGO": "Ring,CollnetDirect"}) == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+                                                                       "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
+    for name, bad in (("NCCL_ALGO", "Tree"), ("NCCL_ALGO", "Ring,Tree"), ("CUBLAS_WORKSPACE_CONFIG", ":0:0"),
+                      ("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1")):
+        with pytest.raises(DynaPipeError, match=f"{name}='{bad}': not a deterministic setting"):
+            deterministic_env({name: bad})
+    env = {k: v for k, v in os.environ.items() if k not in DETERMINISTIC_ENV}
+    monkeypatch.setattr(os, "environ", env)
+    start_deterministic_run(True)
+    try:
+        assert torch.are_deterministic_algorithms_enabled()
+        assert (env["NCCL_ALGO"], env["CUBLAS_WORKSPACE_CONFIG"]) == ("Ring", ":4096:8")
+    finally:
+        end_deterministic_run()
+    assert not torch.are_deterministic_algorithms_enabled()
+    cfg = parse("--deterministic-mode")
+    assert cfg.model.deterministic_mode and not parse("").model.deterministic_mode
+    with pytest.raises(DynaPipeError, match="--deterministic-mode with --cross-entropy-loss-fusion"):
+        parse("--deterministic-mode --cross-entropy-loss-fusion", cuda=True)
+    pytest.importorskip("megatron.core")
+    from megatron_integration.model import transformer_config
+
+    assert transformer_config(cfg.model, cfg.parallel, cuda=False).deterministic_mode

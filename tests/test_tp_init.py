@@ -212,11 +212,13 @@ FLAG_BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-leng
 FLAGS = ["", "--swiglu", "--swiglu --ffn-hidden-size 96", "--disable-bias-linear",
          "--group-query-attention --num-query-groups 2", "--normalization RMSNorm",
          "--untie-embeddings-and-output-weights", "--kv-channels 32", "--rotary-base 500000",
-         "--qk-layernorm", "--qk-layernorm --normalization RMSNorm", "--disable-bias-linear --add-qkv-bias"]
+         "--qk-layernorm", "--qk-layernorm --normalization RMSNorm", "--disable-bias-linear --add-qkv-bias",
+         "--apply-query-key-layer-scaling"]
 
 
 def _flag_models():
-    """{flags: ({parameter name: shape}, parameters built, planner's count, rotary base used)} at TP1 PP1."""
+    """{flags: ({parameter name: shape}, parameters built, planner's count, rotary base used,
+    (each layer's 1 / sqrt(head width) attention scale, its softmax's score scale))} at TP1 PP1."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -238,8 +240,11 @@ def _flag_models():
                        max_sequence_length=m.max_position_embeddings, share_embeddings_and_output_weights=m.tie_embeddings,
                        position_embedding_type=m.position_embedding_type, rotary_base=m.rotary_base)
         planned = stage_param_count(m.to_model_config(), StageLayout(0, 0, m.num_layers, True, True))
+        scales = [(layer.self_attention.core_attention.softmax_scale,
+                   layer.self_attention.core_attention.scale_mask_softmax.scale) for layer in gpt.decoder.layers]
         out[flags] = ({n: tuple(p.shape) for n, p in gpt.named_parameters()},
-                      sum(p.numel() for p in gpt.parameters()), planned, _rope_base(gpt.rotary_pos_emb.inv_freq))
+                      sum(p.numel() for p in gpt.parameters()), planned, _rope_base(gpt.rotary_pos_emb.inv_freq),
+                      scales)
     return out
 
 
@@ -286,6 +291,10 @@ def test_each_model_flag_builds_what_megatron_builds(ranks):
     untied = flags["--untie-embeddings-and-output-weights"][0]
     assert "output_layer.weight" in untied and "output_layer.weight" not in flags[""][0]
     assert flags["--rotary-base 500000"][3] == pytest.approx(500000) and flags[""][3] == pytest.approx(10000)
+    # Megatron's query-key layer scaling: layer n divides its scores by n more, and its softmax
+    # (in fp32) multiplies them back; off, the softmax does not scale.
+    assert flags[""][4] == [(pytest.approx(0.25), None)] * 2
+    assert flags["--apply-query-key-layer-scaling"][4] == [(pytest.approx(0.25 / n), n) for n in (1, 2)]
     # The planner prices exactly the parameters each flag builds.
-    for f, (_, built, planned, _) in flags.items():
+    for f, (_, built, planned, _, _) in flags.items():
         assert planned == built, f
