@@ -42,6 +42,9 @@ def dist_ckpt_args_from_args(args: argparse.Namespace, cuda: bool) -> DistCkptAr
         raise DynaPipeError(f"--dist-ckpt-strictness {strictness} returns the mismatched keys to the caller, and "
                             f"the training loop has nothing to do with them; use log_{strictness[7:]} or "
                             f"raise_{strictness[7:]}.")
+    if args.ckpt_fully_parallel_save_deprecated and not args.ckpt_fully_parallel_save:
+        raise DynaPipeError("--ckpt-fully-parallel-save and --no-ckpt-fully-parallel-save contradict each other; "
+                            "give one (fully parallel is the default).")
     if not args.ckpt_fully_parallel_save and args.ckpt_format != "torch_dist":
         raise DynaPipeError(f"--no-ckpt-fully-parallel-save applies to torch_dist checkpoints; --ckpt-format "
                             f"{args.ckpt_format} writes one file a rank anyway. Drop it.")

@@ -224,6 +224,7 @@ def test_fully_parallel_save_and_load_and_strictness_on_two_replicas(tmp_path):
 
 @pytest.mark.parametrize("extra, needle", [
     ("--dist-ckpt-strictness return_all", "use log_all or raise_all"),
+    ("--ckpt-fully-parallel-save --no-ckpt-fully-parallel-save", "contradict each other"),
     ("--ckpt-format dynapipe --no-ckpt-fully-parallel-save", "--no-ckpt-fully-parallel-save applies to torch_dist"),
     ("--ckpt-fully-parallel-load", "--ckpt-fully-parallel-load sets how a checkpoint is loaded; add --load"),
     ("--ckpt-fully-parallel-load --load {tmp}", "--ckpt-fully-parallel-load needs GPUs"),
