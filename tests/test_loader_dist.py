@@ -115,57 +115,90 @@ def test_four_ranks_pp2_dp2_on_two_nodes_splitting_the_replicas(tmp_path):
     check_delivery(results, dp=2, pp=2, planner_nodes=2, split=True)
 
 
-def _crash_rank_main(rank, world, port, out_dir):
-    import datetime
-
+def _fault_loader(rank, world, namespace, exploding):
     from dynapipe.data.sampler import GlobalBatchSampler, SamplerConfig
     from dynapipe.data.samples import LengthLimits
     from dynapipe.runtime.loader import DynaPipeDataLoader, LoaderConfig, RankLayout
     from test_loader import N, SEQ, ExplodingDataset
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
     layout = RankLayout(rank, world, 0, 1, rank, world, rank, world)  # one node: rank 0 plans
     ds = None
     if rank == 0:
         ds = ExplodingDataset(N, 11, LengthLimits(SEQ), vocab_size=512)
-        ds.bad = int(GlobalBatchSampler(ds.sample_tokens(), SamplerConfig(GBS, seed=SEED)).batch(1).indices[0])
-    cfg = LoaderConfig(global_batch_size=GBS, seed=SEED, prefetch=1, plan_timeout_s=60)
-    loader = DynaPipeDataLoader(cfg, ds, planner_settings(world, 1), layout)
-    seen, error = [], None
-    t0 = time.monotonic()
-    try:
-        for d in loader:
-            seen.append(d.iteration)
-    except Exception as e:
-        error = f"{type(e).__name__}: {e}"
-    elapsed = time.monotonic() - t0
-    pids = loader.worker_pids
-    loader.close()
+        bad = int(GlobalBatchSampler(ds.sample_tokens(), SamplerConfig(GBS, seed=SEED)).batch(1).indices[0])
+        ds.bad = bad if exploding else -1
+    cfg = LoaderConfig(global_batch_size=GBS, seed=SEED, prefetch=1, plan_timeout_s=60, namespace=namespace)
+    return DynaPipeDataLoader(cfg, ds, planner_settings(world, 1), layout)
+
+
+def _crash_rank_main(rank, world, port, out_dir):
+    """Two faults in one process group: a worker raising on a sample of iteration 1, then a
+    worker killed by a signal (no report of its own) after iteration 0."""
+    import datetime
+    import signal
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    out = {}
+    for case in ("crash", "kill"):
+        loader = _fault_loader(rank, world, f"dynapipe-{case}", exploding=case == "crash")
+        seen, error = [], None
+        t0 = time.monotonic()
+        try:
+            for d in loader:
+                seen.append(d.iteration)
+                if case == "kill" and rank == 0 and d.iteration == 0:
+                    for pid in loader.worker_pids:
+                        os.kill(pid, signal.SIGKILL)
+                    t0 = time.monotonic()
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        out[case] = {"seen": seen, "error": error, "elapsed": time.monotonic() - t0, "pids": loader.worker_pids}
+        loader.close()
+        dist.barrier()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"seen": seen, "error": error, "elapsed": elapsed, "pids": pids}, f)
+        json.dump(out, f)
     dist.destroy_process_group()
 
 
-def test_a_crashing_worker_stops_every_rank_with_its_traceback(tmp_path):
-    from test_loader import wait_gone
-
-    ctx = tmp.start_processes(_crash_rank_main, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=False,
+@pytest.fixture(scope="module")
+def worker_faults(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("worker_faults")
+    ctx = tmp.start_processes(_crash_rank_main, args=(2, _free_port(), str(out_dir)), nprocs=2, join=False,
                               start_method="spawn")
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 150
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
-            pytest.fail("ranks did not stop after the planner worker crashed")
+            pytest.fail("ranks did not stop after a planner worker failed")
     results = []
     for r in range(2):
-        with open(os.path.join(tmp_path, f"rank{r}.json")) as f:
+        with open(os.path.join(out_dir, f"rank{r}.json")) as f:
             results.append(json.load(f))
-    for r, res in enumerate(results):
+    return results
+
+
+def test_a_crashing_worker_stops_every_rank_with_its_traceback(worker_faults):
+    from test_loader import wait_gone
+
+    for r, res in enumerate(x["crash"] for x in worker_faults):
         assert res["seen"] == [0], f"rank {r} trained past the failed iteration"
         assert res["error"] is not None and res["error"].startswith("PlannerWorkerError")
         assert "failed while planning iteration 1" in res["error"]
         assert "RuntimeError: corrupt sample" in res["error"] and "Traceback" in res["error"]
         assert res["elapsed"] < 30
-    assert wait_gone(results[0]["pids"], 5) == []
+    assert wait_gone(worker_faults[0]["crash"]["pids"], 5) == []
+
+
+def test_a_killed_worker_stops_every_rank_with_the_cause_not_a_plan_timeout(worker_faults):
+    # The killed worker writes nothing; the planner rank sees it die and must tell the
+    # others, who would otherwise wait out the 60 s plan timeout with "may be stuck".
+    for r, res in enumerate(x["kill"] for x in worker_faults):
+        assert res["seen"] in ([0], [0, 1]), f"rank {r}: {res['seen']}"
+        assert res["error"] is not None and res["error"].startswith("PlannerWorkerError"), res["error"]
+        assert "without a report (killed, or out of memory?)" in res["error"]
+        assert "did not arrive" not in res["error"]
+        assert res["elapsed"] < 30, f"rank {r} took {res['elapsed']:.1f} s to stop"
+    # Both ranks stop at the same iteration: the planner rank does not fail ahead of the others.
+    assert worker_faults[0]["kill"]["seen"] == worker_faults[1]["kill"]["seen"]

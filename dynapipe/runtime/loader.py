@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+import sys
 import threading
 import time
 import weakref
@@ -32,7 +33,7 @@ from dynapipe.runtime.kv_store import KVStore, KVStoreSpec, TorchStoreKV, delete
 from dynapipe.runtime.loader_config import LoaderConfig, RankLayout
 from dynapipe.runtime.plan_fetcher import IterationData, IterationMeta, PayloadFetcher
 from dynapipe.runtime.plan_source import PlannerSettings, check_planner_settings
-from dynapipe.runtime.planner_workers import Keyspace, PlannerPool, WorkerJob
+from dynapipe.runtime.planner_workers import Keyspace, PlannerPool, PlannerWorkerError, WorkerJob
 from dynapipe.runtime.store_watch import RestartWatcher
 
 __all__ = ["DynaPipeDataLoader", "LoaderConfig", "RankLayout", "IterationData", "IterationMeta"]
@@ -200,15 +201,16 @@ class DynaPipeDataLoader:
             raise StopIteration
         t0 = time.perf_counter()
         if self._pool is not None:
-            self._pool.check()
             self._dispatch(it)
         deadline = time.monotonic() + self.config.plan_timeout_s
         while True:
             data = self._fetcher.get(0.05)
             if data is not None:
                 break
+            # Only a missing payload consults the workers: with prefetch, every rank then fails
+            # at the same iteration instead of the planner rank running ahead of the others.
             if self._pool is not None:
-                self._pool.check()
+                self._check_workers(it)
             if time.monotonic() > deadline:
                 raise DynaPipeError(
                     f"the plan of iteration {it} (replica {self.layout.dp_rank}, stage {self.layout.pp_rank}, planned "
@@ -222,11 +224,22 @@ class DynaPipeDataLoader:
         self.consumed_samples = data.meta.consumed_samples
         return data
 
+    def _check_workers(self, iteration: int) -> None:
+        """Raise if a planner worker failed; a worker that died without a word (killed, out of
+        memory) is reported through the store too, so every rank stops with its cause instead
+        of waiting out the plan timeout."""
+        try:
+            self._pool.check()
+        except PlannerWorkerError as e:
+            self._post_error(f"{e}\n(the plan of iteration {iteration} was awaited)")
+            raise
+
     def _post_error(self, text: str) -> None:
         try:
             self._kv.set(self.keys.error, text.encode())
-        except Exception:
-            pass
+        except Exception as e:  # noqa: BLE001 - the store may be what failed; say so and go on failing
+            print(f"dynapipe: could not report a planner failure to the store ({type(e).__name__}: {e}): "
+                  f"{text.splitlines()[0]}", file=sys.stderr, flush=True)
 
     # ---- state and shutdown -----------------------------------------------------------
 
