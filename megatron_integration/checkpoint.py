@@ -101,39 +101,85 @@ def _is_distributed(optimizer) -> bool:
     return any(hasattr(o, "get_parameter_state_dp_zero") for o in inner)
 
 
+def same_error_everywhere(error: Optional[str]) -> None:
+    """Raise on every rank if any rank failed (the first failing rank's line); collective.
+
+    Why: a rank that fails alone (its disk full, a file only its node cannot see) would
+    leave the others waiting in the next collective until the process-group timeout."""
+    errors = [error]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, text = failed[0]
+        raise DynaPipeError(text if len(errors) == 1 else f"rank {rank}: {text}")
+
+
+def attempt(fn: Callable[[], object], what: str):
+    """``(fn(), None)``, or ``(None, one line)`` naming ``what`` failed and why.
+
+    Any exception counts, not only :class:`DynaPipeError`: an ``OSError`` or a torch error on
+    one rank must reach :func:`same_error_everywhere` like a refusal does."""
+    try:
+        return fn(), None
+    except DynaPipeError as e:
+        return None, str(e)
+    except Exception as e:  # noqa: BLE001 - reported on every rank, then raised there
+        return None, f"{what} failed: {type(e).__name__}: {' '.join(str(e).split())}"
+
+
 def save_checkpoint(root: str, iteration: int, consumed_samples: int, gpt: torch.nn.Module, optimizer,
                     scheduler, info: RankInfo, extra: Optional[dict] = None) -> str:
     """Write this rank's part of the checkpoint of ``iteration``; collective over all ranks.
 
-    Returns the iteration directory.
+    Returns the iteration directory. A rank that cannot write its files makes every rank
+    raise the same line, and ``latest_checkpointed_iteration.txt`` still names the previous
+    checkpoint (nothing is lost).
     """
     rank_dir = _rank_dir(root, iteration, info)
-    os.makedirs(rank_dir, exist_ok=True)
-    if info.dp_rank == 0:
-        payload = {
-            "format_version": FORMAT_VERSION,
-            "iteration": iteration,
-            "consumed_samples": consumed_samples,
-            "model": gpt.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "extra": extra or {},
-        }
-        _atomic_save(payload, os.path.join(rank_dir, "model_optim_rng.pt"))
+
+    def write_own() -> None:
+        os.makedirs(rank_dir, exist_ok=True)
+        if info.dp_rank == 0:
+            payload = {
+                "format_version": FORMAT_VERSION,
+                "iteration": iteration,
+                "consumed_samples": consumed_samples,
+                "model": gpt.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "extra": extra or {},
+            }
+            _atomic_save(payload, os.path.join(rank_dir, "model_optim_rng.pt"))
+        _atomic_save(get_rng_state(), os.path.join(rank_dir, f"rng_dp_{info.dp_rank:03d}.pt"))
+
+    same_error_everywhere(attempt(write_own, f"saving {rank_dir} (rank {info.rank})")[1])
     if _is_distributed(optimizer):
+        # Collective over the data-parallel group: entered by every rank or by none.
         optim_path = os.path.join(rank_dir, "distrib_optim.pt")
         optimizer.save_parameter_state(optim_path)
         if info.dp_rank == 0 and os.path.exists(optim_path):
-            write_checksum(optim_path)
-    _atomic_save(get_rng_state(), os.path.join(rank_dir, f"rng_dp_{info.dp_rank:03d}.pt"))
+            same_error_everywhere(attempt(lambda: write_checksum(optim_path), f"saving {optim_path}")[1])
+        else:
+            same_error_everywhere(None)
+    publish_latest(root, iteration, info)
+    return _iter_dir(root, iteration)
+
+
+def publish_latest(root: str, iteration: int, info: RankInfo) -> None:
+    """Name ``iteration`` in ``latest_checkpointed_iteration.txt`` once every rank has written
+    its part; collective. A failed write is raised on every rank."""
     dist.barrier()
-    if info.rank == 0:
+
+    def write() -> None:
         tmp = os.path.join(root, LATEST + ".tmp")
         with open(tmp, "w") as f:
             f.write(str(iteration))
         os.replace(tmp, os.path.join(root, LATEST))
-    dist.barrier()
-    return _iter_dir(root, iteration)
+
+    error = attempt(write, f"writing {os.path.join(root, LATEST)}")[1] if info.rank == 0 else None
+    same_error_everywhere(error)
 
 
 def latest_iteration(root: str) -> Optional[int]:
@@ -161,27 +207,27 @@ def load_checkpoint(root: str, gpt: torch.nn.Module, optimizer, scheduler, info:
     verified against its checksum first. ``check_extra(extra, path)`` may refuse what
     :func:`save_checkpoint` recorded in ``extra`` (raising :class:`DynaPipeError`) before
     anything is loaded. A rank that cannot load its part makes every rank raise the same
-    one-line error, so none goes on to wait for it in training.
+    one-line error, so none goes on to wait for it in training; the distributed optimizer's
+    collective load starts only once every rank has read and applied its own files.
     """
-    error: Optional[str] = None
-    resumed = None
-    try:
-        resumed = _load_rank(root, gpt, optimizer, scheduler, info, load_optim, load_rng, check_extra)
-    except DynaPipeError as e:
-        error = str(e)
-    errors = [error]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        rank, text = failed[0]
-        raise DynaPipeError(text if len(errors) == 1 else f"rank {rank}: {text}")
-    return resumed
+    read, error = attempt(lambda: _read_rank(root, info, optimizer, load_optim, load_rng, check_extra),
+                          f"reading the checkpoint under {root} (rank {info.rank})")
+    same_error_everywhere(error)
+    if read is None:
+        return None
+    payload, main, optim_path, rng = read
+    _, error = attempt(lambda: _apply_rank(payload, main, gpt, optimizer, scheduler, load_optim, rng),
+                       f"loading {main} (rank {info.rank}); resume with the arguments it was saved with, or "
+                       f"--no-load-optim / --no-load-rng")
+    same_error_everywhere(error)
+    if optim_path is not None:
+        optimizer.load_parameter_state(optim_path)
+    return ResumeState(iteration=int(payload["iteration"]), consumed_samples=int(payload["consumed_samples"]))
 
 
-def _load_rank(root: str, gpt: torch.nn.Module, optimizer, scheduler, info: RankInfo,
-               load_optim: bool, load_rng: bool, check_extra=None) -> Optional[ResumeState]:
+def _read_rank(root: str, info: RankInfo, optimizer, load_optim: bool, load_rng: bool, check_extra=None):
+    """This rank's verified files: the payload, its path, the distributed optimizer's file
+    (or None) and the RNG state (or None); None when ``root`` holds no checkpoint yet."""
     iteration = latest_iteration(root)
     if iteration is None:
         return None
@@ -189,12 +235,30 @@ def _load_rank(root: str, gpt: torch.nn.Module, optimizer, scheduler, info: Rank
     main = os.path.join(rank_dir, "model_optim_rng.pt")
     if not os.path.exists(main):
         raise DynaPipeError(f"checkpoint {main} is missing: was it saved with the same "
-                            f"--tensor/--pipeline-model-parallel-size?")
+                            f"--tensor/--pipeline-model-parallel-size, and does every node see --load {root} "
+                            f"(a shared file system)?")
     payload = _load(main, info.device)
-    if not isinstance(payload, dict) or payload.get("format_version") != FORMAT_VERSION:
-        raise DynaPipeError(f"{main}: checkpoint format {payload.get('format_version')!r} is not supported.")
+    version = payload.get("format_version") if isinstance(payload, dict) else None
+    if version != FORMAT_VERSION:
+        raise DynaPipeError(f"{main}: checkpoint format {version!r} is not supported (expected {FORMAT_VERSION}).")
     if check_extra is not None:
         check_extra(payload.get("extra") or {}, main)
+    optim_path = None
+    if load_optim and _is_distributed(optimizer):
+        optim_path = os.path.join(rank_dir, "distrib_optim.pt")
+        verify_file(optim_path)
+    rng = None
+    if load_rng:
+        rng_path = os.path.join(rank_dir, f"rng_dp_{info.dp_rank:03d}.pt")
+        if not os.path.exists(rng_path):
+            raise DynaPipeError(f"{rng_path} is missing: the checkpoint was saved with fewer data-parallel ranks; "
+                                f"resume with --no-load-rng.")
+        rng = _load(rng_path, "cpu")
+    return payload, main, optim_path, rng
+
+
+def _apply_rank(payload: dict, main: str, gpt: torch.nn.Module, optimizer, scheduler, load_optim: bool,
+                rng: Optional[dict]) -> None:
     try:
         gpt.load_state_dict(payload["model"], strict=True)
     except RuntimeError as e:
@@ -203,14 +267,5 @@ def _load_rank(root: str, gpt: torch.nn.Module, optimizer, scheduler, info: Rank
     if load_optim:
         optimizer.load_state_dict(payload["optimizer"])
         load_scheduler_state(scheduler, payload["scheduler"], main)
-        if _is_distributed(optimizer):
-            optim_path = os.path.join(rank_dir, "distrib_optim.pt")
-            verify_file(optim_path)
-            optimizer.load_parameter_state(optim_path)
-    if load_rng:
-        rng = os.path.join(rank_dir, f"rng_dp_{info.dp_rank:03d}.pt")
-        if not os.path.exists(rng):
-            raise DynaPipeError(f"{rng} is missing: the checkpoint was saved with fewer data-parallel ranks; "
-                                f"resume with --no-load-rng.")
-        set_rng_state(_load(rng, "cpu"))
-    return ResumeState(iteration=int(payload["iteration"]), consumed_samples=int(payload["consumed_samples"]))
+    if rng is not None:
+        set_rng_state(rng)

@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from dynapipe.errors import DynaPipeError
 from megatron_integration import checkpoint_dist
-from megatron_integration.checkpoint import (LATEST, ResumeState, _iter_dir, latest_iteration, load_checkpoint,
-                                             save_checkpoint)
+from megatron_integration.checkpoint import (LATEST, ResumeState, _iter_dir, attempt, latest_iteration, load_checkpoint,
+                                             publish_latest, same_error_everywhere, save_checkpoint)
 from megatron_integration.checkpoint_files import CHECKSUM_SUFFIX
 from megatron_integration.initialize import RankInfo
 
@@ -58,36 +58,58 @@ def save(cfg, iteration: int, consumed_samples: int, gpt, optimizer, scheduler, 
         vars(args).update(args_update or {})
         checkpoint_dist.save_dist(iter_dir, iteration, gpt, optimizer, scheduler, info, args,
                                   cfg.optimizer.distributed, cfg.dist_ckpt.fully_parallel_save)
-        dist.barrier()
-        if info.rank == 0:
-            tmp = os.path.join(root, LATEST + ".tmp")
-            with open(tmp, "w") as f:
-                f.write(str(iteration))
-            os.replace(tmp, os.path.join(root, LATEST))
-        dist.barrier()
+        publish_latest(root, iteration, info)
     else:
         iter_dir = save_checkpoint(root, iteration, consumed_samples, gpt, optimizer, scheduler, info, extra=extra)
     log(f"  [{_now()}] successfully saved checkpoint from iteration {iteration:7d} to {root} {_layout(info)}")
     return iter_dir
 
 
-def _same_error_everywhere(error: Optional[str]) -> None:
-    """Raise on every rank if any rank failed (the first failing rank's line)."""
-    errors = [error]
+def _kind(iter_dir: str) -> str:
+    if checkpoint_dist.is_dist_checkpoint(iter_dir):
+        return "torch_dist"
+    if glob.glob(os.path.join(iter_dir, "mp_rank_*", "model_optim_rng.pt" + CHECKSUM_SUFFIX)):
+        return "dynapipe"
+    if glob.glob(os.path.join(iter_dir, "mp_rank_*", "model_optim_rng.pt")):
+        raise DynaPipeError(f"{iter_dir} is in Megatron-LM's legacy --ckpt-format torch, which this project does "
+                            f"not read; resave it as torch_dist (Megatron-LM's tools/checkpoint/convert.py or a "
+                            f"Megatron-LM run with --ckpt-format torch_dist).")
+    raise DynaPipeError(f"{iter_dir} holds no checkpoint (no metadata.json, no mp_rank_* files) although "
+                        f"{os.path.dirname(iter_dir)}/{LATEST} names it; resume from a complete one.")
+
+
+def _newest_everywhere(root: str, info: RankInfo) -> tuple[Optional[int], Optional[str]]:
+    """The newest checkpoint's iteration under ``root`` and its format, the same on every rank;
+    collective.
+
+    Why: each rank reads ``root`` itself. A node that cannot see it (a directory that is not
+    on a shared file system) would otherwise start from random while the others resume."""
+    def look():
+        it = latest_iteration(root)
+        return it, (None if it is None else _kind(_iter_dir(root, it)))
+
+    seen, error = attempt(look, f"reading --load {root}")
+    same_error_everywhere(error)
+    views = [seen]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        rank, text = failed[0]
-        raise DynaPipeError(text if len(errors) == 1 else f"rank {rank}: {text}")
+        views = [None] * dist.get_world_size()
+        dist.all_gather_object(views, seen)
+    if len(set(views)) > 1:
+        by_view: dict = {}
+        for rank, view in enumerate(views):
+            by_view.setdefault(view, []).append(rank)
+        text = "; ".join(_ranks(r) + ("no checkpoint" if v[0] is None else f"iteration {v[0]} ({v[1]})")
+                         for v, r in by_view.items())
+        raise DynaPipeError(f"the ranks disagree on the newest checkpoint under --load {root}: {text}. Every rank "
+                            f"must read the same directory: put it on a file system every node sees.")
+    return seen
 
 
-def _attempt(fn):
-    try:
-        return fn(), None
-    except DynaPipeError as e:
-        return None, str(e)
+def _ranks(ranks: list) -> str:
+    """'rank 3 sees ' or 'ranks 0,1,... (12 ranks) see '."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} sees "
+    return "ranks " + ",".join(map(str, ranks[:8])) + (f",... ({len(ranks)} ranks)" if len(ranks) > 8 else "") + " see "
 
 
 def load(cfg, gpt, optimizer, scheduler, info: RankInfo, log: Log,
@@ -100,8 +122,7 @@ def load(cfg, gpt, optimizer, scheduler, info: RankInfo, log: Log,
     GPT's model arguments in the check of a ``torch_dist`` checkpoint's ``args``
     (:func:`~megatron_integration.checkpoint_dist.load_dist`)."""
     root = cfg.load
-    iteration, error = _attempt(lambda: latest_iteration(root))
-    _same_error_everywhere(error)
+    iteration, kind = _newest_everywhere(root, info)
     if iteration is None:
         log(f"WARNING: could not find the metadata file {os.path.join(root, LATEST)}")
         log("    will not load any checkpoints and will start from random")
@@ -109,27 +130,21 @@ def load(cfg, gpt, optimizer, scheduler, info: RankInfo, log: Log,
     iter_dir = _iter_dir(root, iteration)
     load_optim = cfg.load_optim and not cfg.finetune
     load_rng = cfg.load_rng and not cfg.finetune
-    if checkpoint_dist.is_dist_checkpoint(iter_dir):
+    if kind == "torch_dist":
         log(f" loading distributed checkpoint from {root} at iteration {iteration}")
-        verified, error = _attempt(lambda: checkpoint_dist.verify_dist_checkpoint(iter_dir, info.rank,
-                                                                                 info.world_size))
-        _same_error_everywhere(error)
+        verified, error = attempt(lambda: checkpoint_dist.verify_dist_checkpoint(iter_dir, info.rank, info.world_size),
+                                  f"verifying {iter_dir}")
+        same_error_everywhere(error)
         if not verified:
             log(f" {iter_dir} has no checksums (not written by dynapipe-megatron): loading it unverified")
-        result, error = _attempt(lambda: checkpoint_dist.load_dist(iter_dir, cfg, gpt, optimizer, scheduler, info,
-                                                                   load_optim, load_rng, log, model_values))
-        _same_error_everywhere(error)
+        result, error = attempt(lambda: checkpoint_dist.load_dist(iter_dir, cfg, gpt, optimizer, scheduler, info,
+                                                                  load_optim, load_rng, log, model_values),
+                                f"loading {iter_dir}")
+        same_error_everywhere(error)
         resumed = ResumeState(*result)
-    elif glob.glob(os.path.join(iter_dir, "mp_rank_*", "model_optim_rng.pt" + CHECKSUM_SUFFIX)):
+    else:
         log(f" loading checkpoint from {root} at iteration {iteration}")
         resumed = load_checkpoint(root, gpt, optimizer, scheduler, info, load_optim, load_rng, check_extra)
-    elif glob.glob(os.path.join(iter_dir, "mp_rank_*", "model_optim_rng.pt")):
-        raise DynaPipeError(f"{iter_dir} is in Megatron-LM's legacy --ckpt-format torch, which this project does "
-                            f"not read; resave it as torch_dist (Megatron-LM's tools/checkpoint/convert.py or a "
-                            f"Megatron-LM run with --ckpt-format torch_dist).")
-    else:
-        raise DynaPipeError(f"{iter_dir} holds no checkpoint (no metadata.json, no mp_rank_* files) although "
-                            f"{os.path.join(root, LATEST)} names iteration {iteration}; resume from a complete one.")
     if cfg.finetune:
         resumed = ResumeState(iteration=0, consumed_samples=0)
     log(f"  successfully loaded checkpoint from {root} {_layout(info)} at iteration {resumed.iteration}")

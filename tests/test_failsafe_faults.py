@@ -36,7 +36,8 @@ MOCK = " --mock-data --dynapipe-mock-samples 64"
 def fault_job(steps: list) -> list:
     """Rank body: run ``steps`` in order in one process group; each step's outcome.
 
-    ``("train", argv)`` trains (a DynaPipeError is an outcome, not a failure of the job);
+    ``("train", argv)`` trains (a DynaPipeError is an outcome, not a failure of the job; ``argv``
+    may be a list, one command line a rank);
     ``("train", argv, (iteration, marker))`` also pauses rank 0 after that iteration until
     the test removes the file ``marker`` it creates (a fault is injected meanwhile);
     ``("rank0", fn, args)`` runs a file operation on rank 0 between runs.
@@ -59,7 +60,8 @@ def fault_job(steps: list) -> list:
                 dist.barrier()
                 out.append(None)
                 continue
-            cfg = parse_training_args(step[1].split(), world)
+            argv = step[1] if isinstance(step[1], str) else step[1][dist.get_rank()]  # or one a rank
+            cfg = parse_training_args(argv.split(), world)
             hook = None
             if len(step) > 2 and dist.get_rank() == 0:
                 hook = partial(_pause_at, *step[2])
@@ -74,6 +76,12 @@ def fault_job(steps: list) -> list:
     finally:
         destroy()
     return out
+
+
+def _file_at(path):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("not a directory")
 
 
 def _strip_checksums_and_cut_common(iter_dir):
@@ -122,6 +130,8 @@ def fault_outcomes(tmp_path_factory):
     d = tmp_path_factory.mktemp("faults")
     save, nan_save, data = str(d / "ckpt"), str(d / "nan-ckpt"), d / "data"
     dist_save = str(d / "dist-ckpt")
+    save2, empty = str(d / "ckpt2"), str(d / "empty")
+    os.makedirs(empty)
     data.mkdir()
     out_of_vocab = write_indexed(data / "vocab", [[5, 6, 7, 8]] * 6 + [[5, 200, 7]] + [[9, 10]] * 5)
     good = write_indexed(data / "good", [list(range(5, 9 + 3 * (i % 7))) for i in range(32)])
@@ -151,6 +161,17 @@ def fault_outcomes(tmp_path_factory):
         "unverified_and_broken": ("rank0", _strip_checksums_and_cut_common, (os.path.join(dist_save, "iter_0000001"),)),
         "load_unverified_broken": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {dist_save} "
                                   "--override-opt_param-scheduler"),
+        # A node that cannot see --load (here: rank 1 is pointed at an empty directory) must not
+        # start from random while the others resume.
+        "load_unseen": ("train", [f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --load {save} --override-opt_param-scheduler",
+                                  f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --load {empty} "
+                                  "--override-opt_param-scheduler"]),
+        # Rank 1 cannot write its part (a file where its directory goes): every rank stops with
+        # its line, and the previous checkpoint stays the latest.
+        "block_rank1_dir": ("rank0", _file_at, (os.path.join(save2, "iter_0000002", "mp_rank_00_001"),)),
+        "saved_once": ("train", f"{TINY}{MOCK} --train-iters 1 --lr 1e-3 --save {save2} --ckpt-format dynapipe"),
+        "save_blocked": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --save {save2} --load {save2} "
+                                  "--ckpt-format dynapipe --override-opt_param-scheduler"),
         "data_padding": ("train", f"{TINY} --data-path {out_of_vocab} --train-iters 1 --lr 1e-3"),
         "data_dynapipe": ("train", f"{TINY} --data-path {out_of_vocab} --train-iters 1 --lr 1e-3 --use-dynapipe"),
         "good_data": ("train", f"{TINY} --data-path {good} --train-iters 1 --lr 1e-3"),
@@ -181,7 +202,7 @@ def fault_outcomes(tmp_path_factory):
                 p.kill()
                 p.wait(10)
     outcomes = {name: [r[i] for r in results] for i, name in enumerate(steps)}
-    return outcomes, {"save": save, "nan_save": nan_save, "redis_restarts": len(procs) - 1,
+    return outcomes, {"save": save, "save2": save2, "nan_save": nan_save, "redis_restarts": len(procs) - 1,
                       "lost_unread": lost_unread, "dist_save": dist_save}
 
 
@@ -239,6 +260,25 @@ def test_a_broken_torch_dist_checkpoint_stops_every_rank_with_one_line(fault_out
     common = common_state_file(os.path.join(paths["dist_save"], "iter_0000001"))
     assert os.path.basename(common) in ("common.pt", "__0_0.distcp")
     assert f"checkpoint {common} cannot be loaded" in broken[0], broken[0]
+
+
+def test_ranks_that_see_different_checkpoints_stop_instead_of_diverging(fault_outcomes):
+    outcomes, paths = fault_outcomes
+    for o in outcomes["load_unseen"]:  # each rank names its own --load here; the rest is the same line
+        text = o.get("error")
+        assert text is not None, o
+        assert "disagree on the newest checkpoint" in text and "rank 0 sees iteration 2 (dynapipe)" in text
+        assert "rank 1 sees no checkpoint" in text and "\n" not in text
+
+
+def test_a_save_one_rank_cannot_write_stops_every_rank_and_keeps_the_previous(fault_outcomes):
+    outcomes, paths = fault_outcomes
+    assert outcomes["saved_once"][0]["losses"]
+    texts = [o.get("error") for o in outcomes["save_blocked"]]
+    assert texts[0] is not None and texts[0] == texts[1], texts
+    assert texts[0].startswith("rank 1: saving ") and "mp_rank_00_001" in texts[0] and "\n" not in texts[0]
+    with open(os.path.join(paths["save2"], "latest_checkpointed_iteration.txt")) as f:
+        assert f.read().strip() == "1"
 
 
 @pytest.mark.parametrize("name", ["data_padding", "data_dynapipe"])
