@@ -9,8 +9,9 @@ layouts by DynaPipe's predicted real tokens per second. Layouts whose model stat
 alone exceed the memory are refused without planning; a layout is shown only if every
 batch's plan fits.
 
-Tensor parallelism is not priced by the cost model yet, so layouts use TP = 1; the
-enumeration already takes the TP sizes to try (``tp_sizes``), within a node.
+The advisor enumerates TP = 1 only: it builds its cost models without tensor
+parallelism (the analytic model prices TP for ``plan --tp``). The enumeration already
+takes the TP sizes to try (``tp_sizes``), within a node.
 Pure Python + numpy: no torch.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dynapipe.cost import build_cost_model
 from dynapipe.errors import DynaPipeError
 from dynapipe.method_compare import BatchesResult, compare_over_batches
 
-# Only TP = 1 until the cost model prices tensor-parallel collectives.
+# Only TP = 1: the advisor builds its cost models without tensor parallelism.
 SUPPORTED_TP = (1,)
 
 
@@ -153,7 +154,7 @@ def advise(batches: Sequence[np.ndarray], model: ModelConfig, device: DeviceConf
         if progress is not None:
             progress(k, len(layouts), layout)
         if layout.tp not in SUPPORTED_TP:
-            refused.append((layout, "tensor parallelism is not priced by the cost model yet"))
+            refused.append((layout, "the advisor tries TP = 1 only; price TP layouts with plan --tp"))
             continue
         started = time.perf_counter()
         cm = cost_models.get(layout.pp)

@@ -176,7 +176,7 @@ def run(args) -> int:
     print(f"{model.name} on {args.gpus} x {device.name} ({cluster.name}): {len(layouts)} layouts, "
           f"{len(advice.results)} fit; {len(batches)} global batch(es) of ~{mean_tokens:,.0f} tokens "
           f"(seq-length {seq}); {advice.elapsed_ms / 1e3:.1f} s")
-    print("TP = 1 only: the cost model does not price tensor parallelism yet. tokens/s: real (non-pad) tokens, "
+    print("TP = 1 only (price TP layouts with plan --tp). tokens/s: real (non-pad) tokens, "
           "simulated; packing: the best packed micro-batch size under 1F1B.")
     for line in format_table(advice, args.top):
         print(line)
