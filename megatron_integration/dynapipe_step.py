@@ -212,6 +212,17 @@ class DynaPipeStepper:
                    [] if cfg.dynapipe.trace_dir else None)
 
     def step(self, iteration: int) -> StepResult:
+        """Train iteration ``iteration``. A failure anywhere in it is published to every rank
+        (:meth:`Executor.report_outside`), so none waits for this one until a timeout."""
+        try:
+            return self._step(iteration)
+        except BaseException as e:
+            instead = self.executor.report_outside(e, f"iteration {iteration}")
+            if instead is not None:
+                raise instead from e
+            raise
+
+    def _step(self, iteration: int) -> StepResult:
         start = time.perf_counter()
         data = next(self.loader)
         if data.iteration != iteration:

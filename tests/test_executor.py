@@ -347,7 +347,7 @@ def _two_executors_worker(ctx):
     dist.barrier(group=ctx.pipeline_group)  # every rank closed A
     out["rows_left"] = [k for k in (f"{a._plan_prefix}/{s}/{r}" for s in (0, 1) for r in range(ctx.world_size))
                         if ctx.store.check([k])]
-    out["abort_reports"] = [r for r in range(ctx.world_size) if ctx.store.check([f"dynapipe/abort/{r}"])]
+    out["abort_reports"] = [r for r in range(ctx.world_size) if ctx.store.check([f"{a.abort.prefix}/{r}"])]
     with Executor(handlers, group=ctx.pipeline_group, store=ctx.store, config=cfg) as b:
         second = [run(b, 1), run(b, 0)][::-1]
         out["prefixes"] = (a._plan_prefix, b._plan_prefix)

@@ -10,6 +10,7 @@ started on a free port, since only a real server loses what a restart loses.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -40,6 +41,8 @@ def fault_job(steps: list) -> list:
     may be a list, one command line a rank);
     ``("train", argv, (iteration, marker))`` also pauses rank 0 after that iteration until
     the test removes the file ``marker`` it creates (a fault is injected meanwhile);
+    ``("train", argv, None, (rank, iteration))`` makes that rank raise a RuntimeError in that
+    iteration after its plan arrived, outside the pipeline executor;
     ``("rank0", fn, args)`` runs a file operation on rank 0 between runs.
     """
     import io
@@ -63,19 +66,49 @@ def fault_job(steps: list) -> list:
             argv = step[1] if isinstance(step[1], str) else step[1][dist.get_rank()]  # or one a rank
             cfg = parse_training_args(argv.split(), world)
             hook = None
-            if len(step) > 2 and dist.get_rank() == 0:
+            if len(step) > 2 and step[2] is not None and dist.get_rank() == 0:
                 hook = partial(_pause_at, *step[2])
+            fault = step[3] if len(step) > 3 and step[3][0] == dist.get_rank() else None
+            t0 = time.monotonic()
             try:
-                run = pretrain(cfg, stream=io.StringIO(), on_iteration=hook)
+                with _fault_outside_the_executor(fault):
+                    run = pretrain(cfg, stream=io.StringIO(), on_iteration=hook)
                 out.append({"losses": run.losses, "skipped": [r.skipped for r in run.results],
                             "start": run.start_iteration})
             except DynaPipeError as e:
-                out.append({"error": str(e)})
+                out.append({"error": str(e), "type": type(e).__name__, "elapsed": time.monotonic() - t0})
+            except RuntimeError as e:
+                if fault is None:
+                    raise
+                out.append({"error": str(e), "type": type(e).__name__, "elapsed": time.monotonic() - t0})
             if not dist.is_initialized():
                 break
     finally:
         destroy()
     return out
+
+
+@contextlib.contextmanager
+def _fault_outside_the_executor(fault):
+    """Within the block, this rank raises in iteration ``fault[1]`` once its plan arrived (the
+    tensor-parallel plan check, which runs before the executor); no fault when None."""
+    if fault is None:
+        yield
+        return
+    from megatron_integration import dynapipe_step
+
+    real = dynapipe_step.check_plan_tensor_parallel
+
+    def faulty(plan, *args):
+        if plan.iteration == fault[1]:
+            raise RuntimeError(f"injected fault in iteration {plan.iteration}")
+        return real(plan, *args)
+
+    dynapipe_step.check_plan_tensor_parallel = faulty
+    try:
+        yield
+    finally:
+        dynapipe_step.check_plan_tensor_parallel = real
 
 
 def _file_at(path):
@@ -172,6 +205,10 @@ def fault_outcomes(tmp_path_factory):
         "saved_once": ("train", f"{TINY}{MOCK} --train-iters 1 --lr 1e-3 --save {save2} --ckpt-format dynapipe"),
         "save_blocked": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --save {save2} --load {save2} "
                                   "--ckpt-format dynapipe --override-opt_param-scheduler"),
+        # Rank 1 fails before its executor runs iteration 1; rank 0, waiting for it in its plan,
+        # must stop with rank 1's cause at once, not at the executor's timeout.
+        "outside_fault": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --use-dynapipe", None, (1, 1)),
+        "after_outside_fault": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --use-dynapipe"),
         "data_padding": ("train", f"{TINY} --data-path {out_of_vocab} --train-iters 1 --lr 1e-3"),
         "data_dynapipe": ("train", f"{TINY} --data-path {out_of_vocab} --train-iters 1 --lr 1e-3 --use-dynapipe"),
         "good_data": ("train", f"{TINY} --data-path {good} --train-iters 1 --lr 1e-3"),
@@ -260,6 +297,17 @@ def test_a_broken_torch_dist_checkpoint_stops_every_rank_with_one_line(fault_out
     common = common_state_file(os.path.join(paths["dist_save"], "iter_0000001"))
     assert os.path.basename(common) in ("common.pt", "__0_0.distcp")
     assert f"checkpoint {common} cannot be loaded" in broken[0], broken[0]
+
+
+def test_a_failure_outside_the_executor_stops_the_waiting_rank_with_its_cause(fault_outcomes):
+    outcomes, _ = fault_outcomes
+    waiting, failed = outcomes["outside_fault"]
+    assert failed["type"] == "RuntimeError" and failed["error"] == "injected fault in iteration 1"
+    assert waiting["type"] == "RemoteFailure", waiting
+    assert "global rank 1 failed first" in waiting["error"] and "injected fault in iteration 1" in waiting["error"]
+    assert waiting["elapsed"] < 60, f"rank 0 waited {waiting['elapsed']:.0f} s"
+    # The failed run's reports stay in its executor's namespace: the next run trains.
+    assert all(len(o.get("losses", [])) == 2 for o in outcomes["after_outside_fault"]), outcomes["after_outside_fault"]
 
 
 def test_ranks_that_see_different_checkpoints_stop_instead_of_diverging(fault_outcomes):

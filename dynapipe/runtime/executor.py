@@ -34,7 +34,7 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from dynapipe.errors import ExecutorError, PlanError
+from dynapipe.errors import DynaPipeError, ExecutorError, PlanError
 from dynapipe.plan.instructions import (RECV_STARTS, SEND_STARTS, BackwardPass, ExecutionPlan, FINISHES,
                                         ForwardPass, FreeBuffer, Instruction, LoadInput, SendActivationStart,
                                         SendGradStart)
@@ -79,13 +79,15 @@ class Executor(ComputeOps, TransferOps):
         self.device = torch.device(device)
         self.comm = PeerComm(group, self.device)
         self.store = store
-        self.abort = AbortChannel(store, dist.get_world_size()) if store is not None else None
         # A second store client for blocking waits, so the abort channel stays usable meanwhile.
         self._wait_store = store.clone() if store is not None and hasattr(store, "clone") else None
         self.global_rank = dist.get_rank()
-        # This executor's plan-check rows live in their own namespace: an earlier executor's
-        # leftovers on the same store can never pass for this one's.
+        # This executor's plan-check rows and failure reports live in their own namespace: an
+        # earlier executor's leftovers on the same store (a failed run of a multi-run job) can
+        # never pass for this one's.
         self._plan_prefix = executor_prefix(store, self.global_rank) if store is not None else ""
+        self.abort = AbortChannel(store, dist.get_world_size(), f"{self._plan_prefix}/abort") \
+            if store is not None else None
         self.waiter = Waiter(self.config.timeout_s, self.abort, self.config.poll_s,
                              stream_ordered=self.device.type == "cuda", watch=self.config.watch_failures)
         self.replica = replica
@@ -151,9 +153,9 @@ class Executor(ComputeOps, TransferOps):
 
         The row of the last exchange is kept when a peer may still be reading it (the
         last iteration was refused, or moved nothing between stages); it lies in this
-        executor's own namespace, so no later executor reads it. Failure reports (keys
-        under ``dynapipe/abort``) stay: ranks still stopping read the root cause there, and
-        an executor that failed leaves the job to be restarted; a clean run writes none.
+        executor's own namespace, so no later executor reads it. Failure reports (keys under
+        the same namespace's ``abort/``) stay: ranks still stopping read the root cause there;
+        a clean run writes none.
         """
         if self._closed:
             return
@@ -169,6 +171,34 @@ class Executor(ComputeOps, TransferOps):
                     self.store.delete_key(row_key(self._plan_prefix, seq, self.global_rank))
         except Exception:  # noqa: BLE001 - the store may be gone with its host at shutdown
             pass
+
+    def report_outside(self, exc: BaseException, where: str) -> Optional[RemoteFailure]:
+        """Publish a failure of this rank outside :meth:`run` (the data loader, a check, the
+        gradient reduction, the optimizer step, an interrupt), so ranks waiting on this one in
+        their plans stop now with its cause instead of at the timeout. ``where``: what was
+        running (for example ``"iteration 7"``).
+
+        Returns the error to raise instead of ``exc`` when another rank failed first and
+        ``exc`` is most likely its consequence (a broken connection in a collective): a
+        :class:`RemoteFailure` naming both; else None (raise ``exc``). A failure the
+        instruction loop already reported is not reported again."""
+        if self.abort is None:
+            return None
+        if self._failed is None:
+            comm = isinstance(exc, ExecutorError) or isinstance(exc, getattr(dist, "DistError", ()))
+            text = f"{where}, global rank {self.global_rank}: {type(exc).__name__}: {exc}"
+            if not isinstance(exc, ExecutorError):
+                text += "\n" + "".join(traceback.format_exception(exc)).rstrip()
+            self._failed = text.splitlines()[0]
+            self.abort.report(self.global_rank, text, primary=not comm)
+        if isinstance(exc, DynaPipeError) or not isinstance(exc, Exception):
+            return None  # an error of its own (agreed ones such as a NaN included), or an interrupt
+        first = self.abort.reports()
+        if not first or first[0]["rank"] == self.global_rank:
+            return None
+        line = " ".join(str(exc).split())[:300]
+        return RemoteFailure(f"{where}: {type(exc).__name__}: {line}; global rank {first[0]['rank']} failed first:\n"
+                             f"{first[0]['message']}")
 
     def __enter__(self) -> "Executor":
         return self
