@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 from dynapipe.errors import DynaPipeError
 from megatron_integration.args_checks import _need, _positive
@@ -118,6 +118,45 @@ def batching_from_args(args: argparse.Namespace, dp: int) -> tuple[str, Optional
         raise DynaPipeError("--reset-position-ids / --reset-attention-mask apply to packed rows only "
                             "(--dynapipe-batching packing).")
     return batching, mbs
+
+
+# What only the planner and its loader read, with the defaults declared above: given without
+# --use-dynapipe they would change nothing, so they are refused.
+PLANNER_ONLY = {"schedule": "auto", "planner-workers": 1, "prefetch": 4, "kv-backend": "store",
+                "redis-host": "127.0.0.1", "redis-port": 6379, "store-retry-s": 30.0}
+# What only the executor reads: GPT's fixed-shape baselines run megatron-core's schedules.
+EXECUTOR_ONLY = {"timeout-s": 300.0, "trace-dir": None}
+
+
+def refuse_unused_dynapipe_flags(args: argparse.Namespace, baselines_use_executor: bool) -> None:
+    """Refuse a ``--dynapipe-*`` flag that nothing reads without ``--use-dynapipe`` (the planner's
+    and, where the baselines run megatron-core's schedules, the executor's)."""
+    if args.use_dynapipe:
+        return
+    unused = dict(PLANNER_ONLY, **({} if baselines_use_executor else EXECUTOR_ONLY))
+    for flag, default in unused.items():
+        value = getattr(args, "dynapipe_" + flag.replace("-", "_"))
+        if value != default:
+            where = "the DynaPipe planner" if flag in PLANNER_ONLY else "the DynaPipe executor"
+            raise DynaPipeError(f"--dynapipe-{flag} {value} is read by {where}, which runs with --use-dynapipe "
+                                f"only; add --use-dynapipe or drop it.")
+
+
+def without_unused_dynapipe_flags(argv: Sequence[str], baselines_use_executor: bool) -> list[str]:
+    """``argv`` less the flags :func:`refuse_unused_dynapipe_flags` refuses without
+    ``--use-dynapipe`` (each with its value): a bench that gives every method the same
+    command line passes the DynaPipe runs' settings to those runs only."""
+    names = set(PLANNER_ONLY) | (set() if baselines_use_executor else set(EXECUTOR_ONLY))
+    flags = {f"--dynapipe-{n}" for n in names}
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        elif a.split("=", 1)[0] not in flags:
+            out.append(a)
+    return out
 
 
 def dynapipe_args_from_args(args: argparse.Namespace, cuda: bool, batching: str, recompute: Optional[str],

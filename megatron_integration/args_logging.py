@@ -37,7 +37,7 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
                    help="write the iteration's measured time split (ms) to TensorBoard")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
                    help="write the validation perplexity to TensorBoard")
-    g.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false", dest="log_loss_scale_to_tensorboard",
+    g.add_argument("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard", action="store_false", dest="log_loss_scale_to_tensorboard",
                    help="do not write the loss scale to TensorBoard")
     g.add_argument("--log-world-size-to-tensorboard", action="store_true",
                    help="write the world size to TensorBoard")
@@ -56,10 +56,16 @@ def tensorboard_args_from_args(args: argparse.Namespace) -> TensorBoardArgs:
                                                  f"and --dynapipe-trace-dir writes every op's time")
     for flag in ("tensorboard-log-interval", "tensorboard-queue-size"):
         _positive(flag, getattr(args, flag.replace("-", "_")))
-    wants = [f for f in ("log-timers-to-tensorboard", "log-validation-ppl-to-tensorboard",
-                         "log-world-size-to-tensorboard") if getattr(args, f.replace("-", "_"))]
+    # Megatron-LM ignores these without a directory; here a flag that would change nothing is refused.
+    wants = [f"--{f}" for f in ("log-timers-to-tensorboard", "log-validation-ppl-to-tensorboard",
+                                "log-world-size-to-tensorboard") if getattr(args, f.replace("-", "_"))]
+    wants += [f"--tensorboard-{f} {v}" for f, v, default in (
+        ("log-interval", args.tensorboard_log_interval, 1), ("queue-size", args.tensorboard_queue_size, 1000))
+        if v != default]
+    if not args.log_loss_scale_to_tensorboard:
+        wants.append("--no-log-loss-scale-to-tensorboard")
     if wants and not args.tensorboard_dir:
-        raise DynaPipeError(f"--{wants[0]} writes to TensorBoard; add --tensorboard-dir DIR or drop it.")
+        raise DynaPipeError(f"{wants[0]} applies to TensorBoard's scalars; add --tensorboard-dir DIR or drop it.")
     return TensorBoardArgs(log_interval=args.tensorboard_log_interval, queue_size=args.tensorboard_queue_size,
                            log_timers=args.log_timers_to_tensorboard,
                            log_validation_ppl=args.log_validation_ppl_to_tensorboard,

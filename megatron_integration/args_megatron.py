@@ -92,7 +92,7 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         "--manual-gc-interval iterations and around evaluations, on every rank at once")
     g.add_argument("--manual-gc-interval", type=int, default=0,
                    help="with --manual-gc: iterations between collections (default 0: none between iterations)")
-    g.add_argument("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",
+    g.add_argument("--no-manual-gc-eval", "--disable-manual-gc-eval", dest="manual_gc_eval", action="store_false",
                    help="with --manual-gc: no collection before and after each periodic evaluation")
     g.add_argument("--seed", type=int, default=1234, help="random seed (initialisation, data, dropout)")
     g.add_argument("--bf16", action="store_true",
@@ -234,15 +234,16 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g = parser.add_argument_group("checkpointing")
     g.add_argument("--save", default=None, help="directory to save checkpoints to")
     g.add_argument("--load", default=None, help="directory to resume from (its latest checkpoint)")
-    g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
+    g.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None,
+                   help="iterations between checkpoints")
     g.add_argument("--no-load-optim", action="store_true", help="do not restore the optimizer state")
     g.add_argument("--no-load-rng", action="store_true", help="do not restore the RNG states")
     g.add_argument("--ckpt-format", default="torch_dist", choices=("torch_dist", "torch", "dynapipe"),
                    help="torch_dist: megatron-core's distributed checkpoint, as Megatron-LM writes it (default); "
                         "dynapipe: this project's per-rank files (torch: Megatron's legacy format, not written)")
-    g.add_argument("--override-opt_param-scheduler", action="store_true",
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
                    help="on --load, take the learning-rate schedule from this run's arguments, not the checkpoint's")
-    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler", action="store_true",
                    help="on --load, keep the checkpoint's learning-rate schedule whatever this run's arguments say "
                         "(without either flag a schedule that differs from the checkpoint's is refused)")
     g.add_argument("--finetune", action="store_true",

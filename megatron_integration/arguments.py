@@ -34,7 +34,7 @@ from megatron_integration.args_checks import _need, _positive, _unsupported
 from megatron_integration.args_dynapipe import (BATCHINGS, KV_BACKENDS, MEGATRON_BATCHINGS,  # noqa: F401
                                                 RECOMPUTE_CHOICES, SCHEDULES, add_dynapipe_args,
                                                 batching_from_args, check_planner_nodes,
-                                                dynapipe_args_from_args)
+                                                dynapipe_args_from_args, refuse_unused_dynapipe_flags)
 from megatron_integration.args_megatron import (ATTENTION_BACKENDS, LR_DECAY_STYLES,  # noqa: F401
                                                 POSITION_EMBEDDINGS, add_megatron_args)
 from megatron_integration.args_model import (BYTE_LEVEL_VOCAB, model_args_from_args,  # noqa: F401
@@ -47,6 +47,7 @@ from megatron_integration.args_checkpoint import dist_ckpt_args_from_args
 from megatron_integration.args_ddp import ddp_args_from_args
 from megatron_integration.args_logging import tensorboard_args_from_args
 from megatron_integration.args_virtual import check_interleaved, overlap_p2p_comm
+from megatron_integration.model_flags import nan_check_enabled
 from megatron_integration.run_config import RunConfig, load_run_config  # noqa: F401  (re-exported)
 from megatron_integration.tensor_parallel import check_tensor_parallel_args
 from megatron_integration.training_limits import check_exit_duration
@@ -83,7 +84,8 @@ def build_parser(prog: Optional[str] = None, description: Optional[str] = None) 
 
 
 def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optional[bool] = None,
-                              num_nodes: Optional[int] = None) -> DynaPipeTrainingConfig:
+                              num_nodes: Optional[int] = None,
+                              baselines_use_executor: bool = False) -> DynaPipeTrainingConfig:
     """Validate parsed arguments for a job of ``world_size`` ranks and build the config.
 
     ``cuda`` says whether the job runs on GPUs (default: ask torch). ``num_nodes``: the nodes
@@ -112,6 +114,7 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
     parallel = _parallel_args_from_args(args, world_size, cuda)
     dp = parallel.data_parallel_size
     batching, mbs = batching_from_args(args, dp)
+    refuse_unused_dynapipe_flags(args, baselines_use_executor)
     recompute, level = recompute_from_args(args, max(parallel.rank_layers(args.num_layers)))
     dyn = dynapipe_args_from_args(args, cuda, batching, level, dp, num_nodes)
 
@@ -160,7 +163,8 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
         log_throughput=args.log_throughput, log_params_norm=args.log_params_norm,
         tensorboard=tensorboard_args_from_args(args),
         tensorboard_dir=args.tensorboard_dir, recompute=recompute, ddp=ddp_args_from_args(args),
-        check_for_nan_in_loss_and_grad=getattr(args, "check_for_nan_in_loss_and_grad", True),
+        check_for_nan_in_loss_and_grad=nan_check_enabled(args.check_for_nan_in_loss_and_grad, args.fp16,
+                                                         args.loss_scale),
         exit_interval=args.exit_interval, exit_duration_in_mins=check_exit_duration(args.exit_duration_in_mins),
         empty_unused_memory_level=args.empty_unused_memory_level, manual_gc=manual_gc, evaluation=evaluation, ckpt_format=args.ckpt_format,
         finetune=args.finetune,

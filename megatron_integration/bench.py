@@ -34,6 +34,7 @@ from dynapipe.progress import Progress
 # Preset and stage_activation_peaks are not used here: callers import them from this module.
 from megatron_integration import cpu_allocator
 from megatron_integration.cpu_affinity import bench_default
+from megatron_integration.args_dynapipe import without_unused_dynapipe_flags
 from megatron_integration.bench_presets import (BASELINES, METHOD_FLAGS, PRESETS, PROFILE_MBS, PROFILE_SEQLENS,
                                                 REFERENCE_SEQ_LENGTH, fill_defaults, flag_value,
                                                 with_defaults)
@@ -56,7 +57,9 @@ class Entry:
         return self.method if self.micro_batch_size is None else f"{self.method}@mbs{self.micro_batch_size}"
 
     def argv(self, argv: Sequence[str]) -> list[str]:
-        out = list(argv) + METHOD_FLAGS[self.method]
+        flags = METHOD_FLAGS[self.method]
+        # The DynaPipe runs' planner and executor settings are refused by the baselines.
+        out = (list(argv) if "--use-dynapipe" in flags else without_unused_dynapipe_flags(argv, False)) + flags
         if self.micro_batch_size is not None:
             out += ["--micro-batch-size", str(self.micro_batch_size)]
         return out
@@ -147,8 +150,8 @@ def check_request(argv: Sequence[str], methods: Sequence[str], preset: str = "ti
         raise DynaPipeError(f"--warmup-iters {warmup}: must be >= 0.")
     full = with_defaults(argv, preset)
     nproc = nproc or int(flag_value(full, "--pipeline-model-parallel-size", "1"))
-    for m in methods:  # every method's command line, before starting any process
-        cfg = parse_training_args(full + METHOD_FLAGS[m], nproc)
+    for m in methods:  # every method's command line, as its run gets it, before starting any process
+        cfg = parse_training_args(Entry(m).argv(full), nproc)
     if cfg.train_iters <= warmup:
         raise DynaPipeError(f"--train-iters {cfg.train_iters} leaves no timed iteration after --warmup-iters "
                             f"{warmup}; raise --train-iters.")

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from megatron_integration.args_dynapipe import without_unused_dynapipe_flags
+
 T5_METHOD_FLAGS = {
     "dynapipe": ["--use-dynapipe"],
     # DynaPipe on Megatron's even split (its entry carries the split): the measured "before"
@@ -50,7 +52,9 @@ class T5Entry:
         return label + (f"-{self.split_name}" if self.split_name else "")
 
     def argv(self, argv: Sequence[str]) -> list[str]:
-        out = list(argv) + T5_METHOD_FLAGS[self.method]
+        flags = T5_METHOD_FLAGS[self.method]
+        # The DynaPipe runs' planner settings are refused by the baselines.
+        out = (list(argv) if "--use-dynapipe" in flags else without_unused_dynapipe_flags(argv, True)) + flags
         out += ["--dynapipe-placement", self.split] if self.split else []
         out += ["--micro-batch-size", str(self.micro_batch_size)] if self.micro_batch_size else []
         return out + list(self.extra)

@@ -242,7 +242,7 @@ class DynaPipeStepper:
         # DP sum of gradients and tied-embedding all-reduce; the executor already divided the
         # loss by the global token count, so no further scaling (num_tokens=None).
         finalize_grads_func()(self.stage.modules, None)
-        check_before_step(self.cfg.check_for_nan_in_loss_and_grad, self.cfg.model.dtype == "fp16", self.stage.module,
+        check_before_step(self.cfg.check_for_nan_in_loss_and_grad, self.stage.module,
                           iteration, self.handlers.loss_sum if self.info.is_last_stage else None, self.info.device)
         empty_unused_memory(self.cfg.empty_unused_memory_level, self.info.device, after_optimizer=False)
         t_opt = time.perf_counter()

@@ -121,3 +121,11 @@ def loss_scale_from_args(args: argparse.Namespace) -> dict:
         raise DynaPipeError(f"--min-loss-scale {values['min_loss_scale']} is above --initial-loss-scale "
                             f"{values['initial_loss_scale']}; lower it.")
     return values
+
+
+def nan_check_enabled(requested: bool, fp16: bool, loss_scale) -> bool:
+    """Whether the check runs, as Megatron-LM decides it: ``--check-for-nan-in-loss-and-grad``
+    (``requested``), turned off under ``--fp16`` with dynamic loss scaling (``loss_scale``
+    None), where a non-finite gradient is the scaler's signal to skip the step and lower
+    the scale. With a static ``--loss-scale`` the loss and the gradients are checked."""
+    return requested and not (fp16 and loss_scale is None)

@@ -82,17 +82,18 @@ def describe(iteration: int, all_flags: torch.Tensor) -> Optional[str]:
             f"--no-check-for-nan-in-loss-and-grad to train on regardless.")
 
 
-def check_before_step(enabled: bool, loss_scaling: bool, module: torch.nn.Module, iteration: int,
+def check_before_step(enabled: bool, module: torch.nn.Module, iteration: int,
                       loss_sum, device: torch.device, group=None) -> None:
     """Raise :class:`NonFiniteError` on every rank when any rank's loss or gradients are
-    not finite. Collective over ``group`` (default: the whole job); a no-op when disabled.
+    not finite. Collective over ``group`` (default: the whole job); a no-op when disabled
+    (as under fp16 with dynamic loss scaling, see
+    :func:`megatron_integration.model_flags.nan_check_enabled`).
 
-    ``iteration``: 0-based index of the iteration being trained. ``loss_scaling``: fp16
-    with a loss scaler, where infinite gradients are an overflow the optimizer skips.
+    ``iteration``: 0-based index of the iteration being trained.
     """
     if not enabled:
         return
-    flags = local_flags(module, loss_sum, not loss_scaling, device)
+    flags = local_flags(module, loss_sum, True, device)
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world > 1:
         gathered = [torch.zeros_like(flags) for _ in range(world)]
@@ -103,3 +104,4 @@ def check_before_step(enabled: bool, loss_scaling: bool, module: torch.nn.Module
     message = describe(iteration + 1, all_flags)
     if message is not None:
         raise NonFiniteError(message)
+

@@ -339,7 +339,7 @@ class T5Stepper:
         if self.cfg.base.parallel.sequence_parallel:
             sum_sequence_parallel_grads(self.stage.gpt)
         base = self.cfg.base
-        check_before_step(base.check_for_nan_in_loss_and_grad, base.model.dtype == "fp16", self.stage.module,
+        check_before_step(base.check_for_nan_in_loss_and_grad, self.stage.module,
                           iteration, self.handlers.loss_sum if self.info.is_last_stage else None, self.info.device)
         empty_unused_memory(base.empty_unused_memory_level, self.info.device, after_optimizer=False)
         t_opt = time.perf_counter()

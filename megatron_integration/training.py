@@ -54,8 +54,8 @@ class MegatronStepper:
         micro_batches, executed = build_micro_batches(cfg.method, samples, lengths, cfg.model.seq_length,
                                                       cfg.micro_batch_size, self.info, cfg.reset_position_ids,
                                                       cfg.reset_attention_mask, schedule_group(self.stage))
-        guard = partial(check_before_step, cfg.check_for_nan_in_loss_and_grad, cfg.model.dtype == "fp16",
-                        self.stage.module, iteration, device=self.info.device)
+        guard = partial(check_before_step, cfg.check_for_nan_in_loss_and_grad, self.stage.module, iteration,
+                        device=self.info.device)
         result = megatron_train_step(self.stage, self.optimizer, self.scheduler, micro_batches, cfg.model.seq_length,
                                      cfg.micro_batch_size, self.info, int(lengths.sum()), executed.tokens,
                                      before_step=guard, memory_level=cfg.empty_unused_memory_level)

@@ -152,3 +152,70 @@ def test_manual_gc_flags_take_megatrons_defaults_and_points():
     finally:
         gc.callbacks.remove(record)
         gc.enable()
+
+
+def test_megatron_lms_generated_aliases_are_the_same_flags():
+    # Megatron-LM's dataclass-built parser also spells these; each must set the same value.
+    from megatron_integration.arguments import build_parser
+
+    p = build_parser()
+    base = BASE.split()
+    pairs = [("--no-manual-gc-eval", "--disable-manual-gc-eval", "manual_gc_eval"),
+             ("--override-opt_param-scheduler", "--override-opt-param-scheduler", "override_opt_param_scheduler"),
+             ("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+              "use_checkpoint_opt_param_scheduler"),
+             ("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard",
+              "log_loss_scale_to_tensorboard")]
+    for ours, alias, dest in pairs:
+        default = getattr(p.parse_args(base), dest)
+        assert getattr(p.parse_args(base + [ours]), dest) == getattr(p.parse_args(base + [alias]), dest) != default
+    assert p.parse_args(base + ["--persistent-save-interval", "7"]).save_interval == 7
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ("--dynapipe-schedule 1f1b", "--dynapipe-schedule 1f1b is read by the DynaPipe planner"),
+    ("--dynapipe-prefetch 2", "--dynapipe-prefetch 2 is read by the DynaPipe planner"),
+    ("--dynapipe-planner-workers 2", "--dynapipe-planner-workers 2 is read by the DynaPipe planner"),
+    ("--dynapipe-kv-backend redis", "--dynapipe-kv-backend redis is read by the DynaPipe planner"),
+    ("--dynapipe-timeout-s 60", "--dynapipe-timeout-s 60.0 is read by the DynaPipe executor"),
+    ("--dynapipe-trace-dir /tmp/t", "--dynapipe-trace-dir /tmp/t is read by the DynaPipe executor"),
+    ("--tensorboard-log-interval 5", "--tensorboard-log-interval 5 applies to TensorBoard's scalars; add --tensorboard-dir"),
+    ("--tensorboard-queue-size 10", "--tensorboard-queue-size 10 applies to TensorBoard"),
+    ("--no-log-loss-scale-to-tensorboard", "--no-log-loss-scale-to-tensorboard applies to TensorBoard"),
+])
+def test_flags_that_would_change_nothing_are_refused(extra, needle):
+    # Without --use-dynapipe, GPT's baselines run megatron-core's schedules: no planner, no executor.
+    with pytest.raises(DynaPipeError, match=needle.replace("(", r"\(")):
+        parse(extra, world=1)
+    assert parse(extra + " --use-dynapipe --tensorboard-dir /tmp/tb", world=1)
+
+
+def test_t5_baselines_take_the_executor_flags_but_not_the_planners():
+    from megatron_integration.t5_arguments import parse_t5_args
+    from t5_job import TINY
+
+    cfg = parse_t5_args((TINY + " --dynapipe-timeout-s 60").split(), 2, cuda=False)
+    assert cfg.base.dynapipe.timeout_s == 60.0 and not cfg.base.dynapipe.enabled
+    with pytest.raises(DynaPipeError, match="--dynapipe-prefetch 2 is read by the DynaPipe planner"):
+        parse_t5_args((TINY + " --dynapipe-prefetch 2").split(), 2, cuda=False)
+
+
+def test_the_bench_gives_the_dynapipe_flags_to_the_dynapipe_runs_only():
+    from megatron_integration.bench import Entry
+    from megatron_integration.bench_t5_entries import T5Entry
+
+    argv = ["--dynapipe-prefetch", "2", "--dynapipe-timeout-s=60", "--lr", "1e-3", "--dynapipe-mock-samples", "64"]
+    assert Entry("dynapipe").argv(argv)[:7] == argv
+    assert Entry("padding", 2).argv(argv)[:4] == ["--lr", "1e-3", "--dynapipe-mock-samples", "64"]
+    t5 = T5Entry("packing", micro_batch_size=2).argv(argv)
+    assert "--dynapipe-prefetch" not in t5 and "--dynapipe-timeout-s=60" in t5
+
+
+def test_nan_check_is_off_under_fp16_dynamic_loss_scaling_as_in_megatron_lm():
+    # There a non-finite gradient is the scaler's signal (the step is skipped, the scale
+    # lowered); with a static scale, or in fp32/bf16, the loss and the gradients are checked.
+    assert parse().check_for_nan_in_loss_and_grad
+    assert parse("--bf16").check_for_nan_in_loss_and_grad
+    assert not parse("--fp16").check_for_nan_in_loss_and_grad
+    assert parse("--fp16 --loss-scale 1024").check_for_nan_in_loss_and_grad
+    assert not parse("--fp16 --loss-scale 1024 --no-check-for-nan-in-loss-and-grad").check_for_nan_in_loss_and_grad

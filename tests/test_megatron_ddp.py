@@ -17,11 +17,12 @@ from t5_job import TINY as T5
 
 GPT = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --seq-length 256 "
        "--vocab-size 256 --micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 1e-2 --mock-data "
-       "--hidden-dropout 0 --attention-dropout 0 --log-interval 1 --seed 7 --dynapipe-timeout-s 60")
+       "--hidden-dropout 0 --attention-dropout 0 --log-interval 1 --seed 7")
 OVERLAP = " --overlap-grad-reduce --ddp-bucket-size 20000"
+DYN = " --use-dynapipe --dynapipe-timeout-s 60"
 CHUNKED = (GPT.replace("--num-layers 2", "--num-layers 4") +
-           " --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --use-dynapipe")
-GPT_RUNS = ["", OVERLAP, " --use-dynapipe", " --use-dynapipe" + OVERLAP]
+           " --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2" + DYN)
+GPT_RUNS = ["", OVERLAP, DYN, DYN + OVERLAP]
 T5_RUNS = ["", OVERLAP, " --use-dynapipe" + OVERLAP]
 
 

@@ -14,7 +14,7 @@ from megatron_integration.launch import spawn
 TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --seq-length 256 "
         "--vocab-size 256 --micro-batch-size 2 --global-batch-size 8 --train-iters 2 --lr 1e-2 --mock-data "
         "--hidden-dropout 0 --attention-dropout 0 --lr-decay-style constant --log-interval 1 --seed 7 "
-        "--dynapipe-timeout-s 60 --tensor-model-parallel-size 2")
+        "--tensor-model-parallel-size 2")
 LAYOUTS = {"tp2xpp2": "--pipeline-model-parallel-size 2", "tp2xdp2": ""}
 SP = {"": "", "sp": "--sequence-parallel"}
 WORLD = 4
@@ -55,7 +55,7 @@ def tp_job():
     runs = _runs()
     try:
         for layout, sp, method in runs:
-            argv = f"{TINY} {LAYOUTS[layout]} {SP[sp]} {'--use-dynapipe' if method == 'dynapipe' else ''}"
+            argv = f"{TINY} {LAYOUTS[layout]} {SP[sp]} {'--use-dynapipe --dynapipe-timeout-s 60' if method == 'dynapipe' else ''}"
             last = (layout, sp, method) == runs[-1]
             if last:
                 # The last run goes on to a third iteration, at which rank 1 claims another payload
