@@ -90,7 +90,10 @@ def megatron_args(recorded: dict, cfg, info: RankInfo, iteration: int, consumed_
         num_attention_heads=m.num_attention_heads, kv_channels=m.kv_channels, seq_length=m.seq_length,
         max_position_embeddings=m.max_position_embeddings, padded_vocab_size=m.vocab_size,
         position_embedding_type=m.position_embedding_type,
-        add_position_embedding=m.position_embedding_type == "learned_absolute",
+        # Megatron-LM's meaning: on unless --no-position-embedding, whatever the position type
+        # (its check_checkpoint_args compares it with the resuming run's flag).
+        add_position_embedding=bool(values.get("add_position_embedding", True)),
+        add_bias_linear=m.add_bias_linear,
         untie_embeddings_and_output_weights=not m.tie_embeddings, normalization=m.normalization,
         # Megatron-LM's validate_args sets add_qkv_bias whenever the linear layers have biases.
         qk_layernorm=m.qk_layernorm, add_qkv_bias=m.add_qkv_bias or m.add_bias_linear,
@@ -301,17 +304,23 @@ def read_common(iter_dir: str) -> dict:
         raise _checkpoint_error(common_state_file(iter_dir), e) from None
 
 
+# The flag that sets a recorded argument, where its name is not the argument's.
+FLAG_OF = {"add_bias_linear": "--disable-bias-linear", "padded_vocab_size": "--vocab-size"}
+
+
 # Megatron-LM argument name -> this model's value; compared before any tensor is read.
 def _model_mismatch(ckpt_args, cfg, mine: Optional[dict] = None) -> Optional[str]:
     m = cfg.model
     ours = {"num_layers": m.num_layers, "hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads,
             "ffn_hidden_size": m.ffn_hidden_size, "kv_channels": m.kv_channels, "padded_vocab_size": m.vocab_size,
-            "add_position_embedding": m.position_embedding_type == "learned_absolute",
+            "position_embedding_type": m.position_embedding_type, "add_bias_linear": m.add_bias_linear,
             "untie_embeddings_and_output_weights": not m.tie_embeddings, "qk_layernorm": m.qk_layernorm,
             "add_qkv_bias": m.add_qkv_bias or m.add_bias_linear}
     for name, value in (mine or ours).items():
         theirs = getattr(ckpt_args, name, None)
         if theirs is not None and theirs != value:
+            if name in FLAG_OF:
+                return f"{name} {theirs} in the checkpoint, {value} here: {FLAG_OF[name]}"
             return f"--{name.replace('_', '-')} {theirs} in the checkpoint, {value} here"
     return None
 

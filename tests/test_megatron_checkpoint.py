@@ -258,3 +258,29 @@ def test_wrapped_read_errors_become_one_line():
     assert isinstance(wrapped, _LOAD_ERRORS) and not isinstance(wrapped, Exception)
     err = _checkpoint_error("ckpt/iter_0000001/__0_0.distcp", wrapped)
     assert str(err) == "checkpoint ckpt/iter_0000001/__0_0.distcp cannot be loaded (EOFError: Ran out of input)."
+
+
+def test_recorded_args_have_megatron_lms_names_and_meanings():
+    # Megatron-LM's check_checkpoint_args compares add_position_embedding with the resuming run's
+    # flag (on unless --no-position-embedding, for RoPE too), and --use-checkpoint-args reads
+    # add_bias_linear; the model check compares the position type itself.
+    from types import SimpleNamespace
+
+    from megatron_integration.checkpoint_dist import _model_mismatch, megatron_args
+
+    def recorded(extra):
+        cfg = _parse(extra)
+        return cfg, megatron_args(cfg.megatron_args, cfg, None, 1, 4)
+
+    cfg, args = recorded("--position-embedding-type rope")
+    assert args.add_position_embedding is True and args.add_bias_linear is True
+    _, args = recorded("--position-embedding-type rope --no-position-embedding --disable-bias-linear")
+    assert args.add_position_embedding is False and args.add_bias_linear is False
+    assert recorded("")[1].add_position_embedding is True
+    # A Megatron-LM RoPE checkpoint (add_position_embedding True) fits a RoPE model here.
+    theirs = SimpleNamespace(position_embedding_type="rope", add_position_embedding=True, add_bias_linear=True)
+    assert _model_mismatch(theirs, cfg) is None
+    assert _model_mismatch(SimpleNamespace(position_embedding_type="learned_absolute"), cfg) == (
+        "--position-embedding-type learned_absolute in the checkpoint, rope here")
+    assert _model_mismatch(SimpleNamespace(add_bias_linear=False), cfg) == (
+        "add_bias_linear False in the checkpoint, True here: --disable-bias-linear")
