@@ -413,6 +413,33 @@ def test_loader_survives_a_redis_restart_with_the_same_data(redis_port):
     assert [g["tensors"] for g in got] == [r["tensors"] for r in ref]
 
 
+def test_a_failed_replanning_after_a_redis_restart_stops_the_loader_with_its_cause(redis_port):
+    # Before, the watch thread swallowed it: the lost iteration never came and every rank
+    # waited out the plan timeout, blaming the planner.
+    from test_loader import make_loader
+
+    from dynapipe.runtime.kv_store import KVStoreSpec
+
+    port, procs = redis_port
+    spec = KVStoreSpec("redis", "127.0.0.1", port, connect_timeout_s=10.0)
+
+    def broken():
+        raise RuntimeError("replanning broke")
+
+    with make_loader(kv_backend="redis", redis=spec, train_iters=7, store_retry_s=20, prefetch=6,
+                     plan_timeout_s=60) as dl:
+        next(dl)
+        dl._watcher.on_restart = broken
+        _restart(procs, port, 0.5)
+        t0 = time.monotonic()
+        with pytest.raises(DynaPipeError) as e:
+            for _ in dl:
+                pass
+        assert time.monotonic() - t0 < 30
+    assert "replanning the iterations a restarted Redis server lost failed" in str(e.value)
+    assert "RuntimeError: replanning broke" in str(e.value)
+
+
 def test_store_calls_wait_through_a_restart_within_the_window(redis_port):
     from dynapipe.runtime.kv_store import KVStoreSpec
 

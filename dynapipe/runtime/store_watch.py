@@ -9,7 +9,9 @@ a lost iteration again gives every rank exactly what it would have read.
 """
 from __future__ import annotations
 
+import sys
 import threading
+import traceback
 from typing import Callable, Optional
 
 from dynapipe.runtime.kv_store import KVStoreSpec
@@ -19,12 +21,16 @@ class RestartWatcher:
     """Calls ``on_restart()`` from a daemon thread whenever the Redis server's run id changes.
 
     A server that stays away longer than the spec's ``retry_s`` ends the thread quietly:
-    the ranks' own store calls report that, with the same one-line error.
+    the ranks' own store calls report that, with the same one-line error. An exception of
+    ``on_restart`` itself (the replanning failed) ends the thread too, and its traceback goes
+    to ``on_error`` (the loader posts it where every rank's fetcher looks), never nowhere.
     """
 
-    def __init__(self, spec: KVStoreSpec, on_restart: Callable[[], None], poll_s: float = 0.2):
+    def __init__(self, spec: KVStoreSpec, on_restart: Callable[[], None], poll_s: float = 0.2,
+                 on_error: Optional[Callable[[str], None]] = None):
         self.spec = spec
         self.on_restart = on_restart
+        self.on_error = on_error
         self.poll_s = poll_s
         self.restarts = 0
         self._stop = threading.Event()
@@ -40,14 +46,25 @@ class RestartWatcher:
                 if server != self._server:
                     self._server = server
                     self.restarts += 1
-                    self.on_restart()
-        except Exception:
-            pass  # lost for good, or closing: the training ranks report it
+                    try:
+                        self.on_restart()
+                    except Exception:  # noqa: BLE001 - reported, then the watch ends
+                        self._report(traceback.format_exc())
+                        return
+        except Exception:  # noqa: BLE001
+            pass  # the server is lost for good, or closing: the training ranks report it
         finally:
             try:
                 self._kv.close()
             except Exception:
                 pass
+
+    def _report(self, tb: str) -> None:
+        text = f"replanning the iterations a restarted Redis server lost failed:\n{tb.rstrip()}"
+        if self.on_error is not None:
+            self.on_error(text)
+        else:
+            print(f"dynapipe: {text}", file=sys.stderr, flush=True)
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Stop the thread."""
