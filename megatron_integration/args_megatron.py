@@ -215,9 +215,11 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--data-path", nargs="*", default=None,
                    help="JSONL files or Megatron indexed-dataset prefixes (optionally weighted: W1 P1 W2 P2)")
     g.add_argument("--mock-data", action="store_true", help="train on the synthetic multi-task mixture")
-    g.add_argument("--tokenizer-type", default="ByteLevel", help="ByteLevel (default), NullTokenizer, GPT2BPETokenizer, HuggingFaceTokenizer, "
-                        "BertWordPieceLowerCase or BertWordPieceCase: the vocabulary size "
-                        "and end of document; JSONL text is tokenised byte-level")
+    g.add_argument("--tokenizer-type", default=None,
+                   help="ByteLevel, NullTokenizer, GPT2BPETokenizer, HuggingFaceTokenizer, BertWordPieceLowerCase or "
+                        "BertWordPieceCase: the vocabulary size and end of document; JSONL text is tokenised "
+                        "byte-level (default: Megatron-LM's, GPT2BPETokenizer for GPT and BertWordPieceLowerCase "
+                        "for T5, when --vocab-file is given; else ByteLevel)")
     g.add_argument("--tokenizer-model", default=None, help="tokenizer model file or name, when the type needs one")
     add_tokenizer_args(g)
     g.add_argument("--data-cache-path", default=None,

@@ -50,6 +50,7 @@ from megatron_integration.args_virtual import check_interleaved, overlap_p2p_com
 from megatron_integration.model_flags import nan_check_enabled
 from megatron_integration.run_config import RunConfig, load_run_config  # noqa: F401  (re-exported)
 from megatron_integration.tensor_parallel import check_tensor_parallel_args
+from megatron_integration.tokenizer import resolve_tokenizer_type
 from megatron_integration.training_limits import check_exit_duration
 from megatron_integration.train_config import (DataArgs, DynaPipeArgs, DynaPipeTrainingConfig,  # noqa: F401
                                                GPTModelArgs, OptimizerArgs, ParallelArgs, RecomputeArgs)
@@ -93,6 +94,7 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
     against the launched layout). Raises :class:`DynaPipeError` naming the offending flag for
     every invalid combination.
     """
+    resolve_tokenizer_type(args, "GPT2BPETokenizer")  # Megatron-LM's pretrain_gpt.py default
     if cuda is None:
         import torch
 

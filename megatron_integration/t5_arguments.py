@@ -17,6 +17,7 @@ from dynapipe.errors import DynaPipeError
 from megatron_integration.arguments import _positive, _unsupported, build_parser, training_config_from_args
 from megatron_integration.t5_config import T5TrainingConfig
 from megatron_integration.t5_data_args import add_t5_data_args, span_corruption_from_args
+from megatron_integration.tokenizer import resolve_tokenizer_type
 
 # Fixed-shape baselines the T5 script runs (through the DynaPipe executor: megatron-core's
 # schedules no longer pipeline encoder-decoder models).
@@ -53,6 +54,7 @@ def _one_of(args, flag_a: str, flag_b: str):
 
 def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optional[bool] = None) -> T5TrainingConfig:
     """Validate parsed T5 arguments for a job of ``world_size`` ranks and build the config."""
+    resolve_tokenizer_type(args, "BertWordPieceLowerCase")  # Megatron-LM's pretrain_t5.py default
     enc_layers = _positive("encoder-num-layers", _one_of(args, "num-layers", "encoder-num-layers"))
     dec_layers = _positive("decoder-num-layers", args.decoder_num_layers) or enc_layers
     enc_seq = _positive("encoder-seq-length", _one_of(args, "seq-length", "encoder-seq-length"))

@@ -10,7 +10,8 @@ from its tokenizer, built through megatron-core's tokenizer classes where they w
   pre-tokenised (indexed) data needs.
 * ``HuggingFaceTokenizer`` (``--tokenizer-model DIR_OR_NAME``): megatron-core's class, which
   needs the ``transformers`` package.
-* ``ByteLevel`` (this project's default): UTF-8 bytes, for JSONL text without a tokenizer.
+* ``ByteLevel`` (the default without vocabulary files): UTF-8 bytes, for JSONL text without a
+  tokenizer. With them, the default is Megatron-LM's (:func:`resolve_tokenizer_type`).
 * ``BertWordPieceLowerCase`` / ``BertWordPieceCase`` (``--vocab-file vocab.txt``, T5's
   ``--vocab-extra-ids N``): Megatron-LM's WordPiece vocabulary with its added ``[BOS]``,
   ``[EOS]`` and sentinel tokens (:mod:`megatron_integration.wordpiece`); EOD is ``[EOS]``.
@@ -49,6 +50,17 @@ def add_tokenizer_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: the vocabulary JSON (token -> id); "
                                                           "BertWordPiece*: the WordPiece vocab.txt")
     group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: the BPE merges file")
+
+
+def resolve_tokenizer_type(args: argparse.Namespace, files_default: str) -> str:
+    """Set ``args.tokenizer_type`` when it was not given, and return it: ``files_default`` (the
+    type Megatron-LM's script defaults to: ``GPT2BPETokenizer`` for GPT, ``BertWordPieceLowerCase``
+    for T5) when a vocabulary file is given, else ``ByteLevel`` (mock data and JSONL text, where
+    Megatron-LM's default would need files)."""
+    if args.tokenizer_type is None:
+        files = args.vocab_file or (files_default == "GPT2BPETokenizer" and args.merge_file)
+        args.tokenizer_type = files_default if files else "ByteLevel"
+    return args.tokenizer_type
 
 
 def _need_file(flag: str, path: Optional[str], tokenizer_type: str) -> str:
@@ -117,8 +129,9 @@ def huggingface_info(model: str) -> TokenizerInfo:
 
 def tokenizer_info(args: argparse.Namespace) -> TokenizerInfo:
     """The run's tokenizer from Megatron-LM's flags, validated; a flag the chosen type does not
-    read is refused rather than ignored."""
-    kind = args.tokenizer_type
+    read is refused rather than ignored (an unset type takes GPT's default, see
+    :func:`resolve_tokenizer_type`)."""
+    kind = resolve_tokenizer_type(args, "GPT2BPETokenizer")
     if kind not in TOKENIZER_TYPES:
         raise DynaPipeError(f"--tokenizer-type {kind}: not supported; use one of {', '.join(TOKENIZER_TYPES)}.")
     files = [f for f, v in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)) if v]

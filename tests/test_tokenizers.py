@@ -56,7 +56,8 @@ def _write(tmp_path, name, text):
     (f"--tokenizer-type GPT2BPETokenizer --vocab-file {VOCAB}", "needs --merge-file FILE"),
     (f"--tokenizer-type GPT2BPETokenizer --vocab-file /nonexistent.json --merge-file {MERGES}",
      "--vocab-file '/nonexistent.json': no such file"),
-    (f"--vocab-file {VOCAB} --merge-file {MERGES}", "--vocab-file is read by --tokenizer-type GPT2BPETokenizer only"),
+    (f"--tokenizer-type ByteLevel --vocab-file {VOCAB} --merge-file {MERGES}",
+     "--vocab-file is read by --tokenizer-type GPT2BPETokenizer only"),
     ("--tokenizer-type NullTokenizer", "--tokenizer-type NullTokenizer needs --vocab-size N"),
     ("--tokenizer-type SentencePieceTokenizer --tokenizer-model m", "--tokenizer-type SentencePieceTokenizer: not supported"),
     ("--tokenizer-type HuggingFaceTokenizer", "needs --tokenizer-model"),
@@ -67,6 +68,15 @@ def test_tokenizer_flags_refused_with_the_fix(extra, needle):
     with pytest.raises(DynaPipeError) as e:
         parse(extra)
     assert needle in str(e.value)
+
+
+def test_the_default_type_is_megatron_lms_when_vocabulary_files_are_given():
+    # Megatron-LM's pretrain_gpt.py defaults to GPT2BPETokenizer (its T5 script to
+    # BertWordPieceLowerCase); without files, where that default could not build, ByteLevel.
+    assert parse(f"--vocab-file {VOCAB} --merge-file {MERGES}").data.tokenizer_type == "GPT2BPETokenizer"
+    assert parse("").data.tokenizer_type == "ByteLevel"
+    with pytest.raises(DynaPipeError, match="GPT2BPETokenizer needs --merge-file FILE"):
+        parse(f"--vocab-file {VOCAB}")
 
 
 def test_malformed_gpt2_files_are_named(tmp_path):
