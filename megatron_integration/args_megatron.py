@@ -133,7 +133,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="with --bf16: all-reduce gradients in bf16 instead of fp32")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
-                   help="accepted: gradients are accumulated and all-reduced in fp32 unless --grad-reduce-in-bf16")
+                   help="--fp16: accumulate and all-reduce gradients in fp32 (default: in fp16, as "
+                        "Megatron-LM; --bf16 does it in fp32 anyway unless --grad-reduce-in-bf16)")
     g.add_argument("--attention-softmax-in-fp32", action="store_true",
                    help="accepted: the attention softmax is always computed in fp32 (megatron-core's default)")
     # Megatron-LM fuses these kernels by default on GPUs; this build runs megatron-core's unfused

@@ -88,9 +88,21 @@ def optimizer_args_from_args(args: argparse.Namespace) -> OptimizerArgs:
                          distributed=args.use_distributed_optimizer,
                          override_scheduler=args.override_opt_param_scheduler,
                          use_checkpoint_scheduler=args.use_checkpoint_opt_param_scheduler,
-                         grad_reduce_in_bf16=args.grad_reduce_in_bf16, log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+                         grad_reduce_in_bf16=args.grad_reduce_in_bf16, grad_reduce_in_fp32=_grad_reduce_in_fp32(args),
+                         log_num_zeros_in_grad=args.log_num_zeros_in_grad,
                          apply_wd_to_qk_layernorm=bool(getattr(args, "apply_wd_to_qk_layernorm", False)),
                          **_weight_decay_schedule(args), **decoupled, **loss_scale)
+
+
+def _grad_reduce_in_fp32(args: argparse.Namespace) -> bool:
+    """Megatron-LM's ``validate_args``: bf16 gradients accumulate and reduce in fp32 unless
+    ``--grad-reduce-in-bf16``; fp16 ones stay fp16 unless ``--accumulate-allreduce-grads-in-fp32``
+    (fp32 ones are fp32 either way)."""
+    if args.bf16:
+        return not args.grad_reduce_in_bf16
+    if args.fp16:
+        return bool(args.accumulate_allreduce_grads_in_fp32)
+    return True
 
 
 def _weight_decay_schedule(args: argparse.Namespace) -> dict:

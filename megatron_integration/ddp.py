@@ -29,7 +29,7 @@ def ddp_config(cfg, num_parameters: int):
     bucket_size = d.bucket_size
     if d.num_buckets is not None:
         bucket_size = max(1, num_parameters // d.num_buckets)
-    return DistributedDataParallelConfig(grad_reduce_in_fp32=not cfg.optimizer.grad_reduce_in_bf16,
+    return DistributedDataParallelConfig(grad_reduce_in_fp32=cfg.optimizer.grad_reduce_in_fp32,
                                          overlap_grad_reduce=d.overlap_grad_reduce, bucket_size=bucket_size,
                                          pad_buckets_for_high_nccl_busbw=d.pad_buckets_for_high_nccl_busbw,
                                          use_distributed_optimizer=cfg.optimizer.distributed)

@@ -140,6 +140,10 @@ class OptimizerArgs:
     decoupled_min_lr: Optional[float] = None
     # Megatron's --grad-reduce-in-bf16 (with --bf16): gradients all-reduced in bf16, not fp32.
     grad_reduce_in_bf16: bool = False
+    # The DDP gradient buffers' dtype, as Megatron-LM resolves it: fp32 under --bf16 (unless
+    # --grad-reduce-in-bf16); under --fp16 the parameters' fp16 unless
+    # --accumulate-allreduce-grads-in-fp32.
+    grad_reduce_in_fp32: bool = True
     # Megatron's weight-decay schedule: from the start to the end value over the run
     # (--weight-decay-incr-style constant, linear or cosine; None: --weight-decay throughout).
     start_weight_decay: Optional[float] = None

@@ -219,3 +219,15 @@ def test_nan_check_is_off_under_fp16_dynamic_loss_scaling_as_in_megatron_lm():
     assert not parse("--fp16").check_for_nan_in_loss_and_grad
     assert parse("--fp16 --loss-scale 1024").check_for_nan_in_loss_and_grad
     assert not parse("--fp16 --loss-scale 1024 --no-check-for-nan-in-loss-and-grad").check_for_nan_in_loss_and_grad
+
+
+def test_gradient_buffers_take_megatron_lms_precision():
+    from megatron_integration.ddp import ddp_config
+
+    def fp32_grads(extra):
+        cfg = parse(extra)
+        assert ddp_config(cfg, 1000).grad_reduce_in_fp32 == cfg.optimizer.grad_reduce_in_fp32
+        return cfg.optimizer.grad_reduce_in_fp32
+
+    assert fp32_grads("") and fp32_grads("--bf16") and not fp32_grads("--bf16 --grad-reduce-in-bf16")
+    assert not fp32_grads("--fp16") and fp32_grads("--fp16 --accumulate-allreduce-grads-in-fp32")
