@@ -40,9 +40,12 @@ def model_args_from_args(args: argparse.Namespace, cuda: bool) -> GPTModelArgs:
     if args.fp16 and args.bf16:
         raise DynaPipeError("--fp16 and --bf16 were both given; choose one (or neither for fp32).")
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-    if args.hidden_size % args.num_attention_heads:
+    # As Megatron-LM: the head size defaults to hidden / heads, which must then be whole;
+    # a given --kv-channels sets it instead (projections of heads x kv-channels).
+    if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
         raise DynaPipeError(f"--hidden-size {args.hidden_size} is not divisible by "
-                            f"--num-attention-heads {args.num_attention_heads}.")
+                            f"--num-attention-heads {args.num_attention_heads}; change one, or give the head "
+                            f"size with --kv-channels.")
     _model_flags_honoured(args, cuda)
     if args.deterministic_mode and args.cross_entropy_loss_fusion:
         raise DynaPipeError("--deterministic-mode with --cross-entropy-loss-fusion: Megatron-LM requires the fused "

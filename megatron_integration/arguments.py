@@ -99,6 +99,7 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
         import torch
 
         cuda = torch.cuda.is_available()
+    _default_global_batch(args, world_size)
     _schedule_from_samples(args)
     for flag in ("global-batch-size", "train-iters", "lr"):
         _need(args, flag, getattr(args, flag.replace("-", "_")))
@@ -141,7 +142,7 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
 
     optimizer = optimizer_args_from_args(args)
     _positive("num-workers", args.num_workers, allow_zero=True)
-    _positive("exit-interval", args.exit_interval)
+    _positive("exit-interval", args.exit_interval, allow_zero=True)  # 0: off, as Megatron-LM reads it
     from megatron_integration.manual_gc import ManualGC
 
     manual_gc = ManualGC(args.manual_gc, args.manual_gc_interval, args.manual_gc_eval).validate()
@@ -151,8 +152,11 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
         from megatron_integration.checkpoint_files import check_save_dir
 
         check_save_dir(args.save)
-    if args.load and not os.path.isdir(args.load):
-        raise DynaPipeError(f"--load {args.load!r}: no such checkpoint directory.")
+    # A missing --load that is the --save directory is a self-resuming job's first launch (Megatron-LM's
+    # scripts pass both the same path): it starts from scratch. Any other missing --load is a typo.
+    if args.load and not os.path.isdir(args.load) and not _same_path(args.load, args.save):
+        raise DynaPipeError(f"--load {args.load!r}: no such checkpoint directory (a job that resumes itself gives "
+                            f"--save the same path, and starts from scratch while it holds no checkpoint).")
     _checkpoint_args_honoured(args)
 
     return DynaPipeTrainingConfig(
@@ -200,6 +204,18 @@ def _parallel_args_from_args(args: argparse.Namespace, world_size: int, cuda: bo
                         cpu_affinity=getattr(args, "dynapipe_cpu_affinity", "none"),
                         virtual_pipeline_model_parallel_size=chunks, stage_layers=split.layers, auto_split=split.auto,
                         overlap_p2p_comm=overlap_p2p_comm(args, chunks))
+
+
+def _default_global_batch(args: argparse.Namespace, world_size: int) -> None:
+    """Megatron-LM's default ``--global-batch-size``: one micro-batch a data-parallel replica
+    (``--micro-batch-size`` x the ranks over tensor x pipeline size), when both are known."""
+    model_parallel = (args.tensor_model_parallel_size or 1) * (args.pipeline_model_parallel_size or 1)
+    if args.global_batch_size is None and args.micro_batch_size and world_size % model_parallel == 0:
+        args.global_batch_size = args.micro_batch_size * (world_size // model_parallel)
+
+
+def _same_path(a: Optional[str], b: Optional[str]) -> bool:
+    return bool(a and b) and os.path.abspath(a) == os.path.abspath(b)
 
 
 def _recorded_args(args: argparse.Namespace) -> dict:

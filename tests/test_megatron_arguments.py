@@ -231,3 +231,19 @@ def test_gradient_buffers_take_megatron_lms_precision():
 
     assert fp32_grads("") and fp32_grads("--bf16") and not fp32_grads("--bf16 --grad-reduce-in-bf16")
     assert not fp32_grads("--fp16") and fp32_grads("--fp16 --accumulate-allreduce-grads-in-fp32")
+
+
+def test_megatron_lms_defaults_for_the_global_batch_the_head_size_and_a_first_launch(tmp_path):
+    base = BASE.replace("--global-batch-size 8 ", "")
+    # One micro-batch a data-parallel replica: 2 x (4 ranks / PP2).
+    cfg = parse("--pipeline-model-parallel-size 2", world=4, base=base)
+    assert cfg.global_batch_size == 4 and cfg.num_micro_batches == 1
+    # A given --kv-channels sets the head size, so hidden need not divide by the heads.
+    assert parse("--hidden-size 64 --num-attention-heads 3 --kv-channels 16").model.kv_channels == 16
+    with pytest.raises(DynaPipeError, match="--num-attention-heads 3; change one, or give the head size"):
+        parse("--hidden-size 64 --num-attention-heads 3")
+    # Megatron-LM's scripts pass --save and --load the same path: the first launch starts fresh.
+    ckpt = str(tmp_path / "ckpt")
+    assert parse(f"--save {ckpt} --load {ckpt}", world=1).load == ckpt
+    with pytest.raises(DynaPipeError, match="no such checkpoint directory"):
+        parse(f"--save {ckpt} --load {tmp_path / 'typo'}", world=1)
