@@ -64,7 +64,7 @@ def optimizer_args_from_args(args: argparse.Namespace) -> OptimizerArgs:
                                 f"Megatron-LM).")
         _fraction("lr-warmup-fraction", args.lr_warmup_fraction)
         # Megatron-LM: warm-up steps = fraction x decay steps.
-        warmup_iters = int(args.lr_warmup_fraction * decay_iters)
+        warmup_iters = args.lr_warmup_fraction * decay_iters  # not rounded, as Megatron-LM's
     if args.min_lr > args.lr:
         raise DynaPipeError(f"--min-lr {args.min_lr} is above --lr {args.lr}; the decay would raise the rate.")
     if args.lr_decay_style != "constant" and warmup_iters >= decay_iters:

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from dynapipe.errors import DynaPipeError
 from megatron_integration.checkpoint_files import CHECKSUM_SUFFIX, verify_file, write_checksum
 from megatron_integration.initialize import RankInfo
-from megatron_integration.scheduler_state import load_scheduler_state
+from megatron_integration.scheduler_state import in_samples, load_scheduler_state
 
 CHECKPOINT_VERSION = 3.0
 
@@ -199,11 +199,13 @@ def _load_strategy(iter_dir: str, fully_parallel: bool):
 
 
 def save_dist(iter_dir: str, iteration: int, gpt, optimizer, scheduler, info: RankInfo,
-              args: argparse.Namespace, distributed_optimizer: bool, fully_parallel: bool = True) -> None:
+              args: argparse.Namespace, distributed_optimizer: bool, fully_parallel: bool = True,
+              samples_per_iteration: Optional[int] = None) -> None:
     """Write this rank's shards of the checkpoint of ``iteration`` into ``iter_dir``; collective.
 
     ``args`` (see :func:`megatron_args`) carries the consumed samples; ``fully_parallel``:
-    Megatron-LM's ``--ckpt-fully-parallel-save``. The caller writes
+    Megatron-LM's ``--ckpt-fully-parallel-save``; ``samples_per_iteration``: the global batch
+    when fixed, to write the scheduler in Megatron-LM's units (samples; None: iterations). The caller writes
     ``latest_checkpointed_iteration.txt`` afterwards (after a barrier)."""
     from megatron.core import dist_checkpointing
 
@@ -211,7 +213,8 @@ def save_dist(iter_dir: str, iteration: int, gpt, optimizer, scheduler, info: Ra
     metadata = _sharding_metadata(distributed_optimizer)
     state = _sharded_state_dict(gpt, optimizer, metadata, with_optim=True, is_loading=False)
     state.update(args=args, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration,
-                 opt_param_scheduler=scheduler.state_dict(),
+                 # In Megatron-LM's units (samples), so its runs resume this schedule and back.
+                 opt_param_scheduler=in_samples(scheduler.state_dict(), samples_per_iteration),
                  rng_state=_rng_sharded_object(info, _gathered_rng(info)))
     if info.rank == 0:
         if os.path.isdir(iter_dir):  # a save of this iteration that did not finish
@@ -372,7 +375,8 @@ def load_dist(iter_dir: str, cfg, gpt, optimizer, scheduler, info: RankInfo, loa
     if has_optim:
         optimizer.load_state_dict(loaded["optimizer"])
         if "opt_param_scheduler" in loaded:
-            load_scheduler_state(scheduler, loaded["opt_param_scheduler"], iter_dir)
+            load_scheduler_state(scheduler, loaded["opt_param_scheduler"], iter_dir, int(common.get("iteration", 0)),
+                                 getattr(ckpt_args, "consumed_train_samples", None))
     else:
         # As Megatron-LM: half-precision runs keep fp32 main copies of the weights in the
         # optimizer; without its state they are refreshed from the loaded weights.

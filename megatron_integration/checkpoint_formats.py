@@ -56,8 +56,9 @@ def save(cfg, iteration: int, consumed_samples: int, gpt, optimizer, scheduler, 
         iter_dir = _iter_dir(root, iteration)
         args = checkpoint_dist.megatron_args(cfg.megatron_args, cfg, info, iteration, consumed_samples)
         vars(args).update(args_update or {})
+        fixed_batch = None if cfg.data.tokens_per_global_batch else cfg.global_batch_size
         checkpoint_dist.save_dist(iter_dir, iteration, gpt, optimizer, scheduler, info, args,
-                                  cfg.optimizer.distributed, cfg.dist_ckpt.fully_parallel_save)
+                                  cfg.optimizer.distributed, cfg.dist_ckpt.fully_parallel_save, fixed_batch)
         publish_latest(root, iteration, info)
     else:
         iter_dir = save_checkpoint(root, iteration, consumed_samples, gpt, optimizer, scheduler, info, extra=extra)

@@ -7,18 +7,57 @@ the checkpoint's. Megatron-LM refuses a difference unless ``--override-opt_param
 is given: a resumed run with another ``--train-iters`` would otherwise follow a schedule
 its user did not ask for. megatron-core signals the difference with a bare assertion; this
 module turns it into one line that names the value and the fix.
+
+Units: this project's scheduler steps once an iteration; Megatron-LM's steps by each
+iteration's samples. ``torch_dist`` checkpoints hold Megatron-LM's units (:func:`in_samples`
+on save), and a checkpoint whose step count is its consumed samples is read back in
+iterations (:func:`load_scheduler_state`), so either side resumes the other's schedule.
 """
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 from dynapipe.errors import DynaPipeError
 
+# The scheduler's values counted in steps (the rest are rates and styles).
+STEP_KEYS = ("lr_warmup_steps", "num_steps", "lr_decay_steps", "wd_incr_steps")
 
-def load_scheduler_state(scheduler, state: dict, where: str) -> None:
+
+def in_samples(state: dict, samples_per_iteration: Optional[int]) -> dict:
+    """``state`` (a scheduler state in iterations) in Megatron-LM's units, samples, for a run
+    of ``samples_per_iteration`` samples an iteration; unchanged when that is not fixed (None:
+    global batches formed by a token budget, whose sample counts vary)."""
+    if not samples_per_iteration:
+        return dict(state)
+    return {k: (v * samples_per_iteration if k in STEP_KEYS else v) for k, v in state.items()}
+
+
+def _in_iterations(state: dict, scheduler, iteration: Optional[int], consumed_samples: Optional[int]) -> dict:
+    """A checkpoint's scheduler state in iterations: Megatron-LM's samples are told by a step
+    count equal to the consumed samples (and not to the iteration)."""
+    steps = state.get("num_steps")
+    if not iteration or not consumed_samples or consumed_samples == iteration or steps != consumed_samples:
+        return state
+    per_iteration = consumed_samples / iteration
+    out = dict(state)
+    for k in STEP_KEYS:
+        if k in out and out[k] is not None:
+            value = out[k] / per_iteration
+            mine = getattr(scheduler, k, None)
+            # The run's own value where the two agree but for rounding (x / b * b != x in floats).
+            out[k] = mine if mine is not None and math.isclose(value, mine, rel_tol=1e-9) else value
+    return out
+
+
+def load_scheduler_state(scheduler, state: dict, where: str, iteration: Optional[int] = None,
+                         consumed_samples: Optional[int] = None) -> None:
     """Load ``state`` (a checkpoint's scheduler state) into ``scheduler``; ``where``: the
-    checkpoint, for the message. Raises :class:`DynaPipeError` when a value differs and
-    neither flag says which one to keep."""
+    checkpoint, for the message; ``iteration`` and ``consumed_samples`` (the checkpoint's) tell
+    a state in samples, which is read in iterations. Raises :class:`DynaPipeError` when a
+    value differs and neither flag says which one to keep."""
     try:
-        scheduler.load_state_dict(state)
+        scheduler.load_state_dict(_in_iterations(state, scheduler, iteration, consumed_samples))
     except AssertionError as e:
         detail = " ".join(str(e).replace("checkpointvalue", "checkpoint value").split())
         raise DynaPipeError(f"{where}: the checkpoint's learning-rate schedule differs from this run's arguments "

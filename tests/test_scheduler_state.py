@@ -44,3 +44,48 @@ def test_scheduler_flags_reach_the_optimizer_config():
     with pytest.raises(DynaPipeError, match="contradict each other"):
         parse_training_args(f"{BASE} --train-iters 4 --override-opt_param-scheduler "
                             f"--use-checkpoint-opt_param-scheduler".split(), 1)
+
+
+def _megatron_lm_scheduler(warmup: float, decay: float, gbs: int):
+    """The scheduler Megatron-LM's training.py builds for a run of global batch ``gbs``: steps in samples."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+    return OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=warmup * gbs,
+                                   lr_decay_steps=decay * gbs, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
+                                   wd_incr_steps=decay * gbs, wd_incr_style="constant",
+                                   override_opt_param_scheduler=False, use_checkpoint_opt_param_scheduler=False)
+
+
+def test_checkpoints_hold_megatron_lms_units_and_either_side_resumes_the_others_schedule():
+    from megatron_integration.scheduler_state import in_samples
+
+    gbs = 8
+    ours = _megatron_lm_scheduler(2.5, 10, 1)  # this project's: one step an iteration
+    theirs = _megatron_lm_scheduler(2.5, 10, gbs)
+    for _ in range(4):
+        ours.step(increment=1)
+        theirs.step(increment=gbs)
+    # What a torch_dist checkpoint records is Megatron-LM's state...
+    assert in_samples(ours.state_dict(), gbs) == theirs.state_dict()
+    # ...and Megatron-LM's state (its step count is the consumed samples) resumes here with the
+    # same learning rate from then on, under the refusal of any real difference.
+    resumed = _megatron_lm_scheduler(2.5, 10, 1)
+    load_scheduler_state(resumed, theirs.state_dict(), "ckpt", iteration=4, consumed_samples=4 * gbs)
+    for _ in range(5):
+        resumed.step(increment=1)
+        theirs.step(increment=gbs)
+        assert resumed.get_lr(resumed.optimizer.param_groups[0]) == pytest.approx(
+            theirs.get_lr(theirs.optimizer.param_groups[0]), rel=1e-12)
+    with pytest.raises(DynaPipeError, match="schedule differs"):
+        load_scheduler_state(_megatron_lm_scheduler(2.5, 12, 1), _megatron_lm_scheduler(2.5, 10, gbs).state_dict()
+                             | {"num_steps": 4 * gbs}, "ckpt", iteration=4, consumed_samples=4 * gbs)
+    # A state in iterations (this project's dynapipe format, older torch_dist ones) loads as it is.
+    again = _megatron_lm_scheduler(2.5, 10, 1)
+    load_scheduler_state(again, ours.state_dict(), "ckpt", iteration=4, consumed_samples=4 * gbs)
+    assert again.num_steps == 4
+
+
+def test_warmup_fraction_is_not_rounded():
+    o = parse_training_args(f"{BASE} --train-iters 10 --lr-warmup-fraction 0.25".split(), 1).optimizer
+    assert o.lr_warmup_iters == 2.5  # Megatron-LM: 0.25 x 10 iterations' samples, unrounded
