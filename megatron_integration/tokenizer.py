@@ -1,8 +1,9 @@
 """Megatron-LM's ``--tokenizer-type``: the vocabulary size and end-of-document id a run gets
 from its tokenizer, built through megatron-core's tokenizer classes where they work offline.
 
-* ``NullTokenizer`` (``--vocab-size N``): megatron-core's; ids 0..N-1 plus the EOD id N, so
-  N + 1 ids, as Megatron-LM counts them.
+* ``NullTokenizer`` (``--vocab-size N``): megatron-core's, counted as the installed release
+  counts it: 0.16 adds the EOD as id N (N + 1 ids); 0.19, as Megatron-LM does since, keeps N
+  ids with the EOD among them (``--null-tokenizer-eod-id``, default N - 1).
 * ``GPT2BPETokenizer`` (``--vocab-file vocab.json --merge-file merges.txt``): the vocabulary
   is the JSON file's token -> id map (50,257 ids for GPT-2), EOD is ``<|endoftext|>``.
   megatron-core 0.16's class for it resolves the ``gpt2`` name on the Hugging Face hub even
@@ -50,6 +51,10 @@ def add_tokenizer_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: the vocabulary JSON (token -> id); "
                                                           "BertWordPiece*: the WordPiece vocab.txt")
     group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: the BPE merges file")
+    group.add_argument("--null-tokenizer-eod-id", type=int, default=None,
+                       help="NullTokenizer on megatron-core 0.19+: the end-of-document id (default --vocab-size - 1)")
+    group.add_argument("--null-tokenizer-pad-id", type=int, default=-1,
+                       help="NullTokenizer's pad id (default -1, none; other values are refused)")
 
 
 def resolve_tokenizer_type(args: argparse.Namespace, files_default: str) -> str:
@@ -92,21 +97,45 @@ def gpt2_bpe_info(vocab_file: str, merge_file: str) -> TokenizerInfo:
     return TokenizerInfo("GPT2BPETokenizer", len(encoder), int(encoder[GPT2_EOD]))
 
 
-def null_info(vocab_size: int) -> TokenizerInfo:
-    """megatron-core's ``NullTokenizer`` of ``--vocab-size`` ids (its EOD is one more id)."""
-    from megatron.core.tokenizers import MegatronTokenizer
+def null_library() -> str:
+    """The installed megatron-core's library name of ``NullTokenizer``: ``null`` (0.16, ids
+    0..N-1 and its EOD at N) or ``null-text`` (0.19 and Megatron-LM since it: N ids, the EOD
+    among them, last unless ``--null-tokenizer-eod-id``)."""
     from megatron.core.tokenizers import megatron_tokenizer
 
-    # The library is "null" in megatron-core 0.16 and "null-text" from 0.19 (next to "null-multimodal").
     libraries = getattr(megatron_tokenizer, "TEXT_LIBRARIES", getattr(megatron_tokenizer, "TOKENIZER_LIBRARIES", ()))
-    if "null-text" in libraries:
-        # 0.19's class counts its EOD inside vocab_size (default id vocab_size - 1); asked for
-        # Megatron-LM's count explicitly, so --vocab-size means the same on both.
-        tok = MegatronTokenizer.from_pretrained(metadata_path={"library": "null-text"}, vocab_size=vocab_size + 1,
-                                                eod_id=vocab_size)
+    return "null-text" if "null-text" in libraries else "null"
+
+
+def null_info(vocab_size: int, eod_id: Optional[int] = None) -> TokenizerInfo:
+    """megatron-core's ``NullTokenizer`` of ``--vocab-size`` as the installed release (and the
+    Megatron-LM of its time) counts it: 0.16 adds its EOD as id N (N + 1 ids); 0.19 keeps N ids
+    with the EOD at ``eod_id`` (``--null-tokenizer-eod-id``, default N - 1)."""
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    library = null_library()
+    if library == "null-text":
+        eod = vocab_size - 1 if eod_id is None else eod_id
+        if not 0 <= eod < vocab_size:
+            raise DynaPipeError(f"--null-tokenizer-eod-id {eod}: outside the vocabulary [0, {vocab_size}); give an "
+                                f"id below --vocab-size {vocab_size}.")
+        tok = MegatronTokenizer.from_pretrained(metadata_path={"library": library}, vocab_size=vocab_size, eod_id=eod)
     else:
-        tok = MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=vocab_size)
+        if eod_id is not None:
+            raise DynaPipeError(f"--null-tokenizer-eod-id {eod_id}: megatron-core {_core_version()}'s NullTokenizer "
+                                f"puts its EOD at --vocab-size ({vocab_size}) and takes no other; drop it, or use "
+                                f"megatron-core 0.19 or newer.")
+        tok = MegatronTokenizer.from_pretrained(metadata_path={"library": library}, vocab_size=vocab_size)
     return TokenizerInfo("NullTokenizer", int(tok.vocab_size), int(tok.eod))
+
+
+def _core_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megatron-core")
+    except PackageNotFoundError:
+        return "(unknown)"
 
 
 def huggingface_info(model: str) -> TokenizerInfo:
@@ -140,6 +169,11 @@ def tokenizer_info(args: argparse.Namespace) -> TokenizerInfo:
     if files and kind != "GPT2BPETokenizer":
         raise DynaPipeError(f"{files[0]} is read by --tokenizer-type GPT2BPETokenizer only (not {kind}); drop it "
                             f"or set the tokenizer type.")
+    if kind != "NullTokenizer" and args.null_tokenizer_eod_id is not None:
+        raise DynaPipeError(f"--null-tokenizer-eod-id is read by --tokenizer-type NullTokenizer only (not {kind}).")
+    if args.null_tokenizer_pad_id != -1:
+        raise DynaPipeError(f"--null-tokenizer-pad-id {args.null_tokenizer_pad_id}: this build's datasets never pad "
+                            f"with the tokenizer's id (the padded positions carry no loss); drop it.")
     if args.tokenizer_model and kind != "HuggingFaceTokenizer":
         raise DynaPipeError(f"--tokenizer-model is read by --tokenizer-type HuggingFaceTokenizer only (not {kind}).")
     if kind == "ByteLevel":
@@ -150,7 +184,7 @@ def tokenizer_info(args: argparse.Namespace) -> TokenizerInfo:
         if not args.vocab_size:
             raise DynaPipeError("--tokenizer-type NullTokenizer needs --vocab-size N (ids in the data, "
                                 "end of document excluded).")
-        return null_info(args.vocab_size)
+        return null_info(args.vocab_size, args.null_tokenizer_eod_id)
     if kind.startswith("BertWordPiece"):
         from megatron_integration.wordpiece import wordpiece_vocab
 

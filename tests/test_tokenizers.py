@@ -35,14 +35,29 @@ def test_gpt2_bpe_vocabulary_from_its_files():
                  cuda=True).model.vocab_size == 32
 
 
-def test_null_tokenizer_counts_its_eod():
+def test_null_tokenizer_counts_as_the_installed_release():
     pytest.importorskip("megatron.core.tokenizers")
-    from megatron_integration.tokenizer import null_info
+    from megatron_integration.tokenizer import null_info, null_library
 
-    # megatron-core's NullTokenizer: ids 0..N-1 and EOD N, N + 1 in all (Megatron-LM's count).
-    assert null_info(50256) == null_info(50256) and (null_info(50256).vocab_size, null_info(50256).eod) == (50257, 50256)
-    m = parse("--tokenizer-type NullTokenizer --vocab-size 50256").model
-    assert (m.unpadded_vocab_size, m.vocab_size) == (50257, 50304)
+    if null_library() == "null":
+        # megatron-core 0.16 (and Megatron-LM of its time): ids 0..N-1 and the EOD N, N + 1 in all.
+        assert (null_info(50256).vocab_size, null_info(50256).eod) == (50257, 50256)
+        m = parse("--tokenizer-type NullTokenizer --vocab-size 50256").model
+        assert (m.unpadded_vocab_size, m.vocab_size) == (50257, 50304)
+        with pytest.raises(DynaPipeError, match="--null-tokenizer-eod-id 7: megatron-core .*drop it"):
+            parse("--tokenizer-type NullTokenizer --vocab-size 50256 --null-tokenizer-eod-id 7")
+    else:
+        # megatron-core 0.19 and Megatron-LM since: N ids, the EOD the last unless given.
+        assert (null_info(50256).vocab_size, null_info(50256).eod) == (50256, 50255)
+        assert null_info(50256, eod_id=0).eod == 0
+        m = parse("--tokenizer-type NullTokenizer --vocab-size 50257").model
+        assert (m.unpadded_vocab_size, m.vocab_size) == (50257, 50304)
+        with pytest.raises(DynaPipeError, match="--null-tokenizer-eod-id 50256: outside the vocabulary"):
+            parse("--tokenizer-type NullTokenizer --vocab-size 50256 --null-tokenizer-eod-id 50256")
+    with pytest.raises(DynaPipeError, match="--null-tokenizer-eod-id is read by --tokenizer-type NullTokenizer only"):
+        parse("--null-tokenizer-eod-id 3")
+    with pytest.raises(DynaPipeError, match="--null-tokenizer-pad-id 0: this build's datasets never pad"):
+        parse("--tokenizer-type NullTokenizer --vocab-size 50256 --null-tokenizer-pad-id 0")
 
 
 def _write(tmp_path, name, text):
