@@ -142,10 +142,25 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
             # What ran, not what was configured: forward-only plans counted by their runner.
             plans = getattr(evaluator.batch_fn, "plans_run", None)
             run.eval_path = "megatron-forward-only" if plans is None else f"dynapipe-plans:{plans}"
+    except BaseException:
+        # Shutting down after a failure must not replace it: a trace or TensorBoard file that
+        # cannot be written is told, and the training error (a NaN, a peer's failure) raised.
+        _close_quietly(parts.stepper, logger, stream)
+        raise
     finally:
         if gc_was_enabled is not None:
             cfg.manual_gc.stop(gc_was_enabled)
-        parts.stepper.close()
-        if logger is not None:
-            logger.close()
+    parts.stepper.close()
+    if logger is not None:
+        logger.close()
     return run
+
+
+def _close_quietly(stepper, logger, stream: TextIO) -> None:
+    for what, close in (("the stepper", stepper.close), ("the logger", logger.close if logger else None)):
+        if close is None:
+            continue
+        try:
+            close()
+        except Exception as e:  # noqa: BLE001 - secondary to the error being raised
+            stream.write(f"warning: closing {what} after the failure failed too: {type(e).__name__}: {e}\n")
