@@ -240,3 +240,16 @@ def test_waiter_helper_threads_end_on_close_and_when_the_waiter_is_dropped():
     while _helper_threads() > base and time.monotonic() < deadline:
         time.sleep(0.01)
     assert _helper_threads() == base
+
+
+def test_an_abort_report_that_cannot_be_published_is_told_on_stderr(capsys):
+    from dynapipe.runtime.p2p import AbortChannel
+
+    class GoneStore:
+        def set(self, *a):
+            raise RuntimeError("Connection reset by peer")
+
+    AbortChannel(GoneStore(), 2).report(1, "iteration 3: handler failed\nTraceback ...", primary=True)
+    err = capsys.readouterr().err
+    assert "global rank 1 could not tell the other ranks of its failure (RuntimeError: Connection reset" in err
+    assert "iteration 3: handler failed" in err and "Traceback" not in err

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import json
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -89,13 +90,16 @@ class AbortChannel:
     prefix: str = "dynapipe/abort"
 
     def report(self, rank: int, message: str, primary: bool) -> None:
-        """Publish this rank's failure; never raises (the store may be gone as well)."""
+        """Publish this rank's failure; never raises (the store may be gone as well): when it
+        cannot be published, this rank's stderr says so, since its peers will see a timeout."""
         try:
             doc = {"rank": rank, "primary": primary, "time": time.time(), "message": message}
             self.store.set(f"{self.prefix}/{rank}", json.dumps(doc))
             self.store.add(f"{self.prefix}/count", 1)
-        except Exception:  # noqa: BLE001 - reporting is best effort while failing
-            pass
+        except Exception as e:  # noqa: BLE001 - reporting is best effort while failing
+            print(f"dynapipe: global rank {rank} could not tell the other ranks of its failure "
+                  f"({type(e).__name__}: {e}): {message.splitlines()[0] if message else ''}",
+                  file=sys.stderr, flush=True)
 
     def count(self) -> int:
         """How many failure reports exist (0 while all is well, or when the store is gone:
