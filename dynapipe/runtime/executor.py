@@ -274,6 +274,12 @@ class Executor(ComputeOps, TransferOps):
             if isinstance(e, ExecutorError):
                 self._fail(e, primary=not isinstance(e, (CommFailure, RemoteFailure)))
                 raise
+            if isinstance(ins, TRANSFERS) and isinstance(e, getattr(dist, "DistError", ())):
+                # Posting a transfer to a peer that already failed raises at once on some
+                # builds (not at the wait): a consequence, named with the peer's own report.
+                err = self.waiter.failure(e, str(where))
+                self._fail(err, primary=False)
+                raise err from e
             err = HandlerFailure(f"{where}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
             self._fail(err, primary=True)
             raise err from e

@@ -221,7 +221,7 @@ class Waiter:
             if self.abort is not None and self.abort.count():
                 raise RemoteFailure(f"{where}: stopped because another rank failed; {self.abort.root_cause()}")
             if deadline is not None and time.monotonic() >= deadline:
-                raise self._failure(TimeoutError("Timed out"), where)
+                raise self.failure(TimeoutError("Timed out"), where)
         if job.error is not None:
             raise job.error
 
@@ -260,7 +260,7 @@ class Waiter:
             try:
                 _wait_all(works, self.timeout_s)
             except _WaitError as e:
-                raise self._failure(e.error, todo[e.owner][1]) from e.error
+                raise self.failure(e.error, todo[e.owner][1]) from e.error
             return
         deadline = time.monotonic() + self.timeout_s
         for p, where in todo:
@@ -269,9 +269,11 @@ class Waiter:
             try:
                 self.join(p.job, where, deadline)
             except _WaitError as e:
-                raise self._failure(e.error, where) from e.error
+                raise self.failure(e.error, where) from e.error
 
-    def _failure(self, e: BaseException, where: str) -> ExecutorError:
+    def failure(self, e: BaseException, where: str) -> ExecutorError:
+        """The :class:`CommFailure` of a transfer that raised ``e`` at ``where``: why in words,
+        and the root cause another rank reported, if any (waiting up to 1 s for it)."""
         text = str(e)
         if "Timed out" in text or "timed out" in text:
             reason = (f"no matching transfer within the {self.timeout_s:g} s timeout (the peer is stuck, "
