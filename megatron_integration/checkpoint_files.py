@@ -24,17 +24,18 @@ CHECKSUM_SUFFIX = ".sha256"
 _READ_BLOCK = 8 << 20
 
 
-def check_save_dir(path: str) -> None:
-    """Create ``path`` if needed and prove a file can be written in it; one-line error if not."""
+def check_save_dir(path: str, flag: str = "--save", what: str = "the checkpoints") -> None:
+    """Create ``path`` if needed and prove a file can be written in it; one-line error naming
+    ``flag`` if not (``what``: what goes there, for the message)."""
     if os.path.exists(path) and not os.path.isdir(path):
-        raise DynaPipeError(f"--save {path!r} is a file, not a directory; give a directory for the checkpoints.")
+        raise DynaPipeError(f"{flag} {path!r} is a file, not a directory; give a directory for {what}.")
     try:
         os.makedirs(path, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=path)
         os.close(fd)
         os.remove(probe)
     except OSError as e:
-        raise DynaPipeError(f"--save {path!r} cannot be written ({e.strerror}); give a writable directory.") from None
+        raise DynaPipeError(f"{flag} {path!r} cannot be written ({e.strerror}); give a writable directory.") from None
 
 
 def file_digest(path: str) -> tuple[str, int]:
