@@ -308,13 +308,7 @@ class T5Stepper:
     def step(self, iteration: int) -> StepResult:
         """Train iteration ``iteration``. A failure anywhere in it is published to every rank
         (:meth:`Executor.report_outside`), so none waits for this one until a timeout."""
-        try:
-            return self._step(iteration)
-        except BaseException as e:
-            instead = self.executor.report_outside(e, f"iteration {iteration}")
-            if instead is not None:
-                raise instead from e
-            raise
+        return self.executor.reporting(f"iteration {iteration}", lambda: self._step(iteration))
 
     def _step(self, iteration: int) -> StepResult:
         start = time.perf_counter()

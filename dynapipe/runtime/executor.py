@@ -29,7 +29,7 @@ wait never makes a deadlock-free plan deadlock.
 from __future__ import annotations
 
 import traceback
-from typing import Optional, Union
+from typing import Callable, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,9 @@ from dynapipe.runtime.p2p import AbortChannel, CommFailure, PeerComm, RemoteFail
 from dynapipe.runtime.plan_check import (PeerPlanCheck, check_plan_locally, executor_prefix, pair_starts,
                                          row_key)
 from dynapipe.runtime.run_state import TRANSFERS, RunState, Where
+
+
+T = TypeVar("T")
 
 
 class Executor(ComputeOps, TransferOps):
@@ -199,6 +202,17 @@ class Executor(ComputeOps, TransferOps):
         line = " ".join(str(exc).split())[:300]
         return RemoteFailure(f"{where}: {type(exc).__name__}: {line}; global rank {first[0]['rank']} failed first:\n"
                              f"{first[0]['message']}")
+
+    def reporting(self, where: str, fn: Callable[[], T]) -> T:
+        """``fn()``, with any failure published by :meth:`report_outside` (and replaced by the
+        root cause it returns); ``where`` names what ran, for example ``"iteration 7"``."""
+        try:
+            return fn()
+        except BaseException as e:
+            instead = self.report_outside(e, where)
+            if instead is not None:
+                raise instead from e
+            raise
 
     def __enter__(self) -> "Executor":
         return self
