@@ -285,6 +285,10 @@ def test_config_and_layout_errors():
         LoaderConfig(global_batch_size=4, kv_backend="zookeeper").validate()
     with pytest.raises(DynaPipeError, match="prefetch 0"):
         LoaderConfig(global_batch_size=4, prefetch=0).validate()
+    with pytest.raises(DynaPipeError, match="^start_iteration -2: must be >= 0"):
+        LoaderConfig(global_batch_size=4, start_iteration=-2).validate()
+    with pytest.raises(DynaPipeError, match="^plan_timeout_s 0: must be > 0 seconds"):
+        LoaderConfig(global_batch_size=4, plan_timeout_s=0).validate()
     with pytest.raises(DynaPipeError, match="disagree with the rank layout"):
         DynaPipeDataLoader(LoaderConfig(global_batch_size=4), dataset(), planner_settings(stages=2), RankLayout(),
                            store=default_store_for_single_process())

@@ -63,10 +63,13 @@ class LoaderConfig:
             raise DynaPipeError(f"fetch_ahead {self.fetch_ahead}: must be at least 1 iteration.")
         if self.prefetch < 1:
             raise DynaPipeError(f"--dynapipe-prefetch {self.prefetch}: must be at least 1 iteration.")
-        if self.consumed_samples < 0 or self.start_iteration < 0 or self.train_iters < 0:
-            raise DynaPipeError("consumed_samples, start_iteration and train_iters must be >= 0.")
-        if self.plan_timeout_s <= 0 or self.connect_timeout_s <= 0:
-            raise DynaPipeError("plan_timeout_s and connect_timeout_s must be > 0 seconds.")
+        for name, value in (("consumed_samples", self.consumed_samples), ("start_iteration", self.start_iteration),
+                            ("train_iters", self.train_iters)):
+            if value < 0:
+                raise DynaPipeError(f"{name} {value}: must be >= 0.")
+        for name, value in (("plan_timeout_s", self.plan_timeout_s), ("connect_timeout_s", self.connect_timeout_s)):
+            if not value > 0:
+                raise DynaPipeError(f"{name} {value}: must be > 0 seconds.")
         if not self.store_retry_s >= 0:
             raise DynaPipeError(f"--dynapipe-store-retry-s {self.store_retry_s}: must be >= 0 seconds.")
         return self
