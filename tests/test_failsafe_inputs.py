@@ -321,3 +321,14 @@ def test_processes_exit_2_with_one_line(argv, needle):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([PY, *argv], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     one_line_error(p.returncode, p.stderr, needle)
+
+
+def test_bench_png_without_matplotlib_is_refused_before_any_run(capsys, tmp_path, monkeypatch):
+    # The picture is drawn after every run: a missing matplotlib must not cost the runs first.
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    rc, _, err = run_cli(capsys, ["bench", "--output", tmp_path / "b.json", "--png", tmp_path / "b.png"])
+    one_line_error(rc, err, "--png needs matplotlib")
+    assert not (tmp_path / "b.json").exists()

@@ -101,6 +101,12 @@ def run(args) -> int:
         raise DynaPipeError(f"--calibrate-iters {args.calibrate_iters}: must be 0 (none) or more.")
     nproc = check_request(argv, methods, args.preset, rounds=args.rounds, sweep_top=args.sweep_top,
                           warmup_iters=args.warmup_iters, nproc=args.nproc)
+    if args.png:
+        # Found now, not after the runs: the picture is drawn last.
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise DynaPipeError("--png needs matplotlib: pip install matplotlib (or the 'plot' extra).")
     for path in filter(None, (args.output, args.png)):
         out_dir = os.path.dirname(os.path.abspath(path))
         try:
