@@ -116,8 +116,8 @@ def same_error_everywhere(error: Optional[str]) -> None:
         raise DynaPipeError(text if len(errors) == 1 else f"rank {rank}: {text}")
 
 
-def attempt(fn: Callable[[], object], what: str):
-    """``(fn(), None)``, or ``(None, one line)`` naming ``what`` failed and why.
+def attempt(fn: Callable[[], object], what: str, fix: str = ""):
+    """``(fn(), None)``, or ``(None, one line)`` naming ``what`` failed, why, and ``fix``.
 
     Any exception counts, not only :class:`DynaPipeError`: an ``OSError`` or a torch error on
     one rank must reach :func:`same_error_everywhere` like a refusal does."""
@@ -126,7 +126,7 @@ def attempt(fn: Callable[[], object], what: str):
     except DynaPipeError as e:
         return None, str(e)
     except Exception as e:  # noqa: BLE001 - reported on every rank, then raised there
-        return None, f"{what} failed: {type(e).__name__}: {' '.join(str(e).split())}"
+        return None, f"{what} failed: {type(e).__name__}: {' '.join(str(e).split())}" + (f"; {fix}" if fix else "")
 
 
 def save_checkpoint(root: str, iteration: int, consumed_samples: int, gpt: torch.nn.Module, optimizer,
@@ -217,8 +217,8 @@ def load_checkpoint(root: str, gpt: torch.nn.Module, optimizer, scheduler, info:
         return None
     payload, main, optim_path, rng = read
     _, error = attempt(lambda: _apply_rank(payload, main, gpt, optimizer, scheduler, load_optim, rng),
-                       f"loading {main} (rank {info.rank}); resume with the arguments it was saved with, or "
-                       f"--no-load-optim / --no-load-rng")
+                       f"loading {main} (rank {info.rank})", "resume with the arguments it was saved with, or "
+                       "with --no-load-optim / --no-load-rng")
     same_error_everywhere(error)
     if optim_path is not None:
         optimizer.load_parameter_state(optim_path)

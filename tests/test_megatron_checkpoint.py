@@ -284,3 +284,16 @@ def test_recorded_args_have_megatron_lms_names_and_meanings():
         "--position-embedding-type learned_absolute in the checkpoint, rope here")
     assert _model_mismatch(SimpleNamespace(add_bias_linear=False), cfg) == (
         "add_bias_linear False in the checkpoint, True here: --disable-bias-linear")
+
+
+def test_any_error_of_a_rank_becomes_its_one_line_with_the_fix():
+    from megatron_integration.checkpoint import attempt
+
+    def fails():
+        raise RuntimeError("size mismatch for\n  embedding.weight")
+
+    assert attempt(lambda: 3, "loading x") == (3, None)
+    assert attempt(fails, "loading ckpt/model.pt (rank 1)", "resume with the arguments it was saved with") == (
+        None, "loading ckpt/model.pt (rank 1) failed: RuntimeError: size mismatch for embedding.weight; resume with "
+              "the arguments it was saved with")
+    assert attempt(lambda: (_ for _ in ()).throw(DynaPipeError("refused")), "x")[1] == "refused"
