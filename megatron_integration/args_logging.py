@@ -37,7 +37,8 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
                    help="write the iteration's measured time split (ms) to TensorBoard")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
                    help="write the validation perplexity to TensorBoard")
-    g.add_argument("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard", action="store_false", dest="log_loss_scale_to_tensorboard",
+    g.add_argument("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard",
+                   action="store_false", dest="log_loss_scale_to_tensorboard",
                    help="do not write the loss scale to TensorBoard")
     g.add_argument("--log-world-size-to-tensorboard", action="store_true",
                    help="write the world size to TensorBoard")

@@ -148,7 +148,7 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
     manual_gc = ManualGC(args.manual_gc, args.manual_gc_interval, args.manual_gc_eval).validate()
     if args.save_interval is not None and not args.save:
         raise DynaPipeError("--save-interval needs --save DIR to write the checkpoints to.")
-    from megatron_integration.checkpoint_files import check_save_dir
+    from megatron_integration.checkpoint_files import check_writable_dir
 
     # Proven writable on every rank before any work: a directory only the logging rank or a
     # failing rank finds unwritable would stop it alone, mid-run, while the others wait.
@@ -156,7 +156,7 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
                              ("--tensorboard-dir", args.tensorboard_dir, "TensorBoard's event files"),
                              ("--dynapipe-trace-dir", args.dynapipe_trace_dir, "the traces")):
         if path:
-            check_save_dir(path, flag, what)
+            check_writable_dir(path, flag, what)
     # A missing --load that is the --save directory is a self-resuming job's first launch (Megatron-LM's
     # scripts pass both the same path): it starts from scratch. Any other missing --load is a typo.
     if args.load and not os.path.isdir(args.load) and not _same_path(args.load, args.save):

@@ -101,15 +101,23 @@ def _is_distributed(optimizer) -> bool:
     return any(hasattr(o, "get_parameter_state_dp_zero") for o in inner)
 
 
-def same_error_everywhere(error: Optional[str]) -> None:
-    """Raise on every rank if any rank failed (the first failing rank's line); collective.
+def everyone(value) -> list:
+    """Every rank's ``value`` (a picklable object), by rank; collective (a one-item list
+    without a process group)."""
+    values = [value]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        values = [None] * dist.get_world_size()
+        dist.all_gather_object(values, value)
+    return values
+
+
+def same_error_everywhere(error: Optional[str], errors: Optional[list] = None) -> None:
+    """Raise on every rank if any rank failed (the first failing rank's line); collective,
+    unless ``errors`` (every rank's, already gathered) is given.
 
     Why: a rank that fails alone (its disk full, a file only its node cannot see) would
     leave the others waiting in the next collective until the process-group timeout."""
-    errors = [error]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
+    errors = everyone(error) if errors is None else errors
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         rank, text = failed[0]

@@ -8,7 +8,7 @@ it, instead of a ``RuntimeError``/``EOFError`` traceback or, worse, weights that
 silently with a changed value. The mechanism knows nothing of what is inside the files,
 so it applies unchanged to any other checkpoint format's files.
 
-:func:`check_save_dir` runs at start-up, so a ``--save`` that cannot be written is found
+:func:`check_writable_dir` runs at start-up, so a ``--save`` that cannot be written is found
 before any work is done, not at the first save.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ CHECKSUM_SUFFIX = ".sha256"
 _READ_BLOCK = 8 << 20
 
 
-def check_save_dir(path: str, flag: str = "--save", what: str = "the checkpoints") -> None:
+def check_writable_dir(path: str, flag: str = "--save", what: str = "the checkpoints") -> None:
     """Create ``path`` if needed and prove a file can be written in it; one-line error naming
     ``flag`` if not (``what``: what goes there, for the message)."""
     if os.path.exists(path) and not os.path.isdir(path):

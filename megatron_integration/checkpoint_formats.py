@@ -19,12 +19,10 @@ import os
 from datetime import datetime
 from typing import Callable, Optional
 
-import torch.distributed as dist
-
 from dynapipe.errors import DynaPipeError
 from megatron_integration import checkpoint_dist
-from megatron_integration.checkpoint import (LATEST, ResumeState, _iter_dir, attempt, latest_iteration, load_checkpoint,
-                                             publish_latest, same_error_everywhere, save_checkpoint)
+from megatron_integration.checkpoint import (LATEST, ResumeState, _iter_dir, attempt, everyone, latest_iteration,
+                                             load_checkpoint, publish_latest, same_error_everywhere, save_checkpoint)
 from megatron_integration.checkpoint_files import CHECKSUM_SUFFIX
 from megatron_integration.initialize import RankInfo
 
@@ -79,7 +77,7 @@ def _kind(iter_dir: str) -> str:
                         f"{os.path.dirname(iter_dir)}/{LATEST} names it; resume from a complete one.")
 
 
-def _newest_everywhere(root: str, info: RankInfo) -> tuple[Optional[int], Optional[str]]:
+def _newest_everywhere(root: str) -> tuple[Optional[int], Optional[str]]:
     """The newest checkpoint's iteration under ``root`` and its format, the same on every rank;
     collective.
 
@@ -90,11 +88,9 @@ def _newest_everywhere(root: str, info: RankInfo) -> tuple[Optional[int], Option
         return it, (None if it is None else _kind(_iter_dir(root, it)))
 
     seen, error = attempt(look, f"reading --load {root}")
-    same_error_everywhere(error)
-    views = [seen]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        views = [None] * dist.get_world_size()
-        dist.all_gather_object(views, seen)
+    gathered = everyone((seen, error))  # one collective for both the errors and the views
+    same_error_everywhere(error, [e for _, e in gathered])
+    views = [v for v, _ in gathered]
     if len(set(views)) > 1:
         by_view: dict = {}
         for rank, view in enumerate(views):
@@ -123,7 +119,7 @@ def load(cfg, gpt, optimizer, scheduler, info: RankInfo, log: Log,
     GPT's model arguments in the check of a ``torch_dist`` checkpoint's ``args``
     (:func:`~megatron_integration.checkpoint_dist.load_dist`)."""
     root = cfg.load
-    iteration, kind = _newest_everywhere(root, info)
+    iteration, kind = _newest_everywhere(root)
     if iteration is None:
         log(f"WARNING: could not find the metadata file {os.path.join(root, LATEST)}")
         log("    will not load any checkpoints and will start from random")

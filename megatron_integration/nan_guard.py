@@ -37,7 +37,7 @@ def _grads(module: torch.nn.Module) -> Iterable[torch.Tensor]:
             yield g
 
 
-def local_flags(module: torch.nn.Module, loss_sum, check_grads: bool, device: torch.device) -> torch.Tensor:
+def local_flags(module: torch.nn.Module, loss_sum, device: torch.device) -> torch.Tensor:
     """``[loss not finite, gradients not finite]`` of this rank as a float tensor (0 or 1).
 
     ``loss_sum``: this rank's summed loss (a tensor or a float; None on ranks without a
@@ -48,11 +48,10 @@ def local_flags(module: torch.nn.Module, loss_sum, check_grads: bool, device: to
         value = float(loss_sum.detach().float().sum()) if torch.is_tensor(loss_sum) else float(loss_sum)
         loss_bad = 0.0 if math.isfinite(value) else 1.0
     flags = torch.tensor([loss_bad, 0.0], dtype=torch.float32, device=device)
-    if check_grads:
-        finite = [torch.isfinite(g).all() for g in _grads(module)]
-        if finite:
-            # One device-to-host read for all parameters, not one per parameter.
-            flags[1] = (~torch.stack(finite).all()).float()
+    finite = [torch.isfinite(g).all() for g in _grads(module)]
+    if finite:
+        # One device-to-host read for all parameters, not one per parameter.
+        flags[1] = (~torch.stack(finite).all()).float()
     return flags
 
 
@@ -93,7 +92,7 @@ def check_before_step(enabled: bool, module: torch.nn.Module, iteration: int,
     """
     if not enabled:
         return
-    flags = local_flags(module, loss_sum, True, device)
+    flags = local_flags(module, loss_sum, device)
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world > 1:
         gathered = [torch.zeros_like(flags) for _ in range(world)]

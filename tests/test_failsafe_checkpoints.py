@@ -100,11 +100,11 @@ def test_latest_iteration_file_that_is_a_directory(tmp_path):
 
 
 def test_save_dir_is_checked_at_start_up(tmp_path):
-    from megatron_integration.checkpoint_files import check_save_dir
+    from megatron_integration.checkpoint_files import check_writable_dir
 
-    check_save_dir(str(tmp_path / "new" / "dir"))
+    check_writable_dir(str(tmp_path / "new" / "dir"))
     assert os.path.isdir(tmp_path / "new" / "dir") and os.listdir(tmp_path / "new" / "dir") == []
     (tmp_path / "f").write_text("x")
     for bad in (tmp_path / "f", tmp_path / "f" / "sub"):
         with pytest.raises(DynaPipeError, match="--save"):
-            check_save_dir(str(bad))
+            check_writable_dir(str(bad))
