@@ -130,8 +130,12 @@ class TrainingLogger:
     def __init__(self, train_iters: int, global_batch_size: int, log_interval: int, is_logging_rank: bool,
                  tensorboard_dir: Optional[str] = None, stream: TextIO = sys.stdout,
                  flops_model: Optional[ModelConfig] = None, world_size: int = 1,
-                 tensorboard: Optional[TensorBoardArgs] = None):
+                 tensorboard: Optional[TensorBoardArgs] = None, consumed_samples: int = 0):
+        # global_batch_size: the configured one, printed until an iteration says its own
+        # (a token budget, --dynapipe-tokens-per-global-batch, makes it vary iteration by
+        # iteration; Megatron-LM prints the current one). consumed_samples: where the run starts.
         self.train_iters, self.global_batch_size = train_iters, global_batch_size
+        self._consumed = consumed_samples
         self.flops_model, self.world_size = flops_model, world_size
         self.tensorboard = tensorboard or TensorBoardArgs()
         self.log_interval = log_interval
@@ -150,8 +154,12 @@ class TrainingLogger:
                 self.writer = SummaryWriter(log_dir=tensorboard_dir, max_queue=self.tensorboard.queue_size)
 
     def record(self, iteration: int, consumed_samples: int, result: StepResult, lr: float) -> Optional[str]:
-        """Add one iteration (1-based ``iteration``); returns the log line when one is due."""
+        """Add one iteration (1-based ``iteration``; ``consumed_samples`` after it, counted
+        from the start of training); returns the log line when one is due."""
         self.stats.add(result, self.flops_model)
+        if consumed_samples > self._consumed:
+            self.global_batch_size = consumed_samples - self._consumed
+        self._consumed = consumed_samples
         if self.writer is not None and iteration % self.tensorboard.log_interval == 0:
             w = self.writer
             w.add_scalar("lm loss", result.loss, iteration)

@@ -99,7 +99,8 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
         evaluator = parts.make_evaluator()
         logger = TrainingLogger(cfg.train_iters, cfg.global_batch_size, cfg.log_interval,
                                 is_logging_rank=logging_rank, tensorboard_dir=cfg.tensorboard_dir, stream=stream,
-                                flops_model=parts.flops_model, world_size=info.world_size, tensorboard=cfg.tensorboard)
+                                flops_model=parts.flops_model, world_size=info.world_size, tensorboard=cfg.tensorboard,
+                                consumed_samples=run.consumed_samples)
         last = cfg.last_iteration(run.start_iteration)
         started = time.perf_counter()
         gc_was_enabled = cfg.manual_gc.start()

@@ -29,6 +29,18 @@ def test_interval_averages_and_format():
     assert line is not None and "truncated samples: 3" in line
 
 
+def test_global_batch_size_is_the_last_iterations_under_a_token_budget():
+    # A token budget (--dynapipe-tokens-per-global-batch) makes each iteration's sample count
+    # differ from --global-batch-size; the line says the iteration's own, as Megatron-LM prints
+    # its current global batch size. A resumed run counts from the checkpoint's samples.
+    out = io.StringIO()
+    log = TrainingLogger(4, 10, 1, is_logging_rank=True, stream=out, consumed_samples=100)
+    assert "global batch size:    11" in log.record(1, 111, result(2.0, 10, 1.0), lr=1e-3)
+    assert "global batch size:     9" in log.record(2, 120, result(2.0, 10, 1.0), lr=1e-3)
+    fresh = TrainingLogger(4, 10, 1, is_logging_rank=True, stream=io.StringIO())
+    assert "global batch size:    12" in fresh.record(1, 12, result(2.0, 10, 1.0), lr=1e-3)
+
+
 def test_only_the_logging_rank_prints_and_missing_tensorboard_is_a_warning(tmp_path, capsys, monkeypatch):
     import builtins
 
