@@ -9,9 +9,11 @@ layouts by DynaPipe's predicted real tokens per second. Layouts whose model stat
 alone exceed the memory are refused without planning; a layout is shown only if every
 batch's plan fits.
 
-The advisor enumerates TP = 1 only: it builds its cost models without tensor
-parallelism (the analytic model prices TP for ``plan --tp``). The enumeration already
-takes the TP sizes to try (``tp_sizes``), within a node.
+Tensor parallelism stays inside a node, as Megatron places it (TP ranks adjacent); a
+layout with TP > 1 is priced by the analytic cost model at that TP size, with its
+collectives on the cluster's intra-node link, and with Megatron's sequence parallelism on
+unless asked otherwise (it holds a TP rank's norm and dropout activations at 1/TP for the
+same communication volume).
 Pure Python + numpy: no torch.
 """
 from __future__ import annotations
@@ -22,27 +24,31 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from dynapipe.config import ClusterConfig, DeviceConfig, ModelConfig
+from dynapipe.config import ClusterConfig, DeviceConfig, ModelConfig, TensorParallelConfig
 from dynapipe.cost import build_cost_model
 from dynapipe.errors import DynaPipeError
 from dynapipe.method_compare import BatchesResult, compare_over_batches
-
-# Only TP = 1: the advisor builds its cost models without tensor parallelism.
-SUPPORTED_TP = (1,)
 
 
 @dataclass(frozen=True)
 class Layout:
     """One way to place the model on the GPUs: ``tp x pp x dp`` GPUs, ``zero``: the
-    optimizer state sharded over the ``dp`` replicas (Megatron's distributed optimizer)."""
+    optimizer state sharded over the ``dp`` replicas (Megatron's distributed optimizer),
+    ``sp``: Megatron's sequence parallelism over the ``tp`` ranks (only with ``tp`` > 1)."""
 
     tp: int
     pp: int
     dp: int
     zero: bool = False
+    sp: bool = False
+
+    def __post_init__(self):
+        if self.sp and self.tp < 2:
+            raise DynaPipeError(f"{self.label()}: sequence parallelism needs TP 2 or more.")
 
     def label(self) -> str:
-        return f"TP{self.tp} PP{self.pp} DP{self.dp}" + (" ZeRO-1" if self.zero else "")
+        tp = f"TP{self.tp}" + (" SP" if self.sp else "")
+        return f"{tp} PP{self.pp} DP{self.dp}" + (" ZeRO-1" if self.zero else "")
 
 
 @dataclass
@@ -77,7 +83,7 @@ class LayoutResult:
 
     def to_json(self) -> dict:
         d = self.dynapipe.summary()
-        out = {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp, "zero": self.layout.zero,
+        out = {"tp": self.layout.tp, "sequence_parallel": self.layout.sp, "pp": self.layout.pp, "dp": self.layout.dp, "zero": self.layout.zero,
                "real_tokens_per_s": d["real_tokens_per_s"], "iteration_ms": d["iteration_ms"],
                "bubble_fraction": d["bubble_fraction"], "stage_peak_mib": [round(p, 1) for p in self.stage_peak_mib],
                "planning_ms": d["planning_ms"], "recompute": d["recompute"], "schedule": d["schedule"]}
@@ -104,19 +110,47 @@ class Advice:
         return self.results[0]
 
 
+def default_tp_sizes(model: ModelConfig, gpus: int, cluster: Optional[ClusterConfig] = None) -> list[int]:
+    """The tensor-parallel sizes worth trying: the powers of two up to the GPUs of a node
+    (``gpus`` without a cluster) that divide ``gpus`` and the model's attention heads,
+    query groups and FFN width."""
+    per_node = cluster.gpus_per_node if cluster is not None else gpus
+    out, t = [], 1
+    while t <= min(per_node, gpus):
+        if not gpus % t and _tp_fits(model, t):
+            out.append(t)
+        t *= 2
+    return out
+
+
+def _tp_fits(model: ModelConfig, tp: int) -> bool:
+    try:
+        TensorParallelConfig(tp).validate(model)
+    except DynaPipeError:
+        return False
+    return True
+
+
 def enumerate_layouts(model: ModelConfig, gpus: int, cluster: Optional[ClusterConfig] = None, *,
-                      tp_sizes: Sequence[int] = SUPPORTED_TP, zero: Optional[bool] = None) -> list[Layout]:
-    """Every layout of ``gpus`` GPUs: TP among ``tp_sizes`` dividing the GPUs of a node,
-    PP dividing the model's layers, DP the rest; with the distributed optimizer off and
-    (when DP > 1) on. ``zero``: only that setting (``None``: both)."""
+                      tp_sizes: Optional[Sequence[int]] = None, zero: Optional[bool] = None,
+                      sequence_parallel: bool = True) -> list[Layout]:
+    """Every layout of ``gpus`` GPUs: TP among ``tp_sizes`` (default
+    :func:`default_tp_sizes`), PP dividing the model's layers, DP the rest; with the
+    distributed optimizer off and (when DP > 1) on. ``zero``: only that setting (``None``:
+    both). ``sequence_parallel``: layouts with TP > 1 use it. A TP size that leaves a node,
+    does not divide ``gpus`` or does not split the model is refused with the reason."""
     if gpus < 1:
         raise DynaPipeError(f"--gpus {gpus}: need at least one GPU.")
     per_node = cluster.gpus_per_node if cluster is not None else gpus
+    if tp_sizes is None:
+        tp_sizes = default_tp_sizes(model, gpus, cluster)
+    for tp in tp_sizes:
+        TensorParallelConfig(tp).validate(model, per_node)
+        if gpus % tp:
+            raise DynaPipeError(f"--tp-sizes {tp} does not divide --gpus {gpus}; use a divisor of {gpus}.")
     layers = model.total_layers
     out = []
     for tp in sorted(set(tp_sizes)):
-        if tp < 1 or per_node % tp or gpus % tp:
-            continue
         for pp in range(1, layers + 1):
             if layers % pp or gpus % (tp * pp):
                 continue
@@ -124,7 +158,7 @@ def enumerate_layouts(model: ModelConfig, gpus: int, cluster: Optional[ClusterCo
             settings = (False, True) if dp > 1 else (False,)
             for z in settings:
                 if zero is None or z == zero:
-                    out.append(Layout(tp, pp, dp, z))
+                    out.append(Layout(tp, pp, dp, z, sp=sequence_parallel and tp > 1))
     if not out:
         raise DynaPipeError(f"no layout of {gpus} GPU(s) splits the {layers} layers of {model.name!r}: use a GPU "
                             f"count with a divisor that also divides {layers}.")
@@ -149,17 +183,15 @@ def advise(batches: Sequence[np.ndarray], model: ModelConfig, device: DeviceConf
     capacity = limit - device.reserved_mib
     t0 = time.perf_counter()
     results, refused = [], []
-    cost_models: dict[int, object] = {}
+    cost_models: dict[tuple[int, int, bool], object] = {}
     for k, layout in enumerate(layouts):
         if progress is not None:
             progress(k, len(layouts), layout)
-        if layout.tp not in SUPPORTED_TP:
-            refused.append((layout, "the advisor tries TP = 1 only; price TP layouts with plan --tp"))
-            continue
         started = time.perf_counter()
-        cm = cost_models.get(layout.pp)
+        key = (layout.pp, layout.tp, layout.sp)
+        cm = cost_models.get(key)
         if cm is None:
-            cm = cost_models[layout.pp] = build_cost_model(model, device, layout.pp)
+            cm = cost_models[key] = build_cost_model(model, device, layout.pp, tp=_tp_config(layout, cluster))
         states = cm.model_state_mib(dp=layout.dp, zero=layout.zero)
         if states >= capacity:
             refused.append((layout, f"model states need {states:.0f} MiB of the {capacity:.0f} MiB a GPU may use"))
@@ -184,9 +216,17 @@ def advise(batches: Sequence[np.ndarray], model: ModelConfig, device: DeviceConf
         results.append(LayoutResult(layout, dyn, pack, (time.perf_counter() - started) * 1e3))
     if progress is not None:
         progress(len(layouts), len(layouts), None)
-    # Fastest first; ties broken towards fewer pipeline stages, then no sharding.
-    results.sort(key=lambda r: (-r.real_tokens_per_s, r.layout.pp, r.layout.zero))
+    # Fastest first; ties broken towards fewer pipeline stages, less TP, then no sharding.
+    results.sort(key=lambda r: (-r.real_tokens_per_s, r.layout.pp, r.layout.tp, r.layout.zero))
     return Advice(results, refused, (time.perf_counter() - t0) * 1e3)
+
+
+def _tp_config(layout: Layout, cluster: Optional[ClusterConfig]) -> Optional[TensorParallelConfig]:
+    """The cost model's TP: its collectives on the cluster's intra-node link (TP stays in a node)."""
+    if layout.tp == 1:
+        return None
+    link = cluster.intra_node if cluster is not None else TensorParallelConfig().link
+    return TensorParallelConfig(layout.tp, layout.sp, link)
 
 
 def sample_batches(tokens: int, count: int, seed: int, seq_length: int, *, encoder_decoder: bool = False,

@@ -7,9 +7,9 @@ import sys
 import numpy as np
 import pytest
 
-from dynapipe.advise import Layout, advise, enumerate_layouts, sample_batches
+from dynapipe.advise import Layout, advise, default_tp_sizes, enumerate_layouts, sample_batches
 from dynapipe.cli import main
-from dynapipe.config import load_cluster_config, load_device_config, load_model_config
+from dynapipe.config import TensorParallelConfig, load_cluster_config, load_device_config, load_model_config
 from dynapipe.cost import build_cost_model
 from dynapipe.errors import DynaPipeError
 from dynapipe.method_compare import simulate_method
@@ -20,11 +20,32 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_layouts_split_the_layers_and_the_gpus():
     gpt13 = load_model_config("gpt-13b")
     a100 = load_cluster_config("a100-8x")
-    got = {(l.tp, l.pp, l.dp, l.zero) for l in enumerate_layouts(gpt13, 64, a100)}
+    got = {(l.tp, l.pp, l.dp, l.zero) for l in enumerate_layouts(gpt13, 64, a100, tp_sizes=[1])}
     assert got == {(1, pp, 64 // pp, z) for pp in (1, 2, 4, 8) for z in (False, True)}
+    # By default every power-of-two TP inside a node (8 GPUs) that splits the 40 heads,
+    # with sequence parallelism; PP divides the 40 layers and what TP leaves of the GPUs.
+    layouts = enumerate_layouts(gpt13, 64, a100)
+    assert {l.tp for l in layouts} == {1, 2, 4, 8}
+    assert all(l.sp == (l.tp > 1) for l in layouts)
+    assert {(l.tp, l.pp) for l in layouts} == {(t, p) for t in (1, 2, 4, 8) for p in (1, 2, 4, 8) if t * p <= 64}
+    assert all(l.tp * l.pp * l.dp == 64 and l.zero <= (l.dp > 1) for l in layouts)
+    assert not any(l.sp for l in enumerate_layouts(gpt13, 64, a100, sequence_parallel=False))
     assert all(l.pp * l.dp * l.tp == 12 for l in enumerate_layouts(load_model_config("gpt-7b"), 12, a100))
     # A prime GPU count leaves only pure data parallelism.
-    assert [(l.pp, l.dp) for l in enumerate_layouts(load_model_config("gpt-tiny"), 7, a100)] == [(1, 7), (1, 7)]
+    assert [(l.tp, l.pp, l.dp) for l in enumerate_layouts(load_model_config("gpt-tiny"), 7, a100)] == [(1, 1, 7)] * 2
+    # gpt-tiny's 4 heads cap TP at 4 on a node of 8.
+    assert default_tp_sizes(load_model_config("gpt-tiny"), 64, a100) == [1, 2, 4]
+    assert default_tp_sizes(gpt13, 4, a100) == [1, 2, 4]
+
+
+@pytest.mark.parametrize("model, tp_sizes, message", [
+    ("gpt-13b", [3], "--tp 3 does not divide num_attention_heads=40"),
+    ("gpt-7b", [16], "--tp 16 exceeds the 8 GPUs of a node"),
+    ("gpt-13b", [1, 8], "--tp-sizes 8 does not divide --gpus 12"),
+])
+def test_tp_sizes_that_cannot_be_placed_are_refused(model, tp_sizes, message):
+    with pytest.raises(DynaPipeError, match=message):
+        enumerate_layouts(load_model_config(model), 12, load_cluster_config("a100-8x"), tp_sizes=tp_sizes)
 
 
 def test_top_layout_is_the_best_of_an_exhaustive_grid_and_every_shown_layout_fits():
@@ -33,34 +54,47 @@ def test_top_layout_is_the_best_of_an_exhaustive_grid_and_every_shown_layout_fit
     batches = sample_batches(12_000, 2, 0, 1024)
     calls = []
     advice = advise(batches, model, device, 8, cluster=cluster, seq_length=1024, compare_packing=False,
+                    layouts=enumerate_layouts(model, 8, cluster, tp_sizes=[1, 2]),
                     progress=lambda done, total, layout: calls.append((done, total, layout)))
-    assert calls[0][:2] == (0, 7) and calls[-1] == (7, 7, None)
-    # The exhaustive grid, simulated independently: every PP dividing the 32 layers and the
-    # 8 GPUs, with and without the distributed optimizer.
+    assert calls[0][:2] == (0, 12) and calls[-1] == (12, 12, None)
+    # The exhaustive grid, simulated independently: TP 1 and 2 (with sequence parallelism, its
+    # collectives on the node's link), every PP dividing the 32 layers and what TP leaves of
+    # the 8 GPUs, with and without the distributed optimizer.
     grid = {}
-    for pp in (1, 2, 4, 8):
-        cm = build_cost_model(model, device, pp)
-        for zero in ((False, True) if pp < 8 else (False,)):
-            try:
-                runs = [simulate_method(b, "dynapipe", cm, dp=8 // pp, seq_length=1024, cluster=cluster, zero=zero)
-                        for b in batches]
-            except DynaPipeError:
+    for tp in (1, 2):
+        for pp in (1, 2, 4, 8):
+            if tp * pp > 8:
                 continue
-            grid[Layout(1, pp, 8 // pp, zero)] = (sum(r.real_tokens for r in runs)
-                                                  / (sum(r.iteration_ms for r in runs) / 1e3))
-    assert len(grid) >= 3 and len(advice.results) == len(grid)
+            tpc = TensorParallelConfig(tp, True, cluster.intra_node) if tp > 1 else None
+            cm = build_cost_model(model, device, pp, tp=tpc)
+            dp = 8 // (tp * pp)
+            for zero in ((False, True) if dp > 1 else (False,)):
+                try:
+                    runs = [simulate_method(b, "dynapipe", cm, dp=dp, seq_length=1024, cluster=cluster, zero=zero,
+                                            tp=tp) for b in batches]
+                except DynaPipeError:
+                    continue
+                grid[Layout(tp, pp, dp, zero, sp=tp > 1)] = (sum(r.real_tokens for r in runs)
+                                                             / (sum(r.iteration_ms for r in runs) / 1e3))
+    assert len(grid) >= 5 and len(advice.results) == len(grid)
+    assert any(l.tp == 2 for l in grid)
     best = max(grid, key=grid.get)
     assert advice.best.layout == best
     assert advice.best.real_tokens_per_s == pytest.approx(grid[best], rel=1e-9)
+    for r in advice.results:
+        assert r.real_tokens_per_s == pytest.approx(grid[r.layout], rel=1e-9)
     ranked = [r.real_tokens_per_s for r in advice.results]
     assert ranked == sorted(ranked, reverse=True)
     capacity = device.memory_mib - device.reserved_mib
     for r in advice.results:
         assert max(r.stage_peak_mib) <= capacity
-    # PP1 holds 6.7B parameters' states on one GPU: refused before planning.
+    # PP1 holds 6.7B parameters' states on one GPU: refused before planning; TP2 halves them.
     refused = {l: why for l, why in advice.refused}
     assert "model states need" in refused[Layout(1, 1, 8, False)]
-    assert set(refused) | set(grid) == set(enumerate_layouts(model, 8, cluster))
+    states = {tp: build_cost_model(model, device, 1, tp=TensorParallelConfig(tp, tp > 1)).model_state_mib(dp=1)
+              for tp in (1, 2)}
+    assert states[2] < 0.55 * states[1]
+    assert set(refused) | set(grid) == set(enumerate_layouts(model, 8, cluster, tp_sizes=[1, 2]))
 
 
 def test_advise_command_writes_a_run_config_that_trains_on_cpu(tmp_path, capsys):
@@ -71,13 +105,14 @@ def test_advise_command_writes_a_run_config_that_trains_on_cpu(tmp_path, capsys)
     captured = capsys.readouterr()
     text = captured.out
     assert rc == 0, text
-    assert "TP = 1 only" in text and "vs packing" in text
+    assert "TP 1, 2 (with sequence parallelism)" in text and "vs packing" in text
     layouts = json.loads(js.read_text())["layouts"]
     # Progress on stderr (not a terminal here): one plain line per layout simulated or refused.
     progress = [l for l in captured.err.splitlines() if l.startswith("simulating ")]
     assert len(progress) == len(layouts) + len(json.loads(js.read_text())["refused"])
-    shown = [l for l in text.splitlines() if l.strip().startswith(("1 ", "2 "))]
-    assert len(shown) == len(layouts) == 2
+    shown = [l for l in text.splitlines() if l.strip().startswith(("1 ", "2 ", "3 "))]
+    # TP1 PP1 DP2, TP1 PP2 DP1 and TP2 SP PP1 DP1 (no distributed optimizer on a CPU).
+    assert len(shown) == len(layouts) == 3
     cpu = load_device_config("cpu")
     for l in layouts:
         assert max(l["stage_peak_mib"]) <= cpu.memory_mib - cpu.reserved_mib
@@ -85,6 +120,8 @@ def test_advise_command_writes_a_run_config_that_trains_on_cpu(tmp_path, capsys)
     best = layouts[0]
     config = out.read_text()
     assert f"pipeline-model-parallel-size: {best['pp']}" in config
+    assert f"tensor-model-parallel-size: {best['tp']}" in config
+    assert ("sequence-parallel: true" in config) == best["sequence_parallel"]
     assert "dynapipe-tokens-per-global-batch: 1200" in config
     port = str(20000 + os.getpid() % 20000)
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -106,6 +143,8 @@ def re_loss(stdout: str) -> bool:
     (["--gpus", "2", "--tokens-per-iteration", "-5"], "--tokens-per-iteration -5"),
     (["--gpus", "2", "--seq-length", "4096"], "exceeds the model's max_seq_length"),
     (["--gpus", "2", "--output", "/"], "--output '/': cannot write"),
+    (["--gpus", "2", "--tp-sizes", "3"], "--tp 3 does not divide num_attention_heads=4"),
+    (["--gpus", "2", "--tp-sizes", "1,x"], "--tp-sizes: '1,x': expected comma-separated integers"),
 ])
 def test_bad_advise_arguments_give_one_line(argv, message, capsys):
     rc = main(["advise", "--model", "gpt-tiny", "--device", "cpu", "--cluster", "cpu-local",

@@ -8,7 +8,7 @@ import os
 from dynapipe.data.synthetic import DEFAULT_MIXTURE
 from dynapipe.errors import DynaPipeError
 
-HELP = "rank parallel layouts (PP, DP, distributed optimizer) for a model and cluster by simulation"
+HELP = "rank parallel layouts (TP, PP, DP, distributed optimizer) for a model and cluster by simulation"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,6 +23,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens of a global batch (default 1048576)")
     p.add_argument("--seq-length", type=int, default=None,
                    help="samples are clipped to this many tokens (default: the model's max_seq_length)")
+    p.add_argument("--tp-sizes", type=_int_list, default=None,
+                   help="tensor-parallel sizes to try, comma-separated (default: the powers of two up to the GPUs "
+                        "of a node that divide the GPUs and the model's heads and FFN width)")
+    p.add_argument("--no-sequence-parallel", action="store_true",
+                   help="price TP > 1 without Megatron's --sequence-parallel (default: with it)")
     p.add_argument("--batches", type=int, default=2, help="global batches simulated per layout (default 2)")
     p.add_argument("--memory-limit-mb", type=float, default=None,
                    help="memory per GPU the plans may use, MiB (default: the device config's)")
@@ -33,6 +38,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write every ranked layout as JSON here")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress on stderr (a bar on a terminal with tqdm installed, else a line per layout)")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers such as 1,2,4") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers such as 1,2,4")
+    return values
 
 
 def _positive(name: str, value, minimum: int = 1) -> None:
@@ -64,7 +79,7 @@ def _gib(mib: float) -> str:
 
 def format_table(advice, top: int) -> list[str]:
     """The ranked table as text lines."""
-    head = (f"{'rank':>4}  {'layout':<20} {'tokens/s':>10} {'iter ms':>9} {'bubble':>6}  "
+    head = (f"{'rank':>4}  {'layout':<24} {'tokens/s':>10} {'iter ms':>9} {'bubble':>6}  "
             f"{'peak GiB per stage':<28} {'recompute':<12} {'schedule':<10} {'plan ms':>8}  "
             f"{'packing tokens/s (mbs)':>22} {'vs packing':>10}")
     lines = [head, "-" * len(head)]
@@ -78,7 +93,7 @@ def format_table(advice, top: int) -> list[str]:
             vs = f"{r.speedup_vs_packing:.2f}x"
         else:
             pack, vs = "-", "-"
-        lines.append(f"{i:>4}  {r.layout.label():<20} {d['real_tokens_per_s']:>10,.0f} {d['iteration_ms']:>9.1f} "
+        lines.append(f"{i:>4}  {r.layout.label():<24} {d['real_tokens_per_s']:>10,.0f} {d['iteration_ms']:>9.1f} "
                      f"{d['bubble_fraction']:>6.3f}  {peak:<28} {','.join(d['recompute']):<12} "
                      f"{','.join(d['schedule']):<10} {d['planning_ms']:>8.1f}  {pack:>22} {vs:>10}")
     return lines
@@ -109,6 +124,8 @@ def run_config_text(best, model, device_name: str, cluster_name: str, cluster, g
         args[model.dtype] = True
     args.update({"micro-batch-size": 1, "global-batch-size": max(samples, lay.dp),
                  "tensor-model-parallel-size": lay.tp, "pipeline-model-parallel-size": lay.pp})
+    if lay.sp:
+        args["sequence-parallel"] = True
     if lay.zero:
         args["use-distributed-optimizer"] = True
     args.update({"lr": 1.5e-4, "train-iters": 1000, "log-interval": 10, "mock-data": True,
@@ -122,8 +139,8 @@ def run_config_text(best, model, device_name: str, cluster_name: str, cluster, g
     lines = ["description: >",
              f"  Written by `python -m dynapipe advise`: {model.name} on {gpus} x {device_name} ({cluster_name}),",
              f"  {lay.label()}, predicted {d['real_tokens_per_s']:,.0f} real tokens/s by simulation",
-             f"  (DynaPipe, schedule search; TP 1 only). lr and train-iters are placeholders, and mock-data",
-             f"  stands in for data-path. Launch on every node:",
+             "  (DynaPipe, schedule search). lr and train-iters are placeholders, and mock-data",
+             "  stands in for data-path. Launch on every node:",
              f"  torchrun --nnodes {nnodes} --nproc-per-node {nproc} scripts/pretrain_gpt.py --run-config FILE",
              f"launch: {{nnodes: {nnodes}, nproc_per_node: {nproc}}}", "args:"]
     for k, v in args.items():
@@ -166,18 +183,24 @@ def run(args) -> int:
     else:
         batches = sample_batches(args.tokens_per_iteration, args.batches, args.seed, seq,
                                  pool=read_lengths(args.lengths))
-    layouts = enumerate_layouts(model, args.gpus, cluster, zero=False if device.name == "cpu" else None)
-    with Progress(len(layouts), "advise", enabled=not args.no_progress) as bar:
-        advice = advise(batches, model, device, args.gpus, cluster=cluster, seq_length=seq,
-                        memory_limit_mib=args.memory_limit_mb, layouts=layouts, compare_packing=not args.no_packing,
-                        progress=_report_layouts(bar))
+    layouts = enumerate_layouts(model, args.gpus, cluster, tp_sizes=args.tp_sizes,
+                                zero=False if device.name == "cpu" else None,
+                                sequence_parallel=not args.no_sequence_parallel)
+    kw = dict(cluster=cluster, seq_length=seq, memory_limit_mib=args.memory_limit_mb, layouts=layouts,
+              compare_packing=not args.no_packing)
+    if args.no_progress:  # nothing on stderr: the lines only name layouts, the table follows
+        advice = advise(batches, model, device, args.gpus, **kw)
+    else:
+        with Progress(len(layouts), "advise") as bar:
+            advice = advise(batches, model, device, args.gpus, progress=_report_layouts(bar), **kw)
     best = advice.best
     mean_tokens = sum(int(b.sum()) for b in batches) / len(batches)
     print(f"{model.name} on {args.gpus} x {device.name} ({cluster.name}): {len(layouts)} layouts, "
           f"{len(advice.results)} fit; {len(batches)} global batch(es) of ~{mean_tokens:,.0f} tokens "
           f"(seq-length {seq}); {advice.elapsed_ms / 1e3:.1f} s")
-    print("TP = 1 only (price TP layouts with plan --tp). tokens/s: real (non-pad) tokens, "
-          "simulated; packing: the best packed micro-batch size under 1F1B.")
+    tps = sorted({l.tp for l in layouts})
+    print(f"TP {', '.join(map(str, tps))}" + (" (with sequence parallelism)" if any(l.sp for l in layouts) else "")
+          + "; tokens/s: real (non-pad) tokens, simulated; packing: the best packed micro-batch size under 1F1B.")
     for line in format_table(advice, args.top):
         print(line)
     if advice.refused:
