@@ -60,7 +60,8 @@ def test_dp_equals_brute_force(lengths, stages, dp, factor):
     lengths = np.array(lengths)
     cm = COST[stages]
     limit = limit_for(cm, lengths, factor)
-    plan = plan_micro_batches(lengths, cm, dp=dp, memory_limit_mib=limit, reserved_mib=A100.reserved_mib, gap=0.0)
+    plan = plan_micro_batches(lengths, cm, dp=dp, memory_limit_mib=limit, reserved_mib=A100.reserved_mib, gap=0.0,
+                              split_to_balance=False)
     budget = limit - A100.reserved_mib - cm.model_state_mib()
     expect = brute_force(np.sort(lengths), cm, budget, dp, GPT7B.max_seq_length)
     assert plan.objective_ms == pytest.approx(expect, rel=1e-9)
@@ -74,11 +75,13 @@ def test_dp_equals_brute_force_twelve_samples(seed):
     lengths = rng.integers(1, 2049, size=12)
     cm = COST[8]
     limit = limit_for(cm, lengths, 2.0)
-    plan = plan_micro_batches(lengths, cm, dp=2, memory_limit_mib=limit, reserved_mib=A100.reserved_mib, gap=0.0)
+    plan = plan_micro_batches(lengths, cm, dp=2, memory_limit_mib=limit, reserved_mib=A100.reserved_mib, gap=0.0,
+                              split_to_balance=False)
     budget = limit - A100.reserved_mib - cm.model_state_mib()
     assert plan.objective_ms == pytest.approx(brute_force(np.sort(lengths), cm, budget, 2, 4096), rel=1e-9)
     # The planner's default gap stays within it of the optimum.
-    near = plan_micro_batches(lengths, cm, dp=2, memory_limit_mib=limit, reserved_mib=A100.reserved_mib)
+    near = plan_micro_batches(lengths, cm, dp=2, memory_limit_mib=limit, reserved_mib=A100.reserved_mib,
+                              split_to_balance=False)
     assert plan.objective_ms <= near.objective_ms <= plan.objective_ms / (1 - DEFAULT_GAP) * (1 + 1e-12)
 
 
@@ -95,7 +98,7 @@ def test_encoder_decoder_dp_equals_brute_force_over_each_order(pairs, dp):
         expect = brute_force(lengths[order], T5_COST, np.inf, dp, T5.max_seq_length)
         assert part.objective_ms == pytest.approx(expect, rel=1e-9)
         per_order.append(expect)
-    plan = plan_micro_batches(lengths, T5_COST, dp=dp, gap=0.0)
+    plan = plan_micro_batches(lengths, T5_COST, dp=dp, gap=0.0, split_to_balance=False)
     assert plan.objective_ms == pytest.approx(min(per_order), rel=1e-9)
     assert sorted(i for mb in plan.micro_batches for i in mb.samples) == list(range(len(lengths)))
     for mb in plan.micro_batches:  # padded shapes cover every sample

@@ -9,11 +9,14 @@ lightest parts while that lowers the heaviest.
 Both steps are numpy over the ``dp`` parts (or the heavy x light pairs); they perform
 the same float operations in the same order as the one-item-at-a-time formulation kept
 in ``tests/balance_reference.py`` and return the same assignment.
+
+When the micro-batches are too few to come out even, :func:`split_to_balance` splits the
+slowest replica's micro-batches in two while that shortens the iteration.
 """
 from __future__ import annotations
 
 import heapq
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -135,3 +138,57 @@ def replica_times(times_ms: Sequence[float], assignment: Sequence[int], dp: int)
     for t, r in zip(times_ms, assignment):
         sums[r] += float(t)
     return sums
+
+
+def balanced_objective_ms(times_ms: Sequence[float], dp: int, num_stages: int) -> float:
+    """The iteration estimate with the micro-batches placed by :func:`balance_replicas`:
+    the slowest replica's summed time plus ``(num_stages - 1)`` times the longest
+    micro-batch (ms). Equals the DP's ``sum / dp + (S - 1) max`` only when the replicas
+    come out even."""
+    return _balanced(times_ms, dp, num_stages)[0]
+
+
+def _balanced(times_ms: Sequence[float], dp: int, num_stages: int) -> tuple[float, list[float]]:
+    if not len(times_ms):
+        return 0.0, [0.0] * dp
+    sums = replica_times(times_ms, balance_replicas(times_ms, dp), dp)
+    return max(sums) + (num_stages - 1) * max(float(t) for t in times_ms), sums
+
+
+def split_to_balance(cuts: Sequence[tuple[int, int]], time_of: Callable[[int, int], Optional[float]], dp: int,
+                     num_stages: int, max_splits: int = 64) -> tuple[list[tuple[int, int]], int, float]:
+    """Split micro-batches of the slowest replica in two while that lowers
+    :func:`balanced_objective_ms`; returns the new cuts, the number of splits and that
+    objective (ms).
+
+    The DP's objective divides the summed time by ``dp`` as if any split of it were
+    possible; with few micro-batches a replica (``3`` micro-batches on ``2`` replicas, or
+    fewer micro-batches than replicas) waits for another the whole iteration. ``cuts`` are
+    ``(start, end)`` positions of the ordered samples; ``time_of(start, end)`` prices
+    positions ``start .. end - 1`` as one micro-batch (ms), or ``None`` when that is not a
+    candidate. A micro-batch is split at its middle, the slowest replica's longest first.
+    """
+    cuts = [(int(s), int(e)) for s, e in cuts]
+    times = [float(time_of(s, e)) for s, e in cuts]
+    best, sums = _balanced(times, max(dp, 1), num_stages)
+    splits = 0
+    while dp > 1 and splits < max_splits and max(sums) > sum(sums) / dp * (1 + 1e-6):
+        assign = balance_replicas(times, dp)
+        heavy = max(range(dp), key=lambda r: sums[r])
+        order = sorted((i for i, r in enumerate(assign) if r == heavy and cuts[i][1] - cuts[i][0] > 1),
+                       key=lambda i: -times[i])
+        for i in order:
+            s, e = cuts[i]
+            mid = (s + e) // 2
+            first, second = time_of(s, mid), time_of(mid, e)
+            if first is None or second is None:
+                continue
+            trial = times[:i] + [float(first), float(second)] + times[i + 1:]
+            value, trial_sums = _balanced(trial, dp, num_stages)
+            if value < best * (1 - 1e-9):
+                cuts[i:i + 1] = [(s, mid), (mid, e)]
+                times, best, sums, splits = trial, value, trial_sums, splits + 1
+                break
+        else:
+            break  # no split of the slowest replica helps
+    return cuts, splits, best

@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 
 from dynapipe.batching import baselines
-from dynapipe.batching.balance import balance_replicas, replica_times
+from dynapipe.batching.balance import balance_replicas, replica_times, split_to_balance
 from dynapipe.batching.candidates import build_candidate_table
 from dynapipe.batching.dp_partition import DEFAULT_GAP, optimal_partition
 from dynapipe.batching.lengths import validate_lengths
@@ -66,25 +66,41 @@ def _set_real_tokens(lengths: np.ndarray, mbs: list[MicroBatch]) -> None:
 
 
 def _plan_dynapipe(lengths: np.ndarray, cost_model: CostModel, budget: MemoryBudget, dp: int, recompute: str,
-                   cap: int, use_compiled: Optional[bool], gap: float) -> tuple[list[MicroBatch], dict]:
-    """The exact DP cut of each candidate order; the order with the lowest objective wins."""
+                   cap: int, use_compiled: Optional[bool], gap: float,
+                   split: bool) -> tuple[list[MicroBatch], dict]:
+    """The exact DP cut of each candidate order, then (``split``, ``dp`` > 1) its split for
+    balance; the order with the lowest objective (with ``split``, of the replicas as
+    balanced) wins."""
     best = None
+    stages = cost_model.num_stages
     for name, order in zip(ORDER_NAMES if lengths.ndim == 2 else ("sorted",), candidate_orders(lengths)):
         table = build_candidate_table(lengths[order], order, cost_model, budget, recompute, cap)
-        part = optimal_partition(table, cost_model.num_stages, dp, use_compiled=use_compiled, gap=gap)
-        if best is None or part.objective_ms < best[2].objective_ms:
-            best = (name, order, part, table)
-    name, order, part, table = best
+        part = optimal_partition(table, stages, dp, use_compiled=use_compiled, gap=gap)
+        cuts, splits, value = part.cuts, 0, part.objective_ms
+        if split and dp > 1:
+            cuts, splits, value = split_to_balance(cuts, lambda s, e: _table_time(table, s, e), dp, stages)
+        if best is None or value < best[0]:
+            best = (value, name, order, part, table, cuts, splits)
+    _, name, order, part, table, cuts, splits = best
     mbs = []
-    for start, end in part.cuts:
+    for start, end in cuts:
         e = table.entry(end, end - start)
         samples = order[start:end].tolist()
         mbs.append(MicroBatch(samples=samples, seqlen=int(table.seqlen[e]), dec_seqlen=int(table.dec_seqlen[e]),
                               time_ms=float(table.time_ms[e]), stored_mib=float(table.stored_mib[e]),
                               peak_mib=float(table.peak_mib[e])))
     extra = {"order": name, "dp_evaluations": part.evaluations, "dp_candidates": part.candidates,
-             "dp_kernel": part.kernel}
+             "dp_kernel": part.kernel, "balance_splits": splits}
     return mbs, extra
+
+
+def _table_time(table, start: int, end: int) -> Optional[float]:
+    """Time of positions ``start .. end - 1`` as one micro-batch (ms); ``None`` if not a candidate."""
+    try:
+        t = float(table.time_ms[table.entry(end, end - start)])
+    except IndexError:
+        return None
+    return t if np.isfinite(t) else None
 
 
 def _price(mbs: list[MicroBatch], cost_model: CostModel, recompute: str) -> None:
@@ -103,7 +119,7 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
                        micro_batch_size: int = 1, seq_length: Optional[int] = None,
                        max_tokens: Optional[int] = None, recompute: str = "none",
                        zero: bool = False, use_compiled: Optional[bool] = None,
-                       gap: float = DEFAULT_GAP) -> BatchPlan:
+                       gap: float = DEFAULT_GAP, split_to_balance: bool = True) -> BatchPlan:
     """Micro-batches of one global batch, priced, balanced over ``dp`` replicas.
 
     ``lengths``: ``(n,)`` tokens (decoder-only) or ``(n, 2)`` input and target tokens
@@ -120,6 +136,9 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
     state over the ``dp`` replicas when pricing model states. ``use_compiled`` selects the
     DP kernel (``None``: C when built). ``gap``: relative optimality gap of the
     ``dynapipe`` cut's objective (0: exact; default :data:`DEFAULT_GAP`, 0.1%).
+    ``split_to_balance``: with ``dp`` > 1, split the ``dynapipe`` cut's micro-batches where
+    too few of them leave a replica waiting (:func:`~dynapipe.batching.balance.split_to_balance`;
+    ``extra["balance_splits"]`` counts them); off, the plan is the DP's cut as it is.
     """
     start = time.perf_counter()
     if method not in METHODS:
@@ -135,7 +154,7 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
                    "seq_length": cap, "truncated_samples": truncated}
 
     if method == "dynapipe":
-        mbs, more = _plan_dynapipe(arr, cost_model, budget, dp, recompute, cap, use_compiled, gap)
+        mbs, more = _plan_dynapipe(arr, cost_model, budget, dp, recompute, cap, use_compiled, gap, split_to_balance)
         extra.update(more)
     else:
         if method == "padding":
