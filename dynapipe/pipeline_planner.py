@@ -187,21 +187,12 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
     if batch_plan.num_stages != cost_model.num_stages:
         raise DynaPipeError(f"the batch plan is for {batch_plan.num_stages} stages, the cost model for "
                             f"{cost_model.num_stages}.")
-    limit, reserved = _default_memory(cost_model, memory_limit_mib, reserved_mib)
-    capacity = None if limit is None or not np.isfinite(limit) else limit - reserved
-    batch_plan = _loss_tokens(batch_plan, lengths, cost_model)
-    shards = _sequence_shards(cost_model)
-    batch_plan = round_for_sequence_parallel(batch_plan, shards, cost_model.model.max_seq_length)
-    dp = batch_plan.dp
-    # batch_plan.replica(r) for every r, in one pass over the micro-batches.
-    replica_batches: list[list] = [[] for _ in range(dp)]
-    for mb in batch_plan.micro_batches:
-        if 0 <= mb.replica < dp:
-            replica_batches[mb.replica].append(mb)
     t0, c0 = time.perf_counter(), time.process_time()
-    result = search_schedules(replica_batches, cost_model, schedule=schedule, recompute=recompute, capacity_mib=capacity,
-                              cluster=cluster, dp=dp, tp=tp, zero=zero, explain=explain)
+    batch_plan, result = _search(batch_plan, cost_model, schedule=schedule, memory_limit_mib=memory_limit_mib,
+                                 reserved_mib=reserved_mib, cluster=cluster, recompute=recompute, tp=tp, zero=zero,
+                                 explain=explain, lengths=lengths)
     t1, c1 = time.perf_counter(), time.process_time()
+    dp, shards = batch_plan.dp, _sequence_shards(cost_model)
     total_loss = sum(mb.planned_loss_tokens for mb in batch_plan.micro_batches)
     wanted = set(range(dp)) if replicas is None else {int(r) for r in replicas}
     if not wanted <= set(range(dp)):
@@ -237,6 +228,26 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
     return out
 
 
+def _search(batch_plan: BatchPlan, cost_model: CostModel, *, schedule: str, memory_limit_mib: Optional[float],
+            reserved_mib: Optional[float], cluster: Optional[ClusterConfig], recompute: Optional[str], tp: int,
+            zero: bool, explain: bool, lengths) -> tuple[BatchPlan, SearchResult]:
+    """The schedule search of :func:`schedule_batch_plan`: the batch plan as the executor
+    will run it (loss tokens, sequence-parallel rounding) and the search's result."""
+    limit, reserved = _default_memory(cost_model, memory_limit_mib, reserved_mib)
+    capacity = None if limit is None or not np.isfinite(limit) else limit - reserved
+    batch_plan = _loss_tokens(batch_plan, lengths, cost_model)
+    batch_plan = round_for_sequence_parallel(batch_plan, _sequence_shards(cost_model), cost_model.model.max_seq_length)
+    dp = batch_plan.dp
+    # batch_plan.replica(r) for every r, in one pass over the micro-batches.
+    replica_batches: list[list] = [[] for _ in range(dp)]
+    for mb in batch_plan.micro_batches:
+        if 0 <= mb.replica < dp:
+            replica_batches[mb.replica].append(mb)
+    result = search_schedules(replica_batches, cost_model, schedule=schedule, recompute=recompute, capacity_mib=capacity,
+                              cluster=cluster, dp=dp, tp=tp, zero=zero, explain=explain)
+    return batch_plan, result
+
+
 @without_gc_pauses
 def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = None, dp: int = 1,
                    method: str = "dynapipe", schedule: str = "auto", memory_limit_mib: Optional[float] = None,
@@ -253,7 +264,9 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
     execution plan per (replica, stage). ``stages`` must match the cost model.
     ``memory_limit_mib`` (per device) and ``reserved_mib`` default to the device config.
     ``recompute=None`` lets the search choose the level; micro-batches are then cut so
-    that each fits alone at the lightest level that lets every sample fit.
+    that each fits alone at the lightest level that lets every sample fit, and, where the
+    search then needs heavier recompute on some stage, also with room left for the
+    micro-batches in flight (:func:`_leave_room_in_flight`); the faster cut is kept.
     ``replicas``: compile only these replicas' plans (see :func:`schedule_batch_plan`).
     ``gap``: relative optimality gap of DynaPipe's cut (0: the exact optimum).
     """
@@ -263,12 +276,11 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
     levels = [check_recompute(recompute)] if recompute is not None else list(RECOMPUTE_LEVELS)
     t0, c0 = time.perf_counter(), time.process_time()
     batch_plan, error = None, None
+    cut = dict(method=method, dp=dp, memory_limit_mib=limit, reserved_mib=reserved, micro_batch_size=micro_batch_size,
+               seq_length=seq_length, max_tokens=max_tokens, zero=zero, gap=gap)
     for level in levels:
         try:
-            batch_plan = plan_micro_batches(lengths, cost_model, method=method, dp=dp, memory_limit_mib=limit,
-                                            reserved_mib=reserved, micro_batch_size=micro_batch_size,
-                                            seq_length=seq_length, max_tokens=max_tokens, recompute=level,
-                                            zero=zero, gap=gap)
+            batch_plan = plan_micro_batches(lengths, cost_model, recompute=level, **cut)
             break
         except DynaPipeError as e:  # a sample too large at this level may fit with more recompute
             error = e
@@ -276,9 +288,49 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
         raise error
     batch_plan.planning_ms = (time.perf_counter() - t0) * 1e3
     batching_cpu_ms = (time.process_time() - c0) * 1e3
-    out = schedule_batch_plan(batch_plan, cost_model, schedule=schedule, memory_limit_mib=limit,
-                              reserved_mib=reserved, cluster=cluster, recompute=recompute, iteration=iteration,
-                              tp=tp, zero=zero, explain=explain, validate=validate, lengths=lengths,
-                              replicas=replicas)
+    search = dict(schedule=schedule, memory_limit_mib=limit, reserved_mib=reserved, cluster=cluster, tp=tp, zero=zero)
+    compile_kw = dict(search, recompute=recompute, iteration=iteration, explain=explain, validate=validate,
+                      lengths=lengths, replicas=replicas)
+    out = schedule_batch_plan(batch_plan, cost_model, **compile_kw)
+    if recompute is None and method == "dynapipe" and _recompute_above(out.stage_recompute, level):
+        t1, c1 = time.perf_counter(), time.process_time()
+        roomier = _leave_room_in_flight(out, lengths, cost_model, level, cut, search)
+        retry_ms, retry_cpu_ms = (time.perf_counter() - t1) * 1e3, (time.process_time() - c1) * 1e3
+        if roomier is not None:
+            out = schedule_batch_plan(roomier, cost_model, **compile_kw)
+        # The cuts and searches tried count as batching time.
+        out.timings_ms["batching"] = out.batch_plan.planning_ms = batch_plan.planning_ms + retry_ms
+        batching_cpu_ms += retry_cpu_ms
     out.cpu_ms = {"batching": batching_cpu_ms, **out.cpu_ms}
     return out
+
+
+def _recompute_above(stage_recompute: Sequence[str], level: str) -> bool:
+    """Whether some stage recomputes more than ``level``, the level the cut was priced at."""
+    return any(RECOMPUTE_LEVELS.index(r) > RECOMPUTE_LEVELS.index(level) for r in stage_recompute)
+
+
+def _leave_room_in_flight(planned: IterationPlan, lengths, cost_model: CostModel, level: str, cut: dict,
+                          search: dict) -> Optional[BatchPlan]:
+    """A cut the schedule search runs faster than ``planned``'s, whose micro-batches of
+    several samples use only a share of the activation budget; ``None`` if none is.
+
+    The DP fits each micro-batch in memory alone, but a pipeline holds several at once
+    (1F1B: up to ``S`` on its first stage), so under a tight limit the search made room
+    with heavier recompute on some stage than the cut was priced at (``level``), and can
+    lose to a baseline of small fixed micro-batches. The shares ``1/2`` and ``1/S`` are
+    tried (each one more DP cut and schedule search); ``extra["micro_batch_share"]`` of
+    the result says which won."""
+    stages = cost_model.num_stages
+    if stages < 2:
+        return None
+    best, best_ms = None, planned.simulated_ms
+    for share in sorted({0.5, 1.0 / stages}, reverse=True):
+        try:
+            candidate = plan_micro_batches(lengths, cost_model, recompute=level, micro_batch_share=share, **cut)
+        except DynaPipeError:
+            continue
+        _, result = _search(candidate, cost_model, recompute=None, explain=False, lengths=lengths, **search)
+        if result.best.makespan_ms < best_ms:
+            best, best_ms = candidate, result.best.makespan_ms
+    return best

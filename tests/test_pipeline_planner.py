@@ -123,3 +123,54 @@ def test_trace_command(tmp_path, capsys):
     assert trace["metadata"]["schedule"] in ("1f1b", "adaptive")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "trace written" in capsys.readouterr().err
+
+
+def test_a_share_of_the_budget_caps_micro_batches_of_several_samples():
+    cm = build_cost_model(load_model_config("gpt-7b"), load_device_config("a100-40gb"), 4)
+    lengths = np.array([3000, 900, 800, 700, 600, 500, 400, 300, 200, 100] * 4)
+    kw = dict(memory_limit_mib=40_960, reserved_mib=2048, recompute="selective")
+    whole = plan_micro_batches(lengths, cm, **kw)
+    half = plan_micro_batches(lengths, cm, micro_batch_share=0.5, **kw)
+    budget = half.extra["activation_budget_mib"]
+    assert half.extra["micro_batch_share"] == 0.5 and whole.extra["micro_batch_share"] == 1.0
+    need = [mb.stored_mib + mb.peak_mib for mb in whole.micro_batches if mb.mbs > 1]
+    assert max(need) > 0.5 * budget  # the share binds here
+    for mb in half.micro_batches:
+        assert mb.stored_mib + mb.peak_mib <= (0.5 if mb.mbs > 1 else 1.0) * budget + 1e-9
+    assert len(half.micro_batches) > len(whole.micro_batches)
+    assert sorted(i for mb in half.micro_batches for i in mb.samples) == list(range(len(lengths)))
+    for bad in (0.0, 1.5):
+        with pytest.raises(DynaPipeError, match=f"micro_batch_share {bad}"):
+            plan_micro_batches(lengths, cm, micro_batch_share=bad, **kw)
+
+
+def test_a_tight_limit_cuts_smaller_micro_batches_when_the_pipeline_needs_the_room():
+    # gpt-13b, TP2 with sequence parallelism x PP4 x DP2 on a100-40gb (the advisor's layout):
+    # cut to fit alone, the micro-batches made the search recompute everything on the first
+    # stage (its four in flight did not fit) and DynaPipe simulated 0.93x the best packing.
+    from dynapipe.advise import sample_batches
+    from dynapipe.config import TensorParallelConfig, load_cluster_config
+    from dynapipe.data.synthetic import DEFAULT_MIXTURE, load_mixture
+    from dynapipe.method_compare import simulate_method
+    from dynapipe.pipeline_planner import schedule_batch_plan
+
+    model, device = load_model_config("gpt-13b"), load_device_config("a100-40gb")
+    cluster = load_cluster_config("a100-8x")
+    cm = build_cost_model(model, device, 4, tp=TensorParallelConfig(2, True, cluster.intra_node))
+    batch = sample_batches(1 << 20, 1, 0, 4096, mixture=load_mixture(DEFAULT_MIXTURE))[0]
+    kw = dict(dp=2, zero=True, cluster=cluster, tp=2, seq_length=4096)
+    planned = plan_iteration(batch, cm, **kw)
+    share = planned.batch_plan.extra["micro_batch_share"]
+    assert share < 1.0
+    # The cut that fits each micro-batch alone, searched the same way, is slower.
+    alone = plan_micro_batches(batch, cm, dp=2, zero=True, seq_length=4096, recompute="selective",
+                               memory_limit_mib=device.memory_mib, reserved_mib=device.reserved_mib)
+    alone_it = schedule_batch_plan(alone, cm, cluster=cluster, tp=2, zero=True, lengths=batch)
+    assert "full" in alone_it.stage_recompute
+    assert planned.simulated_ms < 0.95 * alone_it.simulated_ms
+    assert planned.timings_ms["batching"] > alone.planning_ms  # the tries are counted
+    packing = simulate_method(batch, "packing", cm, micro_batch_size=1, **kw)
+    assert planned.simulated_ms < packing.iteration_ms
+    # With memory to spare nothing is tried: the cut fits alone and in flight.
+    roomy = plan_iteration(batch, cm, memory_limit_mib=1e6, **kw)
+    assert roomy.batch_plan.extra["micro_batch_share"] == 1.0

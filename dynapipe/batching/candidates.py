@@ -141,6 +141,9 @@ def build_candidate_table(ordered: np.ndarray, order: np.ndarray, cost_model: Co
         raise oversized_sample_error(int(order[pos]), _describe(ordered, pos, enc, dec), float(c.stored_mib[0]),
                                      float(c.peak_mib[0]), budget, recompute, others=failing - 1)
 
+    if budget.micro_batch_share < 1.0:
+        # Several samples within the share; a sample alone keeps the whole budget.
+        row_len = np.maximum(np.minimum(row_len, max_fitting_count(memory, last_end, budget.multi_sample_mib)), 1)
     offsets, rows, counts = _flat_counts(row_len)
     seq, dseq = shape(rows, counts)
     cost = cost_model.stage_cost(counts, seq, dseq, recompute=recompute)

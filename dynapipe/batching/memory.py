@@ -18,16 +18,27 @@ UNLIMITED_MIB = float("inf")
 
 @dataclass(frozen=True)
 class MemoryBudget:
-    """Memory figures of the most loaded stage, in MiB."""
+    """Memory figures of the most loaded stage, in MiB.
+
+    ``micro_batch_share``: the share of :attr:`activation_mib` a micro-batch of two or
+    more samples may use (1: all of it); a sample alone may always use all of it. Below 1
+    it keeps room for the other micro-batches a pipeline holds at once, which the
+    schedule would otherwise have to make with heavier recompute."""
 
     limit_mib: float
     reserved_mib: float
     model_state_mib: float
+    micro_batch_share: float = 1.0
 
     @property
     def activation_mib(self) -> float:
         """MiB left for a micro-batch's stored and peak activations."""
         return self.limit_mib - self.reserved_mib - self.model_state_mib
+
+    @property
+    def multi_sample_mib(self) -> float:
+        """MiB a micro-batch of two or more samples may use."""
+        return self.activation_mib * self.micro_batch_share
 
     def describe(self) -> str:
         return (f"{self.activation_mib:.1f} MiB are left for activations (memory limit {self.limit_mib:.0f} MiB "

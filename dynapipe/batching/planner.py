@@ -9,6 +9,7 @@ balances them across data-parallel replicas and reports the objective
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Optional
 
 import numpy as np
@@ -119,7 +120,8 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
                        micro_batch_size: int = 1, seq_length: Optional[int] = None,
                        max_tokens: Optional[int] = None, recompute: str = "none",
                        zero: bool = False, use_compiled: Optional[bool] = None,
-                       gap: float = DEFAULT_GAP, split_to_balance: bool = True) -> BatchPlan:
+                       gap: float = DEFAULT_GAP, split_to_balance: bool = True,
+                       micro_batch_share: float = 1.0) -> BatchPlan:
     """Micro-batches of one global batch, priced, balanced over ``dp`` replicas.
 
     ``lengths``: ``(n,)`` tokens (decoder-only) or ``(n, 2)`` input and target tokens
@@ -139,6 +141,9 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
     ``split_to_balance``: with ``dp`` > 1, split the ``dynapipe`` cut's micro-batches where
     too few of them leave a replica waiting (:func:`~dynapipe.batching.balance.split_to_balance`;
     ``extra["balance_splits"]`` counts them); off, the plan is the DP's cut as it is.
+    ``micro_batch_share`` (0 < share <= 1): a ``dynapipe`` micro-batch of two or more
+    samples may use this share of the activation budget (a sample alone all of it), to
+    leave room for the micro-batches a pipeline holds at once.
     """
     start = time.perf_counter()
     if method not in METHODS:
@@ -149,9 +154,12 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
     model = cost_model.model
     arr = validate_lengths(lengths, model.is_encoder_decoder)
     arr, cap, truncated = _limit_lengths(arr, seq_length, model.max_seq_length)
-    budget = memory_budget(cost_model, memory_limit_mib, reserved_mib, dp=dp, zero=zero)
+    if not 0.0 < micro_batch_share <= 1.0:
+        raise DynaPipeError(f"micro_batch_share {micro_batch_share}: must lie in (0, 1].")
+    budget = replace(memory_budget(cost_model, memory_limit_mib, reserved_mib, dp=dp, zero=zero),
+                     micro_batch_share=float(micro_batch_share))
     extra: dict = {"activation_budget_mib": budget.activation_mib, "model_state_mib": budget.model_state_mib,
-                   "seq_length": cap, "truncated_samples": truncated}
+                   "seq_length": cap, "truncated_samples": truncated, "micro_batch_share": budget.micro_batch_share}
 
     if method == "dynapipe":
         mbs, more = _plan_dynapipe(arr, cost_model, budget, dp, recompute, cap, use_compiled, gap, split_to_balance)
