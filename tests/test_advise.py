@@ -170,3 +170,17 @@ def test_batches_from_a_lengths_pool_respect_the_token_budget():
     for b in batches:
         assert np.minimum(b, 256).sum() <= 5000 and len(set(b.tolist())) == len(b)
     assert not np.array_equal(batches[0], batches[1])
+
+
+def test_encoder_decoder_layouts_are_ones_t5_training_runs(capsys):
+    # T5 stages refuse the distributed optimizer, and --output writes a GPT run config.
+    base = ["advise", "--model", "t5-11b", "--device", "a100-40gb", "--cluster", "a100-8x", "--gpus", "16",
+            "--mixture", "flan-mixture", "--tokens-per-iteration", "65536", "--seq-length", "1024",
+            "--batches", "1", "--no-packing", "--tp-sizes", "4,8", "--no-progress"]
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    assert "no distributed optimizer (T5 stages refuse it)" in out and "ZeRO" not in out
+    assert "TP8 SP PP1 DP2" in out
+    assert main(base + ["--output", "x.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "'t5-11b' is an encoder-decoder model" in err and err.count("\n") == 1

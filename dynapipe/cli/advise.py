@@ -164,6 +164,10 @@ def run(args) -> int:
             _check_writable(getattr(args, flag), flag)
     model, device = load_model_config(args.model), load_device_config(args.device)
     cluster = load_cluster_config(args.cluster)
+    if model.is_encoder_decoder and args.output:
+        raise DynaPipeError(f"--output writes a run config for scripts/pretrain_gpt.py, and {model.name!r} is an "
+                            f"encoder-decoder model; pass the best layout's flags to scripts/pretrain_t5.py "
+                            f"yourself (--json FILE keeps every layout).")
     seq = args.seq_length or model.max_seq_length
     if seq > model.max_seq_length:
         raise DynaPipeError(f"--seq-length {seq} exceeds the model's max_seq_length {model.max_seq_length}.")
@@ -183,8 +187,9 @@ def run(args) -> int:
     else:
         batches = sample_batches(args.tokens_per_iteration, args.batches, args.seed, seq,
                                  pool=read_lengths(args.lengths))
+    # No distributed optimizer on CPUs (megatron-core's needs CUDA), nor for T5 (its stages refuse it).
     layouts = enumerate_layouts(model, args.gpus, cluster, tp_sizes=args.tp_sizes,
-                                zero=False if device.name == "cpu" else None,
+                                zero=False if device.name == "cpu" or model.is_encoder_decoder else None,
                                 sequence_parallel=not args.no_sequence_parallel)
     kw = dict(cluster=cluster, seq_length=seq, memory_limit_mib=args.memory_limit_mb, layouts=layouts,
               compare_packing=not args.no_packing)
@@ -200,6 +205,8 @@ def run(args) -> int:
           f"(seq-length {seq}); {advice.elapsed_ms / 1e3:.1f} s")
     tps = sorted({l.tp for l in layouts})
     print(f"TP {', '.join(map(str, tps))}" + (" (with sequence parallelism)" if any(l.sp for l in layouts) else "")
+          + ("; encoder-decoder: Megatron's even stage split, no distributed optimizer (T5 stages refuse it)"
+             if model.is_encoder_decoder else "")
           + "; tokens/s: real (non-pad) tokens, simulated; packing: the best packed micro-batch size under 1F1B.")
     for line in format_table(advice, args.top):
         print(line)
