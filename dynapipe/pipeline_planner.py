@@ -266,7 +266,7 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
     ``recompute=None`` lets the search choose the level; micro-batches are then cut so
     that each fits alone at the lightest level that lets every sample fit, and, where the
     search then needs heavier recompute on some stage, also with room left for the
-    micro-batches in flight (:func:`_leave_room_in_flight`); the faster cut is kept.
+    micro-batches in flight (:func:`leave_room_in_flight`); the faster cut is kept.
     ``replicas``: compile only these replicas' plans (see :func:`schedule_batch_plan`).
     ``gap``: relative optimality gap of DynaPipe's cut (0: the exact optimum).
     """
@@ -292,9 +292,10 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
     compile_kw = dict(search, recompute=recompute, iteration=iteration, explain=explain, validate=validate,
                       lengths=lengths, replicas=replicas)
     out = schedule_batch_plan(batch_plan, cost_model, **compile_kw)
-    if recompute is None and method == "dynapipe" and _recompute_above(out.stage_recompute, level):
+    if recompute is None:
         t1, c1 = time.perf_counter(), time.process_time()
-        roomier = _leave_room_in_flight(out, lengths, cost_model, level, cut, search)
+        roomier = leave_room_in_flight(lengths, cost_model, level=level, simulated_ms=out.simulated_ms,
+                                       stage_recompute=out.stage_recompute, cut=cut, search=search)
         retry_ms, retry_cpu_ms = (time.perf_counter() - t1) * 1e3, (time.process_time() - c1) * 1e3
         if roomier is not None:
             out = schedule_batch_plan(roomier, cost_model, **compile_kw)
@@ -305,26 +306,26 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
     return out
 
 
-def _recompute_above(stage_recompute: Sequence[str], level: str) -> bool:
-    """Whether some stage recomputes more than ``level``, the level the cut was priced at."""
-    return any(RECOMPUTE_LEVELS.index(r) > RECOMPUTE_LEVELS.index(level) for r in stage_recompute)
-
-
-def _leave_room_in_flight(planned: IterationPlan, lengths, cost_model: CostModel, level: str, cut: dict,
-                          search: dict) -> Optional[BatchPlan]:
-    """A cut the schedule search runs faster than ``planned``'s, whose micro-batches of
-    several samples use only a share of the activation budget; ``None`` if none is.
+def leave_room_in_flight(lengths, cost_model: CostModel, *, level: str, simulated_ms: float,
+                         stage_recompute: Sequence[str], cut: dict, search: dict) -> Optional[BatchPlan]:
+    """A DynaPipe cut that the schedule search runs faster than the one it planned
+    (``simulated_ms``, recomputing ``stage_recompute``), with the micro-batches of
+    several samples held to a share of the activation budget; ``None`` if none is, or if
+    nothing needs it.
 
     The DP fits each micro-batch in memory alone, but a pipeline holds several at once
-    (1F1B: up to ``S`` on its first stage), so under a tight limit the search made room
+    (1F1B: up to ``S`` on its first stage), so under a tight limit the search makes room
     with heavier recompute on some stage than the cut was priced at (``level``), and can
-    lose to a baseline of small fixed micro-batches. The shares ``1/2`` and ``1/S`` are
-    tried (each one more DP cut and schedule search); ``extra["micro_batch_share"]`` of
-    the result says which won."""
+    lose to a baseline of small fixed micro-batches. Only then (and only for
+    ``cut["method"] == "dynapipe"``) are the shares ``1/2`` and ``1/S`` tried, each one
+    more DP cut (``cut``: :func:`plan_micro_batches`'s arguments) and schedule search
+    (``search``: :func:`schedule_batch_plan`'s ``schedule``, memory, ``cluster``, ``tp``,
+    ``zero``); ``extra["micro_batch_share"]`` of the result says which won."""
     stages = cost_model.num_stages
-    if stages < 2:
+    heavier = any(RECOMPUTE_LEVELS.index(r) > RECOMPUTE_LEVELS.index(level) for r in stage_recompute)
+    if stages < 2 or cut.get("method", "dynapipe") != "dynapipe" or not heavier:
         return None
-    best, best_ms = None, planned.simulated_ms
+    best, best_ms = None, simulated_ms
     for share in sorted({0.5, 1.0 / stages}, reverse=True):
         try:
             candidate = plan_micro_batches(lengths, cost_model, recompute=level, micro_batch_share=share, **cut)

@@ -182,3 +182,31 @@ def test_plan_schedule_fields_and_plan_files_validate(tmp_path, capsys, schedule
     victim.write_bytes(bytes(data))
     assert main(["validate", str(plan_dir)]) == 2
     assert "replica000-stage001" in capsys.readouterr().err
+
+
+def test_plan_command_leaves_room_in_flight_as_plan_iteration_does(tmp_path, capsys):
+    # gpt-7b on 4 stages of a100-40gb: cut to fit alone, the micro-batches need more recompute
+    # in flight than they were priced at; the command and the library keep the same faster cut.
+    import numpy as np
+
+    from dynapipe.cli.schedule_options import resolve_cluster
+    from dynapipe.data.synthetic import sample_lengths
+    from dynapipe.pipeline_planner import plan_iteration
+
+    lengths = sample_lengths(160, 5, 4096)
+    path = tmp_path / "l.txt"
+    path.write_text("\n".join(map(str, lengths)) + "\n")
+    rc, out, err = _plan(capsys, ["--lengths", str(path), "--model", "gpt-7b", "--device", "a100-40gb",
+                                  "--stages", "4", "--dp", "2"])
+    assert rc == 0, err
+    plan = json.loads(out)
+    cm = build_cost_model(load_model_config("gpt-7b"), load_device_config("a100-40gb"), 4)
+    it = plan_iteration(np.asarray(lengths), cm, dp=2, cluster=resolve_cluster(None, "a100-40gb"))
+    assert it.batch_plan.extra["micro_batch_share"] < 1.0
+    assert plan["extra"]["micro_batch_share"] == it.batch_plan.extra["micro_batch_share"]
+    assert plan["simulated_ms"] == pytest.approx(it.simulated_ms, abs=1e-3)  # the JSON keeps 3 decimals
+    assert len(plan["micro_batches"]) == len(it.batch_plan.micro_batches)
+    # A given --recompute plans exactly what was asked: no other cut is tried.
+    rc, out, _ = _plan(capsys, ["--lengths", str(path), "--model", "gpt-7b", "--device", "a100-40gb",
+                                "--stages", "4", "--dp", "2", "--recompute", "selective"])
+    assert rc == 0 and json.loads(out)["extra"]["micro_batch_share"] == 1.0

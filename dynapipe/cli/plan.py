@@ -11,13 +11,14 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 
 from dynapipe.batching import METHODS, BatchPlan, plan_micro_batches, read_lengths
 from dynapipe.cli.cost import CostSetup, add_cost_model_arguments, add_memory_arguments, cost_setup_from_args
 from dynapipe.cli.placement_options import (add_placement_argument, apply_placement, even_split_schedule,
                                              placement_json)
 from dynapipe.cli.schedule_options import (add_recompute_default, add_schedule_arguments, escalate_recompute,
-                                           schedule_json)
+                                           resolve_cluster, schedule_json)
 from dynapipe.errors import DynaPipeError
 
 HELP = "plan the micro-batches (and schedule) of one global batch"
@@ -86,7 +87,7 @@ def summary_lines(batch_plan: BatchPlan, setup: CostSetup) -> list[str]:
         f"{x['model_state_mib']:.0f} MiB)",
     ]
     if p.dp > 1:
-        lines.append(f"  replicas: " + ", ".join(f"{t:.1f}" for t in p.replica_time_ms)
+        lines.append("  replicas: " + ", ".join(f"{t:.1f}" for t in p.replica_time_ms)
                      + f" ms (spread {x['replica_spread_ms']:.2f} ms)")
     if x.get("truncated_samples"):
         lines.append(f"  {x['truncated_samples']} sample(s) truncated to {x['seq_length']} tokens")
@@ -122,14 +123,42 @@ def write_json(obj: dict, path: str) -> None:
         raise DynaPipeError(f"--output {path!r} cannot be written: {e.strerror}.") from None
 
 
+def _with_room_in_flight(args: argparse.Namespace, batch_plan: BatchPlan, sched: dict, setup: CostSetup,
+                         lengths) -> tuple[BatchPlan, dict]:
+    """``(batch_plan, sched)``, or a cut :func:`~dynapipe.pipeline_planner.leave_room_in_flight`
+    finds faster with its schedule; the time tried counts as micro-batching time."""
+    from dynapipe.pipeline_planner import leave_room_in_flight
+
+    start = time.perf_counter()
+    stage_recompute = sched["recompute"] if isinstance(sched["recompute"], list) else (
+        [sched["recompute"]] * setup.cost_model.num_stages)
+    cut = dict(method=args.batching, dp=args.dp, memory_limit_mib=setup.memory_limit_mib,
+               reserved_mib=setup.reserved_mib, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+               max_tokens=args.max_tokens)
+    search = dict(schedule=getattr(args, "schedule", "auto"), memory_limit_mib=setup.memory_limit_mib,
+                  reserved_mib=setup.reserved_mib, cluster=resolve_cluster(args.cluster, setup.device.name),
+                  tp=1, zero=False)
+    roomier = leave_room_in_flight(lengths, setup.cost_model, level=setup.recompute, simulated_ms=sched["simulated_ms"],
+                                   stage_recompute=stage_recompute, cut=cut, search=search)
+    tried_ms = (time.perf_counter() - start) * 1e3
+    if roomier is None:
+        batch_plan.planning_ms += tried_ms
+        return batch_plan, sched
+    roomier.planning_ms = batch_plan.planning_ms + tried_ms
+    return roomier, schedule_json(args, roomier, setup.cost_model, memory_limit_mib=setup.memory_limit_mib,
+                                  reserved_mib=setup.reserved_mib, lengths=lengths)
+
+
 def run(args: argparse.Namespace) -> int:
     lengths = read_lengths(args.lengths)
     even_setup = cost_setup_from_args(args)
     setup, searched = apply_placement(args, even_setup, lengths)
     batch_plan, setup = plan_from_args(args, setup, lengths=lengths)
-    out = build_plan_json(args, batch_plan, setup)
     sched = schedule_json(args, batch_plan, setup.cost_model, memory_limit_mib=setup.memory_limit_mib,
                           reserved_mib=setup.reserved_mib, lengths=lengths)
+    if args.recompute is None:  # as plan_iteration: room for the micro-batches in flight when memory is tight
+        batch_plan, sched = _with_room_in_flight(args, batch_plan, sched, setup, lengths)
+    out = build_plan_json(args, batch_plan, setup)
     # planning_ms covers micro-batching, schedule search and plan compilation together.
     out["planning_ms"] = round(out["planning_ms"] + sched.pop("schedule_planning_ms"), 3)
     out.update(sched)
