@@ -265,7 +265,7 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
     ``memory_limit_mib`` (per device) and ``reserved_mib`` default to the device config.
     ``recompute=None`` lets the search choose the level; micro-batches are then cut so
     that each fits alone at the lightest level that lets every sample fit, and, where the
-    search then needs heavier recompute on some stage, also with room left for the
+    search then needs full recompute on some stage, also with room left for the
     micro-batches in flight (:func:`leave_room_in_flight`); the faster cut is kept.
     ``replicas``: compile only these replicas' plans (see :func:`schedule_batch_plan`).
     ``gap``: relative optimality gap of DynaPipe's cut (0: the exact optimum).
@@ -315,15 +315,17 @@ def leave_room_in_flight(lengths, cost_model: CostModel, *, level: str, simulate
 
     The DP fits each micro-batch in memory alone, but a pipeline holds several at once
     (1F1B: up to ``S`` on its first stage), so under a tight limit the search makes room
-    with heavier recompute on some stage than the cut was priced at (``level``), and can
-    lose to a baseline of small fixed micro-batches. Only then (and only for
+    with full recompute on some stage although the cut was priced lighter (``level``),
+    and can lose to a baseline of small fixed micro-batches. Only then (and only for
     ``cut["method"] == "dynapipe"``) are the shares ``1/2`` and ``1/S`` tried, each one
     more DP cut (``cut``: :func:`plan_micro_batches`'s arguments) and schedule search
     (``search``: :func:`schedule_batch_plan`'s ``schedule``, memory, ``cluster``, ``tp``,
     ``zero``); ``extra["micro_batch_share"]`` of the result says which won."""
     stages = cost_model.num_stages
-    heavier = any(RECOMPUTE_LEVELS.index(r) > RECOMPUTE_LEVELS.index(level) for r in stage_recompute)
-    if stages < 2 or cut.get("method", "dynapipe") != "dynapipe" or not heavier:
+    # Only full recompute is worth the tries: selective recomputes the attention core alone
+    # (a few % of a stage), and at cluster scale each try costs a cut and a search.
+    fell_back = level != "full" and "full" in stage_recompute
+    if stages < 2 or cut.get("method", "dynapipe") != "dynapipe" or not fell_back:
         return None
     best, best_ms = None, simulated_ms
     for share in sorted({0.5, 1.0 / stages}, reverse=True):

@@ -148,15 +148,17 @@ def balanced_objective_ms(times_ms: Sequence[float], dp: int, num_stages: int) -
     return _balanced(times_ms, dp, num_stages)[0]
 
 
-def _balanced(times_ms: Sequence[float], dp: int, num_stages: int) -> tuple[float, list[float]]:
+def _balanced(times_ms: Sequence[float], dp: int, num_stages: int) -> tuple[float, list[float], list[int]]:
     if not len(times_ms):
-        return 0.0, [0.0] * dp
-    sums = replica_times(times_ms, balance_replicas(times_ms, dp), dp)
-    return max(sums) + (num_stages - 1) * max(float(t) for t in times_ms), sums
+        return 0.0, [0.0] * dp, []
+    assign = balance_replicas(times_ms, dp)
+    sums = replica_times(times_ms, assign, dp)
+    return max(sums) + (num_stages - 1) * max(float(t) for t in times_ms), sums, assign
 
 
 def split_to_balance(cuts: Sequence[tuple[int, int]], time_of: Callable[[int, int], Optional[float]], dp: int,
-                     num_stages: int, max_splits: int = 64) -> tuple[list[tuple[int, int]], int, float]:
+                     num_stages: int, *, tolerance: float = 1e-2, max_splits: int = 64,
+                     tries: int = 4) -> tuple[list[tuple[int, int]], int, float]:
     """Split micro-batches of the slowest replica in two while that lowers
     :func:`balanced_objective_ms`; returns the new cuts, the number of splits and that
     objective (ms).
@@ -166,17 +168,19 @@ def split_to_balance(cuts: Sequence[tuple[int, int]], time_of: Callable[[int, in
     fewer micro-batches than replicas) waits for another the whole iteration. ``cuts`` are
     ``(start, end)`` positions of the ordered samples; ``time_of(start, end)`` prices
     positions ``start .. end - 1`` as one micro-batch (ms), or ``None`` when that is not a
-    candidate. A micro-batch is split at its middle, the slowest replica's longest first.
+    candidate. A micro-batch is split at its middle, the slowest replica's longest first
+    (its ``tries`` longest each round). Nothing is tried while the slowest replica runs
+    within ``tolerance`` of the objective above the mean, as with many micro-batches a
+    replica: each try rebalances every micro-batch.
     """
     cuts = [(int(s), int(e)) for s, e in cuts]
     times = [float(time_of(s, e)) for s, e in cuts]
-    best, sums = _balanced(times, max(dp, 1), num_stages)
+    best, sums, assign = _balanced(times, max(dp, 1), num_stages)
     splits = 0
-    while dp > 1 and splits < max_splits and max(sums) > sum(sums) / dp * (1 + 1e-6):
-        assign = balance_replicas(times, dp)
+    while dp > 1 and splits < max_splits and max(sums) - sum(sums) / dp > tolerance * best:
         heavy = max(range(dp), key=lambda r: sums[r])
         order = sorted((i for i, r in enumerate(assign) if r == heavy and cuts[i][1] - cuts[i][0] > 1),
-                       key=lambda i: -times[i])
+                       key=lambda i: -times[i])[:tries]
         for i in order:
             s, e = cuts[i]
             mid = (s + e) // 2
@@ -184,10 +188,10 @@ def split_to_balance(cuts: Sequence[tuple[int, int]], time_of: Callable[[int, in
             if first is None or second is None:
                 continue
             trial = times[:i] + [float(first), float(second)] + times[i + 1:]
-            value, trial_sums = _balanced(trial, dp, num_stages)
+            value, trial_sums, trial_assign = _balanced(trial, dp, num_stages)
             if value < best * (1 - 1e-9):
                 cuts[i:i + 1] = [(s, mid), (mid, e)]
-                times, best, sums, splits = trial, value, trial_sums, splits + 1
+                times, best, sums, assign, splits = trial, value, trial_sums, trial_assign, splits + 1
                 break
         else:
             break  # no split of the slowest replica helps
