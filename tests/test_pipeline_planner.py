@@ -174,3 +174,28 @@ def test_a_tight_limit_cuts_smaller_micro_batches_when_the_pipeline_needs_the_ro
     # With memory to spare nothing is tried: the cut fits alone and in flight.
     roomy = plan_iteration(batch, cm, memory_limit_mib=1e6, **kw)
     assert roomy.batch_plan.extra["micro_batch_share"] == 1.0
+
+
+def test_room_in_flight_is_tried_only_on_a_fall_back_to_full_recompute(monkeypatch):
+    import dynapipe.pipeline_planner as pp
+
+    cm = build_cost_model(load_model_config("gpt-7b"), load_device_config("a100-40gb"), 4)
+    lengths = np.array([4000, 3000, 2000, 1000, 500] * 8)
+    cut = dict(method="dynapipe", dp=1, memory_limit_mib=40_960, reserved_mib=2048)
+    search = dict(schedule="auto", memory_limit_mib=40_960, reserved_mib=2048, cluster=None, tp=1, zero=False)
+    shares = []  # the shares each try cuts with
+    cut_with = pp.plan_micro_batches
+    monkeypatch.setattr(pp, "plan_micro_batches",
+                        lambda *a, **k: shares.append(k.get("micro_batch_share")) or cut_with(*a, **k))
+
+    def tried(level, stage_recompute, **extra):
+        shares.clear()
+        # 1 microsecond is unbeatable: whatever runs, nothing is returned.
+        assert pp.leave_room_in_flight(lengths, cm, level=level, simulated_ms=1e-3, stage_recompute=stage_recompute,
+                                       cut={**cut, **extra}, search=search) is None
+        return sorted(shares)
+
+    assert tried("none", ["selective"] * 4) == []  # selective costs a few %: not worth a cut and a search
+    assert tried("full", ["full"] * 4) == []  # cut at full already
+    assert tried("selective", ["full"] + ["selective"] * 3, method="packing") == []
+    assert tried("selective", ["full"] + ["selective"] * 3) == [0.25, 0.5]  # 1/S and 1/2
