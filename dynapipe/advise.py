@@ -83,8 +83,8 @@ class LayoutResult:
 
     def to_json(self) -> dict:
         d = self.dynapipe.summary()
-        out = {"tp": self.layout.tp, "sequence_parallel": self.layout.sp, "pp": self.layout.pp, "dp": self.layout.dp, "zero": self.layout.zero,
-               "real_tokens_per_s": d["real_tokens_per_s"], "iteration_ms": d["iteration_ms"],
+        out = {"tp": self.layout.tp, "sequence_parallel": self.layout.sp, "pp": self.layout.pp, "dp": self.layout.dp,
+               "zero": self.layout.zero, "real_tokens_per_s": d["real_tokens_per_s"], "iteration_ms": d["iteration_ms"],
                "bubble_fraction": d["bubble_fraction"], "stage_peak_mib": [round(p, 1) for p in self.stage_peak_mib],
                "planning_ms": d["planning_ms"], "recompute": d["recompute"], "schedule": d["schedule"]}
         if self.packing is not None:
@@ -112,12 +112,12 @@ class Advice:
 
 def default_tp_sizes(model: ModelConfig, gpus: int, cluster: Optional[ClusterConfig] = None) -> list[int]:
     """The tensor-parallel sizes worth trying: the powers of two up to the GPUs of a node
-    (``gpus`` without a cluster) that divide ``gpus`` and the model's attention heads,
-    query groups and FFN width."""
+    (``gpus`` without a cluster) that divide ``gpus``, the GPUs of a node and the model's
+    attention heads, query groups and FFN width."""
     per_node = cluster.gpus_per_node if cluster is not None else gpus
     out, t = [], 1
     while t <= min(per_node, gpus):
-        if not gpus % t and _tp_fits(model, t):
+        if not gpus % t and not per_node % t and _tp_fits(model, t):
             out.append(t)
         t *= 2
     return out
@@ -136,8 +136,9 @@ def enumerate_layouts(model: ModelConfig, gpus: int, cluster: Optional[ClusterCo
                       sequence_parallel: bool = True) -> list[Layout]:
     """Every layout of ``gpus`` GPUs: TP among ``tp_sizes`` (default
     :func:`default_tp_sizes`), PP dividing the model's layers, DP the rest; with the
-    distributed optimizer off and (when DP > 1) on. ``zero``: only that setting (``None``:
-    both). ``sequence_parallel``: layouts with TP > 1 use it. A TP size that leaves a node,
+    distributed optimizer off and (when DP > 1, and not for encoder-decoder models, whose
+    stages refuse it) on. ``zero``: only that setting (``None``: both).
+    ``sequence_parallel``: layouts with TP > 1 use it. A TP size that leaves a node,
     does not divide ``gpus`` or does not split the model is refused with the reason."""
     if gpus < 1:
         raise DynaPipeError(f"--gpus {gpus}: need at least one GPU.")
@@ -145,7 +146,7 @@ def enumerate_layouts(model: ModelConfig, gpus: int, cluster: Optional[ClusterCo
     if tp_sizes is None:
         tp_sizes = default_tp_sizes(model, gpus, cluster)
     for tp in tp_sizes:
-        TensorParallelConfig(tp).validate(model, per_node)
+        TensorParallelConfig(tp).validate(model, per_node, flag="--tp-sizes")
         if gpus % tp:
             raise DynaPipeError(f"--tp-sizes {tp} does not divide --gpus {gpus}; use a divisor of {gpus}.")
     layers = model.total_layers
@@ -155,7 +156,8 @@ def enumerate_layouts(model: ModelConfig, gpus: int, cluster: Optional[ClusterCo
             if layers % pp or gpus % (tp * pp):
                 continue
             dp = gpus // (tp * pp)
-            settings = (False, True) if dp > 1 else (False,)
+            # T5 stages refuse the distributed optimizer (they sync embedding copies on whole grads).
+            settings = (False, True) if dp > 1 and not model.is_encoder_decoder else (False,)
             for z in settings:
                 if zero is None or z == zero:
                     out.append(Layout(tp, pp, dp, z, sp=sequence_parallel and tp > 1))

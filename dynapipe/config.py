@@ -197,21 +197,27 @@ class TensorParallelConfig:
     sequence_parallel: bool = False
     link: LinkConfig = field(default_factory=lambda: LinkConfig(300.0, 0.005))
 
-    def validate(self, model: "ModelConfig", gpus_per_node: Optional[int] = None) -> "TensorParallelConfig":
-        """Refuse a TP size the model cannot be split by (heads, FFN width) or that leaves the node."""
+    def validate(self, model: "ModelConfig", gpus_per_node: Optional[int] = None,
+                 flag: str = "--tp") -> "TensorParallelConfig":
+        """Refuse a TP size the model cannot be split by (heads, FFN width) or that leaves the
+        node (more ranks than a node has, or a size that does not divide it, so some TP group
+        would straddle two nodes). ``flag``: the option named in the error."""
         t = self.size
         if t < 1:
-            raise DynaPipeError(f"--tp {t}: the tensor-parallel size must be at least 1.")
+            raise DynaPipeError(f"{flag} {t}: the tensor-parallel size must be at least 1.")
         if self.sequence_parallel and t == 1:
-            raise DynaPipeError("--sequence-parallel needs --tp 2 or more (it shards the sequence over TP ranks).")
+            raise DynaPipeError(f"--sequence-parallel needs {flag} 2 or more (it shards the sequence over TP ranks).")
         for what, n in (("num_attention_heads", model.num_attention_heads), ("ffn_hidden_size", model.ffn_hidden_size),
                         ("num_query_groups", model.num_query_groups or model.num_attention_heads)):
             if n % t:
-                raise DynaPipeError(f"--tp {t} does not divide {what}={n} of model {model.name!r}; "
+                raise DynaPipeError(f"{flag} {t} does not divide {what}={n} of model {model.name!r}; "
                                     f"use a divisor of {n}.")
         if gpus_per_node is not None and t > gpus_per_node:
-            raise DynaPipeError(f"--tp {t} exceeds the {gpus_per_node} GPUs of a node; tensor parallelism "
+            raise DynaPipeError(f"{flag} {t} exceeds the {gpus_per_node} GPUs of a node; tensor parallelism "
                                 f"stays inside a node, so use at most {gpus_per_node}.")
+        if gpus_per_node is not None and gpus_per_node % t:
+            raise DynaPipeError(f"{flag} {t} does not divide the {gpus_per_node} GPUs of a node, so some TP group "
+                                f"would span two nodes; use a divisor of {gpus_per_node}.")
         return self
 
     def allreduce_ms(self, nbytes):

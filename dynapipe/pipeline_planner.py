@@ -243,8 +243,8 @@ def _search(batch_plan: BatchPlan, cost_model: CostModel, *, schedule: str, memo
     for mb in batch_plan.micro_batches:
         if 0 <= mb.replica < dp:
             replica_batches[mb.replica].append(mb)
-    result = search_schedules(replica_batches, cost_model, schedule=schedule, recompute=recompute, capacity_mib=capacity,
-                              cluster=cluster, dp=dp, tp=tp, zero=zero, explain=explain)
+    result = search_schedules(replica_batches, cost_model, schedule=schedule, recompute=recompute,
+                              capacity_mib=capacity, cluster=cluster, dp=dp, tp=tp, zero=zero, explain=explain)
     return batch_plan, result
 
 
@@ -332,11 +332,11 @@ def leave_room_in_flight(lengths, cost_model: CostModel, *, level: str, simulate
         return None
     best, best_ms = None, simulated_ms
     for share in sorted({0.5, 1.0 / stages}, reverse=True):
-        try:
+        try:  # a share too small for some sample, or a cut no schedule fits: not a candidate
             candidate = plan_micro_batches(lengths, cost_model, recompute=level, micro_batch_share=share, **cut)
+            _, result = _search(candidate, cost_model, recompute=None, explain=False, lengths=lengths, **search)
         except DynaPipeError:
             continue
-        _, result = _search(candidate, cost_model, recompute=None, explain=False, lengths=lengths, **search)
         if result.best.makespan_ms < best_ms:
             best, best_ms = candidate, result.best.makespan_ms
     return best

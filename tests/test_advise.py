@@ -39,8 +39,8 @@ def test_layouts_split_the_layers_and_the_gpus():
 
 
 @pytest.mark.parametrize("model, tp_sizes, message", [
-    ("gpt-13b", [3], "--tp 3 does not divide num_attention_heads=40"),
-    ("gpt-7b", [16], "--tp 16 exceeds the 8 GPUs of a node"),
+    ("gpt-13b", [3], "--tp-sizes 3 does not divide num_attention_heads=40"),
+    ("gpt-7b", [16], "--tp-sizes 16 exceeds the 8 GPUs of a node"),
     ("gpt-13b", [1, 8], "--tp-sizes 8 does not divide --gpus 12"),
 ])
 def test_tp_sizes_that_cannot_be_placed_are_refused(model, tp_sizes, message):
@@ -143,7 +143,7 @@ def re_loss(stdout: str) -> bool:
     (["--gpus", "2", "--tokens-per-iteration", "-5"], "--tokens-per-iteration -5"),
     (["--gpus", "2", "--seq-length", "4096"], "exceeds the model's max_seq_length"),
     (["--gpus", "2", "--output", "/"], "--output '/': cannot write"),
-    (["--gpus", "2", "--tp-sizes", "3"], "--tp 3 does not divide num_attention_heads=4"),
+    (["--gpus", "2", "--tp-sizes", "3"], "--tp-sizes 3 does not divide num_attention_heads=4"),
     (["--gpus", "2", "--tp-sizes", "1,x"], "--tp-sizes: '1,x': expected comma-separated integers"),
 ])
 def test_bad_advise_arguments_give_one_line(argv, message, capsys):
@@ -184,3 +184,17 @@ def test_encoder_decoder_layouts_are_ones_t5_training_runs(capsys):
     assert main(base + ["--output", "x.yaml"]) == 2
     err = capsys.readouterr().err
     assert "'t5-11b' is an encoder-decoder model" in err and err.count("\n") == 1
+
+
+def test_tp_groups_stay_inside_a_node_and_t5_layouts_leave_out_the_distributed_optimizer():
+    import dataclasses
+
+    a100 = load_cluster_config("a100-8x")  # 8 GPUs a node
+    twelve = dataclasses.replace(load_model_config("gpt-tiny"), num_attention_heads=12, ffn_hidden_size=384)
+    # TP 3 splits the model but not a node of 8: ranks 6-8 would straddle two nodes.
+    with pytest.raises(DynaPipeError, match="--tp-sizes 3 does not divide the 8 GPUs of a node"):
+        enumerate_layouts(twelve, 12, a100, tp_sizes=[3])
+    assert 3 not in default_tp_sizes(twelve, 12, a100)
+    # The library's default, not only the command's: T5 stages refuse the distributed optimizer.
+    t5 = enumerate_layouts(load_model_config("t5-11b"), 16, a100)
+    assert t5 and not any(l.zero for l in t5)

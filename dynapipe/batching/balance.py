@@ -168,7 +168,7 @@ def split_to_balance(cuts: Sequence[tuple[int, int]], time_of: Callable[[int, in
     fewer micro-batches than replicas) waits for another the whole iteration. ``cuts`` are
     ``(start, end)`` positions of the ordered samples; ``time_of(start, end)`` prices
     positions ``start .. end - 1`` as one micro-batch (ms), or ``None`` when that is not a
-    candidate. A micro-batch is split at its middle, the slowest replica's longest first
+    candidate (every given cut must be one). A micro-batch is split at its middle, the slowest replica's longest first
     (its ``tries`` longest each round). Nothing is tried while the slowest replica runs
     within ``tolerance`` of the objective above the mean, as with many micro-batches a
     replica: each try rebalances every micro-batch.

@@ -143,7 +143,8 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
     ``extra["balance_splits"]`` counts them); off, the plan is the DP's cut as it is.
     ``micro_batch_share`` (0 < share <= 1): a ``dynapipe`` micro-batch of two or more
     samples may use this share of the activation budget (a sample alone all of it), to
-    leave room for the micro-batches a pipeline holds at once.
+    leave room for the micro-batches a pipeline holds at once; the baselines' fixed shapes
+    ignore it.
     """
     start = time.perf_counter()
     if method not in METHODS:
@@ -159,9 +160,10 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
     budget = replace(memory_budget(cost_model, memory_limit_mib, reserved_mib, dp=dp, zero=zero),
                      micro_batch_share=float(micro_batch_share))
     extra: dict = {"activation_budget_mib": budget.activation_mib, "model_state_mib": budget.model_state_mib,
-                   "seq_length": cap, "truncated_samples": truncated, "micro_batch_share": budget.micro_batch_share}
+                   "seq_length": cap, "truncated_samples": truncated}
 
     if method == "dynapipe":
+        extra["micro_batch_share"] = budget.micro_batch_share
         mbs, more = _plan_dynapipe(arr, cost_model, budget, dp, recompute, cap, use_compiled, gap, split_to_balance)
         extra.update(more)
     else:

@@ -187,9 +187,9 @@ def run(args) -> int:
     else:
         batches = sample_batches(args.tokens_per_iteration, args.batches, args.seed, seq,
                                  pool=read_lengths(args.lengths))
-    # No distributed optimizer on CPUs (megatron-core's needs CUDA), nor for T5 (its stages refuse it).
+    # No distributed optimizer on CPUs (megatron-core's needs CUDA); T5's is left out by enumerate_layouts.
     layouts = enumerate_layouts(model, args.gpus, cluster, tp_sizes=args.tp_sizes,
-                                zero=False if device.name == "cpu" or model.is_encoder_decoder else None,
+                                zero=False if device.name == "cpu" else None,
                                 sequence_parallel=not args.no_sequence_parallel)
     kw = dict(cluster=cluster, seq_length=seq, memory_limit_mib=args.memory_limit_mb, layouts=layouts,
               compare_packing=not args.no_packing)

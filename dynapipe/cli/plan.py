@@ -144,7 +144,9 @@ def _with_room_in_flight(args: argparse.Namespace, batch_plan: BatchPlan, sched:
     if roomier is None:
         batch_plan.planning_ms += tried_ms
         return batch_plan, sched
-    roomier.planning_ms = batch_plan.planning_ms + tried_ms
+    # The first cut's search and compilation were spent too (its plan files, with --plan-out,
+    # are overwritten by the roomier cut's: the same ranks).
+    roomier.planning_ms = batch_plan.planning_ms + tried_ms + sched["schedule_planning_ms"]
     return roomier, schedule_json(args, roomier, setup.cost_model, memory_limit_mib=setup.memory_limit_mib,
                                   reserved_mib=setup.reserved_mib, lengths=lengths)
 
@@ -170,6 +172,8 @@ def run(args: argparse.Namespace) -> int:
         even_plan, even_setup = plan_from_args(quiet, even_setup, lengths=lengths)
         even = schedule_json(quiet, even_plan, even_setup.cost_model, memory_limit_mib=even_setup.memory_limit_mib,
                              reserved_mib=even_setup.reserved_mib, lengths=lengths)
+        if args.recompute is None:  # the even split gets the same tries as the placement
+            even_plan, even = _with_room_in_flight(quiet, even_plan, even, even_setup, lengths)
         out["even_split"] = {k: even[k] for k in ("simulated_ms", "bubble_fraction", "recompute")}
     write_json(out, args.output)
     for line in summary_lines(batch_plan, setup):
