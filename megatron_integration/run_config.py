@@ -7,6 +7,7 @@ from typing import Optional
 
 from dynapipe.errors import DynaPipeError
 
+
 @dataclass(frozen=True)
 class RunConfig:
     """A named training run: how to launch it and its Megatron-style arguments."""
@@ -56,3 +57,24 @@ def load_run_config(path: str) -> RunConfig:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise DynaPipeError(f"{path}: launch.{key}={value!r} must be a positive integer.")
     return RunConfig(path, tuple(argv), launch.get("nnodes"), launch.get("nproc_per_node"))
+
+
+def add_run_config_argument(parser) -> None:
+    """``--run-config FILE``: a run config giving the arguments (later arguments win)."""
+    parser.add_argument("--run-config", default=None,
+                        help="YAML run config (configs/runs/, or one `python -m dynapipe advise --output` wrote) "
+                             "giving the arguments; arguments after it win")
+
+
+def with_run_config(parser, argv: list[str], world_size: int) -> list[str]:
+    """``argv`` with the arguments of its ``--run-config`` (if any) in front, so those given
+    on the command line win; refuses a run config written for another number of ranks."""
+    path = parser.parse_known_args(argv)[0].run_config
+    if not path:
+        return argv
+    run = load_run_config(path)
+    if run.world_size is not None and run.world_size != world_size:
+        raise DynaPipeError(f"{run.path} is a run of {run.nnodes} node(s) x {run.nproc_per_node} processes "
+                            f"= {run.world_size} ranks, but this job has {world_size}; launch it with "
+                            f"torchrun --nnodes {run.nnodes} --nproc-per-node {run.nproc_per_node}.")
+    return list(run.argv) + list(argv)

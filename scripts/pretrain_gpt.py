@@ -25,25 +25,18 @@ from dynapipe.errors import DynaPipeError  # noqa: E402
 
 
 def main(argv=None) -> int:
-    from megatron_integration.arguments import build_parser, load_run_config, training_config_from_args
+    from megatron_integration.arguments import build_parser, training_config_from_args
+    from megatron_integration.run_config import add_run_config_argument, with_run_config
 
     started = False
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(prog="pretrain_gpt.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run-config", default=None, help="YAML run config (configs/runs/) giving the arguments")
+    add_run_config_argument(parser)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # torchrun's ranks per node; --dynapipe-planner-nodes is checked against the node count.
     num_nodes = max(world_size // max(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), 1), 1)
     try:
-        run_config = parser.parse_known_args(argv)[0].run_config
-        if run_config:
-            run = load_run_config(run_config)
-            if run.world_size is not None and run.world_size != world_size:
-                raise DynaPipeError(f"{run.path} is a run of {run.nnodes} node(s) x {run.nproc_per_node} processes "
-                                    f"= {run.world_size} ranks, but this job has {world_size}; launch it with "
-                                    f"torchrun --nnodes {run.nnodes} --nproc-per-node {run.nproc_per_node}.")
-            argv = list(run.argv) + argv  # later arguments win
-        args = parser.parse_args(argv)
+        args = parser.parse_args(with_run_config(parser, argv, world_size))
         cfg = training_config_from_args(args, world_size, num_nodes=num_nodes)
         if os.environ.get("RANK", "0") == "0":
             from megatron_integration.run_report import argument_dump, resolved_args

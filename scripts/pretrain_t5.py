@@ -24,14 +24,16 @@ from dynapipe.errors import DynaPipeError  # noqa: E402
 
 
 def main(argv=None) -> int:
+    from megatron_integration.run_config import add_run_config_argument, with_run_config
     from megatron_integration.t5_arguments import build_t5_parser, t5_config_from_args
 
     started = False
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_t5_parser(prog="pretrain_t5.py", description=__doc__.split("\n\n")[0])
+    add_run_config_argument(parser)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        cfg = t5_config_from_args(parser.parse_args(argv), world_size)
+        cfg = t5_config_from_args(parser.parse_args(with_run_config(parser, argv, world_size)), world_size)
         # megatron-core is imported only now: a bad command line is reported before its notices.
         from megatron_integration.initialize import quiet_megatron_warnings
 

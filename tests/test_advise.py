@@ -172,18 +172,36 @@ def test_batches_from_a_lengths_pool_respect_the_token_budget():
     assert not np.array_equal(batches[0], batches[1])
 
 
-def test_encoder_decoder_layouts_are_ones_t5_training_runs(capsys):
-    # T5 stages refuse the distributed optimizer, and --output writes a GPT run config.
-    base = ["advise", "--model", "t5-11b", "--device", "a100-40gb", "--cluster", "a100-8x", "--gpus", "16",
-            "--mixture", "flan-mixture", "--tokens-per-iteration", "65536", "--seq-length", "1024",
-            "--batches", "1", "--no-packing", "--tp-sizes", "4,8", "--no-progress"]
-    assert main(base) == 0
-    out = capsys.readouterr().out
-    assert "no distributed optimizer (T5 stages refuse it)" in out and "ZeRO" not in out
-    assert "TP8 SP PP1 DP2" in out
-    assert main(base + ["--output", "x.yaml"]) == 2
-    err = capsys.readouterr().err
-    assert "'t5-11b' is an encoder-decoder model" in err and err.count("\n") == 1
+def test_encoder_decoder_layouts_are_ones_t5_training_runs(tmp_path, capsys):
+    # T5 stages refuse the distributed optimizer; the run config is pretrain_t5.py's, and it trains
+    # (here forced to TP2 with sequence parallelism).
+    model = tmp_path / "t5-tiny.yaml"
+    model.write_text("name: t5-tiny\narch: t5\nencoder_layers: 2\ndecoder_layers: 2\nhidden_size: 64\n"
+                     "num_attention_heads: 4\nffn_hidden_size: 256\nvocab_size: 512\nmax_seq_length: 512\n"
+                     "dtype: fp32\n")
+    out = tmp_path / "t5.yaml"
+    rc = main(["advise", "--model", str(model), "--device", "cpu", "--cluster", "cpu-local", "--gpus", "2",
+               "--mixture", "flan-mixture", "--tokens-per-iteration", "2000", "--seq-length", "256", "--batches", "1",
+               "--tp-sizes", "2", "--no-progress", "--output", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "no distributed optimizer (T5 stages refuse it)" in text and "TP2 SP PP1 DP1" in text
+    config = out.read_text()
+    for line in ("scripts/pretrain_t5.py --run-config FILE", "encoder-num-layers: 2", "decoder-num-layers: 2",
+                 "encoder-seq-length: 256", "tensor-model-parallel-size: 2", "sequence-parallel: true"):
+        assert line in config, line
+    assert "\n  num-layers:" not in config and "use-distributed-optimizer" not in config
+    port = str(20000 + (os.getpid() + 7) % 20000)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-port", port, os.path.join(ROOT, "scripts", "pretrain_t5.py"),
+                             "--run-config", str(out), "--train-iters", "1", "--log-interval", "1"],
+                            capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re_loss(result.stdout)
+    # A run config for another job size is refused on every script, naming the launch it needs.
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "pretrain_t5.py"), "--run-config", str(out)],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 2 and "torchrun --nnodes 1 --nproc-per-node 2" in result.stderr
 
 
 def test_tp_groups_stay_inside_a_node_and_t5_layouts_leave_out_the_distributed_optimizer():

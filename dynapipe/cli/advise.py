@@ -108,16 +108,23 @@ def _same_file(a: str, b: str) -> bool:
 
 def run_config_text(best, model, device_name: str, cluster_name: str, cluster, gpus: int, tokens: int,
                     seq_length: int, memory_limit_mib, mixture_path, batches) -> str:
-    """The best layout as a run config (``scripts/pretrain_gpt.py --run-config``)."""
+    """The best layout as a run config (``scripts/pretrain_gpt.py --run-config``, or
+    ``scripts/pretrain_t5.py`` for an encoder-decoder model)."""
     lay = best.layout
     per_node = cluster.gpus_per_node if cluster is not None else gpus
     nnodes = max(1, -(-gpus // per_node))
     nproc = gpus // nnodes
     samples = int(round(sum(len(b) for b in batches) / len(batches)))
-    args = {"num-layers": model.num_layers, "hidden-size": model.hidden_size,
-            "num-attention-heads": model.num_attention_heads, "ffn-hidden-size": model.ffn_hidden_size,
-            "seq-length": seq_length, "max-position-embeddings": max(seq_length, model.max_seq_length),
-            "vocab-size": model.vocab_size}
+    if model.is_encoder_decoder:  # both sides were clipped at seq_length in the simulation
+        args = {"encoder-num-layers": model.encoder_layers, "decoder-num-layers": model.decoder_layers,
+                "hidden-size": model.hidden_size, "num-attention-heads": model.num_attention_heads,
+                "ffn-hidden-size": model.ffn_hidden_size, "encoder-seq-length": seq_length,
+                "decoder-seq-length": seq_length}
+    else:
+        args = {"num-layers": model.num_layers, "hidden-size": model.hidden_size,
+                "num-attention-heads": model.num_attention_heads, "ffn-hidden-size": model.ffn_hidden_size,
+                "seq-length": seq_length}
+    args.update({"max-position-embeddings": max(seq_length, model.max_seq_length), "vocab-size": model.vocab_size})
     if model.kv_channels:
         args["kv-channels"] = model.kv_channels
     if model.dtype in ("bf16", "fp16"):
@@ -135,13 +142,14 @@ def run_config_text(best, model, device_name: str, cluster_name: str, cluster, g
         args["dynapipe-memory-limit-mb"] = memory_limit_mib
     if mixture_path is not None and not _same_file(mixture_path, DEFAULT_MIXTURE):
         args["dynapipe-mixture"] = os.path.abspath(mixture_path)
+    script = "scripts/pretrain_t5.py" if model.is_encoder_decoder else "scripts/pretrain_gpt.py"
     d = best.dynapipe.summary()
     lines = ["description: >",
              f"  Written by `python -m dynapipe advise`: {model.name} on {gpus} x {device_name} ({cluster_name}),",
              f"  {lay.label()}, predicted {d['real_tokens_per_s']:,.0f} real tokens/s by simulation",
              "  (DynaPipe, schedule search). lr and train-iters are placeholders, and mock-data",
              "  stands in for data-path. Launch on every node:",
-             f"  torchrun --nnodes {nnodes} --nproc-per-node {nproc} scripts/pretrain_gpt.py --run-config FILE",
+             f"  torchrun --nnodes {nnodes} --nproc-per-node {nproc} {script} --run-config FILE",
              f"launch: {{nnodes: {nnodes}, nproc_per_node: {nproc}}}", "args:"]
     for k, v in args.items():
         lines.append(f"  {k}: {json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}")
@@ -164,10 +172,6 @@ def run(args) -> int:
             _check_writable(getattr(args, flag), flag)
     model, device = load_model_config(args.model), load_device_config(args.device)
     cluster = load_cluster_config(args.cluster)
-    if model.is_encoder_decoder and args.output:
-        raise DynaPipeError(f"--output writes a run config for scripts/pretrain_gpt.py, and {model.name!r} is an "
-                            f"encoder-decoder model; pass the best layout's flags to scripts/pretrain_t5.py "
-                            f"yourself (--json FILE keeps every layout).")
     seq = args.seq_length or model.max_seq_length
     if seq > model.max_seq_length:
         raise DynaPipeError(f"--seq-length {seq} exceeds the model's max_seq_length {model.max_seq_length}.")
