@@ -26,6 +26,7 @@ import numpy as np
 
 from dynapipe.config import ClusterConfig, DeviceConfig, ModelConfig, TensorParallelConfig
 from dynapipe.cost import build_cost_model
+from dynapipe.cost.placement import StagePlacement
 from dynapipe.errors import DynaPipeError
 from dynapipe.method_compare import BatchesResult, compare_over_batches
 
@@ -64,6 +65,9 @@ class LayoutResult:
     dynapipe: BatchesResult
     packing: Optional[BatchesResult]
     advise_ms: float = 0.0
+    #: Layers per stage when not Megatron's even split (encoder-decoder models: the planned
+    #: placement, as ``--dynapipe-placement`` writes it).
+    placement: Optional[str] = None
 
     @property
     def real_tokens_per_s(self) -> float:
@@ -86,7 +90,8 @@ class LayoutResult:
         out = {"tp": self.layout.tp, "sequence_parallel": self.layout.sp, "pp": self.layout.pp, "dp": self.layout.dp,
                "zero": self.layout.zero, "real_tokens_per_s": d["real_tokens_per_s"], "iteration_ms": d["iteration_ms"],
                "bubble_fraction": d["bubble_fraction"], "stage_peak_mib": [round(p, 1) for p in self.stage_peak_mib],
-               "planning_ms": d["planning_ms"], "recompute": d["recompute"], "schedule": d["schedule"]}
+               "planning_ms": d["planning_ms"], "recompute": d["recompute"], "schedule": d["schedule"],
+               "placement": self.placement}
         if self.packing is not None:
             p = self.packing.summary()
             out["packing"] = {"micro_batch_size": p["micro_batch_size"], "real_tokens_per_s": p["real_tokens_per_s"],
@@ -170,13 +175,17 @@ def enumerate_layouts(model: ModelConfig, gpus: int, cluster: Optional[ClusterCo
 def advise(batches: Sequence[np.ndarray], model: ModelConfig, device: DeviceConfig, gpus: int, *,
            cluster: Optional[ClusterConfig] = None, seq_length: Optional[int] = None,
            memory_limit_mib: Optional[float] = None, layouts: Optional[Sequence[Layout]] = None,
-           compare_packing: bool = True,
+           compare_packing: bool = True, plan_placement: bool = True,
            progress: Optional[Callable[[int, int, Layout], None]] = None) -> Advice:
     """Simulate every layout (default :func:`enumerate_layouts`) on ``batches`` (sample
     lengths in tokens, one array per global batch) and rank them by DynaPipe's real
     tokens/s. ``memory_limit_mib`` per GPU defaults to the device's memory; the
     device's reserved MiB is taken off it. ``progress(done, total, layout)`` is called
     before each layout and once at the end (``layout`` then ``None``).
+    ``plan_placement``: an encoder-decoder model's layouts with PP > 1 run on the stage
+    placement the planner chooses on ``batches`` (contiguous or interleaved, as
+    ``pretrain_t5.py --dynapipe-placement auto`` does; seconds a layout at cluster scale),
+    every method on it; off, on Megatron's even split.
     """
     if not len(batches):
         raise DynaPipeError("no global batch to simulate.")
@@ -200,6 +209,11 @@ def advise(batches: Sequence[np.ndarray], model: ModelConfig, device: DeviceConf
             continue
         kw = dict(dp=layout.dp, seq_length=seq_length, memory_limit_mib=limit, reserved_mib=device.reserved_mib,
                   cluster=cluster, tp=layout.tp, zero=layout.zero)
+        placement = None
+        if plan_placement and model.is_encoder_decoder and layout.pp > 1:
+            cm = _placed(batches, cm, kw)
+            if cm.placement != StagePlacement.even(model, layout.pp):
+                placement = str(cm.placement)
         try:
             dyn = compare_over_batches(batches, "dynapipe", cm, **kw)
         except DynaPipeError as e:
@@ -215,12 +229,25 @@ def advise(batches: Sequence[np.ndarray], model: ModelConfig, device: DeviceConf
                 pack = compare_over_batches(batches, "packing", cm, **kw)
             except DynaPipeError:
                 pack = None
-        results.append(LayoutResult(layout, dyn, pack, (time.perf_counter() - started) * 1e3))
+        results.append(LayoutResult(layout, dyn, pack, (time.perf_counter() - started) * 1e3, placement))
     if progress is not None:
         progress(len(layouts), len(layouts), None)
     # Fastest first; ties broken towards fewer pipeline stages, less TP, then no sharding.
     results.sort(key=lambda r: (-r.real_tokens_per_s, r.layout.pp, r.layout.tp, r.layout.zero))
     return Advice(results, refused, (time.perf_counter() - t0) * 1e3)
+
+
+def _placed(batches: Sequence[np.ndarray], cost_model, kw: dict):
+    """``cost_model`` on the placement DynaPipe's simulation of ``batches`` runs fastest
+    (:func:`~dynapipe.schedule.placement.choose_placement_kind`); the even split if none plans."""
+    from dynapipe.schedule.placement import choose_placement_kind
+
+    try:
+        return choose_placement_kind(batches, cost_model, dp=kw["dp"], memory_limit_mib=kw["memory_limit_mib"],
+                                     reserved_mib=kw["reserved_mib"], seq_length=kw["seq_length"], zero=kw["zero"],
+                                     cluster=kw["cluster"]).cost_model
+    except DynaPipeError:
+        return cost_model
 
 
 def _tp_config(layout: Layout, cluster: Optional[ClusterConfig]) -> Optional[TensorParallelConfig]:

@@ -216,3 +216,36 @@ def test_tp_groups_stay_inside_a_node_and_t5_layouts_leave_out_the_distributed_o
     # The library's default, not only the command's: T5 stages refuse the distributed optimizer.
     t5 = enumerate_layouts(load_model_config("t5-11b"), 16, a100)
     assert t5 and not any(l.zero for l in t5)
+
+
+def test_encoder_decoder_layouts_run_on_the_planned_placement_and_train_on_it(tmp_path):
+    from dynapipe.cli.advise import run_config_text
+    from dynapipe.data.synthetic import DEFAULT_MIXTURE, load_mixture
+    from dynapipe.schedule.placement import choose_placement_kind
+
+    path = tmp_path / "t5-3-3.yaml"
+    path.write_text("name: t5-3-3\narch: t5\nencoder_layers: 3\ndecoder_layers: 3\nhidden_size: 64\n"
+                    "num_attention_heads: 4\nffn_hidden_size: 256\nvocab_size: 512\nmax_seq_length: 1024\n"
+                    "dtype: fp32\n")
+    model, cpu, local = load_model_config(str(path)), load_device_config("cpu"), load_cluster_config("cpu-local")
+    batches = sample_batches(6000, 1, 0, 1024, encoder_decoder=True, mixture=load_mixture(DEFAULT_MIXTURE))
+    advice = advise(batches, model, cpu, 2, cluster=local, seq_length=1024, layouts=[Layout(1, 2, 1)],
+                    compare_packing=False)
+    best = advice.best
+    # The placement the planner chooses on the same batches, independently: not the even 3+0,0+3.
+    expect = choose_placement_kind(batches, build_cost_model(model, cpu, 2), seq_length=1024, cluster=local,
+                                   memory_limit_mib=cpu.memory_mib, reserved_mib=cpu.reserved_mib)
+    assert best.placement == str(expect.cost_model.placement) != "3+0,0+3"
+    unplaced = advise(batches, model, cpu, 2, cluster=local, seq_length=1024, layouts=[Layout(1, 2, 1)],
+                      compare_packing=False, plan_placement=False).best
+    assert unplaced.placement is None and best.real_tokens_per_s > unplaced.real_tokens_per_s
+    out = tmp_path / "run.yaml"
+    out.write_text(run_config_text(best, model, "cpu", "cpu-local", local, 2, 6000, 1024, None, None, batches))
+    assert f'dynapipe-placement: "{best.placement}"' in out.read_text()
+    port = str(20000 + (os.getpid() + 13) % 20000)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-port", port, os.path.join(ROOT, "scripts", "pretrain_t5.py"),
+                             "--run-config", str(out), "--train-iters", "1", "--log-interval", "1"],
+                            capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re_loss(result.stdout) and best.placement in result.stdout

@@ -133,6 +133,8 @@ def run_config_text(best, model, device_name: str, cluster_name: str, cluster, g
                  "tensor-model-parallel-size": lay.tp, "pipeline-model-parallel-size": lay.pp})
     if lay.sp:
         args["sequence-parallel"] = True
+    if best.placement is not None:
+        args["dynapipe-placement"] = best.placement
     if lay.zero:
         args["use-distributed-optimizer"] = True
     args.update({"lr": 1.5e-4, "train-iters": 1000, "log-interval": 10, "mock-data": True,
@@ -209,11 +211,14 @@ def run(args) -> int:
           f"(seq-length {seq}); {advice.elapsed_ms / 1e3:.1f} s")
     tps = sorted({l.tp for l in layouts})
     print(f"TP {', '.join(map(str, tps))}" + (" (with sequence parallelism)" if any(l.sp for l in layouts) else "")
-          + ("; encoder-decoder: Megatron's even stage split, no distributed optimizer (T5 stages refuse it)"
+          + ("; encoder-decoder: the planned stage placement, no distributed optimizer (T5 stages refuse it)"
              if model.is_encoder_decoder else "")
           + "; tokens/s: real (non-pad) tokens, simulated; packing: the best packed micro-batch size under 1F1B.")
     for line in format_table(advice, args.top):
         print(line)
+    if model.is_encoder_decoder:
+        print("placements (layers per stage, encoder+decoder; | separates the chunks of an interleaved one): "
+              + "; ".join(f"{r.layout.label()}: {r.placement or 'even'}" for r in advice.results[:args.top]))
     if advice.refused:
         print(f"refused ({len(advice.refused)}): " + "; ".join(
             f"{l.label()}: {why.split('; ')[0].split('. ')[0]}" for l, why in advice.refused[:6])
