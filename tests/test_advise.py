@@ -123,13 +123,18 @@ def test_advise_command_writes_a_run_config_that_trains_on_cpu(tmp_path, capsys)
     assert f"tensor-model-parallel-size: {best['tp']}" in config
     assert ("sequence-parallel: true" in config) == best["sequence_parallel"]
     assert "dynapipe-tokens-per-global-batch: 1200" in config
-    port = str(20000 + os.getpid() % 20000)
+    assert re_loss(train_one_iteration("pretrain_gpt.py", out, 0))
+
+
+def train_one_iteration(script: str, run_config, port_offset: int) -> str:
+    """stdout of ``scripts/<script> --run-config <run_config>`` for one iteration on 2 ranks."""
+    port = str(20000 + (os.getpid() + port_offset) % 20000)
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                             "--master-port", port, os.path.join(ROOT, "scripts", "pretrain_gpt.py"),
-                             "--run-config", str(out), "--train-iters", "1", "--log-interval", "1"],
+                             "--master-port", port, os.path.join(ROOT, "scripts", script),
+                             "--run-config", str(run_config), "--train-iters", "1", "--log-interval", "1"],
                             capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert re_loss(result.stdout)
+    return result.stdout
 
 
 def re_loss(stdout: str) -> bool:
@@ -191,13 +196,7 @@ def test_encoder_decoder_layouts_are_ones_t5_training_runs(tmp_path, capsys):
                  "encoder-seq-length: 256", "tensor-model-parallel-size: 2", "sequence-parallel: true"):
         assert line in config, line
     assert "\n  num-layers:" not in config and "use-distributed-optimizer" not in config
-    port = str(20000 + (os.getpid() + 7) % 20000)
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                             "--master-port", port, os.path.join(ROOT, "scripts", "pretrain_t5.py"),
-                             "--run-config", str(out), "--train-iters", "1", "--log-interval", "1"],
-                            capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert re_loss(result.stdout)
+    assert re_loss(train_one_iteration("pretrain_t5.py", out, 7))
     # A run config for another job size is refused on every script, naming the launch it needs.
     result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "pretrain_t5.py"), "--run-config", str(out)],
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -242,10 +241,5 @@ def test_encoder_decoder_layouts_run_on_the_planned_placement_and_train_on_it(tm
     out = tmp_path / "run.yaml"
     out.write_text(run_config_text(best, model, "cpu", "cpu-local", local, 2, 6000, 1024, None, None, batches))
     assert f'dynapipe-placement: "{best.placement}"' in out.read_text()
-    port = str(20000 + (os.getpid() + 13) % 20000)
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                             "--master-port", port, os.path.join(ROOT, "scripts", "pretrain_t5.py"),
-                             "--run-config", str(out), "--train-iters", "1", "--log-interval", "1"],
-                            capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert re_loss(result.stdout) and best.placement in result.stdout
+    stdout = train_one_iteration("pretrain_t5.py", out, 13)
+    assert re_loss(stdout) and best.placement in stdout
