@@ -26,6 +26,7 @@ import numpy as np
 
 from dynapipe.config import ClusterConfig, DeviceConfig, ModelConfig, TensorParallelConfig
 from dynapipe.cost import build_cost_model
+from dynapipe.cost.chunked_placement import even_chunked_placement
 from dynapipe.cost.placement import StagePlacement
 from dynapipe.errors import DynaPipeError
 from dynapipe.method_compare import BatchesResult, compare_over_batches
@@ -35,21 +36,27 @@ from dynapipe.method_compare import BatchesResult, compare_over_batches
 class Layout:
     """One way to place the model on the GPUs: ``tp x pp x dp`` GPUs, ``zero``: the
     optimizer state sharded over the ``dp`` replicas (Megatron's distributed optimizer),
-    ``sp``: Megatron's sequence parallelism over the ``tp`` ranks (only with ``tp`` > 1)."""
+    ``sp``: Megatron's sequence parallelism over the ``tp`` ranks (only with ``tp`` > 1),
+    ``chunks``: model chunks a pipeline rank holds (Megatron's interleaved pipeline,
+    ``--num-virtual-stages-per-pipeline-rank``; 1: the plain pipeline)."""
 
     tp: int
     pp: int
     dp: int
     zero: bool = False
     sp: bool = False
+    chunks: int = 1
 
     def __post_init__(self):
         if self.sp and self.tp < 2:
             raise DynaPipeError(f"{self.label()}: sequence parallelism needs TP 2 or more.")
+        if self.chunks < 1 or (self.chunks > 1 and self.pp < 2):
+            raise DynaPipeError(f"{self.label()}: model chunks need PP 2 or more (and at least one chunk).")
 
     def label(self) -> str:
         tp = f"TP{self.tp}" + (" SP" if self.sp else "")
-        return f"{tp} PP{self.pp} DP{self.dp}" + (" ZeRO-1" if self.zero else "")
+        pp = f"PP{self.pp}" + (f" VPP{self.chunks}" if self.chunks > 1 else "")
+        return f"{tp} {pp} DP{self.dp}" + (" ZeRO-1" if self.zero else "")
 
 
 @dataclass
@@ -87,8 +94,8 @@ class LayoutResult:
 
     def to_json(self) -> dict:
         d = self.dynapipe.summary()
-        out = {"tp": self.layout.tp, "sequence_parallel": self.layout.sp, "pp": self.layout.pp, "dp": self.layout.dp,
-               "zero": self.layout.zero, "real_tokens_per_s": d["real_tokens_per_s"], "iteration_ms": d["iteration_ms"],
+        out = {"tp": self.layout.tp, "sequence_parallel": self.layout.sp, "pp": self.layout.pp,
+               "chunks": self.layout.chunks, "dp": self.layout.dp, "zero": self.layout.zero, "real_tokens_per_s": d["real_tokens_per_s"], "iteration_ms": d["iteration_ms"],
                "bubble_fraction": d["bubble_fraction"], "stage_peak_mib": [round(p, 1) for p in self.stage_peak_mib],
                "planning_ms": d["planning_ms"], "recompute": d["recompute"], "schedule": d["schedule"],
                "placement": self.placement}
@@ -138,13 +145,18 @@ def _tp_fits(model: ModelConfig, tp: int) -> bool:
 
 def enumerate_layouts(model: ModelConfig, gpus: int, cluster: Optional[ClusterConfig] = None, *,
                       tp_sizes: Optional[Sequence[int]] = None, zero: Optional[bool] = None,
-                      sequence_parallel: bool = True) -> list[Layout]:
+                      sequence_parallel: bool = True, chunk_counts: Sequence[int] = (1,)) -> list[Layout]:
     """Every layout of ``gpus`` GPUs: TP among ``tp_sizes`` (default
     :func:`default_tp_sizes`), PP dividing the model's layers, DP the rest; with the
     distributed optimizer off and (when DP > 1, and not for encoder-decoder models, whose
     stages refuse it) on. ``zero``: only that setting (``None``: both).
-    ``sequence_parallel``: layouts with TP > 1 use it. A TP size that leaves a node,
-    does not divide ``gpus`` or does not split the model is refused with the reason."""
+    ``sequence_parallel``: layouts with TP > 1 use it.
+    ``chunk_counts``: model chunks a rank to try with PP > 1 (Megatron's interleaved
+    pipeline; counts that do not split the layers evenly, and any for encoder-decoder
+    models, which interleave through their planned placement, are skipped). Default
+    ``(1,)``: plain pipelines only, since a chunked layout plans several times slower.
+    A TP size that leaves a node, does not divide ``gpus`` or does not split the model is
+    refused with the reason."""
     if gpus < 1:
         raise DynaPipeError(f"--gpus {gpus}: need at least one GPU.")
     per_node = cluster.gpus_per_node if cluster is not None else gpus
@@ -163,9 +175,12 @@ def enumerate_layouts(model: ModelConfig, gpus: int, cluster: Optional[ClusterCo
             dp = gpus // (tp * pp)
             # T5 stages refuse the distributed optimizer (they sync embedding copies on whole grads).
             settings = (False, True) if dp > 1 and not model.is_encoder_decoder else (False,)
-            for z in settings:
-                if zero is None or z == zero:
-                    out.append(Layout(tp, pp, dp, z, sp=sequence_parallel and tp > 1))
+            chunks = sorted({c for c in chunk_counts if c == 1 or (pp > 1 and not model.is_encoder_decoder
+                                                                  and not layers % (pp * c))})
+            for c in chunks:
+                for z in settings:
+                    if zero is None or z == zero:
+                        out.append(Layout(tp, pp, dp, z, sp=sequence_parallel and tp > 1, chunks=c))
     if not out:
         raise DynaPipeError(f"no layout of {gpus} GPU(s) splits the {layers} layers of {model.name!r}: use a GPU "
                             f"count with a divisor that also divides {layers}.")
@@ -194,15 +209,18 @@ def advise(batches: Sequence[np.ndarray], model: ModelConfig, device: DeviceConf
     capacity = limit - device.reserved_mib
     t0 = time.perf_counter()
     results, refused = [], []
-    cost_models: dict[tuple[int, int, bool], object] = {}
+    cost_models: dict[tuple[int, int, bool, int], object] = {}
     for k, layout in enumerate(layouts):
         if progress is not None:
             progress(k, len(layouts), layout)
         started = time.perf_counter()
-        key = (layout.pp, layout.tp, layout.sp)
+        key = (layout.pp, layout.tp, layout.sp, layout.chunks)
         cm = cost_models.get(key)
         if cm is None:
-            cm = cost_models[key] = build_cost_model(model, device, layout.pp, tp=_tp_config(layout, cluster))
+            cm = build_cost_model(model, device, layout.pp, tp=_tp_config(layout, cluster))
+            if layout.chunks > 1:
+                cm = cm.with_placement(even_chunked_placement(cm, layout.chunks))
+            cost_models[key] = cm
         states = cm.model_state_mib(dp=layout.dp, zero=layout.zero)
         if states >= capacity:
             refused.append((layout, f"model states need {states:.0f} MiB of the {capacity:.0f} MiB a GPU may use"))
@@ -232,8 +250,8 @@ def advise(batches: Sequence[np.ndarray], model: ModelConfig, device: DeviceConf
         results.append(LayoutResult(layout, dyn, pack, (time.perf_counter() - started) * 1e3, placement))
     if progress is not None:
         progress(len(layouts), len(layouts), None)
-    # Fastest first; ties broken towards fewer pipeline stages, less TP, then no sharding.
-    results.sort(key=lambda r: (-r.real_tokens_per_s, r.layout.pp, r.layout.tp, r.layout.zero))
+    # Fastest first; ties broken towards fewer pipeline stages, less TP, fewer chunks, then no sharding.
+    results.sort(key=lambda r: (-r.real_tokens_per_s, r.layout.pp, r.layout.tp, r.layout.chunks, r.layout.zero))
     return Advice(results, refused, (time.perf_counter() - t0) * 1e3)
 
 

@@ -243,3 +243,34 @@ def test_encoder_decoder_layouts_run_on_the_planned_placement_and_train_on_it(tm
     assert f'dynapipe-placement: "{best.placement}"' in out.read_text()
     stdout = train_one_iteration("pretrain_t5.py", out, 13)
     assert re_loss(stdout) and best.placement in stdout
+
+
+def test_interleaved_layouts_are_priced_on_megatron_chunks_and_train_from_the_run_config(tmp_path):
+    from dynapipe.cli.advise import run_config_text
+    from dynapipe.cost.chunked_placement import even_chunked_placement
+
+    gpt7, a100 = load_model_config("gpt-7b"), load_cluster_config("a100-8x")
+    layouts = enumerate_layouts(gpt7, 16, a100, tp_sizes=[1], chunk_counts=[1, 2, 3])
+    # 2 chunks a rank wherever 2 x PP divides the 32 layers (3 never does); never at PP1.
+    assert {(l.pp, l.chunks) for l in layouts} == {(p, 1) for p in (1, 2, 4, 8, 16)} | {(p, 2) for p in (2, 4, 8, 16)}
+    assert "TP1 PP4 VPP2 DP4 ZeRO-1" in {l.label() for l in layouts}
+    with pytest.raises(DynaPipeError, match="model chunks need PP 2 or more"):
+        Layout(1, 1, 2, chunks=2)
+    # Priced exactly as DynaPipe on Megatron's even interleaved split.
+    device = load_device_config("a100-40gb")
+    batches = sample_batches(12_000, 1, 0, 1024)
+    got = advise(batches, gpt7, device, 8, cluster=a100, seq_length=1024, layouts=[Layout(1, 4, 2, True, chunks=2)],
+                 compare_packing=False).best
+    cm = build_cost_model(gpt7, device, 4)
+    cm = cm.with_placement(even_chunked_placement(cm, 2))
+    run = simulate_method(batches[0], "dynapipe", cm, dp=2, seq_length=1024, cluster=a100, zero=True)
+    assert got.real_tokens_per_s == pytest.approx(run.real_tokens / (run.iteration_ms / 1e3), rel=1e-9)
+    # The run config says the chunks, and the tiny GPT trains on them (DynaPipe, 2 ranks).
+    tiny, cpu, local = load_model_config("gpt-tiny"), load_device_config("cpu"), load_cluster_config("cpu-local")
+    small = sample_batches(1200, 1, 0, 128)
+    best = advise(small, tiny, cpu, 2, cluster=local, seq_length=128, layouts=[Layout(1, 2, 1, chunks=2)],
+                  compare_packing=False).best
+    out = tmp_path / "vpp.yaml"
+    out.write_text(run_config_text(best, tiny, "cpu", "cpu-local", local, 2, 1200, 128, None, None, small))
+    assert "num-virtual-stages-per-pipeline-rank: 2" in out.read_text()
+    assert re_loss(train_one_iteration("pretrain_gpt.py", out, 19))

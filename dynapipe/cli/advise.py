@@ -8,7 +8,7 @@ import os
 from dynapipe.data.synthetic import DEFAULT_MIXTURE
 from dynapipe.errors import DynaPipeError
 
-HELP = "rank parallel layouts (TP, PP, DP, distributed optimizer) for a model and cluster by simulation"
+HELP = "rank parallel layouts (TP, PP, interleaving, DP, distributed optimizer) for a model and cluster by simulation"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,6 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-sizes", type=_int_list, default=None,
                    help="tensor-parallel sizes to try, comma-separated (default: the powers of two up to the GPUs "
                         "of a node that divide the GPUs and the model's heads and FFN width)")
+    p.add_argument("--vpp-sizes", type=_int_list, default=[1],
+                   help="model chunks a pipeline rank to try with PP > 1 (Megatron's interleaved pipeline, "
+                        "--num-virtual-stages-per-pipeline-rank), comma-separated, such as 1,2 (default 1: "
+                        "plain pipelines; each chunked layout plans several times slower)")
     p.add_argument("--no-sequence-parallel", action="store_true",
                    help="price TP > 1 without Megatron's --sequence-parallel (default: with it)")
     p.add_argument("--batches", type=int, default=2, help="global batches simulated per layout (default 2)")
@@ -133,6 +137,8 @@ def run_config_text(best, model, device_name: str, cluster_name: str, cluster, g
                  "tensor-model-parallel-size": lay.tp, "pipeline-model-parallel-size": lay.pp})
     if lay.sp:
         args["sequence-parallel"] = True
+    if lay.chunks > 1:
+        args["num-virtual-stages-per-pipeline-rank"] = lay.chunks
     if best.placement is not None:
         args["dynapipe-placement"] = best.placement
     if lay.zero:
@@ -194,7 +200,7 @@ def run(args) -> int:
         batches = sample_batches(args.tokens_per_iteration, args.batches, args.seed, seq,
                                  pool=read_lengths(args.lengths))
     # No distributed optimizer on CPUs (megatron-core's needs CUDA); T5's is left out by enumerate_layouts.
-    layouts = enumerate_layouts(model, args.gpus, cluster, tp_sizes=args.tp_sizes,
+    layouts = enumerate_layouts(model, args.gpus, cluster, tp_sizes=args.tp_sizes, chunk_counts=args.vpp_sizes,
                                 zero=False if device.name == "cpu" else None,
                                 sequence_parallel=not args.no_sequence_parallel)
     kw = dict(cluster=cluster, seq_length=seq, memory_limit_mib=args.memory_limit_mb, layouts=layouts,
@@ -210,7 +216,9 @@ def run(args) -> int:
           f"{len(advice.results)} fit; {len(batches)} global batch(es) of ~{mean_tokens:,.0f} tokens "
           f"(seq-length {seq}); {advice.elapsed_ms / 1e3:.1f} s")
     tps = sorted({l.tp for l in layouts})
+    vpps = sorted({l.chunks for l in layouts} - {1})
     print(f"TP {', '.join(map(str, tps))}" + (" (with sequence parallelism)" if any(l.sp for l in layouts) else "")
+          + (f"; interleaved with VPP {', '.join(map(str, vpps))} chunks a rank too" if vpps else "")
           + ("; encoder-decoder: the planned stage placement, no distributed optimizer (T5 stages refuse it)"
              if model.is_encoder_decoder else "")
           + "; tokens/s: real (non-pad) tokens, simulated; packing: the best packed micro-batch size under 1F1B.")
