@@ -71,6 +71,16 @@ UNSUPPORTED_MEGATRON_FLAGS = {
                        "--finetune to leave it out)",
     "--no-save-rng": "checkpoints always hold the RNG states; drop it (load with --no-load-rng to leave them out)",
     "--async-save": "checkpoints are saved synchronously; drop it",
+    "--use-persistent-ckpt-worker": "checkpoints are saved synchronously (no --async-save), so no worker; drop it",
+    "--ckpt-assume-constant-structure": "the torch_dist save plan is built at every save; drop it",
+    # Megatron-LM's rerun state machine (default validate_results) reruns an iteration whose
+    # loss is NaN or spiky to tell a transient fault from a persistent one; none is built here.
+    "--rerun-mode": ("iterations are not rerun: a NaN or Inf loss or gradient stops every rank with its cause "
+                     "(--no-check-for-nan-in-loss-and-grad turns the check off); drop it"),
+    "--check-for-spiky-loss": "loss spikes are not checked (NaN and Inf are); drop it",
+    "--check-for-large-grads": "gradient sizes are not checked (NaN and Inf are); drop it",
+    "--error-injection-rate": "the rerun state machine is not built; drop it",
+    "--error-injection-type": "the rerun state machine is not built; drop it",
     "--use-checkpoint-args": "the model is built from the command line, and a checkpoint of another shape is "
                              "refused; give the model arguments it was saved with",
     "--ckpt-step": "--load resumes from the iteration in latest_checkpointed_iteration.txt; drop it",
