@@ -151,6 +151,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-warmup-fraction", type=float, default=None,
                    help="warm-up as a fraction of the decay iterations (instead of --lr-warmup-iters)")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0,
+                   help="learning rate the warm-up starts from (Megatron-LM's; default 0)")
     g.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
     g.add_argument("--loss-scale", type=float, default=None, help="fp16: static loss scale (default: dynamic)")
     g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32, help="fp16: initial dynamic loss scale")

@@ -80,9 +80,16 @@ def optimizer_args_from_args(args: argparse.Namespace) -> OptimizerArgs:
     if args.optimizer != "adam":
         raise _unsupported("--optimizer", f"{args.optimizer}: only adam (megatron-core's Adam with decoupled "
                                           f"weight decay) is built; use --optimizer adam")
+    warmup_init = getattr(args, "lr_warmup_init", 0.0)
+    if warmup_init < 0:
+        raise DynaPipeError(f"--lr-warmup-init {warmup_init}: a learning rate cannot be negative; "
+                            f"give 0 (the default) or more.")
+    if warmup_init and not warmup_iters:
+        raise DynaPipeError(f"--lr-warmup-init {warmup_init} is where a warm-up starts, and there is none; "
+                            f"give --lr-warmup-iters, --lr-warmup-samples or --lr-warmup-fraction, or drop it.")
     loss_scale = loss_scale_from_args(args)
     return OptimizerArgs(lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
-                         lr_warmup_iters=warmup_iters, lr_decay_iters=decay_iters,
+                         lr_warmup_iters=warmup_iters, lr_decay_iters=decay_iters, lr_warmup_init=warmup_init,
                          weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
                          adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
                          distributed=args.use_distributed_optimizer,

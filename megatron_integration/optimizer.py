@@ -39,12 +39,17 @@ def build_optimizer(cfg: DynaPipeTrainingConfig, stage: Stage):
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    o = cfg.optimizer
     optimizer = get_megatron_optimizer(optimizer_config(cfg), stage.modules)
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if o.lr_warmup_iters else o.lr, max_lr=o.lr, min_lr=o.min_lr,
-        lr_warmup_steps=o.lr_warmup_iters, lr_decay_steps=max(o.lr_decay_iters, 1),
-        lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay_range[0], end_wd=o.weight_decay_range[1],
-        wd_incr_steps=max(cfg.train_iters, 1), wd_incr_style=o.weight_decay_incr_style,
-        override_opt_param_scheduler=o.override_scheduler, use_checkpoint_opt_param_scheduler=o.use_checkpoint_scheduler)
-    return optimizer, scheduler
+    return optimizer, OptimizerParamScheduler(optimizer, **scheduler_arguments(cfg))
+
+
+def scheduler_arguments(cfg: DynaPipeTrainingConfig) -> dict:
+    """megatron-core ``OptimizerParamScheduler``'s keyword arguments for the run, in
+    iterations: the warm-up from ``--lr-warmup-init`` to ``--lr``, then the decay."""
+    o = cfg.optimizer
+    return dict(init_lr=o.lr_warmup_init if o.lr_warmup_iters else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+                lr_warmup_steps=o.lr_warmup_iters, lr_decay_steps=max(o.lr_decay_iters, 1),
+                lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay_range[0], end_wd=o.weight_decay_range[1],
+                wd_incr_steps=max(cfg.train_iters, 1), wd_incr_style=o.weight_decay_incr_style,
+                override_opt_param_scheduler=o.override_scheduler,
+                use_checkpoint_opt_param_scheduler=o.use_checkpoint_scheduler)

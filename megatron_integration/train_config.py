@@ -115,6 +115,7 @@ class OptimizerArgs:
     # samples / --global-batch-size, which may be fractional: the same rates at every iteration.
     lr_warmup_iters: float = 0
     lr_decay_iters: float = 0
+    lr_warmup_init: float = 0.0  # the rate the warm-up starts from (Megatron-LM's --lr-warmup-init)
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999

@@ -89,3 +89,24 @@ def test_checkpoints_hold_megatron_lms_units_and_either_side_resumes_the_others_
 def test_warmup_fraction_is_not_rounded():
     o = parse_training_args(f"{BASE} --train-iters 10 --lr-warmup-fraction 0.25".split(), 1).optimizer
     assert o.lr_warmup_iters == 2.5  # Megatron-LM: 0.25 x 10 iterations' samples, unrounded
+
+
+def test_warmup_starts_from_lr_warmup_init_as_in_megatron_lm():
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_integration.optimizer import scheduler_arguments
+
+    cfg = parse_training_args(f"{BASE} --train-iters 10 --lr-warmup-iters 4 --lr-warmup-init 2e-4".split(), 1)
+    assert cfg.optimizer.lr_warmup_init == 2e-4
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+    sched = OptimizerParamScheduler(opt, **scheduler_arguments(cfg))
+    # Megatron-LM's warm-up: init + (max - init) x step / warm-up steps.
+    assert sched.get_lr(opt.param_groups[0]) == pytest.approx(2e-4)
+    sched.step(2)
+    assert sched.get_lr(opt.param_groups[0]) == pytest.approx(2e-4 + (1e-3 - 2e-4) * 2 / 4)
+    default = parse_training_args(f"{BASE} --train-iters 10 --lr-warmup-iters 4".split(), 1)
+    assert scheduler_arguments(default)["init_lr"] == 0.0
+    for bad, needle in (("--lr-warmup-init -0.0001 --lr-warmup-iters 4", "cannot be negative"),
+                        ("--lr-warmup-init 1e-4", "there is none")):
+        with pytest.raises(DynaPipeError, match=needle):
+            parse_training_args(f"{BASE} --train-iters 10 {bad}".split(), 1)
