@@ -214,6 +214,9 @@ def advise(batches: Sequence[np.ndarray], model: ModelConfig, device: DeviceConf
         if progress is not None:
             progress(k, len(layouts), layout)
         started = time.perf_counter()
+        if layout.chunks > 1 and model.is_encoder_decoder:
+            refused.append((layout, "encoder-decoder models interleave through their planned placement, not chunks"))
+            continue
         key = (layout.pp, layout.tp, layout.sp, layout.chunks)
         cm = cost_models.get(key)
         if cm is None:

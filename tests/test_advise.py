@@ -256,6 +256,11 @@ def test_interleaved_layouts_are_priced_on_megatron_chunks_and_train_from_the_ru
     assert "TP1 PP4 VPP2 DP4 ZeRO-1" in {l.label() for l in layouts}
     with pytest.raises(DynaPipeError, match="model chunks need PP 2 or more"):
         Layout(1, 1, 2, chunks=2)
+    t5 = load_model_config("t5-11b")
+    assert {l.chunks for l in enumerate_layouts(t5, 16, a100, chunk_counts=[1, 2])} == {1}
+    refused = advise(sample_batches(4096, 1, 0, 512, encoder_decoder=True), t5, load_device_config("a100-40gb"), 16,
+                     cluster=a100, layouts=[Layout(8, 2, 1, sp=True, chunks=2)], compare_packing=False).refused
+    assert "interleave through their planned placement" in refused[0][1]
     # Priced exactly as DynaPipe on Megatron's even interleaved split.
     device = load_device_config("a100-40gb")
     batches = sample_batches(12_000, 1, 0, 1024)
