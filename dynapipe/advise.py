@@ -145,16 +145,19 @@ def _tp_fits(model: ModelConfig, tp: int) -> bool:
 
 def enumerate_layouts(model: ModelConfig, gpus: int, cluster: Optional[ClusterConfig] = None, *,
                       tp_sizes: Optional[Sequence[int]] = None, zero: Optional[bool] = None,
-                      sequence_parallel: bool = True, chunk_counts: Sequence[int] = (1,)) -> list[Layout]:
+                      sequence_parallel: bool = True, chunk_counts: Sequence[int] = (1,),
+                      seq_length: Optional[int] = None) -> list[Layout]:
     """Every layout of ``gpus`` GPUs: TP among ``tp_sizes`` (default
     :func:`default_tp_sizes`), PP dividing the model's layers, DP the rest; with the
     distributed optimizer off and (when DP > 1, and not for encoder-decoder models, whose
     stages refuse it) on. ``zero``: only that setting (``None``: both).
-    ``sequence_parallel``: layouts with TP > 1 use it.
+    ``sequence_parallel``: layouts with TP > 1 use it where ``seq_length`` (tokens; ``None``:
+    any) divides by the TP size, as Megatron-LM's ``--sequence-parallel`` requires.
     ``chunk_counts``: model chunks a rank to try with PP > 1 (Megatron's interleaved
     pipeline; counts that do not split the layers evenly, and any for encoder-decoder
-    models, which interleave through their planned placement, are skipped). Default
-    ``(1,)``: plain pipelines only, since a chunked layout plans several times slower.
+    models, which interleave through their planned placement, are skipped). The plain
+    pipeline (1) is always tried; default ``(1,)``: only it, since a chunked layout plans
+    several times slower.
     A TP size that leaves a node, does not divide ``gpus`` or does not split the model is
     refused with the reason."""
     if gpus < 1:
@@ -175,12 +178,13 @@ def enumerate_layouts(model: ModelConfig, gpus: int, cluster: Optional[ClusterCo
             dp = gpus // (tp * pp)
             # T5 stages refuse the distributed optimizer (they sync embedding copies on whole grads).
             settings = (False, True) if dp > 1 and not model.is_encoder_decoder else (False,)
-            chunks = sorted({c for c in chunk_counts if c == 1 or (pp > 1 and not model.is_encoder_decoder
-                                                                  and not layers % (pp * c))})
+            chunks = sorted({1} | {c for c in chunk_counts if pp > 1 and not model.is_encoder_decoder
+                                   and c > 1 and not layers % (pp * c)})
+            sp = sequence_parallel and tp > 1 and (seq_length is None or not seq_length % tp)
             for c in chunks:
                 for z in settings:
                     if zero is None or z == zero:
-                        out.append(Layout(tp, pp, dp, z, sp=sequence_parallel and tp > 1, chunks=c))
+                        out.append(Layout(tp, pp, dp, z, sp=sp, chunks=c))
     if not out:
         raise DynaPipeError(f"no layout of {gpus} GPU(s) splits the {layers} layers of {model.name!r}: use a GPU "
                             f"count with a divisor that also divides {layers}.")
@@ -204,7 +208,7 @@ def advise(batches: Sequence[np.ndarray], model: ModelConfig, device: DeviceConf
     """
     if not len(batches):
         raise DynaPipeError("no global batch to simulate.")
-    layouts = list(layouts) if layouts is not None else enumerate_layouts(model, gpus, cluster)
+    layouts = list(layouts) if layouts is not None else enumerate_layouts(model, gpus, cluster, seq_length=seq_length)
     limit = device.memory_mib if memory_limit_mib is None else float(memory_limit_mib)
     capacity = limit - device.reserved_mib
     t0 = time.perf_counter()

@@ -106,6 +106,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
                    help="stop the job when the loss or the gradient norm is NaN or infinite, before the optimizer "
                         "step (default on; --no-check-for-nan-in-loss-and-grad disables)")
+    g.add_argument("--rerun-mode", default=None, choices=("disabled", "validate_results", "report_stats"),
+                   help="Megatron-LM's rerun state machine: only disabled is taken (a NaN or Inf is checked as "
+                        "--check-for-nan-in-loss-and-grad says and stops the job; no iteration is rerun)")
     g.add_argument("--recompute-granularity", default=None, choices=("full", "selective"),
                    help="activation recomputation: selective (core attention) or full (whole layers)")
     g.add_argument("--recompute-method", default=None, choices=("uniform", "block"),

@@ -73,10 +73,6 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--async-save": "checkpoints are saved synchronously; drop it",
     "--use-persistent-ckpt-worker": "checkpoints are saved synchronously (no --async-save), so no worker; drop it",
     "--ckpt-assume-constant-structure": "the torch_dist save plan is built at every save; drop it",
-    # Megatron-LM's rerun state machine (default validate_results) reruns an iteration whose
-    # loss is NaN or spiky to tell a transient fault from a persistent one; none is built here.
-    "--rerun-mode": ("iterations are not rerun: a NaN or Inf loss or gradient stops every rank with its cause "
-                     "(--no-check-for-nan-in-loss-and-grad turns the check off); drop it"),
     "--check-for-spiky-loss": "loss spikes are not checked (NaN and Inf are); drop it",
     "--check-for-large-grads": "gradient sizes are not checked (NaN and Inf are); drop it",
     "--error-injection-rate": "the rerun state machine is not built; drop it",
@@ -110,6 +106,18 @@ def _model_flags_honoured(args: argparse.Namespace, cuda: bool) -> None:
     if args.transformer_impl == "local" and cuda:
         raise _unsupported("--transformer-impl", "local: on GPUs the stages use Transformer Engine's spec where "
                                                  "it is installed; drop it")
+
+
+def _resilience_args_honoured(args: argparse.Namespace) -> None:
+    """Megatron-LM's rerun state machine (default ``validate_results``) reruns an iteration whose
+    loss is NaN or spiky to tell a transient fault from a persistent one. None is built here:
+    ``disabled`` is what this build does (its check still stops on a NaN or Inf, as
+    Megatron-LM's does when disabled); the other modes are refused."""
+    mode = getattr(args, "rerun_mode", None)
+    if mode not in (None, "disabled"):
+        raise _unsupported("--rerun-mode", f"{mode}: iterations are not rerun; a NaN or Inf loss or gradient stops "
+                                           f"every rank with its cause (--no-check-for-nan-in-loss-and-grad turns "
+                                           f"the check off); use --rerun-mode disabled or drop it")
 
 
 def _checkpoint_args_honoured(args: argparse.Namespace) -> None:

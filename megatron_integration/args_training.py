@@ -84,6 +84,9 @@ def optimizer_args_from_args(args: argparse.Namespace) -> OptimizerArgs:
     if warmup_init < 0:
         raise DynaPipeError(f"--lr-warmup-init {warmup_init}: a learning rate cannot be negative; "
                             f"give 0 (the default) or more.")
+    if args.lr is not None and warmup_init > args.lr:
+        raise DynaPipeError(f"--lr-warmup-init {warmup_init} exceeds --lr {args.lr}: the warm-up rises to --lr "
+                            f"(megatron-core's scheduler asserts init <= max); give at most {args.lr}.")
     if warmup_init and not warmup_iters:
         raise DynaPipeError(f"--lr-warmup-init {warmup_init} is where a warm-up starts, and there is none; "
                             f"give --lr-warmup-iters, --lr-warmup-samples or --lr-warmup-fraction, or drop it.")

@@ -40,7 +40,7 @@ from megatron_integration.args_megatron import (ATTENTION_BACKENDS, LR_DECAY_STY
 from megatron_integration.args_model import (BYTE_LEVEL_VOCAB, model_args_from_args,  # noqa: F401
                                              padded_vocab_size, recompute_from_args)
 from megatron_integration.args_refusals import (UNSUPPORTED_MEGATRON_FLAGS, _checkpoint_args_honoured,  # noqa: F401
-                                                _model_flags_honoured)
+                                                _model_flags_honoured, _resilience_args_honoured)
 from megatron_integration.args_training import _schedule_from_samples, optimizer_args_from_args
 from megatron_integration.args_layout import pipeline_split_from_args
 from megatron_integration.args_checkpoint import dist_ckpt_args_from_args
@@ -163,6 +163,7 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
         raise DynaPipeError(f"--load {args.load!r}: no such checkpoint directory (a job that resumes itself gives "
                             f"--save the same path, and starts from scratch while it holds no checkpoint).")
     _checkpoint_args_honoured(args)
+    _resilience_args_honoured(args)
 
     return DynaPipeTrainingConfig(
         model=model, parallel=parallel, optimizer=optimizer, data=data, dynapipe=dyn,

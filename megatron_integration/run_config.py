@@ -60,10 +60,10 @@ def load_run_config(path: str) -> RunConfig:
 
 
 def add_run_config_argument(parser) -> None:
-    """``--run-config FILE``: a run config giving the arguments (later arguments win)."""
+    """``--run-config FILE``: a run config giving the arguments (the command line's win)."""
     parser.add_argument("--run-config", default=None,
                         help="YAML run config (configs/runs/, or one `python -m dynapipe advise --output` wrote) "
-                             "giving the arguments; arguments after it win")
+                             "giving the arguments; those given on the command line win")
 
 
 def with_run_config(parser, argv: list[str], world_size: int) -> list[str]:

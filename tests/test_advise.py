@@ -33,6 +33,9 @@ def test_layouts_split_the_layers_and_the_gpus():
     assert all(l.pp * l.dp * l.tp == 12 for l in enumerate_layouts(load_model_config("gpt-7b"), 12, a100))
     # A prime GPU count leaves only pure data parallelism.
     assert [(l.tp, l.pp, l.dp) for l in enumerate_layouts(load_model_config("gpt-tiny"), 7, a100)] == [(1, 1, 7)] * 2
+    # Sequence parallelism only where the sequence length divides by TP (Megatron-LM's rule).
+    odd = enumerate_layouts(load_model_config("gpt-tiny"), 2, load_cluster_config("cpu-local"), seq_length=127)
+    assert [l.sp for l in odd if l.tp == 2] == [False] and any(l.tp == 2 for l in odd)
     # gpt-tiny's 4 heads cap TP at 4 on a node of 8.
     assert default_tp_sizes(load_model_config("gpt-tiny"), 64, a100) == [1, 2, 4]
     assert default_tp_sizes(gpt13, 4, a100) == [1, 2, 4]
@@ -196,6 +199,8 @@ def test_encoder_decoder_layouts_are_ones_t5_training_runs(tmp_path, capsys):
                  "encoder-seq-length: 256", "tensor-model-parallel-size: 2", "sequence-parallel: true"):
         assert line in config, line
     assert "\n  num-layers:" not in config and "use-distributed-optimizer" not in config
+    # No token budget: Megatron's T5 span-corruption data (--data-path) refuses one.
+    assert "tokens-per-global-batch" not in config and "global-batch-size: " in config
     assert re_loss(train_one_iteration("pretrain_t5.py", out, 7))
     # A run config for another job size is refused on every script, naming the launch it needs.
     result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "pretrain_t5.py"), "--run-config", str(out)],
@@ -254,6 +259,8 @@ def test_interleaved_layouts_are_priced_on_megatron_chunks_and_train_from_the_ru
     # 2 chunks a rank wherever 2 x PP divides the 32 layers (3 never does); never at PP1.
     assert {(l.pp, l.chunks) for l in layouts} == {(p, 1) for p in (1, 2, 4, 8, 16)} | {(p, 2) for p in (2, 4, 8, 16)}
     assert "TP1 PP4 VPP2 DP4 ZeRO-1" in {l.label() for l in layouts}
+    # The plain pipeline is always ranked, even when only chunks are asked for.
+    assert {l.chunks for l in enumerate_layouts(gpt7, 16, a100, tp_sizes=[1], chunk_counts=[2])} == {1, 2}
     with pytest.raises(DynaPipeError, match="model chunks need PP 2 or more"):
         Layout(1, 1, 2, chunks=2)
     t5 = load_model_config("t5-11b")

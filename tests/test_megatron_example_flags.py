@@ -106,13 +106,14 @@ def test_the_rest_is_refused_in_one_line_naming_the_flag(line, flags, capsys):
 # Megatron-LM's resilience and asynchronous-checkpoint flags, common in its cluster scripts:
 # each refused with what this build does instead.
 RESILIENCE_REFUSED = {
-    "--rerun-mode disabled": "iterations are not rerun",
     "--rerun-mode validate_results": "--no-check-for-nan-in-loss-and-grad turns the check off",
+    "--rerun-mode report_stats": "iterations are not rerun",
     "--check-for-spiky-loss": "loss spikes are not checked",
     "--check-for-large-grads": "gradient sizes are not checked",
     "--use-persistent-ckpt-worker": "saved synchronously",
     "--ckpt-assume-constant-structure": "built at every save",
     "--error-injection-rate 1000": "rerun state machine",
+    "--error-injection-type transient_error": "rerun state machine",
 }
 
 
@@ -120,6 +121,9 @@ def test_megatrons_resilience_flags_are_refused_with_what_is_done_instead(capsys
     for extra, why in RESILIENCE_REFUSED.items():
         message = refusal(f"{GPT3} {extra}", capsys)
         assert extra.split()[0] in message and why in message, (extra, message)
+    # disabled is what this build does: a NaN still stops the job, as in Megatron-LM.
+    assert parse(f"{TINY} --train-iters 4 --lr 1e-3 --mock-data --rerun-mode disabled").check_for_nan_in_loss_and_grad
+    assert parse(f"{GPT3} --rerun-mode disabled") == parse(GPT3)
 
 
 def test_no_flag_of_the_examples_is_unknown():

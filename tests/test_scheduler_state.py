@@ -107,6 +107,7 @@ def test_warmup_starts_from_lr_warmup_init_as_in_megatron_lm():
     default = parse_training_args(f"{BASE} --train-iters 10 --lr-warmup-iters 4".split(), 1)
     assert scheduler_arguments(default)["init_lr"] == 0.0
     for bad, needle in (("--lr-warmup-init -0.0001 --lr-warmup-iters 4", "cannot be negative"),
+                        ("--lr-warmup-init 0.002 --lr-warmup-iters 4", "exceeds --lr 0.001"),
                         ("--lr-warmup-init 1e-4", "there is none")):
         with pytest.raises(DynaPipeError, match=needle):
             parse_training_args(f"{BASE} --train-iters 10 {bad}".split(), 1)

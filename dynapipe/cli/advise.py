@@ -27,9 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tensor-parallel sizes to try, comma-separated (default: the powers of two up to the GPUs "
                         "of a node that divide the GPUs and the model's heads and FFN width)")
     p.add_argument("--vpp-sizes", type=_int_list, default=[1],
-                   help="model chunks a pipeline rank to try with PP > 1 (Megatron's interleaved pipeline, "
-                        "--num-virtual-stages-per-pipeline-rank), comma-separated, such as 1,2 (default 1: "
-                        "plain pipelines; each chunked layout plans several times slower)")
+                   help="model chunks a pipeline rank to try with PP > 1 as well as the plain pipeline "
+                        "(Megatron's interleaved pipeline, --num-virtual-stages-per-pipeline-rank), comma-separated, "
+                        "such as 2 (default: none; each chunked layout plans several times slower)")
     p.add_argument("--no-sequence-parallel", action="store_true",
                    help="price TP > 1 without Megatron's --sequence-parallel (default: with it)")
     p.add_argument("--batches", type=int, default=2, help="global batches simulated per layout (default 2)")
@@ -145,7 +145,11 @@ def run_config_text(best, model, device_name: str, cluster_name: str, cluster, g
         args["use-distributed-optimizer"] = True
     args.update({"lr": 1.5e-4, "train-iters": 1000, "log-interval": 10, "mock-data": True,
                  "use-dynapipe": True, "dynapipe-device": device_name, "dynapipe-cluster": cluster_name,
-                 "dynapipe-schedule": "auto", "dynapipe-tokens-per-global-batch": tokens})
+                 "dynapipe-schedule": "auto"})
+    if not model.is_encoder_decoder:
+        # T5's span-corruption data draws whole global batches of samples, so T5 keeps the
+        # batches' mean sample count (global-batch-size above) and runs with --data-path too.
+        args["dynapipe-tokens-per-global-batch"] = tokens
     if memory_limit_mib is not None:
         args["dynapipe-memory-limit-mb"] = memory_limit_mib
     if mixture_path is not None and not _same_file(mixture_path, DEFAULT_MIXTURE):
@@ -201,6 +205,7 @@ def run(args) -> int:
                                  pool=read_lengths(args.lengths))
     # No distributed optimizer on CPUs (megatron-core's needs CUDA); T5's is left out by enumerate_layouts.
     layouts = enumerate_layouts(model, args.gpus, cluster, tp_sizes=args.tp_sizes, chunk_counts=args.vpp_sizes,
+                                seq_length=seq,
                                 zero=False if device.name == "cpu" else None,
                                 sequence_parallel=not args.no_sequence_parallel)
     kw = dict(cluster=cluster, seq_length=seq, memory_limit_mib=args.memory_limit_mb, layouts=layouts,
