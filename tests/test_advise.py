@@ -152,6 +152,7 @@ def re_loss(stdout: str) -> bool:
     (["--gpus", "2", "--seq-length", "4096"], "exceeds the model's max_seq_length"),
     (["--gpus", "2", "--output", "/"], "--output '/': cannot write"),
     (["--gpus", "2", "--tp-sizes", "3"], "--tp-sizes 3 does not divide num_attention_heads=4"),
+    (["--gpus", "2", "--vpp-sizes", "3"], "--vpp-sizes 3: no pipeline size here splits the 4 layers"),
     (["--gpus", "2", "--tp-sizes", "1,x"], "--tp-sizes: '1,x': expected comma-separated integers"),
 ])
 def test_bad_advise_arguments_give_one_line(argv, message, capsys):

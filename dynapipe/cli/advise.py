@@ -208,6 +208,12 @@ def run(args) -> int:
                                 seq_length=seq,
                                 zero=False if device.name == "cpu" else None,
                                 sequence_parallel=not args.no_sequence_parallel)
+    unused = sorted(set(args.vpp_sizes) - {1} - {l.chunks for l in layouts})
+    if unused:
+        why = ("encoder-decoder models interleave through their planned placement"
+               if model.is_encoder_decoder else
+               f"no pipeline size here splits the {model.total_layers} layers into that many chunks a rank")
+        raise DynaPipeError(f"--vpp-sizes {','.join(map(str, unused))}: {why}; drop it or give a count that does.")
     kw = dict(cluster=cluster, seq_length=seq, memory_limit_mib=args.memory_limit_mb, layouts=layouts,
               compare_packing=not args.no_packing)
     if args.no_progress:  # nothing on stderr: the lines only name layouts, the table follows
