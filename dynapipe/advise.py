@@ -128,16 +128,17 @@ def default_tp_sizes(model: ModelConfig, gpus: int, cluster: Optional[ClusterCon
     attention heads, query groups and FFN width."""
     per_node = cluster.gpus_per_node if cluster is not None else gpus
     out, t = [], 1
-    while t <= min(per_node, gpus):
-        if not gpus % t and not per_node % t and _tp_fits(model, t):
+    while t <= gpus:
+        if not gpus % t and _tp_fits(model, t, per_node):
             out.append(t)
         t *= 2
     return out
 
 
-def _tp_fits(model: ModelConfig, tp: int) -> bool:
+def _tp_fits(model: ModelConfig, tp: int, per_node: int) -> bool:
+    """Whether :meth:`TensorParallelConfig.validate` takes ``tp`` (model split, inside a node)."""
     try:
-        TensorParallelConfig(tp).validate(model)
+        TensorParallelConfig(tp).validate(model, per_node)
     except DynaPipeError:
         return False
     return True

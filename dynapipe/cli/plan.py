@@ -52,10 +52,15 @@ def plan_from_args(args: argparse.Namespace, setup: CostSetup | None = None,
     setup = setup or cost_setup_from_args(args)
     lengths = read_lengths(args.lengths) if lengths is None else lengths
     plan, level = escalate_recompute(lambda level: plan_micro_batches(
-        lengths, setup.cost_model, method=args.batching, dp=args.dp, memory_limit_mib=setup.memory_limit_mib,
-        reserved_mib=setup.reserved_mib, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
-        max_tokens=args.max_tokens, recompute=level), setup.recompute)
+        lengths, setup.cost_model, recompute=level, **_cut_arguments(args, setup)), setup.recompute)
     return plan, dataclasses.replace(setup, recompute=level)
+
+
+def _cut_arguments(args: argparse.Namespace, setup: CostSetup) -> dict:
+    """:func:`plan_micro_batches`'s arguments as the command line gives them (but the level)."""
+    return dict(method=args.batching, dp=args.dp, memory_limit_mib=setup.memory_limit_mib,
+                reserved_mib=setup.reserved_mib, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+                max_tokens=args.max_tokens)
 
 
 def build_plan_json(args: argparse.Namespace, batch_plan: BatchPlan, setup: CostSetup) -> dict:
@@ -132,9 +137,7 @@ def _with_room_in_flight(args: argparse.Namespace, batch_plan: BatchPlan, sched:
     start = time.perf_counter()
     stage_recompute = sched["recompute"] if isinstance(sched["recompute"], list) else (
         [sched["recompute"]] * setup.cost_model.num_stages)
-    cut = dict(method=args.batching, dp=args.dp, memory_limit_mib=setup.memory_limit_mib,
-               reserved_mib=setup.reserved_mib, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
-               max_tokens=args.max_tokens)
+    cut = _cut_arguments(args, setup)
     search = dict(schedule=getattr(args, "schedule", "auto"), memory_limit_mib=setup.memory_limit_mib,
                   reserved_mib=setup.reserved_mib, cluster=resolve_cluster(args.cluster, setup.device.name),
                   tp=1, zero=False)
