@@ -29,7 +29,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP width (default 4 x hidden size)")
     g.add_argument("--kv-channels", type=int, default=None, help="per-head width (default hidden / heads)")
     g.add_argument("--max-position-embeddings", type=int, default=None,
-                   help="maximum sequence length the position embedding supports (default: --seq-length)")
+                   help="maximum sequence length the position embedding supports (Megatron-LM requires it; "
+                        "default here: --seq-length)")
     g.add_argument("--position-embedding-type", default="learned_absolute", choices=POSITION_EMBEDDINGS)
     g.add_argument("--vocab-size", type=int, default=None,
                    help="vocabulary size before padding (default: the byte-level tokenizer's)")
@@ -55,7 +56,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="Llama 3.x's RoPE scaling factor")
     g.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
                    help="divide RoPE positions by this factor (position interpolation)")
-    g.add_argument("--use-flash-attn", action="store_true", help="flash attention (GPU)")
+    g.add_argument("--use-flash-attn", action="store_true",
+                   help="accepted: Megatron-LM declares it and its megatron-core models do not read it (Transformer "
+                        "Engine's attention picks flash attention itself)")
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="attention implementation (auto: megatron-core chooses)")
     g.add_argument("--transformer-impl", default="transformer_engine", choices=("local", "transformer_engine"),
@@ -81,10 +84,13 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--seq-length", type=int, default=None, help="maximum sequence length in tokens")
     g.add_argument("--micro-batch-size", type=int, default=None,
                    help="samples (or packed rows) per micro-batch of the fixed-shape baselines")
-    g.add_argument("--global-batch-size", type=int, default=None, help="samples per iteration over all replicas")
+    g.add_argument("--global-batch-size", type=int, default=None, help="samples per iteration over all replicas; a sample is a document "
+                   "(or its piece of at most --seq-length tokens), of its own length, where Megatron-LM's are "
+                   "windows of exactly --seq-length tokens")
     g.add_argument("--train-iters", type=int, default=None, help="iterations to train")
     g.add_argument("--train-samples", type=int, default=None,
-                   help="samples to train (instead of --train-iters): iterations = samples / --global-batch-size")
+                   help="samples to train (instead of --train-iters): iterations = samples // --global-batch-size; "
+                        "samples as --global-batch-size counts them")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving, with --save) at the first iteration divisible by this")
     g.add_argument("--manual-gc", action="store_true",
@@ -139,7 +145,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="--fp16: accumulate and all-reduce gradients in fp32 (default: in fp16, as "
                         "Megatron-LM; --bf16 does it in fp32 anyway unless --grad-reduce-in-bf16)")
     g.add_argument("--attention-softmax-in-fp32", action="store_true",
-                   help="accepted: the attention softmax is always computed in fp32 (megatron-core's default)")
+                   help="compute the attention softmax of --bf16/--fp16 runs in fp32 (default: in the run's "
+                        "precision, as Megatron-LM; --apply-query-key-layer-scaling turns it on; megatron-core's "
+                        "local attention only, Transformer Engine's chooses its own)")
     # Megatron-LM fuses these kernels by default on GPUs; this build runs megatron-core's unfused
     # paths (its TransformerConfig defaults), so turning a fusion off asks for what is done.
     for flag in ("--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion",
@@ -157,7 +165,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--lr-warmup-init", type=float, default=0.0,
                    help="learning rate the warm-up starts from (Megatron-LM's; default 0)")
     g.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
-    g.add_argument("--loss-scale", type=float, default=None, help="fp16: static loss scale (default: dynamic)")
+    g.add_argument("--loss-scale", type=float, default=None, help="static loss scale, --fp16 or --bf16 (default: fp16 scales "
+                   "dynamically, bf16 not at all)")
     g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32, help="fp16: initial dynamic loss scale")
     add_loss_scale_args(g)
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
@@ -213,7 +222,7 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         "(default: overlap, as in Megatron-LM; without interleaving nothing is overlapped)")
     g.add_argument("--distributed-backend", default=None, choices=("nccl", "gloo"),
                    help="default: nccl with CUDA, gloo without")
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="context-parallel ranks (only 1, the default: no context parallelism)")
 

@@ -71,7 +71,8 @@ def model_args_from_args(args: argparse.Namespace, cuda: bool) -> GPTModelArgs:
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, dtype=dtype, norm_epsilon=_positive("norm-epsilon", args.norm_epsilon),
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion, deterministic_mode=args.deterministic_mode,
-        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling, **shape)
+        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
+        attention_softmax_in_fp32=args.attention_softmax_in_fp32, **shape)
 
 
 def _recompute_modules(modules: Optional[list], granularity: Optional[str]) -> None:

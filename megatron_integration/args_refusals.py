@@ -30,8 +30,9 @@ UNSUPPORTED_MEGATRON_FLAGS = {
                                     "drop it (--no-overlap-p2p-communication turns it off)"),
     "--overlap-p2p-comm": ("the interleaved schedule overlaps its transfers by default, as in Megatron-LM; drop it "
                            "(--no-overlap-p2p-communication turns it off)"),
-    "--microbatch-group-size-per-vp-stage": ("the interleaved schedule groups --pipeline-model-parallel-size "
-                                             "micro-batches per chunk (Megatron's default); drop it"),
+    "--microbatch-group-size-per-virtual-pipeline-stage": ("the interleaved schedule groups "
+                                                           "--pipeline-model-parallel-size micro-batches per chunk "
+                                                           "(Megatron's default); drop it"),
     "--num-experts": "mixture-of-experts models are not built; drop it",
     "--expert-model-parallel-size": "mixture-of-experts models are not built; drop it",
     "--overlap-param-gather": ("the distributed optimizer gathers its parameters within the optimizer step "
@@ -96,10 +97,6 @@ def _model_flags_honoured(args: argparse.Namespace, cuda: bool) -> None:
     if args.cross_entropy_loss_fusion and not cuda:
         raise _unsupported("--cross-entropy-loss-fusion", "megatron-core's fused cross-entropy is a GPU kernel; "
                                                           "drop it on CPU")
-    if args.use_flash_attn:
-        raise _unsupported("--use-flash-attn", "attention runs through Transformer Engine's spec where installed "
-                                               "(it picks flash attention itself) or megatron-core's local one; "
-                                               "drop it")
     if args.attention_backend != "auto":
         raise _unsupported("--attention-backend", f"{args.attention_backend}: megatron-core chooses the backend "
                                                   f"(auto); drop it")

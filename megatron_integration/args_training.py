@@ -40,7 +40,9 @@ def _schedule_in_iterations(args: argparse.Namespace) -> tuple[float, float]:
     or with ``--train-samples`` its ``--lr-*-samples`` over ``--global-batch-size`` (Megatron-LM
     steps its scheduler by the samples of each iteration, so a fixed global batch makes the two
     the same schedule, fractional iterations included)."""
-    samples = args.lr_decay_samples is not None or args.lr_warmup_samples
+    # With --train-samples Megatron-LM decays over the samples themselves (not the whole iterations
+    # they round down to) even when no --lr-*-samples is given.
+    samples = args.train_samples is not None or args.lr_decay_samples is not None or args.lr_warmup_samples
     if not samples:
         return _positive("lr-decay-iters", args.lr_decay_iters) or args.train_iters, \
             _positive("lr-warmup-iters", args.lr_warmup_iters, allow_zero=True)

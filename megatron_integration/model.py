@@ -77,6 +77,8 @@ def transformer_config(model: GPTModelArgs, parallel: ParallelArgs, cuda: Option
         deterministic_mode=model.deterministic_mode,
         # Megatron-LM's --apply-query-key-layer-scaling (megatron-core then keeps the softmax in fp32).
         apply_query_key_layer_scaling=model.apply_query_key_layer_scaling,
+        # Megatron-LM passes its flag (default off); megatron-core's own default is on.
+        attention_softmax_in_fp32=model.attention_softmax_in_fp32,
     )
     if parallel.stage_layers is not None:
         kwargs.update(pipeline_model_parallel_layout=megatron_layout(parallel.stage_layers))
@@ -373,6 +375,13 @@ def attach_training_hooks(stage: Stage, optimizer) -> None:
     # pipeline, as Megatron-LM sets them.
     attach_grad_sync(stage.config, stage.modules)
     stage.config.finalize_model_grads_func = finalize_grads_func()
-    # fp16: the optimizer divides gradients by its loss scale before stepping, so the loss
-    # must be multiplied by it before the backward (the schedules call grad_scale_func).
-    stage.config.grad_scale_func = optimizer.scale_loss if stage.config.fp16 else None
+    stage.config.grad_scale_func = grad_scale_func(stage.config, optimizer)
+
+
+def grad_scale_func(config, optimizer):
+    """The optimizer's ``scale_loss`` when it scales the loss (fp16; bf16 with a static
+    ``--loss-scale``), else None: the optimizer divides the gradients by its scale before
+    stepping, so the loss must be multiplied by it before the backward (the schedules call
+    ``config.grad_scale_func``)."""
+    scaled = config.fp16 or (config.bf16 and float(optimizer.get_loss_scale()) != 1.0)
+    return optimizer.scale_loss if scaled else None

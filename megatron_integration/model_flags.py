@@ -102,15 +102,19 @@ def rope_scaling_from_args(args: argparse.Namespace) -> dict:
 
 
 def loss_scale_from_args(args: argparse.Namespace) -> dict:
-    """``OptimizerArgs`` fields of the fp16 loss-scale flags (Megatron-LM's meaning and defaults);
-    a value given without ``--fp16`` is refused (bf16 and fp32 are not loss-scaled)."""
+    """``OptimizerArgs`` fields of the loss-scale flags (Megatron-LM's meaning and defaults): a
+    static ``--loss-scale`` applies under ``--fp16`` and ``--bf16`` (megatron-core then scales by
+    the constant), the dynamic scaler's flags under ``--fp16`` only; any other is refused."""
     values = dict(loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
                   min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
                   hysteresis=args.hysteresis)
     changed = [k for k, v in values.items() if v != LOSS_SCALE_DEFAULTS.get(k)]
-    if changed and not args.fp16:
-        flag = "--" + changed[0].replace("_", "-")
-        raise DynaPipeError(f"{flag} applies to --fp16 only (bf16 and fp32 are not loss-scaled); drop it.")
+    dynamic = [k for k in changed if k != "loss_scale"]
+    if dynamic and not args.fp16:
+        flag = "--" + dynamic[0].replace("_", "-")
+        raise DynaPipeError(f"{flag} sets the dynamic loss scale, which --fp16 only uses; drop it.")
+    if values["loss_scale"] is not None and not (args.fp16 or args.bf16):
+        raise DynaPipeError("--loss-scale applies to --fp16 and --bf16 (fp32 is not loss-scaled); drop it.")
     for key in ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window"):
         if values[key] is not None and not values[key] > 0:
             raise DynaPipeError(f"--{key.replace('_', '-')} {values[key]}: must be positive.")

@@ -1,6 +1,7 @@
 """Named training runs (``configs/runs/*.yaml``): launch shape and Megatron-style arguments."""
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -24,9 +25,11 @@ class RunConfig:
         return self.nnodes * self.nproc_per_node
 
 
-def load_run_config(path: str) -> RunConfig:
+def load_run_config(path: str, negatable: frozenset[str] = frozenset()) -> RunConfig:
     """Read a run config: ``launch: {nnodes, nproc_per_node}`` and ``args: {flag: value}``
-    (``true`` for a bare flag, a list for several values; names without the ``--``)."""
+    (``true`` for a bare flag, a list for several values; names without the ``--``). ``false``
+    leaves a flag out, except for the ``negatable`` names (flags on by default, with a ``--no-``
+    form), where it gives ``--no-NAME``."""
     from dynapipe.config import CONFIG_DIR, read_yaml
 
     if not os.path.exists(path):
@@ -44,6 +47,8 @@ def load_run_config(path: str) -> RunConfig:
         flag = "--" + str(key)
         if value is True:
             argv.append(flag)
+        elif value is False and key in negatable:
+            argv.append("--no-" + str(key))
         elif value is False or value is None:
             continue
         elif isinstance(value, list):
@@ -66,13 +71,20 @@ def add_run_config_argument(parser) -> None:
                              "giving the arguments; those given on the command line win")
 
 
+def negatable_flags(parser) -> frozenset[str]:
+    """Names (without ``--``) of the parser's on/off flags that have a ``--no-`` form, such as
+    Megatron-LM's ``--check-for-nan-in-loss-and-grad``: a run config's ``false`` must turn them off."""
+    return frozenset(opt[2:] for action in parser._actions if isinstance(action, argparse.BooleanOptionalAction)
+                     for opt in action.option_strings if opt.startswith("--") and not opt.startswith("--no-"))
+
+
 def with_run_config(parser, argv: list[str], world_size: int) -> list[str]:
     """``argv`` with the arguments of its ``--run-config`` (if any) in front, so those given
     on the command line win; refuses a run config written for another number of ranks."""
     path = parser.parse_known_args(argv)[0].run_config
     if not path:
         return argv
-    run = load_run_config(path)
+    run = load_run_config(path, negatable_flags(parser))
     if run.world_size is not None and run.world_size != world_size:
         raise DynaPipeError(f"{run.path} is a run of {run.nnodes} node(s) x {run.nproc_per_node} processes "
                             f"= {run.world_size} ranks, but this job has {world_size}; launch it with "

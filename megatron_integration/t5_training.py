@@ -20,7 +20,7 @@ from typing import Callable, Optional, TextIO
 from megatron_integration import checkpoint_formats
 from megatron_integration.initialize import RankInfo, initialize_megatron
 from megatron_integration.baseline_step import StepResult
-from megatron_integration.model import Stage
+from megatron_integration.model import Stage, grad_scale_func
 from megatron_integration.optimizer import build_optimizer
 from megatron_integration.params_norm import params_l2_norm
 from megatron_integration.t5_config import T5TrainingConfig
@@ -69,9 +69,9 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
               f"(--dynapipe-placement {cfg.placement_flag})", file=stream, flush=True)
     stage = build_t5_training_stage(cfg, info)
     optimizer, scheduler = build_optimizer(base, stage)
-    # fp16: the last stage's loss is multiplied by the optimizer's loss scale before the backward
-    # (the optimizer divides the gradients by it), as GPT's attach_training_hooks arranges.
-    stage.config.grad_scale_func = optimizer.scale_loss if base.model.dtype == "fp16" else None
+    # The last stage's loss is multiplied by the optimizer's loss scale before the backward (the
+    # optimizer divides the gradients by it), as GPT's attach_training_hooks arranges.
+    stage.config.grad_scale_func = grad_scale_func(stage.config, optimizer)
     sync = EmbeddingSync.create(stage_places(cfg.planner_model(), info.pp_size, placement), base.model.tie_embeddings,
                                 info.pp_size)
     run = TrainingRun(spec_name=stage.spec_name)

@@ -51,6 +51,9 @@ class GPTModelArgs:
     cross_entropy_loss_fusion: bool = False  # --cross-entropy-loss-fusion (GPU)
     deterministic_mode: bool = False  # --deterministic-mode (megatron_integration.determinism)
     apply_query_key_layer_scaling: bool = False  # --apply-query-key-layer-scaling
+    # --attention-softmax-in-fp32 (Megatron-LM's default: off, the softmax in the run's precision;
+    # forced on by --apply-query-key-layer-scaling).
+    attention_softmax_in_fp32: bool = False
 
     def to_model_config(self, name: str = "megatron-gpt"):
         """The planner's :class:`dynapipe.config.ModelConfig` for this model."""

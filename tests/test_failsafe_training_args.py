@@ -25,7 +25,7 @@ TRAIN_FLOAT_FLAGS = ["--lr", "--min-lr", "--weight-decay", "--clip-grad", "--ada
 TRAIN_INVALID = [
     (["--global-batch-size", "5"], "--global-batch-size 5"),
     (["--fp16", "--bf16"], "--fp16"),
-    (["--loss-scale", "1024"], "--loss-scale applies to --fp16 only"),
+    (["--loss-scale", "1024"], "--loss-scale applies to --fp16 and --bf16"),
     (["--hidden-size", "66"], "divisible"),
     (["--seq-length", "128", "--max-position-embeddings", "64"], "--max-position-embeddings"),
     (["--lr", "-1"], "--lr"),

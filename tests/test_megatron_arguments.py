@@ -33,7 +33,7 @@ def test_without_use_dynapipe_the_method_is_a_megatron_baseline():
     ("--global-batch-size 6", 2, False, "--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 2"),
     ("--seq-length 512 --max-position-embeddings 256", 1, False, "--seq-length 512 exceeds --max-position-embeddings 256"),
     ("--fp16 --bf16", 1, True, "--fp16 and --bf16"),
-    ("--hysteresis 3", 1, False, "--hysteresis applies to --fp16 only"),
+    ("--hysteresis 3", 1, False, "--hysteresis sets the dynamic loss scale"),
     ("--pipeline-model-parallel-size 2", 3, False, "world size 3 is not divisible"),
     ("--pipeline-model-parallel-size 3", 3, False, "--num-layers 4 cannot be split evenly"),
     ("--pipeline-model-parallel-size 8", 8, False, "--num-layers 4 cannot be split evenly"),

@@ -179,15 +179,19 @@ def _check_throughput(dynapipe: dict, padding: dict) -> None:
                for r, d in zip(dynapipe["real_work"], dynapipe["executed_work"]))
 
 
-@pytest.mark.megatron_runs(("", 2), ("--bf16", 2), ("--bf16 --use-dynapipe", 2), ("--fp16", 2),
+@pytest.mark.megatron_runs(("", 2), ("--bf16", 2), ("--bf16 --use-dynapipe --loss-scale 1024", 2), ("--fp16", 2),
                            ("--fp16 --use-dynapipe", 2))
 def test_half_precision_dynapipe_trains_like_padding(request):
     """bf16 and fp16 (megatron-core's Float16Module and fp32 main copies, on CPUs too): DynaPipe's
     losses are the padding baseline's within the rounding of other micro-batch shapes; fp16's
-    loss scale (2**32 at first) overflows, and the same iterations are skipped, not failed."""
+    loss scale (2**32 at first) overflows, and the same iterations are skipped, not failed. bf16's
+    DynaPipe run has a static --loss-scale (a power of two, so the same numbers), as Megatron-LM
+    allows."""
     fp32 = run("", 2, request)
-    for dtype in ("bf16", "fp16"):
-        padding, dynapipe = run(f"--{dtype}", 2, request), run(f"--{dtype} --use-dynapipe", 2, request)
+    for dtype, scale in (("bf16", " --loss-scale 1024"), ("fp16", "")):
+        padding, dynapipe = run(f"--{dtype}", 2, request), run(f"--{dtype} --use-dynapipe{scale}", 2, request)
+        scales = {float(line.split("loss scale:")[1].split("|")[0]) for line in dynapipe["log_lines"]}
+        assert scales == {1024.0} if scale else scales != {1.0}, (dtype, scales)
         assert padding["losses"] != fp32["losses"]  # half-precision weights and activations, not fp32's numbers
         # fp16 skips overflowing steps, so only its first loss (the initial weights) is fp32's.
         same = 3 if dtype == "bf16" else 1

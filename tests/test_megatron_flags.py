@@ -33,7 +33,10 @@ def test_train_samples_and_warmup_fraction():
     cfg = parse("--train-samples 800 --lr-warmup-fraction 0.1", iters="")
     # iterations = samples // global batch; warm-up = fraction x decay iterations (Megatron-LM).
     assert cfg.train_iters == 100 and cfg.optimizer.lr_decay_iters == 100 and cfg.optimizer.lr_warmup_iters == 10
-    assert parse("--train-samples 803", iters="").train_iters == 100
+    # The schedule decays over the samples, not the whole iterations they round down to (Megatron-LM).
+    cfg = parse("--train-samples 803 --lr-warmup-fraction 0.1", iters="")
+    assert cfg.train_iters == 100 and cfg.optimizer.lr_decay_iters == pytest.approx(100.375)
+    assert cfg.optimizer.lr_warmup_iters == pytest.approx(10.0375)
     assert parse("--lr-decay-iters 50 --lr-warmup-fraction 0.2").optimizer.lr_warmup_iters == 10
 
 
@@ -55,7 +58,6 @@ def test_flags_at_their_built_values_are_accepted():
 
 
 @pytest.mark.parametrize("extra, cuda, flag", [
-    ("--use-flash-attn", True, "--use-flash-attn"),
     ("--attention-backend flash", True, "--attention-backend"),
     ("--transformer-impl local", True, "--transformer-impl"),
     ("--optimizer sgd", False, "--optimizer"),
@@ -72,7 +74,7 @@ def test_values_that_cannot_be_honoured_are_refused(extra, cuda, flag):
     ("--lr-warmup-fraction 1.5", "--lr-warmup-fraction 1.5: must be in [0, 1)"),
     ("--lr-warmup-iters 100", "must be shorter than the decay"),
     ("--min-lr 0.1", "--min-lr 0.1 is above --lr"),
-    ("--loss-scale 1024", "--loss-scale applies to --fp16 only"),
+    ("--loss-scale 1024", "--loss-scale applies to --fp16 and --bf16"),
     ("--make-vocab-size-divisible-by 0", "--make-vocab-size-divisible-by 0: must be positive"),
 ])
 def test_invalid_schedule_values_name_the_flag(extra, needle):
@@ -141,14 +143,14 @@ FIXTURES = os.path.join(ROOT, "tests", "fixtures", "gpt2-tiny")
 
 def _megatron_gpt_argv(data: str, save: str) -> list[str]:
     """A Megatron-LM GPT pretraining command line (its GPT/Llama examples' flags) scaled to a tiny
-    model: 55 flags. Left out: --fp16 and --use-flash-attn (GPU-only), --bf16 (tested in
+    model: 55 flags. Left out: --fp16 (GPU-only), --bf16 (tested in
     test_megatron_dynapipe.py at bf16's tolerance) and tensor/sequence parallelism (tested in
     test_megatron_tp.py)."""
     return f"""
         --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --kv-channels 16
         --group-query-attention --num-query-groups 2 --seq-length 128 --max-position-embeddings 128
         --position-embedding-type rope --rotary-base 10000 --swiglu --disable-bias-linear --normalization RMSNorm
-        --untie-embeddings-and-output-weights --attention-backend auto --transformer-impl local
+        --untie-embeddings-and-output-weights --attention-backend auto --transformer-impl local --use-flash-attn
         --hidden-dropout 0.0 --attention-dropout 0.0 --init-method-std 0.02
         --micro-batch-size 2 --global-batch-size 8 --train-samples 48 --exit-interval 2 --seed 1234
         --lr 3.0e-4 --min-lr 3.0e-5 --lr-decay-style cosine --lr-warmup-fraction 0.25 --weight-decay 0.1

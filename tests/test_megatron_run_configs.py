@@ -10,6 +10,7 @@ from dynapipe.data.synthetic import sample_lengths
 from dynapipe.errors import DynaPipeError
 from dynapipe.pipeline_planner import plan_iteration
 from megatron_integration.arguments import build_parser, load_run_config, training_config_from_args
+from megatron_integration.run_config import add_run_config_argument, negatable_flags, with_run_config
 
 RUNS = sorted(glob.glob(os.path.join(CONFIG_DIR, "runs", "*.yaml")))
 
@@ -54,3 +55,17 @@ def test_run_config_errors(tmp_path):
     ok.write_text("args: {num-layers: 2, bf16: true, fp16: false, data-path: [a.jsonl, b.jsonl]}\n")
     assert load_run_config(str(ok)).argv == ("--num-layers", "2", "--bf16", "--data-path", "a.jsonl", "b.jsonl")
     assert load_run_config("gpt-tiny-cpu-pp2").nproc_per_node == 2
+
+
+def test_run_config_false_turns_off_a_flag_that_is_on_by_default(tmp_path):
+    # Megatron-LM's --check-for-nan-in-loss-and-grad is on unless --no-...; `false` must not leave it on.
+    run = tmp_path / "nan.yaml"
+    run.write_text("args: {check-for-nan-in-loss-and-grad: false, bf16: false}\n")
+    parser = build_parser()
+    add_run_config_argument(parser)
+    argv = with_run_config(parser, ["--run-config", str(run)], world_size=1)
+    assert argv[:1] == ["--no-check-for-nan-in-loss-and-grad"] and "--bf16" not in argv
+    assert "check-for-nan-in-loss-and-grad" in negatable_flags(parser)
+    args = parser.parse_args(argv + ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                                     "--seq-length", "128", "--mock-data"])
+    assert args.check_for_nan_in_loss_and_grad is False

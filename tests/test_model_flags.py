@@ -68,13 +68,15 @@ def test_loss_scale_flags_reach_megatron_optimizer_config():
     o = optimizer_config(cfg)
     assert (o.initial_loss_scale, o.min_loss_scale, o.loss_scale_window, o.hysteresis) == (65536, 16, 200, 4)
     assert optimizer_config(parse("--fp16 --loss-scale 1024", cuda=True)).loss_scale == 1024
+    # Megatron-LM scales bf16 by a static --loss-scale too (megatron-core's constant scaler).
+    assert optimizer_config(parse("--bf16 --loss-scale 1024")).loss_scale == 1024
     assert optimizer_config(parse()).fp16 is False
 
 
 @pytest.mark.parametrize("extra, cuda, needle", [
-    ("--loss-scale 1024", False, "--loss-scale applies to --fp16 only"),
-    ("--hysteresis 3", False, "--hysteresis applies to --fp16 only"),
-    ("--bf16 --min-loss-scale 2", True, "--min-loss-scale applies to --fp16 only"),
+    ("--loss-scale 1024", False, "--loss-scale applies to --fp16 and --bf16"),
+    ("--hysteresis 3", False, "--hysteresis sets the dynamic loss scale"),
+    ("--bf16 --min-loss-scale 2", True, "--min-loss-scale sets the dynamic loss scale, which --fp16 only uses"),
     ("--fp16 --hysteresis 0", True, "--hysteresis 0: must be at least 1"),
     ("--fp16 --loss-scale-window 0", True, "--loss-scale-window 0.0: must be positive"),
     ("--fp16 --loss-scale -1", True, "--loss-scale -1.0: must be positive"),
@@ -321,3 +323,33 @@ def test_deterministic_mode_sets_megatrons_environment_and_reaches_the_config(mo
     from megatron_integration.model import transformer_config
 
     assert transformer_config(cfg.model, cfg.parallel, cuda=False).deterministic_mode
+
+
+def test_attention_softmax_in_fp32_is_megatrons_flag():
+    """Off by default (the softmax in the run's precision, as Megatron-LM, where megatron-core
+    defaults to fp32); on with the flag or with --apply-query-key-layer-scaling. The bf16
+    softmax runs on a CPU with this build's additive mask and masks exactly."""
+    pytest.importorskip("megatron.core")
+    import torch
+
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_integration.masked_softmax import additive_attention_mask
+    from megatron_integration.model import transformer_config
+
+    seen = {}
+    for extra in ("", "--attention-softmax-in-fp32", "--apply-query-key-layer-scaling"):
+        cfg = parse("--bf16 " + extra)
+        seen[extra] = transformer_config(cfg.model, cfg.parallel, cuda=False).attention_softmax_in_fp32
+    assert seen == {"": False, "--attention-softmax-in-fp32": True, "--apply-query-key-layer-scaling": True}
+    scores = torch.randn(2, 4, 16, 16).to(torch.bfloat16)
+    mask = torch.triu(torch.ones(16, 16, dtype=torch.bool), 1)[None, None]
+    probs = {}
+    for fp32 in (False, True):
+        softmax = FusedScaleMaskSoftmax(input_in_fp16=False, input_in_bf16=True, attn_mask_type=AttnMaskType.causal,
+                                        scaled_masked_softmax_fusion=False, mask_func=additive_attention_mask,
+                                        softmax_in_fp32=fp32, scale=None)
+        probs[fp32] = softmax(scores, mask)
+        assert probs[fp32].dtype == torch.bfloat16 and (probs[fp32][mask.expand_as(scores)] == 0).all()
+    assert torch.allclose(probs[False].float(), probs[True].float(), atol=1e-2)
