@@ -126,18 +126,29 @@ PLANNER_ONLY = {"schedule": "auto", "planner-workers": 1, "prefetch": 4, "kv-bac
                 "redis-host": "127.0.0.1", "redis-port": 6379, "store-retry-s": 30.0}
 # What only the executor reads: GPT's fixed-shape baselines run megatron-core's schedules.
 EXECUTOR_ONLY = {"timeout-s": 300.0, "trace-dir": None}
+# What prices the plans: read by the planner, and at start-up by --dynapipe-placement auto,
+# which chooses the split with the planner's cost model for every method.
+PRICING = {"device": None, "cluster": None, "cost-model": "analytic", "memory-limit-mb": None}
 
 
-def refuse_unused_dynapipe_flags(args: argparse.Namespace, baselines_use_executor: bool) -> None:
-    """Refuse a ``--dynapipe-*`` flag that nothing reads without ``--use-dynapipe`` (the planner's
-    and, where the baselines run megatron-core's schedules, the executor's)."""
+def _unused(baselines_use_executor: bool, placement_auto: bool) -> dict:
+    return dict(PLANNER_ONLY, **({} if baselines_use_executor else EXECUTOR_ONLY),
+                **({} if placement_auto else PRICING))
+
+
+def refuse_unused_dynapipe_flags(args: argparse.Namespace, baselines_use_executor: bool,
+                                 placement_auto: bool = False) -> None:
+    """Refuse a ``--dynapipe-*`` flag that nothing reads without ``--use-dynapipe``: the planner's,
+    the cost model's unless ``placement_auto`` (``--dynapipe-placement auto`` prices splits with
+    it), and, where the baselines run megatron-core's schedules, the executor's."""
     if args.use_dynapipe:
         return
-    unused = dict(PLANNER_ONLY, **({} if baselines_use_executor else EXECUTOR_ONLY))
-    for flag, default in unused.items():
+    for flag, default in _unused(baselines_use_executor, placement_auto).items():
         value = getattr(args, "dynapipe_" + flag.replace("-", "_"))
         if value != default:
-            where = "the DynaPipe planner" if flag in PLANNER_ONLY else "the DynaPipe executor"
+            where = {**dict.fromkeys(PLANNER_ONLY, "the DynaPipe planner"),
+                     **dict.fromkeys(PRICING, "the DynaPipe planner (and --dynapipe-placement auto)")}.get(
+                flag, "the DynaPipe executor")
             raise DynaPipeError(f"--dynapipe-{flag} {value} is read by {where}, which runs with --use-dynapipe "
                                 f"only; add --use-dynapipe or drop it.")
 
@@ -146,7 +157,7 @@ def without_unused_dynapipe_flags(argv: Sequence[str], baselines_use_executor: b
     """``argv`` less the flags :func:`refuse_unused_dynapipe_flags` refuses without
     ``--use-dynapipe`` (each with its value): a bench that gives every method the same
     command line passes the DynaPipe runs' settings to those runs only."""
-    names = set(PLANNER_ONLY) | (set() if baselines_use_executor else set(EXECUTOR_ONLY))
+    names = set(_unused(baselines_use_executor, _placement_of(argv) == "auto"))
     flags = {f"--dynapipe-{n}" for n in names}
     out, skip = [], False
     for a in argv:
@@ -159,6 +170,17 @@ def without_unused_dynapipe_flags(argv: Sequence[str], baselines_use_executor: b
     return out
 
 
+def _placement_of(argv: Sequence[str]) -> str:
+    """The last ``--dynapipe-placement`` value of a command line (``even`` when not given)."""
+    value = "even"
+    for i, a in enumerate(argv):
+        if a == "--dynapipe-placement" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith("--dynapipe-placement="):
+            value = a.split("=", 1)[1]
+    return value.strip()
+
+
 def dynapipe_args_from_args(args: argparse.Namespace, cuda: bool, batching: str, recompute: Optional[str],
                             dp: int, num_nodes: Optional[int]) -> DynaPipeArgs:
     """DynaPipe's planner, executor and loader settings, validated; ``batching`` from
@@ -169,6 +191,7 @@ def dynapipe_args_from_args(args: argparse.Namespace, cuda: bool, batching: str,
         raise DynaPipeError(f"--dynapipe-cost-model {cost_model!r}: no such profile file; use 'analytic' or "
                             f"write a profile with `python -m dynapipe profile --output {cost_model}`.")
     planner_nodes, split = planner_nodes_from_args(args, dp, num_nodes)
+    _check_named_configs(args)
     return DynaPipeArgs(
         enabled=args.use_dynapipe, batching=batching, schedule=args.dynapipe_schedule,
         memory_limit_mb=args.dynapipe_memory_limit_mb, cost_model=cost_model,
@@ -180,6 +203,20 @@ def dynapipe_args_from_args(args: argparse.Namespace, cuda: bool, batching: str,
         redis_port=args.dynapipe_redis_port, store_retry_s=args.dynapipe_store_retry_s,
         max_tokens=args.dynapipe_max_tokens,
         timeout_s=args.dynapipe_timeout_s, trace_dir=args.dynapipe_trace_dir, recompute=recompute)
+
+
+def _check_named_configs(args: argparse.Namespace) -> None:
+    """Read ``--dynapipe-device`` / ``--dynapipe-cluster`` now, so a misspelt name stops the job
+    at start-up, under its flag, not when the planner first prices a batch."""
+    from dynapipe.config import load_cluster_config, load_device_config
+
+    for flag, name, load in (("--dynapipe-device", args.dynapipe_device, load_device_config),
+                             ("--dynapipe-cluster", args.dynapipe_cluster, load_cluster_config)):
+        if name is not None:
+            try:
+                load(name)
+            except DynaPipeError as e:
+                raise DynaPipeError(f"{flag} {name}: {e}") from None
 
 
 def planner_nodes_from_args(args: argparse.Namespace, dp: int, num_nodes: Optional[int]) -> tuple[int, bool]:

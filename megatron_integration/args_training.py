@@ -93,6 +93,11 @@ def optimizer_args_from_args(args: argparse.Namespace) -> OptimizerArgs:
         raise DynaPipeError(f"--lr-warmup-init {warmup_init} is where a warm-up starts, and there is none; "
                             f"give --lr-warmup-iters, --lr-warmup-samples or --lr-warmup-fraction, or drop it.")
     loss_scale = loss_scale_from_args(args)
+    # torch's Adam asserts these deep in the first step's set-up; refused here in one line.
+    for flag in ("adam-beta1", "adam-beta2"):
+        _fraction(flag, getattr(args, flag.replace("-", "_")))
+    _positive("adam-eps", args.adam_eps, allow_zero=True)
+    _positive("clip-grad", args.clip_grad, allow_zero=True)  # 0: no clipping, as Megatron-LM reads it
     return OptimizerArgs(lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
                          lr_warmup_iters=warmup_iters, lr_decay_iters=decay_iters, lr_warmup_init=warmup_init,
                          weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,

@@ -86,13 +86,15 @@ def build_parser(prog: Optional[str] = None, description: Optional[str] = None) 
 
 def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optional[bool] = None,
                               num_nodes: Optional[int] = None,
-                              baselines_use_executor: bool = False) -> DynaPipeTrainingConfig:
+                              baselines_use_executor: bool = False,
+                              placement_auto: Optional[bool] = None) -> DynaPipeTrainingConfig:
     """Validate parsed arguments for a job of ``world_size`` ranks and build the config.
 
     ``cuda`` says whether the job runs on GPUs (default: ask torch). ``num_nodes``: the nodes
     the job runs on (None: not known here; the data loader checks ``--dynapipe-planner-nodes``
-    against the launched layout). Raises :class:`DynaPipeError` naming the offending flag for
-    every invalid combination.
+    against the launched layout). ``placement_auto``: whether the split is chosen with the cost
+    model at start-up (default: ``--dynapipe-placement auto``; T5 passes its own placement's).
+    Raises :class:`DynaPipeError` naming the offending flag for every invalid combination.
     """
     resolve_tokenizer_type(args, "GPT2BPETokenizer")  # Megatron-LM's pretrain_gpt.py default
     if cuda is None:
@@ -117,7 +119,9 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
     parallel = _parallel_args_from_args(args, world_size, cuda)
     dp = parallel.data_parallel_size
     batching, mbs = batching_from_args(args, dp)
-    refuse_unused_dynapipe_flags(args, baselines_use_executor)
+    if placement_auto is None:
+        placement_auto = (getattr(args, "dynapipe_placement", None) or "even").strip() == "auto"
+    refuse_unused_dynapipe_flags(args, baselines_use_executor, placement_auto)
     recompute, level = recompute_from_args(args, max(parallel.rank_layers(args.num_layers)))
     dyn = dynapipe_args_from_args(args, cuda, batching, level, dp, num_nodes)
 
@@ -204,8 +208,9 @@ def _parallel_args_from_args(args: argparse.Namespace, world_size: int, cuda: bo
     split = pipeline_split_from_args(args, pp)
     chunks = split.chunks
     check_interleaved(args, chunks, pp, world_size // (tp * pp), backend)
+    timeout = _positive("distributed-timeout-minutes", args.distributed_timeout_minutes)
     return ParallelArgs(world_size=world_size, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                        backend=backend, timeout_minutes=args.distributed_timeout_minutes,
+                        backend=backend, timeout_minutes=timeout,
                         sequence_parallel=args.sequence_parallel,
                         cpu_affinity=getattr(args, "dynapipe_cpu_affinity", "none"),
                         virtual_pipeline_model_parallel_size=chunks, stage_layers=split.layers, auto_split=split.auto,

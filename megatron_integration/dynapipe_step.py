@@ -111,7 +111,16 @@ def planner_settings(cfg: DynaPipeTrainingConfig, info: RankInfo):
         memory_limit_mib=d.memory_limit_mb, cost_profile=None if d.cost_model == "analytic" else d.cost_model,
         micro_batch_size=cfg.micro_batch_size, seq_length=cfg.model.seq_length, max_tokens=d.max_tokens or 0,
         cluster=load_cluster_config(d.cluster), zero=cfg.optimizer.distributed, recompute=d.recompute,
-        tp=info.tp_size, sequence_parallel=cfg.parallel.sequence_parallel, placement=gpt_placement(cfg, info))
+        tp=info.tp_size, sequence_parallel=cfg.parallel.sequence_parallel, placement=gpt_placement(cfg, info),
+        flag_names=PLANNER_FLAG_NAMES)
+
+
+# The planning layers' errors name the `plan` command's flags; a training job's are these.
+PLANNER_FLAG_NAMES = (("--stages", "--pipeline-model-parallel-size"),
+                      ("--memory-limit-mb", "--dynapipe-memory-limit-mb"), ("--recompute", "--dynapipe-recompute"),
+                      ("--schedule", "--dynapipe-schedule"), ("--placement", "--dynapipe-placement"),
+                      ("--max-tokens", "--dynapipe-max-tokens"), ("--tp", "--tensor-model-parallel-size"),
+                      ("--batching", "--dynapipe-batching"))
 
 
 def gpt_placement(cfg: DynaPipeTrainingConfig, info: RankInfo):

@@ -17,6 +17,7 @@ class RunConfig:
     argv: tuple[str, ...]
     nnodes: Optional[int] = None
     nproc_per_node: Optional[int] = None
+    values: tuple = ()  # the file's (name, value) pairs, as written
 
     @property
     def world_size(self) -> Optional[int]:
@@ -61,7 +62,24 @@ def load_run_config(path: str, negatable: frozenset[str] = frozenset()) -> RunCo
     for key, value in launch.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise DynaPipeError(f"{path}: launch.{key}={value!r} must be a positive integer.")
-    return RunConfig(path, tuple(argv), launch.get("nnodes"), launch.get("nproc_per_node"))
+    return RunConfig(path, tuple(argv), launch.get("nnodes"), launch.get("nproc_per_node"),
+                     tuple(data.get("args", {}).items()))
+
+
+def check_run_values(run: RunConfig, parser) -> None:
+    """Refuse a run config entry the parser would misread, naming the file and the entry: a name
+    that is no flag of the script, a value for a bare flag (``mock-data: "yes"``), a list for a
+    flag of one value. (The argv alone would only say "unrecognized arguments: yes".)"""
+    actions = {opt[2:]: a for a in parser._actions for opt in a.option_strings if opt.startswith("--")}
+    for key, value in run.values:
+        action = actions.get(str(key))
+        if action is None:
+            raise DynaPipeError(f"{run.path}: args.{key} is not a flag of this script; check its spelling "
+                                f"(names without the leading --).")
+        if action.nargs == 0 and not isinstance(value, bool) and value is not None:
+            raise DynaPipeError(f"{run.path}: args.{key} is an on/off flag; give true or false, not {value!r}.")
+        if isinstance(value, list) and action.nargs in (None, "?"):
+            raise DynaPipeError(f"{run.path}: args.{key} takes one value, not the list {value!r}.")
 
 
 def add_run_config_argument(parser) -> None:
@@ -85,6 +103,7 @@ def with_run_config(parser, argv: list[str], world_size: int) -> list[str]:
     if not path:
         return argv
     run = load_run_config(path, negatable_flags(parser))
+    check_run_values(run, parser)
     if run.world_size is not None and run.world_size != world_size:
         raise DynaPipeError(f"{run.path} is a run of {run.nnodes} node(s) x {run.nproc_per_node} processes "
                             f"= {run.world_size} ranks, but this job has {world_size}; launch it with "

@@ -130,7 +130,8 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
     if placement_flag != "even" and total % pp:
         shared.num_layers = pp * (total // pp) or pp  # the split is the placement's, not an even one
     # T5's baselines run through the executor too: its flags apply to every method.
-    base = training_config_from_args(shared, world_size, cuda, baselines_use_executor=True)
+    base = training_config_from_args(shared, world_size, cuda, baselines_use_executor=True,
+                                     placement_auto=placement_flag == "auto")
     if base.model.num_layers != total:
         base = replace(base, model=replace(base.model, num_layers=total))
     _t5_model_and_data_honoured(args, base)

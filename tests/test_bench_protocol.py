@@ -163,7 +163,11 @@ def test_bench_refuses_what_the_preset_cannot_honour(tmp_path, capsys):
     for extra, message in ((["--micro-batch-size", "2"], "--sweep-top 0"), (["--rounds", "0"], "--rounds 0"),
                            (["--methods", "dynapipe,dynapipe"], "at most once"),
                            (["--num-virtual-stages-per-pipeline-rank", "2"], "bench_gpt_interleaved.py"),
-                           (["--decoder-first-pipeline-num-layers", "3"], "pretrain_gpt.py")):
+                           (["--decoder-first-pipeline-num-layers", "3"], "pretrain_gpt.py"),
+                           (["--nproc", "0"], "--nproc 0: must be 1 or more"),
+                           (["--threads-per-rank", "-1"], "--threads-per-rank -1: must be 1 or more"),
+                           (["--timeout-s", "0"], "--timeout-s 0.0: must be positive"),
+                           (["--t5-sweep", "1,2"], "--t5-sweep 1,2 sets the T5 baselines")):
         assert main(base + extra) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err

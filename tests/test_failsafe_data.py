@@ -125,6 +125,7 @@ JSONL = {
     "deep": ('{"text": ' + "[" * 100000 + "]" * 100000 + '}\n', ":1", "nested too deeply"),
     "invalid_utf8": (b'{"text": "\xff\xfe"}\n', ":1", "JSON"),
     "no_samples": ("\n\n", "hold no samples", "no samples"),
+    "only_empty_texts": ('{"text": ""}\n{"text": ""}\n', "every sample is one token or none", "nothing to predict"),
 }
 
 

@@ -44,14 +44,15 @@ class ExplodingDataset(MixtureDataset):
         return super()._read(idx, input_len, target_len)
 
 
-def make_loader(kv_backend="store", redis=None, store=None, ds=None, **cfg):
+def make_loader(kv_backend="store", redis=None, store=None, ds=None, settings=None, **cfg):
     base = dict(global_batch_size=GBS, seed=SEED, kv_backend=kv_backend, plan_timeout_s=60, connect_timeout_s=10)
     if redis is not None:
         base.update(redis_host=redis.host, redis_port=redis.port, connect_timeout_s=redis.connect_timeout_s)
     base.update(cfg)
     if kv_backend == "store" and store is None:
         store = default_store_for_single_process()
-    return DynaPipeDataLoader(LoaderConfig(**base), ds or dataset(), planner_settings(), RankLayout(), store=store)
+    return DynaPipeDataLoader(LoaderConfig(**base), ds or dataset(), settings or planner_settings(), RankLayout(),
+                              store=store)
 
 
 def digest(arr) -> str:
@@ -372,3 +373,25 @@ def test_planner_nodes_splitting_the_replicas_publish_their_share_of_the_same_pa
                 assert decode_payload(blob).meta["planner_node"] == node
             else:
                 assert blob is None, f"node {node} published replica {r}, which is not its share"
+
+
+def test_a_planner_refusal_is_one_line_in_the_callers_flags():
+    """A DynaPipeError in a worker (here: nothing fits the memory limit) is the user's to fix: its
+    message with the flags the training job's user gave, not a traceback with the plan command's."""
+    from dataclasses import replace
+
+    from megatron_integration.dynapipe_step import PLANNER_FLAG_NAMES
+
+    settings = replace(planner_settings(), memory_limit_mib=1, flag_names=PLANNER_FLAG_NAMES)
+    dl = make_loader(settings=settings, num_workers=1, prefetch=1)
+    try:
+        with pytest.raises(PlannerWorkerError) as e:
+            next(dl)
+        msg = str(e.value)
+        assert "failed while planning iteration 0: " in msg and "Traceback" not in msg
+        assert "--dynapipe-memory-limit-mb" in msg and "--pipeline-model-parallel-size" in msg
+        assert " --memory-limit-mb" not in msg and "--stages" not in msg
+    finally:
+        pids = dl.worker_pids
+        dl.close()
+    assert wait_gone(pids, 5) == []

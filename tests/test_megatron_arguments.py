@@ -37,7 +37,9 @@ def test_without_use_dynapipe_the_method_is_a_megatron_baseline():
     ("--pipeline-model-parallel-size 2", 3, False, "world size 3 is not divisible"),
     ("--pipeline-model-parallel-size 3", 3, False, "--num-layers 4 cannot be split evenly"),
     ("--pipeline-model-parallel-size 8", 8, False, "--num-layers 4 cannot be split evenly"),
-    ("--dynapipe-cost-model /nonexistent/profile.json", 1, False, "no such profile file"),
+    ("--use-dynapipe --dynapipe-cost-model /nonexistent/profile.json", 1, False, "no such profile file"),
+    ("--use-dynapipe --dynapipe-device nope", 1, False, "--dynapipe-device nope: config file 'nope' does not exist"),
+    ("--use-dynapipe --dynapipe-cluster nope", 1, False, "--dynapipe-cluster nope: config file"),
     ("--dynapipe-batching dynapipe", 1, False, "add --use-dynapipe"),
     ("--num-attention-heads 5", 1, False, "--hidden-size 64 is not divisible by --num-attention-heads 5"),
     ("--use-dynapipe --dynapipe-batching token-budget", 1, False, "needs --dynapipe-max-tokens"),
@@ -179,6 +181,9 @@ def test_megatron_lms_generated_aliases_are_the_same_flags():
     ("--dynapipe-kv-backend redis", "--dynapipe-kv-backend redis is read by the DynaPipe planner"),
     ("--dynapipe-timeout-s 60", "--dynapipe-timeout-s 60.0 is read by the DynaPipe executor"),
     ("--dynapipe-trace-dir /tmp/t", "--dynapipe-trace-dir /tmp/t is read by the DynaPipe executor"),
+    ("--dynapipe-device h100-80gb", "--dynapipe-device h100-80gb is read by the DynaPipe planner (and "),
+    ("--dynapipe-cluster h100-8x", "--dynapipe-cluster h100-8x is read by the DynaPipe planner"),
+    ("--dynapipe-memory-limit-mb 1", "--dynapipe-memory-limit-mb 1.0 is read by the DynaPipe planner"),
     ("--tensorboard-log-interval 5", "--tensorboard-log-interval 5 applies to TensorBoard's scalars; add --tensorboard-dir"),
     ("--tensorboard-queue-size 10", "--tensorboard-queue-size 10 applies to TensorBoard"),
     ("--no-log-loss-scale-to-tensorboard", "--no-log-loss-scale-to-tensorboard applies to TensorBoard"),
@@ -190,6 +195,20 @@ def test_flags_that_would_change_nothing_are_refused(extra, needle):
     assert parse(extra + " --use-dynapipe --tensorboard-dir /tmp/tb", world=1)
 
 
+def test_the_cost_model_flags_price_an_auto_placement_without_dynapipe():
+    # --dynapipe-placement auto chooses every method's split with the planner's cost model.
+    with pytest.raises(DynaPipeError, match="--dynapipe-cost-model p.json is read by the DynaPipe planner"):
+        parse("--dynapipe-cost-model p.json", world=1)
+    auto = "--pipeline-model-parallel-size 2 --dynapipe-placement auto --dynapipe-memory-limit-mb 500"
+    assert parse(auto, world=2).dynapipe.memory_limit_mb == 500
+    from megatron_integration.args_dynapipe import without_unused_dynapipe_flags
+
+    argv = ["--dynapipe-device", "cpu", "--lr", "1e-3"]
+    assert without_unused_dynapipe_flags(argv, False) == ["--lr", "1e-3"]
+    assert without_unused_dynapipe_flags(argv + ["--dynapipe-placement=auto"], False) == argv + [
+        "--dynapipe-placement=auto"]
+
+
 def test_t5_baselines_take_the_executor_flags_but_not_the_planners():
     from megatron_integration.t5_arguments import parse_t5_args
     from t5_job import TINY
@@ -198,6 +217,11 @@ def test_t5_baselines_take_the_executor_flags_but_not_the_planners():
     assert cfg.base.dynapipe.timeout_s == 60.0 and not cfg.base.dynapipe.enabled
     with pytest.raises(DynaPipeError, match="--dynapipe-prefetch 2 is read by the DynaPipe planner"):
         parse_t5_args((TINY + " --dynapipe-prefetch 2").split(), 2, cuda=False)
+    with pytest.raises(DynaPipeError, match="--dynapipe-device cpu is read by the DynaPipe planner"):
+        parse_t5_args((TINY + " --dynapipe-device cpu").split(), 2, cuda=False)
+    # An auto placement is priced with them, for the baselines too.
+    assert parse_t5_args((TINY + " --dynapipe-device cpu --dynapipe-placement auto").split(), 2,
+                         cuda=False).base.dynapipe.device == "cpu"
 
 
 def test_the_bench_gives_the_dynapipe_flags_to_the_dynapipe_runs_only():

@@ -69,3 +69,18 @@ def test_run_config_false_turns_off_a_flag_that_is_on_by_default(tmp_path):
     args = parser.parse_args(argv + ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                                      "--seq-length", "128", "--mock-data"])
     assert args.check_for_nan_in_loss_and_grad is False
+
+
+@pytest.mark.parametrize("args, needle", [
+    ("{num-layers: [1, 2]}", "args.num-layers takes one value, not the list [1, 2]"),
+    ("{mock-data: 'yes'}", "args.mock-data is an on/off flag; give true or false, not 'yes'"),
+    ("{num-layer: 2}", "args.num-layer is not a flag of this script"),
+])
+def test_run_config_entries_the_parser_would_misread_are_named(tmp_path, args, needle):
+    run = tmp_path / "bad.yaml"
+    run.write_text(f"args: {args}\n")
+    parser = build_parser()
+    add_run_config_argument(parser)
+    with pytest.raises(DynaPipeError) as e:
+        with_run_config(parser, ["--run-config", str(run)], world_size=1)
+    assert str(e.value).startswith(f"{run}: ") and needle in str(e.value)

@@ -80,12 +80,27 @@ def training_argv(args) -> list[str]:
     return out
 
 
+def _check_bench_numbers(args) -> None:
+    """Refuse bench settings that would be replaced by a default or ignored, before any run."""
+    from dynapipe.errors import DynaPipeError
+
+    for flag, value in (("--nproc", args.nproc), ("--threads-per-rank", args.threads_per_rank)):
+        if value is not None and value < 1:
+            raise DynaPipeError(f"{flag} {value}: must be 1 or more (leave it out for the default).")
+    if not args.timeout_s > 0:
+        raise DynaPipeError(f"--timeout-s {args.timeout_s}: must be positive (seconds a method may take).")
+    if args.t5_sweep is not None and args.model != "t5":
+        raise DynaPipeError(f"--t5-sweep {args.t5_sweep} sets the T5 baselines' micro-batch sizes; add --model t5, "
+                            f"or use --sweep-top for GPT.")
+
+
 def run(args) -> int:
     from dynapipe.errors import DynaPipeError
     from megatron_integration.bench import PRESETS, check_request, run_bench
     from megatron_integration.launch import RankFailed, RankUserError
 
     argv = training_argv(args)
+    _check_bench_numbers(args)
     if args.model == "t5":
         from megatron_integration.bench_t5 import run_t5_cli
 

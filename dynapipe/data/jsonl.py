@@ -136,6 +136,11 @@ class JsonlDataset(SampleDataset):
         # Tokens of each record before any truncation (the start-up log counts them).
         self.raw_lengths = np.diff(self._input_off) + np.diff(self._target_off)
         self.document_tokens = int(self.raw_lengths.sum())
+        if not encoder_decoder and int(self.raw_lengths.max()) < 2:
+            # A decoder predicts each token from the ones before: one-token samples (an empty text
+            # and its end-of-document token) train on nothing, and a run of them logs a loss of 0.
+            raise DynaPipeError(f"JSONL file(s) {paths}: every sample is one token or none (empty texts); there "
+                                f"is nothing to predict.")
         self.input_lengths, self.target_lengths, self.truncated = clip_lengths(
             np.diff(self._input_off), np.diff(self._target_off), limits, encoder_decoder, ",".join(paths))
         self.vocab_size = int(tokenizer.vocab_size)

@@ -55,6 +55,9 @@ class PlannerSettings:
     sequence_parallel: bool = False
     # Layers per stage (a dynapipe.cost.placement.StagePlacement); None: Megatron's even split.
     placement: Optional[object] = None
+    # (planner flag, the caller's flag) pairs: the planning layers name the `plan` command's
+    # flags in their errors, and a training job's user gave other ones.
+    flag_names: tuple = ()
 
 
 class IterationPlanner:

@@ -17,6 +17,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import queue
+import re
 import sys
 import threading
 import time
@@ -171,8 +172,11 @@ def worker_main(worker: int, job: WorkerJob, tasks, events) -> None:
             t0 = time.perf_counter()
             ms = plan_and_publish(job, planner, sampler, kv, iteration, worker)
             events.put(("done", worker, iteration, ms, (time.perf_counter() - t0) * 1e3))
-    except BaseException:
-        tb = traceback.format_exc()
+    except BaseException as e:
+        # A refusal is the user's to act on: its message, in their flags. Anything else is a bug:
+        # its traceback.
+        tb = (with_flag_names(str(e), job.planner.flag_names) if isinstance(e, DynaPipeError)
+              else traceback.format_exc())
         events.put(("error", worker, iteration, tb))
         if kv is not None:
             try:
@@ -186,7 +190,16 @@ def worker_main(worker: int, job: WorkerJob, tasks, events) -> None:
 
 def _error_text(node: int, worker: int, iteration: Optional[int], tb: str) -> str:
     when = f"while planning iteration {iteration}" if iteration is not None else "while starting"
-    return f"planner worker {worker} on planner node {node} failed {when}:\n{tb.rstrip()}"
+    sep = "\n" if tb.startswith("Traceback") else " "
+    return f"planner worker {worker} on planner node {node} failed {when}:{sep}{tb.rstrip()}"
+
+
+def with_flag_names(text: str, flag_names) -> str:
+    """``text`` with each planner flag of ``flag_names`` ((planner flag, caller's flag) pairs)
+    spelled as the caller's; whole flags only (``--seq-length`` is not ``--decoder-seq-length``)."""
+    for ours, theirs in flag_names:
+        text = re.sub(rf"(?<![\w-]){re.escape(ours)}(?![\w-])", theirs, text)
+    return text
 
 
 class PlannerPool:
