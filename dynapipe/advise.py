@@ -210,8 +210,7 @@ def advise(batches: Sequence[np.ndarray], model: ModelConfig, device: DeviceConf
     if not len(batches):
         raise DynaPipeError("no global batch to simulate.")
     layouts = list(layouts) if layouts is not None else enumerate_layouts(model, gpus, cluster, seq_length=seq_length)
-    limit = device.memory_mib if memory_limit_mib is None else float(memory_limit_mib)
-    capacity = limit - device.reserved_mib
+    limit, capacity = gpu_capacity_mib(device, memory_limit_mib)
     t0 = time.perf_counter()
     results, refused = [], []
     cost_models: dict[tuple[int, int, bool, int], object] = {}
@@ -282,6 +281,20 @@ def _tp_config(layout: Layout, cluster: Optional[ClusterConfig]) -> Optional[Ten
         return None
     link = cluster.intra_node if cluster is not None else TensorParallelConfig().link
     return TensorParallelConfig(layout.tp, layout.sp, link)
+
+
+def gpu_capacity_mib(device: DeviceConfig, memory_limit_mib: Optional[float]) -> tuple[float, float]:
+    """``(limit, capacity)``: the memory limit per GPU (default the device's) and what the
+    plans may use of it once the device's reserved memory is taken off. Refuses a limit
+    that leaves nothing, which would otherwise refuse every layout against a negative budget."""
+    limit = device.memory_mib if memory_limit_mib is None else float(memory_limit_mib)
+    capacity = limit - device.reserved_mib
+    if not capacity > 0:
+        raise DynaPipeError(f"--memory-limit-mb {limit:g} leaves nothing for the plans once the "
+                            f"{device.reserved_mib:g} MiB device {device.name!r} reserves (reserved_mib) are "
+                            f"taken off; give more than {device.reserved_mib:g} MiB "
+                            f"(the device has {device.memory_mib:g}).")
+    return limit, capacity
 
 
 def sample_batches(tokens: int, count: int, seed: int, seq_length: int, *, encoder_decoder: bool = False,

@@ -110,6 +110,9 @@ class ModelConfig:
                 raise DynaPipeError(f"{source}: a t5 model needs encoder_layers and decoder_layers > 0.")
         elif self.num_layers <= 0:
             raise DynaPipeError(f"{source}: num_layers={self.num_layers} must be a positive integer.")
+        if self.kv_channels < 0:
+            raise DynaPipeError(f"{source}: kv_channels={self.kv_channels} must be >= 0 "
+                                f"(0 means hidden_size / num_attention_heads).")
         if self.num_query_groups < 0 or (self.num_query_groups and self.num_attention_heads % self.num_query_groups):
             raise DynaPipeError(f"{source}: num_query_groups={self.num_query_groups} must divide "
                                 f"num_attention_heads={self.num_attention_heads}.")
@@ -172,6 +175,17 @@ class LinkConfig:
         """Time in ms to move ``nbytes`` bytes over this link."""
         return self.latency_ms + nbytes / (self.bandwidth_gbps * 1e9) * 1e3
 
+    def validate(self, source: str = "link") -> "LinkConfig":
+        """Refuse a bandwidth that is not positive or a negative latency: a zero bandwidth
+        makes every transfer infinite, and negative figures would price transfers as gains."""
+        if not self.bandwidth_gbps > 0:
+            raise DynaPipeError(f"{source}: bandwidth_gbps={self.bandwidth_gbps} must be > 0 "
+                                f"(GB/s); give the link's measured or nominal bandwidth.")
+        if not self.latency_ms >= 0:
+            raise DynaPipeError(f"{source}: latency_ms={self.latency_ms} must be >= 0 (ms); "
+                                f"use 0 for a link whose latency is negligible.")
+        return self
+
 
 @dataclass(frozen=True)
 class ClusterConfig:
@@ -186,6 +200,15 @@ class ClusterConfig:
         """The link between two global ranks (same node: intra-node link)."""
         same = rank_a // self.gpus_per_node == rank_b // self.gpus_per_node
         return self.intra_node if same else self.inter_node
+
+    def validate(self, source: str = "cluster config") -> "ClusterConfig":
+        """Refuse a node without GPUs and links with impossible bandwidth or latency."""
+        if self.gpus_per_node < 1:
+            raise DynaPipeError(f"{source}: gpus_per_node={self.gpus_per_node} must be at least 1 "
+                                f"(the GPUs of one node).")
+        self.intra_node.validate(f"{source}: intra_node")
+        self.inter_node.validate(f"{source}: inter_node")
+        return self
 
 
 @dataclass(frozen=True)
@@ -325,4 +348,4 @@ def load_cluster_config(path: str) -> ClusterConfig:
     for key in ("intra_node", "inter_node"):
         if key in data:
             data[key] = _build(LinkConfig, data[key], f"{path}: {key}")
-    return _build(ClusterConfig, data, path)
+    return _build(ClusterConfig, data, path).validate(path)

@@ -244,7 +244,8 @@ def _search(batch_plan: BatchPlan, cost_model: CostModel, *, schedule: str, memo
         if 0 <= mb.replica < dp:
             replica_batches[mb.replica].append(mb)
     result = search_schedules(replica_batches, cost_model, schedule=schedule, recompute=recompute,
-                              capacity_mib=capacity, cluster=cluster, dp=dp, tp=tp, zero=zero, explain=explain)
+                              capacity_mib=capacity, cluster=cluster, dp=dp, tp=tp, zero=zero, explain=explain,
+                              batching=batch_plan.batching)
     return batch_plan, result
 
 

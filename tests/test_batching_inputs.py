@@ -110,7 +110,7 @@ def test_samples_longer_than_the_model_allows():
 
 
 def test_model_states_that_do_not_fit():
-    with pytest.raises(DynaPipeError, match=r"model states .* use more --stages"):
+    with pytest.raises(DynaPipeError, match=r"model states .* add pipeline stages \(--stages\)"):
         plan_micro_batches([10], CM, memory_limit_mib=10000)
 
 

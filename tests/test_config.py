@@ -92,3 +92,27 @@ def test_bad_cluster_link(tmp_path):
 def test_model_from_dict_validates():
     with pytest.raises(DynaPipeError, match="num_attention_heads=0"):
         model_config_from_dict({"name": "x", "num_layers": 1, "hidden_size": 8, "num_attention_heads": 0})
+
+
+_LINKS = "intra_node: {bandwidth_gbps: 150.0, latency_ms: 0.01}\ninter_node: {bandwidth_gbps: 25.0, latency_ms: 0.02}\n"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("name: c\n" + _LINKS.replace("150.0", "0"), r"intra_node: bandwidth_gbps=0 must be > 0"),
+    ("name: c\n" + _LINKS.replace("25.0", "-5"), r"inter_node: bandwidth_gbps=-5 must be > 0"),
+    ("name: c\n" + _LINKS.replace("0.02", "-1"), r"inter_node: latency_ms=-1 must be >= 0"),
+    ("name: c\ngpus_per_node: 0\n" + _LINKS, r"gpus_per_node=0 must be at least 1"),
+    ("name: c\ngpus_per_node: -8\n" + _LINKS, r"gpus_per_node=-8 must be at least 1"),
+    ("name: c\nintra_node: {bandwidth_gbps: .nan}\n", r"bandwidth_gbps=nan must be a finite number"),
+])
+def test_cluster_values_are_range_checked(tmp_path, text, message):
+    path = _write(tmp_path, text)
+    with pytest.raises(DynaPipeError, match=message) as e:
+        load_cluster_config(path)
+    assert path in str(e.value)
+
+
+def test_negative_kv_channels_refused():
+    with pytest.raises(DynaPipeError, match="kv_channels=-1"):
+        model_config_from_dict({"name": "x", "num_layers": 1, "hidden_size": 8, "num_attention_heads": 2,
+                                "kv_channels": -1})

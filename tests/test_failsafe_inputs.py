@@ -213,7 +213,7 @@ MIXTURES = {
     "tasks_not_list": ("tasks: 3\n", "tasks"),
     "task_not_mapping": ("tasks: [3]\n", "task 0"),
     "unknown_field": ("tasks: [{name: a, weight: 1, median_input: 5, sigma_input: 1, median_target: 5, "
-                      "sigma_target: 1, colour: red}]\n", "task 0"),
+                      "sigma_target: 1, colour: red}]\n", "task 'a' has unknown key(s) ['colour']"),
     "string_weight": ("tasks: [{name: a, weight: heavy, median_input: 5, sigma_input: 1, median_target: 5, "
                       "sigma_target: 1}]\n", "weight"),
     "nan_weight": ("tasks: [{name: a, weight: .nan, median_input: 5, sigma_input: 1, median_target: 5, "

@@ -135,7 +135,7 @@ def test_training_hooks_give_megatron_core_one_no_sync_per_chunk():
     from megatron_integration.model import attach_training_hooks
 
     modules = [types.SimpleNamespace(no_sync=object()) for _ in range(2)]
-    stage = types.SimpleNamespace(config=types.SimpleNamespace(fp16=False), modules=modules, chunked=True)
+    stage = types.SimpleNamespace(config=types.SimpleNamespace(fp16=False, bf16=False), modules=modules, chunked=True)
     attach_training_hooks(stage, types.SimpleNamespace(scale_loss=None))
     assert stage.config.no_sync_func == [m.no_sync for m in modules]
 

@@ -43,10 +43,13 @@ def test_last_stage_without_loss_scaling_returns_the_summed_loss():
 
 
 def test_fp16_training_scales_the_loss_by_the_optimizer():
-    optimizer = types.SimpleNamespace(scale_loss=lambda loss: loss * 4.0)
-    for fp16, expect_scaled in ((True, True), (False, False)):
+    # fp16 always; bf16 when the optimizer holds a static --loss-scale (its scale is not 1).
+    for fp16, bf16, scale, expect_scaled in ((True, False, 4.0, True), (False, False, 1.0, False),
+                                             (False, True, 4.0, True), (False, True, 1.0, False)):
+        optimizer = types.SimpleNamespace(scale_loss=lambda loss, s=scale: loss * s,
+                                          get_loss_scale=lambda s=scale: torch.tensor(s))
         module = types.SimpleNamespace(no_sync=lambda: None)
-        stage = types.SimpleNamespace(config=types.SimpleNamespace(fp16=fp16, grad_scale_func="unset"),
+        stage = types.SimpleNamespace(config=types.SimpleNamespace(fp16=fp16, bf16=bf16, grad_scale_func="unset"),
                                       module=module, modules=[module], chunked=False)
         attach_training_hooks(stage, optimizer)
         assert stage.config.no_sync_func is stage.module.no_sync

@@ -58,13 +58,49 @@ def test_custom_mixture_file(tmp_path):
     ("tasks: []\n", "non-empty 'tasks'"),
     ("tasks:\n  - {name: a, weight: 0, median_input: 5, sigma_input: 1, median_target: 1, sigma_target: 1}\n",
      "must be > 0"),
-    ("tasks:\n  - {name: a, weight: 1}\n", "task 0"),
+    ("tasks:\n  - {name: a, weight: 1}\n", r"task 'a' lacks key\(s\) \['median_input'"),
+    ("tasks:\n  - {weight: 1, median_input: 5, sigma_input: 1, median_target: 1, sigma_target: 1}\n",
+     r"task 0 lacks key\(s\) \['name'\]"),
+    ("tasks:\n  - {name: a, weight: 1, median_input: 5, sigma_input: 1, median_target: 1}\n",
+     r"task 'a' lacks key\(s\) \['sigma_target'\]"),
+    ("tasks:\n  - {name: a, weight: 1, median_input: 5, sigma_input: 1, median_target: 1, sigma_target: 1, "
+     "mean: 3}\n", r"task 'a' has unknown key\(s\) \['mean'\]"),
+    ("tasks:\n  - {name: a, weight: -1, median_input: 5, sigma_input: 1, median_target: 1, sigma_target: 1}\n",
+     r"task 'a': weight=-1 must be > 0"),
+    ("tasks:\n  - {name: a, weight: 1, median_input: 5, sigma_input: 1, median_target: 0, sigma_target: 1}\n",
+     r"task 'a': median_target=0 must be > 0"),
+    ("tasks:\n  - {name: a, weight: 1, median_input: 5, sigma_input: -0.5, median_target: 1, sigma_target: 1}\n",
+     r"task 'a': sigma_input=-0.5 must be between 0 and 10"),
+    ("tasks:\n  - {name: a, weight: 1, median_input: 5, sigma_input: 50, median_target: 1, sigma_target: 1}\n",
+     r"task 'a': sigma_input=50 must be between 0 and 10"),
+    ("tasks:\n  - {name: a, weight: 1, median_input: 5, sigma_input: .inf, median_target: 1, sigma_target: 1}\n",
+     r"task 'a': sigma_input=inf must be a finite number"),
 ])
 def test_bad_mixture_files(tmp_path, text, message):
     p = tmp_path / "mix.yaml"
     p.write_text(text)
-    with pytest.raises(DynaPipeError, match=message):
+    with pytest.raises(DynaPipeError, match=message) as e:
         load_mixture(str(p))
+    assert str(p) in str(e.value)
+
+
+def test_wide_sigma_lengths_stay_in_range(tmp_path):
+    # At the largest sigma allowed the draws span far past seq_length and below one token.
+    p = tmp_path / "mix.yaml"
+    p.write_text("tasks:\n  - {name: wide, weight: 1, median_input: 100, sigma_input: 10, "
+                 "median_target: 5, sigma_target: 10}\n")
+    for ed in (False, True):
+        lengths = sample_lengths(2000, 0, 1024, encoder_decoder=ed, mixture=load_mixture(str(p)))
+        assert lengths.min() >= 1 and lengths.max() <= 1024
+
+
+def test_overflowing_draws_are_clipped_not_wrapped():
+    from dynapipe.data.synthetic import Mixture, TaskSpec
+    mix = Mixture((TaskSpec("huge", 1.0, 100.0, 500.0, 5.0, 500.0),))  # past the loader's limit
+    with np.errstate(invalid="raise"):  # the inf -> int64 cast of the old code warned "invalid"
+        s = sample_mixture(mix, 1000, 0, 1024)
+    total = s.input_lengths + s.target_lengths
+    assert s.input_lengths.min() >= 1 and s.target_lengths.min() >= 1 and total.max() <= 1024
 
 
 def test_bad_sample_requests():

@@ -61,7 +61,7 @@ def memory_budget(cost_model: CostModel, memory_limit_mib: float | None, reserve
         raise DynaPipeError(
             f"the model states of the most loaded stage need {budget.model_state_mib:.1f} MiB, so nothing is left "
             f"for activations under the memory limit of {limit:.0f} MiB (reserved {reserved_mib:.0f} MiB); "
-            f"use more --stages or a larger --memory-limit-mb.")
+            f"add pipeline stages (--stages) or raise --memory-limit-mb.")
     return budget
 
 
@@ -115,7 +115,7 @@ def oversized_sample_error(index: int, length: str, stored_mib: float, peak_mib:
     """
     stronger = {"none": "--recompute selective or full", "selective": "--recompute full"}.get(recompute)
     fixes = ["raise --memory-limit-mb"] + ([f"use {stronger}"] if stronger else []) + [
-        "truncate samples with a smaller --seq-length", "or use more --stages"]
+        "truncate samples with a smaller --seq-length", "or add pipeline stages (--stages)"]
     more = f" ({others} more sample(s) of the batch do not fit either.)" if others else ""
     return DynaPipeError(
         f"sample {index} ({length}) does not fit in memory even alone: it needs {stored_mib + peak_mib:.1f} MiB "

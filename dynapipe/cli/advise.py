@@ -45,8 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _int_list(text: str) -> list[int]:
+    entries = text.split(",")
+    if any(not x.strip() for x in entries):
+        raise argparse.ArgumentTypeError(f"{text!r}: an entry is empty; expected comma-separated integers "
+                                         f"such as 1,2,4")
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in entries]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers such as 1,2,4") from None
     if not values or min(values) < 1:
@@ -57,6 +61,18 @@ def _int_list(text: str) -> list[int]:
 def _positive(name: str, value, minimum: int = 1) -> None:
     if value is not None and value < minimum:
         raise DynaPipeError(f"--{name} {value}: must be at least {minimum}.")
+
+
+def _check_tokens_per_iteration(tokens: int, seq: int, model, seq_by_default: bool) -> None:
+    """Refuse a global batch smaller than one sample at the clip: the batches would hold a
+    single sample of whatever length, not about ``tokens`` tokens."""
+    sides = 2 if model.is_encoder_decoder else 1  # T5 clips input and target at seq-length each
+    minimum = sides * seq
+    if tokens < minimum:
+        whose = f"the model's max_seq_length {seq}" if seq_by_default else f"--seq-length {seq}"
+        one = f"{seq} input + {seq} target tokens" if sides == 2 else f"{seq} tokens"
+        raise DynaPipeError(f"--tokens-per-iteration {tokens} is below one sample at the clip ({one}, from "
+                            f"{whose}); give at least {minimum}, or a smaller --seq-length.")
 
 
 def _check_writable(path: str, flag: str) -> None:
@@ -169,7 +185,7 @@ def run_config_text(best, model, device_name: str, cluster_name: str, cluster, g
 
 
 def run(args) -> int:
-    from dynapipe.advise import advise, enumerate_layouts, sample_batches
+    from dynapipe.advise import advise, enumerate_layouts, gpu_capacity_mib, sample_batches
     from dynapipe.batching import read_lengths
     from dynapipe.config import load_cluster_config, load_device_config, load_model_config
     from dynapipe.progress import Progress
@@ -183,10 +199,12 @@ def run(args) -> int:
         if getattr(args, flag):
             _check_writable(getattr(args, flag), flag)
     model, device = load_model_config(args.model), load_device_config(args.device)
+    gpu_capacity_mib(device, args.memory_limit_mb)
     cluster = load_cluster_config(args.cluster)
     seq = args.seq_length or model.max_seq_length
     if seq > model.max_seq_length:
         raise DynaPipeError(f"--seq-length {seq} exceeds the model's max_seq_length {model.max_seq_length}.")
+    _check_tokens_per_iteration(args.tokens_per_iteration, seq, model, args.seq_length is None)
     mixture_path = None
     if args.mixture is not None:
         from dynapipe.config import CONFIG_DIR

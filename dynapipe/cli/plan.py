@@ -13,12 +13,13 @@ import json
 import sys
 import time
 
-from dynapipe.batching import METHODS, BatchPlan, plan_micro_batches, read_lengths
+from dynapipe.batching import BatchPlan, plan_micro_batches, read_lengths
+from dynapipe.cli.batching_options import add_batching_arguments, check_batching_flags, micro_batch_size
 from dynapipe.cli.cost import CostSetup, add_cost_model_arguments, add_memory_arguments, cost_setup_from_args
 from dynapipe.cli.placement_options import (add_placement_argument, apply_placement, even_split_schedule,
                                              placement_json)
-from dynapipe.cli.schedule_options import (add_recompute_default, add_schedule_arguments, escalate_recompute,
-                                           resolve_cluster, schedule_json)
+from dynapipe.cli.schedule_options import (add_recompute_default, add_schedule_arguments, check_plan_out,
+                                           escalate_recompute, resolve_cluster, schedule_json)
 from dynapipe.errors import DynaPipeError
 
 HELP = "plan the micro-batches (and schedule) of one global batch"
@@ -31,14 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_recompute_default(p)
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
     add_memory_arguments(p)
-    p.add_argument("--batching", choices=METHODS, default="dynapipe", help="batching method (default dynapipe)")
-    p.add_argument("--micro-batch-size", type=int, default=1,
-                   help="samples (packing: rows) a micro-batch for padding, padding-mb and packing (default 1)")
+    add_batching_arguments(p)
     p.add_argument("--seq-length", type=int, default=None,
                    help="truncate samples to this many tokens; row length of padding and packing "
                         "(default: the model's max_seq_length, and no truncation)")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help="padded tokens a micro-batch for token-budget (default micro-batch-size x seq-length)")
     p.add_argument("--output", default="-", help="write the JSON plan here (default: stdout)")
     add_schedule_arguments(p)
     add_placement_argument(p)
@@ -59,7 +56,7 @@ def plan_from_args(args: argparse.Namespace, setup: CostSetup | None = None,
 def _cut_arguments(args: argparse.Namespace, setup: CostSetup) -> dict:
     """:func:`plan_micro_batches`'s arguments as the command line gives them (but the level)."""
     return dict(method=args.batching, dp=args.dp, memory_limit_mib=setup.memory_limit_mib,
-                reserved_mib=setup.reserved_mib, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+                reserved_mib=setup.reserved_mib, micro_batch_size=micro_batch_size(args), seq_length=args.seq_length,
                 max_tokens=args.max_tokens)
 
 
@@ -155,6 +152,8 @@ def _with_room_in_flight(args: argparse.Namespace, batch_plan: BatchPlan, sched:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_batching_flags(args)
+    check_plan_out(args.plan_out)
     lengths = read_lengths(args.lengths)
     even_setup = cost_setup_from_args(args)
     setup, searched = apply_placement(args, even_setup, lengths)

@@ -72,7 +72,6 @@ def fill_from_model_config(args) -> None:
     if args.model is None:
         return
     from dynapipe.config import load_model_config
-    from dynapipe.errors import DynaPipeError
 
     cfg = load_model_config(args.model)
     if cfg.is_encoder_decoder:
@@ -88,6 +87,36 @@ def fill_from_model_config(args) -> None:
         import torch
 
         args.bf16 = torch.cuda.is_available()
+
+
+def check_output(path: str) -> None:
+    """Refuse an ``--output`` the profile could not be written to, before measuring."""
+    from dynapipe.errors import DynaPipeError
+
+    if os.path.isdir(path):
+        raise DynaPipeError(f"--output {path}: is a directory; give a file path for the profile JSON, such as "
+                            f"{os.path.join(path, 'profile.json')}.")
+    out_dir = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(out_dir):
+        raise DynaPipeError(f"--output {path}: directory {out_dir} does not exist.")
+    if not os.access(out_dir, os.W_OK):
+        raise DynaPipeError(f"--output {path}: directory {out_dir} is not writable; write the profile elsewhere.")
+
+
+def check_grid_lengths(model_name, seqlens: list[int], dec_seqlens: list[int]) -> None:
+    """Refuse grid lengths above the ``--model`` config's max_seq_length: the planner never
+    prices longer sequences for it, and measuring one can need far more memory than the
+    machine has (attention scores grow with the square of the length)."""
+    if model_name is None:
+        return
+    from dynapipe.config import load_model_config
+    from dynapipe.errors import DynaPipeError
+
+    cfg = load_model_config(model_name)
+    for flag, grid in (("--seqlens", seqlens), ("--dec-seqlens", dec_seqlens)):
+        if grid and max(grid) > cfg.max_seq_length:
+            raise DynaPipeError(f"{flag} reaches {max(grid)} tokens, beyond the max_seq_length {cfg.max_seq_length} "
+                                f"of --model {model_name}; measure lengths up to {cfg.max_seq_length}.")
 
 
 def check_tensor_parallel(args, model, seqlens: list[int], dec_seqlens: tuple = ()) -> tuple[int, bool]:
@@ -133,12 +162,18 @@ def run(args) -> int:
     from megatron_integration.launch import free_port
     from megatron_integration.profiler import profile_model
 
+    # Everything a measurement could be refused for afterwards is checked before it starts.
+    check_output(args.output)
+    if args.threads is not None and args.threads < 1:
+        raise DynaPipeError(f"--threads {args.threads}: must be at least 1 (the CPU threads a measurement "
+                            f"uses); leave it out for torch's default.")
     fill_from_model_config(args)
     mbs = _grid(args.mbs, "--mbs")
     seqlens = _grid(args.seqlens, "--seqlens")
     if args.dec_seqlens is not None and not args.t5:
         raise DynaPipeError("--dec-seqlens measures T5 decoder lengths; add --t5 (or --model with a T5 config).")
     dec_seqlens = _grid(args.dec_seqlens or DEFAULT_DEC_SEQLENS, "--dec-seqlens") if args.t5 else []
+    check_grid_lengths(args.model, seqlens, dec_seqlens)
     if args.repeats < 1 or args.warmup < 0:
         raise DynaPipeError("--repeats must be >= 1 and --warmup >= 0.")
     cuda = torch.cuda.is_available()
@@ -152,9 +187,6 @@ def run(args) -> int:
     if model.position_embedding_type == "learned_absolute" and max(seqlens) > model.max_position_embeddings:
         raise DynaPipeError(f"--seqlens reaches {max(seqlens)} tokens, beyond --max-position-embeddings "
                             f"{model.max_position_embeddings}; shorten the grid or raise the limit.")
-    out_dir = os.path.dirname(os.path.abspath(args.output))
-    if not os.path.isdir(out_dir):
-        raise DynaPipeError(f"--output {args.output}: directory {out_dir} does not exist.")
     if args.t5:
         return _run_t5(args, model, mbs, seqlens, dec_seqlens)
     tp, sp = check_tensor_parallel(args, model, seqlens)

@@ -6,6 +6,7 @@ The plan command calls :func:`add_schedule_arguments` on its parser and merges
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from typing import Optional
 
@@ -30,9 +31,30 @@ def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
                    help="cluster config (links between stages): a YAML path or a shipped name such as a100-8x "
                         "(default: chosen by device)")
     p.add_argument("--plan-out", default=None, metavar="DIR",
-                   help="write one serialized execution plan per rank into DIR")
+                   help="write one serialized execution plan per rank into DIR; plan files an earlier run "
+                        "left there for other ranks are removed, other files are kept")
     p.add_argument("--explain", action="store_true",
                    help="list every schedule candidate with its simulated time and peak memory")
+
+
+def check_plan_out(directory: Optional[str]) -> None:
+    """Refuse a ``--plan-out`` that is an existing file, before any planning is spent."""
+    if directory and os.path.exists(directory) and not os.path.isdir(directory):
+        raise DynaPipeError(f"--plan-out {directory!r} is a file, not a directory; give a directory "
+                            f"(created if missing) for the plan files.")
+
+
+def write_plan_files(plans, directory: str) -> list[str]:
+    """``--plan-out DIR``: write the plan set and remove the plan files an earlier run left
+    there for ranks this set does not have (so ``validate DIR`` sees one layout); files not
+    named like plan files stay. Returns the paths written."""
+    check_plan_out(directory)
+    try:
+        return write_plan_dir(plans, directory, replace=True)
+    except OSError as e:
+        where = e.filename or directory
+        raise DynaPipeError(f"--plan-out {directory!r}: cannot write {where!r} ({e.strerror}); give a "
+                            f"writable directory.") from None
 
 
 def resolve_cluster(name: Optional[str], device_name: Optional[str]) -> ClusterConfig:
@@ -110,5 +132,5 @@ def schedule_json(args: argparse.Namespace, batch_plan: BatchPlan, cost_model: C
     out = it.schedule_json(explain=bool(getattr(args, "explain", False)))
     out["schedule_planning_ms"] = round((time.perf_counter() - start) * 1e3, 3)
     if getattr(args, "plan_out", None):
-        out["plan_files"] = write_plan_dir(it.all_plans(), args.plan_out)
+        out["plan_files"] = write_plan_files(it.all_plans(), args.plan_out)
     return out

@@ -11,7 +11,8 @@ import argparse
 import json
 import sys
 
-from dynapipe.batching import METHODS, read_lengths
+from dynapipe.batching import read_lengths
+from dynapipe.cli.batching_options import add_batching_arguments, check_batching_flags, micro_batch_size
 from dynapipe.cli.cost import add_cost_model_arguments, add_memory_arguments, cost_setup_from_args
 from dynapipe.cli.placement_options import (add_placement_argument, apply_placement, even_split_schedule,
                                              placement_json)
@@ -35,19 +36,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_recompute_default(p)
     add_memory_arguments(p)
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
-    p.add_argument("--batching", choices=METHODS, default="dynapipe", help="batching method (default dynapipe)")
-    p.add_argument("--micro-batch-size", type=int, default=1, help="samples a micro-batch for fixed-size baselines")
+    add_batching_arguments(p)
     p.add_argument("--seq-length", type=int, default=None, help="truncate samples to this many tokens")
-    p.add_argument("--max-tokens", type=int, default=None, help="padded tokens a micro-batch for token-budget")
     p.add_argument("--schedule", choices=SCHEDULE_CHOICES, default="auto", help="schedule (default auto)")
     p.add_argument("--cluster", default=None, help="cluster config (default: chosen by device)")
     p.add_argument("--out", required=True, metavar="FILE.json", help="write the Chrome/Perfetto trace here")
     p.add_argument("--png", default=None, metavar="FILE.png", help="also draw the timeline (replica --replica)")
-    p.add_argument("--replica", type=int, default=0, help="replica drawn by --png (default 0)")
+    p.add_argument("--replica", type=int, default=None, help="replica drawn by --png (default 0)")
     add_placement_argument(p)
 
 
+def _check_replica(args: argparse.Namespace) -> int:
+    """The replica ``--png`` draws; refused before any planning when out of range or given
+    without ``--png`` (the trace file holds every replica)."""
+    if args.replica is None:
+        return 0
+    if not args.png:
+        raise DynaPipeError(f"--replica {args.replica}: only --png reads it (the --out trace holds every replica); "
+                            f"add --png FILE.png or drop --replica.")
+    if args.dp >= 1 and not 0 <= args.replica < args.dp:  # a bad --dp has its own refusal
+        raise DynaPipeError(f"--replica {args.replica} is not one of the {args.dp} replica(s); "
+                            f"use 0 to {args.dp - 1} (--dp {args.dp}).")
+    return args.replica
+
+
 def run(args: argparse.Namespace) -> int:
+    check_batching_flags(args)
+    replica = _check_replica(args)
     even_setup = cost_setup_from_args(args)
     if args.lengths is not None:
         lengths = read_lengths(args.lengths)
@@ -61,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     def simulate_on(cost_model, schedule=args.schedule):
         batch_plan, level = escalate_recompute(lambda level: plan_micro_batches(
             lengths, cost_model, method=args.batching, dp=args.dp, memory_limit_mib=setup.memory_limit_mib,
-            reserved_mib=setup.reserved_mib, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+            reserved_mib=setup.reserved_mib, micro_batch_size=micro_batch_size(args), seq_length=args.seq_length,
             max_tokens=args.max_tokens, recompute=level), setup.recompute)
         return schedule_batch_plan(batch_plan, cost_model, schedule=schedule,
                                    memory_limit_mib=setup.memory_limit_mib, reserved_mib=setup.reserved_mib,
@@ -87,13 +102,11 @@ def run(args: argparse.Namespace) -> int:
     levels = it.stage_recompute
     recompute = levels[0] if len(set(levels)) == 1 else "/".join(levels) + " by stage"
     if args.png:
-        if not 0 <= args.replica < args.dp:
-            raise DynaPipeError(f"--replica {args.replica} is not one of the {args.dp} replicas.")
-        tl = it.timelines[args.replica]
-        title = (f"{setup.model.name}, {setup.cost_model.num_stages} stages, {len(it.search.micro_batches[args.replica])} "
+        tl = it.timelines[replica]
+        title = (f"{setup.model.name}, {setup.cost_model.num_stages} stages, {len(it.search.micro_batches[replica])} "
                  f"micro-batches: {it.schedule} ({it.order} order, recompute {recompute}) "
                  f"{tl.makespan_ms:.1f} ms, bubble {100 * tl.bubble_fraction:.1f}%")
-        plot_timeline(tl, it.search.micro_batches[args.replica], args.png, title=title,
+        plot_timeline(tl, it.search.micro_batches[replica], args.png, title=title,
                       capacity_mib=setup.memory_limit_mib - setup.reserved_mib)
     how = "as given" if args.recompute else f"chosen; micro-batches cut for {level}"
     print(f"{it.schedule} ({it.order} order, recompute {recompute}, {how}): simulated {it.simulated_ms:.1f} ms, "

@@ -8,7 +8,6 @@ and in-flight activations within the memory limit. Pure Python + numpy; ms and M
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -17,8 +16,6 @@ import numpy as np
 from dynapipe.config import ModelConfig
 from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, StageLayout, check_recompute, stage_layouts
 from dynapipe.errors import DynaPipeError
-
-_STAGE_SPEC = re.compile(r"\s*([0-9]{1,6})\s*(?:\+\s*([0-9]{1,6})\s*)?\Z")
 
 
 @dataclass(frozen=True)
@@ -89,32 +86,38 @@ class StagePlacement:
         return [StageLayout(k, e, d, k == 0, k == V - 1)
                 for k, (e, d) in enumerate(zip(self.encoder_layers, self.decoder_layers))]
 
-    def validate(self, model: ModelConfig) -> "StagePlacement":
+    def validate(self, model: ModelConfig, label: Optional[str] = None) -> "StagePlacement":
         """Raise :class:`DynaPipeError` unless this placement holds exactly ``model``'s
-        layers, contiguously, with at least one layer on every (virtual) stage."""
+        layers, contiguously, with at least one layer on every (virtual) stage. ``label``
+        names the placement in the errors (default ``stage placement <split>``)."""
+        what = label or f"stage placement {self}"
         enc, dec = list(self.encoder_layers), list(self.decoder_layers)
         want_e = model.encoder_layers if model.is_encoder_decoder else 0
         want_d = model.total_layers - want_e
         if len(enc) != len(dec) or not dec:
-            raise DynaPipeError(f"stage placement {self}: {len(enc)} encoder and {len(dec)} decoder counts; "
+            raise DynaPipeError(f"{what}: {len(enc)} encoder and {len(dec)} decoder counts; "
                                 f"give one of each per stage.")
         if self.chunks < 1 or len(dec) % self.chunks:
-            raise DynaPipeError(f"stage placement {self}: {len(dec)} virtual stages do not split into "
+            raise DynaPipeError(f"{what}: {len(dec)} virtual stages do not split into "
                                 f"{self.chunks} chunks of equal rank count.")
         if any(v < 0 for v in enc + dec):
-            raise DynaPipeError(f"stage placement {self}: layer counts must not be negative.")
+            raise DynaPipeError(f"{what}: layer counts must not be negative.")
         if not model.is_encoder_decoder and sum(enc) + sum(dec) != want_d:
-            raise DynaPipeError(f"stage placement {self} holds {sum(enc) + sum(dec)} layers; model {model.name!r} "
-                                f"has {want_d}.")
+            raise DynaPipeError(f"{what} holds {sum(enc) + sum(dec)} layers; model {model.name!r} has {want_d}.")
         if sum(enc) != want_e or sum(dec) != want_d:
-            raise DynaPipeError(f"stage placement {self} holds {sum(enc)} encoder + {sum(dec)} decoder layers; "
+            raise DynaPipeError(f"{what} holds {sum(enc)} encoder + {sum(dec)} decoder layers; "
                                 f"model {model.name!r} has {want_e} + {want_d}.")
         empty = [s for s in range(len(dec)) if enc[s] + dec[s] == 0]
         if empty:
-            raise DynaPipeError(f"stage placement {self}: stage {empty[0]} holds no layer; every stage needs one.")
+            # A virtual stage's index means nothing to whoever wrote the chunks out: name
+            # the chunk and the rank within it.
+            S, k = len(dec) // self.chunks, empty[0]
+            where = f"stage {k % S} of chunk {k // S}" if self.chunks > 1 else f"stage {k}"
+            raise DynaPipeError(f"{what}: {where} holds no layer; every stage"
+                                f"{' of every chunk' if self.chunks > 1 else ''} needs one.")
         first_dec = next((s for s, d in enumerate(dec) if d), len(dec))
         if any(enc[first_dec + 1:]) or (first_dec < len(dec) and sum(enc[:first_dec + 1]) != want_e):
-            raise DynaPipeError(f"stage placement {self}: encoder layers must all come before the first "
+            raise DynaPipeError(f"{what}: encoder layers must all come before the first "
                                 f"decoder layer (contiguous stages).")
         return self
 
@@ -151,30 +154,9 @@ class StagePlacement:
         chunks separated by ``|``, each listing every rank (``3+0,3+0|0+3,0+3``: the
         encoder as chunk 0, the decoder as chunk 1); ``interleaved``: that split for T5
         with the layers of each chunk spread evenly."""
-        if text.strip() == "interleaved":
-            return StagePlacement.interleaved(model, num_stages)
-        chunk_texts = text.split("|")
-        parts = [p for c in chunk_texts for p in c.split(",")]
-        enc, dec = [], []
-        for part in parts:
-            m = _STAGE_SPEC.match(part)
-            if not m:
-                raise DynaPipeError(f"--placement {text!r}: {part!r} is not a layer count; write LAYERS per stage "
-                                    f"(GPT) or ENC+DEC per stage (T5), comma-separated (chunks separated by |).")
-            if m.group(2) is None:
-                enc.append(0)
-                dec.append(int(m.group(1)))
-            else:
-                enc.append(int(m.group(1)))
-                dec.append(int(m.group(2)))
-        if model.is_encoder_decoder and any("+" not in p for p in parts):
-            raise DynaPipeError(f"--placement {text!r}: model {model.name!r} is encoder-decoder; write ENC+DEC "
-                                f"for every stage.")
-        widths = {len(c.split(",")) for c in chunk_texts}
-        if widths != {num_stages}:
-            raise DynaPipeError(f"--placement {text!r} names {sorted(widths)[-1]} stages per chunk; --stages is "
-                                f"{num_stages} (every chunk lists every stage).")
-        return StagePlacement(tuple(enc), tuple(dec), len(chunk_texts)).validate(model)
+        from dynapipe.cost.placement_spec import parse_placement  # its own module: it imports this one
+
+        return parse_placement(text, model, num_stages)
 
 
 @dataclass(frozen=True)

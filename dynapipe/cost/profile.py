@@ -104,11 +104,33 @@ LAYER_SHAPE_KEYS = {"gated_linear_unit": False, "num_query_groups": 0, "add_bias
                     "add_qkv_bias": False, "qk_layernorm": False}
 
 
+# Layer widths a measured table depends on, compared only when the profile records them
+# (there is no width a profile could be assumed to have been measured at). kv_channels is
+# recorded as the per-head width in effect, so it is compared with the model's head_dim.
+LAYER_WIDTH_KEYS = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels", "normalization")
+
+
+def _check_layer_widths(measured: Mapping[str, Any], model: ModelConfig, source: str) -> None:
+    """Refuse a profile measured on a layer of another width than ``model``'s."""
+    for key in LAYER_WIDTH_KEYS:
+        have = measured.get(key)
+        if have is None or (key == "kv_channels" and have == 0):
+            continue
+        want = model.head_dim if key == "kv_channels" else getattr(model, key)
+        if have != want:
+            raise DynaPipeError(f"{source}: the profile was measured on a layer with {key}={have!r} but model "
+                                f"{model.name!r} has {key}={want!r}; its times and memory price another model. "
+                                f"Profile this model (`python -m dynapipe profile --model {model.name}` or the "
+                                f"same model flags) or use the analytic cost model.")
+
+
 def _check_layer_shape(data: Mapping[str, Any], model: ModelConfig, source: str) -> None:
-    """Refuse a profile measured on a layer of another kind (GeLU vs SwiGLU MLP, grouped-query
-    attention, biases, query/key norms) or in another precision: its tables would misprice every micro-batch."""
+    """Refuse a profile measured on a layer of another shape (hidden size, heads, FFN width,
+    per-head width, norm) or kind (GeLU vs SwiGLU MLP, grouped-query attention, biases,
+    query/key norms) or in another precision: its tables would misprice every micro-batch."""
     measured = data.get("model")
     measured = measured if isinstance(measured, Mapping) else {}
+    _check_layer_widths(measured, model, source)
     dtype = data.get("dtype", "fp32")
     if dtype != model.dtype:
         raise DynaPipeError(f"{source}: the profile was measured in {dtype} but the model trains in {model.dtype}; "

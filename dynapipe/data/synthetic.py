@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
-import yaml
 
 from dynapipe.config import CONFIG_DIR
 from dynapipe.errors import DynaPipeError
@@ -45,6 +44,36 @@ class Mixture:
 
 # Lengths of more samples than this do not fit a reasonable amount of memory at once.
 MAX_SAMPLES = 100_000_000
+# Length distributions of real tasks have log-normal shapes well below 3; a sigma past this
+# one multiplies the median by e^10 (22,000x) at one standard deviation, so it is a typo
+# (a variance, a length) rather than a distribution.
+MAX_SIGMA = 10.0
+_TASK_KEYS = tuple(TaskSpec.__dataclass_fields__)
+
+
+def _task_spec(path: str, i: int, t: dict) -> TaskSpec:
+    """One task of a mixture file, every key present, known and in range."""
+    label = f"task {t['name']!r}" if isinstance(t.get("name"), str) else f"task {i}"
+    missing = [k for k in _TASK_KEYS if k not in t]
+    if missing:
+        raise DynaPipeError(f"{path}: {label} lacks key(s) {missing}; every task needs {list(_TASK_KEYS)}.")
+    unknown = sorted(str(k) for k in t if k not in _TASK_KEYS)
+    if unknown:
+        raise DynaPipeError(f"{path}: {label} has unknown key(s) {unknown}; known keys are {list(_TASK_KEYS)}.")
+    if not isinstance(t["name"], str) or not t["name"]:
+        raise DynaPipeError(f"{path}: {label}: name={t['name']!r} must be a non-empty string.")
+    for key in _TASK_KEYS[1:]:
+        value = t[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise DynaPipeError(f"{path}: {label}: {key}={value!r} must be a finite number.")
+    for key in ("weight", "median_input", "median_target"):
+        if t[key] <= 0:
+            raise DynaPipeError(f"{path}: {label}: {key}={t[key]!r} must be > 0.")
+    for key in ("sigma_input", "sigma_target"):
+        if not 0 <= t[key] <= MAX_SIGMA:
+            raise DynaPipeError(f"{path}: {label}: {key}={t[key]!r} must be between 0 and {MAX_SIGMA:g} "
+                                f"(the log-normal shape: 0 draws the median every time, 0.3-1 is typical).")
+    return TaskSpec(**t)
 
 
 def load_mixture(path: Optional[str] = None) -> Mixture:
@@ -61,20 +90,8 @@ def load_mixture(path: Optional[str] = None) -> Mixture:
     specs = []
     for i, t in enumerate(tasks):
         if not isinstance(t, dict):
-            raise DynaPipeError(f"{path}: task {i} must be a mapping of {list(TaskSpec.__dataclass_fields__)}.")
-        try:
-            spec = TaskSpec(**t)
-        except TypeError as e:
-            raise DynaPipeError(f"{path}: task {i}: {e}") from None
-        for key in ("weight", "median_input", "sigma_input", "median_target", "sigma_target"):
-            value = getattr(spec, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise DynaPipeError(f"{path}: task {i}: {key}={value!r} must be a finite number.")
-        if spec.weight <= 0 or spec.median_input <= 0 or spec.median_target <= 0:
-            raise DynaPipeError(f"{path}: task {spec.name!r}: weight and medians must be > 0.")
-        if spec.sigma_input < 0 or spec.sigma_target < 0:
-            raise DynaPipeError(f"{path}: task {spec.name!r}: sigmas must be >= 0.")
-        specs.append(spec)
+            raise DynaPipeError(f"{path}: task {i} must be a mapping of {list(_TASK_KEYS)}.")
+        specs.append(_task_spec(path, i, t))
     return Mixture(tuple(specs))
 
 
@@ -104,14 +121,22 @@ def sample_mixture(mixture: Mixture, n: int, seed: int, seq_length: int,
     sig_in = np.array([t.sigma_input for t in mixture.tasks])[tasks]
     med_tg = np.array([t.median_target for t in mixture.tasks])[tasks]
     sig_tg = np.array([t.sigma_target for t in mixture.tasks])[tasks]
-    inp = np.maximum(1, np.rint(med_in * np.exp(sig_in * rng.standard_normal(n)))).astype(np.int64)
-    tgt = np.maximum(1, np.rint(med_tg * np.exp(sig_tg * rng.standard_normal(n)))).astype(np.int64)
+    inp = _lengths(med_in, sig_in, rng.standard_normal(n), seq_length)
+    tgt = _lengths(med_tg, sig_tg, rng.standard_normal(n), seq_length)
     if encoder_decoder:
         inp, tgt = np.minimum(inp, seq_length), np.minimum(tgt, seq_length)
     else:
         tgt = np.minimum(tgt, seq_length - 1)
         inp = np.minimum(inp, seq_length - tgt)
     return MixtureSample(inp, tgt, tasks.astype(np.int64))
+
+
+def _lengths(median: np.ndarray, sigma: np.ndarray, z: np.ndarray, seq_length: int) -> np.ndarray:
+    """Log-normal draws rounded to whole tokens in [1, seq_length]. Clipped while still
+    floats: a wide sigma overflows exp to inf, which casts to a garbage (negative) int64."""
+    with np.errstate(over="ignore"):
+        x = median * np.exp(sigma * z)
+    return np.rint(np.clip(x, 1, seq_length)).astype(np.int64)
 
 
 def sample_lengths(n: int, seed: int, seq_length: int, encoder_decoder: bool = False,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Sequence
 
 from dynapipe.errors import PlanError
@@ -16,8 +17,18 @@ def plan_file_name(replica: int, stage: int) -> str:
     return f"replica{replica:03d}-stage{stage:03d}{SUFFIX}"
 
 
-def write_plan_dir(plans: Sequence[ExecutionPlan], directory: str) -> list[str]:
-    """Write one file per plan into ``directory`` (created if needed); returns the paths."""
+# Exactly the names plan_file_name writes; only these are ever removed from a directory.
+_PLAN_NAME = re.compile(r"replica\d{3,}-stage\d{3,}" + re.escape(SUFFIX))
+
+
+def write_plan_dir(plans: Sequence[ExecutionPlan], directory: str, replace: bool = False) -> list[str]:
+    """Write one file per plan into ``directory`` (created if needed); returns the paths.
+
+    ``replace``: the directory then holds this plan set alone. Plan files of an earlier set
+    that these plans do not overwrite (another layout's ranks, which would make the
+    directory fail validation) are removed after the new files are written; only regular
+    files named as :func:`plan_file_name` names them are touched, never any other file.
+    """
     os.makedirs(directory, exist_ok=True)
     paths = []
     for p in plans:
@@ -25,11 +36,21 @@ def write_plan_dir(plans: Sequence[ExecutionPlan], directory: str) -> list[str]:
         with open(path, "wb") as f:
             f.write(serialize_plan(p))
         paths.append(path)
+    if replace:
+        written = {os.path.basename(path) for path in paths}
+        for name in os.listdir(directory):
+            path = os.path.join(directory, name)
+            if name not in written and _PLAN_NAME.fullmatch(name) and os.path.isfile(path) \
+                    and not os.path.islink(path):
+                os.remove(path)
     return paths
 
 
 def read_plan_dir(directory: str) -> list[ExecutionPlan]:
     """Read every ``*.plan`` file of ``directory``; errors name the file."""
+    if os.path.isfile(directory):
+        raise PlanError(f"plan directory {directory!r} is a file, not a directory; give the directory "
+                        f"`python -m dynapipe plan ... --plan-out DIR` wrote.")
     if not os.path.isdir(directory):
         raise PlanError(f"plan directory {directory!r} does not exist.")
     names = sorted(n for n in os.listdir(directory) if n.endswith(SUFFIX))

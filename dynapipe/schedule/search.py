@@ -141,12 +141,20 @@ def per_stage_levels(by_level: dict, levels: Sequence[str], cap_mib: float) -> t
     return tuple(next((lv for lv in levels if peaks[lv][s] <= cap_mib), levels[-1]) for s in range(S))
 
 
+# How each batching method is told to cut smaller micro-batches (None: method unknown).
+_SMALLER = {"dynapipe": "a lower memory limit for batching",
+            "padding": "a smaller --micro-batch-size", "padding-mb": "a smaller --micro-batch-size",
+            "packing": "a smaller --micro-batch-size (fewer rows)",
+            "token-budget": "a smaller --max-tokens",
+            None: "a lower memory limit for batching, a smaller --micro-batch-size or --max-tokens"}
+
+
 def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostModel, *,
                      schedule: str = "auto", recompute: Optional[Union[str, Sequence[str]]] = None,
                      capacity_mib: Optional[float] = None, cluster: Optional[ClusterConfig] = None,
                      dp: Optional[int] = None, tp: int = 1, zero: bool = False,
                      orders: Optional[Sequence[str]] = None, explain: bool = False,
-                     per_stage: Optional[bool] = None) -> SearchResult:
+                     per_stage: Optional[bool] = None, batching: Optional[str] = None) -> SearchResult:
     """Choose a schedule, micro-batch order and recompute level for every replica.
 
     ``replicas[r]``: replica ``r``'s micro-batches in the planner's order.
@@ -158,7 +166,8 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
     recompute level: on each stage the lightest level under which that stage fits with
     1F1B's micro-batches in flight (a stage's memory depends only on its own costs and
     its op order). Raises :class:`DynaPipeError` when no candidate fits, naming the
-    closest one and by how many MiB it exceeds the capacity.
+    closest one and by how many MiB it exceeds the capacity; ``batching`` (the method that
+    cut the micro-batches) makes its advice name the flag that method reads.
     """
     if schedule not in SCHEDULE_CHOICES:
         raise DynaPipeError(f"--schedule {schedule!r} is not known; use one of {', '.join(SCHEDULE_CHOICES)}.")
@@ -252,7 +261,7 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
             f"no schedule fits in {cap_mib:.0f} MiB per stage: the closest candidate ({c.schedule}, {c.order} "
             f"order, recompute {c.recompute}) needs {c.peak_mib[worst]:.0f} MiB on stage {worst}, "
             f"{c.peak_mib[worst] - cap_mib:.0f} MiB over the limit. Raise --memory-limit-mb, use more pipeline "
-            f"stages, or plan smaller micro-batches (a lower memory limit for batching, or --max-tokens).")
+            f"stages, or plan smaller micro-batches ({_SMALLER.get(batching, _SMALLER[None])}).")
     cand, runs, permuted, perms = best
     schedules, timelines = [], []
     for r, t, p in zip(runs, permuted, perms):

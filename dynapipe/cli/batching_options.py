@@ -1,0 +1,55 @@
+"""The batching flags of ``plan`` and ``trace`` (``--batching``, ``--micro-batch-size``,
+``--max-tokens``) and the check that every flag given is one the chosen method reads.
+
+Which method reads what: ``dynapipe`` sizes its micro-batches itself (neither flag);
+``padding``, ``padding-mb`` and ``packing`` take ``--micro-batch-size`` (samples, rows
+for packing); ``token-budget`` takes ``--max-tokens``, or without it
+``--micro-batch-size x seq-length`` tokens. ``--seq-length`` is read by every method.
+"""
+from __future__ import annotations
+
+import argparse
+
+from dynapipe.batching import METHODS
+from dynapipe.errors import DynaPipeError
+
+SIZED_BY_COUNT = ("padding", "padding-mb", "packing")
+DEFAULT_MICRO_BATCH_SIZE = 1
+
+
+def add_batching_arguments(p: argparse.ArgumentParser) -> None:
+    """``--batching``, ``--micro-batch-size`` and ``--max-tokens``; both sizes default to
+    ``None`` so that :func:`check_batching_flags` can tell a flag given from its default."""
+    p.add_argument("--batching", choices=METHODS, default="dynapipe", help="batching method (default dynapipe)")
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="samples (packing: rows) a micro-batch for padding, padding-mb and packing (default 1)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="padded tokens a micro-batch for token-budget (default micro-batch-size x seq-length)")
+
+
+def micro_batch_size(args: argparse.Namespace) -> int:
+    """``--micro-batch-size`` as the batching reads it (its default when not given)."""
+    return DEFAULT_MICRO_BATCH_SIZE if args.micro_batch_size is None else args.micro_batch_size
+
+
+def check_batching_flags(args: argparse.Namespace) -> None:
+    """Refuse a non-positive size, and a size flag that ``--batching`` would not read
+    (rather than plan as if it had not been given)."""
+    method, mbs, tokens = args.batching, args.micro_batch_size, args.max_tokens
+    for flag, value, what in (("--micro-batch-size", mbs, "samples a micro-batch"),
+                              ("--max-tokens", tokens, "padded tokens a micro-batch")):
+        if value is not None and value < 1:
+            raise DynaPipeError(f"{flag} {value}: must be a positive integer ({what}).")
+    if tokens is not None and method != "token-budget":
+        raise DynaPipeError(f"--max-tokens {tokens}: --batching {method} does not read it (only token-budget "
+                            f"does); drop --max-tokens or use --batching token-budget.")
+    if mbs is None:
+        return
+    if method == "dynapipe":
+        raise DynaPipeError(f"--micro-batch-size {mbs}: --batching dynapipe sizes every micro-batch itself and does "
+                            f"not read it; drop --micro-batch-size or use --batching "
+                            f"{', '.join(SIZED_BY_COUNT)} or token-budget.")
+    if method == "token-budget" and tokens is not None:
+        raise DynaPipeError(f"--micro-batch-size {mbs}: --batching token-budget reads it only to default "
+                            f"--max-tokens (micro-batch-size x seq-length), and --max-tokens {tokens} is given; "
+                            f"give one of the two.")

@@ -1,0 +1,188 @@
+"""Bad command-line input is refused with one line naming the flag, the value and the fix:
+batching flags the method does not read, placements as typed, ``--plan-out`` leftovers,
+``trace --replica``, the advisor's memory, list and token arguments, ``profile``'s output,
+threads and grid."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from dynapipe.cli import main
+from dynapipe.errors import DynaPipeError
+
+GPT7B = ["--model", "gpt-7b", "--device", "a100-40gb"]
+
+
+def _lengths(tmp_path, text="100\n7\n2048\n513\n64\n1000\n9\n300\n1500\n"):
+    p = tmp_path / "lengths.txt"
+    p.write_text(text)
+    return str(p)
+
+
+def _refused(capsys, argv, message):
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "", err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert message in err, err
+    return err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--micro-batch-size", "4"], "--micro-batch-size 4: --batching dynapipe sizes every micro-batch itself"),
+    (["--max-tokens", "4096"], "--max-tokens 4096: --batching dynapipe does not read it"),
+    (["--max-tokens", "0"], "--max-tokens 0: must be a positive integer"),
+    (["--batching", "packing", "--max-tokens", "4096"], "--max-tokens 4096: --batching packing does not read it"),
+    (["--batching", "padding", "--max-tokens", "4096"], "--batching padding does not read it"),
+    (["--batching", "token-budget", "--max-tokens", "-1"], "--max-tokens -1: must be a positive integer"),
+    (["--batching", "padding", "--micro-batch-size", "0"], "--micro-batch-size 0: must be a positive integer"),
+    (["--batching", "token-budget", "--max-tokens", "8192", "--micro-batch-size", "2"],
+     "--micro-batch-size 2: --batching token-budget reads it only to default --max-tokens"),
+])
+@pytest.mark.parametrize("command", ["plan", "trace"])
+def test_batching_flags_the_method_does_not_read_are_refused(tmp_path, capsys, command, extra, message):
+    out = ["--out", str(tmp_path / "t.json")] if command == "trace" else []
+    _refused(capsys, [command, "--lengths", _lengths(tmp_path), *GPT7B, "--stages", "4", *out, *extra], message)
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_memory_advice_names_the_flag_the_method_reads(tmp_path, capsys):
+    lengths = _lengths(tmp_path, "2048\n" * 100)
+    err = _refused(capsys, ["plan", "--lengths", lengths, *GPT7B, "--stages", "4", "--batching", "padding",
+                            "--micro-batch-size", "100"], "no schedule fits")
+    assert "a smaller --micro-batch-size" in err and "--max-tokens" not in err
+    err = _refused(capsys, ["plan", "--lengths", lengths, *GPT7B, "--stages", "4", "--batching", "token-budget",
+                            "--max-tokens", "100000"], "no schedule fits")
+    assert "a smaller --max-tokens" in err and "--micro-batch-size" not in err
+
+
+def test_the_sizes_a_method_reads_still_plan(tmp_path, capsys):
+    for extra in (["--batching", "padding", "--micro-batch-size", "2"], ["--batching", "token-budget"],
+                  ["--batching", "token-budget", "--micro-batch-size", "2"],
+                  ["--batching", "token-budget", "--max-tokens", "8192"]):
+        assert main(["plan", "--lengths", _lengths(tmp_path), *GPT7B, "--stages", "4", "--seq-length", "2048",
+                     "--output", str(tmp_path / "p.json"), *extra]) == 0, extra
+        capsys.readouterr()
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("4,4,4,4|4,4,4", "--placement '4,4,4,4|4,4,4': chunk 1 ('4,4,4') names 3 stages; --stages is 4"),
+    ("8,8,8,8|0,0,0,0", "--placement '8,8,8,8|0,0,0,0': stage 0 of chunk 1 holds no layer"),
+    ("8+0,8,8,8", "--placement '8+0,8,8,8': model 'gpt-7b' is decoder-only, so '8+0'"),
+    ("", "--placement '': empty; give even, auto, interleaved (T5) or layers per stage such as 8,8,8,8"),
+    (" ", "--placement ' ': empty"),
+    ("8,8,8,8,0", "--placement '8,8,8,8,0' names 5 stages; --stages is 4"),
+    ("8,8,8,7", "--placement '8,8,8,7' holds 31 layers; model 'gpt-7b' has 32"),
+    ("0,16,8,8", "--placement '0,16,8,8': stage 0 holds no layer"),
+])
+@pytest.mark.parametrize("command", ["plan", "trace"])
+def test_placement_errors_describe_the_text_as_typed(tmp_path, capsys, command, spec, message):
+    out = ["--out", str(tmp_path / "t.json")] if command == "trace" else []
+    err = _refused(capsys, [command, "--lengths", _lengths(tmp_path), *GPT7B, "--stages", "4", *out,
+                            "--placement", spec], message)
+    assert "stage 4" not in err and "0+8" not in err
+
+
+def test_t5_placement_errors_quote_the_text_as_typed():
+    from dynapipe.config import load_model_config
+    from dynapipe.cost.placement import StagePlacement
+
+    t5 = load_model_config("t5-11b")
+    with pytest.raises(DynaPipeError, match=r"--placement '6\+0, 6\+0,6\+0,6\+0\|0\+6,0\+6,0\+12,0\+0': stage 3 "
+                                            r"of chunk 1 holds no layer"):
+        StagePlacement.parse("6+0, 6+0,6+0,6+0|0+6,0+6,0+12,0+0", t5, 4)
+
+
+def _plan_out(tmp_path, capsys, plan_dir, *extra):
+    rc = main(["plan", "--lengths", _lengths(tmp_path), *GPT7B, "--output", str(tmp_path / "p.json"),
+               "--plan-out", str(plan_dir), *extra])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+
+
+def test_plan_out_replaces_an_earlier_layouts_plan_files_and_keeps_other_files(tmp_path, capsys):
+    plan_dir = tmp_path / "plans"
+    _plan_out(tmp_path, capsys, plan_dir, "--stages", "8", "--dp", "2")
+    assert len(os.listdir(plan_dir)) == 16
+    (plan_dir / "notes.txt").write_text("mine")
+    (plan_dir / "replica009-stage009.plan.bak").write_text("mine too")
+    _plan_out(tmp_path, capsys, plan_dir, "--stages", "4")
+    assert sorted(os.listdir(plan_dir)) == ["notes.txt", "replica000-stage000.plan", "replica000-stage001.plan",
+                                            "replica000-stage002.plan", "replica000-stage003.plan",
+                                            "replica009-stage009.plan.bak"]
+    assert (plan_dir / "notes.txt").read_text() == "mine"
+    assert main(["validate", str(plan_dir)]) == 0
+    assert "valid: 4 plans (1 replica(s) x 4 stages)" in capsys.readouterr().out
+
+
+def test_plan_out_and_validate_refuse_a_file(tmp_path, capsys):
+    f = tmp_path / "plans"
+    f.write_text("not a directory")
+    _refused(capsys, ["plan", "--lengths", _lengths(tmp_path), *GPT7B, "--stages", "4", "--plan-out", str(f)],
+             f"--plan-out {str(f)!r} is a file, not a directory")
+    _refused(capsys, ["validate", str(f)], f"plan directory {str(f)!r} is a file, not a directory")
+    _refused(capsys, ["validate", str(tmp_path / "nowhere")], "does not exist")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--replica", "3"], "--replica 3: only --png reads it"),
+    (["--replica", "0"], "--replica 0: only --png reads it"),
+    (["--png", "PNG", "--dp", "2", "--replica", "2"], "--replica 2 is not one of the 2 replica(s); use 0 to 1"),
+    (["--png", "PNG", "--replica", "-1"], "--replica -1 is not one of the 1 replica(s)"),
+])
+def test_trace_replica_is_checked_before_planning(tmp_path, capsys, extra, message):
+    extra = [str(tmp_path / "t.png") if a == "PNG" else a for a in extra]
+    _refused(capsys, ["trace", "--lengths", _lengths(tmp_path), *GPT7B, "--stages", "4",
+                      "--out", str(tmp_path / "t.json"), *extra], message)
+    assert not (tmp_path / "t.json").exists()
+
+
+ADVISE = ["advise", "--model", "gpt-tiny", "--device", "cpu", "--cluster", "cpu-local", "--gpus", "2",
+          "--mixture", "flan-mixture"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--memory-limit-mb", "10"], "--memory-limit-mb 10 leaves nothing for the plans once the 512 MiB device "
+                                  "'cpu' reserves (reserved_mib) are taken off; give more than 512 MiB"),
+    (["--tp-sizes", "1,,2"], "--tp-sizes: '1,,2': an entry is empty"),
+    (["--vpp-sizes", "2,"], "--vpp-sizes: '2,': an entry is empty"),
+    (["--tokens-per-iteration", "10"], "--tokens-per-iteration 10 is below one sample at the clip (1024 tokens, "
+                                       "from the model's max_seq_length 1024); give at least 1024"),
+    (["--tokens-per-iteration", "100", "--seq-length", "128"], "(128 tokens, from --seq-length 128); give at "
+                                                                "least 128"),
+])
+def test_advise_refuses_budgets_and_lists_it_cannot_honour(capsys, extra, message):
+    from dynapipe.config import load_device_config
+
+    assert load_device_config("cpu").reserved_mib == 512  # the figure the first message names
+    _refused(capsys, [*ADVISE, *extra], message)
+
+
+def test_advise_library_refuses_a_limit_below_the_reserved_memory():
+    from dynapipe.advise import advise
+    from dynapipe.config import load_device_config, load_model_config
+    import numpy as np
+
+    with pytest.raises(DynaPipeError, match="--memory-limit-mb 500 leaves nothing"):  # 512 MiB reserved
+        advise([np.array([64, 64])], load_model_config("gpt-tiny"), load_device_config("cpu"), 2,
+               memory_limit_mib=500)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--output", "DIR"], "is a directory; give a file path for the profile JSON"),
+    (["--output", "OUT", "--threads", "-1"], "--threads -1: must be at least 1"),
+    (["--output", "OUT", "--threads", "0"], "--threads 0: must be at least 1"),
+    (["--output", "OUT", "--mbs", "1", "--seqlens", "64,100000"],
+     "--seqlens reaches 100000 tokens, beyond the max_seq_length 1024 of --model gpt-tiny"),
+])
+def test_profile_refuses_before_measuring(tmp_path, capsys, monkeypatch, extra, message):
+    pytest.importorskip("torch")
+    import megatron_integration.profiler as profiler
+
+    def measured(*a, **k):
+        raise AssertionError("measured before refusing")
+    monkeypatch.setattr(profiler, "profile_model", measured)
+    extra = [str(tmp_path) if a == "DIR" else str(tmp_path / "p.json") if a == "OUT" else a for a in extra]
+    _refused(capsys, ["profile", "--model", "gpt-tiny", "--repeats", "1", "--no-progress", *extra], message)
+    assert not (tmp_path / "p.json").exists()

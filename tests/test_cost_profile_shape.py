@@ -1,0 +1,74 @@
+"""A measured cost profile prices only a model of the shape it was measured on: hidden size,
+heads, FFN width, per-head width and norm are compared where the profile records them."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from dynapipe.cli import main
+from dynapipe.config import load_model_config
+from dynapipe.cost import build_cost_model
+from dynapipe.cost.profile import ProfileCostModel
+from dynapipe.errors import DynaPipeError
+
+TINY = load_model_config("gpt-tiny")  # hidden 64, 4 heads, FFN 256, fp32
+# What `python -m dynapipe profile --model gpt-tiny` records of the model it measured.
+TINY_RECORD = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 256,
+               "kv_channels": 16, "vocab_size": 512, "gated_linear_unit": False, "num_query_groups": 0,
+               "add_bias_linear": True, "add_qkv_bias": False, "qk_layernorm": False, "normalization": "LayerNorm"}
+
+
+def _profile(model: dict, dtype: str = "fp32") -> dict:
+    table = {k: [[0.5, 1.0], [1.0, 2.0]] for k in ("fw_ms", "bw_ms", "stored_mib", "peak_mib")}
+    return {"format": "dynapipe-profile", "version": 2, "kind": "decoder-only", "dtype": dtype, "mbs": [1, 2],
+            "seqlen": [64, 128], "model": model, "ops": {"layer": table, "embedding": table, "output": table}}
+
+
+def test_a_profile_of_the_same_shape_prices_the_model():
+    ProfileCostModel(TINY, _profile(TINY_RECORD), 2)
+    # Layer count and vocabulary are not layer shape: another depth is priced from the same layer.
+    ProfileCostModel(dataclasses.replace(TINY, num_layers=8), _profile(TINY_RECORD), 2)
+
+
+@pytest.mark.parametrize("change, record", [
+    ({"hidden_size": 128, "ffn_hidden_size": 256}, "hidden_size=64 but model 'gpt-tiny' has hidden_size=128"),
+    ({"num_attention_heads": 2}, "num_attention_heads=4 but model 'gpt-tiny' has num_attention_heads=2"),
+    ({"ffn_hidden_size": 512}, "ffn_hidden_size=256 but model 'gpt-tiny' has ffn_hidden_size=512"),
+    ({"kv_channels": 32}, "kv_channels=16 but model 'gpt-tiny' has kv_channels=32"),
+    ({"normalization": "RMSNorm"}, "normalization='LayerNorm' but model 'gpt-tiny' has normalization='RMSNorm'"),
+])
+def test_a_profile_of_another_shape_is_refused(change, record):
+    model = dataclasses.replace(TINY, **change)
+    with pytest.raises(DynaPipeError, match="the profile was measured on a layer with " + record) as e:
+        ProfileCostModel(model, _profile(TINY_RECORD), 2, source="p.json")
+    assert str(e.value).startswith("p.json: ") and "\n" not in str(e.value)
+
+
+def test_kv_channels_compare_as_the_per_head_width_in_effect():
+    # kv_channels 0 in a model config means hidden / heads, which is what profiles record.
+    assert TINY.kv_channels == 0 and TINY.head_dim == 16
+    ProfileCostModel(dataclasses.replace(TINY, kv_channels=16), _profile(TINY_RECORD), 2)
+
+
+def test_fields_a_profile_does_not_record_are_not_invented():
+    # Older or hand-written profiles without the widths still load (nothing to compare them with).
+    ProfileCostModel(dataclasses.replace(TINY, hidden_size=128), _profile({}), 2)
+    ProfileCostModel(dataclasses.replace(TINY, hidden_size=128), {**_profile({}), "model": None}, 2)
+
+
+def test_plan_refuses_a_tiny_models_profile_for_gpt_7b(tmp_path, capsys):
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(_profile(TINY_RECORD, dtype="bf16")))  # precision alone would not tell
+    lengths = tmp_path / "l.txt"
+    lengths.write_text("100\n200\n")
+    rc = main(["plan", "--lengths", str(lengths), "--model", "gpt-7b", "--device", "a100-40gb", "--stages", "4",
+               "--profile", str(path)])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    assert f"{path}: the profile was measured on a layer with hidden_size=64 but model 'gpt-7b' has " \
+           "hidden_size=4096" in err
+    # Every caller that builds a cost model from the file (training included) gets the check.
+    with pytest.raises(DynaPipeError, match="hidden_size=64 but model 'gpt-7b'"):
+        build_cost_model(load_model_config("gpt-7b"), None, 4, profile=str(path))
