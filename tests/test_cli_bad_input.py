@@ -175,6 +175,11 @@ def test_advise_library_refuses_a_limit_below_the_reserved_memory():
     (["--output", "OUT", "--threads", "0"], "--threads 0: must be at least 1"),
     (["--output", "OUT", "--mbs", "1", "--seqlens", "64,100000"],
      "--seqlens reaches 100000 tokens, beyond the max_seq_length 1024 of --model gpt-tiny"),
+    (["--output", "OUT", "--lr", "5"], "--lr 5.0 is a training flag that profile does not read"),
+    (["--output", "OUT", "--global-batch-size", "7"], "--global-batch-size 7 is a training flag"),
+    (["--output", "OUT", "--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2 is a training"),
+    (["--output", "OUT", "--mock-data"], "--mock-data is a training flag"),
+    (["--output", "OUT", "--recompute-activations"], "--recompute-activations is a training flag"),
 ])
 def test_profile_refuses_before_measuring(tmp_path, capsys, monkeypatch, extra, message):
     pytest.importorskip("torch")

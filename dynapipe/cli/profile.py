@@ -89,6 +89,48 @@ def fill_from_model_config(args) -> None:
         args.bf16 = torch.cuda.is_available()
 
 
+# Megatron argument groups the profile reads nothing of (it measures layers, it does not
+# train), and the flags of the other groups that it leaves unread too.
+UNREAD_GROUPS = ("learning rate and optimizer", "checkpointing", "logging", "data-parallel gradient reduction",
+                 "data splits and evaluation", "evaluation")
+UNREAD_FLAGS = ("--micro-batch-size", "--global-batch-size", "--train-iters", "--train-samples", "--exit-interval",
+                "--exit-duration-in-mins", "--manual-gc", "--manual-gc-interval", "--no-manual-gc-eval",
+                "--check-for-nan-in-loss-and-grad", "--rerun-mode", "--reset-position-ids", "--reset-attention-mask",
+                "--recompute-granularity", "--recompute-method", "--recompute-num-layers", "--recompute-modules",
+                "--recompute-activations", "--empty-unused-memory-level", "--calculate-per-token-loss",
+                "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32",
+                "--pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
+                "--num-virtual-stages-per-pipeline-rank", "--decoder-first-pipeline-num-layers",
+                "--decoder-last-pipeline-num-layers", "--account-for-embedding-in-pipeline-split",
+                "--account-for-loss-in-pipeline-split", "--pipeline-model-parallel-layout",
+                "--no-overlap-p2p-communication", "--data-path", "--mock-data", "--data-cache-path",
+                "--no-mmap-bin-files", "--num-workers")
+
+
+def refuse_unread_training_flags(args) -> None:
+    """Refuse a Megatron training flag given to ``profile`` at another value than its default:
+    the profile measures single layers at every recompute level over its own grid, so a
+    batch size, a learning rate or a pipeline split would change nothing it writes."""
+    import argparse
+
+    from dynapipe.errors import DynaPipeError
+    from megatron_integration.arguments import add_megatron_args
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_megatron_args(parser)
+    defaults = vars(parser.parse_args([]))
+    for group in parser._action_groups:
+        for action in group._group_actions:
+            flag = action.option_strings[0]
+            if group.title not in UNREAD_GROUPS and flag not in UNREAD_FLAGS:
+                continue
+            value = getattr(args, action.dest, defaults[action.dest])
+            if value != defaults[action.dest]:
+                shown = "" if action.nargs == 0 else f" {value if not isinstance(value, list) else ' '.join(map(str, value))}"
+                raise DynaPipeError(f"{flag}{shown} is a training flag that profile does not read (it times single "
+                                    f"layers at every recompute level over --mbs x --seqlens); drop it.")
+
+
 def check_output(path: str) -> None:
     """Refuse an ``--output`` the profile could not be written to, before measuring."""
     from dynapipe.errors import DynaPipeError
@@ -163,6 +205,7 @@ def run(args) -> int:
     from megatron_integration.profiler import profile_model
 
     # Everything a measurement could be refused for afterwards is checked before it starts.
+    refuse_unread_training_flags(args)
     check_output(args.output)
     if args.threads is not None and args.threads < 1:
         raise DynaPipeError(f"--threads {args.threads}: must be at least 1 (the CPU threads a measurement "
