@@ -84,9 +84,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--seq-length", type=int, default=None, help="maximum sequence length in tokens")
     g.add_argument("--micro-batch-size", type=int, default=None,
                    help="samples (or packed rows) per micro-batch of the fixed-shape baselines")
-    g.add_argument("--global-batch-size", type=int, default=None, help="samples per iteration over all replicas; a sample is a document "
-                   "(or its piece of at most --seq-length tokens), of its own length, where Megatron-LM's are "
-                   "windows of exactly --seq-length tokens")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per iteration over all replicas; a sample is a document (or its piece of at "
+                        "most --seq-length tokens), of its own length, where Megatron-LM's are windows of "
+                        "exactly --seq-length tokens")
     g.add_argument("--train-iters", type=int, default=None, help="iterations to train")
     g.add_argument("--train-samples", type=int, default=None,
                    help="samples to train (instead of --train-iters): iterations = samples // --global-batch-size; "
@@ -165,8 +166,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--lr-warmup-init", type=float, default=0.0,
                    help="learning rate the warm-up starts from (Megatron-LM's; default 0)")
     g.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
-    g.add_argument("--loss-scale", type=float, default=None, help="static loss scale, --fp16 or --bf16 (default: fp16 scales "
-                   "dynamically, bf16 not at all)")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="static loss scale, --fp16 or --bf16 (default: fp16 scales dynamically, bf16 not at all)")
     g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32, help="fp16: initial dynamic loss scale")
     add_loss_scale_args(g)
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")

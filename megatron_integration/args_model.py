@@ -69,7 +69,8 @@ def model_args_from_args(args: argparse.Namespace, cuda: bool) -> GPTModelArgs:
         position_embedding_type=args.position_embedding_type,
         tie_embeddings=not args.untie_embeddings_and_output_weights, normalization=args.normalization,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        init_method_std=_positive("init-method-std", args.init_method_std, allow_zero=True), dtype=dtype, norm_epsilon=_positive("norm-epsilon", args.norm_epsilon),
+        init_method_std=_positive("init-method-std", args.init_method_std, allow_zero=True), dtype=dtype,
+        norm_epsilon=_positive("norm-epsilon", args.norm_epsilon),
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion, deterministic_mode=args.deterministic_mode,
         apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
         attention_softmax_in_fp32=args.attention_softmax_in_fp32, **shape)

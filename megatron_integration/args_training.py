@@ -107,6 +107,8 @@ def optimizer_args_from_args(args: argparse.Namespace) -> OptimizerArgs:
                          use_checkpoint_scheduler=args.use_checkpoint_opt_param_scheduler,
                          grad_reduce_in_bf16=args.grad_reduce_in_bf16, grad_reduce_in_fp32=_grad_reduce_in_fp32(args),
                          log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+                         wd_incr_iters=(None if args.train_samples is None
+                                        else args.train_samples / args.global_batch_size),
                          apply_wd_to_qk_layernorm=bool(getattr(args, "apply_wd_to_qk_layernorm", False)),
                          **_weight_decay_schedule(args), **decoupled, **loss_scale)
 

@@ -66,7 +66,7 @@ class StepResult:
     # --log-params-norm (after the step); None when not asked for.
     num_zeros_in_grad: Optional[int] = None
     params_norm: Optional[float] = None
-    loss_scale: float = 1.0  # the optimizer's loss scale after the step (fp16; 1.0 otherwise)
+    loss_scale: float = 1.0  # the optimizer's loss scale after the step (1.0 when it scales nothing)
 
     @property
     def padding_efficiency(self) -> float:

@@ -94,7 +94,7 @@ class MegatronStageHandlers(ModelStageHandlers):
         if not gpt.post_process:
             return out
         loss_sum = self._sum_loss(out, inputs["loss_mask"])
-        # fp16: the loss scale the optimizer divides the gradients by (see attach_training_hooks).
+        # The loss scale the optimizer divides the gradients by, when it has one (attach_training_hooks).
         scale = st.config.grad_scale_func
         return loss_sum if scale is None else scale(loss_sum)
 

@@ -1,7 +1,8 @@
 """megatron-core's optimizer and learning-rate / weight-decay schedule for a run's stage.
 
 Adam with decoupled weight decay (torch's implementation when Apex and Transformer Engine are
-absent), the precision's main copies and, with fp16, Megatron's loss scaling; Megatron-LM's
+absent), the precision's main copies and Megatron's loss scaling (fp16; bf16 with a static
+``--loss-scale``); Megatron-LM's
 schedule: warm-up, then constant / linear / cosine decay of the rate, and the weight decay
 from ``--start-weight-decay`` to ``--end-weight-decay`` (``--weight-decay-incr-style``).
 """
@@ -12,9 +13,9 @@ from megatron_integration.train_config import DynaPipeTrainingConfig
 
 
 def optimizer_config(cfg: DynaPipeTrainingConfig):
-    """megatron-core's ``OptimizerConfig`` for the run: Adam, the precision and, with fp16,
-    Megatron's loss scaling (static ``--loss-scale``, else dynamic from ``--initial-loss-scale``
-    with ``--min-loss-scale``, ``--loss-scale-window`` and ``--hysteresis``)."""
+    """megatron-core's ``OptimizerConfig`` for the run: Adam, the precision and Megatron's loss
+    scaling (a static ``--loss-scale`` under fp16 or bf16, else under fp16 dynamic from
+    ``--initial-loss-scale`` with ``--min-loss-scale``, ``--loss-scale-window`` and ``--hysteresis``)."""
     from megatron.core.optimizer import OptimizerConfig
 
     o = cfg.optimizer
@@ -50,6 +51,6 @@ def scheduler_arguments(cfg: DynaPipeTrainingConfig) -> dict:
     return dict(init_lr=o.lr_warmup_init if o.lr_warmup_iters else o.lr, max_lr=o.lr, min_lr=o.min_lr,
                 lr_warmup_steps=o.lr_warmup_iters, lr_decay_steps=max(o.lr_decay_iters, 1),
                 lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay_range[0], end_wd=o.weight_decay_range[1],
-                wd_incr_steps=max(cfg.train_iters, 1), wd_incr_style=o.weight_decay_incr_style,
+                wd_incr_steps=o.wd_incr_iters or max(cfg.train_iters, 1), wd_incr_style=o.weight_decay_incr_style,
                 override_opt_param_scheduler=o.override_scheduler,
                 use_checkpoint_opt_param_scheduler=o.use_checkpoint_scheduler)

@@ -1,7 +1,6 @@
 """Named training runs (``configs/runs/*.yaml``): launch shape and Megatron-style arguments."""
 from __future__ import annotations
 
-import argparse
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -70,9 +69,15 @@ def check_run_values(run: RunConfig, parser) -> None:
     """Refuse a run config entry the parser would misread, naming the file and the entry: a name
     that is no flag of the script, a value for a bare flag (``mock-data: "yes"``), a list for a
     flag of one value. (The argv alone would only say "unrecognized arguments: yes".)"""
+    from megatron_integration.args_refusals import UNSUPPORTED_MEGATRON_FLAGS
+
     actions = {opt[2:]: a for a in parser._actions for opt in a.option_strings if opt.startswith("--")}
     for key, value in run.values:
         action = actions.get(str(key))
+        if action is None and value is False and f"--no-{key}" in {f"--{k}" for k in actions}:
+            continue  # given as --no-KEY
+        if action is None and f"--{key}" in UNSUPPORTED_MEGATRON_FLAGS:
+            continue  # the parser names it with the reason this build does not take it
         if action is None:
             raise DynaPipeError(f"{run.path}: args.{key} is not a flag of this script; check its spelling "
                                 f"(names without the leading --).")
@@ -90,10 +95,11 @@ def add_run_config_argument(parser) -> None:
 
 
 def negatable_flags(parser) -> frozenset[str]:
-    """Names (without ``--``) of the parser's on/off flags that have a ``--no-`` form, such as
-    Megatron-LM's ``--check-for-nan-in-loss-and-grad``: a run config's ``false`` must turn them off."""
-    return frozenset(opt[2:] for action in parser._actions if isinstance(action, argparse.BooleanOptionalAction)
-                     for opt in action.option_strings if opt.startswith("--") and not opt.startswith("--no-"))
+    """Names ``X`` (without ``--``) for which the parser has a ``--no-X`` flag, such as Megatron-LM's
+    ``--check-for-nan-in-loss-and-grad`` or ``--ckpt-fully-parallel-save``: a run config's
+    ``X: false`` must turn them off, not leave them at their default (on)."""
+    return frozenset(opt[5:] for action in parser._actions for opt in action.option_strings
+                     if opt.startswith("--no-"))
 
 
 def with_run_config(parser, argv: list[str], world_size: int) -> list[str]:

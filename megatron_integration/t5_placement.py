@@ -36,11 +36,10 @@ def parse_t5_placement(text: str, model, num_stages: int) -> Optional[StagePlace
     if text == "even":
         return StagePlacement.even(model, num_stages)
     try:
-        placement = StagePlacement.parse(text, model, num_stages)
+        placement = StagePlacement.parse(text, model, num_stages, flag="--dynapipe-placement")
     except DynaPipeError as e:
         detail = " ".join(str(e).split()).replace("--stages is", "--pipeline-model-parallel-size is")
-        raise DynaPipeError(f"--dynapipe-placement {text!r}: {detail.split(': ', 1)[-1]} (or use even / auto)") \
-            from None
+        raise DynaPipeError(f"{detail.rstrip('.')}; or use even / auto.") from None
     return placement
 
 

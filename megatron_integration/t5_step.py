@@ -144,7 +144,7 @@ class T5StageHandlers(ModelStageHandlers):
         if not place.is_last:
             return out
         loss_sum = self._sum_loss(out, inputs["loss_mask"])
-        # fp16: the loss scale the optimizer divides the gradients by.
+        # The loss scale the optimizer divides the gradients by, when it has one.
         scale = st.config.grad_scale_func
         return loss_sum if scale is None else scale(loss_sum)
 

@@ -119,6 +119,9 @@ class OptimizerArgs:
     lr_warmup_iters: float = 0
     lr_decay_iters: float = 0
     lr_warmup_init: float = 0.0  # the rate the warm-up starts from (Megatron-LM's --lr-warmup-init)
+    # Iterations the weight decay moves from its start to its end value over: --train-samples /
+    # --global-batch-size (fractional, as Megatron-LM counts samples), or None: --train-iters.
+    wd_incr_iters: Optional[float] = None
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999

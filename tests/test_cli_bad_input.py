@@ -180,6 +180,7 @@ def test_advise_library_refuses_a_limit_below_the_reserved_memory():
     (["--output", "OUT", "--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2 is a training"),
     (["--output", "OUT", "--mock-data"], "--mock-data is a training flag"),
     (["--output", "OUT", "--recompute-activations"], "--recompute-activations is a training flag"),
+    (["--output", "OUT", "--no-check-for-nan-in-loss-and-grad"], "--no-check-for-nan-in-loss-and-grad is a training"),
 ])
 def test_profile_refuses_before_measuring(tmp_path, capsys, monkeypatch, extra, message):
     pytest.importorskip("torch")

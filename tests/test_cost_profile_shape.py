@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -72,3 +74,24 @@ def test_plan_refuses_a_tiny_models_profile_for_gpt_7b(tmp_path, capsys):
     # Every caller that builds a cost model from the file (training included) gets the check.
     with pytest.raises(DynaPipeError, match="hidden_size=64 but model 'gpt-7b'"):
         build_cost_model(load_model_config("gpt-7b"), None, 4, profile=str(path))
+
+
+def test_profile_of_a_model_config_records_its_layer_kind(tmp_path):
+    """`profile --model CONFIG` measures the config's layer kind (norm, MLP, biases, query
+    groups), so the planner takes the profile for that config."""
+    pytest.importorskip("megatron.core")
+    config = tmp_path / "rms.yaml"
+    config.write_text("name: rms-tiny\narch: gpt\nnum_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\n"
+                      "ffn_hidden_size: 128\nvocab_size: 512\nmax_seq_length: 128\ndtype: fp32\n"
+                      "normalization: RMSNorm\ngated_linear_unit: true\nadd_bias_linear: false\nnum_query_groups: 2\n")
+    out = tmp_path / "rms.json"
+    # Its own process: a measurement starts a process group.
+    result = subprocess.run([sys.executable, "-m", "dynapipe", "profile", "--output", str(out), "--model", str(config),
+                             "--mbs", "1", "--seqlens", "64", "--repeats", "1", "--warmup", "0", "--threads", "1",
+                             "--no-progress"], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    recorded = json.loads(out.read_text())["model"]
+    assert (recorded["normalization"], recorded["gated_linear_unit"], recorded["add_bias_linear"],
+            recorded["num_query_groups"]) == ("RMSNorm", True, False, 2)
+    model = load_model_config(str(config))
+    ProfileCostModel(model, json.loads(out.read_text()), 1)

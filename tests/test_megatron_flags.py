@@ -37,6 +37,12 @@ def test_train_samples_and_warmup_fraction():
     cfg = parse("--train-samples 803 --lr-warmup-fraction 0.1", iters="")
     assert cfg.train_iters == 100 and cfg.optimizer.lr_decay_iters == pytest.approx(100.375)
     assert cfg.optimizer.lr_warmup_iters == pytest.approx(10.0375)
+    # The weight decay's increment spans the samples too (Megatron-LM's wd_incr_steps = train samples).
+    pytest.importorskip("megatron.core")
+    from megatron_integration.optimizer import scheduler_arguments
+
+    assert scheduler_arguments(cfg)["wd_incr_steps"] == pytest.approx(100.375)
+    assert scheduler_arguments(parse(""))["wd_incr_steps"] == 100
     assert parse("--lr-decay-iters 50 --lr-warmup-fraction 0.2").optimizer.lr_warmup_iters == 10
 
 

@@ -60,15 +60,18 @@ def test_run_config_errors(tmp_path):
 def test_run_config_false_turns_off_a_flag_that_is_on_by_default(tmp_path):
     # Megatron-LM's --check-for-nan-in-loss-and-grad is on unless --no-...; `false` must not leave it on.
     run = tmp_path / "nan.yaml"
-    run.write_text("args: {check-for-nan-in-loss-and-grad: false, bf16: false}\n")
+    run.write_text("args: {check-for-nan-in-loss-and-grad: false, bf16: false, ckpt-fully-parallel-save: false, "
+                   "load-optim: false}\n")
     parser = build_parser()
     add_run_config_argument(parser)
     argv = with_run_config(parser, ["--run-config", str(run)], world_size=1)
-    assert argv[:1] == ["--no-check-for-nan-in-loss-and-grad"] and "--bf16" not in argv
+    assert argv[:4] == ["--no-check-for-nan-in-loss-and-grad", "--no-ckpt-fully-parallel-save", "--no-load-optim",
+                        "--run-config"] and "--bf16" not in argv
     assert "check-for-nan-in-loss-and-grad" in negatable_flags(parser)
     args = parser.parse_args(argv + ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                                      "--seq-length", "128", "--mock-data"])
-    assert args.check_for_nan_in_loss_and_grad is False
+    assert args.check_for_nan_in_loss_and_grad is False and args.ckpt_fully_parallel_save is False
+    assert args.no_load_optim
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -84,3 +87,15 @@ def test_run_config_entries_the_parser_would_misread_are_named(tmp_path, args, n
     with pytest.raises(DynaPipeError) as e:
         with_run_config(parser, ["--run-config", str(run)], world_size=1)
     assert str(e.value).startswith(f"{run}: ") and needle in str(e.value)
+
+
+def test_an_unsupported_megatron_flag_in_a_run_config_is_named_with_its_reason(tmp_path, capsys):
+    run = tmp_path / "unsupported.yaml"
+    run.write_text("args: {overlap-param-gather: true}\n")
+    parser = build_parser()
+    add_run_config_argument(parser)
+    argv = with_run_config(parser, ["--run-config", str(run)], world_size=1)
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(argv)
+    assert e.value.code == 2
+    assert "--overlap-param-gather is a Megatron-LM flag that dynapipe-megatron does not support" in capsys.readouterr().err

@@ -64,8 +64,9 @@ def _positive(name: str, value, minimum: int = 1) -> None:
 
 
 def _check_tokens_per_iteration(tokens: int, seq: int, model, seq_by_default: bool) -> None:
-    """Refuse a global batch smaller than one sample at the clip: the batches would hold a
-    single sample of whatever length, not about ``tokens`` tokens."""
+    """Refuse a global batch (tokens) smaller than one sample at the clip: a sample longer than
+    the budget still goes into a batch (alone), so the simulated batches would hold more
+    tokens than asked, and the ranking would be of another workload than the one given."""
     sides = 2 if model.is_encoder_decoder else 1  # T5 clips input and target at seq-length each
     minimum = sides * seq
     if tokens < minimum:

@@ -31,7 +31,7 @@ def add_placement_argument(p: argparse.ArgumentParser) -> None:
 def apply_placement(args: argparse.Namespace, setup: CostSetup, lengths) -> tuple[CostSetup, Optional[PlacementPlan]]:
     """``setup`` with the cost model of ``--placement``, and the search's result for ``auto``."""
     choice = getattr(args, "placement", None)
-    choice = "even" if choice is None else choice  # an empty --placement is refused by the parser
+    choice = "even" if choice is None else choice  # an empty --placement is refused by parse_placement
     cm = setup.cost_model
     if choice == "even":
         return setup, None

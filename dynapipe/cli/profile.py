@@ -83,6 +83,16 @@ def fill_from_model_config(args) -> None:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    # The layer kind too (the cost model refuses a profile of another kind): a switch the
+    # config turns on is turned on, unless given otherwise on the command line.
+    if args.normalization == "LayerNorm":
+        args.normalization = cfg.normalization
+    args.swiglu = args.swiglu or cfg.gated_linear_unit
+    args.disable_bias_linear = args.disable_bias_linear or not cfg.add_bias_linear
+    args.add_qkv_bias = args.add_qkv_bias or cfg.add_qkv_bias
+    args.qk_layernorm = args.qk_layernorm or cfg.qk_layernorm
+    if cfg.num_query_groups and not args.group_query_attention:
+        args.group_query_attention, args.num_query_groups = True, cfg.num_query_groups
     if cfg.dtype == "bf16" and not args.fp16 and not args.bf16:
         import torch
 
@@ -125,10 +135,13 @@ def refuse_unread_training_flags(args) -> None:
             if group.title not in UNREAD_GROUPS and flag not in UNREAD_FLAGS:
                 continue
             value = getattr(args, action.dest, defaults[action.dest])
-            if value != defaults[action.dest]:
-                shown = "" if action.nargs == 0 else f" {value if not isinstance(value, list) else ' '.join(map(str, value))}"
-                raise DynaPipeError(f"{flag}{shown} is a training flag that profile does not read (it times single "
-                                    f"layers at every recompute level over --mbs x --seqlens); drop it.")
+            if value == defaults[action.dest]:
+                continue
+            if isinstance(action, argparse.BooleanOptionalAction) and value is False:
+                flag = action.option_strings[1]  # what was typed: --no-...
+            shown = "" if action.nargs == 0 else " " + " ".join(map(str, value if isinstance(value, list) else [value]))
+            raise DynaPipeError(f"{flag}{shown} is a training flag that profile does not read (it times single "
+                                f"layers at every recompute level over --mbs x --seqlens); drop it.")
 
 
 def check_output(path: str) -> None:

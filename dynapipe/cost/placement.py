@@ -148,15 +148,15 @@ class StagePlacement:
                               tuple(int(v) for v in obj["decoder_layers"]), chunks).validate(model)
 
     @staticmethod
-    def parse(text: str, model: ModelConfig, num_stages: int) -> "StagePlacement":
+    def parse(text: str, model: ModelConfig, num_stages: int, flag: str = "--placement") -> "StagePlacement":
         """``--placement`` text: comma-separated layers per stage (``12,12,8``), or
         ``ENC+DEC`` per stage for encoder-decoder models (``6+0,5+1,0+6``); virtual-pipeline
         chunks separated by ``|``, each listing every rank (``3+0,3+0|0+3,0+3``: the
         encoder as chunk 0, the decoder as chunk 1); ``interleaved``: that split for T5
-        with the layers of each chunk spread evenly."""
+        with the layers of each chunk spread evenly. ``flag`` names the option in errors."""
         from dynapipe.cost.placement_spec import parse_placement  # its own module: it imports this one
 
-        return parse_placement(text, model, num_stages)
+        return parse_placement(text, model, num_stages, flag)
 
 
 @dataclass(frozen=True)

@@ -120,8 +120,8 @@ def _check_layer_widths(measured: Mapping[str, Any], model: ModelConfig, source:
         if have != want:
             raise DynaPipeError(f"{source}: the profile was measured on a layer with {key}={have!r} but model "
                                 f"{model.name!r} has {key}={want!r}; its times and memory price another model. "
-                                f"Profile this model (`python -m dynapipe profile --model {model.name}` or the "
-                                f"same model flags) or use the analytic cost model.")
+                                f"Profile this model (`python -m dynapipe profile` with its config or its model "
+                                f"flags) or use the analytic cost model.")
 
 
 def _check_layer_shape(data: Mapping[str, Any], model: ModelConfig, source: str) -> None:

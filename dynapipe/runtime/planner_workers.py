@@ -31,7 +31,7 @@ from dynapipe.cost.model_flops import micro_batches_work, samples_work
 from dynapipe.data.collate import TensorRequest, collate, loss_token_counts
 from dynapipe.data.sampler import GlobalBatchSampler, SamplerConfig
 from dynapipe.data.samples import SampleDataset
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, ExecutorError, PlanError
 from dynapipe.plan.instructions import ExecutionPlan, LoadInput
 from dynapipe.runtime.kv_store import KVStoreSpec, put_blob
 from dynapipe.runtime.plan_payload import encode_payload
@@ -173,10 +173,10 @@ def worker_main(worker: int, job: WorkerJob, tasks, events) -> None:
             ms = plan_and_publish(job, planner, sampler, kv, iteration, worker)
             events.put(("done", worker, iteration, ms, (time.perf_counter() - t0) * 1e3))
     except BaseException as e:
-        # A refusal is the user's to act on: its message, in their flags. Anything else is a bug:
-        # its traceback.
-        tb = (with_flag_names(str(e), job.planner.flag_names) if isinstance(e, DynaPipeError)
-              else traceback.format_exc())
+        # A refusal is the user's to act on: its message, in their flags. Anything else is a bug,
+        # a plan the compiler or validator rejects included (PlanError): its traceback.
+        refusal = isinstance(e, DynaPipeError) and not isinstance(e, (PlanError, ExecutorError))
+        tb = with_flag_names(str(e), job.planner.flag_names) if refusal else traceback.format_exc()
         events.put(("error", worker, iteration, tb))
         if kv is not None:
             try:
