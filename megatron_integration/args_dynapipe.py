@@ -146,9 +146,9 @@ def refuse_unused_dynapipe_flags(args: argparse.Namespace, baselines_use_executo
     for flag, default in _unused(baselines_use_executor, placement_auto).items():
         value = getattr(args, "dynapipe_" + flag.replace("-", "_"))
         if value != default:
-            where = {**dict.fromkeys(PLANNER_ONLY, "the DynaPipe planner"),
-                     **dict.fromkeys(PRICING, "the DynaPipe planner (and --dynapipe-placement auto)")}.get(
-                flag, "the DynaPipe executor")
+            where = ("the DynaPipe planner" if flag in PLANNER_ONLY else
+                     "the DynaPipe planner (and --dynapipe-placement auto)" if flag in PRICING else
+                     "the DynaPipe executor")
             raise DynaPipeError(f"--dynapipe-{flag} {value} is read by {where}, which runs with --use-dynapipe "
                                 f"only; add --use-dynapipe or drop it.")
 

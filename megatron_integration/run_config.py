@@ -74,7 +74,7 @@ def check_run_values(run: RunConfig, parser) -> None:
     actions = {opt[2:]: a for a in parser._actions for opt in a.option_strings if opt.startswith("--")}
     for key, value in run.values:
         action = actions.get(str(key))
-        if action is None and value is False and f"--no-{key}" in {f"--{k}" for k in actions}:
+        if action is None and value is False and f"no-{key}" in actions:
             continue  # given as --no-KEY
         if action is None and f"--{key}" in UNSUPPORTED_MEGATRON_FLAGS:
             continue  # the parser names it with the reason this build does not take it
