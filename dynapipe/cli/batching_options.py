@@ -53,3 +53,11 @@ def check_batching_flags(args: argparse.Namespace) -> None:
         raise DynaPipeError(f"--micro-batch-size {mbs}: --batching token-budget reads it only to default "
                             f"--max-tokens (micro-batch-size x seq-length), and --max-tokens {tokens} is given; "
                             f"give one of the two.")
+
+
+def cut_arguments(args: argparse.Namespace, setup) -> dict:
+    """:func:`~dynapipe.batching.plan_micro_batches`'s arguments as ``plan``/``trace`` give them
+    (all but the recompute level); ``setup``: the command's ``CostSetup`` (memory limits, MiB)."""
+    return dict(method=args.batching, dp=args.dp, memory_limit_mib=setup.memory_limit_mib,
+                reserved_mib=setup.reserved_mib, micro_batch_size=micro_batch_size(args), seq_length=args.seq_length,
+                max_tokens=args.max_tokens)

@@ -14,7 +14,7 @@ import sys
 import time
 
 from dynapipe.batching import BatchPlan, plan_micro_batches, read_lengths
-from dynapipe.cli.batching_options import add_batching_arguments, check_batching_flags, micro_batch_size
+from dynapipe.cli.batching_options import add_batching_arguments, check_batching_flags, cut_arguments
 from dynapipe.cli.cost import CostSetup, add_cost_model_arguments, add_memory_arguments, cost_setup_from_args
 from dynapipe.cli.placement_options import (add_placement_argument, apply_placement, even_split_schedule,
                                              placement_json)
@@ -49,15 +49,8 @@ def plan_from_args(args: argparse.Namespace, setup: CostSetup | None = None,
     setup = setup or cost_setup_from_args(args)
     lengths = read_lengths(args.lengths) if lengths is None else lengths
     plan, level = escalate_recompute(lambda level: plan_micro_batches(
-        lengths, setup.cost_model, recompute=level, **_cut_arguments(args, setup)), setup.recompute)
+        lengths, setup.cost_model, recompute=level, **cut_arguments(args, setup)), setup.recompute)
     return plan, dataclasses.replace(setup, recompute=level)
-
-
-def _cut_arguments(args: argparse.Namespace, setup: CostSetup) -> dict:
-    """:func:`plan_micro_batches`'s arguments as the command line gives them (but the level)."""
-    return dict(method=args.batching, dp=args.dp, memory_limit_mib=setup.memory_limit_mib,
-                reserved_mib=setup.reserved_mib, micro_batch_size=micro_batch_size(args), seq_length=args.seq_length,
-                max_tokens=args.max_tokens)
 
 
 def build_plan_json(args: argparse.Namespace, batch_plan: BatchPlan, setup: CostSetup) -> dict:
@@ -134,7 +127,7 @@ def _with_room_in_flight(args: argparse.Namespace, batch_plan: BatchPlan, sched:
     start = time.perf_counter()
     stage_recompute = sched["recompute"] if isinstance(sched["recompute"], list) else (
         [sched["recompute"]] * setup.cost_model.num_stages)
-    cut = _cut_arguments(args, setup)
+    cut = cut_arguments(args, setup)
     search = dict(schedule=getattr(args, "schedule", "auto"), memory_limit_mib=setup.memory_limit_mib,
                   reserved_mib=setup.reserved_mib, cluster=resolve_cluster(args.cluster, setup.device.name),
                   tp=1, zero=False)

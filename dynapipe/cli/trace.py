@@ -12,7 +12,7 @@ import json
 import sys
 
 from dynapipe.batching import read_lengths
-from dynapipe.cli.batching_options import add_batching_arguments, check_batching_flags, micro_batch_size
+from dynapipe.cli.batching_options import add_batching_arguments, check_batching_flags, cut_arguments
 from dynapipe.cli.cost import add_cost_model_arguments, add_memory_arguments, cost_setup_from_args
 from dynapipe.cli.placement_options import (add_placement_argument, apply_placement, even_split_schedule,
                                              placement_json)
@@ -75,9 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
     def simulate_on(cost_model, schedule=args.schedule):
         batch_plan, level = escalate_recompute(lambda level: plan_micro_batches(
-            lengths, cost_model, method=args.batching, dp=args.dp, memory_limit_mib=setup.memory_limit_mib,
-            reserved_mib=setup.reserved_mib, micro_batch_size=micro_batch_size(args), seq_length=args.seq_length,
-            max_tokens=args.max_tokens, recompute=level), setup.recompute)
+            lengths, cost_model, recompute=level, **cut_arguments(args, setup)), setup.recompute)
         return schedule_batch_plan(batch_plan, cost_model, schedule=schedule,
                                    memory_limit_mib=setup.memory_limit_mib, reserved_mib=setup.reserved_mib,
                                    cluster=resolve_cluster(args.cluster, setup.device.name),
