@@ -1,10 +1,11 @@
 """Benchmark the pipeline schedules on mixture batches: makespan, bubbles, planning time.
 
 For every batch of the synthetic multi-task mixture the micro-batches are planned once
-(DynaPipe's DP), then scheduled three ways on the same micro-batches and the same cost
+(DynaPipe's DP), then scheduled four ways on the same micro-batches and the same cost
 model: ``1f1b`` (Megatron's order, planned micro-batch order, the lightest recompute
-level that fits), ``adaptive`` (likewise) and ``auto`` (the search over schedules x
-orders x recompute levels). Planning time is the whole of ``plan_iteration``:
+level that fits), ``adaptive`` and ``zb-h1`` (the backward split into input and weight
+parts; likewise) and ``auto`` (the search over 1f1b and adaptive x orders x recompute
+levels). Planning time is the whole of ``plan_iteration``:
 micro-batching + schedule search + compilation of every rank's plan, wall clock and
 CPU time of this process, median over the batches.
 
@@ -28,6 +29,9 @@ from dynapipe.pipeline_planner import plan_iteration
 from dynapipe.schedule import _kernels
 from dynapipe.schedule.search import search_schedules
 
+# Schedules priced alone, on the planner's micro-batches (auto's choice is the planner's own).
+FIXED = ("1f1b", "adaptive", "zb-h1")
+
 
 def bench_stage_count(args, model, device, cluster, S: int) -> dict:
     cm = build_cost_model(model, device, S)
@@ -43,20 +47,18 @@ def bench_stage_count(args, model, device, cluster, S: int) -> dict:
         bp = it.batch_plan
         reps = [bp.replica(r) for r in range(bp.dp)]
         fixed = {name: search_schedules(reps, cm, schedule=name, recompute=None, capacity_mib=capacity,
-                                        cluster=cluster).best for name in ("1f1b", "adaptive")}
+                                        cluster=cluster).best for name in FIXED}
         rows.append({
             "batch": b, "micro_batches": len(bp.micro_batches),
-            "makespan_ms": {"1f1b": fixed["1f1b"].makespan_ms, "adaptive": fixed["adaptive"].makespan_ms,
-                            "auto": it.simulated_ms},
-            "bubble": {"1f1b": fixed["1f1b"].bubble_fraction, "adaptive": fixed["adaptive"].bubble_fraction,
-                       "auto": it.bubble_fraction},
-            "recompute": {"1f1b": fixed["1f1b"].recompute, "adaptive": fixed["adaptive"].recompute,
-                          "auto": it.recompute},
+            "makespan_ms": dict({k: c.makespan_ms for k, c in fixed.items()}, auto=it.simulated_ms),
+            "bubble": dict({k: c.bubble_fraction for k, c in fixed.items()}, auto=it.bubble_fraction),
+            "recompute": dict({k: c.recompute for k, c in fixed.items()}, auto=it.recompute),
             "auto_choice": f"{it.schedule}/{it.order}/{it.recompute}",
             "planning_wall_ms": wall, "planning_cpu_ms": cpu, "timings_ms": dict(it.timings_ms),
         })
     ratio = [r["makespan_ms"]["auto"] / r["makespan_ms"]["1f1b"] for r in rows]
     ratio_ad = [r["makespan_ms"]["adaptive"] / r["makespan_ms"]["1f1b"] for r in rows]
+    ratio_zb = [r["makespan_ms"]["zb-h1"] / r["makespan_ms"]["1f1b"] for r in rows]
     choices: dict = {}
     for r in rows:
         choices[r["auto_choice"]] = choices.get(r["auto_choice"], 0) + 1
@@ -64,11 +66,12 @@ def bench_stage_count(args, model, device, cluster, S: int) -> dict:
     return {
         "stages": S, "batches": len(rows), "samples": args.samples,
         "mean_micro_batches": float(np.mean([r["micro_batches"] for r in rows])),
-        "mean_makespan_ms": {k: float(np.mean([r["makespan_ms"][k] for r in rows])) for k in ("1f1b", "adaptive", "auto")},
-        "mean_bubble": {k: float(np.mean([r["bubble"][k] for r in rows])) for k in ("1f1b", "adaptive", "auto")},
+        "mean_makespan_ms": {k: float(np.mean([r["makespan_ms"][k] for r in rows])) for k in FIXED + ("auto",)},
+        "mean_bubble": {k: float(np.mean([r["bubble"][k] for r in rows])) for k in FIXED + ("auto",)},
         "auto_vs_1f1b": {"mean_ratio": float(np.mean(ratio)), "max_ratio": float(np.max(ratio)),
                          "mean_reduction_pct": float(100 * (1 - np.mean(ratio)))},
         "adaptive_vs_1f1b_mean_ratio": float(np.mean(ratio_ad)),
+        "zb_h1_vs_1f1b": {"mean_ratio": float(np.mean(ratio_zb)), "max_ratio": float(np.max(ratio_zb))},
         "auto_choices": dict(sorted(choices.items(), key=lambda kv: -kv[1])),
         "planning_ms_median": {"wall": statistics.median(r["planning_wall_ms"] for r in rows),
                                "cpu": statistics.median(r["planning_cpu_ms"] for r in rows),
@@ -96,14 +99,18 @@ def main(argv=None) -> int:
     print(f"{args.model} on {args.device} ({args.cluster}), {args.batches} batches of {args.samples} mixture "
           f"samples (seq-length {args.seq_length}); simulation kernels "
           f"{'compiled' if _kernels.compiled() else 'in pure Python'}")
-    print("| S | micro-batches | 1f1b ms | adaptive ms | auto ms | auto vs 1f1b (mean / worst) | "
-          "bubble 1f1b / adaptive / auto | planning median ms (wall / cpu) | batching / search / compile |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| S | micro-batches | 1f1b ms | adaptive ms | auto ms | zb-h1 ms | auto vs 1f1b (mean / worst) | "
+          "zb-h1 vs 1f1b (mean / worst) | bubble 1f1b / adaptive / auto / zb-h1 | "
+          "planning median ms (wall / cpu) | batching / search / compile |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         m, bb, pl, a = r["mean_makespan_ms"], r["mean_bubble"], r["planning_ms_median"], r["auto_vs_1f1b"]
+        z = r["zb_h1_vs_1f1b"]
         print(f"| {r['stages']} | {r['mean_micro_batches']:.0f} | {m['1f1b']:.0f} | {m['adaptive']:.0f} | "
-              f"{m['auto']:.0f} | -{a['mean_reduction_pct']:.1f}% / x{a['max_ratio']:.3f} | "
-              f"{100 * bb['1f1b']:.1f}% / {100 * bb['adaptive']:.1f}% / {100 * bb['auto']:.1f}% | "
+              f"{m['auto']:.0f} | {m['zb-h1']:.0f} | -{a['mean_reduction_pct']:.1f}% / x{a['max_ratio']:.3f} | "
+              f"x{z['mean_ratio']:.3f} / x{z['max_ratio']:.3f} | "
+              f"{100 * bb['1f1b']:.1f}% / {100 * bb['adaptive']:.1f}% / {100 * bb['auto']:.1f}% / "
+              f"{100 * bb['zb-h1']:.1f}% | "
               f"{pl['wall']:.1f} / {pl['cpu']:.1f} | {pl['batching']:.1f} / {pl['schedule']:.1f} / {pl['compile']:.1f} |")
     for r in results:
         print(f"S={r['stages']}: auto chose " + ", ".join(f"{k} x{v}" for k, v in r["auto_choices"].items()))

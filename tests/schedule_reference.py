@@ -8,7 +8,7 @@ from dynapipe.schedule import _kernels as K
 from dynapipe.schedule.costs import StageTimes
 from dynapipe.schedule.types import Schedule
 
-_KIND_CODE = {"F": K.F, "B": K.B}
+_KIND_CODE = {"F": K.F, "B": K.B, "BI": K.BI, "BW": K.BW}
 
 
 def schedule_arrays(schedule: Schedule, num_micro_batches: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -21,7 +21,7 @@ def schedule_arrays(schedule: Schedule, num_micro_batches: int) -> tuple[np.ndar
     for s, ops in enumerate(schedule.stage_ops):
         for i, op in enumerate(ops):
             if op.kind not in _KIND_CODE or op.chunk != 0 or not 0 <= op.mb < num_micro_batches:
-                raise DynaPipeError(f"schedule {schedule.name!r}: op {op} cannot be simulated (kinds F/B, "
+                raise DynaPipeError(f"schedule {schedule.name!r}: op {op} cannot be simulated (kinds F, B, BI, BW, "
                                     f"chunk 0, micro-batches 0..{num_micro_batches - 1} are supported).")
             kind[s, i] = _KIND_CODE[op.kind]
             mb[s, i] = op.mb

@@ -38,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
     add_batching_arguments(p)
     p.add_argument("--seq-length", type=int, default=None, help="truncate samples to this many tokens")
-    p.add_argument("--schedule", choices=SCHEDULE_CHOICES, default="auto", help="schedule (default auto)")
+    p.add_argument("--schedule", choices=SCHEDULE_CHOICES, default="auto",
+                   help="schedule, as for plan (zb-h1 draws each backward as BI and BW; default auto)")
     p.add_argument("--cluster", default=None, help="cluster config (default: chosen by device)")
     p.add_argument("--out", required=True, metavar="FILE.json", help="write the Chrome/Perfetto trace here")
     p.add_argument("--png", default=None, metavar="FILE.png", help="also draw the timeline (replica --replica)")

@@ -9,13 +9,14 @@ from typing import Optional
 
 from dynapipe.config import DeviceConfig, ModelConfig, TensorParallelConfig
 from dynapipe.cost.analytic import AnalyticCostModel
+from dynapipe.cost.backward_split import backward_split
 from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, StageCost, StageLayout, stage_layouts
 from dynapipe.cost.placement import PlacementChoice, PlacementSample, StagePlacement, plan_placement
 from dynapipe.cost.profile import ProfileCostModel
 
 __all__ = ["AnalyticCostModel", "ProfileCostModel", "CostModel", "StageCost", "StageLayout",
            "RECOMPUTE_LEVELS", "stage_layouts", "build_cost_model", "StagePlacement", "PlacementChoice",
-           "PlacementSample", "plan_placement"]
+           "PlacementSample", "plan_placement", "backward_split"]
 
 
 def build_cost_model(model: ModelConfig, device: DeviceConfig, num_stages: int,

@@ -38,6 +38,7 @@ from typing import Optional
 import numpy as np
 
 from dynapipe.config import DeviceConfig, ModelConfig, TensorParallelConfig
+from dynapipe.cost.backward_split import cross_attention_flops, layer_flops
 from dynapipe.cost.base import MIB, CostModel, StageCost, StageLayout
 
 FP32_BYTES = 4
@@ -69,18 +70,10 @@ class AnalyticCostModel(CostModel):
 
     # -- FLOPs of the forward of one layer ------------------------------------------------
     def _self_attn_mlp_flops(self, b, s):
-        m = self.model
-        h, ad, f = m.hidden_size, m.attention_dim, m.ffn_hidden_size
-        linear = 2 * b * s * h * (ad + 2 * m.kv_dim) + 2 * b * s * ad * h + 2 * b * s * h * (m.fc1_width + f)
-        core = 4 * b * s * s * ad
-        return linear, core
+        return layer_flops(self.model, b, s)
 
     def _cross_attn_flops(self, b, s_dec, s_enc):
-        m = self.model
-        h, ad = m.hidden_size, m.attention_dim
-        linear = 2 * b * s_dec * h * ad + 4 * b * s_enc * h * ad + 2 * b * s_dec * ad * h
-        core = 4 * b * s_dec * s_enc * ad
-        return linear, core
+        return cross_attention_flops(self.model, b, s_dec, s_enc)
 
     # -- activation bytes of one layer -----------------------------------------------------
     def _layer_act_bytes(self, b, s):

@@ -1,4 +1,4 @@
-"""The binary body of a version-2 plan: fixed-width little-endian arrays, no parsing loop.
+"""The binary body of a plan (format versions 2 and 3 share it): fixed-width little-endian arrays, no parsing loop.
 
 Body layout (before compression; every count is in the fixed part, so the body's exact
 size follows from it and is checked before anything is read)::
@@ -73,7 +73,7 @@ def _encode_micro_batches(mbs: tuple) -> tuple[bytes, int, int, int]:
 
 
 def encode_body(plan: ExecutionPlan) -> bytes:
-    """The uncompressed version-2 body of ``plan``."""
+    """The uncompressed binary body of ``plan`` (versions 2 and 3)."""
     table = table_of(plan.instructions)
     strings = list(table.strings)
     index = {s: i for i, s in enumerate(strings)}
@@ -152,7 +152,7 @@ class _Reader:
 
 
 def decode_body(body: bytes) -> ExecutionPlan:
-    """Rebuild a plan from a version-2 body; :class:`PlanError` naming what is wrong."""
+    """Rebuild a plan from a version-2 or -3 body; :class:`PlanError` naming what is wrong."""
     head = _FIXED.size + _COUNTS.size
     _want(len(body) >= head, f"body of {len(body)} bytes is shorter than its {head}-byte fixed part")
     fixed = _FIXED.unpack_from(body)

@@ -10,6 +10,11 @@ Every rank's instructions follow its op order in the schedule. Around each op:
   produced activation and received gradient; a produced gradient is freed once its send
   has finished.
 
+A split backward (zero-bubble schedules) compiles its ``BI`` op into
+``BackwardPass(part="input")`` with exactly a backward's transfers and frees, and its
+``BW`` op into ``BackwardPass(part="weight")`` with none: what the weight part needs (the
+linear layers' inputs and output gradients) the executor keeps from the input part.
+
 Communication is posted in one global order of transfers, by the simulated time the
 data is ready (ties broken by kind, micro-batch and stage), and each rank posts its
 share of that order: a send right after the op that produces it, a receive in the gap
@@ -32,13 +37,16 @@ from dynapipe.cost.base import CostModel, StageLayout, stage_layouts
 from dynapipe.errors import DynaPipeError
 from dynapipe.plan._fast import maker
 from dynapipe.plan.instructions import ExecutionPlan, MicroBatchInfo, TensorSpec
-from dynapipe.plan.rank_table import op_positions, positions_from_arrays, rank_table
+from dynapipe.plan.rank_table import (backward_positions, op_positions, positions_from_arrays, rank_table,
+                                      split_positions_from_arrays)
 from dynapipe.schedule.adaptive import adaptive_schedule
 from dynapipe.schedule.comm import message_shapes
 from dynapipe.schedule.costs import MIN_OP_MS, StageTimes, stage_times
 from dynapipe.schedule.one_f_one_b import one_f_one_b
 from dynapipe.schedule.simulator import Timeline, simulate
+from dynapipe.schedule._kernels import BI as KIND_BI
 from dynapipe.schedule.types import Schedule
+from dynapipe.schedule.zero_bubble import ZB_H1, zb_h1
 
 
 @functools.lru_cache(maxsize=64)
@@ -113,7 +121,9 @@ def _proxy_times(micro_batches: Sequence[MicroBatch], num_stages: int) -> StageT
     fw = np.tile(np.maximum(tokens, MIN_OP_MS), (num_stages, 1))
     zeros = np.zeros_like(fw)
     comm = np.zeros((max(num_stages - 1, 0), len(micro_batches)))
-    return StageTimes(fw, 2 * fw, zeros, zeros.copy(), comm, comm.copy(), np.zeros(num_stages))
+    # A split backward: half input gradient, half weight gradient.
+    return StageTimes(fw, 2 * fw, zeros, zeros.copy(), comm, comm.copy(), np.zeros(num_stages),
+                      bw_weight_ms=fw.copy())
 
 
 # Specs by (model, stages, shape): a global batch repeats a few thousand shapes over
@@ -175,8 +185,9 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
     """One :class:`ExecutionPlan` per pipeline stage (list index = stage) for one replica.
 
     ``schedule``: a :class:`Schedule` whose ``Op.mb`` index ``micro_batches``, or the name
-    ``"1f1b"``/``"adaptive"`` to build one here (needs ``num_stages``; the adaptive one is
-    then unbounded in memory). ``micro_batches``: this replica's micro-batches in the
+    ``"1f1b"``/``"adaptive"``/``"zb-h1"`` to build one here (needs ``num_stages``; the
+    adaptive one is then unbounded in memory). A schedule that splits backwards (``BI``/``BW``)
+    must split every backward of a stage or none of them. ``micro_batches``: this replica's micro-batches in the
     order the schedule indexes them. ``timeline``: the schedule's simulated timeline,
     which orders communication; without one it is simulated on ``cost_model``'s costs,
     or on costs proportional to padded tokens. ``global_loss_tokens``: loss tokens of the
@@ -203,10 +214,12 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
                  else _proxy_times(mbs_list, num_stages))
         if schedule == "1f1b":
             schedule = one_f_one_b(num_stages, len(mbs_list))
+        elif schedule == ZB_H1:
+            schedule = zb_h1(num_stages, len(mbs_list))
         elif schedule == "adaptive":
             schedule, timeline = adaptive_schedule(times)
         else:
-            raise DynaPipeError(f"schedule {schedule!r} is not known; use '1f1b', 'adaptive' or a Schedule.")
+            raise DynaPipeError(f"schedule {schedule!r} is not known; use '1f1b', 'adaptive', 'zb-h1' or a Schedule.")
         if timeline is None:
             timeline = simulate(schedule, times, record_memory=False)
     if schedule.num_chunks > 1:
@@ -219,26 +232,44 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
     if len(schedule.stage_ops) != S:
         raise DynaPipeError(f"schedule {schedule.name!r}: {len(schedule.stage_ops)} op lists for {S} stages.")
     M = len(mbs_list)
-    if S and len(schedule.stage_ops[0]) != 2 * M:
-        raise DynaPipeError(f"schedule {schedule.name!r} runs {len(schedule.stage_ops[0]) // 2} micro-batches, "
-                            f"{M} were given.")
     # Op positions from the simulation's arrays when it kept them (they are the ops it
-    # ran), else from the ops; either way every stage must run F(i) once, then B(i),
-    # as Schedule.check demands.
+    # ran), else from the ops; either way every stage must run F(i) once, then B(i) (or
+    # BI(i) then BW(i)), as Schedule.check demands.
     arrays = timeline.op_arrays if timeline is not None and timeline.schedule is schedule else None
-    pos = positions_from_arrays(*arrays[:3], M) if arrays is not None else None
-    if pos is None:
-        positions = [op_positions(schedule.name, s, schedule.stage_ops[s], M) for s in range(S)]
-        f_idx, b_idx = [p[0] for p in positions], [p[1] for p in positions]
+    split = bool((arrays[0] >= KIND_BI).any()) if arrays is not None else schedule.split_backward
+    n_fw = (sum(op.kind == "F" for op in schedule.stage_ops[0]) if split
+            else len(schedule.stage_ops[0]) // 2) if S else 0
+    if S and (n_fw != M or (not split and len(schedule.stage_ops[0]) != 2 * M)):
+        raise DynaPipeError(f"schedule {schedule.name!r} runs {n_fw} micro-batches, {M} were given.")
+    w_idx = [None] * S
+    if split:
+        pos = split_positions_from_arrays(*arrays[:3], M) if arrays is not None else None
+        if pos is None:
+            positions = [backward_positions(schedule.name, s, schedule.stage_ops[s], M) for s in range(S)]
+            f_idx, b_idx, w_all = [p[0] for p in positions], [p[1] for p in positions], [p[2] for p in positions]
+        else:
+            f_idx, b_idx, w_all = list(pos[0]), list(pos[1]), list(pos[2])
+        for s, w in enumerate(w_all):
+            if (w >= 0).all():
+                w_idx[s] = w
+            elif (w >= 0).any():
+                raise DynaPipeError(f"schedule {schedule.name!r}: stage {s} splits the backward of "
+                                    f"{int((w >= 0).sum())} of its {M} micro-batches; the plan compiler needs a "
+                                    f"stage to split every backward (BI then BW) or none.")
     else:
-        f_idx, b_idx = list(pos[0]), list(pos[1])
+        pos = positions_from_arrays(*arrays[:3], M) if arrays is not None else None
+        if pos is None:
+            positions = [op_positions(schedule.name, s, schedule.stage_ops[s], M) for s in range(S)]
+            f_idx, b_idx = [p[0] for p in positions], [p[1] for p in positions]
+        else:
+            f_idx, b_idx = list(pos[0]), list(pos[1])
     if timeline is None:
         times = stage_times(cost_model, mbs_list) if cost_model is not None else _proxy_times(mbs_list, S)
         timeline = simulate(schedule, times, record_memory=False)
     if timeline.schedule is not schedule and timeline.schedule.stage_ops != schedule.stage_ops:
         raise DynaPipeError("the timeline given to compile_plans belongs to a different schedule.")
     if pos is not None:
-        ends = [e[:2 * M] for e in arrays[3]]
+        ends = [e[:n] for e, n in zip(arrays[3], arrays[2].tolist())]
     else:
         ends = [np.asarray(e, dtype=np.float64) for e in timeline.ends]
     infos = tuple(_info(i, mb) for i, mb in enumerate(mbs_list))
@@ -291,6 +322,10 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
     for s in range(S):
         level = recompute or schedule.recompute_of(s)
         strings = (level, "full") if level != "full" else ("full",)
+        parts = {}
+        if w_idx[s] is not None:
+            strings += ("input", "weight")
+            parts = dict(w_idx=w_idx[s], input_sid=strings.index("input"), weight_sid=strings.index("weight"))
         # Each rank's table holds only the tensor lists it uses, renumbered.
         mine = [a for a in (msg_ids[s - 1] if s > 0 else None, msg_ids[s] if s < S - 1 else None, load_ids[s])
                 if a is not None]
@@ -305,7 +340,7 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
             rank_msgs[s], k = remap[k], k + 1
         tensor_lists = tuple(map(lists.__getitem__, used[offset:].tolist()))
         instructions = rank_table(s, S, M, f_idx, b_idx, ends, shape, rank_msgs, remap[k], strings,
-                                  tensor_lists, 0, strings.index("full"))
+                                  tensor_lists, 0, strings.index("full"), **parts)
         plans.append(ExecutionPlan(
             iteration=iteration, stage=s, num_stages=S, replica=replica, num_replicas=num_replicas,
             schedule=schedule.name, recompute=level, micro_batches=infos, instructions=instructions,

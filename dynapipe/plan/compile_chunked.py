@@ -59,6 +59,10 @@ def compile_chunked_plans(schedule: Schedule, micro_batches: Sequence[MicroBatch
                             f"{v} chunks.")
     if P < 2:
         raise DynaPipeError("an interleaved plan needs at least 2 pipeline ranks.")
+    if schedule.split_backward:
+        raise DynaPipeError(f"compile_chunked_plans: schedule {schedule.name!r} splits backwards (BI/BW), which "
+                            f"interleaved plans do not support yet; use a zero-bubble schedule on an unchunked "
+                            f"placement.")
     if timeline.schedule.stage_ops != schedule.stage_ops:
         raise DynaPipeError("the timeline given to compile_chunked_plans belongs to a different schedule.")
     mbs_list = list(micro_batches)

@@ -11,9 +11,11 @@ pipeline-parallel group; the executor maps them to global ranks. This keeps a pl
 valid whatever the data/tensor-parallel layout (every tensor-parallel rank of a stage
 runs the same plan).
 
-Open for what is coming: ``chunk`` names the virtual-pipeline chunk (interleaved
-stages; 0 for now); ``BackwardPass.part`` is ``"full"`` today and reserves ``"input"``
-/ ``"weight"`` for zero-bubble schedules that split the backward; an activation message
+``chunk`` names the virtual-pipeline chunk (interleaved stages; 0 otherwise);
+``BackwardPass.part`` is ``"full"``, or for zero-bubble schedules that split the backward
+``"input"`` (the input gradients: it receives the gradient and sends the input gradient
+on, as a full backward does) and later ``"weight"`` (the deferred weight gradients of the
+same micro-batch on the same rank: no transfer, no plan buffer); an activation message
 may hold several tensors (an encoder-decoder decoder stage receives the hidden states
 and the encoder output).
 
@@ -87,8 +89,10 @@ class ForwardPass(Instruction):
 
 @dataclass(frozen=True)
 class BackwardPass(Instruction):
-    """Backward of micro-batch ``mb``; ``part`` is ``"full"`` (reserved: ``"input"``,
-    ``"weight"`` for split backwards)."""
+    """Backward of micro-batch ``mb``; ``part`` is ``"full"``, or one of the two parts of a
+    split backward: ``"input"`` (input gradients, any recomputation; reads ``grad_in`` and
+    writes ``grad_out`` as a full backward does) and then ``"weight"`` (the weight gradients
+    the input part deferred; reads and writes no plan buffer)."""
 
     OPCODE: ClassVar[str] = "bw"
     mbs: int = 0

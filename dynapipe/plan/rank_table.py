@@ -6,6 +6,11 @@ the rank's op order; -1 before the first op), ``minor`` its place around that op
 (0 load, 1 receive finish, 2 the op, 3 frees after a backward, 4 posted transfers,
 5 send finish and its free), and ``sub`` the order among equals (the transfer's place
 in the global post order, or the buffer kind). One lexsort then gives the list.
+
+A split backward (``BI`` then ``BW``) compiles its ``BI`` exactly as a backward (the
+gradient receive before it, the input-gradient send and every buffer free after it,
+``part="input"``) and its ``BW`` alone (``part="weight"``, no transfer, no buffer): the
+weight part's tensors are the executor's, not plan buffers.
 """
 from __future__ import annotations
 
@@ -46,6 +51,70 @@ def op_positions(name: str, stage: int, ops: Sequence, M: int) -> tuple[np.ndarr
     return f, b
 
 
+def backward_positions(name: str, stage: int, ops: Sequence, M: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(f, b, w)``: per micro-batch ``i`` the index of ``F(i)``, of its backward (``B(i)``
+    or ``BI(i)``) and of ``BW(i)`` (-1 where the backward is whole) in stage ``stage``'s op
+    list; :class:`DynaPipeError` unless the stage runs every micro-batch's forward once,
+    then either ``B`` once or ``BI`` then ``BW`` once each (chunk 0), as ``Schedule.check``
+    demands."""
+    code = {"F": 0, "B": 1, "BI": 1, "BW": 2}
+    try:
+        kind = np.fromiter((code[op.kind] + 3 * op.chunk for op in ops), dtype=np.int64, count=len(ops))
+    except KeyError as e:
+        raise DynaPipeError(f"schedule {name!r}: stage {stage} has an op of kind {e.args[0]!r}; only F, B, BI and "
+                            f"BW are compiled.") from None
+    mb = np.fromiter((op.mb for op in ops), dtype=np.int64, count=len(ops))
+    inputs = np.fromiter((op.kind == "BI" for op in ops), dtype=bool, count=len(ops))
+    if ((kind > 2) | (mb < 0) | (mb >= M)).any():
+        raise DynaPipeError(f"schedule {name!r}: stage {stage} must run micro-batches 0..{M - 1} (chunk 0); it has "
+                            f"{len(ops)} ops.")
+    pos = np.arange(len(ops))
+    out = []
+    for k in range(3):
+        sel = kind == k
+        at = np.full(M, -1, np.int64)
+        at[mb[sel]] = pos[sel]
+        if np.bincount(mb[sel], minlength=M).max(initial=0) > 1:
+            dup = int(np.argmax(np.bincount(mb[sel], minlength=M)))
+            raise DynaPipeError(f"schedule {name!r}: stage {stage} runs the {('forward', 'backward', 'weight part')[k]}"
+                                f" of micro-batch {dup} more than once.")
+        out.append(at)
+    f, b, w = out
+    split = np.zeros(M, bool)
+    split[mb[inputs]] = True
+    bad = (f < 0) | (b < 0) | (b < f) | (split != (w >= 0)) | ((w >= 0) & (w < b))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise DynaPipeError(f"schedule {name!r}: stage {stage} does not run F{i} once and then B{i} once (or BI{i} "
+                            f"then BW{i}).")
+    return f, b, w
+
+
+def split_positions_from_arrays(kind: np.ndarray, mb: np.ndarray, nops: np.ndarray,
+                                M: int) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """``(f, b, w)``: ``[S, M]`` op positions of every forward, input part and weight part,
+    from a simulated split-backward schedule's ``[S, L]`` arrays (kind 0 = F, 2 = BI,
+    3 = BW); ``None`` unless every stage runs each micro-batch's F, BI and BW once in that
+    order (the caller then reads the ops, which names what is wrong)."""
+    S = kind.shape[0]
+    if S == 0 or (np.asarray(nops) != 3 * M).any() or kind.shape[1] < 3 * M:
+        return None
+    kind, mb = kind[:, :3 * M], mb[:, :3 * M]
+    if ((kind != 0) & (kind != 2) & (kind != 3)).any() or ((mb < 0) | (mb >= M)).any():
+        return None
+    part = np.where(kind == 0, 0, kind - 1)
+    slot = (np.arange(S)[:, None] * M + mb) * 3 + part
+    if M and (np.bincount(slot.ravel(), minlength=3 * S * M) != 1).any():
+        return None
+    pos = np.empty(3 * S * M, np.int64)
+    pos[slot.ravel()] = np.tile(np.arange(3 * M), S)
+    pos = pos.reshape(S, M, 3)
+    f, b, w = pos[:, :, 0], pos[:, :, 1], pos[:, :, 2]
+    if (b < f).any() or (w < b).any():
+        return None
+    return f, b, w
+
+
 def positions_from_arrays(kind: np.ndarray, mb: np.ndarray, nops: np.ndarray,
                           M: int) -> Optional[tuple[np.ndarray, np.ndarray]]:
     """``(f, b)``: ``[S, M]`` op positions of every forward and backward, from a simulated
@@ -73,14 +142,18 @@ def positions_from_arrays(kind: np.ndarray, mb: np.ndarray, nops: np.ndarray,
 
 def rank_table(s: int, S: int, M: int, f_idx: Sequence[np.ndarray], b_idx: Sequence[np.ndarray],
                ends: Sequence[np.ndarray], mb_shape: np.ndarray, msg_ids: list, load_ids: np.ndarray,
-               strings: tuple, tensor_lists: tuple, recompute_sid: int, full_sid: int) -> InstructionTable:
+               strings: tuple, tensor_lists: tuple, recompute_sid: int, full_sid: int,
+               w_idx: Optional[np.ndarray] = None, input_sid: int = -1, weight_sid: int = -1) -> InstructionTable:
     """The instruction table of pipeline rank ``s`` of ``S`` running ``M`` micro-batches.
 
-    ``f_idx[r]``/``b_idx[r]``: op positions of every micro-batch's forward/backward on
-    rank ``r``; ``ends[r]``: simulated end (ms) of rank ``r``'s ops, in op order (an
-    array); ``mb_shape``: ``[M, 3]`` mbs, seqlen, dec_seqlen; ``msg_ids[b]``: per
-    micro-batch, the tensor-list index of boundary ``b``'s message; ``load_ids``: per
-    micro-batch the tensor-list index of what this rank loads (-1: nothing).
+    ``f_idx[r]``/``b_idx[r]``: op positions of every micro-batch's forward/backward (or
+    input part of a split backward) on rank ``r``; ``ends[r]``: simulated end (ms) of rank
+    ``r``'s ops, in op order (an array); ``mb_shape``: ``[M, 3]`` mbs, seqlen, dec_seqlen;
+    ``msg_ids[b]``: per micro-batch, the tensor-list index of boundary ``b``'s message;
+    ``load_ids``: per micro-batch the tensor-list index of what this rank loads (-1:
+    nothing). ``w_idx``: op positions of this rank's weight parts when it splits every
+    backward (``None``: it splits none); ``input_sid``/``weight_sid`` then index the part
+    names ``"input"``/``"weight"`` in ``strings``.
     """
     i = np.arange(M, dtype=np.int64)
     fi, bi = f_idx[s], b_idx[s]
@@ -96,6 +169,9 @@ def rank_table(s: int, S: int, M: int, f_idx: Sequence[np.ndarray], b_idx: Seque
         add(fi, 0, 0, "load", tensors=load_ids)
     add(fi, 2, 0, "fw")
     add(bi, 2, 0, "bw")
+    if w_idx is not None:
+        weight_part = len(parts)
+        add(w_idx, 2, 0, "bw")
     free_kinds = [k for k, present in (("input", loads), ("act_in", s > 0), ("act_out", s < S - 1),
                                        ("grad_in", s < S - 1)) if present]
     for j, k in enumerate(free_kinds):
@@ -170,5 +246,8 @@ def rank_table(s: int, S: int, M: int, f_idx: Sequence[np.ndarray], b_idx: Seque
     for c, name in enumerate(("mbs", "seqlen", "dec_seqlen")):
         rows[:, COL[name]] = np.where(compute, shape[:, c], 0)
     rows[:, COL["recompute"]] = np.where(compute, recompute_sid, 0)
-    rows[:, COL["part"]] = np.where(op == _OP["bw"], full_sid, 0)
+    if w_idx is None:
+        rows[:, COL["part"]] = np.where(op == _OP["bw"], full_sid, 0)
+    else:
+        rows[:, COL["part"]] = np.where(op == _OP["bw"], np.where(part == weight_part, weight_sid, input_sid), 0)
     return InstructionTable(rows, strings, tensor_lists)

@@ -1,9 +1,9 @@
 """Execution plans as bytes: compact, versioned, checksummed, deterministic, never pickle.
 
-Version 2 (written), big-endian header::
+Version 3 (written), big-endian header::
 
     magic  b"DPPL"        4 bytes
-    version               uint16   (FORMAT_VERSION = 2)
+    version               uint16   (FORMAT_VERSION = 3)
     flags                 uint16   (bit 0: body is zlib-compressed)
     payload length        uint32   (bytes after the header)
     payload CRC32         uint32
@@ -14,6 +14,12 @@ The body length bounds the inflation: a reader refuses a header that declares mo
 than :data:`MAX_BODY_BYTES`, inflates at most the declared length, and refuses a
 payload that would inflate further (a compression bomb costs nothing). The same
 plan always gives the same bytes.
+
+Version 3 has version 2's header and body; its ``BackwardPass.part`` may be ``"input"``
+or ``"weight"`` (split backwards of zero-bubble schedules). The version changed so that
+a release that reads at most version 2, whose executor runs every backward in full,
+refuses these plans instead of running a weight part as a second backward. Version-2
+payloads (written by earlier releases) still read.
 
 Version 1 (read only): a 16-byte header without the body length and zlib-compressed
 canonical JSON, inflated at most to :data:`MAX_V1_JSON_BYTES`. Anything malformed
@@ -34,8 +40,8 @@ from dynapipe.plan.binary import decode_body, encode_body
 from dynapipe.plan.instructions import DTYPES, INSTRUCTION_TYPES, ExecutionPlan, MicroBatchInfo, TensorSpec
 
 MAGIC = b"DPPL"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 _HEADER_V1 = struct.Struct(">4sHHII")
 _HEADER = struct.Struct(">4sHHIII")
 HEADER_BYTES = _HEADER.size
@@ -104,7 +110,7 @@ def _plan_document(plan: ExecutionPlan) -> dict:
 
 
 def serialize_plan(plan: ExecutionPlan) -> bytes:
-    """The plan as deterministic version-2 bytes: a 20-byte header (magic, version,
+    """The plan as deterministic version-3 bytes: a 20-byte header (magic, version,
     flags, payload length, CRC32, body length) and the zlib-compressed binary body.
     ``plan.meta`` must hold only JSON values (str keys, numbers, strings, lists, dicts)."""
     body = encode_body(plan)
@@ -231,8 +237,8 @@ def _inflate(payload: bytes, flags: int, limit: int, exact: Optional[int]) -> by
 
 
 def deserialize_plan(data: bytes) -> ExecutionPlan:
-    """Rebuild an :class:`ExecutionPlan` from :func:`serialize_plan` bytes (version 2,
-    or version 1 written by earlier releases).
+    """Rebuild an :class:`ExecutionPlan` from :func:`serialize_plan` bytes (version 3, or
+    version 2 or 1 written by earlier releases).
 
     Raises :class:`PlanError` for a wrong magic or an unknown version, a truncated
     payload, a CRC mismatch (corruption), a body larger than its header declares or
@@ -270,7 +276,7 @@ def deserialize_plan(data: bytes) -> ExecutionPlan:
         raise PlanError(f"plan payload has {len(payload) - length} unexpected trailing bytes.")
     if zlib.crc32(payload) != crc:
         raise PlanError("plan payload is corrupted: CRC32 mismatch.")
-    if version == 2:
+    if version >= 2:
         return decode_body(_inflate(payload, flags, body_len, body_len))
     text = _inflate(payload, flags, MAX_V1_JSON_BYTES, None)
     try:

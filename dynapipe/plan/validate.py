@@ -8,7 +8,10 @@ What each instruction reads and writes on pipeline rank ``s`` of ``S`` (buffers 
 - ``ForwardPass`` reads ``input`` (if loaded; required on the first and last rank) and
   ``act_in`` (``s > 0``) and creates ``act_out`` (``s < S - 1``);
 - ``BackwardPass`` needs the forward done and reads ``grad_in`` and ``act_out``
-  (``s < S - 1``) and ``act_in`` (``s > 0``); it creates ``grad_out`` (``s > 0``);
+  (``s < S - 1``) and ``act_in`` (``s > 0``); it creates ``grad_out`` (``s > 0``). A
+  split backward's ``part="input"`` does exactly that, and its ``part="weight"`` reads
+  no buffer and must follow the input part on the same rank: each micro-batch runs
+  either one ``full`` backward or one ``input`` and then one ``weight`` part;
 - ``Send*Start`` reads ``act_out``/``grad_out``; ``FreeBuffer`` releases a buffer whose
   transfers have all finished.
 
@@ -70,7 +73,9 @@ def _check_buffers(plan: ExecutionPlan) -> None:
     freed_at: dict[str, int] = {}
     sending: dict[str, int] = {}
     fw_done: dict[tuple, int] = {}
-    bw_done: dict[tuple, int] = {}
+    bw_done: dict[tuple, int] = {}     # full backwards and input parts
+    split_done: dict[tuple, int] = {}  # input parts
+    weight_done: dict[tuple, int] = {}
 
     def use(k: int, inst, buf: str, *, need: bool = True) -> None:
         st = state.get(buf)
@@ -130,13 +135,23 @@ def _check_buffers(plan: ExecutionPlan) -> None:
                 if s < S - 1:
                     create(k, inst, buffer_name("act_out", *key), "ready")
                 fw_done[key] = k
+            elif inst.part == "weight":
+                if key not in split_done:
+                    why = ("after a full backward" if key in bw_done else "before its input part")
+                    fail(plan, k, inst, f"runs the weight part of the backward {why}; a weight part follows the "
+                                        f"micro-batch's part='input' backward on the same rank.")
+                if key in weight_done:
+                    fail(plan, k, inst, f"runs the weight part a second time (first at instruction "
+                                        f"{weight_done[key]}).")
+                weight_done[key] = k
             else:
-                if inst.part != "full":
-                    fail(plan, k, inst, f"backward part {inst.part!r} is reserved; only 'full' runs today.")
+                if inst.part not in ("full", "input"):
+                    fail(plan, k, inst, f"backward part {inst.part!r} is not 'full', 'input' or 'weight'.")
                 if key not in fw_done:
                     fail(plan, k, inst, "runs the backward before the forward.")
                 if key in bw_done:
-                    fail(plan, k, inst, f"runs the backward a second time (first at instruction {bw_done[key]}).")
+                    fail(plan, k, inst, f"runs the backward a second time (first at instruction {bw_done[key]}); "
+                                        f"a micro-batch runs one full backward or one part='input' backward.")
                 use(k, inst, inp, need=False)
                 if s < S - 1:
                     use(k, inst, buffer_name("grad_in", *key))
@@ -145,6 +160,8 @@ def _check_buffers(plan: ExecutionPlan) -> None:
                     use(k, inst, buffer_name("act_in", *key))
                     create(k, inst, buffer_name("grad_out", *key), "ready")
                 bw_done[key] = k
+                if inst.part == "input":
+                    split_done[key] = k
         elif cls is FreeBuffer:
             buf = inst.buffer
             st = state.get(buf)
@@ -168,8 +185,11 @@ def _check_buffers(plan: ExecutionPlan) -> None:
     needs_backward = not plan.meta.get("forward_only", False)
     for m in plan.micro_batches:
         for c in range(chunks):
-            if (m.mb, c) not in fw_done or ((m.mb, c) not in bw_done and needs_backward):
-                missing = "forward" if (m.mb, c) not in fw_done else "backward"
+            key = (m.mb, c)
+            if key not in fw_done or (needs_backward and (key not in bw_done or
+                                                          (key in split_done and key not in weight_done))):
+                missing = ("forward" if key not in fw_done else "backward" if key not in bw_done
+                           else "weight part of its split backward")
                 of = f" of chunk {c}" if chunks > 1 else ""
                 raise PlanError(f"{_where(plan, end)}: micro-batch {m.mb} has no {missing}{of} on this rank.")
 

@@ -11,7 +11,9 @@ to the slow path, never pass an invalid one.
 The shape accepted, per rank ``s`` of ``S`` and micro-batch ``i`` (``plan.micro_batches[i].mb
 == i``, chunk 0, ungrouped posts, canonical buffer names): a forward, a backward, a load
 on every micro-batch or on none (none only on middle ranks), the four transfers with
-each neighbour and their finishes, and one free of every buffer the rank creates. The
+each neighbour and their finishes, and one free of every buffer the rank creates; a
+rank that splits its backwards splits every one (a ``part="input"`` backward, then a
+``part="weight"`` one, which touches no buffer), else every backward is ``full``. The
 order constraints checked are those the validator's buffer state machine implies for
 that shape; the deadlock check replays the in-order point-to-point model on the
 transfers alone.
@@ -35,9 +37,10 @@ _BUF_OF = {"send_act_start": "act_out", "send_act_finish": "act_out", "recv_act_
 _LEVELS = ("none", "selective", "full")
 
 
-def _slots(s: int, S: int, loads: bool) -> list[tuple[str, str, int]]:
-    """The expected ``(opcode, buffer kind, peer)`` of every instruction of one micro-batch."""
-    out = [("fw", "", 0), ("bw", "", 0)]
+def _slots(s: int, S: int, loads: bool, split: bool) -> list[tuple[str, str, int]]:
+    """The expected ``(opcode, buffer kind, peer)`` of every instruction of one micro-batch
+    (for the weight part of a split backward: ``("bw", "weight", 0)``)."""
+    out = [("fw", "", 0), ("bw", "", 0)] + ([("bw", "weight", 0)] if split else [])
     if loads:
         out += [("load", "", 0), ("free", "input", 0)]
     if s < S - 1:
@@ -63,7 +66,11 @@ def _rank(plan: ExecutionPlan, canon: dict):
     loads = bool((op == _OP["load"]).any())
     if not loads and s in (0, S - 1):
         return None
-    slots = _slots(s, S, loads)
+    strings = t.strings
+    weight_sid = strings.index("weight") if "weight" in strings else -1
+    weight = (op == _OP["bw"]) & (r[:, COL["part"]] == weight_sid)
+    split = bool(weight.any())
+    slots = _slots(s, S, loads, split)
     if len(r) != M * len(slots):
         return None
     # Slot of every row: its (opcode, buffer kind, peer) must be one of the expected ones.
@@ -71,7 +78,9 @@ def _rank(plan: ExecutionPlan, canon: dict):
     slot = np.full(len(r), -1, np.int64)
     for j, (o, kind, p) in enumerate(slots):
         sel = (op == _OP[o])
-        if kind:
+        if o == "bw":
+            sel &= weight if kind == "weight" else ~weight
+        elif kind:
             sel &= r[:, COL["buffer"]] == _K[kind]
         if o.endswith(("start", "finish")):
             sel &= (peer == p) & (r[:, COL["group"]] == -1)
@@ -86,7 +95,7 @@ def _rank(plan: ExecutionPlan, canon: dict):
     pos = pos.reshape(M, len(slots))
     P = {sl[:2]: pos[:, j] for j, sl in enumerate(slots)}
     F, B = P[("fw", "")], P[("bw", "")]
-    before = [(F, B)]
+    before = [(F, B)] + ([(B, P[("bw", "weight")])] if split else [])
     if loads:
         before += [(P[("load", "")], F), (B, P[("free", "input")])]
     if s < S - 1:
@@ -110,15 +119,14 @@ def _rank(plan: ExecutionPlan, canon: dict):
     if shards < 1 or (info[:, 2:4] % shards).any():
         return None
     seq_msg, dec_msg = info[:, 2:3] // shards, info[:, 3:4] // shards
-    strings = t.strings
-    for which in (F, B):
+    for which in (F, B) + ((P[("bw", "weight")],) if split else ()):
         rows = r[which]
         if not ((rows[:, COL["mbs"]] == info[:, 1]).all() and (rows[:, COL["seqlen"]] == info[:, 2]).all()
                 and (rows[:, COL["dec_seqlen"]] == info[:, 3]).all()):
             return None
         if any(strings[v] not in _LEVELS for v in set(rows[:, COL["recompute"]].tolist())):
             return None
-    if M and any(strings[v] != "full" for v in set(r[B][:, COL["part"]].tolist())):
+    if M and any(strings[v] != ("input" if split else "full") for v in set(r[B][:, COL["part"]].tolist())):
         return None
     lists = t.tensor_lists
     ids = np.array([canon.setdefault(ts, len(canon)) for ts in lists] + [-1], np.int64)

@@ -6,7 +6,8 @@ as ordinary Python and give identical results, only slower. They take and return
 arrays only; :mod:`dynapipe.schedule.simulator` and :mod:`dynapipe.schedule.adaptive`
 wrap them into schedules and timelines.
 
-Op kinds are encoded ``0`` (forward) and ``1`` (backward). Status codes: ``OK``;
+Op kinds are encoded ``0`` (forward), ``1`` (backward), and for a split backward ``2``
+(its input-gradient part) and ``3`` (its weight-gradient part). Status codes: ``OK``;
 ``SLOW``: some op ended after ``abort_ms`` (the candidate cannot beat the best one);
 ``OVER``: a stage's memory exceeded ``abort_mib``; ``STUCK``: the op order cannot run.
 """
@@ -20,7 +21,7 @@ except ImportError:  # pragma: no cover - exercised where numba is not installed
     _numba = None
 
 OK, SLOW, OVER, STUCK = 0, 1, 2, 3
-F, B = 0, 1
+F, B, BI, BW = 0, 1, 2, 3
 
 
 def _jit(fn):
@@ -36,15 +37,33 @@ def compiled() -> bool:
 
 @_jit
 def simulate_kernel(kind, mb, nops, fw, bw, st, pk, ac, gc, state, abort_ms, abort_mib):
-    """Simulate fixed per-stage op orders (``kind``/``mb``: ``[S, L]``, ``nops[s]`` used).
+    """Simulate fixed per-stage op orders of kinds F and B (``kind``/``mb``: ``[S, L]``,
+    ``nops[s]`` used); :func:`simulate_split_kernel` with no weight-gradient parts.
 
     Returns ``(status, starts, ends, busy, peak, stuck_stage)``; times in ms, memory in
     MiB with model states (``state``) included.
+    """
+    none = np.zeros_like(fw)
+    return simulate_split_kernel(kind, mb, nops, fw, bw, st, pk, ac, gc, state, none, none, abort_ms, abort_mib)
+
+
+@_jit
+def simulate_split_kernel(kind, mb, nops, fw, bw, st, pk, ac, gc, state, bww, ws, abort_ms, abort_mib):
+    """Simulate fixed per-stage op orders of kinds F, B, BI and BW (``kind``/``mb``:
+    ``[S, L]``, ``nops[s]`` used).
+
+    ``bww[s, m]``: the weight-gradient part of ``bw[s, m]`` (ms): BI lasts ``bw - bww``,
+    waits and signals like B; BW lasts ``bww`` and waits only for its own stage.
+    ``ws[s, m]``: what of ``st[s, m]`` the weight part keeps (MiB): BI releases
+    ``st - ws``, BW the rest; a BW adds no transient peak (its gradients accumulate into
+    the model states' buffers). Returns ``(status, starts, ends, busy, peak, stuck_stage)``;
+    times in ms, memory in MiB with model states (``state``) included.
     """
     S = kind.shape[0]
     M = fw.shape[1]
     L = kind.shape[1]
     f_end = np.full((S, M), -1.0)
+    # When the gradient of micro-batch m leaves stage s (the end of its B or BI).
     b_end = np.full((S, M), -1.0)
     starts = np.zeros((S, L))
     ends = np.zeros((S, L))
@@ -69,7 +88,8 @@ def simulate_kernel(kind, mb, nops, fw, bw, st, pk, ac, gc, state, abort_ms, abo
         p0 = p
         while p < nops[s]:
             m = mb[s, p]
-            if kind[s, p] == F:
+            k = kind[s, p]
+            if k == F:
                 if s > 0:
                     dep = f_end[s - 1, m]
                     if dep < 0.0:
@@ -81,6 +101,12 @@ def simulate_kernel(kind, mb, nops, fw, bw, st, pk, ac, gc, state, abort_ms, abo
                 f_end[s, m] = end
                 high = stored[s] + st[s, m] + pk[s, m]
                 stored[s] += st[s, m]
+            elif k == BW:
+                if b_end[s, m] < 0.0:
+                    break  # its input part has not run: the order is broken
+                end = t + bww[s, m]
+                high = stored[s]
+                stored[s] -= ws[s, m]
             else:
                 if s < last:
                     dep = b_end[s + 1, m]
@@ -93,10 +119,14 @@ def simulate_kernel(kind, mb, nops, fw, bw, st, pk, ac, gc, state, abort_ms, abo
                         break
                 if ready > t:
                     t = ready
-                end = t + bw[s, m]
-                b_end[s, m] = end
                 high = stored[s] + pk[s, m]
-                stored[s] -= st[s, m]
+                if k == B:
+                    end = t + bw[s, m]
+                    stored[s] -= st[s, m]
+                else:
+                    end = t + (bw[s, m] - bww[s, m])
+                    stored[s] -= st[s, m] - ws[s, m]
+                b_end[s, m] = end
             if high + state[s] > peak[s]:
                 peak[s] = high + state[s]
                 if peak[s] > abort_mib:

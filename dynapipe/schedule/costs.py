@@ -2,7 +2,9 @@
 
 :func:`stage_times` prices every micro-batch on every stage with the cost model (one
 vectorised call per distinct stage layout) and every boundary transfer with the
-cluster's links. Units: ms and MiB.
+cluster's links; the split of each backward into its input and weight parts, for
+zero-bubble schedules, is :func:`dynapipe.cost.backward_split.backward_split`'s FLOPs
+estimate, the same for every cost model. Units: ms and MiB.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import numpy as np
 
 from dynapipe.batching.types import MicroBatch
 from dynapipe.config import ClusterConfig
+from dynapipe.cost.backward_split import backward_split
 from dynapipe.cost.base import CostModel
 from dynapipe.errors import DynaPipeError
 from dynapipe.schedule.comm import boundary_links, message_bytes
@@ -30,6 +33,11 @@ class StageTimes:
     ``act_comm_ms``/``grad_comm_ms``: ``[S - 1, M]``, the activation transfer from stage
     ``s`` to ``s + 1`` and the gradient transfer back. ``state_mib``: ``[S]`` model
     states (parameters, gradients, optimizer) held throughout.
+
+    For schedules that split the backward (``BI``/``BW`` ops), ``[S, M]`` too:
+    ``bw_weight_ms``, the weight-gradient part of ``bw_ms`` (a ``BI`` lasts ``bw_ms -
+    bw_weight_ms``), and ``weight_stash_mib``, the part of ``stored_mib`` the weight part
+    keeps from the end of ``BI`` to the end of ``BW``. Both default to zeros (no split).
     """
 
     fw_ms: np.ndarray
@@ -40,6 +48,17 @@ class StageTimes:
     grad_comm_ms: np.ndarray
     state_mib: np.ndarray
     recompute: str = "none"
+    bw_weight_ms: Optional[np.ndarray] = None
+    weight_stash_mib: Optional[np.ndarray] = None
+
+    def __post_init__(self) -> None:
+        for name in ("bw_weight_ms", "weight_stash_mib"):
+            value = getattr(self, name)
+            if value is None:
+                object.__setattr__(self, name, np.zeros(np.shape(self.fw_ms)))
+            elif np.shape(value) != np.shape(self.fw_ms):
+                raise DynaPipeError(f"StageTimes.{name} has shape {list(np.shape(value))}; it needs the shape of "
+                                    f"fw_ms, {list(np.shape(self.fw_ms))} (stages x micro-batches).")
 
     @property
     def num_stages(self) -> int:
@@ -54,14 +73,15 @@ class StageTimes:
         idx = np.asarray(order, dtype=np.int64)
         return StageTimes(self.fw_ms[:, idx], self.bw_ms[:, idx], self.stored_mib[:, idx],
                           self.peak_mib[:, idx], self.act_comm_ms[:, idx], self.grad_comm_ms[:, idx],
-                          self.state_mib, self.recompute)
+                          self.state_mib, self.recompute, self.bw_weight_ms[:, idx], self.weight_stash_mib[:, idx])
 
     @staticmethod
     def mixed(rows: Sequence["StageTimes"]) -> "StageTimes":
         """Stage ``s`` priced as in ``rows[s]`` (e.g. a different recompute level per stage)."""
         pick = lambda f: np.stack([getattr(t, f)[s] for s, t in enumerate(rows)])
         return StageTimes(pick("fw_ms"), pick("bw_ms"), pick("stored_mib"), pick("peak_mib"),
-                          rows[0].act_comm_ms, rows[0].grad_comm_ms, rows[0].state_mib, "per-stage")
+                          rows[0].act_comm_ms, rows[0].grad_comm_ms, rows[0].state_mib, "per-stage",
+                          pick("bw_weight_ms"), pick("weight_stash_mib"))
 
     def work_lower_bound_ms(self) -> float:
         """No schedule finishes sooner than its busiest stage's total compute (ms)."""
@@ -90,16 +110,23 @@ def stage_times(cost_model: CostModel, micro_batches: Sequence[MicroBatch], *, r
         raise DynaPipeError(f"micro-batch {bad} has dec_seqlen={micro_batches[bad].dec_seqlen}: an "
                             f"encoder-decoder model needs a positive decoder length.")
     fields = {k: np.zeros((S, M)) for k in ("fw_ms", "bw_ms", "stored_mib", "peak_mib")}
+    share, stash = np.zeros((S, M)), np.zeros((S, M))
     by_layout: dict = {}
     for s in range(S):
-        key = cost_model._key(cost_model.layouts[s])
+        layout = cost_model.layouts[s]
+        key = cost_model._key(layout)
         if key not in by_layout:
-            by_layout[key] = cost_model.stage_cost(mbs, seq, dec, recompute=recompute, stage=s)
-        c = by_layout[key]
+            by_layout[key] = (cost_model.stage_cost(mbs, seq, dec, recompute=recompute, stage=s),
+                              backward_split(model, layout, mbs, seq, dec, recompute=recompute, tp=cost_model.tp))
+        c, split = by_layout[key]
         for k in fields:
             fields[k][s] = np.broadcast_to(np.asarray(getattr(c, k), dtype=np.float64), (M,))
+        share[s], stash[s] = split
     fields["fw_ms"] = np.maximum(fields["fw_ms"], MIN_OP_MS)
     fields["bw_ms"] = np.maximum(fields["bw_ms"], MIN_OP_MS)
+    # The input part keeps at least MIN_OP_MS, so a BI still orders its gradient after its input.
+    bw_weight = np.clip(fields["bw_ms"] * share, 0.0, np.maximum(fields["bw_ms"] - MIN_OP_MS, 0.0))
+    weight_stash = np.minimum(stash, fields["stored_mib"])
     comm = np.zeros((max(S - 1, 0), M))
     links = boundary_links(cluster, S, dp=dp, tp=tp)
     dec_arr = dec if dec is not None else np.zeros(M)
@@ -109,7 +136,7 @@ def stage_times(cost_model: CostModel, micro_batches: Sequence[MicroBatch], *, r
             comm[s] = link.transfer_ms(nbytes)
     state = np.array([cost_model.model_state_mib(s, dp=dp, zero=zero) for s in range(S)])
     return StageTimes(act_comm_ms=comm, grad_comm_ms=comm.copy(), state_mib=state, recompute=recompute,
-                      **fields)
+                      bw_weight_ms=bw_weight, weight_stash_mib=np.maximum(weight_stash, 0.0), **fields)
 
 
 def stage_times_per_replica(cost_model: CostModel, replicas: Sequence[Sequence[MicroBatch]], *,
@@ -133,6 +160,7 @@ def stage_times_per_replica(cost_model: CostModel, replicas: Sequence[Sequence[M
         hi = lo + len(r)
         cut = lambda a: np.ascontiguousarray(a[:, lo:hi])  # noqa: E731
         out.append(StageTimes(cut(allt.fw_ms), cut(allt.bw_ms), cut(allt.stored_mib), cut(allt.peak_mib),
-                              cut(allt.act_comm_ms), cut(allt.grad_comm_ms), allt.state_mib.copy(), recompute))
+                              cut(allt.act_comm_ms), cut(allt.grad_comm_ms), allt.state_mib.copy(), recompute,
+                              cut(allt.bw_weight_ms), cut(allt.weight_stash_mib)))
         lo = hi
     return out

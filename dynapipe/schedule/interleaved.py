@@ -254,7 +254,8 @@ def virtual_stage_times_per_replica(cost_model: CostModel, replicas: Sequence[Se
             for k in range(V - 1):
                 link = cluster.link(stage_global_rank(k % P, dp=dp, tp=tp), stage_global_rank((k + 1) % P, dp=dp, tp=tp))
                 comm[k] = link.transfer_ms(message_bytes(model, vcm.layouts, k, mbs, seq, dec))
-        out.append(StageTimes(t.fw_ms, t.bw_ms, t.stored_mib, t.peak_mib, comm, comm.copy(), state, recompute))
+        out.append(StageTimes(t.fw_ms, t.bw_ms, t.stored_mib, t.peak_mib, comm, comm.copy(), state, recompute,
+                              t.bw_weight_ms, t.weight_stash_mib))
     return out
 
 
@@ -273,6 +274,10 @@ def chunked_schedule_arrays(schedule: Schedule, num_micro_batches: int) -> tuple
     kind, mb, ch = (np.zeros((P, L), dtype=np.int64) for _ in range(3))
     for s, ops in enumerate(schedule.stage_ops):
         for i, op in enumerate(ops):
+            if op.kind in ("BI", "BW"):
+                raise DynaPipeError(f"schedule {schedule.name!r}: op {op} splits the backward, which interleaved "
+                                    f"(chunked) schedules do not support yet; use an unchunked placement for "
+                                    f"zero-bubble schedules.")
             if op.kind not in ("F", "B") or not 0 <= op.chunk < schedule.num_chunks \
                     or not 0 <= op.mb < num_micro_batches:
                 raise DynaPipeError(f"schedule {schedule.name!r}: op {op} cannot be simulated (kinds F/B, chunks "

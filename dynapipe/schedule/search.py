@@ -1,7 +1,8 @@
 """Schedule search: simulate candidate schedules and keep the fastest that fits.
 
 Candidates are schedules (``1f1b``, ``adaptive``; on a placement with virtual-pipeline
-chunks ``interleaved`` only, with a recompute level per chunk) x micro-batch orders
+chunks ``interleaved`` only, with a recompute level per chunk; ``zb-h1``, which splits the
+backward, only when asked for by name) x micro-batch orders
 (:mod:`dynapipe.schedule.orders`) x recompute levels (none, selective, full, and for
 ``auto`` a per-stage mix: stages that hold fewer micro-batches in flight recompute less). Every
 data-parallel replica runs the same candidate on its own micro-batches; a candidate's
@@ -32,10 +33,15 @@ from dynapipe.schedule.interleaved import (INTERLEAVED, chunk_count, chunk_level
 from dynapipe.schedule.interleaved_adaptive import INTERLEAVED_ADAPTIVE, interleaved_adaptive_orders
 from dynapipe.schedule.one_f_one_b import one_f_one_b, one_f_one_b_arrays
 from dynapipe.schedule.orders import ORDERS
-from dynapipe.schedule.simulator import Timeline, kernel_inputs, simulate
-from dynapipe.schedule.types import CHUNKED_SCHEDULE_NAMES, SCHEDULE_NAMES, Schedule
+from dynapipe.schedule.simulator import Timeline, kernel_inputs, simulate, split_inputs
+from dynapipe.schedule.types import CHUNKED_SCHEDULE_NAMES, SCHEDULE_NAMES, SPLIT_BACKWARD_SCHEDULE_NAMES, Schedule
+from dynapipe.schedule.zero_bubble import ZB_H1, zb_h1, zb_h1_arrays
 
-SCHEDULE_CHOICES = SCHEDULE_NAMES + CHUNKED_SCHEDULE_NAMES + ("auto",)
+# Every --schedule value. ``auto`` tries SCHEDULE_NAMES (or the chunked ones) but not the
+# split-backward schedules, whose input/weight split is a FLOPs estimate not yet measured.
+SCHEDULE_CHOICES = SCHEDULE_NAMES + SPLIT_BACKWARD_SCHEDULE_NAMES + CHUNKED_SCHEDULE_NAMES + ("auto",)
+# Fixed op orders the search simulates, by name: (kind, mb, nops) arrays of (stages, micro-batches).
+_FIXED_ORDERS = {"1f1b": one_f_one_b_arrays, ZB_H1: zb_h1_arrays}
 # Candidate outcomes.
 FITS, OVER_MEMORY, SLOWER, SKIPPED = "fits", "over-memory", "slower", "skipped"
 PER_STAGE = "per-stage"
@@ -60,6 +66,7 @@ class Candidate:
     bubble_fraction: float = 0.0
     peak_mib: tuple[float, ...] = ()
     stage_recompute: tuple[str, ...] = ()
+    max_delay: Optional[int] = None  # zb-h1: the cap on the weight delays that fitted
 
     @property
     def fits(self) -> bool:
@@ -70,7 +77,8 @@ class Candidate:
                 "status": self.status, "simulated_ms": round(self.makespan_ms, 3),
                 "bubble_fraction": round(self.bubble_fraction, 4),
                 "stage_peak_mib": [round(p, 1) for p in self.peak_mib],
-                "stage_recompute": list(self.stage_recompute)}
+                "stage_recompute": list(self.stage_recompute),
+                **({} if self.max_delay is None else {"max_delay": self.max_delay})}
 
 
 @dataclass
@@ -94,9 +102,10 @@ class SearchResult:
         return list(self.best.peak_mib)
 
 
-def _run(name: str, times: StageTimes, capacity: np.ndarray, abort_ms: float, abort_mib: float):
+def _run(name: str, times: StageTimes, capacity: np.ndarray, abort_ms: float, abort_mib: float,
+         max_delay: Optional[int] = None):
     """One replica, one candidate: ``(status, kind, mb, nops, starts, ends, busy, peak, chunk)``
-    (``chunk``: the op chunks of an interleaved schedule, else None)."""
+    (``chunk``: the op chunks of an interleaved schedule, else None; ``max_delay``: zb-h1's)."""
     S, M = times.num_stages, times.num_micro_batches
     if name in (INTERLEAVED, INTERLEAVED_ADAPTIVE):
         P = len(times.state_mib)
@@ -106,12 +115,12 @@ def _run(name: str, times: StageTimes, capacity: np.ndarray, abort_ms: float, ab
         if out[0] == K.STUCK:
             raise DynaPipeError(f"{name} could not be simulated (internal error, please report).")
         return (out[0], kind, mb, nops) + tuple(out[1:5]) + (ch,)
-    if name == "1f1b":
-        kind, mb, nops = one_f_one_b_arrays(S, M)
-        status, starts, ends, busy, peak, _ = K.simulate_kernel(kind, mb, nops, *kernel_inputs(times),
-                                                                abort_ms, abort_mib)
+    if name in _FIXED_ORDERS:
+        kind, mb, nops = zb_h1_arrays(S, M, max_delay) if name == ZB_H1 else _FIXED_ORDERS[name](S, M)
+        status, starts, ends, busy, peak, _ = K.simulate_split_kernel(kind, mb, nops, *kernel_inputs(times),
+                                                                      *split_inputs(times), abort_ms, abort_mib)
         if status == K.STUCK:
-            raise DynaPipeError("1f1b could not be simulated (internal error, please report).")
+            raise DynaPipeError(f"{name} could not be simulated (internal error, please report).")
     else:
         status, kind, mb, starts, ends, busy, peak = adaptive_arrays(times, capacity, abort_ms=abort_ms,
                                                                      abort_mib=abort_mib)
@@ -127,15 +136,19 @@ def heavy_first(times: Sequence[StageTimes]) -> list[int]:
     return np.argsort(-bounds, kind="stable").tolist()
 
 
-def per_stage_levels(by_level: dict, levels: Sequence[str], cap_mib: float) -> tuple[str, ...]:
+def per_stage_levels(by_level: dict, levels: Sequence[str], cap_mib: float,
+                     schedule: str = "1f1b") -> tuple[str, ...]:
     """For every stage, the lightest level in ``levels`` (ordered light to heavy) under
-    which 1F1B fits that stage on every replica (the heaviest if none does)."""
+    which ``schedule``'s op order (1F1B unless ``zb-h1``, whose pending weight parts
+    hold memory longer) fits that stage on every replica (the heaviest if none does)."""
+    arrays_of = _FIXED_ORDERS.get(schedule, one_f_one_b_arrays)
     peaks = {}
     for lv in levels:
         per_rep = []
         for t in by_level[lv]:
-            kind, mb, nops = one_f_one_b_arrays(t.num_stages, t.num_micro_batches)
-            per_rep.append(K.simulate_kernel(kind, mb, nops, *kernel_inputs(t), np.inf, np.inf)[4])
+            kind, mb, nops = arrays_of(t.num_stages, t.num_micro_batches)
+            per_rep.append(K.simulate_split_kernel(kind, mb, nops, *kernel_inputs(t), *split_inputs(t),
+                                                   np.inf, np.inf)[4])
         peaks[lv] = np.max(per_rep, axis=0)
     S = len(peaks[levels[0]])
     return tuple(next((lv for lv in levels if peaks[lv][s] <= cap_mib), levels[-1]) for s in range(S))
@@ -158,8 +171,9 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
     """Choose a schedule, micro-batch order and recompute level for every replica.
 
     ``replicas[r]``: replica ``r``'s micro-batches in the planner's order.
-    ``schedule``: ``1f1b`` or ``adaptive`` (that schedule, planned order unless
-    ``orders`` is given) or ``auto`` (every schedule and order). ``recompute``: a level,
+    ``schedule``: ``1f1b``, ``adaptive`` or ``zb-h1`` (that schedule, planned order unless
+    ``orders`` is given) or ``auto`` (every schedule of ``SCHEDULE_NAMES`` and order; not
+    ``zb-h1``). ``recompute``: a level,
     a list of levels to try, or ``None`` to try every level. ``capacity_mib``: memory a stage may use, model
     states included (MiB; the device limit minus what the framework reserves; None:
     unbounded). ``per_stage`` (default: on for ``auto``) also tries a per-stage
@@ -173,6 +187,11 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
         raise DynaPipeError(f"--schedule {schedule!r} is not known; use one of {', '.join(SCHEDULE_CHOICES)}.")
     chunks = chunk_count(cost_model)
     # On a chunked placement 1F1B is Megatron's interleaved 1F1B; adaptive is interleaved-adaptive.
+    if chunks > 1 and schedule in SPLIT_BACKWARD_SCHEDULE_NAMES:
+        raise DynaPipeError(f"--schedule {schedule}: placement {cost_model.placement} has {chunks} virtual-pipeline "
+                            f"chunks per stage, and split-backward schedules on interleaved placements are not "
+                            f"supported yet; use --schedule interleaved, interleaved-adaptive or auto, or a "
+                            f"placement without chunks.")
     if (chunks > 1 and schedule == "adaptive") or (chunks == 1 and schedule in CHUNKED_SCHEDULE_NAMES):
         use = "interleaved, interleaved-adaptive" if chunks > 1 else "1f1b or adaptive"
         raise DynaPipeError(f"--schedule {schedule}: placement {cost_model.placement} has {chunks} chunk(s) per "
@@ -207,23 +226,34 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
     best: Optional[tuple] = None
 
     def evaluate(name, level, mix, o, permuted, abort_ms, abort_mib):
+        if name != ZB_H1:
+            return evaluate_once(name, level, mix, o, permuted, abort_ms, abort_mib)
+        # Pending weight parts hold memory: the largest cap on the weight delays that fits
+        # (k = S - 1 leaves zb-h1's own delays; k = 0 holds what 1F1B holds).
+        for k in range(S - 1, -1, -1):
+            cand, runs = evaluate_once(name, level, mix, o, permuted, abort_ms, abort_mib, k)
+            if cand.status != OVER_MEMORY:
+                break
+        return cand, runs
+
+    def evaluate_once(name, level, mix, o, permuted, abort_ms, abort_mib, max_delay=None):
         # The makespan is the slowest replica's, so one replica that aborts (slower than
         # the best candidate, or over memory) decides the candidate: the heaviest replicas
         # run first and the rest are not simulated. A candidate both slower and over memory
         # is labelled by whichever its first aborting replica hit.
         runs = [None] * len(permuted)
         for i in heavy_first(permuted):
-            runs[i] = _run(name, permuted[i], capacity, abort_ms, abort_mib)
+            runs[i] = _run(name, permuted[i], capacity, abort_ms, abort_mib, max_delay)
             if runs[i][0] == K.OVER:
-                return Candidate(name, o, level, OVER_MEMORY, np.nan, stage_recompute=mix), runs
+                return Candidate(name, o, level, OVER_MEMORY, np.nan, stage_recompute=mix, max_delay=max_delay), runs
             if runs[i][0] == K.SLOW:
-                return Candidate(name, o, level, SLOWER, np.nan, stage_recompute=mix), runs
+                return Candidate(name, o, level, SLOWER, np.nan, stage_recompute=mix, max_delay=max_delay), runs
         makespan = max(float(r[5].max()) if r[5].size else 0.0 for r in runs)
         peak = tuple(float(max(r[7][s] for r in runs)) for s in range(S))
         busy = sum(float(r[6].sum()) for r in runs)
         bubble = 1.0 - busy / (len(runs) * S * makespan) if makespan > 0 else 0.0
         status = FITS if max(peak) <= cap_mib else OVER_MEMORY
-        return Candidate(name, o, level, status, makespan, bubble, peak, mix), runs
+        return Candidate(name, o, level, status, makespan, bubble, peak, mix, max_delay), runs
 
     evaluated = []
     pricer = virtual_stage_times_per_replica if chunks > 1 else stage_times_per_replica
@@ -236,7 +266,8 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
         policies = [(lv, (lv,) * S, by_level[lv]) for lv in levels]
         if per_stage and len(levels) > 1 and capacity_mib is not None:
             # Chunked: one level per virtual stage (chunk), so one rank's chunks may differ.
-            mix = chunk_levels(by_level, levels, cap_mib) if chunks > 1 else per_stage_levels(by_level, levels, cap_mib)
+            mix = (chunk_levels(by_level, levels, cap_mib) if chunks > 1
+                   else per_stage_levels(by_level, levels, cap_mib, ZB_H1 if names == [ZB_H1] else "1f1b"))
             if len(set(mix)) > 1:
                 mixed = [StageTimes.mixed([by_level[mix[k]][r] for k in range(len(mix))]) for r in range(len(replicas))]
                 policies.insert(1, (PER_STAGE, mix, mixed))
@@ -275,9 +306,11 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
             schedules.append(sched)
             timelines.append(simulate(sched, t, record_memory=True, arrays=(r[1], r[2], r[8], r[3])))
             continue
-        if cand.schedule == "1f1b":
-            sched = one_f_one_b(S, t.num_micro_batches, recompute=cand.recompute, order=cand.order, mb_order=p,
-                                stage_recompute=cand.stage_recompute)
+        if cand.schedule in _FIXED_ORDERS:
+            kwargs = {"max_delay": cand.max_delay} if cand.schedule == ZB_H1 else {}
+            build = zb_h1 if cand.schedule == ZB_H1 else one_f_one_b
+            sched = build(S, t.num_micro_batches, recompute=cand.recompute, order=cand.order, mb_order=p,
+                          stage_recompute=cand.stage_recompute, **kwargs)
         else:
             sched = schedule_from_arrays(cand.schedule, r[1], r[2], r[3], recompute=cand.recompute,
                                          order=cand.order, mb_order=p, stage_recompute=cand.stage_recompute)

@@ -5,11 +5,17 @@ stage is free and its inputs have arrived: the forward of micro-batch ``i`` on s
 ``s`` needs the forward on ``s - 1`` plus the activation transfer; the backward needs
 the backward on ``s + 1`` plus the gradient transfer (the last stage: its own forward).
 
+A split backward (zero-bubble schedules) runs as two ops: ``BI`` (input gradient) waits
+and signals exactly as a backward does and lasts ``bw - bw_weight``; ``BW`` (weight
+gradient) lasts ``bw_weight`` and waits only for its own stage's ``BI``.
+
 Memory of a stage = model states + stored activations of the micro-batches between
 their forward and their backward + the transient peak of the running op: a forward
 holds ``stored + peak`` of its micro-batch on top of what is already stored, a backward
 ``peak`` on top of what is stored (its own micro-batch included), and the backward's
-end releases the micro-batch's stored activations. Units: ms, MiB.
+end releases the micro-batch's stored activations. A ``BI`` holds ``peak`` on top of
+what is stored and releases all but ``weight_stash``, which its ``BW`` releases (a
+``BW`` adds no transient). Units: ms, MiB.
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ from dynapipe.schedule import _kernels as K
 from dynapipe.schedule.costs import StageTimes
 from dynapipe.schedule.types import Op, Schedule
 
-_KIND_CODE = {"F": K.F, "B": K.B}
+_KIND_CODE = {"F": K.F, "B": K.B, "BI": K.BI, "BW": K.BW}
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,13 @@ def kernel_inputs(times: StageTimes) -> tuple:
             c(times.state_mib))
 
 
+def split_inputs(times: StageTimes) -> tuple:
+    """``(bw_weight_ms, weight_stash_mib)`` as :func:`~dynapipe.schedule._kernels.simulate_split_kernel`
+    takes them after :func:`kernel_inputs` (contiguous float64)."""
+    c = lambda a: np.ascontiguousarray(a, dtype=np.float64)
+    return c(times.bw_weight_ms), c(times.weight_stash_mib)
+
+
 def schedule_arrays(schedule: Schedule, num_micro_batches: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(kind, mb, nops)``: the schedule's op orders as ``[S, L]`` integer arrays."""
     S = schedule.num_stages
@@ -112,7 +125,7 @@ def schedule_arrays(schedule: Schedule, num_micro_batches: int) -> tuple[np.ndar
         bad = [i for i in range(n) if codes[i] < 0 or chunks[i] != 0 or not 0 <= mbs[i] < num_micro_batches]
         if bad:
             op = ops[bad[0]]
-            raise DynaPipeError(f"schedule {schedule.name!r}: op {op} cannot be simulated (kinds F/B, "
+            raise DynaPipeError(f"schedule {schedule.name!r}: op {op} cannot be simulated (kinds F, B, BI, BW, "
                                 f"chunk 0, micro-batches 0..{num_micro_batches - 1} are supported).")
         kind[s, :n] = codes
         mb[s, :n] = mbs
@@ -134,16 +147,23 @@ def memory_steps(schedule: Schedule, times: StageTimes, starts: list[list[float]
         if ops:
             st, pk = np.asarray(times.stored_mib[s]), np.asarray(times.peak_mib[s])
             if arrays is not None:
-                idx, fw = arrays[1][s, :len(ops)], arrays[0][s, :len(ops)] == K.F
+                idx, code = arrays[1][s, :len(ops)], arrays[0][s, :len(ops)]
             else:
                 idx = np.fromiter((op.mb for op in ops), dtype=np.int64, count=len(ops))
-                fw = np.fromiter((op.kind == "F" for op in ops), dtype=bool, count=len(ops))
+                code = np.fromiter((_KIND_CODE.get(op.kind, K.B) for op in ops), dtype=np.int64, count=len(ops))
+            fw = code == K.F
             # A running sum adds left to right, so ``stored`` takes the same float values
             # as adding and subtracting op by op; a forward's high mark is the new
             # ``stored`` plus its peak, a backward's the old one plus its peak.
-            stored = np.cumsum(np.where(fw, st[idx], -st[idx]))
+            delta = np.where(fw, st[idx], -st[idx])
+            rise = pk[idx]
+            if (code >= K.BI).any():
+                ws = np.asarray(times.weight_stash_mib[s])[idx]
+                delta = np.where(code == K.BI, ws - st[idx], np.where(code == K.BW, -ws, delta))
+                rise = np.where(code == K.BW, 0.0, rise)
+            stored = np.cumsum(delta)
             before = np.concatenate(([0.0], stored[:-1]))
-            high = np.where(fw, stored, before) + pk[idx]
+            high = np.where(fw, stored, before) + rise
             lo = (state + stored.astype(np.float64)).tolist()
             hi = (state + high.astype(np.float64)).tolist()
             n = len(ops)
@@ -192,8 +212,8 @@ def simulate(schedule: Schedule, times: StageTimes, *, record_memory: bool = Tru
         raise DynaPipeError(f"schedule {schedule.name!r} has {schedule.num_stages} stages, the costs "
                             f"{times.num_stages}.")
     kind, mb, nops = schedule_arrays(schedule, times.num_micro_batches) if arrays is None else arrays
-    status, starts, ends, busy, peak, stage = K.simulate_kernel(kind, mb, nops, *kernel_inputs(times),
-                                                                np.inf, np.inf)
+    status, starts, ends, busy, peak, stage = K.simulate_split_kernel(kind, mb, nops, *kernel_inputs(times),
+                                                                      *split_inputs(times), np.inf, np.inf)
     if status == K.STUCK:
         raise DynaPipeError(f"schedule {schedule.name!r} cannot run: stage {stage} waits forever on an op whose "
                             f"input its neighbour produces only later in its own order.")

@@ -2,8 +2,9 @@
 
 Trace layout (Chrome trace event format, times in microseconds): one process per
 replica (``pid``), one thread per pipeline stage (``tid``); every op is a complete
-event (``"ph": "X"``) named ``F<mb> <mbs>x<seqlen>`` or ``B<mb> ...`` with category
-``forward``/``backward`` and its micro-batch shape in ``args``; each stage's memory is a
+event (``"ph": "X"``) named ``F<mb> <mbs>x<seqlen>``, ``B<mb> ...`` (or, for a split
+backward, ``BI<mb> ...`` and ``BW<mb> ...``) with category ``forward``/``backward``
+(``backward-input``/``backward-weight``) and its micro-batch shape in ``args``; each stage's memory is a
 counter track ``memory stage <s>`` in MiB. :func:`op_event` is shared with traces of
 executed plans, so simulated and measured timelines line up in one viewer.
 """
@@ -16,6 +17,8 @@ from dynapipe.errors import DynaPipeError
 from dynapipe.schedule.simulator import Timeline
 
 _CATEGORY = {"F": "forward", "B": "backward", "BI": "backward-input", "BW": "backward-weight"}
+# Backwards hatched; a weight part dotted, so it stands apart from its input part.
+_HATCH = {"F": None, "BW": ".."}
 
 
 def op_name(kind: str, mb: int, mbs: int, seqlen: int, dec_seqlen: int = 0) -> str:
@@ -71,7 +74,7 @@ def chrome_trace(timelines: Sequence[Timeline], micro_batches: Sequence[Sequence
 def plot_timeline(timeline: Timeline, micro_batches: Sequence[MicroBatch], path: str, *,
                   title: str = "", capacity_mib: Optional[float] = None) -> None:
     """Draw one replica's timeline (ops per stage, coloured by micro-batch, backwards
-    hatched) above its memory per stage over time, and save it as a PNG."""
+    hatched, weight parts dotted) above its memory per stage over time, and save it as a PNG."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -88,7 +91,7 @@ def plot_timeline(timeline: Timeline, micro_batches: Sequence[MicroBatch], path:
         colour = cmap(ev.op.mb % 20)
         width = ev.end_ms - ev.start_ms
         ax.broken_barh([(ev.start_ms, width)], (y + 0.08, 0.84), facecolors=colour,
-                       edgecolors="black", linewidth=0.3, hatch="//" if ev.op.kind != "F" else None)
+                       edgecolors="black", linewidth=0.3, hatch=_HATCH.get(ev.op.kind, "//"))
         if width > span / 60:
             ax.text(ev.start_ms + width / 2, y + 0.5, str(ev.op), ha="center", va="center",
                     fontsize=6)

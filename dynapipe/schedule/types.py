@@ -4,8 +4,10 @@ A :class:`Schedule` fixes, for each pipeline stage, the sequence of :class:`Op` 
 for one iteration. Micro-batch indices (``Op.mb``) are positions in the list of
 micro-batches the schedule was built for (after any reordering). The formats are open
 for what is coming: ``chunk`` names a virtual-pipeline chunk (interleaved stages; 0
-today) and the kinds ``"BI"``/``"BW"`` are reserved for zero-bubble schedules that split
-the backward into its input-gradient and weight-gradient parts.
+today). A backward is either one op ``"B"`` or, in a zero-bubble schedule
+(:mod:`dynapipe.schedule.zero_bubble`), two: ``"BI"`` (the input-gradient part, which
+receives the gradient and sends the input gradient on, as ``B`` does) and ``"BW"`` (the
+weight-gradient part, which only this stage waits for, so it can fill a wait).
 """
 from __future__ import annotations
 
@@ -14,17 +16,25 @@ from dataclasses import dataclass, field
 from dynapipe.errors import DynaPipeError
 
 OP_KINDS = ("F", "B", "BI", "BW")
-# Kinds the simulator and the plan compiler run today.
-SUPPORTED_KINDS = ("F", "B")
+# Kinds the simulator and the plan compiler run (BI/BW: unchunked schedules only so far).
+SUPPORTED_KINDS = OP_KINDS
+# Backward ops that receive a gradient and send the input gradient on.
+GRADIENT_KINDS = ("B", "BI")
+# The schedules ``--schedule auto`` tries on an unchunked placement.
 SCHEDULE_NAMES = ("1f1b", "adaptive")
+# Schedules that split the backward (BI/BW). Chosen only explicitly, never by ``auto``:
+# how a backward divides into its input and weight parts is a FLOPs estimate of the cost
+# model (dynapipe.cost.backward_split), not yet measured on hardware.
+SPLIT_BACKWARD_SCHEDULE_NAMES = ("zb-h1",)
 # Schedules of chunked (interleaved) placements.
 CHUNKED_SCHEDULE_NAMES = ("interleaved", "interleaved-adaptive")
 
 
 @dataclass(frozen=True, order=True)
 class Op:
-    """One operation of one stage: ``kind`` ``"F"`` (forward) or ``"B"`` (backward) of
-    micro-batch ``mb`` (virtual-pipeline ``chunk``)."""
+    """One operation of one stage: ``kind`` ``"F"`` (forward), ``"B"`` (backward), or the
+    two parts of a split backward, ``"BI"`` (input gradient) and ``"BW"`` (weight
+    gradient), of micro-batch ``mb`` (virtual-pipeline ``chunk``)."""
 
     kind: str
     mb: int
@@ -65,15 +75,21 @@ class Schedule:
     def num_micro_batches(self) -> int:
         return len({op.mb for ops in self.stage_ops for op in ops})
 
+    @property
+    def split_backward(self) -> bool:
+        """Whether some backward is split into its input (``BI``) and weight (``BW``) parts."""
+        return any(op.kind in ("BI", "BW") for ops in self.stage_ops for op in ops)
+
     def check(self) -> "Schedule":
-        """Raise :class:`DynaPipeError` unless every stage runs each micro-batch's
-        forward exactly once, then its backward exactly once, with supported kinds."""
+        """Raise :class:`DynaPipeError` unless every stage runs, for each micro-batch,
+        its forward once and then either its backward ``B`` once or ``BI`` once and then
+        ``BW`` once, with supported kinds."""
         if len(self.stage_ops) != self.num_stages:
             raise DynaPipeError(f"schedule {self.name!r}: {len(self.stage_ops)} op lists for "
                                 f"{self.num_stages} stages.")
         mbs = None
         for s, ops in enumerate(self.stage_ops):
-            seen_f, seen_b = set(), set()
+            seen_f, seen_b, seen_bi, seen_bw = set(), set(), set(), set()
             for i, op in enumerate(ops):
                 if op.kind not in SUPPORTED_KINDS:
                     raise DynaPipeError(f"schedule {self.name!r}: stage {s} op {i} has kind {op.kind!r}; "
@@ -86,16 +102,29 @@ class Schedule:
                     if key in seen_f:
                         raise DynaPipeError(f"schedule {self.name!r}: stage {s} runs F{op.mb} twice.")
                     seen_f.add(key)
+                elif op.kind == "BW":
+                    if key not in seen_bi:
+                        raise DynaPipeError(f"schedule {self.name!r}: stage {s} op {i} runs BW{op.mb} without "
+                                            f"BI{op.mb} before it; a weight part follows its input part.")
+                    if key in seen_bw:
+                        raise DynaPipeError(f"schedule {self.name!r}: stage {s} runs BW{op.mb} twice.")
+                    seen_bw.add(key)
                 else:
                     if key not in seen_f:
-                        raise DynaPipeError(f"schedule {self.name!r}: stage {s} op {i} runs B{op.mb} "
+                        raise DynaPipeError(f"schedule {self.name!r}: stage {s} op {i} runs {op.kind}{op.mb} "
                                             f"before F{op.mb}.")
                     if key in seen_b:
-                        raise DynaPipeError(f"schedule {self.name!r}: stage {s} runs B{op.mb} twice.")
+                        raise DynaPipeError(f"schedule {self.name!r}: stage {s} runs the backward of micro-batch "
+                                            f"{op.mb} twice ({op}); run B{op.mb}, or BI{op.mb} then BW{op.mb}.")
                     seen_b.add(key)
+                    if op.kind == "BI":
+                        seen_bi.add(key)
             if seen_f != seen_b:
                 raise DynaPipeError(f"schedule {self.name!r}: stage {s} has forwards without backwards: "
                                     f"{sorted(seen_f - seen_b)}.")
+            if seen_bi != seen_bw:
+                raise DynaPipeError(f"schedule {self.name!r}: stage {s} runs input parts without their weight "
+                                    f"parts (BI without BW): {sorted(seen_bi - seen_bw)}.")
             if mbs is None:
                 mbs = seen_f
             elif seen_f != mbs:

@@ -1,0 +1,437 @@
+"""zb-h1: split backwards (BI/BW) through the schedule, costs, simulator, search and plans."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+
+from dynapipe.cli import main
+from dynapipe.config import TensorParallelConfig, load_device_config, load_model_config
+from dynapipe.cost import build_cost_model
+from dynapipe.cost.backward_split import backward_split
+from dynapipe.cost.base import StageLayout
+from dynapipe.cost.placement import StagePlacement
+from dynapipe.errors import DynaPipeError, PlanError
+from dynapipe.plan import compile_plans, deserialize_plan, serialize_plan, validate_plans
+from dynapipe.plan.compile_chunked import compile_chunked_plans
+from dynapipe.plan.forward_only import forward_only
+from dynapipe.plan.grad_sync import grad_sync_points
+from dynapipe.plan.instructions import BackwardPass, RecvGradFinish, SendGradStart
+from dynapipe.plan.serialize import FORMAT_VERSION, serialize_plan_v1
+from dynapipe.plan.validate_fast import group_is_valid
+from dynapipe.schedule import _kernels as K
+from dynapipe.schedule.costs import MIN_OP_MS, StageTimes, stage_times
+from dynapipe.schedule.interleaved import simulate_chunked
+from dynapipe.schedule.one_f_one_b import one_f_one_b
+from dynapipe.schedule.search import SCHEDULE_CHOICES, search_schedules
+from dynapipe.schedule.simulator import kernel_inputs, schedule_arrays, simulate, split_inputs
+from dynapipe.schedule.types import SCHEDULE_NAMES, Op, Schedule
+from dynapipe.schedule.zero_bubble import weight_delay, zb_h1, zb_h1_arrays
+from plan_helpers import chunked_micro_batches
+
+TINY, T5 = load_model_config("gpt-tiny"), load_model_config("t5-11b")
+GPT7B, A100 = load_model_config("gpt-7b"), load_device_config("a100-40gb")
+
+
+def split_times(fw, bw_input, bw_weight, stored=None, stash=None, comm=0.0, state=0.0) -> StageTimes:
+    """Costs with the backward given as its two parts (ms; memory MiB)."""
+    fw = np.asarray(fw, dtype=float)
+    S, M = fw.shape
+    stored = np.zeros((S, M)) if stored is None else np.broadcast_to(stored, (S, M)).astype(float)
+    stash = np.zeros((S, M)) if stash is None else np.broadcast_to(stash, (S, M)).astype(float)
+    c = np.full((S - 1, M), float(comm))
+    bw = np.broadcast_to(np.asarray(bw_input) + bw_weight, (S, M)).astype(float)
+    return StageTimes(fw, bw, stored, np.zeros((S, M)), c, c.copy(), np.full(S, float(state)),
+                      bw_weight_ms=np.broadcast_to(bw_weight, (S, M)).astype(float), weight_stash_mib=stash)
+
+
+# -- the op order ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("S, M", [(1, 3), (2, 1), (3, 2), (4, 8), (5, 3), (6, 11)])
+def test_zb_h1_is_1f1b_with_input_parts_and_delayed_weight_parts(S, M):
+    sched = zb_h1(S, M).check()
+    assert sched.name == "zb-h1" and sched.split_backward
+    one = one_f_one_b(S, M)
+    for s, ops in enumerate(sched.stage_ops):
+        assert len(ops) == 3 * M
+        # Without the weight parts it is 1F1B with every B an input part.
+        assert [op for op in ops if op.kind != "BW"] == [Op("BI", o.mb) if o.kind == "B" else o
+                                                         for o in one.stage_ops[s]]
+        d = weight_delay(S, s, M)
+        assert d == min(s, M)
+        pos = {(op.kind, op.mb): i for i, op in enumerate(ops)}
+        bis = [op.mb for op in ops if op.kind == "BI"]
+        for j in range(M):
+            assert pos[("F", j)] < pos[("BI", j)] < pos[("BW", j)]
+            if j + d < M:  # right after the input part d micro-batches later
+                assert pos[("BW", j)] == pos[("BI", j + d)] + 1
+        # After the last input part: its micro-batch's delayed weight part, then the rest, in order.
+        tail = ops[pos[("BI", bis[-1])] + 1:]
+        assert [op.mb for op in tail if op.kind == "BW"] == list(range(max(M - 1 - d, 0), M))
+        if M:
+            assert all(op.kind == "BW" for op in tail[1:])
+    # The arrays the search simulates are the same ops.
+    kind, mb, nops = zb_h1_arrays(S, M)
+    ref = schedule_arrays(sched, M)
+    np.testing.assert_array_equal(kind[:, :3 * M], ref[0][:, :3 * M])
+    np.testing.assert_array_equal(mb[:, :3 * M], ref[1][:, :3 * M])
+    assert (nops == 3 * M).all() and not kind.flags.writeable
+
+
+def test_the_check_refuses_misordered_split_backwards():
+    F0, B0, BI0, BW0 = Op("F", 0), Op("B", 0), Op("BI", 0), Op("BW", 0)
+    cases = {"without BI0 before it": (F0, BW0, BI0), "twice": (F0, BI0, BW0, BW0),
+             "backward of micro-batch 0 twice": (F0, B0, BI0, BW0),
+             "BI without BW": (F0, BI0), "before F0": (BI0, F0, BW0)}
+    for needle, ops in cases.items():
+        with pytest.raises(DynaPipeError, match=needle):
+            Schedule("zb", 1, (ops,)).check()
+    with pytest.raises(DynaPipeError, match="without BI0"):
+        Schedule("zb", 1, ((F0, B0, BW0),)).check()
+
+
+# -- simulated gain ------------------------------------------------------------------------
+
+def test_uniform_zb_h1_beats_1f1b():
+    S, M = 4, 8
+    t = split_times(np.ones((S, M)), 1.0, 1.0)
+    zb, one = simulate(zb_h1(S, M), t), simulate(one_f_one_b(S, M), t)
+    assert one.makespan_ms == pytest.approx((M + S - 1) * 3)             # 1F1B: (S - 1)(F + B) idle
+    assert zb.makespan_ms == pytest.approx(M * 3 + (S - 1) * (1 + 1 - 1))  # ZB-H1: (S - 1)(F + BI - BW)
+    assert zb.makespan_ms < one.makespan_ms and zb.bubble_fraction < one.bubble_fraction
+    assert zb.busy_ms == pytest.approx(one.busy_ms)
+    assert all(len(ops) == 3 * M for ops in zb.schedule.stage_ops)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_variable_micro_batches_finish_sooner_within_1f1b_memory(seed):
+    rng = np.random.default_rng(seed)
+    S, M = 4, 9
+    per_mb = rng.uniform(0.2, 3.0, M)
+    fw = np.outer(rng.uniform(0.8, 1.2, S), per_mb)
+    stored = np.tile(per_mb, (S, 1))
+    t = split_times(fw, fw, fw / 2, stored=stored, stash=stored / 3, comm=0.05, state=10.0)
+    zb, one = simulate(zb_h1(S, M), t), simulate(one_f_one_b(S, M), t)
+    assert zb.makespan_ms < one.makespan_ms and zb.bubble_fraction < one.bubble_fraction
+    # Stage s keeps at most s weight parts pending: within the first stage's 1F1B peak.
+    assert max(zb.peak_mib) <= max(one.peak_mib) + 1e-9
+
+
+def test_memory_steps_follow_the_input_and_weight_parts():
+    S, M = 3, 4
+    t = split_times(np.ones((S, M)), 1.0, 0.5, stored=np.arange(1, M + 1) * 10.0,
+                    stash=np.arange(1, M + 1) * 4.0, state=100.0)
+    tl = simulate(zb_h1(S, M), t)
+    for s, ops in enumerate(tl.schedule.stage_ops):
+        steps = tl.memory[s]
+        assert steps[-1][1] == pytest.approx(100.0)        # everything released at the end
+        assert max(m for _, m in steps) == pytest.approx(tl.peak_mib[s])
+        stored = 0.0
+        for i, op in enumerate(ops):
+            st, ws = 10.0 * (op.mb + 1), 4.0 * (op.mb + 1)
+            stored += {"F": st, "BI": ws - st, "BW": -ws}[op.kind]
+            assert steps[2 + 2 * i][1] == pytest.approx(100.0 + stored)  # after the op
+            dur = tl.ends[s][i] - tl.starts[s][i]
+            assert dur == pytest.approx({"F": 1.0, "BI": 1.0, "BW": 0.5}[op.kind])
+
+
+@pytest.mark.skipif(not K.compiled(), reason="numba not installed: only the Python loops exist")
+def test_compiled_and_python_split_kernels_agree():
+    rng = np.random.default_rng(3)
+    S, M = 5, 13
+    fw = rng.uniform(0.1, 2, (S, M))
+    t = split_times(fw, fw, rng.uniform(0, 1, (S, M)) * fw, stored=fw, stash=fw / 2, comm=0.1, state=5.0)
+    kind, mb, nops = zb_h1_arrays(S, M)
+    args = (kind, mb, nops, *kernel_inputs(t), *split_inputs(t), np.inf, np.inf)
+    for a, b in zip(K.simulate_split_kernel(*args), K.simulate_split_kernel.py_func(*args)):
+        np.testing.assert_array_equal(a, b)
+
+
+# -- costs -----------------------------------------------------------------------------------
+
+def test_stage_times_carry_the_split_through_permute_mix_and_defaults():
+    t = split_times(np.ones((2, 3)) * [[1, 2, 3]], 1.0, np.array([[0.1, 0.2, 0.3]] * 2), stash=[[1, 2, 3]] * 2)
+    p = t.permuted([2, 0, 1])
+    np.testing.assert_array_equal(p.bw_weight_ms[0], [0.3, 0.1, 0.2])
+    np.testing.assert_array_equal(p.weight_stash_mib[1], [3, 1, 2])
+    mixed = StageTimes.mixed([t, p])
+    np.testing.assert_array_equal(mixed.bw_weight_ms, [[0.1, 0.2, 0.3], [0.3, 0.1, 0.2]])
+    plain = StageTimes(t.fw_ms, t.bw_ms, t.stored_mib, t.peak_mib, t.act_comm_ms, t.grad_comm_ms, t.state_mib)
+    assert not plain.bw_weight_ms.any() and plain.weight_stash_mib.shape == (2, 3)
+    with pytest.raises(DynaPipeError, match="bw_weight_ms has shape"):
+        StageTimes(t.fw_ms, t.bw_ms, t.stored_mib, t.peak_mib, t.act_comm_ms, t.grad_comm_ms, t.state_mib,
+                   bw_weight_ms=np.zeros(3))
+
+
+def test_backward_split_is_the_linear_share_of_the_backward_flops():
+    m = TINY
+    mid = StageLayout(1, 0, 2, False, False)
+    b, s = 2.0, 128.0
+    h, ad, kv, f = m.hidden_size, m.attention_dim, m.kv_dim, m.ffn_hidden_size
+    lin = 2 * (2 * b * s * h * (ad + 2 * kv) + 2 * b * s * ad * h + 2 * b * s * h * (m.fc1_width + f))
+    core = 2 * 4 * b * s * s * ad
+    shares = {lv: float(backward_split(m, mid, b, s, recompute=lv)[0]) for lv in ("none", "selective", "full")}
+    assert shares["none"] == pytest.approx(lin / (2 * (lin + core)))
+    assert shares["selective"] == pytest.approx(lin / (2 * (lin + core) + core))
+    assert shares["full"] == pytest.approx(lin / (3 * (lin + core)))
+    # The output layer's backward stays whole in the input part.
+    last = StageLayout(1, 0, 2, False, True)
+    assert float(backward_split(m, last, b, s)[0]) < shares["none"]
+    # Stash: 4h + 2a_d + 2k_d + f + fc1 elements a token and layer, split over TP where activations are.
+    stash = float(backward_split(m, mid, b, s)[1])
+    per_token = 4 * h + ad + f + ad + 2 * kv + m.fc1_width
+    assert stash == pytest.approx(2 * b * s * per_token * m.dtype_bytes / 2**20)
+    tp2 = float(backward_split(m, mid, b, s, tp=TensorParallelConfig(size=2))[1])
+    tp2sp = float(backward_split(m, mid, b, s, tp=TensorParallelConfig(size=2, sequence_parallel=True))[1])
+    assert tp2sp == pytest.approx(stash / 2) and stash / 2 < tp2 < stash
+    # Arrays broadcast.
+    share, stash_arr = backward_split(m, mid, np.array([1, 2]), np.array([64, 256]))
+    assert share.shape == stash_arr.shape == (2,) and stash_arr[1] > stash_arr[0]
+
+
+def test_t5_decoder_layers_stash_their_cross_attention_too():
+    enc, dec = StageLayout(0, 2, 0, True, False), StageLayout(1, 0, 2, False, False)
+    share_e, stash_e = backward_split(T5, enc, 1, 256, 256)
+    share_d, stash_d = backward_split(T5, dec, 1, 256, 256)
+    assert 0 < share_e < 0.5 and 0 < share_d < 0.5
+    assert float(stash_d) > float(stash_e)   # cross-attention inputs and gradients, and the encoder output
+
+
+@pytest.mark.parametrize("profile", [False, True])
+def test_stage_times_price_the_split_for_analytic_and_measured_costs(tmp_path, profile):
+    path = None
+    if profile:
+        grid = lambda f: [[f(b, s) for s in (64, 256)] for b in (1, 4)]  # noqa: E731
+        op = {"fw_ms": grid(lambda b, s: 1 + 0.01 * b * s), "bw_ms": grid(lambda b, s: 2 + 0.02 * b * s),
+              "stored_mib": grid(lambda b, s: 0.01 * b * s), "peak_mib": grid(lambda b, s: 0.001 * b * s)}
+        path = tmp_path / "profile.json"
+        path.write_text(json.dumps({"format": "dynapipe-profile", "version": 1, "mbs": [1, 4],
+                                    "seqlen": [64, 256], "ops": {"layer": op, "embedding": op, "output": op}}))
+    cm = build_cost_model(TINY, load_device_config("cpu"), 2, profile=str(path) if path else None)
+    mbs = chunked_micro_batches([30, 60, 200, 250, 500], 2)
+    t = stage_times(cm, mbs, recompute="selective")
+    share = np.stack([backward_split(TINY, cm.layouts[s], [m.mbs for m in mbs], [m.seqlen for m in mbs],
+                                     recompute="selective")[0] for s in range(2)])
+    np.testing.assert_allclose(t.bw_weight_ms, np.minimum(t.bw_ms * share, t.bw_ms - MIN_OP_MS))
+    assert (t.bw_weight_ms > 0).all() and (t.bw_weight_ms < t.bw_ms).all()
+    assert (t.weight_stash_mib > 0).all() and (t.weight_stash_mib <= t.stored_mib).all()
+
+
+# -- search ----------------------------------------------------------------------------------
+
+def test_search_runs_zb_h1_only_when_named():
+    assert "zb-h1" in SCHEDULE_CHOICES and "zb-h1" not in SCHEDULE_NAMES
+    cm = build_cost_model(GPT7B, A100, 4)
+    reps = [chunked_micro_batches(np.random.default_rng(0).integers(50, 2000, 24), 3)]
+    zb = search_schedules(reps, cm, schedule="zb-h1", recompute="full")
+    one = search_schedules(reps, cm, schedule="1f1b", recompute="full")
+    assert zb.best.schedule == "zb-h1" and zb.schedules[0].split_backward and zb.best.fits
+    assert zb.timelines[0].makespan_ms == pytest.approx(zb.best.makespan_ms)
+    assert zb.best.makespan_ms < one.best.makespan_ms
+    assert zb.best.bubble_fraction < one.best.bubble_fraction and len(zb.best.peak_mib) == 4
+    auto = search_schedules(reps, cm, schedule="auto")
+    assert {c.schedule for c in auto.candidates} == {"1f1b", "adaptive"}
+    # A capacity below what zb-h1 needs is refused like any schedule's.
+    with pytest.raises(DynaPipeError, match="no schedule fits"):
+        search_schedules(reps, cm, schedule="zb-h1", recompute="none", capacity_mib=min(zb.best.peak_mib) / 2)
+
+
+def test_the_search_caps_the_weight_delays_to_fit_where_1f1b_fits():
+    # Equal micro-batches, the last stage's weight parts each keep most of an activation:
+    # with zb-h1's own delays the last stage holds 1 + 3 stashes, 1F1B's stage 0 holds 4.
+    S, M = 4, 8
+    times = split_times(np.ones((S, M)), 1.0, 1.0, stored=100.0, stash=90.0, state=1000.0)
+    times = StageTimes(times.fw_ms, times.bw_ms, times.stored_mib, times.peak_mib, times.act_comm_ms,
+                       times.grad_comm_ms, np.array([1000.0, 1000.0, 1000.0, 1150.0]), "none",
+                       times.bw_weight_ms, times.weight_stash_mib)
+    peaks = {}
+    for k in (None, 2, 1, 0):
+        kind, mb, nops = zb_h1_arrays(S, M, k)
+        peaks[k] = K.simulate_split_kernel(kind, mb, nops, *kernel_inputs(times), *split_inputs(times),
+                                           np.inf, np.inf)[4]
+        sched = zb_h1(S, M, max_delay=k).check()
+        assert all(weight_delay(S, s, M, k) == min(s, M if k is None else k) for s in range(S))
+        assert sched.meta == ({} if k is None else {"max_delay": k})
+    one = simulate(one_f_one_b(S, M), times).peak_mib
+    assert peaks[None][3] > max(one) and peaks[0].max() <= max(one) + 1e-9
+    assert [float(peaks[k][3]) for k in (None, 2, 1, 0)] == sorted([float(peaks[k][3]) for k in (None, 2, 1, 0)],
+                                                                   reverse=True)
+
+
+@pytest.mark.parametrize("level", ["selective", "full"])
+def test_zb_h1_fits_in_1f1b_memory_by_capping_its_delays_and_stays_faster(level):
+    cm = build_cost_model(GPT7B, A100, 4)
+    reps = [chunked_micro_batches(np.random.default_rng(0).integers(50, 2000, 24), 3)]
+    one = search_schedules(reps, cm, schedule="1f1b", recompute=level).best
+    free = search_schedules(reps, cm, schedule="zb-h1", recompute=level).best
+    assert free.max_delay == 3 and max(free.peak_mib) > max(one.peak_mib)  # its own delays need more
+    got = search_schedules(reps, cm, schedule="zb-h1", recompute=level, capacity_mib=max(one.peak_mib))
+    assert got.best.fits and got.best.max_delay < 3 and max(got.best.peak_mib) <= max(one.peak_mib)
+    assert got.schedules[0].meta == {"max_delay": got.best.max_delay}
+    assert got.timelines[0].makespan_ms == pytest.approx(got.best.makespan_ms)
+    assert free.makespan_ms <= got.best.makespan_ms < one.makespan_ms
+    assert got.best.to_json()["max_delay"] == got.best.max_delay
+
+
+def test_chunked_placements_refuse_split_backwards():
+    cm = build_cost_model(T5, A100, 2)
+    chunked = cm.with_placement(StagePlacement.parse("interleaved", T5, 2))
+    reps = [chunked_micro_batches([40, 90, 300, 60], 2, dec_lengths=[8, 16, 30, 12])]
+    with pytest.raises(DynaPipeError, match="not supported yet") as e:
+        search_schedules(reps, chunked, schedule="zb-h1")
+    assert "zb-h1" in str(e.value) and "\n" not in str(e.value)
+    ops = ((Op("F", 0), Op("F", 0, 1), Op("BI", 0, 1), Op("BW", 0, 1), Op("BI", 0), Op("BW", 0)),) * 2
+    sched = Schedule("zb-chunked", 2, ops, num_chunks=2)
+    virtual = split_times(np.ones((4, 1)), 1.0, 0.5)
+    virtual = StageTimes(virtual.fw_ms, virtual.bw_ms, virtual.stored_mib, virtual.peak_mib, virtual.act_comm_ms,
+                         virtual.grad_comm_ms, np.zeros(2))   # 4 virtual stages on 2 ranks
+    with pytest.raises(DynaPipeError, match="not support yet"):
+        simulate_chunked(sched, virtual)
+    tl = simulate(one_f_one_b(2, 1), split_times(np.ones((2, 1)), 1.0, 0.5))
+    with pytest.raises(DynaPipeError, match="not support yet"):
+        compile_chunked_plans(sched, chunked_micro_batches([10], 1), TINY, tl, [None] * 4)
+
+
+# -- plans -----------------------------------------------------------------------------------
+
+def _zb_plans(S, model=TINY, n=11, size=2, seed=0):
+    rng = np.random.default_rng(seed)
+    mbs = chunked_micro_batches(rng.integers(1, 300, n), size, shuffle_seed=seed)
+    M = len(mbs)
+    fw = rng.uniform(0.2, 2.0, (S, M))
+    t = split_times(fw, fw, fw / 2, comm=0.1)
+    sched = zb_h1(S, M)
+    tl = simulate(sched, t)
+    return sched, tl, compile_plans(sched, mbs, model, timeline=tl)
+
+
+@pytest.mark.parametrize("S", [2, 3])
+def test_split_plans_compile_validate_and_round_trip(S):
+    sched, tl, plans = _zb_plans(S)
+    M = tl.schedule.num_micro_batches
+    for s, p in enumerate(plans):
+        bws = [x for x in p.instructions if isinstance(x, BackwardPass)]
+        assert [x.part for x in bws].count("input") == M and [x.part for x in bws].count("weight") == M
+        # Instruction order follows the op order: the backward parts as the schedule runs them.
+        assert [(x.part, x.mb) for x in bws] == [("input" if op.kind == "BI" else "weight", op.mb)
+                                                 for op in sched.stage_ops[s] if op.kind != "F"]
+        ins = list(p.instructions)
+        where = {(type(x).__name__, getattr(x, "part", ""), x.mb): i for i, x in enumerate(ins)}
+        for m in range(M):
+            bi, bw = where[("BackwardPass", "input", m)], where[("BackwardPass", "weight", m)]
+            assert bi < bw
+            # The input part carries the backward's transfers; the weight part none.
+            if s < S - 1:
+                assert where[("RecvGradFinish", "", m)] < bi
+            if s > 0:
+                assert bi < where[("SendGradStart", "", m)]
+            frees = [i for i, x in enumerate(ins) if type(x).__name__ == "FreeBuffer" and x.mb == m
+                     and not x.buffer.startswith("grad_out")]
+            assert frees and all(bi < i for i in frees)
+        assert any(isinstance(x, RecvGradFinish) for x in ins) == (s < S - 1)
+        assert any(isinstance(x, SendGradStart) for x in ins) == (s > 0)
+    assert group_is_valid(plans)  # the linear-time check accepts split plans too
+    summary = validate_plans(plans)
+    assert summary.stages == S and summary.micro_batches == M
+    data = [serialize_plan(p) for p in plans]
+    assert all(struct.unpack(">H", d[4:6])[0] == FORMAT_VERSION == 3 for d in data)
+    back = [deserialize_plan(d) for d in data]
+    assert [tuple(b.instructions) for b in back] == [tuple(p.instructions) for p in plans]
+    validate_plans(back)
+    assert [serialize_plan(b) for b in back] == data
+    v1 = [deserialize_plan(serialize_plan_v1(p)) for p in plans]   # the JSON form keeps the parts too
+    assert [tuple(b.instructions) for b in v1] == [tuple(p.instructions) for p in plans]
+    # Evaluation drops both parts; gradients complete at the last weight part.
+    evals = [forward_only(p) for p in plans]
+    assert not any(isinstance(x, BackwardPass) for p in evals for x in p.instructions)
+    validate_plans(evals)
+    for s, p in enumerate(plans):
+        last_w = [op.mb for op in sched.stage_ops[s] if op.kind == "BW"][-1]
+        assert grad_sync_points(p.instructions) == frozenset({(0, last_w)})
+
+
+def test_compile_by_name_and_without_a_timeline():
+    mbs = chunked_micro_batches([5, 90, 30, 31, 200, 7], 2)
+    plans = compile_plans("zb-h1", mbs, TINY, num_stages=3)
+    assert plans[0].schedule == "zb-h1"
+    validate_plans(plans)
+    again = compile_plans(zb_h1(3, len(mbs)), mbs, TINY)   # simulated on proxy costs here
+    assert [tuple(p.instructions) for p in again] == [tuple(p.instructions) for p in plans]
+
+
+def test_a_stage_splitting_only_some_backwards_is_refused():
+    mbs = chunked_micro_batches([5, 9], 1)
+    ops = ((Op("F", 0), Op("BI", 0), Op("BW", 0), Op("F", 1), Op("B", 1)),)
+    sched = Schedule("half", 1, ops).check()
+    with pytest.raises(DynaPipeError, match="splits the backward of 1 of its 2 micro-batches"):
+        compile_plans(sched, mbs, TINY)
+
+
+def _edited(plans, stage, edit):
+    out = list(plans)
+    p = plans[stage]
+    out[stage] = type(p)(**{**p.__dict__, "instructions": tuple(edit(list(p.instructions)))})
+    return out
+
+
+def test_the_validators_refuse_broken_split_backwards():
+    import dataclasses
+
+    _, _, plans = _zb_plans(2)
+
+    def find(ins, part, mb=0):
+        return next(i for i, x in enumerate(ins) if isinstance(x, BackwardPass) and x.part == part and x.mb == mb)
+
+    def weight_first(ins):
+        i, w = find(ins, "input"), find(ins, "weight")
+        ins[i], ins[w] = ins[w], ins[i]
+        return ins
+
+    def no_weight(ins):
+        del ins[find(ins, "weight")]
+        return ins
+
+    def weight_twice(ins):
+        ins.insert(len(ins), ins[find(ins, "weight")])
+        return ins
+
+    def full_then_weight(ins):
+        i = find(ins, "input")
+        ins[i] = dataclasses.replace(ins[i], part="full")
+        return ins
+
+    def odd_part(ins):
+        i = find(ins, "weight")
+        ins[i] = dataclasses.replace(ins[i], part="bias")
+        return ins
+
+    cases = [(weight_first, "before its input part"), (no_weight, "no weight part"),
+             (weight_twice, "weight part a second time"), (full_then_weight, "after a full backward"),
+             (odd_part, "'bias' is not")]
+    for edit, needle in cases:
+        for stage in (0, 1):
+            bad = _edited(plans, stage, edit)
+            assert not group_is_valid(bad)
+            with pytest.raises(PlanError, match=needle):
+                validate_plans(bad)
+
+
+def test_plan_command_writes_zb_h1_plans_that_validate(tmp_path, capsys):
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("100\n7\n900\n513\n64\n1000\n9\n300\n700\n")
+    plan_dir = tmp_path / "plans"
+    rc = main(["plan", "--lengths", str(lengths), "--model", "gpt-tiny", "--device", "cpu", "--stages", "2",
+               "--schedule", "zb-h1", "--plan-out", str(plan_dir)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    plan = json.loads(out)
+    assert plan["schedule"] == "zb-h1" and "schedule zb-h1" in err
+    assert sorted(os.listdir(plan_dir)) == ["replica000-stage000.plan", "replica000-stage001.plan"]
+    parts = {x.part for f in sorted(os.listdir(plan_dir))
+             for x in deserialize_plan((plan_dir / f).read_bytes()).instructions if isinstance(x, BackwardPass)}
+    assert parts == {"input", "weight"}
+    assert main(["validate", str(plan_dir)]) == 0
+    assert "valid" in capsys.readouterr().out
