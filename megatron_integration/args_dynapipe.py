@@ -18,7 +18,8 @@ from megatron_integration.train_config import DynaPipeArgs
 BATCHINGS = ("dynapipe", "padding", "padding-mb", "packing", "token-budget")
 # Batchings megatron-core's own 1F1B runs (without --use-dynapipe); padding-mb with variable_seq_lengths.
 MEGATRON_BATCHINGS = ("padding", "padding-mb", "packing")
-SCHEDULES = ("auto", "adaptive", "1f1b")
+# zb-h1 (zero-bubble, the backward split into input and weight parts) is chosen by name only.
+SCHEDULES = ("auto", "adaptive", "1f1b", "zb-h1")
 RECOMPUTE_CHOICES = ("auto", "none", "selective", "full")
 KV_BACKENDS = ("store", "redis")
 
@@ -37,7 +38,9 @@ def add_dynapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--dynapipe-batching", default=None, choices=BATCHINGS,
                    help="micro-batching method (default: dynapipe with --use-dynapipe, padding without)")
     g.add_argument("--dynapipe-schedule", default="auto", choices=SCHEDULES,
-                   help="pipeline schedule (auto: the fastest candidate that fits in memory)")
+                   help="pipeline schedule (auto: the fastest of 1f1b and adaptive that fits in memory; zb-h1: "
+                        "1F1B with each backward split into an input part and a weight part that fills the "
+                        "bubbles, megatron-core's local linear layers only)")
     g.add_argument("--dynapipe-memory-limit-mb", type=float, default=None,
                    help="device memory the plans may use, MiB (default: the device config's)")
     g.add_argument("--dynapipe-cost-model", default="analytic",
@@ -192,6 +195,7 @@ def dynapipe_args_from_args(args: argparse.Namespace, cuda: bool, batching: str,
                             f"write a profile with `python -m dynapipe profile --output {cost_model}`.")
     planner_nodes, split = planner_nodes_from_args(args, dp, num_nodes)
     _check_named_configs(args)
+    _check_split_backward(args)
     return DynaPipeArgs(
         enabled=args.use_dynapipe, batching=batching, schedule=args.dynapipe_schedule,
         memory_limit_mb=args.dynapipe_memory_limit_mb, cost_model=cost_model,
@@ -203,6 +207,21 @@ def dynapipe_args_from_args(args: argparse.Namespace, cuda: bool, batching: str,
         redis_port=args.dynapipe_redis_port, store_retry_s=args.dynapipe_store_retry_s,
         max_tokens=args.dynapipe_max_tokens,
         timeout_s=args.dynapipe_timeout_s, trace_dir=args.dynapipe_trace_dir, recompute=recompute)
+
+
+def _check_split_backward(args: argparse.Namespace) -> None:
+    """Refuse what ``--dynapipe-schedule zb-h1`` cannot honour yet."""
+    if args.dynapipe_schedule != "zb-h1":
+        return
+    if getattr(args, "overlap_grad_reduce", False):
+        # megatron-core's DDP launches a bucket's reduction when every parameter of it has its
+        # gradient; a split backward produces a bucket's bias and weight gradients in two parts.
+        raise DynaPipeError("--dynapipe-schedule zb-h1 cannot overlap the gradient reduction yet; drop "
+                            "--overlap-grad-reduce (the gradients are then reduced after the backward).")
+    chunks = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+    if (chunks or 1) > 1 or getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None:
+        raise DynaPipeError("--dynapipe-schedule zb-h1 runs on the plain pipeline; drop the virtual-pipeline flags "
+                            "or use --dynapipe-schedule auto.")
 
 
 def _check_named_configs(args: argparse.Namespace) -> None:

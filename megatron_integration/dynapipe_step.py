@@ -203,7 +203,7 @@ class DynaPipeStepper:
         from dynapipe.cost import build_cost_model
         from dynapipe.runtime.plan_source import tensor_parallel_config
 
-        handlers = MegatronStageHandlers(stage, info.device)
+        handlers = MegatronStageHandlers(stage, info.device, split_backward=cfg.dynapipe.schedule == "zb-h1")
         meter = ActivationMeter()
         # megatron's pipeline group links the same TP rank of every stage, so each transfer
         # goes between matching TP ranks (under sequence parallelism: their sequence shards).

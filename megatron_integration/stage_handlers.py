@@ -14,8 +14,10 @@ import torch
 from dynapipe.errors import DynaPipeError
 from dynapipe.plan.instructions import BackwardPass, MicroBatchInfo, TensorSpec
 from dynapipe.runtime.buffers import backward_from
+from dynapipe.runtime.weight_grad_store import WeightGradStore
 from megatron_integration.ddp import backward_syncs
 from megatron_integration.model import Stage
+from megatron_integration.split_backward import install_split_backward
 
 
 class ModelStageHandlers:
@@ -24,11 +26,15 @@ class ModelStageHandlers:
     #: Why a global batch without loss tokens cannot train, in the model's words.
     no_loss_tokens = "the global batch has no loss tokens; the loss cannot be normalised."
 
-    def __init__(self, stage: Stage, device: torch.device):
+    def __init__(self, stage: Stage, device: torch.device, split_backward: bool = False):
+        """``split_backward``: give the stage's linear layers a backward that a zero-bubble
+        plan can split (raises :class:`DynaPipeError` where the stage cannot)."""
         self.stage = stage
         self.device = device
         self.tensors: dict = {}
         self.syncs = backward_syncs(stage.modules, None)
+        self.weight_grads = WeightGradStore()
+        self.split_layers = install_split_backward(stage.modules, self.weight_grads) if split_backward else 0
         self._reset_loss()
 
     def _reset_loss(self) -> None:
@@ -44,6 +50,12 @@ class ModelStageHandlers:
             raise DynaPipeError(self.no_loss_tokens)
         self.tensors = micro_batch_tensors
         self.syncs = backward_syncs(self.stage.modules, plan)
+        if plan is not None and not self.split_layers and any(
+                getattr(x, "part", "full") != "full" for x in plan.instructions):
+            raise DynaPipeError("the plan splits the backward (a zero-bubble schedule), but this stage's linear "
+                                "layers were built without the split; train with --dynapipe-schedule zb-h1.")
+        # A failed iteration may leave weight parts behind; their gradients went with it.
+        self.weight_grads.clear()
         self._reset_loss()
 
     def load(self, mb: MicroBatchInfo, specs: tuple[TensorSpec, ...]) -> dict[str, torch.Tensor]:
@@ -72,4 +84,14 @@ class ModelStageHandlers:
         # With --overlap-grad-reduce, only each chunk's last backward of the plan lets DDP
         # start reducing; every earlier one accumulates under no_sync.
         with self.syncs.context(op.chunk, op.mb):
-            backward_from(roots, grads)
+            if op.part == "input":
+                with self.weight_grads.input_part((op.chunk, op.mb)):
+                    backward_from(roots, grads)
+            else:
+                backward_from(roots, grads)
+
+    def backward_weight(self, mb: MicroBatchInfo, op: BackwardPass) -> None:
+        """The weight part of a split backward: the linear layers' weight gradients that the
+        input part of (``op.chunk``, ``op.mb``) deferred."""
+        with self.syncs.context(op.chunk, op.mb):
+            self.weight_grads.run((op.chunk, op.mb))

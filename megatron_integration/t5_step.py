@@ -96,8 +96,8 @@ class T5StageHandlers(ModelStageHandlers):
 
     no_loss_tokens = "the global batch has no target tokens; the loss cannot be normalised."
 
-    def __init__(self, stage: Stage, device: torch.device):
-        super().__init__(stage, device)
+    def __init__(self, stage: Stage, device: torch.device, split_backward: bool = False):
+        super().__init__(stage, device, split_backward)
         # (micro-batch, chunk) -> whether its forward applied an encoder or cross-attention mask.
         self.masked: dict[tuple[int, int], bool] = {}
 
@@ -281,9 +281,9 @@ class T5Stepper:
         from dynapipe.runtime.executor import Executor, ExecutorConfig
         from dynapipe.runtime.kv_store import job_tcp_store
 
-        handlers = T5StageHandlers(stage, info.device)
-        meter = ActivationMeter()
         d = cfg.base.dynapipe
+        handlers = T5StageHandlers(stage, info.device, split_backward=d.schedule == "zb-h1")
+        meter = ActivationMeter()
         executor = Executor(handlers, group=parallel_state.get_pipeline_model_parallel_group(), device=info.device,
                             store=job_tcp_store(), meter=meter,
                             config=ExecutorConfig(timeout_s=d.timeout_s, trace=d.trace_dir is not None),

@@ -22,7 +22,8 @@ def pp2(tmp_path_factory, t5_dist):
     and packing on the interleaved placement; a 3 + 2 layer model interleaved with the decoder's
     embedding in the last chunk; evaluation of every method; then padding through torch_dist
     checkpoints (see ``t5_dist``), interleaved checkpoints in both formats; then bf16 runs of
-    every method, padding cut and resumed through torch_dist; fp16 padding and DynaPipe."""
+    every method, padding cut and resumed through torch_dist; fp16 padding and DynaPipe; DynaPipe
+    on the zero-bubble schedule."""
     from megatron_integration.t5_jobs import run_t5_training
     from t5_span_fixture import write_sentences, write_vocab
 
@@ -79,6 +80,8 @@ def pp2(tmp_path_factory, t5_dist):
     runs += [bf16.split(), (bf16 + f" --exit-interval 2 --save {t5_dist / 'bf16_cut'}").split(),
              (bf16 + f" --load {t5_dist / 'bf16_cut'}").split(), (bf16 + " --use-dynapipe").split(),
              (bf16 + PACKING).split(), (TINY + " --fp16").split(), (TINY + " --fp16 --use-dynapipe").split()]
+    # The zero-bubble schedule (the backward split into input and weight parts), two iterations.
+    runs += [(dyn + " --dynapipe-schedule zb-h1 --exit-interval 2").split()]
     ranks = run_t5_training(runs, 2, timeout_s=TIMEOUT)
     assert [r["losses"] for r in ranks[1]] == [r["losses"] for r in ranks[0]]  # every rank reports the same
     return ranks[0]

@@ -2,7 +2,7 @@
 
 One spawned job of 4 gloo ranks trains TP2 x PP2 and TP2 x PP1 x DP2, each with and
 without ``--sequence-parallel``, each once with DynaPipe and once with the padding
-baseline (the model and process groups rebuilt per run, 2 iterations, fp32, dropout 0).
+baseline (TP2 x PP2 also with DynaPipe on the zero-bubble schedule) (the model and process groups rebuilt per run, 2 iterations, fp32, dropout 0).
 The same job checks that pipeline transfers pair matching TP ranks, that the ranks of a
 TP group received equal payloads, and (in a third iteration of the last run) that a TP
 rank holding a different payload stops every rank with the same one line, not a hang.
@@ -20,8 +20,15 @@ SP = {"": "", "sp": "--sequence-parallel"}
 WORLD = 4
 
 
+METHODS = {"padding": "", "dynapipe": "--use-dynapipe --dynapipe-timeout-s 60",
+           # The backward split into input and weight parts: the deferred weight gradients of
+           # column- and row-parallel layers, their reductions and SP all-gathers.
+           "zb-h1": "--use-dynapipe --dynapipe-timeout-s 60 --dynapipe-schedule zb-h1"}
+
+
 def _runs():
-    return [(layout, sp, method) for layout in LAYOUTS for sp in SP for method in ("padding", "dynapipe")]
+    return [(layout, sp, method) for layout in LAYOUTS for sp in SP for method in METHODS
+            if method != "zb-h1" or layout == "tp2xpp2"]
 
 
 def tp_job():
@@ -55,7 +62,7 @@ def tp_job():
     runs = _runs()
     try:
         for layout, sp, method in runs:
-            argv = f"{TINY} {LAYOUTS[layout]} {SP[sp]} {'--use-dynapipe --dynapipe-timeout-s 60' if method == 'dynapipe' else ''}"
+            argv = f"{TINY} {LAYOUTS[layout]} {SP[sp]} {METHODS[method]}"
             last = (layout, sp, method) == runs[-1]
             if last:
                 # The last run goes on to a third iteration, at which rank 1 claims another payload
@@ -110,6 +117,15 @@ def test_dynapipe_loss_equals_padding_under_tp(ranks, layout, sp):
     assert dyn["losses"] == pytest.approx(ref, abs=1e-5, rel=1e-5)
 
 
+@pytest.mark.parametrize("sp", list(SP))
+def test_zero_bubble_loss_equals_padding_under_tp(ranks, sp):
+    runs = ranks[0]["runs"]
+    zb, pad = runs[("tp2xpp2", sp, "zb-h1")], runs[("tp2xpp2", sp, "padding")]
+    assert len(zb["losses"]) == 2
+    assert zb["losses"] == pytest.approx(pad["losses"], abs=1e-5, rel=1e-5)
+    assert zb["loss_tokens"] == pad["loss_tokens"]
+
+
 def test_transfers_pair_matching_tp_ranks(ranks):
     for r in ranks:
         tp_ranks, size = r["pairing"]["tp2xpp2"]
@@ -121,15 +137,15 @@ def test_tp_ranks_of_a_stage_receive_equal_payloads(ranks):
     # Every DynaPipe iteration compared real payload digests: equal within a stage's TP pair,
     # different between the stages of a pipeline (different plans and tensors).
     by_rank = [r["digests"] for r in ranks]
-    assert all(len(d) == 4 * 2 for d in by_rank)  # 4 DynaPipe runs x 2 iterations
-    for i in range(8):
+    assert all(len(d) == 6 * 2 for d in by_rank)  # 6 DynaPipe runs (2 on zb-h1) x 2 iterations
+    for i in range(12):
         rows = [d[i] for d in by_rank]
         digests = {(dp, pp, tp): dg for _, dg, tp, pp, dp in rows}
         assert len(digests) == 4 and all(digests.values())
         for dp, pp, _ in digests:
             assert digests[(dp, pp, 0)] == digests[(dp, pp, 1)]
         # Another stage (TP2 x PP2, the first runs) or replica (TP2 x DP2) has another payload.
-        other = (0, 1, 0) if i < 4 else (1, 0, 0)
+        other = (0, 1, 0) if i < 8 else (1, 0, 0)
         assert digests[(0, 0, 0)] != digests[other]
 
 

@@ -27,6 +27,11 @@ failures) is the executor's.
   activations in their ``.grad``. The default,
   :func:`dynapipe.runtime.buffers.backward_from`, also works on outputs whose data was
   released after their send.
+- ``backward_weight(mb, op)`` (optional; needed by plans that split the backward, see
+  :mod:`dynapipe.runtime.weight_grad_store`): the weight part of micro-batch ``mb``'s
+  backward. With such a plan ``backward`` gets the input part (``op.part == "input"``):
+  it must leave the received activations' gradients as above and may defer the weight
+  gradients until this call.
 - ``trace_note(op)`` (optional, called only when tracing) returns a small dict of
   JSON values the trace adds to the forward or backward it just ran, or None: what the
   plan cannot know of the op (a T5 stage: whether it applied an attention mask).

@@ -1,4 +1,5 @@
-"""The compute instructions of a plan: load a micro-batch, forward, backward.
+"""The compute instructions of a plan: load a micro-batch, forward, backward (whole, or
+split into an input part and a weight part by zero-bubble schedules).
 
 With an interleaved placement a rank runs several chunks (virtual stages ``chunk * P +
 stage``); whether an op receives activations, returns the loss or receives a gradient
@@ -86,6 +87,11 @@ class ComputeOps:
 
     def _backward(self, i: int, ins: BackwardPass, run: RunState, where: Where) -> None:
         key, plan = (ins.mb, ins.chunk), run.plan
+        if ins.part == "weight":
+            # The weight part of a split backward: the layers' deferred weight gradients. The
+            # input part already sent the input gradient and dropped the graph.
+            self.handlers.backward_weight(run.mbs[ins.mb], ins)
+            return
         if key not in run.roots:
             raise ExecutorError(f"{where}: backward of a micro-batch whose forward did not run on this rank.")
         roots, names = run.roots.pop(key)
@@ -98,6 +104,9 @@ class ComputeOps:
                 raise ExecutorError(f"{where}: received gradients {sorted(got)} lack {missing}.")
             grads = [got[n] for n in names]
         custom = getattr(self.handlers, "backward", None)
+        if ins.part == "input" and custom is None:
+            raise ExecutorError(f"{where}: the plan splits the backward, but the stage's handlers have no "
+                                f"backward that defers weight gradients.")
         if custom is not None:
             custom(run.mbs[ins.mb], roots, grads, ins)
         else:

@@ -75,11 +75,12 @@ class ExecTrace:
 
 
 def describe(ins: Instruction, mb: Optional[MicroBatchInfo]) -> tuple[str, str, str, Optional[tuple]]:
-    """Display name, category, op kind (``F``/``B``/``""``) and micro-batch shape of an
+    """Display name, category, op kind (``F``/``B``/``BI``/``BW``/``""``) and micro-batch shape of an
     instruction; compute ops are named as in the simulated trace (``F3 2x128``)."""
     shape = (mb.mbs, mb.seqlen, mb.dec_seqlen) if mb is not None else None
     if isinstance(ins, (ForwardPass, BackwardPass)):
-        kind = "F" if isinstance(ins, ForwardPass) else "B"
+        # A split backward's parts are named as the simulator names them (BI, BW).
+        kind = "F" if isinstance(ins, ForwardPass) else {"input": "BI", "weight": "BW"}.get(ins.part, "B")
         name = sim_op_name(kind, ins.mb, *shape) if shape else f"{kind}{ins.mb}"
         return name, "forward" if kind == "F" else "backward", kind, shape
     if isinstance(ins, LoadInput):
@@ -119,7 +120,7 @@ def chrome_trace(traces: Sequence[ExecTrace], pid_offset: int = 0) -> dict:
                 extra["chunk"] = e.chunk
             if e.note:
                 extra.update(e.note)
-            if e.kind in ("F", "B") and e.shape is not None:
+            if e.kind in ("F", "B", "BI", "BW") and e.shape is not None:
                 mbs, seqlen, dec = e.shape
                 out.append(op_event(pid, t.stage, e.kind, e.mb, start_ms, end_ms, mbs=mbs, seqlen=seqlen,
                                     dec_seqlen=dec, extra=extra))

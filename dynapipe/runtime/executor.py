@@ -237,6 +237,10 @@ class Executor(ComputeOps, TransferOps):
             if not isinstance(plan, ExecutionPlan):
                 raise PlanError(f"expected an ExecutionPlan or its bytes, got {type(plan).__name__}.")
             check_plan_locally(plan, stage=self.comm.rank, num_stages=self.comm.size, replica=self.replica)
+            if not hasattr(self.handlers, "backward_weight") and any(
+                    isinstance(x, BackwardPass) and x.part != "full" for x in plan.instructions):
+                raise PlanError("the plan splits the backward (a zero-bubble schedule), but this stage's handlers "
+                                "have no backward_weight to run the weight part; use a schedule without the split.")
             return plan, pair_starts(plan), None
         except PlanError as e:
             return None, None, f"{where}: {e}"

@@ -33,8 +33,9 @@ def check_plan_locally(plan: ExecutionPlan, *, stage: int, num_stages: int, repl
     The plan is for this stage of a pipeline of this size (and this replica when given);
     every instruction names a known micro-batch; transfers name another stage and tensors
     of plan dtypes with positive sizes; each micro-batch's forward runs once and before its
-    backward; every buffer is filled before it is used, used only after its receive
-    finished, and freed once while live. Agreement with the other ranks' plans is checked
+    backward (a split backward: the input part, then the weight part, each once); every
+    buffer is filled before it is used, used only after its receive finished, and freed
+    once while live. Agreement with the other ranks' plans is checked
     by :class:`PeerPlanCheck`. Raises :class:`PlanError` naming the
     instruction.
     """
@@ -64,6 +65,8 @@ def check_plan_locally(plan: ExecutionPlan, *, stage: int, num_stages: int, repl
     used: set[str] = set()
     fw: set = set()
     bw: set = set()
+    split: set = set()  # micro-batches whose backward is split; their weight parts seen in weighed
+    weighed: set = set()
 
     def fill(i: int, x, name: str) -> None:
         if name in used:
@@ -109,10 +112,20 @@ def check_plan_locally(plan: ExecutionPlan, *, stage: int, num_stages: int, repl
                 need(i, x, buffer_name("act_in", *key))
             if key in sends:
                 fill(i, x, buffer_name("act_out", *key))
+        elif isinstance(x, BackwardPass) and x.part == "weight":
+            # The weight part of a split backward: after its input part, once, no buffers.
+            if key not in split or key in weighed:
+                raise bad(i, x, "the weight part of the backward runs " +
+                          ("twice." if key in weighed else "before its input part."))
+            weighed.add(key)
         elif isinstance(x, BackwardPass):
+            if x.part not in ("full", "input"):
+                raise bad(i, x, f"backward part {x.part!r} is not one of full, input, weight.")
             if key not in fw or key in bw:
                 raise bad(i, x, "the backward runs " + ("twice." if key in bw else "before the forward."))
             bw.add(key)
+            if x.part == "input":
+                split.add(key)
             if x.chunk != last_chunk:
                 need(i, x, buffer_name("grad_in", *key))
             if key in grads:
@@ -120,6 +133,10 @@ def check_plan_locally(plan: ExecutionPlan, *, stage: int, num_stages: int, repl
         elif isinstance(x, FreeBuffer):
             need(i, x, x.buffer)
             live.discard(x.buffer)
+    if split - weighed:
+        mb, chunk = min(split - weighed)
+        raise PlanError(f"pipeline rank {stage}: the backward of micro-batch {mb} (chunk {chunk}) is split, but "
+                        f"its weight part never runs; its weight gradients would be lost.")
     if last_chunk >= 0 and fw and plan.global_loss_tokens <= 0:
         raise PlanError(f"pipeline rank {stage} (last stage): global_loss_tokens is {plan.global_loss_tokens}; "
                         f"the loss cannot be normalised by the global batch's loss tokens.")

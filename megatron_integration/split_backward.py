@@ -1,0 +1,149 @@
+"""megatron-core's linear layers with a backward that can be split in two (zero-bubble
+schedules, ``--dynapipe-schedule zb-h1``).
+
+megatron-core's ``ColumnParallelLinear`` and ``RowParallelLinear`` compute their input and
+weight gradients in one autograd function. :func:`install_split_backward` gives every such
+layer of a stage's transformer layers (the output layer keeps its whole backward in the input
+part, as the cost model prices it: its vocabulary-wide logit gradients are not worth keeping)
+a function with the same forward and the same maths whose backward, while
+the :class:`~dynapipe.runtime.weight_grad_store.WeightGradStore` runs a split backward's
+input part, computes only the input gradient (and the bias gradient, which is a cheap sum)
+and hands the weight-gradient GEMM to the store; the plan's weight part runs it later and
+accumulates the result through the parameter's own gradient accumulator, so megatron-core's
+DDP sees it exactly as if autograd had produced it. Outside a split backward (1F1B plans,
+evaluation) the function computes both gradients at once, as megatron-core's does.
+
+Tensor parallelism is kept: the column-parallel input gradient is all-reduced, or under
+sequence parallelism reduce-scattered, in the input part (the previous stage needs it); the
+sequence-parallel all-gather of the layer's input is repeated in the weight part (every
+tensor-parallel rank of a stage runs the same plan, so the collectives line up). Refused:
+Transformer Engine layers (their weight gradients would not be deferred), megatron-core's
+fused gradient accumulation (``--gradient-accumulation-fusion``, a CUDA kernel writing
+``main_grad``) and its deferred embedding gradients.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from dynapipe.errors import DynaPipeError
+from dynapipe.runtime.weight_grad_store import WeightGradStore
+
+
+def _gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """``x``'s sequence shards of every tensor-parallel rank, concatenated along dim 0."""
+    from megatron.core.tensor_parallel.layers import dist_all_gather_func
+
+    out = torch.empty((x.shape[0] * group.size(), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist_all_gather_func(out, x.contiguous(), group=group)
+    return out
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add ``grad`` to ``param``'s gradient through its autograd accumulator: the hooks
+    megatron-core's DDP registered there (copy into ``main_grad``, bucket bookkeeping) run
+    as in any backward."""
+    torch.autograd.backward(param, grad)
+
+
+class _SplitLinear(torch.autograd.Function):
+    """``y = x W^T + b`` with megatron-core's tensor-parallel gradient reductions and a
+    weight gradient the store may defer."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group, store):
+        ctx.save_for_backward(input, weight)
+        ctx.use_bias = bias is not None
+        ctx.allreduce_dgrad = allreduce_dgrad
+        ctx.sequence_parallel = sequence_parallel
+        ctx.tp_group = tp_group
+        ctx.store = store
+        total = _gather_sequence(input, tp_group) if sequence_parallel else input
+        out = torch.matmul(total, weight.t())
+        return out + bias if bias is not None else out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight)
+        if ctx.allreduce_dgrad:
+            torch.distributed.all_reduce(grad_input, group=ctx.tp_group)
+        if ctx.sequence_parallel:
+            from megatron.core.tensor_parallel.layers import dist_reduce_scatter_func
+
+            shard = torch.empty(input.shape, dtype=input.dtype, device=input.device)
+            dist_reduce_scatter_func(shard, grad_input.contiguous(), group=ctx.tp_group)
+            grad_input = shard
+        go = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_bias = go.sum(dim=0) if ctx.use_bias else None
+        sequence_parallel, group = ctx.sequence_parallel, ctx.tp_group
+
+        def weight_grad() -> torch.Tensor:
+            total = _gather_sequence(input, group) if sequence_parallel else input
+            return go.t().matmul(total.reshape(-1, total.shape[-1]))
+
+        def deferred() -> None:
+            # As inside autograd's backward: no graph is recorded (gloo's all-gather writes
+            # into views of its output, which grad mode would refuse).
+            with torch.no_grad():
+                grad = weight_grad()
+            _accumulate(weight, grad)
+
+        store: WeightGradStore = ctx.store
+        if store.deferring:
+            store.defer(deferred)
+            grad_weight = None
+        else:
+            grad_weight = weight_grad()
+        return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+def _split_forward_impl(layer, original, store: WeightGradStore, input, weight, *args, **kwargs):
+    """The layer's ``_forward_impl`` with :class:`_SplitLinear` in place of megatron-core's
+    linear function (frozen weights keep megatron-core's path: they have no weight gradient)."""
+    if not weight.requires_grad:
+        return original(input, weight, *args, **kwargs)
+    if args:
+        raise DynaPipeError(f"{type(layer).__name__}._forward_impl was called with positional arguments "
+                            f"{len(args)}; this megatron-core version is not supported by the split backward.")
+    if kwargs.get("gradient_accumulation_fusion"):
+        raise DynaPipeError("--dynapipe-schedule zb-h1 cannot use --gradient-accumulation-fusion (its fused "
+                            "kernel writes main_grad inside the backward); add --no-gradient-accumulation-fusion.")
+    if kwargs.get("grad_output_buffer") is not None:
+        raise DynaPipeError("--dynapipe-schedule zb-h1 cannot defer the embedding's weight gradient a second "
+                            "time; drop --defer-embedding-wgrad-compute.")
+    if int(kwargs.get("gtp_remat_size") or 1) > 1:
+        raise DynaPipeError("--dynapipe-schedule zb-h1 does not split the backward of GTP-sharded weights.")
+    return _SplitLinear.apply(input, weight, kwargs.get("bias"), bool(kwargs.get("allreduce_dgrad")),
+                              bool(kwargs.get("sequence_parallel")), kwargs.get("tp_group"), store)
+
+
+def install_split_backward(modules, store: WeightGradStore) -> int:
+    """Give every megatron-core column/row-parallel linear layer of the transformer layers in
+    ``modules`` (a stage's model chunks; not the output layer) a backward that defers its
+    weight gradient into ``store`` during a split backward's input part. Returns how many layers were changed; raises
+    :class:`DynaPipeError` when the stage has linear layers whose backward cannot be split."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    changed, foreign = 0, set()
+    for chunk in modules:
+        for name, mod in chunk.named_modules():
+            if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
+                if name.split(".")[-1] == "output_layer":
+                    # Its whole backward stays in the input part: deferring its weight gradient
+                    # would keep the vocabulary-wide logit gradients until the weight part.
+                    continue
+                if getattr(mod, "_split_backward_store", None) is store:
+                    continue
+                original = type(mod)._forward_impl.__get__(mod)
+                mod._forward_impl = functools.partial(_split_forward_impl, mod, original, store)
+                mod._split_backward_store = store
+                changed += 1
+            elif type(mod).__name__.startswith("TE") and any(p.requires_grad for p in mod.parameters(recurse=False)):
+                foreign.add(type(mod).__name__)
+    if foreign:
+        raise DynaPipeError(f"--dynapipe-schedule zb-h1 splits the backward of megatron-core's own linear layers; "
+                            f"this stage has Transformer Engine layers ({', '.join(sorted(foreign))}), whose weight "
+                            f"gradients would not be deferred. Use --transformer-impl local, or another schedule.")
+    return changed

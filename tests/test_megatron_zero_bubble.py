@@ -1,0 +1,61 @@
+"""``--dynapipe-schedule zb-h1`` through megatron-core: the backward split into an input part and
+a weight part trains the padding baseline's losses (PP2, fp32, 1e-5), the executed traces show
+the split on every rank with each weight part after its input part, and what the split cannot
+honour yet is refused at start-up. T5 too (the session's T5 job)."""
+import json
+import os
+
+import pytest
+
+from dynapipe.errors import DynaPipeError
+from megatron_integration.arguments import parse_training_args
+from test_megatron_dynapipe import TINY, run
+
+ZB = "--use-dynapipe --dynapipe-schedule zb-h1 --dynapipe-trace-dir {tmp}/zb-traces"
+
+
+@pytest.mark.megatron_runs(("", 2), (ZB, 2))
+def test_zero_bubble_trains_the_padding_losses_and_splits_every_backward(request, tmp_path_factory):
+    padding = run("", 2, request)
+    zb = run(ZB, 2, request)
+    assert zb["method"] == "dynapipe" and len(zb["losses"]) == 3
+    assert zb["losses"] == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)
+    assert zb["loss_tokens"] == padding["loss_tokens"]
+    traces = os.path.join(str(tmp_path_factory.getbasetemp()), "zb-traces")
+    for rank in range(2):
+        with open(os.path.join(traces, f"rank{rank:03d}.json")) as f:
+            events = json.load(f)
+        events = events["traceEvents"] if isinstance(events, dict) else events
+        ops = [(e["args"]["iteration"], e["name"].split()[0]) for e in events
+               if e.get("ph") == "X" and e.get("cat", "").startswith(("forward", "backward"))]
+        assert ops and not any(name.startswith("B") and name[1].isdigit() for _, name in ops), ops[:8]
+        for it in {i for i, _ in ops}:
+            names = [name for i, name in ops if i == it]
+            inputs = [n[2:] for n in names if n.startswith("BI")]
+            weights = [n[2:] for n in names if n.startswith("BW")]
+            assert sorted(inputs) == sorted(weights) == sorted(n[1:] for n in names if n.startswith("F"))
+            assert all(names.index("BI" + m) < names.index("BW" + m) for m in inputs), names
+
+
+def test_zero_bubble_trains_t5_like_padding(pp2):
+    # The session's T5 job: its last run is DynaPipe on zb-h1 for two iterations; the encoder
+    # output's gradient reaches the encoder stage through the input parts.
+    zb, padding = pp2[34], pp2[0]
+    assert zb["method"] == "dynapipe" and len(zb["losses"]) == 2
+    assert zb["losses"] == pytest.approx(padding["losses"][:2], abs=1e-5, rel=1e-5)
+    assert zb["loss_tokens"] == padding["loss_tokens"][:2]
+
+
+@pytest.mark.parametrize("extra, match", [
+    ("--overlap-grad-reduce", "cannot overlap the gradient reduction"),
+    ("--num-layers 4 --num-virtual-stages-per-pipeline-rank 2", "plain pipeline"),
+])
+def test_what_the_split_cannot_honour_is_refused(extra, match):
+    argv = (TINY + " --use-dynapipe --dynapipe-schedule zb-h1 " + extra).split()
+    with pytest.raises(DynaPipeError, match=match):
+        parse_training_args(argv, 2, cuda=False)
+
+
+def test_zero_bubble_needs_the_planner():
+    with pytest.raises(DynaPipeError, match="--dynapipe-schedule zb-h1 is read by the DynaPipe planner"):
+        parse_training_args((TINY + " --dynapipe-schedule zb-h1").split(), 2, cuda=False)
