@@ -7,6 +7,7 @@ and scheduled:
 
 * ``dynapipe``: DP-cut micro-batches, schedule search (schedule x order x recompute);
 * ``dynapipe-1f1b``: the same micro-batches, plain 1F1B (the gain of cutting alone);
+* ``dynapipe-zb``: the same micro-batches under the zero-bubble schedule ``zb-h1``;
 * ``packing`` / ``padding`` / ``padding-mb``: the baselines under 1F1B with the lightest
   uniform recompute level that fits, as a Megatron user would run them;
 * ``packing-search``: packed micro-batches given DynaPipe's schedule search (the gain of
@@ -35,6 +36,7 @@ METHOD_SPECS: dict[str, tuple[str, str, bool]] = {
     "packing-search": ("packing", "auto", True),
     "padding": ("padding", "1f1b", False),
     "padding-mb": ("padding-mb", "1f1b", False),
+    "dynapipe-zb": ("dynapipe", "zb-h1", True),
 }
 METHODS = tuple(METHOD_SPECS)
 # Methods whose micro-batch size is a free parameter worth tuning.

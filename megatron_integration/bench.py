@@ -35,8 +35,8 @@ from dynapipe.progress import Progress
 from megatron_integration import cpu_allocator
 from megatron_integration.cpu_affinity import bench_default
 from megatron_integration.args_dynapipe import without_unused_dynapipe_flags
-from megatron_integration.bench_presets import (BASELINES, METHOD_FLAGS, PRESETS, PROFILE_MBS, PROFILE_SEQLENS,
-                                                REFERENCE_SEQ_LENGTH, fill_defaults, flag_value,
+from megatron_integration.bench_presets import (BASELINES, DYNAPIPE_METHODS, METHOD_FLAGS, PRESETS, PROFILE_MBS,
+                                                PROFILE_SEQLENS, REFERENCE_SEQ_LENGTH, fill_defaults, flag_value,
                                                 with_defaults)
 from megatron_integration.bench_report import (breakdown, breakdown_summary, breakdown_table, format_compute_floor,
                                                ratio_table, round_ratios, write_png)
@@ -353,14 +353,14 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
                                                f"simulated on the same mixture (65,536 tokens, PP4 x DP2 a100-40gb)"},
     }
     if best_base is not None:
-        for m in ("dynapipe", "dynapipe-1f1b"):
+        for m in DYNAPIPE_METHODS:
             if m in results:
                 report["ratios"][f"{m}_vs_best_baseline"] = round(
                     results[m].real_tokens_per_s / results[best_base].real_tokens_per_s, 3)
     # Each reported method carries its run's label and its figure of every round.
     report["ratios_per_round"] = round_ratios(
         report["methods"], {r["run"]: r for r in report["methods"].values()},
-        [b for b in BASELINES if b in results], best_base, best_for=("dynapipe", "dynapipe-1f1b"))
+        [b for b in BASELINES if b in results], best_base, best_for=DYNAPIPE_METHODS)
     if report["ratios_per_round"]:
         print("\nratios round by round (each round's runs side by side): " + "; ".join(
             f"{k} {', '.join(f'{x:.2f}x' for x in v)}" for k, v in report["ratios_per_round"].items()), file=stream)

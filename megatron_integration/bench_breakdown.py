@@ -138,7 +138,7 @@ def executor_timeline(events: Sequence[dict], origin_us: float, summary: dict, i
         start, end = min(start, ts), max(end, ts + dur)
         replica, stage = e.get("pid", 0), e.get("tid", 0)
         cat = e.get("cat")
-        if cat in ("forward", "backward"):
+        if cat in ("forward", "backward", "backward-input", "backward-weight"):
             compute += dur
             if cat == "forward":
                 mbs.add(e.get("args", {}).get("mb"))

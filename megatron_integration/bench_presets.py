@@ -1,7 +1,7 @@
 """What ``python -m dynapipe bench`` trains: the methods and the presets.
 
 :data:`METHOD_FLAGS` gives every method's Megatron flags (DynaPipe, DynaPipe's
-micro-batches under plain 1F1B, and megatron-core's padding, per-micro-batch padding and
+micro-batches under plain 1F1B or the zero-bubble schedule, and megatron-core's padding, per-micro-batch padding and
 packing baselines). Two presets (:data:`PRESETS`): ``tiny`` (the quick start: hidden 64 at
 1,024 tokens, where attention is most of a layer's FLOPs) and ``representative`` (a shape
 whose attention share of the layer FLOPs matches GPT-7B at 4,096 tokens).
@@ -17,6 +17,8 @@ METHOD_FLAGS = {
     "dynapipe": ["--use-dynapipe"],
     # DynaPipe's micro-batches under plain 1F1B: the gain of cutting without the schedule search.
     "dynapipe-1f1b": ["--use-dynapipe", "--dynapipe-schedule", "1f1b"],
+    # The same micro-batches under the zero-bubble schedule (each backward split in two).
+    "dynapipe-zb": ["--use-dynapipe", "--dynapipe-schedule", "zb-h1"],
     "padding": ["--dynapipe-batching", "padding"],
     # Each micro-batch padded to its own longest sample (megatron-core's variable_seq_lengths).
     "padding-mb": ["--dynapipe-batching", "padding-mb"],
@@ -24,6 +26,7 @@ METHOD_FLAGS = {
     "packing": ["--dynapipe-batching", "packing", "--reset-position-ids", "--reset-attention-mask"],
 }
 BASELINES = ("padding", "padding-mb", "packing")
+DYNAPIPE_METHODS = ("dynapipe", "dynapipe-1f1b", "dynapipe-zb")
 
 # --manual-gc (Megatron-LM's): measured in a T5 bench job, one threshold-triggered full
 # collection took 190 ms on both ranks in the middle of a run (a third of an iteration); with

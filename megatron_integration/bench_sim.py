@@ -28,6 +28,7 @@ TIMED_REGIONS = {
                 "backward, point-to-point), gradient finaliser, optimizer. Planner workers plan later iterations "
                 "meanwhile, on the same cores; their CPU ms are reported as planner_cpu_ms.",
     "dynapipe-1f1b": "as dynapipe, with the planner restricted to the 1F1B schedule",
+    "dynapipe-zb": "as dynapipe, with the planner restricted to the zb-h1 schedule (split backwards)",
     "padding": "megatron-core forward_backward (1F1B, p2p, gradient finaliser), optimizer step and the loss "
                "all-reduce; building the micro-batch tensors from the samples is outside the timed region",
     "padding-mb": "as padding; megatron-core exchanges each activation's shape before it (variable_seq_lengths)",
@@ -125,7 +126,7 @@ class BenchSimulation:
             plan = plan_micro_batches(lengths, self.cost, method=method, seq_length=self.seq_length,
                                       micro_batch_size=micro_batch_size or self.cfg.micro_batch_size)
             return [(mb.mbs, mb.seqlen) for mb in plan.micro_batches]
-        schedule = "1f1b" if method == "dynapipe-1f1b" else self.cfg.dynapipe.schedule
+        schedule = {"dynapipe-1f1b": "1f1b", "dynapipe-zb": "zb-h1"}.get(method, self.cfg.dynapipe.schedule)
         plan = plan_iteration(lengths, self.cost, stages=self.pp, method="dynapipe", schedule=schedule,
                               micro_batch_size=self.cfg.micro_batch_size, **self._kwargs())
         return plan_shapes(plan, False)

@@ -27,6 +27,10 @@ def test_presets_fill_only_missing_arguments():
     assert PRESETS["representative"].rounds >= 2 and PRESETS["representative"].sweep_top >= 1
     assert Entry("packing", 4).argv(["--x"])[-2:] == ["--micro-batch-size", "4"]
     assert Entry("packing", 4).label == "packing@mbs4" and Entry("dynapipe").label == "dynapipe"
+    # DynaPipe's micro-batches under 1F1B or the zero-bubble schedule: the planner is told so.
+    for method, schedule in (("dynapipe-1f1b", "1f1b"), ("dynapipe-zb", "zb-h1")):
+        argv = Entry(method).argv(["--x"])
+        assert "--use-dynapipe" in argv and argv[argv.index("--dynapipe-schedule") + 1] == schedule
 
 
 def _ranks(iter_ms, children=None):

@@ -25,8 +25,8 @@ def add_arguments(p) -> None:
                    help="default model, methods and protocol (default tiny: the quick start; long: --model t5 "
                         "only, inputs up to 4,096 tokens)")
     p.add_argument("--methods", default=None,
-                   help="comma-separated methods to run, from dynapipe, dynapipe-1f1b, padding, padding-mb, packing "
-                        "(default: the preset's)")
+                   help="comma-separated methods to run, from dynapipe, dynapipe-1f1b, dynapipe-zb (the zb-h1 "
+                        "schedule), padding, padding-mb, packing (default: the preset's)")
     p.add_argument("--rounds", type=int, default=None,
                    help="rounds over every method, in rotated order; medians are reported (default: the preset's)")
     p.add_argument("--sweep-top", type=int, default=None,
