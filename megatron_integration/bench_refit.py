@@ -147,15 +147,18 @@ def refit_factors(ops: ExecutedOps, mbs_grid: Sequence[float], seqlen_grid: Sequ
 
 def refit_profile(profile: Mapping[str, Any], refit: ShapeRefit, stage_overhead_ms: float) -> dict:
     """A copy of ``profile`` (the parsed JSON) whose forward and backward tables of every op
-    (layer at every recompute level, embedding, output) are multiplied by ``refit``'s
+    (layer at every recompute level, embedding, output; the layer's weight part with its
+    backward) are multiplied by ``refit``'s
     factors and made :func:`monotone`, with ``stage_overhead_ms`` (ms per stage pass, the
     executor's own time)."""
     if list(profile["mbs"]) != list(refit.mbs) or list(profile["seqlen"]) != list(refit.seqlen):
         raise ValueError("the refit was fitted on another grid than the profile's")
     out = copy.deepcopy(dict(profile))
     for table in out["ops"].values():
-        for key, factor in (("fw_ms", refit.fw), ("bw_ms", refit.bw)):
-            table[key] = monotone(np.asarray(table[key], dtype=np.float64) * factor).round(6).tolist()
+        # A split backward's weight part scales with its backward (its share is kept).
+        for key, factor in (("fw_ms", refit.fw), ("bw_ms", refit.bw), ("bw_weight_ms", refit.bw)):
+            if key in table:
+                table[key] = monotone(np.asarray(table[key], dtype=np.float64) * factor).round(6).tolist()
     out["stage_overhead_ms"] = round(float(stage_overhead_ms), 4)
     return out
 

@@ -13,7 +13,9 @@ For every (mbs, seqlen) of a grid, three ops are measured on the current device:
 
 Times: the fastest wall ms of the forward and of the backward over ``repeats`` runs
 after warm-up (CUDA synchronised around each); the minimum, because interference from
-other processes only ever adds time. Memory, MiB:
+other processes only ever adds time. The layer's backward runs split, as zero-bubble plans
+run it (an input part, then the linear layers' deferred weight gradients), and
+``bw_weight_ms`` is the weight part of the fastest backward. Memory, MiB:
 
 * ``stored_mib``: the distinct storages autograd saves for the backward, parameters
   excluded, counted by the :class:`~dynapipe.runtime.activation_meter.ActivationMeter`
@@ -43,8 +45,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from dynapipe.cost.profile import FIELDS, LEVEL_OPS, OPS, PROFILE_FORMAT, PROFILE_VERSION
+from dynapipe.cost.profile import FIELDS, LAYER_OPS, LEVEL_OPS, OPS, PROFILE_FORMAT, PROFILE_VERSION, WEIGHT_FIELD
 from dynapipe.runtime.activation_meter import ActivationMeter
+from dynapipe.runtime.weight_grad_store import WeightGradStore
+from megatron_integration.split_backward import install_split_backward
 from megatron_integration.train_config import GPTModelArgs, ParallelArgs
 from megatron_integration.masked_softmax import use_additive_masks
 
@@ -109,6 +113,7 @@ class OpMeasurement:
     bw_ms: float
     stored_mib: float
     peak_mib: float
+    bw_weight_ms: Optional[float] = None  # the weight part of bw_ms, where the backward was split
 
 
 def _sync(device: torch.device, group=None) -> None:
@@ -132,17 +137,21 @@ def _saved_storage_bytes(fn: Callable[[], torch.Tensor], params: Sequence[torch.
 
 
 def measure_op(forward: Callable[[], torch.Tensor], params: Sequence[torch.Tensor], device: torch.device,
-               repeats: int = 3, warmup: int = 1, group=None) -> OpMeasurement:
+               repeats: int = 3, warmup: int = 1, group=None, weight_grads=None) -> OpMeasurement:
     """Time and memory of ``forward()`` (returns the op's output) and its backward.
 
     The backward is driven by a random gradient of the output's shape (a scalar
     output, a loss, is backpropagated directly). ``group``: the TP group every rank of
     which runs the same op; each timed forward and backward starts after a barrier on it.
+    ``weight_grads``: the :class:`~dynapipe.runtime.weight_grad_store.WeightGradStore` the
+    op's linear layers defer into (:mod:`megatron_integration.split_backward`): the backward
+    is then timed as zero-bubble plans run it, an input part and then a weight part, and
+    ``bw_weight_ms`` is the weight part (``bw_ms`` both).
     """
     def grad_like(out):
         return None if out.dim() == 0 else torch.randn_like(out)
 
-    fw, bw = [], []
+    fw, bw, bww = [], [], []
     for i in range(warmup + repeats):
         _sync(device, group)
         t0 = time.perf_counter()
@@ -152,14 +161,23 @@ def measure_op(forward: Callable[[], torch.Tensor], params: Sequence[torch.Tenso
         g = grad_like(out)
         _sync(device, group)
         t2 = time.perf_counter()
-        out.backward(g)
+        if weight_grads is None:
+            out.backward(g)
+        else:
+            with weight_grads.input_part(0):
+                out.backward(g)
         _sync(device)
         t3 = time.perf_counter()
+        if weight_grads is not None:
+            weight_grads.run(0)
+            _sync(device)
+        t4 = time.perf_counter()
         for p in params:
             p.grad = None
         if i >= warmup:
             fw.append((t1 - t0) * 1e3)
-            bw.append((t3 - t2) * 1e3)
+            bw.append((t4 - t2) * 1e3)
+            bww.append((t4 - t3) * 1e3)
         del out, g
 
     # Memory: one more run, untimed.
@@ -185,7 +203,10 @@ def measure_op(forward: Callable[[], torch.Tensor], params: Sequence[torch.Tenso
     for p in params:
         p.grad = None
     peak = max(0.0, peak_total - stored)
-    return OpMeasurement(min(fw), min(bw), stored / MIB, peak / MIB)
+    # The weight part of the fastest backward (the two parts of one run add up to it).
+    fastest = int(min(range(len(bw)), key=bw.__getitem__))
+    return OpMeasurement(min(fw), bw[fastest], stored / MIB, peak / MIB,
+                         bww[fastest] if weight_grads is not None else None)
 
 
 class _Ops:
@@ -221,6 +242,9 @@ class _Ops:
         self.model, self.device = model, device
         self.dtype = tconfig.params_dtype
         use_additive_masks(self.layer, device)  # as the training stages are built
+        # The layer's backward is timed in the two parts zero-bubble plans run.
+        self.weight_grads = WeightGradStore()
+        install_split_backward([self.layer], self.weight_grads)
 
     def layer_fn(self, b: int, s: int, level: str = "none"):
         x = torch.randn(s // self.shard, b, self.model.hidden_size, device=self.device, dtype=self.dtype,
@@ -260,9 +284,12 @@ def _slowest_rank(m: OpMeasurement, group, device: torch.device) -> OpMeasuremen
         return m
     import torch.distributed as dist
 
-    values = torch.tensor([getattr(m, f) for f in FIELDS], dtype=torch.float64, device=device)
+    split = m.bw_weight_ms is not None
+    values = torch.tensor([getattr(m, f) for f in FIELDS] + ([m.bw_weight_ms] if split else []),
+                          dtype=torch.float64, device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
-    return OpMeasurement(*values.tolist())
+    v = values.tolist()
+    return OpMeasurement(*v[:len(FIELDS)], v[len(FIELDS)] if split else None)
 
 
 def profile_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: Sequence[int], device: torch.device,
@@ -293,10 +320,14 @@ def profile_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: Seq
         for j, s in enumerate(seqlen_grid):
             for op in names:
                 fw, params = builders[op](b, s)
-                m = measure_op(fw, params, device, repeats=repeats, warmup=warmup, group=group)
+                split = ops.weight_grads if op in LAYER_OPS else None
+                m = measure_op(fw, params, device, repeats=repeats, warmup=warmup, group=group, weight_grads=split)
                 m = _slowest_rank(m, group, device)
                 for f in FIELDS:
                     tables[op][f][i][j] = round(getattr(m, f), 6)
+                if m.bw_weight_ms is not None:
+                    tables[op].setdefault(WEIGHT_FIELD, [[0.0] * len(seqlen_grid) for _ in mbs_grid])
+                    tables[op][WEIGHT_FIELD][i][j] = round(m.bw_weight_ms, 6)
             if progress:
                 layer = tables["layer"]
                 progress(f"mbs={b:<4d} seqlen={s:<6d} layer fw {layer['fw_ms'][i][j]:8.2f} ms  "

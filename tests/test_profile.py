@@ -36,6 +36,41 @@ def test_profile_loads_in_the_cost_model(profile_path):
     assert np.all(cost.fw_ms > 0) and np.all(cost.bw_ms > 0) and np.all(cost.stored_mib > 0)
 
 
+def test_profile_times_the_weight_part_of_the_layer_backward(profile_path):
+    # The layer's backward is timed split, as zero-bubble plans run it: its weight part is a
+    # positive part of it at every level measured; embedding and output are not split.
+    data = json.loads(profile_path.read_text())
+    for op in ("layer", "layer_selective", "layer_full"):
+        w, bw = np.array(data["ops"][op]["bw_weight_ms"]), np.array(data["ops"][op]["bw_ms"])
+        assert w.shape == bw.shape and np.all(w > 0) and np.all(w < bw), op
+    assert all("bw_weight_ms" not in data["ops"][op] for op in ("embedding", "output"))
+    # The cost model prices BI/BW with the measured share, not the FLOPs estimate.
+    from dynapipe.cost.backward_split import backward_split
+    from dynapipe.schedule.costs import stage_times
+    from dynapipe.batching.types import MicroBatch
+
+    tiny = load_model_config("gpt-tiny")
+    cm = build_cost_model(tiny, None, num_stages=2, profile=str(profile_path))
+    layout = cm.layouts[0]
+    share = cm.weight_share(layout, 2, 128, None, "none")
+    n = layout.decoder_layers
+    expected = n * data["ops"]["layer"]["bw_weight_ms"][1][2] / float(cm.stage_cost(2, 128, stage=0).bw_ms)
+    assert float(share) == pytest.approx(expected)
+    assert float(share) != pytest.approx(float(backward_split(tiny, layout, 2, 128)[0]), rel=1e-3)
+    t = stage_times(cm, [MicroBatch(samples=(0, 1), seqlen=128)])
+    assert t.bw_weight_ms[0, 0] == pytest.approx(float(share) * t.bw_ms[0, 0])
+
+
+def test_a_weight_part_longer_than_its_backward_is_refused(tmp_path):
+    data = _synthetic_profile()
+    data["ops"]["layer"] = dict(data["ops"]["layer"], bw_weight_ms=[[0.6, 0.5]])
+    with pytest.raises(DynaPipeError, match="ops.layer.bw_weight_ms must be a table"):
+        ProfileCostModel(load_model_config("gpt-tiny"), data, 2)
+    data["ops"]["layer"]["bw_weight_ms"] = [[0.25, 0.5]]
+    cm = ProfileCostModel(load_model_config("gpt-tiny"), data, 2)
+    assert cm.weight_share(cm.layouts[1], 1, 64, None, "none") > 0
+
+
 def test_measured_memory_scales_as_activations_do(profile_path):
     layer = json.loads(profile_path.read_text())["ops"]["layer"]
     stored = np.array(layer["stored_mib"])

@@ -176,6 +176,12 @@ class CostModel(ABC):
     def layout_cost(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str) -> StageCost:
         """Cost of one micro-batch on a stage with this layout (arrays broadcast)."""
 
+    def weight_share(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str) -> Optional[np.ndarray]:
+        """The measured share of a stage's backward ms that is the weight part of a split
+        backward (zero-bubble schedules), or None where nothing was measured: then
+        :func:`dynapipe.cost.backward_split.backward_split`'s FLOPs estimate applies."""
+        return None
+
     def layout_param_count(self, layout: StageLayout) -> int:
         """Number of parameters held by one TP rank of a stage with this layout."""
         return stage_param_count(self.model, layout, self.tp.size)

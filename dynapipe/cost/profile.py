@@ -18,6 +18,12 @@ Profile format (JSON, ``"format": "dynapipe-profile"``, ``"version": 2``)::
       }
     }
 
+The layer's tables may also hold ``bw_weight_ms``: the part of ``bw_ms`` that is the
+linear layers' weight gradients, timed with the backward split as zero-bubble schedules
+run it (``python -m dynapipe profile`` writes it). Where present, it replaces the FLOPs
+estimate of :mod:`dynapipe.cost.backward_split` in pricing ``BI``/``BW`` ops
+(:meth:`ProfileCostModel.weight_share`).
+
 Each table is ``len(mbs) x len(seqlen)``; ``layer`` is one transformer layer, with no
 recomputation; ``layer_selective``/``layer_full`` (optional) the same layer measured at
 that recompute level (backward including the recomputation, stored memory what the level
@@ -61,6 +67,10 @@ READABLE_VERSIONS = (1, 2)
 OPS = ("layer", "embedding", "output")
 # Optional tables: the layer measured at a recompute level.
 LEVEL_OPS = {"selective": "layer_selective", "full": "layer_full"}
+# The transformer layer's tables, at every level measured.
+LAYER_OPS = ("layer",) + tuple(LEVEL_OPS.values())
+# Optional field of the layer's tables: the weight-gradient part of bw_ms (split backward).
+WEIGHT_FIELD = "bw_weight_ms"
 
 
 class _Table:
@@ -164,6 +174,19 @@ def check_profile_tensor_parallel(data: Mapping[str, Any], tp: int, sequence_par
                             f"profile {flags}` or use the analytic cost model.")
 
 
+def _weight_table(profile: Mapping[str, Any], op: str, source: str) -> np.ndarray:
+    """``ops.<op>.bw_weight_ms``, checked against the op's ``bw_ms``."""
+    try:
+        w = np.asarray(profile["ops"][op][WEIGHT_FIELD], dtype=np.float64)
+    except (TypeError, ValueError):
+        w = None
+    bw = np.asarray(profile["ops"][op]["bw_ms"], dtype=np.float64)
+    if w is None or w.shape != bw.shape or not np.all(np.isfinite(w)) or np.any(w < 0) or np.any(w > bw + 1e-9):
+        raise DynaPipeError(f"{source}: ops.{op}.{WEIGHT_FIELD} must be a table of the shape of ops.{op}.bw_ms "
+                            f"with values from 0 to that backward's ms.")
+    return w
+
+
 def read_profile(path: str) -> Any:
     """The parsed JSON of a profile file, or a one-line :class:`DynaPipeError` naming the problem."""
     with file_read_errors("profile", path, missing="write one with `python -m dynapipe profile`.",
@@ -245,12 +268,27 @@ class ProfileCostModel(CostModel):
         present = OPS + tuple(k for k in LEVEL_OPS.values() if k in profile["ops"])
         self.tables = {op: {f: _Table(mbs, seqlen, np.asarray(profile["ops"][op][f], dtype=np.float64))
                             for f in FIELDS} for op in present}
+        self.weight_tables = {op: _Table(mbs, seqlen, _weight_table(profile, op, source))
+                              for op in present if op in LAYER_OPS and WEIGHT_FIELD in profile["ops"][op]}
 
     @classmethod
     def from_file(cls, model: ModelConfig, path: str, num_stages: int,
                   tp: TensorParallelConfig | None = None) -> "ProfileCostModel":
         """Read a profile JSON file written by ``python -m dynapipe profile``."""
         return cls(model, read_profile(path), num_stages, source=path, tp=tp)
+
+    def weight_share(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str):
+        """The measured weight part's share of a stage's backward ms at ``recompute``: the
+        layers' ``bw_weight_ms`` over the stage's ``bw_ms`` (embedding, output layer and
+        recomputation stay in the input part); None where the profile did not time it."""
+        if self.model.is_encoder_decoder or not layout.decoder_layers:
+            return None
+        op = LEVEL_OPS.get(recompute) if LEVEL_OPS.get(recompute) in self.tables else "layer"
+        if op not in self.weight_tables:
+            return None
+        weight = layout.decoder_layers * self.weight_tables[op](mbs, seqlen)
+        bw = self.layout_cost(layout, mbs, seqlen, dec_seqlen, recompute).bw_ms
+        return np.clip(np.divide(weight, bw, out=np.zeros(np.shape(bw)), where=bw > 0), 0.0, 1.0)
 
     def _op(self, op: str, b, s) -> dict:
         return {f: self.tables[op][f](b, s) for f in FIELDS}

@@ -3,8 +3,9 @@
 :func:`stage_times` prices every micro-batch on every stage with the cost model (one
 vectorised call per distinct stage layout) and every boundary transfer with the
 cluster's links; the split of each backward into its input and weight parts, for
-zero-bubble schedules, is :func:`dynapipe.cost.backward_split.backward_split`'s FLOPs
-estimate, the same for every cost model. Units: ms and MiB.
+zero-bubble schedules, is the cost model's measurement where it has one (a profile that
+timed the two parts) and :func:`dynapipe.cost.backward_split.backward_split`'s FLOPs
+estimate otherwise; the weight part's memory is always that estimate. Units: ms and MiB.
 """
 from __future__ import annotations
 
@@ -116,8 +117,11 @@ def stage_times(cost_model: CostModel, micro_batches: Sequence[MicroBatch], *, r
         layout = cost_model.layouts[s]
         key = cost_model._key(layout)
         if key not in by_layout:
+            flops_share, stash_mib = backward_split(model, layout, mbs, seq, dec, recompute=recompute,
+                                                    tp=cost_model.tp)
+            measured = cost_model.weight_share(layout, mbs, seq, dec, recompute)
             by_layout[key] = (cost_model.stage_cost(mbs, seq, dec, recompute=recompute, stage=s),
-                              backward_split(model, layout, mbs, seq, dec, recompute=recompute, tp=cost_model.tp))
+                              (flops_share if measured is None else measured, stash_mib))
         c, split = by_layout[key]
         for k in fields:
             fields[k][s] = np.broadcast_to(np.asarray(getattr(c, k), dtype=np.float64), (M,))
