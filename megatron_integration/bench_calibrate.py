@@ -82,8 +82,8 @@ def fit_stage_overhead(predicted: np.ndarray, measured: np.ndarray, executor_ms:
 
 
 def executed_ops(trace_dir: str, cost, iterations: Sequence[int]):
-    """Every forward and backward of the ``iterations`` in the executor traces of
-    ``trace_dir``, with what ``cost`` predicts for it (its stage pass without the fixed
+    """Every forward and backward (a split one's two parts summed) of the ``iterations`` in
+    the executor traces of ``trace_dir``, with what ``cost`` predicts for it (its stage pass without the fixed
     ``stage_overhead_ms``, which the executor pays outside the pass), as
     :class:`~megatron_integration.bench_refit.ExecutedOps`."""
     from megatron_integration.bench_refit import ExecutedOps
@@ -93,14 +93,22 @@ def executed_ops(trace_dir: str, cost, iterations: Sequence[int]):
     rows = []
     for _rank, (_origin, per) in _trace_events(trace_dir, set(iterations)).items():
         for i in iterations:
+            parts: dict = {}  # a split backward's parts (zero-bubble plans), summed into one backward
             for e in per.get(i, []):
                 kind = e.get("cat")
+                a, stage = e.get("args", {}), e.get("tid", 0)
+                dur = e["dur"] / 1e3
+                if kind in ("backward-input", "backward-weight"):
+                    key = (a["mb"], a.get("chunk", 0))
+                    if key not in parts:
+                        parts[key] = dur
+                        continue
+                    kind, dur = "backward", parts.pop(key) + dur
                 if kind not in ("forward", "backward"):
                     continue
-                a, stage = e.get("args", {}), e.get("tid", 0)
                 c = cost.stage_cost(a["mbs"], a["seqlen"], stage=stage)
                 pred = float(c.fw_ms if kind == "forward" else c.bw_ms) - fixed
-                rows.append((a["mbs"], a["seqlen"], stage, kind == "backward", e["dur"] / 1e3, pred))
+                rows.append((a["mbs"], a["seqlen"], stage, kind == "backward", dur, pred))
     return ExecutedOps.from_rows(rows)
 
 

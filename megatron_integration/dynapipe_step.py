@@ -205,6 +205,7 @@ class DynaPipeStepper:
 
         handlers = MegatronStageHandlers(stage, info.device, split_backward=cfg.dynapipe.schedule == "zb-h1")
         meter = ActivationMeter()
+        handlers.weight_grads.meter = meter  # what pending weight parts keep is activation memory
         # megatron's pipeline group links the same TP rank of every stage, so each transfer
         # goes between matching TP ranks (under sequence parallelism: their sequence shards).
         executor = Executor(handlers, group=parallel_state.get_pipeline_model_parallel_group(), device=info.device,

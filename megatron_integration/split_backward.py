@@ -17,9 +17,10 @@ Tensor parallelism is kept: the column-parallel input gradient is all-reduced, o
 sequence parallelism reduce-scattered, in the input part (the previous stage needs it); the
 sequence-parallel all-gather of the layer's input is repeated in the weight part (every
 tensor-parallel rank of a stage runs the same plan, so the collectives line up). Refused:
-Transformer Engine layers (their weight gradients would not be deferred), megatron-core's
-fused gradient accumulation (``--gradient-accumulation-fusion``, a CUDA kernel writing
-``main_grad``) and its deferred embedding gradients.
+Transformer Engine layers (their weight gradients would not be deferred), and what
+megatron-core's linear function can do that this one does not (fused gradient
+accumulation into ``main_grad``, deferred embedding gradients, GTP-sharded weights), none
+of which this build's stages use.
 """
 from __future__ import annotations
 
@@ -54,6 +55,10 @@ class _SplitLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group, store):
         ctx.save_for_backward(input, weight)
+        # The parameter itself, for the deferred accumulation: a saved tensor may come back
+        # from saved-tensor hooks (the activation meter's) as another tensor object, whose
+        # gradient would not reach the parameter once the graph is freed.
+        ctx.param = weight
         ctx.use_bias = bias is not None
         ctx.allreduce_dgrad = allreduce_dgrad
         ctx.sequence_parallel = sequence_parallel
@@ -83,16 +88,18 @@ class _SplitLinear(torch.autograd.Function):
             total = _gather_sequence(input, group) if sequence_parallel else input
             return go.t().matmul(total.reshape(-1, total.shape[-1]))
 
+        param = ctx.param
+
         def deferred() -> None:
             # As inside autograd's backward: no graph is recorded (gloo's all-gather writes
             # into views of its output, which grad mode would refuse).
             with torch.no_grad():
                 grad = weight_grad()
-            _accumulate(weight, grad)
+            _accumulate(param, grad)
 
         store: WeightGradStore = ctx.store
         if store.deferring:
-            store.defer(deferred)
+            store.defer(deferred, (input, go))
             grad_weight = None
         else:
             grad_weight = weight_grad()
@@ -104,17 +111,16 @@ def _split_forward_impl(layer, original, store: WeightGradStore, input, weight, 
     linear function (frozen weights keep megatron-core's path: they have no weight gradient)."""
     if not weight.requires_grad:
         return original(input, weight, *args, **kwargs)
-    if args:
-        raise DynaPipeError(f"{type(layer).__name__}._forward_impl was called with positional arguments "
-                            f"{len(args)}; this megatron-core version is not supported by the split backward.")
-    if kwargs.get("gradient_accumulation_fusion"):
-        raise DynaPipeError("--dynapipe-schedule zb-h1 cannot use --gradient-accumulation-fusion (its fused "
-                            "kernel writes main_grad inside the backward); add --no-gradient-accumulation-fusion.")
-    if kwargs.get("grad_output_buffer") is not None:
-        raise DynaPipeError("--dynapipe-schedule zb-h1 cannot defer the embedding's weight gradient a second "
-                            "time; drop --defer-embedding-wgrad-compute.")
-    if int(kwargs.get("gtp_remat_size") or 1) > 1:
-        raise DynaPipeError("--dynapipe-schedule zb-h1 does not split the backward of GTP-sharded weights.")
+    # What megatron-core could ask of the layer that this function does not do. This build
+    # never sets them (the fused accumulation and the deferred embedding gradient are off in
+    # its configs, GTP sharding is not built); a megatron-core that did would stop here.
+    unsupported = [k for k, on in (("positional arguments", bool(args)),
+                                   ("gradient_accumulation_fusion", bool(kwargs.get("gradient_accumulation_fusion"))),
+                                   ("grad_output_buffer", kwargs.get("grad_output_buffer") is not None),
+                                   ("gtp_remat_size", int(kwargs.get("gtp_remat_size") or 1) > 1)) if on]
+    if unsupported:
+        raise DynaPipeError(f"{type(layer).__name__} asks the split backward for {', '.join(unsupported)}, which "
+                            f"it does not implement; use --dynapipe-schedule auto or 1f1b.")
     return _SplitLinear.apply(input, weight, kwargs.get("bias"), bool(kwargs.get("allreduce_dgrad")),
                               bool(kwargs.get("sequence_parallel")), kwargs.get("tp_group"), store)
 

@@ -284,6 +284,7 @@ class T5Stepper:
         d = cfg.base.dynapipe
         handlers = T5StageHandlers(stage, info.device, split_backward=d.schedule == "zb-h1")
         meter = ActivationMeter()
+        handlers.weight_grads.meter = meter  # what pending weight parts keep is activation memory
         executor = Executor(handlers, group=parallel_state.get_pipeline_model_parallel_group(), device=info.device,
                             store=job_tcp_store(), meter=meter,
                             config=ExecutorConfig(timeout_s=d.timeout_s, trace=d.trace_dir is not None),

@@ -143,3 +143,35 @@ def test_dp_cuts_larger_micro_batches_when_small_ones_are_priced_less_efficient(
     # Flat cost per token: many small micro-batches shrink the pipeline's fill and drain. Small
     # ones priced as executed (a fixed cost per op): fewer, larger micro-batches.
     assert counts["refitted"] < counts["profiled"]
+
+
+def test_refit_scales_a_weight_part_with_its_backward():
+    profile = _profile()
+    bw = np.asarray(profile["ops"]["layer"]["bw_ms"])
+    profile["ops"]["layer"]["bw_weight_ms"] = (0.3 * bw).tolist()
+    refit = refit_factors(_ops(np.random.default_rng(3), 300, lambda b, s: 0.01 * b * s), MBS, SEQ)
+    out = refit_profile(profile, refit, 0.0)["ops"]["layer"]
+    np.testing.assert_allclose(np.asarray(out["bw_weight_ms"]), 0.3 * np.asarray(out["bw_ms"]), rtol=1e-4)
+    assert "bw_weight_ms" not in refit_profile(profile, refit, 0.0)["ops"]["output"]
+
+
+def test_executed_split_backwards_count_as_one_backward(tmp_path):
+    # Zero-bubble plans trace a backward as its input and weight parts; the cost model prices the
+    # backward whole, so the calibration compares their sum.
+    from dynapipe.config import load_device_config, load_model_config
+    from dynapipe.cost import build_cost_model
+    from megatron_integration.bench_calibrate import executed_ops
+
+    def op(cat, mb, dur_ms):
+        return {"ph": "X", "cat": cat, "tid": 0, "ts": 0, "dur": dur_ms * 1e3,
+                "args": {"iteration": 1, "mb": mb, "mbs": 2, "seqlen": 128}}
+
+    events = [op("forward", 0, 1.0), op("forward", 1, 1.5), op("backward-input", 0, 2.0), op("backward-input", 1, 2.5),
+              op("backward-weight", 0, 0.5), op("backward-weight", 1, 0.75), op("comm", 0, 9.0)]
+    (tmp_path / "rank000.json").write_text(json.dumps({"traceEvents": events}))
+    cost = build_cost_model(load_model_config("gpt-tiny"), load_device_config("cpu"), 2)
+    ops = executed_ops(str(tmp_path), cost, [1])
+    assert sorted(zip(ops.backward.tolist(), ops.measured_ms.tolist())) == [
+        (False, 1.0), (False, 1.5), (True, 2.5), (True, 3.25)]
+    whole = float(cost.stage_cost(2, 128, stage=0).bw_ms)
+    assert ops.predicted_ms[ops.backward] == pytest.approx([whole, whole])

@@ -4,6 +4,7 @@ the split on every rank with each weight part after its input part, and what the
 honour yet is refused at start-up. T5 too (the session's T5 job)."""
 import json
 import os
+import re
 
 import pytest
 
@@ -54,6 +55,43 @@ def test_what_the_split_cannot_honour_is_refused(extra, match):
     argv = (TINY + " --use-dynapipe --dynapipe-schedule zb-h1 " + extra).split()
     with pytest.raises(DynaPipeError, match=match):
         parse_training_args(argv, 2, cuda=False)
+
+
+@pytest.mark.parametrize("placement", ["interleaved", "1+0,1+0|0+1,0+1"])
+def test_t5_chunked_placements_are_refused(placement):
+    from megatron_integration.t5_arguments import parse_t5_args
+    from t5_job import TINY as T5_TINY
+
+    argv = (T5_TINY + f" --use-dynapipe --dynapipe-schedule zb-h1 --dynapipe-placement {placement}").split()
+    with pytest.raises(DynaPipeError, match="contiguous placements; --dynapipe-placement " + re.escape(placement)):
+        parse_t5_args(argv, 2, cuda=False)
+
+
+def test_t5_auto_placement_chooses_among_contiguous_splits_for_zero_bubble(monkeypatch):
+    import megatron_integration.t5_placement as t5p
+    from megatron_integration.t5_arguments import parse_t5_args
+    from t5_job import TINY as T5_TINY
+
+    seen = {}
+    monkeypatch.setattr("dynapipe.schedule.placement.choose_placement_kind",
+                        lambda *a, **kw: seen.setdefault("chunks", kw["chunks"]))
+    for schedule, chunks in (("zb-h1", 1), ("auto", 2)):
+        seen.clear()
+        cfg = parse_t5_args((T5_TINY + f" --use-dynapipe --dynapipe-schedule {schedule} "
+                                       f"--dynapipe-placement auto").split(), 2, cuda=False)
+        t5p.choose_t5_placement(cfg, 2, 1, batches=[])
+        assert seen["chunks"] == chunks, schedule
+
+
+def test_transformer_engine_stages_are_refused_at_start_up(monkeypatch):
+    # On GPUs with Transformer Engine the stages use its layers (--transformer-impl local is refused
+    # there), whose weight gradients the split does not defer: refused before anything is built.
+    import megatron_integration.model as model_specs
+
+    monkeypatch.setattr(model_specs, "te_available", lambda: True)
+    with pytest.raises(DynaPipeError, match="with Transformer Engine installed"):
+        parse_training_args((TINY + " --use-dynapipe --dynapipe-schedule zb-h1").split(), 2, cuda=True)
+    parse_training_args((TINY + " --use-dynapipe --dynapipe-schedule 1f1b").split(), 2, cuda=True)
 
 
 def test_zero_bubble_needs_the_planner():

@@ -186,7 +186,10 @@ def test_backward_split_is_the_linear_share_of_the_backward_flops():
     assert stash == pytest.approx(2 * b * s * per_token * m.dtype_bytes / 2**20)
     tp2 = float(backward_split(m, mid, b, s, tp=TensorParallelConfig(size=2))[1])
     tp2sp = float(backward_split(m, mid, b, s, tp=TensorParallelConfig(size=2, sequence_parallel=True))[1])
-    assert tp2sp == pytest.approx(stash / 2) and stash / 2 < tp2 < stash
+    # Under SP the column-parallel inputs are sharded, the row-parallel output gradients are not.
+    per_rank = 2 * h / 2 + 2 * h + (ad + f + ad + 2 * kv + m.fc1_width) / 2
+    assert tp2sp == pytest.approx(2 * b * s * per_rank * m.dtype_bytes / 2**20)
+    assert stash / 2 < tp2sp < tp2 < stash
     # Arrays broadcast.
     share, stash_arr = backward_split(m, mid, np.array([1, 2]), np.array([64, 256]))
     assert share.shape == stash_arr.shape == (2,) and stash_arr[1] > stash_arr[0]
@@ -218,6 +221,15 @@ def test_stage_times_price_the_split_for_analytic_and_measured_costs(tmp_path, p
     np.testing.assert_allclose(t.bw_weight_ms, np.minimum(t.bw_ms * share, t.bw_ms - MIN_OP_MS))
     assert (t.bw_weight_ms > 0).all() and (t.bw_weight_ms < t.bw_ms).all()
     assert (t.weight_stash_mib > 0).all() and (t.weight_stash_mib <= t.stored_mib).all()
+    # Under full recompute a stage stores only layer inputs, but the input part rematerialises
+    # the layers and the weight part keeps their linear inputs and output gradients: more.
+    full = stage_times(cm, mbs, recompute="full")
+    stash = np.stack([backward_split(TINY, cm.layouts[s], [m.mbs for m in mbs], [m.seqlen for m in mbs],
+                                     recompute="full")[1] for s in range(2)])
+    np.testing.assert_allclose(full.weight_stash_mib, stash)
+    layer_inputs = np.stack([cm.layouts[s].decoder_layers * np.array([m.mbs * m.seqlen for m in mbs]) *
+                             TINY.hidden_size * TINY.dtype_bytes / 2**20 for s in range(2)])
+    assert (full.weight_stash_mib > 4 * layer_inputs).all()  # what the layers store under full, and more
 
 
 # -- search ----------------------------------------------------------------------------------
@@ -435,3 +447,17 @@ def test_plan_command_writes_zb_h1_plans_that_validate(tmp_path, capsys):
     assert parts == {"input", "weight"}
     assert main(["validate", str(plan_dir)]) == 0
     assert "valid" in capsys.readouterr().out
+
+
+def test_plan_auto_placement_for_zb_h1_is_contiguous(tmp_path, capsys):
+    # For t5-11b on 8 stages auto would pick an interleaved split; zb-h1 runs on contiguous ones.
+    from dynapipe.data.synthetic import sample_lengths
+
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("".join(f"{a} {b}\n" for a, b in sample_lengths(24, 5, 1024, True)))
+    base = ["plan", "--model", "t5-11b", "--device", "h100-80gb", "--stages", "8", "--lengths", str(lengths),
+            "--placement", "auto"]
+    assert main(base + ["--schedule", "zb-h1"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert StagePlacement.from_json(plan["placement"], T5).chunks == 1
+    assert plan["schedule"] == "zb-h1"

@@ -63,14 +63,16 @@ def backward_split(model: ModelConfig, layout: StageLayout, mbs, seqlen, dec_seq
     FC1 width (``2f`` gated) + ``h``; a T5 decoder layer's cross-attention adds ``h + a_d``
     inputs and ``a_d + h`` gradients a decoder token and ``2 a_d`` key/value gradients an
     encoder token, and its stage keeps the encoder output once. Widths split over TP
-    (``a_d``, ``k_d``, ``f``) are divided by the TP size, the ``h``-wide tensors only
-    under sequence parallelism, in the model dtype.
+    (``a_d``, ``k_d``, ``f``) are divided by the TP size. Under sequence parallelism the
+    column-parallel layers (QKV, FC1, the cross-attention's query) keep their input
+    sequence-sharded (they gather it again in the weight part) and the encoder output is
+    sharded too, while the row-parallel layers' output gradients (projection, FC2) arrive
+    gathered over the whole sequence, ``h`` wide on every rank. In the model dtype.
 
-    Both are estimates from FLOPs and tensor sizes, not measurements. The stash is not
-    capped here; :func:`dynapipe.schedule.costs.stage_times` caps it at the stored
-    activations, which under ``full`` recompute (a stage stores only layer inputs, and the
-    input part rematerialises what the weight part keeps) understates a pending weight
-    part's memory. Arrays broadcast over ``mbs``/``seqlen``/``dec_seqlen``
+    Both are estimates from FLOPs and tensor sizes, not measurements. The stash is what
+    the weight part holds whatever the recompute level: under ``full`` the input part
+    rematerialises the layer and the deferred GEMMs keep the recomputed inputs, so it can
+    exceed what the stage stores between forward and backward. Arrays broadcast over ``mbs``/``seqlen``/``dec_seqlen``
     (samples, tokens; ``dec_seqlen`` for encoder-decoder models).
     """
     check_recompute(recompute)
@@ -82,8 +84,8 @@ def backward_split(model: ModelConfig, layout: StageLayout, mbs, seqlen, dec_seq
     h, ad, kv, f, f1 = m.hidden_size, m.attention_dim, m.kv_dim, m.ffn_hidden_size, m.fc1_width
     sp = t.size if t.sequence_parallel else 1
     # Stashed elements a token of one layer, per TP rank (see the docstring).
-    per_token = 4 * h / sp + (ad + f + ad + 2 * kv + f1) / t.size
-    cross_dec = 2 * h / sp + 2 * ad / t.size
+    per_token = 2 * h / sp + 2 * h + (ad + f + ad + 2 * kv + f1) / t.size
+    cross_dec = h / sp + h + 2 * ad / t.size
     cross_enc = 2 * ad / t.size
     lin = core = stash = 0.0
     if layout.encoder_layers:

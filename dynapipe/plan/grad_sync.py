@@ -15,7 +15,9 @@ from typing import Callable, Iterable, Optional
 
 from dynapipe.plan.instructions import BackwardPass, Instruction
 
-# Backward parts that produce parameter gradients ("input" only produces the input's gradient).
+# Backward parts that complete the parameter gradients. An "input" part produces some too
+# (norms, biases, embeddings, the output layer): the weight part after it is what finishes a
+# gradient group, which is also why an overlapped reduction cannot start from it yet.
 WEIGHT_GRADIENT_PARTS = ("full", "weight")
 
 

@@ -14,17 +14,23 @@ part as usual.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Hashable, Iterator, Optional
+from typing import Callable, Hashable, Iterable, Iterator, Optional
 
 from dynapipe.errors import DynaPipeError
 
 
 class WeightGradStore:
-    """Per micro-batch, the weight-gradient computations its input part deferred."""
+    """Per micro-batch, the weight-gradient computations its input part deferred.
 
-    def __init__(self) -> None:
+    ``meter``: an :class:`~dynapipe.runtime.activation_meter.ActivationMeter` that counts
+    the tensors a deferred computation keeps until it runs (autograd no longer does once
+    the input part freed its graph), so a rank's measured activation memory includes them.
+    """
+
+    def __init__(self, meter=None) -> None:
         self._open: Optional[Hashable] = None
-        self._pending: dict[Hashable, list[Callable[[], None]]] = {}
+        self._pending: dict[Hashable, list[tuple[Callable[[], None], list[int]]]] = {}
+        self.meter = meter
 
     @property
     def deferring(self) -> bool:
@@ -46,12 +52,14 @@ class WeightGradStore:
         finally:
             self._open = None
 
-    def defer(self, fn: Callable[[], None]) -> None:
+    def defer(self, fn: Callable[[], None], tensors: Iterable = ()) -> None:
         """Keep ``fn`` (it computes and accumulates one weight gradient) for the weight part
-        of the micro-batch whose input part is running."""
+        of the micro-batch whose input part is running; ``tensors``: what it keeps alive
+        until then (counted by :attr:`meter`)."""
         if self._open is None:
             raise DynaPipeError("a layer deferred its weight gradient outside a split backward's input part.")
-        self._pending[self._open].append(fn)
+        keys = [self.meter.hold(t) for t in tensors] if self.meter is not None else []
+        self._pending[self._open].append((fn, keys))
 
     def run(self, key: Hashable) -> int:
         """Run the weight part of micro-batch ``key``: every computation its input part
@@ -59,9 +67,15 @@ class WeightGradStore:
         fns = self._pending.pop(key, None)
         if fns is None:
             raise DynaPipeError(f"the weight part of micro-batch {key} runs before its input part.")
-        for fn in fns:
+        for fn, keys in fns:
             fn()
+            self._release(keys)
         return len(fns)
+
+    def _release(self, keys: list[int]) -> None:
+        if self.meter is not None:
+            for k in keys:
+                self.meter.drop(k)
 
     @property
     def pending(self) -> list:
@@ -70,5 +84,8 @@ class WeightGradStore:
 
     def clear(self) -> None:
         """Drop whatever is pending (after a failed iteration: its gradients are discarded)."""
+        for fns in self._pending.values():
+            for _, keys in fns:
+                self._release(keys)
         self._pending.clear()
         self._open = None

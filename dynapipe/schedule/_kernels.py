@@ -54,8 +54,10 @@ def simulate_split_kernel(kind, mb, nops, fw, bw, st, pk, ac, gc, state, bww, ws
 
     ``bww[s, m]``: the weight-gradient part of ``bw[s, m]`` (ms): BI lasts ``bw - bww``,
     waits and signals like B; BW lasts ``bww`` and waits only for its own stage.
-    ``ws[s, m]``: what of ``st[s, m]`` the weight part keeps (MiB): BI releases
-    ``st - ws``, BW the rest; a BW adds no transient peak (its gradients accumulate into
+    ``ws[s, m]``: what the weight part keeps (MiB): BI releases ``st - ws`` (negative
+    when the input part rematerialises more than was stored), BW releases ``ws``; a BW
+    adds no transient peak (not modelled: its weight-sized gradient, and under sequence
+    parallelism the gathered layer input; its gradients accumulate into
     the model states' buffers). Returns ``(status, starts, ends, busy, peak, stuck_stage)``;
     times in ms, memory in MiB with model states (``state``) included.
     """
@@ -126,6 +128,9 @@ def simulate_split_kernel(kind, mb, nops, fw, bw, st, pk, ac, gc, state, bww, ws
                 else:
                     end = t + (bw[s, m] - bww[s, m])
                     stored[s] -= st[s, m] - ws[s, m]
+                    # What the weight part keeps may exceed what was stored (full recompute).
+                    if stored[s] > high:
+                        high = stored[s]
                 b_end[s, m] = end
             if high + state[s] > peak[s]:
                 peak[s] = high + state[s]

@@ -37,8 +37,9 @@ class StageTimes:
 
     For schedules that split the backward (``BI``/``BW`` ops), ``[S, M]`` too:
     ``bw_weight_ms``, the weight-gradient part of ``bw_ms`` (a ``BI`` lasts ``bw_ms -
-    bw_weight_ms``), and ``weight_stash_mib``, the part of ``stored_mib`` the weight part
-    keeps from the end of ``BI`` to the end of ``BW``. Both default to zeros (no split).
+    bw_weight_ms``), and ``weight_stash_mib``, what the weight part keeps from the end of
+    ``BI`` to the end of ``BW`` (more than ``stored_mib`` under full recompute, whose input
+    part rematerialises the layers). Both default to zeros (no split).
     """
 
     fw_ms: np.ndarray
@@ -130,7 +131,9 @@ def stage_times(cost_model: CostModel, micro_batches: Sequence[MicroBatch], *, r
     fields["bw_ms"] = np.maximum(fields["bw_ms"], MIN_OP_MS)
     # The input part keeps at least MIN_OP_MS, so a BI still orders its gradient after its input.
     bw_weight = np.clip(fields["bw_ms"] * share, 0.0, np.maximum(fields["bw_ms"] - MIN_OP_MS, 0.0))
-    weight_stash = np.minimum(stash, fields["stored_mib"])
+    # Not capped at stored_mib: under full recompute the weight part keeps recomputed
+    # tensors the stage never stored, and a BI then raises the memory the stage holds.
+    weight_stash = stash
     comm = np.zeros((max(S - 1, 0), M))
     links = boundary_links(cluster, S, dp=dp, tp=tp)
     dec_arr = dec if dec is not None else np.zeros(M)
