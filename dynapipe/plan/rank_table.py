@@ -26,17 +26,22 @@ _BUF = {k: -1 - i for i, k in enumerate(BUFFER_KINDS)}
 _OP = OPCODE_INDEX
 
 
+def _op_codes(name: str, stage: int, ops: Sequence, code: dict, known: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(kind, mb)`` of ``ops``: each kind's ``code``, pushed past every code by its chunk (so
+    an op of a chunk > 0 is out of range), and its micro-batch; ``known`` says which kinds."""
+    stride = max(code.values()) + 1
+    try:
+        kind = np.fromiter((code[op.kind] + stride * op.chunk for op in ops), dtype=np.int64, count=len(ops))
+    except KeyError as e:
+        raise DynaPipeError(f"schedule {name!r}: stage {stage} has an op of kind {e.args[0]!r}; {known}.") from None
+    return kind, np.fromiter((op.mb for op in ops), dtype=np.int64, count=len(ops))
+
+
 def op_positions(name: str, stage: int, ops: Sequence, M: int) -> tuple[np.ndarray, np.ndarray]:
     """``(index of F(i), index of B(i))`` in stage ``stage``'s op list, per micro-batch
     ``i``; :class:`DynaPipeError` unless the stage runs every micro-batch's forward once,
     then its backward once (kinds F and B, chunk 0), as ``Schedule.check`` demands."""
-    code = {"F": 0, "B": 1}
-    try:
-        kind = np.fromiter((code[op.kind] + 2 * op.chunk for op in ops), dtype=np.int64, count=len(ops))
-    except KeyError as e:
-        raise DynaPipeError(f"schedule {name!r}: stage {stage} has an op of kind {e.args[0]!r}; only F and B "
-                            f"are compiled so far.") from None
-    mb = np.fromiter((op.mb for op in ops), dtype=np.int64, count=len(ops))
+    kind, mb = _op_codes(name, stage, ops, {"F": 0, "B": 1}, "only F and B are compiled so far")
     if ((kind > 1) | (mb < 0) | (mb >= M)).any() or len(ops) != 2 * M:
         raise DynaPipeError(f"schedule {name!r}: stage {stage} must run micro-batches 0..{M - 1} (chunk 0), "
                             f"each forward and backward once; it has {len(ops)} ops.")
@@ -57,13 +62,7 @@ def backward_positions(name: str, stage: int, ops: Sequence, M: int) -> tuple[np
     list; :class:`DynaPipeError` unless the stage runs every micro-batch's forward once,
     then either ``B`` once or ``BI`` then ``BW`` once each (chunk 0), as ``Schedule.check``
     demands."""
-    code = {"F": 0, "B": 1, "BI": 1, "BW": 2}
-    try:
-        kind = np.fromiter((code[op.kind] + 3 * op.chunk for op in ops), dtype=np.int64, count=len(ops))
-    except KeyError as e:
-        raise DynaPipeError(f"schedule {name!r}: stage {stage} has an op of kind {e.args[0]!r}; only F, B, BI and "
-                            f"BW are compiled.") from None
-    mb = np.fromiter((op.mb for op in ops), dtype=np.int64, count=len(ops))
+    kind, mb = _op_codes(name, stage, ops, {"F": 0, "B": 1, "BI": 1, "BW": 2}, "only F, B, BI and BW are compiled")
     inputs = np.fromiter((op.kind == "BI" for op in ops), dtype=bool, count=len(ops))
     if ((kind > 2) | (mb < 0) | (mb >= M)).any():
         raise DynaPipeError(f"schedule {name!r}: stage {stage} must run micro-batches 0..{M - 1} (chunk 0); it has "
