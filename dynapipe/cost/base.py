@@ -124,6 +124,15 @@ def check_recompute(recompute: str) -> str:
     return recompute
 
 
+def weight_share_of(weight_ms, bw_ms) -> np.ndarray:
+    """``weight_ms / bw_ms`` in [0, 1] (0 where the backward takes no time)."""
+    bw = np.asarray(bw_ms, dtype=np.float64)
+    shape = np.broadcast(np.asarray(weight_ms), bw).shape
+    share = np.divide(np.broadcast_to(weight_ms, shape), np.broadcast_to(bw, shape), out=np.zeros(shape),
+                      where=np.broadcast_to(bw, shape) > 0)
+    return np.clip(share, 0.0, 1.0)
+
+
 class CostModel(ABC):
     """Prices micro-batches on the stages of one pipeline.
 
@@ -176,11 +185,18 @@ class CostModel(ABC):
     def layout_cost(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str) -> StageCost:
         """Cost of one micro-batch on a stage with this layout (arrays broadcast)."""
 
-    def weight_share(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str) -> Optional[np.ndarray]:
-        """The measured share of a stage's backward ms that is the weight part of a split
-        backward (zero-bubble schedules), or None where nothing was measured: then
+    def weight_ms(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str) -> Optional[np.ndarray]:
+        """The measured ms of the weight part of a split backward (zero-bubble schedules) on a
+        stage with ``layout``, or None where nothing was measured: then
         :func:`dynapipe.cost.backward_split.backward_split`'s FLOPs estimate applies."""
         return None
+
+    def weight_share(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str) -> Optional[np.ndarray]:
+        """:meth:`weight_ms` as a share of the stage's backward ms (None: not measured)."""
+        weight = self.weight_ms(layout, mbs, seqlen, dec_seqlen, recompute)
+        if weight is None:
+            return None
+        return weight_share_of(weight, self.layout_cost(layout, mbs, seqlen, dec_seqlen, recompute).bw_ms)
 
     def layout_param_count(self, layout: StageLayout) -> int:
         """Number of parameters held by one TP rank of a stage with this layout."""

@@ -22,7 +22,7 @@ The layer's tables may also hold ``bw_weight_ms``: the part of ``bw_ms`` that is
 linear layers' weight gradients, timed with the backward split as zero-bubble schedules
 run it (``python -m dynapipe profile`` writes it). Where present, it replaces the FLOPs
 estimate of :mod:`dynapipe.cost.backward_split` in pricing ``BI``/``BW`` ops
-(:meth:`ProfileCostModel.weight_share`).
+(:meth:`ProfileCostModel.weight_ms`).
 
 Each table is ``len(mbs) x len(seqlen)``; ``layer`` is one transformer layer, with no
 recomputation; ``layer_selective``/``layer_full`` (optional) the same layer measured at
@@ -277,18 +277,15 @@ class ProfileCostModel(CostModel):
         """Read a profile JSON file written by ``python -m dynapipe profile``."""
         return cls(model, read_profile(path), num_stages, source=path, tp=tp)
 
-    def weight_share(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str):
-        """The measured weight part's share of a stage's backward ms at ``recompute``: the
-        layers' ``bw_weight_ms`` over the stage's ``bw_ms`` (embedding, output layer and
+    def weight_ms(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str):
+        """The layers' measured ``bw_weight_ms`` at ``recompute`` (embedding, output layer and
         recomputation stay in the input part); None where the profile did not time it."""
         if self.model.is_encoder_decoder or not layout.decoder_layers:
             return None
         op = LEVEL_OPS.get(recompute) if LEVEL_OPS.get(recompute) in self.tables else "layer"
         if op not in self.weight_tables:
             return None
-        weight = layout.decoder_layers * self.weight_tables[op](mbs, seqlen)
-        bw = self.layout_cost(layout, mbs, seqlen, dec_seqlen, recompute).bw_ms
-        return np.clip(np.divide(weight, bw, out=np.zeros(np.shape(bw)), where=bw > 0), 0.0, 1.0)
+        return layout.decoder_layers * self.weight_tables[op](mbs, seqlen)
 
     def _op(self, op: str, b, s) -> dict:
         return {f: self.tables[op][f](b, s) for f in FIELDS}

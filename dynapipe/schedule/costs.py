@@ -17,7 +17,7 @@ import numpy as np
 from dynapipe.batching.types import MicroBatch
 from dynapipe.config import ClusterConfig
 from dynapipe.cost.backward_split import backward_split
-from dynapipe.cost.base import CostModel
+from dynapipe.cost.base import CostModel, weight_share_of
 from dynapipe.errors import DynaPipeError
 from dynapipe.schedule.comm import boundary_links, message_bytes
 
@@ -120,9 +120,11 @@ def stage_times(cost_model: CostModel, micro_batches: Sequence[MicroBatch], *, r
         if key not in by_layout:
             flops_share, stash_mib = backward_split(model, layout, mbs, seq, dec, recompute=recompute,
                                                     tp=cost_model.tp)
-            measured = cost_model.weight_share(layout, mbs, seq, dec, recompute)
-            by_layout[key] = (cost_model.stage_cost(mbs, seq, dec, recompute=recompute, stage=s),
-                              (flops_share if measured is None else measured, stash_mib))
+            cost = cost_model.stage_cost(mbs, seq, dec, recompute=recompute, stage=s)
+            # A measured weight part, over the backward just priced (not priced a second time).
+            measured = cost_model.weight_ms(layout, mbs, seq, dec, recompute)
+            by_layout[key] = (cost, (flops_share if measured is None else weight_share_of(measured, cost.bw_ms),
+                                     stash_mib))
         c, split = by_layout[key]
         for k in fields:
             fields[k][s] = np.broadcast_to(np.asarray(getattr(c, k), dtype=np.float64), (M,))
