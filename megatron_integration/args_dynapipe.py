@@ -213,11 +213,6 @@ def _check_split_backward(args: argparse.Namespace) -> None:
     """Refuse what ``--dynapipe-schedule zb-h1`` cannot honour yet."""
     if args.dynapipe_schedule != "zb-h1":
         return
-    if getattr(args, "overlap_grad_reduce", False):
-        # megatron-core's DDP launches a bucket's reduction when every parameter of it has its
-        # gradient; a split backward produces a bucket's bias and weight gradients in two parts.
-        raise DynaPipeError("--dynapipe-schedule zb-h1 cannot overlap the gradient reduction yet; drop "
-                            "--overlap-grad-reduce (the gradients are then reduced after the backward).")
     chunks = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
     if (chunks or 1) > 1 or getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None:
         raise DynaPipeError("--dynapipe-schedule zb-h1 runs on the plain pipeline; drop the virtual-pipeline flags "

@@ -5,7 +5,8 @@ One place builds the ``DistributedDataParallelConfig`` from the run's arguments
 flags; fp32 or bf16 reduction; the distributed optimizer) and wraps each model chunk; and one
 place says which backward of an execution plan runs outside ``no_sync``
 (:func:`backward_syncs`), so DynaPipe's executor overlaps the reduction exactly where
-megatron-core's schedules do: during each chunk's last backward of the iteration.
+megatron-core's schedules do: during each chunk's last backward of the iteration (under a
+split-backward schedule, its last input part and its last weight part).
 """
 from __future__ import annotations
 
@@ -71,9 +72,11 @@ class BackwardSyncs:
     """For one iteration's plan on this rank: which backward runs outside ``no_sync``.
 
     Without the overlap every backward runs as it is (gradients are reduced after the plan,
-    by ``finalize_model_grads``). With it, each DDP module's last weight-gradient backward of
-    the plan runs outside ``no_sync`` and every other one inside, as megatron-core's schedules
-    run theirs; a chunk of the plan without a DDP module of its own shares the rank's only one."""
+    by ``finalize_model_grads``). With it, each DDP module's last backward of the plan runs
+    outside ``no_sync`` and every other one inside, as megatron-core's schedules run theirs
+    (split backwards: its last input part and its last weight part, see
+    :mod:`dynapipe.plan.grad_sync`); a chunk of the plan without a DDP module of its own shares
+    the rank's only one."""
 
     def __init__(self, ddps: Sequence[torch.nn.Module], instructions=None):
         self.ddps = list(ddps)
@@ -83,9 +86,10 @@ class BackwardSyncs:
     def _index(self, chunk: int) -> int:
         return chunk if len(self.ddps) > 1 else 0
 
-    def context(self, chunk: int, mb: int):
-        """The context the backward of (``chunk``, ``mb``) runs in."""
-        if not self.overlap or (chunk, mb) in self.points:
+    def context(self, chunk: int, mb: int, part: str = "full"):
+        """The context the backward (``part``: whole, input or weight part) of (``chunk``,
+        ``mb``) runs in."""
+        if not self.overlap or (chunk, mb, part) in self.points:
             return nullcontext()
         return self.ddps[self._index(chunk)].no_sync()
 

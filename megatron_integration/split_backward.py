@@ -10,8 +10,14 @@ the :class:`~dynapipe.runtime.weight_grad_store.WeightGradStore` runs a split ba
 input part, computes only the input gradient (and the bias gradient, which is a cheap sum)
 and hands the weight-gradient GEMM to the store; the plan's weight part runs it later and
 accumulates the result through the parameter's own gradient accumulator, so megatron-core's
-DDP sees it exactly as if autograd had produced it. Outside a split backward (1F1B plans,
-evaluation) the function computes both gradients at once, as megatron-core's does.
+DDP sees it exactly as if autograd had produced it. Outside a split backward (evaluation has
+none) the function accumulates both gradients at once, as megatron-core's computes them.
+
+The weight enters the function detached: its gradient reaches the parameter only through
+that accumulation, never as autograd's own ``None`` in the input part. megatron-core's DDP
+hooks on the accumulator would otherwise run in the input part too, with no gradient, which
+``--overlap-grad-reduce`` refuses (and which would count the weight ready before its
+gradient exists).
 
 Tensor parallelism is kept: the column-parallel input gradient is all-reduced, or under
 sequence parallelism reduce-scattered, in the input part (the previous stage needs it); the
@@ -53,12 +59,12 @@ class _SplitLinear(torch.autograd.Function):
     weight gradient the store may defer."""
 
     @staticmethod
-    def forward(ctx, input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group, store):
+    def forward(ctx, input, weight, param, bias, allreduce_dgrad, sequence_parallel, tp_group, store):
+        # ``weight``: the parameter detached (see the module docstring); ``param``: a 1-tuple
+        # holding the parameter itself, out of autograd's sight (a tensor argument would be an
+        # input of the function), for the accumulation.
         ctx.save_for_backward(input, weight)
-        # The parameter itself, for the deferred accumulation: a saved tensor may come back
-        # from saved-tensor hooks (the activation meter's) as another tensor object, whose
-        # gradient would not reach the parameter once the graph is freed.
-        ctx.param = weight
+        ctx.param = param[0]
         ctx.use_bias = bias is not None
         ctx.allreduce_dgrad = allreduce_dgrad
         ctx.sequence_parallel = sequence_parallel
@@ -100,16 +106,19 @@ class _SplitLinear(torch.autograd.Function):
         store: WeightGradStore = ctx.store
         if store.deferring:
             store.defer(deferred, (input, go))
-            grad_weight = None
         else:
-            grad_weight = weight_grad()
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+            deferred()
+        return grad_input, None, None, grad_bias, None, None, None, None
 
 
 def _split_forward_impl(layer, original, store: WeightGradStore, input, weight, *args, **kwargs):
     """The layer's ``_forward_impl`` with :class:`_SplitLinear` in place of megatron-core's
-    linear function (frozen weights keep megatron-core's path: they have no weight gradient)."""
-    if not weight.requires_grad:
+    linear function. megatron-core's path is kept where no gradient of the weight could be
+    deferred: frozen weights, no grad mode (evaluation), and a layer none of whose other inputs
+    needs a gradient (its graph would not reach the weight once that enters detached)."""
+    bias = kwargs.get("bias")
+    if not (weight.requires_grad and torch.is_grad_enabled()
+            and (input.requires_grad or (bias is not None and bias.requires_grad))):
         return original(input, weight, *args, **kwargs)
     # What megatron-core could ask of the layer that this function does not do. This build
     # never sets them (the fused accumulation and the deferred embedding gradient are off in
@@ -121,7 +130,7 @@ def _split_forward_impl(layer, original, store: WeightGradStore, input, weight, 
     if unsupported:
         raise DynaPipeError(f"{type(layer).__name__} asks the split backward for {', '.join(unsupported)}, which "
                             f"it does not implement; use --dynapipe-schedule auto or 1f1b.")
-    return _SplitLinear.apply(input, weight, kwargs.get("bias"), bool(kwargs.get("allreduce_dgrad")),
+    return _SplitLinear.apply(input, weight.detach(), (weight,), bias, bool(kwargs.get("allreduce_dgrad")),
                               bool(kwargs.get("sequence_parallel")), kwargs.get("tp_group"), store)
 
 

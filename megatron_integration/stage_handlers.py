@@ -81,9 +81,10 @@ class ModelStageHandlers:
         """Backward of one micro-batch at its level: a layer rematerialised under ``full``
         must not checkpoint its core attention again because a later forward is ``selective``."""
         self._level(op)
-        # With --overlap-grad-reduce, only each chunk's last backward of the plan lets DDP
-        # start reducing; every earlier one accumulates under no_sync.
-        with self.syncs.context(op.chunk, op.mb):
+        # With --overlap-grad-reduce, only each chunk's last backward of the plan (split: its
+        # last input and last weight part) lets DDP start reducing; the others accumulate
+        # under no_sync.
+        with self.syncs.context(op.chunk, op.mb, op.part):
             if op.part == "input":
                 with self.weight_grads.input_part((op.chunk, op.mb)):
                     backward_from(roots, grads)
@@ -93,5 +94,5 @@ class ModelStageHandlers:
     def backward_weight(self, mb: MicroBatchInfo, op: BackwardPass) -> None:
         """The weight part of a split backward: the linear layers' weight gradients that the
         input part of (``op.chunk``, ``op.mb``) deferred."""
-        with self.syncs.context(op.chunk, op.mb):
+        with self.syncs.context(op.chunk, op.mb, op.part):
             self.weight_grads.run((op.chunk, op.mb))

@@ -1,11 +1,11 @@
 """Megatron-LM's ``--overlap-grad-reduce`` and DDP bucket flags, on every method.
 
 One 2-rank gloo job: GPT on two data-parallel replicas (megatron-core's schedule for padding,
-DynaPipe's executor), GPT interleaved on two stages (DynaPipe, a DDP per chunk), T5 on two
-stages (every method through the executor). With the overlap each run gives the same losses as
-without it, and after the first iteration (where megatron-core's DDP learns how many gradients
-each parameter gets) every bucket's reduction starts inside the backward, once an iteration;
-without it, after the backward.
+DynaPipe's executor on 1F1B and on zb-h1), GPT interleaved on two stages (DynaPipe, a DDP per
+chunk), T5 on two stages (every method through the executor; DynaPipe on zb-h1 too). With the
+overlap each run gives the same losses as without it, and after the first iteration (where
+megatron-core's DDP learns how many gradients each parameter gets) every bucket's reduction
+starts inside the backward, once an iteration; without it, after the backward.
 """
 import pytest
 
@@ -22,8 +22,9 @@ OVERLAP = " --overlap-grad-reduce --ddp-bucket-size 20000"
 DYN = " --use-dynapipe --dynapipe-timeout-s 60"
 CHUNKED = (GPT.replace("--num-layers 2", "--num-layers 4") +
            " --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2" + DYN)
-GPT_RUNS = ["", OVERLAP, DYN, DYN + OVERLAP]
-T5_RUNS = ["", OVERLAP, " --use-dynapipe" + OVERLAP]
+ZB = " --dynapipe-schedule zb-h1"
+GPT_RUNS = ["", OVERLAP, DYN, DYN + OVERLAP, DYN + ZB + OVERLAP]
+T5_RUNS = ["", OVERLAP, " --use-dynapipe" + OVERLAP, " --use-dynapipe" + ZB + OVERLAP]
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +35,8 @@ def job():
                                                                     "--overlap-grad-reduce").split()]
     t5 = [(T5 + e).split() for e in T5_RUNS]
     ranks = spawn(probed_runs, 2, (gpt, t5), timeout_s=600)
-    return dict(zip(["padding", "padding+overlap", "dynapipe", "dynapipe+overlap", "chunks", "chunks+overlap",
-                     "t5", "t5+overlap", "t5-dynapipe+overlap"], zip(*ranks)))
+    return dict(zip(["padding", "padding+overlap", "dynapipe", "dynapipe+overlap", "zb+overlap", "chunks",
+                     "chunks+overlap", "t5", "t5+overlap", "t5-dynapipe+overlap", "t5-zb+overlap"], zip(*ranks)))
 
 
 def _overlapped(runs) -> None:
@@ -47,8 +48,10 @@ def _overlapped(runs) -> None:
 
 
 def test_overlapped_reduction_gives_the_same_losses_and_starts_inside_the_backward(job):
+    # The zero-bubble schedule too: its buckets' reductions start in the last weight part.
     for plain, overlapped in [("padding", "padding+overlap"), ("dynapipe", "dynapipe+overlap"),
-                              ("chunks", "chunks+overlap"), ("t5", "t5+overlap"), ("t5", "t5-dynapipe+overlap")]:
+                              ("dynapipe", "zb+overlap"), ("chunks", "chunks+overlap"), ("t5", "t5+overlap"),
+                              ("t5", "t5-dynapipe+overlap"), ("t5", "t5-zb+overlap")]:
         ref = job[plain][0]["losses"]
         for r in job[overlapped]:
             assert r["losses"] == pytest.approx(ref, abs=1e-6, rel=1e-6), (plain, overlapped)
@@ -66,13 +69,19 @@ def test_overlapped_reduction_gives_the_same_losses_and_starts_inside_the_backwa
     assert per_iteration[0] >= 3 and per_iteration[1] == 2, per_iteration
 
 
-def test_grad_sync_points_are_each_chunks_last_weight_backward():
+def test_grad_sync_points_are_each_chunks_last_backward_of_each_kind():
     ins = [ForwardPass(0, 0), ForwardPass(1, 0), BackwardPass(0, 0), ForwardPass(0, 1), BackwardPass(1, 0),
-           BackwardPass(0, 1), BackwardPass(2, 1, part="input"), BackwardPass(2, 1, part="weight"),
-           BackwardPass(1, 1, part="input")]
-    assert grad_sync_points(ins) == {(0, 1), (1, 2)}  # (chunk, micro-batch)
-    assert grad_sync_points(ins, lambda chunk: 0) == {(1, 2)}  # one gradient buffer for both chunks
+           BackwardPass(0, 1), BackwardPass(1, 1)]
+    assert grad_sync_points(ins) == {(0, 1, "full"), (1, 1, "full")}  # (chunk, micro-batch, part)
+    assert grad_sync_points(ins, lambda chunk: 0) == {(1, 1, "full")}  # one gradient buffer for both chunks
     assert grad_sync_points([ForwardPass(0, 0)]) == frozenset()
+    # Split (zb-h1's last stage of two): the last input part, then an earlier micro-batch's weight
+    # part (under no_sync), then the last weight part.
+    split = [BackwardPass(0, 0, part="input"), BackwardPass(1, 0, part="input"), BackwardPass(0, 0, part="weight"),
+             BackwardPass(2, 0, part="input"), BackwardPass(1, 0, part="weight"), BackwardPass(2, 0, part="weight")]
+    assert grad_sync_points(split) == {(0, 2, "input"), (0, 2, "weight")}
+    with pytest.raises(DynaPipeError, match=r"mixes whole and split backwards in .* chunk\(s\) \[0\]"):
+        grad_sync_points(split + [BackwardPass(3, 0)])
 
 
 def _parse(extra: str, world: int = 2):

@@ -10,7 +10,7 @@ import pytest
 
 from dynapipe.errors import DynaPipeError
 from megatron_integration.arguments import parse_training_args
-from test_megatron_dynapipe import TINY, run
+from test_megatron_dynapipe import LLAMA, TINY, run
 
 ZB = "--use-dynapipe --dynapipe-schedule zb-h1 --dynapipe-trace-dir {tmp}/zb-traces"
 
@@ -47,14 +47,24 @@ def test_zero_bubble_trains_t5_like_padding(pp2):
     assert zb["loss_tokens"] == padding["loss_tokens"][:2]
 
 
-@pytest.mark.parametrize("extra, match", [
-    ("--overlap-grad-reduce", "cannot overlap the gradient reduction"),
-    ("--num-layers 4 --num-virtual-stages-per-pipeline-rank 2", "plain pipeline"),
-])
-def test_what_the_split_cannot_honour_is_refused(extra, match):
-    argv = (TINY + " --use-dynapipe --dynapipe-schedule zb-h1 " + extra).split()
-    with pytest.raises(DynaPipeError, match=match):
+def test_virtual_pipeline_flags_are_refused():
+    argv = (TINY + " --use-dynapipe --dynapipe-schedule zb-h1 --num-layers 4 "
+                   "--num-virtual-stages-per-pipeline-rank 2").split()
+    with pytest.raises(DynaPipeError, match="plain pipeline"):
         parse_training_args(argv, 2, cuda=False)
+
+
+ZB_OVERLAP = f"{LLAMA} --use-dynapipe --dynapipe-schedule zb-h1 --overlap-grad-reduce --ddp-bucket-size 20000"
+
+
+@pytest.mark.megatron_runs((LLAMA, 4), (ZB_OVERLAP, 4))
+def test_zero_bubble_overlaps_the_reduction_on_pp2_x_dp2(request):
+    # Stage 1 runs the weight part of the next-to-last micro-batch after the last input part:
+    # under no_sync, so each bucket's reduction starts in the last weight part with every
+    # replica's gradients complete (a reduction started early would lose them: other losses).
+    padding, zb = run(LLAMA, 4, request), run(ZB_OVERLAP, 4, request)
+    assert zb["method"] == "dynapipe" and len(zb["losses"]) == 3
+    assert zb["losses"] == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)
 
 
 @pytest.mark.parametrize("placement", ["interleaved", "1+0,1+0|0+1,0+1"])

@@ -47,13 +47,24 @@ def _job() -> dict:
 
         store = WeightGradStore()
         out = {"layers": install_split_backward([gpt], store)}
+        # What megatron-core's DDP sees: its hooks sit on each parameter's gradient accumulator
+        # and (with --overlap-grad-reduce) refuse a call without a gradient.
+        calls: list[tuple[str, bool]] = []
+        accumulators = []
+        for n, p in params.items():
+            acc = p.expand_as(p).grad_fn.next_functions[0][0]
+            acc.register_hook(lambda *_, n=n, p=p: calls.append((n, p.grad is not None)))
+            accumulators.append(acc)
         for i, t in enumerate(batches):
             with store.input_part(i):
                 loss(t).backward()
         out["after_input"] = {n: p.grad is not None for n, p in params.items()}
+        out["input_calls"], calls[:] = list(calls), []
         out["deferred"] = [len(store._pending[i]) for i in range(len(batches))]
         for i in (2, 0, 1):  # weight parts in another order than the input parts
             store.run(i)
+        out["weight_calls"] = list(calls)
+        del accumulators
         out["close"] = {n: float((p.grad - whole[n]).abs().max()) for n, p in params.items()}
         # Under the activation meter's saved-tensor hooks (every CPU training iteration), with the
         # graph freed after the input part and no DDP keeping the gradient accumulators alive:
@@ -101,6 +112,12 @@ def test_input_part_defers_only_the_linear_weights(job):
     for name, has in job["after_input"].items():
         assert has == (name not in linear), name
     assert job["deferred"] == [8, 8, 8]
+    # Each accumulator hook runs once a micro-batch, always with a gradient: the deferred weights'
+    # in the weight parts only (never with autograd's empty gradient in the input part).
+    input_calls, weight_calls = job["input_calls"], job["weight_calls"]
+    assert all(has for _, has in input_calls + weight_calls)
+    assert sorted(n for n, _ in input_calls) == sorted([n for n in job["after_input"] if n not in linear] * 3)
+    assert sorted(n for n, _ in weight_calls) == sorted(list(linear) * 3)
 
 
 def test_weight_parts_complete_the_gradients_of_the_whole_backward(job):

@@ -356,13 +356,14 @@ def test_split_plans_compile_validate_and_round_trip(S):
     assert [serialize_plan(b) for b in back] == data
     v1 = [deserialize_plan(serialize_plan_v1(p)) for p in plans]   # the JSON form keeps the parts too
     assert [tuple(b.instructions) for b in v1] == [tuple(p.instructions) for p in plans]
-    # Evaluation drops both parts; gradients complete at the last weight part.
+    # Evaluation drops both parts; gradients complete at the last input part (all but the linear
+    # weights) and the last weight part.
     evals = [forward_only(p) for p in plans]
     assert not any(isinstance(x, BackwardPass) for p in evals for x in p.instructions)
     validate_plans(evals)
     for s, p in enumerate(plans):
-        last_w = [op.mb for op in sched.stage_ops[s] if op.kind == "BW"][-1]
-        assert grad_sync_points(p.instructions) == frozenset({(0, last_w)})
+        last_i, last_w = ([op.mb for op in sched.stage_ops[s] if op.kind == k][-1] for k in ("BI", "BW"))
+        assert grad_sync_points(p.instructions) == frozenset({(0, last_i, "input"), (0, last_w, "weight")})
 
 
 def test_compile_by_name_and_without_a_timeline():
