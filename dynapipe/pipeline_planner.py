@@ -169,7 +169,7 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
                         cluster: Optional[ClusterConfig] = None, recompute: Optional[str] = None,
                         iteration: int = 0, tp: int = 1, zero: bool = False, explain: bool = False,
                         validate: bool = False, lengths=None,
-                        replicas: Optional[Sequence[int]] = None) -> IterationPlan:
+                        replicas: Optional[Sequence[int]] = None, split_backward: bool = True) -> IterationPlan:
     """Search a schedule for ``batch_plan`` and compile every rank's plan.
 
     ``memory_limit_mib``/``reserved_mib`` default to the cost model's device config; a
@@ -182,7 +182,8 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
     every node gets the same micro-batches and schedules, hence the same plans.
     Under sequence parallelism (``cost_model.tp``) micro-batch lengths are rounded up to
     multiples of the TP size (:func:`round_for_sequence_parallel`) and the plans' messages
-    are the ``[seqlen / tp, mbs, hidden]`` shards.
+    are the ``[seqlen / tp, mbs, hidden]`` shards. ``split_backward=False``: the stages cannot
+    split their backward, so ``auto`` does not try ``zb-h1``.
     """
     if batch_plan.num_stages != cost_model.num_stages:
         raise DynaPipeError(f"the batch plan is for {batch_plan.num_stages} stages, the cost model for "
@@ -190,7 +191,7 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
     t0, c0 = time.perf_counter(), time.process_time()
     batch_plan, result = _search(batch_plan, cost_model, schedule=schedule, memory_limit_mib=memory_limit_mib,
                                  reserved_mib=reserved_mib, cluster=cluster, recompute=recompute, tp=tp, zero=zero,
-                                 explain=explain, lengths=lengths)
+                                 explain=explain, lengths=lengths, split_backward=split_backward)
     t1, c1 = time.perf_counter(), time.process_time()
     dp, shards = batch_plan.dp, _sequence_shards(cost_model)
     total_loss = sum(mb.planned_loss_tokens for mb in batch_plan.micro_batches)
@@ -230,7 +231,7 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
 
 def _search(batch_plan: BatchPlan, cost_model: CostModel, *, schedule: str, memory_limit_mib: Optional[float],
             reserved_mib: Optional[float], cluster: Optional[ClusterConfig], recompute: Optional[str], tp: int,
-            zero: bool, explain: bool, lengths) -> tuple[BatchPlan, SearchResult]:
+            zero: bool, explain: bool, lengths, split_backward: bool = True) -> tuple[BatchPlan, SearchResult]:
     """The schedule search of :func:`schedule_batch_plan`: the batch plan as the executor
     will run it (loss tokens, sequence-parallel rounding) and the search's result."""
     limit, reserved = _default_memory(cost_model, memory_limit_mib, reserved_mib)
@@ -245,7 +246,7 @@ def _search(batch_plan: BatchPlan, cost_model: CostModel, *, schedule: str, memo
             replica_batches[mb.replica].append(mb)
     result = search_schedules(replica_batches, cost_model, schedule=schedule, recompute=recompute,
                               capacity_mib=capacity, cluster=cluster, dp=dp, tp=tp, zero=zero, explain=explain,
-                              batching=batch_plan.batching)
+                              batching=batch_plan.batching, split_backward=split_backward)
     return batch_plan, result
 
 
@@ -256,12 +257,13 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
                    recompute: Optional[str] = None, iteration: int = 0, micro_batch_size: int = 1,
                    seq_length: Optional[int] = None, max_tokens: Optional[int] = None, tp: int = 1,
                    zero: bool = False, explain: bool = False, validate: bool = False,
-                   replicas: Optional[Sequence[int]] = None, gap: float = DEFAULT_GAP) -> IterationPlan:
+                   replicas: Optional[Sequence[int]] = None, gap: float = DEFAULT_GAP,
+                   split_backward: bool = True) -> IterationPlan:
     """Plan one iteration of a global batch of sample ``lengths`` (tokens; ``(n, 2)``
     input and target lengths for encoder-decoder models).
 
     Micro-batching (``method``, see :func:`dynapipe.batching.plan_micro_batches`), then
-    the schedule search (``schedule``: ``1f1b``, ``adaptive`` or ``auto``), then one
+    the schedule search (``schedule``: ``1f1b``, ``adaptive``, ``zb-h1`` or ``auto``), then one
     execution plan per (replica, stage). ``stages`` must match the cost model.
     ``memory_limit_mib`` (per device) and ``reserved_mib`` default to the device config.
     ``recompute=None`` lets the search choose the level; micro-batches are then cut so
@@ -270,6 +272,8 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
     micro-batches in flight (:func:`leave_room_in_flight`); the faster cut is kept.
     ``replicas``: compile only these replicas' plans (see :func:`schedule_batch_plan`).
     ``gap``: relative optimality gap of DynaPipe's cut (0: the exact optimum).
+    ``split_backward=False``: the stages cannot split their backward (``auto`` then does not
+    try ``zb-h1``).
     """
     if stages is not None and stages != cost_model.num_stages:
         raise DynaPipeError(f"--stages {stages} but the cost model was built for {cost_model.num_stages} stages.")
@@ -289,7 +293,8 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
         raise error
     batch_plan.planning_ms = (time.perf_counter() - t0) * 1e3
     batching_cpu_ms = (time.process_time() - c0) * 1e3
-    search = dict(schedule=schedule, memory_limit_mib=limit, reserved_mib=reserved, cluster=cluster, tp=tp, zero=zero)
+    search = dict(schedule=schedule, memory_limit_mib=limit, reserved_mib=reserved, cluster=cluster, tp=tp, zero=zero,
+                  split_backward=split_backward)
     compile_kw = dict(search, recompute=recompute, iteration=iteration, explain=explain, validate=validate,
                       lengths=lengths, replicas=replicas)
     out = schedule_batch_plan(batch_plan, cost_model, **compile_kw)

@@ -195,7 +195,7 @@ def dynapipe_args_from_args(args: argparse.Namespace, cuda: bool, batching: str,
                             f"write a profile with `python -m dynapipe profile --output {cost_model}`.")
     planner_nodes, split = planner_nodes_from_args(args, dp, num_nodes)
     _check_named_configs(args)
-    _check_split_backward(args)
+    split_backward = _split_backward(args, cuda)
     return DynaPipeArgs(
         enabled=args.use_dynapipe, batching=batching, schedule=args.dynapipe_schedule,
         memory_limit_mb=args.dynapipe_memory_limit_mb, cost_model=cost_model,
@@ -206,17 +206,36 @@ def dynapipe_args_from_args(args: argparse.Namespace, cuda: bool, batching: str,
         kv_backend=args.dynapipe_kv_backend, redis_host=args.dynapipe_redis_host,
         redis_port=args.dynapipe_redis_port, store_retry_s=args.dynapipe_store_retry_s,
         max_tokens=args.dynapipe_max_tokens,
-        timeout_s=args.dynapipe_timeout_s, trace_dir=args.dynapipe_trace_dir, recompute=recompute)
+        timeout_s=args.dynapipe_timeout_s, trace_dir=args.dynapipe_trace_dir, recompute=recompute,
+        split_backward=split_backward)
 
 
-def _check_split_backward(args: argparse.Namespace) -> None:
-    """Refuse what ``--dynapipe-schedule zb-h1`` cannot honour yet."""
-    if args.dynapipe_schedule != "zb-h1":
-        return
+def _split_backward(args: argparse.Namespace, cuda: bool) -> bool:
+    """Whether the stages get a splittable backward (``DynaPipeArgs.split_backward``): for
+    ``zb-h1``, refusing what it cannot honour yet; for ``auto``, where it could run."""
+    if args.dynapipe_schedule not in ("zb-h1", "auto"):
+        return False
     chunks = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
-    if (chunks or 1) > 1 or getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None:
+    virtual = (chunks or 1) > 1 or getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None
+    # On GPUs with Transformer Engine installed the stages are built from its layers
+    # (--transformer-impl local is refused there), whose weight gradients are not deferred.
+    te = cuda and _te_available()
+    if args.dynapipe_schedule == "auto":
+        return not (virtual or te)
+    if virtual:
         raise DynaPipeError("--dynapipe-schedule zb-h1 runs on the plain pipeline; drop the virtual-pipeline flags "
                             "or use --dynapipe-schedule auto.")
+    if te:
+        raise DynaPipeError("--dynapipe-schedule zb-h1 splits the backward of megatron-core's own linear "
+                            "layers; with Transformer Engine installed the GPU stages use its layers, which it "
+                            "does not split yet. Use --dynapipe-schedule auto or 1f1b.")
+    return True
+
+
+def _te_available() -> bool:
+    from megatron_integration import model as model_specs
+
+    return model_specs.te_available()
 
 
 def _check_named_configs(args: argparse.Namespace) -> None:

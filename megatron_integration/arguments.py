@@ -124,15 +124,6 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
     refuse_unused_dynapipe_flags(args, baselines_use_executor, placement_auto)
     recompute, level = recompute_from_args(args, max(parallel.rank_layers(args.num_layers)))
     dyn = dynapipe_args_from_args(args, cuda, batching, level, dp, num_nodes)
-    if dyn.schedule == "zb-h1" and cuda:
-        from megatron_integration import model as model_specs
-
-        if model_specs.te_available():
-            # The stages would be built from Transformer Engine's layers (--transformer-impl local is
-            # refused on GPUs), whose weight gradients the split backward does not defer.
-            raise DynaPipeError("--dynapipe-schedule zb-h1 splits the backward of megatron-core's own linear "
-                                "layers; with Transformer Engine installed the GPU stages use its layers, which it "
-                                "does not split yet. Use --dynapipe-schedule auto or 1f1b.")
 
     from megatron_integration.data_args import data_sources_from_args, eval_args_from_args
 

@@ -48,7 +48,7 @@ from megatron_integration.initialize import RankInfo
 from megatron_integration.baseline_step import StepResult, holds_loss, reduce_loss, step_split_ms
 from megatron_integration.model import Stage, finalize_grads_func, set_recompute_level
 from megatron_integration.nan_guard import check_before_step
-from megatron_integration.stage_handlers import ModelStageHandlers
+from megatron_integration.stage_handlers import ModelStageHandlers, splits_backward
 from megatron_integration.tensor_parallel import check_plan_tensor_parallel, check_tp_plans_agree
 from megatron_integration.training_limits import empty_unused_memory
 
@@ -112,7 +112,7 @@ def planner_settings(cfg: DynaPipeTrainingConfig, info: RankInfo):
         micro_batch_size=cfg.micro_batch_size, seq_length=cfg.model.seq_length, max_tokens=d.max_tokens or 0,
         cluster=load_cluster_config(d.cluster), zero=cfg.optimizer.distributed, recompute=d.recompute,
         tp=info.tp_size, sequence_parallel=cfg.parallel.sequence_parallel, placement=gpt_placement(cfg, info),
-        flag_names=PLANNER_FLAG_NAMES)
+        flag_names=PLANNER_FLAG_NAMES, split_backward=d.split_backward)
 
 
 # The planning layers' errors name the `plan` command's flags; a training job's are these.
@@ -203,7 +203,7 @@ class DynaPipeStepper:
         from dynapipe.cost import build_cost_model
         from dynapipe.runtime.plan_source import tensor_parallel_config
 
-        handlers = MegatronStageHandlers(stage, info.device, split_backward=cfg.dynapipe.schedule == "zb-h1")
+        handlers = MegatronStageHandlers(stage, info.device, split_backward=splits_backward(cfg.dynapipe, stage))
         meter = ActivationMeter()
         handlers.weight_grads.meter = meter  # what pending weight parts keep is activation memory
         # megatron's pipeline group links the same TP rank of every stage, so each transfer

@@ -78,7 +78,8 @@ def choose_t5_placement(cfg, num_stages: int, dp: int, batches: Optional[list] =
                                  memory_limit_mib=d.memory_limit_mb, seq_length=cfg.encoder_seq_length,
                                  zero=cfg.base.optimizer.distributed, recompute=d.recompute,
                                  cluster=load_cluster_config(d.cluster),
-                                 chunks=1 if cfg.base.ddp.overlap_grad_reduce or d.schedule == "zb-h1" else 2)
+                                 chunks=1 if cfg.base.ddp.overlap_grad_reduce or d.schedule == "zb-h1" else 2,
+                                 split_backward=d.split_backward)
 
 
 def check_overlap_placement(cfg, placement: Optional[StagePlacement]) -> None:

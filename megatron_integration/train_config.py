@@ -251,6 +251,10 @@ class DynaPipeArgs:
     trace_dir: Optional[str] = None
     # The recompute level the planner must use (None: the schedule search chooses per stage).
     recompute: Optional[str] = None
+    # Whether single-chunk stages give their linear layers a splittable backward, so that
+    # plans may split it: `zb-h1`, or `auto` (which then also tries zb-h1) where the stages
+    # are megatron-core's own layers and the pipeline has no virtual-pipeline chunks.
+    split_backward: bool = False
 
 
 @dataclass(frozen=True)

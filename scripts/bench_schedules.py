@@ -4,8 +4,8 @@ For every batch of the synthetic multi-task mixture the micro-batches are planne
 (DynaPipe's DP), then scheduled four ways on the same micro-batches and the same cost
 model: ``1f1b`` (Megatron's order, planned micro-batch order, the lightest recompute
 level that fits), ``adaptive`` and ``zb-h1`` (the backward split into input and weight
-parts; likewise) and ``auto`` (the search over 1f1b and adaptive x orders x recompute
-levels). Planning time is the whole of ``plan_iteration``:
+parts; likewise) and ``auto`` (the search over 1f1b, adaptive and zb-h1 x orders x
+recompute levels). Planning time is the whole of ``plan_iteration``:
 micro-batching + schedule search + compilation of every rank's plan, wall clock and
 CPU time of this process, median over the batches.
 

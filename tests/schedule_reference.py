@@ -41,6 +41,12 @@ def memory_steps(schedule: Schedule, times: StageTimes, starts: list[list[float]
             if op.kind == "F":
                 high = stored + st[op.mb] + pk[op.mb]
                 stored += st[op.mb]
+            elif op.kind == "BI":  # frees the activation but the weight part's operands
+                high = stored + pk[op.mb]
+                stored += times.weight_stash_mib[s][op.mb] - st[op.mb]
+            elif op.kind == "BW":
+                high = stored
+                stored -= times.weight_stash_mib[s][op.mb]
             else:
                 high = stored + pk[op.mb]
                 stored -= st[op.mb]

@@ -167,7 +167,7 @@ def test_plan_schedule_fields_and_plan_files_validate(tmp_path, capsys, schedule
                                   "--plan-out", str(plan_dir), "--explain"])
     assert rc == 0, err
     plan = json.loads(out)
-    assert plan["schedule"] in (("1f1b", "adaptive") if schedule == "auto" else (schedule,))
+    assert plan["schedule"] in (("1f1b", "adaptive", "zb-h1") if schedule == "auto" else (schedule,))
     assert len(plan["stage_peak_mib"]) == 8
     assert 0 <= plan["bubble_fraction"] < 1
     assert plan["simulated_ms"] >= plan["objective_ms"] * 0.5

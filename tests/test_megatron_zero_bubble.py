@@ -104,6 +104,30 @@ def test_transformer_engine_stages_are_refused_at_start_up(monkeypatch):
     parse_training_args((TINY + " --use-dynapipe --dynapipe-schedule 1f1b").split(), 2, cuda=True)
 
 
+def test_auto_splits_the_backward_where_the_stages_can(monkeypatch):
+    # auto may choose zb-h1 for any iteration, so its stages get the split and its planner tries
+    # zb-h1, except on Transformer Engine layers or virtual-pipeline chunks (auto then keeps to
+    # the other schedules instead of refusing).
+    import megatron_integration.model as model_specs
+    from megatron_integration.dynapipe_step import planner_settings
+    from megatron_integration.initialize import RankInfo
+
+    def split(extra: str, cuda: bool = False) -> bool:
+        cfg = parse_training_args((TINY + " --use-dynapipe " + extra).split(), 2, cuda=cuda)
+        return cfg.dynapipe.split_backward
+
+    assert split("") and split("--dynapipe-schedule zb-h1")
+    assert not split("--dynapipe-schedule 1f1b") and not split("--dynapipe-schedule adaptive")
+    assert not split("--num-layers 4 --num-virtual-stages-per-pipeline-rank 2")
+    monkeypatch.setattr(model_specs, "te_available", lambda: True)
+    assert not split("", cuda=True)
+    monkeypatch.setattr(model_specs, "te_available", lambda: False)
+    cfg = parse_training_args((TINY + " --use-dynapipe").split(), 2, cuda=False)
+    info = RankInfo(rank=0, world_size=2, pp_rank=0, pp_size=2, dp_rank=0, dp_size=1, tp_rank=0, tp_size=1,
+                    device=None)
+    assert planner_settings(cfg, info).split_backward
+
+
 def test_zero_bubble_needs_the_planner():
     with pytest.raises(DynaPipeError, match="--dynapipe-schedule zb-h1 is read by the DynaPipe planner"):
         parse_training_args((TINY + " --dynapipe-schedule zb-h1").split(), 2, cuda=False)

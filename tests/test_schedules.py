@@ -52,7 +52,7 @@ def test_explain_simulates_every_candidate_exactly(gpt7b):
                            cluster=cluster, explain=True)
     uniform = [c for c in res.candidates if c.recompute != "per-stage"]
     mixed = [c for c in res.candidates if c.recompute == "per-stage"]
-    assert len(uniform) == 2 * len(ORDERS) * 3
+    assert len(uniform) == 3 * len(ORDERS) * 3  # 1f1b, adaptive, zb-h1 x orders x levels
     assert all(len(set(c.stage_recompute)) > 1 for c in mixed)
     assert all(c.status in ("fits", "over-memory") for c in res.candidates)
     fitting = [c for c in res.candidates if c.fits]

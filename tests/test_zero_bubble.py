@@ -234,7 +234,7 @@ def test_stage_times_price_the_split_for_analytic_and_measured_costs(tmp_path, p
 
 # -- search ----------------------------------------------------------------------------------
 
-def test_search_runs_zb_h1_only_when_named():
+def test_search_runs_zb_h1_by_name_and_in_auto_where_the_stages_split():
     assert "zb-h1" in SCHEDULE_CHOICES and "zb-h1" not in SCHEDULE_NAMES
     cm = build_cost_model(GPT7B, A100, 4)
     reps = [chunked_micro_batches(np.random.default_rng(0).integers(50, 2000, 24), 3)]
@@ -244,8 +244,12 @@ def test_search_runs_zb_h1_only_when_named():
     assert zb.timelines[0].makespan_ms == pytest.approx(zb.best.makespan_ms)
     assert zb.best.makespan_ms < one.best.makespan_ms
     assert zb.best.bubble_fraction < one.best.bubble_fraction and len(zb.best.peak_mib) == 4
-    auto = search_schedules(reps, cm, schedule="auto")
-    assert {c.schedule for c in auto.candidates} == {"1f1b", "adaptive"}
+    auto = search_schedules(reps, cm, schedule="auto", explain=True)
+    assert {c.schedule for c in auto.candidates} == {"1f1b", "adaptive", "zb-h1"}
+    assert auto.best.makespan_ms <= zb.best.makespan_ms  # zb-h1 at full recompute is one of its candidates
+    # Stages that cannot split their backward (Transformer Engine layers): auto leaves it out.
+    unsplit = search_schedules(reps, cm, schedule="auto", split_backward=False)
+    assert {c.schedule for c in unsplit.candidates} == {"1f1b", "adaptive"}
     # A capacity below what zb-h1 needs is refused like any schedule's.
     with pytest.raises(DynaPipeError, match="no schedule fits"):
         search_schedules(reps, cm, schedule="zb-h1", recompute="none", capacity_mib=min(zb.best.peak_mib) / 2)
@@ -286,6 +290,32 @@ def test_zb_h1_fits_in_1f1b_memory_by_capping_its_delays_and_stays_faster(level)
     assert got.timelines[0].makespan_ms == pytest.approx(got.best.makespan_ms)
     assert free.makespan_ms <= got.best.makespan_ms < one.makespan_ms
     assert got.best.to_json()["max_delay"] == got.best.max_delay
+
+
+def test_auto_sizes_each_schedules_per_stage_recompute_for_its_own_op_order():
+    # Between the lightest and the heaviest level's memory, stages recompute per stage; zb-h1's
+    # pending weight parts hold more than 1F1B's micro-batches in flight, so its mix is its own.
+    from dynapipe.schedule.costs import stage_times_per_replica
+    from dynapipe.schedule.search import per_stage_levels
+
+    cm = build_cost_model(GPT7B, A100, 4)
+    reps = [chunked_micro_batches(np.random.default_rng(0).integers(50, 2000, 24), 3)]
+    levels = ("none", "selective", "full")
+    by_level = {lv: stage_times_per_replica(cm, reps, recompute=lv) for lv in levels}
+    none = search_schedules(reps, cm, schedule="1f1b", recompute="none").best
+    full = search_schedules(reps, cm, schedule="1f1b", recompute="full").best
+    cap = (max(none.peak_mib) + max(full.peak_mib)) / 2
+    mixes = {name: per_stage_levels(by_level, levels, cap, name) for name in ("1f1b", "zb-h1")}
+    assert len(set(mixes["1f1b"])) > 1 and mixes["zb-h1"] != mixes["1f1b"], mixes
+    assert all(levels.index(z) >= levels.index(o) for z, o in zip(mixes["zb-h1"], mixes["1f1b"]))
+    auto = search_schedules(reps, cm, schedule="auto", capacity_mib=cap, orders=["planned"], explain=True)
+    per_stage = {c.schedule: c.stage_recompute for c in auto.candidates if c.recompute == "per-stage"}
+    # (a mix of one level everywhere is that level's uniform candidate, not a per-stage one)
+    expected = {"1f1b": mixes["1f1b"], "adaptive": mixes["1f1b"]}
+    if len(set(mixes["zb-h1"])) > 1:
+        expected["zb-h1"] = mixes["zb-h1"]
+    assert per_stage == expected
+    assert auto.best.fits and max(auto.best.peak_mib) <= cap
 
 
 def test_chunked_placements_refuse_split_backwards():

@@ -23,7 +23,8 @@ class PlannerSettings:
     """Everything a planner worker needs to plan an iteration (picklable, no torch).
 
     ``method``: batching method (``dynapipe``, ``padding``, ``padding-mb``, ``packing``,
-    ``token-budget``); ``schedule``: ``auto``, ``adaptive`` or ``1f1b``.
+    ``token-budget``); ``schedule``: ``auto``, ``adaptive``, ``1f1b`` or ``zb-h1``;
+    ``split_backward``: whether the stages can split their backward (``auto`` tries ``zb-h1``).
     ``cost_profile``: a measured profile (None: the analytic model).
     ``memory_limit_mib`` / ``reserved_mib``: None takes the device config's.
     ``recompute``: a level, or None to let the schedule search choose.
@@ -58,6 +59,7 @@ class PlannerSettings:
     # (planner flag, the caller's flag) pairs: the planning layers name the `plan` command's
     # flags in their errors, and a training job's user gave other ones.
     flag_names: tuple = ()
+    split_backward: bool = True
 
 
 class IterationPlanner:
@@ -93,7 +95,8 @@ class IterationPlanner:
                               reserved_mib=s.reserved_mib, cluster=s.cluster, recompute=s.recompute,
                               iteration=iteration, micro_batch_size=s.micro_batch_size,
                               seq_length=s.seq_length or None, max_tokens=s.max_tokens or None,
-                              tp=s.tp, zero=s.zero, validate=s.validate, replicas=replicas)
+                              tp=s.tp, zero=s.zero, validate=s.validate, replicas=replicas,
+                              split_backward=s.split_backward)
 
 
 def tensor_parallel_config(settings: PlannerSettings):

@@ -106,10 +106,10 @@ def choose_placement(batches: Sequence, cost_model: CostModel, *, dp: int = 1,
 
 def simulated_ms(batches: Sequence, cost_model: CostModel, *, dp: int, memory_limit_mib: Optional[float],
                  reserved_mib: float, seq_length: Optional[int], zero: bool, recompute: Optional[str],
-                 cluster=None) -> float:
+                 cluster=None, split_backward: bool = True) -> float:
     """Summed simulated iteration time (ms) of DynaPipe's plans of ``batches`` on
     ``cost_model``'s placement: the cut, then the schedule search under the memory limit
-    (``inf`` when nothing fits)."""
+    (``inf`` when nothing fits; ``split_backward``: whether ``auto`` may try ``zb-h1``)."""
     from dynapipe.schedule.search import search_schedules
 
     capacity = None if memory_limit_mib is None else memory_limit_mib - reserved_mib
@@ -122,7 +122,7 @@ def simulated_ms(batches: Sequence, cost_model: CostModel, *, dp: int, memory_li
                        seq_length=seq_length, zero=zero, recompute=recompute)
             reps = [[mb for mb in mbs if mb.replica == r] for r in range(dp)]
             total += search_schedules(reps, cost_model, recompute=recompute, capacity_mib=capacity, cluster=cluster,
-                                      dp=dp, tp=tp, zero=zero).makespan_ms
+                                      dp=dp, tp=tp, zero=zero, split_backward=split_backward).makespan_ms
         except DynaPipeError:
             return float(np.inf)
     return total
@@ -165,18 +165,20 @@ def _memory(cost_model: CostModel, memory_limit_mib: Optional[float],
 def choose_placement_kind(batches: Sequence, cost_model: CostModel, *, dp: int = 1,
                           memory_limit_mib: Optional[float] = None, reserved_mib: Optional[float] = None,
                           seq_length: Optional[int] = None, zero: bool = False, recompute: Optional[str] = None,
-                          cluster=None, chunks: int = 2) -> PlacementPlan:
+                          cluster=None, chunks: int = 2, split_backward: bool = True) -> PlacementPlan:
     """The faster of the contiguous placement (:func:`choose_placement`) and the
     ``chunks``-chunk interleaved one (:func:`choose_chunked_placement`), by DynaPipe's
     simulated time on ``batches`` (ms, summed; schedules searched under the memory limit).
     ``compared`` of the result holds both times. ``chunks`` below 2: the contiguous one only
-    (for stages that cannot interleave)."""
+    (for stages that cannot interleave). ``split_backward``: whether the contiguous stages
+    can split their backward (the search may then try ``zb-h1`` on them)."""
     memory_limit_mib, reserved_mib = _memory(cost_model, memory_limit_mib, reserved_mib)
     kw = dict(dp=dp, memory_limit_mib=memory_limit_mib, reserved_mib=reserved_mib, seq_length=seq_length,
               zero=zero, recompute=recompute)
     contiguous = choose_placement(batches, cost_model, rounds=3, **kw)
     compared = {"contiguous": str(contiguous.chosen.placement),
-                "contiguous_ms": simulated_ms(batches, contiguous.cost_model, cluster=cluster, **kw)}
+                "contiguous_ms": simulated_ms(batches, contiguous.cost_model, cluster=cluster,
+                                              split_backward=split_backward, **kw)}
     if chunks < 2:
         return PlacementPlan(contiguous.chosen, contiguous.before, contiguous.cost_model, contiguous.rounds, compared)
     try:

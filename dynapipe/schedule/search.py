@@ -1,10 +1,11 @@
 """Schedule search: simulate candidate schedules and keep the fastest that fits.
 
-Candidates are schedules (``1f1b``, ``adaptive``; on a placement with virtual-pipeline
-chunks ``interleaved`` only, with a recompute level per chunk; ``zb-h1``, which splits the
-backward, only when asked for by name) x micro-batch orders
+Candidates are schedules (``1f1b``, ``adaptive`` and ``zb-h1``, which splits the backward,
+unless the run cannot split it; on a placement with virtual-pipeline chunks ``interleaved``
+and ``interleaved-adaptive``, with a recompute level per chunk) x micro-batch orders
 (:mod:`dynapipe.schedule.orders`) x recompute levels (none, selective, full, and for
-``auto`` a per-stage mix: stages that hold fewer micro-batches in flight recompute less). Every
+``auto`` a per-stage mix: stages that hold fewer micro-batches in flight recompute less,
+worked out for each schedule's op order). Every
 data-parallel replica runs the same candidate on its own micro-batches; a candidate's
 makespan is the slowest replica's and its peak memory per stage the highest over
 replicas. Two shortcuts keep the search fast without changing its answer: a recompute
@@ -37,8 +38,8 @@ from dynapipe.schedule.simulator import Timeline, kernel_inputs, simulate, split
 from dynapipe.schedule.types import CHUNKED_SCHEDULE_NAMES, SCHEDULE_NAMES, SPLIT_BACKWARD_SCHEDULE_NAMES, Schedule
 from dynapipe.schedule.zero_bubble import ZB_H1, zb_h1, zb_h1_arrays
 
-# Every --schedule value. ``auto`` tries SCHEDULE_NAMES (or the chunked ones) but not the
-# split-backward schedules, whose input/weight split is a FLOPs estimate not yet measured.
+# Every --schedule value. ``auto`` tries SCHEDULE_NAMES and, where the run can split the
+# backward, the split-backward schedules (on chunked placements: the chunked ones).
 SCHEDULE_CHOICES = SCHEDULE_NAMES + SPLIT_BACKWARD_SCHEDULE_NAMES + CHUNKED_SCHEDULE_NAMES + ("auto",)
 # Fixed op orders the search simulates, by name: (kind, mb, nops) arrays of (stages, micro-batches).
 _FIXED_ORDERS = {"1f1b": one_f_one_b_arrays, ZB_H1: zb_h1_arrays}
@@ -154,6 +155,28 @@ def per_stage_levels(by_level: dict, levels: Sequence[str], cap_mib: float,
     return tuple(next((lv for lv in levels if peaks[lv][s] <= cap_mib), levels[-1]) for s in range(S))
 
 
+def _per_stage_policies(by_level: dict, levels: Sequence[str], cap_mib: float, names: Sequence[str], chunks: int,
+                        replicas: int) -> list[tuple]:
+    """The search's per-stage recompute policies, ``(PER_STAGE, mix, stage times, names)``:
+    one per distinct mix over ``names`` (schedules whose op orders hold the same micro-batches
+    in flight share one); a mix of one level everywhere is already a uniform policy."""
+    by_order: dict[str, tuple[str, ...]] = {}
+    by_mix: dict[tuple[str, ...], list[str]] = {}
+    for name in names:
+        order = ZB_H1 if name == ZB_H1 else "1f1b"  # the op order whose memory the mix is sized for
+        if order not in by_order:
+            # Chunked: one level per virtual stage (chunk), so one rank's chunks may differ.
+            by_order[order] = (chunk_levels(by_level, levels, cap_mib) if chunks > 1
+                               else per_stage_levels(by_level, levels, cap_mib, order))
+        by_mix.setdefault(by_order[order], []).append(name)
+    out = []
+    for mix, mix_names in by_mix.items():
+        if len(set(mix)) > 1:
+            mixed = [StageTimes.mixed([by_level[mix[k]][r] for k in range(len(mix))]) for r in range(replicas)]
+            out.append((PER_STAGE, mix, mixed, mix_names))
+    return out
+
+
 # How each batching method is told to cut smaller micro-batches (None: method unknown).
 _SMALLER = {"dynapipe": "a lower memory limit for batching",
             "padding": "a smaller --micro-batch-size", "padding-mb": "a smaller --micro-batch-size",
@@ -167,19 +190,22 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
                      capacity_mib: Optional[float] = None, cluster: Optional[ClusterConfig] = None,
                      dp: Optional[int] = None, tp: int = 1, zero: bool = False,
                      orders: Optional[Sequence[str]] = None, explain: bool = False,
-                     per_stage: Optional[bool] = None, batching: Optional[str] = None) -> SearchResult:
+                     per_stage: Optional[bool] = None, batching: Optional[str] = None,
+                     split_backward: bool = True) -> SearchResult:
     """Choose a schedule, micro-batch order and recompute level for every replica.
 
     ``replicas[r]``: replica ``r``'s micro-batches in the planner's order.
     ``schedule``: ``1f1b``, ``adaptive`` or ``zb-h1`` (that schedule, planned order unless
-    ``orders`` is given) or ``auto`` (every schedule of ``SCHEDULE_NAMES`` and order; not
-    ``zb-h1``). ``recompute``: a level,
+    ``orders`` is given) or ``auto`` (every schedule of ``SCHEDULE_NAMES``, and ``zb-h1``
+    unless ``split_backward`` is False, i.e. the stages cannot split their backward; every
+    order). ``recompute``: a level,
     a list of levels to try, or ``None`` to try every level. ``capacity_mib``: memory a stage may use, model
     states included (MiB; the device limit minus what the framework reserves; None:
     unbounded). ``per_stage`` (default: on for ``auto``) also tries a per-stage
     recompute level: on each stage the lightest level under which that stage fits with
-    1F1B's micro-batches in flight (a stage's memory depends only on its own costs and
-    its op order). Raises :class:`DynaPipeError` when no candidate fits, naming the
+    the micro-batches in flight of the schedule's op order (1F1B's for ``1f1b`` and
+    ``adaptive``, zb-h1's own, which holds weight parts longer; a stage's memory depends
+    only on its own costs and its op order). Raises :class:`DynaPipeError` when no candidate fits, naming the
     closest one and by how many MiB it exceeds the capacity; ``batching`` (the method that
     cut the micro-batches) makes its advice name the flag that method reads.
     """
@@ -199,8 +225,10 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
     if chunks > 1:
         names = {"auto": [INTERLEAVED, INTERLEAVED_ADAPTIVE], INTERLEAVED_ADAPTIVE: [INTERLEAVED_ADAPTIVE]}.get(
             schedule, [INTERLEAVED])
+    elif schedule == "auto":
+        names = list(SCHEDULE_NAMES) + (list(SPLIT_BACKWARD_SCHEDULE_NAMES) if split_backward else [])
     else:
-        names = list(SCHEDULE_NAMES) if schedule == "auto" else [schedule]
+        names = [schedule]
     order_names = list(orders) if orders else (list(ORDERS) if schedule == "auto" else ["planned"])
     for o in order_names:
         if o not in ORDERS:
@@ -263,20 +291,15 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
     for o in order_names:
         perms = [tuple(ORDERS[o](w)) for w in weights]
         by_level = {lv: [t.permuted(p) for t, p in zip(level_times[lv], perms)] for lv in levels}
-        policies = [(lv, (lv,) * S, by_level[lv]) for lv in levels]
+        policies = [(lv, (lv,) * S, by_level[lv], names) for lv in levels]
         if per_stage and len(levels) > 1 and capacity_mib is not None:
-            # Chunked: one level per virtual stage (chunk), so one rank's chunks may differ.
-            mix = (chunk_levels(by_level, levels, cap_mib) if chunks > 1
-                   else per_stage_levels(by_level, levels, cap_mib, ZB_H1 if names == [ZB_H1] else "1f1b"))
-            if len(set(mix)) > 1:
-                mixed = [StageTimes.mixed([by_level[mix[k]][r] for k in range(len(mix))]) for r in range(len(replicas))]
-                policies.insert(1, (PER_STAGE, mix, mixed))
-        for label, mix, permuted in policies:
+            policies[1:1] = _per_stage_policies(by_level, levels, cap_mib, names, chunks, len(replicas))
+        for label, mix, permuted, policy_names in policies:
             bound = max(t.work_lower_bound_ms() for t in permuted)
             if not explain and best is not None and bound >= best[0].makespan_ms:
-                candidates.extend(Candidate(n, o, label, SKIPPED, bound, stage_recompute=mix) for n in names)
+                candidates.extend(Candidate(n, o, label, SKIPPED, bound, stage_recompute=mix) for n in policy_names)
                 continue
-            for name in names:
+            for name in policy_names:
                 abort_ms = best[0].makespan_ms if (best is not None and not explain) else np.inf
                 cand, runs = evaluate(name, label, mix, o, permuted, abort_ms, np.inf if explain else cap_mib)
                 candidates.append(cand)
