@@ -67,6 +67,9 @@ class StepResult:
     num_zeros_in_grad: Optional[int] = None
     params_norm: Optional[float] = None
     loss_scale: float = 1.0  # the optimizer's loss scale after the step (1.0 when it scales nothing)
+    # The pipeline schedule the iteration ran: its plan's (``auto``'s choice under DynaPipe), or
+    # megatron-core's own ("1f1b", "interleaved") for the baselines it schedules.
+    schedule: str = ""
 
     @property
     def padding_efficiency(self) -> float:
@@ -217,4 +220,5 @@ def megatron_train_step(stage: Stage, optimizer, scheduler, micro_batches: list[
                       padded_tokens=padded_tokens, iteration_ms=(end - start) * 1e3,
                       grad_norm=float(grad_norm or 0.0), skipped=not ok, breakdown_ms=breakdown,
                       num_zeros_in_grad=None if num_zeros is None else int(num_zeros),
-                      activation_measured_mib=activations["peak_mib"])
+                      activation_measured_mib=activations["peak_mib"],
+                      schedule="interleaved" if len(stage.modules) > 1 else "1f1b")

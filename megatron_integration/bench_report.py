@@ -84,6 +84,10 @@ def ratio_table(results: dict[str, MethodResult], baselines: tuple[str, ...] = (
         lines.append(f"{name:<14} {('-' if mbs is None else str(mbs)):>4} {r.real_tokens_per_s:>11.1f} "
                      f"{r.padding_efficiency:>8.3f} {r.iteration_ms:>10.1f} {r.plan_wait_ms:>13.2f} "
                      f"{('-' if share is None else f'{share:.1%}'):>10}" + "".join(f" {v:>14}" for v in vs))
+    ran = [f"{name} {', '.join(f'{s} x{n}' for s, n in r.schedules.items())}" for name, r in results.items()
+           if r.schedules]
+    if ran:
+        lines.append("pipeline schedules run (timed iterations, every round): " + "; ".join(ran))
     return "\n".join(lines)
 
 

@@ -7,6 +7,8 @@
 * ``padding_efficiency``: those tokens / tokens computed (padding included);
 * ``iteration_ms``: mean wall time of an iteration (the slowest rank's);
 * ``plan_wait_ms``: mean time the training loop waited for its plan (0 for the baselines);
+* ``schedules``: how many timed iterations ran each pipeline schedule (``auto``'s choices
+  under DynaPipe; megatron-core's own for the baselines it schedules);
 * ``activation_peak_mib``: per pipeline stage, the highest measured activation peak and
   the highest the plans promised (``planned`` is None for the baselines), over replicas
   and timed iterations (:func:`stage_activation_peaks`).
@@ -45,6 +47,7 @@ class MethodResult:
     rank_cpu_ms: float = 0.0
     real_tokens: int = 0
     rounds: int = 1
+    schedules: dict = field(default_factory=dict)  # schedule -> timed iterations that ran it (all rounds)
 
     @property
     def planning_overhead(self) -> float:
@@ -63,7 +66,8 @@ class MethodResult:
                 "rank_cpu_ms": round(self.rank_cpu_ms, 2),
                 "planning_overhead_fraction": round(self.planning_overhead, 5),
                 "real_tokens_per_iteration": self.real_tokens, "timed_iterations": self.timed_iterations,
-                "rounds": self.rounds, "lm_loss": self.losses, "layer_spec": self.layer_spec,
+                "rounds": self.rounds, "schedules": self.schedules, "lm_loss": self.losses,
+                "layer_spec": self.layer_spec,
                 "activation_peak_mib": self.activation_peak_mib}
 
 
@@ -84,7 +88,18 @@ def summarise(ranks: list[dict], warmup_iters: int) -> MethodResult:
                         iteration_ms=statistics.fmean(iter_ms), plan_wait_ms=statistics.fmean(wait_ms),
                         losses=ranks[0]["losses"], timed_iterations=len(keep), layer_spec=ranks[0]["layer_spec"],
                         planner_cpu_ms=planner, rank_cpu_ms=rank_cpu, real_tokens=real // max(len(keep), 1),
-                        activation_peak_mib=stage_activation_peaks(ranks, keep))
+                        activation_peak_mib=stage_activation_peaks(ranks, keep),
+                        schedules=schedule_counts(ranks[0].get("schedules"), keep))
+
+
+def schedule_counts(schedules: Optional[Sequence[str]], keep: Sequence[int]) -> dict[str, int]:
+    """``{schedule: iterations}`` over the iterations ``keep`` of one rank's ``schedules``
+    (every rank of a run ran the same); empty where the run did not report them."""
+    out: dict[str, int] = {}
+    for i in keep if schedules else ():
+        if schedules[i]:
+            out[schedules[i]] = out.get(schedules[i], 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def median_result(runs: list[MethodResult]) -> MethodResult:
@@ -97,7 +112,16 @@ def median_result(runs: list[MethodResult]) -> MethodResult:
     return replace(runs[0], real_tokens_per_s=med(r.real_tokens_per_s for r in runs),
                    iteration_ms=med(r.iteration_ms for r in runs), plan_wait_ms=med(r.plan_wait_ms for r in runs),
                    planner_cpu_ms=None if None in waits else med(waits),
-                   rank_cpu_ms=med(r.rank_cpu_ms for r in runs), rounds=len(runs))
+                   rank_cpu_ms=med(r.rank_cpu_ms for r in runs), rounds=len(runs),
+                   schedules=_sum_counts(r.schedules for r in runs))
+
+
+def _sum_counts(counts) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + v
+    return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def stage_activation_peaks(ranks: list[dict], keep: Sequence[int]) -> list[dict]:

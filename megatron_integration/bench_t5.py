@@ -44,6 +44,7 @@ from dynapipe.errors import DynaPipeError
 from megatron_integration import cpu_allocator
 from megatron_integration.cpu_affinity import bench_default
 from megatron_integration.bench_presets import fill_defaults
+from megatron_integration.bench_results import schedule_counts
 from megatron_integration.bench_t5_entries import T5_BASELINES, T5_METHOD_FLAGS, UNCALIBRATED, best_runs, t5_entries
 
 
@@ -127,7 +128,8 @@ def t5_figures(ranks: list[dict], warmup_iters: int) -> dict:
             "padding_efficiency": round(real / max(padded, 1), 4),
             "iteration_ms": round(statistics.fmean(iter_ms), 2),
             "plan_wait_ms": round(statistics.fmean(max(r["plan_wait_ms"][i] for r in ranks) for i in keep), 3),
-            "timed_iterations": len(keep), "lm_loss": ranks[0]["losses"]}
+            "timed_iterations": len(keep), "lm_loss": ranks[0]["losses"],
+            "schedules": schedule_counts(ranks[0].get("schedules"), keep)}
 
 
 def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output: str, preset: str = "tiny",

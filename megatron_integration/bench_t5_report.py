@@ -68,6 +68,10 @@ def print_t5_report(report: dict, stream: TextIO) -> None:
         per_cpu = r["real_tokens_per_cpu_s"]
         print(f"{m:<{wm}} {r['run']:<{wr}} {r['real_tokens_per_s']:>11.1f} {per_cpu or 0:>10.1f} "
               f"{r['padding_efficiency']:>8.3f} {r['iteration_ms']:>9.1f}", file=stream)
+    ran = [f"{m} {', '.join(f'{s} x{n}' for s, n in r['schedules'].items())}" for m, r in results.items()
+           if r.get("schedules")]
+    if ran:
+        print("pipeline schedules run (timed iterations): " + "; ".join(ran), file=stream)
     for k, v in ratios.items():
         rounds = per_round.get(k)
         more = f" (round by round: {', '.join(f'{x:.2f}x' for x in rounds)})" if rounds else ""

@@ -273,7 +273,7 @@ class DynaPipeStepper:
                           executed_work=TokenWork.from_json(meta.global_executed_work),
                           real_work=TokenWork.from_json(meta.global_real_work),
                           num_zeros_in_grad=None if num_zeros is None else int(num_zeros),
-                          breakdown_ms=step_split_ms(t_run, t_grads, t_opt))
+                          breakdown_ms=step_split_ms(t_run, t_grads, t_opt), schedule=data.plan.schedule)
 
     def close(self) -> None:
         try:

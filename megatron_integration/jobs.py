@@ -96,6 +96,7 @@ def iteration_summary(method: str, run, cpu, pp_rank: int) -> dict:
         "loss_tokens": [r.loss_tokens for r in run.results],
         "grad_norms": [r.grad_norm for r in run.results],
         "plan_wait_ms": [r.plan_wait_ms for r in run.results],
+        "schedules": [r.schedule for r in run.results],
         "activation_measured_mib": [r.activation_measured_mib for r in run.results],
         "activation_planned_mib": [r.activation_planned_mib for r in run.results],
         "pp_rank": pp_rank,

@@ -358,7 +358,7 @@ class T5Stepper:
                               item.plan, self.cost_model, transient=self.info.device.type == "cuda"),
                           executed_work=item.executed_work, real_work=item.real_work,
                           num_zeros_in_grad=None if num_zeros is None else int(num_zeros),
-                          breakdown_ms=step_split_ms(t_run, t_grads, t_opt))
+                          breakdown_ms=step_split_ms(t_run, t_grads, t_opt), schedule=item.plan.schedule)
 
     def close(self) -> None:
         try:

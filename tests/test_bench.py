@@ -76,6 +76,12 @@ def test_bench_rounds_sweep_and_methods(tmp_path):
     # Planner workers' CPU is counted for DynaPipe (the baselines start no such processes).
     assert methods["dynapipe"]["planner_cpu_ms"] is not None and methods["packing"]["planner_cpu_ms"] == 0
     assert methods["dynapipe"]["micro_batch_size"] is None
+    # Which pipeline schedule every timed iteration of every round ran: auto's choices for DynaPipe,
+    # megatron-core's 1F1B for the baselines.
+    for name, m in methods.items():
+        assert sum(m["schedules"].values()) == m["timed_iterations"] * 2, (name, m["schedules"])
+        assert set(m["schedules"]) <= ({"1f1b", "adaptive", "zb-h1"} if name == "dynapipe" else {"1f1b"})
+    assert "pipeline schedules run (timed iterations, every round): dynapipe " in result.stdout
     # Out of sample: both profiles' errors on the ops the timed DynaPipe runs executed, per size class.
     err = methods["dynapipe"]["cost_model_error"]
     assert set(err) == {"calibrated", "measured"}

@@ -92,6 +92,14 @@ def test_the_report_prints_each_ratio_round_by_round_and_the_ops_spread():
     text = out.getvalue()
     assert "dynapipe_vs_packing: 2.00x (round by round: 1.94x, 1.46x)" in text
     assert "packing 0.54-1.19 (92 ops)" in text and "dynapipe 0." not in text
+    # Which schedules the runs' plans ran, where the runs reported them.
+    assert "pipeline schedules run" not in text
+    report = _report({}, None)
+    report["methods"]["dynapipe"]["schedules"] = {"zb-h1": 2, "adaptive": 1}
+    report["methods"]["packing"]["schedules"] = {"1f1b": 3}
+    out = io.StringIO()
+    print_t5_report(report, out)
+    assert "pipeline schedules run (timed iterations): dynapipe zb-h1 x2, adaptive x1; packing 1f1b x3" in out.getvalue()
     # One round, no repeated shapes: neither line.
     out = io.StringIO()
     print_t5_report(_report({}, None), out)
