@@ -15,8 +15,16 @@ with the ``[mbs, 1, sq, sk]`` masks the stage handlers build
 Times and memory are measured as for GPT (:func:`megatron_integration.profiler.measure_op`:
 stored and peak MiB; the fastest of ``repeats`` timed runs), except that a point's timed runs
 are spread over ``repeats`` passes over the whole grid, and a time is lowered to the least
-time of any larger shape (:func:`suffix_minimum`), which removes interference spikes. The result is the version 2,
-``kind: encoder-decoder`` profile :mod:`dynapipe.cost.profile_t5` documents.
+time of any larger shape (:func:`suffix_minimum`), which removes interference spikes.
+
+The encoder and decoder layers' backwards run split, as zero-bubble plans (``zb-h1``) run
+them (:mod:`megatron_integration.split_backward`: an input part, then the linear layers'
+deferred weight-gradient GEMMs); their ``bw_ms`` is both parts and ``bw_weight_ms`` the
+weight part of the backward whose ``bw_ms`` was kept, lowered with :func:`suffix_minimum`
+too and never above that point's final ``bw_ms``. ``embedding`` and ``output`` keep whole
+backwards. Under tensor parallelism each rank measures on its own (no barrier, no
+reduction over the group), and the profile holds rank 0's figures. The result is the
+version 2, ``kind: encoder-decoder`` profile :mod:`dynapipe.cost.profile_t5` documents.
 """
 from __future__ import annotations
 
@@ -29,14 +37,17 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from dynapipe.cost.profile import PROFILE_FORMAT, PROFILE_VERSION
-from dynapipe.cost.profile_t5 import FIELDS, KIND_ENCODER_DECODER, T5_AXES, T5_OPS
+from dynapipe.cost.profile_t5 import FIELDS, KIND_ENCODER_DECODER, SPLIT_OPS, T5_AXES, T5_OPS, WEIGHT_FIELD
+from dynapipe.runtime.weight_grad_store import WeightGradStore
 from megatron_integration.profiler import measure_op
+from megatron_integration.split_backward import install_split_backward
 from megatron_integration.train_config import GPTModelArgs, ParallelArgs
 from megatron_integration.masked_softmax import use_additive_masks
 
 
 class T5Ops:
-    """The four measured ops of one T5 shape, on ``device``."""
+    """The four measured ops of one T5 shape, on ``device``. The encoder and decoder blocks'
+    linear layers can split their backward into :attr:`weight_grads`."""
 
     def __init__(self, model: GPTModelArgs, device: torch.device, tp: int = 1, sequence_parallel: bool = False):
         from megatron.core.models.T5.t5_model import T5LMHead
@@ -64,6 +75,10 @@ class T5Ops:
         self.model, self.device, self.dtype = model, device, config.params_dtype
         for block in (self.encoder, self.decoder):
             use_additive_masks(block, device)  # as the training stages are built
+        # The layers' backwards are timed in the two parts zero-bubble plans run (outside an
+        # input part the split layers compute both gradients at once, as megatron-core's do).
+        self.weight_grads = WeightGradStore()
+        install_split_backward([self.encoder, self.decoder], self.weight_grads)
         # Under sequence parallelism a stage's inputs and outputs are this rank's sequence shard.
         self.shards = tp if sequence_parallel else 1
 
@@ -136,25 +151,38 @@ def profile_t5_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: 
         for op in T5_OPS:
             grids = [axes[a] for a in T5_AXES[op]]
             shape = tuple(len(g) for g in grids)
+            split = ops.weight_grads if op in SPLIT_OPS else None
             if rep == 0:
-                values[op] = {f: torch.zeros(shape, dtype=torch.float64) for f in FIELDS}
+                names = FIELDS + ((WEIGHT_FIELD,) if split is not None else ())
+                values[op] = {f: torch.zeros(shape, dtype=torch.float64) for f in names}
+            table = values[op]
             for index in torch.cartesian_prod(*[torch.arange(n) for n in shape]).reshape(-1, len(shape)).tolist():
                 fw, params = builders[op](*[g[i] for g, i in zip(grids, index)])
                 at = tuple(index)
                 if rep == 0:  # time and memory, after the warm-up
-                    m = measure_op(fw, params, device, repeats=1, warmup=warmup)
+                    m = measure_op(fw, params, device, repeats=1, warmup=warmup, weight_grads=split)
                     for f in FIELDS:
-                        values[op][f][at] = getattr(m, f)
+                        table[f][at] = getattr(m, f)
+                    if split is not None:
+                        table[WEIGHT_FIELD][at] = m.bw_weight_ms
                 else:
-                    fw_ms, bw_ms = time_op(fw, params)
-                    values[op]["fw_ms"][at] = min(float(values[op]["fw_ms"][at]), fw_ms)
-                    values[op]["bw_ms"][at] = min(float(values[op]["bw_ms"][at]), bw_ms)
+                    fw_ms, bw_ms, weight_ms = time_op(fw, params, split)
+                    table["fw_ms"][at] = min(float(table["fw_ms"][at]), fw_ms)
+                    if bw_ms < float(table["bw_ms"][at]):
+                        # The weight part belongs to the backward it was timed in.
+                        table["bw_ms"][at] = bw_ms
+                        if split is not None:
+                            table[WEIGHT_FIELD][at] = weight_ms
         if progress:
             progress(f"pass {rep + 1}/{repeats} over the grid: {time.perf_counter() - started:.1f} s so far")
     for v in values.values():
         for f in ("fw_ms", "bw_ms"):
             v[f] = suffix_minimum(v[f])
-    tables = {op: {f: _nested(v[f].tolist()) for f in FIELDS} for op, v in values.items()}
+        if WEIGHT_FIELD in v:
+            # Lowered on its own, the weight part could come from a faster point than bw_ms
+            # did; it is a part of that backward, so it never exceeds it.
+            v[WEIGHT_FIELD] = torch.minimum(suffix_minimum(v[WEIGHT_FIELD]), v["bw_ms"])
+    tables = {op: {f: _nested(t.tolist()) for f, t in v.items()} for op, v in values.items()}
     m = model
     return {
         "format": PROFILE_FORMAT, "version": PROFILE_VERSION, "kind": KIND_ENCODER_DECODER,
@@ -186,28 +214,37 @@ def suffix_minimum(table: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def time_op(forward: Callable[[], torch.Tensor], params: Sequence[torch.Tensor]) -> tuple[float, float]:
-    """Wall ms of one forward and of its backward (a random output gradient; a scalar loss
-    directly), synchronised on CUDA as :func:`~megatron_integration.profiler.measure_op` is."""
+def time_op(forward: Callable[[], torch.Tensor], params: Sequence[torch.Tensor],
+            weight_grads: Optional[WeightGradStore] = None) -> tuple[float, float, Optional[float]]:
+    """Wall ms of one forward, of its backward (a random output gradient; a scalar loss
+    directly) and of that backward's weight part, synchronised on CUDA as
+    :func:`~megatron_integration.profiler.measure_op` is. ``weight_grads``: the store the op's
+    linear layers defer into; the backward then runs split (input part, then weight part),
+    its ms is both parts and the third ms the weight part. Without it the third is None."""
     cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
+
+    def now() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    t0 = now()
     out = forward()
-    if cuda:
-        torch.cuda.synchronize()
-    t1 = time.perf_counter()
+    t1 = now()
     grad = None if out.dim() == 0 else torch.randn_like(out)
-    if cuda:
-        torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    out.backward(grad)
-    if cuda:
-        torch.cuda.synchronize()
-    t3 = time.perf_counter()
+    t2 = now()
+    if weight_grads is None:
+        out.backward(grad)
+    else:
+        with weight_grads.input_part(0):
+            out.backward(grad)
+    t3 = now()
+    if weight_grads is not None:
+        weight_grads.run(0)
+    t4 = now()
     for p in params:
         p.grad = None
-    return (t1 - t0) * 1e3, (t3 - t2) * 1e3
+    return (t1 - t0) * 1e3, (t4 - t2) * 1e3, (t4 - t3) * 1e3 if weight_grads is not None else None
 
 
 def _nested(values):

@@ -27,17 +27,19 @@ def dec_ms(b, d, s):
     return b * (0.02 * d + 2e-4 * d * d + 1e-4 * d * s + 0.001 * s)
 
 
-def t5_profile(scale_dec: float = 1.0) -> dict:
-    """A synthetic profile whose tables follow known formulas (ms; MiB = ms / 10)."""
-    def table(values):
+def t5_profile(scale_dec: float = 1.0, weights: bool = False) -> dict:
+    """A synthetic profile whose tables follow known formulas (ms; MiB = ms / 10); ``weights``:
+    the layers' backwards were timed split, their weight part is the forward's ms (half bw_ms)."""
+    def table(values, split=False):
         arr = np.asarray(values, dtype=np.float64)
         return {"fw_ms": arr.tolist(), "bw_ms": (2 * arr).tolist(), "stored_mib": (arr / 10).tolist(),
-                "peak_mib": (arr / 20).tolist()}
+                "peak_mib": (arr / 20).tolist(), **({"bw_weight_ms": arr.tolist()} if split else {})}
 
     return {"format": "dynapipe-profile", "version": 2, "kind": "encoder-decoder", "device": "cpu", "dtype": "fp32",
             "mbs": MBS, "seqlen": ENC, "dec_seqlen": DEC,
-            "ops": {"encoder_layer": table([[enc_ms(b, s) for s in ENC] for b in MBS]),
-                    "decoder_layer": table([[[scale_dec * dec_ms(b, d, s) for s in ENC] for d in DEC] for b in MBS]),
+            "ops": {"encoder_layer": table([[enc_ms(b, s) for s in ENC] for b in MBS], weights),
+                    "decoder_layer": table([[[scale_dec * dec_ms(b, d, s) for s in ENC] for d in DEC] for b in MBS],
+                                           weights),
                     "embedding": table([[0.01 * b * s for s in ENC] for b in MBS]),
                     "output": table([[0.05 * b * d for d in DEC] for b in MBS])}}
 
@@ -173,6 +175,61 @@ def test_malformed_t5_profiles_are_refused_in_one_line(edit, needle):
     assert "\n" not in str(err.value)
 
 
+def test_t5_profile_prices_the_measured_weight_part_of_each_stage():
+    """With the layers' bw_weight_ms a stage's weight part is its layers' sum, at every recompute
+    level; without them (older profiles) the FLOPs estimate applies (None)."""
+    from dynapipe.cost.base import StageLayout
+
+    cm = ProfileCostModel(T5, t5_profile(weights=True), num_stages=2)
+    b, s, d = 2, 128, 64
+    enc, dec = cm.layouts
+    assert cm.weight_ms(enc, b, s, d, "none") == pytest.approx(2 * enc_ms(b, s))
+    assert cm.weight_ms(dec, b, s, d, "none") == pytest.approx(2 * dec_ms(b, d, s))
+    mixed = cm.with_placement(StagePlacement.parse("1+0,1+2", T5, 2))
+    assert mixed.weight_ms(mixed.layouts[1], b, s, d, "none") == pytest.approx(enc_ms(b, s) + 2 * dec_ms(b, d, s))
+    for layout in cm.layouts:
+        for level in ("none", "selective", "full"):
+            share = cm.weight_share(layout, b, s, d, level)
+            assert 0 < share < 1
+            # Recomputation adds to the backward, not to the weight GEMMs.
+            assert cm.weight_ms(layout, b, s, d, level) == cm.weight_ms(layout, b, s, d, "none")
+    # Off the grid, interpolated and extrapolated, it never exceeds the stage's backward.
+    bs, ss, ds = np.meshgrid([1, 3, 16], [16, 200, 4096], [8, 48, 2048], indexing="ij")
+    for layout in cm.layouts:
+        w = cm.weight_ms(layout, bs, ss, ds, "none")
+        assert w.shape == bs.shape and np.all(w > 0)
+        assert np.all(w <= cm.layout_cost(layout, bs, ss, ds, "none").bw_ms)
+    # A weight part that grows faster than its backward at the grid's end would extrapolate past
+    # it: each layer's weight part is capped at that layer's backward.
+    steep = t5_profile(weights=True)
+    enc_table = steep["ops"]["encoder_layer"]
+    enc_table["bw_weight_ms"] = [[0.25 * bw for bw in row[:-1]] + [row[-1]] for row in enc_table["bw_ms"]]
+    steep_cm = ProfileCostModel(T5, steep, num_stages=2)
+    layer_bw = float(steep_cm.tables["encoder_layer"]["bw_ms"](1, 2048))
+    assert float(steep_cm.tables["encoder_layer"]["bw_weight_ms"](1, 2048)) > layer_bw
+    assert steep_cm.weight_ms(enc, 1, 2048, 32, "none") == pytest.approx(2 * layer_bw)
+    assert cm.weight_ms(StageLayout(0, 0, 0, True, False), b, s, d, "none") is None
+    old = ProfileCostModel(T5, t5_profile(), num_stages=2)
+    assert all(old.weight_ms(layout, b, s, d, "none") is None for layout in old.layouts)
+    assert old.weight_share(old.layouts[0], b, s, d, "none") is None
+
+
+@pytest.mark.parametrize("op, edit, needle", [
+    ("encoder_layer", lambda t: t.update(bw_weight_ms=[[1.0, 2.0]]), "must be a 3x3 table"),
+    ("decoder_layer", lambda t: t.update(bw_weight_ms=[[[1.0] * 3] * 2] * 2), "must be a 3x2x3 table"),
+    ("encoder_layer", lambda t: t["bw_weight_ms"][1].__setitem__(2, t["bw_ms"][1][2] + 1.0), "from 0 to"),
+    ("decoder_layer", lambda t: t["bw_weight_ms"][0][0].__setitem__(0, -0.5), "from 0 to"),
+    ("decoder_layer", lambda t: t["bw_weight_ms"][2][1].__setitem__(1, float("nan")), "from 0 to"),
+    ("encoder_layer", lambda t: t.update(bw_weight_ms="fast"), "must be a 3x3 table"),
+])
+def test_malformed_t5_weight_tables_are_refused_in_one_line(op, edit, needle):
+    p = t5_profile(weights=True)
+    edit(p["ops"][op])
+    with pytest.raises(DynaPipeError, match=rf"ops\.{op}\.bw_weight_ms .*{needle}") as err:
+        ProfileCostModel(T5, p, 2)
+    assert "\n" not in str(err.value)
+
+
 def test_profile_command_measures_a_tiny_t5_alone_as_a_tensor_parallel_group_and_in_bf16(tmp_path):
     """Real profilings of megatron-core's T5 layers (a tiny grid, one thread a rank): one rank,
     a TP2 group of two spawned gloo ranks with sequence parallelism, and one rank in bf16."""
@@ -183,8 +240,10 @@ def test_profile_command_measures_a_tiny_t5_alone_as_a_tensor_parallel_group_and
     for key, path in paths.items():
         cmd = [sys.executable, "-m", "dynapipe", "profile", "--t5", "--output", str(path), "--hidden-size", "64",
                "--num-attention-heads", "4", "--ffn-hidden-size", "256", "--vocab-size", "512", "--mbs", "1,2",
-               "--seqlens", "32,96", "--dec-seqlens", "16,48", "--repeats", "1", "--threads", "1", "--no-progress",
+               "--seqlens", "32,96", "--dec-seqlens", "16,48", "--threads", "1", "--no-progress",
                "--tensor-model-parallel-size", str(2 if key == 2 else 1)] + (["--bf16"] if key == "bf16" else [])
+        # Two passes over the grid: the second times the layers' split backward as later passes do.
+        cmd += ["--repeats", "1" if key == "bf16" else "2"]
         cmd += ["--sequence-parallel"] if key == 2 else []
         procs[key] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     for key, proc in procs.items():
@@ -208,6 +267,14 @@ def test_profile_command_measures_a_tiny_t5_alone_as_a_tensor_parallel_group_and
     assert np.all(dec[:, :, 1] > dec[:, :, 0])
     cm = ProfileCostModel(ModelConfig(**{**T5.__dict__, "name": "t"}), data, 2)
     assert np.all(cm.stage_cost([1, 2], [64, 96], [16, 48]).time_ms > 0)
+    # The layers' backwards were timed split: a weight part within each backward; the embedding
+    # and the LM head keep whole backwards.
+    for op in ("encoder_layer", "decoder_layer"):
+        weight = ops[op]["bw_weight_ms"]
+        assert weight.shape == ops[op]["bw_ms"].shape
+        assert np.all(weight > 0) and np.all(weight <= ops[op]["bw_ms"])
+    assert "bw_weight_ms" not in data["ops"]["embedding"] and "bw_weight_ms" not in data["ops"]["output"]
+    assert all(0 < float(cm.weight_share(layout, 2, 96, 48, "none")) < 1 for layout in cm.layouts)
     # The TP2 group's figures are one rank's: the heads, the MLP and (sequence parallelism) the
     # sequence are split, so a layer keeps less than the whole layer does; the profile says so,
     # and prices only TP2-SP runs.
@@ -216,6 +283,9 @@ def test_profile_command_measures_a_tiny_t5_alone_as_a_tensor_parallel_group_and
     for op in ("encoder_layer", "decoder_layer"):
         assert np.all(np.asarray(tp2["ops"][op]["stored_mib"]) < ops[op]["stored_mib"])
         assert np.all(np.asarray(tp2["ops"][op]["fw_ms"]) > 0)
+        # Split under sequence parallelism too (the weight part repeats the input's all-gather).
+        weight = np.asarray(tp2["ops"][op]["bw_weight_ms"])
+        assert np.all(weight > 0) and np.all(weight <= np.asarray(tp2["ops"][op]["bw_ms"]))
     with pytest.raises(DynaPipeError, match="measured at tensor-parallel size 2"):
         ProfileCostModel(ModelConfig(**{**T5.__dict__, "name": "t"}), tp2, 2)
     with pytest.raises(DynaPipeError, match="measured at tensor-parallel size 2 with sequence parallelism"):

@@ -22,7 +22,8 @@ The layer's tables may also hold ``bw_weight_ms``: the part of ``bw_ms`` that is
 linear layers' weight gradients, timed with the backward split as zero-bubble schedules
 run it (``python -m dynapipe profile`` writes it). Where present, it replaces the FLOPs
 estimate of :mod:`dynapipe.cost.backward_split` in pricing ``BI``/``BW`` ops
-(:meth:`ProfileCostModel.weight_ms`).
+(:meth:`ProfileCostModel.weight_ms`). Encoder-decoder profiles hold it in their
+``encoder_layer`` and ``decoder_layer`` tables (:mod:`dynapipe.cost.profile_t5`).
 
 Each table is ``len(mbs) x len(seqlen)``; ``layer`` is one transformer layer, with no
 recomputation; ``layer_selective``/``layer_full`` (optional) the same layer measured at
@@ -56,8 +57,9 @@ import numpy as np
 
 from dynapipe.config import ModelConfig, TensorParallelConfig
 from dynapipe.cost.base import MIB, CostModel, StageCost, StageLayout
-from dynapipe.cost.profile_t5 import (FIELDS, KIND_DECODER_ONLY, KIND_ENCODER_DECODER, check_grid, check_op_table,
-                                      check_t5_tables, load_t5_tables, profile_kind, t5_layout_cost)
+from dynapipe.cost.profile_t5 import (FIELDS, KIND_DECODER_ONLY, KIND_ENCODER_DECODER, WEIGHT_FIELD, check_grid,
+                                      check_op_table, check_t5_tables, check_weight_table, load_t5_tables,
+                                      profile_kind, t5_layout_cost, t5_weight_ms)
 from dynapipe.errors import DynaPipeError, file_read_errors
 
 PROFILE_FORMAT = "dynapipe-profile"
@@ -69,8 +71,8 @@ OPS = ("layer", "embedding", "output")
 LEVEL_OPS = {"selective": "layer_selective", "full": "layer_full"}
 # The transformer layer's tables, at every level measured.
 LAYER_OPS = ("layer",) + tuple(LEVEL_OPS.values())
-# Optional field of the layer's tables: the weight-gradient part of bw_ms (split backward).
-WEIGHT_FIELD = "bw_weight_ms"
+# WEIGHT_FIELD (from profile_t5, which T5 profiles share it with): the optional field of the
+# layer's tables, the weight-gradient part of bw_ms (split backward).
 
 
 class _Table:
@@ -175,16 +177,9 @@ def check_profile_tensor_parallel(data: Mapping[str, Any], tp: int, sequence_par
 
 
 def _weight_table(profile: Mapping[str, Any], op: str, source: str) -> np.ndarray:
-    """``ops.<op>.bw_weight_ms``, checked against the op's ``bw_ms``."""
-    try:
-        w = np.asarray(profile["ops"][op][WEIGHT_FIELD], dtype=np.float64)
-    except (TypeError, ValueError):
-        w = None
-    bw = np.asarray(profile["ops"][op]["bw_ms"], dtype=np.float64)
-    if w is None or w.shape != bw.shape or not np.all(np.isfinite(w)) or np.any(w < 0) or np.any(w > bw + 1e-9):
-        raise DynaPipeError(f"{source}: ops.{op}.{WEIGHT_FIELD} must be a table of the shape of ops.{op}.bw_ms "
-                            f"with values from 0 to that backward's ms.")
-    return w
+    """``ops.<op>.bw_weight_ms``, checked against the op's ``bw_ms`` (the rule T5 tables share)."""
+    check_weight_table(profile["ops"][op], op, source)
+    return np.asarray(profile["ops"][op][WEIGHT_FIELD], dtype=np.float64)
 
 
 def read_profile(path: str) -> Any:
@@ -279,8 +274,12 @@ class ProfileCostModel(CostModel):
 
     def weight_ms(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str):
         """The layers' measured ``bw_weight_ms`` at ``recompute`` (embedding, output layer and
-        recomputation stay in the input part); None where the profile did not time it."""
-        if self.model.is_encoder_decoder or not layout.decoder_layers:
+        recomputation stay in the input part), ms; None where the profile did not time it.
+        Encoder-decoder: :func:`~dynapipe.cost.profile_t5.t5_weight_ms` (the no-recompute
+        tables at every level)."""
+        if self.model.is_encoder_decoder:
+            return t5_weight_ms(self.tables, layout, mbs, seqlen, dec_seqlen)
+        if not layout.decoder_layers:
             return None
         op = LEVEL_OPS.get(recompute) if LEVEL_OPS.get(recompute) in self.tables else "layer"
         if op not in self.weight_tables:

@@ -22,10 +22,16 @@ attention cores' share of the forward (self- and cross-attention, analytic FLOP 
 to the backward and drops the attention scores' share of the stored memory; ``full``
 adds a forward to the backward and stores each layer's input (and, on a decoder stage,
 the encoder output).
+
+``encoder_layer`` and ``decoder_layer`` may also hold ``bw_weight_ms`` (ms, same shape as
+``bw_ms``, from 0 to it): the linear layers' weight-gradient GEMMs, timed with the backward
+split as zero-bubble schedules run it (``python -m dynapipe profile --t5`` writes them).
+:func:`t5_weight_ms` prices a stage's weight part from them; profiles without them leave it
+to the FLOPs estimate of :mod:`dynapipe.cost.backward_split`.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import numpy as np
 
@@ -37,6 +43,10 @@ KIND_DECODER_ONLY = "decoder-only"
 KIND_ENCODER_DECODER = "encoder-decoder"
 T5_OPS = ("encoder_layer", "decoder_layer", "embedding", "output")
 FIELDS = ("fw_ms", "bw_ms", "stored_mib", "peak_mib")
+# Optional field (GPT's layer tables and SPLIT_OPS): the weight-gradient part of bw_ms, ms.
+WEIGHT_FIELD = "bw_weight_ms"
+# The T5 ops whose backward is measured split (the transformer layers).
+SPLIT_OPS = ("encoder_layer", "decoder_layer")
 # Grid axes of each op's table, outermost first.
 T5_AXES = {"encoder_layer": ("mbs", "seqlen"), "decoder_layer": ("mbs", "dec_seqlen", "seqlen"),
            "embedding": ("mbs", "seqlen"), "output": ("mbs", "dec_seqlen")}
@@ -87,6 +97,23 @@ def check_t5_tables(data: Mapping[str, Any], source: str) -> None:
             raise DynaPipeError(f"{source}: ops.{op} is missing or not an object; an encoder-decoder profile needs "
                                 f"{list(T5_OPS)}, each with {list(FIELDS)}.")
         check_op_table(table, op, tuple(len(data[a]) for a in T5_AXES[op]), T5_AXES[op], source)
+    for op in SPLIT_OPS:
+        if WEIGHT_FIELD in ops[op]:
+            check_weight_table(ops[op], op, source)
+
+
+def check_weight_table(table: Mapping[str, Any], op: str, source: str) -> None:
+    """Refuse ``ops.<op>.bw_weight_ms`` unless it has the shape of the op's (checked) ``bw_ms``
+    and finite values from 0 to that backward's ms: the weight part is a part of it."""
+    try:
+        w = np.asarray(table[WEIGHT_FIELD], dtype=np.float64)
+    except (TypeError, ValueError):
+        w = None
+    bw = np.asarray(table["bw_ms"], dtype=np.float64)
+    if w is None or w.shape != bw.shape or not np.all(np.isfinite(w)) or np.any(w < 0) or np.any(w > bw + 1e-9):
+        dims = "x".join(str(n) for n in bw.shape)
+        raise DynaPipeError(f"{source}: ops.{op}.{WEIGHT_FIELD} must be a {dims} table, the shape of ops.{op}.bw_ms, "
+                            f"with values from 0 to that backward's ms.")
 
 
 def interp_axis(grid: np.ndarray, values: list, x: np.ndarray) -> np.ndarray:
@@ -124,13 +151,15 @@ class DecoderTable:
 
 def load_t5_tables(profile: Mapping[str, Any], table_cls) -> dict:
     """``{op: {field: callable}}`` of a checked encoder-decoder profile; 2-D ops take
-    ``(mbs, tokens)``, the decoder layer ``(mbs, dec_seqlen, seqlen)``."""
+    ``(mbs, tokens)``, the decoder layer ``(mbs, dec_seqlen, seqlen)``. The layers'
+    ``bw_weight_ms`` is loaded where the profile has it."""
     axes = {a: np.asarray(profile[a], dtype=np.float64) for a in ("mbs", "seqlen", "dec_seqlen")}
     out = {}
     for op in T5_OPS:
         names = T5_AXES[op]
         out[op] = {}
-        for f in FIELDS:
+        present = FIELDS + ((WEIGHT_FIELD,) if op in SPLIT_OPS and WEIGHT_FIELD in profile["ops"][op] else ())
+        for f in present:
             values = np.asarray(profile["ops"][op][f], dtype=np.float64)
             if op == "decoder_layer":
                 out[op][f] = DecoderTable(table_cls, axes["mbs"], axes["dec_seqlen"], axes["seqlen"], values)
@@ -198,3 +227,25 @@ def t5_layout_cost(model: ModelConfig, tables: dict, layout: StageLayout, mbs, s
             stored = stored + tables[op]["stored_mib"](b, tokens)
             peak = np.maximum(peak, tables[op]["peak_mib"](b, tokens))
     return StageCost(fw_ms=fw + overhead_ms, bw_ms=bw + overhead_ms, stored_mib=stored, peak_mib=peak)
+
+
+def t5_weight_ms(tables: dict, layout: StageLayout, mbs, seqlen, dec_seqlen) -> Optional[np.ndarray]:
+    """The measured weight part (ms) of one micro-batch's split backward on a stage of
+    ``layout``: its encoder layers' ``bw_weight_ms`` at (mbs, seqlen) plus its decoder layers'
+    at (mbs, dec_seqlen, seqlen), from the tables of :func:`load_t5_tables`. None where the
+    stage has no layers or the profile did not time a split backward of a kind it holds.
+
+    The same at every recompute level: recomputation runs in the input part and does not
+    change the weight GEMMs. Each layer's weight part is capped at its interpolated ``bw_ms``
+    (extrapolated tables could cross), so the sum stays within the stage's backward ms,
+    which adds recomputation, embedding, output layer and overhead to the layers' ``bw_ms``."""
+    b = np.asarray(mbs, dtype=np.float64)
+    s_enc, s_dec = np.asarray(seqlen, dtype=np.float64), np.asarray(dec_seqlen, dtype=np.float64)
+    layers = [(n, op, args) for n, op, args in ((layout.encoder_layers, "encoder_layer", (b, s_enc)),
+                                                (layout.decoder_layers, "decoder_layer", (b, s_dec, s_enc))) if n]
+    if not layers or any(WEIGHT_FIELD not in tables[op] for _, op, _ in layers):
+        return None
+    total = np.zeros(np.broadcast(b, s_enc, s_dec).shape)
+    for n, op, args in layers:
+        total = total + n * np.minimum(tables[op][WEIGHT_FIELD](*args), tables[op]["bw_ms"](*args))
+    return total

@@ -240,7 +240,8 @@ class Executor(ComputeOps, TransferOps):
             if not hasattr(self.handlers, "backward_weight") and any(
                     isinstance(x, BackwardPass) and x.part != "full" for x in plan.instructions):
                 raise PlanError("the plan splits the backward (a zero-bubble schedule), but this stage's handlers "
-                                "have no backward_weight to run the weight part; use a schedule without the split.")
+                                "have no backward_weight to run the weight part; use a schedule without the split "
+                                "(plan with split_backward=False, or --schedule 1f1b / adaptive).")
             return plan, pair_starts(plan), None
         except PlanError as e:
             return None, None, f"{where}: {e}"
