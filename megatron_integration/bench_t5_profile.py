@@ -13,7 +13,7 @@ Times in ms.
 from __future__ import annotations
 
 import time
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -65,6 +65,25 @@ def _op_ms(cost_model):
     return price
 
 
+def passes(events: Sequence[dict]) -> Iterator[dict]:
+    """The forwards and backwards among one rank's traced ``events`` of one iteration, a split
+    backward's input and weight parts (zero-bubble plans) summed into one ``backward`` event
+    (the input part's arguments, both parts' ``dur``): the profile prices a backward whole."""
+    pending: dict = {}
+    for e in events:
+        cat = e.get("cat")
+        if cat in ("backward-input", "backward-weight"):
+            a = e.get("args", {})
+            key = (e.get("tid", 0), a.get("mb"), a.get("chunk", 0))
+            if key not in pending:
+                pending[key] = e
+                continue
+            first = pending.pop(key)
+            yield {**first, "cat": "backward", "dur": first["dur"] + e["dur"]}
+        elif cat in ("forward", "backward"):
+            yield e
+
+
 def stage_check(trace_dir: str, iterations: Sequence[int], cost_model) -> Optional[dict]:
     """Per stage, the predicted (``cost_model`` at the traced shapes, recompute none) and the
     executed forward + backward ms per iteration of a run's ``iterations``, their ratio, and
@@ -78,9 +97,7 @@ def stage_check(trace_dir: str, iterations: Sequence[int], cost_model) -> Option
     price = _op_ms(cost_model)
     for _, (_, per) in traces.items():
         for it, events in per.items():
-            for e in events:
-                if e.get("cat") not in ("forward", "backward"):
-                    continue
+            for e in passes(events):
                 stage = int(e.get("tid", 0))
                 pred[stage] = pred.get(stage, 0.0) + price(e)
                 meas[stage] = meas.get(stage, 0.0) + e["dur"] / 1e3
@@ -119,10 +136,9 @@ def op_fit(trace_dir: str, iterations: Sequence[int], cost_model) -> dict:
     price = _op_ms(cost_model)
     for _, (_, per) in _trace_events(trace_dir, set(iterations)).items():
         for events in per.values():
-            for e in events:
-                if e.get("cat") in ("forward", "backward"):
-                    p.append(price(e))
-                    m.append(e["dur"] / 1e3)
+            for e in passes(events):
+                p.append(price(e))
+                m.append(e["dur"] / 1e3)
     if len(p) < 2 or float(np.ptp(p)) == 0.0:
         return {"ops": len(p)}
     slope, intercept = (float(v) for v in np.polyfit(p, m, 1))
@@ -163,10 +179,9 @@ def calibrate_t5_profile(argv: Sequence[str], profile: str, cfg, nproc: int, ite
     for rank, (origin, per) in _trace_events(trace_dir, set(iterations)).items():
         for i in iterations:
             events = per.get(i, [])
-            for e in events:
-                if e.get("cat") in ("forward", "backward"):
-                    pred.append(price(e))
-                    meas.append(e["dur"] / 1e3)
+            for e in passes(events):
+                pred.append(price(e))
+                meas.append(e["dur"] / 1e3)
             if events:
                 t = executor_timeline(events, origin, ranks[rank], i)
                 if t.micro_batches:

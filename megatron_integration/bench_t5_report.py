@@ -30,7 +30,7 @@ def same_shape_spread(events: Sequence[dict], min_ops: int = 3) -> Optional[dict
     over its fastest, so that runs with more repeats of a shape do not read noisier."""
     groups: dict[tuple, list[float]] = {}
     for e in events:
-        if e.get("ph") != "X" or e.get("cat") not in ("forward", "backward"):
+        if e.get("ph") != "X" or e.get("cat") not in ("forward", "backward", "backward-input", "backward-weight"):
             continue
         a = e.get("args", {})
         key = (e.get("pid"), e.get("tid"), a.get("chunk", 0), e["cat"], a.get("mbs"), a.get("seqlen"),

@@ -85,6 +85,22 @@ def _report(per_round, spread):
                            "compute_floor": {"predicted_ms": {}}}}
 
 
+def test_split_backwards_count_whole_in_the_stage_and_calibration_checks():
+    # zb-h1 plans trace each backward as an input and a weight part: the checks that price a
+    # backward whole (stage compute, the calibration fit) must see both parts as one backward.
+    from megatron_integration.bench_t5_profile import passes
+
+    def op(cat, mb, dur, tid=0):
+        return {"ph": "X", "cat": cat, "tid": tid, "dur": dur, "args": {"mb": mb, "mbs": 1, "seqlen": 64}}
+
+    events = [op("forward", 0, 10.0), op("forward", 1, 11.0), op("backward-input", 0, 20.0),
+              op("backward-input", 1, 21.0), op("backward-weight", 0, 5.0), op("comm", 0, 99.0),
+              op("backward-weight", 1, 6.0), op("backward", 2, 30.0), op("backward-input", 0, 7.0, tid=1)]
+    got = [(e["cat"], e["args"]["mb"], e["dur"]) for e in passes(events)]
+    assert got == [("forward", 0, 10.0), ("forward", 1, 11.0), ("backward", 0, 25.0), ("backward", 1, 27.0),
+                   ("backward", 2, 30.0)]  # the unpaired input part of another stage is not a whole backward
+
+
 def test_the_report_prints_each_ratio_round_by_round_and_the_ops_spread():
     spread = {"ops": 92, "groups": 4, "p10": 0.54, "p90": 1.19, "p90_over_p10": 2.2}
     out = io.StringIO()
