@@ -42,21 +42,6 @@ class OverheadFit:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
 
-def op_samples(events: Sequence[dict], stage: int, cost) -> tuple[np.ndarray, np.ndarray]:
-    """Predicted and measured ms of every forward/backward among a rank's trace events
-    (``cost``: the cost model the plans were made with; recompute none)."""
-    pred, meas = [], []
-    for e in events:
-        kind = e.get("cat")
-        if kind not in ("forward", "backward"):
-            continue
-        a = e.get("args", {})
-        c = cost.stage_cost(a["mbs"], a["seqlen"], stage=stage)
-        pred.append(float(c.fw_ms if kind == "forward" else c.bw_ms))
-        meas.append(e["dur"] / 1e3)
-    return np.asarray(pred), np.asarray(meas)
-
-
 #: The least slope a fit may have to be read as a fixed cost per op. Below it the executed times
 #: barely grow with the profiled ones, which a per-op cost cannot explain: the fit is noise
 #: (measured on a 2-core host: one fitted T5 iteration gave 0.28 x profiled + 11.9 ms; priced
