@@ -212,8 +212,10 @@ def dynapipe_args_from_args(args: argparse.Namespace, cuda: bool, batching: str,
 
 def _split_backward(args: argparse.Namespace, cuda: bool) -> bool:
     """Whether the stages get a splittable backward (``DynaPipeArgs.split_backward``): for
-    ``zb-h1``, refusing what it cannot honour yet; for ``auto``, where it could run."""
-    if args.dynapipe_schedule not in ("zb-h1", "auto"):
+    ``zb-h1``, refusing what it cannot honour yet; for ``auto``, where it could run. Never for
+    the baselines (without ``--use-dynapipe``): their plans are whole 1F1B, and the split's
+    own accumulation would only slow them."""
+    if args.dynapipe_schedule not in ("zb-h1", "auto") or not args.use_dynapipe:
         return False
     chunks = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
     virtual = (chunks or 1) > 1 or getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None

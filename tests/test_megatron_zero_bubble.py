@@ -119,6 +119,8 @@ def test_auto_splits_the_backward_where_the_stages_can(monkeypatch):
     assert split("") and split("--dynapipe-schedule zb-h1")
     assert not split("--dynapipe-schedule 1f1b") and not split("--dynapipe-schedule adaptive")
     assert not split("--num-layers 4 --num-virtual-stages-per-pipeline-rank 2")
+    # The baselines' plans are whole 1F1B (T5's run through the executor): no split to slow them.
+    assert not parse_training_args(TINY.split(), 2, cuda=False).dynapipe.split_backward
     monkeypatch.setattr(model_specs, "te_available", lambda: True)
     assert not split("", cuda=True)
     monkeypatch.setattr(model_specs, "te_available", lambda: False)
