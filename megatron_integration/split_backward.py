@@ -114,10 +114,11 @@ class _SplitLinear(torch.autograd.Function):
 def _split_forward_impl(layer, original, store: WeightGradStore, input, weight, *args, **kwargs):
     """The layer's ``_forward_impl`` with :class:`_SplitLinear` in place of megatron-core's
     linear function. megatron-core's path is kept where no gradient of the weight could be
-    deferred: frozen weights, no grad mode (evaluation), and a layer none of whose other inputs
-    needs a gradient (its graph would not reach the weight once that enters detached)."""
+    deferred: an iteration whose plan does not split (``store.active`` cleared), frozen
+    weights, no grad mode (evaluation), and a layer none of whose other inputs needs a
+    gradient (its graph would not reach the weight once that enters detached)."""
     bias = kwargs.get("bias")
-    if not (weight.requires_grad and torch.is_grad_enabled()
+    if not (store.active and weight.requires_grad and torch.is_grad_enabled()
             and (input.requires_grad or (bias is not None and bias.requires_grad))):
         return original(input, weight, *args, **kwargs)
     # What megatron-core could ask of the layer that this function does not do. This build

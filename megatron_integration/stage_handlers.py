@@ -58,10 +58,13 @@ class ModelStageHandlers:
             raise DynaPipeError(self.no_loss_tokens)
         self.tensors = micro_batch_tensors
         self.syncs = backward_syncs(self.stage.modules, plan)
-        if plan is not None and not self.split_layers and any(
-                getattr(x, "part", "full") != "full" for x in plan.instructions):
+        splits = plan is not None and any(getattr(x, "part", "full") != "full" for x in plan.instructions)
+        if splits and not self.split_layers:
             raise DynaPipeError("the plan splits the backward (a zero-bubble schedule), but this stage's linear "
                                 "layers were built without the split; train with --dynapipe-schedule zb-h1.")
+        # An iteration whose plan does not split (auto chose 1f1b or adaptive, or evaluation)
+        # runs megatron-core's own linear backward.
+        self.weight_grads.active = splits
         # A failed iteration may leave weight parts behind; their gradients went with it.
         self.weight_grads.clear()
         self._reset_loss()

@@ -92,6 +92,14 @@ def _job() -> dict:
         for t in batches:
             loss(t).backward()
         out["unsplit"] = {n: bool(torch.equal(p.grad, whole[n])) for n, p in params.items()}
+        # An iteration whose plan does not split clears the store's flag: megatron-core's own
+        # backward, nothing deferred even inside an input part.
+        store.active = False
+        gpt.zero_grad(set_to_none=True)
+        with store.input_part(9):
+            loss(batches[0]).backward()
+        out["inactive_deferred"] = store.run(9)
+        out["inactive_complete"] = all(p.grad is not None for p in params.values())
         return out
     finally:
         destroy()
@@ -123,6 +131,7 @@ def test_input_part_defers_only_the_linear_weights(job):
 def test_weight_parts_complete_the_gradients_of_the_whole_backward(job):
     assert max(job["close"].values()) < 1e-6, job["close"]
     assert all(job["unsplit"].values())
+    assert job["inactive_deferred"] == 0 and job["inactive_complete"]
 
 
 def test_weight_parts_reach_the_parameters_under_the_meter_which_counts_what_they_keep(job):

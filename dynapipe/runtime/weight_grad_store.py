@@ -31,6 +31,10 @@ class WeightGradStore:
         self._open: Optional[Hashable] = None
         self._pending: dict[Hashable, list[tuple[Callable[[], None], list[int]]]] = {}
         self.meter = meter
+        #: Whether the layers that defer into this store take their split path at all. A run
+        #: whose schedule may split (``auto``) clears it for iterations whose plan does not, so
+        #: those run the layers' own backward, with no deferral machinery in the way.
+        self.active = True
 
     @property
     def deferring(self) -> bool:
