@@ -72,28 +72,17 @@ def executed_ops(trace_dir: str, cost, iterations: Sequence[int]):
     ``stage_overhead_ms``, which the executor pays outside the pass), as
     :class:`~megatron_integration.bench_refit.ExecutedOps`."""
     from megatron_integration.bench_refit import ExecutedOps
-    from megatron_integration.bench_report import _trace_events
+    from megatron_integration.bench_report import _trace_events, passes
 
     fixed = float(getattr(cost, "stage_overhead_ms", 0.0))
     rows = []
     for _rank, (_origin, per) in _trace_events(trace_dir, set(iterations)).items():
         for i in iterations:
-            parts: dict = {}  # a split backward's parts (zero-bubble plans), summed into one backward
-            for e in per.get(i, []):
-                kind = e.get("cat")
-                a, stage = e.get("args", {}), e.get("tid", 0)
-                dur = e["dur"] / 1e3
-                if kind in ("backward-input", "backward-weight"):
-                    key = (a["mb"], a.get("chunk", 0))
-                    if key not in parts:
-                        parts[key] = dur
-                        continue
-                    kind, dur = "backward", parts.pop(key) + dur
-                if kind not in ("forward", "backward"):
-                    continue
+            for e in passes(per.get(i, [])):  # a split backward's parts summed into one backward
+                a, stage, backward = e.get("args", {}), e.get("tid", 0), e["cat"] == "backward"
                 c = cost.stage_cost(a["mbs"], a["seqlen"], stage=stage)
-                pred = float(c.fw_ms if kind == "forward" else c.bw_ms) - fixed
-                rows.append((a["mbs"], a["seqlen"], stage, kind == "backward", dur, pred))
+                pred = float(c.bw_ms if backward else c.fw_ms) - fixed
+                rows.append((a["mbs"], a["seqlen"], stage, backward, e["dur"] / 1e3, pred))
     return ExecutedOps.from_rows(rows)
 
 

@@ -12,7 +12,7 @@ import glob
 import json
 import os
 import statistics
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 if TYPE_CHECKING:
     from megatron_integration.bench_results import MethodResult
@@ -22,6 +22,25 @@ def timed_indices(ranks: list[dict], warmup_iters: int) -> list[int]:
     """Iterations after the warm-up (at least the last one)."""
     n = len(ranks[0]["iteration_ms"])
     return list(range(min(warmup_iters, n - 1), n))
+
+
+def passes(events: Sequence[dict]) -> Iterator[dict]:
+    """The forwards and backwards among one rank's traced ``events`` of one iteration, a split
+    backward's input and weight parts (zero-bubble plans) summed into one ``backward`` event
+    (the input part's arguments, both parts' ``dur``): the profile prices a backward whole."""
+    pending: dict = {}
+    for e in events:
+        cat = e.get("cat")
+        if cat in ("backward-input", "backward-weight"):
+            a = e.get("args", {})
+            key = (e.get("tid", 0), a.get("mb"), a.get("chunk", 0))
+            if key not in pending:
+                pending[key] = e
+                continue
+            first = pending.pop(key)
+            yield {**first, "cat": "backward", "dur": first["dur"] + e["dur"]}
+        elif cat in ("forward", "backward"):
+            yield e
 
 
 def _trace_events(trace_dir: str, iterations: set[int]) -> dict[int, tuple[float, dict[int, list[dict]]]]:

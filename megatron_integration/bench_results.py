@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
@@ -95,11 +96,7 @@ def summarise(ranks: list[dict], warmup_iters: int) -> MethodResult:
 def schedule_counts(schedules: Optional[Sequence[str]], keep: Sequence[int]) -> dict[str, int]:
     """``{schedule: iterations}`` over the iterations ``keep`` of one rank's ``schedules``
     (every rank of a run ran the same); empty where the run did not report them."""
-    out: dict[str, int] = {}
-    for i in keep if schedules else ():
-        if schedules[i]:
-            out[schedules[i]] = out.get(schedules[i], 0) + 1
-    return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
+    return _most_first(Counter(schedules[i] for i in keep if schedules[i]) if schedules else Counter())
 
 
 def median_result(runs: list[MethodResult]) -> MethodResult:
@@ -117,11 +114,11 @@ def median_result(runs: list[MethodResult]) -> MethodResult:
 
 
 def _sum_counts(counts) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for c in counts:
-        for k, v in c.items():
-            out[k] = out.get(k, 0) + v
-    return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
+    return _most_first(sum((Counter(c) for c in counts), Counter()))
+
+
+def _most_first(counts: Counter) -> dict[str, int]:
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def stage_activation_peaks(ranks: list[dict], keep: Sequence[int]) -> list[dict]:

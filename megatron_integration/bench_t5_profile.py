@@ -13,9 +13,11 @@ Times in ms.
 from __future__ import annotations
 
 import time
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
+
+from megatron_integration.bench_report import passes
 
 PROFILE_MBS = (1, 2, 4)
 MIN_SEQLEN, MIN_DEC_SEQLEN = 64, 32
@@ -63,25 +65,6 @@ def _op_ms(cost_model):
         c = priced.stage_cost(a["mbs"], a["seqlen"], a.get("dec_seqlen", 0), stage=stage)
         return float(c.fw_ms if e["cat"] == "forward" else c.bw_ms)
     return price
-
-
-def passes(events: Sequence[dict]) -> Iterator[dict]:
-    """The forwards and backwards among one rank's traced ``events`` of one iteration, a split
-    backward's input and weight parts (zero-bubble plans) summed into one ``backward`` event
-    (the input part's arguments, both parts' ``dur``): the profile prices a backward whole."""
-    pending: dict = {}
-    for e in events:
-        cat = e.get("cat")
-        if cat in ("backward-input", "backward-weight"):
-            a = e.get("args", {})
-            key = (e.get("tid", 0), a.get("mb"), a.get("chunk", 0))
-            if key not in pending:
-                pending[key] = e
-                continue
-            first = pending.pop(key)
-            yield {**first, "cat": "backward", "dur": first["dur"] + e["dur"]}
-        elif cat in ("forward", "backward"):
-            yield e
 
 
 def stage_check(trace_dir: str, iterations: Sequence[int], cost_model) -> Optional[dict]:

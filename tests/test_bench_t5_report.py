@@ -88,7 +88,7 @@ def _report(per_round, spread):
 def test_split_backwards_count_whole_in_the_stage_and_calibration_checks():
     # zb-h1 plans trace each backward as an input and a weight part: the checks that price a
     # backward whole (stage compute, the calibration fit) must see both parts as one backward.
-    from megatron_integration.bench_t5_profile import passes
+    from megatron_integration.bench_report import passes
 
     def op(cat, mb, dur, tid=0):
         return {"ph": "X", "cat": cat, "tid": tid, "dur": dur, "args": {"mb": mb, "mbs": 1, "seqlen": 64}}
