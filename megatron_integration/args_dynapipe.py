@@ -18,7 +18,8 @@ from megatron_integration.train_config import DynaPipeArgs
 BATCHINGS = ("dynapipe", "padding", "padding-mb", "packing", "token-budget")
 # Batchings megatron-core's own 1F1B runs (without --use-dynapipe); padding-mb with variable_seq_lengths.
 MEGATRON_BATCHINGS = ("padding", "padding-mb", "packing")
-# zb-h1 (zero-bubble, the backward split into input and weight parts) is chosen by name only.
+# With virtual-pipeline chunks 1f1b runs Megatron's interleaved 1F1B and zb-h1 its split form
+# (interleaved-zb); auto searches both, and the interleaved-adaptive order.
 SCHEDULES = ("auto", "adaptive", "1f1b", "zb-h1")
 RECOMPUTE_CHOICES = ("auto", "none", "selective", "full")
 KV_BACKENDS = ("store", "redis")
@@ -38,9 +39,11 @@ def add_dynapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--dynapipe-batching", default=None, choices=BATCHINGS,
                    help="micro-batching method (default: dynapipe with --use-dynapipe, padding without)")
     g.add_argument("--dynapipe-schedule", default="auto", choices=SCHEDULES,
-                   help="pipeline schedule (auto: the fastest of 1f1b and adaptive that fits in memory; zb-h1: "
-                        "1F1B with each backward split into an input part and a weight part that fills the "
-                        "bubbles, megatron-core's local linear layers only)")
+                   help="pipeline schedule (auto: the fastest of 1f1b, adaptive and, where the stages can "
+                        "split their backward, zb-h1 that fits in memory; zb-h1: 1F1B with each backward split "
+                        "into an input part and a weight part that fills the bubbles, megatron-core's local "
+                        "linear layers only; with virtual-pipeline chunks 1f1b and zb-h1 are their interleaved "
+                        "forms)")
     g.add_argument("--dynapipe-memory-limit-mb", type=float, default=None,
                    help="device memory the plans may use, MiB (default: the device config's)")
     g.add_argument("--dynapipe-cost-model", default="analytic",
@@ -214,19 +217,14 @@ def _split_backward(args: argparse.Namespace, cuda: bool) -> bool:
     """Whether the stages get a splittable backward (``DynaPipeArgs.split_backward``): for
     ``zb-h1``, refusing what it cannot honour yet; for ``auto``, where it could run. Never for
     the baselines (without ``--use-dynapipe``): their plans are whole 1F1B, and the split's
-    own accumulation would only slow them."""
+    own accumulation would only slow them. Virtual-pipeline chunks split too (``interleaved-zb``)."""
     if args.dynapipe_schedule not in ("zb-h1", "auto") or not args.use_dynapipe:
         return False
-    chunks = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
-    virtual = (chunks or 1) > 1 or getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None
     # On GPUs with Transformer Engine installed the stages are built from its layers
     # (--transformer-impl local is refused there), whose weight gradients are not deferred.
     te = cuda and _te_available()
     if args.dynapipe_schedule == "auto":
-        return not (virtual or te)
-    if virtual:
-        raise DynaPipeError("--dynapipe-schedule zb-h1 runs on the plain pipeline; drop the virtual-pipeline flags "
-                            "or use --dynapipe-schedule auto.")
+        return not te
     if te:
         raise DynaPipeError("--dynapipe-schedule zb-h1 splits the backward of megatron-core's own linear "
                             "layers; with Transformer Engine installed the GPU stages use its layers, which it "

@@ -48,7 +48,7 @@ from megatron_integration.initialize import RankInfo
 from megatron_integration.baseline_step import StepResult, holds_loss, reduce_loss, step_split_ms
 from megatron_integration.model import Stage, finalize_grads_func, set_recompute_level
 from megatron_integration.nan_guard import check_before_step
-from megatron_integration.stage_handlers import ModelStageHandlers, splits_backward
+from megatron_integration.stage_handlers import ModelStageHandlers
 from megatron_integration.tensor_parallel import check_plan_tensor_parallel, check_tp_plans_agree
 from megatron_integration.training_limits import empty_unused_memory
 
@@ -203,7 +203,7 @@ class DynaPipeStepper:
         from dynapipe.cost import build_cost_model
         from dynapipe.runtime.plan_source import tensor_parallel_config
 
-        handlers = MegatronStageHandlers(stage, info.device, split_backward=splits_backward(cfg.dynapipe, stage))
+        handlers = MegatronStageHandlers(stage, info.device, split_backward=cfg.dynapipe.split_backward)
         meter = ActivationMeter()
         handlers.weight_grads.meter = meter  # what pending weight parts keep is activation memory
         # megatron's pipeline group links the same TP rank of every stage, so each transfer

@@ -20,14 +20,6 @@ from megatron_integration.model import Stage
 from megatron_integration.split_backward import install_split_backward
 
 
-def splits_backward(d, stage: Stage) -> bool:
-    """Whether ``stage``'s linear layers get a splittable backward for this run (``d``: its
-    :class:`~megatron_integration.train_config.DynaPipeArgs`): when its schedule may split
-    the backward and the stage is one chunk (the planner splits it on contiguous stages only;
-    a T5 placement that ``auto`` chose interleaved never does)."""
-    return d.split_backward and len(stage.modules) == 1
-
-
 class ModelStageHandlers:
     """The model-independent half of a stage's executor handlers."""
 

@@ -165,9 +165,4 @@ def _with_placement(cfg: T5TrainingConfig, flag: str, pp: int) -> T5TrainingConf
 
     placement = parse_t5_placement(flag, cfg.planner_model(), pp)
     check_overlap_placement(replace(cfg, placement_flag=flag), placement)
-    if cfg.base.dynapipe.schedule == "zb-h1" and placement is not None and placement.chunks > 1:
-        # (auto chooses among contiguous splits for it, see choose_t5_placement)
-        raise DynaPipeError(f"--dynapipe-schedule zb-h1 runs on contiguous placements; --dynapipe-placement {flag} "
-                            f"gives every rank {placement.chunks} chunks. Use even, auto or one ENC+DEC a stage, "
-                            f"or another schedule.")
     return replace(cfg, placement=placement, placement_flag=flag)

@@ -67,8 +67,9 @@ def choose_t5_placement(cfg, num_stages: int, dp: int, batches: Optional[list] =
     (default: the run's first global batches), or the interleaved one (two chunks a rank,
     each virtual stage balanced) when DynaPipe's plans of ``batches`` simulate faster on it
     (``compared`` holds both times, ms); under the run's memory limit (MiB), recompute level
-    and data-parallel size. With ``--overlap-grad-reduce`` (:func:`check_overlap_placement`)
-    or a split-backward schedule (``zb-h1``) contiguous splits only. Pure and deterministic: the same config gives the same split."""
+    and data-parallel size; a split-backward schedule prices the interleaved one under
+    ``interleaved-zb``. With ``--overlap-grad-reduce`` (:func:`check_overlap_placement`)
+    contiguous splits only. Pure and deterministic: the same config gives the same split."""
     from dynapipe.config import load_cluster_config
     from dynapipe.schedule.placement import choose_placement_kind
 
@@ -78,7 +79,7 @@ def choose_t5_placement(cfg, num_stages: int, dp: int, batches: Optional[list] =
                                  memory_limit_mib=d.memory_limit_mb, seq_length=cfg.encoder_seq_length,
                                  zero=cfg.base.optimizer.distributed, recompute=d.recompute,
                                  cluster=load_cluster_config(d.cluster),
-                                 chunks=1 if cfg.base.ddp.overlap_grad_reduce or d.schedule == "zb-h1" else 2,
+                                 chunks=1 if cfg.base.ddp.overlap_grad_reduce else 2,
                                  split_backward=d.split_backward)
 
 

@@ -37,7 +37,7 @@ from megatron_integration.initialize import RankInfo
 from megatron_integration.baseline_step import StepResult, holds_loss, reduce_loss, step_split_ms
 from megatron_integration.model import Stage
 from megatron_integration.nan_guard import check_before_step
-from megatron_integration.stage_handlers import ModelStageHandlers, splits_backward
+from megatron_integration.stage_handlers import ModelStageHandlers
 from megatron_integration.t5_chunks import T5Chunks
 from megatron_integration.t5_config import T5TrainingConfig
 from megatron_integration.t5_model import EmbeddingSync, set_t5_recompute_level, sum_sequence_parallel_grads
@@ -282,7 +282,7 @@ class T5Stepper:
         from dynapipe.runtime.kv_store import job_tcp_store
 
         d = cfg.base.dynapipe
-        handlers = T5StageHandlers(stage, info.device, split_backward=splits_backward(d, stage))
+        handlers = T5StageHandlers(stage, info.device, split_backward=d.split_backward)
         meter = ActivationMeter()
         handlers.weight_grads.meter = meter  # what pending weight parts keep is activation memory
         executor = Executor(handlers, group=parallel_state.get_pipeline_model_parallel_group(), device=info.device,

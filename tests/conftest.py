@@ -23,7 +23,7 @@ def pp2(tmp_path_factory, t5_dist):
     embedding in the last chunk; evaluation of every method; then padding through torch_dist
     checkpoints (see ``t5_dist``), interleaved checkpoints in both formats; then bf16 runs of
     every method, padding cut and resumed through torch_dist; fp16 padding and DynaPipe; DynaPipe
-    on the zero-bubble schedule."""
+    on the zero-bubble schedule, on the even split and on the interleaved placement."""
     from megatron_integration.t5_jobs import run_t5_training
     from t5_span_fixture import write_sentences, write_vocab
 
@@ -81,7 +81,8 @@ def pp2(tmp_path_factory, t5_dist):
              (bf16 + f" --load {t5_dist / 'bf16_cut'}").split(), (bf16 + " --use-dynapipe").split(),
              (bf16 + PACKING).split(), (TINY + " --fp16").split(), (TINY + " --fp16 --use-dynapipe").split()]
     # The zero-bubble schedule (the backward split into input and weight parts), two iterations.
-    runs += [(dyn + " --dynapipe-schedule zb-h1 --exit-interval 2").split()]
+    runs += [(dyn + " --dynapipe-schedule zb-h1 --exit-interval 2").split(),
+             (interleaved + " --use-dynapipe --dynapipe-schedule zb-h1").split()]
     ranks = run_t5_training(runs, 2, timeout_s=TIMEOUT)
     assert [r["losses"] for r in ranks[1]] == [r["losses"] for r in ranks[0]]  # every rank reports the same
     return ranks[0]

@@ -52,8 +52,9 @@ def _plans(it: int, ctx, schedule: str = "auto"):
 
     lengths = [int(x) for x in sample_lengths(12, 300 + it, 160)]
     cost = build_cost_model(CFG, load_device_config("cpu"), PP).with_placement(StagePlacement.parse(SPEC, CFG, PP))
+    # The toy chunks run whole backwards only (split_backward=False keeps interleaved-zb out of auto).
     planned = plan_iteration(np.asarray(lengths), cost, stages=PP, dp=DP, iteration=it, schedule=schedule,
-                             validate=True)
+                             validate=True, split_backward=False)
     return make_samples(lengths, CFG.vocab_size, seed=it), planned.plans
 
 

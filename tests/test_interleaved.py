@@ -18,6 +18,7 @@ from dynapipe.schedule.interleaved import (interleaved_1f1b, interleaved_arrays,
                                            virtual_stage_times_per_replica)
 from dynapipe.schedule.search import search_schedules
 from dynapipe.schedule.simulator import simulate
+from dynapipe.schedule.types import CHUNKED_SCHEDULE_NAMES
 
 DEVICE = DeviceConfig("toy", peak_tflops=10.0, achievable_fraction=0.5, memory_mib=1e9, op_overhead_ms=0.01)
 T5 = ModelConfig("t5-toy", arch="t5", encoder_layers=4, decoder_layers=4, hidden_size=512, num_attention_heads=8,
@@ -140,7 +141,7 @@ def test_search_tries_both_interleaved_schedules_and_compiles_the_winner():
 
     it, _ = _chunked_iteration(2, "interleaved", n=11, seed=4, dp=1)
     tried = {c.schedule for c in it.search.candidates}
-    assert tried == {"interleaved", "interleaved-adaptive"}
+    assert tried == {"interleaved", "interleaved-adaptive", "interleaved-zb"}
     fits = [c for c in it.search.candidates if c.fits]
     assert it.search.best.makespan_ms == min(c.makespan_ms for c in fits)
     validate_plans(it.all_plans())
@@ -228,7 +229,8 @@ def test_search_runs_interleaved_on_a_chunked_placement():
     mbs = [MicroBatch(samples=[i], seqlen=int(rng.integers(64, 512)), dec_seqlen=int(rng.integers(8, 64)))
            for i in range(7)]
     res = search_schedules([mbs], cm, capacity_mib=None)
-    assert res.best.schedule in ("interleaved", "interleaved-adaptive") and res.schedules[0].num_chunks == 2
+    assert res.best.schedule in ("interleaved", "interleaved-adaptive", "interleaved-zb")
+    assert res.schedules[0].num_chunks == 2
     assert search_schedules([mbs], cm, capacity_mib=None, schedule="interleaved").best.schedule == "interleaved"
     assert res.makespan_ms == pytest.approx(res.timelines[0].makespan_ms)
     with pytest.raises(DynaPipeError, match="compile_chunked_plans"):
@@ -355,7 +357,7 @@ def test_plan_command_writes_interleaved_plans_that_validate(tmp_path, capsys):
     assert main(["plan", *base, "--placement", "interleaved", "--plan-out", str(tmp_path / "plans")]) == 0
     out, err = capsys.readouterr()
     plan = json.loads(out)
-    assert plan["schedule"] == "interleaved" and plan["placement"]["chunks"] == 2
+    assert plan["schedule"] in CHUNKED_SCHEDULE_NAMES and plan["placement"]["chunks"] == 2
     assert "even split" in err
     assert main(["validate", str(tmp_path / "plans")]) == 0
     assert "valid: 8 plans" in capsys.readouterr().out
@@ -375,4 +377,4 @@ def test_plan_command_writes_interleaved_plans_that_validate(tmp_path, capsys):
                  "--out", str(tmp_path / "a.json")]) == 0
     capsys.readouterr()
     assert main(["plan", *base, "--placement", "interleaved", "--schedule", "adaptive"]) == 2
-    assert "use --schedule interleaved, interleaved-adaptive or auto" in capsys.readouterr().err
+    assert "use --schedule interleaved, interleaved-adaptive, interleaved-zb or auto" in capsys.readouterr().err

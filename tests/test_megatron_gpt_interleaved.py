@@ -44,16 +44,22 @@ def pp2(tmp_path_factory):
     """One 2-rank job: padding on the plain pipeline, then DynaPipe on 2 chunks a rank (its
     executor traces kept), both evaluating; DynaPipe on 2 chunks recomputing every layer; then
     DynaPipe on 2 chunks cut after 2 iterations
-    with a torch_dist checkpoint, resumed on 2 chunks and on the plain pipeline."""
+    with a torch_dist checkpoint, resumed on 2 chunks and on the plain pipeline; then
+    interleaved-zb (``zb-h1`` on chunks; traces kept), alone and with the overlapped reduction."""
     traces = tmp_path_factory.mktemp("gpt-interleaved-traces")
+    zb_traces = tmp_path_factory.mktemp("gpt-interleaved-zb-traces")
     ckpt = tmp_path_factory.mktemp("gpt-interleaved-ckpt")
     dyn = PP2 + " --use-dynapipe"
-    names = ("padding", "dynapipe", "full-recompute", "cut", "resumed", "resumed-plain")
+    zb = dyn + V2 + " --dynapipe-schedule zb-h1"
+    names = ("padding", "dynapipe", "full-recompute", "cut", "resumed", "resumed-plain", "zb", "zb-overlap")
     runs = [PP2 + EVAL, dyn + EVAL + V2 + f" --dynapipe-trace-dir {traces}", dyn + V2 + " --dynapipe-recompute full",
             dyn + V2 + f" --exit-interval 2 --save {ckpt / 'dist'}", dyn + V2 + f" --load {ckpt / 'dist'}",
-            dyn + f" --load {ckpt / 'dist'}"]
+            dyn + f" --load {ckpt / 'dist'}", zb + f" --dynapipe-trace-dir {zb_traces}",
+            zb + " --overlap-grad-reduce --ddp-bucket-size 20000"]
     ranks = run_trainings([r.split() for r in runs], 2, timeout_s=TIMEOUT)
-    return dict(zip(names, ranks)), traces
+    out = dict(zip(names, ranks))
+    out["zb-traces"] = zb_traces
+    return out, traces
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +80,33 @@ def test_dynapipe_on_chunks_trains_and_evaluates_as_the_plain_pipeline(pp2):
     assert close(got[0]["losses"], ref["losses"]), (got[0]["losses"], ref["losses"])
     assert close([float(v) for v in eval_values(got[0])], [float(v) for v in eval_values(ref)])
     assert eval_values(ref) and got[0]["eval_path"].startswith("dynapipe-plans:")
+
+
+def test_interleaved_zero_bubble_trains_the_plain_pipeline_losses_and_splits_every_chunk(pp2):
+    # zb-h1 on 2 chunks a rank runs interleaved-zb: every backward of both chunks split into
+    # its input part and, later, its weight part, at the plain pipeline's losses; with
+    # --overlap-grad-reduce each chunk's buckets reduce from its last input and weight parts.
+    runs, _ = pp2
+    ref = runs["padding"][0]["losses"]
+    for name in ("zb", "zb-overlap"):
+        got = runs[name][0]
+        assert got["schedules"] == ["interleaved-zb"] * 3, (name, got["schedules"])
+        assert close(got["losses"], ref), (name, got["losses"], ref)
+    for rank in range(2):
+        with open(os.path.join(runs["zb-traces"], f"rank{rank:03d}.json")) as f:
+            events = json.load(f)
+        events = events["traceEvents"] if isinstance(events, dict) else events
+        ops = [(e["args"]["iteration"], e["name"].split()[0], e["args"].get("chunk", 0)) for e in events
+               if e.get("ph") == "X" and e.get("cat", "").startswith(("forward", "backward"))]
+        for it in {i for i, _, _ in ops}:
+            seq = [(n, c) for i, n, c in ops if i == it]
+            kinds = {n[:2] if n.startswith("B") else "F" for n, _ in seq}
+            assert kinds == {"F", "BI", "BW"}, (rank, it, seq[:6])
+            forwards = sorted((n[1:], c) for n, c in seq if n.startswith("F"))
+            assert {c for _, c in forwards} == {0, 1}
+            assert sorted((n[2:], c) for n, c in seq if n.startswith("BI")) == forwards
+            assert sorted((n[2:], c) for n, c in seq if n.startswith("BW")) == forwards
+            assert all(seq.index(("BI" + m, c)) < seq.index(("BW" + m, c)) for m, c in forwards)
 
 
 def test_recompute_reaches_every_chunk(pp2):

@@ -4,7 +4,6 @@ the split on every rank with each weight part after its input part, and what the
 honour yet is refused at start-up. T5 too (the session's T5 job)."""
 import json
 import os
-import re
 
 import pytest
 
@@ -39,19 +38,22 @@ def test_zero_bubble_trains_the_padding_losses_and_splits_every_backward(request
 
 
 def test_zero_bubble_trains_t5_like_padding(pp2):
-    # The session's T5 job: its last run is DynaPipe on zb-h1 for two iterations; the encoder
-    # output's gradient reaches the encoder stage through the input parts.
-    zb, padding = pp2[34], pp2[0]
-    assert zb["method"] == "dynapipe" and len(zb["losses"]) == 2
-    assert zb["losses"] == pytest.approx(padding["losses"][:2], abs=1e-5, rel=1e-5)
-    assert zb["loss_tokens"] == padding["loss_tokens"][:2]
+    # The session's T5 job: its last runs are DynaPipe on zb-h1 for two iterations, on the even
+    # split and on the interleaved placement (interleaved-zb: the encoder chunk, then the decoder
+    # chunk on each rank); the encoder output's gradient reaches the encoder through the input parts.
+    padding = pp2[0]
+    for zb, schedule in ((pp2[34], "zb-h1"), (pp2[35], "interleaved-zb")):
+        assert zb["method"] == "dynapipe" and len(zb["losses"]) == 2
+        assert zb["schedules"] == [schedule] * 2
+        assert zb["losses"] == pytest.approx(padding["losses"][:2], abs=1e-5, rel=1e-5)
+        assert zb["loss_tokens"] == padding["loss_tokens"][:2]
 
 
-def test_virtual_pipeline_flags_are_refused():
+def test_virtual_pipeline_chunks_split_their_backward_too():
+    # zb-h1 with virtual-pipeline chunks plans interleaved-zb (as 1f1b plans interleaved 1F1B).
     argv = (TINY + " --use-dynapipe --dynapipe-schedule zb-h1 --num-layers 4 "
                    "--num-virtual-stages-per-pipeline-rank 2").split()
-    with pytest.raises(DynaPipeError, match="plain pipeline"):
-        parse_training_args(argv, 2, cuda=False)
+    assert parse_training_args(argv, 2, cuda=False).dynapipe.split_backward
 
 
 ZB_OVERLAP = f"{LLAMA} --use-dynapipe --dynapipe-schedule zb-h1 --overlap-grad-reduce --ddp-bucket-size 20000"
@@ -68,29 +70,30 @@ def test_zero_bubble_overlaps_the_reduction_on_pp2_x_dp2(request):
 
 
 @pytest.mark.parametrize("placement", ["interleaved", "1+0,1+0|0+1,0+1"])
-def test_t5_chunked_placements_are_refused(placement):
+def test_t5_chunked_placements_take_the_split(placement):
     from megatron_integration.t5_arguments import parse_t5_args
     from t5_job import TINY as T5_TINY
 
     argv = (T5_TINY + f" --use-dynapipe --dynapipe-schedule zb-h1 --dynapipe-placement {placement}").split()
-    with pytest.raises(DynaPipeError, match="contiguous placements; --dynapipe-placement " + re.escape(placement)):
-        parse_t5_args(argv, 2, cuda=False)
+    cfg = parse_t5_args(argv, 2, cuda=False)
+    assert cfg.placement.chunks == 2 and cfg.base.dynapipe.split_backward
 
 
-def test_t5_auto_placement_chooses_among_contiguous_splits_for_zero_bubble(monkeypatch):
+def test_t5_auto_placement_weighs_both_kinds_for_zero_bubble(monkeypatch):
     import megatron_integration.t5_placement as t5p
     from megatron_integration.t5_arguments import parse_t5_args
     from t5_job import TINY as T5_TINY
 
+    # The interleaved placement is priced with interleaved-zb, the contiguous ones with zb-h1;
+    # only --overlap-grad-reduce keeps auto to contiguous splits.
     seen = {}
     monkeypatch.setattr("dynapipe.schedule.placement.choose_placement_kind",
-                        lambda *a, **kw: seen.setdefault("chunks", kw["chunks"]))
-    for schedule, chunks in (("zb-h1", 1), ("auto", 2)):
+                        lambda *a, **kw: seen.update(chunks=kw["chunks"], split=kw["split_backward"]))
+    for extra, chunks in (("--dynapipe-schedule zb-h1", 2), ("", 2), ("--overlap-grad-reduce", 1)):
         seen.clear()
-        cfg = parse_t5_args((T5_TINY + f" --use-dynapipe --dynapipe-schedule {schedule} "
-                                       f"--dynapipe-placement auto").split(), 2, cuda=False)
+        cfg = parse_t5_args((T5_TINY + f" --use-dynapipe {extra} --dynapipe-placement auto").split(), 2, cuda=False)
         t5p.choose_t5_placement(cfg, 2, 1, batches=[])
-        assert seen["chunks"] == chunks, schedule
+        assert seen == {"chunks": chunks, "split": True}, extra
 
 
 def test_transformer_engine_stages_are_refused_at_start_up(monkeypatch):
@@ -105,9 +108,9 @@ def test_transformer_engine_stages_are_refused_at_start_up(monkeypatch):
 
 
 def test_auto_splits_the_backward_where_the_stages_can(monkeypatch):
-    # auto may choose zb-h1 for any iteration, so its stages get the split and its planner tries
-    # zb-h1, except on Transformer Engine layers or virtual-pipeline chunks (auto then keeps to
-    # the other schedules instead of refusing).
+    # auto may choose zb-h1 (interleaved-zb on virtual-pipeline chunks) for any iteration, so its
+    # stages get the split and its planner tries it, except on Transformer Engine layers (auto
+    # then keeps to the other schedules instead of refusing).
     import megatron_integration.model as model_specs
     from megatron_integration.dynapipe_step import planner_settings
     from megatron_integration.initialize import RankInfo
@@ -118,7 +121,7 @@ def test_auto_splits_the_backward_where_the_stages_can(monkeypatch):
 
     assert split("") and split("--dynapipe-schedule zb-h1")
     assert not split("--dynapipe-schedule 1f1b") and not split("--dynapipe-schedule adaptive")
-    assert not split("--num-layers 4 --num-virtual-stages-per-pipeline-rank 2")
+    assert split("--num-layers 4 --num-virtual-stages-per-pipeline-rank 2")
     # The baselines' plans are whole 1F1B (T5's run through the executor): no split to slow them.
     assert not parse_training_args(TINY.split(), 2, cuda=False).dynapipe.split_backward
     monkeypatch.setattr(model_specs, "te_available", lambda: True)

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from dynapipe.cli import main
-from dynapipe.config import TensorParallelConfig, load_device_config, load_model_config
+from dynapipe.config import (DeviceConfig, ModelConfig, TensorParallelConfig, load_device_config,
+                             load_model_config)
 from dynapipe.cost import build_cost_model
 from dynapipe.cost.backward_split import backward_split
 from dynapipe.cost.base import StageLayout
 from dynapipe.cost.placement import StagePlacement
 from dynapipe.errors import DynaPipeError, PlanError
 from dynapipe.plan import compile_plans, deserialize_plan, serialize_plan, validate_plans
-from dynapipe.plan.compile_chunked import compile_chunked_plans
 from dynapipe.plan.forward_only import forward_only
 from dynapipe.plan.grad_sync import grad_sync_points
 from dynapipe.plan.instructions import BackwardPass, RecvGradFinish, SendGradStart
@@ -24,7 +24,8 @@ from dynapipe.plan.serialize import FORMAT_VERSION, serialize_plan_v1
 from dynapipe.plan.validate_fast import group_is_valid
 from dynapipe.schedule import _kernels as K
 from dynapipe.schedule.costs import MIN_OP_MS, StageTimes, stage_times
-from dynapipe.schedule.interleaved import simulate_chunked
+from dynapipe.schedule.interleaved import interleaved_1f1b, simulate_chunked
+from dynapipe.schedule.interleaved_zb import interleaved_zb
 from dynapipe.schedule.one_f_one_b import one_f_one_b
 from dynapipe.schedule.search import SCHEDULE_CHOICES, search_schedules
 from dynapipe.schedule.simulator import kernel_inputs, schedule_arrays, simulate, split_inputs
@@ -34,6 +35,9 @@ from plan_helpers import chunked_micro_batches
 
 TINY, T5 = load_model_config("gpt-tiny"), load_model_config("t5-11b")
 GPT7B, A100 = load_model_config("gpt-7b"), load_device_config("a100-40gb")
+T5_TOY = ModelConfig("t5-toy", arch="t5", encoder_layers=4, decoder_layers=4, hidden_size=512, num_attention_heads=8,
+                     ffn_hidden_size=2048, vocab_size=1000, max_seq_length=1024, dtype="bf16")
+TOY_DEVICE = DeviceConfig("toy", peak_tflops=10.0, achievable_fraction=0.5, memory_mib=1e9, op_overhead_ms=0.01)
 
 
 def split_times(fw, bw_input, bw_weight, stored=None, stash=None, comm=0.0, state=0.0) -> StageTimes:
@@ -318,23 +322,113 @@ def test_auto_sizes_each_schedules_per_stage_recompute_for_its_own_op_order():
     assert auto.best.fits and max(auto.best.peak_mib) <= cap
 
 
-def test_chunked_placements_refuse_split_backwards():
-    cm = build_cost_model(T5, A100, 2)
-    chunked = cm.with_placement(StagePlacement.parse("interleaved", T5, 2))
-    reps = [chunked_micro_batches([40, 90, 300, 60], 2, dec_lengths=[8, 16, 30, 12])]
-    with pytest.raises(DynaPipeError, match="not supported yet") as e:
-        search_schedules(reps, chunked, schedule="zb-h1")
-    assert "zb-h1" in str(e.value) and "\n" not in str(e.value)
-    ops = ((Op("F", 0), Op("F", 0, 1), Op("BI", 0, 1), Op("BW", 0, 1), Op("BI", 0), Op("BW", 0)),) * 2
-    sched = Schedule("zb-chunked", 2, ops, num_chunks=2)
-    virtual = split_times(np.ones((4, 1)), 1.0, 0.5)
-    virtual = StageTimes(virtual.fw_ms, virtual.bw_ms, virtual.stored_mib, virtual.peak_mib, virtual.act_comm_ms,
-                         virtual.grad_comm_ms, np.zeros(2))   # 4 virtual stages on 2 ranks
-    with pytest.raises(DynaPipeError, match="not support yet"):
-        simulate_chunked(sched, virtual)
-    tl = simulate(one_f_one_b(2, 1), split_times(np.ones((2, 1)), 1.0, 0.5))
-    with pytest.raises(DynaPipeError, match="not support yet"):
-        compile_chunked_plans(sched, chunked_micro_batches([10], 1), TINY, tl, [None] * 4)
+# -- interleaved-zb: the split on virtual-pipeline chunks ----------------------------------------
+
+def _chunked_split_times(P, v, M, rng=None, stash=0.0, stored=0.0):
+    V = P * v
+    fw = rng.uniform(0.3, 2.0, (V, M)) if rng is not None else np.ones((V, M))
+    t = split_times(fw, fw, fw / 2, stored=stored, stash=stash, comm=0.05 if rng is not None else 0.0)
+    return StageTimes(t.fw_ms, t.bw_ms, t.stored_mib, t.peak_mib, t.act_comm_ms, t.grad_comm_ms, np.zeros(P),
+                      bw_weight_ms=t.bw_weight_ms, weight_stash_mib=t.weight_stash_mib)
+
+
+@pytest.mark.parametrize("P, v, M", [(2, 2, 1), (2, 2, 4), (3, 2, 5), (4, 2, 8), (4, 3, 6), (4, 2, 7)])
+def test_interleaved_zb_is_interleaved_1f1b_with_delayed_weight_parts(P, v, M):
+    base = interleaved_1f1b(P, v, M)
+    for cap in (None, 1, 0):
+        sched = interleaved_zb(P, v, M, max_delay=cap).check()
+        assert sched.name == "interleaved-zb" and sched.split_backward and sched.num_chunks == v
+        for p, ops in enumerate(sched.stage_ops):
+            assert len(ops) == 3 * v * M
+            # Without the weight parts it is interleaved 1F1B with every B an input part.
+            assert [(o.kind.replace("BI", "B"), o.mb, o.chunk) for o in ops if o.kind != "BW"] == \
+                [(o.kind, o.mb, o.chunk) for o in base.stage_ops[p]]
+            # Each weight part comes right after the input part d_p later (pending ones at the end).
+            d = weight_delay(P, p, v * M, cap)
+            inputs = [(o.mb, o.chunk) for o in ops if o.kind == "BI"]
+            for i, (m, c) in enumerate(inputs):
+                at = ops.index(Op("BW", m, c))
+                after = inputs[i + d] if i + d < len(inputs) else None
+                assert ops[at - 1] == Op("BI", *after) if after is not None else at >= len(ops) - d
+        # The op orders complete on any costs (the weight parts wait only on their own rank).
+        simulate_chunked(sched, _chunked_split_times(P, v, M, np.random.default_rng(P * M)))
+
+
+def test_interleaved_zb_fills_the_interleaved_bubbles_and_its_cap_bounds_the_memory():
+    P, v, M = 4, 2, 8
+    t = _chunked_split_times(P, v, M, stored=1.0, stash=0.5)
+    inter = simulate_chunked(interleaved_1f1b(P, v, M), t)
+    zb = simulate_chunked(interleaved_zb(P, v, M), t)
+    zb0 = simulate_chunked(interleaved_zb(P, v, M, max_delay=0), t)
+    # Uniform F = 1, BI = 1, BW = 0.5 ms: 2 chunks x 8 micro-batches x 2.5 ms = 40 ms of work a
+    # rank. The deferred weight parts fill part of interleaved 1F1B's idle time; uncapped
+    # delays more of it than weight parts run right after their input parts.
+    work = v * M * 2.5
+    assert work < zb.makespan_ms < zb0.makespan_ms < inter.makespan_ms
+    assert inter.makespan_ms - zb.makespan_ms > 0.3 * (inter.makespan_ms - work)
+    # Pending weight parts hold their stash: rank p keeps up to p of them; with the cap at 0 a
+    # rank holds what interleaved 1F1B holds (each weight part right after its input part).
+    assert zb0.peak_mib == inter.peak_mib
+    assert [z - i for z, i in zip(zb.peak_mib, inter.peak_mib)] == pytest.approx([0.0, 0.5, 1.0, 1.5])
+    assert [max(m for _, m in st) for st in zb.memory] == pytest.approx(zb.peak_mib)
+
+
+def test_chunked_kernel_prices_a_split_backward_by_hand():
+    # One micro-batch, 2 ranks x 2 chunks, F = 1, BI = 2, BW = 1 ms: the forward chain through
+    # virtual stages 0-1-2-3 (ranks 0, 1, 0, 1) ends at 4; the input parts chain back, each
+    # starting as the one after it ends (6, 8, 10, 12), and each rank runs a weight part right
+    # after its input part, rank 0's last ending the iteration at 13.
+    ops = (Op("F", 0), Op("F", 0, 1), Op("BI", 0, 1), Op("BW", 0, 1), Op("BI", 0), Op("BW", 0))
+    sched = Schedule("by-hand", 2, (ops, ops), num_chunks=2).check()
+    t = StageTimes(np.ones((4, 1)), np.full((4, 1), 3.0), np.zeros((4, 1)), np.zeros((4, 1)), np.zeros((3, 1)),
+                   np.zeros((3, 1)), np.zeros(2), bw_weight_ms=np.ones((4, 1)))
+    tl = simulate_chunked(sched, t)
+    assert tl.starts == [[0.0, 2.0, 6.0, 8.0, 10.0, 12.0], [1.0, 3.0, 4.0, 6.0, 8.0, 10.0]]
+    assert tl.makespan_ms == pytest.approx(13.0)
+
+
+def test_search_runs_interleaved_zb_on_chunks_and_compiles_plans_that_validate():
+    from dynapipe.pipeline_planner import plan_iteration
+
+    rng = np.random.default_rng(3)
+    cm = build_cost_model(T5_TOY, TOY_DEVICE, 2).with_placement(StagePlacement.parse("interleaved", T5_TOY, 2))
+    lengths = np.stack([rng.integers(16, 1000, 11), rng.integers(4, 200, 11)], 1)
+    auto = plan_iteration(lengths, cm, dp=2, memory_limit_mib=None, validate=True)
+    assert {c.schedule for c in auto.search.candidates} == {"interleaved", "interleaved-adaptive", "interleaved-zb"}
+    fits = [c for c in auto.search.candidates if c.fits]
+    assert auto.search.best.makespan_ms == min(c.makespan_ms for c in fits)
+    no_split = plan_iteration(lengths, cm, dp=2, memory_limit_mib=None, split_backward=False)
+    assert "interleaved-zb" not in {c.schedule for c in no_split.search.candidates}
+    # zb-h1 by name on a chunked placement is its interleaved form, as 1f1b is interleaved 1F1B.
+    named = plan_iteration(lengths, cm, dp=2, memory_limit_mib=None, schedule="zb-h1", validate=True)
+    assert named.schedule == "interleaved-zb"
+    for replica in range(2):
+        sched = named.search.schedules[replica]
+        for s, plan in enumerate(named.plans[replica]):
+            assert plan.schedule == "interleaved-zb" and plan.meta["chunks"] == 2
+            bws = [x for x in plan.instructions if isinstance(x, BackwardPass)]
+            assert [(x.part, x.mb, x.chunk) for x in bws] == \
+                [("input" if op.kind == "BI" else "weight", op.mb, op.chunk) for op in sched.stage_ops[s]
+                 if op.kind != "F"]
+            ins = list(plan.instructions)
+            # The input part carries a backward's transfers; a weight part none.
+            for k, x in enumerate(ins):
+                if isinstance(x, (RecvGradFinish, SendGradStart)):
+                    near = [i for i in ins if isinstance(i, BackwardPass) and (i.mb, i.chunk) == (x.mb, x.chunk)]
+                    assert near and near[0].part == "input"
+            # Each chunk completes its gradients at its own last input and weight parts.
+            last = {(k, c): [op.mb for op in sched.stage_ops[s] if op.kind == k and op.chunk == c][-1]
+                    for k in ("BI", "BW") for c in range(2)}
+            assert grad_sync_points(plan.instructions) == frozenset(
+                {(c, last[("BI", c)], "input") for c in range(2)} | {(c, last[("BW", c)], "weight") for c in range(2)})
+    validate_plans(named.all_plans())
+    data = [serialize_plan(p) for p in named.all_plans()]
+    assert [tuple(deserialize_plan(d).instructions) for d in data] == [tuple(p.instructions)
+                                                                       for p in named.all_plans()]
+    # Chunked names stay refused on contiguous placements.
+    with pytest.raises(DynaPipeError, match="interleaved-zb: placement .* 1 chunk"):
+        search_schedules([chunked_micro_batches([40, 90], 1)], build_cost_model(TINY, A100, 2),
+                         schedule="interleaved-zb")
 
 
 # -- plans -----------------------------------------------------------------------------------
@@ -480,8 +574,8 @@ def test_plan_command_writes_zb_h1_plans_that_validate(tmp_path, capsys):
     assert "valid" in capsys.readouterr().out
 
 
-def test_plan_auto_placement_for_zb_h1_is_contiguous(tmp_path, capsys):
-    # For t5-11b on 8 stages auto would pick an interleaved split; zb-h1 runs on contiguous ones.
+def test_plan_auto_placement_for_zb_h1_weighs_both_kinds(tmp_path, capsys):
+    # For t5-11b on 8 stages auto picks an interleaved split; zb-h1 runs there as interleaved-zb.
     from dynapipe.data.synthetic import sample_lengths
 
     lengths = tmp_path / "lengths.txt"
@@ -490,5 +584,5 @@ def test_plan_auto_placement_for_zb_h1_is_contiguous(tmp_path, capsys):
             "--placement", "auto"]
     assert main(base + ["--schedule", "zb-h1"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert StagePlacement.from_json(plan["placement"], T5).chunks == 1
-    assert plan["schedule"] == "zb-h1"
+    assert StagePlacement.from_json(plan["placement"], T5).chunks == 2
+    assert plan["schedule"] == "interleaved-zb"

@@ -16,7 +16,6 @@ from dynapipe.cli.cost import CostSetup
 from dynapipe.cost.placement import StagePlacement
 from dynapipe.cli.schedule_options import resolve_cluster
 from dynapipe.schedule.placement import PlacementPlan, choose_placement, choose_placement_kind
-from dynapipe.schedule.types import SPLIT_BACKWARD_SCHEDULE_NAMES
 
 
 def add_placement_argument(p: argparse.ArgumentParser) -> None:
@@ -42,9 +41,7 @@ def apply_placement(args: argparse.Namespace, setup: CostSetup, lengths) -> tupl
         if cm.model.is_encoder_decoder:  # contiguous or interleaved, by simulated time on this batch
             device = getattr(cm, "device", None)
             cluster = resolve_cluster(getattr(args, "cluster", None), device.name if device is not None else None)
-            # A split-backward schedule runs on contiguous placements only.
-            split = getattr(args, "schedule", None) in SPLIT_BACKWARD_SCHEDULE_NAMES
-            plan = choose_placement_kind([lengths], cm, cluster=cluster, chunks=1 if split else 2, **kw)
+            plan = choose_placement_kind([lengths], cm, cluster=cluster, chunks=2, **kw)
         else:
             plan = choose_placement([lengths], cm, **kw)
         return dataclasses.replace(setup, cost_model=plan.cost_model), plan

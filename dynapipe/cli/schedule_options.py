@@ -26,10 +26,10 @@ def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
     """``--schedule``, ``--cluster``, ``--plan-out``, ``--explain``."""
     p.add_argument("--schedule", choices=SCHEDULE_CHOICES, default="auto",
                    help="pipeline schedule: 1f1b, adaptive, zb-h1 (zero-bubble: each backward split into its "
-                        "input and weight parts; its gain is a cost-model estimate, so auto does not try it), "
-                        "interleaved or interleaved-adaptive (chunked placements), or auto (search 1f1b and "
-                        "adaptive, or the interleaved ones, x micro-batch orders x recompute levels from "
-                        "--recompute up; default auto)")
+                        "input and weight parts), interleaved, interleaved-adaptive or interleaved-zb (chunked "
+                        "placements, where 1f1b and zb-h1 mean interleaved and interleaved-zb), or auto (search "
+                        "1f1b, adaptive and zb-h1, or the interleaved ones, x micro-batch orders x recompute "
+                        "levels from --recompute up; default auto)")
     p.add_argument("--cluster", default=None,
                    help="cluster config (links between stages): a YAML path or a shipped name such as a100-8x "
                         "(default: chosen by device)")

@@ -11,7 +11,10 @@ Communication follows the rule of :mod:`dynapipe.plan.compile`: one global order
 transfers by simulated ready time (ties by kind, micro-batch, virtual stage); every rank
 posts its share in that order, a send right after the op that produces it and waited
 for before the rank's next op, a receive as soon as every earlier transfer of the rank
-is posted, and its finish just before the op that reads it. The plans are instruction
+is posted, and its finish just before the op that reads it. A split backward
+(``interleaved-zb``) compiles as :mod:`dynapipe.plan.compile` compiles it: its ``BI`` into
+``BackwardPass(part="input")`` with exactly a backward's transfers and frees, its ``BW``
+into ``BackwardPass(part="weight")`` with none. The plans are instruction
 objects (the compiled instruction tables are for unchunked plans), so
 :func:`~dynapipe.plan.validate.validate_plans` checks them on its object path.
 """
@@ -59,10 +62,6 @@ def compile_chunked_plans(schedule: Schedule, micro_batches: Sequence[MicroBatch
                             f"{v} chunks.")
     if P < 2:
         raise DynaPipeError("an interleaved plan needs at least 2 pipeline ranks.")
-    if schedule.split_backward:
-        raise DynaPipeError(f"compile_chunked_plans: schedule {schedule.name!r} splits backwards (BI/BW), which "
-                            f"interleaved plans do not support yet; use a zero-bubble schedule on an unchunked "
-                            f"placement.")
     if timeline.schedule.stage_ops != schedule.stage_ops:
         raise DynaPipeError("the timeline given to compile_chunked_plans belongs to a different schedule.")
     mbs_list = list(micro_batches)
@@ -90,7 +89,7 @@ def compile_chunked_plans(schedule: Schedule, micro_batches: Sequence[MicroBatch
             k = op.chunk * P + s
             if op.kind == "F" and k < V - 1:
                 transfers.append(((timeline.ends[s][j], 0, op.mb, k), s, (k + 1) % P))
-            elif op.kind == "B" and k > 0:
+            elif op.kind in ("B", "BI") and k > 0:
                 transfers.append(((timeline.ends[s][j], 1, op.mb, k), s, (k - 1) % P))
     transfers.sort(key=lambda t: t[0])
     plans = []
@@ -118,7 +117,8 @@ def _rank_plan(s, P, v, schedule, infos, transfers, message, packed, model, layo
     V = P * v
     mine = [(key, src, dst) for key, src, dst in transfers if s in (src, dst)]
     ops = schedule.stage_ops[s]
-    op_index = {(op.kind, op.mb, op.chunk): j for j, op in enumerate(ops)}
+    # A backward's input gradient comes from its B or its BI (the weight part sends nothing).
+    op_index = {("B" if op.kind == "BI" else op.kind, op.mb, op.chunk): j for j, op in enumerate(ops)}
     out: list = []
     pending_send_finish: list = []
     ptr = 0
@@ -159,7 +159,9 @@ def _rank_plan(s, P, v, schedule, infos, transfers, message, packed, model, layo
         c, m = op.chunk, op.mb
         level = _level(schedule, k, s, V)
         shape = dict(mbs=info.mbs, seqlen=info.seqlen, dec_seqlen=info.dec_seqlen, recompute=level)
-        if op.kind == "F":
+        if op.kind == "BW":
+            out.append(BackwardPass(mb=m, chunk=c, part="weight", **shape))
+        elif op.kind == "F":
             loads = input_specs(model, k, V, info.mbs, info.seqlen, info.dec_seqlen, packed[m], layouts)
             if loads:
                 out.append(LoadInput(mb=m, chunk=c, tensors=loads))
@@ -171,7 +173,7 @@ def _rank_plan(s, P, v, schedule, infos, transfers, message, packed, model, layo
             if k < V - 1:
                 out.append(RecvGradFinish(mb=m, chunk=c, peer=(s + 1) % P, buffer=buffer_name("grad_in", m, c),
                                           tensors=message(k, m)))
-            out.append(BackwardPass(mb=m, chunk=c, **shape))
+            out.append(BackwardPass(mb=m, chunk=c, part="input" if op.kind == "BI" else "full", **shape))
             loads = input_specs(model, k, V, info.mbs, info.seqlen, info.dec_seqlen, packed[m], layouts)
             frees = (["input"] if loads else []) + (["act_in"] if k > 0 else []) + \
                 (["act_out", "grad_in"] if k < V - 1 else [])

@@ -119,18 +119,22 @@ def _arrays(P: int, v: int, groups: tuple[int, ...], extra: int) -> tuple:
     return kind, mb, ch, np.full(P, 2 * n, dtype=np.int64)
 
 
+_KIND_NAMES = {K.F: "F", K.B: "B", K.BI: "BI", K.BW: "BW"}
+_KIND_CODES = {v: k for k, v in _KIND_NAMES.items()}
+
+
 def schedule_from_chunked_arrays(name: str, kind, mb, ch, nops, *, chunks: int, recompute: str = "none",
                                  order: str = "planned", mb_order: tuple[int, ...] = (),
-                                 stage_recompute: tuple[str, ...] = ()) -> Schedule:
+                                 stage_recompute: tuple[str, ...] = (), meta: Optional[dict] = None) -> Schedule:
     """A chunked :class:`Schedule` from ``[P, L]`` kind / micro-batch / chunk arrays."""
-    stage_ops = tuple(tuple(Op("F" if k == K.F else "B", m, c)
+    stage_ops = tuple(tuple(Op(_KIND_NAMES[k], m, c)
                             for k, m, c in zip(kind[s, :nops[s]].tolist(), mb[s, :nops[s]].tolist(),
                                                ch[s, :nops[s]].tolist()))
                       for s in range(kind.shape[0]))
     M = len({op.mb for op in stage_ops[0]}) if stage_ops else 0
     return Schedule(name, kind.shape[0], stage_ops, recompute=recompute, order=order,
                     mb_order=mb_order or tuple(range(M)), stage_recompute=tuple(stage_recompute),
-                    num_chunks=chunks)
+                    num_chunks=chunks, meta=dict(meta or {}))
 
 
 def interleaved_1f1b(num_stages: int, chunks: int, num_micro_batches: int, *, recompute: str = "none",
@@ -148,13 +152,28 @@ def interleaved_1f1b(num_stages: int, chunks: int, num_micro_batches: int, *, re
 
 @K._jit
 def chunked_kernel(kind, mb, ch, nops, fw, bw, st, pk, ac, gc, state, abort_ms, abort_mib):
-    """Simulate fixed per-rank op orders over ``V`` virtual stages (``fw``... ``[V, M]``,
-    ``state`` ``[P]``). Returns ``(status, starts, ends, busy, peak, stuck_rank)``."""
+    """Simulate fixed per-rank op orders of kinds F and B over ``V`` virtual stages (``fw``...
+    ``[V, M]``, ``state`` ``[P]``): :func:`chunked_split_kernel` with no weight parts.
+    Returns ``(status, starts, ends, busy, peak, stuck_rank)``."""
+    none = np.zeros_like(fw)
+    return chunked_split_kernel(kind, mb, ch, nops, fw, bw, st, pk, ac, gc, state, none, none, abort_ms, abort_mib)
+
+
+@K._jit
+def chunked_split_kernel(kind, mb, ch, nops, fw, bw, st, pk, ac, gc, state, bww, ws, abort_ms, abort_mib):
+    """Simulate fixed per-rank op orders of kinds F, B, BI and BW over ``V`` virtual stages
+    (``fw``... ``[V, M]``, ``state`` ``[P]``); op ``p`` of rank ``s`` runs virtual stage
+    ``ch[s, p] * P + s``. A split backward prices as in
+    :func:`~dynapipe.schedule._kernels.simulate_split_kernel`: ``BI`` lasts ``bw - bww`` and
+    waits and signals like ``B``; ``BW`` lasts ``bww`` and waits only for its own ``BI``;
+    ``ws`` is what a pending weight part keeps (MiB). Returns ``(status, starts, ends, busy,
+    peak, stuck_rank)``."""
     P = kind.shape[0]
     V = fw.shape[0]
     M = fw.shape[1]
     L = kind.shape[1]
     f_end = np.full((V, M), -1.0)
+    # When the gradient of micro-batch m leaves virtual stage k (the end of its B or BI).
     b_end = np.full((V, M), -1.0)
     starts = np.zeros((P, L))
     ends = np.zeros((P, L))
@@ -172,7 +191,8 @@ def chunked_kernel(kind, mb, ch, nops, fw, bw, st, pk, ac, gc, state, abort_ms, 
             while p < nops[s]:
                 m = mb[s, p]
                 k = ch[s, p] * P + s
-                if kind[s, p] == K.F:
+                op = kind[s, p]
+                if op == K.F:
                     if k > 0:
                         dep = f_end[k - 1, m]
                         if dep < 0.0:
@@ -184,6 +204,12 @@ def chunked_kernel(kind, mb, ch, nops, fw, bw, st, pk, ac, gc, state, abort_ms, 
                     f_end[k, m] = end
                     high = stored[s] + st[k, m] + pk[k, m]
                     stored[s] += st[k, m]
+                elif op == K.BW:
+                    if b_end[k, m] < 0.0:
+                        break  # its input part has not run: the order is broken
+                    end = t + bww[k, m]
+                    high = stored[s]
+                    stored[s] -= ws[k, m]
                 else:
                     if k < V - 1:
                         dep = b_end[k + 1, m]
@@ -196,10 +222,16 @@ def chunked_kernel(kind, mb, ch, nops, fw, bw, st, pk, ac, gc, state, abort_ms, 
                             break
                     if ready > t:
                         t = ready
-                    end = t + bw[k, m]
-                    b_end[k, m] = end
                     high = stored[s] + pk[k, m]
-                    stored[s] -= st[k, m]
+                    if op == K.B:
+                        end = t + bw[k, m]
+                        stored[s] -= st[k, m]
+                    else:
+                        end = t + (bw[k, m] - bww[k, m])
+                        stored[s] -= st[k, m] - ws[k, m]
+                        if stored[s] > high:  # the weight part may keep more than was stored
+                            high = stored[s]
+                    b_end[k, m] = end
                 if high + state[s] > peak[s]:
                     peak[s] = high + state[s]
                     if peak[s] > abort_mib:
@@ -260,10 +292,10 @@ def virtual_stage_times_per_replica(cost_model: CostModel, replicas: Sequence[Se
 
 
 def chunked_inputs(times: StageTimes) -> tuple:
-    """The cost arrays as :func:`chunked_kernel` takes them."""
-    from dynapipe.schedule.simulator import kernel_inputs
+    """The cost arrays as :func:`chunked_split_kernel` takes them, weight parts included."""
+    from dynapipe.schedule.simulator import kernel_inputs, split_inputs
 
-    return kernel_inputs(times)
+    return kernel_inputs(times) + split_inputs(times)
 
 
 def chunked_schedule_arrays(schedule: Schedule, num_micro_batches: int) -> tuple:
@@ -274,15 +306,11 @@ def chunked_schedule_arrays(schedule: Schedule, num_micro_batches: int) -> tuple
     kind, mb, ch = (np.zeros((P, L), dtype=np.int64) for _ in range(3))
     for s, ops in enumerate(schedule.stage_ops):
         for i, op in enumerate(ops):
-            if op.kind in ("BI", "BW"):
-                raise DynaPipeError(f"schedule {schedule.name!r}: op {op} splits the backward, which interleaved "
-                                    f"(chunked) schedules do not support yet; use an unchunked placement for "
-                                    f"zero-bubble schedules.")
-            if op.kind not in ("F", "B") or not 0 <= op.chunk < schedule.num_chunks \
+            if op.kind not in _KIND_CODES or not 0 <= op.chunk < schedule.num_chunks \
                     or not 0 <= op.mb < num_micro_batches:
-                raise DynaPipeError(f"schedule {schedule.name!r}: op {op} cannot be simulated (kinds F/B, chunks "
-                                    f"0..{schedule.num_chunks - 1}, micro-batches 0..{num_micro_batches - 1}).")
-            kind[s, i], mb[s, i], ch[s, i] = (K.F if op.kind == "F" else K.B), op.mb, op.chunk
+                raise DynaPipeError(f"schedule {schedule.name!r}: op {op} cannot be simulated (kinds F/B/BI/BW, "
+                                    f"chunks 0..{schedule.num_chunks - 1}, micro-batches 0..{num_micro_batches - 1}).")
+            kind[s, i], mb[s, i], ch[s, i] = _KIND_CODES[op.kind], op.mb, op.chunk
     return kind, mb, ch, nops
 
 
@@ -296,12 +324,17 @@ def chunked_memory_steps(schedule: Schedule, times: StageTimes, starts, ends) ->
         for i, op in enumerate(ops):
             k = op.chunk * P + s
             st, pk = float(times.stored_mib[k, op.mb]), float(times.peak_mib[k, op.mb])
+            ws = float(times.weight_stash_mib[k, op.mb])
             if op.kind == "F":
                 stored += st
                 high = stored + pk
+            elif op.kind == "BW":
+                high = stored
+                stored -= ws
             else:
                 high = stored + pk
-                stored -= st
+                stored -= st if op.kind == "B" else st - ws
+                high = max(high, stored)
             steps += [(starts[s][i], state + high), (ends[s][i], state + stored)]
         out.append(steps)
     return out
@@ -318,8 +351,8 @@ def simulate_chunked(schedule: Schedule, times: StageTimes, *, record_memory: bo
         raise DynaPipeError(f"schedule {schedule.name!r} has {P} ranks x {v} chunks; the costs have "
                             f"{times.num_stages} virtual stages and {len(times.state_mib)} ranks.")
     kind, mb, ch, nops = chunked_schedule_arrays(schedule, times.num_micro_batches) if arrays is None else arrays
-    status, starts, ends, busy, peak, stage = chunked_kernel(kind, mb, ch, nops, *chunked_inputs(times),
-                                                             np.inf, np.inf)
+    status, starts, ends, busy, peak, stage = chunked_split_kernel(kind, mb, ch, nops, *chunked_inputs(times),
+                                                                   np.inf, np.inf)
     if status == K.STUCK:
         raise DynaPipeError(f"schedule {schedule.name!r} cannot run: rank {stage} waits forever on an op whose "
                             f"input its neighbour produces only later in its own order.")
@@ -340,7 +373,7 @@ def _rank_peaks(by_level: dict, mix: Sequence[str]) -> np.ndarray:
         t = StageTimes.mixed([by_level[mix[k]][r] for k in range(len(mix))])
         P = len(t.state_mib)
         kind, mb, ch, nops = interleaved_arrays(P, t.num_stages // P, t.num_micro_batches)
-        peaks.append(chunked_kernel(kind, mb, ch, nops, *chunked_inputs(t), np.inf, np.inf)[4])
+        peaks.append(chunked_split_kernel(kind, mb, ch, nops, *chunked_inputs(t), np.inf, np.inf)[4])
     return np.max(peaks, axis=0)
 
 

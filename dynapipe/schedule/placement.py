@@ -109,7 +109,8 @@ def simulated_ms(batches: Sequence, cost_model: CostModel, *, dp: int, memory_li
                  cluster=None, split_backward: bool = True) -> float:
     """Summed simulated iteration time (ms) of DynaPipe's plans of ``batches`` on
     ``cost_model``'s placement: the cut, then the schedule search under the memory limit
-    (``inf`` when nothing fits; ``split_backward``: whether ``auto`` may try ``zb-h1``)."""
+    (``inf`` when nothing fits; ``split_backward``: whether ``auto`` may try ``zb-h1`` or,
+    on a chunked placement, ``interleaved-zb``)."""
     from dynapipe.schedule.search import search_schedules
 
     capacity = None if memory_limit_mib is None else memory_limit_mib - reserved_mib
@@ -170,8 +171,9 @@ def choose_placement_kind(batches: Sequence, cost_model: CostModel, *, dp: int =
     ``chunks``-chunk interleaved one (:func:`choose_chunked_placement`), by DynaPipe's
     simulated time on ``batches`` (ms, summed; schedules searched under the memory limit).
     ``compared`` of the result holds both times. ``chunks`` below 2: the contiguous one only
-    (for stages that cannot interleave). ``split_backward``: whether the contiguous stages
-    can split their backward (the search may then try ``zb-h1`` on them)."""
+    (for stages that cannot interleave). ``split_backward``: whether the stages can split
+    their backward (the search may then try ``zb-h1`` on the contiguous placement and
+    ``interleaved-zb`` on the interleaved one)."""
     memory_limit_mib, reserved_mib = _memory(cost_model, memory_limit_mib, reserved_mib)
     kw = dict(dp=dp, memory_limit_mib=memory_limit_mib, reserved_mib=reserved_mib, seq_length=seq_length,
               zero=zero, recompute=recompute)
@@ -187,7 +189,8 @@ def choose_placement_kind(batches: Sequence, cost_model: CostModel, *, dp: int =
         compared["interleaved_error"] = str(e)
         return PlacementPlan(contiguous.chosen, contiguous.before, contiguous.cost_model, contiguous.rounds, compared)
     compared.update({"interleaved": str(chunked.chosen.placement),
-                     "interleaved_ms": simulated_ms(batches, chunked.cost_model, cluster=cluster, **kw)})
+                     "interleaved_ms": simulated_ms(batches, chunked.cost_model, cluster=cluster,
+                                                    split_backward=split_backward, **kw)})
     if compared["interleaved_ms"] < compared["contiguous_ms"]:
         return PlacementPlan(chunked.chosen, contiguous.before, chunked.cost_model, contiguous.rounds, compared)
     return PlacementPlan(contiguous.chosen, contiguous.before, contiguous.cost_model, contiguous.rounds, compared)

@@ -1,8 +1,9 @@
 """Schedule search: simulate candidate schedules and keep the fastest that fits.
 
 Candidates are schedules (``1f1b``, ``adaptive`` and ``zb-h1``, which splits the backward,
-unless the run cannot split it; on a placement with virtual-pipeline chunks ``interleaved``
-and ``interleaved-adaptive``, with a recompute level per chunk) x micro-batch orders
+unless the run cannot split it; on a placement with virtual-pipeline chunks ``interleaved``,
+``interleaved-adaptive`` and, unless the run cannot split its backward, ``interleaved-zb``,
+with a recompute level per chunk) x micro-batch orders
 (:mod:`dynapipe.schedule.orders`) x recompute levels (none, selective, full, and for
 ``auto`` a per-stage mix: stages that hold fewer micro-batches in flight recompute less,
 worked out for each schedule's op order). Every
@@ -28,10 +29,11 @@ from dynapipe.errors import DynaPipeError
 from dynapipe.schedule import _kernels as K
 from dynapipe.schedule.adaptive import adaptive_arrays, schedule_from_arrays
 from dynapipe.schedule.costs import StageTimes, stage_times_per_replica
-from dynapipe.schedule.interleaved import (INTERLEAVED, chunk_count, chunk_levels, chunked_kernel, interleaved_1f1b,
-                                           interleaved_arrays, schedule_from_chunked_arrays,
-                                           virtual_stage_times_per_replica)
+from dynapipe.schedule.interleaved import (INTERLEAVED, chunk_count, chunk_levels, chunked_inputs,
+                                           chunked_split_kernel, interleaved_1f1b, interleaved_arrays,
+                                           schedule_from_chunked_arrays, virtual_stage_times_per_replica)
 from dynapipe.schedule.interleaved_adaptive import INTERLEAVED_ADAPTIVE, interleaved_adaptive_orders
+from dynapipe.schedule.interleaved_zb import INTERLEAVED_ZB, interleaved_zb, interleaved_zb_arrays
 from dynapipe.schedule.one_f_one_b import one_f_one_b, one_f_one_b_arrays
 from dynapipe.schedule.orders import ORDERS
 from dynapipe.schedule.simulator import Timeline, kernel_inputs, simulate, split_inputs
@@ -39,13 +41,17 @@ from dynapipe.schedule.types import CHUNKED_SCHEDULE_NAMES, SCHEDULE_NAMES, SPLI
 from dynapipe.schedule.zero_bubble import ZB_H1, zb_h1, zb_h1_arrays
 
 # Every --schedule value. ``auto`` tries SCHEDULE_NAMES and, where the run can split the
-# backward, the split-backward schedules (on chunked placements: the chunked ones).
+# backward, the split-backward schedules (on chunked placements: the chunked ones, of which
+# interleaved-zb splits the backward).
 SCHEDULE_CHOICES = SCHEDULE_NAMES + SPLIT_BACKWARD_SCHEDULE_NAMES + CHUNKED_SCHEDULE_NAMES + ("auto",)
 # Fixed op orders the search simulates, by name: (kind, mb, nops) arrays of (stages, micro-batches).
 _FIXED_ORDERS = {"1f1b": one_f_one_b_arrays, ZB_H1: zb_h1_arrays}
 # Candidate outcomes.
 FITS, OVER_MEMORY, SLOWER, SKIPPED = "fits", "over-memory", "slower", "skipped"
 PER_STAGE = "per-stage"
+# Schedules whose pending weight parts the search caps (max_delay) until they fit.
+_DELAYED = (ZB_H1, INTERLEAVED_ZB)
+_CHUNKED = (INTERLEAVED, INTERLEAVED_ADAPTIVE, INTERLEAVED_ZB)
 
 
 @dataclass(frozen=True)
@@ -67,7 +73,7 @@ class Candidate:
     bubble_fraction: float = 0.0
     peak_mib: tuple[float, ...] = ()
     stage_recompute: tuple[str, ...] = ()
-    max_delay: Optional[int] = None  # zb-h1: the cap on the weight delays that fitted
+    max_delay: Optional[int] = None  # zb-h1, interleaved-zb: the cap on the weight delays that fitted
 
     @property
     def fits(self) -> bool:
@@ -106,13 +112,18 @@ class SearchResult:
 def _run(name: str, times: StageTimes, capacity: np.ndarray, abort_ms: float, abort_mib: float,
          max_delay: Optional[int] = None):
     """One replica, one candidate: ``(status, kind, mb, nops, starts, ends, busy, peak, chunk)``
-    (``chunk``: the op chunks of an interleaved schedule, else None; ``max_delay``: zb-h1's)."""
+    (``chunk``: the op chunks of an interleaved schedule, else None; ``max_delay``: the cap on
+    zb-h1's or interleaved-zb's weight delays)."""
     S, M = times.num_stages, times.num_micro_batches
-    if name in (INTERLEAVED, INTERLEAVED_ADAPTIVE):
+    if name in _CHUNKED:
         P = len(times.state_mib)
-        kind, mb, ch, nops = (interleaved_arrays(P, S // P, M) if name == INTERLEAVED
-                              else interleaved_adaptive_orders(times, P, float(np.min(capacity))))
-        out = chunked_kernel(kind, mb, ch, nops, *kernel_inputs(times), abort_ms, abort_mib)
+        if name == INTERLEAVED:
+            kind, mb, ch, nops = interleaved_arrays(P, S // P, M)
+        elif name == INTERLEAVED_ZB:
+            kind, mb, ch, nops = interleaved_zb_arrays(P, S // P, M, max_delay)
+        else:
+            kind, mb, ch, nops = interleaved_adaptive_orders(times, P, float(np.min(capacity)))
+        out = chunked_split_kernel(kind, mb, ch, nops, *chunked_inputs(times), abort_ms, abort_mib)
         if out[0] == K.STUCK:
             raise DynaPipeError(f"{name} could not be simulated (internal error, please report).")
         return (out[0], kind, mb, nops) + tuple(out[1:5]) + (ch,)
@@ -198,7 +209,9 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
     ``schedule``: ``1f1b``, ``adaptive`` or ``zb-h1`` (that schedule, planned order unless
     ``orders`` is given) or ``auto`` (every schedule of ``SCHEDULE_NAMES``, and ``zb-h1``
     unless ``split_backward`` is False, i.e. the stages cannot split their backward; every
-    order). ``recompute``: a level,
+    order). On a placement with virtual-pipeline chunks ``1f1b`` is ``interleaved``, ``zb-h1``
+    is ``interleaved-zb``, and ``auto`` tries ``interleaved``, ``interleaved-adaptive`` and
+    (unless ``split_backward`` is False) ``interleaved-zb``. ``recompute``: a level,
     a list of levels to try, or ``None`` to try every level. ``capacity_mib``: memory a stage may use, model
     states included (MiB; the device limit minus what the framework reserves; None:
     unbounded). ``per_stage`` (default: on for ``auto``) also tries a per-stage
@@ -212,19 +225,15 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
     if schedule not in SCHEDULE_CHOICES:
         raise DynaPipeError(f"--schedule {schedule!r} is not known; use one of {', '.join(SCHEDULE_CHOICES)}.")
     chunks = chunk_count(cost_model)
-    # On a chunked placement 1F1B is Megatron's interleaved 1F1B; adaptive is interleaved-adaptive.
-    if chunks > 1 and schedule in SPLIT_BACKWARD_SCHEDULE_NAMES:
-        raise DynaPipeError(f"--schedule {schedule}: placement {cost_model.placement} has {chunks} virtual-pipeline "
-                            f"chunks per stage, and split-backward schedules on interleaved placements are not "
-                            f"supported yet; use --schedule interleaved, interleaved-adaptive or auto, or a "
-                            f"placement without chunks.")
+    # On a chunked placement 1F1B is Megatron's interleaved 1F1B and zb-h1 is interleaved-zb.
     if (chunks > 1 and schedule == "adaptive") or (chunks == 1 and schedule in CHUNKED_SCHEDULE_NAMES):
-        use = "interleaved, interleaved-adaptive" if chunks > 1 else "1f1b or adaptive"
+        use = ", ".join(CHUNKED_SCHEDULE_NAMES) if chunks > 1 else "1f1b, adaptive or zb-h1"
         raise DynaPipeError(f"--schedule {schedule}: placement {cost_model.placement} has {chunks} chunk(s) per "
                             f"stage; use --schedule {use} or auto.")
     if chunks > 1:
-        names = {"auto": [INTERLEAVED, INTERLEAVED_ADAPTIVE], INTERLEAVED_ADAPTIVE: [INTERLEAVED_ADAPTIVE]}.get(
-            schedule, [INTERLEAVED])
+        auto = [INTERLEAVED, INTERLEAVED_ADAPTIVE] + ([INTERLEAVED_ZB] if split_backward else [])
+        names = {"auto": auto, INTERLEAVED_ADAPTIVE: [INTERLEAVED_ADAPTIVE], INTERLEAVED_ZB: [INTERLEAVED_ZB],
+                 ZB_H1: [INTERLEAVED_ZB]}.get(schedule, [INTERLEAVED])
     elif schedule == "auto":
         names = list(SCHEDULE_NAMES) + (list(SPLIT_BACKWARD_SCHEDULE_NAMES) if split_backward else [])
     else:
@@ -254,10 +263,10 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
     best: Optional[tuple] = None
 
     def evaluate(name, level, mix, o, permuted, abort_ms, abort_mib):
-        if name != ZB_H1:
+        if name not in _DELAYED:
             return evaluate_once(name, level, mix, o, permuted, abort_ms, abort_mib)
         # Pending weight parts hold memory: the largest cap on the weight delays that fits
-        # (k = S - 1 leaves zb-h1's own delays; k = 0 holds what 1F1B holds).
+        # (k = S - 1 leaves the schedule's own delays; k = 0 holds what (interleaved) 1F1B holds).
         for k in range(S - 1, -1, -1):
             cand, runs = evaluate_once(name, level, mix, o, permuted, abort_ms, abort_mib, k)
             if cand.status != OVER_MEMORY:
@@ -319,13 +328,14 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
     cand, runs, permuted, perms = best
     schedules, timelines = [], []
     for r, t, p in zip(runs, permuted, perms):
-        if cand.schedule in (INTERLEAVED, INTERLEAVED_ADAPTIVE):
-            sched = (interleaved_1f1b(S, chunks, t.num_micro_batches, recompute=cand.recompute, order=cand.order,
-                                      mb_order=p, stage_recompute=cand.stage_recompute)
-                     if cand.schedule == INTERLEAVED else
-                     schedule_from_chunked_arrays(INTERLEAVED_ADAPTIVE, r[1], r[2], r[8], r[3], chunks=chunks,
-                                                  recompute=cand.recompute, order=cand.order, mb_order=p,
-                                                  stage_recompute=cand.stage_recompute))
+        if cand.schedule in _CHUNKED:
+            kw = dict(recompute=cand.recompute, order=cand.order, mb_order=p, stage_recompute=cand.stage_recompute)
+            if cand.schedule == INTERLEAVED:
+                sched = interleaved_1f1b(S, chunks, t.num_micro_batches, **kw)
+            elif cand.schedule == INTERLEAVED_ZB:
+                sched = interleaved_zb(S, chunks, t.num_micro_batches, max_delay=cand.max_delay, **kw)
+            else:
+                sched = schedule_from_chunked_arrays(INTERLEAVED_ADAPTIVE, r[1], r[2], r[8], r[3], chunks=chunks, **kw)
             schedules.append(sched)
             timelines.append(simulate(sched, t, record_memory=True, arrays=(r[1], r[2], r[8], r[3])))
             continue

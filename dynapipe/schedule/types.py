@@ -3,9 +3,10 @@
 A :class:`Schedule` fixes, for each pipeline stage, the sequence of :class:`Op` it runs
 for one iteration. Micro-batch indices (``Op.mb``) are positions in the list of
 micro-batches the schedule was built for (after any reordering). The formats are open
-for what is coming: ``chunk`` names a virtual-pipeline chunk (interleaved stages; 0
-today). A backward is either one op ``"B"`` or, in a zero-bubble schedule
-(:mod:`dynapipe.schedule.zero_bubble`), two: ``"BI"`` (the input-gradient part, which
+for what is coming: ``chunk`` names a virtual-pipeline chunk (interleaved stages, see
+:mod:`dynapipe.schedule.interleaved`; 0 otherwise). A backward is either one op ``"B"``
+or, in a zero-bubble schedule (:mod:`dynapipe.schedule.zero_bubble`,
+:mod:`dynapipe.schedule.interleaved_zb`), two: ``"BI"`` (the input-gradient part, which
 receives the gradient and sends the input gradient on, as ``B`` does) and ``"BW"`` (the
 weight-gradient part, which only this stage waits for, so it can fill a wait).
 """
@@ -16,18 +17,17 @@ from dataclasses import dataclass, field
 from dynapipe.errors import DynaPipeError
 
 OP_KINDS = ("F", "B", "BI", "BW")
-# Kinds the simulator and the plan compiler run (BI/BW: unchunked schedules only so far).
+# Kinds the simulators and the plan compilers run (contiguous and chunked schedules alike).
 SUPPORTED_KINDS = OP_KINDS
 # Backward ops that receive a gradient and send the input gradient on.
 GRADIENT_KINDS = ("B", "BI")
 # The schedules ``--schedule auto`` tries on an unchunked placement.
 SCHEDULE_NAMES = ("1f1b", "adaptive")
-# Schedules that split the backward (BI/BW). Chosen only explicitly, never by ``auto``:
-# how a backward divides into its input and weight parts is a FLOPs estimate of the cost
-# model (dynapipe.cost.backward_split), not yet measured on hardware.
+# Schedules that split the backward (BI/BW) on an unchunked placement; ``auto`` tries them
+# where the stages can split their backward.
 SPLIT_BACKWARD_SCHEDULE_NAMES = ("zb-h1",)
-# Schedules of chunked (interleaved) placements.
-CHUNKED_SCHEDULE_NAMES = ("interleaved", "interleaved-adaptive")
+# Schedules of chunked (interleaved) placements; the last one splits the backward.
+CHUNKED_SCHEDULE_NAMES = ("interleaved", "interleaved-adaptive", "interleaved-zb")
 
 
 @dataclass(frozen=True, order=True)

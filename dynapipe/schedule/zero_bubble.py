@@ -33,9 +33,9 @@ its input part and a stage holds what it holds under 1F1B; even then the gradien
 each stage one weight part sooner than 1F1B's backward would send it.
 
 Every stage runs ``3M`` ops. How a backward divides into the two parts is the cost
-model's FLOPs estimate (:mod:`dynapipe.cost.backward_split`), so ``auto`` does not try
-this schedule; ``--schedule zb-h1`` asks for it. Interleaved (chunked) placements are
-not supported yet.
+model's FLOPs estimate (:mod:`dynapipe.cost.backward_split`) unless a profile timed it.
+``auto`` tries this schedule where the stages can split their backward; on chunked
+placements :mod:`dynapipe.schedule.interleaved_zb` is its interleaved form.
 """
 from __future__ import annotations
 
