@@ -387,6 +387,17 @@ def test_chunked_kernel_prices_a_split_backward_by_hand():
     assert tl.makespan_ms == pytest.approx(13.0)
 
 
+@pytest.mark.skipif(not K.compiled(), reason="numba is not installed: only the Python kernel runs")
+def test_compiled_and_python_chunked_split_kernels_agree():
+    from dynapipe.schedule.interleaved import chunked_inputs
+    from dynapipe.schedule.interleaved_zb import interleaved_zb_arrays
+
+    t = _chunked_split_times(3, 2, 7, np.random.default_rng(5), stash=0.5, stored=1.0)
+    args = (*interleaved_zb_arrays(3, 2, 7), *chunked_inputs(t), np.inf, np.inf)
+    for a, b in zip(K.chunked_split_kernel(*args), K.chunked_split_kernel.py_func(*args)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_search_runs_interleaved_zb_on_chunks_and_compiles_plans_that_validate():
     from dynapipe.pipeline_planner import plan_iteration
 

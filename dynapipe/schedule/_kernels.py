@@ -1,10 +1,11 @@
 """The simulation loops, compiled with numba when it is installed.
 
-Both kernels are plain loops over numpy arrays, written once: with numba they run
+The kernels are plain loops over numpy arrays, written once: with numba they run
 compiled (``cache=True`` keeps the machine code between processes), without it they run
 as ordinary Python and give identical results, only slower. They take and return
-arrays only; :mod:`dynapipe.schedule.simulator` and :mod:`dynapipe.schedule.adaptive`
-wrap them into schedules and timelines.
+arrays only; :mod:`dynapipe.schedule.simulator`, :mod:`dynapipe.schedule.adaptive` and
+:mod:`dynapipe.schedule.interleaved` (the chunked kernels: op ``p`` of rank ``s`` runs
+virtual stage ``chunk * P + s``) wrap them into schedules and timelines.
 
 Op kinds are encoded ``0`` (forward), ``1`` (backward), and for a split backward ``2``
 (its input-gradient part) and ``3`` (its weight-gradient part). Status codes: ``OK``;
@@ -152,6 +153,108 @@ def simulate_split_kernel(kind, mb, nops, fw, bw, st, pk, ac, gc, state, bww, ws
                     pending[npend] = nb
                     npend += 1
     for s in range(S):
+        if ptr[s] < nops[s]:
+            return STUCK, starts, ends, busy, peak, s
+    return OK, starts, ends, busy, peak, -1
+
+
+@_jit
+def chunked_kernel(kind, mb, ch, nops, fw, bw, st, pk, ac, gc, state, abort_ms, abort_mib):
+    """Simulate fixed per-rank op orders of kinds F and B over ``V`` virtual stages (``fw``...
+    ``[V, M]``, ``state`` ``[P]``): :func:`chunked_split_kernel` with no weight parts.
+    Returns ``(status, starts, ends, busy, peak, stuck_rank)``."""
+    none = np.zeros_like(fw)
+    return chunked_split_kernel(kind, mb, ch, nops, fw, bw, st, pk, ac, gc, state, none, none, abort_ms, abort_mib)
+
+
+@_jit
+def chunked_split_kernel(kind, mb, ch, nops, fw, bw, st, pk, ac, gc, state, bww, ws, abort_ms, abort_mib):
+    """Simulate fixed per-rank op orders of kinds F, B, BI and BW over ``V`` virtual stages
+    (``fw``... ``[V, M]``, ``state`` ``[P]``); op ``p`` of rank ``s`` runs virtual stage
+    ``ch[s, p] * P + s``. A split backward prices as in
+    :func:`~dynapipe.schedule._kernels.simulate_split_kernel`: ``BI`` lasts ``bw - bww`` and
+    waits and signals like ``B``; ``BW`` lasts ``bww`` and waits only for its own ``BI``;
+    ``ws`` is what a pending weight part keeps (MiB). Returns ``(status, starts, ends, busy,
+    peak, stuck_rank)``."""
+    P = kind.shape[0]
+    V = fw.shape[0]
+    M = fw.shape[1]
+    L = kind.shape[1]
+    f_end = np.full((V, M), -1.0)
+    # When the gradient of micro-batch m leaves virtual stage k (the end of its B or BI).
+    b_end = np.full((V, M), -1.0)
+    starts = np.zeros((P, L))
+    ends = np.zeros((P, L))
+    busy = np.zeros(P)
+    peak = state.copy()
+    stored = np.zeros(P)
+    ptr = np.zeros(P, np.int64)
+    free = np.zeros(P)
+    progress = True
+    while progress:
+        progress = False
+        for s in range(P):
+            p = ptr[s]
+            t = free[s]
+            while p < nops[s]:
+                m = mb[s, p]
+                k = ch[s, p] * P + s
+                op = kind[s, p]
+                if op == F:
+                    if k > 0:
+                        dep = f_end[k - 1, m]
+                        if dep < 0.0:
+                            break
+                        ready = dep + ac[k - 1, m]
+                        if ready > t:
+                            t = ready
+                    end = t + fw[k, m]
+                    f_end[k, m] = end
+                    high = stored[s] + st[k, m] + pk[k, m]
+                    stored[s] += st[k, m]
+                elif op == BW:
+                    if b_end[k, m] < 0.0:
+                        break  # its input part has not run: the order is broken
+                    end = t + bww[k, m]
+                    high = stored[s]
+                    stored[s] -= ws[k, m]
+                else:
+                    if k < V - 1:
+                        dep = b_end[k + 1, m]
+                        if dep < 0.0:
+                            break
+                        ready = dep + gc[k, m]
+                    else:
+                        ready = f_end[k, m]
+                        if ready < 0.0:
+                            break
+                    if ready > t:
+                        t = ready
+                    high = stored[s] + pk[k, m]
+                    if op == B:
+                        end = t + bw[k, m]
+                        stored[s] -= st[k, m]
+                    else:
+                        end = t + (bw[k, m] - bww[k, m])
+                        stored[s] -= st[k, m] - ws[k, m]
+                        if stored[s] > high:  # the weight part may keep more than was stored
+                            high = stored[s]
+                    b_end[k, m] = end
+                if high + state[s] > peak[s]:
+                    peak[s] = high + state[s]
+                    if peak[s] > abort_mib:
+                        return OVER, starts, ends, busy, peak, s
+                if end > abort_ms:
+                    return SLOW, starts, ends, busy, peak, s
+                starts[s, p] = t
+                ends[s, p] = end
+                busy[s] += end - t
+                t = end
+                p += 1
+                progress = True
+            ptr[s] = p
+            free[s] = t
+    for s in range(P):
         if ptr[s] < nops[s]:
             return STUCK, starts, ends, busy, peak, s
     return OK, starts, ends, busy, peak, -1

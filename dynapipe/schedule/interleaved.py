@@ -21,7 +21,9 @@ forwards first always does), which the simulator prices in time and memory.
 The simulator works as :mod:`dynapipe.schedule.simulator` does, with costs per virtual
 stage (``StageTimes`` of ``V`` rows, ``act_comm_ms[k]`` the transfer from virtual stage
 ``k`` to ``k + 1``) and memory per rank (``state_mib`` of ``P`` rows; stored
-activations of every chunk on a rank count together). Units: ms, MiB.
+activations of every chunk on a rank count together); it prices split backwards
+(``BI``/``BW``, :mod:`dynapipe.schedule.interleaved_zb`) as the unchunked simulator does.
+Units: ms, MiB.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from dynapipe.config import ClusterConfig
 from dynapipe.cost.base import CostModel
 from dynapipe.errors import DynaPipeError
 from dynapipe.schedule import _kernels as K
+from dynapipe.schedule._kernels import chunked_kernel, chunked_split_kernel
 from dynapipe.schedule.comm import message_bytes, stage_global_rank
 from dynapipe.schedule.costs import StageTimes, stage_times_per_replica
 from dynapipe.schedule.types import Op, Schedule
@@ -148,108 +151,6 @@ def interleaved_1f1b(num_stages: int, chunks: int, num_micro_batches: int, *, re
     return schedule_from_chunked_arrays(INTERLEAVED, kind, mb, ch, nops, chunks=chunks, recompute=recompute,
                                         order=order, mb_order=mb_order or tuple(range(num_micro_batches)),
                                         stage_recompute=stage_recompute)
-
-
-@K._jit
-def chunked_kernel(kind, mb, ch, nops, fw, bw, st, pk, ac, gc, state, abort_ms, abort_mib):
-    """Simulate fixed per-rank op orders of kinds F and B over ``V`` virtual stages (``fw``...
-    ``[V, M]``, ``state`` ``[P]``): :func:`chunked_split_kernel` with no weight parts.
-    Returns ``(status, starts, ends, busy, peak, stuck_rank)``."""
-    none = np.zeros_like(fw)
-    return chunked_split_kernel(kind, mb, ch, nops, fw, bw, st, pk, ac, gc, state, none, none, abort_ms, abort_mib)
-
-
-@K._jit
-def chunked_split_kernel(kind, mb, ch, nops, fw, bw, st, pk, ac, gc, state, bww, ws, abort_ms, abort_mib):
-    """Simulate fixed per-rank op orders of kinds F, B, BI and BW over ``V`` virtual stages
-    (``fw``... ``[V, M]``, ``state`` ``[P]``); op ``p`` of rank ``s`` runs virtual stage
-    ``ch[s, p] * P + s``. A split backward prices as in
-    :func:`~dynapipe.schedule._kernels.simulate_split_kernel`: ``BI`` lasts ``bw - bww`` and
-    waits and signals like ``B``; ``BW`` lasts ``bww`` and waits only for its own ``BI``;
-    ``ws`` is what a pending weight part keeps (MiB). Returns ``(status, starts, ends, busy,
-    peak, stuck_rank)``."""
-    P = kind.shape[0]
-    V = fw.shape[0]
-    M = fw.shape[1]
-    L = kind.shape[1]
-    f_end = np.full((V, M), -1.0)
-    # When the gradient of micro-batch m leaves virtual stage k (the end of its B or BI).
-    b_end = np.full((V, M), -1.0)
-    starts = np.zeros((P, L))
-    ends = np.zeros((P, L))
-    busy = np.zeros(P)
-    peak = state.copy()
-    stored = np.zeros(P)
-    ptr = np.zeros(P, np.int64)
-    free = np.zeros(P)
-    progress = True
-    while progress:
-        progress = False
-        for s in range(P):
-            p = ptr[s]
-            t = free[s]
-            while p < nops[s]:
-                m = mb[s, p]
-                k = ch[s, p] * P + s
-                op = kind[s, p]
-                if op == K.F:
-                    if k > 0:
-                        dep = f_end[k - 1, m]
-                        if dep < 0.0:
-                            break
-                        ready = dep + ac[k - 1, m]
-                        if ready > t:
-                            t = ready
-                    end = t + fw[k, m]
-                    f_end[k, m] = end
-                    high = stored[s] + st[k, m] + pk[k, m]
-                    stored[s] += st[k, m]
-                elif op == K.BW:
-                    if b_end[k, m] < 0.0:
-                        break  # its input part has not run: the order is broken
-                    end = t + bww[k, m]
-                    high = stored[s]
-                    stored[s] -= ws[k, m]
-                else:
-                    if k < V - 1:
-                        dep = b_end[k + 1, m]
-                        if dep < 0.0:
-                            break
-                        ready = dep + gc[k, m]
-                    else:
-                        ready = f_end[k, m]
-                        if ready < 0.0:
-                            break
-                    if ready > t:
-                        t = ready
-                    high = stored[s] + pk[k, m]
-                    if op == K.B:
-                        end = t + bw[k, m]
-                        stored[s] -= st[k, m]
-                    else:
-                        end = t + (bw[k, m] - bww[k, m])
-                        stored[s] -= st[k, m] - ws[k, m]
-                        if stored[s] > high:  # the weight part may keep more than was stored
-                            high = stored[s]
-                    b_end[k, m] = end
-                if high + state[s] > peak[s]:
-                    peak[s] = high + state[s]
-                    if peak[s] > abort_mib:
-                        return K.OVER, starts, ends, busy, peak, s
-                if end > abort_ms:
-                    return K.SLOW, starts, ends, busy, peak, s
-                starts[s, p] = t
-                ends[s, p] = end
-                busy[s] += end - t
-                t = end
-                p += 1
-                progress = True
-            ptr[s] = p
-            free[s] = t
-    for s in range(P):
-        if ptr[s] < nops[s]:
-            return K.STUCK, starts, ends, busy, peak, s
-    return K.OK, starts, ends, busy, peak, -1
 
 
 def virtual_cost_model(cost_model: CostModel) -> CostModel:
