@@ -42,7 +42,8 @@ def eval_values(run: dict) -> list[str]:
 @pytest.fixture(scope="module")
 def pp2(tmp_path_factory):
     """One 2-rank job: padding on the plain pipeline, then DynaPipe on 2 chunks a rank (its
-    executor traces kept), both evaluating; DynaPipe on 2 chunks recomputing every layer; then
+    executor traces kept), both evaluating; DynaPipe on 2 chunks under interleaved 1F1B,
+    storing and recomputing every layer; then
     DynaPipe on 2 chunks cut after 2 iterations
     with a torch_dist checkpoint, resumed on 2 chunks and on the plain pipeline; then
     interleaved-zb (``zb-h1`` on chunks; traces kept), alone and with the overlapped reduction."""
@@ -51,8 +52,11 @@ def pp2(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("gpt-interleaved-ckpt")
     dyn = PP2 + " --use-dynapipe"
     zb = dyn + V2 + " --dynapipe-schedule zb-h1"
-    names = ("padding", "dynapipe", "full-recompute", "cut", "resumed", "resumed-plain", "zb", "zb-overlap")
-    runs = [PP2 + EVAL, dyn + EVAL + V2 + f" --dynapipe-trace-dir {traces}", dyn + V2 + " --dynapipe-recompute full",
+    names = ("padding", "dynapipe", "no-recompute", "full-recompute", "cut", "resumed", "resumed-plain", "zb",
+             "zb-overlap")
+    whole = dyn + V2 + " --dynapipe-schedule 1f1b"
+    runs = [PP2 + EVAL, dyn + EVAL + V2 + f" --dynapipe-trace-dir {traces}", whole + " --dynapipe-recompute none",
+            whole + " --dynapipe-recompute full",
             dyn + V2 + f" --exit-interval 2 --save {ckpt / 'dist'}", dyn + V2 + f" --load {ckpt / 'dist'}",
             dyn + f" --load {ckpt / 'dist'}", zb + f" --dynapipe-trace-dir {zb_traces}",
             zb + " --overlap-grad-reduce --ddp-bucket-size 20000"]
@@ -92,6 +96,10 @@ def test_interleaved_zero_bubble_trains_the_plain_pipeline_losses_and_splits_eve
         got = runs[name][0]
         assert got["schedules"] == ["interleaved-zb"] * 3, (name, got["schedules"])
         assert close(got["losses"], ref), (name, got["losses"], ref)
+        # What pending weight parts keep is counted, and stays within what the plans promised.
+        for rank in range(2):
+            measured, planned = runs[name][rank]["activation_measured_mib"], runs[name][rank]["activation_planned_mib"]
+            assert all(m <= p for m, p in zip(measured, planned)), (name, rank, measured, planned)
     for rank in range(2):
         with open(os.path.join(runs["zb-traces"], f"rank{rank:03d}.json")) as f:
             events = json.load(f)
@@ -112,9 +120,11 @@ def test_interleaved_zero_bubble_trains_the_plain_pipeline_losses_and_splits_eve
 def test_recompute_reaches_every_chunk(pp2):
     # One TransformerConfig for all of a rank's chunks: the level the plan sets applies to each,
     # so full recompute keeps only layer inputs on every rank (within what the plans promised),
-    # at the same losses. With a config per chunk, chunk 1 kept its activations.
+    # at the same losses. With a config per chunk, chunk 1 kept its activations. Both runs are
+    # interleaved 1F1B: under a split backward the pending weight parts keep the linear
+    # layers' inputs and output gradients at any level.
     runs, _ = pp2
-    none, full = runs["dynapipe"], runs["full-recompute"]
+    none, full = runs["no-recompute"], runs["full-recompute"]
     assert close(full[0]["losses"], none[0]["losses"])
     for rank in range(2):
         measured, planned = full[rank]["activation_measured_mib"], full[rank]["activation_planned_mib"]

@@ -25,7 +25,8 @@ from dynapipe.plan.validate_fast import group_is_valid
 from dynapipe.schedule import _kernels as K
 from dynapipe.schedule.costs import MIN_OP_MS, StageTimes, stage_times
 from dynapipe.schedule.interleaved import interleaved_1f1b, simulate_chunked
-from dynapipe.schedule.interleaved_zb import interleaved_zb
+from dynapipe.schedule.interleaved_zb import interleaved_zb, max_delay_cap
+from dynapipe.schedule.interleaved_zb import weight_delay as chunked_weight_delay
 from dynapipe.schedule.one_f_one_b import one_f_one_b
 from dynapipe.schedule.search import SCHEDULE_CHOICES, search_schedules
 from dynapipe.schedule.simulator import kernel_inputs, schedule_arrays, simulate, split_inputs
@@ -335,7 +336,7 @@ def _chunked_split_times(P, v, M, rng=None, stash=0.0, stored=0.0):
 @pytest.mark.parametrize("P, v, M", [(2, 2, 1), (2, 2, 4), (3, 2, 5), (4, 2, 8), (4, 3, 6), (4, 2, 7)])
 def test_interleaved_zb_is_interleaved_1f1b_with_delayed_weight_parts(P, v, M):
     base = interleaved_1f1b(P, v, M)
-    for cap in (None, 1, 0):
+    for cap in (None, 3, 1, 0):
         sched = interleaved_zb(P, v, M, max_delay=cap).check()
         assert sched.name == "interleaved-zb" and sched.split_backward and sched.num_chunks == v
         for p, ops in enumerate(sched.stage_ops):
@@ -343,8 +344,10 @@ def test_interleaved_zb_is_interleaved_1f1b_with_delayed_weight_parts(P, v, M):
             # Without the weight parts it is interleaved 1F1B with every B an input part.
             assert [(o.kind.replace("BI", "B"), o.mb, o.chunk) for o in ops if o.kind != "BW"] == \
                 [(o.kind, o.mb, o.chunk) for o in base.stage_ops[p]]
-            # Each weight part comes right after the input part d_p later (pending ones at the end).
-            d = weight_delay(P, p, v * M, cap)
+            # Each weight part comes right after the input part d_p = min(2p, cap) later (pending
+            # ones at the end): interleaved 1F1B's warm-up grows by two forwards a rank.
+            d = chunked_weight_delay(P, p, v * M, cap)
+            assert d == min(2 * p, v * M, max_delay_cap(P) if cap is None else cap)
             inputs = [(o.mb, o.chunk) for o in ops if o.kind == "BI"]
             for i, (m, c) in enumerate(inputs):
                 at = ops.index(Op("BW", m, c))
@@ -362,14 +365,17 @@ def test_interleaved_zb_fills_the_interleaved_bubbles_and_its_cap_bounds_the_mem
     zb0 = simulate_chunked(interleaved_zb(P, v, M, max_delay=0), t)
     # Uniform F = 1, BI = 1, BW = 0.5 ms: 2 chunks x 8 micro-batches x 2.5 ms = 40 ms of work a
     # rank. The deferred weight parts fill part of interleaved 1F1B's idle time; uncapped
-    # delays more of it than weight parts run right after their input parts.
+    # delays more of it than weight parts run right after their input parts, and delays of
+    # 2p more than zb-h1's p.
     work = v * M * 2.5
+    half = simulate_chunked(interleaved_zb(P, v, M, max_delay=1), t)
     assert work < zb.makespan_ms < zb0.makespan_ms < inter.makespan_ms
-    assert inter.makespan_ms - zb.makespan_ms > 0.3 * (inter.makespan_ms - work)
-    # Pending weight parts hold their stash: rank p keeps up to p of them; with the cap at 0 a
+    assert zb.makespan_ms < half.makespan_ms
+    assert inter.makespan_ms - zb.makespan_ms > 0.5 * (inter.makespan_ms - work)
+    # Pending weight parts hold their stash: rank p keeps up to 2p of them; with the cap at 0 a
     # rank holds what interleaved 1F1B holds (each weight part right after its input part).
     assert zb0.peak_mib == inter.peak_mib
-    assert [z - i for z, i in zip(zb.peak_mib, inter.peak_mib)] == pytest.approx([0.0, 0.5, 1.0, 1.5])
+    assert [z - i for z, i in zip(zb.peak_mib, inter.peak_mib)] == pytest.approx([0.0, 1.0, 2.0, 3.0])
     assert [max(m for _, m in st) for st in zb.memory] == pytest.approx(zb.peak_mib)
 
 

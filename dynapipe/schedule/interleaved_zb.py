@@ -5,18 +5,22 @@ input part (``BI``, which the previous stage waits for) and its weight part (``B
 only the optimizer step waits for), and defers the weight parts into the waits. This is the
 same idea on a virtual-pipeline (chunked) placement. Rank ``p`` runs
 :mod:`dynapipe.schedule.interleaved`'s op order with each ``B`` replaced by ``BI``, and the
-``BW`` of a (micro-batch, chunk) right after the ``BI`` that comes ``d_p = min(p, k)`` input
+``BW`` of a (micro-batch, chunk) right after the ``BI`` that comes ``d_p = min(2p, k)`` input
 parts after its own on that rank (``k``: the cap, ``max_delay``); the weight parts still
 pending after the last ``BI`` run at the end in the order of their input parts. Rank 0
 runs every weight part right after its input part; later ranks, whose gradients arrive later,
-keep up to ``p`` weight parts pending and send each input gradient on sooner.
+keep up to ``2p`` weight parts pending and send each input gradient on sooner. Twice
+zb-h1's delay because interleaved 1F1B's warm-up grows by two forwards a rank (1F1B's by
+one), so the gradients reach rank ``p`` about ``2p`` ops after rank 0's own: with equal
+micro-batches (8 ranks x 2 chunks x 16, F = BI = 1, BW = 0.5 ms) ``2p`` takes 87 ms against
+``p``'s 90.5 ms and interleaved 1F1B's 97.5 ms (80 ms of work).
 
 The interleaved order is one that completes (a cycle of waits is impossible, see
 :func:`~dynapipe.schedule.interleaved.interleaved_arrays`), and a weight part waits for
 nothing but its own rank's input part, so this order completes too. Every rank runs
 ``3 v M`` ops. Each pending weight part holds memory (the linear layers' inputs and output
-gradients), so the search lowers the cap (``k = P - 1`` down to ``0``, where a rank holds
-what interleaved 1F1B holds) until the schedule fits. Units: ms, MiB.
+gradients), so the search lowers the cap (``k = 2 (P - 1)`` down to ``0``, where a rank
+holds what interleaved 1F1B holds) until the schedule fits. Units: ms, MiB.
 """
 from __future__ import annotations
 
@@ -29,9 +33,20 @@ from dynapipe.errors import DynaPipeError
 from dynapipe.schedule import _kernels as K
 from dynapipe.schedule.interleaved import interleaved_arrays, schedule_from_chunked_arrays
 from dynapipe.schedule.types import Schedule
-from dynapipe.schedule.zero_bubble import weight_delay
 
 INTERLEAVED_ZB = "interleaved-zb"
+
+
+def weight_delay(num_stages: int, stage: int, num_ops: int, max_delay: Optional[int] = None) -> int:
+    """``d_p``: how many input parts after its own the weight part of a (micro-batch, chunk)
+    runs on rank ``stage`` (``num_ops``: input parts on the rank; at most ``max_delay``)."""
+    d = min(2 * stage, num_ops)
+    return d if max_delay is None else min(d, max(int(max_delay), 0))
+
+
+def max_delay_cap(num_stages: int) -> int:
+    """The largest delay any rank of ``num_stages`` takes (the search's first cap)."""
+    return 2 * (num_stages - 1)
 
 
 def _rank_order(kind, mb, ch, n: int, delay: int) -> list[tuple[int, int, int]]:

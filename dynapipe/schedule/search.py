@@ -33,7 +33,7 @@ from dynapipe.schedule.interleaved import (INTERLEAVED, chunk_count, chunk_level
                                            chunked_split_kernel, interleaved_1f1b, interleaved_arrays,
                                            schedule_from_chunked_arrays, virtual_stage_times_per_replica)
 from dynapipe.schedule.interleaved_adaptive import INTERLEAVED_ADAPTIVE, interleaved_adaptive_orders
-from dynapipe.schedule.interleaved_zb import INTERLEAVED_ZB, interleaved_zb, interleaved_zb_arrays
+from dynapipe.schedule.interleaved_zb import INTERLEAVED_ZB, interleaved_zb, interleaved_zb_arrays, max_delay_cap
 from dynapipe.schedule.one_f_one_b import one_f_one_b, one_f_one_b_arrays
 from dynapipe.schedule.orders import ORDERS
 from dynapipe.schedule.simulator import Timeline, kernel_inputs, simulate, split_inputs
@@ -266,8 +266,8 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
         if name not in _DELAYED:
             return evaluate_once(name, level, mix, o, permuted, abort_ms, abort_mib)
         # Pending weight parts hold memory: the largest cap on the weight delays that fits
-        # (k = S - 1 leaves the schedule's own delays; k = 0 holds what (interleaved) 1F1B holds).
-        for k in range(S - 1, -1, -1):
+        # (the first leaves the schedule's own delays; k = 0 holds what (interleaved) 1F1B holds).
+        for k in range((max_delay_cap(S) if name == INTERLEAVED_ZB else S - 1), -1, -1):
             cand, runs = evaluate_once(name, level, mix, o, permuted, abort_ms, abort_mib, k)
             if cand.status != OVER_MEMORY:
                 break
