@@ -62,100 +62,8 @@ def simulate_split_kernel(kind, mb, nops, fw, bw, st, pk, ac, gc, state, bww, ws
     the model states' buffers). Returns ``(status, starts, ends, busy, peak, stuck_stage)``;
     times in ms, memory in MiB with model states (``state``) included.
     """
-    S = kind.shape[0]
-    M = fw.shape[1]
-    L = kind.shape[1]
-    f_end = np.full((S, M), -1.0)
-    # When the gradient of micro-batch m leaves stage s (the end of its B or BI).
-    b_end = np.full((S, M), -1.0)
-    starts = np.zeros((S, L))
-    ends = np.zeros((S, L))
-    busy = np.zeros(S)
-    peak = state.copy()
-    stored = np.zeros(S)
-    ptr = np.zeros(S, np.int64)
-    free = np.zeros(S)
-    queued = np.ones(S, np.bool_)
-    pending = np.empty(S + 2, np.int64)
-    npend = 0
-    for s in range(S - 1, -1, -1):
-        pending[npend] = s
-        npend += 1
-    last = S - 1
-    while npend > 0:
-        npend -= 1
-        s = pending[npend]
-        queued[s] = False
-        p = ptr[s]
-        t = free[s]
-        p0 = p
-        while p < nops[s]:
-            m = mb[s, p]
-            k = kind[s, p]
-            if k == F:
-                if s > 0:
-                    dep = f_end[s - 1, m]
-                    if dep < 0.0:
-                        break
-                    ready = dep + ac[s - 1, m]
-                    if ready > t:
-                        t = ready
-                end = t + fw[s, m]
-                f_end[s, m] = end
-                high = stored[s] + st[s, m] + pk[s, m]
-                stored[s] += st[s, m]
-            elif k == BW:
-                if b_end[s, m] < 0.0:
-                    break  # its input part has not run: the order is broken
-                end = t + bww[s, m]
-                high = stored[s]
-                stored[s] -= ws[s, m]
-            else:
-                if s < last:
-                    dep = b_end[s + 1, m]
-                    if dep < 0.0:
-                        break
-                    ready = dep + gc[s, m]
-                else:
-                    ready = f_end[s, m]
-                    if ready < 0.0:
-                        break
-                if ready > t:
-                    t = ready
-                high = stored[s] + pk[s, m]
-                if k == B:
-                    end = t + bw[s, m]
-                    stored[s] -= st[s, m]
-                else:
-                    end = t + (bw[s, m] - bww[s, m])
-                    stored[s] -= st[s, m] - ws[s, m]
-                    # What the weight part keeps may exceed what was stored (full recompute).
-                    if stored[s] > high:
-                        high = stored[s]
-                b_end[s, m] = end
-            if high + state[s] > peak[s]:
-                peak[s] = high + state[s]
-                if peak[s] > abort_mib:
-                    return OVER, starts, ends, busy, peak, s
-            if end > abort_ms:
-                return SLOW, starts, ends, busy, peak, s
-            starts[s, p] = t
-            ends[s, p] = end
-            busy[s] += end - t
-            t = end
-            p += 1
-        ptr[s] = p
-        free[s] = t
-        if p > p0:
-            for nb in (s - 1, s + 1):
-                if nb >= 0 and nb < S and not queued[nb] and ptr[nb] < nops[nb]:
-                    queued[nb] = True
-                    pending[npend] = nb
-                    npend += 1
-    for s in range(S):
-        if ptr[s] < nops[s]:
-            return STUCK, starts, ends, busy, peak, s
-    return OK, starts, ends, busy, peak, -1
+    return chunked_split_kernel(kind, mb, np.zeros_like(kind), nops, fw, bw, st, pk, ac, gc, state, bww, ws,
+                                abort_ms, abort_mib)
 
 
 @_jit
@@ -171,15 +79,19 @@ def chunked_kernel(kind, mb, ch, nops, fw, bw, st, pk, ac, gc, state, abort_ms, 
 def chunked_split_kernel(kind, mb, ch, nops, fw, bw, st, pk, ac, gc, state, bww, ws, abort_ms, abort_mib):
     """Simulate fixed per-rank op orders of kinds F, B, BI and BW over ``V`` virtual stages
     (``fw``... ``[V, M]``, ``state`` ``[P]``); op ``p`` of rank ``s`` runs virtual stage
-    ``ch[s, p] * P + s``. A split backward prices as in
-    :func:`~dynapipe.schedule._kernels.simulate_split_kernel`: ``BI`` lasts ``bw - bww`` and
-    waits and signals like ``B``; ``BW`` lasts ``bww`` and waits only for its own ``BI``;
-    ``ws`` is what a pending weight part keeps (MiB). Returns ``(status, starts, ends, busy,
-    peak, stuck_rank)``."""
+    ``ch[s, p] * P + s`` (all zeros and ``V = P``: the plain pipeline of
+    :func:`simulate_split_kernel`). Costs and memory per op as that function describes.
+    Returns ``(status, starts, ends, busy, peak, stuck_rank)``.
+
+    A rank runs ops while their inputs have arrived, then waits; a rank that made progress
+    wakes its neighbours (the ranks its transfers reach: ``s - 1`` and ``s + 1``, around the
+    ring between chunks), so every op is visited a bounded number of times.
+    """
     P = kind.shape[0]
     V = fw.shape[0]
     M = fw.shape[1]
     L = kind.shape[1]
+    ring = V > P
     f_end = np.full((V, M), -1.0)
     # When the gradient of micro-batch m leaves virtual stage k (the end of its B or BI).
     b_end = np.full((V, M), -1.0)
@@ -190,70 +102,85 @@ def chunked_split_kernel(kind, mb, ch, nops, fw, bw, st, pk, ac, gc, state, bww,
     stored = np.zeros(P)
     ptr = np.zeros(P, np.int64)
     free = np.zeros(P)
-    progress = True
-    while progress:
-        progress = False
-        for s in range(P):
-            p = ptr[s]
-            t = free[s]
-            while p < nops[s]:
-                m = mb[s, p]
-                k = ch[s, p] * P + s
-                op = kind[s, p]
-                if op == F:
-                    if k > 0:
-                        dep = f_end[k - 1, m]
-                        if dep < 0.0:
-                            break
-                        ready = dep + ac[k - 1, m]
-                        if ready > t:
-                            t = ready
-                    end = t + fw[k, m]
-                    f_end[k, m] = end
-                    high = stored[s] + st[k, m] + pk[k, m]
-                    stored[s] += st[k, m]
-                elif op == BW:
-                    if b_end[k, m] < 0.0:
-                        break  # its input part has not run: the order is broken
-                    end = t + bww[k, m]
-                    high = stored[s]
-                    stored[s] -= ws[k, m]
-                else:
-                    if k < V - 1:
-                        dep = b_end[k + 1, m]
-                        if dep < 0.0:
-                            break
-                        ready = dep + gc[k, m]
-                    else:
-                        ready = f_end[k, m]
-                        if ready < 0.0:
-                            break
+    queued = np.ones(P, np.bool_)
+    pending = np.empty(P + 2, np.int64)
+    npend = 0
+    for s in range(P - 1, -1, -1):
+        pending[npend] = s
+        npend += 1
+    while npend > 0:
+        npend -= 1
+        s = pending[npend]
+        queued[s] = False
+        p = ptr[s]
+        t = free[s]
+        p0 = p
+        while p < nops[s]:
+            m = mb[s, p]
+            k = ch[s, p] * P + s
+            op = kind[s, p]
+            if op == F:
+                if k > 0:
+                    dep = f_end[k - 1, m]
+                    if dep < 0.0:
+                        break
+                    ready = dep + ac[k - 1, m]
                     if ready > t:
                         t = ready
-                    high = stored[s] + pk[k, m]
-                    if op == B:
-                        end = t + bw[k, m]
-                        stored[s] -= st[k, m]
-                    else:
-                        end = t + (bw[k, m] - bww[k, m])
-                        stored[s] -= st[k, m] - ws[k, m]
-                        if stored[s] > high:  # the weight part may keep more than was stored
-                            high = stored[s]
-                    b_end[k, m] = end
-                if high + state[s] > peak[s]:
-                    peak[s] = high + state[s]
-                    if peak[s] > abort_mib:
-                        return OVER, starts, ends, busy, peak, s
-                if end > abort_ms:
-                    return SLOW, starts, ends, busy, peak, s
-                starts[s, p] = t
-                ends[s, p] = end
-                busy[s] += end - t
-                t = end
-                p += 1
-                progress = True
-            ptr[s] = p
-            free[s] = t
+                end = t + fw[k, m]
+                f_end[k, m] = end
+                high = stored[s] + st[k, m] + pk[k, m]
+                stored[s] += st[k, m]
+            elif op == BW:
+                if b_end[k, m] < 0.0:
+                    break  # its input part has not run: the order is broken
+                end = t + bww[k, m]
+                high = stored[s]
+                stored[s] -= ws[k, m]
+            else:
+                if k < V - 1:
+                    dep = b_end[k + 1, m]
+                    if dep < 0.0:
+                        break
+                    ready = dep + gc[k, m]
+                else:
+                    ready = f_end[k, m]
+                    if ready < 0.0:
+                        break
+                if ready > t:
+                    t = ready
+                high = stored[s] + pk[k, m]
+                if op == B:
+                    end = t + bw[k, m]
+                    stored[s] -= st[k, m]
+                else:
+                    end = t + (bw[k, m] - bww[k, m])
+                    stored[s] -= st[k, m] - ws[k, m]
+                    # What the weight part keeps may exceed what was stored (full recompute).
+                    if stored[s] > high:
+                        high = stored[s]
+                b_end[k, m] = end
+            if high + state[s] > peak[s]:
+                peak[s] = high + state[s]
+                if peak[s] > abort_mib:
+                    return OVER, starts, ends, busy, peak, s
+            if end > abort_ms:
+                return SLOW, starts, ends, busy, peak, s
+            starts[s, p] = t
+            ends[s, p] = end
+            busy[s] += end - t
+            t = end
+            p += 1
+        ptr[s] = p
+        free[s] = t
+        if p > p0:
+            for nb in (s - 1, s + 1):
+                if ring:
+                    nb = nb % P
+                if nb >= 0 and nb < P and not queued[nb] and ptr[nb] < nops[nb]:
+                    queued[nb] = True
+                    pending[npend] = nb
+                    npend += 1
     for s in range(P):
         if ptr[s] < nops[s]:
             return STUCK, starts, ends, busy, peak, s
