@@ -603,3 +603,33 @@ def test_plan_auto_placement_for_zb_h1_weighs_both_kinds(tmp_path, capsys):
     plan = json.loads(capsys.readouterr().out)
     assert StagePlacement.from_json(plan["placement"], T5).chunks == 2
     assert plan["schedule"] == "interleaved-zb"
+
+
+def test_no_split_backward_keeps_auto_to_whole_backwards(tmp_path, capsys):
+    # Stages that cannot split (Transformer Engine layers, handlers without a weight part) plan
+    # with --no-split-backward: auto then never returns BI/BW plans, on one chunk or on chunks,
+    # and a split schedule asked for by name is refused in one line.
+    from dynapipe.data.synthetic import sample_lengths
+
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("".join(f"{a}\n" for a in sample_lengths(40, 3, 2048)))
+    base = ["plan", "--model", "gpt-7b", "--device", "a100-40gb", "--stages", "8", "--lengths", str(lengths)]
+    chunked = "2,2,2,2,2,2,2,2|2,2,2,2,2,2,2,2"  # gpt-7b's 32 layers, 2 chunks a rank
+    for placement, split in (("even", "zb-h1"), (chunked, "interleaved-zb")):
+        assert main(base + ["--placement", placement]) == 0
+        assert json.loads(capsys.readouterr().out)["schedule"] == split  # what auto picks when it may split
+    for placement in ("even", chunked):
+        out = tmp_path / placement.replace("|", "_").replace(",", "")
+        assert main(base + ["--no-split-backward", "--placement", placement, "--plan-out", str(out)]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        assert plan["schedule"] not in ("zb-h1", "interleaved-zb"), placement
+        parts = {x.part for f in os.listdir(out) for x in deserialize_plan((out / f).read_bytes()).instructions
+                 if isinstance(x, BackwardPass)}
+        assert parts == {"full"}, placement
+    assert main(["trace", "--model", "gpt-7b", "--device", "a100-40gb", "--stages", "8", "--lengths", str(lengths),
+                 "--no-split-backward", "--out", str(tmp_path / "t.json")]) == 0
+    assert "zb-h1" not in capsys.readouterr().err
+    for schedule in ("zb-h1", "interleaved-zb"):
+        assert main(base + ["--no-split-backward", "--schedule", schedule]) == 2
+        err = capsys.readouterr().err
+        assert f"--schedule {schedule} splits every backward" in err and err.count("\n") == 1

@@ -14,7 +14,7 @@ from typing import Optional
 
 from dynapipe.cli.cost import CostSetup
 from dynapipe.cost.placement import StagePlacement
-from dynapipe.cli.schedule_options import resolve_cluster
+from dynapipe.cli.schedule_options import resolve_cluster, split_backward
 from dynapipe.schedule.placement import PlacementPlan, choose_placement, choose_placement_kind
 
 
@@ -41,7 +41,8 @@ def apply_placement(args: argparse.Namespace, setup: CostSetup, lengths) -> tupl
         if cm.model.is_encoder_decoder:  # contiguous or interleaved, by simulated time on this batch
             device = getattr(cm, "device", None)
             cluster = resolve_cluster(getattr(args, "cluster", None), device.name if device is not None else None)
-            plan = choose_placement_kind([lengths], cm, cluster=cluster, chunks=2, **kw)
+            plan = choose_placement_kind([lengths], cm, cluster=cluster, chunks=2, split_backward=split_backward(args),
+                                         **kw)
         else:
             plan = choose_placement([lengths], cm, **kw)
         return dataclasses.replace(setup, cost_model=plan.cost_model), plan

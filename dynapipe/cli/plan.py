@@ -19,7 +19,7 @@ from dynapipe.cli.cost import CostSetup, add_cost_model_arguments, add_memory_ar
 from dynapipe.cli.placement_options import (add_placement_argument, apply_placement, even_split_schedule,
                                              placement_json)
 from dynapipe.cli.schedule_options import (add_recompute_default, add_schedule_arguments, check_plan_out,
-                                           escalate_recompute, resolve_cluster, schedule_json)
+                                           escalate_recompute, resolve_cluster, schedule_json, split_backward)
 from dynapipe.errors import DynaPipeError
 
 HELP = "plan the micro-batches (and schedule) of one global batch"
@@ -130,7 +130,7 @@ def _with_room_in_flight(args: argparse.Namespace, batch_plan: BatchPlan, sched:
     cut = cut_arguments(args, setup)
     search = dict(schedule=getattr(args, "schedule", "auto"), memory_limit_mib=setup.memory_limit_mib,
                   reserved_mib=setup.reserved_mib, cluster=resolve_cluster(args.cluster, setup.device.name),
-                  tp=1, zero=False)
+                  tp=1, zero=False, split_backward=split_backward(args))
     roomier = leave_room_in_flight(lengths, setup.cost_model, level=setup.recompute, simulated_ms=sched["simulated_ms"],
                                    stage_recompute=stage_recompute, cut=cut, search=search)
     tried_ms = (time.perf_counter() - start) * 1e3

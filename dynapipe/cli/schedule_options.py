@@ -30,6 +30,7 @@ def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
                         "placements, where 1f1b and zb-h1 mean interleaved and interleaved-zb), or auto (search "
                         "1f1b, adaptive and zb-h1, or the interleaved ones, x micro-batch orders x recompute "
                         "levels from --recompute up; default auto)")
+    add_split_backward_argument(p)
     p.add_argument("--cluster", default=None,
                    help="cluster config (links between stages): a YAML path or a shipped name such as a100-8x "
                         "(default: chosen by device)")
@@ -96,6 +97,25 @@ def escalate_recompute(plan_at, recompute: Optional[str]):
     raise error
 
 
+def add_split_backward_argument(p: argparse.ArgumentParser) -> None:
+    """``--no-split-backward``: plan for stages that cannot split their backward."""
+    p.add_argument("--no-split-backward", action="store_true",
+                   help="the stages cannot split their backward (Transformer Engine layers, executor handlers "
+                        "without a weight part): auto leaves zb-h1 and interleaved-zb out")
+
+
+def split_backward(args: argparse.Namespace) -> bool:
+    """Whether the schedule search may split backwards (``--no-split-backward`` not given);
+    a split schedule asked for by name with the flag is refused."""
+    if not getattr(args, "no_split_backward", False):
+        return True
+    schedule = getattr(args, "schedule", "auto")
+    if schedule in ("zb-h1", "interleaved-zb"):
+        raise DynaPipeError(f"--schedule {schedule} splits every backward, and --no-split-backward says the stages "
+                            f"cannot; drop one of them (auto then searches the other schedules).")
+    return False
+
+
 def add_recompute_default(p: argparse.ArgumentParser) -> None:
     """Make ``--recompute`` default to trying every level, lightest first."""
     p.set_defaults(recompute=None)
@@ -115,7 +135,8 @@ def plan_schedule(args: argparse.Namespace, batch_plan: BatchPlan, cost_model: C
     return schedule_batch_plan(batch_plan, cost_model, schedule=getattr(args, "schedule", "auto"),
                                memory_limit_mib=memory_limit_mib, reserved_mib=reserved_mib, cluster=cluster,
                                recompute=levels_from(getattr(args, "recompute", None)), iteration=iteration,
-                               explain=bool(getattr(args, "explain", False)), lengths=lengths)
+                               explain=bool(getattr(args, "explain", False)), lengths=lengths,
+                               split_backward=split_backward(args))
 
 
 def schedule_json(args: argparse.Namespace, batch_plan: BatchPlan, cost_model: CostModel, *,

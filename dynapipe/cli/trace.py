@@ -16,7 +16,8 @@ from dynapipe.cli.batching_options import add_batching_arguments, check_batching
 from dynapipe.cli.cost import add_cost_model_arguments, add_memory_arguments, cost_setup_from_args
 from dynapipe.cli.placement_options import (add_placement_argument, apply_placement, even_split_schedule,
                                              placement_json)
-from dynapipe.cli.schedule_options import add_recompute_default, escalate_recompute, levels_from, resolve_cluster
+from dynapipe.cli.schedule_options import (add_recompute_default, add_split_backward_argument, escalate_recompute,
+                                           levels_from, resolve_cluster, split_backward)
 from dynapipe.data.synthetic import sample_lengths
 from dynapipe.errors import DynaPipeError
 from dynapipe.pipeline_planner import schedule_batch_plan
@@ -40,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-length", type=int, default=None, help="truncate samples to this many tokens")
     p.add_argument("--schedule", choices=SCHEDULE_CHOICES, default="auto",
                    help="schedule, as for plan (zb-h1 draws each backward as BI and BW; default auto)")
+    add_split_backward_argument(p)
     p.add_argument("--cluster", default=None, help="cluster config (default: chosen by device)")
     p.add_argument("--out", required=True, metavar="FILE.json", help="write the Chrome/Perfetto trace here")
     p.add_argument("--png", default=None, metavar="FILE.png", help="also draw the timeline (replica --replica)")
@@ -80,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
         return schedule_batch_plan(batch_plan, cost_model, schedule=schedule,
                                    memory_limit_mib=setup.memory_limit_mib, reserved_mib=setup.reserved_mib,
                                    cluster=resolve_cluster(args.cluster, setup.device.name),
-                                   recompute=levels_from(args.recompute), lengths=lengths), level
+                                   recompute=levels_from(args.recompute), lengths=lengths,
+                                   split_backward=split_backward(args)), level
 
     it, level = simulate_on(setup.cost_model)
     meta = {"model": setup.model.name, "device": setup.device.name, "stages": setup.cost_model.num_stages,
