@@ -105,15 +105,9 @@ def add_split_backward_argument(p: argparse.ArgumentParser) -> None:
 
 
 def split_backward(args: argparse.Namespace) -> bool:
-    """Whether the schedule search may split backwards (``--no-split-backward`` not given);
-    a split schedule asked for by name with the flag is refused."""
-    if not getattr(args, "no_split_backward", False):
-        return True
-    schedule = getattr(args, "schedule", "auto")
-    if schedule in ("zb-h1", "interleaved-zb"):
-        raise DynaPipeError(f"--schedule {schedule} splits every backward, and --no-split-backward says the stages "
-                            f"cannot; drop one of them (auto then searches the other schedules).")
-    return False
+    """Whether the schedule search may split backwards (``--no-split-backward`` not given; the
+    search refuses a split schedule asked for by name without it)."""
+    return not getattr(args, "no_split_backward", False)
 
 
 def add_recompute_default(p: argparse.ArgumentParser) -> None:

@@ -30,10 +30,10 @@ from dynapipe.schedule import _kernels as K
 from dynapipe.schedule.adaptive import adaptive_arrays, schedule_from_arrays
 from dynapipe.schedule.costs import StageTimes, stage_times_per_replica
 from dynapipe.schedule.interleaved import (INTERLEAVED, chunk_count, chunk_levels, chunked_inputs,
-                                           chunked_split_kernel, interleaved_1f1b, interleaved_arrays,
-                                           schedule_from_chunked_arrays, virtual_stage_times_per_replica)
+                                           chunked_split_kernel, interleaved_arrays, schedule_from_chunked_arrays,
+                                           virtual_stage_times_per_replica)
 from dynapipe.schedule.interleaved_adaptive import INTERLEAVED_ADAPTIVE, interleaved_adaptive_orders
-from dynapipe.schedule.interleaved_zb import INTERLEAVED_ZB, interleaved_zb, interleaved_zb_arrays, max_delay_cap
+from dynapipe.schedule.interleaved_zb import INTERLEAVED_ZB, interleaved_zb_arrays, max_delay_cap
 from dynapipe.schedule.one_f_one_b import one_f_one_b, one_f_one_b_arrays
 from dynapipe.schedule.orders import ORDERS
 from dynapipe.schedule.simulator import Timeline, kernel_inputs, simulate, split_inputs
@@ -224,6 +224,10 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
     """
     if schedule not in SCHEDULE_CHOICES:
         raise DynaPipeError(f"--schedule {schedule!r} is not known; use one of {', '.join(SCHEDULE_CHOICES)}.")
+    if not split_backward and schedule in (ZB_H1, INTERLEAVED_ZB):
+        raise DynaPipeError(f"--schedule {schedule} splits every backward, and the stages cannot split theirs "
+                            f"(--no-split-backward, split_backward=False); drop one of them (auto then searches "
+                            f"the other schedules).")
     chunks = chunk_count(cost_model)
     # On a chunked placement 1F1B is Megatron's interleaved 1F1B and zb-h1 is interleaved-zb.
     if (chunks > 1 and schedule == "adaptive") or (chunks == 1 and schedule in CHUNKED_SCHEDULE_NAMES):
@@ -329,13 +333,11 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
     schedules, timelines = [], []
     for r, t, p in zip(runs, permuted, perms):
         if cand.schedule in _CHUNKED:
-            kw = dict(recompute=cand.recompute, order=cand.order, mb_order=p, stage_recompute=cand.stage_recompute)
-            if cand.schedule == INTERLEAVED:
-                sched = interleaved_1f1b(S, chunks, t.num_micro_batches, **kw)
-            elif cand.schedule == INTERLEAVED_ZB:
-                sched = interleaved_zb(S, chunks, t.num_micro_batches, max_delay=cand.max_delay, **kw)
-            else:
-                sched = schedule_from_chunked_arrays(INTERLEAVED_ADAPTIVE, r[1], r[2], r[8], r[3], chunks=chunks, **kw)
+            # The run's op arrays are the schedule's ops, whichever chunked order made them.
+            meta = {} if cand.max_delay is None else {"max_delay": int(cand.max_delay)}
+            sched = schedule_from_chunked_arrays(cand.schedule, r[1], r[2], r[8], r[3], chunks=chunks,
+                                                 recompute=cand.recompute, order=cand.order, mb_order=p,
+                                                 stage_recompute=cand.stage_recompute, meta=meta)
             schedules.append(sched)
             timelines.append(simulate(sched, t, record_memory=True, arrays=(r[1], r[2], r[8], r[3])))
             continue
