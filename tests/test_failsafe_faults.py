@@ -426,7 +426,10 @@ def test_a_failed_replanning_after_a_redis_restart_stops_the_loader_with_its_cau
     def broken():
         raise RuntimeError("replanning broke")
 
-    with make_loader(kv_backend="redis", redis=spec, train_iters=7, store_retry_s=20, prefetch=6,
+    # More iterations than the prefetch window: the loop must wait on one planned after the
+    # restart (with 7, every plan could already be fetched, and the loop end before the
+    # watcher's report arrives).
+    with make_loader(kv_backend="redis", redis=spec, train_iters=14, store_retry_s=20, prefetch=6,
                      plan_timeout_s=60) as dl:
         next(dl)
         dl._watcher.on_restart = broken
