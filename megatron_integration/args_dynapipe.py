@@ -220,22 +220,17 @@ def _split_backward(args: argparse.Namespace, cuda: bool) -> bool:
     own accumulation would only slow them. Virtual-pipeline chunks split too (``interleaved-zb``)."""
     if args.dynapipe_schedule not in ("zb-h1", "auto") or not args.use_dynapipe:
         return False
-    # On GPUs with Transformer Engine installed the stages are built from its layers
-    # (--transformer-impl local is refused there), whose weight gradients are not deferred.
-    te = cuda and _te_available()
+    # With --transformer-impl transformer_engine (Megatron-LM's default) the GPU stages are built
+    # from its layers, whose weight gradients are not deferred.
+    te = cuda and args.transformer_impl == "transformer_engine"
     if args.dynapipe_schedule == "auto":
         return not te
     if te:
         raise DynaPipeError("--dynapipe-schedule zb-h1 splits the backward of megatron-core's own linear "
-                            "layers; with Transformer Engine installed the GPU stages use its layers, which it "
-                            "does not split yet. Use --dynapipe-schedule auto or 1f1b.")
+                            "layers; with --transformer-impl transformer_engine (Megatron-LM's default) the GPU "
+                            "stages use Transformer Engine's layers, which it does not split yet. Use "
+                            "--transformer-impl local, or --dynapipe-schedule auto or 1f1b.")
     return True
-
-
-def _te_available() -> bool:
-    from megatron_integration import model as model_specs
-
-    return model_specs.te_available()
 
 
 def _check_named_configs(args: argparse.Namespace) -> None:

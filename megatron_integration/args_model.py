@@ -57,7 +57,8 @@ def model_args_from_args(args: argparse.Namespace, cuda: bool) -> GPTModelArgs:
     unpadded = tokenizer_info(args).vocab_size
     vocab = padded_vocab_size(unpadded, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     max_pos = args.max_position_embeddings or args.seq_length
-    if args.position_embedding_type == "learned_absolute" and args.seq_length > max_pos:
+    # Megatron-LM asserts this whatever the position type (RoPE's tables are sized by it too).
+    if args.seq_length > max_pos:
         raise DynaPipeError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings {max_pos}; "
                             f"raise --max-position-embeddings to at least {args.seq_length} or shorten --seq-length.")
     return GPTModelArgs(
@@ -68,6 +69,8 @@ def model_args_from_args(args: argparse.Namespace, cuda: bool) -> GPTModelArgs:
         unpadded_vocab_size=unpadded,
         position_embedding_type=args.position_embedding_type,
         tie_embeddings=not args.untie_embeddings_and_output_weights, normalization=args.normalization,
+        # On CPUs every run is local: Transformer Engine needs CUDA.
+        transformer_impl="transformer_engine" if cuda and args.transformer_impl == "transformer_engine" else "local",
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=_positive("init-method-std", args.init_method_std, allow_zero=True), dtype=dtype,
         norm_epsilon=_positive("norm-epsilon", args.norm_epsilon),

@@ -100,9 +100,13 @@ def _model_flags_honoured(args: argparse.Namespace, cuda: bool) -> None:
     if args.attention_backend != "auto":
         raise _unsupported("--attention-backend", f"{args.attention_backend}: megatron-core chooses the backend "
                                                   f"(auto); drop it")
-    if args.transformer_impl == "local" and cuda:
-        raise _unsupported("--transformer-impl", "local: on GPUs the stages use Transformer Engine's spec where "
-                                                 "it is installed; drop it")
+    if args.transformer_impl == "transformer_engine" and cuda:
+        from megatron_integration.model import te_available
+
+        if not te_available():
+            raise DynaPipeError("--transformer-impl transformer_engine (Megatron-LM's default) builds the GPU stages "
+                                "from Transformer Engine's layers, and it is not installed; install it "
+                                "(pip install '.[gpu]' or NVIDIA's container) or pass --transformer-impl local.")
 
 
 def _resilience_args_honoured(args: argparse.Namespace) -> None:
@@ -125,5 +129,13 @@ def _checkpoint_args_honoured(args: argparse.Namespace) -> None:
     if args.ckpt_format == "torch":
         raise _unsupported("--ckpt-format", "torch (Megatron's legacy per-rank files) is not written; use "
                                             "torch_dist (the default, which Megatron-LM loads) or dynapipe")
+    if not args.load:
+        # Each acts on a loaded checkpoint only; without one it would be a no-op the command line claims.
+        for flag, given in (("--no-load-optim", args.no_load_optim), ("--no-load-rng", args.no_load_rng),
+                            ("--override-opt_param-scheduler", args.override_opt_param_scheduler),
+                            ("--use-checkpoint-opt_param-scheduler", args.use_checkpoint_opt_param_scheduler)):
+            if given:
+                raise DynaPipeError(f"{flag} applies to a checkpoint loaded with --load DIR, and none is given; "
+                                    f"add --load or drop {flag}.")
     if args.finetune and not args.load:
         raise DynaPipeError("--finetune needs --load DIR (the checkpoint whose weights to start from).")

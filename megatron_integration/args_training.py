@@ -69,9 +69,11 @@ def optimizer_args_from_args(args: argparse.Namespace) -> OptimizerArgs:
         warmup_iters = args.lr_warmup_fraction * decay_iters  # not rounded, as Megatron-LM's
     if args.min_lr > args.lr:
         raise DynaPipeError(f"--min-lr {args.min_lr} is above --lr {args.lr}; the decay would raise the rate.")
-    if args.lr_decay_style != "constant" and warmup_iters >= decay_iters:
+    # megatron-core's scheduler asserts this for every decay style, the constant one included.
+    if warmup_iters >= decay_iters:
         raise DynaPipeError(f"the warm-up ({warmup_iters} iterations) must be shorter than the decay "
-                            f"({decay_iters} iterations, --lr-decay-iters or --train-iters).")
+                            f"({decay_iters} iterations, --lr-decay-iters or --train-iters); shorten the warm-up "
+                            f"or lengthen the decay.")
     decoupled = _decoupled_lr(args)
     if args.grad_reduce_in_bf16 and not args.bf16:
         raise DynaPipeError("--grad-reduce-in-bf16 applies to --bf16 only (gradients of other precisions are "
@@ -140,6 +142,11 @@ def _weight_decay_schedule(args: argparse.Namespace) -> dict:
     if style != "constant" and len(given) < 2:
         raise DynaPipeError(f"--weight-decay-incr-style {style} needs --start-weight-decay and --end-weight-decay "
                             f"(as in Megatron-LM).")
+    # The style is named "incr": megatron-core's scheduler asserts the decay only grows.
+    if style != "constant" and end < start:
+        raise DynaPipeError(f"--end-weight-decay {end} is below --start-weight-decay {start}: "
+                            f"--weight-decay-incr-style {style} only raises the weight decay (megatron-core's "
+                            f"scheduler asserts end >= start); swap them or use --weight-decay-incr-style constant.")
     return {"start_weight_decay": start, "end_weight_decay": end, "weight_decay_incr_style": style}
 
 

@@ -128,7 +128,7 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
     from megatron_integration.data_args import data_sources_from_args, eval_args_from_args
 
     sources = data_sources_from_args(args)
-    evaluation = eval_args_from_args(args)
+    evaluation = eval_args_from_args(args, sources)
     if args.dynapipe_mixture is not None and not os.path.isfile(args.dynapipe_mixture):
         raise DynaPipeError(f"--dynapipe-mixture {args.dynapipe_mixture!r}: no such file.")
     if args.dynapipe_tokens_per_global_batch is not None and not args.use_dynapipe:
@@ -145,6 +145,9 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
                     mock_samples=args.dynapipe_mock_samples, mmap_bin_files=args.mmap_bin_files)
 
     optimizer = optimizer_args_from_args(args)
+    if args.seed <= 0:
+        raise DynaPipeError(f"--seed {args.seed}: Megatron-LM takes a positive integer seed (default 1234); "
+                            f"give one.")
     _positive("num-workers", args.num_workers, allow_zero=True)
     _positive("exit-interval", args.exit_interval, allow_zero=True)  # 0: off, as Megatron-LM reads it
     from megatron_integration.manual_gc import ManualGC

@@ -42,9 +42,11 @@ def add_split_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def add_eval_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Declare ``--eval-iters`` and ``--eval-interval`` (Megatron-LM's defaults)."""
     g = parser.add_argument_group("evaluation")
-    g.add_argument("--eval-iters", type=int, default=100,
+    # None stands for Megatron-LM's 100, so that an --eval-iters given for a run without
+    # validation or test data can be told from the default and refused (eval_args_from_args).
+    g.add_argument("--eval-iters", type=int, default=None,
                    help="global batches per evaluation of the validation (and, after training, test) set; "
-                        "0 disables evaluation")
+                        "0 disables evaluation (default 100)")
     g.add_argument("--eval-interval", type=int, default=None,
                    help="iterations between validation runs during training (default: none; the validation "
                         "and test sets are still evaluated once after training)")
@@ -91,12 +93,45 @@ def data_sources_from_args(args: argparse.Namespace) -> dict:
     return fields
 
 
-def eval_args_from_args(args: argparse.Namespace) -> EvalArgs:
-    """``--eval-iters`` / ``--eval-interval``, validated."""
-    if args.eval_iters < 0:
-        raise DynaPipeError(f"--eval-iters {args.eval_iters}: must be >= 0 (0 disables evaluation).")
+def eval_args_from_args(args: argparse.Namespace, sources: Optional[dict] = None) -> EvalArgs:
+    """``--eval-iters`` / ``--eval-interval``, validated; with ``sources`` (the fields of
+    :func:`data_sources_from_args`), refused where the run has no data to evaluate on."""
+    iters = 100 if args.eval_iters is None else args.eval_iters  # Megatron-LM's default
+    if iters < 0:
+        raise DynaPipeError(f"--eval-iters {iters}: must be >= 0 (0 disables evaluation).")
     interval: Optional[int] = args.eval_interval
     if interval is not None and interval <= 0:
         raise DynaPipeError(f"--eval-interval {interval}: must be positive (leave it out for no evaluation "
                             f"during training).")
-    return EvalArgs(eval_iters=args.eval_iters, eval_interval=interval)
+    if sources is not None and iters:
+        valid, test = eval_splits(sources)
+        wanted = [(f"--eval-interval {interval}", valid, "validation set") if interval is not None else None,
+                  (f"--eval-iters {iters}", valid or test, "validation or test set")
+                  if args.eval_iters is not None else None]
+        for flag, present, what in filter(None, wanted):
+            if not present:
+                why, fix = _no_eval_data_why(sources)
+                raise DynaPipeError(f"{flag}: this run has no {what} to evaluate ({why}); {fix} or drop "
+                                    f"{flag.split()[0]}.")
+    return EvalArgs(eval_iters=iters, eval_interval=interval)
+
+
+def eval_splits(sources: dict) -> tuple[bool, bool]:
+    """Whether the data of ``sources`` (:func:`data_sources_from_args`) has a validation and
+    a test split."""
+    if "split" in sources:
+        split = sources["split"]
+        return split[1] > 0, split[2] > 0
+    return bool(sources.get("valid_data_path")), bool(sources.get("test_data_path"))
+
+
+def _no_eval_data_why(sources: dict) -> tuple[str, str]:
+    """Why ``sources`` have nothing to evaluate on, and the fix."""
+    if "split" in sources:
+        return (f"--split {','.join(str(v) for v in sources['split'])} leaves it no share",
+                "give --split a share for it (such as 98,1,1)")
+    if sources.get("train_data_path"):
+        return ("--train-data-path without --valid-data-path / --test-data-path",
+                "add --valid-data-path (or --test-data-path)")
+    # Megatron-LM's mock data would be split 1,1,1; here mock data trains only unless --split is given.
+    return "--mock-data without --split trains on every mock sample", "add --split (such as 98,1,1)"

@@ -205,7 +205,7 @@ def _wrap(cfg: DynaPipeTrainingConfig, gpt: torch.nn.Module, chunk: int = 0, num
 
 def build_stage(cfg: DynaPipeTrainingConfig, info: RankInfo, use_te: Optional[bool] = None) -> Stage:
     """Build, initialise and wrap this rank's stage (every chunk of it) in megatron-core DDP."""
-    use_te = te_available() if use_te is None else use_te
+    use_te = cfg.model.transformer_impl == "transformer_engine" if use_te is None else use_te
     name = "transformer_engine" if use_te else "local"
     chunks = cfg.parallel.virtual_pipeline_model_parallel_size
     if chunks:

@@ -52,6 +52,11 @@ def model_shape_from_args(args: argparse.Namespace) -> dict:
         if groups % tp:
             raise DynaPipeError(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}; "
                                 f"every tensor-parallel rank needs whole key/value groups.")
+    elif args.num_query_groups != 1:
+        # Megatron-LM reads it only with --group-query-attention; a GQA checkpoint's shape would be lost here.
+        raise DynaPipeError(f"--num-query-groups {args.num_query_groups} without --group-query-attention: the "
+                            f"layers would be built with one key/value head per query head; add "
+                            f"--group-query-attention or drop it.")
     if args.rotary_base <= 0:
         raise DynaPipeError(f"--rotary-base {args.rotary_base}: must be positive (RoPE's base period, "
                             f"Megatron's default 10000).")

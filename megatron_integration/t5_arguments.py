@@ -95,6 +95,10 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
     if args.position_embedding_type != "learned_absolute":
         raise _unsupported("--position-embedding-type", f"{args.position_embedding_type}: T5 stages use learned "
                                                         f"absolute positions; drop it")
+    if args.transformer_impl == "transformer_engine" and _on_gpu(cuda):
+        raise _unsupported("--transformer-impl", "transformer_engine (Megatron-LM's default): the T5 stages are "
+                                                 "built from megatron-core's local layers (its T5 block specs "
+                                                 "without Transformer Engine); pass --transformer-impl local")
     pp = args.pipeline_model_parallel_size
     total = enc_layers + dec_layers
     placement_flag = (getattr(args, "dynapipe_placement", None) or "even").strip()
@@ -138,6 +142,14 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
     cfg = T5TrainingConfig(base=base, encoder_layers=enc_layers, decoder_layers=dec_layers,
                            decoder_seq_length=dec_seq, span_corruption=span_corruption_from_args(args, base, dec_seq))
     return _with_placement(cfg, placement_flag, pp)
+
+
+def _on_gpu(cuda: Optional[bool]) -> bool:
+    if cuda is not None:
+        return cuda
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def parse_t5_args(argv, world_size: int, cuda: Optional[bool] = None) -> T5TrainingConfig:

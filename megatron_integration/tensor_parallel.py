@@ -18,6 +18,7 @@ import argparse
 import os
 
 from dynapipe.errors import DynaPipeError, PlanError
+from megatron_integration.model_flags import swiglu_ffn_hidden_size
 
 
 def check_tensor_parallel_args(args: argparse.Namespace, cuda: bool) -> None:
@@ -32,8 +33,10 @@ def check_tensor_parallel_args(args: argparse.Namespace, cuda: bool) -> None:
     tp = args.tensor_model_parallel_size
     sp = bool(getattr(args, "sequence_parallel", False))
     if tp > 1:
-        for flag, value in (("--num-attention-heads", args.num_attention_heads),
-                            ("--ffn-hidden-size", args.ffn_hidden_size or 4 * args.hidden_size)):
+        # The width the layers get: Megatron's default under --swiglu is not 4 x hidden.
+        ffn = args.ffn_hidden_size or (swiglu_ffn_hidden_size(args.hidden_size) if getattr(args, "swiglu", False)
+                                       else 4 * args.hidden_size)
+        for flag, value in (("--num-attention-heads", args.num_attention_heads), ("--ffn-hidden-size", ffn)):
             if value % tp:
                 raise DynaPipeError(f"--tensor-model-parallel-size {tp} does not divide {flag} {value}; "
                                     f"use a tensor-parallel size that divides it.")

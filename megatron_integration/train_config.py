@@ -26,6 +26,9 @@ class GPTModelArgs:
     vocab_size: int
     position_embedding_type: str = "learned_absolute"
     tie_embeddings: bool = True
+    # The layers built: "transformer_engine" (--transformer-impl's default, on GPUs) or megatron-core's
+    # "local" ones (--transformer-impl local, and every CPU run: Transformer Engine needs CUDA).
+    transformer_impl: str = "local"
     normalization: str = "LayerNorm"
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1

@@ -194,7 +194,11 @@ def run(out_dir: str, timeout_s: float) -> dict:
     profile = os.path.join(out_dir, "profile.json")
     if cli(["profile", "--output", profile, *PROFILE_GRID, "--repeats", "3", *MODEL_ARGS]) != 0:
         raise DynaPipeError("profiling failed; see the lines above.")
-    base = MODEL_ARGS + TRAIN_ARGS
+    from megatron_integration.model import te_available
+
+    # Transformer Engine's layers where it imports (as the profile times them), else the local ones:
+    # --transformer-impl's default (transformer_engine) is refused without it.
+    base = MODEL_ARGS + TRAIN_ARGS + ([] if te_available() else ["--transformer-impl", "local"])
     results = {}
     for level in LEVELS:
         argv = base + ["--use-dynapipe", "--dynapipe-cost-model", profile, "--dynapipe-recompute", level,

@@ -5,6 +5,15 @@ import pytest
 from t5_job import PACKING, TIMEOUT, TINY
 
 
+@pytest.fixture
+def gpu_with_te(monkeypatch):
+    """Parse as on a GPU machine with Transformer Engine installed, where --transformer-impl's
+    default (transformer_engine) is what the stages are built from."""
+    import megatron_integration.model as model_specs
+
+    monkeypatch.setattr(model_specs, "te_available", lambda: True)
+
+
 @pytest.fixture(scope="session")
 def t5_dist(tmp_path_factory):
     """Where the pp2 job writes its torch_dist checkpoints: ``full`` (padding, 3 iterations),

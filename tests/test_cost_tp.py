@@ -160,7 +160,7 @@ def test_cost_command_tp_errors(capsys):
 
 
 @pytest.mark.parametrize("name,tp", [("gpt-13b-tp2-pp4-dp2-a100-40gb", 2), ("gpt-30b-tp4-pp4-dp2-h100", 4)])
-def test_tp_run_configs_need_their_tensor_parallelism(name, tp):
+def test_tp_run_configs_need_their_tensor_parallelism(name, tp, gpu_with_te):
     from megatron_integration.arguments import build_parser, load_run_config, training_config_from_args
 
     run = load_run_config(name)

@@ -3,6 +3,8 @@
 The PP2 runs (DynaPipe and padding validation losses equal, training untouched) are in
 tests/test_megatron_dynapipe.py, sharing that module's spawned jobs.
 """
+import re
+
 import numpy as np
 import pytest
 
@@ -63,8 +65,17 @@ def test_validation_stream_position():
 def test_eval_flags_megatron_defaults_and_errors():
     cfg = parse_training_args(BASE.split(), 1, cuda=False)
     assert (cfg.evaluation.eval_iters, cfg.evaluation.eval_interval) == (100, None)
-    cfg = parse_training_args(f"{BASE} --eval-iters 5 --eval-interval 3".split(), 1, cuda=False)
+    cfg = parse_training_args(f"{BASE} --split 80,10,10 --eval-iters 5 --eval-interval 3".split(), 1, cuda=False)
     assert (cfg.evaluation.eval_iters, cfg.evaluation.eval_interval) == (5, 3)
+    # Evaluation flags for a run with nothing to evaluate on are refused, not dropped.
+    for extra, needle in (("--eval-interval 3", "--eval-interval 3: this run has no validation set to evaluate "
+                                                "(--mock-data without --split"),
+                          ("--eval-iters 5", "--eval-iters 5: this run has no validation or test set"),
+                          ("--split 90,0,10 --eval-interval 3", "--split 0.9,0.0,0.1 leaves it no share")):
+        with pytest.raises(DynaPipeError, match=re.escape(needle)):
+            parse_training_args(f"{BASE} {extra}".split(), 1, cuda=False)
+    assert parse_training_args(f"{BASE} --split 90,0,10 --eval-iters 3".split(), 1, cuda=False).evaluation.eval_iters == 3
+    assert parse_training_args(f"{BASE} --eval-iters 0".split(), 1, cuda=False).evaluation.eval_iters == 0
     for extra, needle in (("--eval-iters -1", "--eval-iters -1"), ("--eval-interval 0", "--eval-interval 0")):
         with pytest.raises(DynaPipeError, match=needle):
             parse_training_args(f"{BASE} {extra}".split(), 1, cuda=False)

@@ -187,6 +187,12 @@ def test_checkpoint_flags_have_megatrons_meaning(tmp_path):
         _parse("--ckpt-format torch")
     with pytest.raises(DynaPipeError, match="--finetune needs --load"):
         _parse("--finetune")
+    # The flags that only act on a loaded checkpoint are refused without one, not dropped.
+    for flag in ("--no-load-optim", "--no-load-rng", "--override-opt_param-scheduler",
+                 "--use-checkpoint-opt_param-scheduler"):
+        with pytest.raises(DynaPipeError, match=f"^{flag} applies to a checkpoint loaded with --load DIR"):
+            _parse(flag)
+        assert _parse(f"--load {tmp_path} {flag}").load == str(tmp_path)
 
 
 def _shard_bytes(iter_dir, rank: int) -> int:

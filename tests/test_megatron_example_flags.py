@@ -195,6 +195,11 @@ def test_t5_refuses_what_its_stages_do_not_take():
     for extra in ("--decoupled-lr 1e-3", "--cross-entropy-loss-fusion"):
         with pytest.raises(DynaPipeError, match=extra.split()[0]):
             parse_t5_args(argv + extra.split(), 2, cuda=True)
+    # T5 stages are megatron-core's local layers: Megatron-LM's default Transformer Engine is refused on GPUs.
+    with pytest.raises(DynaPipeError, match="^--transformer-impl is a Megatron-LM flag .* transformer_engine"):
+        parse_t5_args(argv, 2, cuda=True)
+    assert parse_t5_args(argv + ["--transformer-impl", "local"], 2, cuda=True).base.model.transformer_impl == "local"
+    assert parse_t5_args(argv, 2, cuda=False).base.model.transformer_impl == "local"
 
 
 def test_indexed_data_read_without_memory_maps_is_the_same(tmp_path):

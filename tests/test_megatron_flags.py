@@ -60,12 +60,26 @@ def test_flags_at_their_built_values_are_accepted():
     assert cfg.model.num_attention_heads == 4
     # RoPE's base only matters with RoPE: Megatron ignores it for learned positions.
     assert parse("--rotary-base 500000").model.position_embedding_type == "learned_absolute"
-    assert parse("--transformer-impl local").model.num_layers == 2  # CPU: the local spec is what runs
+    # CPU: Transformer Engine needs CUDA, so the local layers are what runs either way.
+    assert parse("--transformer-impl local").model.transformer_impl == "local"
+    assert parse("").model.transformer_impl == "local"
+
+
+def test_transformer_impl_picks_the_gpu_layers(monkeypatch):
+    import megatron_integration.model as model_specs
+
+    monkeypatch.setattr(model_specs, "te_available", lambda: True)
+    assert parse("", cuda=True).model.transformer_impl == "transformer_engine"  # Megatron-LM's default
+    assert parse("--transformer-impl local", cuda=True).model.transformer_impl == "local"
+    monkeypatch.setattr(model_specs, "te_available", lambda: False)
+    assert parse("--transformer-impl local", cuda=True).model.transformer_impl == "local"
+    with pytest.raises(DynaPipeError, match="^--transformer-impl transformer_engine .* not installed; .*"
+                                            "--transformer-impl local"):
+        parse("", cuda=True)
 
 
 @pytest.mark.parametrize("extra, cuda, flag", [
     ("--attention-backend flash", True, "--attention-backend"),
-    ("--transformer-impl local", True, "--transformer-impl"),
     ("--optimizer sgd", False, "--optimizer"),
 ])
 def test_values_that_cannot_be_honoured_are_refused(extra, cuda, flag):
@@ -79,6 +93,10 @@ def test_values_that_cannot_be_honoured_are_refused(extra, cuda, flag):
     ("--lr-warmup-iters 5 --lr-warmup-fraction 0.1", "give one"),
     ("--lr-warmup-fraction 1.5", "--lr-warmup-fraction 1.5: must be in [0, 1)"),
     ("--lr-warmup-iters 100", "must be shorter than the decay"),
+    # megatron-core's scheduler asserts both after start-up; refused before it.
+    ("--lr-decay-style constant --lr-warmup-iters 100", "must be shorter than the decay"),
+    ("--weight-decay-incr-style linear --start-weight-decay 0.1 --end-weight-decay 0.01",
+     "--end-weight-decay 0.01 is below --start-weight-decay 0.1"),
     ("--min-lr 0.1", "--min-lr 0.1 is above --lr"),
     ("--loss-scale 1024", "--loss-scale applies to --fp16 and --bf16"),
     ("--make-vocab-size-divisible-by 0", "--make-vocab-size-divisible-by 0: must be positive"),
@@ -87,6 +105,25 @@ def test_invalid_schedule_values_name_the_flag(extra, needle):
     with pytest.raises(DynaPipeError) as e:
         parse(extra)
     assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("extra, world, needle", [
+    # Megatron-LM reads the groups only with GQA; here the layers would silently get full MHA.
+    ("--num-query-groups 2", 1, "--num-query-groups 2 without --group-query-attention"),
+    ("--seed 0", 1, "--seed 0: Megatron-LM takes a positive integer seed"),
+    ("--seed -1", 1, "--seed -1: Megatron-LM takes a positive integer seed"),
+    # Megatron-LM asserts max_position_embeddings >= seq_length whatever the position type.
+    ("--position-embedding-type rope --max-position-embeddings 64",
+     1, "--seq-length 128 exceeds --max-position-embeddings 64"),
+    # --swiglu's default FFN width (2/3 x 4h rounded down to 64: 512 here) is what TP must divide, not 4h.
+    ("--hidden-size 192 --num-attention-heads 6 --swiglu --tensor-model-parallel-size 3",
+     3, "does not divide --ffn-hidden-size 512"),
+])
+def test_megatron_lm_refusals_before_any_work(extra, world, needle):
+    with pytest.raises(DynaPipeError) as e:
+        parse(extra, world=world)
+    assert needle in str(e.value)
+    assert parse("--num-query-groups 2 --group-query-attention").model.num_query_groups == 2
 
 
 def test_train_samples_refuses_iteration_schedules():

@@ -208,7 +208,7 @@ def test_megatron_cores_interleaved_schedule_gives_the_plain_pipelines_losses(pp
         assert got["eval_path"] == "megatron-forward-only"
 
 
-def test_virtual_stage_flags_mean_what_they_mean_in_megatron():
+def test_virtual_stage_flags_mean_what_they_mean_in_megatron(gpu_with_te):
     assert parse("--num-virtual-stages-per-pipeline-rank 2 --use-dynapipe").parallel \
         .virtual_pipeline_model_parallel_size == 2
     # Layers per virtual stage: 4 layers over 2 stages, 1 a chunk -> 2 chunks a rank.
@@ -247,7 +247,7 @@ def test_virtual_stage_combinations_this_build_cannot_run_are_refused(extra, wor
         parse(extra, world, base)
 
 
-def test_gpu_rule_at_two_stages_is_megatrons():
+def test_gpu_rule_at_two_stages_is_megatrons(gpu_with_te):
     with pytest.raises(DynaPipeError, match="needs its transfers overlapped"):
         parse("--num-virtual-stages-per-pipeline-rank 2 --no-overlap-p2p-communication", cuda=True)
 

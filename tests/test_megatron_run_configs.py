@@ -16,7 +16,8 @@ RUNS = sorted(glob.glob(os.path.join(CONFIG_DIR, "runs", "*.yaml")))
 
 
 @pytest.mark.parametrize("path", RUNS, ids=[os.path.basename(p) for p in RUNS])
-def test_run_config_is_valid_and_plannable(path, tmp_path, monkeypatch):
+def test_run_config_is_valid_and_plannable(path, tmp_path, monkeypatch, gpu_with_te):
+    # The GPU configs are for GPU nodes with Transformer Engine (--transformer-impl's default) installed.
     # Validation proves --save writable by creating it; keep the relative checkpoints/ out of the checkout.
     monkeypatch.chdir(tmp_path)
     run = load_run_config(path)

@@ -97,14 +97,18 @@ def test_t5_auto_placement_weighs_both_kinds_for_zero_bubble(monkeypatch):
 
 
 def test_transformer_engine_stages_are_refused_at_start_up(monkeypatch):
-    # On GPUs with Transformer Engine the stages use its layers (--transformer-impl local is refused
-    # there), whose weight gradients the split does not defer: refused before anything is built.
+    # On GPUs --transformer-impl transformer_engine (Megatron-LM's default) builds the stages from its
+    # layers, whose weight gradients the split does not defer: refused before anything is built.
     import megatron_integration.model as model_specs
 
     monkeypatch.setattr(model_specs, "te_available", lambda: True)
-    with pytest.raises(DynaPipeError, match="with Transformer Engine installed"):
+    with pytest.raises(DynaPipeError, match="Use --transformer-impl local"):
         parse_training_args((TINY + " --use-dynapipe --dynapipe-schedule zb-h1").split(), 2, cuda=True)
-    parse_training_args((TINY + " --use-dynapipe --dynapipe-schedule 1f1b").split(), 2, cuda=True)
+    cfg = parse_training_args((TINY + " --use-dynapipe --dynapipe-schedule 1f1b").split(), 2, cuda=True)
+    assert cfg.model.transformer_impl == "transformer_engine"
+    cfg = parse_training_args((TINY + " --use-dynapipe --dynapipe-schedule zb-h1 --transformer-impl local").split(),
+                              2, cuda=True)
+    assert cfg.model.transformer_impl == "local" and cfg.dynapipe.split_backward
 
 
 def test_auto_splits_the_backward_where_the_stages_can(monkeypatch):
@@ -125,7 +129,7 @@ def test_auto_splits_the_backward_where_the_stages_can(monkeypatch):
     # The baselines' plans are whole 1F1B (T5's run through the executor): no split to slow them.
     assert not parse_training_args(TINY.split(), 2, cuda=False).dynapipe.split_backward
     monkeypatch.setattr(model_specs, "te_available", lambda: True)
-    assert not split("", cuda=True)
+    assert not split("", cuda=True) and split("--transformer-impl local", cuda=True)
     monkeypatch.setattr(model_specs, "te_available", lambda: False)
     cfg = parse_training_args((TINY + " --use-dynapipe").split(), 2, cuda=False)
     info = RankInfo(rank=0, world_size=2, pp_rank=0, pp_size=2, dp_rank=0, dp_size=1, tp_rank=0, tp_size=1,

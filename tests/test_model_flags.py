@@ -30,8 +30,9 @@ def test_shape_flags_with_megatron_defaults():
     assert parse("--swiglu --ffn-hidden-size 96").model.ffn_hidden_size == 96
     assert parse("--disable-bias-linear").model.add_bias_linear is False
     assert parse("--group-query-attention --num-query-groups 2").model.num_query_groups == 2
-    # Megatron ignores --num-query-groups without --group-query-attention.
-    assert parse("--num-query-groups 2").model.num_query_groups is None
+    # Megatron-LM ignores --num-query-groups without --group-query-attention; refused here, not dropped.
+    with pytest.raises(DynaPipeError, match="--num-query-groups 2 without --group-query-attention"):
+        parse("--num-query-groups 2")
     cfg = parse("--position-embedding-type rope --rotary-base 500000 --normalization RMSNorm")
     assert (cfg.model.rotary_base, cfg.model.normalization) == (500000, "RMSNorm")
     mc = parse("--swiglu --disable-bias-linear --group-query-attention --num-query-groups 2 "
@@ -49,13 +50,13 @@ def test_shape_flags_with_megatron_defaults():
     ("--swiglu --hidden-size 16", 1, False, "give --ffn-hidden-size"),
     ("--position-embedding-type rope --rotary-base 0", 1, False, "--rotary-base 0: must be positive"),
 ])
-def test_shape_flags_refused_with_the_fix(extra, world, cuda, needle):
+def test_shape_flags_refused_with_the_fix(extra, world, cuda, needle, gpu_with_te):
     with pytest.raises(DynaPipeError) as e:
         parse(extra, world, cuda)
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
-def test_loss_scale_flags_reach_megatron_optimizer_config():
+def test_loss_scale_flags_reach_megatron_optimizer_config(gpu_with_te):
     pytest.importorskip("megatron.core")
     from megatron_integration.optimizer import optimizer_config
 
@@ -82,7 +83,7 @@ def test_loss_scale_flags_reach_megatron_optimizer_config():
     ("--fp16 --loss-scale -1", True, "--loss-scale -1.0: must be positive"),
     ("--fp16 --initial-loss-scale 8 --min-loss-scale 16", True, "--min-loss-scale 16.0 is above --initial-loss-scale"),
 ])
-def test_loss_scale_flags_refused(extra, cuda, needle):
+def test_loss_scale_flags_refused(extra, cuda, needle, gpu_with_te):
     with pytest.raises(DynaPipeError) as e:
         parse(extra, cuda=cuda)
     assert needle in str(e.value)
@@ -292,7 +293,7 @@ def test_recompute_modules_core_attn_is_selective_recompute():
     assert parse("--recompute-activations --recompute-modules core_attn").recompute.granularity == "selective"
 
 
-def test_deterministic_mode_sets_megatrons_environment_and_reaches_the_config(monkeypatch):
+def test_deterministic_mode_sets_megatrons_environment_and_reaches_the_config(monkeypatch, gpu_with_te):
     import os
 
     import torch

@@ -36,10 +36,11 @@ def test_a_different_schedule_is_refused_unless_a_flag_picks_one():
     assert theirs.lr_decay_steps == 10
 
 
-def test_scheduler_flags_reach_the_optimizer_config():
+def test_scheduler_flags_reach_the_optimizer_config(tmp_path):
     o = parse_training_args(f"{BASE} --train-iters 4".split(), 1).optimizer
     assert (o.override_scheduler, o.use_checkpoint_scheduler) == (False, False)  # Megatron-LM's defaults
-    o = parse_training_args(f"{BASE} --train-iters 4 --override-opt_param-scheduler".split(), 1).optimizer
+    o = parse_training_args(f"{BASE} --train-iters 4 --load {tmp_path} --override-opt_param-scheduler".split(),
+                            1).optimizer
     assert o.override_scheduler and not o.use_checkpoint_scheduler
     with pytest.raises(DynaPipeError, match="contradict each other"):
         parse_training_args(f"{BASE} --train-iters 4 --override-opt_param-scheduler "

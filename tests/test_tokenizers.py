@@ -19,7 +19,7 @@ def parse(extra: str, world: int = 1, cuda: bool = False):
     return parse_training_args(f"{BASE} {extra}".split(), world, cuda=cuda)
 
 
-def test_gpt2_bpe_vocabulary_from_its_files():
+def test_gpt2_bpe_vocabulary_from_its_files(gpu_with_te):
     from megatron_integration.tokenizer import tokenizer_info
     from megatron_integration.arguments import build_parser
 
