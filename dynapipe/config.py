@@ -307,15 +307,36 @@ def _build(cls, data: Mapping[str, Any], source: str):
         raise DynaPipeError(f"{source}: {e}") from None
 
 
-def _resolve(path_or_name: str, kind: str) -> str:
-    """Accept a path, or a bare name of a config shipped in ``configs/<kind>/``."""
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+# What a file of each folder of configs/ holds, as errors name it.
+CONFIG_KINDS = {"models": "model", "devices": "device", "clusters": "cluster", "data": "mixture"}
+
+
+def shipped_names(kind: str) -> list[str]:
+    """Names of the configs shipped in ``configs/<kind>/`` (file names without ``.yaml``)."""
+    folder = os.path.join(CONFIG_DIR, kind)
+    if not os.path.isdir(folder):
+        return []
+    return sorted(n[:-len(".yaml")] for n in os.listdir(folder) if n.endswith(".yaml"))
+
+
+def resolve_config_path(path_or_name: str, kind: str, flag: Optional[str] = None) -> str:
+    """Accept a path, or a bare name of a config shipped in ``configs/<kind>/``; refuse
+    anything else naming ``flag`` (when given), the shipped names of that kind and, for a
+    name shipped as another kind (a device given as a cluster), which kind it is."""
     if os.path.exists(path_or_name):
         return path_or_name
-    shipped = os.path.join(CONFIG_DIR, kind, path_or_name if path_or_name.endswith(".yaml") else path_or_name + ".yaml")
-    return shipped if os.path.exists(shipped) else path_or_name
-
-
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+    name = path_or_name.removesuffix(".yaml")
+    shipped = os.path.join(CONFIG_DIR, kind, name + ".yaml")
+    if os.path.exists(shipped):
+        return shipped
+    what = CONFIG_KINDS.get(kind, kind)
+    noun = "mixture file" if kind == "data" else "config file"
+    others = [CONFIG_KINDS[k] for k in CONFIG_KINDS if k != kind and name in shipped_names(k)]
+    hint = f" ({name!r} is a shipped {others[0]} config, not a {what} one)" if others else ""
+    names = ", ".join(shipped_names(kind)) or "none"
+    raise DynaPipeError(f"{flag + ': ' if flag else ''}{noun} {path_or_name!r} does not exist{hint}; give a YAML "
+                        f"path or a shipped {what} name: {names}.")
 
 
 def model_config_from_dict(data: Mapping[str, Any], source: str = "model config") -> ModelConfig:
@@ -329,21 +350,24 @@ def model_config_from_dict(data: Mapping[str, Any], source: str = "model config"
     return cfg.validate(source)
 
 
-def load_model_config(path: str) -> ModelConfig:
-    """Load a model config from a YAML file path or a shipped name such as ``gpt-7b``."""
-    path = _resolve(path, "models")
+def load_model_config(path: str, flag: Optional[str] = None) -> ModelConfig:
+    """Load a model config from a YAML file path or a shipped name such as ``gpt-7b``;
+    ``flag``: the option named when neither exists."""
+    path = resolve_config_path(path, "models", flag)
     return model_config_from_dict(_read_yaml(path), source=path)
 
 
-def load_device_config(path: str) -> DeviceConfig:
-    """Load a device config from a YAML file path or a shipped name such as ``a100-40gb``."""
-    path = _resolve(path, "devices")
+def load_device_config(path: str, flag: Optional[str] = None) -> DeviceConfig:
+    """Load a device config from a YAML file path or a shipped name such as ``a100-40gb``;
+    ``flag``: the option named when neither exists."""
+    path = resolve_config_path(path, "devices", flag)
     return _build(DeviceConfig, _read_yaml(path), path).validate(path)
 
 
-def load_cluster_config(path: str) -> ClusterConfig:
-    """Load a cluster config (links in GB/s and ms) from a YAML file path or shipped name."""
-    path = _resolve(path, "clusters")
+def load_cluster_config(path: str, flag: Optional[str] = None) -> ClusterConfig:
+    """Load a cluster config (links in GB/s and ms) from a YAML file path or shipped name;
+    ``flag``: the option named when neither exists."""
+    path = resolve_config_path(path, "clusters", flag)
     data = _read_yaml(path)
     for key in ("intra_node", "inter_node"):
         if key in data:

@@ -90,7 +90,16 @@ class IterationPlan:
         return t.get("batching", 0.0) + t.get("schedule", 0.0) + t.get("compile", 0.0)
 
     def plan_for(self, replica: int, stage: int) -> ExecutionPlan:
-        """The plan of one rank."""
+        """The plan of one rank; a replica or stage outside the planned layout is refused
+        (a negative index would otherwise pick a plan from the end)."""
+        replicas, stages = len(self.plans), self.batch_plan.num_stages
+        if not (0 <= replica < replicas and 0 <= stage < stages):
+            raise DynaPipeError(f"plan_for({replica}, {stage}): the iteration was planned for replicas 0 to "
+                                f"{replicas - 1} and stages 0 to {stages - 1}; ask for a rank in that range.")
+        if not self.plans[replica]:  # planned for a subset of the replicas (schedule_batch_plan's replicas)
+            held = [r for r, rep in enumerate(self.plans) if rep]
+            raise DynaPipeError(f"plan_for({replica}, {stage}): replica {replica} was not compiled here, only "
+                                f"replica(s) {held}; ask for one of those or plan every replica.")
         return self.plans[replica][stage]
 
     def all_plans(self) -> list[ExecutionPlan]:

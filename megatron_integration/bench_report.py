@@ -160,7 +160,7 @@ def write_png(results: dict[str, MethodResult], path: str, title: str) -> None:
         ax.tick_params(axis="x", labelrotation=20)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")  # not guessed from the name: --png writes a PNG
     plt.close(fig)
 
 

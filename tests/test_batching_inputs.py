@@ -117,6 +117,7 @@ def test_model_states_that_do_not_fit():
 @pytest.mark.parametrize("kw, message", [
     (dict(method="bogus"), r"--batching 'bogus'"),
     (dict(dp=0), r"--dp 0"),
+    (dict(dp=3), r"--dp 3 exceeds the 2 sample\(s\) of the global batch.*use --dp 2 or less"),
     (dict(micro_batch_size=0), r"--micro-batch-size 0"),
     (dict(method="token-budget", max_tokens=-5), r"--max-tokens -5"),
     (dict(memory_limit_mib=-1.0), r"memory limit -1.0"),

@@ -1,7 +1,9 @@
 """Bad command-line input is refused with one line naming the flag, the value and the fix:
 batching flags the method does not read, placements as typed, ``--plan-out`` leftovers,
-``trace --replica``, the advisor's memory, list and token arguments, ``profile``'s output,
-threads and grid."""
+``trace --replica``, ``--seed`` and ``--png``, output paths checked before any planning,
+``--dp`` above the batch's samples, sequence lengths sequence parallelism cannot split,
+config and mixture names, mixed plan sets, the advisor's memory, list and token
+arguments, ``profile``'s output, threads and grid."""
 from __future__ import annotations
 
 import os
@@ -136,6 +138,134 @@ def test_trace_replica_is_checked_before_planning(tmp_path, capsys, extra, messa
     _refused(capsys, ["trace", "--lengths", _lengths(tmp_path), *GPT7B, "--stages", "4",
                       "--out", str(tmp_path / "t.json"), *extra], message)
     assert not (tmp_path / "t.json").exists()
+
+
+@pytest.mark.parametrize("out, png, message", [
+    ("t.json", "t.txt", "--png 'DIR/t.txt' does not end in .png, the only format it writes; use 'DIR/t.png'"),
+    ("t.json", "t", "--png 'DIR/t' does not end in .png, the only format it writes; use 'DIR/t.png'"),
+    ("t.json", "sub", "--png 'DIR/sub' is a directory; give a file path ending in .png"),
+    ("t.png", "t.png", "--out and --png name the same file 'DIR/t.png', which --png would overwrite"),
+    ("t.json", "lengths.txt/t.png", "'DIR/lengths.txt' is a file, not a folder"),
+    ("sub", "t.png", "--out 'DIR/sub' is a directory"),
+])
+def test_trace_outputs_are_checked_before_planning(tmp_path, capsys, out, png, message):
+    (tmp_path / "sub").mkdir()
+    lengths = _lengths(tmp_path)
+    _refused(capsys, ["trace", "--lengths", lengths, *GPT7B, "--stages", "4", "--out", str(tmp_path / out),
+                      "--png", str(tmp_path / png)], message.replace("DIR", str(tmp_path)))
+    assert sorted(os.listdir(tmp_path)) == ["lengths.txt", "sub"] and not os.listdir(tmp_path / "sub")
+
+
+def test_trace_png_goes_exactly_where_asked_in_a_new_folder(tmp_path, capsys):
+    png = tmp_path / "new" / "t.png"
+    assert main(["trace", "--lengths", _lengths(tmp_path), *GPT7B, "--stages", "4", "--out",
+                 str(tmp_path / "t.json"), "--png", str(png)]) == 0
+    assert f"picture to {png}" in capsys.readouterr().err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and os.listdir(png.parent) == ["t.png"]
+
+
+def test_trace_seed_only_with_samples(tmp_path, capsys):
+    lengths = _lengths(tmp_path)
+    _refused(capsys, ["trace", "--lengths", lengths, *GPT7B, "--stages", "4", "--out", str(tmp_path / "t.json"),
+                      "--seed", "5"], f"--seed 5: only --samples reads it (--lengths {lengths} gives the lengths)")
+    _refused(capsys, ["trace", "--lengths", lengths, *GPT7B, "--stages", "4", "--out", str(tmp_path / "t.json"),
+                      "--seed", "0"], "--seed 0: only --samples reads it")
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_outputs_are_checked_before_any_plan_file_is_written(tmp_path, capsys):
+    lengths = _lengths(tmp_path)
+    plans = tmp_path / "po"
+    _refused(capsys, ["plan", "--lengths", lengths, *GPT7B, "--stages", "4", "--plan-out", str(plans),
+                      "--output", str(tmp_path / "lengths.txt" / "x.json")], "is a file, not a folder")
+    _refused(capsys, ["plan", "--lengths", lengths, *GPT7B, "--stages", "4", "--plan-out", str(plans),
+                      "--output", str(tmp_path)], f"--output {str(tmp_path)!r} is a directory")
+    _refused(capsys, ["plan", "--lengths", lengths, *GPT7B, "--stages", "4", "--output", str(tmp_path / "p.json"),
+                      "--plan-out", str(tmp_path / "lengths.txt" / "po")], "is a file, not a folder")
+    assert sorted(os.listdir(tmp_path)) == ["lengths.txt"]
+
+
+def test_an_output_never_overwrites_the_input(tmp_path, capsys):
+    lengths = _lengths(tmp_path)
+    before = open(lengths).read()
+    _refused(capsys, ["plan", "--lengths", lengths, *GPT7B, "--stages", "4", "--output", lengths],
+             f"--lengths and --output name the same file {lengths!r}, which --output would overwrite")
+    _refused(capsys, ["trace", "--lengths", lengths, *GPT7B, "--stages", "4", "--out", lengths],
+             f"--lengths and --out name the same file {lengths!r}")
+    _refused(capsys, ["plan", "--lengths", lengths, *GPT7B, "--stages", "4", "--output", str(tmp_path / "p"),
+                      "--plan-out", str(tmp_path / "p")], "--output and --plan-out name the same file")
+    assert open(lengths).read() == before and os.listdir(tmp_path) == ["lengths.txt"]
+
+
+def test_plan_output_may_go_into_a_new_folder(tmp_path, capsys):
+    out = tmp_path / "new" / "p.json"
+    assert main(["plan", "--lengths", _lengths(tmp_path), *GPT7B, "--stages", "4", "--output", str(out),
+                 "--plan-out", str(tmp_path / "po")]) == 0
+    capsys.readouterr()
+    assert out.exists() and len(os.listdir(tmp_path / "po")) == 4
+
+
+@pytest.mark.parametrize("dp", [10, 4000, 100000])
+def test_dp_above_the_samples_is_refused(tmp_path, capsys, dp):
+    _refused(capsys, ["plan", "--lengths", _lengths(tmp_path), *GPT7B, "--stages", "4", "--dp", str(dp)],
+             f"--dp {dp} exceeds the 9 sample(s) of the global batch, so {dp - 9} replica(s) would get no sample; "
+             f"use --dp 9 or less")
+
+
+def test_dp_up_to_the_samples_still_plans_with_its_warning(tmp_path, capsys):
+    assert main(["plan", "--lengths", _lengths(tmp_path), *GPT7B, "--stages", "4", "--dp", "9",
+                 "--output", str(tmp_path / "p.json")]) == 0
+    assert "replica(s) get no micro-batch" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["plan", "trace"])
+def test_sequence_parallel_needs_a_length_the_tp_ranks_split(tmp_path, capsys, command):
+    out = ["--out", str(tmp_path / "t.json")] if command == "trace" else []
+    _refused(capsys, [command, "--lengths", _lengths(tmp_path), *GPT7B, "--stages", "4", *out, "--tp", "2",
+                      "--sequence-parallel", "--seq-length", "1023"],
+             "--seq-length 1023 is not a multiple of 2; use --seq-length 1024 or 1022")
+    assert not (tmp_path / "t.json").exists()
+    _refused(capsys, ["cost", *GPT7B, "--stages", "4", "--tp", "2", "--sequence-parallel", "--shape", "1,1023"],
+             "--shape '1,1023': --sequence-parallel splits every sequence over the 2 tensor-parallel ranks")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "nosuch", "--device", "a100-40gb"],
+     "--model: config file 'nosuch' does not exist; give a YAML path or a shipped model name: gpt-13b, gpt-7b, "
+     "gpt-tiny, t5-11b"),
+    (["--model", "gpt-7b", "--device", "a100"], "--device: config file 'a100' does not exist; give a YAML path or "
+                                                "a shipped device name: a100-40gb, cpu, h100-80gb, h200"),
+    ([*GPT7B, "--cluster", "a100-40gb"],
+     "--cluster: config file 'a100-40gb' does not exist ('a100-40gb' is a shipped device config, not a cluster "
+     "one); give a YAML path or a shipped cluster name: a100-8x, cpu-local, h100-8x, h200-8x"),
+])
+def test_unknown_config_names_name_the_flag_and_the_shipped_configs(tmp_path, capsys, argv, message):
+    _refused(capsys, ["plan", "--lengths", _lengths(tmp_path), "--stages", "4", *argv], message)
+
+
+def test_synth_takes_a_shipped_mixture_name_as_advise_does(tmp_path, capsys):
+    out = tmp_path / "l.txt"
+    assert main(["synth", "--samples", "5", "--mixture", "flan-mixture", "--output", str(out)]) == 0
+    assert main(["synth", "--samples", "5", "--output", str(tmp_path / "default.txt")]) == 0
+    assert out.read_text() == (tmp_path / "default.txt").read_text()
+    for command in (["synth", "--samples", "5"], ADVISE[:-2]):
+        _refused(capsys, [*command, "--mixture", "nosuch"],
+                 "--mixture: mixture file 'nosuch' does not exist; give a YAML path or a shipped mixture name: "
+                 "flan-mixture")
+
+
+def test_validate_names_the_files_of_a_mixed_plan_set_and_the_fix(tmp_path, capsys):
+    first, second = tmp_path / "a", tmp_path / "b"
+    _plan_out(tmp_path, capsys, first, "--stages", "4")
+    rc = main(["plan", "--lengths", _lengths(tmp_path, "30\n40\n"), *GPT7B, "--stages", "4",
+               "--output", str(tmp_path / "p.json"), "--plan-out", str(second)])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    os.replace(second / "replica000-stage001.plan", first / "replica000-stage001.plan")
+    err = _refused(capsys, ["validate", str(first)], f"{first / 'replica000-stage001.plan'}: global_loss_tokens=70 "
+                                                     f"differs from global_loss_tokens=5541 of "
+                                                     f"{first / 'replica000-stage000.plan'}")
+    assert f"re-run `python -m dynapipe plan ... --plan-out {first}`" in err
 
 
 ADVISE = ["advise", "--model", "gpt-tiny", "--device", "cpu", "--cluster", "cpu-local", "--gpus", "2",

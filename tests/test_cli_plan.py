@@ -210,3 +210,38 @@ def test_plan_command_leaves_room_in_flight_as_plan_iteration_does(tmp_path, cap
     rc, out, _ = _plan(capsys, ["--lengths", str(path), "--model", "gpt-7b", "--device", "a100-40gb",
                                 "--stages", "4", "--dp", "2", "--recompute", "selective"])
     assert rc == 0 and json.loads(out)["extra"]["micro_batch_share"] == 1.0
+
+
+def test_commands_quoted_in_docstrings_have_the_flags_they_name():
+    # A docstring that quotes ``python -m dynapipe CMD ... --flag`` must name a flag CMD has.
+    import ast
+    import importlib
+    import re
+
+    from dynapipe.cli import COMMANDS
+    from dynapipe.cli.argtypes import StrictArgumentParser
+
+    quoted = re.compile(r"``python -m dynapipe (\w+)([^`]*)``")
+    checked = 0
+    for folder, _, files in os.walk(os.path.join(ROOT, "dynapipe")):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+            docs = [ast.get_docstring(n) for n in ast.walk(tree)
+                    if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))]
+            for command, rest in (m.groups() for d in docs if d for m in quoted.finditer(d)):
+                flags = re.findall(r"--[a-z][\w-]*", rest)
+                if command not in COMMANDS or not flags:
+                    continue
+                parser = StrictArgumentParser()
+                try:
+                    importlib.import_module(COMMANDS[command][0]).add_arguments(parser)
+                except ImportError:  # a command whose arguments need torch/megatron here
+                    continue
+                for flag in flags:
+                    assert flag in parser._option_string_actions, f"{path}: `{command} {flag}` is not a flag"
+                    checked += 1
+    assert checked  # profile's docstring names plan's --profile

@@ -84,6 +84,17 @@ def test_missing_config_names_the_path():
         load_model_config("gpt-404")
 
 
+def test_missing_config_lists_the_shipped_names_of_its_kind():
+    with pytest.raises(DynaPipeError, match=r"^--model: config file 'gpt-404' does not exist; give a YAML path or a "
+                                            r"shipped model name: gpt-13b, gpt-7b, gpt-tiny, t5-11b\.$"):
+        load_model_config("gpt-404", flag="--model")
+    with pytest.raises(DynaPipeError, match=r"^config file 'h200' does not exist \('h200' is a shipped device config, "
+                                            r"not a cluster one\); give a YAML path or a shipped cluster name: "
+                                            r"a100-8x, cpu-local, h100-8x, h200-8x\.$"):
+        load_cluster_config("h200")
+    assert load_cluster_config("h200-8x.yaml").gpus_per_node == load_cluster_config("h200-8x").gpus_per_node
+
+
 def test_bad_cluster_link(tmp_path):
     with pytest.raises(DynaPipeError, match="intra_node"):
         load_cluster_config(_write(tmp_path, "name: c\nintra_node: {bandwidth: 3}\n"))

@@ -290,7 +290,7 @@ PLAN = [
     (["--stages", "2", "--recompute", "some"], "--recompute"),
     (["--stages", "2", "--output", "{a_dir}"], "--output"),
     (["--stages", "2", "--output", "{under_file}"], "--output"),
-    (["--stages", "2", "--plan-out", "{under_file}"], "Not a directory"),
+    (["--stages", "2", "--plan-out", "{under_file}"], "is a file, not a folder"),
     (["--stages", "2", "--plan-out", "{binary}"], "binary"),
 ]
 
@@ -321,6 +321,15 @@ def test_processes_exit_2_with_one_line(argv, needle):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([PY, *argv], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     one_line_error(p.returncode, p.stderr, needle)
+
+
+@pytest.mark.parametrize("out, png, needle", [("b.json", "b.txt", "--png 'DIR/b.txt' does not end in .png"),
+                                              ("b.png", "b.png", "--output and --png name the same file")])
+def test_bench_png_that_cannot_be_written_is_refused_before_any_run(capsys, tmp_path, out, png, needle):
+    # The picture is saved after every run: a name it cannot take must not cost the runs first.
+    rc, _, err = run_cli(capsys, ["bench", "--output", tmp_path / out, "--png", tmp_path / png])
+    one_line_error(rc, err, needle.replace("DIR", str(tmp_path)))
+    assert not os.listdir(tmp_path)
 
 
 def test_bench_png_without_matplotlib_is_refused_before_any_run(capsys, tmp_path, monkeypatch):

@@ -31,6 +31,10 @@ def test_plan_iteration_covers_every_sample_once(tiny_cost):
     assert all(p.global_loss_tokens == int(lengths.sum()) for p in it.all_plans())
     assert sum(rep[0].loss_tokens for rep in it.plans) == int(lengths.sum())
     assert it.plan_for(1, 0) is it.plans[1][0] and it.plan_for(1, 0).replica == 1
+    for replica, stage in ((2, 0), (0, 2), (-1, 0), (0, -1)):
+        with pytest.raises(DynaPipeError, match=rf"plan_for\({replica}, {stage}\): the iteration was planned for "
+                                                r"replicas 0 to 1 and stages 0 to 1"):
+            it.plan_for(replica, stage)
     assert set(it.timings_ms) == {"batching", "schedule", "compile", "validate"}
     assert it.planning_ms == pytest.approx(sum(it.timings_ms[k] for k in ("batching", "schedule", "compile")))
     j = it.schedule_json(explain=True)

@@ -117,3 +117,10 @@ def test_synth_command_writes_a_lengths_file_the_planner_reads(tmp_path):
     pairs = tmp_path / "p.txt"
     assert main(["synth", "--samples", "8", "--encoder-decoder", "--output", str(pairs)]) == 0
     assert read_lengths(str(pairs)).shape == (8, 2)
+
+
+def test_a_shipped_mixture_is_found_by_name():
+    assert load_mixture("flan-mixture") == load_mixture() == load_mixture("flan-mixture.yaml")
+    with pytest.raises(DynaPipeError, match="--mixture: mixture file 'flan' does not exist; give a YAML path or a "
+                                            "shipped mixture name: flan-mixture"):
+        load_mixture("flan", flag="--mixture")

@@ -212,6 +212,7 @@ def test_plans_from_random_batches_validate(schedule, S, lengths, dp, headroom):
     # Memory: unlimited, or the model states plus a little or a lot of room for activations,
     # so that the adaptive schedule's memory bound and the recompute search both get used.
     cm = COST[S]
+    dp = min(dp, len(lengths))  # the planner refuses more replicas than samples
     limit = 1e12 if headroom is None else cm.model_state_mib() + A100.reserved_mib + headroom
     try:
         it = plan_iteration(np.array(lengths), cm, dp=dp, schedule=schedule, cluster=LINKS,

@@ -125,7 +125,7 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
     """Micro-batches of one global batch, priced, balanced over ``dp`` replicas.
 
     ``lengths``: ``(n,)`` tokens (decoder-only) or ``(n, 2)`` input and target tokens
-    (encoder-decoder). ``method``: one of :data:`METHODS`. ``memory_limit_mib`` (MiB per
+    (encoder-decoder); at least ``dp`` of them. ``method``: one of :data:`METHODS`. ``memory_limit_mib`` (MiB per
     device; ``None`` = unlimited) minus ``reserved_mib`` minus the model states of the
     most loaded stage is what a micro-batch's stored + peak activations may use; the
     ``dynapipe`` method honours it (raising :class:`DynaPipeError` for a sample that
@@ -154,6 +154,12 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
     check_recompute(recompute)
     model = cost_model.model
     arr = validate_lengths(lengths, model.is_encoder_decoder)
+    if dp > len(arr):
+        # A replica needs a sample; past the batch size the balance only multiplies empty
+        # replicas, at a cost that grows with dp until planning stalls.
+        raise DynaPipeError(f"--dp {dp} exceeds the {len(arr)} sample(s) of the global batch, so {dp - len(arr)} "
+                            f"replica(s) would get no sample; use --dp {len(arr)} or less, or a batch of at least "
+                            f"{dp} samples.")
     arr, cap, truncated = _limit_lengths(arr, seq_length, model.max_seq_length)
     if not 0.0 < micro_batch_share <= 1.0:
         raise DynaPipeError(f"micro_batch_share {micro_batch_share}: must lie in (0, 1].")

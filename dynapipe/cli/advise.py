@@ -199,24 +199,18 @@ def run(args) -> int:
     for flag in ("output", "json"):
         if getattr(args, flag):
             _check_writable(getattr(args, flag), flag)
-    model, device = load_model_config(args.model), load_device_config(args.device)
+    model, device = load_model_config(args.model, flag="--model"), load_device_config(args.device, flag="--device")
     gpu_capacity_mib(device, args.memory_limit_mb)
-    cluster = load_cluster_config(args.cluster)
+    cluster = load_cluster_config(args.cluster, flag="--cluster")
     seq = args.seq_length or model.max_seq_length
     if seq > model.max_seq_length:
         raise DynaPipeError(f"--seq-length {seq} exceeds the model's max_seq_length {model.max_seq_length}.")
     _check_tokens_per_iteration(args.tokens_per_iteration, seq, model, args.seq_length is None)
     mixture_path = None
     if args.mixture is not None:
-        from dynapipe.config import CONFIG_DIR
-        from dynapipe.data.synthetic import load_mixture
+        from dynapipe.data.synthetic import load_mixture, resolve_mixture
 
-        mixture_path = args.mixture
-        if not os.path.isfile(mixture_path):
-            shipped = os.path.join(CONFIG_DIR, "data", args.mixture.removesuffix(".yaml") + ".yaml")
-            if not os.path.isfile(shipped):
-                raise DynaPipeError(f"--mixture {args.mixture!r}: no such file nor a mixture in configs/data/.")
-            mixture_path = shipped
+        mixture_path = resolve_mixture(args.mixture, flag="--mixture")
         batches = sample_batches(args.tokens_per_iteration, args.batches, args.seed, seq,
                                  encoder_decoder=model.is_encoder_decoder, mixture=load_mixture(mixture_path))
     else:

@@ -95,6 +95,7 @@ def _check_bench_numbers(args) -> None:
 
 
 def run(args) -> int:
+    from dynapipe.cli.paths import check_distinct, check_output_file
     from dynapipe.errors import DynaPipeError
     from megatron_integration.bench import PRESETS, check_request, run_bench
     from megatron_integration.launch import RankFailed, RankUserError
@@ -116,7 +117,10 @@ def run(args) -> int:
         raise DynaPipeError(f"--calibrate-iters {args.calibrate_iters}: must be 0 (none) or more.")
     nproc = check_request(argv, methods, args.preset, rounds=args.rounds, sweep_top=args.sweep_top,
                           warmup_iters=args.warmup_iters, nproc=args.nproc)
+    check_output_file(args.output, "--output")
     if args.png:
+        check_output_file(args.png, "--png", suffix=".png")
+        check_distinct([("--output", args.output), ("--png", args.png)])
         # Found now, not after the runs: the picture is drawn last.
         import importlib.util
 

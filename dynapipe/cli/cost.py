@@ -65,13 +65,31 @@ def tp_from_args(args: argparse.Namespace, model: ModelConfig, device: DeviceCon
     size = getattr(args, "tp", 1)
     sp = bool(getattr(args, "sequence_parallel", False))
     cluster = resolve_cluster(getattr(args, "cluster", None), device.name)
-    return TensorParallelConfig(size, sp, cluster.intra_node).validate(model, cluster.gpus_per_node)
+    tp = TensorParallelConfig(size, sp, cluster.intra_node).validate(model, cluster.gpus_per_node)
+    if sp and hasattr(args, "seq_length"):  # plan and trace cut rows of --seq-length (default: the model's)
+        given = args.seq_length is not None
+        check_sequence_split(args.seq_length if given else model.max_seq_length, size, model,
+                             "--seq-length" if given else f"the max_seq_length of model {model.name!r}")
+    return tp
+
+
+def check_sequence_split(length: int, tp: int, model: ModelConfig, what: str) -> None:
+    """Refuse a sequence length ``what`` that sequence parallelism cannot split evenly over
+    ``tp`` ranks (training refuses it), naming the nearest lengths that it can split."""
+    if length % tp == 0:
+        return
+    below, above = length // tp * tp, -(-length // tp) * tp
+    # Nearest first; a tie goes up, as training's own check suggests.
+    near = [n for n in sorted((above, below), key=lambda n: abs(n - length)) if 0 < n <= model.max_seq_length]
+    fix = "use --seq-length " + " or ".join(map(str, near)) if near else "use a smaller --tp"
+    raise DynaPipeError(f"--sequence-parallel splits every sequence over the {tp} tensor-parallel ranks (--tp {tp}), "
+                        f"but {what} {length} is not a multiple of {tp}; {fix}.")
 
 
 def cost_setup_from_args(args: argparse.Namespace) -> CostSetup:
     """Load the configs and build the cost model and memory limit from parsed arguments."""
-    model = load_model_config(args.model)
-    device = load_device_config(args.device)
+    model = load_model_config(args.model, flag="--model")
+    device = load_device_config(args.device, flag="--device")
     tp = tp_from_args(args, model, device)
     cost_model = build_cost_model(model, device, args.stages, getattr(args, "profile", None), tp)
     limit: Optional[float] = getattr(args, "memory_limit_mb", None)
@@ -98,12 +116,20 @@ def parse_shape(text: str, encoder_decoder: bool) -> tuple[int, int, Optional[in
     return values[0], values[1], (values[2] if encoder_decoder else None)
 
 
-def check_shape(text: str, shape: tuple[int, int, Optional[int]], model: ModelConfig) -> None:
-    """Refuse a shape the model cannot run: a sequence above its ``max_seq_length``."""
+def check_shape(text: str, shape: tuple[int, int, Optional[int]], model: ModelConfig,
+                tp: Optional[TensorParallelConfig] = None) -> None:
+    """Refuse a shape the model cannot run: a sequence above its ``max_seq_length``, or, under
+    sequence parallelism (``tp``), one its TP ranks cannot split evenly."""
     longest = max(s for s in shape[1:] if s is not None)
     if longest > model.max_seq_length:
         raise DynaPipeError(f"--shape {text!r}: {longest} tokens exceed the model's max_seq_length "
                             f"{model.max_seq_length} ({model.name}); use a shorter sequence.")
+    if tp is not None and tp.sequence_parallel:
+        for seq in shape[1:]:
+            if seq is not None and seq % tp.size:
+                raise DynaPipeError(f"--shape {text!r}: --sequence-parallel splits every sequence over the "
+                                    f"{tp.size} tensor-parallel ranks, but {seq} tokens is not a multiple of "
+                                    f"{tp.size}; use {-(-seq // tp.size) * tp.size}.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -136,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     setup = cost_setup_from_args(args)
     shapes = [parse_shape(s, setup.model.is_encoder_decoder) for s in args.shape]
     for text, shape in zip(args.shape, shapes):
-        check_shape(text, shape, setup.model)
+        check_shape(text, shape, setup.model, setup.tp)
     if args.stage is not None and not 0 <= args.stage < args.stages:
         raise DynaPipeError(f"--stage {args.stage}: stages are numbered 0 to {args.stages - 1}.")
     json.dump(cost_rows(setup, shapes, args.stage), sys.stdout, indent=2)

@@ -16,6 +16,7 @@ import time
 from dynapipe.batching import BatchPlan, plan_micro_batches, read_lengths
 from dynapipe.cli.batching_options import add_batching_arguments, check_batching_flags, cut_arguments
 from dynapipe.cli.cost import CostSetup, add_cost_model_arguments, add_memory_arguments, cost_setup_from_args
+from dynapipe.cli.paths import check_distinct, check_output_file, make_parent
 from dynapipe.cli.placement_options import (add_placement_argument, apply_placement, even_split_schedule,
                                              placement_json)
 from dynapipe.cli.schedule_options import (add_recompute_default, add_schedule_arguments, check_plan_out,
@@ -112,6 +113,7 @@ def write_json(obj: dict, path: str) -> None:
         sys.stdout.write(text + "\n")
         return
     try:
+        make_parent(path)
         with open(path, "w") as f:
             f.write(text + "\n")
     except OSError as e:
@@ -147,6 +149,8 @@ def _with_room_in_flight(args: argparse.Namespace, batch_plan: BatchPlan, sched:
 def run(args: argparse.Namespace) -> int:
     check_batching_flags(args)
     check_plan_out(args.plan_out)
+    check_output_file(args.output, "--output")
+    check_distinct([("--lengths", args.lengths), ("--output", args.output), ("--plan-out", args.plan_out)])
     lengths = read_lengths(args.lengths)
     even_setup = cost_setup_from_args(args)
     setup, searched = apply_placement(args, even_setup, lengths)

@@ -4,7 +4,7 @@ Takes the model arguments of a Megatron command line (or ``--model CONFIG`` for 
 shipped/YAML model config) and measures the transformer layer, embedding and output
 layer over an (mbs, seqlen) grid on this machine's device (the GPU when CUDA is up,
 else the CPU). The JSON it writes is what ``--dynapipe-cost-model PATH`` and
-``python -m dynapipe plan --cost-model PATH`` read.
+``python -m dynapipe plan --profile PATH`` read.
 
 With ``--tensor-model-parallel-size N`` (and ``--sequence-parallel``) it spawns N local
 ranks, one tensor-parallel group, and measures one TP rank of megatron-core's
@@ -73,7 +73,7 @@ def fill_from_model_config(args) -> None:
         return
     from dynapipe.config import load_model_config
 
-    cfg = load_model_config(args.model)
+    cfg = load_model_config(args.model, flag="--model")
     if cfg.is_encoder_decoder:
         args.t5 = True
     defaults = dict(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
@@ -167,7 +167,7 @@ def check_grid_lengths(model_name, seqlens: list[int], dec_seqlens: list[int]) -
     from dynapipe.config import load_model_config
     from dynapipe.errors import DynaPipeError
 
-    cfg = load_model_config(model_name)
+    cfg = load_model_config(model_name, flag="--model")
     for flag, grid in (("--seqlens", seqlens), ("--dec-seqlens", dec_seqlens)):
         if grid and max(grid) > cfg.max_seq_length:
             raise DynaPipeError(f"{flag} reaches {max(grid)} tokens, beyond the max_seq_length {cfg.max_seq_length} "

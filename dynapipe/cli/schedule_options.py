@@ -6,11 +6,11 @@ The plan command calls :func:`add_schedule_arguments` on its parser and merges
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from typing import Optional
 
 from dynapipe.batching import BatchPlan
+from dynapipe.cli.paths import check_output_dir
 from dynapipe.config import ClusterConfig, load_cluster_config
 from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel
 from dynapipe.errors import DynaPipeError
@@ -42,10 +42,10 @@ def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_plan_out(directory: Optional[str]) -> None:
-    """Refuse a ``--plan-out`` that is an existing file, before any planning is spent."""
-    if directory and os.path.exists(directory) and not os.path.isdir(directory):
-        raise DynaPipeError(f"--plan-out {directory!r} is a file, not a directory; give a directory "
-                            f"(created if missing) for the plan files.")
+    """Refuse a ``--plan-out`` that is an existing file or cannot be created, before any
+    planning is spent."""
+    if directory:
+        check_output_dir(directory, "--plan-out")
 
 
 def write_plan_files(plans, directory: str) -> list[str]:
@@ -64,7 +64,7 @@ def write_plan_files(plans, directory: str) -> list[str]:
 def resolve_cluster(name: Optional[str], device_name: Optional[str]) -> ClusterConfig:
     """``--cluster`` as given, else the shipped cluster matching the device, else defaults."""
     if name:
-        return load_cluster_config(name)
+        return load_cluster_config(name, flag="--cluster")
     for prefix, cluster in DEFAULT_CLUSTERS:
         if device_name and device_name.lower().startswith(prefix):
             return load_cluster_config(cluster)

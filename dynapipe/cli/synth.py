@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import sys
 
-from dynapipe.data.synthetic import load_mixture, sample_lengths
+from dynapipe.cli.paths import check_distinct, check_output_file, make_parent
+from dynapipe.data.synthetic import load_mixture, resolve_mixture, sample_lengths
 from dynapipe.errors import DynaPipeError
 
 HELP = "write a lengths file drawn from the synthetic multi-task mixture"
@@ -15,18 +16,22 @@ def add_arguments(p) -> None:
     p.add_argument("--seq-length", type=int, default=1024, help="clip lengths at this many tokens (default 1024)")
     p.add_argument("--encoder-decoder", action="store_true",
                    help="write 'input target' pairs (two integers a line) instead of one length")
-    p.add_argument("--mixture", default=None, help="mixture YAML (default configs/data/flan-mixture.yaml)")
+    p.add_argument("--mixture", default=None,
+                   help="mixture: a YAML path or a name shipped in configs/data (default flan-mixture)")
     p.add_argument("--output", default="-", help="output file (default: stdout)")
 
 
 def run(args) -> int:
-    lengths = sample_lengths(args.samples, args.seed, args.seq_length, args.encoder_decoder,
-                             load_mixture(args.mixture))
+    check_output_file(args.output, "--output")
+    mixture = resolve_mixture(args.mixture, flag="--mixture")
+    check_distinct([("--mixture", mixture), ("--output", args.output)])
+    lengths = sample_lengths(args.samples, args.seed, args.seq_length, args.encoder_decoder, load_mixture(mixture))
     lines = "\n".join(" ".join(map(str, row)) if lengths.ndim == 2 else str(row) for row in lengths.tolist())
     if args.output == "-":
         sys.stdout.write(lines + "\n")
         return 0
     try:
+        make_parent(args.output)
         with open(args.output, "w") as f:
             f.write(lines + "\n")
     except OSError as e:

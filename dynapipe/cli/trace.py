@@ -3,17 +3,19 @@
 Plans the batch like ``plan`` (micro-batches, schedule search) and writes the chosen
 schedule's simulated timeline as a Chrome/Perfetto trace (``--out``), and optionally as
 a PNG (``--png``). Lengths come from ``--lengths FILE`` or the synthetic mixture
-(``--samples N --seed K``).
+(``--samples N [--seed K]``).
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 
 from dynapipe.batching import read_lengths
 from dynapipe.cli.batching_options import add_batching_arguments, check_batching_flags, cut_arguments
 from dynapipe.cli.cost import add_cost_model_arguments, add_memory_arguments, cost_setup_from_args
+from dynapipe.cli.paths import check_distinct, check_output_file, make_parent
 from dynapipe.cli.placement_options import (add_placement_argument, apply_placement, even_split_schedule,
                                              placement_json)
 from dynapipe.cli.schedule_options import (add_recompute_default, add_split_backward_argument, escalate_recompute,
@@ -26,13 +28,15 @@ from dynapipe.schedule.search import SCHEDULE_CHOICES
 from dynapipe.schedule.trace import chrome_trace, plot_timeline
 
 HELP = "write the simulated pipeline timeline as a Chrome trace / PNG"
+DEFAULT_SEED = 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--lengths", help="lengths file (as for plan); - reads stdin")
     src.add_argument("--samples", type=int, help="draw this many samples from the synthetic mixture instead")
-    p.add_argument("--seed", type=int, default=0, help="seed for --samples (default 0)")
+    # None tells a --seed given from its default, which --lengths refuses (it draws nothing).
+    p.add_argument("--seed", type=int, default=None, help=f"seed for --samples (default {DEFAULT_SEED})")
     add_cost_model_arguments(p)
     add_recompute_default(p)
     add_memory_arguments(p)
@@ -63,16 +67,33 @@ def _check_replica(args: argparse.Namespace) -> int:
     return args.replica
 
 
+def _check_before_planning(args: argparse.Namespace) -> None:
+    """Refuse, before any planning, a ``--seed`` that ``--lengths`` would ignore and output
+    paths that cannot be written: ``--png`` must be a ``.png`` file, and neither output may
+    name the lengths file or the other output."""
+    if args.seed is not None and args.lengths is not None:
+        raise DynaPipeError(f"--seed {args.seed}: only --samples reads it (--lengths {args.lengths} gives the "
+                            f"lengths); drop --seed or draw the lengths with --samples N.")
+    check_output_file(args.out, "--out")
+    if args.png:
+        check_output_file(args.png, "--png", suffix=".png")
+        if importlib.util.find_spec("matplotlib") is None:  # found now, not after the planning
+            raise DynaPipeError("--png needs matplotlib: pip install matplotlib (or the 'plot' extra).")
+    check_distinct([("--lengths", args.lengths), ("--out", args.out), ("--png", args.png)])
+
+
 def run(args: argparse.Namespace) -> int:
     check_batching_flags(args)
     replica = _check_replica(args)
+    _check_before_planning(args)
     even_setup = cost_setup_from_args(args)
     if args.lengths is not None:
         lengths = read_lengths(args.lengths)
     else:
         if args.samples <= 0:
             raise DynaPipeError(f"--samples {args.samples} must be a positive integer.")
-        lengths = sample_lengths(args.samples, args.seed, args.seq_length or even_setup.model.max_seq_length,
+        seed = DEFAULT_SEED if args.seed is None else args.seed
+        lengths = sample_lengths(args.samples, seed, args.seq_length or even_setup.model.max_seq_length,
                                  even_setup.model.is_encoder_decoder)
     setup, searched = apply_placement(args, even_setup, lengths)
 
@@ -97,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
                      f"{even.simulated_ms:.1f} ms, bubble {100 * even.bubble_fraction:.1f}%)")
     trace = chrome_trace(it.timelines, it.search.micro_batches, meta)
     try:
+        make_parent(args.out)
         with open(args.out, "w") as f:
             json.dump(trace, f, separators=(",", ":"))
     except OSError as e:
@@ -108,6 +130,10 @@ def run(args: argparse.Namespace) -> int:
         title = (f"{setup.model.name}, {setup.cost_model.num_stages} stages, {len(it.search.micro_batches[replica])} "
                  f"micro-batches: {it.schedule} ({it.order} order, recompute {recompute}) "
                  f"{tl.makespan_ms:.1f} ms, bubble {100 * tl.bubble_fraction:.1f}%")
+        try:
+            make_parent(args.png)
+        except OSError as e:
+            raise DynaPipeError(f"--png {args.png!r} cannot be written: {e.strerror}.") from None
         plot_timeline(tl, it.search.micro_batches[replica], args.png, title=title,
                       capacity_mib=setup.memory_limit_mib - setup.reserved_mib)
     how = "as given" if args.recompute else f"chosen; micro-batches cut for {level}"

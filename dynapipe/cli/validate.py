@@ -1,7 +1,7 @@
 """``python -m dynapipe validate DIR``: check a written plan set before it runs."""
 from __future__ import annotations
 
-from dynapipe.plan.files import read_plan_dir
+from dynapipe.plan.files import check_one_run, read_plan_dir
 from dynapipe.plan.validate import validate_plans
 
 HELP = "validate a directory of serialized execution plans"
@@ -12,6 +12,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    summary = validate_plans(read_plan_dir(args.directory))
+    plans = read_plan_dir(args.directory)
+    check_one_run(plans, args.directory)
+    summary = validate_plans(plans)
     print(f"{args.directory}: {summary.line()}")
     return 0

@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from dynapipe.config import CONFIG_DIR
+from dynapipe.config import CONFIG_DIR, resolve_config_path
 from dynapipe.errors import DynaPipeError
 
 DEFAULT_MIXTURE = os.path.join(CONFIG_DIR, "data", "flan-mixture.yaml")
@@ -76,13 +76,21 @@ def _task_spec(path: str, i: int, t: dict) -> TaskSpec:
     return TaskSpec(**t)
 
 
-def load_mixture(path: Optional[str] = None) -> Mixture:
-    """Read a mixture YAML file (default: ``configs/data/flan-mixture.yaml``)."""
+def resolve_mixture(path_or_name: Optional[str] = None, flag: Optional[str] = None) -> str:
+    """The file of a mixture given as a YAML path or a name shipped in ``configs/data``
+    (``flan-mixture``); ``None``: the default mixture. An unknown one is refused naming
+    ``flag`` (when given) and the shipped names."""
+    if not path_or_name:
+        return DEFAULT_MIXTURE
+    return resolve_config_path(path_or_name, "data", flag)
+
+
+def load_mixture(path: Optional[str] = None, flag: Optional[str] = None) -> Mixture:
+    """Read a mixture: a YAML path or a shipped name (see :func:`resolve_mixture`; default
+    ``configs/data/flan-mixture.yaml``). ``flag``: the option named in errors."""
     from dynapipe.config import read_yaml
 
-    path = path or DEFAULT_MIXTURE
-    if not os.path.exists(path):
-        raise DynaPipeError(f"mixture file {path!r} does not exist.")
+    path = resolve_mixture(path, flag)
     data = read_yaml(path)
     tasks = data.get("tasks")
     if not isinstance(tasks, list) or not tasks:

@@ -80,3 +80,33 @@ def read_plan_dir(directory: str) -> list[ExecutionPlan]:
                             f"in {plan_file_name(plan.replica, plan.stage)}; the file was renamed or copied.")
         plans.append(plan)
     return plans
+
+
+# Header fields every plan of one planning run shares: a plan set whose files disagree on
+# one was put together from several runs.
+_RUN_FIELDS = ("num_stages", "num_replicas", "iteration", "global_loss_tokens")
+
+
+def check_one_run(plans: Sequence[ExecutionPlan], directory: str) -> None:
+    """Refuse a plan set whose files come from different planning runs (their layouts,
+    iterations or loss normalisations differ, or a replica's ranks disagree on its
+    micro-batches), naming the two files and the fix."""
+    def path(p: ExecutionPlan) -> str:
+        return os.path.join(directory, plan_file_name(p.replica, p.stage))
+
+    def refuse(p: ExecutionPlan, q: ExecutionPlan, what: str) -> None:
+        raise PlanError(f"{path(p)}: {what} {path(q)}, so the files come from different planning runs; re-run "
+                        f"`python -m dynapipe plan ... --plan-out {directory}` so that every rank's plan comes "
+                        f"from one run.")
+
+    if not plans:
+        return
+    first = plans[0]
+    heads: dict[int, ExecutionPlan] = {}
+    for p in plans:
+        for name in _RUN_FIELDS:
+            if getattr(p, name) != getattr(first, name):
+                refuse(p, first, f"{name}={getattr(p, name)} differs from {name}={getattr(first, name)} of")
+        head = heads.setdefault(p.replica, p)
+        if p.micro_batches != head.micro_batches:
+            refuse(p, head, "its micro-batch list differs from that of")

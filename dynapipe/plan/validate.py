@@ -194,15 +194,19 @@ def _check_buffers(plan: ExecutionPlan) -> None:
                 raise PlanError(f"{_where(plan, end)}: micro-batch {m.mb} has no {missing}{of} on this rank.")
 
 
+# Ranks that disagree on what the iteration is were, in practice, planned apart.
+_ONE_RUN = "the plans of one iteration must all come from one planning run: plan every rank together."
+
+
 def _check_group(plans: list[ExecutionPlan]) -> int:
     first = plans[0]
     for p in plans:
         for field in ("num_stages", "num_replicas", "iteration", "global_loss_tokens"):
             if getattr(p, field) != getattr(first, field):
                 raise PlanError(f"{_where(p, -1)}: {field}={getattr(p, field)} differs from rank {first.stage}'s "
-                                f"{getattr(first, field)}.")
+                                f"{getattr(first, field)}; {_ONE_RUN}")
         if p.micro_batches != first.micro_batches:
-            raise PlanError(f"{_where(p, -1)}: its micro-batch list differs from rank {first.stage}'s.")
+            raise PlanError(f"{_where(p, -1)}: its micro-batch list differs from rank {first.stage}'s; {_ONE_RUN}")
         for m in p.micro_batches:
             if not m.samples or m.loss_tokens < 0 or m.loss_tokens > m.mbs * (m.seqlen + m.dec_seqlen):
                 raise PlanError(f"{_where(p, -1)}: micro-batch {m.mb} holds {len(m.samples)} sample(s) and "

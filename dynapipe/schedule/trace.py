@@ -109,5 +109,7 @@ def plot_timeline(timeline: Timeline, micro_batches: Sequence[MicroBatch], path:
     mem.set_xlabel("time (ms)")
     mem.legend(fontsize=6, ncol=min(S + 1, 9), loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    # The format is fixed, not guessed from the name: a name without .png would otherwise
+    # get the suffix appended by matplotlib, or an unknown suffix fail after all the planning.
+    fig.savefig(path, dpi=130, format="png")
     plt.close(fig)
