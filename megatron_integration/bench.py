@@ -35,6 +35,7 @@ from dynapipe.progress import Progress
 from megatron_integration import cpu_allocator
 from megatron_integration.cpu_affinity import bench_default
 from megatron_integration.args_dynapipe import without_unused_dynapipe_flags
+from megatron_integration.bench_checks import check_bench_outputs, check_warmup_iters
 from megatron_integration.bench_presets import (BASELINES, DYNAPIPE_METHODS, METHOD_FLAGS, PRESETS, PROFILE_MBS,
                                                 PROFILE_SEQLENS, REFERENCE_SEQ_LENGTH, fill_defaults, flag_value,
                                                 with_defaults)
@@ -146,8 +147,7 @@ def check_request(argv: Sequence[str], methods: Sequence[str], preset: str = "ti
         if flag in given:
             raise DynaPipeError(f"{flag}: the bench's simulated sweep and compute floor price Megatron's even split; "
                                 f"train the uneven split with scripts/pretrain_gpt.py.")
-    if warmup < 0:
-        raise DynaPipeError(f"--warmup-iters {warmup}: must be >= 0.")
+    check_warmup_iters(warmup)
     full = with_defaults(argv, preset)
     nproc = nproc or int(flag_value(full, "--pipeline-model-parallel-size", "1"))
     for m in methods:  # every method's command line, as its run gets it, before starting any process
@@ -219,6 +219,7 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
     p = PRESETS[preset]
     methods = list(methods or p.methods)
     check_request(argv, methods, preset, rounds=rounds, sweep_top=sweep_top, warmup_iters=warmup_iters, nproc=nproc)
+    check_bench_outputs(output, png)
     rounds = p.rounds if rounds is None else rounds
     sweep_top = p.sweep_top if sweep_top is None else sweep_top
     warmup_iters = p.warmup_iters if warmup_iters is None else warmup_iters

@@ -43,6 +43,7 @@ from typing import Optional, Sequence, TextIO
 from dynapipe.errors import DynaPipeError
 from megatron_integration import cpu_allocator
 from megatron_integration.cpu_affinity import bench_default
+from megatron_integration.bench_checks import check_bench_outputs, check_warmup_iters, make_output_dir, parse_t5_sweep
 from megatron_integration.bench_presets import fill_defaults
 from megatron_integration.bench_results import schedule_counts
 from megatron_integration.bench_t5_entries import T5_BASELINES, T5_METHOD_FLAGS, UNCALIBRATED, best_runs, t5_entries
@@ -149,6 +150,8 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
     p = T5_PRESETS[preset]
     sweep = tuple(p.sweep if sweep is None else sweep)
     warmup = p.warmup_iters if warmup_iters is None else warmup_iters
+    check_warmup_iters(warmup)
+    check_bench_outputs(output)
     argv = fill_defaults(t5_with_defaults(argv, preset), {"--dynapipe-cpu-affinity": bench_default(nproc)})
     # Every command line checked before any process starts (the contiguous splits tried beside
     # an interleaved placement are the planner's own).
@@ -157,11 +160,7 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
     if cfg.base.train_iters <= warmup:
         raise DynaPipeError(f"--train-iters {cfg.base.train_iters} leaves no timed iteration after the "
                             f"{warmup} warm-up iteration(s); raise --train-iters.")
-    out_dir = os.path.dirname(os.path.abspath(output))
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as e:
-        raise DynaPipeError(f"{output}: cannot create its directory {out_dir}: {e.strerror}.") from None
+    make_output_dir(output)
     started, load_start = time.perf_counter(), _load_average()
     # DynaPipe's cuts, the auto placement and the simulation are priced with a profile of this
     # machine unless --dynapipe-cost-model says otherwise (the analytic model misjudges the
@@ -360,18 +359,12 @@ def run_t5_cli(args, argv: list[str]) -> int:
     if args.rounds is not None and args.rounds < 1:
         raise DynaPipeError(f"--rounds {args.rounds}: give at least 1 round.")
     calibrate_iters = t5_calibrate_iters(args.calibrate_iters, preset, argv)
-    for unsupported in ("sweep_top", "png"):
-        if getattr(args, unsupported, None):
-            raise DynaPipeError(f"--{unsupported.replace('_', '-')} is not supported with --model t5 "
-                                f"(the baselines' sizes come from --t5-sweep).")
-    sweep = None
-    if args.t5_sweep:
-        try:
-            sweep = tuple(int(x) for x in args.t5_sweep.split(","))
-        except ValueError:
-            sweep = ()
-        if not sweep or min(sweep) < 1:
-            raise DynaPipeError(f"--t5-sweep {args.t5_sweep!r}: give micro-batch sizes like 1,2,4.")
+    # Given at all (--sweep-top 0, --png ""), they would be ignored: refused.
+    for flag, value, why in (("--sweep-top", args.sweep_top, "the baselines' sizes come from --t5-sweep"),
+                             ("--png", args.png, "the T5 report draws no picture")):
+        if value is not None:
+            raise DynaPipeError(f"{flag} {value!r} is not supported with --model t5 ({why}).")
+    sweep = None if args.t5_sweep is None else parse_t5_sweep(args.t5_sweep)
     full = t5_with_defaults(argv, preset)
     pp = int(full[len(full) - 1 - full[::-1].index("--pipeline-model-parallel-size") + 1])
     try:

@@ -278,3 +278,47 @@ def test_executed_trace_keeps_its_wall_clock_origin():
     doc = chrome_trace([tr])
     assert doc["otherData"]["origin_us"] == 5000.0
     assert [e["ts"] + doc["otherData"]["origin_us"] for e in doc["traceEvents"] if e["ph"] == "X"] == [5000.0, 5020.0]
+
+
+@pytest.mark.parametrize("model", ["gpt", "t5"])
+def test_bench_refuses_outputs_it_could_not_write_before_any_run(tmp_path, capsys, monkeypatch, model):
+    # The JSON (and the picture) are written after minutes of training: a path that would fail
+    # then is refused before anything is measured or trained, for GPT and T5 alike.
+    from dynapipe.cli import main
+    import megatron_integration.bench as bench
+    import megatron_integration.bench_t5_profile as t5_profile
+
+    def ran(*a, **k):
+        raise AssertionError("a run started before the outputs were checked")
+    monkeypatch.setattr(bench, "run_bench", ran)
+    monkeypatch.setattr(t5_profile, "measure_bench_profile", ran)
+    d, f, x = tmp_path / "d", tmp_path / "f", str(tmp_path / "x.json")
+    pic = tmp_path / "pic.png"
+    d.mkdir()
+    pic.mkdir()
+    f.write_text("")
+    cases = [(["--output", str(d)], f"--output {d}: is a directory; give a file path such as {d}/bench.json"),
+             (["--output", f"{d}/"], "is a directory"),
+             (["--output", f"{f}/x.json"], f"cannot create its directory {f}: {f} is not a directory"),
+             (["--output", x, "--warmup-iters", "-1"], "--warmup-iters -1: must be >= 0")]
+    if model == "gpt":
+        cases += [(["--output", x, "--png", "b.txt"], "--png 'b.txt': the comparison is drawn as a PNG"),
+                  (["--output", x, "--png", ""], "--png '': the comparison is drawn as a PNG"),
+                  (["--output", f"{d}.png", "--png", f"{d}.png"], "the same file as --output"),
+                  (["--output", x, "--png", str(pic)], f"--png {pic}: is a directory")]
+    for extra, message in cases:
+        assert main(["bench", "--model", model, *extra]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, (extra, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "f", "pic.png"] and not any(d.iterdir())
+
+
+def test_warm_up_check_is_shared_by_the_gpt_and_t5_benches():
+    from dynapipe.errors import DynaPipeError
+    from megatron_integration.bench import check_request
+    from megatron_integration.bench_checks import check_warmup_iters
+
+    check_warmup_iters(0)
+    for refuse in (lambda: check_warmup_iters(-1), lambda: check_request([], ["dynapipe"], "tiny", warmup_iters=-1)):
+        with pytest.raises(DynaPipeError, match="--warmup-iters -1: must be >= 0"):
+            refuse()

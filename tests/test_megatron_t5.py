@@ -445,14 +445,26 @@ def test_t5_torch_dist_checkpoint_loads_at_pp1_with_megatron_cores_t5_keys(pp2, 
             "embedding.word_embeddings.weight", "lm_head.output_layer.bias"} <= set(saved)
 
 
-def test_bench_t5_refuses_what_it_cannot_run(tmp_path, capsys):
+def test_bench_t5_refuses_what_it_cannot_run(tmp_path, capsys, monkeypatch):
     from dynapipe.cli import main
+    import megatron_integration.bench_t5_profile as t5_profile
 
+    def measured(*a, **k):
+        raise AssertionError("the bench started measuring before refusing")
+    monkeypatch.setattr(t5_profile, "measure_bench_profile", measured)
     out = str(tmp_path / "t5.json")
     for extra, text in ((["--methods", "padding-mb"], "for --model t5 choose"),
                         (["--micro-batch-size", "2"], "tunes the baselines' micro-batch size"),
                         (["--t5-sweep", "0,2"], "--t5-sweep"), (["--rounds", "0"], "give at least 1 round"),
-                        (["--train-iters", "1"], "leaves no timed iteration")):
+                        (["--train-iters", "1"], "leaves no timed iteration"),
+                        # Checks GPT's bench makes too: a negative warm-up would time it and count the
+                        # last iteration twice; a flag given at all, even 0 or "", is not ignored.
+                        (["--warmup-iters", "-1"], "--warmup-iters -1: must be >= 0"),
+                        (["--sweep-top", "0"], "--sweep-top 0 is not supported with --model t5"),
+                        (["--png", ""], "--png '' is not supported with --model t5"),
+                        (["--t5-sweep", ""], "--t5-sweep '': give micro-batch sizes"),
+                        # One label and trace directory a size: a repeat would merge as a round.
+                        (["--t5-sweep", "2,1,2"], "--t5-sweep '2,1,2': 2 given more than once")):
         assert main(["bench", "--model", "t5", "--output", out] + extra) == 2
         assert text in capsys.readouterr().err
     assert not (tmp_path / "t5.json").exists()

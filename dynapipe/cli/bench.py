@@ -12,15 +12,15 @@ machine is measured first and DynaPipe plans with it.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 HELP = "train with dynapipe and megatron-core's padding / packing baselines side by side"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--output", required=True, help="JSON results file")
-    p.add_argument("--png", default=None, help="also draw the comparison as a PNG")
+    p.add_argument("--output", required=True,
+                   help="JSON results file (a file path: the measured profile and the traces go next to it)")
+    p.add_argument("--png", default=None, help="also draw the comparison as a PNG (a path ending in .png; GPT only)")
     p.add_argument("--preset", default="tiny", choices=("tiny", "representative", "long"),
                    help="default model, methods and protocol (default tiny: the quick start; long: --model t5 "
                         "only, inputs up to 4,096 tokens)")
@@ -95,9 +95,9 @@ def _check_bench_numbers(args) -> None:
 
 
 def run(args) -> int:
-    from dynapipe.cli.paths import check_distinct, check_output_file
     from dynapipe.errors import DynaPipeError
     from megatron_integration.bench import PRESETS, check_request, run_bench
+    from megatron_integration.bench_checks import check_bench_outputs, make_output_dir
     from megatron_integration.launch import RankFailed, RankUserError
 
     argv = training_argv(args)
@@ -117,21 +117,16 @@ def run(args) -> int:
         raise DynaPipeError(f"--calibrate-iters {args.calibrate_iters}: must be 0 (none) or more.")
     nproc = check_request(argv, methods, args.preset, rounds=args.rounds, sweep_top=args.sweep_top,
                           warmup_iters=args.warmup_iters, nproc=args.nproc)
-    check_output_file(args.output, "--output")
-    if args.png:
-        check_output_file(args.png, "--png", suffix=".png")
-        check_distinct([("--output", args.output), ("--png", args.png)])
-        # Found now, not after the runs: the picture is drawn last.
+    # The JSON and the picture are written after every run: what would fail then is refused now.
+    check_bench_outputs(args.output, args.png)
+    if args.png is not None:
         import importlib.util
 
         if importlib.util.find_spec("matplotlib") is None:
             raise DynaPipeError("--png needs matplotlib: pip install matplotlib (or the 'plot' extra).")
-    for path in filter(None, (args.output, args.png)):
-        out_dir = os.path.dirname(os.path.abspath(path))
-        try:
-            os.makedirs(out_dir, exist_ok=True)
-        except OSError as e:
-            raise DynaPipeError(f"{path}: cannot create its directory {out_dir}: {e.strerror}.") from None
+    for path in (args.output, args.png):
+        if path is not None:
+            make_output_dir(path)
     try:
         run_bench(argv, methods, nproc, args.output, png=args.png, warmup_iters=args.warmup_iters,
                   threads_per_rank=args.threads_per_rank, timeout_s=args.timeout_s, preset=args.preset,
