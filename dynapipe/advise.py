@@ -109,11 +109,13 @@ class LayoutResult:
 
 @dataclass
 class Advice:
-    """The ranked layouts (fastest first) and the layouts refused, with the reason."""
+    """The ranked layouts (fastest first), the layouts refused (they do not fit) and those left
+    out (more data-parallel replicas than a global batch has samples), each with the reason."""
 
     results: list[LayoutResult]
     refused: list[tuple[Layout, str]] = field(default_factory=list)
     elapsed_ms: float = 0.0
+    left_out: list[tuple[Layout, str]] = field(default_factory=list)
 
     @property
     def best(self) -> LayoutResult:
@@ -210,6 +212,7 @@ def advise(batches: Sequence[np.ndarray], model: ModelConfig, device: DeviceConf
     if not len(batches):
         raise DynaPipeError("no global batch to simulate.")
     layouts = list(layouts) if layouts is not None else enumerate_layouts(model, gpus, cluster, seq_length=seq_length)
+    layouts, left_out = leave_out_idle_replicas(layouts, batches)
     limit, capacity = gpu_capacity_mib(device, memory_limit_mib)
     t0 = time.perf_counter()
     results, refused = [], []
@@ -259,7 +262,25 @@ def advise(batches: Sequence[np.ndarray], model: ModelConfig, device: DeviceConf
         progress(len(layouts), len(layouts), None)
     # Fastest first; ties broken towards fewer pipeline stages, less TP, fewer chunks, then no sharding.
     results.sort(key=lambda r: (-r.real_tokens_per_s, r.layout.pp, r.layout.tp, r.layout.chunks, r.layout.zero))
-    return Advice(results, refused, (time.perf_counter() - t0) * 1e3)
+    return Advice(results, refused, (time.perf_counter() - t0) * 1e3, left_out)
+
+
+def leave_out_idle_replicas(layouts: Sequence[Layout],
+                            batches: Sequence[np.ndarray]) -> tuple[list[Layout], list[tuple[Layout, str]]]:
+    """``(kept, left_out)``: the layouts whose data-parallel size is at most the samples of the
+    smallest of ``batches``, and the others with the reason. A replica without a sample would
+    idle, and a run config for such a layout would need a larger global batch than the one
+    simulated: another workload. Refuses when none is kept."""
+    fewest = min(len(b) for b in batches)
+    kept = [l for l in layouts if l.dp <= fewest]
+    why = f"DP above the {fewest} samples of a global batch (replicas without a sample would idle)"
+    left_out = [(l, why) for l in layouts if l.dp > fewest]
+    if layouts and not kept:
+        least = min(l.dp for l in layouts)
+        raise DynaPipeError(f"every layout has more data-parallel replicas (DP{least} at the least) than the {fewest} "
+                            f"samples of a global batch, so replicas would idle; raise --tokens-per-iteration or "
+                            f"use fewer --gpus.")
+    return kept, left_out
 
 
 def _placed(batches: Sequence[np.ndarray], cost_model, kw: dict):
@@ -302,7 +323,7 @@ def sample_batches(tokens: int, count: int, seed: int, seq_length: int, *, encod
     """``count`` global batches of about ``tokens`` tokens each (samples clipped at
     ``seq_length``): drawn from the synthetic ``mixture``, or without replacement from
     the lengths ``pool`` (shuffled with ``seed``; each batch takes samples until the next
-    would pass ``tokens``)."""
+    would pass ``tokens``; refused when the pool holds fewer than ``tokens``)."""
     if tokens < 1 or count < 1:
         raise DynaPipeError(f"--tokens-per-iteration {tokens} and --batches {count} must be positive.")
     if pool is None:
@@ -310,6 +331,12 @@ def sample_batches(tokens: int, count: int, seed: int, seq_length: int, *, encod
 
         return [global_batch_of_tokens(tokens, seed + b, seq_length, encoder_decoder, mixture) for b in range(count)]
     pool = np.asarray(pool)
+    held = int(np.minimum(pool, seq_length).sum())
+    if held < tokens:
+        # Every batch would be the whole pool: a smaller global batch than the one asked.
+        raise DynaPipeError(f"--lengths holds {held:,} tokens (samples clipped at {seq_length}), fewer than the "
+                            f"{tokens:,} of a global batch --tokens-per-iteration asks; give a larger lengths file "
+                            f"or --tokens-per-iteration {held} or less.")
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(count):

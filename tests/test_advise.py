@@ -173,6 +173,69 @@ def test_bad_mixture_and_lengths_give_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "lengths.txt" in err
 
 
+def test_advise_refuses_sizes_past_its_caps_and_one_path_for_two_files(tmp_path, monkeypatch, capsys):
+    # Refused in one line naming advise's own flag, before a batch is sampled (past the caps a
+    # run takes hours or exhausts memory; the synthetic sampler would name --samples).
+    import dynapipe.advise as library
+
+    def worked(*a, **k):
+        raise AssertionError("sampled or simulated before refusing")
+    monkeypatch.setattr(library, "sample_batches", worked)
+    monkeypatch.setattr(library, "advise", worked)
+    base = ["advise", "--model", "gpt-tiny", "--device", "cpu", "--cluster", "cpu-local", "--mixture", "flan-mixture"]
+    same = str(tmp_path / "best.yaml")
+    for argv, message in ((["--gpus", "100000"], "--gpus 100000: at most 16,384 (the largest published training"),
+                          (["--gpus", "2", "--batches", "1000000"], "--batches 1000000: at most 32 (each global"),
+                          (["--gpus", "2", "--tokens-per-iteration", "999999999999"],
+                           "--tokens-per-iteration 999999999999: at most 16,777,216 (the 16M-token global batches"),
+                          (["--gpus", "2", "--output", same, "--json", same],
+                           f"--output {same!r} and --json {same!r} are the same file")):
+        assert main(base + argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1 and "--samples" not in err, err
+    assert not os.listdir(tmp_path)
+    # The README's and these tests' requests stay inside the caps.
+    from dynapipe.cli.advise import CAPS
+    assert CAPS["gpus"][0] >= 64 and CAPS["batches"][0] >= 2 and CAPS["tokens-per-iteration"][0] >= 1 << 20
+
+
+def test_a_lengths_file_smaller_than_one_global_batch_is_refused(tmp_path, capsys):
+    lengths = tmp_path / "l3.txt"
+    lengths.write_text("100\n200\n300\n")
+    assert main(["advise", "--model", "gpt-tiny", "--device", "cpu", "--cluster", "cpu-local", "--gpus", "2",
+                 "--lengths", str(lengths), "--tokens-per-iteration", "1048576", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--lengths holds 600 tokens (samples clipped at 1024), fewer than the 1,048,576 of a global batch" in err
+    # Clipped as simulated: 100 + 128 + 128 tokens at --seq-length 128.
+    with pytest.raises(DynaPipeError, match="holds 356 tokens .* fewer than the 600"):
+        sample_batches(600, 1, 0, 128, pool=np.array([100, 200, 300]))
+    assert [len(b) for b in sample_batches(356, 2, 0, 128, pool=np.array([100, 200, 300]))] == [3, 3]
+
+
+def test_layouts_with_more_replicas_than_samples_are_left_out_not_given_a_larger_batch(tmp_path, capsys):
+    from dynapipe.cli.advise import run_config_text
+
+    tiny, cpu, local = load_model_config("gpt-tiny"), load_device_config("cpu"), load_cluster_config("cpu-local")
+    batches = [np.array([100, 120, 90]), np.array([80, 60, 70, 50])]  # 3 samples in the smaller one
+    layouts = [Layout(1, 1, 4), Layout(1, 2, 2), Layout(1, 4, 1)]
+    advice = advise(batches, tiny, cpu, 4, cluster=local, seq_length=128, layouts=layouts, compare_packing=False)
+    assert [l for l, _ in advice.left_out] == [Layout(1, 1, 4)]
+    assert "DP above the 3 samples of a global batch" in advice.left_out[0][1]
+    assert {r.layout for r in advice.results} | {l for l, _ in advice.refused} == set(layouts[1:])
+    with pytest.raises(DynaPipeError, match=r"more data-parallel replicas \(DP4 at the least\) than the 3 samples"):
+        advise(batches, tiny, cpu, 4, cluster=local, seq_length=128, layouts=layouts[:1])
+    # The run config keeps the simulated global batch (mean samples), never one stretched to DP.
+    config = run_config_text(advice.best, tiny, "cpu", "cpu-local", local, 4, 400, 128, None, None, batches)
+    assert "global-batch-size: 4\n" in config
+    # The command: 1,024 GPUs and ~8k tokens leave every layout with more replicas than samples.
+    out = tmp_path / "best.yaml"
+    assert main(["advise", "--model", "gpt-tiny", "--device", "cpu", "--cluster", "cpu-local", "--gpus", "1024",
+                 "--mixture", "flan-mixture", "--tokens-per-iteration", "8192", "--no-progress",
+                 "--output", str(out)]) == 2
+    assert "every layout has more data-parallel replicas (DP64 at the least) than the" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_batches_from_a_lengths_pool_respect_the_token_budget():
     pool = np.arange(1, 400)
     batches = sample_batches(5000, 3, 1, 256, pool=pool)

@@ -58,9 +58,26 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+# Caps on the size of a request. Every data-parallel replica and every sample of every batch
+# is planned on every layout, so time and memory grow with all three: at 16,384 GPUs and
+# 16,777,216 tokens, one batch on gpt-tiny's three TP1 layouts took 160 s and 5.4 GB on the
+# 2-core machine; at 65,536 GPUs and 2^27 tokens a run passed 23 GB and was killed. The
+# documented cases stay far below (64 GPUs, 2 x 1,048,576 tokens).
+CAPS = {
+    "gpus": (16_384, "the largest published training jobs; every data-parallel replica of every layout is "
+                     "planned, so time and memory grow with it"),
+    "batches": (32, "each global batch is planned and simulated on every layout, so the run time grows with it"),
+    "tokens-per-iteration": (1 << 24, "the 16M-token global batches of the largest published runs; every sample "
+                                      "of a batch is planned on every layout"),
+}
+
+
 def _positive(name: str, value, minimum: int = 1) -> None:
     if value is not None and value < minimum:
         raise DynaPipeError(f"--{name} {value}: must be at least {minimum}.")
+    cap, why = CAPS.get(name, (None, ""))
+    if cap is not None and value is not None and value > cap:
+        raise DynaPipeError(f"--{name} {value}: at most {cap:,} ({why}).")
 
 
 def _check_tokens_per_iteration(tokens: int, seq: int, model, seq_by_default: bool) -> None:
@@ -150,7 +167,11 @@ def run_config_text(best, model, device_name: str, cluster_name: str, cluster, g
         args["kv-channels"] = model.kv_channels
     if model.dtype in ("bf16", "fp16"):
         args[model.dtype] = True
-    args.update({"micro-batch-size": 1, "global-batch-size": max(samples, lay.dp),
+    if samples < lay.dp:
+        # A larger global batch would be another workload than the one simulated.
+        raise DynaPipeError(f"{lay.label()}: the simulated global batches hold {samples} samples, fewer than its "
+                            f"{lay.dp} data-parallel replicas; raise --tokens-per-iteration.")
+    args.update({"micro-batch-size": 1, "global-batch-size": samples,
                  "tensor-model-parallel-size": lay.tp, "pipeline-model-parallel-size": lay.pp})
     if lay.sp:
         args["sequence-parallel"] = True
@@ -186,7 +207,7 @@ def run_config_text(best, model, device_name: str, cluster_name: str, cluster, g
 
 
 def run(args) -> int:
-    from dynapipe.advise import advise, enumerate_layouts, gpu_capacity_mib, sample_batches
+    from dynapipe.advise import advise, enumerate_layouts, gpu_capacity_mib, leave_out_idle_replicas, sample_batches
     from dynapipe.batching import read_lengths
     from dynapipe.config import load_cluster_config, load_device_config, load_model_config
     from dynapipe.progress import Progress
@@ -199,6 +220,9 @@ def run(args) -> int:
     for flag in ("output", "json"):
         if getattr(args, flag):
             _check_writable(getattr(args, flag), flag)
+    if args.output and args.json and os.path.realpath(args.output) == os.path.realpath(args.json):
+        raise DynaPipeError(f"--output {args.output!r} and --json {args.json!r} are the same file: the JSON would "
+                            f"overwrite the run config; give them different paths.")
     model, device = load_model_config(args.model, flag="--model"), load_device_config(args.device, flag="--device")
     gpu_capacity_mib(device, args.memory_limit_mb)
     cluster = load_cluster_config(args.cluster, flag="--cluster")
@@ -227,16 +251,19 @@ def run(args) -> int:
                if model.is_encoder_decoder else
                f"no pipeline size here splits the {model.total_layers} layers into that many chunks a rank")
         raise DynaPipeError(f"--vpp-sizes {','.join(map(str, unused))}: {why}; drop it or give a count that does.")
+    # Before the bar, which counts only the layouts simulated (advise leaves out the same).
+    shown, _ = leave_out_idle_replicas(layouts, batches)
     kw = dict(cluster=cluster, seq_length=seq, memory_limit_mib=args.memory_limit_mb, layouts=layouts,
               compare_packing=not args.no_packing)
     if args.no_progress:  # nothing on stderr: the lines only name layouts, the table follows
         advice = advise(batches, model, device, args.gpus, **kw)
     else:
-        with Progress(len(layouts), "advise") as bar:
+        with Progress(len(shown), "advise") as bar:
             advice = advise(batches, model, device, args.gpus, progress=_report_layouts(bar), **kw)
     best = advice.best
     mean_tokens = sum(int(b.sum()) for b in batches) / len(batches)
-    print(f"{model.name} on {args.gpus} x {device.name} ({cluster.name}): {len(layouts)} layouts, "
+    left = f"{len(advice.left_out)} left out, " if advice.left_out else ""
+    print(f"{model.name} on {args.gpus} x {device.name} ({cluster.name}): {len(layouts)} layouts, {left}"
           f"{len(advice.results)} fit; {len(batches)} global batch(es) of ~{mean_tokens:,.0f} tokens "
           f"(seq-length {seq}); {advice.elapsed_ms / 1e3:.1f} s")
     tps = sorted({l.tp for l in layouts})
@@ -251,6 +278,9 @@ def run(args) -> int:
     if model.is_encoder_decoder:
         print("placements (layers per stage, encoder+decoder; | separates the chunks of an interleaved one): "
               + "; ".join(f"{r.layout.label()}: {r.placement or 'even'}" for r in advice.results[:args.top]))
+    if advice.left_out:
+        print(f"left out ({len(advice.left_out)}), {advice.left_out[0][1]}: "
+              + ", ".join(l.label() for l, _ in advice.left_out))
     if advice.refused:
         print(f"refused ({len(advice.refused)}): " + "; ".join(
             f"{l.label()}: {why.split('; ')[0].split('. ')[0]}" for l, why in advice.refused[:6])
@@ -262,7 +292,9 @@ def run(args) -> int:
         print(f"best layout written to {args.output}")
     if args.json:
         _write(args.json, json.dumps({"layouts": [r.to_json() for r in advice.results],
-                                      "refused": [{"layout": l.label(), "reason": why} for l, why in advice.refused]},
+                                      "refused": [{"layout": l.label(), "reason": why} for l, why in advice.refused],
+                                      "left_out": [{"layout": l.label(), "reason": why}
+                                                   for l, why in advice.left_out]},
                                      indent=1) + "\n", "json")
     return 0
 
