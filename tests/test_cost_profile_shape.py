@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from dynapipe.cli import main
-from dynapipe.config import load_model_config
+from dynapipe.config import load_device_config, load_model_config
 from dynapipe.cost import build_cost_model
 from dynapipe.cost.profile import ProfileCostModel
 from dynapipe.errors import DynaPipeError
@@ -95,3 +95,54 @@ def test_profile_of_a_model_config_records_its_layer_kind(tmp_path):
             recorded["num_query_groups"]) == ("RMSNorm", True, False, 2)
     model = load_model_config(str(config))
     ProfileCostModel(model, json.loads(out.read_text()), 1)
+
+
+def test_a_profile_prices_only_the_kind_of_device_it_was_measured_on(tmp_path, capsys):
+    # The profilers record "cpu" or the CUDA device name; --device still sets the memory.
+    paths = {}
+    for name, device in (("cpu", "cpu"), ("a100", "NVIDIA A100-SXM4-40GB"), ("h200", "NVIDIA H200")):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps({**_profile(TINY_RECORD), "device": device}))
+    cost = ["cost", "--model", "gpt-tiny", "--stages", "2", "--shape", "4,512"]
+    for device, profile, message in (
+            ("a100-40gb", "cpu", "the profile was measured on 'cpu', a CPU, but --device a100-40gb is a GPU"),
+            ("cpu", "a100", "the profile was measured on 'NVIDIA A100-SXM4-40GB', a GPU, but --device cpu is a CPU"),
+            ("h100-80gb", "a100", "the profile was measured on 'NVIDIA A100-SXM4-40GB' (GPU model a100) but "
+                                  "--device h100-80gb is GPU model h100")):
+        assert main(cost + ["--device", device, "--profile", str(paths[profile])]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and f"{paths[profile]}: {message}" in err and err.count("\n") == 1, err
+    for device, profile in (("cpu", "cpu"), ("a100-40gb", "a100"), ("h200", "h200")):
+        assert main(cost + ["--device", device, "--profile", str(paths[profile])]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    # Every caller that builds the cost model gets the CPU/GPU check; the GPU model is compared
+    # only for a device config the user named (a default one stands for any GPU).
+    h100 = load_device_config("h100-80gb")
+    with pytest.raises(DynaPipeError, match="a CPU, but the device config 'h100-80gb' is a GPU"):
+        build_cost_model(TINY, h100, 2, profile=str(paths["cpu"]))
+    build_cost_model(TINY, h100, 2, profile=str(paths["a100"]))
+    build_cost_model(TINY, None, 2, profile=str(paths["cpu"]))
+    # Profiles that do not record a device, and device configs whose name says neither, are not compared.
+    build_cost_model(TINY, load_device_config("a100-40gb"), 2, profile=str(_write(tmp_path, _profile(TINY_RECORD))))
+
+
+def test_training_refuses_a_profile_of_another_kind_of_device_at_start_up(tmp_path):
+    from megatron_integration.arguments import parse_training_args
+
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps({**_profile(TINY_RECORD), "device": "cpu"}))
+    argv = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --micro-batch-size 1 "
+            f"--global-batch-size 4 --train-iters 1 --lr 1e-3 --mock-data --use-dynapipe "
+            f"--dynapipe-cost-model {path}").split()
+    assert parse_training_args(argv, 1, cuda=False).dynapipe.cost_model == str(path)
+    with pytest.raises(DynaPipeError, match=f"--dynapipe-cost-model {path}: .* a CPU, but the default "
+                                            f"--dynapipe-device h100-80gb is a GPU"):
+        parse_training_args(argv, 1, cuda=True)
+    with pytest.raises(DynaPipeError, match="but --dynapipe-device a100-40gb is a GPU"):
+        parse_training_args(argv + ["--dynapipe-device", "a100-40gb"], 1, cuda=False)
+
+
+def _write(tmp_path, profile: dict):
+    path = tmp_path / "plain.json"
+    path.write_text(json.dumps(profile))
+    return path

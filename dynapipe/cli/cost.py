@@ -28,7 +28,8 @@ def add_cost_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", required=True, help="device config: a YAML path or a shipped name (e.g. a100-40gb)")
     p.add_argument("--stages", type=int, required=True, help="pipeline stages S")
     p.add_argument("--profile", default=None,
-                   help="measured cost profile (JSON) instead of the analytic cost model")
+                   help="measured cost profile (JSON) instead of the analytic cost model, measured on the --device "
+                        "given (which still sets the memory; a CPU profile with a GPU config is refused)")
     p.add_argument("--recompute", choices=RECOMPUTE_LEVELS, default="none",
                    help="activation recomputation level (default none)")
     p.add_argument("--tp", type=int, default=1,
@@ -91,7 +92,8 @@ def cost_setup_from_args(args: argparse.Namespace) -> CostSetup:
     model = load_model_config(args.model, flag="--model")
     device = load_device_config(args.device, flag="--device")
     tp = tp_from_args(args, model, device)
-    cost_model = build_cost_model(model, device, args.stages, getattr(args, "profile", None), tp)
+    cost_model = build_cost_model(model, device, args.stages, getattr(args, "profile", None), tp,
+                                  device_flag="--device")
     limit: Optional[float] = getattr(args, "memory_limit_mb", None)
     if limit is None:
         limit = device.memory_mib

@@ -13,6 +13,7 @@ from dynapipe.cost.backward_split import backward_split
 from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, StageCost, StageLayout, stage_layouts
 from dynapipe.cost.placement import PlacementChoice, PlacementSample, StagePlacement, plan_placement
 from dynapipe.cost.profile import ProfileCostModel
+from dynapipe.cost.profile_device import check_profile_device
 
 __all__ = ["AnalyticCostModel", "ProfileCostModel", "CostModel", "StageCost", "StageLayout",
            "RECOMPUTE_LEVELS", "stage_layouts", "build_cost_model", "StagePlacement", "PlacementChoice",
@@ -21,18 +22,23 @@ __all__ = ["AnalyticCostModel", "ProfileCostModel", "CostModel", "StageCost", "S
 
 def build_cost_model(model: ModelConfig, device: DeviceConfig, num_stages: int,
                      profile: Optional[str] = None, tp: Optional[TensorParallelConfig] = None,
-                     placement: Optional[StagePlacement] = None) -> CostModel:
+                     placement: Optional[StagePlacement] = None, device_flag: Optional[str] = None) -> CostModel:
     """An analytic cost model, or a profile-based one when ``profile`` names a JSON file.
     ``tp``: tensor parallelism of every stage (figures are then per TP rank).
-    ``placement``: layers per stage (default: Megatron's even split)."""
-    cm = _build(model, device, num_stages, profile, tp)
+    ``placement``: layers per stage (default: Megatron's even split).
+    A profile measured on a CPU is refused for a GPU device config and the other way round;
+    ``device_flag``: the flag the user named ``device`` with, which also compares the GPU model
+    (a default device config, chosen without knowing the GPU, is not)."""
+    cm = _build(model, device, num_stages, profile, tp, device_flag)
     return cm if placement is None else cm.with_placement(placement)
 
 
 def _build(model: ModelConfig, device: DeviceConfig, num_stages: int, profile: Optional[str],
-           tp: Optional[TensorParallelConfig]) -> CostModel:
+           tp: Optional[TensorParallelConfig], device_flag: Optional[str]) -> CostModel:
     if tp is not None:
         tp.validate(model)
     if profile in (None, "", "analytic"):
         return AnalyticCostModel(model, device, num_stages, tp)
-    return ProfileCostModel.from_file(model, profile, num_stages, tp)
+    cm = ProfileCostModel.from_file(model, profile, num_stages, tp)
+    check_profile_device(cm.profile, device, profile, device_flag)
+    return cm
