@@ -11,6 +11,7 @@ import os
 from typing import Optional
 
 from dynapipe.errors import DynaPipeError
+from dynapipe.output_paths import check_distinct, check_output_file
 
 
 def check_warmup_iters(warmup: int) -> None:
@@ -21,39 +22,18 @@ def check_warmup_iters(warmup: int) -> None:
         raise DynaPipeError(f"--warmup-iters {warmup}: must be >= 0 (0 times every iteration).")
 
 
-def check_output_path(path: str, flag: str) -> None:
-    """Refuse a file path the bench could not write once its runs are done: a directory, a
-    folder that cannot be created (a file in the way) or one this user cannot write in."""
-    if not path:
-        raise DynaPipeError(f"{flag} {path!r}: give a file path.")
-    if path.endswith(("/", os.sep)) or os.path.isdir(path):
-        raise DynaPipeError(f"{flag} {path}: is a directory; give a file path such as "
-                            f"{os.path.join(path, 'bench.json' if flag == '--output' else 'bench.png')}.")
-    parent = os.path.dirname(os.path.abspath(path))
-    existing = parent
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise DynaPipeError(f"{flag} {path}: cannot create its directory {parent}: {existing} is not a directory.")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise DynaPipeError(f"{flag} {path}: cannot write in {existing} (permission denied); choose a writable "
-                            f"directory.")
-    if os.path.exists(path) and not os.access(path, os.W_OK):
-        raise DynaPipeError(f"{flag} {path}: the file exists and is not writable; choose another path.")
-
-
 def check_bench_outputs(output: str, png: Optional[str] = None) -> None:
     """Refuse ``--output`` (the JSON; its profile and traces go next to it) and ``--png`` paths
     the bench could not write after its runs, a picture not named ``.png`` (matplotlib picks the
-    format from the suffix) and a picture that would overwrite the JSON."""
-    check_output_path(output, "--output")
+    format from the suffix) and a picture that would overwrite the JSON
+    (:mod:`dynapipe.output_paths`, as the other commands check theirs)."""
+    if not output:
+        raise DynaPipeError(f"--output {output!r}: give a file path.")
+    check_output_file(output, "--output")
     if png is None:
         return
-    if not png.lower().endswith(".png"):
-        raise DynaPipeError(f"--png {png!r}: the comparison is drawn as a PNG; give a path ending in .png.")
-    if os.path.realpath(png) == os.path.realpath(output):
-        raise DynaPipeError(f"--png {png}: the same file as --output {output}; give the picture its own path.")
-    check_output_path(png, "--png")
+    check_output_file(png, "--png", suffix=".png")
+    check_distinct([("--output", output), ("--png", png)])
 
 
 def make_output_dir(path: str) -> None:

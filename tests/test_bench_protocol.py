@@ -297,15 +297,15 @@ def test_bench_refuses_outputs_it_could_not_write_before_any_run(tmp_path, capsy
     d.mkdir()
     pic.mkdir()
     f.write_text("")
-    cases = [(["--output", str(d)], f"--output {d}: is a directory; give a file path such as {d}/bench.json"),
+    cases = [(["--output", str(d)], f"--output '{d}' is a directory; give a file path"),
              (["--output", f"{d}/"], "is a directory"),
-             (["--output", f"{f}/x.json"], f"cannot create its directory {f}: {f} is not a directory"),
+             (["--output", f"{f}/x.json"], f"'{f}' is a file, not a folder, so nothing can be written under it"),
              (["--output", x, "--warmup-iters", "-1"], "--warmup-iters -1: must be >= 0")]
     if model == "gpt":
-        cases += [(["--output", x, "--png", "b.txt"], "--png 'b.txt': the comparison is drawn as a PNG"),
-                  (["--output", x, "--png", ""], "--png '': the comparison is drawn as a PNG"),
-                  (["--output", f"{d}.png", "--png", f"{d}.png"], "the same file as --output"),
-                  (["--output", x, "--png", str(pic)], f"--png {pic}: is a directory")]
+        cases += [(["--output", x, "--png", "b.txt"], "--png 'b.txt' does not end in .png"),
+                  (["--output", x, "--png", ""], "--png '' does not end in .png"),
+                  (["--output", f"{d}.png", "--png", f"{d}.png"], "--output and --png name the same file"),
+                  (["--output", x, "--png", str(pic)], f"--png '{pic}' is a directory")]
     for extra, message in cases:
         assert main(["bench", "--model", model, *extra]) == 2
         err = capsys.readouterr().err

@@ -16,7 +16,7 @@ import time
 from dynapipe.batching import BatchPlan, plan_micro_batches, read_lengths
 from dynapipe.cli.batching_options import add_batching_arguments, check_batching_flags, cut_arguments
 from dynapipe.cli.cost import CostSetup, add_cost_model_arguments, add_memory_arguments, cost_setup_from_args
-from dynapipe.cli.paths import check_distinct, check_output_file, make_parent
+from dynapipe.output_paths import check_distinct, check_output_file, make_parent
 from dynapipe.cli.placement_options import (add_placement_argument, apply_placement, even_split_schedule,
                                              placement_json)
 from dynapipe.cli.schedule_options import (add_recompute_default, add_schedule_arguments, check_plan_out,

@@ -10,7 +10,7 @@ import time
 from typing import Optional
 
 from dynapipe.batching import BatchPlan
-from dynapipe.cli.paths import check_output_dir
+from dynapipe.output_paths import check_output_dir
 from dynapipe.config import ClusterConfig, load_cluster_config
 from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel
 from dynapipe.errors import DynaPipeError

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from dynapipe.cli.paths import check_distinct, check_output_file, make_parent
+from dynapipe.output_paths import check_distinct, check_output_file, make_parent
 from dynapipe.data.synthetic import load_mixture, resolve_mixture, sample_lengths
 from dynapipe.errors import DynaPipeError
 

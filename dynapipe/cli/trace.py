@@ -15,7 +15,7 @@ import sys
 from dynapipe.batching import read_lengths
 from dynapipe.cli.batching_options import add_batching_arguments, check_batching_flags, cut_arguments
 from dynapipe.cli.cost import add_cost_model_arguments, add_memory_arguments, cost_setup_from_args
-from dynapipe.cli.paths import check_distinct, check_output_file, make_parent
+from dynapipe.output_paths import check_distinct, check_output_file, make_parent
 from dynapipe.cli.placement_options import (add_placement_argument, apply_placement, even_split_schedule,
                                              placement_json)
 from dynapipe.cli.schedule_options import (add_recompute_default, add_split_backward_argument, escalate_recompute,

@@ -34,7 +34,7 @@ def check_output_file(path: str, flag: str, suffix: Optional[str] = None) -> Non
     ``-`` (stdout) always passes."""
     if path == STDIO:
         return
-    if os.path.isdir(path):
+    if os.path.isdir(path) or path.endswith(("/", os.sep)):
         raise DynaPipeError(f"{flag} {path!r} is a directory; give a file path"
                             + (f" ending in {suffix}" if suffix else "") + ".")
     if suffix and not path.lower().endswith(suffix):
