@@ -126,7 +126,7 @@ def test_a_profile_prices_only_the_kind_of_device_it_was_measured_on(tmp_path, c
     build_cost_model(TINY, load_device_config("a100-40gb"), 2, profile=str(_write(tmp_path, _profile(TINY_RECORD))))
 
 
-def test_training_refuses_a_profile_of_another_kind_of_device_at_start_up(tmp_path):
+def test_training_refuses_a_profile_of_another_kind_of_device_at_start_up(tmp_path, gpu_with_te):
     from megatron_integration.arguments import parse_training_args
 
     path = tmp_path / "cpu.json"
