@@ -20,6 +20,13 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--wandb-save-dir": "use --tensorboard-dir for metrics",
     "--eval-global-batch-size": "evaluation batches are --global-batch-size samples; drop it",
     "--full-validation": "evaluation reads --eval-iters global batches; drop it",
+    # Megatron-LM's T5 flags for what the T5 stages here do not build.
+    "--relative-attention-num-buckets": ("T5 stages use learned absolute positions (megatron-core's relative "
+                                         "position embedding is not built); drop it"),
+    "--relative-attention-max-distance": ("T5 stages use learned absolute positions (megatron-core's relative "
+                                          "position embedding is not built); drop it"),
+    "--mid-level-dataset-surplus": "blends are built with megatron-core's default surplus (0.005); drop it",
+    "--fp16-lm-cross-entropy": "the loss is computed in fp32, as megatron-core does by default; drop it",
     "--skip-train": "training always runs (evaluation follows it); drop it",
     "--virtual-pipeline-model-parallel-size": ("not a Megatron-LM flag (Megatron derives the virtual pipeline size); "
                                                "give --num-virtual-stages-per-pipeline-rank or "

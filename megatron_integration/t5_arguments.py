@@ -83,7 +83,7 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
             raise _unsupported(f"--{flag}", "a T5 stage split is a stage placement here; give it with "
                                             "--dynapipe-placement (such as 2+0,1+3), or auto")
     for flag, default in (("use-rope-scaling", False), ("rope-scaling-factor", 8.0),
-                          ("rotary-seq-len-interpolation-factor", None)):
+                          ("rotary-seq-len-interpolation-factor", None), ("rotary-base", 10000)):
         if getattr(args, flag.replace("-", "_")) != default:
             raise _unsupported(f"--{flag}", "T5 stages use learned absolute positions, not rotary ones; drop it")
     for flag in ("use-rotary-position-embeddings", "qk-layernorm", "add-qkv-bias", "apply-wd-to-qk-layernorm"):

@@ -82,8 +82,9 @@ class T5TrainingConfig:
             index = ("train", "valid", "test").index(split)
             if index and (not self.span_corruption.has_split(index) or self.base.evaluation.eval_iters <= 0):
                 return None
-            return SpanCorruptionDataset(replace(self.span_corruption, split_index=index,
-                                                 num_samples=span_split_samples(self.base, split)))
+            # Training draws the config's own count (--train-samples itself where given).
+            samples = span_split_samples(self.base, split) if index else self.span_corruption.num_samples
+            return SpanCorruptionDataset(replace(self.span_corruption, split_index=index, num_samples=samples))
         from dataclasses import replace
 
         from megatron_integration.data import dataset_config

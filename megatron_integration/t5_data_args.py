@@ -13,6 +13,7 @@ import argparse
 import os
 from typing import Optional
 
+from dynapipe.data.splits import MEGATRON_DEFAULT_SPLIT
 from dynapipe.errors import DynaPipeError
 from megatron_integration.args_checks import _fraction
 from megatron_integration.t5_span_data import SpanCorruptionConfig
@@ -78,6 +79,9 @@ def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> O
     if args.vocab_extra_ids <= 0:
         raise DynaPipeError(f"--vocab-extra-ids {args.vocab_extra_ids}: T5 span corruption replaces every masked "
                             f"span by a sentinel token and needs them; add --vocab-extra-ids 100 (Megatron-LM's T5).")
+    if not args.mmap_bin_files:
+        raise DynaPipeError("--no-mmap-bin-files: megatron-core's T5 span-corruption dataset always memory-maps its "
+                            "indexed files (its reader takes no such option); drop it.")
     _fraction("mask-prob", args.mask_prob, low_open=True, default=DEFAULTS["mask_prob"])
     _fraction("short-seq-prob", args.short_seq_prob, high_open=False, default=DEFAULTS["short_seq_prob"])
     enc_seq = base.model.seq_length
@@ -89,9 +93,12 @@ def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> O
                             "--global-batch-size samples; give global batches by --global-batch-size.")
     if base.seed <= 0:
         raise DynaPipeError(f"--seed {base.seed}: megatron-core's T5 sample mapping needs a positive seed.")
+    # As Megatron-LM builds it: --train-samples itself where given (megatron-core's sample mapping
+    # covers whole epochs shuffled over its length, so a rounded count would draw other samples).
+    train_samples = getattr(args, "train_samples", None)
     cfg = SpanCorruptionConfig(
-        paths=paths, weights=weights, split=_train_split(base) if base.data.data_path else None,
-        num_samples=base.train_iters * base.global_batch_size,
+        paths=paths, weights=weights, split=_train_split(args) if base.data.data_path else None,
+        num_samples=train_samples if train_samples is not None else base.train_iters * base.global_batch_size,
         encoder_seq_length=enc_seq, decoder_seq_length=dec_seq, seed=base.seed, tokenizer_type=kind,
         vocab_file=args.vocab_file, vocab_extra_ids=args.vocab_extra_ids, mask_prob=args.mask_prob,
         short_seq_prob=args.short_seq_prob, cache_path=args.data_cache_path,
@@ -103,11 +110,11 @@ def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> O
     return cfg
 
 
-def _train_split(base) -> str:
-    """megatron-core's split string of a T5 run's ``--split`` (train, validation, test weights;
-    default Megatron-LM's 969,30,1 with --data-path)."""
-    split = tuple(base.data.split) or (1.0, 0.0, 0.0)
-    return ",".join(f"{float(w):g}" for w in split)
+def _train_split(args: argparse.Namespace) -> str:
+    """megatron-core's split string of a T5 run's ``--split``, as typed (Megatron-LM passes it
+    through, and megatron-core normalises it once: normalising it here first moved a split's
+    boundary by a document at 7,2,1); Megatron-LM's default 969,30,1 with --data-path."""
+    return args.split if args.split is not None else MEGATRON_DEFAULT_SPLIT
 
 
 def span_split_samples(base, split: str) -> int:

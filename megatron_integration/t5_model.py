@@ -18,7 +18,7 @@ models), so a stage is assembled here from the same building blocks:
 * one ``LanguageModelEmbedding`` (word + learned absolute positions, shared by encoder
   and decoder as in megatron-core's ``T5Model``) on stage 0 and on the first stage holding
   decoder layers; the output layer is megatron-core's ``T5LMHead`` (tied to the word
-  embedding unless ``--untie-embeddings-and-output-weights``, with its bias).
+  embedding, with its bias; ``--untie-embeddings-and-output-weights`` is refused).
   :class:`EmbeddingSync` all-reduces the gradients of the copies, so they stay equal.
 * initialisation is deterministic by global parameter name, as for GPT: every pipeline
   split starts from the same weights for a given ``--seed``.

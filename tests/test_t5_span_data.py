@@ -235,6 +235,9 @@ def test_bad_span_corruption_input_is_refused_in_one_line(corpus, tmp_path):
         ("--vocab-file", str(tmp_path / "none.txt")): "--vocab-file .* no such file",
         ("--mask-prob", "1.5"): "--mask-prob 1.5: must be in",
         ("--dynapipe-tokens-per-global-batch", "500", "--use-dynapipe"): "--global-batch-size samples",
+        # megatron-core's T5 dataset memory-maps whatever the flag says: refused, not ignored.
+        ("--no-mmap-bin-files",): "--no-mmap-bin-files: megatron-core's T5 span-corruption dataset always",
+        ("--rotary-base", "500"): "--rotary-base is a Megatron-LM flag .* learned absolute positions",
     }
     for extra, text in refused.items():
         with pytest.raises(DynaPipeError, match=text):
@@ -245,6 +248,17 @@ def test_bad_span_corruption_input_is_refused_in_one_line(corpus, tmp_path):
         parse_t5_args(mock + ["--mask-prob", "0.3"], 1, cuda=False)
     with pytest.raises(DynaPipeError, match="sentinels are added to the WordPiece vocabularies only"):
         parse_t5_args(mock + ["--tokenizer-type", "ByteLevel", "--vocab-file", ""], 1, cuda=False)
+
+
+def test_split_and_train_samples_reach_megatron_core_as_megatron_lm_passes_them(corpus):
+    # The --split string as typed (megatron-core normalises it once: normalised twice, 7,2,1
+    # moved a boundary by a document), and --train-samples itself, not rounded to whole batches.
+    cfg = parse_t5_args(_args(corpus, "--split", "7,2,1"), 1, cuda=False)
+    assert cfg.span_corruption.split == "7,2,1"
+    argv = BASE.replace("--train-iters 5", "--train-samples 43").split()
+    cfg = parse_t5_args(argv + ["--vocab-file", corpus["vocab"], "--data-path", corpus["a"]], 1, cuda=False)
+    assert cfg.base.train_iters == 5 and cfg.span_corruption.num_samples == 43
+    assert len(cfg.dataset_config()) == 43
 
 
 def test_samples_megatron_cannot_make_are_refused_before_training(corpus, tmp_path):
