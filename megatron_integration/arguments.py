@@ -84,6 +84,16 @@ def build_parser(prog: Optional[str] = None, description: Optional[str] = None) 
     return parser
 
 
+def resolve_cuda(cuda: Optional[bool]) -> bool:
+    """Whether a job validated with ``cuda`` runs on GPUs: ``cuda`` itself, or (None) whether
+    torch sees a CUDA device here."""
+    if cuda is not None:
+        return cuda
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optional[bool] = None,
                               num_nodes: Optional[int] = None,
                               baselines_use_executor: bool = False,
@@ -97,10 +107,7 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
     Raises :class:`DynaPipeError` naming the offending flag for every invalid combination.
     """
     resolve_tokenizer_type(args, "GPT2BPETokenizer")  # Megatron-LM's pretrain_gpt.py default
-    if cuda is None:
-        import torch
-
-        cuda = torch.cuda.is_available()
+    cuda = resolve_cuda(cuda)
     _default_global_batch(args, world_size)
     _schedule_from_samples(args)
     for flag in ("global-batch-size", "train-iters", "lr"):

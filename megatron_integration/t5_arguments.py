@@ -10,11 +10,13 @@ unless ``--decoder-num-layers`` says otherwise, ``--seq-length`` is the same as
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import replace
 from typing import Optional
 
 from dynapipe.errors import DynaPipeError
-from megatron_integration.arguments import _positive, _unsupported, build_parser, training_config_from_args
+from megatron_integration.arguments import (_positive, _unsupported, build_parser, resolve_cuda,
+                                            training_config_from_args)
 from megatron_integration.t5_config import T5TrainingConfig
 from megatron_integration.t5_data_args import add_t5_data_args, span_corruption_from_args
 from megatron_integration.tokenizer import resolve_tokenizer_type
@@ -55,6 +57,7 @@ def _one_of(args, flag_a: str, flag_b: str):
 def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optional[bool] = None) -> T5TrainingConfig:
     """Validate parsed T5 arguments for a job of ``world_size`` ranks and build the config."""
     resolve_tokenizer_type(args, "BertWordPieceLowerCase")  # Megatron-LM's pretrain_t5.py default
+    cuda = resolve_cuda(cuda)
     enc_layers = _positive("encoder-num-layers", _one_of(args, "num-layers", "encoder-num-layers"))
     dec_layers = _positive("decoder-num-layers", args.decoder_num_layers) or enc_layers
     enc_seq = _positive("encoder-seq-length", _one_of(args, "seq-length", "encoder-seq-length"))
@@ -95,7 +98,7 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
     if args.position_embedding_type != "learned_absolute":
         raise _unsupported("--position-embedding-type", f"{args.position_embedding_type}: T5 stages use learned "
                                                         f"absolute positions; drop it")
-    if args.transformer_impl == "transformer_engine" and _on_gpu(cuda):
+    if args.transformer_impl == "transformer_engine" and cuda:
         raise _unsupported("--transformer-impl", "transformer_engine (Megatron-LM's default): the T5 stages are "
                                                  "built from megatron-core's local layers (its T5 block specs "
                                                  "without Transformer Engine); pass --transformer-impl local")
@@ -134,8 +137,11 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
     if placement_flag != "even" and total % pp:
         shared.num_layers = pp * (total // pp) or pp  # the split is the placement's, not an even one
     # T5's baselines run through the executor too: its flags apply to every method.
-    base = training_config_from_args(shared, world_size, cuda, baselines_use_executor=True,
-                                     placement_auto=placement_flag == "auto")
+    try:
+        base = training_config_from_args(shared, world_size, cuda, baselines_use_executor=True,
+                                         placement_auto=placement_flag == "auto")
+    except DynaPipeError as e:
+        raise DynaPipeError(_as_typed(str(e), args)) from None
     if base.model.num_layers != total:
         base = replace(base, model=replace(base.model, num_layers=total))
     _t5_model_and_data_honoured(args, base)
@@ -144,12 +150,15 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
     return _with_placement(cfg, placement_flag, pp)
 
 
-def _on_gpu(cuda: Optional[bool]) -> bool:
-    if cuda is not None:
-        return cuda
-    import torch
-
-    return torch.cuda.is_available()
+def _as_typed(message: str, args: argparse.Namespace) -> str:
+    """A shared check's ``message`` with the flags the T5 user typed: the shared checks see the
+    encoder's length as ``--seq-length`` and every layer as ``--num-layers``."""
+    if args.seq_length is None:
+        message = re.sub(r"(?<![\w-])--seq-length\b", "--encoder-seq-length", message)
+    if args.num_layers is None:
+        message = re.sub(r"(?<![\w-])--num-layers (\d+)",
+                         lambda m: f"--encoder-num-layers + --decoder-num-layers ({m.group(1)})", message)
+    return message
 
 
 def parse_t5_args(argv, world_size: int, cuda: Optional[bool] = None) -> T5TrainingConfig:

@@ -101,7 +101,8 @@ def test_top_layout_is_the_best_of_an_exhaustive_grid_and_every_shown_layout_fit
 
 
 def test_advise_command_writes_a_run_config_that_trains_on_cpu(tmp_path, capsys):
-    out, js = tmp_path / "best.yaml", tmp_path / "advice.json"
+    # A missing folder is created at the write, as every command's outputs are.
+    out, js = tmp_path / "best.yaml", tmp_path / "new" / "advice.json"
     rc = main(["advise", "--model", "gpt-tiny", "--device", "cpu", "--cluster", "cpu-local", "--gpus", "2",
                "--mixture", "flan-mixture", "--tokens-per-iteration", "1200", "--seq-length", "128",
                "--batches", "1", "--output", str(out), "--json", str(js)])
@@ -150,7 +151,7 @@ def re_loss(stdout: str) -> bool:
     (["--gpus", "2", "--batches", "0"], "--batches 0: must be at least 1"),
     (["--gpus", "2", "--tokens-per-iteration", "-5"], "--tokens-per-iteration -5"),
     (["--gpus", "2", "--seq-length", "4096"], "exceeds the model's max_seq_length"),
-    (["--gpus", "2", "--output", "/"], "--output '/': cannot write"),
+    (["--gpus", "2", "--output", "/"], "--output '/' is a directory; give a file path"),
     (["--gpus", "2", "--tp-sizes", "3"], "--tp-sizes 3 does not divide num_attention_heads=4"),
     (["--gpus", "2", "--vpp-sizes", "3"], "--vpp-sizes 3: no pipeline size here splits the 4 layers"),
     (["--gpus", "2", "--tp-sizes", "1,x"], "--tp-sizes: '1,x': expected comma-separated integers"),
@@ -189,11 +190,18 @@ def test_advise_refuses_sizes_past_its_caps_and_one_path_for_two_files(tmp_path,
                           (["--gpus", "2", "--tokens-per-iteration", "999999999999"],
                            "--tokens-per-iteration 999999999999: at most 16,777,216 (the 16M-token global batches"),
                           (["--gpus", "2", "--output", same, "--json", same],
-                           f"--output {same!r} and --json {same!r} are the same file")):
+                           f"--output and --json name the same file {same!r}, which --json would overwrite")):
         assert main(base + argv) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1 and "--samples" not in err, err
     assert not os.listdir(tmp_path)
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("100\n" * 64)
+    base = base[:-2]
+    assert main(base + ["--gpus", "2", "--lengths", str(lengths), "--output", str(lengths)]) == 2
+    err = capsys.readouterr().err
+    assert f"--lengths and --output name the same file {str(lengths)!r}, which --output would" in err, err
+    assert lengths.read_text() == "100\n" * 64
     # The README's and these tests' requests stay inside the caps.
     from dynapipe.cli.advise import CAPS
     assert CAPS["gpus"][0] >= 64 and CAPS["batches"][0] >= 2 and CAPS["tokens-per-iteration"][0] >= 1 << 20

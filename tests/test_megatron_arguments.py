@@ -271,3 +271,16 @@ def test_megatron_lms_defaults_for_the_global_batch_the_head_size_and_a_first_la
     assert parse(f"--save {ckpt} --load {ckpt}", world=1).load == ckpt
     with pytest.raises(DynaPipeError, match="no such checkpoint directory"):
         parse(f"--save {ckpt} --load {tmp_path / 'typo'}", world=1)
+
+
+def test_t5_errors_from_the_shared_checks_name_the_flags_the_user_typed():
+    # The shared checks see the encoder's length as --seq-length; a T5 user typed
+    # --encoder-seq-length, and the error must say so.
+    from megatron_integration.t5_arguments import parse_t5_args
+    from t5_job import TINY
+
+    assert "--encoder-seq-length" in TINY and " --seq-length" not in TINY
+    with pytest.raises(DynaPipeError) as e:
+        parse_t5_args((TINY + " --use-dynapipe --dynapipe-max-tokens 8").split(), 2, cuda=False)
+    assert "--dynapipe-max-tokens 8 is below --encoder-seq-length" in str(e.value)
+    assert "--seq-length" not in str(e.value).replace("--encoder-seq-length", "")

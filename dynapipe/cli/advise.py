@@ -7,6 +7,7 @@ import os
 
 from dynapipe.data.synthetic import DEFAULT_MIXTURE
 from dynapipe.errors import DynaPipeError
+from dynapipe.output_paths import check_distinct, check_output_file, make_parent
 
 HELP = "rank parallel layouts (TP, PP, interleaving, DP, distributed optimizer) for a model and cluster by simulation"
 
@@ -91,13 +92,6 @@ def _check_tokens_per_iteration(tokens: int, seq: int, model, seq_by_default: bo
         one = f"{seq} input + {seq} target tokens" if sides == 2 else f"{seq} tokens"
         raise DynaPipeError(f"--tokens-per-iteration {tokens} is below one sample at the clip ({one}, from "
                             f"{whose}); give at least {minimum}, or a smaller --seq-length.")
-
-
-def _check_writable(path: str, flag: str) -> None:
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise DynaPipeError(f"--{flag} {path!r}: cannot write a file there (a directory, or the folder does "
-                            f"not exist or is not writable).")
 
 
 def _report_layouts(bar):
@@ -217,12 +211,12 @@ def run(args) -> int:
     _positive("seed", args.seed, 0)
     if args.memory_limit_mb is not None and not args.memory_limit_mb > 0:
         raise DynaPipeError(f"--memory-limit-mb {args.memory_limit_mb}: must be a positive number of MiB.")
+    # As every command does: refused before sampling, a missing folder created at the write.
     for flag in ("output", "json"):
         if getattr(args, flag):
-            _check_writable(getattr(args, flag), flag)
-    if args.output and args.json and os.path.realpath(args.output) == os.path.realpath(args.json):
-        raise DynaPipeError(f"--output {args.output!r} and --json {args.json!r} are the same file: the JSON would "
-                            f"overwrite the run config; give them different paths.")
+            check_output_file(getattr(args, flag), f"--{flag}")
+    check_distinct([("--lengths", args.lengths), ("--mixture", args.mixture if args.mixture and os.path.isfile(args.mixture) else None),
+                    ("--output", args.output), ("--json", args.json)])
     model, device = load_model_config(args.model, flag="--model"), load_device_config(args.device, flag="--device")
     gpu_capacity_mib(device, args.memory_limit_mb)
     cluster = load_cluster_config(args.cluster, flag="--cluster")
@@ -301,6 +295,7 @@ def run(args) -> int:
 
 def _write(path: str, text: str, flag: str) -> None:
     try:
+        make_parent(path)
         with open(path, "w") as f:
             f.write(text)
     except OSError as e:
