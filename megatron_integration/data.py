@@ -60,6 +60,13 @@ def dataset_config(cfg: DynaPipeTrainingConfig, split: str = "train") -> Optiona
             return None
         files, weights, flag = d.data_path, d.data_weights, "--data-path"
         common["split_range"] = ranges[split]
+    if split == "train":
+        # A training blend holds the run's samples, as Megatron sizes its blend, so a
+        # down-weighted path is drawn through all of it rather than one subset every epoch.
+        if d.tokens_per_global_batch:
+            common["blend_tokens"] = cfg.train_iters * d.tokens_per_global_batch
+        else:
+            common["blend_samples"] = cfg.train_iters * cfg.global_batch_size
     return _files_config(files, weights, flag, common)
 
 

@@ -90,6 +90,9 @@ def data_sources_from_args(args: argparse.Namespace) -> dict:
         split = args.split if args.split is not None else (MEGATRON_DEFAULT_SPLIT if args.data_path else None)
         if split is not None:
             fields["split"] = tuple(parse_split(split))
+            if fields["split"][0] <= 0:
+                raise DynaPipeError(f"--split {split!r} gives training no share of the data; give the train "
+                                    f"split a positive proportion first, e.g. --split 98,2,0.")
     return fields
 
 

@@ -89,8 +89,12 @@ def gpt2_bpe_info(vocab_file: str, merge_file: str) -> TokenizerInfo:
     if GPT2_EOD not in encoder:
         raise DynaPipeError(f"--vocab-file {vocab_file!r} has no {GPT2_EOD!r} token (GPT2BPETokenizer's "
                             f"end of document); give GPT-2's vocabulary or use --tokenizer-type HuggingFaceTokenizer.")
-    with open(merge_file, encoding="utf-8") as f:
-        merges = [line for line in f.read().splitlines() if line and not line.startswith("#version")]
+    try:
+        with open(merge_file, encoding="utf-8") as f:
+            merges = [line for line in f.read().splitlines() if line and not line.startswith("#version")]
+    except UnicodeDecodeError as e:
+        raise DynaPipeError(f"--merge-file {merge_file!r} is not a GPT-2 merges text file (not UTF-8: byte "
+                            f"{e.start}); give the merges.txt that goes with --vocab-file.") from None
     bad = next((m for m in merges if len(m.split(" ")) != 2), None)
     if bad is not None:
         raise DynaPipeError(f"--merge-file {merge_file!r}: line {bad!r} is not a BPE merge ('left right').")

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from dynapipe.data.blend import blend_counts, blend_indices
+from dynapipe.data.blend import blend_counts, blend_indices, token_share_weights
 from dynapipe.data.indexed import write_indexed_dataset
 from dynapipe.errors import DynaPipeError
 from megatron_integration.arguments import parse_blend, parse_training_args
@@ -42,12 +42,17 @@ def test_weights_change_the_mix_in_proportion(corpora):
     assert len(plain) == 250 and share_of_b(plain, range(250)) == pytest.approx(0.2)
     for weights, expected in (("0.99 {a} 0.01 {b}", 0.01), ("1 {a} 1 {b}", 0.5), ("25 {a} 75 {b}", 0.75)):
         cfg, blended = build(weights.format(a=a, b=b))
-        assert len(blended) == 250 and cfg.data.data_weights
-        # Largest-remainder rounding of 250 x share; every sample read back is its part's.
-        assert share_of_b(blended, range(250)) * 250 == blend_counts(cfg.data.data_weights, 250)[1]
-        assert abs(blend_counts(cfg.data.data_weights, 250)[1] - 250 * expected) <= 1
+        assert len(blended) == 250 and cfg.data.data_weights  # the parts' total: more than the run's 32
+        # The weights are shares of the tokens: samples by largest-remainder rounding of 250 x
+        # (weight / mean length), and every sample read back is its part's.
+        means = [p.sample_tokens().mean() for p in blended.parts]
+        counts = blend_counts(token_share_weights(cfg.data.data_weights, means), 250)
+        assert share_of_b(blended, range(250)) * 250 == counts[1]
+        tokens = blended.sample_tokens()
+        from_b = np.array([blended[i].target_ids[0] == 7 for i in range(250)])
+        assert tokens[from_b].sum() / tokens.sum() == pytest.approx(expected, abs=0.01)
         # The parts are interleaved evenly: the first fifth already holds the mix.
-        assert share_of_b(blended, range(50)) == pytest.approx(expected, abs=0.021)
+        assert share_of_b(blended, range(50)) == pytest.approx(counts[1] / 250, abs=0.021)
     # What training reads: the sampler's global batches carry the mix too.
     cfg, _ = build(f"1 {a} 3 {b}")
     batches = GlobalBatches.create(cfg, consumed_samples=0, start_iteration=0)
@@ -57,6 +62,30 @@ def test_weights_change_the_mix_in_proportion(corpora):
     plain_batches = GlobalBatches.create(cfg, consumed_samples=0, start_iteration=0)
     idx = np.concatenate([plain_batches.batch(i).indices for i in range(20)])
     assert share_of_b(plain_batches.dataset, idx) == pytest.approx(0.2, abs=0.1)
+
+
+def test_weights_are_token_shares_and_a_long_run_draws_all_of_a_small_share(tmp_path):
+    # Megatron-LM's samples are all --seq-length tokens, so its weights are token shares; here
+    # samples are documents of their own lengths, and the weights keep that meaning.
+    rng = np.random.default_rng(4)
+    short, long_ = str(tmp_path / "short"), str(tmp_path / "long")
+    write_indexed_dataset(short, [np.full(rng.integers(3, 11), 5) for _ in range(400)])
+    write_indexed_dataset(long_, [np.full(rng.integers(30, 41), 60 + d) for d in range(60)])  # a token per document
+    cfg, blended = build(f"1 {short} 1 {long_}")
+    tokens, is_long = blended.sample_tokens(), blended.part_ids == 1
+    assert tokens[is_long].sum() / tokens.sum() == pytest.approx(0.5, abs=0.02)
+    assert is_long.mean() < 0.25  # far fewer long samples than short ones
+    # A path with a small share of the samples (a quarter of the tokens in documents five times
+    # as long): the run's 800 samples draw about 47 of its 60 documents, each once, where a blend
+    # of the paths' 460 samples would hold about 27, the same ones every epoch.
+    run = f"{BASE} --train-iters 100 --data-path 0.75 {short} 0.25 {long_}".split()
+    cfg = parse_training_args(run, 1, cuda=False)
+    batches = GlobalBatches.create(cfg, consumed_samples=0, start_iteration=0)
+    assert len(batches.dataset) == 800
+    idx = np.concatenate([batches.batch(i).indices for i in range(100)])
+    docs = [int(batches.dataset[int(i)].target_ids[0]) for i in idx]
+    long_docs = [d for d in docs if d >= 60]
+    assert len(long_docs) == len(set(long_docs)) >= 40, (len(long_docs), len(set(long_docs)))
 
 
 def test_small_parts_repeat_large_parts_subsample():

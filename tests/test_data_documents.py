@@ -150,8 +150,10 @@ def test_blend_weights_keep_working_with_splits(corpora):
                                                                                     range(1240, 1300)))):
         seen = _tokens(ds)
         assert seen <= set(a_docs) | set(b_docs)  # each path split on its own, by document
-        from_b = sum(int(ds[i].target_ids[0] >= 1000) for i in range(len(ds)))
-        assert from_b / len(ds) == pytest.approx(0.75, abs=0.01)  # the weights mix the parts of a split
+        from_b = np.array([ds[i].target_ids[0] >= 1000 for i in range(len(ds))])
+        tokens = ds.sample_tokens()
+        # The weights mix the parts of a split, as shares of their tokens.
+        assert tokens[from_b].sum() / tokens.sum() == pytest.approx(0.75, abs=0.01)
     assert not _tokens(train) & _tokens(valid)
     # A path too small for a split's range is left out of that split only.
     cfg = parse_training_args(f"{BASE} --data-path 1 {a} 1 {corpora['C']}".split(), 1, cuda=False)
@@ -172,6 +174,8 @@ def test_per_split_data_paths(corpora):
             (f"--train-data-path {a} --split 90,10,0", "drop --split"),
             (f"--valid-data-path {a}", "without --train-data-path"),
             (f"--data-path {a} --split 1,x", "--split '1,x'"),
+            (f"--data-path {a} --split 0,1,0", "--split '0,1,0' gives training no share"),
+            ("--mock-data --split 0,0,1", "--split '0,0,1' gives training no share"),
             (f"--train-data-path {a}.missing", "--train-data-path"),
             ("", "no data")):
         with pytest.raises(DynaPipeError, match=needle):
@@ -197,3 +201,24 @@ def test_long_instruction_samples_truncated_or_rejected_and_counted(tmp_path):
     cfg = parse_training_args(argv + ["--dynapipe-overlong", "reject"], 1, cuda=False)
     with pytest.raises(DynaPipeError, match=r"sample 1 has 101 tokens .*--seq-length 64.*2 over-long"):
         dataset_config(cfg).build()
+
+
+def test_unweighted_jsonl_files_are_split_each_on_its_own(tmp_path):
+    # As megatron-core splits every path (and as the indexed prefixes are split here): train
+    # takes the first half of each file, not the first file whole.
+    import json
+
+    paths = []
+    for name in ("a", "b"):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"text": f"{name}{i:03d}"}) + "\n" for i in range(100)))
+        paths.append(str(path))
+    argv = f"{BASE.replace('--vocab-size 4096', '')} --data-path {paths[0]} {paths[1]} --split 50,50,0".split()
+    cfg = parse_training_args(argv, 1, cuda=False)
+    for split, first in (("train", range(0, 50)), ("valid", range(50, 100))):
+        ds = dataset_config(cfg, split).build()
+        from dynapipe.data.tokenizer import ByteTokenizer
+
+        ids = [ds[i].target_ids[:4] - ByteTokenizer.OFFSET for i in range(len(ds))]
+        texts = {bytes(t.astype(np.uint8)).decode() for t in ids}
+        assert texts == {f"{n}{i:03d}" for n in "ab" for i in first}, split

@@ -104,6 +104,10 @@ def test_malformed_gpt2_files_are_named(tmp_path):
     bad_merges = _write(tmp_path, "m.txt", "#version: 0.2\na b c\n")
     with pytest.raises(DynaPipeError, match="line 'a b c' is not a BPE merge"):
         parse(f"--tokenizer-type GPT2BPETokenizer --vocab-file {VOCAB} --merge-file {bad_merges}")
+    binary = tmp_path / "m.bin"
+    binary.write_bytes(b"a b\n\xff\xfe c\n")
+    with pytest.raises(DynaPipeError, match="is not a GPT-2 merges text file \\(not UTF-8: byte 4\\)"):
+        parse(f"--tokenizer-type GPT2BPETokenizer --vocab-file {VOCAB} --merge-file {binary}")
 
 
 def test_huggingface_tokenizer_without_transformers_is_refused(monkeypatch):

@@ -2,11 +2,19 @@
 
 Megatron-core's ``BlendedDataset`` blends fixed-length ``MegatronDataset`` samples; here a
 sample is a whole document of its own length, so the blend is built over
-:class:`~dynapipe.data.samples.SampleDataset` s instead, with the same contract: the share of
-dataset ``i`` among the blend's samples is ``weight_i / sum(weights)`` (largest-remainder
-rounding), a dataset smaller than its share is repeated (each pass a fresh seeded order), a
-larger one is subsampled, and the datasets are interleaved evenly so any window of the
-blend holds them in proportion. The blend has as many samples as its parts together.
+:class:`~dynapipe.data.samples.SampleDataset` s instead, with the same contract:
+
+* **Shares of tokens.** Every Megatron sample is ``--seq-length`` tokens, so there a weight is
+  a dataset's share of the samples and of the tokens alike. Here samples differ in length, and
+  the weight keeps its meaning in tokens: dataset ``i`` supplies ``weight_i / sum(weights)`` of
+  the blend's tokens (in expectation over its samples), so a blend tuned for Megatron-LM trains
+  on the same mixture. Its share of the samples is ``weight_i / mean_tokens_i``, normalised,
+  rounded by largest remainder.
+* **Sized by the run.** The blend holds as many samples as the run trains on (Megatron sizes
+  its blend from the training samples the same way), at least as many as its parts together,
+  so over a long run a dataset is drawn in passes through all of it, each pass a fresh seeded
+  order, however small its weight: never the same subset epoch after epoch.
+* **Interleaved evenly**, so any window of the blend holds the datasets in proportion.
 """
 from __future__ import annotations
 
@@ -30,6 +38,16 @@ def blend_counts(weights: Sequence[float], total: int) -> np.ndarray:
     # Ties go to the earlier dataset (stable order), so the result is deterministic.
     counts[np.argsort(-(exact - counts), kind="stable")[:short]] += 1
     return counts
+
+
+def token_share_weights(weights: Sequence[float], mean_tokens: Sequence[float]) -> np.ndarray:
+    """Sample-share weights that give the datasets ``weights`` shares of the tokens: each weight
+    over its dataset's mean sample length (``mean_tokens``, tokens a sample)."""
+    w, mean = np.asarray(weights, dtype=np.float64), np.asarray(mean_tokens, dtype=np.float64)
+    if mean.shape != w.shape or not np.all(mean > 0):
+        raise DynaPipeError(f"blend: mean sample lengths {list(mean_tokens)} for weights {list(weights)}; give "
+                            f"one positive mean (tokens) per weighted dataset.")
+    return w / mean
 
 
 def blend_indices(sizes: Sequence[int], weights: Sequence[float], total: int,
@@ -56,7 +74,11 @@ class BlendedSampleDataset(SampleDataset):
     """Samples of ``parts`` blended at ``weights`` (see the module docstring). A sample's task
     id is the index of the part it comes from."""
 
-    def __init__(self, parts: Sequence[SampleDataset], weights: Sequence[float], seed: int):
+    def __init__(self, parts: Sequence[SampleDataset], weights: Sequence[float], seed: int,
+                 num_samples: int = 0, num_tokens: int = 0):
+        """``weights``: shares of the tokens. The blend holds the samples the run draws from it:
+        ``num_samples``, or enough for ``num_tokens`` (tokens, for token-budget batches), or
+        its parts' total where that is larger."""
         if len(parts) != len(weights):
             raise DynaPipeError(f"{len(parts)} datasets but {len(weights)} blend weights; give one weight each.")
         if len({p.encoder_decoder for p in parts}) != 1:
@@ -67,8 +89,11 @@ class BlendedSampleDataset(SampleDataset):
         self.encoder_decoder = first.encoder_decoder
         self.pad_id, self.eod_id = first.pad_id, first.eod_id
         self.vocab_size = max(int(getattr(p, "vocab_size", 0) or 0) for p in self.parts)
-        total = sum(len(p) for p in self.parts)
-        self.part_ids, self.part_samples = blend_indices([len(p) for p in self.parts], self.weights, total, seed)
+        means = np.array([float(p.sample_tokens().mean()) for p in self.parts])
+        by_samples = token_share_weights(self.weights, means)
+        mean_sample = float((by_samples / by_samples.sum() * means).sum())  # tokens a blended sample
+        total = max(sum(len(p) for p in self.parts), int(num_samples), int(np.ceil(num_tokens / mean_sample)))
+        self.part_ids, self.part_samples = blend_indices([len(p) for p in self.parts], by_samples, total, seed)
         self.tasks = self.part_ids
         self.input_lengths = np.empty(total, dtype=np.int64)
         self.target_lengths = np.empty(total, dtype=np.int64)

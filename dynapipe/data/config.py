@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from dynapipe.data.samples import LengthLimits, SampleDataset
-from dynapipe.data.splits import WHOLE, EmptySplitError, RangeDataset, range_indices
+from dynapipe.data.splits import WHOLE, EmptySplitError, RangeDataset, per_file_indices
 from dynapipe.errors import DynaPipeError
 
 DATASET_KINDS = ("synthetic", "jsonl", "indexed")
@@ -25,8 +25,10 @@ class DatasetConfig:
       ``target_paths`` the paired target datasets.
 
     ``weights`` (one per path, any positive scale) blend the paths as Megatron-LM's
-    ``--data-path W1 P1 W2 P2`` does (:class:`~dynapipe.data.blend.BlendedSampleDataset`);
-    without them every sample of every path is used once per epoch.
+    ``--data-path W1 P1 W2 P2`` does, as shares of the tokens
+    (:class:`~dynapipe.data.blend.BlendedSampleDataset`), into a blend of ``blend_samples``
+    samples or ``blend_tokens`` tokens (the run's; at least the paths' total); without them every sample of every path
+    is used once per epoch.
 
     Lengths above ``seq_length`` (``dec_seq_length`` for encoder-decoder targets) are
     truncated or rejected as ``overlong`` says, except indexed pretraining documents (no
@@ -64,6 +66,9 @@ class DatasetConfig:
     split_documents: bool = True
     # Megatron's --no-mmap-bin-files clears it: indexed .bin files are read with plain reads.
     mmap_bin_files: bool = True
+    # Samples, or tokens, the run draws from a weighted blend (0: as many as its paths hold).
+    blend_samples: int = 0
+    blend_tokens: int = 0
 
     @property
     def limits(self) -> LengthLimits:
@@ -106,7 +111,7 @@ class DatasetConfig:
                 weights.append(w)
             if not parts:
                 raise EmptySplitError(f"no path of the blend has a document in the {self.split_name} split.")
-            return BlendedSampleDataset(parts, weights, self.seed)
+            return BlendedSampleDataset(parts, weights, self.seed, self.blend_samples, self.blend_tokens)
         if self.kind == "synthetic":
             from dynapipe.data.mixture_dataset import MixtureDataset
             from dynapipe.data.synthetic import load_mixture
@@ -125,7 +130,9 @@ class DatasetConfig:
             records = JsonlDataset(self.paths, self.limits, tok, self.encoder_decoder)
             if self.split_range == WHOLE:
                 return records
-            return RangeDataset(records, *range_indices(self.split_range, len(records)))
+            # Each file split on its own, as megatron-core splits every path (and as the
+            # indexed datasets here do), not the files joined end to end.
+            return RangeDataset(records, per_file_indices(records.file_of_sample, self.split_range))
         if self.kind == "indexed":
             from dynapipe.data.indexed import MegatronIndexedDataset
 

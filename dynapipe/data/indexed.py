@@ -234,9 +234,13 @@ class MegatronIndexedDataset(SampleDataset):
             bad = first_bad_token(prefix, self._handle(prefix), vocab_size, self.mmap)
             if bad is not None:
                 seq, pos, token = bad
+                # The model's vocabulary is the tokenizer's where one is given (--vocab-size is then
+                # refused), so the fix is the tokenizer the data was built with, not a bigger size.
                 raise DynaPipeError(f"{prefix}.bin: sequence {seq}, token {pos} has id {token}, outside the "
-                                    f"vocabulary [0, {vocab_size}); raise --vocab-size to the tokenizer's "
-                                    f"vocabulary or rebuild the dataset with the model's tokenizer.")
+                                    f"vocabulary [0, {vocab_size}) (the tokenizer's, or --vocab-size without "
+                                    f"one): the data was tokenised with a larger vocabulary; give the tokenizer "
+                                    f"it was built with (--tokenizer-type and its files), or rebuild it with "
+                                    f"the model's.")
 
     def __getstate__(self):
         state = dict(self.__dict__)

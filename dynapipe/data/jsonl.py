@@ -148,6 +148,11 @@ class JsonlDataset(SampleDataset):
         pad = getattr(tokenizer, "pad", None)
         self.pad_id = int(pad) if isinstance(pad, (int, np.integer)) and 0 <= pad < self.vocab_size else 0
 
+    @property
+    def file_of_sample(self) -> np.ndarray:
+        """Index into ``paths`` of each sample's file (int32, one per sample)."""
+        return self._files
+
     def _check_token_ids(self, vocab_size: int) -> None:
         for flat, offsets in ((self._input_flat, self._input_off), (self._target_flat, self._target_off)):
             bad = np.flatnonzero((flat < 0) | (flat >= vocab_size))

@@ -61,28 +61,42 @@ def range_indices(split_range: tuple[float, float], n: int) -> tuple[int, int]:
     return int(round(lo * float(n))), int(round(hi * float(n)))
 
 
-class RangeDataset(SampleDataset):
-    """Samples ``begin .. end - 1`` of ``parent`` (one split of a dataset whose samples are
-    its documents, e.g. JSONL records)."""
+def per_file_indices(file_of_sample: np.ndarray, split_range: tuple[float, float]) -> np.ndarray:
+    """Indices of the samples of ``split_range`` when each file is split on its own, as
+    megatron-core splits every path of ``--data-path``: ``file_of_sample[i]`` names the file
+    of sample ``i`` (files hold contiguous runs of samples, in order)."""
+    files = np.asarray(file_of_sample)
+    keep = []
+    for f in np.unique(files):
+        mine = np.flatnonzero(files == f)
+        begin, end = range_indices(split_range, len(mine))
+        keep.append(mine[begin:end])
+    return np.concatenate(keep) if keep else np.zeros(0, np.int64)
 
-    def __init__(self, parent: SampleDataset, begin: int, end: int):
-        if end <= begin:
+
+class RangeDataset(SampleDataset):
+    """The samples ``indices`` of ``parent`` (one split of a dataset whose samples are its
+    documents, e.g. JSONL records), in order."""
+
+    def __init__(self, parent: SampleDataset, indices: np.ndarray):
+        indices = np.asarray(indices, dtype=np.int64)
+        if len(indices) == 0:
             raise EmptySplitError(f"the --split range holds none of the {len(parent)} samples.")
-        self.parent, self.begin = parent, int(begin)
+        self.parent, self.indices = parent, indices
         self.encoder_decoder = parent.encoder_decoder
         self.pad_id, self.eod_id, self.vocab_size = parent.pad_id, parent.eod_id, parent.vocab_size
-        self.tasks = np.asarray(getattr(parent, "tasks", np.zeros(len(parent), np.int64)))[begin:end]
-        self.input_lengths = parent.input_lengths[begin:end]
-        self.target_lengths = parent.target_lengths[begin:end]
-        self.truncated = parent.truncated[begin:end]
+        self.tasks = np.asarray(getattr(parent, "tasks", np.zeros(len(parent), np.int64)))[indices]
+        self.input_lengths = parent.input_lengths[indices]
+        self.target_lengths = parent.target_lengths[indices]
+        self.truncated = parent.truncated[indices]
         raw = getattr(parent, "raw_lengths", None)
-        self.document_tokens = int((self.input_lengths + self.target_lengths if raw is None else raw[begin:end]).sum())
+        self.document_tokens = int((self.input_lengths + self.target_lengths if raw is None else raw[indices]).sum())
 
     def _check_token_ids(self, vocab_size: int) -> None:
         self.parent.validate_tokens(vocab_size)
 
     def _read(self, idx: int, input_len: int, target_len: int):
-        return self.parent._read(self.begin + idx, input_len, target_len)
+        return self.parent._read(int(self.indices[idx]), input_len, target_len)
 
 
-__all__ = ["RangeDataset", "EmptySplitError", "MEGATRON_DEFAULT_SPLIT", "SPLITS", "WHOLE", "parse_split", "range_indices", "split_ranges"]
+__all__ = ["RangeDataset", "EmptySplitError", "MEGATRON_DEFAULT_SPLIT", "SPLITS", "WHOLE", "parse_split", "per_file_indices", "range_indices", "split_ranges"]
