@@ -29,6 +29,7 @@ import torch
 from dynapipe.data.samples import SampleDataset
 from dynapipe.data.sampler import GlobalBatchSampler, SamplerConfig
 from dynapipe.data.splits import EmptySplitError
+from dynapipe.errors import DynaPipeError
 from megatron_integration.data import dataset_config
 from megatron_integration.initialize import RankInfo
 from megatron_integration.baseline_step import (build_micro_batches, forward_step, holds_loss, reduce_loss,
@@ -108,6 +109,12 @@ class Evaluator:
             try:
                 dataset = config.build()
             except EmptySplitError:
+                if split == "valid" and cfg.evaluation.eval_interval is not None:
+                    # Asked for, so not skipped unsaid (every rank sees the same data and raises).
+                    raise DynaPipeError(f"--eval-interval {cfg.evaluation.eval_interval}: the validation split "
+                                        f"holds no document (its --split share of the data rounds to none); "
+                                        f"raise the validation share of --split, give --valid-data-path, or "
+                                        f"drop --eval-interval.") from None
                 continue
             self.datasets[split] = dataset
             self.samplers[split] = GlobalBatchSampler(

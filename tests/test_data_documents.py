@@ -222,3 +222,15 @@ def test_unweighted_jsonl_files_are_split_each_on_its_own(tmp_path):
         ids = [ds[i].target_ids[:4] - ByteTokenizer.OFFSET for i in range(len(ds))]
         texts = {bytes(t.astype(np.uint8)).decode() for t in ids}
         assert texts == {f"{n}{i:03d}" for n in "ab" for i in first}, split
+
+
+def test_an_asked_for_validation_on_an_empty_validation_split_is_refused(corpora):
+    from megatron_integration.evaluation import Evaluator
+
+    # 40 documents: --split 998,1,1 leaves the validation split none.
+    argv = f"{BASE} --data-path {corpora['C']} --split 998,1,1".split()
+    cfg = parse_training_args(argv + ["--eval-interval", "2"], 1, cuda=False)
+    with pytest.raises(DynaPipeError, match="--eval-interval 2: the validation split holds no document"):
+        Evaluator(cfg, None, None)
+    # Not asked for during training: the empty split is only not evaluated.
+    assert not Evaluator(parse_training_args(argv, 1, cuda=False), None, None).has("valid")
