@@ -234,3 +234,34 @@ def test_an_asked_for_validation_on_an_empty_validation_split_is_refused(corpora
         Evaluator(cfg, None, None)
     # Not asked for during training: the empty split is only not evaluated.
     assert not Evaluator(parse_training_args(argv, 1, cuda=False), None, None).has("valid")
+
+
+def test_long_jsonl_text_documents_are_cut_into_pieces_like_indexed_ones(tmp_path):
+    # {"text"} records are pretraining documents: cut into pieces that keep every prediction,
+    # as indexed documents are, not truncated; instruction records are still truncated.
+    import json
+
+    from dynapipe.data.tokenizer import ByteTokenizer
+
+    lengths = [10, SEQ - 1, SEQ, 3 * SEQ + 5, 200]
+    texts = ["".join(chr(97 + (d + i) % 26) for i in range(n)) for d, n in enumerate(lengths)]
+    path = tmp_path / "docs.jsonl"
+    with open(path, "w") as f:
+        for t in texts:
+            f.write(json.dumps({"text": t}) + "\n")
+        f.write(json.dumps({"input": "q" * 80, "target": "a" * 10}) + "\n")
+    argv = f"{BASE.replace('--vocab-size 4096', '')} --data-path {path} --split 1,0,0".split()
+    ds = dataset_config(parse_training_args(argv, 1, cuda=False)).build()
+    assert ds.target_lengths.max() <= SEQ and ds.num_documents == 6 and ds.num_split_documents == 3  # with their EOD
+    eod = ByteTokenizer().eod
+    for d, text in enumerate(texts):
+        ids = np.array([ord(c) + ByteTokenizer.OFFSET for c in text] + [eod])
+        pieces = [ds[i].target_ids for i in range(len(ds)) if ds._record[i] == d]
+        assert (len(pieces) > 1) == (len(ids) > SEQ)
+        np.testing.assert_array_equal(_rebuild(pieces), ids)  # every token, every prediction once
+    assert ds.truncated.tolist() == [False] * (len(ds) - 1) + [True]  # the instruction sample
+    assert " > train data: 6 documents (3 longer than --seq-length 64, split into pieces)" in \
+        data_summary_lines(parse_training_args(argv, 1, cuda=False))[0]
+    # Asked to reject over-long samples, the long documents are refused, not cut.
+    with pytest.raises(DynaPipeError, match="more than --seq-length 64"):
+        dataset_config(parse_training_args(argv + ["--dynapipe-overlong", "reject"], 1, cuda=False)).build()

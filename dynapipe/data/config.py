@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from dynapipe.data.samples import LengthLimits, SampleDataset
-from dynapipe.data.splits import WHOLE, EmptySplitError, RangeDataset, per_file_indices
+from dynapipe.data.splits import WHOLE, EmptySplitError
 from dynapipe.errors import DynaPipeError
 
 DATASET_KINDS = ("synthetic", "jsonl", "indexed")
@@ -127,12 +127,8 @@ class DatasetConfig:
             tok = self.tokenizer
             if tok is None and self.tokenizer_metadata:
                 tok = load_megatron_tokenizer(self.tokenizer_path, self.tokenizer_metadata)
-            records = JsonlDataset(self.paths, self.limits, tok, self.encoder_decoder)
-            if self.split_range == WHOLE:
-                return records
-            # Each file split on its own, as megatron-core splits every path (and as the
-            # indexed datasets here do), not the files joined end to end.
-            return RangeDataset(records, per_file_indices(records.file_of_sample, self.split_range))
+            return JsonlDataset(self.paths, self.limits, tok, self.encoder_decoder,
+                                split_range=self.split_range, split_documents=self.split_documents)
         if self.kind == "indexed":
             from dynapipe.data.indexed import MegatronIndexedDataset
 

@@ -5,6 +5,11 @@ is an instruction / encoder-decoder sample (``task`` optional); ``{"text": str}`
 decoder-only document whose every token is a target. Files are tokenised once when the
 dataset is built, into one flat int64 array with offsets (cheap to pickle into planner
 workers). A malformed line is rejected with its file and line number.
+
+With ``split_range``, each file keeps its own ``--split`` range of records (as megatron-core
+splits every path); with ``split_documents``, a decoder-only document (a record without an
+input) longer than ``seq_length`` is cut into pieces that keep every token, as indexed
+pretraining documents are (:mod:`dynapipe.data.pieces`), instead of being truncated.
 """
 from __future__ import annotations
 
@@ -15,7 +20,9 @@ from typing import Sequence
 
 import numpy as np
 
+from dynapipe.data.pieces import split_documents as split_into_pieces
 from dynapipe.data.samples import LengthLimits, SampleDataset, clip_lengths
+from dynapipe.data.splits import WHOLE, EmptySplitError, per_file_indices
 from dynapipe.data.tokenizer import ByteTokenizer, check_tokenizer, tokenize_to_array
 from dynapipe.errors import DynaPipeError
 
@@ -105,7 +112,8 @@ class JsonlDataset(SampleDataset):
     """
 
     def __init__(self, paths: str | Sequence[str], limits: LengthLimits, tokenizer=None,
-                 encoder_decoder: bool = False, append_eod: bool = True):
+                 encoder_decoder: bool = False, append_eod: bool = True,
+                 split_range: tuple[float, float] = WHOLE, split_documents: bool = False):
         paths = [paths] if isinstance(paths, str) else list(paths)
         if not paths:
             raise DynaPipeError("no JSONL file given; pass at least one path.")
@@ -129,29 +137,47 @@ class JsonlDataset(SampleDataset):
         self.task_names = list(task_ids)
         self._input_flat, self._input_off = _flatten(parsed.inputs)
         self._target_flat, self._target_off = _flatten(parsed.targets)
-        self.tasks = np.asarray(parsed.tasks, dtype=np.int64)
-        # Where each sample came from, for messages: file index and line number.
+        # Where each record came from, for messages: file index and line number.
         self._files = np.asarray(parsed.files, dtype=np.int32)
         self._lines = np.asarray(parsed.lines, dtype=np.int64)
-        # Tokens of each record before any truncation (the start-up log counts them).
-        self.raw_lengths = np.diff(self._input_off) + np.diff(self._target_off)
-        self.document_tokens = int(self.raw_lengths.sum())
-        if not encoder_decoder and int(self.raw_lengths.max()) < 2:
+        rec_in, rec_tg = np.diff(self._input_off), np.diff(self._target_off)
+        if not encoder_decoder and int((rec_in + rec_tg).max()) < 2:
             # A decoder predicts each token from the ones before: one-token samples (an empty text
             # and its end-of-document token) train on nothing, and a run of them logs a loss of 0.
             raise DynaPipeError(f"JSONL file(s) {paths}: every sample is one token or none (empty texts); there "
                                 f"is nothing to predict.")
-        self.input_lengths, self.target_lengths, self.truncated = clip_lengths(
-            np.diff(self._input_off), np.diff(self._target_off), limits, encoder_decoder, ",".join(paths))
+        # Long decoder-only documents become pieces (never truncated or refused); every other
+        # record is one sample, clipped or refused as limits.overlong says.
+        cut_all = np.zeros(len(rec_in), dtype=bool)
+        if split_documents and not encoder_decoder:
+            cut_all = (rec_in == 0) & (rec_tg > limits.validate().seq_length)
+        in_len, tg_len, truncated = clip_lengths(rec_in, np.where(cut_all, 1, rec_tg), limits, encoder_decoder,
+                                                 ",".join(paths))
+        docs = np.arange(len(rec_in)) if split_range == WHOLE else per_file_indices(self._files, split_range)
+        if len(docs) == 0:
+            raise EmptySplitError(f"the --split range {split_range} holds none of the {len(rec_in)} records of "
+                                  f"{paths}.")
+        self.num_documents = int(len(docs))
+        self.document_tokens = int((rec_in[docs] + rec_tg[docs]).sum())  # as stored, before any cut
+        cut = cut_all[docs]
+        counts = np.ones(len(docs), dtype=np.int64)
+        pieces = split_into_pieces(rec_tg[docs][cut], limits.seq_length) if cut.any() else None
+        if pieces is not None:
+            counts[cut] = np.bincount(pieces.document, minlength=int(cut.sum()))
+        self.num_split_documents = int(cut.sum())
+        self._record = np.repeat(docs, counts)  # the record of every sample
+        self._offset = np.zeros(len(self._record), dtype=np.int64)  # its first target token
+        self.input_lengths = np.repeat(in_len[docs], counts)
+        self.target_lengths = np.repeat(tg_len[docs], counts)
+        self.truncated = np.repeat(truncated[docs], counts)
+        if pieces is not None:
+            piece = np.repeat(cut, counts)  # pieces sit in document order, as split_into_pieces made them
+            self._offset[piece], self.target_lengths[piece] = pieces.offset, pieces.length
+        self.tasks = np.asarray(parsed.tasks, dtype=np.int64)[self._record]
         self.vocab_size = int(tokenizer.vocab_size)
         self.eod_id = int(tokenizer.eod)
         pad = getattr(tokenizer, "pad", None)
         self.pad_id = int(pad) if isinstance(pad, (int, np.integer)) and 0 <= pad < self.vocab_size else 0
-
-    @property
-    def file_of_sample(self) -> np.ndarray:
-        """Index into ``paths`` of each sample's file (int32, one per sample)."""
-        return self._files
 
     def _check_token_ids(self, vocab_size: int) -> None:
         for flat, offsets in ((self._input_flat, self._input_off), (self._target_flat, self._target_off)):
@@ -163,8 +189,9 @@ class JsonlDataset(SampleDataset):
                                     f"[0, {vocab_size}); the tokenizer's vocabulary is larger than --vocab-size.")
 
     def _read(self, idx: int, input_len: int, target_len: int):
-        i0 = self._input_off[idx]
-        t0 = self._target_off[idx]
+        record = self._record[idx]
+        i0 = self._input_off[record]
+        t0 = self._target_off[record] + self._offset[idx]
         return (self._input_flat[i0:i0 + input_len], self._target_flat[t0:t0 + target_len],
                 int(self.tasks[idx]))
 

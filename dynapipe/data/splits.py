@@ -17,7 +17,6 @@ from typing import Optional
 
 import numpy as np
 
-from dynapipe.data.samples import SampleDataset
 from dynapipe.errors import DynaPipeError
 
 SPLITS = ("train", "valid", "test")
@@ -74,29 +73,4 @@ def per_file_indices(file_of_sample: np.ndarray, split_range: tuple[float, float
     return np.concatenate(keep) if keep else np.zeros(0, np.int64)
 
 
-class RangeDataset(SampleDataset):
-    """The samples ``indices`` of ``parent`` (one split of a dataset whose samples are its
-    documents, e.g. JSONL records), in order."""
-
-    def __init__(self, parent: SampleDataset, indices: np.ndarray):
-        indices = np.asarray(indices, dtype=np.int64)
-        if len(indices) == 0:
-            raise EmptySplitError(f"the --split range holds none of the {len(parent)} samples.")
-        self.parent, self.indices = parent, indices
-        self.encoder_decoder = parent.encoder_decoder
-        self.pad_id, self.eod_id, self.vocab_size = parent.pad_id, parent.eod_id, parent.vocab_size
-        self.tasks = np.asarray(getattr(parent, "tasks", np.zeros(len(parent), np.int64)))[indices]
-        self.input_lengths = parent.input_lengths[indices]
-        self.target_lengths = parent.target_lengths[indices]
-        self.truncated = parent.truncated[indices]
-        raw = getattr(parent, "raw_lengths", None)
-        self.document_tokens = int((self.input_lengths + self.target_lengths if raw is None else raw[indices]).sum())
-
-    def _check_token_ids(self, vocab_size: int) -> None:
-        self.parent.validate_tokens(vocab_size)
-
-    def _read(self, idx: int, input_len: int, target_len: int):
-        return self.parent._read(int(self.indices[idx]), input_len, target_len)
-
-
-__all__ = ["RangeDataset", "EmptySplitError", "MEGATRON_DEFAULT_SPLIT", "SPLITS", "WHOLE", "parse_split", "per_file_indices", "range_indices", "split_ranges"]
+__all__ = ["EmptySplitError", "MEGATRON_DEFAULT_SPLIT", "SPLITS", "WHOLE", "parse_split", "per_file_indices", "range_indices", "split_ranges"]
