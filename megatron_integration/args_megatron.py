@@ -266,6 +266,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         "(without either flag a schedule that differs from the checkpoint's is refused)")
     g.add_argument("--finetune", action="store_true",
                    help="load the model weights only (no optimizer, scheduler or RNG) and start at iteration 0")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="with --load, stop when it holds no checkpoint instead of starting from random weights")
     g.add_argument("--auto-detect-ckpt-format", action="store_true",
                    help="accepted: --load always reads the format the checkpoint is in")
     g.add_argument("--use-dist-ckpt", action="store_true", help="deprecated in Megatron-LM (see --ckpt-format); no effect")

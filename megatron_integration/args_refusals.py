@@ -140,9 +140,17 @@ def _checkpoint_args_honoured(args: argparse.Namespace) -> None:
         # Each acts on a loaded checkpoint only; without one it would be a no-op the command line claims.
         for flag, given in (("--no-load-optim", args.no_load_optim), ("--no-load-rng", args.no_load_rng),
                             ("--override-opt_param-scheduler", args.override_opt_param_scheduler),
-                            ("--use-checkpoint-opt_param-scheduler", args.use_checkpoint_opt_param_scheduler)):
+                            ("--use-checkpoint-opt_param-scheduler", args.use_checkpoint_opt_param_scheduler),
+                            ("--exit-on-missing-checkpoint", args.exit_on_missing_checkpoint)):
             if given:
                 raise DynaPipeError(f"{flag} applies to a checkpoint loaded with --load DIR, and none is given; "
                                     f"add --load or drop {flag}.")
     if args.finetune and not args.load:
         raise DynaPipeError("--finetune needs --load DIR (the checkpoint whose weights to start from).")
+    # --finetune and --no-load-optim load no optimizer state, so no schedule either.
+    for flag, given in (("--override-opt_param-scheduler", args.override_opt_param_scheduler),
+                        ("--use-checkpoint-opt_param-scheduler", args.use_checkpoint_opt_param_scheduler)):
+        skipped = "--finetune" if args.finetune else "--no-load-optim" if args.no_load_optim else None
+        if given and skipped:
+            raise DynaPipeError(f"{flag} picks between this run's and the checkpoint's learning-rate schedule, but "
+                                f"{skipped} loads no schedule (this run's is used); drop {flag}.")

@@ -193,7 +193,7 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
                                                          args.loss_scale),
         exit_interval=args.exit_interval, exit_duration_in_mins=check_exit_duration(args.exit_duration_in_mins),
         empty_unused_memory_level=args.empty_unused_memory_level, manual_gc=manual_gc, evaluation=evaluation, ckpt_format=args.ckpt_format,
-        finetune=args.finetune,
+        finetune=args.finetune, exit_on_missing_checkpoint=args.exit_on_missing_checkpoint,
         dist_ckpt=dist_ckpt_args_from_args(args, cuda), megatron_args=_recorded_args(args))
 
 

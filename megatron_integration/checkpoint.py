@@ -24,6 +24,7 @@ Every file has a ``.sha256`` sidecar, verified before loading
 from __future__ import annotations
 
 import os
+import re
 import random
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -49,12 +50,29 @@ class ResumeState:
     consumed_samples: int
 
 
+# A tracker that reads "release" names Megatron-LM's release checkpoint: directory release/,
+# weights only, training from iteration 0 (converted checkpoints are published this way).
+RELEASE = -1
+
+
 def _iter_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
+    return os.path.join(root, "release" if iteration == RELEASE else f"iter_{iteration:07d}")
 
 
 def _rank_dir(root: str, iteration: int, info: RankInfo) -> str:
     return os.path.join(_iter_dir(root, iteration), f"mp_rank_{info.tp_rank:02d}_{info.pp_rank:03d}")
+
+
+def saved_layout(iter_dir: str) -> Optional[tuple[int, int]]:
+    """(TP, PP) sizes a ``dynapipe``-format checkpoint was saved at, read from its
+    ``mp_rank_TT_PPP`` directories (None when it holds none)."""
+    try:
+        names = [m for m in (re.fullmatch(r"mp_rank_(\d{2})_(\d{3})", d) for d in os.listdir(iter_dir)) if m]
+    except OSError:
+        return None
+    if not names:
+        return None
+    return max(int(m.group(1)) for m in names) + 1, max(int(m.group(2)) for m in names) + 1
 
 
 def get_rng_state() -> dict:
@@ -191,7 +209,8 @@ def publish_latest(root: str, iteration: int, info: RankInfo) -> None:
 
 
 def latest_iteration(root: str) -> Optional[int]:
-    """The newest complete checkpoint's iteration under ``root``, or None when there is none."""
+    """The newest complete checkpoint's iteration under ``root`` (:data:`RELEASE` for a release
+    checkpoint), or None when there is none."""
     path = os.path.join(root, LATEST)
     if not os.path.exists(path):
         return None
@@ -201,6 +220,8 @@ def latest_iteration(root: str) -> Optional[int]:
     except OSError as e:
         raise DynaPipeError(f"{path} cannot be read: {e.strerror}.") from None
     text = raw.decode("ascii", errors="replace").strip()
+    if text == "release":
+        return RELEASE
     if not text.isascii() or not text.isdigit():
         raise DynaPipeError(f"{path}: expected an iteration number, found {text[:20]!r}; the file is corrupted.")
     return int(text)
@@ -239,6 +260,12 @@ def _read_rank(root: str, info: RankInfo, optimizer, load_optim: bool, load_rng:
     iteration = latest_iteration(root)
     if iteration is None:
         return None
+    saved = saved_layout(_iter_dir(root, iteration))
+    if saved is not None and saved != (info.tp_size, info.pp_size):
+        raise DynaPipeError(f"{_iter_dir(root, iteration)} was saved at --tensor-model-parallel-size {saved[0]} "
+                            f"--pipeline-model-parallel-size {saved[1]}, this run is {info.tp_size} x "
+                            f"{info.pp_size}; resume at the sizes it was saved at, or save in --ckpt-format "
+                            f"torch_dist, which loads at any split.")
     rank_dir = _rank_dir(root, iteration, info)
     main = os.path.join(rank_dir, "model_optim_rng.pt")
     if not os.path.exists(main):
@@ -270,10 +297,17 @@ def _apply_rank(payload: dict, main: str, gpt: torch.nn.Module, optimizer, sched
     try:
         gpt.load_state_dict(payload["model"], strict=True)
     except RuntimeError as e:
-        raise DynaPipeError(f"{main}: the checkpoint does not fit this model ({str(e).splitlines()[0]}); "
+        detail = " ".join(str(e).split())  # torch's first line names only the class
+        detail = detail if len(detail) <= 300 else detail[:297] + "..."
+        raise DynaPipeError(f"{main}: the checkpoint does not fit this model ({detail}); "
                             f"use the model arguments it was saved with.") from None
     if load_optim:
         optimizer.load_state_dict(payload["optimizer"])
         load_scheduler_state(scheduler, payload["scheduler"], main)
+    else:
+        # As Megatron-LM (and the torch_dist path): half-precision runs keep fp32 main copies of
+        # the weights in the optimizer; without its state they must come from the loaded
+        # weights, or the first step writes the random start back into the model.
+        optimizer.reload_model_params()
     if rng is not None:
         set_rng_state(rng)

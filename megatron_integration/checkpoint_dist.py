@@ -318,7 +318,8 @@ def _model_mismatch(ckpt_args, cfg, mine: Optional[dict] = None) -> Optional[str
             "ffn_hidden_size": m.ffn_hidden_size, "kv_channels": m.kv_channels, "padded_vocab_size": m.vocab_size,
             "position_embedding_type": m.position_embedding_type, "add_bias_linear": m.add_bias_linear,
             "untie_embeddings_and_output_weights": not m.tie_embeddings, "qk_layernorm": m.qk_layernorm,
-            "add_qkv_bias": m.add_qkv_bias or m.add_bias_linear}
+            "add_qkv_bias": m.add_qkv_bias or m.add_bias_linear, "normalization": m.normalization,
+            "swiglu": m.swiglu}
     for name, value in (mine or ours).items():
         theirs = getattr(ckpt_args, name, None)
         if theirs is not None and theirs != value:

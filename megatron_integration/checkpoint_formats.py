@@ -21,8 +21,9 @@ from typing import Callable, Optional
 
 from dynapipe.errors import DynaPipeError
 from megatron_integration import checkpoint_dist
-from megatron_integration.checkpoint import (LATEST, ResumeState, _iter_dir, attempt, everyone, latest_iteration,
-                                             load_checkpoint, publish_latest, same_error_everywhere, save_checkpoint)
+from megatron_integration.checkpoint import (LATEST, RELEASE, ResumeState, _iter_dir, attempt, everyone,
+                                             latest_iteration, load_checkpoint, publish_latest, same_error_everywhere,
+                                             save_checkpoint)
 from megatron_integration.checkpoint_files import CHECKSUM_SUFFIX
 from megatron_integration.initialize import RankInfo
 
@@ -109,6 +110,22 @@ def _ranks(ranks: list) -> str:
     return "ranks " + ",".join(map(str, ranks[:8])) + (f",... ({len(ranks)} ranks)" if len(ranks) > 8 else "") + " see "
 
 
+def override_group_lrs(optimizer, scheduler, opt) -> None:
+    """Under ``--override-opt_param-scheduler``, the loaded optimizer's parameter groups take
+    this run's ``--lr``/``--min-lr`` (``--decoupled-lr``/``--decoupled-min-lr`` for the
+    decoupled groups), as Megatron-LM's ``load_checkpoint`` sets them: the optimizer state
+    restores the saved bounds, and megatron-core's scheduler reads the groups' over its own."""
+    for group in optimizer.param_groups:
+        decoupled = group.get("is_decoupled_lr", False)
+        max_lr = opt.decoupled_lr if decoupled else opt.lr
+        min_lr = opt.decoupled_min_lr if decoupled else opt.min_lr
+        if max_lr is not None:
+            group["max_lr"] = max_lr
+        if min_lr is not None:
+            group["min_lr"] = min_lr
+    scheduler.step(increment=0)  # the rates of the current step, from the new bounds
+
+
 def load(cfg, gpt, optimizer, scheduler, info: RankInfo, log: Log,
          check_extra: Optional[Callable[[dict, str], None]] = None,
          model_values: Optional[dict] = None) -> Optional[ResumeState]:
@@ -121,14 +138,22 @@ def load(cfg, gpt, optimizer, scheduler, info: RankInfo, log: Log,
     root = cfg.load
     iteration, kind = _newest_everywhere(root)
     if iteration is None:
+        if cfg.finetune or cfg.exit_on_missing_checkpoint:
+            # Fine-tuning random weights, or told to stop: never a silent fresh start.
+            why = "--finetune" if cfg.finetune else "--exit-on-missing-checkpoint"
+            raise DynaPipeError(f"--load {root} holds no checkpoint (no {LATEST}) and {why} was given; point "
+                                f"--load at the directory that holds {LATEST} (not an iter_* directory inside "
+                                f"it).")
         log(f"WARNING: could not find the metadata file {os.path.join(root, LATEST)}")
         log("    will not load any checkpoints and will start from random")
         return None
     iter_dir = _iter_dir(root, iteration)
-    load_optim = cfg.load_optim and not cfg.finetune
-    load_rng = cfg.load_rng and not cfg.finetune
+    release = iteration == RELEASE  # as Megatron-LM: the weights only, from iteration 0
+    load_optim = cfg.load_optim and not cfg.finetune and not release
+    load_rng = cfg.load_rng and not cfg.finetune and not release
+    at = "(release)" if release else f"at iteration {iteration}"
     if kind == "torch_dist":
-        log(f" loading distributed checkpoint from {root} at iteration {iteration}")
+        log(f" loading distributed checkpoint from {root} {at}")
         verified, error = attempt(lambda: checkpoint_dist.verify_dist_checkpoint(iter_dir, info.rank, info.world_size),
                                   f"verifying {iter_dir}")
         same_error_everywhere(error)
@@ -140,9 +165,11 @@ def load(cfg, gpt, optimizer, scheduler, info: RankInfo, log: Log,
         same_error_everywhere(error)
         resumed = ResumeState(*result)
     else:
-        log(f" loading checkpoint from {root} at iteration {iteration}")
+        log(f" loading checkpoint from {root} {at}")
         resumed = load_checkpoint(root, gpt, optimizer, scheduler, info, load_optim, load_rng, check_extra)
-    if cfg.finetune:
+    if load_optim and cfg.optimizer.override_scheduler:
+        override_group_lrs(optimizer, scheduler, cfg.optimizer)
+    if cfg.finetune or release:
         resumed = ResumeState(iteration=0, consumed_samples=0)
     log(f"  successfully loaded checkpoint from {root} {_layout(info)} at iteration {resumed.iteration}")
     return resumed

@@ -56,6 +56,10 @@ def training_summary_lines(results: Sequence, start_iteration: int, consumed_sam
     skipped = sum(int(r.skipped) for r in results)
     ms_per_iter = elapsed_s * 1e3 / max(done, 1)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    if not done:  # resumed at or past --train-iters: nothing was left to train
+        return [f"[after training is done] datetime: {stamp} ",
+                f" > training summary: no iteration left to train (resumed at iteration {start_iteration}) | "
+                f"consumed samples: {consumed_samples}"]
     return [
         f"[after training is done] datetime: {stamp} ",
         f" > training summary: iterations {start_iteration + 1}-{start_iteration + done} ({done}) | "

@@ -344,6 +344,8 @@ class DynaPipeTrainingConfig:
     # (weights only, from iteration 0); the parsed arguments, stored as the checkpoint's ``args``.
     ckpt_format: str = "torch_dist"
     finetune: bool = False
+    # Megatron's --exit-on-missing-checkpoint: a --load that holds no checkpoint is an error.
+    exit_on_missing_checkpoint: bool = False
     megatron_args: dict = field(default_factory=dict, compare=False)
     extra: dict = field(default_factory=dict, compare=False)
 

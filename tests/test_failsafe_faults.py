@@ -50,7 +50,7 @@ def fault_job(steps: list) -> list:
     import torch.distributed as dist
 
     from megatron_integration.arguments import parse_training_args
-    from megatron_integration.initialize import destroy
+    from megatron_integration.initialize import destroy, end_run
     from megatron_integration.training import pretrain
 
     world = int(os.environ["WORLD_SIZE"])
@@ -83,6 +83,7 @@ def fault_job(steps: list) -> list:
                 out.append({"error": str(e), "type": type(e).__name__, "elapsed": time.monotonic() - t0})
             if not dist.is_initialized():
                 break
+            end_run()  # each run sets up its own layout, as a fresh job would
     finally:
         destroy()
     return out
@@ -115,6 +116,13 @@ def _file_at(path):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         f.write("not a directory")
+
+
+def _as_release(iter_dir, root):
+    """``root`` holding ``iter_dir`` as Megatron-LM's release checkpoint (tracker "release")."""
+    shutil.copytree(iter_dir, os.path.join(root, "release"))
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("release")
 
 
 def _strip_checksums_and_cut_common(iter_dir):
@@ -163,7 +171,7 @@ def fault_outcomes(tmp_path_factory):
     d = tmp_path_factory.mktemp("faults")
     save, nan_save, data = str(d / "ckpt"), str(d / "nan-ckpt"), d / "data"
     dist_save = str(d / "dist-ckpt")
-    save2, empty = str(d / "ckpt2"), str(d / "empty")
+    save2, empty, release = str(d / "ckpt2"), str(d / "empty"), str(d / "release")
     os.makedirs(empty)
     data.mkdir()
     out_of_vocab = write_indexed(data / "vocab", [[5, 6, 7, 8]] * 6 + [[5, 200, 7]] + [[9, 10]] * 5)
@@ -177,6 +185,15 @@ def fault_outcomes(tmp_path_factory):
         "saved": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --save {save} --ckpt-format dynapipe"),
         "resumed": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --load {save} "
                            "--override-opt_param-scheduler"),
+        # Loading mistakes that must not start from random weights, or resume on the wrong split.
+        "finetune_iter_dir": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {save}/iter_0000002 "
+                              "--finetune"),
+        "exit_on_missing": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {empty} "
+                            "--exit-on-missing-checkpoint"),
+        "other_pp": ("train", f"{TINY.replace(' --pipeline-model-parallel-size 2', '')}{MOCK} --train-iters 3 "
+                              f"--lr 1e-3 --load {save} --override-opt_param-scheduler"),
+        "make_release": ("rank0", _as_release, (os.path.join(save, "iter_0000002"), release)),
+        "load_release": ("train", f"{TINY}{MOCK} --train-iters 1 --lr 1e-3 --load {release}"),
         "flip_rank1_rng": ("rank0", flip_byte, (os.path.join(save, "iter_0000002", "mp_rank_00_001", "rng_dp_000.pt"),
                                                 99)),
         "load_flipped_rng": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --load {save} "
@@ -188,6 +205,8 @@ def fault_outcomes(tmp_path_factory):
         # torch_dist: a shard cut short is named by its checksum; without checksums (as Megatron-LM
         # writes them) dist_checkpointing's own error comes back as one line naming the file.
         "saved_dist": ("train", f"{TINY}{MOCK} --train-iters 1 --lr 1e-3 --save {dist_save}"),
+        "load_other_norm": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {dist_save} "
+                                     "--override-opt_param-scheduler --normalization RMSNorm"),
         "truncate_dist_shard": ("rank0", truncate_file, (os.path.join(dist_save, "iter_0000001", "__1_0.distcp"), -7)),
         "load_truncated_dist": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {dist_save} "
                                   "--override-opt_param-scheduler"),
@@ -241,6 +260,27 @@ def fault_outcomes(tmp_path_factory):
     outcomes = {name: [r[i] for r in results] for i, name in enumerate(steps)}
     return outcomes, {"save": save, "save2": save2, "nan_save": nan_save, "redis_restarts": len(procs) - 1,
                       "lost_unread": lost_unread, "dist_save": dist_save}
+
+
+def test_loading_mistakes_stop_every_rank_in_one_line(fault_outcomes):
+    outcomes, paths = fault_outcomes
+    save, dist_save = paths["save"], paths["dist_save"]
+    expected = {
+        "finetune_iter_dir": f"--load {save}/iter_0000002 holds no checkpoint (no latest_checkpointed_iteration.txt) "
+                             f"and --finetune was given; point --load at the directory that holds",
+        "exit_on_missing": "holds no checkpoint (no latest_checkpointed_iteration.txt) and "
+                           "--exit-on-missing-checkpoint was given",
+        "other_pp": f"{save}/iter_0000002 was saved at --tensor-model-parallel-size 1 --pipeline-model-parallel-size "
+                    f"2, this run is 1 x 1; resume at the sizes it was saved at, or save in --ckpt-format torch_dist",
+        "load_other_norm": f"{dist_save}/iter_0000001: the checkpoint does not fit this model (--normalization "
+                           f"LayerNorm in the checkpoint, RMSNorm here)",
+    }
+    for name, text in expected.items():
+        errors = [o["error"] for o in outcomes[name]]
+        assert errors[0] == errors[1] and text in errors[0] and "\n" not in errors[0], (name, errors)
+    # Megatron-LM's release checkpoint: the weights, from iteration 0.
+    assert [o["start"] for o in outcomes["load_release"]] == [0, 0]
+    assert len(outcomes["load_release"][1]["losses"]) == 1
 
 
 @pytest.mark.parametrize("name", ["nan_padding", "nan_dynapipe"])

@@ -62,6 +62,26 @@ def test_resume_continues_identically(tmp_path):
     _verifier_catches_damage(iter_dir, tmp_path / "damaged")
 
 
+def test_resume_without_the_optimizer_keeps_the_weights_and_an_override_takes_the_new_rate(tmp_path):
+    """bf16 keeps fp32 main weights in the optimizer. Resumed without its state (--no-load-optim)
+    they must come from the loaded weights, not the random start; resumed with it under
+    --override-opt_param-scheduler, the groups take this run's --lr, not the saved one. At --lr 0
+    both keep the loaded weights, so both log the same losses (under either bug one of them
+    trains on other weights)."""
+    save = str(tmp_path / "ckpt")
+    base = (TINY.replace("--hidden-dropout 0.1 --attention-dropout 0.1", "--hidden-dropout 0 --attention-dropout 0")
+            + " --bf16 --lr-decay-style constant --train-iters 4 --ckpt-format dynapipe")
+    argvs = [f"{base} --exit-interval 2 --save {save}",
+             f"{base} --load {save} --no-load-optim --lr 0",
+             f"{base} --load {save} --override-opt_param-scheduler --lr 0"]
+    _, fresh_optimizer, override = (ranks[0] for ranks in run_trainings([a.split() for a in argvs], 2,
+                                                                         timeout_s=TIMEOUT * len(argvs)))
+    assert fresh_optimizer["start_iteration"] == override["start_iteration"] == 2
+    assert fresh_optimizer["losses"] == override["losses"] and len(override["losses"]) == 2
+    rates = [ln for ln in override["log_lines"] if "learning rate:" in ln]
+    assert rates and all("learning rate: 0.000000E+00" in ln for ln in rates), rates
+
+
 def _flip_middle_byte(path):
     with open(path, "r+b") as f:
         f.seek(os.path.getsize(path) // 2)
@@ -189,10 +209,16 @@ def test_checkpoint_flags_have_megatrons_meaning(tmp_path):
         _parse("--finetune")
     # The flags that only act on a loaded checkpoint are refused without one, not dropped.
     for flag in ("--no-load-optim", "--no-load-rng", "--override-opt_param-scheduler",
-                 "--use-checkpoint-opt_param-scheduler"):
+                 "--use-checkpoint-opt_param-scheduler", "--exit-on-missing-checkpoint"):
         with pytest.raises(DynaPipeError, match=f"^{flag} applies to a checkpoint loaded with --load DIR"):
             _parse(flag)
         assert _parse(f"--load {tmp_path} {flag}").load == str(tmp_path)
+    s = "--load DIR --exit-on-missing-checkpoint"
+    assert _parse(s.replace("DIR", str(tmp_path))).exit_on_missing_checkpoint and not _parse("").exit_on_missing_checkpoint
+    # A schedule flag where no schedule is loaded would do nothing.
+    for skip in ("--finetune", "--no-load-optim"):
+        with pytest.raises(DynaPipeError, match=f"but {skip} loads no schedule"):
+            _parse(f"--load {tmp_path} {skip} --override-opt_param-scheduler")
 
 
 def _shard_bytes(iter_dir, rank: int) -> int:

@@ -35,6 +35,9 @@ def test_training_summary_counts_the_run():
     assert summary == (" > training summary: iterations 5-7 (3) | consumed samples: 56 | real tokens: 900 | "
                        "padded tokens: 1200 | loss tokens: 870 | skipped iterations: 1 | time (s): 2.0 | "
                        "elapsed time per iteration (ms): 666.7 | real tokens/s: 450.0 | padding efficiency: 0.750")
+    # Resumed at or past --train-iters: says so, not "iterations 4-3 (0)".
+    assert training_summary_lines([], 3, 12, 0.1)[1] == (" > training summary: no iteration left to train "
+                                                         "(resumed at iteration 3) | consumed samples: 12")
 
 
 class Terminal(io.StringIO):
