@@ -24,7 +24,6 @@ Every file has a ``.sha256`` sidecar, verified before loading
 from __future__ import annotations
 
 import os
-import re
 import random
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -61,18 +60,6 @@ def _iter_dir(root: str, iteration: int) -> str:
 
 def _rank_dir(root: str, iteration: int, info: RankInfo) -> str:
     return os.path.join(_iter_dir(root, iteration), f"mp_rank_{info.tp_rank:02d}_{info.pp_rank:03d}")
-
-
-def saved_layout(iter_dir: str) -> Optional[tuple[int, int]]:
-    """(TP, PP) sizes a ``dynapipe``-format checkpoint was saved at, read from its
-    ``mp_rank_TT_PPP`` directories (None when it holds none)."""
-    try:
-        names = [m for m in (re.fullmatch(r"mp_rank_(\d{2})_(\d{3})", d) for d in os.listdir(iter_dir)) if m]
-    except OSError:
-        return None
-    if not names:
-        return None
-    return max(int(m.group(1)) for m in names) + 1, max(int(m.group(2)) for m in names) + 1
 
 
 def get_rng_state() -> dict:
@@ -172,6 +159,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, gpt: torch
                 "format_version": FORMAT_VERSION,
                 "iteration": iteration,
                 "consumed_samples": consumed_samples,
+                "model_parallel": (info.tp_size, info.pp_size),
                 "model": gpt.state_dict(),
                 "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(),
@@ -260,12 +248,6 @@ def _read_rank(root: str, info: RankInfo, optimizer, load_optim: bool, load_rng:
     iteration = latest_iteration(root)
     if iteration is None:
         return None
-    saved = saved_layout(_iter_dir(root, iteration))
-    if saved is not None and saved != (info.tp_size, info.pp_size):
-        raise DynaPipeError(f"{_iter_dir(root, iteration)} was saved at --tensor-model-parallel-size {saved[0]} "
-                            f"--pipeline-model-parallel-size {saved[1]}, this run is {info.tp_size} x "
-                            f"{info.pp_size}; resume at the sizes it was saved at, or save in --ckpt-format "
-                            f"torch_dist, which loads at any split.")
     rank_dir = _rank_dir(root, iteration, info)
     main = os.path.join(rank_dir, "model_optim_rng.pt")
     if not os.path.exists(main):
@@ -276,6 +258,12 @@ def _read_rank(root: str, info: RankInfo, optimizer, load_optim: bool, load_rng:
     version = payload.get("format_version") if isinstance(payload, dict) else None
     if version != FORMAT_VERSION:
         raise DynaPipeError(f"{main}: checkpoint format {version!r} is not supported (expected {FORMAT_VERSION}).")
+    saved = payload.get("model_parallel")  # (TP, PP); absent in checkpoints of earlier builds
+    if saved is not None and tuple(saved) != (info.tp_size, info.pp_size):
+        raise DynaPipeError(f"{_iter_dir(root, iteration)} was saved at --tensor-model-parallel-size {saved[0]} "
+                            f"--pipeline-model-parallel-size {saved[1]}, this run is {info.tp_size} x "
+                            f"{info.pp_size}; resume at the sizes it was saved at, or save in --ckpt-format "
+                            f"torch_dist, which loads at any split.")
     if check_extra is not None:
         check_extra(payload.get("extra") or {}, main)
     optim_path = None
