@@ -110,3 +110,14 @@ def test_blend_parsing_matches_megatron_core():
                         (["-1", "A", "2", "B"], "weight -1")):
         with pytest.raises(DynaPipeError, match=needle):
             parse_blend(bad)
+
+
+def test_a_blend_is_no_larger_than_one_whole_pass_of_every_path(corpora):
+    # A (200 documents) and B (50) at equal token shares: B's 50 documents fill its share after
+    # about 100 samples, A's 200 after about 400; a run of 100,000 samples needs no larger blend.
+    a, b = corpora["A"], corpora["B"]
+    cfg = parse_training_args(f"{BASE} --train-iters 12500 --data-path 1 {a} 1 {b}".split(), 1, cuda=False)
+    blended = dataset_config(cfg).build()
+    counts = np.bincount(blended.part_ids, minlength=2)
+    assert 250 < len(blended) < 500 and counts[0] >= 200 and counts[1] >= 50
+    assert len(set(blended.part_samples[blended.part_ids == 0].tolist())) == 200  # all of A, each epoch

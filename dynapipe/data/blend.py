@@ -13,7 +13,9 @@ sample is a whole document of its own length, so the blend is built over
 * **Sized by the run.** The blend holds as many samples as the run trains on (Megatron sizes
   its blend from the training samples the same way), at least as many as its parts together,
   so over a long run a dataset is drawn in passes through all of it, each pass a fresh seeded
-  order, however small its weight: never the same subset epoch after epoch.
+  order, however small its weight: never the same subset epoch after epoch. A run longer
+  than one whole pass of every dataset gets a blend of that pass, repeated: every epoch of it
+  holds every document.
 * **Interleaved evenly**, so any window of the blend holds the datasets in proportion.
 """
 from __future__ import annotations
@@ -92,7 +94,12 @@ class BlendedSampleDataset(SampleDataset):
         means = np.array([float(p.sample_tokens().mean()) for p in self.parts])
         by_samples = token_share_weights(self.weights, means)
         mean_sample = float((by_samples / by_samples.sum() * means).sum())  # tokens a blended sample
-        total = max(sum(len(p) for p in self.parts), int(num_samples), int(np.ceil(num_tokens / mean_sample)))
+        sizes = np.array([len(p) for p in self.parts], dtype=np.float64)
+        run = max(int(num_samples), int(np.ceil(num_tokens / mean_sample)))
+        # No larger than the run needs, nor than a blend in which every path gets one whole pass
+        # (later epochs of it then hold every document again): the index arrays stay small.
+        whole_pass = int(np.ceil((sizes / (by_samples / by_samples.sum())).max()))
+        total = max(int(sizes.sum()), min(run, whole_pass))
         self.part_ids, self.part_samples = blend_indices([len(p) for p in self.parts], by_samples, total, seed)
         self.tasks = self.part_ids
         self.input_lengths = np.empty(total, dtype=np.int64)
