@@ -7,7 +7,8 @@ arrival order padded to their own longest (a multiple of 8), run with megatron-c
 activation). megatron-core's ``get_forward_backward_func`` runs them (1F1B with
 PP > 1, no pipelining with PP = 1), DDP and ``finalize_model_grads`` reduce the
 gradients and divide them by the global batch's loss-token count
-(``calculate_per_token_loss``), and megatron-core's optimizer steps.
+(``calculate_per_token_loss``; the loss is divided by the global loss tokens first, as the
+executor divides it, so fp16's loss scale sees an averaged loss), and megatron-core's optimizer steps.
 """
 from __future__ import annotations
 
@@ -84,13 +85,15 @@ def step_split_ms(t_run: float, t_grads: float, t_opt: float) -> dict:
             "optimizer_ms": round((now - t_opt) * 1e3, 3)}
 
 
-def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
-    """Megatron's three-value loss contract: (sum of token losses, loss tokens, report)."""
+def loss_func(loss_mask: torch.Tensor, output: torch.Tensor, divisor: float = 1.0):
+    """Megatron's three-value loss contract: (sum of token losses / ``divisor``, loss tokens,
+    report of the undivided sum). See :func:`megatron_train_step` for the divisor."""
     losses = output.float().reshape(-1)
     mask = loss_mask.reshape(-1).float()
     loss_sum = torch.sum(losses * mask)
     tokens = mask.sum()
-    return loss_sum, tokens.to(torch.int), {"lm loss": torch.stack([loss_sum.detach(), tokens.detach()])}
+    return (loss_sum / divisor, tokens.to(torch.int),
+            {"lm loss": torch.stack([loss_sum.detach(), tokens.detach()])})
 
 
 def schedule_inputs(stage: Stage, micro_batches: list) -> tuple[list, object]:
@@ -108,11 +111,20 @@ def schedule_group(stage: Stage) -> int:
     return stage.info.pp_size if stage.chunked else 1
 
 
-def forward_step(data_iterator, model):
+def forward_step(data_iterator, model, loss_divisor: float = 1.0):
     """megatron-core ``forward_step_func``: run the stage on the next micro-batch."""
     mb: MicroBatchTensors = next(data_iterator)
     output = model(mb.tokens, mb.position_ids, mb.attention_mask, labels=mb.labels)
-    return output, partial(loss_func, mb.loss_mask)
+    return output, partial(loss_func, mb.loss_mask, divisor=loss_divisor)
+
+
+def _finalize_scaled(finalize: Callable, divisor: float) -> Callable:
+    """``finalize_model_grads`` for gradients of losses divided by ``divisor``: it divides them
+    by the global token count over ``divisor``, so they end as the per-token mean's."""
+    def run(model, num_tokens=None, *args, **kwargs):
+        scaled = None if num_tokens is None else num_tokens.to(torch.float32) / divisor
+        return finalize(model, scaled, *args, **kwargs)
+    return run
 
 
 def build_micro_batches(method: str, samples: Sequence[Sample], lengths: np.ndarray, seq_length: int, mbs: int,
@@ -167,7 +179,7 @@ def reduce_loss(loss_sum: float, loss_tokens: int, is_last_stage: bool, device: 
 def megatron_train_step(stage: Stage, optimizer, scheduler, micro_batches: list[MicroBatchTensors],
                         seq_length: int, mbs: int, info: RankInfo, real_tokens: int, padded_tokens: int,
                         variable_seq_lengths: bool = False, before_step: Optional[Callable] = None,
-                        memory_level: int = 0) -> StepResult:
+                        memory_level: int = 0, loss_divisor: float = 1.0) -> StepResult:
     """One iteration of megatron-core 1F1B over the micro-batches, with the optimizer step.
 
     Micro-batches of different lengths (``padding-mb``) turn on megatron-core's
@@ -175,7 +187,13 @@ def megatron_train_step(stage: Stage, optimizer, scheduler, micro_batches: list[
     then sends each activation's shape ahead of the activation. ``before_step(local_loss_sum)``
     runs after the backward pass and before the optimizer step (the NaN/Inf check); the
     loss sum is None on ranks that hold no loss. ``memory_level``: Megatron's
-    ``--empty-unused-memory-level``."""
+    ``--empty-unused-memory-level``.
+
+    ``loss_divisor`` (the same on every rank: the global batch's loss tokens): the backward
+    runs on each micro-batch's loss sum over it, and ``finalize_model_grads`` divides by the
+    token count over it, so the gradients are the per-token mean's as before, but what fp16's
+    loss scale multiplies is the executor's loss (about the size of Megatron-LM's averaged one),
+    not a sum of thousands of token losses that overflows at the scales Megatron-LM uses."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     start = time.perf_counter()
@@ -189,16 +207,18 @@ def megatron_train_step(stage: Stage, optimizer, scheduler, micro_batches: list[
     lengths = {int(m.tokens.shape[1]) for m in micro_batches}
     variable_seq_lengths = variable_seq_lengths or len(lengths) > 1
     seq_length = max(lengths) if lengths else seq_length
-    saved_variable = stage.config.variable_seq_lengths
+    saved_variable, saved_finalize = stage.config.variable_seq_lengths, stage.config.finalize_model_grads_func
     stage.config.variable_seq_lengths = variable_seq_lengths or saved_variable
+    if saved_finalize is not None and loss_divisor != 1.0:
+        stage.config.finalize_model_grads_func = _finalize_scaled(saved_finalize, loss_divisor)
     try:
         with timed_schedule(stage.config, timing), measure_activations(stage.module, info.device) as activations:
             model, data = schedule_inputs(stage, micro_batches)
-            reports = forward_backward(forward_step_func=forward_step, data_iterator=data,
-                                       model=model, num_microbatches=len(micro_batches),
+            reports = forward_backward(forward_step_func=partial(forward_step, loss_divisor=loss_divisor),
+                                       data_iterator=data, model=model, num_microbatches=len(micro_batches),
                                        seq_length=seq_length, micro_batch_size=mbs, forward_only=False)
     finally:
-        stage.config.variable_seq_lengths = saved_variable
+        stage.config.variable_seq_lengths, stage.config.finalize_model_grads_func = saved_variable, saved_finalize
     if before_step is not None:
         before_step(sum(float(r["lm loss"][0]) for r in reports) if info.is_last_stage else None)
     t_opt = time.perf_counter()

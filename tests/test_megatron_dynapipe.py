@@ -180,7 +180,7 @@ def _check_throughput(dynapipe: dict, padding: dict) -> None:
 
 
 @pytest.mark.megatron_runs(("", 2), ("--bf16", 2), ("--bf16 --use-dynapipe --loss-scale 1024", 2), ("--fp16", 2),
-                           ("--fp16 --use-dynapipe", 2))
+                           ("--fp16 --use-dynapipe", 2), ("--fp16 --loss-scale 65536", 2))
 def test_half_precision_dynapipe_trains_like_padding(request):
     """bf16 and fp16 (megatron-core's Float16Module and fp32 main copies, on CPUs too): DynaPipe's
     losses are the padding baseline's within the rounding of other micro-batch shapes; fp16's
@@ -203,6 +203,11 @@ def test_half_precision_dynapipe_trains_like_padding(request):
                    for r in (padding, dynapipe)]
         assert skipped[0] == skipped[1] and len(skipped[0]) == 3
         assert (sum(skipped[0]) >= 1) == (dtype == "fp16"), (dtype, skipped)
+    # The baseline's loss is averaged before fp16's scale multiplies it, as the executor's is (and
+    # Megatron-LM's): a scale Megatron-LM trains at does not overflow a sum of token losses.
+    static = run("--fp16 --loss-scale 65536", 2, request)
+    assert static["losses"] == pytest.approx(fp32["losses"], rel=5e-3)
+    assert all("number of skipped iterations:   0 |" in line for line in static["log_lines"]), static["log_lines"]
 
 
 RESUME = "--use-dynapipe --train-iters 4"
