@@ -16,7 +16,8 @@ from megatron_integration.model_flags import add_loss_scale_args
 from megatron_integration.tokenizer import add_tokenizer_args
 
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
-LR_DECAY_STYLES = ("constant", "linear", "cosine")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
 
@@ -160,6 +161,11 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--lr", type=float, default=None, help="peak learning rate")
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", default="linear", choices=LR_DECAY_STYLES)
+    g.add_argument("--lr-wsd-decay-style", default="exponential", choices=WSD_DECAY_STYLES,
+                   help="WSD: the shape of the final anneal (Megatron-LM's default: exponential)")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="WSD: iterations of the final anneal")
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None,
+                   help="WSD with --train-samples: samples of the final anneal")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-warmup-fraction", type=float, default=None,
                    help="warm-up as a fraction of the decay iterations (instead of --lr-warmup-iters)")

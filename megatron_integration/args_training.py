@@ -74,6 +74,12 @@ def optimizer_args_from_args(args: argparse.Namespace) -> OptimizerArgs:
         raise DynaPipeError(f"the warm-up ({warmup_iters} iterations) must be shorter than the decay "
                             f"({decay_iters} iterations, --lr-decay-iters or --train-iters); shorten the warm-up "
                             f"or lengthen the decay.")
+    wsd = _wsd_schedule(args, decay_iters)
+    if args.lr_decay_style == "inverse-square-root" and not warmup_iters:
+        # Its rate is --lr x sqrt(warm-up / step); without a warm-up megatron-core takes one step,
+        # a sample in Megatron-LM's units and an iteration here: another schedule.
+        raise DynaPipeError("--lr-decay-style inverse-square-root needs a warm-up (--lr-warmup-iters, "
+                            "--lr-warmup-samples or --lr-warmup-fraction): it decays as sqrt(warm-up / step).")
     decoupled = _decoupled_lr(args)
     if args.grad_reduce_in_bf16 and not args.bf16:
         raise DynaPipeError("--grad-reduce-in-bf16 applies to --bf16 only (gradients of other precisions are "
@@ -112,7 +118,38 @@ def optimizer_args_from_args(args: argparse.Namespace) -> OptimizerArgs:
                          wd_incr_iters=(None if args.train_samples is None
                                         else args.train_samples / args.global_batch_size),
                          apply_wd_to_qk_layernorm=bool(getattr(args, "apply_wd_to_qk_layernorm", False)),
-                         **_weight_decay_schedule(args), **decoupled, **loss_scale)
+                         **_weight_decay_schedule(args), **decoupled, **loss_scale, **wsd)
+
+
+def _wsd_schedule(args: argparse.Namespace, decay_iters: float) -> dict:
+    """Megatron's ``--lr-wsd-decay-iters`` / ``-samples`` / ``-style`` for ``--lr-decay-style WSD``
+    (the anneal at the end of the decay span), in iterations; refused for another style."""
+    given = [f for f, v in (("--lr-wsd-decay-iters", args.lr_wsd_decay_iters),
+                            ("--lr-wsd-decay-samples", args.lr_wsd_decay_samples)) if v is not None]
+    if args.lr_decay_style != "WSD":
+        if given or args.lr_wsd_decay_style != "exponential":
+            flag = given[0] if given else "--lr-wsd-decay-style"
+            raise DynaPipeError(f"{flag} shapes the anneal of --lr-decay-style WSD, and the style is "
+                                f"{args.lr_decay_style}; add --lr-decay-style WSD or drop {flag}.")
+        return {}
+    if args.train_samples is None:
+        if args.lr_wsd_decay_samples is not None:
+            raise DynaPipeError("--lr-wsd-decay-samples needs --train-samples (as in Megatron-LM); with "
+                                "--train-iters give --lr-wsd-decay-iters.")
+        iters = _positive("lr-wsd-decay-iters", args.lr_wsd_decay_iters)
+    else:
+        if args.lr_wsd_decay_iters is not None:
+            raise DynaPipeError("--lr-wsd-decay-iters with --train-samples: give --lr-wsd-decay-samples (as in "
+                                "Megatron-LM).")
+        samples = _positive("lr-wsd-decay-samples", args.lr_wsd_decay_samples)
+        iters = samples / args.global_batch_size if samples else None
+    if not iters:
+        raise DynaPipeError("--lr-decay-style WSD needs the length of its final anneal: --lr-wsd-decay-iters "
+                            "(or --lr-wsd-decay-samples with --train-samples).")
+    if iters > decay_iters:
+        raise DynaPipeError(f"the WSD anneal ({iters} iterations) is longer than the decay span ({decay_iters}, "
+                            f"--lr-decay-iters or --train-iters); shorten --lr-wsd-decay-iters.")
+    return {"wsd_decay_iters": iters, "lr_wsd_decay_style": args.lr_wsd_decay_style}
 
 
 def _grad_reduce_in_fp32(args: argparse.Namespace) -> bool:

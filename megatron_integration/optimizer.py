@@ -35,7 +35,8 @@ def optimizer_config(cfg: DynaPipeTrainingConfig):
 
 def build_optimizer(cfg: DynaPipeTrainingConfig, stage: Stage):
     """megatron-core's optimizer (AdamW; torch's implementation without Apex/TE) and its
-    scheduler (learning rate: warm-up, then constant / linear / cosine decay; weight decay from
+    scheduler (learning rate: warm-up, then constant / linear / cosine / inverse-square-root /
+    WSD decay; weight decay from
     its start to its end value over ``--train-iters``, as Megatron-LM's over the training samples)."""
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -53,4 +54,5 @@ def scheduler_arguments(cfg: DynaPipeTrainingConfig) -> dict:
                 lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay_range[0], end_wd=o.weight_decay_range[1],
                 wd_incr_steps=o.wd_incr_iters or max(cfg.train_iters, 1), wd_incr_style=o.weight_decay_incr_style,
                 override_opt_param_scheduler=o.override_scheduler,
-                use_checkpoint_opt_param_scheduler=o.use_checkpoint_scheduler)
+                use_checkpoint_opt_param_scheduler=o.use_checkpoint_scheduler,
+                wsd_decay_steps=o.wsd_decay_iters, lr_wsd_decay_style=o.lr_wsd_decay_style)

@@ -122,6 +122,9 @@ class OptimizerArgs:
     lr_warmup_iters: float = 0
     lr_decay_iters: float = 0
     lr_warmup_init: float = 0.0  # the rate the warm-up starts from (Megatron-LM's --lr-warmup-init)
+    # WSD (warm-up, stable, decay): iterations of the final anneal and its shape.
+    wsd_decay_iters: Optional[float] = None
+    lr_wsd_decay_style: str = "exponential"
     # Iterations the weight decay moves from its start to its end value over: --train-samples /
     # --global-batch-size (fractional, as Megatron-LM counts samples), or None: --train-iters.
     wd_incr_iters: Optional[float] = None

@@ -112,3 +112,45 @@ def test_warmup_starts_from_lr_warmup_init_as_in_megatron_lm():
                         ("--lr-warmup-init 1e-4", "there is none")):
         with pytest.raises(DynaPipeError, match=needle):
             parse_training_args(f"{BASE} --train-iters 10 {bad}".split(), 1)
+
+
+@pytest.mark.parametrize("flags, samples", [
+    ("--train-iters 20 --lr-decay-style WSD --lr-wsd-decay-iters 6 --lr-warmup-iters 2", False),
+    ("--train-iters 20 --lr-decay-style WSD --lr-wsd-decay-iters 5 --lr-wsd-decay-style cosine", False),
+    ("--train-samples 160 --lr-decay-style WSD --lr-wsd-decay-samples 44 --lr-wsd-decay-style minus_sqrt", True),
+    ("--train-iters 20 --lr-decay-style inverse-square-root --lr-warmup-iters 3", False),
+])
+def test_wsd_and_inverse_square_root_rates_are_megatron_lms(flags, samples):
+    # Megatron-LM's get_optimizer_param_scheduler: steps in samples (global batch 8), stepped by
+    # each iteration's samples; this project's steps once an iteration. Same rate every iteration.
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_integration.optimizer import scheduler_arguments
+
+    cfg = parse_training_args(f"{BASE} --min-lr 1e-5 {flags}".split(), 1)
+    ours = OptimizerParamScheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1e-3),
+                                   **scheduler_arguments(cfg))
+    o, gbs = cfg.optimizer, 8
+    theirs = OptimizerParamScheduler(
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1e-3), init_lr=0.0, max_lr=1e-3, min_lr=1e-5,
+        lr_warmup_steps=o.lr_warmup_iters * gbs, lr_decay_steps=o.lr_decay_iters * gbs,
+        lr_decay_style=o.lr_decay_style, start_wd=0.01, end_wd=0.01, wd_incr_steps=20 * gbs, wd_incr_style="constant",
+        wsd_decay_steps=(44 if samples else (o.wsd_decay_iters or 0) * gbs) or None,
+        lr_wsd_decay_style=o.lr_wsd_decay_style)
+    for _ in range(20):
+        ours.step(increment=1)
+        theirs.step(increment=gbs)
+        assert ours.get_lr(ours.optimizer.param_groups[0]) == pytest.approx(
+            theirs.get_lr(theirs.optimizer.param_groups[0]), rel=1e-12, abs=1e-15)
+
+
+def test_wsd_and_inverse_square_root_flags_are_refused_where_they_would_be_dropped():
+    for bad, needle in (
+            ("--train-iters 20 --lr-decay-style WSD", "needs the length of its final anneal"),
+            ("--train-iters 20 --lr-wsd-decay-iters 4", "--lr-wsd-decay-iters shapes the anneal of --lr-decay-style WSD"),
+            ("--train-iters 20 --lr-wsd-decay-style cosine", "add --lr-decay-style WSD or drop"),
+            ("--train-iters 20 --lr-decay-style WSD --lr-wsd-decay-iters 30", "longer than the decay span"),
+            ("--train-iters 20 --lr-decay-style WSD --lr-wsd-decay-samples 40", "needs --train-samples"),
+            ("--train-iters 20 --lr-decay-style inverse-square-root", "needs a warm-up")):
+        with pytest.raises(DynaPipeError, match=needle):
+            parse_training_args(f"{BASE} {bad}".split(), 1)
