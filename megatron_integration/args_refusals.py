@@ -50,6 +50,7 @@ UNSUPPORTED_MEGATRON_FLAGS = {
                                     "in the collective then); drop it"),
     "--rampup-batch-size": "the global batch is fixed (or set by --dynapipe-tokens-per-global-batch)",
     "--dataloader-type": "global batches come from this project's sampler; drop it",
+    "--sgd-momentum": "only --optimizer adam is built (SGD is refused); drop it",
     "--eod-mask-loss": "samples are whole documents without separators; drop it",
     "--fp8-format": "fp8 training is not supported; use --bf16",
     "--fp8-recipe": "fp8 training is not supported; use --bf16",
