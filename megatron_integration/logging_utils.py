@@ -42,7 +42,7 @@ class IntervalStats:
     real_tokens: int = 0
     padded_tokens: int = 0
     plan_wait_ms: float = 0.0
-    grad_norm: float = 0.0
+    grad_norm: Optional[float] = None  # the last iteration's; None when it was skipped (fp16 overflow)
     skipped: int = 0
     truncated: int = 0
     activation_measured_mib: float = 0.0  # highest over the interval
@@ -67,7 +67,7 @@ class IntervalStats:
         self.real_tokens += r.real_tokens
         self.padded_tokens += r.padded_tokens
         self.plan_wait_ms += r.plan_wait_ms
-        self.grad_norm = r.grad_norm
+        self.grad_norm = None if r.skipped else r.grad_norm
         self.num_zeros_in_grad, self.params_norm, self.loss_scale = r.num_zeros_in_grad, r.params_norm, r.loss_scale
         self.skipped += int(r.skipped)
         self.truncated += r.truncated
@@ -104,8 +104,9 @@ def format_log_line(iteration: int, train_iters: int, consumed_samples: int, sta
         f"global batch size: {global_batch_size:5d}",
         f"lm loss: {loss:.6E}",
         f"loss scale: {stats.loss_scale:.1f}",
-        f"grad norm: {stats.grad_norm:.3f}",
     ]
+    if stats.grad_norm is not None:  # Megatron-LM leaves it out after a skipped (overflowed) step
+        parts.append(f"grad norm: {stats.grad_norm:.3f}")
     # Megatron-LM's --log-num-zeros-in-grad and --log-params-norm fields, where it prints them.
     if stats.num_zeros_in_grad is not None:
         parts.append(f"num zeros: {stats.num_zeros_in_grad}")
@@ -169,7 +170,8 @@ class TrainingLogger:
             w.add_scalar("padding efficiency", result.padding_efficiency, iteration)
             w.add_scalar("plan wait (ms)", result.plan_wait_ms, iteration)
             w.add_scalar("learning-rate", lr, iteration)
-            w.add_scalar("grad-norm", result.grad_norm, iteration)
+            if not result.skipped:
+                w.add_scalar("grad-norm", result.grad_norm, iteration)
             if self.tensorboard.log_loss_scale:  # off with Megatron's --no-log-loss-scale-to-tensorboard
                 w.add_scalar("loss-scale", result.loss_scale, iteration)
             if self.tensorboard.log_world_size:

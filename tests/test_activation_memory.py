@@ -120,3 +120,7 @@ def test_bench_and_log_line_report_measured_against_planned():
     stats.add(StepResult(loss=1.0, loss_tokens=1, real_tokens=1, padded_tokens=1, iteration_ms=1.0,
                          activation_measured_mib=9.0))
     assert "activation peak (MiB): 9.0/- |" in format_log_line(1, 1, 1, stats, 1.0, 1e-3, 1)
+    assert "grad norm: 0.000 |" in format_log_line(1, 1, 1, stats, 1.0, 1e-3, 1)
+    # After a skipped (fp16 overflow) step there is no gradient norm: Megatron-LM leaves it out.
+    stats.add(StepResult(loss=1.0, loss_tokens=1, real_tokens=1, padded_tokens=1, iteration_ms=1.0, skipped=True))
+    assert "grad norm" not in format_log_line(2, 2, 2, stats, 1.0, 1e-3, 1)
