@@ -108,12 +108,15 @@ class IterationPlan:
 
     def schedule_json(self, explain: bool = False) -> dict:
         """The schedule fields of the planner's JSON output. ``recompute`` is one level, or
-        a list of one level per stage when the stages differ."""
+        a list of one level per stage when the stages differ; ``max_delay`` (split schedules
+        only) is how far the chosen schedule's weight parts may trail their input parts."""
         uniform = len(set(self.stage_recompute)) == 1
         out = {"schedule": self.schedule, "recompute": self.stage_recompute[0] if uniform else self.stage_recompute,
                "order": self.order,
                "simulated_ms": round(self.simulated_ms, 3), "bubble_fraction": round(self.bubble_fraction, 4),
                "stage_peak_mib": [round(p, 1) for p in self.stage_peak_mib]}
+        if self.search.best.max_delay is not None:  # zb-h1 / interleaved-zb: the cap on the weight delays
+            out["max_delay"] = self.search.best.max_delay
         if explain:
             out["candidates"] = [c.to_json() for c in self.search.candidates]
         return out

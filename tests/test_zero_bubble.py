@@ -583,6 +583,7 @@ def test_plan_command_writes_zb_h1_plans_that_validate(tmp_path, capsys):
     assert rc == 0, err
     plan = json.loads(out)
     assert plan["schedule"] == "zb-h1" and "schedule zb-h1" in err
+    assert 0 <= plan["max_delay"] <= 1  # the weight parts' cap, at most S - 1 on 2 stages
     assert sorted(os.listdir(plan_dir)) == ["replica000-stage000.plan", "replica000-stage001.plan"]
     parts = {x.part for f in sorted(os.listdir(plan_dir))
              for x in deserialize_plan((plan_dir / f).read_bytes()).instructions if isinstance(x, BackwardPass)}
