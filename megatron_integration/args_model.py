@@ -7,7 +7,7 @@ Shared by training and profiling. No torch or megatron import.
 from __future__ import annotations
 
 import argparse
-from typing import Optional
+from typing import Optional, Sequence
 
 from dynapipe.errors import DynaPipeError
 from megatron_integration.args_checks import _fraction, _need, _positive
@@ -94,6 +94,23 @@ def _recompute_modules(modules: Optional[list], granularity: Optional[str]) -> N
         raise DynaPipeError(f"--recompute-modules {given}: selective recompute here checkpoints the core attention "
                             f"only (core_attn, Megatron's default, which the planner prices); give "
                             f"--recompute-modules core_attn or drop it.")
+
+
+def check_uniform_recompute(recompute: RecomputeArgs, block_layers: Sequence[int]) -> None:
+    """Refuse ``--recompute-method uniform --recompute-num-layers N`` where N does not divide a
+    model chunk's layers (``block_layers``: transformer layers of every virtual stage):
+    megatron-core 0.16 recomputes whole groups of N layers without clamping the last, and
+    indexes past the chunk's end at the first forward."""
+    if recompute.granularity != "full" or recompute.method != "uniform" or not recompute.num_layers:
+        return
+    n = recompute.num_layers
+    bad = sorted({m for m in block_layers if m % n})
+    if bad:
+        fits = sorted({d for d in range(1, n + 1) if all(m % d == 0 for m in block_layers)})
+        raise DynaPipeError(f"--recompute-method uniform --recompute-num-layers {n}: a model chunk of {bad[0]} "
+                            f"layer(s) is not a whole number of groups of {n} (megatron-core recomputes groups "
+                            f"of N layers and fails past a chunk's end); use --recompute-num-layers "
+                            f"{fits[-1]}, or --recompute-method block.")
 
 
 def recompute_from_args(args: argparse.Namespace,

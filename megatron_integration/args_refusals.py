@@ -51,6 +51,18 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--rampup-batch-size": "the global batch is fixed (or set by --dynapipe-tokens-per-global-batch)",
     "--dataloader-type": "global batches come from this project's sampler; drop it",
     "--sgd-momentum": "only --optimizer adam is built (SGD is refused); drop it",
+    "--distribute-saved-activations": "full recompute keeps each layer's input whole on every TP rank; drop it",
+    "--tp-comm-overlap": "tensor-parallel communication is not overlapped with GEMMs (Transformer Engine's "
+                         "userbuffers); drop it",
+    "--cp-comm-type": "context parallelism is not supported (--context-parallel-size 1); drop it",
+    "--num-distributed-optimizer-instances": "one distributed-optimizer instance is built; drop it",
+    "--ddp-reduce-scatter-with-fp32-accumulation": "gradients reduce as --accumulate-allreduce-grads-in-fp32 / "
+                                                   "--grad-reduce-in-bf16 say; drop it",
+    "--exit-signal-handler": "stop a run with --exit-interval or --exit-duration-in-mins (a signal ends it "
+                             "without a checkpoint); drop it",
+    "--exit-signal-handler-for-dataloader": "no data-loader workers are started; drop it",
+    "--log-throughput-to-tensorboard": "--log-throughput prints TFLOP/s on the log line only; drop it",
+    "--start-eval-at-iter": "evaluation runs every --eval-interval iterations from the start; drop it",
     "--eod-mask-loss": "samples are whole documents without separators; drop it",
     "--fp8-format": "fp8 training is not supported; use --bf16",
     "--fp8-recipe": "fp8 training is not supported; use --bf16",

@@ -37,8 +37,8 @@ from megatron_integration.args_dynapipe import (BATCHINGS, KV_BACKENDS, MEGATRON
                                                 dynapipe_args_from_args, refuse_unused_dynapipe_flags)
 from megatron_integration.args_megatron import (ATTENTION_BACKENDS, LR_DECAY_STYLES,  # noqa: F401
                                                 POSITION_EMBEDDINGS, add_megatron_args)
-from megatron_integration.args_model import (BYTE_LEVEL_VOCAB, model_args_from_args,  # noqa: F401
-                                             padded_vocab_size, recompute_from_args)
+from megatron_integration.args_model import (BYTE_LEVEL_VOCAB, check_uniform_recompute,  # noqa: F401
+                                             model_args_from_args, padded_vocab_size, recompute_from_args)
 from megatron_integration.args_refusals import (UNSUPPORTED_MEGATRON_FLAGS, _checkpoint_args_honoured,  # noqa: F401
                                                 _model_flags_honoured, _resilience_args_honoured)
 from megatron_integration.args_training import _schedule_from_samples, optimizer_args_from_args
@@ -82,6 +82,16 @@ def build_parser(prog: Optional[str] = None, description: Optional[str] = None) 
     add_megatron_args(parser)
     add_dynapipe_args(parser)
     return parser
+
+
+def block_layers(parallel: ParallelArgs, num_layers: int) -> list[int]:
+    """Transformer layers of every virtual stage (megatron-core's TransformerBlock of each model
+    chunk) under ``parallel``."""
+    chunks = parallel.virtual_pipeline_model_parallel_size or 1
+    if parallel.stage_layers is not None:
+        return list(parallel.stage_layers)
+    return [num_layers // (parallel.pipeline_model_parallel_size * chunks)] * (
+        parallel.pipeline_model_parallel_size * chunks)
 
 
 def resolve_cuda(cuda: Optional[bool]) -> bool:
@@ -130,6 +140,8 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
         placement_auto = (getattr(args, "dynapipe_placement", None) or "even").strip() == "auto"
     refuse_unused_dynapipe_flags(args, baselines_use_executor, placement_auto)
     recompute, level = recompute_from_args(args, max(parallel.rank_layers(args.num_layers)))
+    if not placement_auto:  # an auto split is checked once chosen (training.py)
+        check_uniform_recompute(recompute, block_layers(parallel, args.num_layers))
     dyn = dynapipe_args_from_args(args, cuda, batching, level, dp, num_nodes)
 
     from megatron_integration.data_args import data_sources_from_args, eval_args_from_args

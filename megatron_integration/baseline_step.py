@@ -12,6 +12,7 @@ executor divides it, so fp16's loss scale sees an averaged loss), and megatron-c
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -127,13 +128,20 @@ def _finalize_scaled(finalize: Callable, divisor: float) -> Callable:
     return run
 
 
+def sp_shards(cfg) -> int:
+    """The TP size under sequence parallelism (each sequence split over that many ranks), else 1."""
+    return cfg.parallel.tensor_model_parallel_size if cfg.parallel.sequence_parallel else 1
+
+
 def build_micro_batches(method: str, samples: Sequence[Sample], lengths: np.ndarray, seq_length: int, mbs: int,
                         info: RankInfo, reset_position_ids: bool = False, reset_attention_mask: bool = False,
-                        mb_multiple: int = 1) -> tuple[list[MicroBatchTensors], TokenWork]:
+                        mb_multiple: int = 1, sp_shards: int = 1) -> tuple[list[MicroBatchTensors], TokenWork]:
     """This replica's fixed-shape micro-batches and what the global batch executes (every
     replica's rows at their padded length; its ``tokens`` are the padded tokens); ``mb_multiple``:
     packing rounds its micro-batch count up to a multiple of it with empty rows (the interleaved
-    schedule's groups; padding's count is checked at start-up)."""
+    schedule's groups; padding's count is checked at start-up); ``sp_shards``: the TP size under
+    sequence parallelism, whose multiple every ``padding-mb`` length must also be (the split of
+    each sequence over the TP ranks)."""
     dp, r = info.dp_size, info.dp_rank
     if method == "padding":
         groups = padding_assignment(len(samples), mbs, dp, r)
@@ -147,8 +155,10 @@ def build_micro_batches(method: str, samples: Sequence[Sample], lengths: np.ndar
     elif method == "padding-mb":
         from dynapipe.batching.ordering import padded_length
 
+        multiple = math.lcm(8, max(sp_shards, 1))  # --seq-length is a multiple of sp_shards (checked)
+
         def longest(g: list[int]) -> int:
-            return int(padded_length(np.array([int(lengths[g].max())]), seq_length)[0])
+            return int(padded_length(np.array([int(lengths[g].max())]), seq_length, multiple)[0])
 
         groups = padding_assignment(len(samples), mbs, dp, r)
         mbs_list = [rows_micro_batch([[samples[i]] for i in g], longest(g)) for g in groups]

@@ -33,7 +33,7 @@ from dynapipe.errors import DynaPipeError
 from megatron_integration.data import dataset_config
 from megatron_integration.initialize import RankInfo
 from megatron_integration.baseline_step import (build_micro_batches, forward_step, holds_loss, reduce_loss,
-                                                schedule_group, schedule_inputs)
+                                                schedule_group, schedule_inputs, sp_shards)
 from megatron_integration.model import Stage
 from megatron_integration.train_config import DynaPipeTrainingConfig
 
@@ -69,7 +69,7 @@ def megatron_eval_batch(stage: Stage, info: RankInfo, cfg: DynaPipeTrainingConfi
 
     micro_batches, _ = build_micro_batches(method, samples, lengths, cfg.model.seq_length, cfg.micro_batch_size,
                                            info, cfg.reset_position_ids, cfg.reset_attention_mask,
-                                           schedule_group(stage))
+                                           schedule_group(stage), sp_shards(cfg))
     seq_lengths = {int(m.tokens.shape[1]) for m in micro_batches}
     saved = stage.config.variable_seq_lengths
     stage.config.variable_seq_lengths = saved or len(seq_lengths) > 1

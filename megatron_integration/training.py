@@ -22,7 +22,9 @@ from dynapipe.errors import DynaPipeError
 from megatron_integration import checkpoint_formats
 from megatron_integration.data import GlobalBatches, data_summary_lines
 from megatron_integration.initialize import RankInfo, initialize_megatron
-from megatron_integration.baseline_step import StepResult, build_micro_batches, megatron_train_step, schedule_group
+from megatron_integration.arguments import block_layers, check_uniform_recompute
+from megatron_integration.baseline_step import (StepResult, build_micro_batches, megatron_train_step, schedule_group,
+                                                sp_shards)
 from megatron_integration.model import Stage, attach_training_hooks, build_stage
 from megatron_integration.optimizer import build_optimizer
 from megatron_integration.params_norm import params_l2_norm
@@ -53,7 +55,8 @@ class MegatronStepper:
         lengths = self.batches.lengths(batch)
         micro_batches, executed = build_micro_batches(cfg.method, samples, lengths, cfg.model.seq_length,
                                                       cfg.micro_batch_size, self.info, cfg.reset_position_ids,
-                                                      cfg.reset_attention_mask, schedule_group(self.stage))
+                                                      cfg.reset_attention_mask, schedule_group(self.stage),
+                                                      sp_shards=sp_shards(cfg))
         guard = partial(check_before_step, cfg.check_for_nan_in_loss_and_grad, self.stage.module, iteration,
                         device=self.info.device)
         result = megatron_train_step(self.stage, self.optimizer, self.scheduler, micro_batches, cfg.model.seq_length,
@@ -145,6 +148,8 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
             print(line, file=stream, flush=True)
     # --dynapipe-placement auto is chosen here, before any stage is built.
     cfg, split_line = resolve_gpt_split(cfg)
+    if cfg.parallel.auto_split:
+        check_uniform_recompute(cfg.recompute, block_layers(cfg.parallel, cfg.model.num_layers))
     if info.rank == 0 and split_line is not None:
         print(split_line, file=stream, flush=True)
     stage = build_stage(cfg, info)

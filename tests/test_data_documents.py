@@ -7,7 +7,7 @@ import torch
 from dynapipe.data.collate import loss_token_counts
 from dynapipe.data.indexed import MegatronIndexedDataset, write_indexed_dataset
 from dynapipe.data.pieces import split_documents
-from dynapipe.data.samples import LengthLimits
+from dynapipe.data.samples import LengthLimits, Sample
 from dynapipe.data.splits import parse_split, split_ranges
 from dynapipe.data.summary import summarize
 from dynapipe.errors import DynaPipeError
@@ -265,3 +265,20 @@ def test_long_jsonl_text_documents_are_cut_into_pieces_like_indexed_ones(tmp_pat
     # Asked to reject over-long samples, the long documents are refused, not cut.
     with pytest.raises(DynaPipeError, match="more than --seq-length 64"):
         dataset_config(parse_training_args(argv + ["--dynapipe-overlong", "reject"], 1, cuda=False)).build()
+
+
+def test_padding_mb_rows_split_evenly_under_sequence_parallelism():
+    # Sequence parallelism splits every row over the TP ranks: padding-mb's own lengths must be
+    # multiples of the TP size too (TP 3 does not divide the usual multiple of 8), never above
+    # --seq-length (a multiple of it, checked at start-up).
+    from megatron_integration.baseline_step import build_micro_batches
+    from megatron_integration.initialize import RankInfo
+
+    lengths = np.array([5, 17, 40, 63, 100, 191])
+    samples = [Sample(np.zeros(0, np.int64), np.arange(1, n + 1)) for n in lengths]
+    info = RankInfo(0, 1, 0, 1, 0, 1, 0, 1, torch.device("cpu"))
+    for shards, multiple in ((1, 8), (3, 24)):
+        mbs, _ = build_micro_batches("padding-mb", samples, lengths, 192, 2, info, sp_shards=shards)
+        widths = [int(m.tokens.shape[1]) for m in mbs]
+        assert all(w % multiple == 0 or w == 192 for w in widths) and max(widths) <= 192, (shards, widths)
+        assert all(w % shards == 0 for w in widths)

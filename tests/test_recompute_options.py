@@ -37,6 +37,11 @@ def test_megatron_recompute_flags_keep_megatrons_meaning():
      "cannot be honoured"),
     ("--use-dynapipe --recompute-granularity selective --dynapipe-recompute full", "disagree"),
     ("--use-dynapipe --dynapipe-batching packing --reset-position-ids", "add --reset-attention-mask"),
+    # megatron-core 0.16 recomputes uniform groups without clamping the last: a chunk of 1 layer
+    # (an uneven 3 + 1 split) and groups of 2 would fail at the first forward.
+    ("--decoder-first-pipeline-num-layers 3 --recompute-granularity full --recompute-method uniform "
+     "--recompute-num-layers 2", "a model chunk of 1 layer.s. is not a whole number of groups of 2.*"
+                                 "use --recompute-num-layers 1, or --recompute-method block"),
 ])
 def test_inputs_the_path_cannot_honour_are_refused(extra, words):
     with pytest.raises(DynaPipeError, match=words):
