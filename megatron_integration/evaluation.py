@@ -149,7 +149,8 @@ class Evaluator:
             module.train(was_training)
         return EvalResult(total / max(tokens, 1), tokens)
 
-    def after_iteration(self, done: int, stream: TextIO, logging_rank: bool, sink: list[str], writer=None) -> None:
+    def after_iteration(self, done: int, stream: TextIO, logging_rank: bool, sink: list[str], writer=None,
+                        consumed_samples: int = 0) -> None:
         """Megatron-LM's periodic evaluation after iteration ``done`` (1-based), when due: logged
         on the logging rank, kept in ``sink``, and written to TensorBoard's ``writer``."""
         if not self.periodic_due(done):
@@ -157,18 +158,29 @@ class Evaluator:
         with self.cfg.manual_gc.evaluation():
             result = self.evaluate("valid", self.first_batch(done))
         log_eval(validation_lines(f"iteration {done}", result), stream, logging_rank, sink)
-        if writer is not None:
-            writer.add_scalar("lm loss validation", result.loss, done)
-            if self.cfg.tensorboard.log_validation_ppl:  # Megatron's --log-validation-ppl-to-tensorboard
-                writer.add_scalar("lm loss validation ppl", result.ppl, done)
+        self._write(writer, result, done, consumed_samples)
 
-    def after_training(self, last: int, stream: TextIO, logging_rank: bool, sink: list[str]) -> None:
-        """Megatron-LM's evaluation of the validation and test sets once training is done."""
+    def after_training(self, last: int, stream: TextIO, logging_rank: bool, sink: list[str], writer=None,
+                       consumed_samples: int = 0) -> None:
+        """Megatron-LM's evaluation of the validation and test sets once training is done,
+        written to TensorBoard too (Megatron-LM writes both under its validation tags)."""
         for split in ("valid", "test"):
             if self.has(split):
                 result = self.evaluate(split, self.first_batch(last, final=True) if split == "valid" else 0)
                 log_eval(validation_lines(f"iteration {last} on {SPLIT_NAMES[split]}", result), stream,
                          logging_rank, sink)
+                self._write(writer, result, last, consumed_samples)
+
+    def _write(self, writer, result: EvalResult, iteration: int, consumed_samples: int) -> None:
+        """Megatron-LM's validation scalars, by iteration and by consumed samples."""
+        if writer is None:
+            return
+        values = [("lm loss validation", result.loss)]
+        if self.cfg.tensorboard.log_validation_ppl:  # Megatron's --log-validation-ppl-to-tensorboard
+            values.append(("lm loss validation ppl", result.ppl))
+        for tag, value in values:
+            writer.add_scalar(tag, value, iteration)
+            writer.add_scalar(f"{tag} vs samples", value, consumed_samples)
 
     def periodic_due(self, iteration: int) -> bool:
         """Whether Megatron-LM evaluates after ``iteration`` (1-based) during training."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Optional, TextIO
 
@@ -37,8 +38,12 @@ class IntervalStats:
     """Sums over the iterations since the last log line."""
 
     iterations: int = 0
+    # Megatron-LM's interval loss: the mean of the non-skipped iterations' losses (each already
+    # a mean over its tokens), not a token-weighted one.
     loss_sum: float = 0.0
+    loss_iterations: int = 0
     loss_tokens: int = 0
+    paused_s: float = 0.0  # evaluation and checkpoints inside the interval, not iteration time
     real_tokens: int = 0
     padded_tokens: int = 0
     plan_wait_ms: float = 0.0
@@ -62,7 +67,9 @@ class IntervalStats:
             self.executed_flops += model_flops(flops_model, r.executed_work)
             self.real_flops += model_flops(flops_model, r.real_work)
         self.iterations += 1
-        self.loss_sum += r.loss * r.loss_tokens
+        if not r.skipped:
+            self.loss_sum += r.loss
+            self.loss_iterations += 1
         self.loss_tokens += r.loss_tokens
         self.real_tokens += r.real_tokens
         self.padded_tokens += r.padded_tokens
@@ -88,7 +95,6 @@ def format_log_line(iteration: int, train_iters: int, consumed_samples: int, sta
     throughput is divided over, given with ``--log-throughput``)."""
     n = max(stats.iterations, 1)
     ms_per_iter = elapsed_s * 1e3 / n
-    loss = stats.loss_sum / max(stats.loss_tokens, 1)
     parts = [
         f" iteration {iteration:8d}/{train_iters:8d}",
         f"consumed samples: {consumed_samples:12d}",
@@ -102,9 +108,10 @@ def format_log_line(iteration: int, train_iters: int, consumed_samples: int, sta
     parts += [
         f"learning rate: {lr:.6E}",
         f"global batch size: {global_batch_size:5d}",
-        f"lm loss: {loss:.6E}",
-        f"loss scale: {stats.loss_scale:.1f}",
     ]
+    if stats.loss_iterations:  # Megatron-LM prints no loss for an interval of skipped steps only
+        parts.append(f"lm loss: {stats.loss_sum / stats.loss_iterations:.6E}")
+    parts.append(f"loss scale: {stats.loss_scale:.1f}")
     if stats.grad_norm is not None:  # Megatron-LM leaves it out after a skipped (overflowed) step
         parts.append(f"grad norm: {stats.grad_norm:.3f}")
     # Megatron-LM's --log-num-zeros-in-grad and --log-params-norm fields, where it prints them.
@@ -186,7 +193,7 @@ class TrainingLogger:
                         w.add_scalar(f"{key.removesuffix('_ms')}-time (ms)", ms, iteration)
         if iteration % self.log_interval and iteration != self.train_iters:
             return None
-        elapsed = time.perf_counter() - self.stats.started
+        elapsed = time.perf_counter() - self.stats.started - self.stats.paused_s
         line = format_log_line(iteration, self.train_iters, consumed_samples, self.stats, elapsed, lr,
                                self.global_batch_size, None if self.flops_model is None else self.world_size)
         if self.writer is not None and self.flops_model is not None:
@@ -199,6 +206,16 @@ class TrainingLogger:
         if self.is_logging_rank:
             print(line, file=self.stream, flush=True)
         return line
+
+    @contextmanager
+    def paused(self):
+        """Within the block (evaluation, a checkpoint) the interval's clock stops, as
+        Megatron-LM stops its interval timer: the log line's time per iteration is training."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stats.paused_s += time.perf_counter() - start
 
     def close(self) -> None:
         if self.writer is not None:

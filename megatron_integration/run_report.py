@@ -46,8 +46,9 @@ def parameter_count_line(tp_rank: int, pp_rank: int, count: int) -> str:
 
 
 def training_summary_lines(results: Sequence, start_iteration: int, consumed_samples: int,
-                           elapsed_s: float) -> list[str]:
-    """The end-of-training lines: Megatron's ``[after training is done]`` stamp, then what the run
+                           elapsed_s: float, exited: bool = False) -> list[str]:
+    """The end-of-training lines: Megatron's ``[after training is done]`` stamp (``[exiting
+    program at iteration N]`` when ``--exit-interval`` stopped it, ``exited``), then what the run
     did: ``results`` are the iterations' StepResults (times in ms, tokens over the global batch)."""
     done = len(results)
     real = sum(r.real_tokens for r in results)
@@ -56,12 +57,13 @@ def training_summary_lines(results: Sequence, start_iteration: int, consumed_sam
     skipped = sum(int(r.skipped) for r in results)
     ms_per_iter = elapsed_s * 1e3 / max(done, 1)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    label = f"exiting program at iteration {start_iteration + done}" if exited else "after training is done"
     if not done:  # resumed at or past --train-iters: nothing was left to train
-        return [f"[after training is done] datetime: {stamp} ",
+        return [f"[{label}] datetime: {stamp} ",
                 f" > training summary: no iteration left to train (resumed at iteration {start_iteration}) | "
                 f"consumed samples: {consumed_samples}"]
     return [
-        f"[after training is done] datetime: {stamp} ",
+        f"[{label}] datetime: {stamp} ",
         f" > training summary: iterations {start_iteration + 1}-{start_iteration + done} ({done}) | "
         f"consumed samples: {consumed_samples} | real tokens: {real} | padded tokens: {padded} | "
         f"loss tokens: {loss_tokens} | skipped iterations: {skipped} | time (s): {elapsed_s:.1f} | "

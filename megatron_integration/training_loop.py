@@ -104,7 +104,7 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
         last = cfg.last_iteration(run.start_iteration)
         started = time.perf_counter()
         gc_was_enabled = cfg.manual_gc.start()
-        stop, saved_at = last, None
+        stop, saved_at, by_duration = last, None, False
         for iteration in range(run.start_iteration, last):
             result = parts.stepper.step(iteration)
             result.loss_scale = float(parts.optimizer.get_loss_scale())
@@ -119,26 +119,31 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
                 on_iteration(iteration, result)
             done = iteration + 1
             cfg.manual_gc.after_iteration(done)
-            if evaluator is not None:
-                evaluator.after_iteration(done, stream, logging_rank, run.eval_lines, logger.writer)
-            if cfg.save and cfg.save_interval and done % cfg.save_interval == 0 and done != last:
-                parts.save(done, run.consumed_samples)
-                saved_at = done
+            # As Megatron-LM's interval timer: evaluation and checkpoints are not iteration time.
+            with logger.paused():
+                if evaluator is not None:
+                    evaluator.after_iteration(done, stream, logging_rank, run.eval_lines, logger.writer,
+                                              run.consumed_samples)
+                if cfg.save and cfg.save_interval and done % cfg.save_interval == 0 and done != last:
+                    parts.save(done, run.consumed_samples)
+                    saved_at = done
             if exit_duration_reached(cfg.exit_duration_in_mins, parts.started_s, info.device):
-                stop = done
+                stop, by_duration = done, True
                 print_rank_0(info, stream, [], exit_duration_line(cfg.exit_duration_in_mins, parts.started_s, done))
                 break
         if cfg.save and stop > run.start_iteration and saved_at != stop:
             parts.save(stop, run.consumed_samples)
+        # Megatron-LM exits at a multiple of --exit-interval, the last iteration included, and
+        # after --exit-duration-in-mins: no final evaluation then, and no "training is done".
+        exited = by_duration or bool(cfg.exit_interval and stop > run.start_iteration
+                                     and stop % cfg.exit_interval == 0)
         if logger.is_logging_rank:  # after its own last iteration line (every rank has the same results)
             summary = training_summary_lines(run.results, run.start_iteration, run.consumed_samples,
-                                             time.perf_counter() - started)
-            stream.write("\n".join(summary) + "\n")
+                                             time.perf_counter() - started, exited=exited)
+            stream.write("\n".join(summary[1:] if by_duration else summary) + "\n")
             stream.flush()
-        # Megatron-LM evaluates the validation and test sets once training is done (not when
-        # --exit-interval or --exit-duration-in-mins stopped it).
-        if evaluator is not None and stop == cfg.train_iters:
-            evaluator.after_training(stop, stream, logging_rank, run.eval_lines)
+        if evaluator is not None and stop == cfg.train_iters and not exited:
+            evaluator.after_training(stop, stream, logging_rank, run.eval_lines, logger.writer, run.consumed_samples)
         if evaluator is not None and evaluator.batches_run:
             # What ran, not what was configured: forward-only plans counted by their runner.
             plans = getattr(evaluator.batch_fn, "plans_run", None)

@@ -130,7 +130,10 @@ def test_tensorboard_gets_megatrons_scalars_at_its_interval(tmp_path):
     # The measured time split of megatron-core's schedule, in ms.
     for tag in ("forward-time (ms)", "backward-time (ms)", "optimizer-time (ms)"):
         assert [step for step, _ in s[tag]] == [2, 4] and all(v > 0 for _, v in s[tag]), tag
-    # Validation after iterations 2 and 4, with its perplexity.
+    # Validation after iterations 2 and 4, with its perplexity; then, as Megatron-LM writes them under
+    # the same tags, the final validation and test sets at iteration 4; each by consumed samples too.
     losses, ppls = s["lm loss validation"], s["lm loss validation ppl"]
-    assert [step for step, _ in ppls] == [2, 4]
+    assert [step for step, _ in ppls] == [2, 4, 4, 4]
     assert all(p == pytest.approx(math.exp(v), rel=1e-5) for (_, v), (_, p) in zip(losses, ppls))
+    assert [step for step, _ in s["lm loss validation vs samples"]] == [16, 32, 32, 32]  # global batch 8
+    assert [v for _, v in s["lm loss validation ppl vs samples"]] == [v for _, v in ppls]

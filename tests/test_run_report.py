@@ -111,3 +111,36 @@ def test_dump_shows_values_validation_derived():
     for name, value in (("ffn_hidden_size", 128), ("kv_channels", 16), ("padded_vocab_size", 50304),
                         ("train_iters", 10), ("data_parallel_size", 2), ("max_position_embeddings", 128)):
         assert f"  {name} {'.' * (48 - len(name))} {value}\n" in text + "\n", name
+
+
+def test_interval_loss_is_megatrons_mean_of_the_steps_that_ran_and_the_clock_pauses():
+    import time as _time
+
+    from megatron_integration.baseline_step import StepResult
+    from megatron_integration.logging_utils import IntervalStats, TrainingLogger, format_log_line
+
+    stats = IntervalStats()
+    for loss, tokens, skipped in ((4.0, 10, False), (2.0, 1000, False), (9.0, 5, True)):
+        stats.add(StepResult(loss=loss, loss_tokens=tokens, real_tokens=1, padded_tokens=1, iteration_ms=1.0,
+                             skipped=skipped))
+    line = format_log_line(3, 3, 12, stats, 1.0, 1e-3, 4)
+    assert "lm loss: 3.000000E+00 |" in line  # (4 + 2) / 2: not token-weighted, the skipped step left out
+    only_skipped = IntervalStats()
+    only_skipped.add(StepResult(loss=9.0, loss_tokens=5, real_tokens=1, padded_tokens=1, iteration_ms=1.0,
+                                skipped=True))
+    assert "lm loss" not in format_log_line(1, 1, 4, only_skipped, 1.0, 1e-3, 4)
+    # Evaluation and checkpoints inside an interval are not iteration time.
+    logger = TrainingLogger(2, 4, 2, is_logging_rank=False)
+    step = StepResult(loss=1.0, loss_tokens=1, real_tokens=1, padded_tokens=1, iteration_ms=1.0)
+    logger.record(1, 4, step, 1e-3)
+    with logger.paused():
+        _time.sleep(0.3)
+    line = logger.record(2, 8, step, 1e-3)
+    ms = float(line.split("elapsed time per iteration (ms):")[1].split("|")[0])
+    assert ms < 100, line
+
+
+def test_an_exit_interval_stop_is_stamped_as_megatron_stamps_it():
+    r = SimpleNamespace(real_tokens=3, padded_tokens=4, loss_tokens=2, skipped=False)
+    stamp, _ = training_summary_lines([r, r], 2, 16, 1.0, exited=True)
+    assert stamp.startswith("[exiting program at iteration 4] datetime: ")
