@@ -15,8 +15,9 @@ def test_interval_averages_and_format():
     log = TrainingLogger(train_iters=5, global_batch_size=8, log_interval=2, is_logging_rank=True, stream=out)
     assert log.record(1, 8, result(2.0, 100, 10.0, wait=1.0), lr=1e-3) is None
     line = log.record(2, 16, result(4.0, 300, 10.0, wait=3.0), lr=1e-3)
-    # Token-weighted loss over the interval: (2*100 + 4*300) / 400 = 3.5.
-    assert "lm loss: 3.500000E+00" in line
+    # Megatron-LM's interval loss: the mean of the iterations' losses, (2 + 4) / 2, not
+    # token-weighted ((2*100 + 4*300) / 400 = 3.5).
+    assert "lm loss: 3.000000E+00" in line
     assert "iteration        2/       5" in line and "consumed samples:           16" in line
     assert "padding efficiency: 0.500" in line and "plan wait (ms): 2.00" in line
     assert "learning rate: 1.000000E-03" in line and "global batch size:     8" in line
