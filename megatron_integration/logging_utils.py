@@ -3,11 +3,12 @@
 One line every ``--log-interval`` iterations, printed by the last pipeline stage of the
 first replica (where Megatron-LM prints), averaged over the interval::
 
-     iteration       10/      50 | consumed samples:          640 | elapsed time per iteration (ms): 812.3 |
+     [2026-12-03 23:54:52.123456] iteration       10/      50 | consumed samples:          640 |
+     elapsed time per iteration (ms): 812.3 |
      learning rate: 1.000000E-03 | global batch size:    64 | lm loss: 5.912345E+00 | loss scale: 1.0 |
      grad norm: 0.812 |
      real tokens/s: 12345.6 | padding efficiency: 0.912 | plan wait (ms): 0.04 |
-     activation peak (MiB): 812.4/790.2 | number of skipped iterations:   0 |
+     activation peak (MiB): 812.4/790.2 | number of skipped iterations:   0 | number of nan iterations:   0 |
 
 ``activation peak (MiB)``: this stage's measured peak / the peak its plan promised
 (``-`` for the fixed-shape baselines, which have no plan), highest over the interval.
@@ -21,10 +22,12 @@ for the samples at their own lengths, the work any batching must do
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Optional, TextIO
 
 from dynapipe.config import ModelConfig
@@ -44,6 +47,7 @@ class IntervalStats:
     loss_iterations: int = 0
     loss_tokens: int = 0
     paused_s: float = 0.0  # evaluation and checkpoints inside the interval, not iteration time
+    nan_iterations: int = 0
     real_tokens: int = 0
     padded_tokens: int = 0
     plan_wait_ms: float = 0.0
@@ -70,6 +74,8 @@ class IntervalStats:
         if not r.skipped:
             self.loss_sum += r.loss
             self.loss_iterations += 1
+        elif not math.isfinite(r.loss):  # Megatron-LM counts the skipped steps whose loss was NaN/Inf
+            self.nan_iterations += 1
         self.loss_tokens += r.loss_tokens
         self.real_tokens += r.real_tokens
         self.padded_tokens += r.padded_tokens
@@ -95,8 +101,9 @@ def format_log_line(iteration: int, train_iters: int, consumed_samples: int, sta
     throughput is divided over, given with ``--log-throughput``)."""
     n = max(stats.iterations, 1)
     ms_per_iter = elapsed_s * 1e3 / n
+    # Megatron-LM's line starts with the wall-clock time: ' [2026-12-03 23:54:52.123456] iteration ...'.
     parts = [
-        f" iteration {iteration:8d}/{train_iters:8d}",
+        f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')}] iteration {iteration:8d}/{train_iters:8d}",
         f"consumed samples: {consumed_samples:12d}",
         f"elapsed time per iteration (ms): {ms_per_iter:.1f}",
     ]
@@ -126,6 +133,7 @@ def format_log_line(iteration: int, train_iters: int, consumed_samples: int, sta
         f"activation peak (MiB): {stats.activation_measured_mib:.1f}/"
         + ("-" if stats.activation_planned_mib is None else f"{stats.activation_planned_mib:.1f}"),
         f"number of skipped iterations: {stats.skipped:3d}",
+        f"number of nan iterations: {stats.nan_iterations:3d}",
     ]
     if stats.truncated:
         parts.append(f"truncated samples: {stats.truncated}")

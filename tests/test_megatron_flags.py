@@ -1,5 +1,6 @@
 """Megatron-LM flags: accepted with Megatron's meaning and defaults, or refused in one line."""
 import os
+import re
 import subprocess
 import sys
 
@@ -260,7 +261,7 @@ def test_megatron_gpt_command_line_runs_unchanged(tmp_path):
         assert " > padded vocab (size: 21) with 107 dummy tokens (new size: 128)" in out
         counts[method] = {int(l.split("(0, ")[1].split(")")[0]): int(l.rsplit(": ", 1)[1]) for l in out.splitlines()
                           if l.startswith(" > number of parameters on (tensor, pipeline) model parallel rank")}
-        lines = [l for l in out.splitlines() if l.startswith(" iteration") and "lm loss" in l]
+        lines = [l for l in out.splitlines() if re.match(r" \[[-0-9: .]+\] iteration ", l) and "lm loss" in l]
         # 48 samples / 8 per batch = 6 iterations, but the run exits after iteration 2 and saves it.
         assert len(lines) == 2 and "iteration        2/       6" in lines[1], lines
         losses[method] = [float(l.split("lm loss: ")[1].split(" ")[0]) for l in lines]

@@ -1,5 +1,6 @@
 """Megatron-format log lines: averaged over the interval, printed only by the logging rank."""
 import io
+import re
 
 from megatron_integration.logging_utils import TrainingLogger
 from megatron_integration.baseline_step import StepResult
@@ -19,6 +20,9 @@ def test_interval_averages_and_format():
     # token-weighted ((2*100 + 4*300) / 400 = 3.5).
     assert "lm loss: 3.000000E+00" in line
     assert "iteration        2/       5" in line and "consumed samples:           16" in line
+    # Megatron-LM's wall-clock stamp first, its NaN count last.
+    assert re.match(r" \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\] iteration        2/       5 \|", line), line
+    assert line.endswith("number of skipped iterations:   0 | number of nan iterations:   0 |")
     assert "padding efficiency: 0.500" in line and "plan wait (ms): 2.00" in line
     assert "learning rate: 1.000000E-03" in line and "global batch size:     8" in line
     assert out.getvalue().strip() == line.strip()

@@ -129,6 +129,10 @@ def test_interval_loss_is_megatrons_mean_of_the_steps_that_ran_and_the_clock_pau
     only_skipped.add(StepResult(loss=9.0, loss_tokens=5, real_tokens=1, padded_tokens=1, iteration_ms=1.0,
                                 skipped=True))
     assert "lm loss" not in format_log_line(1, 1, 4, only_skipped, 1.0, 1e-3, 4)
+    only_skipped.add(StepResult(loss=float("nan"), loss_tokens=5, real_tokens=1, padded_tokens=1, iteration_ms=1.0,
+                                skipped=True))
+    assert "number of skipped iterations:   2 | number of nan iterations:   1 |" in format_log_line(
+        2, 2, 8, only_skipped, 1.0, 1e-3, 4)
     # Evaluation and checkpoints inside an interval are not iteration time.
     logger = TrainingLogger(2, 4, 2, is_logging_rank=False)
     step = StepResult(loss=1.0, loss_tokens=1, real_tokens=1, padded_tokens=1, iteration_ms=1.0)
