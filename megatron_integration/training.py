@@ -62,7 +62,8 @@ class MegatronStepper:
         result = megatron_train_step(self.stage, self.optimizer, self.scheduler, micro_batches, cfg.model.seq_length,
                                      cfg.micro_batch_size, self.info, int(lengths.sum()), executed.tokens,
                                      before_step=guard, memory_level=cfg.empty_unused_memory_level,
-                                     loss_divisor=float(max(int(global_loss_tokens(self.batches.dataset, batch)), 1)))
+                                     # the whole global batch's (every replica's), known on every rank
+                                     loss_divisor=float(max(self.batches.dataset.loss_tokens(batch.indices), 1)))
         result.consumed_samples = batch.consumed_samples
         result.truncated = int(self.batches.dataset.truncated[batch.indices].sum())
         result.executed_work, result.real_work = executed, samples_work(lengths)
@@ -106,15 +107,6 @@ def vocab_padding_line(cfg: DynaPipeTrainingConfig) -> Optional[str]:
         return None
     return (f" > padded vocab (size: {m.unpadded_vocab_size}) with {m.vocab_size - m.unpadded_vocab_size} "
             f"dummy tokens (new size: {m.vocab_size})")
-
-
-def global_loss_tokens(dataset, batch) -> int:
-    """Tokens the loss counts over the whole global batch ``batch`` of ``dataset`` (every
-    replica's), known on every rank without a collective."""
-    from dynapipe.data.collate import loss_token_counts
-
-    idx = batch.indices
-    return int(loss_token_counts(dataset.input_lengths[idx], dataset.target_lengths[idx], False).sum())
 
 
 def check_split(chunks: int, layers: Optional[list], extra: dict, path: str) -> None:

@@ -150,6 +150,14 @@ class SampleDataset(ABC):
         """Tokens of every sample (input + target), int64: what a token budget counts."""
         return self.input_lengths + self.target_lengths
 
+    def loss_tokens(self, indices: Sequence[int]) -> int:
+        """Tokens the loss counts (the sum of the ``loss_mask``\ s) over the samples at
+        ``indices``, from their lengths alone (nothing is read)."""
+        from dynapipe.data.collate import loss_token_counts
+
+        idx = np.asarray(indices, dtype=np.int64)
+        return int(loss_token_counts(self.input_lengths[idx], self.target_lengths[idx], self.encoder_decoder).sum())
+
     def planner_lengths(self, indices: Sequence[int]) -> np.ndarray:
         """Lengths the planner takes for these samples: shape ``(n,)`` (input + target,
         decoder-only) or ``(n, 2)`` (input, target; encoder-decoder), in tokens."""

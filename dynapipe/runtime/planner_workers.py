@@ -28,7 +28,7 @@ from typing import Optional
 import numpy as np
 
 from dynapipe.cost.model_flops import micro_batches_work, samples_work
-from dynapipe.data.collate import TensorRequest, collate, loss_token_counts
+from dynapipe.data.collate import TensorRequest, collate
 from dynapipe.data.sampler import GlobalBatchSampler, SamplerConfig
 from dynapipe.data.samples import SampleDataset
 from dynapipe.errors import DynaPipeError, ExecutorError, PlanError
@@ -125,9 +125,7 @@ def plan_and_publish(job: WorkerJob, planner: IterationPlanner, sampler: GlobalB
         "global_executed_work": micro_batches_work(planned.batch_plan.micro_batches,
                                                    job.dataset.encoder_decoder).to_json(),
         "global_real_work": samples_work(lengths).to_json(),
-        "global_loss_tokens": int(loss_token_counts(job.dataset.input_lengths[batch.indices],
-                                                    job.dataset.target_lengths[batch.indices],
-                                                    job.dataset.encoder_decoder).sum()),
+        "global_loss_tokens": job.dataset.loss_tokens(batch.indices),
         "truncated_samples": int(job.dataset.truncated[batch.indices].sum()),
         "planning_ms": planning_ms,
         "planner_node": job.node,
