@@ -100,7 +100,7 @@ class BlendedSampleDataset(SampleDataset):
         # (later epochs of it then hold every document again): the index arrays stay small.
         whole_pass = int(np.ceil((sizes / (by_samples / by_samples.sum())).max()))
         total = max(int(sizes.sum()), min(run, whole_pass))
-        self.part_ids, self.part_samples = blend_indices([len(p) for p in self.parts], by_samples, total, seed)
+        self.part_ids, self.part_samples = blend_indices(sizes.astype(np.int64), by_samples, total, seed)
         self.tasks = self.part_ids
         self.input_lengths = np.empty(total, dtype=np.int64)
         self.target_lengths = np.empty(total, dtype=np.int64)

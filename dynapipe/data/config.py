@@ -27,8 +27,8 @@ class DatasetConfig:
     ``weights`` (one per path, any positive scale) blend the paths as Megatron-LM's
     ``--data-path W1 P1 W2 P2`` does, as shares of the tokens
     (:class:`~dynapipe.data.blend.BlendedSampleDataset`), into a blend of ``blend_samples``
-    samples or ``blend_tokens`` tokens (the run's; at least the paths' total); without them every sample of every path
-    is used once per epoch.
+    samples or ``blend_tokens`` tokens (the run's; at least the paths' total); without them
+    every sample of every path is used once per epoch.
 
     Lengths above ``seq_length`` (``dec_seq_length`` for encoder-decoder targets) are
     truncated or rejected as ``overlong`` says, except indexed pretraining documents (no
