@@ -151,7 +151,7 @@ class SampleDataset(ABC):
         return self.input_lengths + self.target_lengths
 
     def loss_tokens(self, indices: Sequence[int]) -> int:
-        """Tokens the loss counts (the sum of the ``loss_mask``\ s) over the samples at
+        """Tokens the loss counts (the sum of every ``loss_mask``) over the samples at
         ``indices``, from their lengths alone (nothing is read)."""
         from dynapipe.data.collate import loss_token_counts
 
