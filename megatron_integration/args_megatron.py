@@ -232,6 +232,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="context-parallel ranks (only 1, the default: no context parallelism)")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="expert-parallel ranks (only 1, the default: mixture-of-experts models are not built)")
 
     g = parser.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None,

@@ -41,7 +41,6 @@ UNSUPPORTED_MEGATRON_FLAGS = {
                                                            "--pipeline-model-parallel-size micro-batches per chunk "
                                                            "(Megatron's default); drop it"),
     "--num-experts": "mixture-of-experts models are not built; drop it",
-    "--expert-model-parallel-size": "mixture-of-experts models are not built; drop it",
     "--overlap-param-gather": ("the distributed optimizer gathers its parameters within the optimizer step "
                                "(--overlap-grad-reduce overlaps the gradient reduction); drop it"),
     "--overlap-param-gather-with-optimizer-step": "see --overlap-param-gather; drop it",

@@ -224,6 +224,9 @@ def _parallel_args_from_args(args: argparse.Namespace, world_size: int, cuda: bo
         raise _unsupported("--context-parallel-size", f"{args.context_parallel_size}: no context parallelism "
                                                       f"(1, the default); split long sequences over fewer tokens "
                                                       f"per sample instead")
+    if args.expert_model_parallel_size != 1:
+        raise _unsupported("--expert-model-parallel-size", f"{args.expert_model_parallel_size}: mixture-of-experts "
+                                                           f"models are not built (1, the default); drop it")
     backend = args.distributed_backend or ("nccl" if cuda else "gloo")
     if backend == "nccl" and not cuda:
         raise DynaPipeError("--distributed-backend nccl needs GPUs; use gloo on CPU.")

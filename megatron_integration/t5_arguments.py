@@ -70,7 +70,9 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
             raise DynaPipeError(f"--{flag} {length} exceeds --max-position-embeddings {max_pos}; raise it to at "
                                 f"least {length}.")
     for flag in ("num-layers-per-virtual-pipeline-stage", "num-virtual-stages-per-pipeline-rank"):
-        if getattr(args, flag.replace("-", "_")) is not None:
+        value = getattr(args, flag.replace("-", "_"))
+        # One virtual stage per rank is no interleaving: Megatron-LM reads it so, and so here.
+        if value is not None and not (flag == "num-virtual-stages-per-pipeline-rank" and value == 1):
             raise _unsupported(f"--{flag}", "T5 chunks are a stage placement here; use --dynapipe-placement "
                                             "interleaved (or a chunked split such as 1+0,1+0|0+1,0+1)")
     for flag, why in (("cross-entropy-loss-fusion", "T5's loss is megatron-core's vocab-parallel cross-entropy, "

@@ -23,7 +23,8 @@ LLAMA3 = (TINY + " --use-mcore-models --ffn-hidden-size 224 --group-query-attent
           "--lr-warmup-samples 12 --lr 0.00015 --min-lr 0.00001 --decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5 "
           "--lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --bf16 "
           "--grad-reduce-in-bf16 --calculate-per-token-loss --manual-gc --empty-unused-memory-level 1 "
-          "--exit-duration-in-mins 235 --tensor-model-parallel-size 1 --context-parallel-size 1 --mock-data "
+          "--exit-duration-in-mins 235 --tensor-model-parallel-size 1 --context-parallel-size 1 "
+          "--expert-model-parallel-size 1 --mock-data "
           "--tokenizer-type NullTokenizer --vocab-size 1000 --data-cache-path /tmp/cache --split 99,1,0 "
           "--no-create-attention-mask-in-dataloader --no-mmap-bin-files --num-workers 1 --log-interval 1 "
           "--eval-iters 2 --eval-interval 4 --ckpt-format torch_dist --log-throughput "
@@ -44,6 +45,7 @@ LLAMA3_REFUSED = {
     "--profile-step-end 6": "profiling hooks",
     "--use-distributed-optimizer": "needs GPUs",
     "--context-parallel-size 2": "no context parallelism",
+    "--expert-model-parallel-size 2": "mixture-of-experts models are not built",
     "--rotary-percent 0.5": "cover the whole head",
 }
 # Megatron-LM's GPT-3 175B script's flags (values scaled down): taken ...
@@ -200,6 +202,10 @@ def test_t5_refuses_what_its_stages_do_not_take():
         parse_t5_args(argv, 2, cuda=True)
     assert parse_t5_args(argv + ["--transformer-impl", "local"], 2, cuda=True).base.model.transformer_impl == "local"
     assert parse_t5_args(argv, 2, cuda=False).base.model.transformer_impl == "local"
+    # One virtual stage per rank is Megatron-LM's "no interleaving"; two are refused (chunks are a placement).
+    assert parse_t5_args(argv + ["--num-virtual-stages-per-pipeline-rank", "1"], 2, cuda=False).base.model
+    with pytest.raises(DynaPipeError, match="^--num-virtual-stages-per-pipeline-rank .*--dynapipe-placement"):
+        parse_t5_args(argv + ["--num-virtual-stages-per-pipeline-rank", "2"], 2, cuda=False)
 
 
 def test_indexed_data_read_without_memory_maps_is_the_same(tmp_path):
