@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from dynapipe.errors import DynaPipeError
-from megatron_integration.checkpoint_files import load_verified, save_with_checksum, verify_file, write_checksum
+from megatron_integration.checkpoint_files import (CHECKSUM_SUFFIX, load_verified, save_with_checksum, verify_file,
+                                                   write_checksum)
 from megatron_integration.initialize import RankInfo
 from megatron_integration.scheduler_state import load_scheduler_state
 
@@ -155,6 +156,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, gpt: torch
     def write_own() -> None:
         os.makedirs(rank_dir, exist_ok=True)
         if info.dp_rank == 0:
+            _drop_stale_files(rank_dir, info.dp_size, _is_distributed(optimizer))
             payload = {
                 "format_version": FORMAT_VERSION,
                 "iteration": iteration,
@@ -179,6 +181,21 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, gpt: torch
             same_error_everywhere(None)
     publish_latest(root, iteration, info)
     return _iter_dir(root, iteration)
+
+
+def _drop_stale_files(rank_dir: str, dp_size: int, distributed_optimizer: bool) -> None:
+    """Remove what an earlier save of the same iteration left that this one will not overwrite:
+    RNG files of data-parallel ranks beyond ``dp_size`` and a sharded optimizer state this save
+    does not write, so a resume never reads one run's RNG or optimizer with another's weights."""
+    stale = [os.path.join(rank_dir, name) for name in os.listdir(rank_dir)
+             if name.startswith("rng_dp_") and name.endswith(".pt") and name[7:-3].isdigit()
+             and int(name[7:-3]) >= dp_size]
+    if not distributed_optimizer:
+        stale.append(os.path.join(rank_dir, "distrib_optim.pt"))
+    for path in stale:
+        for name in (path, path + CHECKSUM_SUFFIX):
+            if os.path.exists(name):
+                os.remove(name)
 
 
 def publish_latest(root: str, iteration: int, info: RankInfo) -> None:

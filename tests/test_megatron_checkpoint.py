@@ -329,3 +329,19 @@ def test_any_error_of_a_rank_becomes_its_one_line_with_the_fix():
         None, "loading ckpt/model.pt (rank 1) failed: RuntimeError: size mismatch for embedding.weight; resume with "
               "the arguments it was saved with")
     assert attempt(lambda: (_ for _ in ()).throw(DynaPipeError("refused")), "x")[1] == "refused"
+
+
+def test_a_save_over_an_earlier_one_of_the_same_iteration_drops_what_it_does_not_rewrite(tmp_path):
+    # An earlier save of iter_N at DP 3 with the distributed optimizer, now saved at DP 2 without it:
+    # rng_dp_002 and distrib_optim.pt would otherwise be read by a later resume at DP 3 / with it.
+    from megatron_integration.checkpoint import _drop_stale_files
+
+    names = ["rng_dp_000.pt", "rng_dp_001.pt", "rng_dp_002.pt", "distrib_optim.pt", "model_optim_rng.pt"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+        (tmp_path / (name + ".sha256")).write_text("0")
+    _drop_stale_files(str(tmp_path), dp_size=2, distributed_optimizer=False)
+    assert sorted(os.listdir(tmp_path)) == sorted(n + s for n in ("rng_dp_000.pt", "rng_dp_001.pt",
+                                                                  "model_optim_rng.pt") for s in ("", ".sha256"))
+    _drop_stale_files(str(tmp_path), dp_size=1, distributed_optimizer=True)
+    assert "rng_dp_001.pt" not in os.listdir(tmp_path) and "rng_dp_000.pt" in os.listdir(tmp_path)
