@@ -85,6 +85,17 @@ def pick_sizes(ranked: Sequence[dict], top: int, within: float) -> list[dict]:
     return [r for r in ranked[:top] if r["real_tokens_per_s"] >= floor]
 
 
+def no_baseline_size(method: str, sweep: Sequence[dict]) -> Exception:
+    """The error for a baseline none of whose micro-batch sizes fits (before any training run:
+    the comparison would have nothing to set against DynaPipe)."""
+    from dynapipe.errors import DynaPipeError
+
+    why = "; ".join(f"{r['micro_batch_size']}: {r.get('reason', 'does not fit')}" for r in sweep) or "no candidate"
+    return DynaPipeError(f"no micro-batch size of the {method} baseline fits the memory limit without recompute "
+                         f"({why}); raise --dynapipe-memory-limit-mb, shorten --seq-length, or leave {method} "
+                         f"out of --methods.")
+
+
 def rotated(entries: Sequence, round_index: int) -> list:
     """Round ``round_index``'s order: the list rotated left by the round number, so each
     entry runs at a different position (and after different neighbours) in every round."""
@@ -254,6 +265,8 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
         if m in BASELINES and sweep_top > 0:
             sweeps[m] = sim.sweep(m)
             ranked = sorted((r for r in sweeps[m] if r["fits"]), key=lambda r: -r["real_tokens_per_s"])
+            if not ranked:
+                raise no_baseline_size(m, sweeps[m])
             entries += [Entry(m, r["micro_batch_size"]) for r in pick_sizes(
                 ranked, p.sweep_top_of.get(m, sweep_top) if sweep_top == p.sweep_top else sweep_top, p.sweep_within)]
         else:
