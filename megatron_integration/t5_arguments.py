@@ -69,12 +69,19 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
         if length > max_pos:
             raise DynaPipeError(f"--{flag} {length} exceeds --max-position-embeddings {max_pos}; raise it to at "
                                 f"least {length}.")
-    for flag in ("num-layers-per-virtual-pipeline-stage", "num-virtual-stages-per-pipeline-rank"):
+    pp = args.pipeline_model_parallel_size
+    for flag, one_chunk in (("num-layers-per-virtual-pipeline-stage", (enc_layers + dec_layers) / pp),
+                            ("num-virtual-stages-per-pipeline-rank", 1)):
         value = getattr(args, flag.replace("-", "_"))
         # One virtual stage per rank is no interleaving: Megatron-LM reads it so, and so here.
-        if value is not None and not (flag == "num-virtual-stages-per-pipeline-rank" and value == 1):
-            raise _unsupported(f"--{flag}", "T5 chunks are a stage placement here; use --dynapipe-placement "
-                                            "interleaved (or a chunked split such as 1+0,1+0|0+1,0+1)")
+        if value is not None and value != one_chunk:
+            raise _unsupported(f"--{flag}", f"{value}: T5 chunks are a stage placement here; use "
+                                            f"--dynapipe-placement interleaved (or a chunked split such as "
+                                            f"1+0,1+0|0+1,0+1)")
+    if not args.overlap_p2p_comm:
+        raise _unsupported("--no-overlap-p2p-communication", "every T5 method runs through this project's executor, "
+                                                             "which posts its transfers where its plans put them "
+                                                             "(megatron-core's schedule is not used); drop it")
     for flag, why in (("cross-entropy-loss-fusion", "T5's loss is megatron-core's vocab-parallel cross-entropy, "
                                                     "unfused"),
                       ("decoupled-lr", "the T5 stages' embeddings take the model's learning rate"),

@@ -204,8 +204,15 @@ def test_t5_refuses_what_its_stages_do_not_take():
     assert parse_t5_args(argv, 2, cuda=False).base.model.transformer_impl == "local"
     # One virtual stage per rank is Megatron-LM's "no interleaving"; two are refused (chunks are a placement).
     assert parse_t5_args(argv + ["--num-virtual-stages-per-pipeline-rank", "1"], 2, cuda=False).base.model
-    with pytest.raises(DynaPipeError, match="^--num-virtual-stages-per-pipeline-rank .*--dynapipe-placement"):
+    with pytest.raises(DynaPipeError, match="^--num-virtual-stages-per-pipeline-rank .*2: .*--dynapipe-placement"):
         parse_t5_args(argv + ["--num-virtual-stages-per-pipeline-rank", "2"], 2, cuda=False)
+    # So is a chunk of every layer a rank holds (4 layers on 2 ranks: 2); 1 would be two chunks.
+    assert parse_t5_args(argv + ["--num-layers-per-virtual-pipeline-stage", "2"], 2, cuda=False).base.model
+    with pytest.raises(DynaPipeError, match="^--num-layers-per-virtual-pipeline-stage .*1: "):
+        parse_t5_args(argv + ["--num-layers-per-virtual-pipeline-stage", "1"], 2, cuda=False)
+    # Every T5 method runs through the executor: megatron-core's overlap switch has nothing to turn off.
+    with pytest.raises(DynaPipeError, match="^--no-overlap-p2p-communication .*drop it"):
+        parse_t5_args(argv + ["--no-overlap-p2p-communication"], 2, cuda=False)
 
 
 def test_indexed_data_read_without_memory_maps_is_the_same(tmp_path):
