@@ -242,9 +242,12 @@ class _Ops:
         self.model, self.device = model, device
         self.dtype = tconfig.params_dtype
         use_additive_masks(self.layer, device)  # as the training stages are built
-        # The layer's backward is timed in the two parts zero-bubble plans run.
-        self.weight_grads = WeightGradStore()
-        install_split_backward([self.layer], self.weight_grads)
+        # The layer's backward is timed in the two parts zero-bubble plans run, where the layers
+        # can split it: Transformer Engine's cannot (zero-bubble plans are refused with them), so
+        # their profile has no weight part.
+        self.weight_grads = WeightGradStore() if self.spec_name == "local" else None
+        if self.weight_grads is not None:
+            install_split_backward([self.layer], self.weight_grads)
 
     def layer_fn(self, b: int, s: int, level: str = "none"):
         x = torch.randn(s // self.shard, b, self.model.hidden_size, device=self.device, dtype=self.dtype,

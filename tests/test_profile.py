@@ -233,3 +233,22 @@ def test_profile_command_refuses_a_tp_layout_it_cannot_measure(tmp_path, capsys,
     assert rc == 2
     err = capsys.readouterr().err
     assert needle in err and not (tmp_path / "p.json").exists()
+
+
+def test_a_transformer_engine_spec_is_profiled_without_a_weight_part(tmp_path):
+    # Transformer Engine's layers cannot split their backward (zero-bubble plans are refused with
+    # them); the profiler installed the split on every spec and so refused to profile them at all.
+    # Stood in for here by the local layers under Transformer Engine's spec name.
+    path = tmp_path / "te.json"
+    code = ("import sys\n"
+            "import megatron_integration.model as m\n"
+            "local = m.layer_spec\n"
+            "m.layer_spec = lambda use_te, *a: (local(False, *a)[0], 'transformer_engine')\n"
+            "from dynapipe.cli import main\n"
+            f"sys.exit(main(['profile', '--output', {str(path)!r}, '--model', 'gpt-tiny', '--mbs', '1',\n"
+            "                '--seqlens', '32', '--repeats', '1', '--threads', '1', '--no-progress']))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(path.read_text())
+    assert data["layer_spec"] == "transformer_engine"
+    assert "bw_weight_ms" not in data["ops"]["layer"] and data["ops"]["layer"]["bw_ms"][0][0] > 0

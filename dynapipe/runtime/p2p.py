@@ -346,6 +346,15 @@ class PeerComm:
             raise ExecutorError(f"the pipeline process group uses backend {backend!r} but the executor's "
                                 f"device is {device}: {device.type} tensors need {need}; create the group "
                                 f"with backend {need!r} (or 'cpu:gloo,cuda:nccl').")
+        # torch requires every rank of a group to join the group's first batch_isend_irecv under
+        # NCCL (it creates the group-wide communicator lazily), but a T5 plan batches only on the
+        # decoder stages (hidden states with the encoder output): the encoder stages never would,
+        # and the decoder stages would wait on them forever. One collective first, on every rank
+        # (executors are created in the same order on all of them), creates it up front. gloo
+        # has no such rule, and there a rank that never builds its executor must not hold the
+        # others in a collective the executor's timeout and failure watch cannot end.
+        if device.type == "cuda":
+            dist.all_reduce(torch.zeros(1, device=device), group=group)
         self.posted = 0
 
     def global_rank(self, peer: int) -> int:
