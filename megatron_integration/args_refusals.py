@@ -126,6 +126,13 @@ def _model_flags_honoured(args: argparse.Namespace, cuda: bool) -> None:
             raise DynaPipeError("--transformer-impl transformer_engine (Megatron-LM's default) builds the GPU stages "
                                 "from Transformer Engine's layers, and it is not installed; install it "
                                 "(pip install '.[gpu]' or NVIDIA's container) or pass --transformer-impl local.")
+        if args.reset_attention_mask:
+            # megatron-core's Transformer Engine spec builds causal attention, which ignores an
+            # explicit mask: packed samples would attend to each other without a word.
+            raise DynaPipeError("--reset-attention-mask with --transformer-impl transformer_engine (Megatron-LM's "
+                                "default): Transformer Engine's causal attention ignores the per-sample mask of "
+                                "packed rows (it needs THD packed-sequence parameters, not built for training here); "
+                                "pass --transformer-impl local.")
 
 
 def _resilience_args_honoured(args: argparse.Namespace) -> None:

@@ -72,6 +72,14 @@ def test_transformer_impl_picks_the_gpu_layers(monkeypatch):
     monkeypatch.setattr(model_specs, "te_available", lambda: True)
     assert parse("", cuda=True).model.transformer_impl == "transformer_engine"  # Megatron-LM's default
     assert parse("--transformer-impl local", cuda=True).model.transformer_impl == "local"
+    # Transformer Engine's causal attention ignores packed rows' per-sample mask: refused, local taken.
+    packed = "--dynapipe-batching packing --reset-attention-mask --reset-position-ids"
+    with pytest.raises(DynaPipeError, match="^--reset-attention-mask with --transformer-impl transformer_engine.*"
+                                            "pass --transformer-impl local"):
+        parse(packed, cuda=True)
+    with pytest.raises(DynaPipeError, match="^--reset-attention-mask with"):
+        parse(packed + " --use-dynapipe", cuda=True)
+    assert parse(packed + " --transformer-impl local", cuda=True).model.transformer_impl == "local"
     monkeypatch.setattr(model_specs, "te_available", lambda: False)
     assert parse("--transformer-impl local", cuda=True).model.transformer_impl == "local"
     with pytest.raises(DynaPipeError, match="^--transformer-impl transformer_engine .* not installed; .*"
