@@ -78,6 +78,15 @@ class StepResult:
         return self.real_tokens / max(self.padded_tokens, 1)
 
 
+def split_point(device: torch.device) -> float:
+    """``time.perf_counter()`` seconds once the device's queued work is done: on CUDA the host
+    runs ahead of the kernels, so a split read without synchronising would put the pipeline's
+    GPU time into whatever part waits for it next (the gradient all-reduce)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def step_split_ms(t_run: float, t_grads: float, t_opt: float) -> dict:
     """Where an executor-driven iteration went (ms; ``time.perf_counter()`` seconds at the
     executor's start, at its end, and at the optimizer step's start; up to now)."""

@@ -45,7 +45,7 @@ from dynapipe.runtime.activation_plan import planned_activation_peak_mib
 from megatron_integration.train_config import DynaPipeTrainingConfig
 from megatron_integration.data import dataset_config
 from megatron_integration.initialize import RankInfo
-from megatron_integration.baseline_step import StepResult, holds_loss, reduce_loss, step_split_ms
+from megatron_integration.baseline_step import StepResult, holds_loss, reduce_loss, split_point, step_split_ms
 from megatron_integration.model import Stage, finalize_grads_func, set_recompute_level
 from megatron_integration.nan_guard import check_before_step
 from megatron_integration.stage_handlers import ModelStageHandlers
@@ -242,14 +242,14 @@ class DynaPipeStepper:
         t_run = time.perf_counter()
         with measure_activations(self.stage.module, self.info.device, self.meter) as activations:
             result = self.executor.run(data.plan, loss_tokens=meta.global_loss_tokens)
-        t_grads = time.perf_counter()
+        t_grads = split_point(self.info.device)
         # DP sum of gradients and tied-embedding all-reduce; the executor already divided the
         # loss by the global token count, so no further scaling (num_tokens=None).
         finalize_grads_func()(self.stage.modules, None)
         check_before_step(self.cfg.check_for_nan_in_loss_and_grad, self.stage.module,
                           iteration, self.handlers.loss_sum if self.info.is_last_stage else None, self.info.device)
         empty_unused_memory(self.cfg.empty_unused_memory_level, self.info.device, after_optimizer=False)
-        t_opt = time.perf_counter()
+        t_opt = split_point(self.info.device)
         ok, grad_norm, num_zeros = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)

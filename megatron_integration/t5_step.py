@@ -34,7 +34,7 @@ from dynapipe.plan.instructions import ForwardPass, MicroBatchInfo
 from dynapipe.runtime.activation_meter import ActivationMeter, measure_activations
 from dynapipe.runtime.activation_plan import planned_activation_peak_mib
 from megatron_integration.initialize import RankInfo
-from megatron_integration.baseline_step import StepResult, holds_loss, reduce_loss, step_split_ms
+from megatron_integration.baseline_step import StepResult, holds_loss, reduce_loss, split_point, step_split_ms
 from megatron_integration.model import Stage
 from megatron_integration.nan_guard import check_before_step
 from megatron_integration.stage_handlers import ModelStageHandlers
@@ -324,7 +324,7 @@ class T5Stepper:
         t_run = time.perf_counter()
         with measure_activations(self.stage.module, self.info.device, self.meter) as activations:
             result = self.executor.run(item.plan, loss_tokens=item.loss_tokens)
-        t_grads = time.perf_counter()
+        t_grads = split_point(self.info.device)
         if self.traces is not None and result.trace is not None:
             self.traces.append(result.trace)
         # Replicas' gradients are summed (calculate_per_token_loss: no averaging), then the
@@ -337,7 +337,7 @@ class T5Stepper:
         check_before_step(base.check_for_nan_in_loss_and_grad, self.stage.module,
                           iteration, self.handlers.loss_sum if self.info.is_last_stage else None, self.info.device)
         empty_unused_memory(base.empty_unused_memory_level, self.info.device, after_optimizer=False)
-        t_opt = time.perf_counter()
+        t_opt = split_point(self.info.device)
         ok, grad_norm, num_zeros = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)

@@ -253,3 +253,36 @@ def test_an_abort_report_that_cannot_be_published_is_told_on_stderr(capsys):
     err = capsys.readouterr().err
     assert "global rank 1 could not tell the other ranks of its failure (RuntimeError: Connection reset" in err
     assert "iteration 3: handler failed" in err and "Traceback" not in err
+
+
+def test_a_device_clock_times_ops_on_the_device_timeline():
+    # CUDA's host only launches ops: their trace times must come from device events, resolved
+    # after the iteration against an origin stamped with the wall clock. Fake events on a
+    # device timeline that runs 5 ms behind the host stand in for CUDA's.
+    from dynapipe.runtime.exec_trace import DeviceClock, ExecEvent, ExecTrace
+
+    device_ms = iter([0.0, 5.0, 12.0, 12.0, 30.0])  # origin, op 0 start/end, op 1 start/end
+
+    class Event:
+        def record(self):
+            self.t = next(device_ms)
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    synced = []
+    clock = DeviceClock(Event, lambda: synced.append(True))
+    clock.begin()
+    trace = ExecTrace(0, 0, 0)
+    for i in range(2):
+        start = clock.mark()
+        host_t0 = 1e12 + i  # the host's own (launch) times, which must not survive
+        clock.add(len(trace.events), len(trace.memory), start, clock.mark())
+        trace.events.append(ExecEvent(i, "forward", i, f"F{i}", "forward", host_t0, 1.0))
+        trace.memory.append((host_t0, 100 * i))
+    origin_us = clock._origin_us
+    clock.resolve(trace)
+    assert len(synced) == 2  # once at the start, once before reading the events
+    assert [round(e.start_us - origin_us) for e in trace.events] == [5000, 12000]
+    assert [round(e.dur_us) for e in trace.events] == [7000, 18000]
+    assert [(round(t - origin_us), b) for t, b in trace.memory] == [(5000, 0), (12000, 100)]

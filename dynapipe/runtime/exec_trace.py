@@ -8,6 +8,7 @@ shape (``F3 2x128``, categories ``forward``/``backward``), transfers and waits n
 what they move, and the bytes of the executor's live buffers as a counter track. Timestamps are
 wall-clock microseconds, so ranks on one host line up; the trace starts at the
 earliest event of all ranks (``otherData.origin_us``: that start on the wall clock, us).
+On CUDA the times are the device's (:class:`DeviceClock`), not the host's launches.
 """
 from __future__ import annotations
 
@@ -29,6 +30,50 @@ WAIT_SENDS = "wait for sends"
 def now_us() -> float:
     """Wall-clock time in microseconds (comparable between processes of one host)."""
     return time.time_ns() / 1000.0
+
+
+class DeviceClock:
+    """Op times on the device's own timeline, for a device whose host runs ahead of it (CUDA):
+    the host's clock around an op measures only its launch there. Each op gets a pair of
+    timing events (``new_event()``: e.g. ``torch.cuda.Event(enable_timing=True)``, with
+    ``record()`` and ``elapsed_time(other)`` in ms), resolved once the iteration is done
+    against one event recorded with the wall clock at the start: no synchronisation between
+    ops, so the traced run keeps its overlap. ``sync()``: waits for the device."""
+
+    def __init__(self, new_event, sync):
+        self._new, self._sync = new_event, sync
+        self._origin = None
+        self._origin_us = 0.0
+        self._pending: list[tuple[int, int, object, object]] = []
+
+    def begin(self) -> None:
+        """Start an iteration: the device is idle, the origin event is stamped with the wall clock."""
+        self._sync()
+        self._origin_us = now_us()
+        self._origin = self._new()
+        self._origin.record()
+        self._pending = []
+
+    def mark(self):
+        """A timing event recorded now on the device's stream."""
+        ev = self._new()
+        ev.record()
+        return ev
+
+    def add(self, event_index: int, memory_index: int, start, end) -> None:
+        """Time event ``event_index`` (and memory sample ``memory_index``) by ``start`` and ``end``."""
+        self._pending.append((event_index, memory_index, start, end))
+
+    def resolve(self, trace: "ExecTrace") -> None:
+        """Rewrite the events' start (wall-clock us) and duration (us) from their device events."""
+        from dataclasses import replace
+
+        self._sync()
+        for k, m, start, end in self._pending:
+            t0 = self._origin_us + self._origin.elapsed_time(start) * 1e3
+            trace.events[k] = replace(trace.events[k], start_us=t0, dur_us=max(start.elapsed_time(end) * 1e3, 0.0))
+            trace.memory[m] = (t0, trace.memory[m][1])
+        self._pending = []
 
 
 @dataclass(frozen=True)

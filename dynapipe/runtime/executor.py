@@ -43,7 +43,7 @@ from dynapipe.runtime.activation_meter import ActivationMeter
 from dynapipe.runtime.buffers import BufferTable
 from dynapipe.runtime.exec_compute import ComputeOps
 from dynapipe.runtime.exec_transfers import TransferOps
-from dynapipe.runtime.exec_trace import WAIT_SENDS, ExecEvent, ExecTrace, describe, now_us
+from dynapipe.runtime.exec_trace import WAIT_SENDS, DeviceClock, ExecEvent, ExecTrace, describe, now_us
 from dynapipe.runtime.contract import ExecutorConfig, HandlerFailure, IterationResult, StageHandlers
 from dynapipe.runtime.p2p import AbortChannel, CommFailure, PeerComm, RemoteFailure, Waiter
 from dynapipe.runtime.plan_check import (PeerPlanCheck, check_plan_locally, executor_prefix, pair_starts,
@@ -98,6 +98,10 @@ class Executor(ComputeOps, TransferOps):
         self.meter = meter
         self._runs = 0
         self._failed: Optional[str] = None
+        # Traced on CUDA, ops are timed on the device (the host only launches them).
+        self._clock = DeviceClock(lambda: torch.cuda.Event(enable_timing=True),
+                                  lambda: torch.cuda.synchronize(self.device)) \
+            if self.config.trace and self.device.type == "cuda" else None
         self._closed = False
         # Exchange seq of the last plan-check row, while peers may still have to read it.
         self._unread_row: Optional[int] = None
@@ -255,6 +259,8 @@ class Executor(ComputeOps, TransferOps):
                        buffers=BufferTable(meter=self.meter), check=check, loss_tokens=loss_tokens)
         trace = ExecTrace(plan.stage, plan.replica, plan.iteration) if self.config.trace else None
         posted0 = self.comm.posted
+        if self._clock is not None:
+            self._clock.begin()
         t_begin = now_us()
         n = len(plan.instructions)
         for i, ins in enumerate(plan.instructions):
@@ -274,6 +280,8 @@ class Executor(ComputeOps, TransferOps):
                                 f"but another rank failed; {self.abort.root_cause()}")
             self._failed = str(err).splitlines()[0]
             raise err
+        if self._clock is not None:
+            self._clock.resolve(trace)
         unfreed = run.buffers.clear()
         loss = sum(float(v) for v in run.losses.values()) / run.loss_tokens if run.losses else 0.0
         return IterationResult(plan.iteration, loss, {k: float(v) for k, v in run.losses.items()}, wall_ms,
@@ -283,6 +291,7 @@ class Executor(ComputeOps, TransferOps):
         """Run ``op`` for instruction ``i``, timing it when tracing; every failure is reported."""
         where = Where(self, i, ins)
         t0 = now_us() if trace is not None else 0.0
+        start = self._clock.mark() if self._clock is not None else None
         try:
             op(i, ins, run, where)
         except Exception as e:  # noqa: BLE001 - any handler error stops every rank
@@ -311,6 +320,8 @@ class Executor(ComputeOps, TransferOps):
                     note = self._trace_note(ins)
             else:
                 name, cat, kind, shape, opcode = WAIT_SENDS, "comm", "", None, "wait_sends"
+            if start is not None:
+                self._clock.add(len(trace.events), len(trace.memory), start, self._clock.mark())
             trace.events.append(ExecEvent(i, opcode, ins.mb, name, cat, t0, dur, kind, shape, ins.chunk, note))
             trace.memory.append((t0, run.buffers.live_bytes))
 
