@@ -70,7 +70,9 @@ def init_distributed(parallel: ParallelArgs) -> None:
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
     if parallel.backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        # Modulo the visible devices: a scheduler that shows each task only its own GPU still
+        # numbers local ranks from 0 up.
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     dist.init_process_group(parallel.backend,
                             timeout=datetime.timedelta(minutes=parallel.timeout_minutes))
 

@@ -248,7 +248,8 @@ class PeerPlanCheck:
         self.where = f"{where} (exchanging plan digests)"
         self.job, self.docs = None, None
         if store is None:
-            mine = torch.tensor(self.row, dtype=torch.int64)
+            # On the executor's device: an NCCL pipeline group gathers CUDA tensors only.
+            mine = torch.tensor(self.row, dtype=torch.int64, device=self.comm.device)
             self.rows = [torch.zeros_like(mine) for _ in range(self.comm.size)]
             self.pending = Pending([dist.all_gather(self.rows, mine, group=self.comm.group, async_op=True)], [mine])
         else:
