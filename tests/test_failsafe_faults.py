@@ -462,17 +462,24 @@ def test_a_failed_replanning_after_a_redis_restart_stops_the_loader_with_its_cau
 
     port, procs = redis_port
     spec = KVStoreSpec("redis", "127.0.0.1", port, connect_timeout_s=10.0)
+    probe = spec.connect()
 
     def broken():
         raise RuntimeError("replanning broke")
 
-    # More iterations than the prefetch window: the loop must wait on one planned after the
-    # restart (with 7, every plan could already be fetched, and the loop end before the
-    # watcher's report arrives).
+    # The restart must lose payloads nobody has read: the fetch thread holds at most iterations
+    # 1, 2 (queued) and 3 (in hand), so once 5 is on the server, 4 and 5 are unread and lost,
+    # and only the (broken) replanning could bring them back. Restarting earlier lost nothing
+    # on some runs, and the loop could then finish before the watcher's report arrived.
     with make_loader(kv_backend="redis", redis=spec, train_iters=14, store_retry_s=20, prefetch=6,
                      plan_timeout_s=60) as dl:
         next(dl)
         dl._watcher.on_restart = broken
+        deadline = time.monotonic() + 60
+        while probe.get(dl.keys.payload(5, 0, 0)) is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert probe.get(dl.keys.payload(4, 0, 0)) is not None, "iteration 4 was read before the restart"
+        probe.close()
         _restart(procs, port, 0.5)
         t0 = time.monotonic()
         with pytest.raises(DynaPipeError) as e:
