@@ -5,6 +5,7 @@ skip, unless DYNAPIPE_REQUIRE_REDIS=1 (CI), where they fail.
 """
 import datetime
 import os
+import threading
 import pickle
 import shutil
 import socket
@@ -131,6 +132,57 @@ def test_wait_blob_times_out_clearly_and_polls(kv):
         raise DynaPipeError("worker crashed")
     with pytest.raises(DynaPipeError, match="worker crashed"):
         wait_blob(kv, "t/never", 30, fail, what="x")
+
+
+def test_a_payload_half_lost_by_a_restart_is_waited_for_until_it_is_written_again(kv):
+    # A restarted Redis keeps the later chunks and the manifest of a payload whose first chunks
+    # it lost; the replanning writes it again. The reader waits for that instead of failing.
+    data = os.urandom(3000)
+    put_blob(kv, "t/half", data)
+    kv.delete("t/half/c0")
+    with pytest.raises(DynaPipeError, match=r"did not arrive within 0.2 s .*Its manifest was there but chunk 0 "
+                                            r"of 3 is missing\. The planner"):
+        wait_blob(kv, "t/half", 0.2, lambda: None, what="the plan of iteration 5")
+    rewrite = threading.Timer(0.2, lambda: put_blob(kv, "t/half", data))
+    rewrite.start()
+    assert wait_blob(kv, "t/half", 30, lambda: None, what="x") == data
+    rewrite.join()
+    delete_blob(kv, "t/half")
+
+
+def test_redis_answers_that_waiting_cannot_change_fail_at_once(redis_server):
+    # A database the server does not have was retried for the whole connect timeout, then blamed
+    # on an unreachable server.
+    from dataclasses import replace
+
+    t0 = time.monotonic()
+    with pytest.raises(DynaPipeError, match=r"Redis at 127\.0\.0\.1:\d+ \(db 99\) refused the connection: .*"
+                                            r"database number"):
+        replace(redis_server, db=99, connect_timeout_s=20.0).connect()
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_port_that_accepts_but_never_answers_is_given_up_at_the_connect_timeout():
+    # Another service on the Redis port (the job's TCPStore, say) took the 60 s read timeout and a
+    # client retry: two minutes for a 3 s limit.
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    port = server.getsockname()[1]
+    held = []
+    accept = threading.Thread(target=lambda: [held.append(server.accept()) for _ in range(64)], daemon=True)
+    accept.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(StoreUnreachableError, match=rf"could not reach Redis at 127\.0\.0\.1:{port} .* within 1 s"):
+            KVStoreSpec("redis", "127.0.0.1", port, connect_timeout_s=1.0).connect()
+        assert time.monotonic() - t0 < 8
+    finally:
+        server.close()
+        for conn, _ in held:
+            conn.close()
 
 
 def test_unreachable_tcp_store_times_out_with_clear_error():

@@ -290,6 +290,11 @@ def test_config_and_layout_errors():
         LoaderConfig(global_batch_size=4, start_iteration=-2).validate()
     with pytest.raises(DynaPipeError, match="^plan_timeout_s 0: must be > 0 seconds"):
         LoaderConfig(global_batch_size=4, plan_timeout_s=0).validate()
+    for port in (0, 70000):
+        with pytest.raises(DynaPipeError, match=f"^--dynapipe-redis-port {port}: must be a TCP port, 1 to 65535"):
+            LoaderConfig(global_batch_size=4, redis_port=port).validate()
+    with pytest.raises(DynaPipeError, match="^redis_db -1: a Redis database number is 0 or more"):
+        LoaderConfig(global_batch_size=4, redis_db=-1).validate()
     with pytest.raises(DynaPipeError, match="disagree with the rank layout"):
         DynaPipeDataLoader(LoaderConfig(global_batch_size=4), dataset(), planner_settings(stages=2), RankLayout(),
                            store=default_store_for_single_process())

@@ -198,26 +198,40 @@ def _connect_tcp_store(host: str, port: int, timeout_s: float) -> TorchStoreKV:
 def _connect_redis(host: str, port: int, db: int, timeout_s: float, ttl_s: int, retry_s: float = 30.0) -> RedisKV:
     try:
         import redis
-        from redis.backoff import ExponentialBackoff
+        from redis.backoff import ExponentialBackoff, NoBackoff
         from redis.retry import Retry
     except ImportError:
         raise DynaPipeError("--dynapipe-kv-backend redis needs the redis package: pip install redis") from None
-    # One quick retry per command inside the client; RedisKV retries lost connections for
-    # retry_s; connecting keeps trying until the timeout.
-    client = redis.Redis(host=host, port=int(port), db=db, socket_connect_timeout=min(timeout_s, 5.0),
-                         socket_timeout=max(timeout_s, 60.0), retry=Retry(ExponentialBackoff(0.05, 0.01), 1))
+    where = f"Redis at {host}:{port} (db {db})"
+
+    def client(socket_timeout: float, retry: Retry):
+        return redis.Redis(host=host, port=int(port), db=db, socket_connect_timeout=min(timeout_s, 5.0),
+                           socket_timeout=socket_timeout, retry=retry)
+
+    # Connecting pings without the client's own retries and with reads bounded by the time
+    # left, so something that accepts connections but never answers (another service on the
+    # port) is given up on at the timeout; the operations client then gets one quick retry
+    # per command (RedisKV retries lost connections for retry_s).
     deadline = time.monotonic() + timeout_s
     while True:
+        probe = client(max(min(deadline - time.monotonic(), 5.0), 0.05), Retry(NoBackoff(), 0))
         try:
-            client.ping()
-            return RedisKV(client, ttl_s, retry_s, f"{host}:{port} (db {db})")
+            probe.ping()
+            break
+        except (redis.exceptions.AuthenticationError, redis.exceptions.ResponseError) as e:
+            # The server answered: waiting would not change its answer.
+            raise DynaPipeError(f"{where} refused the connection: {e}. Check the database number "
+                                f"(LoaderConfig.redis_db: 0 to the server's databases - 1); servers that need a "
+                                f"password are not supported.") from None
         except redis.exceptions.RedisError as e:
             if time.monotonic() >= deadline:
-                client.close()
                 raise StoreUnreachableError(
-                    f"could not reach Redis at {host}:{port} (db {db}) within {timeout_s:g} s ({e}). Check "
+                    f"could not reach {where} within {timeout_s:g} s ({e}). Check "
                     f"--dynapipe-redis-host/--dynapipe-redis-port and that the server runs.") from None
             time.sleep(0.05)
+        finally:
+            probe.close()
+    return RedisKV(client(max(timeout_s, 60.0), Retry(ExponentialBackoff(0.05, 0.01), 1)), ttl_s, retry_s, where)
 
 
 def tcp_store_address(store) -> tuple[str, int]:
@@ -265,6 +279,11 @@ def put_blob(kv: KVStore, key: str, data: bytes) -> None:
     kv.set(key, _HEADER.pack(_MAGIC, _VERSION, chunks, n))  # last: readers wait for it
 
 
+class MissingChunk(DynaPipeError):
+    """A payload's manifest is in the store but one of its chunks is not (a restarted server
+    kept the later writes of a payload whose earlier ones it lost)."""
+
+
 def get_blob(kv: KVStore, key: str) -> Optional[bytes]:
     """The value stored by :func:`put_blob`, or None while ``key`` is absent."""
     head = kv.get(key)
@@ -283,7 +302,7 @@ def get_blob(kv: KVStore, key: str) -> Optional[bytes]:
         for i in range(chunks):
             part = kv.get(_chunk_key(key, i))
             if part is None:
-                raise DynaPipeError(f"store key {key!r}: chunk {i} of {chunks} is missing.")
+                raise MissingChunk(f"store key {key!r}: chunk {i} of {chunks} is missing.")
             parts.append(part)
         data = b"".join(parts)
     if len(data) != total:
@@ -308,14 +327,20 @@ def wait_blob(kv: KVStore, key: str, timeout_s: float, on_poll: Callable[[], Non
     """
     deadline = time.monotonic() + timeout_s
     delay = 0.0002
+    partial = ""
     while True:
-        data = get_blob(kv, key)
+        try:
+            data = get_blob(kv, key)
+        except MissingChunk as e:
+            # Half of a payload outlived a server restart: the replanning of what the restart lost
+            # writes it again, so wait for that as for a late payload.
+            data, partial = None, f" Its manifest was there but {str(e).split(': ', 1)[1].rstrip('.')}."
         if data is not None:
             return data
         on_poll()
         if time.monotonic() > deadline:
-            raise DynaPipeError(f"{what} did not arrive within {timeout_s:g} s (store key {key!r}). The planner "
-                                f"workers may be stuck or too slow: raise the plan timeout or the number of "
-                                f"planner workers, and check the planner nodes' logs.")
+            raise DynaPipeError(f"{what} did not arrive within {timeout_s:g} s (store key {key!r}).{partial} The "
+                                f"planner workers may be stuck or too slow: raise the plan timeout or the number "
+                                f"of planner workers, and check the planner nodes' logs.")
         time.sleep(delay)
         delay = min(delay * 2, 0.02)

@@ -70,6 +70,10 @@ class LoaderConfig:
         for name, value in (("plan_timeout_s", self.plan_timeout_s), ("connect_timeout_s", self.connect_timeout_s)):
             if not value > 0:
                 raise DynaPipeError(f"{name} {value}: must be > 0 seconds.")
+        if not 1 <= self.redis_port <= 65535:
+            raise DynaPipeError(f"--dynapipe-redis-port {self.redis_port}: must be a TCP port, 1 to 65535.")
+        if self.redis_db < 0:
+            raise DynaPipeError(f"redis_db {self.redis_db}: a Redis database number is 0 or more.")
         if not self.store_retry_s >= 0:
             raise DynaPipeError(f"--dynapipe-store-retry-s {self.store_retry_s}: must be >= 0 seconds.")
         return self

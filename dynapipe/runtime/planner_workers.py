@@ -261,8 +261,11 @@ class PlannerPool:
                     self._drain()
                 except queue.Empty:
                     pass
+                how = (f"was killed by signal {-p.exitcode} (out of memory?)" if p.exitcode < 0 else
+                       f"exited with code {p.exitcode} (its error is on stderr; a script that starts the loader "
+                       f"outside `if __name__ == '__main__':` makes every worker exit so)")
                 raise PlannerWorkerError(f"planner worker {i} (pid {p.pid}) on planner node {self.job.node} "
-                                         f"exited with code {p.exitcode} without a report (killed, or out of memory?).")
+                                         f"{how}, without a report.")
 
     def close(self, timeout_s: float = 1.0) -> None:
         """Stop every worker: ask, wait ``timeout_s``, then terminate and kill.
