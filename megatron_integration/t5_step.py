@@ -64,7 +64,8 @@ def segment_mask(q_seg: torch.Tensor, k_seg: torch.Tensor, causal: bool = False,
     return (~keep).unsqueeze(1)
 
 
-def needed_mask(q_seg: torch.Tensor, k_seg: torch.Tensor, self_attention: bool = True) -> Optional[torch.Tensor]:
+def needed_mask(q_seg: torch.Tensor, k_seg: torch.Tensor, self_attention: bool = True,
+                host: Optional[tuple] = None) -> Optional[torch.Tensor]:
     """The bidirectional :func:`segment_mask` of ``q_seg`` / ``k_seg``, or None when it would
     mask nothing: every row of both is one whole sample (no padding), the same one.
 
@@ -73,9 +74,12 @@ def needed_mask(q_seg: torch.Tensor, k_seg: torch.Tensor, self_attention: bool =
     tokens on a CPU), and building a ``[mbs, 1, sq, sk]`` mask costs milliseconds more;
     without it the scores are the same. Decided from the ``[mbs, s]`` sample numbers, so an
     unneeded mask is never built. For attention whose layer spec takes an arbitrary mask
-    (encoder self-attention, cross-attention): a causal layer given None builds its own."""
-    first = q_seg[:, :1]
-    if bool((first > 0).all()) and bool((q_seg == first).all()) and bool((k_seg == first).all()):
+    (encoder self-attention, cross-attention): a causal layer given None builds its own.
+    ``host``: host copies of ``(q_seg, k_seg)`` (tensors or arrays) to decide from, so a CUDA
+    forward does not wait for the device to answer."""
+    q, k = (torch.as_tensor(host[0]), torch.as_tensor(host[1])) if host is not None else (q_seg, k_seg)
+    first = q[:, :1]
+    if bool((first > 0).all()) and bool((q == first).all()) and bool((k == first).all()):
         return None
     return segment_mask(q_seg, k_seg, self_attention=self_attention)
 
@@ -132,11 +136,15 @@ class T5StageHandlers(ModelStageHandlers):
             kwargs.update(enc_tokens=inputs["tokens"], enc_positions=segment_positions(enc_seg))
         if place.embeds_decoder:
             kwargs.update(dec_tokens=inputs["dec_tokens"], dec_positions=segment_positions(dec_seg))
+        host = self.tensors.get(mb.mb) or {}  # the loaded tensors' host copies
+        enc_host, dec_host = host.get("enc_mask"), host.get("dec_mask")
         if t5.encoder is not None:
-            kwargs["enc_attn_mask"] = needed_mask(enc_seg, enc_seg)
+            kwargs["enc_attn_mask"] = needed_mask(enc_seg, enc_seg, host=None if enc_host is None else
+                                                  (enc_host, enc_host))
         if t5.decoder is not None:
             kwargs["dec_attn_mask"] = segment_mask(dec_seg, dec_seg, causal=True)
-            kwargs["cross_attn_mask"] = needed_mask(dec_seg, enc_seg, self_attention=False)
+            kwargs["cross_attn_mask"] = needed_mask(dec_seg, enc_seg, self_attention=False, host=None if (
+                enc_host is None or dec_host is None) else (dec_host, enc_host))
         self.masked[(op.mb, op.chunk)] = any(kwargs.get(k) is not None for k in ("enc_attn_mask", "cross_attn_mask"))
         if isinstance(st.gpt, T5Chunks):
             kwargs["chunk"] = op.chunk

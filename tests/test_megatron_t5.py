@@ -509,3 +509,13 @@ def test_pretrain_t5_script_reports_bad_input_in_one_line(capsys):
     assert script.main(TINY.replace("--decoder-seq-length 64", "").split()) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --decoder-seq-length is required") and "\n" not in err
+
+
+def test_the_mask_decision_is_taken_from_the_host_copies_when_given():
+    # On CUDA, deciding from the device tensors would make every forward wait for the GPU; the
+    # handlers pass the loaded tensors' host copies, which must decide alone.
+    whole = torch.ones(2, 4, dtype=torch.int64)
+    padded = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    assert needed_mask(whole, whole) is None
+    assert needed_mask(whole, whole, host=(padded.numpy(), padded.numpy())) is not None
+    assert needed_mask(padded, padded, host=(whole.numpy(), whole.numpy())) is None
