@@ -89,10 +89,13 @@ def split_point(device: torch.device) -> float:
 
 def step_split_ms(t_run: float, t_grads: float, t_opt: float) -> dict:
     """Where an executor-driven iteration went (ms; ``time.perf_counter()`` seconds at the
-    executor's start, at its end, and at the optimizer step's start; up to now)."""
-    now = time.perf_counter()
+    executor's start, at its end, and at the optimizer step's start; up to now), and the
+    executor's end on the wall clock (``pipeline_end_us``, comparable between the ranks of a
+    host: how long this rank then waited for the others is pipeline drain)."""
+    now, wall_us = time.perf_counter(), time.time_ns() / 1e3
     return {"executor_ms": round((t_grads - t_run) * 1e3, 3), "grads_ms": round((t_opt - t_grads) * 1e3, 3),
-            "optimizer_ms": round((now - t_opt) * 1e3, 3)}
+            "optimizer_ms": round((now - t_opt) * 1e3, 3),
+            "pipeline_end_us": round(wall_us - (now - t_grads) * 1e6, 1)}
 
 
 def loss_func(loss_mask: torch.Tensor, output: torch.Tensor, divisor: float = 1.0):

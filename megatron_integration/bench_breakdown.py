@@ -4,7 +4,9 @@ An iteration of one rank is split into (ms):
 
 * ``compute``: forward and backward passes;
 * ``bubble``: blocked on a point-to-point transfer whose peer had not posted its side
-  yet (the neighbouring stage was still busy: the pipeline bubble);
+  yet (the neighbouring stage was still busy: the pipeline bubble), and, after the rank's
+  pipeline part, waiting for the job's last rank to finish its own (the pipeline drain:
+  the gradient all-reduces and the grad-norm reduction of the optimizer step wait for it);
 * ``comm``: blocked on a transfer after both sides had posted it (the transfer itself,
   gloo/NCCL handshakes, megatron-core's shape exchange), plus posting transfers;
 * ``overhead``: the schedule's own time inside the pipeline part of the iteration:
@@ -12,7 +14,8 @@ An iteration of one rank is split into (ms):
   megatron-core's schedule bookkeeping outside compute and transfers (a fixed cost per
   micro-batch, also given per micro-batch);
 * ``optimizer_and_grads``: gradient finaliser, optimizer step and the loss reduction
-  (for DynaPipe everything of the iteration outside the executor and the plan wait);
+  (for DynaPipe everything of the iteration outside the executor and the plan wait), less
+  the drain counted as bubble;
 * ``plan_wait``: the training loop waiting for its plan (DynaPipe only);
 * ``unattributed``: iteration time minus all of the above (signed: a negative value
   means the parts overlap, which the timers should never let happen).
@@ -61,6 +64,8 @@ class RankTimeline:
     overhead_ms: float = 0.0
     optimizer_and_grads_ms: float = 0.0
     plan_wait_ms: float = 0.0
+    # Wall clock (us) at the end of the rank's pipeline part (None: not recorded).
+    pipeline_end_us: Optional[float] = None
 
 
 def _peer_posts(timelines: Sequence[RankTimeline]) -> dict[int, list[float]]:
@@ -123,7 +128,7 @@ def megatron_timeline(summary: dict, i: int, replica: int) -> Optional[RankTimel
     p2p = sum(t1 - t0 for t0, t1 in blocked) / 1e3
     return RankTimeline(replica, stage, summary["iteration_ms"][i], compute, b.get("micro_batches", 0),
                         transfers, blocked, 0.0, max(b["schedule_ms"] - compute - p2p - b["finalize_ms"], 0.0),
-                        b["finalize_ms"] + b["optimizer_ms"], 0.0)
+                        b["finalize_ms"] + b["optimizer_ms"], 0.0, b.get("pipeline_end_us") or None)
 
 
 def executor_timeline(events: Sequence[dict], origin_us: float, summary: dict, i: int) -> RankTimeline:
@@ -156,17 +161,31 @@ def executor_timeline(events: Sequence[dict], origin_us: float, summary: dict, i
     span = (end - start) / 1e3 if events else 0.0
     wait = summary["plan_wait_ms"][i]
     it_ms = summary["iteration_ms"][i]
+    split = (summary.get("breakdown_ms") or [None] * (i + 1))[i] or {}
     return RankTimeline(replica, stage, it_ms, compute / 1e3, len(mbs), transfers, blocked, posting / 1e3,
-                        max(span - comm_events / 1e3 - compute / 1e3, 0.0), max(it_ms - span - wait, 0.0), wait)
+                        max(span - comm_events / 1e3 - compute / 1e3, 0.0), max(it_ms - span - wait, 0.0), wait,
+                        split.get("pipeline_end_us"))
+
+
+def drain_ms(timelines: Sequence[RankTimeline]) -> list[float]:
+    """How long each timeline's rank waited, after its pipeline part, for the job's last rank to
+    finish its own (ms; bounded by its time outside the pipeline part, 0 where not recorded).
+    The gradient all-reduces (data-parallel, tied embeddings) and the optimizer's grad-norm
+    reduction over the model-parallel group make every rank wait for it."""
+    ends = [t.pipeline_end_us for t in timelines if t.pipeline_end_us is not None]
+    last = max(ends, default=None)
+    return [0.0 if last is None or t.pipeline_end_us is None
+            else min(max(last - t.pipeline_end_us, 0.0) / 1e3, t.optimizer_and_grads_ms) for t in timelines]
 
 
 def rows(timelines: Sequence[RankTimeline]) -> list[dict]:
     """One row of ms per timeline (one iteration of all ranks): the parts of
     :data:`PARTS`, ``iteration``, ``unattributed``, ``overhead_per_mb`` and ``stage``."""
     out = []
-    for t, (bubble, comm) in zip(timelines, split_blocked(timelines)):
-        parts = {"compute": t.compute_ms, "bubble": bubble, "comm": comm + t.posting_ms, "overhead": t.overhead_ms,
-                 "optimizer_and_grads": t.optimizer_and_grads_ms, "plan_wait": t.plan_wait_ms}
+    for t, (bubble, comm), drain in zip(timelines, split_blocked(timelines), drain_ms(timelines)):
+        parts = {"compute": t.compute_ms, "bubble": bubble + drain, "comm": comm + t.posting_ms,
+                 "overhead": t.overhead_ms, "optimizer_and_grads": t.optimizer_and_grads_ms - drain,
+                 "plan_wait": t.plan_wait_ms}
         out.append({"iteration": t.iteration_ms, **parts,
                     "unattributed": t.iteration_ms - sum(parts.values()),
                     "overhead_per_mb": t.overhead_ms / t.micro_batches if t.micro_batches else 0.0,

@@ -28,6 +28,8 @@ class ScheduleTiming:
     finalize_ms: float = 0.0
     schedule_ms: float = 0.0
     micro_batches: int = 0
+    # Wall clock (us) at which the gradient finaliser started: the end of this rank's pipeline part.
+    pipeline_end_us: float = 0.0
     # One [start_us, end_us, send_next, send_prev, recv_prev, recv_next] per p2p exchange (wall clock).
     p2p_calls: list = field(default_factory=list)
 
@@ -96,7 +98,13 @@ def timed_schedule(config, timing: ScheduleTiming):
     if communicate is not None:
         communicator._communicate = _recorded(communicate, timing)
     if finalize is not None:
-        config.finalize_model_grads_func = _timed(finalize, timing, "finalize_ms")
+        timed = _timed(finalize, timing, "finalize_ms")
+
+        def stamped(*args, **kwargs):
+            timing.pipeline_end_us = time.time_ns() / 1e3
+            return timed(*args, **kwargs)
+
+        config.finalize_model_grads_func = stamped
     t0 = time.perf_counter()
     try:
         yield timing

@@ -341,3 +341,22 @@ def test_a_baseline_with_no_size_that_fits_is_refused_before_any_run(tmp_path, m
         bench.run_bench(argv, ["dynapipe", "packing"], 2, str(tmp_path / "b.json"), sweep_top=1, calibrate_iters=0,
                         progress=False, stream=io.StringIO())
     assert not (tmp_path / "b.json").exists()
+
+
+def test_waiting_for_the_last_rank_after_the_pipeline_part_is_bubble_not_optimizer():
+    # The last stage ends its 1F1B before stage 0's last backward; it then waits in the gradient
+    # all-reduces for stage 0. That drain was counted as its optimizer time (219 against 10 ms).
+    from megatron_integration.bench_breakdown import RankTimeline, rows
+
+    def rank(stage, end_us, opt_ms):
+        return RankTimeline(0, stage, 1000.0, 800.0, 4, optimizer_and_grads_ms=opt_ms, pipeline_end_us=end_us)
+
+    r0, r1 = rows([rank(0, 5_120_000.0, 30.0), rank(1, 5_000_000.0, 150.0)])
+    assert (r0["bubble"], r0["optimizer_and_grads"]) == (0.0, 30.0)
+    assert (r1["bubble"], r1["optimizer_and_grads"]) == (120.0, 30.0)
+    assert r1["unattributed"] == rank(1, 0.0, 150.0).iteration_ms - 800.0 - 150.0  # parts still add up
+    # Never more than the time outside the pipeline part; nothing where a rank did not record its end.
+    capped, unknown = rows([rank(0, 6_000_000.0, 30.0), rank(1, 5_000_000.0, 150.0)])[1], \
+        rows([rank(0, None, 30.0), rank(1, 5_000_000.0, 150.0)])[1]
+    assert (capped["bubble"], capped["optimizer_and_grads"]) == (150.0, 0.0)
+    assert (unknown["bubble"], unknown["optimizer_and_grads"]) == (0.0, 150.0)
