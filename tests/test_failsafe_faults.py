@@ -486,6 +486,10 @@ def test_a_failed_replanning_after_a_redis_restart_stops_the_loader_with_its_cau
             for _ in dl:
                 pass
         assert time.monotonic() - t0 < 30
+        # Asked again (a caller that retries), the loader gives the same cause, not "stopped".
+        with pytest.raises(DynaPipeError) as again:
+            next(dl)
+        assert str(again.value) == str(e.value)
     assert "replanning the iterations a restarted Redis server lost failed" in str(e.value)
     assert "RuntimeError: replanning broke" in str(e.value)
 

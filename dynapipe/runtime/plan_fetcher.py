@@ -112,6 +112,7 @@ class PayloadFetcher:
         self.replica, self.stage, self.readers = replica, stage, readers
         self.start, self.end = start, end
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._error: Optional[BaseException] = None  # the thread's failure, once the loop has seen it
         self._stop = threading.Event()
         self._last_error_check = 0.0
         self._kv: Optional[KVStore] = None
@@ -163,6 +164,8 @@ class PayloadFetcher:
     def get(self, timeout_s: float) -> Optional[IterationData]:
         """The next iteration, or None if none arrived within ``timeout_s``; re-raises the
         thread's error."""
+        if self._error is not None:  # every later call gets the same cause, not a stopped thread
+            raise self._error
         try:
             item = self._queue.get(timeout=timeout_s)
         except queue.Empty:
@@ -170,6 +173,7 @@ class PayloadFetcher:
                 raise DynaPipeError("the plan fetch thread has stopped; the loader was closed or ran out of iterations.")
             return None
         if isinstance(item, BaseException):
+            self._error = item
             raise item
         return item
 
