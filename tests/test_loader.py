@@ -400,3 +400,14 @@ def test_a_planner_refusal_is_one_line_in_the_callers_flags():
         pids = dl.worker_pids
         dl.close()
     assert wait_gone(pids, 5) == []
+
+
+def test_worker_reports_are_taken_every_iteration_even_when_no_plan_is_late():
+    # Only a late plan consulted the workers, so a run whose plans were always ready left every
+    # "done" report in the workers' queue buffers for the whole run.
+    with make_loader(train_iters=6, prefetch=2) as dl:
+        next(dl)
+        time.sleep(1.0)  # iteration 1 (the prefetch window) is planned meanwhile; its report is queued
+        next(dl)
+        assert {0, 1} <= set(dl._pool.worker_ms), dl._pool.worker_ms
+        list(dl)

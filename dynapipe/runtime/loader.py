@@ -202,6 +202,7 @@ class DynaPipeDataLoader:
         t0 = time.perf_counter()
         if self._pool is not None:
             self._dispatch(it)
+            self._pool.absorb()
         deadline = time.monotonic() + self.config.plan_timeout_s
         while True:
             data = self._fetcher.get(0.05)

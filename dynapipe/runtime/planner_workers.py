@@ -210,6 +210,7 @@ class PlannerPool:
         self.job = job
         self.tasks = ctx.Queue()
         self.events = ctx.Queue()
+        self._failure: Optional[PlannerWorkerError] = None  # a worker's reported error, raised by check()
         # Per iteration planned here: planner ms, and the worker's whole ms (planning,
         # tensors, encoding, publishing).
         self.planning_ms: dict[int, float] = {}
@@ -227,10 +228,19 @@ class PlannerPool:
         self.tasks.put(iteration)
 
     def _drain(self) -> None:
+        self.absorb()
+        if self._failure is not None:
+            raise self._failure
+
+    def absorb(self) -> None:
+        """Take the workers' reports without raising (once an iteration, so that a long run whose
+        plans are always ready does not leave them piling up in the workers' queue buffers); a
+        failure among them is kept for :meth:`check`, which the loader calls only while it waits
+        for a plan, so that every rank stops at the same iteration."""
         while True:
             try:
                 ev = self.events.get_nowait()
-            except queue.Empty:
+            except (queue.Empty, OSError, ValueError):
                 return
             self._handle(ev)
 
@@ -238,9 +248,9 @@ class PlannerPool:
         if ev[0] == "done":
             self.planning_ms[ev[2]] = ev[3]
             self.worker_ms[ev[2]] = ev[4]
-        elif ev[0] == "error":
+        elif ev[0] == "error" and self._failure is None:
             _, worker, iteration, tb = ev
-            raise PlannerWorkerError(_error_text(self.job.node, worker, iteration, tb))
+            self._failure = PlannerWorkerError(_error_text(self.job.node, worker, iteration, tb))
 
     def stats(self) -> dict:
         """Planner ms and whole worker ms of every iteration this node has planned so far."""
@@ -258,9 +268,9 @@ class PlannerPool:
             if p.exitcode is not None:
                 try:  # its report may still be in flight
                     self._handle(self.events.get(timeout=1.0))
-                    self._drain()
                 except queue.Empty:
                     pass
+                self._drain()
                 how = (f"was killed by signal {-p.exitcode} (out of memory?)" if p.exitcode < 0 else
                        f"exited with code {p.exitcode} (its error is on stderr; a script that starts the loader "
                        f"outside `if __name__ == '__main__':` makes every worker exit so)")
