@@ -134,13 +134,18 @@ def _default_memory(cost_model: CostModel, memory_limit_mib: Optional[float],
 
 def _loss_tokens(batch_plan: BatchPlan, lengths, cost_model: CostModel) -> BatchPlan:
     """Encoder-decoder losses count target tokens: set the micro-batches' ``loss_tokens``
-    to their target tokens (``real_tokens`` keeps input + target)."""
+    to their target tokens (``real_tokens`` keeps input + target), as truncated to the plan's
+    ``seq_length`` (the cap of each side)."""
     if not cost_model.model.is_encoder_decoder or lengths is None:
         return batch_plan
     arr = np.asarray(lengths)
     if arr.ndim != 2:
         return batch_plan
-    mbs = [dataclasses.replace(mb, loss_tokens=int(arr[mb.samples, 1].sum())) for mb in batch_plan.micro_batches]
+    targets = arr[:, 1]
+    cap = batch_plan.extra.get("seq_length")
+    if cap is not None:
+        targets = np.minimum(targets, int(cap))
+    mbs = [dataclasses.replace(mb, loss_tokens=int(targets[mb.samples].sum())) for mb in batch_plan.micro_batches]
     return dataclasses.replace(batch_plan, micro_batches=mbs)
 
 
@@ -254,8 +259,11 @@ def _search(batch_plan: BatchPlan, cost_model: CostModel, *, schedule: str, memo
     # batch_plan.replica(r) for every r, in one pass over the micro-batches.
     replica_batches: list[list] = [[] for _ in range(dp)]
     for mb in batch_plan.micro_batches:
-        if 0 <= mb.replica < dp:
-            replica_batches[mb.replica].append(mb)
+        if not 0 <= mb.replica < dp:
+            # Dropping it would lose its samples and still count its loss tokens in the normaliser.
+            raise DynaPipeError(f"micro-batch of samples {list(mb.samples)[:8]} is assigned to replica {mb.replica}, "
+                                f"outside 0..{dp - 1} (dp {dp}); assign every micro-batch a replica of the plan.")
+        replica_batches[mb.replica].append(mb)
     result = search_schedules(replica_batches, cost_model, schedule=schedule, recompute=recompute,
                               capacity_mib=capacity, cluster=cluster, dp=dp, tp=tp, zero=zero, explain=explain,
                               batching=batch_plan.batching, split_backward=split_backward)

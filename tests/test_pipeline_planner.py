@@ -72,6 +72,28 @@ def test_encoder_decoder_loss_counts_target_tokens():
     assert sum(mb.planned_loss_tokens for mb in it.batch_plan.micro_batches) == int(lengths[:, 1].sum())
 
 
+def test_encoder_decoder_loss_tokens_are_the_truncated_targets():
+    # Targets longer than seq_length are cut by the planner; the loss normaliser counted them whole
+    # (210 for targets 150 and 60 at seq_length 128, where 188 are trained).
+    cm = build_cost_model(load_model_config("t5-11b"), load_device_config("a100-40gb"), 8)
+    it = plan_iteration([[100, 150], [40, 60]], cm, seq_length=128, validate=True)
+    assert it.plans[0][0].global_loss_tokens == 128 + 60
+    assert sum(mb.loss_tokens for mb in it.batch_plan.micro_batches) == 188
+
+
+def test_a_micro_batch_of_no_replica_is_refused_not_dropped(tiny_cost):
+    import dataclasses
+
+    from dynapipe.pipeline_planner import schedule_batch_plan
+
+    bp = plan_micro_batches(sample_lengths(8, 1, 256), tiny_cost, dp=2)
+    last = bp.micro_batches[-1]
+    for bad in (2, -1):
+        broken = dataclasses.replace(bp, micro_batches=bp.micro_batches[:-1] + [dataclasses.replace(last, replica=bad)])
+        with pytest.raises(DynaPipeError, match=f"assigned to replica {bad}, outside 0..1"):
+            schedule_batch_plan(broken, tiny_cost)
+
+
 def test_stages_must_match_the_cost_model(tiny_cost):
     with pytest.raises(DynaPipeError, match="--stages 3"):
         plan_iteration([10, 20], tiny_cost, stages=3)
@@ -205,3 +227,20 @@ def test_room_in_flight_is_tried_only_on_a_fall_back_to_full_recompute(monkeypat
     assert tried("full", ["full"] * 4) == []  # cut at full already
     assert tried("selective", ["full"] + ["selective"] * 3, method="packing") == []
     assert tried("selective", ["full"] + ["selective"] * 3) == [0.25, 0.5]  # 1/S and 1/2
+
+
+@pytest.mark.parametrize("lengths, kwargs, needle", [
+    ([1, None, 3], {}, "sample 1: length None is not an integer"),
+    ([10, 20], {"reserved_mib": float("nan")}, "reserved memory nan MiB must be a finite number, 0 or more"),
+    ([10, 20], {"reserved_mib": -1}, "reserved memory -1 MiB must be a finite number, 0 or more"),
+    ([10, 20], {"memory_limit_mib": "lots"}, "memory limit 'lots' MiB must be a positive number"),
+])
+def test_bad_planner_inputs_are_one_line_errors_naming_the_value(tiny_cost, lengths, kwargs, needle):
+    with pytest.raises(DynaPipeError, match=needle):
+        plan_micro_batches(lengths, tiny_cost, **kwargs)
+
+
+def test_ragged_encoder_decoder_lengths_are_refused_in_one_line():
+    cm = build_cost_model(load_model_config("t5-11b"), load_device_config("a100-40gb"), 8)
+    with pytest.raises(DynaPipeError, match=r"not one row per sample of equal size .* \(n, 2\)"):
+        plan_iteration([[1, 2], [3]], cm)

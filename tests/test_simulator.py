@@ -122,6 +122,28 @@ def test_a_schedule_that_cannot_run_is_rejected():
         simulate(Schedule("broken", 2, (stage0, stage1)), uniform_times(2, 2))
 
 
+@pytest.mark.parametrize("stage0, needle", [
+    ((Op("F", 0), Op("B", 0), Op("F", 1)), "micro-batch 1's forward 1 time.* B x0, BI x0, BW x0"),
+    ((Op("F", 0), Op("F", 0), Op("B", 0), Op("F", 1), Op("B", 1)), "micro-batch 0's forward 2 time"),
+    ((Op("F", 0), Op("B", 0)), "micro-batch 1's forward 0 time"),
+    ((Op("F", 0), Op("BI", 0), Op("F", 1), Op("B", 1)), "micro-batch 0's forward 1 time.* B x0, BI x1, BW x0"),
+])
+def test_a_schedule_missing_or_repeating_an_op_is_refused_not_simulated(stage0, needle):
+    # It used to simulate to a plausible timeline: 8.9 ms instead of 10.9 without stage 0's B1.
+    stage1 = (Op("F", 0), Op("B", 0), Op("F", 1), Op("B", 1))
+    with pytest.raises(DynaPipeError, match=f"schedule 'odd': stage 0 runs {needle}"):
+        simulate(Schedule("odd", 2, (stage0, stage1)), uniform_times(2, 2))
+
+
+def test_a_chunked_schedule_missing_an_op_is_refused_too():
+    from dynapipe.schedule.interleaved import chunked_schedule_arrays
+
+    full = tuple(Op(k, m, c) for c in (0, 1) for m in (0, 1) for k in ("F", "B"))
+    chunked_schedule_arrays(Schedule("whole", 1, (full,), num_chunks=2), 2)
+    with pytest.raises(DynaPipeError, match="stage 0 runs micro-batch 1 of chunk 1's forward 1 time"):
+        chunked_schedule_arrays(Schedule("short", 1, (full[:-1],), num_chunks=2), 2)
+
+
 def test_split_backward_kinds_pass_the_check_and_unknown_kinds_do_not():
     # BI/BW were reserved until zb-h1 (tests/test_zero_bubble.py covers them in depth).
     ops = (Op("F", 0), Op("BI", 0), Op("BW", 0))

@@ -246,3 +246,19 @@ def test_plans_from_random_costs_validate(S, m, uniform, seed, comm):
     from dynapipe.schedule import adaptive_schedule
     sched, tl = adaptive_schedule(times, capacity_mib=np.full(S, 3 * fw.max()))
     validate_plans(compile_plans(sched, mbs, TINY if S <= 4 else GPT7B, timeline=tl))
+
+
+def test_encoder_decoder_loss_tokens_are_bounded_by_the_decoder_rows():
+    # Encoder-decoder losses count targets only: mbs x dec_seqlen bounds them, not the input too
+    # (the looser bound let a planner's untruncated target count through).
+    from dynapipe.pipeline_planner import plan_iteration
+
+    cm = build_cost_model(load_model_config("t5-11b"), A100, 8)
+    it = plan_iteration([[100, 40], [40, 60]], cm, validate=True)
+    plans = it.plans[0]
+    mb = plans[0].micro_batches[0]
+    over = dataclasses.replace(mb, loss_tokens=mb.mbs * mb.dec_seqlen + 1)
+    assert over.loss_tokens <= mb.mbs * (mb.seqlen + mb.dec_seqlen)
+    bad = [dataclasses.replace(p, micro_batches=(over,) + tuple(p.micro_batches[1:])) for p in plans]
+    with pytest.raises(PlanError, match=rf"micro-batch {mb.mb} .* {mb.mbs} x {mb.dec_seqlen} padded target tokens"):
+        validate_plans(bad)

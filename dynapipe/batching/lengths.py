@@ -76,7 +76,11 @@ def validate_lengths(lengths, encoder_decoder: bool) -> np.ndarray:
     ``(n,)`` for decoder-only models, ``(n, 2)`` (input, target tokens) for
     encoder-decoder ones. Raises :class:`DynaPipeError` naming the first bad sample.
     """
-    arr = np.asarray(lengths)
+    try:
+        arr = np.asarray(lengths)
+    except ValueError as e:  # ragged rows: some samples with two lengths, some with one
+        raise DynaPipeError(f"lengths are not one row per sample of equal size ({e}); give (n,) lengths, or "
+                            f"(n, 2) (input, target) pairs.") from None
     if arr.size == 0:
         raise DynaPipeError("the batch is empty (no lengths); give at least one sample.")
     if arr.ndim not in (1, 2) or (arr.ndim == 2 and arr.shape[1] != 2):
@@ -89,10 +93,11 @@ def validate_lengths(lengths, encoder_decoder: bool) -> np.ndarray:
                             "(add them up, or choose an encoder-decoder model).")
     if arr.dtype.kind not in "iu":
         flat = arr.reshape(len(arr), -1)
-        as_float = np.asarray(flat, dtype=np.float64) if arr.dtype.kind == "f" else None
         for i, row in enumerate(flat):
             for v in row:
-                ok = as_float is not None and float(v).is_integer()
+                # Each value on its own: an object array (a None among numbers) is judged value by value.
+                ok = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)) \
+                    and float(v).is_integer()
                 if not ok:
                     shown = v.item() if hasattr(v, "item") else v
                     raise DynaPipeError(f"sample {i}: length {shown!r} is not an integer number of tokens.")

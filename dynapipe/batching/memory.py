@@ -51,12 +51,19 @@ def memory_budget(cost_model: CostModel, memory_limit_mib: float | None, reserve
 
     ``zero=True`` prices model states with the optimizer sharded over ``dp`` replicas
     (Megatron's distributed optimizer)."""
-    limit = UNLIMITED_MIB if memory_limit_mib is None else float(memory_limit_mib)
+    try:
+        limit = UNLIMITED_MIB if memory_limit_mib is None else float(memory_limit_mib)
+    except (TypeError, ValueError):
+        limit = float("nan")
     if not limit > 0:
-        raise DynaPipeError(f"memory limit {memory_limit_mib} MiB must be positive (--memory-limit-mb).")
-    if reserved_mib < 0:
-        raise DynaPipeError(f"reserved memory {reserved_mib} MiB must not be negative.")
-    budget = MemoryBudget(limit, float(reserved_mib), float(cost_model.model_state_mib(dp=dp, zero=zero)))
+        raise DynaPipeError(f"memory limit {memory_limit_mib!r} MiB must be a positive number (--memory-limit-mb).")
+    try:
+        reserved = float(reserved_mib)
+    except (TypeError, ValueError):
+        reserved = float("nan")
+    if not 0 <= reserved < float("inf"):
+        raise DynaPipeError(f"reserved memory {reserved_mib!r} MiB must be a finite number, 0 or more.")
+    budget = MemoryBudget(limit, reserved, float(cost_model.model_state_mib(dp=dp, zero=zero)))
     if budget.activation_mib <= 0:
         raise DynaPipeError(
             f"the model states of the most loaded stage need {budget.model_state_mib:.1f} MiB, so nothing is left "

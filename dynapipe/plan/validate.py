@@ -208,10 +208,12 @@ def _check_group(plans: list[ExecutionPlan]) -> int:
         if p.micro_batches != first.micro_batches:
             raise PlanError(f"{_where(p, -1)}: its micro-batch list differs from rank {first.stage}'s; {_ONE_RUN}")
         for m in p.micro_batches:
-            if not m.samples or m.loss_tokens < 0 or m.loss_tokens > m.mbs * (m.seqlen + m.dec_seqlen):
+            # Encoder-decoder losses count targets only: the decoder rows bound them.
+            row = m.dec_seqlen if m.dec_seqlen > 0 else m.seqlen
+            if not m.samples or m.loss_tokens < 0 or m.loss_tokens > m.mbs * row:
                 raise PlanError(f"{_where(p, -1)}: micro-batch {m.mb} holds {len(m.samples)} sample(s) and "
-                                f"{m.loss_tokens} loss tokens, which {m.mbs} x {m.seqlen + m.dec_seqlen} padded "
-                                f"tokens cannot hold.")
+                                f"{m.loss_tokens} loss tokens, which {m.mbs} x {row} padded "
+                                f"{'target ' if m.dec_seqlen > 0 else ''}tokens cannot hold.")
         if p.loss_tokens != sum(m.loss_tokens for m in p.micro_batches):
             raise PlanError(f"{_where(p, -1)}: loss_tokens={p.loss_tokens} is not the sum of its micro-batches' "
                             f"{sum(m.loss_tokens for m in p.micro_batches)}.")

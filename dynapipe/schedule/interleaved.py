@@ -201,6 +201,8 @@ def chunked_inputs(times: StageTimes) -> tuple:
 
 def chunked_schedule_arrays(schedule: Schedule, num_micro_batches: int) -> tuple:
     """``(kind, mb, chunk, nops)`` of a chunked schedule's op orders."""
+    from dynapipe.schedule.simulator import check_each_once
+
     P = schedule.num_stages
     nops = np.array([len(ops) for ops in schedule.stage_ops], dtype=np.int64)
     L = max(int(nops.max()) if P else 0, 1)
@@ -212,6 +214,10 @@ def chunked_schedule_arrays(schedule: Schedule, num_micro_batches: int) -> tuple
                 raise DynaPipeError(f"schedule {schedule.name!r}: op {op} cannot be simulated (kinds F/B/BI/BW, "
                                     f"chunks 0..{schedule.num_chunks - 1}, micro-batches 0..{num_micro_batches - 1}).")
             kind[s, i], mb[s, i], ch[s, i] = _KIND_CODES[op.kind], op.mb, op.chunk
+        n = len(ops)
+        if n:
+            check_each_once(schedule.name, s, kind[s, :n], mb[s, :n], num_micro_batches, ch[s, :n],
+                            schedule.num_chunks)
     return kind, mb, ch, nops
 
 

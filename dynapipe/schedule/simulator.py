@@ -129,7 +129,28 @@ def schedule_arrays(schedule: Schedule, num_micro_batches: int) -> tuple[np.ndar
                                 f"chunk 0, micro-batches 0..{num_micro_batches - 1} are supported).")
         kind[s, :n] = codes
         mb[s, :n] = mbs
+        check_each_once(schedule.name, s, kind[s, :n], mb[s, :n], num_micro_batches)
     return kind, mb, nops
+
+
+def check_each_once(name: str, stage: int, kind: np.ndarray, mb: np.ndarray, num_micro_batches: int,
+                    chunk: Optional[np.ndarray] = None, num_chunks: int = 1) -> None:
+    """Every micro-batch's forward once on ``stage`` (per chunk, with ``chunk``), and its
+    backward once (whole, or as one input part and one weight part): a schedule missing or
+    repeating an op would simulate to a plausible but wrong timeline."""
+    slot = mb if chunk is None else chunk * num_micro_batches + mb
+
+    def count(code: int) -> np.ndarray:
+        return np.bincount(slot[kind == code], minlength=num_chunks * num_micro_batches)
+
+    f, b, bi, bw = count(K.F), count(K.B), count(K.BI), count(K.BW)
+    wrong = (f != 1) | ~(((b == 1) & (bi == 0) & (bw == 0)) | ((b == 0) & (bi == 1) & (bw == 1)))
+    if wrong.any():
+        k = int(np.argmax(wrong))
+        what = f"micro-batch {k % num_micro_batches}" + (f" of chunk {k // num_micro_batches}" if chunk is not None else "")
+        raise DynaPipeError(f"schedule {name!r}: stage {stage} runs {what}'s forward {f[k]} time(s) and its backward "
+                            f"as B x{b[k]}, BI x{bi[k]}, BW x{bw[k]}; every micro-batch needs one forward and one "
+                            f"backward (B, or BI and BW) on every stage.")
 
 
 def memory_steps(schedule: Schedule, times: StageTimes, starts: list[list[float]],
