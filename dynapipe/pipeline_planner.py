@@ -205,6 +205,10 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
     if batch_plan.num_stages != cost_model.num_stages:
         raise DynaPipeError(f"the batch plan is for {batch_plan.num_stages} stages, the cost model for "
                             f"{cost_model.num_stages}.")
+    if not isinstance(tp, (int, np.integer)) or tp < 1:
+        raise DynaPipeError(f"tp {tp!r}: the tensor-parallel size is a whole number, 1 or more.")
+    if replicas is not None and not all(isinstance(r, (int, np.integer)) for r in replicas):
+        raise DynaPipeError(f"replicas {list(replicas)!r}: give data-parallel replica indices (whole numbers).")
     t0, c0 = time.perf_counter(), time.process_time()
     batch_plan, result = _search(batch_plan, cost_model, schedule=schedule, memory_limit_mib=memory_limit_mib,
                                  reserved_mib=reserved_mib, cluster=cluster, recompute=recompute, tp=tp, zero=zero,

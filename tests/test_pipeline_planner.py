@@ -244,3 +244,10 @@ def test_ragged_encoder_decoder_lengths_are_refused_in_one_line():
     cm = build_cost_model(load_model_config("t5-11b"), load_device_config("a100-40gb"), 8)
     with pytest.raises(DynaPipeError, match=r"not one row per sample of equal size .* \(n, 2\)"):
         plan_iteration([[1, 2], [3]], cm)
+
+
+@pytest.mark.parametrize("kwargs, needle", [({"tp": 0}, r"^tp 0: the tensor-parallel size"),
+                                            ({"replicas": ["a"]}, r"^replicas \['a'\]: give data-parallel replica")])
+def test_bad_tensor_parallel_size_or_replicas_are_refused(tiny_cost, kwargs, needle):
+    with pytest.raises(DynaPipeError, match=needle):
+        plan_iteration([10, 20, 30], tiny_cost, **kwargs)
