@@ -382,3 +382,38 @@ def test_spawn_reports_tracebacks_and_kills_what_outlives_its_timeout():
     assert time.monotonic() - t0 < 20
     assert not outs[0].ok and "ValueError: rank zero gives up" in outs[0].error and "Traceback" in outs[0].error
     assert outs[1].timed_out and not outs[1].ok
+
+
+class _FailsThenLate(ToyHandlers):
+    """Rank 0 fails at its second forward and exits; rank 1 is late, so its next send is posted
+    to a peer that has already gone (gloo raises a plain RuntimeError as it is posted)."""
+
+    def forward(self, mb, inputs, op):
+        if self.me == 0 and mb.mb == 1:
+            raise ValueError("boom on rank 0")
+        if self.me == 1 and mb.mb == 0:
+            time.sleep(2.0)
+        return super().forward(mb, inputs, op)
+
+
+def _post_to_a_gone_peer_worker(ctx):
+    lengths = [40, 60, 30, 50]
+    samples = make_samples(lengths, CFG.vocab_size, seed=0)
+    plan = plan_batch(lengths, CFG, pp=2, dp=1, schedule="1f1b")[0][ctx.stage]
+    h = _FailsThenLate(ToyGPT(CFG, seed=1).stage(ctx.stage, 2), samples)
+    h.me = ctx.stage
+    with Executor(h, group=ctx.pipeline_group, store=ctx.store, config=ExecutorConfig(timeout_s=20)) as ex:
+        try:
+            ex.run(plan)
+        except ExecutorError as e:
+            return type(e).__name__, str(e)
+    return "ok", ""
+
+
+def test_a_send_posted_to_a_peer_that_failed_names_the_peers_cause():
+    # It was reported as this rank's own handler failure (primary), so a job could blame it.
+    outs = spawn_outcomes(_post_to_a_gone_peer_worker, 2, pp=2, timeout_s=120)
+    (kind0, msg0), (kind1, msg1) = outs[0].value, outs[1].value
+    assert kind0 == "HandlerFailure" and "boom on rank 0" in msg0
+    assert kind1 in ("CommFailure", "RemoteFailure"), msg1
+    assert "boom on rank 0" in msg1, msg1

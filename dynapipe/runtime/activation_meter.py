@@ -107,7 +107,10 @@ class ActivationMeter:
 
     def _pack(self, t: torch.Tensor):
         key = self._add(t)
-        return _Saved(t, self, key) if key else t
+        # A detached alias, not ``t`` itself: the executor releases a sent activation by swapping
+        # the data of its tensor object (release_data), and the backward of an op that saved its
+        # own output (tanh, exp) must still read the storage it saved.
+        return _Saved(t.detach(), self, key) if key else t
 
     @staticmethod
     def _unpack(x):

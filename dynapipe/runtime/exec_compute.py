@@ -59,7 +59,9 @@ class ComputeOps:
                     raise ExecutorError(f"{where}: loaded tensor {name!r} has the name of a received activation.")
                 inputs[name] = t
         out = self.handlers.forward(run.mbs[ins.mb], inputs, ins)
-        run.act_inputs[key] = received
+        keep = run.backward and torch.is_grad_enabled()
+        if keep:
+            run.act_inputs[key] = received
         if is_last_virtual(plan, ins.chunk):
             if not isinstance(out, torch.Tensor) or out.numel() != 1 or not out.is_floating_point():
                 raise ExecutorError(f"{where}: the last stage's forward must return the summed token loss as a "
@@ -70,7 +72,8 @@ class ComputeOps:
                                     f"global_loss_tokens or run(loss_tokens=...)); the loss cannot be normalised.")
             run.losses[ins.mb] = out.detach().reshape(())
             scale = run.loss_tokens if self.config.normalise_loss else 1
-            run.roots[key] = ([out.reshape(()) / scale], [None])
+            if keep:
+                run.roots[key] = ([out.reshape(()) / scale], [None])
             return
         specs = run.send_specs.get(key, ())
         if isinstance(out, torch.Tensor):
@@ -82,7 +85,8 @@ class ComputeOps:
             got = sorted(out) if isinstance(out, dict) else type(out).__name__
             raise ExecutorError(f"{where}: forward returned {got}, the plan sends {[s.name for s in specs]}.")
         outs = {s.name: check_tensor(out[s.name], s, self.device, where.also(" forward output")) for s in specs}
-        run.roots[key] = (list(outs.values()), list(outs))
+        if keep:
+            run.roots[key] = (list(outs.values()), list(outs))
         run.buffers.put(buffer_name("act_out", *key), outs, where)
 
     def _backward(self, i: int, ins: BackwardPass, run: RunState, where: Where) -> None:

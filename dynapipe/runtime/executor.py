@@ -256,12 +256,31 @@ class Executor(ComputeOps, TransferOps):
         run = RunState(plan, {m.mb: m for m in plan.micro_batches}, start_of, batches,
                        {(x.mb, x.chunk): x.tensors for x in plan.instructions if isinstance(x, SendActivationStart)},
                        {(x.mb, x.chunk): x.tensors for x in plan.instructions if isinstance(x, SendGradStart)},
-                       buffers=BufferTable(meter=self.meter), check=check, loss_tokens=loss_tokens)
+                       buffers=BufferTable(meter=self.meter), check=check, loss_tokens=loss_tokens,
+                       backward=any(isinstance(x, BackwardPass) for x in plan.instructions))
         trace = ExecTrace(plan.stage, plan.replica, plan.iteration) if self.config.trace else None
         posted0 = self.comm.posted
         if self._clock is not None:
             self._clock.begin()
         t_begin = now_us()
+        try:
+            self._instructions(plan, run, trace)
+        except BaseException:
+            # A refused or failed iteration must not leave its buffers counted by the meter:
+            # the executor stays usable, and the next iteration measures what it holds.
+            run.buffers.clear()
+            raise
+        wall_ms = (now_us() - t_begin) / 1000.0
+        if self._clock is not None:
+            self._clock.resolve(trace)
+        unfreed = run.buffers.clear()
+        loss = sum(float(v) for v in run.losses.values()) / run.loss_tokens if run.losses else 0.0
+        return IterationResult(plan.iteration, loss, {k: float(v) for k, v in run.losses.items()}, wall_ms,
+                               run.buffers.peak_bytes, run.released, self.comm.posted - posted0, trace, unfreed)
+
+    def _instructions(self, plan: ExecutionPlan, run: RunState, trace: Optional[ExecTrace]) -> None:
+        """Run every instruction of ``plan`` (deferred send waits where they are due), then make
+        sure no other rank failed meanwhile."""
         n = len(plan.instructions)
         for i, ins in enumerate(plan.instructions):
             if run.check is not None and isinstance(ins, TRANSFERS):
@@ -274,18 +293,11 @@ class Executor(ComputeOps, TransferOps):
             self._step(n - 1, plan.instructions[-1], run, trace, self._flush_sends)
         if run.check is not None:
             self._settle(run)
-        wall_ms = (now_us() - t_begin) / 1000.0
         if self.abort is not None and self.abort.count():
             err = RemoteFailure(f"pipeline rank {plan.stage} (global rank {self.global_rank}) finished its plan "
                                 f"but another rank failed; {self.abort.root_cause()}")
             self._failed = str(err).splitlines()[0]
             raise err
-        if self._clock is not None:
-            self._clock.resolve(trace)
-        unfreed = run.buffers.clear()
-        loss = sum(float(v) for v in run.losses.values()) / run.loss_tokens if run.losses else 0.0
-        return IterationResult(plan.iteration, loss, {k: float(v) for k, v in run.losses.items()}, wall_ms,
-                               run.buffers.peak_bytes, run.released, self.comm.posted - posted0, trace, unfreed)
 
     def _step(self, i: int, ins: Instruction, run: RunState, trace: Optional[ExecTrace], op) -> None:
         """Run ``op`` for instruction ``i``, timing it when tracing; every failure is reported."""
@@ -302,9 +314,10 @@ class Executor(ComputeOps, TransferOps):
             if isinstance(e, ExecutorError):
                 self._fail(e, primary=not isinstance(e, (CommFailure, RemoteFailure)))
                 raise
-            if isinstance(ins, TRANSFERS) and isinstance(e, getattr(dist, "DistError", ())):
+            if isinstance(ins, TRANSFERS) and isinstance(e, RuntimeError):
                 # Posting a transfer to a peer that already failed raises at once on some
-                # builds (not at the wait): a consequence, named with the peer's own report.
+                # builds (not at the wait; gloo's "Connection closed by peer" is a plain
+                # RuntimeError, DistError a subclass): a consequence, named with the peer's report.
                 err = self.waiter.failure(e, str(where))
                 self._fail(err, primary=False)
                 raise err from e

@@ -61,3 +61,6 @@ class RunState:
     released: int = 0
     deferred: list = field(default_factory=list)  # (pending, where, SendFinish) not yet waited for
     check: Optional[PeerPlanCheck] = None  # the peer plan check, until settled
+    # Whether any backward will run: a forward-only plan (evaluation) or a forward under
+    # no_grad keeps no graph roots or received inputs, so its frees release the activations.
+    backward: bool = True
