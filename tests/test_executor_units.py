@@ -286,3 +286,17 @@ def test_a_device_clock_times_ops_on_the_device_timeline():
     assert [round(e.start_us - origin_us) for e in trace.events] == [5000, 12000]
     assert [round(e.dur_us) for e in trace.events] == [7000, 18000]
     assert [(round(t - origin_us), b) for t, b in trace.memory] == [(5000, 0), (12000, 100)]
+
+
+def test_a_free_between_a_send_start_and_its_finish_is_refused_before_anything_runs():
+    # validate_plans refused it, the rank's own check did not: the executor then failed mid-run.
+    from toy_model import plan_batch
+
+    plan = plan_batch([40, 60, 30, 50], CFG, pp=2, dp=1, schedule="1f1b")[0][0]
+    ins = list(plan.instructions)
+    free = ins.pop(next(i for i, x in enumerate(ins) if isinstance(x, FreeBuffer) and x.buffer == "act_out:0:0"))
+    ins.insert(next(i for i, x in enumerate(ins)
+                    if isinstance(x, SendActivationStart) and x.buffer == "act_out:0:0") + 1, free)
+    check_plan_locally(plan, stage=0, num_stages=2)
+    with pytest.raises(PlanError, match="buffer 'act_out:0:0' is freed while its send is still in flight"):
+        check_plan_locally(dataclasses.replace(plan, instructions=tuple(ins)), stage=0, num_stages=2)

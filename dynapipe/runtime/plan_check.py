@@ -62,6 +62,7 @@ def check_plan_locally(plan: ExecutionPlan, *, stage: int, num_stages: int, repl
     grads = {(x.mb, x.chunk) for x in plan.instructions if isinstance(x, SendGradStart)}
     live: set[str] = set()
     inflight: set[str] = set()
+    sending: set[str] = set()  # buffers with a send started and not yet finished
     used: set[str] = set()
     fw: set = set()
     bw: set = set()
@@ -104,6 +105,9 @@ def check_plan_locally(plan: ExecutionPlan, *, stage: int, num_stages: int, repl
             inflight.discard(x.buffer)
         elif isinstance(x, (SendActivationStart, SendGradStart)):
             need(i, x, x.buffer)
+            sending.add(x.buffer)
+        elif isinstance(x, (SendActivationFinish, SendGradFinish)):
+            sending.discard(x.buffer)
         elif isinstance(x, ForwardPass):
             if key in fw:
                 raise bad(i, x, "the forward of this micro-batch runs twice.")
@@ -132,6 +136,8 @@ def check_plan_locally(plan: ExecutionPlan, *, stage: int, num_stages: int, repl
                 fill(i, x, buffer_name("grad_out", *key))
         elif isinstance(x, FreeBuffer):
             need(i, x, x.buffer)
+            if x.buffer in sending:
+                raise bad(i, x, f"buffer {x.buffer!r} is freed while its send is still in flight.")
             live.discard(x.buffer)
     if split - weighed:
         mb, chunk = min(split - weighed)
