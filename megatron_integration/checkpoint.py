@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from dynapipe.errors import DynaPipeError
+from megatron_integration.agreement import attempt, same_error_everywhere
 from megatron_integration.checkpoint_files import (CHECKSUM_SUFFIX, load_verified, save_with_checksum, verify_file,
                                                    write_checksum)
 from megatron_integration.initialize import RankInfo
@@ -105,42 +106,6 @@ def _load(path: str, map_location) -> dict:
 def _is_distributed(optimizer) -> bool:
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
     return any(hasattr(o, "get_parameter_state_dp_zero") for o in inner)
-
-
-def everyone(value) -> list:
-    """Every rank's ``value`` (a picklable object), by rank; collective (a one-item list
-    without a process group)."""
-    values = [value]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        values = [None] * dist.get_world_size()
-        dist.all_gather_object(values, value)
-    return values
-
-
-def same_error_everywhere(error: Optional[str], errors: Optional[list] = None) -> None:
-    """Raise on every rank if any rank failed (the first failing rank's line); collective,
-    unless ``errors`` (every rank's, already gathered) is given.
-
-    Why: a rank that fails alone (its disk full, a file only its node cannot see) would
-    leave the others waiting in the next collective until the process-group timeout."""
-    errors = everyone(error) if errors is None else errors
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        rank, text = failed[0]
-        raise DynaPipeError(text if len(errors) == 1 else f"rank {rank}: {text}")
-
-
-def attempt(fn: Callable[[], object], what: str, fix: str = ""):
-    """``(fn(), None)``, or ``(None, one line)`` naming ``what`` failed, why, and ``fix``.
-
-    Any exception counts, not only :class:`DynaPipeError`: an ``OSError`` or a torch error on
-    one rank must reach :func:`same_error_everywhere` like a refusal does."""
-    try:
-        return fn(), None
-    except DynaPipeError as e:
-        return None, str(e)
-    except Exception as e:  # noqa: BLE001 - reported on every rank, then raised there
-        return None, f"{what} failed: {type(e).__name__}: {' '.join(str(e).split())}" + (f"; {fix}" if fix else "")
 
 
 def save_checkpoint(root: str, iteration: int, consumed_samples: int, gpt: torch.nn.Module, optimizer,

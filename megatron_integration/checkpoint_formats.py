@@ -21,9 +21,9 @@ from typing import Callable, Optional
 
 from dynapipe.errors import DynaPipeError
 from megatron_integration import checkpoint_dist
-from megatron_integration.checkpoint import (LATEST, RELEASE, ResumeState, _iter_dir, attempt, everyone,
-                                             latest_iteration, load_checkpoint, publish_latest, same_error_everywhere,
-                                             save_checkpoint)
+from megatron_integration.agreement import attempt, everyone, same_error_everywhere
+from megatron_integration.checkpoint import (LATEST, RELEASE, ResumeState, _iter_dir, latest_iteration,
+                                             load_checkpoint, publish_latest, save_checkpoint)
 from megatron_integration.checkpoint_files import CHECKSUM_SUFFIX
 from megatron_integration.initialize import RankInfo
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_integration import cpu_compat
+from megatron_integration.agreement import joined_rendezvous
 from megatron_integration.cpu_affinity import pin_local_rank
 from megatron_integration.cpu_allocator import keep_freed_memory
 from megatron_integration.train_config import ParallelArgs
@@ -73,8 +74,15 @@ def init_distributed(parallel: ParallelArgs) -> None:
         # Modulo the visible devices: a scheduler that shows each task only its own GPU still
         # numbers local ranks from 0 up.
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-    dist.init_process_group(parallel.backend,
-                            timeout=datetime.timedelta(minutes=parallel.timeout_minutes))
+    timeout = datetime.timedelta(minutes=parallel.timeout_minutes)
+    joined = joined_rendezvous()
+    if joined is None:
+        dist.init_process_group(parallel.backend, timeout=timeout)
+        return
+    # The store the ranks agreed on their start-up checks through (agreement.agree_at_start).
+    store, rank, world_size = joined
+    store.set_timeout(timeout)
+    dist.init_process_group(parallel.backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def initialize_megatron(parallel: ParallelArgs, seed: int, deterministic: bool = False) -> RankInfo:

@@ -20,6 +20,7 @@ from typing import Callable, Optional, TextIO
 from dynapipe.cost.model_flops import samples_work
 from dynapipe.errors import DynaPipeError
 from megatron_integration import checkpoint_formats
+from megatron_integration.agreement import attempt, same_error_everywhere
 from megatron_integration.data import GlobalBatches, data_summary_lines
 from megatron_integration.initialize import RankInfo, initialize_megatron
 from megatron_integration.arguments import block_layers, check_uniform_recompute
@@ -135,9 +136,11 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
     info = initialize_megatron(cfg.parallel, cfg.seed, cfg.model.deterministic_mode)
     if info.rank == 0 and vocab_padding_line(cfg) is not None:
         print(vocab_padding_line(cfg), file=stream, flush=True)
-    if info.rank == 0:
-        for line in data_summary_lines(cfg):
-            print(line, file=stream, flush=True)
+    # Rank 0 alone reads the data for the summary; a bad file stops every rank with its line.
+    lines, error = attempt(lambda: data_summary_lines(cfg), "reading the data") if info.rank == 0 else ([], None)
+    same_error_everywhere(error)
+    for line in lines:
+        print(line, file=stream, flush=True)
     # --dynapipe-placement auto is chosen here, before any stage is built.
     cfg, split_line = resolve_gpt_split(cfg)
     if cfg.parallel.auto_split:

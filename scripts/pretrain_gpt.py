@@ -25,6 +25,7 @@ from dynapipe.errors import DynaPipeError  # noqa: E402
 
 
 def main(argv=None) -> int:
+    from megatron_integration.agreement import agreed_start
     from megatron_integration.arguments import build_parser, training_config_from_args
     from megatron_integration.run_config import add_run_config_argument, with_run_config
 
@@ -36,8 +37,12 @@ def main(argv=None) -> int:
     # torchrun's ranks per node; --dynapipe-planner-nodes is checked against the node count.
     num_nodes = max(world_size // max(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), 1), 1)
     try:
-        args = parser.parse_args(with_run_config(parser, argv, world_size))
-        cfg = training_config_from_args(args, world_size, num_nodes=num_nodes)
+        def checked():
+            args = parser.parse_args(with_run_config(parser, argv, world_size))
+            return args, training_config_from_args(args, world_size, num_nodes=num_nodes)
+
+        # A rank whose checks fail (a file its node lacks) stops every rank with its line.
+        args, cfg = agreed_start(checked, lambda value: value[1].parallel.timeout_minutes)
         if os.environ.get("RANK", "0") == "0":
             from megatron_integration.run_report import argument_dump, resolved_args
 

@@ -24,6 +24,7 @@ from dynapipe.errors import DynaPipeError  # noqa: E402
 
 
 def main(argv=None) -> int:
+    from megatron_integration.agreement import agreed_start
     from megatron_integration.run_config import add_run_config_argument, with_run_config
     from megatron_integration.t5_arguments import build_t5_parser, t5_config_from_args
 
@@ -33,7 +34,10 @@ def main(argv=None) -> int:
     add_run_config_argument(parser)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        cfg = t5_config_from_args(parser.parse_args(with_run_config(parser, argv, world_size)), world_size)
+        # A rank whose checks fail (a file its node lacks) stops every rank with its line.
+        cfg = agreed_start(lambda: t5_config_from_args(parser.parse_args(with_run_config(parser, argv, world_size)),
+                                                       world_size),
+                           lambda value: value.base.parallel.timeout_minutes)
         # megatron-core is imported only now: a bad command line is reported before its notices.
         from megatron_integration.initialize import quiet_megatron_warnings
 

@@ -176,6 +176,8 @@ def fault_outcomes(tmp_path_factory):
     data.mkdir()
     out_of_vocab = write_indexed(data / "vocab", [[5, 6, 7, 8]] * 6 + [[5, 200, 7]] + [[9, 10]] * 5)
     good = write_indexed(data / "good", [list(range(5, 9 + 3 * (i % 7))) for i in range(32)])
+    cut = write_indexed(data / "cut", [[5, 6, 7, 8]] * 8)
+    truncate_file(cut + ".idx", -5)
     steps = {
         "nan_padding": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e20 --save {nan_save}"),
         # Indexed data through the planner workers: the data checks pass, then the loss diverges.
@@ -231,6 +233,10 @@ def fault_outcomes(tmp_path_factory):
         "data_padding": ("train", f"{TINY} --data-path {out_of_vocab} --train-iters 1 --lr 1e-3"),
         "data_dynapipe": ("train", f"{TINY} --data-path {out_of_vocab} --train-iters 1 --lr 1e-3 --use-dynapipe"),
         "good_data": ("train", f"{TINY} --data-path {good} --train-iters 1 --lr 1e-3"),
+        # Only rank 0 opens the validation split at start-up (its summary line): rank 1 must stop
+        # with rank 0's line, not with a gloo error in its next collective.
+        "valid_data": ("train", f"{TINY} --train-data-path {good} --valid-data-path {cut} --train-iters 1 "
+                                "--lr 1e-3"),
     }
     from megatron_integration.launch import free_port
 
@@ -374,6 +380,13 @@ def test_out_of_vocabulary_ids_stop_every_batching_path(fault_outcomes, name):
     outcomes, _ = fault_outcomes
     for o in outcomes[name]:
         assert "vocab.bin: sequence 6, token 1 has id 200" in o["error"], o
+
+
+def test_bad_data_read_by_rank_0_alone_stops_every_rank(fault_outcomes):
+    outcomes, _ = fault_outcomes
+    texts = [o.get("error") for o in outcomes["valid_data"]]
+    assert texts[0] == texts[1] and texts[0].startswith("rank 0: ") and "\n" not in texts[0], texts
+    assert "cut.idx" in texts[0], texts
 
 
 def test_training_survives_a_redis_restart_with_the_same_losses(fault_outcomes):

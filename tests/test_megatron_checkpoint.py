@@ -319,7 +319,7 @@ def test_recorded_args_have_megatron_lms_names_and_meanings():
 
 
 def test_any_error_of_a_rank_becomes_its_one_line_with_the_fix():
-    from megatron_integration.checkpoint import attempt
+    from megatron_integration.agreement import attempt
 
     def fails():
         raise RuntimeError("size mismatch for\n  embedding.weight")

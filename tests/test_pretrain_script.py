@@ -46,3 +46,50 @@ def test_run_config_world_size_is_checked():
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 2
     assert "torchrun --nnodes 1 --nproc-per-node 2" in result.stderr
+
+
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--max-position-embeddings", "64", "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size",
+        "4", "--pipeline-model-parallel-size", "2", "--lr", "1e-3", "--train-iters", "1"]
+
+
+def start_up_job(rounds: list) -> list:
+    """Rank body: for each ``(script, port, argv of every rank)``, the script's ``main`` with this
+    rank's command line as a fresh job on ``port``; (exit status, stderr, seconds) of each."""
+    import contextlib
+    import importlib.util
+    import io
+    import time
+
+    out = []
+    for script, port, argvs in rounds:
+        spec = importlib.util.spec_from_file_location("pretrain_script", script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        os.environ["MASTER_PORT"] = str(port)
+        err, t0 = io.StringIO(), time.monotonic()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = module.main(argvs[int(os.environ["RANK"])])
+        out.append((code, err.getvalue(), time.monotonic() - t0))
+    return out
+
+
+def test_a_rank_failing_its_start_up_checks_stops_every_rank(tmp_path):
+    # A file only some nodes see: the rank that cannot see it fails before the process group exists;
+    # the others must stop with its line at once, not wait out the distributed timeout.
+    from megatron_integration.launch import spawn
+    from t5_job import TINY as T5_TINY
+
+    missing = str(tmp_path / "on-another-node")
+    ok, bad = TINY + ["--mock-data"], TINY + ["--data-path", missing]
+    t5_ok = T5_TINY.split()
+    t5_bad = [a for a in t5_ok if a != "--mock-data"] + ["--data-path", missing]
+    t5_script = os.path.join(ROOT, "scripts", "pretrain_t5.py")
+    # The store's host (rank 0) failing too, and the T5 script.
+    rounds = [(SCRIPT, free_port(), [ok, bad]), (SCRIPT, free_port(), [bad, ok]), (t5_script, free_port(), [t5_ok, t5_bad])]
+    results = spawn(start_up_job, 2, (rounds,), timeout_s=120)
+    for failing, per_rank in zip((1, 0, 1), zip(*results)):
+        for code, err, seconds in per_rank:
+            assert code == 2 and seconds < 30, (code, seconds, err)
+            lines = err.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith(f"error: rank {failing}: --data-path {missing!r}: "), err

@@ -1,0 +1,136 @@
+"""Ranks agree on a failure before anything collective, so one rank's error stops every rank.
+
+Why: a rank that fails alone (a file only its node cannot see, its disk full, a data file only
+rank 0 reads) would leave the others waiting in their next collective until the process-group
+timeout, and then die with a gloo or NCCL traceback that does not name the cause. Here every
+rank posts its own result (None or one line) and every rank raises the first failing rank's
+line.
+
+Two moments: :func:`same_error_everywhere` once the process group exists (an all-gather), and
+:func:`agree_at_start` before it does (argument and file checks of a ``torchrun`` job run before
+``init_process_group``), through the job's rendezvous store, which
+:func:`megatron_integration.initialize.init_distributed` then reuses for the process group.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from typing import Callable, Optional, TypeVar
+
+import torch.distributed as dist
+
+from dynapipe.errors import DynaPipeError
+
+# The job's rendezvous (store, rank, world size), joined by agree_at_start before the process group.
+_RENDEZVOUS: list = []
+_START_KEY = "dynapipe/start-up"
+T = TypeVar("T")
+
+
+def everyone(value) -> list:
+    """Every rank's ``value`` (a picklable object), by rank; collective (a one-item list
+    without a process group)."""
+    values = [value]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        values = [None] * dist.get_world_size()
+        dist.all_gather_object(values, value)
+    return values
+
+
+def first_failure(errors: list) -> None:
+    """Raise the first failing rank's line from every rank's ``errors`` (None: that rank is fine)."""
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, text = failed[0]
+        raise DynaPipeError(text if len(errors) == 1 else f"rank {rank}: {text}")
+
+
+def same_error_everywhere(error: Optional[str], errors: Optional[list] = None) -> None:
+    """Raise on every rank if any rank failed (the first failing rank's line); collective,
+    unless ``errors`` (every rank's, already gathered) is given."""
+    first_failure(everyone(error) if errors is None else errors)
+
+
+def attempt(fn: Callable[[], object], what: str, fix: str = ""):
+    """``(fn(), None)``, or ``(None, one line)`` naming ``what`` failed, why, and ``fix``.
+
+    Any exception counts, not only :class:`DynaPipeError`: an ``OSError`` or a torch error on
+    one rank must reach :func:`same_error_everywhere` like a refusal does."""
+    try:
+        return fn(), None
+    except DynaPipeError as e:
+        return None, str(e)
+    except Exception as e:  # noqa: BLE001 - reported on every rank, then raised there
+        return None, f"{what} failed: {type(e).__name__}: {' '.join(str(e).split())}" + (f"; {fix}" if fix else "")
+
+
+def launched_job() -> bool:
+    """True for a rank of a multi-rank job started with ``torchrun`` (or its environment)."""
+    return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def joined_rendezvous() -> Optional[tuple]:
+    """``(store, rank, world_size)`` joined by :func:`agree_at_start`, or None; taken once (the
+    process group is built on it, and a later job in the same process joins afresh)."""
+    return _RENDEZVOUS.pop() if _RENDEZVOUS else None
+
+
+def agree_at_start(error: Optional[str], timeout_minutes: float = 10.0) -> None:
+    """Before the process group exists: every rank of a ``torchrun`` job posts its start-up
+    result (``error``: None or one line) to the job's rendezvous store and waits for every
+    other rank's; all raise the first failing rank's line. A no-op for a one-process run or
+    when the process group already exists.
+
+    ``timeout_minutes``: how long to wait for a rank that never reports (it crashed before
+    reaching here); the error then names the ranks that did not.
+    Why the store and not a process group: a rank whose check failed may not know the backend,
+    and NCCL needs its device before a collective; the store is what ``init_process_group``
+    would create anyway, and :func:`megatron_integration.initialize.init_distributed` reuses it."""
+    if not launched_job() or dist.is_initialized():
+        if error is not None:
+            raise DynaPipeError(error)
+        return
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    store.set(f"{_START_KEY}/{rank}", "" if error is None else "!" + error)
+    keys = [f"{_START_KEY}/{r}" for r in range(world_size)]
+    try:
+        store.wait(keys, timeout)
+    except Exception:  # noqa: BLE001 - a store timeout: name who never came
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise DynaPipeError(error or f"ranks {missing} did not finish their start-up checks within "
+                            f"{timeout_minutes:g} min (they crashed or are still starting; see their logs); "
+                            f"--distributed-timeout-minutes sets the wait.") from None
+    errors = [None if not v else v.decode()[1:] for v in store.multi_get(keys)]
+    if any(e is not None for e in errors):
+        # The store lives in rank 0's process: it leaves only after every rank has read.
+        store.add(f"{_START_KEY}/read", 1)
+        if rank == 0:
+            deadline = time.monotonic() + 30.0
+            while store.add(f"{_START_KEY}/read", 0) < world_size and time.monotonic() < deadline:
+                time.sleep(0.05)
+        first_failure(errors)
+    _RENDEZVOUS[:] = [(store, rank, world_size)]
+
+
+def agreed_start(build: Callable[[], T], timeout_minutes: Callable[[T], float] = lambda value: 10.0) -> T:
+    """``build()`` (an entry point's argument and file checks), agreed on by every rank of a
+    ``torchrun`` job with :func:`agree_at_start`: a rank whose checks fail stops every rank with
+    its line. ``timeout_minutes(value)``: the wait for ranks still checking (the job's
+    ``--distributed-timeout-minutes``). Any other exception is posted as its one line, then
+    re-raised on its own rank with its traceback."""
+    try:
+        value = build()
+    except DynaPipeError as e:
+        agree_at_start(" ".join(str(e).split()))
+        raise  # unreachable: agree_at_start raised
+    except Exception as e:
+        try:
+            agree_at_start(f"start-up checks failed: {type(e).__name__}: {' '.join(str(e).split())}")
+        except DynaPipeError:
+            pass
+        raise
+    agree_at_start(None, timeout_minutes(value))
+    return value
