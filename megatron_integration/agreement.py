@@ -61,8 +61,34 @@ def attempt(fn: Callable[[], object], what: str, fix: str = ""):
         return fn(), None
     except DynaPipeError as e:
         return None, str(e)
-    except Exception as e:  # noqa: BLE001 - reported on every rank, then raised there
-        return None, f"{what} failed: {type(e).__name__}: {' '.join(str(e).split())}" + (f"; {fix}" if fix else "")
+    except BaseException as e:  # noqa: BLE001 - reported on every rank, then raised there
+        if not isinstance(e, Exception) and not is_checkpoint_exception(e):
+            raise  # KeyboardInterrupt, SystemExit
+        return None, f"{what} failed: {one_line(e)}" + (f"; {fix}" if fix else "")
+
+
+UNNAMED_RANK = "a rank failed (the coordinating rank holds its cause)"
+
+
+def is_checkpoint_exception(e: BaseException) -> bool:
+    """torch.distributed.checkpoint's ``CheckpointException``, a ``BaseException`` that
+    ``except Exception`` lets through."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return isinstance(e, CheckpointException)
+
+
+def one_line(e: BaseException) -> str:
+    """``e`` as one line: its type and text, or for a ``CheckpointException`` (whose text holds
+    tracebacks) each failing rank's exception (only the coordinating rank has them:
+    :data:`UNNAMED_RANK` elsewhere)."""
+    if not is_checkpoint_exception(e):
+        return f"{type(e).__name__}: {' '.join(str(e).split())}"
+    causes = []
+    for rank, cause in sorted(e.failures.items()):
+        cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, traceback) when wrapped
+        causes.append(f"rank {rank}: {type(cause).__name__}: {' '.join(str(cause).split())}")
+    return "; ".join(causes) or UNNAMED_RANK
 
 
 def launched_job() -> bool:

@@ -109,7 +109,7 @@ def _is_distributed(optimizer) -> bool:
 
 
 def save_checkpoint(root: str, iteration: int, consumed_samples: int, gpt: torch.nn.Module, optimizer,
-                    scheduler, info: RankInfo, extra: Optional[dict] = None) -> str:
+                    scheduler, info: RankInfo, extra: Optional[dict] = None, dtype: Optional[str] = None) -> str:
     """Write this rank's part of the checkpoint of ``iteration``; collective over all ranks.
 
     Returns the iteration directory. A rank that cannot write its files makes every rank
@@ -131,6 +131,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, gpt: torch
                 "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(),
                 "extra": extra or {},
+                "dtype": dtype,  # fp32, bf16 or fp16: the optimizer state's layout depends on it
             }
             _atomic_save(payload, os.path.join(rank_dir, "model_optim_rng.pt"))
         _atomic_save(get_rng_state(), os.path.join(rank_dir, f"rng_dp_{info.dp_rank:03d}.pt"))
@@ -199,17 +200,19 @@ def latest_iteration(root: str) -> Optional[int]:
 
 def load_checkpoint(root: str, gpt: torch.nn.Module, optimizer, scheduler, info: RankInfo,
                     load_optim: bool = True, load_rng: bool = True,
-                    check_extra: Optional[Callable[[dict, str], None]] = None) -> Optional[ResumeState]:
+                    check_extra: Optional[Callable[[dict, str], None]] = None,
+                    dtype: Optional[str] = None) -> Optional[ResumeState]:
     """Restore this rank's part of the newest checkpoint under ``root``; collective.
 
     Returns None when ``root`` holds no checkpoint yet (a fresh start). Every file is
     verified against its checksum first. ``check_extra(extra, path)`` may refuse what
     :func:`save_checkpoint` recorded in ``extra`` (raising :class:`DynaPipeError`) before
-    anything is loaded. A rank that cannot load its part makes every rank raise the same
+    anything is loaded; ``dtype`` (this run's ``fp32``/``bf16``/``fp16``) refuses an optimizer state
+    saved in the other of full and mixed precision. A rank that cannot load its part makes every rank raise the same
     one-line error, so none goes on to wait for it in training; the distributed optimizer's
     collective load starts only once every rank has read and applied its own files.
     """
-    read, error = attempt(lambda: _read_rank(root, info, optimizer, load_optim, load_rng, check_extra),
+    read, error = attempt(lambda: _read_rank(root, info, optimizer, load_optim, load_rng, check_extra, dtype),
                           f"reading the checkpoint under {root} (rank {info.rank})")
     same_error_everywhere(error)
     if read is None:
@@ -224,7 +227,22 @@ def load_checkpoint(root: str, gpt: torch.nn.Module, optimizer, scheduler, info:
     return ResumeState(iteration=int(payload["iteration"]), consumed_samples=int(payload["consumed_samples"]))
 
 
-def _read_rank(root: str, info: RankInfo, optimizer, load_optim: bool, load_rng: bool, check_extra=None):
+def check_precision(saved: Optional[str], ours: Optional[str], where: str) -> None:
+    """Refuse loading an optimizer state saved in ``saved`` precision (``fp32``, ``bf16``, ``fp16``;
+    None: not recorded) into a run in ``ours``: mixed precision keeps fp32 main copies of the
+    weights in the optimizer, full precision does not, so the states do not fit each other."""
+    if saved is None or ours is None or (saved == "fp32") == (ours == "fp32"):
+        return
+
+    def flag(dtype):
+        return "fp32 (no --bf16/--fp16)" if dtype == "fp32" else f"--{dtype}"
+    raise DynaPipeError(f"{where}: the optimizer state was saved in {flag(saved)}, this run trains in {flag(ours)}; "
+                        f"resume at the precision it was saved at, or add --no-load-optim to load the weights and "
+                        f"start a fresh optimizer.")
+
+
+def _read_rank(root: str, info: RankInfo, optimizer, load_optim: bool, load_rng: bool, check_extra=None,
+               dtype: Optional[str] = None):
     """This rank's verified files: the payload, its path, the distributed optimizer's file
     (or None) and the RNG state (or None); None when ``root`` holds no checkpoint yet."""
     iteration = latest_iteration(root)
@@ -248,6 +266,8 @@ def _read_rank(root: str, info: RankInfo, optimizer, load_optim: bool, load_rng:
                             f"torch_dist, which loads at any split.")
     if check_extra is not None:
         check_extra(payload.get("extra") or {}, main)
+    if load_optim:
+        check_precision(payload.get("dtype"), dtype, _iter_dir(root, iteration))
     optim_path = None
     if load_optim and _is_distributed(optimizer):
         optim_path = os.path.join(rank_dir, "distrib_optim.pt")

@@ -43,6 +43,8 @@ import torch
 import torch.distributed as dist
 
 from dynapipe.errors import DynaPipeError
+from megatron_integration.agreement import UNNAMED_RANK, attempt, everyone, same_error_everywhere
+from megatron_integration.checkpoint import check_precision
 from megatron_integration.checkpoint_files import CHECKSUM_SUFFIX, verify_file, write_checksum
 from megatron_integration.initialize import RankInfo
 from megatron_integration.scheduler_state import in_samples, load_scheduler_state
@@ -216,22 +218,40 @@ def save_dist(iter_dir: str, iteration: int, gpt, optimizer, scheduler, info: Ra
                  # In Megatron-LM's units (samples), so its runs resume this schedule and back.
                  opt_param_scheduler=in_samples(scheduler.state_dict(), samples_per_iteration),
                  rng_state=_rng_sharded_object(info, _gathered_rng(info)))
-    if info.rank == 0:
-        if os.path.isdir(iter_dir):  # a save of this iteration that did not finish
-            shutil.rmtree(iter_dir)
-        os.makedirs(iter_dir)
-    dist.barrier()
-    dist_checkpointing.save(state, iter_dir, sharded_strategy=_save_strategy(fully_parallel),
-                            content_metadata=metadata)
+    # Every step a rank can fail alone ends in an agreement (which is also the barrier), so one
+    # rank's full disk stops every rank with its line instead of leaving them in a collective.
+    error = attempt(lambda: _fresh_dir(iter_dir), f"creating {iter_dir}")[1] if info.rank == 0 else None
+    same_error_everywhere(error)
+    # megatron-core raises on every rank when one cannot write; the coordinator's line names the
+    # failing ranks and their causes, the others only know that it failed.
+    error = attempt(lambda: dist_checkpointing.save(state, iter_dir, sharded_strategy=_save_strategy(fully_parallel),
+                                                    content_metadata=metadata), "writing the shards")[1]
+    errors = [e for e in everyone(error) if e is not None]
+    if errors:
+        named = [e for e in errors if UNNAMED_RANK not in e] or errors
+        raise DynaPipeError(f"saving {iter_dir}: {named[0]}. {os.path.dirname(iter_dir)}/"
+                            f"latest_checkpointed_iteration.txt still names the previous checkpoint (nothing is "
+                            f"lost); fix the cause (a full disk?) and resume from it.")
     # Each rank digests the shard files it wrote (in parallel, still in the page cache) ...
-    for path in glob.glob(os.path.join(iter_dir, f"__{info.rank}_*.distcp")):
-        write_checksum(path)
-    dist.barrier()
+    error = attempt(lambda: [write_checksum(p) for p in glob.glob(os.path.join(iter_dir, f"__{info.rank}_*.distcp"))],
+                    f"writing the checksums of {iter_dir}")[1]
+    same_error_everywhere(error)
     # ... and rank 0 the shared files (metadata.json, .metadata, common.pt where written).
-    if info.rank == 0:
-        for path in _checkpoint_files(iter_dir):
-            if not os.path.exists(path + CHECKSUM_SUFFIX):
-                write_checksum(path)
+    error = attempt(lambda: _checksum_shared(iter_dir), f"writing the checksums of {iter_dir}")[1] \
+        if info.rank == 0 else None
+    same_error_everywhere(error)
+
+
+def _fresh_dir(iter_dir: str) -> None:
+    if os.path.isdir(iter_dir):  # a save of this iteration that did not finish
+        shutil.rmtree(iter_dir)
+    os.makedirs(iter_dir)
+
+
+def _checksum_shared(iter_dir: str) -> None:
+    for path in _checkpoint_files(iter_dir):
+        if not os.path.exists(path + CHECKSUM_SUFFIX):
+            write_checksum(path)
 
 
 def _checkpoint_files(iter_dir: str) -> list[str]:
@@ -360,6 +380,8 @@ def load_dist(iter_dir: str, cfg, gpt, optimizer, scheduler, info: RankInfo, loa
         saved = "without" if cfg.optimizer.distributed else "with"
         raise DynaPipeError(f"{iter_dir}: the optimizer state was saved {saved} --use-distributed-optimizer; resume "
                             f"with the same setting, or add --no-load-optim to start a fresh optimizer.")
+    if has_optim:
+        check_precision(_saved_dtype(ckpt_args), cfg.model.dtype, iter_dir)
     state = _sharded_state_dict(gpt, optimizer, metadata, with_optim=has_optim, is_loading=True)
     if load_rng:
         state["rng_state"] = _rng_sharded_object(info, [_rng_state()])
@@ -388,6 +410,13 @@ def load_dist(iter_dir: str, cfg, gpt, optimizer, scheduler, info: RankInfo, loa
     iteration = int(common.get("iteration", 0))
     consumed = int(getattr(ckpt_args, "consumed_train_samples", iteration * cfg.global_batch_size))
     return iteration, consumed
+
+
+def _saved_dtype(ckpt_args) -> Optional[str]:
+    """``fp32``, ``bf16`` or ``fp16`` as Megatron-LM's ``args`` record it (None: not recorded)."""
+    if ckpt_args is None or not hasattr(ckpt_args, "bf16"):
+        return None
+    return "bf16" if ckpt_args.bf16 else "fp16" if getattr(ckpt_args, "fp16", False) else "fp32"
 
 
 def _saved_keys(iter_dir: str) -> set:

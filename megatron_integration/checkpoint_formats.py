@@ -60,7 +60,8 @@ def save(cfg, iteration: int, consumed_samples: int, gpt, optimizer, scheduler, 
                                   cfg.optimizer.distributed, cfg.dist_ckpt.fully_parallel_save, fixed_batch)
         publish_latest(root, iteration, info)
     else:
-        iter_dir = save_checkpoint(root, iteration, consumed_samples, gpt, optimizer, scheduler, info, extra=extra)
+        iter_dir = save_checkpoint(root, iteration, consumed_samples, gpt, optimizer, scheduler, info, extra=extra,
+                                   dtype=cfg.model.dtype)
     log(f"  [{_now()}] successfully saved checkpoint from iteration {iteration:7d} to {root} {_layout(info)}")
     return iter_dir
 
@@ -166,7 +167,8 @@ def load(cfg, gpt, optimizer, scheduler, info: RankInfo, log: Log,
         resumed = ResumeState(*result)
     else:
         log(f" loading checkpoint from {root} {at}")
-        resumed = load_checkpoint(root, gpt, optimizer, scheduler, info, load_optim, load_rng, check_extra)
+        resumed = load_checkpoint(root, gpt, optimizer, scheduler, info, load_optim, load_rng, check_extra,
+                                  cfg.model.dtype)
     if load_optim and cfg.optimizer.override_scheduler:
         override_group_lrs(optimizer, scheduler, cfg.optimizer)
     if cfg.finetune or release:

@@ -43,7 +43,7 @@ def fault_job(steps: list) -> list:
     the test removes the file ``marker`` it creates (a fault is injected meanwhile);
     ``("train", argv, None, (rank, iteration))`` makes that rank raise a RuntimeError in that
     iteration after its plan arrived, outside the pipeline executor;
-    ``("rank0", fn, args)`` runs a file operation on rank 0 between runs.
+    ``("rank0", fn, args)`` runs a file operation on rank 0 between runs (``"rank1"``: on rank 1).
     """
     import io
 
@@ -57,8 +57,8 @@ def fault_job(steps: list) -> list:
     out = []
     try:
         for step in steps:
-            if step[0] == "rank0":
-                if dist.get_rank() == 0:
+            if step[0] in ("rank0", "rank1"):
+                if dist.get_rank() == int(step[0][-1]):
                     step[1](*step[2])
                 dist.barrier()
                 out.append(None)
@@ -118,6 +118,17 @@ def _file_at(path):
         f.write("not a directory")
 
 
+def _limit_file_size(size):
+    """Writes of this process (and of the writers it forks) past ``size`` bytes fail with EFBIG, as
+    on a full disk (None: no limit again)."""
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an error from write(), not a kill
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY if size is None else size,
+                                               resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
 def _as_release(iter_dir, root):
     """``root`` holding ``iter_dir`` as Megatron-LM's release checkpoint (tracker "release")."""
     shutil.copytree(iter_dir, os.path.join(root, "release"))
@@ -170,7 +181,7 @@ def fault_outcomes(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("faults")
     save, nan_save, data = str(d / "ckpt"), str(d / "nan-ckpt"), d / "data"
-    dist_save = str(d / "dist-ckpt")
+    dist_save, full = str(d / "dist-ckpt"), str(d / "full-ckpt")
     save2, empty, release = str(d / "ckpt2"), str(d / "empty"), str(d / "release")
     os.makedirs(empty)
     data.mkdir()
@@ -187,6 +198,8 @@ def fault_outcomes(tmp_path_factory):
         "saved": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --save {save} --ckpt-format dynapipe"),
         "resumed": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --load {save} "
                            "--override-opt_param-scheduler"),
+        "resumed_as_bf16": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --load {save} --bf16 "
+                                     "--override-opt_param-scheduler"),
         # Loading mistakes that must not start from random weights, or resume on the wrong split.
         "finetune_iter_dir": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {save}/iter_0000002 "
                               "--finetune"),
@@ -233,6 +246,17 @@ def fault_outcomes(tmp_path_factory):
         "data_padding": ("train", f"{TINY} --data-path {out_of_vocab} --train-iters 1 --lr 1e-3"),
         "data_dynapipe": ("train", f"{TINY} --data-path {out_of_vocab} --train-iters 1 --lr 1e-3 --use-dynapipe"),
         "good_data": ("train", f"{TINY} --data-path {good} --train-iters 1 --lr 1e-3"),
+        # Rank 1's disk fills up during a torch_dist save: every rank stops with rank 1's cause,
+        # and the previous checkpoint stays the latest.
+        "full_saved": ("train", f"{TINY}{MOCK} --train-iters 1 --lr 1e-3 --save {full}"),
+        "fill_rank1_disk": ("rank1", _limit_file_size, (20000,)),
+        "full_save_fails": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {full} --save {full} "
+                                     "--override-opt_param-scheduler"),
+        "free_rank1_disk": ("rank1", _limit_file_size, (None,)),
+        "load_fp32_as_bf16": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {full} --bf16 "
+                                       "--override-opt_param-scheduler"),
+        "load_fp32_as_bf16_weights": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {full} --bf16 "
+                                               "--no-load-optim"),
         # Only rank 0 opens the validation split at start-up (its summary line): rank 1 must stop
         # with rank 0's line, not with a gloo error in its next collective.
         "valid_data": ("train", f"{TINY} --train-data-path {good} --valid-data-path {cut} --train-iters 1 "
@@ -265,7 +289,7 @@ def fault_outcomes(tmp_path_factory):
                 p.wait(10)
     outcomes = {name: [r[i] for r in results] for i, name in enumerate(steps)}
     return outcomes, {"save": save, "save2": save2, "nan_save": nan_save, "redis_restarts": len(procs) - 1,
-                      "lost_unread": lost_unread, "dist_save": dist_save}
+                      "lost_unread": lost_unread, "dist_save": dist_save, "full": full}
 
 
 def test_loading_mistakes_stop_every_rank_in_one_line(fault_outcomes):
@@ -380,6 +404,28 @@ def test_out_of_vocabulary_ids_stop_every_batching_path(fault_outcomes, name):
     outcomes, _ = fault_outcomes
     for o in outcomes[name]:
         assert "vocab.bin: sequence 6, token 1 has id 200" in o["error"], o
+
+
+def test_a_full_disk_during_a_torch_dist_save_stops_every_rank_and_keeps_the_last_checkpoint(fault_outcomes):
+    outcomes, paths = fault_outcomes
+    texts = [o.get("error") for o in outcomes["full_save_fails"]]
+    assert texts[0] == texts[1] and "\n" not in texts[0], texts
+    assert texts[0].startswith(f"saving {paths['full']}/iter_0000002: writing the shards failed: rank 1: "), texts
+    assert "still names the previous checkpoint" in texts[0]
+    with open(os.path.join(paths["full"], "latest_checkpointed_iteration.txt")) as f:
+        assert f.read().strip() == "1"
+
+
+@pytest.mark.parametrize("name,root,iteration", [("load_fp32_as_bf16", "full", 1), ("resumed_as_bf16", "save", 2)])
+def test_a_checkpoint_of_another_precision_is_refused_naming_it(fault_outcomes, name, root, iteration):
+    # torch_dist reads the precision from Megatron-LM's args, the dynapipe format from its own record.
+    outcomes, paths = fault_outcomes
+    texts = [o.get("error") for o in outcomes[name]]
+    assert texts[0] == texts[1] and "\n" not in texts[0], texts
+    assert texts[0].endswith(f"{paths[root]}/iter_{iteration:07d}: the optimizer state was saved in fp32 (no "
+                             f"--bf16/--fp16), this run trains in --bf16; resume at the precision it was saved at, "
+                             f"or add --no-load-optim to load the weights and start a fresh optimizer."), texts
+    assert outcomes["load_fp32_as_bf16_weights"][0]["start"] == 1  # the weights alone load
 
 
 def test_bad_data_read_by_rank_0_alone_stops_every_rank(fault_outcomes):
@@ -539,3 +585,5 @@ def test_store_gives_up_after_the_window_with_one_line(redis_port):
     assert 0.7 <= time.monotonic() - t0 < 5.0
     assert "\n" not in str(e.value)
     kv.close()
+
+
