@@ -20,7 +20,7 @@ from datetime import datetime
 from typing import Callable, Optional
 
 from dynapipe.errors import DynaPipeError
-from megatron_integration import checkpoint_dist
+from megatron_integration import checkpoint_dist, checkpoint_dist_save
 from megatron_integration.agreement import attempt, everyone, same_error_everywhere
 from megatron_integration.checkpoint import (LATEST, RELEASE, ResumeState, _iter_dir, latest_iteration,
                                              load_checkpoint, publish_latest, save_checkpoint)
@@ -56,7 +56,7 @@ def save(cfg, iteration: int, consumed_samples: int, gpt, optimizer, scheduler, 
         args = checkpoint_dist.megatron_args(cfg.megatron_args, cfg, info, iteration, consumed_samples)
         vars(args).update(args_update or {})
         fixed_batch = None if cfg.data.tokens_per_global_batch else cfg.global_batch_size
-        checkpoint_dist.save_dist(iter_dir, iteration, gpt, optimizer, scheduler, info, args,
+        checkpoint_dist_save.save_dist(iter_dir, iteration, gpt, optimizer, scheduler, info, args,
                                   cfg.optimizer.distributed, cfg.dist_ckpt.fully_parallel_save, fixed_batch)
         publish_latest(root, iteration, info)
     else:

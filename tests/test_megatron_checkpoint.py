@@ -12,7 +12,7 @@ import pytest
 from dynapipe.errors import DynaPipeError
 from megatron_integration.checkpoint_dist import common_state_file
 from megatron_integration.jobs import run_training, run_trainings
-from megatron_integration.launch import spawn
+from megatron_integration.launch import free_port, spawn
 
 # Dropout on: the resumed run must also restore every RNG to draw the same masks.
 TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --seq-length 128 "
@@ -345,3 +345,67 @@ def test_a_save_over_an_earlier_one_of_the_same_iteration_drops_what_it_does_not
                                                                   "model_optim_rng.pt") for s in ("", ".sha256"))
     _drop_stale_files(str(tmp_path), dp_size=1, distributed_optimizer=True)
     assert "rng_dp_001.pt" not in os.listdir(tmp_path) and "rng_dp_000.pt" in os.listdir(tmp_path)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_STUCK_WRITER = """
+import io, os, sys, time
+from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+def stuck(*args, **kwargs):  # a shard writer that takes its time (a slow file system)
+    with open(sys.argv[1] + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+    time.sleep(120)
+
+FileSystemWriterAsync.write_preloaded_data = staticmethod(stuck)
+from megatron_integration.arguments import parse_training_args
+from megatron_integration.training import pretrain
+pretrain(parse_training_args(sys.argv[2].split(), 1), stream=io.StringIO())
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # a zombie is dead
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_rank_killed_mid_save_takes_its_shard_writers_with_it(tmp_path):
+    # megatron-core forks the shard writers; a rank killed during a save (kill -9, a scheduler's
+    # preemption) must not leave them running with a copy of its memory.
+    import signal
+    import time
+
+    marker = str(tmp_path / "writer.pid")
+    argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
+            f"--vocab-size 128 --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --train-iters 1 --mock-data "
+            f"--save {tmp_path / 'ckpt'}")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    env.pop("RANK", None)
+    env["MASTER_PORT"] = str(free_port())  # the one-rank job's store, not the default port
+    rank = subprocess.Popen([sys.executable, "-c", _STUCK_WRITER, marker, argv], env=env, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    writer = None
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(marker) and rank.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert os.path.exists(marker), rank.stderr.read().decode()[-2000:] if rank.poll() is not None else "no writer"
+        with open(marker) as f:
+            writer = int(f.read())
+        assert writer != rank.pid and _alive(writer)
+        rank.send_signal(signal.SIGKILL)
+        rank.wait(30)
+        deadline = time.monotonic() + 10
+        while _alive(writer) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(writer), f"writer {writer} outlived its rank"
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+        if writer is not None and _alive(writer):
+            os.kill(writer, signal.SIGKILL)
