@@ -27,6 +27,13 @@ class TanhOut(ToyHandlers):
         return torch.tanh(out) if out.dim() > 0 else out
 
 
+class WeightOnly(ToyHandlers):
+    """Runs deferred weight gradients, but has no backward that would defer them."""
+
+    def backward_weight(self, mb, op):
+        pass
+
+
 class Watching(ToyHandlers):
     """Counts, before each forward, the earlier micro-batches' activations still alive."""
 
@@ -71,6 +78,24 @@ def _worker(ctx):
         except PlanError:
             out["refused"] = True
         out["held_after_refusal"] = meter.live_bytes
+        # A loss normaliser that cannot normalise: refused on every rank before anything runs.
+        for bad in (0, 2.5):
+            try:
+                ex.run(plan, loss_tokens=bad)
+                out[f"tokens {bad}"] = "ran"
+            except PlanError as e:
+                out[f"tokens {bad}"] = str(e)
+        out["loss_after_refusals"] = ex.run(plan).loss
+    # A zero-bubble plan needs a backward that defers the weight gradients and backward_weight.
+    zb = plan_batch(LENGTHS, CFG, pp=2, dp=1, schedule="zb-h1", split_backward=True)[0][ctx.stage]
+    for handlers in (ToyHandlers, WeightOnly):
+        with Executor(handlers(stage, samples), group=ctx.pipeline_group, store=ctx.store,
+                      config=ExecutorConfig(timeout_s=30)) as ex:
+            try:
+                ex.run(zb)
+                out[handlers.__name__] = "ran"
+            except PlanError as e:
+                out[handlers.__name__] = str(e)
     watching = Watching(ToyGPT(CFG, seed=1).stage(ctx.stage, 2), samples)
     watching.refs, watching.alive = [], []
     with Executor(watching, group=ctx.pipeline_group, store=ctx.store, config=ExecutorConfig(timeout_s=30)) as ex:
@@ -91,3 +116,10 @@ def test_released_sends_refusals_and_forward_only_runs_keep_nothing_they_should_
         assert r["refused"] and r["held_after_refusal"] == 0, (o.rank, r)
         # Forward-only: the activations of earlier micro-batches were kept to the end of the run.
         assert max(r["alive_before_each_forward"]) <= 1, (o.rank, r)
+        # Refused at acceptance on every rank (rank 1's reason: it computes the loss), not in the
+        # last stage's forward with rank 0 waiting for it; the executor then runs on.
+        assert "pipeline rank 1 (global rank 1): the loss normaliser is 0 tokens" in r["tokens 0"], r
+        assert "loss_tokens 2.5: expected a whole number of tokens" in r["tokens 2.5"], r
+        assert r["loss_after_refusals"] > 0 if o.rank == 1 else r["loss_after_refusals"] == 0.0, r  # the last stage's
+        assert "handlers have no backward and no backward_weight" in r["ToyHandlers"], r
+        assert "handlers have no backward (the input part" in r["WeightOnly"], r

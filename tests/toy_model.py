@@ -159,17 +159,18 @@ def reference_step(model: ToyGPT, samples: Sequence[torch.Tensor],
 
 
 def plan_batch(lengths: Sequence[int], cfg: ModelConfig, *, pp: int, dp: int, schedule: str,
-               iteration: int = 0) -> list[list]:
+               iteration: int = 0, split_backward: bool = False) -> list[list]:
     """Execution plans ``[replica][stage]`` for one global batch of ``lengths`` from the
     project's planner (micro-batches by dynamic programming on the CPU cost model,
     balanced over ``dp`` replicas, ``schedule`` searched and compiled), validated. The toy
-    stages cannot split their backward, so ``auto`` leaves ``zb-h1`` out."""
+    stages cannot split their backward, so ``auto`` leaves ``zb-h1`` out (``split_backward``: plans
+    the handlers must refuse)."""
     from dynapipe.config import load_device_config
     from dynapipe.cost import build_cost_model
     from dynapipe.pipeline_planner import plan_iteration
 
     cost = build_cost_model(cfg, load_device_config("cpu"), pp)
     planned = plan_iteration(np.asarray(lengths), cost, stages=pp, dp=dp, schedule=schedule,
-                             iteration=iteration, validate=True, split_backward=False)
+                             iteration=iteration, validate=True, split_backward=split_backward)
     assert all(p.global_loss_tokens == int(sum(lengths)) for p in planned.all_plans())
     return planned.plans

@@ -67,9 +67,6 @@ class ComputeOps:
                 raise ExecutorError(f"{where}: the last stage's forward must return the summed token loss as a "
                                     f"scalar float tensor, got {type(out).__name__}"
                                     f"{list(out.shape) if isinstance(out, torch.Tensor) else ''}.")
-            if run.loss_tokens <= 0:
-                raise ExecutorError(f"{where}: the loss normaliser is {run.loss_tokens} tokens (plan."
-                                    f"global_loss_tokens or run(loss_tokens=...)); the loss cannot be normalised.")
             run.losses[ins.mb] = out.detach().reshape(())
             scale = run.loss_tokens if self.config.normalise_loss else 1
             if keep:
@@ -108,9 +105,6 @@ class ComputeOps:
                 raise ExecutorError(f"{where}: received gradients {sorted(got)} lack {missing}.")
             grads = [got[n] for n in names]
         custom = getattr(self.handlers, "backward", None)
-        if ins.part == "input" and custom is None:
-            raise ExecutorError(f"{where}: the plan splits the backward, but the stage's handlers have no "
-                                f"backward that defers weight gradients.")
         if custom is not None:
             custom(run.mbs[ins.mb], roots, grads, ins)
         else:

@@ -28,6 +28,7 @@ wait never makes a deadlock-free plan deadlock.
 """
 from __future__ import annotations
 
+import numbers
 import traceback
 from typing import Callable, Optional, TypeVar, Union
 
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from dynapipe.errors import DynaPipeError, ExecutorError, PlanError
 from dynapipe.plan.instructions import (RECV_STARTS, SEND_STARTS, BackwardPass, ExecutionPlan, FINISHES,
                                         ForwardPass, FreeBuffer, Instruction, LoadInput, SendActivationStart,
-                                        SendGradStart)
+                                        SendGradStart, is_last_virtual)
 from dynapipe.plan.serialize import deserialize_plan
 from dynapipe.runtime.activation_meter import ActivationMeter
 from dynapipe.runtime.buffers import BufferTable
@@ -133,7 +134,7 @@ class Executor(ComputeOps, TransferOps):
                                 f"cannot run again ({self._failed}); restart the job.")
         seq, self._runs = self._runs, self._runs + 1
         where = f"pipeline rank {self.comm.rank} (global rank {self.global_rank})"
-        plan_obj, pairing, refusal = self._accept(plan, where)
+        plan_obj, pairing, tokens, refusal = self._accept(plan, where, loss_tokens)
         check = None
         if self.config.check_peers and self.comm.size > 1:
             check = PeerPlanCheck(self.comm, plan_obj, refusal, seq, self._plan_prefix)
@@ -144,8 +145,7 @@ class Executor(ComputeOps, TransferOps):
                 self._guard(lambda: check.settle(self.waiter))
         elif refusal is not None:
             raise PlanError(refusal)
-        result = self._execute(plan_obj, *pairing, check,
-                               plan_obj.global_loss_tokens if loss_tokens is None else int(loss_tokens))
+        result = self._execute(plan_obj, *pairing, check, tokens)
         if any(isinstance(x, RECV_STARTS) for x in plan_obj.instructions):
             # A peer sends only after it read every row, and in a plan whose micro-batches
             # pass through every stage, each receive depends on every stage having sent.
@@ -232,23 +232,33 @@ class Executor(ComputeOps, TransferOps):
             self._fail(e, primary=False)
             raise
 
-    def _accept(self, plan: Union[ExecutionPlan, bytes], where: str):
-        """The plan, its start/finish pairing and ``None``; or ``None, None`` and why this
-        rank refuses the plan."""
+    def _accept(self, plan: Union[ExecutionPlan, bytes], where: str, loss_tokens: Optional[int]):
+        """The plan, its start/finish pairing, the loss normaliser (tokens) and ``None``; or
+        ``None, None, None`` and why this rank refuses the plan (before anything is sent, so
+        the peers refuse with it instead of failing mid-iteration)."""
         try:
             if isinstance(plan, (bytes, bytearray, memoryview)):
                 plan = deserialize_plan(bytes(plan))
             if not isinstance(plan, ExecutionPlan):
                 raise PlanError(f"expected an ExecutionPlan or its bytes, got {type(plan).__name__}.")
             check_plan_locally(plan, stage=self.comm.rank, num_stages=self.comm.size, replica=self.replica)
-            if not hasattr(self.handlers, "backward_weight") and any(
-                    isinstance(x, BackwardPass) and x.part != "full" for x in plan.instructions):
-                raise PlanError("the plan splits the backward (a zero-bubble schedule), but this stage's handlers "
-                                "have no backward_weight to run the weight part; use a schedule without the split "
-                                "(plan with split_backward=False, or --schedule 1f1b / adaptive).")
-            return plan, pair_starts(plan), None
+            missing = [name for name in ("backward", "backward_weight")
+                       if not callable(getattr(self.handlers, name, None))]
+            if missing and any(isinstance(x, BackwardPass) and x.part != "full" for x in plan.instructions):
+                raise PlanError(f"the plan splits the backward (a zero-bubble schedule), but this stage's handlers "
+                                f"have no {' and no '.join(missing)} (the input part needs a backward that defers "
+                                f"the weight gradients, the weight part backward_weight); use a schedule without "
+                                f"the split (plan with split_backward=False, or --schedule 1f1b / adaptive).")
+            tokens = plan.global_loss_tokens if loss_tokens is None else loss_tokens
+            if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral):
+                raise PlanError(f"loss_tokens {tokens!r}: expected a whole number of tokens.")
+            if tokens <= 0 and any(isinstance(x, ForwardPass) and is_last_virtual(plan, x.chunk)
+                                   for x in plan.instructions):
+                raise PlanError(f"the loss normaliser is {tokens} tokens (run(loss_tokens=...) or the plan's "
+                                f"global_loss_tokens); pass the global batch's loss-token count, at least 1.")
+            return plan, pair_starts(plan), int(tokens), None
         except PlanError as e:
-            return None, None, f"{where}: {e}"
+            return None, None, None, f"{where}: {e}"
 
     # ---- the instruction loop ----------------------------------------------------------
     def _execute(self, plan: ExecutionPlan, start_of: dict, batches: dict,
