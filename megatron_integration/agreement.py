@@ -160,3 +160,25 @@ def agreed_start(build: Callable[[], T], timeout_minutes: Callable[[T], float] =
         raise
     agree_at_start(None, timeout_minutes(value))
     return value
+
+
+# What gloo and NCCL say when the other end of a connection is gone (its process exited).
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted",
+              "remote process exited")
+
+
+def peer_lost(e: BaseException, where: str) -> Optional[DynaPipeError]:
+    """``e`` as one line when it is the backend's report that another rank is gone (a
+    ``RuntimeError`` from gloo or NCCL inside a collective or point-to-point transfer), else
+    None. ``where``: what this rank was doing (``iteration 3``).
+
+    Why: the survivor of a killed or crashed rank otherwise stops with a traceback through
+    megatron-core's schedule whose last line blames no one; the dead rank's log holds the cause."""
+    text = str(e)
+    if not isinstance(e, RuntimeError) or not any(s in text for s in _PEER_GONE):
+        return None
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    first = " ".join(text.splitlines()[0].split()) if text else ""
+    first = first.split(". This is typically caused")[0]  # gloo's boilerplate advice
+    return DynaPipeError(f"{where}: rank {rank} lost a peer ({type(e).__name__}: {first}); another rank stopped "
+                         f"(it crashed, was killed or ran out of memory): its own log holds the cause.")

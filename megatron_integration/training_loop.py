@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol, TextIO
 
 from dynapipe.config import ModelConfig
+from megatron_integration.agreement import peer_lost
 from megatron_integration.baseline_step import StepResult
 from megatron_integration.initialize import RankInfo
 from megatron_integration.logging_utils import TrainingLogger
@@ -106,7 +107,13 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
         gc_was_enabled = cfg.manual_gc.start()
         stop, saved_at, by_duration = last, None, False
         for iteration in range(run.start_iteration, last):
-            result = parts.stepper.step(iteration)
+            try:
+                result = parts.stepper.step(iteration)
+            except RuntimeError as e:
+                lost = peer_lost(e, f"iteration {iteration + 1}")
+                if lost is None:
+                    raise
+                raise lost from None
             result.loss_scale = float(parts.optimizer.get_loss_scale())
             if parts.params_norm is not None:
                 result.params_norm = parts.params_norm()

@@ -587,3 +587,35 @@ def test_store_gives_up_after_the_window_with_one_line(redis_port):
     kv.close()
 
 
+
+
+def _killed_peer_job(ctx, argv):
+    """Rank body: train ``argv``; rank 1 kills itself (SIGKILL) after iteration 2; rank 0's error."""
+    import io
+    import signal
+
+    from megatron_integration.arguments import parse_training_args
+    from megatron_integration.training import pretrain
+
+    def die(iteration, result):
+        if ctx.rank == 1 and iteration == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    try:
+        pretrain(parse_training_args(argv.split(), 2), stream=io.StringIO(), on_iteration=die)
+    except DynaPipeError as e:
+        return str(e)
+    return "finished"
+
+
+def test_a_killed_rank_stops_the_survivor_of_megatron_cores_schedule_in_one_line():
+    # The padding baseline runs megatron-core's own 1F1B: its gloo error on the survivor,
+    # a traceback through the schedule, becomes one line naming the lost peer.
+    from dynapipe.runtime.distributed import spawn_outcomes
+
+    argv = f"{TINY}{MOCK} --train-iters 4 --lr 1e-3 --global-batch-size 8"
+    survivor, killed = spawn_outcomes(_killed_peer_job, 2, args=(argv,), pp=2, timeout_s=120)
+    assert killed.value is None and survivor.error is None, survivor.error
+    assert survivor.value.startswith("iteration 3: rank 0 lost a peer (RuntimeError: ") and "\n" not in survivor.value
+    assert survivor.value.endswith("another rank stopped (it crashed, was killed or ran out of memory): its own log "
+                                   "holds the cause."), survivor.value
