@@ -118,12 +118,15 @@ def save_dist(iter_dir: str, iteration: int, gpt, optimizer, scheduler, info: Ra
                  rng_state=_rng_sharded_object(info, _gathered_rng(info)))
     # Every step a rank can fail alone ends in an agreement (which is also the barrier), so one
     # rank's full disk stops every rank with its line instead of leaving them in a collective.
-    error = attempt(lambda: _fresh_dir(iter_dir), f"creating {iter_dir}")[1] if info.rank == 0 else None
+    # The shards go to a staging directory first: a complete checkpoint of the same iteration
+    # (a run saving into a --save it did not load from) stays until the new one is complete.
+    staging = iter_dir + STAGING_SUFFIX
+    error = attempt(lambda: _fresh_dir(staging), f"creating {staging}")[1] if info.rank == 0 else None
     same_error_everywhere(error)
     # megatron-core raises on every rank when one cannot write; the coordinator's line names the
     # failing ranks and their causes, the others only know that it failed.
     with writers_die_with_rank():
-        error = attempt(lambda: dist_checkpointing.save(state, iter_dir, sharded_strategy=_save_strategy(fully_parallel),
+        error = attempt(lambda: dist_checkpointing.save(state, staging, sharded_strategy=_save_strategy(fully_parallel),
                                                         content_metadata=metadata), "writing the shards")[1]
     errors = [e for e in everyone(error) if e is not None]
     if errors:
@@ -132,19 +135,36 @@ def save_dist(iter_dir: str, iteration: int, gpt, optimizer, scheduler, info: Ra
                             f"latest_checkpointed_iteration.txt still names the previous checkpoint (nothing is "
                             f"lost); fix the cause (a full disk?) and resume from it.")
     # Each rank digests the shard files it wrote (in parallel, still in the page cache) ...
-    error = attempt(lambda: [write_checksum(p) for p in glob.glob(os.path.join(iter_dir, f"__{info.rank}_*.distcp"))],
-                    f"writing the checksums of {iter_dir}")[1]
+    error = attempt(lambda: [write_checksum(p) for p in glob.glob(os.path.join(staging, f"__{info.rank}_*.distcp"))],
+                    f"writing the checksums of {staging}")[1]
     same_error_everywhere(error)
-    # ... and rank 0 the shared files (metadata.json, .metadata, common.pt where written).
-    error = attempt(lambda: _checksum_shared(iter_dir), f"writing the checksums of {iter_dir}")[1] \
-        if info.rank == 0 else None
+    # ... and rank 0 the shared files (metadata.json, .metadata, common.pt where written), then
+    # moves the complete checkpoint into place.
+    error = attempt(lambda: _checksum_shared(staging) or _move_into_place(staging, iter_dir),
+                    f"completing {iter_dir}")[1] if info.rank == 0 else None
     same_error_everywhere(error)
 
 
-def _fresh_dir(iter_dir: str) -> None:
-    if os.path.isdir(iter_dir):  # a save of this iteration that did not finish
-        shutil.rmtree(iter_dir)
-    os.makedirs(iter_dir)
+STAGING_SUFFIX = ".saving"
+
+
+def _fresh_dir(path: str) -> None:
+    if os.path.isdir(path):  # a save of this iteration that did not finish
+        shutil.rmtree(path)
+    os.makedirs(path)
+
+
+def _move_into_place(staging: str, iter_dir: str) -> None:
+    """Replace ``iter_dir`` (if any) by ``staging``: two renames, the old one removed last."""
+    old = None
+    if os.path.lexists(iter_dir):
+        old = iter_dir + ".replaced"
+        if os.path.isdir(old):
+            shutil.rmtree(old)
+        os.rename(iter_dir, old)
+    os.rename(staging, iter_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _checksum_shared(iter_dir: str) -> None:

@@ -253,6 +253,13 @@ def fault_outcomes(tmp_path_factory):
         "full_save_fails": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {full} --save {full} "
                                      "--override-opt_param-scheduler"),
         "free_rank1_disk": ("rank1", _limit_file_size, (None,)),
+        # Saving iteration 1 again into the --save that holds it (a run that did not load from it):
+        # the failed save must leave the complete iteration 1 in place.
+        "fill_rank1_disk_again": ("rank1", _limit_file_size, (20000,)),
+        "resave_fails": ("train", f"{TINY}{MOCK} --train-iters 1 --lr 1e-3 --save {full}"),
+        "free_rank1_disk_again": ("rank1", _limit_file_size, (None,)),
+        "load_after_failed_resave": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {full} "
+                                              "--override-opt_param-scheduler"),
         "load_fp32_as_bf16": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {full} --bf16 "
                                        "--override-opt_param-scheduler"),
         "load_fp32_as_bf16_weights": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {full} --bf16 "
@@ -414,6 +421,8 @@ def test_a_full_disk_during_a_torch_dist_save_stops_every_rank_and_keeps_the_las
     assert "still names the previous checkpoint" in texts[0]
     with open(os.path.join(paths["full"], "latest_checkpointed_iteration.txt")) as f:
         assert f.read().strip() == "1"
+    assert "writing the shards failed: rank 1: " in outcomes["resave_fails"][0]["error"]
+    assert [o.get("start") for o in outcomes["load_after_failed_resave"]] == [1, 1], outcomes["load_after_failed_resave"]
 
 
 @pytest.mark.parametrize("name,root,iteration", [("load_fp32_as_bf16", "full", 1), ("resumed_as_bf16", "save", 2)])
