@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from dynapipe.errors import DynaPipeError
 from megatron_integration.agreement import attempt, same_error_everywhere
-from megatron_integration.checkpoint_files import (CHECKSUM_SUFFIX, load_verified, save_with_checksum, verify_file,
-                                                   write_checksum)
+from megatron_integration.checkpoint_files import (STAGING_SUFFIX, fresh_dir, load_verified,
+                                                   move_into_place, save_with_checksum, verify_file, write_checksum)
 from megatron_integration.initialize import RankInfo
 from megatron_integration.scheduler_state import load_scheduler_state
 
@@ -114,14 +114,19 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, gpt: torch
 
     Returns the iteration directory. A rank that cannot write its files makes every rank
     raise the same line, and ``latest_checkpointed_iteration.txt`` still names the previous
-    checkpoint (nothing is lost).
+    checkpoint (nothing is lost). The files are written under ``iter_N.saving`` and moved to
+    ``iter_N`` once every rank's are complete, so an earlier save of the same iteration stays
+    whole until then, and none of its files (another data-parallel size's RNG states, a
+    distributed optimizer's state) mixes with the new ones.
     """
-    rank_dir = _rank_dir(root, iteration, info)
+    iter_dir = _iter_dir(root, iteration)
+    staging = iter_dir + STAGING_SUFFIX
+    rank_dir = os.path.join(staging, os.path.basename(_rank_dir(root, iteration, info)))
+    same_error_everywhere(attempt(lambda: fresh_dir(staging), f"creating {staging}")[1] if info.rank == 0 else None)
 
     def write_own() -> None:
         os.makedirs(rank_dir, exist_ok=True)
         if info.dp_rank == 0:
-            _drop_stale_files(rank_dir, info.dp_size, _is_distributed(optimizer))
             payload = {
                 "format_version": FORMAT_VERSION,
                 "iteration": iteration,
@@ -138,30 +143,19 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, gpt: torch
 
     same_error_everywhere(attempt(write_own, f"saving {rank_dir} (rank {info.rank})")[1])
     if _is_distributed(optimizer):
-        # Collective over the data-parallel group: entered by every rank or by none.
+        # Collective over the data-parallel group: entered by every rank or by none. Only data-parallel
+        # rank 0 writes, after the gather, so its failure is caught and agreed on like the others'.
         optim_path = os.path.join(rank_dir, "distrib_optim.pt")
-        optimizer.save_parameter_state(optim_path)
-        if info.dp_rank == 0 and os.path.exists(optim_path):
-            same_error_everywhere(attempt(lambda: write_checksum(optim_path), f"saving {optim_path}")[1])
-        else:
-            same_error_everywhere(None)
+
+        def write_optimizer() -> None:
+            optimizer.save_parameter_state(optim_path)
+            if info.dp_rank == 0 and os.path.exists(optim_path):
+                write_checksum(optim_path)
+        same_error_everywhere(attempt(write_optimizer, f"saving {optim_path} (rank {info.rank})")[1])
+    same_error_everywhere(attempt(lambda: move_into_place(staging, iter_dir), f"completing {iter_dir}")[1]
+                          if info.rank == 0 else None)
     publish_latest(root, iteration, info)
-    return _iter_dir(root, iteration)
-
-
-def _drop_stale_files(rank_dir: str, dp_size: int, distributed_optimizer: bool) -> None:
-    """Remove what an earlier save of the same iteration left that this one will not overwrite:
-    RNG files of data-parallel ranks beyond ``dp_size`` and a sharded optimizer state this save
-    does not write, so a resume never reads one run's RNG or optimizer with another's weights."""
-    stale = [os.path.join(rank_dir, name) for name in os.listdir(rank_dir)
-             if name.startswith("rng_dp_") and name.endswith(".pt") and name[7:-3].isdigit()
-             and int(name[7:-3]) >= dp_size]
-    if not distributed_optimizer:
-        stale.append(os.path.join(rank_dir, "distrib_optim.pt"))
-    for path in stale:
-        for name in (path, path + CHECKSUM_SUFFIX):
-            if os.path.exists(name):
-                os.remove(name)
+    return iter_dir
 
 
 def publish_latest(root: str, iteration: int, info: RankInfo) -> None:

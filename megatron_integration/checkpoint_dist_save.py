@@ -12,7 +12,6 @@ import contextlib
 import ctypes
 import glob
 import os
-import shutil
 import signal
 import sys
 from typing import Optional
@@ -21,7 +20,8 @@ from dynapipe.errors import DynaPipeError
 from megatron_integration.agreement import UNNAMED_RANK, attempt, everyone, same_error_everywhere
 from megatron_integration.checkpoint_dist import (CHECKPOINT_VERSION, _checkpoint_files, _gathered_rng,
                                                   _rng_sharded_object, _sharded_state_dict, _sharding_metadata)
-from megatron_integration.checkpoint_files import CHECKSUM_SUFFIX, write_checksum
+from megatron_integration.checkpoint_files import (CHECKSUM_SUFFIX, STAGING_SUFFIX, fresh_dir, move_into_place,
+                                                   write_checksum)
 from megatron_integration.initialize import RankInfo
 from megatron_integration.scheduler_state import in_samples
 
@@ -121,7 +121,7 @@ def save_dist(iter_dir: str, iteration: int, gpt, optimizer, scheduler, info: Ra
     # The shards go to a staging directory first: a complete checkpoint of the same iteration
     # (a run saving into a --save it did not load from) stays until the new one is complete.
     staging = iter_dir + STAGING_SUFFIX
-    error = attempt(lambda: _fresh_dir(staging), f"creating {staging}")[1] if info.rank == 0 else None
+    error = attempt(lambda: fresh_dir(staging), f"creating {staging}")[1] if info.rank == 0 else None
     same_error_everywhere(error)
     # megatron-core raises on every rank when one cannot write; the coordinator's line names the
     # failing ranks and their causes, the others only know that it failed.
@@ -140,31 +140,9 @@ def save_dist(iter_dir: str, iteration: int, gpt, optimizer, scheduler, info: Ra
     same_error_everywhere(error)
     # ... and rank 0 the shared files (metadata.json, .metadata, common.pt where written), then
     # moves the complete checkpoint into place.
-    error = attempt(lambda: _checksum_shared(staging) or _move_into_place(staging, iter_dir),
+    error = attempt(lambda: _checksum_shared(staging) or move_into_place(staging, iter_dir),
                     f"completing {iter_dir}")[1] if info.rank == 0 else None
     same_error_everywhere(error)
-
-
-STAGING_SUFFIX = ".saving"
-
-
-def _fresh_dir(path: str) -> None:
-    if os.path.isdir(path):  # a save of this iteration that did not finish
-        shutil.rmtree(path)
-    os.makedirs(path)
-
-
-def _move_into_place(staging: str, iter_dir: str) -> None:
-    """Replace ``iter_dir`` (if any) by ``staging``: two renames, the old one removed last."""
-    old = None
-    if os.path.lexists(iter_dir):
-        old = iter_dir + ".replaced"
-        if os.path.isdir(old):
-            shutil.rmtree(old)
-        os.rename(iter_dir, old)
-    os.rename(staging, iter_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _checksum_shared(iter_dir: str) -> None:

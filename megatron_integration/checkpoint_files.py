@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
 from typing import Any, Callable
 
@@ -36,6 +37,32 @@ def check_writable_dir(path: str, flag: str = "--save", what: str = "the checkpo
         os.remove(probe)
     except OSError as e:
         raise DynaPipeError(f"{flag} {path!r} cannot be written ({e.strerror}); give a writable directory.") from None
+
+
+# Where a save writes before its files move into place (see move_into_place).
+STAGING_SUFFIX = ".saving"
+
+
+def fresh_dir(path: str) -> None:
+    """``path`` as a new empty directory (what an unfinished save left there removed)."""
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    os.makedirs(path)
+
+
+def move_into_place(staging: str, iter_dir: str) -> None:
+    """Replace ``iter_dir`` (if any) by the complete ``staging``: two renames, the old directory
+    removed last. Why: a save of an iteration ``--save`` already holds must not destroy the
+    complete one before the new one is complete."""
+    old = None
+    if os.path.lexists(iter_dir):
+        old = iter_dir + ".replaced"
+        if os.path.isdir(old):
+            shutil.rmtree(old)
+        os.rename(iter_dir, old)
+    os.rename(staging, iter_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def file_digest(path: str) -> tuple[str, int]:

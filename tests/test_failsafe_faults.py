@@ -112,12 +112,6 @@ def _fault_outside_the_executor(fault):
         dynapipe_step.check_plan_tensor_parallel = real
 
 
-def _file_at(path):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        f.write("not a directory")
-
-
 def _limit_file_size(size):
     """Writes of this process (and of the writers it forks) past ``size`` bytes fail with EFBIG, as
     on a full disk (None: no limit again)."""
@@ -233,12 +227,17 @@ def fault_outcomes(tmp_path_factory):
         "load_unseen": ("train", [f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --load {save} --override-opt_param-scheduler",
                                   f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --load {empty} "
                                   "--override-opt_param-scheduler"]),
-        # Rank 1 cannot write its part (a file where its directory goes): every rank stops with
-        # its line, and the previous checkpoint stays the latest.
-        "block_rank1_dir": ("rank0", _file_at, (os.path.join(save2, "iter_0000002", "mp_rank_00_001"),)),
+        # Rank 1 cannot write its part (its disk fills up): every rank stops with its line, and the
+        # previous checkpoint stays the latest.
         "saved_once": ("train", f"{TINY}{MOCK} --train-iters 1 --lr 1e-3 --save {save2} --ckpt-format dynapipe"),
+        "block_rank1_writes": ("rank1", _limit_file_size, (20000,)),
         "save_blocked": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --save {save2} --load {save2} "
                                   "--ckpt-format dynapipe --override-opt_param-scheduler"),
+        # Iteration 1 saved again over the complete one (no --load): it must survive the failure.
+        "resave_blocked": ("train", f"{TINY}{MOCK} --train-iters 1 --lr 1e-3 --save {save2} --ckpt-format dynapipe"),
+        "free_rank1_writes": ("rank1", _limit_file_size, (None,)),
+        "load_after_blocked_resave": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {save2} "
+                                               "--ckpt-format dynapipe --override-opt_param-scheduler"),
         # Rank 1 fails before its executor runs iteration 1; rank 0, waiting for it in its plan,
         # must stop with rank 1's cause at once, not at the executor's timeout.
         "outside_fault": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --use-dynapipe", None, (1, 1)),
@@ -404,6 +403,8 @@ def test_a_save_one_rank_cannot_write_stops_every_rank_and_keeps_the_previous(fa
     assert texts[0].startswith("rank 1: saving ") and "mp_rank_00_001" in texts[0] and "\n" not in texts[0]
     with open(os.path.join(paths["save2"], "latest_checkpointed_iteration.txt")) as f:
         assert f.read().strip() == "1"
+    assert outcomes["resave_blocked"][0]["error"].startswith("rank 1: saving "), outcomes["resave_blocked"]
+    assert [o.get("start") for o in outcomes["load_after_blocked_resave"]] == [1, 1], outcomes["load_after_blocked_resave"]
 
 
 @pytest.mark.parametrize("name", ["data_padding", "data_dynapipe"])

@@ -331,20 +331,26 @@ def test_any_error_of_a_rank_becomes_its_one_line_with_the_fix():
     assert attempt(lambda: (_ for _ in ()).throw(DynaPipeError("refused")), "x")[1] == "refused"
 
 
-def test_a_save_over_an_earlier_one_of_the_same_iteration_drops_what_it_does_not_rewrite(tmp_path):
-    # An earlier save of iter_N at DP 3 with the distributed optimizer, now saved at DP 2 without it:
-    # rng_dp_002 and distrib_optim.pt would otherwise be read by a later resume at DP 3 / with it.
-    from megatron_integration.checkpoint import _drop_stale_files
+def test_a_save_replaces_an_earlier_one_of_the_same_iteration_whole(tmp_path):
+    # An earlier iter_N at DP 3 with the distributed optimizer, saved again at DP 2 without it: none
+    # of the earlier files (rng_dp_002, distrib_optim.pt) may be left for a later resume to read.
+    from megatron_integration.checkpoint_files import fresh_dir, move_into_place
 
-    names = ["rng_dp_000.pt", "rng_dp_001.pt", "rng_dp_002.pt", "distrib_optim.pt", "model_optim_rng.pt"]
-    for name in names:
-        (tmp_path / name).write_bytes(b"x")
-        (tmp_path / (name + ".sha256")).write_text("0")
-    _drop_stale_files(str(tmp_path), dp_size=2, distributed_optimizer=False)
-    assert sorted(os.listdir(tmp_path)) == sorted(n + s for n in ("rng_dp_000.pt", "rng_dp_001.pt",
-                                                                  "model_optim_rng.pt") for s in ("", ".sha256"))
-    _drop_stale_files(str(tmp_path), dp_size=1, distributed_optimizer=True)
-    assert "rng_dp_001.pt" not in os.listdir(tmp_path) and "rng_dp_000.pt" in os.listdir(tmp_path)
+    old, staging = tmp_path / "iter_0000002", tmp_path / "iter_0000002.saving"
+    (old / "mp_rank_00_000").mkdir(parents=True)
+    for name in ["rng_dp_000.pt", "rng_dp_001.pt", "rng_dp_002.pt", "distrib_optim.pt", "model_optim_rng.pt"]:
+        (old / "mp_rank_00_000" / name).write_bytes(b"old")
+    (staging / "leftover").mkdir(parents=True)  # what a killed save left
+    fresh_dir(str(staging))
+    assert os.listdir(staging) == []
+    (staging / "mp_rank_00_000").mkdir()
+    for name in ["rng_dp_000.pt", "rng_dp_001.pt", "model_optim_rng.pt"]:
+        (staging / "mp_rank_00_000" / name).write_bytes(b"new")
+    move_into_place(str(staging), str(old))
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002"]
+    files = sorted(os.listdir(old / "mp_rank_00_000"))
+    assert files == ["model_optim_rng.pt", "rng_dp_000.pt", "rng_dp_001.pt"]
+    assert all((old / "mp_rank_00_000" / f).read_bytes() == b"new" for f in files)
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
