@@ -199,13 +199,11 @@ def dynapipe_args_from_args(args: argparse.Namespace, cuda: bool, batching: str,
     planner_nodes, split = planner_nodes_from_args(args, dp, num_nodes)
     _check_named_configs(args)
     device = args.dynapipe_device or ("h100-80gb" if cuda else "cpu")
-    if args.use_dynapipe and cost_model != "analytic":
-        _check_profile_device(cost_model, device, args.dynapipe_device is not None)
     split_backward = _split_backward(args, cuda)
     return DynaPipeArgs(
         enabled=args.use_dynapipe, batching=batching, schedule=args.dynapipe_schedule,
         memory_limit_mb=args.dynapipe_memory_limit_mb, cost_model=cost_model,
-        device=device,
+        device=device, device_given=args.dynapipe_device is not None,
         cluster=args.dynapipe_cluster or ("h100-8x" if cuda else "cpu-local"),
         planner_workers=args.dynapipe_planner_workers, planner_nodes=planner_nodes, split_replicas=split,
         prefetch=args.dynapipe_prefetch,
@@ -248,20 +246,6 @@ def _check_named_configs(args: argparse.Namespace) -> None:
                 load(name)
             except DynaPipeError as e:
                 raise DynaPipeError(f"{flag} {name}: {e}") from None
-
-
-def _check_profile_device(cost_model: str, device: str, given: bool) -> None:
-    """Refuse, at start-up, a profile measured on a CPU for a GPU device config or the other
-    way round: every plan would be priced with another device's times. The GPU model is not
-    compared: the default device config stands for any GPU."""
-    from dynapipe.config import load_device_config
-    from dynapipe.cost.profile import read_profile
-    from dynapipe.cost.profile_device import check_profile_device
-
-    data = read_profile(cost_model)
-    if isinstance(data, dict):
-        check_profile_device(data, load_device_config(device), f"--dynapipe-cost-model {cost_model}",
-                             "--dynapipe-device" if given else "the default --dynapipe-device", compare_model=False)
 
 
 def planner_nodes_from_args(args: argparse.Namespace, dp: int, num_nodes: Optional[int]) -> tuple[int, bool]:

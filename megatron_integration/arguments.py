@@ -107,7 +107,8 @@ def resolve_cuda(cuda: Optional[bool]) -> bool:
 def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optional[bool] = None,
                               num_nodes: Optional[int] = None,
                               baselines_use_executor: bool = False,
-                              placement_auto: Optional[bool] = None) -> DynaPipeTrainingConfig:
+                              placement_auto: Optional[bool] = None, check_profile: bool = True
+                              ) -> DynaPipeTrainingConfig:
     """Validate parsed arguments for a job of ``world_size`` ranks and build the config.
 
     ``cuda`` says whether the job runs on GPUs (default: ask torch). ``num_nodes``: the nodes
@@ -191,7 +192,7 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
     _checkpoint_args_honoured(args)
     _resilience_args_honoured(args)
 
-    return DynaPipeTrainingConfig(
+    cfg = DynaPipeTrainingConfig(
         model=model, parallel=parallel, optimizer=optimizer, data=data, dynapipe=dyn,
         micro_batch_size=mbs or 1, global_batch_size=args.global_batch_size, train_iters=args.train_iters,
         seed=args.seed,
@@ -207,6 +208,14 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
         empty_unused_memory_level=args.empty_unused_memory_level, manual_gc=manual_gc, evaluation=evaluation, ckpt_format=args.ckpt_format,
         finetune=args.finetune, exit_on_missing_checkpoint=args.exit_on_missing_checkpoint,
         dist_ckpt=dist_ckpt_args_from_args(args, cuda), megatron_args=_recorded_args(args))
+    if check_profile and dyn.enabled and dyn.cost_model != "analytic":
+        # A profile of another model stops the job here, not after the model and data are built.
+        from megatron_integration.profile_check import check_profile_for_run
+
+        check_profile_for_run(dyn.cost_model, model.to_model_config("megatron-gpt"), model,
+                              parallel.pipeline_model_parallel_size, parallel.tensor_model_parallel_size,
+                              parallel.sequence_parallel, dyn.device, dyn.device_given)
+    return cfg
 
 
 def _parallel_args_from_args(args: argparse.Namespace, world_size: int, cuda: bool) -> ParallelArgs:

@@ -148,7 +148,7 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
     # T5's baselines run through the executor too: its flags apply to every method.
     try:
         base = training_config_from_args(shared, world_size, cuda, baselines_use_executor=True,
-                                         placement_auto=placement_flag == "auto")
+                                         placement_auto=placement_flag == "auto", check_profile=False)
     except DynaPipeError as e:
         raise DynaPipeError(_as_typed(str(e), args)) from None
     if base.model.num_layers != total:
@@ -156,6 +156,12 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
     _t5_model_and_data_honoured(args, base)
     cfg = T5TrainingConfig(base=base, encoder_layers=enc_layers, decoder_layers=dec_layers,
                            decoder_seq_length=dec_seq, span_corruption=span_corruption_from_args(args, base, dec_seq))
+    d, p = base.dynapipe, base.parallel
+    if d.enabled and d.cost_model != "analytic":
+        from megatron_integration.profile_check import check_profile_for_run
+
+        check_profile_for_run(d.cost_model, cfg.planner_model(), base.model, p.pipeline_model_parallel_size,
+                              p.tensor_model_parallel_size, p.sequence_parallel, d.device, d.device_given)
     return _with_placement(cfg, placement_flag, pp)
 
 

@@ -39,7 +39,7 @@ import torch
 from dynapipe.cost.profile import PROFILE_FORMAT, PROFILE_VERSION
 from dynapipe.cost.profile_t5 import FIELDS, KIND_ENCODER_DECODER, SPLIT_OPS, T5_AXES, T5_OPS, WEIGHT_FIELD
 from dynapipe.runtime.weight_grad_store import WeightGradStore
-from megatron_integration.profiler import measure_op
+from megatron_integration.profiler import measure_op, suffix_minimum
 from megatron_integration.split_backward import install_split_backward
 from megatron_integration.train_config import GPTModelArgs, ParallelArgs
 from megatron_integration.masked_softmax import use_additive_masks
@@ -200,18 +200,6 @@ def profile_t5_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: 
         "times": "fastest of the repeats, lowered to the fastest of any larger shape",
         "ops": tables,
     }
-
-
-def suffix_minimum(table: torch.Tensor) -> torch.Tensor:
-    """Each point's time lowered to the least time measured at any point at least as large on
-    every axis. An op's time never falls when samples or tokens are added, and other load
-    only ever adds time, so a larger shape's time bounds a smaller one's from above: this
-    removes interference spikes without lowering any time below one that was measured."""
-    out = table.clone()
-    for axis in range(out.dim()):
-        flipped = out.flip(axis)
-        out = torch.cummin(flipped, dim=axis).values.flip(axis)
-    return out
 
 
 def time_op(forward: Callable[[], torch.Tensor], params: Sequence[torch.Tensor],

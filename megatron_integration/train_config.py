@@ -241,6 +241,7 @@ class DynaPipeArgs:
     memory_limit_mb: Optional[float] = None
     cost_model: str = "analytic"
     device: str = "cpu"
+    device_given: bool = False  # --dynapipe-device named on the command line (a profile's GPU model is compared)
     cluster: str = "cpu-local"
     planner_workers: int = 1
     # Nodes that plan (0: every node), and whether they share out each iteration's replicas

@@ -87,7 +87,7 @@ def test_profile_of_a_model_config_records_its_layer_kind(tmp_path):
     out = tmp_path / "rms.json"
     # Its own process: a measurement starts a process group.
     result = subprocess.run([sys.executable, "-m", "dynapipe", "profile", "--output", str(out), "--model", str(config),
-                             "--mbs", "1", "--seqlens", "64", "--repeats", "1", "--warmup", "0", "--threads", "1",
+                             "--mbs", "1", "--seqlens", "32,64", "--repeats", "1", "--warmup", "0", "--threads", "1",
                              "--no-progress"], capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     recorded = json.loads(out.read_text())["model"]
@@ -131,7 +131,7 @@ def test_training_refuses_a_profile_of_another_kind_of_device_at_start_up(tmp_pa
 
     path = tmp_path / "cpu.json"
     path.write_text(json.dumps({**_profile(TINY_RECORD), "device": "cpu"}))
-    argv = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --micro-batch-size 1 "
+    argv = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --vocab-size 512 --micro-batch-size 1 "
             f"--global-batch-size 4 --train-iters 1 --lr 1e-3 --mock-data --use-dynapipe "
             f"--dynapipe-cost-model {path}").split()
     assert parse_training_args(argv, 1, cuda=False).dynapipe.cost_model == str(path)

@@ -9,7 +9,7 @@ import torch
 
 from dynapipe.config import load_device_config, load_model_config
 from dynapipe.cost import build_cost_model
-from dynapipe.cost.profile import ProfileCostModel
+from dynapipe.cost.profile import WEIGHT_FIELD, ProfileCostModel
 from dynapipe.errors import DynaPipeError
 from megatron_integration.profiler import MIB, LiveMemoryTracker, measure_op
 
@@ -225,6 +225,8 @@ def test_training_arguments_accept_a_profile_of_the_run_tp_only(tmp_path):
     (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size 2 or more"),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seqlens", "64,99"],
      "--seqlens holds 99, not a multiple of 2"),
+    (["--seqlens", "128"], "--seqlens '128': give at least 2 lengths; the cost model prices other lengths from the "
+                           "trend between them."),
 ])
 def test_profile_command_refuses_a_tp_layout_it_cannot_measure(tmp_path, capsys, extra, needle):
     from dynapipe.cli import main
@@ -246,9 +248,30 @@ def test_a_transformer_engine_spec_is_profiled_without_a_weight_part(tmp_path):
             "m.layer_spec = lambda use_te, *a: (local(False, *a)[0], 'transformer_engine')\n"
             "from dynapipe.cli import main\n"
             f"sys.exit(main(['profile', '--output', {str(path)!r}, '--model', 'gpt-tiny', '--mbs', '1',\n"
-            "                '--seqlens', '32', '--repeats', '1', '--threads', '1', '--no-progress']))\n")
+            "                '--seqlens', '16,32', '--repeats', '1', '--threads', '1', '--no-progress']))\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(path.read_text())
     assert data["layer_spec"] == "transformer_engine"
     assert "bw_weight_ms" not in data["ops"]["layer"] and data["ops"]["layer"]["bw_ms"][0][0] > 0
+
+
+def test_the_peak_counts_one_gradient_in_flight_not_every_parameters_gradient():
+    # The parameters' gradients live in the model state (megatron-core's gradient buffers), which
+    # the memory budget counts once; the op's peak keeps only the one being computed.
+    net = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))  # 1 MiB a weight
+    m = measure_op(lambda: net(torch.randn(4, 512)), list(net.parameters()), torch.device("cpu"), repeats=1,
+                   warmup=0)
+    assert 0.9 < m.peak_mib < 1.5, m
+    assert all(p.grad is None for p in net.parameters())
+
+
+def test_measured_times_are_made_monotone_in_both_axes():
+    from megatron_integration.profiler import _monotone
+
+    noisy = {"layer": {"fw_ms": [[2.0, 1.5, 3.0], [2.5, 4.0, 6.0]], "bw_ms": [[1.0, 2.0, 3.0], [2.0, 3.0, 9.0]],
+                       WEIGHT_FIELD: [[0.9, 1.9, 2.9], [1.9, 2.9, 8.0]]}}
+    out = _monotone(noisy)["layer"]
+    assert out["fw_ms"] == [[1.5, 1.5, 3.0], [2.5, 4.0, 6.0]]  # never above a larger shape's time
+    assert out["bw_ms"] == [[1.0, 2.0, 3.0], [2.0, 3.0, 9.0]]
+    assert all(w <= b for wr, br in zip(out[WEIGHT_FIELD], out["bw_ms"]) for w, b in zip(wr, br))

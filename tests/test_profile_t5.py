@@ -389,7 +389,7 @@ def test_bench_stage_check_prices_interleaved_ops_on_their_virtual_stage(tmp_pat
 def test_profiler_removes_interference_spikes_without_inventing_times():
     import torch
 
-    from megatron_integration.t5_profiler import suffix_minimum
+    from megatron_integration.profiler import suffix_minimum
 
     measured = torch.tensor([[[1.0, 2.0], [9.0, 3.0]], [[2.0, 8.0], [3.0, 4.0]]])  # 9 and 8: spikes
     out = suffix_minimum(measured)

@@ -38,8 +38,9 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default=None,
                    help="model config (shipped name like gpt-tiny, or a YAML path) for any model argument not given")
     p.add_argument("--mbs", default=DEFAULT_MBS, help=f"micro-batch sizes to measure (default {DEFAULT_MBS})")
-    p.add_argument("--seqlens", default=DEFAULT_SEQLENS,
-                   help=f"sequence lengths to measure, tokens (default {DEFAULT_SEQLENS})")
+    p.add_argument("--seqlens", default=None,
+                   help=f"sequence lengths to measure, tokens, at least two (default: powers of two from 64 up to "
+                        f"--model's max_seq_length, itself included; {DEFAULT_SEQLENS} without --model)")
     p.add_argument("--t5", action="store_true",
                    help="measure a T5 (encoder-decoder): encoder layer, decoder layer, embedding, LM head")
     p.add_argument("--dec-seqlens", default=None,
@@ -55,7 +56,7 @@ def add_arguments(p) -> None:
     add_megatron_args(p)
 
 
-def _grid(text: str, flag: str) -> list[int]:
+def _grid(text: str, flag: str, at_least: int = 1) -> list[int]:
     from dynapipe.errors import DynaPipeError
 
     try:
@@ -64,7 +65,24 @@ def _grid(text: str, flag: str) -> list[int]:
         raise DynaPipeError(f"{flag} {text!r}: give comma-separated positive integers, e.g. 1,2,4.") from None
     if not values or any(v <= 0 for v in values) or sorted(set(values)) != values:
         raise DynaPipeError(f"{flag} {text!r}: give strictly ascending positive integers, e.g. 1,2,4.")
+    if len(values) < at_least:
+        # Lengths beyond the grid follow the power law through its last two points.
+        raise DynaPipeError(f"{flag} {text!r}: give at least {at_least} lengths; the cost model prices other "
+                            f"lengths from the trend between them.")
     return values
+
+
+def default_seqlens(model_name) -> str:
+    """The ``--seqlens`` grid when none is given: powers of two from 64 up to ``--model``'s
+    max_seq_length (itself the last point), so the profile reaches every length the model
+    trains at instead of extrapolating the longest; :data:`DEFAULT_SEQLENS` without ``--model``."""
+    if model_name is None:
+        return DEFAULT_SEQLENS
+    from dynapipe.config import load_model_config
+
+    top = load_model_config(model_name, flag="--model").max_seq_length
+    grid = [s for s in (32 * 2 ** k for k in range(1, 20)) if s < top] + [top]
+    return ",".join(map(str, grid if len(grid) > 1 else [max(top // 2, 1), top]))
 
 
 def fill_from_model_config(args) -> None:
@@ -94,9 +112,8 @@ def fill_from_model_config(args) -> None:
     if cfg.num_query_groups and not args.group_query_attention:
         args.group_query_attention, args.num_query_groups = True, cfg.num_query_groups
     if cfg.dtype == "bf16" and not args.fp16 and not args.bf16:
-        import torch
-
-        args.bf16 = torch.cuda.is_available()
+        # Measured in the precision the model trains in, on a CPU too: a profile prices only that.
+        args.bf16 = True
 
 
 # Megatron argument groups the profile reads nothing of (it measures layers, it does not
@@ -225,10 +242,10 @@ def run(args) -> int:
                             f"uses); leave it out for torch's default.")
     fill_from_model_config(args)
     mbs = _grid(args.mbs, "--mbs")
-    seqlens = _grid(args.seqlens, "--seqlens")
+    seqlens = _grid(args.seqlens or default_seqlens(args.model), "--seqlens", at_least=2)
     if args.dec_seqlens is not None and not args.t5:
         raise DynaPipeError("--dec-seqlens measures T5 decoder lengths; add --t5 (or --model with a T5 config).")
-    dec_seqlens = _grid(args.dec_seqlens or DEFAULT_DEC_SEQLENS, "--dec-seqlens") if args.t5 else []
+    dec_seqlens = _grid(args.dec_seqlens or DEFAULT_DEC_SEQLENS, "--dec-seqlens", at_least=2) if args.t5 else []
     check_grid_lengths(args.model, seqlens, dec_seqlens)
     if args.repeats < 1 or args.warmup < 0:
         raise DynaPipeError("--repeats must be >= 1 and --warmup >= 0.")

@@ -86,8 +86,7 @@ class _Table:
         inside = np.interp(s, grid, row)
         if len(grid) < 2:
             return inside
-        v0, v1 = np.maximum(row[-2], 1e-12), np.maximum(row[-1], 1e-12)
-        power = np.log(v1 / v0) / np.log(grid[-1] / grid[-2])
+        power = growth_power(row[-2], row[-1], grid[-2], grid[-1])
         above = row[-1] * (np.maximum(s, grid[-1]) / grid[-1]) ** power
         return np.where(s > grid[-1], above, inside)
 
@@ -110,6 +109,16 @@ class _Table:
         return np.where(b < grid_b[0], below, np.where(b > grid_b[-1], above, inside))
 
 
+def growth_power(v0, v1, s0: float, s1: float):
+    """The exponent of the power law through (s0, v0) and (s1, v1) that extrapolates a table
+    beyond its longest measured length, kept within [0, 2]: no op gets cheaper with more
+    tokens, and none grows faster than attention's quadratic term. Why: noise, or a zero, in
+    the last two points would otherwise price long micro-batches below short ones, or at
+    10^34 MiB."""
+    v0, v1 = np.maximum(v0, 1e-12), np.maximum(v1, 1e-12)
+    return np.clip(np.log(v1 / v0) / np.log(s1 / s0), 0.0, 2.0)
+
+
 # Layer-shape switches a measured table depends on, with the value a profile that does not
 # record them was measured at (profiles written before these switches existed).
 LAYER_SHAPE_KEYS = {"gated_linear_unit": False, "num_query_groups": 0, "add_bias_linear": True,
@@ -119,18 +128,26 @@ LAYER_SHAPE_KEYS = {"gated_linear_unit": False, "num_query_groups": 0, "add_bias
 # Layer widths a measured table depends on, compared only when the profile records them
 # (there is no width a profile could be assumed to have been measured at). kv_channels is
 # recorded as the per-head width in effect, so it is compared with the model's head_dim.
-LAYER_WIDTH_KEYS = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels", "normalization")
+LAYER_WIDTH_KEYS = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels", "normalization",
+                    "vocab_size")
+# Megatron pads the vocabulary to a multiple of this times TP: sizes within one padding price alike.
+VOCAB_PADDING = 128
 
 
-def _check_layer_widths(measured: Mapping[str, Any], model: ModelConfig, source: str) -> None:
-    """Refuse a profile measured on a layer of another width than ``model``'s."""
+def _check_layer_widths(measured: Mapping[str, Any], model: ModelConfig, source: str, tp: int = 1) -> None:
+    """Refuse a profile measured on a layer (or an output layer) of another width than
+    ``model``'s; vocabularies are compared as Megatron pads them at tensor-parallel size ``tp``."""
+    pad = VOCAB_PADDING * tp
     for key in LAYER_WIDTH_KEYS:
         have = measured.get(key)
         if have is None or (key == "kv_channels" and have == 0):
             continue
         want = model.head_dim if key == "kv_channels" else getattr(model, key)
+        if key == "vocab_size" and isinstance(have, int) and -(-have // pad) == -(-want // pad):
+            continue  # the output layer's cost: padded or not, the same
         if have != want:
-            raise DynaPipeError(f"{source}: the profile was measured on a layer with {key}={have!r} but model "
+            layer = "an output layer" if key == "vocab_size" else "a layer"
+            raise DynaPipeError(f"{source}: the profile was measured on {layer} with {key}={have!r} but model "
                                 f"{model.name!r} has {key}={want!r}; its times and memory price another model. "
                                 f"Profile this model (`python -m dynapipe profile` with its config or its model "
                                 f"flags) or use the analytic cost model.")
@@ -140,9 +157,11 @@ def _check_layer_shape(data: Mapping[str, Any], model: ModelConfig, source: str)
     """Refuse a profile measured on a layer of another shape (hidden size, heads, FFN width,
     per-head width, norm) or kind (GeLU vs SwiGLU MLP, grouped-query attention, biases,
     query/key norms) or in another precision: its tables would misprice every micro-batch."""
-    measured = data.get("model")
-    measured = measured if isinstance(measured, Mapping) else {}
-    _check_layer_widths(measured, model, source)
+    measured = data.get("model") or {}  # not recorded: nothing to compare
+    if not isinstance(measured, Mapping):
+        raise DynaPipeError(f"{source}: 'model' must be an object recording the measured model's shape (as "
+                            f"`python -m dynapipe profile` writes it), got {type(measured).__name__}.")
+    _check_layer_widths(measured, model, source, profile_tensor_parallel(data)[0])
     dtype = data.get("dtype", "fp32")
     if dtype != model.dtype:
         raise DynaPipeError(f"{source}: the profile was measured in {dtype} but the model trains in {model.dtype}; "
@@ -213,6 +232,13 @@ def _check_profile(data: Mapping[str, Any], source: str) -> None:
                             f"{KIND_ENCODER_DECODER!r} (version 2; version 1 profiles are decoder-only).")
     for axis in ("mbs", "seqlen"):
         check_grid(data, axis, source)
+    if len(data["seqlen"]) < 2:
+        raise DynaPipeError(f"{source}: 'seqlen' {data['seqlen']} has one length; a profile needs at least two to "
+                            f"price other lengths (measure with `--seqlens` of two or more).")
+    overhead = data.get("stage_overhead_ms", 0.0)
+    if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not np.isfinite(overhead) \
+            or overhead < 0:
+        raise DynaPipeError(f"{source}: 'stage_overhead_ms' {overhead!r} must be a finite number of ms, 0 or more.")
     tp = data.get("tp", 1)
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise DynaPipeError(f"{source}: 'tp' {tp!r} must be a positive integer (the tensor-parallel size measured).")
@@ -313,8 +339,11 @@ class ProfileCostModel(CostModel):
             s = np.asarray(seqlen, dtype=np.float64)
             linear = 2 * h * (ad + 2 * kd) + 2 * ad * h + 2 * h * (f1 + f)
             core_share = 4 * s * ad / (linear + 4 * s * ad)
-            scores = 5 * m.num_attention_heads * s
-            score_share = scores / (10 * h + 4 * ad + 4 * kd + 2 * f1 + 2 * f + scores)
+            # Per TP rank, as the analytic model splits them: the norms' and residuals' 10h over the
+            # sequence shards, the rest (scores included) over the tensor-parallel ranks.
+            t, shard = self.tp.size, self.tp.size if self.tp.sequence_parallel else 1
+            scores = 5 * m.num_attention_heads * s / t
+            score_share = scores / (10 * h / shard + (4 * ad + 4 * kd + 2 * f1 + 2 * f) / t + scores)
             if recompute == "selective":
                 bw = bw + fw * core_share
                 stored = stored * (1 - score_share)

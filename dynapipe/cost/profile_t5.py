@@ -82,12 +82,18 @@ def check_op_table(table: Mapping[str, Any], op: str, shape: tuple[int, ...], ax
             raise DynaPipeError(f"{source}: ops.{op}.{field} must be a {dims} table ({' x '.join(axes)}).")
         if not np.all(np.isfinite(arr)) or np.any(arr < 0):
             raise DynaPipeError(f"{source}: ops.{op}.{field} holds negative or non-finite values.")
+        if field.endswith("_ms") and np.any(arr == 0):
+            raise DynaPipeError(f"{source}: ops.{op}.{field} holds a time of 0 ms; a measured time is positive "
+                                f"(measure the profile again).")
 
 
 def check_t5_tables(data: Mapping[str, Any], source: str) -> None:
     """Refuse an encoder-decoder profile whose ``dec_seqlen`` axis or op tables are malformed
     (one line naming the table and the shape it must have)."""
     check_grid(data, "dec_seqlen", source, " (decoder tokens) in an encoder-decoder profile")
+    if len(data["dec_seqlen"]) < 2:
+        raise DynaPipeError(f"{source}: 'dec_seqlen' {data['dec_seqlen']} has one length; a profile needs at least "
+                            f"two to price other lengths (measure with `--dec-seqlens` of two or more).")
     ops = data.get("ops")
     if not isinstance(ops, Mapping):
         raise DynaPipeError(f"{source}: 'ops' must be an object with tables for {list(T5_OPS)}.")
@@ -131,8 +137,9 @@ def interp_axis(grid: np.ndarray, values: list, x: np.ndarray) -> np.ndarray:
     v1 = np.take_along_axis(stack, (idx + 1)[None, ...], 0)[0] if stack.ndim > 1 else stack[idx + 1]
     w = np.clip((x - x0) / (x1 - x0), 0.0, 1.0)
     inside = v0 + (v1 - v0) * w
-    last, prev = np.maximum(stack[-1], 1e-12), np.maximum(stack[-2], 1e-12)
-    power = np.log(last / prev) / np.log(grid[-1] / grid[-2])
+    v_prev, v_last = np.maximum(stack[-2], 1e-12), np.maximum(stack[-1], 1e-12)
+    # Within [0, 2] (see dynapipe.cost.profile.growth_power, not imported: that module imports this one).
+    power = np.clip(np.log(v_last / v_prev) / np.log(grid[-1] / grid[-2]), 0.0, 2.0)
     above = stack[-1] * (np.maximum(x, grid[-1]) / grid[-1]) ** power
     return np.where(x > grid[-1], above, inside)
 

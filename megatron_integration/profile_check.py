@@ -1,0 +1,54 @@
+"""Start-up checks of a ``--dynapipe-cost-model`` profile against the run, before any model is built.
+
+The planner prices every micro-batch from the profile's tables; a profile of another model,
+precision, tensor-parallel layout or device would misprice all of them without a word. The
+planning layers refuse what they can see (layer shape, dtype, TP, device class,
+:class:`dynapipe.cost.profile.ProfileCostModel`); this module runs those checks at argument
+time and adds what only Megatron's arguments carry (dropout, position embeddings), so a wrong
+profile stops the job in one line before minutes of model and data set-up.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from dynapipe.config import ModelConfig
+from dynapipe.errors import DynaPipeError
+
+# Megatron arguments a measured layer depends on, recorded by the profilers under these names.
+RUN_KEYS = ("hidden_dropout", "attention_dropout", "position_embedding_type")
+
+
+def check_profile_for_run(path: str, model: ModelConfig, megatron_model: Any, num_stages: int, tp: int,
+                          sequence_parallel: bool, device: str, device_given: bool) -> None:
+    """Refuse the profile at ``path`` for this run: ``model`` the planner's model, ``megatron_model``
+    the run's model arguments (``hidden_dropout``, ``attention_dropout``, ``position_embedding_type``),
+    ``device`` the ``--dynapipe-device`` config (``device_given``: named on the command line, so the
+    GPU model is compared too). Raises :class:`DynaPipeError` naming the value and the fix."""
+    from dynapipe.config import load_device_config
+    from dynapipe.cost.profile import ProfileCostModel, read_profile
+    from dynapipe.cost.profile_device import check_profile_device
+    from dynapipe.runtime.plan_source import tensor_parallel_of
+
+    source = f"--dynapipe-cost-model {path}"
+    data = read_profile(path)
+    if isinstance(data, dict):  # anything else is refused by ProfileCostModel, naming the file
+        check_profile_device(data, load_device_config(device), source,
+                             "--dynapipe-device" if device_given else "the default --dynapipe-device",
+                             compare_model=device_given)
+    ProfileCostModel(model, data, num_stages, source=source, tp=tensor_parallel_of(tp, sequence_parallel))
+    check_measured_run(data.get("model"), megatron_model, source)
+
+
+def check_measured_run(measured: Mapping[str, Any] | None, megatron_model: Any, source: str) -> None:
+    """Refuse a profile whose recorded :data:`RUN_KEYS` differ from the run's (a key the profile
+    does not record is not compared). Why: dropout roughly doubles a layer's stored activations
+    and adds to its forward time; rotary and learned positions differ in both."""
+    for key in RUN_KEYS:
+        have = (measured or {}).get(key)
+        want = getattr(megatron_model, key)
+        if have is not None and have != want:
+            flag = "--" + key.replace("_", "-")
+            raise DynaPipeError(f"{source}: the profile was measured with {flag} {have}, this run trains with "
+                                f"{flag} {want}; its times and memory price another layer. Profile with the run's "
+                                f"model flags (`python -m dynapipe profile ... {flag} {want}`) or use "
+                                f"--dynapipe-cost-model analytic.")

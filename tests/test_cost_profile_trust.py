@@ -1,0 +1,146 @@
+"""What a cost profile must prove before it prices a run: lengths it can extrapolate from, sane
+numbers, the run's vocabulary, dropout and positions, and the GPU named; and extrapolation
+that never makes a longer micro-batch cheaper."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+
+from dynapipe.config import load_model_config
+from dynapipe.cost.profile import ProfileCostModel, growth_power
+from dynapipe.cost.base import StageLayout
+from dynapipe.errors import DynaPipeError
+
+TINY = load_model_config("gpt-tiny")
+RECORD = {"hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 256, "kv_channels": 16, "vocab_size": 512,
+          "hidden_dropout": 0.1, "attention_dropout": 0.1, "position_embedding_type": "learned_absolute"}
+
+
+def _profile(**changes) -> dict:
+    table = {k: [[0.5, 1.0], [1.0, 2.0]] for k in ("fw_ms", "bw_ms", "stored_mib", "peak_mib")}
+    data = {"format": "dynapipe-profile", "version": 2, "kind": "decoder-only", "dtype": "fp32", "mbs": [1, 2],
+            "seqlen": [64, 128], "model": dict(RECORD), "ops": {"layer": table, "embedding": table, "output": table}}
+    data.update(changes)
+    return data
+
+
+def _layer_fw(cm: ProfileCostModel, seqlens) -> np.ndarray:
+    return cm.layout_cost(StageLayout(stage=0, encoder_layers=0, decoder_layers=1, has_embedding=False,
+                                       has_output=False), np.ones(len(seqlens)), np.asarray(seqlens, float),
+                          np.zeros(len(seqlens)), "none").fw_ms
+
+
+@pytest.mark.parametrize("last_two, top_ratio", [
+    ([4.0, 3.5], 1.0),      # noise: the longest point measured faster than the one before it
+    ([0.0, 0.5], 16.0),     # a zero before the last point: the power law would reach 10^34
+    ([1.0, 4.0], 16.0),     # steeper than quadratic: capped at attention's square
+])
+def test_extrapolation_beyond_the_grid_grows_at_most_quadratically_and_never_falls(last_two, top_ratio):
+    table = {k: [[0.5, *last_two], [1.0, *(2 * v for v in last_two)]] for k in ("fw_ms", "bw_ms", "stored_mib",
+                                                                              "peak_mib")}
+    table["fw_ms"] = [[max(v, 0.1) for v in row] for row in table["fw_ms"]]
+    table["bw_ms"] = table["fw_ms"]
+    data = _profile(seqlen=[32, 64, 128], ops={"layer": table, "embedding": table, "output": table})
+    cm = ProfileCostModel(TINY, data, 1)
+    at = cm.tables["layer"]["stored_mib"](np.ones(3), np.asarray([128.0, 256.0, 512.0]))
+    assert at[0] == pytest.approx(last_two[1])
+    assert np.all(np.diff(at) >= 0) and at[-1] <= max(last_two[1], 1e-12) * top_ratio + 1e-9, at
+    fw = _layer_fw(cm, [128, 512, 4096])
+    assert np.all(np.diff(fw) >= 0), fw
+
+
+def test_growth_power_is_kept_between_flat_and_quadratic():
+    assert growth_power(2.0, 1.0, 64, 128) == 0.0
+    assert growth_power(1.0, 2.0, 64, 128) == pytest.approx(1.0)
+    assert growth_power(1.0, 8.0, 64, 128) == 2.0
+    assert math.isfinite(growth_power(0.0, 0.0, 64, 128))
+
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"seqlen": [128], "ops": None}, "'seqlen' [128] has one length; a profile needs at least two"),
+    ({"stage_overhead_ms": "abc"}, "'stage_overhead_ms' 'abc' must be a finite number of ms, 0 or more."),
+    ({"stage_overhead_ms": [1]}, "'stage_overhead_ms' [1] must be a finite number"),
+    ({"stage_overhead_ms": float("nan")}, "'stage_overhead_ms' nan must be a finite number"),
+    ({"stage_overhead_ms": -50}, "'stage_overhead_ms' -50 must be a finite number of ms, 0 or more."),
+    ({"model": "gpt-tiny"}, "'model' must be an object recording the measured model's shape"),
+    ({"zero_fw": True}, "ops.layer.fw_ms holds a time of 0 ms; a measured time is positive"),
+])
+def test_a_profile_that_cannot_price_is_refused_in_one_line(changes, needle):
+    data = _profile(**{k: v for k, v in changes.items() if k != "zero_fw" and v is not None})
+    if changes.get("ops", 0) is None:
+        one = {k: [[1.0], [2.0]] for k in ("fw_ms", "bw_ms", "stored_mib", "peak_mib")}
+        data["ops"] = {"layer": one, "embedding": one, "output": one}
+    if changes.get("zero_fw"):
+        data["ops"]["layer"] = {**data["ops"]["layer"], "fw_ms": [[0.0, 1.0], [1.0, 2.0]]}
+    with pytest.raises(DynaPipeError) as e:
+        ProfileCostModel(TINY, json.loads(json.dumps(data)), 2, source="p.json")
+    assert str(e.value).startswith("p.json: ") and needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_vocabulary_is_compared_as_megatron_pads_it():
+    ProfileCostModel(dataclasses.replace(TINY, vocab_size=500), _profile(), 2)  # 500 pads to 512
+    with pytest.raises(DynaPipeError, match="measured on an output layer with vocab_size=512 but model 'gpt-tiny' "
+                                            "has vocab_size=50304"):
+        ProfileCostModel(dataclasses.replace(TINY, vocab_size=50304), _profile(), 2)
+
+
+TRAIN = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --vocab-size 512 "
+         "--micro-batch-size 1 --global-batch-size 4 --train-iters 1 --lr 1e-3 --mock-data --use-dynapipe")
+
+
+@pytest.mark.parametrize("flags, needle", [
+    ("--hidden-dropout 0", "the profile was measured with --hidden-dropout 0.1, this run trains with "
+                           "--hidden-dropout 0.0"),
+    ("--attention-dropout 0", "measured with --attention-dropout 0.1, this run trains with --attention-dropout 0.0"),
+    ("--position-embedding-type rope", "measured with --position-embedding-type learned_absolute, this run trains "
+                                       "with --position-embedding-type rope"),
+])
+def test_training_refuses_a_profile_of_other_megatron_layer_flags_at_start_up(tmp_path, flags, needle):
+    from megatron_integration.arguments import parse_training_args
+
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(_profile(device="cpu")))
+    argv = f"{TRAIN} --dynapipe-cost-model {path}".split()
+    assert parse_training_args(argv, 1, cuda=False).dynapipe.cost_model == str(path)
+    with pytest.raises(DynaPipeError, match=needle) as e:
+        parse_training_args(argv + flags.split(), 1, cuda=False)
+    assert str(e.value).startswith(f"--dynapipe-cost-model {path}: ") and "--dynapipe-cost-model analytic" in str(e.value)
+
+
+def test_training_compares_the_gpu_model_when_the_device_is_named(tmp_path):
+    from megatron_integration.arguments import parse_training_args
+
+    path = tmp_path / "h100.json"
+    path.write_text(json.dumps(_profile(device="NVIDIA H100 80GB HBM3")))
+    argv = f"{TRAIN} --dynapipe-cost-model {path} --transformer-impl local".split()
+    parse_training_args(argv, 1, cuda=True)  # the default device stands for any GPU
+    with pytest.raises(DynaPipeError, match="a100"):
+        parse_training_args(argv + ["--dynapipe-device", "a100-40gb"], 1, cuda=True)
+
+
+def test_the_profile_command_measures_up_to_the_models_longest_length():
+    from dynapipe.cli.profile import DEFAULT_SEQLENS, default_seqlens
+
+    assert default_seqlens(None) == DEFAULT_SEQLENS
+    assert default_seqlens("gpt-tiny") == "64,128,256,512,1024"
+    assert default_seqlens("gpt-7b").split(",")[-1] == str(load_model_config("gpt-7b").max_seq_length)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_the_derived_selective_share_splits_as_the_analytic_model_does_under_tp(sp):
+    # A profile without the recompute-level tables derives selective's stored memory from the
+    # attention scores' share; per TP rank that share is the analytic model's.
+    from dynapipe.config import TensorParallelConfig, load_device_config
+    from dynapipe.cost.analytic import AnalyticCostModel
+
+    tp = TensorParallelConfig(size=2, sequence_parallel=sp)
+    cm = ProfileCostModel(TINY, _profile(tp=2, sequence_parallel=sp), 1, tp=tp)
+    layout = StageLayout(stage=0, encoder_layers=0, decoder_layers=1, has_embedding=False, has_output=False)
+    b, s = np.ones(1), np.asarray([1024.0])
+    kept = (cm.layout_cost(layout, b, s, s, "selective").stored_mib / cm.layout_cost(layout, b, s, s, "none").stored_mib)
+    linear, scores = AnalyticCostModel(TINY, load_device_config("cpu"), 1, tp)._layer_act_bytes(1.0, 1024.0)
+    assert kept[0] == pytest.approx(linear / (linear + scores), rel=1e-6)
