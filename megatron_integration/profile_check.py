@@ -52,3 +52,22 @@ def check_measured_run(measured: Mapping[str, Any] | None, megatron_model: Any, 
                                 f"{flag} {want}; its times and memory price another layer. Profile with the run's "
                                 f"model flags (`python -m dynapipe profile ... {flag} {want}`) or use "
                                 f"--dynapipe-cost-model analytic.")
+
+
+def extrapolation_lines(cost_model: str, enabled: bool, lengths: Mapping[str, tuple[str, int]]) -> list[str]:
+    """Start-up notes for rank 0: each run length (``{profile axis: (flag, tokens)}``, e.g.
+    ``{"seqlen": ("--seq-length", 4096)}``) beyond the profile's longest measured one, which the
+    planner then prices by extrapolation; none without ``--use-dynapipe`` or a profile."""
+    from dynapipe.cost.profile import read_profile
+
+    if not enabled or cost_model == "analytic":
+        return []
+    data = read_profile(cost_model)
+    lines = []
+    for axis, (flag, length) in lengths.items():
+        grid = data.get(axis) if isinstance(data, dict) else None
+        if isinstance(grid, list) and grid and length > max(grid):
+            lines.append(f" > cost profile {cost_model}: {flag} {length} is beyond its longest measured length "
+                         f"{max(grid)}; longer micro-batches are priced by extrapolation (measure up to {length} "
+                         f"with `python -m dynapipe profile --seqlens ...` to price them from measurements)")
+    return lines

@@ -19,6 +19,7 @@ from typing import Callable, Optional, TextIO
 
 from megatron_integration import checkpoint_formats
 from megatron_integration.initialize import RankInfo, initialize_megatron
+from megatron_integration.profile_check import extrapolation_lines
 from megatron_integration.baseline_step import StepResult
 from megatron_integration.model import Stage, grad_scale_func
 from megatron_integration.optimizer import build_optimizer
@@ -61,6 +62,11 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
     info = initialize_megatron(base.parallel, base.seed, base.model.deterministic_mode)
     if info.rank == 0 and vocab_padding_line(base) is not None:
         print(vocab_padding_line(base), file=stream, flush=True)
+    if info.rank == 0:
+        for line in extrapolation_lines(base.dynapipe.cost_model, base.dynapipe.enabled,
+                                        {"seqlen": ("--encoder-seq-length", base.model.seq_length),
+                                         "dec_seqlen": ("--decoder-seq-length", cfg.decoder_seq_length)}):
+            print(line, file=stream, flush=True)
     # --dynapipe-placement auto is chosen here, before any stage is built.
     cfg = resolve_t5_placement(cfg, info.pp_size, info.dp_size)
     placement = cfg.stage_placement()

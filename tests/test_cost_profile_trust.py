@@ -144,3 +144,17 @@ def test_the_derived_selective_share_splits_as_the_analytic_model_does_under_tp(
     kept = (cm.layout_cost(layout, b, s, s, "selective").stored_mib / cm.layout_cost(layout, b, s, s, "none").stored_mib)
     linear, scores = AnalyticCostModel(TINY, load_device_config("cpu"), 1, tp)._layer_act_bytes(1.0, 1024.0)
     assert kept[0] == pytest.approx(linear / (linear + scores), rel=1e-6)
+
+
+def test_a_run_longer_than_the_profile_is_told_at_start_up(tmp_path):
+    from megatron_integration.profile_check import extrapolation_lines
+
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(_profile(dec_seqlen=[32, 64])))
+    assert extrapolation_lines(str(path), True, {"seqlen": ("--seq-length", 128)}) == []
+    assert extrapolation_lines(str(path), False, {"seqlen": ("--seq-length", 4096)}) == []
+    lines = extrapolation_lines(str(path), True, {"seqlen": ("--encoder-seq-length", 4096),
+                                                  "dec_seqlen": ("--decoder-seq-length", 64)})
+    assert lines == [f" > cost profile {path}: --encoder-seq-length 4096 is beyond its longest measured length 128; "
+                     f"longer micro-batches are priced by extrapolation (measure up to 4096 with `python -m dynapipe "
+                     f"profile --seqlens ...` to price them from measurements)"]
