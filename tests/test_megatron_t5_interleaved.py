@@ -3,6 +3,8 @@
 resume across placements, evaluation logs Megatron's lines, and the bench runs each baseline on
 the contiguous split too beside an interleaved placement.
 """
+import json
+
 import pytest
 import torch
 
@@ -131,9 +133,11 @@ def test_bench_t5_runs_dynapipe_with_the_profile_before_calibration_beside_it(tm
     from megatron_integration.bench_t5_entries import UNCALIBRATED, best_runs, t5_entries
     from megatron_integration.t5_arguments import parse_t5_args
 
+    from test_profile_t5 import t5_profile
+
     measured, calibrated = str(tmp_path / "measured.json"), str(tmp_path / "calibrated.json")
-    for path in (measured, calibrated):
-        open(path, "w").write("{}")
+    for path in (measured, calibrated):  # parsing the arguments checks the profile against the run
+        open(path, "w").write(json.dumps(t5_profile()))
     placed = {"placement": "1+0,1+2", "simulated": {"even": {"placement": "2+0,0+2"}}}
     entries = t5_entries(["dynapipe", "packing"], (1,), placed, measured)
     assert [e.label for e in entries] == ["dynapipe", "dynapipe-even", "packing@mbs1", "packing@mbs1-even",
