@@ -209,6 +209,9 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
         raise DynaPipeError(f"tp {tp!r}: the tensor-parallel size is a whole number, 1 or more.")
     if replicas is not None and not all(isinstance(r, (int, np.integer)) for r in replicas):
         raise DynaPipeError(f"replicas {list(replicas)!r}: give data-parallel replica indices (whole numbers).")
+    # The stage-to-stage links are priced by where the ranks sit, which the TP size decides: the
+    # cost model's, when the caller did not pass it (the command line), as the plans compile it.
+    tp = max(int(tp), _tp_size(cost_model))
     t0, c0 = time.perf_counter(), time.process_time()
     batch_plan, result = _search(batch_plan, cost_model, schedule=schedule, memory_limit_mib=memory_limit_mib,
                                  reserved_mib=reserved_mib, cluster=cluster, recompute=recompute, tp=tp, zero=zero,

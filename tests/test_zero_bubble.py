@@ -151,7 +151,10 @@ def test_compiled_and_python_split_kernels_agree():
     t = split_times(fw, fw, rng.uniform(0, 1, (S, M)) * fw, stored=fw, stash=fw / 2, comm=0.1, state=5.0)
     kind, mb, nops = zb_h1_arrays(S, M)
     args = (kind, mb, nops, *kernel_inputs(t), *split_inputs(t), np.inf, np.inf)
-    for a, b in zip(K.simulate_split_kernel(*args), K.simulate_split_kernel.py_func(*args)):
+    # The wrapper's py_func would call the compiled loop; chunked_split_kernel's is the Python loop.
+    python = K.chunked_split_kernel.py_func(kind, mb, np.zeros_like(kind), nops, *kernel_inputs(t), *split_inputs(t),
+                                            np.inf, np.inf)
+    for a, b in zip(K.simulate_split_kernel(*args), python):
         np.testing.assert_array_equal(a, b)
 
 
@@ -637,3 +640,27 @@ def test_no_split_backward_keeps_auto_to_whole_backwards(tmp_path, capsys):
     with pytest.raises(DynaPipeError, match="zb-h1 splits every backward"):  # the Python API's search too
         search_schedules([chunked_micro_batches([40, 90], 1)], build_cost_model(TINY, A100, 2), schedule="zb-h1",
                          split_backward=False)
+
+
+@pytest.mark.parametrize("zeros", ["all", "some"])
+def test_ops_priced_at_zero_compile_to_plans_that_do_not_deadlock(zeros):
+    # StageTimes built by hand (an API user, replayed costs) may price ops at 0 ms; a zero-length
+    # op ties with its neighbours, and a plan compiled from the ties deadlocked blocking p2p.
+    model = ModelConfig("g", arch="gpt", num_layers=12, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
+                        vocab_size=1000, max_seq_length=1024)
+    rng = np.random.default_rng(0)
+    for S, M in ((2, 3), (3, 5), (4, 7), (5, 6)):
+        f = np.zeros((S, M)) if zeros == "all" else rng.choice([0.0, 1.0], (S, M))
+        b = np.zeros((S, M)) if zeros == "all" else rng.choice([0.0, 2.0], (S, M))
+        z, c = np.zeros((S, M)), np.zeros((S - 1, M))
+        times = StageTimes(f, b, z, z.copy(), c, c.copy(), np.zeros(S), bw_weight_ms=b / 2)
+        assert times.fw_ms.min() >= MIN_OP_MS and times.bw_ms.min() >= 2 * MIN_OP_MS
+        for schedule in (one_f_one_b(S, M), zb_h1(S, M)):
+            mbs = chunked_micro_batches(rng.integers(10, 500, M), 1)
+            validate_plans(compile_plans(schedule, mbs, model, timeline=simulate(schedule, times)))
+
+
+def test_negative_durations_are_refused():
+    z, c = np.zeros((2, 2)), np.zeros((1, 2))
+    with pytest.raises(DynaPipeError, match="StageTimes.bw_ms holds negative or non-finite durations"):
+        StageTimes(z, z - 1, z, z, c, c, np.zeros(2))

@@ -54,6 +54,13 @@ class StageTimes:
     weight_stash_mib: Optional[np.ndarray] = None
 
     def __post_init__(self) -> None:
+        for name in ("fw_ms", "bw_ms"):
+            value = np.asarray(getattr(self, name), dtype=np.float64)
+            if not np.all(np.isfinite(value)) or np.any(value < 0):
+                raise DynaPipeError(f"StageTimes.{name} holds negative or non-finite durations; give ms, 0 or more.")
+            # A zero-length op would tie with its own inputs in the timeline, and the plan compiled
+            # from it could order a receive before the send it waits for (a deadlock).
+            object.__setattr__(self, name, np.maximum(value, MIN_OP_MS * (2 if name == "bw_ms" else 1)))
         for name in ("bw_weight_ms", "weight_stash_mib"):
             value = getattr(self, name)
             if value is None:

@@ -11,8 +11,9 @@ non-interleaved time.
 The op order is Megatron's interleaved one: micro-batches in groups of ``P`` (the
 remainder of ``M / P`` spread over the groups, see :func:`micro_batch_groups`); a rank's
 forwards run group by group, each group through chunk 0, then chunk 1, ...; its
-backwards likewise with the chunks reversed. Rank ``p`` runs ``2 (P - p - 1) + (v - 1) P``
-warm-up forwards (at most all of them), then one forward one backward, then the
+backwards likewise with the chunks reversed. Rank ``p`` runs ``2 (P - p - 1) + (v - 1) G``
+warm-up forwards (at most all of them), ``G`` the first group's size (``P``, or up to
+``2 P - 1`` when the remainder is spread), then one forward one backward, then the
 remaining backwards. When ``M`` is not a multiple of ``P`` the last group is smaller, and
 for some ``(P, v, M)`` that order would wait in a cycle (Megatron refuses such ``M``);
 then every rank takes one more warm-up forward at a time until the orders complete (all

@@ -270,7 +270,8 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
         if name not in _DELAYED:
             return evaluate_once(name, level, mix, o, permuted, abort_ms, abort_mib)
         # Pending weight parts hold memory: the largest cap on the weight delays that fits
-        # (the first leaves the schedule's own delays; k = 0 holds what (interleaved) 1F1B holds).
+        # (the first leaves the schedule's own delays; k = 0 holds what (interleaved) 1F1B holds,
+        # but for full recompute's weight stashes: there it may not fit where 1F1B does).
         for k in range((max_delay_cap(S) if name == INTERLEAVED_ZB else S - 1), -1, -1):
             cand, runs = evaluate_once(name, level, mix, o, permuted, abort_ms, abort_mib, k)
             if cand.status != OVER_MEMORY:

@@ -25,7 +25,7 @@ import numpy as np
 
 from dynapipe.errors import DynaPipeError
 from dynapipe.schedule import _kernels as K
-from dynapipe.schedule.costs import StageTimes
+from dynapipe.schedule.costs import MIN_OP_MS, StageTimes
 from dynapipe.schedule.types import Op, Schedule
 
 _KIND_CODE = {"F": K.F, "B": K.B, "BI": K.BI, "BW": K.BW}
@@ -105,7 +105,10 @@ def split_inputs(times: StageTimes) -> tuple:
     """``(bw_weight_ms, weight_stash_mib)`` as :func:`~dynapipe.schedule._kernels.simulate_split_kernel`
     takes them after :func:`kernel_inputs` (contiguous float64)."""
     c = lambda a: np.ascontiguousarray(a, dtype=np.float64)
-    return c(times.bw_weight_ms), c(times.weight_stash_mib)
+    # Both parts of a split backward (BI, BW) last at least MIN_OP_MS: a zero-length part ties
+    # with its neighbours, and plans compiled from such ties can deadlock.
+    weight = np.clip(times.bw_weight_ms, MIN_OP_MS, times.bw_ms - MIN_OP_MS)
+    return c(weight), c(times.weight_stash_mib)
 
 
 def schedule_arrays(schedule: Schedule, num_micro_batches: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
