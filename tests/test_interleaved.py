@@ -378,3 +378,24 @@ def test_plan_command_writes_interleaved_plans_that_validate(tmp_path, capsys):
     capsys.readouterr()
     assert main(["plan", *base, "--placement", "interleaved", "--schedule", "adaptive"]) == 2
     assert "use --schedule interleaved, interleaved-adaptive, interleaved-zb or auto" in capsys.readouterr().err
+
+
+def test_interleaved_takes_megatrons_groups_when_the_spread_ones_do_not_fit():
+    # 7 micro-batches on 4 ranks: the spread grouping runs all 7 through chunk 0 first (fewer
+    # slots, but every rank warms up on all of them); Megatron's groups of 4 + 3 hold less. At a
+    # limit only Megatron's groups fit at selective, the search used to fall back to full recompute.
+    from dynapipe.config import load_device_config, load_model_config
+    from dynapipe.cost import build_cost_model
+    from plan_helpers import chunked_micro_batches
+
+    model, P, v, M = load_model_config("gpt-7b"), 4, 2, 7
+    cm = build_cost_model(model, load_device_config("a100-40gb"), P, placement=StagePlacement.even(model, P, chunks=v))
+    mbs = chunked_micro_batches(np.full(M, 2048), 1)
+    spread = search_schedules([mbs], cm, schedule="interleaved", recompute="selective")
+    kind, mb, ch, nops = interleaved_arrays(P, v, M, spread=False)
+    megatron = simulate(schedule_from_chunked_arrays("interleaved", kind, mb, ch, nops, chunks=v), spread.times[0])
+    assert max(megatron.peak_mib) < max(spread.best.peak_mib)
+    cap = (max(megatron.peak_mib) + max(spread.best.peak_mib)) / 2
+    r = search_schedules([mbs], cm, schedule="interleaved", capacity_mib=cap)
+    assert r.best.recompute == "selective" and max(r.best.peak_mib) <= cap
+    assert r.best.makespan_ms == pytest.approx(megatron.makespan_ms)
