@@ -195,3 +195,18 @@ def test_t5_decoder_stages_also_send_the_encoder_output():
     assert message_bytes(model, cm.layouts, 0, 2, 512, 64) == 512 * 2 * h * d
     assert message_bytes(model, cm.layouts, 1, 2, 512, 64) == 512 * 2 * h * d
     assert message_bytes(model, cm.layouts, 2, 2, 512, 64) == (64 + 512) * 2 * h * d
+
+
+def test_each_replica_is_priced_over_its_own_links():
+    # a100-8x, 4 stages x 3 replicas: stage s of replica r is rank 3s + r. Replica 0's last
+    # boundary (6 -> 9) leaves its node, replica 2's middle one (5 -> 8) does.
+    from dynapipe.config import load_cluster_config
+    from dynapipe.schedule.costs import stage_times_per_replica
+
+    cluster = load_cluster_config("a100-8x")
+    cm = build_cost_model(load_model_config("gpt-7b"), load_device_config("a100-40gb"), 4)
+    mbs = [MicroBatch([0], 1024)]
+    r0, _, r2 = stage_times_per_replica(cm, [mbs, mbs, mbs], cluster=cluster, dp=3)
+    c0, c2 = r0.act_comm_ms[:, 0], r2.act_comm_ms[:, 0]
+    assert c0[2] > c0[1] == c0[0] and c2[1] > c2[0] == c2[2], (c0, c2)
+    np.testing.assert_array_equal(r2.act_comm_ms, stage_times(cm, mbs, cluster=cluster, dp=3, replica=2).act_comm_ms)

@@ -49,9 +49,11 @@ def stage_global_rank(stage: int, *, dp: int = 1, tp: int = 1, replica: int = 0)
 
 
 def boundary_links(cluster: Optional[ClusterConfig], num_stages: int, *, dp: int = 1,
-                   tp: int = 1) -> list[Optional[LinkConfig]]:
-    """The link each boundary ``s -> s + 1`` uses (``None`` everywhere without a cluster)."""
+                   tp: int = 1, replica: int = 0) -> list[Optional[LinkConfig]]:
+    """The link each boundary ``s -> s + 1`` of data-parallel replica ``replica`` uses (``None``
+    everywhere without a cluster). Replicas differ where ``dp x tp`` ranks do not fill whole
+    nodes: one replica's boundary can stay inside a node while another's crosses."""
     if cluster is None:
         return [None] * max(num_stages - 1, 0)
-    return [cluster.link(stage_global_rank(s, dp=dp, tp=tp), stage_global_rank(s + 1, dp=dp, tp=tp))
-            for s in range(num_stages - 1)]
+    return [cluster.link(stage_global_rank(s, dp=dp, tp=tp, replica=replica),
+                         stage_global_rank(s + 1, dp=dp, tp=tp, replica=replica)) for s in range(num_stages - 1)]

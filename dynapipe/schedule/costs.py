@@ -101,12 +101,13 @@ class StageTimes:
 
 def stage_times(cost_model: CostModel, micro_batches: Sequence[MicroBatch], *, recompute: str = "none",
                 cluster: Optional[ClusterConfig] = None, dp: int = 1, tp: int = 1,
-                zero: bool = False) -> StageTimes:
+                zero: bool = False, replica: int = 0) -> StageTimes:
     """Price ``micro_batches`` on every stage of ``cost_model``'s pipeline.
 
     Communication: message bytes (:func:`dynapipe.schedule.comm.message_bytes`) over the
-    link between the stages' devices in ``cluster`` (none: free). ``dp`` and ``zero``
-    size the model states (Megatron's distributed optimizer shards them over ``dp``).
+    link between the stages' devices of data-parallel replica ``replica`` in ``cluster``
+    (none: free). ``dp`` and ``zero`` size the model states (Megatron's distributed
+    optimizer shards them over ``dp``).
     """
     S = cost_model.num_stages
     model = cost_model.model
@@ -143,16 +144,25 @@ def stage_times(cost_model: CostModel, micro_batches: Sequence[MicroBatch], *, r
     # Not capped at stored_mib: under full recompute the weight part keeps recomputed
     # tensors the stage never stored, and a BI then raises the memory the stage holds.
     weight_stash = stash
-    comm = np.zeros((max(S - 1, 0), M))
-    links = boundary_links(cluster, S, dp=dp, tp=tp)
-    dec_arr = dec if dec is not None else np.zeros(M)
-    for s, link in enumerate(links):
-        if link is not None and M:
-            nbytes = message_bytes(model, cost_model.layouts, s, mbs, seq, dec_arr)
-            comm[s] = link.transfer_ms(nbytes)
+    comm = _comm_ms(cost_model, micro_batches, boundary_links(cluster, S, dp=dp, tp=tp, replica=replica))
     state = np.array([cost_model.model_state_mib(s, dp=dp, zero=zero) for s in range(S)])
     return StageTimes(act_comm_ms=comm, grad_comm_ms=comm.copy(), state_mib=state, recompute=recompute,
                       bw_weight_ms=bw_weight, weight_stash_mib=np.maximum(weight_stash, 0.0), **fields)
+
+
+def _comm_ms(cost_model: CostModel, micro_batches: Sequence[MicroBatch], links) -> np.ndarray:
+    """``[S - 1, M]`` ms of each micro-batch's message over each boundary's link (0 where None)."""
+    M = len(micro_batches)
+    comm = np.zeros((max(cost_model.num_stages - 1, 0), M))
+    if not M:
+        return comm
+    mbs = np.array([mb.mbs for mb in micro_batches], dtype=np.float64)
+    seq = np.array([mb.seqlen for mb in micro_batches], dtype=np.float64)
+    dec = np.array([mb.dec_seqlen for mb in micro_batches], dtype=np.float64)
+    for s, link in enumerate(links):
+        if link is not None:
+            comm[s] = link.transfer_ms(message_bytes(cost_model.model, cost_model.layouts, s, mbs, seq, dec))
+    return comm
 
 
 def stage_times_per_replica(cost_model: CostModel, replicas: Sequence[Sequence[MicroBatch]], *,
@@ -167,16 +177,22 @@ def stage_times_per_replica(cost_model: CostModel, replicas: Sequence[Sequence[M
     reps = [list(r) for r in replicas]
     if cost_model.model.is_encoder_decoder and any(mb.dec_seqlen <= 0 for r in reps for mb in r):
         # Let the per-replica path name the offending micro-batch by its index in its replica.
-        return [stage_times(cost_model, r, recompute=recompute, cluster=cluster, dp=dp, tp=tp, zero=zero)
-                for r in reps]
+        return [stage_times(cost_model, r, recompute=recompute, cluster=cluster, dp=dp, tp=tp, zero=zero,
+                            replica=i) for i, r in enumerate(reps)]
     allt = stage_times(cost_model, [mb for r in reps for mb in r], recompute=recompute, cluster=cluster,
                        dp=dp, tp=tp, zero=zero)
     out, lo = [], 0
-    for r in reps:
+    first = boundary_links(cluster, cost_model.num_stages, dp=dp, tp=tp)
+    for i, r in enumerate(reps):
         hi = lo + len(r)
         cut = lambda a: np.ascontiguousarray(a[:, lo:hi])  # noqa: E731
+        act, grad = cut(allt.act_comm_ms), cut(allt.grad_comm_ms)
+        links = boundary_links(cluster, cost_model.num_stages, dp=dp, tp=tp, replica=i)
+        if links != first:  # priced above over replica 0's links
+            act = _comm_ms(cost_model, r, links)
+            grad = act.copy()
         out.append(StageTimes(cut(allt.fw_ms), cut(allt.bw_ms), cut(allt.stored_mib), cut(allt.peak_mib),
-                              cut(allt.act_comm_ms), cut(allt.grad_comm_ms), allt.state_mib.copy(), recompute,
+                              act, grad, allt.state_mib.copy(), recompute,
                               cut(allt.bw_weight_ms), cut(allt.weight_stash_mib)))
         lo = hi
     return out

@@ -178,7 +178,7 @@ def virtual_stage_times_per_replica(cost_model: CostModel, replicas: Sequence[Se
     rows = stage_times_per_replica(vcm, replicas, recompute=recompute, cluster=None, dp=dp, tp=tp, zero=zero)
     state = np.array([cost_model.model_state_mib(s, dp=dp, zero=zero) for s in range(P)])
     out = []
-    for r, t in zip(replicas, rows):
+    for i, (r, t) in enumerate(zip(replicas, rows)):
         comm = np.zeros((max(V - 1, 0), len(r)))
         if cluster is not None and len(r):
             model = cost_model.model
@@ -186,7 +186,8 @@ def virtual_stage_times_per_replica(cost_model: CostModel, replicas: Sequence[Se
             seq = np.array([mb.seqlen for mb in r], dtype=np.float64)
             dec = np.array([mb.dec_seqlen for mb in r], dtype=np.float64)
             for k in range(V - 1):
-                link = cluster.link(stage_global_rank(k % P, dp=dp, tp=tp), stage_global_rank((k + 1) % P, dp=dp, tp=tp))
+                link = cluster.link(stage_global_rank(k % P, dp=dp, tp=tp, replica=i),
+                                    stage_global_rank((k + 1) % P, dp=dp, tp=tp, replica=i))
                 comm[k] = link.transfer_ms(message_bytes(model, vcm.layouts, k, mbs, seq, dec))
         out.append(StageTimes(t.fw_ms, t.bw_ms, t.stored_mib, t.peak_mib, comm, comm.copy(), state, recompute,
                               t.bw_weight_ms, t.weight_stash_mib))
