@@ -120,8 +120,10 @@ def agree_at_start(error: Optional[str], timeout_minutes: float = 10.0) -> None:
     timeout = datetime.timedelta(minutes=timeout_minutes)
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
     store.set_timeout(timeout)
-    store.set(f"{_START_KEY}/{rank}", "" if error is None else "!" + error)
-    keys = [f"{_START_KEY}/{r}" for r in range(world_size)]
+    # torchrun's agent store outlives a restart (--max-restarts): each attempt agrees under its own keys.
+    prefix = f"{_START_KEY}/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    store.set(f"{prefix}/{rank}", "" if error is None else "!" + error)
+    keys = [f"{prefix}/{r}" for r in range(world_size)]
     try:
         store.wait(keys, timeout)
     except Exception:  # noqa: BLE001 - a store timeout: name who never came
@@ -132,10 +134,10 @@ def agree_at_start(error: Optional[str], timeout_minutes: float = 10.0) -> None:
     errors = [None if not v else v.decode()[1:] for v in store.multi_get(keys)]
     if any(e is not None for e in errors):
         # The store lives in rank 0's process: it leaves only after every rank has read.
-        store.add(f"{_START_KEY}/read", 1)
+        store.add(f"{prefix}/read", 1)
         if rank == 0:
             deadline = time.monotonic() + 30.0
-            while store.add(f"{_START_KEY}/read", 0) < world_size and time.monotonic() < deadline:
+            while store.add(f"{prefix}/read", 0) < world_size and time.monotonic() < deadline:
                 time.sleep(0.05)
         first_failure(errors)
     _RENDEZVOUS[:] = [(store, rank, world_size)]

@@ -20,8 +20,8 @@ from dynapipe.errors import DynaPipeError
 from megatron_integration.agreement import UNNAMED_RANK, attempt, everyone, same_error_everywhere
 from megatron_integration.checkpoint_dist import (CHECKPOINT_VERSION, _checkpoint_files, _gathered_rng,
                                                   _rng_sharded_object, _sharded_state_dict, _sharding_metadata)
-from megatron_integration.checkpoint_files import (CHECKSUM_SUFFIX, STAGING_SUFFIX, fresh_dir, move_into_place,
-                                                   write_checksum)
+from megatron_integration.checkpoint_files import (CHECKSUM_SUFFIX, STAGING_SUFFIX, drop_staging, fresh_dir,
+                                                   move_into_place, save_failed_advice, write_checksum)
 from megatron_integration.initialize import RankInfo
 from megatron_integration.scheduler_state import in_samples
 
@@ -131,9 +131,9 @@ def save_dist(iter_dir: str, iteration: int, gpt, optimizer, scheduler, info: Ra
     errors = [e for e in everyone(error) if e is not None]
     if errors:
         named = [e for e in errors if UNNAMED_RANK not in e] or errors
-        raise DynaPipeError(f"saving {iter_dir}: {named[0]}. {os.path.dirname(iter_dir)}/"
-                            f"latest_checkpointed_iteration.txt still names the previous checkpoint (nothing is "
-                            f"lost); fix the cause (a full disk?) and resume from it.")
+        if info.rank == 0:
+            drop_staging(staging)
+        raise DynaPipeError(f"saving {iter_dir}: {named[0]}. {save_failed_advice(os.path.dirname(iter_dir))}")
     # Each rank digests the shard files it wrote (in parallel, still in the page cache) ...
     error = attempt(lambda: [write_checksum(p) for p in glob.glob(os.path.join(staging, f"__{info.rank}_*.distcp"))],
                     f"writing the checksums of {staging}")[1]

@@ -50,6 +50,22 @@ def fresh_dir(path: str) -> None:
     os.makedirs(path)
 
 
+def save_failed_advice(root: str) -> str:
+    """What a failed save's message tells the user: whether an earlier checkpoint under ``root``
+    (``--save``) is still the latest, and what to do."""
+    latest = os.path.join(root, "latest_checkpointed_iteration.txt")
+    if os.path.exists(latest):
+        return (f"{latest} still names the previous checkpoint (nothing is lost); fix the cause (a full disk?) "
+                f"and resume from it.")
+    return "No earlier checkpoint exists under --save; fix the cause (a full disk?) and start again."
+
+
+def drop_staging(staging: str) -> None:
+    """Remove what a failed save wrote under ``staging`` (best effort: it may hold a full disk's
+    worth of partial shards, and no loader reads it)."""
+    shutil.rmtree(staging, ignore_errors=True)
+
+
 def move_into_place(staging: str, iter_dir: str) -> None:
     """Replace ``iter_dir`` (if any) by the complete ``staging``: two renames, the old directory
     removed last. Why: a save of an iteration ``--save`` already holds must not destroy the
@@ -60,7 +76,12 @@ def move_into_place(staging: str, iter_dir: str) -> None:
         if os.path.isdir(old):
             shutil.rmtree(old)
         os.rename(iter_dir, old)
-    os.rename(staging, iter_dir)
+    try:
+        os.rename(staging, iter_dir)
+    except OSError:
+        if old is not None:  # the complete earlier one back where the latest marker looks
+            os.rename(old, iter_dir)
+        raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

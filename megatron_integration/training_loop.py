@@ -96,6 +96,7 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
     logging_rank = info.is_last_stage and info.dp_rank == 0 and info.tp_rank == 0
     logger = None
     gc_was_enabled = None
+    where = "start-up"  # what the loop was doing, for a lost peer's line
     try:
         evaluator = parts.make_evaluator()
         logger = TrainingLogger(cfg.train_iters, cfg.global_batch_size, cfg.log_interval,
@@ -107,13 +108,8 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
         gc_was_enabled = cfg.manual_gc.start()
         stop, saved_at, by_duration = last, None, False
         for iteration in range(run.start_iteration, last):
-            try:
-                result = parts.stepper.step(iteration)
-            except RuntimeError as e:
-                lost = peer_lost(e, f"iteration {iteration + 1}")
-                if lost is None:
-                    raise
-                raise lost from None
+            where = f"iteration {iteration + 1}"
+            result = parts.stepper.step(iteration)
             result.loss_scale = float(parts.optimizer.get_loss_scale())
             if parts.params_norm is not None:
                 result.params_norm = parts.params_norm()
@@ -138,6 +134,7 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
                 stop, by_duration = done, True
                 print_rank_0(info, stream, [], exit_duration_line(cfg.exit_duration_in_mins, parts.started_s, done))
                 break
+        where = f"after iteration {stop}"
         if cfg.save and stop > run.start_iteration and saved_at != stop:
             parts.save(stop, run.consumed_samples)
         # Megatron-LM exits at a multiple of --exit-interval, the last iteration included, and
@@ -155,10 +152,15 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
             # What ran, not what was configured: forward-only plans counted by their runner.
             plans = getattr(evaluator.batch_fn, "plans_run", None)
             run.eval_path = "megatron-forward-only" if plans is None else f"dynapipe-plans:{plans}"
-    except BaseException:
+    except BaseException as e:
         # Shutting down after a failure must not replace it: a trace or TensorBoard file that
         # cannot be written is told, and the training error (a NaN, a peer's failure) raised.
         _close_quietly(parts.stepper, logger, stream)
+        # Another rank gone, seen in any collective of the loop (megatron-core's schedule, the
+        # parameter norm, evaluation, a checkpoint): one line, not the backend's traceback.
+        lost = peer_lost(e, where)
+        if lost is not None:
+            raise lost from None
         raise
     finally:
         if gc_was_enabled is not None:

@@ -158,3 +158,13 @@ def test_a_run_longer_than_the_profile_is_told_at_start_up(tmp_path):
     assert lines == [f" > cost profile {path}: --encoder-seq-length 4096 is beyond its longest measured length 128; "
                      f"longer micro-batches are priced by extrapolation (measure up to 4096 with `python -m dynapipe "
                      f"profile --seqlens ...` to price them from measurements)"]
+
+
+def test_a_profile_of_another_tp_layout_is_named_as_such_before_its_widths():
+    # Its padded vocabulary differs too; the cause to name is the layout.
+    from dynapipe.config import TensorParallelConfig
+
+    data = _profile()
+    data["model"]["vocab_size"] = 50257
+    with pytest.raises(DynaPipeError, match="measured at tensor-parallel size 1 without sequence parallelism"):
+        ProfileCostModel(dataclasses.replace(TINY, vocab_size=50432), data, 2, tp=TensorParallelConfig(size=2))

@@ -404,6 +404,7 @@ def test_a_save_one_rank_cannot_write_stops_every_rank_and_keeps_the_previous(fa
     with open(os.path.join(paths["save2"], "latest_checkpointed_iteration.txt")) as f:
         assert f.read().strip() == "1"
     assert outcomes["resave_blocked"][0]["error"].startswith("rank 1: saving "), outcomes["resave_blocked"]
+    assert not any(n.endswith(".saving") for n in os.listdir(paths["save2"]))
     assert [o.get("start") for o in outcomes["load_after_blocked_resave"]] == [1, 1], outcomes["load_after_blocked_resave"]
 
 
@@ -423,6 +424,7 @@ def test_a_full_disk_during_a_torch_dist_save_stops_every_rank_and_keeps_the_las
     with open(os.path.join(paths["full"], "latest_checkpointed_iteration.txt")) as f:
         assert f.read().strip() == "1"
     assert "writing the shards failed: rank 1: " in outcomes["resave_fails"][0]["error"]
+    assert not any(n.endswith(".saving") for n in os.listdir(paths["full"]))  # no partial shards kept
     assert [o.get("start") for o in outcomes["load_after_failed_resave"]] == [1, 1], outcomes["load_after_failed_resave"]
 
 

@@ -353,6 +353,28 @@ def test_a_save_replaces_an_earlier_one_of_the_same_iteration_whole(tmp_path):
     assert all((old / "mp_rank_00_000" / f).read_bytes() == b"new" for f in files)
 
 
+def test_a_move_that_fails_halfway_puts_the_earlier_checkpoint_back(tmp_path, monkeypatch):
+    # The earlier iter_N is what latest_checkpointed_iteration.txt names: it must stay readable.
+    from megatron_integration.checkpoint_files import move_into_place
+
+    old, staging = tmp_path / "iter_0000002", tmp_path / "iter_0000002.saving"
+    old.mkdir()
+    (old / "model_optim_rng.pt").write_text("old")
+    staging.mkdir()
+    real, calls = os.rename, []
+
+    def second_fails(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "rename", second_fails)
+    with pytest.raises(OSError):
+        move_into_place(str(staging), str(old))
+    assert (old / "model_optim_rng.pt").read_text() == "old" and staging.is_dir()
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _STUCK_WRITER = """
 import io, os, sys, time

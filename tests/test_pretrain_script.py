@@ -93,3 +93,42 @@ def test_a_rank_failing_its_start_up_checks_stops_every_rank(tmp_path):
             assert code == 2 and seconds < 30, (code, seconds, err)
             lines = err.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith(f"error: rank {failing}: --data-path {missing!r}: "), err
+
+
+def restart_job(port: int) -> list:
+    """Rank body: two torchrun attempts agreeing through one long-lived agent store on ``port``;
+    rank 1's check fails in attempt 0 only. What each attempt raised (None: agreed)."""
+    import time
+
+    from dynapipe.errors import DynaPipeError
+    from megatron_integration.agreement import agree_at_start, joined_rendezvous
+
+    os.environ.update(MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+    out = []
+    for attempt in (0, 1):
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
+        failing = attempt == 0 and os.environ["RANK"] == "1"
+        if attempt == 1 and os.environ["RANK"] == "1":
+            time.sleep(1.0)  # rank 0 reads first: attempt 0's keys must not answer it
+        try:
+            agree_at_start("--data-path '/nfs/c4': no such file." if failing else None, timeout_minutes=0.5)
+            out.append(None)
+            joined_rendezvous()  # not used for a process group here
+        except DynaPipeError as e:
+            out.append(str(e))
+    return out
+
+
+def test_a_restarted_attempt_agrees_afresh_through_torchruns_agent_store():
+    # torchrun's agent store outlives a restart (--max-restarts): attempt 1 must not read
+    # attempt 0's results (rank 1's failure, which it fixed).
+    import datetime
+
+    import torch.distributed as dist
+
+    from megatron_integration.launch import spawn
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    results = spawn(restart_job, 2, (store.port,), timeout_s=120)
+    assert [r[0] for r in results] == ["rank 1: --data-path '/nfs/c4': no such file."] * 2
+    assert [r[1] for r in results] == [None, None]

@@ -275,9 +275,10 @@ class ProfileCostModel(CostModel):
             raise DynaPipeError(f"{source}: a {kind} profile cannot price {want} model {model.name!r}; measure one "
                                 f"with `python -m dynapipe profile`{' --t5' if model.is_encoder_decoder else ''} "
                                 f"for this model.")
-        _check_layer_shape(profile, model, source)
         tp = tp or TensorParallelConfig()
+        # First: a profile of another TP layout would also show other (padded) widths.
         check_profile_tensor_parallel(profile, tp.size, tp.sequence_parallel, source)
+        _check_layer_shape(profile, model, source)
         super().__init__(model, num_stages, tp)
         self.stage_overhead_ms = float(profile.get("stage_overhead_ms", 0.0))
         self.profile = profile
