@@ -214,7 +214,8 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
 
         check_profile_for_run(dyn.cost_model, model.to_model_config("megatron-gpt"), model,
                               parallel.pipeline_model_parallel_size, parallel.tensor_model_parallel_size,
-                              parallel.sequence_parallel, dyn.device, dyn.device_given)
+                              parallel.sequence_parallel, dyn.device, dyn.device_given,
+                              "transformer_engine" if model.transformer_impl == "transformer_engine" else "local")
     return cfg
 
 

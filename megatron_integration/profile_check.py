@@ -19,11 +19,12 @@ RUN_KEYS = ("hidden_dropout", "attention_dropout", "position_embedding_type")
 
 
 def check_profile_for_run(path: str, model: ModelConfig, megatron_model: Any, num_stages: int, tp: int,
-                          sequence_parallel: bool, device: str, device_given: bool) -> None:
+                          sequence_parallel: bool, device: str, device_given: bool, layer_spec: str) -> None:
     """Refuse the profile at ``path`` for this run: ``model`` the planner's model, ``megatron_model``
     the run's model arguments (``hidden_dropout``, ``attention_dropout``, ``position_embedding_type``),
     ``device`` the ``--dynapipe-device`` config (``device_given``: named on the command line, so the
-    GPU model is compared too). Raises :class:`DynaPipeError` naming the value and the fix."""
+    GPU model is compared too), ``layer_spec`` the layers the stages are built from (``local`` or
+    ``transformer_engine``). Raises :class:`DynaPipeError` naming the value and the fix."""
     from dynapipe.config import load_device_config
     from dynapipe.cost.profile import ProfileCostModel, read_profile
     from dynapipe.cost.profile_device import check_profile_device
@@ -37,6 +38,13 @@ def check_profile_for_run(path: str, model: ModelConfig, megatron_model: Any, nu
                              compare_model=device_given)
     ProfileCostModel(model, data, num_stages, source=source, tp=tensor_parallel_of(tp, sequence_parallel))
     check_measured_run(data.get("model"), megatron_model, source)
+    measured = data.get("layer_spec")
+    if measured is not None and measured != layer_spec:
+        # Transformer Engine's fused layers and megatron-core's local ones differ in time and memory.
+        how = "--no-transformer-engine" if layer_spec == "local" else "on a GPU with Transformer Engine installed"
+        raise DynaPipeError(f"{source}: the profile was measured on {measured!r} layers, this run builds "
+                            f"{layer_spec!r} ones (--transformer-impl); profile those (`python -m dynapipe profile` "
+                            f"{how}) or use --dynapipe-cost-model analytic.")
 
 
 def check_measured_run(measured: Mapping[str, Any] | None, megatron_model: Any, source: str) -> None:

@@ -168,3 +168,17 @@ def test_a_profile_of_another_tp_layout_is_named_as_such_before_its_widths():
     data["model"]["vocab_size"] = 50257
     with pytest.raises(DynaPipeError, match="measured at tensor-parallel size 1 without sequence parallelism"):
         ProfileCostModel(dataclasses.replace(TINY, vocab_size=50432), data, 2, tp=TensorParallelConfig(size=2))
+
+
+def test_training_refuses_a_profile_of_other_layers(tmp_path):
+    # Transformer Engine's fused layers and megatron-core's local ones differ in time and memory.
+    from megatron_integration.arguments import parse_training_args
+
+    path = tmp_path / "p.json"
+    argv = f"{TRAIN} --dynapipe-cost-model {path}".split()
+    path.write_text(json.dumps(_profile(device="cpu", layer_spec="transformer_engine")))
+    with pytest.raises(DynaPipeError, match="the profile was measured on 'transformer_engine' layers, this run "
+                                            "builds 'local' ones"):
+        parse_training_args(argv, 1, cuda=False)
+    path.write_text(json.dumps(_profile(device="cpu", layer_spec="local")))
+    parse_training_args(argv, 1, cuda=False)
