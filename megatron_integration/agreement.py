@@ -16,7 +16,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from typing import Callable, Optional, TypeVar
+from typing import Callable, Optional, Sequence, TypeVar
 
 import torch.distributed as dist
 
@@ -143,20 +143,39 @@ def agree_at_start(error: Optional[str], timeout_minutes: float = 10.0) -> None:
     _RENDEZVOUS[:] = [(store, rank, world_size)]
 
 
-def agreed_start(build: Callable[[], T], timeout_minutes: Callable[[T], float] = lambda value: 10.0) -> T:
+def timeout_in_argv(argv: Sequence[str], default: float = 10.0) -> float:
+    """``--distributed-timeout-minutes`` as a command line gives it (``default`` when absent or
+    not a number): the wait of a rank whose own checks failed, which has no parsed config."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == "--distributed-timeout-minutes" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith("--distributed-timeout-minutes="):
+            value = a.split("=", 1)[1]
+    try:
+        minutes = float(value) if value is not None else default
+    except ValueError:
+        return default
+    return minutes if minutes > 0 and minutes == minutes else default
+
+
+def agreed_start(build: Callable[[], T], timeout_minutes: Callable[[T], float] = lambda value: 10.0,
+                 failed_timeout_minutes: float = 10.0) -> T:
     """``build()`` (an entry point's argument and file checks), agreed on by every rank of a
     ``torchrun`` job with :func:`agree_at_start`: a rank whose checks fail stops every rank with
     its line. ``timeout_minutes(value)``: the wait for ranks still checking (the job's
-    ``--distributed-timeout-minutes``). Any other exception is posted as its one line, then
-    re-raised on its own rank with its traceback."""
+    ``--distributed-timeout-minutes``); ``failed_timeout_minutes``: the same wait for a rank whose
+    own checks failed (:func:`timeout_in_argv`). Any other exception is posted as its one line,
+    then re-raised on its own rank with its traceback."""
     try:
         value = build()
     except DynaPipeError as e:
-        agree_at_start(" ".join(str(e).split()))
+        agree_at_start(" ".join(str(e).split()), failed_timeout_minutes)
         raise  # unreachable: agree_at_start raised
     except Exception as e:
         try:
-            agree_at_start(f"start-up checks failed: {type(e).__name__}: {' '.join(str(e).split())}")
+            agree_at_start(f"start-up checks failed: {type(e).__name__}: {' '.join(str(e).split())}",
+                           failed_timeout_minutes)
         except DynaPipeError:
             pass
         raise

@@ -25,7 +25,7 @@ from dynapipe.errors import DynaPipeError  # noqa: E402
 
 
 def main(argv=None) -> int:
-    from megatron_integration.agreement import agreed_start
+    from megatron_integration.agreement import agreed_start, timeout_in_argv
     from megatron_integration.arguments import build_parser, training_config_from_args
     from megatron_integration.run_config import add_run_config_argument, with_run_config
 
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
             return args, training_config_from_args(args, world_size, num_nodes=num_nodes)
 
         # A rank whose checks fail (a file its node lacks) stops every rank with its line.
-        args, cfg = agreed_start(checked, lambda value: value[1].parallel.timeout_minutes)
+        args, cfg = agreed_start(checked, lambda value: value[1].parallel.timeout_minutes, timeout_in_argv(argv))
         if os.environ.get("RANK", "0") == "0":
             from megatron_integration.run_report import argument_dump, resolved_args
 

@@ -24,7 +24,7 @@ from dynapipe.errors import DynaPipeError  # noqa: E402
 
 
 def main(argv=None) -> int:
-    from megatron_integration.agreement import agreed_start
+    from megatron_integration.agreement import agreed_start, timeout_in_argv
     from megatron_integration.run_config import add_run_config_argument, with_run_config
     from megatron_integration.t5_arguments import build_t5_parser, t5_config_from_args
 
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
         # A rank whose checks fail (a file its node lacks) stops every rank with its line.
         cfg = agreed_start(lambda: t5_config_from_args(parser.parse_args(with_run_config(parser, argv, world_size)),
                                                        world_size),
-                           lambda value: value.base.parallel.timeout_minutes)
+                           lambda value: value.base.parallel.timeout_minutes, timeout_in_argv(argv))
         # megatron-core is imported only now: a bad command line is reported before its notices.
         from megatron_integration.initialize import quiet_megatron_warnings
 

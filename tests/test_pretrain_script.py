@@ -132,3 +132,13 @@ def test_a_restarted_attempt_agrees_afresh_through_torchruns_agent_store():
     results = spawn(restart_job, 2, (store.port,), timeout_s=120)
     assert [r[0] for r in results] == ["rank 1: --data-path '/nfs/c4': no such file."] * 2
     assert [r[1] for r in results] == [None, None]
+
+
+def test_a_rank_whose_checks_failed_waits_the_jobs_distributed_timeout():
+    from megatron_integration.agreement import timeout_in_argv
+
+    assert timeout_in_argv(["--lr", "1e-3"]) == 10.0
+    assert timeout_in_argv(["--distributed-timeout-minutes", "30"]) == 30.0
+    assert timeout_in_argv(["--distributed-timeout-minutes=2.5", "--lr", "1"]) == 2.5
+    assert timeout_in_argv(["--distributed-timeout-minutes", "soon"]) == 10.0
+    assert timeout_in_argv(["--distributed-timeout-minutes", "-1"]) == 10.0
