@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 
 from dynapipe.errors import DynaPipeError
-from megatron_integration.agreement import attempt, everyone, same_error_everywhere
-from megatron_integration.checkpoint_files import (STAGING_SUFFIX, drop_staging, fresh_dir, load_verified,
-                                                   move_into_place, save_with_checksum, verify_file, write_checksum)
+from megatron_integration.agreement import attempt, same_error_everywhere
+from megatron_integration.checkpoint_files import (StagedSave, load_verified, save_with_checksum, verify_file,
+                                                   write_checksum)
 from megatron_integration.initialize import RankInfo
 from megatron_integration.scheduler_state import load_scheduler_state
 
@@ -120,9 +120,9 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, gpt: torch
     distributed optimizer's state) mixes with the new ones.
     """
     iter_dir = _iter_dir(root, iteration)
-    staging = iter_dir + STAGING_SUFFIX
-    rank_dir = os.path.join(staging, os.path.basename(_rank_dir(root, iteration, info)))
-    same_error_everywhere(attempt(lambda: fresh_dir(staging), f"creating {staging}")[1] if info.rank == 0 else None)
+    staged = StagedSave(iter_dir, info.rank)
+    rank_dir = os.path.join(staged.staging, os.path.basename(_rank_dir(root, iteration, info)))
+    staged.begin()
 
     def write_own() -> None:
         os.makedirs(rank_dir, exist_ok=True)
@@ -141,15 +141,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, gpt: torch
             _atomic_save(payload, os.path.join(rank_dir, "model_optim_rng.pt"))
         _atomic_save(get_rng_state(), os.path.join(rank_dir, f"rng_dp_{info.dp_rank:03d}.pt"))
 
-    def agree(error) -> None:
-        # A failed save leaves no partial staging directory behind (it may fill the disk).
-        errors = everyone(error)
-        if any(e is not None for e in errors):
-            if info.rank == 0:
-                drop_staging(staging)
-            same_error_everywhere(None, errors)
-
-    agree(attempt(write_own, f"saving {rank_dir} (rank {info.rank})")[1])
+    staged.agree(attempt(write_own, f"saving {rank_dir} (rank {info.rank})")[1])
     if _is_distributed(optimizer):
         # Collective over the data-parallel group: entered by every rank or by none. Only data-parallel
         # rank 0 writes, after the gather, so its failure is caught and agreed on like the others'.
@@ -159,8 +151,8 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, gpt: torch
             optimizer.save_parameter_state(optim_path)
             if info.dp_rank == 0 and os.path.exists(optim_path):
                 write_checksum(optim_path)
-        agree(attempt(write_optimizer, f"saving {optim_path} (rank {info.rank})")[1])
-    agree(attempt(lambda: move_into_place(staging, iter_dir), f"completing {iter_dir}")[1] if info.rank == 0 else None)
+        staged.agree(attempt(write_optimizer, f"saving {optim_path} (rank {info.rank})")[1])
+    staged.complete()
     publish_latest(root, iteration, info)
     return iter_dir
 

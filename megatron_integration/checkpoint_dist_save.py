@@ -17,11 +17,10 @@ import sys
 from typing import Optional
 
 from dynapipe.errors import DynaPipeError
-from megatron_integration.agreement import UNNAMED_RANK, attempt, everyone, same_error_everywhere
+from megatron_integration.agreement import UNNAMED_RANK, attempt, everyone
 from megatron_integration.checkpoint_dist import (CHECKPOINT_VERSION, _checkpoint_files, _gathered_rng,
                                                   _rng_sharded_object, _sharded_state_dict, _sharding_metadata)
-from megatron_integration.checkpoint_files import (CHECKSUM_SUFFIX, STAGING_SUFFIX, drop_staging, fresh_dir,
-                                                   move_into_place, save_failed_advice, write_checksum)
+from megatron_integration.checkpoint_files import CHECKSUM_SUFFIX, StagedSave, save_failed_advice, write_checksum
 from megatron_integration.initialize import RankInfo
 from megatron_integration.scheduler_state import in_samples
 
@@ -116,13 +115,11 @@ def save_dist(iter_dir: str, iteration: int, gpt, optimizer, scheduler, info: Ra
                  # In Megatron-LM's units (samples), so its runs resume this schedule and back.
                  opt_param_scheduler=in_samples(scheduler.state_dict(), samples_per_iteration),
                  rng_state=_rng_sharded_object(info, _gathered_rng(info)))
-    # Every step a rank can fail alone ends in an agreement (which is also the barrier), so one
-    # rank's full disk stops every rank with its line instead of leaving them in a collective.
     # The shards go to a staging directory first: a complete checkpoint of the same iteration
     # (a run saving into a --save it did not load from) stays until the new one is complete.
-    staging = iter_dir + STAGING_SUFFIX
-    error = attempt(lambda: fresh_dir(staging), f"creating {staging}")[1] if info.rank == 0 else None
-    same_error_everywhere(error)
+    staged = StagedSave(iter_dir, info.rank)
+    staging = staged.staging
+    staged.begin()
     # megatron-core raises on every rank when one cannot write; the coordinator's line names the
     # failing ranks and their causes, the others only know that it failed.
     with writers_die_with_rank():
@@ -131,18 +128,15 @@ def save_dist(iter_dir: str, iteration: int, gpt, optimizer, scheduler, info: Ra
     errors = [e for e in everyone(error) if e is not None]
     if errors:
         named = [e for e in errors if UNNAMED_RANK not in e] or errors
-        if info.rank == 0:
-            drop_staging(staging)
+        staged.abandon()
         raise DynaPipeError(f"saving {iter_dir}: {named[0]}. {save_failed_advice(os.path.dirname(iter_dir))}")
     # Each rank digests the shard files it wrote (in parallel, still in the page cache) ...
-    error = attempt(lambda: [write_checksum(p) for p in glob.glob(os.path.join(staging, f"__{info.rank}_*.distcp"))],
-                    f"writing the checksums of {staging}")[1]
-    same_error_everywhere(error)
-    # ... and rank 0 the shared files (metadata.json, .metadata, common.pt where written), then
-    # moves the complete checkpoint into place.
-    error = attempt(lambda: _checksum_shared(staging) or move_into_place(staging, iter_dir),
-                    f"completing {iter_dir}")[1] if info.rank == 0 else None
-    same_error_everywhere(error)
+    staged.agree(attempt(lambda: [write_checksum(p) for p in glob.glob(os.path.join(staging, f"__{info.rank}_*.distcp"))],
+                         f"writing the checksums of {staging}")[1])
+    # ... and rank 0 the shared files (metadata.json, .metadata, common.pt where written).
+    staged.agree(attempt(lambda: _checksum_shared(staging), f"writing the checksums of {staging}")[1]
+                 if info.rank == 0 else None)
+    staged.complete()
 
 
 def _checksum_shared(iter_dir: str) -> None:

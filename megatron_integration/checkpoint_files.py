@@ -17,9 +17,10 @@ import hashlib
 import os
 import shutil
 import tempfile
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from dynapipe.errors import DynaPipeError
+from megatron_integration.agreement import attempt, everyone, same_error_everywhere
 
 CHECKSUM_SUFFIX = ".sha256"
 _READ_BLOCK = 8 << 20
@@ -60,12 +61,6 @@ def save_failed_advice(root: str) -> str:
     return "No earlier checkpoint exists under --save; fix the cause (a full disk?) and start again."
 
 
-def drop_staging(staging: str) -> None:
-    """Remove what a failed save wrote under ``staging`` (best effort: it may hold a full disk's
-    worth of partial shards, and no loader reads it)."""
-    shutil.rmtree(staging, ignore_errors=True)
-
-
 def move_into_place(staging: str, iter_dir: str) -> None:
     """Replace ``iter_dir`` (if any) by the complete ``staging``: two renames, the old directory
     removed last. Why: a save of an iteration ``--save`` already holds must not destroy the
@@ -84,6 +79,38 @@ def move_into_place(staging: str, iter_dir: str) -> None:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+class StagedSave:
+    """One save of ``iter_dir``, written under ``iter_dir + .saving`` by every rank and moved into
+    place by rank 0 once all are complete; collective. Each step a rank can fail alone ends in
+    :meth:`agree` (which is also the barrier): one rank's full disk stops every rank with its line,
+    and the partial staging directory is removed (it may hold a full disk's worth of shards)."""
+
+    def __init__(self, iter_dir: str, rank: int):
+        self.iter_dir, self.rank = iter_dir, rank
+        self.staging = iter_dir + STAGING_SUFFIX
+
+    def begin(self) -> None:
+        """A fresh staging directory (what an unfinished save left there removed)."""
+        self.agree(attempt(lambda: fresh_dir(self.staging), f"creating {self.staging}")[1] if self.rank == 0 else None)
+
+    def agree(self, error: Optional[str]) -> None:
+        """Every rank's ``error`` (None: fine); on any, the staging dropped and the first raised."""
+        errors = everyone(error)
+        if any(e is not None for e in errors):
+            self.abandon()
+            same_error_everywhere(None, errors)
+
+    def abandon(self) -> None:
+        """Remove the staging directory (rank 0, best effort): the save failed."""
+        if self.rank == 0:
+            shutil.rmtree(self.staging, ignore_errors=True)
+
+    def complete(self) -> None:
+        """Move the complete save into place (rank 0), agreed on."""
+        self.agree(attempt(lambda: move_into_place(self.staging, self.iter_dir), f"completing {self.iter_dir}")[1]
+                   if self.rank == 0 else None)
 
 
 def file_digest(path: str) -> tuple[str, int]:

@@ -137,9 +137,8 @@ def stage_times(cost_model: CostModel, micro_batches: Sequence[MicroBatch], *, r
         for k in fields:
             fields[k][s] = np.broadcast_to(np.asarray(getattr(c, k), dtype=np.float64), (M,))
         share[s], stash[s] = split
-    fields["fw_ms"] = np.maximum(fields["fw_ms"], MIN_OP_MS)
-    fields["bw_ms"] = np.maximum(fields["bw_ms"], MIN_OP_MS)
-    # The input part keeps at least MIN_OP_MS, so a BI still orders its gradient after its input.
+    # StageTimes floors fw_ms and bw_ms at MIN_OP_MS (its __post_init__). The input part keeps at
+    # least MIN_OP_MS, so a BI still orders its gradient after its input.
     bw_weight = np.clip(fields["bw_ms"] * share, 0.0, np.maximum(fields["bw_ms"] - MIN_OP_MS, 0.0))
     # Not capped at stored_mib: under full recompute the weight part keeps recomputed
     # tensors the stage never stored, and a BI then raises the memory the stage holds.
