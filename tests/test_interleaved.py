@@ -399,3 +399,29 @@ def test_interleaved_takes_megatrons_groups_when_the_spread_ones_do_not_fit():
     r = search_schedules([mbs], cm, schedule="interleaved", capacity_mib=cap)
     assert r.best.recompute == "selective" and max(r.best.peak_mib) <= cap
     assert r.best.makespan_ms == pytest.approx(megatron.makespan_ms)
+
+
+def test_per_chunk_recompute_is_also_sized_for_megatrons_groups():
+    # A per-chunk mix sized only for the spread groups recomputes more than Megatron's groups of
+    # P need; the search tries the mix sized for each grouping and keeps the faster.
+    from dynapipe.config import load_device_config, load_model_config
+    from dynapipe.cost import build_cost_model
+    from dynapipe.schedule.interleaved import chunk_levels
+    from plan_helpers import chunked_micro_batches
+
+    model, P, v, M = load_model_config("gpt-7b"), 4, 2, 7
+    cm = build_cost_model(model, load_device_config("a100-40gb"), P, placement=StagePlacement.even(model, P, chunks=v))
+    mbs = chunked_micro_batches(np.full(M, 2048), 1)
+    levels = ["none", "selective", "full"]
+    by_level = {lv: search_schedules([mbs], cm, schedule="interleaved", recompute=lv).times for lv in levels}
+    cap = 40_000.0
+    spread_mix = chunk_levels(by_level, levels, cap, spread=True)
+    megatron_mix = chunk_levels(by_level, levels, cap, spread=False)
+    assert megatron_mix.count("full") < spread_mix.count("full")
+    mixed = lambda mix: StageTimes.mixed([by_level[mix[k]][0] for k in range(P * v)])  # noqa: E731
+    as_spread = simulate(schedule_from_chunked_arrays("interleaved", *interleaved_arrays(P, v, M), chunks=v),
+                         mixed(spread_mix))
+    assert max(as_spread.peak_mib) <= cap
+    r = search_schedules([mbs], cm, schedule="interleaved", capacity_mib=cap, per_stage=True)
+    assert r.best.recompute == "per-stage" and r.best.stage_recompute == megatron_mix
+    assert max(r.best.peak_mib) <= cap and r.best.makespan_ms < 0.97 * as_spread.makespan_ms

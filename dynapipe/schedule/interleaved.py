@@ -273,20 +273,21 @@ def simulate_chunked(schedule: Schedule, times: StageTimes, *, record_memory: bo
     return Timeline(schedule, makespan, st, en, busy.tolist(), peak.tolist(), mem, None)
 
 
-def _rank_peaks(by_level: dict, mix: Sequence[str]) -> np.ndarray:
-    """Per rank, the highest memory (MiB) over replicas of interleaved 1F1B with virtual
-    stage ``k`` at level ``mix[k]``."""
+def _rank_peaks(by_level: dict, mix: Sequence[str], spread: bool = True) -> np.ndarray:
+    """Per rank, the highest memory (MiB) over replicas of interleaved 1F1B (micro-batch
+    groups as :func:`micro_batch_groups` with ``spread``) with virtual stage ``k`` at level
+    ``mix[k]``."""
     reps = len(next(iter(by_level.values())))
     peaks = []
     for r in range(reps):
         t = StageTimes.mixed([by_level[mix[k]][r] for k in range(len(mix))])
         P = len(t.state_mib)
-        kind, mb, ch, nops = interleaved_arrays(P, t.num_stages // P, t.num_micro_batches)
+        kind, mb, ch, nops = interleaved_arrays(P, t.num_stages // P, t.num_micro_batches, spread)
         peaks.append(chunked_split_kernel(kind, mb, ch, nops, *chunked_inputs(t), np.inf, np.inf)[4])
     return np.max(peaks, axis=0)
 
 
-def chunk_levels(by_level: dict, levels: Sequence[str], cap_mib: float) -> tuple[str, ...]:
+def chunk_levels(by_level: dict, levels: Sequence[str], cap_mib: float, spread: bool = True) -> tuple[str, ...]:
     """A recompute level for every virtual stage (chunk) under interleaved 1F1B.
 
     Starts from every rank's lightest uniform level that fits (``levels`` ordered light
@@ -294,10 +295,12 @@ def chunk_levels(by_level: dict, levels: Sequence[str], cap_mib: float) -> tuple
     whose lighter level saves the most ms first, keeping each step whose rank still fits
     ``cap_mib`` (MiB, model states included). A rank's memory depends on both of its
     chunks, so the encoder chunk may store everything while the decoder chunk recomputes.
+    ``spread``: size the mix for the spread micro-batch groups or (False) Megatron's groups of
+    ``P``, which hold fewer forwards in warm-up and so may fit a lighter mix.
     """
     first = by_level[levels[0]][0]
     V, P = first.num_stages, len(first.state_mib)
-    per_level = {lv: _rank_peaks(by_level, (lv,) * V) for lv in levels}
+    per_level = {lv: _rank_peaks(by_level, (lv,) * V, spread) for lv in levels}
     rank = [next((lv for lv in levels if per_level[lv][s] <= cap_mib), levels[-1]) for s in range(P)]
     mix = [rank[k % P] for k in range(V)]
     work = {lv: sum((t.fw_ms + t.bw_ms).sum(axis=1) for t in by_level[lv]) for lv in levels}
@@ -312,6 +315,6 @@ def chunk_levels(by_level: dict, levels: Sequence[str], cap_mib: float) -> tuple
         for _, k, lighter in sorted(steps, key=lambda x: (-x[0], x[1])):
             trial = list(mix)
             trial[k] = lighter
-            if _rank_peaks(by_level, trial)[k % P] <= cap_mib:
+            if _rank_peaks(by_level, trial, spread)[k % P] <= cap_mib:
                 mix, changed = trial, True
     return tuple(mix)

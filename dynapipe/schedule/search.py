@@ -188,15 +188,24 @@ def _per_stage_policies(by_level: dict, levels: Sequence[str], cap_mib: float, n
     """The search's per-stage recompute policies, ``(PER_STAGE, mix, stage times, names)``:
     one per distinct mix over ``names`` (schedules whose op orders hold the same micro-batches
     in flight share one); a mix of one level everywhere is already a uniform policy."""
-    by_order: dict[str, tuple[str, ...]] = {}
+    by_order: dict[str, list[tuple[str, ...]]] = {}
     by_mix: dict[tuple[str, ...], list[str]] = {}
     for name in names:
         order = ZB_H1 if name == ZB_H1 else "1f1b"  # the op order whose memory the mix is sized for
         if order not in by_order:
-            # Chunked: one level per virtual stage (chunk), so one rank's chunks may differ.
-            by_order[order] = (chunk_levels(by_level, levels, cap_mib) if chunks > 1
-                               else per_stage_levels(by_level, levels, cap_mib, order))
-        by_mix.setdefault(by_order[order], []).append(name)
+            if chunks > 1:
+                # One level per virtual stage (chunk), so one rank's chunks may differ; sized for
+                # the spread groups and, where some replica's M is not a multiple of P, for
+                # Megatron's groups too, which interleaved 1F1B falls back to when the spread do not fit.
+                P = len(by_level[levels[0]][0].state_mib)
+                uneven = any(t.num_micro_batches % P for t in by_level[levels[0]])
+                by_order[order] = [chunk_levels(by_level, levels, cap_mib, spread)
+                                   for spread in ((True, False) if uneven else (True,))]
+            else:
+                by_order[order] = [per_stage_levels(by_level, levels, cap_mib, order)]
+        for mix in by_order[order]:
+            if name not in by_mix.setdefault(mix, []):
+                by_mix[mix].append(name)
     out = []
     for mix, mix_names in by_mix.items():
         if len(set(mix)) > 1:
