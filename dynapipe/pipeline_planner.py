@@ -58,7 +58,8 @@ class IterationPlan:
 
     @property
     def stage_recompute(self) -> list[str]:
-        """The recompute level of every stage."""
+        """The recompute level of every stage (on a chunked placement of every virtual stage,
+        chunk-major: ``k = c * P + s``)."""
         return list(self.search.best.stage_recompute)
 
     @property
@@ -108,7 +109,8 @@ class IterationPlan:
 
     def schedule_json(self, explain: bool = False) -> dict:
         """The schedule fields of the planner's JSON output. ``recompute`` is one level, or
-        a list of one level per stage when the stages differ; ``max_delay`` (split schedules
+        a list of one level per stage (per virtual stage, chunk-major, on a chunked placement)
+        when they differ; ``max_delay`` (split schedules
         only) is how far the chosen schedule's weight parts may trail their input parts."""
         uniform = len(set(self.stage_recompute)) == 1
         out = {"schedule": self.schedule, "recompute": self.stage_recompute[0] if uniform else self.stage_recompute,

@@ -425,3 +425,11 @@ def test_per_chunk_recompute_is_also_sized_for_megatrons_groups():
     r = search_schedules([mbs], cm, schedule="interleaved", capacity_mib=cap, per_stage=True)
     assert r.best.recompute == "per-stage" and r.best.stage_recompute == megatron_mix
     assert max(r.best.peak_mib) <= cap and r.best.makespan_ms < 0.97 * as_spread.makespan_ms
+
+
+def test_chunked_candidates_carry_one_level_per_virtual_stage():
+    # Uniform and per-chunk candidates alike: a list of P levels would read as one per rank.
+    cm = AnalyticCostModel(GPT, DEVICE, 2).with_placement(StagePlacement.even(GPT, 2, chunks=2))
+    mbs = [MicroBatch(samples=[i], seqlen=256) for i in range(3)]
+    r = search_schedules([mbs], cm, schedule="auto", explain=True, capacity_mib=1e9)
+    assert r.candidates and all(len(c.stage_recompute) == 4 for c in r.candidates)

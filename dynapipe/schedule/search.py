@@ -59,7 +59,8 @@ class Candidate:
     """One candidate of the search.
 
     ``recompute``: a level for every stage, or ``per-stage`` with the levels in
-    ``stage_recompute`` (one per stage). ``status``: ``fits``; ``over-memory`` (a stage exceeds the capacity); ``slower``
+    ``stage_recompute`` (one per stage; on a chunked placement one per virtual stage,
+    chunk-major: ``k = c * P + s``). ``status``: ``fits``; ``over-memory`` (a stage exceeds the capacity); ``slower``
     (stopped once it could no longer beat the best); ``skipped`` (its recompute level's
     work lower bound, given as ``makespan_ms``, could not beat the best). Exact figures
     for ``fits`` (and for everything when the search ran with ``explain=True``).
@@ -331,7 +332,8 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
     for o in order_names:
         perms = [tuple(ORDERS[o](w)) for w in weights]
         by_level = {lv: [t.permuted(p) for t, p in zip(level_times[lv], perms)] for lv in levels}
-        policies = [(lv, (lv,) * S, by_level[lv], names) for lv in levels]
+        # One level per virtual stage (chunk-major, k = c * P + s), per-chunk mixes and uniform alike.
+        policies = [(lv, (lv,) * (S * chunks), by_level[lv], names) for lv in levels]
         if per_stage and len(levels) > 1 and capacity_mib is not None:
             policies[1:1] = _per_stage_policies(by_level, levels, cap_mib, names, chunks, len(replicas))
         for label, mix, permuted, policy_names in policies:
