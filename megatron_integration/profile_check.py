@@ -47,6 +47,39 @@ def check_profile_for_run(path: str, model: ModelConfig, megatron_model: Any, nu
                             f"{how}) or use --dynapipe-cost-model analytic.")
 
 
+def check_threads_at_start(cost_model: str, enabled: bool) -> None:
+    """On a training rank whose threads are set (after start-up, not at argument parse: a bench
+    parses its methods' arguments in a parent with other threads), :func:`check_measured_threads`
+    of the ``--dynapipe-cost-model`` profile; nothing without ``--use-dynapipe`` or a profile."""
+    from dynapipe.cost.profile import read_profile
+
+    if not enabled or cost_model == "analytic":
+        return
+    data = read_profile(cost_model)
+    if isinstance(data, dict):
+        check_measured_threads(data, f"--dynapipe-cost-model {cost_model}")
+
+
+def check_measured_threads(profile: Mapping[str, Any], source: str) -> None:
+    """Refuse a CPU profile measured with another number of torch threads than this rank
+    computes with, on a CPU run. Why: a CPU layer's time scales with its threads, and not by one
+    factor (small ops barely gain), so the micro-batches and the schedule would be cut for another
+    machine. A profile that does not record its threads, or a GPU run, is not compared."""
+    import torch
+
+    measured = profile.get("threads")
+    if (not isinstance(measured, int) or isinstance(measured, bool) or profile.get("device") != "cpu"
+            or torch.cuda.is_available()):
+        return
+    mine = torch.get_num_threads()
+    if measured != mine:
+        raise DynaPipeError(f"{source}: the profile was measured with {measured} CPU thread(s), this rank computes "
+                            f"with {mine} (torch's threads: OMP_NUM_THREADS, which torchrun sets to 1 per rank "
+                            f"unless given); its times would price another machine. Profile with the rank's threads "
+                            f"(`python -m dynapipe profile ... --threads {mine}`), run the ranks with "
+                            f"OMP_NUM_THREADS={measured}, or use --dynapipe-cost-model analytic.")
+
+
 def check_measured_run(measured: Mapping[str, Any] | None, megatron_model: Any, source: str) -> None:
     """Refuse a profile whose recorded :data:`RUN_KEYS` differ from the run's (a key the profile
     does not record is not compared). Why: dropout roughly doubles a layer's stored activations

@@ -18,8 +18,9 @@ from functools import partial
 from typing import Callable, Optional, TextIO
 
 from megatron_integration import checkpoint_formats
+from megatron_integration.agreement import attempt, same_error_everywhere
 from megatron_integration.initialize import RankInfo, initialize_megatron
-from megatron_integration.profile_check import extrapolation_lines
+from megatron_integration.profile_check import check_threads_at_start, extrapolation_lines
 from megatron_integration.baseline_step import StepResult
 from megatron_integration.model import Stage, grad_scale_func
 from megatron_integration.optimizer import build_optimizer
@@ -62,6 +63,10 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
     info = initialize_megatron(base.parallel, base.seed, base.model.deterministic_mode)
     if info.rank == 0 and vocab_padding_line(base) is not None:
         print(vocab_padding_line(base), file=stream, flush=True)
+    # A CPU profile of other threads prices another machine; every rank checks its own threads.
+    same_error_everywhere(attempt(lambda: check_threads_at_start(base.dynapipe.cost_model,
+                                                                 base.dynapipe.enabled),
+                                  "checking the cost profile")[1])
     if info.rank == 0:
         for line in extrapolation_lines(base.dynapipe.cost_model, base.dynapipe.enabled,
                                         {"seqlen": ("--encoder-seq-length", base.model.seq_length),

@@ -31,7 +31,7 @@ from megatron_integration.optimizer import build_optimizer
 from megatron_integration.params_norm import params_l2_norm
 from megatron_integration.nan_guard import check_before_step
 from megatron_integration.placement_auto import resolve_gpt_split
-from megatron_integration.profile_check import extrapolation_lines
+from megatron_integration.profile_check import check_threads_at_start, extrapolation_lines
 from megatron_integration.run_report import parameter_count_line
 from megatron_integration.train_config import DynaPipeTrainingConfig
 # Re-exported: the T5 loop, the command line and the tests import them from here.
@@ -137,6 +137,10 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
     info = initialize_megatron(cfg.parallel, cfg.seed, cfg.model.deterministic_mode)
     if info.rank == 0 and vocab_padding_line(cfg) is not None:
         print(vocab_padding_line(cfg), file=stream, flush=True)
+    # A CPU profile of other threads prices another machine; every rank checks its own threads.
+    same_error_everywhere(attempt(lambda: check_threads_at_start(cfg.dynapipe.cost_model,
+                                                                 cfg.dynapipe.enabled),
+                                  "checking the cost profile")[1])
     if info.rank == 0:
         for line in extrapolation_lines(cfg.dynapipe.cost_model, cfg.dynapipe.enabled,
                                         {"seqlen": ("--seq-length", cfg.model.seq_length)}):

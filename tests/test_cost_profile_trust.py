@@ -182,3 +182,28 @@ def test_training_refuses_a_profile_of_other_layers(tmp_path):
         parse_training_args(argv, 1, cuda=False)
     path.write_text(json.dumps(_profile(device="cpu", layer_spec="local")))
     parse_training_args(argv, 1, cuda=False)
+
+
+def test_a_cpu_profile_of_other_threads_is_refused_on_the_ranks(tmp_path):
+    # A CPU layer's time depends on its threads (torchrun gives each rank 1 unless told). Checked on
+    # the ranks once their threads are set: a bench parses its methods' flags in a parent process.
+    import torch
+
+    from megatron_integration.jobs import run_training
+    from megatron_integration.launch import RankUserError
+    from megatron_integration.profile_check import check_threads_at_start
+
+    mine = torch.get_num_threads()
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(_profile(device="cpu", threads=mine + 1)))
+    with pytest.raises(DynaPipeError, match=f"measured with {mine + 1} CPU thread\\(s\\), this rank computes with "
+                                            f"{mine} .*--threads {mine}.*OMP_NUM_THREADS={mine + 1}"):
+        check_threads_at_start(str(path), True)
+    check_threads_at_start(str(path), False)  # DynaPipe off: the profile is not read
+    for same in (dict(device="cpu", threads=mine), dict(device="NVIDIA H100 80GB HBM3", threads=mine + 1), {}):
+        path.write_text(json.dumps(_profile(**same)))
+        check_threads_at_start(str(path), True)
+    path.write_text(json.dumps(_profile(device="cpu", threads=2)))
+    with pytest.raises(RankUserError, match="rank 0: --dynapipe-cost-model .* measured with 2 CPU thread\\(s\\), "
+                                            "this rank computes with 1 "):
+        run_training(f"{TRAIN} --dynapipe-cost-model {path}".split(), 1, timeout_s=120, threads_per_rank=1)
