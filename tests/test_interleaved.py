@@ -433,3 +433,17 @@ def test_chunked_candidates_carry_one_level_per_virtual_stage():
     mbs = [MicroBatch(samples=[i], seqlen=256) for i in range(3)]
     r = search_schedules([mbs], cm, schedule="auto", explain=True, capacity_mib=1e9)
     assert r.candidates and all(len(c.stage_recompute) == 4 for c in r.candidates)
+
+
+def test_plan_command_names_a_per_chunk_mix_by_virtual_stage(tmp_path, capsys):
+    from dynapipe.cli import main
+    from dynapipe.data.synthetic import sample_lengths
+
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("".join(f"{a} {b}\n" for a, b in sample_lengths(24, 5, 1024, True)))
+    assert main(["plan", "--model", "t5-11b", "--device", "a100-40gb", "--stages", "4", "--dp", "2",
+                 "--memory-limit-mb", "65000", "--lengths", str(lengths), "--placement", "interleaved"]) == 0
+    out, err = capsys.readouterr()
+    levels = json.loads(out)["recompute"]
+    assert isinstance(levels, list) and len(levels) == 8 and len(set(levels)) > 1
+    assert f"recompute {'/'.join(levels)} by virtual stage" in err

@@ -177,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
     write_json(out, args.output)
     for line in summary_lines(batch_plan, setup):
         print(line, file=sys.stderr)
-    chosen = out["recompute"] if isinstance(out["recompute"], str) else "/".join(out["recompute"]) + " by stage"
+    chosen = out["recompute"] if isinstance(out["recompute"], str) else "/".join(out["recompute"]) + (
+        " by virtual stage" if len(out["recompute"]) > setup.cost_model.num_stages else " by stage")
     how = "as given" if args.recompute else "chosen"
     print(f"  schedule {out['schedule']} (recompute {chosen}, {how}; micro-batches cut for "
           f"{setup.recompute}): simulated {out['simulated_ms']:.1f} ms, "

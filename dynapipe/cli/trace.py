@@ -124,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         raise DynaPipeError(f"--out {args.out!r} cannot be written: {e.strerror}.") from None
     levels = it.stage_recompute
-    recompute = levels[0] if len(set(levels)) == 1 else "/".join(levels) + " by stage"
+    recompute = levels[0] if len(set(levels)) == 1 else "/".join(levels) + (
+        " by virtual stage" if len(levels) > setup.cost_model.num_stages else " by stage")
     if args.png:
         tl = it.timelines[replica]
         title = (f"{setup.model.name}, {setup.cost_model.num_stages} stages, {len(it.search.micro_batches[replica])} "
