@@ -37,7 +37,7 @@ from megatron_integration.agreement import attempt, same_error_everywhere
 from megatron_integration.checkpoint_files import (StagedSave, load_verified, save_with_checksum, verify_file,
                                                    write_checksum)
 from megatron_integration.initialize import RankInfo
-from megatron_integration.scheduler_state import load_scheduler_state
+from megatron_integration.scheduler_state import align_schedule_bounds, load_scheduler_state
 
 LATEST = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
@@ -285,6 +285,8 @@ def _apply_rank(payload: dict, main: str, gpt: torch.nn.Module, optimizer, sched
         raise DynaPipeError(f"{main}: the checkpoint does not fit this model ({detail}); "
                             f"use the model arguments it was saved with.") from None
     if load_optim:
+        align_schedule_bounds(payload["optimizer"], optimizer,
+                              getattr(scheduler, "use_checkpoint_opt_param_scheduler", False))
         optimizer.load_state_dict(payload["optimizer"])
         load_scheduler_state(scheduler, payload["scheduler"], main)
     else:

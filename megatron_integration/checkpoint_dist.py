@@ -46,7 +46,7 @@ from dynapipe.errors import DynaPipeError
 from megatron_integration.checkpoint import check_precision
 from megatron_integration.checkpoint_files import CHECKSUM_SUFFIX, verify_file
 from megatron_integration.initialize import RankInfo
-from megatron_integration.scheduler_state import load_scheduler_state
+from megatron_integration.scheduler_state import align_schedule_bounds, load_scheduler_state
 
 CHECKPOINT_VERSION = 3.0
 
@@ -302,6 +302,8 @@ def load_dist(iter_dir: str, cfg, gpt, optimizer, scheduler, info: RankInfo, loa
     except _LOAD_ERRORS as e:
         raise _checkpoint_error(iter_dir, e) from None
     if has_optim:
+        align_schedule_bounds(loaded["optimizer"], optimizer,
+                              getattr(scheduler, "use_checkpoint_opt_param_scheduler", False))
         optimizer.load_state_dict(loaded["optimizer"])
         if "opt_param_scheduler" in loaded:
             load_scheduler_state(scheduler, loaded["opt_param_scheduler"], iter_dir, int(common.get("iteration", 0)),

@@ -64,3 +64,53 @@ def load_scheduler_state(scheduler, state: dict, where: str, iteration: Optional
                             f"({detail}); resume with the arguments it was saved with, or add "
                             f"--override-opt_param-scheduler (use this run's) or "
                             f"--use-checkpoint-opt_param-scheduler (keep the checkpoint's).") from None
+
+
+# The parameter-group keys that hold the schedule's bounds. megatron-core 0.19 and newer match
+# a saved group to this run's by every key of ``param_group_identifier_keys``, these included, so
+# a resume under another --lr would fail to find its groups before the schedule rule is applied.
+SCHEDULE_GROUP_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
+
+
+def _identity(group: dict, keys) -> tuple:
+    return tuple(group.get(k, group.get(f"pre_{k}")) for k in keys)
+
+
+def _group_lists(state, optimizer) -> list[tuple[list, list]]:
+    """``(saved groups, this run's groups)`` for every optimizer ``state`` holds (a chained
+    optimizer's state is one entry per optimizer; a mixed-precision one nests its inner optimizer's)."""
+    subs = getattr(optimizer, "chained_optimizers", None)
+    if isinstance(state, list) and subs is not None and len(subs) == len(state):
+        return [pair for s, o in zip(state, subs) for pair in _group_lists(s, o)]
+    if isinstance(state, dict):
+        for holder in (state, state.get("optimizer")):
+            if isinstance(holder, dict) and isinstance(holder.get("param_groups"), list):
+                return [(holder["param_groups"], list(optimizer.param_groups))]
+    return []
+
+
+def align_schedule_bounds(state, optimizer, keep_checkpoint: bool) -> None:
+    """Before ``optimizer.load_state_dict(state)``: give each saved parameter group and its
+    counterpart in this run (the one group equal in every other identifying key) the same
+    :data:`SCHEDULE_GROUP_KEYS` values, so megatron-core pairs them whatever the two runs'
+    --lr/--min-lr/weight decay. The values kept are the checkpoint's with ``keep_checkpoint``
+    (--use-checkpoint-opt_param-scheduler), else this run's; whether the two may differ at all
+    is :func:`load_scheduler_state`'s rule, applied right after. Groups whose other keys do not
+    tell them apart are left to megatron-core's own matching."""
+    try:
+        from megatron.core.optimizer.optimizer import param_group_identifier_keys
+    except ImportError:  # a release that matches groups by position
+        return
+    keys = [k for k in param_group_identifier_keys if k not in SCHEDULE_GROUP_KEYS]
+    for saved, mine in _group_lists(state, optimizer):
+        by_identity: dict = {}
+        for group in mine:
+            by_identity.setdefault(_identity(group, keys), []).append(group)
+        for group in saved:
+            matches = by_identity.get(_identity(group, keys), [])
+            if len(matches) != 1:
+                continue
+            source, target = (group, matches[0]) if keep_checkpoint else (matches[0], group)
+            for k in SCHEDULE_GROUP_KEYS:
+                if k in source:
+                    target[k] = source[k]

@@ -403,8 +403,9 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_a_rank_killed_mid_save_takes_its_shard_writers_with_it(tmp_path):
-    # megatron-core forks the shard writers; a rank killed during a save (kill -9, a scheduler's
-    # preemption) must not leave them running with a copy of its memory.
+    # megatron-core 0.16 forks the shard writers; a rank killed during a save (kill -9, a scheduler's
+    # preemption) must not leave them running with a copy of its memory. (0.19 writes from threads
+    # of the rank itself, which die with it.)
     import signal
     import time
 
@@ -425,7 +426,7 @@ def test_a_rank_killed_mid_save_takes_its_shard_writers_with_it(tmp_path):
         assert os.path.exists(marker), rank.stderr.read().decode()[-2000:] if rank.poll() is not None else "no writer"
         with open(marker) as f:
             writer = int(f.read())
-        assert writer != rank.pid and _alive(writer)
+        assert _alive(writer)
         rank.send_signal(signal.SIGKILL)
         rank.wait(30)
         deadline = time.monotonic() + 10

@@ -154,3 +154,39 @@ def test_wsd_and_inverse_square_root_flags_are_refused_where_they_would_be_dropp
             ("--train-iters 20 --lr-decay-style inverse-square-root", "needs a warm-up")):
         with pytest.raises(DynaPipeError, match=needle):
             parse_training_args(f"{BASE} {bad}".split(), 1)
+
+
+# megatron-core 0.19's identifier of a parameter group: its schedule bounds are part of it.
+CORE_019_KEYS = ("end_wd", "max_lr", "min_lr", "optimizer", "start_wd", "wd_mult", "lr_mult", "is_expert_parallel",
+                 "is_decoupled_lr")
+
+
+def _groups(max_lr: float, decoupled_lr: float) -> list:
+    common = dict(end_wd=None, min_lr=0.0, optimizer=None, start_wd=None, lr_mult=1.0, is_expert_parallel=False)
+    return [dict(common, params=[0, 1], max_lr=max_lr, wd_mult=1.0, is_decoupled_lr=False),
+            dict(common, params=[2], max_lr=max_lr, wd_mult=0.0, is_decoupled_lr=False),
+            dict(common, params=[3], max_lr=decoupled_lr, wd_mult=1.0, is_decoupled_lr=True)]
+
+
+@pytest.mark.parametrize("keep_checkpoint", [False, True])
+def test_saved_groups_pair_with_this_runs_under_another_rate(monkeypatch, keep_checkpoint):
+    # A resume under another --lr: megatron-core 0.19 pairs groups by their bounds too and finds none
+    # (emulated here on whichever release is installed, with 0.19's identifier).
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer import optimizer as core
+    from megatron_integration.scheduler_state import align_schedule_bounds
+
+    monkeypatch.setattr(core, "param_group_identifier_keys", CORE_019_KEYS)
+    reorder = core.MegatronOptimizer._filter_and_reorder_param_groups
+    with pytest.raises(ValueError, match="Could not find parameter group"):
+        reorder(_groups(0.0, 0.5), _groups(0.01, 0.02))
+    for mixed_precision in (False, True):
+        saved = {"param_groups": _groups(0.01, 0.02), "state": {}}
+        state = {"optimizer": saved, "grad_scaler": None} if mixed_precision else saved
+        run = SimpleNamespace(param_groups=_groups(0.0, 0.5))
+        align_schedule_bounds(state, run, keep_checkpoint)
+        paired = reorder(run.param_groups, saved["param_groups"])
+        want = (0.01, 0.01, 0.02) if keep_checkpoint else (0.0, 0.0, 0.5)
+        assert tuple(g["max_lr"] for g in paired) == want
+        assert [g["wd_mult"] for g in paired] == [1.0, 0.0, 1.0]  # each still its own group
