@@ -285,7 +285,26 @@ def test_the_search_caps_the_weight_delays_to_fit_where_1f1b_fits():
                                                                    reverse=True)
 
 
-@pytest.mark.parametrize("level", ["selective", "full"])
+def test_under_full_recompute_the_input_part_peaks_on_the_stash_it_builds():
+    # The input part rematerialises layer by layer: its last layer runs on top of the stashes the
+    # others left, so even with each weight part right after its input part (k = 0) zb-h1 needs
+    # more than 1F1B, whose backward frees each layer's recomputation as it goes.
+    cm = build_cost_model(GPT7B, A100, 4)
+    reps = [chunked_micro_batches(np.random.default_rng(0).integers(50, 2000, 24), 3)]
+    one = search_schedules(reps, cm, schedule="1f1b", recompute="full").best
+    t = search_schedules(reps, cm, schedule="zb-h1", recompute="full").times[0]
+    kind, mb, nops = zb_h1_arrays(4, t.num_micro_batches, 0)
+    peak = K.simulate_split_kernel(kind, mb, nops, *kernel_inputs(t), *split_inputs(t), np.inf, np.inf)[4]
+    lift = t.weight_stash_mib - t.stored_mib  # what a micro-batch's input part leaves beyond what it frees
+    assert peak.max() >= max(one.peak_mib) + lift.min()
+    timeline = simulate(zb_h1(4, t.num_micro_batches, max_delay=0), t)
+    assert max(timeline.peak_mib) == pytest.approx(peak.max())  # the recorded memory steps agree
+    assert max(max(m for _, m in steps) for steps in timeline.memory) == pytest.approx(peak.max())
+    got = search_schedules(reps, cm, recompute="full", capacity_mib=max(one.peak_mib))
+    assert got.best.fits and got.best.schedule != "zb-h1"
+
+
+@pytest.mark.parametrize("level", ["selective"])
 def test_zb_h1_fits_in_1f1b_memory_by_capping_its_delays_and_stays_faster(level):
     cm = build_cost_model(GPT7B, A100, 4)
     reps = [chunked_micro_batches(np.random.default_rng(0).integers(50, 2000, 24), 3)]

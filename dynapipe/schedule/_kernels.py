@@ -156,9 +156,11 @@ def chunked_split_kernel(kind, mb, ch, nops, fw, bw, st, pk, ac, gc, state, bww,
                 else:
                     end = t + (bw[k, m] - bww[k, m])
                     stored[s] -= st[k, m] - ws[k, m]
-                    # What the weight part keeps may exceed what was stored (full recompute).
-                    if stored[s] > high:
-                        high = stored[s]
+                    # What the weight part keeps may exceed what was stored (full recompute), and
+                    # the input part builds it up layer by layer: the last layer it rematerialises
+                    # does so on top of the others' stashes (bounded by all of them).
+                    if stored[s] + pk[k, m] > high:
+                        high = stored[s] + pk[k, m]
                 b_end[k, m] = end
             if high + state[s] > peak[s]:
                 peak[s] = high + state[s]

@@ -243,7 +243,7 @@ def chunked_memory_steps(schedule: Schedule, times: StageTimes, starts, ends) ->
             else:
                 high = stored + pk
                 stored -= st if op.kind == "B" else st - ws
-                high = max(high, stored)
+                high = max(high, stored + pk) if op.kind == "BI" else high
             steps += [(starts[s][i], state + high), (ends[s][i], state + stored)]
         out.append(steps)
     return out

@@ -187,7 +187,9 @@ def memory_steps(schedule: Schedule, times: StageTimes, starts: list[list[float]
                 rise = np.where(code == K.BW, 0.0, rise)
             stored = np.cumsum(delta)
             before = np.concatenate(([0.0], stored[:-1]))
-            high = np.where(fw, stored, before) + rise
+            # An input part (BI) peaks on whichever is higher, what it started or ended with: its
+            # last rematerialised layer runs on top of the stashes the others left.
+            high = np.where(fw, stored, np.where(code == K.BI, np.maximum(before, stored), before)) + rise
             lo = (state + stored.astype(np.float64)).tolist()
             hi = (state + high.astype(np.float64)).tolist()
             n = len(ops)
