@@ -77,6 +77,11 @@ class _SplitLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         input, weight = ctx.saved_tensors
+        # Under full recompute the saved input carries its recomputation graph, whose leaves
+        # hold the layer's input and its gradient: kept until the weight part runs, they held
+        # 2 x mbs x seq x hidden a layer beyond the stash the planner prices. The weight
+        # gradient needs the values only.
+        input = input.detach()
         grad_input = grad_output.matmul(weight)
         if ctx.allreduce_dgrad:
             torch.distributed.all_reduce(grad_input, group=ctx.tp_group)
