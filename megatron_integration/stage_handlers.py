@@ -98,4 +98,10 @@ class ModelStageHandlers:
         """The weight part of a split backward: the linear layers' weight gradients that the
         input part of (``op.chunk``, ``op.mb``) deferred."""
         with self.syncs.context(op.chunk, op.mb, op.part):
-            self.weight_grads.run((op.chunk, op.mb))
+            ran = self.weight_grads.run((op.chunk, op.mb))
+        if not ran and self.split_layers:
+            # Every split linear defers its weight gradient from the input part; none deferred
+            # means the input part computed them all and the schedule's split did not happen.
+            raise DynaPipeError(f"the weight part of micro-batch {op.mb} (chunk {op.chunk}) found no deferred "
+                                f"weight gradient: its input part computed them all (internal error, please "
+                                f"report).")

@@ -300,22 +300,23 @@ def test_validator_catches_broken_interleaved_plans():
     import dataclasses
 
     from dynapipe.errors import PlanError
-    from dynapipe.plan.instructions import RecvActivationStart, SendActivationStart
+    from dynapipe.plan.instructions import RecvActivationStart
     from dynapipe.plan.validate import validate_plans
 
     it, _ = _chunked_iteration(2, "interleaved", n=7, dp=1)
     plans = it.all_plans()
     validate_plans(plans)
-    # Rank 1 sends its chunk-0 and chunk-1 activations to rank 0 in one order; swapping two
-    # of its sends breaks the FIFO pairing with rank 0's receives.
+    # Rank 1 posts two receives of rank 0's activations back to back; swapped, each rank's plan is
+    # still valid on its own, but the pairing across ranks (first message, first receive) is not.
     p = plans[1]
-    idx = [k for k, i in enumerate(p.instructions) if isinstance(i, SendActivationStart)]
+    a = next(k for k, i in enumerate(p.instructions)
+             if isinstance(i, RecvActivationStart) and isinstance(p.instructions[k + 1], RecvActivationStart))
     insts = list(p.instructions)
-    a, b = idx[0], idx[1]
-    insts[a], insts[b] = insts[b], insts[a]
-    with pytest.raises(PlanError):
+    insts[a], insts[a + 1] = insts[a + 1], insts[a]
+    with pytest.raises(PlanError, match="message order differs from the sender"):
         validate_plans([plans[0], dataclasses.replace(p, instructions=tuple(insts))])
-    # A receive on rank 0 that names the wrong chunk is a receive into a buffer nobody fills.
+    # A receive on rank 0 that names the wrong chunk is a receive into a buffer nobody fills
+    # (refused by rank 0's own checks).
     q = plans[0]
     k = next(k for k, i in enumerate(q.instructions) if isinstance(i, RecvActivationStart) and i.chunk == 1)
     insts = list(q.instructions)

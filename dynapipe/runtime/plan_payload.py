@@ -58,7 +58,7 @@ def encode_payload(iteration: int, replica: int, stage: int, plan_bytes: bytes,
     entries, blobs = [], []
     offset = len(plan_bytes)
     for mb in sorted(tensors):
-        for name, arr in tensors[mb].items():
+        for name, arr in sorted(tensors[mb].items()):  # bytes independent of insertion order
             dtype = next((k for k, v in DTYPES.items() if np.dtype(v) == arr.dtype), None)
             if dtype is None:
                 raise DynaPipeError(f"tensor {name!r} of micro-batch {mb}: dtype {arr.dtype} cannot be sent; "
