@@ -47,13 +47,14 @@ def check_profile_for_run(path: str, model: ModelConfig, megatron_model: Any, nu
                             f"{how}) or use --dynapipe-cost-model analytic.")
 
 
-def check_threads_at_start(cost_model: str, enabled: bool) -> None:
+def check_threads_at_start(cost_model: str, enabled: bool, on_cpu: bool = True) -> None:
     """On a training rank whose threads are set (after start-up, not at argument parse: a bench
     parses its methods' arguments in a parent with other threads), :func:`check_measured_threads`
-    of the ``--dynapipe-cost-model`` profile; nothing without ``--use-dynapipe`` or a profile."""
+    of the ``--dynapipe-cost-model`` profile; nothing without ``--use-dynapipe`` or a profile, or
+    on a run whose ranks compute on GPUs (``on_cpu`` False)."""
     from dynapipe.cost.profile import read_profile
 
-    if not enabled or cost_model == "analytic":
+    if not enabled or cost_model == "analytic" or not on_cpu:
         return
     data = read_profile(cost_model)
     if isinstance(data, dict):
@@ -64,12 +65,11 @@ def check_measured_threads(profile: Mapping[str, Any], source: str) -> None:
     """Refuse a CPU profile measured with another number of torch threads than this rank
     computes with, on a CPU run. Why: a CPU layer's time scales with its threads, and not by one
     factor (small ops barely gain), so the micro-batches and the schedule would be cut for another
-    machine. A profile that does not record its threads, or a GPU run, is not compared."""
+    machine. A profile that does not record its threads is not compared."""
     import torch
 
     measured = profile.get("threads")
-    if (not isinstance(measured, int) or isinstance(measured, bool) or profile.get("device") != "cpu"
-            or torch.cuda.is_available()):
+    if not isinstance(measured, int) or isinstance(measured, bool) or profile.get("device") != "cpu":
         return
     mine = torch.get_num_threads()
     if measured != mine:

@@ -106,9 +106,14 @@ def align_schedule_bounds(state, optimizer, keep_checkpoint: bool) -> None:
         by_identity: dict = {}
         for group in mine:
             by_identity.setdefault(_identity(group, keys), []).append(group)
+        saved_count: dict = {}
+        for group in saved:
+            saved_count[_identity(group, keys)] = saved_count.get(_identity(group, keys), 0) + 1
         for group in saved:
             matches = by_identity.get(_identity(group, keys), [])
-            if len(matches) != 1:
+            # Groups told apart only by their bounds on either side: giving them one set of bounds
+            # would merge them in megatron-core's pairing.
+            if len(matches) != 1 or saved_count[_identity(group, keys)] != 1:
                 continue
             source, target = (group, matches[0]) if keep_checkpoint else (matches[0], group)
             for k in SCHEDULE_GROUP_KEYS:

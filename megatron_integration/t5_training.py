@@ -65,7 +65,8 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
         print(vocab_padding_line(base), file=stream, flush=True)
     # A CPU profile of other threads prices another machine; every rank checks its own threads.
     same_error_everywhere(attempt(lambda: check_threads_at_start(base.dynapipe.cost_model,
-                                                                 base.dynapipe.enabled),
+                                                                 base.dynapipe.enabled,
+                                                                 info.device.type == "cpu"),
                                   "checking the cost profile")[1])
     if info.rank == 0:
         for line in extrapolation_lines(base.dynapipe.cost_model, base.dynapipe.enabled,

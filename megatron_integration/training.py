@@ -139,7 +139,8 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
         print(vocab_padding_line(cfg), file=stream, flush=True)
     # A CPU profile of other threads prices another machine; every rank checks its own threads.
     same_error_everywhere(attempt(lambda: check_threads_at_start(cfg.dynapipe.cost_model,
-                                                                 cfg.dynapipe.enabled),
+                                                                 cfg.dynapipe.enabled,
+                                                                 info.device.type == "cpu"),
                                   "checking the cost profile")[1])
     if info.rank == 0:
         for line in extrapolation_lines(cfg.dynapipe.cost_model, cfg.dynapipe.enabled,

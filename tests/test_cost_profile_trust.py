@@ -200,6 +200,7 @@ def test_a_cpu_profile_of_other_threads_is_refused_on_the_ranks(tmp_path):
                                             f"{mine} .*--threads {mine}.*OMP_NUM_THREADS={mine + 1}"):
         check_threads_at_start(str(path), True)
     check_threads_at_start(str(path), False)  # DynaPipe off: the profile is not read
+    check_threads_at_start(str(path), True, on_cpu=False)  # ranks on GPUs: their threads do not price
     for same in (dict(device="cpu", threads=mine), dict(device="NVIDIA H100 80GB HBM3", threads=mine + 1), {}):
         path.write_text(json.dumps(_profile(**same)))
         check_threads_at_start(str(path), True)

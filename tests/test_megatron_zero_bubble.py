@@ -195,12 +195,12 @@ def _held_between_the_parts(layers: int, hidden: int, seq: int):
         masked_softmax._CACHE.entries.clear()  # the last masks' biases, one set for all micro-batches
         gc.collect()
         held = tracker.live / MIB
-        store.run(0)
+        ran = store.run(0)
     model = ModelConfig(name="mid", num_layers=3 * layers, hidden_size=hidden, num_attention_heads=4,
                         ffn_hidden_size=4 * hidden, vocab_size=256, max_seq_length=seq, dtype="fp32")
     times = stage_times(AnalyticCostModel(model, load_device_config("cpu"), 3), [MicroBatch(samples=[0], seqlen=seq)],
                         recompute="full")
-    return held, float(times.weight_stash_mib[1, 0])
+    return held, float(times.weight_stash_mib[1, 0]), ran, 4 * layers
 
 
 def test_full_recompute_keeps_only_the_priced_stash_until_the_weight_part():
@@ -209,5 +209,29 @@ def test_full_recompute_keeps_only_the_priced_stash_until_the_weight_part():
     # beyond the stash the planner prices (9.0 MiB held against 8.0 at 2 layers, hidden 128).
     from megatron_integration.launch import spawn
 
-    (held, priced), = spawn(_held_between_the_parts, 1, (2, 128, 512), timeout_s=300)
-    assert priced > 0 and held <= priced * 1.01, (held, priced)
+    (held, priced, ran, linears), = spawn(_held_between_the_parts, 1, (2, 128, 512), timeout_s=300)
+    assert ran == linears  # every linear layer deferred its weight gradient: the split happened
+    assert priced > 0 and 0.95 * priced <= held <= priced * 1.01, (held, priced)
+
+
+def test_a_weight_part_with_nothing_deferred_is_refused():
+    # A trace names the plan's ops, so an input part that computed every weight gradient itself
+    # would pass unseen; the stage refuses the weight part instead.
+    import contextlib
+    from types import SimpleNamespace
+
+    from dynapipe.plan.instructions import BackwardPass
+    from dynapipe.runtime.weight_grad_store import WeightGradStore
+    from megatron_integration.stage_handlers import ModelStageHandlers
+
+    store = WeightGradStore()
+    with store.input_part((0, 3)):
+        pass  # nothing deferred
+    stage = SimpleNamespace(weight_grads=store, split_layers=8,
+                            syncs=SimpleNamespace(context=lambda *a: contextlib.nullcontext()))
+    op = BackwardPass(mb=3, part="weight")
+    with pytest.raises(DynaPipeError, match="weight part of micro-batch 3 \\(chunk 0\\) found no deferred"):
+        ModelStageHandlers.backward_weight(stage, None, op)
+    with store.input_part((0, 4)):
+        store.defer(lambda: None)
+    ModelStageHandlers.backward_weight(stage, None, BackwardPass(mb=4, part="weight"))  # one deferred: fine

@@ -190,3 +190,14 @@ def test_saved_groups_pair_with_this_runs_under_another_rate(monkeypatch, keep_c
         want = (0.01, 0.01, 0.02) if keep_checkpoint else (0.0, 0.0, 0.5)
         assert tuple(g["max_lr"] for g in paired) == want
         assert [g["wd_mult"] for g in paired] == [1.0, 0.0, 1.0]  # each still its own group
+
+
+def test_saved_groups_told_apart_only_by_their_bounds_are_left_alone():
+    # Given one set of bounds, two such groups would merge in megatron-core's pairing.
+    from types import SimpleNamespace
+
+    from megatron_integration.scheduler_state import align_schedule_bounds
+
+    saved = {"param_groups": _groups(0.01, 0.02)[:1] + [dict(_groups(0.03, 0.02)[0], params=[9])]}
+    align_schedule_bounds(saved, SimpleNamespace(param_groups=_groups(0.0, 0.5)), False)
+    assert [g["max_lr"] for g in saved["param_groups"]] == [0.01, 0.03]

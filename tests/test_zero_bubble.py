@@ -683,3 +683,17 @@ def test_negative_durations_are_refused():
     z, c = np.zeros((2, 2)), np.zeros((1, 2))
     with pytest.raises(DynaPipeError, match="StageTimes.bw_ms holds negative or non-finite durations"):
         StageTimes(z, z - 1, z, z, c, c, np.zeros(2))
+
+
+def test_interleaved_zb_memory_steps_peak_as_the_kernel_where_the_stash_exceeds_the_stored():
+    # Full recompute: a weight part keeps more than its micro-batch stored, and the input part's
+    # last layer runs on top of it; the recorded memory over time reaches the kernel's peak.
+    P, v, M = 4, 2, 6
+    t = _chunked_split_times(P, v, M, np.random.default_rng(3), stored=1.0, stash=3.0)
+    t = StageTimes(t.fw_ms, t.bw_ms, t.stored_mib, np.full(t.fw_ms.shape, 2.0), t.act_comm_ms, t.grad_comm_ms,
+                   t.state_mib, bw_weight_ms=t.bw_weight_ms, weight_stash_mib=t.weight_stash_mib)
+    for cap in (None, 0):
+        tl = simulate_chunked(interleaved_zb(P, v, M, max_delay=cap), t)
+        assert [max(m for _, m in steps) for steps in tl.memory] == pytest.approx(list(tl.peak_mib))
+        # Each rank's first input part already peaks at its stash plus the op's own peak.
+        assert min(tl.peak_mib) >= 3.0 + 2.0

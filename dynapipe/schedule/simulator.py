@@ -13,9 +13,10 @@ Memory of a stage = model states + stored activations of the micro-batches betwe
 their forward and their backward + the transient peak of the running op: a forward
 holds ``stored + peak`` of its micro-batch on top of what is already stored, a backward
 ``peak`` on top of what is stored (its own micro-batch included), and the backward's
-end releases the micro-batch's stored activations. A ``BI`` holds ``peak`` on top of
-what is stored and releases all but ``weight_stash``, which its ``BW`` releases (a
-``BW`` adds no transient). Units: ms, MiB.
+end releases the micro-batch's stored activations. A ``BI`` releases all but
+``weight_stash``, which its ``BW`` releases (a ``BW`` adds no transient), and holds
+``peak`` on top of the higher of what is stored before and after it (under full recompute
+its last rematerialised layer runs on top of the others' stashes). Units: ms, MiB.
 """
 from __future__ import annotations
 
