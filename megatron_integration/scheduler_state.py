@@ -16,6 +16,7 @@ iterations (:func:`load_scheduler_state`), so either side resumes the other's sc
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Optional
 
 from dynapipe.errors import DynaPipeError
@@ -106,9 +107,7 @@ def align_schedule_bounds(state, optimizer, keep_checkpoint: bool) -> None:
         by_identity: dict = {}
         for group in mine:
             by_identity.setdefault(_identity(group, keys), []).append(group)
-        saved_count: dict = {}
-        for group in saved:
-            saved_count[_identity(group, keys)] = saved_count.get(_identity(group, keys), 0) + 1
+        saved_count = Counter(_identity(group, keys) for group in saved)
         for group in saved:
             matches = by_identity.get(_identity(group, keys), [])
             # Groups told apart only by their bounds on either side: giving them one set of bounds

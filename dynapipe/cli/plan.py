@@ -20,7 +20,8 @@ from dynapipe.output_paths import check_distinct, check_output_file, make_parent
 from dynapipe.cli.placement_options import (add_placement_argument, apply_placement, even_split_schedule,
                                              placement_json)
 from dynapipe.cli.schedule_options import (add_recompute_default, add_schedule_arguments, check_plan_out,
-                                           escalate_recompute, resolve_cluster, schedule_json, split_backward)
+                                           escalate_recompute, recompute_label, resolve_cluster, schedule_json,
+                                           split_backward)
 from dynapipe.errors import DynaPipeError
 
 HELP = "plan the micro-batches (and schedule) of one global batch"
@@ -177,8 +178,7 @@ def run(args: argparse.Namespace) -> int:
     write_json(out, args.output)
     for line in summary_lines(batch_plan, setup):
         print(line, file=sys.stderr)
-    chosen = out["recompute"] if isinstance(out["recompute"], str) else "/".join(out["recompute"]) + (
-        " by virtual stage" if len(out["recompute"]) > setup.cost_model.num_stages else " by stage")
+    chosen = recompute_label(out["recompute"], setup.cost_model.num_stages)
     how = "as given" if args.recompute else "chosen"
     print(f"  schedule {out['schedule']} (recompute {chosen}, {how}; micro-batches cut for "
           f"{setup.recompute}): simulated {out['simulated_ms']:.1f} ms, "

@@ -97,6 +97,15 @@ def escalate_recompute(plan_at, recompute: Optional[str]):
     raise error
 
 
+def recompute_label(levels, num_stages: int) -> str:
+    """The chosen recompute for a summary line: one level, or the levels joined "by stage"
+    (``by virtual stage`` where there are more levels than pipeline stages: a chunked placement)."""
+    levels = [levels] if isinstance(levels, str) else list(levels)
+    if len(set(levels)) == 1:
+        return levels[0]
+    return "/".join(levels) + (" by virtual stage" if len(levels) > num_stages else " by stage")
+
+
 def add_split_backward_argument(p: argparse.ArgumentParser) -> None:
     """``--no-split-backward``: plan for stages that cannot split their backward."""
     p.add_argument("--no-split-backward", action="store_true",

@@ -19,7 +19,7 @@ from dynapipe.output_paths import check_distinct, check_output_file, make_parent
 from dynapipe.cli.placement_options import (add_placement_argument, apply_placement, even_split_schedule,
                                              placement_json)
 from dynapipe.cli.schedule_options import (add_recompute_default, add_split_backward_argument, escalate_recompute,
-                                           levels_from, resolve_cluster, split_backward)
+                                           levels_from, recompute_label, resolve_cluster, split_backward)
 from dynapipe.data.synthetic import sample_lengths
 from dynapipe.errors import DynaPipeError
 from dynapipe.pipeline_planner import schedule_batch_plan
@@ -124,8 +124,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         raise DynaPipeError(f"--out {args.out!r} cannot be written: {e.strerror}.") from None
     levels = it.stage_recompute
-    recompute = levels[0] if len(set(levels)) == 1 else "/".join(levels) + (
-        " by virtual stage" if len(levels) > setup.cost_model.num_stages else " by stage")
+    recompute = recompute_label(levels, setup.cost_model.num_stages)
     if args.png:
         tl = it.timelines[replica]
         title = (f"{setup.model.name}, {setup.cost_model.num_stages} stages, {len(it.search.micro_batches[replica])} "
