@@ -242,6 +242,16 @@ def _monotone(tables: dict) -> dict:
     return tables
 
 
+def as_trained(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """``module`` on ``device`` in the precision the training stages run it: under bf16/fp16,
+    megatron-core's ``Float16Module`` casts every floating parameter and buffer (norms and
+    rotary frequencies too, which megatron-core builds in fp32) to the half type. Profiled in
+    mixed precision, the norms would compute in fp32 on CPUs and be refused by CUDA's kernels."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return module.to(device=device, dtype=dtype)
+    return module.to(device)
+
+
 class _Ops:
     """The three measured ops built from megatron-core modules for one model shape."""
 
@@ -267,13 +277,13 @@ class _Ops:
         common = dict(config=tconfig, transformer_layer_spec=spec, vocab_size=model.vocab_size,
                       max_sequence_length=model.max_position_embeddings,
                       position_embedding_type=model.position_embedding_type)
-        # A middle stage holding one layer: input through set_input_tensor, output hidden states.
-        self.layer = GPTModel(pre_process=False, post_process=False, **common).to(device)
-        # Embedding and output layer (untied, so each op owns its weight).
-        self.ends = GPTModel(pre_process=True, post_process=True, share_embeddings_and_output_weights=False,
-                             **common).to(device)
-        self.model, self.device = model, device
         self.dtype = tconfig.params_dtype
+        # A middle stage holding one layer: input through set_input_tensor, output hidden states.
+        self.layer = as_trained(GPTModel(pre_process=False, post_process=False, **common), device, self.dtype)
+        # Embedding and output layer (untied, so each op owns its weight).
+        self.ends = as_trained(GPTModel(pre_process=True, post_process=True, share_embeddings_and_output_weights=False,
+                                        **common), device, self.dtype)
+        self.model, self.device = model, device
         use_additive_masks(self.layer, device)  # as the training stages are built
         # The layer's backward is timed in the two parts zero-bubble plans run, where the layers
         # can split it: Transformer Engine's cannot (zero-bubble plans are refused with them), so

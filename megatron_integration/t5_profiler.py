@@ -39,7 +39,7 @@ import torch
 from dynapipe.cost.profile import PROFILE_FORMAT, PROFILE_VERSION
 from dynapipe.cost.profile_t5 import FIELDS, KIND_ENCODER_DECODER, SPLIT_OPS, T5_AXES, T5_OPS, WEIGHT_FIELD
 from dynapipe.runtime.weight_grad_store import WeightGradStore
-from megatron_integration.profiler import measure_op, suffix_minimum
+from megatron_integration.profiler import as_trained, measure_op, suffix_minimum
 from megatron_integration.split_backward import install_split_backward
 from megatron_integration.train_config import GPTModelArgs, ParallelArgs
 from megatron_integration.masked_softmax import use_additive_masks
@@ -63,16 +63,18 @@ class T5Ops:
                                     cuda=device.type == "cuda")
         enc_spec, dec_spec, self.spec_name = _layer_specs()
         self.encoder = TransformerBlock(config=config, spec=_block_spec(enc_spec, 1, sequence_parallel),
-                                        pre_process=True, post_process=False).to(device)
+                                        pre_process=True, post_process=False)
         # post_process: the block's final norm, which the output op runs as the last stage does.
         self.decoder = TransformerBlock(config=config, spec=_block_spec(dec_spec, 1, sequence_parallel),
-                                        pre_process=True, post_process=True).to(device)
+                                        pre_process=True, post_process=True)
         self.embedding = LanguageModelEmbedding(config=config, vocab_size=model.vocab_size,
                                                 max_sequence_length=model.max_position_embeddings,
-                                                position_embedding_type="learned_absolute").to(device)
+                                                position_embedding_type="learned_absolute")
         self.lm_head = T5LMHead(config, parallel_output=True, vocab_size=model.vocab_size, pre_process=False,
-                                share_embeddings_and_output_weights=False).to(device)
+                                share_embeddings_and_output_weights=False)
         self.model, self.device, self.dtype = model, device, config.params_dtype
+        for part in (self.encoder, self.decoder, self.embedding, self.lm_head):
+            as_trained(part, device, self.dtype)  # in place: the precision the stages train in
         for block in (self.encoder, self.decoder):
             use_additive_masks(block, device)  # as the training stages are built
         # The layers' backwards are timed in the two parts zero-bubble plans run (outside an

@@ -275,3 +275,39 @@ def test_measured_times_are_made_monotone_in_both_axes():
     assert out["fw_ms"] == [[1.5, 1.5, 3.0], [2.5, 4.0, 6.0]]  # never above a larger shape's time
     assert out["bw_ms"] == [[1.0, 2.0, 3.0], [2.0, 3.0, 9.0]]
     assert all(w <= b for wr, br in zip(out[WEIGHT_FIELD], out["bw_ms"]) for w, b in zip(wr, br))
+
+
+def test_profiled_modules_run_in_the_training_precision(tmp_path):
+    # Training wraps every stage in Float16Module, which casts megatron-core's fp32-built norms and
+    # rotary frequencies to the half type; the profiler timed bf16 linears next to fp32 norms,
+    # which CPUs compute in mixed precision and CUDA's layer norm refuses ("expected scalar type
+    # BFloat16 but found Float"; seen on the first GPU run).
+    code = """
+import os, torch
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(__import__("dynapipe.runtime.distributed",
+                  fromlist=["x"]).free_port()), RANK="0", WORLD_SIZE="1")
+from megatron_integration.arguments import parse_training_args
+from megatron_integration.initialize import initialize_megatron
+from megatron_integration.profiler import _Ops
+from megatron_integration.t5_profiler import T5Ops
+from megatron_integration.train_config import ParallelArgs
+flags = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
+         "--vocab-size 512 --position-embedding-type rope --transformer-impl local --micro-batch-size 1 "
+         "--global-batch-size 1 --train-iters 1 --lr 1e-4 --mock-data --bf16").split()
+cfg = parse_training_args(flags, 1)
+initialize_megatron(ParallelArgs(world_size=1, backend="gloo"), 1)
+cpu = torch.device("cpu")
+gpt, t5 = _Ops(cfg.model, cpu, False), T5Ops(cfg.model, cpu)
+for name, part in (("layer", gpt.layer), ("ends", gpt.ends), ("encoder", t5.encoder), ("decoder", t5.decoder),
+                   ("embedding", t5.embedding), ("lm_head", t5.lm_head)):
+    tensors = list(part.named_parameters()) + list(part.named_buffers())
+    dtypes = {str(t.dtype) for _, t in tensors if t.is_floating_point()}
+    print(name, sorted(dtypes), any("norm" in n for n, _ in tensors))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line.split(" ", 1) for line in result.stdout.splitlines()]
+    assert [n for n, _ in lines] == ["layer", "ends", "encoder", "decoder", "embedding", "lm_head"]
+    for name, rest in lines:
+        assert rest.startswith("['torch.bfloat16']"), (name, rest)
+    assert dict(lines)["layer"].endswith("True")  # the layer's norms were among those checked
