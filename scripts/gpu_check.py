@@ -1,22 +1,28 @@
 """One-GPU check of what the CPU suite cannot run: ``python scripts/gpu_check.py --output DIR``.
 
-On one CUDA device, in a few minutes (budget: 8), it
+On one CUDA device, in about 5 minutes (the first run, on an H200: 263 s), it
 
 1. measures a cost profile with ``python -m dynapipe profile`` (Transformer Engine's layer
    spec when ``transformer_engine`` imports, bf16);
 2. trains the same single-stage bf16 GPT on the same global batches, dropout 0, with
    * ``dynapipe``: planned variable-shape micro-batches through the DynaPipe executor, once
-     per recompute level (``--dynapipe-recompute none|selective|full``);
-   * ``padding``: megatron-core's fixed-shape schedule;
-   * ``packing``: whole samples packed end to end, run through megatron-core's packed-sequence
-     path (``PackedSeqParams(qkv_format="thd")`` with ``cu_seqlens``), which is how Megatron
-     users pack without cross-sample attention;
-3. writes ``DIR/gpu_check.json`` and ``DIR/gpu_check.md``: real tokens/s and the ratios,
-   per-iteration losses (equal across methods up to bf16 rounding), and per recompute level
-   the measured activation peak (allocator peak above the model states) against the peak
-   the plan promised.
+     per recompute level (``--dynapipe-recompute none|selective|full``), the first with a
+     Chrome trace timed by CUDA events, and once more with ``--use-distributed-optimizer``;
+   * ``padding``: megatron-core's fixed-shape schedule, at each of ``--baseline-mbs``;
+   * ``packing``: whole samples packed end to end without cross-sample attention. With
+     Transformer Engine: megatron-core's packed-sequence path (``PackedSeqParams(qkv_format=
+     "thd")`` with ``cu_seqlens``), how Megatron users pack on GPUs. Without it (megatron-core's
+     local attention refuses packed sequences): Megatron's ``--reset-position-ids
+     --reset-attention-mask`` rows through megatron-core's schedule, at each of
+     ``--baseline-mbs``, whose attention spans the whole row under a per-sample mask;
+3. writes ``DIR/gpu_check.json`` (after every phase, so a phase that fails or a run cut short
+   keeps what finished) and ``DIR/gpu_check.md``: real tokens/s and the ratios against the best
+   of each baseline, per-iteration losses (equal across methods up to bf16 rounding), and per
+   recompute level the measured activation peak (allocator peak above the model states)
+   against the peak the plan promised.
 
-Without CUDA it stops at once with one line (exit status 2).
+A phase that fails is recorded with its error and the others still run; the exit status is 1
+then. Without CUDA it stops at once with one line (exit status 2).
 """
 from __future__ import annotations
 
@@ -26,7 +32,9 @@ import os
 import statistics
 import sys
 import time
-from typing import Optional, Sequence
+import traceback
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -36,14 +44,32 @@ import numpy as np  # noqa: E402
 from dynapipe.errors import DynaPipeError  # noqa: E402
 
 LEVELS = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class CheckShape:
+    """What the check trains: the model's and the training's Megatron flags, the profile grid
+    (``python -m dynapipe profile`` flags) and the baselines' micro-batch sizes (samples)."""
+
+    model_args: tuple[str, ...]
+    train_args: tuple[str, ...]
+    profile_grid: tuple[str, ...]
+    baseline_mbs: tuple[int, ...] = (1, 2)
+
+
 # A ~1B-parameter slice of GPT (8 layers of a 2048-wide model) at 4096 tokens: large enough for
-# real kernels, small enough that profile + 5 trainings fit in 8 minutes on one GPU.
-MODEL_ARGS = ("--num-layers 8 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192 "
-              "--seq-length 4096 --max-position-embeddings 4096 --vocab-size 32768 --position-embedding-type rope "
-              "--hidden-dropout 0 --attention-dropout 0 --bf16").split()
-TRAIN_ARGS = ("--micro-batch-size 1 --global-batch-size 64 --train-iters 5 --lr 1e-4 --mock-data "
-              "--log-interval 1 --seed 1234").split()
-PROFILE_GRID = ("--mbs", "1,2,4", "--seqlens", "256,512,1024,2048,4096")
+# real kernels, small enough that the profile and the trainings fit in minutes on one GPU.
+GPU_SHAPE = CheckShape(
+    model_args=tuple(("--num-layers 8 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192 "
+                      "--seq-length 4096 --max-position-embeddings 4096 --vocab-size 32768 "
+                      "--position-embedding-type rope --hidden-dropout 0 --attention-dropout 0 --bf16").split()),
+    train_args=tuple(("--micro-batch-size 1 --global-batch-size 64 --train-iters 5 --lr 1e-4 --mock-data "
+                      "--log-interval 1 --seed 1234").split()),
+    # Up to the micro-batch sizes the planner cuts from short samples: beyond its largest size a
+    # profile scales that row proportionally, counting the fixed cost of a micro-batch (on the
+    # first GPU run, about 2.5 ms a layer whatever the shape) once per that many samples. With
+    # sizes 1-4 only, the planner saw nothing to gain in larger micro-batches and cut 15 small ones.
+    profile_grid=("--mbs", "1,2,4,8,16,32", "--seqlens", "256,512,1024,2048,4096", "--repeats", "3"))
 
 
 def require_cuda() -> None:
@@ -101,7 +127,7 @@ def _thd_packing_job(argv: Sequence[str]) -> dict:
             lengths = batches.lengths(batch)
             rows = pack_rows(lengths, cfg.model.seq_length)
             total_loss_tokens = sum(sample_loss_tokens(s, False) for s in samples)
-            torch.cuda.synchronize()
+            _sync(dev)
             start = time.perf_counter()
             stage.module.zero_grad_buffer()
             optimizer.zero_grad()
@@ -122,7 +148,7 @@ def _thd_packing_job(argv: Sequence[str]) -> dict:
             ok, _, _ = optimizer.step()
             if ok:
                 scheduler.step(increment=1)
-            torch.cuda.synchronize()
+            _sync(dev)
             times.append((time.perf_counter() - start) * 1e3)
             losses.append(float(loss_sum) / total_loss_tokens)
             real.append(int(lengths.sum()))
@@ -132,6 +158,14 @@ def _thd_packing_job(argv: Sequence[str]) -> dict:
                 "layer_spec": stage.spec_name, "pp_rank": 0}
     finally:
         destroy()
+
+
+def _sync(device) -> None:
+    """Wait for the device's queued work, so a host timer brackets it (no-op on CPU)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def summarise(run: dict, warmup: int = 1) -> dict:
@@ -146,76 +180,166 @@ def summarise(run: dict, warmup: int = 1) -> dict:
             "activation_planned_mib": max(planned) if planned else None}
 
 
-def markdown(results: dict, loss_spread: float) -> str:
-    """The short table the check writes: throughput and ratios, then activation memory per level."""
-    lines = ["| method | real tokens/s | vs padding | vs packing | iteration (ms) "
+def best_of(results: dict, prefix: str) -> Optional[str]:
+    """The name of the fastest finished run whose name starts with ``prefix`` (the tuned
+    baseline), or None when none finished."""
+    done = [n for n, r in results.items() if n.startswith(prefix) and "error" not in r]
+    return max(done, key=lambda n: results[n]["real_tokens_per_s"]) if done else None
+
+
+def markdown(results: dict, loss_spread: Optional[float]) -> str:
+    """The short table the check writes: throughput and the ratios against the best padding and
+    the best packing run, then activation memory per level; failed phases last, with their error."""
+    best = {b: best_of(results, b) for b in ("padding", "packing")}
+    lines = ["| method | real tokens/s | vs best padding | vs best packing | iteration (ms) "
              "| activation peak measured / planned (MiB) |",
              "|---|---:|---:|---:|---:|---:|"]
+    failed = []
     for name, r in results.items():
-        vs = [f"{r['real_tokens_per_s'] / results[b]['real_tokens_per_s']:.2f}x" if b in results else "-"
-              for b in ("padding", "packing")]
+        if "error" in r:
+            failed.append(f"- {name} failed: {r['error'].strip().splitlines()[-1]}")
+            continue
+        vs = [f"{r['real_tokens_per_s'] / results[b]['real_tokens_per_s']:.2f}x" if b else "-" for b in best.values()]
         planned = "-" if r["activation_planned_mib"] is None else f"{r['activation_planned_mib']:.0f}"
         ratio = ("" if r["activation_planned_mib"] is None
                  else f" ({r['activation_measured_mib'] / r['activation_planned_mib']:.2f})")
         lines.append(f"| {name} | {r['real_tokens_per_s']:,.0f} | {vs[0]} | {vs[1]} | {r['iteration_ms']:.0f} | "
                      f"{r['activation_measured_mib']:.0f} / {planned}{ratio} |")
     lines.append("")
-    lines.append(f"Largest relative difference of any method's per-iteration loss from padding's: {loss_spread:.2e}.")
-    return "\n".join(lines) + "\n"
+    if loss_spread is not None:
+        lines.append(f"Largest relative difference of any method's per-iteration loss from "
+                     f"{best['padding']}'s: {loss_spread:.2e}.")
+    return "\n".join(lines + failed) + "\n"
 
 
-def loss_spread(results: dict) -> float:
-    """Largest relative difference of a per-iteration loss from the padding baseline's."""
-    base = np.asarray(results["padding"]["losses"])
-    return max(float(np.max(np.abs(np.asarray(r["losses"]) - base) / np.abs(base))) for r in results.values())
+def loss_spread(results: dict) -> Optional[float]:
+    """Largest relative difference of a finished run's per-iteration loss from the best padding
+    run's (None without a finished padding run)."""
+    ref = best_of(results, "padding")
+    if ref is None:
+        return None
+    base = np.asarray(results[ref]["losses"])
+    return max(float(np.max(np.abs(np.asarray(r["losses"]) - base) / np.abs(base)))
+               for r in results.values() if "error" not in r)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--output", required=True, help="directory for gpu_check.json, gpu_check.md and the profile")
+    p.add_argument("--output", required=True, help="directory for gpu_check.json, gpu_check.md, the profile and a trace")
     p.add_argument("--timeout-s", type=float, default=420.0, help="limit for each training job (s)")
+    p.add_argument("--baseline-mbs", default=",".join(map(str, GPU_SHAPE.baseline_mbs)),
+                   help="micro-batch sizes (samples) each fixed-shape baseline runs at; the best counts")
+    p.add_argument("--profile-mbs", default=GPU_SHAPE.profile_grid[1],
+                   help="micro-batch sizes (samples) the profile measures at every length (lower the largest "
+                        "on GPUs under 80 GB: 32 x 4,096 tokens peaks at about 43 GB)")
     args = p.parse_args(argv)
     try:
         require_cuda()
+        mbs = tuple(int(x) for x in args.baseline_mbs.split(","))
+        grid = ("--mbs", args.profile_mbs) + GPU_SHAPE.profile_grid[2:]
+        shape = CheckShape(GPU_SHAPE.model_args, GPU_SHAPE.train_args, grid, mbs)
         os.makedirs(args.output, exist_ok=True)
-        run(args.output, args.timeout_s)
-    except DynaPipeError as e:
+        report = run(args.output, args.timeout_s, shape)
+    except (DynaPipeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0
+    return 1 if any("error" in r for r in report["methods"].values()) else 0
 
 
-def run(out_dir: str, timeout_s: float) -> dict:
+def _phase(results: dict, name: str, body: Callable[[], dict], save: Callable[[], None]) -> None:
+    """Run one phase; its summary, or its error (the others still run), goes into ``results``."""
+    started = time.perf_counter()
+    print(f"[gpu_check] {name} ...", flush=True)
+    try:
+        results[name] = body()
+    except Exception as e:  # noqa: BLE001 - recorded and reported, the next phase runs
+        results[name] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
+    took = time.perf_counter() - started
+    print(f"[gpu_check] {name}: {'failed' if 'error' in results[name] else 'done'} in {took:.0f} s", flush=True)
+    save()
+
+
+def run(out_dir: str, timeout_s: float, shape: CheckShape = GPU_SHAPE) -> dict:
+    """Profile, then train every method (one job each); write and return the report."""
+    import torch
+
     from dynapipe.cli import main as cli
     from megatron_integration.jobs import run_training
     from megatron_integration.launch import spawn
-
-    started = time.perf_counter()
-    profile = os.path.join(out_dir, "profile.json")
-    if cli(["profile", "--output", profile, *PROFILE_GRID, "--repeats", "3", *MODEL_ARGS]) != 0:
-        raise DynaPipeError("profiling failed; see the lines above.")
     from megatron_integration.model import te_available
 
-    # Transformer Engine's layers where it imports (as the profile times them), else the local ones:
-    # --transformer-impl's default (transformer_engine) is refused without it.
-    base = MODEL_ARGS + TRAIN_ARGS + ([] if te_available() else ["--transformer-impl", "local"])
-    results = {}
-    for level in LEVELS:
-        argv = base + ["--use-dynapipe", "--dynapipe-cost-model", profile, "--dynapipe-recompute", level,
-                       "--dynapipe-device", device_config(_device_name())]
-        results[f"dynapipe ({level})"] = summarise(run_training(argv, 1, timeout_s=timeout_s)[0])
-    results["padding"] = summarise(run_training(base + ["--dynapipe-batching", "padding"], 1, timeout_s=timeout_s)[0])
-    results["packing"] = summarise(spawn(_thd_packing_job, 1, (base,), timeout_s=timeout_s)[0])
-    spread = loss_spread(results)
-    report = {"device": _device_name(), "model_args": MODEL_ARGS, "train_args": TRAIN_ARGS, "methods": results,
-              "max_relative_loss_difference": spread, "wall_s": round(time.perf_counter() - started, 1)}
-    with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    table = markdown(results, spread)
+    started = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    device = torch.cuda.get_device_name(0) if cuda else "cpu"
+    te = te_available()
+    profile = os.path.join(out_dir, "profile.json")
+    results: dict = {}
+    report = {"device": device, "torch": torch.__version__, "megatron_core": _megatron_version(),
+              "transformer_engine": te, "model_args": shape.model_args, "train_args": shape.train_args,
+              "packing_path": "thd" if te else "masked rows", "methods": results}
+
+    def save() -> None:
+        report["max_relative_loss_difference"] = loss_spread(results)
+        report["wall_s"] = round(time.perf_counter() - started, 1)
+        with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
+            json.dump(report, f, indent=1)
+
+    # Transformer Engine's layers where it imports, else the local ones (--transformer-impl's
+    # default, transformer_engine, is refused without it), in the profile and in every run.
+    impl = [] if te else ["--transformer-impl", "local"]
+
+    def profile_body() -> dict:
+        if cli(["profile", "--output", profile, *shape.profile_grid, *shape.model_args, *impl]) != 0:
+            raise DynaPipeError("profiling failed; see the lines above.")
+        return {"path": profile, "s": round(time.perf_counter() - started, 1)}
+
+    _phase(report, "profile", profile_body, save)
+    base = list(shape.model_args + shape.train_args) + impl
+    # Without a profile the DynaPipe runs still train, planned by the analytic cost model.
+    report["cost_model"] = cost = "analytic" if "error" in report["profile"] else profile
+
+    def with_mbs(argv: list, mbs: int) -> list:
+        i = argv.index("--micro-batch-size")
+        return argv[:i + 1] + [str(mbs)] + argv[i + 2:]
+
+    def train(argv: list) -> Callable[[], dict]:
+        return lambda: summarise(run_training(argv, 1, timeout_s=timeout_s)[0])
+
+    def dynapipe(level: str, *extra: str) -> list:
+        return base + ["--use-dynapipe", "--dynapipe-cost-model", cost, "--dynapipe-recompute", level,
+                       "--dynapipe-device", device_config(device) if cuda else "cpu", *extra]
+
+    packing_flags = ["--dynapipe-batching", "packing", "--reset-position-ids", "--reset-attention-mask"]
+    trace = os.path.join(out_dir, "trace")
+    phases = [("dynapipe (none)", train(dynapipe("none", "--dynapipe-trace-dir", trace)))]
+    phases += [(f"padding (mbs {m})", train(with_mbs(base, m) + ["--dynapipe-batching", "padding"]))
+               for m in shape.baseline_mbs[:1]]
+    if te:
+        phases.append(("packing (thd)", lambda: summarise(spawn(_thd_packing_job, 1, (base,), timeout_s=timeout_s)[0])))
+    else:
+        phases += [(f"packing (masked rows, mbs {m})", train(with_mbs(base, m) + packing_flags))
+                   for m in shape.baseline_mbs]
+    phases += [(f"dynapipe ({level})", train(dynapipe(level))) for level in LEVELS[1:]]
+    phases += [(f"padding (mbs {m})", train(with_mbs(base, m) + ["--dynapipe-batching", "padding"]))
+               for m in shape.baseline_mbs[1:]]
+    phases.append(("dynapipe (none, distributed optimizer)", train(dynapipe("none", "--use-distributed-optimizer"))))
+    for name, body in phases:
+        _phase(results, name, body, save)
+    table = markdown(results, report["max_relative_loss_difference"])
     with open(os.path.join(out_dir, "gpu_check.md"), "w") as f:
-        f.write(f"GPU check on {report['device']}, {report['wall_s']} s\n\n{table}")
+        f.write(f"GPU check on {device} (torch {report['torch']}, megatron-core {report['megatron_core']}, "
+                f"Transformer Engine {'yes' if te else 'no'}), {report['wall_s']} s\n\n{table}")
     print(table)
     return report
+
+
+def _megatron_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megatron-core")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def device_config(name: str) -> str:
@@ -226,12 +350,6 @@ def device_config(name: str) -> str:
     if "A100" in name:
         return "a100-40gb"
     return "h100-80gb"
-
-
-def _device_name() -> str:
-    import torch
-
-    return torch.cuda.get_device_name(0)
 
 
 if __name__ == "__main__":

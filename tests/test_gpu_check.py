@@ -1,5 +1,6 @@
 """scripts/gpu_check.py on a machine without CUDA: it stops with one line; the parts that
-need no GPU (THD packing layout, the report) are checked here."""
+need no GPU (THD packing layout, the report, the whole flow at a tiny shape) are checked here."""
+import json
 import os
 import subprocess
 import sys
@@ -43,12 +44,68 @@ def test_thd_micro_batch_marks_sample_boundaries():
 def test_report_table_and_loss_spread():
     r = lambda tps, loss, planned: {"real_tokens_per_s": tps, "iteration_ms": 100.0, "losses": loss,  # noqa: E731
                                      "activation_measured_mib": 900.0, "activation_planned_mib": planned}
-    results = {"dynapipe (none)": r(3000.0, [2.0, 1.0], 1000.0), "padding": r(1000.0, [2.0, 1.01], None),
-               "packing": r(1500.0, [2.0, 1.0], None)}
+    results = {"dynapipe (none)": r(3000.0, [2.0, 1.0], 1000.0), "padding (mbs 1)": r(800.0, [2.0, 1.02], None),
+               "padding (mbs 2)": r(1000.0, [2.0, 1.01], None), "packing (thd)": r(1500.0, [2.0, 1.0], None),
+               "dynapipe (full)": {"error": "RankFailed: rank 0 ran out of memory\ntraceback ...\nlast line"}}
+    assert gpu_check.best_of(results, "padding") == "padding (mbs 2)"  # the tuned baseline
     spread = gpu_check.loss_spread(results)
-    assert spread == pytest.approx(0.01 / 1.01)
+    assert spread == pytest.approx(0.01 / 1.01)  # against the best padding run; the failed phase skipped
     table = gpu_check.markdown(results, spread)
     assert "| dynapipe (none) | 3,000 | 3.00x | 2.00x | 100 | 900 / 1000 (0.90) |" in table
-    assert "| padding | 1,000 | 1.00x | 0.67x | 100 | 900 / - |" in table
+    assert "| padding (mbs 2) | 1,000 | 1.00x | 0.67x | 100 | 900 / - |" in table
+    assert "| padding (mbs 1) | 800 | 0.80x | 0.53x | 100 | 900 / - |" in table
+    assert "- dynapipe (full) failed: last line" in table and "padding (mbs 2)'s: 9.90e-03" in table
+    assert gpu_check.loss_spread({"packing (thd)": results["packing (thd)"]}) is None
     assert gpu_check.device_config("NVIDIA H200") == "h200"
     assert gpu_check.device_config("NVIDIA A100-SXM4-40GB") == "a100-40gb"
+
+
+# The check's own flow at a tiny shape, on CPU (it has to work the first time it meets a GPU):
+# the profile, every method in its own job, the report written after each phase.
+TINY = gpu_check.CheckShape(
+    model_args=tuple(("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 256 "
+                      "--seq-length 256 --max-position-embeddings 256 --vocab-size 512 --position-embedding-type rope "
+                      "--hidden-dropout 0 --attention-dropout 0").split()),
+    train_args=tuple(("--micro-batch-size 1 --global-batch-size 16 --train-iters 2 --lr 1e-4 --mock-data "
+                      "--log-interval 1 --seed 1234").split()),
+    profile_grid=("--mbs", "1,2", "--seqlens", "64,256", "--repeats", "1", "--no-progress"),
+    baseline_mbs=(1, 2))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU rehearsal")
+def test_the_whole_check_runs_at_a_tiny_shape_on_cpu(tmp_path):
+    report = gpu_check.run(str(tmp_path), 240, TINY)
+    methods = report["methods"]
+    assert list(methods) == ["dynapipe (none)", "padding (mbs 1)", "packing (masked rows, mbs 1)",
+                             "packing (masked rows, mbs 2)", "dynapipe (selective)", "dynapipe (full)",
+                             "padding (mbs 2)", "dynapipe (none, distributed optimizer)"]
+    # The distributed optimizer is GPU-only: refused here, recorded, and the check went on.
+    assert "--use-distributed-optimizer needs GPUs" in methods.pop("dynapipe (none, distributed optimizer)")["error"]
+    assert all("error" not in r for r in methods.values()), methods
+    assert report["cost_model"].endswith("profile.json") and report["packing_path"] == "masked rows"
+    # Same global batches, same model, fp32: every method's losses agree.
+    assert report["max_relative_loss_difference"] < 1e-5
+    for name, r in methods.items():
+        assert r["real_tokens_per_s"] > 0 and len(r["losses"]) == 2
+        assert (r["activation_planned_mib"] is not None) == name.startswith("dynapipe"), name
+    saved = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert saved["methods"].keys() == report["methods"].keys() | {"dynapipe (none, distributed optimizer)"}
+    assert "| dynapipe (full) |" in (tmp_path / "gpu_check.md").read_text()
+    assert (tmp_path / "trace" / "rank000.json").exists()  # the first DynaPipe run's executor trace
+
+
+def test_a_failed_profile_leaves_the_dynapipe_runs_to_the_analytic_model(tmp_path, monkeypatch):
+    import megatron_integration.jobs as jobs
+
+    seen = []
+    monkeypatch.setattr("dynapipe.cli.main", lambda argv: 1)  # the profile fails
+    monkeypatch.setattr(jobs, "run_training", lambda argv, *a, **k: seen.append(list(argv)) or [{
+        "iteration_ms": [10.0, 10.0], "real_tokens": [100, 100], "losses": [2.0, 1.0],
+        "activation_measured_mib": [1.0, 1.0], "activation_planned_mib": [None, None]}])
+    report = gpu_check.run(str(tmp_path), 10, TINY)
+    assert "profiling failed" in report["profile"]["error"] and report["cost_model"] == "analytic"
+    planned = [a for a in seen if "--use-dynapipe" in a]
+    assert len(planned) == 4 and all(a[a.index("--dynapipe-cost-model") + 1] == "analytic" for a in planned)
+    # The baselines ran at each of the micro-batch sizes asked for.
+    sizes = sorted(a[a.index("--micro-batch-size") + 1] for a in seen if "--use-dynapipe" not in a)
+    assert sizes == ["1", "1", "2", "2"]
