@@ -177,13 +177,33 @@ def test_profile_extrapolation_rules(prof):
     stage1 = prof.layouts[1]
     lay = lambda b, s: prof.layout_cost(stage1, np.float64(b), np.float64(s), None, "none")  # noqa: E731
     out = lambda b, s: 0.001 * b * s  # noqa: E731 (the output op is linear, so extrapolates exactly)
-    # mbs above the grid: proportional from the last row.
+    # mbs above the grid: the slope of the last two rows (linear here, so proportional too).
     assert float(lay(8, 128).bw_ms) == pytest.approx(2 * bw[2, 1] * 2 + out(8, 128))
     # seqlen above the grid: power law through the last two columns (quadratic-ish fw here).
     p = np.log(fw[0, 2] / fw[0, 1]) / np.log(256 / 128)
     assert float(lay(1, 512).fw_ms) == pytest.approx(2 * fw[0, 2] * 2 ** p + out(1, 512), rel=1e-9)
     # seqlen below the grid: the first column.
     assert float(lay(1, 16).fw_ms) == pytest.approx(2 * fw[0, 0] + 0.001 * 64)
+
+
+def test_times_beyond_the_largest_profiled_mbs_keep_the_fixed_cost_fixed():
+    # A GPU's small shapes are launch-bound: every micro-batch pays a fixed cost. Scaled
+    # proportionally from the largest measured size, 16 samples would pay it four times and look
+    # no cheaper per sample than 4 (on an H200 the planner then cut 15 small micro-batches).
+    data = _profile()
+    fixed = lambda per_token: _grid(lambda b, s: 5.0 + per_token * b * s)  # noqa: E731
+    data["ops"]["layer"].update(fw_ms=fixed(0.01), bw_ms=fixed(0.02))
+    cm = ProfileCostModel(TINY, data, num_stages=1)
+    ends = 2 * 0.001 * 16 * 128  # embedding and output: linear, so exact either way
+    c = cm.stage_cost(16, 128, stage=0)
+    assert float(c.fw_ms) == pytest.approx(4 * (5.0 + 0.01 * 16 * 128) + ends)  # 4 layers, each 5 ms once
+    assert float(c.bw_ms) == pytest.approx(4 * (5.0 + 0.02 * 16 * 128) + ends)
+    # Memory stays proportional: activations are per sample.
+    assert float(c.stored_mib) == pytest.approx(4 * 0.001 * 16 * 128 + ends)
+    # A slope the last two rows do not show is not invented: a flat top stays flat.
+    data["ops"]["layer"]["fw_ms"] = _grid(lambda b, s: 9.0 if b >= 2 else 8.0)
+    flat = ProfileCostModel(TINY, data, num_stages=1)
+    assert float(flat.stage_cost(16, 128, stage=0).fw_ms) == pytest.approx(4 * 9.0 + ends)
 
 
 def test_profile_recompute_and_file_loading(tmp_path, prof):

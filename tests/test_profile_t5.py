@@ -82,6 +82,14 @@ def test_t5_profile_interpolates_and_extrapolates_monotonically():
     assert cm.stage_cost(1, 512, 32, stage=0).fw_ms > 2 * cm.stage_cost(1, 256, 32, stage=0).fw_ms
     # More samples than the grid scale linearly from its last row.
     assert cm.stage_cost(8, 128, 32, stage=1).fw_ms == pytest.approx(2 * cm.stage_cost(4, 128, 32, stage=1).fw_ms)
+    # ... and a fixed cost per micro-batch (3 ms a layer) is paid once: times grow by the last step's slope.
+    data = t5_profile()
+    for op in ("encoder_layer", "decoder_layer"):
+        data["ops"][op]["fw_ms"] = (np.asarray(data["ops"][op]["fw_ms"]) + 3.0).tolist()
+    fixed = ProfileCostModel(T5, data, num_stages=2)
+    for stage in (0, 1):
+        fw = {b: float(fixed.stage_cost(b, 128, 32, stage=stage).fw_ms) for b in (2, 4, 8)}
+        assert fw[8] - fw[4] == pytest.approx(2 * (fw[4] - fw[2])), stage
 
 
 def test_t5_profile_derives_recompute_levels():

@@ -148,9 +148,10 @@ class DecoderTable:
     """One quantity of the decoder layer over (mbs, dec_seqlen, seqlen): a 2-D (mbs,
     dec_seqlen) table per encoder length, interpolated along the encoder length."""
 
-    def __init__(self, table_cls, mbs: np.ndarray, dec: np.ndarray, enc: np.ndarray, values: np.ndarray):
+    def __init__(self, table_cls, mbs: np.ndarray, dec: np.ndarray, enc: np.ndarray, values: np.ndarray,
+                 timed: bool = False):
         self.enc = enc
-        self.slices = [table_cls(mbs, dec, values[:, :, k]) for k in range(len(enc))]
+        self.slices = [table_cls(mbs, dec, values[:, :, k], timed=timed) for k in range(len(enc))]
 
     def __call__(self, b, s_dec, s_enc) -> np.ndarray:
         return interp_axis(self.enc, [t(b, s_dec) for t in self.slices], s_enc)
@@ -168,10 +169,12 @@ def load_t5_tables(profile: Mapping[str, Any], table_cls) -> dict:
         present = FIELDS + ((WEIGHT_FIELD,) if op in SPLIT_OPS and WEIGHT_FIELD in profile["ops"][op] else ())
         for f in present:
             values = np.asarray(profile["ops"][op][f], dtype=np.float64)
+            # Times and memory extrapolate differently beyond the largest mbs (see _Table).
+            timed = f.endswith("_ms")
             if op == "decoder_layer":
-                out[op][f] = DecoderTable(table_cls, axes["mbs"], axes["dec_seqlen"], axes["seqlen"], values)
+                out[op][f] = DecoderTable(table_cls, axes["mbs"], axes["dec_seqlen"], axes["seqlen"], values, timed)
             else:
-                out[op][f] = table_cls(axes[names[0]], axes[names[1]], values)
+                out[op][f] = table_cls(axes[names[0]], axes[names[1]], values, timed=timed)
     return out
 
 
