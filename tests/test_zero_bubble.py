@@ -23,6 +23,7 @@ from dynapipe.plan.instructions import BackwardPass, RecvGradFinish, SendGradSta
 from dynapipe.plan.serialize import FORMAT_VERSION, serialize_plan_v1
 from dynapipe.plan.validate_fast import group_is_valid
 from dynapipe.schedule import _kernels as K
+from dynapipe.schedule import search as search_mod
 from dynapipe.schedule.costs import MIN_OP_MS, StageTimes, stage_times
 from dynapipe.schedule.interleaved import interleaved_1f1b, simulate_chunked
 from dynapipe.schedule.interleaved_zb import interleaved_zb, max_delay_cap
@@ -261,6 +262,31 @@ def test_search_runs_zb_h1_by_name_and_in_auto_where_the_stages_split():
     # A capacity below what zb-h1 needs is refused like any schedule's.
     with pytest.raises(DynaPipeError, match="no schedule fits"):
         search_schedules(reps, cm, schedule="zb-h1", recompute="none", capacity_mib=min(zb.best.peak_mib) / 2)
+
+
+def test_a_tie_keeps_the_simpler_schedule():
+    # One stage has no bubble to fill: every schedule takes the same time, up to float rounding of
+    # the split backward's sums, which made zb-h1 win by 3e-13 ms on the first GPU run's plans
+    # (a profile's odd millisecond values; these reproduce it).
+    from dynapipe.batching.types import MicroBatch
+    from dynapipe.cost.profile import ProfileCostModel
+
+    grid_mbs, grid_s = [1, 2, 4], [64, 128, 256]
+    table = lambda v: [[v * b * s / 64 for s in grid_s] for b in grid_mbs]  # noqa: E731
+    layer = {"fw_ms": table(0.7930337), "bw_ms": table(1.25309425), "stored_mib": table(1.0),
+             "peak_mib": table(0.5), "bw_weight_ms": table(0.1455144)}
+    ends = {k: table(0.01) for k in ("fw_ms", "bw_ms", "stored_mib", "peak_mib")}
+    cm = ProfileCostModel(TINY, {"format": "dynapipe-profile", "version": 1, "device": "cpu", "dtype": "fp32",
+                                 "mbs": grid_mbs, "seqlen": grid_s,
+                                 "ops": {"layer": layer, "embedding": ends, "output": ends}}, num_stages=1)
+    lengths = np.random.default_rng(11).integers(64, 256, 11)
+    reps = [[MicroBatch(samples=[i], seqlen=int(s), rows=[[i]]) for i, s in enumerate(lengths)]]
+    auto = search_schedules(reps, cm, schedule="auto", recompute="none", explain=True)
+    fastest = {n: min(c.makespan_ms for c in auto.candidates if c.schedule == n) for n in ("1f1b", "zb-h1")}
+    assert fastest["zb-h1"] < fastest["1f1b"] and fastest["zb-h1"] == pytest.approx(fastest["1f1b"], rel=1e-12)
+    assert auto.best.schedule == "1f1b" and not auto.schedules[0].split_backward
+    # A real gain still wins: more than the margin.
+    assert search_mod.faster(100.0, 100.0 + 1e-6) and not search_mod.faster(100.0, 100.0 + 1e-9)
 
 
 def test_the_search_caps_the_weight_delays_to_fit_where_1f1b_fits():
