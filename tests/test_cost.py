@@ -206,6 +206,24 @@ def test_times_beyond_the_largest_profiled_mbs_keep_the_fixed_cost_fixed():
     assert float(flat.stage_cost(16, 128, stage=0).fw_ms) == pytest.approx(4 * 9.0 + ends)
 
 
+def test_extrapolated_times_never_fall_with_length_or_below_the_last_row():
+    # Launch-bound small shapes measure noisy steps. Here, from 2 to 4 samples, the 64-token
+    # column falls 1 ms (noise), the 128-token one rises 1 ms and the 256-token one 0.5 ms; read
+    # column by column, 32 samples of 64 tokens would cost less than the 4 measured and 32 of
+    # 256 tokens less than 32 of 128.
+    data = _profile()
+    rows = {1: [10.0, 10.0, 10.5], 2: [13.0, 11.0, 12.0], 4: [12.0, 12.0, 12.5]}
+    data["ops"]["layer"]["fw_ms"] = [rows[b] for b in MBS]
+    cm = ProfileCostModel(TINY, data, num_stages=1)
+    layer = lambda b, s: float(cm.layout_cost(cm.layouts[0], np.float64(b), np.float64(s), None, "none").fw_ms  # noqa: E731
+                               - 2 * 0.001 * b * s) / 4  # one layer: less the (linear) ends, over 4 layers
+    assert layer(32, 64) == pytest.approx(12.0)  # a falling step adds nothing, and takes nothing
+    assert layer(32, 128) == pytest.approx(12.0 + 28 * 0.5)
+    assert layer(32, 256) == pytest.approx(12.5 + 28 * 0.5)  # 128's step, not 256's 0.25
+    at_32 = [layer(32, s) for s in (64, 96, 128, 192, 256, 512)]
+    assert all(b >= a for a, b in zip(at_32, at_32[1:])), at_32
+
+
 def test_profile_recompute_and_file_loading(tmp_path, prof):
     none, full = prof.stage_cost(2, 128, recompute="none"), prof.stage_cost(2, 128, recompute="full")
     sel = prof.stage_cost(2, 128, recompute="selective")

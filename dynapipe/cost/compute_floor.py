@@ -25,7 +25,8 @@ from dynapipe.errors import DynaPipeError
 
 def micro_batch_sizes(num_samples: int) -> list[int]:
     """The micro-batch sizes the floor tries: powers of two up to ``num_samples`` (samples).
-    A profile prices sizes beyond its grid linearly from its largest, so larger ones add nothing."""
+    All of them: beyond a profile's grid a micro-batch's fixed cost is paid once (times grow by
+    the last measured step), so larger ones can still be cheaper per sample."""
     if num_samples < 1:
         raise DynaPipeError(f"a global batch of {num_samples} samples has no compute floor; give at least one.")
     out, m = [], 1

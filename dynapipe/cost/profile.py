@@ -31,9 +31,9 @@ that recompute level (backward including the recomputation, stored memory what t
 keeps, counted as the training ranks count it). Inside the grid values are bilinear in (mbs, seqlen). Outside it:
 ``mbs`` below the grid scales proportionally from the first row; above it, memory scales
 proportionally from the last row (activations are linear in the number of samples) and
-times grow from the last row by the slope of the last two (a micro-batch's fixed cost, the
-kernel launches that dominate small shapes on GPUs, is paid once, not once per grid-top of
-samples); ``seqlen`` above the grid follows the power law through the last two
+times grow from the last row by the last two rows' step per sample, never less at a length than
+at a shorter one (a micro-batch's fixed cost, the kernel launches that dominate small shapes on
+GPUs, is paid once, not once per grid-top of samples); ``seqlen`` above the grid follows the power law through the last two
 columns (which captures the quadratic attention term), and below the grid takes the
 first column (per-op overheads dominate short sequences). A recompute level the profile
 has no table for is derived:
@@ -81,10 +81,19 @@ LAYER_OPS = ("layer",) + tuple(LEVEL_OPS.values())
 class _Table:
     """One measured quantity over the (mbs, seqlen) grid, with the extrapolation rules.
     ``timed``: a time (ms), which grows beyond the largest measured mbs by the last measured
-    step's slope (a micro-batch's fixed cost stays fixed); memory (MiB) grows proportionally."""
+    step's slope (a micro-batch's fixed cost stays fixed); memory (MiB) grows proportionally,
+    as does anything from a grid of one mbs (no step to read a slope from)."""
 
     def __init__(self, mbs: np.ndarray, seqlen: np.ndarray, values: np.ndarray, timed: bool = False):
         self.mbs, self.seqlen, self.values, self.timed = mbs, seqlen, values, timed
+        self.slope = None
+        if timed and len(mbs) > 1:
+            # ms per extra sample at each measured length: the last step's, never negative, and
+            # never below a shorter length's. Launch-bound small shapes measure flat steps
+            # (noise, or a profile lowered to larger shapes' times), which alone would price a
+            # longer sample below a shorter one, or 32 samples at the price of 4.
+            step = np.maximum(values[-1] - values[-2], 0.0) / (mbs[-1] - mbs[-2])
+            self.slope = np.maximum.accumulate(step)
 
     def _along_seqlen(self, row: np.ndarray, s: np.ndarray) -> np.ndarray:
         grid = self.seqlen
@@ -111,13 +120,12 @@ class _Table:
         inside = r0 + (r1 - r0) * w
         below = rows[0] * b / grid_b[0]
         above = rows[-1] * b / grid_b[-1]
-        if self.timed:
-            # Each profiled size predicted from the two below it (an H200's profile and two CPU
-            # ones): this misses by 7% (backward) and 31% (forward) on average on the GPU, where
-            # proportional scaling, which pays the fixed cost again per grid-top of samples,
-            # misses by 40% and 56%; on CPUs by 11-29% against 13-36%.
-            slope = np.maximum(rows[-1] - rows[-2], 0.0) / (grid_b[-1] - grid_b[-2])
-            above = rows[-1] + (b - grid_b[-1]) * slope
+        if self.slope is not None:
+            # Each profile's largest size predicted from the two below it (an H200 profile, two
+            # CPU ones): this misses by 7% (backward) and 29% (forward) on average on the GPU,
+            # where proportional scaling, paying the fixed cost again per grid-top of samples,
+            # misses by 40% and 56%; on the CPUs by 11-29% against 13-36%.
+            above = rows[-1] + (b - grid_b[-1]) * self._along_seqlen(self.slope, s)
         return np.where(b < grid_b[0], below, np.where(b > grid_b[-1], above, inside))
 
 
