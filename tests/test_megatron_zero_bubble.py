@@ -159,7 +159,8 @@ def _held_between_the_parts(layers: int, hidden: int, seq: int):
     from megatron_integration import masked_softmax
     from megatron_integration.initialize import initialize_megatron
     from megatron_integration.model import layer_spec, set_recompute_level, transformer_config
-    from megatron_integration.profiler import MIB, LiveMemoryTracker
+    from megatron_integration.live_memory import LiveMemoryTracker
+    from megatron_integration.profiler import MIB
     from megatron_integration.split_backward import install_split_backward
     from megatron_integration.train_config import GPTModelArgs, ParallelArgs
 

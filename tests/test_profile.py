@@ -11,7 +11,8 @@ from dynapipe.config import load_device_config, load_model_config
 from dynapipe.cost import build_cost_model
 from dynapipe.cost.profile import WEIGHT_FIELD, ProfileCostModel
 from dynapipe.errors import DynaPipeError
-from megatron_integration.profiler import MIB, LiveMemoryTracker, measure_op
+from megatron_integration.live_memory import LiveMemoryTracker
+from megatron_integration.profiler import MIB, measure_op
 
 
 @pytest.fixture(scope="module")
