@@ -65,10 +65,10 @@ GPU_SHAPE = CheckShape(
                       "--position-embedding-type rope --hidden-dropout 0 --attention-dropout 0 --bf16").split()),
     train_args=tuple(("--micro-batch-size 1 --global-batch-size 64 --train-iters 5 --lr 1e-4 --mock-data "
                       "--log-interval 1 --seed 1234").split()),
-    # Up to the micro-batch sizes the planner cuts from short samples: beyond its largest size a
-    # profile scales that row proportionally, counting the fixed cost of a micro-batch (on the
-    # first GPU run, about 2.5 ms a layer whatever the shape) once per that many samples. With
-    # sizes 1-4 only, the planner saw nothing to gain in larger micro-batches and cut 15 small ones.
+    # Up to the micro-batch sizes the planner cuts from short samples, so they are priced from
+    # measurements: the first GPU run profiled 1-4 only, and the cost model then scaled the 4-sample
+    # row proportionally, counting a micro-batch's fixed cost (about 2.5 ms a layer there, whatever
+    # the shape) once per 4 samples; the planner cut 15 small micro-batches.
     profile_grid=("--mbs", "1,2,4,8,16,32", "--seqlens", "256,512,1024,2048,4096", "--repeats", "3"))
 
 
@@ -243,7 +243,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (DynaPipeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 1 if any("error" in r for r in report["methods"].values()) else 0
+    return 1 if failed(report) else 0
+
+
+def failed(report: dict) -> bool:
+    """Whether any phase of ``report`` failed, the profile included."""
+    return "error" in report.get("profile", {}) or any("error" in r for r in report["methods"].values())
 
 
 def _phase(results: dict, name: str, body: Callable[[], dict], save: Callable[[], None]) -> None:
@@ -263,7 +268,6 @@ def run(out_dir: str, timeout_s: float, shape: CheckShape = GPU_SHAPE) -> dict:
     """Profile, then train every method (one job each); write and return the report."""
     import torch
 
-    from dynapipe.cli import main as cli
     from megatron_integration.jobs import run_training
     from megatron_integration.launch import spawn
     from megatron_integration.model import te_available
@@ -289,7 +293,7 @@ def run(out_dir: str, timeout_s: float, shape: CheckShape = GPU_SHAPE) -> dict:
     impl = [] if te else ["--transformer-impl", "local"]
 
     def profile_body() -> dict:
-        if cli(["profile", "--output", profile, *shape.profile_grid, *shape.model_args, *impl]) != 0:
+        if run_profile(["--output", profile, *shape.profile_grid, *shape.model_args, *impl]) != 0:
             raise DynaPipeError("profiling failed; see the lines above.")
         return {"path": profile, "s": round(time.perf_counter() - started, 1)}
 
@@ -327,10 +331,23 @@ def run(out_dir: str, timeout_s: float, shape: CheckShape = GPU_SHAPE) -> dict:
         _phase(results, name, body, save)
     table = markdown(results, report["max_relative_loss_difference"])
     with open(os.path.join(out_dir, "gpu_check.md"), "w") as f:
+        planned = ("DynaPipe planned with this run's profile" if cost == profile else
+                   "the profile failed, so DynaPipe planned with the analytic cost model")
         f.write(f"GPU check on {device} (torch {report['torch']}, megatron-core {report['megatron_core']}, "
-                f"Transformer Engine {'yes' if te else 'no'}), {report['wall_s']} s\n\n{table}")
+                f"Transformer Engine {'yes' if te else 'no'}), {report['wall_s']} s; {planned}\n\n{table}")
     print(table)
     return report
+
+
+def run_profile(argv: Sequence[str]) -> int:
+    """``python -m dynapipe profile ARGV`` in a process of its own (its exit status): its process
+    group, environment and device memory end with it, before the trainings start."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return subprocess.run([sys.executable, "-m", "dynapipe", "profile", *argv], env=env).returncode
 
 
 def _megatron_version() -> str:

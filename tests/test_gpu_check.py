@@ -74,7 +74,9 @@ TINY = gpu_check.CheckShape(
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU rehearsal")
 def test_the_whole_check_runs_at_a_tiny_shape_on_cpu(tmp_path):
+    before = dict(os.environ)
     report = gpu_check.run(str(tmp_path), 240, TINY)
+    assert dict(os.environ) == before  # the profile ran in its own process: no process group left here
     methods = report["methods"]
     assert list(methods) == ["dynapipe (none)", "padding (mbs 1)", "packing (masked rows, mbs 1)",
                              "packing (masked rows, mbs 2)", "dynapipe (selective)", "dynapipe (full)",
@@ -82,6 +84,7 @@ def test_the_whole_check_runs_at_a_tiny_shape_on_cpu(tmp_path):
     # The distributed optimizer is GPU-only: refused here, recorded, and the check went on.
     assert "--use-distributed-optimizer needs GPUs" in methods.pop("dynapipe (none, distributed optimizer)")["error"]
     assert all("error" not in r for r in methods.values()), methods
+    assert not gpu_check.failed({"profile": report["profile"], "methods": methods})
     assert report["cost_model"].endswith("profile.json") and report["packing_path"] == "masked rows"
     # Same global batches, same model, fp32: every method's losses agree.
     assert report["max_relative_loss_difference"] < 1e-5
@@ -98,12 +101,13 @@ def test_a_failed_profile_leaves_the_dynapipe_runs_to_the_analytic_model(tmp_pat
     import megatron_integration.jobs as jobs
 
     seen = []
-    monkeypatch.setattr("dynapipe.cli.main", lambda argv: 1)  # the profile fails
+    monkeypatch.setattr(gpu_check, "run_profile", lambda argv: 1)  # the profile fails
     monkeypatch.setattr(jobs, "run_training", lambda argv, *a, **k: seen.append(list(argv)) or [{
         "iteration_ms": [10.0, 10.0], "real_tokens": [100, 100], "losses": [2.0, 1.0],
         "activation_measured_mib": [1.0, 1.0], "activation_planned_mib": [None, None]}])
     report = gpu_check.run(str(tmp_path), 10, TINY)
     assert "profiling failed" in report["profile"]["error"] and report["cost_model"] == "analytic"
+    assert gpu_check.failed(report) and "analytic cost model" in (tmp_path / "gpu_check.md").read_text()
     planned = [a for a in seen if "--use-dynapipe" in a]
     assert len(planned) == 4 and all(a[a.index("--dynapipe-cost-model") + 1] == "analytic" for a in planned)
     # The baselines ran at each of the micro-batch sizes asked for.
