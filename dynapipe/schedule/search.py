@@ -163,7 +163,8 @@ def _run(name: str, times: StageTimes, capacity: np.ndarray, abort_ms: float, ab
 # Relative margin a later candidate must win by. Equal schedules differ by float rounding of their
 # sums (one stage: zb-h1's split backward added up 3e-13 ms below 1F1B's and was chosen, though it
 # fills no bubble and costs the executor a second backward call per micro-batch), so a tie keeps the
-# earlier candidate: 1F1B before adaptive before zb-h1, the planned order, the lightest recompute.
+# candidate searched first: orders outermost (planned first), then recompute policies, then
+# schedules (1F1B before adaptive before zb-h1).
 TIE_MARGIN = 1e-9
 
 
