@@ -34,14 +34,17 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 
 
 def te_available() -> bool:
-    """Whether Transformer Engine can be used (it needs CUDA)."""
+    """Whether Transformer Engine can be used: CUDA, and megatron-core's GPT specs found it. A
+    bare ``import transformer_engine`` is not enough: its package imports its PyTorch half lazily,
+    so a wheel that does not match torch imports, and megatron-core (which imports the half it
+    uses) then has no Transformer Engine spec to build."""
     if not torch.cuda.is_available():
         return False
     try:
-        import transformer_engine  # noqa: F401
+        from megatron.core.models.gpt import gpt_layer_specs
     except Exception:
         return False
-    return True
+    return bool(getattr(gpt_layer_specs, "HAVE_TE", False))
 
 
 def transformer_config(model: GPTModelArgs, parallel: ParallelArgs, cuda: Optional[bool] = None,
@@ -82,10 +85,11 @@ def transformer_config(model: GPTModelArgs, parallel: ParallelArgs, cuda: Option
     )
     if parallel.stage_layers is not None:
         kwargs.update(pipeline_model_parallel_layout=megatron_layout(parallel.stage_layers))
-    if model.apply_query_key_layer_scaling:
-        # Transformer Engine's attention takes the scaling from this variable only (megatron-core
-        # refuses a config and environment that disagree); megatron-core's local one from the config.
-        os.environ["NVTE_APPLY_QK_LAYER_SCALING"] = "1"
+    # Transformer Engine's attention takes the scaling from this variable only (megatron-core
+    # refuses a config and environment that disagree); megatron-core's local one from the config.
+    # Set either way: a job that builds several models (the bench, a test job) must not carry one
+    # run's setting into the next.
+    os.environ["NVTE_APPLY_QK_LAYER_SCALING"] = "1" if model.apply_query_key_layer_scaling else "0"
     if model.swiglu:
         kwargs.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
     if recompute is not None and recompute.granularity is not None:

@@ -288,8 +288,9 @@ def run(out_dir: str, timeout_s: float, shape: CheckShape = GPU_SHAPE) -> dict:
         with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
             json.dump(report, f, indent=1)
 
-    # Transformer Engine's layers where it imports, else the local ones (--transformer-impl's
-    # default, transformer_engine, is refused without it), in the profile and in every run.
+    # Transformer Engine's layers where megatron-core can build them, else the local ones
+    # (--transformer-impl's default, transformer_engine, is refused without them), in the
+    # profile and in every run.
     impl = [] if te else ["--transformer-impl", "local"]
 
     def profile_body() -> dict:

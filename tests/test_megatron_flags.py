@@ -289,3 +289,39 @@ def test_megatron_gpt_command_line_runs_unchanged(tmp_path):
     model = parse_training_args(_megatron_gpt_argv(str(data), str(tmp_path)), 2).model.to_model_config()
     planned = {l.stage: stage_param_count(model, l) for l in stage_layouts(model, 2)}
     assert counts["padding"] == counts["dynapipe"] == planned
+
+
+def test_transformer_engine_counts_as_available_only_where_megatron_core_can_build_its_spec(monkeypatch):
+    # Transformer Engine's package imports its PyTorch half lazily: a wheel that does not match
+    # torch imports, megatron-core's specs find no Transformer Engine, and its spec would fail
+    # to build (the runs would fail instead of taking the local layers).
+    import types
+
+    import torch
+
+    import megatron_integration.model as model_specs
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpt_layer_specs, "HAVE_TE", False, raising=False)
+    assert model_specs.te_available() is False
+    monkeypatch.setattr(gpt_layer_specs, "HAVE_TE", True)
+    assert model_specs.te_available() is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert model_specs.te_available() is False  # it needs CUDA
+
+
+def test_query_key_layer_scaling_is_set_for_transformer_engine_every_time(monkeypatch):
+    # megatron-core refuses a Transformer Engine attention whose config and this variable
+    # disagree: a job building a model with the flag and then one without must not carry it over.
+    from dataclasses import replace
+
+    from megatron_integration.model import transformer_config
+
+    monkeypatch.delenv("NVTE_APPLY_QK_LAYER_SCALING", raising=False)
+    cfg = parse("--apply-query-key-layer-scaling")
+    transformer_config(cfg.model, cfg.parallel, cuda=False)
+    assert os.environ["NVTE_APPLY_QK_LAYER_SCALING"] == "1"
+    transformer_config(replace(cfg.model, apply_query_key_layer_scaling=False), cfg.parallel, cuda=False)
+    assert os.environ["NVTE_APPLY_QK_LAYER_SCALING"] == "0"
