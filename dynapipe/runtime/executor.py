@@ -46,6 +46,7 @@ from dynapipe.runtime.exec_compute import ComputeOps
 from dynapipe.runtime.exec_transfers import TransferOps
 from dynapipe.runtime.exec_trace import WAIT_SENDS, DeviceClock, ExecEvent, ExecTrace, describe, now_us
 from dynapipe.runtime.contract import ExecutorConfig, HandlerFailure, IterationResult, StageHandlers
+from dynapipe.runtime.device_wait import wait_for_device
 from dynapipe.runtime.p2p import AbortChannel, CommFailure, PeerComm, RemoteFailure, Waiter
 from dynapipe.runtime.plan_check import (PeerPlanCheck, check_plan_locally, executor_prefix, pair_starts,
                                          row_key)
@@ -275,6 +276,12 @@ class Executor(ComputeOps, TransferOps):
         t_begin = now_us()
         try:
             self._instructions(plan, run, trace)
+            if self.device.type == "cuda" and self.abort is not None:
+                # The plan's waits only ordered streams: wait for the device here, watching for a
+                # peer's failure, rather than in the first read of a loss.
+                done = torch.cuda.Event()
+                done.record()
+                wait_for_device(done, self.abort, lambda: self._remote_failure(plan))
         except BaseException:
             # A refused or failed iteration must not leave its buffers counted by the meter:
             # the executor stays usable, and the next iteration measures what it holds.
@@ -304,10 +311,14 @@ class Executor(ComputeOps, TransferOps):
         if run.check is not None:
             self._settle(run)
         if self.abort is not None and self.abort.count():
-            err = RemoteFailure(f"pipeline rank {plan.stage} (global rank {self.global_rank}) finished its plan "
-                                f"but another rank failed; {self.abort.root_cause()}")
-            self._failed = str(err).splitlines()[0]
-            raise err
+            raise RemoteFailure(self._remote_failure(plan))
+
+    def _remote_failure(self, plan: ExecutionPlan) -> str:
+        """Why this rank stops after running its plan: another rank reported a failure."""
+        message = (f"pipeline rank {plan.stage} (global rank {self.global_rank}) finished its plan "
+                   f"but another rank failed; {self.abort.root_cause()}")
+        self._failed = message.splitlines()[0]
+        return message
 
     def _step(self, i: int, ins: Instruction, run: RunState, trace: Optional[ExecTrace], op) -> None:
         """Run ``op`` for instruction ``i``, timing it when tracing; every failure is reported."""
