@@ -225,7 +225,8 @@ def loss_spread(results: dict) -> Optional[float]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--output", required=True, help="directory for gpu_check.json, gpu_check.md, the profile and a trace")
+    p.add_argument("--output", required=True,
+                   help="directory for gpu_check.json, gpu_check.md, the profile and a trace")
     p.add_argument("--timeout-s", type=float, default=420.0, help="limit for each training job (s)")
     p.add_argument("--baseline-mbs", default=",".join(map(str, GPU_SHAPE.baseline_mbs)),
                    help="micro-batch sizes (samples) each fixed-shape baseline runs at; the best counts")

@@ -215,8 +215,9 @@ def test_extrapolated_times_never_fall_with_length_or_below_the_last_row():
     rows = {1: [10.0, 10.0, 10.5], 2: [13.0, 11.0, 12.0], 4: [12.0, 12.0, 12.5]}
     data["ops"]["layer"]["fw_ms"] = [rows[b] for b in MBS]
     cm = ProfileCostModel(TINY, data, num_stages=1)
-    layer = lambda b, s: float(cm.layout_cost(cm.layouts[0], np.float64(b), np.float64(s), None, "none").fw_ms  # noqa: E731
-                               - 2 * 0.001 * b * s) / 4  # one layer: less the (linear) ends, over 4 layers
+    def layer(b, s):  # one layer: the stage less its (linear) ends, over 4 layers
+        stage = cm.layout_cost(cm.layouts[0], np.float64(b), np.float64(s), None, "none")
+        return float(stage.fw_ms - 2 * 0.001 * b * s) / 4
     assert layer(32, 64) == pytest.approx(12.0)  # a falling step adds nothing, and takes nothing
     assert layer(32, 128) == pytest.approx(12.0 + 28 * 0.5)
     assert layer(32, 256) == pytest.approx(12.5 + 28 * 0.5)  # 128's step, not 256's 0.25

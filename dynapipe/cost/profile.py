@@ -28,15 +28,15 @@ estimate of :mod:`dynapipe.cost.backward_split` in pricing ``BI``/``BW`` ops
 Each table is ``len(mbs) x len(seqlen)``; ``layer`` is one transformer layer, with no
 recomputation; ``layer_selective``/``layer_full`` (optional) the same layer measured at
 that recompute level (backward including the recomputation, stored memory what the level
-keeps, counted as the training ranks count it). Inside the grid values are bilinear in (mbs, seqlen). Outside it:
-``mbs`` below the grid scales proportionally from the first row; above it, memory scales
-proportionally from the last row (activations are linear in the number of samples) and
+keeps, counted as the training ranks count it). Inside the grid values are bilinear in (mbs, seqlen).
+Outside it: ``mbs`` below the grid scales proportionally from the first row; above it, memory
+scales proportionally from the last row (activations are linear in the number of samples) and
 times grow from the last row by the last two rows' step per sample, never less at a length than
 at a shorter one (a micro-batch's fixed cost, the kernel launches that dominate small shapes on
-GPUs, is paid once, not once per grid-top of samples); ``seqlen`` above the grid follows the power law through the last two
-columns (which captures the quadratic attention term), and below the grid takes the
-first column (per-op overheads dominate short sequences). A recompute level the profile
-has no table for is derived:
+GPUs, is paid once, not once per grid-top of samples); ``seqlen`` above the grid follows the
+power law through the last two columns (which captures the quadratic attention term), and
+below the grid takes the first column (per-op overheads dominate short sequences). A
+recompute level the profile has no table for is derived:
 ``full`` adds a forward to the backward and stores only each layer's input; ``selective``
 adds the attention-core share of the forward (from the analytic FLOP split) and drops
 the attention-score share of the stored memory.
