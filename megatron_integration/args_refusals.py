@@ -124,7 +124,8 @@ def _model_flags_honoured(args: argparse.Namespace, cuda: bool) -> None:
 
         if not te_available():
             raise DynaPipeError("--transformer-impl transformer_engine (Megatron-LM's default) builds the GPU stages "
-                                "from Transformer Engine's layers, and it is not installed; install it "
+                                "from Transformer Engine's layers, and megatron-core cannot load it here (not installed, or "
+                                "built for another torch); install a matching one "
                                 "(pip install '.[gpu]' or NVIDIA's container) or pass --transformer-impl local.")
         if args.reset_attention_mask:
             # megatron-core's Transformer Engine spec builds causal attention, which ignores an

@@ -1,7 +1,7 @@
 """This rank's pipeline stage of megatron-core's ``GPTModel``, its optimizer and schedule.
 
-* Layer spec: Transformer Engine's when CUDA is up and ``transformer_engine`` imports,
-  megatron-core's local (pure torch) spec otherwise.
+* Layer spec: Transformer Engine's when CUDA is up and megatron-core can build it
+  (:func:`te_available`), megatron-core's local (pure torch) spec otherwise.
 * ``TransformerConfig.pipeline_model_parallel_size`` is set, so each stage builds only
   its own layers; stage 0 holds the embedding, the last stage the output layer (a tied
   copy of the embedding when ``--untie-embeddings-and-output-weights`` is absent).
@@ -40,6 +40,11 @@ def te_available() -> bool:
     uses) then has no Transformer Engine spec to build."""
     if not torch.cuda.is_available():
         return False
+    from megatron_integration.initialize import quiet_megatron_warnings
+
+    # Asked while the arguments are checked, before anything else imports megatron-core: its
+    # notices about missing optional packages are silenced first, as at start-up.
+    quiet_megatron_warnings()
     try:
         from megatron.core.models.gpt import gpt_layer_specs
     except Exception:

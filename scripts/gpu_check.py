@@ -3,7 +3,7 @@
 On one CUDA device, in about 5 minutes (the first run, on an H200: 263 s), it
 
 1. measures a cost profile with ``python -m dynapipe profile`` (Transformer Engine's layer
-   spec when ``transformer_engine`` imports, bf16);
+   spec where megatron-core can build it, bf16);
 2. trains the same single-stage bf16 GPT on the same global batches, dropout 0, with
    * ``dynapipe``: planned variable-shape micro-batches through the DynaPipe executor, once
      per recompute level (``--dynapipe-recompute none|selective|full``), the first with a

@@ -98,7 +98,8 @@ class IterationResult:
     ``loss``: on the last stage, this replica's share of the global-batch mean token
     loss (the sum over replicas is the mean); 0 elsewhere. ``mb_loss_sums``: per
     micro-batch, the summed token loss the handler returned. ``wall_ms``: time from the
-    first instruction to the last. ``peak_buffer_bytes``: most bytes the executor's
+    first instruction to the last (on CUDA with an abort channel, to the end of the device's
+    work for them; else the host's, which on CUDA only launched it). ``peak_buffer_bytes``: most bytes the executor's
     buffers held at once; ``released_bytes``: data of sent activations released early;
     ``transfers``: tensors sent or received; ``unfreed_buffers``: buffers the plan never
     freed (dropped at the end of the iteration; empty for plans from the compiler).

@@ -280,8 +280,9 @@ class Executor(ComputeOps, TransferOps):
                 # The plan's waits only ordered streams: wait for the device here, watching for a
                 # peer's failure, rather than in the first read of a loss.
                 done = torch.cuda.Event()
-                done.record()
-                wait_for_device(done, self.abort, lambda: self._remote_failure(plan))
+                done.record(torch.cuda.current_stream(self.device))
+                wait_for_device(done, self.abort, lambda: self._remote_failure(plan),
+                                check_every_s=self.config.poll_s)
         except BaseException:
             # A refused or failed iteration must not leave its buffers counted by the meter:
             # the executor stays usable, and the next iteration measures what it holds.
