@@ -430,3 +430,43 @@ def test_a_send_posted_to_a_peer_that_failed_names_the_peers_cause():
     assert kind0 == "HandlerFailure" and "boom on rank 0" in msg0
     assert kind1 in ("CommFailure", "RemoteFailure"), msg1
     assert "boom on rank 0" in msg1, msg1
+
+
+class _NeverDone:
+    """A device event that never completes: a receive from a dead peer, as CUDA sees it."""
+
+    def query(self) -> bool:
+        return False
+
+
+def _device_wait_worker(ctx):
+    """Rank 1's device never finishes its plan; rank 0 finishes its own, waits a second and
+    reports a failure: rank 1's end-of-plan wait must stop with rank 0's cause."""
+    lengths = [40, 60, 30, 50]
+    plan = plan_batch(lengths, CFG, pp=2, dp=1, schedule="1f1b")[0][ctx.stage]
+    h = ToyHandlers(ToyGPT(CFG, seed=1).stage(ctx.stage, 2))
+    h.samples = make_samples(lengths, CFG.vocab_size, seed=0)
+    with Executor(h, group=ctx.pipeline_group, store=ctx.store, config=ExecutorConfig(timeout_s=20, poll_s=0.01)) as ex:
+        on_cpu = ex._device_done is None  # nothing to wait for without CUDA
+        if ctx.stage == 1:
+            ex._device_done = _NeverDone
+        t0 = time.monotonic()
+        try:
+            ex.run(plan)
+        except ExecutorError as e:
+            return dict(kind=type(e).__name__, message=str(e), failed=ex._failed, on_cpu=on_cpu,
+                        waited_s=time.monotonic() - t0)
+        if ctx.stage == 0:
+            time.sleep(1.0)
+            ex.abort.report(ctx.rank, "rank 0 lost its GPU", primary=True)
+        return dict(kind="ok", on_cpu=on_cpu)
+
+
+def test_the_end_of_plan_device_wait_stops_on_a_peer_failure():
+    # On CUDA a rank's host ends its plan before its device; a receive that can never complete
+    # would hold it until the process group's timeout. Stood in for by an event that never completes.
+    first, last = spawn(_device_wait_worker, 2, pp=2, timeout_s=90)
+    assert first["kind"] == "ok" and first["on_cpu"] and last["on_cpu"]
+    assert last["kind"] == "RemoteFailure", last
+    assert "finished its plan but another rank failed" in last["message"] and "rank 0 lost its GPU" in last["message"]
+    assert last["failed"] and last["waited_s"] > 0.5  # it was in the wait when the report came

@@ -104,6 +104,9 @@ class Executor(ComputeOps, TransferOps):
         self._clock = DeviceClock(lambda: torch.cuda.Event(enable_timing=True),
                                   lambda: torch.cuda.synchronize(self.device)) \
             if self.config.trace and self.device.type == "cuda" else None
+        # On CUDA with an abort channel: an event recorded after a plan's work, which the end of
+        # the plan polls (transfer waits there only ordered streams). None: nothing to wait for.
+        self._device_done = self._record_done if self.device.type == "cuda" and self.abort is not None else None
         self._closed = False
         # Exchange seq of the last plan-check row, while peers may still have to read it.
         self._unread_row: Optional[int] = None
@@ -276,12 +279,10 @@ class Executor(ComputeOps, TransferOps):
         t_begin = now_us()
         try:
             self._instructions(plan, run, trace)
-            if self.device.type == "cuda" and self.abort is not None:
-                # The plan's waits only ordered streams: wait for the device here, watching for a
-                # peer's failure, rather than in the first read of a loss.
-                done = torch.cuda.Event()
-                done.record(torch.cuda.current_stream(self.device))
-                wait_for_device(done, self.abort, lambda: self._remote_failure(plan),
+            if self._device_done is not None:
+                # Wait for the device here, watching for a peer's failure, rather than in the
+                # first read of a loss.
+                wait_for_device(self._device_done(), self.abort, lambda: self._remote_failure(plan),
                                 check_every_s=self.config.poll_s)
         except BaseException:
             # A refused or failed iteration must not leave its buffers counted by the meter:
@@ -313,6 +314,12 @@ class Executor(ComputeOps, TransferOps):
             self._settle(run)
         if self.abort is not None and self.abort.count():
             raise RemoteFailure(self._remote_failure(plan))
+
+    def _record_done(self) -> "torch.cuda.Event":
+        """An event recorded now on this executor's device's current stream."""
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        return done
 
     def _remote_failure(self, plan: ExecutionPlan) -> str:
         """Why this rank stops after running its plan: another rank reported a failure."""
