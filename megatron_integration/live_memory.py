@@ -8,6 +8,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from dynapipe.runtime.activation_meter import ActivationMeter, storage_key
+
 
 class LiveMemoryTracker(TorchDispatchMode):
     """Counts the bytes of tensor storages created under it while they are alive.
@@ -20,40 +22,31 @@ class LiveMemoryTracker(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.live = 0
-        self.peak = 0
-        self._refs: dict[int, list[int]] = {}
+        # The storage reference counts are the activation meter's (one counter, two feeds: it
+        # counts what autograd saves, this what ops create).
+        self._counts = ActivationMeter()
+
+    @property
+    def live(self) -> int:
+        """Bytes of tracked storages alive now."""
+        return self._counts.live_bytes
+
+    @property
+    def peak(self) -> int:
+        """Most bytes alive at once since the start or :meth:`reset_peak`."""
+        return self._counts.peak_bytes
 
     def reset_peak(self) -> None:
-        self.peak = self.live
-
-    def _release(self, key: int) -> None:
-        entry = self._refs.get(key)
-        if entry is None:
-            return
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.live -= entry[1]
-            del self._refs[key]
+        self._counts.reset_peak()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
+        inputs = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):
                 continue
-            key = t.untyped_storage().data_ptr()
-            if key == 0:
-                continue
-            if key in self._refs:
-                self._refs[key][0] += 1
-            elif key in inputs:
-                continue  # a view of a storage made before tracking began
-            else:
-                nbytes = t.untyped_storage().nbytes()
-                self._refs[key] = [1, nbytes]
-                self.live += nbytes
-                self.peak = max(self.peak, self.live)
-            weakref.finalize(t, self._release, key)
+            key = storage_key(t)
+            if key == 0 or (key in inputs and not self._counts.holds(key)):
+                continue  # no storage, or a view of a storage made before tracking began
+            weakref.finalize(t, self._counts.drop, self._counts.hold(t))
         return out

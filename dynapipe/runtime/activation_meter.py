@@ -96,6 +96,10 @@ class ActivationMeter:
             self.live_bytes -= entry[1]
             del self._refs[key]
 
+    def holds(self, key: int) -> bool:
+        """Whether the storage ``key`` is counted now."""
+        return key in self._refs
+
     def hold(self, t: torch.Tensor) -> int:
         """Count ``t`` as held by a buffer; returns the key to pass to :meth:`drop` (0: not counted)."""
         return self._add(t)
