@@ -19,6 +19,7 @@ from dynapipe.errors import DynaPipeError
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Torch-style names, used in execution plans (shapes and dtypes of every tensor moved).
 DTYPE_TORCH_NAME = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "relative", "none")
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,18 @@ class ModelConfig:
     # Per-head query and key norms over head_dim (Megatron's --qk-layernorm, Qwen3's layer).
     qk_layernorm: bool = False
     normalization: str = "LayerNorm"  # or RMSNorm (a weight, no bias)
+    # Megatron's --hidden-dropout and --attention-dropout (default 0.1 each): at 0 the layers keep
+    # no dropout masks and unfused attention keeps only its softmax output, which the analytic
+    # memory model counts (dynapipe.cost.activation_bytes).
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    # Megatron's --position-embedding-type: learned_absolute (its default), rope (the rotated
+    # query and key are kept), relative (T5) or none.
+    position_embedding_type: str = "learned_absolute"
+    # The attention core is a fused kernel (flash or cuDNN fused attention, which Transformer
+    # Engine picks in half precision) that keeps no score matrix; False: megatron-core's local
+    # (unfused) attention, which keeps it.
+    fused_attention: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -118,6 +131,13 @@ class ModelConfig:
                                 f"num_attention_heads={self.num_attention_heads}.")
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise DynaPipeError(f"{source}: normalization={self.normalization!r}; use 'LayerNorm' or 'RMSNorm'.")
+        for key in ("hidden_dropout", "attention_dropout"):
+            p = getattr(self, key)
+            if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 <= p < 1:
+                raise DynaPipeError(f"{source}: {key}={p!r} must be a probability in [0, 1).")
+        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            raise DynaPipeError(f"{source}: position_embedding_type={self.position_embedding_type!r}; use one of "
+                                f"{', '.join(POSITION_EMBEDDING_TYPES)}.")
         return self
 
 

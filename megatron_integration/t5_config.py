@@ -65,7 +65,10 @@ class T5TrainingConfig:
                            hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
                            ffn_hidden_size=m.ffn_hidden_size, vocab_size=m.vocab_size,
                            max_seq_length=max(m.seq_length, self.decoder_seq_length), dtype=m.dtype,
-                           tie_embeddings=m.tie_embeddings, kv_channels=m.kv_channels).validate("megatron-t5")
+                           tie_embeddings=m.tie_embeddings, kv_channels=m.kv_channels,
+                           hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+                           position_embedding_type=m.position_embedding_type,
+                           fused_attention=False).validate("megatron-t5")  # local layers: unfused
 
     def dataset_config(self, split: str = "train"):
         """The :class:`~dynapipe.data.config.DatasetConfig` of one split (``train``, ``valid``,

@@ -68,7 +68,17 @@ class GPTModelArgs:
                            tie_embeddings=self.tie_embeddings, kv_channels=self.kv_channels,
                            num_query_groups=self.num_query_groups or 0, gated_linear_unit=self.swiglu,
                            add_bias_linear=self.add_bias_linear, add_qkv_bias=self.add_qkv_bias,
-                           qk_layernorm=self.qk_layernorm, normalization=self.normalization).validate(name)
+                           qk_layernorm=self.qk_layernorm, normalization=self.normalization,
+                           hidden_dropout=self.hidden_dropout, attention_dropout=self.attention_dropout,
+                           position_embedding_type=self.position_embedding_type,
+                           fused_attention=self.fused_attention).validate(name)
+
+    @property
+    def fused_attention(self) -> bool:
+        """Whether the attention core keeps no score matrix: Transformer Engine's layers pick flash
+        or cuDNN fused attention (``--attention-backend auto``) in half precision; in fp32, and in
+        megatron-core's local layers, attention is unfused."""
+        return self.transformer_impl == "transformer_engine" and self.dtype in ("bf16", "fp16")
 
 
 @dataclass(frozen=True)

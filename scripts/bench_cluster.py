@@ -34,7 +34,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # Runnable as `python scripts/bench_cluster.py` from the repository root.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -115,7 +115,7 @@ def mean_compute_ms(batches, cost, method: str, micro_batch_size, encdec: bool, 
 
 def run_case(case: Case, args) -> dict:
     """Every method on the case's batches; the JSON record of the case."""
-    model = load_model_config(case.model)
+    model = replace(load_model_config(case.model), fused_attention=args.fused_attention)
     device, cluster = load_device_config(args.device), load_cluster_config(args.cluster)
     tp = TensorParallelConfig(case.tp, False, cluster.intra_node) if case.tp > 1 else None
     cost = build_cost_model(model, device, case.stages, None, tp)
@@ -203,6 +203,10 @@ def main(argv=None) -> int:
     p.add_argument("--cluster", default="a100-8x")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated, from " + ", ".join(METHODS))
     p.add_argument("--quick", action="store_true", help="one case (gpt-7b PP4 x DP2, seq 2048), one batch")
+    p.add_argument("--fused-attention", action="store_true",
+                   help="price every model with a fused attention kernel (flash or cuDNN fused attention, as "
+                        "Transformer Engine runs bf16), which keeps no score matrix; default: megatron-core's "
+                        "local, unfused attention with dropout 0.1, which keeps 5 bytes a score")
     p.add_argument("--case", default=None, metavar="TEXT",
                    help="only the cases whose label contains TEXT, e.g. 't5-11b' (with --quick: one batch each)")
     args = p.parse_args(argv)
@@ -236,6 +240,7 @@ def main(argv=None) -> int:
     table = markdown(records)
     report = {"setup": {"device": args.device, "cluster": args.cluster, "tokens_per_batch": args.tokens,
                         "batches": args.batches, "seed": args.seed, "cost_model": "analytic",
+                        "attention": "fused" if args.fused_attention else "unfused, dropout 0.1",
                         "mixture": "synthetic FLAN-like (configs/data/flan-mixture.yaml)",
                         "simulated_ms": "makespan of the slowest replica's pipeline (forward, backward, "
                                         "point-to-point transfers); excludes the data-parallel gradient "

@@ -93,3 +93,21 @@ def test_gpt_chunk_case_runs_every_method_interleaved(tmp_path):
     assert case["methods"]["packing"]["schedule"] == ["interleaved"]
     assert set(case["methods"]["dynapipe"]["schedule"]) <= set(CHUNKED_SCHEDULE_NAMES)
     assert not set(case["methods"]["dynapipe-one-chunk"]["schedule"]) & set(CHUNKED_SCHEDULE_NAMES)
+
+
+def test_fused_attention_prices_no_score_matrix(tmp_path):
+    # Transformer Engine's flash/fused attention keeps no scores: the same packed micro-batches
+    # need less memory, so a larger micro-batch size fits 40 GB.
+    runs = {}
+    for flag in ((), ("--fused-attention",)):
+        out = tmp_path / f"q{len(flag)}.json"
+        r = subprocess.run([sys.executable, SCRIPT, "--quick", "--methods", "packing", "--output", str(out), *flag],
+                           capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-3000:]
+        report = json.loads(out.read_text())
+        runs[report["setup"]["attention"]] = report["cases"][0]["methods"]["packing"]
+    unfused, fused = runs["unfused, dropout 0.1"], runs["fused"]
+    assert (unfused["micro_batch_size"], unfused["recompute"]) == (fused["micro_batch_size"], fused["recompute"])
+    assert all(f < u for f, u in zip(fused["stage_peak_mib"], unfused["stage_peak_mib"]))
+    largest = {k: max(s["micro_batch_size"] for s in m["sweep"] if s["fits"]) for k, m in runs.items()}
+    assert largest["fused"] > largest["unfused, dropout 0.1"]

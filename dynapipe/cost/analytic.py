@@ -16,11 +16,13 @@ recomputation adds the attention core (selective) or the whole layer forward (fu
 Biases and the norm type change the parameter count (``stage_param_count``), not these
 GEMM FLOPs.
 
-Stored activations per layer, in bytes for 2-byte activations, generalise
-Korthikanti's ``sbh(34 + 5ns/h)``: ``bs(10h + 4a_d + 4k_d + (2g + 2)f) + 5nbs^2`` (equal
-to the paper's formula when ``a_d = k_d = h``, ``g = 1`` and ``f = 4h``; a gated MLP
-keeps its two FC1 halves and their product), scaled by dtype bytes / 2. Selective
-recompute drops the ``5nbs^2`` term; full recompute keeps only each layer's input.
+Stored activations per layer, in bytes for 2-byte activations with dropout and unfused
+attention, generalise Korthikanti's ``sbh(34 + 5ns/h)``: ``bs(10h + 4a_d + 4k_d + (2g + 2)f)
++ 5nbs^2`` (equal to the paper's formula when ``a_d = k_d = h``, ``g = 1`` and ``f = 4h``; a
+gated MLP keeps its two FC1 halves and their product). Dropout at 0, rotary positions, fused
+attention and the dtype change the terms as :mod:`dynapipe.cost.activation_bytes` says
+(at dropout 0: ``bs(8h + ...) + 2nbs^2``; fused attention: no ``s^2`` term). Selective
+recompute drops the score term; full recompute keeps only each layer's input.
 
 Tensor parallelism over ``t`` ranks (figures are per rank): GEMMs, attention heads and
 the vocabulary are split ``t`` ways; each layer adds two collectives of its ``bsh``
@@ -38,6 +40,7 @@ from typing import Optional
 import numpy as np
 
 from dynapipe.config import DeviceConfig, ModelConfig, TensorParallelConfig
+from dynapipe.cost.activation_bytes import cross_token_bytes, layer_token_bytes, score_bytes
 from dynapipe.cost.backward_split import cross_attention_flops, layer_flops
 from dynapipe.cost.base import MIB, CostModel, StageCost, StageLayout
 
@@ -75,35 +78,20 @@ class AnalyticCostModel(CostModel):
     def _cross_attn_flops(self, b, s_dec, s_enc):
         return cross_attention_flops(self.model, b, s_dec, s_enc)
 
-    # -- activation bytes of one layer -----------------------------------------------------
+    # -- activation bytes of one layer (dynapipe.cost.activation_bytes) ------------------------
     def _layer_act_bytes(self, b, s):
+        """(linear, scores) bytes one self-attention + MLP layer keeps per TP rank."""
         m, t = self.model, self.tp.size
-        scale = m.dtype_bytes / 2
-        mlp = 2 * m.fc1_width + 2 * m.ffn_hidden_size
-        linear = b * s * ((10 * m.hidden_size / self._sp_div + (4 * m.attention_dim + 4 * m.kv_dim + mlp) / t) * scale
-                          + self._qk_norm_bytes_per_token() / t)
-        scores = 5 * m.num_attention_heads * b * s * s * scale / t
+        linear = b * s * layer_token_bytes(m, t, self._sp_div)
+        scores = score_bytes(m) * m.num_attention_heads * b * s * s / t
         return linear, scores
 
-    def _qk_norm_bytes_per_token(self) -> float:
-        """``--qk-layernorm``'s activation bytes a token (every head, before TP): the per-head
-        statistics in fp32 (LayerNorm's mean and 1/std, RMSNorm's 1/rms) and, for RMSNorm, its
-        normalised queries and keys (torch's RMSNorm keeps that copy; LayerNorm's output is what
-        the attention keeps anyway). Measured on CPU: 64 and 543 bytes a token at 4 heads of 16."""
-        m = self.model
-        if not m.qk_layernorm:
-            return 0.0
-        heads = m.num_attention_heads + (m.num_query_groups or m.num_attention_heads)
-        if m.normalization == "RMSNorm":
-            return heads * 4 + (m.attention_dim + m.kv_dim) * m.dtype_bytes
-        return heads * 2 * 4
-
     def _cross_act_bytes(self, b, s_dec, s_enc):
+        """(linear, scores) bytes one cross-attention block keeps per TP rank."""
         m, t = self.model, self.tp.size
-        scale = m.dtype_bytes / 2
-        linear = b * (s_dec * (3 * m.hidden_size / self._sp_div + 4 * m.attention_dim / t)
-                      + s_enc * 4 * m.attention_dim / t) * scale
-        scores = 5 * m.num_attention_heads * b * s_dec * s_enc * scale / t
+        dec, enc = cross_token_bytes(m, t, self._sp_div)
+        linear = b * (s_dec * dec + s_enc * enc)
+        scores = score_bytes(m) * m.num_attention_heads * b * s_dec * s_enc / t
         return linear, scores
 
     def output_stored_mib(self, layout: StageLayout, mbs, seqlen, dec_seqlen) -> np.ndarray:

@@ -59,6 +59,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from dynapipe.config import ModelConfig, TensorParallelConfig
+from dynapipe.cost.activation_bytes import layer_token_bytes, score_bytes
 from dynapipe.cost.base import MIB, CostModel, StageCost, StageLayout
 from dynapipe.cost.profile_t5 import (FIELDS, KIND_DECODER_ONLY, KIND_ENCODER_DECODER, WEIGHT_FIELD, check_grid,
                                       check_op_table, check_t5_tables, check_weight_table, load_t5_tables,
@@ -360,11 +361,11 @@ class ProfileCostModel(CostModel):
             s = np.asarray(seqlen, dtype=np.float64)
             linear = 2 * h * (ad + 2 * kd) + 2 * ad * h + 2 * h * (f1 + f)
             core_share = 4 * s * ad / (linear + 4 * s * ad)
-            # Per TP rank, as the analytic model splits them: the norms' and residuals' 10h over the
-            # sequence shards, the rest (scores included) over the tensor-parallel ranks.
+            # Per TP rank, as the analytic model splits them: the norms' and residuals' share over
+            # the sequence shards, the rest (scores included) over the tensor-parallel ranks.
             t, shard = self.tp.size, self.tp.size if self.tp.sequence_parallel else 1
-            scores = 5 * m.num_attention_heads * s / t
-            score_share = scores / (10 * h / shard + (4 * ad + 4 * kd + 2 * f1 + 2 * f) / t + scores)
+            scores = score_bytes(m) * m.num_attention_heads * s / t
+            score_share = scores / (layer_token_bytes(m, t, shard) + scores)
             if recompute == "selective":
                 bw = bw + fw * core_share
                 stored = stored * (1 - score_share)

@@ -36,6 +36,7 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 from dynapipe.config import ModelConfig
+from dynapipe.cost.activation_bytes import cross_token_bytes, layer_token_bytes, score_bytes
 from dynapipe.cost.base import MIB, StageCost, StageLayout
 from dynapipe.errors import DynaPipeError
 
@@ -190,11 +191,14 @@ def _core_shares(model: ModelConfig, s_enc, s_dec) -> tuple:
     dec_core = 4 * s_dec * ad + 4 * s_enc * ad
     enc_share = enc_core / (lin + enc_core)
     dec_share = dec_core / (lin + cross_lin + dec_core)
-    n = model.num_attention_heads
-    act = 10 * h + 4 * ad + 4 * model.kv_dim + 2 * model.fc1_width + 2 * f
-    enc_scores = 5 * n * s_enc
-    dec_scores = 5 * n * (s_dec + s_enc)
-    return enc_share, dec_share, enc_scores / (act + enc_scores), dec_scores / (act + 7 * h + dec_scores)
+    n, per_score = model.num_attention_heads, score_bytes(model)
+    act = layer_token_bytes(model)
+    cross_dec, cross_enc = cross_token_bytes(model)
+    cross = cross_dec + cross_enc * s_enc / np.maximum(s_dec, 1)  # per decoder token
+    enc_scores = per_score * n * s_enc
+    dec_scores = per_score * n * (s_dec + s_enc)
+    return (enc_share, dec_share, enc_scores / (act + enc_scores),
+            dec_scores / np.maximum(act + cross + dec_scores, 1e-30))
 
 
 def t5_layout_cost(model: ModelConfig, tables: dict, layout: StageLayout, mbs, seqlen, dec_seqlen,
