@@ -68,6 +68,9 @@ class ModelConfig:
     # Engine picks in half precision) that keeps no score matrix; False: megatron-core's local
     # (unfused) attention, which keeps it.
     fused_attention: bool = False
+    # Megatron's --attention-softmax-in-fp32 (forced on by --apply-query-key-layer-scaling): the
+    # unfused attention's torch softmax keeps fp32 probabilities and the cast copy.
+    attention_softmax_in_fp32: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -156,6 +159,13 @@ class DeviceConfig:
     # Tokens per op at which the device reaches half of its achievable throughput: small
     # micro-batches leave GEMMs too thin to fill an accelerator. 0 disables the curve.
     half_efficiency_tokens: float = 0.0
+    # Bytes a dropout mask keeps per element: 1 on CUDA (a bool mask); 0 means the activation's
+    # dtype, as a CPU's dropout keeps it (input times a mask of its own dtype).
+    dropout_mask_bytes: int = 1
+
+    def dropout_mask_bytes_for(self, dtype_bytes: int) -> int:
+        """Bytes a dropout mask keeps per element for activations of ``dtype_bytes``."""
+        return self.dropout_mask_bytes or dtype_bytes
 
     def efficiency(self, tokens):
         """Fraction of the achievable throughput reached by an op over ``tokens`` tokens."""
@@ -176,6 +186,9 @@ class DeviceConfig:
             raise DynaPipeError(f"{source}: memory_mib={self.memory_mib} must be > 0.")
         if self.half_efficiency_tokens < 0:
             raise DynaPipeError(f"{source}: half_efficiency_tokens={self.half_efficiency_tokens} must be >= 0.")
+        if self.dropout_mask_bytes < 0:
+            raise DynaPipeError(f"{source}: dropout_mask_bytes={self.dropout_mask_bytes} must be >= 0 (0: the "
+                                f"activation's dtype, as on a CPU).")
         if self.op_overhead_ms < 0:
             raise DynaPipeError(f"{source}: op_overhead_ms={self.op_overhead_ms} must be >= 0.")
         if not 0 <= self.reserved_mib < self.memory_mib:

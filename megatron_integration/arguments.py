@@ -212,7 +212,7 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
         # A profile of another model stops the job here, not after the model and data are built.
         from megatron_integration.profile_check import check_profile_for_run
 
-        check_profile_for_run(dyn.cost_model, model.to_model_config("megatron-gpt"), model,
+        check_profile_for_run(dyn.cost_model, model.to_model_config("megatron-gpt"),
                               parallel.pipeline_model_parallel_size, parallel.tensor_model_parallel_size,
                               parallel.sequence_parallel, dyn.device, dyn.device_given,
                               "transformer_engine" if model.transformer_impl == "transformer_engine" else "local")

@@ -14,15 +14,11 @@ from typing import Any, Mapping
 from dynapipe.config import ModelConfig
 from dynapipe.errors import DynaPipeError
 
-# Megatron arguments a measured layer depends on, recorded by the profilers under these names.
-RUN_KEYS = ("hidden_dropout", "attention_dropout", "position_embedding_type")
 
-
-def check_profile_for_run(path: str, model: ModelConfig, megatron_model: Any, num_stages: int, tp: int,
+def check_profile_for_run(path: str, model: ModelConfig, num_stages: int, tp: int,
                           sequence_parallel: bool, device: str, device_given: bool, layer_spec: str) -> None:
-    """Refuse the profile at ``path`` for this run: ``model`` the planner's model, ``megatron_model``
-    the run's model arguments (``hidden_dropout``, ``attention_dropout``, ``position_embedding_type``),
-    ``device`` the ``--dynapipe-device`` config (``device_given``: named on the command line, so the
+    """Refuse the profile at ``path`` for this run: ``model`` the planner's model (its layer shape,
+    dtype, dropout and positions are compared with what the profile measured), ``device`` the ``--dynapipe-device`` config (``device_given``: named on the command line, so the
     GPU model is compared too), ``layer_spec`` the layers the stages are built from (``local`` or
     ``transformer_engine``). Raises :class:`DynaPipeError` naming the value and the fix."""
     from dynapipe.config import load_device_config
@@ -37,7 +33,6 @@ def check_profile_for_run(path: str, model: ModelConfig, megatron_model: Any, nu
                              "--dynapipe-device" if device_given else "the default --dynapipe-device",
                              compare_model=device_given)
     ProfileCostModel(model, data, num_stages, source=source, tp=tensor_parallel_of(tp, sequence_parallel))
-    check_measured_run(data.get("model"), megatron_model, source)
     measured = data.get("layer_spec")
     if measured is not None and measured != layer_spec:
         # Transformer Engine's fused layers and megatron-core's local ones differ in time and memory.
@@ -78,21 +73,6 @@ def check_measured_threads(profile: Mapping[str, Any], source: str) -> None:
                             f"unless given); its times would price another machine. Profile with the rank's threads "
                             f"(`python -m dynapipe profile ... --threads {mine}`), run the ranks with "
                             f"OMP_NUM_THREADS={measured}, or use --dynapipe-cost-model analytic.")
-
-
-def check_measured_run(measured: Mapping[str, Any] | None, megatron_model: Any, source: str) -> None:
-    """Refuse a profile whose recorded :data:`RUN_KEYS` differ from the run's (a key the profile
-    does not record is not compared). Why: dropout roughly doubles a layer's stored activations
-    and adds to its forward time; rotary and learned positions differ in both."""
-    for key in RUN_KEYS:
-        have = (measured or {}).get(key)
-        want = getattr(megatron_model, key)
-        if have is not None and have != want:
-            flag = "--" + key.replace("_", "-")
-            raise DynaPipeError(f"{source}: the profile was measured with {flag} {have}, this run trains with "
-                                f"{flag} {want}; its times and memory price another layer. Profile with the run's "
-                                f"model flags (`python -m dynapipe profile ... {flag} {want}`) or use "
-                                f"--dynapipe-cost-model analytic.")
 
 
 def extrapolation_lines(cost_model: str, enabled: bool, lengths: Mapping[str, tuple[str, int]]) -> list[str]:

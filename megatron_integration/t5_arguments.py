@@ -160,7 +160,7 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
     if d.enabled and d.cost_model != "analytic":
         from megatron_integration.profile_check import check_profile_for_run
 
-        check_profile_for_run(d.cost_model, cfg.planner_model(), base.model, p.pipeline_model_parallel_size,
+        check_profile_for_run(d.cost_model, cfg.planner_model(), p.pipeline_model_parallel_size,
                               p.tensor_model_parallel_size, p.sequence_parallel, d.device, d.device_given,
                               "local")  # T5 stages are built from megatron-core's local layers
     return _with_placement(cfg, placement_flag, pp)

@@ -68,6 +68,7 @@ class T5TrainingConfig:
                            tie_embeddings=m.tie_embeddings, kv_channels=m.kv_channels,
                            hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
                            position_embedding_type=m.position_embedding_type,
+                           attention_softmax_in_fp32=m.softmax_in_fp32,
                            fused_attention=False).validate("megatron-t5")  # local layers: unfused
 
     def dataset_config(self, split: str = "train"):

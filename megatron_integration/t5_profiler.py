@@ -288,7 +288,9 @@ def t5_model_config(model: GPTModelArgs, encoder_layers: int = 1, decoder_layers
                        encoder_layers=encoder_layers, decoder_layers=decoder_layers, hidden_size=model.hidden_size,
                        num_attention_heads=model.num_attention_heads, ffn_hidden_size=model.ffn_hidden_size,
                        vocab_size=model.vocab_size, max_seq_length=model.max_position_embeddings, dtype=model.dtype,
-                       tie_embeddings=model.tie_embeddings, kv_channels=model.kv_channels).validate("profiled-t5")
+                       tie_embeddings=model.tie_embeddings, kv_channels=model.kv_channels,
+                       hidden_dropout=model.hidden_dropout, attention_dropout=model.attention_dropout,
+                       attention_softmax_in_fp32=model.softmax_in_fp32).validate("profiled-t5")
 
 
 def _job(model: GPTModelArgs, output: str, grids: tuple, kwargs: dict) -> str:

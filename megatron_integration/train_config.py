@@ -71,14 +71,26 @@ class GPTModelArgs:
                            qk_layernorm=self.qk_layernorm, normalization=self.normalization,
                            hidden_dropout=self.hidden_dropout, attention_dropout=self.attention_dropout,
                            position_embedding_type=self.position_embedding_type,
-                           fused_attention=self.fused_attention).validate(name)
+                           fused_attention=self.fused_attention,
+                           attention_softmax_in_fp32=self.softmax_in_fp32).validate(name)
+
+    @property
+    def softmax_in_fp32(self) -> bool:
+        """The attention softmax runs in fp32: ``--attention-softmax-in-fp32``, which
+        megatron-core's ``TransformerConfig`` forces on with ``--apply-query-key-layer-scaling``."""
+        return self.attention_softmax_in_fp32 or self.apply_query_key_layer_scaling
 
     @property
     def fused_attention(self) -> bool:
         """Whether the attention core keeps no score matrix: Transformer Engine's layers pick flash
-        or cuDNN fused attention (``--attention-backend auto``) in half precision; in fp32, and in
-        megatron-core's local layers, attention is unfused."""
-        return self.transformer_impl == "transformer_engine" and self.dtype in ("bf16", "fp16")
+        or cuDNN fused attention (``--attention-backend auto``) in half precision for heads of
+        at most 256 in multiples of 8. In fp32, for other heads, under ``--deterministic-mode``
+        (where Transformer Engine may refuse its non-deterministic kernels) and in megatron-core's
+        local layers, attention is counted unfused: more memory than a fused kernel keeps, never
+        less. (Transformer Engine also needs an Ampere or newer GPU for them.)"""
+        head = self.kv_channels or self.hidden_size // self.num_attention_heads
+        return (self.transformer_impl == "transformer_engine" and self.dtype in ("bf16", "fp16")
+                and head % 8 == 0 and head <= 256 and not self.deterministic_mode)
 
 
 @dataclass(frozen=True)

@@ -78,12 +78,13 @@ def test_plan_refuses_a_tiny_models_profile_for_gpt_7b(tmp_path, capsys):
 
 def test_profile_of_a_model_config_records_its_layer_kind(tmp_path):
     """`profile --model CONFIG` measures the config's layer kind (norm, MLP, biases, query
-    groups), so the planner takes the profile for that config."""
+    groups, dropout, positions), so the planner takes the profile for that config."""
     pytest.importorskip("megatron.core")
     config = tmp_path / "rms.yaml"
     config.write_text("name: rms-tiny\narch: gpt\nnum_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\n"
                       "ffn_hidden_size: 128\nvocab_size: 512\nmax_seq_length: 128\ndtype: fp32\n"
-                      "normalization: RMSNorm\ngated_linear_unit: true\nadd_bias_linear: false\nnum_query_groups: 2\n")
+                      "normalization: RMSNorm\ngated_linear_unit: true\nadd_bias_linear: false\nnum_query_groups: 2\n"
+                      "hidden_dropout: 0.0\nposition_embedding_type: rope\n")
     out = tmp_path / "rms.json"
     # Its own process: a measurement starts a process group.
     result = subprocess.run([sys.executable, "-m", "dynapipe", "profile", "--output", str(out), "--model", str(config),
@@ -93,6 +94,9 @@ def test_profile_of_a_model_config_records_its_layer_kind(tmp_path):
     recorded = json.loads(out.read_text())["model"]
     assert (recorded["normalization"], recorded["gated_linear_unit"], recorded["add_bias_linear"],
             recorded["num_query_groups"]) == ("RMSNorm", True, False, 2)
+    # Dropout and positions too (where the command line leaves Megatron's defaults).
+    assert (recorded["hidden_dropout"], recorded["attention_dropout"], recorded["position_embedding_type"]) == (
+        0.0, 0.1, "rope")
     model = load_model_config(str(config))
     ProfileCostModel(model, json.loads(out.read_text()), 1)
 

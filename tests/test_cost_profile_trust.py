@@ -88,6 +88,18 @@ def test_the_vocabulary_is_compared_as_megatron_pads_it():
         ProfileCostModel(dataclasses.replace(TINY, vocab_size=50304), _profile(), 2)
 
 
+@pytest.mark.parametrize("key, value, needle", [
+    ("hidden_dropout", 0.0, "measured with --hidden-dropout 0.1, this run trains with --hidden-dropout 0.0"),
+    ("position_embedding_type", "rope", "measured with --position-embedding-type learned_absolute, this run "
+                                        "trains with --position-embedding-type rope"),
+])
+def test_the_profile_cost_model_refuses_a_profile_of_other_dropout_or_positions(key, value, needle):
+    # `plan --model CONFIG --profile P` as well as a training run: the model config carries them.
+    ProfileCostModel(TINY, _profile(), 2)
+    with pytest.raises(DynaPipeError, match=needle):
+        ProfileCostModel(dataclasses.replace(TINY, **{key: value}), _profile(), 2)
+
+
 TRAIN = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --vocab-size 512 "
          "--micro-batch-size 1 --global-batch-size 4 --train-iters 1 --lr 1e-3 --mock-data --use-dynapipe")
 

@@ -74,10 +74,11 @@ def test_sequence_parallel_activations_and_time():
     # With SP every stored activation is split.
     np.testing.assert_allclose(sp2.stored_mib, one.stored_mib / 2, rtol=1e-9)
     assert (sp2.stored_mib < tp2.stored_mib).all()
-    # Korthikanti's per-layer figure without SP: sbh(10 + 24/t + 5as/(ht)) bytes (a_d = h, f = 4h).
+    # Korthikanti's per-layer figure without SP: sbh(10 + 24/t + 5as/(ht)) bytes (a_d = h, f = 4h),
+    # plus the norms' statistics (16 bytes a token, replicated).
     m = MODEL
     s, h, a = 2048, m.hidden_size, m.num_attention_heads
-    per_layer = s * h * (10 + 24 / 2 + 5 * a * s / (h * 2))
+    per_layer = s * h * (10 + 24 / 2 + 5 * a * s / (h * 2)) + 16 * s
     assert tp2.stored_mib[0] == pytest.approx(10 * per_layer / (1 << 20), rel=1e-9)
     # All-gather + reduce-scatter move what one all-reduce moves.
     np.testing.assert_allclose(sp2.fw_ms, tp2.fw_ms, rtol=1e-9)

@@ -109,6 +109,13 @@ def fill_from_model_config(args) -> None:
     args.disable_bias_linear = args.disable_bias_linear or not cfg.add_bias_linear
     args.add_qkv_bias = args.add_qkv_bias or cfg.add_qkv_bias
     args.qk_layernorm = args.qk_layernorm or cfg.qk_layernorm
+    # Dropout and positions change what a layer keeps and how long it takes: a value left at
+    # Megatron's default takes the config's.
+    for key, megatron_default in (("hidden_dropout", 0.1), ("attention_dropout", 0.1),
+                                  ("position_embedding_type", "learned_absolute")):
+        if getattr(args, key) == megatron_default:
+            setattr(args, key, getattr(cfg, key))
+    args.attention_softmax_in_fp32 = args.attention_softmax_in_fp32 or cfg.attention_softmax_in_fp32
     if cfg.num_query_groups and not args.group_query_attention:
         args.group_query_attention, args.num_query_groups = True, cfg.num_query_groups
     if cfg.dtype == "bf16" and not args.fp16 and not args.bf16:

@@ -40,11 +40,13 @@ from typing import Optional
 import numpy as np
 
 from dynapipe.config import DeviceConfig, ModelConfig, TensorParallelConfig
-from dynapipe.cost.activation_bytes import cross_token_bytes, layer_token_bytes, score_bytes
+from dynapipe.cost.activation_bytes import cross_token_bytes, layer_token_bytes, norm_stat_bytes, score_bytes
 from dynapipe.cost.backward_split import cross_attention_flops, layer_flops
 from dynapipe.cost.base import MIB, CostModel, StageCost, StageLayout
 
 FP32_BYTES = 4
+# megatron-core's vocabulary-parallel cross entropy keeps each token's target (int64) and mask (bool).
+LOSS_TARGET_BYTES = 9
 
 
 class AnalyticCostModel(CostModel):
@@ -79,19 +81,23 @@ class AnalyticCostModel(CostModel):
         return cross_attention_flops(self.model, b, s_dec, s_enc)
 
     # -- activation bytes of one layer (dynapipe.cost.activation_bytes) ------------------------
+    @property
+    def _mask_bytes(self) -> int:
+        return self.device.dropout_mask_bytes_for(self.model.dtype_bytes)
+
     def _layer_act_bytes(self, b, s):
         """(linear, scores) bytes one self-attention + MLP layer keeps per TP rank."""
-        m, t = self.model, self.tp.size
-        linear = b * s * layer_token_bytes(m, t, self._sp_div)
-        scores = score_bytes(m) * m.num_attention_heads * b * s * s / t
+        m, t, mask = self.model, self.tp.size, self._mask_bytes
+        linear = b * s * layer_token_bytes(m, t, self._sp_div, mask)
+        scores = score_bytes(m, mask) * m.num_attention_heads * b * s * s / t
         return linear, scores
 
     def _cross_act_bytes(self, b, s_dec, s_enc):
         """(linear, scores) bytes one cross-attention block keeps per TP rank."""
-        m, t = self.model, self.tp.size
-        dec, enc = cross_token_bytes(m, t, self._sp_div)
+        m, t, mask = self.model, self.tp.size, self._mask_bytes
+        dec, enc = cross_token_bytes(m, t, self._sp_div, mask)
         linear = b * (s_dec * dec + s_enc * enc)
-        scores = score_bytes(m) * m.num_attention_heads * b * s_dec * s_enc / t
+        scores = score_bytes(m, mask) * m.num_attention_heads * b * s_dec * s_enc / t
         return linear, scores
 
     def output_stored_mib(self, layout: StageLayout, mbs, seqlen, dec_seqlen) -> np.ndarray:
@@ -103,10 +109,12 @@ class AnalyticCostModel(CostModel):
         return b * s_dec * self._output_row_bytes() / MIB
 
     def _output_row_bytes(self) -> float:
-        """Stored bytes a token of the output layer and loss: its input (sequence-sharded
-        with SP) and the fp32 logits of this rank's vocabulary shard."""
+        """Stored bytes a token of the final norm, output layer and loss: the norm's input,
+        statistics and output (sequence-sharded with SP), the fp32 logits of this rank's
+        vocabulary shard, and the loss's int64 target and bool mask."""
         m = self.model
-        return m.hidden_size * m.dtype_bytes / self._sp_div + m.vocab_size * FP32_BYTES / self.tp.size
+        norm = 2 * m.hidden_size * m.dtype_bytes + norm_stat_bytes(m)
+        return norm / self._sp_div + m.vocab_size * FP32_BYTES / self.tp.size + LOSS_TARGET_BYTES
 
     def layout_cost(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str) -> StageCost:
         m, d = self.model, self.model.dtype_bytes

@@ -146,6 +146,11 @@ LAYER_SHAPE_KEYS = {"gated_linear_unit": False, "num_query_groups": 0, "add_bias
                     "add_qkv_bias": False, "qk_layernorm": False}
 
 
+# Megatron arguments a measured layer depends on beyond its shape, recorded by the profilers
+# under these names and compared when recorded: dropout roughly doubles a layer's stored
+# activations and adds to its forward; rotary and learned positions differ in both.
+RUN_KEYS = ("hidden_dropout", "attention_dropout", "position_embedding_type")
+
 # Layer widths a measured table depends on, compared only when the profile records them
 # (there is no width a profile could be assumed to have been measured at). kv_channels is
 # recorded as the per-head width in effect, so it is compared with the model's head_dim.
@@ -194,6 +199,14 @@ def _check_layer_shape(data: Mapping[str, Any], model: ModelConfig, source: str)
             raise DynaPipeError(f"{source}: the profile was measured with {key}={have!r} but the model has "
                                 f"{key}={want!r}; profile this model (`python -m dynapipe profile` with the same "
                                 f"model flags) or use the analytic cost model.")
+    for key in RUN_KEYS:
+        have, want = measured.get(key), getattr(model, key)
+        if have is not None and have != want:
+            flag = "--" + key.replace("_", "-")
+            raise DynaPipeError(f"{source}: the profile was measured with {flag} {have}, this run trains with "
+                                f"{flag} {want}; its times and memory price another layer. Profile with the run's "
+                                f"model flags (`python -m dynapipe profile ... {flag} {want}`) or use the analytic "
+                                f"cost model (--dynapipe-cost-model analytic; `plan` and `cost` without --profile).")
 
 
 def profile_tensor_parallel(data: Mapping[str, Any]) -> tuple[int, bool]:

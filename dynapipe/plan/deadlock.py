@@ -108,7 +108,6 @@ def symbolic_run(plans: list[ExecutionPlan], comms: list[list[Transfer]]) -> Non
             why += f", queued behind {head.describe()}"
         if head is not None:
             p = head.partner
-            pplan = plans[p.rank]
             if pc[p.rank] <= p.index:
                 why += (f"; rank {p.rank} posts the matching op only at instruction {p.index}, after it blocks at "
                         f"instruction {pc[p.rank]}")
