@@ -96,10 +96,13 @@ def test_interleaved_zero_bubble_trains_the_plain_pipeline_losses_and_splits_eve
         got = runs[name][0]
         assert got["schedules"] == ["interleaved-zb"] * 3, (name, got["schedules"])
         assert close(got["losses"], ref), (name, got["losses"], ref)
-        # What pending weight parts keep is counted, and stays within what the plans promised.
+        # What pending weight parts keep is counted, and stays within what the plans promised,
+        # which is close to it: the plan walk counts each input part's weight stash until its
+        # weight part (it once freed everything at the input part, and the 5-byte scores of a
+        # dropout-everywhere model hid the difference).
         for rank in range(2):
             measured, planned = runs[name][rank]["activation_measured_mib"], runs[name][rank]["activation_planned_mib"]
-            assert all(m <= p for m, p in zip(measured, planned)), (name, rank, measured, planned)
+            assert all(m <= p <= 1.05 * m for m, p in zip(measured, planned)), (name, rank, measured, planned)
     for rank in range(2):
         with open(os.path.join(runs["zb-traces"], f"rank{rank:03d}.json")) as f:
             events = json.load(f)
@@ -128,7 +131,7 @@ def test_recompute_reaches_every_chunk(pp2):
     assert close(full[0]["losses"], none[0]["losses"])
     for rank in range(2):
         measured, planned = full[rank]["activation_measured_mib"], full[rank]["activation_planned_mib"]
-        assert all(m <= p for m, p in zip(measured, planned)), (rank, measured, planned)
+        assert all(m <= p <= 1.1 * m for m, p in zip(measured, planned)), (rank, measured, planned)
         assert max(measured) < 0.4 * max(none[rank]["activation_measured_mib"]), rank
 
 

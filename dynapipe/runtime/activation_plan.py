@@ -19,6 +19,7 @@ Pure Python and numpy: no torch.
 """
 from __future__ import annotations
 
+from dynapipe.cost.backward_split import backward_split
 from dynapipe.cost.base import MIB, CostModel
 from dynapipe.errors import DynaPipeError
 from dynapipe.plan.instructions import (BackwardPass, ExecutionPlan, FreeBuffer, ForwardPass, LoadInput,
@@ -34,8 +35,8 @@ def message_mib(specs: tuple[TensorSpec, ...]) -> float:
 
 
 def _mb_costs(plan: ExecutionPlan, cost_model: CostModel) -> dict:
-    """(mb, chunk, level) -> (stored, transient, recompute-held) MiB on this plan's stage;
-    with an interleaved placement each chunk is priced as its own virtual stage."""
+    """(mb, chunk, level) -> (stored, transient, recompute-held, weight stash) MiB on this
+    plan's stage; with an interleaved placement each chunk is priced as its own virtual stage."""
     if plan_chunks(plan) > 1:
         from dynapipe.schedule.interleaved import virtual_cost_model
 
@@ -52,7 +53,11 @@ def _mb_costs(plan: ExecutionPlan, cost_model: CostModel) -> dict:
         stage = virtual_stage(plan, ins.chunk)
         c = cost_model.stage_cost(ins.mbs, ins.seqlen, dec, recompute=ins.recompute, stage=stage)
         held = cost_model.recompute_held_mib(ins.mbs, ins.seqlen, dec, recompute=ins.recompute, stage=stage)
-        out[key] = (float(c.stored_mib), float(c.peak_mib), float(held))
+        # What a split backward's weight part keeps from the end of the input part (as the
+        # simulator's StageTimes.weight_stash_mib prices it).
+        _, stash = backward_split(cost_model.model, cost_model.layouts[stage], ins.mbs, ins.seqlen, dec,
+                                  recompute=ins.recompute, tp=cost_model.tp)
+        out[key] = (float(c.stored_mib), float(c.peak_mib), float(held), float(stash))
     return out
 
 
@@ -63,6 +68,7 @@ def planned_activation_peak_mib(plan: ExecutionPlan, cost_model: CostModel, *, t
     grad_specs = {ins.buffer: ins.tensors for ins in plan.instructions if isinstance(ins, SendGradStart)}
     buffers: dict[str, float] = {}
     stored_of: dict[tuple[int, int], float] = {}  # (mb, chunk) -> stored MiB
+    stash_of: dict[tuple[int, int], float] = {}  # (mb, chunk) -> weight stash MiB, input part to weight part
     stored = peak = 0.0
     for ins in plan.instructions:
         high = None
@@ -71,7 +77,7 @@ def planned_activation_peak_mib(plan: ExecutionPlan, cost_model: CostModel, *, t
         elif isinstance(ins, (RecvActivationStart, RecvGradStart)):
             buffers[ins.buffer] = message_mib(ins.tensors)
         elif isinstance(ins, ForwardPass):
-            st, pk, _ = costs[(ins.mb, ins.chunk, ins.recompute)]
+            st, pk, _, _ = costs[(ins.mb, ins.chunk, ins.recompute)]
             buffers.pop(buffer_name("act_in", ins.mb, ins.chunk), None)  # now the first layer's stored input
             if transient:
                 high = stored + st + pk
@@ -80,10 +86,20 @@ def planned_activation_peak_mib(plan: ExecutionPlan, cost_model: CostModel, *, t
             out = buffer_name("act_out", ins.mb, ins.chunk)
             if out in send_specs:
                 buffers[out] = message_mib(send_specs[out])
+        elif isinstance(ins, BackwardPass) and ins.part == "weight":
+            # Runs the deferred GEMMs and releases their stash; no plan buffer, no recompute.
+            high = stored
+            stored -= stash_of.pop((ins.mb, ins.chunk), 0.0)
         elif isinstance(ins, BackwardPass):
-            _, pk, held = costs[(ins.mb, ins.chunk, ins.recompute)]
-            high = stored + (pk if transient else held)
+            _, pk, held, ws = costs[(ins.mb, ins.chunk, ins.recompute)]
+            before = stored
             stored -= stored_of.pop((ins.mb, ins.chunk), 0.0)
+            if ins.part == "input":  # all but the weight part's stash is released
+                stored += ws
+                stash_of[(ins.mb, ins.chunk)] = ws
+            # An input part peaks on whichever is higher, what it started or ended with (under
+            # full recompute its last rematerialised layer runs on top of the others' stashes).
+            high = max(before, stored) + (pk if transient else held)
             grad_out = buffer_name("grad_out", ins.mb, ins.chunk)
             if grad_out in grad_specs:
                 buffers[grad_out] = message_mib(grad_specs[grad_out])
