@@ -185,14 +185,17 @@ def _to_simulation(method: str, plan: IterationPlan, cost_model: CostModel, real
 def simulate_method(lengths, method: str, cost_model: CostModel, *, dp: int = 1,
                     micro_batch_size: Optional[int] = None, seq_length: Optional[int] = None,
                     memory_limit_mib: Optional[float] = None, reserved_mib: Optional[float] = None,
-                    cluster: Optional[ClusterConfig] = None, tp: int = 1, zero: bool = False) -> MethodSimulation:
+                    cluster: Optional[ClusterConfig] = None, tp: int = 1, zero: bool = False,
+                    split_backward: bool = True) -> MethodSimulation:
     """Plan and simulate one iteration of ``lengths`` (tokens) with ``method`` (one of :data:`METHODS`).
 
     ``micro_batch_size`` (samples, rows for packing) is required by the sized baselines.
     The baselines under 1F1B take the lightest uniform recompute level that fits;
     ``dynapipe``/``packing-search`` let the schedule search choose (per stage), and
     ``dynapipe-1f1b`` lets it choose a uniform level. Memory defaults to the cost
-    model's device config (MiB). Raises :class:`DynaPipeError` when nothing fits.
+    model's device config (MiB). ``split_backward=False``: the stages cannot split their
+    backward (Transformer Engine's layers), so no search tries the zero-bubble schedules.
+    Raises :class:`DynaPipeError` when nothing fits.
     """
     if method not in METHOD_SPECS:
         raise DynaPipeError(f"method {method!r} is not known; use one of {', '.join(METHODS)}.")
@@ -201,7 +204,7 @@ def simulate_method(lengths, method: str, cost_model: CostModel, *, dp: int = 1,
         raise DynaPipeError(f"method {method!r} needs a micro-batch size (samples, or rows for packing).")
     common = dict(dp=dp, method=batching, schedule=schedule, memory_limit_mib=memory_limit_mib,
                   reserved_mib=reserved_mib, cluster=cluster, micro_batch_size=micro_batch_size or 1,
-                  seq_length=seq_length, tp=tp, zero=zero)
+                  seq_length=seq_length, tp=tp, zero=zero, split_backward=split_backward)
     real = _real_tokens(lengths, seq_length)
     if searched:
         plan = plan_iteration(lengths, cost_model, recompute=None, **common)

@@ -24,6 +24,10 @@ tokens/s over all its batches). ``compute_over_floor``: a method's compute over 
 compute floor (:mod:`dynapipe.cost.compute_floor`), how much of its compute the cut wastes.
 Writes JSON and a Markdown table; prints the table.
 
+Layers are priced as megatron-core's local ones (unfused attention, dropout 0.1) with a
+backward the zero-bubble schedules can split; ``--fused-attention --no-split-backward`` prices
+Transformer Engine's (flash or fused attention keeps no score matrix; its backward does not split).
+
     python scripts/bench_cluster.py                       # every case, 3 batches each (under a minute)
     python scripts/bench_cluster.py --quick               # one case, one batch (seconds)
 """
@@ -121,7 +125,8 @@ def run_case(case: Case, args) -> dict:
     cost = build_cost_model(model, device, case.stages, None, tp)
     batches = [global_batch_of_tokens(args.tokens, args.seed + b, case.seq_length, model.is_encoder_decoder)
                for b in range(args.batches)]
-    kwargs = dict(dp=case.dp, seq_length=case.seq_length, cluster=cluster, zero=case.zero, tp=case.tp)
+    kwargs = dict(dp=case.dp, seq_length=case.seq_length, cluster=cluster, zero=case.zero, tp=case.tp,
+                  split_backward=not args.no_split_backward)
     placement = None
     if model.is_encoder_decoder:
         # Layers per stage chosen on batches drawn apart from the measured ones (other seeds),
@@ -131,7 +136,7 @@ def run_case(case: Case, args) -> dict:
         # Contiguous or interleaved (encoder and decoder chunks on every stage): the faster
         # in DynaPipe's simulation of the sample batches.
         placement = choose_placement_kind(sample, cost, dp=case.dp, seq_length=case.seq_length, zero=case.zero,
-                                          cluster=cluster)
+                                          cluster=cluster, split_backward=not args.no_split_backward)
         even_cost, cost = cost, placement.cost_model
     elif case.chunks > 1:
         # Every method on the chunks; DynaPipe on one chunk a rank is kept as the before.
@@ -207,6 +212,9 @@ def main(argv=None) -> int:
                    help="price every model with a fused attention kernel (flash or cuDNN fused attention, as "
                         "Transformer Engine runs bf16), which keeps no score matrix; default: megatron-core's "
                         "local, unfused attention with dropout 0.1, which keeps 5 bytes a score")
+    p.add_argument("--no-split-backward", action="store_true",
+                   help="the stages cannot split their backward (Transformer Engine's layers): no method's search "
+                        "tries zb-h1 or interleaved-zb")
     p.add_argument("--case", default=None, metavar="TEXT",
                    help="only the cases whose label contains TEXT, e.g. 't5-11b' (with --quick: one batch each)")
     args = p.parse_args(argv)
@@ -241,6 +249,7 @@ def main(argv=None) -> int:
     report = {"setup": {"device": args.device, "cluster": args.cluster, "tokens_per_batch": args.tokens,
                         "batches": args.batches, "seed": args.seed, "cost_model": "analytic",
                         "attention": "fused" if args.fused_attention else "unfused, dropout 0.1",
+                        "split_backward": not args.no_split_backward,
                         "mixture": "synthetic FLAN-like (configs/data/flan-mixture.yaml)",
                         "simulated_ms": "makespan of the slowest replica's pipeline (forward, backward, "
                                         "point-to-point transfers); excludes the data-parallel gradient "

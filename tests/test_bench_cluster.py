@@ -111,3 +111,16 @@ def test_fused_attention_prices_no_score_matrix(tmp_path):
     assert all(f < u for f, u in zip(fused["stage_peak_mib"], unfused["stage_peak_mib"]))
     largest = {k: max(s["micro_batch_size"] for s in m["sweep"] if s["fits"]) for k, m in runs.items()}
     assert largest["fused"] > largest["unfused, dropout 0.1"]
+
+
+def test_stages_that_cannot_split_their_backward_get_no_zero_bubble_schedule(tmp_path):
+    out = tmp_path / "te.json"
+    r = subprocess.run([sys.executable, SCRIPT, "--quick", "--case", "gpt-7b PP8 x DP2, seq 2048", "--methods",
+                        "dynapipe,packing-search", "--fused-attention", "--no-split-backward", "--output", str(out)],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["setup"]["split_backward"] is False and report["setup"]["attention"] == "fused"
+    (case,) = report["cases"]
+    for name, m in case["methods"].items():
+        assert m["schedule"] and not set(m["schedule"]) & {"zb-h1", "interleaved-zb"}, (name, m["schedule"])
