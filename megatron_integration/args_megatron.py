@@ -150,12 +150,15 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="compute the attention softmax of --bf16/--fp16 runs in fp32 (default: in the run's "
                         "precision, as Megatron-LM; --apply-query-key-layer-scaling turns it on; megatron-core's "
                         "local attention only, Transformer Engine's chooses its own)")
-    # Megatron-LM fuses these kernels by default on GPUs; this build runs megatron-core's unfused
-    # paths (its TransformerConfig defaults), so turning a fusion off asks for what is done.
-    for flag in ("--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion",
-                 "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
-                 "--no-rope-fusion"):
-        g.add_argument(flag, action="store_true", help="accepted: megatron-core's unfused path runs")
+    # Megatron-LM fuses these kernels by default on GPUs (torch.compile'd or CUDA extensions);
+    # this build runs megatron-core's unfused paths. The one whose maths differs is honoured:
+    # the fused bias-GeLU is GeLU's tanh approximation, so that is the default GeLU here too.
+    g.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion",
+                   help="the exact (erf) GeLU of Megatron-LM's unfused path; default: the tanh approximation its "
+                        "fused bias-GeLU computes (run unfused here, same maths)")
+    for flag in ("--no-masked-softmax-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
+                 "--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-rope-fusion"):
+        g.add_argument(flag, action="store_true", help="accepted: megatron-core's unfused path runs (the same maths)")
 
     g = parser.add_argument_group("learning rate and optimizer")
     g.add_argument("--lr", type=float, default=None, help="peak learning rate")

@@ -76,7 +76,8 @@ def model_args_from_args(args: argparse.Namespace, cuda: bool) -> GPTModelArgs:
         norm_epsilon=_positive("norm-epsilon", args.norm_epsilon),
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion, deterministic_mode=args.deterministic_mode,
         apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
-        attention_softmax_in_fp32=args.attention_softmax_in_fp32, **shape)
+        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
+        bias_gelu_fusion=getattr(args, "bias_gelu_fusion", True), **shape)
 
 
 def _recompute_modules(modules: Optional[list], granularity: Optional[str]) -> None:

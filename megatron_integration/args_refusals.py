@@ -60,7 +60,8 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--exit-signal-handler": "stop a run with --exit-interval or --exit-duration-in-mins (a signal ends it "
                              "without a checkpoint); drop it",
     "--exit-signal-handler-for-dataloader": "no data-loader workers are started; drop it",
-    "--log-throughput-to-tensorboard": "--log-throughput prints TFLOP/s on the log line only; drop it",
+    "--log-throughput-to-tensorboard": "--log-throughput with --tensorboard-dir already writes TFLOP/s to "
+                                       "TensorBoard; drop it",
     "--start-eval-at-iter": "evaluation runs every --eval-interval iterations from the start; drop it",
     "--eod-mask-loss": "samples are whole documents without separators; drop it",
     "--fp8-format": "fp8 training is not supported; use --bf16",

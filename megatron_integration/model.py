@@ -52,6 +52,12 @@ def te_available() -> bool:
     return bool(getattr(gpt_layer_specs, "HAVE_TE", False))
 
 
+def tanh_gelu(x: torch.Tensor) -> torch.Tensor:
+    """GeLU's tanh approximation: what Megatron-LM's fused bias-GeLU (its default) computes,
+    ``0.5 x (1 + tanh(0.79788456 x (1 + 0.044715 x^2)))``."""
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
 def transformer_config(model: GPTModelArgs, parallel: ParallelArgs, cuda: Optional[bool] = None,
                        recompute: Optional[RecomputeArgs] = None):
     """megatron-core ``TransformerConfig`` for this model and process layout; ``recompute``:
@@ -97,11 +103,14 @@ def transformer_config(model: GPTModelArgs, parallel: ParallelArgs, cuda: Option
     os.environ["NVTE_APPLY_QK_LAYER_SCALING"] = "1" if model.apply_query_key_layer_scaling else "0"
     if model.swiglu:
         kwargs.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
+    elif model.gelu_approximation == "tanh":
+        kwargs.update(activation_func=tanh_gelu)
     if recompute is not None and recompute.granularity is not None:
         kwargs.update(recompute_granularity=recompute.granularity, recompute_method=recompute.method,
                       recompute_num_layers=recompute.num_layers)
     if not cuda:
-        # Fused kernels are CUDA-only (or need a compiler); the unfused paths are the same maths.
+        # Fused kernels are CUDA-only (or need a compiler); the unfused paths are the same maths
+        # (the bias-GeLU's tanh approximation is the activation above).
         kwargs.update(gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
                       bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
     return TransformerConfig(**kwargs)

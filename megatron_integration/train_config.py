@@ -38,6 +38,9 @@ class GPTModelArgs:
     # before padding (0: --vocab-size was given, nothing padded).
     unpadded_vocab_size: int = 0
     swiglu: bool = False  # --swiglu: gated SiLU MLP (FC1 twice ffn_hidden_size wide)
+    # Megatron-LM's bias-GeLU fusion (on unless --no-bias-gelu-fusion) computes GeLU's tanh
+    # approximation; its unfused path the exact (erf) GeLU. Only a biased, ungated MLP fuses.
+    bias_gelu_fusion: bool = True
     add_bias_linear: bool = True  # cleared by --disable-bias-linear
     # --add-qkv-bias: the QKV projection keeps its bias under --disable-bias-linear (megatron-core
     # gives it one when either is set).
@@ -73,6 +76,12 @@ class GPTModelArgs:
                            position_embedding_type=self.position_embedding_type,
                            fused_attention=self.fused_attention,
                            attention_softmax_in_fp32=self.softmax_in_fp32).validate(name)
+
+    @property
+    def gelu_approximation(self) -> str:
+        """``"tanh"`` where Megatron-LM's fused bias-GeLU would run (its maths, computed unfused
+        here), else ``"none"`` (the exact GeLU of its unfused path); SwiGLU MLPs have no GeLU."""
+        return "tanh" if self.bias_gelu_fusion and self.add_bias_linear and not self.swiglu else "none"
 
     @property
     def softmax_in_fp32(self) -> bool:

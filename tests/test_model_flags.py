@@ -250,7 +250,7 @@ def test_qwen_layer_flags_parse_price_and_reach_megatron_core():
     def count(**kw):
         return stage_param_count(dataclasses.replace(GPT, **kw), MIDDLE)
 
-    h, hd, layers = GPT.hidden_size, GPT.head_dim, 2
+    hd, layers = GPT.head_dim, 2
     qkv = GPT.attention_dim + 2 * GPT.kv_dim
     assert count(add_bias_linear=False, add_qkv_bias=True) - count(add_bias_linear=False) == layers * qkv
     assert count(add_qkv_bias=True) == count()  # the linear biases already include it
@@ -354,3 +354,25 @@ def test_attention_softmax_in_fp32_is_megatrons_flag():
         probs[fp32] = softmax(scores, mask)
         assert probs[fp32].dtype == torch.bfloat16 and (probs[fp32][mask.expand_as(scores)] == 0).all()
     assert torch.allclose(probs[False].float(), probs[True].float(), atol=1e-2)
+
+
+def test_gelu_is_the_tanh_approximation_of_megatrons_default_bias_gelu_fusion():
+    # Megatron-LM fuses bias and GeLU by default (fused_bias_gelu.bias_gelu: GeLU's tanh
+    # approximation); --no-bias-gelu-fusion runs its unfused path, the exact GeLU, as does a
+    # model without biases (Megatron-LM then turns the fusion off). SwiGLU has no GeLU.
+    import torch
+    import torch.nn.functional as F
+
+    from megatron_integration.model import transformer_config
+
+    def activation(extra=""):
+        cfg = parse(extra)
+        return transformer_config(cfg.model, cfg.parallel, cuda=False).activation_func
+
+    x = torch.linspace(-6, 6, 1001, dtype=torch.float64)
+    megatron_bias_gelu = x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+    assert torch.allclose(activation()(x), megatron_bias_gelu, atol=1e-8)
+    assert not torch.allclose(F.gelu(x), megatron_bias_gelu, atol=1e-4)  # the two differ
+    for extra in ("--no-bias-gelu-fusion", "--disable-bias-linear"):
+        assert activation(extra) is F.gelu, extra
+    assert activation("--swiglu") is F.silu
