@@ -364,7 +364,8 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
                   "cost_model": profile or "analytic", "timed_regions": bench_sim.TIMED_REGIONS,
                   "cpu_allocator": cpu_allocator.describe(),
                   "attention_share_reference": f"gpt-7b at --seq-length {REFERENCE_SEQ_LENGTH}, same method, "
-                                               f"simulated on the same mixture (65,536 tokens, PP4 x DP2 a100-40gb)"},
+                                               f"simulated on the same mixture (65,536 tokens, PP4 x DP2 a100-40gb, "
+                                               f"distributed optimizer)"},
     }
     if best_base is not None:
         for m in DYNAPIPE_METHODS:

@@ -150,12 +150,13 @@ class BenchSimulation:
 
 def gpt7b_attention_shares(methods: Sequence[str], seq_length: int, tokens: int = 65536) -> dict[str, float]:
     """GPT-7B's attention share of the layer FLOPs under each method, simulated on one
-    global batch of the mixture at ``seq_length`` (PP4 x DP2, a100-40gb, baselines at
-    their best micro-batch size): the reference the representative preset matches."""
+    global batch of the mixture at ``seq_length`` (PP4 x DP2, a100-40gb with the distributed
+    optimizer, as the cluster simulation's case; baselines at their best micro-batch size): the
+    reference the representative preset matches."""
     model = load_model_config("gpt-7b")
     cost = build_cost_model(model, load_device_config("a100-40gb"), 4)
     batch = global_batch_of_tokens(tokens, 0, seq_length)
-    kw = dict(dp=2, seq_length=seq_length, cluster=load_cluster_config("a100-8x"))
+    kw = dict(dp=2, seq_length=seq_length, cluster=load_cluster_config("a100-8x"), zero=True)
     out = {}
     for m in methods:
         if m in ("padding", "padding-mb", "packing"):

@@ -150,7 +150,7 @@ def test_the_derived_selective_share_splits_as_the_analytic_model_does_under_tp(
     from dynapipe.cost.analytic import AnalyticCostModel
 
     tp = TensorParallelConfig(size=2, sequence_parallel=sp)
-    cm = ProfileCostModel(TINY, _profile(tp=2, sequence_parallel=sp), 1, tp=tp)
+    cm = ProfileCostModel(TINY, _profile(tp=2, sequence_parallel=sp, device="cpu"), 1, tp=tp)
     layout = StageLayout(stage=0, encoder_layers=0, decoder_layers=1, has_embedding=False, has_output=False)
     b, s = np.ones(1), np.asarray([1024.0])
     kept = (cm.layout_cost(layout, b, s, s, "selective").stored_mib / cm.layout_cost(layout, b, s, s, "none").stored_mib)

@@ -58,7 +58,8 @@ def test_dynapipe_level_comes_from_either_flag():
 
 def _lengths(tmp_path):
     p = tmp_path / "lengths.txt"
-    p.write_text("4096\n" * 8)
+    # Long enough that only full recompute holds one sample on gpt-7b's 4 stages of 40 GB.
+    p.write_text("3840\n" * 8)
     return str(p)
 
 
@@ -72,7 +73,7 @@ def test_cli_escalates_recompute_when_not_given(tmp_path, capsys, command):
     assert "recompute full, chosen" in err  # it says which level it chose
     if command == "plan":
         assert json.loads(out)["batching_recompute"] == "full"
-    # A level given explicitly is not escalated: none cannot hold a 4096-token sample here.
+    # A level given explicitly is not escalated: none cannot hold a 3840-token sample here.
     assert main(args + ["--recompute", "none"]) == 2
     assert "does not fit in memory even alone" in capsys.readouterr().err
 

@@ -316,6 +316,9 @@ class ProfileCostModel(CostModel):
         super().__init__(model, num_stages, tp)
         self.stage_overhead_ms = float(profile.get("stage_overhead_ms", 0.0))
         self.profile = profile
+        # Bytes a dropout mask of the measured layers kept per element, for the derived levels'
+        # shares: a CPU's dropout keeps masks of the activation's dtype, CUDA's bool ones.
+        self.mask_bytes = model.dtype_bytes if profile.get("device") == "cpu" else 1
         if model.is_encoder_decoder:
             self.tables = load_t5_tables(profile, _Table)
             return
@@ -358,7 +361,8 @@ class ProfileCostModel(CostModel):
     def layout_cost(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str) -> StageCost:
         m = self.model
         if m.is_encoder_decoder:
-            return t5_layout_cost(m, self.tables, layout, mbs, seqlen, dec_seqlen, recompute, self.stage_overhead_ms)
+            return t5_layout_cost(m, self.tables, layout, mbs, seqlen, dec_seqlen, recompute, self.stage_overhead_ms,
+                                  mask_bytes=self.mask_bytes)
         n = layout.decoder_layers
         layer = self._op("layer", mbs, seqlen)
         fw, bw = n * layer["fw_ms"], n * layer["bw_ms"]
@@ -377,8 +381,8 @@ class ProfileCostModel(CostModel):
             # Per TP rank, as the analytic model splits them: the norms' and residuals' share over
             # the sequence shards, the rest (scores included) over the tensor-parallel ranks.
             t, shard = self.tp.size, self.tp.size if self.tp.sequence_parallel else 1
-            scores = score_bytes(m) * m.num_attention_heads * s / t
-            score_share = scores / (layer_token_bytes(m, t, shard) + scores)
+            scores = score_bytes(m, self.mask_bytes) * m.num_attention_heads * s / t
+            score_share = scores / (layer_token_bytes(m, t, shard, self.mask_bytes) + scores)
             if recompute == "selective":
                 bw = bw + fw * core_share
                 stored = stored * (1 - score_share)
