@@ -1,4 +1,5 @@
 """The layout advisor: its ranking against an exhaustive grid, memory, and the run config it writes."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -358,3 +359,25 @@ def test_interleaved_layouts_are_priced_on_megatron_chunks_and_train_from_the_ru
     out.write_text(run_config_text(best, tiny, "cpu", "cpu-local", local, 2, 1200, 128, None, None, small))
     assert "num-virtual-stages-per-pipeline-rank: 2" in out.read_text()
     assert re_loss(train_one_iteration("pretrain_gpt.py", out, 19))
+
+
+def test_the_run_config_trains_the_layer_kind_that_was_simulated():
+    # A model config's layer kind, dropout and positions become the run's Megatron flags, so the
+    # run's planner model is the one advise simulated.
+    from dynapipe.cli.advise import layer_flags
+    from megatron_integration.arguments import parse_training_args
+
+    model = dataclasses.replace(load_model_config("gpt-tiny"), gated_linear_unit=True, add_bias_linear=False,
+                                add_qkv_bias=True, qk_layernorm=True, normalization="RMSNorm", num_query_groups=2,
+                                hidden_dropout=0.0, attention_dropout=0.05, position_embedding_type="rope",
+                                tie_embeddings=False)
+    argv = [f"--{k}" if v is True else f"--{k} {v}" for k, v in layer_flags(model).items()]
+    base = (f"--num-layers {model.num_layers} --hidden-size {model.hidden_size} --num-attention-heads "
+            f"{model.num_attention_heads} --ffn-hidden-size {model.ffn_hidden_size} --seq-length 128 "
+            f"--vocab-size {model.vocab_size} --micro-batch-size 1 --global-batch-size 4 --lr 1e-3 --mock-data "
+            f"--train-iters 1")
+    got = parse_training_args(f"{base} {' '.join(argv)}".split(), 1, cuda=False).model.to_model_config()
+    for key in ("gated_linear_unit", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "normalization",
+                "num_query_groups", "hidden_dropout", "attention_dropout", "position_embedding_type", "tie_embeddings"):
+        assert getattr(got, key) == getattr(model, key), key
+    assert layer_flags(load_model_config("gpt-tiny")) == {}  # Megatron's defaults are not written out

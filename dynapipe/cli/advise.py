@@ -138,6 +138,37 @@ def _same_file(a: str, b: str) -> bool:
         return False
 
 
+def layer_flags(model) -> dict:
+    """The Megatron flags (run-config keys) of ``model``'s layer kind, dropout and positions
+    where they differ from Megatron's defaults, so the run trains the model that was simulated."""
+    flags = {}
+    if model.hidden_dropout != 0.1:
+        flags["hidden-dropout"] = model.hidden_dropout
+    if model.attention_dropout != 0.1:
+        flags["attention-dropout"] = model.attention_dropout
+    if model.attention_softmax_in_fp32:
+        flags["attention-softmax-in-fp32"] = True
+    if not model.tie_embeddings:
+        flags["untie-embeddings-and-output-weights"] = True
+    if model.is_encoder_decoder:  # T5 stages are built as Megatron's T5: nothing else to choose
+        return flags
+    if model.position_embedding_type != "learned_absolute":
+        flags["position-embedding-type"] = model.position_embedding_type
+    if model.gated_linear_unit:
+        flags["swiglu"] = True
+    if not model.add_bias_linear:
+        flags["disable-bias-linear"] = True
+    if model.add_qkv_bias:
+        flags["add-qkv-bias"] = True
+    if model.qk_layernorm:
+        flags["qk-layernorm"] = True
+    if model.normalization != "LayerNorm":
+        flags["normalization"] = model.normalization
+    if model.num_query_groups:
+        flags.update({"group-query-attention": True, "num-query-groups": model.num_query_groups})
+    return flags
+
+
 def run_config_text(best, model, device_name: str, cluster_name: str, cluster, gpus: int, tokens: int,
                     seq_length: int, memory_limit_mib, mixture_path, batches) -> str:
     """The best layout as a run config (``scripts/pretrain_gpt.py --run-config``, or
@@ -159,6 +190,7 @@ def run_config_text(best, model, device_name: str, cluster_name: str, cluster, g
     args.update({"max-position-embeddings": max(seq_length, model.max_seq_length), "vocab-size": model.vocab_size})
     if model.kv_channels:
         args["kv-channels"] = model.kv_channels
+    args.update(layer_flags(model))
     if model.dtype in ("bf16", "fp16"):
         args[model.dtype] = True
     if samples < lay.dp:
