@@ -301,6 +301,8 @@ def run(out_dir: str, timeout_s: float, shape: CheckShape = GPU_SHAPE) -> dict:
 
     _phase(report, "profile", profile_body, save)
     base = list(shape.model_args + shape.train_args) + impl
+    if "error" not in report["profile"]:
+        _phase(report, "analytic_memory", lambda: analytic_memory(profile, base, device), save)
     # Without a profile the DynaPipe runs still train, planned by the analytic cost model.
     report["cost_model"] = cost = "analytic" if "error" in report["profile"] else profile
 
@@ -339,6 +341,36 @@ def run(out_dir: str, timeout_s: float, shape: CheckShape = GPU_SHAPE) -> dict:
                 f"Transformer Engine {'yes' if te else 'no'}), {report['wall_s']} s; {planned}\n\n{table}")
     print(table)
     return report
+
+
+def analytic_memory(profile_path: str, argv: Sequence[str], device: str) -> dict:
+    """The analytic cost model's stored MiB of one layer (levels none and selective) against
+    the profile's measurement at every grid point: checks what it counts (dropout, positions,
+    fused attention with Transformer Engine) on this device's layers."""
+    import torch
+
+    from dynapipe.config import load_device_config
+    from dynapipe.cost import AnalyticCostModel, StageLayout
+    from megatron_integration.arguments import parse_training_args
+
+    with open(profile_path) as f:
+        data = json.load(f)
+    cuda = torch.cuda.is_available()
+    model = parse_training_args(list(argv), 1, cuda=cuda).model.to_model_config()
+    cm = AnalyticCostModel(model, load_device_config(device_config(device) if cuda else "cpu"), 1)
+    layer = StageLayout(stage=0, encoder_layers=0, decoder_layers=1, has_embedding=False, has_output=False)
+    points = []
+    for i, b in enumerate(data["mbs"]):
+        for j, s in enumerate(data["seqlen"]):
+            point = {"mbs": b, "seqlen": s}
+            for level, op in (("none", "layer"), ("selective", "layer_selective")):
+                if op in data["ops"]:
+                    measured = data["ops"][op]["stored_mib"][i][j]
+                    priced = float(cm.layout_cost(layer, b, s, s, level).stored_mib)
+                    point[level] = {"measured_mib": measured, "analytic_mib": round(priced, 3),
+                                    "analytic_over_measured": round(priced / measured, 3) if measured else None}
+            points.append(point)
+    return {"fused_attention": model.fused_attention, "points": points}
 
 
 def run_profile(argv: Sequence[str]) -> int:

@@ -86,6 +86,14 @@ def test_the_whole_check_runs_at_a_tiny_shape_on_cpu(tmp_path):
     assert all("error" not in r for r in methods.values()), methods
     assert not gpu_check.failed({"profile": report["profile"], "methods": methods})
     assert report["cost_model"].endswith("profile.json") and report["packing_path"] == "masked rows"
+    # The analytic model's stored memory of a layer against the profile's, at every grid point:
+    # dropout 0 and rotary positions in fp32 local layers, counted within 10% (the rotary
+    # angles' cosines and sines are the part it leaves out).
+    analytic = report["analytic_memory"]
+    assert analytic["fused_attention"] is False and len(analytic["points"]) == 4
+    for point in analytic["points"]:
+        for level in ("none", "selective"):
+            assert 0.9 <= point[level]["analytic_over_measured"] <= 1.1, point
     # Same global batches, same model, fp32: every method's losses agree.
     assert report["max_relative_loss_difference"] < 1e-5
     for name, r in methods.items():
