@@ -235,8 +235,10 @@ def advise(batches: Sequence[np.ndarray], model: ModelConfig, device: DeviceConf
         if states >= capacity:
             refused.append((layout, f"model states need {states:.0f} MiB of the {capacity:.0f} MiB a GPU may use"))
             continue
+        # Transformer Engine's layers (a model config with fused attention) cannot split their
+        # backward: no zero-bubble schedule for them.
         kw = dict(dp=layout.dp, seq_length=seq_length, memory_limit_mib=limit, reserved_mib=device.reserved_mib,
-                  cluster=cluster, tp=layout.tp, zero=layout.zero)
+                  cluster=cluster, tp=layout.tp, zero=layout.zero, split_backward=not model.fused_attention)
         placement = None
         if plan_placement and model.is_encoder_decoder and layout.pp > 1:
             cm = _placed(batches, cm, kw)

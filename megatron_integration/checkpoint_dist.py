@@ -73,6 +73,8 @@ def megatron_args(recorded: dict, cfg, info: RankInfo, iteration: int, consumed_
         untie_embeddings_and_output_weights=not m.tie_embeddings, normalization=m.normalization,
         # Megatron-LM's validate_args sets add_qkv_bias whenever the linear layers have biases.
         qk_layernorm=m.qk_layernorm, add_qkv_bias=m.add_qkv_bias or m.add_bias_linear,
+        # Megatron-LM's validate_args drops the bias-GeLU fusion without biases.
+        bias_gelu_fusion=m.bias_gelu_fusion and m.add_bias_linear,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         data_parallel_size=p.data_parallel_size, world_size=p.world_size,
@@ -252,7 +254,29 @@ def _model_mismatch(ckpt_args, cfg, mine: Optional[dict] = None) -> Optional[str
             if name in FLAG_OF:
                 return f"{name} {theirs} in the checkpoint, {value} here: {FLAG_OF[name]}"
             return f"--{name.replace('_', '-')} {theirs} in the checkpoint, {value} here"
-    return None
+    return _gelu_mismatch(ckpt_args, m)
+
+
+def _gelu_mismatch(ckpt_args, m) -> Optional[str]:
+    """The GeLU a checkpoint's model computed against this run's (a biased, ungated MLP only):
+    Megatron-LM's bias-GeLU fusion (``bias_gelu_fusion``) computes the tanh approximation. A
+    checkpoint that records ``no_bias_gelu_fusion`` instead was written by an earlier build of
+    this project, which computed the exact GeLU whatever the flag said."""
+    if getattr(m, "swiglu", True) or not getattr(m, "add_bias_linear", False):
+        return None
+    if getattr(ckpt_args, "bias_gelu_fusion", None) is not None:
+        theirs = bool(ckpt_args.bias_gelu_fusion)
+    elif getattr(ckpt_args, "no_bias_gelu_fusion", None) is not None:
+        theirs = False
+    else:
+        return None
+    ours = m.gelu_approximation == "tanh"
+    if theirs == ours:
+        return None
+    if ours:
+        return ("the checkpoint's model computed the exact GeLU (Megatron-LM's unfused path), this run the tanh "
+                "approximation of its default bias-GeLU fusion: --no-bias-gelu-fusion")
+    return "the checkpoint's model computed the tanh-approximated GeLU of the bias-GeLU fusion, this run the exact one"
 
 
 def load_dist(iter_dir: str, cfg, gpt, optimizer, scheduler, info: RankInfo, load_optim: bool,

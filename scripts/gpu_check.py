@@ -249,7 +249,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def failed(report: dict) -> bool:
     """Whether any phase of ``report`` failed, the profile included."""
-    return "error" in report.get("profile", {}) or any("error" in r for r in report["methods"].values())
+    return ("error" in report.get("profile", {}) or "error" in report.get("analytic_memory", {})
+            or any("error" in r for r in report["methods"].values()))
 
 
 def _phase(results: dict, name: str, body: Callable[[], dict], save: Callable[[], None]) -> None:

@@ -372,6 +372,7 @@ def test_the_run_config_trains_the_layer_kind_that_was_simulated():
                                 hidden_dropout=0.0, attention_dropout=0.05, position_embedding_type="rope",
                                 tie_embeddings=False)
     argv = [f"--{k}" if v is True else f"--{k} {v}" for k, v in layer_flags(model).items()]
+    assert "--transformer-impl local" in argv
     base = (f"--num-layers {model.num_layers} --hidden-size {model.hidden_size} --num-attention-heads "
             f"{model.num_attention_heads} --ffn-hidden-size {model.ffn_hidden_size} --seq-length 128 "
             f"--vocab-size {model.vocab_size} --micro-batch-size 1 --global-batch-size 4 --lr 1e-3 --mock-data "
@@ -380,4 +381,8 @@ def test_the_run_config_trains_the_layer_kind_that_was_simulated():
     for key in ("gated_linear_unit", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "normalization",
                 "num_query_groups", "hidden_dropout", "attention_dropout", "position_embedding_type", "tie_embeddings"):
         assert getattr(got, key) == getattr(model, key), key
-    assert layer_flags(load_model_config("gpt-tiny")) == {}  # Megatron's defaults are not written out
+    # Megatron's defaults are not written out; the layers always are (Transformer Engine's are
+    # the GPU default, and they keep no attention scores and cannot split their backward).
+    assert layer_flags(load_model_config("gpt-tiny")) == {"transformer-impl": "local"}
+    te = dataclasses.replace(load_model_config("gpt-tiny"), fused_attention=True)
+    assert layer_flags(te) == {"transformer-impl": "transformer_engine"}

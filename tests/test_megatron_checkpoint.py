@@ -316,6 +316,15 @@ def test_recorded_args_have_megatron_lms_names_and_meanings():
         "--position-embedding-type learned_absolute in the checkpoint, rope here")
     assert _model_mismatch(SimpleNamespace(add_bias_linear=False), cfg) == (
         "add_bias_linear False in the checkpoint, True here: --disable-bias-linear")
+    # The GeLU: Megatron-LM's default bias-GeLU fusion is the tanh approximation, which this run
+    # computes; a checkpoint of the exact GeLU (--no-bias-gelu-fusion, or an earlier build of this
+    # project, which recorded no_bias_gelu_fusion and computed the exact GeLU) is refused with the fix.
+    assert recorded("")[1].bias_gelu_fusion is True
+    assert _model_mismatch(SimpleNamespace(bias_gelu_fusion=True), cfg) is None
+    for old in (SimpleNamespace(bias_gelu_fusion=False), SimpleNamespace(no_bias_gelu_fusion=False)):
+        assert _model_mismatch(old, cfg).endswith(": --no-bias-gelu-fusion")
+        assert _model_mismatch(old, _parse("--no-bias-gelu-fusion")) is None
+    assert _model_mismatch(SimpleNamespace(bias_gelu_fusion=False), _parse("--swiglu")) is None  # no GeLU
 
 
 def test_any_error_of_a_rank_becomes_its_one_line_with_the_fix():

@@ -139,9 +139,13 @@ def _same_file(a: str, b: str) -> bool:
 
 
 def layer_flags(model) -> dict:
-    """The Megatron flags (run-config keys) of ``model``'s layer kind, dropout and positions
-    where they differ from Megatron's defaults, so the run trains the model that was simulated."""
-    flags = {}
+    """The Megatron flags (run-config keys) of ``model``'s layers (local or Transformer Engine),
+    and its layer kind, dropout and positions where they differ from Megatron's defaults, so
+    the run trains the model that was simulated."""
+    # The layers simulated: Transformer Engine's where the config has fused attention, else
+    # megatron-core's local ones (--transformer-impl's default on GPUs is Transformer Engine;
+    # T5 stages are built from local layers only).
+    flags = {"transformer-impl": "transformer_engine" if model.fused_attention else "local"}
     if model.hidden_dropout != 0.1:
         flags["hidden-dropout"] = model.hidden_dropout
     if model.attention_dropout != 0.1:

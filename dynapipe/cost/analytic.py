@@ -116,6 +116,13 @@ class AnalyticCostModel(CostModel):
         norm = 2 * m.hidden_size * m.dtype_bytes + norm_stat_bytes(m)
         return norm / self._sp_div + m.vocab_size * FP32_BYTES / self.tp.size + LOSS_TARGET_BYTES
 
+    def _embedding_row_bytes(self) -> float:
+        """Stored bytes a token of the embedding: its dropout mask (sequence-sharded with SP).
+        The token and position ids its lookups keep are the stage's loaded inputs, which plans
+        hold as buffers."""
+        m = self.model
+        return m.hidden_size * self._mask_bytes / self._sp_div if m.hidden_dropout > 0 else 0.0
+
     def layout_cost(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str) -> StageCost:
         m, d = self.model, self.model.dtype_bytes
         b = mbs
@@ -175,10 +182,11 @@ class AnalyticCostModel(CostModel):
         fw_comm, bw_comm = comm, comm
         if layout.has_embedding:
             fw_comm = fw_comm + self._collective_ms(b, s_enc)
+            out_stored = out_stored + b * s_enc * self._embedding_row_bytes()
         if layout.has_output:
             out_fw = 2 * b * s_dec * m.hidden_size * m.vocab_size / eff_d
             # The loss keeps fp32 logits/softmax for its backward; the op needs a second copy.
-            out_stored = b * s_dec * self._output_row_bytes()
+            out_stored = out_stored + b * s_dec * self._output_row_bytes()
             out_peak = b * s_dec * m.vocab_size * FP32_BYTES / t
             bw_comm = bw_comm + self._collective_ms(b, s_dec)
             if self.tp.sequence_parallel:
