@@ -139,7 +139,7 @@ def run_case(case: Case, args) -> dict:
         # Contiguous or interleaved (encoder and decoder chunks on every stage): the faster
         # in DynaPipe's simulation of the sample batches.
         placement = choose_placement_kind(sample, cost, dp=case.dp, seq_length=case.seq_length, zero=case.zero,
-                                          cluster=cluster, split_backward=not args.no_split_backward)
+                                          cluster=cluster, split_backward=kwargs["split_backward"])
         even_cost, cost = cost, placement.cost_model
     elif case.chunks > 1:
         # Every method on the chunks; DynaPipe on one chunk a rank is kept as the before.

@@ -278,6 +278,8 @@ def run(out_dir: str, timeout_s: float, shape: CheckShape = GPU_SHAPE) -> dict:
     cuda = torch.cuda.is_available()
     device = torch.cuda.get_device_name(0) if cuda else "cpu"
     te = te_available()
+    # The device config the DynaPipe runs plan with (its memory limit): the GPU's, or the CPU's.
+    planner_device = device_config(device) if cuda else "cpu"
     profile = os.path.join(out_dir, "profile.json")
     results: dict = {}
     report = {"device": device, "torch": torch.__version__, "megatron_core": _megatron_version(),
@@ -303,7 +305,7 @@ def run(out_dir: str, timeout_s: float, shape: CheckShape = GPU_SHAPE) -> dict:
     _phase(report, "profile", profile_body, save)
     base = list(shape.model_args + shape.train_args) + impl
     if "error" not in report["profile"]:
-        _phase(report, "analytic_memory", lambda: analytic_memory(profile, base, device), save)
+        _phase(report, "analytic_memory", lambda: analytic_memory(profile, base, planner_device), save)
     # Without a profile the DynaPipe runs still train, planned by the analytic cost model.
     report["cost_model"] = cost = "analytic" if "error" in report["profile"] else profile
 
@@ -316,7 +318,7 @@ def run(out_dir: str, timeout_s: float, shape: CheckShape = GPU_SHAPE) -> dict:
 
     def dynapipe(level: str, *extra: str) -> list:
         return base + ["--use-dynapipe", "--dynapipe-cost-model", cost, "--dynapipe-recompute", level,
-                       "--dynapipe-device", device_config(device) if cuda else "cpu", *extra]
+                       "--dynapipe-device", planner_device, *extra]
 
     packing_flags = ["--dynapipe-batching", "packing", "--reset-position-ids", "--reset-attention-mask"]
     trace = os.path.join(out_dir, "trace")
@@ -347,7 +349,8 @@ def run(out_dir: str, timeout_s: float, shape: CheckShape = GPU_SHAPE) -> dict:
 def analytic_memory(profile_path: str, argv: Sequence[str], device: str) -> dict:
     """The analytic cost model's stored MiB of one layer (levels none and selective) against
     the profile's measurement at every grid point: checks what it counts (dropout, positions,
-    fused attention with Transformer Engine) on this device's layers."""
+    fused attention with Transformer Engine) on this device's layers (``device``: its device
+    config's name)."""
     import torch
 
     from dynapipe.config import load_device_config
@@ -358,7 +361,7 @@ def analytic_memory(profile_path: str, argv: Sequence[str], device: str) -> dict
         data = json.load(f)
     cuda = torch.cuda.is_available()
     model = parse_training_args(list(argv), 1, cuda=cuda).model.to_model_config()
-    cm = AnalyticCostModel(model, load_device_config(device_config(device) if cuda else "cpu"), 1)
+    cm = AnalyticCostModel(model, load_device_config(device), 1)
     layer = StageLayout(stage=0, encoder_layers=0, decoder_layers=1, has_embedding=False, has_output=False)
     points = []
     for i, b in enumerate(data["mbs"]):

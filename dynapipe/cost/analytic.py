@@ -40,11 +40,11 @@ from typing import Optional
 import numpy as np
 
 from dynapipe.config import DeviceConfig, ModelConfig, TensorParallelConfig
-from dynapipe.cost.activation_bytes import cross_token_bytes, layer_token_bytes, norm_stat_bytes, score_bytes
+from dynapipe.cost.activation_bytes import (FP32_BYTES, cross_token_bytes, layer_token_bytes, norm_stat_bytes,
+                                            score_bytes)
 from dynapipe.cost.backward_split import cross_attention_flops, layer_flops
 from dynapipe.cost.base import MIB, CostModel, StageCost, StageLayout
 
-FP32_BYTES = 4
 # megatron-core's vocabulary-parallel cross entropy keeps each token's target (int64) and mask (bool).
 LOSS_TARGET_BYTES = 9
 

@@ -59,7 +59,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from dynapipe.config import ModelConfig, TensorParallelConfig
-from dynapipe.cost.activation_bytes import layer_token_bytes, score_bytes
+from dynapipe.cost.activation_bytes import CUDA_MASK_BYTES, layer_token_bytes, score_bytes
 from dynapipe.cost.base import MIB, CostModel, StageCost, StageLayout
 from dynapipe.cost.profile_t5 import (FIELDS, KIND_DECODER_ONLY, KIND_ENCODER_DECODER, WEIGHT_FIELD, check_grid,
                                       check_op_table, check_t5_tables, check_weight_table, load_t5_tables,
@@ -318,7 +318,7 @@ class ProfileCostModel(CostModel):
         self.profile = profile
         # Bytes a dropout mask of the measured layers kept per element, for the derived levels'
         # shares: a CPU's dropout keeps masks of the activation's dtype, CUDA's bool ones.
-        self.mask_bytes = model.dtype_bytes if profile.get("device") == "cpu" else 1
+        self.mask_bytes = model.dtype_bytes if profile.get("device") == "cpu" else CUDA_MASK_BYTES
         if model.is_encoder_decoder:
             self.tables = load_t5_tables(profile, _Table)
             return
