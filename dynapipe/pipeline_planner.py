@@ -257,9 +257,11 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
 
 def _search(batch_plan: BatchPlan, cost_model: CostModel, *, schedule: str, memory_limit_mib: Optional[float],
             reserved_mib: Optional[float], cluster: Optional[ClusterConfig], recompute: Optional[str], tp: int,
-            zero: bool, explain: bool, lengths, split_backward: bool = True) -> tuple[BatchPlan, SearchResult]:
+            zero: bool, explain: bool, lengths, split_backward: bool = True,
+            must_beat_ms: Optional[float] = None) -> tuple[BatchPlan, SearchResult]:
     """The schedule search of :func:`schedule_batch_plan`: the batch plan as the executor
-    will run it (loss tokens, sequence-parallel rounding) and the search's result."""
+    will run it (loss tokens, sequence-parallel rounding) and the search's result
+    (``must_beat_ms``: see :func:`search_schedules`)."""
     limit, reserved = _default_memory(cost_model, memory_limit_mib, reserved_mib)
     capacity = None if limit is None or not np.isfinite(limit) else limit - reserved
     batch_plan = _loss_tokens(batch_plan, lengths, cost_model)
@@ -275,7 +277,8 @@ def _search(batch_plan: BatchPlan, cost_model: CostModel, *, schedule: str, memo
         replica_batches[mb.replica].append(mb)
     result = search_schedules(replica_batches, cost_model, schedule=schedule, recompute=recompute,
                               capacity_mib=capacity, cluster=cluster, dp=dp, tp=tp, zero=zero, explain=explain,
-                              batching=batch_plan.batching, split_backward=split_backward)
+                              batching=batch_plan.batching, split_backward=split_backward,
+                              must_beat_ms=must_beat_ms)
     return batch_plan, result
 
 
@@ -297,8 +300,9 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
     ``memory_limit_mib`` (per device) and ``reserved_mib`` default to the device config.
     ``recompute=None`` lets the search choose the level; micro-batches are then cut so
     that each fits alone at the lightest level that lets every sample fit, and, where the
-    search then needs full recompute on some stage, also with room left for the
-    micro-batches in flight (:func:`leave_room_in_flight`); the faster cut is kept.
+    search then needs full recompute on some stage or the pipeline's fill and drain are long,
+    also with room left for the micro-batches in flight (:func:`leave_room_in_flight`); the
+    faster cut is kept.
     ``replicas``: compile only these replicas' plans (see :func:`schedule_batch_plan`).
     ``gap``: relative optimality gap of DynaPipe's cut (0: the exact optimum).
     ``split_backward=False``: the stages cannot split their backward (``auto`` then does not
@@ -329,8 +333,9 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
     out = schedule_batch_plan(batch_plan, cost_model, **compile_kw)
     if recompute is None:
         t1, c1 = time.perf_counter(), time.process_time()
-        roomier = leave_room_in_flight(lengths, cost_model, level=level, simulated_ms=out.simulated_ms,
-                                       stage_recompute=out.stage_recompute, cut=cut, search=search)
+        roomier = leave_room_in_flight(lengths, cost_model, planned=batch_plan, level=level,
+                                       simulated_ms=out.simulated_ms, stage_recompute=out.stage_recompute,
+                                       cut=cut, search=search)
         retry_ms, retry_cpu_ms = (time.perf_counter() - t1) * 1e3, (time.process_time() - c1) * 1e3
         if roomier is not None:
             # The first cut's search and compilation were spent too.
@@ -344,34 +349,58 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
     return out
 
 
-def leave_room_in_flight(lengths, cost_model: CostModel, *, level: str, simulated_ms: float,
+# The share of a replica's pipeline that fill and drain take, ``(S - 1) / (M + S - 1)`` with ``M``
+# micro-batches a replica, from which smaller micro-batches are tried. Below it the steady state
+# dominates, and the two tries can cost more than the plan itself (100,000 samples over PP8 x
+# DP64, 152 micro-batches a replica: 1.5 s of planning more, for nothing).
+FILL_DRAIN_WORTH_A_TRY = 0.10
+
+
+def leave_room_in_flight(lengths, cost_model: CostModel, *, planned: BatchPlan, level: str, simulated_ms: float,
                          stage_recompute: Sequence[str], cut: dict, search: dict) -> Optional[BatchPlan]:
     """A DynaPipe cut that the schedule search runs faster than the one it planned
-    (``simulated_ms``, recomputing ``stage_recompute``), with the micro-batches of
-    several samples held to a share of the activation budget; ``None`` if none is, or if
-    nothing needs it.
+    (``planned``, cut at recompute ``level``, simulated at ``simulated_ms`` recomputing
+    ``stage_recompute``), with the micro-batches of several samples held to a share of the
+    activation budget; ``None`` if none is, or if nothing needs it.
 
-    The DP fits each micro-batch in memory alone, but a pipeline holds several at once
-    (1F1B: up to ``S`` on its first stage), so under a tight limit the search makes room
-    with full recompute on some stage although the cut was priced lighter (``level``),
-    and can lose to a baseline of small fixed micro-batches. Only then (and only for
-    ``cut["method"] == "dynapipe"``) are the shares ``1/2`` and ``1/S`` tried, each one
-    more DP cut (``cut``: :func:`plan_micro_batches`'s arguments) and schedule search
-    (``search``: :func:`schedule_batch_plan`'s ``schedule``, memory, ``cluster``, ``tp``,
-    ``zero``); ``extra["micro_batch_share"]`` of the result says which won."""
+    The DP prices a cut by ``sum(t) / dp + (S - 1) max(t)`` and fits each micro-batch in
+    memory alone, but a pipeline holds several at once (1F1B: up to ``S`` on its first
+    stage): under a tight limit the search makes room with recompute the cut was not priced
+    for (``level``), or with a schedule that holds fewer micro-batches in flight and idles
+    more. Smaller micro-batches then run faster (17% on one gpt-13b PP8 x DP2 batch at cluster
+    scale). So where the search fell back to full recompute on some stage, or where the
+    pipeline's fill and drain take at least :data:`FILL_DRAIN_WORTH_A_TRY` of it, the shares ``1/2`` and ``1/S`` are tried
+    (for ``cut["method"] == "dynapipe"``): each one more DP cut (``cut``:
+    :func:`plan_micro_batches`'s arguments) and a search (``search``:
+    :func:`schedule_batch_plan`'s ``schedule``, memory, ``cluster``, ``tp``, ``zero``) that
+    abandons every candidate as soon as it falls behind the best makespan so far. A share
+    that cuts the same micro-batches as ``planned`` (or as the share before) is not searched
+    again. ``extra["micro_batch_share"]`` of the result says which share won."""
     stages = cost_model.num_stages
-    # Only full recompute is worth the tries: selective recomputes the attention core alone
-    # (a few % of a stage), and at cluster scale each try costs a cut and a search.
     fell_back = level != "full" and "full" in stage_recompute
-    if stages < 2 or cut.get("method", "dynapipe") != "dynapipe" or not fell_back:
+    if stages < 2 or cut.get("method", "dynapipe") != "dynapipe":
         return None
+    per_replica = len(planned.micro_batches) / max(planned.dp, 1)
+    if not fell_back and (stages - 1) / (per_replica + stages - 1) < FILL_DRAIN_WORTH_A_TRY:
+        return None
+    seen = {_cut_key(planned)}
     best, best_ms = None, simulated_ms
     for share in sorted({0.5, 1.0 / stages}, reverse=True):
         try:  # a share too small for some sample, or a cut no schedule fits: not a candidate
             candidate = plan_micro_batches(lengths, cost_model, recompute=level, micro_batch_share=share, **cut)
-            _, result = _search(candidate, cost_model, recompute=None, explain=False, lengths=lengths, **search)
+            key = _cut_key(candidate)
+            if key in seen:
+                continue
+            seen.add(key)
+            _, result = _search(candidate, cost_model, recompute=None, explain=False, lengths=lengths,
+                                must_beat_ms=best_ms, **search)
         except DynaPipeError:
             continue
         if result.best.makespan_ms < best_ms:
             best, best_ms = candidate, result.best.makespan_ms
     return best
+
+
+def _cut_key(batch_plan: BatchPlan) -> tuple:
+    """The micro-batches of a cut as a hashable value (samples and replica of each)."""
+    return tuple((mb.replica, tuple(int(i) for i in mb.samples)) for mb in batch_plan.micro_batches)

@@ -204,29 +204,72 @@ def test_a_tight_limit_cuts_smaller_micro_batches_when_the_pipeline_needs_the_ro
     assert roomy.batch_plan.extra["micro_batch_share"] == 1.0
 
 
-def test_room_in_flight_is_tried_only_on_a_fall_back_to_full_recompute(monkeypatch):
+def test_room_in_flight_is_tried_on_a_fall_back_or_a_long_fill_and_drain_once_a_distinct_cut(monkeypatch):
     import dynapipe.pipeline_planner as pp
 
     cm = build_cost_model(load_model_config("gpt-7b"), load_device_config("a100-40gb"), 4)
-    lengths = np.array([4000, 3000, 2000, 1000, 500] * 8)
     cut = dict(method="dynapipe", dp=1, memory_limit_mib=40_960, reserved_mib=2048)
     search = dict(schedule="auto", memory_limit_mib=40_960, reserved_mib=2048, cluster=None, tp=1, zero=False)
-    shares = []  # the shares each try cuts with
-    cut_with = pp.plan_micro_batches
+    shares, bars = [], []  # the shares each try cuts with; the makespans each search must beat
+    cut_with, search_with = pp.plan_micro_batches, pp._search
     monkeypatch.setattr(pp, "plan_micro_batches",
                         lambda *a, **k: shares.append(k.get("micro_batch_share")) or cut_with(*a, **k))
+    monkeypatch.setattr(pp, "_search", lambda *a, **k: bars.append(k.get("must_beat_ms")) or search_with(*a, **k))
 
-    def tried(level, stage_recompute, **extra):
-        shares.clear()
+    def tried(lengths, stage_recompute, **extra):
+        planned = cut_with(lengths, cm, recompute="selective", **{**cut, **extra})
+        shares.clear(), bars.clear()
         # 1 microsecond is unbeatable: whatever runs, nothing is returned.
-        assert pp.leave_room_in_flight(lengths, cm, level=level, simulated_ms=1e-3, stage_recompute=stage_recompute,
-                                       cut={**cut, **extra}, search=search) is None
+        assert pp.leave_room_in_flight(lengths, cm, planned=planned, level="selective", simulated_ms=1e-3,
+                                       stage_recompute=stage_recompute, cut={**cut, **extra}, search=search) is None
         return sorted(shares)
 
-    assert tried("none", ["selective"] * 4) == []  # selective costs a few %: not worth a cut and a search
-    assert tried("full", ["full"] * 4) == []  # cut at full already
-    assert tried("selective", ["full"] + ["selective"] * 3, method="packing") == []
-    assert tried("selective", ["full"] + ["selective"] * 3) == [0.25, 0.5]  # 1/S and 1/2
+    # 200 samples cut into 30 micro-batches (43 and 81 at shares 1/2 and 1/4): fill and drain
+    # are 3/33 of the pipeline, so only a fall-back to full recompute is worth the tries.
+    many = np.array([1000, 500, 300, 200, 100] * 40)
+    assert tried(many, ["selective"] * 4) == []
+    assert tried(many, ["full"] + ["selective"] * 3) == [0.25, 0.5] and bars == [1e-3, 1e-3]
+    assert tried(many, ["full"] + ["selective"] * 3, method="packing") == []
+    # 60 samples cut into 14 (3/17 fill and drain): tried without a fall-back; share 1/2 cuts
+    # the same 14 micro-batches, so only 1/4's 24 are searched.
+    few = np.array([1000, 500, 300, 200, 100] * 12)
+    assert tried(few, ["selective"] * 4) == [0.25, 0.5] and len(bars) == 1
+
+
+def test_a_cut_that_holds_fewer_micro_batches_in_flight_wins_where_the_pipeline_runs_short_of_memory():
+    # gpt-13b PP8 x DP2 with the distributed optimizer on a100-40gb (the cluster bench's case): cut
+    # to fit alone (priced without recompute), the search had to recompute selectively and ran
+    # fewer, larger micro-batches with more bubble; cut to an eighth of the budget it runs faster.
+    from dynapipe.config import load_cluster_config
+    from dynapipe.method_compare import global_batch_of_tokens
+    from dynapipe.pipeline_planner import schedule_batch_plan
+
+    model, device = load_model_config("gpt-13b"), load_device_config("a100-40gb")
+    cluster = load_cluster_config("a100-8x")
+    cm = build_cost_model(model, device, 8)
+    batch = global_batch_of_tokens(65536, 0, 4096)
+    planned = plan_iteration(batch, cm, dp=2, zero=True, cluster=cluster, seq_length=4096)
+    assert planned.batch_plan.extra["micro_batch_share"] == 0.125
+    alone = plan_micro_batches(batch, cm, dp=2, zero=True, seq_length=4096, recompute="none",
+                               memory_limit_mib=device.memory_mib, reserved_mib=device.reserved_mib)
+    alone_it = schedule_batch_plan(alone, cm, cluster=cluster, zero=True, lengths=batch)
+    assert "full" not in alone_it.stage_recompute  # no fall-back to full recompute: the old trigger missed it
+    assert len(planned.batch_plan.micro_batches) > len(alone.micro_batches)
+    assert planned.simulated_ms < 0.97 * alone_it.simulated_ms
+
+
+def test_a_search_that_must_beat_a_makespan_refuses_cheaply_or_finds_the_same_best():
+    from dynapipe.schedule.search import search_schedules
+
+    cm = build_cost_model(load_model_config("gpt-7b"), load_device_config("a100-40gb"), 4)
+    bp = plan_micro_batches(np.array([1000, 500, 300, 200, 100] * 40), cm, recompute="selective",
+                            memory_limit_mib=40_960, reserved_mib=2048)
+    kw = dict(capacity_mib=40_960 - 2048)
+    free = search_schedules([bp.micro_batches], cm, **kw)
+    bound = search_schedules([bp.micro_batches], cm, must_beat_ms=free.makespan_ms * 1.01, **kw)
+    assert bound.makespan_ms == free.makespan_ms and bound.best.schedule == free.best.schedule
+    with pytest.raises(DynaPipeError, match=r"runs faster than .* ms"):
+        search_schedules([bp.micro_batches], cm, must_beat_ms=free.makespan_ms, **kw)
 
 
 @pytest.mark.parametrize("lengths, kwargs, needle", [

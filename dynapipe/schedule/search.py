@@ -242,7 +242,7 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
                      dp: Optional[int] = None, tp: int = 1, zero: bool = False,
                      orders: Optional[Sequence[str]] = None, explain: bool = False,
                      per_stage: Optional[bool] = None, batching: Optional[str] = None,
-                     split_backward: bool = True) -> SearchResult:
+                     split_backward: bool = True, must_beat_ms: Optional[float] = None) -> SearchResult:
     """Choose a schedule, micro-batch order and recompute level for every replica.
 
     ``replicas[r]``: replica ``r``'s micro-batches in the planner's order.
@@ -261,6 +261,9 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
     only on its own costs and its op order). Raises :class:`DynaPipeError` when no candidate fits, naming the
     closest one and by how many MiB it exceeds the capacity; ``batching`` (the method that
     cut the micro-batches) makes its advice name the flag that method reads.
+    ``must_beat_ms``: only a candidate faster than this makespan (ms) is wanted, so every
+    slower one is abandoned as soon as it falls behind, and when none beats it the error says
+    so (cheaply: nothing is re-simulated to name the closest candidate).
     """
     if schedule not in SCHEDULE_CHOICES:
         raise DynaPipeError(f"--schedule {schedule!r} is not known; use one of {', '.join(SCHEDULE_CHOICES)}.")
@@ -305,6 +308,11 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
 
     candidates: list[Candidate] = []
     best: Optional[tuple] = None
+    to_beat = np.inf if must_beat_ms is None or explain else float(must_beat_ms)
+
+    def bar_ms() -> float:
+        """The makespan (ms) a candidate must beat: the best so far, else ``must_beat_ms``."""
+        return best[0].makespan_ms if best is not None else to_beat
 
     def evaluate(name, level, mix, o, permuted, abort_ms, abort_mib):
         if name not in _DELAYED:
@@ -351,16 +359,18 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
             policies[1:1] = _per_stage_policies(by_level, levels, cap_mib, names, chunks, len(replicas))
         for label, mix, permuted, policy_names in policies:
             bound = max(t.work_lower_bound_ms() for t in permuted)
-            if not explain and best is not None and bound >= best[0].makespan_ms:
+            if not explain and bound >= bar_ms():
                 candidates.extend(Candidate(n, o, label, SKIPPED, bound, stage_recompute=mix) for n in policy_names)
                 continue
             for name in policy_names:
-                abort_ms = best[0].makespan_ms if (best is not None and not explain) else np.inf
+                abort_ms = np.inf if explain else bar_ms()
                 cand, runs = evaluate(name, label, mix, o, permuted, abort_ms, np.inf if explain else cap_mib)
                 candidates.append(cand)
                 evaluated.append((name, label, mix, o, permuted))
-                if cand.fits and (best is None or faster(cand.makespan_ms, best[0].makespan_ms)):
+                if cand.fits and faster(cand.makespan_ms, bar_ms()):
                     best = (cand, runs, permuted, perms)
+    if best is None and np.isfinite(to_beat):
+        raise DynaPipeError(f"no schedule of these micro-batches fits and runs faster than {to_beat:.1f} ms.")
     if best is None:
         # Nothing fits: simulate every candidate in full to name the closest one.
         full = [evaluate(n, lv, mix, o, pm, np.inf, np.inf)[0] for n, lv, mix, o, pm in evaluated]
