@@ -104,6 +104,22 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--pretrained-checkpoint": "give the checkpoint with --load (and --finetune to start from its weights)",
 }
 
+# Families of Megatron-LM flags refused as a whole, by prefix (Megatron-LM adds members
+# release by release: --fp8-margin, --fp8-interval, --wandb-entity, ...).
+UNSUPPORTED_MEGATRON_PREFIXES = {
+    "--fp8-": "fp8 training is not supported; use --bf16",
+    "--no-fp8-": "fp8 training is not supported; use --bf16",
+    "--wandb-": "use --tensorboard-dir for metrics",
+}
+
+
+def unsupported_reason(flag: str):
+    """Why this build does not take the Megatron-LM flag ``flag`` (``--name``), or None if
+    it is not one it refuses."""
+    if flag in UNSUPPORTED_MEGATRON_FLAGS:
+        return UNSUPPORTED_MEGATRON_FLAGS[flag]
+    return next((why for prefix, why in UNSUPPORTED_MEGATRON_PREFIXES.items() if flag.startswith(prefix)), None)
+
 
 def _model_flags_honoured(args: argparse.Namespace, cuda: bool) -> None:
     """Refuse the Megatron model flags whose non-default values the stage builder cannot honour yet
@@ -127,7 +143,7 @@ def _model_flags_honoured(args: argparse.Namespace, cuda: bool) -> None:
             raise DynaPipeError("--transformer-impl transformer_engine (Megatron-LM's default) builds the GPU stages "
                                 "from Transformer Engine's layers, and megatron-core cannot load it here (not installed, or "
                                 "built for another torch); install a matching one "
-                                "(pip install '.[gpu]' or NVIDIA's container) or pass --transformer-impl local.")
+                                "(NVIDIA's PyTorch container ships one) or pass --transformer-impl local.")
         if args.reset_attention_mask:
             # megatron-core's Transformer Engine spec builds causal attention, which ignores an
             # explicit mask: packed samples would attend to each other without a word.

@@ -40,7 +40,7 @@ from megatron_integration.args_megatron import (ATTENTION_BACKENDS, LR_DECAY_STY
 from megatron_integration.args_model import (BYTE_LEVEL_VOCAB, check_uniform_recompute,  # noqa: F401
                                              model_args_from_args, padded_vocab_size, recompute_from_args)
 from megatron_integration.args_refusals import (UNSUPPORTED_MEGATRON_FLAGS, _checkpoint_args_honoured,  # noqa: F401
-                                                _model_flags_honoured, _resilience_args_honoured)
+                                                _model_flags_honoured, _resilience_args_honoured, unsupported_reason)
 from megatron_integration.args_training import _schedule_from_samples, optimizer_args_from_args
 from megatron_integration.args_layout import pipeline_split_from_args
 from megatron_integration.args_checkpoint import dist_ckpt_args_from_args
@@ -66,10 +66,11 @@ def build_parser(prog: Optional[str] = None, description: Optional[str] = None) 
             parsed, extras = super().parse_known_args(args, namespace)
             for item in extras:
                 flag = item.split("=", 1)[0]
-                if flag in UNSUPPORTED_MEGATRON_FLAGS:
+                why = unsupported_reason(flag) if flag.startswith("--") else None
+                if why is not None:
                     # torchrun runs this on every rank; one copy of the line is enough.
                     if os.environ.get("RANK", "0") == "0":
-                        print("error: " + str(_unsupported(flag, UNSUPPORTED_MEGATRON_FLAGS[flag])), file=sys.stderr)
+                        print("error: " + str(_unsupported(flag, why)), file=sys.stderr)
                     self.exit(2)
             return parsed, extras
 

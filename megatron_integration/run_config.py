@@ -69,14 +69,14 @@ def check_run_values(run: RunConfig, parser) -> None:
     """Refuse a run config entry the parser would misread, naming the file and the entry: a name
     that is no flag of the script, a value for a bare flag (``mock-data: "yes"``), a list for a
     flag of one value. (The argv alone would only say "unrecognized arguments: yes".)"""
-    from megatron_integration.args_refusals import UNSUPPORTED_MEGATRON_FLAGS
+    from megatron_integration.args_refusals import unsupported_reason
 
     actions = {opt[2:]: a for a in parser._actions for opt in a.option_strings if opt.startswith("--")}
     for key, value in run.values:
         action = actions.get(str(key))
         if action is None and value is False and f"no-{key}" in actions:
             continue  # given as --no-KEY
-        if action is None and f"--{key}" in UNSUPPORTED_MEGATRON_FLAGS:
+        if action is None and unsupported_reason(f"--{key}") is not None:
             continue  # the parser names it with the reason this build does not take it
         if action is None:
             raise DynaPipeError(f"{run.path}: args.{key} is not a flag of this script; check its spelling "

@@ -172,6 +172,20 @@ def test_unsupported_megatron_flag_is_one_line(argv, capsys, monkeypatch):
     assert e.value.code == 2 and capsys.readouterr().err == ""
 
 
+@pytest.mark.parametrize("flag, why", [("--fp8-margin", "fp8 training is not supported"),
+                                       ("--no-fp8-wgrad", "fp8 training is not supported"),
+                                       ("--wandb-entity", "use --tensorboard-dir")])
+def test_megatron_flag_families_are_refused_by_prefix_with_the_reason(flag, why, capsys, monkeypatch):
+    # Megatron-LM adds fp8 and wandb flags release by release; each gets the family's reason,
+    # not argparse's bare "unrecognized arguments".
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as e:
+        build_parser("pretrain_gpt.py").parse_args(BASE.split() + [flag, "1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {flag} is a Megatron-LM flag that dynapipe-megatron does not support: {why}")
+
+
 def test_unknown_flag_is_still_argparse_error(capsys, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(SystemExit) as e:

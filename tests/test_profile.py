@@ -312,3 +312,28 @@ for name, part in (("layer", gpt.layer), ("ends", gpt.ends), ("encoder", t5.enco
     for name, rest in lines:
         assert rest.startswith("['torch.bfloat16']"), (name, rest)
     assert dict(lines)["layer"].endswith("True")  # the layer's norms were among those checked
+
+
+@pytest.mark.parametrize("given, expected", [
+    ([], (0.0, 0.05, "rope")),  # nothing given: the config's
+    (["--hidden-dropout", "0.1", "--position-embedding-type", "learned_absolute"], (0.1, 0.05, "learned_absolute")),
+])
+def test_profile_takes_dropout_and_positions_from_the_config_unless_given(tmp_path, given, expected):
+    # An explicit flag at Megatron's default value holds against the config; it used to be
+    # taken for "not given" and replaced by the config's value.
+    import argparse
+
+    from dynapipe.cli import profile
+
+    config = tmp_path / "m.yaml"
+    config.write_text(open("configs/models/gpt-tiny.yaml").read()
+                      + "hidden_dropout: 0.0\nattention_dropout: 0.05\nposition_embedding_type: rope\n")
+    parser = argparse.ArgumentParser()
+    profile.add_arguments(parser)
+    args = parser.parse_args(["--output", "p.json", "--model", str(config)] + given)
+    profile.fill_from_model_config(args)
+    assert (args.hidden_dropout, args.attention_dropout, args.position_embedding_type) == expected
+    bare = parser.parse_args(["--output", "p.json"])  # no config: Megatron's defaults
+    profile.fill_from_model_config(bare)
+    assert (bare.hidden_dropout, bare.attention_dropout, bare.position_embedding_type) == (0.1, 0.1,
+                                                                                          "learned_absolute")

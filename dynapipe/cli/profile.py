@@ -54,6 +54,14 @@ def add_arguments(p) -> None:
     p.add_argument("--no-transformer-engine", action="store_true",
                    help="measure megatron-core's local layer spec even when Transformer Engine is available")
     add_megatron_args(p)
+    # Left unset (None), these take --model's values, else Megatron's defaults
+    # (fill_from_model_config): so an explicit --hidden-dropout 0.1 holds against a config of 0.
+    p.set_defaults(**{key: None for key in MEGATRON_LAYER_DEFAULTS})
+
+
+# Megatron's defaults of the layer flags a model config may also set.
+MEGATRON_LAYER_DEFAULTS = {"hidden_dropout": 0.1, "attention_dropout": 0.1,
+                           "position_embedding_type": "learned_absolute"}
 
 
 def _grid(text: str, flag: str, at_least: int = 1) -> list[int]:
@@ -86,12 +94,22 @@ def default_seqlens(model_name) -> str:
 
 
 def fill_from_model_config(args) -> None:
-    """Take model arguments that were not given from ``--model`` (a dynapipe model config)."""
-    if args.model is None:
-        return
-    from dynapipe.config import load_model_config
+    """Take model arguments that were not given from ``--model`` (a dynapipe model config);
+    dropout and positions not given and not in a config take Megatron's defaults."""
+    config = None
+    if args.model is not None:
+        from dynapipe.config import load_model_config
 
-    cfg = load_model_config(args.model, flag="--model")
+        config = load_model_config(args.model, flag="--model")
+    # Dropout and positions change what a layer keeps and how long it takes: one not given
+    # takes the config's.
+    for key, megatron_default in MEGATRON_LAYER_DEFAULTS.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, getattr(config, key) if config is not None else megatron_default)
+    if config is None:
+        return
+
+    cfg = config
     if cfg.is_encoder_decoder:
         args.t5 = True
     defaults = dict(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
@@ -109,12 +127,6 @@ def fill_from_model_config(args) -> None:
     args.disable_bias_linear = args.disable_bias_linear or not cfg.add_bias_linear
     args.add_qkv_bias = args.add_qkv_bias or cfg.add_qkv_bias
     args.qk_layernorm = args.qk_layernorm or cfg.qk_layernorm
-    # Dropout and positions change what a layer keeps and how long it takes: a value left at
-    # Megatron's default takes the config's.
-    for key, megatron_default in (("hidden_dropout", 0.1), ("attention_dropout", 0.1),
-                                  ("position_embedding_type", "learned_absolute")):
-        if getattr(args, key) == megatron_default:
-            setattr(args, key, getattr(cfg, key))
     args.attention_softmax_in_fp32 = args.attention_softmax_in_fp32 or cfg.attention_softmax_in_fp32
     if cfg.num_query_groups and not args.group_query_attention:
         args.group_query_attention, args.num_query_groups = True, cfg.num_query_groups
