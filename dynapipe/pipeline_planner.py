@@ -384,6 +384,8 @@ def leave_room_in_flight(lengths, cost_model: CostModel, *, planned: BatchPlan, 
     if not fell_back and (stages - 1) / (per_replica + stages - 1) < FILL_DRAIN_WORTH_A_TRY:
         return None
     seen = {_cut_key(planned)}
+    # Priced on the links schedule_batch_plan priced ``simulated_ms`` on (the cost model's TP size).
+    search = {**search, "tp": max(int(search.get("tp", 1)), _tp_size(cost_model))}
     best, best_ms = None, simulated_ms
     for share in sorted({0.5, 1.0 / stages}, reverse=True):
         try:  # a share too small for some sample, or a cut no schedule fits: not a candidate

@@ -137,6 +137,8 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, gpt: torch
                 "scheduler": scheduler.state_dict(),
                 "extra": extra or {},
                 "dtype": dtype,  # fp32, bf16 or fp16: the optimizer state's layout depends on it
+                # Its state is sharded into distrib_optim.pt, not in "optimizer": resuming across it is refused.
+                "distributed_optimizer": _is_distributed(optimizer),
             }
             _atomic_save(payload, os.path.join(rank_dir, "model_optim_rng.pt"))
         _atomic_save(get_rng_state(), os.path.join(rank_dir, f"rng_dp_{info.dp_rank:03d}.pt"))
@@ -234,6 +236,19 @@ def check_precision(saved: Optional[str], ours: Optional[str], where: str) -> No
                         f"start a fresh optimizer.")
 
 
+def check_distributed_optimizer(saved: Optional[bool], ours: bool, where: str) -> None:
+    """Refuse loading an optimizer state saved with(out) ``--use-distributed-optimizer``
+    (``saved``; None: not recorded, checkpoints of earlier builds) into a run without (with)
+    it: the distributed optimizer keeps its state sharded in ``distrib_optim.pt``, the other in
+    the rank's main file."""
+    if saved is None or bool(saved) == bool(ours):
+        return
+    said = "with" if saved else "without"
+    raise DynaPipeError(f"{where}: the optimizer state was saved {said} --use-distributed-optimizer and this run "
+                        f"is {'with' if ours else 'without'} it; resume as it was saved, or add --no-load-optim to "
+                        f"load the weights and start a fresh optimizer.")
+
+
 def _read_rank(root: str, info: RankInfo, optimizer, load_optim: bool, load_rng: bool, check_extra=None,
                dtype: Optional[str] = None):
     """This rank's verified files: the payload, its path, the distributed optimizer's file
@@ -261,6 +276,8 @@ def _read_rank(root: str, info: RankInfo, optimizer, load_optim: bool, load_rng:
         check_extra(payload.get("extra") or {}, main)
     if load_optim:
         check_precision(payload.get("dtype"), dtype, _iter_dir(root, iteration))
+        check_distributed_optimizer(payload.get("distributed_optimizer"), _is_distributed(optimizer),
+                                    _iter_dir(root, iteration))
     optim_path = None
     if load_optim and _is_distributed(optimizer):
         optim_path = os.path.join(rank_dir, "distrib_optim.pt")

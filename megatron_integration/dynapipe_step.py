@@ -139,6 +139,17 @@ def gpt_placement(cfg: DynaPipeTrainingConfig, info: RankInfo):
     return StagePlacement.even(model, info.pp_size, chunks)
 
 
+def close_quietly(*things) -> None:
+    """Close each of ``things`` (None skipped) while another error propagates: a failing
+    close must neither replace that error nor keep the next one from closing."""
+    for thing in things:
+        if thing is not None:
+            try:
+                thing.close()
+            except Exception:  # noqa: BLE001 - the error being raised is the one to report
+                pass
+
+
 def loader_config(cfg: DynaPipeTrainingConfig, start_iteration: int, consumed_samples: int):
     """The data loader's settings (:class:`~dynapipe.runtime.loader.LoaderConfig`) of a run
     resumed at ``start_iteration`` after ``consumed_samples`` samples."""
@@ -149,7 +160,8 @@ def loader_config(cfg: DynaPipeTrainingConfig, start_iteration: int, consumed_sa
     return LoaderConfig(global_batch_size=0 if tokens else cfg.global_batch_size,
                         tokens_per_global_batch=tokens, seed=cfg.seed, shuffle=True,
                         consumed_samples=consumed_samples, start_iteration=start_iteration,
-                        train_iters=cfg.train_iters - start_iteration, num_workers=d.planner_workers,
+                        # A run resumed at or past its end plans nothing (it still evaluates).
+                        train_iters=max(cfg.train_iters - start_iteration, 0), num_workers=d.planner_workers,
                         planner_nodes=d.planner_nodes, split_replicas=d.split_replicas,
                         prefetch=d.prefetch, kv_backend=d.kv_backend, redis_host=d.redis_host,
                         redis_port=d.redis_port, plan_timeout_s=d.timeout_s, store_retry_s=d.store_retry_s)
@@ -213,18 +225,24 @@ class DynaPipeStepper:
                             config=ExecutorConfig(timeout_s=cfg.dynapipe.timeout_s,
                                                   trace=cfg.dynapipe.trace_dir is not None),
                             replica=info.dp_rank)
-        loader = make_loader(cfg, info, start_iteration, consumed_samples)
-        s = planner_settings(cfg, info)
-        cost_model = build_cost_model(s.model, s.device, s.num_stages, s.cost_profile, tensor_parallel_config(s))
-        if s.placement is not None:
-            cost_model = cost_model.with_placement(s.placement)
+        loader = None
+        try:  # a store not reached, planners not started: the executor's threads (and the planners) go too
+            loader = make_loader(cfg, info, start_iteration, consumed_samples)
+            s = planner_settings(cfg, info)
+            cost_model = build_cost_model(s.model, s.device, s.num_stages, s.cost_profile, tensor_parallel_config(s))
+            if s.placement is not None:
+                cost_model = cost_model.with_placement(s.placement)
+        except BaseException:
+            close_quietly(loader, executor)
+            raise
         return cls(cfg, info, stage, optimizer, scheduler, loader, executor, handlers, cost_model, meter,
                    [] if cfg.dynapipe.trace_dir else None)
 
     def step(self, iteration: int) -> StepResult:
         """Train iteration ``iteration``. A failure anywhere in it is published to every rank
         (:meth:`Executor.report_outside`), so none waits for this one until a timeout."""
-        return self.executor.reporting(f"iteration {iteration}", lambda: self._step(iteration))
+        # Numbered from 1, as the log and the training loop number iterations.
+        return self.executor.reporting(f"iteration {iteration + 1}", lambda: self._step(iteration))
 
     def _step(self, iteration: int) -> StepResult:
         start = time.perf_counter()
@@ -274,6 +292,17 @@ class DynaPipeStepper:
                           real_work=TokenWork.from_json(meta.global_real_work),
                           num_zeros_in_grad=None if num_zeros is None else int(num_zeros),
                           breakdown_ms=step_split_ms(t_run, t_grads, t_opt), schedule=data.plan.schedule)
+
+    def report_failure(self, exc: BaseException, where: str) -> Optional[BaseException]:
+        """Publish a failure of this rank between steps (:func:`report_failure`): to the
+        executors' abort channel, and, where this node plans, to the ranks awaiting its plans
+        (not for a planner failure read from the store: that is already every rank's)."""
+        from dynapipe.runtime.planner_workers import PlannerWorkerError
+
+        instead = self.executor.report_outside(exc, where)
+        if not isinstance(exc, PlannerWorkerError):
+            self.loader.report_failure(f"{where}, global rank {self.info.rank}: {type(exc).__name__}: {exc}")
+        return instead
 
     def close(self) -> None:
         try:

@@ -201,6 +201,10 @@ class LoaderSource:
                                 data.digest, TokenWork.from_json(m.global_executed_work),
                                 TokenWork.from_json(m.global_real_work))
 
+    def report_failure(self, text: str) -> None:
+        """Tell the ranks awaiting this node's plans that this rank failed (``text``)."""
+        self.loader.report_failure(text)
+
     def close(self) -> None:
         self.loader.close()
 
@@ -297,27 +301,29 @@ class T5Stepper:
                             store=job_tcp_store(), meter=meter,
                             config=ExecutorConfig(timeout_s=d.timeout_s, trace=d.trace_dir is not None),
                             replica=info.dp_rank)
-        source_cls = LoaderSource if cfg.method == "dynapipe" else BaselineSource
-        try:
-            source = source_cls(cfg, info, start_iteration, consumed_samples)
-        except BaseException:
-            executor.close()
-            raise
-        cost_model = None
-        if isinstance(source, LoaderSource):
-            from dynapipe.cost import build_cost_model
-            from dynapipe.runtime.plan_source import tensor_parallel_config
+        from megatron_integration.dynapipe_step import close_quietly
 
-            s = source.settings
-            cost_model = build_cost_model(s.model, s.device, s.num_stages, s.cost_profile, tensor_parallel_config(s),
-                                          placement=s.placement)
+        source_cls = LoaderSource if cfg.method == "dynapipe" else BaselineSource
+        source, cost_model = None, None
+        try:  # the executor's threads (and the planners) go too when this fails
+            source = source_cls(cfg, info, start_iteration, consumed_samples)
+            if isinstance(source, LoaderSource):
+                from dynapipe.cost import build_cost_model
+                from dynapipe.runtime.plan_source import tensor_parallel_config
+
+                s = source.settings
+                cost_model = build_cost_model(s.model, s.device, s.num_stages, s.cost_profile,
+                                              tensor_parallel_config(s), placement=s.placement)
+        except BaseException:
+            close_quietly(source, executor)
+            raise
         return cls(cfg, info, stage, optimizer, scheduler, source, executor, handlers, sync, meter, cost_model,
                    [] if d.trace_dir else None)
 
     def step(self, iteration: int) -> StepResult:
         """Train iteration ``iteration``. A failure anywhere in it is published to every rank
         (:meth:`Executor.report_outside`), so none waits for this one until a timeout."""
-        return self.executor.reporting(f"iteration {iteration}", lambda: self._step(iteration))
+        return self.executor.reporting(f"iteration {iteration + 1}", lambda: self._step(iteration))
 
     def _step(self, iteration: int) -> StepResult:
         start = time.perf_counter()
@@ -367,6 +373,15 @@ class T5Stepper:
                           executed_work=item.executed_work, real_work=item.real_work,
                           num_zeros_in_grad=None if num_zeros is None else int(num_zeros),
                           breakdown_ms=step_split_ms(t_run, t_grads, t_opt), schedule=item.plan.schedule)
+
+    def report_failure(self, exc: BaseException, where: str) -> Optional[BaseException]:
+        """Publish a failure of this rank between steps (see the GPT stepper's)."""
+        from dynapipe.runtime.planner_workers import PlannerWorkerError
+
+        instead = self.executor.report_outside(exc, where)
+        if isinstance(self.source, LoaderSource) and not isinstance(exc, PlannerWorkerError):
+            self.source.report_failure(f"{where}, global rank {self.info.rank}: {type(exc).__name__}: {exc}")
+        return instead
 
     def close(self) -> None:
         try:

@@ -31,6 +31,20 @@ class Stepper(Protocol):
     def close(self) -> None: ...
 
 
+def report_failure(stepper, exc: BaseException, where: str) -> Optional[BaseException]:
+    """Publish a failure of this rank outside the stepper's steps (evaluation, a checkpoint,
+    logging, a callback) to the ranks waiting on it, when the stepper can (DynaPipe's
+    executor and planners: ``report_failure``); the error to raise instead of ``exc`` when
+    another rank failed first and ``exc`` is its consequence, else None."""
+    report = getattr(stepper, "report_failure", None)
+    if report is None:
+        return None
+    try:
+        return report(exc, where)
+    except Exception:  # noqa: BLE001 - the store may be what failed; the original error is raised
+        return None
+
+
 @dataclass
 class TrainingRun:
     """What a finished run reports (identical on every rank, except the log lines)."""
@@ -104,6 +118,12 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
                                 flops_model=parts.flops_model, world_size=info.world_size, tensorboard=cfg.tensorboard,
                                 consumed_samples=run.consumed_samples)
         last = cfg.last_iteration(run.start_iteration)
+        if run.start_iteration >= cfg.train_iters:
+            # Megatron-LM trains no iteration then and still evaluates; so does this loop (the
+            # DynaPipe loader was told to plan none).
+            print_rank_0(info, stream, run.checkpoint_lines,
+                         f"checkpoint at iteration {run.start_iteration} has reached --train-iters "
+                         f"{cfg.train_iters}: nothing to train (raise --train-iters to train further)")
         started = time.perf_counter()
         gc_was_enabled = cfg.manual_gc.start()
         stop, saved_at, by_duration = last, None, False
@@ -153,9 +173,14 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
             plans = getattr(evaluator.batch_fn, "plans_run", None)
             run.eval_path = "megatron-forward-only" if plans is None else f"dynapipe-plans:{plans}"
     except BaseException as e:
+        # Peers waiting on this rank in their plans (or for its planners' plans) stop now with
+        # its cause, not at their timeouts; a step's own failure was published already.
+        instead = report_failure(parts.stepper, e, where)
         # Shutting down after a failure must not replace it: a trace or TensorBoard file that
         # cannot be written is told, and the training error (a NaN, a peer's failure) raised.
         _close_quietly(parts.stepper, logger, stream)
+        if instead is not None:
+            raise instead from e
         # Another rank gone, seen in any collective of the loop (megatron-core's schedule, the
         # parameter norm, evaluation, a checkpoint): one line, not the backend's traceback.
         lost = peer_lost(e, where)

@@ -65,9 +65,9 @@ def fault_job(steps: list) -> list:
                 continue
             argv = step[1] if isinstance(step[1], str) else step[1][dist.get_rank()]  # or one a rank
             cfg = parse_training_args(argv.split(), world)
-            hook = None
+            hook, raises = None, len(step) > 2 and step[2] is not None and step[2][0] == "raise"
             if len(step) > 2 and step[2] is not None and dist.get_rank() == 0:
-                hook = partial(_pause_at, *step[2])
+                hook = partial(_raise_after, step[2][1]) if raises else partial(_pause_at, *step[2])
             fault = step[3] if len(step) > 3 and step[3][0] == dist.get_rank() else None
             t0 = time.monotonic()
             try:
@@ -78,7 +78,7 @@ def fault_job(steps: list) -> list:
             except DynaPipeError as e:
                 out.append({"error": str(e), "type": type(e).__name__, "elapsed": time.monotonic() - t0})
             except RuntimeError as e:
-                if fault is None:
+                if fault is None and not raises:
                     raise
                 out.append({"error": str(e), "type": type(e).__name__, "elapsed": time.monotonic() - t0})
             if not dist.is_initialized():
@@ -137,6 +137,13 @@ def _strip_checksums_and_cut_common(iter_dir):
         if name.endswith(".sha256"):
             os.remove(os.path.join(iter_dir, name))
     truncate_file(common_state_file(iter_dir), 100)  # common.pt (megatron-core 0.16) or rank 0's shards (0.19)
+
+
+def _raise_after(iteration, it, result):
+    """An on-iteration callback that fails after iteration ``iteration`` (0-based): a failure
+    between steps, outside the stepper."""
+    if it == iteration:
+        raise RuntimeError(f"injected fault after iteration {it + 1}")
 
 
 def _pause_at(iteration, marker, it, result):
@@ -242,6 +249,11 @@ def fault_outcomes(tmp_path_factory):
         # must stop with rank 1's cause at once, not at the executor's timeout.
         "outside_fault": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --use-dynapipe", None, (1, 1)),
         "after_outside_fault": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --use-dynapipe"),
+        # Rank 0 (the first stage, and the node's planner) fails between iterations 1 and 2, its
+        # process alive. Planning one iteration ahead, iteration 2 is never planned: rank 1, awaiting
+        # its plan, must stop with the cause, not at the plan timeout.
+        "between_steps_fault": ("train", f"{TINY}{MOCK} --train-iters 4 --lr 1e-3 --use-dynapipe "
+                                         "--dynapipe-prefetch 1", ("raise", 0)),
         "data_padding": ("train", f"{TINY} --data-path {out_of_vocab} --train-iters 1 --lr 1e-3"),
         "data_dynapipe": ("train", f"{TINY} --data-path {out_of_vocab} --train-iters 1 --lr 1e-3 --use-dynapipe"),
         "good_data": ("train", f"{TINY} --data-path {good} --train-iters 1 --lr 1e-3"),
@@ -386,6 +398,16 @@ def test_a_failure_outside_the_executor_stops_the_waiting_rank_with_its_cause(fa
     assert all(len(o.get("losses", [])) == 2 for o in outcomes["after_outside_fault"]), outcomes["after_outside_fault"]
 
 
+def test_a_failure_between_steps_stops_the_waiting_rank_with_its_cause(fault_outcomes):
+    outcomes, _ = fault_outcomes
+    failed, waiting = outcomes["between_steps_fault"]
+    assert failed["type"] == "RuntimeError" and failed["error"] == "injected fault after iteration 1", failed
+    assert waiting["type"] == "PlannerWorkerError", waiting
+    assert waiting["error"].startswith("planner node 0 stopped: iteration 1, global rank 0: RuntimeError: injected "
+                                       "fault after iteration 1"), waiting
+    assert waiting["elapsed"] < 60, f"rank 1 waited {waiting['elapsed']:.0f} s"
+
+
 def test_ranks_that_see_different_checkpoints_stop_instead_of_diverging(fault_outcomes):
     outcomes, paths = fault_outcomes
     for o in outcomes["load_unseen"]:  # each rank names its own --load here; the rest is the same line
@@ -438,6 +460,26 @@ def test_a_checkpoint_of_another_precision_is_refused_naming_it(fault_outcomes, 
                              f"--bf16/--fp16), this run trains in --bf16; resume at the precision it was saved at, "
                              f"or add --no-load-optim to load the weights and start a fresh optimizer."), texts
     assert outcomes["load_fp32_as_bf16_weights"][0]["start"] == 1  # the weights alone load
+
+
+def test_a_dynapipe_checkpoint_records_its_optimizer_kind_and_resuming_across_it_is_refused(fault_outcomes):
+    # The distributed optimizer keeps its state in distrib_optim.pt, which a checkpoint saved
+    # without the flag lacks (a resume with it read that as damage). It needs CUDA, so the
+    # refusal itself is checked on the recorded value.
+    import torch
+
+    from megatron_integration.checkpoint import check_distributed_optimizer
+
+    _, paths = fault_outcomes
+    payload = torch.load(os.path.join(paths["save"], "iter_0000002", "mp_rank_00_001", "model_optim_rng.pt"),
+                         map_location="cpu", weights_only=False)
+    assert payload["distributed_optimizer"] is False
+    with pytest.raises(DynaPipeError, match=r"^ckpt/iter_0000002: the optimizer state was saved without "
+                                            r"--use-distributed-optimizer and this run is with it; resume as it "
+                                            r"was saved, or add --no-load-optim"):
+        check_distributed_optimizer(payload["distributed_optimizer"], True, "ckpt/iter_0000002")
+    check_distributed_optimizer(True, True, "x")
+    check_distributed_optimizer(None, True, "x")  # earlier builds recorded nothing: not checked
 
 
 def test_bad_data_read_by_rank_0_alone_stops_every_rank(fault_outcomes):

@@ -31,9 +31,14 @@ def test_resume_continues_identically(tmp_path):
              f"{TINY} --train-iters 4 --exit-interval 2 --save {save}",
              f"{TINY} --train-iters 4 --load {save}",
              # Without restoring RNG states.
-             f"{TINY} --train-iters 4 --load {save} --no-load-rng"]
-    full, first, resumed, no_rng = (ranks[0] for ranks in run_trainings([a.split() for a in argvs], 2,
-                                                                          timeout_s=TIMEOUT * len(argvs)))
+             f"{TINY} --train-iters 4 --load {save} --no-load-rng",
+             # Resumed at --train-iters: nothing to train, and DynaPipe's planners are not started.
+             f"{TINY} --train-iters 2 --load {save} --use-checkpoint-opt_param-scheduler --use-dynapipe"]
+    full, first, resumed, no_rng, done = (ranks[0] for ranks in run_trainings([a.split() for a in argvs], 2,
+                                                                                timeout_s=TIMEOUT * len(argvs)))
+    assert done["losses"] == [] and done["checkpoint_lines"][-1] == (
+        "checkpoint at iteration 2 has reached --train-iters 2: nothing to train (raise --train-iters to train "
+        "further)")
     full = full["losses"]
     assert first["losses"] == full[:2]
     with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:

@@ -159,7 +159,8 @@ class DynaPipeDataLoader:
             self._replanned_from = first if self._replanned_from is None else min(first, self._replanned_from)
 
     def _end(self) -> Optional[int]:
-        return self.config.start_iteration + self.config.train_iters if self.config.train_iters else None
+        n = self.config.train_iters
+        return None if n is None else self.config.start_iteration + n
 
     def _dispatch(self, current: int) -> None:
         """Queue this node's share of the iterations up to ``current + prefetch``."""
@@ -234,6 +235,21 @@ class DynaPipeDataLoader:
         except PlannerWorkerError as e:
             self._post_error(f"{e}\n(the plan of iteration {iteration} was awaited)")
             raise
+
+    def report_failure(self, text: str) -> None:
+        """This rank failed (``text`` says where and why): where its node plans, every rank's
+        loader is told now (each stops with ``text`` at its next plan), so the ranks awaiting
+        this node's plans do not wait out the plan timeout for plans that will not come once
+        :meth:`close` stops the workers. Nothing is posted from a node that plans nothing,
+        after the loader closed, or over a failure already posted."""
+        if self._pool is None or self._closed:
+            return
+        try:
+            if self._kv.get(self.keys.error) is not None:
+                return  # an earlier failure's cause is the one every rank reads
+        except Exception:  # noqa: BLE001 - the store may be what failed; _post_error says so
+            pass
+        self._post_error(f"planner node {self.layout.node} stopped: {text}")
 
     def _post_error(self, text: str) -> None:
         try:

@@ -4,6 +4,7 @@ its rank sits in the job (:class:`RankLayout`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from dynapipe.errors import DynaPipeError
 from dynapipe.runtime.kv_store import KV_BACKENDS
@@ -17,7 +18,8 @@ class LoaderConfig:
 
     Batches: ``global_batch_size`` samples or ``tokens_per_global_batch`` tokens (one of
     them), ``seed``, ``shuffle``; resume with ``consumed_samples`` and
-    ``start_iteration`` from the checkpoint; ``train_iters`` > 0 ends the stream.
+    ``start_iteration`` from the checkpoint; ``train_iters`` iterations end the stream (None:
+    it never ends; 0: it yields nothing and plans nothing, a run resumed at its end).
     Workers: ``num_workers`` planner processes per planner node, ``prefetch`` iterations
     planned ahead, ``planner_nodes`` nodes that plan (0: every node). ``split_replicas``:
     every planner node plans every iteration but compiles and publishes only the plans of
@@ -38,7 +40,7 @@ class LoaderConfig:
     shuffle: bool = True
     consumed_samples: int = 0
     start_iteration: int = 0
-    train_iters: int = 0
+    train_iters: Optional[int] = None
     num_workers: int = 1
     prefetch: int = 4
     planner_nodes: int = 0
@@ -64,7 +66,7 @@ class LoaderConfig:
         if self.prefetch < 1:
             raise DynaPipeError(f"--dynapipe-prefetch {self.prefetch}: must be at least 1 iteration.")
         for name, value in (("consumed_samples", self.consumed_samples), ("start_iteration", self.start_iteration),
-                            ("train_iters", self.train_iters)):
+                            ("train_iters", 0 if self.train_iters is None else self.train_iters)):
             if value < 0:
                 raise DynaPipeError(f"{name} {value}: must be >= 0.")
         for name, value in (("plan_timeout_s", self.plan_timeout_s), ("connect_timeout_s", self.connect_timeout_s)):

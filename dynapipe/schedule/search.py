@@ -263,7 +263,8 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
     cut the micro-batches) makes its advice name the flag that method reads.
     ``must_beat_ms``: only a candidate faster than this makespan (ms) is wanted, so every
     slower one is abandoned as soon as it falls behind, and when none beats it the error says
-    so (cheaply: nothing is re-simulated to name the closest candidate).
+    so (cheaply: nothing is re-simulated to name the closest candidate); ignored with
+    ``explain``, which simulates every candidate in full.
     """
     if schedule not in SCHEDULE_CHOICES:
         raise DynaPipeError(f"--schedule {schedule!r} is not known; use one of {', '.join(SCHEDULE_CHOICES)}.")
