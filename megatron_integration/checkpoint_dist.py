@@ -239,16 +239,30 @@ def read_common(iter_dir: str) -> dict:
 FLAG_OF = {"add_bias_linear": "--disable-bias-linear", "padded_vocab_size": "--vocab-size"}
 
 
-# Megatron-LM argument name -> this model's value; compared before any tensor is read.
-def _model_mismatch(ckpt_args, cfg, mine: Optional[dict] = None) -> Optional[str]:
+def model_values(cfg) -> dict:
+    """Megatron-LM argument name -> this GPT's value: what a checkpoint's recorded arguments
+    must match before any tensor is read (an argument the checkpoint lacks is not compared)."""
     m = cfg.model
-    ours = {"num_layers": m.num_layers, "hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads,
+    return {"num_layers": m.num_layers, "hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads,
             "ffn_hidden_size": m.ffn_hidden_size, "kv_channels": m.kv_channels, "padded_vocab_size": m.vocab_size,
             "position_embedding_type": m.position_embedding_type, "add_bias_linear": m.add_bias_linear,
             "untie_embeddings_and_output_weights": not m.tie_embeddings, "qk_layernorm": m.qk_layernorm,
             "add_qkv_bias": m.add_qkv_bias or m.add_bias_linear, "normalization": m.normalization,
             "swiglu": m.swiglu}
-    for name, value in (mine or ours).items():
+
+
+def recorded_model_args(cfg, mine: Optional[dict] = None) -> dict:
+    """What a ``dynapipe``-format checkpoint records of its model, in Megatron-LM's argument
+    names: ``mine`` (a T5's values) or :func:`model_values`, and the GeLU it computed."""
+    return {**(mine or model_values(cfg)), "bias_gelu_fusion": cfg.model.gelu_approximation == "tanh"}
+
+
+def model_mismatch(ckpt_args, cfg, mine: Optional[dict] = None) -> Optional[str]:
+    """How a checkpoint's recorded arguments (``ckpt_args``, attributes by Megatron-LM name)
+    differ from this model's (``mine``, else :func:`model_values`), naming the flag; None if
+    they fit."""
+    m = cfg.model
+    for name, value in (mine or model_values(cfg)).items():
         theirs = getattr(ckpt_args, name, None)
         if theirs is not None and theirs != value:
             if name in FLAG_OF:
@@ -289,7 +303,7 @@ def load_dist(iter_dir: str, cfg, gpt, optimizer, scheduler, info: RankInfo, loa
 
     common = read_common(iter_dir)
     ckpt_args = common.get("args")
-    mismatch = _model_mismatch(ckpt_args, cfg, model_values) if ckpt_args is not None else None
+    mismatch = model_mismatch(ckpt_args, cfg, model_values) if ckpt_args is not None else None
     if mismatch:
         raise DynaPipeError(f"{iter_dir}: the checkpoint does not fit this model ({mismatch}); use the model "
                             f"arguments it was saved with.")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import glob
 import os
 from datetime import datetime
+from types import SimpleNamespace
 from typing import Callable, Optional
 
 from dynapipe.errors import DynaPipeError
@@ -41,14 +42,17 @@ def _layout(info: RankInfo) -> str:
 
 
 def save(cfg, iteration: int, consumed_samples: int, gpt, optimizer, scheduler, info: RankInfo, log: Log,
-         extra: Optional[dict] = None, args_update: Optional[dict] = None) -> str:
+         extra: Optional[dict] = None, args_update: Optional[dict] = None,
+         model_values: Optional[dict] = None) -> str:
     """Save the checkpoint of ``iteration`` to ``cfg.save`` in ``cfg.ckpt_format``; collective.
 
     Returns the iteration directory. ``latest_checkpointed_iteration.txt`` is replaced last,
     after every rank finished, so a job that dies mid-save resumes from the previous one.
     ``extra``: what the ``dynapipe`` format records besides the state (see ``load``'s
     ``check_extra``); ``args_update``: values that replace or add to the ``args`` a ``torch_dist``
-    checkpoint records (another model's Megatron-LM arguments, T5's)."""
+    checkpoint records (another model's Megatron-LM arguments, T5's); ``model_values``: the
+    model arguments a ``dynapipe`` checkpoint records for ``load`` to compare (T5's; default
+    GPT's)."""
     root = cfg.save
     log(f"[{_now()}] saving checkpoint at iteration {iteration:7d} to {root} in {cfg.ckpt_format} format")
     if cfg.ckpt_format == "torch_dist":
@@ -60,6 +64,8 @@ def save(cfg, iteration: int, consumed_samples: int, gpt, optimizer, scheduler, 
                                   cfg.optimizer.distributed, cfg.dist_ckpt.fully_parallel_save, fixed_batch)
         publish_latest(root, iteration, info)
     else:
+        # The model's Megatron-LM arguments, compared on load as torch_dist's recorded args are.
+        extra = {**(extra or {}), "model_args": checkpoint_dist.recorded_model_args(cfg, model_values)}
         iter_dir = save_checkpoint(root, iteration, consumed_samples, gpt, optimizer, scheduler, info, extra=extra,
                                    dtype=cfg.model.dtype)
     log(f"  [{_now()}] successfully saved checkpoint from iteration {iteration:7d} to {root} {_layout(info)}")
@@ -167,8 +173,19 @@ def load(cfg, gpt, optimizer, scheduler, info: RankInfo, log: Log,
         resumed = ResumeState(*result)
     else:
         log(f" loading checkpoint from {root} {at}")
-        resumed = load_checkpoint(root, gpt, optimizer, scheduler, info, load_optim, load_rng, check_extra,
-                                  cfg.model.dtype)
+
+        def check_model_then_extra(extra: dict, path: str) -> None:
+            recorded = extra.get("model_args")  # absent in checkpoints of earlier builds
+            mismatch = (checkpoint_dist.model_mismatch(SimpleNamespace(**recorded), cfg, model_values)
+                        if recorded else None)
+            if mismatch:
+                raise DynaPipeError(f"{iter_dir}: the checkpoint does not fit this model ({mismatch}); use the "
+                                    f"model arguments it was saved with.")
+            if check_extra is not None:
+                check_extra(extra, path)
+
+        resumed = load_checkpoint(root, gpt, optimizer, scheduler, info, load_optim, load_rng,
+                                  check_model_then_extra, cfg.model.dtype)
     if load_optim and cfg.optimizer.override_scheduler:
         override_group_lrs(optimizer, scheduler, cfg.optimizer)
     if cfg.finetune or release:

@@ -100,7 +100,8 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
 
     def save(iteration: int, consumed_samples: int) -> None:
         checkpoint_formats.save(base, iteration, consumed_samples, stage.gpt, optimizer, scheduler, info, log,
-                                extra=checkpoint_record(placement), args_update=t5_megatron_args(cfg))
+                                extra=checkpoint_record(placement), args_update=t5_megatron_args(cfg),
+                                model_values=t5_model_values(cfg))
 
     parts = LoopParts(base, info, optimizer, stepper, save, lambda: make_t5_evaluator(cfg, info, stage, stepper),
                       started_s, flops_model=cfg.planner_model() if base.log_throughput else None,

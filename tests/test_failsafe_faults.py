@@ -201,6 +201,9 @@ def fault_outcomes(tmp_path_factory):
                            "--override-opt_param-scheduler"),
         "resumed_as_bf16": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --load {save} --bf16 "
                                      "--override-opt_param-scheduler"),
+        # The dynapipe format records the model's arguments as torch_dist does: another norm is named.
+        "load_dynapipe_other_norm": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --load {save} "
+                                              "--override-opt_param-scheduler --normalization RMSNorm"),
         # Loading mistakes that must not start from random weights, or resume on the wrong split.
         "finetune_iter_dir": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {save}/iter_0000002 "
                               "--finetune"),
@@ -322,6 +325,9 @@ def test_loading_mistakes_stop_every_rank_in_one_line(fault_outcomes):
                     f"2, this run is 1 x 1; resume at the sizes it was saved at, or save in --ckpt-format torch_dist",
         "load_other_norm": f"{dist_save}/iter_0000001: the checkpoint does not fit this model (--normalization "
                            f"LayerNorm in the checkpoint, RMSNorm here)",
+        "load_dynapipe_other_norm": f"{save}/iter_0000002: the checkpoint does not fit this model (--normalization "
+                                    f"LayerNorm in the checkpoint, RMSNorm here); use the model arguments it was "
+                                    f"saved with.",
     }
     for name, text in expected.items():
         errors = [o["error"] for o in outcomes[name]]

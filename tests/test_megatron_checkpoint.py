@@ -303,7 +303,7 @@ def test_recorded_args_have_megatron_lms_names_and_meanings():
     # add_bias_linear; the model check compares the position type itself.
     from types import SimpleNamespace
 
-    from megatron_integration.checkpoint_dist import _model_mismatch, megatron_args
+    from megatron_integration.checkpoint_dist import model_mismatch, megatron_args
 
     def recorded(extra):
         cfg = _parse(extra)
@@ -316,20 +316,20 @@ def test_recorded_args_have_megatron_lms_names_and_meanings():
     assert recorded("")[1].add_position_embedding is True
     # A Megatron-LM RoPE checkpoint (add_position_embedding True) fits a RoPE model here.
     theirs = SimpleNamespace(position_embedding_type="rope", add_position_embedding=True, add_bias_linear=True)
-    assert _model_mismatch(theirs, cfg) is None
-    assert _model_mismatch(SimpleNamespace(position_embedding_type="learned_absolute"), cfg) == (
+    assert model_mismatch(theirs, cfg) is None
+    assert model_mismatch(SimpleNamespace(position_embedding_type="learned_absolute"), cfg) == (
         "--position-embedding-type learned_absolute in the checkpoint, rope here")
-    assert _model_mismatch(SimpleNamespace(add_bias_linear=False), cfg) == (
+    assert model_mismatch(SimpleNamespace(add_bias_linear=False), cfg) == (
         "add_bias_linear False in the checkpoint, True here: --disable-bias-linear")
     # The GeLU: Megatron-LM's default bias-GeLU fusion is the tanh approximation, which this run
     # computes; a checkpoint of the exact GeLU (--no-bias-gelu-fusion, or an earlier build of this
     # project, which recorded no_bias_gelu_fusion and computed the exact GeLU) is refused with the fix.
     assert recorded("")[1].bias_gelu_fusion is True
-    assert _model_mismatch(SimpleNamespace(bias_gelu_fusion=True), cfg) is None
+    assert model_mismatch(SimpleNamespace(bias_gelu_fusion=True), cfg) is None
     for old in (SimpleNamespace(bias_gelu_fusion=False), SimpleNamespace(no_bias_gelu_fusion=False)):
-        assert _model_mismatch(old, cfg).endswith(": --no-bias-gelu-fusion")
-        assert _model_mismatch(old, _parse("--no-bias-gelu-fusion")) is None
-    assert _model_mismatch(SimpleNamespace(bias_gelu_fusion=False), _parse("--swiglu")) is None  # no GeLU
+        assert model_mismatch(old, cfg).endswith(": --no-bias-gelu-fusion")
+        assert model_mismatch(old, _parse("--no-bias-gelu-fusion")) is None
+    assert model_mismatch(SimpleNamespace(bias_gelu_fusion=False), _parse("--swiglu")) is None  # no GeLU
 
 
 def test_any_error_of_a_rank_becomes_its_one_line_with_the_fix():
