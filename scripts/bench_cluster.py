@@ -54,6 +54,7 @@ from dynapipe.method_compare import (BatchesResult, compare_over_batches, global
 from dynapipe.pipeline_planner import plan_iteration  # noqa: E402
 from dynapipe.schedule.placement import choose_placement_kind  # noqa: E402
 from dynapipe.cost.chunked_placement import even_chunked_placement  # noqa: E402
+from dynapipe.argparsing import StrictArgumentParser  # noqa: E402
 
 METHODS = ("dynapipe", "dynapipe-1f1b", "packing", "packing-search", "padding", "padding-mb")
 # The DynaPipe paper (EuroSys 2024), best reported speed-up over packing on FLANv2.
@@ -201,7 +202,7 @@ def markdown(records: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = StrictArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", default="out/bench_cluster.json", help="JSON results (default %(default)s)")
     p.add_argument("--markdown", default=None, help="Markdown table (default: the JSON path with .md)")
     p.add_argument("--batches", type=int, default=3, help="global batches per case (default 3)")

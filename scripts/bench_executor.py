@@ -53,6 +53,7 @@ from dynapipe.schedule.one_f_one_b import one_f_one_b  # noqa: E402
 from dynapipe.schedule.simulator import simulate  # noqa: E402
 from dynapipe.schedule.trace import chrome_trace as sim_chrome_trace  # noqa: E402
 from toy_model import ToyGPT, ToyHandlers, make_samples, micro_batch_tensors  # noqa: E402
+from dynapipe.argparsing import StrictArgumentParser  # noqa: E402
 
 RUNNERS = ("executor", "plain", "megatron")
 LABELS = {"executor": "plan executor", "plain": "plain 1F1B loop", "megatron": "megatron-core 1F1B"}
@@ -327,7 +328,7 @@ def format_report(out: dict) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = StrictArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stages", type=int, default=2, help="pipeline stages = processes (default 2: one per core)")
     p.add_argument("--micro-batches", type=int, default=8)
     p.add_argument("--mbs", type=int, default=2, help="samples per micro-batch")

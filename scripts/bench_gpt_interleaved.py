@@ -15,7 +15,6 @@ model prices a CPU poorly.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -25,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_integration.bench_presets import with_defaults  # noqa: E402
 from megatron_integration.cpu_affinity import bench_default  # noqa: E402
+from dynapipe.argparsing import StrictArgumentParser  # noqa: E402
 
 
 def tokens_per_s(ranks: list[dict], skip: int = 1) -> float:
@@ -36,7 +36,7 @@ def tokens_per_s(ranks: list[dict], skip: int = 1) -> float:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = StrictArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the two runs (default 3)")
     parser.add_argument("--chunks", type=int, default=2, help="model chunks a rank of the interleaved run (default 2)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks (default 2: the preset's 2 stages)")

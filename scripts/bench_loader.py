@@ -17,7 +17,6 @@ iteration (planning, tensors, serialisation, store writes) as plans per second.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -37,12 +36,13 @@ from dynapipe.config import load_device_config, load_model_config  # noqa: E402
 from dynapipe.data.config import DatasetConfig  # noqa: E402
 from dynapipe.runtime.loader import DynaPipeDataLoader, LoaderConfig, RankLayout  # noqa: E402
 from dynapipe.runtime.plan_source import PlannerSettings  # noqa: E402
+from dynapipe.argparsing import StrictArgumentParser  # noqa: E402
 
 DEFAULTS = LoaderConfig()
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = StrictArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt-7b")
     p.add_argument("--device", default="a100-40gb")
     p.add_argument("--pp", type=int, default=4, help="pipeline stages (ranks per replica)")

@@ -26,6 +26,7 @@ from dynapipe.data.synthetic import sample_lengths  # noqa: E402
 from dynapipe.errors import DynaPipeError  # noqa: E402
 from dynapipe.pipeline_planner import plan_iteration  # noqa: E402
 from dynapipe.plan import deserialize_plan, serialize_plan, validate_plans  # noqa: E402
+from dynapipe.argparsing import StrictArgumentParser  # noqa: E402
 
 TARGETS_MS = {"whole planning": 2000.0, "validate": 1000.0}
 PHASES = ("batching", "schedule", "compile", "serialize")
@@ -69,7 +70,7 @@ def once(lengths, cost_model, args) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = StrictArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="gpt-7b")
     p.add_argument("--device", default="a100-40gb")
     p.add_argument("--stages", type=int, default=8)

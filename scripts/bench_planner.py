@@ -31,6 +31,7 @@ from dynapipe.config import load_device_config, load_model_config  # noqa: E402
 from dynapipe.cost import build_cost_model  # noqa: E402
 from dynapipe.data.synthetic import sample_lengths  # noqa: E402
 from dynapipe.errors import DynaPipeError  # noqa: E402
+from dynapipe.argparsing import StrictArgumentParser  # noqa: E402
 
 NO_LIMIT_MIB = 1e12
 # Targets of the planner (median planning ms on one core): (samples, limit name, ms).
@@ -103,7 +104,7 @@ def print_table(n, rows, repeats):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = StrictArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--samples", type=int, nargs="+", default=[256, 1024, 4096])
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--quick", action="store_true", help="1024 samples, 3 repeats")

@@ -28,6 +28,7 @@ from dynapipe.data.synthetic import sample_lengths
 from dynapipe.pipeline_planner import plan_iteration
 from dynapipe.schedule import _kernels
 from dynapipe.schedule.search import search_schedules
+from dynapipe.argparsing import StrictArgumentParser
 
 # Schedules priced alone, on the planner's micro-batches (auto's choice is the planner's own).
 FIXED = ("1f1b", "adaptive", "zb-h1")
@@ -82,7 +83,7 @@ def bench_stage_count(args, model, device, cluster, S: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = StrictArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", type=int, default=100)
     p.add_argument("--samples", type=int, default=1024)
     p.add_argument("--stages", type=int, nargs="+", default=[4, 8])

@@ -26,7 +26,6 @@ then. Without CUDA it stops at once with one line (exit status 2).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -42,6 +41,7 @@ if __package__ in (None, ""):
 import numpy as np  # noqa: E402
 
 from dynapipe.errors import DynaPipeError  # noqa: E402
+from dynapipe.argparsing import StrictArgumentParser  # noqa: E402
 
 LEVELS = ("none", "selective", "full")
 
@@ -224,7 +224,7 @@ def loss_spread(results: dict) -> Optional[float]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = StrictArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output", required=True,
                    help="directory for gpu_check.json, gpu_check.md, the profile and a trace")
     p.add_argument("--timeout-s", type=float, default=420.0, help="limit for each training job (s)")

@@ -322,3 +322,19 @@ def test_profile_refuses_before_measuring(tmp_path, capsys, monkeypatch, extra, 
     extra = [str(tmp_path) if a == "DIR" else str(tmp_path / "p.json") if a == "OUT" else a for a in extra]
     _refused(capsys, ["profile", "--model", "gpt-tiny", "--repeats", "1", "--no-progress", *extra], message)
     assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    # Megatron-LM flags the training scripts refuse with a reason get the same reason here (bench
+    # and profile take Megatron arguments); any other unknown flag gets argparse's one line.
+    (["bench", "--output", "b.json", "--wandb-project", "p"],
+     "error: --wandb-project is a Megatron-LM flag that dynapipe-megatron does not support: use --tensorboard-dir"),
+    (["profile", "--output", "p.json", "--fp8-margin=0"],
+     "error: --fp8-margin is a Megatron-LM flag that dynapipe-megatron does not support: fp8 training"),
+    (["synth", "--samples", "4", "--output", "s.txt", "--bogus"],
+     "error: python -m dynapipe: unrecognized arguments: --bogus"),
+])
+def test_unknown_flags_are_one_line_and_refused_megatron_flags_name_the_reason(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err

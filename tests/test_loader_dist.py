@@ -115,6 +115,63 @@ def test_four_ranks_pp2_dp2_on_two_nodes_splitting_the_replicas(tmp_path):
     check_delivery(results, dp=2, pp=2, planner_nodes=2, split=True)
 
 
+def _split_kill_main(rank, world, port, out_dir):
+    """2 nodes x 2 ranks, PP2 x DP2, split replicas: node 1 publishes replica 1's plans, and its
+    planner rank (rank 2, replica 0) reads node 0's. Rank 2 kills its node's workers after
+    iteration 0; every rank's outcome."""
+    import datetime
+    import signal
+
+    from dynapipe.runtime.loader import DynaPipeDataLoader, LoaderConfig, RankLayout
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    layout = RankLayout(rank, world, rank % 2, 2, rank // 2, 2, rank % 2, 2)
+    cfg = LoaderConfig(global_batch_size=GBS, seed=SEED, train_iters=ITERATIONS, prefetch=1, plan_timeout_s=60,
+                       split_replicas=True, namespace="dynapipe-split-kill")
+    loader = DynaPipeDataLoader(cfg, dataset() if layout.local_rank == 0 else None, planner_settings(2, 2), layout)
+    seen, error, t0 = [], None, time.monotonic()
+    try:
+        for d in loader:
+            seen.append(d.iteration)
+            if rank == 2 and d.iteration == 0:
+                for pid in loader.worker_pids:
+                    os.kill(pid, signal.SIGKILL)
+                t0 = time.monotonic()
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    out = {"seen": seen, "error": error, "elapsed": time.monotonic() - t0}
+    loader.close()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_a_killed_worker_of_a_node_that_plans_for_others_is_seen_by_its_planner_rank(tmp_path):
+    # Before, node 1's planner rank looked at its workers only while its own plan was late, and
+    # node 0 publishes that plan: ranks awaiting node 1's plans waited out the plan timeout.
+    ctx = tmp.start_processes(_split_kill_main, args=(4, _free_port(), str(tmp_path)), nprocs=4, join=False,
+                              start_method="spawn")
+    deadline = time.monotonic() + 150
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("ranks did not stop after a planner worker was killed")
+    results = []
+    for r in range(4):
+        with open(os.path.join(tmp_path, f"rank{r}.json")) as f:
+            results.append(json.load(f))
+    # Rank 0 needs only node 0's plans: it may finish first. Every rank that needs node 1's
+    # (ranks 1 and 3) or holds its workers (rank 2) stops with the cause within seconds.
+    assert results[0]["error"] is None or "without a report" in results[0]["error"], results[0]
+    for r, res in enumerate(results[1:], start=1):
+        assert res["error"] is not None and res["error"].startswith("PlannerWorkerError"), (r, res)
+        assert "was killed by signal 9 (out of memory?), without a report" in res["error"], (r, res)
+        assert res["elapsed"] < 30, f"rank {r} took {res['elapsed']:.1f} s to stop"
+
+
 def _fault_loader(rank, world, namespace, exploding):
     from dynapipe.data.sampler import GlobalBatchSampler, SamplerConfig
     from dynapipe.data.samples import LengthLimits

@@ -204,6 +204,11 @@ class DynaPipeDataLoader:
         if self._pool is not None:
             self._dispatch(it)
             self._pool.absorb()
+            if self._planner_of(it) != self.layout.node:
+                # This rank's plan comes from another node, so the wait below never consults
+                # this node's workers, and no other rank can (with split replicas, nobody would
+                # until the plan timeout): look at them now, once an iteration.
+                self._check_workers(it)
         deadline = time.monotonic() + self.config.plan_timeout_s
         while True:
             data = self._fetcher.get(0.05)
