@@ -289,3 +289,27 @@ def test_loader_with_unreachable_redis_fails_clearly():
 
     with pytest.raises(StoreUnreachableError, match="could not reach Redis"):
         make_loader(kv_backend="redis", redis=KVStoreSpec("redis", "127.0.0.1", free_port(), connect_timeout_s=0.5))
+
+
+def test_a_live_planner_keeps_its_runs_redis_keys_past_their_expiry(redis_server):
+    # Keys expire after the spec's ttl_s so a crashed job leaves nothing behind; a payload of a
+    # live job may wait unread longer (a long evaluation or save), so the planner node's watcher
+    # thread restarts the expiry of its run's keys every quarter ttl.
+    import dataclasses
+
+    from dynapipe.runtime.store_watch import RestartWatcher
+
+    spec = dataclasses.replace(redis_server, ttl_s=2)
+    kv = spec.connect()
+    kv.set("keep[1]/run/it0/r0/s0", b"payload")  # glob characters in the namespace are literal
+    kv.set("keep1/run/x", b"another run")
+    watcher = RestartWatcher(spec, lambda: None, poll_s=0.05, keep_alive="keep[1]/run")
+    try:
+        time.sleep(3.5)
+        assert kv.get("keep[1]/run/it0/r0/s0") == b"payload"
+        assert kv.get("keep1/run/x") is None  # not under the prefix: expired
+    finally:
+        watcher.close()
+    time.sleep(2.6)
+    assert kv.get("keep[1]/run/it0/r0/s0") is None  # the job gone, its keys go
+    kv.close()

@@ -142,10 +142,27 @@ class RedisKV(KVStore):
     def delete(self, key: str) -> bool:
         return bool(self._call(lambda: self.client.delete(key)))
 
+    @staticmethod
+    def _match(prefix: str) -> str:
+        """A SCAN pattern of every key under ``prefix``, whose glob characters are literal (a
+        namespace may hold any of them)."""
+        return re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + "*"
+
     def keys(self, prefix: str) -> list[str]:
-        # Every glob character of the prefix is literal (a namespace may hold any of them).
-        literal = re.sub(r"([*?\[\]\\])", r"\\\1", prefix)
-        return self._call(lambda: [k.decode() for k in self.client.scan_iter(match=literal + "*")])
+        return self._call(lambda: [k.decode() for k in self.client.scan_iter(match=self._match(prefix))])
+
+    def refresh(self, prefix: str) -> int:
+        """Restart the expiry (``ttl_s`` seconds) of every key under ``prefix``; how many there
+        were. A job alive keeps its keys however long they wait unread; a crashed one's go."""
+        def expire_all() -> int:
+            keys = list(self.client.scan_iter(match=self._match(prefix)))
+            if keys:
+                pipe = self.client.pipeline()
+                for key in keys:
+                    pipe.expire(key, self.ttl_s)
+                pipe.execute()
+            return len(keys)
+        return self._call(expire_all)
 
     def server_id(self) -> str:
         """The server process's run id: it changes when the server restarts (and loses its data)."""

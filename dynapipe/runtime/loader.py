@@ -141,7 +141,8 @@ class DynaPipeDataLoader:
                         self.keys, self.layout.node, self._replicas_here())
         self._pool = PlannerPool(job, c.num_workers)
         if spec.backend == "redis":
-            self._watcher = RestartWatcher(spec, self._replan_lost, on_error=self._post_error)
+            self._watcher = RestartWatcher(spec, self._replan_lost, on_error=self._post_error,
+                                           keep_alive=self.keys.prefix)
         self._dispatch(self._next)
 
     def _replan_lost(self) -> None:

@@ -5,12 +5,14 @@ yet read are gone, and the ranks waiting for them would wait until the plan time
 :class:`RestartWatcher` runs on each planner node: a thread with its own connection
 that reads the server's run id every ``poll_s`` seconds and calls ``on_restart`` when it
 changes. Planning is deterministic (same seed, same batches, same plans), so publishing
-a lost iteration again gives every rank exactly what it would have read.
+a lost iteration again gives every rank exactly what it would have read. The same thread
+keeps the run's keys from expiring while the job lives (``keep_alive``).
 """
 from __future__ import annotations
 
 import sys
 import threading
+import time
 import traceback
 from typing import Callable, Optional
 
@@ -27,8 +29,13 @@ class RestartWatcher:
     """
 
     def __init__(self, spec: KVStoreSpec, on_restart: Callable[[], None], poll_s: float = 0.2,
-                 on_error: Optional[Callable[[str], None]] = None):
+                 on_error: Optional[Callable[[str], None]] = None, keep_alive: Optional[str] = None):
         self.spec = spec
+        # Keys under ``keep_alive`` (the run's) get their expiry restarted every quarter of the
+        # spec's ttl_s: a payload may wait unread longer than the ttl (a long evaluation or save).
+        self.keep_alive = keep_alive
+        self._refresh_s = max(spec.ttl_s / 4.0, poll_s)
+        self._refreshed = time.monotonic()
         self.on_restart = on_restart
         self.on_error = on_error
         self.poll_s = poll_s
@@ -42,6 +49,9 @@ class RestartWatcher:
     def _run(self) -> None:
         try:
             while not self._stop.wait(self.poll_s):
+                if self.keep_alive is not None and time.monotonic() - self._refreshed >= self._refresh_s:
+                    self._kv.refresh(self.keep_alive)
+                    self._refreshed = time.monotonic()
                 server = self._kv.server_id()
                 if server != self._server:
                     self._server = server
