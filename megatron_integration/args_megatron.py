@@ -248,6 +248,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         "byte-level (default: Megatron-LM's, GPT2BPETokenizer for GPT and BertWordPieceLowerCase "
                         "for T5, when --vocab-file is given; else ByteLevel)")
     g.add_argument("--tokenizer-model", default=None, help="tokenizer model file or name, when the type needs one")
+    g.add_argument("--legacy-tokenizer", action="store_true",
+                   help="accepted: the WordPiece ids here are those of Megatron-LM's legacy tokenizers (the file's "
+                        "lines, then [BOS], [EOS] and --vocab-extra-ids sentinels), which this flag selects there")
     add_tokenizer_args(g)
     g.add_argument("--data-cache-path", default=None,
                    help="directory for dataset index caches: T5 span corruption's (megatron-core's; default beside "

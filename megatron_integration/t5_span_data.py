@@ -78,7 +78,9 @@ class SpanCorruptionConfig:
     def has_split(self, index: int) -> bool:
         """Whether split ``index`` (0 train, 1 validation, 2 test) has data."""
         if self.split is not None:
-            return float(self.split.split(",")[index]) > 0
+            from dynapipe.data.splits import parse_split
+
+            return parse_split(self.split)[index] > 0  # any separator, missing shares 0, as megatron-core
         return index == 0 or bool((self.valid_paths, self.test_paths)[index - 1])
 
     def vocab(self) -> WordPieceVocab:
@@ -133,8 +135,8 @@ def build_megatron_dataset(cfg: SpanCorruptionConfig):
                             f"give every node the same --data-cache-path on a shared file system.") from None
     if train is None or len(train) == 0:
         raise DynaPipeError(f"{' '.join(cfg.paths)}: Megatron's T5 dataset made no sample (it skips "
-                            f"empty documents and documents holding a sentence over 512 tokens); check the data was "
-                            f"written with preprocess_data.py --split-sentences.")
+                            f"empty documents, and documents of several sentences one of which is over 512 tokens); "
+                            f"check the data was written with preprocess_data.py --split-sentences.")
     return train
 
 

@@ -288,3 +288,17 @@ def test_pretrain_t5_script_refuses_missing_sentinels_with_exit_status_2(corpus,
     assert script.main(_args(corpus, "--vocab-extra-ids", "0")) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --vocab-extra-ids 0") and "\n" not in err
+
+
+@pytest.mark.parametrize("split, expected", [("969, 30, 1", [True, True, True]), ("99,1", [True, True, False]),
+                                             ("100", [True, False, False]), ("98/2/0", [True, True, False]),
+                                             ("99 1 0", [True, True, False])])
+def test_which_splits_hold_data_reads_split_as_megatron_core_does(split, expected):
+    # Any separator, missing shares 0: "99,1" has no test split (it raised IndexError, "98/2/0"
+    # ValueError, once evaluation asked).
+    from megatron_integration.t5_span_data import SpanCorruptionConfig
+
+    cfg = SpanCorruptionConfig(paths=("p",), weights=(), split=split, num_samples=8, encoder_seq_length=64,
+                               decoder_seq_length=32, seed=1, tokenizer_type="BertWordPieceLowerCase",
+                               vocab_file="v.txt", vocab_extra_ids=100)
+    assert [cfg.has_split(i) for i in range(3)] == expected
