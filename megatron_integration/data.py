@@ -102,11 +102,21 @@ def data_summary_lines(cfg: DynaPipeTrainingConfig) -> list[str]:
     return lines
 
 
-def sampler_config(cfg: DynaPipeTrainingConfig) -> SamplerConfig:
-    """Global batches by ``--global-batch-size`` samples or by token budget."""
+def reshuffles(dataset_config) -> bool:
+    """Whether the sampler shuffles the samples of ``dataset_config`` (a dataset config of any
+    kind): not those megatron-core's own dataset already shuffled, which Megatron-LM's sampler
+    reads in order (``ordered_by_megatron``: T5 span corruption), so that global batch ``k``
+    holds the samples Megatron-LM's does."""
+    return not getattr(dataset_config, "ordered_by_megatron", False)
+
+
+def sampler_config(cfg: DynaPipeTrainingConfig, dataset_config=None) -> SamplerConfig:
+    """Global batches by ``--global-batch-size`` samples or by token budget, of the samples of
+    ``dataset_config`` (None: the run's GPT data; see :func:`reshuffles`)."""
     tokens = cfg.data.tokens_per_global_batch or 0
     return SamplerConfig(global_batch_size=0 if tokens else cfg.global_batch_size, tokens_per_global_batch=tokens,
-                         seed=cfg.seed, shuffle=True, min_samples=cfg.parallel.data_parallel_size)
+                         seed=cfg.seed, shuffle=reshuffles(dataset_config),
+                         min_samples=cfg.parallel.data_parallel_size)
 
 
 @dataclass

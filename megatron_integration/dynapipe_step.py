@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -43,7 +43,7 @@ from dynapipe.plan.instructions import ForwardPass, MicroBatchInfo
 from dynapipe.runtime.activation_meter import ActivationMeter, measure_activations
 from dynapipe.runtime.activation_plan import planned_activation_peak_mib
 from megatron_integration.train_config import DynaPipeTrainingConfig
-from megatron_integration.data import dataset_config
+from megatron_integration.data import dataset_config, reshuffles
 from megatron_integration.initialize import RankInfo
 from megatron_integration.baseline_step import StepResult, holds_loss, reduce_loss, split_point, step_split_ms
 from megatron_integration.model import Stage, finalize_grads_func, set_recompute_level
@@ -175,6 +175,8 @@ def make_loader(cfg: DynaPipeTrainingConfig, info: RankInfo, start_iteration: in
     from megatron_integration.args_dynapipe import check_planner_nodes
 
     loader_cfg = loader_config(cfg, start_iteration, consumed_samples)
+    if dataset is not None and not reshuffles(dataset):  # T5 span corruption: Megatron-LM's order
+        loader_cfg = replace(loader_cfg, shuffle=False)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
     layout = RankLayout(rank=info.rank, world_size=info.world_size, dp_rank=info.dp_rank, dp_size=info.dp_size,
                         pp_rank=info.pp_rank, pp_size=info.pp_size,

@@ -49,8 +49,9 @@ def first_global_batches(cfg, count: int = AUTO_SAMPLE_BATCHES) -> list[np.ndarr
     from dynapipe.data.sampler import GlobalBatchSampler
     from megatron_integration.data import sampler_config
 
-    dataset = cfg.dataset_config().build()
-    sampler = GlobalBatchSampler(dataset.sample_tokens(), sampler_config(cfg.base), 0)
+    config = cfg.dataset_config()
+    dataset = config.build()
+    sampler = GlobalBatchSampler(dataset.sample_tokens(), sampler_config(cfg.base, config), 0)
     n = max(1, min(count, cfg.base.train_iters))
     return [np.asarray(dataset.planner_lengths(sampler.batch(i).indices)) for i in range(n)]
 

@@ -201,6 +201,9 @@ class SpanCorruptionDataset(SampleDataset):
     Megatron's dataset (from its index cache) on first read."""
 
     encoder_decoder = True
+    # megatron-core's T5 dataset shuffles its samples, and Megatron-LM's sampler reads them in
+    # order: so does the sampler here (data.reshuffles), for Megatron-LM's global batches.
+    ordered_by_megatron = True
 
     def __init__(self, cfg: SpanCorruptionConfig):
         self.cfg = cfg

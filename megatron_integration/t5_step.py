@@ -218,8 +218,9 @@ class BaselineSource:
 
         self.cfg, self.info = cfg, info
         self.model = cfg.planner_model()
-        dataset = cfg.dataset_config().build()
-        sampler = GlobalBatchSampler(dataset.sample_tokens(), sampler_config(cfg.base), consumed_samples)
+        config = cfg.dataset_config()
+        dataset = config.build()
+        sampler = GlobalBatchSampler(dataset.sample_tokens(), sampler_config(cfg.base, config), consumed_samples)
         self.batches = GlobalBatches(dataset, sampler, start_iteration)
         self.level = cfg.base.recompute.granularity or "none"
         self.placement = cfg.stage_placement()

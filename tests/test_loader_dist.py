@@ -153,18 +153,7 @@ def _split_kill_main(rank, world, port, out_dir):
 def test_a_killed_worker_of_a_node_that_plans_for_others_is_seen_by_its_planner_rank(tmp_path):
     # Before, node 1's planner rank looked at its workers only while its own plan was late, and
     # node 0 publishes that plan: ranks awaiting node 1's plans waited out the plan timeout.
-    ctx = tmp.start_processes(_split_kill_main, args=(4, _free_port(), str(tmp_path)), nprocs=4, join=False,
-                              start_method="spawn")
-    deadline = time.monotonic() + 150
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("ranks did not stop after a planner worker was killed")
-    results = []
-    for r in range(4):
-        with open(os.path.join(tmp_path, f"rank{r}.json")) as f:
-            results.append(json.load(f))
+    results = _spawn_fault_ranks(_split_kill_main, 4, tmp_path, "ranks did not stop after a planner worker was killed")
     # Rank 0 needs only node 0's plans: it may finish first. Every rank that needs node 1's
     # (ranks 1 and 3) or holds its workers (rank 2) stops with the cause within seconds.
     assert results[0]["error"] is None or "without a report" in results[0]["error"], results[0]
@@ -222,17 +211,23 @@ def _crash_rank_main(rank, world, port, out_dir):
 
 @pytest.fixture(scope="module")
 def worker_faults(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("worker_faults")
-    ctx = tmp.start_processes(_crash_rank_main, args=(2, _free_port(), str(out_dir)), nprocs=2, join=False,
+    return _spawn_fault_ranks(_crash_rank_main, 2, tmp_path_factory.mktemp("worker_faults"),
+                              "ranks did not stop after a planner worker failed")
+
+
+def _spawn_fault_ranks(fn, world: int, out_dir, failure: str, timeout_s: float = 150) -> list:
+    """Run ``fn(rank, world, port, out_dir)`` on ``world`` spawned ranks; each rank's JSON
+    outcome. A job still running after ``timeout_s`` is killed and the test fails with ``failure``."""
+    ctx = tmp.start_processes(fn, args=(world, _free_port(), str(out_dir)), nprocs=world, join=False,
                               start_method="spawn")
-    deadline = time.monotonic() + 150
+    deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
-            pytest.fail("ranks did not stop after a planner worker failed")
+            pytest.fail(failure)
     results = []
-    for r in range(2):
+    for r in range(world):
         with open(os.path.join(out_dir, f"rank{r}.json")) as f:
             results.append(json.load(f))
     return results

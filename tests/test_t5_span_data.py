@@ -261,6 +261,21 @@ def test_split_and_train_samples_reach_megatron_core_as_megatron_lm_passes_them(
     assert len(cfg.dataset_config()) == 43
 
 
+def test_global_batches_are_megatron_lms_consecutive_samples(corpus):
+    # megatron-core's T5 dataset is already shuffled and Megatron-LM's sampler reads it in order:
+    # batch k holds samples [k x gbs, (k + 1) x gbs), not a second shuffle of them (JSONL and
+    # mixture data, which no megatron-core dataset ordered, are still shuffled).
+    from dynapipe.data.sampler import GlobalBatchSampler
+    from megatron_integration.data import sampler_config
+
+    cfg = parse_t5_args(_args(corpus), 1, cuda=False)
+    config = cfg.dataset_config()
+    assert sampler_config(cfg.base, config).shuffle is False
+    sampler = GlobalBatchSampler(config.build().sample_tokens(), sampler_config(cfg.base, config), 8)
+    assert sampler.batch(0).indices.tolist() == list(range(8, 16))
+    assert sampler_config(cfg.base).shuffle is True
+
+
 def test_samples_megatron_cannot_make_are_refused_before_training(corpus, tmp_path):
     # A decoder too short for some sample's spans (Megatron asserts mid-training).
     with pytest.raises(DynaPipeError, match="longer than --decoder-seq-length 6; raise"):
