@@ -369,8 +369,8 @@ def leave_room_in_flight(lengths, cost_model: CostModel, *, planned: BatchPlan, 
     for (``level``), or with a schedule that holds fewer micro-batches in flight and idles
     more. Smaller micro-batches then run faster (17% on one gpt-13b PP8 x DP2 batch at cluster
     scale). So where the search fell back to full recompute on some stage, or where the
-    pipeline's fill and drain take at least :data:`FILL_DRAIN_WORTH_A_TRY` of it, the shares ``1/2`` and ``1/S`` are tried
-    (for ``cut["method"] == "dynapipe"``): each one more DP cut (``cut``:
+    pipeline's fill and drain take at least :data:`FILL_DRAIN_WORTH_A_TRY` of it, the shares
+    ``1/2`` and ``1/S`` are tried (for ``cut["method"] == "dynapipe"``): each one more DP cut (``cut``:
     :func:`plan_micro_batches`'s arguments) and a search (``search``:
     :func:`schedule_batch_plan`'s ``schedule``, memory, ``cluster``, ``tp``, ``zero``) that
     abandons every candidate as soon as it falls behind the best makespan so far. A share

@@ -110,6 +110,13 @@ def reshuffles(dataset_config) -> bool:
     return not getattr(dataset_config, "ordered_by_megatron", False)
 
 
+def eval_sampler_config(cfg: DynaPipeTrainingConfig, dataset_config) -> SamplerConfig:
+    """Evaluation batches of ``--global-batch-size`` samples of ``dataset_config`` (see
+    :func:`reshuffles`)."""
+    return SamplerConfig(global_batch_size=cfg.global_batch_size, seed=cfg.seed, shuffle=reshuffles(dataset_config),
+                         min_samples=cfg.parallel.data_parallel_size)
+
+
 def sampler_config(cfg: DynaPipeTrainingConfig, dataset_config=None) -> SamplerConfig:
     """Global batches by ``--global-batch-size`` samples or by token budget, of the samples of
     ``dataset_config`` (None: the run's GPT data; see :func:`reshuffles`)."""

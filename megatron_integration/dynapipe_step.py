@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -150,15 +150,17 @@ def close_quietly(*things) -> None:
                 pass
 
 
-def loader_config(cfg: DynaPipeTrainingConfig, start_iteration: int, consumed_samples: int):
+def loader_config(cfg: DynaPipeTrainingConfig, start_iteration: int, consumed_samples: int, dataset=None):
     """The data loader's settings (:class:`~dynapipe.runtime.loader.LoaderConfig`) of a run
-    resumed at ``start_iteration`` after ``consumed_samples`` samples."""
+    resumed at ``start_iteration`` after ``consumed_samples`` samples, of ``dataset`` (a dataset
+    config; None: the run's GPT data), whose order decides whether the sampler shuffles
+    (:func:`~megatron_integration.data.reshuffles`)."""
     from dynapipe.runtime.loader import LoaderConfig
 
     d = cfg.dynapipe
     tokens = cfg.data.tokens_per_global_batch or 0
     return LoaderConfig(global_batch_size=0 if tokens else cfg.global_batch_size,
-                        tokens_per_global_batch=tokens, seed=cfg.seed, shuffle=True,
+                        tokens_per_global_batch=tokens, seed=cfg.seed, shuffle=reshuffles(dataset),
                         consumed_samples=consumed_samples, start_iteration=start_iteration,
                         # A run resumed at or past its end plans nothing (it still evaluates).
                         train_iters=max(cfg.train_iters - start_iteration, 0), num_workers=d.planner_workers,
@@ -174,9 +176,7 @@ def make_loader(cfg: DynaPipeTrainingConfig, info: RankInfo, start_iteration: in
     from dynapipe.runtime.loader import DynaPipeDataLoader, RankLayout
     from megatron_integration.args_dynapipe import check_planner_nodes
 
-    loader_cfg = loader_config(cfg, start_iteration, consumed_samples)
-    if dataset is not None and not reshuffles(dataset):  # T5 span corruption: Megatron-LM's order
-        loader_cfg = replace(loader_cfg, shuffle=False)
+    loader_cfg = loader_config(cfg, start_iteration, consumed_samples, dataset)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
     layout = RankLayout(rank=info.rank, world_size=info.world_size, dp_rank=info.dp_rank, dp_size=info.dp_size,
                         pp_rank=info.pp_rank, pp_size=info.pp_size,

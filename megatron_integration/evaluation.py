@@ -27,10 +27,10 @@ from typing import Callable, Optional, TextIO
 import torch
 
 from dynapipe.data.samples import SampleDataset
-from dynapipe.data.sampler import GlobalBatchSampler, SamplerConfig
+from dynapipe.data.sampler import GlobalBatchSampler
 from dynapipe.data.splits import EmptySplitError
 from dynapipe.errors import DynaPipeError
-from megatron_integration.data import dataset_config, reshuffles
+from megatron_integration.data import dataset_config, eval_sampler_config
 from megatron_integration.initialize import RankInfo
 from megatron_integration.baseline_step import (build_micro_batches, forward_step, holds_loss, reduce_loss,
                                                 schedule_group, schedule_inputs, sp_shards)
@@ -118,9 +118,7 @@ class Evaluator:
                 continue
             self.datasets[split] = dataset
             self.samplers[split] = GlobalBatchSampler(
-                dataset.sample_tokens(), SamplerConfig(global_batch_size=cfg.global_batch_size, seed=cfg.seed,
-                                                       shuffle=reshuffles(config),
-                                                       min_samples=cfg.parallel.data_parallel_size))
+                dataset.sample_tokens(), eval_sampler_config(cfg, config))
         method = "padding" if cfg.method == "dynapipe" else cfg.method
         self.batch_fn = batch_fn or (lambda samples, lengths, k, dataset: megatron_eval_batch(
             stage, info, cfg, samples, lengths, method))

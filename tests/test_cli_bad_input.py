@@ -333,6 +333,8 @@ def test_profile_refuses_before_measuring(tmp_path, capsys, monkeypatch, extra, 
      "error: --fp8-margin is a Megatron-LM flag that dynapipe-megatron does not support: fp8 training"),
     (["synth", "--samples", "4", "--output", "s.txt", "--bogus"],
      "error: python -m dynapipe: unrecognized arguments: --bogus"),
+    (["synth", "--samples", "4", "--output", "s.txt", "--wandb-project", "p"],  # takes no Megatron arguments
+     "error: python -m dynapipe: unrecognized arguments: --wandb-project p"),
 ])
 def test_unknown_flags_are_one_line_and_refused_megatron_flags_name_the_reason(capsys, argv, message):
     assert main(argv) == 2

@@ -274,6 +274,12 @@ def test_global_batches_are_megatron_lms_consecutive_samples(corpus):
     sampler = GlobalBatchSampler(config.build().sample_tokens(), sampler_config(cfg.base, config), 8)
     assert sampler.batch(0).indices.tolist() == list(range(8, 16))
     assert sampler_config(cfg.base).shuffle is True
+    # The DynaPipe loader's and evaluation's samplers read it the same way.
+    from megatron_integration.data import eval_sampler_config
+    from megatron_integration.dynapipe_step import loader_config
+
+    assert loader_config(cfg.base, 0, 0, config).shuffle is False and loader_config(cfg.base, 0, 0).shuffle
+    assert eval_sampler_config(cfg.base, config).shuffle is False
 
 
 def test_samples_megatron_cannot_make_are_refused_before_training(corpus, tmp_path):

@@ -67,7 +67,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         args, extras = parser.parse_known_args(argv)
         if extras:
-            refused = _refused_megatron_flag(extras)
+            # bench and profile take Megatron arguments: name the reason a refused one has there.
+            refused = _refused_megatron_flag(extras) if args.command in ("bench", "profile") else None
             if refused is not None:
                 print_error(refused)
                 return 2

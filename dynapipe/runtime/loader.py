@@ -205,10 +205,11 @@ class DynaPipeDataLoader:
         if self._pool is not None:
             self._dispatch(it)
             self._pool.absorb()
-            if self._planner_of(it) != self.layout.node:
-                # This rank's plan comes from another node, so the wait below never consults
-                # this node's workers, and no other rank can (with split replicas, nobody would
-                # until the plan timeout): look at them now, once an iteration.
+            if self.config.split_replicas and self._planner_of(it) != self.layout.node:
+                # Split replicas: this rank's plans always come from another node, so the wait
+                # below never consults this node's workers, and no rank would until the plan
+                # timeout: look at them now, once an iteration. (Otherwise each node plans whole
+                # iterations, and the wait for one of its own consults them.)
                 self._check_workers(it)
         deadline = time.monotonic() + self.config.plan_timeout_s
         while True:

@@ -50,8 +50,11 @@ class RestartWatcher:
         try:
             while not self._stop.wait(self.poll_s):
                 if self.keep_alive is not None and time.monotonic() - self._refreshed >= self._refresh_s:
-                    self._kv.refresh(self.keep_alive)
                     self._refreshed = time.monotonic()
+                    try:
+                        self._kv.refresh(self.keep_alive)
+                    except Exception:  # noqa: BLE001 - the keys then expire as before; restarts are still watched
+                        pass
                 server = self._kv.server_id()
                 if server != self._server:
                     self._server = server
