@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from dynapipe.errors import DynaPipeError
-from megatron_integration.checkpoint import check_precision
+from megatron_integration.checkpoint import check_distributed_optimizer, check_precision
 from megatron_integration.checkpoint_files import CHECKSUM_SUFFIX, verify_file
 from megatron_integration.initialize import RankInfo
 from megatron_integration.scheduler_state import align_schedule_bounds, load_scheduler_state
@@ -320,11 +320,8 @@ def load_dist(iter_dir: str, cfg, gpt, optimizer, scheduler, info: RankInfo, loa
         raise DynaPipeError(f"{iter_dir} holds no RNG state; add --no-load-rng (or --finetune) to start the "
                             f"generators from --seed.")
     has_optim = load_optim and any(k.startswith("optimizer.") for k in saved)
-    if has_optim and cfg.optimizer.distributed != ("distrib_optim_sharding_type" in metadata):
-        saved = "without" if cfg.optimizer.distributed else "with"
-        raise DynaPipeError(f"{iter_dir}: the optimizer state was saved {saved} --use-distributed-optimizer; resume "
-                            f"with the same setting, or add --no-load-optim to start a fresh optimizer.")
     if has_optim:
+        check_distributed_optimizer("distrib_optim_sharding_type" in metadata, cfg.optimizer.distributed, iter_dir)
         check_precision(_saved_dtype(ckpt_args), cfg.model.dtype, iter_dir)
     state = _sharded_state_dict(gpt, optimizer, metadata, with_optim=has_optim, is_loading=True)
     if load_rng:

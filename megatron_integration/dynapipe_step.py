@@ -150,6 +150,19 @@ def close_quietly(*things) -> None:
                 pass
 
 
+def publish_failure(executor, loader, rank: int, exc: BaseException, where: str) -> Optional[BaseException]:
+    """A stepper's ``report_failure``: ``exc`` (of global rank ``rank``, during ``where``) goes to
+    the executors' abort channel, then, through ``loader`` (None: the method plans nothing), to
+    the ranks awaiting this node's plans, unless it is a planner failure read from the store
+    (already every rank's). Returns what to raise instead (see ``Executor.report_outside``)."""
+    from dynapipe.runtime.planner_workers import PlannerWorkerError
+
+    instead = executor.report_outside(exc, where)
+    if loader is not None and not isinstance(exc, PlannerWorkerError):
+        loader.report_failure(f"{where}, global rank {rank}: {type(exc).__name__}: {exc}")
+    return instead
+
+
 def loader_config(cfg: DynaPipeTrainingConfig, start_iteration: int, consumed_samples: int, dataset=None):
     """The data loader's settings (:class:`~dynapipe.runtime.loader.LoaderConfig`) of a run
     resumed at ``start_iteration`` after ``consumed_samples`` samples, of ``dataset`` (a dataset
@@ -299,12 +312,7 @@ class DynaPipeStepper:
         """Publish a failure of this rank between steps (:func:`report_failure`): to the
         executors' abort channel, and, where this node plans, to the ranks awaiting its plans
         (not for a planner failure read from the store: that is already every rank's)."""
-        from dynapipe.runtime.planner_workers import PlannerWorkerError
-
-        instead = self.executor.report_outside(exc, where)
-        if not isinstance(exc, PlannerWorkerError):
-            self.loader.report_failure(f"{where}, global rank {self.info.rank}: {type(exc).__name__}: {exc}")
-        return instead
+        return publish_failure(self.executor, self.loader, self.info.rank, exc, where)
 
     def close(self) -> None:
         try:

@@ -201,10 +201,6 @@ class LoaderSource:
                                 data.digest, TokenWork.from_json(m.global_executed_work),
                                 TokenWork.from_json(m.global_real_work))
 
-    def report_failure(self, text: str) -> None:
-        """Tell the ranks awaiting this node's plans that this rank failed (``text``)."""
-        self.loader.report_failure(text)
-
     def close(self) -> None:
         self.loader.close()
 
@@ -377,12 +373,10 @@ class T5Stepper:
 
     def report_failure(self, exc: BaseException, where: str) -> Optional[BaseException]:
         """Publish a failure of this rank between steps (see the GPT stepper's)."""
-        from dynapipe.runtime.planner_workers import PlannerWorkerError
+        from megatron_integration.dynapipe_step import publish_failure
 
-        instead = self.executor.report_outside(exc, where)
-        if isinstance(self.source, LoaderSource) and not isinstance(exc, PlannerWorkerError):
-            self.source.report_failure(f"{where}, global rank {self.info.rank}: {type(exc).__name__}: {exc}")
-        return instead
+        loader = self.source.loader if isinstance(self.source, LoaderSource) else None
+        return publish_failure(self.executor, loader, self.info.rank, exc, where)
 
     def close(self) -> None:
         try:
