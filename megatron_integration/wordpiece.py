@@ -49,9 +49,11 @@ class WordPieceVocab:
         for token in ("[BOS]", "[EOS]", *self.sentinel_tokens):
             self.vocab.setdefault(token, len(self.vocab))
         self.inv_vocab = {i: t for t, i in self.vocab.items()}
-        # megatron-core hashes this into its dataset index cache key, as it does its own tokenizers'.
+        # megatron-core hashes this into its dataset index cache key. Exactly what Megatron-LM's
+        # legacy WordPiece tokenizer records (its class name, the path as typed, the options as
+        # strings), so a run shares the index cache Megatron-LM built for the same data.
         self.unique_identifiers = OrderedDict(
-            [("class", "BertWordPieceTokenizer"), ("tokenizer_path", [os.path.abspath(self.vocab_file)]),
+            [("class", "_BertWordPieceTokenizer"), ("tokenizer_path", [self.vocab_file]),
              ("lower_case", str(self.lower_case)), ("vocab_extra_ids", str(self.vocab_extra_ids))])
 
     @property

@@ -220,3 +220,15 @@ def test_a_cpu_profile_of_other_threads_is_refused_on_the_ranks(tmp_path):
     with pytest.raises(RankUserError, match="rank 0: --dynapipe-cost-model .* measured with 2 CPU thread\\(s\\), "
                                             "this rank computes with 1 "):
         run_training(f"{TRAIN} --dynapipe-cost-model {path}".split(), 1, timeout_s=120, threads_per_rank=1)
+
+
+def test_a_local_layer_profile_cannot_price_a_fused_attention_model():
+    # Its tables time, and its derived recompute levels count, a score matrix that a fused
+    # kernel never builds: `plan --model CONFIG --profile P` with a config saying fused.
+    fused = dataclasses.replace(TINY, fused_attention=True)
+    ProfileCostModel(fused, _profile(), 2)  # layers not recorded: nothing to compare
+    ProfileCostModel(TINY, _profile(layer_spec="local"), 2)
+    ProfileCostModel(fused, _profile(layer_spec="transformer_engine"), 2)
+    with pytest.raises(DynaPipeError, match="measured on megatron-core's local layers, whose attention keeps its score "
+                                            "matrix, but model 'gpt-tiny' has fused_attention: true"):
+        ProfileCostModel(fused, _profile(layer_spec="local"), 2)

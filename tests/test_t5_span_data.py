@@ -13,6 +13,7 @@ import pytest
 from dynapipe.errors import DynaPipeError
 from megatron_integration.t5_arguments import parse_t5_args
 from megatron_integration.t5_batches import t5_row_tensors
+from megatron_integration.wordpiece import WordPieceVocab
 from t5_span_fixture import SPECIALS, write_sentences, write_vocab
 
 ENC, DEC, EXTRA = 64, 32, 16
@@ -65,6 +66,28 @@ def test_wordpiece_vocabulary_has_megatron_lm_ids(corpus):
     assert gpt.model.unpadded_vocab_size == n + 2
     with pytest.raises(DynaPipeError, match="--merge-file is read by --tokenizer-type GPT2BPETokenizer only"):
         parse_t5_args(_args(corpus, "--merge-file", corpus["vocab"]), 1, cuda=False)
+
+
+def test_the_index_cache_key_is_megatron_lms_legacy_wordpiece_tokenizers(corpus):
+    # megatron-core hashes the tokenizer's unique_identifiers into its index cache's name: the
+    # same as Megatron-LM's --legacy-tokenizer WordPiece (a MegatronTokenizer subclass named
+    # _BertWordPieceTokenizer, given the path as typed) shares Megatron-LM's cache.
+    legacy = pytest.importorskip("megatron.core.datasets.megatron_tokenizer")
+    import json
+
+    base = getattr(legacy, "MegatronLegacyTokenizer", None) or legacy.MegatronTokenizer  # older releases: MegatronTokenizer
+
+    class _BertWordPieceTokenizer(base):
+        def __init__(self, vocab_file, lower_case=True, vocab_extra_ids=0):
+            super().__init__(vocab_file, lower_case=lower_case, vocab_extra_ids=vocab_extra_ids)
+
+        tokenize = vocab = inv_vocab = vocab_size = None
+
+    relative = os.path.relpath(corpus["vocab"])
+    for lower in (True, False):
+        ours = WordPieceVocab(relative, lower_case=lower, vocab_extra_ids=EXTRA)
+        megatron = _BertWordPieceTokenizer(relative, lower_case=lower, vocab_extra_ids=EXTRA)
+        assert json.dumps(ours.unique_identifiers) == json.dumps(megatron.unique_identifiers)
 
 
 def test_pairs_are_megatrons_t5_samples_unpadded(corpus):

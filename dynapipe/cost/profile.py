@@ -188,6 +188,13 @@ def _check_layer_shape(data: Mapping[str, Any], model: ModelConfig, source: str)
         raise DynaPipeError(f"{source}: 'model' must be an object recording the measured model's shape (as "
                             f"`python -m dynapipe profile` writes it), got {type(measured).__name__}.")
     _check_layer_widths(measured, model, source, profile_tensor_parallel(data)[0])
+    # Local layers never fuse attention: their tables time (and the derived recompute levels
+    # count) a score matrix that a fused-attention model never builds.
+    if data.get("layer_spec") == "local" and model.fused_attention:
+        raise DynaPipeError(f"{source}: the profile was measured on megatron-core's local layers, whose attention "
+                            f"keeps its score matrix, but model {model.name!r} has fused_attention: true; profile "
+                            f"the layers it trains with (`python -m dynapipe profile --transformer-impl "
+                            f"transformer_engine` on its GPU) or set fused_attention: false in its config.")
     dtype = data.get("dtype", "fp32")
     if dtype != model.dtype:
         raise DynaPipeError(f"{source}: the profile was measured in {dtype} but the model trains in {model.dtype}; "
