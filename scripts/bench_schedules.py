@@ -19,12 +19,14 @@ import json
 import statistics
 import sys
 import time
+from typing import Optional
 
 import numpy as np
 
 from dynapipe.config import load_cluster_config, load_device_config, load_model_config
 from dynapipe.cost import build_cost_model
 from dynapipe.data.synthetic import sample_lengths
+from dynapipe.errors import DynaPipeError
 from dynapipe.pipeline_planner import plan_iteration
 from dynapipe.schedule import _kernels
 from dynapipe.schedule.search import search_schedules
@@ -32,6 +34,26 @@ from dynapipe.argparsing import StrictArgumentParser
 
 # Schedules priced alone, on the planner's micro-batches (auto's choice is the planner's own).
 FIXED = ("1f1b", "adaptive", "zb-h1")
+
+
+def _fixed(reps, cm, name: str, capacity: float, cluster):
+    """The best candidate of schedule ``name`` alone on the planner's micro-batches, or None
+    where none fits ``capacity`` (MiB): zb-h1's pending weight parts can overflow at every
+    recompute level on micro-batches cut for another schedule's memory."""
+    try:
+        return search_schedules(reps, cm, schedule=name, recompute=None, capacity_mib=capacity, cluster=cluster).best
+    except DynaPipeError:
+        return None
+
+
+def _mean(values) -> Optional[float]:
+    """Mean over the batches where the schedule fitted (None where it fitted in none)."""
+    kept = [v for v in values if v is not None]
+    return float(np.mean(kept)) if kept else None
+
+
+def _fmt(value: Optional[float], spec: str) -> str:
+    return "-" if value is None else spec.format(value)
 
 
 def bench_stage_count(args, model, device, cluster, S: int) -> dict:
@@ -47,19 +69,20 @@ def bench_stage_count(args, model, device, cluster, S: int) -> dict:
         wall, cpu = (time.perf_counter() - wall0) * 1e3, (time.process_time() - cpu0) * 1e3
         bp = it.batch_plan
         reps = [bp.replica(r) for r in range(bp.dp)]
-        fixed = {name: search_schedules(reps, cm, schedule=name, recompute=None, capacity_mib=capacity,
-                                        cluster=cluster).best for name in FIXED}
+        fixed = {name: _fixed(reps, cm, name, capacity, cluster) for name in FIXED}
         rows.append({
             "batch": b, "micro_batches": len(bp.micro_batches),
-            "makespan_ms": dict({k: c.makespan_ms for k, c in fixed.items()}, auto=it.simulated_ms),
-            "bubble": dict({k: c.bubble_fraction for k, c in fixed.items()}, auto=it.bubble_fraction),
-            "recompute": dict({k: c.recompute for k, c in fixed.items()}, auto=it.recompute),
+            "makespan_ms": dict({k: c and c.makespan_ms for k, c in fixed.items()}, auto=it.simulated_ms),
+            "bubble": dict({k: c and c.bubble_fraction for k, c in fixed.items()}, auto=it.bubble_fraction),
+            "recompute": dict({k: c and c.recompute for k, c in fixed.items()}, auto=it.recompute),
             "auto_choice": f"{it.schedule}/{it.order}/{it.recompute}",
             "planning_wall_ms": wall, "planning_cpu_ms": cpu, "timings_ms": dict(it.timings_ms),
         })
-    ratio = [r["makespan_ms"]["auto"] / r["makespan_ms"]["1f1b"] for r in rows]
-    ratio_ad = [r["makespan_ms"]["adaptive"] / r["makespan_ms"]["1f1b"] for r in rows]
-    ratio_zb = [r["makespan_ms"]["zb-h1"] / r["makespan_ms"]["1f1b"] for r in rows]
+    def ratios(name: str) -> list[float]:
+        return [r["makespan_ms"][name] / r["makespan_ms"]["1f1b"] for r in rows
+                if r["makespan_ms"][name] is not None and r["makespan_ms"]["1f1b"] is not None]
+
+    ratio, ratio_ad, ratio_zb = ratios("auto"), ratios("adaptive"), ratios("zb-h1")
     choices: dict = {}
     for r in rows:
         choices[r["auto_choice"]] = choices.get(r["auto_choice"], 0) + 1
@@ -67,12 +90,13 @@ def bench_stage_count(args, model, device, cluster, S: int) -> dict:
     return {
         "stages": S, "batches": len(rows), "samples": args.samples,
         "mean_micro_batches": float(np.mean([r["micro_batches"] for r in rows])),
-        "mean_makespan_ms": {k: float(np.mean([r["makespan_ms"][k] for r in rows])) for k in FIXED + ("auto",)},
-        "mean_bubble": {k: float(np.mean([r["bubble"][k] for r in rows])) for k in FIXED + ("auto",)},
-        "auto_vs_1f1b": {"mean_ratio": float(np.mean(ratio)), "max_ratio": float(np.max(ratio)),
-                         "mean_reduction_pct": float(100 * (1 - np.mean(ratio)))},
-        "adaptive_vs_1f1b_mean_ratio": float(np.mean(ratio_ad)),
-        "zb_h1_vs_1f1b": {"mean_ratio": float(np.mean(ratio_zb)), "max_ratio": float(np.max(ratio_zb))},
+        "mean_makespan_ms": {k: _mean(r["makespan_ms"][k] for r in rows) for k in FIXED + ("auto",)},
+        "mean_bubble": {k: _mean(r["bubble"][k] for r in rows) for k in FIXED + ("auto",)},
+        "fits": {k: sum(r["makespan_ms"][k] is not None for r in rows) for k in FIXED + ("auto",)},
+        "auto_vs_1f1b": {"mean_ratio": _mean(ratio), "max_ratio": max(ratio, default=None),
+                         "mean_reduction_pct": None if not ratio else float(100 * (1 - np.mean(ratio)))},
+        "adaptive_vs_1f1b_mean_ratio": _mean(ratio_ad),
+        "zb_h1_vs_1f1b": {"mean_ratio": _mean(ratio_zb), "max_ratio": max(ratio_zb, default=None)},
         "auto_choices": dict(sorted(choices.items(), key=lambda kv: -kv[1])),
         "planning_ms_median": {"wall": statistics.median(r["planning_wall_ms"] for r in rows),
                                "cpu": statistics.median(r["planning_cpu_ms"] for r in rows),
@@ -106,17 +130,21 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         m, bb, pl, a = r["mean_makespan_ms"], r["mean_bubble"], r["planning_ms_median"], r["auto_vs_1f1b"]
-        z = r["zb_h1_vs_1f1b"]
-        print(f"| {r['stages']} | {r['mean_micro_batches']:.0f} | {m['1f1b']:.0f} | {m['adaptive']:.0f} | "
-              f"{m['auto']:.0f} | {m['zb-h1']:.0f} | -{a['mean_reduction_pct']:.1f}% / x{a['max_ratio']:.3f} | "
-              f"x{z['mean_ratio']:.3f} / x{z['max_ratio']:.3f} | "
-              f"{100 * bb['1f1b']:.1f}% / {100 * bb['adaptive']:.1f}% / {100 * bb['auto']:.1f}% / "
-              f"{100 * bb['zb-h1']:.1f}% | "
-              f"{pl['wall']:.1f} / {pl['cpu']:.1f} | {pl['batching']:.1f} / {pl['schedule']:.1f} / {pl['compile']:.1f} |")
+        z, n, fits = r["zb_h1_vs_1f1b"], r["batches"], r["fits"]
+
+        def ms(k: str) -> str:  # the mean, and in how many batches it fitted where not all
+            return _fmt(m[k], "{:.0f}") + ("" if fits[k] == n else f" ({fits[k]} of {n} fit)")
+
+        print(f"| {r['stages']} | {r['mean_micro_batches']:.0f} | {ms('1f1b')} | {ms('adaptive')} | "
+              f"{ms('auto')} | {ms('zb-h1')} | -{_fmt(a['mean_reduction_pct'], '{:.1f}')}% / "
+              f"x{_fmt(a['max_ratio'], '{:.3f}')} | x{_fmt(z['mean_ratio'], '{:.3f}')} / x{_fmt(z['max_ratio'], '{:.3f}')} | "
+              + " / ".join(_fmt(bb[k] and 100 * bb[k], "{:.1f}%") for k in ("1f1b", "adaptive", "auto", "zb-h1"))
+              + f" | {pl['wall']:.1f} / {pl['cpu']:.1f} | {pl['batching']:.1f} / {pl['schedule']:.1f} / "
+              f"{pl['compile']:.1f} |")
     for r in results:
         print(f"S={r['stages']}: auto chose " + ", ".join(f"{k} x{v}" for k, v in r["auto_choices"].items()))
     overall = float(np.mean([row["makespan_ms"]["auto"] / row["makespan_ms"]["1f1b"]
-                             for r in results for row in r["rows"]]))
+                             for r in results for row in r["rows"] if row["makespan_ms"]["1f1b"] is not None]))
     worst = max(r["auto_vs_1f1b"]["max_ratio"] for r in results)
     worst_plan = max(r["planning_ms_median"]["wall"] for r in results)
     print(f"overall: auto {100 * (1 - overall):.1f}% lower makespan than 1f1b on average (target >= 5%), "
