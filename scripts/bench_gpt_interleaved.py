@@ -36,7 +36,10 @@ def tokens_per_s(ranks: list[dict], skip: int = 1) -> float:
 
 
 def main(argv=None) -> int:
-    parser = StrictArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = StrictArgumentParser(description=__doc__.split("\n\n")[0],
+                                  epilog="Any other argument is a training flag passed on to both runs, for example "
+                                         "--dynapipe-cost-model PROFILE.json (a profile from `python -m dynapipe "
+                                         "bench`) or another Megatron model flag.")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the two runs (default 3)")
     parser.add_argument("--chunks", type=int, default=2, help="model chunks a rank of the interleaved run (default 2)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks (default 2: the preset's 2 stages)")

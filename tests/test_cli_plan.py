@@ -245,3 +245,16 @@ def test_commands_quoted_in_docstrings_have_the_flags_they_name():
                     assert flag in parser._option_string_actions, f"{path}: `{command} {flag}` is not a flag"
                     checked += 1
     assert checked  # profile's docstring names plan's --profile
+
+
+def test_a_baseline_row_over_the_budget_without_recompute_is_a_note_when_the_schedule_fits_it(tmp_path, capsys):
+    # Packing's 4,096-token rows exceed gpt-13b TP2 x PP4's activation budget at recompute
+    # none; the schedule search then recomputes to fit, so nothing runs out of memory.
+    path = _lengths(tmp_path, "\n".join(["1500", "2000", "3000", "4096", "800", "2500"] * 3) + "\n")
+    rc = main(["plan", "--lengths", path, "--model", "gpt-13b", "--device", "a100-40gb", "--stages", "4", "--dp", "2",
+               "--tp", "2", "--memory-limit-mb", "38500", "--batching", "packing", "--micro-batch-size", "1",
+               "--seq-length", "4096", "--output", str(tmp_path / "p.json")])
+    err = capsys.readouterr().err
+    assert rc == 0 and "would run out of memory" not in err
+    assert "micro-batch(es) exceed the activation budget at recompute none; the schedule below recomputes" in err
+    assert json.load(open(tmp_path / "p.json"))["recompute"] != "none"

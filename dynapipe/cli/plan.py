@@ -91,8 +91,9 @@ def summary_lines(batch_plan: BatchPlan, setup: CostSetup) -> list[str]:
     if "cross_sample_attention_pairs" in x:
         lines.append(f"  packing: {x['cross_sample_attention_pairs']:,} attention pairs cross sample boundaries")
     if x.get("over_memory_micro_batches"):
-        lines.append(f"  warning: {x['over_memory_micro_batches']} micro-batch(es) exceed the activation budget "
-                     f"and would run out of memory")
+        # The schedule search after it recomputes more where that makes them fit (or refuses the batch).
+        lines.append(f"  note: {x['over_memory_micro_batches']} micro-batch(es) exceed the activation budget at "
+                     f"recompute {setup.recompute}; the schedule below recomputes what it must to fit them")
     if x.get("empty_replicas"):
         lines.append(f"  warning: {x['empty_replicas']} replica(s) get no micro-batch")
     return lines
