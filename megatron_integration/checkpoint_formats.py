@@ -23,8 +23,8 @@ from typing import Callable, Optional
 from dynapipe.errors import DynaPipeError
 from megatron_integration import checkpoint_dist, checkpoint_dist_save
 from megatron_integration.agreement import attempt, everyone, same_error_everywhere
-from megatron_integration.checkpoint import (LATEST, RELEASE, ResumeState, _iter_dir, latest_iteration,
-                                             load_checkpoint, publish_latest, save_checkpoint)
+from megatron_integration.checkpoint import (BLEND_RECORD_KEY, LATEST, RELEASE, ResumeState, _iter_dir,
+                                             latest_iteration, load_checkpoint, publish_latest, save_checkpoint)
 from megatron_integration.checkpoint_files import CHECKSUM_SUFFIX
 from megatron_integration.initialize import RankInfo
 
@@ -43,7 +43,7 @@ def _layout(info: RankInfo) -> str:
 
 def save(cfg, iteration: int, consumed_samples: int, gpt, optimizer, scheduler, info: RankInfo, log: Log,
          extra: Optional[dict] = None, args_update: Optional[dict] = None,
-         model_values: Optional[dict] = None) -> str:
+         model_values: Optional[dict] = None, training_blend: Optional[list] = None) -> str:
     """Save the checkpoint of ``iteration`` to ``cfg.save`` in ``cfg.ckpt_format``; collective.
 
     Returns the iteration directory. ``latest_checkpointed_iteration.txt`` is replaced last,
@@ -52,20 +52,22 @@ def save(cfg, iteration: int, consumed_samples: int, gpt, optimizer, scheduler, 
     ``check_extra``); ``args_update``: values that replace or add to the ``args`` a ``torch_dist``
     checkpoint records (another model's Megatron-LM arguments, T5's); ``model_values``: the
     model arguments a ``dynapipe`` checkpoint records for ``load`` to compare (T5's; default
-    GPT's)."""
+    GPT's); ``training_blend``: the weighted training blend's size, which a resumed run keeps
+    (:mod:`megatron_integration.blend_resume`; None: nothing to record)."""
+    blend = {} if training_blend is None else {BLEND_RECORD_KEY: list(training_blend)}
     root = cfg.save
     log(f"[{_now()}] saving checkpoint at iteration {iteration:7d} to {root} in {cfg.ckpt_format} format")
     if cfg.ckpt_format == "torch_dist":
         iter_dir = _iter_dir(root, iteration)
         args = checkpoint_dist.megatron_args(cfg.megatron_args, cfg, info, iteration, consumed_samples)
-        vars(args).update(args_update or {})
+        vars(args).update({**(args_update or {}), **blend})
         fixed_batch = None if cfg.data.tokens_per_global_batch else cfg.global_batch_size
         checkpoint_dist_save.save_dist(iter_dir, iteration, gpt, optimizer, scheduler, info, args,
                                   cfg.optimizer.distributed, cfg.dist_ckpt.fully_parallel_save, fixed_batch)
         publish_latest(root, iteration, info)
     else:
         # The model's Megatron-LM arguments, compared on load as torch_dist's recorded args are.
-        extra = {**(extra or {}), "model_args": checkpoint_dist.recorded_model_args(cfg, model_values)}
+        extra = {**(extra or {}), **blend, "model_args": checkpoint_dist.recorded_model_args(cfg, model_values)}
         iter_dir = save_checkpoint(root, iteration, consumed_samples, gpt, optimizer, scheduler, info, extra=extra,
                                    dtype=cfg.model.dtype)
     log(f"  [{_now()}] successfully saved checkpoint from iteration {iteration:7d} to {root} {_layout(info)}")

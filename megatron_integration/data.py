@@ -61,13 +61,22 @@ def dataset_config(cfg: DynaPipeTrainingConfig, split: str = "train") -> Optiona
         files, weights, flag = d.data_path, d.data_weights, "--data-path"
         common["split_range"] = ranges[split]
     if split == "train":
-        # A training blend holds the run's samples, as Megatron sizes its blend, so a
-        # down-weighted path is drawn through all of it rather than one subset every epoch.
-        if d.tokens_per_global_batch:
-            common["blend_tokens"] = cfg.train_iters * d.tokens_per_global_batch
-        else:
-            common["blend_samples"] = cfg.train_iters * cfg.global_batch_size
+        kind, count = training_blend_size(cfg)
+        common[f"blend_{kind}"] = count
     return _files_config(files, weights, flag, common)
+
+
+def training_blend_size(cfg: DynaPipeTrainingConfig) -> tuple[str, int]:
+    """How many samples (``("samples", N)``) or tokens (``("tokens", T)``, token-budget
+    batches) a weighted training blend holds: the run's, as Megatron sizes its blend, so a
+    down-weighted path is drawn through all of it rather than one subset every epoch; a
+    resumed run keeps its checkpoint's (:mod:`megatron_integration.blend_resume`)."""
+    d = cfg.data
+    if d.resumed_blend_size is not None:
+        return d.resumed_blend_size
+    if d.tokens_per_global_batch:
+        return "tokens", cfg.train_iters * d.tokens_per_global_batch
+    return "samples", cfg.train_iters * cfg.global_batch_size
 
 
 def _files_config(files, weights, flag: str, common: dict) -> DatasetConfig:

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 from functools import partial
 from typing import Callable, Optional, TextIO
 
 from megatron_integration import checkpoint_formats
 from megatron_integration.agreement import attempt, same_error_everywhere
+from megatron_integration.blend_resume import blend_record, keep_resumed_blend
 from megatron_integration.initialize import RankInfo, initialize_megatron
 from megatron_integration.profile_check import check_threads_at_start, extrapolation_lines
 from megatron_integration.baseline_step import StepResult
@@ -59,6 +61,7 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
     from megatron_integration.t5_step import T5Stepper
 
     base = cfg.base
+    megatron_blend = cfg.span_corruption is not None  # megatron-core's blend: Megatron-LM's behaviour
     started_s = time.time()  # --exit-duration-in-mins counts from here
     info = initialize_megatron(base.parallel, base.seed, base.model.deterministic_mode)
     if info.rank == 0 and vocab_padding_line(base) is not None:
@@ -95,13 +98,17 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
                                           model_values=t5_model_values(cfg))
         if resumed is not None:
             run.start_iteration, run.consumed_samples = resumed.iteration, resumed.consumed_samples
+            base, kept = keep_resumed_blend(base, resumed.training_blend, megatron_blend)
+            if kept:
+                cfg = replace(cfg, base=base)
+                log(kept)
     stepper = T5Stepper.create(cfg, info, stage, optimizer, scheduler, sync, run.start_iteration,
                                run.consumed_samples)
 
     def save(iteration: int, consumed_samples: int) -> None:
         checkpoint_formats.save(base, iteration, consumed_samples, stage.gpt, optimizer, scheduler, info, log,
                                 extra=checkpoint_record(placement), args_update=t5_megatron_args(cfg),
-                                model_values=t5_model_values(cfg))
+                                model_values=t5_model_values(cfg), training_blend=blend_record(base, megatron_blend))
 
     parts = LoopParts(base, info, optimizer, stepper, save, lambda: make_t5_evaluator(cfg, info, stage, stepper),
                       started_s, flops_model=cfg.planner_model() if base.log_throughput else None,

@@ -232,6 +232,9 @@ class DataArgs:
     test_data_weights: tuple[float, ...] = ()
     # Megatron's --no-mmap-bin-files clears it: indexed .bin files are read, not memory-mapped.
     mmap_bin_files: bool = True
+    # A resumed run's weighted training blend, sized as the checkpoint's run sized it: ("samples",
+    # N) or ("tokens", T); None: sized by this run (megatron_integration.blend_resume).
+    resumed_blend_size: Optional[tuple[str, int]] = None
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from dynapipe.cost.model_flops import samples_work
 from dynapipe.errors import DynaPipeError
 from megatron_integration import checkpoint_formats
 from megatron_integration.agreement import attempt, same_error_everywhere
+from megatron_integration.blend_resume import blend_record, keep_resumed_blend
 from megatron_integration.data import GlobalBatches, data_summary_lines
 from megatron_integration.initialize import RankInfo, initialize_megatron
 from megatron_integration.arguments import block_layers, check_uniform_recompute
@@ -176,11 +177,14 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
                                           check_extra=partial(check_split, chunks, layers))
         if resumed is not None:
             run.start_iteration, run.consumed_samples = resumed.iteration, resumed.consumed_samples
+            cfg, kept = keep_resumed_blend(cfg, resumed.training_blend)
+            if kept:
+                log(kept)
     stepper = make_stepper(cfg, info, stage, optimizer, scheduler, run.start_iteration, run.consumed_samples)
 
     def save(iteration: int, consumed_samples: int) -> None:
         checkpoint_formats.save(cfg, iteration, consumed_samples, stage.gpt, optimizer, scheduler, info, log,
-                                extra=record)
+                                extra=record, training_blend=blend_record(cfg))
 
     parts = LoopParts(cfg, info, optimizer, stepper, save, lambda: make_evaluator(cfg, info, stage, stepper),
                       started_s, flops_model=cfg.model.to_model_config() if cfg.log_throughput else None,

@@ -121,3 +121,42 @@ def test_a_blend_is_no_larger_than_one_whole_pass_of_every_path(corpora):
     counts = np.bincount(blended.part_ids, minlength=2)
     assert 250 < len(blended) < 500 and counts[0] >= 200 and counts[1] >= 50
     assert len(set(blended.part_samples[blended.part_ids == 0].tolist())) == 200  # all of A, each epoch
+
+
+def test_a_resumed_run_keeps_the_checkpoints_blend_whatever_its_train_iters(tmp_path):
+    from megatron_integration.blend_resume import blend_record, keep_resumed_blend
+
+    # Sized by the run between what the paths hold (460) and one whole pass of every path: a
+    # resume with another --train-iters would build another blend, another order.
+    rng = np.random.default_rng(4)
+    short, long_ = str(tmp_path / "short"), str(tmp_path / "long")
+    write_indexed_dataset(short, [np.full(rng.integers(3, 11), 5) for _ in range(400)])
+    write_indexed_dataset(long_, [np.full(rng.integers(30, 41), 60 + d) for d in range(60)])
+    blend = f"--data-path 0.75 {short} 0.25 {long_}"
+    saved = parse_training_args(f"{BASE} --train-iters 100 {blend}".split(), 1, cuda=False)
+    record = blend_record(saved)
+    assert record == ["samples", 800]
+    longer = parse_training_args(f"{BASE} --train-iters 150 {blend}".split(), 1, cuda=False)
+    kept, line = keep_resumed_blend(longer, record)
+    assert line == (" > continuing the weighted blend the checkpoint trained on (800 samples); this run's "
+                    "--train-iters 150 would size another (1,200 samples), a different order of samples")
+    assert blend_record(kept) == record  # what its own checkpoints record in turn
+    at = 50  # resumed after 50 iterations of 8 samples
+    original = GlobalBatches.create(saved, consumed_samples=at * 8, start_iteration=at)
+    resumed = GlobalBatches.create(kept, consumed_samples=at * 8, start_iteration=at)
+    rebuilt = GlobalBatches.create(longer, consumed_samples=at * 8, start_iteration=at)
+    for i in range(at, 100):
+        assert np.array_equal(resumed.batch(i).indices, original.batch(i).indices)
+    assert not all(np.array_equal(rebuilt.batch(i).indices, original.batch(i).indices) for i in range(at, 60))
+    resumed.batch(149)  # past the kept blend's epoch: its next epoch carries the stream on
+    # Nothing to keep: the same size, no record (an earlier build's checkpoint), no weighted blend.
+    assert keep_resumed_blend(saved, record) == (saved, None)
+    assert keep_resumed_blend(longer, None) == (longer, None)
+    single = parse_training_args(f"{BASE} --train-iters 150 --data-path {short}".split(), 1, cuda=False)
+    assert blend_record(single) is None and keep_resumed_blend(single, record) == (single, None)
+    # megatron-core's own blends (T5 span corruption) stay Megatron-LM's.
+    assert blend_record(longer, megatron_blend=True) is None
+    assert keep_resumed_blend(longer, record, megatron_blend=True) == (longer, None)
+    for bad in (["epochs", 3], ["samples", 0], ["samples"], "samples"):
+        with pytest.raises(DynaPipeError, match="records its training blend's size as .*not \\[\"samples\" or "):
+            keep_resumed_blend(longer, bad)

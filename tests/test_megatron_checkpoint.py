@@ -456,3 +456,34 @@ def test_a_rank_killed_mid_save_takes_its_shard_writers_with_it(tmp_path):
             rank.kill()
         if writer is not None and _alive(writer):
             os.kill(writer, signal.SIGKILL)
+
+
+def test_a_resume_with_longer_train_iters_continues_the_weighted_blend_it_trained_on(tmp_path):
+    # The blend is sized by --train-iters (64 samples here, 128 at 16 iterations: both between
+    # what the paths hold and one whole pass of every path), so without the record the resumed
+    # run would read another order of samples. Constant LR: the losses then depend on the data alone.
+    import numpy as np
+
+    from dynapipe.data.indexed import write_indexed_dataset
+
+    rng = np.random.default_rng(4)
+    short, long_ = str(tmp_path / "short"), str(tmp_path / "long")
+    write_indexed_dataset(short, [rng.integers(2, 250, rng.integers(3, 11)) for _ in range(30)])
+    write_indexed_dataset(long_, [rng.integers(2, 250, rng.integers(30, 41)) for _ in range(10)])
+    base = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --seq-length 64 "
+            "--vocab-size 256 --micro-batch-size 2 --global-batch-size 8 --lr 1e-2 --lr-decay-style constant "
+            f"--log-interval 1 --seed 3 --split 100,0,0 --use-dynapipe --data-path 0.75 {short} 0.25 {long_}")
+    runs, saves = [f"{base} --train-iters 8"], {}
+    for fmt in ("torch_dist", "dynapipe"):
+        saves[fmt] = str(tmp_path / fmt)
+        runs += [f"{base} --train-iters 8 --exit-interval 4 --save {saves[fmt]} --ckpt-format {fmt}",
+                 f"{base} --train-iters 16 --exit-interval 8 --load {saves[fmt]} --ckpt-format {fmt} "
+                 "--override-opt_param-scheduler"]
+    full, _, resumed_dist, _, resumed_own = (ranks[0] for ranks in run_trainings([a.split() for a in runs], 1,
+                                                                                 timeout_s=TIMEOUT * 2))
+    kept = (" > continuing the weighted blend the checkpoint trained on (64 samples); this run's --train-iters 16 "
+            "would size another (128 samples), a different order of samples")
+    for resumed in (resumed_dist, resumed_own):
+        assert resumed["start_iteration"] == 4
+        assert resumed["losses"] == full["losses"][4:8]
+        assert kept in resumed["checkpoint_lines"]
