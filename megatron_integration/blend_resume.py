@@ -57,6 +57,6 @@ def keep_resumed_blend(cfg: DynaPipeTrainingConfig, recorded: Optional[Sequence]
     if [kind, count] == mine:
         return cfg, None
     kept = replace(cfg, data=replace(cfg.data, resumed_blend_size=(kind, count)))
-    return kept, (f" > continuing the weighted blend the checkpoint trained on ({count:,} {kind}); this run's "
-                  f"--train-iters {cfg.train_iters} would size another ({mine[1]:,} {mine[0]}), a different order "
-                  f"of samples")
+    return kept, (f" > keeping the weighted blend as the checkpoint sized it ({count:,} {kind}; this run's "
+                  f"--train-iters {cfg.train_iters} would size it for {mine[1]:,} {mine[0]}), so the consumed samples "
+                  f"continue its order")

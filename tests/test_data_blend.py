@@ -138,8 +138,8 @@ def test_a_resumed_run_keeps_the_checkpoints_blend_whatever_its_train_iters(tmp_
     assert record == ["samples", 800]
     longer = parse_training_args(f"{BASE} --train-iters 150 {blend}".split(), 1, cuda=False)
     kept, line = keep_resumed_blend(longer, record)
-    assert line == (" > continuing the weighted blend the checkpoint trained on (800 samples); this run's "
-                    "--train-iters 150 would size another (1,200 samples), a different order of samples")
+    assert line == (" > keeping the weighted blend as the checkpoint sized it (800 samples; this run's "
+                    "--train-iters 150 would size it for 1,200 samples), so the consumed samples continue its order")
     assert blend_record(kept) == record  # what its own checkpoints record in turn
     at = 50  # resumed after 50 iterations of 8 samples
     original = GlobalBatches.create(saved, consumed_samples=at * 8, start_iteration=at)

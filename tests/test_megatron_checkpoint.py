@@ -481,8 +481,8 @@ def test_a_resume_with_longer_train_iters_continues_the_weighted_blend_it_traine
                  "--override-opt_param-scheduler"]
     full, _, resumed_dist, _, resumed_own = (ranks[0] for ranks in run_trainings([a.split() for a in runs], 1,
                                                                                  timeout_s=TIMEOUT * 2))
-    kept = (" > continuing the weighted blend the checkpoint trained on (64 samples); this run's --train-iters 16 "
-            "would size another (128 samples), a different order of samples")
+    kept = (" > keeping the weighted blend as the checkpoint sized it (64 samples; this run's --train-iters 16 "
+            "would size it for 128 samples), so the consumed samples continue its order")
     for resumed in (resumed_dist, resumed_own):
         assert resumed["start_iteration"] == 4
         assert resumed["losses"] == full["losses"][4:8]

@@ -52,7 +52,8 @@ def add_arguments(p) -> None:
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (one is drawn only on a terminal, with tqdm installed)")
     p.add_argument("--no-transformer-engine", action="store_true",
-                   help="measure megatron-core's local layer spec even when Transformer Engine is available")
+                   help="measure megatron-core's local layer spec even when Transformer Engine is available "
+                        "(the same as --transformer-impl local; CPUs always measure it)")
     add_megatron_args(p)
     # Left unset (None), these take --model's values, else Megatron's defaults
     # (fill_from_model_config): so an explicit --hidden-dropout 0.1 holds against a config of 0.
@@ -275,7 +276,20 @@ def run(args) -> int:
         args.seq_length = max(seqlens)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = max([args.seq_length, *seqlens, *dec_seqlens])
+    if args.no_transformer_engine:
+        args.transformer_impl = "local"
     model = model_args_from_args(args, cuda)
+    # The layers --transformer-impl names (local on CPUs), as training builds them: the profile
+    # records them, and training and the cost model refuse a profile of other layers.
+    use_te = model.transformer_impl == "transformer_engine"
+    if use_te and not args.t5:
+        from megatron_integration.model import te_available
+
+        if not te_available():
+            raise DynaPipeError("--transformer-impl transformer_engine (Megatron-LM's default on GPUs) profiles "
+                                "Transformer Engine's layers, and megatron-core cannot load it here; install a "
+                                "matching one, or profile the local layers (--transformer-impl local or "
+                                "--no-transformer-engine) for a run that trains them.")
     if model.position_embedding_type == "learned_absolute" and max(seqlens) > model.max_position_embeddings:
         raise DynaPipeError(f"--seqlens reaches {max(seqlens)} tokens, beyond --max-position-embeddings "
                             f"{model.max_position_embeddings}; shorten the grid or raise the limit.")
@@ -283,7 +297,7 @@ def run(args) -> int:
         return _run_t5(args, model, mbs, seqlens, dec_seqlens)
     tp, sp = check_tensor_parallel(args, model, seqlens)
     if tp > 1:
-        return _run_tensor_parallel(args, model, mbs, seqlens, tp, sp)
+        return _run_tensor_parallel(args, model, mbs, seqlens, tp, sp, use_te)
     use_profiler_threads(args.threads, cuda)
     if "RANK" not in os.environ:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
@@ -295,7 +309,7 @@ def run(args) -> int:
 
     with Progress(len(mbs) * len(seqlens), "profiling", enabled=not args.no_progress) as bar:
         profile = profile_model(model, mbs, seqlens, device, repeats=args.repeats, warmup=args.warmup,
-                                use_te=False if args.no_transformer_engine else None, progress=bar.step)
+                                use_te=use_te, progress=bar.step)
     # Refuse to write a profile the cost model would not read.
     ProfileCostModel(model.to_model_config("profiled"), profile, num_stages=1, source=args.output)
     with open(args.output, "w") as f:
@@ -304,7 +318,8 @@ def run(args) -> int:
     return 0
 
 
-def _run_tensor_parallel(args, model, mbs: list[int], seqlens: list[int], tp: int, sp: bool) -> int:
+def _run_tensor_parallel(args, model, mbs: list[int], seqlens: list[int], tp: int, sp: bool,
+                         use_te: bool) -> int:
     """Measure one TP group: ``tp`` spawned local ranks (NCCL on GPUs, else gloo)."""
     import torch
 
@@ -316,7 +331,7 @@ def _run_tensor_parallel(args, model, mbs: list[int], seqlens: list[int], tp: in
           f"({model.dtype}): mbs {mbs} x seqlen {seqlens}", file=sys.stderr)
     measure_profile(model, args.output, mbs, seqlens, repeats=args.repeats, warmup=args.warmup, threads=threads,
                     timeout_s=TP_TIMEOUT_S, tp=tp, sequence_parallel=sp, seed=args.seed,
-                    use_te=False if args.no_transformer_engine else None, progress=not args.no_progress)
+                    use_te=use_te, progress=not args.no_progress)
     print(f"wrote {args.output}", file=sys.stderr)
     return 0
 
