@@ -91,9 +91,9 @@ def summary_lines(batch_plan: BatchPlan, setup: CostSetup) -> list[str]:
     if "cross_sample_attention_pairs" in x:
         lines.append(f"  packing: {x['cross_sample_attention_pairs']:,} attention pairs cross sample boundaries")
     if x.get("over_memory_micro_batches"):
-        # The schedule search after it recomputes more where that makes them fit (or refuses the batch).
+        # Printed only once the schedule search found a fitting schedule (it refuses the batch otherwise).
         lines.append(f"  note: {x['over_memory_micro_batches']} micro-batch(es) exceed the activation budget at "
-                     f"recompute {setup.recompute}; the schedule below recomputes what it must to fit them")
+                     f"recompute {setup.recompute}; the schedule below keeps every stage within the memory limit")
     if x.get("empty_replicas"):
         lines.append(f"  warning: {x['empty_replicas']} replica(s) get no micro-batch")
     return lines
