@@ -14,6 +14,19 @@ def gpu_with_te(monkeypatch):
     monkeypatch.setattr(model_specs, "te_available", lambda: True)
 
 
+def write_pairs(path, count: int, input_words: tuple, seed: int) -> None:
+    """``count`` JSONL (input, target) pairs of ``input_words`` (low, high) words and 2-8 target words."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    words = [f"w{i}" for i in range(60)]
+    with open(path, "w") as f:
+        for _ in range(count):
+            f.write(json.dumps({"input": " ".join(rng.choice(words) for _ in range(rng.randint(*input_words))),
+                                "target": " ".join(rng.choice(words) for _ in range(rng.randint(2, 8)))}) + "\n")
+
+
 @pytest.fixture(scope="session")
 def t5_dist(tmp_path_factory):
     """Where the pp2 job writes its torch_dist checkpoints: ``full`` (padding, 3 iterations),
@@ -32,7 +45,9 @@ def pp2(tmp_path_factory, t5_dist):
     embedding in the last chunk; evaluation of every method; then padding through torch_dist
     checkpoints (see ``t5_dist``), interleaved checkpoints in both formats; then bf16 runs of
     every method, padding cut and resumed through torch_dist; fp16 padding and DynaPipe; DynaPipe
-    on the zero-bubble schedule, on the even split and on the interleaved placement."""
+    on the zero-bubble schedule, on the even split and on the interleaved placement; last, a
+    weighted JSONL blend, uninterrupted and cut after 4 iterations, resumed at another
+    --train-iters."""
     from megatron_integration.t5_jobs import run_t5_training
     from t5_span_fixture import write_sentences, write_vocab
 
@@ -92,6 +107,19 @@ def pp2(tmp_path_factory, t5_dist):
     # The zero-bubble schedule (the backward split into input and weight parts), two iterations.
     runs += [(dyn + " --dynapipe-schedule zb-h1 --exit-interval 2").split(),
              (interleaved + " --use-dynapipe --dynapipe-schedule zb-h1").split()]
+    # A weighted blend of JSONL (input, target) pairs: 8 iterations; the same cut after 4 and
+    # resumed with --train-iters 16, which would size another blend (constant LR: the losses
+    # depend on the data alone). Last, so the tests above index the runs as before.
+    pairs = tmp_path_factory.mktemp("t5blend")
+    write_pairs(pairs / "short.jsonl", 30, (3, 12), seed=1)
+    write_pairs(pairs / "long.jsonl", 10, (30, 60), seed=2)
+    blended = (TINY.replace("--mock-data", f"--split 100,0,0 --lr-decay-style constant --data-path 0.75 "
+                                           f"{pairs / 'short.jsonl'} 0.25 {pairs / 'long.jsonl'}")
+               .replace("--train-iters 3", "").replace("--vocab-size 256", "--vocab-size 320") + " --use-dynapipe")
+    runs += [(blended + " --train-iters 8").split(),
+             (blended + f" --train-iters 8 --exit-interval 4 --save {save / 'blend'}").split(),
+             (blended + f" --train-iters 16 --exit-interval 8 --load {save / 'blend'} "
+                        f"--override-opt_param-scheduler").split()]
     ranks = run_t5_training(runs, 2, timeout_s=TIMEOUT)
     assert [r["losses"] for r in ranks[1]] == [r["losses"] for r in ranks[0]]  # every rank reports the same
     return ranks[0]

@@ -519,3 +519,11 @@ def test_the_mask_decision_is_taken_from_the_host_copies_when_given():
     assert needed_mask(whole, whole) is None
     assert needed_mask(whole, whole, host=(padded.numpy(), padded.numpy())) is not None
     assert needed_mask(padded, padded, host=(whole.numpy(), whole.numpy())) is None
+
+
+def test_t5_resumed_at_another_train_iters_continues_its_weighted_blend(pp2):
+    # The checkpoint records the blend's size (64 samples); the run resumed with --train-iters
+    # 16 builds that blend, not one of 128, so iterations 5-8 train on the same samples.
+    full, _, resumed = pp2[-3:]
+    assert len(full["losses"]) == 8 and resumed["start_iteration"] == 4
+    assert resumed["losses"] == full["losses"][4:8]
