@@ -268,8 +268,8 @@ def _same_path(a: Optional[str], b: Optional[str]) -> bool:
 def _recorded_args(args: argparse.Namespace) -> dict:
     """The parsed arguments with plain values, as a checkpoint records them (Megatron-LM's ``args``)."""
     plain = (str, int, float, bool, type(None))
-    return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in vars(args).items()
-            if isinstance(v, plain) or (isinstance(v, (list, tuple)) and all(isinstance(x, plain) for x in v))}
+    return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in vars(args).items() if not k.startswith("_")
+            and (isinstance(v, plain) or (isinstance(v, (list, tuple)) and all(isinstance(x, plain) for x in v)))}
 
 
 def parse_training_args(argv: Optional[Sequence[str]], world_size: int, cuda: Optional[bool] = None,

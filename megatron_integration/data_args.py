@@ -36,7 +36,73 @@ def add_split_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         g.add_argument(f"--{flag}", nargs="*", default=None,
                        help=f"paths (optionally weighted, as --data-path) of the {flag.split('-')[0]} split; "
                             f"excludes --data-path and --split")
+    g.add_argument("--data-args-path", default=None,
+                   help="a text file holding --data-path's list (weights and paths, whitespace-separated), for "
+                        "lists too long for a command line; excludes --data-path")
+    g.add_argument("--per-split-data-args-path", default=None,
+                   help='a JSON file {"train": ..., "valid": ..., "test": ...}, each a --train/valid/test-data-path '
+                        'list (or one string of it; null: no such split); excludes those flags')
     return parser
+
+
+def read_data_args_files(args: argparse.Namespace) -> None:
+    """Replace ``--data-args-path`` / ``--per-split-data-args-path`` in ``args`` by the lists they
+    hold (``args.data_path``; ``args.train_data_path`` ...), as Megatron-LM reads them: the text
+    file split at whitespace, each JSON value a list or a string split at whitespace. A split
+    the JSON leaves out or sets to null has no data (Megatron-LM needs all three keys); an
+    unknown key is refused, so that a misspelt split is not silently dropped."""
+    import json
+
+    if getattr(args, "_data_args_files_read", False):  # parsed once already (T5 parses the shared flags too)
+        return
+    args._data_args_files_read = True
+    if args.data_args_path is not None:
+        if args.data_path is not None:
+            raise DynaPipeError("--data-path and --data-args-path were both given; give the list one way (as "
+                                "Megatron-LM asserts).")
+        args.data_path = _read_list(args.data_args_path, "--data-args-path")
+    path = args.per_split_data_args_path
+    if path is None:
+        return
+    given = [f"--{f}" for f in PER_SPLIT_FLAGS if getattr(args, f.replace("-", "_")) is not None]
+    if given:
+        raise DynaPipeError(f"{given[0]} and --per-split-data-args-path were both given; give the splits one way "
+                            f"(as Megatron-LM asserts).")
+    try:
+        with open(path, encoding="utf-8") as f:
+            splits = json.load(f)
+    except OSError as e:
+        raise DynaPipeError(f"--per-split-data-args-path {path!r}: cannot read it ({e.strerror or e}).") from None
+    except ValueError as e:
+        raise DynaPipeError(f"--per-split-data-args-path {path!r} is not JSON ({e}); give "
+                            f'{{"train": [...], "valid": [...], "test": [...]}}.') from None
+    if not isinstance(splits, dict):
+        raise DynaPipeError(f"--per-split-data-args-path {path!r} holds a {type(splits).__name__}; give an object "
+                            f'{{"train": [...], "valid": [...], "test": [...]}}.')
+    unknown = sorted(set(splits) - {"train", "valid", "test"})
+    if unknown:
+        raise DynaPipeError(f"--per-split-data-args-path {path!r}: unknown split {unknown[0]!r}; the keys are train, "
+                            f"valid and test.")
+    for split in ("train", "valid", "test"):
+        value = splits.get(split)
+        if isinstance(value, str):
+            value = value.split()
+        if value is not None and not (isinstance(value, list) and all(isinstance(v, (str, int, float))
+                                                                      for v in value)):
+            raise DynaPipeError(f"--per-split-data-args-path {path!r}: {split!r} must be a list of weights and "
+                                f"paths, or one string of them (null: no {split} data).")
+        setattr(args, f"{split}_data_path", [str(v) for v in value] if value else None)
+
+
+def _read_list(path: str, flag: str) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = f.read().split()
+    except OSError as e:
+        raise DynaPipeError(f"{flag} {path!r}: cannot read it ({e.strerror or e}).") from None
+    if not values:
+        raise DynaPipeError(f"{flag} {path!r} holds no path; give the weights and paths of --data-path in it.")
+    return values
 
 
 def add_eval_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -58,6 +124,7 @@ def data_sources_from_args(args: argparse.Namespace) -> dict:
     each split's samples come from, validated as Megatron-LM validates them."""
     from megatron_integration.arguments import data_files, parse_blend
 
+    read_data_args_files(args)
     per_split = {f: getattr(args, f.replace("-", "_")) for f in PER_SPLIT_FLAGS}
     given = [f for f, v in per_split.items() if v is not None]
     sources = [name for name, on in (("--mock-data", args.mock_data), ("--data-path", args.data_path is not None),

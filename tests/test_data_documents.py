@@ -184,6 +184,44 @@ def test_per_split_data_paths(corpora):
         assert flag not in UNSUPPORTED_MEGATRON_FLAGS
 
 
+def test_data_lists_read_from_files_as_megatron_lm_reads_them(corpora, tmp_path):
+    # --data-args-path: --data-path's list in a text file; --per-split-data-args-path: the
+    # per-split lists in JSON (a list, or one string of it). The same configs as the flags give.
+    import json
+
+    a, b, c = corpora["A"], corpora["B"], corpora["C"]
+    listed = tmp_path / "data-args.txt"
+    listed.write_text(f"0.3 {a}\n0.7\t{b}\n")
+    from_file = parse_training_args(f"{BASE} --data-args-path {listed}".split(), 1, cuda=False)
+    from_flag = parse_training_args(f"{BASE} --data-path 0.3 {a} 0.7 {b}".split(), 1, cuda=False)
+    assert from_file.data == from_flag.data and from_file.data.split == from_flag.data.split != ()
+    per_split = tmp_path / "splits.json"
+    per_split.write_text(json.dumps({"train": [a], "valid": f"1 {b} 1 {c}", "test": None}))
+    from_json = parse_training_args(f"{BASE} --per-split-data-args-path {per_split}".split(), 1, cuda=False)
+    from_flags = parse_training_args(f"{BASE} --train-data-path {a} --valid-data-path 1 {b} 1 {c}".split(), 1,
+                                     cuda=False)
+    assert from_json.data == from_flags.data and dataset_config(from_json, "test") is None
+    assert "_data_args_files_read" not in from_json.megatron_args  # checkpoints record Megatron's args only
+
+    def refused(extra: str, needle: str) -> None:
+        with pytest.raises(DynaPipeError, match=needle):
+            parse_training_args(f"{BASE} {extra}".split(), 1, cuda=False)
+
+    refused(f"--data-args-path {listed} --data-path {a}", "--data-path and --data-args-path were both given")
+    refused(f"--per-split-data-args-path {per_split} --train-data-path {a}",
+            "--train-data-path and --per-split-data-args-path were both given")
+    refused(f"--data-args-path {tmp_path / 'none.txt'}", "--data-args-path .*none.txt.*: cannot read it")
+    (tmp_path / "empty.txt").write_text(" \n")
+    refused(f"--data-args-path {tmp_path / 'empty.txt'}", "holds no path")
+    for text, needle in (("{", "is not JSON"), ("[1]", "holds a list; give an object"),
+                         (json.dumps({"train": [a], "validation": [b]}), "unknown split 'validation'"),
+                         (json.dumps({"train": {"x": 1}}), "'train' must be a list of weights and paths")):
+        per_split.write_text(text)
+        refused(f"--per-split-data-args-path {per_split}", needle)
+    per_split.write_text(json.dumps({"valid": [b]}))
+    refused(f"--per-split-data-args-path {per_split}", "without --train-data-path")
+
+
 def test_long_instruction_samples_truncated_or_rejected_and_counted(tmp_path):
     """Instruction data (input/target) is not split: a long sample is truncated (default) or refused."""
     import json
