@@ -155,7 +155,9 @@ def test_vocabulary_is_padded_as_megatron_pads_it():
 
 @pytest.mark.parametrize("argv", [["--wandb-project=gpt"], ["--fp8-format", "hybrid"],
                                   ["--dataloader-type", "cyclic"], ["--ddp-average-in-collective"],
-                                  ["--relative-attention-num-buckets", "32"], ["--fp16-lm-cross-entropy"]])
+                                  ["--relative-attention-num-buckets", "32"], ["--fp16-lm-cross-entropy"],
+                                  ["--openai-gelu"], ["--use-precision-aware-optimizer"], ["--yaml-cfg", "a.yaml"],
+                                  ["--checkpoint-activations"], ["--sft"]])
 def test_unsupported_megatron_flag_is_one_line(argv, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(SystemExit) as e:
