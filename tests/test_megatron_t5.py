@@ -527,3 +527,5 @@ def test_t5_resumed_at_another_train_iters_continues_its_weighted_blend(pp2):
     full, _, resumed = pp2[-3:]
     assert len(full["losses"]) == 8 and resumed["start_iteration"] == 4
     assert resumed["losses"] == full["losses"][4:8]
+    assert (" > keeping the weighted blend as the checkpoint sized it (64 samples; this run's --train-iters 16 would "
+            "size it for 128 samples), so the consumed samples continue its order") in resumed["checkpoint_lines"]
