@@ -23,7 +23,7 @@ from typing import Callable, Optional
 from dynapipe.errors import DynaPipeError
 from megatron_integration import checkpoint_dist, checkpoint_dist_save
 from megatron_integration.agreement import attempt, everyone, same_error_everywhere
-from megatron_integration.checkpoint import (BLEND_RECORD_KEY, LATEST, RELEASE, ResumeState, _iter_dir,
+from megatron_integration.checkpoint import (BLEND_RECORD_KEY, LATEST, RELEASE, ResumeState, _iter_dir, _rank_dir,
                                              latest_iteration, load_checkpoint, publish_latest, save_checkpoint)
 from megatron_integration.checkpoint_files import CHECKSUM_SUFFIX
 from megatron_integration.initialize import RankInfo
@@ -133,6 +133,42 @@ def override_group_lrs(optimizer, scheduler, opt) -> None:
         if min_lr is not None:
             group["min_lr"] = min_lr
     scheduler.step(increment=0)  # the rates of the current step, from the new bounds
+
+
+def recorded_training_blend(cfg, info: RankInfo) -> Optional[list]:
+    """The weighted training blend's size that the checkpoint ``--load`` resumes recorded
+    (:mod:`megatron_integration.blend_resume`), read before the model exists so that the data
+    the run starts from is the blend it will train on; collective. None without a checkpoint
+    to resume (none yet, ``--finetune``, a release checkpoint) or without a record. Read
+    without loading the state: the common part of a ``torch_dist`` checkpoint, this rank's file
+    of a ``dynapipe`` one memory-mapped; every rank must read the same record (else the error
+    names the rank), and what cannot be read is left to the load proper to report."""
+    def read() -> Optional[list]:
+        if not cfg.load or cfg.finetune:
+            return None
+        iteration = latest_iteration(cfg.load)
+        if iteration is None or iteration == RELEASE:
+            return None
+        iter_dir = _iter_dir(cfg.load, iteration)
+        try:
+            if _kind(iter_dir) == "torch_dist":
+                return getattr(checkpoint_dist.read_common(iter_dir).get("args"), BLEND_RECORD_KEY, None)
+            import torch
+
+            path = os.path.join(_rank_dir(cfg.load, iteration, info), "model_optim_rng.pt")
+            payload = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+            return (payload.get("extra") or {}).get(BLEND_RECORD_KEY)
+        except Exception:  # noqa: BLE001 - the load proper verifies the files and names what is wrong
+            return None
+
+    mine, error = attempt(read, f"reading {cfg.load}")
+    values = everyone(mine if error is None else None)
+    if any(v != values[0] for v in values):
+        first = next(r for r, v in enumerate(values) if v != values[0])
+        raise DynaPipeError(f"--load {cfg.load}: rank {first} reads another record of the training blend "
+                            f"({values[first]!r}) than rank 0 ({values[0]!r}); every rank must see the same "
+                            f"checkpoint.")
+    return values[0]
 
 
 def load(cfg, gpt, optimizer, scheduler, info: RankInfo, log: Log,

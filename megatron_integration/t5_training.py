@@ -76,6 +76,10 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
                                         {"seqlen": ("--encoder-seq-length", base.model.seq_length),
                                          "dec_seqlen": ("--decoder-seq-length", cfg.decoder_seq_length)}):
             print(line, file=stream, flush=True)
+    # A resumed run trains on the weighted blend its checkpoint trained on: known before any data is read.
+    base, kept_blend = keep_resumed_blend(base, checkpoint_formats.recorded_training_blend(base, info), megatron_blend)
+    if kept_blend:
+        cfg = replace(cfg, base=base)
     # --dynapipe-placement auto is chosen here, before any stage is built.
     cfg = resolve_t5_placement(cfg, info.pp_size, info.dp_size)
     placement = cfg.stage_placement()
@@ -98,10 +102,11 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
                                           model_values=t5_model_values(cfg))
         if resumed is not None:
             run.start_iteration, run.consumed_samples = resumed.iteration, resumed.consumed_samples
-            base, kept = keep_resumed_blend(base, resumed.training_blend, megatron_blend)
+            base, kept = keep_resumed_blend(base, resumed.training_blend, megatron_blend)  # the record, as loaded
             if kept:
                 cfg = replace(cfg, base=base)
-                log(kept)
+            if kept or kept_blend:
+                log(kept or kept_blend)
     stepper = T5Stepper.create(cfg, info, stage, optimizer, scheduler, sync, run.start_iteration,
                                run.consumed_samples)
 

@@ -147,6 +147,8 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
         for line in extrapolation_lines(cfg.dynapipe.cost_model, cfg.dynapipe.enabled,
                                         {"seqlen": ("--seq-length", cfg.model.seq_length)}):
             print(line, file=stream, flush=True)
+    # A resumed run trains on the weighted blend its checkpoint trained on: known before any data is read.
+    cfg, kept_blend = keep_resumed_blend(cfg, checkpoint_formats.recorded_training_blend(cfg, info))
     # Rank 0 alone reads the data for the summary; a bad file stops every rank with its line.
     lines, error = attempt(lambda: data_summary_lines(cfg), "reading the data") if info.rank == 0 else ([], None)
     same_error_everywhere(error)
@@ -177,9 +179,9 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
                                           check_extra=partial(check_split, chunks, layers))
         if resumed is not None:
             run.start_iteration, run.consumed_samples = resumed.iteration, resumed.consumed_samples
-            cfg, kept = keep_resumed_blend(cfg, resumed.training_blend)
-            if kept:
-                log(kept)
+            cfg, kept = keep_resumed_blend(cfg, resumed.training_blend)  # the record, as loaded
+            if kept or kept_blend:
+                log(kept or kept_blend)
     stepper = make_stepper(cfg, info, stage, optimizer, scheduler, run.start_iteration, run.consumed_samples)
 
     def save(iteration: int, consumed_samples: int) -> None:

@@ -487,3 +487,5 @@ def test_a_resume_with_longer_train_iters_continues_the_weighted_blend_it_traine
         assert resumed["start_iteration"] == 4
         assert resumed["losses"] == full["losses"][4:8]
         assert kept in resumed["checkpoint_lines"]
+        # Read before the data: the start-up line counts the kept blend, not one of 128 samples.
+        assert " > train data: 40 documents -> 64 samples (blended), 552 tokens, 0 truncated" in resumed["printed"]
