@@ -103,9 +103,9 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--ckpt-step": "--load resumes from the iteration in latest_checkpointed_iteration.txt; drop it",
     "--pretrained-checkpoint": "give the checkpoint with --load (and --finetune to start from its weights)",
     # Layer variants and optimizer precisions megatron-core offers that the stages here do not build.
-    "--openai-gelu": "the MLP is megatron-core's GeLU, or SwiGLU with --swiglu; drop it",
-    "--squared-relu": "the MLP is megatron-core's GeLU, or SwiGLU with --swiglu; drop it",
-    "--quick-geglu": "the MLP is megatron-core's GeLU, or SwiGLU with --swiglu; drop it",
+    "--openai-gelu": "the MLP is megatron-core's GeLU (a GPT's may be SwiGLU, --swiglu); drop it",
+    "--squared-relu": "the MLP is megatron-core's GeLU (a GPT's may be SwiGLU, --swiglu); drop it",
+    "--quick-geglu": "the MLP is megatron-core's GeLU (a GPT's may be SwiGLU, --swiglu); drop it",
     "--window-size": "sliding-window attention is not built; drop it",
     "--init-method-xavier-uniform": "weights are initialised from a normal distribution of --init-method-std "
                                     "(Megatron-LM's default); drop it",
@@ -116,15 +116,14 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--exp-avg-dtype": "the optimizer keeps fp32 Adam moments (megatron-core's default); drop it",
     "--exp-avg-sq-dtype": "the optimizer keeps fp32 Adam moments (megatron-core's default); drop it",
     "--num-dataset-builder-threads": "datasets are built with one thread a rank (Megatron-LM's default); drop it",
-    "--yaml-cfg": "Megatron-LM's YAML config is not read; give the flags, or this project's run config with "
-                  "--run-config",
+    "--yaml-cfg": "Megatron-LM's YAML config is not read; give the flags (the pretrain scripts also take this "
+                  "project's run configs, --run-config)",
     "--sft": "Megatron-LM's SFT dataset is not built; give instruction data as JSONL records of \"input\" and "
              "\"target\" with --data-path",
     # Megatron-LM's deprecated spellings, which its argument check turns into errors.
     "--model-parallel-size": "Megatron-LM's deprecated name; use --tensor-model-parallel-size",
     "--checkpoint-activations": "Megatron-LM's deprecated name; use --recompute-activations",
     "--batch-size": "Megatron-LM's deprecated name; use --micro-batch-size",
-    "--warmup": "Megatron-LM's deprecated name; use --lr-warmup-fraction or --lr-warmup-iters",
 }
 
 # Families of Megatron-LM flags refused as a whole, by prefix (Megatron-LM adds members

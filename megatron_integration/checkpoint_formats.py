@@ -141,9 +141,12 @@ def recorded_training_blend(cfg, info: RankInfo) -> Optional[list]:
     the run starts from is the blend it will train on; collective. None without a checkpoint
     to resume (none yet, ``--finetune``, a release checkpoint) or without a record. Read
     without loading the state: the common part of a ``torch_dist`` checkpoint, this rank's file
-    of a ``dynapipe`` one memory-mapped; every rank must read the same record (else the error
-    names the rank), and what cannot be read is left to the load proper to report."""
-    def read() -> Optional[list]:
+    of a ``dynapipe`` one memory-mapped; every rank that reads a record must read the same one
+    (else the error names the rank). Where a rank cannot read its file (another layout, a node
+    that does not see ``--load``, damage) none is used, and the load proper says what is wrong."""
+    unreadable = "unreadable"
+
+    def read():
         if not cfg.load or cfg.finetune:
             return None
         iteration = latest_iteration(cfg.load)
@@ -156,13 +159,16 @@ def recorded_training_blend(cfg, info: RankInfo) -> Optional[list]:
             import torch
 
             path = os.path.join(_rank_dir(cfg.load, iteration, info), "model_optim_rng.pt")
-            payload = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+            # Not verified yet (the load proper checks its checksum): tensors and plain data only.
+            payload = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
             return (payload.get("extra") or {}).get(BLEND_RECORD_KEY)
         except Exception:  # noqa: BLE001 - the load proper verifies the files and names what is wrong
-            return None
+            return unreadable
 
     mine, error = attempt(read, f"reading {cfg.load}")
-    values = everyone(mine if error is None else None)
+    values = everyone(unreadable if error is not None else mine)
+    if unreadable in values:
+        return None
     if any(v != values[0] for v in values):
         first = next(r for r, v in enumerate(values) if v != values[0])
         raise DynaPipeError(f"--load {cfg.load}: rank {first} reads another record of the training blend "

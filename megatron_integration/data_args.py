@@ -61,6 +61,7 @@ def read_data_args_files(args: argparse.Namespace) -> None:
             raise DynaPipeError("--data-path and --data-args-path were both given; give the list one way (as "
                                 "Megatron-LM asserts).")
         args.data_path = _read_list(args.data_args_path, "--data-args-path")
+        args._data_path_flag = f"--data-args-path {args.data_args_path}"  # named in later errors
     path = args.per_split_data_args_path
     if path is None:
         return
@@ -91,7 +92,11 @@ def read_data_args_files(args: argparse.Namespace) -> None:
                                                                       for v in value)):
             raise DynaPipeError(f"--per-split-data-args-path {path!r}: {split!r} must be a list of weights and "
                                 f"paths, or one string of them (null: no {split} data).")
+        if split == "train" and not value:
+            raise DynaPipeError(f"--per-split-data-args-path {path!r} holds no training paths (\"train\"); give "
+                                f"them (the validation and test splits may be null).")
         setattr(args, f"{split}_data_path", [str(v) for v in value] if value else None)
+    args._per_split_flag = f"--per-split-data-args-path {path}"  # named in later errors
 
 
 def _read_list(path: str, flag: str) -> list[str]:
@@ -127,15 +132,19 @@ def data_sources_from_args(args: argparse.Namespace) -> dict:
     read_data_args_files(args)
     per_split = {f: getattr(args, f.replace("-", "_")) for f in PER_SPLIT_FLAGS}
     given = [f for f, v in per_split.items() if v is not None]
-    sources = [name for name, on in (("--mock-data", args.mock_data), ("--data-path", args.data_path is not None),
-                                     ("--train/valid/test-data-path", bool(given))) if on]
+    # The flags the user typed: a list read from a file is named by the file's flag.
+    data_flag = getattr(args, "_data_path_flag", "--data-path")
+    split_flag = getattr(args, "_per_split_flag", "--train/valid/test-data-path")
+    sources = [name for name, on in (("--mock-data", args.mock_data), (data_flag, args.data_path is not None),
+                                     (split_flag, bool(given))) if on]
     if len(sources) > 1:
         raise DynaPipeError(f"{' and '.join(sources)} were both given; give one data source (as in Megatron-LM).")
     if not sources:
         raise DynaPipeError("no data: give --data-path FILE... (or --train-data-path ...) or --mock-data "
                             "(the synthetic multi-task mixture).")
     if given and args.split is not None:
-        raise DynaPipeError(f"--split {args.split!r} applies to --data-path; with --{given[0]} each split has its "
+        where = getattr(args, "_per_split_flag", f"--{given[0]}")
+        raise DynaPipeError(f"--split {args.split!r} applies to --data-path; with {where} each split has its "
                             f"own paths: drop --split (as megatron-core's dataset config requires).")
     if given and per_split["train-data-path"] is None:
         raise DynaPipeError("--valid-data-path / --test-data-path without --train-data-path: give the training "
@@ -146,10 +155,13 @@ def data_sources_from_args(args: argparse.Namespace) -> dict:
             continue
         if not value:
             raise DynaPipeError(f"--{flag} was given without a path.")
+        shown = (getattr(args, "_data_path_flag", None) if flag == "data-path"
+                 else getattr(args, "_per_split_flag", None) and f"{args._per_split_flag} ({flag.split('-')[0]})")
         paths = data_files(value)
         for path in paths:
             if not (os.path.exists(path) or os.path.exists(path + ".idx")):
-                raise DynaPipeError(f"--{flag} {path!r}: no such file (nor an indexed dataset {path}.idx/.bin).")
+                raise DynaPipeError(f"{shown or '--' + flag} {path!r}: no such file (nor an indexed dataset "
+                                    f"{path}.idx/.bin).")
         key = flag.replace("-", "_")
         fields[key] = tuple(paths)
         fields[key.replace("_path", "_weights")] = tuple(parse_blend(value)[1] or ())

@@ -21,7 +21,8 @@ NAME_COLUMN = 48  # argument names are dotted out to this column, as Megatron-LM
 
 def argument_dump(args: argparse.Namespace, title: str = TITLE) -> list[str]:
     """Megatron-LM's start-up block of ``args``: a rule, ``  name ..... value`` lines, a closing rule."""
-    lines = [f"  {name} {'.' * max(NAME_COLUMN - len(name), 1)} {value}" for name, value in vars(args).items()]
+    lines = [f"  {name} {'.' * max(NAME_COLUMN - len(name), 1)} {value}" for name, value in vars(args).items()
+             if not name.startswith("_")]  # this project's own bookkeeping, not an argument
     return ([f"------------------------ {title} ------------------------"]
             + sorted(lines, key=str.lower)
             + [f"-------------------- end of {title} ---------------------"])

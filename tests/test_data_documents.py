@@ -219,7 +219,12 @@ def test_data_lists_read_from_files_as_megatron_lm_reads_them(corpora, tmp_path)
         per_split.write_text(text)
         refused(f"--per-split-data-args-path {per_split}", needle)
     per_split.write_text(json.dumps({"valid": [b]}))
-    refused(f"--per-split-data-args-path {per_split}", "without --train-data-path")
+    refused(f"--per-split-data-args-path {per_split}", "holds no training paths")
+    # Later errors name the file's flag, not a flag the user did not type.
+    refused(f"--mock-data --data-args-path {listed}", "--mock-data and --data-args-path .*data-args.txt were both given")
+    per_split.write_text(json.dumps({"train": [a + ".missing"]}))
+    refused(f"--per-split-data-args-path {per_split}", r"--per-split-data-args-path .*splits.json \(train\) .*missing"
+                                                       r"': no such file")
 
 
 def test_long_instruction_samples_truncated_or_rejected_and_counted(tmp_path):

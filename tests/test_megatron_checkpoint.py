@@ -489,3 +489,31 @@ def test_a_resume_with_longer_train_iters_continues_the_weighted_blend_it_traine
         assert kept in resumed["checkpoint_lines"]
         # Read before the data: the start-up line counts the kept blend, not one of 128 samples.
         assert " > train data: 40 documents -> 64 samples (blended), 552 tokens, 0 truncated" in resumed["printed"]
+
+
+def test_the_blend_record_is_read_before_the_model_and_an_unreadable_file_leaves_it_to_the_load(tmp_path):
+    # A dynapipe-format rank file, memory-mapped for its record alone; what cannot be read
+    # (another layout's file names, damage) gives no record, so the load proper names the problem.
+    import types
+
+    import torch
+
+    from megatron_integration.checkpoint import BLEND_RECORD_KEY
+    from megatron_integration.checkpoint_formats import recorded_training_blend
+    from megatron_integration.initialize import RankInfo
+
+    rank_dir = tmp_path / "ckpt" / "iter_0000004" / "mp_rank_00_000"
+    rank_dir.mkdir(parents=True)
+    torch.save({"extra": {BLEND_RECORD_KEY: ["samples", 64]}, "model": {"w": torch.zeros(3)}},
+               rank_dir / "model_optim_rng.pt")
+    (rank_dir / "model_optim_rng.pt.sha256").write_text("not checked here")
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("4")
+    info = RankInfo(0, 1, 0, 1, 0, 1, 0, 1, torch.device("cpu"))
+    cfg = types.SimpleNamespace(load=str(tmp_path / "ckpt"), finetune=False)
+    assert recorded_training_blend(cfg, info) == ["samples", 64]
+    assert recorded_training_blend(types.SimpleNamespace(load=str(tmp_path / "ckpt"), finetune=True), info) is None
+    assert recorded_training_blend(types.SimpleNamespace(load=None, finetune=False), info) is None
+    other_layout = RankInfo(0, 1, 1, 2, 0, 1, 0, 1, torch.device("cpu"))  # pipeline rank 1: no such file
+    assert recorded_training_blend(cfg, other_layout) is None
+    (rank_dir / "model_optim_rng.pt").write_bytes(b"damaged")
+    assert recorded_training_blend(cfg, info) is None

@@ -38,7 +38,7 @@ def test_zero_bubble_trains_the_padding_losses_and_splits_every_backward(request
 
 
 def test_zero_bubble_trains_t5_like_padding(pp2):
-    # The session's T5 job: its last runs are DynaPipe on zb-h1 for two iterations, on the even
+    # The session's T5 job: runs 34 and 35 are DynaPipe on zb-h1 for two iterations, on the even
     # split and on the interleaved placement (interleaved-zb: the encoder chunk, then the decoder
     # chunk on each rank); the encoder output's gradient reaches the encoder through the input parts.
     padding = pp2[0]
