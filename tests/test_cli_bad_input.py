@@ -335,6 +335,11 @@ def test_profile_refuses_before_measuring(tmp_path, capsys, monkeypatch, extra, 
      "error: python -m dynapipe: unrecognized arguments: --bogus"),
     (["synth", "--samples", "4", "--output", "s.txt", "--wandb-project", "p"],  # takes no Megatron arguments
      "error: python -m dynapipe: unrecognized arguments: --wandb-project p"),
+    # Whole flags only, as Megatron-LM's parser: a prefix is not taken for --warmup-iters.
+    (["bench", "--output", "b.json", "--warmup", "7"],
+     "error: python -m dynapipe: unrecognized arguments: --warmup 7"),
+    (["synth", "--sample", "4", "--output", "s.txt"],
+     "error: python -m dynapipe synth: the following arguments are required: --samples"),
 ])
 def test_unknown_flags_are_one_line_and_refused_megatron_flags_name_the_reason(capsys, argv, message):
     assert main(argv) == 2

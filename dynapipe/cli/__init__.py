@@ -60,7 +60,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     chosen = next((a for a in argv if not a.startswith("-")), None)
     modules = {}
     for name, (module, help_) in commands.items():
-        p = sub.add_parser(name, help=help_, description=help_)
+        # Whole flags only, as Megatron-LM's parser takes them: bench and profile read Megatron
+        # arguments, and a prefix must not silently become another flag (--warmup, --warmup-iters).
+        p = sub.add_parser(name, help=help_, description=help_, allow_abbrev=False)
         if name == chosen:
             modules[name] = importlib.import_module(module)
             modules[name].add_arguments(p)
