@@ -45,9 +45,12 @@ strict_float.__name__ = "number"
 
 
 class StrictArgumentParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` with strict ``int``/``float`` types and one-line errors."""
+    """An ``ArgumentParser`` with strict ``int``/``float`` types, one-line errors, and whole
+    flags only (no prefixes, as Megatron-LM's parser: a prefix would silently become whichever
+    flag it starts, and another one added later would turn it into an error)."""
 
     def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self.register("type", int, strict_int)
         self.register("type", float, strict_float)
