@@ -18,6 +18,11 @@ class PlanError(DynaPipeError):
     """An execution plan that is malformed, corrupted or would deadlock."""
 
 
+class NoScheduleFits(DynaPipeError):
+    """No schedule of the micro-batches fits the memory limit at any recompute level (or,
+    when asked to beat a time, none fits and runs faster): the cut itself must change."""
+
+
 class ExecutorError(DynaPipeError):
     """A pipeline rank could not run its plan: a failed or timed-out transfer, a tensor that
     does not match the plan, a handler exception, or another rank's failure. The message

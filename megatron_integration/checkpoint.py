@@ -45,17 +45,15 @@ FORMAT_VERSION = 1
 
 @dataclass(frozen=True)
 class ResumeState:
-    """Where a loaded checkpoint left training: iterations done and samples consumed, and the
-    size of the weighted training blend it trained on (``[kind, count]``; None when it
-    recorded none: see :mod:`megatron_integration.blend_resume`)."""
+    """Where a loaded checkpoint left training: iterations done and samples consumed."""
 
     iteration: int
     consumed_samples: int
-    training_blend: Optional[list] = None
 
 
 # Where a checkpoint records the training blend's size: a key of a dynapipe-format checkpoint's
-# ``extra``, an attribute of a torch_dist checkpoint's Megatron ``args``.
+# ``extra``, an attribute of a torch_dist checkpoint's Megatron ``args`` (read before the load:
+# checkpoint_formats.recorded_training_blend).
 BLEND_RECORD_KEY = "dynapipe_training_blend"
 
 
@@ -227,8 +225,7 @@ def load_checkpoint(root: str, gpt: torch.nn.Module, optimizer, scheduler, info:
     same_error_everywhere(error)
     if optim_path is not None:
         optimizer.load_parameter_state(optim_path)
-    return ResumeState(iteration=int(payload["iteration"]), consumed_samples=int(payload["consumed_samples"]),
-                       training_blend=(payload.get("extra") or {}).get(BLEND_RECORD_KEY))
+    return ResumeState(iteration=int(payload["iteration"]), consumed_samples=int(payload["consumed_samples"]))
 
 
 def check_precision(saved: Optional[str], ours: Optional[str], where: str) -> None:

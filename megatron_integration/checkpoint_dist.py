@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from dynapipe.errors import DynaPipeError
-from megatron_integration.checkpoint import BLEND_RECORD_KEY, check_distributed_optimizer, check_precision
+from megatron_integration.checkpoint import check_distributed_optimizer, check_precision
 from megatron_integration.checkpoint_files import CHECKSUM_SUFFIX, verify_file
 from megatron_integration.initialize import RankInfo
 from megatron_integration.scheduler_state import align_schedule_bounds, load_scheduler_state
@@ -294,10 +294,9 @@ def _gelu_mismatch(ckpt_args, m) -> Optional[str]:
 
 
 def load_dist(iter_dir: str, cfg, gpt, optimizer, scheduler, info: RankInfo, load_optim: bool,
-              load_rng: bool, log, model_values: Optional[dict] = None) -> tuple[int, int, Optional[list]]:
+              load_rng: bool, log, model_values: Optional[dict] = None) -> tuple[int, int]:
     """Load ``iter_dir`` into this rank's stage (and optimizer, scheduler and RNG unless told not
-    to); collective. Returns (iteration, consumed samples, the training blend's recorded size or
-    None) as the checkpoint records them.
+    to); collective. Returns (iteration, consumed samples) as the checkpoint records them.
     ``log(line)`` prints Megatron-LM's notices (rank 0). ``model_values`` (Megatron-LM argument
     name -> value) replaces GPT's shape arguments in the check of the checkpoint's ``args``."""
     from megatron.core import dist_checkpointing
@@ -353,7 +352,7 @@ def load_dist(iter_dir: str, cfg, gpt, optimizer, scheduler, info: RankInfo, loa
         _set_rng_state(states[info.dp_rank] if len(states) == info.dp_size else states[0])
     iteration = int(common.get("iteration", 0))
     consumed = int(getattr(ckpt_args, "consumed_train_samples", iteration * cfg.global_batch_size))
-    return iteration, consumed, getattr(ckpt_args, BLEND_RECORD_KEY, None)
+    return iteration, consumed
 
 
 def _saved_dtype(ckpt_args) -> Optional[str]:

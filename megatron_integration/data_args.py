@@ -53,27 +53,22 @@ def read_data_args_files(args: argparse.Namespace) -> None:
     unknown key is refused, so that a misspelt split is not silently dropped."""
     import json
 
-    if getattr(args, "_data_args_files_read", False):  # parsed once already (T5 parses the shared flags too)
-        return
-    args._data_args_files_read = True
-    if args.data_args_path is not None:
+    # Each file is read once (T5 parses the shared flags twice): the flag it leaves behind says so.
+    if args.data_args_path is not None and not hasattr(args, "_data_path_flag"):
         if args.data_path is not None:
             raise DynaPipeError("--data-path and --data-args-path were both given; give the list one way (as "
                                 "Megatron-LM asserts).")
         args.data_path = _read_list(args.data_args_path, "--data-args-path")
         args._data_path_flag = f"--data-args-path {args.data_args_path}"  # named in later errors
     path = args.per_split_data_args_path
-    if path is None:
+    if path is None or hasattr(args, "_per_split_flag"):
         return
     given = [f"--{f}" for f in PER_SPLIT_FLAGS if getattr(args, f.replace("-", "_")) is not None]
     if given:
         raise DynaPipeError(f"{given[0]} and --per-split-data-args-path were both given; give the splits one way "
                             f"(as Megatron-LM asserts).")
     try:
-        with open(path, encoding="utf-8") as f:
-            splits = json.load(f)
-    except OSError as e:
-        raise DynaPipeError(f"--per-split-data-args-path {path!r}: cannot read it ({e.strerror or e}).") from None
+        splits = json.loads(_read_text(path, "--per-split-data-args-path"))
     except ValueError as e:
         raise DynaPipeError(f"--per-split-data-args-path {path!r} is not JSON ({e}); give "
                             f'{{"train": [...], "valid": [...], "test": [...]}}.') from None
@@ -99,12 +94,16 @@ def read_data_args_files(args: argparse.Namespace) -> None:
     args._per_split_flag = f"--per-split-data-args-path {path}"  # named in later errors
 
 
-def _read_list(path: str, flag: str) -> list[str]:
+def _read_text(path: str, flag: str) -> str:
     try:
         with open(path, encoding="utf-8") as f:
-            values = f.read().split()
+            return f.read()
     except OSError as e:
         raise DynaPipeError(f"{flag} {path!r}: cannot read it ({e.strerror or e}).") from None
+
+
+def _read_list(path: str, flag: str) -> list[str]:
+    values = _read_text(path, flag).split()
     if not values:
         raise DynaPipeError(f"{flag} {path!r} holds no path; give the weights and paths of --data-path in it.")
     return values

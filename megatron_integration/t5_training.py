@@ -102,11 +102,8 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
                                           model_values=t5_model_values(cfg))
         if resumed is not None:
             run.start_iteration, run.consumed_samples = resumed.iteration, resumed.consumed_samples
-            base, kept = keep_resumed_blend(base, resumed.training_blend, megatron_blend)  # the record, as loaded
-            if kept:
-                cfg = replace(cfg, base=base)
-            if kept or kept_blend:
-                log(kept or kept_blend)
+            if kept_blend:
+                log(kept_blend)
     stepper = T5Stepper.create(cfg, info, stage, optimizer, scheduler, sync, run.start_iteration,
                                run.consumed_samples)
 

@@ -179,9 +179,8 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
                                           check_extra=partial(check_split, chunks, layers))
         if resumed is not None:
             run.start_iteration, run.consumed_samples = resumed.iteration, resumed.consumed_samples
-            cfg, kept = keep_resumed_blend(cfg, resumed.training_blend)  # the record, as loaded
-            if kept or kept_blend:
-                log(kept or kept_blend)
+            if kept_blend:
+                log(kept_blend)
     stepper = make_stepper(cfg, info, stage, optimizer, scheduler, run.start_iteration, run.consumed_samples)
 
     def save(iteration: int, consumed_samples: int) -> None:

@@ -26,7 +26,7 @@ import numpy as np
 from dynapipe.config import load_cluster_config, load_device_config, load_model_config
 from dynapipe.cost import build_cost_model
 from dynapipe.data.synthetic import sample_lengths
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import NoScheduleFits
 from dynapipe.pipeline_planner import plan_iteration
 from dynapipe.schedule import _kernels
 from dynapipe.schedule.search import search_schedules
@@ -42,9 +42,7 @@ def _fixed(reps, cm, name: str, capacity: float, cluster):
     recompute level on micro-batches cut for another schedule's memory."""
     try:
         return search_schedules(reps, cm, schedule=name, recompute=None, capacity_mib=capacity, cluster=cluster).best
-    except DynaPipeError as e:
-        if not str(e).startswith("no schedule fits"):
-            raise
+    except NoScheduleFits:
         return None
 
 

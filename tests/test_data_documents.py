@@ -201,7 +201,7 @@ def test_data_lists_read_from_files_as_megatron_lm_reads_them(corpora, tmp_path)
     from_flags = parse_training_args(f"{BASE} --train-data-path {a} --valid-data-path 1 {b} 1 {c}".split(), 1,
                                      cuda=False)
     assert from_json.data == from_flags.data and dataset_config(from_json, "test") is None
-    assert "_data_args_files_read" not in from_json.megatron_args  # checkpoints record Megatron's args only
+    assert "_per_split_flag" not in from_json.megatron_args  # checkpoints record Megatron's args only
 
     def refused(extra: str, needle: str) -> None:
         with pytest.raises(DynaPipeError, match=needle):

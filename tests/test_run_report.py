@@ -13,7 +13,7 @@ from megatron_integration.run_report import (argument_dump, parameter_count_line
 def test_argument_dump_is_megatrons_block():
     # A "_" name is the parser's own bookkeeping (which file a data list came from), not an argument.
     args = argparse.Namespace(num_layers=2, Zeta="z", hidden_size=64, use_dynapipe=True, data_path=["a", "b"],
-                              _data_args_files_read=True)
+                              _per_split_flag="--per-split-data-args-path s.json")
     lines = argument_dump(args)
     assert lines[0] == "------------------------ arguments ------------------------"
     assert lines[-1] == "-------------------- end of arguments ---------------------"

@@ -25,7 +25,7 @@ import numpy as np
 from dynapipe.batching.types import MicroBatch
 from dynapipe.config import ClusterConfig
 from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, check_recompute
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, NoScheduleFits
 from dynapipe.schedule import _kernels as K
 from dynapipe.schedule.adaptive import adaptive_arrays, schedule_from_arrays
 from dynapipe.schedule.costs import StageTimes, stage_times_per_replica
@@ -371,13 +371,13 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
                 if cand.fits and faster(cand.makespan_ms, bar_ms()):
                     best = (cand, runs, permuted, perms)
     if best is None and np.isfinite(to_beat):
-        raise DynaPipeError(f"no schedule of these micro-batches fits and runs faster than {to_beat:.1f} ms.")
+        raise NoScheduleFits(f"no schedule of these micro-batches fits and runs faster than {to_beat:.1f} ms.")
     if best is None:
         # Nothing fits: simulate every candidate in full to name the closest one.
         full = [evaluate(n, lv, mix, o, pm, np.inf, np.inf)[0] for n, lv, mix, o, pm in evaluated]
         c = min(full, key=lambda x: max(x.peak_mib))
         worst = int(np.argmax(c.peak_mib))
-        raise DynaPipeError(
+        raise NoScheduleFits(
             f"no schedule fits in {cap_mib:.0f} MiB per stage: the closest candidate ({c.schedule}, {c.order} "
             f"order, recompute {c.recompute}) needs {c.peak_mib[worst]:.0f} MiB on stage {worst}, "
             f"{c.peak_mib[worst] - cap_mib:.0f} MiB over the limit. Raise --memory-limit-mb, use more pipeline "
