@@ -64,6 +64,9 @@ class ModelConfig:
     # Megatron's --position-embedding-type: learned_absolute (its default), rope (the rotated
     # query and key are kept), relative (T5) or none.
     position_embedding_type: str = "learned_absolute"
+    # Megatron's --max-position-embeddings: rows of the learned position table every embedding
+    # stage holds (0: max_seq_length).
+    max_position_embeddings: int = 0
     # The attention core is a fused kernel (flash or cuDNN fused attention, which Transformer
     # Engine picks in half precision) that keeps no score matrix; False: megatron-core's local
     # (unfused) attention, which keeps it.
@@ -138,6 +141,9 @@ class ModelConfig:
             p = getattr(self, key)
             if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 <= p < 1:
                 raise DynaPipeError(f"{source}: {key}={p!r} must be a probability in [0, 1).")
+        if self.max_position_embeddings < 0:
+            raise DynaPipeError(f"{source}: max_position_embeddings={self.max_position_embeddings} must be >= 0 "
+                                f"(0 means max_seq_length).")
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise DynaPipeError(f"{source}: position_embedding_type={self.position_embedding_type!r}; use one of "
                                 f"{', '.join(POSITION_EMBEDDING_TYPES)}.")

@@ -65,6 +65,7 @@ class T5TrainingConfig:
                            hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
                            ffn_hidden_size=m.ffn_hidden_size, vocab_size=m.vocab_size,
                            max_seq_length=max(m.seq_length, self.decoder_seq_length), dtype=m.dtype,
+                           max_position_embeddings=m.max_position_embeddings,
                            tie_embeddings=m.tie_embeddings, kv_channels=m.kv_channels,
                            hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
                            position_embedding_type=m.position_embedding_type,

@@ -39,6 +39,7 @@ def t5_training_job(runs: Sequence[Sequence[str]], echo: bool = False) -> list[d
 
             out.append(dict(iteration_summary(cfg.method, run, cpu, parallel_state.get_pipeline_model_parallel_rank()),
                             eval_lines=run.eval_lines, eval_path=run.eval_path, checkpoint_lines=run.checkpoint_lines,
+                            parameters=run.parameters,
                             tp_size=parallel_state.get_tensor_model_parallel_world_size()))
             end_run()
             out[-1]["threads_after"] = thread_count()

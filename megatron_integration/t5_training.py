@@ -23,6 +23,7 @@ from megatron_integration.agreement import attempt, same_error_everywhere
 from megatron_integration.blend_resume import blend_record, keep_resumed_blend
 from megatron_integration.initialize import RankInfo, initialize_megatron
 from megatron_integration.profile_check import check_threads_at_start, extrapolation_lines
+from megatron_integration.run_report import parameter_count_line
 from megatron_integration.baseline_step import StepResult
 from megatron_integration.model import Stage, grad_scale_func
 from megatron_integration.optimizer import build_optimizer
@@ -87,13 +88,18 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
         print(f" > stage placement (encoder+decoder layers per stage): {placement} "
               f"(--dynapipe-placement {cfg.placement_flag})", file=stream, flush=True)
     stage = build_t5_training_stage(cfg, info)
+    parameters = sum(p.nelement() for p in stage.gpt.parameters())
+    if info.dp_rank == 0:
+        # One write per line: the stages share the job's stdout.
+        stream.write(parameter_count_line(info.tp_rank, info.pp_rank, parameters) + "\n")
+        stream.flush()
     optimizer, scheduler = build_optimizer(base, stage)
     # The last stage's loss is multiplied by the optimizer's loss scale before the backward (the
     # optimizer divides the gradients by it), as GPT's attach_training_hooks arranges.
     stage.config.grad_scale_func = grad_scale_func(stage.config, optimizer)
     sync = EmbeddingSync.create(stage_places(cfg.planner_model(), info.pp_size, placement), base.model.tie_embeddings,
                                 info.pp_size)
-    run = TrainingRun(spec_name=stage.spec_name)
+    run = TrainingRun(spec_name=stage.spec_name, parameters=parameters)
     log = partial(print_rank_0, info, stream, run.checkpoint_lines)
     if base.load:
         resumed = checkpoint_formats.load(base, stage.gpt, optimizer, scheduler, info, log,

@@ -68,6 +68,7 @@ class GPTModelArgs:
         return ModelConfig(name=name, arch="gpt", num_layers=self.num_layers, hidden_size=self.hidden_size,
                            num_attention_heads=self.num_attention_heads, ffn_hidden_size=self.ffn_hidden_size,
                            vocab_size=self.vocab_size, max_seq_length=self.seq_length, dtype=self.dtype,
+                           max_position_embeddings=self.max_position_embeddings,
                            tie_embeddings=self.tie_embeddings, kv_channels=self.kv_channels,
                            num_query_groups=self.num_query_groups or 0, gated_linear_unit=self.swiglu,
                            add_bias_linear=self.add_bias_linear, add_qkv_bias=self.add_qkv_bias,

@@ -61,6 +61,8 @@ class TrainingRun:
     eval_path: str = ""
     # Megatron-LM's checkpoint save/load lines (rank 0).
     checkpoint_lines: list[str] = field(default_factory=list)
+    # Parameters this rank's stage holds (every chunk, shared copies once), as Megatron counts them.
+    parameters: int = 0
 
     @property
     def losses(self) -> list[float]:

@@ -122,4 +122,6 @@ def pp2(tmp_path_factory, t5_dist):
                         f"--override-opt_param-scheduler").split()]
     ranks = run_t5_training(runs, 2, timeout_s=TIMEOUT)
     assert [r["losses"] for r in ranks[1]] == [r["losses"] for r in ranks[0]]  # every rank reports the same
+    for i, run in enumerate(ranks[0]):  # what differs by rank, and what was run
+        run["parameters_by_rank"], run["argv"] = [ranks[r][i]["parameters"] for r in range(2)], runs[i]
     return ranks[0]

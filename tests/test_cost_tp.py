@@ -102,16 +102,22 @@ def test_output_stage_is_sharded_with_sequence_parallelism():
 
 
 def test_model_states_per_tp_rank():
-    one = AnalyticCostModel(MODEL, DEVICE, 4)
+    rope = dataclasses.replace(MODEL, position_embedding_type="rope")
+    one = AnalyticCostModel(rope, DEVICE, 4)
     for t in (2, 4, 8):
-        tp = AnalyticCostModel(MODEL, DEVICE, 4, TensorParallelConfig(t))
+        tp = AnalyticCostModel(rope, DEVICE, 4, TensorParallelConfig(t))
         for stage in range(4):
             full, part = one.model_state_mib(stage), tp.model_state_mib(stage)
             # Everything but the norms and row-parallel biases is split.
             assert full / t < part < full / t * 1.01
+    # A learned position table is replicated: every TP rank of an embedding stage holds all of it.
+    table = [AnalyticCostModel(MODEL, DEVICE, 4, TensorParallelConfig(t)).model_state_mib(0)
+             - AnalyticCostModel(rope, DEVICE, 4, TensorParallelConfig(t)).model_state_mib(0) for t in (1, 2, 8)]
+    assert table[0] > 0 and table == pytest.approx([table[0]] * 3)
+    assert AnalyticCostModel(MODEL, DEVICE, 4).model_state_mib(1) == one.model_state_mib(1)
     # The held recompute rise is per rank too.
     sp = AnalyticCostModel(MODEL, DEVICE, 4, TensorParallelConfig(2, True))
-    held1 = one.recompute_held_mib(MBS, SEQ, recompute="selective", stage=1)
+    held1 = AnalyticCostModel(MODEL, DEVICE, 4).recompute_held_mib(MBS, SEQ, recompute="selective", stage=1)
     held2 = sp.recompute_held_mib(MBS, SEQ, recompute="selective", stage=1)
     np.testing.assert_allclose(held2, held1 / 2, rtol=1e-9)
 

@@ -245,6 +245,22 @@ def test_t5_stage_holding_encoder_end_and_decoder(pp2):
     assert dynapipe["losses"] == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)
 
 
+def test_each_t5_stage_holds_the_parameters_the_planner_prices(pp2):
+    """Every run of the fixture (even, uneven and interleaved placements; 2+2, 3+1 and 3+2
+    layers; the WordPiece vocabulary): each rank's stage holds what the planner counts for its
+    layout, the decoder's embedding copy, the encoder's final norm and the LM head's bias included."""
+    from dynapipe.cost.base import stage_param_count
+
+    placements = set()
+    for run in pp2:
+        cfg = parse_t5_args(run["argv"], 2, cuda=False)
+        model, placement = cfg.planner_model(), cfg.stage_placement()
+        planned = [stage_param_count(model, layout) for layout in placement.layouts()]
+        assert run["parameters_by_rank"] == planned, (run["argv"], placement)
+        placements.add(str(placement))
+    assert {"2+0,0+2", "2+0,1+1", "2+1,0+1", "1+0,1+0|0+1,0+1", "1+0,1+0|1+0,0+2"} <= placements, placements
+
+
 def test_t5_span_corruption_of_indexed_data_dynapipe_equals_padding_pp2(pp2):
     padding, dynapipe = pp2[6], pp2[7]
     assert (padding["method"], dynapipe["method"]) == ("padding", "dynapipe")

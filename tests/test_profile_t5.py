@@ -53,7 +53,8 @@ def test_t5_profile_prices_stages_exactly_on_the_grid():
     assert enc.bw_ms == pytest.approx(2 * enc.fw_ms)
     assert enc.stored_mib == pytest.approx(enc.fw_ms / 10)
     dec = cm.stage_cost(b, s, d, stage=1)
-    assert dec.fw_ms == pytest.approx(2 * dec_ms(b, d, s) + 0.05 * b * d)
+    # The first decoder stage embeds the decoder's tokens (the embedding table at d tokens).
+    assert dec.fw_ms == pytest.approx(2 * dec_ms(b, d, s) + 0.01 * b * d + 0.05 * b * d)
     # The bottleneck is the elementwise maximum of the two stages.
     both = cm.stage_cost([1, 4], [256, 64], [32, 64])
     per = [cm.stage_cost([1, 4], [256, 64], [32, 64], stage=k).fw_ms for k in (0, 1)]
@@ -61,7 +62,12 @@ def test_t5_profile_prices_stages_exactly_on_the_grid():
     # A stage holding the end of the encoder and the decoder pays for both kinds of layers.
     placed = cm.with_placement(StagePlacement.parse("1+0,1+2", T5, 2))
     mixed = placed.stage_cost(b, s, d, stage=1)
-    assert mixed.fw_ms == pytest.approx(enc_ms(b, s) + 2 * dec_ms(b, d, s) + 0.05 * b * d)
+    assert mixed.fw_ms == pytest.approx(enc_ms(b, s) + 2 * dec_ms(b, d, s) + 0.01 * b * d + 0.05 * b * d)
+    # Stage 0 holding the start of the decoder embeds both token streams; stage 1 none.
+    early = cm.with_placement(StagePlacement.parse("2+1,0+1", T5, 2))
+    assert early.stage_cost(b, s, d, stage=0).fw_ms == pytest.approx(2 * enc_ms(b, s) + dec_ms(b, d, s)
+                                                                     + 0.01 * b * (s + d))
+    assert early.stage_cost(b, s, d, stage=1).fw_ms == pytest.approx(dec_ms(b, d, s) + 0.05 * b * d)
 
 
 def test_t5_profile_interpolates_and_extrapolates_monotonically():
@@ -101,7 +107,7 @@ def test_t5_profile_derives_recompute_levels():
     assert full.stored_mib < sel.stored_mib < none.stored_mib
     # Full recompute keeps each decoder layer's input and the encoder output (fp32 bytes).
     b, s, d = args
-    assert full.stored_mib == pytest.approx((2 * b * d * 64 * 4 + b * s * 64 * 4) / 2**20 + 0.05 * b * d / 10)
+    assert full.stored_mib == pytest.approx((2 * b * d * 64 * 4 + b * s * 64 * 4) / 2**20 + (0.01 + 0.05) * b * d / 10)
 
 
 def test_t5_profile_round_trips_through_a_file_and_build_cost_model(tmp_path):

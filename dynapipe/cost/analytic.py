@@ -183,6 +183,13 @@ class AnalyticCostModel(CostModel):
         if layout.has_embedding:
             fw_comm = fw_comm + self._collective_ms(b, s_enc)
             out_stored = out_stored + b * s_enc * self._embedding_row_bytes()
+        if layout.embeds_decoder:  # T5: the decoder's tokens are embedded where its first layer is
+            fw_comm = fw_comm + self._collective_ms(b, s_dec)
+            out_stored = out_stored + b * s_dec * self._embedding_row_bytes()
+        if layout.ends_encoder:
+            # The encoder block's final norm keeps its input and statistics (layers' recomputation
+            # does not cover it).
+            out_stored = out_stored + b * s_enc * (m.hidden_size * d + norm_stat_bytes(m)) / sp
         if layout.has_output:
             out_fw = 2 * b * s_dec * m.hidden_size * m.vocab_size / eff_d
             # The loss keeps fp32 logits/softmax for its backward; the op needs a second copy.

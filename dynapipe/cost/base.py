@@ -22,13 +22,36 @@ MIB = float(1 << 20)
 
 @dataclass(frozen=True)
 class StageLayout:
-    """What one pipeline stage holds: layer counts and the embedding / output layer."""
+    """What one pipeline stage holds: layer counts and the embedding / output layer.
+
+    Encoder-decoder models have two more roles: ``embeds_decoder`` on the stage holding the
+    first decoder layer (it embeds the decoder's tokens, with its own copy of the embedding
+    unless it also ``has_embedding``), ``ends_encoder`` on the stage holding the last
+    encoder layer (the encoder block's final norm)."""
 
     stage: int
     encoder_layers: int
     decoder_layers: int
     has_embedding: bool
     has_output: bool
+    embeds_decoder: bool = False
+    ends_encoder: bool = False
+
+    @property
+    def key(self) -> tuple:
+        """Everything that prices the stage except its index: equal keys cost the same."""
+        return (self.encoder_layers, self.decoder_layers, self.has_embedding, self.has_output,
+                self.embeds_decoder, self.ends_encoder)
+
+
+def layout_of_layers(stage: int, num_stages: int, first: int, end: int, encoder_total: int) -> StageLayout:
+    """Stage ``stage`` of ``num_stages`` holding the model's layers ``first .. end - 1``
+    (encoder layers first: ``encoder_total`` of them, 0 for a decoder-only model)."""
+    enc = max(0, min(end, encoder_total) - first)
+    encdec = encoder_total > 0
+    return StageLayout(stage, enc, (end - first) - enc, stage == 0, stage == num_stages - 1,
+                       embeds_decoder=encdec and first <= encoder_total < end,
+                       ends_encoder=encdec and first < encoder_total <= end)
 
 
 def stage_layouts(model: ModelConfig, num_stages: int) -> list[StageLayout]:
@@ -50,10 +73,8 @@ def stage_layouts(model: ModelConfig, num_stages: int) -> list[StageLayout]:
     base, extra = divmod(total, num_stages)
     layouts, start = [], 0
     for s in range(num_stages):
-        count = base + (1 if s < extra else 0)
-        end = start + count
-        enc = max(0, min(end, enc_total) - start)
-        layouts.append(StageLayout(s, enc, count - enc, s == 0, s == num_stages - 1))
+        end = start + base + (1 if s < extra else 0)
+        layouts.append(layout_of_layers(s, num_stages, start, end, enc_total))
         start = end
     return layouts
 
@@ -77,13 +98,21 @@ def stage_param_count(model: ModelConfig, layout: StageLayout, tp: int = 1) -> i
     cross = (4 * h * ad + 3 * ad) / tp + h + 2 * h
     dec_layer = layer + (cross if model.is_encoder_decoder else 0)
     count = layout.encoder_layers * layer + layout.decoder_layers * dec_layer
-    if layout.has_embedding:
+    # A T5 stage embedding the decoder's tokens holds a copy of the embedding unless it is stage 0.
+    embeds = layout.has_embedding or layout.embeds_decoder
+    if embeds:
         count += model.vocab_size * h / tp
+        if model.position_embedding_type == "learned_absolute":  # replicated over TP
+            count += (model.max_position_embeddings or model.max_seq_length) * h
+    if layout.ends_encoder:
+        count += norm  # the encoder block's final layer norm
     if layout.has_output:
         count += norm  # final layer norm
-        # Tied embeddings: the last stage keeps its own copy unless it is also the first.
-        if not (layout.has_embedding and model.tie_embeddings):
+        # Tied embeddings: the last stage keeps its own copy unless it also embeds.
+        if not (embeds and model.tie_embeddings):
             count += model.vocab_size * h / tp
+        if model.is_encoder_decoder and model.tie_embeddings:
+            count += model.vocab_size / tp  # T5's LM head adds a bias to the tied output layer
     return int(count)
 
 
@@ -179,7 +208,7 @@ class CostModel(ABC):
 
     @staticmethod
     def _key(layout: StageLayout) -> tuple:
-        return (layout.encoder_layers, layout.decoder_layers, layout.has_embedding, layout.has_output)
+        return layout.key
 
     @abstractmethod
     def layout_cost(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str) -> StageCost:

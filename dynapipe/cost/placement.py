@@ -14,7 +14,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from dynapipe.config import ModelConfig
-from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, StageLayout, check_recompute, stage_layouts
+from dynapipe.cost.base import (RECOMPUTE_LEVELS, CostModel, StageLayout, check_recompute, layout_of_layers,
+                                stage_layouts)
 from dynapipe.errors import DynaPipeError
 
 
@@ -77,14 +78,19 @@ class StagePlacement:
         S, v = self.num_stages, max(self.chunks, 1)
         enc = [sum(self.encoder_layers[c * S + s] for c in range(v)) for s in range(S)]
         dec = [sum(self.decoder_layers[c * S + s] for c in range(v)) for s in range(S)]
-        return [StageLayout(s, e, d, s == 0, s == S - 1) for s, (e, d) in enumerate(zip(enc, dec))]
+        chunks = self.virtual_layouts()
+        # A rank takes the roles of its chunks (virtual stage k runs on rank k % S).
+        roles = [(any(l.embeds_decoder for l in chunks[s::S]), any(l.ends_encoder for l in chunks[s::S]))
+                 for s in range(S)]
+        return [StageLayout(s, e, d, s == 0, s == S - 1, embeds_decoder=r[0], ends_encoder=r[1])
+                for s, (e, d, r) in enumerate(zip(enc, dec, roles))]
 
     def virtual_layouts(self) -> list[StageLayout]:
         """The :class:`StageLayout` of every virtual stage (``stage`` = virtual index; the
         embedding on the first, the output layer on the last)."""
-        V = self.num_virtual_stages
-        return [StageLayout(k, e, d, k == 0, k == V - 1)
-                for k, (e, d) in enumerate(zip(self.encoder_layers, self.decoder_layers))]
+        V, enc_total = self.num_virtual_stages, sum(self.encoder_layers)
+        bounds = np.cumsum((0,) + tuple(e + d for e, d in zip(self.encoder_layers, self.decoder_layers)))
+        return [layout_of_layers(k, V, int(bounds[k]), int(bounds[k + 1]), enc_total) for k in range(V)]
 
     def validate(self, model: ModelConfig, label: Optional[str] = None) -> "StagePlacement":
         """Raise :class:`DynaPipeError` unless this placement holds exactly ``model``'s
@@ -220,7 +226,7 @@ class _Pricer:
         self._states: dict = {}
 
     def state_mib(self, layout: StageLayout) -> float:
-        key = (layout.encoder_layers, layout.decoder_layers, layout.has_embedding, layout.has_output)
+        key = layout.key
         hit = self._states.get(key)
         if hit is None:
             hit = self._states[key] = self.cm.layout_state_mib(layout, dp=self.dp, zero=self.zero)
@@ -231,7 +237,7 @@ class _Pricer:
         time; stored activations of the ``S - stage`` largest micro-batches (1F1B's
         warm-up depth) plus the largest transient peak; the largest micro-batch's stored
         + peak. Layouts that differ only in their stage share one cost-model call."""
-        key = (layout.encoder_layers, layout.decoder_layers, layout.has_embedding, layout.has_output, i)
+        key = layout.key + (i,)
         hit = self._levels.get(key)
         if hit is None:
             smp = self.sample
@@ -263,8 +269,7 @@ class _Pricer:
 
 def _segment(s: int, S: int, p: int, q: int, enc_total: int) -> StageLayout:
     """Stage ``s`` holding layers ``p..q-1`` of the model (encoder layers first)."""
-    e = max(0, min(q, enc_total) - p)
-    return StageLayout(s, e, (q - p) - e, s == 0, s == S - 1)
+    return layout_of_layers(s, S, p, q, enc_total)
 
 
 def _dp(pricer: _Pricer, S: int, L: int, enc_total: int, cap_ms: float,
