@@ -8,6 +8,7 @@ import pytest
 
 from dynapipe.config import DeviceConfig, ModelConfig
 from dynapipe.cost import AnalyticCostModel, PlacementSample, StagePlacement, build_cost_model, plan_placement
+from dynapipe.cost.base import StageLayout
 from dynapipe.cost.placement import price_placement
 from dynapipe.data.synthetic import sample_lengths
 from dynapipe.errors import DynaPipeError
@@ -201,3 +202,31 @@ def test_decoder_gemms_take_the_efficiency_of_decoder_tokens():
     assert ratio[0] == pytest.approx((1024 + k) / 1024, rel=1e-12)
     # Priced on input + target tokens, as before, it would be 1.25 too; the decoder GEMMs make it 3.2.
     assert ratio[3] > 2 * ratio[0]
+
+
+def test_layouts_carry_the_encoder_decoder_roles_and_the_analytic_model_prices_them():
+    # The stage holding the first decoder layer embeds the decoder's tokens; the one holding the
+    # last encoder layer runs the encoder's final norm. A rank of an interleaved placement takes
+    # its chunks' roles.
+    from dynapipe.cost.base import stage_layouts
+
+    def roles(layouts):
+        return [(l.embeds_decoder, l.ends_encoder) for l in layouts]
+
+    assert roles(stage_layouts(T5, 2)) == [(False, True), (True, False)]
+    assert roles(StagePlacement.parse("3+0,1+4", T5, 2).layouts()) == [(False, False), (True, True)]
+    assert roles(StagePlacement.parse("4+1,0+3", T5, 2).layouts()) == [(True, True), (False, False)]
+    assert roles(StagePlacement.interleaved(T5, 2).layouts()) == [(True, False), (False, True)]
+    assert roles(StagePlacement.interleaved(T5, 2).virtual_layouts()) == [(False, False), (False, True),
+                                                                          (True, False), (False, False)]
+    assert roles(stage_layouts(GPT, 4)) == [(False, False)] * 4
+    # Priced: the decoder embedding's dropout mask (a bool a channel on this device: 1 byte)
+    # over the decoder tokens, the final norm's bf16 input and fp32 statistics over the encoder's.
+    cm = AnalyticCostModel(T5, DEVICE, 2)
+    b, s, d = 2.0, 512.0, 64.0
+    plain = StageLayout(1, 2, 2, False, False)
+    for flags, extra in (({"embeds_decoder": True}, b * d * 512 * 1),
+                         ({"ends_encoder": True}, b * s * (512 * 2 + 8))):
+        with_role = cm.layout_cost(StageLayout(1, 2, 2, False, False, **flags), b, s, d, "none")
+        assert (with_role.stored_mib - cm.layout_cost(plain, b, s, d, "none").stored_mib) * 2**20 == \
+            pytest.approx(extra)
