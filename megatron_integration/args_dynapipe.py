@@ -23,6 +23,8 @@ MEGATRON_BATCHINGS = ("padding", "padding-mb", "packing")
 SCHEDULES = ("auto", "adaptive", "1f1b", "zb-h1")
 RECOMPUTE_CHOICES = ("auto", "none", "selective", "full")
 KV_BACKENDS = ("store", "redis")
+# Samples of the --mock-data dataset unless --dynapipe-mock-samples says otherwise.
+MOCK_SAMPLES_DEFAULT = 65536
 
 
 def add_dynapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -75,8 +77,8 @@ def add_dynapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="samples longer than --seq-length: truncate (counted, logged) or reject")
     g.add_argument("--dynapipe-mixture", default=None,
                    help="mixture YAML for --mock-data (default configs/data/flan-mixture.yaml)")
-    g.add_argument("--dynapipe-mock-samples", type=int, default=65536,
-                   help="samples in the --mock-data dataset (reshuffled every epoch; default 65536)")
+    g.add_argument("--dynapipe-mock-samples", type=int, default=MOCK_SAMPLES_DEFAULT,
+                   help=f"samples in the --mock-data dataset (reshuffled every epoch; default {MOCK_SAMPLES_DEFAULT})")
     g.add_argument("--dynapipe-timeout-s", type=float, default=300.0,
                    help="seconds a rank waits for a peer or a plan before failing")
     g.add_argument("--dynapipe-trace-dir", default=None, help="write per-rank Chrome traces of what ran")
@@ -109,6 +111,9 @@ def batching_from_args(args: argparse.Namespace, dp: int) -> tuple[str, Optional
                             f"every replica needs at least one sample.")
     if batching == "token-budget" and args.dynapipe_max_tokens is None:
         raise DynaPipeError("--dynapipe-batching token-budget needs --dynapipe-max-tokens (padded tokens per micro-batch).")
+    if batching != "token-budget" and args.dynapipe_max_tokens is not None:
+        raise DynaPipeError(f"--dynapipe-max-tokens {args.dynapipe_max_tokens} is the budget of --use-dynapipe "
+                            f"--dynapipe-batching token-budget; {batching} batching does not read it: drop it.")
     if args.dynapipe_max_tokens is not None and args.dynapipe_max_tokens < args.seq_length:
         raise DynaPipeError(f"--dynapipe-max-tokens {args.dynapipe_max_tokens} is below --seq-length "
                             f"{args.seq_length}: a full-length sample would not fit in any micro-batch.")

@@ -32,7 +32,7 @@ from dynapipe.errors import DynaPipeError
 from megatron_integration.args_blend import _weight, data_files, parse_blend  # noqa: F401  (re-exported)
 from megatron_integration.args_checks import _need, _positive, _unsupported
 from megatron_integration.args_dynapipe import (BATCHINGS, KV_BACKENDS, MEGATRON_BATCHINGS,  # noqa: F401
-                                                RECOMPUTE_CHOICES, SCHEDULES, add_dynapipe_args,
+                                                MOCK_SAMPLES_DEFAULT, RECOMPUTE_CHOICES, SCHEDULES, add_dynapipe_args,
                                                 batching_from_args, check_planner_nodes,
                                                 dynapipe_args_from_args, refuse_unused_dynapipe_flags)
 from megatron_integration.args_megatron import (ATTENTION_BACKENDS, LR_DECAY_STYLES,  # noqa: F401
@@ -152,6 +152,11 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
     evaluation = eval_args_from_args(args, sources)
     if args.dynapipe_mixture is not None and not os.path.isfile(args.dynapipe_mixture):
         raise DynaPipeError(f"--dynapipe-mixture {args.dynapipe_mixture!r}: no such file.")
+    for flag, value, default in (("dynapipe-mixture", args.dynapipe_mixture, None),
+                                 ("dynapipe-mock-samples", args.dynapipe_mock_samples, MOCK_SAMPLES_DEFAULT)):
+        if value != default and not args.mock_data:
+            raise DynaPipeError(f"--{flag} {value} shapes the --mock-data dataset; this run reads --data-path "
+                                f"data: drop it (or add --mock-data).")
     if args.dynapipe_tokens_per_global_batch is not None and not args.use_dynapipe:
         raise DynaPipeError("--dynapipe-tokens-per-global-batch needs --use-dynapipe: the fixed-shape baselines "
                             "take --global-batch-size samples.")

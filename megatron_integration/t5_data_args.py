@@ -91,6 +91,10 @@ def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> O
     if base.data.tokens_per_global_batch:
         raise DynaPipeError("--dynapipe-tokens-per-global-batch: Megatron's T5 dataset draws --train-iters x "
                             "--global-batch-size samples; give global batches by --global-batch-size.")
+    if base.data.overlong == "reject":
+        raise DynaPipeError("--dynapipe-overlong reject: megatron-core's T5 dataset cuts every document to "
+                            "--encoder-seq-length itself (its samples are Megatron-LM's), so there is nothing "
+                            "over-long to reject; drop it.")
     if base.seed <= 0:
         raise DynaPipeError(f"--seed {base.seed}: megatron-core's T5 sample mapping needs a positive seed.")
     # As Megatron-LM builds it: --train-samples itself where given (megatron-core's sample mapping

@@ -131,6 +131,13 @@ def test_overlong_rejected_with_clear_error(tmp_path):
         JsonlDataset(path, LengthLimits(20, overlong="reject"))
     msg = str(e.value)
     assert "sample 1 has 32 tokens" in msg and "--seq-length 20" in msg and "truncate" in msg
+    # An encoder-decoder sample names the flags a T5 run has.
+    pairs = write_jsonl(tmp_path / "p.jsonl", [{"input": "a" * 30, "target": "b"}])
+    with pytest.raises(DynaPipeError) as e:
+        JsonlDataset(pairs, LengthLimits(20, dec_seq_length=8, overlong="reject"), encoder_decoder=True)
+    msg = str(e.value)
+    assert "limits 20 / 8" in msg and "Raise --encoder-seq-length / --decoder-seq-length" in msg
+    assert " --seq-length" not in msg
 
 
 def test_overlong_encoder_decoder_each_side(tmp_path):

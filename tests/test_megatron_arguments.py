@@ -281,6 +281,33 @@ def test_t5_errors_from_the_shared_checks_name_the_flags_the_user_typed():
 
     assert "--encoder-seq-length" in TINY and " --seq-length" not in TINY
     with pytest.raises(DynaPipeError) as e:
-        parse_t5_args((TINY + " --use-dynapipe --dynapipe-max-tokens 8").split(), 2, cuda=False)
-    assert "--dynapipe-max-tokens 8 is below --encoder-seq-length" in str(e.value)
+        parse_t5_args((TINY.replace("--encoder-seq-length 128", "--encoder-seq-length 127") +
+                       " --tensor-model-parallel-size 2 --sequence-parallel").split(), 4, cuda=False)
+    assert "--encoder-seq-length 127 is not a multiple of 2" in str(e.value)
     assert "--seq-length" not in str(e.value).replace("--encoder-seq-length", "")
+
+
+def test_flags_of_another_batching_or_of_mock_data_are_refused_not_ignored(tmp_path):
+    # --dynapipe-max-tokens is token-budget's budget: another batching would run as if it were not given.
+    for extra, batching in (("", "padding"), ("--use-dynapipe", "dynapipe"),
+                            ("--use-dynapipe --dynapipe-batching packing --reset-position-ids "
+                             "--reset-attention-mask", "packing")):
+        with pytest.raises(DynaPipeError, match=f"--dynapipe-max-tokens 512 is the budget of .* {batching} batching "
+                                                f"does not read it"):
+            parse(f"{extra} --dynapipe-max-tokens 512")
+    assert parse("--use-dynapipe --dynapipe-batching token-budget --dynapipe-max-tokens 512").dynapipe.max_tokens == 512
+    # The mock dataset's flags with real data.
+    data = tmp_path / "pairs.jsonl"
+    data.write_text('{"input": "a b", "target": "c"}\n')
+    real = BASE.replace("--mock-data", f"--data-path {data} --split 100,0,0")
+    for extra, flag in (("--dynapipe-mock-samples 64", "--dynapipe-mock-samples 64"),
+                        ("--dynapipe-mixture configs/data/flan-mixture.yaml", "--dynapipe-mixture configs/data")):
+        with pytest.raises(DynaPipeError, match=f"{flag}.* shapes the --mock-data dataset"):
+            parse(extra, base=real)
+        parse(extra)  # with --mock-data
+    # T5 plans its micro-batches with DynaPipe's own batching, whatever the flag.
+    from megatron_integration.t5_arguments import parse_t5_args
+    from t5_job import TINY
+
+    with pytest.raises(DynaPipeError, match="--dynapipe-max-tokens 512 is the budget"):
+        parse_t5_args((TINY + " --use-dynapipe --dynapipe-max-tokens 512").split(), 2, cuda=False)

@@ -85,9 +85,10 @@ def clip_lengths(raw_input: np.ndarray, raw_target: np.ndarray, limits: LengthLi
         else:
             what = (f"{raw_input[i] + raw_target[i]} tokens (input {raw_input[i]} + target "
                     f"{raw_target[i]}), more than --seq-length {limits.seq_length}")
+        raise_flags = "--encoder-seq-length / --decoder-seq-length" if encoder_decoder else "--seq-length"
         raise DynaPipeError(
             f"{source}: sample {i} has {what} ({int(truncated.sum())} over-long sample(s) in all). "
-            f"Raise --seq-length, filter the data, or truncate over-long samples "
+            f"Raise {raise_flags}, filter the data, or truncate over-long samples "
             f"(overlong='truncate', --dynapipe-overlong truncate).")
     return inp, tgt, truncated
 
