@@ -13,8 +13,9 @@ each with ``fw_ms``, ``bw_ms``, ``stored_mib`` and ``peak_mib``. The decoder lay
 backward includes the gradient of the encoder output it attends to. A stage prices its
 encoder layers at (mbs, seqlen), its decoder layers at (mbs, dec_seqlen, seqlen), the
 embedding of stage 0 at the encoder tokens, the embedding of the stage holding the first
-decoder layer at the decoder tokens, and the output layer at the decoder tokens. The decoder table is interpolated as stacked (mbs, dec_seqlen)
-tables, one per encoder length, then along the encoder length with the rules of the 2-D
+decoder layer at the decoder tokens, and the output layer at the decoder tokens. The decoder
+table is interpolated as stacked (mbs, dec_seqlen) tables, one per encoder length, then
+along the encoder length with the rules of the 2-D
 tables (linear inside, the power law of the last two points above, the first point
 below). Recompute levels are derived as for GPT profiles: ``selective`` adds the
 attention cores' share of the forward (self- and cross-attention, analytic FLOP split)
@@ -237,8 +238,8 @@ def t5_layout_cost(model: ModelConfig, tables: dict, layout: StageLayout, mbs, s
         stored, peak = inputs, 2 * peak + one_layer
     # The stage holding the first decoder layer embeds the decoder's tokens too (stage 0 with the
     # same embedding); the encoder block's final norm is not measured apart (a layer's norms are).
-    for op, present, tokens in (("embedding", layout.has_embedding, s_enc), ("embedding", layout.embeds_decoder, s_dec),
-                                ("output", layout.has_output, s_dec)):
+    for op, present, tokens in (("embedding", layout.has_embedding, s_enc),
+                                ("embedding", layout.embeds_decoder, s_dec), ("output", layout.has_output, s_dec)):
         if present:
             fw = fw + tables[op]["fw_ms"](b, tokens)
             bw = bw + tables[op]["bw_ms"](b, tokens)
