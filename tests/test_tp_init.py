@@ -204,8 +204,8 @@ def test_llama_layer_layout(ranks):
     assert "output_layer.weight" in w
 
 
-# Megatron model-shape flags, each alone on a small RoPE model (RoPE: no position-embedding
-# table, so the planner's parameter count covers every parameter).
+# Megatron model-shape flags, each alone on a small RoPE model; the last two give it learned
+# absolute positions (a position table on the embedding stage, which the planner counts too).
 FLAG_BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --vocab-size 256 "
              "--micro-batch-size 1 --global-batch-size 4 --train-iters 1 --lr 1e-3 --mock-data "
              "--position-embedding-type rope")
@@ -213,7 +213,8 @@ FLAGS = ["", "--swiglu", "--swiglu --ffn-hidden-size 96", "--disable-bias-linear
          "--group-query-attention --num-query-groups 2", "--normalization RMSNorm",
          "--untie-embeddings-and-output-weights", "--kv-channels 32", "--rotary-base 500000",
          "--qk-layernorm", "--qk-layernorm --normalization RMSNorm", "--disable-bias-linear --add-qkv-bias",
-         "--apply-query-key-layer-scaling"]
+         "--apply-query-key-layer-scaling", "--position-embedding-type learned_absolute",
+         "--position-embedding-type learned_absolute --max-position-embeddings 96"]
 
 
 def _flag_models():
@@ -243,7 +244,8 @@ def _flag_models():
         scales = [(layer.self_attention.core_attention.softmax_scale,
                    layer.self_attention.core_attention.scale_mask_softmax.scale) for layer in gpt.decoder.layers]
         out[flags] = ({n: tuple(p.shape) for n, p in gpt.named_parameters()},
-                      sum(p.numel() for p in gpt.parameters()), planned, _rope_base(gpt.rotary_pos_emb.inv_freq),
+                      sum(p.numel() for p in gpt.parameters()), planned,
+                      _rope_base(gpt.rotary_pos_emb.inv_freq) if hasattr(gpt, "rotary_pos_emb") else None,
                       scales)
     return out
 
@@ -295,6 +297,8 @@ def test_each_model_flag_builds_what_megatron_builds(ranks):
     # (in fp32) multiplies them back; off, the softmax does not scale.
     assert flags[""][4] == [(pytest.approx(0.25), None)] * 2
     assert flags["--apply-query-key-layer-scaling"][4] == [(pytest.approx(0.25 / n), n) for n in (1, 2)]
-    # The planner prices exactly the parameters each flag builds.
+    # The planner prices exactly the parameters each flag builds, a learned position table included.
     for f, (_, built, planned, _, _) in flags.items():
         assert planned == built, f
+    table = {f: flags[f][0].get("embedding.position_embeddings.weight") for f in FLAGS if "learned" in f}
+    assert list(table.values()) == [(64, 64), (96, 64)], table
