@@ -345,3 +345,61 @@ def test_unknown_flags_are_one_line_and_refused_megatron_flags_name_the_reason(c
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--schedule", "1f1b", "--no-split-backward"], "--no-split-backward takes zb-h1 and interleaved-zb out of "
+                                                    "--schedule auto; --schedule 1f1b never splits a backward"),
+    (["--schedule", "adaptive", "--no-split-backward"], "--schedule adaptive never splits a backward"),
+    (["--stages", "1", "--cluster", "a100-8x"], "--cluster a100-8x prices the links between pipeline stages and "
+                                                "inside a tensor-parallel group; --stages 1 with --tp 1 has neither"),
+])
+@pytest.mark.parametrize("command", ["plan", "trace"])
+def test_schedule_options_nothing_reads_are_refused(tmp_path, capsys, command, extra, message):
+    out = ["--out", str(tmp_path / "t.json")] if command == "trace" else []
+    stages = [] if "--stages" in extra else ["--stages", "4"]
+    _refused(capsys, [command, "--lengths", _lengths(tmp_path), *GPT7B, *stages, *out, *extra], message)
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_a_lengths_file_of_the_other_kind_names_the_file_and_the_model(tmp_path, capsys):
+    pairs = _lengths(tmp_path, "100 20\n300 40\n")
+    for argv in (["plan", "--lengths", pairs, *GPT7B, "--stages", "4"],
+                 ["trace", "--lengths", pairs, *GPT7B, "--stages", "4", "--out", str(tmp_path / "t.json")],
+                 ["advise", "--model", "gpt-tiny", "--device", "cpu", "--cluster", "cpu-local", "--gpus", "2",
+                  "--lengths", pairs, "--tokens-per-iteration", "2048", "--no-progress"]):
+        _refused(capsys, argv, f"--lengths {pairs} holds (input, target) pairs, and model")
+    single = _lengths(tmp_path, "100\n300\n")
+    _refused(capsys, ["plan", "--lengths", single, "--model", "t5-11b", "--device", "a100-40gb", "--stages", "4"],
+             "holds one length a sample, and model 't5-11b' is encoder-decoder: give two a sample")
+
+
+def test_plan_names_the_cost_model_it_used(tmp_path, capsys):
+    for extra, used in (([], "analytic"), (["--profile", "analytic"], "analytic")):
+        assert main(["plan", "--lengths", _lengths(tmp_path), *GPT7B, "--stages", "4", *extra]) == 0
+        assert '"cost_model": "analytic"' in capsys.readouterr().out, extra
+
+
+def test_advise_refuses_no_sequence_parallel_where_no_layout_could_use_it(capsys):
+    base = [*ADVISE, "--tokens-per-iteration", "8192", "--batches", "1", "--no-packing", "--no-progress"]
+    _refused(capsys, base + ["--tp-sizes", "1", "--no-sequence-parallel"],
+             "--no-sequence-parallel: no layout here could use sequence parallelism (TP sizes 1 at --seq-length 1024)")
+    _refused(capsys, base + ["--tp-sizes", "2", "--seq-length", "1023", "--no-sequence-parallel"],
+             "(TP sizes 2 at --seq-length 1023); drop it")
+
+
+def test_t5_auto_placement_for_a_named_schedule_is_of_the_kind_it_runs_on(tmp_path, capsys):
+    import json
+
+    from dynapipe.data.synthetic import sample_lengths
+
+    pairs = tmp_path / "pairs.txt"
+    pairs.write_text("".join(f"{a} {b}\n" for a, b in sample_lengths(32, 1, 512, True)))
+    base = ["plan", "--lengths", str(pairs), "--model", "t5-11b", "--device", "h200", "--stages", "4",
+            "--placement", "auto"]
+    chunks = {}
+    for schedule in ("adaptive", "interleaved", "auto"):
+        assert main(base + ["--schedule", schedule]) == 0, schedule
+        chunks[schedule] = json.loads(capsys.readouterr().out)["placement"].get("chunks", 1)
+    # Interleaving simulates faster here, but adaptive runs on contiguous stages only.
+    assert chunks == {"adaptive": 1, "interleaved": 2, "auto": 2}

@@ -70,6 +70,21 @@ def read_lengths(path: str, stdin: Optional[TextIO] = None) -> np.ndarray:
             return _parse_lines(f, path)
 
 
+def read_lengths_for(path: str, model_name: str, encoder_decoder: bool, flag: str = "--lengths") -> np.ndarray:
+    """:func:`read_lengths`, refusing a file of the other kind than the model's (one length a
+    sample for a decoder-only model, (input, target) pairs for an encoder-decoder one) in a
+    line naming the file, the model and the fix."""
+    arr = read_lengths(path)
+    pairs = arr.ndim == 2
+    if pairs != encoder_decoder:
+        has, kind = ("(input, target) pairs", "decoder-only") if pairs else ("one length a sample", "encoder-decoder")
+        want = "one length a sample" if pairs else "two a sample, input and target tokens"
+        synth = "--encoder-decoder " if encoder_decoder else ""
+        raise DynaPipeError(f"{flag} {path} holds {has}, and model {model_name!r} is {kind}: give {want} "
+                            f"(`python -m dynapipe synth {synth}...` writes them) or a model of the other kind.")
+    return arr
+
+
 def validate_lengths(lengths, encoder_decoder: bool) -> np.ndarray:
     """Check an array of lengths for the planner and return it as int64.
 

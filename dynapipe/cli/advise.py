@@ -238,7 +238,7 @@ def run_config_text(best, model, device_name: str, cluster_name: str, cluster, g
 
 def run(args) -> int:
     from dynapipe.advise import advise, enumerate_layouts, gpu_capacity_mib, leave_out_idle_replicas, sample_batches
-    from dynapipe.batching import read_lengths
+    from dynapipe.batching.lengths import read_lengths_for
     from dynapipe.config import load_cluster_config, load_device_config, load_model_config
     from dynapipe.progress import Progress
 
@@ -269,7 +269,7 @@ def run(args) -> int:
                                  encoder_decoder=model.is_encoder_decoder, mixture=load_mixture(mixture_path))
     else:
         batches = sample_batches(args.tokens_per_iteration, args.batches, args.seed, seq,
-                                 pool=read_lengths(args.lengths))
+                                 pool=read_lengths_for(args.lengths, model.name, model.is_encoder_decoder))
     # No distributed optimizer on CPUs (megatron-core's needs CUDA); T5's is left out by enumerate_layouts.
     layouts = enumerate_layouts(model, args.gpus, cluster, tp_sizes=args.tp_sizes, chunk_counts=args.vpp_sizes,
                                 seq_length=seq,
@@ -281,6 +281,11 @@ def run(args) -> int:
                if model.is_encoder_decoder else
                f"no pipeline size here splits the {model.total_layers} layers into that many chunks a rank")
         raise DynaPipeError(f"--vpp-sizes {','.join(map(str, unused))}: {why}; drop it or give a count that does.")
+    if args.no_sequence_parallel and not any(l.tp > 1 and not seq % l.tp for l in layouts):
+        # Sequence parallelism is only ever on where TP > 1 shards the sequence evenly.
+        raise DynaPipeError(f"--no-sequence-parallel: no layout here could use sequence parallelism (TP sizes "
+                            f"{','.join(str(t) for t in sorted({l.tp for l in layouts}))} at --seq-length {seq}); "
+                            f"drop it.")
     # Before the bar, which counts only the layouts simulated (advise leaves out the same).
     shown, _ = leave_out_idle_replicas(layouts, batches)
     kw = dict(cluster=cluster, seq_length=seq, memory_limit_mib=args.memory_limit_mb, layouts=layouts,

@@ -29,7 +29,8 @@ def add_cost_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=int, required=True, help="pipeline stages S")
     p.add_argument("--profile", default=None,
                    help="measured cost profile (JSON) instead of the analytic cost model, measured on the --device "
-                        "given (which still sets the memory; a CPU profile with a GPU config is refused)")
+                        "given (which still sets the memory; a CPU profile with a GPU config is refused); "
+                        "'analytic' names the analytic model")
     p.add_argument("--recompute", choices=RECOMPUTE_LEVELS, default="none",
                    help="activation recomputation level (default none)")
     p.add_argument("--tp", type=int, default=1,

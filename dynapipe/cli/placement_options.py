@@ -39,10 +39,16 @@ def apply_placement(args: argparse.Namespace, setup: CostSetup, lengths) -> tupl
         kw = dict(dp=getattr(args, "dp", 1), memory_limit_mib=setup.memory_limit_mib, reserved_mib=setup.reserved_mib,
                   seq_length=getattr(args, "seq_length", None), recompute=getattr(args, "recompute", None))
         if cm.model.is_encoder_decoder:  # contiguous or interleaved, by simulated time on this batch
+            from dynapipe.schedule.types import CHUNKED_SCHEDULE_NAMES
+
             device = getattr(cm, "device", None)
             cluster = resolve_cluster(getattr(args, "cluster", None), device.name if device is not None else None)
-            plan = choose_placement_kind([lengths], cm, cluster=cluster, chunks=2, split_backward=split_backward(args),
-                                         **kw)
+            # A schedule given by name is tried on the kinds of placement it runs on: adaptive on
+            # contiguous stages, the interleaved ones on chunks, 1f1b and zb-h1 on both.
+            schedule = getattr(args, "schedule", None) or "auto"
+            plan = choose_placement_kind([lengths], cm, cluster=cluster, split_backward=split_backward(args),
+                                         chunks=1 if schedule == "adaptive" else 2,
+                                         contiguous_allowed=schedule not in CHUNKED_SCHEDULE_NAMES, **kw)
         else:
             plan = choose_placement([lengths], cm, **kw)
         return dataclasses.replace(setup, cost_model=plan.cost_model), plan

@@ -13,14 +13,15 @@ import json
 import sys
 import time
 
-from dynapipe.batching import BatchPlan, plan_micro_batches, read_lengths
+from dynapipe.batching import BatchPlan, plan_micro_batches
+from dynapipe.batching.lengths import read_lengths_for
 from dynapipe.cli.batching_options import add_batching_arguments, check_batching_flags, cut_arguments
 from dynapipe.cli.cost import CostSetup, add_cost_model_arguments, add_memory_arguments, cost_setup_from_args
 from dynapipe.output_paths import check_distinct, check_output_file, make_parent
 from dynapipe.cli.placement_options import (add_placement_argument, apply_placement, even_split_schedule,
                                              placement_json)
 from dynapipe.cli.schedule_options import (add_recompute_default, add_schedule_arguments, check_plan_out,
-                                           escalate_recompute, recompute_label, resolve_cluster, schedule_json,
+                                           check_schedule_flags, escalate_recompute, recompute_label, resolve_cluster, schedule_json,
                                            split_backward)
 from dynapipe.errors import DynaPipeError
 
@@ -49,7 +50,8 @@ def plan_from_args(args: argparse.Namespace, setup: CostSetup | None = None,
     whose ``recompute`` is the level the micro-batches were cut for (without ``--recompute``:
     the lightest of none, selective, full under which every sample fits)."""
     setup = setup or cost_setup_from_args(args)
-    lengths = read_lengths(args.lengths) if lengths is None else lengths
+    if lengths is None:
+        lengths = read_lengths_for(args.lengths, setup.model.name, setup.model.is_encoder_decoder)
     plan, level = escalate_recompute(lambda level: plan_micro_batches(
         lengths, setup.cost_model, recompute=level, **cut_arguments(args, setup)), setup.recompute)
     return plan, dataclasses.replace(setup, recompute=level)
@@ -62,7 +64,7 @@ def build_plan_json(args: argparse.Namespace, batch_plan: BatchPlan, setup: Cost
                batching_recompute=setup.recompute,
                memory_limit_mib=setup.memory_limit_mib, reserved_mib=setup.reserved_mib,
                tp=setup.tp.size, sequence_parallel=setup.tp.sequence_parallel,
-               cost_model="profile" if getattr(args, "profile", None) else "analytic")
+               cost_model="analytic" if getattr(args, "profile", None) in (None, "", "analytic") else "profile")
     return out
 
 
@@ -151,11 +153,12 @@ def _with_room_in_flight(args: argparse.Namespace, batch_plan: BatchPlan, sched:
 
 def run(args: argparse.Namespace) -> int:
     check_batching_flags(args)
+    check_schedule_flags(args)
     check_plan_out(args.plan_out)
     check_output_file(args.output, "--output")
     check_distinct([("--lengths", args.lengths), ("--output", args.output), ("--plan-out", args.plan_out)])
-    lengths = read_lengths(args.lengths)
     even_setup = cost_setup_from_args(args)
+    lengths = read_lengths_for(args.lengths, even_setup.model.name, even_setup.model.is_encoder_decoder)
     setup, searched = apply_placement(args, even_setup, lengths)
     batch_plan, setup = plan_from_args(args, setup, lengths=lengths)
     sched = schedule_json(args, batch_plan, setup.cost_model, memory_limit_mib=setup.memory_limit_mib,

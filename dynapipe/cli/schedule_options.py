@@ -41,6 +41,22 @@ def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
                    help="list every schedule candidate with its simulated time and peak memory")
 
 
+def check_schedule_flags(args: argparse.Namespace) -> None:
+    """Refuse, before any planning, schedule options this command line would not read:
+    ``--no-split-backward`` with a named schedule that never splits a backward (it only takes
+    the split schedules out of ``auto``), ``--cluster`` with one stage and no tensor
+    parallelism (its links are those between stages and inside a TP group)."""
+    schedule = getattr(args, "schedule", "auto")
+    if getattr(args, "no_split_backward", False) and schedule not in ("auto", "zb-h1", "interleaved-zb"):
+        raise DynaPipeError(f"--no-split-backward takes zb-h1 and interleaved-zb out of --schedule auto; "
+                            f"--schedule {schedule} never splits a backward: drop one of them.")
+    cluster = getattr(args, "cluster", None)
+    if cluster is not None and getattr(args, "stages", 2) == 1 and getattr(args, "tp", 1) == 1:
+        raise DynaPipeError(f"--cluster {cluster} prices the links between pipeline stages and inside a "
+                            f"tensor-parallel group; --stages 1 with --tp 1 has neither (data-parallel traffic is not "
+                            f"simulated): drop it.")
+
+
 def check_plan_out(directory: Optional[str]) -> None:
     """Refuse a ``--plan-out`` that is an existing file or cannot be created, before any
     planning is spent."""

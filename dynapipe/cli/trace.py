@@ -12,13 +12,14 @@ import importlib.util
 import json
 import sys
 
-from dynapipe.batching import read_lengths
+from dynapipe.batching.lengths import read_lengths_for
 from dynapipe.cli.batching_options import add_batching_arguments, check_batching_flags, cut_arguments
 from dynapipe.cli.cost import add_cost_model_arguments, add_memory_arguments, cost_setup_from_args
 from dynapipe.output_paths import check_distinct, check_output_file, make_parent
 from dynapipe.cli.placement_options import (add_placement_argument, apply_placement, even_split_schedule,
                                              placement_json)
-from dynapipe.cli.schedule_options import (add_recompute_default, add_split_backward_argument, escalate_recompute,
+from dynapipe.cli.schedule_options import (add_recompute_default, add_split_backward_argument, check_schedule_flags,
+                                           escalate_recompute,
                                            levels_from, recompute_label, resolve_cluster, split_backward)
 from dynapipe.data.synthetic import sample_lengths
 from dynapipe.errors import DynaPipeError
@@ -84,11 +85,12 @@ def _check_before_planning(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_batching_flags(args)
+    check_schedule_flags(args)
     replica = _check_replica(args)
     _check_before_planning(args)
     even_setup = cost_setup_from_args(args)
     if args.lengths is not None:
-        lengths = read_lengths(args.lengths)
+        lengths = read_lengths_for(args.lengths, even_setup.model.name, even_setup.model.is_encoder_decoder)
     else:
         if args.samples <= 0:
             raise DynaPipeError(f"--samples {args.samples} must be a positive integer.")

@@ -9,7 +9,7 @@ memory in MiB.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import numpy as np
@@ -166,17 +166,25 @@ def _memory(cost_model: CostModel, memory_limit_mib: Optional[float],
 def choose_placement_kind(batches: Sequence, cost_model: CostModel, *, dp: int = 1,
                           memory_limit_mib: Optional[float] = None, reserved_mib: Optional[float] = None,
                           seq_length: Optional[int] = None, zero: bool = False, recompute: Optional[str] = None,
-                          cluster=None, chunks: int = 2, split_backward: bool = True) -> PlacementPlan:
+                          cluster=None, chunks: int = 2, split_backward: bool = True,
+                          contiguous_allowed: bool = True) -> PlacementPlan:
     """The faster of the contiguous placement (:func:`choose_placement`) and the
     ``chunks``-chunk interleaved one (:func:`choose_chunked_placement`), by DynaPipe's
     simulated time on ``batches`` (ms, summed; schedules searched under the memory limit).
     ``compared`` of the result holds both times. ``chunks`` below 2: the contiguous one only
-    (for stages that cannot interleave). ``split_backward``: whether the stages can split
-    their backward (the search may then try ``zb-h1`` on the contiguous placement and
-    ``interleaved-zb`` on the interleaved one)."""
+    (for stages that cannot interleave, or a schedule without chunks); ``contiguous_allowed``
+    False: the interleaved one only (a chunked schedule; its errors raised). ``split_backward``:
+    whether the stages can split their backward (the search may then try ``zb-h1`` on the
+    contiguous placement and ``interleaved-zb`` on the interleaved one)."""
     memory_limit_mib, reserved_mib = _memory(cost_model, memory_limit_mib, reserved_mib)
     kw = dict(dp=dp, memory_limit_mib=memory_limit_mib, reserved_mib=reserved_mib, seq_length=seq_length,
               zero=zero, recompute=recompute)
+    if not contiguous_allowed:
+        chunked = choose_chunked_placement(batches, cost_model, chunks, **kw)
+        compared = {"interleaved": str(chunked.chosen.placement),
+                    "interleaved_ms": simulated_ms(batches, chunked.cost_model, cluster=cluster,
+                                                   split_backward=split_backward, **kw)}
+        return replace(chunked, compared=compared)
     contiguous = choose_placement(batches, cost_model, rounds=3, **kw)
     compared = {"contiguous": str(contiguous.chosen.placement),
                 "contiguous_ms": simulated_ms(batches, contiguous.cost_model, cluster=cluster,
