@@ -26,7 +26,7 @@ def _plan(lengths, cm, dp, memory_limit_mib, schedule, cluster):
 CASES = [  # (model, stages, dp, samples, seed, memory limit MiB or None, schedule, cluster)
     ("gpt-7b", 4, 8, 1500, 0, None, "auto", "a100-8x"),
     ("gpt-7b", 8, 16, 3000, 1, None, "auto", None),
-    ("gpt-7b", 8, 3, 700, 2, 22_000, "auto", None),
+    ("gpt-7b", 8, 3, 700, 2, 22_100, "auto", None),
     ("gpt-7b", 4, 5, 400, 3, None, "adaptive", None),
     ("gpt-7b", 4, 2, 500, 4, None, "1f1b", None),
 ]
