@@ -214,8 +214,9 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
         empty_unused_memory_level=args.empty_unused_memory_level, manual_gc=manual_gc, evaluation=evaluation, ckpt_format=args.ckpt_format,
         finetune=args.finetune, exit_on_missing_checkpoint=args.exit_on_missing_checkpoint,
         dist_ckpt=dist_ckpt_args_from_args(args, cuda), megatron_args=_recorded_args(args))
-    if check_profile and dyn.enabled and dyn.cost_model != "analytic":
-        # A profile of another model stops the job here, not after the model and data are built.
+    if check_profile and (dyn.enabled or placement_auto) and dyn.cost_model != "analytic":
+        # A profile of another model stops the job here, not after the model and data are built
+        # (--dynapipe-placement auto prices every method's split with it).
         from megatron_integration.profile_check import check_profile_for_run
 
         check_profile_for_run(dyn.cost_model, model.to_model_config("megatron-gpt"),

@@ -10,7 +10,8 @@ the stage's handlers, in eval mode and under ``torch.no_grad`` (set by
 """
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -42,6 +43,13 @@ def rank_tensors(plan: ExecutionPlan, samples: Sequence[Sample], pad_id: int, eo
     return out
 
 
+def keep_eval_trace(traces: Optional[list], result, k: int) -> None:
+    """Add evaluation batch ``k``'s executor trace to the run's ``traces`` (None: not tracing),
+    labelled so that ``--dynapipe-trace-dir`` shows it apart from the training iterations."""
+    if traces is not None and result.trace is not None:
+        traces.append(dataclasses.replace(result.trace, label=f"evaluation batch {k}"))
+
+
 class DynaPipeEvalRunner:
     """``batch_fn`` of the evaluator: one evaluation global batch through a forward-only plan."""
 
@@ -67,7 +75,8 @@ class DynaPipeEvalRunner:
         handlers = self.stepper.handlers
         handlers.begin(rank_tensors(plan, samples, dataset.pad_id, dataset.eod_id, dataset.encoder_decoder),
                        global_loss_tokens)
-        self.stepper.executor.run(plan, loss_tokens=global_loss_tokens)
+        result = self.stepper.executor.run(plan, loss_tokens=global_loss_tokens)
+        keep_eval_trace(self.stepper.traces, result, k)
         self.plans_run += 1
         return reduce_loss(float(handlers.loss_sum), int(handlers.loss_tokens), holds_loss(self.info),
                            self.info.device)

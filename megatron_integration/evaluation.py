@@ -36,6 +36,7 @@ from megatron_integration.baseline_step import (build_micro_batches, forward_ste
                                                 schedule_group, schedule_inputs, sp_shards)
 from megatron_integration.model import Stage
 from megatron_integration.train_config import DynaPipeTrainingConfig
+from megatron_integration.training_limits import empty_unused_memory
 
 SPLIT_NAMES = {"valid": "validation set", "test": "test set"}
 
@@ -143,6 +144,8 @@ class Evaluator:
                     lengths = dataset.planner_lengths(batch.indices)
                     s, t = self.batch_fn(samples, lengths, self.batches_run, dataset)
                     self.batches_run += 1
+                    # Megatron-LM's evaluate() empties the cache after each step from level 1.
+                    empty_unused_memory(self.cfg.empty_unused_memory_level, self.info.device, after_optimizer=False)
                     total, tokens = total + s, tokens + t
         finally:
             module.train(was_training)

@@ -67,6 +67,15 @@ def first_gpt_batches(cfg, count: int = AUTO_SAMPLE_BATCHES) -> list[np.ndarray]
     return [np.asarray(batches.lengths(batches.batch(i))) for i in range(n)]
 
 
+def priced_recompute(cfg) -> Optional[str]:
+    """The recompute level ``auto`` prices a split at: the planner's with ``--use-dynapipe``
+    (None: the schedule search chooses per stage), else the level Megatron's baselines run every
+    layer at (``--recompute-granularity``; ``full`` of fewer layers than a stage counts as full)."""
+    if cfg.dynapipe.enabled:
+        return cfg.dynapipe.recompute
+    return cfg.recompute.granularity or "none"
+
+
 def choose_gpt_split(cfg, batches: Optional[list] = None):
     """The :class:`~dynapipe.schedule.placement.PlacementPlan` ``auto`` takes for the GPT run
     ``cfg``: on one chunk a rank the contiguous split, on ``v`` chunks the ``v``-chunk split,
@@ -80,7 +89,7 @@ def choose_gpt_split(cfg, batches: Optional[list] = None):
                                     parallel.pipeline_model_parallel_size)
     batches = first_gpt_batches(cfg) if batches is None else batches
     kw = dict(dp=parallel.data_parallel_size, memory_limit_mib=d.memory_limit_mb, seq_length=cfg.model.seq_length,
-              zero=cfg.optimizer.distributed, recompute=d.recompute)
+              zero=cfg.optimizer.distributed, recompute=priced_recompute(cfg))
     chunks = parallel.virtual_pipeline_model_parallel_size or 1
     if chunks > 1:
         return choose_chunked_placement(batches, cost_model, chunks, **kw)

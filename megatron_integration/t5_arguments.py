@@ -157,7 +157,7 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
     cfg = T5TrainingConfig(base=base, encoder_layers=enc_layers, decoder_layers=dec_layers,
                            decoder_seq_length=dec_seq, span_corruption=span_corruption_from_args(args, base, dec_seq))
     d, p = base.dynapipe, base.parallel
-    if d.enabled and d.cost_model != "analytic":
+    if (d.enabled or placement_flag == "auto") and d.cost_model != "analytic":  # auto prices every method
         from megatron_integration.profile_check import check_profile_for_run
 
         check_profile_for_run(d.cost_model, cfg.planner_model(), p.pipeline_model_parallel_size,

@@ -19,7 +19,7 @@ import numpy as np
 from dynapipe.data.samples import Sample
 from dynapipe.plan.forward_only import forward_only
 from megatron_integration.baseline_step import holds_loss, reduce_loss
-from megatron_integration.dynapipe_eval import EVAL_ITERATION_BASE, rank_tensors
+from megatron_integration.dynapipe_eval import EVAL_ITERATION_BASE, keep_eval_trace, rank_tensors
 
 
 class T5EvalRunner:
@@ -54,7 +54,8 @@ class T5EvalRunner:
         global_loss_tokens = int(np.asarray(lengths)[:, 1].sum())
         handlers = self.stepper.handlers
         handlers.begin(tensors, global_loss_tokens)
-        self.stepper.executor.run(forward_only(plan), loss_tokens=global_loss_tokens)
+        result = self.stepper.executor.run(forward_only(plan), loss_tokens=global_loss_tokens)
+        keep_eval_trace(self.stepper.traces, result, k)
         self.plans_run += 1
         return reduce_loss(float(handlers.loss_sum), int(handlers.loss_tokens), holds_loss(self.info),
                            self.info.device)

@@ -68,12 +68,13 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
     if info.rank == 0 and vocab_padding_line(base) is not None:
         print(vocab_padding_line(base), file=stream, flush=True)
     # A CPU profile of other threads prices another machine; every rank checks its own threads.
-    same_error_everywhere(attempt(lambda: check_threads_at_start(base.dynapipe.cost_model,
-                                                                 base.dynapipe.enabled,
+    # The profile prices DynaPipe's plans, and every method's placement under --dynapipe-placement auto.
+    priced = base.dynapipe.enabled or cfg.placement_flag == "auto"
+    same_error_everywhere(attempt(lambda: check_threads_at_start(base.dynapipe.cost_model, priced,
                                                                  info.device.type == "cpu"),
                                   "checking the cost profile")[1])
     if info.rank == 0:
-        for line in extrapolation_lines(base.dynapipe.cost_model, base.dynapipe.enabled,
+        for line in extrapolation_lines(base.dynapipe.cost_model, priced,
                                         {"seqlen": ("--encoder-seq-length", base.model.seq_length),
                                          "dec_seqlen": ("--decoder-seq-length", cfg.decoder_seq_length)}):
             print(line, file=stream, flush=True)

@@ -139,12 +139,13 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
     if info.rank == 0 and vocab_padding_line(cfg) is not None:
         print(vocab_padding_line(cfg), file=stream, flush=True)
     # A CPU profile of other threads prices another machine; every rank checks its own threads.
-    same_error_everywhere(attempt(lambda: check_threads_at_start(cfg.dynapipe.cost_model,
-                                                                 cfg.dynapipe.enabled,
+    # The profile prices DynaPipe's plans, and every method's split under --dynapipe-placement auto.
+    priced = cfg.dynapipe.enabled or cfg.parallel.auto_split
+    same_error_everywhere(attempt(lambda: check_threads_at_start(cfg.dynapipe.cost_model, priced,
                                                                  info.device.type == "cpu"),
                                   "checking the cost profile")[1])
     if info.rank == 0:
-        for line in extrapolation_lines(cfg.dynapipe.cost_model, cfg.dynapipe.enabled,
+        for line in extrapolation_lines(cfg.dynapipe.cost_model, priced,
                                         {"seqlen": ("--seq-length", cfg.model.seq_length)}):
             print(line, file=stream, flush=True)
     # A resumed run trains on the weighted blend its checkpoint trained on: known before any data is read.

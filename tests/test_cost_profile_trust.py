@@ -194,6 +194,13 @@ def test_training_refuses_a_profile_of_other_layers(tmp_path):
         parse_training_args(argv, 1, cuda=False)
     path.write_text(json.dumps(_profile(device="cpu", layer_spec="local")))
     parse_training_args(argv, 1, cuda=False)
+    # --dynapipe-placement auto prices Megatron's baselines' split with the profile too.
+    baseline = (f"{TRAIN.replace(' --use-dynapipe', '')} --pipeline-model-parallel-size 2 --dynapipe-placement auto "
+                f"--dynapipe-cost-model {path}").split()
+    parse_training_args(baseline, 2, cuda=False)
+    path.write_text(json.dumps(_profile(device="cpu", layer_spec="transformer_engine")))
+    with pytest.raises(DynaPipeError, match="measured on 'transformer_engine' layers"):
+        parse_training_args(baseline, 2, cuda=False)
 
 
 def test_a_cpu_profile_of_other_threads_is_refused_on_the_ranks(tmp_path):
@@ -220,6 +227,10 @@ def test_a_cpu_profile_of_other_threads_is_refused_on_the_ranks(tmp_path):
     with pytest.raises(RankUserError, match="rank 0: --dynapipe-cost-model .* measured with 2 CPU thread\\(s\\), "
                                             "this rank computes with 1 "):
         run_training(f"{TRAIN} --dynapipe-cost-model {path}".split(), 1, timeout_s=120, threads_per_rank=1)
+    # A baseline whose split --dynapipe-placement auto prices with the profile checks it too.
+    baseline = f"{TRAIN.replace(' --use-dynapipe', '')} --pipeline-model-parallel-size 2 --dynapipe-placement auto"
+    with pytest.raises(RankUserError, match="measured with 2 CPU thread\\(s\\), this rank computes with 1 "):
+        run_training(f"{baseline} --dynapipe-cost-model {path}".split(), 2, timeout_s=120, threads_per_rank=1)
 
 
 def test_a_local_layer_profile_cannot_price_a_fused_attention_model():

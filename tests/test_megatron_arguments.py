@@ -311,3 +311,16 @@ def test_flags_of_another_batching_or_of_mock_data_are_refused_not_ignored(tmp_p
 
     with pytest.raises(DynaPipeError, match="--dynapipe-max-tokens 512 is the budget"):
         parse_t5_args((TINY + " --use-dynapipe --dynapipe-max-tokens 512").split(), 2, cuda=False)
+
+
+def test_auto_placement_prices_the_baselines_split_at_their_recompute_level():
+    # Megatron's baselines recompute every layer at the flags' level; DynaPipe's planner chooses.
+    from megatron_integration.placement_auto import priced_recompute
+
+    auto = "--pipeline-model-parallel-size 2 --dynapipe-placement auto"
+    assert priced_recompute(parse(auto)) == "none"
+    assert priced_recompute(parse(f"{auto} --recompute-granularity selective")) == "selective"
+    assert priced_recompute(parse(f"{auto} --recompute-granularity full --recompute-method uniform "
+                                  f"--recompute-num-layers 1")) == "full"
+    assert priced_recompute(parse(f"{auto} --use-dynapipe")) is None
+    assert priced_recompute(parse(f"{auto} --use-dynapipe --dynapipe-recompute selective")) == "selective"

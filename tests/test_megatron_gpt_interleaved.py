@@ -145,6 +145,11 @@ def test_dynapipe_plans_run_the_second_chunk_on_every_rank(pp2):
         events = events["traceEvents"] if isinstance(events, dict) else events
         chunks = {e.get("args", {}).get("chunk", 0) for e in events if e.get("ph") == "X"}
         assert 1 in chunks, (rank, chunks)
+        # The evaluation batches' forward-only plans are in the trace too, labelled apart.
+        ops = [e for e in events if e.get("ph") == "X" and e["cat"] in ("forward", "backward")]
+        evaluated = [e for e in ops if e["args"].get("phase", "").startswith("evaluation batch ")]
+        assert evaluated and {e["cat"] for e in evaluated} == {"forward"}, rank
+        assert {e["args"]["iteration"] for e in ops if "phase" not in e["args"]} == set(range(3)), rank
 
 
 def test_checkpoints_of_chunks_resume_exactly_and_torch_dist_ones_on_the_plain_pipeline(pp2):

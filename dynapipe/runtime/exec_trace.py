@@ -106,6 +106,8 @@ class ExecTrace:
     iteration: int
     events: list[ExecEvent] = field(default_factory=list)
     memory: list[tuple[float, int]] = field(default_factory=list)
+    # What ran when it was not a training iteration (e.g. "evaluation batch 3"); shown in its place.
+    label: str = ""
 
     @property
     def span_us(self) -> float:
@@ -160,7 +162,7 @@ def chrome_trace(traces: Sequence[ExecTrace], pid_offset: int = 0) -> dict:
         pid = t.replica + pid_offset
         for e in t.events:
             start_ms, end_ms = (e.start_us - t0) / 1e3, (e.start_us + e.dur_us - t0) / 1e3
-            extra = {"instruction": e.index, "iteration": t.iteration}
+            extra = {"instruction": e.index, **({"phase": t.label} if t.label else {"iteration": t.iteration})}
             if e.chunk:
                 extra["chunk"] = e.chunk
             if e.note:
