@@ -15,9 +15,8 @@ encoder layers at (mbs, seqlen), its decoder layers at (mbs, dec_seqlen, seqlen)
 embedding of stage 0 at the encoder tokens, the embedding of the stage holding the first
 decoder layer at the decoder tokens, and the output layer at the decoder tokens. The decoder
 table is interpolated as stacked (mbs, dec_seqlen) tables, one per encoder length, then
-along the encoder length with the rules of the 2-D
-tables (linear inside, the power law of the last two points above, the first point
-below). Recompute levels are derived as for GPT profiles: ``selective`` adds the
+along the encoder length with the rules of the 2-D tables (linear inside, the power law of
+the last two points above, the first point below). Recompute levels are derived as for GPT profiles: ``selective`` adds the
 attention cores' share of the forward (self- and cross-attention, analytic FLOP split)
 to the backward and drops the attention scores' share of the stored memory; ``full``
 adds a forward to the backward and stores each layer's input (and, on a decoder stage,
