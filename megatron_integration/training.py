@@ -162,14 +162,14 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
     if info.rank == 0 and split_line is not None:
         print(split_line, file=stream, flush=True)
     stage = build_stage(cfg, info)
+    count = sum(p.nelement() for p in stage.gpt.parameters())
     if info.dp_rank == 0:
-        count = sum(p.nelement() for p in stage.gpt.parameters())
         # One write per line: the stages share the job's stdout.
         stream.write(parameter_count_line(info.tp_rank, info.pp_rank, count) + "\n")
         stream.flush()
     optimizer, scheduler = build_optimizer(cfg, stage)
     attach_training_hooks(stage, optimizer)
-    run = TrainingRun(spec_name=stage.spec_name)
+    run = TrainingRun(spec_name=stage.spec_name, parameters=count)
     # The per-rank (dynapipe) format stores the chunks by local name: it resumes at its own chunking.
     chunks = cfg.parallel.virtual_pipeline_model_parallel_size or 1
     layers = None if cfg.parallel.stage_layers is None else list(cfg.parallel.stage_layers)
