@@ -142,6 +142,22 @@ EXECUTOR_ONLY = {"timeout-s": 300.0, "trace-dir": None}
 PRICING = {"device": None, "cluster": None, "cost-model": "analytic", "memory-limit-mb": None}
 
 
+# What only the Redis plan store reads (--dynapipe-kv-backend redis).
+REDIS_ONLY = {"redis-host": "127.0.0.1", "redis-port": 6379, "store-retry-s": 30.0}
+
+
+def refuse_redis_flags_without_redis(args: argparse.Namespace) -> None:
+    """Refuse a Redis setting given while the plans go through the job's own store."""
+    if args.dynapipe_kv_backend == "redis":
+        return
+    for flag, default in REDIS_ONLY.items():
+        value = getattr(args, "dynapipe_" + flag.replace("-", "_"))
+        if value != default:
+            raise DynaPipeError(f"--dynapipe-{flag} {value} sets the Redis plan store; plans go through "
+                                f"--dynapipe-kv-backend {args.dynapipe_kv_backend}: add --dynapipe-kv-backend redis "
+                                f"or drop it.")
+
+
 def _unused(baselines_use_executor: bool, placement_auto: bool) -> dict:
     return dict(PLANNER_ONLY, **({} if baselines_use_executor else EXECUTOR_ONLY),
                 **({} if placement_auto else PRICING))

@@ -34,7 +34,8 @@ from megatron_integration.args_checks import _need, _positive, _unsupported
 from megatron_integration.args_dynapipe import (BATCHINGS, KV_BACKENDS, MEGATRON_BATCHINGS,  # noqa: F401
                                                 MOCK_SAMPLES_DEFAULT, RECOMPUTE_CHOICES, SCHEDULES, add_dynapipe_args,
                                                 batching_from_args, check_planner_nodes,
-                                                dynapipe_args_from_args, refuse_unused_dynapipe_flags)
+                                                dynapipe_args_from_args, refuse_redis_flags_without_redis,
+                                                refuse_unused_dynapipe_flags)
 from megatron_integration.args_megatron import (ATTENTION_BACKENDS, LR_DECAY_STYLES,  # noqa: F401
                                                 POSITION_EMBEDDINGS, add_megatron_args)
 from megatron_integration.args_model import (BYTE_LEVEL_VOCAB, check_uniform_recompute,  # noqa: F401
@@ -141,6 +142,7 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
     if placement_auto is None:
         placement_auto = (getattr(args, "dynapipe_placement", None) or "even").strip() == "auto"
     refuse_unused_dynapipe_flags(args, baselines_use_executor, placement_auto)
+    refuse_redis_flags_without_redis(args)
     recompute, level = recompute_from_args(args, max(parallel.rank_layers(args.num_layers)))
     if not placement_auto:  # an auto split is checked once chosen (training.py)
         check_uniform_recompute(recompute, block_layers(parallel, args.num_layers))

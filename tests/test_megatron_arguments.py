@@ -324,3 +324,11 @@ def test_auto_placement_prices_the_baselines_split_at_their_recompute_level():
                                   f"--recompute-num-layers 1")) == "full"
     assert priced_recompute(parse(f"{auto} --use-dynapipe")) is None
     assert priced_recompute(parse(f"{auto} --use-dynapipe --dynapipe-recompute selective")) == "selective"
+
+
+def test_redis_settings_need_the_redis_plan_store():
+    for flag in ("--dynapipe-redis-host 10.0.0.1", "--dynapipe-redis-port 7000", "--dynapipe-store-retry-s 5.5"):
+        with pytest.raises(DynaPipeError, match=f"{flag} sets the Redis plan store; plans go through "
+                                                f"--dynapipe-kv-backend store: add --dynapipe-kv-backend redis"):
+            parse(f"--use-dynapipe {flag}")
+        assert parse(f"--use-dynapipe --dynapipe-kv-backend redis {flag}").dynapipe.kv_backend == "redis"

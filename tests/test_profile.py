@@ -337,3 +337,30 @@ def test_profile_takes_dropout_and_positions_from_the_config_unless_given(tmp_pa
     profile.fill_from_model_config(bare)
     assert (bare.hidden_dropout, bare.attention_dropout, bare.position_embedding_type) == (0.1, 0.1,
                                                                                           "learned_absolute")
+
+
+def test_profile_refuses_what_a_t5_profile_would_not_measure(tmp_path, capsys, monkeypatch):
+    from dynapipe.cli import main
+
+    base = ["profile", "--output", str(tmp_path / "p.json"), "--t5", "--hidden-size", "64", "--num-attention-heads",
+            "4", "--vocab-size", "256"]
+    assert main(base + ["--num-layers", "4"]) == 2
+    assert "--num-layers 4: a T5 profile measures one encoder and one decoder layer" in capsys.readouterr().err
+    # On a GPU with Transformer Engine Megatron-LM's default layers are its, which T5 stages never
+    # build (the machine is described to the argument checks; nothing runs on it).
+    import torch
+
+    import megatron_integration.model as model_specs
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(model_specs, "te_available", lambda: True)
+    assert main(base) == 2
+    assert "T5 stages are built from megatron-core's local layers" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_the_default_grid_reaches_the_sequence_length_given():
+    from dynapipe.cli.profile import default_seqlens
+
+    assert default_seqlens(None, 512) == "64,128,256,512"
+    assert default_seqlens("gpt-7b", 300) == "64,128,256,300"

@@ -40,7 +40,8 @@ def add_arguments(p) -> None:
     p.add_argument("--mbs", default=DEFAULT_MBS, help=f"micro-batch sizes to measure (default {DEFAULT_MBS})")
     p.add_argument("--seqlens", default=None,
                    help=f"sequence lengths to measure, tokens, at least two (default: powers of two from 64 up to "
-                        f"--model's max_seq_length, itself included; {DEFAULT_SEQLENS} without --model)")
+                        f"--seq-length, else --model's max_seq_length, itself included; {DEFAULT_SEQLENS} without "
+                        f"either)")
     p.add_argument("--t5", action="store_true",
                    help="measure a T5 (encoder-decoder): encoder layer, decoder layer, embedding, LM head")
     p.add_argument("--dec-seqlens", default=None,
@@ -81,15 +82,19 @@ def _grid(text: str, flag: str, at_least: int = 1) -> list[int]:
     return values
 
 
-def default_seqlens(model_name) -> str:
-    """The ``--seqlens`` grid when none is given: powers of two from 64 up to ``--model``'s
-    max_seq_length (itself the last point), so the profile reaches every length the model
-    trains at instead of extrapolating the longest; :data:`DEFAULT_SEQLENS` without ``--model``."""
-    if model_name is None:
+def default_seqlens(model_name, seq_length=None) -> str:
+    """The ``--seqlens`` grid when none is given: powers of two from 64 up to ``--seq-length``
+    or else ``--model``'s max_seq_length (itself the last point), so the profile reaches every
+    length the model trains at instead of extrapolating the longest; :data:`DEFAULT_SEQLENS`
+    without either."""
+    if seq_length is not None:
+        top = int(seq_length)
+    elif model_name is None:
         return DEFAULT_SEQLENS
-    from dynapipe.config import load_model_config
+    else:
+        from dynapipe.config import load_model_config
 
-    top = load_model_config(model_name, flag="--model").max_seq_length
+        top = load_model_config(model_name, flag="--model").max_seq_length
     grid = [s for s in (32 * 2 ** k for k in range(1, 20)) if s < top] + [top]
     return ",".join(map(str, grid if len(grid) > 1 else [max(top // 2, 1), top]))
 
@@ -260,9 +265,15 @@ def run(args) -> int:
     if args.threads is not None and args.threads < 1:
         raise DynaPipeError(f"--threads {args.threads}: must be at least 1 (the CPU threads a measurement "
                             f"uses); leave it out for torch's default.")
+    typed_seq_length, typed_num_layers = args.seq_length, args.num_layers
     fill_from_model_config(args)
+    if args.t5 and typed_num_layers is not None:
+        raise DynaPipeError(f"--num-layers {typed_num_layers}: a T5 profile measures one encoder and one decoder "
+                            f"layer, which any layer count prices; drop it.")
+    if typed_seq_length is not None and typed_seq_length < 2:
+        raise DynaPipeError(f"--seq-length {typed_seq_length}: a profile needs at least 2 tokens.")
     mbs = _grid(args.mbs, "--mbs")
-    seqlens = _grid(args.seqlens or default_seqlens(args.model), "--seqlens", at_least=2)
+    seqlens = _grid(args.seqlens or default_seqlens(args.model, typed_seq_length), "--seqlens", at_least=2)
     if args.dec_seqlens is not None and not args.t5:
         raise DynaPipeError("--dec-seqlens measures T5 decoder lengths; add --t5 (or --model with a T5 config).")
     dec_seqlens = _grid(args.dec_seqlens or DEFAULT_DEC_SEQLENS, "--dec-seqlens", at_least=2) if args.t5 else []
@@ -282,6 +293,10 @@ def run(args) -> int:
     # The layers --transformer-impl names (local on CPUs), as training builds them: the profile
     # records them, and training and the cost model refuse a profile of other layers.
     use_te = model.transformer_impl == "transformer_engine"
+    if use_te and args.t5:
+        raise DynaPipeError("--transformer-impl transformer_engine (Megatron-LM's default on GPUs): T5 stages are "
+                            "built from megatron-core's local layers, which a T5 profile measures; give "
+                            "--transformer-impl local (as T5 training needs on GPUs).")
     if use_te and not args.t5:
         from megatron_integration.model import te_available
 
