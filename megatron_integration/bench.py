@@ -117,6 +117,28 @@ def measure_profile(model, output: str, threads: int, timeout_s: float, repeats:
                    levels=levels)
 
 
+def refuse_unread_bench_flags(argv: Sequence[str], methods: Sequence[str]) -> None:
+    """Refuse training flags the bench would override or drop for its runs (GPT and T5):
+    ``--dynapipe-trace-dir`` (every DynaPipe run's trace goes next to ``--output``), and
+    ``--dynapipe-schedule`` where a method named fixes its own schedule or none is DynaPipe."""
+    from dynapipe.errors import DynaPipeError
+
+    trace = flag_value(argv, "--dynapipe-trace-dir")
+    if trace is not None:
+        raise DynaPipeError(f"--dynapipe-trace-dir {trace}: the bench writes every DynaPipe run's executor trace "
+                            f"next to --output (OUTPUT.traces/); drop it.")
+    schedule = flag_value(argv, "--dynapipe-schedule")
+    if schedule is None:
+        return
+    fixed = [m for m in methods if m in ("dynapipe-1f1b", "dynapipe-zb")]
+    if fixed:
+        raise DynaPipeError(f"--dynapipe-schedule {schedule} would be overridden for {', '.join(fixed)}, which "
+                            f"run(s) a schedule of their own; drop it, or drop them from --methods.")
+    if not any(m.startswith("dynapipe") for m in methods):
+        raise DynaPipeError(f"--dynapipe-schedule {schedule}: --methods {','.join(methods)} runs no DynaPipe "
+                            f"method; drop it.")
+
+
 def check_request(argv: Sequence[str], methods: Sequence[str], preset: str = "tiny", *,
                   rounds: Optional[int] = None, sweep_top: Optional[int] = None,
                   warmup_iters: Optional[int] = None, nproc: Optional[int] = None) -> int:
@@ -146,6 +168,10 @@ def check_request(argv: Sequence[str], methods: Sequence[str], preset: str = "ti
     for flag in ("--use-dynapipe", "--dynapipe-batching"):
         if flag in given:
             raise DynaPipeError(f"{flag}: the bench sets the method itself; choose methods with --methods.")
+    refuse_unread_bench_flags(argv, methods)
+    if sweep_top is not None and not any(m in BASELINES for m in methods):
+        raise DynaPipeError(f"--sweep-top {sweep_top} tunes the baselines' micro-batch sizes; --methods "
+                            f"{','.join(methods)} runs none: drop it.")
     for flag in ("--num-virtual-stages-per-pipeline-rank", "--num-layers-per-virtual-pipeline-stage",
                  "--pipeline-model-parallel-layout"):
         if flag in given:
@@ -232,6 +258,8 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
     check_request(argv, methods, preset, rounds=rounds, sweep_top=sweep_top, warmup_iters=warmup_iters, nproc=nproc)
     check_bench_outputs(output, png)
     rounds = p.rounds if rounds is None else rounds
+    # The preset's per-method sizes apply only where --sweep-top was not given (even at its value).
+    per_method = p.sweep_top_of if sweep_top is None else {}
     sweep_top = p.sweep_top if sweep_top is None else sweep_top
     warmup_iters = p.warmup_iters if warmup_iters is None else warmup_iters
     calibrate_iters = p.calibrate_iters if calibrate_iters is None else calibrate_iters
@@ -268,7 +296,7 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
             if not ranked:
                 raise no_baseline_size(m, sweeps[m])
             entries += [Entry(m, r["micro_batch_size"]) for r in pick_sizes(
-                ranked, p.sweep_top_of.get(m, sweep_top) if sweep_top == p.sweep_top else sweep_top, p.sweep_within)]
+                ranked, per_method.get(m, sweep_top), p.sweep_within)]
         else:
             entries.append(Entry(m))
 

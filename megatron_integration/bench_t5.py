@@ -365,6 +365,12 @@ def run_t5_cli(args, argv: list[str]) -> int:
         if value is not None:
             raise DynaPipeError(f"{flag} {value!r} is not supported with --model t5 ({why}).")
     sweep = None if args.t5_sweep is None else parse_t5_sweep(args.t5_sweep)
+    if sweep is not None and not any(m in T5_BASELINES for m in methods):
+        raise DynaPipeError(f"--t5-sweep {args.t5_sweep} sets the baselines' micro-batch sizes; --methods "
+                            f"{','.join(methods)} runs none: drop it.")
+    from megatron_integration.bench import refuse_unread_bench_flags
+
+    refuse_unread_bench_flags(argv, methods)
     full = t5_with_defaults(argv, preset)
     pp = int(full[len(full) - 1 - full[::-1].index("--pipeline-model-parallel-size") + 1])
     try:

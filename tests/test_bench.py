@@ -117,3 +117,24 @@ def test_bench_rejects_unknown_method(tmp_path):
     result = subprocess.run([sys.executable, "-m", "dynapipe", "bench", "--output", str(tmp_path / "x.json"),
                              "--methods", "dynapipe,zero-bubble"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "zero-bubble" in result.stderr
+
+
+def test_bench_refuses_settings_its_runs_would_not_read(tmp_path, capsys, monkeypatch):
+    from dynapipe.cli import main
+    import megatron_integration.bench as bench
+
+    def started(*a, **k):
+        raise AssertionError("the bench started measuring before refusing")
+    monkeypatch.setattr(bench, "measure_profile", started)
+    out = str(tmp_path / "b.json")
+    for extra, text in (
+            (["--dynapipe-trace-dir", str(tmp_path / "t")], "the bench writes every DynaPipe run's executor trace"),
+            (["--methods", "dynapipe,dynapipe-1f1b", "--dynapipe-schedule", "adaptive"],
+             "--dynapipe-schedule adaptive would be overridden for dynapipe-1f1b"),
+            (["--methods", "padding", "--dynapipe-schedule", "adaptive"], "runs no DynaPipe method"),
+            (["--methods", "dynapipe", "--sweep-top", "2"], "--sweep-top 2 tunes the baselines' micro-batch sizes"),
+            (["--methods", "padding,packing", "--calibrate-iters", "3"], "calibrates DynaPipe's plans"),
+            (["--calibrate-iters", "3", "--dynapipe-cost-model", "analytic"], "there is none to calibrate")):
+        assert main(["bench", "--output", out] + extra) == 2, extra
+        assert text in capsys.readouterr().err, extra
+    assert not (tmp_path / "b.json").exists()

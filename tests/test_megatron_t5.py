@@ -480,7 +480,12 @@ def test_bench_t5_refuses_what_it_cannot_run(tmp_path, capsys, monkeypatch):
                         (["--png", ""], "--png '' is not supported with --model t5"),
                         (["--t5-sweep", ""], "--t5-sweep '': give micro-batch sizes"),
                         # One label and trace directory a size: a repeat would merge as a round.
-                        (["--t5-sweep", "2,1,2"], "--t5-sweep '2,1,2': 2 given more than once")):
+                        (["--t5-sweep", "2,1,2"], "--t5-sweep '2,1,2': 2 given more than once"),
+                        # What the runs would not read: sizes without a baseline, a trace folder the
+                        # bench chooses itself, a schedule without a DynaPipe method.
+                        (["--methods", "dynapipe", "--t5-sweep", "1,2"], "--t5-sweep 1,2 sets the baselines'"),
+                        (["--dynapipe-trace-dir", str(tmp_path)], "the bench writes every DynaPipe run's"),
+                        (["--methods", "padding", "--dynapipe-schedule", "1f1b"], "runs no DynaPipe method")):
         assert main(["bench", "--model", "t5", "--output", out] + extra) == 2
         assert text in capsys.readouterr().err
     assert not (tmp_path / "t5.json").exists()

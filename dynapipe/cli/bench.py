@@ -115,6 +115,15 @@ def run(args) -> int:
         raise DynaPipeError(f"--methods {args.methods!r}: name at least one method.")
     if args.calibrate_iters is not None and args.calibrate_iters < 0:
         raise DynaPipeError(f"--calibrate-iters {args.calibrate_iters}: must be 0 (none) or more.")
+    if args.calibrate_iters:
+        from megatron_integration.bench_presets import flag_value
+
+        if flag_value(argv, "--dynapipe-cost-model") is not None:
+            raise DynaPipeError("--calibrate-iters calibrates the profile the bench measures; with "
+                                "--dynapipe-cost-model given there is none to calibrate: drop one of them.")
+        if not any(m.startswith("dynapipe") for m in methods):
+            raise DynaPipeError(f"--calibrate-iters {args.calibrate_iters} calibrates DynaPipe's plans; --methods "
+                                f"{','.join(methods)} runs no DynaPipe method: drop it.")
     nproc = check_request(argv, methods, args.preset, rounds=args.rounds, sweep_top=args.sweep_top,
                           warmup_iters=args.warmup_iters, nproc=args.nproc)
     # The JSON and the picture are written after every run: what would fail then is refused now.
