@@ -205,13 +205,14 @@ def main(argv=None) -> int:
     p = StrictArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", default="out/bench_cluster.json", help="JSON results (default %(default)s)")
     p.add_argument("--markdown", default=None, help="Markdown table (default: the JSON path with .md)")
-    p.add_argument("--batches", type=int, default=3, help="global batches per case (default 3)")
+    p.add_argument("--batches", type=int, default=None, help="global batches per case (default 3; 1 with --quick)")
     p.add_argument("--tokens", type=int, default=65536, help="tokens per global batch (default 65,536)")
     p.add_argument("--seed", type=int, default=0, help="seed of the first batch (default 0)")
     p.add_argument("--device", default="a100-40gb")
     p.add_argument("--cluster", default="a100-8x")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated, from " + ", ".join(METHODS))
-    p.add_argument("--quick", action="store_true", help="one case (gpt-7b PP4 x DP2, seq 2048), one batch")
+    p.add_argument("--quick", action="store_true",
+                   help="one case (gpt-7b PP4 x DP2, seq 2048), one batch unless --batches says otherwise")
     p.add_argument("--fused-attention", action="store_true",
                    help="price every model with a fused attention kernel (flash or cuDNN fused attention, as "
                         "Transformer Engine runs bf16), which keeps no score matrix; default: megatron-core's "
@@ -227,6 +228,8 @@ def main(argv=None) -> int:
         bad = [m for m in args.methods if m not in METHODS]
         if bad or not args.methods:
             raise DynaPipeError(f"--methods {','.join(args.methods)!r}: choose from {', '.join(METHODS)}.")
+        if args.batches is None:
+            args.batches = 1 if args.quick else 3
         if args.batches < 1:
             raise DynaPipeError(f"--batches {args.batches}: need at least one global batch.")
         cases = QUICK_CASES if args.quick and not args.case else CASES
@@ -235,8 +238,6 @@ def main(argv=None) -> int:
             if not cases:
                 raise DynaPipeError(f"--case {args.case!r} matches no case; the cases are: "
                                     f"{'; '.join(c.label for c in CASES)}.")
-        if args.quick:
-            args.batches = 1
         md_path = args.markdown or os.path.splitext(args.output)[0] + ".md"
         for path in (args.output, md_path):
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

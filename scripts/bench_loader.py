@@ -53,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--method", default="dynapipe")
     p.add_argument("--schedule", default="auto")
     p.add_argument("--iterations", type=int, default=40)
-    p.add_argument("--warmup", type=int, default=0, help="iterations excluded as warm-up (default: prefetch)")
+    p.add_argument("--warmup", type=int, default=None, help="iterations excluded as warm-up (default: prefetch)")
     p.add_argument("--step-ms", type=float, default=1000.0, help="duration of the training-step stand-in")
     p.add_argument("--busy", action="store_true", help="burn a CPU core during the step instead of sleeping")
     p.add_argument("--workers", type=int, default=DEFAULTS.num_workers, help="planner workers per planner node")
@@ -113,7 +113,7 @@ def _pct(xs, q):
 
 
 def summarize(args, ranks: list[dict]) -> dict:
-    warm = args.warmup or args.prefetch
+    warm = args.prefetch if args.warmup is None else args.warmup
     per_rank = []
     for r in ranks:
         recs = r["records"][warm:]
@@ -141,6 +141,14 @@ def summarize(args, ranks: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.kv_backend != "redis" and (args.redis_host, args.redis_port) != ("127.0.0.1", 6379):
+        print(f"error: --redis-host / --redis-port set the Redis plan store; --kv-backend {args.kv_backend} does not "
+              f"read them: add --kv-backend redis or drop them.", file=sys.stderr)
+        return 2
+    if args.warmup is not None and not 0 <= args.warmup < args.iterations:
+        print(f"error: --warmup {args.warmup}: give 0 to {args.iterations - 1} (--iterations {args.iterations} "
+              f"leaves none timed otherwise).", file=sys.stderr)
+        return 2
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

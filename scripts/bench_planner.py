@@ -105,9 +105,9 @@ def print_table(n, rows, repeats):
 
 def main(argv=None) -> int:
     p = StrictArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--samples", type=int, nargs="+", default=[256, 1024, 4096])
-    p.add_argument("--repeats", type=int, default=9)
-    p.add_argument("--quick", action="store_true", help="1024 samples, 3 repeats")
+    p.add_argument("--samples", type=int, nargs="+", default=None, help="batch sizes (default 256 1024 4096)")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats (default 9)")
+    p.add_argument("--quick", action="store_true", help="1024 samples, 3 repeats (unless given)")
     p.add_argument("--model", default="gpt-7b")
     p.add_argument("--device", default="a100-40gb")
     p.add_argument("--stages", type=int, default=8)
@@ -117,8 +117,10 @@ def main(argv=None) -> int:
     p.add_argument("--no-pin", action="store_true", help="do not pin the process to one CPU core")
     p.add_argument("--json", default=None, help="also write the results here as JSON")
     args = p.parse_args(argv)
-    if args.quick:
-        args.samples, args.repeats = [1024], 3
+    if args.samples is None:
+        args.samples = [1024] if args.quick else [256, 1024, 4096]
+    if args.repeats is None:
+        args.repeats = 3 if args.quick else 9
     if not args.no_pin and hasattr(os, "sched_setaffinity"):
         core = min(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {core})

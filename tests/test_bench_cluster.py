@@ -124,3 +124,12 @@ def test_stages_that_cannot_split_their_backward_get_no_zero_bubble_schedule(tmp
     (case,) = report["cases"]
     for name, m in case["methods"].items():
         assert m["schedule"] and not set(m["schedule"]) & {"zb-h1", "interleaved-zb"}, (name, m["schedule"])
+
+
+def test_quick_keeps_a_batch_count_given(tmp_path):
+    out = tmp_path / "cluster.json"
+    r = subprocess.run([sys.executable, SCRIPT, "--quick", "--batches", "2", "--methods", "packing", "--output",
+                        str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (case,) = json.loads(out.read_text())["cases"]
+    assert len(case["real_tokens_per_batch"]) == 2 and case["methods"]["packing"]["batches"] == 2
