@@ -297,7 +297,8 @@ def test_megatron_gpt_command_line_runs_unchanged(tmp_path):
         assert "saving checkpoint at iteration       2 to" in out and "in torch_dist format" in out
         # --eval-interval 2: one validation batch after iteration 2 (the --exit-interval stop skips the final one).
         evals = [l for l in out.splitlines() if l.startswith(" validation loss at iteration")]
-        assert len(evals) == 1 and evals[0].startswith(" validation loss at iteration 2 | lm loss value: "), evals
+        assert len(evals) == 1 and evals[0].startswith(" validation loss at iteration 2 | lm loss value: "), \
+            (method, out[-4000:], result.stderr[-2000:])
         valid[method] = float(evals[0].split("lm loss value: ")[1].split(" ")[0])
     assert losses["dynapipe"] == pytest.approx(losses["padding"], rel=2e-5)
     assert valid["dynapipe"] == pytest.approx(valid["padding"], rel=2e-5)
