@@ -37,6 +37,7 @@ from megatron_integration.baseline_step import (build_micro_batches, forward_ste
 from megatron_integration.model import Stage
 from megatron_integration.train_config import DynaPipeTrainingConfig
 from megatron_integration.training_limits import empty_unused_memory
+from megatron_integration.run_report import write_line
 
 SPLIT_NAMES = {"valid": "validation set", "test": "test set"}
 
@@ -209,4 +210,4 @@ def log_eval(lines: list[str], stream: TextIO, is_logging_rank: bool, sink: list
     sink.extend(lines)
     if is_logging_rank:
         for line in lines:
-            print(line, file=stream, flush=True)
+            write_line(stream, line)

@@ -34,6 +34,7 @@ from dynapipe.config import ModelConfig
 from dynapipe.cost.model_flops import model_flops, tflops_per_device
 from megatron_integration.baseline_step import StepResult
 from megatron_integration.train_config import TensorBoardArgs
+from megatron_integration.run_report import write_line
 
 
 @dataclass
@@ -212,7 +213,7 @@ class TrainingLogger:
         self.stats = IntervalStats()
         self.lines.append(line)
         if self.is_logging_rank:
-            print(line, file=self.stream, flush=True)
+            write_line(self.stream, line)
         return line
 
     @contextmanager

@@ -41,6 +41,15 @@ def resolved_args(args: argparse.Namespace, cfg) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), **derived})
 
 
+def write_line(stream, line: str) -> None:
+    """Write ``line`` with its newline in one call, then flush. The ranks of a job share its
+    stdout, and ``print`` writes the text and the newline apart, which an unbuffered stream
+    (``PYTHONUNBUFFERED``, as many launchers set) passes on as two writes: another rank's line
+    could land between them and leave this one mid-line."""
+    stream.write(line + "\n")
+    stream.flush()
+
+
 def parameter_count_line(tp_rank: int, pp_rank: int, count: int) -> str:
     """Megatron-LM's line for the parameters one model-parallel rank holds."""
     return f" > number of parameters on (tensor, pipeline) model parallel rank ({tp_rank}, {pp_rank}): {count}"

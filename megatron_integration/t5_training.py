@@ -23,7 +23,7 @@ from megatron_integration.agreement import attempt, same_error_everywhere
 from megatron_integration.blend_resume import blend_record, keep_resumed_blend
 from megatron_integration.initialize import RankInfo, initialize_megatron
 from megatron_integration.profile_check import check_threads_at_start, extrapolation_lines
-from megatron_integration.run_report import parameter_count_line
+from megatron_integration.run_report import parameter_count_line, write_line
 from megatron_integration.baseline_step import StepResult
 from megatron_integration.model import Stage, grad_scale_func
 from megatron_integration.optimizer import build_optimizer
@@ -66,7 +66,7 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
     started_s = time.time()  # --exit-duration-in-mins counts from here
     info = initialize_megatron(base.parallel, base.seed, base.model.deterministic_mode)
     if info.rank == 0 and vocab_padding_line(base) is not None:
-        print(vocab_padding_line(base), file=stream, flush=True)
+        write_line(stream, vocab_padding_line(base))
     # A CPU profile of other threads prices another machine; every rank checks its own threads.
     # The profile prices DynaPipe's plans, and every method's placement under --dynapipe-placement auto.
     priced = base.dynapipe.enabled or cfg.placement_flag == "auto"
@@ -77,7 +77,7 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
         for line in extrapolation_lines(base.dynapipe.cost_model, priced,
                                         {"seqlen": ("--encoder-seq-length", base.model.seq_length),
                                          "dec_seqlen": ("--decoder-seq-length", cfg.decoder_seq_length)}):
-            print(line, file=stream, flush=True)
+            write_line(stream, line)
     # A resumed run trains on the weighted blend its checkpoint trained on: known before any data is read.
     base, kept_blend = keep_resumed_blend(base, checkpoint_formats.recorded_training_blend(base, info), megatron_blend)
     if kept_blend:
@@ -86,14 +86,13 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
     cfg = resolve_t5_placement(cfg, info.pp_size, info.dp_size)
     placement = cfg.stage_placement()
     if info.rank == 0 and cfg.placement_flag != "even":
-        print(f" > stage placement (encoder+decoder layers per stage): {placement} "
-              f"(--dynapipe-placement {cfg.placement_flag})", file=stream, flush=True)
+        write_line(stream, f" > stage placement (encoder+decoder layers per stage): {placement} "
+                           f"(--dynapipe-placement {cfg.placement_flag})")
     stage = build_t5_training_stage(cfg, info)
     parameters = sum(p.nelement() for p in stage.gpt.parameters())
     if info.dp_rank == 0:
         # One write per line: the stages share the job's stdout.
-        stream.write(parameter_count_line(info.tp_rank, info.pp_rank, parameters) + "\n")
-        stream.flush()
+        write_line(stream, parameter_count_line(info.tp_rank, info.pp_rank, parameters))
     optimizer, scheduler = build_optimizer(base, stage)
     # The last stage's loss is multiplied by the optimizer's loss scale before the backward (the
     # optimizer divides the gradients by it), as GPT's attach_training_hooks arranges.

@@ -33,7 +33,7 @@ from megatron_integration.params_norm import params_l2_norm
 from megatron_integration.nan_guard import check_before_step
 from megatron_integration.placement_auto import resolve_gpt_split
 from megatron_integration.profile_check import check_threads_at_start, extrapolation_lines
-from megatron_integration.run_report import parameter_count_line
+from megatron_integration.run_report import parameter_count_line, write_line
 from megatron_integration.train_config import DynaPipeTrainingConfig
 # Re-exported: the T5 loop, the command line and the tests import them from here.
 from megatron_integration.training_loop import (LoopParts, Stepper, TrainingRun, current_lr,  # noqa: F401
@@ -137,7 +137,7 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
     started_s = time.time()  # --exit-duration-in-mins counts from here, as Megatron-LM's from its start
     info = initialize_megatron(cfg.parallel, cfg.seed, cfg.model.deterministic_mode)
     if info.rank == 0 and vocab_padding_line(cfg) is not None:
-        print(vocab_padding_line(cfg), file=stream, flush=True)
+        write_line(stream, vocab_padding_line(cfg))
     # A CPU profile of other threads prices another machine; every rank checks its own threads.
     # The profile prices DynaPipe's plans, and every method's split under --dynapipe-placement auto.
     priced = cfg.dynapipe.enabled or cfg.parallel.auto_split
@@ -147,26 +147,24 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
     if info.rank == 0:
         for line in extrapolation_lines(cfg.dynapipe.cost_model, priced,
                                         {"seqlen": ("--seq-length", cfg.model.seq_length)}):
-            print(line, file=stream, flush=True)
+            write_line(stream, line)
     # A resumed run trains on the weighted blend its checkpoint trained on: known before any data is read.
     cfg, kept_blend = keep_resumed_blend(cfg, checkpoint_formats.recorded_training_blend(cfg, info))
     # Rank 0 alone reads the data for the summary; a bad file stops every rank with its line.
     lines, error = attempt(lambda: data_summary_lines(cfg), "reading the data") if info.rank == 0 else ([], None)
     same_error_everywhere(error)
     for line in lines:
-        print(line, file=stream, flush=True)
+        write_line(stream, line)
     # --dynapipe-placement auto is chosen here, before any stage is built.
     cfg, split_line = resolve_gpt_split(cfg)
     if cfg.parallel.auto_split:
         check_uniform_recompute(cfg.recompute, block_layers(cfg.parallel, cfg.model.num_layers))
     if info.rank == 0 and split_line is not None:
-        print(split_line, file=stream, flush=True)
+        write_line(stream, split_line)
     stage = build_stage(cfg, info)
     count = sum(p.nelement() for p in stage.gpt.parameters())
     if info.dp_rank == 0:
-        # One write per line: the stages share the job's stdout.
-        stream.write(parameter_count_line(info.tp_rank, info.pp_rank, count) + "\n")
-        stream.flush()
+        write_line(stream, parameter_count_line(info.tp_rank, info.pp_rank, count))
     optimizer, scheduler = build_optimizer(cfg, stage)
     attach_training_hooks(stage, optimizer)
     run = TrainingRun(spec_name=stage.spec_name, parameters=count)

@@ -18,7 +18,7 @@ from megatron_integration.agreement import peer_lost
 from megatron_integration.baseline_step import StepResult
 from megatron_integration.initialize import RankInfo
 from megatron_integration.logging_utils import TrainingLogger
-from megatron_integration.run_report import training_summary_lines
+from megatron_integration.run_report import training_summary_lines, write_line
 from megatron_integration.train_config import DynaPipeTrainingConfig
 from megatron_integration.training_limits import exit_duration_line, exit_duration_reached
 
@@ -77,7 +77,7 @@ def current_lr(optimizer) -> float:
 def print_rank_0(info: RankInfo, stream: TextIO, lines: list[str], line: str) -> None:
     """Megatron-LM's ``print_rank_0``, also kept in ``lines``."""
     if info.rank == 0:
-        print(line, file=stream, flush=True)
+        write_line(stream, line)
         lines.append(line)
 
 

@@ -44,9 +44,9 @@ def main(argv=None) -> int:
         # A rank whose checks fail (a file its node lacks) stops every rank with its line.
         args, cfg = agreed_start(checked, lambda value: value[1].parallel.timeout_minutes, timeout_in_argv(argv))
         if os.environ.get("RANK", "0") == "0":
-            from megatron_integration.run_report import argument_dump, resolved_args
+            from megatron_integration.run_report import argument_dump, resolved_args, write_line
 
-            print("\n".join(argument_dump(resolved_args(args, cfg))), flush=True)
+            write_line(sys.stdout, "\n".join(argument_dump(resolved_args(args, cfg))))
         # megatron-core is imported only now: a bad command line is reported before its notices.
         from megatron_integration.initialize import quiet_megatron_warnings
 

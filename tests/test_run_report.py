@@ -150,3 +150,24 @@ def test_an_exit_interval_stop_is_stamped_as_megatron_stamps_it():
     r = SimpleNamespace(real_tokens=3, padded_tokens=4, loss_tokens=2, skipped=False)
     stamp, _ = training_summary_lines([r, r], 2, 16, 1.0, exited=True)
     assert stamp.startswith("[exiting program at iteration 4] datetime: ")
+
+
+def test_a_rank_writes_each_line_in_one_call():
+    # The ranks share the job's stdout; unbuffered (PYTHONUNBUFFERED), print() would pass the text
+    # and its newline on as two writes, and another rank's line could land between them.
+    import io
+
+    from megatron_integration.run_report import write_line
+
+    class Recording(io.StringIO):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def write(self, s):
+            self.calls.append(s)
+            return super().write(s)
+
+    out = Recording()
+    write_line(out, " validation loss at iteration 2 | lm loss value: 1.0 |")
+    assert out.calls == [" validation loss at iteration 2 | lm loss value: 1.0 |\n"]
