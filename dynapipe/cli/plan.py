@@ -21,8 +21,8 @@ from dynapipe.output_paths import check_distinct, check_output_file, make_parent
 from dynapipe.cli.placement_options import (add_placement_argument, apply_placement, even_split_schedule,
                                              placement_json)
 from dynapipe.cli.schedule_options import (add_recompute_default, add_schedule_arguments, check_plan_out,
-                                           check_schedule_flags, escalate_recompute, recompute_label, resolve_cluster, schedule_json,
-                                           split_backward)
+                                           check_schedule_flags, escalate_recompute, recompute_label,
+                                           resolve_cluster, schedule_json, split_backward)
 from dynapipe.errors import DynaPipeError
 
 HELP = "plan the micro-batches (and schedule) of one global batch"
