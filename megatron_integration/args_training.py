@@ -86,7 +86,7 @@ def optimizer_args_from_args(args: argparse.Namespace) -> OptimizerArgs:
                             "reduced as they are); add --bf16 or drop it.")
     if args.grad_reduce_in_bf16 and args.accumulate_allreduce_grads_in_fp32:
         raise DynaPipeError("--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 were both given; give "
-                            "one (as in Megatron-LM).")
+                            "one (Megatron-LM would drop the fp32 accumulation asked for without a word).")
     if args.optimizer != "adam":
         raise _unsupported("--optimizer", f"{args.optimizer}: only adam (megatron-core's Adam with decoupled "
                                           f"weight decay) is built; use --optimizer adam")
