@@ -83,6 +83,19 @@ def megatron_args(recorded: dict, cfg, info: RankInfo, iteration: int, consumed_
         consumed_valid_samples=0, ckpt_format="torch_dist", use_dist_ckpt=True,
         use_distributed_optimizer=cfg.optimizer.distributed, ckpt_fully_parallel_save=cfg.dist_ckpt.fully_parallel_save,
         data_parallel_random_init=False, no_save_optim=False, no_save_rng=False)
+    # Megatron-LM's --no-*-fusion flags store False into the positive name, and it records the
+    # values its validate_args resolves (evaluation batches, backend, the rerun mode).
+    for negative, positive in (("no_masked_softmax_fusion", "masked_softmax_fusion"),
+                               ("no_bias_swiglu_fusion", "bias_swiglu_fusion"),
+                               ("no_bias_dropout_fusion", "bias_dropout_fusion"),
+                               ("no_gradient_accumulation_fusion", "gradient_accumulation_fusion"),
+                               ("no_rope_fusion", "apply_rope_fusion")):
+        if negative in values:
+            values[positive] = not values[negative]
+    if "norm_epsilon" in values:
+        values["layernorm_epsilon"] = values["norm_epsilon"]  # the name later Megatron-LM records it under
+    values.update(eval_iters=cfg.evaluation.eval_iters, distributed_backend=p.backend,
+                  rerun_mode=values.get("rerun_mode") or "disabled")
     values.setdefault("make_vocab_size_divisible_by", 128)
     values.setdefault("tokenizer_type", cfg.data.tokenizer_type)
     values.setdefault("tokenizer_model", cfg.data.tokenizer_model)

@@ -314,6 +314,11 @@ def test_recorded_args_have_megatron_lms_names_and_meanings():
     _, args = recorded("--position-embedding-type rope --no-position-embedding --disable-bias-linear")
     assert args.add_position_embedding is False and args.add_bias_linear is False
     assert recorded("")[1].add_position_embedding is True
+    # Megatron-LM's names and resolved values beside this parser's own.
+    _, args = recorded("--no-masked-softmax-fusion --norm-epsilon 1e-6")
+    assert args.masked_softmax_fusion is False and args.bias_dropout_fusion is True
+    assert args.layernorm_epsilon == args.norm_epsilon == 1e-6
+    assert (args.eval_iters, args.distributed_backend, args.rerun_mode) == (100, "gloo", "disabled")
     # A Megatron-LM RoPE checkpoint (add_position_embedding True) fits a RoPE model here.
     theirs = SimpleNamespace(position_embedding_type="rope", add_position_embedding=True, add_bias_linear=True)
     assert model_mismatch(theirs, cfg) is None
