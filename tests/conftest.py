@@ -107,6 +107,8 @@ def pp2(tmp_path_factory, t5_dist):
     # The zero-bubble schedule (the backward split into input and weight parts), two iterations.
     runs += [(dyn + " --dynapipe-schedule zb-h1 --exit-interval 2").split(),
              (interleaved + " --use-dynapipe --dynapipe-schedule zb-h1").split()]
+    # The interleaved placement under --dynapipe-schedule adaptive (the interleaved adaptive schedule on chunks).
+    runs += [(interleaved + " --use-dynapipe --dynapipe-schedule adaptive").split()]
     # A weighted blend of JSONL (input, target) pairs: 8 iterations; the same cut after 4 and
     # resumed with --train-iters 16, which would size another blend (constant LR: the losses
     # depend on the data alone). Last, so the tests above index the runs as before.

@@ -290,3 +290,16 @@ def test_the_interleaved_bench_script_times_each_run_on_its_slowest_rank():
     assert tokens_per_s(ranks) == pytest.approx(300 / 0.5)
     with pytest.raises(SystemExit):
         main(["--chunks", "1"])
+
+
+def test_adaptive_on_chunks_is_planned_as_the_interleaved_adaptive_schedule():
+    # As 1f1b and zb-h1 plan their interleaved forms on chunks, --dynapipe-schedule adaptive does.
+    import torch
+
+    from megatron_integration.dynapipe_step import planner_settings
+    from megatron_integration.initialize import RankInfo
+
+    info = RankInfo(0, 2, 0, 2, 0, 1, 0, 1, torch.device("cpu"))
+    for extra, expected in ((" --num-virtual-stages-per-pipeline-rank 2", "interleaved-adaptive"), ("", "adaptive")):
+        argv = (PP2 + " --use-dynapipe --dynapipe-schedule adaptive" + extra).split()
+        assert planner_settings(parse_training_args(argv, 2, cuda=False), info).schedule == expected

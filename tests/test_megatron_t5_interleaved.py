@@ -166,3 +166,11 @@ def test_bench_t5_refuses_the_uncalibrated_run_as_a_method(tmp_path, capsys):
     assert main(["bench", "--model", "t5", "--output", str(tmp_path / "b.json"),
                  "--methods", "dynapipe,dynapipe-uncalibrated"]) == 2
     assert "dynapipe-uncalibrated runs by itself whenever the bench calibrates" in capsys.readouterr().err
+
+
+def test_adaptive_on_the_interleaved_placement_runs_its_interleaved_form(pp2):
+    # --dynapipe-schedule adaptive on chunks plans the interleaved adaptive schedule, as 1f1b and
+    # zb-h1 plan their interleaved forms (run 36 of the session's T5 job).
+    run = pp2[36]
+    assert run["method"] == "dynapipe" and run["schedules"] == ["interleaved-adaptive"] * 2
+    assert run["losses"] == pytest.approx(pp2[0]["losses"][:2], abs=1e-5, rel=1e-5)

@@ -48,7 +48,8 @@ def apply_placement(args: argparse.Namespace, setup: CostSetup, lengths) -> tupl
             schedule = getattr(args, "schedule", None) or "auto"
             plan = choose_placement_kind([lengths], cm, cluster=cluster, split_backward=split_backward(args),
                                          chunks=1 if schedule == "adaptive" else 2,
-                                         contiguous_allowed=schedule not in CHUNKED_SCHEDULE_NAMES, **kw)
+                                         contiguous_allowed=schedule not in CHUNKED_SCHEDULE_NAMES,
+                                         schedule=schedule, **kw)
         else:
             plan = choose_placement([lengths], cm, **kw)
         return dataclasses.replace(setup, cost_model=plan.cost_model), plan

@@ -106,12 +106,16 @@ def choose_placement(batches: Sequence, cost_model: CostModel, *, dp: int = 1,
 
 def simulated_ms(batches: Sequence, cost_model: CostModel, *, dp: int, memory_limit_mib: Optional[float],
                  reserved_mib: float, seq_length: Optional[int], zero: bool, recompute: Optional[str],
-                 cluster=None, split_backward: bool = True) -> float:
+                 cluster=None, split_backward: bool = True, schedule: str = "auto") -> float:
     """Summed simulated iteration time (ms) of DynaPipe's plans of ``batches`` on
     ``cost_model``'s placement: the cut, then the schedule search under the memory limit
     (``inf`` when nothing fits; ``split_backward``: whether ``auto`` may try ``zb-h1`` or,
-    on a chunked placement, ``interleaved-zb``)."""
+    on a chunked placement, ``interleaved-zb``; ``schedule``: the one the run will take, on
+    chunks in its interleaved form)."""
     from dynapipe.schedule.search import search_schedules
+
+    if schedule == "adaptive" and getattr(cost_model.placement, "chunks", 1) > 1:
+        schedule = "interleaved-adaptive"  # 1f1b and zb-h1 the search maps itself
 
     capacity = None if memory_limit_mib is None else memory_limit_mib - reserved_mib
     # A stage of TP ranks spans that many GPUs of a node, which decides the links it sends over.
@@ -122,8 +126,9 @@ def simulated_ms(batches: Sequence, cost_model: CostModel, *, dp: int, memory_li
             mbs = _cut([lengths], cost_model, dp=dp, memory_limit_mib=memory_limit_mib, reserved_mib=reserved_mib,
                        seq_length=seq_length, zero=zero, recompute=recompute)
             reps = [[mb for mb in mbs if mb.replica == r] for r in range(dp)]
-            total += search_schedules(reps, cost_model, recompute=recompute, capacity_mib=capacity, cluster=cluster,
-                                      dp=dp, tp=tp, zero=zero, split_backward=split_backward).makespan_ms
+            total += search_schedules(reps, cost_model, schedule=schedule, recompute=recompute, capacity_mib=capacity,
+                                      cluster=cluster, dp=dp, tp=tp, zero=zero,
+                                      split_backward=split_backward).makespan_ms
         except DynaPipeError:
             return float(np.inf)
     return total
@@ -167,7 +172,7 @@ def choose_placement_kind(batches: Sequence, cost_model: CostModel, *, dp: int =
                           memory_limit_mib: Optional[float] = None, reserved_mib: Optional[float] = None,
                           seq_length: Optional[int] = None, zero: bool = False, recompute: Optional[str] = None,
                           cluster=None, chunks: int = 2, split_backward: bool = True,
-                          contiguous_allowed: bool = True) -> PlacementPlan:
+                          contiguous_allowed: bool = True, schedule: str = "auto") -> PlacementPlan:
     """The faster of the contiguous placement (:func:`choose_placement`) and the
     ``chunks``-chunk interleaved one (:func:`choose_chunked_placement`), by DynaPipe's
     simulated time on ``batches`` (ms, summed; schedules searched under the memory limit).
@@ -175,7 +180,8 @@ def choose_placement_kind(batches: Sequence, cost_model: CostModel, *, dp: int =
     (for stages that cannot interleave, or a schedule without chunks); ``contiguous_allowed``
     False: the interleaved one only (a chunked schedule; its errors raised). ``split_backward``:
     whether the stages can split their backward (the search may then try ``zb-h1`` on the
-    contiguous placement and ``interleaved-zb`` on the interleaved one)."""
+    contiguous placement and ``interleaved-zb`` on the interleaved one). ``schedule``: the one
+    the run takes (default ``auto``), which both kinds are simulated under."""
     memory_limit_mib, reserved_mib = _memory(cost_model, memory_limit_mib, reserved_mib)
     kw = dict(dp=dp, memory_limit_mib=memory_limit_mib, reserved_mib=reserved_mib, seq_length=seq_length,
               zero=zero, recompute=recompute)
@@ -183,12 +189,12 @@ def choose_placement_kind(batches: Sequence, cost_model: CostModel, *, dp: int =
         chunked = choose_chunked_placement(batches, cost_model, chunks, **kw)
         compared = {"interleaved": str(chunked.chosen.placement),
                     "interleaved_ms": simulated_ms(batches, chunked.cost_model, cluster=cluster,
-                                                   split_backward=split_backward, **kw)}
+                                                   split_backward=split_backward, schedule=schedule, **kw)}
         return replace(chunked, compared=compared)
     contiguous = choose_placement(batches, cost_model, rounds=3, **kw)
     compared = {"contiguous": str(contiguous.chosen.placement),
                 "contiguous_ms": simulated_ms(batches, contiguous.cost_model, cluster=cluster,
-                                              split_backward=split_backward, **kw)}
+                                              split_backward=split_backward, schedule=schedule, **kw)}
     if chunks < 2:
         return PlacementPlan(contiguous.chosen, contiguous.before, contiguous.cost_model, contiguous.rounds, compared)
     try:
@@ -198,7 +204,7 @@ def choose_placement_kind(batches: Sequence, cost_model: CostModel, *, dp: int =
         return PlacementPlan(contiguous.chosen, contiguous.before, contiguous.cost_model, contiguous.rounds, compared)
     compared.update({"interleaved": str(chunked.chosen.placement),
                      "interleaved_ms": simulated_ms(batches, chunked.cost_model, cluster=cluster,
-                                                    split_backward=split_backward, **kw)})
+                                                    split_backward=split_backward, schedule=schedule, **kw)})
     if compared["interleaved_ms"] < compared["contiguous_ms"]:
         return PlacementPlan(chunked.chosen, contiguous.before, chunked.cost_model, contiguous.rounds, compared)
     return PlacementPlan(contiguous.chosen, contiguous.before, contiguous.cost_model, contiguous.rounds, compared)
