@@ -133,17 +133,14 @@ def batching_from_args(args: argparse.Namespace, dp: int) -> tuple[str, Optional
 
 # What only the planner and its loader read, with the defaults declared above: given without
 # --use-dynapipe they would change nothing, so they are refused.
-PLANNER_ONLY = {"schedule": "auto", "planner-workers": 1, "prefetch": 4, "kv-backend": "store",
-                "redis-host": "127.0.0.1", "redis-port": 6379, "store-retry-s": 30.0}
+# What only the Redis plan store reads (--dynapipe-kv-backend redis).
+REDIS_ONLY = {"redis-host": "127.0.0.1", "redis-port": 6379, "store-retry-s": 30.0}
+PLANNER_ONLY = {"schedule": "auto", "planner-workers": 1, "prefetch": 4, "kv-backend": "store", **REDIS_ONLY}
 # What only the executor reads: GPT's fixed-shape baselines run megatron-core's schedules.
 EXECUTOR_ONLY = {"timeout-s": 300.0, "trace-dir": None}
 # What prices the plans: read by the planner, and at start-up by --dynapipe-placement auto,
 # which chooses the split with the planner's cost model for every method.
 PRICING = {"device": None, "cluster": None, "cost-model": "analytic", "memory-limit-mb": None}
-
-
-# What only the Redis plan store reads (--dynapipe-kv-backend redis).
-REDIS_ONLY = {"redis-host": "127.0.0.1", "redis-port": 6379, "store-retry-s": 30.0}
 
 
 def refuse_redis_flags_without_redis(args: argparse.Namespace) -> None:

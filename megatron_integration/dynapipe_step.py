@@ -99,24 +99,18 @@ class MegatronStageHandlers(ModelStageHandlers):
         return loss_sum if scale is None else scale(loss_sum)
 
 
-def schedule_on(schedule: str, placement) -> str:
-    """``--dynapipe-schedule`` as the planner names it on ``placement``: on chunks ``adaptive`` is
-    the interleaved adaptive schedule, as ``1f1b`` and ``zb-h1`` are their interleaved forms
-    (the planner maps those two itself)."""
-    chunked = placement is not None and placement.chunks > 1
-    return "interleaved-adaptive" if chunked and schedule == "adaptive" else schedule
-
-
 def planner_settings(cfg: DynaPipeTrainingConfig, info: RankInfo):
     """What the planner workers need to plan this run's iterations."""
     from dynapipe.config import load_cluster_config, load_device_config
     from dynapipe.runtime.plan_source import PlannerSettings
+    from dynapipe.schedule.types import schedule_on_chunks
 
     d = cfg.dynapipe
     placement = gpt_placement(cfg, info)
     return PlannerSettings(
         model=cfg.model.to_model_config("megatron-gpt"), device=load_device_config(d.device),
-        num_stages=info.pp_size, dp=info.dp_size, method=d.batching, schedule=schedule_on(d.schedule, placement),
+        num_stages=info.pp_size, dp=info.dp_size, method=d.batching,
+        schedule=schedule_on_chunks(d.schedule, placement.chunks if placement is not None else 1),
         memory_limit_mib=d.memory_limit_mb, cost_profile=None if d.cost_model == "analytic" else d.cost_model,
         micro_batch_size=cfg.micro_batch_size, seq_length=cfg.model.seq_length, max_tokens=d.max_tokens or 0,
         cluster=load_cluster_config(d.cluster), zero=cfg.optimizer.distributed, recompute=d.recompute,

@@ -180,12 +180,13 @@ class LoaderSource:
     """``dynapipe``: plans and tensors from the DynaPipe data loader (planner workers)."""
 
     def __init__(self, cfg: T5TrainingConfig, info: RankInfo, start_iteration: int, consumed_samples: int):
-        from megatron_integration.dynapipe_step import make_loader, planner_settings, schedule_on
+        from dynapipe.schedule.types import schedule_on_chunks
+        from megatron_integration.dynapipe_step import make_loader, planner_settings
 
         base = cfg.base
         self.placement, self.model = cfg.stage_placement(), cfg.planner_model()
         settings = replace(planner_settings(base, info), model=self.model, seq_length=cfg.encoder_seq_length,
-                           placement=self.placement, schedule=schedule_on(base.dynapipe.schedule, self.placement))
+                           placement=self.placement, schedule=schedule_on_chunks(base.dynapipe.schedule, self.placement.chunks))
         self.settings = settings
         self.loader = make_loader(base, info, start_iteration, consumed_samples, dataset=cfg.dataset_config(),
                                   settings=settings)

@@ -113,9 +113,9 @@ def simulated_ms(batches: Sequence, cost_model: CostModel, *, dp: int, memory_li
     on a chunked placement, ``interleaved-zb``; ``schedule``: the one the run will take, on
     chunks in its interleaved form)."""
     from dynapipe.schedule.search import search_schedules
+    from dynapipe.schedule.types import schedule_on_chunks
 
-    if schedule == "adaptive" and getattr(cost_model.placement, "chunks", 1) > 1:
-        schedule = "interleaved-adaptive"  # 1f1b and zb-h1 the search maps itself
+    schedule = schedule_on_chunks(schedule, cost_model.placement.chunks)
 
     capacity = None if memory_limit_mib is None else memory_limit_mib - reserved_mib
     # A stage of TP ranks spans that many GPUs of a node, which decides the links it sends over.

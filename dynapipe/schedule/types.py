@@ -30,6 +30,13 @@ SPLIT_BACKWARD_SCHEDULE_NAMES = ("zb-h1",)
 CHUNKED_SCHEDULE_NAMES = ("interleaved", "interleaved-adaptive", "interleaved-zb")
 
 
+def schedule_on_chunks(schedule: str, chunks: int) -> str:
+    """What a training run's ``schedule`` runs as with ``chunks`` per rank: ``adaptive`` as
+    ``interleaved-adaptive`` (the search maps ``1f1b`` and ``zb-h1`` to their interleaved forms
+    itself; the ``plan`` command keeps the names apart and refuses ``adaptive`` on chunks)."""
+    return "interleaved-adaptive" if chunks > 1 and schedule == "adaptive" else schedule
+
+
 @dataclass(frozen=True, order=True)
 class Op:
     """One operation of one stage: ``kind`` ``"F"`` (forward), ``"B"`` (backward), or the
