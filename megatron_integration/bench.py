@@ -130,7 +130,7 @@ def refuse_unread_bench_flags(argv: Sequence[str], methods: Sequence[str]) -> No
     schedule = flag_value(argv, "--dynapipe-schedule")
     if schedule is None:
         return
-    fixed = [m for m in methods if m in ("dynapipe-1f1b", "dynapipe-zb")]
+    fixed = [m for m in methods if "--dynapipe-schedule" in METHOD_FLAGS.get(m, ())]
     if fixed:
         raise DynaPipeError(f"--dynapipe-schedule {schedule} would be overridden for {', '.join(fixed)}, which "
                             f"run(s) a schedule of their own; drop it, or drop them from --methods.")
