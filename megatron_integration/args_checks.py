@@ -23,6 +23,17 @@ def _positive(flag: str, value, allow_zero: bool = False):
     return value
 
 
+def _one_of(args, flag_a: str, flag_b: str):
+    """The value of ``--flag_a`` or of ``--flag_b``, two spellings of one Megatron-LM setting
+    (``--num-layers`` / ``--encoder-num-layers``): both given is refused, as Megatron-LM does;
+    neither given is None."""
+    a, b = getattr(args, flag_a.replace("-", "_"), None), getattr(args, flag_b.replace("-", "_"), None)
+    if a is not None and b is not None:
+        raise DynaPipeError(f"--{flag_a} {a} and --{flag_b} {b} were both given; they are the same setting "
+                            f"(as in Megatron-LM), give one.")
+    return a if a is not None else b
+
+
 def _unsupported(flag: str, reason: str) -> DynaPipeError:
     return DynaPipeError(f"{flag} is a Megatron-LM flag that dynapipe-megatron does not support: {reason}")
 

@@ -25,6 +25,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     """Declare the Megatron-LM arguments the project reads (names and defaults as Megatron's)."""
     g = parser.add_argument_group("network size")
     g.add_argument("--num-layers", type=int, default=None, help="number of transformer layers")
+    g.add_argument("--encoder-num-layers", type=int, default=None,
+                   help="the same as --num-layers (Megatron-LM's other spelling; give one); T5: the encoder's layers")
     g.add_argument("--hidden-size", type=int, default=None, help="transformer hidden size")
     g.add_argument("--num-attention-heads", type=int, default=None, help="number of attention heads")
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP width (default 4 x hidden size)")
@@ -83,6 +85,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
     g = parser.add_argument_group("training")
     g.add_argument("--seq-length", type=int, default=None, help="maximum sequence length in tokens")
+    g.add_argument("--encoder-seq-length", type=int, default=None,
+                   help="the same as --seq-length (Megatron-LM's other spelling; give one); T5: the longest input")
     g.add_argument("--micro-batch-size", type=int, default=None,
                    help="samples (or packed rows) per micro-batch of the fixed-shape baselines")
     g.add_argument("--global-batch-size", type=int, default=None,

@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 
 from dynapipe.errors import DynaPipeError
 from megatron_integration.args_blend import _weight, data_files, parse_blend  # noqa: F401  (re-exported)
-from megatron_integration.args_checks import _need, _positive, _unsupported
+from megatron_integration.args_checks import _need, _one_of, _positive, _unsupported
 from megatron_integration.args_dynapipe import (BATCHINGS, KV_BACKENDS, MEGATRON_BATCHINGS,  # noqa: F401
                                                 MOCK_SAMPLES_DEFAULT, RECOMPUTE_CHOICES, SCHEDULES, add_dynapipe_args,
                                                 batching_from_args, check_planner_nodes,
@@ -120,6 +120,9 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
     Raises :class:`DynaPipeError` naming the offending flag for every invalid combination.
     """
     resolve_tokenizer_type(args, "GPT2BPETokenizer")  # Megatron-LM's pretrain_gpt.py default
+    # Megatron-LM's other spellings of the two (its validate_args fills one from the other).
+    args.num_layers = _one_of(args, "num-layers", "encoder-num-layers")
+    args.seq_length = _one_of(args, "seq-length", "encoder-seq-length")
     cuda = resolve_cuda(cuda)
     _default_global_batch(args, world_size)
     _schedule_from_samples(args)

@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Optional
 
 from dynapipe.errors import DynaPipeError
+from megatron_integration.args_checks import _one_of
 from megatron_integration.arguments import (_positive, _unsupported, build_parser, resolve_cuda,
                                             training_config_from_args)
 from megatron_integration.t5_config import T5TrainingConfig
@@ -29,11 +30,8 @@ T5_BASELINES = ("padding", "packing")
 def add_t5_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Declare Megatron-LM's T5 arguments (names and defaults as Megatron's)."""
     g = parser.add_argument_group("t5")
-    g.add_argument("--encoder-num-layers", type=int, default=None, help="encoder layers (same as --num-layers)")
     g.add_argument("--decoder-num-layers", type=int, default=None,
                    help="decoder layers (default: as many as the encoder)")
-    g.add_argument("--encoder-seq-length", type=int, default=None,
-                   help="longest encoder input in tokens (same as --seq-length)")
     g.add_argument("--decoder-seq-length", type=int, default=None, help="longest decoder target in tokens")
     add_t5_data_args(g)
     return parser
@@ -44,23 +42,20 @@ def build_t5_parser(prog: Optional[str] = None, description: Optional[str] = Non
     return add_t5_args(build_parser(prog=prog, description=description))
 
 
-def _one_of(args, flag_a: str, flag_b: str):
-    a, b = getattr(args, flag_a.replace("-", "_")), getattr(args, flag_b.replace("-", "_"))
-    if a is not None and b is not None:
-        raise DynaPipeError(f"--{flag_a} {a} and --{flag_b} {b} were both given; they are the same setting "
-                            f"(as in Megatron-LM), give one.")
-    if a is None and b is None:
+def _required_one_of(args, flag_a: str, flag_b: str):
+    value = _one_of(args, flag_a, flag_b)
+    if value is None:
         raise DynaPipeError(f"--{flag_b} (or --{flag_a}) is required.")
-    return a if a is not None else b
+    return value
 
 
 def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optional[bool] = None) -> T5TrainingConfig:
     """Validate parsed T5 arguments for a job of ``world_size`` ranks and build the config."""
     resolve_tokenizer_type(args, "BertWordPieceLowerCase")  # Megatron-LM's pretrain_t5.py default
     cuda = resolve_cuda(cuda)
-    enc_layers = _positive("encoder-num-layers", _one_of(args, "num-layers", "encoder-num-layers"))
+    enc_layers = _positive("encoder-num-layers", _required_one_of(args, "num-layers", "encoder-num-layers"))
     dec_layers = _positive("decoder-num-layers", args.decoder_num_layers) or enc_layers
-    enc_seq = _positive("encoder-seq-length", _one_of(args, "seq-length", "encoder-seq-length"))
+    enc_seq = _positive("encoder-seq-length", _required_one_of(args, "seq-length", "encoder-seq-length"))
     if args.decoder_seq_length is None:
         raise DynaPipeError("--decoder-seq-length is required for T5 (the longest target in tokens).")
     dec_seq = _positive("decoder-seq-length", args.decoder_seq_length)
@@ -142,6 +137,7 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
     # The shared validators see the whole model: every layer, the encoder's length.
     shared = argparse.Namespace(**vars(args))
     shared.num_layers, shared.seq_length, shared.max_position_embeddings = total, enc_seq, max_pos
+    shared.encoder_num_layers = shared.encoder_seq_length = None  # resolved above, into the two above
     shared.dynapipe_placement = "even"  # T5's placement is its own (below), not a GPT split
     if placement_flag != "even" and total % pp:
         shared.num_layers = pp * (total // pp) or pp  # the split is the placement's, not an even one

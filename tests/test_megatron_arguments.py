@@ -174,6 +174,19 @@ def test_megatron_lms_generated_aliases_are_the_same_flags():
     assert p.parse_args(base + ["--persistent-save-interval", "7"]).save_interval == 7
 
 
+def test_encoder_spellings_of_layers_and_length_are_megatron_lms_aliases_for_gpt():
+    # Megatron-LM's validate_args fills --num-layers from --encoder-num-layers and --seq-length
+    # from --encoder-seq-length, and refuses both spellings of one setting.
+    typed = BASE.replace("--num-layers 4", "--encoder-num-layers 2").replace("--seq-length 256",
+                                                                           "--encoder-seq-length 128")
+    cfg = parse(base=typed)
+    assert (cfg.model.num_layers, cfg.model.seq_length, cfg.model.max_position_embeddings) == (2, 128, 128)
+    with pytest.raises(DynaPipeError, match="--num-layers 4 and --encoder-num-layers 4 were both given"):
+        parse("--encoder-num-layers 4")
+    with pytest.raises(DynaPipeError, match="--seq-length 256 and --encoder-seq-length 128 were both given"):
+        parse("--encoder-seq-length 128")
+
+
 @pytest.mark.parametrize("extra, needle", [
     ("--dynapipe-schedule 1f1b", "--dynapipe-schedule 1f1b is read by the DynaPipe planner"),
     ("--dynapipe-prefetch 2", "--dynapipe-prefetch 2 is read by the DynaPipe planner"),
