@@ -46,9 +46,12 @@ def check_schedule_flags(args: argparse.Namespace) -> None:
     ``--no-split-backward`` with a named schedule that never splits a backward (it only takes
     the split schedules out of ``auto``), ``--cluster`` with one stage and no tensor
     parallelism (its links are those between stages and inside a TP group)."""
+    from dynapipe.schedule.types import SPLITTING_SCHEDULE_NAMES
+
     schedule = getattr(args, "schedule", "auto")
-    if getattr(args, "no_split_backward", False) and schedule not in ("auto", "zb-h1", "interleaved-zb"):
-        raise DynaPipeError(f"--no-split-backward takes zb-h1 and interleaved-zb out of --schedule auto; "
+    if getattr(args, "no_split_backward", False) and schedule not in ("auto",) + SPLITTING_SCHEDULE_NAMES:
+        raise DynaPipeError(f"--no-split-backward takes {' and '.join(SPLITTING_SCHEDULE_NAMES)} out of "
+                            f"--schedule auto; "
                             f"--schedule {schedule} never splits a backward: drop one of them.")
     cluster = getattr(args, "cluster", None)
     if cluster is not None and getattr(args, "stages", 2) == 1 and getattr(args, "tp", 1) == 1:

@@ -28,6 +28,8 @@ SCHEDULE_NAMES = ("1f1b", "adaptive")
 SPLIT_BACKWARD_SCHEDULE_NAMES = ("zb-h1",)
 # Schedules of chunked (interleaved) placements; the last one splits the backward.
 CHUNKED_SCHEDULE_NAMES = ("interleaved", "interleaved-adaptive", "interleaved-zb")
+# Every named schedule that splits a backward, unchunked or chunked.
+SPLITTING_SCHEDULE_NAMES = SPLIT_BACKWARD_SCHEDULE_NAMES + CHUNKED_SCHEDULE_NAMES[-1:]
 
 
 def schedule_on_chunks(schedule: str, chunks: int) -> str:
