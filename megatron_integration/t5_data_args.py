@@ -13,7 +13,8 @@ import argparse
 import os
 from typing import Optional
 
-from dynapipe.data.splits import MEGATRON_DEFAULT_SPLIT
+from dynapipe.data.indexed import check_indexed_files
+from dynapipe.data.splits import MEGATRON_DEFAULT_SPLIT, documents_per_split, parse_split
 from dynapipe.errors import DynaPipeError
 from megatron_integration.args_checks import _fraction
 from megatron_integration.t5_span_data import SpanCorruptionConfig
@@ -71,6 +72,9 @@ def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> O
             if not (os.path.isfile(p + ".bin") and os.path.isfile(p + ".idx")):
                 raise DynaPipeError(f"{flag_of} {p}: no indexed dataset there ({p}.bin and {p}.idx must both exist; "
                                     f"pass the prefix preprocess_data.py wrote, without the extension).")
+            documents = check_indexed_files(p)
+            if flag_of == "--data-path":
+                _every_split_has_documents(p, documents, _train_split(args))
     kind = args.tokenizer_type
     if kind not in WORDPIECE_TYPES:
         raise DynaPipeError(f"--tokenizer-type {kind}: T5 span corruption of indexed data masks whole WordPiece "
@@ -112,6 +116,18 @@ def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> O
         raise DynaPipeError(f"--decoder-seq-length {dec_seq}: too short for T5 span corruption ([BOS], a sentinel "
                             f"and a masked token); use at least 3 (up to {cfg.worst_decoder_length} at these lengths).")
     return cfg
+
+
+def _every_split_has_documents(prefix: str, documents: int, split: str) -> None:
+    """Refuse a ``--split`` that leaves a split with a share none of ``prefix``'s documents:
+    megatron-core's T5 dataset builds every split with a share (even one no sample is drawn
+    from) and fails on an empty one with an IndexError."""
+    for name, count in documents_per_split(parse_split(split), documents).items():
+        if count == 0:
+            raise DynaPipeError(f"--split {split!r} gives the {name} split none of the {documents:,} documents of "
+                                f"--data-path {prefix}, and megatron-core's T5 dataset cannot build an empty split "
+                                f"(it builds every split with a share, read or not): give the {name} split a larger "
+                                f"share, or none (such as --split 98,2,0), or use more documents.")
 
 
 def _train_split(args: argparse.Namespace) -> str:

@@ -209,6 +209,11 @@ def test_indexed_multi_task_prefixes_and_errors(tmp_path):
         MegatronIndexedDataset(str(tmp_path / "missing"), LengthLimits(64))
     with pytest.raises(DynaPipeError, match="needs paired datasets"):
         MegatronIndexedDataset(str(tmp_path / "a"), LengthLimits(64), encoder_decoder=True)
+    # A dataset written from empty input is named as such (its .bin is empty too, but nothing
+    # was lost in a copy).
+    write_indexed_dataset(str(tmp_path / "empty"), [])
+    with pytest.raises(DynaPipeError, match=r"empty: the indexed dataset holds no sequences .* rebuild it, or leave"):
+        MegatronIndexedDataset(str(tmp_path / "empty"), LengthLimits(64))
 
 
 # ---- synthetic mixture -------------------------------------------------------------------

@@ -10,6 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
+from dynapipe.data.indexed import write_indexed_dataset
 from dynapipe.errors import DynaPipeError
 from megatron_integration.t5_arguments import parse_t5_args
 from megatron_integration.t5_batches import t5_row_tensors
@@ -267,12 +268,37 @@ def test_bad_span_corruption_input_is_refused_in_one_line(corpus, tmp_path):
     for extra, text in refused.items():
         with pytest.raises(DynaPipeError, match=text):
             parse_t5_args(_args(corpus) + list(extra), 1, cuda=False)
+    # Files megatron-core's T5 dataset would fail on with a traceback are refused by name first.
+    empty, truncated = str(tmp_path / "empty"), str(tmp_path / "truncated")
+    write_indexed_dataset(empty, [])
+    shutil.copy(corpus["a"] + ".bin", truncated + ".bin")
+    with open(corpus["a"] + ".idx", "rb") as f:
+        head = f.read()
+    with open(truncated + ".idx", "wb") as f:
+        f.write(head[:len(head) // 2])
+    for prefix, text in ((empty, "holds no sequences"), (truncated, r"truncated\.idx is truncated")):
+        with pytest.raises(DynaPipeError, match=text):
+            parse_t5_args(_args(corpus, data=[prefix]), 1, cuda=False)
     mock = BASE.replace("--split 100,0,0", "--mock-data").split() + ["--vocab-file", corpus["vocab"]]
     assert parse_t5_args(mock, 1, cuda=False).span_corruption is None
     with pytest.raises(DynaPipeError, match="--mask-prob applies to T5 span corruption of indexed"):
         parse_t5_args(mock + ["--mask-prob", "0.3"], 1, cuda=False)
     with pytest.raises(DynaPipeError, match="sentinels are added to the WordPiece vocabularies only"):
         parse_t5_args(mock + ["--tokenizer-type", "ByteLevel", "--vocab-file", ""], 1, cuda=False)
+
+
+def test_a_split_of_no_documents_is_refused_before_megatron_core_fails_on_it(corpus):
+    # 40 documents: Megatron-LM's default 969,30,1 leaves the test split none (0.04 of one),
+    # and megatron-core builds every split with a share, read or not (an IndexError there).
+    for split, empty in (("969,30,1", "test"), ("99,1,0", "valid")):
+        with pytest.raises(DynaPipeError, match=f"--split '{split}' gives the {empty} split none of the 40 documents "
+                                                f"of --data-path .*a, .* larger share, or none"):
+            parse_t5_args(_args(corpus, "--split", split), 1, cuda=False)
+    with pytest.raises(DynaPipeError, match="the test split none of the 40 documents"):
+        parse_t5_args([x for x in _args(corpus) if x not in ("--split", "100,0,0")], 1, cuda=False)
+    cfg = parse_t5_args(_args(corpus, "--split", "90,5,5", "--eval-iters", "1", "--eval-interval", "5"), 1,
+                        cuda=False)
+    assert len(cfg.dataset_config(split="test")) == 8  # 2 documents, one global batch drawn
 
 
 def test_split_and_train_samples_reach_megatron_core_as_megatron_lm_passes_them(corpus):

@@ -57,8 +57,17 @@ _INDEX_HEAD = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences,
 _DTYPE_CODES = range(1, 9)
 
 
-def _check_index_header(path: str) -> None:
-    """The ``.idx`` header is Megatron's and the file holds every array it announces.
+def check_indexed_files(prefix: str) -> int:
+    """Documents of the indexed dataset at ``prefix`` (from its ``.idx`` header), after the
+    checks :func:`_check_index_header` makes; a dataset of no documents is refused. For
+    readers that hand the files to megatron-core's own datasets (T5 span corruption), so a
+    bad file is one line here rather than a traceback there."""
+    return _check_index_header(prefix + ".idx")
+
+
+def _check_index_header(path: str) -> int:
+    """The ``.idx`` header is Megatron's and the file holds every array it announces; returns
+    its document count.
 
     Checked before megatron-core opens the file: its reader fails half-way through its
     constructor on a bad file and then prints a second traceback from ``__del__``.
@@ -77,13 +86,18 @@ def _check_index_header(path: str) -> None:
     if size < need:
         raise DynaPipeError(f"{path} is truncated: {size:,} bytes, but its header announces {sequences:,} sequences "
                             f"and {documents:,} documents ({need:,} bytes); copy the file again or rebuild it.")
-    bin_path = path[:-len(".idx")] + ".bin"
+    prefix = path[:-len(".idx")]
+    if sequences == 0:
+        raise DynaPipeError(f"{prefix}: the indexed dataset holds no sequences (its index announces none); it was "
+                            f"written from empty input: rebuild it, or leave it out of the data paths.")
     lengths = np.fromfile(path, dtype=np.int32, count=sequences, offset=_INDEX_HEAD.size)
-    if sequences and not lengths.any():
-        _no_empty(path[:-len(".idx")], lengths)
-    if os.path.getsize(bin_path) == 0:
-        raise DynaPipeError(f"{bin_path} is empty, but its index announces {sequences:,} sequences; copy the file "
+    if not lengths.any():
+        _no_empty(prefix, lengths)
+    if os.path.getsize(prefix + ".bin") == 0:
+        raise DynaPipeError(f"{prefix}.bin is empty, but its index announces {sequences:,} sequences; copy the file "
                             f"again or rebuild the dataset.")
+    # Megatron's document index holds every document's first sequence and one past the last.
+    return max(int(documents) - 1, 0)
 
 
 def _check_index(prefix: str, handle) -> None:

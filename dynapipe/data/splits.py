@@ -53,6 +53,18 @@ def split_ranges(proportions: list[float]) -> dict[str, Optional[tuple[float, fl
     return {name: (None if r is None else (float(r[0]), float(r[1]))) for name, r in zip(SPLITS, matrix)}
 
 
+def documents_per_split(proportions: list[float], n: int) -> dict[str, Optional[int]]:
+    """Documents of each split of a dataset of ``n`` documents (None for a split of no share),
+    by megatron-core's split matrix and rounding, in pure Python (argument checks run before
+    megatron-core is imported)."""
+    bounds, acc = [], 0.0
+    for share in proportions:  # the running sums megatron-core's split matrix takes
+        bounds.append((acc, acc + share))
+        acc += share
+    return {name: (None if hi <= lo else range_indices((lo, hi), n)[1] - range_indices((lo, hi), n)[0])
+            for name, (lo, hi) in zip(SPLITS, bounds)}
+
+
 def range_indices(split_range: tuple[float, float], n: int) -> tuple[int, int]:
     """First and one-past-last document of ``split_range`` in a dataset of ``n`` documents
     (Megatron's rounding)."""
@@ -73,4 +85,4 @@ def per_file_indices(file_of_sample: np.ndarray, split_range: tuple[float, float
     return np.concatenate(keep) if keep else np.zeros(0, np.int64)
 
 
-__all__ = ["EmptySplitError", "MEGATRON_DEFAULT_SPLIT", "SPLITS", "WHOLE", "parse_split", "per_file_indices", "range_indices", "split_ranges"]
+__all__ = ["EmptySplitError", "MEGATRON_DEFAULT_SPLIT", "SPLITS", "WHOLE", "documents_per_split", "parse_split", "per_file_indices", "range_indices", "split_ranges"]
