@@ -63,7 +63,10 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--log-throughput-to-tensorboard": "--log-throughput with --tensorboard-dir already writes TFLOP/s to "
                                        "TensorBoard; drop it",
     "--start-eval-at-iter": "evaluation runs every --eval-interval iterations from the start; drop it",
-    "--eod-mask-loss": "samples are whole documents without separators; drop it",
+    "--eod-mask-loss": ("every sample here is one document (or a piece of one) and takes no loss past its "
+                        "end-of-document token, which is what the flag keeps Megatron-LM's windows of "
+                        "concatenated documents from training on; an end-of-document id inside a document "
+                        "is not masked. Drop it"),
     "--fp8-format": "fp8 training is not supported; use --bf16",
     "--fp8-recipe": "fp8 training is not supported; use --bf16",
     "--fp8-amax-history-len": "fp8 training is not supported; use --bf16",
