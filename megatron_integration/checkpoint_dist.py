@@ -245,7 +245,14 @@ def read_common(iter_dir: str) -> dict:
     try:
         return dist_checkpointing.load_common_state_dict(iter_dir)
     except _LOAD_ERRORS as e:
-        raise _checkpoint_error(common_state_file(iter_dir), e) from None
+        if isinstance(e, ValueError) and type(e).__name__ == "JSONDecodeError":  # megatron-core reads it first
+            raise _checkpoint_error(os.path.join(iter_dir, "metadata.json"), e) from None
+        where = common_state_file(iter_dir)
+        if where == iter_dir:
+            raise DynaPipeError(f"checkpoint {iter_dir} is incomplete: it holds no common state (no common.pt, and "
+                                f"no index entry for one; {type(e).__name__} in megatron-core); resume from a "
+                                f"complete checkpoint.") from None
+        raise _checkpoint_error(where, e) from None
 
 
 # The flag that sets a recorded argument, where its name is not the argument's.
@@ -275,6 +282,11 @@ def model_mismatch(ckpt_args, cfg, mine: Optional[dict] = None) -> Optional[str]
     differ from this model's (``mine``, else :func:`model_values`), naming the flag; None if
     they fit."""
     m = cfg.model
+    decoder_layers = getattr(ckpt_args, "decoder_num_layers", None)
+    if mine is None and decoder_layers is not None:
+        # A T5's decoder keys are GPT's; without this its checkpoint would load into a GPT.
+        return (f"it records --decoder-num-layers {decoder_layers}: an encoder-decoder (T5) model's checkpoint, "
+                f"and this run trains a GPT; resume it with scripts/pretrain_t5.py")
     for name, value in (mine or model_values(cfg)).items():
         theirs = getattr(ckpt_args, name, None)
         if theirs is not None and theirs != value:
@@ -306,6 +318,25 @@ def _gelu_mismatch(ckpt_args, m) -> Optional[str]:
     return "the checkpoint's model computed the tanh-approximated GeLU of the bias-GeLU fusion, this run the exact one"
 
 
+# megatron-core's distributed-optimizer formats keyed by the model's parameters (DistributedOptimizer.
+# checkpoint_fully_reshardable_formats); the others are its flat buffers, one layout a model-parallel rank.
+FULLY_RESHARDABLE = ("fully_reshardable", "fully_sharded_model_space", "fsdp_dtensor")
+
+
+def check_optimizer_resharding(sharding_type: Optional[str], saved_layout: tuple, layout: tuple,
+                               where: str) -> None:
+    """Refuse, as Megatron-LM does, loading a distributed optimizer's state saved in a
+    buffer-keyed format (``dp_reshardable``, this project's and Megatron-LM's default) at
+    another (TP, PP) ``layout`` than ``saved_layout``: its buffers hold another rank's
+    parameters there, and megatron-core would fail on a bucket's key, not on the cause."""
+    if sharding_type is None or sharding_type in FULLY_RESHARDABLE or tuple(saved_layout) == tuple(layout):
+        return
+    raise DynaPipeError(f"{where}: (TP, PP) {tuple(layout)} here, {tuple(saved_layout)} in the checkpoint: the "
+                        f"distributed optimizer's state was saved as {sharding_type}, sharded by model-parallel "
+                        f"rank, which loads only at the sizes (and pipeline split) it was saved at; resume at "
+                        f"those, or add --no-load-optim to load the weights and start a fresh optimizer.")
+
+
 def load_dist(iter_dir: str, cfg, gpt, optimizer, scheduler, info: RankInfo, load_optim: bool,
               load_rng: bool, log, model_values: Optional[dict] = None) -> tuple[int, int]:
     """Load ``iter_dir`` into this rank's stage (and optimizer, scheduler and RNG unless told not
@@ -335,6 +366,8 @@ def load_dist(iter_dir: str, cfg, gpt, optimizer, scheduler, info: RankInfo, loa
     has_optim = load_optim and any(k.startswith("optimizer.") for k in saved)
     if has_optim:
         check_distributed_optimizer("distrib_optim_sharding_type" in metadata, cfg.optimizer.distributed, iter_dir)
+        check_optimizer_resharding(metadata.get("distrib_optim_sharding_type"), ckpt_layout,
+                                   (info.tp_size, info.pp_size), iter_dir)
         check_precision(_saved_dtype(ckpt_args), cfg.model.dtype, iter_dir)
     state = _sharded_state_dict(gpt, optimizer, metadata, with_optim=has_optim, is_loading=True)
     if load_rng:
@@ -355,7 +388,8 @@ def load_dist(iter_dir: str, cfg, gpt, optimizer, scheduler, info: RankInfo, loa
         optimizer.load_state_dict(loaded["optimizer"])
         if "opt_param_scheduler" in loaded:
             load_scheduler_state(scheduler, loaded["opt_param_scheduler"], iter_dir, int(common.get("iteration", 0)),
-                                 getattr(ckpt_args, "consumed_train_samples", None))
+                                 getattr(ckpt_args, "consumed_train_samples", None),
+                                 getattr(ckpt_args, "global_batch_size", None))
     else:
         # As Megatron-LM: half-precision runs keep fp32 main copies of the weights in the
         # optimizer; without its state they are refreshed from the loaded weights.

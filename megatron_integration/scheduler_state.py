@@ -25,26 +25,36 @@ from dynapipe.errors import DynaPipeError
 STEP_KEYS = ("lr_warmup_steps", "num_steps", "lr_decay_steps", "wd_incr_steps")
 
 
-def in_samples(state: dict, samples_per_iteration: Optional[int]) -> dict:
+def in_samples(state: dict, samples_per_iteration: Optional[int], consumed_samples: Optional[int] = None) -> dict:
     """``state`` (a scheduler state in iterations) in Megatron-LM's units, samples, for a run
-    of ``samples_per_iteration`` samples an iteration; unchanged when that is not fixed (None:
-    global batches formed by a token budget, whose sample counts vary)."""
+    of ``samples_per_iteration`` samples an iteration: its bounds (warm-up, decay, weight-decay
+    steps) as Megatron-LM computes them from this run's global batch, and its step count the
+    ``consumed_samples`` (Megatron-LM's count, right when the global batch changed on an earlier
+    resume; None: this run's batch times the iterations). Unchanged when the batch is not fixed
+    (None: global batches formed by a token budget, whose sample counts vary)."""
     if not samples_per_iteration:
         return dict(state)
-    return {k: (v * samples_per_iteration if k in STEP_KEYS else v) for k, v in state.items()}
+    out = {k: (v * samples_per_iteration if k in STEP_KEYS and v is not None else v) for k, v in state.items()}
+    if consumed_samples is not None and "num_steps" in out:
+        out["num_steps"] = consumed_samples
+    return out
 
 
-def _in_iterations(state: dict, scheduler, iteration: Optional[int], consumed_samples: Optional[int]) -> dict:
+def _in_iterations(state: dict, scheduler, iteration: Optional[int], consumed_samples: Optional[int],
+                   samples_per_iteration: Optional[int] = None) -> dict:
     """A checkpoint's scheduler state in iterations: Megatron-LM's samples are told by a step
-    count equal to the consumed samples (and not to the iteration)."""
+    count equal to the consumed samples (and not to the iteration). Its step count becomes the
+    checkpoint's iteration, and its bounds are divided by the global batch it was saved with
+    (``samples_per_iteration``, the checkpoint's ``global_batch_size``; None: the mean batch,
+    consumed samples over iterations), which is how Megatron-LM computed them."""
     steps = state.get("num_steps")
     if not iteration or not consumed_samples or consumed_samples == iteration or steps != consumed_samples:
         return state
-    per_iteration = consumed_samples / iteration
+    per_iteration = samples_per_iteration or consumed_samples / iteration
     out = dict(state)
     for k in STEP_KEYS:
         if k in out and out[k] is not None:
-            value = out[k] / per_iteration
+            value = iteration if k == "num_steps" else out[k] / per_iteration
             mine = getattr(scheduler, k, None)
             # The run's own value where the two agree but for rounding (x / b * b != x in floats).
             out[k] = mine if mine is not None and math.isclose(value, mine, rel_tol=1e-9) else value
@@ -52,13 +62,15 @@ def _in_iterations(state: dict, scheduler, iteration: Optional[int], consumed_sa
 
 
 def load_scheduler_state(scheduler, state: dict, where: str, iteration: Optional[int] = None,
-                         consumed_samples: Optional[int] = None) -> None:
+                         consumed_samples: Optional[int] = None, samples_per_iteration: Optional[int] = None) -> None:
     """Load ``state`` (a checkpoint's scheduler state) into ``scheduler``; ``where``: the
     checkpoint, for the message; ``iteration`` and ``consumed_samples`` (the checkpoint's) tell
-    a state in samples, which is read in iterations. Raises :class:`DynaPipeError` when a
-    value differs and neither flag says which one to keep."""
+    a state in samples, which is read in iterations (its bounds by ``samples_per_iteration``,
+    the global batch the checkpoint records). Raises :class:`DynaPipeError` when a value
+    differs and neither flag says which one to keep."""
     try:
-        scheduler.load_state_dict(_in_iterations(state, scheduler, iteration, consumed_samples))
+        scheduler.load_state_dict(_in_iterations(state, scheduler, iteration, consumed_samples,
+                                                 samples_per_iteration))
     except AssertionError as e:
         detail = " ".join(str(e).replace("checkpointvalue", "checkpoint value").split())
         raise DynaPipeError(f"{where}: the checkpoint's learning-rate schedule differs from this run's arguments "

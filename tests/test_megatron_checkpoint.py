@@ -120,6 +120,22 @@ def _verifier_catches_damage(iter_dir, scratch):
     for sidecar in scratch.glob("*.sha256"):
         sidecar.unlink()
     assert verify_dist_checkpoint(str(scratch), 0, 1) is False  # as Megatron-LM writes them: unverified
+    # Unverified, a damaged part is still named: a garbled metadata.json (read first), a lost
+    # common part (megatron-core 0.16 fails with an AttributeError of its own there).
+    from megatron_integration.checkpoint_dist import read_common
+
+    assert read_common(str(scratch))["iteration"] == 2
+    meta = scratch / "metadata.json"
+    good = meta.read_bytes()
+    meta.write_text("{bad")
+    with pytest.raises(DynaPipeError, match=f"checkpoint {re.escape(str(meta))} cannot be loaded \\(JSONDecodeError"):
+        read_common(str(scratch))
+    meta.write_bytes(good)
+    if os.path.basename(common) == "common.pt":
+        os.remove(common)
+        with pytest.raises(DynaPipeError, match=f"checkpoint {re.escape(str(scratch))} is incomplete: it holds no "
+                                                f"common state"):
+            read_common(str(scratch))
 
 
 PEER = os.path.join(os.path.dirname(__file__), "mcore_checkpoint_peer.py")
@@ -335,6 +351,26 @@ def test_recorded_args_have_megatron_lms_names_and_meanings():
         assert model_mismatch(old, cfg).endswith(": --no-bias-gelu-fusion")
         assert model_mismatch(old, _parse("--no-bias-gelu-fusion")) is None
     assert model_mismatch(SimpleNamespace(bias_gelu_fusion=False), _parse("--swiglu")) is None  # no GeLU
+    # A T5's checkpoint (its decoder keys are GPT's, its num_layers the encoder's) is refused by a
+    # GPT run by what it records, as its own runs record it; a GPT's records no decoder.
+    assert getattr(recorded("")[1], "decoder_num_layers", None) is None
+    t5_like = SimpleNamespace(**{**vars(args), "num_layers": cfg.model.num_layers, "decoder_num_layers": 2})
+    assert model_mismatch(t5_like, cfg) == ("it records --decoder-num-layers 2: an encoder-decoder (T5) model's "
+                                            "checkpoint, and this run trains a GPT; resume it with "
+                                            "scripts/pretrain_t5.py")
+
+
+def test_a_distributed_optimizer_state_in_buffer_layout_loads_only_at_its_tp_and_pp():
+    # Megatron-LM's rule (its load_checkpoint raises the same): dp_reshardable state is keyed by
+    # each model-parallel rank's flat buffers; the parameter-keyed formats reshard anywhere.
+    from megatron_integration.checkpoint_dist import check_optimizer_resharding
+
+    check_optimizer_resharding("dp_reshardable", (1, 2), (1, 2), "ckpt")
+    check_optimizer_resharding(None, (1, 2), (2, 1), "ckpt")  # no distributed optimizer
+    check_optimizer_resharding("fully_reshardable", (1, 2), (2, 1), "ckpt")
+    with pytest.raises(DynaPipeError, match=r"ckpt: \(TP, PP\) \(1, 4\) here, \(1, 2\) in the checkpoint: .* "
+                                            r"dp_reshardable.* add --no-load-optim"):
+        check_optimizer_resharding("dp_reshardable", (1, 2), (1, 4), "ckpt")
 
 
 def test_any_error_of_a_rank_becomes_its_one_line_with_the_fix():

@@ -87,6 +87,29 @@ def test_checkpoints_hold_megatron_lms_units_and_either_side_resumes_the_others_
     assert again.num_steps == 4
 
 
+def test_a_checkpoint_after_a_global_batch_change_counts_megatron_lms_samples_and_resumes():
+    # 2 iterations of 4 samples, then a resume at 8 a batch for 2 more: Megatron-LM's step count
+    # is the 24 samples consumed (not 4 x 8), its bounds this run's iterations x 8.
+    from megatron_integration.scheduler_state import in_samples
+
+    ours = _megatron_lm_scheduler(1, 6, 1)
+    for _ in range(4):
+        ours.step(increment=1)
+    saved = in_samples(ours.state_dict(), 8, consumed_samples=24)
+    assert (saved["num_steps"], saved["lr_decay_steps"], saved["lr_warmup_steps"]) == (24, 48, 8)
+    # Read back at the checkpoint's iteration with the bounds of the batch it was saved with.
+    resumed = _megatron_lm_scheduler(1, 6, 1)
+    load_scheduler_state(resumed, saved, "ckpt", iteration=4, consumed_samples=24, samples_per_iteration=8)
+    assert resumed.num_steps == 4 and resumed.lr_decay_steps == 6
+    for _ in range(2):
+        resumed.step(increment=1)
+        ours.step(increment=1)
+        assert resumed.get_lr(resumed.optimizer.param_groups[0]) == ours.get_lr(ours.optimizer.param_groups[0])
+    # Divided by the mean batch (24 / 4 = 6 a batch) the bounds would have been 8 iterations.
+    with pytest.raises(DynaPipeError, match="schedule differs"):
+        load_scheduler_state(_megatron_lm_scheduler(1, 6, 1), saved, "ckpt", iteration=4, consumed_samples=24)
+
+
 def test_warmup_fraction_is_not_rounded():
     o = parse_training_args(f"{BASE} --train-iters 10 --lr-warmup-fraction 0.25".split(), 1).optimizer
     assert o.lr_warmup_iters == 2.5  # Megatron-LM: 0.25 x 10 iterations' samples, unrounded
