@@ -38,7 +38,7 @@ def _grads(module: torch.nn.Module) -> Iterable[torch.Tensor]:
 
 
 def local_flags(module: torch.nn.Module, loss_sum, device: torch.device) -> torch.Tensor:
-    """``[loss not finite, gradients not finite]`` of this rank as a float tensor (0 or 1).
+    """``[loss not finite, gradient norm not finite]`` of this rank as a float tensor (0 or 1).
 
     ``loss_sum``: this rank's summed loss (a tensor or a float; None on ranks without a
     loss, i.e. every stage but the last).
@@ -48,10 +48,14 @@ def local_flags(module: torch.nn.Module, loss_sum, device: torch.device) -> torc
         value = float(loss_sum.detach().float().sum()) if torch.is_tensor(loss_sum) else float(loss_sum)
         loss_bad = 0.0 if math.isfinite(value) else 1.0
     flags = torch.tensor([loss_bad, 0.0], dtype=torch.float32, device=device)
-    finite = [torch.isfinite(g).all() for g in _grads(module)]
-    if finite:
+    # The norm, as megatron-core's check_grads takes it (the 2-norm of the local gradients, not
+    # each element): it is NaN for a NaN anywhere and infinite for an infinite element or for
+    # finite ones whose squares overflow (a diverged run whose clipped steps still move Adam's
+    # moments).
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in _grads(module)]
+    if norms:
         # One device-to-host read for all parameters, not one per parameter.
-        flags[1] = (~torch.stack(finite).all()).float()
+        flags[1] = (~torch.isfinite(torch.linalg.vector_norm(torch.stack(norms)))).float()
     return flags
 
 

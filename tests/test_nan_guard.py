@@ -1,0 +1,37 @@
+"""The NaN guard's local check (one process): it reads the gradients' norm, as megatron-core's
+``check_grads`` does, so finite gradients whose norm overflows stop the run too."""
+import torch
+
+from megatron_integration.nan_guard import describe, local_flags
+
+
+def _module(grad: torch.Tensor, main_grad: bool = False) -> torch.nn.Module:
+    m = torch.nn.Linear(grad.shape[1], grad.shape[0], bias=False)
+    if main_grad:  # megatron-core's DDP accumulates into main_grad and leaves .grad empty
+        m.weight.main_grad = grad
+    else:
+        m.weight.grad = grad
+    return m
+
+
+def test_a_finite_loss_and_gradient_norm_pass():
+    flags = local_flags(_module(torch.full((4, 8), 1e3)), torch.tensor(2.5), torch.device("cpu"))
+    assert flags.tolist() == [0.0, 0.0]
+    assert describe(3, flags[None]) is None
+
+
+def test_nan_infinite_and_overflowing_gradients_are_caught_wherever_they_accumulate():
+    cpu = torch.device("cpu")
+    for main_grad in (False, True):
+        nan = torch.ones(4, 8)
+        nan[1, 2] = float("nan")
+        assert local_flags(_module(nan, main_grad), None, cpu).tolist() == [0.0, 1.0]
+        # Every element finite, their squares not: megatron-core's bucket norm is infinite.
+        huge = torch.full((4, 8), 1e25)
+        assert torch.isfinite(huge).all()
+        assert local_flags(_module(huge, main_grad), None, cpu).tolist() == [0.0, 1.0]
+    flags = local_flags(_module(torch.ones(4, 8)), float("inf"), cpu)
+    assert flags.tolist() == [1.0, 0.0]
+    message = describe(2, torch.stack([flags, torch.tensor([0.0, 1.0])]))
+    assert message.startswith("iteration 2: the loss is NaN or infinite on rank 0 and the gradient norm is NaN or "
+                              "infinite on rank 1; stopped before the optimizer step")
