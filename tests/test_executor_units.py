@@ -300,3 +300,38 @@ def test_a_free_between_a_send_start_and_its_finish_is_refused_before_anything_r
     check_plan_locally(plan, stage=0, num_stages=2)
     with pytest.raises(PlanError, match="buffer 'act_out:0:0' is freed while its send is still in flight"):
         check_plan_locally(dataclasses.replace(plan, instructions=tuple(ins)), stage=0, num_stages=2)
+
+
+def test_a_plan_exchange_whose_store_host_died_fails_in_one_line_naming_the_store():
+    # torchrun's store lives in global rank 0's process: when it dies mid-run, the survivors'
+    # plan exchange gets the store's network error, which must become the executor's own
+    # one-line failure (exit status 2), not a DistNetworkError traceback.
+    import datetime
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from dynapipe.runtime.p2p import CommFailure
+    from dynapipe.runtime.plan_check import PeerPlanCheck
+    from megatron_integration.launch import free_port
+
+    port = free_port()
+    host = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d; "
+                             f"s = d.TCPStore('127.0.0.1', {port}, 2, True); time.sleep(120)"])
+    try:
+        client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=30))
+        client.set("ready", "1")
+    finally:
+        host.kill()
+        host.wait(timeout=30)
+    comm = SimpleNamespace(rank=1, size=2, global_ranks=[0, 1], global_rank=lambda p: p)
+    check = PeerPlanCheck(comm, None, "refused", seq=0)
+    check.where = "iteration 3 (exchanging plan digests)"
+    start = time.monotonic()
+    with pytest.raises(CommFailure, match=r"^iteration 3 \(exchanging plan digests\): the job's key-value store "
+                                          r"stopped answering \(.*\); the process that hosts it \(global rank 0 "
+                                          r"under torchrun\) has probably died"):
+        check._store_rows(client, 20.0)
+    assert time.monotonic() - start < 15

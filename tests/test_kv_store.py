@@ -172,6 +172,45 @@ def test_redis_answers_that_waiting_cannot_change_fail_at_once(redis_server):
     assert time.monotonic() - t0 < 5
 
 
+def test_a_lost_redis_costs_one_retry_window_not_one_per_call(redis_server):
+    # After the window ran out, the failure report and the clean-up that follow must not each
+    # wait it out again (a planner rank took 4 windows to exit); a server back again is used.
+    from dataclasses import replace
+
+    exe, port = shutil.which("redis-server"), free_port()
+    args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    spec = replace(redis_server, port=port, connect_timeout_s=10.0, retry_s=1.0)
+    kv = spec.connect()
+    kv.set("k", b"v")
+    proc.kill()
+    proc.wait(10)
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnreachableError, match="for more than --dynapipe-store-retry-s 1 s"):
+        kv.get("k")
+    assert time.monotonic() - t0 >= 0.9
+    t0 = time.monotonic()
+    for call in (lambda: kv.set("k", b"w"), lambda: kv.delete("k"), lambda: kv.add("n", 1)):
+        with pytest.raises(StoreUnreachableError, match="for more than --dynapipe-store-retry-s 1 s"):
+            call()
+    assert time.monotonic() - t0 < 0.9
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                kv.set("k", b"back")
+                break
+            except StoreUnreachableError:
+                assert time.monotonic() < deadline, "redis-server did not come back"
+                time.sleep(0.05)
+        assert kv.get("k") == b"back"
+        kv.close()
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
 def test_a_port_that_accepts_but_never_answers_is_given_up_at_the_connect_timeout():
     # Another service on the Redis port (the job's TCPStore, say) took the 60 s read timeout and a
     # client retry: two minutes for a 3 s limit.

@@ -142,3 +142,37 @@ def test_a_rank_whose_checks_failed_waits_the_jobs_distributed_timeout():
     assert timeout_in_argv(["--distributed-timeout-minutes=2.5", "--lr", "1"]) == 2.5
     assert timeout_in_argv(["--distributed-timeout-minutes", "soon"]) == 10.0
     assert timeout_in_argv(["--distributed-timeout-minutes", "-1"]) == 10.0
+
+
+def test_a_peer_lost_before_the_training_loop_is_one_line_on_the_survivor(monkeypatch, capsys):
+    # A rank dying while the others build the model or the optimizer (megatron-core's first
+    # collectives): the survivor's gloo error becomes the loop's one line, exit status 2.
+    import importlib.util
+
+    import megatron_integration.training as training
+
+    def dies(cfg):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:4805: "
+                           "Connection reset by peer")
+
+    monkeypatch.setattr(training, "pretrain", dies)
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_script", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    at = TINY.index("--pipeline-model-parallel-size")
+    argv = TINY[:at] + TINY[at + 2:] + ["--mock-data"]  # one rank
+    assert script.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: start-up: rank 0 lost a peer (RuntimeError: [") and "\n" not in err, err
+    assert err.endswith("its own log holds the cause.")
+
+    def other(cfg):
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(training, "pretrain", other)
+    try:
+        script.main(argv)
+    except RuntimeError as e:
+        assert str(e) == "something else"  # not a lost peer: raised as it was
+    else:
+        raise AssertionError("a RuntimeError that is not a lost peer was swallowed")

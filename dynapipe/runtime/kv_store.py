@@ -106,6 +106,9 @@ class RedisKV(KVStore):
         self.ttl_s = int(ttl_s)
         self.retry_s = float(retry_s)
         self.address = address
+        # Set once a retry window ran out: later calls (reporting the failure, cleaning up)
+        # try once and fail at once, so a lost server costs one window, not one a call.
+        self._lost: Optional[str] = None
 
     def _call(self, op: Callable):
         import redis
@@ -114,14 +117,19 @@ class RedisKV(KVStore):
         delay = 0.05
         while True:
             try:
-                return op()
+                result = op()
+                self._lost = None
+                return result
             except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+                if self._lost is not None:
+                    raise StoreUnreachableError(self._lost) from None
                 now = time.monotonic()
                 deadline = deadline if deadline is not None else now + self.retry_s
                 if now >= deadline:
-                    raise StoreUnreachableError(
-                        f"lost Redis at {self.address} for more than --dynapipe-store-retry-s {self.retry_s:g} s "
-                        f"({' '.join(str(e).split())}); restart the server or raise the retry window.") from None
+                    self._lost = (f"lost Redis at {self.address} for more than --dynapipe-store-retry-s "
+                                  f"{self.retry_s:g} s ({' '.join(str(e).split())}); restart the server or raise "
+                                  f"the retry window.")
+                    raise StoreUnreachableError(self._lost) from None
                 time.sleep(min(delay, max(deadline - now, 0.0)))
                 delay = min(delay * 2, 1.0)
 

@@ -263,6 +263,19 @@ class PeerPlanCheck:
             self.job = waiter.submit(lambda: self._store_rows(client, timeout_s))
 
     def _store_rows(self, store: dist.Store, timeout_s: float) -> None:
+        try:
+            self._exchange_rows(store, timeout_s)
+        except CommFailure:
+            raise
+        except Exception as e:  # noqa: BLE001 - the store's own errors (DistNetworkError, ...)
+            # The store's host is gone (torchrun's store lives in global rank 0's process): the
+            # cause is in that rank's log, not in this rank's traceback.
+            first = " ".join(str(e).splitlines()[0].split()) if str(e) else ""
+            raise CommFailure(f"{self.where}: the job's key-value store stopped answering ({type(e).__name__}: "
+                              f"{first[:200]}); the process that hosts it (global rank 0 under torchrun) has "
+                              f"probably died or exited: its own log holds the cause") from None
+
+    def _exchange_rows(self, store: dist.Store, timeout_s: float) -> None:
         me = self.comm.global_rank(self.comm.rank)
         store.set(row_key(self.prefix, self.seq, me), json.dumps({"row": self.row, "reason": self.refusal}))
         if self.seq >= 2:  # every peer has read it: each has reached this iteration's exchange
