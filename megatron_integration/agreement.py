@@ -203,3 +203,15 @@ def peer_lost(e: BaseException, where: str) -> Optional[DynaPipeError]:
     first = first.split(". This is typically caused")[0]  # gloo's boilerplate advice
     return DynaPipeError(f"{where}: rank {rank} lost a peer ({type(e).__name__}: {first}); another rank stopped "
                          f"(it crashed, was killed or ran out of memory): its own log holds the cause.")
+
+
+def exit_line(e: BaseException, started: bool) -> Optional[str]:
+    """The one line a training script prints for ``e`` before exiting with status 2, or None
+    when ``e`` is to be raised as it is: a :class:`DynaPipeError` (bad input, a refused plan, a
+    failure the loop already named), or once training has ``started`` another rank gone before
+    the training loop (building the model or the optimizer, loading a checkpoint), as the loop
+    names it (:func:`peer_lost`), not with the backend's traceback."""
+    if isinstance(e, DynaPipeError):
+        return " ".join(str(e).split())
+    lost = peer_lost(e, "start-up") if started else None
+    return None if lost is None else " ".join(str(lost).split())

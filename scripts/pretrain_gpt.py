@@ -55,18 +55,13 @@ def main(argv=None) -> int:
 
         started = True
         pretrain(cfg)
-    except DynaPipeError as e:
-        print("error: " + " ".join(str(e).split()), file=sys.stderr)
-        return 2
-    except RuntimeError as e:
-        # Another rank gone before the training loop (building the model or the optimizer,
-        # loading a checkpoint): one line, as in the loop, not the backend's traceback.
-        from megatron_integration.agreement import peer_lost
+    except (DynaPipeError, RuntimeError) as e:
+        from megatron_integration.agreement import exit_line
 
-        lost = peer_lost(e, "start-up") if started else None
-        if lost is None:
+        line = exit_line(e, started)
+        if line is None:
             raise
-        print("error: " + " ".join(str(lost).split()), file=sys.stderr)
+        print("error: " + line, file=sys.stderr)
         return 2
     finally:
         if started:
