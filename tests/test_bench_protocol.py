@@ -34,28 +34,36 @@ def test_presets_fill_only_missing_arguments():
         assert "--use-dynapipe" in argv and argv[argv.index("--dynapipe-schedule") + 1] == schedule
 
 
-def _ranks(iter_ms, children=None):
+def _ranks(iter_ms, children=None, waits=None, cpu=None):
     n = len(iter_ms[0])
-    return [{"iteration_ms": ms, "plan_wait_ms": [1.0] * n, "real_tokens": [100] * n, "padded_tokens": [200] * n,
-             "losses": [1.0] * n, "layer_spec": "local", "cpu_ms": [50.0] * n,
+    return [{"iteration_ms": ms, "plan_wait_ms": (waits or [[1.0] * n] * len(iter_ms))[k], "real_tokens": [100] * n,
+             "padded_tokens": [200] * n, "losses": [1.0] * n, "layer_spec": "local",
+             "cpu_ms": (cpu or [[50.0] * n] * len(iter_ms))[k],
              "children_cpu_ms": (children or [[0.0] * n] * len(iter_ms))[k]} for k, ms in enumerate(iter_ms)]
 
 
 def test_summary_takes_slowest_rank_and_counts_planner_cpu():
-    ranks = _ranks([[900.0, 100.0, 300.0], [50.0, 200.0, 100.0]], children=[[500.0, 4.0, 6.0], [0.0, 0.0, 0.0]])
+    # The plan wait of an iteration is its slowest rank's (rank 1 in the first timed iteration,
+    # rank 0 in the second); the ranks' own CPU adds up.
+    ranks = _ranks([[900.0, 100.0, 300.0], [50.0, 200.0, 100.0]], children=[[500.0, 4.0, 6.0], [0.0, 0.0, 0.0]],
+                   waits=[[9.0, 2.0, 3.0], [0.0, 5.0, 1.0]], cpu=[[99.0, 60.0, 70.0], [0.0, 20.0, 40.0]])
     r = summarise(ranks, warmup_iters=1)
     assert r.timed_iterations == 2 and r.iteration_ms == pytest.approx(250.0)
     assert r.real_tokens_per_s == pytest.approx(200 / 0.5) and r.padding_efficiency == pytest.approx(0.5)
     # The warm-up's planning (500 ms: compiling the simulator) is outside the timed window.
-    assert r.planner_cpu_ms == pytest.approx(5.0) and r.rank_cpu_ms == pytest.approx(100.0)
-    assert r.planning_overhead == pytest.approx((1.0 + 5.0) / 250.0)
+    assert r.planner_cpu_ms == pytest.approx(5.0) and r.rank_cpu_ms == pytest.approx((80.0 + 110.0) / 2)
+    assert r.plan_wait_ms == pytest.approx((5.0 + 3.0) / 2)
+    assert r.planning_overhead == pytest.approx((4.0 + 5.0) / 250.0)
 
 
 def test_median_over_rounds():
-    runs = [MethodResult(real_tokens_per_s=v, padding_efficiency=0.5, iteration_ms=1000.0 / v, plan_wait_ms=0.0,
-                         planner_cpu_ms=c) for v, c in ((10.0, 1.0), (30.0, 3.0), (20.0, 2.0))]
+    # Every figure its own median: no round's figures are taken whole.
+    runs = [MethodResult(real_tokens_per_s=v, padding_efficiency=0.5, iteration_ms=1000.0 / v, plan_wait_ms=w,
+                         planner_cpu_ms=c, rank_cpu_ms=k)
+            for v, c, w, k in ((10.0, 1.0, 5.0, 7.0), (30.0, 3.0, 1.0, 9.0), (20.0, 2.0, 3.0, 6.0))]
     m = median_result(runs)
     assert m.real_tokens_per_s == 20.0 and m.iteration_ms == pytest.approx(50.0) and m.planner_cpu_ms == 2.0
+    assert (m.plan_wait_ms, m.rank_cpu_ms) == (3.0, 7.0)
     assert m.rounds == 3 and m.to_json()["rounds"] == 3
 
 

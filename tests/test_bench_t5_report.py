@@ -27,6 +27,9 @@ def test_round_ratios_pair_the_reported_runs_round_by_round():
     assert out["dynapipe_vs_best_baseline"] == out["dynapipe_vs_packing"]
     assert out["even_vs_placed"] == [pytest.approx(1.053), 1.25, pytest.approx(1.059)]
     assert "padding_vs_padding" not in out
+    # The best baseline is the one named, wherever it is listed.
+    best_first = round_ratios(results, runs, ["padding", "packing"], "padding")
+    assert best_first["dynapipe_vs_best_baseline"] == [4.0, 3.0, 3.0]
 
 
 def test_round_ratios_are_empty_with_one_round():

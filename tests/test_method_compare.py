@@ -40,6 +40,14 @@ def test_attention_share_matches_hand_computed_gpt7b():
     assert short < attention_share(m, [(16, 256), (1, 4096)]) < 1 / 7
     t5 = load_model_config("t5-11b")
     assert 0 < attention_share(t5, [(2, 512, 64)]) < attention_share(t5, [(2, 2048, 256)]) < 1
+    # Equal encoder and decoder lengths s, L layers each (attention width a, hidden h, MLP f), per
+    # token and layer pair: encoder core 4sa; decoder self- and cross-attention cores 4sa each;
+    # linear: two layers' projections and MLPs 2(8ha + 4hf), plus cross-attention's query/output
+    # (4ha) and key/value projections of the encoder's tokens (4ha). Share 12sa / (12sa + 24ha + 8hf).
+    assert t5.encoder_layers == t5.decoder_layers
+    h, a, f = t5.hidden_size, t5.attention_dim, t5.ffn_hidden_size
+    for s in (128, 512):
+        assert attention_share(t5, [(2, s, s)]) == pytest.approx(12 * s * a / (12 * s * a + 24 * h * a + 8 * h * f))
 
 
 def test_tune_baseline_keeps_the_fastest_fitting_size(gpt7b, batch):

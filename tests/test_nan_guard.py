@@ -6,11 +6,14 @@ from megatron_integration.nan_guard import describe, local_flags
 
 
 def _module(grad: torch.Tensor, main_grad: bool = False) -> torch.nn.Module:
-    m = torch.nn.Linear(grad.shape[1], grad.shape[0], bias=False)
-    if main_grad:  # megatron-core's DDP accumulates into main_grad and leaves .grad empty
-        m.weight.main_grad = grad
-    else:
-        m.weight.grad = grad
+    """Two layers, healthy gradients on the first and ``grad`` on the second's weight (the
+    check must read every parameter, not the first)."""
+    m = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(grad.shape[1], grad.shape[0], bias=False))
+    for p, g in ((m[0].weight, torch.ones(3, 3)), (m[0].bias, torch.ones(3)), (m[1].weight, grad)):
+        if main_grad:  # megatron-core's DDP accumulates into main_grad and leaves .grad empty
+            p.main_grad = g
+        else:
+            p.grad = g
     return m
 
 

@@ -21,19 +21,23 @@ def _scheduler(decay_steps: int, **flags):
 
 
 def test_a_different_schedule_is_refused_unless_a_flag_picks_one():
-    saved = _scheduler(10).state_dict()
+    stepped = _scheduler(10)
+    for _ in range(3):
+        stepped.step(increment=1)
+    saved = stepped.state_dict()
     with pytest.raises(DynaPipeError, match=r"ckpt/iter_0000002: the checkpoint's learning-rate schedule differs "
                                             r".*20 and checkpoint value 10.*--override-opt_param-scheduler"):
         load_scheduler_state(_scheduler(20, override_opt_param_scheduler=False,
                                         use_checkpoint_opt_param_scheduler=False), saved, "ckpt/iter_0000002")
     same = _scheduler(10, override_opt_param_scheduler=False, use_checkpoint_opt_param_scheduler=False)
     load_scheduler_state(same, saved, "ckpt")  # the same schedule loads
+    # Either flag still resumes the checkpoint's position in the schedule.
     ours = _scheduler(20, override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False)
     load_scheduler_state(ours, saved, "ckpt")
-    assert ours.lr_decay_steps == 20
+    assert (ours.lr_decay_steps, ours.num_steps) == (20, 3)
     theirs = _scheduler(20, override_opt_param_scheduler=False, use_checkpoint_opt_param_scheduler=True)
     load_scheduler_state(theirs, saved, "ckpt")
-    assert theirs.lr_decay_steps == 10
+    assert (theirs.lr_decay_steps, theirs.num_steps) == (10, 3)
 
 
 def test_scheduler_flags_reach_the_optimizer_config(tmp_path):
@@ -137,13 +141,19 @@ def test_warmup_starts_from_lr_warmup_init_as_in_megatron_lm():
             parse_training_args(f"{BASE} --train-iters 10 {bad}".split(), 1)
 
 
-@pytest.mark.parametrize("flags, samples", [
-    ("--train-iters 20 --lr-decay-style WSD --lr-wsd-decay-iters 6 --lr-warmup-iters 2", False),
-    ("--train-iters 20 --lr-decay-style WSD --lr-wsd-decay-iters 5 --lr-wsd-decay-style cosine", False),
-    ("--train-samples 160 --lr-decay-style WSD --lr-wsd-decay-samples 44 --lr-wsd-decay-style minus_sqrt", True),
-    ("--train-iters 20 --lr-decay-style inverse-square-root --lr-warmup-iters 3", False),
+# Megatron-LM's scheduler arguments for each command line (global batch 8), written from the
+# command line's numbers (iterations x 8), not from the parsed config under test.
+@pytest.mark.parametrize("flags, warmup, style, wsd, wsd_style", [
+    ("--train-iters 20 --lr-decay-style WSD --lr-wsd-decay-iters 6 --lr-warmup-iters 2", 16, "WSD", 48,
+     "exponential"),
+    ("--train-iters 20 --lr-decay-style WSD --lr-wsd-decay-iters 5 --lr-wsd-decay-style cosine", 0, "WSD", 40,
+     "cosine"),
+    ("--train-samples 160 --lr-decay-style WSD --lr-wsd-decay-samples 44 --lr-wsd-decay-style minus_sqrt", 0, "WSD",
+     44, "minus_sqrt"),
+    ("--train-iters 20 --lr-decay-style inverse-square-root --lr-warmup-iters 3", 24, "inverse-square-root", None,
+     "exponential"),
 ])
-def test_wsd_and_inverse_square_root_rates_are_megatron_lms(flags, samples):
+def test_wsd_and_inverse_square_root_rates_are_megatron_lms(flags, warmup, style, wsd, wsd_style):
     # Megatron-LM's get_optimizer_param_scheduler: steps in samples (global batch 8), stepped by
     # each iteration's samples; this project's steps once an iteration. Same rate every iteration.
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -153,13 +163,11 @@ def test_wsd_and_inverse_square_root_rates_are_megatron_lms(flags, samples):
     cfg = parse_training_args(f"{BASE} --min-lr 1e-5 {flags}".split(), 1)
     ours = OptimizerParamScheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1e-3),
                                    **scheduler_arguments(cfg))
-    o, gbs = cfg.optimizer, 8
+    gbs, decay = 8, 160  # 20 iterations (or 160 samples) of decay and weight-decay increment
     theirs = OptimizerParamScheduler(
         torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1e-3), init_lr=0.0, max_lr=1e-3, min_lr=1e-5,
-        lr_warmup_steps=o.lr_warmup_iters * gbs, lr_decay_steps=o.lr_decay_iters * gbs,
-        lr_decay_style=o.lr_decay_style, start_wd=0.01, end_wd=0.01, wd_incr_steps=20 * gbs, wd_incr_style="constant",
-        wsd_decay_steps=(44 if samples else (o.wsd_decay_iters or 0) * gbs) or None,
-        lr_wsd_decay_style=o.lr_wsd_decay_style)
+        lr_warmup_steps=warmup, lr_decay_steps=decay, lr_decay_style=style, start_wd=0.01, end_wd=0.01,
+        wd_incr_steps=decay, wd_incr_style="constant", wsd_decay_steps=wsd, lr_wsd_decay_style=wsd_style)
     for _ in range(20):
         ours.step(increment=1)
         theirs.step(increment=gbs)

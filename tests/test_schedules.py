@@ -1,5 +1,8 @@
 """Schedule search: candidates, memory, the fastest that fits, and clear failures."""
+import math
+
 import numpy as np
+
 import pytest
 
 from dynapipe.batching import plan_micro_batches
@@ -57,6 +60,18 @@ def test_explain_simulates_every_candidate_exactly(gpt7b):
     assert all(c.status in ("fits", "over-memory") for c in res.candidates)
     fitting = [c for c in res.candidates if c.fits]
     assert res.best.makespan_ms == min(c.makespan_ms for c in fitting)
+    # Exact figures for every candidate, the ones over memory included: what the same schedule,
+    # order and level give simulated alone without a memory cap.
+    stages = cm.num_stages
+    assert all(math.isfinite(c.makespan_ms) and len(c.peak_mib) == stages for c in res.candidates)
+    # (zb-h1's figures depend on the capacity: its weight delays are capped until it fits.)
+    over = [c for c in uniform if c.status == "over-memory" and c.schedule != "zb-h1"]
+    assert len(over) >= 2, "this batch should leave candidates of 1f1b or adaptive over memory"
+    for c in (over[0], over[-1]):
+        alone = search_schedules([bp.replica(0)], cm, schedule=c.schedule, orders=[c.order], recompute=c.recompute,
+                                 cluster=cluster, per_stage=False)
+        assert alone.best.makespan_ms == pytest.approx(c.makespan_ms)
+        assert alone.best.peak_mib == pytest.approx(c.peak_mib)
     fast = search_schedules([bp.replica(0)], cm, capacity_mib=device.memory_mib - device.reserved_mib,
                             cluster=cluster)
     assert fast.best == res.best
