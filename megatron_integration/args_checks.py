@@ -38,6 +38,11 @@ def _unsupported(flag: str, reason: str) -> DynaPipeError:
     return DynaPipeError(f"{flag} is a Megatron-LM flag that dynapipe-megatron does not support: {reason}")
 
 
+def _unsupported_value(flag: str, value, reason: str) -> DynaPipeError:
+    """A value of a flag this build takes that it cannot honour (the flag itself is supported)."""
+    return DynaPipeError(f"{flag} {value} is not supported by dynapipe-megatron: {reason}")
+
+
 def _fraction(flag: str, value: float, low_open: bool = False, high_open: bool = True, default=None) -> float:
     """``value`` of ``--flag`` inside the unit interval, each end open or closed as Megatron-LM
     reads that flag; ``default`` (Megatron-LM's) is named in the error when given."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from dynapipe.errors import DynaPipeError
-from megatron_integration.args_checks import _positive, _unsupported
+from megatron_integration.args_checks import _positive, _unsupported_value
 from megatron_integration.train_config import TensorBoardArgs
 
 
@@ -52,9 +52,9 @@ def tensorboard_args_from_args(args: argparse.Namespace) -> TensorBoardArgs:
     """TensorBoard's settings, validated; refuses the per-operation timers of timing levels 1
     and 2 (this build's per-op times are the executor traces)."""
     if args.timing_log_level:
-        raise _unsupported("--timing-log-level", f"{args.timing_log_level}: Megatron-LM's per-operation timers "
-                                                 f"are not built; the log line has the iteration time (level 0), "
-                                                 f"and --dynapipe-trace-dir writes every op's time")
+        raise _unsupported_value("--timing-log-level", args.timing_log_level,
+                                 "Megatron-LM's per-operation timers are not built; the log line has the iteration "
+                                 "time (level 0), and --dynapipe-trace-dir writes every op's time")
     for flag in ("tensorboard-log-interval", "tensorboard-queue-size"):
         _positive(flag, getattr(args, flag.replace("-", "_")))
     # Megatron-LM ignores these without a directory; here a flag that would change nothing is refused.

@@ -49,6 +49,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--group-query-attention", action="store_true", help="grouped-query attention")
     g.add_argument("--num-query-groups", type=int, default=1, help="key/value groups with --group-query-attention")
     g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base period")
+    g.add_argument("--rope-type", default=None, choices=("rope", "yarn"),
+                   help="rope: the standard rotary embedding (Megatron-LM's default with ordinary attention; "
+                        "needs --position-embedding-type rope); yarn is refused (not built)")
     # Megatron-LM's deprecated spellings of --position-embedding-type rope (its legacy RoPE arguments).
     g.add_argument("--use-rotary-position-embeddings", action="store_true",
                    help="deprecated in Megatron-LM: --position-embedding-type rope")

@@ -9,7 +9,11 @@ from __future__ import annotations
 import argparse
 
 from dynapipe.errors import DynaPipeError
-from megatron_integration.args_checks import _unsupported
+from megatron_integration.args_checks import _unsupported, _unsupported_value
+
+# Megatron-FSDP's flags (its own sharded data parallelism).
+_FSDP = ("Megatron-FSDP is not built: each stage holds its parameters whole under megatron-core's DDP (or its "
+         "distributed optimizer, --use-distributed-optimizer); drop it")
 
 # Megatron-LM flags this build does not take, and why (or what to use instead). Anything
 # not listed here and not declared by add_megatron_args / add_dynapipe_args is not a
@@ -90,7 +94,13 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--spec": "the layer spec is megatron-core's GPT spec (Transformer Engine's on GPUs, the local one on CPU)",
     "--check-weight-hash-across-dp-replicas-interval": "not built; drop it",
     "--step-batch-size-schedule": "the global batch is fixed (or set by --dynapipe-tokens-per-global-batch)",
-    "--tiktoken-pattern": "the TikTokenizer is not a --tokenizer-type here; use HuggingFaceTokenizer",
+    "--tiktoken-pattern": ("read by --tokenizer-type TikTokenizer only (Megatron-LM ignores it with any other "
+                           "tokenizer), which is not a --tokenizer-type here; drop it (for a tiktoken vocabulary "
+                           "use HuggingFaceTokenizer)"),
+    "--use-megatron-fsdp": _FSDP,
+    "--data-parallel-sharding-strategy": _FSDP,
+    "--init-model-with-meta-device": _FSDP,
+    "--use-nccl-ub": _FSDP,
     "--no-save-optim": "checkpoints always hold the optimizer state; drop it (load with --no-load-optim or "
                        "--finetune to leave it out)",
     "--no-save-rng": "checkpoints always hold the RNG states; drop it (load with --no-load-rng to leave them out)",
@@ -135,6 +145,8 @@ UNSUPPORTED_MEGATRON_PREFIXES = {
     "--fp8-": "fp8 training is not supported; use --bf16",
     "--no-fp8-": "fp8 training is not supported; use --bf16",
     "--wandb-": "use --tensorboard-dir for metrics",
+    "--moe-": "mixture-of-experts models are not built (see --num-experts); drop it",
+    "--fsdp-": _FSDP,
 }
 
 
@@ -150,17 +162,20 @@ def _model_flags_honoured(args: argparse.Namespace, cuda: bool) -> None:
     """Refuse the Megatron model flags whose non-default values the stage builder cannot honour yet
     (the default of each, which is what is built, is accepted)."""
     if args.rotary_percent != 1.0:
-        raise _unsupported("--rotary-percent", f"{args.rotary_percent}: rotary embeddings cover the whole head "
-                                               f"(1.0, the default); drop it")
+        raise _unsupported_value("--rotary-percent", args.rotary_percent,
+                                 "rotary embeddings cover the whole head (1.0, the default); drop it")
     if args.apply_layernorm_1p:
         raise _unsupported("--apply-layernorm-1p", "zero-centred norm weights are not built (the deterministic "
                                                    "initialisation sets norm weights to one); drop it")
     if args.cross_entropy_loss_fusion and not cuda:
         raise _unsupported("--cross-entropy-loss-fusion", "megatron-core's fused cross-entropy is a GPU kernel; "
                                                           "drop it on CPU")
-    if args.attention_backend != "auto":
-        raise _unsupported("--attention-backend", f"{args.attention_backend}: megatron-core chooses the backend "
-                                                  f"(auto); drop it")
+    local_layers = args.transformer_impl == "local" or not cuda
+    # local: megatron-core's own DotProductAttention, which local layers are built with.
+    if args.attention_backend != "auto" and not (args.attention_backend == "local" and local_layers):
+        raise _unsupported_value("--attention-backend", args.attention_backend,
+                                 "megatron-core chooses the backend (auto), or local with local layers "
+                                 "(--transformer-impl local, or on CPU); drop it")
     if args.transformer_impl == "transformer_engine" and cuda:
         from megatron_integration.model import te_available
 
@@ -185,9 +200,10 @@ def _resilience_args_honoured(args: argparse.Namespace) -> None:
     Megatron-LM's does when disabled); the other modes are refused."""
     mode = getattr(args, "rerun_mode", None)
     if mode not in (None, "disabled"):
-        raise _unsupported("--rerun-mode", f"{mode}: iterations are not rerun; a NaN or Inf loss or gradient stops "
-                                           f"every rank with its cause (--no-check-for-nan-in-loss-and-grad turns "
-                                           f"the check off); use --rerun-mode disabled or drop it")
+        raise _unsupported_value("--rerun-mode", mode,
+                                 "iterations are not rerun; a NaN or Inf loss or gradient stops every rank with its "
+                                 "cause (--no-check-for-nan-in-loss-and-grad turns the check off); use --rerun-mode "
+                                 "disabled or drop it")
 
 
 def _checkpoint_args_honoured(args: argparse.Namespace) -> None:

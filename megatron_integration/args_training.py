@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from dynapipe.errors import DynaPipeError
-from megatron_integration.args_checks import _fraction, _need, _positive, _unsupported
+from megatron_integration.args_checks import _fraction, _need, _positive, _unsupported_value
 from megatron_integration.model_flags import loss_scale_from_args
 from megatron_integration.train_config import OptimizerArgs
 
@@ -88,8 +88,9 @@ def optimizer_args_from_args(args: argparse.Namespace) -> OptimizerArgs:
         raise DynaPipeError("--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 were both given; give "
                             "one (Megatron-LM would drop the fp32 accumulation asked for without a word).")
     if args.optimizer != "adam":
-        raise _unsupported("--optimizer", f"{args.optimizer}: only adam (megatron-core's Adam with decoupled "
-                                          f"weight decay) is built; use --optimizer adam")
+        raise _unsupported_value("--optimizer", args.optimizer,
+                                 "only adam (megatron-core's Adam with decoupled weight decay) is built; use "
+                                 "--optimizer adam")
     warmup_init = getattr(args, "lr_warmup_init", 0.0)
     if warmup_init < 0:
         raise DynaPipeError(f"--lr-warmup-init {warmup_init}: a learning rate cannot be negative; "

@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 
 from dynapipe.errors import DynaPipeError
 from megatron_integration.args_blend import _weight, data_files, parse_blend  # noqa: F401  (re-exported)
-from megatron_integration.args_checks import _need, _one_of, _positive, _unsupported
+from megatron_integration.args_checks import _need, _one_of, _positive, _unsupported, _unsupported_value
 from megatron_integration.args_dynapipe import (BATCHINGS, KV_BACKENDS, MEGATRON_BATCHINGS,  # noqa: F401
                                                 MOCK_SAMPLES_DEFAULT, RECOMPUTE_CHOICES, SCHEDULES, add_dynapipe_args,
                                                 batching_from_args, check_planner_nodes,
@@ -65,14 +65,20 @@ def build_parser(prog: Optional[str] = None, description: Optional[str] = None) 
     class MegatronArgumentParser(StrictArgumentParser):
         def parse_known_args(self, args=None, namespace=None):
             parsed, extras = super().parse_known_args(args, namespace)
+            # Every refused flag at once, a line each: a launch script brought over from
+            # Megatron-LM is mended in one go, not one launch per flag.
+            refused = []
             for item in extras:
                 flag = item.split("=", 1)[0]
                 why = unsupported_reason(flag) if flag.startswith("--") else None
                 if why is not None:
-                    # torchrun runs this on every rank; one copy of the line is enough.
-                    if os.environ.get("RANK", "0") == "0":
+                    refused.append((flag, why))
+            if refused:
+                # torchrun runs this on every rank; one copy of the lines is enough.
+                if os.environ.get("RANK", "0") == "0":
+                    for flag, why in refused:
                         print("error: " + str(_unsupported(flag, why)), file=sys.stderr)
-                    self.exit(2)
+                self.exit(2)
             return parsed, extras
 
         def error(self, message):
@@ -243,12 +249,12 @@ def _parallel_args_from_args(args: argparse.Namespace, world_size: int, cuda: bo
                             "CUDA parameters only); on CPU drop it.")
     check_tensor_parallel_args(args, cuda)
     if args.context_parallel_size != 1:
-        raise _unsupported("--context-parallel-size", f"{args.context_parallel_size}: no context parallelism "
-                                                      f"(1, the default); split long sequences over fewer tokens "
-                                                      f"per sample instead")
+        raise _unsupported_value("--context-parallel-size", args.context_parallel_size,
+                                 "no context parallelism (1, the default); split long sequences over fewer tokens "
+                                 "per sample instead")
     if args.expert_model_parallel_size != 1:
-        raise _unsupported("--expert-model-parallel-size", f"{args.expert_model_parallel_size}: mixture-of-experts "
-                                                           f"models are not built (1, the default); drop it")
+        raise _unsupported_value("--expert-model-parallel-size", args.expert_model_parallel_size,
+                                 "mixture-of-experts models are not built (1, the default); drop it")
     backend = args.distributed_backend or ("nccl" if cuda else "gloo")
     if backend == "nccl" and not cuda:
         raise DynaPipeError("--distributed-backend nccl needs GPUs; use gloo on CPU.")

@@ -93,6 +93,12 @@ def rope_scaling_from_args(args: argparse.Namespace) -> dict:
     interpolation = getattr(args, "rotary_seq_len_interpolation_factor", None)
     given = [f for f, v in (("--use-rope-scaling", scaling), ("--rope-scaling-factor", factor != 8.0),
                             ("--rotary-seq-len-interpolation-factor", interpolation is not None)) if v]
+    rope_type = getattr(args, "rope_type", None)
+    if rope_type == "yarn":
+        raise DynaPipeError("--rope-type yarn: YaRN rotary embeddings (Megatron-LM's choice for multi-latent "
+                            "attention) are not built; use --rope-type rope or drop it.")
+    if rope_type is not None:
+        given.append(f"--rope-type {rope_type}")
     if given and args.position_embedding_type != "rope":
         raise DynaPipeError(f"{given[0]} applies to rotary position embeddings; add --position-embedding-type rope "
                             f"or drop it.")

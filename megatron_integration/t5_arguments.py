@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Optional
 
 from dynapipe.errors import DynaPipeError
-from megatron_integration.args_checks import _one_of
+from megatron_integration.args_checks import _one_of, _unsupported_value
 from megatron_integration.arguments import (_positive, _unsupported, build_parser, resolve_cuda,
                                             training_config_from_args)
 from megatron_integration.t5_config import T5TrainingConfig
@@ -100,12 +100,12 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
     if not args.add_position_embedding:
         raise _unsupported("--no-position-embedding", "T5 stages use learned absolute positions; drop it")
     if args.position_embedding_type != "learned_absolute":
-        raise _unsupported("--position-embedding-type", f"{args.position_embedding_type}: T5 stages use learned "
-                                                        f"absolute positions; drop it")
+        raise _unsupported_value("--position-embedding-type", args.position_embedding_type,
+                                 "T5 stages use learned absolute positions; drop it")
     if args.transformer_impl == "transformer_engine" and cuda:
-        raise _unsupported("--transformer-impl", "transformer_engine (Megatron-LM's default): the T5 stages are "
-                                                 "built from megatron-core's local layers (its T5 block specs "
-                                                 "without Transformer Engine); pass --transformer-impl local")
+        raise DynaPipeError("the T5 stages are built from megatron-core's local layers (its T5 block specs without "
+                            "Transformer Engine), and --transformer-impl is transformer_engine (Megatron-LM's "
+                            "default, in effect when the flag is not given); pass --transformer-impl local.")
     pp = args.pipeline_model_parallel_size
     total = enc_layers + dec_layers
     placement_flag = (getattr(args, "dynapipe_placement", None) or "even").strip()

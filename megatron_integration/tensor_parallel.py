@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 
 from dynapipe.errors import DynaPipeError, PlanError
 from megatron_integration.model_flags import swiglu_ffn_hidden_size
@@ -24,9 +25,9 @@ from megatron_integration.model_flags import swiglu_ffn_hidden_size
 def check_tensor_parallel_args(args: argparse.Namespace, cuda: bool) -> None:
     """Refuse TP/SP settings the stages cannot honour, naming the flag and the fix.
 
-    TP runs on CPUs too (megatron-core's tensor-parallel layers over gloo). Megatron-LM
-    switches ``--sequence-parallel`` off at TP 1 with a warning; this build refuses it
-    instead, so a command line never claims what does not run. A ``--dynapipe-cost-model``
+    TP runs on CPUs too (megatron-core's tensor-parallel layers over gloo). As Megatron-LM
+    does, ``--sequence-parallel`` at TP 1 is switched off with a warning (its launch scripts
+    pass it whatever their TP size). A ``--dynapipe-cost-model``
     profile must have been measured at this TP size and sequence-parallel setting
     (``python -m dynapipe profile --tensor-model-parallel-size N [--sequence-parallel]``).
     """
@@ -41,8 +42,9 @@ def check_tensor_parallel_args(args: argparse.Namespace, cuda: bool) -> None:
                 raise DynaPipeError(f"--tensor-model-parallel-size {tp} does not divide {flag} {value}; "
                                     f"use a tensor-parallel size that divides it.")
     if sp and tp == 1:
-        raise DynaPipeError("--sequence-parallel needs --tensor-model-parallel-size 2 or more (it shards the "
-                            "sequence over the tensor-parallel ranks; Megatron-LM turns it off at TP 1); drop it.")
+        warnings.warn("Disabling sequence parallelism because tensor model parallelism is disabled "
+                      "(--sequence-parallel at --tensor-model-parallel-size 1, as Megatron-LM reads it)", stacklevel=2)
+        args.sequence_parallel = sp = False
     if sp and args.seq_length % tp:
         raise DynaPipeError(f"--sequence-parallel splits every sequence over the {tp} tensor-parallel ranks, but "
                             f"--seq-length {args.seq_length} is not a multiple of {tp}; use "

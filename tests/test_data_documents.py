@@ -103,7 +103,9 @@ def test_baselines_train_every_piece(corpora):
 def test_split_parsing_matches_megatron_core():
     from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
 
-    for text in ("969, 30, 1", "90,5,5", "1", "99,1", "0.5/0.25/0.25", "3 1 0", "98:1:1", "8;1;1"):
+    # Quoted as Megatron-LM's llama3 and gpt-oss launch scripts pass it ("--split '99,1,0'" expanded unquoted).
+    for text in ("969, 30, 1", "90,5,5", "1", "99,1", "0.5/0.25/0.25", "3 1 0", "98:1:1", "8;1;1", "'99,1,0'",
+                 '"98,2,0"'):
         assert parse_split(text) == pytest.approx(parse_and_normalize_split(text), abs=0)
     for bad in ("a,b", "0,0,0", "1,2,3,4", "-1,2", ""):
         with pytest.raises(DynaPipeError, match="--split"):

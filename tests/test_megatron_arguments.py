@@ -44,7 +44,6 @@ def test_without_use_dynapipe_the_method_is_a_megatron_baseline():
     ("--num-attention-heads 5", 1, False, "--hidden-size 64 is not divisible by --num-attention-heads 5"),
     ("--use-dynapipe --dynapipe-batching token-budget", 1, False, "needs --dynapipe-max-tokens"),
     ("--use-dynapipe --dynapipe-batching token-budget --dynapipe-max-tokens 100", 1, False, "below --seq-length"),
-    ("--sequence-parallel", 2, False, "--sequence-parallel needs --tensor-model-parallel-size 2 or more"),
     ("--tensor-model-parallel-size 2 --sequence-parallel --seq-length 255 --max-position-embeddings 256", 2, False,
      "--seq-length 255 is not a multiple of 2; use 256"),
     ("--tensor-model-parallel-size 3", 3, False, "--tensor-model-parallel-size 3 does not divide --num-attention-heads 4"),
@@ -90,6 +89,14 @@ def test_parser_has_megatron_and_dynapipe_flags():
                  "--dynapipe-memory-limit-mb", "--dynapipe-cost-model", "--dynapipe-planner-workers",
                  "--dynapipe-prefetch", "--dynapipe-kv-backend"):
         assert flag in text, flag
+
+
+def test_sequence_parallel_at_tp1_is_switched_off_with_megatron_lms_warning():
+    # Megatron-LM's launch scripts pass --sequence-parallel whatever their TP size; it warns.
+    with pytest.warns(UserWarning, match="Disabling sequence parallelism because tensor model parallelism is "
+                                         "disabled"):
+        cfg = parse("--sequence-parallel")
+    assert cfg.parallel.sequence_parallel is False and cfg.parallel.tensor_model_parallel_size == 1
 
 
 def test_tensor_and_sequence_parallel_run_on_cpu():

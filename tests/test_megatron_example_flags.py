@@ -198,7 +198,9 @@ def test_t5_refuses_what_its_stages_do_not_take():
         with pytest.raises(DynaPipeError, match=extra.split()[0]):
             parse_t5_args(argv + extra.split(), 2, cuda=True)
     # T5 stages are megatron-core's local layers: Megatron-LM's default Transformer Engine is refused on GPUs.
-    with pytest.raises(DynaPipeError, match="^--transformer-impl is a Megatron-LM flag .* transformer_engine"):
+    with pytest.raises(DynaPipeError, match="^the T5 stages are built from megatron-core's local layers .* "
+                                            "--transformer-impl is transformer_engine \\(Megatron-LM's default, in "
+                                            "effect when the flag is not given\\); pass --transformer-impl local"):
         parse_t5_args(argv, 2, cuda=True)
     assert parse_t5_args(argv + ["--transformer-impl", "local"], 2, cuda=True).base.model.transformer_impl == "local"
     assert parse_t5_args(argv, 2, cuda=False).base.model.transformer_impl == "local"

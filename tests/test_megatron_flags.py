@@ -87,14 +87,39 @@ def test_transformer_impl_picks_the_gpu_layers(monkeypatch):
         parse("", cuda=True)
 
 
-@pytest.mark.parametrize("extra, cuda, flag", [
-    ("--attention-backend flash", True, "--attention-backend"),
-    ("--optimizer sgd", False, "--optimizer"),
+@pytest.mark.parametrize("extra, cuda", [
+    ("--attention-backend flash", True),
+    ("--attention-backend local", True),  # Transformer Engine's layers (Megatron-LM's default) on GPUs
+    ("--optimizer sgd", False),
 ])
-def test_values_that_cannot_be_honoured_are_refused(extra, cuda, flag):
+def test_values_that_cannot_be_honoured_are_refused(extra, cuda):
     with pytest.raises(DynaPipeError) as e:
         parse(extra, cuda=cuda)
-    assert str(e.value).startswith(f"{flag} is a Megatron-LM flag that dynapipe-megatron does not support: ")
+    assert str(e.value).startswith(f"{extra} is not supported by dynapipe-megatron: ")
+
+
+def test_the_attention_backend_local_layers_use_is_accepted():
+    assert parse("--attention-backend local", cuda=False).model.num_layers == 2
+    assert parse("--attention-backend local --transformer-impl local", cuda=True).model.num_layers == 2
+
+
+def test_megatron_lm_launch_scripts_refused_flags_are_named_all_at_once(capsys):
+    # Megatron-LM's mixtral and Megatron-FSDP llama3 scripts: every refused flag named in one run.
+    with pytest.raises(SystemExit):
+        parse("--moe-router-topk 2 --moe-grouped-gemm --use-megatron-fsdp --fsdp-double-buffer")
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert [ln.split()[1] for ln in lines] == ["--moe-router-topk", "--moe-grouped-gemm", "--use-megatron-fsdp",
+                                                "--fsdp-double-buffer"]
+    assert all(" is a Megatron-LM flag that dynapipe-megatron does not support: " in ln for ln in lines)
+    assert "mixture-of-experts models are not built" in lines[0] and "Megatron-FSDP is not built" in lines[2]
+
+
+def test_rope_type_rope_is_the_rope_built_and_yarn_is_refused():
+    assert parse("--position-embedding-type rope --rope-type rope").model.position_embedding_type == "rope"
+    with pytest.raises(DynaPipeError, match="--rope-type yarn: YaRN rotary embeddings .* not built"):
+        parse("--position-embedding-type rope --rope-type yarn")
+    with pytest.raises(DynaPipeError, match="--rope-type rope applies to rotary position embeddings"):
+        parse("--rope-type rope")
 
 
 @pytest.mark.parametrize("extra, needle", [

@@ -34,7 +34,10 @@ def parse_split(text: str) -> list[float]:
     megatron-core's ``parse_and_normalize_split`` reads it (missing ones are 0); raises
     :class:`DynaPipeError` where megatron-core would assert or divide by zero. Pure Python,
     so a bad command line is refused before megatron-core is imported."""
-    items = [x for x in re.split(r"[\s,/:;]+", text.strip()) if x]  # megatron-core reads any separator
+    # Quotes kept by a launch script that expands "--split '99,1,0'" unquoted (Megatron-LM's
+    # own do) are not part of the value: megatron-core's number search skips them.
+    text = text.strip().strip("'\"")
+    items = [x for x in re.split(r"[\s,/:;]+", text) if x]  # megatron-core reads any separator
     values = [float(x) for x in items if re.fullmatch(r"[.0-9]+", x) and x.count(".") <= 1 and x != "."]
     if not 1 <= len(items) <= 3 or len(values) != len(items) or sum(values) <= 0:
         raise DynaPipeError(f"--split {text!r}: give up to three non-negative train, validation and test "
