@@ -5,8 +5,9 @@ Honoured: ``--log-interval``, ``--log-throughput``, ``--log-params-norm``,
 ``--tensorboard-log-interval``, ``--tensorboard-queue-size``, ``--log-timers-to-tensorboard``
 (the iteration's measured time split), ``--log-validation-ppl-to-tensorboard``,
 ``--no-log-loss-scale-to-tensorboard``, ``--log-world-size-to-tensorboard``;
-``--timing-log-level 0`` and ``--timing-log-option`` (Megatron-LM's defaults: the iteration
-time only) are accepted, higher levels refused. No torch or megatron import.
+``--logging-level`` (Python's root logger); ``--timing-log-level 0`` and ``--timing-log-option``
+(Megatron-LM's defaults: the iteration time only) are accepted, higher levels refused. No torch
+or megatron import.
 """
 from __future__ import annotations
 
@@ -42,6 +43,10 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
                    help="do not write the loss scale to TensorBoard")
     g.add_argument("--log-world-size-to-tensorboard", action="store_true",
                    help="write the world size to TensorBoard")
+    g.add_argument("--logging-level", type=int, default=None,
+                   help="level of Python's root logger (10 DEBUG, 20 INFO, 30 WARNING, ...), with a handler, so "
+                        "megatron-core's log records at that level and above are printed (default: none set; "
+                        "warnings and errors only)")
     g.add_argument("--timing-log-level", type=int, default=0, choices=(0, 1, 2),
                    help="0 (default): the iteration time only; 1 and 2 are refused (use --dynapipe-trace-dir)")
     g.add_argument("--timing-log-option", default="minmax", choices=("max", "minmax", "all"),
@@ -57,6 +62,7 @@ def tensorboard_args_from_args(args: argparse.Namespace) -> TensorBoardArgs:
                                  "time (level 0), and --dynapipe-trace-dir writes every op's time")
     for flag in ("tensorboard-log-interval", "tensorboard-queue-size"):
         _positive(flag, getattr(args, flag.replace("-", "_")))
+    _positive("logging-level", args.logging_level, allow_zero=True)
     # Megatron-LM ignores these without a directory; here a flag that would change nothing is refused.
     wants = [f"--{f}" for f in ("log-timers-to-tensorboard", "log-validation-ppl-to-tensorboard",
                                 "log-world-size-to-tensorboard") if getattr(args, f.replace("-", "_"))]

@@ -141,6 +141,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=(0, 1, 2),
                    help="return the CUDA caching allocator's unused memory: 1 after each forward-backward, 2 also "
                         "after each optimizer step (no effect on CPU, which has no such cache)")
+    g.add_argument("--disable-bf16-reduced-precision-matmul", action="store_true",
+                   help="with --bf16: no reduced-precision reductions in cuBLAS's bf16 matmuls (a GPU setting)")
     g.add_argument("--deterministic-mode", action="store_true",
                    help="bit-reproducible execution: deterministic torch algorithms, NCCL ring reductions, a "
                         "deterministic cuBLAS workspace (as Megatron-LM sets them)")

@@ -47,6 +47,8 @@ def model_args_from_args(args: argparse.Namespace, cuda: bool) -> GPTModelArgs:
                             f"--num-attention-heads {args.num_attention_heads}; change one, or give the head "
                             f"size with --kv-channels.")
     _model_flags_honoured(args, cuda)
+    if args.disable_bf16_reduced_precision_matmul and dtype != "bf16":
+        raise DynaPipeError("--disable-bf16-reduced-precision-matmul applies to bf16 matmuls; add --bf16 or drop it.")
     if args.deterministic_mode and args.cross_entropy_loss_fusion:
         raise DynaPipeError("--deterministic-mode with --cross-entropy-loss-fusion: Megatron-LM requires the fused "
                             "cross-entropy off for bit-reproducible runs; drop one of them.")
@@ -75,6 +77,7 @@ def model_args_from_args(args: argparse.Namespace, cuda: bool) -> GPTModelArgs:
         init_method_std=_positive("init-method-std", args.init_method_std, allow_zero=True), dtype=dtype,
         norm_epsilon=_positive("norm-epsilon", args.norm_epsilon),
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion, deterministic_mode=args.deterministic_mode,
+        disable_bf16_reduced_precision_matmul=args.disable_bf16_reduced_precision_matmul,
         apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
         bias_gelu_fusion=getattr(args, "bias_gelu_fusion", True), **shape)

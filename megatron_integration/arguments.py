@@ -216,7 +216,7 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         save=args.save, load=args.load, save_interval=args.save_interval,
         load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, log_interval=args.log_interval,
-        log_throughput=args.log_throughput, log_params_norm=args.log_params_norm,
+        log_throughput=args.log_throughput, log_params_norm=args.log_params_norm, logging_level=args.logging_level,
         tensorboard=tensorboard_args_from_args(args),
         tensorboard_dir=args.tensorboard_dir, recompute=recompute, ddp=ddp_args_from_args(args),
         check_for_nan_in_loss_and_grad=nan_check_enabled(args.check_for_nan_in_loss_and_grad, args.fp16,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import logging
 import os
 import random
 import warnings
@@ -85,12 +86,25 @@ def init_distributed(parallel: ParallelArgs) -> None:
     dist.init_process_group(parallel.backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
-def initialize_megatron(parallel: ParallelArgs, seed: int, deterministic: bool = False) -> RankInfo:
+def set_logging_level(level: Optional[int]) -> None:
+    """Megatron-LM's ``--logging-level``: Python's root logger at ``level`` with a handler
+    (Megatron-LM's training module installs one at INFO; this project none unless asked), so
+    log records at ``level`` and above are printed. None: leave logging as it is."""
+    if level is None:
+        return
+    logging.basicConfig(level=level)
+    logging.getLogger().setLevel(level)
+
+
+def initialize_megatron(parallel: ParallelArgs, seed: int, deterministic: bool = False,
+                        logging_level: Optional[int] = None) -> RankInfo:
     """Process groups, megatron parallel state, CPU compatibility, the rank's CPU cores
     (``parallel.cpu_affinity``) and seeds; returns this rank's place. ``deterministic``:
-    ``--deterministic-mode``, applied before the process group exists."""
+    ``--deterministic-mode``, applied before the process group exists; ``logging_level``:
+    :func:`set_logging_level`."""
     from megatron_integration.determinism import start_deterministic_run
 
+    set_logging_level(logging_level)
     start_deterministic_run(deterministic)
     quiet_megatron_warnings()
     init_distributed(parallel)

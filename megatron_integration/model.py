@@ -94,6 +94,8 @@ def transformer_config(model: GPTModelArgs, parallel: ParallelArgs, cuda: Option
         # Megatron-LM passes its flag (default off); megatron-core's own default is on.
         attention_softmax_in_fp32=model.attention_softmax_in_fp32,
     )
+    if model.disable_bf16_reduced_precision_matmul:  # megatron-core applies it when it builds the config
+        kwargs.update(disable_bf16_reduced_precision_matmul=True)
     if parallel.stage_layers is not None:
         kwargs.update(pipeline_model_parallel_layout=megatron_layout(parallel.stage_layers))
     # Transformer Engine's attention takes the scaling from this variable only (megatron-core

@@ -56,6 +56,7 @@ class GPTModelArgs:
     norm_epsilon: float = 1e-5  # --norm-epsilon
     cross_entropy_loss_fusion: bool = False  # --cross-entropy-loss-fusion (GPU)
     deterministic_mode: bool = False  # --deterministic-mode (megatron_integration.determinism)
+    disable_bf16_reduced_precision_matmul: bool = False  # --disable-bf16-reduced-precision-matmul (GPU, bf16)
     apply_query_key_layer_scaling: bool = False  # --apply-query-key-layer-scaling
     # --attention-softmax-in-fp32 (Megatron-LM's default: off, the softmax in the run's precision;
     # forced on by --apply-query-key-layer-scaling).
@@ -363,6 +364,7 @@ class DynaPipeTrainingConfig:
     log_interval: int = 100
     log_throughput: bool = False  # Megatron's --log-throughput: model TFLOP/s per GPU on the log line
     log_params_norm: bool = False  # Megatron's --log-params-norm: the parameters' L2 norm on the log line
+    logging_level: Optional[int] = None  # Megatron's --logging-level: Python's root logger (None: not set)
     tensorboard_dir: Optional[str] = None
     tensorboard: TensorBoardArgs = field(default_factory=lambda: TensorBoardArgs())
     recompute: RecomputeArgs = field(default_factory=RecomputeArgs)

@@ -135,7 +135,7 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
     """Train up to ``cfg.train_iters`` iterations (from the checkpoint in ``cfg.load`` when present),
     stopping early at ``--exit-interval`` as Megatron-LM does."""
     started_s = time.time()  # --exit-duration-in-mins counts from here, as Megatron-LM's from its start
-    info = initialize_megatron(cfg.parallel, cfg.seed, cfg.model.deterministic_mode)
+    info = initialize_megatron(cfg.parallel, cfg.seed, cfg.model.deterministic_mode, cfg.logging_level)
     if info.rank == 0 and vocab_padding_line(cfg) is not None:
         write_line(stream, vocab_padding_line(cfg))
     # A CPU profile of other threads prices another machine; every rank checks its own threads.

@@ -137,3 +137,45 @@ def test_tensorboard_gets_megatrons_scalars_at_its_interval(tmp_path):
     assert all(p == pytest.approx(math.exp(v), rel=1e-5) for (_, v), (_, p) in zip(losses, ppls))
     assert [step for step, _ in s["lm loss validation vs samples"]] == [16, 32, 32, 32]  # global batch 8
     assert [v for _, v in s["lm loss validation ppl vs samples"]] == [v for _, v in ppls]
+
+
+def test_logging_level_sets_the_root_logger_with_a_handler_as_megatron_lm():
+    import logging
+
+    from megatron_integration.initialize import set_logging_level
+
+    assert parse("").logging_level is None
+    assert parse("--logging-level 20").logging_level == 20
+    with pytest.raises(DynaPipeError, match="--logging-level -1: must be non-negative"):
+        parse("--logging-level -1")
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    try:
+        root.handlers = []
+        set_logging_level(None)
+        assert root.handlers == [] and root.level == level
+        set_logging_level(10)
+        assert root.level == 10 and root.handlers, "records at DEBUG and above need a handler to be printed"
+    finally:
+        root.handlers = handlers
+        root.setLevel(level)
+
+
+def test_disable_bf16_reduced_precision_matmul_reaches_megatron_cores_config():
+    import torch
+
+    from megatron_integration.model import transformer_config
+
+    cfg = parse("--bf16 --disable-bf16-reduced-precision-matmul")
+    assert cfg.model.disable_bf16_reduced_precision_matmul
+    before = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    try:
+        tc = transformer_config(cfg.model, cfg.parallel, cuda=False)
+        assert tc.disable_bf16_reduced_precision_matmul is True
+        # What megatron-core does with it when it builds the config (a CUDA setting; settable anywhere).
+        assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is False
+    finally:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = before
+    assert not transformer_config(parse("--bf16").model, cfg.parallel, cuda=False).disable_bf16_reduced_precision_matmul
+    with pytest.raises(DynaPipeError, match="applies to bf16 matmuls; add --bf16 or drop it"):
+        parse("--disable-bf16-reduced-precision-matmul")
