@@ -21,6 +21,18 @@ WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
 
+# Megatron-LM's two spellings of one setting (its validate_args fills one from the other): a
+# default filled in from a preset or a run config must not add one when the other was typed.
+OTHER_SPELLING = {"--num-layers": "--encoder-num-layers", "--encoder-num-layers": "--num-layers",
+                  "--seq-length": "--encoder-seq-length", "--encoder-seq-length": "--seq-length"}
+
+
+def spelled(flags) -> set:
+    """``flags`` (``--name`` strings) with the other spelling of each that has one."""
+    flags = set(flags)
+    return flags | {OTHER_SPELLING[f] for f in flags if f in OTHER_SPELLING}
+
+
 def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Declare the Megatron-LM arguments the project reads (names and defaults as Megatron's)."""
     g = parser.add_argument_group("network size")

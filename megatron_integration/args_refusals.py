@@ -158,6 +158,19 @@ def unsupported_reason(flag: str):
     return next((why for prefix, why in UNSUPPORTED_MEGATRON_PREFIXES.items() if flag.startswith(prefix)), None)
 
 
+def refused_flag_lines(extras) -> list[str]:
+    """One line for every Megatron-LM flag among ``extras`` (what the parser did not take) that
+    this build refuses, with its reason: all of them at once, so a launch script brought over
+    from Megatron-LM is mended in one pass, not one launch per flag."""
+    lines = []
+    for item in extras:
+        flag = item.split("=", 1)[0]
+        why = unsupported_reason(flag) if flag.startswith("--") else None
+        if why is not None:
+            lines.append(str(_unsupported(flag, why)))
+    return lines
+
+
 def _model_flags_honoured(args: argparse.Namespace, cuda: bool) -> None:
     """Refuse the Megatron model flags whose non-default values the stage builder cannot honour yet
     (the default of each, which is what is built, is accepted)."""

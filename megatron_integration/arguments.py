@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from typing import Optional, Sequence
 
@@ -41,7 +42,8 @@ from megatron_integration.args_megatron import (ATTENTION_BACKENDS, LR_DECAY_STY
 from megatron_integration.args_model import (BYTE_LEVEL_VOCAB, check_uniform_recompute,  # noqa: F401
                                              model_args_from_args, padded_vocab_size, recompute_from_args)
 from megatron_integration.args_refusals import (UNSUPPORTED_MEGATRON_FLAGS, _checkpoint_args_honoured,  # noqa: F401
-                                                _model_flags_honoured, _resilience_args_honoured, unsupported_reason)
+                                                _model_flags_honoured, _resilience_args_honoured, refused_flag_lines,
+                                                unsupported_reason)
 from megatron_integration.args_training import _schedule_from_samples, optimizer_args_from_args
 from megatron_integration.args_layout import pipeline_split_from_args
 from megatron_integration.args_checkpoint import dist_ckpt_args_from_args
@@ -65,19 +67,12 @@ def build_parser(prog: Optional[str] = None, description: Optional[str] = None) 
     class MegatronArgumentParser(StrictArgumentParser):
         def parse_known_args(self, args=None, namespace=None):
             parsed, extras = super().parse_known_args(args, namespace)
-            # Every refused flag at once, a line each: a launch script brought over from
-            # Megatron-LM is mended in one go, not one launch per flag.
-            refused = []
-            for item in extras:
-                flag = item.split("=", 1)[0]
-                why = unsupported_reason(flag) if flag.startswith("--") else None
-                if why is not None:
-                    refused.append((flag, why))
+            refused = refused_flag_lines(extras)
             if refused:
                 # torchrun runs this on every rank; one copy of the lines is enough.
                 if os.environ.get("RANK", "0") == "0":
-                    for flag, why in refused:
-                        print("error: " + str(_unsupported(flag, why)), file=sys.stderr)
+                    for line in refused:
+                        print("error: " + line, file=sys.stderr)
                 self.exit(2)
             return parsed, extras
 
@@ -123,12 +118,31 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
     the job runs on (None: not known here; the data loader checks ``--dynapipe-planner-nodes``
     against the launched layout). ``placement_auto``: whether the split is chosen with the cost
     model at start-up (default: ``--dynapipe-placement auto``; T5 passes its own placement's).
-    Raises :class:`DynaPipeError` naming the offending flag for every invalid combination.
+    Raises :class:`DynaPipeError` naming the offending flag for every invalid combination, as
+    the user spelled it (``--encoder-seq-length`` for ``--seq-length``, Megatron-LM's other spelling).
     """
-    resolve_tokenizer_type(args, "GPT2BPETokenizer")  # Megatron-LM's pretrain_gpt.py default
     # Megatron-LM's other spellings of the two (its validate_args fills one from the other).
+    typed = [(plain, other) for plain, other in (("num-layers", "encoder-num-layers"),
+                                                 ("seq-length", "encoder-seq-length"))
+             if getattr(args, plain.replace("-", "_")) is None and getattr(args, other.replace("-", "_"), None)]
     args.num_layers = _one_of(args, "num-layers", "encoder-num-layers")
     args.seq_length = _one_of(args, "seq-length", "encoder-seq-length")
+    try:
+        return _training_config(args, world_size, cuda, num_nodes, baselines_use_executor, placement_auto,
+                                check_profile)
+    except DynaPipeError as e:
+        if not typed:
+            raise
+        message = str(e)
+        for plain, other in typed:
+            message = re.sub(rf"(?<![\w-])--{plain}\b", f"--{other}", message)
+        raise DynaPipeError(message) from None
+
+
+def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[bool], num_nodes: Optional[int],
+                     baselines_use_executor: bool, placement_auto: Optional[bool],
+                     check_profile: bool) -> DynaPipeTrainingConfig:
+    resolve_tokenizer_type(args, "GPT2BPETokenizer")  # Megatron-LM's pretrain_gpt.py default
     cuda = resolve_cuda(cuda)
     _default_global_batch(args, world_size)
     _schedule_from_samples(args)

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
+from megatron_integration.args_megatron import spelled
+
 METHOD_FLAGS = {
     "dynapipe": ["--use-dynapipe"],
     # DynaPipe's micro-batches under plain 1F1B: the gain of cutting without the schedule search.
@@ -107,7 +109,7 @@ def fill_defaults(argv: Sequence[str], defaults: Mapping[str, Optional[str]]) ->
     names data (``--data-path``); a bench preset's command line, GPT or T5. A ``None`` value
     is a switch (``--manual-gc``)."""
     out = list(argv)
-    given = {a.split("=")[0] for a in out if a.startswith("--")}
+    given = spelled(a.split("=")[0] for a in out if a.startswith("--"))
     for flag, value in defaults.items():
         if flag not in given:
             out += [flag] if value is None else [flag, value]

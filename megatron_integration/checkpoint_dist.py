@@ -46,7 +46,7 @@ from dynapipe.errors import DynaPipeError
 from megatron_integration.checkpoint import check_distributed_optimizer, check_precision
 from megatron_integration.checkpoint_files import CHECKSUM_SUFFIX, verify_file
 from megatron_integration.initialize import RankInfo
-from megatron_integration.scheduler_state import align_schedule_bounds, load_scheduler_state
+from megatron_integration.scheduler_state import UNITS_ARG, align_schedule_bounds, load_scheduler_state
 
 CHECKPOINT_VERSION = 3.0
 
@@ -318,6 +318,18 @@ def _gelu_mismatch(ckpt_args, m) -> Optional[str]:
     return "the checkpoint's model computed the tanh-approximated GeLU of the bias-GeLU fusion, this run the exact one"
 
 
+def scheduler_units(ckpt_args) -> Optional[str]:
+    """The units of a torch_dist checkpoint's scheduler state: what it records (this project's
+    builds since it was recorded), ``samples`` for Megatron-LM's own checkpoints (no
+    ``dynapipe_*`` arguments), None (to be told from the values) for this project's older ones."""
+    if ckpt_args is None:
+        return None
+    recorded = getattr(ckpt_args, UNITS_ARG, None)
+    if recorded is not None:
+        return recorded
+    return None if any(k.startswith("dynapipe_") for k in vars(ckpt_args)) else "samples"
+
+
 # megatron-core's distributed-optimizer formats keyed by the model's parameters (DistributedOptimizer.
 # checkpoint_fully_reshardable_formats); the others are its flat buffers, one layout a model-parallel rank.
 FULLY_RESHARDABLE = ("fully_reshardable", "fully_sharded_model_space", "fsdp_dtensor")
@@ -389,7 +401,7 @@ def load_dist(iter_dir: str, cfg, gpt, optimizer, scheduler, info: RankInfo, loa
         if "opt_param_scheduler" in loaded:
             load_scheduler_state(scheduler, loaded["opt_param_scheduler"], iter_dir, int(common.get("iteration", 0)),
                                  getattr(ckpt_args, "consumed_train_samples", None),
-                                 getattr(ckpt_args, "global_batch_size", None))
+                                 getattr(ckpt_args, "global_batch_size", None), scheduler_units(ckpt_args))
     else:
         # As Megatron-LM: half-precision runs keep fp32 main copies of the weights in the
         # optimizer; without its state they are refreshed from the loaded weights.

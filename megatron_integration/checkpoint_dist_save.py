@@ -22,7 +22,7 @@ from megatron_integration.checkpoint_dist import (CHECKPOINT_VERSION, _checkpoin
                                                   _rng_sharded_object, _sharded_state_dict, _sharding_metadata)
 from megatron_integration.checkpoint_files import CHECKSUM_SUFFIX, StagedSave, save_failed_advice, write_checksum
 from megatron_integration.initialize import RankInfo
-from megatron_integration.scheduler_state import in_samples
+from megatron_integration.scheduler_state import UNITS_ARG, in_samples
 
 # megatron-core modules that ask for CUDA during a dist_checkpointing save (a synchronize after
 # the device-to-host copy, the verification and failure flags); redirected to the CPU like the others.
@@ -108,13 +108,14 @@ def save_dist(iter_dir: str, iteration: int, gpt, optimizer, scheduler, info: Ra
     ``latest_checkpointed_iteration.txt`` afterwards (after a barrier)."""
     from megatron.core import dist_checkpointing
 
+    vars(args)[UNITS_ARG] = "samples" if samples_per_iteration else "iterations"
     _prepare_writer()
     metadata = _sharding_metadata(distributed_optimizer)
     state = _sharded_state_dict(gpt, optimizer, metadata, with_optim=True, is_loading=False)
     state.update(args=args, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration,
                  # In Megatron-LM's units (samples), so its runs resume this schedule and back.
                  opt_param_scheduler=in_samples(scheduler.state_dict(), samples_per_iteration,
-                                                getattr(args, "consumed_train_samples", None)),
+                                                getattr(args, "consumed_train_samples", None), iteration),
                  rng_state=_rng_sharded_object(info, _gathered_rng(info)))
     # The shards go to a staging directory first: a complete checkpoint of the same iteration
     # (a run saving into a --save it did not load from) stays until the new one is complete.

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from dynapipe.errors import DynaPipeError
+from megatron_integration.args_megatron import spelled
 
 
 @dataclass(frozen=True)
@@ -114,4 +115,22 @@ def with_run_config(parser, argv: list[str], world_size: int) -> list[str]:
         raise DynaPipeError(f"{run.path} is a run of {run.nnodes} node(s) x {run.nproc_per_node} processes "
                             f"= {run.world_size} ranks, but this job has {world_size}; launch it with "
                             f"torchrun --nnodes {run.nnodes} --nproc-per-node {run.nproc_per_node}.")
-    return list(run.argv) + list(argv)
+    # A setting typed in Megatron-LM's other spelling replaces the run config's (both given is refused).
+    typed = {a.split("=")[0] for a in argv if a.startswith("--")}
+    shadowed = spelled(typed) - typed
+    return _without(list(run.argv), shadowed) + list(argv)
+
+
+def _without(argv: list[str], flags: set) -> list[str]:
+    """``argv`` without each of ``flags`` and its value."""
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in flags:
+            skip = "=" not in a and i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            continue
+        out.append(a)
+    return out

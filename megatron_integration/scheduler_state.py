@@ -25,52 +25,73 @@ from dynapipe.errors import DynaPipeError
 STEP_KEYS = ("lr_warmup_steps", "num_steps", "lr_decay_steps", "wd_incr_steps")
 
 
-def in_samples(state: dict, samples_per_iteration: Optional[int], consumed_samples: Optional[int] = None) -> dict:
-    """``state`` (a scheduler state in iterations) in Megatron-LM's units, samples, for a run
-    of ``samples_per_iteration`` samples an iteration: its bounds (warm-up, decay, weight-decay
-    steps) as Megatron-LM computes them from this run's global batch, and its step count the
-    ``consumed_samples`` (Megatron-LM's count, right when the global batch changed on an earlier
-    resume; None: this run's batch times the iterations). Unchanged when the batch is not fixed
-    (None: global batches formed by a token budget, whose sample counts vary)."""
+# Recorded in a torch_dist checkpoint's ``args``: the units of its scheduler state, so a reader
+# need not guess them ("samples", Megatron-LM's, or "iterations" for token-budget batches).
+UNITS_ARG = "dynapipe_scheduler_units"
+
+
+def in_samples(state: dict, samples_per_iteration: Optional[int], consumed_samples: Optional[int] = None,
+               iteration: Optional[int] = None) -> dict:
+    """``state`` (a scheduler state in iterations: one step a successful optimizer step) in
+    Megatron-LM's units, samples, for a run of ``samples_per_iteration`` samples an iteration:
+    its bounds (warm-up, decay, weight-decay steps) as Megatron-LM computes them from this run's
+    global batch, and its step count the samples of the iterations that stepped, as Megatron-LM
+    counts them: ``consumed_samples`` less the iterations skipped (``iteration`` minus the steps:
+    fp16 loss-scale overflows, which Megatron-LM does not step either), which is right after a
+    global batch changed on an earlier resume too (None: this run's batch times the steps).
+    Unchanged when the batch is not fixed (None: global batches formed by a token budget, whose
+    sample counts vary)."""
     if not samples_per_iteration:
         return dict(state)
     out = {k: (v * samples_per_iteration if k in STEP_KEYS and v is not None else v) for k, v in state.items()}
-    if consumed_samples is not None and "num_steps" in out:
-        out["num_steps"] = consumed_samples
+    if consumed_samples is not None and iteration is not None and "num_steps" in out:
+        skipped = max(iteration - state["num_steps"], 0)
+        out["num_steps"] = consumed_samples - skipped * samples_per_iteration
     return out
 
 
 def _in_iterations(state: dict, scheduler, iteration: Optional[int], consumed_samples: Optional[int],
-                   samples_per_iteration: Optional[int] = None) -> dict:
-    """A checkpoint's scheduler state in iterations: Megatron-LM's samples are told by a step
-    count equal to the consumed samples (and not to the iteration). Its step count becomes the
-    checkpoint's iteration, and its bounds are divided by the global batch it was saved with
-    (``samples_per_iteration``, the checkpoint's ``global_batch_size``; None: the mean batch,
-    consumed samples over iterations), which is how Megatron-LM computed them."""
+                   samples_per_iteration: Optional[int] = None, units: Optional[str] = None) -> dict:
+    """A checkpoint's scheduler state in iterations. ``units``: what the checkpoint records
+    (:data:`UNITS_ARG`): ``samples`` is converted, ``iterations`` kept; None (Megatron-LM's own
+    checkpoints, which are in samples, and this project's older ones, in either) is told by a
+    step count equal to the consumed samples. From samples: the bounds are divided by the global
+    batch the checkpoint was saved with (``samples_per_iteration``, its ``global_batch_size``;
+    None: the mean batch, consumed samples over iterations), as Megatron-LM computed them, and
+    the step count is the iteration less the iterations skipped (the consumed samples the steps
+    did not count, in batches)."""
     steps = state.get("num_steps")
-    if not iteration or not consumed_samples or consumed_samples == iteration or steps != consumed_samples:
+    if units == "iterations" or not iteration or not consumed_samples:
+        return state
+    if units != "samples" and (consumed_samples == iteration or steps != consumed_samples):
         return state
     per_iteration = samples_per_iteration or consumed_samples / iteration
     out = dict(state)
     for k in STEP_KEYS:
         if k in out and out[k] is not None:
-            value = iteration if k == "num_steps" else out[k] / per_iteration
+            if k == "num_steps":
+                value = iteration - max(consumed_samples - out[k], 0) / per_iteration
+            else:
+                value = out[k] / per_iteration
             mine = getattr(scheduler, k, None)
             # The run's own value where the two agree but for rounding (x / b * b != x in floats).
             out[k] = mine if mine is not None and math.isclose(value, mine, rel_tol=1e-9) else value
+    if "num_steps" in out and math.isclose(out["num_steps"], round(out["num_steps"]), abs_tol=1e-6):
+        out["num_steps"] = int(round(out["num_steps"]))
     return out
 
 
 def load_scheduler_state(scheduler, state: dict, where: str, iteration: Optional[int] = None,
-                         consumed_samples: Optional[int] = None, samples_per_iteration: Optional[int] = None) -> None:
+                         consumed_samples: Optional[int] = None, samples_per_iteration: Optional[int] = None,
+                         units: Optional[str] = None) -> None:
     """Load ``state`` (a checkpoint's scheduler state) into ``scheduler``; ``where``: the
-    checkpoint, for the message; ``iteration`` and ``consumed_samples`` (the checkpoint's) tell
-    a state in samples, which is read in iterations (its bounds by ``samples_per_iteration``,
-    the global batch the checkpoint records). Raises :class:`DynaPipeError` when a value
-    differs and neither flag says which one to keep."""
+    checkpoint, for the message; ``iteration``, ``consumed_samples``, ``samples_per_iteration``
+    (the global batch) and ``units`` (:data:`UNITS_ARG`), all the checkpoint's, say how a state
+    in samples is read in iterations (:func:`_in_iterations`). Raises :class:`DynaPipeError`
+    when a value differs and neither flag says which one to keep."""
     try:
         scheduler.load_state_dict(_in_iterations(state, scheduler, iteration, consumed_samples,
-                                                 samples_per_iteration))
+                                                 samples_per_iteration, units))
     except AssertionError as e:
         detail = " ".join(str(e).replace("checkpointvalue", "checkpoint value").split())
         raise DynaPipeError(f"{where}: the checkpoint's learning-rate schedule differs from this run's arguments "

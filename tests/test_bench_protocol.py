@@ -25,6 +25,9 @@ def test_presets_fill_only_missing_arguments():
     assert argv[argv.index("--hidden-size") + 1] == "512" and "--mock-data" in argv
     tiny = with_defaults([], "tiny")
     assert tiny[tiny.index("--hidden-size") + 1] == "64"
+    # A setting given in Megatron-LM's other spelling is given: the preset adds neither spelling.
+    other = with_defaults(["--encoder-seq-length", "512", "--encoder-num-layers", "2"], "tiny")
+    assert "--seq-length" not in other and "--num-layers" not in other
     assert PRESETS["representative"].rounds >= 2 and PRESETS["representative"].sweep_top >= 1
     assert Entry("packing", 4).argv(["--x"])[-2:] == ["--micro-batch-size", "4"]
     assert Entry("packing", 4).label == "packing@mbs4" and Entry("dynapipe").label == "dynapipe"

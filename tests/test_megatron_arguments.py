@@ -192,6 +192,10 @@ def test_encoder_spellings_of_layers_and_length_are_megatron_lms_aliases_for_gpt
         parse("--encoder-num-layers 4")
     with pytest.raises(DynaPipeError, match="--seq-length 256 and --encoder-seq-length 128 were both given"):
         parse("--encoder-seq-length 128")
+    # A later check names the flag as the user spelled it.
+    with pytest.raises(DynaPipeError, match=r"but --encoder-seq-length 129 is not a multiple of 2; use 130"):
+        parse("--tensor-model-parallel-size 2 --sequence-parallel",
+              base=typed.replace("--encoder-seq-length 128", "--encoder-seq-length 129"))
 
 
 @pytest.mark.parametrize("extra, needle", [

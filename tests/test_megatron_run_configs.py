@@ -75,6 +75,19 @@ def test_run_config_false_turns_off_a_flag_that_is_on_by_default(tmp_path):
     assert args.no_load_optim
 
 
+def test_a_setting_typed_in_megatron_lms_other_spelling_replaces_the_run_configs():
+    # The run config says --seq-length 1024 and --num-layers 4; the command line --encoder-seq-length
+    # 512 and --encoder-num-layers=2 (Megatron-LM's other spellings): the typed ones win, as any
+    # typed flag does, instead of the two spellings being refused as both given.
+    parser = build_parser()
+    add_run_config_argument(parser)
+    argv = with_run_config(parser, ["--run-config", "configs/runs/gpt-tiny-cpu-pp2.yaml", "--encoder-seq-length",
+                                    "512", "--encoder-num-layers=2"], world_size=2)
+    assert "--seq-length" not in argv and "--num-layers" not in argv
+    cfg = training_config_from_args(parser.parse_args(argv), 2, cuda=False)
+    assert (cfg.model.seq_length, cfg.model.num_layers) == (512, 2)
+
+
 @pytest.mark.parametrize("args, needle", [
     ("{num-layers: [1, 2]}", "args.num-layers takes one value, not the list [1, 2]"),
     ("{mock-data: 'yes'}", "args.mock-data is an on/off flag; give true or false, not 'yes'"),

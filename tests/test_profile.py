@@ -228,6 +228,9 @@ def test_training_arguments_accept_a_profile_of_the_run_tp_only(tmp_path):
      "--seqlens holds 99, not a multiple of 2"),
     (["--seqlens", "128"], "--seqlens '128': give at least 2 lengths; the cost model prices other lengths from the "
                            "trend between them."),
+    # Megatron-LM's other spelling is read, not ignored: the grid then reaches past it.
+    (["--encoder-seq-length", "1"], "--seq-length 1: a profile needs at least 2 tokens."),
+    (["--seq-length", "64", "--encoder-seq-length", "64"], "--seq-length 64 and --encoder-seq-length 64 were both"),
 ])
 def test_profile_command_refuses_a_tp_layout_it_cannot_measure(tmp_path, capsys, extra, needle):
     from dynapipe.cli import main

@@ -99,11 +99,12 @@ def test_a_checkpoint_after_a_global_batch_change_counts_megatron_lms_samples_an
     ours = _megatron_lm_scheduler(1, 6, 1)
     for _ in range(4):
         ours.step(increment=1)
-    saved = in_samples(ours.state_dict(), 8, consumed_samples=24)
+    saved = in_samples(ours.state_dict(), 8, consumed_samples=24, iteration=4)
     assert (saved["num_steps"], saved["lr_decay_steps"], saved["lr_warmup_steps"]) == (24, 48, 8)
     # Read back at the checkpoint's iteration with the bounds of the batch it was saved with.
     resumed = _megatron_lm_scheduler(1, 6, 1)
-    load_scheduler_state(resumed, saved, "ckpt", iteration=4, consumed_samples=24, samples_per_iteration=8)
+    load_scheduler_state(resumed, saved, "ckpt", iteration=4, consumed_samples=24, samples_per_iteration=8,
+                         units="samples")
     assert resumed.num_steps == 4 and resumed.lr_decay_steps == 6
     for _ in range(2):
         resumed.step(increment=1)
@@ -112,6 +113,41 @@ def test_a_checkpoint_after_a_global_batch_change_counts_megatron_lms_samples_an
     # Divided by the mean batch (24 / 4 = 6 a batch) the bounds would have been 8 iterations.
     with pytest.raises(DynaPipeError, match="schedule differs"):
         load_scheduler_state(_megatron_lm_scheduler(1, 6, 1), saved, "ckpt", iteration=4, consumed_samples=24)
+
+
+def test_iterations_skipped_by_fp16_overflows_are_not_scheduler_steps_either_side():
+    # 10 iterations of 8 samples, 3 skipped (loss-scale overflows): 7 steps. Megatron-LM steps its
+    # scheduler only on a successful update too, so its count is 56 samples, not the 80 consumed.
+    from megatron_integration.scheduler_state import in_samples
+
+    ours = _megatron_lm_scheduler(2, 20, 1)
+    theirs = _megatron_lm_scheduler(2, 20, 8)
+    for _ in range(7):
+        ours.step(increment=1)
+        theirs.step(increment=8)
+    saved = in_samples(ours.state_dict(), 8, consumed_samples=80, iteration=10)
+    assert saved == theirs.state_dict()
+    # Read back (in samples, as recorded, and as Megatron-LM's own checkpoints are read): 7 steps,
+    # so the next iteration's rate is the one after 7 steps, not after 10.
+    resumed = _megatron_lm_scheduler(2, 20, 1)
+    load_scheduler_state(resumed, theirs.state_dict(), "ckpt", iteration=10, consumed_samples=80,
+                         samples_per_iteration=8, units="samples")
+    assert resumed.num_steps == 7
+    assert resumed.get_lr(resumed.optimizer.param_groups[0]) == ours.get_lr(ours.optimizer.param_groups[0])
+    # A checkpoint whose units are recorded as iterations (token-budget batches) is read as it is.
+    kept = _megatron_lm_scheduler(2, 20, 1)
+    load_scheduler_state(kept, ours.state_dict(), "ckpt", iteration=10, consumed_samples=80, units="iterations")
+    assert kept.num_steps == 7
+
+
+def test_a_checkpoint_says_its_scheduler_units_or_they_are_megatron_lms():
+    from types import SimpleNamespace
+
+    from megatron_integration.checkpoint_dist import scheduler_units
+
+    assert scheduler_units(SimpleNamespace(dynapipe_scheduler_units="iterations", dynapipe_batching="x")) == "iterations"
+    assert scheduler_units(SimpleNamespace(num_layers=2, consumed_train_samples=8)) == "samples"  # Megatron-LM's
+    assert scheduler_units(SimpleNamespace(num_layers=2, dynapipe_batching="padding")) is None  # an older build's
 
 
 def test_warmup_fraction_is_not_rounded():

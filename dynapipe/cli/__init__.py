@@ -35,20 +35,6 @@ def _available() -> dict:
     return found
 
 
-def _refused_megatron_flag(extras: Sequence[str]) -> Optional[str]:
-    """The line for the first unknown flag that is a Megatron-LM flag this project refuses (the
-    training scripts name the same reason), or None."""
-    from megatron_integration.args_checks import _unsupported
-    from megatron_integration.args_refusals import unsupported_reason
-
-    for item in extras:
-        flag = item.split("=", 1)[0]
-        why = unsupported_reason(flag) if flag.startswith("--") else None
-        if why is not None:
-            return str(_unsupported(flag, why))
-    return None
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse ``argv`` and run one command; user errors print one line and return 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -70,10 +56,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args, extras = parser.parse_known_args(argv)
         if extras:
             # bench and profile take Megatron arguments: name the reason a refused one has there.
-            refused = _refused_megatron_flag(extras) if args.command in ("bench", "profile") else None
-            if refused is not None:
-                print_error(refused)
-                return 2
+            if args.command in ("bench", "profile"):
+                from megatron_integration.args_refusals import refused_flag_lines
+
+                refused = refused_flag_lines(extras)
+                for line in refused:
+                    print_error(line)
+                if refused:
+                    return 2
             parser.error(f"unrecognized arguments: {' '.join(extras)}")
     except SystemExit as e:  # --help (0) or a bad command line (2, already printed on one line)
         return e.code if isinstance(e.code, int) else 2

@@ -253,6 +253,7 @@ def run(args) -> int:
 
     from dynapipe.cost.profile import ProfileCostModel
     from dynapipe.errors import DynaPipeError
+    from megatron_integration.args_checks import _one_of
     from megatron_integration.arguments import ParallelArgs, model_args_from_args
     from megatron_integration.cpu_affinity import use_profiler_threads
     from megatron_integration.initialize import initialize_megatron
@@ -265,6 +266,9 @@ def run(args) -> int:
     if args.threads is not None and args.threads < 1:
         raise DynaPipeError(f"--threads {args.threads}: must be at least 1 (the CPU threads a measurement "
                             f"uses); leave it out for torch's default.")
+    # Megatron-LM's other spellings of the two (both given is refused, as for training).
+    args.num_layers = _one_of(args, "num-layers", "encoder-num-layers")
+    args.seq_length = _one_of(args, "seq-length", "encoder-seq-length")
     typed_seq_length, typed_num_layers = args.seq_length, args.num_layers
     fill_from_model_config(args)
     if args.t5 and typed_num_layers is not None:
