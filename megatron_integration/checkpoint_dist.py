@@ -381,7 +381,12 @@ def load_dist(iter_dir: str, cfg, gpt, optimizer, scheduler, info: RankInfo, loa
         check_optimizer_resharding(metadata.get("distrib_optim_sharding_type"), ckpt_layout,
                                    (info.tp_size, info.pp_size), iter_dir)
         check_precision(_saved_dtype(ckpt_args), cfg.model.dtype, iter_dir)
-    state = _sharded_state_dict(gpt, optimizer, metadata, with_optim=has_optim, is_loading=True)
+    # Saved before the optimizer's first step (every iteration so far an fp16 overflow, skipped):
+    # it holds no Adam moments, and megatron-core's loading state would ask for them (a KeyError).
+    # This run's optimizer has not stepped either, so its state as it is matches the saved one.
+    never_stepped = (has_optim and not cfg.optimizer.distributed
+                     and not any(k.startswith("optimizer.state.exp_avg") for k in saved))
+    state = _sharded_state_dict(gpt, optimizer, metadata, with_optim=has_optim, is_loading=not never_stepped)
     if load_rng:
         state["rng_state"] = _rng_sharded_object(info, [_rng_state()])
     try:

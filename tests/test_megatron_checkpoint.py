@@ -87,6 +87,33 @@ def test_resume_without_the_optimizer_keeps_the_weights_and_an_override_takes_th
     assert rates and all("learning rate: 0.000000E+00" in ln for ln in rates), rates
 
 
+def test_fp16_resumes_exactly_across_iterations_its_loss_scaling_skipped(tmp_path):
+    """fp16 from a high loss scale: the first iterations overflow and skip the optimizer step (and
+    the scheduler's, as in Megatron-LM). A checkpoint saved before any step holds no Adam moments
+    (megatron-core's loading state asked for them: a KeyError); one saved after some skips must
+    resume the schedule at its steps, not at its iterations. Both resume the uninterrupted run."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    base = (TINY.replace("--hidden-dropout 0.1 --attention-dropout 0.1", "--hidden-dropout 0 --attention-dropout 0")
+            + " --fp16 --initial-loss-scale 4194304 --train-iters 8")
+    argvs = [base, f"{base} --save {a} --exit-interval 3", f"{base} --load {a} --save {b} --exit-interval 7",
+             f"{base} --load {b}"]
+    full, first, middle, last = (ranks[0] for ranks in run_trainings([x.split() for x in argvs], 2,
+                                                                      timeout_s=TIMEOUT * len(argvs)))
+
+    def rates(run):
+        return [re.search(r"learning rate: (\S+)", ln).group(1) for ln in run["log_lines"] if "learning rate" in ln]
+
+    def skipped(run):  # summed over the log lines (one an iteration)
+        return sum(int(m.group(1)) for ln in run["log_lines"]
+                   for m in [re.search(r"number of skipped iterations: +(\d+)", ln)] if m)
+
+    assert skipped(first) == 3 and rates(full)[:3] == [rates(full)[0]] * 3  # no step yet at the save
+    assert 0 < skipped(full) < 7, "the run should skip some iterations, then step"
+    assert (middle["start_iteration"], last["start_iteration"]) == (3, 7)
+    assert middle["losses"] == full["losses"][3:7] and last["losses"] == full["losses"][7:]
+    assert rates(middle) == rates(full)[3:7] and rates(last) == rates(full)[7:]
+
+
 def _flip_middle_byte(path):
     with open(path, "r+b") as f:
         f.seek(os.path.getsize(path) // 2)
