@@ -30,7 +30,8 @@ def add_checkpoint_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--dist-ckpt-strictness", default="assume_ok_unexpected", choices=STRICTNESS,
                        help="torch_dist load, megatron-core's terms: how keys the run asks for that the checkpoint "
                             "lacks (unexpected) and keys the checkpoint holds that the run leaves unread (missing, "
-                            "the *_all values) are treated: assumed fine, logged, raised, or ignored")
+                            "the *_all values) are treated: assumed fine, logged, raised, or ignored (the return_* "
+                            "values, which hand the keys to a caller, are refused)")
 
 
 def dist_ckpt_args_from_args(args: argparse.Namespace, cuda: bool) -> DistCkptArgs:

@@ -32,7 +32,8 @@ def add_dynapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g = parser.add_argument_group("dynapipe")
     g.add_argument("--use-dynapipe", action="store_true",
                    help="plan variable-shape micro-batches and run them through the DynaPipe executor; "
-                        "without it, megatron-core's fixed-shape 1F1B runs padding or packing")
+                        "without it the fixed-shape baselines run padding or packing (GPT: megatron-core's 1F1B; "
+                        "T5: this project's executor on fixed-shape plans)")
     g.add_argument("--dynapipe-placement", default="even", metavar="even|auto|SPEC",
                    help="layers per pipeline stage: even (Megatron's split, default) or auto (DynaPipe's cost model "
                         "chooses from the run's first global batches so that no stage is the bottleneck; every "

@@ -41,11 +41,12 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="the same as --num-layers (Megatron-LM's other spelling; give one); T5: the encoder's layers")
     g.add_argument("--hidden-size", type=int, default=None, help="transformer hidden size")
     g.add_argument("--num-attention-heads", type=int, default=None, help="number of attention heads")
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP width (default 4 x hidden size)")
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP width (default 4 x hidden size; with --swiglu Megatron-LM's 2/3 of it, rounded down to a "
+                        "multiple of 64)")
     g.add_argument("--kv-channels", type=int, default=None, help="per-head width (default hidden / heads)")
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="maximum sequence length the position embedding supports (Megatron-LM requires it; "
-                        "default here: --seq-length)")
+                        "default here: --seq-length; T5: the longer of the encoder and decoder lengths)")
     g.add_argument("--position-embedding-type", default="learned_absolute", choices=POSITION_EMBEDDINGS)
     g.add_argument("--vocab-size", type=int, default=None,
                    help="vocabulary size before padding (default: the byte-level tokenizer's)")
@@ -78,9 +79,12 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="accepted: Megatron-LM declares it and its megatron-core models do not read it (Transformer "
                         "Engine's attention picks flash attention itself)")
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                   help="attention implementation (auto: megatron-core chooses)")
+                   help="attention implementation: auto (megatron-core chooses), or local where the stages are "
+                        "built from local layers; the others are refused")
     g.add_argument("--transformer-impl", default="transformer_engine", choices=("local", "transformer_engine"),
-                   help="layer implementation; Transformer Engine's spec where it is installed, else local")
+                   help="layer implementation; transformer_engine (Megatron-LM's default) needs Transformer "
+                        "Engine on GPUs (refused where megatron-core cannot load it, and for T5, whose stages are "
+                        "local); on CPUs every stage is local")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="separate output layer instead of the tied input embedding")
     g.add_argument("--normalization", default="LayerNorm", choices=("LayerNorm", "RMSNorm"))
@@ -132,7 +136,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="packing: samples of a packed row do not attend to each other")
     g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
                    help="stop the job when the loss or the gradient norm is NaN or infinite, before the optimizer "
-                        "step (default on; --no-check-for-nan-in-loss-and-grad disables)")
+                        "step (default on, off under --fp16 with dynamic loss scaling as in Megatron-LM; "
+                        "--no-check-for-nan-in-loss-and-grad disables)")
     g.add_argument("--rerun-mode", default=None, choices=("disabled", "validate_results", "report_stats"),
                    help="Megatron-LM's rerun state machine: only disabled is taken (a NaN or Inf is checked as "
                         "--check-for-nan-in-loss-and-grad says and stops the job; no iteration is rerun)")
@@ -195,7 +200,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="warm-up as a fraction of the decay iterations (instead of --lr-warmup-iters)")
     g.add_argument("--lr-warmup-init", type=float, default=0.0,
                    help="learning rate the warm-up starts from (Megatron-LM's; default 0)")
-    g.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
+    g.add_argument("--optimizer", default="adam", choices=("adam", "sgd"),
+                   help="adam (megatron-core's Adam with decoupled weight decay); sgd is refused")
     g.add_argument("--loss-scale", type=float, default=None,
                    help="static loss scale, --fp16 or --bf16 (default: fp16 scales dynamically, bf16 not at all)")
     g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32, help="fp16: initial dynamic loss scale")
@@ -228,7 +234,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true",
                    help="split norms, dropout and the activations between stages along the sequence over the "
-                        "tensor-parallel ranks (needs --tensor-model-parallel-size 2 or more)")
+                        "tensor-parallel ranks; at --tensor-model-parallel-size 1 switched off with Megatron-LM's "
+                        "warning")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     # Megatron-LM's interleaved (virtual) pipeline: each rank holds several chunks of layers.
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
@@ -271,7 +278,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--tokenizer-model", default=None, help="tokenizer model file or name, when the type needs one")
     g.add_argument("--legacy-tokenizer", action="store_true",
                    help="accepted: the WordPiece ids here are those of Megatron-LM's legacy tokenizers (the file's "
-                        "lines, then [BOS], [EOS] and --vocab-extra-ids sentinels), which this flag selects there")
+                        "lines, then [BOS], [EOS] and --vocab-extra-ids sentinels), which this flag selected there "
+                        "until Megatron-LM removed them (2026-02)")
     add_tokenizer_args(g)
     g.add_argument("--data-cache-path", default=None,
                    help="directory for dataset index caches: T5 span corruption's (megatron-core's; default beside "
@@ -280,7 +288,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="read indexed datasets' .bin files with plain reads instead of memory-mapping them")
     g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
                    dest="create_attention_mask_in_dataloader",
-                   help="accepted: masks are made on the device, and only for packed rows")
+                   help="accepted: masks are made on the device, and only for packed rows; refused with "
+                        "--reset-attention-mask, whose packed rows need them")
     g.add_argument("--num-workers", type=int, default=2,
                    help="data-loader workers (accepted; samples are read in-process from memory-mapped files)")
 

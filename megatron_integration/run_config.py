@@ -92,7 +92,9 @@ def add_run_config_argument(parser) -> None:
     """``--run-config FILE``: a run config giving the arguments (the command line's win)."""
     parser.add_argument("--run-config", default=None,
                         help="YAML run config (configs/runs/, or one `python -m dynapipe advise --output` wrote) "
-                             "giving the arguments; those given on the command line win")
+                             "giving the arguments; those given on the command line win, and one of Megatron-LM's "
+                             "alternatives typed there (--train-samples, --data-path, ...) replaces the file's "
+                             "choice (--train-iters, --mock-data, ...); a switch the file turns on stays on")
 
 
 def negatable_flags(parser) -> frozenset[str]:
@@ -115,22 +117,41 @@ def with_run_config(parser, argv: list[str], world_size: int) -> list[str]:
         raise DynaPipeError(f"{run.path} is a run of {run.nnodes} node(s) x {run.nproc_per_node} processes "
                             f"= {run.world_size} ranks, but this job has {world_size}; launch it with "
                             f"torchrun --nnodes {run.nnodes} --nproc-per-node {run.nproc_per_node}.")
-    # A setting typed in Megatron-LM's other spelling replaces the run config's (both given is refused).
     typed = {a.split("=")[0] for a in argv if a.startswith("--")}
-    shadowed = spelled(typed) - typed
-    return _without(list(run.argv), shadowed) + list(argv)
+    return _without(list(run.argv), shadowed_by(typed)) + list(argv)
+
+
+_WHOLE_DATA = ("--mock-data", "--data-path", "--data-args-path", "--per-split-data-args-path")
+_SPLIT_DATA = ("--train-data-path", "--valid-data-path", "--test-data-path")
+# Flags that choose among alternatives Megatron-LM refuses together: one typed on the command
+# line replaces the run config's choice, as a typed flag replaces the file's value of itself.
+_ALTERNATIVES = (("--train-iters", "--train-samples"),
+                 ("--lr-warmup-iters", "--lr-warmup-samples", "--lr-warmup-fraction"),
+                 ("--lr-decay-iters", "--lr-decay-samples"))
+
+
+def shadowed_by(typed: set) -> set:
+    """The run-config flags the command line's ``typed`` flags replace besides themselves:
+    Megatron-LM's other spelling of a setting, the other choices of an alternative (a length in
+    iterations or in samples), and the file's data for data given (the whole data for
+    ``--data-path``, ``--mock-data`` and the like; the whole-data flags for one split's path)."""
+    out = spelled(typed)
+    for group in _ALTERNATIVES:
+        if typed & set(group):
+            out |= set(group)
+    if typed & set(_WHOLE_DATA):
+        out |= set(_WHOLE_DATA + _SPLIT_DATA)
+    elif typed & set(_SPLIT_DATA):
+        out |= set(_WHOLE_DATA)
+    return out - typed
 
 
 def _without(argv: list[str], flags: set) -> list[str]:
-    """``argv`` without each of ``flags`` and its value."""
-    out, skip = [], False
-    for i, a in enumerate(argv):
-        if skip:
-            skip = False
-            continue
-        name = a.split("=", 1)[0]
-        if name in flags:
-            skip = "=" not in a and i + 1 < len(argv) and not argv[i + 1].startswith("--")
-            continue
-        out.append(a)
+    """``argv`` without each of ``flags`` and its values (every item up to the next flag)."""
+    out, skipping = [], False
+    for a in argv:
+        if a.startswith("--"):
+            skipping = a.split("=", 1)[0] in flags
+        if not skipping:
+            out.append(a)
     return out

@@ -88,6 +88,23 @@ def test_a_setting_typed_in_megatron_lms_other_spelling_replaces_the_run_configs
     assert (cfg.model.seq_length, cfg.model.num_layers) == (512, 2)
 
 
+def test_an_alternative_typed_on_the_command_line_replaces_the_run_configs_choice(tmp_path):
+    # The file trains --train-iters 20 on --mock-data; the command line asks for --train-samples and
+    # indexed data instead (Megatron-LM refuses either pair together): the typed choices win.
+    from megatron_integration.run_config import shadowed_by
+
+    parser = build_parser()
+    add_run_config_argument(parser)
+    argv = with_run_config(parser, ["--run-config", "configs/runs/gpt-tiny-cpu-pp2.yaml", "--train-samples", "640",
+                                    "--data-path", "0.7", "a", "0.3", "b"], world_size=2)
+    assert "--train-iters" not in argv and "--mock-data" not in argv
+    assert argv[argv.index("--data-path"):][:5] == ["--data-path", "0.7", "a", "0.3", "b"]
+    # One split's path replaces the file's whole data, not the file's other splits.
+    assert shadowed_by({"--valid-data-path"}) == {"--mock-data", "--data-path", "--data-args-path",
+                                                  "--per-split-data-args-path"}
+    assert "--train-data-path" in shadowed_by({"--data-path"}) and "--data-path" not in shadowed_by({"--data-path"})
+
+
 @pytest.mark.parametrize("args, needle", [
     ("{num-layers: [1, 2]}", "args.num-layers takes one value, not the list [1, 2]"),
     ("{mock-data: 'yes'}", "args.mock-data is an on/off flag; give true or false, not 'yes'"),
