@@ -114,8 +114,7 @@ def save_dist(iter_dir: str, iteration: int, gpt, optimizer, scheduler, info: Ra
     state = _sharded_state_dict(gpt, optimizer, metadata, with_optim=True, is_loading=False)
     state.update(args=args, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration,
                  # In Megatron-LM's units (samples), so its runs resume this schedule and back.
-                 opt_param_scheduler=in_samples(scheduler.state_dict(), samples_per_iteration,
-                                                getattr(args, "consumed_train_samples", None), iteration),
+                 opt_param_scheduler=in_samples(scheduler.state_dict(), samples_per_iteration),
                  rng_state=_rng_sharded_object(info, _gathered_rng(info)))
     # The shards go to a staging directory first: a complete checkpoint of the same iteration
     # (a run saving into a --save it did not load from) stays until the new one is complete.

@@ -30,24 +30,18 @@ STEP_KEYS = ("lr_warmup_steps", "num_steps", "lr_decay_steps", "wd_incr_steps")
 UNITS_ARG = "dynapipe_scheduler_units"
 
 
-def in_samples(state: dict, samples_per_iteration: Optional[int], consumed_samples: Optional[int] = None,
-               iteration: Optional[int] = None) -> dict:
-    """``state`` (a scheduler state in iterations: one step a successful optimizer step) in
-    Megatron-LM's units, samples, for a run of ``samples_per_iteration`` samples an iteration:
-    its bounds (warm-up, decay, weight-decay steps) as Megatron-LM computes them from this run's
-    global batch, and its step count the samples of the iterations that stepped, as Megatron-LM
-    counts them: ``consumed_samples`` less the iterations skipped (``iteration`` minus the steps:
-    fp16 loss-scale overflows, which Megatron-LM does not step either), which is right after a
-    global batch changed on an earlier resume too (None: this run's batch times the steps).
-    Unchanged when the batch is not fixed (None: global batches formed by a token budget, whose
-    sample counts vary)."""
+def in_samples(state: dict, samples_per_iteration: Optional[int]) -> dict:
+    """``state`` (a scheduler state in iterations: one step a successful optimizer step; an fp16
+    overflow skips it, as Megatron-LM skips its own) in Megatron-LM's units, samples, for a run of
+    ``samples_per_iteration`` samples an iteration: every count times the global batch, as
+    Megatron-LM counts its bounds and steps (its steps add each stepped iteration's samples).
+    After a ``--global-batch-size`` change on an earlier resume the step count is the steps at
+    this batch, not the samples they took (which Megatron-LM would hold): this project's
+    schedule is counted in iterations. Unchanged when the batch is not fixed (None: global
+    batches formed by a token budget, whose sample counts vary)."""
     if not samples_per_iteration:
         return dict(state)
-    out = {k: (v * samples_per_iteration if k in STEP_KEYS and v is not None else v) for k, v in state.items()}
-    if consumed_samples is not None and iteration is not None and "num_steps" in out:
-        skipped = max(iteration - state["num_steps"], 0)
-        out["num_steps"] = consumed_samples - skipped * samples_per_iteration
-    return out
+    return {k: (v * samples_per_iteration if k in STEP_KEYS and v is not None else v) for k, v in state.items()}
 
 
 def _in_iterations(state: dict, scheduler, iteration: Optional[int], consumed_samples: Optional[int],
@@ -55,11 +49,9 @@ def _in_iterations(state: dict, scheduler, iteration: Optional[int], consumed_sa
     """A checkpoint's scheduler state in iterations. ``units``: what the checkpoint records
     (:data:`UNITS_ARG`): ``samples`` is converted, ``iterations`` kept; None (Megatron-LM's own
     checkpoints, which are in samples, and this project's older ones, in either) is told by a
-    step count equal to the consumed samples. From samples: the bounds are divided by the global
-    batch the checkpoint was saved with (``samples_per_iteration``, its ``global_batch_size``;
-    None: the mean batch, consumed samples over iterations), as Megatron-LM computed them, and
-    the step count is the iteration less the iterations skipped (the consumed samples the steps
-    did not count, in batches)."""
+    step count equal to the consumed samples. Every count is divided by the global batch the
+    checkpoint was saved with (``samples_per_iteration``, its ``global_batch_size``; None: the
+    mean batch, consumed samples over iterations), as Megatron-LM computed them from it."""
     steps = state.get("num_steps")
     if units == "iterations" or not iteration or not consumed_samples:
         return state
@@ -69,10 +61,7 @@ def _in_iterations(state: dict, scheduler, iteration: Optional[int], consumed_sa
     out = dict(state)
     for k in STEP_KEYS:
         if k in out and out[k] is not None:
-            if k == "num_steps":
-                value = iteration - max(consumed_samples - out[k], 0) / per_iteration
-            else:
-                value = out[k] / per_iteration
+            value = out[k] / per_iteration
             mine = getattr(scheduler, k, None)
             # The run's own value where the two agree but for rounding (x / b * b != x in floats).
             out[k] = mine if mine is not None and math.isclose(value, mine, rel_tol=1e-9) else value

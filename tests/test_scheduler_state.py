@@ -91,17 +91,17 @@ def test_checkpoints_hold_megatron_lms_units_and_either_side_resumes_the_others_
     assert again.num_steps == 4
 
 
-def test_a_checkpoint_after_a_global_batch_change_counts_megatron_lms_samples_and_resumes():
-    # 2 iterations of 4 samples, then a resume at 8 a batch for 2 more: Megatron-LM's step count
-    # is the 24 samples consumed (not 4 x 8), its bounds this run's iterations x 8.
+def test_a_checkpoint_after_a_global_batch_change_resumes_at_its_steps():
+    # 2 iterations of 4 samples, then a resume at 8 a batch for 2 more (4 steps). The schedule is
+    # counted in iterations here: saved as Megatron-LM's units at this batch (4 x 8), recorded as
+    # samples, and read back by the batch it was saved with, whatever the consumed samples (24).
     from megatron_integration.scheduler_state import in_samples
 
     ours = _megatron_lm_scheduler(1, 6, 1)
     for _ in range(4):
         ours.step(increment=1)
-    saved = in_samples(ours.state_dict(), 8, consumed_samples=24, iteration=4)
-    assert (saved["num_steps"], saved["lr_decay_steps"], saved["lr_warmup_steps"]) == (24, 48, 8)
-    # Read back at the checkpoint's iteration with the bounds of the batch it was saved with.
+    saved = in_samples(ours.state_dict(), 8)
+    assert (saved["num_steps"], saved["lr_decay_steps"], saved["lr_warmup_steps"]) == (32, 48, 8)
     resumed = _megatron_lm_scheduler(1, 6, 1)
     load_scheduler_state(resumed, saved, "ckpt", iteration=4, consumed_samples=24, samples_per_iteration=8,
                          units="samples")
@@ -112,7 +112,8 @@ def test_a_checkpoint_after_a_global_batch_change_counts_megatron_lms_samples_an
         assert resumed.get_lr(resumed.optimizer.param_groups[0]) == ours.get_lr(ours.optimizer.param_groups[0])
     # Divided by the mean batch (24 / 4 = 6 a batch) the bounds would have been 8 iterations.
     with pytest.raises(DynaPipeError, match="schedule differs"):
-        load_scheduler_state(_megatron_lm_scheduler(1, 6, 1), saved, "ckpt", iteration=4, consumed_samples=24)
+        load_scheduler_state(_megatron_lm_scheduler(1, 6, 1), saved, "ckpt", iteration=4, consumed_samples=24,
+                             units="samples")
 
 
 def test_iterations_skipped_by_fp16_overflows_are_not_scheduler_steps_either_side():
@@ -125,8 +126,7 @@ def test_iterations_skipped_by_fp16_overflows_are_not_scheduler_steps_either_sid
     for _ in range(7):
         ours.step(increment=1)
         theirs.step(increment=8)
-    saved = in_samples(ours.state_dict(), 8, consumed_samples=80, iteration=10)
-    assert saved == theirs.state_dict()
+    assert in_samples(ours.state_dict(), 8) == theirs.state_dict()
     # Read back (in samples, as recorded, and as Megatron-LM's own checkpoints are read): 7 steps,
     # so the next iteration's rate is the one after 7 steps, not after 10.
     resumed = _megatron_lm_scheduler(2, 20, 1)
