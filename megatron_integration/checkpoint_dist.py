@@ -36,7 +36,7 @@ import argparse
 import os
 import random
 import warnings
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -277,16 +277,41 @@ def recorded_model_args(cfg, mine: Optional[dict] = None) -> dict:
     return {**(mine or model_values(cfg)), "bias_gelu_fusion": cfg.model.gelu_approximation == "tanh"}
 
 
-def model_mismatch(ckpt_args, cfg, mine: Optional[dict] = None) -> Optional[str]:
+def model_mismatch(ckpt_args, cfg, mine: Optional[dict] = None,
+                   saved_keys: Optional[Sequence[str]] = None) -> Optional[str]:
     """How a checkpoint's recorded arguments (``ckpt_args``, attributes by Megatron-LM name)
     differ from this model's (``mine``, else :func:`model_values`), naming the flag; None if
-    they fit."""
+    they fit. ``saved_keys``: a torch_dist checkpoint's tensor keys, which tell a T5's
+    checkpoint (it holds ``encoder.*``) from a GPT's where the arguments cannot (Megatron-LM
+    records no decoder layer count unless one was given)."""
     m = cfg.model
     decoder_layers = getattr(ckpt_args, "decoder_num_layers", None)
     if mine is None and decoder_layers is not None:
         # A T5's decoder keys are GPT's; without this its checkpoint would load into a GPT.
         return (f"it records --decoder-num-layers {decoder_layers}: an encoder-decoder (T5) model's checkpoint, "
                 f"and this run trains a GPT; resume it with scripts/pretrain_t5.py")
+    if mine is not None and "decoder_num_layers" in mine:
+        has_encoder = (any(k.startswith("encoder.") for k in saved_keys) if saved_keys is not None
+                       else decoder_layers is not None)
+        if not has_encoder:
+            return ("it holds no encoder: a decoder-only (GPT) model's checkpoint, and this run trains a T5; "
+                    "resume it with scripts/pretrain_gpt.py")
+    if mine is None:
+        # Key/value heads: Megatron-LM records --num-query-groups whatever it is, and reads it
+        # only with --group-query-attention (one group a head otherwise).
+        groups = m.num_query_groups or m.num_attention_heads
+        if getattr(ckpt_args, "group_query_attention", None) is not None:
+            theirs = (getattr(ckpt_args, "num_query_groups", None) if ckpt_args.group_query_attention
+                      else getattr(ckpt_args, "num_attention_heads", None))
+            if theirs is not None and theirs != groups:
+                return (f"{theirs} key/value heads in the checkpoint, {groups} here: --group-query-attention "
+                        f"--num-query-groups")
+        # A learned position table has --max-position-embeddings rows (rotary positions hold none).
+        theirs = getattr(ckpt_args, "max_position_embeddings", None)
+        if (m.position_embedding_type == "learned_absolute" and theirs is not None
+                and getattr(ckpt_args, "position_embedding_type", "learned_absolute") == "learned_absolute"
+                and theirs != m.max_position_embeddings):
+            return f"--max-position-embeddings {theirs} in the checkpoint, {m.max_position_embeddings} here"
     for name, value in (mine or model_values(cfg)).items():
         theirs = getattr(ckpt_args, name, None)
         if theirs is not None and theirs != value:
@@ -359,7 +384,8 @@ def load_dist(iter_dir: str, cfg, gpt, optimizer, scheduler, info: RankInfo, loa
 
     common = read_common(iter_dir)
     ckpt_args = common.get("args")
-    mismatch = model_mismatch(ckpt_args, cfg, model_values) if ckpt_args is not None else None
+    saved = _saved_keys(iter_dir)
+    mismatch = model_mismatch(ckpt_args, cfg, model_values, saved) if ckpt_args is not None else None
     if mismatch:
         raise DynaPipeError(f"{iter_dir}: the checkpoint does not fit this model ({mismatch}); use the model "
                             f"arguments it was saved with.")
@@ -371,7 +397,6 @@ def load_dist(iter_dir: str, cfg, gpt, optimizer, scheduler, info: RankInfo, loa
         log(f"(TP, PP) mismatch after resume (({info.tp_size}, {info.pp_size}) vs {ckpt_layout} from "
             f"checkpoint): RNG state will be ignored")
         load_rng = False
-    saved = _saved_keys(iter_dir)
     if load_rng and not any(k.startswith("rng_state") for k in saved):
         raise DynaPipeError(f"{iter_dir} holds no RNG state; add --no-load-rng (or --finetune) to start the "
                             f"generators from --seed.")

@@ -144,4 +144,6 @@ def t5_model_values(cfg) -> dict:
             "num_attention_heads": m.num_attention_heads, "ffn_hidden_size": m.ffn_hidden_size,
             "kv_channels": m.kv_channels, "padded_vocab_size": m.vocab_size,
             "add_position_embedding": m.position_embedding_type == "learned_absolute",
+            # The learned position table's rows (the longer of the two lengths by default).
+            "max_position_embeddings": m.max_position_embeddings,
             "untie_embeddings_and_output_weights": not m.tie_embeddings}

@@ -48,11 +48,13 @@ def main(argv=None) -> int:
         pretrain_t5(cfg)
     except (DynaPipeError, RuntimeError) as e:
         from megatron_integration.agreement import exit_line
+        from megatron_integration.run_report import write_line
 
         line = exit_line(e, started)
         if line is None:
             raise
-        print("error: " + line, file=sys.stderr)
+        # Every rank prints its line: each in one write, so two ranks' lines never merge.
+        write_line(sys.stderr, "error: " + line)
         return 2
     finally:
         if started:

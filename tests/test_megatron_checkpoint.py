@@ -378,6 +378,24 @@ def test_recorded_args_have_megatron_lms_names_and_meanings():
         assert model_mismatch(old, cfg).endswith(": --no-bias-gelu-fusion")
         assert model_mismatch(old, _parse("--no-bias-gelu-fusion")) is None
     assert model_mismatch(SimpleNamespace(bias_gelu_fusion=False), _parse("--swiglu")) is None  # no GeLU
+    # Shapes the loaded tensors would refuse only by key name are named by their flag first.
+    learned = _parse("")
+    assert model_mismatch(SimpleNamespace(max_position_embeddings=256, position_embedding_type="learned_absolute"),
+                          learned) == f"--max-position-embeddings 256 in the checkpoint, " \
+                                      f"{learned.model.max_position_embeddings} here"
+    assert model_mismatch(SimpleNamespace(max_position_embeddings=256, position_embedding_type="rope"), cfg) is None
+    heads = learned.model.num_attention_heads
+    assert model_mismatch(SimpleNamespace(group_query_attention=True, num_query_groups=1), learned) == (
+        f"1 key/value heads in the checkpoint, {heads} here: --group-query-attention --num-query-groups")
+    assert model_mismatch(SimpleNamespace(group_query_attention=False, num_query_groups=1,
+                                          num_attention_heads=heads), learned) is None
+    # A T5 run tells a GPT's checkpoint by its missing encoder (torch_dist keys; the dynapipe
+    # format's recorded decoder layers).
+    t5_values = {"encoder_num_layers": 2, "decoder_num_layers": 2}
+    assert model_mismatch(SimpleNamespace(), cfg, t5_values, ["decoder.layers.x", "embedding.y"]).startswith(
+        "it holds no encoder: a decoder-only (GPT) model's checkpoint")
+    assert model_mismatch(SimpleNamespace(), cfg, t5_values, ["encoder.layers.x", "decoder.layers.x"]) is None
+    assert model_mismatch(SimpleNamespace(decoder_num_layers=2), cfg, t5_values) is None
     # A T5's checkpoint (its decoder keys are GPT's, its num_layers the encoder's) is refused by a
     # GPT run by what it records, as its own runs record it; a GPT's records no decoder.
     assert getattr(recorded("")[1], "decoder_num_layers", None) is None
