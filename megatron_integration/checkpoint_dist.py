@@ -186,16 +186,40 @@ def _checkpoint_files(iter_dir: str) -> list[str]:
 def verify_dist_checkpoint(iter_dir: str, rank: int = 0, world_size: int = 1) -> bool:
     """Verify this rank's share (every ``world_size``-th file) of ``iter_dir`` against the sidecars.
 
-    Returns False, verifying nothing, when no file has a sidecar (a checkpoint written by
-    Megatron-LM or megatron-core itself); a checkpoint with some sidecars must have them all.
-    Raises :class:`DynaPipeError` naming the first bad file.
+    Returns False when no file has a sidecar (a checkpoint written by Megatron-LM or
+    megatron-core itself): then only the shards' sizes are checked against the index, so a
+    truncated shard is named rather than failing as an empty ``EOFError``. A checkpoint with
+    some sidecars must have them all. Raises :class:`DynaPipeError` naming the first bad file.
     """
     files = _checkpoint_files(iter_dir)
     if not any(os.path.exists(f + CHECKSUM_SUFFIX) for f in files):
+        _check_shard_sizes(iter_dir, rank, world_size)
         return False
     for path in files[rank::world_size]:
         verify_file(path)
     return True
+
+
+def _check_shard_sizes(iter_dir: str, rank: int = 0, world_size: int = 1) -> None:
+    """Every shard of this rank's share holds the bytes the torch_dist index places in it."""
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        storage = FileSystemReader(iter_dir).read_metadata().storage_data
+    except Exception:  # noqa: BLE001 - no readable index: megatron-core's load names it
+        return
+    need: dict = {}
+    for info in storage.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for rel in sorted(need)[rank::world_size]:
+        path = os.path.join(iter_dir, rel)
+        if not os.path.isfile(path):
+            raise DynaPipeError(f"checkpoint file {path} is missing, but the checkpoint's index names it; resume "
+                                f"from a complete checkpoint.")
+        have = os.path.getsize(path)
+        if have < need[rel]:
+            raise DynaPipeError(f"checkpoint file {path} is truncated ({have:,} bytes, its index needs "
+                                f"{need[rel]:,}); copy it again or resume from another checkpoint.")
 
 
 try:

@@ -93,7 +93,15 @@ class StagedSave:
 
     def begin(self) -> None:
         """A fresh staging directory (what an unfinished save left there removed)."""
-        self.agree(attempt(lambda: fresh_dir(self.staging), f"creating {self.staging}")[1] if self.rank == 0 else None)
+        self.agree(attempt(lambda: fresh_dir(self.staging), f"creating {self.staging}", self.kept())[1]
+                   if self.rank == 0 else None)
+
+    def kept(self) -> str:
+        """What a failed save leaves, and what to do: the fix part of its line."""
+        root = os.path.dirname(self.iter_dir.rstrip(os.sep))
+        return (f"nothing of this save was kept, and the checkpoints already in {root} are untouched "
+                f"(latest_checkpointed_iteration.txt still names the last complete one); make --save writable "
+                f"(or free space) and resume from it")
 
     def agree(self, error: Optional[str]) -> None:
         """Every rank's ``error`` (None: fine); on any, the staging dropped and the first raised."""
@@ -109,8 +117,8 @@ class StagedSave:
 
     def complete(self) -> None:
         """Move the complete save into place (rank 0), agreed on."""
-        self.agree(attempt(lambda: move_into_place(self.staging, self.iter_dir), f"completing {self.iter_dir}")[1]
-                   if self.rank == 0 else None)
+        self.agree(attempt(lambda: move_into_place(self.staging, self.iter_dir), f"completing {self.iter_dir}",
+                           self.kept())[1] if self.rank == 0 else None)
 
 
 def file_digest(path: str) -> tuple[str, int]:

@@ -147,6 +147,15 @@ def _verifier_catches_damage(iter_dir, scratch):
     for sidecar in scratch.glob("*.sha256"):
         sidecar.unlink()
     assert verify_dist_checkpoint(str(scratch), 0, 1) is False  # as Megatron-LM writes them: unverified
+    # Unverified, a shard shorter than the index's places is still named (megatron-core: EOFError).
+    size = os.path.getsize(shard)
+    with open(shard, "r+b") as f:
+        f.truncate(size - 7)
+    with pytest.raises(DynaPipeError, match=f"checkpoint file {re.escape(shard)} is truncated "
+                                            f"\\({size - 7:,} bytes, its index needs {size:,}\\)"):
+        verify_dist_checkpoint(str(scratch), 0, 1)
+    shutil.copy(os.path.join(iter_dir, os.path.basename(shard)), shard)
+    assert verify_dist_checkpoint(str(scratch), 0, 1) is False
     # Unverified, a damaged part is still named: a garbled metadata.json (read first), a lost
     # common part (megatron-core 0.16 fails with an AttributeError of its own there).
     from megatron_integration.checkpoint_dist import read_common
@@ -451,6 +460,17 @@ def test_a_save_replaces_an_earlier_one_of_the_same_iteration_whole(tmp_path):
     files = sorted(os.listdir(old / "mp_rank_00_000"))
     assert files == ["model_optim_rng.pt", "rng_dp_000.pt", "rng_dp_001.pt"]
     assert all((old / "mp_rank_00_000" / f).read_bytes() == b"new" for f in files)
+
+
+def test_a_save_that_cannot_start_says_what_is_kept_and_what_to_do(tmp_path):
+    from megatron_integration.checkpoint_files import StagedSave
+
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("x")
+    with pytest.raises(DynaPipeError, match=f"^creating {re.escape(str(blocked))}/iter_0000002.saving failed: .*; "
+                                            f"nothing of this save was kept, and the checkpoints already in "
+                                            f"{re.escape(str(blocked))} are untouched .* make --save writable"):
+        StagedSave(str(blocked / "iter_0000002"), 0).begin()
 
 
 def test_a_move_that_fails_halfway_puts_the_earlier_checkpoint_back(tmp_path, monkeypatch):
