@@ -28,7 +28,7 @@ from dynapipe.config import ClusterConfig, DeviceConfig, ModelConfig, TensorPara
 from dynapipe.cost import build_cost_model
 from dynapipe.cost.chunked_placement import even_chunked_placement
 from dynapipe.cost.placement import StagePlacement
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, whole_number
 from dynapipe.method_compare import BatchesResult, compare_over_batches
 
 
@@ -326,8 +326,8 @@ def sample_batches(tokens: int, count: int, seed: int, seq_length: int, *, encod
     ``seq_length``): drawn from the synthetic ``mixture``, or without replacement from
     the lengths ``pool`` (shuffled with ``seed``; each batch takes samples until the next
     would pass ``tokens``; refused when the pool holds fewer than ``tokens``)."""
-    if tokens < 1 or count < 1:
-        raise DynaPipeError(f"--tokens-per-iteration {tokens} and --batches {count} must be positive.")
+    whole_number("--tokens-per-iteration", tokens)
+    whole_number("--batches", count)
     if pool is None:
         from dynapipe.method_compare import global_batch_of_tokens
 

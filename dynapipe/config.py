@@ -129,6 +129,10 @@ class ModelConfig:
                 raise DynaPipeError(f"{source}: a t5 model needs encoder_layers and decoder_layers > 0.")
         elif self.num_layers <= 0:
             raise DynaPipeError(f"{source}: num_layers={self.num_layers} must be a positive integer.")
+        elif self.encoder_layers or self.decoder_layers:
+            raise DynaPipeError(f"{source}: encoder_layers={self.encoder_layers} / decoder_layers="
+                                f"{self.decoder_layers} describe a t5; a gpt counts its layers in num_layers "
+                                f"(drop them, or set arch: t5).")
         if self.kv_channels < 0:
             raise DynaPipeError(f"{source}: kv_channels={self.kv_channels} must be >= 0 "
                                 f"(0 means hidden_size / num_attention_heads).")
@@ -144,6 +148,10 @@ class ModelConfig:
         if self.max_position_embeddings < 0:
             raise DynaPipeError(f"{source}: max_position_embeddings={self.max_position_embeddings} must be >= 0 "
                                 f"(0 means max_seq_length).")
+        if 0 < self.max_position_embeddings < self.max_seq_length:
+            raise DynaPipeError(f"{source}: max_position_embeddings={self.max_position_embeddings} is below "
+                                f"max_seq_length={self.max_seq_length} (Megatron-LM requires at least the sequence "
+                                f"length); raise it, or give 0 for max_seq_length.")
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise DynaPipeError(f"{source}: position_embedding_type={self.position_embedding_type!r}; use one of "
                                 f"{', '.join(POSITION_EMBEDDING_TYPES)}.")
@@ -295,6 +303,27 @@ class TensorParallelConfig:
         return self.link.latency_ms + (self.size - 1) / self.size * nbytes / (self.link.bandwidth_gbps * 1e6)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (the plain loader keeps
+    the last silently: a config that says ``num_layers`` twice would build the second)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may be overridden
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+            except TypeError:  # an unhashable key: the base loader names it
+                break
+            if duplicate:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: str) -> dict:
     if not os.path.exists(path):
         raise DynaPipeError(f"config file {path!r} does not exist.")
@@ -302,7 +331,7 @@ def _read_yaml(path: str) -> dict:
         raise DynaPipeError(f"config file {path!r} is a directory; give a YAML file.")
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            data = yaml.load(f, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         first = " ".join(str(e).split())
         raise DynaPipeError(f"config file {path!r} is not valid YAML: {first}") from None

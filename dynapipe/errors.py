@@ -29,6 +29,16 @@ class ExecutorError(DynaPipeError):
     names the rank, the instruction index and the peer."""
 
 
+def whole_number(name: str, value, at_least: int = 1) -> int:
+    """``value`` as an int when it is a whole number of at least ``at_least`` (not a bool, a
+    float or NaN), else a :class:`DynaPipeError` naming ``name`` and the value."""
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < at_least:
+        raise DynaPipeError(f"{name} {value!r}: must be a whole number of at least {at_least}.")
+    return int(value)
+
+
 @contextmanager
 def file_read_errors(what: str, path: str, missing: str, directory: str, not_text: str) -> Iterator[None]:
     """Turn the errors of opening and reading ``path`` inside the block into one-line

@@ -25,7 +25,7 @@ import numpy as np
 
 from dynapipe.config import ClusterConfig, ModelConfig
 from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, whole_number
 from dynapipe.pipeline_planner import IterationPlan, plan_iteration
 
 # method -> (batching method of the planner, schedule, whether the search picks recompute)
@@ -149,9 +149,9 @@ def global_batch_of_tokens(tokens: int, seed: int, seq_length: int, encoder_deco
     Lengths as :func:`dynapipe.data.synthetic.sample_lengths` returns them."""
     from dynapipe.data.synthetic import sample_lengths
 
-    if tokens < 1:
-        raise DynaPipeError(f"tokens per iteration {tokens} must be positive.")
-    n = max(16, 4 * tokens // max(seq_length, 1))
+    tokens = whole_number("tokens per iteration", tokens)
+    seq_length = whole_number("seq_length", seq_length)
+    n = max(16, 4 * tokens // seq_length)
     while True:
         lengths = sample_lengths(n, seed, seq_length, encoder_decoder, mixture)
         per_sample = lengths.reshape(len(lengths), -1).sum(axis=1)
@@ -197,6 +197,8 @@ def simulate_method(lengths, method: str, cost_model: CostModel, *, dp: int = 1,
     backward (Transformer Engine's layers), so no search tries the zero-bubble schedules.
     Raises :class:`DynaPipeError` when nothing fits.
     """
+    if micro_batch_size is not None:
+        whole_number("micro_batch_size", micro_batch_size)
     if method not in METHOD_SPECS:
         raise DynaPipeError(f"method {method!r} is not known; use one of {', '.join(METHODS)}.")
     batching, schedule, searched = METHOD_SPECS[method]

@@ -57,6 +57,13 @@ def _write(tmp_path, text, name="c.yaml"):
     ("name: m\nnum_layers: 2.5\nhidden_size: 32\nnum_attention_heads: 4\n", "num_layers=2.5"),
     ("- 1\n- 2\n", "mapping"),
     ("name: [unclosed\n", "not valid YAML"),
+    # A key given twice (the plain YAML loader kept the second silently).
+    ("name: m\nnum_layers: 4\nhidden_size: 32\nnum_attention_heads: 4\nnum_layers: 8\n",
+     "key 'num_layers' is given twice"),
+    ("name: m\nnum_layers: 2\nhidden_size: 32\nnum_attention_heads: 4\nencoder_layers: 2\n",
+     "encoder_layers=2 / decoder_layers=0 describe a t5; a gpt counts its layers in num_layers"),
+    ("name: m\nnum_layers: 2\nhidden_size: 32\nnum_attention_heads: 4\nmax_seq_length: 1024\n"
+     "max_position_embeddings: 10\n", "max_position_embeddings=10 is below max_seq_length=1024"),
 ])
 def test_bad_model_configs(tmp_path, text, message):
     path = _write(tmp_path, text)

@@ -386,11 +386,13 @@ def test_a_broken_torch_dist_checkpoint_stops_every_rank_with_one_line(fault_out
     truncated = [o["error"] for o in outcomes["load_truncated_dist"]]
     assert truncated[0] == truncated[1] and "\n" not in truncated[0]
     assert "__1_0.distcp is truncated" in truncated[0]
+    # Without checksums (as Megatron-LM writes them) the shards' sizes are still checked against
+    # the index: the shard cut above is named before megatron-core fails on it or on the common part.
     broken = [o["error"] for o in outcomes["load_unverified_broken"]]
     assert broken[0] == broken[1] and "\n" not in broken[0]
     common = common_state_file(os.path.join(paths["dist_save"], "iter_0000001"))
     assert os.path.basename(common) in ("common.pt", "__0_0.distcp")
-    assert f"checkpoint {common} cannot be loaded" in broken[0], broken[0]
+    assert "__1_0.distcp is truncated" in broken[0] and "its index needs" in broken[0], broken[0]
 
 
 def test_a_failure_outside_the_executor_stops_the_waiting_rank_with_its_cause(fault_outcomes):

@@ -132,3 +132,30 @@ def test_one_size_is_tuned_for_all_batches(gpt7b):
     assert [r.iteration_ms for r in res.runs] == pytest.approx([s.iteration_ms for s in single])
     dyn = compare_over_batches(batches, "dynapipe", gpt7b, seq_length=2048)
     assert dyn.sweep == [] and len(dyn.runs) == 2 and dyn.summary()["batches"] == 2
+
+
+def test_the_planning_api_refuses_numbers_it_cannot_use_by_name(gpt7b, batch):
+    # Each of these used to give a silently wrong figure (negative model-state MiB at dp -1, a
+    # size 0 run as 1 and then chosen as the best) or a long stall (NaN tokens drew 134M samples).
+    import time
+
+    from dynapipe.advise import sample_batches
+    from dynapipe.schedule.placement import choose_placement_kind
+
+    for dp in (0, -1, 1.5, True):
+        with pytest.raises(DynaPipeError, match=f"dp {dp!r}: must be a whole number of at least 1"):
+            gpt7b.model_state_mib(dp=dp, zero=True)
+    assert gpt7b.model_state_mib(dp=2, zero=True) < gpt7b.model_state_mib(dp=1, zero=True)
+    with pytest.raises(DynaPipeError, match="micro_batch_size 0: must be a whole number"):
+        simulate_method(batch, "padding", gpt7b, micro_batch_size=0, seq_length=2048)
+    with pytest.raises(DynaPipeError, match="micro_batch_size 0: must be a whole number"):
+        tune_baseline(batch, "padding", gpt7b, micro_batch_sizes=[0, 2], seq_length=2048)
+    start = time.monotonic()
+    for tokens in (float("nan"), 1.5, 0):
+        with pytest.raises(DynaPipeError, match="tokens per iteration .*: must be a whole number"):
+            global_batch_of_tokens(tokens, 0, 2048)
+        with pytest.raises(DynaPipeError, match="--tokens-per-iteration .*: must be a whole number"):
+            sample_batches(tokens, 1, 0, 2048)
+    assert time.monotonic() - start < 5
+    with pytest.raises(DynaPipeError, match="schedule 'bogus' is not known"):
+        choose_placement_kind([batch], gpt7b, schedule="bogus")

@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 
 from dynapipe.config import ModelConfig, TensorParallelConfig
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, whole_number
 
 RECOMPUTE_LEVELS = ("none", "selective", "full")
 MIB = float(1 << 20)
@@ -300,6 +300,7 @@ class CostModel(ABC):
 
     def layout_state_mib(self, layout: StageLayout, *, dp: int = 1, zero: bool = False) -> float:
         """Model states of one TP rank of a stage with ``layout``, MiB (see :meth:`model_state_mib`)."""
+        dp = whole_number("dp", dp)  # the data-parallel replicas the optimizer state is sharded over
         half = self.model.dtype in ("bf16", "fp16")
         param_b, grad_b, optim_b = (2, 4, 12) if half else (4, 4, 8)
         per_param = param_b + grad_b + optim_b / (dp if zero else 1)

@@ -182,6 +182,10 @@ def choose_placement_kind(batches: Sequence, cost_model: CostModel, *, dp: int =
     whether the stages can split their backward (the search may then try ``zb-h1`` on the
     contiguous placement and ``interleaved-zb`` on the interleaved one). ``schedule``: the one
     the run takes (default ``auto``), which both kinds are simulated under."""
+    from dynapipe.schedule.search import SCHEDULE_CHOICES
+
+    if schedule not in SCHEDULE_CHOICES:  # a misspelt one would price both kinds at inf
+        raise DynaPipeError(f"schedule {schedule!r} is not known; use one of {', '.join(SCHEDULE_CHOICES)}.")
     memory_limit_mib, reserved_mib = _memory(cost_model, memory_limit_mib, reserved_mib)
     kw = dict(dp=dp, memory_limit_mib=memory_limit_mib, reserved_mib=reserved_mib, seq_length=seq_length,
               zero=zero, recompute=recompute)
