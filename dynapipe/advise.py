@@ -48,6 +48,8 @@ class Layout:
     chunks: int = 1
 
     def __post_init__(self):
+        for name in ("tp", "pp", "dp", "chunks"):
+            whole_number(f"layout {name}", getattr(self, name))
         if self.sp and self.tp < 2:
             raise DynaPipeError(f"{self.label()}: sequence parallelism needs TP 2 or more.")
         if self.chunks < 1 or (self.chunks > 1 and self.pp < 2):
@@ -211,6 +213,11 @@ def advise(batches: Sequence[np.ndarray], model: ModelConfig, device: DeviceConf
     """
     if not len(batches):
         raise DynaPipeError("no global batch to simulate.")
+    if layouts is not None:
+        other = [lay.label() for lay in layouts if lay.tp * lay.pp * lay.dp != gpus]
+        if other:
+            raise DynaPipeError(f"layout {other[0]} does not use the {gpus} GPUs given (TP x PP x DP must be "
+                                f"{gpus}); give layouts of {gpus} GPUs or the GPU count they use.")
     layouts = list(layouts) if layouts is not None else enumerate_layouts(model, gpus, cluster, seq_length=seq_length)
     layouts, left_out = leave_out_idle_replicas(layouts, batches)
     limit, capacity = gpu_capacity_mib(device, memory_limit_mib)

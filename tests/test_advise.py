@@ -233,6 +233,11 @@ def test_layouts_with_more_replicas_than_samples_are_left_out_not_given_a_larger
     assert {r.layout for r in advice.results} | {l for l, _ in advice.refused} == set(layouts[1:])
     with pytest.raises(DynaPipeError, match=r"more data-parallel replicas \(DP4 at the least\) than the 3 samples"):
         advise(batches, tiny, cpu, 4, cluster=local, seq_length=128, layouts=layouts[:1])
+    # A layout of another GPU count is not ranked for these GPUs; a layout of no GPUs is no layout.
+    with pytest.raises(DynaPipeError, match="layout TP1 PP4 DP4 does not use the 4 GPUs given"):
+        advise(batches, tiny, cpu, 4, cluster=local, seq_length=128, layouts=[Layout(1, 4, 4)])
+    with pytest.raises(DynaPipeError, match="layout tp 0: must be a whole number of at least 1"):
+        Layout(0, 1, 4)
     # The run config keeps the simulated global batch (mean samples), never one stretched to DP.
     config = run_config_text(advice.best, tiny, "cpu", "cpu-local", local, 4, 400, 128, None, None, batches)
     assert "global-batch-size: 4\n" in config
