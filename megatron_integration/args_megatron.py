@@ -21,16 +21,34 @@ WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
 
-# Megatron-LM's two spellings of one setting (its validate_args fills one from the other): a
-# default filled in from a preset or a run config must not add one when the other was typed.
+# Where defaults are filled in (a run config, a bench preset), a typed flag must also keep out
+# the defaults Megatron-LM would refuse beside it: its other spelling of the same setting (its
+# validate_args fills one from the other), the other choices of an alternative, other data.
 OTHER_SPELLING = {"--num-layers": "--encoder-num-layers", "--encoder-num-layers": "--num-layers",
                   "--seq-length": "--encoder-seq-length", "--encoder-seq-length": "--seq-length"}
+_WHOLE_DATA = ("--mock-data", "--data-path", "--data-args-path", "--per-split-data-args-path")
+_SPLIT_DATA = ("--train-data-path", "--valid-data-path", "--test-data-path")
+_ALTERNATIVES = (("--train-iters", "--train-samples"),
+                 ("--lr-warmup-iters", "--lr-warmup-samples", "--lr-warmup-fraction"),
+                 ("--lr-decay-iters", "--lr-decay-samples"))
 
 
-def spelled(flags) -> set:
-    """``flags`` (``--name`` strings) with the other spelling of each that has one."""
-    flags = set(flags)
-    return flags | {OTHER_SPELLING[f] for f in flags if f in OTHER_SPELLING}
+def shadowed_by(typed) -> set:
+    """The flags a command line's ``typed`` flags (``--name`` strings) replace besides themselves,
+    where defaults are filled in (a run config, a bench preset):
+    Megatron-LM's other spelling of a setting, the other choices of an alternative (a length in
+    iterations or in samples), and the file's data for data given (the whole data for
+    ``--data-path``, ``--mock-data`` and the like; the whole-data flags for one split's path)."""
+    typed = set(typed)
+    out = typed | {OTHER_SPELLING[f] for f in typed if f in OTHER_SPELLING}
+    for group in _ALTERNATIVES:
+        if typed & set(group):
+            out |= set(group)
+    if typed & set(_WHOLE_DATA):
+        out |= set(_WHOLE_DATA + _SPLIT_DATA)
+    elif typed & set(_SPLIT_DATA):
+        out |= set(_WHOLE_DATA)
+    return out - typed
 
 
 def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

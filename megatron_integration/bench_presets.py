@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
-from megatron_integration.args_megatron import spelled
+from megatron_integration.args_megatron import shadowed_by
 
 METHOD_FLAGS = {
     "dynapipe": ["--use-dynapipe"],
@@ -109,11 +109,12 @@ def fill_defaults(argv: Sequence[str], defaults: Mapping[str, Optional[str]]) ->
     names data (``--data-path``); a bench preset's command line, GPT or T5. A ``None`` value
     is a switch (``--manual-gc``)."""
     out = list(argv)
-    given = spelled(a.split("=")[0] for a in out if a.startswith("--"))
+    typed = {a.split("=")[0] for a in out if a.startswith("--")}
+    given = typed | shadowed_by(typed)  # a flag typed, or one that an alternative typed replaces
     for flag, value in defaults.items():
         if flag not in given:
             out += [flag] if value is None else [flag, value]
-    if "--mock-data" not in given and "--data-path" not in given:
+    if "--mock-data" not in given:  # no data given
         out.append("--mock-data")
     return out
 

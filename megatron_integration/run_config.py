@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from dynapipe.errors import DynaPipeError
-from megatron_integration.args_megatron import spelled
+from megatron_integration.args_megatron import shadowed_by
 
 
 @dataclass(frozen=True)
@@ -119,31 +119,6 @@ def with_run_config(parser, argv: list[str], world_size: int) -> list[str]:
                             f"torchrun --nnodes {run.nnodes} --nproc-per-node {run.nproc_per_node}.")
     typed = {a.split("=")[0] for a in argv if a.startswith("--")}
     return _without(list(run.argv), shadowed_by(typed)) + list(argv)
-
-
-_WHOLE_DATA = ("--mock-data", "--data-path", "--data-args-path", "--per-split-data-args-path")
-_SPLIT_DATA = ("--train-data-path", "--valid-data-path", "--test-data-path")
-# Flags that choose among alternatives Megatron-LM refuses together: one typed on the command
-# line replaces the run config's choice, as a typed flag replaces the file's value of itself.
-_ALTERNATIVES = (("--train-iters", "--train-samples"),
-                 ("--lr-warmup-iters", "--lr-warmup-samples", "--lr-warmup-fraction"),
-                 ("--lr-decay-iters", "--lr-decay-samples"))
-
-
-def shadowed_by(typed: set) -> set:
-    """The run-config flags the command line's ``typed`` flags replace besides themselves:
-    Megatron-LM's other spelling of a setting, the other choices of an alternative (a length in
-    iterations or in samples), and the file's data for data given (the whole data for
-    ``--data-path``, ``--mock-data`` and the like; the whole-data flags for one split's path)."""
-    out = spelled(typed)
-    for group in _ALTERNATIVES:
-        if typed & set(group):
-            out |= set(group)
-    if typed & set(_WHOLE_DATA):
-        out |= set(_WHOLE_DATA + _SPLIT_DATA)
-    elif typed & set(_SPLIT_DATA):
-        out |= set(_WHOLE_DATA)
-    return out - typed
 
 
 def _without(argv: list[str], flags: set) -> list[str]:
