@@ -707,8 +707,44 @@ def test_ops_priced_at_zero_compile_to_plans_that_do_not_deadlock(zeros):
 
 def test_negative_durations_are_refused():
     z, c = np.zeros((2, 2)), np.zeros((1, 2))
-    with pytest.raises(DynaPipeError, match="StageTimes.bw_ms holds negative or non-finite durations"):
+    with pytest.raises(DynaPipeError, match=r"StageTimes.bw_ms holds negative or non-finite values; give ms"):
         StageTimes(z, z - 1, z, z, c, c, np.zeros(2))
+
+
+@pytest.mark.parametrize("field,value,match", [
+    # Memory and transfers feed the peak and the makespan: a NaN or negative one gave a peak of
+    # 0 MiB or a makespan below the transfer-free one.
+    ("stored_mib", np.full((2, 3), np.nan), r"stored_mib holds negative or non-finite values; give MiB"),
+    ("peak_mib", -np.ones((2, 3)), r"peak_mib holds negative"),
+    ("act_comm_ms", np.full((1, 3), -5.0), r"act_comm_ms holds negative or non-finite values; give ms"),
+    ("grad_comm_ms", np.full((1, 3), np.inf), r"grad_comm_ms holds negative"),
+    ("state_mib", np.array([np.nan, 0.0]), r"state_mib holds negative"),
+    ("bw_weight_ms", np.full((2, 3), 5.0), r"bw_weight_ms exceeds bw_ms"),
+    ("weight_stash_mib", np.full((2, 3), np.nan), r"weight_stash_mib holds negative"),
+    # Wrong shapes: the compiled kernel read past short transfer arrays.
+    ("act_comm_ms", np.ones((1, 2)), r"act_comm_ms has shape \[1, 2\]; it needs \[1, 3\]"),
+    ("bw_ms", np.ones((2, 2)), r"bw_ms has shape \[2, 2\]; it needs \[2, 3\]"),
+    ("fw_ms", np.ones(3), r"fw_ms has shape \[3\]; it needs two dimensions"),
+    ("state_mib", np.zeros(3), r"state_mib has shape \[3\]; it needs one entry per stage \(2\)"),
+    ("recompute", "bogus", r"StageTimes.recompute 'bogus' is not one of"),
+])
+def test_every_cost_field_is_checked(field, value, match):
+    S, M = 2, 3
+    fields = dict(fw_ms=np.ones((S, M)), bw_ms=2 * np.ones((S, M)), stored_mib=np.ones((S, M)),
+                  peak_mib=np.ones((S, M)), act_comm_ms=np.zeros((S - 1, M)), grad_comm_ms=np.zeros((S - 1, M)),
+                  state_mib=np.zeros(S))
+    StageTimes(**fields)
+    with pytest.raises(DynaPipeError, match=match):
+        StageTimes(**{**fields, field: value})
+
+
+def test_simulate_refuses_model_states_per_rank_on_an_unchunked_schedule():
+    S, M = 2, 3
+    ones = np.ones((S * 2, M))
+    times = StageTimes(ones, 2 * ones, ones, ones, np.zeros((S * 2 - 1, M)), np.zeros((S * 2 - 1, M)),
+                       np.zeros(S))
+    with pytest.raises(DynaPipeError, match=r"state_mib for 2 of 4 stages"):
+        simulate(one_f_one_b(S * 2, M), times)
 
 
 def test_interleaved_zb_memory_steps_peak_as_the_kernel_where_the_stash_exceeds_the_stored():

@@ -17,7 +17,7 @@ import numpy as np
 from dynapipe.batching.types import MicroBatch
 from dynapipe.config import ClusterConfig
 from dynapipe.cost.backward_split import backward_split
-from dynapipe.cost.base import CostModel, weight_share_of
+from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, weight_share_of
 from dynapipe.errors import DynaPipeError
 from dynapipe.schedule.comm import boundary_links, message_bytes
 
@@ -54,20 +54,51 @@ class StageTimes:
     weight_stash_mib: Optional[np.ndarray] = None
 
     def __post_init__(self) -> None:
-        for name in ("fw_ms", "bw_ms"):
-            value = np.asarray(getattr(self, name), dtype=np.float64)
+        fw = np.asarray(self.fw_ms, dtype=np.float64)
+        if fw.ndim != 2:
+            raise DynaPipeError(f"StageTimes.fw_ms has shape {list(fw.shape)}; it needs two dimensions, "
+                                f"stages x micro-batches.")
+        stages, mbs = fw.shape
+        for name in ("bw_weight_ms", "weight_stash_mib"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, np.zeros((stages, mbs)))
+        shapes = {"fw_ms": (stages, mbs), "bw_ms": (stages, mbs), "stored_mib": (stages, mbs),
+                  "peak_mib": (stages, mbs), "act_comm_ms": (max(stages - 1, 0), mbs),
+                  "grad_comm_ms": (max(stages - 1, 0), mbs),
+                  "bw_weight_ms": (stages, mbs), "weight_stash_mib": (stages, mbs)}
+        for name, shape in shapes.items():
+            try:
+                value = np.asarray(getattr(self, name), dtype=np.float64)
+            except (TypeError, ValueError):
+                raise DynaPipeError(f"StageTimes.{name} is not an array of numbers: "
+                                    f"{getattr(self, name)!r:.80}.") from None
+            if value.shape != shape:
+                what = "stage boundaries x micro-batches" if "comm" in name else "stages x micro-batches"
+                raise DynaPipeError(f"StageTimes.{name} has shape {list(value.shape)}; it needs "
+                                    f"{list(shape)} ({what}, as fw_ms is {list(fw.shape)}).")
             if not np.all(np.isfinite(value)) or np.any(value < 0):
-                raise DynaPipeError(f"StageTimes.{name} holds negative or non-finite durations; give ms, 0 or more.")
+                unit = "ms" if name.endswith("_ms") else "MiB"
+                raise DynaPipeError(f"StageTimes.{name} holds negative or non-finite values; give {unit}, 0 or more.")
+            object.__setattr__(self, name, value)
+        state = np.asarray(self.state_mib, dtype=np.float64)
+        # One entry per stage, or per rank when the stages are virtual (chunks of an interleaved
+        # placement, ``stages`` a multiple of the ranks).
+        if state.ndim != 1 or not len(state) or stages % len(state):
+            raise DynaPipeError(f"StageTimes.state_mib has shape {list(state.shape)}; it needs one entry per "
+                                f"stage ({stages}), or per rank when the {stages} stages are virtual.")
+        if not np.all(np.isfinite(state)) or np.any(state < 0):
+            raise DynaPipeError("StageTimes.state_mib holds negative or non-finite values; give MiB, 0 or more.")
+        object.__setattr__(self, "state_mib", state)
+        if np.any(self.bw_weight_ms > self.bw_ms):
+            raise DynaPipeError("StageTimes.bw_weight_ms exceeds bw_ms; the weight-gradient part is a share of "
+                                "the backward, at most all of it.")
+        if self.recompute not in RECOMPUTE_LEVELS + ("per-stage",):
+            raise DynaPipeError(f"StageTimes.recompute {self.recompute!r} is not one of "
+                                f"{RECOMPUTE_LEVELS + ('per-stage',)}.")
+        for name in ("fw_ms", "bw_ms"):
             # A zero-length op would tie with its own inputs in the timeline, and the plan compiled
             # from it could order a receive before the send it waits for (a deadlock).
-            object.__setattr__(self, name, np.maximum(value, MIN_OP_MS * (2 if name == "bw_ms" else 1)))
-        for name in ("bw_weight_ms", "weight_stash_mib"):
-            value = getattr(self, name)
-            if value is None:
-                object.__setattr__(self, name, np.zeros(np.shape(self.fw_ms)))
-            elif np.shape(value) != np.shape(self.fw_ms):
-                raise DynaPipeError(f"StageTimes.{name} has shape {list(np.shape(value))}; it needs the shape of "
-                                    f"fw_ms, {list(np.shape(self.fw_ms))} (stages x micro-batches).")
+            object.__setattr__(self, name, np.maximum(getattr(self, name), MIN_OP_MS * (2 if name == "bw_ms" else 1)))
 
     @property
     def num_stages(self) -> int:

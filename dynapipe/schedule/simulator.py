@@ -238,6 +238,9 @@ def simulate(schedule: Schedule, times: StageTimes, *, record_memory: bool = Tru
     if times.num_stages != schedule.num_stages:
         raise DynaPipeError(f"schedule {schedule.name!r} has {schedule.num_stages} stages, the costs "
                             f"{times.num_stages}.")
+    if len(times.state_mib) != times.num_stages:
+        raise DynaPipeError(f"schedule {schedule.name!r}: the costs hold state_mib for {len(times.state_mib)} of "
+                            f"{times.num_stages} stages; an unchunked schedule needs one per stage.")
     kind, mb, nops = schedule_arrays(schedule, times.num_micro_batches) if arrays is None else arrays
     status, starts, ends, busy, peak, stage = K.simulate_split_kernel(kind, mb, nops, *kernel_inputs(times),
                                                                       *split_inputs(times), np.inf, np.inf)
