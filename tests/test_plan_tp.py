@@ -99,7 +99,7 @@ def test_validation_refuses_messages_that_ignore_sequence_parallelism():
     with pytest.raises(PlanError, match=r"expected \[seqlen / 2, mbs, hidden\]"):
         validate_plans(claimed)
     odd = [dataclasses.replace(p, meta={**p.meta, "tp": 0, "sequence_parallel": True}) for p in plans]
-    with pytest.raises(PlanError, match="positive TP size"):
+    with pytest.raises(PlanError, match="meta tp=0 is not a whole number of tensor-parallel ranks"):
         validate_plans(odd)
 
 

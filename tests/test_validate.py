@@ -262,3 +262,67 @@ def test_encoder_decoder_loss_tokens_are_bounded_by_the_decoder_rows():
     bad = [dataclasses.replace(p, micro_batches=(over,) + tuple(p.micro_batches[1:])) for p in plans]
     with pytest.raises(PlanError, match=rf"micro-batch {mb.mb} .* {mb.mbs} x {mb.dec_seqlen} padded target tokens"):
         validate_plans(bad)
+
+
+def _every(plans, **meta):
+    return [dataclasses.replace(p, meta={**p.meta, **meta}) for p in plans]
+
+
+def _first_mb(plans, **fields):
+    mb = dataclasses.replace(plans[0].micro_batches[0], **fields)
+    return [dataclasses.replace(p, micro_batches=(mb,) + tuple(p.micro_batches[1:])) for p in plans]
+
+
+@pytest.mark.parametrize("breakage, match", [
+    # Each of these passed before: the instructions alone do not show them.
+    (lambda ps: [dataclasses.replace(ps[0], meta={**ps[0].meta, "tp": 4})] + ps[1:],
+     r"rank 1: meta tp=None differs from rank 0's 4"),
+    (lambda ps: [ps[0]] + _every(ps[1:], forward_only=True), r"meta forward_only=True differs from rank 0's None"),
+    (lambda ps: [dataclasses.replace(ps[0], meta={**ps[0].meta, "placement": {"layers": [1, 3]}})] + ps[1:],
+     r"meta placement=None differs from rank 0's \{'layers': \[1, 3\]\}"),
+    (lambda ps: _every(ps, tp=-1), r"meta tp=-1 is not a whole number"),
+    (lambda ps: _every(ps, mb_order=[99, -1]), r"mb_order=\[99, -1\] is not an order of the plan's 2 micro-batches"),
+    (lambda ps: [dataclasses.replace(p, iteration=-1) for p in ps], r"iteration=-1 is not a whole number from 0"),
+    (lambda ps: [dataclasses.replace(p, recompute="bogus") for p in ps], r"recompute='bogus' is not one of"),
+    (lambda ps: _first_mb(ps, samples=(-5, 1)), r"micro-batch 0 has samples \[-5, 1\]; samples are indices"),
+    (lambda ps: _first_mb(ps, samples=(0, 1, 5)), r"micro-batch 0 has 2 row\(s\) but 3 samples"),
+])
+def test_edited_plans_are_refused(breakage, match):
+    plans = plans_for([8, 16, 24, 32], 2)
+    validate_plans(plans)
+    with pytest.raises(PlanError, match=match):
+        validate_plans(breakage(list(plans)))
+
+
+@pytest.mark.parametrize("micro_batch, match", [
+    (dict(samples=[0], seqlen=0), r"micro-batch 0 has seqlen=0; it needs a whole number of tokens from 1 to the "
+                                  r"model's max_seq_length 1024"),
+    (dict(samples=[0], seqlen=10 ** 6), r"seqlen=1000000"),
+    (dict(samples=[0], seqlen=63.5), r"seqlen=63.5"),
+    (dict(samples=[0], seqlen="64"), r"seqlen='64'"),
+    (dict(samples=[0], seqlen=64, dec_seqlen=32), r"dec_seqlen=32 but 'gpt-tiny' is decoder-only"),
+    (dict(samples=[], seqlen=64), r"micro-batch 0 has no samples"),
+    (dict(samples=[-3], seqlen=64), r"micro-batch 0 has samples \[-3\]"),
+])
+def test_compile_refuses_micro_batches_no_stage_could_run(micro_batch, match):
+    from dynapipe.batching import MicroBatch
+    from dynapipe.errors import DynaPipeError
+
+    compile_plans("1f1b", [MicroBatch([0], 64)], TINY, num_stages=2)
+    with pytest.raises(DynaPipeError, match=match):
+        compile_plans("1f1b", [MicroBatch(**micro_batch)], TINY, num_stages=2)
+    with pytest.raises(DynaPipeError, match=r"iteration 1.5: must be a whole number of at least 0"):
+        compile_plans("1f1b", [MicroBatch([0], 64)], TINY, num_stages=2, iteration=1.5)
+    with pytest.raises(DynaPipeError, match=r"num_stages 2.0: must be a whole number"):
+        compile_plans("1f1b", [MicroBatch([0], 64)], TINY, num_stages=2.0)
+
+
+def test_compile_refuses_an_encoder_decoder_micro_batch_without_decoder_tokens():
+    from dynapipe.batching import MicroBatch
+    from dynapipe.errors import DynaPipeError
+
+    t5 = load_model_config("t5-11b")
+    compile_plans("1f1b", [MicroBatch([0], 64, dec_seqlen=16)], t5, num_stages=2)
+    with pytest.raises(DynaPipeError, match=r"micro-batch 0 has dec_seqlen=0; it needs a whole number of tokens "
+                                            r"from 1"):
+        compile_plans("1f1b", [MicroBatch([0], 64)], t5, num_stages=2)

@@ -34,7 +34,7 @@ import numpy as np
 from dynapipe.batching.types import MicroBatch
 from dynapipe.config import ModelConfig
 from dynapipe.cost.base import CostModel, StageLayout, stage_layouts
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, whole_number
 from dynapipe.plan._fast import maker
 from dynapipe.plan.instructions import ExecutionPlan, MicroBatchInfo, TensorSpec
 from dynapipe.plan.rank_table import (backward_positions, op_positions, positions_from_arrays, rank_table,
@@ -164,6 +164,50 @@ def _info(i: int, mb: MicroBatch) -> MicroBatchInfo:
                       dec_seqlen=int(mb.dec_seqlen), loss_tokens=int(mb.planned_loss_tokens), rows=rows)
 
 
+def check_micro_batches(caller: str, micro_batches: Sequence[MicroBatch], model: ModelConfig) -> None:
+    """Refuse, naming the micro-batch, what no stage could run: no samples (or one that is not an
+    index), a padded length (tokens) that is not a whole number from 1 to the model's
+    ``max_seq_length``, a decoder length on a decoder-only model, or none on an
+    encoder-decoder one. The planner never makes
+    these; a hand-built or edited list can, and its plans would validate and then fail (or
+    compute the wrong shapes) on the ranks."""
+    import numbers
+    from itertools import chain
+
+    mbs = list(micro_batches)
+    t5 = model.is_encoder_decoder
+    if all(type(mb) is MicroBatch for mb in mbs) and mbs:
+        # One vectorised pass (plans of tens of thousands of micro-batches); the loop below
+        # only runs to name what is wrong.
+        seq = np.array([mb.seqlen for mb in mbs])
+        dec = np.array([mb.dec_seqlen for mb in mbs])
+        counts = np.array([len(mb.samples) for mb in mbs])
+        samples = np.array(list(chain.from_iterable(mb.samples for mb in mbs)))
+        if (seq.dtype.kind in "iu" and dec.dtype.kind in "iu" and samples.dtype.kind in "iu"
+                and seq.min() >= 1 and seq.max() <= model.max_seq_length and counts.min() >= 1
+                and samples.min() >= 0 and (dec.min() >= 1 and dec.max() <= model.max_seq_length if t5
+                                            else not dec.any())):
+            return
+    for i, mb in enumerate(mbs):
+        if not isinstance(mb, MicroBatch):
+            raise DynaPipeError(f"{caller}: micro-batch {i} is a {type(mb).__name__}, not a MicroBatch.")
+        if not len(mb.samples):
+            raise DynaPipeError(f"{caller}: micro-batch {i} has no samples; drop it from the list.")
+        samples = np.asarray(mb.samples)
+        if samples.dtype.kind not in "iu" or samples.min() < 0:
+            raise DynaPipeError(f"{caller}: micro-batch {i} has samples {list(mb.samples)[:8]!r}; samples are "
+                                f"indices into the global batch, whole numbers from 0.")
+        for name, low in (("seqlen", 1), ("dec_seqlen", 1 if t5 else 0)):
+            value = getattr(mb, name)
+            if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low
+                    or value > model.max_seq_length):
+                raise DynaPipeError(f"{caller}: micro-batch {i} has {name}={value!r}; it needs a whole number of "
+                                    f"tokens from {low} to the model's max_seq_length {model.max_seq_length}.")
+        if not t5 and mb.dec_seqlen:
+            raise DynaPipeError(f"{caller}: micro-batch {i} has dec_seqlen={mb.dec_seqlen} but {model.name!r} is "
+                                f"decoder-only; give dec_seqlen only for encoder-decoder models.")
+
+
 def tensor_parallel_layout(caller: str, tp: int, sequence_parallel: bool) -> tuple[int, dict]:
     """(sequence shards of every message, the plan ``meta`` keys) of a TP layout, refused in one
     line when it is not one (``caller`` names the compiler in the error). Only TP plans carry
@@ -204,6 +248,10 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
     """
     shards, tp_meta = tensor_parallel_layout("compile_plans", tp, sequence_parallel)
     mbs_list = list(micro_batches)
+    check_micro_batches("compile_plans", mbs_list, model)
+    if num_stages is not None:
+        whole_number("compile_plans: num_stages", num_stages)
+    whole_number("compile_plans: iteration", iteration, at_least=0)
     if layouts is None and cost_model is not None:
         layouts = cost_model.layouts
     layouts = tuple(layouts) if layouts is not None else None

@@ -27,7 +27,7 @@ import numpy as np
 from dynapipe.batching.types import MicroBatch
 from dynapipe.config import ModelConfig
 from dynapipe.cost.base import StageLayout
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, whole_number
 from dynapipe.plan.instructions import (BackwardPass, ExecutionPlan, ForwardPass, FreeBuffer, LoadInput,
                                         MicroBatchInfo, RecvActivationFinish, RecvActivationStart, RecvGradFinish,
                                         RecvGradStart, SendActivationFinish, SendActivationStart, SendGradFinish,
@@ -52,7 +52,7 @@ def compile_chunked_plans(schedule: Schedule, micro_batches: Sequence[MicroBatch
     (:meth:`~dynapipe.cost.placement.StagePlacement.virtual_layouts`). ``tp`` /
     ``sequence_parallel``: as for :func:`~dynapipe.plan.compile.compile_plans` (recorded in
     ``meta``; under sequence parallelism messages are sequence shards)."""
-    from dynapipe.plan.compile import input_specs, message_specs, tensor_parallel_layout
+    from dynapipe.plan.compile import check_micro_batches, input_specs, message_specs, tensor_parallel_layout
 
     shards, tp_meta = tensor_parallel_layout("compile_chunked_plans", tp, sequence_parallel)
     P, v = schedule.num_stages, schedule.num_chunks
@@ -65,6 +65,8 @@ def compile_chunked_plans(schedule: Schedule, micro_batches: Sequence[MicroBatch
     if timeline.schedule.stage_ops != schedule.stage_ops:
         raise DynaPipeError("the timeline given to compile_chunked_plans belongs to a different schedule.")
     mbs_list = list(micro_batches)
+    check_micro_batches("compile_chunked_plans", mbs_list, model)
+    whole_number("compile_chunked_plans: iteration", iteration, at_least=0)
     infos = tuple(_info(i, mb) for i, mb in enumerate(mbs_list))
     loss = sum(i.loss_tokens for i in infos)
     if global_loss_tokens is None:

@@ -44,8 +44,11 @@ class Transfer:
 
 
 def where(plan: ExecutionPlan, index: int, inst=None) -> str:
-    """``[replica R ]rank S instruction K (opcode micro-batch M)``: where an error is."""
+    """``[replica R ]rank S instruction K (opcode micro-batch M)``: where an error is (a negative
+    ``index``: the plan as a whole, no instruction)."""
     rep = f"replica {plan.replica} " if plan.num_replicas > 1 else ""
+    if index < 0:
+        return f"{rep}rank {plan.stage}"
     what = f" ({inst.OPCODE} micro-batch {inst.mb})" if inst is not None else ""
     return f"{rep}rank {plan.stage} instruction {index}{what}"
 

@@ -33,11 +33,13 @@ accept; everything it does not accept is checked here, object by object.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
+from dynapipe.cost.base import RECOMPUTE_LEVELS
 from dynapipe.errors import PlanError
 from dynapipe.plan.deadlock import symbolic_run, where as _where
 from dynapipe.plan.instructions import (DTYPES, BackwardPass, ExecutionPlan, ForwardPass, FreeBuffer, LoadInput,
@@ -198,6 +200,44 @@ def _check_buffers(plan: ExecutionPlan) -> None:
 _ONE_RUN = "the plans of one iteration must all come from one planning run: plan every rank together."
 
 
+# What every rank of a replica runs alike: the tensor-parallel layout, the stage placement, the
+# chunks and whether the plan trains (the micro-batch order is a record of the planner's).
+_SHARED_META = ("tp", "sequence_parallel", "chunks", "placement", "forward_only")
+
+
+def _whole(value, low: int) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= low
+
+
+def _check_plan_fields(plan: ExecutionPlan) -> None:
+    """The fields an edited plan can get wrong that the instructions do not show: the iteration,
+    the tensor-parallel size, the micro-batch order, and each micro-batch's samples and rows."""
+    if not _whole(plan.iteration, 0):
+        raise PlanError(f"{_where(plan, -1)}: iteration={plan.iteration!r} is not a whole number from 0.")
+    tp = plan.meta.get("tp", 1)
+    if not _whole(tp, 1):
+        raise PlanError(f"{_where(plan, -1)}: meta tp={tp!r} is not a whole number of tensor-parallel ranks.")
+    if plan.meta.get("sequence_parallel", False) not in (True, False):
+        raise PlanError(f"{_where(plan, -1)}: meta sequence_parallel={plan.meta['sequence_parallel']!r} is not "
+                        f"true or false.")
+    M = len(plan.micro_batches)
+    order = plan.meta.get("mb_order") or []
+    if len(order) and sorted(order) != list(range(M)):
+        raise PlanError(f"{_where(plan, -1)}: meta mb_order={list(order)[:8]!r} is not an order of the plan's {M} "
+                        f"micro-batches (each of 0..{M - 1} once).")
+    for m in plan.micro_batches:
+        if not all(_whole(x, 0) for x in m.samples):
+            raise PlanError(f"{_where(plan, -1)}: micro-batch {m.mb} has samples {list(m.samples)[:8]!r}; samples "
+                            f"are indices into the global batch, whole numbers from 0.")
+        rows = [x for r in m.rows for x in r]
+        if (m.rows and (len(m.rows) != m.mbs or tuple(rows) != tuple(m.samples))) or (
+                not m.rows and len(m.samples) != m.mbs):
+            raise PlanError(f"{_where(plan, -1)}: micro-batch {m.mb} has {m.mbs} row(s) but "
+                            f"{len(m.rows) if m.rows else len(m.samples)} "
+                            f"{'packed rows' if m.rows else 'samples'}; a row holds one sample, or the samples "
+                            f"packed into it (samples is the rows' concatenation).")
+
+
 def _check_group(plans: list[ExecutionPlan]) -> int:
     first = plans[0]
     for p in plans:
@@ -207,6 +247,14 @@ def _check_group(plans: list[ExecutionPlan]) -> int:
                                 f"{getattr(first, field)}; {_ONE_RUN}")
         if p.micro_batches != first.micro_batches:
             raise PlanError(f"{_where(p, -1)}: its micro-batch list differs from rank {first.stage}'s; {_ONE_RUN}")
+        for key in _SHARED_META:
+            if p.meta.get(key) != first.meta.get(key):
+                raise PlanError(f"{_where(p, -1)}: meta {key}={p.meta.get(key)!r} differs from rank {first.stage}'s "
+                                f"{first.meta.get(key)!r}; {_ONE_RUN}")
+    _check_plan_fields(first)
+    for p in plans:
+        if p.recompute not in RECOMPUTE_LEVELS:
+            raise PlanError(f"{_where(p, -1)}: recompute={p.recompute!r} is not one of {RECOMPUTE_LEVELS}.")
         for m in p.micro_batches:
             # Encoder-decoder losses count targets only: the decoder rows bound them.
             row = m.dec_seqlen if m.dec_seqlen > 0 else m.seqlen
