@@ -15,7 +15,7 @@ from dynapipe.batching.types import MicroBatch
 from dynapipe.config import load_model_config
 from dynapipe.errors import ExecutorError, PlanError
 from dynapipe.plan import compile_plans
-from dynapipe.plan.instructions import FreeBuffer, SendActivationStart, TensorSpec
+from dynapipe.plan.instructions import BackwardPass, FreeBuffer, SendActivationStart, TensorSpec
 from dynapipe.runtime.buffers import BufferTable, backward_from, release_data
 from dynapipe.runtime.distributed import pipeline_ranks
 from dynapipe.runtime.exec_trace import ExecEvent, ExecTrace, chrome_trace, describe
@@ -92,6 +92,8 @@ def test_plans_from_the_compiler_pass_the_local_check():
     ("bad_peer", "peer 1 is not another stage"),
     ("bad_dtype", "is not a valid transfer"),
     ("no_tokens", "global_loss_tokens is 0"),
+    # Every other check passes: the micro-batch's gradients would silently be missing.
+    ("no_backward", r"micro-batch \d+ \(chunk 0\) is in the plan but never runs its backward"),
 ])
 def test_local_check_refuses_broken_plans(breakage, message):
     plans = _plans(2)
@@ -114,6 +116,9 @@ def test_local_check_refuses_broken_plans(breakage, message):
     elif breakage == "bad_dtype":
         k = next(i for i, x in enumerate(ins) if isinstance(x, SendActivationStart))
         ins[k] = dataclasses.replace(ins[k], tensors=(TensorSpec("hidden_states", (32, 1, 64), "float64"),))
+    elif breakage == "no_backward":
+        k = max(i for i, x in enumerate(ins) if isinstance(x, BackwardPass))
+        del ins[k]
     elif breakage == "no_tokens":
         plan, stage = plans[1], 1
         plan = dataclasses.replace(plan, global_loss_tokens=0)

@@ -33,7 +33,8 @@ def check_plan_locally(plan: ExecutionPlan, *, stage: int, num_stages: int, repl
     The plan is for this stage of a pipeline of this size (and this replica when given);
     every instruction names a known micro-batch; transfers name another stage and tensors
     of plan dtypes with positive sizes; each micro-batch's forward runs once and before its
-    backward (a split backward: the input part, then the weight part, each once); every
+    backward, and both run (a split backward: the input part, then the weight part, each
+    once; a forward-only plan runs no backward); every
     buffer is filled before it is used, used only after its receive finished, and freed
     once while live. Agreement with the other ranks' plans is checked
     by :class:`PeerPlanCheck`. Raises :class:`PlanError` naming the
@@ -139,6 +140,13 @@ def check_plan_locally(plan: ExecutionPlan, *, stage: int, num_stages: int, repl
             if x.buffer in sending:
                 raise bad(i, x, f"buffer {x.buffer!r} is freed while its send is still in flight.")
             live.discard(x.buffer)
+    every = {(mb, c) for mb in known for c in range(chunks)}
+    trains = not (plan.meta or {}).get("forward_only", False)
+    for done, what in ((fw, "forward"), (bw, "backward")):
+        if (what == "forward" or trains) and every - done:
+            mb, chunk = min(every - done)
+            raise PlanError(f"pipeline rank {stage}: micro-batch {mb} (chunk {chunk}) is in the plan but never runs "
+                            f"its {what}; its samples would not be trained. Recompile the plan.")
     if split - weighed:
         mb, chunk = min(split - weighed)
         raise PlanError(f"pipeline rank {stage}: the backward of micro-batch {mb} (chunk {chunk}) is split, but "
