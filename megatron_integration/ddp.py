@@ -93,6 +93,19 @@ class BackwardSyncs:
             return nullcontext()
         return self.ddps[self._index(chunk)].no_sync()
 
+    def start_unreduced(self) -> None:
+        """After a training plan ran: start the overlapped reduction of every DDP module that
+        no backward of the plan started (a replica the planner left without micro-batches, as
+        padding and packing do when a global batch has fewer micro-batches than replicas).
+        Its gradients are zeros, but the other replicas' all-reduce waits for it, and
+        megatron-core's ``finish_grad_sync`` refuses a bucket whose reduction never began."""
+        if not self.overlap:
+            return
+        started = {self._index(chunk) for chunk, _, _ in self.points}
+        for i, ddp in enumerate(self.ddps):
+            if i not in started:
+                ddp.start_grad_sync()
+
 
 def backward_syncs(ddps: Sequence[torch.nn.Module], plan: Optional[object]) -> BackwardSyncs:
     """:class:`BackwardSyncs` of ``plan`` (an ``ExecutionPlan``; None: forward only)."""

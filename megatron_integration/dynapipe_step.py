@@ -278,6 +278,7 @@ class DynaPipeStepper:
         t_run = time.perf_counter()
         with measure_activations(self.stage.module, self.info.device, self.meter) as activations:
             result = self.executor.run(data.plan, loss_tokens=meta.global_loss_tokens)
+        self.handlers.syncs.start_unreduced()
         t_grads = split_point(self.info.device)
         # DP sum of gradients and tied-embedding all-reduce; the executor already divided the
         # loss by the global token count, so no further scaling (num_tokens=None).

@@ -336,6 +336,7 @@ class T5Stepper:
         t_run = time.perf_counter()
         with measure_activations(self.stage.module, self.info.device, self.meter) as activations:
             result = self.executor.run(item.plan, loss_tokens=item.loss_tokens)
+        self.handlers.syncs.start_unreduced()
         t_grads = split_point(self.info.device)
         if self.traces is not None and result.trace is not None:
             self.traces.append(result.trace)

@@ -47,6 +47,7 @@ def probed_runs(gpt_runs, t5_runs) -> list[dict]:
             from megatron.core import parallel_state
 
             out.append({"losses": run.losses, "syncs": record[-1],
+                        "padded_tokens": [r.padded_tokens for r in run.results],
                         "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
                         "iterations": len(run.results)})
             end_run()

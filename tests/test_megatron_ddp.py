@@ -1,8 +1,8 @@
 """Megatron-LM's ``--overlap-grad-reduce`` and DDP bucket flags, on every method.
 
 One 2-rank gloo job: GPT on two data-parallel replicas (megatron-core's schedule for padding,
-DynaPipe's executor on 1F1B and on zb-h1), GPT interleaved on two stages (DynaPipe, a DDP per
-chunk), T5 on two stages (every method through the executor; DynaPipe on zb-h1 too). With the
+DynaPipe's executor on 1F1B and on zb-h1; packing that leaves a replica without micro-batches),
+GPT interleaved on two stages (DynaPipe, a DDP per chunk), T5 on two stages (every method through the executor; DynaPipe on zb-h1 too). With the
 overlap each run gives the same losses as without it, and after the first iteration (where
 megatron-core's DDP learns how many gradients each parameter gets) every bucket's reduction
 starts inside the backward, once an iteration; without it, after the backward.
@@ -24,6 +24,10 @@ CHUNKED = (GPT.replace("--num-layers 2", "--num-layers 4") +
            " --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2" + DYN)
 ZB = " --dynapipe-schedule zb-h1"
 GPT_RUNS = ["", OVERLAP, DYN, DYN + OVERLAP, DYN + ZB + OVERLAP]
+# Packing 8 mock samples into rows of 512 tokens, 4 rows a micro-batch: some global batches make
+# one micro-batch, and the other replica has none to run.
+PACKED = (GPT.replace("--micro-batch-size 2", "--micro-batch-size 4").replace("--seq-length 256", "--seq-length 512")
+          + DYN + " --dynapipe-batching packing --reset-position-ids --reset-attention-mask")
 T5_RUNS = ["", OVERLAP, " --use-dynapipe" + OVERLAP, " --use-dynapipe" + ZB + OVERLAP]
 
 
@@ -33,10 +37,11 @@ def job():
 
     gpt = [(GPT + e).split() for e in GPT_RUNS] + [CHUNKED.split(), (CHUNKED + " --ddp-num-buckets 3 "
                                                                     "--overlap-grad-reduce").split()]
+    gpt += [PACKED.split(), (PACKED + OVERLAP).split()]
     t5 = [(T5 + e).split() for e in T5_RUNS]
     ranks = spawn(probed_runs, 2, (gpt, t5), timeout_s=600)
     return dict(zip(["padding", "padding+overlap", "dynapipe", "dynapipe+overlap", "zb+overlap", "chunks",
-                     "chunks+overlap", "t5", "t5+overlap", "t5-dynapipe+overlap", "t5-zb+overlap"], zip(*ranks)))
+                     "chunks+overlap", "packed", "packed+overlap", "t5", "t5+overlap", "t5-dynapipe+overlap", "t5-zb+overlap"], zip(*ranks)))
 
 
 def _overlapped(runs) -> None:
@@ -67,6 +72,16 @@ def test_overlapped_reduction_gives_the_same_losses_and_starts_inside_the_backwa
     # keeps each chunk whole (megatron-core's).
     per_iteration = {r["pp_rank"]: len(r["syncs"]) // r["iterations"] for r in job["chunks+overlap"]}
     assert per_iteration[0] >= 3 and per_iteration[1] == 2, per_iteration
+
+
+def test_a_replica_without_micro_batches_still_reduces_under_the_overlap(job):
+    # megatron-core's finish_grad_sync refused the empty replica's buckets from the second
+    # iteration on ("Communication call has not been issued for this bucket").
+    padded = job["packed+overlap"][0]["padded_tokens"]
+    assert min(padded) <= 4 * 512, padded  # some global batch made one micro-batch: a replica had none
+    for r in job["packed+overlap"]:
+        assert r["losses"] == pytest.approx(job["packed"][0]["losses"], abs=1e-6, rel=1e-6)
+        assert len(r["losses"]) == 3
 
 
 def test_grad_sync_points_are_each_chunks_last_backward_of_each_kind():
