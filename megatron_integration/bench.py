@@ -320,7 +320,7 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
             t0 = time.perf_counter()
             ranks = run_training(margv, nproc, timeout_s=timeout_s, threads_per_rank=threads)
             bar.step(f"{time.perf_counter() - t0:.0f} s")
-            runs[e.label].append(summarise(ranks, warmup_iters))
+            runs[e.label].append(summarise(ranks, warmup_iters, cfg.dynapipe.prefetch))
             splits[e.label].append(breakdown(ranks, warmup_iters, trace_dir))
 
     bar.close()

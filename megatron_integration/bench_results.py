@@ -31,8 +31,9 @@ class MethodResult:
     time; ``real_tokens``: those tokens of one iteration (the global batch, every replica;
     mean over the timed iterations); ``padding_efficiency``: real / computed tokens; ``iteration_ms``: mean wall
     time of an iteration (the slowest rank's); ``plan_wait_ms``: mean time the training
-    loop waited for its plan; ``planner_cpu_ms``: mean CPU ms per iteration of the
-    processes the ranks started (DynaPipe's planner workers), summed over ranks;
+    loop waited for its plan; ``planner_cpu_ms``: CPU ms of the processes the ranks
+    started (DynaPipe's planner workers, summed over ranks) during the timed iterations, per
+    plan queued during them (one plan an iteration in a long run);
     ``rank_cpu_ms``: mean CPU ms per iteration of the ranks themselves, summed.
     """
 
@@ -72,8 +73,24 @@ class MethodResult:
                 "activation_peak_mib": self.activation_peak_mib}
 
 
-def summarise(ranks: list[dict], warmup_iters: int) -> MethodResult:
-    """Figures of one method from every rank's summary, iterations after the warm-up."""
+def plans_queued_in(keep: Sequence[int], prefetch: int, iterations: int) -> int:
+    """Plans the loader queued while the iterations ``keep`` (consecutive, 0-based, of a run of
+    ``iterations``) trained: ``prefetch`` ahead of each, none past the run's end, so the last
+    ``prefetch - 1`` iterations of a run plan nothing beside them."""
+    from dynapipe.runtime.loader import queued_through
+
+    if not keep:
+        return 0
+    # Prefetch 0 plans each iteration when it is asked for: one plan an iteration, as prefetch 1.
+    prefetch = max(prefetch, 1)
+    before = queued_through(keep[0] - 1, prefetch, iterations) if keep[0] > 0 else 0
+    return queued_through(keep[-1], prefetch, iterations) - before
+
+
+def summarise(ranks: list[dict], warmup_iters: int, prefetch: int) -> MethodResult:
+    """Figures of one method from every rank's summary, iterations after the warm-up;
+    ``prefetch``: the loader's ``--dynapipe-prefetch``, which decides how many plans were made
+    during them (the planner CPU is reported per plan)."""
     keep = timed_indices(ranks, warmup_iters)
     # An iteration lasts as long as its slowest rank.
     iter_ms = [max(r["iteration_ms"][i] for r in ranks) for i in keep]
@@ -82,8 +99,11 @@ def summarise(ranks: list[dict], warmup_iters: int) -> MethodResult:
     padded = sum(ranks[0]["padded_tokens"][i] for i in keep)
     children = [r.get("children_cpu_ms") for r in ranks]
     planner = None
-    if all(c and all(c[i] is not None for i in keep) for c in children):
-        planner = statistics.fmean(sum(c[i] for c in children) for i in keep)
+    plans = plans_queued_in(keep, prefetch, len(ranks[0]["iteration_ms"]))
+    if plans and all(c and all(c[i] is not None for i in keep) for c in children):
+        # Per plan, not per timed iteration: the run's last iterations have nothing left to plan
+        # beside them, which a mean over iterations would count as free planning.
+        planner = sum(c[i] for c in children for i in keep) / plans
     rank_cpu = statistics.fmean(sum(r["cpu_ms"][i] for r in ranks) for i in keep) if "cpu_ms" in ranks[0] else 0.0
     return MethodResult(real_tokens_per_s=real / (sum(iter_ms) / 1e3), padding_efficiency=real / max(padded, 1),
                         iteration_ms=statistics.fmean(iter_ms), plan_wait_ms=statistics.fmean(wait_ms),

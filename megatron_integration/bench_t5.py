@@ -107,8 +107,12 @@ def t5_with_defaults(argv: Sequence[str], preset: str) -> list[str]:
     return fill_defaults(argv, T5_PRESETS[preset].args)
 
 
-def t5_figures(ranks: list[dict], warmup_iters: int) -> dict:
-    """Figures of one run from every rank's summary, iterations after the warm-up."""
+def t5_figures(ranks: list[dict], warmup_iters: int, prefetch: int) -> dict:
+    """Figures of one run from every rank's summary, iterations after the warm-up; ``prefetch``
+    (``--dynapipe-prefetch``) counts the plans made during them, as the GPT bench does
+    (:func:`~megatron_integration.bench_results.plans_queued_in`)."""
+    from megatron_integration.bench_results import plans_queued_in
+
     n = len(ranks[0]["iteration_ms"])
     keep = list(range(min(warmup_iters, n - 1), n))
     iter_ms = [max(r["iteration_ms"][i] for r in ranks) for i in keep]
@@ -118,10 +122,12 @@ def t5_figures(ranks: list[dict], warmup_iters: int) -> dict:
     # shared machine's run queue does not stretch the way it stretches wall time.
     cpu_ms = sum(r["cpu_ms"][i] + (r["children_cpu_ms"][i] or 0.0) for r in ranks for i in keep) \
         if all(r.get("cpu_ms") for r in ranks) else None
-    # The planner workers' CPU (children of the planning rank; 0 for the baselines).
+    # The planner workers' CPU (children of the planning rank; 0 for the baselines), per plan
+    # made in the timed window: the run's last iterations have nothing left to plan.
     children = [r.get("children_cpu_ms") for r in ranks]
-    planner = round(statistics.fmean(sum(c[i] or 0.0 for c in children) for i in keep), 1) \
-        if all(c for c in children) else None
+    plans = plans_queued_in(keep, prefetch, n)
+    planner = round(sum(c[i] or 0.0 for c in children for i in keep) / plans, 1) \
+        if plans and all(c for c in children) else None
     return {"real_tokens_per_s": round(real / (sum(iter_ms) / 1e3), 2),
             "planner_cpu_ms": planner,
             "real_tokens_per_cpu_s": None if not cpu_ms else round(real / (cpu_ms / 1e3), 2),
@@ -206,7 +212,8 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
     ranks = run_t5_training(runs, nproc, timeout_s=timeout_s, threads_per_rank=threads_per_rank)
     by_round: dict = {}
     for j, (k, e) in enumerate(order):
-        by_round.setdefault(e.label, []).append((t5_figures([r[j] for r in ranks], warmup), j, k))
+        by_round.setdefault(e.label, []).append((t5_figures([r[j] for r in ranks], warmup,
+                                                            cfg.base.dynapipe.prefetch), j, k))
     per_entry, picked = {}, {}
     for label, figs in by_round.items():
         mid = statistics.median_low([f["real_tokens_per_s"] for f, _, _ in figs])

@@ -6,6 +6,7 @@ import pytest
 
 from megatron_integration.bench import PRESETS, Entry, rotated, with_defaults
 from megatron_integration.bench import MethodResult, median_result, summarise
+from megatron_integration.bench_results import plans_queued_in
 from megatron_integration.bench_report import breakdown
 from megatron_integration.bench_report import format_compute_floor
 from megatron_integration.bench_sim import BenchSimulation
@@ -50,13 +51,25 @@ def test_summary_takes_slowest_rank_and_counts_planner_cpu():
     # rank 0 in the second); the ranks' own CPU adds up.
     ranks = _ranks([[900.0, 100.0, 300.0], [50.0, 200.0, 100.0]], children=[[500.0, 4.0, 6.0], [0.0, 0.0, 0.0]],
                    waits=[[9.0, 2.0, 3.0], [0.0, 5.0, 1.0]], cpu=[[99.0, 60.0, 70.0], [0.0, 20.0, 40.0]])
-    r = summarise(ranks, warmup_iters=1)
+    r = summarise(ranks, warmup_iters=1, prefetch=1)
     assert r.timed_iterations == 2 and r.iteration_ms == pytest.approx(250.0)
     assert r.real_tokens_per_s == pytest.approx(200 / 0.5) and r.padding_efficiency == pytest.approx(0.5)
     # The warm-up's planning (500 ms: compiling the simulator) is outside the timed window.
     assert r.planner_cpu_ms == pytest.approx(5.0) and r.rank_cpu_ms == pytest.approx((80.0 + 110.0) / 2)
     assert r.plan_wait_ms == pytest.approx((5.0 + 3.0) / 2)
     assert r.planning_overhead == pytest.approx((4.0 + 5.0) / 250.0)
+
+
+def test_planner_cpu_is_per_plan_made_in_the_timed_window():
+    # The presets' shape: 4 iterations, 1 warm-up, --dynapipe-prefetch 2. Iteration 0 queues plans
+    # 0 and 1, iterations 1 and 2 one each, iteration 3 none (the run ends): 2 plans in 3 timed
+    # iterations, 15 ms each, where a mean over the iterations said 10.
+    ranks = _ranks([[900.0, 100.0, 100.0, 100.0]], children=[[1750.0, 20.0, 10.0, 0.0]])
+    assert plans_queued_in([1, 2, 3], 2, 4) == 2 and plans_queued_in([0, 1, 2, 3], 2, 4) == 4
+    assert plans_queued_in([1, 2, 3], 1, 30) == 3 and plans_queued_in([], 2, 4) == 0
+    assert summarise(ranks, warmup_iters=1, prefetch=2).planner_cpu_ms == pytest.approx(15.0)
+    # No plan queued in the window (prefetch covered the whole run in the warm-up): no figure.
+    assert summarise(_ranks([[9.0, 1.0, 1.0]], children=[[5.0, 1.0, 0.0]]), 1, prefetch=4).planner_cpu_ms is None
 
 
 def test_median_over_rounds():

@@ -512,8 +512,10 @@ def test_bench_t5_figures_count_the_slowest_rank_after_the_warm_up():
             "plan_wait_ms": [0.0, 1.0, 3.0], "losses": [3.0, 2.0, 1.0], "cpu_ms": [5.0, 100.0, 200.0],
             "children_cpu_ms": [1.0, 50.0, None]}
     slow = dict(rank, iteration_ms=[900.0, 200.0, 300.0])
-    fig = t5_figures([rank, slow], warmup_iters=1)
+    fig = t5_figures([rank, slow], warmup_iters=1, prefetch=2)
     assert fig["real_tokens_per_s"] == pytest.approx(300 / 0.5)
+    # Iterations 1 and 2 queued plan 2 only (the run has 3): the planner's 2 x 50 ms is one plan's.
+    assert fig["planner_cpu_ms"] == pytest.approx(100.0)
     assert fig["padding_efficiency"] == pytest.approx(0.5) and fig["timed_iterations"] == 2
     # Both ranks' CPU and their planner workers' over the timed iterations: 2 x (300 + 50) ms.
     assert fig["real_tokens_per_cpu_s"] == pytest.approx(300 / 0.7, abs=0.01)

@@ -68,6 +68,13 @@ def _run_id(layout: RankLayout, namespace: str) -> str:
     return rid
 
 
+def queued_through(current: int, prefetch: int, end: Optional[int]) -> int:
+    """The iterations queued for planning (all those below the returned number) once the
+    training loop asks for iteration ``current``: ``prefetch`` ahead, never past ``end``
+    (None: no last iteration). The benchmark counts the plans made in its timed window by it."""
+    return current + prefetch if end is None else min(current + prefetch, end)
+
+
 class DynaPipeDataLoader:
     """Iterate to get :class:`IterationData` per training iteration (see the module docstring).
 
@@ -165,9 +172,7 @@ class DynaPipeDataLoader:
 
     def _dispatch(self, current: int) -> None:
         """Queue this node's share of the iterations up to ``current + prefetch``."""
-        end = current + self.config.prefetch
-        if self._end() is not None:
-            end = min(end, self._end())
+        end = queued_through(current, self.config.prefetch, self._end())
         with self._lock:
             while self._dispatched < end:
                 it = self._dispatched
