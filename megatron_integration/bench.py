@@ -197,8 +197,9 @@ def check_request(argv: Sequence[str], methods: Sequence[str], preset: str = "ti
 
 def calibrate(argv: Sequence[str], profile: str, cfg, nproc: int, iters: int, threads: int, timeout_s: float,
               stream: TextIO) -> tuple[str, dict]:
-    """Run DynaPipe untimed for ``iters`` iterations with ``profile`` and write next to it the
-    profile refitted per shape from the ops it executed
+    """Run DynaPipe untimed for ``iters`` iterations with ``profile``, on other global batches than
+    the timed runs (:func:`~megatron_integration.bench_calibrate.calibration_argv`), and write
+    next to it the profile refitted per shape from the ops it executed
     (:func:`megatron_integration.bench_calibrate.refit_from_run`); returns that file and what
     the JSON records of the fit (with the run's wall time). Every method's planning and
     simulation then uses it alike."""
@@ -210,6 +211,8 @@ def calibrate(argv: Sequence[str], profile: str, cfg, nproc: int, iters: int, th
     trace_dir = os.path.splitext(profile)[0] + ".calibration-traces"
     margv = Entry("dynapipe").argv(argv) + ["--dynapipe-cost-model", profile, "--dynapipe-trace-dir", trace_dir,
                                             "--train-iters", str(iters)]
+    other_batches = bench_calibrate.calibration_argv(cfg.seed)
+    margv += other_batches
     print(f"calibrating the profile per shape from executed ops ({iters} DynaPipe iterations, untimed) ...",
           end=" ", file=stream, flush=True)
     ranks = run_training(margv, nproc, timeout_s=timeout_s, threads_per_rank=threads)
@@ -222,7 +225,9 @@ def calibrate(argv: Sequence[str], profile: str, cfg, nproc: int, iters: int, th
     print(f"{before.get('ops', 0)} ops, executed/profiled {before.get('ratio', 1.0):.2f}x, mean error per op "
           f"{before.get('mean_abs_error', 0.0):.0%} -> {after.get('mean_abs_error', 0.0):.0%} "
           f"({time.perf_counter() - t0:.0f} s)", file=stream, flush=True)
-    return out, {**info, "profile": out, "seconds": round(time.perf_counter() - t0, 1)}
+    return out, {**info, "profile": out, "seconds": round(time.perf_counter() - t0, 1),
+                 "seed": int(other_batches[-1]),
+                 "lm_loss": ranks[0]["losses"]}
 
 
 def cost_model_error(cfg, profiles: dict, trace_dirs: Sequence[str], iterations: Sequence[int]) -> dict:

@@ -26,6 +26,14 @@ from typing import Sequence
 import numpy as np
 
 
+def calibration_argv(seed: int) -> list[str]:
+    """The flags that give the calibration run other global batches than the timed runs train
+    (the sampler and the mock data are seeded by ``--seed``, here ``seed`` + 1): the fit is
+    then judged on ops it never saw. The model's initial weights change too, which the
+    timing of an op does not depend on."""
+    return ["--seed", str(int(seed) + 1)]
+
+
 @dataclass(frozen=True)
 class OverheadFit:
     """The fit of measured against predicted op times (ms): ``slope`` and ``intercept``

@@ -141,7 +141,7 @@ def calibrate_t5_profile(argv: Sequence[str], profile: str, cfg, nproc: int, ite
     from dynapipe.config import load_device_config
     from dynapipe.cost import build_cost_model
     from megatron_integration.bench_breakdown import executor_timeline
-    from megatron_integration.bench_calibrate import fit_stage_overhead, write_calibrated_profile
+    from megatron_integration.bench_calibrate import calibration_argv, fit_stage_overhead, write_calibrated_profile
     from megatron_integration.bench_report import _trace_events
     from megatron_integration.t5_jobs import run_t5_training
 
@@ -151,7 +151,7 @@ def calibrate_t5_profile(argv: Sequence[str], profile: str, cfg, nproc: int, ite
 
     split = "even" if placement in (None, "auto") else placement
     margv = list(argv) + ["--use-dynapipe", "--dynapipe-placement", split, "--dynapipe-trace-dir", trace_dir,
-                          "--train-iters", str(iters)]
+                          "--train-iters", str(iters)] + calibration_argv(cfg.base.seed)
     ranks = [r[0] for r in run_t5_training([margv], nproc, timeout_s=timeout_s, threads_per_rank=threads)]
     model, pp = cfg.planner_model(), cfg.base.parallel.pipeline_model_parallel_size
     cost = build_cost_model(model, load_device_config(cfg.base.dynapipe.device), pp, profile,

@@ -26,6 +26,8 @@ def test_bench_rounds_sweep_and_methods(tmp_path):
     # method planned and simulated with the refitted profile.
     cal = setup["calibration"]
     assert cal["refit"]["ops"] >= 4 and cal["executor_ms"] > 0 and cal["line_fit"]["slope"] > 0
+    # It trained other global batches (and weights) than the timed runs: the fit is judged out of sample.
+    assert cal["seed"] == 1234 + 1 and cal["lm_loss"][0] != report["methods"]["dynapipe"]["lm_loss"][0]
     assert setup["cost_model"] == cal["profile"] and setup["cost_model"].endswith(".calibrated.json")
     raw, fitted = (json.loads(open(p).read()) for p in (str(out).replace(".json", ".profile.json"), cal["profile"]))
     assert fitted["stage_overhead_ms"] == pytest.approx(cal["executor_ms"], abs=1e-3)
