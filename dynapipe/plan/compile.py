@@ -165,12 +165,13 @@ def _info(i: int, mb: MicroBatch) -> MicroBatchInfo:
 
 
 def check_micro_batches(caller: str, micro_batches: Sequence[MicroBatch], model: ModelConfig) -> None:
-    """Refuse, naming the micro-batch, what no stage could run: no samples (or one that is not an
-    index), a padded length (tokens) that is not a whole number from 1 to the model's
-    ``max_seq_length``, a decoder length on a decoder-only model, or none on an
-    encoder-decoder one. The planner never makes
-    these; a hand-built or edited list can, and its plans would validate and then fail (or
-    compute the wrong shapes) on the ranks."""
+    """Refuse, naming the micro-batch, what no stage could run: no samples (or one that is not
+    an index; a micro-batch of packed rows may hold padding rows only, as the fixed-shape
+    baselines fill a replica's last one), a padded length (tokens) that is not a whole number
+    from 1 to the model's ``max_seq_length``, a decoder length on a decoder-only model, or
+    none on an encoder-decoder one. The planner never makes these; a hand-built or edited
+    list can, and its plans would validate and then fail (or compute the wrong shapes) on
+    the ranks."""
     import numbers
     from itertools import chain
 
@@ -181,20 +182,21 @@ def check_micro_batches(caller: str, micro_batches: Sequence[MicroBatch], model:
         # only runs to name what is wrong.
         seq = np.array([mb.seqlen for mb in mbs])
         dec = np.array([mb.dec_seqlen for mb in mbs])
-        counts = np.array([len(mb.samples) for mb in mbs])
+        counts = np.array([len(mb.samples) or (mb.rows is not None and len(mb.rows)) for mb in mbs])
         samples = np.array(list(chain.from_iterable(mb.samples for mb in mbs)))
-        if (seq.dtype.kind in "iu" and dec.dtype.kind in "iu" and samples.dtype.kind in "iu"
-                and seq.min() >= 1 and seq.max() <= model.max_seq_length and counts.min() >= 1
-                and samples.min() >= 0 and (dec.min() >= 1 and dec.max() <= model.max_seq_length if t5
-                                            else not dec.any())):
+        limit = model.max_seq_length
+        if (seq.dtype.kind in "iu" and dec.dtype.kind in "iu" and counts.min() >= 1
+                and (not samples.size or (samples.dtype.kind in "iu" and samples.min() >= 0))
+                and seq.min() >= 1 and seq.max() <= limit
+                and ((dec.min() >= 1 and dec.max() <= limit) if t5 else not dec.any())):
             return
     for i, mb in enumerate(mbs):
         if not isinstance(mb, MicroBatch):
             raise DynaPipeError(f"{caller}: micro-batch {i} is a {type(mb).__name__}, not a MicroBatch.")
-        if not len(mb.samples):
+        if not len(mb.samples) and not mb.rows:
             raise DynaPipeError(f"{caller}: micro-batch {i} has no samples; drop it from the list.")
         samples = np.asarray(mb.samples)
-        if samples.dtype.kind not in "iu" or samples.min() < 0:
+        if len(samples) and (samples.dtype.kind not in "iu" or samples.min() < 0):
             raise DynaPipeError(f"{caller}: micro-batch {i} has samples {list(mb.samples)[:8]!r}; samples are "
                                 f"indices into the global batch, whole numbers from 0.")
         for name, low in (("seqlen", 1), ("dec_seqlen", 1 if t5 else 0)):

@@ -258,7 +258,9 @@ def _check_group(plans: list[ExecutionPlan]) -> int:
         for m in p.micro_batches:
             # Encoder-decoder losses count targets only: the decoder rows bound them.
             row = m.dec_seqlen if m.dec_seqlen > 0 else m.seqlen
-            if not m.samples or m.loss_tokens < 0 or m.loss_tokens > m.mbs * row:
+            # A micro-batch of packed rows may hold only padding rows (a fixed-shape baseline
+            # fills each replica's last micro-batch so); any other holds samples.
+            if (not m.samples and not m.rows) or m.loss_tokens < 0 or m.loss_tokens > m.mbs * row:
                 raise PlanError(f"{_where(p, -1)}: micro-batch {m.mb} holds {len(m.samples)} sample(s) and "
                                 f"{m.loss_tokens} loss tokens, which {m.mbs} x {row} padded "
                                 f"{'target ' if m.dec_seqlen > 0 else ''}tokens cannot hold.")
