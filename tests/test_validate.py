@@ -326,3 +326,15 @@ def test_compile_refuses_an_encoder_decoder_micro_batch_without_decoder_tokens()
     with pytest.raises(DynaPipeError, match=r"micro-batch 0 has dec_seqlen=0; it needs a whole number of tokens "
                                             r"from 1"):
         compile_plans("1f1b", [MicroBatch([0], 64)], t5, num_stages=2)
+
+
+def test_a_micro_batch_of_padding_rows_only_compiles_and_validates():
+    # The fixed-shape T5 packing baseline fills a replica's last micro-batch with empty rows.
+    from dynapipe.batching import MicroBatch
+    from dynapipe.errors import DynaPipeError
+
+    t5 = load_model_config("t5-11b")
+    mbs = [MicroBatch([0, 1], 64, dec_seqlen=16, rows=[[0, 1], []]), MicroBatch([], 64, dec_seqlen=16, rows=[[], []])]
+    validate_plans(compile_plans("1f1b", mbs, t5, num_stages=2))
+    with pytest.raises(DynaPipeError, match="micro-batch 1 has no samples"):
+        compile_plans("1f1b", mbs[:1] + [MicroBatch([], 64, dec_seqlen=16, rows=[])], t5, num_stages=2)
