@@ -195,7 +195,7 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
                   f"ms per op, executor {calibration['executor_ms']:.1f} ms per op -> stage_overhead_ms "
                   f"{calibration['stage_overhead_ms']:.1f} ({calibration['seconds']:.0f} s)", file=stream, flush=True)
         argv += ["--dynapipe-cost-model", profile]
-    placement = _placement(argv, nproc, warmup)
+    placement = _placement(argv, nproc, warmup, [(m, size) for m in methods if m in T5_BASELINES for size in sweep])
     if placement["source"] == "auto":  # chosen once here: every run builds the same split
         argv += ["--dynapipe-placement", placement["placement"]]
     entries = t5_entries(methods, sweep, placement, measured)
@@ -314,9 +314,10 @@ def _load_average() -> Optional[list[float]]:
         return None
 
 
-def _placement(argv: list[str], nproc: int, warmup: int) -> dict:
+def _placement(argv: list[str], nproc: int, warmup: int, baselines: Sequence[tuple[str, int]] = ()) -> dict:
     """The stage placement of every run (``--dynapipe-placement`` if given, else what ``auto``
-    chooses) and DynaPipe's simulated bubble under the even split and under it."""
+    chooses), DynaPipe's simulated bubble under the even split and under it, and (none given)
+    each of ``baselines``' (method, micro-batch size) own best contiguous split."""
     from megatron_integration.bench_t5_placement import t5_bench_placement
     from megatron_integration.t5_arguments import parse_t5_args
 
@@ -326,7 +327,7 @@ def _placement(argv: list[str], nproc: int, warmup: int) -> dict:
         i = len(argv) - 1 - argv[::-1].index(flags[-1])
         given = argv[i].split("=", 1)[1] if "=" in argv[i] else argv[i + 1]
     cfg = parse_t5_args(list(argv) + ["--use-dynapipe"], nproc)
-    return t5_bench_placement(cfg, nproc, warmup, given)
+    return t5_bench_placement(cfg, nproc, warmup, given, baselines)
 
 
 def t5_calibrate_iters(given: Optional[int], preset: str, argv: Sequence[str]) -> int:

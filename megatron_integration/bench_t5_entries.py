@@ -2,7 +2,8 @@
 
 As each baseline keeps its fastest micro-batch size, every method keeps its fastest stage
 placement: the bench's placement (what ``auto`` chose, or ``--dynapipe-placement``), the
-best contiguous split beside an interleaved one, and Megatron's even split. DynaPipe's
+best contiguous split beside an interleaved one, Megatron's even split, and for a baseline
+the contiguous split that balances its own micro-batches. DynaPipe's
 even-split run is also reported as its own method, ``dynapipe-even``: the measured before of
 the placement. When the bench calibrated its profile, ``dynapipe-uncalibrated`` runs DynaPipe
 planned with the measured profile as it was, on the bench's placement: what the calibration
@@ -64,7 +65,9 @@ def t5_entries(methods: Sequence[str], sweep: Sequence[int], placement: dict,
                uncalibrated_profile: Optional[str] = None) -> list[T5Entry]:
     """Every run: each baseline at every size of ``sweep``; every method on the bench's
     placement (``placement``, see ``_placement``), on the best contiguous split when that
-    placement is interleaved, and on Megatron's even split when it is not that (DynaPipe's
+    placement is interleaved, and on Megatron's even split when it is not that; each baseline
+    size also on its own best contiguous split (``placement["baselines"]``, labelled ``-own``)
+    where that is none of these (DynaPipe's
     even-split run is ``dynapipe-even``; on the even split itself DynaPipe runs once, for
     both); with ``uncalibrated_profile`` (the profile the
     bench calibrated) and DynaPipe among ``methods``, also :data:`UNCALIBRATED` on the bench's
@@ -87,7 +90,11 @@ def t5_entries(methods: Sequence[str], sweep: Sequence[int], placement: dict,
                 out.append(T5Entry(m, None, "even"))
             continue
         for size in (sweep if m in T5_BASELINES else (None,)):
-            for split, name in splits:
+            own = (placement.get("baselines") or {}).get(f"{m}@mbs{size}")
+            # Splits as written ("even" is the even placement's own spelling).
+            tried = {chosen, even} | {split for split, _ in splits if split not in (None, "even")}
+            extra = [(own, "own")] if own and own not in tried else []
+            for split, name in splits + extra:
                 if m == "dynapipe" and not name:
                     out.append(T5Entry(m, size, split, name,
                                        also=("dynapipe-even",) if one_run and "dynapipe-even" in methods else ()))

@@ -10,7 +10,7 @@ before and after of the pipeline bubble. Pure Python (no torch); times in ms.
 from __future__ import annotations
 
 import statistics
-from typing import Optional
+from typing import Optional, Sequence
 
 
 def _simulate(batches, cost_model, cfg, pp: int, dp: int) -> dict:
@@ -29,10 +29,35 @@ def _simulate(batches, cost_model, cfg, pp: int, dp: int) -> dict:
             "micro_batches": sum(len(p.batch_plan.micro_batches) for p in plans)}
 
 
-def t5_bench_placement(cfg, nproc: int, warmup_iters: int, given: Optional[str] = None) -> dict:
+def baseline_splits(cfg, pp: int, dp: int, batches, baselines: Sequence[tuple[str, int]]) -> dict:
+    """``{"method@mbsN": split}``: for each fixed-shape baseline at each micro-batch size of
+    ``baselines``, the contiguous split with the least bottleneck stage time on its own
+    micro-batches of ``batches`` (the sample ``auto`` chooses DynaPipe's placement from), so
+    that a baseline is not confined to splits chosen for DynaPipe's micro-batches."""
+    from dynapipe.schedule.placement import place_micro_batches
+    from megatron_integration.t5_batches import baseline_micro_batches
+    from megatron_integration.t5_placement import planner_cost_model
+
+    cost_model = planner_cost_model(cfg, pp)
+    level = cfg.base.recompute.granularity or "none"
+    out = {}
+    for method, size in baselines:
+        mbs = [mb for lengths in batches for rank in range(dp)
+               for mb in baseline_micro_batches(method, lengths, cfg.encoder_seq_length, cfg.decoder_seq_length,
+                                                size, dp, rank)[0]]
+        choice = place_micro_batches(mbs, cost_model, dp=dp, memory_limit_mib=cfg.base.dynapipe.memory_limit_mb,
+                                     zero=cfg.base.optimizer.distributed, recompute=level)
+        out[f"{method}@mbs{size}"] = str(choice.placement)
+    return out
+
+
+def t5_bench_placement(cfg, nproc: int, warmup_iters: int, given: Optional[str] = None,
+                       baselines: Sequence[tuple[str, int]] = ()) -> dict:
     """The placement the bench runs (``given``: the user's ``--dynapipe-placement``, else the
     one ``auto`` chooses) and DynaPipe's simulated plans of the timed batches under the
-    even split and under it (``simulated.even`` / ``simulated.placed``)."""
+    even split and under it (``simulated.even`` / ``simulated.placed``); with ``baselines``
+    ((method, micro-batch size) pairs) and no split given, each one's own best contiguous
+    split (``baselines``, :func:`baseline_splits`)."""
     from dynapipe.cost.placement import StagePlacement
     from megatron_integration.t5_placement import (AUTO_SAMPLE_BATCHES, choose_t5_placement, first_global_batches,
                                                    planner_cost_model)
@@ -47,5 +72,8 @@ def t5_bench_placement(cfg, nproc: int, warmup_iters: int, given: Optional[str] 
     even = _simulate(timed, even_cm, cfg, pp, dp)
     placed = even if placement == StagePlacement.even(even_cm.model, pp) \
         else _simulate(timed, even_cm.with_placement(placement), cfg, pp, dp)
-    return {"placement": str(placement), "source": "auto" if given in (None, "auto") else "--dynapipe-placement",
-            "search": search.to_json(), "simulated": {"even": even, "placed": placed}}
+    out = {"placement": str(placement), "source": "auto" if given in (None, "auto") else "--dynapipe-placement",
+           "search": search.to_json(), "simulated": {"even": even, "placed": placed}}
+    if given in (None, "auto") and baselines:
+        out["baselines"] = baseline_splits(cfg, pp, dp, batches[:AUTO_SAMPLE_BATCHES], baselines)
+    return out

@@ -109,6 +109,46 @@ def test_bench_t5_every_method_also_runs_contiguous_and_even_and_keeps_its_best(
     assert [(e.label, e.also) for e in t5_entries(["dynapipe"], (1,), on_even)] == [("dynapipe", ())]
 
 
+def test_bench_t5_baselines_also_run_on_their_own_best_split():
+    from megatron_integration.bench_t5_entries import t5_entries
+
+    even = {"even": {"placement": "2+0,0+2"}}
+    placed = {"placement": "1+0,1+0|0+1,0+1", "search": {"compared": {"contiguous": "1+0,1+2"}}, "simulated": even,
+              "baselines": {"packing@mbs1": "2+1,0+1", "packing@mbs2": "1+0,1+2", "padding@mbs1": "2+0,0+2"}}
+    labels = [e.label for e in t5_entries(["dynapipe", "packing", "padding"], (1, 2), placed)]
+    # packing@mbs1's own split is new; mbs2's is the contiguous one, padding's the even one: run once.
+    assert labels == ["dynapipe", "dynapipe-contiguous", "dynapipe-even",
+                      "packing@mbs1", "packing@mbs1-contiguous", "packing@mbs1-even", "packing@mbs1-own",
+                      "packing@mbs2", "packing@mbs2-contiguous", "packing@mbs2-even",
+                      "padding@mbs1", "padding@mbs1-contiguous", "padding@mbs1-even",
+                      "padding@mbs2", "padding@mbs2-contiguous", "padding@mbs2-even"]
+    own = next(e for e in t5_entries(["packing"], (1,), placed) if e.split_name == "own")
+    argv = own.argv(["--dynapipe-placement", "1+0,1+0|0+1,0+1"])
+    assert argv[len(argv) - 1 - argv[::-1].index("--dynapipe-placement") + 1] == "2+1,0+1"
+
+
+def test_bench_t5_baseline_splits_balance_the_baselines_own_micro_batches():
+    # Long inputs and short targets: the baselines' rows make the encoder layers the heavy ones, so
+    # their own split moves encoder layers onto the decoder's stage, where the even split has none.
+    from dynapipe.cost.placement import StagePlacement
+    from megatron_integration.bench_t5_placement import baseline_splits
+    from megatron_integration.t5_arguments import parse_t5_args
+    from megatron_integration.t5_placement import first_global_batches
+    from t5_job import TINY
+
+    cfg = parse_t5_args((TINY + " --encoder-num-layers 4 --decoder-num-layers 4 --encoder-seq-length 512 "
+                               "--decoder-seq-length 32 --max-position-embeddings 512").split(), 2)
+    batches = first_global_batches(cfg, 2)
+    splits = baseline_splits(cfg, 2, 1, batches, [("padding", 2), ("packing", 2)])
+    assert set(splits) == {"padding@mbs2", "packing@mbs2"}
+    model = cfg.planner_model()
+    for spec in splits.values():
+        placement = StagePlacement.parse(spec, model, 2)
+        assert sum(placement.encoder_layers) == 4 and sum(placement.decoder_layers) == 4
+    for spec in splits.values():
+        assert StagePlacement.parse(spec, model, 2).encoder_layers[1] > 0, splits
+
+
 def test_bench_t5_keeps_each_methods_fastest_run_dynapipes_even_one_included():
     from megatron_integration.bench_t5_entries import best_runs, t5_entries
 

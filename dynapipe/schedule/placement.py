@@ -104,6 +104,20 @@ def choose_placement(batches: Sequence, cost_model: CostModel, *, dp: int = 1,
     return PlacementPlan(final, before, current, r)
 
 
+def place_micro_batches(micro_batches: Sequence, cost_model: CostModel, *, dp: int = 1,
+                        memory_limit_mib: Optional[float] = None, reserved_mib: Optional[float] = None,
+                        zero: bool = False, recompute: Optional[str] = None) -> PlacementChoice:
+    """The contiguous placement with the least bottleneck stage time on ``micro_batches``
+    themselves (say a fixed-shape baseline's, which do not depend on the placement, so no
+    re-cut is needed): :func:`~dynapipe.cost.placement.plan_placement` on their shapes.
+    Memory as for :func:`choose_placement` (MiB per device, defaults from the cost model's
+    device)."""
+    memory_limit_mib, reserved_mib = _memory(cost_model, memory_limit_mib, reserved_mib)
+    capacity = None if memory_limit_mib is None else memory_limit_mib - reserved_mib
+    return plan_placement(cost_model, PlacementSample.of(micro_batches), capacity_mib=capacity, dp=dp, zero=zero,
+                          recompute=recompute)
+
+
 def simulated_ms(batches: Sequence, cost_model: CostModel, *, dp: int, memory_limit_mib: Optional[float],
                  reserved_mib: float, seq_length: Optional[int], zero: bool, recompute: Optional[str],
                  cluster=None, split_backward: bool = True, schedule: str = "auto") -> float:
