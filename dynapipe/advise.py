@@ -165,8 +165,8 @@ def enumerate_layouts(model: ModelConfig, gpus: int, cluster: Optional[ClusterCo
     several times slower.
     A TP size that leaves a node, does not divide ``gpus`` or does not split the model is
     refused with the reason."""
-    if gpus < 1:
-        raise DynaPipeError(f"--gpus {gpus}: need at least one GPU.")
+    if isinstance(gpus, bool) or not isinstance(gpus, (int, np.integer)) or gpus < 1:
+        raise DynaPipeError(f"--gpus {gpus!r}: need a whole number of GPUs, at least one.")
     per_node = cluster.gpus_per_node if cluster is not None else gpus
     if tp_sizes is None:
         tp_sizes = default_tp_sizes(model, gpus, cluster)

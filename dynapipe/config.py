@@ -250,8 +250,8 @@ class ClusterConfig:
 
     def validate(self, source: str = "cluster config") -> "ClusterConfig":
         """Refuse a node without GPUs and links with impossible bandwidth or latency."""
-        if self.gpus_per_node < 1:
-            raise DynaPipeError(f"{source}: gpus_per_node={self.gpus_per_node} must be at least 1 "
+        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise DynaPipeError(f"{source}: gpus_per_node={self.gpus_per_node!r} must be a whole number, at least 1 "
                                 f"(the GPUs of one node).")
         self.intra_node.validate(f"{source}: intra_node")
         self.inter_node.validate(f"{source}: inter_node")
@@ -273,8 +273,9 @@ class TensorParallelConfig:
         node (more ranks than a node has, or a size that does not divide it, so some TP group
         would straddle two nodes). ``flag``: the option named in the error."""
         t = self.size
-        if t < 1:
-            raise DynaPipeError(f"{flag} {t}: the tensor-parallel size must be at least 1.")
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise DynaPipeError(f"{flag} {t!r}: the tensor-parallel size must be a whole number, at least 1.")
+        self.link.validate(f"{flag} {t}: link")
         if self.sequence_parallel and t == 1:
             raise DynaPipeError(f"--sequence-parallel needs {flag} 2 or more (it shards the sequence over TP ranks).")
         for what, n in (("num_attention_heads", model.num_attention_heads), ("ffn_hidden_size", model.ffn_hidden_size),
@@ -409,6 +410,8 @@ def resolve_config_path(path_or_name: str, kind: str, flag: Optional[str] = None
 
 def model_config_from_dict(data: Mapping[str, Any], source: str = "model config") -> ModelConfig:
     """Build and validate a :class:`ModelConfig` from a mapping."""
+    if not isinstance(data, Mapping):
+        raise DynaPipeError(f"{source}: {data!r:.80} is not a mapping of model fields (name, hidden_size, ...).")
     data = dict(data)
     cfg = _build(ModelConfig, data, source)
     if cfg.is_encoder_decoder and not cfg.num_layers:

@@ -39,6 +39,26 @@ def whole_number(name: str, value, at_least: int = 1) -> int:
     return int(value)
 
 
+def real_number(name: str, value, at_least: float = 0.0) -> float:
+    """``value`` as a float when it is a finite number of at least ``at_least`` (not a bool or
+    a string), else a :class:`DynaPipeError` naming ``name`` and the value."""
+    import math
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+            or value < at_least:
+        raise DynaPipeError(f"{name} {value!r}: must be a finite number of at least {at_least:g}.")
+    return float(value)
+
+
+def flag(name: str, value) -> bool:
+    """``value`` when it is a bool (numpy's too), else a :class:`DynaPipeError`: a string such as
+    ``"false"`` would otherwise count as true."""
+    if not isinstance(value, bool) and type(value).__name__ != "bool_":
+        raise DynaPipeError(f"{name} {value!r}: must be True or False.")
+    return bool(value)
+
+
 @contextmanager
 def file_read_errors(what: str, path: str, missing: str, directory: str, not_text: str) -> Iterator[None]:
     """Turn the errors of opening and reading ``path`` inside the block into one-line

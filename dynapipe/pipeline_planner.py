@@ -20,7 +20,7 @@ from dynapipe.config import ClusterConfig
 from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, check_recompute
 from dynapipe.cost.placement import StagePlacement
 from dynapipe.plan.compile_chunked import compile_chunked_plans
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, flag, real_number, whole_number
 from dynapipe.plan._fast import without_gc_pauses
 from dynapipe.plan.compile import compile_plans
 from dynapipe.plan.instructions import ExecutionPlan
@@ -209,11 +209,20 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
                             f"{cost_model.num_stages}.")
     if not isinstance(tp, (int, np.integer)) or tp < 1:
         raise DynaPipeError(f"tp {tp!r}: the tensor-parallel size is a whole number, 1 or more.")
+    flag("zero", zero)
+    whole_number("iteration", iteration, at_least=0)
+    if cluster is not None and not isinstance(cluster, ClusterConfig):
+        raise DynaPipeError(f"cluster {cluster!r}: give a ClusterConfig (dynapipe.config.load_cluster_config(name)).")
     if replicas is not None and not all(isinstance(r, (int, np.integer)) for r in replicas):
         raise DynaPipeError(f"replicas {list(replicas)!r}: give data-parallel replica indices (whole numbers).")
     # The stage-to-stage links are priced by where the ranks sit, which the TP size decides: the
     # cost model's, when the caller did not pass it (the command line), as the plans compile it.
-    tp = max(int(tp), _tp_size(cost_model))
+    # Another size than the cost model's would price compute and links for different layouts.
+    if tp > 1 and tp != _tp_size(cost_model):
+        raise DynaPipeError(f"tp {tp}: the cost model prices tensor-parallel size {_tp_size(cost_model)}; build it "
+                            f"at the size the plans run (build_cost_model(..., tp=TensorParallelConfig({tp}))) or "
+                            f"leave tp out.")
+    tp = _tp_size(cost_model)
     t0, c0 = time.perf_counter(), time.process_time()
     batch_plan, result = _search(batch_plan, cost_model, schedule=schedule, memory_limit_mib=memory_limit_mib,
                                  reserved_mib=reserved_mib, cluster=cluster, recompute=recompute, tp=tp, zero=zero,
@@ -229,13 +238,13 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
         vl = cost_model.placement.virtual_layouts()
         plans = [compile_chunked_plans(result.schedules[r], result.micro_batches[r], cost_model.model,
                                        result.timelines[r], vl, replica=r, num_replicas=dp, iteration=iteration,
-                                       global_loss_tokens=total_loss, tp=max(tp, _tp_size(cost_model)),
+                                       global_loss_tokens=total_loss, tp=tp,
                                        sequence_parallel=shards > 1) if r in wanted else [] for r in range(dp)]
     else:
             plans = [compile_plans(result.schedules[r], result.micro_batches[r], cost_model.model,
                                timeline=result.timelines[r], replica=r, num_replicas=dp, iteration=iteration,
                                global_loss_tokens=total_loss, layouts=cost_model.layouts,
-                               tp=max(tp, _tp_size(cost_model)), sequence_parallel=shards > 1) if r in wanted else []
+                               tp=tp, sequence_parallel=shards > 1) if r in wanted else []
                  for r in range(dp)]
     placement = cost_model.placement
     if placement != StagePlacement.even(cost_model.model, cost_model.num_stages):
@@ -310,6 +319,12 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
     """
     if stages is not None and stages != cost_model.num_stages:
         raise DynaPipeError(f"--stages {stages} but the cost model was built for {cost_model.num_stages} stages.")
+    if memory_limit_mib is not None and not (isinstance(memory_limit_mib, float) and np.isinf(memory_limit_mib)):
+        real_number("memory_limit_mib", memory_limit_mib)
+    if reserved_mib is not None:
+        real_number("reserved_mib", reserved_mib)
+    flag("zero", zero)
+    whole_number("iteration", iteration, at_least=0)
     limit, reserved = _default_memory(cost_model, memory_limit_mib, reserved_mib)
     levels = [check_recompute(recompute)] if recompute is not None else list(RECOMPUTE_LEVELS)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -385,7 +400,7 @@ def leave_room_in_flight(lengths, cost_model: CostModel, *, planned: BatchPlan, 
         return None
     seen = {_cut_key(planned)}
     # Priced on the links schedule_batch_plan priced ``simulated_ms`` on (the cost model's TP size).
-    search = {**search, "tp": max(int(search.get("tp", 1)), _tp_size(cost_model))}
+    search = {**search, "tp": _tp_size(cost_model)}
     best, best_ms = None, simulated_ms
     for share in sorted({0.5, 1.0 / stages}, reverse=True):
         try:  # a share too small for some sample, or a cut no schedule fits: not a candidate

@@ -119,8 +119,8 @@ _LINKS = "intra_node: {bandwidth_gbps: 150.0, latency_ms: 0.01}\ninter_node: {ba
     ("name: c\n" + _LINKS.replace("150.0", "0"), r"intra_node: bandwidth_gbps=0 must be > 0"),
     ("name: c\n" + _LINKS.replace("25.0", "-5"), r"inter_node: bandwidth_gbps=-5 must be > 0"),
     ("name: c\n" + _LINKS.replace("0.02", "-1"), r"inter_node: latency_ms=-1 must be >= 0"),
-    ("name: c\ngpus_per_node: 0\n" + _LINKS, r"gpus_per_node=0 must be at least 1"),
-    ("name: c\ngpus_per_node: -8\n" + _LINKS, r"gpus_per_node=-8 must be at least 1"),
+    ("name: c\ngpus_per_node: 0\n" + _LINKS, r"gpus_per_node=0 must be a whole number, at least 1"),
+    ("name: c\ngpus_per_node: -8\n" + _LINKS, r"gpus_per_node=-8 must be a whole number, at least 1"),
     ("name: c\nintra_node: {bandwidth_gbps: .nan}\n", r"bandwidth_gbps=nan must be a finite number"),
 ])
 def test_cluster_values_are_range_checked(tmp_path, text, message):

@@ -51,14 +51,18 @@ def memory_budget(cost_model: CostModel, memory_limit_mib: float | None, reserve
 
     ``zero=True`` prices model states with the optimizer sharded over ``dp`` replicas
     (Megatron's distributed optimizer)."""
+    # A string or a bool is not a size, though float() would take "4000" or True.
+    number = lambda v: not isinstance(v, (str, bytes, bool))  # noqa: E731
     try:
         limit = UNLIMITED_MIB if memory_limit_mib is None else float(memory_limit_mib)
     except (TypeError, ValueError):
         limit = float("nan")
+    if not number(memory_limit_mib):
+        limit = float("nan")
     if not limit > 0:
         raise DynaPipeError(f"memory limit {memory_limit_mib!r} MiB must be a positive number (--memory-limit-mb).")
     try:
-        reserved = float(reserved_mib)
+        reserved = float(reserved_mib) if number(reserved_mib) else float("nan")
     except (TypeError, ValueError):
         reserved = float("nan")
     if not 0 <= reserved < float("inf"):

@@ -161,6 +161,9 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
                             f"replica(s) would get no sample; use --dp {len(arr)} or less, or a batch of at least "
                             f"{dp} samples.")
     arr, cap, truncated = _limit_lengths(arr, seq_length, model.max_seq_length)
+    if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not 0.0 <= gap < 1.0:
+        raise DynaPipeError(f"gap {gap!r}: the relative optimality gap of the cut must lie in [0, 1) "
+                            f"(0: the exact optimum; default {DEFAULT_GAP}).")
     if not 0.0 < micro_batch_share <= 1.0:
         raise DynaPipeError(f"micro_batch_share {micro_batch_share}: must lie in (0, 1].")
     budget = replace(memory_budget(cost_model, memory_limit_mib, reserved_mib, dp=dp, zero=zero),

@@ -48,9 +48,15 @@ def compute_floor_ms(cost_model: CostModel, lengths, *, recompute: str = "none",
     if arr.ndim != (2 if encdec else 1) or (encdec and arr.shape[1] != 2) or len(arr) == 0:
         want = "(n, 2) input and target lengths" if encdec else "a 1-D list of sample lengths"
         raise DynaPipeError(f"compute floor: lengths of shape {arr.shape} given; give {want} (tokens).")
+    if arr.dtype.kind not in "iu" and not (arr.dtype.kind == "f" and np.all(np.isfinite(arr))
+                                           and np.all(arr == np.round(arr))):
+        raise DynaPipeError(f"compute floor: lengths {arr.ravel()[:4].tolist()}... are not whole numbers of tokens.")
     if np.any(arr <= 0):
         raise DynaPipeError(f"compute floor: a sample length {int(arr.min())} is not positive; every sample "
                             f"has at least one token.")
+    if np.any(arr > cost_model.model.max_seq_length):
+        raise DynaPipeError(f"compute floor: a sample length {int(arr.max())} exceeds the model's max_seq_length "
+                            f"{cost_model.model.max_seq_length}; truncate the lengths as the run does.")
     sizes = np.asarray(micro_batch_sizes(max_micro_batch or len(arr)), dtype=np.float64)[:, None]
     seq = (arr[:, 0] if encdec else arr)[None, :].astype(np.float64)
     dec = arr[:, 1][None, :].astype(np.float64) if encdec else None
@@ -66,6 +72,12 @@ def shapes_compute_ms(cost_model: CostModel, shapes: Sequence[tuple], *, recompu
     """Forward + backward ms of micro-batches of ``shapes`` (``(rows, seqlen[, dec_seqlen])``,
     tokens), summed over every stage of ``cost_model``: what a method's batching of a global
     batch computes, to set against :func:`compute_floor_ms`."""
+    width = 3 if cost_model.model.is_encoder_decoder else 2
+    for shape in shapes:
+        if (len(shape) != width or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in shape)
+                or min(shape) < 1):
+            want = "(rows, seqlen, dec_seqlen)" if width == 3 else "(rows, seqlen)"
+            raise DynaPipeError(f"shape {tuple(shape)!r}: give {want}, whole numbers of at least 1 (rows, tokens).")
     return sum(float(cost_model.stage_cost(*shape, recompute=recompute, stage=k).time_ms)
                for shape in shapes for k in range(cost_model.num_stages))
 

@@ -16,7 +16,7 @@ import numpy as np
 from dynapipe.config import ModelConfig
 from dynapipe.cost.base import (RECOMPUTE_LEVELS, CostModel, StageLayout, check_recompute, layout_of_layers,
                                 stage_layouts)
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, real_number, whole_number
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class StagePlacement:
     def even(model: ModelConfig, num_stages: int, chunks: int = 1) -> "StagePlacement":
         """Megatron's split: layers as evenly as possible over the ``chunks * num_stages``
         virtual stages, earlier ones taking the remainder (``chunks`` > 1: its interleaved split)."""
-        layouts = stage_layouts(model, chunks * num_stages)
+        layouts = stage_layouts(model, whole_number("chunks", chunks) * whole_number("num_stages", num_stages))
         return StagePlacement(tuple(l.encoder_layers for l in layouts), tuple(l.decoder_layers for l in layouts),
                               chunks)
 
@@ -145,13 +145,29 @@ class StagePlacement:
 
     @staticmethod
     def from_json(obj: dict, model: ModelConfig) -> "StagePlacement":
-        """Inverse of :meth:`to_json`, validated against ``model``."""
-        chunks = int(obj.get("chunks", 1))
-        if "layers" in obj:
-            dec = tuple(int(v) for v in obj["layers"])
+        """Inverse of :meth:`to_json`, validated against ``model``; anything else (a key it does
+        not write, a count that is not a whole number) is refused naming it."""
+        keys = {"layers"} if model.arch == "gpt" else {"encoder_layers", "decoder_layers"}
+        if not isinstance(obj, dict) or not keys <= set(obj) or set(obj) - keys - {"chunks"}:
+            raise DynaPipeError(f"stage placement {obj!r:.120}: give {{{', '.join(map(repr, sorted(keys)))}"
+                                f"[, 'chunks']}} for {model.arch} model {model.name!r}, as StagePlacement.to_json "
+                                f"writes it.")
+
+        def counts(key: str) -> tuple[int, ...]:
+            values = obj[key]
+            if not isinstance(values, (list, tuple)) or not all(
+                    isinstance(v, int) and not isinstance(v, bool) for v in values):
+                raise DynaPipeError(f"stage placement {key}={values!r:.80}: give a list of whole layer counts, one "
+                                    f"per (virtual) stage.")
+            return tuple(values)
+
+        chunks = obj.get("chunks", 1)
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise DynaPipeError(f"stage placement chunks={chunks!r}: give a whole number of chunks a rank, 1 or more.")
+        if "layers" in keys:
+            dec = counts("layers")
             return StagePlacement((0,) * len(dec), dec, chunks).validate(model)
-        return StagePlacement(tuple(int(v) for v in obj["encoder_layers"]),
-                              tuple(int(v) for v in obj["decoder_layers"]), chunks).validate(model)
+        return StagePlacement(counts("encoder_layers"), counts("decoder_layers"), chunks).validate(model)
 
     @staticmethod
     def parse(text: str, model: ModelConfig, num_stages: int, flag: str = "--placement") -> "StagePlacement":
@@ -197,6 +213,17 @@ class PlacementSample:
     mbs: np.ndarray
     seqlen: np.ndarray
     dec_seqlen: np.ndarray
+
+    def __post_init__(self) -> None:
+        arrays = [np.asarray(getattr(self, f), dtype=np.float64) for f in ("mbs", "seqlen", "dec_seqlen")]
+        if not arrays[0].size or arrays[0].ndim != 1 or any(a.shape != arrays[0].shape for a in arrays):
+            raise DynaPipeError(f"PlacementSample: mbs, seqlen and dec_seqlen must be 1-D arrays of one equal, "
+                                f"non-zero length (one entry per micro-batch); got shapes "
+                                f"{[list(a.shape) for a in arrays]}.")
+        for name, a, low in zip(("mbs", "seqlen", "dec_seqlen"), arrays, (1, 1, 0)):
+            if not np.all(np.isfinite(a)) or np.any(a < low):
+                raise DynaPipeError(f"PlacementSample.{name} holds values below {low} or not finite; give rows "
+                                    f"and tokens of real micro-batches.")
 
     @staticmethod
     def of(micro_batches) -> "PlacementSample":
@@ -350,7 +377,9 @@ def plan_placement(cost_model: CostModel, sample: PlacementSample, num_stages: O
     Raises :class:`DynaPipeError` when no split fits.
     """
     model = cost_model.model
-    S = cost_model.num_stages if num_stages is None else int(num_stages)
+    S = cost_model.num_stages if num_stages is None else whole_number("num_stages", num_stages)
+    if capacity_mib is not None and not (isinstance(capacity_mib, float) and np.isposinf(capacity_mib)):
+        real_number("capacity_mib", capacity_mib)
     L = model.total_layers
     if not 1 <= S <= L:
         raise DynaPipeError(f"--stages {S}: stage placement needs 1 to {L} stages for model {model.name!r}.")

@@ -34,10 +34,19 @@ def adaptive_arrays(times: StageTimes, capacity_mib: Optional[Sequence[float]] =
     (status ``SLOW``/``OVER``) once an op ends later or a stage needs more."""
     S, M = times.num_stages, times.num_micro_batches
     state = np.asarray(times.state_mib, dtype=np.float64)
-    budget = (np.full(S, np.inf) if capacity_mib is None
-              else np.asarray(capacity_mib, dtype=np.float64) - state)
-    cap = np.full(S, max(M, 1), dtype=np.int64) if max_in_flight is None else \
-        np.maximum(np.asarray(max_in_flight, dtype=np.int64), 1)
+    if capacity_mib is not None:
+        capacity = np.asarray(capacity_mib, dtype=np.float64)
+        # inf: no limit on that stage; NaN would compare false everywhere and serialise the stages.
+        if capacity.shape != (S,) or np.any(np.isnan(capacity)) or np.any(capacity < 0):
+            raise DynaPipeError(f"capacity_mib {capacity_mib!r}: give one limit per stage ({S}), MiB, 0 or more "
+                                f"(inf: none).")
+    if max_in_flight is not None:
+        flight = np.asarray(max_in_flight)
+        if flight.shape != (S,) or flight.dtype.kind not in "iu" or np.any(flight < 1):
+            raise DynaPipeError(f"max_in_flight {max_in_flight!r}: give one whole number of micro-batches per "
+                                f"stage ({S}), at least 1.")
+    budget = np.full(S, np.inf) if capacity_mib is None else capacity - state
+    cap = np.full(S, max(M, 1), dtype=np.int64) if max_in_flight is None else flight.astype(np.int64)
     if prefer not in ("B", "F"):
         raise DynaPipeError(f"prefer={prefer!r}: use 'B' (backward first) or 'F' (forward first).")
     return K.adaptive_kernel(*kernel_inputs(times)[:6], state, budget, cap, prefer == "B",

@@ -11,7 +11,7 @@ import functools
 
 import numpy as np
 
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import whole_number
 from dynapipe.schedule import _kernels as K
 from dynapipe.schedule.types import Op, Schedule
 
@@ -39,9 +39,8 @@ def one_f_one_b(num_stages: int, num_micro_batches: int, *, recompute: str = "no
                 order: str = "planned", mb_order: tuple[int, ...] = (),
                 stage_recompute: tuple[str, ...] = ()) -> Schedule:
     """The 1F1B op order of every stage for micro-batches ``0..M-1``."""
-    if num_stages < 1 or num_micro_batches < 0:
-        raise DynaPipeError(f"1f1b needs at least one stage, got {num_stages} stages and "
-                            f"{num_micro_batches} micro-batches.")
+    whole_number("1f1b: num_stages", num_stages)
+    whole_number("1f1b: num_micro_batches", num_micro_batches, at_least=0)
     M = num_micro_batches
     f = [Op("F", i) for i in range(M)]
     b = [Op("B", i) for i in range(M)]

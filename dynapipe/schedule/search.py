@@ -25,7 +25,7 @@ import numpy as np
 from dynapipe.batching.types import MicroBatch
 from dynapipe.config import ClusterConfig
 from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, check_recompute
-from dynapipe.errors import DynaPipeError, NoScheduleFits
+from dynapipe.errors import DynaPipeError, NoScheduleFits, real_number, whole_number
 from dynapipe.schedule import _kernels as K
 from dynapipe.schedule.adaptive import adaptive_arrays, schedule_from_arrays
 from dynapipe.schedule.costs import StageTimes, stage_times_per_replica
@@ -298,10 +298,25 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
         levels = [check_recompute(r) for r in recompute]
         if not levels:
             raise DynaPipeError("no recompute level to try; give at least one of none, selective, full.")
+    if isinstance(replicas, (str, bytes)) or any(isinstance(r, MicroBatch) for r in replicas):
+        raise DynaPipeError("replicas: give one list of micro-batches per data-parallel replica "
+                            "([[mb, ...], ...]; one replica: [micro_batches]).")
     replicas = [list(r) for r in replicas]
     if not any(replicas):
         raise DynaPipeError("there are no micro-batches to schedule.")
+    if dp is not None and whole_number("dp", dp) != len(replicas):
+        raise DynaPipeError(f"dp {dp}: {len(replicas)} replica list(s) were given; give one list per replica.")
     dp = dp or len(replicas)
+    whole_number("tp", tp)
+    if cluster is not None:
+        if not isinstance(cluster, ClusterConfig):
+            raise DynaPipeError(f"cluster {cluster!r}: give a ClusterConfig "
+                                f"(dynapipe.config.load_cluster_config(name)).")
+        cluster.validate(f"cluster {cluster.name!r}")
+    if capacity_mib is not None and not (isinstance(capacity_mib, float) and np.isposinf(capacity_mib)):
+        real_number("capacity_mib", capacity_mib)
+    if must_beat_ms is not None and not (isinstance(must_beat_ms, float) and np.isposinf(must_beat_ms)):
+        real_number("must_beat_ms", must_beat_ms)
     per_stage = (schedule == "auto") if per_stage is None else per_stage
     S = cost_model.num_stages
     cap_mib = np.inf if capacity_mib is None else float(capacity_mib)

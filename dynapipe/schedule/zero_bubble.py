@@ -47,7 +47,7 @@ from typing import Optional
 
 import numpy as np
 
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import whole_number
 from dynapipe.schedule import _kernels as K
 from dynapipe.schedule.types import Op, Schedule
 
@@ -112,9 +112,8 @@ def zb_h1(num_stages: int, num_micro_batches: int, *, recompute: str = "none",
     """The zb-h1 op order of every stage for micro-batches ``0..M-1`` (arguments as for
     :func:`~dynapipe.schedule.one_f_one_b.one_f_one_b`; ``max_delay`` caps the weight
     delays, see :func:`weight_delay`)."""
-    if num_stages < 1 or num_micro_batches < 0:
-        raise DynaPipeError(f"zb-h1 needs at least one stage, got {num_stages} stages and "
-                            f"{num_micro_batches} micro-batches.")
+    whole_number("zb-h1: num_stages", num_stages)
+    whole_number("zb-h1: num_micro_batches", num_micro_batches, at_least=0)
     M = num_micro_batches
     ops = {(k, i): Op(name, i) for k, name in _KIND_NAME.items() for i in range(M)}
     stage_ops = tuple(tuple(ops[x] for x in _stage_order(num_stages, s, M, max_delay)) for s in range(num_stages))
