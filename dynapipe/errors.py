@@ -54,7 +54,9 @@ def real_number(name: str, value, at_least: float = 0.0) -> float:
 def flag(name: str, value) -> bool:
     """``value`` when it is a bool (numpy's too), else a :class:`DynaPipeError`: a string such as
     ``"false"`` would otherwise count as true."""
-    if not isinstance(value, bool) and type(value).__name__ != "bool_":
+    import numpy as np
+
+    if not isinstance(value, (bool, np.bool_)):
         raise DynaPipeError(f"{name} {value!r}: must be True or False.")
     return bool(value)
 

@@ -46,7 +46,8 @@ from megatron_integration.cpu_affinity import bench_default
 from megatron_integration.bench_checks import check_bench_outputs, check_warmup_iters, make_output_dir, parse_t5_sweep
 from megatron_integration.bench_presets import fill_defaults
 from megatron_integration.bench_results import schedule_counts
-from megatron_integration.bench_t5_entries import T5_BASELINES, T5_METHOD_FLAGS, UNCALIBRATED, best_runs, t5_entries
+from megatron_integration.bench_t5_entries import (T5_BASELINES, T5_METHOD_FLAGS, UNCALIBRATED, T5Entry, best_runs,
+                                                   t5_entries)
 
 
 # --manual-gc as in the GPT presets (see bench_presets._COMMON).
@@ -210,10 +211,11 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
     runs = [e.argv(argv) + ["--dynapipe-trace-dir", trace[k, e.label]] for k, e in order]
     print(f"training {', '.join(e.label for e in entries)} on {nproc} rank(s) ...", file=stream, flush=True)
     ranks = run_t5_training(runs, nproc, timeout_s=timeout_s, threads_per_rank=threads_per_rank)
+    # The planner's look-ahead, as DynaPipe's runs read it (the baselines' lines drop the flag).
+    prefetch = parse_t5_args(T5Entry("dynapipe").argv(argv), nproc).base.dynapipe.prefetch
     by_round: dict = {}
     for j, (k, e) in enumerate(order):
-        by_round.setdefault(e.label, []).append((t5_figures([r[j] for r in ranks], warmup,
-                                                            cfg.base.dynapipe.prefetch), j, k))
+        by_round.setdefault(e.label, []).append((t5_figures([r[j] for r in ranks], warmup, prefetch), j, k))
     per_entry, picked = {}, {}
     for label, figs in by_round.items():
         mid = statistics.median_low([f["real_tokens_per_s"] for f, _, _ in figs])

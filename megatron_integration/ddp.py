@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from dynapipe.errors import DynaPipeError
 from dynapipe.plan.grad_sync import grad_sync_points
 
 
@@ -102,9 +103,18 @@ class BackwardSyncs:
         if not self.overlap:
             return
         started = {self._index(chunk) for chunk, _, _ in self.points}
-        for i, ddp in enumerate(self.ddps):
-            if i not in started:
-                ddp.start_grad_sync()
+        idle = [ddp for i, ddp in enumerate(self.ddps) if i not in started]
+        if idle and len(self.ddps) > 1:
+            # Replicas that ran backwards start their chunks' reductions from the hooks, the last
+            # chunk's first, or (in megatron-core's first batch) in finish_grad_sync, chunk 0
+            # first; this replica cannot tell which order the others took, and collectives
+            # issued out of order on one group pair the wrong buckets.
+            raise DynaPipeError(f"this data-parallel replica has no micro-batch to run on {len(idle)} of its "
+                                f"{len(self.ddps)} model chunks, and --overlap-grad-reduce cannot order their "
+                                f"reductions with the other replicas'; drop --overlap-grad-reduce, or make global "
+                                f"batches of at least as many micro-batches as replicas.")
+        for ddp in idle:
+            ddp.start_grad_sync()
 
 
 def backward_syncs(ddps: Sequence[torch.nn.Module], plan: Optional[object]) -> BackwardSyncs:

@@ -84,6 +84,38 @@ def test_a_replica_without_micro_batches_still_reduces_under_the_overlap(job):
         assert len(r["losses"]) == 3
 
 
+class _FakeDDP:
+    """What BackwardSyncs reads of a megatron-core DDP module, recording its reductions."""
+
+    def __init__(self, overlap=True):
+        from types import SimpleNamespace
+
+        self.ddp_config = SimpleNamespace(overlap_grad_reduce=overlap)
+        self.started = 0
+
+    def start_grad_sync(self):
+        self.started += 1
+
+
+def test_only_a_module_no_backward_reduced_is_started_after_the_plan():
+    from megatron_integration.ddp import BackwardSyncs
+
+    ran = [ForwardPass(0, 0), BackwardPass(0, 0)]
+    one = _FakeDDP()
+    BackwardSyncs([one], ran).start_unreduced()  # its last backward started the reduction
+    BackwardSyncs([one], []).start_unreduced()  # an empty replica's plan
+    plain = _FakeDDP(overlap=False)
+    BackwardSyncs([plain], []).start_unreduced()  # without the overlap finish_grad_sync reduces
+    assert (one.started, plain.started) == (1, 0)
+    # Several chunks a rank: the other replicas' order (hooks, last chunk first; or megatron-core's
+    # first batch, chunk 0 first) is not known here, so the empty replica stops with the reason.
+    chunks = [_FakeDDP(), _FakeDDP()]
+    BackwardSyncs(chunks, ran + [ForwardPass(0, 1), BackwardPass(0, 1)]).start_unreduced()
+    with pytest.raises(DynaPipeError, match=r"no micro-batch to run on 2 of its 2 model chunks"):
+        BackwardSyncs(chunks, []).start_unreduced()
+    assert [c.started for c in chunks] == [0, 0]
+
+
 def test_grad_sync_points_are_each_chunks_last_backward_of_each_kind():
     ins = [ForwardPass(0, 0), ForwardPass(1, 0), BackwardPass(0, 0), ForwardPass(0, 1), BackwardPass(1, 0),
            BackwardPass(0, 1), BackwardPass(1, 1)]
