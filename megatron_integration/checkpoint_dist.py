@@ -36,7 +36,7 @@ import argparse
 import os
 import random
 import warnings
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 import torch
@@ -46,7 +46,8 @@ from dynapipe.errors import DynaPipeError
 from megatron_integration.checkpoint import check_distributed_optimizer, check_precision
 from megatron_integration.checkpoint_files import CHECKSUM_SUFFIX, verify_file
 from megatron_integration.initialize import RankInfo
-from megatron_integration.scheduler_state import UNITS_ARG, align_schedule_bounds, load_scheduler_state
+from megatron_integration.checkpoint_compat import check_optimizer_resharding, model_mismatch, scheduler_units
+from megatron_integration.scheduler_state import align_schedule_bounds, load_scheduler_state
 
 CHECKPOINT_VERSION = 3.0
 
@@ -277,125 +278,6 @@ def read_common(iter_dir: str) -> dict:
                                 f"no index entry for one; {type(e).__name__} in megatron-core); resume from a "
                                 f"complete checkpoint.") from None
         raise _checkpoint_error(where, e) from None
-
-
-# The flag that sets a recorded argument, where its name is not the argument's.
-FLAG_OF = {"add_bias_linear": "--disable-bias-linear", "padded_vocab_size": "--vocab-size"}
-
-
-def model_values(cfg) -> dict:
-    """Megatron-LM argument name -> this GPT's value: what a checkpoint's recorded arguments
-    must match before any tensor is read (an argument the checkpoint lacks is not compared)."""
-    m = cfg.model
-    return {"num_layers": m.num_layers, "hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads,
-            "ffn_hidden_size": m.ffn_hidden_size, "kv_channels": m.kv_channels, "padded_vocab_size": m.vocab_size,
-            "position_embedding_type": m.position_embedding_type, "add_bias_linear": m.add_bias_linear,
-            "untie_embeddings_and_output_weights": not m.tie_embeddings, "qk_layernorm": m.qk_layernorm,
-            "add_qkv_bias": m.add_qkv_bias or m.add_bias_linear, "normalization": m.normalization,
-            "swiglu": m.swiglu}
-
-
-def recorded_model_args(cfg, mine: Optional[dict] = None) -> dict:
-    """What a ``dynapipe``-format checkpoint records of its model, in Megatron-LM's argument
-    names: ``mine`` (a T5's values) or :func:`model_values`, and the GeLU it computed."""
-    return {**(mine or model_values(cfg)), "bias_gelu_fusion": cfg.model.gelu_approximation == "tanh"}
-
-
-def model_mismatch(ckpt_args, cfg, mine: Optional[dict] = None,
-                   saved_keys: Optional[Sequence[str]] = None) -> Optional[str]:
-    """How a checkpoint's recorded arguments (``ckpt_args``, attributes by Megatron-LM name)
-    differ from this model's (``mine``, else :func:`model_values`), naming the flag; None if
-    they fit. ``saved_keys``: a torch_dist checkpoint's tensor keys, which tell a T5's
-    checkpoint (it holds ``encoder.*``) from a GPT's where the arguments cannot (Megatron-LM
-    records no decoder layer count unless one was given)."""
-    m = cfg.model
-    decoder_layers = getattr(ckpt_args, "decoder_num_layers", None)
-    if mine is None and decoder_layers is not None:
-        # A T5's decoder keys are GPT's; without this its checkpoint would load into a GPT.
-        return (f"it records --decoder-num-layers {decoder_layers}: an encoder-decoder (T5) model's checkpoint, "
-                f"and this run trains a GPT; resume it with scripts/pretrain_t5.py")
-    if mine is not None and "decoder_num_layers" in mine:
-        has_encoder = (any(k.startswith("encoder.") for k in saved_keys) if saved_keys is not None
-                       else decoder_layers is not None)
-        if not has_encoder:
-            return ("it holds no encoder: a decoder-only (GPT) model's checkpoint, and this run trains a T5; "
-                    "resume it with scripts/pretrain_gpt.py")
-    if mine is None:
-        # Key/value heads: Megatron-LM records --num-query-groups whatever it is, and reads it
-        # only with --group-query-attention (one group a head otherwise).
-        groups = m.num_query_groups or m.num_attention_heads
-        if getattr(ckpt_args, "group_query_attention", None) is not None:
-            theirs = (getattr(ckpt_args, "num_query_groups", None) if ckpt_args.group_query_attention
-                      else getattr(ckpt_args, "num_attention_heads", None))
-            if theirs is not None and theirs != groups:
-                return (f"{theirs} key/value heads in the checkpoint, {groups} here: --group-query-attention "
-                        f"--num-query-groups")
-        # A learned position table has --max-position-embeddings rows (rotary positions hold none).
-        theirs = getattr(ckpt_args, "max_position_embeddings", None)
-        if (m.position_embedding_type == "learned_absolute" and theirs is not None
-                and getattr(ckpt_args, "position_embedding_type", "learned_absolute") == "learned_absolute"
-                and theirs != m.max_position_embeddings):
-            return f"--max-position-embeddings {theirs} in the checkpoint, {m.max_position_embeddings} here"
-    for name, value in (mine or model_values(cfg)).items():
-        theirs = getattr(ckpt_args, name, None)
-        if theirs is not None and theirs != value:
-            if name in FLAG_OF:
-                return f"{name} {theirs} in the checkpoint, {value} here: {FLAG_OF[name]}"
-            return f"--{name.replace('_', '-')} {theirs} in the checkpoint, {value} here"
-    return _gelu_mismatch(ckpt_args, m)
-
-
-def _gelu_mismatch(ckpt_args, m) -> Optional[str]:
-    """The GeLU a checkpoint's model computed against this run's (a biased, ungated MLP only):
-    Megatron-LM's bias-GeLU fusion (``bias_gelu_fusion``) computes the tanh approximation. A
-    checkpoint that records ``no_bias_gelu_fusion`` instead was written by an earlier build of
-    this project, which computed the exact GeLU whatever the flag said."""
-    if getattr(m, "swiglu", True) or not getattr(m, "add_bias_linear", False):
-        return None
-    if getattr(ckpt_args, "bias_gelu_fusion", None) is not None:
-        theirs = bool(ckpt_args.bias_gelu_fusion)
-    elif getattr(ckpt_args, "no_bias_gelu_fusion", None) is not None:
-        theirs = False
-    else:
-        return None
-    ours = m.gelu_approximation == "tanh"
-    if theirs == ours:
-        return None
-    if ours:
-        return ("the checkpoint's model computed the exact GeLU (Megatron-LM's unfused path), this run the tanh "
-                "approximation of its default bias-GeLU fusion: --no-bias-gelu-fusion")
-    return "the checkpoint's model computed the tanh-approximated GeLU of the bias-GeLU fusion, this run the exact one"
-
-
-def scheduler_units(ckpt_args) -> Optional[str]:
-    """The units of a torch_dist checkpoint's scheduler state: what it records (this project's
-    builds since it was recorded), ``samples`` for Megatron-LM's own checkpoints (no
-    ``dynapipe_*`` arguments), None (to be told from the values) for this project's older ones."""
-    if ckpt_args is None:
-        return None
-    recorded = getattr(ckpt_args, UNITS_ARG, None)
-    if recorded is not None:
-        return recorded
-    return None if any(k.startswith("dynapipe_") for k in vars(ckpt_args)) else "samples"
-
-
-# megatron-core's distributed-optimizer formats keyed by the model's parameters (DistributedOptimizer.
-# checkpoint_fully_reshardable_formats); the others are its flat buffers, one layout a model-parallel rank.
-FULLY_RESHARDABLE = ("fully_reshardable", "fully_sharded_model_space", "fsdp_dtensor")
-
-
-def check_optimizer_resharding(sharding_type: Optional[str], saved_layout: tuple, layout: tuple,
-                               where: str) -> None:
-    """Refuse, as Megatron-LM does, loading a distributed optimizer's state saved in a
-    buffer-keyed format (``dp_reshardable``, this project's and Megatron-LM's default) at
-    another (TP, PP) ``layout`` than ``saved_layout``: its buffers hold another rank's
-    parameters there, and megatron-core would fail on a bucket's key, not on the cause."""
-    if sharding_type is None or sharding_type in FULLY_RESHARDABLE or tuple(saved_layout) == tuple(layout):
-        return
-    raise DynaPipeError(f"{where}: (TP, PP) {tuple(layout)} here, {tuple(saved_layout)} in the checkpoint: the "
-                        f"distributed optimizer's state was saved as {sharding_type}, sharded by model-parallel "
-                        f"rank, which loads only at the sizes (and pipeline split) it was saved at; resume at "
-                        f"those, or add --no-load-optim to load the weights and start a fresh optimizer.")
 
 
 def load_dist(iter_dir: str, cfg, gpt, optimizer, scheduler, info: RankInfo, load_optim: bool,

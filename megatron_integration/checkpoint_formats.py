@@ -21,7 +21,7 @@ from types import SimpleNamespace
 from typing import Callable, Optional
 
 from dynapipe.errors import DynaPipeError
-from megatron_integration import checkpoint_dist, checkpoint_dist_save
+from megatron_integration import checkpoint_compat, checkpoint_dist, checkpoint_dist_save
 from megatron_integration.agreement import attempt, everyone, same_error_everywhere
 from megatron_integration.checkpoint import (BLEND_RECORD_KEY, LATEST, RELEASE, ResumeState, _iter_dir, _rank_dir,
                                              latest_iteration, load_checkpoint, publish_latest, save_checkpoint)
@@ -67,7 +67,7 @@ def save(cfg, iteration: int, consumed_samples: int, gpt, optimizer, scheduler, 
         publish_latest(root, iteration, info)
     else:
         # The model's Megatron-LM arguments, compared on load as torch_dist's recorded args are.
-        extra = {**(extra or {}), **blend, "model_args": checkpoint_dist.recorded_model_args(cfg, model_values)}
+        extra = {**(extra or {}), **blend, "model_args": checkpoint_compat.recorded_model_args(cfg, model_values)}
         iter_dir = save_checkpoint(root, iteration, consumed_samples, gpt, optimizer, scheduler, info, extra=extra,
                                    dtype=cfg.model.dtype)
     log(f"  [{_now()}] successfully saved checkpoint from iteration {iteration:7d} to {root} {_layout(info)}")
@@ -220,7 +220,7 @@ def load(cfg, gpt, optimizer, scheduler, info: RankInfo, log: Log,
 
         def check_model_then_extra(extra: dict, path: str) -> None:
             recorded = extra.get("model_args")  # absent in checkpoints of earlier builds
-            mismatch = (checkpoint_dist.model_mismatch(SimpleNamespace(**recorded), cfg, model_values)
+            mismatch = (checkpoint_compat.model_mismatch(SimpleNamespace(**recorded), cfg, model_values)
                         if recorded else None)
             if mismatch:
                 raise DynaPipeError(f"{iter_dir}: the checkpoint does not fit this model ({mismatch}); use the "

@@ -355,7 +355,8 @@ def test_recorded_args_have_megatron_lms_names_and_meanings():
     # add_bias_linear; the model check compares the position type itself.
     from types import SimpleNamespace
 
-    from megatron_integration.checkpoint_dist import model_mismatch, megatron_args
+    from megatron_integration.checkpoint_compat import model_mismatch
+    from megatron_integration.checkpoint_dist import megatron_args
 
     def recorded(extra):
         cfg = _parse(extra)
@@ -417,7 +418,7 @@ def test_recorded_args_have_megatron_lms_names_and_meanings():
 def test_a_distributed_optimizer_state_in_buffer_layout_loads_only_at_its_tp_and_pp():
     # Megatron-LM's rule (its load_checkpoint raises the same): dp_reshardable state is keyed by
     # each model-parallel rank's flat buffers; the parameter-keyed formats reshard anywhere.
-    from megatron_integration.checkpoint_dist import check_optimizer_resharding
+    from megatron_integration.checkpoint_compat import check_optimizer_resharding
 
     check_optimizer_resharding("dp_reshardable", (1, 2), (1, 2), "ckpt")
     check_optimizer_resharding(None, (1, 2), (2, 1), "ckpt")  # no distributed optimizer

@@ -143,7 +143,7 @@ def test_iterations_skipped_by_fp16_overflows_are_not_scheduler_steps_either_sid
 def test_a_checkpoint_says_its_scheduler_units_or_they_are_megatron_lms():
     from types import SimpleNamespace
 
-    from megatron_integration.checkpoint_dist import scheduler_units
+    from megatron_integration.checkpoint_compat import scheduler_units
 
     assert scheduler_units(SimpleNamespace(dynapipe_scheduler_units="iterations", dynapipe_batching="x")) == "iterations"
     assert scheduler_units(SimpleNamespace(num_layers=2, consumed_train_samples=8)) == "samples"  # Megatron-LM's
