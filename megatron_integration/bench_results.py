@@ -6,7 +6,8 @@
 * ``real_tokens_per_s``: non-pad tokens (input + target) trained per second;
 * ``padding_efficiency``: those tokens / tokens computed (padding included);
 * ``iteration_ms``: mean wall time of an iteration (the slowest rank's);
-* ``plan_wait_ms``: mean time the training loop waited for its plan (0 for the baselines);
+* ``plan_wait_ms``: mean time the training loop waited for its plan, the longest wait of any
+  rank in each iteration (0 for the baselines);
 * ``schedules``: how many timed iterations ran each pipeline schedule (``auto``'s choices
   under DynaPipe; megatron-core's own for the baselines it schedules);
 * ``activation_peak_mib``: per pipeline stage, the highest measured activation peak and
@@ -31,7 +32,7 @@ class MethodResult:
     time; ``real_tokens``: those tokens of one iteration (the global batch, every replica;
     mean over the timed iterations); ``padding_efficiency``: real / computed tokens; ``iteration_ms``: mean wall
     time of an iteration (the slowest rank's); ``plan_wait_ms``: mean time the training
-    loop waited for its plan; ``planner_cpu_ms``: CPU ms of the processes the ranks
+    loop waited for its plan (each iteration's longest wait over the ranks); ``planner_cpu_ms``: CPU ms of the processes the ranks
     started (DynaPipe's planner workers, summed over ranks) during the timed iterations, per
     plan queued during them (one plan an iteration in a long run);
     ``rank_cpu_ms``: mean CPU ms per iteration of the ranks themselves, summed.

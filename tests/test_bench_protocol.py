@@ -47,17 +47,18 @@ def _ranks(iter_ms, children=None, waits=None, cpu=None):
 
 
 def test_summary_takes_slowest_rank_and_counts_planner_cpu():
-    # The plan wait of an iteration is its slowest rank's (rank 1 in the first timed iteration,
-    # rank 0 in the second); the ranks' own CPU adds up.
+    # An iteration lasts as long as its slowest rank (rank 1 in the first timed iteration, rank 0
+    # in the second); its plan wait is the longest any rank waited, here the other rank's each
+    # time (6 and 4 ms, where the slowest ranks waited 5 and 3); the ranks' own CPU adds up.
     ranks = _ranks([[900.0, 100.0, 300.0], [50.0, 200.0, 100.0]], children=[[500.0, 4.0, 6.0], [0.0, 0.0, 0.0]],
-                   waits=[[9.0, 2.0, 3.0], [0.0, 5.0, 1.0]], cpu=[[99.0, 60.0, 70.0], [0.0, 20.0, 40.0]])
+                   waits=[[9.0, 6.0, 3.0], [0.0, 5.0, 4.0]], cpu=[[99.0, 60.0, 70.0], [0.0, 20.0, 40.0]])
     r = summarise(ranks, warmup_iters=1, prefetch=1)
     assert r.timed_iterations == 2 and r.iteration_ms == pytest.approx(250.0)
     assert r.real_tokens_per_s == pytest.approx(200 / 0.5) and r.padding_efficiency == pytest.approx(0.5)
     # The warm-up's planning (500 ms: compiling the simulator) is outside the timed window.
     assert r.planner_cpu_ms == pytest.approx(5.0) and r.rank_cpu_ms == pytest.approx((80.0 + 110.0) / 2)
-    assert r.plan_wait_ms == pytest.approx((5.0 + 3.0) / 2)
-    assert r.planning_overhead == pytest.approx((4.0 + 5.0) / 250.0)
+    assert r.plan_wait_ms == pytest.approx((6.0 + 4.0) / 2)
+    assert r.planning_overhead == pytest.approx((5.0 + 5.0) / 250.0)
 
 
 def test_planner_cpu_is_per_plan_made_in_the_timed_window():

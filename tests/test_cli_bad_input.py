@@ -127,13 +127,25 @@ def test_plan_out_and_validate_refuse_a_file(tmp_path, capsys):
     _refused(capsys, ["validate", str(tmp_path / "nowhere")], "does not exist")
 
 
+def _no_planning(monkeypatch):
+    """Make planning in ``trace`` fail the test: a refusal must come before it."""
+    import dynapipe.cli.trace as trace
+
+    def planned(*_a, **_k):
+        raise AssertionError("trace planned before refusing its arguments")
+
+    monkeypatch.setattr(trace, "plan_micro_batches", planned)
+    monkeypatch.setattr(trace, "schedule_batch_plan", planned)
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--replica", "3"], "--replica 3: only --png reads it"),
     (["--replica", "0"], "--replica 0: only --png reads it"),
     (["--png", "PNG", "--dp", "2", "--replica", "2"], "--replica 2 is not one of the 2 replica(s); use 0 to 1"),
     (["--png", "PNG", "--replica", "-1"], "--replica -1 is not one of the 1 replica(s)"),
 ])
-def test_trace_replica_is_checked_before_planning(tmp_path, capsys, extra, message):
+def test_trace_replica_is_checked_before_planning(tmp_path, capsys, monkeypatch, extra, message):
+    _no_planning(monkeypatch)
     extra = [str(tmp_path / "t.png") if a == "PNG" else a for a in extra]
     _refused(capsys, ["trace", "--lengths", _lengths(tmp_path), *GPT7B, "--stages", "4",
                       "--out", str(tmp_path / "t.json"), *extra], message)
@@ -148,7 +160,8 @@ def test_trace_replica_is_checked_before_planning(tmp_path, capsys, extra, messa
     ("t.json", "lengths.txt/t.png", "'DIR/lengths.txt' is a file, not a folder"),
     ("sub", "t.png", "--out 'DIR/sub' is a directory"),
 ])
-def test_trace_outputs_are_checked_before_planning(tmp_path, capsys, out, png, message):
+def test_trace_outputs_are_checked_before_planning(tmp_path, capsys, monkeypatch, out, png, message):
+    _no_planning(monkeypatch)
     (tmp_path / "sub").mkdir()
     lengths = _lengths(tmp_path)
     _refused(capsys, ["trace", "--lengths", lengths, *GPT7B, "--stages", "4", "--out", str(tmp_path / out),

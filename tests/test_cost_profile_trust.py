@@ -37,7 +37,7 @@ def _layer_fw(cm: ProfileCostModel, seqlens) -> np.ndarray:
 @pytest.mark.parametrize("last_two, top_ratio", [
     ([4.0, 3.5], 1.0),      # noise: the longest point measured faster than the one before it
     ([0.0, 0.5], 16.0),     # a zero before the last point: the power law would reach 10^34
-    ([1.0, 4.0], 16.0),     # steeper than quadratic: capped at attention's square
+    ([1.0, 8.0], 16.0),     # cubic (8x at twice the length): capped at attention's square, 4^2 at 4x
 ])
 def test_extrapolation_beyond_the_grid_grows_at_most_quadratically_and_never_falls(last_two, top_ratio):
     table = {k: [[0.5, *last_two], [1.0, *(2 * v for v in last_two)]] for k in ("fw_ms", "bw_ms", "stored_mib",

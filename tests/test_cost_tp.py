@@ -92,12 +92,10 @@ def test_output_stage_is_sharded_with_sequence_parallelism():
     # The transient peak (a layer's activations, or the fp32 logits of the vocabulary shard)
     # and the stored output-layer activations are all split with SP, but for the loss's target
     # and mask (9 bytes a token), which every rank keeps for the whole sequence.
-    from dynapipe.cost.analytic import LOSS_TARGET_BYTES
-
     _, one = _cost(1, stage=3)
     _, two = _cost(2, sp=True, stage=3)
     np.testing.assert_allclose(two.peak_mib, one.peak_mib / 2, rtol=1e-9)
-    targets = np.asarray(MBS) * np.asarray(SEQ) * LOSS_TARGET_BYTES / (1 << 20)
+    targets = np.asarray(MBS) * np.asarray(SEQ) * 9 / (1 << 20)
     np.testing.assert_allclose(two.stored_mib - targets / 2, one.stored_mib / 2, rtol=1e-9)
 
 

@@ -258,7 +258,7 @@ def test_a_cut_that_holds_fewer_micro_batches_in_flight_wins_where_the_pipeline_
     assert planned.simulated_ms < 0.97 * alone_it.simulated_ms
 
 
-def test_a_search_that_must_beat_a_makespan_refuses_cheaply_or_finds_the_same_best():
+def test_a_search_that_must_beat_a_makespan_refuses_cheaply_or_finds_the_same_best(monkeypatch):
     from dynapipe.schedule.search import search_schedules
 
     cm = build_cost_model(load_model_config("gpt-7b"), load_device_config("a100-40gb"), 4)
@@ -268,8 +268,23 @@ def test_a_search_that_must_beat_a_makespan_refuses_cheaply_or_finds_the_same_be
     free = search_schedules([bp.micro_batches], cm, **kw)
     bound = search_schedules([bp.micro_batches], cm, must_beat_ms=free.makespan_ms * 1.01, **kw)
     assert bound.makespan_ms == free.makespan_ms and bound.best.schedule == free.best.schedule
+    # Cheaply: every candidate's simulation runs under the bar and stops once it falls behind.
+    import dynapipe.schedule.search as search_module
+
+    seen, run = [], search_module._run
+
+    def recording(name, times, capacity, abort_ms, abort_mib, max_delay=None):
+        out = run(name, times, capacity, abort_ms, abort_mib, max_delay)
+        seen.append((abort_ms, out[0]))
+        return out
+
+    monkeypatch.setattr(search_module, "_run", recording)
     with pytest.raises(DynaPipeError, match=r"runs faster than .* ms"):
         search_schedules([bp.micro_batches], cm, must_beat_ms=free.makespan_ms, **kw)
+    from dynapipe.schedule import _kernels as K
+
+    assert seen and all(abort <= free.makespan_ms for abort, _ in seen)
+    assert any(status == K.SLOW for _, status in seen)
 
 
 @pytest.mark.parametrize("lengths, kwargs, needle", [

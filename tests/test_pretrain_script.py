@@ -134,8 +134,28 @@ def test_a_restarted_attempt_agrees_afresh_through_torchruns_agent_store():
     assert [r[1] for r in results] == [None, None]
 
 
-def test_a_rank_whose_checks_failed_waits_the_jobs_distributed_timeout():
+def test_a_rank_whose_checks_failed_waits_the_jobs_distributed_timeout(monkeypatch, capsys):
+    import importlib.util
+
+    import megatron_integration.agreement as agreement
     from megatron_integration.agreement import timeout_in_argv
+    from dynapipe.errors import DynaPipeError
+
+    # Both scripts hand the start-up agreement the job's --distributed-timeout-minutes, read from
+    # the command line itself: a rank whose own checks failed has no parsed config to read it from.
+    given = []
+
+    def agreed_start(check, timeout_of, fallback_minutes):
+        given.append(fallback_minutes)
+        raise DynaPipeError("stopped here")
+
+    monkeypatch.setattr(agreement, "agreed_start", agreed_start)
+    for path in (SCRIPT, SCRIPT.replace("pretrain_gpt.py", "pretrain_t5.py")):
+        spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3] + "_script", path)
+        script = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(script)
+        assert script.main(["--lr", "1e-3", "--distributed-timeout-minutes", "2.5"]) == 2
+    assert given == [2.5, 2.5] and capsys.readouterr().err.count("stopped here") == 2
 
     assert timeout_in_argv(["--lr", "1e-3"]) == 10.0
     assert timeout_in_argv(["--distributed-timeout-minutes", "30"]) == 30.0
