@@ -247,6 +247,25 @@ def test_waiter_helper_threads_end_on_close_and_when_the_waiter_is_dropped():
     assert _helper_threads() == base
 
 
+def test_a_stream_ordered_waiter_still_stops_a_blocking_call_on_another_ranks_report():
+    # Under NCCL the plan-digest exchange blocked inline in the store's wait and ignored a peer's
+    # report until its own timeout (300 s by default); it runs on a helper thread like gloo's.
+    from dynapipe.runtime.p2p import RemoteFailure
+
+    abort = AbortChannel(torch.distributed.HashStore(), 2)
+    w = Waiter(30.0, abort, poll_s=0.01, stream_ordered=True)
+    release = threading.Event()
+    job = w.submit(lambda: release.wait(30))
+    assert not job.done.is_set()  # not run inline
+    abort.report(1, "iteration 2: rank 1's loader failed", primary=True)
+    t0 = time.monotonic()
+    with pytest.raises(RemoteFailure, match="rank 1's loader failed"):
+        w.join(job, "exchanging plan digests")
+    assert time.monotonic() - t0 < 5
+    release.set()
+    w.close()
+
+
 def test_an_abort_report_that_cannot_be_published_is_told_on_stderr(capsys):
     from dynapipe.runtime.p2p import AbortChannel
 

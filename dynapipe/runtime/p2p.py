@@ -162,8 +162,9 @@ class Waiter:
     peer and direction (transfers of one peer and direction complete in posting order, so
     no watch waits behind one that needs this rank to move on first); by the time the
     rank needs the data it is usually there. CUDA (NCCL) waits only order the current
-    stream after the transfer; there the process group's own timeout is the bound (see
-    :func:`dynapipe.runtime.distributed.init_distributed`).
+    stream after the transfer, so transfers are not watched there and the process group's own
+    timeout is the bound (see :func:`dynapipe.runtime.distributed.init_distributed`); blocking
+    calls (:meth:`submit`, the plan-digest exchange) still run on a helper thread.
     """
 
     def __init__(self, timeout_s: float, abort: Optional[AbortChannel] = None, poll_s: float = 0.1,
@@ -172,7 +173,9 @@ class Waiter:
         self.abort = abort
         self.poll_s = poll_s
         self.stream_ordered = stream_ordered
-        self.threaded = abort is not None and watch and not stream_ordered
+        # Threaded under NCCL too: its transfers' waits only order the stream, but a blocking call
+        # (the plan-digest exchange through the store) must still yield to another rank's report.
+        self.threaded = abort is not None and watch
         self._queues: dict = {}
         self._threads: list[threading.Thread] = []
         # An executor dropped without close() still stops its helper threads once collected:
@@ -232,7 +235,7 @@ class Waiter:
     def watch(self, pending: "Pending", key: object) -> None:
         """Start waiting for ``pending`` in the background on the thread of ``key`` (a peer
         and a direction), when there is an abort channel to poll meanwhile."""
-        if not self.threaded or pending.job is not None or not pending.works:
+        if not self.threaded or self.stream_ordered or pending.job is not None or not pending.works:
             return
         works = [(w, 0) for w in pending.works]
         pending.job = self.submit(lambda: _wait_all(works, _BACKGROUND_TIMEOUT_S), pending.tensors, key)
