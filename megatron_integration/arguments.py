@@ -272,6 +272,11 @@ def _parallel_args_from_args(args: argparse.Namespace, world_size: int, cuda: bo
     backend = args.distributed_backend or ("nccl" if cuda else "gloo")
     if backend == "nccl" and not cuda:
         raise DynaPipeError("--distributed-backend nccl needs GPUs; use gloo on CPU.")
+    if backend == "gloo" and cuda:
+        # The stages' tensors live on the GPUs, and gloo sends no CUDA tensor point to point (nor
+        # would each rank get its own GPU: the device is set for NCCL).
+        raise DynaPipeError("--distributed-backend gloo with GPUs: the stages exchange CUDA tensors, which gloo "
+                            "does not send point to point; use nccl (the default on GPUs).")
     split = pipeline_split_from_args(args, pp)
     chunks = split.chunks
     check_interleaved(args, chunks, pp, world_size // (tp * pp), backend)

@@ -48,6 +48,7 @@ def test_without_use_dynapipe_the_method_is_a_megatron_baseline():
      "--seq-length 255 is not a multiple of 2; use 256"),
     ("--tensor-model-parallel-size 3", 3, False, "--tensor-model-parallel-size 3 does not divide --num-attention-heads 4"),
     ("--distributed-backend nccl", 1, False, "nccl needs GPUs"),
+    ("--distributed-backend gloo --transformer-impl local", 1, True, "gloo with GPUs: the stages exchange CUDA"),
     ("--reset-position-ids", 1, False, "packed rows only"),
     ("--save-interval 5", 1, False, "--save-interval needs --save"),
     ("--load /nonexistent/ckpt", 1, False, "no such checkpoint directory"),
