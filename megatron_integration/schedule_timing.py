@@ -9,7 +9,8 @@ Each point-to-point exchange (``P2PCommunicator._communicate``: its sends, its r
 the wait for all of them) is recorded with its wall-clock start and end and its
 directions, so that :mod:`megatron_integration.bench_breakdown` can tell waiting for the
 neighbouring stage from the transfer itself by matching it with the peer's exchange.
-The wrappers only read a clock around the original call, so the maths is untouched.
+The wrappers only read a clock around the original call (on GPUs after synchronising the
+device, so a step's time is its kernels', not their launch), so the maths is untouched.
 A megatron-core version without those names is left alone and reports zeros.
 """
 from __future__ import annotations
@@ -48,15 +49,29 @@ class ScheduleTiming:
         return out
 
 
-def _timed(fn, timing: ScheduleTiming, attr: str):
+def _timed(fn, timing: ScheduleTiming, attr: str, sync=None):
+    """``fn`` adding its wall time (ms) to ``timing.<attr>``; ``sync`` (the device's synchronise,
+    on GPUs) runs before the clock is read at the end, so the time is the kernels' and not
+    only their launch."""
     def wrapper(*args, **kwargs):
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
+            if sync is not None:
+                sync()
             setattr(timing, attr, getattr(timing, attr) + (time.perf_counter() - t0) * 1e3)
 
     return wrapper
+
+
+def _device_sync():
+    """``torch.cuda.synchronize`` where CUDA is in use, else None. megatron-core's batched
+    point-to-point exchanges synchronise the device after every exchange anyway
+    (``batch_p2p_sync``), so a forward or backward that ends in one loses no overlap it had."""
+    import torch
+
+    return torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
 
 def _counted(fn, timing: ScheduleTiming):
@@ -90,17 +105,20 @@ def timed_schedule(config, timing: ScheduleTiming):
     saved = {name: getattr(schedules, name) for name in ("forward_step", "backward_step")
              if callable(getattr(schedules, name, None))}
     finalize = getattr(config, "finalize_model_grads_func", None)
+    sync = _device_sync()
     for name, fn in saved.items():
-        wrapped = _timed(fn, timing, "forward_ms" if name == "forward_step" else "backward_ms")
+        wrapped = _timed(fn, timing, "forward_ms" if name == "forward_step" else "backward_ms", sync)
         setattr(schedules, name, _counted(wrapped, timing) if name == "forward_step" else wrapped)
     communicator = _communicator_class()
     communicate = getattr(communicator, "_communicate", None) if communicator is not None else None
     if communicate is not None:
         communicator._communicate = _recorded(communicate, timing)
     if finalize is not None:
-        timed = _timed(finalize, timing, "finalize_ms")
+        timed = _timed(finalize, timing, "finalize_ms", sync)
 
         def stamped(*args, **kwargs):
+            if sync is not None:  # the pipeline part ends when its kernels do
+                sync()
             timing.pipeline_end_us = time.time_ns() / 1e3
             return timed(*args, **kwargs)
 

@@ -386,3 +386,20 @@ def test_waiting_for_the_last_rank_after_the_pipeline_part_is_bubble_not_optimiz
         rows([rank(0, None, 30.0), rank(1, 5_000_000.0, 150.0)])[1]
     assert (capped["bubble"], capped["optimizer_and_grads"]) == (150.0, 0.0)
     assert (unknown["bubble"], unknown["optimizer_and_grads"]) == (0.0, 150.0)
+
+
+def test_a_timed_step_counts_until_the_device_is_done():
+    # On GPUs megatron-core's forward and backward steps return once their kernels are launched:
+    # the step's time must include the synchronisation, or the compute lands in the p2p waits.
+    import time
+
+    from megatron_integration.schedule_timing import ScheduleTiming, _timed
+
+    timing = ScheduleTiming()
+    synced = []
+    step = _timed(lambda: "launched", timing, "forward_ms", sync=lambda: (time.sleep(0.05), synced.append(1)))
+    assert step() == "launched" and synced == [1]
+    assert timing.forward_ms >= 45.0
+    untimed = ScheduleTiming()
+    _timed(lambda: None, untimed, "backward_ms")()  # CPU: no synchronisation
+    assert untimed.backward_ms < 45.0
