@@ -39,14 +39,15 @@ def whole_number(name: str, value, at_least: int = 1) -> int:
     return int(value)
 
 
-def real_number(name: str, value, at_least: float = 0.0) -> float:
+def real_number(name: str, value, at_least: float = 0.0, unlimited: bool = False) -> float:
     """``value`` as a float when it is a finite number of at least ``at_least`` (not a bool or
-    a string), else a :class:`DynaPipeError` naming ``name`` and the value."""
+    a string; with ``unlimited``, +inf too, meaning no limit), else a :class:`DynaPipeError`
+    naming ``name`` and the value."""
     import math
     import numbers
 
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
-            or value < at_least:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) \
+            or (math.isinf(value) and not (unlimited and value > 0)) or value < at_least:
         raise DynaPipeError(f"{name} {value!r}: must be a finite number of at least {at_least:g}.")
     return float(value)
 

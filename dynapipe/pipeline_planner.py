@@ -319,8 +319,8 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
     """
     if stages is not None and stages != cost_model.num_stages:
         raise DynaPipeError(f"--stages {stages} but the cost model was built for {cost_model.num_stages} stages.")
-    if memory_limit_mib is not None and not (isinstance(memory_limit_mib, float) and np.isinf(memory_limit_mib)):
-        real_number("memory_limit_mib", memory_limit_mib)
+    if memory_limit_mib is not None:
+        real_number("memory_limit_mib", memory_limit_mib, unlimited=True)
     if reserved_mib is not None:
         real_number("reserved_mib", reserved_mib)
     flag("zero", zero)

@@ -378,8 +378,8 @@ def plan_placement(cost_model: CostModel, sample: PlacementSample, num_stages: O
     """
     model = cost_model.model
     S = cost_model.num_stages if num_stages is None else whole_number("num_stages", num_stages)
-    if capacity_mib is not None and not (isinstance(capacity_mib, float) and np.isposinf(capacity_mib)):
-        real_number("capacity_mib", capacity_mib)
+    if capacity_mib is not None:
+        real_number("capacity_mib", capacity_mib, unlimited=True)
     L = model.total_layers
     if not 1 <= S <= L:
         raise DynaPipeError(f"--stages {S}: stage placement needs 1 to {L} stages for model {model.name!r}.")

@@ -313,10 +313,10 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
             raise DynaPipeError(f"cluster {cluster!r}: give a ClusterConfig "
                                 f"(dynapipe.config.load_cluster_config(name)).")
         cluster.validate(f"cluster {cluster.name!r}")
-    if capacity_mib is not None and not (isinstance(capacity_mib, float) and np.isposinf(capacity_mib)):
-        real_number("capacity_mib", capacity_mib)
-    if must_beat_ms is not None and not (isinstance(must_beat_ms, float) and np.isposinf(must_beat_ms)):
-        real_number("must_beat_ms", must_beat_ms)
+    if capacity_mib is not None:
+        real_number("capacity_mib", capacity_mib, unlimited=True)
+    if must_beat_ms is not None:
+        real_number("must_beat_ms", must_beat_ms, unlimited=True)
     per_stage = (schedule == "auto") if per_stage is None else per_stage
     S = cost_model.num_stages
     cap_mib = np.inf if capacity_mib is None else float(capacity_mib)
