@@ -9,6 +9,7 @@ estimate otherwise; the weight part's memory is always that estimate. Units: ms 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -108,20 +109,30 @@ class StageTimes:
     def num_micro_batches(self) -> int:
         return self.fw_ms.shape[1]
 
+    @classmethod
+    def _derived(cls, *fields) -> "StageTimes":
+        """Costs rearranged from checked ones (every field, in declaration order): the schedule
+        search derives a few hundred per iteration, and their values were checked at the source."""
+        out = object.__new__(cls)
+        for f, value in zip(dataclasses.fields(cls), fields):
+            object.__setattr__(out, f.name, value)
+        return out
+
     def permuted(self, order: Sequence[int]) -> "StageTimes":
         """The same costs for the micro-batches taken in ``order`` (new index i is old ``order[i]``)."""
         idx = np.asarray(order, dtype=np.int64)
-        return StageTimes(self.fw_ms[:, idx], self.bw_ms[:, idx], self.stored_mib[:, idx],
-                          self.peak_mib[:, idx], self.act_comm_ms[:, idx], self.grad_comm_ms[:, idx],
-                          self.state_mib, self.recompute, self.bw_weight_ms[:, idx], self.weight_stash_mib[:, idx])
+        return StageTimes._derived(self.fw_ms[:, idx], self.bw_ms[:, idx], self.stored_mib[:, idx],
+                                   self.peak_mib[:, idx], self.act_comm_ms[:, idx], self.grad_comm_ms[:, idx],
+                                   self.state_mib, self.recompute, self.bw_weight_ms[:, idx],
+                                   self.weight_stash_mib[:, idx])
 
     @staticmethod
     def mixed(rows: Sequence["StageTimes"]) -> "StageTimes":
         """Stage ``s`` priced as in ``rows[s]`` (e.g. a different recompute level per stage)."""
         pick = lambda f: np.stack([getattr(t, f)[s] for s, t in enumerate(rows)])
-        return StageTimes(pick("fw_ms"), pick("bw_ms"), pick("stored_mib"), pick("peak_mib"),
-                          rows[0].act_comm_ms, rows[0].grad_comm_ms, rows[0].state_mib, "per-stage",
-                          pick("bw_weight_ms"), pick("weight_stash_mib"))
+        return StageTimes._derived(pick("fw_ms"), pick("bw_ms"), pick("stored_mib"), pick("peak_mib"),
+                                   rows[0].act_comm_ms, rows[0].grad_comm_ms, rows[0].state_mib, "per-stage",
+                                   pick("bw_weight_ms"), pick("weight_stash_mib"))
 
     def work_lower_bound_ms(self) -> float:
         """No schedule finishes sooner than its busiest stage's total compute (ms)."""
