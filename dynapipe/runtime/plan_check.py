@@ -197,9 +197,11 @@ def pair_starts(plan: ExecutionPlan) -> tuple[dict[int, int], dict[int, list[int
     return start_of, batches
 
 
-def message_digests(plan: ExecutionPlan) -> tuple[list[int], list[int]]:
+def message_digests(plan: ExecutionPlan, grouping: bool = False) -> tuple[list[int], list[int]]:
     """Per peer, a 63-bit digest of the messages this plan sends to it and receives from it,
-    in order: what a peer's plan must agree with (same micro-batches, shapes, dtypes, order)."""
+    in order: what a peer's plan must agree with (same micro-batches, shapes, dtypes, order).
+    ``grouping`` (NCCL): whether each transfer is posted in a group counts too, since NCCL can
+    hang on a batched transfer whose peer posts its side alone (gloo pairs them)."""
     sends = [hashlib.blake2b(digest_size=8) for _ in range(plan.num_stages)]
     recvs = [hashlib.blake2b(digest_size=8) for _ in range(plan.num_stages)]
     for x in plan.instructions:
@@ -212,7 +214,8 @@ def message_digests(plan: ExecutionPlan) -> tuple[list[int], list[int]]:
         if not isinstance(x, SEND_STARTS):
             k += -1 if act else 1
         h = (sends if isinstance(x, SEND_STARTS) else recvs)[x.peer]
-        h.update(repr(("act" if act else "grad", x.mb, k, [(t.name, tuple(t.shape), t.dtype) for t in x.tensors])).encode())
+        key = ("act" if act else "grad", x.mb, k, [(t.name, tuple(t.shape), t.dtype) for t in x.tensors])
+        h.update(repr(key + ((x.group >= 0,) if grouping else ())).encode())
     as_int = [int.from_bytes(h.digest(), "big") >> 1 for h in sends + recvs]
     return as_int[:plan.num_stages], as_int[plan.num_stages:]
 
@@ -250,7 +253,8 @@ class PeerPlanCheck:
         self.comm, self.refusal, self.seq, self.prefix = comm, refusal, seq, prefix
         self.row = [0] * (4 + 2 * comm.size)
         if refusal is None and plan is not None:
-            sends, recvs = message_digests(plan)
+            # A CUDA pipeline talks NCCL (gloo sends no CUDA tensor point to point).
+            sends, recvs = message_digests(plan, grouping=comm.device.type == "cuda")
             self.row = [1, plan.iteration, plan.num_stages, plan.stage] + sends + recvs
 
     def start(self, waiter: Waiter, store: Optional[dist.Store], where,
@@ -325,6 +329,6 @@ class PeerPlanCheck:
             for b in range(size):
                 if a != b and table[a][4 + b] != table[b][4 + size + a]:
                     raise PlanError(f"iteration {iters[0]}: the messages pipeline rank {a} sends to rank {b} "
-                                    f"differ from those rank {b} expects from rank {a} (micro-batch, shape, dtype "
-                                    f"or order); the plans were not compiled together. Check them with "
+                                    f"differ from those rank {b} expects from rank {a} (micro-batch, shape, dtype, "
+                                    f"order, or under NCCL grouped on one end only); the plans were not compiled together. Check them with "
                                     f"validate_plans before running.")
