@@ -29,12 +29,18 @@ class ExecutorError(DynaPipeError):
     names the rank, the instruction index and the peer."""
 
 
+def is_whole(value, at_least: int = 1) -> bool:
+    """Whether ``value`` is a whole number (numpy's integers too; not a bool, a float or NaN)
+    of at least ``at_least``."""
+    import numbers
+
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= at_least
+
+
 def whole_number(name: str, value, at_least: int = 1) -> int:
     """``value`` as an int when it is a whole number of at least ``at_least`` (not a bool, a
     float or NaN), else a :class:`DynaPipeError` naming ``name`` and the value."""
-    import numbers
-
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < at_least:
+    if not is_whole(value, at_least):
         raise DynaPipeError(f"{name} {value!r}: must be a whole number of at least {at_least}.")
     return int(value)
 

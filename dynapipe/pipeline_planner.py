@@ -211,8 +211,6 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
         raise DynaPipeError(f"tp {tp!r}: the tensor-parallel size is a whole number, 1 or more.")
     flag("zero", zero)
     whole_number("iteration", iteration, at_least=0)
-    if cluster is not None and not isinstance(cluster, ClusterConfig):
-        raise DynaPipeError(f"cluster {cluster!r}: give a ClusterConfig (dynapipe.config.load_cluster_config(name)).")
     if replicas is not None and not all(isinstance(r, (int, np.integer)) for r in replicas):
         raise DynaPipeError(f"replicas {list(replicas)!r}: give data-parallel replica indices (whole numbers).")
     # The stage-to-stage links are priced by where the ranks sit, which the TP size decides: the

@@ -7,11 +7,10 @@ collectives. Frozen dataclasses with ``validate`` methods; the YAML loaders are 
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, is_whole
 
 if TYPE_CHECKING:
     from dynapipe.config import ModelConfig
@@ -56,8 +55,7 @@ class ClusterConfig:
 
     def validate(self, source: str = "cluster config") -> "ClusterConfig":
         """Refuse a node without GPUs and links with impossible bandwidth or latency."""
-        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, numbers.Integral) \
-                or self.gpus_per_node < 1:
+        if not is_whole(self.gpus_per_node):
             raise DynaPipeError(f"{source}: gpus_per_node={self.gpus_per_node!r} must be a whole number, at least 1 "
                                 f"(the GPUs of one node).")
         self.intra_node.validate(f"{source}: intra_node")
@@ -80,7 +78,7 @@ class TensorParallelConfig:
         node (more ranks than a node has, or a size that does not divide it, so some TP group
         would straddle two nodes). ``flag``: the option named in the error."""
         t = self.size
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 1:
+        if not is_whole(t):
             raise DynaPipeError(f"{flag} {t!r}: the tensor-parallel size must be a whole number, at least 1.")
         self.link.validate(f"{flag} {t}: link")
         if self.sequence_parallel and t == 1:

@@ -34,7 +34,7 @@ import numpy as np
 from dynapipe.batching.types import MicroBatch
 from dynapipe.config import ModelConfig
 from dynapipe.cost.base import CostModel, StageLayout, stage_layouts
-from dynapipe.errors import DynaPipeError, whole_number
+from dynapipe.errors import DynaPipeError, is_whole, whole_number
 from dynapipe.plan._fast import maker
 from dynapipe.plan.instructions import ExecutionPlan, MicroBatchInfo, TensorSpec
 from dynapipe.plan.rank_table import (backward_positions, op_positions, positions_from_arrays, rank_table,
@@ -172,7 +172,6 @@ def check_micro_batches(caller: str, micro_batches: Sequence[MicroBatch], model:
     none on an encoder-decoder one. The planner never makes these; a hand-built or edited
     list can, and its plans would validate and then fail (or compute the wrong shapes) on
     the ranks."""
-    import numbers
     from itertools import chain
 
     mbs = list(micro_batches)
@@ -201,8 +200,7 @@ def check_micro_batches(caller: str, micro_batches: Sequence[MicroBatch], model:
                                 f"indices into the global batch, whole numbers from 0.")
         for name, low in (("seqlen", 1), ("dec_seqlen", 1 if t5 else 0)):
             value = getattr(mb, name)
-            if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low
-                    or value > model.max_seq_length):
+            if not is_whole(value, low) or value > model.max_seq_length:
                 raise DynaPipeError(f"{caller}: micro-batch {i} has {name}={value!r}; it needs a whole number of "
                                     f"tokens from {low} to the model's max_seq_length {model.max_seq_length}.")
         if not t5 and mb.dec_seqlen:

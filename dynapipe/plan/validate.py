@@ -33,14 +33,13 @@ accept; everything it does not accept is checked here, object by object.
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
 from dynapipe.cost.base import RECOMPUTE_LEVELS
-from dynapipe.errors import PlanError
+from dynapipe.errors import PlanError, is_whole
 from dynapipe.plan.deadlock import symbolic_run, where as _where
 from dynapipe.plan.instructions import (DTYPES, BackwardPass, ExecutionPlan, ForwardPass, FreeBuffer, LoadInput,
                                         buffer_name)
@@ -205,17 +204,13 @@ _ONE_RUN = "the plans of one iteration must all come from one planning run: plan
 _SHARED_META = ("tp", "sequence_parallel", "chunks", "placement", "forward_only")
 
 
-def _whole(value, low: int) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= low
-
-
 def _check_plan_fields(plan: ExecutionPlan) -> None:
     """The fields an edited plan can get wrong that the instructions do not show: the iteration,
     the tensor-parallel size, the micro-batch order, and each micro-batch's samples and rows."""
-    if not _whole(plan.iteration, 0):
+    if not is_whole(plan.iteration, 0):
         raise PlanError(f"{_where(plan, -1)}: iteration={plan.iteration!r} is not a whole number from 0.")
     tp = plan.meta.get("tp", 1)
-    if not _whole(tp, 1):
+    if not is_whole(tp, 1):
         raise PlanError(f"{_where(plan, -1)}: meta tp={tp!r} is not a whole number of tensor-parallel ranks.")
     if plan.meta.get("sequence_parallel", False) not in (True, False):
         raise PlanError(f"{_where(plan, -1)}: meta sequence_parallel={plan.meta['sequence_parallel']!r} is not "
@@ -226,7 +221,7 @@ def _check_plan_fields(plan: ExecutionPlan) -> None:
         raise PlanError(f"{_where(plan, -1)}: meta mb_order={list(order)[:8]!r} is not an order of the plan's {M} "
                         f"micro-batches (each of 0..{M - 1} once).")
     for m in plan.micro_batches:
-        if not all(_whole(x, 0) for x in m.samples):
+        if not all(is_whole(x, 0) for x in m.samples):
             raise PlanError(f"{_where(plan, -1)}: micro-batch {m.mb} has samples {list(m.samples)[:8]!r}; samples "
                             f"are indices into the global batch, whole numbers from 0.")
         rows = [x for r in m.rows for x in r]
