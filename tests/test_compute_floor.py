@@ -64,9 +64,19 @@ def test_the_floor_grows_with_the_samples_and_averages_over_batches():
     assert mean == pytest.approx((compute_floor_ms(GPT, a) + compute_floor_ms(GPT, b)) / 2)
 
 
-def test_micro_batch_sizes_are_powers_of_two_up_to_the_batch():
+def test_micro_batch_sizes_are_every_size_up_to_the_batch():
     assert micro_batch_sizes(1) == [1]
-    assert micro_batch_sizes(12) == [1, 2, 4, 8]
+    assert micro_batch_sizes(12) == list(range(1, 13))
+
+
+@pytest.mark.parametrize("n", [3, 5, 6, 7])
+def test_the_floor_is_below_one_micro_batch_of_any_size(n):
+    # Powers of two alone priced three equal samples above the one micro-batch holding them.
+    cost_model = build_cost_model(load_model_config("gpt-tiny"), A100, 2)
+    lengths = np.full(n, 128)
+    assert compute_floor_ms(cost_model, lengths) <= shapes_compute_ms(cost_model, [(n, 128)]) * (1 + 1e-12)
+    # A cap above the batch's size tries no micro-batch larger than the batch.
+    assert compute_floor_ms(cost_model, lengths, max_micro_batch=64) == compute_floor_ms(cost_model, lengths)
 
 
 @pytest.mark.parametrize("cost_model,lengths,needle", [

@@ -24,16 +24,13 @@ from dynapipe.errors import DynaPipeError
 
 
 def micro_batch_sizes(num_samples: int) -> list[int]:
-    """The micro-batch sizes the floor tries: powers of two up to ``num_samples`` (samples).
-    All of them: beyond a profile's grid a micro-batch's fixed cost is paid once (times grow by
-    the last measured step), so larger ones can still be cheaper per sample."""
-    if num_samples < 1:
-        raise DynaPipeError(f"a global batch of {num_samples} samples has no compute floor; give at least one.")
-    out, m = [], 1
-    while m <= num_samples:
-        out.append(m)
-        m *= 2
-    return out
+    """The micro-batch sizes the floor tries: every size from 1 to ``num_samples`` (samples).
+    Every one, not powers of two only: a batching may cut three samples together, and three can
+    cost less per sample than two or four; beyond a profile's grid a micro-batch's fixed cost is
+    paid once (times grow by the last measured step), so the largest can be the cheapest."""
+    if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
+        raise DynaPipeError(f"a global batch of {num_samples!r} samples has no compute floor; give at least one.")
+    return list(range(1, int(num_samples) + 1))
 
 
 def compute_floor_ms(cost_model: CostModel, lengths, *, recompute: str = "none",
@@ -41,8 +38,8 @@ def compute_floor_ms(cost_model: CostModel, lengths, *, recompute: str = "none",
     """Forward + backward ms, summed over every stage of ``cost_model``, that one global batch
     needs at the least: every sample (a row of ``lengths``: tokens, or (input, target) tokens
     for an encoder-decoder model) priced alone at its own length, at the micro-batch size
-    (powers of two up to ``max_micro_batch``, default the batch's sample count) where its cost
-    per sample is lowest. No batching of these samples computes less by this cost model."""
+    (every size up to ``max_micro_batch`` and the batch's sample count) where its cost per
+    sample is lowest. No batching of these samples computes less by this cost model."""
     arr = np.asarray(lengths)
     encdec = cost_model.model.is_encoder_decoder
     if arr.ndim != (2 if encdec else 1) or (encdec and arr.shape[1] != 2) or len(arr) == 0:
@@ -57,7 +54,7 @@ def compute_floor_ms(cost_model: CostModel, lengths, *, recompute: str = "none",
     if np.any(arr > cost_model.model.max_seq_length):
         raise DynaPipeError(f"compute floor: a sample length {int(arr.max())} exceeds the model's max_seq_length "
                             f"{cost_model.model.max_seq_length}; truncate the lengths as the run does.")
-    sizes = np.asarray(micro_batch_sizes(max_micro_batch or len(arr)), dtype=np.float64)[:, None]
+    sizes = np.asarray(micro_batch_sizes(min(max_micro_batch or len(arr), len(arr))), dtype=np.float64)[:, None]
     seq = (arr[:, 0] if encdec else arr)[None, :].astype(np.float64)
     dec = arr[:, 1][None, :].astype(np.float64) if encdec else None
     total = 0.0
