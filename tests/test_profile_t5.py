@@ -439,3 +439,30 @@ def test_t5_bench_calibrates_by_the_presets_default_unless_told_or_given_a_model
     # ... and an explicit request is refused, not dropped.
     with pytest.raises(DynaPipeError, match="--calibrate-iters calibrates the profile"):
         t5_calibrate_iters(2, "tiny", ["--dynapipe-cost-model=p.json"])
+
+
+def test_more_samples_never_cost_less_beyond_the_profiled_lengths():
+    # One sample's row doubles over the last measured step, two samples' grows by a fifth
+    # (a launch-bound, noisy row): each row's own power law priced two samples of 1,024 tokens
+    # 28% below one.
+    gpt = load_model_config("gpt-tiny")
+    layer = {k: [[1.0, 2.0], [2.0, 2.4]] for k in ("fw_ms", "bw_ms", "stored_mib", "peak_mib")}
+    small = {k: [[0.01, 0.01], [0.01, 0.01]] for k in ("fw_ms", "bw_ms", "stored_mib", "peak_mib")}
+    cm = ProfileCostModel(gpt, {"format": "dynapipe-profile", "version": 1, "device": "cpu", "dtype": "fp32",
+                                "mbs": [1, 2], "seqlen": [256, 512],
+                                "ops": {"layer": layer, "embedding": small, "output": small}}, 1)
+    for s in (512, 768, 1024, 4096):
+        one, two = cm.stage_cost(1, s), cm.stage_cost(2, s)
+        assert two.time_ms >= one.time_ms and two.stored_mib >= one.stored_mib, s
+    # The decoder layer along the encoder length: one sample's series grows faster than two
+    # samples' over the last encoder step (quadratically against a power of about 0.5), and
+    # stays below it on the grid.
+    data = t5_profile()
+    dec = np.asarray(data["ops"]["decoder_layer"]["fw_ms"])
+    dec[0, :, -2] *= 0.5
+    dec[0, :, -1] *= 1.9
+    data["ops"]["decoder_layer"]["fw_ms"] = dec.tolist()
+    t5 = ProfileCostModel(T5, data, num_stages=2)
+    enc = np.array([128, 256, 512, 1024])
+    for b in (1, 2):
+        assert np.all(t5.stage_cost(b + 1, enc, 32, stage=1).fw_ms >= t5.stage_cost(b, enc, 32, stage=1).fw_ms), b

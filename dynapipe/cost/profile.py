@@ -111,6 +111,10 @@ class _Table:
         # Per row of the grid, interpolate along seqlen; then along mbs (linear inside,
         # proportional scaling from the nearest row outside).
         rows = np.stack([self._along_seqlen(self.values[i], s) for i in range(len(grid_b))])
+        # Beyond the longest measured length each row follows its own power law, which can carry
+        # a smaller size's row above a larger one's: there, more samples never cost less. (Inside
+        # the grid the measurements stand as measured.)
+        rows = np.where(s > self.seqlen[-1], np.maximum.accumulate(rows, axis=0), rows)
         idx = np.clip(np.searchsorted(grid_b, b) - 1, 0, max(len(grid_b) - 2, 0))
         if len(grid_b) == 1:
             return rows[0] * b / grid_b[0]

@@ -122,10 +122,12 @@ def check_weight_table(table: Mapping[str, Any], op: str, source: str) -> None:
                             f"with values from 0 to that backward's ms.")
 
 
-def interp_axis(grid: np.ndarray, values: list, x: np.ndarray) -> np.ndarray:
+def interp_axis(grid: np.ndarray, values: list, x: np.ndarray, reference: Optional[tuple] = None) -> np.ndarray:
     """Values at ``x`` along one grid axis from ``values[k]`` (arrays) at ``grid[k]``: linear
     inside the grid, the first point's value below it, and above it the power law through
-    the last two points (attention grows faster than linearly in the length)."""
+    the last two points (attention grows faster than linearly in the length); with
+    ``reference`` (the last two points of one reference series), that series' exponent for
+    every value, so that values ordered at the grid's end stay ordered beyond it."""
     x = np.asarray(x, dtype=np.float64)
     if len(grid) == 1:
         return np.broadcast_to(values[0], np.broadcast(values[0], x).shape).copy()
@@ -137,7 +139,8 @@ def interp_axis(grid: np.ndarray, values: list, x: np.ndarray) -> np.ndarray:
     v1 = np.take_along_axis(stack, (idx + 1)[None, ...], 0)[0] if stack.ndim > 1 else stack[idx + 1]
     w = np.clip((x - x0) / (x1 - x0), 0.0, 1.0)
     inside = v0 + (v1 - v0) * w
-    v_prev, v_last = np.maximum(stack[-2], 1e-12), np.maximum(stack[-1], 1e-12)
+    prev, last = (stack[-2], stack[-1]) if reference is None else reference
+    v_prev, v_last = np.maximum(prev, 1e-12), np.maximum(last, 1e-12)
     # Within [0, 2] (see dynapipe.cost.profile.growth_power, not imported: that module imports this one).
     power = np.clip(np.log(v_last / v_prev) / np.log(grid[-1] / grid[-2]), 0.0, 2.0)
     above = stack[-1] * (np.maximum(x, grid[-1]) / grid[-1]) ** power
@@ -150,11 +153,16 @@ class DecoderTable:
 
     def __init__(self, table_cls, mbs: np.ndarray, dec: np.ndarray, enc: np.ndarray, values: np.ndarray,
                  timed: bool = False):
-        self.enc = enc
+        self.enc, self.top_mbs = enc, float(mbs[-1])
         self.slices = [table_cls(mbs, dec, values[:, :, k], timed=timed) for k in range(len(enc))]
 
     def __call__(self, b, s_dec, s_enc) -> np.ndarray:
-        return interp_axis(self.enc, [t(b, s_dec) for t in self.slices], s_enc)
+        # Beyond the longest encoder length every micro-batch size grows as the largest measured
+        # one does (the most compute-bound series): one exponent for all sizes keeps more
+        # samples never cheaper than fewer, which a power law per size can cross.
+        reference = None if len(self.enc) < 2 else \
+            (self.slices[-2](self.top_mbs, s_dec), self.slices[-1](self.top_mbs, s_dec))
+        return interp_axis(self.enc, [t(b, s_dec) for t in self.slices], s_enc, reference)
 
 
 def load_t5_tables(profile: Mapping[str, Any], table_cls) -> dict:
