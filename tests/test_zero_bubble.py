@@ -311,6 +311,46 @@ def test_the_search_caps_the_weight_delays_to_fit_where_1f1b_fits():
                                                                    reverse=True)
 
 
+def _search_on(monkeypatch, replica_times, **kwargs):
+    """search_schedules over the given StageTimes, one per replica (a stand-in pricer)."""
+    from types import SimpleNamespace
+
+    from dynapipe.batching.types import MicroBatch
+
+    monkeypatch.setattr(search_mod, "stage_times_per_replica", lambda *a, **k: list(replica_times))
+    S, M = replica_times[0].fw_ms.shape
+    cm = SimpleNamespace(num_stages=S, placement=SimpleNamespace(chunks=1))
+    reps = [[MicroBatch(samples=[i], seqlen=64) for i in range(M)] for _ in replica_times]
+    return search_schedules(reps, cm, recompute="none", **kwargs)
+
+
+@pytest.mark.parametrize("explain", [True, False])
+def test_the_search_keeps_the_fastest_delay_cap_not_the_largest(monkeypatch, explain):
+    # Capping the weight delays reorders the ops, so the makespan is not monotone in the cap:
+    # here cap 0 runs in 20 ms, caps 1 and 2 in 22 (the search kept the largest cap).
+    fw = np.array([[3.0, 1.0], [2.0, 3.0], [1.0, 3.0]])
+    times = split_times(fw, fw, fw)
+    by_cap = {k: simulate(zb_h1(3, 2, max_delay=k), times).makespan_ms for k in (2, 1, 0)}
+    assert by_cap[0] < min(by_cap[1], by_cap[2])
+    best = _search_on(monkeypatch, [times], schedule="zb-h1", explain=explain, orders=["shortest-first"]).best
+    assert (best.max_delay, best.makespan_ms) == (0, pytest.approx(by_cap[0]))
+
+
+def test_the_fast_search_finds_a_smaller_cap_behind_a_slower_one(monkeypatch):
+    # Under 9 MiB cap 2 is over memory, cap 1 fits but is slower than cap 0: the fast search
+    # stopped at cap 1's abort and never tried cap 0 (23 ms against 22).
+    heavy = split_times([[2.0, 1.0, 1.0], [3.0, 2.0, 2.0], [2.0, 3.0, 1.0]], [[2.0, 1.0, 1.0], [3.0, 2.0, 2.0],
+                                                                             [2.0, 3.0, 1.0]],
+                        [[2.0, 1.0, 1.0], [3.0, 2.0, 2.0], [2.0, 3.0, 1.0]])
+    light = split_times(np.ones((3, 3)), 1.0, 1.0, stored=np.array([[3.0, 1, 3], [2, 2, 3], [2, 2, 3]]),
+                        stash=np.array([[3.0, 2, 0], [3, 2, 5], [1, 4, 0]]))
+    kw = dict(schedule="auto", capacity_mib=9.0, orders=["shortest-first", "clustered"])
+    slow = _search_on(monkeypatch, [heavy, light], explain=True, **kw).best
+    fast = _search_on(monkeypatch, [heavy, light], **kw).best
+    assert (fast.schedule, fast.order, fast.max_delay) == (slow.schedule, slow.order, slow.max_delay)
+    assert fast.makespan_ms == pytest.approx(slow.makespan_ms) and fast.fits
+
+
 def test_under_full_recompute_the_input_part_peaks_on_the_stash_it_builds():
     # The input part rematerialises layer by layer: its last layer runs on top of the stashes the
     # others left, so even with each weight part right after its input part (k = 0) zb-h1 needs

@@ -19,9 +19,9 @@ The interleaved order is one that completes (a cycle of waits is impossible, see
 :func:`~dynapipe.schedule.interleaved.interleaved_arrays`), and a weight part waits for
 nothing but its own rank's input part, so this order completes too. Every rank runs
 ``3 v M`` ops. Each pending weight part holds memory (the linear layers' inputs and output
-gradients), so the search lowers the cap (``k = 2 (P - 1)`` down to ``0``, where a rank
+gradients), so the search tries every cap (``k = 2 (P - 1)`` down to ``0``, where a rank
 holds what interleaved 1F1B holds, except under full recompute, whose weight parts keep the
-rematerialised layers) until the schedule fits. Units: ms, MiB.
+rematerialised layers) and keeps the fastest that fits. Units: ms, MiB.
 """
 from __future__ import annotations
 

@@ -333,14 +333,21 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
     def evaluate(name, level, mix, o, permuted, abort_ms, abort_mib):
         if name not in _DELAYED:
             return evaluate_once(name, level, mix, o, permuted, abort_ms, abort_mib)
-        # Pending weight parts hold memory: the largest cap on the weight delays that fits
-        # (the first leaves the schedule's own delays; k = 0 holds what (interleaved) 1F1B holds,
-        # but for full recompute's weight stashes: there it may not fit where 1F1B does).
+        # Pending weight parts hold memory, and the cap on the weight delays also reorders ops:
+        # a smaller cap can both fit and run faster than a larger one, so every cap is tried,
+        # the largest first (it leaves the schedule's own delays; k = 0 holds what (interleaved)
+        # 1F1B holds, but for full recompute's weight stashes: there it may not fit where 1F1B
+        # does). The fastest that fits is kept, ties to the larger cap; each try after one that
+        # fits need only beat it, so most stop early. Nothing fitting: the last refusal.
+        kept = slower = last = None
         for k in range((max_delay_cap(S) if name == INTERLEAVED_ZB else S - 1), -1, -1):
-            cand, runs = evaluate_once(name, level, mix, o, permuted, abort_ms, abort_mib, k)
-            if cand.status != OVER_MEMORY:
-                break
-        return cand, runs
+            bar = abort_ms if kept is None else min(abort_ms, kept[0].makespan_ms)
+            last = evaluate_once(name, level, mix, o, permuted, bar, abort_mib, k)
+            if last[0].status == FITS and (kept is None or last[0].makespan_ms < kept[0].makespan_ms):
+                kept = last
+            elif kept is None and last[0].status == SLOWER:
+                slower = last
+        return kept or slower or last
 
     def evaluate_once(name, level, mix, o, permuted, abort_ms, abort_mib, max_delay=None):
         # The makespan is the slowest replica's, so one replica that aborts (slower than

@@ -28,8 +28,9 @@ Deferring the other way round (``d_s = S - 1 - s``) leaves the last stage paced 
 Each pending weight part holds memory (the layers' inputs and output gradients), so the
 last stages of a pipeline whose micro-batches were cut to fill 1F1B's memory may not fit
 with ``d_s = s``. The schedule search then caps the delays (``max_delay``: ``d_s = min(s,
-k)``), largest ``k`` first, down to ``k = 0``, where every weight part runs right after
-its input part. A stage then holds what it holds under 1F1B, except under full recompute,
+k)``), trying every ``k`` from the largest down to ``k = 0``, where every weight part runs
+right after its input part, and keeps the fastest that fits (a cap also reorders the ops, so
+a smaller one can run faster). A stage then holds what it holds under 1F1B, except under full recompute,
 where the weight part keeps the rematerialised layer (``weight_stash_mib``, more than the
 layer's input that 1F1B stores), so ``k = 0`` can exceed a limit 1F1B fits (``auto`` then
 chooses 1F1B; a forced ``zb-h1`` is refused, naming how far over it is). Even at ``k = 0`` the gradient leaves each stage one weight part sooner
