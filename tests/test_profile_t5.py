@@ -466,3 +466,25 @@ def test_more_samples_never_cost_less_beyond_the_profiled_lengths():
     enc = np.array([128, 256, 512, 1024])
     for b in (1, 2):
         assert np.all(t5.stage_cost(b + 1, enc, 32, stage=1).fw_ms >= t5.stage_cost(b, enc, 32, stage=1).fw_ms), b
+
+
+def test_derived_recompute_levels_of_a_tensor_parallel_t5_profile_are_per_rank():
+    # The tables hold one TP rank's figures; what the derived levels add is worked out per rank
+    # too: full recompute keeps each layer's input, sequence-sharded under SP, and selective
+    # drops the scores' share of what a rank stores (its heads, over its replicated share).
+    def model(tp, sp):
+        data = {**t5_profile(), "tp": tp, "sequence_parallel": sp}
+        return ProfileCostModel(T5, data, 2, tp=TensorParallelConfig(tp, sp))
+
+    one, tp2, sp2 = model(1, False), model(2, False), model(2, True)
+    b, s, d = 2, 128, 32
+    row = b * T5.hidden_size * 4 / 2**20  # MiB a token of fp32 activations, per sample
+    # Stage 0: two encoder layers' inputs; stage 1: two decoder layers' and the encoder output.
+    for stage, inputs in ((0, 2 * s * row), (1, (2 * d + s) * row)):
+        full = [float(cm.stage_cost(b, s, d, recompute="full", stage=stage).stored_mib) for cm in (one, tp2, sp2)]
+        assert full[1] == pytest.approx(full[0]), stage
+        assert full[0] - full[2] == pytest.approx(inputs / 2), stage
+    # Selective: the same tables, a smaller score share per rank without SP's sharding (the
+    # replicated part weighs more against a rank's heads), a larger one with it.
+    sel = [float(cm.stage_cost(b, s, d, recompute="selective", stage=0).stored_mib) for cm in (one, tp2, sp2)]
+    assert sel[1] > sel[0] and sel[2] < sel[1]

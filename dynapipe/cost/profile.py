@@ -373,7 +373,8 @@ class ProfileCostModel(CostModel):
         m = self.model
         if m.is_encoder_decoder:
             return t5_layout_cost(m, self.tables, layout, mbs, seqlen, dec_seqlen, recompute, self.stage_overhead_ms,
-                                  mask_bytes=self.mask_bytes)
+                                  mask_bytes=self.mask_bytes, tp=self.tp.size,
+                                  sequence_parallel=self.tp.sequence_parallel)
         n = layout.decoder_layers
         layer = self._op("layer", mbs, seqlen)
         fw, bw = n * layer["fw_ms"], n * layer["bw_ms"]

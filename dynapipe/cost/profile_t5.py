@@ -186,9 +186,11 @@ def load_t5_tables(profile: Mapping[str, Any], table_cls) -> dict:
     return out
 
 
-def _core_shares(model: ModelConfig, s_enc, s_dec, mask_bytes: float = 1.0) -> tuple:
+def _core_shares(model: ModelConfig, s_enc, s_dec, mask_bytes: float = 1.0, tp: int = 1, seq_shard: int = 1) -> tuple:
     """Analytic shares of one layer's forward FLOPs in its attention cores (encoder, decoder)
-    and of its stored activations in attention scores (encoder, decoder)."""
+    and of its stored activations in attention scores (encoder, decoder), on one of ``tp``
+    tensor-parallel ranks (``seq_shard``: ``tp`` with sequence parallelism, else 1): the
+    scores split over the ranks, the norms' and residuals' share over the sequence shards."""
     h, ad, f = model.hidden_size, model.attention_dim, model.ffn_hidden_size
     lin = 2 * h * (ad + 2 * model.kv_dim) + 2 * ad * h + 2 * h * (model.fc1_width + f)  # per token
     enc_core = 4 * s_enc * ad
@@ -198,9 +200,9 @@ def _core_shares(model: ModelConfig, s_enc, s_dec, mask_bytes: float = 1.0) -> t
     dec_core = 4 * s_dec * ad + 4 * s_enc * ad
     enc_share = enc_core / (lin + enc_core)
     dec_share = dec_core / (lin + cross_lin + dec_core)
-    n, per_score = model.num_attention_heads, score_bytes(model, mask_bytes)
-    act = layer_token_bytes(model, mask_bytes=mask_bytes)
-    cross_dec, cross_enc = cross_token_bytes(model, mask_bytes=mask_bytes)
+    n, per_score = model.num_attention_heads / tp, score_bytes(model, mask_bytes)
+    act = layer_token_bytes(model, tp, seq_shard, mask_bytes=mask_bytes)
+    cross_dec, cross_enc = cross_token_bytes(model, tp, seq_shard, mask_bytes=mask_bytes)
     cross = cross_dec + cross_enc * s_enc / np.maximum(s_dec, 1)  # per decoder token
     enc_scores = per_score * n * s_enc
     dec_scores = per_score * n * (s_dec + s_enc)
@@ -209,20 +211,25 @@ def _core_shares(model: ModelConfig, s_enc, s_dec, mask_bytes: float = 1.0) -> t
 
 
 def t5_layout_cost(model: ModelConfig, tables: dict, layout: StageLayout, mbs, seqlen, dec_seqlen,
-                   recompute: str, overhead_ms: float, mask_bytes: float = 1.0) -> StageCost:
+                   recompute: str, overhead_ms: float, mask_bytes: float = 1.0, tp: int = 1,
+                   sequence_parallel: bool = False) -> StageCost:
     """Cost of one micro-batch of ``mbs`` samples (``seqlen`` encoder, ``dec_seqlen`` decoder
-    tokens) on a stage of ``layout`` from the tables of :func:`load_t5_tables` (ms, MiB);
-    ``mask_bytes``: a dropout mask's bytes per element in the measured layers (the derived
-    levels' score shares)."""
+    tokens) on a stage of ``layout`` from the tables of :func:`load_t5_tables` (ms, MiB), on one
+    of ``tp`` tensor-parallel ranks (the tables' TP size; the derived recompute levels' shares
+    and full recompute's stored inputs are worked out per rank); ``mask_bytes``: a dropout
+    mask's bytes per element in the measured layers (the derived levels' score shares)."""
     b = np.asarray(mbs, dtype=np.float64)
     s_enc, s_dec = np.asarray(seqlen, dtype=np.float64), np.asarray(dec_seqlen, dtype=np.float64)
     shape = np.broadcast(b, s_enc, s_dec).shape
     zero = np.zeros(shape)
     fw, bw, stored, peak = zero.copy(), zero.copy(), zero.copy(), zero.copy()
-    enc_share, dec_share, enc_scores, dec_scores = _core_shares(model, s_enc, s_dec, mask_bytes)
+    shard = tp if sequence_parallel else 1
+    enc_share, dec_share, enc_scores, dec_scores = _core_shares(model, s_enc, s_dec, mask_bytes, tp, shard)
     one_layer = zero.copy()
-    inputs = zero.copy()  # what full recompute keeps: each layer's input (+ the encoder output)
-    row = b * model.hidden_size * model.dtype_bytes / MIB
+    # What full recompute keeps: each layer's input (+ the encoder output), sequence-sharded
+    # over the TP ranks with sequence parallelism.
+    inputs = zero.copy()
+    row = b * model.hidden_size * model.dtype_bytes / shard / MIB
     for n, op, args, share, scores, tokens in (
             (layout.encoder_layers, "encoder_layer", (b, s_enc), enc_share, enc_scores, s_enc),
             (layout.decoder_layers, "decoder_layer", (b, s_dec, s_enc), dec_share, dec_scores, s_dec)):
