@@ -65,6 +65,10 @@ CASES = [
     (lambda: plan_placement(CM, PlacementSample.of(MBS[0]), capacity_mib=float("nan")), r"capacity_mib nan"),
     (lambda: PlacementSample(np.ones(2), np.ones(1), np.zeros(1)), r"1-D arrays of one equal, non-zero length"),
     (lambda: PlacementSample(np.ones(1), -np.ones(1), np.zeros(1)), r"PlacementSample.seqlen holds values below 1"),
+    # A T5 micro-batch without target tokens priced every stage at NaN and split 24,0,0,0.
+    (lambda: plan_placement(build_cost_model(T5, load_device_config("a100-40gb"), 4),
+                            PlacementSample(np.ones(2), np.full(2, 512.0), np.array([0.0, 64.0]))),
+     r"PlacementSample.dec_seqlen holds 0: every micro-batch of encoder-decoder model 't5-11b'"),
     (lambda: enumerate_layouts(GPT, "4"), r"--gpus '4': need a whole number of GPUs"),
     # Compute floor and shapes
     (lambda: compute_floor_ms(CM, [10 ** 6]), r"a sample length 1000000 exceeds the model's max_seq_length 1024"),

@@ -246,6 +246,10 @@ class _Pricer:
 
     def __init__(self, cost_model: CostModel, sample: PlacementSample, num_stages: int, levels: Sequence[str],
                  capacity_mib: Optional[float], dp: int, zero: bool):
+        if cost_model.model.is_encoder_decoder and np.any(np.asarray(sample.dec_seqlen) < 1):
+            raise DynaPipeError(f"PlacementSample.dec_seqlen holds {float(np.min(sample.dec_seqlen)):g}: every "
+                                f"micro-batch of encoder-decoder model {cost_model.model.name!r} has at least one "
+                                f"target token; give the decoder lengths (tokens) of real micro-batches.")
         self.cm, self.sample, self.S, self.levels = cost_model, sample, num_stages, tuple(levels)
         self.capacity = np.inf if capacity_mib is None else float(capacity_mib)
         self.dp, self.zero = dp, zero
