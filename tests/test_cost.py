@@ -272,3 +272,17 @@ def test_bad_profile_files(tmp_path):
         ProfileCostModel.from_file(TINY, str(bad), 2)
     with pytest.raises(DynaPipeError, match="encoder-decoder"):
         ProfileCostModel(T5, _profile(), 8)
+
+
+def test_t5_cross_attention_parameters_follow_the_bias_and_norm_switches():
+    from dynapipe.config import ModelConfig
+    from dynapipe.cost.base import StageLayout, stage_param_count
+
+    kw = dict(name="t", arch="t5", encoder_layers=1, decoder_layers=1, num_layers=2, hidden_size=64,
+              num_attention_heads=4, ffn_hidden_size=256, vocab_size=512)
+    enc, dec = StageLayout(0, 1, 0, False, False), StageLayout(0, 0, 1, False, False)
+    h = 64
+    for extra, cross in (({}, 4 * h * h + 3 * h + h + 2 * h),
+                         ({"add_bias_linear": False, "normalization": "RMSNorm"}, 4 * h * h + h)):
+        m = ModelConfig(**kw, **extra).validate()
+        assert stage_param_count(m, dec) - stage_param_count(m, enc) == cross, extra

@@ -95,7 +95,9 @@ def stage_param_count(model: ModelConfig, layout: StageLayout, tp: int = 1) -> i
     qk_norms = 2 * per_width * model.head_dim if model.qk_layernorm else 0
     layer = ((h * qkv + ad * h + h * fc1 + f * h + qkv_bias * qkv + bias * fc1) / tp + bias * 2 * h + 2 * norm
              + qk_norms)
-    cross = (4 * h * ad + 3 * ad) / tp + h + 2 * h
+    # Cross-attention: query, key/value and output projections (their biases as the layer's,
+    # megatron-core's linear_q and linear_kv take add_bias_linear) and its own norm.
+    cross = (4 * h * ad + bias * 3 * ad) / tp + bias * h + norm
     dec_layer = layer + (cross if model.is_encoder_decoder else 0)
     count = layout.encoder_layers * layer + layout.decoder_layers * dec_layer
     # A T5 stage embedding the decoder's tokens holds a copy of the embedding unless it is stage 0.
