@@ -135,3 +135,8 @@ def test_encoder_decoder_baselines():
     assert sorted(i for r in rows for i in r) == [0, 1, 2, 3]
     tb = plan_micro_batches(pairs, T5, method="token-budget", max_tokens=2400, seq_length=1024)
     assert all(mb.padded_tokens <= 2400 for mb in tb.micro_batches)
+    # Without --max-tokens a micro-batch of one sample holds both its sides: micro-batch size 1
+    # takes the pair of 1,024 input and one target token (an input-side-only default refused it).
+    one = plan_micro_batches(pairs, T5, method="token-budget", micro_batch_size=1, seq_length=1024)
+    assert one.extra["max_tokens"] == 2048 and all(mb.padded_tokens <= 2048 for mb in one.micro_batches)
+    assert sorted(i for mb in one.micro_batches for i in mb.samples) == [0, 1, 2, 3]

@@ -133,8 +133,9 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
     ``seq_length`` truncates samples (tokens; each side for encoder-decoder) and is the
     row length of ``padding``/``packing`` (default: the model's ``max_seq_length``).
     ``micro_batch_size`` (samples, or rows for packing) is used by the fixed-size
-    baselines; ``max_tokens`` (padded tokens a micro-batch, default
-    ``micro_batch_size x seq_length``) by ``token-budget``. ``zero`` shards optimizer
+    baselines; ``max_tokens`` (padded tokens a micro-batch, input and
+    target together; default ``micro_batch_size x seq_length``, twice that for encoder-decoder
+    models) by ``token-budget``. ``zero`` shards optimizer
     state over the ``dp`` replicas when pricing model states. ``use_compiled`` selects the
     DP kernel (``None``: C when built). ``gap``: relative optimality gap of the
     ``dynapipe`` cut's objective (0: exact; default :data:`DEFAULT_GAP`, 0.1%).
@@ -184,7 +185,9 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
             mbs, pairs = baselines.packing(arr, micro_batch_size, cap)
             extra["cross_sample_attention_pairs"] = pairs
         else:
-            tokens = micro_batch_size * cap if max_tokens is None else _positive_int(max_tokens, "--max-tokens")
+            # A sample's padded shape counts both sides for encoder-decoder models (each up to cap).
+            sides = 2 if arr.ndim == 2 else 1
+            tokens = micro_batch_size * sides * cap if max_tokens is None else _positive_int(max_tokens, "--max-tokens")
             extra["max_tokens"] = tokens
             mbs = baselines.token_budget(arr, tokens, cap)
         _price(mbs, cost_model, recompute)

@@ -24,7 +24,8 @@ def add_batching_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch-size", type=int, default=None,
                    help="samples (packing: rows) a micro-batch for padding, padding-mb and packing (default 1)")
     p.add_argument("--max-tokens", type=int, default=None,
-                   help="padded tokens a micro-batch for token-budget (default micro-batch-size x seq-length)")
+                   help="padded tokens a micro-batch for token-budget, input and target together (default "
+                        "micro-batch-size x seq-length; x 2 for encoder-decoder models)")
 
 
 def micro_batch_size(args: argparse.Namespace) -> int:
