@@ -279,3 +279,18 @@ def test_c_kernel_rejects_wrong_arrays():
     bad_rows[2] = 99
     with pytest.raises(ValueError, match="out of range"):
         _dp_kernel.solve_capped(*args[:3], bad_rows, *args[4:])
+
+
+def test_each_candidate_order_keeps_its_own_name():
+    from dynapipe.batching.ordering import named_candidate_orders, snake_order
+
+    # Inputs and targets rise together: the input- and target-major sorts are one order, so
+    # the snake order is the second candidate (it was reported as "target-major").
+    lengths = np.array([[474, 410], [515, 789], [859, 850], [950, 1000], [1104, 1214], [1490, 1436]])
+    named = named_candidate_orders(lengths)
+    assert [n for n, _ in named] == ["input-major", "snake"]
+    assert named[1][1].tolist() == snake_order(lengths[:, 0], lengths[:, 1]).tolist()
+    assert [n for n, _ in named_candidate_orders(lengths[:, 0])] == ["sorted"]
+    plan = plan_micro_batches(lengths, T5_COST, gap=0.0, split_to_balance=False)
+    order = dict(named)[plan.extra["order"]]
+    assert [i for mb in plan.micro_batches for i in mb.samples] == order.tolist()

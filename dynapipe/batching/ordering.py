@@ -48,19 +48,28 @@ def snake_order(inputs: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return np.concatenate(out)
 
 
-def candidate_orders(lengths: np.ndarray) -> list[np.ndarray]:
-    """The sample orders the DP tries: one for decoder-only, three for encoder-decoder.
+#: Names of the encoder-decoder candidate orders, as plans report them (``extra["order"]``).
+ORDER_NAMES = ("input-major", "target-major", "snake")
 
-    ``lengths`` is ``(n,)`` or ``(n, 2)`` (input, target). Encoder-decoder candidates:
-    input-major sort, target-major sort, and :func:`snake_order`.
-    """
+
+def named_candidate_orders(lengths: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """The sample orders the DP tries, each with its name: ``sorted`` for decoder-only; for
+    encoder-decoder (``lengths`` ``(n, 2)``: input, target) the input-major sort, the
+    target-major sort and :func:`snake_order`, an order equal to an earlier one dropped (and
+    its name with it, so a plan never reports an order it did not take)."""
     lengths = np.asarray(lengths)
     if lengths.ndim == 1:
-        return [sort_by_length(lengths)]
+        return [("sorted", sort_by_length(lengths))]
     inputs, targets = lengths[:, 0], lengths[:, 1]
     orders = [np.lexsort((targets, inputs)), np.lexsort((inputs, targets)), snake_order(inputs, targets)]
-    unique = []
-    for o in orders:
-        if not any(np.array_equal(o, u) for u in unique):
-            unique.append(o)
+    unique: list[tuple[str, np.ndarray]] = []
+    for name, o in zip(ORDER_NAMES, orders):
+        if not any(np.array_equal(o, u) for _, u in unique):
+            unique.append((name, o))
     return unique
+
+
+def candidate_orders(lengths: np.ndarray) -> list[np.ndarray]:
+    """The orders of :func:`named_candidate_orders`: one for decoder-only, up to three for
+    encoder-decoder ``(n, 2)`` lengths (input-major, target-major, snake)."""
+    return [o for _, o in named_candidate_orders(lengths)]

@@ -20,14 +20,13 @@ from dynapipe.batching.candidates import build_candidate_table
 from dynapipe.batching.dp_partition import DEFAULT_GAP, optimal_partition
 from dynapipe.batching.lengths import validate_lengths
 from dynapipe.batching.memory import MemoryBudget, memory_budget
-from dynapipe.batching.ordering import candidate_orders
+from dynapipe.batching.ordering import named_candidate_orders
 from dynapipe.batching.types import BatchPlan, MicroBatch
 from dynapipe.cost import CostModel
 from dynapipe.cost.base import check_recompute
 from dynapipe.errors import DynaPipeError
 
 METHODS = ("dynapipe", "padding", "padding-mb", "packing", "token-budget")
-ORDER_NAMES = ("input-major", "target-major", "snake")
 
 
 def _positive_int(value, flag: str) -> int:
@@ -74,7 +73,7 @@ def _plan_dynapipe(lengths: np.ndarray, cost_model: CostModel, budget: MemoryBud
     balanced) wins."""
     best = None
     stages = cost_model.num_stages
-    for name, order in zip(ORDER_NAMES if lengths.ndim == 2 else ("sorted",), candidate_orders(lengths)):
+    for name, order in named_candidate_orders(lengths):
         table = build_candidate_table(lengths[order], order, cost_model, budget, recompute, cap)
         part = optimal_partition(table, stages, dp, use_compiled=use_compiled, gap=gap)
         cuts, splits, value = part.cuts, 0, part.objective_ms
