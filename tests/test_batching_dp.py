@@ -178,6 +178,28 @@ def test_dp_equals_brute_force_under_strong_trade_offs(lengths, stages, dp, over
     assert part.objective_ms == pytest.approx(brute_force(lengths, cm, budget, dp, 1024), rel=1e-9)
 
 
+class NonMonotoneMemory(CostModel):
+    """Two samples need 90 MiB, one or three 10 or 30: memory not monotone in the count."""
+
+    def __init__(self):
+        super().__init__(load_model_config("gpt-tiny"), 1)
+
+    def layout_cost(self, layout, mbs, seqlen, dec_seqlen, recompute):
+        b, _ = np.broadcast_arrays(np.asarray(mbs, float), np.asarray(seqlen, float))
+        t = np.where(b == 3, 100.0, 10.0 + b)
+        return StageCost(t / 3, 2 * t / 3, np.where(b == 2, 90.0, 10.0 * b), 0.0 * b)
+
+    def model_state_mib(self, *args, **kwargs):
+        return 0.0
+
+
+def test_no_micro_batch_exceeds_its_share_when_memory_is_not_monotone():
+    plan = plan_micro_batches([8, 8, 8], NonMonotoneMemory(), memory_limit_mib=100.0, micro_batch_share=0.5, gap=0.0)
+    share = 0.5 * plan.extra["activation_budget_mib"]
+    assert all(len(mb.samples) == 1 or mb.stored_mib + mb.peak_mib <= share for mb in plan.micro_batches), \
+        [(mb.samples, mb.stored_mib) for mb in plan.micro_batches]
+
+
 def _random_table(rng, n, monotone):
     rows = rng.integers(1, n + 1)
     row_len = rng.integers(1, n + 1, size=rows)

@@ -152,8 +152,10 @@ def build_candidate_table(ordered: np.ndarray, order: np.ndarray, cost_model: Co
     if np.any(np.isnan(time_ms)) or np.any(time_ms < 0):
         raise DynaPipeError("the cost model returned a negative or NaN time; "
                             "check the profile or config it was built from.")
-    # Guard against a cost model whose memory is not monotone in the count.
-    time_ms[stored + peak > budget.activation_mib] = np.inf
+    # Guard against a cost model whose memory is not monotone in the count (the search above
+    # assumes it): no candidate over its limit, the share's for two samples or more.
+    limit = np.where(counts > 1, budget.multi_sample_mib, budget.activation_mib)
+    time_ms[stored + peak > limit] = np.inf
     steps = np.diff(time_ms)
     inside = np.ones(len(steps), dtype=bool)
     inside[offsets[1:] - 1] = False
