@@ -10,6 +10,7 @@ from dynapipe.batching import plan_micro_batches
 from dynapipe.batching.candidates import CandidateTable, build_candidate_table
 from dynapipe.batching.dp_partition import DEFAULT_GAP, compiled_kernel_available, optimal_partition, solve_capped
 from dynapipe.batching.memory import memory_budget
+from dynapipe.errors import DynaPipeError
 from dynapipe.batching.ordering import candidate_orders, padded_length
 from dynapipe.config import load_device_config, load_model_config
 from dynapipe.cost import build_cost_model
@@ -316,3 +317,23 @@ def test_each_candidate_order_keeps_its_own_name():
     plan = plan_micro_batches(lengths, T5_COST, gap=0.0, split_to_balance=False)
     order = dict(named)[plan.extra["order"]]
     assert [i for mb in plan.micro_batches for i in mb.samples] == order.tolist()
+
+
+@needs_c
+def test_the_compiled_kernel_reads_tables_of_any_byte_order_as_numpy_does():
+    # Big-endian times were read byte-swapped (2.6e-320 ms) where numpy read 3.0.
+    t = np.array([1.0, 3.0, 2.0, 5.0], dtype=">f8")
+    z = np.zeros(4)
+    table = CandidateTable(2, np.array([0, 0, 1]), np.array([0, 2], dtype=">i8"), np.array([2, 2]), t, z, z,
+                           z.astype(np.int64), z.astype(np.int64), True)
+    got = {}
+    for compiled in (False, True):
+        total, choice = np.empty(3), np.zeros(3, dtype=np.int64)
+        got[compiled] = (solve_capped(table, 10.0, total, choice, use_compiled=compiled), choice.tolist())
+    assert got[True] == got[False] == ((3.0, 2.0), [0, 1, 1])
+    with pytest.raises(DynaPipeError, match="total must be native float64"):
+        solve_capped(table, 10.0, np.empty(3, dtype=">f8"), np.zeros(3, dtype=np.int64), use_compiled=True)
+    from dynapipe.batching import _dp_kernel
+    with pytest.raises(TypeError, match="native byte order"):
+        _dp_kernel.solve_capped(t, table.offsets.astype(np.int64), table.row_len, table.row_of_end, 10.0, True,
+                                np.empty(3), np.zeros(3, dtype=np.int64))

@@ -29,6 +29,7 @@ from typing import Optional
 import numpy as np
 
 from dynapipe.batching.candidates import CandidateTable
+from dynapipe.errors import DynaPipeError
 
 try:  # built by setup.py; optional
     from dynapipe.batching import _dp_kernel
@@ -83,7 +84,16 @@ def solve_capped(table: CandidateTable, cap_ms: float, total: np.ndarray, choice
     if use_compiled:
         if _dp_kernel is None:
             raise RuntimeError("the compiled DP kernel is not built; run `pip install -e .`")
-        return _dp_kernel.solve_capped(table.time_ms, table.offsets, table.row_len, table.row_of_end,
+        # The kernel reads raw native float64/int64 buffers: inputs of another dtype or byte
+        # order are converted (no copy when they already are); the outputs it fills must be.
+        f8, i8 = np.dtype(np.float64), np.dtype(np.int64)
+        if total.dtype != f8 or choice.dtype != i8:
+            raise DynaPipeError(f"solve_capped: total must be native float64 and choice native int64 arrays "
+                                f"(given {total.dtype.str} and {choice.dtype.str}).")
+        return _dp_kernel.solve_capped(np.ascontiguousarray(table.time_ms, dtype=f8),
+                                       np.ascontiguousarray(table.offsets, dtype=i8),
+                                       np.ascontiguousarray(table.row_len, dtype=i8),
+                                       np.ascontiguousarray(table.row_of_end, dtype=i8),
                                        float(cap_ms), table.monotone, total, choice)
     return _solve_capped_numpy(table, float(cap_ms), total, choice)
 

@@ -18,15 +18,26 @@
 #include <stdint.h>
 #include <string.h>
 
-/* A C-contiguous buffer of 8-byte items: kind 'f' (float64) or 'i' (int64). */
+/* Whether a buffer format's byte-order prefix (none, '@', '=', '<', '>' or '!') is this machine's. */
+static int native_order(const char *fmt) {
+    const uint16_t probe = 1;
+    const int little = *(const uint8_t *)&probe == 1;
+    switch (fmt[0]) {
+        case '<': return little;
+        case '>': case '!': return !little;
+        default: return 1;
+    }
+}
+
+/* A C-contiguous buffer of native 8-byte items: kind 'f' (float64) or 'i' (int64). */
 static int get(PyObject *obj, Py_buffer *view, int writable, char kind, const char *name) {
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, view, flags) < 0) return -1;
     const char *fmt = view->format ? view->format : "B";
     char code = fmt[strlen(fmt) - 1];
-    int ok = view->itemsize == 8 && (kind == 'f' ? code == 'd' : (code == 'q' || code == 'l'));
+    int ok = view->itemsize == 8 && native_order(fmt) && (kind == 'f' ? code == 'd' : (code == 'q' || code == 'l'));
     if (!ok) {
-        PyErr_Format(PyExc_TypeError, "%s: expected a contiguous %s array", name,
+        PyErr_Format(PyExc_TypeError, "%s: expected a contiguous %s array in native byte order", name,
                      kind == 'f' ? "float64" : "int64");
         PyBuffer_Release(view);
         return -1;
