@@ -71,8 +71,10 @@ def test_cross_sample_pairs_by_hand():
     assert cross_sample_attention_pairs(np.array([3, 5]), [[0, 1]]) == 15
     assert cross_sample_attention_pairs(np.array([3, 5, 2]), [[0, 1, 2]]) == 3 * 5 + 3 * 2 + 5 * 2
     assert cross_sample_attention_pairs(np.array([3, 5]), [[0], [1]]) == 0
-    # Encoder-decoder: bidirectional on inputs (both directions), causal on targets.
-    assert cross_sample_attention_pairs(np.array([[3, 1], [5, 2]]), [[0, 1]]) == 2 * 15 + 2
+    # Encoder-decoder: bidirectional on inputs (both directions), causal on targets, and each
+    # target token's cross-attention over the other sample's inputs (1 x 5 + 2 x 3).
+    assert cross_sample_attention_pairs(np.array([[3, 1], [5, 2]]), [[0, 1]]) == 2 * 15 + 2 + 1 * 5 + 2 * 3
+    assert cross_sample_attention_pairs(np.array([[3, 1], [5, 2]]), [[0], [1]]) == 0
 
 
 @settings(max_examples=30, deadline=None)

@@ -102,8 +102,9 @@ def cross_sample_attention_pairs(lengths: np.ndarray, rows: list[list[int]]) -> 
 
     Decoder (causal) attention: a token sees every earlier token of its row, so each
     pair of samples a, b in a row adds ``l_a * l_b`` pairs. Encoder-decoder rows add the
-    encoder's bidirectional pairs (twice that on the input side) and the decoder's
-    causal pairs on the target side.
+    encoder's bidirectional pairs (twice that on the input side), the decoder's causal pairs
+    on the target side, and the cross-attention's: every target token of a sample sees every
+    other sample's input tokens (``sum(tgt) * sum(in) - sum(tgt * in)``).
     """
     total = 0
     for row in rows:
@@ -112,6 +113,9 @@ def cross_sample_attention_pairs(lengths: np.ndarray, rows: list[list[int]]) -> 
             l = l.astype(np.int64)
             causal = (int(l.sum()) ** 2 - int((l * l).sum())) // 2
             total += 2 * causal if (lengths.ndim == 2 and side == 0) else causal
+        if lengths.ndim == 2:
+            inp, tgt = (x.astype(np.int64) for x in sides)
+            total += int(tgt.sum()) * int(inp.sum()) - int((tgt * inp).sum())
     return total
 
 
