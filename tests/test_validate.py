@@ -1,5 +1,6 @@
 """The validator catches each class of broken plan and accepts every compiled plan."""
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -152,8 +153,14 @@ def test_grouped_posts_complete_together_and_must_match():
     assert grad0 == send1 + 1, "the compiled order posts send act 1 then receive grad 0"
     r0[send1] = dataclasses.replace(r0[send1], group=5)
     r0[grad0] = dataclasses.replace(r0[grad0], group=5)
-    with pytest.raises(PlanError, match="deadlock"):
+    # Grouped on one end only: refused by name (NCCL can hang on batched lists that differ).
+    with pytest.raises(PlanError, match="is posted in group 5 but its partner .* is posted alone"):
         validate_plans([edit(plans[0], r0), plans[1]])
+    # Grouped on both ends, each in a group of its own on rank 1 in the compiled order.
+    r1 = [dataclasses.replace(i, group=10 + k) if (isinstance(i, SendGradStart) and i.mb == 0) or
+          (isinstance(i, RecvActivationStart) and i.mb == 1) else i for k, i in enumerate(plans[1].instructions)]
+    with pytest.raises(PlanError, match="deadlock"):
+        validate_plans([edit(plans[0], r0), edit(plans[1], r1)])
     assert ok.transfers == 4
     # The same pair grouped on both sides (rank 1: send gradient 0 + receive activation
     # 1, as Megatron's send_backward_recv_forward) completes.
@@ -338,3 +345,27 @@ def test_a_micro_batch_of_padding_rows_only_compiles_and_validates():
     validate_plans(compile_plans("1f1b", mbs, t5, num_stages=2))
     with pytest.raises(DynaPipeError, match="micro-batch 1 has no samples"):
         compile_plans("1f1b", mbs[:1] + [MicroBatch([], 64, dec_seqlen=16, rows=[])], t5, num_stages=2)
+
+
+@pytest.mark.parametrize("cls,stage,peer,needle", [
+    (SendActivationStart, 0, 2, "sends the act of micro-batch 0 to rank 2, but the next stage, virtual stage 1, is rank 1"),
+    (RecvActivationStart, 2, 0, "receives the act of micro-batch 0 from rank 0, but the previous stage, virtual "
+                                "stage 1, is rank 1"),
+    (SendGradStart, 2, 0, "sends the grad of micro-batch 0 to rank 0, but the previous stage, virtual stage 1, is "
+                          "rank 1"),
+])
+def test_a_message_to_a_rank_that_is_not_the_neighbour_stage_is_refused(cls, stage, peer, needle):
+    # Three stages: an activation from rank 0 straight to rank 2 would skip stage 1's layers;
+    # every other check (matched pairs, order, shapes) can still hold.
+    from dynapipe.plan.validate_transfers import FINISH_OF
+    from dynapipe.runtime.plan_check import check_plan_locally
+
+    plans = plans_for([8, 8, 8], 3, S=3)
+    finish = next(f for f, s in FINISH_OF.items() if s is cls)
+    rows = [dataclasses.replace(i, peer=peer) if isinstance(i, (cls, finish)) and i.mb == 0 else i
+            for i in plans[stage].instructions]
+    bad = edit(plans[stage], rows)
+    with pytest.raises(PlanError, match=re.escape(needle)):
+        validate_plans([bad if s == stage else p for s, p in enumerate(plans)])
+    with pytest.raises(PlanError, match=re.escape(needle)):
+        check_plan_locally(bad, stage=stage, num_stages=3)

@@ -78,6 +78,9 @@ def collect_transfers(plan: ExecutionPlan) -> list[Transfer]:
             finish_cls, direction, kind, buf_kind = START_ROLES[cls]
             if not 0 <= inst.peer < S or inst.peer == s:
                 fail(plan, k, inst, f"peer rank {inst.peer} is not another rank of the {S}-stage pipeline.")
+            wrong = neighbour_error(inst, s, S, chunks)
+            if wrong:
+                fail(plan, k, inst, wrong)
             if inst.buffer != buffer_name(buf_kind, inst.mb, inst.chunk):
                 fail(plan, k, inst, f"buffer {inst.buffer!r} should be {buffer_name(buf_kind, inst.mb, inst.chunk)!r}.")
             if not inst.tensors:
@@ -112,6 +115,25 @@ def collect_transfers(plan: ExecutionPlan) -> list[Transfer]:
     for c in open_starts.values():
         fail(plan, c.index, c.inst, "is never finished.")
     return comms
+
+
+def neighbour_error(inst, stage: int, num_stages: int, chunks: int) -> str:
+    """Why transfer Start ``inst`` on pipeline rank ``stage`` names the wrong peer ('' when
+    right): activations go to the next virtual stage and gradients to the one before (virtual
+    stage ``v = chunk x num_stages + rank``, held by rank ``v mod num_stages``); a message to
+    any other rank would skip or repeat layers."""
+    _, direction, kind, _ = START_ROLES[type(inst)]
+    v = inst.chunk * num_stages + stage
+    other = v + (1 if (direction == "send") == (kind == "act") else -1)
+    side = "next" if other > v else "previous"
+    verb, to = ("send", "to") if direction == "send" else ("receive", "from")
+    if not 0 <= other < num_stages * chunks:
+        return (f"virtual stage {v} (chunk {inst.chunk} of rank {stage}) has no {side} stage to {verb} the "
+                f"{kind} of micro-batch {inst.mb} {to}.")
+    if inst.peer != other % num_stages:
+        return (f"{verb}s the {kind} of micro-batch {inst.mb} {to} rank {inst.peer}, but the {side} stage, "
+                f"virtual stage {other}, is rank {other % num_stages}.")
+    return ""
 
 
 def plan_chunks(plan: ExecutionPlan) -> int:
@@ -149,5 +171,12 @@ def match_pair(a: ExecutionPlan, b: ExecutionPlan, sends: list[Transfer], recvs:
         if s.inst.tensors != r.inst.tensors:
             fail(b, r.index, r.inst, f"expects {_shapes(r.inst.tensors)} but {_where(a, s.index)} sends "
                                      f"{_shapes(s.inst.tensors)} (shape mismatch).")
+        if (s.inst.group >= 0) != (r.inst.group >= 0):
+            # Gloo pairs such messages, but NCCL can hang on batched lists that differ between
+            # the two ends (the runtime refuses them under NCCL; no plan should carry one).
+            one, other = (s, a) if s.inst.group >= 0 else (r, b)
+            fail(other, one.index, one.inst, f"is posted in group {one.inst.group} but its partner "
+                                             f"{_where(b if one is s else a, (r if one is s else s).index)} "
+                                             f"is posted alone; group both ends of a message or neither.")
         s.partner, r.partner = r, s
 

@@ -24,6 +24,7 @@ from dynapipe.plan.instructions import (DTYPES, FINISHES, INSTRUCTION_TYPES, SEN
                                         LoadInput, RecvActivationFinish, RecvActivationStart, RecvGradFinish,
                                         RecvGradStart, SendActivationFinish, SendActivationStart, SendGradFinish,
                                         SendGradStart, buffer_name, plan_chunks, virtual_stage)
+from dynapipe.plan.validate_transfers import START_ROLES, neighbour_error
 from dynapipe.runtime.p2p import CommFailure, Pending, PeerComm, Waiter
 
 
@@ -94,6 +95,9 @@ def check_plan_locally(plan: ExecutionPlan, *, stage: int, num_stages: int, repl
         if isinstance(x, CommInstruction):
             if not 0 <= x.peer < num_stages or x.peer == stage:
                 raise bad(i, x, f"peer {x.peer} is not another stage of this {num_stages}-stage pipeline.")
+            wrong = neighbour_error(x, stage, num_stages, chunks) if type(x) in START_ROLES else ""
+            if wrong:
+                raise bad(i, x, wrong)
             for t in x.tensors:
                 if t.dtype not in DTYPES or not t.shape or any(int(d) <= 0 for d in t.shape):
                     raise bad(i, x, f"tensor {t.name!r} {list(t.shape)} {t.dtype} is not a valid transfer.")
