@@ -224,3 +224,70 @@ def test_decoded_instruction_tables_behave_like_tuples(grid):
     assert back[-1] == objs[-1] and back[1:3] == objs[1:3] and len(back) == len(objs)
     assert objs[2] in back and back.index(objs[2]) == objs.index(objs[2])
     assert hash(back) == hash(objs) and back == objs
+
+
+def test_damaged_fields_are_refused_by_name_not_by_a_crash(grid):
+    from dynapipe.plan.validate_fast import group_is_valid
+
+    flat = [p for row in grid for p in row]
+    # A layout field declaring billions of ranks: listed to the first few, not built in full.
+    huge = [dataclasses.replace(p, num_stages=2**31 - 1) for p in grid[0]]
+    with pytest.raises(PlanError, match=r"no plan for rank\(s\) \[3, 4, 5, 6, 7, 8, 9, 10\] and 2147483636 more") \
+            as e:
+        validate_plans(huge, complete=False)
+    _one_line(e)
+    wide = [dataclasses.replace(p, num_replicas=2**31 - 1) for p in flat]
+    with pytest.raises(PlanError, match=r"replica\(s\) 2, 3, 4, 5, 6, 7, 8, 9 and 2147483637 more") as e:
+        validate_plans(wide)
+    # A micro-batch order that is not a list of indices.
+    for order in (1, [0, "x"], [0.5, 1]):
+        bad = [dataclasses.replace(p, meta=dict(p.meta, mb_order=order)) for p in grid[0]]
+        with pytest.raises(PlanError, match="meta mb_order=.* is not an order of the plan's") as e:
+            validate_plans(bad, complete=False)
+        _one_line(e)
+    # A chunk count that only compares equal to 1 goes to the checker that refuses it.
+    for chunks in (True, 1.0):
+        bad = [dataclasses.replace(p, meta=dict(p.meta, chunks=chunks)) for p in grid[0]]
+        assert not group_is_valid(bad)
+        with pytest.raises(PlanError, match="is not a positive number of chunks"):
+            validate_plans(bad, complete=False)
+    # A version-1 tensor whose dtype is not a string.
+    doc = json.loads(zlib.decompress(serialize_plan_v1(grid[0][0])[struct.calcsize(">4sHHII"):]))
+    doc["tensors"][0][0][2] = ["float32"]  # tensor lists of [name, shape, dtype]
+    body = zlib.compress(json.dumps(doc).encode())
+    with pytest.raises(PlanError, match=r"dtype \['float32'\] is not one of") as e:
+        deserialize_plan(struct.pack(">4sHHII", b"DPPL", 1, 1, len(body), zlib.crc32(body)) + body)
+    _one_line(e)
+
+
+def test_strings_round_trip_and_micro_batch_sections_decode_by_their_counts(grid):
+    import dynapipe.plan.binary as binary
+
+    odd = dataclasses.replace(grid[0][0], schedule="1f1b-\udcff")
+    assert deserialize_plan(serialize_plan(odd)).schedule == "1f1b-\udcff"
+    # One sample count moved to the rows: the section is as long, but its counts do not add
+    # up; the decoder's cache of sections once accepted it after the genuine plan.
+    body = encode_body(grid[0][1])
+    at = struct.calcsize("<qiiiiqq")
+    counts = list(struct.unpack_from("<12I", body, at))
+    counts[4] -= 1
+    counts[5] += 1
+    moved = body[:at] + struct.pack("<12I", *counts) + body[at + 48:]
+    deserialize_plan(_v2(body))
+    with pytest.raises(PlanError, match="malformed") as e:
+        deserialize_plan(_v2(moved))
+    _one_line(e)
+    binary._DECODED_MBS.clear()
+
+
+def test_a_payload_tensor_whose_dtype_is_not_a_string_is_refused_by_name():
+    from dynapipe.runtime.plan_payload import _PREFIX, MAGIC, VERSION
+
+    blob = encode_payload(0, 0, 0, b"PLAN", {0: {"tokens": np.zeros((2, 3), np.int64)}}, {})
+    size = struct.unpack_from("<I", blob, 8)[0]
+    header, rest = json.loads(blob[_PREFIX.size:_PREFIX.size + size]), blob[_PREFIX.size + size:]
+    header["tensors"][0]["dtype"] = ["int64"]
+    h = json.dumps(header).encode()
+    with pytest.raises(DynaPipeError, match=r"dtype \['int64'\] is not one of") as e:
+        decode_payload(_PREFIX.pack(MAGIC, VERSION, 0, len(h), zlib.crc32(rest, zlib.crc32(h))) + h + rest)
+    _one_line(e)

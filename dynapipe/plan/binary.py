@@ -37,7 +37,7 @@ _COUNTS = struct.Struct("<12I")
 # replica shares one), holding the tuple so the identity stays valid.
 _MB_CACHE: dict[int, tuple] = {}
 # Decoded micro-batch sections by their bytes (the most recent few).
-_DECODED_MBS: dict[bytes, tuple] = {}
+_DECODED_MBS: dict[tuple, tuple] = {}
 
 
 def _want(cond: bool, what: str) -> None:
@@ -172,7 +172,8 @@ def decode_body(body: bytes) -> ExecutionPlan:
     blob = rd.raw(str_bytes)
     ends = np.cumsum(lens).tolist()
     try:
-        strings = [blob[a:b].decode("utf-8") for a, b in zip([0] + ends[:-1], ends)]
+        # surrogatepass as the writer encodes: a string Python holds round-trips.
+        strings = [blob[a:b].decode("utf-8", "surrogatepass") for a, b in zip([0] + ends[:-1], ends)]
     except UnicodeDecodeError as e:
         raise PlanError(f"plan payload is malformed: a string is not UTF-8 ({e}).") from None
     meta_text = rd.raw(meta_bytes)
@@ -186,7 +187,8 @@ def decode_body(body: bytes) -> ExecutionPlan:
     # Every stage of a replica carries the same micro-batch list: decode each distinct
     # section once (the result is immutable, so sharing it is safe).
     size = 56 * n_mb + 4 * (n_samples + n_rows + n_row_items)
-    section = body[rd.pos:rd.pos + size]
+    # Keyed by the counts too: the same bytes split by other counts decode differently (or not).
+    section = (body[rd.pos:rd.pos + size], n_mb, n_samples, n_rows, n_row_items)
     micro_batches = _DECODED_MBS.get(section)
     if micro_batches is None:
         micro_batches = _decode_micro_batches(rd, n_mb, n_samples, n_rows, n_row_items)

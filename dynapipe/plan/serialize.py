@@ -165,7 +165,7 @@ def _tensor_list(i: int, v: Any) -> tuple[TensorSpec, ...]:
         shape = tuple(t[1])
         if not all(type(d) is int and d >= 0 for d in shape):
             _want(False, f"{what}[{j}] shape {t[1]!r} must hold non-negative integers")
-        if t[2] not in _DTYPES:
+        if type(t[2]) is not str or t[2] not in _DTYPES:
             _want(False, f"{what}[{j}] dtype {t[2]!r} is not one of {DTYPES}")
         out.append(TensorSpec(_str(t[0], f"{what}[{j}] name"), shape, t[2]))
     return tuple(out)

@@ -217,8 +217,10 @@ def _check_plan_fields(plan: ExecutionPlan) -> None:
                         f"true or false.")
     M = len(plan.micro_batches)
     order = plan.meta.get("mb_order") or []
-    if len(order) and sorted(order) != list(range(M)):
-        raise PlanError(f"{_where(plan, -1)}: meta mb_order={list(order)[:8]!r} is not an order of the plan's {M} "
+    if not isinstance(order, (list, tuple)) or (len(order) and (not all(is_whole(x, 0) for x in order)
+                                                              or sorted(order) != list(range(M)))):
+        shown = list(order)[:8] if isinstance(order, (list, tuple)) else order
+        raise PlanError(f"{_where(plan, -1)}: meta mb_order={shown!r} is not an order of the plan's {M} "
                         f"micro-batches (each of 0..{M - 1} once).")
     for m in plan.micro_batches:
         if not all(is_whole(x, 0) for x in m.samples):
@@ -315,17 +317,21 @@ def validate_plans(plans: Sequence[ExecutionPlan], *, complete: bool = True) -> 
     S = plans[0].num_stages
     if complete:
         R = plans[0].num_replicas
-        missing = [r for r in range(R) if r not in groups]
-        if missing:
-            shown = ", ".join(map(str, missing[:8])) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        # Listed only up to the ninth missing replica: a layout field read from a damaged
+        # file can declare billions.
+        missing = [r for r in range(min(R, len(groups) + 9)) if r not in groups]
+        if len(groups) < R:
+            lost = R - len(groups)
+            shown = ", ".join(map(str, missing[:8])) + (f" and {lost - 8} more" if lost > 8 else "")
             raise PlanError(f"the plan set is incomplete: the layout declares {R} replica(s) x {S} stages, but "
-                            f"replica(s) {shown} have no plans ({len(missing) * S} of {R * S} plans missing).")
+                            f"replica(s) {shown} have no plans ({lost * S} of {R * S} plans missing).")
     transfers = insts = 0
     for replica in sorted(groups):
         g = groups[replica]
-        missing = [s for s in range(S) if s not in g]
-        if missing:
-            raise PlanError(f"replica {replica}: no plan for rank(s) {missing} of the {S}-stage pipeline.")
+        if len(g) < S:
+            missing = [s for s in range(min(S, len(g) + 9)) if s not in g][:8]
+            more = f" and {S - len(g) - len(missing)} more" if S - len(g) > len(missing) else ""
+            raise PlanError(f"replica {replica}: no plan for rank(s) {missing}{more} of the {S}-stage pipeline.")
         ordered = [g[s] for s in range(S)]
         if ordered[0].num_replicas != plans[0].num_replicas or ordered[0].num_stages != S:
             raise PlanError(f"replica {replica}: its layout differs from replica {plans[0].replica}'s.")

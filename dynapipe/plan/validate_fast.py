@@ -168,8 +168,8 @@ def group_is_valid(plans: Sequence[ExecutionPlan]) -> bool:
     :func:`dynapipe.plan.validate.validate_plans`; ``False`` also when undecided."""
     if not all(isinstance(p.instructions, InstructionTable) for p in plans):
         return False
-    if any((p.meta or {}).get("chunks", 1) != 1 for p in plans):
-        return False  # interleaved plans: the object-by-object check handles virtual stages
+    if any(type(c) is not int or c != 1 for c in ((p.meta or {}).get("chunks", 1) for p in plans)):
+        return False  # interleaved plans (or a malformed count): the object-by-object check
     canon: dict = {}
     ranks = []
     for p in plans:

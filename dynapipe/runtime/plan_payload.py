@@ -130,7 +130,7 @@ def decode_payload(data: bytes) -> Payload:
         if not isinstance(t, dict):
             raise DynaPipeError(f"{tw}: entry is not an object.")
         dtype, shape, name = t.get("dtype"), t.get("shape"), t.get("name")
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise DynaPipeError(f"{tw}: dtype {dtype!r} is not one of {sorted(DTYPES)}.")
         if not isinstance(name, str) or not isinstance(shape, list) or not all(
                 isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
