@@ -17,7 +17,7 @@ from dynapipe.config import load_model_config
 from dynapipe.errors import DynaPipeError, PlanError
 from dynapipe.plan import compile_plans, deserialize_plan, serialize_plan, validate_plans, write_plan_dir
 from dynapipe.plan.binary import encode_body
-from dynapipe.plan.serialize import HEADER_BYTES, MAX_BODY_BYTES, MAX_V1_JSON_BYTES, serialize_plan_v1
+from dynapipe.plan.serialize import MAX_BODY_BYTES, MAX_V1_JSON_BYTES, serialize_plan_v1
 from dynapipe.plan.table import COL, InstructionTable, table_of
 from dynapipe.runtime.plan_payload import decode_payload, encode_payload
 from plan_helpers import chunked_micro_batches
