@@ -291,3 +291,19 @@ def test_a_payload_tensor_whose_dtype_is_not_a_string_is_refused_by_name():
     with pytest.raises(DynaPipeError, match=r"dtype \['int64'\] is not one of") as e:
         decode_payload(_PREFIX.pack(MAGIC, VERSION, 0, len(h), zlib.crc32(rest, zlib.crc32(h))) + h + rest)
     _one_line(e)
+
+
+@pytest.mark.parametrize("items,rank,needle", [(65, 0, "a tensor list holds 65 tensors, more than 64"),
+                                               (1, 9, "a tensor has more than 8 dimensions")])
+def test_tensor_lists_are_bounded_before_they_are_built(items, rank, needle):
+    # A few hundred KiB of zeros once inflated into 22 million tensor objects (5 GiB).
+    from dynapipe.plan.table import NCOLS
+
+    strings, meta = [b"none"], b"{}"
+    counts = struct.pack("<12I", 1, 4, len(meta), 0, 0, 0, 0, 1, items, rank * items, 0, 0)
+    body = b"".join([struct.pack("<qiiiiqq", 0, 0, 1, 0, 1, 0, 0), counts, struct.pack("<I", 4), *strings, meta,
+                     struct.pack("<i", items), struct.pack("<3i", 0, 0, rank) * items, bytes(8 * rank * items),
+                     bytes([1] * NCOLS)])
+    with pytest.raises(PlanError, match=needle) as e:
+        deserialize_plan(_v2(body))
+    _one_line(e)

@@ -38,6 +38,9 @@ _COUNTS = struct.Struct("<12I")
 _MB_CACHE: dict[int, tuple] = {}
 # Decoded micro-batch sections by their bytes (the most recent few).
 _DECODED_MBS: dict[tuple, tuple] = {}
+#: Tensors one instruction may move or load, and dimensions a tensor may have.
+MAX_TENSORS_PER_LIST = 64
+MAX_TENSOR_RANK = 8
 
 
 def _want(cond: bool, what: str) -> None:
@@ -240,11 +243,16 @@ def _decode_tensor_lists(rd: _Reader, strings: list, n_lists: int, n_items: int,
     dims = rd.take("<i8", n_dims)
     _want(bool((lens >= 0).all()) and int(lens.astype(np.int64).sum()) == n_items,
           "tensor-list lengths do not add up")
+    # A message or a load moves a handful of tensors of a few dims; without these bounds a
+    # few hundred KiB of zeros inflate to millions of tensor objects (GiBs) within the body limit.
+    _want(not n_lists or int(lens.max()) <= MAX_TENSORS_PER_LIST,
+          f"a tensor list holds {int(lens.max()) if n_lists else 0} tensors, more than {MAX_TENSORS_PER_LIST}")
     if n_items:
         _want(bool(((items[:, 0] >= 0) & (items[:, 0] < len(strings))).all()), "a tensor name is not in the strings")
         _want(bool(((items[:, 1] >= 0) & (items[:, 1] < len(DTYPES))).all()), "a tensor dtype number is unknown")
         _want(bool((items[:, 2] >= 0).all()) and int(items[:, 2].astype(np.int64).sum()) == n_dims,
               "tensor ranks do not add up to the dims")
+        _want(int(items[:, 2].max()) <= MAX_TENSOR_RANK, f"a tensor has more than {MAX_TENSOR_RANK} dimensions")
     _want(bool((dims >= 0).all()), "a tensor dimension is negative")
     d_list, out, k, di = dims.tolist(), [], 0, 0
     all_items = items.tolist()
