@@ -12,8 +12,9 @@ Version 3 (written), big-endian header::
 
 The body length bounds the inflation: a reader refuses a header that declares more
 than :data:`MAX_BODY_BYTES`, inflates at most the declared length, and refuses a
-payload that would inflate further (a compression bomb costs nothing). The same
-plan always gives the same bytes.
+payload that would inflate further (a compression bomb costs nothing). A plan always
+gives the same bytes; an equal plan built another way (instruction objects rather than the
+compiler's table) may order its string table differently, so compare plans, not bytes.
 
 Version 3 has version 2's header and body; its ``BackwardPass.part`` may be ``"input"``
 or ``"weight"`` (split backwards of zero-bubble schedules). The version changed so that
