@@ -81,6 +81,10 @@ class ModelConfig:
     # Megatron's --attention-softmax-in-fp32 (forced on by --apply-query-key-layer-scaling): the
     # unfused attention's torch softmax keeps fp32 probabilities and the cast copy.
     attention_softmax_in_fp32: bool = False
+    # The layers' norms are torch's (megatron-core's local layers: --transformer-impl local, and
+    # every CPU run), whose RMSNorm keeps more than its input and statistics
+    # (dynapipe.cost.activation_bytes.torch_rms_norm_bytes); False: Transformer Engine's norms.
+    torch_norms: bool = False
 
     @property
     def head_dim(self) -> int:

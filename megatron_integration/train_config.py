@@ -76,7 +76,7 @@ class GPTModelArgs:
                            qk_layernorm=self.qk_layernorm, normalization=self.normalization,
                            hidden_dropout=self.hidden_dropout, attention_dropout=self.attention_dropout,
                            position_embedding_type=self.position_embedding_type,
-                           fused_attention=self.fused_attention,
+                           fused_attention=self.fused_attention, torch_norms=self.transformer_impl == "local",
                            attention_softmax_in_fp32=self.softmax_in_fp32).validate(name)
 
     @property

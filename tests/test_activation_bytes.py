@@ -128,6 +128,8 @@ def test_megatron_arguments_reach_the_planner_model():
         0.0, 0.05, "rope", False)
     te = dataclasses.replace(args, transformer_impl="transformer_engine")
     assert te.to_model_config().fused_attention
+    # megatron-core's local layers norm with torch's modules; Transformer Engine with its own.
+    assert m.torch_norms and not te.to_model_config().torch_norms
     # Where Transformer Engine may fall back to unfused attention, it is counted unfused: fp32,
     # heads its kernels do not take, and deterministic mode.
     for change in (dict(dtype="fp32"), dict(kv_channels=12), dict(kv_channels=512), dict(deterministic_mode=True)):
@@ -157,7 +159,8 @@ initialize_megatron(ParallelArgs(world_size=1, backend="gloo"), 1)
 cpu = torch.device("cpu")
 for case in json.loads(sys.argv[1]):
     m = replace(base, dtype=case["dtype"], hidden_dropout=case["dropout"], attention_dropout=case["dropout"],
-                position_embedding_type=case["pe"], attention_softmax_in_fp32=case.get("fp32_softmax", False))
+                position_embedding_type=case["pe"], attention_softmax_in_fp32=case.get("fp32_softmax", False),
+                **case.get("extra", {}))
     if case["arch"] == "gpt":
         fn, params = _Ops(m, cpu, False).layer_fn(case["b"], case["s"])
     else:
@@ -176,6 +179,14 @@ CASES = [dict(arch="gpt", dtype="bf16", dropout=0.0, pe="learned_absolute"),
          dict(arch="t5-encoder", dtype="bf16", dropout=0.0, pe="learned_absolute"),
          dict(arch="t5-decoder", dtype="bf16", dropout=0.0, pe="learned_absolute"),
          dict(arch="t5-decoder", dtype="fp32", dropout=0.1, pe="learned_absolute")]
+# Layer variants (Megatron's --swiglu, --normalization RMSNorm, --qk-layernorm): megatron-core's
+# unfused gate keeps two more FFN-wide tensors, torch's RMSNorm copies of what it normalises,
+# and query/key norms without rotary positions the normalised queries and keys.
+VARIANTS = [{"swiglu": True}, {"normalization": "RMSNorm"}, {"qk_layernorm": True},
+            {"normalization": "RMSNorm", "qk_layernorm": True}]
+CASES += [dict(arch="gpt", dtype=dt, dropout=0.0, pe=pe, extra=extra) for dt in ("fp32", "bf16")
+          for extra in VARIANTS for pe in (("learned_absolute", "rope") if "qk_layernorm" in extra else
+                                           ("learned_absolute",))]
 
 
 def test_analytic_terms_match_megatron_core_local_layers():
@@ -188,9 +199,17 @@ def test_analytic_terms_match_megatron_core_local_layers():
     for r in rows:
         b, s, sd, d, p = r["b"], r["s"], r["s_dec"], 4 if r["dtype"] == "fp32" else 2, r["dropout"]
         kw = dict(dtype=r["dtype"], hidden_dropout=p, attention_dropout=p, position_embedding_type=r["pe"],
-                  attention_softmax_in_fp32=r.get("fp32_softmax", False))
+                  attention_softmax_in_fp32=r.get("fp32_softmax", False), torch_norms=True)
+        extra = r.get("extra", {})
+        if extra:
+            kw.update(gated_linear_unit=extra.get("swiglu", False), qk_layernorm=extra.get("qk_layernorm", False),
+                      normalization=extra.get("normalization", "LayerNorm"))
         if r["arch"] == "gpt":
             want = sum(AnalyticCostModel(_gpt(**kw), CPU, 1)._layer_act_bytes(b, s))
+            if d == 2 and kw.get("normalization", "LayerNorm") == "LayerNorm":
+                # A CPU keeps LayerNorm's mean and 1/std in bf16 (counted in fp32, as CUDA keeps
+                # them): two norms, and the query and key norms' per head.
+                want -= b * s * 2 * 2 * (2 + (2 * HEADS if kw.get("qk_layernorm") else 0))
         elif r["arch"] == "t5-encoder":
             want = sum(AnalyticCostModel(_t5(**kw), CPU, 1)._layer_act_bytes(b, s))
         else:

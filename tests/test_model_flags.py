@@ -109,8 +109,9 @@ def test_cost_model_prices_swiglu_flops_and_activations():
     # The gated FC1 adds a second h x f GEMM per layer: 2bshf forward FLOPs, twice that backward.
     assert float(glu.fw_ms - gelu.fw_ms) == pytest.approx(2 * 2 * B * S * h * f * ms_per_flop)
     assert float(glu.bw_ms - gelu.bw_ms) == pytest.approx(2 * 4 * B * S * h * f * ms_per_flop)
-    # It also keeps the second FC1 half: 2bsf more bytes a layer at 2-byte scale (x2 for fp32).
-    assert float(glu.stored_mib - gelu.stored_mib) * 2 ** 20 == pytest.approx(2 * 2 * B * S * f * 2)
+    # It also keeps the second FC1 half, and megatron-core's unfused gate the SiLU of one half and
+    # the other's offset copy: 3bsf more elements a layer, 4 bytes each (fp32), 2 layers.
+    assert float(glu.stored_mib - gelu.stored_mib) * 2 ** 20 == pytest.approx(2 * 3 * B * S * f * 4)
 
 
 def test_cost_model_prices_grouped_query_attention():
@@ -256,14 +257,21 @@ def test_qwen_layer_flags_parse_price_and_reach_megatron_core():
     assert count(add_qkv_bias=True) == count()  # the linear biases already include it
     assert count(qk_layernorm=True) - count() == layers * 2 * 2 * hd  # LayerNorm: weight and bias, q and k
     assert count(qk_layernorm=True, normalization="RMSNorm") - count(normalization="RMSNorm") == layers * 2 * hd
-    # The norms keep fp32 statistics per head (LayerNorm: mean and 1/std; RMSNorm: 1/rms and a
-    # copy of the queries and keys, as measured on CPU), 2 layers.
+    # The norms keep fp32 statistics per head (LayerNorm: mean and 1/std; RMSNorm: 1/rms), the
+    # attention core the normalised queries and keys (learned positions), torch's RMSNorm a
+    # copy of them too (as measured on CPU), 2 layers.
+    normed = (GPT.attention_dim + GPT.kv_dim) * 4
     plain, qk = _cost(GPT), _cost(dataclasses.replace(GPT, qk_layernorm=True))
+    assert float(qk.stored_mib - plain.stored_mib) * 2 ** 20 == pytest.approx(2 * B * S * ((4 + 4) * 2 * 4 + normed))
+    for torch_norms in (False, True):
+        rms = dataclasses.replace(GPT, normalization="RMSNorm", torch_norms=torch_norms)
+        plain, qk = _cost(rms), _cost(dataclasses.replace(rms, qk_layernorm=True))
+        assert float(qk.stored_mib - plain.stored_mib) * 2 ** 20 == pytest.approx(
+            2 * B * S * ((4 + 4) * 4 + normed * (2 if torch_norms else 1)))
+    # Under rotary positions nothing keeps the norms' output (the rotated copies are counted apart).
+    rope = dataclasses.replace(GPT, position_embedding_type="rope")
+    plain, qk = _cost(rope), _cost(dataclasses.replace(rope, qk_layernorm=True))
     assert float(qk.stored_mib - plain.stored_mib) * 2 ** 20 == pytest.approx(2 * B * S * (4 + 4) * 2 * 4)
-    rms = dataclasses.replace(GPT, normalization="RMSNorm")
-    plain, qk = _cost(rms), _cost(dataclasses.replace(rms, qk_layernorm=True))
-    assert float(qk.stored_mib - plain.stored_mib) * 2 ** 20 == pytest.approx(
-        2 * B * S * ((4 + 4) * 4 + (GPT.attention_dim + GPT.kv_dim) * 4))
     pytest.importorskip("megatron.core")
     from megatron_integration.model import transformer_config
     from megatron_integration.optimizer import optimizer_config

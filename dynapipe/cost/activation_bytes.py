@@ -48,16 +48,20 @@ def layer_token_bytes(model: ModelConfig, tp: int = 1, seq_shard: int = 1,
     residual-side tensors, dropout masks) is sharded over (``tp`` with sequence parallelism, else 1).
 
     Replicated: the two norms' inputs, outputs and statistics (``8h`` for 2-byte activations,
-    + 16 bytes for LayerNorm's) and the hidden-dropout masks. Split ``tp`` ways: the query/key/value projection's output, the
-    attention output, the MLP's FC1 output and activation (a gated MLP keeps both FC1 halves
-    and their product), the rotated query and key, the query/key norms and a fused kernel's
-    softmax statistics.
+    + 16 bytes for LayerNorm's; torch's RMSNorm more, :func:`torch_rms_norm_bytes`) and the
+    hidden-dropout masks. Split ``tp`` ways: the query/key/value projection's output, the
+    attention output, the MLP's FC1 output and activation (a gated MLP keeps both FC1 halves,
+    and megatron-core's unfused gate, the one this build runs on every device, also the SiLU of
+    one and the other's offset copy its product reads), the rotated query and key, the
+    query/key norms and a fused kernel's softmax statistics.
     """
     m = model
     d = m.dtype_bytes
-    replicated = (4 * m.hidden_size * d + 2 * norm_stat_bytes(m)
+    replicated = (4 * m.hidden_size * d + 2 * norm_stat_bytes(m) + 2 * m.hidden_size * torch_rms_norm_bytes(m)
                   + (2 * mask_bytes * m.hidden_size if m.hidden_dropout > 0 else 0.0))
     split = (2 * m.attention_dim + 2 * m.kv_dim + m.fc1_width + m.ffn_hidden_size) * d
+    if m.gated_linear_unit:
+        split += 2 * m.ffn_hidden_size * d  # silu(x_glu) and x_linear + offset, each ffn wide
     if m.position_embedding_type in ROTARY:
         split += (m.attention_dim + m.kv_dim) * d
     if m.fused_attention:
@@ -84,6 +88,23 @@ def cross_token_bytes(model: ModelConfig, tp: int = 1, seq_shard: int = 1,
     return dec, enc
 
 
+def torch_rms_norm_bytes(model: ModelConfig, output_kept: bool = True) -> float:
+    """Bytes a norm keeps per normalised element beyond its input, output and statistics when it
+    is torch's composite RMSNorm (``model.torch_norms``): the normalised product in fp32, or
+    below fp32 an fp32 copy of the input and the product cast back. ``output_kept=False``
+    (query/key norms before the attention core or rotary positions, which keep no copy of
+    their input) counts the output the weight's product keeps too, below fp32. Measured on
+    CPU (hidden 64): 4 bytes in fp32, 6 (8 with the output) in bf16. 0 for LayerNorm or
+    Transformer Engine's norms, which keep input and statistics."""
+    m = model
+    if not (m.torch_norms and m.normalization == "RMSNorm"):
+        return 0.0
+    d = m.dtype_bytes
+    if d == FP32_BYTES:
+        return FP32_BYTES
+    return FP32_BYTES + d + (0 if output_kept else d)
+
+
 def norm_stat_bytes(model: ModelConfig) -> float:
     """Bytes one norm keeps per token besides its input: LayerNorm's mean and 1/std, RMSNorm's
     1/rms, counted in fp32 (CUDA keeps them so; a CPU in the activation's dtype)."""
@@ -92,13 +113,16 @@ def norm_stat_bytes(model: ModelConfig) -> float:
 
 def qk_norm_token_bytes(model: ModelConfig) -> float:
     """``--qk-layernorm``'s bytes a token (every head, before TP): the per-head statistics in
-    fp32 (LayerNorm's mean and 1/std, RMSNorm's 1/rms) and, for RMSNorm, its normalised
-    queries and keys (torch's RMSNorm keeps that copy; LayerNorm's output is what the
-    attention keeps anyway). Measured on CPU: 64 and 543 bytes a token at 4 heads of 16."""
+    fp32 (LayerNorm's mean and 1/std, RMSNorm's 1/rms); torch's RMSNorm's copies
+    (:func:`torch_rms_norm_bytes`); and without rotary positions the normalised queries and
+    keys the attention core keeps (rotary positions keep the rotated ones, counted apart, and
+    nothing keeps the norm's output). Measured on CPU in fp32 at 4 heads of 16, learned
+    positions: 576 bytes a token for LayerNorm, 1,056 for torch's RMSNorm."""
     m = model
     if not m.qk_layernorm:
         return 0.0
+    width = m.attention_dim + m.kv_dim
     heads = m.num_attention_heads + (m.num_query_groups or m.num_attention_heads)
-    if m.normalization == "RMSNorm":
-        return heads * FP32_BYTES + (m.attention_dim + m.kv_dim) * m.dtype_bytes
-    return heads * 2 * FP32_BYTES
+    kept = 0.0 if m.position_embedding_type in ROTARY else width * m.dtype_bytes
+    stats = heads * (1 if m.normalization == "RMSNorm" else 2) * FP32_BYTES
+    return stats + width * torch_rms_norm_bytes(m, output_kept=False) + kept
