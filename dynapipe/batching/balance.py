@@ -156,12 +156,18 @@ def _balanced(times_ms: Sequence[float], dp: int, num_stages: int) -> tuple[floa
     return max(sums) + (num_stages - 1) * max(float(t) for t in times_ms), sums, assign
 
 
+def _at_max(sums: Sequence[float]) -> int:
+    """How many replicas run as long as the slowest (within a relative 1e-9)."""
+    top = max(sums)
+    return sum(1 for x in sums if x >= top * (1 - 1e-9))
+
+
 def split_to_balance(cuts: Sequence[tuple[int, int]], time_of: Callable[[int, int], Optional[float]], dp: int,
                      num_stages: int, *, tolerance: float = 1e-2, max_splits: int = 64,
                      tries: int = 4) -> tuple[list[tuple[int, int]], int, float]:
     """Split micro-batches of the slowest replica in two while that lowers
-    :func:`balanced_objective_ms`; returns the new cuts, the number of splits and that
-    objective (ms).
+    :func:`balanced_objective_ms` (or keeps it and leaves fewer replicas tied at the slowest);
+    returns the new cuts, the number of splits and that objective (ms).
 
     The DP's objective divides the summed time by ``dp`` as if any split of it were
     possible; with few micro-batches a replica (``3`` micro-batches on ``2`` replicas, or
@@ -189,7 +195,10 @@ def split_to_balance(cuts: Sequence[tuple[int, int]], time_of: Callable[[int, in
                 continue
             trial = times[:i] + [float(first), float(second)] + times[i + 1:]
             value, trial_sums, trial_assign = _balanced(trial, dp, num_stages)
-            if value < best * (1 - 1e-9):
+            # Better, or as good with fewer replicas at the slowest: where several tie there,
+            # one split cannot lower the objective, but it is a step to the split that does.
+            if value < best * (1 - 1e-9) or (value <= best * (1 + 1e-9)
+                                             and _at_max(trial_sums) < _at_max(sums)):
                 cuts[i:i + 1] = [(s, mid), (mid, e)]
                 times, best, sums, assign, splits = trial, value, trial_sums, trial_assign, splits + 1
                 break
