@@ -19,12 +19,12 @@ Pure Python + numpy: no torch.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from dynapipe.config import ClusterConfig, DeviceConfig, ModelConfig, TensorParallelConfig
+from dynapipe.config import ClusterConfig, DeviceConfig, ModelConfig, TensorParallelConfig, padded_vocab_size
 from dynapipe.cost import build_cost_model
 from dynapipe.cost.chunked_placement import even_chunked_placement
 from dynapipe.cost.placement import StagePlacement
@@ -234,7 +234,7 @@ def advise(batches: Sequence[np.ndarray], model: ModelConfig, device: DeviceConf
         key = (layout.pp, layout.tp, layout.sp, layout.chunks)
         cm = cost_models.get(key)
         if cm is None:
-            cm = build_cost_model(model, device, layout.pp, tp=_tp_config(layout, cluster))
+            cm = build_cost_model(trained_model(model, layout.tp), device, layout.pp, tp=_tp_config(layout, cluster))
             if layout.chunks > 1:
                 cm = cm.with_placement(even_chunked_placement(cm, layout.chunks))
             cost_models[key] = cm
@@ -303,6 +303,13 @@ def _placed(batches: Sequence[np.ndarray], cost_model, kw: dict):
                                      cluster=kw["cluster"]).cost_model
     except DynaPipeError:
         return cost_model
+
+
+def trained_model(model: ModelConfig, tp: int) -> ModelConfig:
+    """``model`` as Megatron-LM trains it at TP size ``tp`` from the run config :func:`advise`
+    writes: that passes the model's vocabulary as ``--vocab-size``, which Megatron-LM pads to a
+    multiple of 128 x TP (gpt-7b's 50,304 ids: 50,432 at TP2)."""
+    return replace(model, vocab_size=padded_vocab_size(model.vocab_size, tensor_parallel=tp))
 
 
 def _tp_config(layout: Layout, cluster: Optional[ClusterConfig]) -> Optional[TensorParallelConfig]:

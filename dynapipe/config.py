@@ -169,6 +169,18 @@ class ModelConfig:
         return self
 
 
+#: Megatron-LM's --make-vocab-size-divisible-by default.
+VOCAB_DIVISIBLE_BY = 128
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int = VOCAB_DIVISIBLE_BY, tensor_parallel: int = 1) -> int:
+    """Megatron-LM's vocabulary padding: round ``vocab_size`` (ids) up to a multiple of
+    ``divisible_by x tensor_parallel`` so every tensor-parallel shard of the embedding is equal
+    and aligned (50257 -> 50304 with the defaults; 50304 -> 50432 at TP2)."""
+    multiple = divisible_by * tensor_parallel
+    return -(-vocab_size // multiple) * multiple
+
+
 @dataclass(frozen=True)
 class DeviceConfig:
     """One accelerator (or a CPU). Times in ms, memory in MiB, throughput in TFLOP/s."""

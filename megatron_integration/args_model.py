@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Optional, Sequence
 
+from dynapipe.config import padded_vocab_size
 from dynapipe.errors import DynaPipeError
 from megatron_integration.args_checks import _fraction, _need, _positive
 from megatron_integration.args_refusals import _model_flags_honoured
@@ -18,14 +19,6 @@ from megatron_integration.train_config import GPTModelArgs, RecomputeArgs
 
 # The byte-level tokenizer's ids (256 bytes and its specials), before padding.
 BYTE_LEVEL_VOCAB = 384
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
-    """Megatron-LM's vocabulary padding: round ``vocab_size`` (ids) up to a multiple of
-    ``divisible_by x tensor_parallel`` so every tensor-parallel shard of the embedding is equal
-    and aligned (50257 -> 50304 with the defaults)."""
-    multiple = divisible_by * tensor_parallel
-    return -(-vocab_size // multiple) * multiple
 
 
 def model_args_from_args(args: argparse.Namespace, cuda: bool) -> GPTModelArgs:

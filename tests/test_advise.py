@@ -2,6 +2,7 @@
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -63,14 +64,16 @@ def test_top_layout_is_the_best_of_an_exhaustive_grid_and_every_shown_layout_fit
     assert calls[0][:2] == (0, 12) and calls[-1] == (12, 12, None)
     # The exhaustive grid, simulated independently: TP 1 and 2 (with sequence parallelism, its
     # collectives on the node's link), every PP dividing the 32 layers and what TP leaves of
-    # the 8 GPUs, with and without the distributed optimizer.
+    # the 8 GPUs, with and without the distributed optimizer; the vocabulary as Megatron-LM pads
+    # it at each TP size.
     grid = {}
     for tp in (1, 2):
         for pp in (1, 2, 4, 8):
             if tp * pp > 8:
                 continue
             tpc = TensorParallelConfig(tp, True, cluster.intra_node) if tp > 1 else None
-            cm = build_cost_model(model, device, pp, tp=tpc)
+            trained = dataclasses.replace(model, vocab_size=-(-model.vocab_size // (128 * tp)) * 128 * tp)
+            cm = build_cost_model(trained, device, pp, tp=tpc)
             dp = 8 // (tp * pp)
             for zero in ((False, True) if dp > 1 else (False,)):
                 try:
@@ -191,7 +194,11 @@ def test_advise_refuses_sizes_past_its_caps_and_one_path_for_two_files(tmp_path,
                           (["--gpus", "2", "--tokens-per-iteration", "999999999999"],
                            "--tokens-per-iteration 999999999999: at most 16,777,216 (the 16M-token global batches"),
                           (["--gpus", "2", "--output", same, "--json", same],
-                           f"--output and --json name the same file {same!r}, which --json would overwrite")):
+                           f"--output and --json name the same file {same!r}, which --json would overwrite"),
+                          # torchrun starts as many processes on every node (this once wrote 3 x 6).
+                          (["--gpus", "20", "--cluster", "a100-8x", "--output", same],
+                           "--gpus 20 is not a whole number of a100-8x's 8-GPU nodes, and a run config launches as "
+                           "many processes on every node; advise --gpus 16 or 24")):
         assert main(base + argv) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1 and "--samples" not in err, err
@@ -391,3 +398,32 @@ def test_the_run_config_trains_the_layer_kind_that_was_simulated():
     assert layer_flags(load_model_config("gpt-tiny")) == {"transformer-impl": "local"}
     te = dataclasses.replace(load_model_config("gpt-tiny"), fused_attention=True)
     assert layer_flags(te) == {"transformer-impl": "transformer_engine"}
+
+
+def test_the_header_counts_the_tokens_simulated(tmp_path, capsys):
+    # Samples longer than --seq-length are simulated clipped; the header summed them whole
+    # (~67,800 tokens a batch where the layouts ran on about 16,000).
+    lengths = tmp_path / "long.txt"
+    lengths.write_text("100\n300\n5000\n" * 40)
+    assert main(["advise", "--model", "gpt-tiny", "--device", "cpu", "--cluster", "cpu-local", "--gpus", "2",
+                 "--lengths", str(lengths), "--tokens-per-iteration", "16384", "--seq-length", "1024",
+                 "--batches", "1", "--no-progress", "--no-packing"]) == 0
+    out = capsys.readouterr().out
+    tokens = int(re.search(r"global batch\(es\) of ~([\d,]+) tokens", out).group(1).replace(",", ""))
+    assert 16384 - 1024 <= tokens <= 16384, out.splitlines()[0]
+
+
+def test_layouts_are_priced_on_the_vocabulary_megatron_trains_at_their_tp_size():
+    # The run config passes the model's vocabulary as --vocab-size, which Megatron-LM pads to a
+    # multiple of 128 x TP: gpt-7b's 50,304 ids train as 50,432 at TP2 (advise priced 50,304).
+    from dynapipe.advise import trained_model
+    from megatron_integration.arguments import parse_training_args
+
+    model = load_model_config("gpt-7b")
+    for tp in (1, 2, 4):
+        argv = (f"--num-layers 4 --hidden-size 4096 --num-attention-heads 32 --seq-length 128 --vocab-size "
+                f"{model.vocab_size} --micro-batch-size 1 --global-batch-size 4 --lr 1e-3 --mock-data "
+                f"--train-iters 1 --tensor-model-parallel-size {tp}").split()
+        trained = parse_training_args(argv, tp, cuda=False).model.vocab_size
+        assert trained_model(model, tp).vocab_size == trained, tp
+    assert trained_model(model, 2).vocab_size == 50432

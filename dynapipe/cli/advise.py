@@ -5,6 +5,8 @@ import argparse
 import json
 import os
 
+import numpy as np
+
 from dynapipe.data.synthetic import DEFAULT_MIXTURE
 from dynapipe.errors import DynaPipeError
 from dynapipe.output_paths import check_distinct, check_output_file, make_parent
@@ -173,14 +175,26 @@ def layer_flags(model) -> dict:
     return flags
 
 
+def launch_shape(gpus: int, cluster) -> tuple[int, int]:
+    """``(nnodes, nproc_per_node)`` of a run config for ``gpus`` GPUs on ``cluster``'s nodes;
+    :class:`DynaPipeError` where they do not fill whole nodes (torchrun starts as many processes
+    on every node: rounding once wrote 3 x 6 for 20 GPUs)."""
+    per_node = cluster.gpus_per_node if cluster is not None else gpus
+    if gpus > per_node and gpus % per_node:
+        lower, upper = gpus // per_node * per_node, -(-gpus // per_node) * per_node
+        raise DynaPipeError(f"--gpus {gpus} is not a whole number of {cluster.name}'s {per_node}-GPU nodes, and a "
+                            f"run config launches as many processes on every node; advise --gpus {lower} or "
+                            f"{upper} to write --output, or use a cluster config of the nodes you have.")
+    nnodes = max(1, gpus // per_node)
+    return nnodes, gpus // nnodes
+
+
 def run_config_text(best, model, device_name: str, cluster_name: str, cluster, gpus: int, tokens: int,
                     seq_length: int, memory_limit_mib, mixture_path, batches) -> str:
     """The best layout as a run config (``scripts/pretrain_gpt.py --run-config``, or
     ``scripts/pretrain_t5.py`` for an encoder-decoder model)."""
     lay = best.layout
-    per_node = cluster.gpus_per_node if cluster is not None else gpus
-    nnodes = max(1, -(-gpus // per_node))
-    nproc = gpus // nnodes
+    nnodes, nproc = launch_shape(gpus, cluster)
     samples = int(round(sum(len(b) for b in batches) / len(batches)))
     if model.is_encoder_decoder:  # both sides were clipped at seq_length in the simulation
         args = {"encoder-num-layers": model.encoder_layers, "decoder-num-layers": model.decoder_layers,
@@ -256,6 +270,8 @@ def run(args) -> int:
     model, device = load_model_config(args.model, flag="--model"), load_device_config(args.device, flag="--device")
     gpu_capacity_mib(device, args.memory_limit_mb)
     cluster = load_cluster_config(args.cluster, flag="--cluster")
+    if args.output:
+        launch_shape(args.gpus, cluster)  # refused before minutes of simulation, not after
     seq = args.seq_length or model.max_seq_length
     if seq > model.max_seq_length:
         raise DynaPipeError(f"--seq-length {seq} exceeds the model's max_seq_length {model.max_seq_length}.")
@@ -296,7 +312,8 @@ def run(args) -> int:
         with Progress(len(shown), "advise") as bar:
             advice = advise(batches, model, device, args.gpus, progress=_report_layouts(bar), **kw)
     best = advice.best
-    mean_tokens = sum(int(b.sum()) for b in batches) / len(batches)
+    # The tokens the layouts were simulated on: samples clipped at the sequence length (each side).
+    mean_tokens = sum(int(np.minimum(b, seq).sum()) for b in batches) / len(batches)
     left = f"{len(advice.left_out)} left out, " if advice.left_out else ""
     print(f"{model.name} on {args.gpus} x {device.name} ({cluster.name}): {len(layouts)} layouts, {left}"
           f"{len(advice.results)} fit; {len(batches)} global batch(es) of ~{mean_tokens:,.0f} tokens "
