@@ -20,6 +20,7 @@ from dynapipe.cost import build_cost_model
 from dynapipe.method_compare import (attention_share, compare_over_batches, global_batch_of_tokens,
                                      plan_shapes, simulate_method)
 from dynapipe.pipeline_planner import plan_iteration
+from dynapipe.runtime.plan_source import tensor_parallel_of
 
 # What each method's iteration_ms covers (the JSON's setup.timed_regions).
 TIMED_REGIONS = {
@@ -49,7 +50,10 @@ class BenchSimulation:
         self.seq_length = cfg.model.seq_length
         self.model = cfg.model.to_model_config("bench")
         self.cluster = load_cluster_config(cfg.dynapipe.cluster)
-        self.cost = build_cost_model(self.model, load_device_config(cfg.dynapipe.device), self.pp, profile)
+        # Per tensor-parallel rank, as the run's planner prices it (priced at TP1, a TP2 x PP2
+        # bench's sweep and simulated columns were another layout's).
+        tp = tensor_parallel_of(cfg.parallel.tensor_model_parallel_size, cfg.parallel.sequence_parallel, self.cluster)
+        self.cost = build_cost_model(self.model, load_device_config(cfg.dynapipe.device), self.pp, profile, tp)
         stream = GlobalBatches.create(cfg, 0, 0)
         first = min(warmup_iters, cfg.train_iters - 1)
         self.batches = [np.asarray(stream.lengths(stream.batch(i))) for i in range(first, cfg.train_iters)]

@@ -403,3 +403,16 @@ def test_a_timed_step_counts_until_the_device_is_done():
     untimed = ScheduleTiming()
     _timed(lambda: None, untimed, "backward_ms")()  # CPU: no synchronisation
     assert untimed.backward_ms < 45.0
+
+
+def test_a_tensor_parallel_bench_is_simulated_per_tensor_parallel_rank():
+    # TP2 x PP2 on 4 ranks: the sweep and the simulated columns priced the layout at TP1.
+    from megatron_integration.arguments import parse_training_args
+
+    base = ["--global-batch-size", "8", "--train-iters", "3", "--seq-length", "256", "--max-position-embeddings",
+            "256", "--use-dynapipe"]
+    argv = with_defaults(base + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], "representative")
+    sim = BenchSimulation(parse_training_args(argv, 4), 4, None, warmup_iters=1)
+    assert sim.dp == 1 and sim.cost.tp.size == 2 and sim.cost.tp.sequence_parallel
+    one = BenchSimulation(parse_training_args(with_defaults(base, "representative"), 2), 2, None, warmup_iters=1)
+    assert float(sim.cost.stage_cost(2, 256).time_ms) < float(one.cost.stage_cost(2, 256).time_ms)
