@@ -121,6 +121,14 @@ def test_compile_refuses_lengths_sequence_parallelism_cannot_split():
         compile_plans("1f1b", mbs, MODEL, num_stages=2, tp=2, sequence_parallel=True)
     with pytest.raises(DynaPipeError, match="needs tp >= 2"):
         compile_plans("1f1b", mbs, MODEL, num_stages=2, tp=1, sequence_parallel=True)
+    # The interleaved compiler too (it floored 101 tokens to messages of 50).
+    from dynapipe.cost.placement import StagePlacement
+    from dynapipe.plan.compile_chunked import compile_interleaved_1f1b
+
+    layouts = StagePlacement.even(MODEL, 2, 2).virtual_layouts()
+    with pytest.raises(DynaPipeError, match="micro-batch 0 is padded to 101 tokens"):
+        compile_interleaved_1f1b([MicroBatch(samples=[i], seqlen=101, real_tokens=101) for i in range(4)], MODEL,
+                                 layouts, 2, tp=2, sequence_parallel=True)
 
 
 def test_planner_settings_build_a_tp_cost_model():

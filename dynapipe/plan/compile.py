@@ -164,6 +164,17 @@ def _info(i: int, mb: MicroBatch) -> MicroBatchInfo:
                       dec_seqlen=int(mb.dec_seqlen), loss_tokens=int(mb.planned_loss_tokens), rows=rows)
 
 
+def check_sequence_shards(infos, shards: int) -> None:
+    """Refuse a micro-batch (plan ``MicroBatchInfo``) whose padded lengths sequence parallelism
+    cannot split evenly over ``shards`` tensor-parallel ranks (message shapes would be floored)."""
+    bad = next((i for i in infos if i.seqlen % shards or i.dec_seqlen % shards), None)
+    if bad is not None:
+        length = bad.seqlen if bad.seqlen % shards else bad.dec_seqlen
+        raise DynaPipeError(f"micro-batch {bad.mb} is padded to {length} tokens, which sequence parallelism "
+                            f"cannot split over {shards} tensor-parallel ranks; pad micro-batches to multiples "
+                            f"of {shards} (the planner does under sequence parallelism).")
+
+
 def check_micro_batches(caller: str, micro_batches: Sequence[MicroBatch], model: ModelConfig) -> None:
     """Refuse, naming the micro-batch, what no stage could run: no samples (or one that is not
     an index; a micro-batch of packed rows may hold padding rows only, as the fixed-shape
@@ -321,11 +332,7 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
     else:
         ends = [np.asarray(e, dtype=np.float64) for e in timeline.ends]
     infos = tuple(_info(i, mb) for i, mb in enumerate(mbs_list))
-    bad = next((i for i in infos if i.seqlen % shards or i.dec_seqlen % shards), None)
-    if bad is not None:
-        raise DynaPipeError(f"micro-batch {bad.mb} is padded to {bad.seqlen} tokens, which sequence parallelism "
-                            f"cannot split over {shards} tensor-parallel ranks; pad micro-batches to multiples "
-                            f"of {shards} (the planner does under sequence parallelism).")
+    check_sequence_shards(infos, shards)
     loss = sum(i.loss_tokens for i in infos)
     if global_loss_tokens is None:
         if num_replicas > 1:

@@ -52,7 +52,8 @@ def compile_chunked_plans(schedule: Schedule, micro_batches: Sequence[MicroBatch
     (:meth:`~dynapipe.cost.placement.StagePlacement.virtual_layouts`). ``tp`` /
     ``sequence_parallel``: as for :func:`~dynapipe.plan.compile.compile_plans` (recorded in
     ``meta``; under sequence parallelism messages are sequence shards)."""
-    from dynapipe.plan.compile import check_micro_batches, input_specs, message_specs, tensor_parallel_layout
+    from dynapipe.plan.compile import (check_micro_batches, check_sequence_shards, input_specs, message_specs,
+                                       tensor_parallel_layout)
 
     shards, tp_meta = tensor_parallel_layout("compile_chunked_plans", tp, sequence_parallel)
     P, v = schedule.num_stages, schedule.num_chunks
@@ -68,6 +69,7 @@ def compile_chunked_plans(schedule: Schedule, micro_batches: Sequence[MicroBatch
     check_micro_batches("compile_chunked_plans", mbs_list, model)
     whole_number("compile_chunked_plans: iteration", iteration, at_least=0)
     infos = tuple(_info(i, mb) for i, mb in enumerate(mbs_list))
+    check_sequence_shards(infos, shards)
     loss = sum(i.loss_tokens for i in infos)
     if global_loss_tokens is None:
         if num_replicas > 1:
