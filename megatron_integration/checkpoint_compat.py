@@ -73,10 +73,35 @@ def model_mismatch(ckpt_args, cfg, mine: Optional[dict] = None,
     for name, value in (mine or model_values(cfg)).items():
         theirs = getattr(ckpt_args, name, None)
         if theirs is not None and theirs != value:
+            if name == "padded_vocab_size":
+                return _vocab_mismatch(theirs, value, ckpt_args, cfg)
             if name in FLAG_OF:
                 return f"{name} {theirs} in the checkpoint, {value} here: {FLAG_OF[name]}"
             return f"--{name.replace('_', '-')} {theirs} in the checkpoint, {value} here"
     return _gelu_mismatch(ckpt_args, m)
+
+
+def _vocab_mismatch(theirs: int, mine: int, ckpt_args, cfg) -> str:
+    """Why the embedding's rows differ. Megatron-LM pads the vocabulary to a multiple of
+    ``--make-vocab-size-divisible-by x TP``, so the same ``--vocab-size`` (or tokenizer) saved
+    at another TP size can pad to other rows: name the divisor that reproduces the checkpoint's."""
+    base = getattr(cfg, "base", cfg)  # a T5 config wraps the shared one
+    unpadded = getattr(base.model, "unpadded_vocab_size", 0)
+    tp = base.parallel.tensor_model_parallel_size
+    their_tp = getattr(ckpt_args, "tensor_model_parallel_size", None)
+    head = f"padded_vocab_size {theirs} in the checkpoint, {mine} here"
+    if not unpadded or their_tp in (None, tp) or unpadded > theirs:
+        return f"{head}: --vocab-size (or the tokenizer)"
+    # Divisors that pad this vocabulary to the saved rows at this TP, largest first, powers of two
+    # (the alignments Megatron-LM users pick) before the rest.
+    fits = sorted((d for d in range(theirs // tp, 0, -1) if theirs % (d * tp) == 0 and theirs - unpadded < d * tp),
+                  key=lambda d: (d & (d - 1) != 0, -d))
+    if not fits:
+        return (f"{head}: the {unpadded}-id vocabulary was padded for TP {their_tp}, and no "
+                f"--make-vocab-size-divisible-by pads it to {theirs} rows at TP {tp}; resume at TP {their_tp}")
+    return (f"{head}: the {unpadded}-id vocabulary was padded to a multiple of --make-vocab-size-divisible-by x TP "
+            f"at TP {their_tp}; add --make-vocab-size-divisible-by {fits[0]} to pad it to the same {theirs} rows "
+            f"at TP {tp}")
 
 
 def _gelu_mismatch(ckpt_args, m) -> Optional[str]:

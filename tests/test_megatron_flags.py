@@ -178,6 +178,31 @@ def test_vocabulary_is_padded_as_megatron_pads_it():
     assert parse("").model.vocab_size == 384  # the byte-level tokenizer's ids, already a multiple of 128
 
 
+def test_a_checkpoint_padded_at_another_tp_size_names_the_divisor_that_loads_it():
+    # --vocab-size 300 pads to 384 at TP1 and 512 at TP2: resuming at TP2 was refused as a
+    # --vocab-size mismatch, though the arguments were the same.
+    from types import SimpleNamespace
+
+    from megatron_integration.checkpoint_compat import model_mismatch
+
+    tp2 = "--vocab-size 300 --tensor-model-parallel-size 2"
+    cfg = parse(tp2, world=2)
+    saved = SimpleNamespace(padded_vocab_size=384, tensor_model_parallel_size=1)
+    why = model_mismatch(saved, cfg)
+    assert why == ("padded_vocab_size 384 in the checkpoint, 512 here: the 300-id vocabulary was padded to a multiple "
+                   "of --make-vocab-size-divisible-by x TP at TP 1; add --make-vocab-size-divisible-by 64 to pad it "
+                   "to the same 384 rows at TP 2")
+    assert parse(f"{tp2} --make-vocab-size-divisible-by 64", world=2).model.vocab_size == 384
+    # At the same TP size a different row count is another vocabulary.
+    assert model_mismatch(SimpleNamespace(padded_vocab_size=640, tensor_model_parallel_size=2), cfg).endswith(
+        "--vocab-size (or the tokenizer)")
+    # Saved unpadded (--make-vocab-size-divisible-by 1, 301 rows): no divisor splits 301 rows over
+    # 2 TP ranks, so resume at the saved size.
+    odd = SimpleNamespace(padded_vocab_size=301, tensor_model_parallel_size=1)
+    assert model_mismatch(odd, parse("--vocab-size 301 --tensor-model-parallel-size 2", world=2)).endswith(
+        "no --make-vocab-size-divisible-by pads it to 301 rows at TP 2; resume at TP 1")
+
+
 @pytest.mark.parametrize("argv", [["--wandb-project=gpt"], ["--fp8-format", "hybrid"],
                                   ["--dataloader-type", "cyclic"], ["--ddp-average-in-collective"],
                                   ["--relative-attention-num-buckets", "32"], ["--fp16-lm-cross-entropy"],
