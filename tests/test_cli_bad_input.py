@@ -324,6 +324,13 @@ def test_advise_library_refuses_a_limit_below_the_reserved_memory():
     (["--output", "OUT", "--mock-data"], "--mock-data is a training flag"),
     (["--output", "OUT", "--recompute-activations"], "--recompute-activations is a training flag"),
     (["--output", "OUT", "--no-check-for-nan-in-loss-and-grad"], "--no-check-for-nan-in-loss-and-grad is a training"),
+    # Layouts the profile does not measure (it picks its own backend and measures one TP group).
+    (["--output", "OUT", "--context-parallel-size", "2"], "--context-parallel-size 2 is a training flag"),
+    (["--output", "OUT", "--expert-model-parallel-size", "4"], "--expert-model-parallel-size 4 is a training flag"),
+    (["--output", "OUT", "--distributed-backend", "nccl"], "--distributed-backend nccl is a training flag"),
+    # A grid nobody typed is named by what set it.
+    (["--output", "OUT", "--seq-length", "4096"],
+     "--seq-length 4096 (the --seqlens grid's top) reaches 4096 tokens, beyond the max_seq_length 1024"),
 ])
 def test_profile_refuses_before_measuring(tmp_path, capsys, monkeypatch, extra, message):
     pytest.importorskip("torch")

@@ -134,6 +134,22 @@ def test_training_compares_the_gpu_model_when_the_device_is_named(tmp_path):
         parse_training_args(argv + ["--dynapipe-device", "a100-40gb"], 1, cuda=True)
 
 
+@pytest.mark.parametrize("name, model", [("NVIDIA A100-SXM4-40GB", "a100"), ("NVIDIA H100 80GB HBM3", "h100"),
+                                         ("Tesla T4", "t4"), ("NVIDIA L4", "l4"), ("NVIDIA GH200 480GB", "gh200"),
+                                         ("NVIDIA RTX A6000", "a6000"), ("NVIDIA L40S", "l40s"), ("a100-40gb", "a100"),
+                                         ("cpu", None)])
+def test_gpu_models_are_read_from_device_names(name, model):
+    # One-digit and two-letter models (T4, L4, GH200, A6000) read as none, so a profile of
+    # such a GPU priced an A100 unquestioned.
+    from dynapipe.config import load_device_config
+    from dynapipe.cost.profile_device import check_profile_device, gpu_model
+
+    assert gpu_model(name) == model
+    if model not in (None, "a100"):
+        with pytest.raises(DynaPipeError, match="a100"):
+            check_profile_device({"device": name}, load_device_config("a100-40gb"), "p.json", compare_model=True)
+
+
 def test_the_profile_command_measures_up_to_the_models_longest_length():
     from dynapipe.cli.profile import DEFAULT_SEQLENS, default_seqlens
 

@@ -320,8 +320,9 @@ for name, part in (("layer", gpt.layer), ("ends", gpt.ends), ("encoder", t5.enco
 
 
 @pytest.mark.parametrize("given, expected", [
-    ([], (0.0, 0.05, "rope")),  # nothing given: the config's
-    (["--hidden-dropout", "0.1", "--position-embedding-type", "learned_absolute"], (0.1, 0.05, "learned_absolute")),
+    ([], (0.0, 0.05, "rope", "RMSNorm")),  # nothing given: the config's
+    (["--hidden-dropout", "0.1", "--position-embedding-type", "learned_absolute", "--normalization", "LayerNorm"],
+     (0.1, 0.05, "learned_absolute", "LayerNorm")),
 ])
 def test_profile_takes_dropout_and_positions_from_the_config_unless_given(tmp_path, given, expected):
     # An explicit flag at Megatron's default value holds against the config; it used to be
@@ -331,17 +332,20 @@ def test_profile_takes_dropout_and_positions_from_the_config_unless_given(tmp_pa
     from dynapipe.cli import profile
 
     config = tmp_path / "m.yaml"
-    config.write_text(open("configs/models/gpt-tiny.yaml").read()
-                      + "hidden_dropout: 0.0\nattention_dropout: 0.05\nposition_embedding_type: rope\n")
+    tiny = "".join(line for line in open("configs/models/gpt-tiny.yaml") if not line.startswith("dtype:"))
+    config.write_text(tiny + "hidden_dropout: 0.0\nattention_dropout: 0.05\nposition_embedding_type: rope\n"
+                      "normalization: RMSNorm\ndtype: fp16\n")
     parser = argparse.ArgumentParser()
     profile.add_arguments(parser)
     args = parser.parse_args(["--output", "p.json", "--model", str(config)] + given)
     profile.fill_from_model_config(args)
-    assert (args.hidden_dropout, args.attention_dropout, args.position_embedding_type) == expected
+    assert (args.hidden_dropout, args.attention_dropout, args.position_embedding_type, args.normalization) == expected
+    # The config's precision, fp16 too (it was measured in fp32, and then refused for the model).
+    assert args.fp16 and not args.bf16
     bare = parser.parse_args(["--output", "p.json"])  # no config: Megatron's defaults
     profile.fill_from_model_config(bare)
-    assert (bare.hidden_dropout, bare.attention_dropout, bare.position_embedding_type) == (0.1, 0.1,
-                                                                                          "learned_absolute")
+    assert (bare.hidden_dropout, bare.attention_dropout, bare.position_embedding_type, bare.normalization) == (
+        0.1, 0.1, "learned_absolute", "LayerNorm")
 
 
 def test_profile_refuses_what_a_t5_profile_would_not_measure(tmp_path, capsys, monkeypatch):

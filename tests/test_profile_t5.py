@@ -488,3 +488,40 @@ def test_derived_recompute_levels_of_a_tensor_parallel_t5_profile_are_per_rank()
     # replicated part weighs more against a rank's heads), a larger one with it.
     sel = [float(cm.stage_cost(b, s, d, recompute="selective", stage=0).stored_mib) for cm in (one, tp2, sp2)]
     assert sel[1] > sel[0] and sel[2] < sel[1]
+
+
+def test_a_t5_profile_fits_its_defaults_to_the_model(tmp_path, monkeypatch):
+    # A model of 128 tokens: the default decoder grid stops there (it reached 256, and the error
+    # blamed --dec-seqlens, which nobody typed); a --vocab-file is T5's WordPiece, as
+    # pretrain_t5.py reads it (GPT-2's BPE asked for --merge-file).
+    import dynapipe.cli.profile as cli
+
+    config = tmp_path / "t5.yaml"
+    config.write_text("name: t5-128\narch: t5\nnum_layers: 2\nencoder_layers: 1\ndecoder_layers: 1\n"
+                      "hidden_size: 64\nnum_attention_heads: 4\nffn_hidden_size: 256\nvocab_size: 512\n"
+                      "max_seq_length: 128\ndtype: fp32\n")
+    assert cli.default_dec_seqlens(str(config)) == "32,64,128" and cli.default_dec_seqlens(None) == "32,64,128,256"
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(200)]) + "\n")
+    seen = {}
+
+    def measured(args, model, mbs, seqlens, dec_seqlens):
+        seen.update(dec=dec_seqlens, tokenizer=args.tokenizer_type, vocab=model.unpadded_vocab_size)
+        return 0
+    monkeypatch.setattr(cli, "_run_t5", measured)
+    from dynapipe.cli import main
+
+    assert main(["profile", "--output", str(tmp_path / "p.json"), "--model", str(config), "--mbs", "1"]) == 0
+    assert seen["dec"] == [32, 64, 128]
+    assert main(["profile", "--output", str(tmp_path / "p.json"), "--t5", "--hidden-size", "64",
+                 "--num-attention-heads", "4", "--vocab-file", str(vocab), "--mbs", "1", "--seqlens", "64,128"]) == 0
+    assert seen["tokenizer"] == "BertWordPieceLowerCase" and seen["vocab"] >= 205
+
+
+@pytest.mark.parametrize("axis, values", [("seqlen", [64, float("nan")]), ("mbs", [1, float("nan")]),
+                                          ("seqlen", [64, float("inf")]), ("mbs", [True, 2])])
+def test_grid_axes_that_are_not_finite_numbers_are_refused(axis, values):
+    data = t5_profile()
+    data[axis] = values
+    with pytest.raises(DynaPipeError, match=f"'{axis}' must be a non-empty list of .*positive numbers"):
+        ProfileCostModel(T5, data, num_stages=2)

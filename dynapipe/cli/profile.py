@@ -63,7 +63,7 @@ def add_arguments(p) -> None:
 
 # Megatron's defaults of the layer flags a model config may also set.
 MEGATRON_LAYER_DEFAULTS = {"hidden_dropout": 0.1, "attention_dropout": 0.1,
-                           "position_embedding_type": "learned_absolute"}
+                           "position_embedding_type": "learned_absolute", "normalization": "LayerNorm"}
 
 
 def _grid(text: str, flag: str, at_least: int = 1) -> list[int]:
@@ -127,8 +127,6 @@ def fill_from_model_config(args) -> None:
             setattr(args, key, value)
     # The layer kind too (the cost model refuses a profile of another kind): a switch the
     # config turns on is turned on, unless given otherwise on the command line.
-    if args.normalization == "LayerNorm":
-        args.normalization = cfg.normalization
     args.swiglu = args.swiglu or cfg.gated_linear_unit
     args.disable_bias_linear = args.disable_bias_linear or not cfg.add_bias_linear
     args.add_qkv_bias = args.add_qkv_bias or cfg.add_qkv_bias
@@ -136,9 +134,9 @@ def fill_from_model_config(args) -> None:
     args.attention_softmax_in_fp32 = args.attention_softmax_in_fp32 or cfg.attention_softmax_in_fp32
     if cfg.num_query_groups and not args.group_query_attention:
         args.group_query_attention, args.num_query_groups = True, cfg.num_query_groups
-    if cfg.dtype == "bf16" and not args.fp16 and not args.bf16:
+    if cfg.dtype in ("bf16", "fp16") and not args.fp16 and not args.bf16:
         # Measured in the precision the model trains in, on a CPU too: a profile prices only that.
-        args.bf16 = True
+        setattr(args, cfg.dtype, True)
 
 
 # Megatron argument groups the profile reads nothing of (it measures layers, it does not
@@ -156,7 +154,9 @@ UNREAD_FLAGS = ("--micro-batch-size", "--global-batch-size", "--train-iters", "-
                 "--decoder-last-pipeline-num-layers", "--account-for-embedding-in-pipeline-split",
                 "--account-for-loss-in-pipeline-split", "--pipeline-model-parallel-layout",
                 "--no-overlap-p2p-communication", "--data-path", "--mock-data", "--data-cache-path",
-                "--no-mmap-bin-files", "--num-workers")
+                "--no-mmap-bin-files", "--num-workers",
+                # The profile picks its own backend (gloo on CPUs) and measures one TP group.
+                "--distributed-backend", "--context-parallel-size", "--expert-model-parallel-size")
 
 
 def refuse_unread_training_flags(args) -> None:
@@ -200,17 +200,31 @@ def check_output(path: str) -> None:
         raise DynaPipeError(f"--output {path}: directory {out_dir} is not writable; write the profile elsewhere.")
 
 
-def check_grid_lengths(model_name, seqlens: list[int], dec_seqlens: list[int]) -> None:
+def default_dec_seqlens(model_name) -> str:
+    """The ``--dec-seqlens`` grid when none is given: :data:`DEFAULT_DEC_SEQLENS` up to the
+    ``--model`` config's max_seq_length (itself the last point when shorter)."""
+    grid = [int(v) for v in DEFAULT_DEC_SEQLENS.split(",")]
+    if model_name is not None:
+        from dynapipe.config import load_model_config
+
+        top = load_model_config(model_name, flag="--model").max_seq_length
+        grid = [s for s in grid if s < top] + ([top] if top <= grid[-1] else [])
+    return ",".join(map(str, grid if len(grid) > 1 else [max(grid[0] // 2, 2), grid[0]]))
+
+
+def check_grid_lengths(model_name, seqlens: list[int], dec_seqlens: list[int],
+                       flags: tuple[str, str] = ("--seqlens", "--dec-seqlens")) -> None:
     """Refuse grid lengths above the ``--model`` config's max_seq_length: the planner never
     prices longer sequences for it, and measuring one can need far more memory than the
-    machine has (attention scores grow with the square of the length)."""
+    machine has (attention scores grow with the square of the length). ``flags``: what set
+    each grid, as the error names it."""
     if model_name is None:
         return
     from dynapipe.config import load_model_config
     from dynapipe.errors import DynaPipeError
 
     cfg = load_model_config(model_name, flag="--model")
-    for flag, grid in (("--seqlens", seqlens), ("--dec-seqlens", dec_seqlens)):
+    for flag, grid in zip(flags, (seqlens, dec_seqlens)):
         if grid and max(grid) > cfg.max_seq_length:
             raise DynaPipeError(f"{flag} reaches {max(grid)} tokens, beyond the max_seq_length {cfg.max_seq_length} "
                                 f"of --model {model_name}; measure lengths up to {cfg.max_seq_length}.")
@@ -271,6 +285,11 @@ def run(args) -> int:
     args.seq_length = _one_of(args, "seq-length", "encoder-seq-length")
     typed_seq_length, typed_num_layers = args.seq_length, args.num_layers
     fill_from_model_config(args)
+    # The tokenizer a --vocab-file means, as the training script of the kind would read it
+    # (T5's WordPiece, not GPT-2's BPE, which would also need --merge-file).
+    from megatron_integration.tokenizer import resolve_tokenizer_type
+
+    resolve_tokenizer_type(args, "BertWordPieceLowerCase" if args.t5 else "GPT2BPETokenizer")
     if args.t5 and typed_num_layers is not None:
         raise DynaPipeError(f"--num-layers {typed_num_layers}: a T5 profile measures one encoder and one decoder "
                             f"layer, which any layer count prices; drop it.")
@@ -280,8 +299,12 @@ def run(args) -> int:
     seqlens = _grid(args.seqlens or default_seqlens(args.model, typed_seq_length), "--seqlens", at_least=2)
     if args.dec_seqlens is not None and not args.t5:
         raise DynaPipeError("--dec-seqlens measures T5 decoder lengths; add --t5 (or --model with a T5 config).")
-    dec_seqlens = _grid(args.dec_seqlens or DEFAULT_DEC_SEQLENS, "--dec-seqlens", at_least=2) if args.t5 else []
-    check_grid_lengths(args.model, seqlens, dec_seqlens)
+    dec_seqlens = _grid(args.dec_seqlens or default_dec_seqlens(args.model), "--dec-seqlens", at_least=2) \
+        if args.t5 else []
+    # Named as the user set them: a grid nobody typed is --seq-length's, or the default.
+    seq_flag = "--seqlens" if args.seqlens else (f"--seq-length {typed_seq_length} (the --seqlens grid's top)"
+                                                 if typed_seq_length is not None else "the default --seqlens grid")
+    check_grid_lengths(args.model, seqlens, dec_seqlens, (seq_flag, "--dec-seqlens"))
     if args.repeats < 1 or args.warmup < 0:
         raise DynaPipeError("--repeats must be >= 1 and --warmup >= 0.")
     cuda = torch.cuda.is_available()

@@ -15,8 +15,9 @@ from typing import Any, Mapping, Optional
 from dynapipe.config import DeviceConfig
 from dynapipe.errors import DynaPipeError
 
-# One letter and two or three digits, optionally a letter: a100, h100, h200, v100, l40s, a10g, b200.
-_GPU_MODEL = re.compile(r"[a-z]\d{2,3}[a-z]?")
+# One or two letters and one to four digits, optionally a letter: a100, h100, h200, v100, l40s,
+# a10g, b200, gh200, t4, l4, a6000, mi300x (not sxm4, hbm3 or 80gb).
+_GPU_MODEL = re.compile(r"[a-z]{1,2}\d{1,4}[a-z]?")
 
 
 def _words(name: str) -> list[str]:

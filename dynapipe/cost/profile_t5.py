@@ -59,10 +59,11 @@ def profile_kind(data: Mapping[str, Any]) -> str:
 
 def check_grid(data: Mapping[str, Any], axis: str, source: str, what: str = "") -> None:
     """Refuse a grid axis of a profile (``mbs``, ``seqlen``, ``dec_seqlen``) that is not a
-    non-empty, strictly ascending list of positive numbers; ``what`` is appended to the
-    first error (e.g. what the axis counts)."""
+    non-empty, strictly ascending list of finite positive numbers (NaN passed every comparison
+    and priced NaN); ``what`` is appended to the first error (e.g. what the axis counts)."""
     grid = data.get(axis)
-    if not isinstance(grid, list) or not grid or any(not isinstance(v, (int, float)) or v <= 0 for v in grid):
+    if not isinstance(grid, list) or not grid or any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or v <= 0 for v in grid):
         raise DynaPipeError(f"{source}: {axis!r} must be a non-empty list of positive numbers{what}.")
     if any(b <= a for a, b in zip(grid, grid[1:])):
         raise DynaPipeError(f"{source}: {axis!r} grid {grid} must be strictly ascending.")
