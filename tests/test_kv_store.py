@@ -172,6 +172,24 @@ def test_redis_answers_that_waiting_cannot_change_fail_at_once(redis_server):
     assert time.monotonic() - t0 < 5
 
 
+def test_a_redis_out_of_memory_is_a_one_line_error(redis_server):
+    # A command the server refuses (maxmemory reached) came out as redis' own exception, a
+    # traceback on every rank.
+    kv = redis_server.connect()
+    try:
+        kv.client.config_set("maxmemory", "1mb")
+        kv.client.config_set("maxmemory-policy", "noeviction")
+        with pytest.raises(DynaPipeError, match=r"^Redis at 127\.0\.0\.1:\d+ \(db 0\) refused a command: .*maxmemory.*"
+                                                r"raise its maxmemory") as e:
+            for i in range(8):
+                kv.set(f"oom-test/{i}", b"x" * (512 << 10))
+        assert "\n" not in str(e.value)
+    finally:
+        kv.client.config_set("maxmemory", "0")
+        kv.client.flushdb()
+        kv.close()
+
+
 def test_a_lost_redis_costs_one_retry_window_not_one_per_call(redis_server):
     # After the window ran out, the failure report and the clean-up that follow must not each
     # wait it out again (a planner rank took 4 windows to exit); a server back again is used.

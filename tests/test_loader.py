@@ -35,6 +35,14 @@ def dataset():
     return MixtureDataset(N, 11, LengthLimits(SEQ), vocab_size=512)
 
 
+class SlowDataset(MixtureDataset):
+    """Reads every sample slowly, as a slow file system would."""
+
+    def _read(self, idx, input_len, target_len):
+        time.sleep(0.02)
+        return super()._read(idx, input_len, target_len)
+
+
 class ExplodingDataset(MixtureDataset):
     """Fails reading one sample, as a corrupt file would."""
 
@@ -261,6 +269,40 @@ def test_crashing_worker_surfaces_its_traceback():
     assert wait_gone(pids, 5) == []
 
 
+def test_a_worker_killed_while_this_rank_is_elsewhere_is_reported_to_the_store():
+    # The planner rank may be in a step's transfers, not in the loader, when its worker dies
+    # (after publishing this rank's payload): the other ranks waited out the plan timeout.
+    dl = make_loader(num_workers=1)
+    try:
+        next(dl)
+        os.kill(dl.worker_pids[0], signal.SIGKILL)
+        deadline, text = time.monotonic() + 10, None
+        while text is None and time.monotonic() < deadline:  # no next(): this rank is elsewhere
+            text = dl._kv.get(dl.keys.error)
+            time.sleep(0.1)
+        assert text is not None, "nothing told the other ranks"
+        assert "planner worker 0" in text.decode() and "killed by signal 9" in text.decode()
+        with pytest.raises(DynaPipeError, match="killed by signal 9"):  # at the first payload it never wrote
+            for _ in range(10):
+                next(dl)
+    finally:
+        dl.close()
+
+
+def test_a_plan_timeout_is_raised_again_by_every_later_next():
+    # A caller that retried got a fresh timeout, then data: one rank going on where the others stopped.
+    dl = make_loader(ds=SlowDataset(N, 11, LengthLimits(SEQ), vocab_size=512), plan_timeout_s=0.1)
+    try:
+        with pytest.raises(DynaPipeError, match="did not arrive within 0.1 s") as first:
+            next(dl)
+        time.sleep(2.0)  # the plan arrives meanwhile
+        with pytest.raises(DynaPipeError) as again:
+            next(dl)
+        assert again.value is first.value
+    finally:
+        dl.close()
+
+
 def test_workers_exit_when_the_training_process_is_killed():
     code = (f"import sys, time\nsys.path.insert(0, {TESTS_DIR!r})\n"
             "from test_loader import make_loader\n"
@@ -295,6 +337,9 @@ def test_config_and_layout_errors():
             LoaderConfig(global_batch_size=4, redis_port=port).validate()
     with pytest.raises(DynaPipeError, match="^redis_db -1: a Redis database number is 0 or more"):
         LoaderConfig(global_batch_size=4, redis_db=-1).validate()
+    # No rank would plan, and every rank would wait out the plan timeout naming a node 0.
+    with pytest.raises(DynaPipeError, match="^--dynapipe-planner-nodes -1: must be non-negative"):
+        LoaderConfig(global_batch_size=4, planner_nodes=-1).validate()
     with pytest.raises(DynaPipeError, match="disagree with the rank layout"):
         DynaPipeDataLoader(LoaderConfig(global_batch_size=4), dataset(), planner_settings(stages=2), RankLayout(),
                            store=default_store_for_single_process())

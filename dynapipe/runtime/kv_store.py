@@ -132,6 +132,11 @@ class RedisKV(KVStore):
                     raise StoreUnreachableError(self._lost) from None
                 time.sleep(min(delay, max(deadline - now, 0.0)))
                 delay = min(delay * 2, 1.0)
+            except redis.exceptions.ResponseError as e:
+                # The server refused the command: out of memory under --maxmemory, most often.
+                raise DynaPipeError(f"{self.address} refused a command: {' '.join(str(e).split())[:200].rstrip('.')}. "
+                                    f"If it is out of memory, raise its maxmemory (with the noeviction policy, "
+                                    f"so no plan is evicted unread) or lower --dynapipe-prefetch.") from None
 
     def set(self, key: str, value: bytes) -> None:
         self._call(lambda: self.client.set(key, value, ex=self.ttl_s))

@@ -33,7 +33,7 @@ from dynapipe.runtime.kv_store import KVStore, KVStoreSpec, TorchStoreKV, delete
 from dynapipe.runtime.loader_config import LoaderConfig, RankLayout
 from dynapipe.runtime.plan_fetcher import IterationData, IterationMeta, PayloadFetcher
 from dynapipe.runtime.plan_source import PlannerSettings, check_planner_settings
-from dynapipe.runtime.planner_workers import Keyspace, PlannerPool, PlannerWorkerError, WorkerJob
+from dynapipe.runtime.planner_workers import Keyspace, PlannerPool, PlannerWorkerError, WorkerJob, watch_workers
 from dynapipe.runtime.store_watch import RestartWatcher
 
 __all__ = ["DynaPipeDataLoader", "LoaderConfig", "RankLayout", "IterationData", "IterationMeta"]
@@ -100,6 +100,8 @@ class DynaPipeDataLoader:
         self._lock = threading.Lock()  # _dispatched is also read by the restart watcher
         self._replanned_from: Optional[int] = None
         self._closed = False
+        self._watch_stop = threading.Event()  # ends the planner workers' watcher
+        self._timed_out: Optional[DynaPipeError] = None  # a plan timeout, raised again by every later next()
         self._fetcher: Optional[PayloadFetcher] = None
         num_planner_nodes = config.planner_nodes or layout.num_nodes
         self._planner_nodes = min(num_planner_nodes, layout.num_nodes)
@@ -147,6 +149,10 @@ class DynaPipeDataLoader:
         job = WorkerJob(dataset, sampler, c.consumed_samples, c.start_iteration, self.planner, spec,
                         self.keys, self.layout.node, self._replicas_here())
         self._pool = PlannerPool(job, c.num_workers)
+        # A worker killed after publishing this rank's payload would otherwise go unreported:
+        # this rank is in the step's transfers, not here, and the others wait out the timeout.
+        threading.Thread(target=watch_workers, args=(self._pool, spec, self.keys.error, self._watch_stop),
+                         daemon=True, name="dynapipe-worker-watch").start()
         if spec.backend == "redis":
             self._watcher = RestartWatcher(spec, self._replan_lost, on_error=self._post_error,
                                            keep_alive=self.keys.prefix)
@@ -203,6 +209,8 @@ class DynaPipeDataLoader:
     def __next__(self) -> IterationData:
         if self._closed:
             raise DynaPipeError("the data loader is closed.")
+        if self._timed_out is not None:
+            raise self._timed_out
         it = self._next
         if self._end() is not None and it >= self._end():
             raise StopIteration
@@ -226,11 +234,14 @@ class DynaPipeDataLoader:
             if self._pool is not None:
                 self._check_workers(it)
             if time.monotonic() > deadline:
-                raise DynaPipeError(
+                # Kept: a caller that retries must not get a fresh timeout and then data, going
+                # on where the other ranks stopped.
+                self._timed_out = DynaPipeError(
                     f"the plan of iteration {it} (replica {self.layout.dp_rank}, stage {self.layout.pp_rank}, planned "
                     f"on node {self._planner_of(it)}) did not arrive within {self.config.plan_timeout_s:g} s. "
                     f"The planner workers may be stuck or too slow: raise the plan timeout or the number of "
                     f"planner workers, and check the planner nodes' logs.")
+                raise self._timed_out
         if data.iteration != it:
             raise DynaPipeError(f"expected the plan of iteration {it}, got iteration {data.iteration}.")
         data.meta.wait_ms = (time.perf_counter() - t0) * 1e3
@@ -309,6 +320,7 @@ class DynaPipeDataLoader:
         if self._closed:
             return
         self._closed = True
+        self._watch_stop.set()
         if self._watcher is not None:
             self._watcher.close()
         if self._fetcher is not None:

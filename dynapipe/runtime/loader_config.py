@@ -65,6 +65,9 @@ class LoaderConfig:
             raise DynaPipeError(f"fetch_ahead {self.fetch_ahead}: must be at least 1 iteration.")
         if self.prefetch < 1:
             raise DynaPipeError(f"--dynapipe-prefetch {self.prefetch}: must be at least 1 iteration.")
+        if self.planner_nodes < 0:  # no rank would plan, and every rank would wait out the plan timeout
+            raise DynaPipeError(f"--dynapipe-planner-nodes {self.planner_nodes}: must be non-negative (0: every "
+                                f"node plans).")
         for name, value in (("consumed_samples", self.consumed_samples), ("start_iteration", self.start_iteration),
                             ("train_iters", 0 if self.train_iters is None else self.train_iters)):
             if value < 0:

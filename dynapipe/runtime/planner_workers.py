@@ -200,6 +200,41 @@ def with_flag_names(text: str, flag_names) -> str:
     return text
 
 
+def death_text(node: int, worker: int, proc) -> str:
+    """What to say of planner worker ``worker`` (process ``proc``) that ended without a report."""
+    how = (f"was killed by signal {-proc.exitcode} (out of memory?)" if proc.exitcode < 0 else
+           f"exited with code {proc.exitcode} (its error is on stderr; a script that starts the loader "
+           f"outside `if __name__ == '__main__':` makes every worker exit so)")
+    return f"planner worker {worker} (pid {proc.pid}) on planner node {node} {how}, without a report."
+
+
+def watch_workers(pool: "PlannerPool", store, error_key: str, stop: threading.Event, poll_s: float = 0.5) -> None:
+    """Thread body on a planner rank: when a worker of ``pool`` dies without a report (killed,
+    out of memory) while the pool runs, post why under ``error_key`` of ``store`` (a
+    :class:`~dynapipe.runtime.kv_store.KVStoreSpec`; this thread's own connection), unless an
+    error is there already. The planner rank may be inside a step's transfers by then, not in
+    the loader, so only a watcher tells the ranks awaiting payloads the dead worker never
+    published; each stops at its next missing payload with this text instead of waiting out the
+    plan timeout. A worker that fails with a report posts it itself (exit code 1)."""
+    procs = dict((p.sentinel, (i, p)) for i, p in enumerate(pool.procs))
+    kv = None
+    while procs and not stop.is_set():
+        ready = multiprocessing.connection.wait(list(procs), timeout=poll_s)
+        if stop.is_set() or pool._closed:
+            return
+        for sentinel in ready:
+            i, p = procs.pop(sentinel)
+            if p.exitcode in (0, 1):  # a clean exit, or a failure the worker reported
+                continue
+            try:
+                kv = kv or store.connect()
+                if kv.get(error_key) is None:
+                    kv.set(error_key, death_text(pool.job.node, i, p).encode())
+            except Exception as e:  # noqa: BLE001 - the store may be gone too; the loader's check still raises
+                print(f"dynapipe: could not report a dead planner worker to the store ({type(e).__name__}: {e})",
+                      file=sys.stderr, flush=True)
+
+
 class PlannerPool:
     """The worker processes of one planner node and their two queues."""
 
@@ -271,11 +306,7 @@ class PlannerPool:
                 except queue.Empty:
                     pass
                 self._drain()
-                how = (f"was killed by signal {-p.exitcode} (out of memory?)" if p.exitcode < 0 else
-                       f"exited with code {p.exitcode} (its error is on stderr; a script that starts the loader "
-                       f"outside `if __name__ == '__main__':` makes every worker exit so)")
-                raise PlannerWorkerError(f"planner worker {i} (pid {p.pid}) on planner node {self.job.node} "
-                                         f"{how}, without a report.")
+                raise PlannerWorkerError(death_text(self.job.node, i, p))
 
     def close(self, timeout_s: float = 1.0) -> None:
         """Stop every worker: ask, wait ``timeout_s``, then terminate and kill.
