@@ -90,7 +90,15 @@ def _vocab_mismatch(theirs: int, mine: int, ckpt_args, cfg) -> str:
     tp = base.parallel.tensor_model_parallel_size
     their_tp = getattr(ckpt_args, "tensor_model_parallel_size", None)
     head = f"padded_vocab_size {theirs} in the checkpoint, {mine} here"
-    if not unpadded or their_tp in (None, tp) or unpadded > theirs:
+    # Only the same vocabulary, padded the checkpoint's way at its TP size, gives its rows; any
+    # other is another vocabulary, which no divisor may paper over.
+    from dynapipe.config import VOCAB_DIVISIBLE_BY, padded_vocab_size
+
+    their_divisor = getattr(ckpt_args, "make_vocab_size_divisible_by", None) or VOCAB_DIVISIBLE_BY
+    same = (unpadded and their_tp not in (None, tp)
+            and padded_vocab_size(unpadded, their_divisor, their_tp) == theirs
+            and getattr(ckpt_args, "vocab_size", None) in (None, unpadded))
+    if not same:
         return f"{head}: --vocab-size (or the tokenizer)"
     # Divisors that pad this vocabulary to the saved rows at this TP, largest first, powers of two
     # (the alignments Megatron-LM users pick) before the rest.

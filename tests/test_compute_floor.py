@@ -64,9 +64,10 @@ def test_the_floor_grows_with_the_samples_and_averages_over_batches():
     assert mean == pytest.approx((compute_floor_ms(GPT, a) + compute_floor_ms(GPT, b)) / 2)
 
 
-def test_micro_batch_sizes_are_every_size_up_to_the_batch():
+def test_micro_batch_sizes_are_every_small_size_then_powers_of_two_and_the_batch():
     assert micro_batch_sizes(1) == [1]
     assert micro_batch_sizes(12) == list(range(1, 13))
+    assert micro_batch_sizes(200) == list(range(1, 65)) + [128, 200]
 
 
 @pytest.mark.parametrize("n", [3, 5, 6, 7])

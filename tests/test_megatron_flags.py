@@ -193,12 +193,18 @@ def test_a_checkpoint_padded_at_another_tp_size_names_the_divisor_that_loads_it(
                    "of --make-vocab-size-divisible-by x TP at TP 1; add --make-vocab-size-divisible-by 64 to pad it "
                    "to the same 384 rows at TP 2")
     assert parse(f"{tp2} --make-vocab-size-divisible-by 64", world=2).model.vocab_size == 384
+    # Another vocabulary at another TP size is not explained away by a divisor (200 ids would pad
+    # to the saved 384 rows with --make-vocab-size-divisible-by 192).
+    assert model_mismatch(saved, parse("--vocab-size 200 --tensor-model-parallel-size 2", world=2)).endswith(
+        "--vocab-size (or the tokenizer)")
+    assert model_mismatch(SimpleNamespace(padded_vocab_size=384, tensor_model_parallel_size=1, vocab_size=290),
+                          cfg).endswith("--vocab-size (or the tokenizer)")
     # At the same TP size a different row count is another vocabulary.
     assert model_mismatch(SimpleNamespace(padded_vocab_size=640, tensor_model_parallel_size=2), cfg).endswith(
         "--vocab-size (or the tokenizer)")
     # Saved unpadded (--make-vocab-size-divisible-by 1, 301 rows): no divisor splits 301 rows over
     # 2 TP ranks, so resume at the saved size.
-    odd = SimpleNamespace(padded_vocab_size=301, tensor_model_parallel_size=1)
+    odd = SimpleNamespace(padded_vocab_size=301, tensor_model_parallel_size=1, make_vocab_size_divisible_by=1)
     assert model_mismatch(odd, parse("--vocab-size 301 --tensor-model-parallel-size 2", world=2)).endswith(
         "no --make-vocab-size-divisible-by pads it to 301 rows at TP 2; resume at TP 1")
 

@@ -239,6 +239,11 @@ def test_damaged_fields_are_refused_by_name_not_by_a_crash(grid):
     wide = [dataclasses.replace(p, num_replicas=2**31 - 1) for p in flat]
     with pytest.raises(PlanError, match=r"replica\(s\) 2, 3, 4, 5, 6, 7, 8, 9 and 2147483637 more") as e:
         validate_plans(wide)
+    # One plan of a set declaring another layout (stage 4 of 5 among 3-stage plans) was a KeyError.
+    odd = list(grid[0][:2]) + [dataclasses.replace(grid[0][2], num_stages=5, stage=4)]
+    with pytest.raises(PlanError, match="declares a 2 x 5 layout, plan of replica 0 rank 0 a 2 x 3 one") as e:
+        validate_plans(odd, complete=False)
+    _one_line(e)
     # A micro-batch order that is not a list of indices.
     for order in (1, [0, "x"], [0.5, 1]):
         bad = [dataclasses.replace(p, meta=dict(p.meta, mb_order=order)) for p in grid[0]]
@@ -307,3 +312,21 @@ def test_tensor_lists_are_bounded_before_they_are_built(items, rank, needle):
     with pytest.raises(PlanError, match=needle) as e:
         deserialize_plan(_v2(body))
     _one_line(e)
+
+
+def test_the_writer_keeps_the_readers_bounds(grid):
+    # A 65-tensor message validated and serialized, and its bytes were then refused on reading.
+    from dynapipe.plan.instructions import SendActivationStart, TensorSpec
+
+    plan = grid[0][0]
+    k, inst = next((k, i) for k, i in enumerate(plan.instructions) if isinstance(i, SendActivationStart))
+    many = dataclasses.replace(inst, tensors=inst.tensors * 65)
+    rows = list(plan.instructions)
+    rows[k] = many
+    with pytest.raises(PlanError, match="moves or loads 65 tensor.* at most 64") as e:
+        serialize_plan(dataclasses.replace(plan, instructions=tuple(rows)))
+    _one_line(e)
+    deep = dataclasses.replace(inst, tensors=(TensorSpec("x", (1,) * 9, "float32"),))
+    rows[k] = deep
+    with pytest.raises(PlanError, match="of up to 9 dimensions"):
+        serialize_plan(dataclasses.replace(plan, instructions=tuple(rows)))

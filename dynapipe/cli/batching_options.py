@@ -4,7 +4,8 @@
 Which method reads what: ``dynapipe`` sizes its micro-batches itself (neither flag);
 ``padding``, ``padding-mb`` and ``packing`` take ``--micro-batch-size`` (samples, rows
 for packing); ``token-budget`` takes ``--max-tokens``, or without it
-``--micro-batch-size x seq-length`` tokens. ``--seq-length`` is read by every method.
+``--micro-batch-size x seq-length`` tokens (twice that for an encoder-decoder model, input and
+target together). ``--seq-length`` is read by every method.
 """
 from __future__ import annotations
 

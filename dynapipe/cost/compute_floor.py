@@ -23,14 +23,24 @@ from dynapipe.cost.base import CostModel
 from dynapipe.errors import DynaPipeError
 
 
+#: Every micro-batch size up to this one is tried; beyond it, powers of two and the batch itself.
+EVERY_SIZE_UP_TO = 64
+
+
 def micro_batch_sizes(num_samples: int) -> list[int]:
-    """The micro-batch sizes the floor tries: every size from 1 to ``num_samples`` (samples).
-    Every one, not powers of two only: a batching may cut three samples together, and three can
-    cost less per sample than two or four; beyond a profile's grid a micro-batch's fixed cost is
-    paid once (times grow by the last measured step), so the largest can be the cheapest."""
+    """The micro-batch sizes the floor tries (samples): every size up to
+    :data:`EVERY_SIZE_UP_TO` (a batching may cut three samples together, and three can cost less
+    per sample than two or four: powers of two alone gave no floor), then powers of two and
+    ``num_samples`` itself. Beyond measured grids (a few sizes, far below 64) both cost models
+    price a micro-batch as a fixed cost plus a step per sample (the analytic one's efficiency
+    only grows with tokens), so the cost per sample falls with the size and the largest size
+    tried is the cheapest: the sizes between need no pricing (pricing every size up to thousands
+    of samples took seconds and GiBs a batch)."""
     if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
         raise DynaPipeError(f"a global batch of {num_samples!r} samples has no compute floor; give at least one.")
-    return list(range(1, int(num_samples) + 1))
+    n = int(num_samples)
+    powers = {1 << k for k in range(n.bit_length()) if 1 << k <= n}
+    return sorted(set(range(1, min(n, EVERY_SIZE_UP_TO) + 1)) | powers | {n})
 
 
 def compute_floor_ms(cost_model: CostModel, lengths, *, recompute: str = "none",
@@ -55,13 +65,15 @@ def compute_floor_ms(cost_model: CostModel, lengths, *, recompute: str = "none",
         raise DynaPipeError(f"compute floor: a sample length {int(arr.max())} exceeds the model's max_seq_length "
                             f"{cost_model.model.max_seq_length}; truncate the lengths as the run does.")
     sizes = np.asarray(micro_batch_sizes(min(max_micro_batch or len(arr), len(arr))), dtype=np.float64)[:, None]
-    seq = (arr[:, 0] if encdec else arr)[None, :].astype(np.float64)
-    dec = arr[:, 1][None, :].astype(np.float64) if encdec else None
+    # Each distinct length priced once, weighted by how many samples have it.
+    shapes, counts = np.unique(arr.reshape(len(arr), -1), axis=0, return_counts=True)
+    seq = shapes[:, 0][None, :].astype(np.float64)
+    dec = shapes[:, 1][None, :].astype(np.float64) if encdec else None
     total = 0.0
     for stage in range(cost_model.num_stages):
         cost = cost_model.stage_cost(sizes, seq, dec, recompute=recompute, stage=stage)
         per_sample = np.asarray(cost.time_ms, dtype=np.float64) / sizes
-        total += float(per_sample.min(axis=0).sum())
+        total += float(per_sample.min(axis=0) @ counts)
     return total
 
 

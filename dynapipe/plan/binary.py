@@ -90,6 +90,12 @@ def encode_body(plan: ExecutionPlan) -> bytes:
             strings.append(s)
         return i
 
+    # The reader's bounds, kept here too: a plan that serializes reads back.
+    for specs in table.tensor_lists:
+        if len(specs) > MAX_TENSORS_PER_LIST or any(len(t.shape) > MAX_TENSOR_RANK for t in specs):
+            raise PlanError(f"plan of stage {plan.stage} moves or loads {len(specs)} tensor(s) of up to "
+                            f"{max((len(t.shape) for t in specs), default=0)} dimensions in one instruction; a plan "
+                            f"holds at most {MAX_TENSORS_PER_LIST} of at most {MAX_TENSOR_RANK}.")
     list_lens, items, dims = tensor_section(table.tensor_lists, sid, plan.stage)
     sched, rec = sid(plan.schedule), sid(plan.recompute)
     try:

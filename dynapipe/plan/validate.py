@@ -310,6 +310,11 @@ def validate_plans(plans: Sequence[ExecutionPlan], *, complete: bool = True) -> 
         if not 0 <= p.stage < p.num_stages or not 0 <= p.replica < p.num_replicas:
             raise PlanError(f"plan of replica {p.replica} rank {p.stage} is outside the "
                             f"{p.num_replicas} x {p.num_stages} layout.")
+        if (p.num_stages, p.num_replicas) != (plans[0].num_stages, plans[0].num_replicas):
+            raise PlanError(f"plan of replica {p.replica} rank {p.stage} declares a {p.num_replicas} x {p.num_stages} "
+                            f"layout, plan of replica {plans[0].replica} rank {plans[0].stage} a "
+                            f"{plans[0].num_replicas} x {plans[0].num_stages} one; every plan of a set declares the "
+                            f"same layout.")
         g = groups.setdefault(p.replica, {})
         if p.stage in g:
             raise PlanError(f"two plans for replica {p.replica} rank {p.stage}.")
@@ -333,8 +338,6 @@ def validate_plans(plans: Sequence[ExecutionPlan], *, complete: bool = True) -> 
             more = f" and {S - len(g) - len(missing)} more" if S - len(g) > len(missing) else ""
             raise PlanError(f"replica {replica}: no plan for rank(s) {missing}{more} of the {S}-stage pipeline.")
         ordered = [g[s] for s in range(S)]
-        if ordered[0].num_replicas != plans[0].num_replicas or ordered[0].num_stages != S:
-            raise PlanError(f"replica {replica}: its layout differs from replica {plans[0].replica}'s.")
         transfers += _check_group(ordered)
         insts += sum(len(p.instructions) for p in ordered)
     total_mbs = sum(len(groups[r][0].micro_batches) for r in groups)
