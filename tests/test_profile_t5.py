@@ -525,3 +525,20 @@ def test_grid_axes_that_are_not_finite_numbers_are_refused(axis, values):
     data[axis] = values
     with pytest.raises(DynaPipeError, match=f"'{axis}' must be a non-empty list of .*positive numbers"):
         ProfileCostModel(T5, data, num_stages=2)
+
+
+def test_a_stage_of_several_decoder_layers_keeps_one_encoder_output():
+    # Each measured decoder layer keeps the encoder output its cross-attention reads; two layers
+    # of one stage read the same copy (measured on megatron-core's layers: two keep twice one
+    # layer's bytes less one encoder output), so the stage was priced one copy too many.
+    cm = ProfileCostModel(T5, t5_profile(), num_stages=2)  # even split: stage 1 holds both decoder layers
+    b, s, d = 2, 128, 64
+    one = cm.with_placement(StagePlacement.parse("2+1,0+1", T5, 2))
+    two = cm.stage_cost(b, s, d, stage=1).stored_mib
+    single = one.stage_cost(b, s, d, stage=1).stored_mib  # one decoder layer, the output layer
+    layer = float(cm.tables["decoder_layer"]["stored_mib"](b, d, s))
+    encoder_output = b * s * T5.hidden_size * 4 / 2**20
+    # Stage 1 of the even split also embeds the decoder's tokens; 2+1,0+1's stage 1 does not.
+    embed = float(cm.tables["embedding"]["stored_mib"](b, d))
+    assert two - single == pytest.approx(layer - encoder_output + embed)
+    assert cm.stage_cost(b, s, d, stage=1, recompute="full").stored_mib > 0

@@ -244,6 +244,10 @@ def t5_layout_cost(model: ModelConfig, tables: dict, layout: StageLayout, mbs, s
             l_bw = l_bw + l_fw
         fw, bw = fw + n * l_fw, bw + n * l_bw
         stored = stored + n * l_st
+        if op == "decoder_layer" and n > 1:
+            # Each measured decoder layer kept the encoder output its cross-attention reads (its
+            # input); a stage's decoder layers all read the one copy the stage received.
+            stored = stored - (n - 1) * row * s_enc
         peak = np.maximum(peak, t["peak_mib"])
         one_layer = np.maximum(one_layer, t["stored_mib"])
         inputs = inputs + n * row * tokens
