@@ -78,10 +78,26 @@ def _sync(device: torch.device, group=None) -> None:
 def _saved_storage_bytes(fn: Callable[[], torch.Tensor], params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, int]:
     """Run ``fn`` and return its output and the bytes autograd holds for its backward,
     counted as the training ranks count them."""
+    out, saved, _ = _saved_and_inputs(fn, params)
+    return out, saved
+
+
+def _saved_and_inputs(fn: Callable[[], torch.Tensor], params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, int, int]:
+    """:func:`_saved_storage_bytes`, and of those bytes the ones of tensors that existed
+    before ``fn`` ran: its inputs, the tensors its closure holds (the layer's input, the
+    encoder output, token ids). A memory peak measured from before the call does not see them."""
     meter = ActivationMeter(exclude=params)
     with meter.saving():
         out = fn()
-    return out, meter.live_bytes
+    inputs = [v for v in map(_cell, getattr(fn, "__closure__", None) or ()) if isinstance(v, torch.Tensor)]
+    return out, meter.live_bytes, meter.held_bytes(inputs)
+
+
+def _cell(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
 
 
 def measure_op(forward: Callable[[], torch.Tensor], params: Sequence[torch.Tensor], device: torch.device,
@@ -131,7 +147,7 @@ def measure_op(forward: Callable[[], torch.Tensor], params: Sequence[torch.Tenso
     # Memory: one more run, untimed. The parameters' gradients exist before it, as in training
     # (megatron-core's gradient buffers), so the peak counts activations, not the gradients that
     # the model-state budget already holds.
-    out, stored = _saved_storage_bytes(forward, params)
+    out, stored, stored_inputs = _saved_and_inputs(forward, params)
     del out
     for p in params:
         if p.requires_grad:
@@ -155,7 +171,10 @@ def measure_op(forward: Callable[[], torch.Tensor], params: Sequence[torch.Tenso
         peak_total = tracker.peak
     for p in params:
         p.grad = None
-    peak = max(0.0, peak_total - stored)
+    # Beyond what the op stores: the peak was read from before the forward, when its inputs
+    # already existed, so the stored inputs are not in it (subtracting them too left the peak
+    # one layer input short).
+    peak = max(0.0, peak_total - (stored - stored_inputs))
     # The weight part of the fastest backward (the two parts of one run add up to it).
     fastest = int(min(range(len(bw)), key=bw.__getitem__))
     return OpMeasurement(min(fw), bw[fastest], stored / MIB, peak / MIB,

@@ -270,6 +270,23 @@ def test_the_peak_counts_one_gradient_in_flight_not_every_parameters_gradient():
     assert all(p.grad is None for p in net.parameters())
 
 
+def test_the_peak_is_counted_beyond_what_is_stored_inputs_included():
+    # sin() keeps its 4 MiB input; fw + bw hold 20 MiB at their highest, counted from before
+    # the input existed, so 16 MiB beyond the stored input. The input existed before the peak
+    # was read and was subtracted from it anyway: 12 MiB.
+    from megatron_integration.live_memory import LiveMemoryTracker
+
+    x = torch.randn(1 << 20, requires_grad=True)
+    m = measure_op(lambda: x.sin(), [], torch.device("cpu"), repeats=1, warmup=0)
+    with LiveMemoryTracker() as t:
+        y = torch.randn(1 << 20).requires_grad_()
+        out = y.sin()
+        out.backward(torch.randn_like(out))
+        del out
+    assert m.stored_mib == pytest.approx(4.0)
+    assert m.peak_mib == pytest.approx(t.peak / 2**20 - m.stored_mib, abs=0.01)
+
+
 def test_measured_times_are_made_monotone_in_both_axes():
     from megatron_integration.profiler import _monotone
 

@@ -96,6 +96,11 @@ class ActivationMeter:
             self.live_bytes -= entry[1]
             del self._refs[key]
 
+    def held_bytes(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Bytes of the distinct storages of ``tensors`` that this meter counts now."""
+        keys = {storage_key(t) for t in tensors}
+        return sum(self._refs[k][1] for k in keys if k in self._refs)
+
     def holds(self, key: int) -> bool:
         """Whether the storage ``key`` is counted now."""
         return key in self._refs
