@@ -92,15 +92,20 @@ def _worker(ctx):
                          fw_chunks=sorted({c for kind, _, c in handlers.calls if kind == "fw"}),
                          trace_chunks=sorted({e.chunk for e in res.trace.events if e.kind == "F"}),
                          virtual=[virtual_stage(plan, c) for c in range(CHUNKS)], unfreed=res.unfreed_buffers))
-    # Rank 0 expects the wrap-around activation of one micro-batch in its chunk 0 instead of
-    # chunk 1: every rank refuses the iteration before sending.
+    # Rank 0 expects the wrap-around activation of one micro-batch 8 tokens longer than rank 1
+    # sends it, a plan each rank's own check passes: every rank refuses the iteration before
+    # sending, from the exchanged digests. (Received into chunk 0 instead, it has no previous
+    # stage, and rank 0's own check refuses it; tests/test_validate.py.)
     samples, plans = _plans(2, ctx)
     plan = plans[ctx.replica][ctx.stage]
     handlers.samples = samples
     if ctx.stage == 0:
         ins = list(plan.instructions)
         k = next(i for i, x in enumerate(ins) if isinstance(x, RecvActivationStart) and x.chunk == 1)
-        ins[k] = dataclasses.replace(ins[k], chunk=0)
+        longer = tuple(dataclasses.replace(t, shape=(t.shape[0] + 8, *t.shape[1:])) for t in ins[k].tensors)
+        for i, x in enumerate(ins):  # the start and its finish
+            if type(x).__name__.startswith("RecvActivation") and (x.mb, x.chunk) == (ins[k].mb, 1):
+                ins[i] = dataclasses.replace(x, tensors=longer)
         plan = dataclasses.replace(plan, instructions=tuple(ins))
     posted = ex.comm.posted
     try:

@@ -369,3 +369,16 @@ def test_a_message_to_a_rank_that_is_not_the_neighbour_stage_is_refused(cls, sta
         validate_plans([bad if s == stage else p for s, p in enumerate(plans)])
     with pytest.raises(PlanError, match=re.escape(needle)):
         check_plan_locally(bad, stage=stage, num_stages=3)
+
+
+def test_the_first_and_last_virtual_stages_have_no_neighbour_beyond_them():
+    from dynapipe.plan.validate_transfers import neighbour_error
+
+    spec = (TensorSpec("h", (8, 1, 64), "float32"),)
+    first = RecvActivationStart(mb=0, chunk=0, peer=1, buffer="act_in:0:0", tensors=spec)
+    assert neighbour_error(first, 0, 2, 2) == ("virtual stage 0 (chunk 0 of rank 0) has no previous stage to receive "
+                                               "the act of micro-batch 0 from.")
+    # The wrap-around from rank 1's chunk 0 arrives in rank 0's chunk 1 (virtual stage 2).
+    assert neighbour_error(dataclasses.replace(first, chunk=1), 0, 2, 2) == ""
+    last = SendActivationStart(mb=0, chunk=1, peer=0, buffer="act_out:0:1", tensors=spec)
+    assert "virtual stage 3 (chunk 1 of rank 1) has no next stage" in neighbour_error(last, 1, 2, 2)
