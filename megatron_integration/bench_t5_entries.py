@@ -65,7 +65,9 @@ def t5_entries(methods: Sequence[str], sweep: Sequence[int], placement: dict,
                uncalibrated_profile: Optional[str] = None) -> list[T5Entry]:
     """Every run: each baseline at every size of ``sweep``; every method on the bench's
     placement (``placement``, see ``_placement``), on the best contiguous split when that
-    placement is interleaved, and on Megatron's even split when it is not that; each baseline
+    placement is interleaved (on the interleaved one the search compared when it is
+    contiguous: a baseline's stages may balance there when DynaPipe's do not), and on
+    Megatron's even split when it is not that; each baseline
     size also on its own best contiguous split (``placement["baselines"]``, labelled ``-own``)
     where that is none of these (DynaPipe's
     even-split run is ``dynapipe-even``; on the even split itself DynaPipe runs once, for
@@ -74,10 +76,13 @@ def t5_entries(methods: Sequence[str], sweep: Sequence[int], placement: dict,
     placement."""
     chosen = placement["placement"]
     even = ((placement.get("simulated") or {}).get("even") or {}).get("placement")
-    contiguous = (placement.get("search", {}).get("compared") or {}).get("contiguous")
+    compared = placement.get("search", {}).get("compared") or {}
+    contiguous, interleaved = compared.get("contiguous"), compared.get("interleaved")
     splits = [(None, "")]
     if "|" in chosen and contiguous and contiguous != even:
         splits.append((contiguous, "contiguous"))
+    if "|" not in chosen and interleaved:
+        splits.append((interleaved, "interleaved"))
     if even and chosen != even:
         splits.append(("even", "even"))
     # The bench's placement is the even split: one DynaPipe run is both methods' (the same

@@ -91,9 +91,17 @@ def test_bench_t5_every_method_also_runs_contiguous_and_even_and_keeps_its_best(
     # With dynapipe-even asked for, DynaPipe's even run is that method's, run once.
     labels = [e.label for e in t5_entries(["dynapipe", "dynapipe-even"], (1,), placed)]
     assert labels == ["dynapipe", "dynapipe-contiguous", "dynapipe-even"]
-    # A contiguous placement tries the even split beside it; the even split itself nothing more.
+    # A contiguous placement tries the even split beside it, and the interleaved one the search
+    # compared (where packing's stages balanced when DynaPipe's ran faster contiguous); the
+    # even split itself nothing more.
     contiguous = {"placement": "1+0,1+2", "search": {"compared": {"contiguous": "1+0,1+2"}}, "simulated": even}
     assert [e.label for e in t5_entries(["packing"], (1,), contiguous)] == ["packing@mbs1", "packing@mbs1-even"]
+    contiguous["search"]["compared"]["interleaved"] = "1+0,1+0|0+1,0+1"
+    entries = t5_entries(["dynapipe", "packing"], (1,), contiguous)
+    assert [e.label for e in entries] == ["dynapipe", "dynapipe-interleaved", "dynapipe-even", "packing@mbs1",
+                                          "packing@mbs1-interleaved", "packing@mbs1-even"]
+    argv = entries[4].argv(["--dynapipe-placement", "1+0,1+2"])
+    assert argv[argv.index("--dynapipe-placement", 2) + 1] == "1+0,1+0|0+1,0+1"
     on_even = {"placement": "2+0,0+2", "simulated": even}
     assert [e.label for e in t5_entries(["packing"], (1,), on_even)] == ["packing@mbs1"]
     # On the even split, DynaPipe runs once for both of its methods; dynapipe-even alone keeps its run.
