@@ -161,8 +161,8 @@ class DecoderTable:
         # Beyond the longest encoder length every micro-batch size grows as the largest measured
         # one does (the most compute-bound series): one exponent for all sizes keeps more
         # samples never cheaper than fewer, which a power law per size can cross.
-        reference = None if len(self.enc) < 2 else \
-            (self.slices[-2](self.top_mbs, s_dec), self.slices[-1](self.top_mbs, s_dec))
+        beyond = len(self.enc) > 1 and bool(np.any(np.asarray(s_enc) > self.enc[-1]))
+        reference = (self.slices[-2](self.top_mbs, s_dec), self.slices[-1](self.top_mbs, s_dec)) if beyond else None
         return interp_axis(self.enc, [t(b, s_dec) for t in self.slices], s_enc, reference)
 
 
