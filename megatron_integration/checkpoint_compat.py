@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from dynapipe.config import VOCAB_DIVISIBLE_BY, padded_vocab_size
 from dynapipe.errors import DynaPipeError
 from megatron_integration.scheduler_state import UNITS_ARG
 
 
 # The flag that sets a recorded argument, where its name is not the argument's.
-FLAG_OF = {"add_bias_linear": "--disable-bias-linear", "padded_vocab_size": "--vocab-size"}
+FLAG_OF = {"add_bias_linear": "--disable-bias-linear"}  # padded_vocab_size: _vocab_mismatch
 
 
 def model_values(cfg) -> dict:
@@ -92,8 +93,6 @@ def _vocab_mismatch(theirs: int, mine: int, ckpt_args, cfg) -> str:
     head = f"padded_vocab_size {theirs} in the checkpoint, {mine} here"
     # Only the same vocabulary, padded the checkpoint's way at its TP size, gives its rows; any
     # other is another vocabulary, which no divisor may paper over.
-    from dynapipe.config import VOCAB_DIVISIBLE_BY, padded_vocab_size
-
     their_divisor = getattr(ckpt_args, "make_vocab_size_divisible_by", None) or VOCAB_DIVISIBLE_BY
     same = (unpadded and their_tp not in (None, tp)
             and padded_vocab_size(unpadded, their_divisor, their_tp) == theirs

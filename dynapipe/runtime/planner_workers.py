@@ -183,7 +183,7 @@ def worker_main(worker: int, job: WorkerJob, tasks, events) -> None:
                 pass
         events.close()
         events.join_thread()
-        sys.exit(1)
+        sys.exit(REPORTED_EXIT)
 
 
 def _error_text(node: int, worker: int, iteration: Optional[int], tb: str) -> str:
@@ -198,6 +198,10 @@ def with_flag_names(text: str, flag_names) -> str:
     for ours, theirs in flag_names:
         text = re.sub(rf"(?<![\w-]){re.escape(ours)}(?![\w-])", theirs, text)
     return text
+
+
+#: A worker's exit code after it reported its failure (to the pool's events and the store).
+REPORTED_EXIT = 1
 
 
 def death_text(node: int, worker: int, proc) -> str:
@@ -220,11 +224,11 @@ def watch_workers(pool: "PlannerPool", store, error_key: str, stop: threading.Ev
     kv = None
     while procs and not stop.is_set():
         ready = multiprocessing.connection.wait(list(procs), timeout=poll_s)
-        if stop.is_set() or pool._closed:
+        if stop.is_set() or pool.closed:
             return
         for sentinel in ready:
             i, p = procs.pop(sentinel)
-            if p.exitcode in (0, 1):  # a clean exit, or a failure the worker reported
+            if p.exitcode in (0, REPORTED_EXIT):  # a clean exit, or a failure the worker reported
                 continue
             try:
                 kv = kv or store.connect()
@@ -257,6 +261,11 @@ class PlannerPool:
         for p in self.procs:
             p.start()
             self.pids.append(p.pid)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has begun stopping the workers."""
+        return self._closed
 
     def submit(self, iteration: int) -> None:
         """Queue ``iteration`` for the next free worker."""
