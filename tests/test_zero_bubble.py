@@ -389,7 +389,7 @@ def test_auto_sizes_each_schedules_per_stage_recompute_for_its_own_op_order():
     # Between the lightest and the heaviest level's memory, stages recompute per stage; zb-h1's
     # pending weight parts hold more than 1F1B's micro-batches in flight, so its mix is its own.
     from dynapipe.schedule.costs import stage_times_per_replica
-    from dynapipe.schedule.search import per_stage_levels
+    from dynapipe.schedule.recompute_policy import per_stage_levels
 
     cm = build_cost_model(GPT7B, A100, 4)
     reps = [chunked_micro_batches(np.random.default_rng(0).integers(50, 2000, 24), 3)]

@@ -29,13 +29,14 @@ from dynapipe.errors import DynaPipeError, NoScheduleFits, real_number, whole_nu
 from dynapipe.schedule import _kernels as K
 from dynapipe.schedule.adaptive import adaptive_arrays, schedule_from_arrays
 from dynapipe.schedule.costs import StageTimes, stage_times_per_replica
-from dynapipe.schedule.interleaved import (INTERLEAVED, chunk_count, chunk_levels, chunked_inputs,
+from dynapipe.schedule.interleaved import (INTERLEAVED, chunk_count, chunked_inputs,
                                            chunked_split_kernel, interleaved_arrays, schedule_from_chunked_arrays,
                                            virtual_stage_times_per_replica)
 from dynapipe.schedule.interleaved_adaptive import INTERLEAVED_ADAPTIVE, interleaved_adaptive_orders
 from dynapipe.schedule.interleaved_zb import INTERLEAVED_ZB, interleaved_zb_arrays, max_delay_cap
 from dynapipe.schedule.one_f_one_b import one_f_one_b, one_f_one_b_arrays
 from dynapipe.schedule.orders import ORDERS
+from dynapipe.schedule.recompute_policy import per_stage_policies
 from dynapipe.schedule.simulator import Timeline, kernel_inputs, simulate, split_inputs
 from dynapipe.schedule.types import CHUNKED_SCHEDULE_NAMES, SCHEDULE_NAMES, SPLIT_BACKWARD_SCHEDULE_NAMES, Schedule
 from dynapipe.schedule.zero_bubble import ZB_H1, zb_h1, zb_h1_arrays
@@ -48,7 +49,6 @@ SCHEDULE_CHOICES = SCHEDULE_NAMES + SPLIT_BACKWARD_SCHEDULE_NAMES + CHUNKED_SCHE
 _FIXED_ORDERS = {"1f1b": one_f_one_b_arrays, ZB_H1: zb_h1_arrays}
 # Candidate outcomes.
 FITS, OVER_MEMORY, SLOWER, SKIPPED = "fits", "over-memory", "slower", "skipped"
-PER_STAGE = "per-stage"
 # Schedules whose pending weight parts the search caps (max_delay) until they fit.
 _DELAYED = (ZB_H1, INTERLEAVED_ZB)
 _CHUNKED = (INTERLEAVED, INTERLEAVED_ADAPTIVE, INTERLEAVED_ZB)
@@ -177,55 +177,6 @@ def heavy_first(times: Sequence[StageTimes]) -> list[int]:
     """Replica indices by descending work lower bound (ms), ties in replica order."""
     bounds = np.array([t.work_lower_bound_ms() for t in times])
     return np.argsort(-bounds, kind="stable").tolist()
-
-
-def per_stage_levels(by_level: dict, levels: Sequence[str], cap_mib: float,
-                     schedule: str = "1f1b") -> tuple[str, ...]:
-    """For every stage, the lightest level in ``levels`` (ordered light to heavy) under
-    which ``schedule``'s op order (1F1B unless ``zb-h1``, whose pending weight parts
-    hold memory longer) fits that stage on every replica (the heaviest if none does)."""
-    arrays_of = _FIXED_ORDERS.get(schedule, one_f_one_b_arrays)
-    peaks = {}
-    for lv in levels:
-        per_rep = []
-        for t in by_level[lv]:
-            kind, mb, nops = arrays_of(t.num_stages, t.num_micro_batches)
-            per_rep.append(K.simulate_split_kernel(kind, mb, nops, *kernel_inputs(t), *split_inputs(t),
-                                                   np.inf, np.inf)[4])
-        peaks[lv] = np.max(per_rep, axis=0)
-    S = len(peaks[levels[0]])
-    return tuple(next((lv for lv in levels if peaks[lv][s] <= cap_mib), levels[-1]) for s in range(S))
-
-
-def _per_stage_policies(by_level: dict, levels: Sequence[str], cap_mib: float, names: Sequence[str], chunks: int,
-                        replicas: int) -> list[tuple]:
-    """The search's per-stage recompute policies, ``(PER_STAGE, mix, stage times, names)``:
-    one per distinct mix over ``names`` (schedules whose op orders hold the same micro-batches
-    in flight share one); a mix of one level everywhere is already a uniform policy."""
-    by_order: dict[str, list[tuple[str, ...]]] = {}
-    by_mix: dict[tuple[str, ...], list[str]] = {}
-    for name in names:
-        order = ZB_H1 if name == ZB_H1 else "1f1b"  # the op order whose memory the mix is sized for
-        if order not in by_order:
-            if chunks > 1:
-                # One level per virtual stage (chunk), so one rank's chunks may differ; sized for
-                # the spread groups and, where some replica's M is not a multiple of P, for
-                # Megatron's groups too, which interleaved 1F1B falls back to when the spread do not fit.
-                P = len(by_level[levels[0]][0].state_mib)
-                uneven = any(t.num_micro_batches % P for t in by_level[levels[0]])
-                by_order[order] = [chunk_levels(by_level, levels, cap_mib, spread)
-                                   for spread in ((True, False) if uneven else (True,))]
-            else:
-                by_order[order] = [per_stage_levels(by_level, levels, cap_mib, order)]
-        for mix in by_order[order]:
-            if name not in by_mix.setdefault(mix, []):
-                by_mix[mix].append(name)
-    out = []
-    for mix, mix_names in by_mix.items():
-        if len(set(mix)) > 1:
-            mixed = [StageTimes.mixed([by_level[mix[k]][r] for k in range(len(mix))]) for r in range(replicas)]
-            out.append((PER_STAGE, mix, mixed, mix_names))
-    return out
 
 
 # How each batching method is told to cut smaller micro-batches (None: method unknown).
@@ -379,7 +330,7 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
         # One level per virtual stage (chunk-major, k = c * P + s), per-chunk mixes and uniform alike.
         policies = [(lv, (lv,) * (S * chunks), by_level[lv], names) for lv in levels]
         if per_stage and len(levels) > 1 and capacity_mib is not None:
-            policies[1:1] = _per_stage_policies(by_level, levels, cap_mib, names, chunks, len(replicas))
+            policies[1:1] = per_stage_policies(by_level, levels, cap_mib, names, chunks, len(replicas))
         for label, mix, permuted, policy_names in policies:
             bound = max(t.work_lower_bound_ms() for t in permuted)
             if not explain and bound >= bar_ms():
