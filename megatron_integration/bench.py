@@ -27,15 +27,14 @@ import os
 import resource
 import sys
 import time
-from dataclasses import dataclass
 from typing import Optional, Sequence, TextIO
 
 from dynapipe.progress import Progress
 # Preset and stage_activation_peaks are not used here: callers import them from this module.
 from megatron_integration import cpu_allocator
 from megatron_integration.cpu_affinity import bench_default
-from megatron_integration.args_dynapipe import without_unused_dynapipe_flags
-from megatron_integration.bench_checks import check_bench_outputs, check_warmup_iters
+from megatron_integration.bench_checks import check_bench_outputs
+from megatron_integration.bench_request import Entry, check_request  # noqa: F401 (Entry re-exported)
 from megatron_integration.bench_presets import (BASELINES, DYNAPIPE_METHODS, METHOD_FLAGS, PRESETS, PROFILE_MBS,
                                                 PROFILE_SEQLENS, REFERENCE_SEQ_LENGTH, fill_defaults, flag_value,
                                                 with_defaults)
@@ -44,26 +43,6 @@ from megatron_integration.bench_report import (breakdown, breakdown_summary, bre
 from megatron_integration.bench_results import (MethodResult, median_result,  # noqa: F401 (re-exported)
                                                 stage_activation_peaks, summarise)
 from megatron_integration.jobs import run_training
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One thing to train: a method, at a micro-batch size for the baselines (None: as given)."""
-
-    method: str
-    micro_batch_size: Optional[int] = None
-
-    @property
-    def label(self) -> str:
-        return self.method if self.micro_batch_size is None else f"{self.method}@mbs{self.micro_batch_size}"
-
-    def argv(self, argv: Sequence[str]) -> list[str]:
-        flags = METHOD_FLAGS[self.method]
-        # The DynaPipe runs' planner and executor settings are refused by the baselines.
-        out = (list(argv) if "--use-dynapipe" in flags else without_unused_dynapipe_flags(argv, False)) + flags
-        if self.micro_batch_size is not None:
-            out += ["--micro-batch-size", str(self.micro_batch_size)]
-        return out
 
 
 def _children_cpu_s() -> float:
@@ -115,84 +94,6 @@ def measure_profile(model, output: str, threads: int, timeout_s: float, repeats:
         seqlens.append(model.seq_length)
     return measure(model, output, list(mbs_grid), seqlens, repeats=repeats, threads=threads, timeout_s=timeout_s,
                    levels=levels)
-
-
-def refuse_unread_bench_flags(argv: Sequence[str], methods: Sequence[str]) -> None:
-    """Refuse training flags the bench would override or drop for its runs (GPT and T5):
-    ``--dynapipe-trace-dir`` (every DynaPipe run's trace goes next to ``--output``), and
-    ``--dynapipe-schedule`` where a method named fixes its own schedule or none is DynaPipe."""
-    from dynapipe.errors import DynaPipeError
-
-    trace = flag_value(argv, "--dynapipe-trace-dir")
-    if trace is not None:
-        raise DynaPipeError(f"--dynapipe-trace-dir {trace}: the bench writes every DynaPipe run's executor trace "
-                            f"next to --output (OUTPUT.traces/); drop it.")
-    schedule = flag_value(argv, "--dynapipe-schedule")
-    if schedule is None:
-        return
-    fixed = [m for m in methods if "--dynapipe-schedule" in METHOD_FLAGS.get(m, ())]
-    if fixed:
-        raise DynaPipeError(f"--dynapipe-schedule {schedule} would be overridden for {', '.join(fixed)}, which "
-                            f"run(s) a schedule of their own; drop it, or drop them from --methods.")
-    if not any(m.startswith("dynapipe") for m in methods):
-        raise DynaPipeError(f"--dynapipe-schedule {schedule}: --methods {','.join(methods)} runs no DynaPipe "
-                            f"method; drop it.")
-
-
-def check_request(argv: Sequence[str], methods: Sequence[str], preset: str = "tiny", *,
-                  rounds: Optional[int] = None, sweep_top: Optional[int] = None,
-                  warmup_iters: Optional[int] = None, nproc: Optional[int] = None) -> int:
-    """Refuse a bench request it cannot honour before any process starts (DynaPipeError,
-    one line naming the value); returns the number of ranks to spawn (default: the
-    pipeline size). ``None`` arguments take the preset's value."""
-    from dynapipe.errors import DynaPipeError
-    from megatron_integration.arguments import parse_training_args
-
-    if preset not in PRESETS:
-        raise DynaPipeError(f"preset {preset!r}: choose one of {', '.join(PRESETS)}.")
-    p = PRESETS[preset]
-    unknown = [m for m in methods if m not in METHOD_FLAGS]
-    if unknown or not methods or len(set(methods)) != len(methods):
-        raise DynaPipeError(f"--methods {','.join(methods)!r}: choose each at most once from "
-                            f"{', '.join(METHOD_FLAGS)}.")
-    if rounds is not None and rounds < 1:
-        raise DynaPipeError(f"--rounds {rounds}: must be at least 1.")
-    if sweep_top is not None and sweep_top < 0:
-        raise DynaPipeError(f"--sweep-top {sweep_top}: must be 0 (no sweep) or more.")
-    warmup = p.warmup_iters if warmup_iters is None else warmup_iters
-    top = p.sweep_top if sweep_top is None else sweep_top
-    given = {a.split("=")[0] for a in argv if a.startswith("--")}
-    if top > 0 and "--micro-batch-size" in given and any(m in BASELINES for m in methods):
-        raise DynaPipeError("--micro-batch-size: this preset tunes the baselines' micro-batch size; "
-                            "add --sweep-top 0 to run the size given instead.")
-    for flag in ("--use-dynapipe", "--dynapipe-batching"):
-        if flag in given:
-            raise DynaPipeError(f"{flag}: the bench sets the method itself; choose methods with --methods.")
-    refuse_unread_bench_flags(argv, methods)
-    if sweep_top is not None and not any(m in BASELINES for m in methods):
-        raise DynaPipeError(f"--sweep-top {sweep_top} tunes the baselines' micro-batch sizes; --methods "
-                            f"{','.join(methods)} runs none: drop it.")
-    for flag in ("--num-virtual-stages-per-pipeline-rank", "--num-layers-per-virtual-pipeline-stage",
-                 "--pipeline-model-parallel-layout"):
-        if flag in given:
-            # Its simulated sweep, compute floor and breakdown price one chunk a rank.
-            raise DynaPipeError(f"{flag}: the bench compares methods on one chunk a rank; compare DynaPipe with "
-                                f"and without chunks with scripts/bench_gpt_interleaved.py.")
-    for flag in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
-                 "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
-                 "--dynapipe-placement"):
-        if flag in given:
-            raise DynaPipeError(f"{flag}: the bench's simulated sweep and compute floor price Megatron's even split; "
-                                f"train the uneven split with scripts/pretrain_gpt.py.")
-    check_warmup_iters(warmup)
-    full = with_defaults(argv, preset)
-    nproc = nproc or int(flag_value(full, "--pipeline-model-parallel-size", "1"))
-    for m in methods:  # every method's command line, as its run gets it, before starting any process
-        cfg = parse_training_args(Entry(m).argv(full), nproc)
-    if cfg.train_iters <= warmup:
-        raise DynaPipeError(f"--train-iters {cfg.train_iters} leaves no timed iteration after --warmup-iters "
-                            f"{warmup}; raise --train-iters.")
-    return nproc
 
 
 def calibrate(argv: Sequence[str], profile: str, cfg, nproc: int, iters: int, threads: int, timeout_s: float,

@@ -378,7 +378,7 @@ def run_t5_cli(args, argv: list[str]) -> int:
     if sweep is not None and not any(m in T5_BASELINES for m in methods):
         raise DynaPipeError(f"--t5-sweep {args.t5_sweep} sets the baselines' micro-batch sizes; --methods "
                             f"{','.join(methods)} runs none: drop it.")
-    from megatron_integration.bench import refuse_unread_bench_flags
+    from megatron_integration.bench_request import refuse_unread_bench_flags
 
     refuse_unread_bench_flags(argv, methods)
     full = t5_with_defaults(argv, preset)
