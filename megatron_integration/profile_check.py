@@ -22,7 +22,8 @@ def check_profile_for_run(path: str, model: ModelConfig, num_stages: int, tp: in
     GPU model is compared too), ``layer_spec`` the layers the stages are built from (``local`` or
     ``transformer_engine``). Raises :class:`DynaPipeError` naming the value and the fix."""
     from dynapipe.config import load_device_config
-    from dynapipe.cost.profile import ProfileCostModel, read_profile
+    from dynapipe.cost.profile import ProfileCostModel
+    from dynapipe.cost.profile_checks import read_profile
     from dynapipe.cost.profile_device import check_profile_device
     from dynapipe.runtime.plan_source import tensor_parallel_of
 
@@ -47,7 +48,7 @@ def check_threads_at_start(cost_model: str, enabled: bool, on_cpu: bool = True) 
     parses its methods' arguments in a parent with other threads), :func:`check_measured_threads`
     of the ``--dynapipe-cost-model`` profile; nothing without ``--use-dynapipe`` or a profile, or
     on a run whose ranks compute on GPUs (``on_cpu`` False)."""
-    from dynapipe.cost.profile import read_profile
+    from dynapipe.cost.profile_checks import read_profile
 
     if not enabled or cost_model == "analytic" or not on_cpu:
         return
@@ -79,7 +80,7 @@ def extrapolation_lines(cost_model: str, enabled: bool, lengths: Mapping[str, tu
     """Start-up notes for rank 0: each run length (``{profile axis: (flag, tokens)}``, e.g.
     ``{"seqlen": ("--seq-length", 4096)}``) beyond the profile's longest measured one, which the
     planner then prices by extrapolation; none without ``--use-dynapipe`` or a profile."""
-    from dynapipe.cost.profile import read_profile
+    from dynapipe.cost.profile_checks import read_profile
 
     if not enabled or cost_model == "analytic":
         return []

@@ -42,7 +42,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from dynapipe.cost.profile import FIELDS, LAYER_OPS, LEVEL_OPS, OPS, PROFILE_FORMAT, PROFILE_VERSION, WEIGHT_FIELD
+from dynapipe.cost.profile_checks import FIELDS, LAYER_OPS, LEVEL_OPS, OPS, PROFILE_FORMAT, PROFILE_VERSION
+from dynapipe.cost.profile_t5 import WEIGHT_FIELD
 from dynapipe.runtime.activation_meter import ActivationMeter
 from dynapipe.runtime.weight_grad_store import WeightGradStore
 from megatron_integration.live_memory import LiveMemoryTracker

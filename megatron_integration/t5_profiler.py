@@ -36,7 +36,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from dynapipe.cost.profile import PROFILE_FORMAT, PROFILE_VERSION
+from dynapipe.cost.profile_checks import PROFILE_FORMAT, PROFILE_VERSION
 from dynapipe.cost.profile_t5 import FIELDS, KIND_ENCODER_DECODER, SPLIT_OPS, T5_AXES, T5_OPS, WEIGHT_FIELD
 from dynapipe.runtime.weight_grad_store import WeightGradStore
 from megatron_integration.profiler import as_trained, measure_op, suffix_minimum

@@ -52,7 +52,7 @@ def check_tensor_parallel_args(args: argparse.Namespace, cuda: bool) -> None:
     cost_model = getattr(args, "dynapipe_cost_model", "analytic")
     if args.use_dynapipe and cost_model != "analytic" and os.path.isfile(cost_model):
         # A profile is one TP rank's measurement at the TP size and SP setting it was taken at.
-        from dynapipe.cost.profile import check_profile_tensor_parallel, read_profile
+        from dynapipe.cost.profile_checks import check_profile_tensor_parallel, read_profile
 
         data = read_profile(cost_model)
         if isinstance(data, dict):

@@ -53,7 +53,6 @@ decoder-only and still load.
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Mapping
 
 import numpy as np
@@ -61,22 +60,11 @@ import numpy as np
 from dynapipe.config import ModelConfig, TensorParallelConfig
 from dynapipe.cost.activation_bytes import CUDA_MASK_BYTES, layer_token_bytes, score_bytes
 from dynapipe.cost.base import MIB, CostModel, StageCost, StageLayout
-from dynapipe.cost.profile_t5 import (FIELDS, KIND_DECODER_ONLY, KIND_ENCODER_DECODER, WEIGHT_FIELD, check_grid,
-                                      check_op_table, check_t5_tables, check_weight_table, load_t5_tables,
-                                      profile_kind, t5_layout_cost, t5_weight_ms)
-from dynapipe.errors import DynaPipeError, file_read_errors
-
-PROFILE_FORMAT = "dynapipe-profile"
-PROFILE_VERSION = 2
-# Version 1: decoder-only profiles written before ``kind`` existed.
-READABLE_VERSIONS = (1, 2)
-OPS = ("layer", "embedding", "output")
-# Optional tables: the layer measured at a recompute level.
-LEVEL_OPS = {"selective": "layer_selective", "full": "layer_full"}
-# The transformer layer's tables, at every level measured.
-LAYER_OPS = ("layer",) + tuple(LEVEL_OPS.values())
-# WEIGHT_FIELD (from profile_t5, which T5 profiles share it with): the optional field of the
-# layer's tables, the weight-gradient part of bw_ms (split backward).
+from dynapipe.cost.profile_t5 import (KIND_DECODER_ONLY, KIND_ENCODER_DECODER, WEIGHT_FIELD, check_weight_table,
+                                      load_t5_tables, profile_kind, t5_layout_cost, t5_weight_ms)
+from dynapipe.cost.profile_checks import (FIELDS, LAYER_OPS, LEVEL_OPS, OPS, check_layer_shape, check_profile,
+                                          check_profile_tensor_parallel, read_profile)
+from dynapipe.errors import DynaPipeError
 
 
 class _Table:
@@ -144,165 +132,10 @@ def growth_power(v0, v1, s0: float, s1: float):
     return np.clip(np.log(v1 / v0) / np.log(s1 / s0), 0.0, 2.0)
 
 
-# Layer-shape switches a measured table depends on, with the value a profile that does not
-# record them was measured at (profiles written before these switches existed).
-LAYER_SHAPE_KEYS = {"gated_linear_unit": False, "num_query_groups": 0, "add_bias_linear": True,
-                    "add_qkv_bias": False, "qk_layernorm": False}
-
-
-# Megatron arguments a measured layer depends on beyond its shape, recorded by the profilers
-# under these names and compared when recorded: dropout roughly doubles a layer's stored
-# activations and adds to its forward; rotary and learned positions differ in both.
-RUN_KEYS = ("hidden_dropout", "attention_dropout", "position_embedding_type")
-
-# Layer widths a measured table depends on, compared only when the profile records them
-# (there is no width a profile could be assumed to have been measured at). kv_channels is
-# recorded as the per-head width in effect, so it is compared with the model's head_dim.
-LAYER_WIDTH_KEYS = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels", "normalization",
-                    "vocab_size")
-# Megatron pads the vocabulary to a multiple of this times TP: sizes within one padding price alike.
-VOCAB_PADDING = 128
-
-
-def _check_layer_widths(measured: Mapping[str, Any], model: ModelConfig, source: str, tp: int = 1) -> None:
-    """Refuse a profile measured on a layer (or an output layer) of another width than
-    ``model``'s; vocabularies are compared as Megatron pads them at tensor-parallel size ``tp``."""
-    pad = VOCAB_PADDING * tp
-    for key in LAYER_WIDTH_KEYS:
-        have = measured.get(key)
-        if have is None or (key == "kv_channels" and have == 0):
-            continue
-        want = model.head_dim if key == "kv_channels" else getattr(model, key)
-        if key == "vocab_size" and isinstance(have, int) and -(-have // pad) == -(-want // pad):
-            continue  # the output layer's cost: padded or not, the same
-        if have != want:
-            layer = "an output layer" if key == "vocab_size" else "a layer"
-            raise DynaPipeError(f"{source}: the profile was measured on {layer} with {key}={have!r} but model "
-                                f"{model.name!r} has {key}={want!r}; its times and memory price another model. "
-                                f"Profile this model (`python -m dynapipe profile` with its config or its model "
-                                f"flags) or use the analytic cost model.")
-
-
-def _check_layer_shape(data: Mapping[str, Any], model: ModelConfig, source: str) -> None:
-    """Refuse a profile measured on a layer of another shape (hidden size, heads, FFN width,
-    per-head width, norm) or kind (GeLU vs SwiGLU MLP, grouped-query attention, biases,
-    query/key norms) or in another precision: its tables would misprice every micro-batch."""
-    measured = data.get("model") or {}  # not recorded: nothing to compare
-    if not isinstance(measured, Mapping):
-        raise DynaPipeError(f"{source}: 'model' must be an object recording the measured model's shape (as "
-                            f"`python -m dynapipe profile` writes it), got {type(measured).__name__}.")
-    _check_layer_widths(measured, model, source, profile_tensor_parallel(data)[0])
-    # Local layers never fuse attention: their tables time (and the derived recompute levels
-    # count) a score matrix that a fused-attention model never builds.
-    if data.get("layer_spec") == "local" and model.fused_attention:
-        raise DynaPipeError(f"{source}: the profile was measured on megatron-core's local layers, whose attention "
-                            f"keeps its score matrix, but model {model.name!r} has fused_attention: true; profile "
-                            f"the layers it trains with (`python -m dynapipe profile --transformer-impl "
-                            f"transformer_engine` on its GPU) or set fused_attention: false in its config.")
-    dtype = data.get("dtype", "fp32")
-    if dtype != model.dtype:
-        raise DynaPipeError(f"{source}: the profile was measured in {dtype} but the model trains in {model.dtype}; "
-                            f"profile in {model.dtype} (`python -m dynapipe profile` with the run's precision flag) "
-                            f"or use the analytic cost model.")
-    for key, default in LAYER_SHAPE_KEYS.items():
-        have, want = measured.get(key, default), getattr(model, key)
-        if have != want:
-            raise DynaPipeError(f"{source}: the profile was measured with {key}={have!r} but the model has "
-                                f"{key}={want!r}; profile this model (`python -m dynapipe profile` with the same "
-                                f"model flags) or use the analytic cost model.")
-    for key in RUN_KEYS:
-        have, want = measured.get(key), getattr(model, key)
-        if have is not None and have != want:
-            flag = "--" + key.replace("_", "-")
-            raise DynaPipeError(f"{source}: the profile was measured with {flag} {have}, this run trains with "
-                                f"{flag} {want}; its times and memory price another layer. Profile with the run's "
-                                f"model flags (`python -m dynapipe profile ... {flag} {want}`) or use the analytic "
-                                f"cost model (--dynapipe-cost-model analytic; `plan` and `cost` without --profile).")
-
-
-def profile_tensor_parallel(data: Mapping[str, Any]) -> tuple[int, bool]:
-    """(tp, sequence_parallel) a profile was measured at; (1, False) when it does not say."""
-    return int(data.get("tp", 1)), bool(data.get("sequence_parallel", False))
-
-
-def _describe_tp(tp: int, sp: bool) -> str:
-    return f"tensor-parallel size {tp} {'with' if sp else 'without'} sequence parallelism"
-
-
-def check_profile_tensor_parallel(data: Mapping[str, Any], tp: int, sequence_parallel: bool, source: str) -> None:
-    """Refuse a profile measured at another TP size or sequence-parallel setting than the run's:
-    its times carry other collectives and its memory is another rank's share."""
-    have = profile_tensor_parallel(data)
-    flags = f"--tensor-model-parallel-size {tp}{' --sequence-parallel' if sequence_parallel else ''}"
-    if have != (tp, bool(sequence_parallel)):
-        raise DynaPipeError(f"{source}: the profile was measured at {_describe_tp(*have)}, but the run uses "
-                            f"{_describe_tp(tp, bool(sequence_parallel))}; measure one with `python -m dynapipe "
-                            f"profile {flags}` or use the analytic cost model.")
-
-
 def _weight_table(profile: Mapping[str, Any], op: str, source: str) -> np.ndarray:
     """``ops.<op>.bw_weight_ms``, checked against the op's ``bw_ms`` (the rule T5 tables share)."""
     check_weight_table(profile["ops"][op], op, source)
     return np.asarray(profile["ops"][op][WEIGHT_FIELD], dtype=np.float64)
-
-
-def read_profile(path: str) -> Any:
-    """The parsed JSON of a profile file, or a one-line :class:`DynaPipeError` naming the problem."""
-    with file_read_errors("profile", path, missing="write one with `python -m dynapipe profile`.",
-                          directory="give the JSON file `python -m dynapipe profile --output` wrote.",
-                          not_text="is not UTF-8 JSON text (a binary file?)."):
-        try:
-            with open(path) as f:
-                return json.load(f)
-        except json.JSONDecodeError as e:
-            raise DynaPipeError(f"profile {path!r} is not valid JSON: {e}") from None
-        except RecursionError:
-            raise DynaPipeError(f"profile {path!r} is nested too deeply to be a cost profile.") from None
-
-
-def _check_profile(data: Mapping[str, Any], source: str) -> None:
-    if not isinstance(data, Mapping):
-        raise DynaPipeError(f"{source}: not a DynaPipe profile (a JSON object with \"format\": "
-                            f"{PROFILE_FORMAT!r} is expected); write one with `python -m dynapipe profile`.")
-    if data.get("format") != PROFILE_FORMAT:
-        raise DynaPipeError(f"{source}: not a DynaPipe profile (format={data.get('format')!r}, "
-                            f"expected {PROFILE_FORMAT!r}); write one with `python -m dynapipe profile`.")
-    version = data.get("version")
-    if isinstance(version, bool) or version not in READABLE_VERSIONS:
-        raise DynaPipeError(f"{source}: profile version {version!r} is not supported "
-                            f"(this DynaPipe reads versions {', '.join(map(str, READABLE_VERSIONS))}).")
-    kind = profile_kind(data)
-    if kind not in (KIND_DECODER_ONLY, KIND_ENCODER_DECODER) or (version == 1 and kind != KIND_DECODER_ONLY):
-        raise DynaPipeError(f"{source}: profile kind {kind!r} is not one of {KIND_DECODER_ONLY!r}, "
-                            f"{KIND_ENCODER_DECODER!r} (version 2; version 1 profiles are decoder-only).")
-    for axis in ("mbs", "seqlen"):
-        check_grid(data, axis, source)
-    if len(data["seqlen"]) < 2:
-        raise DynaPipeError(f"{source}: 'seqlen' {data['seqlen']} has one length; a profile needs at least two to "
-                            f"price other lengths (measure with `--seqlens` of two or more).")
-    overhead = data.get("stage_overhead_ms", 0.0)
-    if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not np.isfinite(overhead) \
-            or overhead < 0:
-        raise DynaPipeError(f"{source}: 'stage_overhead_ms' {overhead!r} must be a finite number of ms, 0 or more.")
-    tp = data.get("tp", 1)
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise DynaPipeError(f"{source}: 'tp' {tp!r} must be a positive integer (the tensor-parallel size measured).")
-    if not isinstance(data.get("sequence_parallel", False), bool):
-        raise DynaPipeError(f"{source}: 'sequence_parallel' {data.get('sequence_parallel')!r} must be true or false.")
-    if kind == KIND_ENCODER_DECODER:
-        check_t5_tables(data, source)
-        return
-    shape = (len(data["mbs"]), len(data["seqlen"]))
-    ops = data.get("ops")
-    if not isinstance(ops, Mapping):
-        raise DynaPipeError(f"{source}: 'ops' must be an object with tables for {list(OPS)}.")
-    for op in OPS + tuple(k for k in LEVEL_OPS.values() if k in ops):
-        table = ops.get(op)
-        if table is None:
-            raise DynaPipeError(f"{source}: ops.{op} is missing; a profile needs {list(OPS)}.")
-        if not isinstance(table, Mapping):
-            raise DynaPipeError(f"{source}: ops.{op} must be an object with tables {list(FIELDS)}.")
-        check_op_table(table, op, shape, ("mbs", "seqlen"), source)
 
 
 class ProfileCostModel(CostModel):
@@ -313,7 +146,7 @@ class ProfileCostModel(CostModel):
 
     def __init__(self, model: ModelConfig, profile: Mapping[str, Any], num_stages: int,
                  source: str = "profile", tp: TensorParallelConfig | None = None):
-        _check_profile(profile, source)
+        check_profile(profile, source)
         kind = profile_kind(profile)
         want = KIND_ENCODER_DECODER if model.is_encoder_decoder else KIND_DECODER_ONLY
         if kind != want:
@@ -323,7 +156,7 @@ class ProfileCostModel(CostModel):
         tp = tp or TensorParallelConfig()
         # First: a profile of another TP layout would also show other (padded) widths.
         check_profile_tensor_parallel(profile, tp.size, tp.sequence_parallel, source)
-        _check_layer_shape(profile, model, source)
+        check_layer_shape(profile, model, source)
         super().__init__(model, num_stages, tp)
         self.stage_overhead_ms = float(profile.get("stage_overhead_ms", 0.0))
         self.profile = profile
