@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_integration.initialize import RankInfo
-from megatron_integration.model import _tp_coordinates, init_parameter_, set_recompute_level, transformer_config
+from megatron_integration.model import set_recompute_level, transformer_config
+from megatron_integration.param_init import init_parameter_, tp_coordinates
 from megatron_integration.t5_config import T5TrainingConfig
 from megatron_integration.masked_softmax import use_additive_masks
 
@@ -255,10 +256,10 @@ def t5_deterministic_init_(stage: T5Stage, std: float, seed: int, tp: Optional[t
     ``1/sqrt(2 x layers of their block)``, zero biases, unit norms), each parameter drawn from
     a generator seeded by (seed, global name): any pipeline split holds the same weights, and
     a tensor-parallel shard is the slice of the unsplit weight megatron-core gives its rank
-    (:func:`~megatron_integration.model.init_parameter_`). ``tp``: (rank, size) of the
+    (:func:`~megatron_integration.param_init.init_parameter_`). ``tp``: (rank, size) of the
     tensor-parallel group; megatron's parallel state when omitted."""
     place, tied = stage.place, stage.share_embeddings_and_output_weights
-    tp_rank, tp_size = _tp_coordinates() if tp is None else tp
+    tp_rank, tp_size = tp_coordinates() if tp is None else tp
     for local_name, param in stage.named_parameters():
         name = t5_global_name(place, local_name, tied)
         layers = place.encoder_total if name.startswith("encoder.") else place.decoder_total

@@ -49,7 +49,8 @@ def _build(model, tp: int):
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     from megatron_integration.initialize import init_model_parallel, set_seeds, rank_info
-    from megatron_integration.model import deterministic_init_, layer_spec, transformer_config
+    from megatron_integration.model import layer_spec, transformer_config
+    from megatron_integration.param_init import deterministic_init_
     from megatron_integration.train_config import ParallelArgs
 
     if ps.model_parallel_is_initialized():
@@ -149,7 +150,8 @@ def _pp_tp_weights():
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     from megatron_integration.initialize import init_model_parallel
-    from megatron_integration.model import deterministic_init_, global_parameter_name, layer_spec, transformer_config
+    from megatron_integration.model import layer_spec, transformer_config
+    from megatron_integration.param_init import deterministic_init_, global_parameter_name
     from megatron_integration.train_config import ParallelArgs
 
     model = _model_args(True)
