@@ -76,6 +76,28 @@ def test_released_output_keeps_its_graph_and_gives_the_same_gradients():
     assert release_data(view) == 0 and view.numel() == 40
 
 
+def test_a_sent_tensor_another_of_its_message_was_computed_from_keeps_its_data():
+    # b = a * w2 saves a for w2's gradient: releasing a's data after the send would leave a
+    # one-element placeholder that broadcasts in b's backward, a wrong gradient and no error.
+    def message():
+        g = torch.Generator().manual_seed(0)
+        x, c, d = (torch.randn(4, 3, generator=g) for _ in range(3))
+        w1, w2 = (torch.randn(4, 3, generator=g).requires_grad_() for _ in range(2))
+        a = x * w1
+        return {"a": a, "b": a * w2, "lone": (x * c).requires_grad_() * d}, (w1, w2), (c, d)
+
+    ref, (rw1, rw2), (c, d) = message()
+    torch.autograd.backward([ref["a"], ref["b"]], [c, d])
+    sent, (w1, w2), _ = message()
+    table = BufferTable()
+    table.put("act_out:0:0", sent, "test")
+    freed = table.release("act_out:0:0", "test")
+    assert sent["a"].numel() == 12 and sent["b"].numel() == 1 and sent["lone"].numel() == 1
+    assert freed == 2 * (12 * 4 - 4)
+    backward_from([sent["a"], sent["b"]], [c, d])
+    assert torch.equal(w1.grad, rw1.grad) and torch.equal(w2.grad, rw2.grad)
+
+
 def test_plans_from_the_compiler_pass_the_local_check():
     for schedule in ("1f1b", "adaptive"):
         for s, plan in enumerate(_plans(3, schedule)):

@@ -42,6 +42,36 @@ def release_data(t: torch.Tensor) -> int:
     return freed - t.element_size()
 
 
+def reached_by_others(tensors: Sequence[torch.Tensor]) -> list[bool]:
+    """For each tensor of one message, whether the autograd graph of another tensor of the
+    message uses it (reaches its ``grad_fn``).
+
+    Autograd saves an op's inputs by reference, so an op that produced one sent tensor
+    from another (``b = a * w``: ``a`` is saved for ``w``'s gradient) would read whatever
+    :func:`release_data` left in ``a``: a one-element placeholder that broadcasts without
+    an error, and a wrong gradient. Such a tensor must keep its data. Nodes created before
+    the one searched for cannot use it (autograd numbers nodes in creation order), so the
+    search skips them; a message of one tensor needs no search.
+    """
+    fns = [t.grad_fn for t in tensors]
+    out = [False] * len(tensors)
+    for i, target in enumerate(fns):
+        if target is None:
+            continue
+        floor = target._sequence_nr()
+        roots = [f for j, f in enumerate(fns) if j != i and f is not None and f is not target]
+        seen, stack = set(), list(roots)
+        while stack and not out[i]:
+            node = stack.pop()
+            if node is target:
+                out[i] = True
+            elif node not in seen:
+                seen.add(node)
+                stack.extend(n for n, _ in node.next_functions
+                             if n is not None and n not in seen and n._sequence_nr() >= floor)
+    return out
+
+
 def backward_from(roots: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]]) -> None:
     """Backward from ``roots`` with gradients ``grads`` (``None``: a scalar root, gradient 1).
 
@@ -104,11 +134,14 @@ class BufferTable:
 
     def release(self, name: str, where: str) -> int:
         """Release the data of every tensor of live buffer ``name`` in place (see
-        :func:`release_data`), keeping their graphs; bytes released."""
+        :func:`release_data`), keeping their graphs; bytes released. A tensor that another
+        tensor of the message was computed from keeps its data (:func:`reached_by_others`)."""
         total = 0
         keys = self._keys.get(name, {})
-        for k, t in self.get(name, where).items():
-            n = release_data(t)
+        message = self.get(name, where)
+        used = reached_by_others(list(message.values())) if len(message) > 1 else [False] * len(message)
+        for (k, t), keep in zip(message.items(), used):
+            n = 0 if keep else release_data(t)
             if n and self.meter is not None:
                 self.meter.drop(keys.pop(k, 0))
             total += n

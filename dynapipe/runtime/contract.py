@@ -68,11 +68,14 @@ class StageHandlers(Protocol):
 class ExecutorConfig:
     """How the executor runs.
 
-    ``timeout_s``: bound on every wait for a transfer (s). ``poll_s``: how often a
+    ``timeout_s``: bound on every wait for a transfer on CPU, and on the plans and the peer
+    plan check everywhere (s); on CUDA a transfer waits on the NCCL stream, bounded by the
+    process group's timeout (``init_distributed(timeout_s=...)``). ``poll_s``: how often a
     waiting rank checks whether another rank failed (s). ``trace``: record per-instruction
     timing. ``check_peers``: compare every rank's plan digests before each iteration
     (through the store, or one small all-gather without one). ``release_sent_activations``: drop the data of an activation
-    once sent, keeping its graph. ``normalise_loss``: backpropagate the loss divided by
+    once sent, keeping its graph (a sent tensor another tensor of the same message was
+    computed from keeps its data: autograd may have saved it). ``normalise_loss``: backpropagate the loss divided by
     the global batch's real tokens (the default); ``False`` backpropagates the summed
     token loss, for a framework that divides the gradients by the token count itself
     (Megatron's ``calculate_per_token_loss``). The reported loss is normalised either way.
