@@ -1,6 +1,7 @@
 """What the executor keeps alive: sent activations released without corrupting a backward
 that saved them, nothing left counted after a refused plan, and forward-only runs that keep
 no graph (one spawned 2-rank gloo job for all three)."""
+import dataclasses
 import gc
 import weakref
 
@@ -86,6 +87,9 @@ def _worker(ctx):
             except PlanError as e:
                 out[f"tokens {bad}"] = str(e)
         out["loss_after_refusals"] = ex.run(plan).loss
+        # The run's own normaliser stands in for a plan that carries none.
+        out["loss_given_tokens"] = ex.run(dataclasses.replace(plan, global_loss_tokens=0),
+                                          loss_tokens=plan.global_loss_tokens).loss
     # A zero-bubble plan needs a backward that defers the weight gradients and backward_weight.
     zb = plan_batch(LENGTHS, CFG, pp=2, dp=1, schedule="zb-h1", split_backward=True)[0][ctx.stage]
     for handlers in (ToyHandlers, WeightOnly):
@@ -120,6 +124,7 @@ def test_released_sends_refusals_and_forward_only_runs_keep_nothing_they_should_
         # last stage's forward with rank 0 waiting for it; the executor then runs on.
         assert "pipeline rank 1 (global rank 1): the loss normaliser is 0 tokens" in r["tokens 0"], r
         assert "loss_tokens 2.5: expected a whole number of tokens" in r["tokens 2.5"], r
+        assert r["loss_given_tokens"] == r["loss_after_refusals"], r
         assert r["loss_after_refusals"] > 0 if o.rank == 1 else r["loss_after_refusals"] == 0.0, r  # the last stage's
         assert "handlers have no backward and no backward_weight" in r["ToyHandlers"], r
         assert "handlers have no backward (the input part" in r["WeightOnly"], r

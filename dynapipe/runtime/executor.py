@@ -245,7 +245,9 @@ class Executor(ComputeOps, TransferOps):
                 plan = deserialize_plan(bytes(plan))
             if not isinstance(plan, ExecutionPlan):
                 raise PlanError(f"expected an ExecutionPlan or its bytes, got {type(plan).__name__}.")
-            check_plan_locally(plan, stage=self.comm.rank, num_stages=self.comm.size, replica=self.replica)
+            # A run's own normaliser stands in for the plan's (checked below).
+            check_plan_locally(plan, stage=self.comm.rank, num_stages=self.comm.size, replica=self.replica,
+                               loss_tokens=loss_tokens)
             missing = [name for name in ("backward", "backward_weight")
                        if not callable(getattr(self.handlers, name, None))]
             if missing and any(isinstance(x, BackwardPass) and x.part != "full" for x in plan.instructions):

@@ -28,7 +28,8 @@ from dynapipe.plan.validate_transfers import START_ROLES, neighbour_error
 from dynapipe.runtime.p2p import CommFailure, Pending, PeerComm, Waiter
 
 
-def check_plan_locally(plan: ExecutionPlan, *, stage: int, num_stages: int, replica: Optional[int] = None) -> None:
+def check_plan_locally(plan: ExecutionPlan, *, stage: int, num_stages: int, replica: Optional[int] = None,
+                       loss_tokens: Optional[int] = None) -> None:
     """What one rank can check of its own plan before anything is sent.
 
     The plan is for this stage of a pipeline of this size (and this replica when given);
@@ -38,8 +39,9 @@ def check_plan_locally(plan: ExecutionPlan, *, stage: int, num_stages: int, repl
     once; a forward-only plan runs no backward); every
     buffer is filled before it is used, used only after its receive finished, and freed
     once while live. Agreement with the other ranks' plans is checked
-    by :class:`PeerPlanCheck`. Raises :class:`PlanError` naming the
-    instruction.
+    by :class:`PeerPlanCheck`. The last stage needs a positive loss normaliser: the plan's
+    ``global_loss_tokens``, or ``loss_tokens`` (tokens) where the run passes its own. Raises
+    :class:`PlanError` naming the instruction.
     """
     def bad(i: int, x, why: str) -> PlanError:
         return PlanError(f"pipeline rank {plan.stage}, instruction {i} ({x.OPCODE} mb {x.mb}): {why}")
@@ -155,7 +157,7 @@ def check_plan_locally(plan: ExecutionPlan, *, stage: int, num_stages: int, repl
         mb, chunk = min(split - weighed)
         raise PlanError(f"pipeline rank {stage}: the backward of micro-batch {mb} (chunk {chunk}) is split, but "
                         f"its weight part never runs; its weight gradients would be lost.")
-    if last_chunk >= 0 and fw and plan.global_loss_tokens <= 0:
+    if last_chunk >= 0 and fw and loss_tokens is None and plan.global_loss_tokens <= 0:
         raise PlanError(f"pipeline rank {stage} (last stage): global_loss_tokens is {plan.global_loss_tokens}; "
                         f"the loss cannot be normalised by the global batch's loss tokens.")
 
