@@ -22,7 +22,7 @@ from dynapipe.errors import ExecutorError, PlanError
 from dynapipe.plan import serialize_plan
 from dynapipe.plan.instructions import FreeBuffer
 from dynapipe.runtime.distributed import spawn, spawn_outcomes
-from dynapipe.runtime.exec_trace import WAIT_SENDS, chrome_trace, gather_traces
+from dynapipe.runtime.exec_trace import WAIT_SENDS, DeviceClock, chrome_trace, gather_traces
 from dynapipe.runtime.executor import Executor, ExecutorConfig
 from dynapipe.runtime.p2p import CommFailure, RemoteFailure
 from toy_model import ToyGPT, ToyHandlers, make_samples, plan_batch, reference_step
@@ -61,6 +61,10 @@ def _train_and_compare(ctx):
     handlers = ToyHandlers(stage)
     ex = Executor(handlers, group=ctx.pipeline_group, store=ctx.store, replica=ctx.replica,
                   config=ExecutorConfig(timeout_s=60))
+    # A device clock as CUDA's, on host-timed events: it may synchronise only in traced runs
+    # (whether a run is traced is read per run, below).
+    syncs = []
+    ex._device_clock = DeviceClock(_HostEvent, lambda: syncs.append(it))
     rows, it = [], 0
     for schedule in SCHEDULES:
         for _ in range(ITERATIONS):
@@ -93,7 +97,17 @@ def _train_and_compare(ctx):
             it += 1
     ref_params = dict(ref.named_parameters())
     drift = max(float((p.detach() - ref_params[n].detach()).abs().max()) for n, p in own.items())
-    return dict(rows=rows, drift=drift, ex=ex, handlers=handlers, it=it)
+    return dict(rows=rows, drift=drift, ex=ex, handlers=handlers, it=it, clock_syncs=syncs)
+
+
+class _HostEvent:
+    """A stand-in for ``torch.cuda.Event(enable_timing=True)`` on the host clock (ms)."""
+
+    def record(self):
+        self.t = time.perf_counter() * 1e3
+
+    def elapsed_time(self, other):
+        return other.t - self.t
 
 
 def _refuse(ex, handlers, plan_or_bytes):
@@ -162,7 +176,8 @@ def _grouped(plan):
 def _correctness_worker(ctx):
     groups = (dist.get_world_size(ctx.pipeline_group), dist.get_world_size(ctx.data_group))
     state = _train_and_compare(ctx)
-    return dict(rows=state["rows"], drift=state["drift"], refusals=_refusals(ctx, state), groups=groups)
+    return dict(rows=state["rows"], drift=state["drift"], refusals=_refusals(ctx, state), groups=groups,
+                clock_syncs=state["clock_syncs"])
 
 
 class _FailingHandlers(ToyHandlers):
@@ -228,6 +243,8 @@ def _check_rows(results, pp):
         else:
             assert r["released"] > 0, r  # sent activations' data was released
     assert max(res["drift"] for res in results) <= 1e-5
+    # Only the traced iteration (0) synchronised the device, at its start and before its trace.
+    assert all(res["clock_syncs"] == [0, 0] for res in results), [res["clock_syncs"] for res in results]
 
 
 def _check_trace(results, pp):

@@ -50,8 +50,9 @@ def reached_by_others(tensors: Sequence[torch.Tensor]) -> list[bool]:
     from another (``b = a * w``: ``a`` is saved for ``w``'s gradient) would read whatever
     :func:`release_data` left in ``a``: a one-element placeholder that broadcasts without
     an error, and a wrong gradient. Such a tensor must keep its data. Nodes created before
-    the one searched for cannot use it (autograd numbers nodes in creation order), so the
-    search skips them; a message of one tensor needs no search.
+    the one searched for cannot use it (autograd numbers the nodes a thread creates in
+    order, and a stage's forward runs on one thread), so the search skips them; a message
+    of one tensor needs no search.
     """
     fns = [t.grad_fn for t in tensors]
     out = [False] * len(tensors)

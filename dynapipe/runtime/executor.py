@@ -100,10 +100,13 @@ class Executor(ComputeOps, TransferOps):
         self.meter = meter
         self._runs = 0
         self._failed: Optional[str] = None
-        # Traced on CUDA, ops are timed on the device (the host only launches them).
-        self._clock = DeviceClock(lambda: torch.cuda.Event(enable_timing=True),
-                                  lambda: torch.cuda.synchronize(self.device)) \
-            if self.config.trace and self.device.type == "cuda" else None
+        # Traced on CUDA, ops are timed on the device (the host only launches them). Whether a
+        # run is traced is read per run (config.trace may change between runs), so the clock is
+        # in use (self._clock) only during traced runs: an untraced one synchronises nothing.
+        self._device_clock = DeviceClock(lambda: torch.cuda.Event(enable_timing=True),
+                                         lambda: torch.cuda.synchronize(self.device)) \
+            if self.device.type == "cuda" else None
+        self._clock: Optional[DeviceClock] = None
         # On CUDA with an abort channel: an event recorded after a plan's work, which the end of
         # the plan polls (transfer waits there only ordered streams). None: nothing to wait for.
         self._device_done = self._record_done if self.device.type == "cuda" and self.abort is not None else None
@@ -275,6 +278,7 @@ class Executor(ComputeOps, TransferOps):
                        buffers=BufferTable(meter=self.meter), check=check, loss_tokens=loss_tokens,
                        backward=any(isinstance(x, BackwardPass) for x in plan.instructions))
         trace = ExecTrace(plan.stage, plan.replica, plan.iteration) if self.config.trace else None
+        self._clock = self._device_clock if trace is not None else None
         posted0 = self.comm.posted
         if self._clock is not None:
             self._clock.begin()

@@ -22,7 +22,9 @@ PRELOAD = ["torch", "torch.distributed", "numpy", "dynapipe.runtime.executor", "
 
 
 def add_preload(*modules: str) -> None:
-    """Have the server import ``modules`` too (effective until the server starts: the first rank)."""
+    """Have the server import ``modules`` too: effective only until this process first asks for
+    a start method (:func:`rank_start_method`, :func:`rank_context`, :func:`helper_context`),
+    which fixes the server's preload, so call it at import time."""
     PRELOAD.extend(m for m in modules if m not in PRELOAD)
 
 
