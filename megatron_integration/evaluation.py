@@ -17,6 +17,11 @@ evaluations; the position follows from the iteration, so a resumed run reads the
 The fixed-shape baselines evaluate through megatron-core's ``forward_backward_func(...,
 forward_only=True)`` with the run's batching; ``--use-dynapipe`` evaluates through DynaPipe
 plans (:mod:`megatron_integration.dynapipe_eval`).
+
+Under ``--exit-duration-in-mins`` every rank checks the limit after each evaluation batch, as
+Megatron-LM's ``evaluate()`` does: once it has passed, the evaluation stops with
+"exiting during evaluation" and no result, and the training loop saves and stops, so a long
+evaluation cannot carry a job past the scheduler's limit before its checkpoint.
 """
 from __future__ import annotations
 
@@ -88,6 +93,10 @@ def megatron_eval_batch(stage: Stage, info: RankInfo, cfg: DynaPipeTrainingConfi
     return reduce_loss(loss_sum, tokens, holds_loss(info), info.device)
 
 
+# Printed instead of an evaluation's result when --exit-duration-in-mins passed during it.
+TIME_UP_LINE = "exiting during evaluation: --exit-duration-in-mins reached"
+
+
 class Evaluator:
     """Evaluates the run's validation and test splits (see the module docstring).
 
@@ -95,8 +104,11 @@ class Evaluator:
     the global (loss sum, loss tokens); the default is megatron-core's schedule with the
     run's fixed-shape batching. ``dataset_fn(split)``: the split's dataset config or None
     (default: :func:`~megatron_integration.data.dataset_config` of ``cfg``; a T5 run passes its
-    encoder-decoder one).
+    encoder-decoder one). ``time_up`` (set by the training loop under ``--exit-duration-in-mins``;
+    collective, so every rank calls it after the same batch): whether to stop evaluating.
     """
+
+    time_up: Optional[Callable[[], bool]] = None
 
     def __init__(self, cfg: DynaPipeTrainingConfig, info: RankInfo, stage: Stage,
                  batch_fn: Optional[Callable] = None, dataset_fn: Optional[Callable] = None):
@@ -130,8 +142,9 @@ class Evaluator:
         """Whether ``split`` (``valid``/``test``) has data to evaluate."""
         return split in self.datasets
 
-    def evaluate(self, split: str, first_batch: int) -> EvalResult:
-        """``--eval-iters`` global batches of ``split`` from its ``first_batch``, forward only."""
+    def evaluate(self, split: str, first_batch: int) -> Optional[EvalResult]:
+        """``--eval-iters`` global batches of ``split`` from its ``first_batch``, forward only;
+        ``None`` if :attr:`time_up` said to stop after some batch."""
         dataset, sampler = self.datasets[split], self.samplers[split]
         module = self.stage.module
         was_training = module.training
@@ -148,6 +161,8 @@ class Evaluator:
                     # Megatron-LM's evaluate() empties the cache after each step from level 1.
                     empty_unused_memory(self.cfg.empty_unused_memory_level, self.info.device, after_optimizer=False)
                     total, tokens = total + s, tokens + t
+                    if self.time_up is not None and self.time_up():
+                        return None
         finally:
             module.train(was_training)
         return EvalResult(total / max(tokens, 1), tokens)
@@ -160,6 +175,9 @@ class Evaluator:
             return
         with self.cfg.manual_gc.evaluation():
             result = self.evaluate("valid", self.first_batch(done))
+        if result is None:
+            log_eval([TIME_UP_LINE], stream, logging_rank, sink)
+            return
         log_eval(validation_lines(f"iteration {done}", result), stream, logging_rank, sink)
         self._write(writer, result, done, consumed_samples)
 
@@ -170,6 +188,9 @@ class Evaluator:
         for split in ("valid", "test"):
             if self.has(split):
                 result = self.evaluate(split, self.first_batch(last, final=True) if split == "valid" else 0)
+                if result is None:
+                    log_eval([TIME_UP_LINE], stream, logging_rank, sink)
+                    return
                 log_eval(validation_lines(f"iteration {last} on {SPLIT_NAMES[split]}", result), stream,
                          logging_rank, sink)
                 self._write(writer, result, last, consumed_samples)

@@ -115,6 +115,10 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
     where = "start-up"  # what the loop was doing, for a lost peer's line
     try:
         evaluator = parts.make_evaluator()
+        if evaluator is not None and cfg.exit_duration_in_mins:
+            # As Megatron-LM's evaluate(): the limit is checked after every evaluation batch too.
+            evaluator.time_up = lambda: exit_duration_reached(cfg.exit_duration_in_mins, parts.started_s,
+                                                              info.device)
         logger = TrainingLogger(cfg.train_iters, cfg.global_batch_size, cfg.log_interval,
                                 is_logging_rank=logging_rank, tensorboard_dir=cfg.tensorboard_dir, stream=stream,
                                 flops_model=parts.flops_model, world_size=info.world_size, tensorboard=cfg.tensorboard,

@@ -254,6 +254,37 @@ def test_every_rank_stops_when_one_rank_is_past_the_duration():
     assert spawn(_exit_worker, 2, args=(1,), timeout_s=120) == [(True, False), (True, False)]
 
 
+def _duration_during_evaluation(argv: list) -> dict:
+    import io
+
+    from megatron_integration import training_loop
+    from megatron_integration.training import pretrain
+
+    calls = []
+
+    def reached(minutes, started_s, device, now_s=None):  # past the limit from its second check on
+        calls.append(minutes)
+        return len(calls) >= 2
+
+    training_loop.exit_duration_reached = reached
+    run = pretrain(parse_training_args(argv, 1, cuda=False), stream=io.StringIO())
+    return dict(iterations=len(run.results), eval_lines=run.eval_lines, calls=calls)
+
+
+def test_the_duration_is_checked_after_every_evaluation_batch_too():
+    # Megatron-LM's evaluate() checks the limit after each batch: past it during an evaluation
+    # of 5 batches, the evaluation stops after its first (no result) and the run stops there.
+    from megatron_integration.evaluation import TIME_UP_LINE
+    from megatron_integration.launch import spawn
+
+    argv = (f"{TINY} --vocab-size 256 --lr 1e-3 --mock-data --split 90,5,5 --train-iters 4 --eval-interval 2 "
+            f"--eval-iters 5 --exit-duration-in-mins 60").split()
+    out = spawn(_duration_during_evaluation, 1, (argv,), timeout_s=180)[0]
+    # Checked after iteration 1, after the first evaluation batch at iteration 2, then by the loop.
+    assert out["calls"] == [60, 60, 60], out
+    assert out["iterations"] == 2 and out["eval_lines"] == [TIME_UP_LINE], out
+
+
 def test_no_limit_means_no_collective():
     import torch
 
