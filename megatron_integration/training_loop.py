@@ -132,7 +132,10 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
                          f"{cfg.train_iters}: nothing to train (raise --train-iters to train further)")
         started = time.perf_counter()
         gc_was_enabled = cfg.manual_gc.start()
-        stop, saved_at, by_duration = last, None, False
+        # A checkpoint past --train-iters trains nothing and stays at its own iteration, which
+        # the final evaluation is labelled with and reads the validation stream from (Megatron-LM's
+        # loop leaves its iteration there too).
+        stop, saved_at, by_duration = max(last, run.start_iteration), None, False
         for iteration in range(run.start_iteration, last):
             where = f"iteration {iteration + 1}"
             result = parts.stepper.step(iteration)
@@ -172,7 +175,7 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
                                              time.perf_counter() - started, exited=exited)
             stream.write("\n".join(summary[1:] if by_duration else summary) + "\n")
             stream.flush()
-        if evaluator is not None and stop == cfg.train_iters and not exited:
+        if evaluator is not None and stop >= cfg.train_iters and not exited:
             evaluator.after_training(stop, stream, logging_rank, run.eval_lines, logger.writer, run.consumed_samples)
         if evaluator is not None and evaluator.batches_run:
             # What ran, not what was configured: forward-only plans counted by their runner.

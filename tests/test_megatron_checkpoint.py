@@ -33,9 +33,14 @@ def test_resume_continues_identically(tmp_path):
              # Without restoring RNG states.
              f"{TINY} --train-iters 4 --load {save} --no-load-rng",
              # Resumed at --train-iters: nothing to train, and DynaPipe's planners are not started.
-             f"{TINY} --train-iters 2 --load {save} --use-checkpoint-opt_param-scheduler --use-dynapipe"]
-    full, first, resumed, no_rng, done = (ranks[0] for ranks in run_trainings([a.split() for a in argvs], 2,
-                                                                                timeout_s=TIMEOUT * len(argvs)))
+             f"{TINY} --train-iters 2 --load {save} --use-checkpoint-opt_param-scheduler --use-dynapipe",
+             # Resumed past --train-iters: the final evaluation is the checkpoint's iteration's.
+             f"{TINY} --train-iters 1 --load {save} --use-checkpoint-opt_param-scheduler --split 90,5,5 "
+             f"--eval-interval 1 --eval-iters 1"]
+    full, first, resumed, no_rng, done, past = (
+        ranks[0] for ranks in run_trainings([a.split() for a in argvs], 2, timeout_s=TIMEOUT * len(argvs)))
+    assert past["losses"] == [] and any("validation loss at iteration 2 on validation set" in line
+                                        for line in past["eval_lines"]), past["eval_lines"]
     assert done["losses"] == [] and done["checkpoint_lines"][-1] == (
         "checkpoint at iteration 2 has reached --train-iters 2: nothing to train (raise --train-iters to train "
         "further)")
