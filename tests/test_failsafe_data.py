@@ -39,6 +39,19 @@ def _idx_case(tmp_path, name):
     if name == "bin_empty":
         truncate_file(prefix + ".bin", 0)
         return prefix, ("data.bin", "empty")
+    if name == "bin_too_long":  # bytes the index does not know: another dataset's .bin
+        with open(prefix + ".bin", "ab") as f:
+            f.write(b"\0" * 40)
+        return prefix, ("data.bin", "do not belong together")
+    if name == "bin_of_another_dtype":  # an int16 index beside the int32 .bin of the same tokens
+        other = write_indexed(tmp_path / "narrow", good, np.int16)
+        os.replace(other + ".idx", prefix + ".idx")
+        return prefix, ("data.bin", "int16", "do not belong together")
+    if name == "idx_last_document":  # the document index's end is not the sequence count
+        with open(prefix + ".idx", "r+b") as f:
+            f.seek(os.path.getsize(prefix + ".idx") - 8)
+            f.write(np.int64(7).tobytes())
+        return prefix, ("data.idx", "cannot be read as a Megatron index")
     if name == "idx_truncated_tail":
         truncate_file(prefix + ".idx", -5)
         return prefix, ("data.idx", "truncated")
@@ -75,7 +88,8 @@ def _idx_case(tmp_path, name):
 
 
 IDX_CASES = ["id_at_vocab", "id_far_above", "negative_id", "uint16_above", "empty_sequence", "all_empty",
-             "bin_truncated", "bin_empty", "idx_truncated_tail", "idx_truncated_header", "idx_empty", "idx_garbage",
+             "bin_truncated", "bin_empty", "bin_too_long", "bin_of_another_dtype", "idx_last_document",
+             "idx_truncated_tail", "idx_truncated_header", "idx_empty", "idx_garbage",
              "idx_bad_version", "idx_bad_dtype", "idx_negative_length", "idx_bad_pointer", "bin_is_dir"]
 
 
@@ -90,6 +104,19 @@ def test_indexed_data_is_checked_where_it_enters(tmp_path, name):
     assert "\n" not in text
     for needle in needles:
         assert needle in text
+
+
+@pytest.mark.parametrize("name", ["bin_truncated", "bin_too_long", "bin_of_another_dtype", "idx_last_document",
+                                  "idx_bad_pointer"])
+def test_indexed_files_handed_to_megatron_core_get_the_same_checks(tmp_path, name):
+    # T5 span corruption hands the files to megatron-core's own dataset, which fails on these
+    # with a traceback naming no file (or reads wrong tokens): they are refused first.
+    from dynapipe.data.indexed import check_indexed_files
+
+    prefix, needles = _idx_case(tmp_path, name)
+    with pytest.raises(DynaPipeError) as e:
+        check_indexed_files(prefix)
+    assert "\n" not in str(e.value) and all(needle in str(e.value) for needle in needles), str(e.value)
 
 
 def test_token_check_runs_once_per_dataset_and_is_vectorised(tmp_path, monkeypatch):

@@ -58,11 +58,13 @@ _DTYPE_CODES = range(1, 9)
 
 
 def check_indexed_files(prefix: str) -> int:
-    """Documents of the indexed dataset at ``prefix`` (from its ``.idx`` header), after the
-    checks :func:`_check_index_header` makes; a dataset of no documents is refused. For
-    readers that hand the files to megatron-core's own datasets (T5 span corruption), so a
-    bad file is one line here rather than a traceback there."""
-    return _check_index_header(prefix + ".idx")
+    """Documents of the indexed dataset at ``prefix`` (from its ``.idx`` header), after every
+    check that opening it for GPT makes (header, index, ``.bin`` size; a dataset of no
+    documents is refused). For readers that hand the files to megatron-core's own datasets
+    (T5 span corruption), so a bad file is one line here rather than a traceback there."""
+    documents = _check_index_header(prefix + ".idx")
+    _open(prefix)
+    return documents
 
 
 def _check_index_header(path: str) -> int:
@@ -124,6 +126,12 @@ def _check_index(prefix: str, handle) -> None:
     if have < need:
         raise DynaPipeError(f"{prefix}.bin is truncated: {have:,} bytes, but its index needs {need:,}; copy the "
                             f"file again or rebuild the dataset.")
+    if have > need:
+        # Megatron's builder writes exactly the indexed tokens: a longer .bin is another
+        # dataset's (or one of another token dtype), and reading it would train on wrong ids.
+        raise DynaPipeError(f"{prefix}.bin holds {have:,} bytes, but its index describes {need:,} "
+                            f"({lengths.shape[0]:,} sequences of {np.dtype(index.dtype).name}): the .idx and .bin do "
+                            f"not belong together; pair the files written together, or rebuild the dataset.")
 
 
 # Token ids are checked this many at a time, so a large .bin never sits in memory whole.
