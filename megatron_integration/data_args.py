@@ -126,7 +126,7 @@ def add_eval_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def data_sources_from_args(args: argparse.Namespace) -> dict:
     """The data fields of :class:`~megatron_integration.train_config.DataArgs` that say where
     each split's samples come from, validated as Megatron-LM validates them."""
-    from megatron_integration.arguments import data_files, parse_blend
+    from megatron_integration.arguments import parse_blend
 
     read_data_args_files(args)
     per_split = {f: getattr(args, f.replace("-", "_")) for f in PER_SPLIT_FLAGS}
@@ -156,14 +156,14 @@ def data_sources_from_args(args: argparse.Namespace) -> dict:
             raise DynaPipeError(f"--{flag} was given without a path.")
         shown = (getattr(args, "_data_path_flag", None) if flag == "data-path"
                  else getattr(args, "_per_split_flag", None) and f"{args._per_split_flag} ({flag.split('-')[0]})")
-        paths = data_files(value)
+        paths, weights = parse_blend(value, shown or "--" + flag)
         for path in paths:
             if not (os.path.exists(path) or os.path.exists(path + ".idx")):
                 raise DynaPipeError(f"{shown or '--' + flag} {path!r}: no such file (nor an indexed dataset "
                                     f"{path}.idx/.bin).")
         key = flag.replace("-", "_")
         fields[key] = tuple(paths)
-        fields[key.replace("_path", "_weights")] = tuple(parse_blend(value)[1] or ())
+        fields[key.replace("_path", "_weights")] = tuple(weights or ())
     if args.data_path is not None or args.mock_data:
         split = args.split if args.split is not None else (MEGATRON_DEFAULT_SPLIT if args.data_path else None)
         if split is not None:

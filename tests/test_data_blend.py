@@ -112,6 +112,15 @@ def test_blend_parsing_matches_megatron_core():
             parse_blend(bad)
 
 
+def test_a_bad_blend_names_the_flag_that_gave_it(corpora):
+    a, b = corpora["A"], corpora["B"]
+    base = BASE.replace(" --split 1,0,0", "")  # per-split paths take no --split
+    with pytest.raises(DynaPipeError, match="^--train-data-path weight 0:"):
+        parse_training_args(f"{base} --train-data-path 0 {a} 1 {b}".split(), 1, cuda=False)
+    with pytest.raises(DynaPipeError, match="^--valid-data-path .*'2' looks like a blend weight"):
+        parse_training_args(f"{base} --train-data-path {a} --valid-data-path {b} 2".split(), 1, cuda=False)
+
+
 def test_a_blend_is_no_larger_than_one_whole_pass_of_every_path(corpora):
     # A (200 documents) and B (50) at equal token shares: B's 50 documents fill its share after
     # about 100 samples, A's 200 after about 400; a run of 100,000 samples needs no larger blend.
