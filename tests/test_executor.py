@@ -449,6 +449,34 @@ def test_a_send_posted_to_a_peer_that_failed_names_the_peers_cause():
     assert "boom on rank 0" in msg1, msg1
 
 
+def _receive_buffer_out_of_memory_worker(ctx):
+    """Rank 1 runs out of memory allocating its first receive buffer."""
+    from dynapipe.runtime import exec_transfers
+
+    lengths = [40, 60, 30, 50]
+    plan = plan_batch(lengths, CFG, pp=2, dp=1, schedule="1f1b")[0][ctx.stage]
+    h = ToyHandlers(ToyGPT(CFG, seed=1).stage(ctx.stage, 2), make_samples(lengths, CFG.vocab_size, seed=0))
+    if ctx.stage == 1:
+        def allocate(spec, device):
+            raise torch.OutOfMemoryError(f"no room for {spec.name} {list(spec.shape)}")
+        exec_transfers.allocate = allocate
+    with Executor(h, group=ctx.pipeline_group, store=ctx.store, config=ExecutorConfig(timeout_s=20)) as ex:
+        try:
+            ex.run(plan)
+        except ExecutorError as e:
+            return type(e).__name__, str(e)
+    return "ok", ""
+
+
+def test_running_out_of_memory_for_a_receive_buffer_is_the_ranks_own_failure():
+    # A RuntimeError under a transfer is read as a consequence of a failed peer; running out of
+    # memory is not one: rank 1 reports it as its own, and rank 0 stops with rank 1's cause.
+    outs = spawn_outcomes(_receive_buffer_out_of_memory_worker, 2, pp=2, timeout_s=120)
+    (kind0, msg0), (kind1, msg1) = outs[0].value, outs[1].value
+    assert kind1 == "HandlerFailure" and "OutOfMemoryError: no room for" in msg1, msg1
+    assert kind0 in ("CommFailure", "RemoteFailure") and "OutOfMemoryError" in msg0, msg0
+
+
 class _NeverDone:
     """A device event that never completes: a receive from a dead peer, as CUDA sees it."""
 

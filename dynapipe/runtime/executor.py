@@ -28,7 +28,6 @@ wait never makes a deadlock-free plan deadlock.
 """
 from __future__ import annotations
 
-import numbers
 import traceback
 from typing import Callable, Optional, TypeVar, Union
 
@@ -38,8 +37,7 @@ import torch.distributed as dist
 from dynapipe.errors import DynaPipeError, ExecutorError, PlanError
 from dynapipe.plan.instructions import (RECV_STARTS, SEND_STARTS, BackwardPass, ExecutionPlan, FINISHES,
                                         ForwardPass, FreeBuffer, Instruction, LoadInput, SendActivationStart,
-                                        SendGradStart, is_last_virtual)
-from dynapipe.plan.serialize import deserialize_plan
+                                        SendGradStart)
 from dynapipe.runtime.activation_meter import ActivationMeter
 from dynapipe.runtime.buffers import BufferTable
 from dynapipe.runtime.exec_compute import ComputeOps
@@ -48,9 +46,11 @@ from dynapipe.runtime.exec_trace import WAIT_SENDS, DeviceClock, ExecEvent, Exec
 from dynapipe.runtime.contract import ExecutorConfig, HandlerFailure, IterationResult, StageHandlers
 from dynapipe.runtime.device_wait import wait_for_device
 from dynapipe.runtime.p2p import AbortChannel, CommFailure, PeerComm, RemoteFailure, Waiter
-from dynapipe.runtime.plan_check import (PeerPlanCheck, check_plan_locally, executor_prefix, pair_starts,
-                                         row_key)
+from dynapipe.runtime.plan_check import PeerPlanCheck, accept_plan, executor_prefix, pair_starts, row_key
 from dynapipe.runtime.run_state import TRANSFERS, RunState, Where
+
+# A RuntimeError subclass: not a transfer failure even when a transfer's buffer allocation raises it.
+_OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
 T = TypeVar("T")
@@ -244,28 +244,9 @@ class Executor(ComputeOps, TransferOps):
         ``None, None, None`` and why this rank refuses the plan (before anything is sent, so
         the peers refuse with it instead of failing mid-iteration)."""
         try:
-            if isinstance(plan, (bytes, bytearray, memoryview)):
-                plan = deserialize_plan(bytes(plan))
-            if not isinstance(plan, ExecutionPlan):
-                raise PlanError(f"expected an ExecutionPlan or its bytes, got {type(plan).__name__}.")
-            # A run's own normaliser stands in for the plan's (checked below).
-            check_plan_locally(plan, stage=self.comm.rank, num_stages=self.comm.size, replica=self.replica,
-                               loss_tokens=loss_tokens)
-            missing = [name for name in ("backward", "backward_weight")
-                       if not callable(getattr(self.handlers, name, None))]
-            if missing and any(isinstance(x, BackwardPass) and x.part != "full" for x in plan.instructions):
-                raise PlanError(f"the plan splits the backward (a zero-bubble schedule), but this stage's handlers "
-                                f"have no {' and no '.join(missing)} (the input part needs a backward that defers "
-                                f"the weight gradients, the weight part backward_weight); use a schedule without "
-                                f"the split (plan with split_backward=False, or --schedule 1f1b / adaptive).")
-            tokens = plan.global_loss_tokens if loss_tokens is None else loss_tokens
-            if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral):
-                raise PlanError(f"loss_tokens {tokens!r}: expected a whole number of tokens.")
-            if tokens <= 0 and any(isinstance(x, ForwardPass) and is_last_virtual(plan, x.chunk)
-                                   for x in plan.instructions):
-                raise PlanError(f"the loss normaliser is {tokens} tokens (run(loss_tokens=...) or the plan's "
-                                f"global_loss_tokens); pass the global batch's loss-token count, at least 1.")
-            return plan, pair_starts(plan), int(tokens), None
+            plan, tokens = accept_plan(plan, self.handlers, stage=self.comm.rank, num_stages=self.comm.size,
+                                       replica=self.replica, loss_tokens=loss_tokens)
+            return plan, pair_starts(plan), tokens, None
         except PlanError as e:
             return None, None, None, f"{where}: {e}"
 
@@ -349,10 +330,11 @@ class Executor(ComputeOps, TransferOps):
             if isinstance(e, ExecutorError):
                 self._fail(e, primary=not isinstance(e, (CommFailure, RemoteFailure)))
                 raise
-            if isinstance(ins, TRANSFERS) and isinstance(e, RuntimeError):
+            if isinstance(ins, TRANSFERS) and isinstance(e, RuntimeError) and not isinstance(e, _OUT_OF_MEMORY):
                 # Posting a transfer to a peer that already failed raises at once on some
                 # builds (not at the wait; gloo's "Connection closed by peer" is a plain
                 # RuntimeError, DistError a subclass): a consequence, named with the peer's report.
+                # Running out of memory for a receive buffer is this rank's own failure.
                 err = self.waiter.failure(e, str(where))
                 self._fail(err, primary=False)
                 raise err from e

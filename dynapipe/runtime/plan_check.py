@@ -13,7 +13,8 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-from typing import Optional
+import numbers
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,8 @@ from dynapipe.plan.instructions import (DTYPES, FINISHES, INSTRUCTION_TYPES, SEN
                                         CommInstruction, ExecutionPlan, ForwardPass, FreeBuffer, Instruction,
                                         LoadInput, RecvActivationFinish, RecvActivationStart, RecvGradFinish,
                                         RecvGradStart, SendActivationFinish, SendActivationStart, SendGradFinish,
-                                        SendGradStart, buffer_name, plan_chunks, virtual_stage)
+                                        SendGradStart, buffer_name, is_last_virtual, plan_chunks, virtual_stage)
+from dynapipe.plan.serialize import deserialize_plan
 from dynapipe.plan.validate_transfers import START_ROLES, neighbour_error
 from dynapipe.runtime.p2p import CommFailure, Pending, PeerComm, Waiter
 
@@ -160,6 +162,34 @@ def check_plan_locally(plan: ExecutionPlan, *, stage: int, num_stages: int, repl
     if last_chunk >= 0 and fw and loss_tokens is None and plan.global_loss_tokens <= 0:
         raise PlanError(f"pipeline rank {stage} (last stage): global_loss_tokens is {plan.global_loss_tokens}; "
                         f"the loss cannot be normalised by the global batch's loss tokens.")
+
+
+def accept_plan(plan: Union[ExecutionPlan, bytes], handlers: Any, *, stage: int, num_stages: int,
+                replica: Optional[int] = None, loss_tokens: Optional[int] = None) -> tuple[ExecutionPlan, int]:
+    """What the executor checks of a plan before running it: ``(plan, loss normaliser in
+    tokens)``, the plan decoded from its bytes when given bytes. Beyond
+    :func:`check_plan_locally`: a plan that splits the backward needs ``handlers`` that can
+    split it, and the last stage a whole, positive normaliser (``loss_tokens``, the run's own,
+    or the plan's ``global_loss_tokens``). Raises :class:`PlanError`."""
+    if isinstance(plan, (bytes, bytearray, memoryview)):
+        plan = deserialize_plan(bytes(plan))
+    if not isinstance(plan, ExecutionPlan):
+        raise PlanError(f"expected an ExecutionPlan or its bytes, got {type(plan).__name__}.")
+    # A run's own normaliser stands in for the plan's (checked below).
+    check_plan_locally(plan, stage=stage, num_stages=num_stages, replica=replica, loss_tokens=loss_tokens)
+    missing = [name for name in ("backward", "backward_weight") if not callable(getattr(handlers, name, None))]
+    if missing and any(isinstance(x, BackwardPass) and x.part != "full" for x in plan.instructions):
+        raise PlanError(f"the plan splits the backward (a zero-bubble schedule), but this stage's handlers "
+                        f"have no {' and no '.join(missing)} (the input part needs a backward that defers "
+                        f"the weight gradients, the weight part backward_weight); use a schedule without "
+                        f"the split (plan with split_backward=False, or --schedule 1f1b / adaptive).")
+    tokens = plan.global_loss_tokens if loss_tokens is None else loss_tokens
+    if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral):
+        raise PlanError(f"loss_tokens {tokens!r}: expected a whole number of tokens.")
+    if tokens <= 0 and any(isinstance(x, ForwardPass) and is_last_virtual(plan, x.chunk) for x in plan.instructions):
+        raise PlanError(f"the loss normaliser is {tokens} tokens (run(loss_tokens=...) or the plan's "
+                        f"global_loss_tokens); pass the global batch's loss-token count, at least 1.")
+    return plan, int(tokens)
 
 
 _FINISH_OF = {SendActivationStart: SendActivationFinish, RecvActivationStart: RecvActivationFinish,
