@@ -280,8 +280,10 @@ class PeerPlanCheck:
     refused on every rank and the process group stays usable. With a key-value store the
     rows go through it (a few store round trips on the helper thread, so the wait notices
     another rank's failure); without one, through an all-gather on the pipeline group.
-    :meth:`start` publishes without blocking and :meth:`settle` judges, so the exchange
-    can overlap the work that comes before the first transfer.
+    :meth:`start` publishes and :meth:`settle` judges, so the exchange can overlap the work
+    that comes before the first transfer; through a store it does only where the waiter runs
+    helper threads (``watch_failures``, the default): without them :meth:`start` exchanges
+    the rows at once, blocking until every rank has published.
     """
 
     def __init__(self, comm: PeerComm, plan: Optional[ExecutionPlan], refusal: Optional[str], seq: int,
@@ -295,7 +297,8 @@ class PeerPlanCheck:
 
     def start(self, waiter: Waiter, store: Optional[dist.Store], where,
               wait_store: Optional[dist.Store] = None) -> None:
-        """Publish this rank's row and start gathering everyone's, without blocking.
+        """Publish this rank's row and start gathering everyone's (without blocking, except
+        through a store with a waiter that runs no helper thread: see the class docstring).
 
         ``wait_store``: a second client of ``store`` for the exchange, so the abort channel
         stays usable while it waits."""
