@@ -9,7 +9,7 @@ import bisect
 
 from dynapipe.config import ModelConfig
 from dynapipe.plan._fast import gc_paused, maker as _maker
-from dynapipe.plan.compile import input_specs, message_specs
+from dynapipe.plan.specs import input_specs, message_specs
 from dynapipe.plan.instructions import (BackwardPass, ForwardPass, FreeBuffer, LoadInput, RecvActivationFinish,
                                         RecvActivationStart, RecvGradFinish, RecvGradStart, SendActivationFinish,
                                         SendActivationStart, SendGradFinish, SendGradStart)

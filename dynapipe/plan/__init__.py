@@ -18,7 +18,8 @@ Buffer and instruction semantics are in :mod:`dynapipe.plan.instructions` and
 :mod:`dynapipe.plan.validate`.
 """
 from dynapipe.errors import PlanError
-from dynapipe.plan.compile import compile_plans, input_specs, message_specs
+from dynapipe.plan.compile import compile_plans
+from dynapipe.plan.specs import input_specs, message_specs
 from dynapipe.plan.files import plan_file_name, read_plan_dir, write_plan_dir
 from dynapipe.plan.instructions import ExecutionPlan, Instruction, MicroBatchInfo, TensorSpec
 from dynapipe.plan.serialize import FORMAT_VERSION, deserialize_plan, serialize_plan

@@ -4,7 +4,7 @@ Rank ``s`` runs chunk ``c`` as virtual stage ``k = c * P + s``; its instructions
 ``chunk = c`` and its buffers are ``<kind>:<mb>:<c>``. A forward of virtual stage ``k``
 sends its activation to rank ``(s + 1) % P`` (chunk ``c + 1`` on rank 0 after the last
 rank), a backward its input gradient to rank ``(s - 1) % P``; each message holds the
-tensors :func:`~dynapipe.plan.compile.message_specs` gives for the virtual stages'
+tensors :func:`~dynapipe.plan.specs.message_specs` gives for the virtual stages'
 layers (for T5 the encoder output joins at the first decoder layer and travels on).
 
 Communication follows the rule of :mod:`dynapipe.plan.compile`: one global order of
@@ -52,8 +52,8 @@ def compile_chunked_plans(schedule: Schedule, micro_batches: Sequence[MicroBatch
     (:meth:`~dynapipe.cost.placement.StagePlacement.virtual_layouts`). ``tp`` /
     ``sequence_parallel``: as for :func:`~dynapipe.plan.compile.compile_plans` (recorded in
     ``meta``; under sequence parallelism messages are sequence shards)."""
-    from dynapipe.plan.compile import (check_micro_batches, check_sequence_shards, input_specs, message_specs,
-                                       tensor_parallel_layout)
+    from dynapipe.plan.compile import check_micro_batches, check_sequence_shards, tensor_parallel_layout
+    from dynapipe.plan.specs import input_specs, message_specs
 
     shards, tp_meta = tensor_parallel_layout("compile_chunked_plans", tp, sequence_parallel)
     P, v = schedule.num_stages, schedule.num_chunks
