@@ -10,6 +10,7 @@ split-backward schedule, its last input part and its last weight part).
 """
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 from typing import Optional, Sequence
 
@@ -43,8 +44,44 @@ def wrap_chunk(cfg, tconfig, module: torch.nn.Module, chunk: int, num_parameters
     while the first chunk's backward still runs)."""
     from megatron.core.distributed import DistributedDataParallel
 
-    return DistributedDataParallel(config=tconfig, ddp_config=ddp_config(cfg, num_parameters), module=module,
-                                   disable_bucketing=chunk > 0)
+    ddp = DistributedDataParallel(config=tconfig, ddp_config=ddp_config(cfg, num_parameters), module=module,
+                                  disable_bucketing=chunk > 0)
+    if ddp.ddp_config.overlap_grad_reduce:
+        launch_in_bucket_order(ddp)
+    return ddp
+
+
+def launch_in_bucket_order(ddp: torch.nn.Module) -> None:
+    """Make ``ddp`` (megatron-core's DDP, ``--overlap-grad-reduce``) launch its bucket groups'
+    reductions in bucket-list order on every replica.
+
+    megatron-core launches a bucket group's reduction from the backward hook that completes
+    its gradients, so a replica sends its buckets in the order its backward finished them,
+    while a replica without micro-batches (or one still in megatron-core's first batch, which
+    launches from ``finish_grad_sync``) sends them in list order. Collectives on one group pair
+    in the order they are sent: buckets of different sizes then abort the job, buckets of
+    equal sizes are summed into each other without a word (a zero-bubble schedule finishes
+    the embedding's and the norms' buckets in its input parts, before the linear weights'
+    buckets listed ahead of them; 1F1B finishes an attention projection before its QKV). Here
+    a group asked to launch waits until every group listed before it has launched, so all
+    replicas send in list order, which megatron-core lays out in the backward's usual order
+    (the reductions still overlap the backward wherever the two orders agree)."""
+    groups = list(getattr(ddp, "bucket_groups", ())) + list(getattr(ddp, "expert_parallel_bucket_groups", ()))
+    if len(groups) < 2:
+        return
+    launches = [g.start_grad_sync for g in groups]
+    state = {"next": 0, "asked": set()}
+
+    def start(k: int, *args, **kwargs) -> None:
+        state["asked"].add(k)
+        while state["next"] < len(groups) and state["next"] in state["asked"]:
+            launches[state["next"]](*args, **kwargs)
+            state["next"] += 1
+        if state["next"] == len(groups):  # every group launched: the next iteration starts over
+            state["next"], state["asked"] = 0, set()
+
+    for k, group in enumerate(groups):
+        group.start_grad_sync = functools.partial(start, k)
 
 
 def count_parameters(modules: Sequence[torch.nn.Module]) -> int:

@@ -28,6 +28,9 @@ GPT_RUNS = ["", OVERLAP, DYN, DYN + OVERLAP, DYN + ZB + OVERLAP]
 # one micro-batch, and the other replica has none to run.
 PACKED = (GPT.replace("--micro-batch-size 2", "--micro-batch-size 4").replace("--seq-length 256", "--seq-length 512")
           + DYN + " --dynapipe-batching packing --reset-position-ids --reset-attention-mask")
+# Buckets of about 100 parameters: 1F1B's backward finishes an attention projection before the
+# QKV weights listed ahead of it, so a busy replica's hooks finish buckets out of list order.
+SMALL_BUCKETS = " --dynapipe-schedule 1f1b --overlap-grad-reduce --ddp-bucket-size 100"
 T5_RUNS = ["", OVERLAP, " --use-dynapipe" + OVERLAP, " --use-dynapipe" + ZB + OVERLAP]
 
 
@@ -37,11 +40,11 @@ def job():
 
     gpt = [(GPT + e).split() for e in GPT_RUNS] + [CHUNKED.split(), (CHUNKED + " --ddp-num-buckets 3 "
                                                                     "--overlap-grad-reduce").split()]
-    gpt += [PACKED.split(), (PACKED + OVERLAP).split()]
+    gpt += [PACKED.split(), (PACKED + OVERLAP).split(), (PACKED + SMALL_BUCKETS).split()]
     t5 = [(T5 + e).split() for e in T5_RUNS]
     ranks = spawn(probed_runs, 2, (gpt, t5), timeout_s=600)
     return dict(zip(["padding", "padding+overlap", "dynapipe", "dynapipe+overlap", "zb+overlap", "chunks",
-                     "chunks+overlap", "packed", "packed+overlap", "t5", "t5+overlap", "t5-dynapipe+overlap", "t5-zb+overlap"], zip(*ranks)))
+                     "chunks+overlap", "packed", "packed+overlap", "packed+small-buckets", "t5", "t5+overlap", "t5-dynapipe+overlap", "t5-zb+overlap"], zip(*ranks)))
 
 
 def _overlapped(runs) -> None:
@@ -82,6 +85,17 @@ def test_a_replica_without_micro_batches_still_reduces_under_the_overlap(job):
     for r in job["packed+overlap"]:
         assert r["losses"] == pytest.approx(job["packed"][0]["losses"], abs=1e-6, rel=1e-6)
         assert len(r["losses"]) == 3
+
+
+def test_every_replica_launches_its_bucket_reductions_in_one_order(job):
+    # A busy replica's hooks finish buckets in its backward's order, an idle one (or one in
+    # megatron-core's first batch) launched them in list order: paired out of order, buckets of
+    # different sizes aborted the job and buckets of equal sizes were summed into each other.
+    runs = job["packed+small-buckets"]
+    assert len(set(runs[0]["sync_sizes"])) > 3, runs[0]["sync_sizes"]  # many buckets, of several sizes
+    assert runs[0]["sync_sizes"] == runs[1]["sync_sizes"], [r["sync_sizes"] for r in runs]
+    for r in runs:
+        assert r["losses"] == pytest.approx(job["packed"][0]["losses"], abs=1e-6, rel=1e-6)
 
 
 class _FakeDDP:
