@@ -42,7 +42,23 @@ def build_optimizer(cfg: DynaPipeTrainingConfig, stage: Stage):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     optimizer = get_megatron_optimizer(optimizer_config(cfg), stage.modules)
+    if cfg.optimizer.decoupled_lr is not None:
+        mark_decoupled_groups(optimizer, cfg.optimizer.decoupled_lr)
     return optimizer, OptimizerParamScheduler(optimizer, **scheduler_arguments(cfg))
+
+
+def mark_decoupled_groups(optimizer, decoupled_lr: float) -> None:
+    """Set ``is_decoupled_lr`` on the parameter groups ``--decoupled-lr`` made (the embedding and
+    output layer's: their own ``max_lr``, and not megatron-core's default schedule).
+
+    megatron-core gives those groups their rates but leaves the flag False, so they share their
+    identity (``wd_mult``, ``lr_mult``, expert, decoupled: the keys it pairs a checkpoint's groups
+    with this run's by) with the other weights' groups; one saved group then shadowed the other
+    and no --decoupled-lr run could load its own optimizer state. The flag also tells
+    ``--override-opt_param-scheduler`` which groups take the decoupled rates."""
+    for group in optimizer.param_groups:
+        if not group.get("default_config", True) and group.get("max_lr") == decoupled_lr:
+            group["is_decoupled_lr"] = True
 
 
 def scheduler_arguments(cfg: DynaPipeTrainingConfig) -> dict:

@@ -112,6 +112,22 @@ def _group_lists(state, optimizer) -> list[tuple[list, list]]:
     return []
 
 
+def _decoupled_by_position(saved: list, mine: list, keys) -> None:
+    """Checkpoints saved before ``is_decoupled_lr`` was set on the ``--decoupled-lr`` groups
+    (:func:`megatron_integration.optimizer.mark_decoupled_groups`) hold two groups of one
+    identity; megatron-core builds the groups in one order for one model and flags, so the
+    saved group at a decoupled group's position is the decoupled one."""
+    flag = "is_decoupled_lr"
+    if flag not in keys or len(saved) != len(mine) or not any(g.get(flag) for g in mine):
+        return
+    if len({_identity(g, keys) for g in saved}) == len(saved):
+        return  # already told apart
+    others = [k for k in keys if k != flag]
+    if all(_identity(a, others) == _identity(b, others) for a, b in zip(saved, mine)):
+        for group, own in zip(saved, mine):
+            group[flag] = bool(own.get(flag))
+
+
 def align_schedule_bounds(state, optimizer, keep_checkpoint: bool) -> None:
     """Before ``optimizer.load_state_dict(state)``: give each saved parameter group and its
     counterpart in this run (the one group equal in every other identifying key) the same
@@ -126,6 +142,7 @@ def align_schedule_bounds(state, optimizer, keep_checkpoint: bool) -> None:
         return
     keys = [k for k in param_group_identifier_keys if k not in SCHEDULE_GROUP_KEYS]
     for saved, mine in _group_lists(state, optimizer):
+        _decoupled_by_position(saved, mine, keys)
         by_identity: dict = {}
         for group in mine:
             by_identity.setdefault(_identity(group, keys), []).append(group)

@@ -92,6 +92,19 @@ def test_resume_without_the_optimizer_keeps_the_weights_and_an_override_takes_th
     assert rates and all("learning rate: 0.000000E+00" in ln for ln in rates), rates
 
 
+def test_a_decoupled_lr_run_resumes_exactly_in_both_formats(tmp_path):
+    # megatron-core left its --decoupled-lr groups flagged as ordinary ones: one saved group
+    # shadowed the other, and no such run could load its own optimizer state.
+    base = f"{TINY} --decoupled-lr 1e-3 --lr-decay-style constant --train-iters 4"
+    argvs = [base]
+    for fmt in ("torch_dist", "dynapipe"):
+        save = tmp_path / fmt
+        argvs += [f"{base} --ckpt-format {fmt} --exit-interval 2 --save {save}", f"{base} --load {save}"]
+    full, _, dist_resumed, _, own_resumed = (ranks[0] for ranks in run_trainings([a.split() for a in argvs], 2,
+                                                                                   timeout_s=TIMEOUT * len(argvs)))
+    assert dist_resumed["losses"] == own_resumed["losses"] == full["losses"][2:], (full, dist_resumed, own_resumed)
+
+
 def test_fp16_resumes_exactly_across_iterations_its_loss_scaling_skipped(tmp_path):
     """fp16 from a high loss scale: the first iterations overflow and skip the optimizer step (and
     the scheduler's, as in Megatron-LM). A checkpoint saved before any step holds no Adam moments

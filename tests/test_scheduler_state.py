@@ -268,3 +268,21 @@ def test_saved_groups_told_apart_only_by_their_bounds_are_left_alone():
     saved = {"param_groups": _groups(0.01, 0.02)[:1] + [dict(_groups(0.03, 0.02)[0], params=[9])]}
     align_schedule_bounds(saved, SimpleNamespace(param_groups=_groups(0.0, 0.5)), False)
     assert [g["max_lr"] for g in saved["param_groups"]] == [0.01, 0.03]
+
+
+def test_a_checkpoint_whose_decoupled_group_was_not_flagged_pairs_by_position():
+    # Saved before the --decoupled-lr groups were flagged: two saved groups of one identity.
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer.optimizer import MegatronOptimizer
+    from megatron_integration.scheduler_state import align_schedule_bounds
+
+    unflagged = [dict(g, is_decoupled_lr=False) for g in _groups(0.01, 0.02)]
+    unflagged[2]["params"] = [3, 4]  # another size than the ordinary weights' group
+    saved = {"param_groups": unflagged}
+    run = SimpleNamespace(param_groups=_groups(0.01, 0.02))
+    run.param_groups[2]["params"] = [3, 4]
+    align_schedule_bounds(saved, run, keep_checkpoint=True)
+    assert [g["is_decoupled_lr"] for g in saved["param_groups"]] == [False, False, True]
+    paired = MegatronOptimizer._filter_and_reorder_param_groups(run.param_groups, saved["param_groups"])
+    assert [len(g["params"]) for g in paired] == [2, 1, 2] and paired[2]["max_lr"] == 0.02
