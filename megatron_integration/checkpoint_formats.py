@@ -27,6 +27,7 @@ from megatron_integration.checkpoint import (BLEND_RECORD_KEY, LATEST, RELEASE, 
                                              latest_iteration, load_checkpoint, publish_latest, save_checkpoint)
 from megatron_integration.checkpoint_files import CHECKSUM_SUFFIX
 from megatron_integration.initialize import RankInfo
+from megatron_integration.train_config import DistCkptArgs
 
 CKPT_FORMATS = ("torch_dist", "dynapipe")
 
@@ -216,6 +217,14 @@ def load(cfg, gpt, optimizer, scheduler, info: RankInfo, log: Log,
         same_error_everywhere(error)
         resumed = ResumeState(*result)
     else:
+        d = cfg.dist_ckpt
+        given = [f for f, on in (("--ckpt-fully-parallel-load", d.fully_parallel_load),
+                                 (f"--dist-ckpt-strictness {d.strictness}", d.strictness != DistCkptArgs.strictness))
+                 if on]
+        if given:  # every rank read the same format (_newest_everywhere), so every rank stops here
+            raise DynaPipeError(f"{given[0]}: {iter_dir} is a dynapipe-format checkpoint, which it does not apply "
+                                f"to (it sets how torch_dist checkpoints are read; a dynapipe checkpoint loads key "
+                                f"for key or not at all); drop it.")
         log(f" loading checkpoint from {root} {at}")
 
         def check_model_then_extra(extra: dict, path: str) -> None:

@@ -100,9 +100,13 @@ def test_a_decoupled_lr_run_resumes_exactly_in_both_formats(tmp_path):
     for fmt in ("torch_dist", "dynapipe"):
         save = tmp_path / fmt
         argvs += [f"{base} --ckpt-format {fmt} --exit-interval 2 --save {save}", f"{base} --load {save}"]
-    full, _, dist_resumed, _, own_resumed = (ranks[0] for ranks in run_trainings([a.split() for a in argvs], 2,
-                                                                                   timeout_s=TIMEOUT * len(argvs)))
+    # How torch_dist checkpoints are read does not apply to a dynapipe one: refused, not dropped.
+    argvs.append(f"{base} --load {tmp_path / 'dynapipe'} --no-load-optim --dist-ckpt-strictness raise_all")
+    full, _, dist_resumed, _, own_resumed, strict = spawn(_runs_in_one_job, 2, (argvs,),
+                                                          timeout_s=TIMEOUT * len(argvs))[0]
     assert dist_resumed["losses"] == own_resumed["losses"] == full["losses"][2:], (full, dist_resumed, own_resumed)
+    assert strict["error"].startswith("--dist-ckpt-strictness raise_all: ") and \
+        "is a dynapipe-format checkpoint" in strict["error"], strict
 
 
 def test_fp16_resumes_exactly_across_iterations_its_loss_scaling_skipped(tmp_path):
