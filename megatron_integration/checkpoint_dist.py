@@ -56,6 +56,17 @@ def is_dist_checkpoint(iter_dir: str) -> bool:
     return os.path.isfile(os.path.join(iter_dir, "metadata.json"))
 
 
+def consumed_valid_samples(cfg, iteration: int) -> int:
+    """Validation samples Megatron-LM has read by the save at ``iteration``: ``--eval-iters``
+    global batches per periodic evaluation, every ``--eval-interval`` iterations up to it (its
+    loop evaluates before it saves). This project positions its validation stream from the
+    iteration (:func:`megatron_integration.evaluation.valid_first_batch`); Megatron-LM resumes
+    its validation loader from this count."""
+    e = cfg.evaluation
+    done = iteration // e.eval_interval if e.eval_interval and e.eval_iters > 0 else 0
+    return done * e.eval_iters * cfg.global_batch_size
+
+
 def megatron_args(recorded: dict, cfg, info: RankInfo, iteration: int, consumed_samples: int) -> argparse.Namespace:
     """The ``args`` Megatron-LM stores in a checkpoint: the run's parsed arguments under Megatron's
     names, with the values Megatron-LM derives (padded vocabulary, parallel sizes, consumed samples),
@@ -81,7 +92,7 @@ def megatron_args(recorded: dict, cfg, info: RankInfo, iteration: int, consumed_
         data_parallel_size=p.data_parallel_size, world_size=p.world_size,
         micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.global_batch_size,
         train_iters=cfg.train_iters, iteration=iteration, consumed_train_samples=consumed_samples,
-        consumed_valid_samples=0, ckpt_format="torch_dist", use_dist_ckpt=True,
+        consumed_valid_samples=consumed_valid_samples(cfg, iteration), ckpt_format="torch_dist", use_dist_ckpt=True,
         use_distributed_optimizer=cfg.optimizer.distributed, ckpt_fully_parallel_save=cfg.dist_ckpt.fully_parallel_save,
         data_parallel_random_init=False, no_save_optim=False, no_save_rng=False)
     # Megatron-LM's --no-*-fusion flags store False into the positive name, and it records the

@@ -394,6 +394,11 @@ def test_recorded_args_have_megatron_lms_names_and_meanings():
     assert args.masked_softmax_fusion is False and args.bias_dropout_fusion is True
     assert args.layernorm_epsilon == args.norm_epsilon == 1e-6
     assert (args.eval_iters, args.distributed_backend, args.rerun_mode) == (100, "gloo", "disabled")
+    # Megatron-LM resumes its validation loader from consumed_valid_samples: the evaluations run by
+    # the save, --eval-iters global batches (4 samples) each.
+    assert args.consumed_valid_samples == 0  # no --eval-interval: none during training
+    evaluated = _parse("--eval-interval 2 --eval-iters 3 --split 90,5,5")
+    assert megatron_args(evaluated.megatron_args, evaluated, None, 5, 20).consumed_valid_samples == 2 * 3 * 4
     # A Megatron-LM RoPE checkpoint (add_position_embedding True) fits a RoPE model here.
     theirs = SimpleNamespace(position_embedding_type="rope", add_position_embedding=True, add_bias_linear=True)
     assert model_mismatch(theirs, cfg) is None
