@@ -21,7 +21,7 @@ def _simulate(batches, cost_model, cfg, pp: int, dp: int) -> dict:
     d = cfg.base.dynapipe
     plans = [plan_iteration(lengths, cost_model, stages=pp, dp=dp, method="dynapipe", schedule=d.schedule,
                             memory_limit_mib=d.memory_limit_mb, cluster=load_cluster_config(d.cluster),
-                            recompute=d.recompute, seq_length=cfg.encoder_seq_length,
+                            recompute=d.recompute, seq_length=cfg.planner_seq_length,
                             zero=cfg.base.optimizer.distributed) for lengths in batches]
     return {"placement": str(cost_model.placement),
             "bubble_fraction": round(statistics.fmean(p.bubble_fraction for p in plans), 4),

@@ -59,7 +59,8 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
     if args.decoder_seq_length is None:
         raise DynaPipeError("--decoder-seq-length is required for T5 (the longest target in tokens).")
     dec_seq = _positive("decoder-seq-length", args.decoder_seq_length)
-    max_pos = args.max_position_embeddings or max(enc_seq, dec_seq)
+    max_pos = (max(enc_seq, dec_seq) if args.max_position_embeddings is None
+               else _positive("max-position-embeddings", args.max_position_embeddings))
     for flag, length in (("encoder-seq-length", enc_seq), ("decoder-seq-length", dec_seq)):
         if length > max_pos:
             raise DynaPipeError(f"--{flag} {length} exceeds --max-position-embeddings {max_pos}; raise it to at "

@@ -77,7 +77,7 @@ def choose_t5_placement(cfg, num_stages: int, dp: int, batches: Optional[list] =
     d = cfg.base.dynapipe
     batches = first_global_batches(cfg) if batches is None else batches
     return choose_placement_kind(batches, planner_cost_model(cfg, num_stages), dp=dp,
-                                 memory_limit_mib=d.memory_limit_mb, seq_length=cfg.encoder_seq_length,
+                                 memory_limit_mib=d.memory_limit_mb, seq_length=cfg.planner_seq_length,
                                  zero=cfg.base.optimizer.distributed,
                                  recompute=placement_auto.priced_recompute(cfg.base),
                                  cluster=load_cluster_config(d.cluster),

@@ -185,7 +185,7 @@ class LoaderSource:
 
         base = cfg.base
         self.placement, self.model = cfg.stage_placement(), cfg.planner_model()
-        settings = replace(planner_settings(base, info), model=self.model, seq_length=cfg.encoder_seq_length,
+        settings = replace(planner_settings(base, info), model=self.model, seq_length=cfg.planner_seq_length,
                            placement=self.placement, schedule=schedule_on_chunks(base.dynapipe.schedule, self.placement.chunks))
         self.settings = settings
         self.loader = make_loader(base, info, start_iteration, consumed_samples, dataset=cfg.dataset_config(),

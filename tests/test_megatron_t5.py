@@ -39,6 +39,9 @@ def test_megatron_t5_flags_and_their_errors():
         "--num-layers 2": "were both given",
         "--seq-length 128": "were both given",
         "--max-position-embeddings 100": "exceeds --max-position-embeddings",
+        "--max-position-embeddings 0": "--max-position-embeddings 0: must be positive",
+        "--pipeline-model-parallel-size 1 --global-batch-size 12 --dynapipe-placement 1+0|1+2": "2 chunks on one "
+                                                                                            "pipeline rank",
         "--use-dynapipe --dynapipe-batching packing": "T5 plans dynapipe micro-batches",
         "--dynapipe-batching packing": "--reset-position-ids --reset-attention-mask",
         "--position-embedding-type rope": "learned absolute",
@@ -552,3 +555,38 @@ def test_t5_resumed_at_another_train_iters_continues_its_weighted_blend(pp2):
     assert resumed["losses"] == full["losses"][4:8]
     assert (" > keeping the weighted blend as the checkpoint sized it (64 samples; this run's --train-iters 16 would "
             "size it for 128 samples), so the consumed samples continue its order") in resumed["checkpoint_lines"]
+
+
+def _t5_losses(argvs: list) -> list:
+    """Rank body: each T5 command line's losses, in one job."""
+    from megatron_integration.initialize import destroy
+    from megatron_integration.t5_training import pretrain_t5
+
+    out = []
+    try:
+        for argv in argvs:
+            out.append(pretrain_t5(parse_t5_args(argv.split(), 1), stream=io.StringIO()).losses)
+    finally:
+        destroy()
+    return out
+
+
+def test_t5_targets_longer_than_the_encoder_limit_are_planned_whole(tmp_path):
+    # DynaPipe's planner cut both sides at --encoder-seq-length: targets of up to 110 tokens under
+    # --decoder-seq-length 128 were planned at 64 while the data kept them whole, and every
+    # iteration was refused ("the plan and the data disagree on lengths").
+    import json
+
+    rng = np.random.default_rng(0)
+    data = tmp_path / "pairs.jsonl"
+    with open(data, "w") as f:
+        for _ in range(16):
+            f.write(json.dumps({"input": "q" * int(rng.integers(5, 40)), "target": "t" * int(rng.integers(60, 110))})
+                    + "\n")
+    base = ("--encoder-num-layers 1 --decoder-num-layers 1 --hidden-size 64 --num-attention-heads 4 "
+            "--encoder-seq-length 64 --decoder-seq-length 128 --vocab-size 320 --micro-batch-size 2 "
+            f"--global-batch-size 8 --train-iters 2 --lr 1e-3 --hidden-dropout 0 --attention-dropout 0 "
+            f"--split 100,0,0 --seed 3 --data-path {data}")
+    padding, dynapipe = spawn(_t5_losses, 1, ([base, base + " --use-dynapipe --dynapipe-timeout-s 60"],),
+                              timeout_s=TIMEOUT)[0]
+    assert len(dynapipe) == 2 and dynapipe == pytest.approx(padding, abs=1e-5), (padding, dynapipe)

@@ -102,6 +102,10 @@ class StagePlacement:
         if self.chunks < 1 or len(dec) % self.chunks:
             raise DynaPipeError(f"{what}: {len(dec)} virtual stages do not split into "
                                 f"{self.chunks} chunks of equal rank count.")
+        if self.chunks > 1 and len(dec) // self.chunks < 2:
+            # Chunks interleave over pipeline ranks; one rank would hold the whole model in pieces.
+            raise DynaPipeError(f"{what}: {self.chunks} chunks on one pipeline rank; an interleaved placement "
+                                f"needs at least 2 pipeline ranks: give one chunk, or more pipeline ranks.")
         if any(v < 0 for v in enc + dec):
             raise DynaPipeError(f"{what}: layer counts must not be negative.")
         if not model.is_encoder_decoder and sum(enc) + sum(dec) != want_d:
