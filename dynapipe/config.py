@@ -300,6 +300,10 @@ def _build(cls, data: Mapping[str, Any], source: str):
                 raise DynaPipeError(f"{source}: {f.name}={value!r} must be {what}.")
             if f.type in ("int", "float") and not math.isfinite(value):
                 raise DynaPipeError(f"{source}: {f.name}={value!r} must be a finite number.")
+            if f.name == "name" and isinstance(value, str) and not value.isprintable():
+                # Names go into reports, traces and written run configs, one line each.
+                raise DynaPipeError(f"{source}: name={value!r} holds a line break or another control character; "
+                                    f"give a one-line name.")
     try:
         return cls(**data)
     except TypeError as e:

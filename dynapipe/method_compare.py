@@ -197,13 +197,22 @@ def simulate_method(lengths, method: str, cost_model: CostModel, *, dp: int = 1,
     backward (Transformer Engine's layers), so no search tries the zero-bubble schedules.
     Raises :class:`DynaPipeError` when nothing fits.
     """
+    # Inputs are checked here, once: inside the recompute loop below an input error would read
+    # as "fits at no recompute level".
     if micro_batch_size is not None:
         whole_number("micro_batch_size", micro_batch_size)
+    if seq_length is not None:
+        whole_number("seq_length", seq_length)
+    whole_number("dp", dp)
+    whole_number("tp", tp)
     if method not in METHOD_SPECS:
         raise DynaPipeError(f"method {method!r} is not known; use one of {', '.join(METHODS)}.")
     batching, schedule, searched = METHOD_SPECS[method]
     if method in SIZED_METHODS and micro_batch_size is None:
         raise DynaPipeError(f"method {method!r} needs a micro-batch size (samples, or rows for packing).")
+    if method not in SIZED_METHODS and micro_batch_size is not None:
+        raise DynaPipeError(f"method {method!r} cuts its own micro-batches and reads no micro_batch_size "
+                            f"({micro_batch_size}); leave it None.")
     common = dict(dp=dp, method=batching, schedule=schedule, memory_limit_mib=memory_limit_mib,
                   reserved_mib=reserved_mib, cluster=cluster, micro_batch_size=micro_batch_size or 1,
                   seq_length=seq_length, tp=tp, zero=zero, split_backward=split_backward)
@@ -240,6 +249,12 @@ def micro_batch_size_candidates(lengths, method: str, seq_length: Optional[int] 
     return out
 
 
+def _sizes(micro_batch_sizes) -> list[int]:
+    """The sizes of a sweep, each checked up front: the sweep stops at the first size that
+    does not fit, and a bad entry must not pass for one."""
+    return [whole_number("micro_batch_size", m) for m in micro_batch_sizes]
+
+
 def tune_baseline(lengths, method: str, cost_model: CostModel, *,
                   micro_batch_sizes: Optional[Sequence[int]] = None, **kwargs) -> TunedBaseline:
     """Sweep a baseline's micro-batch size and keep the highest simulated real tokens/s.
@@ -252,7 +267,7 @@ def tune_baseline(lengths, method: str, cost_model: CostModel, *,
     if method not in SIZED_METHODS:
         raise DynaPipeError(f"method {method!r} has no micro-batch size to tune; use one of "
                             f"{', '.join(SIZED_METHODS)}.")
-    sizes = list(micro_batch_sizes) if micro_batch_sizes is not None else \
+    sizes = _sizes(micro_batch_sizes) if micro_batch_sizes is not None else \
         micro_batch_size_candidates(lengths, method, kwargs.get("seq_length"))
     if not sizes:
         raise DynaPipeError(f"no micro-batch size to try for {method}.")
@@ -342,7 +357,7 @@ def compare_over_batches(batches: Sequence, method: str, cost_model: CostModel, 
         raise DynaPipeError("no global batch to simulate.")
     if method not in SIZED_METHODS:
         return BatchesResult(method, [simulate_method(b, method, cost_model, **kwargs) for b in batches])
-    sizes = list(micro_batch_sizes) if micro_batch_sizes is not None else \
+    sizes = _sizes(micro_batch_sizes) if micro_batch_sizes is not None else \
         micro_batch_size_candidates(batches[0], method, kwargs.get("seq_length"))
     best: Optional[BatchesResult] = None
     sweep: list[dict] = []

@@ -30,6 +30,7 @@ import time
 from typing import Optional, Sequence, TextIO
 
 from dynapipe.progress import Progress
+from dynapipe.output_paths import write_output
 # Preset and stage_activation_peaks are not used here: callers import them from this module.
 from megatron_integration import cpu_allocator
 from megatron_integration.cpu_affinity import bench_default
@@ -313,8 +314,7 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
     if report["ratios_per_round"]:
         print("\nratios round by round (each round's runs side by side): " + "; ".join(
             f"{k} {', '.join(f'{x:.2f}x' for x in v)}" for k, v in report["ratios_per_round"].items()), file=stream)
-    with open(output, "w") as f:
-        json.dump(report, f, indent=1)
+    write_output(output, json.dumps(report, indent=1), "--output")
     if png:
         write_png(results, png, f"{preset}: {nproc} ranks, seq-length {flag_value(argv, '--seq-length')}, "
                                 f"global batch {flag_value(argv, '--global-batch-size')}, median of {rounds} round(s)")

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, TextIO
 
 from dynapipe.errors import DynaPipeError
+from dynapipe.output_paths import write_output
 from megatron_integration import cpu_allocator
 from megatron_integration.cpu_affinity import bench_default
 from megatron_integration.bench_checks import check_bench_outputs, check_warmup_iters, make_output_dir, parse_t5_sweep
@@ -264,8 +265,7 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
                         "executor": "every method through the DynaPipe executor (fixed-shape 1F1B plans for "
                                     "the baselines)"}}
     print_t5_report(report, stream)
-    with open(output, "w") as f:
-        json.dump(report, f, indent=1)
+    write_output(output, json.dumps(report, indent=1), "--output")
     return report
 
 

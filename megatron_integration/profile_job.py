@@ -59,8 +59,9 @@ def write_profile(model: GPTModelArgs, output: str, mbs_grid: Sequence[int], seq
     ProfileCostModel(model.to_model_config("profiled"), profile, num_stages=1, source=output,
                      tp=TensorParallelConfig(tp, sequence_parallel))
     if info.rank == 0:
-        with open(output, "w") as f:
-            json.dump(profile, f, indent=1)
+        from dynapipe.output_paths import write_output
+
+        write_output(output, json.dumps(profile, indent=1), "--output")
     return profile
 
 

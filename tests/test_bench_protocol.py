@@ -329,7 +329,7 @@ def test_bench_refuses_outputs_it_could_not_write_before_any_run(tmp_path, capsy
              (["--output", x, "--warmup-iters", "-1"], "--warmup-iters -1: must be >= 0")]
     if model == "gpt":
         cases += [(["--output", x, "--png", "b.txt"], "--png 'b.txt' does not end in .png"),
-                  (["--output", x, "--png", ""], "--png '' does not end in .png"),
+                  (["--output", x, "--png", ""], "--png '': an empty path"),
                   (["--output", f"{d}.png", "--png", f"{d}.png"], "--output and --png name the same file"),
                   (["--output", x, "--png", str(pic)], f"--png '{pic}' is a directory")]
     for extra, message in cases:

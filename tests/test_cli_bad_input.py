@@ -210,6 +210,78 @@ def test_an_output_never_overwrites_the_input(tmp_path, capsys):
     assert open(lengths).read() == before and os.listdir(tmp_path) == ["lengths.txt"]
 
 
+def test_outputs_never_overwrite_an_input_through_a_hard_link_or_a_config_file(tmp_path, capsys):
+    lengths = _lengths(tmp_path)
+    linked = tmp_path / "linked.txt"
+    os.link(lengths, linked)
+    model = tmp_path / "mine.yaml"
+    model.write_text(open(os.path.join(os.path.dirname(__file__), "..", "configs", "models", "gpt-tiny.yaml")).read())
+    before = {p: open(p).read() for p in (lengths, str(model))}
+    _refused(capsys, ["plan", "--lengths", lengths, *GPT7B, "--stages", "4", "--output", str(linked)],
+             "--lengths and --output name the same file")
+    _refused(capsys, ["plan", "--lengths", lengths, "--model", str(model), "--device", "cpu", "--stages", "2",
+                      "--output", str(model)], "--model and --output name the same file")
+    _refused(capsys, ["trace", "--lengths", lengths, "--model", str(model), "--device", "cpu", "--stages", "2",
+                      "--out", str(model)], "--model and --out name the same file")
+    _refused(capsys, ["advise", "--model", str(model), "--device", "cpu", "--cluster", "a100-8x", "--gpus", "2",
+                      "--mixture", "flan-mixture", "--json", str(model)], "--model and --json name the same file")
+    assert {p: open(p).read() for p in before} == before
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--output", ""], "--output '': an empty path"),
+    (["plan", "--output", "x.json", "--plan-out", ""], "--plan-out '': an empty path"),
+    (["trace", "--out", ""], "--out '': an empty path"),
+    (["trace", "--out", "t.json", "--png", ""], "--png '': an empty path"),
+    (["trace", "--out", "t.json", "--png", "-"], "--png -: this output cannot go to stdout"),
+    (["plan", "--output", "p.json", "--stages", "0"], "--stages 0: must be at least 1"),
+    (["plan", "--output", "PO/replica000-stage000.plan", "--plan-out", "PO"],
+     "would sit among the --plan-out"),
+])
+def test_empty_stdout_and_plan_set_outputs_are_refused_before_planning(tmp_path, capsys, monkeypatch, argv,
+                                                                       message):
+    monkeypatch.chdir(tmp_path)
+    argv = [a.replace("PO", str(tmp_path / "po")) for a in argv]
+    _refused(capsys, argv[:1] + ["--lengths", _lengths(tmp_path), *GPT7B, "--stages", "4"] + argv[1:], message)
+    assert sorted(os.listdir(tmp_path)) == ["lengths.txt"]
+
+
+def test_advise_outputs_are_files_and_a_config_name_is_one_line(tmp_path, capsys):
+    adv = ["advise", "--device", "cpu", "--cluster", "a100-8x", "--gpus", "2", "--mixture", "flan-mixture"]
+    _refused(capsys, adv + ["--model", "gpt-tiny", "--output", "-"], "--output -: this output cannot go to stdout")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(open(os.path.join(os.path.dirname(__file__), "..", "configs", "models", "gpt-tiny.yaml")).read()
+                   .replace("name: gpt-tiny", 'name: "gpt-tiny\\nlaunch: {nnodes: 9}"'))
+    _refused(capsys, adv + ["--model", str(bad)], "holds a line break or another control character")
+    _refused(capsys, adv + ["--model", "gpt-tiny", "--tp-sizes", "\u0662"], "expected comma-separated integers")
+
+
+def test_a_failed_write_leaves_the_earlier_file_whole(tmp_path, monkeypatch):
+    from dynapipe import output_paths
+
+    target = tmp_path / "out.txt"
+    target.write_text("earlier\n")
+
+    class Full:
+        def __init__(self, path, mode):
+            self.f = open(path, mode)
+
+        def __enter__(self):
+            return self
+
+        def write(self, data):
+            self.f.write(data[:3])
+            raise OSError(28, "No space left on device")
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    monkeypatch.setattr(output_paths, "open", Full, raising=False)
+    with pytest.raises(DynaPipeError, match="No space left on device; an earlier file there, if any, is unchanged"):
+        output_paths.write_output(str(target), "new contents\n", "--output")
+    assert target.read_text() == "earlier\n" and os.listdir(tmp_path) == ["out.txt"]
+
+
 def test_plan_output_may_go_into_a_new_folder(tmp_path, capsys):
     out = tmp_path / "new" / "p.json"
     assert main(["plan", "--lengths", _lengths(tmp_path), *GPT7B, "--stages", "4", "--output", str(out),

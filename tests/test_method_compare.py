@@ -115,6 +115,13 @@ def test_bad_requests_are_refused(gpt7b, batch):
     with pytest.raises(DynaPipeError, match="no micro-batch size in"):
         tune_baseline(batch, "padding", gpt7b, micro_batch_sizes=[1], seq_length=2048, memory_limit_mib=1000)
     assert micro_batch_size_candidates(batch, "padding") == [2 ** k for k in range(len(batch).bit_length())]
+    # Bad input is named as such, not reported as a size that fits in no memory.
+    with pytest.raises(DynaPipeError, match="^micro_batch_size 0: must be a whole number"):
+        tune_baseline(batch, "padding", gpt7b, micro_batch_sizes=[0, 1, 2], seq_length=2048)
+    with pytest.raises(DynaPipeError, match="^seq_length -5: must be a whole number"):
+        simulate_method(batch, "padding", gpt7b, micro_batch_size=1, seq_length=-5)
+    with pytest.raises(DynaPipeError, match="reads no micro_batch_size"):
+        simulate_method(batch, "dynapipe", gpt7b, micro_batch_size=8)
 
 
 def test_one_size_is_tuned_for_all_batches(gpt7b):

@@ -2,6 +2,7 @@
 bubble it removes. Pure Python + numpy, tiny models."""
 import itertools
 import json
+import re
 
 import numpy as np
 import pytest
@@ -174,6 +175,8 @@ def test_plan_and_trace_commands_report_the_placement(tmp_path, capsys):
     assert plan["bubble_fraction"] < plan["even_split"]["bubble_fraction"]
     assert plan["simulated_ms"] < plan["even_split"]["simulated_ms"]
     assert f"placement {chosen}" in err and "even split 4+0,4+0,0+4,0+4" in err
+    # The search's own line, before the plan's summary (a terminal also gets it announced first).
+    assert re.search(rf"^placement {re.escape(str(chosen))} chosen \(--placement auto, \d+\.\d s\)$", err, re.M), err
     trace = tmp_path / "trace.json"
     assert main(["trace", *base, "--placement", str(chosen), "--out", str(trace)]) == 0
     meta = json.loads(trace.read_text())["metadata"]

@@ -9,7 +9,8 @@ import numpy as np
 
 from dynapipe.data.synthetic import DEFAULT_MIXTURE
 from dynapipe.errors import DynaPipeError
-from dynapipe.output_paths import check_distinct, check_output_file, make_parent
+from dynapipe.argparsing import strict_int
+from dynapipe.output_paths import check_distinct, check_output_file, config_inputs, write_output
 
 HELP = "rank parallel layouts (TP, PP, interleaving, DP, distributed optimizer) for a model and cluster by simulation"
 
@@ -53,8 +54,8 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r}: an entry is empty; expected comma-separated integers "
                                          f"such as 1,2,4")
     try:
-        values = [int(x) for x in entries]
-    except ValueError:
+        values = [strict_int(x.strip()) for x in entries]
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers such as 1,2,4") from None
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers such as 1,2,4")
@@ -262,15 +263,15 @@ def run(args) -> int:
     if args.memory_limit_mb is not None and not args.memory_limit_mb > 0:
         raise DynaPipeError(f"--memory-limit-mb {args.memory_limit_mb}: must be a positive number of MiB.")
     # As every command does: refused before sampling, a missing folder created at the write.
-    for flag in ("output", "json"):
-        if getattr(args, flag):
+    for flag in ("output", "json"):  # both files: advise prints its report to stdout
+        if getattr(args, flag) is not None:
             check_output_file(getattr(args, flag), f"--{flag}")
-    check_distinct([("--lengths", args.lengths), ("--mixture", args.mixture if args.mixture and os.path.isfile(args.mixture) else None),
-                    ("--output", args.output), ("--json", args.json)])
+    check_distinct(config_inputs(args, ("model", "device", "cluster", "mixture"))
+                   + [("--lengths", args.lengths), ("--output", args.output), ("--json", args.json)])
     model, device = load_model_config(args.model, flag="--model"), load_device_config(args.device, flag="--device")
     gpu_capacity_mib(device, args.memory_limit_mb)
     cluster = load_cluster_config(args.cluster, flag="--cluster")
-    if args.output:
+    if args.output is not None:
         launch_shape(args.gpus, cluster)  # refused before minutes of simulation, not after
     seq = args.seq_length or model.max_seq_length
     if seq > model.max_seq_length:
@@ -337,24 +338,16 @@ def run(args) -> int:
         print(f"refused ({len(advice.refused)}): " + "; ".join(
             f"{l.label()}: {why.split('; ')[0].split('. ')[0]}" for l, why in advice.refused[:6])
               + (" ..." if len(advice.refused) > 6 else ""))
-    if args.output:
+    if args.output is not None:
         text = run_config_text(best, model, device.name, cluster.name, cluster, args.gpus, args.tokens_per_iteration,
                                seq, args.memory_limit_mb, mixture_path, batches)
-        _write(args.output, text, "output")
+        write_output(args.output, text, "--output")
         print(f"best layout written to {args.output}")
-    if args.json:
-        _write(args.json, json.dumps({"layouts": [r.to_json() for r in advice.results],
+    if args.json is not None:
+        write_output(args.json, json.dumps({"layouts": [r.to_json() for r in advice.results],
                                       "refused": [{"layout": l.label(), "reason": why} for l, why in advice.refused],
                                       "left_out": [{"layout": l.label(), "reason": why}
                                                    for l, why in advice.left_out]},
-                                     indent=1) + "\n", "json")
+                                     indent=1) + "\n", "--json")
     return 0
 
-
-def _write(path: str, text: str, flag: str) -> None:
-    try:
-        make_parent(path)
-        with open(path, "w") as f:
-            f.write(text)
-    except OSError as e:
-        raise DynaPipeError(f"--{flag} {path!r}: cannot write ({e.strerror}).") from None

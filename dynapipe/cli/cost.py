@@ -90,6 +90,8 @@ def check_sequence_split(length: int, tp: int, model: ModelConfig, what: str) ->
 
 def cost_setup_from_args(args: argparse.Namespace) -> CostSetup:
     """Load the configs and build the cost model and memory limit from parsed arguments."""
+    if args.stages < 1:
+        raise DynaPipeError(f"--stages {args.stages}: must be at least 1 (pipeline stages).")
     model = load_model_config(args.model, flag="--model")
     device = load_device_config(args.device, flag="--device")
     tp = tp_from_args(args, model, device)

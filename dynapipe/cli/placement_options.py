@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
+import time
 from typing import Optional
 
 from dynapipe.cli.cost import CostSetup
@@ -36,25 +38,47 @@ def apply_placement(args: argparse.Namespace, setup: CostSetup, lengths) -> tupl
     if choice == "even":
         return setup, None
     if choice == "auto":
-        kw = dict(dp=getattr(args, "dp", 1), memory_limit_mib=setup.memory_limit_mib, reserved_mib=setup.reserved_mib,
-                  seq_length=getattr(args, "seq_length", None), recompute=getattr(args, "recompute", None))
-        if cm.model.is_encoder_decoder:  # contiguous or interleaved, by simulated time on this batch
-            from dynapipe.schedule.types import CHUNKED_SCHEDULE_NAMES
-
-            device = getattr(cm, "device", None)
-            cluster = resolve_cluster(getattr(args, "cluster", None), device.name if device is not None else None)
-            # A schedule given by name is tried on the kinds of placement it runs on: adaptive on
-            # contiguous stages, the interleaved ones on chunks, 1f1b and zb-h1 on both.
-            schedule = getattr(args, "schedule", None) or "auto"
-            plan = choose_placement_kind([lengths], cm, cluster=cluster, split_backward=split_backward(args),
-                                         chunks=1 if schedule == "adaptive" else 2,
-                                         contiguous_allowed=schedule not in CHUNKED_SCHEDULE_NAMES,
-                                         schedule=schedule, **kw)
-        else:
-            plan = choose_placement([lengths], cm, **kw)
+        # The search plans the batch on every candidate split, seconds for a large model: said on
+        # stderr (stdout may carry the command's JSON), announced up front on a terminal, where
+        # an error then starts on a line of its own; elsewhere the result line alone.
+        live = sys.stderr.isatty()
+        if live:
+            print("choosing the stage placement (--placement auto) ...", end=" ", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        try:
+            plan = _search_placement(args, setup, lengths)
+        except BaseException:
+            if live:
+                print(file=sys.stderr, flush=True)
+            raise
+        took = f"{time.perf_counter() - start:.1f} s"
+        print(f"{plan.cost_model.placement} ({took})" if live else
+              f"placement {plan.cost_model.placement} chosen (--placement auto, {took})", file=sys.stderr)
         return dataclasses.replace(setup, cost_model=plan.cost_model), plan
     placement = StagePlacement.parse(choice, cm.model, cm.num_stages)
     return dataclasses.replace(setup, cost_model=cm.with_placement(placement)), None
+
+
+def _search_placement(args: argparse.Namespace, setup: CostSetup, lengths) -> PlacementPlan:
+    """``--placement auto``'s search on this batch (see :func:`apply_placement`)."""
+    cm = setup.cost_model
+    kw = dict(dp=getattr(args, "dp", 1), memory_limit_mib=setup.memory_limit_mib, reserved_mib=setup.reserved_mib,
+              seq_length=getattr(args, "seq_length", None), recompute=getattr(args, "recompute", None))
+    if cm.model.is_encoder_decoder:  # contiguous or interleaved, by simulated time on this batch
+        from dynapipe.schedule.types import CHUNKED_SCHEDULE_NAMES
+
+        device = getattr(cm, "device", None)
+        cluster = resolve_cluster(getattr(args, "cluster", None), device.name if device is not None else None)
+        # A schedule given by name is tried on the kinds of placement it runs on: adaptive on
+        # contiguous stages, the interleaved ones on chunks, 1f1b and zb-h1 on both.
+        schedule = getattr(args, "schedule", None) or "auto"
+        plan = choose_placement_kind([lengths], cm, cluster=cluster, split_backward=split_backward(args),
+                                     chunks=1 if schedule == "adaptive" else 2,
+                                     contiguous_allowed=schedule not in CHUNKED_SCHEDULE_NAMES,
+                                     schedule=schedule, **kw)
+    else:
+        plan = choose_placement([lengths], cm, **kw)
+    return plan
 
 
 def even_split_schedule(schedule: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 
@@ -17,7 +18,7 @@ from dynapipe.batching import BatchPlan, plan_micro_batches
 from dynapipe.batching.lengths import read_lengths_for
 from dynapipe.cli.batching_options import add_batching_arguments, check_batching_flags, cut_arguments
 from dynapipe.cli.cost import CostSetup, add_cost_model_arguments, add_memory_arguments, cost_setup_from_args
-from dynapipe.output_paths import check_distinct, check_output_file, make_parent
+from dynapipe.output_paths import check_distinct, check_output_file, config_inputs, write_output
 from dynapipe.cli.placement_options import (add_placement_argument, apply_placement, even_split_schedule,
                                              placement_json)
 from dynapipe.cli.schedule_options import (add_recompute_default, add_schedule_arguments, check_plan_out,
@@ -112,16 +113,17 @@ def dumps_plan(obj: dict) -> str:
 
 def write_json(obj: dict, path: str) -> None:
     """Write a plan dict as JSON to ``path`` (``-``: stdout)."""
-    text = dumps_plan(obj)
-    if path == "-":
-        sys.stdout.write(text + "\n")
+    write_output(path, dumps_plan(obj) + "\n", "--output")
+
+
+def check_not_in_plan_set(output, plan_out) -> None:
+    """Refuse an ``--output`` that would land among the ``--plan-out`` plan files as one of them
+    (a ``.plan`` name in that folder): the set would no longer read back."""
+    if not output or output == "-" or not plan_out:
         return
-    try:
-        make_parent(path)
-        with open(path, "w") as f:
-            f.write(text + "\n")
-    except OSError as e:
-        raise DynaPipeError(f"--output {path!r} cannot be written: {e.strerror}.") from None
+    if os.path.dirname(os.path.abspath(output)) == os.path.abspath(plan_out) and output.endswith(".plan"):
+        raise DynaPipeError(f"--output {output!r} would sit among the --plan-out {plan_out!r} plan files as one "
+                            f"of them (every *.plan file there is read as a plan); write it elsewhere.")
 
 
 def _with_room_in_flight(args: argparse.Namespace, batch_plan: BatchPlan, sched: dict, setup: CostSetup,
@@ -155,8 +157,10 @@ def run(args: argparse.Namespace) -> int:
     check_batching_flags(args)
     check_schedule_flags(args)
     check_plan_out(args.plan_out)
-    check_output_file(args.output, "--output")
-    check_distinct([("--lengths", args.lengths), ("--output", args.output), ("--plan-out", args.plan_out)])
+    check_output_file(args.output, "--output", stdout=True)
+    check_distinct(config_inputs(args) + [("--lengths", args.lengths), ("--output", args.output),
+                                          ("--plan-out", args.plan_out)])
+    check_not_in_plan_set(args.output, args.plan_out)
     even_setup = cost_setup_from_args(args)
     lengths = read_lengths_for(args.lengths, even_setup.model.name, even_setup.model.is_encoder_decoder)
     setup, searched = apply_placement(args, even_setup, lengths)

@@ -24,6 +24,7 @@ import sys
 
 from dynapipe.cli.profile_request import (check_grid_lengths, check_output, check_tensor_parallel,
                                           refuse_unread_training_flags)
+from dynapipe.output_paths import write_output
 
 HELP = "measure megatron-core layers and write a cost profile"
 
@@ -246,8 +247,7 @@ def run(args) -> int:
                                 use_te=use_te, progress=bar.step)
     # Refuse to write a profile the cost model would not read.
     ProfileCostModel(model.to_model_config("profiled"), profile, num_stages=1, source=args.output)
-    with open(args.output, "w") as f:
-        json.dump(profile, f, indent=1)
+    write_output(args.output, json.dumps(profile, indent=1), "--output")
     print(f"wrote {args.output}", file=sys.stderr)
     return 0
 

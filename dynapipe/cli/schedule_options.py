@@ -63,7 +63,7 @@ def check_schedule_flags(args: argparse.Namespace) -> None:
 def check_plan_out(directory: Optional[str]) -> None:
     """Refuse a ``--plan-out`` that is an existing file or cannot be created, before any
     planning is spent."""
-    if directory:
+    if directory is not None:
         check_output_dir(directory, "--plan-out")
 
 

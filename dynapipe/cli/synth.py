@@ -1,11 +1,9 @@
 """``python -m dynapipe synth``: a lengths file from the synthetic mixture."""
 from __future__ import annotations
 
-import sys
 
-from dynapipe.output_paths import check_distinct, check_output_file, make_parent
+from dynapipe.output_paths import check_distinct, check_output_file, write_output
 from dynapipe.data.synthetic import load_mixture, resolve_mixture, sample_lengths
-from dynapipe.errors import DynaPipeError
 
 HELP = "write a lengths file drawn from the synthetic multi-task mixture"
 
@@ -22,18 +20,10 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    check_output_file(args.output, "--output")
+    check_output_file(args.output, "--output", stdout=True)
     mixture = resolve_mixture(args.mixture, flag="--mixture")
     check_distinct([("--mixture", mixture), ("--output", args.output)])
     lengths = sample_lengths(args.samples, args.seed, args.seq_length, args.encoder_decoder, load_mixture(mixture))
     lines = "\n".join(" ".join(map(str, row)) if lengths.ndim == 2 else str(row) for row in lengths.tolist())
-    if args.output == "-":
-        sys.stdout.write(lines + "\n")
-        return 0
-    try:
-        make_parent(args.output)
-        with open(args.output, "w") as f:
-            f.write(lines + "\n")
-    except OSError as e:
-        raise DynaPipeError(f"--output {args.output!r} cannot be written: {e.strerror}.") from None
+    write_output(args.output, lines + "\n", "--output")
     return 0

@@ -15,7 +15,7 @@ import sys
 from dynapipe.batching.lengths import read_lengths_for
 from dynapipe.cli.batching_options import add_batching_arguments, check_batching_flags, cut_arguments
 from dynapipe.cli.cost import add_cost_model_arguments, add_memory_arguments, cost_setup_from_args
-from dynapipe.output_paths import check_distinct, check_output_file, make_parent
+from dynapipe.output_paths import check_distinct, check_output_file, config_inputs, saved_whole, write_output
 from dynapipe.cli.placement_options import (add_placement_argument, apply_placement, even_split_schedule,
                                              placement_json)
 from dynapipe.cli.schedule_options import (add_recompute_default, add_split_backward_argument, check_schedule_flags,
@@ -59,7 +59,7 @@ def _check_replica(args: argparse.Namespace) -> int:
     without ``--png`` (the trace file holds every replica)."""
     if args.replica is None:
         return 0
-    if not args.png:
+    if args.png is None:
         raise DynaPipeError(f"--replica {args.replica}: only --png reads it (the --out trace holds every replica); "
                             f"add --png FILE.png or drop --replica.")
     if args.dp >= 1 and not 0 <= args.replica < args.dp:  # a bad --dp has its own refusal
@@ -75,12 +75,12 @@ def _check_before_planning(args: argparse.Namespace) -> None:
     if args.seed is not None and args.lengths is not None:
         raise DynaPipeError(f"--seed {args.seed}: only --samples reads it (--lengths {args.lengths} gives the "
                             f"lengths); drop --seed or draw the lengths with --samples N.")
-    check_output_file(args.out, "--out")
-    if args.png:
+    check_output_file(args.out, "--out", stdout=True)
+    if args.png is not None:
         check_output_file(args.png, "--png", suffix=".png")
         if importlib.util.find_spec("matplotlib") is None:  # found now, not after the planning
             raise DynaPipeError("--png needs matplotlib: pip install matplotlib (or the 'plot' extra).")
-    check_distinct([("--lengths", args.lengths), ("--out", args.out), ("--png", args.png)])
+    check_distinct(config_inputs(args) + [("--lengths", args.lengths), ("--out", args.out), ("--png", args.png)])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,12 +119,7 @@ def run(args: argparse.Namespace) -> int:
         even_line = (f"; placement {setup.cost_model.placement} (even split {even_setup.cost_model.placement}: "
                      f"{even.simulated_ms:.1f} ms, bubble {100 * even.bubble_fraction:.1f}%)")
     trace = chrome_trace(it.timelines, it.search.micro_batches, meta)
-    try:
-        make_parent(args.out)
-        with open(args.out, "w") as f:
-            json.dump(trace, f, separators=(",", ":"))
-    except OSError as e:
-        raise DynaPipeError(f"--out {args.out!r} cannot be written: {e.strerror}.") from None
+    write_output(args.out, json.dumps(trace, separators=(",", ":")), "--out")
     levels = it.stage_recompute
     recompute = recompute_label(levels, setup.cost_model.num_stages)
     if args.png:
@@ -132,12 +127,9 @@ def run(args: argparse.Namespace) -> int:
         title = (f"{setup.model.name}, {setup.cost_model.num_stages} stages, {len(it.search.micro_batches[replica])} "
                  f"micro-batches: {it.schedule} ({it.order} order, recompute {recompute}) "
                  f"{tl.makespan_ms:.1f} ms, bubble {100 * tl.bubble_fraction:.1f}%")
-        try:
-            make_parent(args.png)
-        except OSError as e:
-            raise DynaPipeError(f"--png {args.png!r} cannot be written: {e.strerror}.") from None
-        plot_timeline(tl, it.search.micro_batches[replica], args.png, title=title,
-                      capacity_mib=setup.memory_limit_mib - setup.reserved_mib)
+        saved_whole(args.png, lambda path: plot_timeline(tl, it.search.micro_batches[replica], path, title=title,
+                                                         capacity_mib=setup.memory_limit_mib - setup.reserved_mib),
+                    "--png")
     how = "as given" if args.recompute else f"chosen; micro-batches cut for {level}"
     print(f"{it.schedule} ({it.order} order, recompute {recompute}, {how}): simulated {it.simulated_ms:.1f} ms, "
           f"bubble {100 * it.bubble_fraction:.1f}%, peak " + ", ".join(f"{p:.0f}" for p in it.stage_peak_mib)

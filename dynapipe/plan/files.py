@@ -33,8 +33,16 @@ def write_plan_dir(plans: Sequence[ExecutionPlan], directory: str, replace: bool
     paths = []
     for p in plans:
         path = os.path.join(directory, plan_file_name(p.replica, p.stage))
-        with open(path, "wb") as f:
-            f.write(serialize_plan(p))
+        # Written beside its name and renamed over it: a failed write (a full disk) never
+        # leaves a truncated plan where a whole one was.
+        tmp = os.path.join(directory, f".{plan_file_name(p.replica, p.stage)}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(serialize_plan(p))
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
         paths.append(path)
     if replace:
         written = {os.path.basename(path) for path in paths}
