@@ -2,7 +2,8 @@
 
 :func:`plan_iteration` is the one call the data loader and the training step use:
 lengths in, an :class:`IterationPlan` out (the :class:`BatchPlan`, the chosen schedule
-with its simulated figures, and one :class:`ExecutionPlan` per (replica, stage)).
+with its simulated figures, and one :class:`~dynapipe.plan.instructions.ExecutionPlan`
+per (replica, stage)).
 :func:`schedule_batch_plan` does the second half for a :class:`BatchPlan` made elsewhere.
 :class:`IterationPlan` lives in :mod:`dynapipe.iteration_plan` and is importable from here too.
 """

@@ -61,7 +61,8 @@ def consumed_valid_samples(cfg, iteration: int) -> int:
     global batches per periodic evaluation, every ``--eval-interval`` iterations up to it (its
     loop evaluates before it saves). This project positions its validation stream from the
     iteration (:func:`megatron_integration.evaluation.valid_first_batch`); Megatron-LM resumes
-    its validation loader from this count."""
+    its validation loader from this count. An evaluation that ``--exit-duration-in-mins`` cut
+    short counts whole here (Megatron-LM counts the batches it ran)."""
     e = cfg.evaluation
     done = iteration // e.eval_interval if e.eval_interval and e.eval_iters > 0 else 0
     return done * e.eval_iters * cfg.global_batch_size
