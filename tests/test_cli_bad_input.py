@@ -246,7 +246,8 @@ def test_empty_stdout_and_plan_set_outputs_are_refused_before_planning(tmp_path,
     assert sorted(os.listdir(tmp_path)) == ["lengths.txt"]
 
 
-def test_advise_outputs_are_files_and_a_config_name_is_one_line(tmp_path, capsys):
+def test_advise_outputs_are_files_and_a_config_name_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a regression would write a file named "-" here, not in the repository
     adv = ["advise", "--device", "cpu", "--cluster", "a100-8x", "--gpus", "2", "--mixture", "flan-mixture"]
     _refused(capsys, adv + ["--model", "gpt-tiny", "--output", "-"], "--output -: this output cannot go to stdout")
     bad = tmp_path / "bad.yaml"
