@@ -15,7 +15,12 @@ import argparse
 from megatron_integration.model_flags import add_loss_scale_args
 from megatron_integration.tokenizer import add_tokenizer_args
 
-POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+# Megatron-LM's choices for these flags; the values not built here are refused with a reason
+# (megatron_integration.args_refusals), not by argparse's bare "invalid choice".
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "yarn", "mrope", "relative", "none")
+OPTIMIZERS = ("adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon")
+CKPT_FORMATS = ("torch_dist", "torch", "torch_dcp", "fsdp_dtensor", "dynapipe")
+TRANSFORMER_IMPLS = ("local", "transformer_engine", "inference_optimized")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
@@ -99,7 +104,7 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="attention implementation: auto (megatron-core chooses), or local where the stages are "
                         "built from local layers; the others are refused")
-    g.add_argument("--transformer-impl", default="transformer_engine", choices=("local", "transformer_engine"),
+    g.add_argument("--transformer-impl", default="transformer_engine", choices=TRANSFORMER_IMPLS,
                    help="layer implementation; transformer_engine (Megatron-LM's default) needs Transformer "
                         "Engine on GPUs (refused where megatron-core cannot load it, and for T5, whose stages are "
                         "local); on CPUs every stage is local")
@@ -152,10 +157,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="packing: restart position ids at every sample of a packed row")
     g.add_argument("--reset-attention-mask", action="store_true",
                    help="packing: samples of a packed row do not attend to each other")
-    g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=None,
                    help="stop the job when the loss or the gradient norm is NaN or infinite, before the optimizer "
-                        "step (default on, off under --fp16 with dynamic loss scaling as in Megatron-LM; "
-                        "--no-check-for-nan-in-loss-and-grad disables)")
+                        "step (default on, off under --fp16 with dynamic loss scaling as in Megatron-LM, where "
+                        "asking for it by name is refused; --no-check-for-nan-in-loss-and-grad disables)")
     g.add_argument("--rerun-mode", default=None, choices=("disabled", "validate_results", "report_stats"),
                    help="Megatron-LM's rerun state machine: only disabled is taken (a NaN or Inf is checked as "
                         "--check-for-nan-in-loss-and-grad says and stops the job; no iteration is rerun)")
@@ -218,8 +223,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="warm-up as a fraction of the decay iterations (instead of --lr-warmup-iters)")
     g.add_argument("--lr-warmup-init", type=float, default=0.0,
                    help="learning rate the warm-up starts from (Megatron-LM's; default 0)")
-    g.add_argument("--optimizer", default="adam", choices=("adam", "sgd"),
-                   help="adam (megatron-core's Adam with decoupled weight decay); sgd is refused")
+    g.add_argument("--optimizer", default="adam", choices=OPTIMIZERS,
+                   help="adam (megatron-core's Adam with decoupled weight decay); Megatron-LM's others are refused")
     g.add_argument("--loss-scale", type=float, default=None,
                    help="static loss scale, --fp16 or --bf16 (default: fp16 scales dynamically, bf16 not at all)")
     g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32, help="fp16: initial dynamic loss scale")
@@ -318,9 +323,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="iterations between checkpoints")
     g.add_argument("--no-load-optim", action="store_true", help="do not restore the optimizer state")
     g.add_argument("--no-load-rng", action="store_true", help="do not restore the RNG states")
-    g.add_argument("--ckpt-format", default="torch_dist", choices=("torch_dist", "torch", "dynapipe"),
+    g.add_argument("--ckpt-format", default="torch_dist", choices=CKPT_FORMATS,
                    help="torch_dist: megatron-core's distributed checkpoint, as Megatron-LM writes it (default); "
-                        "dynapipe: this project's per-rank files (torch: Megatron's legacy format, not written)")
+                        "dynapipe: this project's per-rank files (torch, torch_dcp, fsdp_dtensor: Megatron-LM's "
+                        "other formats, not written)")
     g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
                    help="on --load, take the learning-rate schedule from this run's arguments, not the checkpoint's")
     g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler", action="store_true",

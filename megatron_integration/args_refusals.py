@@ -183,6 +183,10 @@ def _model_flags_honoured(args: argparse.Namespace, cuda: bool) -> None:
     if args.cross_entropy_loss_fusion and not cuda:
         raise _unsupported("--cross-entropy-loss-fusion", "megatron-core's fused cross-entropy is a GPU kernel; "
                                                           "drop it on CPU")
+    if args.transformer_impl == "inference_optimized":
+        raise _unsupported_value("--transformer-impl", args.transformer_impl,
+                                 "megatron-core's inference-only layers do not train; use transformer_engine or "
+                                 "local")
     local_layers = args.transformer_impl == "local" or not cuda
     # local: megatron-core's own DotProductAttention, which local layers are built with.
     if args.attention_backend != "auto" and not (args.attention_backend == "local" and local_layers):
@@ -227,6 +231,10 @@ def _checkpoint_args_honoured(args: argparse.Namespace) -> None:
     if args.ckpt_format == "torch":
         raise _unsupported("--ckpt-format", "torch (Megatron's legacy per-rank files) is not written; use "
                                             "torch_dist (the default, which Megatron-LM loads) or dynapipe")
+    if args.ckpt_format in ("torch_dcp", "fsdp_dtensor"):
+        raise _unsupported_value("--ckpt-format", args.ckpt_format,
+                                 "torch.distributed.checkpoint's own layout and Megatron-FSDP's are not written; "
+                                 "use torch_dist (the default, which Megatron-LM loads) or dynapipe")
     if not args.load:
         # Each acts on a loaded checkpoint only; without one it would be a no-op the command line claims.
         for flag, given in (("--no-load-optim", args.no_load_optim), ("--no-load-rng", args.no_load_rng),

@@ -7,6 +7,7 @@ Called from :mod:`megatron_integration.arguments`; returns plain values for
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 
 from dynapipe.errors import DynaPipeError
 
@@ -77,6 +78,12 @@ def position_embedding_from_args(args: argparse.Namespace) -> str:
     ``validate_args`` applies them: ``--use-rotary-position-embeddings`` means ``rope``, and
     ``--no-position-embedding`` is only taken with rotary embeddings (which add none)."""
     kind = "rope" if getattr(args, "use_rotary_position_embeddings", False) else args.position_embedding_type
+    if kind not in ("learned_absolute", "rope"):
+        why = {"yarn": "YaRN rotary embeddings are not built", "mrope": "multimodal rotary embeddings are not built",
+               "relative": "T5's relative position buckets are not built (T5 stages take learned positions)",
+               "none": "a model without position embeddings (NoPE) is not built"}.get(kind, "not built")
+        raise DynaPipeError(f"--position-embedding-type {kind} is not supported by dynapipe-megatron: {why}; use "
+                            f"learned_absolute or rope.")
     if not getattr(args, "add_position_embedding", True) and kind != "rope":
         raise DynaPipeError(f"--no-position-embedding with --position-embedding-type {kind}: deprecated in "
                             f"Megatron-LM, which takes it with rotary embeddings only; give --position-embedding-type "
@@ -138,9 +145,17 @@ def loss_scale_from_args(args: argparse.Namespace) -> dict:
     return values
 
 
-def nan_check_enabled(requested: bool, fp16: bool, loss_scale) -> bool:
-    """Whether the check runs, as Megatron-LM decides it: ``--check-for-nan-in-loss-and-grad``
-    (``requested``), turned off under ``--fp16`` with dynamic loss scaling (``loss_scale``
-    None), where a non-finite gradient is the scaler's signal to skip the step and lower
-    the scale. With a static ``--loss-scale`` the loss and the gradients are checked."""
-    return requested and not (fp16 and loss_scale is None)
+def nan_check_enabled(requested: Optional[bool], fp16: bool, loss_scale) -> bool:
+    """Whether the check runs, as Megatron-LM decides it: on unless
+    ``--no-check-for-nan-in-loss-and-grad`` (``requested`` False), turned off under ``--fp16``
+    with dynamic loss scaling (``loss_scale`` None), where a non-finite gradient is the
+    scaler's signal to skip the step and lower the scale. With a static ``--loss-scale`` the
+    loss and the gradients are checked. The check asked for by name (``requested`` True;
+    Megatron-LM has only the ``--no-`` spelling) where dynamic scaling turns it off is refused,
+    not dropped."""
+    dynamic_fp16 = fp16 and loss_scale is None
+    if requested is True and dynamic_fp16:
+        raise DynaPipeError("--check-for-nan-in-loss-and-grad: under --fp16 with dynamic loss scaling a non-finite "
+                            "gradient is the scaler's signal to skip the step and lower the scale, so the check is "
+                            "off (as in Megatron-LM); drop the flag, or give a static --loss-scale to check.")
+    return requested is not False and not dynamic_fp16
