@@ -227,7 +227,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = StrictArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output", required=True,
                    help="directory for gpu_check.json, gpu_check.md, the profile and a trace")
-    p.add_argument("--timeout-s", type=float, default=420.0, help="limit for each training job (s)")
+    p.add_argument("--timeout-s", type=float, default=420.0,
+                   help="limit for each training job and for the profile (s)")
     p.add_argument("--baseline-mbs", default=",".join(map(str, GPU_SHAPE.baseline_mbs)),
                    help="micro-batch sizes (samples) each fixed-shape baseline runs at; the best counts")
     p.add_argument("--profile-mbs", default=GPU_SHAPE.profile_grid[1],
@@ -235,9 +236,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "on GPUs under 80 GB: 32 x 4,096 tokens peaks at about 43 GB)")
     args = p.parse_args(argv)
     try:
+        mbs, grid = check_request(args)
         require_cuda()
-        mbs = tuple(int(x) for x in args.baseline_mbs.split(","))
-        grid = ("--mbs", args.profile_mbs) + GPU_SHAPE.profile_grid[2:]
         shape = CheckShape(GPU_SHAPE.model_args, GPU_SHAPE.train_args, grid, mbs)
         os.makedirs(args.output, exist_ok=True)
         report = run(args.output, args.timeout_s, shape)
@@ -245,6 +245,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 1 if failed(report) else 0
+
+
+def _positive_ints(text: str, flag: str) -> tuple[int, ...]:
+    values = []
+    for item in text.split(","):
+        if not item.strip().isascii() or not item.strip().isdigit() or int(item) < 1:
+            raise DynaPipeError(f"{flag} {text!r}: expected positive whole numbers separated by commas, such as 1,2.")
+        values.append(int(item))
+    return tuple(values)
+
+
+def check_request(args) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The baselines' micro-batch sizes and the profile grid, refused before anything runs
+    (one line naming the flag): a GPU session is too short to learn of a bad value from the
+    first job that fails."""
+    if not args.timeout_s > 0:
+        raise DynaPipeError(f"--timeout-s {args.timeout_s}: must be a positive number of seconds.")
+    mbs = _positive_ints(args.baseline_mbs, "--baseline-mbs")
+    global_batch = int(GPU_SHAPE.train_args[GPU_SHAPE.train_args.index("--global-batch-size") + 1])
+    bad = [m for m in mbs if global_batch % m]
+    if bad:
+        raise DynaPipeError(f"--baseline-mbs {args.baseline_mbs}: {bad[0]} does not divide the global batch of "
+                            f"{global_batch} samples; use divisors of it.")
+    _positive_ints(args.profile_mbs, "--profile-mbs")
+    return mbs, ("--mbs", args.profile_mbs) + GPU_SHAPE.profile_grid[2:]
 
 
 def failed(report: dict) -> bool:
@@ -302,7 +327,7 @@ def run(out_dir: str, timeout_s: float, shape: CheckShape = GPU_SHAPE) -> dict:
     impl = [] if te else ["--transformer-impl", "local"]
 
     def profile_body() -> dict:
-        if run_profile(["--output", profile, *shape.profile_grid, *shape.model_args, *impl]) != 0:
+        if run_profile(["--output", profile, *shape.profile_grid, *shape.model_args, *impl], timeout_s) != 0:
             raise DynaPipeError("profiling failed; see the lines above.")
         return {"path": profile, "s": round(time.perf_counter() - started, 1)}
 
@@ -381,15 +406,20 @@ def analytic_memory(profile_path: str, argv: Sequence[str], device: str) -> dict
     return {"fused_attention": model.fused_attention, "points": points}
 
 
-def run_profile(argv: Sequence[str]) -> int:
+def run_profile(argv: Sequence[str], timeout_s: float) -> int:
     """``python -m dynapipe profile ARGV`` in a process of its own (its exit status): its process
-    group, environment and device memory end with it, before the trainings start."""
+    group, environment and device memory end with it, before the trainings start. Killed after
+    ``timeout_s`` (a DynaPipeError then), so a hung profile cannot take the whole session."""
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    return subprocess.run([sys.executable, "-m", "dynapipe", "profile", *argv], env=env).returncode
+    try:
+        return subprocess.run([sys.executable, "-m", "dynapipe", "profile", *argv], env=env,
+                              timeout=timeout_s).returncode
+    except subprocess.TimeoutExpired:
+        raise DynaPipeError(f"profiling did not finish within {timeout_s:.0f} s (--timeout-s); it was killed.") from None
 
 
 def _megatron_version() -> str:

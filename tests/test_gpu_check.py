@@ -26,6 +26,29 @@ def test_without_cuda_it_stops_with_one_line(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing written
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--baseline-mbs", "1,x"], "--baseline-mbs '1,x': expected positive whole numbers"),
+    (["--baseline-mbs", "0,2"], "--baseline-mbs '0,2': expected positive whole numbers"),
+    (["--baseline-mbs", "3"], "3 does not divide the global batch of 64 samples"),
+    (["--profile-mbs", "zz"], "--profile-mbs 'zz': expected positive whole numbers"),
+    (["--timeout-s", "-5"], "--timeout-s -5.0: must be a positive number of seconds"),
+])
+def test_bad_flags_are_refused_before_anything_runs(tmp_path, capsys, argv, message):
+    # Checked before the GPU is even looked for: a GPU session is too short to learn of them from a
+    # failed job.
+    assert gpu_check.main(["--output", str(tmp_path / "out"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_profile_that_does_not_finish_is_killed_at_the_timeout():
+    from dynapipe.errors import DynaPipeError
+
+    with pytest.raises(DynaPipeError, match="did not finish within 0 s"):
+        gpu_check.run_profile(["--help"], 0.01)
+
+
 def _sample(n_in, n_tg, start):
     return Sample(input_ids=np.arange(start, start + n_in), target_ids=np.arange(start + 100, start + 100 + n_tg))
 
@@ -109,7 +132,7 @@ def test_a_failed_profile_leaves_the_dynapipe_runs_to_the_analytic_model(tmp_pat
     import megatron_integration.jobs as jobs
 
     seen = []
-    monkeypatch.setattr(gpu_check, "run_profile", lambda argv: 1)  # the profile fails
+    monkeypatch.setattr(gpu_check, "run_profile", lambda argv, timeout_s: 1)  # the profile fails
     monkeypatch.setattr(jobs, "run_training", lambda argv, *a, **k: seen.append(list(argv)) or [{
         "iteration_ms": [10.0, 10.0], "real_tokens": [100, 100], "losses": [2.0, 1.0],
         "activation_measured_mib": [1.0, 1.0], "activation_planned_mib": [None, None]}])
