@@ -54,7 +54,8 @@ from dynapipe.method_compare import (BatchesResult, compare_over_batches, global
 from dynapipe.pipeline_planner import plan_iteration  # noqa: E402
 from dynapipe.schedule.placement import choose_placement_kind  # noqa: E402
 from dynapipe.cost.chunked_placement import even_chunked_placement  # noqa: E402
-from dynapipe.argparsing import StrictArgumentParser  # noqa: E402
+from dynapipe.argparsing import StrictArgumentParser, print_error  # noqa: E402
+from dynapipe.output_paths import check_distinct, check_output_file, write_output  # noqa: E402
 
 METHODS = ("dynapipe", "dynapipe-1f1b", "packing", "packing-search", "padding", "padding-mb")
 # The DynaPipe paper (EuroSys 2024), best reported speed-up over packing on FLANv2.
@@ -232,6 +233,12 @@ def main(argv=None) -> int:
             args.batches = 1 if args.quick else 3
         if args.batches < 1:
             raise DynaPipeError(f"--batches {args.batches}: need at least one global batch.")
+        if args.tokens < 1:
+            raise DynaPipeError(f"--tokens {args.tokens}: a global batch needs at least 1 token (default 65536).")
+        if args.seed < 0:
+            raise DynaPipeError(f"--seed {args.seed}: the seed must be a non-negative integer.")
+        load_device_config(args.device, "--device")
+        load_cluster_config(args.cluster, "--cluster")
         cases = QUICK_CASES if args.quick and not args.case else CASES
         if args.case:
             cases = tuple(c for c in cases if args.case in c.label)
@@ -239,8 +246,10 @@ def main(argv=None) -> int:
                 raise DynaPipeError(f"--case {args.case!r} matches no case; the cases are: "
                                     f"{'; '.join(c.label for c in CASES)}.")
         md_path = args.markdown or os.path.splitext(args.output)[0] + ".md"
-        for path in (args.output, md_path):
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        # Checked now, created only when written: a refused case must leave no empty folder.
+        check_output_file(args.output, "--output")
+        check_output_file(md_path, "--markdown")
+        check_distinct([("--output", args.output), ("--markdown", md_path)])
         started = time.perf_counter()
         records = []
         for case in cases:
@@ -248,7 +257,7 @@ def main(argv=None) -> int:
             records.append(run_case(case, args))
             print(f"{case.label}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     except DynaPipeError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(str(e))
         return 2
     table = markdown(records)
     report = {"setup": {"device": args.device, "cluster": args.cluster, "tokens_per_batch": args.tokens,
@@ -262,10 +271,12 @@ def main(argv=None) -> int:
                         "planning_ms": "wall time of batching + schedule search + compiling every rank's "
                                        "plan for one batch, in this process (baseline sweeps excluded)"},
               "cases": records, "elapsed_s": round(time.perf_counter() - started, 1)}
-    with open(args.output, "w") as f:
-        json.dump(report, f, indent=1)
-    with open(md_path, "w") as f:
-        f.write(table + "\n")
+    try:
+        write_output(args.output, json.dumps(report, indent=1), "--output")
+        write_output(md_path, table + "\n", "--markdown")
+    except DynaPipeError as e:
+        print_error(str(e))
+        return 2
     print(table)
     print(f"wrote {args.output} and {md_path}")
     return 0

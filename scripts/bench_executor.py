@@ -54,6 +54,8 @@ from dynapipe.schedule.simulator import simulate  # noqa: E402
 from dynapipe.schedule.trace import chrome_trace as sim_chrome_trace  # noqa: E402
 from toy_model import ToyGPT, ToyHandlers, make_samples, micro_batch_tensors  # noqa: E402
 from dynapipe.argparsing import StrictArgumentParser  # noqa: E402
+from dynapipe.errors import DynaPipeError  # noqa: E402
+from dynapipe.output_paths import check_output_file, write_output  # noqa: E402
 
 RUNNERS = ("executor", "plain", "megatron")
 LABELS = {"executor": "plan executor", "plain": "plain 1F1B loop", "megatron": "megatron-core 1F1B"}
@@ -256,8 +258,7 @@ def _worker(ctx, args):
     if args.trace_out:  # executed (rows "executed replica 0") and replayed simulation side by side
         doc = sim_chrome_trace([timeline], [mbs], {"what": "simulation replayed with the measured op times"})
         doc["traceEvents"] += chrome_trace(traces, pid_offset=1)["traceEvents"]
-        with open(args.trace_out, "w") as f:
-            json.dump(doc, f)
+        write_output(args.trace_out, json.dumps(doc), "--trace-out")
     out = {"stages": S, "micro_batches": M, "mbs": args.mbs, "seqlen": args.seqlen, "rounds": args.rounds,
            "model": cfg.name, "runners": names, "megatron": megatron_info,
            "round_ms": {n: [round(t, 3) for t in v] for n, v in times.items()},
@@ -328,7 +329,7 @@ def format_report(out: dict) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = StrictArgumentParser(description=__doc__.splitlines()[0])
+    p = StrictArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--stages", type=int, default=2, help="pipeline stages = processes (default 2: one per core)")
     p.add_argument("--micro-batches", type=int, default=8)
     p.add_argument("--mbs", type=int, default=2, help="samples per micro-batch")
@@ -346,9 +347,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.stages < 2:
         p.error(f"--stages {args.stages}: a pipeline needs at least 2 stages")
+    for flag, value in (("--micro-batches", args.micro_batches), ("--mbs", args.mbs), ("--seqlen", args.seqlen)):
+        if value < 1:
+            p.error(f"{flag} {value}: must be at least 1")
     if args.rounds < 1 or args.warmup < 1:
         p.error(f"--rounds {args.rounds} / --warmup {args.warmup}: need at least one of each "
                 f"(the first warm-up round checks the gradients)")
+    if args.trace_out is not None:
+        try:
+            # Written by rank 0 after all the rounds: a path that cannot take it would waste the run.
+            check_output_file(args.trace_out, "--trace-out")
+        except DynaPipeError as e:
+            p.error(str(e).rstrip("."))
     return args
 
 

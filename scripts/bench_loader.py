@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import socket
 import statistics
@@ -32,13 +33,28 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as tmp  # noqa: E402
 
+from dynapipe.batching.memory import memory_budget  # noqa: E402
+from dynapipe.batching.planner import METHODS  # noqa: E402
 from dynapipe.config import load_device_config, load_model_config  # noqa: E402
 from dynapipe.data.config import DatasetConfig  # noqa: E402
+from dynapipe.errors import DynaPipeError  # noqa: E402
+from dynapipe.output_paths import check_output_file, write_output  # noqa: E402
 from dynapipe.runtime.loader import DynaPipeDataLoader, LoaderConfig, RankLayout  # noqa: E402
-from dynapipe.runtime.plan_source import PlannerSettings  # noqa: E402
-from dynapipe.argparsing import StrictArgumentParser  # noqa: E402
+from dynapipe.runtime.plan_source import IterationPlanner, PlannerSettings  # noqa: E402
+from dynapipe.runtime.planner_workers import with_flag_names  # noqa: E402
+from dynapipe.schedule.search import SCHEDULE_CHOICES  # noqa: E402
+from dynapipe.schedule.types import CHUNKED_SCHEDULE_NAMES  # noqa: E402
+from dynapipe.argparsing import StrictArgumentParser, print_error  # noqa: E402
 
 DEFAULTS = LoaderConfig()
+# The planner and the loader name the `plan` command's and the training job's flags in their
+# errors; a person running this bench can only change these.
+FLAG_NAMES = (("--stages", "--pp"), ("--memory-limit-mb", "the memory of --device"), ("--batching", "--method"),
+              ("--dynapipe-planner-workers", "--workers"), ("--dynapipe-prefetch", "--prefetch"),
+              ("--dynapipe-kv-backend", "--kv-backend"), ("--dynapipe-redis-port", "--redis-port"))
+ERROR_FILE = "error-rank{}.txt"
+# Each rank holds one model chunk here, so the interleaved schedules cannot plan.
+SCHEDULES = tuple(s for s in SCHEDULE_CHOICES if s not in CHUNKED_SCHEDULE_NAMES)
 
 
 def parse_args(argv=None):
@@ -50,8 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--global-batch-size", type=int, default=256, help="samples per global batch")
     p.add_argument("--seq-length", type=int, default=2048)
     p.add_argument("--num-samples", type=int, default=100_000, help="size of the synthetic mixture dataset")
-    p.add_argument("--method", default="dynapipe")
-    p.add_argument("--schedule", default="auto")
+    p.add_argument("--method", default="dynapipe", choices=METHODS)
+    p.add_argument("--schedule", default="auto", choices=SCHEDULES)
     p.add_argument("--iterations", type=int, default=40)
     p.add_argument("--warmup", type=int, default=None, help="iterations excluded as warm-up (default: prefetch)")
     p.add_argument("--step-ms", type=float, default=1000.0, help="duration of the training-step stand-in")
@@ -76,15 +92,82 @@ def _step(ms: float, busy: bool) -> None:
         a = torch.tanh(a @ a)
 
 
+def planner_settings(args) -> PlannerSettings:
+    return PlannerSettings(load_model_config(args.model, "--model"), load_device_config(args.device, "--device"),
+                           args.pp, args.dp, method=args.method, schedule=args.schedule, seq_length=args.seq_length,
+                           flag_names=FLAG_NAMES)
+
+
+def warmup_of(args) -> int:
+    return args.prefetch if args.warmup is None else args.warmup
+
+
+def check_args(args) -> None:
+    """Refuse what would fail only after every rank has started (a DynaPipeError naming the flag)."""
+    if args.kv_backend != "redis" and (args.redis_host, args.redis_port) != ("127.0.0.1", 6379):
+        raise DynaPipeError(f"--redis-host / --redis-port set the Redis plan store; --kv-backend {args.kv_backend} "
+                            f"does not read them: add --kv-backend redis or drop them.")
+    for flag, value in (("--pp", args.pp), ("--dp", args.dp), ("--global-batch-size", args.global_batch_size),
+                        ("--seq-length", args.seq_length), ("--num-samples", args.num_samples),
+                        ("--iterations", args.iterations), ("--workers", args.workers),
+                        ("--prefetch", args.prefetch)):
+        if value < 1:
+            raise DynaPipeError(f"{flag} {value}: must be at least 1.")
+    if args.step_ms < 0:
+        raise DynaPipeError(f"--step-ms {args.step_ms:g}: must be 0 or more milliseconds.")
+    if not args.timeout_s > 0:
+        raise DynaPipeError(f"--timeout-s {args.timeout_s:g}: must be a positive number of seconds.")
+    if not 1 <= args.redis_port <= 65535:
+        raise DynaPipeError(f"--redis-port {args.redis_port}: must be a TCP port, 1 to 65535.")
+    warm = warmup_of(args)
+    if args.warmup is not None and not 0 <= warm < args.iterations:
+        raise DynaPipeError(f"--warmup {args.warmup}: give 0 to {args.iterations - 1} (--iterations "
+                            f"{args.iterations} leaves none timed otherwise).")
+    if warm >= args.iterations:
+        # The warm-up defaults to --prefetch, so a short run has no timed iteration left.
+        raise DynaPipeError(f"--iterations {args.iterations}: the warm-up (--prefetch {args.prefetch}, as --warmup "
+                            f"is not given) leaves none timed; give --iterations {warm + 1} or more, or a smaller "
+                            f"--warmup.")
+    if args.output is not None:
+        check_output_file(args.output, "--output")
+    settings = planner_settings(args)
+    # The stages' model states are known before any batch: a model that does not fit the
+    # device at --pp stages would otherwise fail in the first rank's planner, after the spawn.
+    planner = IterationPlanner(settings)
+    try:
+        memory_budget(planner.cost_model, settings.device.memory_mib, settings.device.reserved_mib, dp=args.dp)
+    except DynaPipeError as e:
+        raise DynaPipeError(f"--pp {args.pp}: {with_flag_names(str(e), FLAG_NAMES)}") from None
+
+
 def _rank(rank: int, args, port: int, out_dir: str) -> None:
+    try:
+        _run_rank(rank, args, port, out_dir)
+    except DynaPipeError as e:
+        # The parent prints it as one line: a rank's traceback would bury it.
+        with open(os.path.join(out_dir, ERROR_FILE.format(rank)), "w") as f:
+            f.write(with_flag_names(str(e), FLAG_NAMES))
+        sys.exit(2)
+
+
+def _rank_error(out_dir: str, world: int):
+    """The first rank's refusal (a DynaPipeError it wrote down), or None."""
+    for r in range(world):
+        path = os.path.join(out_dir, ERROR_FILE.format(r))
+        if os.path.exists(path):
+            with open(path) as f:
+                return f.read()
+    return None
+
+
+def _run_rank(rank: int, args, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     world = args.pp * args.dp
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=args.timeout_s))
     layout = RankLayout(rank, world, rank % args.dp, args.dp, rank // args.dp, args.pp, rank, world)
     data = DatasetConfig("synthetic", args.seq_length, num_samples=args.num_samples, seed=1234, vocab_size=50304)
-    planner = PlannerSettings(load_model_config(args.model), load_device_config(args.device), args.pp, args.dp,
-                              method=args.method, schedule=args.schedule, seq_length=args.seq_length)
+    planner = planner_settings(args)
     cfg = LoaderConfig(global_batch_size=args.global_batch_size, train_iters=args.iterations,
                        num_workers=args.workers, prefetch=args.prefetch, kv_backend=args.kv_backend,
                        redis_host=args.redis_host, redis_port=args.redis_port)
@@ -113,7 +196,7 @@ def _pct(xs, q):
 
 
 def summarize(args, ranks: list[dict]) -> dict:
-    warm = args.prefetch if args.warmup is None else args.warmup
+    warm = warmup_of(args)
     per_rank = []
     for r in ranks:
         recs = r["records"][warm:]
@@ -141,13 +224,10 @@ def summarize(args, ranks: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.kv_backend != "redis" and (args.redis_host, args.redis_port) != ("127.0.0.1", 6379):
-        print(f"error: --redis-host / --redis-port set the Redis plan store; --kv-backend {args.kv_backend} does not "
-              f"read them: add --kv-backend redis or drop them.", file=sys.stderr)
-        return 2
-    if args.warmup is not None and not 0 <= args.warmup < args.iterations:
-        print(f"error: --warmup {args.warmup}: give 0 to {args.iterations - 1} (--iterations {args.iterations} "
-              f"leaves none timed otherwise).", file=sys.stderr)
+    try:
+        check_args(args)
+    except DynaPipeError as e:
+        print_error(str(e))
         return 2
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -156,12 +236,21 @@ def main(argv=None) -> int:
         ctx = tmp.start_processes(_rank, args=(args, port, out_dir), nprocs=args.pp * args.dp, join=False,
                                   start_method="spawn")
         deadline = time.monotonic() + args.timeout_s
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                print(f"error: the benchmark did not finish within {args.timeout_s:g} s", file=sys.stderr)
-                return 1
+        # torch logs a line for every rank it stops after one fails; the failure's own line says why.
+        logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+        try:
+            while not ctx.join(timeout=1):
+                if time.monotonic() > deadline:
+                    for p in ctx.processes:
+                        p.kill()
+                    print(f"error: the benchmark did not finish within {args.timeout_s:g} s", file=sys.stderr)
+                    return 1
+        except (tmp.ProcessExitedException, tmp.ProcessRaisedException):
+            message = _rank_error(out_dir, args.pp * args.dp)
+            if message is None:
+                raise
+            print_error(message)
+            return 2
         ranks = []
         for r in range(args.pp * args.dp):
             with open(os.path.join(out_dir, f"rank{r}.json")) as f:
@@ -180,8 +269,11 @@ def main(argv=None) -> int:
           f"per iteration -> {res['plans_per_s_per_worker']:.1f} plans/s per worker; "
           f"padding efficiency {res['padding_efficiency_mean']:.3f}")
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump(res, f, indent=2)
+        try:
+            write_output(args.output, json.dumps(res, indent=2), "--output")
+        except DynaPipeError as e:
+            print_error(str(e))
+            return 2
     return 0
 
 

@@ -26,7 +26,7 @@ from dynapipe.data.synthetic import sample_lengths  # noqa: E402
 from dynapipe.errors import DynaPipeError  # noqa: E402
 from dynapipe.pipeline_planner import plan_iteration  # noqa: E402
 from dynapipe.plan import deserialize_plan, serialize_plan, validate_plans  # noqa: E402
-from dynapipe.argparsing import StrictArgumentParser  # noqa: E402
+from dynapipe.argparsing import StrictArgumentParser, print_error  # noqa: E402
 
 TARGETS_MS = {"whole planning": 2000.0, "validate": 1000.0}
 PHASES = ("batching", "schedule", "compile", "serialize")
@@ -69,6 +69,24 @@ def once(lengths, cost_model, args) -> dict:
     return out
 
 
+def check_args(args) -> None:
+    """Refuse a flag that cannot run (a DynaPipeError naming it) before any planning."""
+    for flag, value in (("--stages", args.stages), ("--dp", args.dp), ("--samples", args.samples),
+                        ("--seq-length", args.seq_length), ("--repeats", args.repeats)):
+        if value < 1:
+            raise DynaPipeError(f"{flag} {value}: must be at least 1.")
+    if not 0 <= args.replicas <= args.dp:
+        raise DynaPipeError(f"--replicas {args.replicas}: give 0 (time the whole plan set only) to --dp {args.dp} "
+                            f"(the replicas one planner node compiles).")
+    if args.seed < 0:
+        raise DynaPipeError(f"--seed {args.seed}: the seed must be a non-negative integer.")
+    if not args.gap >= 0:
+        raise DynaPipeError(f"--gap {args.gap:g}: must be 0 (exact) or a positive relative gap.")
+    # Loaded here too, so that a bad name is refused before the process pins itself.
+    load_model_config(args.model, "--model")
+    load_device_config(args.device, "--device")
+
+
 def main(argv=None) -> int:
     p = StrictArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="gpt-7b")
@@ -84,14 +102,21 @@ def main(argv=None) -> int:
     p.add_argument("--gap", type=float, default=DEFAULT_GAP,
                    help="relative optimality gap of the DP cut (0: exact; default %(default)s)")
     args = p.parse_args(argv)
+    try:
+        check_args(args)
+    except DynaPipeError as e:
+        print_error(str(e))
+        return 2
+    # Pinned only after the checks, so that a refused command line leaves its caller's cores alone.
     if not args.no_pin and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     try:
-        cost_model = build_cost_model(load_model_config(args.model), load_device_config(args.device), args.stages)
+        cost_model = build_cost_model(load_model_config(args.model, "--model"),
+                                      load_device_config(args.device, "--device"), args.stages)
         lengths = sample_lengths(args.samples, args.seed, args.seq_length)
         runs = [once(lengths, cost_model, args) for _ in range(args.repeats)]
     except DynaPipeError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(str(e))
         return 2
     print(f"{args.model} PP{args.stages} x DP{args.dp}, {args.samples} samples (seq-length {args.seq_length}), "
           f"{'one pinned core' if not args.no_pin else 'unpinned'}, min of {args.repeats} runs, "

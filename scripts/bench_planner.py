@@ -9,7 +9,7 @@ every micro-batch fits in memory, and the median planning time over several runs
 
 Baselines are tuned: each runs at the micro-batch size (or token budget) with the lowest
 objective among those that fit in memory. DynaPipe runs at the device's memory limit
-and, for the timing target, with no limit (``--memory-limit-mb 1e12``).
+and, for the timing target, with no limit (a limit of 1e12 MiB).
 
 The process pins itself to one CPU core (``--no-pin`` to skip), since the timing
 targets are for one core. ``--quick``: 1024 samples, 3 repeats, a few seconds.
@@ -31,9 +31,13 @@ from dynapipe.config import load_device_config, load_model_config  # noqa: E402
 from dynapipe.cost import build_cost_model  # noqa: E402
 from dynapipe.data.synthetic import sample_lengths  # noqa: E402
 from dynapipe.errors import DynaPipeError  # noqa: E402
-from dynapipe.argparsing import StrictArgumentParser  # noqa: E402
+from dynapipe.output_paths import check_output_file, write_output  # noqa: E402
+from dynapipe.runtime.planner_workers import with_flag_names  # noqa: E402
+from dynapipe.argparsing import StrictArgumentParser, print_error  # noqa: E402
 
 NO_LIMIT_MIB = 1e12
+# The planner names the `plan` command's memory flag; here the device config sets the limit.
+FLAG_NAMES = (("--memory-limit-mb", "the memory of --device"),)
 # Targets of the planner (median planning ms on one core): (samples, limit name, ms).
 TARGETS = [(1024, "device", 25.0), (4096, "device", 400.0), (1024, "none", 100.0)]
 
@@ -103,6 +107,25 @@ def print_table(n, rows, repeats):
     print(f"  (plan ms: median of {repeats} runs, in-process wall time of planning alone)")
 
 
+def check_args(args):
+    """The model, device and cost model, once every flag is known to be usable (else a
+    DynaPipeError naming the flag)."""
+    bad = [n for n in args.samples if n < 1]
+    if bad:
+        raise DynaPipeError(f"--samples {' '.join(map(str, args.samples))}: {bad[0]} is not a batch size; give "
+                            f"batch sizes of at least 1 sample.")
+    for flag, value in (("--repeats", args.repeats), ("--stages", args.stages), ("--dp", args.dp),
+                        ("--seq-length", args.seq_length)):
+        if value < 1:
+            raise DynaPipeError(f"{flag} {value}: must be at least 1.")
+    if args.seed < 0:
+        raise DynaPipeError(f"--seed {args.seed}: the seed must be a non-negative integer.")
+    if args.json is not None:
+        check_output_file(args.json, "--json")
+    model, device = load_model_config(args.model, "--model"), load_device_config(args.device, "--device")
+    return model, device, build_cost_model(model, device, args.stages)
+
+
 def main(argv=None) -> int:
     p = StrictArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--samples", type=int, nargs="+", default=None, help="batch sizes (default 256 1024 4096)")
@@ -121,18 +144,19 @@ def main(argv=None) -> int:
         args.samples = [1024] if args.quick else [256, 1024, 4096]
     if args.repeats is None:
         args.repeats = 3 if args.quick else 9
+    try:
+        model, device, cost_model = check_args(args)
+    except DynaPipeError as e:
+        print_error(with_flag_names(str(e), FLAG_NAMES))
+        return 2
+    # The timing targets are for one core; pinned only after the checks, so that a refused
+    # command line leaves its caller's cores alone.
     if not args.no_pin and hasattr(os, "sched_setaffinity"):
         core = min(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {core})
         pinned = f"pinned to CPU {core}"
     else:
         pinned = "not pinned"
-    try:
-        model, device = load_model_config(args.model), load_device_config(args.device)
-        cost_model = build_cost_model(model, device, args.stages)
-    except DynaPipeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     kernel = "C extension" if compiled_kernel_available() else "numpy fallback (C extension not built)"
     print(f"planner benchmark: {model.name} as {args.stages} stages x dp {args.dp} on {device.name}, "
           f"synthetic mixture (seed {args.seed}, seq-length {args.seq_length}); DP kernel: {kernel}; {pinned}")
@@ -142,7 +166,7 @@ def main(argv=None) -> int:
         try:
             rows = bench_size(n, args, cost_model, device)
         except DynaPipeError as e:
-            print(f"error: {e}", file=sys.stderr)
+            print_error(with_flag_names(str(e), FLAG_NAMES))
             return 2
         print_table(n, rows, args.repeats)
         results[n] = rows
@@ -160,8 +184,11 @@ def main(argv=None) -> int:
                          "objective_ms": pl.objective_ms, "padding_efficiency": pl.padding_efficiency,
                          "planning_ms_median": ms, "fits": not pl.extra.get("over_memory_micro_batches")}
                         for m, s, pl, ms in rows] for n, rows in results.items()}
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        try:
+            write_output(args.json, json.dumps(out, indent=1), "--json")
+        except DynaPipeError as e:
+            print_error(str(e))
+            return 2
     return 0
 
 

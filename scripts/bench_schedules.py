@@ -26,12 +26,16 @@ import numpy as np
 from dynapipe.config import load_cluster_config, load_device_config, load_model_config
 from dynapipe.cost import build_cost_model
 from dynapipe.data.synthetic import sample_lengths
-from dynapipe.errors import NoScheduleFits
+from dynapipe.errors import DynaPipeError, NoScheduleFits
+from dynapipe.output_paths import check_output_file, write_output
 from dynapipe.pipeline_planner import plan_iteration
+from dynapipe.runtime.planner_workers import with_flag_names
 from dynapipe.schedule import _kernels
 from dynapipe.schedule.search import search_schedules
-from dynapipe.argparsing import StrictArgumentParser
+from dynapipe.argparsing import StrictArgumentParser, print_error
 
+# The planner names the `plan` command's memory flag; here the device config sets the limit.
+FLAG_NAMES = (("--memory-limit-mb", "the memory of --device"),)
 # Schedules priced alone, on the planner's micro-batches (auto's choice is the planner's own).
 FIXED = ("1f1b", "adaptive", "zb-h1")
 
@@ -106,6 +110,24 @@ def bench_stage_count(args, model, device, cluster, S: int) -> dict:
     }
 
 
+def check_args(args):
+    """The model, device and cluster configs, once every flag is known to be usable
+    (else a DynaPipeError naming the flag): planning the batches can take minutes."""
+    for flag, value in (("--batches", args.batches), ("--samples", args.samples), ("--seq-length", args.seq_length)):
+        if value < 1:
+            raise DynaPipeError(f"{flag} {value}: must be at least 1.")
+    bad = [s for s in args.stages if s < 1]
+    if bad:
+        raise DynaPipeError(f"--stages {' '.join(map(str, args.stages))}: {bad[0]} is not a pipeline; give stage "
+                            f"counts of at least 1.")
+    if args.seed < 0:
+        raise DynaPipeError(f"--seed {args.seed}: the seed must be a non-negative integer.")
+    if args.output is not None:
+        check_output_file(args.output, "--output")
+    return (load_model_config(args.model, "--model"), load_device_config(args.device, "--device"),
+            load_cluster_config(args.cluster, "--cluster"))
+
+
 def main(argv=None) -> int:
     p = StrictArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", type=int, default=100)
@@ -118,9 +140,12 @@ def main(argv=None) -> int:
     p.add_argument("--cluster", default="a100-8x")
     p.add_argument("--output", default=None, help="write the full results (every batch) as JSON")
     args = p.parse_args(argv)
-    model, device = load_model_config(args.model), load_device_config(args.device)
-    cluster = load_cluster_config(args.cluster)
-    results = [bench_stage_count(args, model, device, cluster, S) for S in args.stages]
+    try:
+        model, device, cluster = check_args(args)
+        results = [bench_stage_count(args, model, device, cluster, S) for S in args.stages]
+    except DynaPipeError as e:
+        print_error(with_flag_names(str(e), FLAG_NAMES))
+        return 2
     print(f"{args.model} on {args.device} ({args.cluster}), {args.batches} batches of {args.samples} mixture "
           f"samples (seq-length {args.seq_length}); simulation kernels "
           f"{'compiled' if _kernels.compiled() else 'in pure Python'}")
@@ -154,8 +179,12 @@ def main(argv=None) -> int:
           f"never slower: {worst <= 1 + 1e-9} (worst ratio {worst:.4f}); whole planning median "
           f"{worst_plan:.1f} ms wall (target <= 150 ms)")
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump({"args": vars(args), "results": results, "overall_mean_ratio": overall}, f, indent=1)
+        try:
+            write_output(args.output, json.dumps({"args": vars(args), "results": results,
+                                                  "overall_mean_ratio": overall}, indent=1), "--output")
+        except DynaPipeError as e:
+            print_error(str(e))
+            return 2
     return 0
 
 
