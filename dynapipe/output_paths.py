@@ -128,22 +128,12 @@ def write_output(path: str, data: Union[str, bytes], flag: str) -> None:
         sys.stdout.write(data if isinstance(data, str) else data.decode())
         sys.stdout.flush()
         return
-    folder, name = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
-    try:
-        make_parent(path)
+
+    def save(tmp: str) -> None:
         with open(tmp, "wb" if isinstance(data, bytes) else "w") as f:
             f.write(data)
-        os.replace(tmp, path)
-    except OSError as e:
-        raise DynaPipeError(f"{flag} {path!r} cannot be written: {e.strerror or e}; an earlier file there, if "
-                            f"any, is unchanged.") from None
-    finally:
-        if os.path.exists(tmp):
-            try:
-                os.remove(tmp)
-            except OSError:
-                pass
+
+    saved_whole(path, save, flag)
 
 
 def saved_whole(path: str, save, flag: str) -> None:

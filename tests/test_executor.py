@@ -426,11 +426,14 @@ class _FailsThenLate(ToyHandlers):
         return super().forward(mb, inputs, op)
 
 
-def _post_to_a_gone_peer_worker(ctx):
-    lengths = [40, 60, 30, 50]
-    samples = make_samples(lengths, CFG.vocab_size, seed=0)
-    plan = plan_batch(lengths, CFG, pp=2, dp=1, schedule="1f1b")[0][ctx.stage]
-    h = _FailsThenLate(ToyGPT(CFG, seed=1).stage(ctx.stage, 2), samples)
+FAILING_LENGTHS = [40, 60, 30, 50]
+
+
+def _run_failing(ctx, handlers_cls):
+    """One 1F1B iteration of FAILING_LENGTHS on 2 stages with ``handlers_cls``: ``(error type,
+    message)`` of the ExecutorError it stops with, or ``("ok", "")``."""
+    plan = plan_batch(FAILING_LENGTHS, CFG, pp=2, dp=1, schedule="1f1b")[0][ctx.stage]
+    h = handlers_cls(ToyGPT(CFG, seed=1).stage(ctx.stage, 2), make_samples(FAILING_LENGTHS, CFG.vocab_size, seed=0))
     h.me = ctx.stage
     with Executor(h, group=ctx.pipeline_group, store=ctx.store, config=ExecutorConfig(timeout_s=20)) as ex:
         try:
@@ -438,6 +441,10 @@ def _post_to_a_gone_peer_worker(ctx):
         except ExecutorError as e:
             return type(e).__name__, str(e)
     return "ok", ""
+
+
+def _post_to_a_gone_peer_worker(ctx):
+    return _run_failing(ctx, _FailsThenLate)
 
 
 def test_a_send_posted_to_a_peer_that_failed_names_the_peers_cause():
@@ -453,19 +460,11 @@ def _receive_buffer_out_of_memory_worker(ctx):
     """Rank 1 runs out of memory allocating its first receive buffer."""
     from dynapipe.runtime import exec_transfers
 
-    lengths = [40, 60, 30, 50]
-    plan = plan_batch(lengths, CFG, pp=2, dp=1, schedule="1f1b")[0][ctx.stage]
-    h = ToyHandlers(ToyGPT(CFG, seed=1).stage(ctx.stage, 2), make_samples(lengths, CFG.vocab_size, seed=0))
     if ctx.stage == 1:
         def allocate(spec, device):
             raise torch.OutOfMemoryError(f"no room for {spec.name} {list(spec.shape)}")
         exec_transfers.allocate = allocate
-    with Executor(h, group=ctx.pipeline_group, store=ctx.store, config=ExecutorConfig(timeout_s=20)) as ex:
-        try:
-            ex.run(plan)
-        except ExecutorError as e:
-            return type(e).__name__, str(e)
-    return "ok", ""
+    return _run_failing(ctx, ToyHandlers)
 
 
 def test_running_out_of_memory_for_a_receive_buffer_is_the_ranks_own_failure():
