@@ -340,6 +340,23 @@ def test_loader_over_redis_delivers_and_cleans_up(redis_server):
     assert leftover == []
 
 
+def test_garbage_collection_stops_a_redis_loaders_threads_and_workers(redis_server):
+    # The restart watcher's thread held the loader's bound methods, so the loader was never
+    # collected and its finalizer never stopped the fetch thread or the workers.
+    import gc
+
+    from test_loader import make_loader, wait_gone
+
+    dl = make_loader(kv_backend="redis", redis=redis_server, num_workers=1)
+    next(dl)
+    pids, thread = dl.worker_pids, dl._fetcher._thread
+    del dl
+    gc.collect()
+    thread.join(5)
+    assert not thread.is_alive(), "the fetch thread outlived its loader"
+    assert wait_gone(pids, 5) == []
+
+
 def test_loader_with_unreachable_redis_fails_clearly():
     _redis_client_or_skip()
     from test_loader import make_loader

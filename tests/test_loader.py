@@ -249,6 +249,23 @@ def test_garbage_collection_stops_the_fetch_thread_and_the_workers():
     assert not any(t.name.startswith("dynapipe-fetch") for t in threading.enumerate())
 
 
+def test_a_prefixed_store_is_written_where_the_workers_and_fetchers_read():
+    # The workers and fetchers connect to the TCPStore under a PrefixStore; the loader wrote its
+    # error reports (and deletes) through the prefix, where nobody reads them.
+    from torch.distributed import PrefixStore
+
+    from dynapipe.runtime.kv_store import TorchStoreKV
+
+    tcp = default_store_for_single_process()
+    dl = make_loader(store=PrefixStore("job7", tcp), num_workers=1)
+    try:
+        next(dl)
+        dl.report_failure("rank 3 died")
+        assert TorchStoreKV(tcp).get(dl.keys.error) is not None
+    finally:
+        dl.close()
+
+
 def test_crashing_worker_surfaces_its_traceback():
     ds = ExplodingDataset(N, 11, LengthLimits(SEQ), vocab_size=512)
     sampler = GlobalBatchSampler(ds.sample_tokens(), SamplerConfig(GBS, seed=SEED))
@@ -456,3 +473,15 @@ def test_worker_reports_are_taken_every_iteration_even_when_no_plan_is_late():
         next(dl)
         assert {0, 1} <= set(dl._pool.worker_ms), dl._pool.worker_ms
         list(dl)
+
+
+def test_planning_stats_keep_the_latest_iterations_only(monkeypatch):
+    # A run may plan millions of iterations; the pool's per-iteration times must not grow with it.
+    from dynapipe.runtime import planner_workers
+
+    monkeypatch.setattr(planner_workers, "STATS_KEPT", 3)
+    pool = object.__new__(planner_workers.PlannerPool)  # the bookkeeping alone, no worker started
+    pool.planning_ms, pool.worker_ms, pool._failure = {}, {}, None
+    for it in range(6):
+        pool._handle(("done", 0, it, 1.0 + it, 2.0 + it))
+    assert sorted(pool.worker_ms) == sorted(pool.planning_ms) == [3, 4, 5] and pool.worker_ms[5] == 7.0

@@ -85,3 +85,14 @@ def test_config_errors():
         SamplerConfig(global_batch_size=2, min_samples=4).validate()
     with pytest.raises(DynaPipeError, match="empty"):
         GlobalBatchSampler(np.zeros(0, np.int64), SamplerConfig(global_batch_size=1))
+
+
+def test_fixed_batches_are_found_without_walking_or_storing_the_ones_before():
+    # Planner workers ask for their own iterations; a long run's millionth batch must not cost a
+    # million stored boundaries (token budgets, whose sizes vary, store 8 bytes an iteration).
+    tokens = np.random.default_rng(0).integers(1, 100, 1000)
+    s = GlobalBatchSampler(tokens, SamplerConfig(global_batch_size=8, seed=1), consumed_samples=24)
+    far = s.batch(5_000_000)
+    assert (far.start, far.end) == (24 + 5_000_000 * 8, 24 + 5_000_001 * 8) and len(s._bounds) == 1
+    assert np.array_equal(s.batch(3).indices, GlobalBatchSampler(tokens, SamplerConfig(global_batch_size=8, seed=1),
+                                                                 consumed_samples=24).batch(3).indices)

@@ -13,6 +13,8 @@ its checkpoint continues the very same stream. Batches may span an epoch boundar
 """
 from __future__ import annotations
 
+from array import array
+
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -62,7 +64,8 @@ class GlobalBatch:
 class GlobalBatchSampler:
     """Global batches of a dataset from ``consumed_samples`` on; batch ``k`` is the k-th
     of this run. Random access (:meth:`batch`) so planner workers can each take their own
-    iterations; batches are found once and cached in order."""
+    iterations: fixed-size batches by arithmetic, a token budget's found once and their
+    boundaries kept in order."""
 
     def __init__(self, sample_tokens: np.ndarray, config: SamplerConfig, consumed_samples: int = 0):
         self.config = config.validate()
@@ -73,7 +76,10 @@ class GlobalBatchSampler:
         if consumed_samples < 0:
             raise DynaPipeError(f"consumed_samples {consumed_samples} must be >= 0.")
         self._min_tokens = max(1, int(self.tokens.min()))
-        self._bounds = [int(consumed_samples)]
+        self._start = int(consumed_samples)
+        # Stream position of every batch boundary found so far, only where a token budget makes
+        # batches of varying sizes (8 bytes an iteration); fixed batches are arithmetic.
+        self._bounds = array("q", [self._start])
         self._perms: dict[int, np.ndarray] = {}
 
     def _perm(self, epoch: int) -> np.ndarray:
@@ -119,9 +125,13 @@ class GlobalBatchSampler:
         """The ``k``-th global batch of this run (``k >= 0``)."""
         if k < 0:
             raise IndexError(f"batch {k}: batches are numbered from 0")
-        while len(self._bounds) <= k + 1:
-            self._bounds.append(self._next_end(self._bounds[-1]))
-        start, end = self._bounds[k], self._bounds[k + 1]
+        size = self.config.global_batch_size
+        if size:
+            start, end = self._start + k * size, self._start + (k + 1) * size
+        else:
+            while len(self._bounds) <= k + 1:
+                self._bounds.append(self._next_end(self._bounds[-1]))
+            start, end = self._bounds[k], self._bounds[k + 1]
         return GlobalBatch(self.indices(start, end), start, end)
 
     def __iter__(self) -> Iterator[GlobalBatch]:

@@ -11,8 +11,10 @@ node ``i % planner_nodes`` (a node's local rank 0 hosts its workers), at most
 On every rank a fetch thread (:mod:`dynapipe.runtime.plan_fetcher`) takes the payloads
 from the store and decodes them ahead of the training loop, so ``next()`` only pops a
 ready iteration. Once every rank that reads a payload (the tensor-parallel ranks of one
-stage of one replica) has it, the last reader deletes it. ``close()`` (also on garbage
-collection and at exit) stops the workers and removes anything planned but never read.
+stage of one replica) has it, the last reader deletes it. ``close()`` stops the workers and
+removes anything planned but never read; garbage collection and exit stop the workers and the
+threads too, and leave unread payloads to the store (Redis expires them after the spec's TTL,
+the job's TCPStore ends with the job).
 """
 from __future__ import annotations
 
@@ -40,6 +42,18 @@ __all__ = ["DynaPipeDataLoader", "LoaderConfig", "RankLayout", "IterationData", 
 
 
 _loaders_created = itertools.count()
+
+
+def _weakly(method):
+    """``method`` (a bound method) called through a weak reference to its object: a no-op once
+    the object is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args, **kwargs):
+        bound = ref()
+        if bound is not None:
+            bound(*args, **kwargs)
+    return call
 
 
 def _run_id(layout: RankLayout, namespace: str) -> str:
@@ -136,6 +150,10 @@ class DynaPipeDataLoader:
         if store is None:
             store = job_tcp_store()
         host, port = tcp_store_address(store)
+        # The workers and fetchers connect to the TCPStore itself, so this rank writes there too:
+        # through a PrefixStore its error reports and deletes would go where nobody reads.
+        while hasattr(store, "underlying_store"):
+            store = store.underlying_store
         return TorchStoreKV(store), KVStoreSpec("store", host, port, 0, c.connect_timeout_s)
 
     def _start_workers(self, dataset, spec: KVStoreSpec) -> None:
@@ -154,7 +172,9 @@ class DynaPipeDataLoader:
         threading.Thread(target=watch_workers, args=(self._pool, spec, self.keys.error, self._watch_stop),
                          daemon=True, name="dynapipe-worker-watch").start()
         if spec.backend == "redis":
-            self._watcher = RestartWatcher(spec, self._replan_lost, on_error=self._post_error,
+            # Weakly: the watcher's thread must not keep the loader alive, or garbage collection
+            # would never run the finalizer that stops it and the workers.
+            self._watcher = RestartWatcher(spec, _weakly(self._replan_lost), on_error=_weakly(self._post_error),
                                            keep_alive=self.keys.prefix)
         self._dispatch(self._next)
 

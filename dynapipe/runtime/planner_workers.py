@@ -239,6 +239,10 @@ def watch_workers(pool: "PlannerPool", store, error_key: str, stop: threading.Ev
                       file=sys.stderr, flush=True)
 
 
+# Iterations whose planning times a pool keeps for stats(): bounded, so a long run does not grow.
+STATS_KEPT = 10_000
+
+
 class PlannerPool:
     """The worker processes of one planner node and their two queues."""
 
@@ -251,7 +255,7 @@ class PlannerPool:
         self.events = ctx.Queue()
         self._failure: Optional[PlannerWorkerError] = None  # a worker's reported error, raised by check()
         # Per iteration planned here: planner ms, and the worker's whole ms (planning,
-        # tensors, encoding, publishing).
+        # tensors, encoding, publishing); the latest STATS_KEPT only, as a run may plan millions.
         self.planning_ms: dict[int, float] = {}
         self.worker_ms: dict[int, float] = {}
         self.pids: list[int] = []
@@ -292,12 +296,16 @@ class PlannerPool:
         if ev[0] == "done":
             self.planning_ms[ev[2]] = ev[3]
             self.worker_ms[ev[2]] = ev[4]
+            while len(self.worker_ms) > STATS_KEPT:  # the oldest reports first (insertion order)
+                oldest = next(iter(self.worker_ms))
+                del self.worker_ms[oldest], self.planning_ms[oldest]
         elif ev[0] == "error" and self._failure is None:
             _, worker, iteration, tb = ev
             self._failure = PlannerWorkerError(_error_text(self.job.node, worker, iteration, tb))
 
     def stats(self) -> dict:
-        """Planner ms and whole worker ms of every iteration this node has planned so far."""
+        """Planner ms and whole worker ms of the iterations this node planned (the latest
+        :data:`STATS_KEPT`)."""
         self._drain()
         its = sorted(self.worker_ms)
         return {"iterations": its, "planning_ms": [self.planning_ms[i] for i in its],
