@@ -159,6 +159,9 @@ class TrainingLogger:
         self.is_logging_rank = is_logging_rank
         self.stream = stream
         self.stats = IntervalStats()
+        # Evaluation and checkpoint time over the whole run (paused()), which the end-of-run
+        # summary leaves out of training time as every interval's line does.
+        self.paused_total_s = 0.0
         self.writer = None
         self.lines: list[str] = []
         if tensorboard_dir and is_logging_rank:
@@ -224,7 +227,9 @@ class TrainingLogger:
         try:
             yield
         finally:
-            self.stats.paused_s += time.perf_counter() - start
+            paused = time.perf_counter() - start
+            self.stats.paused_s += paused
+            self.paused_total_s += paused
 
     def close(self) -> None:
         if self.writer is not None:

@@ -59,7 +59,8 @@ def training_summary_lines(results: Sequence, start_iteration: int, consumed_sam
                            elapsed_s: float, exited: bool = False) -> list[str]:
     """The end-of-training lines: Megatron's ``[after training is done]`` stamp (``[exiting
     program at iteration N]`` when ``--exit-interval`` stopped it, ``exited``), then what the run
-    did: ``results`` are the iterations' StepResults (times in ms, tokens over the global batch)."""
+    did: ``results`` are the iterations' StepResults (times in ms, tokens over the global batch);
+    ``elapsed_s``: the training time (s), evaluations and checkpoints left out as in the log lines."""
     done = len(results)
     real = sum(r.real_tokens for r in results)
     padded = sum(r.padded_tokens for r in results)

@@ -165,14 +165,16 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
                 break
         where = f"after iteration {stop}"
         if cfg.save and stop > run.start_iteration and saved_at != stop:
-            parts.save(stop, run.consumed_samples)
+            with logger.paused():
+                parts.save(stop, run.consumed_samples)
         # Megatron-LM exits at a multiple of --exit-interval, the last iteration included, and
         # after --exit-duration-in-mins: no final evaluation then, and no "training is done".
         exited = by_duration or bool(cfg.exit_interval and stop > run.start_iteration
                                      and stop % cfg.exit_interval == 0)
         if logger.is_logging_rank:  # after its own last iteration line (every rank has the same results)
+            # Training time: the evaluations and checkpoints between iterations left out.
             summary = training_summary_lines(run.results, run.start_iteration, run.consumed_samples,
-                                             time.perf_counter() - started, exited=exited)
+                                             time.perf_counter() - started - logger.paused_total_s, exited=exited)
             stream.write("\n".join(summary[1:] if by_duration else summary) + "\n")
             stream.flush()
         if evaluator is not None and stop >= cfg.train_iters and not exited:

@@ -302,6 +302,37 @@ def test_the_duration_is_checked_after_every_evaluation_batch_too():
     assert out["iterations"] == 2 and out["eval_lines"] == [TIME_UP_LINE], out
 
 
+def _summary_with_slow_evaluations(argv: list) -> str:
+    import io
+    import time
+
+    from megatron_integration import evaluation
+    from megatron_integration.training import pretrain
+
+    real = evaluation.Evaluator.evaluate
+
+    def slow(self, split, first_batch):
+        time.sleep(1.0)
+        return real(self, split, first_batch)
+
+    evaluation.Evaluator.evaluate = slow
+    out = io.StringIO()
+    pretrain(parse_training_args(argv, 1, cuda=False), stream=out)
+    return next(line for line in out.getvalue().splitlines() if line.startswith(" > training summary:"))
+
+
+def test_the_training_summary_leaves_evaluation_time_out_as_the_log_lines_do():
+    # Evaluations of a second each fell inside the summary's time: its time per iteration and
+    # tokens/s then described evaluation, not training.
+    from megatron_integration.launch import spawn
+
+    argv = (f"{TINY} --vocab-size 256 --lr 1e-3 --mock-data --split 90,5,5 --train-iters 2 --eval-interval 1 "
+            f"--eval-iters 1").split()
+    summary = spawn(_summary_with_slow_evaluations, 1, (argv,), timeout_s=180)[0]
+    seconds = float(summary.split("time (s): ")[1].split(" ")[0])
+    assert seconds < 1.0, summary  # two tiny iterations; the two periodic evaluations slept 2 s
+
+
 def test_no_limit_means_no_collective():
     import torch
 
