@@ -260,14 +260,17 @@ class CostModel(ABC):
         the backward frees them before it reaches the transformer layers."""
         return np.zeros(np.broadcast(np.asarray(mbs), np.asarray(seqlen)).shape)
 
-    def recompute_held_mib(self, mbs, seqlen, dec_seqlen=None, *, recompute: str, stage: int) -> np.ndarray:
+    def recompute_held_mib(self, mbs, seqlen, dec_seqlen=None, *, recompute: str, stage: int,
+                           weight_stash_mib=0.0) -> np.ndarray:
         """How far the backward of one micro-batch on ``stage`` rises above its stored
         activations through recomputation, MiB (0 for ``none``).
 
         megatron-core rematerialises one layer (``full``) or one layer's core attention
         (``selective``) at a time, saving again that layer's share of what the level does
         not store; the highest point is the first layer the backward reaches, after the
-        output layer's activations were freed.
+        output layer's activations were freed. ``weight_stash_mib``: what a split backward's
+        input part keeps for its weight part (MiB, the stage's layers together): not freed
+        when the core attention is rematerialised.
         """
         if check_recompute(recompute) == "none":
             return np.zeros(np.broadcast(np.asarray(mbs), np.asarray(seqlen)).shape)
@@ -285,7 +288,10 @@ class CostModel(ABC):
             replicated = 2 * m.hidden_size / (t if self.tp.sequence_parallel else 1)
             attn_inputs = (np.asarray(mbs, dtype=np.float64) * np.asarray(seqlen, dtype=np.float64)
                            * (replicated + (m.attention_dim + 2 * m.kv_dim) / t) * m.dtype_bytes / MIB)
-            freed = freed + np.maximum(np.asarray(stored) / layers - attn_inputs, 0.0)
+            # A split backward's input part keeps the layer's linear inputs for its weight part
+            # (measured: its peak rose by the score matrix that this credit had cancelled).
+            stash = np.asarray(weight_stash_mib, dtype=np.float64) / layers
+            freed = freed + np.maximum(np.asarray(stored) / layers - attn_inputs - stash, 0.0)
         return np.maximum(one_layer - freed, 0.0)
 
     def model_state_mib(self, stage: Optional[int] = None, *, dp: int = 1, zero: bool = False) -> float:

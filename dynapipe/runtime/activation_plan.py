@@ -35,8 +35,9 @@ def message_mib(specs: tuple[TensorSpec, ...]) -> float:
 
 
 def _mb_costs(plan: ExecutionPlan, cost_model: CostModel) -> dict:
-    """(mb, chunk, level) -> (stored, transient, recompute-held, weight stash) MiB on this
-    plan's stage; with an interleaved placement each chunk is priced as its own virtual stage."""
+    """(mb, chunk, level) -> (stored, transient, recompute-held, weight stash, recompute-held by a
+    split backward's input part) MiB on this plan's stage; with an interleaved placement each
+    chunk is priced as its own virtual stage."""
     if plan_chunks(plan) > 1:
         from dynapipe.schedule.interleaved import virtual_cost_model
 
@@ -57,7 +58,9 @@ def _mb_costs(plan: ExecutionPlan, cost_model: CostModel) -> dict:
         # simulator's StageTimes.weight_stash_mib prices it).
         _, stash = backward_split(cost_model.model, cost_model.layouts[stage], ins.mbs, ins.seqlen, dec,
                                   recompute=ins.recompute, tp=cost_model.tp)
-        out[key] = (float(c.stored_mib), float(c.peak_mib), float(held), float(stash))
+        held_split = cost_model.recompute_held_mib(ins.mbs, ins.seqlen, dec, recompute=ins.recompute, stage=stage,
+                                                   weight_stash_mib=stash)
+        out[key] = (float(c.stored_mib), float(c.peak_mib), float(held), float(stash), float(held_split))
     return out
 
 
@@ -77,7 +80,7 @@ def planned_activation_peak_mib(plan: ExecutionPlan, cost_model: CostModel, *, t
         elif isinstance(ins, (RecvActivationStart, RecvGradStart)):
             buffers[ins.buffer] = message_mib(ins.tensors)
         elif isinstance(ins, ForwardPass):
-            st, pk, _, _ = costs[(ins.mb, ins.chunk, ins.recompute)]
+            st, pk, _, _, _ = costs[(ins.mb, ins.chunk, ins.recompute)]
             buffers.pop(buffer_name("act_in", ins.mb, ins.chunk), None)  # now the first layer's stored input
             if transient:
                 high = stored + st + pk
@@ -91,7 +94,9 @@ def planned_activation_peak_mib(plan: ExecutionPlan, cost_model: CostModel, *, t
             high = stored
             stored -= stash_of.pop((ins.mb, ins.chunk), 0.0)
         elif isinstance(ins, BackwardPass):
-            _, pk, held, ws = costs[(ins.mb, ins.chunk, ins.recompute)]
+            _, pk, held, ws, held_split = costs[(ins.mb, ins.chunk, ins.recompute)]
+            if ins.part == "input":
+                held = held_split
             before = stored
             stored -= stored_of.pop((ins.mb, ins.chunk), 0.0)
             if ins.part == "input":  # all but the weight part's stash is released
