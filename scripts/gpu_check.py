@@ -258,7 +258,7 @@ def _positive_ints(text: str, flag: str) -> tuple[int, ...]:
 
 def check_request(args) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """The baselines' micro-batch sizes and the profile grid, refused before anything runs
-    (one line naming the flag): a GPU session is too short to learn of a bad value from the
+    (one line naming the flag): GPU time is too scarce to learn of a bad value from the
     first job that fails."""
     if not args.timeout_s > 0:
         raise DynaPipeError(f"--timeout-s {args.timeout_s}: must be a positive number of seconds.")
@@ -409,7 +409,7 @@ def analytic_memory(profile_path: str, argv: Sequence[str], device: str) -> dict
 def run_profile(argv: Sequence[str], timeout_s: float) -> int:
     """``python -m dynapipe profile ARGV`` in a process of its own (its exit status): its process
     group, environment and device memory end with it, before the trainings start. Killed after
-    ``timeout_s`` (a DynaPipeError then), so a hung profile cannot take the whole session."""
+    ``timeout_s`` (a DynaPipeError then), so a hung profile cannot take the whole check."""
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -34,7 +34,7 @@ def test_without_cuda_it_stops_with_one_line(tmp_path):
     (["--timeout-s", "-5"], "--timeout-s -5.0: must be a positive number of seconds"),
 ])
 def test_bad_flags_are_refused_before_anything_runs(tmp_path, capsys, argv, message):
-    # Checked before the GPU is even looked for: a GPU session is too short to learn of them from a
+    # Checked before the GPU is even looked for: GPU time is too scarce to learn of them from a
     # failed job.
     assert gpu_check.main(["--output", str(tmp_path / "out"), *argv]) == 2
     err = capsys.readouterr().err
