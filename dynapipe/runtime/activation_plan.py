@@ -45,6 +45,8 @@ def _mb_costs(plan: ExecutionPlan, cost_model: CostModel) -> dict:
             raise DynaPipeError(f"the plan runs {plan_chunks(plan)} chunks per rank; the cost model's placement "
                              f"{cost_model.placement} has {cost_model.placement.chunks}.")
         cost_model = virtual_cost_model(cost_model)
+    # Only a split backward's input part is priced with its stash held (a second pricing).
+    splits = any(isinstance(x, BackwardPass) and x.part == "input" for x in plan.instructions)
     out = {}
     for ins in plan.instructions:
         key = (ins.mb, ins.chunk, getattr(ins, "recompute", None))
@@ -58,8 +60,8 @@ def _mb_costs(plan: ExecutionPlan, cost_model: CostModel) -> dict:
         # simulator's StageTimes.weight_stash_mib prices it).
         _, stash = backward_split(cost_model.model, cost_model.layouts[stage], ins.mbs, ins.seqlen, dec,
                                   recompute=ins.recompute, tp=cost_model.tp)
-        held_split = cost_model.recompute_held_mib(ins.mbs, ins.seqlen, dec, recompute=ins.recompute, stage=stage,
-                                                   weight_stash_mib=stash)
+        held_split = held if not splits else cost_model.recompute_held_mib(
+            ins.mbs, ins.seqlen, dec, recompute=ins.recompute, stage=stage, weight_stash_mib=stash)
         out[key] = (float(c.stored_mib), float(c.peak_mib), float(held), float(stash), float(held_split))
     return out
 
