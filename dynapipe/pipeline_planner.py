@@ -17,6 +17,7 @@ import numpy as np
 
 from dynapipe.batching import BatchPlan, plan_micro_batches
 from dynapipe.batching.dp_partition import DEFAULT_GAP
+from dynapipe.batching.types import LengthLimit
 from dynapipe.config import ClusterConfig
 from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, check_recompute
 from dynapipe.cost.placement import StagePlacement
@@ -42,14 +43,14 @@ def _default_memory(cost_model: CostModel, memory_limit_mib: Optional[float],
 def _loss_tokens(batch_plan: BatchPlan, lengths, cost_model: CostModel) -> BatchPlan:
     """Encoder-decoder losses count target tokens: set the micro-batches' ``loss_tokens``
     to their target tokens (``real_tokens`` keeps input + target), as truncated to the plan's
-    ``seq_length`` (the cap of each side)."""
+    limits (``seq_length``, and ``dec_seq_length`` where the targets have their own)."""
     if not cost_model.model.is_encoder_decoder or lengths is None:
         return batch_plan
     arr = np.asarray(lengths)
     if arr.ndim != 2:
         return batch_plan
     targets = arr[:, 1]
-    cap = batch_plan.extra.get("seq_length")
+    cap = batch_plan.extra.get("dec_seq_length", batch_plan.extra.get("seq_length"))
     if cap is not None:
         targets = np.minimum(targets, int(cap))
     mbs = [dataclasses.replace(mb, loss_tokens=int(targets[mb.samples].sum())) for mb in batch_plan.micro_batches]
@@ -155,7 +156,6 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
         # means Megatron's even split.
         for p in (p for rep in plans for p in rep):
             p.meta["placement"] = placement.to_json()
-    t2 = time.perf_counter()
     t2, c2 = time.perf_counter(), time.process_time()
     timings = {"batching": batch_plan.planning_ms, "schedule": (t1 - t0) * 1e3, "compile": (t2 - t1) * 1e3}
     cpu = {"schedule": (c1 - c0) * 1e3, "compile": (c2 - c1) * 1e3}
@@ -199,7 +199,7 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
                    method: str = "dynapipe", schedule: str = "auto", memory_limit_mib: Optional[float] = None,
                    reserved_mib: Optional[float] = None, cluster: Optional[ClusterConfig] = None,
                    recompute: Optional[str] = None, iteration: int = 0, micro_batch_size: int = 1,
-                   seq_length: Optional[int] = None, max_tokens: Optional[int] = None, tp: int = 1,
+                   seq_length: Optional[LengthLimit] = None, max_tokens: Optional[int] = None, tp: int = 1,
                    zero: bool = False, explain: bool = False, validate: bool = False,
                    replicas: Optional[Sequence[int]] = None, gap: float = DEFAULT_GAP,
                    split_backward: bool = True) -> IterationPlan:

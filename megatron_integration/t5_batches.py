@@ -20,6 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
+from dynapipe.batching.baselines import pack_rows_2d
 from dynapipe.batching.types import MicroBatch
 from dynapipe.cost.model_flops import TokenWork, rows_work
 from dynapipe.data.collate import TensorRequest, collate
@@ -38,21 +39,7 @@ def pack_pairs(lengths: np.ndarray, enc_capacity: int, dec_capacity: int) -> lis
     if int(inputs.max()) > enc_capacity or int(targets.max()) > dec_capacity:
         raise DynaPipeError(f"a pair of {int(inputs.max())} input / {int(targets.max())} target tokens does not fit "
                             f"rows of --encoder-seq-length {enc_capacity} / --decoder-seq-length {dec_capacity}.")
-    room_in = np.empty(len(inputs), dtype=np.int64)
-    room_tg = np.empty(len(inputs), dtype=np.int64)
-    rows: list[list[int]] = []
-    for i in np.lexsort((-targets, -inputs)).tolist():
-        a, b = int(inputs[i]), int(targets[i])
-        fits = np.flatnonzero((room_in[:len(rows)] >= a) & (room_tg[:len(rows)] >= b))
-        if len(fits):
-            r = int(fits[0])
-            rows[r].append(i)
-            room_in[r] -= a
-            room_tg[r] -= b
-        else:
-            room_in[len(rows)], room_tg[len(rows)] = enc_capacity - a, dec_capacity - b
-            rows.append([i])
-    rows = [sorted(r) for r in rows]
+    rows = pack_rows_2d(inputs, targets, enc_capacity, dec_capacity)
     rows.sort(key=lambda r: r[0])
     return rows
 

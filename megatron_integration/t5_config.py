@@ -51,12 +51,10 @@ class T5TrainingConfig:
         return self.base.model.seq_length
 
     @property
-    def planner_seq_length(self) -> int:
-        """The length limit (tokens) DynaPipe's planner applies to both sides of a pair: the
-        longer of ``--encoder-seq-length`` and ``--decoder-seq-length``. The data already cuts
-        each side at its own limit; one of the two for both cut targets longer than the
-        encoder's limit in the plan but not in the data, and every iteration was refused."""
-        return max(self.encoder_seq_length, self.decoder_seq_length)
+    def planner_seq_length(self) -> tuple[int, int]:
+        """The (input, target) length limits (tokens) DynaPipe's planner applies:
+        ``--encoder-seq-length`` and ``--decoder-seq-length``, as the data cuts each side."""
+        return self.encoder_seq_length, self.decoder_seq_length
 
     @property
     def method(self) -> str:

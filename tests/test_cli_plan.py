@@ -100,6 +100,17 @@ def test_plan_reads_stdin_and_encoder_decoder_pairs(monkeypatch, capsys):
     assert all("dec_seqlen" in mb for mb in mbs)
 
 
+def test_plan_limits_targets_at_decoder_seq_length(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("100 5\n900 30\n40 200\n"))
+    rc, out, err = _plan(capsys, ["--lengths", "-", "--model", "t5-11b", "--device", "h100-80gb", "--stages", "8",
+                                  "--batching", "padding", "--micro-batch-size", "2", "--seq-length", "512",
+                                  "--decoder-seq-length", "100"])
+    assert rc == 0 and "2 sample(s) truncated to 512 input / 100 target tokens" in err
+    plan = json.loads(out)
+    assert plan["extra"]["dec_seq_length"] == 100
+    assert {(mb["seqlen"], mb["dec_seqlen"]) for mb in plan["micro_batches"]} == {(512, 100)}
+
+
 @pytest.mark.parametrize("text, extra, message", [
     ("5\n0\n", [], "line 2: length 0 must be a positive"),
     ("5\nx\n", [], "line 2: 'x' is not an integer"),
@@ -108,6 +119,7 @@ def test_plan_reads_stdin_and_encoder_decoder_pairs(monkeypatch, capsys):
     ("5\n", ["--stages", "64"], "--stages 64 exceeds the 32 layers"),
     ("5\n", ["--memory-limit-mb", "0"], "--memory-limit-mb 0 must be positive"),
     ("5 3\n", [], "decoder-only"),
+    ("5\n", ["--decoder-seq-length", "64"], "--decoder-seq-length 64: model 'gpt-7b' is decoder-only"),
 ])
 def test_plan_errors_exit_2_with_one_line(tmp_path, capsys, text, extra, message):
     rc, out, err = _plan(capsys, ["--lengths", _lengths(tmp_path, text), *BASE, *extra])

@@ -5,13 +5,14 @@ Each function groups the samples of one global batch into micro-batches (unprice
 same cost model as the DP.
 
 - ``padding``: Megatron's behaviour. Fixed ``micro_batch_size`` samples in arrival
-  order, each padded to ``seq_length`` (encoder-decoder: the decoder side padded to the
-  batch's longest target, what a fixed ``--decoder-seq-length`` would have to cover).
+  order, each padded to ``seq_length`` (encoder-decoder: the decoder side padded to
+  ``dec_seq_length`` when given, as Megatron's ``--decoder-seq-length``, else to the batch's
+  longest target, the least fixed decoder length that covers it).
 - ``padding-mb``: fixed ``micro_batch_size`` in arrival order, padded to the
   micro-batch's longest sample (rounded up to a multiple of 8).
 - ``packing``: samples packed whole (best-fit decreasing, never split) into rows of
-  ``seq_length`` tokens, ``micro_batch_size`` rows a micro-batch, priced as full dense
-  rows. Whether samples see each other is the runtime's choice, not the planner's: the
+  ``seq_length`` tokens (encoder-decoder: input tokens, and at most ``dec_seq_length``
+  target tokens), ``micro_batch_size`` rows a micro-batch, priced as full dense rows. Whether samples see each other is the runtime's choice, not the planner's: the
   training paths isolate them with a per-sample mask (``segment_ids``; Megatron's
   ``--reset-attention-mask`` baseline), which keeps the loss exact but not the compute, since
   masked attention still computes every (query, key) pair of the row.
@@ -23,6 +24,7 @@ same cost model as the DP.
 from __future__ import annotations
 
 import bisect
+from typing import Optional
 
 import numpy as np
 
@@ -35,16 +37,25 @@ def _dec_padded(lengths: np.ndarray, seq_length: int) -> int:
     return int(padded_length(np.array([lengths[:, 1].max()]), seq_length)[0])
 
 
-def padding(lengths: np.ndarray, micro_batch_size: int, seq_length: int) -> list[MicroBatch]:
-    """Fixed-size micro-batches in arrival order, every sample padded to ``seq_length`` tokens."""
+def padding(lengths: np.ndarray, micro_batch_size: int, seq_length: int,
+            dec_seq_length: Optional[int] = None) -> list[MicroBatch]:
+    """Fixed-size micro-batches in arrival order, every sample padded to ``seq_length`` tokens
+    (an encoder-decoder target to ``dec_seq_length`` tokens; ``None``: to the batch's longest
+    target, rounded up to a multiple of 8 and at most ``seq_length``)."""
     n = len(lengths)
-    dec = _dec_padded(lengths, seq_length) if lengths.ndim == 2 else 0
+    if lengths.ndim == 1:
+        dec = 0
+    else:
+        dec = int(dec_seq_length) if dec_seq_length is not None else _dec_padded(lengths, seq_length)
     return [MicroBatch(samples=list(range(s, min(s + micro_batch_size, n))), seqlen=int(seq_length), dec_seqlen=dec)
             for s in range(0, n, micro_batch_size)]
 
 
-def padding_to_longest(lengths: np.ndarray, micro_batch_size: int, seq_length: int) -> list[MicroBatch]:
-    """Fixed-size micro-batches in arrival order, each padded to its own longest sample."""
+def padding_to_longest(lengths: np.ndarray, micro_batch_size: int, seq_length: int,
+                       dec_seq_length: Optional[int] = None) -> list[MicroBatch]:
+    """Fixed-size micro-batches in arrival order, each padded to its own longest sample
+    (rounded up to a multiple of 8, at most ``seq_length`` tokens; an encoder-decoder target
+    at most ``dec_seq_length``, default ``seq_length``)."""
     n = len(lengths)
     out = []
     for s in range(0, n, micro_batch_size):
@@ -53,9 +64,14 @@ def padding_to_longest(lengths: np.ndarray, micro_batch_size: int, seq_length: i
             out.append(MicroBatch(list(range(s, s + len(chunk))),
                                   int(padded_length(chunk.max(keepdims=True), seq_length)[0])))
         else:
-            top = padded_length(chunk.max(axis=0), seq_length)
-            out.append(MicroBatch(list(range(s, s + len(chunk))), int(top[0]), int(top[1])))
+            top = chunk.max(axis=0)
+            out.append(MicroBatch(list(range(s, s + len(chunk))), int(padded_length(top[:1], seq_length)[0]),
+                                  int(padded_length(top[1:], _or(dec_seq_length, seq_length))[0])))
     return out
+
+
+def _or(value: Optional[int], default: int) -> int:
+    return default if value is None else int(value)
 
 
 def _pack_rows(sizes: np.ndarray, capacity: int) -> list[list[int]]:
@@ -75,8 +91,11 @@ def _pack_rows(sizes: np.ndarray, capacity: int) -> list[list[int]]:
     return [sorted(r) for r in rows]
 
 
-def _pack_rows_2d(inputs: np.ndarray, targets: np.ndarray, capacity: int) -> list[list[int]]:
-    """First-fit decreasing by input length; a row holds at most ``capacity`` tokens on each side."""
+def pack_rows_2d(inputs: np.ndarray, targets: np.ndarray, capacity: int,
+                 dec_capacity: Optional[int] = None) -> list[list[int]]:
+    """Rows of sample indices (each sorted), first-fit decreasing by input length: a row holds
+    at most ``capacity`` input and ``dec_capacity`` (default ``capacity``) target tokens."""
+    dec_capacity = _or(dec_capacity, capacity)
     n = len(inputs)
     room_in = np.empty(n, dtype=np.int64)
     room_tg = np.empty(n, dtype=np.int64)
@@ -92,7 +111,7 @@ def _pack_rows_2d(inputs: np.ndarray, targets: np.ndarray, capacity: int) -> lis
             room_tg[r] -= b
         else:
             rows.append([i])
-            room_in[r], room_tg[r] = capacity - a, capacity - b
+            room_in[r], room_tg[r] = capacity - a, dec_capacity - b
     return [sorted(r) for r in rows]
 
 
@@ -119,20 +138,25 @@ def cross_sample_attention_pairs(lengths: np.ndarray, rows: list[list[int]]) -> 
     return total
 
 
-def packing(lengths: np.ndarray, micro_batch_size: int, seq_length: int) -> tuple[list[MicroBatch], int]:
+def packing(lengths: np.ndarray, micro_batch_size: int, seq_length: int,
+            dec_seq_length: Optional[int] = None) -> tuple[list[MicroBatch], int]:
     """Rows of ``seq_length`` packed tokens, ``micro_batch_size`` rows a micro-batch.
 
     Returns the micro-batches and the number of attention pairs crossing sample
-    boundaries. Encoder-decoder rows also hold at most ``seq_length`` target tokens;
-    their decoder side is padded to the longest row's target tokens (rounded up to 8).
+    boundaries. Encoder-decoder rows also hold at most ``dec_seq_length`` target tokens, their
+    decoder side padded to it as Megatron's ``--decoder-seq-length``; without it, at most
+    ``seq_length`` target tokens, padded to the longest row's (rounded up to 8).
     """
     if lengths.ndim == 1:
         rows = _pack_rows(lengths, seq_length)
         dec = 0
     else:
-        rows = _pack_rows_2d(lengths[:, 0], lengths[:, 1], seq_length)
-        longest = max(int(lengths[r, 1].sum()) for r in rows)
-        dec = int(padded_length(np.array([longest]), seq_length)[0])
+        rows = pack_rows_2d(lengths[:, 0], lengths[:, 1], seq_length, dec_seq_length)
+        if dec_seq_length is not None:
+            dec = int(dec_seq_length)
+        else:
+            longest = max(int(lengths[r, 1].sum()) for r in rows)
+            dec = int(padded_length(np.array([longest]), seq_length)[0])
     # Rows in order of their first sample, so micro-batches follow the arrival order.
     rows.sort(key=lambda r: r[0])
     out = []
@@ -143,11 +167,15 @@ def packing(lengths: np.ndarray, micro_batch_size: int, seq_length: int) -> tupl
     return out, cross_sample_attention_pairs(lengths, rows)
 
 
-def token_budget(lengths: np.ndarray, max_tokens: int, seq_length: int) -> list[MicroBatch]:
-    """Sorted samples, each micro-batch filled while ``count x padded shape <= max_tokens``."""
+def token_budget(lengths: np.ndarray, max_tokens: int, seq_length: int,
+                 dec_seq_length: Optional[int] = None) -> list[MicroBatch]:
+    """Sorted samples, each micro-batch filled while ``count x padded shape <= max_tokens``
+    (padding at most ``seq_length`` tokens, an encoder-decoder target at most
+    ``dec_seq_length``, default ``seq_length``)."""
     order = candidate_orders(lengths)[0]
     enc = padded_length(lengths if lengths.ndim == 1 else lengths[:, 0], seq_length)
-    dec = padded_length(lengths[:, 1], seq_length) if lengths.ndim == 2 else np.zeros(len(lengths), dtype=np.int64)
+    dec = (padded_length(lengths[:, 1], _or(dec_seq_length, seq_length)) if lengths.ndim == 2
+           else np.zeros(len(lengths), dtype=np.int64))
     need = enc + dec
     if need.max() > max_tokens:
         i = int(np.argmax(need))

@@ -86,18 +86,20 @@ def _describe(lengths: np.ndarray, pos: int, enc: np.ndarray, dec: np.ndarray | 
 
 
 def build_candidate_table(ordered: np.ndarray, order: np.ndarray, cost_model: CostModel, budget: MemoryBudget,
-                          recompute: str = "none", cap: int | None = None) -> CandidateTable:
+                          recompute: str = "none", cap: int | None = None,
+                          dec_cap: int | None = None) -> CandidateTable:
     """Price every candidate micro-batch of the samples in DP order.
 
     ``ordered`` holds the lengths in DP order, ``(n,)`` or ``(n, 2)`` tokens; ``order[p]``
     is the original index of position p (for error messages); ``cap`` is the sequence
-    length limit padding never exceeds. Raises :class:`DynaPipeError` naming a sample
-    that does not fit in ``budget`` even alone.
+    length limit padding never exceeds (tokens), ``dec_cap`` an encoder-decoder target's
+    (default ``cap``). Raises :class:`DynaPipeError` naming a sample that does not fit in
+    ``budget`` even alone.
     """
     ordered = np.asarray(ordered, dtype=np.int64)
     n = len(ordered)
     enc = padded_length(ordered if ordered.ndim == 1 else ordered[:, 0], cap)
-    dec = None if ordered.ndim == 1 else padded_length(ordered[:, 1], cap)
+    dec = None if ordered.ndim == 1 else padded_length(ordered[:, 1], cap if dec_cap is None else dec_cap)
     shared_rows = dec is None and bool(np.all(enc[1:] >= enc[:-1]))
 
     if shared_rows:

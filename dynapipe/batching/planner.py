@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from dynapipe.batching.dp_partition import DEFAULT_GAP, optimal_partition
 from dynapipe.batching.lengths import validate_lengths
 from dynapipe.batching.memory import MemoryBudget, memory_budget
 from dynapipe.batching.ordering import named_candidate_orders
-from dynapipe.batching.types import BatchPlan, MicroBatch
+from dynapipe.batching.types import BatchPlan, LengthLimit, MicroBatch
 from dynapipe.cost import CostModel
 from dynapipe.cost.base import check_recompute
 from dynapipe.errors import DynaPipeError
@@ -35,25 +35,59 @@ def _positive_int(value, flag: str) -> int:
     return int(value)
 
 
-def _limit_lengths(lengths: np.ndarray, seq_length: Optional[int], model_max: int) -> tuple[np.ndarray, int, int]:
-    """Truncate at ``seq_length`` when given; else every sample must fit the model's maximum.
+class _Limits(NamedTuple):
+    """The length limits in force (tokens): ``cap`` of a sample (an encoder-decoder input),
+    ``dec_cap`` of an encoder-decoder target (None for decoder-only), and whether the target's
+    was given on its own (the fixed-shape baselines then pad targets to it, as Megatron's
+    ``--decoder-seq-length``)."""
 
-    Returns the lengths, the sequence length limit in force, and how many samples were cut.
+    cap: int
+    dec_cap: Optional[int]
+    dec_given: bool
+
+
+def _over_model(side: np.ndarray, lengths: np.ndarray, model_max: int, flag: str) -> None:
+    too_long = np.flatnonzero(side > model_max)
+    if len(too_long):
+        i = int(too_long[0])
+        raise DynaPipeError(
+            f"sample {i} has length {lengths[i].tolist()} tokens, more than the model's max_seq_length "
+            f"{model_max} ({len(too_long)} sample(s) in all); pass {flag} {model_max} to truncate them.")
+
+
+def _limit(value, flag: str, model_max: int) -> int:
+    value = _positive_int(value, flag)
+    if value > model_max:
+        raise DynaPipeError(f"{flag} {value} exceeds the model's max_seq_length {model_max}; use at most {model_max}.")
+    return value
+
+
+def _limit_lengths(lengths: np.ndarray, seq_length: Optional[LengthLimit], model_max: int) -> tuple[np.ndarray, _Limits, int]:
+    """Truncate each side at its limit where one is given; a side without one must fit the
+    model's maximum.
+
+    ``seq_length``: None, one limit for every side (tokens), or an (input, target) pair for an
+    encoder-decoder model (either may be None). Returns the lengths, the limits in force and
+    how many samples were cut.
     """
-    if seq_length is None:
-        too_long = np.flatnonzero((lengths.reshape(len(lengths), -1) > model_max).any(axis=1))
-        if len(too_long):
-            i = int(too_long[0])
-            raise DynaPipeError(
-                f"sample {i} has length {lengths[i].tolist()} tokens, more than the model's max_seq_length "
-                f"{model_max} ({len(too_long)} sample(s) in all); pass --seq-length {model_max} to truncate them.")
-        return lengths, model_max, 0
-    seq_length = _positive_int(seq_length, "--seq-length")
-    if seq_length > model_max:
-        raise DynaPipeError(f"--seq-length {seq_length} exceeds the model's max_seq_length {model_max}; "
-                            f"use at most {model_max}.")
-    cut = int((lengths.reshape(len(lengths), -1) > seq_length).any(axis=1).sum())
-    return np.minimum(lengths, seq_length), seq_length, cut
+    pair = isinstance(seq_length, (tuple, list))
+    if pair and (lengths.ndim != 2 or len(seq_length) != 2):
+        raise DynaPipeError(f"seq_length {tuple(seq_length)!r}: an (input, target) pair of limits is for "
+                            f"encoder-decoder models, whose lengths are (input, target) pairs; give one length.")
+    if not pair:
+        if seq_length is None:
+            _over_model(lengths.reshape(len(lengths), -1).max(axis=1), lengths, model_max, "--seq-length")
+            return lengths, _Limits(model_max, model_max if lengths.ndim == 2 else None, False), 0
+        cap = _limit(seq_length, "--seq-length", model_max)
+        cut = int((lengths.reshape(len(lengths), -1) > cap).any(axis=1).sum())
+        return np.minimum(lengths, cap), _Limits(cap, cap if lengths.ndim == 2 else None, False), cut
+    caps = []
+    for side, (value, flag) in enumerate(zip(seq_length, ("--seq-length", "--decoder-seq-length"))):
+        if value is None:
+            _over_model(lengths[:, side], lengths, model_max, flag)
+        caps.append(model_max if value is None else _limit(value, flag, model_max))
+    cut = int((lengths > np.array(caps)).any(axis=1).sum())
+    return np.minimum(lengths, np.array(caps)), _Limits(caps[0], caps[1], seq_length[1] is not None), cut
 
 
 def _set_real_tokens(lengths: np.ndarray, mbs: list[MicroBatch]) -> None:
@@ -66,7 +100,7 @@ def _set_real_tokens(lengths: np.ndarray, mbs: list[MicroBatch]) -> None:
 
 
 def _plan_dynapipe(lengths: np.ndarray, cost_model: CostModel, budget: MemoryBudget, dp: int, recompute: str,
-                   cap: int, use_compiled: Optional[bool], gap: float,
+                   limits: _Limits, use_compiled: Optional[bool], gap: float,
                    split: bool) -> tuple[list[MicroBatch], dict]:
     """The exact DP cut of each candidate order, then (``split``, ``dp`` > 1) its split for
     balance; the order with the lowest objective (with ``split``, of the replicas as
@@ -74,7 +108,7 @@ def _plan_dynapipe(lengths: np.ndarray, cost_model: CostModel, budget: MemoryBud
     best = None
     stages = cost_model.num_stages
     for name, order in named_candidate_orders(lengths):
-        table = build_candidate_table(lengths[order], order, cost_model, budget, recompute, cap)
+        table = build_candidate_table(lengths[order], order, cost_model, budget, recompute, limits.cap, limits.dec_cap)
         part = optimal_partition(table, stages, dp, use_compiled=use_compiled, gap=gap)
         cuts, splits, value = part.cuts, 0, part.objective_ms
         if split and dp > 1:
@@ -116,7 +150,7 @@ def _price(mbs: list[MicroBatch], cost_model: CostModel, recompute: str) -> None
 
 def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapipe", dp: int = 1,
                        memory_limit_mib: Optional[float] = None, reserved_mib: float = 0.0,
-                       micro_batch_size: int = 1, seq_length: Optional[int] = None,
+                       micro_batch_size: int = 1, seq_length: Optional[LengthLimit] = None,
                        max_tokens: Optional[int] = None, recompute: str = "none",
                        zero: bool = False, use_compiled: Optional[bool] = None,
                        gap: float = DEFAULT_GAP, split_to_balance: bool = True,
@@ -129,12 +163,15 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
     most loaded stage is what a micro-batch's stored + peak activations may use; the
     ``dynapipe`` method honours it (raising :class:`DynaPipeError` for a sample that
     cannot fit alone), baselines report ``extra["over_memory_micro_batches"]``.
-    ``seq_length`` truncates samples (tokens; each side for encoder-decoder) and is the
-    row length of ``padding``/``packing`` (default: the model's ``max_seq_length``).
+    ``seq_length`` truncates samples (tokens; each side for encoder-decoder, or an (input,
+    target) pair of limits, either None) and is the row length of ``padding``/``packing``
+    (default: the model's ``max_seq_length``); a target limit given in a pair is the length the
+    fixed-shape baselines pad targets to, as Megatron's ``--decoder-seq-length`` (without one,
+    the longest target's).
     ``micro_batch_size`` (samples, or rows for packing) is used by the fixed-size
     baselines; ``max_tokens`` (padded tokens a micro-batch, input and
-    target together; default ``micro_batch_size x seq_length``, twice that for encoder-decoder
-    models) by ``token-budget``. ``zero`` shards optimizer
+    target together; default ``micro_batch_size x seq_length``, for encoder-decoder models
+    ``micro_batch_size x`` (input limit + target limit)) by ``token-budget``. ``zero`` shards optimizer
     state over the ``dp`` replicas when pricing model states. ``use_compiled`` selects the
     DP kernel (``None``: C when built). ``gap``: relative optimality gap of the
     ``dynapipe`` cut's objective (0: exact; default :data:`DEFAULT_GAP`, 0.1%).
@@ -160,7 +197,9 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
         raise DynaPipeError(f"--dp {dp} exceeds the {len(arr)} sample(s) of the global batch, so {dp - len(arr)} "
                             f"replica(s) would get no sample; use --dp {len(arr)} or less, or a batch of at least "
                             f"{dp} samples.")
-    arr, cap, truncated = _limit_lengths(arr, seq_length, model.max_seq_length)
+    arr, limits, truncated = _limit_lengths(arr, seq_length, model.max_seq_length)
+    cap = limits.cap
+    fixed_dec = limits.dec_cap if limits.dec_given else None
     if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not 0.0 <= gap < 1.0:
         raise DynaPipeError(f"gap {gap!r}: the relative optimality gap of the cut must lie in [0, 1) "
                             f"(0: the exact optimum; default {DEFAULT_GAP}).")
@@ -170,25 +209,27 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
                      micro_batch_share=float(micro_batch_share))
     extra: dict = {"activation_budget_mib": budget.activation_mib, "model_state_mib": budget.model_state_mib,
                    "seq_length": cap, "truncated_samples": truncated}
+    if limits.dec_cap is not None:
+        extra["dec_seq_length"] = limits.dec_cap
 
     if method == "dynapipe":
         extra["micro_batch_share"] = budget.micro_batch_share
-        mbs, more = _plan_dynapipe(arr, cost_model, budget, dp, recompute, cap, use_compiled, gap, split_to_balance)
+        mbs, more = _plan_dynapipe(arr, cost_model, budget, dp, recompute, limits, use_compiled, gap, split_to_balance)
         extra.update(more)
     else:
         if method == "padding":
-            mbs = baselines.padding(arr, micro_batch_size, cap)
+            mbs = baselines.padding(arr, micro_batch_size, cap, fixed_dec)
         elif method == "padding-mb":
-            mbs = baselines.padding_to_longest(arr, micro_batch_size, cap)
+            mbs = baselines.padding_to_longest(arr, micro_batch_size, cap, limits.dec_cap)
         elif method == "packing":
-            mbs, pairs = baselines.packing(arr, micro_batch_size, cap)
+            mbs, pairs = baselines.packing(arr, micro_batch_size, cap, fixed_dec)
             extra["cross_sample_attention_pairs"] = pairs
         else:
-            # A sample's padded shape counts both sides for encoder-decoder models (each up to cap).
-            sides = 2 if arr.ndim == 2 else 1
-            tokens = micro_batch_size * sides * cap if max_tokens is None else _positive_int(max_tokens, "--max-tokens")
+            # A sample's padded shape counts both sides for encoder-decoder models (each up to its limit).
+            shape = cap + (limits.dec_cap or 0)
+            tokens = micro_batch_size * shape if max_tokens is None else _positive_int(max_tokens, "--max-tokens")
             extra["max_tokens"] = tokens
-            mbs = baselines.token_budget(arr, tokens, cap)
+            mbs = baselines.token_budget(arr, tokens, cap, limits.dec_cap)
         _price(mbs, cost_model, recompute)
         extra["over_memory_micro_batches"] = sum(mb.stored_mib + mb.peak_mib > budget.activation_mib for mb in mbs)
 

@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
+
+#: A length limit (tokens): one for every side of a sample, or an encoder-decoder model's
+#: (input, target) pair, either side None for "no limit but the model's".
+LengthLimit = Union[int, "tuple[Optional[int], Optional[int]]"]
 
 
 @dataclass

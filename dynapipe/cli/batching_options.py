@@ -5,13 +5,16 @@ Which method reads what: ``dynapipe`` sizes its micro-batches itself (neither fl
 ``padding``, ``padding-mb`` and ``packing`` take ``--micro-batch-size`` (samples, rows
 for packing); ``token-budget`` takes ``--max-tokens``, or without it
 ``--micro-batch-size x seq-length`` tokens (twice that for an encoder-decoder model, input and
-target together). ``--seq-length`` is read by every method.
+target together). ``--seq-length`` is read by every method, and so is an encoder-decoder
+model's ``--decoder-seq-length`` (the targets' own limit, as in Megatron-LM).
 """
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 
 from dynapipe.batching import METHODS
+from dynapipe.batching.types import LengthLimit
 from dynapipe.errors import DynaPipeError
 
 SIZED_BY_COUNT = ("padding", "padding-mb", "packing")
@@ -26,7 +29,16 @@ def add_batching_arguments(p: argparse.ArgumentParser) -> None:
                    help="samples (packing: rows) a micro-batch for padding, padding-mb and packing (default 1)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="padded tokens a micro-batch for token-budget, input and target together (default "
-                        "micro-batch-size x seq-length; x 2 for encoder-decoder models)")
+                        "micro-batch-size x seq-length; encoder-decoder models: micro-batch-size x (seq-length + "
+                        "decoder-seq-length))")
+
+
+def add_decoder_seq_length(p: argparse.ArgumentParser) -> None:
+    """``--decoder-seq-length``: an encoder-decoder model's target limit (tokens)."""
+    p.add_argument("--decoder-seq-length", type=int, default=None,
+                   help="encoder-decoder models: truncate targets to this many tokens, and pad the padding and "
+                        "packing baselines' decoder rows to it, as Megatron's --decoder-seq-length (default: "
+                        "targets limited as inputs, by --seq-length, and padded to the batch's longest)")
 
 
 def micro_batch_size(args: argparse.Namespace) -> int:
@@ -61,5 +73,18 @@ def cut_arguments(args: argparse.Namespace, setup) -> dict:
     """:func:`~dynapipe.batching.plan_micro_batches`'s arguments as ``plan``/``trace`` give them
     (all but the recompute level); ``setup``: the command's ``CostSetup`` (memory limits, MiB)."""
     return dict(method=args.batching, dp=args.dp, memory_limit_mib=setup.memory_limit_mib,
-                reserved_mib=setup.reserved_mib, micro_batch_size=micro_batch_size(args), seq_length=args.seq_length,
-                max_tokens=args.max_tokens)
+                reserved_mib=setup.reserved_mib, micro_batch_size=micro_batch_size(args),
+                seq_length=length_limit(args, setup.model), max_tokens=args.max_tokens)
+
+
+def length_limit(args: argparse.Namespace, model) -> Optional[LengthLimit]:
+    """The planner's ``seq_length`` as the flags give it (tokens): ``--seq-length``, or with
+    ``--decoder-seq-length`` the (input, target) pair; the latter is refused for a decoder-only
+    ``model`` (a :class:`~dynapipe.config.ModelConfig`)."""
+    seq, dec = getattr(args, "seq_length", None), getattr(args, "decoder_seq_length", None)
+    if dec is None:
+        return seq
+    if not model.is_encoder_decoder:
+        raise DynaPipeError(f"--decoder-seq-length {dec}: model {model.name!r} is decoder-only and has no targets "
+                            f"of their own; drop it (--seq-length limits its samples).")
+    return seq, dec

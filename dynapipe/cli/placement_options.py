@@ -14,6 +14,7 @@ import sys
 import time
 from typing import Optional
 
+from dynapipe.cli.batching_options import length_limit
 from dynapipe.cli.cost import CostSetup
 from dynapipe.cost.placement import StagePlacement
 from dynapipe.cli.schedule_options import resolve_cluster, split_backward
@@ -63,7 +64,7 @@ def _search_placement(args: argparse.Namespace, setup: CostSetup, lengths) -> Pl
     """``--placement auto``'s search on this batch (see :func:`apply_placement`)."""
     cm = setup.cost_model
     kw = dict(dp=getattr(args, "dp", 1), memory_limit_mib=setup.memory_limit_mib, reserved_mib=setup.reserved_mib,
-              seq_length=getattr(args, "seq_length", None), recompute=getattr(args, "recompute", None))
+              seq_length=length_limit(args, cm.model), recompute=getattr(args, "recompute", None))
     if cm.model.is_encoder_decoder:  # contiguous or interleaved, by simulated time on this batch
         from dynapipe.schedule.types import CHUNKED_SCHEDULE_NAMES
 

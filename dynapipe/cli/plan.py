@@ -16,7 +16,8 @@ import time
 
 from dynapipe.batching import BatchPlan, plan_micro_batches
 from dynapipe.batching.lengths import read_lengths_for
-from dynapipe.cli.batching_options import add_batching_arguments, check_batching_flags, cut_arguments
+from dynapipe.cli.batching_options import (add_batching_arguments, add_decoder_seq_length, check_batching_flags,
+                                            cut_arguments)
 from dynapipe.cli.cost import CostSetup, add_cost_model_arguments, add_memory_arguments, cost_setup_from_args
 from dynapipe.output_paths import check_distinct, check_output_file, config_inputs, write_output
 from dynapipe.cli.placement_options import (add_placement_argument, apply_placement, even_split_schedule,
@@ -40,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-length", type=int, default=None,
                    help="truncate samples to this many tokens; row length of padding and packing "
                         "(default: the model's max_seq_length, and no truncation)")
+    add_decoder_seq_length(p)
     p.add_argument("--output", default="-", help="write the JSON plan here (default: stdout)")
     add_schedule_arguments(p)
     add_placement_argument(p)
@@ -90,7 +92,10 @@ def summary_lines(batch_plan: BatchPlan, setup: CostSetup) -> list[str]:
         lines.append("  replicas: " + ", ".join(f"{t:.1f}" for t in p.replica_time_ms)
                      + f" ms (spread {x['replica_spread_ms']:.2f} ms)")
     if x.get("truncated_samples"):
-        lines.append(f"  {x['truncated_samples']} sample(s) truncated to {x['seq_length']} tokens")
+        limit = f"{x['seq_length']}"
+        if x.get("dec_seq_length", x["seq_length"]) != x["seq_length"]:
+            limit += f" input / {x['dec_seq_length']} target"
+        lines.append(f"  {x['truncated_samples']} sample(s) truncated to {limit} tokens")
     if "cross_sample_attention_pairs" in x:
         lines.append(f"  packing: {x['cross_sample_attention_pairs']:,} attention pairs cross sample boundaries")
     if x.get("over_memory_micro_batches"):

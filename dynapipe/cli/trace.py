@@ -13,7 +13,8 @@ import json
 import sys
 
 from dynapipe.batching.lengths import read_lengths_for
-from dynapipe.cli.batching_options import add_batching_arguments, check_batching_flags, cut_arguments
+from dynapipe.cli.batching_options import (add_batching_arguments, add_decoder_seq_length, check_batching_flags,
+                                            cut_arguments)
 from dynapipe.cli.cost import add_cost_model_arguments, add_memory_arguments, cost_setup_from_args
 from dynapipe.output_paths import check_distinct, check_output_file, config_inputs, saved_whole, write_output
 from dynapipe.cli.placement_options import (add_placement_argument, apply_placement, even_split_schedule,
@@ -44,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
     add_batching_arguments(p)
     p.add_argument("--seq-length", type=int, default=None, help="truncate samples to this many tokens")
+    add_decoder_seq_length(p)
     p.add_argument("--schedule", choices=SCHEDULE_CHOICES, default="auto",
                    help="schedule, as for plan (zb-h1 draws each backward as BI and BW; default auto)")
     add_split_backward_argument(p)

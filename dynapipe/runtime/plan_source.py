@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from dynapipe.batching.types import LengthLimit
 from dynapipe.config import ClusterConfig, DeviceConfig, ModelConfig
 from dynapipe.errors import DynaPipeError
 from dynapipe.plan import deserialize_plan, serialize_plan
@@ -28,8 +29,9 @@ class PlannerSettings:
     ``cost_profile``: a measured profile (None: the analytic model).
     ``memory_limit_mib`` / ``reserved_mib``: None takes the device config's.
     ``recompute``: a level, or None to let the schedule search choose.
-    ``seq_length`` / ``max_tokens``: for the padding / packing / token-budget baselines
-    (0: unset). ``tp``: tensor-parallel size of every stage (the cost model then prices one
+    ``seq_length``: the length limit (tokens) every method truncates at and the baselines pad
+    to, or an encoder-decoder model's (input, target) pair of limits; ``max_tokens``: the
+    token-budget baseline's (0: unset). ``tp``: tensor-parallel size of every stage (the cost model then prices one
     TP rank, its collectives on the cluster's intra-node link); ``sequence_parallel``:
     Megatron's sequence parallelism (activations between stages are ``[seqlen / tp, mbs,
     hidden]``); ``zero``: sharded optimizer states. ``validate`` checks every plan before it
@@ -47,7 +49,7 @@ class PlannerSettings:
     cost_profile: Optional[str] = None
     recompute: Optional[str] = None
     micro_batch_size: int = 1
-    seq_length: int = 0
+    seq_length: LengthLimit = 0
     max_tokens: int = 0
     cluster: Optional[ClusterConfig] = None
     tp: int = 1

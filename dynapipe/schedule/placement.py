@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from dynapipe.batching import plan_micro_batches
+from dynapipe.batching.types import LengthLimit
 from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel
 from dynapipe.cost.placement import PlacementChoice, PlacementSample, plan_placement, price_placement
 from dynapipe.errors import DynaPipeError
@@ -47,7 +48,7 @@ class PlacementPlan:
 
 
 def _cut(batches: Sequence, cost_model: CostModel, *, dp: int, memory_limit_mib: Optional[float],
-         reserved_mib: float, seq_length: Optional[int], zero: bool, recompute: Optional[str]) -> list:
+         reserved_mib: float, seq_length: Optional[LengthLimit], zero: bool, recompute: Optional[str]) -> list:
     """The DynaPipe micro-batches of every batch, at the lightest level that plans."""
     levels = [recompute] if recompute is not None else list(RECOMPUTE_LEVELS)
     out = []
@@ -68,7 +69,7 @@ def _cut(batches: Sequence, cost_model: CostModel, *, dp: int, memory_limit_mib:
 
 def choose_placement(batches: Sequence, cost_model: CostModel, *, dp: int = 1,
                      memory_limit_mib: Optional[float] = None, reserved_mib: Optional[float] = None,
-                     seq_length: Optional[int] = None, zero: bool = False, recompute: Optional[str] = None,
+                     seq_length: Optional[LengthLimit] = None, zero: bool = False, recompute: Optional[str] = None,
                      rounds: int = 3) -> PlacementPlan:
     """Choose the layers of every stage for global batches like ``batches`` (each an array
     of lengths in tokens, ``(n, 2)`` for encoder-decoder models).
@@ -119,7 +120,7 @@ def place_micro_batches(micro_batches: Sequence, cost_model: CostModel, *, dp: i
 
 
 def simulated_ms(batches: Sequence, cost_model: CostModel, *, dp: int, memory_limit_mib: Optional[float],
-                 reserved_mib: float, seq_length: Optional[int], zero: bool, recompute: Optional[str],
+                 reserved_mib: float, seq_length: Optional[LengthLimit], zero: bool, recompute: Optional[str],
                  cluster=None, split_backward: bool = True, schedule: str = "auto") -> float:
     """Summed simulated iteration time (ms) of DynaPipe's plans of ``batches`` on
     ``cost_model``'s placement: the cut, then the schedule search under the memory limit
@@ -150,7 +151,7 @@ def simulated_ms(batches: Sequence, cost_model: CostModel, *, dp: int, memory_li
 
 def choose_chunked_placement(batches: Sequence, cost_model: CostModel, chunks: int, *, dp: int = 1,
                              memory_limit_mib: Optional[float] = None, reserved_mib: Optional[float] = None,
-                             seq_length: Optional[int] = None, zero: bool = False,
+                             seq_length: Optional[LengthLimit] = None, zero: bool = False,
                              recompute: Optional[str] = None) -> PlacementPlan:
     """The ``chunks``-chunk interleaved split for global batches like ``batches``
     (:func:`~dynapipe.cost.chunked_placement.plan_chunked_placement` on the micro-batches cut
@@ -184,7 +185,7 @@ def _memory(cost_model: CostModel, memory_limit_mib: Optional[float],
 
 def choose_placement_kind(batches: Sequence, cost_model: CostModel, *, dp: int = 1,
                           memory_limit_mib: Optional[float] = None, reserved_mib: Optional[float] = None,
-                          seq_length: Optional[int] = None, zero: bool = False, recompute: Optional[str] = None,
+                          seq_length: Optional[LengthLimit] = None, zero: bool = False, recompute: Optional[str] = None,
                           cluster=None, chunks: int = 2, split_backward: bool = True,
                           contiguous_allowed: bool = True, schedule: str = "auto") -> PlacementPlan:
     """The faster of the contiguous placement (:func:`choose_placement`) and the
