@@ -27,6 +27,7 @@ from dynapipe.plan._fast import without_gc_pauses
 from dynapipe.plan.compile import compile_plans
 from dynapipe.plan.validate import validate_plans
 from dynapipe.iteration_plan import IterationPlan
+from dynapipe.schedule.comm import sequence_shards_of
 from dynapipe.schedule.search import SearchResult, search_schedules
 
 
@@ -60,11 +61,6 @@ def _loss_tokens(batch_plan: BatchPlan, lengths, cost_model: CostModel) -> Batch
 def _tp_size(cost_model: CostModel) -> int:
     tp = getattr(cost_model, "tp", None)
     return tp.size if tp is not None else 1
-
-
-def _sequence_shards(cost_model: CostModel) -> int:
-    tp = getattr(cost_model, "tp", None)
-    return tp.size if tp is not None and tp.sequence_parallel else 1
 
 
 def round_for_sequence_parallel(batch_plan: BatchPlan, shards: int, max_seq_length: int) -> BatchPlan:
@@ -132,7 +128,7 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
                                  reserved_mib=reserved_mib, cluster=cluster, recompute=recompute, tp=tp, zero=zero,
                                  explain=explain, lengths=lengths, split_backward=split_backward)
     t1, c1 = time.perf_counter(), time.process_time()
-    dp, shards = batch_plan.dp, _sequence_shards(cost_model)
+    dp, shards = batch_plan.dp, sequence_shards_of(cost_model)
     total_loss = sum(mb.planned_loss_tokens for mb in batch_plan.micro_batches)
     wanted = set(range(dp)) if replicas is None else {int(r) for r in replicas}
     if not wanted <= set(range(dp)):
@@ -177,7 +173,8 @@ def _search(batch_plan: BatchPlan, cost_model: CostModel, *, schedule: str, memo
     limit, reserved = _default_memory(cost_model, memory_limit_mib, reserved_mib)
     capacity = None if limit is None or not np.isfinite(limit) else limit - reserved
     batch_plan = _loss_tokens(batch_plan, lengths, cost_model)
-    batch_plan = round_for_sequence_parallel(batch_plan, _sequence_shards(cost_model), cost_model.model.max_seq_length)
+    shards = sequence_shards_of(cost_model)
+    batch_plan = round_for_sequence_parallel(batch_plan, shards, cost_model.model.max_seq_length)
     dp = batch_plan.dp
     # batch_plan.replica(r) for every r, in one pass over the micro-batches.
     replica_batches: list[list] = [[] for _ in range(dp)]

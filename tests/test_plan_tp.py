@@ -176,3 +176,32 @@ def test_sequence_parallel_norms_mark_their_parameters():
         assert block.layer_norm is SequenceParallelTorchNorm
     norm = SequenceParallelTorchNorm(cfg, 64)
     assert all(p.sequence_parallel for p in norm.parameters()) and len(list(norm.parameters())) == 2
+
+
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_the_schedule_search_prices_the_messages_the_plans_send(sp, interleaved):
+    """Under sequence parallelism a TP rank sends ``[seqlen / tp, mbs, hidden]`` slices: the
+    simulator prices each boundary's transfer at the bytes the compiled plans send, not the
+    whole sequence's."""
+    from dynapipe.config import load_cluster_config
+    from dynapipe.cost.placement import StagePlacement
+    from dynapipe.schedule.costs import stage_times
+    from dynapipe.schedule.interleaved import virtual_stage_times_per_replica
+
+    gpt = load_model_config("gpt-13b")
+    cluster = load_cluster_config("a100-8x")
+    placement = StagePlacement.parse("5,5|5,5|5,5|5,5" if interleaved else "20,20", gpt, 2)
+    cost = build_cost_model(gpt, load_device_config("a100-40gb"), 2, None, TensorParallelConfig(2, sp),
+                            placement=placement)
+    mbs = [MicroBatch(samples=[0], seqlen=4096), MicroBatch(samples=[1, 2], seqlen=1024)]
+    if interleaved:
+        comm = virtual_stage_times_per_replica(cost, [mbs], cluster=cluster, tp=2)[0].act_comm_ms
+    else:
+        comm = stage_times(cost, mbs, cluster=cluster, tp=2).act_comm_ms
+    shards = 2 if sp else 1
+    for i, mb in enumerate(mbs):
+        sent = mb.seqlen // shards * mb.mbs * gpt.hidden_size * gpt.dtype_bytes
+        # Every boundary here is between ranks 2 apart (TP 2, DP 1): the same link each time.
+        link = cluster.link(0, 2)
+        assert comm[:, i] == pytest.approx(np.full(comm.shape[0], link.transfer_ms(sent)))

@@ -30,16 +30,25 @@ def message_shapes(model: ModelConfig, layouts: Sequence[StageLayout], src_stage
 
 
 def message_bytes(model: ModelConfig, layouts: Sequence[StageLayout], src_stage: int, mbs,
-                  seqlen, dec_seqlen=0):
-    """Bytes of the activation (or gradient) message across boundary ``src_stage``
-    (``mbs``/``seqlen``/``dec_seqlen`` may be numpy arrays: one value per micro-batch)."""
+                  seqlen, dec_seqlen=0, shards: int = 1):
+    """Bytes one TP rank sends across boundary ``src_stage`` as the activation (or gradient)
+    message (``mbs``/``seqlen``/``dec_seqlen`` may be numpy arrays: one value per micro-batch).
+    ``shards``: the TP size under sequence parallelism, where each TP rank sends its
+    ``seqlen / shards`` slice of every tensor (see :func:`sequence_shards_of`)."""
     total = 0
     for _, shape in message_shapes(model, layouts, src_stage, mbs, seqlen, dec_seqlen):
         n = 1
         for d in shape:
             n *= d
         total += n
-    return total * model.dtype_bytes
+    return total * model.dtype_bytes / shards
+
+
+def sequence_shards_of(cost_model) -> int:
+    """How many slices a message's sequence dimension is split into over a stage's TP ranks:
+    the TP size under sequence parallelism, else 1 (every TP rank sends the whole tensor)."""
+    tp = getattr(cost_model, "tp", None)
+    return tp.size if tp is not None and tp.sequence_parallel else 1
 
 
 def stage_global_rank(stage: int, *, dp: int = 1, tp: int = 1, replica: int = 0) -> int:

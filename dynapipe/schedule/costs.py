@@ -20,7 +20,7 @@ from dynapipe.config import ClusterConfig
 from dynapipe.cost.backward_split import backward_split
 from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, weight_share_of
 from dynapipe.errors import DynaPipeError
-from dynapipe.schedule.comm import boundary_links, message_bytes
+from dynapipe.schedule.comm import boundary_links, message_bytes, sequence_shards_of
 
 # Every op lasts at least this long (ms), so a simulated timeline strictly orders an
 # op's inputs before its outputs even when a cost model prices something at zero.
@@ -192,7 +192,8 @@ def stage_times(cost_model: CostModel, micro_batches: Sequence[MicroBatch], *, r
 
 
 def _comm_ms(cost_model: CostModel, micro_batches: Sequence[MicroBatch], links) -> np.ndarray:
-    """``[S - 1, M]`` ms of each micro-batch's message over each boundary's link (0 where None)."""
+    """``[S - 1, M]`` ms of each micro-batch's message over each boundary's link (0 where None),
+    as one TP rank sends it (a slice of the sequence under sequence parallelism)."""
     M = len(micro_batches)
     comm = np.zeros((max(cost_model.num_stages - 1, 0), M))
     if not M:
@@ -200,9 +201,10 @@ def _comm_ms(cost_model: CostModel, micro_batches: Sequence[MicroBatch], links) 
     mbs = np.array([mb.mbs for mb in micro_batches], dtype=np.float64)
     seq = np.array([mb.seqlen for mb in micro_batches], dtype=np.float64)
     dec = np.array([mb.dec_seqlen for mb in micro_batches], dtype=np.float64)
+    shards = sequence_shards_of(cost_model)
     for s, link in enumerate(links):
         if link is not None:
-            comm[s] = link.transfer_ms(message_bytes(cost_model.model, cost_model.layouts, s, mbs, seq, dec))
+            comm[s] = link.transfer_ms(message_bytes(cost_model.model, cost_model.layouts, s, mbs, seq, dec, shards))
     return comm
 
 

@@ -40,7 +40,7 @@ from dynapipe.cost.base import CostModel
 from dynapipe.errors import DynaPipeError
 from dynapipe.schedule import _kernels as K
 from dynapipe.schedule._kernels import chunked_kernel, chunked_split_kernel
-from dynapipe.schedule.comm import message_bytes, stage_global_rank
+from dynapipe.schedule.comm import message_bytes, sequence_shards_of, stage_global_rank
 from dynapipe.schedule.costs import StageTimes, stage_times_per_replica
 from dynapipe.schedule.types import Op, Schedule
 
@@ -185,10 +185,11 @@ def virtual_stage_times_per_replica(cost_model: CostModel, replicas: Sequence[Se
             mbs = np.array([mb.mbs for mb in r], dtype=np.float64)
             seq = np.array([mb.seqlen for mb in r], dtype=np.float64)
             dec = np.array([mb.dec_seqlen for mb in r], dtype=np.float64)
+            shards = sequence_shards_of(cost_model)
             for k in range(V - 1):
                 link = cluster.link(stage_global_rank(k % P, dp=dp, tp=tp, replica=i),
                                     stage_global_rank((k + 1) % P, dp=dp, tp=tp, replica=i))
-                comm[k] = link.transfer_ms(message_bytes(model, vcm.layouts, k, mbs, seq, dec))
+                comm[k] = link.transfer_ms(message_bytes(model, vcm.layouts, k, mbs, seq, dec, shards))
         out.append(StageTimes(t.fw_ms, t.bw_ms, t.stored_mib, t.peak_mib, comm, comm.copy(), state, recompute,
                               t.bw_weight_ms, t.weight_stash_mib))
     return out
