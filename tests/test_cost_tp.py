@@ -65,6 +65,29 @@ def test_full_recompute_repeats_the_forward_collectives():
     np.testing.assert_allclose(comm_full, 2 * comm_none, rtol=1e-9)
 
 
+@pytest.mark.parametrize("sp", [False, True])
+def test_t5_cross_attention_collectives_span_the_encoder_output(sp):
+    """A decoder layer's key-value projection is column-parallel on the encoder output: its TP
+    collectives (backward all-reduce; with SP all-gather forward, reduce-scatter backward) move
+    ``[s_enc, b, h]`` whatever the targets' length."""
+    t5 = load_model_config("t5-11b")
+    link = LinkConfig(100.0, 0.0)
+
+    def comm(s_enc):  # (fw, bw) ms of the TP collectives of a decoder-only stage
+        costs = [AnalyticCostModel(t5, DEVICE, 2, TensorParallelConfig(2, sp, lk)) for lk in (link, FREE)]
+        slow, free = (c.layout_cost(c.layouts[1], 1, s_enc, 64, "none") for c in costs)
+        return float(slow.fw_ms - free.fw_ms), float(slow.bw_ms - free.bw_ms)
+
+    tp = TensorParallelConfig(2, sp, link)
+    h, d = t5.hidden_size, t5.dtype_bytes
+    enc_step = 2048 - 128
+    one = (tp.gather_ms if sp else tp.allreduce_ms)(enc_step * h * d)  # one collective of the extra tokens
+    (fw_short, bw_short), (fw_long, bw_long) = comm(128), comm(2048)
+    layers = AnalyticCostModel(t5, DEVICE, 2).layouts[1].decoder_layers
+    assert bw_long - bw_short == pytest.approx(layers * one)
+    assert fw_long - fw_short == pytest.approx(layers * one if sp else 0.0, abs=1e-9)
+
+
 def test_sequence_parallel_activations_and_time():
     _, one = _cost(1)
     _, tp2 = _cost(2)

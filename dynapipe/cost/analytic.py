@@ -73,6 +73,18 @@ class AnalyticCostModel(CostModel):
         attention and MLP blocks (all-reduce), or around each (all-gather, reduce-scatter)."""
         return (4 if self.tp.sequence_parallel else 2) * self._collective_ms(b, s)
 
+    def _cross_comm_ms(self, b, s_dec, s_enc):
+        """A T5 decoder layer's cross-attention TP collectives, (forward, backward) ms. Its
+        query projection is column-parallel on the decoder tokens, its key-value projection
+        column-parallel on the encoder output (``s_enc`` tokens, whatever the targets' length),
+        its output projection row-parallel. Without SP: the output's all-reduce forward, the
+        two inputs' gradients all-reduced backward. With SP: both inputs all-gathered and the
+        output reduce-scattered forward, the transposes backward."""
+        dec, enc = self._collective_ms(b, s_dec), self._collective_ms(b, s_enc)
+        if self.tp.sequence_parallel:
+            return 2 * dec + enc, 2 * dec + enc
+        return dec, dec + enc
+
     # -- FLOPs of the forward of one layer ------------------------------------------------
     def _self_attn_mlp_flops(self, b, s):
         return layer_flops(self.model, b, s)
@@ -140,7 +152,7 @@ class AnalyticCostModel(CostModel):
         st_lin = st_scores = 0.0
         layer_inputs = 0.0
         one_layer_full = 0.0
-        comm = 0.0  # TP collectives of the layers, one direction, ms
+        comm_fw = comm_bw = 0.0  # TP collectives of the layers, ms
         if layout.encoder_layers:
             lin, core = self._self_attn_mlp_flops(b, s_enc)
             lin, core = lin / eff_e, core / eff_e
@@ -150,7 +162,7 @@ class AnalyticCostModel(CostModel):
             st_lin, st_scores = st_lin + n * a_lin, st_scores + n * a_sc
             layer_inputs = layer_inputs + n * b * s_enc * m.hidden_size * d / sp
             one_layer_full = np.maximum(one_layer_full, a_lin + a_sc)
-            comm = comm + n * self._layer_comm_ms(b, s_enc)
+            comm_fw = comm_bw = n * self._layer_comm_ms(b, s_enc)
         if layout.decoder_layers:
             lin, core = self._self_attn_mlp_flops(b, s_dec)
             lin, core = lin / eff_d, core / eff_d
@@ -167,9 +179,11 @@ class AnalyticCostModel(CostModel):
             st_lin, st_scores = st_lin + n * a_lin, st_scores + n * a_sc
             layer_inputs = layer_inputs + n * b * s_dec * m.hidden_size * d / sp
             one_layer_full = np.maximum(one_layer_full, a_lin + a_sc)
-            # Cross-attention adds a third row-parallel output per layer.
-            comm = comm + n * self._layer_comm_ms(b, s_dec) * (1.5 if m.is_encoder_decoder else 1.0)
+            layers_comm = n * self._layer_comm_ms(b, s_dec)
+            comm_fw, comm_bw = comm_fw + layers_comm, comm_bw + layers_comm
             if m.is_encoder_decoder:
+                x_fw, x_bw = self._cross_comm_ms(b, s_dec, s_enc)
+                comm_fw, comm_bw = comm_fw + n * x_fw, comm_bw + n * x_bw
                 # Decoder stages also hold the encoder output they attend to.
                 layer_inputs = layer_inputs + b * s_enc * m.hidden_size * d / sp
 
@@ -179,7 +193,7 @@ class AnalyticCostModel(CostModel):
         # The vocabulary-parallel embedding reduces (SP: reduce-scatters) its output in the
         # forward; the output layer's input gradient is reduced in the backward, and with SP
         # its input is all-gathered in the forward.
-        fw_comm, bw_comm = comm, comm
+        fw_comm, bw_comm = comm_fw, comm_bw
         if layout.has_embedding:
             fw_comm = fw_comm + self._collective_ms(b, s_enc)
             out_stored = out_stored + b * s_enc * self._embedding_row_bytes()
@@ -208,7 +222,7 @@ class AnalyticCostModel(CostModel):
             layer_peak = one_layer_full
         elif recompute == "full":
             bw_flops = bw_flops + fw_lin + fw_core
-            bw_comm = bw_comm + comm  # the recomputed forward repeats the layers' collectives
+            bw_comm = bw_comm + comm_fw  # the recomputed forward repeats the layers' collectives
             stored = layer_inputs + out_stored
             # Backward rematerialises one layer at a time, plus its gradients.
             layer_peak = 2 * one_layer_full
