@@ -109,6 +109,17 @@ def test_model_states(cm):
     assert fp32.model_state_mib(0) == pytest.approx(n * 16 / MIB)
 
 
+@pytest.mark.parametrize("dtype, plain, sharded", [("bf16", 18, 6 + 12 / 8), ("fp16", 20, 4 + 16 / 8),
+                                                    ("fp32", 16, 8 + 8 / 8)])
+def test_model_state_bytes_a_parameter_as_megatron_lists_them(dtype, plain, sharded):
+    """Megatron-LM's table of bytes a parameter: fp16 keeps fp16 gradients and an fp32 copy of
+    them in the optimizer (20; distributed 4 + 16/d), bf16 fp32 main gradients (18; 6 + 12/d)."""
+    model = build_cost_model(dataclasses.replace(GPT7B, dtype=dtype), A100, 8)
+    n = model.layout_param_count(model.layouts[MIDDLE])
+    assert model.model_state_mib(MIDDLE) == pytest.approx(n * plain / MIB, rel=1e-12)
+    assert model.model_state_mib(MIDDLE, dp=8, zero=True) == pytest.approx(n * sharded / MIB, rel=1e-12)
+
+
 def test_stage_layouts_cover_every_layer_once():
     for model, stages in ((GPT7B, 8), (GPT7B, 5), (T5, 8), (T5, 3)):
         layouts = stage_layouts(model, stages)

@@ -298,10 +298,12 @@ class CostModel(ABC):
         """Parameters, gradients and optimizer state of one TP rank of a stage in MiB
         (``None``: the largest).
 
-        Mixed precision (bf16/fp16) keeps 2-byte parameters, fp32 main gradients and
-        fp32 master weights plus two Adam moments (18 bytes a parameter); fp32 keeps
-        4 + 4 + 8 = 16. ``zero=True`` shards the optimizer part over ``dp`` replicas
-        (Megatron's distributed optimizer).
+        Megatron's mixed precision: bf16 keeps 2-byte parameters, fp32 main gradients, and
+        fp32 master weights plus two Adam moments (2 + 4 + 12 = 18 bytes a parameter); fp16
+        keeps its gradients in fp16 and the optimizer an fp32 copy of them beside the master
+        weights and moments (2 + 2 + 16 = 20); fp32 keeps 4 + 4 + 8 = 16. ``zero=True`` shards
+        the optimizer part over ``dp`` replicas (Megatron's distributed optimizer: bf16
+        6 + 12/dp, fp16 4 + 16/dp, as Megatron-LM's own table of them).
         """
         layouts = self.layouts if stage is None else [self.layouts[stage]]
         return max(self.layout_state_mib(l, dp=dp, zero=zero) for l in layouts)
@@ -309,8 +311,7 @@ class CostModel(ABC):
     def layout_state_mib(self, layout: StageLayout, *, dp: int = 1, zero: bool = False) -> float:
         """Model states of one TP rank of a stage with ``layout``, MiB (see :meth:`model_state_mib`)."""
         dp = whole_number("dp", dp)  # the data-parallel replicas the optimizer state is sharded over
-        half = self.model.dtype in ("bf16", "fp16")
-        param_b, grad_b, optim_b = (2, 4, 12) if half else (4, 4, 8)
+        param_b, grad_b, optim_b = {"bf16": (2, 4, 12), "fp16": (2, 2, 16)}.get(self.model.dtype, (4, 4, 8))
         per_param = param_b + grad_b + optim_b / (dp if zero else 1)
         return self.layout_param_count(layout) * per_param / MIB
 
