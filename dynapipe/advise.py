@@ -4,8 +4,9 @@ For a model, a device, a cluster and a number of GPUs, :func:`enumerate_layouts`
 the layouts (tensor-parallel x pipeline-parallel x data-parallel, and Megatron's
 distributed optimizer on or off); :func:`advise` plans and simulates a few sampled
 global batches on each with DynaPipe (its schedule search picks the schedule and the
-recompute level per stage) and with the best tuned packing baseline, and ranks the
-layouts by DynaPipe's predicted real tokens per second. Layouts whose model states
+recompute level per stage) and with the best tuned packing baseline, adds the layout's
+data-parallel gradient synchronisation (:func:`~dynapipe.cost.dp_sync.dp_sync_ms`), and
+ranks the layouts by DynaPipe's predicted real tokens per second. Layouts whose model states
 alone exceed the memory are refused without planning; a layout is shown only if every
 batch's plan fits.
 
@@ -27,6 +28,7 @@ import numpy as np
 from dynapipe.config import ClusterConfig, DeviceConfig, ModelConfig, TensorParallelConfig, padded_vocab_size
 from dynapipe.cost import build_cost_model
 from dynapipe.cost.chunked_placement import even_chunked_placement
+from dynapipe.cost.dp_sync import dp_sync_ms
 from dynapipe.cost.placement import StagePlacement
 from dynapipe.errors import DynaPipeError, whole_number
 from dynapipe.method_compare import BatchesResult, compare_over_batches
@@ -99,6 +101,7 @@ class LayoutResult:
         out = {"tp": self.layout.tp, "sequence_parallel": self.layout.sp, "pp": self.layout.pp,
                "chunks": self.layout.chunks, "dp": self.layout.dp, "zero": self.layout.zero, "real_tokens_per_s": d["real_tokens_per_s"], "iteration_ms": d["iteration_ms"],
                "bubble_fraction": d["bubble_fraction"], "stage_peak_mib": [round(p, 1) for p in self.stage_peak_mib],
+               "dp_sync_ms": d["step_ms"],
                "planning_ms": d["planning_ms"], "recompute": d["recompute"], "schedule": d["schedule"],
                "placement": self.placement}
         if self.packing is not None:
@@ -203,7 +206,9 @@ def advise(batches: Sequence[np.ndarray], model: ModelConfig, device: DeviceConf
            progress: Optional[Callable[[int, int, Layout], None]] = None) -> Advice:
     """Simulate every layout (default :func:`enumerate_layouts`) on ``batches`` (sample
     lengths in tokens, one array per global batch) and rank them by DynaPipe's real
-    tokens/s. ``memory_limit_mib`` per GPU defaults to the device's memory; the
+    tokens/s, each layout's data-parallel synchronisation after the pipeline included (both
+    methods' ``step_ms``: :func:`~dynapipe.cost.dp_sync.dp_sync_ms` on ``cluster``, not
+    overlapped, as the run config it writes runs it). ``memory_limit_mib`` per GPU defaults to the device's memory; the
     device's reserved MiB is taken off it. ``progress(done, total, layout)`` is called
     before each layout and once at the end (``layout`` then ``None``).
     ``plan_placement``: an encoder-decoder model's layouts with PP > 1 run on the stage
@@ -266,6 +271,10 @@ def advise(batches: Sequence[np.ndarray], model: ModelConfig, device: DeviceConf
                 pack = compare_over_batches(batches, "packing", cm, **kw)
             except DynaPipeError:
                 pack = None
+        # Layouts differ in the data-parallel step after the pipeline; both methods pay it.
+        sync = dp_sync_ms(cm, dp=layout.dp, zero=layout.zero, cluster=cluster, tp=layout.tp)
+        dyn = replace(dyn, step_ms=sync)
+        pack = replace(pack, step_ms=sync) if pack is not None else None
         results.append(LayoutResult(layout, dyn, pack, (time.perf_counter() - started) * 1e3, placement))
     if progress is not None:
         progress(len(layouts), len(layouts), None)

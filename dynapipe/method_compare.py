@@ -308,12 +308,15 @@ class BatchesResult:
     the baselines: a user tunes it once for a dataset, not per batch).
 
     ``runs``: the simulation of every batch. ``sweep``: for tuned baselines, the
-    aggregate figures (:meth:`summary`) of every size tried.
+    aggregate figures (:meth:`summary`) of every size tried. ``step_ms``: what every
+    iteration adds after the pipeline (ms; the layout advisor's data-parallel
+    synchronisation, :func:`~dynapipe.cost.dp_sync.dp_sync_ms`), counted in the iteration time.
     """
 
     method: str
     runs: list[MethodSimulation]
     sweep: list[dict] = field(default_factory=list)
+    step_ms: float = 0.0
 
     @property
     def micro_batch_size(self) -> Optional[int]:
@@ -322,12 +325,13 @@ class BatchesResult:
     @property
     def real_tokens_per_s(self) -> float:
         """All batches' non-pad tokens (input + target) per second of their summed simulated
-        iteration time."""
-        ms = sum(r.iteration_ms for r in self.runs)
+        iteration time (``step_ms`` included)."""
+        ms = sum(r.iteration_ms for r in self.runs) + self.step_ms * len(self.runs)
         return sum(r.real_tokens for r in self.runs) / (ms / 1e3) if ms > 0 else 0.0
 
     def summary(self) -> dict:
-        """Aggregate figures: real tokens/s (non-pad, input + target), mean iteration ms, median planning ms (wall
+        """Aggregate figures: real tokens/s (non-pad, input + target), mean iteration ms
+        (``step_ms`` included, and given as ``step_ms``), median planning ms (wall
         time, so the median resists a busy machine), mean bubble,
         highest stage peak (MiB), FLOP-weighted attention share, and the recompute levels
         and schedules chosen (a set over the batches)."""
@@ -335,7 +339,8 @@ class BatchesResult:
         peaks = np.max([r.stage_peak_mib for r in self.runs], axis=0)
         return {"method": self.method, "micro_batch_size": self.micro_batch_size,
                 "real_tokens_per_s": round(self.real_tokens_per_s, 1),
-                "iteration_ms": round(sum(r.iteration_ms for r in self.runs) / n, 3),
+                "iteration_ms": round(sum(r.iteration_ms for r in self.runs) / n + self.step_ms, 3),
+                "step_ms": round(self.step_ms, 3),
                 "planning_ms": round(float(np.median([r.planning_ms for r in self.runs])), 3),
                 "bubble_fraction": round(sum(r.bubble_fraction for r in self.runs) / n, 4),
                 "padding_efficiency": round(sum(r.real_tokens for r in self.runs)

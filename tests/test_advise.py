@@ -13,6 +13,7 @@ from dynapipe.advise import Layout, advise, default_tp_sizes, enumerate_layouts,
 from dynapipe.cli import main
 from dynapipe.config import TensorParallelConfig, load_cluster_config, load_device_config, load_model_config
 from dynapipe.cost import build_cost_model
+from dynapipe.cost.dp_sync import dp_sync_ms
 from dynapipe.errors import DynaPipeError
 from dynapipe.method_compare import simulate_method
 
@@ -81,8 +82,15 @@ def test_top_layout_is_the_best_of_an_exhaustive_grid_and_every_shown_layout_fit
                                             tp=tp) for b in batches]
                 except DynaPipeError:
                     continue
+                # The data-parallel step after the pipeline: a ring over the node's link of each
+                # stage's fp32 gradients (all-reduce), or with the distributed optimizer their
+                # reduce-scatter and the bf16 parameters' all-gather; the largest stage's.
+                params = max(cm.layout_param_count(l) for l in cm.layouts)
+                link = cluster.intra_node
+                hop = lambda nbytes: link.latency_ms + nbytes / dp / (link.bandwidth_gbps * 1e6)  # noqa: E731
+                sync = (dp - 1) * (hop(4 * params) + hop(2 * params)) if zero else 2 * (dp - 1) * hop(4 * params)
                 grid[Layout(tp, pp, dp, zero, sp=tp > 1)] = (sum(r.real_tokens for r in runs)
-                                                             / (sum(r.iteration_ms for r in runs) / 1e3))
+                                                             / ((sum(r.iteration_ms for r in runs) + 2 * sync) / 1e3))
     assert len(grid) >= 5 and len(advice.results) == len(grid)
     assert any(l.tp == 2 for l in grid)
     best = max(grid, key=grid.get)
@@ -361,7 +369,9 @@ def test_interleaved_layouts_are_priced_on_megatron_chunks_and_train_from_the_ru
     cm = build_cost_model(gpt7, device, 4)
     cm = cm.with_placement(even_chunked_placement(cm, 2))
     run = simulate_method(batches[0], "dynapipe", cm, dp=2, seq_length=1024, cluster=a100, zero=True)
-    assert got.real_tokens_per_s == pytest.approx(run.real_tokens / (run.iteration_ms / 1e3), rel=1e-9)
+    sync = dp_sync_ms(cm, dp=2, zero=True, cluster=a100)  # a rank's parameters: both its chunks'
+    assert got.dynapipe.step_ms == sync > 0
+    assert got.real_tokens_per_s == pytest.approx(run.real_tokens / ((run.iteration_ms + sync) / 1e3), rel=1e-9)
     # The run config says the chunks, and the tiny GPT trains on them (DynaPipe, 2 ranks).
     tiny, cpu, local = load_model_config("gpt-tiny"), load_device_config("cpu"), load_cluster_config("cpu-local")
     small = sample_batches(1200, 1, 0, 128)
@@ -427,3 +437,62 @@ def test_layouts_are_priced_on_the_vocabulary_megatron_trains_at_their_tp_size()
         trained = parse_training_args(argv, tp, cuda=False).model.vocab_size
         assert trained_model(model, tp).vocab_size == trained, tp
     assert trained_model(model, 2).vocab_size == 50432
+
+
+def test_the_data_parallel_step_grows_with_the_parameters_a_gpu_holds_and_leaves_the_node():
+    """What the advisor adds to each layout's iteration: ring collectives of a stage's
+    gradients over its replicas, on the inter-node link once they span nodes."""
+    model, device = load_model_config("gpt-13b"), load_device_config("a100-40gb")
+    cluster = load_cluster_config("a100-8x")  # 8 GPUs a node
+    pp4 = build_cost_model(model, device, 4)
+    params = max(pp4.layout_param_count(l) for l in pp4.layouts)
+    assert dp_sync_ms(pp4, dp=1, zero=False, cluster=cluster) == 0.0
+    assert dp_sync_ms(pp4, dp=2, zero=False, cluster=None) == 0.0
+    inside = dp_sync_ms(pp4, dp=2, zero=False, cluster=cluster, tp=4)   # ranks 0 and 4: one node
+    across = dp_sync_ms(pp4, dp=2, zero=False, cluster=cluster, tp=8)   # ranks 0 and 8: two nodes
+    bw_in, bw_out = cluster.intra_node.bandwidth_gbps * 1e6, cluster.inter_node.bandwidth_gbps * 1e6
+    assert inside == pytest.approx(2 * (cluster.intra_node.latency_ms + 4 * params / 2 / bw_in))
+    assert across == pytest.approx(2 * (cluster.inter_node.latency_ms + 4 * params / 2 / bw_out))
+    # The distributed optimizer moves 4 + 2 bytes a parameter instead of the all-reduce's 2 x 4.
+    zero = dp_sync_ms(pp4, dp=16, zero=True, cluster=cluster)
+    plain = dp_sync_ms(pp4, dp=16, zero=False, cluster=cluster)
+    assert zero / plain == pytest.approx(0.75, rel=1e-3)
+
+
+def test_advise_ranks_layouts_with_their_data_parallel_step(tmp_path, capsys):
+    model, device = load_model_config("gpt-13b"), load_device_config("a100-40gb")
+    cluster = load_cluster_config("a100-8x")
+    batches = sample_batches(70_000, 1, 0, 4096)
+    advice = advise(batches, model, device, 16, cluster=cluster, seq_length=4096, compare_packing=True,
+                    layouts=[Layout(4, 1, 4, True, sp=True), Layout(2, 4, 2, True, sp=True)])
+    by = {r.layout: r for r in advice.results}
+    for r in advice.results:
+        d = r.dynapipe.summary()
+        assert d["step_ms"] > 0 and r.to_json()["dp_sync_ms"] == d["step_ms"]
+        run = r.dynapipe.runs[0]
+        assert r.real_tokens_per_s == pytest.approx(run.real_tokens / ((run.iteration_ms + d["step_ms"]) / 1e3))
+        assert r.packing.step_ms == r.dynapipe.step_ms  # both methods pay the layout's step
+    # TP4 x DP4 reduces 3.3B parameters a GPU over two nodes; TP2 x PP4 x DP2 0.8B inside one.
+    assert by[Layout(4, 1, 4, True, sp=True)].dynapipe.step_ms > 5 * by[Layout(2, 4, 2, True, sp=True)].dynapipe.step_ms
+
+
+def test_the_run_config_names_a_device_and_cluster_file_by_path(tmp_path, capsys, monkeypatch):
+    """A device or cluster YAML is written by its absolute path, not its ``name`` field: a copy
+    that keeps a shipped name would otherwise train with the shipped config's figures."""
+    from megatron_integration.arguments import build_parser, parse_training_args
+    from megatron_integration.run_config import add_run_config_argument, with_run_config
+
+    device = tmp_path / "small-cpu.yaml"
+    device.write_text(open(os.path.join(ROOT, "configs", "devices", "cpu.yaml")).read()
+                      .replace("memory_mib: 8192", "memory_mib: 6000"))  # keeps `name: cpu`
+    monkeypatch.chdir(tmp_path)
+    rc = main(["advise", "--model", "gpt-tiny", "--device", "small-cpu.yaml", "--cluster", "cpu-local", "--gpus", "2",
+               "--mixture", "flan-mixture", "--tokens-per-iteration", "1200", "--seq-length", "128",
+               "--batches", "1", "--no-packing", "--output", "best.yaml"])
+    assert rc == 0, capsys.readouterr()
+    text = (tmp_path / "best.yaml").read_text()
+    assert f"dynapipe-device: {json.dumps(str(device))}" in text and 'dynapipe-cluster: "cpu-local"' in text
+    parser = build_parser()
+    add_run_config_argument(parser)
+    cfg = parse_training_args(with_run_config(parser, ["--run-config", "best.yaml"], 2), 2, cuda=False, parser=parser)
+    assert load_device_config(cfg.dynapipe.device).memory_mib == 6000

@@ -114,7 +114,7 @@ def _gib(mib: float) -> str:
 
 def format_table(advice, top: int) -> list[str]:
     """The ranked table as text lines."""
-    head = (f"{'rank':>4}  {'layout':<24} {'tokens/s':>10} {'iter ms':>9} {'bubble':>6}  "
+    head = (f"{'rank':>4}  {'layout':<24} {'tokens/s':>10} {'iter ms':>9} {'DP sync':>8} {'bubble':>6}  "
             f"{'peak GiB per stage':<28} {'recompute':<12} {'schedule':<10} {'plan ms':>8}  "
             f"{'packing tokens/s (mbs)':>22} {'vs packing':>10}")
     lines = [head, "-" * len(head)]
@@ -129,7 +129,7 @@ def format_table(advice, top: int) -> list[str]:
         else:
             pack, vs = "-", "-"
         lines.append(f"{i:>4}  {r.layout.label():<24} {d['real_tokens_per_s']:>10,.0f} {d['iteration_ms']:>9.1f} "
-                     f"{d['bubble_fraction']:>6.3f}  {peak:<28} {','.join(d['recompute']):<12} "
+                     f"{d['step_ms']:>8.1f} {d['bubble_fraction']:>6.3f}  {peak:<28} {','.join(d['recompute']):<12} "
                      f"{','.join(d['schedule']):<10} {d['planning_ms']:>8.1f}  {pack:>22} {vs:>10}")
     return lines
 
@@ -190,10 +190,18 @@ def launch_shape(gpus: int, cluster) -> tuple[int, int]:
     return nnodes, gpus // nnodes
 
 
+def config_ref(given: str) -> str:
+    """How a run config names a device or cluster config given as ``given``: a YAML file by
+    its absolute path (its ``name`` field may repeat a shipped config's, whose figures the
+    training run would then plan with), a shipped config by its name."""
+    return os.path.abspath(given) if os.path.exists(given) else given
+
+
 def run_config_text(best, model, device_name: str, cluster_name: str, cluster, gpus: int, tokens: int,
                     seq_length: int, memory_limit_mib, mixture_path, batches) -> str:
     """The best layout as a run config (``scripts/pretrain_gpt.py --run-config``, or
-    ``scripts/pretrain_t5.py`` for an encoder-decoder model)."""
+    ``scripts/pretrain_t5.py`` for an encoder-decoder model); ``device_name`` /
+    ``cluster_name``: the configs as the run config names them (see :func:`config_ref`)."""
     lay = best.layout
     nnodes, nproc = launch_shape(gpus, cluster)
     samples = int(round(sum(len(b) for b in batches) / len(batches)))
@@ -339,7 +347,8 @@ def run(args) -> int:
             f"{l.label()}: {why.split('; ')[0].split('. ')[0]}" for l, why in advice.refused[:6])
               + (" ..." if len(advice.refused) > 6 else ""))
     if args.output is not None:
-        text = run_config_text(best, model, device.name, cluster.name, cluster, args.gpus, args.tokens_per_iteration,
+        text = run_config_text(best, model, config_ref(args.device), config_ref(args.cluster), cluster, args.gpus,
+                               args.tokens_per_iteration,
                                seq, args.memory_limit_mb, mixture_path, batches)
         write_output(args.output, text, "--output")
         print(f"best layout written to {args.output}")
