@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dynapipe.batching import plan_micro_batches  # noqa: E402
 from dynapipe.config import (TensorParallelConfig, load_cluster_config, load_device_config,  # noqa: E402
                              load_model_config)
+from dynapipe.advise import trained_model  # noqa: E402
 from dynapipe.cost import build_cost_model  # noqa: E402
 from dynapipe.cost.compute_floor import floor_over_batches, shapes_compute_ms  # noqa: E402
 from dynapipe.errors import DynaPipeError  # noqa: E402
@@ -124,12 +125,19 @@ def mean_compute_ms(batches, cost, method: str, micro_batch_size, encdec: bool, 
 
 def run_case(case: Case, args) -> dict:
     """Every method on the case's batches; the JSON record of the case."""
-    model = replace(load_model_config(case.model), fused_attention=args.fused_attention)
+    # The vocabulary as Megatron-LM trains it at the case's TP size (padded to 128 x TP), as
+    # the layout advisor prices it.
+    model = trained_model(replace(load_model_config(case.model), fused_attention=args.fused_attention), case.tp)
     device, cluster = load_device_config(args.device), load_cluster_config(args.cluster)
     tp = TensorParallelConfig(case.tp, False, cluster.intra_node) if case.tp > 1 else None
     cost = build_cost_model(model, device, case.stages, None, tp)
     batches = [global_batch_of_tokens(args.tokens, args.seed + b, case.seq_length, model.is_encoder_decoder)
                for b in range(args.batches)]
+    fewest = min(len(b) for b in batches)
+    if fewest < case.dp:
+        raise DynaPipeError(f"--tokens {args.tokens} draws a global batch of {fewest} sample(s), fewer than the "
+                            f"{case.dp} data-parallel replicas of {case.label}; use --tokens "
+                            f"{case.dp * case.seq_length} or more.")
     kwargs = dict(dp=case.dp, seq_length=case.seq_length, cluster=cluster, zero=case.zero, tp=case.tp,
                   split_backward=not args.no_split_backward)
     placement = None

@@ -166,3 +166,14 @@ def test_help(name, capsys):
         assert "megatron-core's own non-interleaved 1F1B" in " ".join(out.split())
     if name == "bench_planner":
         assert "--memory-limit-mb" not in out  # not a flag of this script
+
+
+def test_the_cluster_bench_names_its_own_flag_for_batches_smaller_than_the_replicas(tmp_path, monkeypatch, capsys):
+    # The planner would name the `plan` command's --dp, which this script does not have.
+    mod = importlib.import_module("bench_cluster")
+    monkeypatch.setattr(mod, "plan_iteration", _reached)
+    out = tmp_path / "out" / "r.json"
+    assert _exit_code(mod.main, ["--quick", "--tokens", "100", "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --tokens 100 draws a global batch of 1 sample(s)") and err.count("\n") == 1, err
+    assert "--dp" not in err and not out.exists()
