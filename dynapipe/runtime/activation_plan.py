@@ -7,8 +7,10 @@ runs it and keeps, in MiB:
   priced by the cost model at the level the instruction carries (``stored_mib``);
 * the buffers the executor holds: loaded inputs, received activations until their
   forward (from then on they are the first layer's stored input), outputs until their
-  send finishes, received gradients and produced input gradients until freed, sized
-  exactly from the plan's tensor specs;
+  send is waited for, received gradients and produced input gradients until freed (a
+  sent one not before its send is waited for), sized exactly from the plan's tensor specs;
+  the executor waits for a send at the next receive, or before the second compute op
+  after it;
 * during a backward, what that op holds on top: with ``transient=False`` the
   activations the recomputation saves again (:meth:`CostModel.recompute_held_mib`),
   which is what a CPU rank measures; with ``transient=True`` the op's whole transient
@@ -23,8 +25,9 @@ from dynapipe.cost.backward_split import backward_split
 from dynapipe.cost.base import MIB, CostModel
 from dynapipe.errors import DynaPipeError
 from dynapipe.plan.instructions import (BackwardPass, ExecutionPlan, FreeBuffer, ForwardPass, LoadInput,
-                                        RecvActivationStart, RecvGradStart, SendActivationFinish, SendGradStart,
-                                        TensorSpec, buffer_name, plan_chunks, virtual_stage)
+                                        RecvActivationFinish, RecvActivationStart, RecvGradFinish, RecvGradStart,
+                                        SendActivationFinish, SendGradFinish, SendGradStart, TensorSpec,
+                                        buffer_name, plan_chunks, virtual_stage)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1, "uint8": 1}
 
@@ -66,6 +69,41 @@ def _mb_costs(plan: ExecutionPlan, cost_model: CostModel) -> dict:
     return out
 
 
+class _DeferredSends:
+    """The executor's deferred send waits (:mod:`dynapipe.runtime.executor`), as the walk
+    sees them: a sent output's data is released, and a sent buffer whose ``FreeBuffer``
+    came meanwhile is dropped, only once its send is waited for."""
+
+    def __init__(self, buffers: dict[str, float]):
+        self.buffers = buffers
+        self.pending: list[list] = []  # [buffer, release its data, overlapped by a compute op]
+        self.free_later: set[str] = set()
+
+    def finished(self, buffer: str, release: bool) -> None:
+        self.pending.append([buffer, release, False])
+
+    def before_compute(self) -> None:
+        self._done([p for p in self.pending if p[2]])
+        for p in self.pending:
+            p[2] = True
+
+    def wait_all(self) -> None:
+        self._done(list(self.pending))
+
+    def free(self, buffer: str) -> None:
+        if any(p[0] == buffer for p in self.pending):
+            self.free_later.add(buffer)
+        else:
+            self.buffers.pop(buffer, None)
+
+    def _done(self, done: list) -> None:
+        for p in done:
+            self.pending.remove(p)
+            if p[1] or p[0] in self.free_later:
+                self.free_later.discard(p[0])
+                self.buffers.pop(p[0], None)
+
+
 def planned_activation_peak_mib(plan: ExecutionPlan, cost_model: CostModel, *, transient: bool = False) -> float:
     """Highest activation memory of ``plan``'s rank over the iteration, MiB (see the module docstring)."""
     costs = _mb_costs(plan, cost_model)
@@ -75,8 +113,11 @@ def planned_activation_peak_mib(plan: ExecutionPlan, cost_model: CostModel, *, t
     stored_of: dict[tuple[int, int], float] = {}  # (mb, chunk) -> stored MiB
     stash_of: dict[tuple[int, int], float] = {}  # (mb, chunk) -> weight stash MiB, input part to weight part
     stored = peak = 0.0
+    sends = _DeferredSends(buffers)
     for ins in plan.instructions:
         high = None
+        if isinstance(ins, (ForwardPass, BackwardPass)):
+            sends.before_compute()
         if isinstance(ins, LoadInput):
             buffers[buffer_name("input", ins.mb, ins.chunk)] = message_mib(ins.tensors)
         elif isinstance(ins, (RecvActivationStart, RecvGradStart)):
@@ -110,10 +151,12 @@ def planned_activation_peak_mib(plan: ExecutionPlan, cost_model: CostModel, *, t
             grad_out = buffer_name("grad_out", ins.mb, ins.chunk)
             if grad_out in grad_specs:
                 buffers[grad_out] = message_mib(grad_specs[grad_out])
-        elif isinstance(ins, SendActivationFinish):
-            buffers.pop(ins.buffer, None)  # the executor releases sent data
+        elif isinstance(ins, (SendActivationFinish, SendGradFinish)):
+            sends.finished(ins.buffer, release=isinstance(ins, SendActivationFinish))
+        elif isinstance(ins, (RecvActivationFinish, RecvGradFinish)):
+            sends.wait_all()
         elif isinstance(ins, FreeBuffer):
-            buffers.pop(ins.buffer, None)
+            sends.free(ins.buffer)
         held_buffers = sum(buffers.values())
         if high is not None:
             peak = max(peak, high + held_buffers)

@@ -10,7 +10,7 @@ from dynapipe.errors import ExecutorError
 from dynapipe.plan.instructions import (SEND_STARTS, Instruction, RecvActivationFinish, RecvGradFinish,
                                         SendActivationFinish)
 from dynapipe.runtime.p2p import allocate, check_tensor
-from dynapipe.runtime.run_state import SEND_FINISHES, RunState, Where
+from dynapipe.runtime.run_state import SEND_FINISHES, DeferredSend, RunState, Where
 
 
 class TransferOps:
@@ -46,15 +46,15 @@ class TransferOps:
     def _finish(self, i: int, ins: Instruction, run: RunState, where: Where) -> None:
         pending = run.pending.pop(run.start_of[i], None)
         if isinstance(ins, SEND_FINISHES):
-            # A send is waited for at the next point this rank blocks anyway (a receive, or
-            # before the next compute op or the free of its buffer): the plan's order of
-            # transfers and compute is unchanged, one wait serves several transfers, and
-            # the sent data is still released before the next op runs.
-            run.deferred.append((pending, where, ins))
+            # A send is waited for at the next point this rank blocks anyway (a receive), or
+            # at the latest before the second compute op after it: it overlaps the next op, as
+            # the simulator prices it (the transfer delays the receiver, not the sender), and
+            # a wait on one CUDA stream then no longer holds that op back.
+            run.deferred.append(DeferredSend(pending, where, ins))
             return
         # A receive is waited for together with the deferred sends and the receives that
         # directly follow it: the same condition (all complete) for the cost of one wait.
-        group = [(p, w) for p, w, _ in run.deferred if p is not None]
+        group = [(d.pending, d.where) for d in run.deferred if d.pending is not None]
         if pending is not None:
             group.append((pending, where))
         for k in range(i + 1, len(run.plan.instructions)):
@@ -69,15 +69,30 @@ class TransferOps:
         run.inflight.discard(ins.buffer)
 
     def _flush_sends(self, i: int, ins: Instruction, run: RunState, where: Where) -> None:
-        """Wait for the deferred sends (see :meth:`_finish`)."""
-        self.waiter.wait_many([(p, w) for p, w, _ in run.deferred if p is not None])
+        """Wait for every deferred send (see :meth:`_finish`)."""
+        self.waiter.wait_many([(d.pending, d.where) for d in run.deferred if d.pending is not None])
         self._sent(run)
 
-    def _sent(self, run: RunState) -> None:
-        """The deferred sends completed: release the data of the sent activations."""
-        done, run.deferred = run.deferred, []
-        if not self.config.release_sent_activations:
-            return
-        for _, where, ins in done:
-            if isinstance(ins, SendActivationFinish):
-                run.released += run.buffers.release(ins.buffer, where)
+    def _flush_overlapped(self, i: int, ins: Instruction, run: RunState, where: Where) -> None:
+        """Before compute op ``ins``: wait for the deferred sends a compute op already overlapped."""
+        due = [d for d in run.deferred if d.overlapped]
+        self.waiter.wait_many([(d.pending, d.where) for d in due if d.pending is not None])
+        self._sent(run, due)
+
+    def _free_once_sent(self, i: int, ins: Instruction, run: RunState, where: Where) -> None:
+        """``FreeBuffer`` of a buffer whose send is deferred: freed when the send is waited for."""
+        run.free_after_send[ins.buffer] = (i, where)
+
+    def _sent(self, run: RunState, done=None) -> None:
+        """Deferred sends (``done``; default all) completed: release the data of the sent
+        activations and free the buffers whose ``FreeBuffer`` waited for their send."""
+        if done is None:
+            done, run.deferred = run.deferred, []
+        else:
+            run.deferred = [d for d in run.deferred if d not in done]
+        for d in done:
+            if self.config.release_sent_activations and isinstance(d.ins, SendActivationFinish):
+                run.released += run.buffers.release(d.ins.buffer, d.where)
+            later = run.free_after_send.pop(d.ins.buffer, None)
+            if later is not None:
+                run.buffers.free(d.ins.buffer, *later)

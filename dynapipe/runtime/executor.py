@@ -20,11 +20,14 @@ refuses is reported as the refusal, on every rank alike.
 
 Transfers are posted exactly where the plan's ``*Start`` instructions stand. A receive
 is waited for at its ``*Finish``; a send's wait is deferred to the next point where the
-rank blocks anyway (a receive's ``*Finish``) or at the latest to just before the next
-forward, backward or the free of its buffer, and waits standing together are done in
-one go. No wait moves past a compute op, so the plan's overlap of transfers and compute
-and its memory (sent data is released before the next op) are kept, and delaying a
-wait never makes a deadlock-free plan deadlock.
+rank blocks anyway (a receive's ``*Finish``) or at the latest to just before the second
+forward or backward after it, so a send overlaps the compute op that follows it (as the
+simulator prices it: a transfer delays its receiver, not its sender); the free of a buffer
+whose send is still deferred waits for that send. Waits standing together are done in one
+go. A send is posted where the plan posts it and its wait blocks nothing but this rank, so
+delaying the wait never makes a deadlock-free plan deadlock; sent data is released one
+compute op later than the plan lists it, which the activation plan
+(:mod:`dynapipe.runtime.activation_plan`) counts.
 """
 from __future__ import annotations
 
@@ -291,9 +294,15 @@ class Executor(ComputeOps, TransferOps):
         for i, ins in enumerate(plan.instructions):
             if run.check is not None and isinstance(ins, TRANSFERS):
                 self._settle(run)  # nothing is sent before every rank accepted its plan
-            if run.deferred and (isinstance(ins, (ForwardPass, BackwardPass)) or (
-                    isinstance(ins, FreeBuffer) and any(x.buffer == ins.buffer for _, _, x in run.deferred))):
-                self._step(i, ins, run, trace, self._flush_sends)
+            if run.deferred:
+                if isinstance(ins, (ForwardPass, BackwardPass)):
+                    if any(d.overlapped for d in run.deferred):
+                        self._step(i, ins, run, trace, self._flush_overlapped)
+                    for d in run.deferred:
+                        d.overlapped = True  # this op overlaps them; the next one waits
+                elif isinstance(ins, FreeBuffer) and any(d.ins.buffer == ins.buffer for d in run.deferred):
+                    self._step(i, ins, run, trace, self._free_once_sent)
+                    continue
             self._step(i, ins, run, trace, self._dispatch)
         if run.deferred:
             self._step(n - 1, plan.instructions[-1], run, trace, self._flush_sends)
@@ -343,7 +352,7 @@ class Executor(ComputeOps, TransferOps):
             raise err from e
         if trace is not None:
             dur, note = now_us() - t0, None
-            if op == self._dispatch:
+            if op == self._dispatch or op == self._free_once_sent:  # the instruction itself
                 name, cat, kind, shape = describe(ins, run.mbs.get(ins.mb))
                 opcode = ins.OPCODE
                 if kind and self._trace_note is not None:

@@ -41,6 +41,17 @@ class Where:
         return str(self)
 
 
+@dataclass(eq=False)
+class DeferredSend:
+    """A send whose ``*Finish`` was reached but not yet waited for; ``overlapped``: a compute
+    op has run since (the next one waits for it)."""
+
+    pending: object
+    where: Where
+    ins: Instruction
+    overlapped: bool = False
+
+
 @dataclass
 class RunState:
     """State of one iteration."""
@@ -59,7 +70,9 @@ class RunState:
     losses: dict = field(default_factory=dict)
     loss_tokens: int = 0  # what the summed loss is divided by
     released: int = 0
-    deferred: list = field(default_factory=list)  # (pending, where, SendFinish) not yet waited for
+    deferred: list = field(default_factory=list)  # DeferredSend: sends not yet waited for
+    # Buffers whose FreeBuffer came while their send was deferred: buffer -> (index, where).
+    free_after_send: dict = field(default_factory=dict)
     check: Optional[PeerPlanCheck] = None  # the peer plan check, until settled
     # Whether any backward will run: a forward-only plan (evaluation) or a forward under
     # no_grad keeps no graph roots or received inputs, so its frees release the activations.
