@@ -122,7 +122,8 @@ def calibrate(argv: Sequence[str], profile: str, cfg, nproc: int, iters: int, th
                             cfg.parallel.pipeline_model_parallel_size, profile)
     out = os.path.splitext(profile)[0] + ".calibrated.json"
     # The first iteration pays one-off costs (allocations, first calls); fit the others.
-    info = bench_calibrate.refit_from_run(ranks, trace_dir, profile, cost, list(range(min(1, iters - 1), iters)), out)
+    info = bench_calibrate.refit_from_run(ranks, trace_dir, profile, cost, list(range(min(1, iters - 1), iters)), out,
+                                          recompute=cfg.dynapipe.recompute)
     before, after = info["error_before"]["total"], info["error_after"]["total"]
     print(f"{before.get('ops', 0)} ops, executed/profiled {before.get('ratio', 1.0):.2f}x, mean error per op "
           f"{before.get('mean_abs_error', 0.0):.0%} -> {after.get('mean_abs_error', 0.0):.0%} "
@@ -144,7 +145,9 @@ def cost_model_error(cfg, profiles: dict, trace_dirs: Sequence[str], iterations:
     for name, path in profiles.items():
         cost = build_cost_model(cfg.model.to_model_config("bench"), load_device_config(cfg.dynapipe.device),
                                 cfg.parallel.pipeline_model_parallel_size, path)
-        ops = bench_refit.ExecutedOps.concat([bench_calibrate.executed_ops(d, cost, iterations) for d in trace_dirs])
+        level = cfg.dynapipe.recompute
+        ops = bench_refit.ExecutedOps.concat([bench_calibrate.executed_ops(d, cost, iterations, recompute=level)
+                                              for d in trace_dirs])
         out[name] = {"total": bench_refit.total_error(ops), "per_size": bench_refit.shape_errors(ops)}
     return out
 

@@ -16,12 +16,19 @@ comparison the JSON records (and for :func:`write_calibrated_profile`, which wri
 only a fixed cost per op): on the representative preset its intercept is negative
 because long rows run further above the profile than mid-sized ones, so a line cannot
 price small micro-batches right.
+
+Every executed op is priced at the recompute level it ran (:func:`op_level`): the level its
+trace records, else the level the run planned every op at (its ``--dynapipe-recompute``, which
+the caller passes; ``none`` unless told). A recomputing backward priced without its
+recomputation would read the extra forward as a slow backward and scale every backward table
+of the profile by it. A run of ``--dynapipe-recompute auto`` (the search chooses per stage)
+whose traces do not record the levels is refused in one line.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, replace
-from typing import Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -74,10 +81,36 @@ def fit_stage_overhead(predicted: np.ndarray, measured: np.ndarray, executor_ms:
     return OverheadFit(slope, intercept, executor_ms, overhead, int(len(predicted)))
 
 
-def executed_ops(trace_dir: str, cost, iterations: Sequence[int]):
+#: The argument of a traced op naming the recompute level it ran at, where the stage handlers'
+#: ``trace_note`` records it (:mod:`dynapipe.runtime.contract`).
+LEVEL_ARG = "recompute"
+
+
+def op_level(args: Mapping[str, Any], recompute: Optional[str], trace_dir: str) -> str:
+    """The recompute level a traced op (its trace ``args``) ran at: the one its trace records,
+    else ``recompute``, the level the run planned every op at. Neither (a run of
+    ``--dynapipe-recompute auto``, whose search chose per stage, traced without levels): a
+    one-line :class:`DynaPipeError`, since pricing its backwards at no recompute would read
+    a recomputing op's extra forward as a slow backward and inflate every backward table."""
+    from dynapipe.cost.base import check_recompute
+    from dynapipe.errors import DynaPipeError
+
+    level = args.get(LEVEL_ARG, recompute)
+    if level is None:
+        raise DynaPipeError(f"calibration: the executor traces in {trace_dir} do not record the recompute level of "
+                            f"each op, and the run let the planner choose one per stage (--dynapipe-recompute "
+                            f"auto): its backwards cannot be priced at the level they ran. Give the run "
+                            f"--dynapipe-recompute none (or the level it needs), or skip calibration with "
+                            f"--calibrate-iters 0.")
+    return check_recompute(level)
+
+
+def executed_ops(trace_dir: str, cost, iterations: Sequence[int], recompute: Optional[str] = "none"):
     """Every forward and backward (a split one's two parts summed) of the ``iterations`` in
-    the executor traces of ``trace_dir``, with what ``cost`` predicts for it (its stage pass without the fixed
-    ``stage_overhead_ms``, which the executor pays outside the pass), as
+    the executor traces of ``trace_dir``, with what ``cost`` predicts for it at the recompute
+    level it ran (:func:`op_level`; ``recompute``: the run's ``--dynapipe-recompute`` level,
+    None for ``auto``) and its stage: its stage pass without the fixed ``stage_overhead_ms``,
+    which the executor pays outside the pass, ms; as
     :class:`~megatron_integration.bench_refit.ExecutedOps`."""
     from megatron_integration.bench_refit import ExecutedOps
     from megatron_integration.bench_report import _trace_events, passes
@@ -88,7 +121,9 @@ def executed_ops(trace_dir: str, cost, iterations: Sequence[int]):
         for i in iterations:
             for e in passes(per.get(i, [])):  # a split backward's parts summed into one backward
                 a, stage, backward = e.get("args", {}), e.get("tid", 0), e["cat"] == "backward"
-                c = cost.stage_cost(a["mbs"], a["seqlen"], stage=stage)
+                # A recomputing backward also runs (part of) the forward again: priced without
+                # it, the refit would scale every backward table by that extra work.
+                c = cost.stage_cost(a["mbs"], a["seqlen"], stage=stage, recompute=op_level(a, recompute, trace_dir))
                 pred = float(c.bw_ms if backward else c.fw_ms) - fixed
                 rows.append((a["mbs"], a["seqlen"], stage, backward, e["dur"] / 1e3, pred))
     return ExecutedOps.from_rows(rows)
@@ -110,27 +145,30 @@ def executor_ms_per_op(ranks: list[dict], trace_dir: str, iterations: Sequence[i
     return float(np.mean(per_op)) if per_op else 0.0
 
 
-def calibrate_from_run(ranks: list[dict], trace_dir: str, cost, iterations: Sequence[int]) -> OverheadFit:
+def calibrate_from_run(ranks: list[dict], trace_dir: str, cost, iterations: Sequence[int],
+                       recompute: Optional[str] = "none") -> OverheadFit:
     """:func:`fit_stage_overhead` over the ``iterations`` of a DynaPipe run (its rank
-    summaries and executor traces in ``trace_dir``)."""
-    ops = executed_ops(trace_dir, cost, iterations)
+    summaries and executor traces in ``trace_dir``; ``recompute`` as for :func:`executed_ops`)."""
+    ops = executed_ops(trace_dir, cost, iterations, recompute)
     if not len(ops):
         return OverheadFit(1.0, 0.0, 0.0, 0.0, 0)
     return fit_stage_overhead(ops.predicted_ms, ops.measured_ms, executor_ms_per_op(ranks, trace_dir, iterations))
 
 
 def refit_from_run(ranks: list[dict], trace_dir: str, profile_path: str, cost, iterations: Sequence[int],
-                   output: str) -> dict:
+                   output: str, recompute: Optional[str] = "none") -> dict:
     """Refit the profile at ``profile_path`` (which ``cost`` was built from) per shape from the
-    ops of a DynaPipe run (:func:`megatron_integration.bench_refit.refit_factors`), with the
-    executor's own time per op as ``stage_overhead_ms``; write it to ``output``. Returns what
-    the JSON records: the factors, the line fit for comparison, and the errors per size class
-    of the profile before and after (on the same ops, so in-sample)."""
+    ops of a DynaPipe run (:func:`megatron_integration.bench_refit.refit_factors`), each
+    priced at the recompute level it ran (``recompute``: the run's ``--dynapipe-recompute``,
+    as for :func:`executed_ops`), with the executor's own time per op as
+    ``stage_overhead_ms``; write it to ``output``. Returns what the JSON records: the
+    factors, the line fit for comparison, and the errors per size class of the profile
+    before and after (on the same ops, so in-sample)."""
     from megatron_integration import bench_refit as br
 
+    ops = executed_ops(trace_dir, cost, iterations, recompute)  # first: it refuses what it cannot price
     with open(profile_path) as f:
         profile = json.load(f)
-    ops = executed_ops(trace_dir, cost, iterations)
     executor_ms = executor_ms_per_op(ranks, trace_dir, iterations)
     line = fit_stage_overhead(ops.predicted_ms, ops.measured_ms, executor_ms) if len(ops) else None
     refit = br.refit_factors(ops, profile["mbs"], profile["seqlen"])

@@ -363,6 +363,10 @@ def profile_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: Seq
                   "kv_channels": model.kv_channels, "vocab_size": model.vocab_size,
                   "position_embedding_type": model.position_embedding_type,
                   "hidden_dropout": model.hidden_dropout, "attention_dropout": model.attention_dropout,
+                  # Unfused attention's softmax in fp32 (--attention-softmax-in-fp32, forced on by
+                  # --apply-query-key-layer-scaling): a half-precision layer then keeps fp32
+                  # probabilities and their cast copy, and takes longer.
+                  "attention_softmax_in_fp32": model.softmax_in_fp32,
                   # The layer-shape switches ProfileCostModel checks against the model it prices.
                   "gated_linear_unit": model.swiglu, "num_query_groups": model.num_query_groups or 0,
                   "add_bias_linear": model.add_bias_linear, "add_qkv_bias": model.add_qkv_bias,

@@ -9,6 +9,8 @@ recompute level); the executor sees them through the
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from dynapipe.errors import DynaPipeError
@@ -36,6 +38,12 @@ class ModelStageHandlers:
         self.weight_grads = WeightGradStore()
         self.split_layers = install_split_backward(stage.modules, self.weight_grads) if split_backward else 0
         self._reset_loss()
+
+    def trace_note(self, op) -> Optional[dict]:
+        """What an executor trace adds to a forward or backward: its ``recompute`` level, at
+        which a calibration prices it (``megatron_integration.bench_calibrate``)."""
+        level = getattr(op, "recompute", None)
+        return None if level is None else {"recompute": level}
 
     def _reset_loss(self) -> None:
         # Accumulated on the device: reading them per micro-batch would stall the pipeline.

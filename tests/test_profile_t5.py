@@ -308,6 +308,8 @@ def test_profile_command_measures_a_tiny_t5_alone_as_a_tensor_parallel_group_and
     # bf16 layers keep half the bytes (masks aside); the profile prices bf16 models only.
     half = json.loads(paths["bf16"].read_text())
     assert half["dtype"] == "bf16"
+    # The softmax precision is recorded (Megatron's default here: the run's precision).
+    assert half["model"]["attention_softmax_in_fp32"] is False and data["model"]["attention_softmax_in_fp32"] is False
     for op in ("encoder_layer", "decoder_layer"):
         assert np.all(np.asarray(half["ops"][op]["stored_mib"]) < 0.75 * ops[op]["stored_mib"])
     with pytest.raises(DynaPipeError, match="measured in bf16 but the model trains in fp32"):
@@ -542,3 +544,20 @@ def test_a_stage_of_several_decoder_layers_keeps_one_encoder_output():
     embed = float(cm.tables["embedding"]["stored_mib"](b, d))
     assert two - single == pytest.approx(layer - encoder_output + embed)
     assert cm.stage_cost(b, s, d, stage=1, recompute="full").stored_mib > 0
+
+
+def test_the_derived_selective_peak_adds_what_the_recomputed_cores_save_again():
+    # The derived selective level kept the no-recompute peak, though the backward saves a core's
+    # scores again (as GPT profiles derive it, dynapipe.cost.profile_t5.selective_rebuild_mib).
+    from dynapipe.cost.base import MIB, StageLayout
+
+    cm = ProfileCostModel(T5, t5_profile(), num_stages=2)
+    b, s, d = 2.0, 128.0, 64.0
+    for layout, tokens, keys in ((StageLayout(0, 1, 0, False, False), s, s),
+                                 (StageLayout(0, 0, 1, False, False), d, max(s, d))):
+        none, sel = (cm.layout_cost(layout, b, s, d, lv) for lv in ("none", "selective"))
+        # What the level stops storing, one core's output (b x tokens x h, fp32) and the bias of
+        # the mask the stage passed ([b, 1, tokens, keys], fp32), which a recomputed core may build again.
+        rebuilt = (none.stored_mib - sel.stored_mib) + (b * tokens * 64 * 4 + b * tokens * keys * 4) / MIB
+        assert float(sel.stored_mib) < float(none.stored_mib)
+        assert sel.peak_mib == pytest.approx(none.peak_mib + rebuilt)

@@ -38,13 +38,20 @@ power law through the last two columns (which captures the quadratic attention t
 below the grid takes the first column (per-op overheads dominate short sequences). A
 recompute level the profile has no table for is derived:
 ``full`` adds a forward to the backward and stores only each layer's input; ``selective``
-adds the attention-core share of the forward (from the analytic FLOP split) and drops
-the attention-score share of the stored memory.
+adds the attention-core share of the forward (from the analytic FLOP split), drops
+the attention-score share of the stored memory and adds to the layer's peak what the
+recomputed core saves again (:func:`~dynapipe.cost.profile_t5.selective_rebuild_mib`).
 
 A profile measured with ``tp`` > 1 holds one TP rank's figures: times include the TP
 collectives (all-reduces, or all-gathers and reduce-scatters with ``sequence_parallel``),
 memory is per rank. It prices only a run of the same ``tp`` and ``sequence_parallel``
 (profiles without these keys were measured at TP 1 without sequence parallelism).
+
+A bf16/fp16 profile prices only runs whose attention softmax runs in the precision it was
+measured in (``model.attention_softmax_in_fp32``: Megatron's ``--attention-softmax-in-fp32``,
+forced on by ``--apply-query-key-layer-scaling``); one that does not record it prices only runs
+at Megatron's default, off. fp32 runs and fused attention are not compared. Every number of a
+profile (grid points, ``stage_overhead_ms``, ``tp``, table entries) is at most 2**53.
 
 Version 2 adds ``kind``: ``decoder-only`` (the tables above) or ``encoder-decoder`` (T5:
 encoder-layer, decoder-layer, embedding and output tables over a third axis of decoder
@@ -61,7 +68,8 @@ from dynapipe.config import ModelConfig, TensorParallelConfig
 from dynapipe.cost.activation_bytes import CUDA_MASK_BYTES, layer_token_bytes, score_bytes
 from dynapipe.cost.base import MIB, CostModel, StageCost, StageLayout
 from dynapipe.cost.profile_t5 import (KIND_DECODER_ONLY, KIND_ENCODER_DECODER, WEIGHT_FIELD, check_weight_table,
-                                      load_t5_tables, profile_kind, t5_layout_cost, t5_weight_ms)
+                                      load_t5_tables, profile_kind, selective_rebuild_mib, t5_layout_cost,
+                                      t5_weight_ms)
 from dynapipe.cost.profile_checks import (FIELDS, LAYER_OPS, LEVEL_OPS, OPS, check_layer_shape, check_profile,
                                           check_profile_tensor_parallel, read_profile)
 from dynapipe.errors import DynaPipeError
@@ -231,6 +239,13 @@ class ProfileCostModel(CostModel):
             if recompute == "selective":
                 bw = bw + fw * core_share
                 stored = stored * (1 - score_share)
+                # The backward saves one layer's scores again, which the no-recompute peak never
+                # held beside the stored activations, and its attention mask: the causal one an
+                # unpacked micro-batch's core builds itself (bool and bias), or the bias of
+                # packed rows' mask (one a row).
+                b = np.asarray(mbs, dtype=np.float64)
+                mask = s * s * np.maximum(1 + m.dtype_bytes, b * m.dtype_bytes)
+                peak = peak + selective_rebuild_mib(m, layer["stored_mib"], score_share, b, s, t, mask)
             else:
                 bw = bw + fw
                 # Each layer's input; sequence-sharded over the TP ranks with sequence parallelism.

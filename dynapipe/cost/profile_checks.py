@@ -9,13 +9,12 @@ format is described in :mod:`dynapipe.cost.profile`).
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Mapping
 
-import numpy as np
-
 from dynapipe.config import ModelConfig
-from dynapipe.cost.profile_t5 import (FIELDS, KIND_DECODER_ONLY, KIND_ENCODER_DECODER, check_grid, check_op_table,
-                                      check_t5_tables, profile_kind)
+from dynapipe.cost.profile_t5 import (FIELDS, KIND_DECODER_ONLY, KIND_ENCODER_DECODER, MAX_PROFILE_NUMBER,
+                                      check_grid, check_op_table, check_t5_tables, finite_number, profile_kind)
 from dynapipe.errors import DynaPipeError, file_read_errors
 
 PROFILE_FORMAT = "dynapipe-profile"
@@ -97,6 +96,7 @@ def check_layer_shape(data: Mapping[str, Any], model: ModelConfig, source: str) 
             raise DynaPipeError(f"{source}: the profile was measured with {key}={have!r} but the model has "
                                 f"{key}={want!r}; profile this model (`python -m dynapipe profile` with the same "
                                 f"model flags) or use the analytic cost model.")
+    check_softmax_precision(measured, model, source)
     for key in RUN_KEYS:
         have, want = measured.get(key), getattr(model, key)
         if have is not None and have != want:
@@ -105,6 +105,42 @@ def check_layer_shape(data: Mapping[str, Any], model: ModelConfig, source: str) 
                                 f"{flag} {want}; its times and memory price another layer. Profile with the run's "
                                 f"model flags (`python -m dynapipe profile ... {flag} {want}`) or use the analytic "
                                 f"cost model (--dynapipe-cost-model analytic; `plan` and `cost` without --profile).")
+
+
+SOFTMAX_KEY = "attention_softmax_in_fp32"
+
+
+def _softmax(on: bool, dtype: str) -> str:
+    return "the attention softmax in fp32 (--attention-softmax-in-fp32)" if on else \
+        f"the attention softmax in {dtype} (Megatron's default)"
+
+
+def check_softmax_precision(measured: Mapping[str, Any], model: ModelConfig, source: str) -> None:
+    """Refuse a profile measured with the attention softmax in another precision than the
+    run's (``model.attention_softmax_in_fp32``; Megatron's ``--attention-softmax-in-fp32``,
+    which ``--apply-query-key-layer-scaling`` forces on). Why: in bf16/fp16 unfused attention
+    then keeps fp32 probabilities and their cast copy (a layer of 2 x 256 tokens of gpt-tiny
+    stores 5.13 MiB against 4.13) and takes longer. Not compared where it changes nothing:
+    fp32 runs (the softmax is fp32 either way) and fused attention (no score matrix). A
+    profile that does not record it (written before it was recorded) was measured at
+    Megatron's default, off, if at all: it prices only a run with the default."""
+    if model.dtype == "fp32" or model.fused_attention:
+        return
+    have, want = measured.get(SOFTMAX_KEY), bool(model.attention_softmax_in_fp32)
+    if have is not None and not isinstance(have, bool):
+        raise DynaPipeError(f"{source}: model.{SOFTMAX_KEY} {have!r} must be true or false.")
+    fix = (" --attention-softmax-in-fp32" if want
+           else " without --attention-softmax-in-fp32 or --apply-query-key-layer-scaling")
+    advice = (f"Measure a profile with the run's setting (`python -m dynapipe profile ...{fix}`) or use the "
+              f"analytic cost model.")
+    if have is None and want:
+        raise DynaPipeError(f"{source}: the profile does not record the precision of its attention softmax (it "
+                            f"was written before profiles did, at Megatron's default: {model.dtype}), this "
+                            f"{model.dtype} run trains with {_softmax(True, model.dtype)}. {advice}")
+    if have is not None and have != want:
+        raise DynaPipeError(f"{source}: the profile was measured with {_softmax(have, model.dtype)}, this run "
+                            f"trains with {_softmax(want, model.dtype)}; its stored activations and times price "
+                            f"another layer. {advice}")
 
 
 def profile_tensor_parallel(data: Mapping[str, Any]) -> tuple[int, bool]:
@@ -141,6 +177,12 @@ def read_profile(path: str) -> Any:
             raise DynaPipeError(f"profile {path!r} is nested too deeply to be a cost profile.") from None
 
 
+def _short(value) -> str:
+    """``repr(value)``, cut to 40 characters: a hand-edited number can run to hundreds of digits."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def check_profile(data: Mapping[str, Any], source: str) -> None:
     if not isinstance(data, Mapping):
         raise DynaPipeError(f"{source}: not a DynaPipe profile (a JSON object with \"format\": "
@@ -162,12 +204,18 @@ def check_profile(data: Mapping[str, Any], source: str) -> None:
         raise DynaPipeError(f"{source}: 'seqlen' {data['seqlen']} has one length; a profile needs at least two to "
                             f"price other lengths (measure with `--seqlens` of two or more).")
     overhead = data.get("stage_overhead_ms", 0.0)
-    if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not np.isfinite(overhead) \
-            or overhead < 0:
-        raise DynaPipeError(f"{source}: 'stage_overhead_ms' {overhead!r} must be a finite number of ms, 0 or more.")
+    number = isinstance(overhead, (int, float)) and not isinstance(overhead, bool)
+    # An int is finite however large (math.isfinite would overflow on one beyond float64).
+    if not number or (isinstance(overhead, float) and not math.isfinite(overhead)) or overhead < 0:
+        raise DynaPipeError(f"{source}: 'stage_overhead_ms' {_short(overhead)} must be a finite number of ms, "
+                            f"0 or more.")
+    if not finite_number(overhead):
+        raise DynaPipeError(f"{source}: 'stage_overhead_ms' {_short(overhead)} is over 2**53 ms; give the fixed "
+                            f"cost per stage op in ms.")
     tp = data.get("tp", 1)
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise DynaPipeError(f"{source}: 'tp' {tp!r} must be a positive integer (the tensor-parallel size measured).")
+    if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= MAX_PROFILE_NUMBER:
+        raise DynaPipeError(f"{source}: 'tp' {_short(tp)} must be a positive integer of at most 2**53 (the "
+                            f"tensor-parallel size measured).")
     if not isinstance(data.get("sequence_parallel", False), bool):
         raise DynaPipeError(f"{source}: 'sequence_parallel' {data.get('sequence_parallel')!r} must be true or false.")
     if kind == KIND_ENCODER_DECODER:

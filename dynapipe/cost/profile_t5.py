@@ -18,7 +18,8 @@ table is interpolated as stacked (mbs, dec_seqlen) tables, one per encoder lengt
 along the encoder length with the rules of the 2-D tables (linear inside, the power law of
 the last two points above, the first point below). Recompute levels are derived as for GPT profiles: ``selective`` adds the
 attention cores' share of the forward (self- and cross-attention, analytic FLOP split)
-to the backward and drops the attention scores' share of the stored memory; ``full``
+to the backward, drops the attention scores' share of the stored memory and adds to a
+layer's peak what its recomputed cores save again (:func:`selective_rebuild_mib`); ``full``
 adds a forward to the backward and stores each layer's input (and, on a decoder stage,
 the encoder output).
 
@@ -30,6 +31,7 @@ to the FLOPs estimate of :mod:`dynapipe.cost.backward_split`.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping, Optional
 
 import numpy as np
@@ -52,6 +54,25 @@ T5_AXES = {"encoder_layer": ("mbs", "seqlen"), "decoder_layer": ("mbs", "dec_seq
            "embedding": ("mbs", "seqlen"), "output": ("mbs", "dec_seqlen")}
 
 
+# The largest magnitude a number of a profile (grid point, overhead, table entry) may have.
+# Why: integers beyond it are not exact in float64, and past 2**63 numpy keeps them as Python
+# objects, which np.isfinite refused with a TypeError instead of naming the field; no measured
+# shape or time comes near it.
+MAX_PROFILE_NUMBER = 2.0 ** 53
+
+
+def finite_number(value) -> bool:
+    """Whether ``value`` is an int or a float (not a bool) that float64 holds finite and at
+    most :data:`MAX_PROFILE_NUMBER` in magnitude (an int too large for a float is not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        f = float(value)
+    except OverflowError:  # an int beyond float64's range (about 1.8e308)
+        return False
+    return math.isfinite(f) and abs(f) <= MAX_PROFILE_NUMBER
+
+
 def profile_kind(data: Mapping[str, Any]) -> str:
     """``decoder-only`` or ``encoder-decoder``; version 1 profiles (no ``kind``) are decoder-only."""
     return str(data.get("kind", KIND_DECODER_ONLY))
@@ -62,9 +83,9 @@ def check_grid(data: Mapping[str, Any], axis: str, source: str, what: str = "") 
     non-empty, strictly ascending list of finite positive numbers (NaN passed every comparison
     and priced NaN); ``what`` is appended to the first error (e.g. what the axis counts)."""
     grid = data.get(axis)
-    if not isinstance(grid, list) or not grid or any(
-            isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or v <= 0 for v in grid):
-        raise DynaPipeError(f"{source}: {axis!r} must be a non-empty list of positive numbers{what}.")
+    if not isinstance(grid, list) or not grid or any(not finite_number(v) or v <= 0 for v in grid):
+        raise DynaPipeError(f"{source}: {axis!r} must be a non-empty list of positive numbers of at most "
+                            f"2**53{what}.")
     if any(b <= a for a, b in zip(grid, grid[1:])):
         raise DynaPipeError(f"{source}: {axis!r} grid {grid} must be strictly ascending.")
 
@@ -74,8 +95,11 @@ def check_op_table(table: Mapping[str, Any], op: str, shape: tuple[int, ...], ax
     """Refuse an op's tables (every field of :data:`FIELDS`) that are not ``shape`` (one
     entry per point of the grid ``axes``) or hold negative or non-finite values."""
     for field in FIELDS:
+        huge = f"{source}: ops.{op}.{field} holds values over 2**53 (ms or MiB); measure the profile again."
         try:
             arr = np.asarray(table[field], dtype=np.float64) if field in table else None
+        except OverflowError:  # an int beyond float64's range
+            raise DynaPipeError(huge) from None
         except (TypeError, ValueError):
             arr = None
         if arr is None or arr.shape != shape:
@@ -83,6 +107,8 @@ def check_op_table(table: Mapping[str, Any], op: str, shape: tuple[int, ...], ax
             raise DynaPipeError(f"{source}: ops.{op}.{field} must be a {dims} table ({' x '.join(axes)}).")
         if not np.all(np.isfinite(arr)) or np.any(arr < 0):
             raise DynaPipeError(f"{source}: ops.{op}.{field} holds negative or non-finite values.")
+        if np.any(arr > MAX_PROFILE_NUMBER):
+            raise DynaPipeError(huge)
         if field.endswith("_ms") and np.any(arr == 0):
             raise DynaPipeError(f"{source}: ops.{op}.{field} holds a time of 0 ms; a measured time is positive "
                                 f"(measure the profile again).")
@@ -114,7 +140,7 @@ def check_weight_table(table: Mapping[str, Any], op: str, source: str) -> None:
     and finite values from 0 to that backward's ms: the weight part is a part of it."""
     try:
         w = np.asarray(table[WEIGHT_FIELD], dtype=np.float64)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond float64's range
         w = None
     bw = np.asarray(table["bw_ms"], dtype=np.float64)
     if w is None or w.shape != bw.shape or not np.all(np.isfinite(w)) or np.any(w < 0) or np.any(w > bw + 1e-9):
@@ -211,6 +237,32 @@ def _core_shares(model: ModelConfig, s_enc, s_dec, mask_bytes: float = 1.0, tp: 
             dec_scores / np.maximum(act + cross + dec_scores, 1e-30))
 
 
+def selective_rebuild_mib(model: ModelConfig, layer_stored_mib, score_share, mbs, tokens, tp: int = 1,
+                         mask_bytes=0.0) -> np.ndarray:
+    """MiB the backward of one layer at selective recompute holds above the layer's
+    no-recompute ``peak_mib``, for a level the profile has no table for: what the recomputed
+    attention core saves again (the layer's no-recompute ``layer_stored_mib`` x
+    ``score_share``, the scores, softmax and dropout mask the level does not store), the
+    core's output it computes again (``mbs`` x ``tokens`` x attention_dim, split over the
+    ``tp`` ranks), and the ``mask_bytes`` of attention mask it builds again (unfused attention
+    only): megatron-core's default causal mask of a stage given none with its additive bias
+    (:mod:`megatron_integration.masked_softmax`), tokens² x (1 + dtype bytes) on every TP
+    rank, or the bias of a mask the stage passed, ``[mbs, 1, sq, sk]`` in the dtype, where
+    the bias cache no longer holds it.
+
+    Why: the no-recompute peak never held them beside the stored activations, so a stage
+    priced without them fits micro-batches the level does not fit. On GPT profiles measured
+    at every level (hidden 64, 4 heads, mbs 1-4, unpacked rows, CPU), the derived peak is the
+    measured one at 256 and 512 tokens to 0.1% at mbs 1 and up to 5% above it at mbs 2-4
+    (packed rows' mask bias counted); without dropout 2-5% below it at mbs 1 (one more
+    token-sized tensor); at 64-128 tokens, where the no-recompute peak is elsewhere in the
+    layer, up to 2.2 times it (high, not low)."""
+    b, q = np.asarray(mbs, dtype=np.float64), np.asarray(tokens, dtype=np.float64)
+    core_out = b * q * model.attention_dim * model.dtype_bytes / tp
+    mask = 0.0 if model.fused_attention else np.asarray(mask_bytes, dtype=np.float64)
+    return np.asarray(layer_stored_mib) * score_share + (core_out + mask) / MIB
+
+
 def t5_layout_cost(model: ModelConfig, tables: dict, layout: StageLayout, mbs, seqlen, dec_seqlen,
                    recompute: str, overhead_ms: float, mask_bytes: float = 1.0, tp: int = 1,
                    sequence_parallel: bool = False) -> StageCost:
@@ -238,8 +290,17 @@ def t5_layout_cost(model: ModelConfig, tables: dict, layout: StageLayout, mbs, s
             continue
         t = {f: tables[op][f](*args) for f in FIELDS}
         l_fw, l_bw, l_st = t["fw_ms"], t["bw_ms"], t["stored_mib"]
+        l_peak = t["peak_mib"]
         if recompute == "selective":
             l_bw, l_st = l_bw + l_fw * share, l_st * (1 - scores)
+            # One core at a time is recomputed (a decoder layer's cross- and self-attention
+            # each): one core output; the scores of both are counted (high, not low). The
+            # stages pass every mask they need (the causal one too), so the core builds
+            # again at most the additive bias of one, [mbs, 1, sq, sk] in the activations'
+            # dtype, when the bias cache no longer holds it.
+            keys = s_enc if op == "encoder_layer" else np.maximum(s_dec, s_enc)
+            l_peak = l_peak + selective_rebuild_mib(model, t["stored_mib"], scores, b, tokens, tp,
+                                                    b * tokens * keys * model.dtype_bytes)
         elif recompute == "full":
             l_bw = l_bw + l_fw
         fw, bw = fw + n * l_fw, bw + n * l_bw
@@ -248,7 +309,7 @@ def t5_layout_cost(model: ModelConfig, tables: dict, layout: StageLayout, mbs, s
             # Each measured decoder layer kept the encoder output its cross-attention reads (its
             # input); a stage's decoder layers all read the one copy the stage received.
             stored = stored - (n - 1) * row * s_enc
-        peak = np.maximum(peak, t["peak_mib"])
+        peak = np.maximum(peak, l_peak)
         one_layer = np.maximum(one_layer, t["stored_mib"])
         inputs = inputs + n * row * tokens
         if op == "decoder_layer":

@@ -67,6 +67,12 @@ def compile_chunked_plans(schedule: Schedule, micro_batches: Sequence[MicroBatch
         raise DynaPipeError("the timeline given to compile_chunked_plans belongs to a different schedule.")
     mbs_list = list(micro_batches)
     check_micro_batches("compile_chunked_plans", mbs_list, model)
+    # As compile_plans checks: too few ended in an IndexError, too many compiled micro-batches
+    # no op runs (their loss tokens counted, their data loaded for nothing).
+    M = len(mbs_list)
+    runs = {op.mb for ops in schedule.stage_ops for op in ops}
+    if runs != set(range(len(runs))) or len(runs) != M:
+        raise DynaPipeError(f"schedule {schedule.name!r} runs {len(runs)} micro-batches, {M} were given.")
     whole_number("compile_chunked_plans: iteration", iteration, at_least=0)
     infos = tuple(_info(i, mb) for i, mb in enumerate(mbs_list))
     check_sequence_shards(infos, shards)

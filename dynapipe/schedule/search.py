@@ -249,10 +249,21 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
         levels = [check_recompute(r) for r in recompute]
         if not levels:
             raise DynaPipeError("no recompute level to try; give at least one of none, selective, full.")
-    if isinstance(replicas, (str, bytes)) or any(isinstance(r, MicroBatch) for r in replicas):
-        raise DynaPipeError("replicas: give one list of micro-batches per data-parallel replica "
-                            "([[mb, ...], ...]; one replica: [micro_batches]).")
-    replicas = [list(r) for r in replicas]
+    shape_hint = "give one list of micro-batches per data-parallel replica ([[mb, ...], ...]; one replica: " \
+                 "[micro_batches])"
+    try:
+        if isinstance(replicas, (str, bytes)):
+            raise TypeError
+        # Materialised before any check: one that iterates an iterator of replicas consumes it.
+        replicas = list(replicas)
+        if any(isinstance(r, (MicroBatch, str, bytes)) for r in replicas):
+            raise TypeError
+        replicas = [list(r) for r in replicas]
+    except TypeError:  # not a list of lists (a flat list of micro-batches, a number)
+        raise DynaPipeError(f"replicas: {shape_hint}.") from None
+    odd = next((x for r in replicas for x in r if not isinstance(x, MicroBatch)), None)
+    if odd is not None:
+        raise DynaPipeError(f"replicas: {type(odd).__name__} {odd!r:.40} is not a MicroBatch; {shape_hint}.")
     if not any(replicas):
         raise DynaPipeError("there are no micro-batches to schedule.")
     if dp is not None and whole_number("dp", dp) != len(replicas):
