@@ -115,6 +115,14 @@ def attention_share(model: ModelConfig, shapes: Sequence[Sequence[int]]) -> floa
     skipping) attention computes, as megatron-core's local attention does; embedding and
     output layer excluded.
     """
+    core, linear = attention_and_linear_flops(model, shapes)
+    total = core + linear
+    return core / total if total > 0 else 0.0
+
+
+def attention_and_linear_flops(model: ModelConfig, shapes: Sequence[Sequence[int]]) -> tuple[float, float]:
+    """The transformer layers' forward FLOPs of micro-batches of ``shapes`` (see
+    :func:`attention_share`): (attention core, everything else)."""
     h, ad, f = model.hidden_size, model.attention_dim, model.ffn_hidden_size
     core = linear = 0.0
     for shape in shapes:
@@ -130,8 +138,7 @@ def attention_share(model: ModelConfig, shapes: Sequence[Sequence[int]]) -> floa
         else:
             core += model.num_layers * 4 * b * s * s * ad
             linear += model.num_layers * b * s * (8 * h * ad + 4 * h * f)
-    total = core + linear
-    return core / total if total > 0 else 0.0
+    return core, linear
 
 
 def plan_shapes(plan: IterationPlan, encoder_decoder: bool) -> list[tuple[int, ...]]:

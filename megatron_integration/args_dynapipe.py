@@ -74,6 +74,11 @@ def add_dynapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="token-budget batching: padded tokens per micro-batch")
     g.add_argument("--dynapipe-tokens-per-global-batch", type=int, default=None,
                    help="form global batches by real-token budget instead of --global-batch-size samples")
+    g.add_argument("--dynapipe-packed-attention", default="mask", choices=("mask", "per-sample"),
+                   help="how the packing baseline's rows (--dynapipe-batching packing --reset-attention-mask) "
+                        "keep samples apart: mask (Megatron's block-diagonal mask over the whole row) or "
+                        "per-sample (the local attention run on each sample alone, no work between samples, as "
+                        "Transformer Engine's THD format on GPUs; the same loss)")
     g.add_argument("--dynapipe-overlong", default="truncate", choices=("truncate", "reject"),
                    help="samples longer than --seq-length: truncate (counted, logged) or reject")
     g.add_argument("--dynapipe-mixture", default=None,
@@ -129,6 +134,12 @@ def batching_from_args(args: argparse.Namespace, dp: int) -> tuple[str, Optional
     if (args.reset_position_ids or args.reset_attention_mask) and batching != "packing":
         raise DynaPipeError("--reset-position-ids / --reset-attention-mask apply to packed rows only "
                             "(--dynapipe-batching packing).")
+    if getattr(args, "dynapipe_packed_attention", "mask") == "per-sample":
+        if batching != "packing" or args.use_dynapipe or not args.reset_attention_mask:
+            raise DynaPipeError("--dynapipe-packed-attention per-sample is how the packing baseline keeps packed "
+                                "samples apart: it needs --dynapipe-batching packing with --reset-attention-mask "
+                                "and without --use-dynapipe (DynaPipe's own packed plans mask); drop it or use "
+                                "that baseline.")
     return batching, mbs
 
 

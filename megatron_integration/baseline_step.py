@@ -147,13 +147,15 @@ def sp_shards(cfg) -> int:
 
 def build_micro_batches(method: str, samples: Sequence[Sample], lengths: np.ndarray, seq_length: int, mbs: int,
                         info: RankInfo, reset_position_ids: bool = False, reset_attention_mask: bool = False,
-                        mb_multiple: int = 1, sp_shards: int = 1) -> tuple[list[MicroBatchTensors], TokenWork]:
+                        mb_multiple: int = 1, sp_shards: int = 1,
+                        packed_attention: str = "mask") -> tuple[list[MicroBatchTensors], TokenWork]:
     """This replica's fixed-shape micro-batches and what the global batch executes (every
     replica's rows at their padded length; its ``tokens`` are the padded tokens); ``mb_multiple``:
     packing rounds its micro-batch count up to a multiple of it with empty rows (the interleaved
     schedule's groups; padding's count is checked at start-up); ``sp_shards``: the TP size under
     sequence parallelism, whose multiple every ``padding-mb`` length must also be (the split of
-    each sequence over the TP ranks)."""
+    each sequence over the TP ranks); ``packed_attention``: ``per-sample`` keeps packed samples
+    apart by running attention on each alone (``mask``: Megatron's mask over the row)."""
     dp, r = info.dp_size, info.dp_rank
     if method == "padding":
         groups = padding_assignment(len(samples), mbs, dp, r)
@@ -162,7 +164,8 @@ def build_micro_batches(method: str, samples: Sequence[Sample], lengths: np.ndar
     elif method == "packing":
         groups = packing_assignment(lengths, seq_length, mbs, dp, r, mb_multiple)
         mbs_list = [rows_micro_batch([[samples[i] for i in row] for row in g], seq_length,
-                                     reset_position_ids, reset_attention_mask) for g in groups]
+                                     reset_position_ids, reset_attention_mask,
+                                     per_sample_attention=packed_attention == "per-sample") for g in groups]
         executed = rows_work(len(groups) * mbs * dp, seq_length)
     elif method == "padding-mb":
         from dynapipe.batching.ordering import padded_length

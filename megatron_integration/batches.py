@@ -42,21 +42,33 @@ class MicroBatchTensors:
     attention_mask: Optional[torch.Tensor] = None
 
     def to(self, device: torch.device) -> "MicroBatchTensors":
+        from megatron_integration.segment_attention import is_segment_table
+
         move = lambda t: None if t is None else t.to(device, non_blocking=True)
+        # A segment table (per-sample attention) is read on the host, layer by layer.
+        mask = self.attention_mask if is_segment_table(self.attention_mask) else move(self.attention_mask)
         return MicroBatchTensors(move(self.tokens), move(self.position_ids), move(self.labels),
-                                 move(self.loss_mask), move(self.attention_mask))
+                                 move(self.loss_mask), mask)
 
 
 def rows_micro_batch(rows: Sequence[Sequence[Sample]], seqlen: int, reset_position_ids: bool = True,
-                     reset_attention_mask: bool = False, pad_id: int = 0) -> MicroBatchTensors:
-    """Tensors of rows of samples (one sample a row for padding; empty rows are all pad)."""
+                     reset_attention_mask: bool = False, pad_id: int = 0,
+                     per_sample_attention: bool = False) -> MicroBatchTensors:
+    """Tensors of rows of samples (one sample a row for padding; empty rows are all pad).
+    ``per_sample_attention`` (with ``reset_attention_mask``): the samples are kept apart by
+    running attention on each alone (the mask is then a segment table,
+    :mod:`megatron_integration.segment_attention`)."""
     requests = [TensorRequest(n, (len(rows), seqlen), d) for n, d in _NAMES]
     t = collate(rows, requests, seqlen, pad_id=pad_id)
     positions = t["position_ids"]
     if not reset_position_ids:
         positions = np.broadcast_to(np.arange(seqlen, dtype=np.int64), positions.shape).copy()
     mask = None
-    if reset_attention_mask:
+    if reset_attention_mask and per_sample_attention:
+        from megatron_integration.segment_attention import segment_table
+
+        mask = torch.from_numpy(segment_table(t["segment_ids"]))
+    elif reset_attention_mask:
         seg = t["segment_ids"]
         causal = np.tril(np.ones((seqlen, seqlen), dtype=bool))
         same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] > 0)

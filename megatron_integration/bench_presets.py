@@ -26,8 +26,12 @@ METHOD_FLAGS = {
     "padding-mb": ["--dynapipe-batching", "padding-mb"],
     # Megatron's packing with per-sample positions and attention isolation: the same loss as the others.
     "packing": ["--dynapipe-batching", "packing", "--reset-position-ids", "--reset-attention-mask"],
+    # The same rows, each sample's attention computed alone: no work between samples, as
+    # Transformer Engine's THD format does on GPUs (megatron_integration/segment_attention.py).
+    "packing-per-sample": ["--dynapipe-batching", "packing", "--reset-position-ids", "--reset-attention-mask",
+                           "--dynapipe-packed-attention", "per-sample"],
 }
-BASELINES = ("padding", "padding-mb", "packing")
+BASELINES = ("padding", "padding-mb", "packing", "packing-per-sample")
 DYNAPIPE_METHODS = ("dynapipe", "dynapipe-1f1b", "dynapipe-zb")
 
 # --manual-gc (Megatron-LM's): measured in a T5 bench job, one threshold-triggered full
@@ -73,7 +77,9 @@ PRESETS = {
         args={"--num-layers": "4", "--hidden-size": "64", "--num-attention-heads": "4", "--ffn-hidden-size": "256",
               "--seq-length": "1024", "--max-position-embeddings": "1024", "--micro-batch-size": "4",
               "--global-batch-size": "64", "--train-iters": "4", "--dynapipe-prefetch": "2", **_COMMON},
-        methods=("dynapipe", "padding", "packing"), rounds=1, sweep_top=0, warmup_iters=1,
+        # Each baseline at its best simulated micro-batch size (a fixed --micro-batch-size 4 ran
+        # packing at its slowest: two micro-batches a replica on two stages).
+        methods=("dynapipe", "padding", "packing", "packing-per-sample"), rounds=1, sweep_top=1, warmup_iters=1,
         about="tiny GPT (hidden 64) at 1,024 tokens: attention dominates, the quick demo"),
     # Hidden = sequence length with FFN 4h: on full rows the attention core is 4s/(4s + 24h) = 1/7 of a
     # layer's FLOPs, as GPT-7B's at 4,096 tokens. One layer a stage keeps it within minutes on 2 cores.
@@ -84,7 +90,8 @@ PRESETS = {
         # The two best simulated sizes of padding-mb and packing both run: a profile measured on a
         # loaded machine can misrank them. The profile stops at 4 samples (8 x 512 tokens costs as
         # much to measure as all smaller shapes together).
-        methods=("dynapipe", "dynapipe-1f1b", "padding", "padding-mb", "packing"), rounds=2, sweep_top=2,
+        methods=("dynapipe", "dynapipe-1f1b", "padding", "padding-mb", "packing", "packing-per-sample"), rounds=2,
+        sweep_top=2,
         warmup_iters=1, profile_repeats=2, sweep_within=0.0, profile_mbs=(1, 2, 4), calibrate_iters=3,
         profile_levels=False,
         # Padding to --seq-length is twice as slow as any other baseline at this shape: a second

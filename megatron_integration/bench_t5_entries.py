@@ -25,8 +25,11 @@ T5_METHOD_FLAGS = {
     "dynapipe-uncalibrated": ["--use-dynapipe"],
     "padding": ["--dynapipe-batching", "padding"],
     "packing": ["--dynapipe-batching", "packing", "--reset-position-ids", "--reset-attention-mask"],
+    # The same rows, each sample's attention (encoder, decoder, cross) computed alone.
+    "packing-per-sample": ["--dynapipe-batching", "packing", "--reset-position-ids", "--reset-attention-mask",
+                           "--dynapipe-packed-attention", "per-sample"],
 }
-T5_BASELINES = ("padding", "packing")
+T5_BASELINES = ("padding", "packing", "packing-per-sample")
 #: Added by the bench itself when it calibrates, not a ``--methods`` choice.
 UNCALIBRATED = "dynapipe-uncalibrated"
 

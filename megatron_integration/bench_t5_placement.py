@@ -43,7 +43,9 @@ def baseline_splits(cfg, pp: int, dp: int, batches, baselines: Sequence[tuple[st
     out = {}
     for method, size in baselines:
         mbs = [mb for lengths in batches for rank in range(dp)
-               for mb in baseline_micro_batches(method, lengths, cfg.encoder_seq_length, cfg.decoder_seq_length,
+               # Per-sample packing forms packing's rows (the cost model prices them as such).
+               for mb in baseline_micro_batches("packing" if method == "packing-per-sample" else method, lengths,
+                                                cfg.encoder_seq_length, cfg.decoder_seq_length,
                                                 size, dp, rank)[0]]
         choice = place_micro_batches(mbs, cost_model, dp=dp, memory_limit_mib=cfg.base.dynapipe.memory_limit_mb,
                                      zero=cfg.base.optimizer.distributed, recompute=level)

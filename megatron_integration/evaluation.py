@@ -76,7 +76,7 @@ def megatron_eval_batch(stage: Stage, info: RankInfo, cfg: DynaPipeTrainingConfi
 
     micro_batches, _ = build_micro_batches(method, samples, lengths, cfg.model.seq_length, cfg.micro_batch_size,
                                            info, cfg.reset_position_ids, cfg.reset_attention_mask,
-                                           schedule_group(stage), sp_shards(cfg))
+                                           schedule_group(stage), sp_shards(cfg), packed_attention=cfg.packed_attention)
     seq_lengths = {int(m.tokens.shape[1]) for m in micro_batches}
     saved = stage.config.variable_seq_lengths
     stage.config.variable_seq_lengths = saved or len(seq_lengths) > 1

@@ -192,7 +192,11 @@ def build_gpt_stage(cfg: DynaPipeTrainingConfig, info: RankInfo, use_te: Optiona
     chunks = cfg.parallel.virtual_pipeline_model_parallel_size or 1
     first = info.is_first_stage and (vp_stage or 0) == 0
     last = info.is_last_stage and (vp_stage is None or vp_stage == chunks - 1)
-    spec, _ = layer_spec(use_te, m.normalization, m.qk_layernorm)
+    spec, name = layer_spec(use_te, m.normalization, m.qk_layernorm)
+    if getattr(cfg, "packed_attention", "mask") == "per-sample" and name == "local":
+        from megatron_integration.segment_attention import with_segmented_attention
+
+        spec = with_segmented_attention(spec)  # packed samples' attention computed alone
     spec = sequence_parallel_block_spec(spec, tconfig, stage_layer_count(cfg.parallel, m.num_layers, info.pp_rank,
                                                                          vp_stage))
     kwargs = {} if vp_stage is None else {"vp_stage": vp_stage}

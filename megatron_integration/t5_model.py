@@ -128,7 +128,8 @@ class T5Stage(torch.nn.Module):
     :class:`T5StagePlace` says. ``forward`` maps this stage's inputs to its outgoing message
     (``hidden_states`` / ``encoder_output``) or, on the last stage, the per-token loss."""
 
-    def __init__(self, config, place: T5StagePlace, vocab_size: int, max_positions: int, tie_embeddings: bool):
+    def __init__(self, config, place: T5StagePlace, vocab_size: int, max_positions: int, tie_embeddings: bool,
+                 per_sample_attention: bool = False):
         super().__init__()
         from megatron.core.models.T5.t5_model import T5LMHead
         from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
@@ -138,6 +139,10 @@ class T5Stage(torch.nn.Module):
         self.place = place
         self.share_embeddings_and_output_weights = tie_embeddings
         enc_spec, dec_spec, self.spec_name = _layer_specs()
+        if per_sample_attention:  # packed samples' attention computed alone (segment_attention.py)
+            from megatron_integration.segment_attention import with_segmented_attention
+
+            enc_spec, dec_spec = with_segmented_attention(enc_spec), with_segmented_attention(dec_spec, cross=True)
         self.pre_process = place.embeds_encoder or place.embeds_decoder
         self.post_process = place.is_last
         self.embedding = None
@@ -281,8 +286,10 @@ def build_t5_stage(cfg: T5TrainingConfig, info: RankInfo) -> torch.nn.Module:
     parallel = replace(base.parallel, pipeline_model_parallel_size=1)
     tconfig = transformer_config(model, parallel, cuda=info.device.type == "cuda", recompute=fixed)
     stages = []
+    per_sample = base.method == "packing" and base.packed_attention == "per-sample"
     for place in mine:
-        stage = T5Stage(tconfig, place, model.vocab_size, model.max_position_embeddings, model.tie_embeddings)
+        stage = T5Stage(tconfig, place, model.vocab_size, model.max_position_embeddings, model.tie_embeddings,
+                        per_sample_attention=per_sample)
         stage.to(info.device)
         t5_deterministic_init_(stage, model.init_method_std, base.seed)
         use_additive_masks(stage, info.device)  # the same probabilities, at half the cost of the CPU's masked softmax

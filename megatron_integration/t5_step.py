@@ -38,6 +38,7 @@ from megatron_integration.baseline_step import StepResult, holds_loss, reduce_lo
 from megatron_integration.model import Stage
 from megatron_integration.nan_guard import check_before_step
 from megatron_integration.stage_handlers import ModelStageHandlers
+from megatron_integration.segment_attention import t5_segment_tables
 from megatron_integration.t5_chunks import T5Chunks
 from megatron_integration.t5_config import T5TrainingConfig
 from megatron_integration.t5_model import EmbeddingSync, set_t5_recompute_level, sum_sequence_parallel_grads
@@ -100,21 +101,28 @@ class T5StageHandlers(ModelStageHandlers):
 
     no_loss_tokens = "the global batch has no target tokens; the loss cannot be normalised."
 
-    def __init__(self, stage: Stage, device: torch.device, split_backward: bool = False):
+    def __init__(self, stage: Stage, device: torch.device, split_backward: bool = False,
+                 per_sample_attention: bool = False):
         super().__init__(stage, device, split_backward)
         # (micro-batch, chunk) -> whether its forward applied an encoder or cross-attention mask.
         self.masked: dict[tuple[int, int], bool] = {}
+        # The packing baseline with each sample's attention computed alone: its stages read
+        # segment tables where the masks go (megatron_integration.segment_attention).
+        self.per_sample_attention = per_sample_attention
 
     def begin(self, micro_batch_tensors: dict, global_loss_tokens: int, plan=None) -> None:
         super().begin(micro_batch_tensors, global_loss_tokens, plan)
         self.masked = {}
 
     def trace_note(self, op) -> Optional[dict]:
-        """What an executor trace adds to a forward or backward: ``masked``, whether its
-        encoder or cross-attention applied a mask (a row of one whole sample needs none,
+        """What an executor trace adds to a forward or backward: its ``recompute`` level and
+        ``masked``, whether its encoder or cross-attention applied a mask (a row of one whole sample needs none,
         :func:`needed_mask`), so that ops of one shape are compared on the same work."""
+        note = dict(super().trace_note(op) or {})
         masked = self.masked.get((op.mb, op.chunk))
-        return None if masked is None else {"masked": masked}
+        if masked is not None:
+            note["masked"] = masked
+        return note or None
 
     def _part(self, chunk: int):
         """The :class:`T5Stage` running chunk ``chunk`` (the rank's only stage without chunks)."""
@@ -138,10 +146,14 @@ class T5StageHandlers(ModelStageHandlers):
             kwargs.update(dec_tokens=inputs["dec_tokens"], dec_positions=segment_positions(dec_seg))
         host = self.tensors.get(mb.mb) or {}  # the loaded tensors' host copies
         enc_host, dec_host = host.get("enc_mask"), host.get("dec_mask")
-        if t5.encoder is not None:
+        if self.per_sample_attention:
+            kwargs.update(t5_segment_tables(t5.encoder is not None, t5.decoder is not None,
+                                            enc_seg if enc_host is None else enc_host,
+                                            dec_seg if dec_host is None else dec_host))
+        elif t5.encoder is not None:
             kwargs["enc_attn_mask"] = needed_mask(enc_seg, enc_seg, host=None if enc_host is None else
                                                   (enc_host, enc_host))
-        if t5.decoder is not None:
+        if t5.decoder is not None and not self.per_sample_attention:
             kwargs["dec_attn_mask"] = segment_mask(dec_seg, dec_seg, causal=True)
             kwargs["cross_attn_mask"] = needed_mask(dec_seg, enc_seg, self_attention=False, host=None if (
                 enc_host is None or dec_host is None) else (dec_host, enc_host))
@@ -292,7 +304,9 @@ class T5Stepper:
         from dynapipe.runtime.kv_store import job_tcp_store
 
         d = cfg.base.dynapipe
-        handlers = T5StageHandlers(stage, info.device, split_backward=d.split_backward)
+        handlers = T5StageHandlers(stage, info.device, split_backward=d.split_backward,
+                                   per_sample_attention=cfg.method == "packing"
+                                   and cfg.base.packed_attention == "per-sample")
         meter = ActivationMeter()
         handlers.weight_grads.meter = meter  # what pending weight parts keep is activation memory
         executor = Executor(handlers, group=parallel_state.get_pipeline_model_parallel_group(), device=info.device,

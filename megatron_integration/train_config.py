@@ -266,6 +266,8 @@ class DynaPipeTrainingConfig:
     seed: int = 1234
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
+    # Packed rows' attention: Megatron's mask over the row, or each sample alone (segment_attention.py).
+    packed_attention: str = "mask"
     save: Optional[str] = None
     load: Optional[str] = None
     save_interval: Optional[int] = None

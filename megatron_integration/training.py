@@ -59,7 +59,7 @@ class MegatronStepper:
         micro_batches, executed = build_micro_batches(cfg.method, samples, lengths, cfg.model.seq_length,
                                                       cfg.micro_batch_size, self.info, cfg.reset_position_ids,
                                                       cfg.reset_attention_mask, schedule_group(self.stage),
-                                                      sp_shards=sp_shards(cfg))
+                                                      sp_shards=sp_shards(cfg), packed_attention=cfg.packed_attention)
         guard = partial(check_before_step, cfg.check_for_nan_in_loss_and_grad, self.stage.module, iteration,
                         device=self.info.device)
         result = megatron_train_step(self.stage, self.optimizer, self.scheduler, micro_batches, cfg.model.seq_length,

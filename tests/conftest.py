@@ -47,7 +47,7 @@ def pp2(tmp_path_factory, t5_dist):
     every method, padding cut and resumed through torch_dist; fp16 padding and DynaPipe; DynaPipe
     on the zero-bubble schedule, on the even split and on the interleaved placement; last, a
     weighted JSONL blend, uninterrupted and cut after 4 iterations, resumed at another
-    --train-iters."""
+    --train-iters; packing with per-sample attention."""
     from megatron_integration.t5_jobs import run_t5_training
     from t5_span_fixture import write_sentences, write_vocab
 
@@ -122,6 +122,8 @@ def pp2(tmp_path_factory, t5_dist):
              (blended + f" --train-iters 8 --exit-interval 4 --save {save / 'blend'}").split(),
              (blended + f" --train-iters 16 --exit-interval 8 --load {save / 'blend'} "
                         f"--override-opt_param-scheduler").split()]
+    # Packing with each sample's attention (encoder, decoder, cross) computed alone: the last run.
+    runs += [(TINY + PACKING + " --dynapipe-packed-attention per-sample").split()]
     ranks = run_t5_training(runs, 2, timeout_s=TIMEOUT)
     assert [r["losses"] for r in ranks[1]] == [r["losses"] for r in ranks[0]]  # every rank reports the same
     for i, run in enumerate(ranks[0]):  # what differs by rank, and what was run

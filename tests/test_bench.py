@@ -14,7 +14,7 @@ from megatron_integration.bench_refit import monotone
 def test_bench_rounds_sweep_and_methods(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     cmd = [sys.executable, "-m", "dynapipe", "bench", "--output", str(out), "--png", str(png),
-           "--methods", "dynapipe,padding-mb,packing", "--rounds", "2", "--sweep-top", "1",
+           "--methods", "dynapipe,padding-mb,packing,packing-per-sample", "--rounds", "2", "--sweep-top", "1",
            "--num-layers", "2", "--seq-length", "128", "--max-position-embeddings", "128",
            "--global-batch-size", "8", "--train-iters", "3", "--dynapipe-prefetch", "2", "--calibrate-iters", "2"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -46,9 +46,10 @@ def test_bench_rounds_sweep_and_methods(tmp_path):
     assert sorted(first) == sorted(second) and second == first[1:] + first[:1]
     assert set(setup["timed_regions"]) >= set(report["methods"])
     methods = report["methods"]
-    assert set(methods) == {"dynapipe", "padding-mb", "packing"}
+    assert set(methods) == {"dynapipe", "padding-mb", "packing", "packing-per-sample"}
     # Same data, same initial weights: every method's first loss agrees (padding-mb runs through
-    # megatron-core's variable_seq_lengths path, packing with isolated samples).
+    # megatron-core's variable_seq_lengths path, packing with isolated samples by mask or by
+    # computing each sample's attention alone).
     losses = [m["lm_loss"][0] for m in methods.values()]
     assert max(losses) - min(losses) < 1e-5
     for name, m in methods.items():
@@ -69,7 +70,7 @@ def test_bench_rounds_sweep_and_methods(tmp_path):
         assert [st["stage"] for st in split["stages"]] == [0, 1]
         # Per stage, the breakdown covers the iteration the method reports (the slowest rank's).
         assert max(st["iteration"] for st in split["stages"]) == pytest.approx(m["iteration_ms"], rel=0.1)
-    for name in ("padding-mb", "packing"):
+    for name in ("padding-mb", "packing", "packing-per-sample"):
         sweep = methods[name]["sweep"]
         ran = [s for s in sweep if s["measured_real_tokens_per_s"] is not None]
         assert len(ran) == 1 and ran[0]["chosen"] and ran[0]["micro_batch_size"] == methods[name]["micro_batch_size"]
@@ -96,7 +97,10 @@ def test_bench_rounds_sweep_and_methods(tmp_path):
     # calibration measured, that is the machine's load: not asserted).
     full_padding = methods["dynapipe"]["real_tokens_per_iteration"] / (8 * 128)
     assert 0 < full_padding < 1 and methods["dynapipe"]["padding_efficiency"] > full_padding
-    assert report["best_baseline"] in ("padding-mb", "packing") and "dynapipe_vs_best_baseline" in report["ratios"]
+    # The same packed rows, each sample's attention alone: only the samples' own attention counts.
+    assert methods["packing-per-sample"]["attention_share"] < methods["packing"]["attention_share"]
+    assert methods["packing-per-sample"]["micro_batch_size"] == methods["packing"]["micro_batch_size"]
+    assert report["best_baseline"] in ("padding-mb", "packing", "packing-per-sample") and "dynapipe_vs_best_baseline" in report["ratios"]
     # Every ratio round by round: the two methods' runs of the same round, side by side.
     per_round = report["ratios_per_round"]
     assert set(per_round) == set(report["ratios"])

@@ -2,7 +2,8 @@
 
 Same model, seed and global batches: a 2-stage pipeline (and 2 stages x 2 replicas)
 gives the same per-iteration ``lm loss`` as one process; packing with per-sample
-positions and attention isolation gives it too (fp32, ~1e-5). The three PP2 runs train one
+positions and attention isolation gives it too (fp32, ~1e-5), by mask or with each sample's
+attention computed alone. The four PP2 runs train one
 after the other in one spawned job of 2 ranks (the start-up of a job costs more than a run).
 """
 import pytest
@@ -36,6 +37,8 @@ PP2_RUNS = {
     "padding": PP2,
     "packing": f"{PP2} --dynapipe-batching packing --reset-position-ids --reset-attention-mask",
     "padding-mb": f"{PP2} --dynapipe-batching padding-mb",
+    "packing-per-sample": f"{PP2} --dynapipe-batching packing --reset-position-ids --reset-attention-mask "
+                          f"--dynapipe-packed-attention per-sample",
 }
 
 
@@ -95,6 +98,15 @@ def test_pp2_packing_with_isolation_matches_padding(single_process, pp2):
     # Packing computes fewer padded tokens than padding to --seq-length.
     assert sum(ranks[0]["padded_tokens"]) < sum(ref_ranks[0]["padded_tokens"])
     assert ranks[0]["real_tokens"] == ref_ranks[0]["real_tokens"]
+
+
+def test_pp2_packing_with_per_sample_attention_matches_padding(single_process, pp2):
+    # Each sample's attention computed alone: the loss of the mask, and of padding.
+    ref, ref_ranks = single_process
+    got, ranks = checked(pp2["packing-per-sample"])
+    assert got == pytest.approx(ref, abs=1e-5, rel=1e-5)
+    assert got == pytest.approx(checked(pp2["packing"])[0], abs=1e-6, rel=1e-6)
+    assert ranks[0]["padded_tokens"] == pp2["packing"][0]["padded_tokens"]  # the same packed rows
 
 
 def test_pp2_padding_to_each_micro_batch_longest_matches_padding(single_process, pp2):

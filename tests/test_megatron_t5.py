@@ -191,6 +191,15 @@ def test_t5_dynapipe_and_packing_losses_equal_padding_pp2(pp2):
     assert len(set(np.round(padding["losses"], 6))) == 3
 
 
+def test_t5_packing_with_per_sample_attention_equals_padding_pp2(pp2):
+    padding, packing, per_sample = pp2[0], pp2[3], pp2[-1]
+    assert per_sample["method"] == "packing" and "per-sample" in per_sample["argv"]
+    # Each sample's encoder, decoder and cross-attention computed alone: the loss of the masks.
+    assert per_sample["losses"] == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)
+    assert per_sample["losses"] == pytest.approx(packing["losses"], abs=1e-6, rel=1e-6)
+    assert per_sample["padded_tokens"] == packing["padded_tokens"]  # the same packed rows
+
+
 def test_a_job_of_many_runs_leaves_no_threads_behind(pp2):
     # Every run's process groups go with it (end_run). Before, each run left megatron-core's
     # twenty-odd gloo groups alive, three threads each: a job's later runs ran among hundreds
