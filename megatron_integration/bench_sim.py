@@ -194,8 +194,8 @@ def gpt7b_attention_shares(methods: Sequence[str], seq_length: int, tokens: int 
     for m in methods:
         if m == "packing-per-sample":
             size = compare_over_batches([batch], "packing", cost, **kw).micro_batch_size
-            rows = [(mb.mbs, mb.seqlen) for mb in plan_micro_batches(batch, cost, method="packing", seq_length=seq_length,
-                                                                      micro_batch_size=size).micro_batches]
+            plan = plan_micro_batches(batch, cost, method="packing", seq_length=seq_length, micro_batch_size=size)
+            rows = [(mb.mbs, mb.seqlen) for mb in plan.micro_batches]
             out[m] = round(per_sample_share(model, batch, rows), 4)
         elif m in ("padding", "padding-mb", "packing"):
             out[m] = round(compare_over_batches([batch], m, cost, **kw).runs[0].attention_share, 4)

@@ -116,8 +116,9 @@ class T5StageHandlers(ModelStageHandlers):
 
     def trace_note(self, op) -> Optional[dict]:
         """What an executor trace adds to a forward or backward: its ``recompute`` level and
-        ``masked``, whether its encoder or cross-attention applied a mask (a row of one whole sample needs none,
-        :func:`needed_mask`), so that ops of one shape are compared on the same work."""
+        ``masked``, whether its encoder or cross-attention applied a mask (a row of one whole
+        sample needs none, :func:`needed_mask`), so that ops of one shape are compared on the
+        same work."""
         note = dict(super().trace_note(op) or {})
         masked = self.masked.get((op.mb, op.chunk))
         if masked is not None:

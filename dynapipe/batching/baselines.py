@@ -12,7 +12,8 @@ same cost model as the DP.
   micro-batch's longest sample (rounded up to a multiple of 8).
 - ``packing``: samples packed whole (best-fit decreasing, never split) into rows of
   ``seq_length`` tokens (encoder-decoder: input tokens, and at most ``dec_seq_length``
-  target tokens), ``micro_batch_size`` rows a micro-batch, priced as full dense rows. Whether samples see each other is the runtime's choice, not the planner's: the
+  target tokens), ``micro_batch_size`` rows a micro-batch, priced as full dense rows.
+  Whether samples see each other is the runtime's choice, not the planner's: the
   training paths isolate them with a per-sample mask (``segment_ids``; Megatron's
   ``--reset-attention-mask`` baseline), which keeps the loss exact but not the compute, since
   masked attention still computes every (query, key) pair of the row.

@@ -62,7 +62,8 @@ def _limit(value, flag: str, model_max: int) -> int:
     return value
 
 
-def _limit_lengths(lengths: np.ndarray, seq_length: Optional[LengthLimit], model_max: int) -> tuple[np.ndarray, _Limits, int]:
+def _limit_lengths(lengths: np.ndarray, seq_length: Optional[LengthLimit],
+                   model_max: int) -> tuple[np.ndarray, _Limits, int]:
     """Truncate each side at its limit where one is given; a side without one must fit the
     model's maximum.
 
