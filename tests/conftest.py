@@ -45,9 +45,9 @@ def pp2(tmp_path_factory, t5_dist):
     embedding in the last chunk; evaluation of every method; then padding through torch_dist
     checkpoints (see ``t5_dist``), interleaved checkpoints in both formats; then bf16 runs of
     every method, padding cut and resumed through torch_dist; fp16 padding and DynaPipe; DynaPipe
-    on the zero-bubble schedule, on the even split and on the interleaved placement; last, a
-    weighted JSONL blend, uninterrupted and cut after 4 iterations, resumed at another
-    --train-iters; packing with per-sample attention."""
+    on the zero-bubble schedule, on the even split and on the interleaved placement; packing with
+    per-sample attention; last, a weighted JSONL blend, uninterrupted and cut after 4 iterations,
+    resumed at another --train-iters."""
     from megatron_integration.t5_jobs import run_t5_training
     from t5_span_fixture import write_sentences, write_vocab
 
@@ -109,6 +109,8 @@ def pp2(tmp_path_factory, t5_dist):
              (interleaved + " --use-dynapipe --dynapipe-schedule zb-h1").split()]
     # The interleaved placement under --dynapipe-schedule adaptive (the interleaved adaptive schedule on chunks).
     runs += [(interleaved + " --use-dynapipe --dynapipe-schedule adaptive").split()]
+    # Packing with each sample's attention (encoder, decoder, cross) computed alone.
+    runs += [(TINY + PACKING + " --dynapipe-packed-attention per-sample").split()]
     # A weighted blend of JSONL (input, target) pairs: 8 iterations; the same cut after 4 and
     # resumed with --train-iters 16, which would size another blend (constant LR: the losses
     # depend on the data alone). Last, so the tests above index the runs as before.
@@ -122,8 +124,6 @@ def pp2(tmp_path_factory, t5_dist):
              (blended + f" --train-iters 8 --exit-interval 4 --save {save / 'blend'}").split(),
              (blended + f" --train-iters 16 --exit-interval 8 --load {save / 'blend'} "
                         f"--override-opt_param-scheduler").split()]
-    # Packing with each sample's attention (encoder, decoder, cross) computed alone: the last run.
-    runs += [(TINY + PACKING + " --dynapipe-packed-attention per-sample").split()]
     ranks = run_t5_training(runs, 2, timeout_s=TIMEOUT)
     assert [r["losses"] for r in ranks[1]] == [r["losses"] for r in ranks[0]]  # every rank reports the same
     for i, run in enumerate(ranks[0]):  # what differs by rank, and what was run
