@@ -259,3 +259,22 @@ def test_a_local_layer_profile_cannot_price_a_fused_attention_model():
     with pytest.raises(DynaPipeError, match="measured on megatron-core's local layers, whose attention keeps its score "
                                             "matrix, but model 'gpt-tiny' has fused_attention: true"):
         ProfileCostModel(fused, _profile(layer_spec="local"), 2)
+
+
+def test_cost_and_plan_say_when_a_shape_lies_beyond_the_profile_grid(tmp_path, capsys):
+    from dynapipe.cli import main
+
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(_profile(device="cpu")))
+    base = ["--model", "gpt-tiny", "--device", "cpu", "--stages", "2", "--profile", str(path)]
+    assert main(["cost", *base, "--shape", "2,128"]) == 0
+    assert "note:" not in capsys.readouterr().err  # inside the grid: measured
+    assert main(["cost", *base, "--shape", "4,512"]) == 0
+    err = capsys.readouterr().err
+    assert "--shape 4,512: micro-batch size 4 (measured up to 2) is beyond the profile's grid" in err
+    assert "sequence length 512 (measured up to 128) is beyond the profile's grid" in err
+    lengths = tmp_path / "l.txt"
+    lengths.write_text("40\n100\n500\n")
+    assert main(["plan", *base, "--lengths", str(lengths), "--output", str(tmp_path / "plan.json")]) == 0
+    err = capsys.readouterr().err
+    assert "note: sequence length 504 (measured up to 128) is beyond the profile's grid" in err

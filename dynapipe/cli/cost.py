@@ -172,4 +172,20 @@ def run(args: argparse.Namespace) -> int:
         raise DynaPipeError(f"--stage {args.stage}: stages are numbered 0 to {args.stages - 1}.")
     json.dump(cost_rows(setup, shapes, args.stage), sys.stdout, indent=2)
     sys.stdout.write("\n")
+    for text, shape in zip(args.shape, shapes):
+        for line in extrapolation_notes(setup.cost_model, [shape]):
+            print(f"note: --shape {text}: {line}.", file=sys.stderr)
     return 0
+
+
+def extrapolation_notes(cost_model, shapes) -> list[str]:
+    """One line per profile axis that ``shapes`` (``(mbs, seqlen[, dec_seqlen])``, tokens) pass
+    beyond the profile's measured grid, where they are priced by extrapolation; none for the
+    analytic model."""
+    beyond = getattr(cost_model, "beyond_grid", None)
+    if beyond is None or not len(shapes):
+        return []
+    top = [max(int(s[i] or 0) if len(s) > i else 0 for s in shapes) for i in range(3)]
+    return [f"{axis} is beyond the profile's grid and priced by extrapolation; measure a profile that "
+            f"covers it (`python -m dynapipe profile --mbs ... --seqlens ...`) to price it from measurements"
+            for axis in beyond(*top)]

@@ -18,7 +18,8 @@ from dynapipe.batching import BatchPlan, plan_micro_batches
 from dynapipe.batching.lengths import read_lengths_for
 from dynapipe.cli.batching_options import (add_batching_arguments, add_decoder_seq_length, check_batching_flags,
                                             cut_arguments)
-from dynapipe.cli.cost import CostSetup, add_cost_model_arguments, add_memory_arguments, cost_setup_from_args
+from dynapipe.cli.cost import (CostSetup, add_cost_model_arguments, add_memory_arguments, cost_setup_from_args,
+                               extrapolation_notes)
 from dynapipe.output_paths import check_distinct, check_output_file, config_inputs, write_output
 from dynapipe.cli.placement_options import (add_placement_argument, apply_placement, even_split_schedule,
                                              placement_json)
@@ -104,6 +105,8 @@ def summary_lines(batch_plan: BatchPlan, setup: CostSetup) -> list[str]:
                      f"recompute {setup.recompute}; the schedule below keeps every stage within the memory limit")
     if x.get("empty_replicas"):
         lines.append(f"  warning: {x['empty_replicas']} replica(s) get no micro-batch")
+    shapes = [(mb.mbs, mb.seqlen, mb.dec_seqlen) for mb in mbs]
+    lines += [f"  note: {line}" for line in extrapolation_notes(setup.cost_model, shapes)]
     return lines
 
 
