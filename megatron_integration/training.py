@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Callable, Optional, TextIO
 
@@ -23,6 +23,7 @@ from megatron_integration import checkpoint_formats
 from megatron_integration.agreement import attempt, same_error_everywhere
 from megatron_integration.blend_resume import blend_record, keep_resumed_blend
 from megatron_integration.data import GlobalBatches, data_summary_lines
+from megatron_integration.device_default import default_device_for
 from megatron_integration.initialize import RankInfo, initialize_megatron
 from megatron_integration.arguments import block_layers, check_uniform_recompute
 from megatron_integration.baseline_step import (StepResult, build_micro_batches, megatron_train_step, schedule_group,
@@ -136,6 +137,10 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
     stopping early at ``--exit-interval`` as Megatron-LM does."""
     started_s = time.time()  # --exit-duration-in-mins counts from here, as Megatron-LM's from its start
     info = initialize_megatron(cfg.parallel, cfg.seed, cfg.model.deterministic_mode, cfg.logging_level)
+    dynapipe, device_note = default_device_for(cfg.dynapipe, info.device)
+    cfg = replace(cfg, dynapipe=dynapipe)
+    if info.rank == 0 and device_note is not None:
+        write_line(stream, device_note)
     if info.rank == 0 and vocab_padding_line(cfg) is not None:
         write_line(stream, vocab_padding_line(cfg))
     # A CPU profile of other threads prices another machine; every rank checks its own threads.

@@ -278,3 +278,34 @@ def test_cost_and_plan_say_when_a_shape_lies_beyond_the_profile_grid(tmp_path, c
     assert main(["plan", *base, "--lengths", str(lengths), "--output", str(tmp_path / "plan.json")]) == 0
     err = capsys.readouterr().err
     assert "note: sequence length 504 (measured up to 128) is beyond the profile's grid" in err
+
+
+@pytest.mark.parametrize("name, total_mib, config", [
+    ("NVIDIA A100-SXM4-40GB", 40_536, "a100-40gb"),
+    ("NVIDIA H100 80GB HBM3", 81_559, "h100-80gb"),
+    ("NVIDIA H200", 143_771, "h200"),
+    ("NVIDIA A100-SXM4-80GB", 81_920, None),   # an A100 of 80 GB: no shipped config has its memory
+    ("NVIDIA L40S", 46_068, None),
+])
+def test_a_gpu_run_without_a_device_config_takes_the_shipped_one_of_its_gpu(name, total_mib, config):
+    from dynapipe.cost.profile_device import shipped_config_for_gpu
+    from megatron_integration.arguments import parse_training_args
+    from megatron_integration.device_default import resolve_default_device
+
+    assert shipped_config_for_gpu(name, total_mib) == config
+    argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 "
+            "--vocab-size 128 --micro-batch-size 1 --global-batch-size 2 --train-iters 1 --lr 1e-4 --mock-data "
+            "--use-dynapipe --transformer-impl local").split()
+    dyn = parse_training_args(argv, 1, cuda=True).dynapipe
+    assert dyn.device == "h100-80gb" and not dyn.device_given and dyn.memory_limit_mb is None
+    got, note = resolve_default_device(dyn, name, total_mib)
+    if config is not None:
+        assert got.device == config and got.memory_limit_mb is None
+        assert (note is None) == (config == "h100-80gb")
+    else:  # h100-80gb's figures, within the memory this GPU has
+        assert got.device == "h100-80gb" and got.memory_limit_mb == pytest.approx(total_mib)
+        assert name in note and "--dynapipe-device" in note
+    # What the command line gave stands.
+    given = parse_training_args(argv + ["--dynapipe-memory-limit-mb", "30000"], 1, cuda=True).dynapipe
+    if config is None:
+        assert resolve_default_device(given, name, total_mib) == (given, None)

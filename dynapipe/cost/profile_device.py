@@ -64,3 +64,23 @@ def check_profile_device(profile: Mapping[str, Any], device: Optional[DeviceConf
                                 f"is GPU model {theirs}: its times would price another GPU. Give the device config "
                                 f"of the {mine}, profile the {theirs} (`python -m dynapipe profile`), or use the "
                                 f"analytic cost model.")
+
+
+def shipped_config_for_gpu(gpu_name: str, total_mib: float, tolerance: float = 0.1) -> Optional[str]:
+    """The shipped device config (``configs/devices``) of the GPU a run found: the one whose name
+    carries the GPU's model (``NVIDIA A100-SXM4-40GB`` -> ``a100``) and whose memory lies within
+    ``tolerance`` of the GPU's ``total_mib`` (MiB; an A100 of 80 GB is not ``a100-40gb``), the
+    closest if several; None when none does."""
+    from dynapipe.config import load_device_config, shipped_names
+
+    model = gpu_model(gpu_name)
+    if model is None or not total_mib > 0:
+        return None
+    fits = []
+    for name in shipped_names("devices"):
+        if gpu_model(name) != model:
+            continue
+        memory = load_device_config(name).memory_mib
+        if abs(memory - total_mib) <= tolerance * total_mib:
+            fits.append((abs(memory - total_mib), name))
+    return min(fits)[1] if fits else None
