@@ -134,7 +134,7 @@ def batching_from_args(args: argparse.Namespace, dp: int) -> tuple[str, Optional
     if (args.reset_position_ids or args.reset_attention_mask) and batching != "packing":
         raise DynaPipeError("--reset-position-ids / --reset-attention-mask apply to packed rows only "
                             "(--dynapipe-batching packing).")
-    if getattr(args, "dynapipe_packed_attention", "mask") == "per-sample":
+    if args.dynapipe_packed_attention == "per-sample":
         if batching != "packing" or args.use_dynapipe or not args.reset_attention_mask:
             raise DynaPipeError("--dynapipe-packed-attention per-sample is how the packing baseline keeps packed "
                                 "samples apart: it needs --dynapipe-batching packing with --reset-attention-mask "

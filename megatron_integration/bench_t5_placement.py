@@ -35,6 +35,7 @@ def baseline_splits(cfg, pp: int, dp: int, batches, baselines: Sequence[tuple[st
     micro-batches of ``batches`` (the sample ``auto`` chooses DynaPipe's placement from), so
     that a baseline is not confined to splits chosen for DynaPipe's micro-batches."""
     from dynapipe.schedule.placement import place_micro_batches
+    from megatron_integration.bench_sim import planned_as
     from megatron_integration.t5_batches import baseline_micro_batches
     from megatron_integration.t5_placement import planner_cost_model
 
@@ -43,9 +44,8 @@ def baseline_splits(cfg, pp: int, dp: int, batches, baselines: Sequence[tuple[st
     out = {}
     for method, size in baselines:
         mbs = [mb for lengths in batches for rank in range(dp)
-               # Per-sample packing forms packing's rows (the cost model prices them as such).
-               for mb in baseline_micro_batches("packing" if method == "packing-per-sample" else method, lengths,
-                                                cfg.encoder_seq_length, cfg.decoder_seq_length,
+               for mb in baseline_micro_batches(planned_as(method), lengths, cfg.encoder_seq_length,
+                                                cfg.decoder_seq_length,
                                                 size, dp, rank)[0]]
         choice = place_micro_batches(mbs, cost_model, dp=dp, memory_limit_mib=cfg.base.dynapipe.memory_limit_mb,
                                      zero=cfg.base.optimizer.distributed, recompute=level)

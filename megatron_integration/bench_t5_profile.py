@@ -184,13 +184,14 @@ def compute_floor_check(cfg, cost_model, checks: dict, warmup: int, replicas: in
     :func:`stage_check` of each method) over it. A baseline's figure is the most any batching
     can gain on it by compute alone, before bubble, transfers and the optimizer step. ms."""
     from dynapipe.cost.compute_floor import floor_over_batches
+    from megatron_integration.bench_sim import PLANNED_AS
     from megatron_integration.t5_placement import first_global_batches
 
     batches = first_global_batches(cfg, cfg.base.train_iters)[warmup:]
     floor = floor_over_batches(cost_model, batches) / max(replicas, 1)
-    # Per-sample packing computes its rows' attention per sample, which the cost model's dense
-    # rows over-price: left out rather than reported as more compute than it does.
+    # A method the planner prices as another (per-sample packing as packing's dense rows) would be
+    # reported as more compute than it does: left out.
     predicted = {m: round(sum(s["predicted_ms"] for s in c["stages"]), 1)
-                 for m, c in checks.items() if c.get("stages") and m != "packing-per-sample"}
+                 for m, c in checks.items() if c.get("stages") and m not in PLANNED_AS}
     return {"floor_ms": round(floor, 1), "iterations": len(batches), "predicted_ms": predicted,
             "over_floor": {m: round(v / floor, 3) for m, v in predicted.items()}}
