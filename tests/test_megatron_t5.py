@@ -451,8 +451,11 @@ def test_t5_torch_dist_checkpoint_loads_at_pp1_with_megatron_cores_t5_keys(pp2, 
     from megatron_integration.launch import spawn
 
     cut, one_stage = t5_dist / "cut", TINY.replace(" --pipeline-model-parallel-size 2", "")
+    # As many threads as each rank of the PP2 job had: the same kernels sum in the same order.
+    threads = max(1, (os.cpu_count() or 1) // 2)
     job = spawn(_one_stage_job, 1, ([f"{one_stage} --load {cut} --save {t5_dist / 'pp1'}",
-                                     f"{one_stage} --decoder-num-layers 3 --load {cut}"],), timeout_s=TIMEOUT)[0]
+                                     f"{one_stage} --decoder-num-layers 3 --load {cut}"],), timeout_s=TIMEOUT,
+                threads_per_rank=threads)[0]
     pp1, refused = job["runs"]
     # The PP2 checkpoint's layers, embeddings (one copy) and optimizer state on one stage: the same step.
     assert pp1["start_iteration"] == 2 and pp1["losses"] == pytest.approx(pp2[0]["losses"][2:], abs=1e-6)
