@@ -9,9 +9,13 @@ and scheduled:
 * ``dynapipe-1f1b``: the same micro-batches, plain 1F1B (the gain of cutting alone);
 * ``dynapipe-zb``: the same micro-batches under the zero-bubble schedule ``zb-h1``;
 * ``packing`` / ``padding`` / ``padding-mb``: the baselines under 1F1B with the lightest
-  uniform recompute level that fits, as a Megatron user would run them;
-* ``packing-search``: packed micro-batches given DynaPipe's schedule search (the gain of
-  scheduling alone, on the packing side).
+  uniform recompute level that fits, as a Megatron user would run them (packed rows with
+  Megatron's per-sample mask: dense attention over every row);
+* ``packing-per-sample``: the same packed rows run with attention on each sample alone (a
+  varlen kernel), priced at their attention density: the strongest packing;
+* ``packing-search``: the strongest packing: ``packing-per-sample``'s micro-batches given
+  DynaPipe's schedule search (schedule, order, per-stage recompute), so the comparison with
+  DynaPipe has the same schedule freedom and only the cut differs.
 
 The baselines have a micro-batch size; :func:`tune_baseline` sweeps it over the values
 that fit in memory and keeps the fastest. Pure Python + numpy: no torch.
@@ -24,6 +28,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from dynapipe.config import ClusterConfig, ModelConfig
+from dynapipe.cost.attention_density import DENSE, AttentionDensity
 from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel
 from dynapipe.errors import DynaPipeError, whole_number
 from dynapipe.pipeline_planner import IterationPlan, plan_iteration
@@ -33,14 +38,15 @@ METHOD_SPECS: dict[str, tuple[str, str, bool]] = {
     "dynapipe": ("dynapipe", "auto", True),
     "dynapipe-1f1b": ("dynapipe", "1f1b", True),
     "packing": ("packing", "1f1b", False),
-    "packing-search": ("packing", "auto", True),
+    "packing-per-sample": ("packing-per-sample", "1f1b", False),
+    "packing-search": ("packing-per-sample", "auto", True),
     "padding": ("padding", "1f1b", False),
     "padding-mb": ("padding-mb", "1f1b", False),
     "dynapipe-zb": ("dynapipe", "zb-h1", True),
 }
 METHODS = tuple(METHOD_SPECS)
 # Methods whose micro-batch size is a free parameter worth tuning.
-SIZED_METHODS = ("packing", "packing-search", "padding", "padding-mb")
+SIZED_METHODS = ("packing", "packing-per-sample", "packing-search", "padding", "padding-mb")
 
 
 @dataclass
@@ -105,7 +111,8 @@ class TunedBaseline:
         return {"best": self.best.to_json(), "sweep": list(self.sweep)}
 
 
-def attention_share(model: ModelConfig, shapes: Sequence[Sequence[int]]) -> float:
+def attention_share(model: ModelConfig, shapes: Sequence[Sequence[int]],
+                    densities: Optional[Sequence[Optional[AttentionDensity]]] = None) -> float:
     """Fraction of the transformer layers' forward FLOPs spent in the attention core
     (scores and weighted values, the term quadratic in the sequence) over micro-batches
     of the given padded shapes.
@@ -113,30 +120,34 @@ def attention_share(model: ModelConfig, shapes: Sequence[Sequence[int]]) -> floa
     ``shapes``: ``(rows, seqlen)`` per micro-batch (tokens), or ``(rows, seqlen,
     dec_seqlen)`` for encoder-decoder models. Counts what dense (unfused, non-causal-
     skipping) attention computes, as megatron-core's local attention does; embedding and
-    output layer excluded.
+    output layer excluded. ``densities``: per micro-batch, the attention density of packed
+    rows run per sample (None: dense).
     """
-    core, linear = attention_and_linear_flops(model, shapes)
+    core, linear = attention_and_linear_flops(model, shapes, densities)
     total = core + linear
     return core / total if total > 0 else 0.0
 
 
-def attention_and_linear_flops(model: ModelConfig, shapes: Sequence[Sequence[int]]) -> tuple[float, float]:
+def attention_and_linear_flops(model: ModelConfig, shapes: Sequence[Sequence[int]],
+                               densities: Optional[Sequence[Optional[AttentionDensity]]] = None
+                               ) -> tuple[float, float]:
     """The transformer layers' forward FLOPs of micro-batches of ``shapes`` (see
     :func:`attention_share`): (attention core, everything else)."""
     h, ad, f = model.hidden_size, model.attention_dim, model.ffn_hidden_size
     core = linear = 0.0
-    for shape in shapes:
+    for i, shape in enumerate(shapes):
         b, s = float(shape[0]), float(shape[1])
+        d = (densities[i] if densities is not None else None) or DENSE
         if model.is_encoder_decoder:
             t = float(shape[2]) if len(shape) > 2 else s
             # Encoder self-attention; decoder self-attention plus cross-attention on the encoder output.
-            core += model.encoder_layers * 4 * b * s * s * ad
+            core += model.encoder_layers * 4 * b * s * s * ad * float(d.input)
             linear += model.encoder_layers * b * s * (8 * h * ad + 4 * h * f)
-            core += model.decoder_layers * (4 * b * t * t * ad + 4 * b * t * s * ad)
+            core += model.decoder_layers * (4 * b * t * t * ad * float(d.target) + 4 * b * t * s * ad * float(d.cross))
             linear += model.decoder_layers * (b * t * (8 * h * ad + 4 * h * f) + 4 * b * t * h * ad
                                               + 4 * b * s * h * ad)
         else:
-            core += model.num_layers * 4 * b * s * s * ad
+            core += model.num_layers * 4 * b * s * s * ad * float(d.input)
             linear += model.num_layers * b * s * (8 * h * ad + 4 * h * f)
     return core, linear
 
@@ -186,7 +197,8 @@ def _to_simulation(method: str, plan: IterationPlan, cost_model: CostModel, real
         padded_tokens=sum(mb.padded_tokens for mb in bp.micro_batches),
         real_tokens_per_s=real_tokens / (plan.simulated_ms / 1e3) if plan.simulated_ms > 0 else 0.0,
         bubble_fraction=plan.bubble_fraction, stage_peak_mib=plan.stage_peak_mib, planning_ms=plan.planning_ms,
-        attention_share=attention_share(cost_model.model, plan_shapes(plan, enc_dec)))
+        attention_share=attention_share(cost_model.model, plan_shapes(plan, enc_dec),
+                                        [mb.attention for mb in bp.micro_batches]))
 
 
 def simulate_method(lengths, method: str, cost_model: CostModel, *, dp: int = 1,

@@ -8,7 +8,12 @@ of ``--device`` and the links of ``--cluster`` (see :mod:`dynapipe.method_compar
 * ``dynapipe``: DP-cut micro-batches and the schedule search;
 * ``dynapipe-1f1b``: the same micro-batches under plain 1F1B (cutting alone);
 * ``packing``: best micro-batch size (rows), 1F1B, lightest uniform recompute that fits;
-* ``packing-search``: packed micro-batches with DynaPipe's schedule search (scheduling alone);
+  rows isolated by Megatron's per-sample mask, so attention spans every row densely;
+* ``packing-per-sample``: the same, rows run with attention on each sample alone (a varlen
+  kernel, as Transformer Engine's THD format gives packing on a GPU), priced at the pairs
+  inside samples: the strongest packing, and the ``vs per-sample packing`` column's base;
+* ``packing-search``: per-sample packing's micro-batches with DynaPipe's schedule search: the
+  strongest packing, with the same schedule freedom as DynaPipe;
 * ``padding`` and ``padding-mb``: Megatron's padding to the sequence length, and padding
   each micro-batch to its longest sample, tuned like packing.
 
@@ -58,7 +63,7 @@ from dynapipe.cost.chunked_placement import even_chunked_placement  # noqa: E402
 from dynapipe.argparsing import StrictArgumentParser, print_error  # noqa: E402
 from dynapipe.output_paths import check_distinct, check_output_file, write_output  # noqa: E402
 
-METHODS = ("dynapipe", "dynapipe-1f1b", "packing", "packing-search", "padding", "padding-mb")
+METHODS = ("dynapipe", "dynapipe-1f1b", "packing", "packing-per-sample", "packing-search", "padding", "padding-mb")
 # The DynaPipe paper (EuroSys 2024), best reported speed-up over packing on FLANv2.
 PAPER_SPEEDUP = {"gpt": 3.25, "t5": 4.39}
 
@@ -119,6 +124,8 @@ def mean_compute_ms(batches, cost, method: str, micro_batch_size, encdec: bool, 
             mbs = plan_micro_batches(b, cost, method=method, micro_batch_size=micro_batch_size,
                                      seq_length=kwargs["seq_length"]).micro_batches
             shapes = [(mb.mbs, mb.seqlen, mb.dec_seqlen) if encdec else (mb.mbs, mb.seqlen) for mb in mbs]
+            total += shapes_compute_ms(cost, shapes, attention=[mb.attention for mb in mbs])
+            continue
         total += shapes_compute_ms(cost, shapes)
     return total / len(batches)
 
@@ -160,6 +167,7 @@ def run_case(case: Case, args) -> dict:
     for method in args.methods:
         results[method] = compare_over_batches(batches, method, cost, **kwargs)
     ref = results.get("packing")
+    ref_per_sample = results.get("packing-per-sample")
     ref_search = results.get("packing-search")
     # The before: DynaPipe on Megatron's even split (encoder-decoder), or on one chunk a rank.
     before = "dynapipe-even-split" if placement is not None else "dynapipe-one-chunk"
@@ -171,10 +179,12 @@ def run_case(case: Case, args) -> dict:
         row = res.summary()
         if ref is not None:
             row["vs_packing"] = round(res.real_tokens_per_s / ref.real_tokens_per_s, 3)
+        if ref_per_sample is not None:
+            row["vs_packing_per_sample"] = round(res.real_tokens_per_s / ref_per_sample.real_tokens_per_s, 3)
         if ref_search is not None:
             row["vs_packing_search"] = round(res.real_tokens_per_s / ref_search.real_tokens_per_s, 3)
         method = "dynapipe" if name == before else name
-        if method in ("dynapipe", "packing", "padding", "padding-mb"):
+        if method in ("dynapipe", "packing", "packing-per-sample", "padding", "padding-mb"):
             priced = even_cost if name == before else cost
             if id(priced) not in floors:
                 floors[id(priced)] = floor_over_batches(priced, batches)
@@ -195,17 +205,19 @@ def run_case(case: Case, args) -> dict:
 def markdown(records: list[dict]) -> str:
     """One table: a row per (case, method)."""
     lines = ["| case | method | mbs | recompute | schedule | iteration (ms) | real tokens/s | vs packing "
-             "| vs packing + search | bubble | padding eff. | attention share | compute / floor | planning (ms) |",
-             "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| vs per-sample packing | vs per-sample packing + search | bubble | padding eff. | attention share "
+             "| compute / floor | planning (ms) |",
+             "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for rec in records:
         for name, r in rec["methods"].items():
             mbs = "-" if r["micro_batch_size"] is None else str(r["micro_batch_size"])
             vs = f"{r['vs_packing']:.2f}x" if "vs_packing" in r else "-"
             vs2 = f"{r['vs_packing_search']:.2f}x" if "vs_packing_search" in r else "-"
+            vs3 = f"{r['vs_packing_per_sample']:.2f}x" if "vs_packing_per_sample" in r else "-"
             floor = f"{r['compute_over_floor']:.2f}x" if "compute_over_floor" in r else "-"
             lines.append(f"| {rec['case']} | {name} | {mbs} | {'/'.join(r['recompute'])} | "
                          f"{'/'.join(r['schedule'])} | {r['iteration_ms']:,.0f} | {r['real_tokens_per_s']:,.0f} | "
-                         f"{vs} | {vs2} | {r['bubble_fraction']:.2f} | {r['padding_efficiency']:.2f} | "
+                         f"{vs} | {vs3} | {vs2} | {r['bubble_fraction']:.2f} | {r['padding_efficiency']:.2f} | "
                          f"{r['attention_share']:.3f} | {floor} | {r['planning_ms']:.1f} |")
     return "\n".join(lines)
 

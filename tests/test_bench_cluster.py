@@ -24,8 +24,16 @@ def test_quick_writes_every_method_with_tuned_baselines(tmp_path):
     assert (case["model"], case["stages"], case["dp"], case["seq_length"]) == ("gpt-7b", 4, 2, 2048)
     assert sum(case["real_tokens_per_batch"]) <= 65536
     methods = case["methods"]
-    assert list(methods) == ["dynapipe", "dynapipe-1f1b", "packing", "packing-search", "padding", "padding-mb"]
+    assert list(methods) == ["dynapipe", "dynapipe-1f1b", "packing", "packing-per-sample", "packing-search",
+                             "padding", "padding-mb"]
     assert methods["packing"]["vs_packing"] == 1.0 and methods["packing-search"]["vs_packing_search"] == 1.0
+    assert methods["packing-per-sample"]["vs_packing_per_sample"] == 1.0
+    # Per-sample attention computes less than masked rows, and the search only adds freedom.
+    per_sample = methods["packing-per-sample"]
+    assert per_sample["real_tokens_per_s"] > methods["packing"]["real_tokens_per_s"]
+    assert per_sample["attention_share"] < methods["packing"]["attention_share"]
+    assert methods["packing-search"]["real_tokens_per_s"] >= per_sample["real_tokens_per_s"] * (1 - 1e-9)
+    assert methods["packing-search"]["attention_share"] == pytest.approx(per_sample["attention_share"])
     for name, m in methods.items():
         assert m["real_tokens_per_s"] > 0 and m["planning_ms"] > 0 and 0 <= m["bubble_fraction"] < 1
         assert len(m["stage_peak_mib"]) == 4 and max(m["stage_peak_mib"]) <= 40536 - 2048
@@ -40,7 +48,8 @@ def test_quick_writes_every_method_with_tuned_baselines(tmp_path):
     assert methods["dynapipe"]["real_tokens_per_s"] >= methods["dynapipe-1f1b"]["real_tokens_per_s"]
     # Nothing computes below the compute floor; padding to --seq-length wastes the most.
     floors = {k: m["compute_over_floor"] for k, m in methods.items() if "compute_over_floor" in m}
-    assert set(floors) == {"dynapipe", "packing", "padding", "padding-mb"} and min(floors.values()) >= 1.0
+    assert set(floors) == {"dynapipe", "packing", "packing-per-sample", "padding", "padding-mb"}
+    assert min(floors.values()) >= 1.0 and floors["packing-per-sample"] < floors["packing"]
     assert floors["padding"] == max(floors.values()) > 2.0
     assert methods["dynapipe-1f1b"]["schedule"] == ["1f1b"] and methods["packing"]["schedule"] == ["1f1b"]
     md = (tmp_path / "cluster.md").read_text().splitlines()

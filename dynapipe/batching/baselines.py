@@ -19,6 +19,10 @@ same cost model as the DP.
   masked attention still computes every (query, key) pair of the row.
   ``cross_sample_attention_pairs`` counts the pairs that cross samples (what an unmasked
   run would attend to, and what a masked one computes and discards).
+- ``packing-per-sample``: the same rows run with attention on each sample alone (a varlen
+  kernel; ``--dynapipe-packed-attention per-sample``), so they compute none of those pairs:
+  each micro-batch carries its attention density, and the cost model prices its attention
+  cores and stored scores at it (the linear layers still span the whole rows).
 - ``token-budget``: samples sorted by length, each micro-batch greedily filled while its
   padded tokens stay within ``max_tokens``.
 """
@@ -31,6 +35,7 @@ import numpy as np
 
 from dynapipe.batching.ordering import candidate_orders, padded_length
 from dynapipe.batching.types import MicroBatch
+from dynapipe.cost.attention_density import packed_density
 from dynapipe.errors import DynaPipeError
 
 
@@ -140,11 +145,12 @@ def cross_sample_attention_pairs(lengths: np.ndarray, rows: list[list[int]]) -> 
 
 
 def packing(lengths: np.ndarray, micro_batch_size: int, seq_length: int,
-            dec_seq_length: Optional[int] = None) -> tuple[list[MicroBatch], int]:
+            dec_seq_length: Optional[int] = None, per_sample: bool = False) -> tuple[list[MicroBatch], int]:
     """Rows of ``seq_length`` packed tokens, ``micro_batch_size`` rows a micro-batch.
 
     Returns the micro-batches and the number of attention pairs crossing sample
-    boundaries. Encoder-decoder rows also hold at most ``dec_seq_length`` target tokens, their
+    boundaries. ``per_sample``: the rows run attention on each sample alone, so each
+    micro-batch carries its :func:`~dynapipe.cost.attention_density.packed_density`. Encoder-decoder rows also hold at most ``dec_seq_length`` target tokens, their
     decoder side padded to it as Megatron's ``--decoder-seq-length``; without it, at most
     ``seq_length`` target tokens, padded to the longest row's (rounded up to 8).
     """
@@ -163,8 +169,9 @@ def packing(lengths: np.ndarray, micro_batch_size: int, seq_length: int,
     out = []
     for s in range(0, len(rows), micro_batch_size):
         group = rows[s: s + micro_batch_size]
+        density = packed_density(lengths, group, int(seq_length), dec) if per_sample else None
         out.append(MicroBatch(samples=[i for r in group for i in r], seqlen=int(seq_length), dec_seqlen=dec,
-                              rows=group))
+                              rows=group, attention=density))
     return out, cross_sample_attention_pairs(lengths, rows)
 
 

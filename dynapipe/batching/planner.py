@@ -23,10 +23,11 @@ from dynapipe.batching.memory import MemoryBudget, memory_budget
 from dynapipe.batching.ordering import named_candidate_orders
 from dynapipe.batching.types import BatchPlan, LengthLimit, MicroBatch
 from dynapipe.cost import CostModel
+from dynapipe.cost.attention_density import stack
 from dynapipe.cost.base import check_recompute
 from dynapipe.errors import DynaPipeError
 
-METHODS = ("dynapipe", "padding", "padding-mb", "packing", "token-budget")
+METHODS = ("dynapipe", "padding", "padding-mb", "packing", "packing-per-sample", "token-budget")
 
 
 def _positive_int(value, flag: str) -> int:
@@ -142,7 +143,7 @@ def _price(mbs: list[MicroBatch], cost_model: CostModel, recompute: str) -> None
     counts = np.array([mb.mbs for mb in mbs])
     seq = np.array([mb.seqlen for mb in mbs])
     dec = np.array([mb.dec_seqlen for mb in mbs]) if cost_model.model.is_encoder_decoder else None
-    c = cost_model.stage_cost(counts, seq, dec, recompute=recompute)
+    c = cost_model.stage_cost(counts, seq, dec, recompute=recompute, attention=stack([mb.attention for mb in mbs]))
     for i, mb in enumerate(mbs):
         mb.time_ms = float(c.time_ms[i])
         mb.stored_mib = float(c.stored_mib[i])
@@ -222,8 +223,10 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
             mbs = baselines.padding(arr, micro_batch_size, cap, fixed_dec)
         elif method == "padding-mb":
             mbs = baselines.padding_to_longest(arr, micro_batch_size, cap, limits.dec_cap)
-        elif method == "packing":
-            mbs, pairs = baselines.packing(arr, micro_batch_size, cap, fixed_dec)
+        elif method in ("packing", "packing-per-sample"):
+            mbs, pairs = baselines.packing(arr, micro_batch_size, cap, fixed_dec,
+                                           per_sample=method == "packing-per-sample")
+            # What masked rows compute and discard; per-sample attention computes none of it.
             extra["cross_sample_attention_pairs"] = pairs
         else:
             # A sample's padded shape counts both sides for encoder-decoder models (each up to its limit).

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from dynapipe.cost.attention_density import AttentionDensity
+
 #: A length limit (tokens): one for every side of a sample, or an encoder-decoder model's
 #: (input, target) pair, either side None for "no limit but the model's".
 LengthLimit = Union[int, "tuple[Optional[int], Optional[int]]"]
@@ -24,7 +26,10 @@ class MicroBatch:
     efficiency. ``loss_tokens``: the tokens of its samples the loss counts when they
     differ from ``real_tokens``: target tokens of an encoder-decoder micro-batch, set
     when the planner knows the target lengths; ``None`` otherwise. Read
-    :attr:`planned_loss_tokens`, which the execution plans record.
+    :attr:`planned_loss_tokens`, which the execution plans record. ``attention``: for
+    packed rows run with per-sample attention, the share of the rows' dense attention
+    pairs computed (:class:`~dynapipe.cost.attention_density.AttentionDensity`); ``None``:
+    dense attention over every row, as the cost models price by default.
     """
 
     samples: list[int]
@@ -37,6 +42,7 @@ class MicroBatch:
     peak_mib: float = 0.0
     real_tokens: int = 0
     loss_tokens: Optional[int] = None
+    attention: Optional[AttentionDensity] = None
 
     @property
     def planned_loss_tokens(self) -> int:
@@ -69,6 +75,8 @@ class MicroBatch:
             out["dec_seqlen"] = self.dec_seqlen
         if self.loss_tokens is not None:
             out["loss_tokens"] = self.loss_tokens
+        if self.attention is not None:
+            out["attention_density"] = self.attention.to_json()
         return out
 
 

@@ -2,8 +2,9 @@
 ``--max-tokens``) and the check that every flag given is one the chosen method reads.
 
 Which method reads what: ``dynapipe`` sizes its micro-batches itself (neither flag);
-``padding``, ``padding-mb`` and ``packing`` take ``--micro-batch-size`` (samples, rows
-for packing); ``token-budget`` takes ``--max-tokens``, or without it
+``padding``, ``padding-mb``, ``packing`` and ``packing-per-sample`` (the same rows run
+with per-sample attention, priced at their attention density) take
+``--micro-batch-size`` (samples, rows for packing); ``token-budget`` takes ``--max-tokens``, or without it
 ``--micro-batch-size x seq-length`` tokens (twice that for an encoder-decoder model, input and
 target together). ``--seq-length`` is read by every method, and so is an encoder-decoder
 model's ``--decoder-seq-length`` (the targets' own limit, as in Megatron-LM).
@@ -17,7 +18,7 @@ from dynapipe.batching import METHODS
 from dynapipe.batching.types import LengthLimit
 from dynapipe.errors import DynaPipeError
 
-SIZED_BY_COUNT = ("padding", "padding-mb", "packing")
+SIZED_BY_COUNT = ("padding", "padding-mb", "packing", "packing-per-sample")
 DEFAULT_MICRO_BATCH_SIZE = 1
 
 
@@ -26,7 +27,7 @@ def add_batching_arguments(p: argparse.ArgumentParser) -> None:
     ``None`` so that :func:`check_batching_flags` can tell a flag given from its default."""
     p.add_argument("--batching", choices=METHODS, default="dynapipe", help="batching method (default dynapipe)")
     p.add_argument("--micro-batch-size", type=int, default=None,
-                   help="samples (packing: rows) a micro-batch for padding, padding-mb and packing (default 1)")
+                   help="samples (packing: rows) a micro-batch for padding, padding-mb and the packings (default 1)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="padded tokens a micro-batch for token-budget, input and target together (default "
                         "micro-batch-size x seq-length; encoder-decoder models: micro-batch-size x (seq-length + "

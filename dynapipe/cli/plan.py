@@ -98,7 +98,10 @@ def summary_lines(batch_plan: BatchPlan, setup: CostSetup) -> list[str]:
             limit += f" input / {x['dec_seq_length']} target"
         lines.append(f"  {x['truncated_samples']} sample(s) truncated to {limit} tokens")
     if "cross_sample_attention_pairs" in x:
-        lines.append(f"  packing: {x['cross_sample_attention_pairs']:,} attention pairs cross sample boundaries")
+        done = "not computed: attention runs per sample" if p.batching == "packing-per-sample" else \
+            "computed and masked"
+        lines.append(f"  packing: {x['cross_sample_attention_pairs']:,} attention pairs cross sample boundaries "
+                     f"({done})")
     if x.get("over_memory_micro_batches"):
         # Printed only once the schedule search found a fitting schedule (it refuses the batch otherwise).
         lines.append(f"  note: {x['over_memory_micro_batches']} micro-batch(es) exceed the activation budget at "

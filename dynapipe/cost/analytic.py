@@ -32,6 +32,11 @@ the TP link and not overlapped with compute, as megatron-core runs them. Stored
 activations follow Korthikanti: ``bs(10h + (8a_d + 4f)/t) + 5nbs^2/t`` without sequence
 parallelism (the norms, dropout masks and residuals are replicated), everything ``/t``
 with it.
+
+Packed rows run with per-sample attention (``attention=``, an
+:class:`~dynapipe.cost.attention_density.AttentionDensity`) scale each attention core's
+FLOPs and stored scores by the share of the row's pairs inside its samples; the linear
+layers still span every token of the row.
 """
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ from dynapipe.config import DeviceConfig, ModelConfig, TensorParallelConfig
 from dynapipe.cost.activation_bytes import (FP32_BYTES, cross_token_bytes, layer_token_bytes, norm_stat_bytes,
                                             score_bytes)
 from dynapipe.cost.backward_split import cross_attention_flops, layer_flops
+from dynapipe.cost.attention_density import DENSE, AttentionDensity
 from dynapipe.cost.base import MIB, CostModel, StageCost, StageLayout
 
 # megatron-core's vocabulary-parallel cross entropy keeps each token's target (int64) and mask (bool).
@@ -51,6 +57,8 @@ LOSS_TARGET_BYTES = 9
 
 class AnalyticCostModel(CostModel):
     """Cost model computed from a model config and a device config alone."""
+
+    prices_attention_density = True
 
     def __init__(self, model: ModelConfig, device: DeviceConfig, num_stages: int,
                  tp: Optional[TensorParallelConfig] = None):
@@ -135,9 +143,13 @@ class AnalyticCostModel(CostModel):
         m = self.model
         return m.hidden_size * self._mask_bytes / self._sp_div if m.hidden_dropout > 0 else 0.0
 
-    def layout_cost(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str) -> StageCost:
+    def layout_cost(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str,
+                    attention: Optional[AttentionDensity] = None) -> StageCost:
         m, d = self.model, self.model.dtype_bytes
         b = mbs
+        # Per-sample attention over packed rows computes (and stores scores for) only the
+        # pairs inside samples: each core's FLOPs and scores scale by its density.
+        dens = attention or DENSE
         # Decoder-only models run their layers on `seqlen`; T5 decoders run on `dec_seqlen`.
         s_enc = seqlen
         s_dec = dec_seqlen if m.is_encoder_decoder else seqlen
@@ -155,8 +167,9 @@ class AnalyticCostModel(CostModel):
         comm_fw = comm_bw = 0.0  # TP collectives of the layers, ms
         if layout.encoder_layers:
             lin, core = self._self_attn_mlp_flops(b, s_enc)
-            lin, core = lin / eff_e, core / eff_e
+            lin, core = lin / eff_e, core * dens.input / eff_e
             a_lin, a_sc = self._layer_act_bytes(b, s_enc)
+            a_sc = a_sc * dens.input
             n = layout.encoder_layers
             fw_lin, fw_core = fw_lin + n * lin, fw_core + n * core
             st_lin, st_scores = st_lin + n * a_lin, st_scores + n * a_sc
@@ -164,15 +177,18 @@ class AnalyticCostModel(CostModel):
             one_layer_full = np.maximum(one_layer_full, a_lin + a_sc)
             comm_fw = comm_bw = n * self._layer_comm_ms(b, s_enc)
         if layout.decoder_layers:
+            self_density = dens.target if m.is_encoder_decoder else dens.input
             lin, core = self._self_attn_mlp_flops(b, s_dec)
-            lin, core = lin / eff_d, core / eff_d
+            lin, core = lin / eff_d, core * self_density / eff_d
             a_lin, a_sc = self._layer_act_bytes(b, s_dec)
+            a_sc = a_sc * self_density
             if m.is_encoder_decoder:
                 c_lin, c_core = self._cross_attn_flops(b, s_dec, s_enc)
                 # The key and value projections of the encoder output span the encoder tokens.
                 kv = 4 * b * s_enc * m.hidden_size * m.attention_dim
-                c_lin, c_core = (c_lin - kv) / eff_d + kv / eff_e, c_core / eff_d
+                c_lin, c_core = (c_lin - kv) / eff_d + kv / eff_e, c_core * dens.cross / eff_d
                 x_lin, x_sc = self._cross_act_bytes(b, s_dec, s_enc)
+                x_sc = x_sc * dens.cross
                 lin, core, a_lin, a_sc = lin + c_lin, core + c_core, a_lin + x_lin, a_sc + x_sc
             n = layout.decoder_layers
             fw_lin, fw_core = fw_lin + n * lin, fw_core + n * core

@@ -171,6 +171,9 @@ class CostModel(ABC):
     model-state memory.
     """
 
+    #: Whether :meth:`layout_cost` takes ``attention`` (an AttentionDensity: per-sample attention).
+    prices_attention_density = False
+
     def __init__(self, model: ModelConfig, num_stages: int, tp: Optional[TensorParallelConfig] = None):
         self.model = model
         self.num_stages = num_stages
@@ -214,7 +217,8 @@ class CostModel(ABC):
 
     @abstractmethod
     def layout_cost(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str) -> StageCost:
-        """Cost of one micro-batch on a stage with this layout (arrays broadcast)."""
+        """Cost of one micro-batch on a stage with this layout (arrays broadcast). Models that
+        set :attr:`prices_attention_density` also take ``attention=`` (see :meth:`stage_cost`)."""
 
     def weight_ms(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str) -> Optional[np.ndarray]:
         """The measured ms of the weight part of a split backward (zero-bubble schedules) on a
@@ -234,14 +238,22 @@ class CostModel(ABC):
         return stage_param_count(self.model, layout, self.tp.size)
 
     def stage_cost(self, mbs, seqlen, dec_seqlen=None, *, recompute: str = "none",
-                   stage: Optional[int] = None) -> StageCost:
+                   stage: Optional[int] = None, attention=None) -> StageCost:
         """Cost of a micro-batch of ``mbs`` samples padded to ``seqlen`` tokens.
 
         ``stage=None`` gives the bottleneck: the elementwise maximum over all stages,
         which is what the planner uses for ``t`` and for the memory check.
         ``dec_seqlen`` is required for encoder-decoder models (decoder tokens).
+        ``attention``: an :class:`~dynapipe.cost.attention_density.AttentionDensity` for
+        packed rows run with per-sample attention (None: dense attention over every row).
         """
         check_recompute(recompute)
+        extra = {}
+        if attention is not None:
+            if not self.prices_attention_density:
+                raise DynaPipeError(f"{type(self).__name__} prices dense attention only; per-sample attention "
+                                    f"(packing-per-sample) needs the analytic or a profile cost model.")
+            extra["attention"] = attention
         if self.model.is_encoder_decoder and dec_seqlen is None:
             raise DynaPipeError(f"model {self.model.name!r} is encoder-decoder: give the decoder length too.")
         mbs = np.asarray(mbs, dtype=np.float64)
@@ -250,9 +262,9 @@ class CostModel(ABC):
         if stage is not None:
             if not 0 <= stage < self.num_stages:
                 raise DynaPipeError(f"stage={stage} is outside the pipeline's 0..{self.num_stages - 1}.")
-            return self.layout_cost(self.layouts[stage], mbs, seqlen, dec, recompute)
+            return self.layout_cost(self.layouts[stage], mbs, seqlen, dec, recompute, **extra)
         by_key = {self._key(l): l for l in self.layouts}
-        costs = [self.layout_cost(by_key[k], mbs, seqlen, dec, recompute) for k in self._distinct]
+        costs = [self.layout_cost(by_key[k], mbs, seqlen, dec, recompute, **extra) for k in self._distinct]
         return costs[0] if len(costs) == 1 else StageCost.maximum(costs)
 
     def output_stored_mib(self, layout: StageLayout, mbs, seqlen, dec_seqlen) -> np.ndarray:

@@ -77,18 +77,25 @@ def compute_floor_ms(cost_model: CostModel, lengths, *, recompute: str = "none",
     return total
 
 
-def shapes_compute_ms(cost_model: CostModel, shapes: Sequence[tuple], *, recompute: str = "none") -> float:
+def shapes_compute_ms(cost_model: CostModel, shapes: Sequence[tuple], *, recompute: str = "none",
+                      attention: Optional[Sequence] = None) -> float:
     """Forward + backward ms of micro-batches of ``shapes`` (``(rows, seqlen[, dec_seqlen])``,
     tokens), summed over every stage of ``cost_model``: what a method's batching of a global
-    batch computes, to set against :func:`compute_floor_ms`."""
+    batch computes, to set against :func:`compute_floor_ms`. ``attention``: per shape, the
+    :class:`~dynapipe.cost.attention_density.AttentionDensity` of packed rows run per sample
+    (None: dense)."""
+    if attention is not None and len(attention) != len(shapes):
+        raise DynaPipeError(f"{len(attention)} attention densities for {len(shapes)} shapes; give one a shape "
+                            f"(None for dense attention).")
     width = 3 if cost_model.model.is_encoder_decoder else 2
     for shape in shapes:
         if (len(shape) != width or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in shape)
                 or min(shape) < 1):
             want = "(rows, seqlen, dec_seqlen)" if width == 3 else "(rows, seqlen)"
             raise DynaPipeError(f"shape {tuple(shape)!r}: give {want}, whole numbers of at least 1 (rows, tokens).")
-    return sum(float(cost_model.stage_cost(*shape, recompute=recompute, stage=k).time_ms)
-               for shape in shapes for k in range(cost_model.num_stages))
+    dens = list(attention) if attention is not None else [None] * len(shapes)
+    return sum(float(cost_model.stage_cost(*shape, recompute=recompute, stage=k, attention=d).time_ms)
+               for shape, d in zip(shapes, dens) for k in range(cost_model.num_stages))
 
 
 def floor_over_batches(cost_model: CostModel, batches: Sequence, *, recompute: str = "none") -> float:

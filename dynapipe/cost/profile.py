@@ -41,6 +41,10 @@ recompute level the profile has no table for is derived:
 adds the attention-core share of the forward (from the analytic FLOP split), drops
 the attention-score share of the stored memory and adds to the layer's peak what the
 recomputed core saves again (:func:`~dynapipe.cost.profile_t5.selective_rebuild_mib`).
+Packed rows run with per-sample attention (``attention=``, an
+:class:`~dynapipe.cost.attention_density.AttentionDensity`) take the measured dense layer
+with its attention-core share of the time and its score share of the stored bytes scaled
+by the density (the same analytic shares; the peak stays as measured, high not low).
 
 A profile measured with ``tp`` > 1 holds one TP rank's figures: times include the TP
 collectives (all-reduces, or all-gathers and reduce-scatters with ``sequence_parallel``),
@@ -60,11 +64,12 @@ decoder-only and still load.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import numpy as np
 
 from dynapipe.config import ModelConfig, TensorParallelConfig
+from dynapipe.cost.attention_density import AttentionDensity, thin
 from dynapipe.cost.activation_bytes import CUDA_MASK_BYTES, layer_token_bytes, score_bytes
 from dynapipe.cost.base import MIB, CostModel, StageCost, StageLayout
 from dynapipe.cost.profile_t5 import (KIND_DECODER_ONLY, KIND_ENCODER_DECODER, WEIGHT_FIELD, check_weight_table,
@@ -152,6 +157,8 @@ class ProfileCostModel(CostModel):
     ``tp``: the run's tensor parallelism (default none); the profile must have been measured
     at the same size and sequence-parallel setting."""
 
+    prices_attention_density = True
+
     def __init__(self, model: ModelConfig, profile: Mapping[str, Any], num_stages: int,
                  source: str = "profile", tp: TensorParallelConfig | None = None):
         check_profile(profile, source)
@@ -223,48 +230,66 @@ class ProfileCostModel(CostModel):
             return super().output_stored_mib(layout, mbs, seqlen, dec_seqlen)
         return self.tables["output"]["stored_mib"](mbs, dec_seqlen if self.model.is_encoder_decoder else seqlen)
 
-    def layout_cost(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str) -> StageCost:
+    def _shares(self, seqlen) -> tuple:
+        """Analytic shares of a layer's forward FLOPs in its attention core and of its stored
+        activations in attention scores, per TP rank as the analytic model splits them: the
+        norms' and residuals' share over the sequence shards, the rest (scores included) over
+        the tensor-parallel ranks."""
+        m = self.model
+        h, ad, kd, f, f1 = m.hidden_size, m.attention_dim, m.kv_dim, m.ffn_hidden_size, m.fc1_width
+        s = np.asarray(seqlen, dtype=np.float64)
+        linear = 2 * h * (ad + 2 * kd) + 2 * ad * h + 2 * h * (f1 + f)
+        core_share = 4 * s * ad / (linear + 4 * s * ad)
+        t, shard = self.tp.size, self.tp.size if self.tp.sequence_parallel else 1
+        scores = score_bytes(m, self.mask_bytes) * m.num_attention_heads * s / t
+        return core_share, scores / (layer_token_bytes(m, t, shard, self.mask_bytes) + scores)
+
+    def layout_cost(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str,
+                    attention: Optional[AttentionDensity] = None) -> StageCost:
         m = self.model
         if m.is_encoder_decoder:
             return t5_layout_cost(m, self.tables, layout, mbs, seqlen, dec_seqlen, recompute, self.stage_overhead_ms,
                                   mask_bytes=self.mask_bytes, tp=self.tp.size,
-                                  sequence_parallel=self.tp.sequence_parallel)
+                                  sequence_parallel=self.tp.sequence_parallel, attention=attention)
         n = layout.decoder_layers
         layer = self._op("layer", mbs, seqlen)
+        dense_core, score_share = self._shares(seqlen)
+        core_share = dense_core
+        if attention is not None:
+            # Per-sample attention over packed rows: the measured dense layer, its attention
+            # core's share of the time and its scores' share of the stored bytes thinned to
+            # the pairs inside samples (the peak kept as measured: high, not low).
+            layer["fw_ms"], core_share = thin(layer["fw_ms"], dense_core, attention.input)
+            layer["bw_ms"], _ = thin(layer["bw_ms"], dense_core, attention.input)
+            layer["stored_mib"], score_share = thin(layer["stored_mib"], score_share, attention.input)
         fw, bw = n * layer["fw_ms"], n * layer["bw_ms"]
         stored = n * layer["stored_mib"]
         peak = layer["peak_mib"]
         measured = LEVEL_OPS.get(recompute)
+        s = np.asarray(seqlen, dtype=np.float64)
         if measured in self.tables:
             at = self._op(measured, mbs, seqlen)
+            if attention is not None:  # these levels store no scores: only the time thins
+                at["fw_ms"], _ = thin(at["fw_ms"], dense_core, attention.input)
+                at["bw_ms"], _ = thin(at["bw_ms"], dense_core, attention.input)
             fw, bw, stored, peak = n * at["fw_ms"], n * at["bw_ms"], n * at["stored_mib"], at["peak_mib"]
-        elif recompute != "none":
-            # Shares of the attention core in FLOPs and of attention scores in stored memory.
-            h, ad, kd, f, f1 = m.hidden_size, m.attention_dim, m.kv_dim, m.ffn_hidden_size, m.fc1_width
-            s = np.asarray(seqlen, dtype=np.float64)
-            linear = 2 * h * (ad + 2 * kd) + 2 * ad * h + 2 * h * (f1 + f)
-            core_share = 4 * s * ad / (linear + 4 * s * ad)
-            # Per TP rank, as the analytic model splits them: the norms' and residuals' share over
-            # the sequence shards, the rest (scores included) over the tensor-parallel ranks.
-            t, shard = self.tp.size, self.tp.size if self.tp.sequence_parallel else 1
-            scores = score_bytes(m, self.mask_bytes) * m.num_attention_heads * s / t
-            score_share = scores / (layer_token_bytes(m, t, shard, self.mask_bytes) + scores)
-            if recompute == "selective":
-                bw = bw + fw * core_share
-                stored = stored * (1 - score_share)
-                # The backward saves one layer's scores again, which the no-recompute peak never
-                # held beside the stored activations, and its attention mask: the causal one an
-                # unpacked micro-batch's core builds itself (bool and bias), or the bias of
-                # packed rows' mask (one a row).
-                b = np.asarray(mbs, dtype=np.float64)
-                mask = s * s * np.maximum(1 + m.dtype_bytes, b * m.dtype_bytes)
-                peak = peak + selective_rebuild_mib(m, layer["stored_mib"], score_share, b, s, t, mask)
-            else:
-                bw = bw + fw
-                # Each layer's input; sequence-sharded over the TP ranks with sequence parallelism.
-                shard = self.tp.size if self.tp.sequence_parallel else 1
-                stored = n * np.asarray(mbs, dtype=np.float64) * s * h * m.dtype_bytes / shard / MIB
-                peak = 2 * peak + layer["stored_mib"]
+        elif recompute == "selective":
+            t = self.tp.size
+            bw = bw + fw * core_share
+            stored = stored * (1 - score_share)
+            # The backward saves one layer's scores again, which the no-recompute peak never
+            # held beside the stored activations, and its attention mask: the causal one an
+            # unpacked micro-batch's core builds itself (bool and bias), or the bias of
+            # packed rows' mask (one a row).
+            b = np.asarray(mbs, dtype=np.float64)
+            mask = s * s * np.maximum(1 + m.dtype_bytes, b * m.dtype_bytes)
+            peak = peak + selective_rebuild_mib(m, layer["stored_mib"], score_share, b, s, t, mask)
+        elif recompute == "full":
+            bw = bw + fw
+            # Each layer's input; sequence-sharded over the TP ranks with sequence parallelism.
+            shard = self.tp.size if self.tp.sequence_parallel else 1
+            stored = n * np.asarray(mbs, dtype=np.float64) * s * m.hidden_size * m.dtype_bytes / shard / MIB
+            peak = 2 * peak + layer["stored_mib"]
         for op, present in (("embedding", layout.has_embedding), ("output", layout.has_output)):
             if present:
                 c = self._op(op, mbs, seqlen)

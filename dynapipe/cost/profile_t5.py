@@ -38,6 +38,7 @@ import numpy as np
 
 from dynapipe.config import ModelConfig
 from dynapipe.cost.activation_bytes import cross_token_bytes, layer_token_bytes, score_bytes
+from dynapipe.cost.attention_density import AttentionDensity, decoder_core_density, thin
 from dynapipe.cost.base import MIB, StageCost, StageLayout
 from dynapipe.errors import DynaPipeError
 
@@ -265,12 +266,16 @@ def selective_rebuild_mib(model: ModelConfig, layer_stored_mib, score_share, mbs
 
 def t5_layout_cost(model: ModelConfig, tables: dict, layout: StageLayout, mbs, seqlen, dec_seqlen,
                    recompute: str, overhead_ms: float, mask_bytes: float = 1.0, tp: int = 1,
-                   sequence_parallel: bool = False) -> StageCost:
+                   sequence_parallel: bool = False, attention: Optional[AttentionDensity] = None) -> StageCost:
     """Cost of one micro-batch of ``mbs`` samples (``seqlen`` encoder, ``dec_seqlen`` decoder
     tokens) on a stage of ``layout`` from the tables of :func:`load_t5_tables` (ms, MiB), on one
     of ``tp`` tensor-parallel ranks (the tables' TP size; the derived recompute levels' shares
     and full recompute's stored inputs are worked out per rank); ``mask_bytes``: a dropout
-    mask's bytes per element in the measured layers (the derived levels' score shares)."""
+    mask's bytes per element in the measured layers (the derived levels' score shares).
+    ``attention``: per-sample attention over packed rows (see
+    :class:`~dynapipe.cost.attention_density.AttentionDensity`): each layer's attention-core
+    share of the time and score share of the stored bytes scale by its density (a decoder
+    layer's self- and cross-attention weighted together)."""
     b = np.asarray(mbs, dtype=np.float64)
     s_enc, s_dec = np.asarray(seqlen, dtype=np.float64), np.asarray(dec_seqlen, dtype=np.float64)
     shape = np.broadcast(b, s_enc, s_dec).shape
@@ -289,6 +294,13 @@ def t5_layout_cost(model: ModelConfig, tables: dict, layout: StageLayout, mbs, s
         if not n:
             continue
         t = {f: tables[op][f](*args) for f in FIELDS}
+        if attention is not None:
+            dens = attention.input if op == "encoder_layer" else \
+                decoder_core_density(attention.target, attention.cross, s_dec, s_enc)
+            dense_share = share
+            t["fw_ms"], share = thin(t["fw_ms"], dense_share, dens)
+            t["bw_ms"], _ = thin(t["bw_ms"], dense_share, dens)
+            t["stored_mib"], scores = thin(t["stored_mib"], scores, dens)
         l_fw, l_bw, l_st = t["fw_ms"], t["bw_ms"], t["stored_mib"]
         l_peak = t["peak_mib"]
         if recompute == "selective":

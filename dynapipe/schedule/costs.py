@@ -17,6 +17,7 @@ import numpy as np
 
 from dynapipe.batching.types import MicroBatch
 from dynapipe.config import ClusterConfig
+from dynapipe.cost.attention_density import stack
 from dynapipe.cost.backward_split import backward_split
 from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, weight_share_of
 from dynapipe.errors import DynaPipeError
@@ -161,6 +162,7 @@ def stage_times(cost_model: CostModel, micro_batches: Sequence[MicroBatch], *, r
         bad = int(np.argmax(dec <= 0))
         raise DynaPipeError(f"micro-batch {bad} has dec_seqlen={micro_batches[bad].dec_seqlen}: an "
                             f"encoder-decoder model needs a positive decoder length.")
+    attention = stack([mb.attention for mb in micro_batches])  # None: every micro-batch dense
     fields = {k: np.zeros((S, M)) for k in ("fw_ms", "bw_ms", "stored_mib", "peak_mib")}
     share, stash = np.zeros((S, M)), np.zeros((S, M))
     by_layout: dict = {}
@@ -170,7 +172,7 @@ def stage_times(cost_model: CostModel, micro_batches: Sequence[MicroBatch], *, r
         if key not in by_layout:
             flops_share, stash_mib = backward_split(model, layout, mbs, seq, dec, recompute=recompute,
                                                     tp=cost_model.tp)
-            cost = cost_model.stage_cost(mbs, seq, dec, recompute=recompute, stage=s)
+            cost = cost_model.stage_cost(mbs, seq, dec, recompute=recompute, stage=s, attention=attention)
             # A measured weight part, over the backward just priced (not priced a second time).
             measured = cost_model.weight_ms(layout, mbs, seq, dec, recompute)
             by_layout[key] = (cost, (flops_share if measured is None else weight_share_of(measured, cost.bw_ms),

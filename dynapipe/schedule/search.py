@@ -183,6 +183,7 @@ def heavy_first(times: Sequence[StageTimes]) -> list[int]:
 _SMALLER = {"dynapipe": "a lower memory limit for batching",
             "padding": "a smaller --micro-batch-size", "padding-mb": "a smaller --micro-batch-size",
             "packing": "a smaller --micro-batch-size (fewer rows)",
+            "packing-per-sample": "a smaller --micro-batch-size (fewer rows)",
             "token-budget": "a smaller --max-tokens",
             None: "a lower memory limit for batching, a smaller --micro-batch-size or --max-tokens"}
 

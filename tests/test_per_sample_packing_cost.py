@@ -1,0 +1,211 @@
+"""Packed rows run with per-sample attention, priced: attention densities, the analytic and
+profile cost models at a density, the ``packing-per-sample`` batching, and the simulated
+comparison that takes it as the strongest packing."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dynapipe.batching import plan_micro_batches
+from dynapipe.config import load_cluster_config, load_device_config, load_model_config
+from dynapipe.cost import build_cost_model
+from dynapipe.cost.analytic import AnalyticCostModel
+from dynapipe.cost.attention_density import DENSE, AttentionDensity, packed_density, stack, thin
+from dynapipe.cost.base import StageLayout
+from dynapipe.cost.profile import ProfileCostModel
+from dynapipe.errors import DynaPipeError
+from dynapipe.method_compare import attention_share, compare_methods
+
+from test_profile_fixes import _profile
+from test_profile_t5 import T5 as T5_TINY
+from test_profile_t5 import t5_profile
+
+A100 = load_device_config("a100-40gb")
+GPT7B = load_model_config("gpt-7b")
+T5_11B = load_model_config("t5-11b")
+MIDDLE = StageLayout(1, 0, 4, False, False)
+LEVELS = ("none", "selective", "full")
+
+
+def test_packed_density_counts_the_pairs_inside_samples():
+    # Two rows of 8 tokens: [3, 5] and [8]; pairs inside samples 9 + 25 + 64 of 2 x 64.
+    d = packed_density(np.array([3, 5, 8]), [[0, 1], [2]], 8)
+    assert d.input == pytest.approx((9 + 25 + 64) / 128) and d.target == 1.0 and d.cross == 1.0
+    # One sample filling its row is dense.
+    assert packed_density(np.array([8]), [[0]], 8).input == 1.0
+    # Encoder-decoder: inputs [3, 5] with targets [2, 4] in one row of 8 input and 6 target tokens.
+    pairs = np.array([[3, 2], [5, 4]])
+    e = packed_density(pairs, [[0, 1]], 8, 6)
+    assert (e.input, e.target, e.cross) == pytest.approx(((9 + 25) / 64, (4 + 16) / 36, (6 + 20) / 48))
+
+
+def test_bad_densities_are_refused_by_name():
+    for bad in (0.0, 1.5, float("nan"), -0.1):
+        with pytest.raises(DynaPipeError, match="attention density input"):
+            AttentionDensity(input=bad)
+    with pytest.raises(DynaPipeError, match="truncate samples to the row length"):
+        packed_density(np.array([9]), [[0]], 8)
+    with pytest.raises(DynaPipeError, match="decoder length"):
+        packed_density(np.array([[3, 2]]), [[0]], 8)
+
+
+def test_stack_fills_dense_micro_batches_and_keeps_none_for_all_dense():
+    assert stack([None, None]) is None and stack([]) is None
+    s = stack([None, AttentionDensity(0.5, 0.25, 0.125)])
+    assert s.input.tolist() == [1.0, 0.5] and s.target.tolist() == [1.0, 0.25] and s.cross.tolist() == [1.0, 0.125]
+
+
+def test_thin_scales_only_the_attention_share():
+    total, share = thin(10.0, 0.4, 0.25)
+    assert total == pytest.approx(10 * (0.6 + 0.1)) and share == pytest.approx(1.0 / 7.0)
+    assert thin(10.0, 0.4, 1.0)[0] == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_analytic_gpt_prices_the_attention_core_and_scores_at_the_density(level):
+    cm = AnalyticCostModel(GPT7B, A100, 8)
+    b, s = np.float64(2), np.float64(4096)
+    dense = cm.layout_cost(MIDDLE, b, s, None, level)
+    same = cm.layout_cost(MIDDLE, b, s, None, level, attention=DENSE)
+    for f in ("fw_ms", "bw_ms", "stored_mib", "peak_mib"):
+        assert float(getattr(same, f)) == pytest.approx(float(getattr(dense, f)))
+    half, quarter = (cm.layout_cost(MIDDLE, b, s, None, level, attention=AttentionDensity(r)) for r in (0.5, 0.25))
+    # The forward's attention-core time, 4 layers x 4 b s^2 a_d FLOPs at the device's rate and
+    # efficiency, falls with the pairs it computes; the linear layers' does not.
+    core_ms = 4 * 4 * b * s * s * GPT7B.attention_dim / A100.effective_flops_per_ms / A100.efficiency(b * s)
+    assert float(dense.fw_ms - half.fw_ms) == pytest.approx(0.5 * core_ms, rel=1e-9)
+    assert float(half.fw_ms - quarter.fw_ms) == pytest.approx(0.25 * core_ms, rel=1e-9)
+    if level == "none":
+        # 4 layers' stored scores (5 bytes a score at dropout 0.1, n heads) scale alike.
+        scores_mib = 4 * 5 * GPT7B.num_attention_heads * b * s * s / 2**20
+        assert float(dense.stored_mib - half.stored_mib) == pytest.approx(0.5 * scores_mib, rel=1e-9)
+    else:  # no scores stored at these levels
+        assert float(half.stored_mib) == pytest.approx(float(dense.stored_mib))
+
+
+def test_analytic_t5_prices_each_attention_kind_at_its_own_density():
+    cm = AnalyticCostModel(T5_11B, A100, 8)
+    enc, dec = StageLayout(0, 3, 0, True, False), StageLayout(7, 0, 3, False, True)
+    b, s, t = np.float64(1), np.float64(2048), np.float64(512)
+    dense = {k: cm.layout_cost(l, b, s, t, "none") for k, l in (("enc", enc), ("dec", dec))}
+    target_only = AttentionDensity(input=1.0, target=0.5, cross=1.0)
+    # The decoder's self-attention density leaves encoder stages alone, and its input density decoder ones.
+    assert float(cm.layout_cost(enc, b, s, t, "none", attention=target_only).fw_ms) == \
+        pytest.approx(float(dense["enc"].fw_ms))
+    assert float(cm.layout_cost(dec, b, s, t, "none", attention=AttentionDensity(input=0.5)).fw_ms) == \
+        pytest.approx(float(dense["dec"].fw_ms))
+    ad, rate = T5_11B.attention_dim, A100.effective_flops_per_ms
+    self_ms = 3 * 4 * b * t * t * ad / rate / A100.efficiency(b * t)
+    cross_ms = 3 * 4 * b * t * s * ad / rate / A100.efficiency(b * t)
+    got = dense["dec"].fw_ms - cm.layout_cost(dec, b, s, t, "none", attention=target_only).fw_ms
+    assert float(got) == pytest.approx(0.5 * self_ms, rel=1e-9)
+    got = dense["dec"].fw_ms - cm.layout_cost(dec, b, s, t, "none", attention=AttentionDensity(cross=0.25)).fw_ms
+    assert float(got) == pytest.approx(0.75 * cross_ms, rel=1e-9)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_profile_thins_its_measured_layer_by_the_analytic_shares(level):
+    tiny = load_model_config("gpt-tiny")
+    cm = ProfileCostModel(tiny, _profile(), 2)
+    layout = StageLayout(0, 0, 1, False, False)
+    b, s = np.float64(2), np.float64(256)
+    dense = cm.layout_cost(layout, b, s, None, level)
+    same = cm.layout_cost(layout, b, s, None, level, attention=DENSE)
+    assert float(same.fw_ms) == pytest.approx(float(dense.fw_ms))
+    assert float(same.stored_mib) == pytest.approx(float(dense.stored_mib))
+    core_share, score_share = cm._shares(s)
+    half = cm.layout_cost(layout, b, s, None, level, attention=AttentionDensity(0.5))
+    assert float(half.fw_ms) == pytest.approx(float(dense.fw_ms) * (1 - 0.5 * float(core_share)))
+    assert float(half.bw_ms) < float(dense.bw_ms)
+    if level == "none":
+        assert float(half.stored_mib) == pytest.approx(float(dense.stored_mib) * (1 - 0.5 * float(score_share)))
+    else:
+        assert float(half.stored_mib) == pytest.approx(float(dense.stored_mib))
+    assert float(half.peak_mib) <= float(dense.peak_mib) + 1e-12
+
+
+def test_a_t5_profile_thins_encoder_and_decoder_layers():
+    cm = ProfileCostModel(T5_TINY, t5_profile(), 2)
+    enc, dec = StageLayout(0, 2, 0, True, False), StageLayout(1, 0, 2, False, True)
+    b, s, t = np.float64(2), np.float64(256), np.float64(64)
+    for layout in (enc, dec):
+        dense = cm.layout_cost(layout, b, s, t, "none")
+        assert float(cm.layout_cost(layout, b, s, t, "none", attention=DENSE).fw_ms) == \
+            pytest.approx(float(dense.fw_ms))
+        thin_all = cm.layout_cost(layout, b, s, t, "none", attention=AttentionDensity(0.3, 0.3, 0.3))
+        assert float(thin_all.fw_ms) < float(dense.fw_ms) and float(thin_all.stored_mib) < float(dense.stored_mib)
+    # The encoder's density does not touch decoder layers; the decoder's does not touch the encoder's.
+    assert float(cm.layout_cost(dec, b, s, t, "none", attention=AttentionDensity(input=0.3)).fw_ms) == \
+        pytest.approx(float(cm.layout_cost(dec, b, s, t, "none").fw_ms))
+    assert float(cm.layout_cost(enc, b, s, t, "none", attention=AttentionDensity(1.0, 0.3, 0.3)).fw_ms) == \
+        pytest.approx(float(cm.layout_cost(enc, b, s, t, "none").fw_ms))
+
+
+def test_a_cost_model_that_prices_dense_rows_only_refuses_a_density():
+    from test_batching_dp import ToyCost
+
+    with pytest.raises(DynaPipeError, match="dense attention only"):
+        ToyCost(0.0, 0.0, 2).stage_cost(1, 128, attention=AttentionDensity(0.5))
+
+
+@pytest.mark.parametrize("model_name,lengths", [
+    ("gpt-7b", np.array([100, 7, 2048, 513, 64, 1000, 9, 300, 1500, 40, 700])),
+    ("t5-11b", np.array([[100, 20], [7, 3], [1800, 400], [513, 90], [64, 64], [1000, 10], [300, 120]])),
+])
+def test_packing_per_sample_forms_packings_rows_and_prices_them_lighter(model_name, lengths):
+    cm = build_cost_model(load_model_config(model_name), A100, 8)
+    kw = dict(micro_batch_size=2, seq_length=2048)
+    masked = plan_micro_batches(lengths, cm, method="packing", **kw)
+    per_sample = plan_micro_batches(lengths, cm, method="packing-per-sample", **kw)
+    assert per_sample.batching == "packing-per-sample"
+    assert [mb.rows for mb in per_sample.micro_batches] == [mb.rows for mb in masked.micro_batches]
+    for a, b in zip(masked.micro_batches, per_sample.micro_batches):
+        assert a.attention is None
+        assert b.attention == packed_density(lengths, b.rows, b.seqlen, b.dec_seqlen)
+        assert b.time_ms < a.time_ms and b.stored_mib < a.stored_mib
+        assert b.to_json()["attention_density"] == b.attention.to_json()
+    # A micro-batch whose rows each hold one sample filling the row is dense, and priced as packing.
+    full = np.array([2048, 2048]) if model_name == "gpt-7b" else np.array([[2048, 2048], [2048, 2048]])
+    one = plan_micro_batches(full, cm, method="packing-per-sample", micro_batch_size=1, seq_length=2048)
+    ref = plan_micro_batches(full, cm, method="packing", micro_batch_size=1, seq_length=2048)
+    assert [mb.time_ms for mb in one.micro_batches] == pytest.approx([mb.time_ms for mb in ref.micro_batches])
+
+
+def test_the_simulated_comparison_prices_per_sample_packing_and_searches_it():
+    from dynapipe.method_compare import global_batch_of_tokens
+
+    cm = build_cost_model(GPT7B, A100, 4)
+    batch = global_batch_of_tokens(32768, 0, 4096)
+    res = compare_methods(batch, cm, methods=("packing", "packing-per-sample", "packing-search"), seq_length=4096,
+                          cluster=load_cluster_config("a100-8x"), dp=2, zero=True)
+    masked, per_sample, searched = (res[m].best for m in ("packing", "packing-per-sample", "packing-search"))
+    assert per_sample.real_tokens_per_s > masked.real_tokens_per_s
+    assert searched.iteration_ms <= per_sample.iteration_ms + 1e-6
+    # Per-sample rows compute only the samples' own attention: the share is the samples' alone.
+    assert per_sample.attention_share < masked.attention_share
+    assert searched.attention_share == pytest.approx(per_sample.attention_share)
+    plan = plan_micro_batches(batch, cm, method="packing-per-sample", micro_batch_size=per_sample.micro_batch_size,
+                              seq_length=4096)
+    dens = [mb.attention for mb in plan.micro_batches]
+    assert per_sample.attention_share == pytest.approx(attention_share(GPT7B, [(mb.mbs, mb.seqlen) for mb in
+                                                                                plan.micro_batches], dens))
+    one_each = [(1, int(n)) for n in np.minimum(batch, 4096)]
+    core_alone = attention_share(GPT7B, one_each)  # the samples' own attention over their own GEMMs
+    assert per_sample.attention_share < core_alone
+
+
+def test_plan_prints_that_per_sample_rows_compute_no_cross_pairs(tmp_path):
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(n) for n in [100, 7, 900, 513, 64, 1000, 9, 300]))
+    out = tmp_path / "plan.json"
+    r = subprocess.run([sys.executable, "-m", "dynapipe", "plan", "--model", "gpt-7b", "--device", "a100-40gb",
+                        "--stages", "4", "--lengths", str(lengths), "--batching", "packing-per-sample",
+                        "--micro-batch-size", "2", "--seq-length", "1024", "--output", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "not computed: attention runs per sample" in r.stderr
+    plan = json.loads(out.read_text())
+    assert plan["batching"] == "packing-per-sample"
+    assert all(0 < mb["attention_density"]["input"] <= 1 for mb in plan["micro_batches"])
