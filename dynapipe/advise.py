@@ -4,7 +4,8 @@ For a model, a device, a cluster and a number of GPUs, :func:`enumerate_layouts`
 the layouts (tensor-parallel x pipeline-parallel x data-parallel, and Megatron's
 distributed optimizer on or off); :func:`advise` plans and simulates a few sampled
 global batches on each with DynaPipe (its schedule search picks the schedule and the
-recompute level per stage) and with the best tuned packing baseline, adds the layout's
+recompute level per stage) and with the best tuned packing baseline (by default packed rows
+whose attention runs per sample, as a varlen kernel gives packing on a GPU), adds the layout's
 data-parallel gradient synchronisation (:func:`~dynapipe.cost.dp_sync.dp_sync_ms`), and
 ranks the layouts by DynaPipe's predicted real tokens per second. Layouts whose model states
 alone exceed the memory are refused without planning; a layout is shown only if every
@@ -32,6 +33,9 @@ from dynapipe.cost.dp_sync import dp_sync_ms
 from dynapipe.cost.placement import StagePlacement
 from dynapipe.errors import DynaPipeError, whole_number
 from dynapipe.method_compare import BatchesResult, compare_over_batches
+
+#: The packings :func:`advise` compares with: per-sample attention (the default, the strongest) or masked rows.
+PACKING_METHODS = ("packing-per-sample", "packing")
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,8 @@ class LayoutResult:
                "placement": self.placement}
         if self.packing is not None:
             p = self.packing.summary()
-            out["packing"] = {"micro_batch_size": p["micro_batch_size"], "real_tokens_per_s": p["real_tokens_per_s"],
+            out["packing"] = {"method": self.packing.method, "micro_batch_size": p["micro_batch_size"],
+                              "real_tokens_per_s": p["real_tokens_per_s"],
                               "iteration_ms": p["iteration_ms"], "recompute": p["recompute"]}
             out["speedup_vs_packing"] = round(self.speedup_vs_packing, 3)
         return out
@@ -121,6 +126,13 @@ class Advice:
     refused: list[tuple[Layout, str]] = field(default_factory=list)
     elapsed_ms: float = 0.0
     left_out: list[tuple[Layout, str]] = field(default_factory=list)
+
+    @property
+    def best_packing(self) -> Optional[LayoutResult]:
+        """The layout on which packing simulates fastest (None without a packing comparison):
+        a user who packs would train on it, so DynaPipe's best layout is set against it."""
+        packed = [r for r in self.results if r.packing is not None]
+        return max(packed, key=lambda r: r.packing.real_tokens_per_s, default=None)
 
     @property
     def best(self) -> LayoutResult:
@@ -203,6 +215,7 @@ def advise(batches: Sequence[np.ndarray], model: ModelConfig, device: DeviceConf
            cluster: Optional[ClusterConfig] = None, seq_length: Optional[int] = None,
            memory_limit_mib: Optional[float] = None, layouts: Optional[Sequence[Layout]] = None,
            compare_packing: bool = True, plan_placement: bool = True,
+           packing_method: str = "packing-per-sample",
            progress: Optional[Callable[[int, int, Layout], None]] = None) -> Advice:
     """Simulate every layout (default :func:`enumerate_layouts`) on ``batches`` (sample
     lengths in tokens, one array per global batch) and rank them by DynaPipe's real
@@ -215,7 +228,11 @@ def advise(batches: Sequence[np.ndarray], model: ModelConfig, device: DeviceConf
     placement the planner chooses on ``batches`` (contiguous or interleaved, as
     ``pretrain_t5.py --dynapipe-placement auto`` does; seconds a layout at cluster scale),
     every method on it; off, on Megatron's even split.
+    ``packing_method``: the packing compared with, ``packing-per-sample`` (the strongest: the
+    rows' attention computed per sample) or ``packing`` (Megatron's masked rows: dense attention).
     """
+    if packing_method not in PACKING_METHODS:
+        raise DynaPipeError(f"packing method {packing_method!r}: compare with one of {', '.join(PACKING_METHODS)}.")
     if not len(batches):
         raise DynaPipeError("no global batch to simulate.")
     if layouts is not None:
@@ -268,7 +285,7 @@ def advise(batches: Sequence[np.ndarray], model: ModelConfig, device: DeviceConf
         pack = None
         if compare_packing:
             try:
-                pack = compare_over_batches(batches, "packing", cm, **kw)
+                pack = compare_over_batches(batches, packing_method, cm, **kw)
             except DynaPipeError:
                 pack = None
         # Layouts differ in the data-parallel step after the pipeline; both methods pay it.

@@ -17,9 +17,7 @@ from dynapipe.batching import plan_micro_batches
 from dynapipe.cost.compute_floor import floor_over_batches, shapes_compute_ms
 from dynapipe.config import load_cluster_config, load_device_config, load_model_config
 from dynapipe.cost import build_cost_model
-from dynapipe.method_compare import (attention_and_linear_flops, attention_share, compare_over_batches,
-                                     global_batch_of_tokens,
-                                     plan_shapes, simulate_method)
+from dynapipe.method_compare import attention_share, compare_over_batches, global_batch_of_tokens, simulate_method
 from dynapipe.pipeline_planner import plan_iteration
 from dynapipe.runtime.plan_source import tensor_parallel_of
 
@@ -39,13 +37,13 @@ TIMED_REGIONS = {
                           "found outside the timed region)",
 }
 
-# Bench methods the planner knows by another name: per-sample attention changes what a packed
-# row computes, not which rows are formed.
+# Bench methods whose rows the T5 batch builders form as another's: per-sample attention changes
+# what a packed row computes (the planner prices it as packing-per-sample), not which rows are formed.
 PLANNED_AS = {"packing-per-sample": "packing"}
 
 
 def planned_as(method: str) -> str:
-    """The planner's batching method of bench method ``method``."""
+    """The T5 batch builders' method forming the rows of bench method ``method``."""
     return PLANNED_AS.get(method, method)
 
 
@@ -79,7 +77,7 @@ class BenchSimulation:
         for packing also at most the packed rows a replica gets."""
         gbs = self.cfg.global_batch_size
         limit = gbs // self.dp
-        if planned_as(method) == "packing":
+        if method.startswith("packing"):
             from dynapipe.batching.baselines import packing
 
             rows = min(len(packing(b, 1, self.seq_length)[0]) for b in self.batches)
@@ -95,9 +93,7 @@ class BenchSimulation:
         """Simulated figures of every candidate size of a baseline over the timed batches
         (``fits``: within the memory limit without recompute, which the megatron-core
         baseline runs here do not use)."""
-        # Per-sample packing is priced as packing: the cost model prices rows, not their segments,
-        # so it ranks the sizes by the same figures (its attention is cheaper than it says).
-        res = compare_over_batches(self.batches, planned_as(method), self.cost,
+        res = compare_over_batches(self.batches, method, self.cost,
                                    micro_batch_sizes=self.candidate_sizes(method), **self._kwargs())
         rows = []
         for row in res.sweep:
@@ -128,7 +124,7 @@ class BenchSimulation:
         iteration (ms; the pipeline's makespan, without the optimizer step and the executor's
         bookkeeping between ops), bubble fraction and micro-batches; what the bench compares with
         the measured iteration to show where the cost model is wrong, per method."""
-        runs = [simulate_method(b, planned_as(method), self.cost, micro_batch_size=micro_batch_size,
+        runs = [simulate_method(b, method, self.cost, micro_batch_size=micro_batch_size,
                                 **self._kwargs()) for b in self.batches]
         return {"iteration_ms": round(float(np.mean([r.iteration_ms for r in runs])), 1),
                 "bubble_fraction": round(float(np.mean([r.bubble_fraction for r in runs])), 4),
@@ -136,28 +132,32 @@ class BenchSimulation:
                 "real_tokens_per_s": round(sum(r.real_tokens for r in runs) /
                                            (sum(r.iteration_ms for r in runs) / 1e3), 1)}
 
-    def micro_batches(self, method: str, lengths: np.ndarray, micro_batch_size: Optional[int]) -> list[tuple]:
-        """``(rows, seqlen)`` of every micro-batch ``method`` computes for one global batch (all
-        replicas): the baselines' as their batch builders make them (padding and packing rows
-        are --seq-length long; packing's are masked, not shortened), DynaPipe's as planned."""
+    def micro_batches(self, method: str, lengths: np.ndarray, micro_batch_size: Optional[int]) -> list:
+        """Every micro-batch ``method`` computes for one global batch (all replicas), as the
+        planner's :class:`~dynapipe.batching.types.MicroBatch`: the baselines' as their batch
+        builders make them (padding and packing rows are --seq-length long; packing's are masked,
+        not shortened; per-sample packing's carry their attention density), DynaPipe's as planned."""
         if not method.startswith("dynapipe"):
-            plan = plan_micro_batches(lengths, self.cost, method=planned_as(method), seq_length=self.seq_length,
+            plan = plan_micro_batches(lengths, self.cost, method=method, seq_length=self.seq_length,
                                       micro_batch_size=micro_batch_size or self.cfg.micro_batch_size)
-            return [(mb.mbs, mb.seqlen) for mb in plan.micro_batches]
+            return plan.micro_batches
         schedule = {"dynapipe-1f1b": "1f1b", "dynapipe-zb": "zb-h1"}.get(method, self.cfg.dynapipe.schedule)
         plan = plan_iteration(lengths, self.cost, stages=self.pp, method="dynapipe", schedule=schedule,
                               micro_batch_size=self.cfg.micro_batch_size, **self._kwargs())
-        return plan_shapes(plan, False)
+        return plan.batch_plan.micro_batches
 
     def compute_floor(self, sizes: dict) -> dict:
         """The compute floor of the timed batches (:mod:`dynapipe.cost.compute_floor`) and each
         method's predicted compute over it (``sizes``: method -> micro-batch size, None for
         DynaPipe); ms an iteration per data-parallel replica, summed over the stages."""
         floor = floor_over_batches(self.cost, self.batches) / self.dp
-        # Per-sample packing's rows compute less attention than the cost model's dense rows: not priced.
-        predicted = {m: float(np.mean([shapes_compute_ms(self.cost, self.micro_batches(m, b, size))
-                                       for b in self.batches])) / self.dp for m, size in sizes.items()
-                     if m not in PLANNED_AS}
+
+        def computed(m, b, size):
+            mbs = self.micro_batches(m, b, size)
+            return shapes_compute_ms(self.cost, _shapes(mbs), attention=[mb.attention for mb in mbs])
+
+        predicted = {m: float(np.mean([computed(m, b, size) for b in self.batches])) / self.dp
+                     for m, size in sizes.items()}
         return {"floor_ms": round(floor, 1), "iterations": len(self.batches),
                 "predicted_ms": {m: round(v, 1) for m, v in predicted.items()},
                 "over_floor": {m: round(v / floor, 3) for m, v in predicted.items()}}
@@ -165,20 +165,16 @@ class BenchSimulation:
     def attention_share(self, method: str, micro_batch_size: Optional[int] = None) -> float:
         """Mean attention share of the layer FLOPs over the timed batches, at ``method``'s shapes
         (per-sample packing: its rows' GEMMs, each sample's own attention)."""
-        if method == "packing-per-sample":
-            return float(np.mean([per_sample_share(self.model, b, self.micro_batches(method, b, micro_batch_size))
-                                  for b in self.batches]))
-        return float(np.mean([attention_share(self.model, self.micro_batches(method, b, micro_batch_size))
-                              for b in self.batches]))
+        def share(b):
+            mbs = self.micro_batches(method, b, micro_batch_size)
+            return attention_share(self.model, _shapes(mbs), [mb.attention for mb in mbs])
+
+        return float(np.mean([share(b) for b in self.batches]))
 
 
-def per_sample_share(model, lengths: np.ndarray, rows: Sequence[tuple]) -> float:
-    """Attention share of packed ``rows`` (``(rows, seqlen)`` per micro-batch) whose attention
-    runs on each sample of ``lengths`` (tokens) alone: the GEMMs span the rows, the attention
-    core only the samples."""
-    core, _ = attention_and_linear_flops(model, [(1, int(n)) for n in np.asarray(lengths).reshape(-1)])
-    _, linear = attention_and_linear_flops(model, rows)
-    return core / (core + linear) if core + linear > 0 else 0.0
+def _shapes(micro_batches) -> list[tuple]:
+    """``(rows, seqlen)`` of each micro-batch (decoder-only)."""
+    return [(mb.mbs, mb.seqlen) for mb in micro_batches]
 
 
 def gpt7b_attention_shares(methods: Sequence[str], seq_length: int, tokens: int = 65536) -> dict[str, float]:
@@ -192,12 +188,7 @@ def gpt7b_attention_shares(methods: Sequence[str], seq_length: int, tokens: int 
     kw = dict(dp=2, seq_length=seq_length, cluster=load_cluster_config("a100-8x"), zero=True)
     out = {}
     for m in methods:
-        if m == "packing-per-sample":
-            size = compare_over_batches([batch], "packing", cost, **kw).micro_batch_size
-            plan = plan_micro_batches(batch, cost, method="packing", seq_length=seq_length, micro_batch_size=size)
-            rows = [(mb.mbs, mb.seqlen) for mb in plan.micro_batches]
-            out[m] = round(per_sample_share(model, batch, rows), 4)
-        elif m in ("padding", "padding-mb", "packing"):
+        if m in ("padding", "padding-mb", "packing", "packing-per-sample"):
             out[m] = round(compare_over_batches([batch], m, cost, **kw).runs[0].attention_share, 4)
         else:
             out[m] = round(simulate_method(batch, m, cost, **kw).attention_share, 4)

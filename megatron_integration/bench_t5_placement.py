@@ -12,6 +12,8 @@ from __future__ import annotations
 import statistics
 from typing import Optional, Sequence
 
+import numpy as np
+
 
 def _simulate(batches, cost_model, cfg, pp: int, dp: int) -> dict:
     """Mean bubble fraction and summed simulated ms of DynaPipe's plans of ``batches``."""
@@ -43,7 +45,7 @@ def baseline_splits(cfg, pp: int, dp: int, batches, baselines: Sequence[tuple[st
     level = cfg.base.recompute.granularity or "none"
     out = {}
     for method, size in baselines:
-        mbs = [mb for lengths in batches for rank in range(dp)
+        mbs = [_priced_as(method, mb, lengths) for lengths in batches for rank in range(dp)
                for mb in baseline_micro_batches(planned_as(method), lengths, cfg.encoder_seq_length,
                                                 cfg.decoder_seq_length,
                                                 size, dp, rank)[0]]
@@ -51,6 +53,19 @@ def baseline_splits(cfg, pp: int, dp: int, batches, baselines: Sequence[tuple[st
                                      zero=cfg.base.optimizer.distributed, recompute=level)
         out[f"{method}@mbs{size}"] = str(choice.placement)
     return out
+
+
+def _priced_as(method: str, mb, lengths):
+    """``mb`` as ``method`` computes it: per-sample packing's rows carry their attention density
+    (the attention between samples is not computed), so its split is chosen on what it runs."""
+    if method != "packing-per-sample" or not mb.rows:
+        return mb
+    from dataclasses import replace
+
+    from dynapipe.cost.attention_density import packed_density
+
+    pairs = np.asarray(lengths, dtype=np.int64).reshape(-1, 2)
+    return replace(mb, attention=packed_density(pairs, mb.rows, mb.seqlen, mb.dec_seqlen))
 
 
 def t5_bench_placement(cfg, nproc: int, warmup_iters: int, given: Optional[str] = None,

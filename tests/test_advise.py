@@ -167,6 +167,7 @@ def re_loss(stdout: str) -> bool:
     (["--gpus", "2", "--tp-sizes", "3"], "--tp-sizes 3 does not divide num_attention_heads=4"),
     (["--gpus", "2", "--vpp-sizes", "3"], "--vpp-sizes 3: no pipeline size here splits the 4 layers"),
     (["--gpus", "2", "--tp-sizes", "1,x"], "--tp-sizes: '1,x': expected comma-separated integers"),
+    (["--gpus", "2", "--no-packing", "--packing-attention", "mask"], "--no-packing skips the packing comparison"),
 ])
 def test_bad_advise_arguments_give_one_line(argv, message, capsys):
     rc = main(["advise", "--model", "gpt-tiny", "--device", "cpu", "--cluster", "cpu-local",
@@ -474,6 +475,40 @@ def test_advise_ranks_layouts_with_their_data_parallel_step(tmp_path, capsys):
         assert r.packing.step_ms == r.dynapipe.step_ms  # both methods pay the layout's step
     # TP4 x DP4 reduces 3.3B parameters a GPU over two nodes; TP2 x PP4 x DP2 0.8B inside one.
     assert by[Layout(4, 1, 4, True, sp=True)].dynapipe.step_ms > 5 * by[Layout(2, 4, 2, True, sp=True)].dynapipe.step_ms
+
+
+def test_advise_compares_with_per_sample_packing_unless_told_masked_rows():
+    model, device = load_model_config("gpt-7b"), load_device_config("a100-40gb")
+    cluster = load_cluster_config("a100-8x")
+    batches = sample_batches(40_000, 1, 0, 4096)
+    kw = dict(cluster=cluster, seq_length=4096, layouts=[Layout(2, 4, 1, True, sp=True)])
+    per_sample = advise(batches, model, device, 8, **kw).results[0]
+    masked = advise(batches, model, device, 8, packing_method="packing", **kw).results[0]
+    assert per_sample.to_json()["packing"]["method"] == "packing-per-sample"
+    assert masked.to_json()["packing"]["method"] == "packing"
+    # Masked rows compute the attention between samples too: the weaker packing, the larger ratio.
+    assert per_sample.packing.real_tokens_per_s > masked.packing.real_tokens_per_s
+    assert per_sample.speedup_vs_packing < masked.speedup_vs_packing
+    with pytest.raises(DynaPipeError, match="packing method 'padding'"):
+        advise(batches, model, device, 8, packing_method="padding", **kw)
+
+
+def test_the_best_layout_for_packing_is_named_beside_dynapipes(tmp_path, capsys):
+    out = tmp_path / "advice.json"
+    rc = main(["advise", "--model", "gpt-tiny", "--device", "cpu", "--cluster", "cpu-local", "--gpus", "4",
+               "--mixture", "flan-mixture", "--tokens-per-iteration", "8192", "--seq-length", "512",
+               "--no-progress", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    data = json.loads(out.read_text())
+    packed = [r for r in data["layouts"] if "packing" in r]
+    rival = max(packed, key=lambda r: r["packing"]["real_tokens_per_s"])
+    got = data["best_packing"]
+    assert got["real_tokens_per_s"] == pytest.approx(rival["packing"]["real_tokens_per_s"], abs=0.1)
+    assert got["method"] == "packing-per-sample"
+    assert got["dynapipe_best_vs_it"] == pytest.approx(data["layouts"][0]["real_tokens_per_s"]
+                                                       / rival["packing"]["real_tokens_per_s"], abs=2e-3)
+    assert f"best layout for packing: {got['layout']}," in text and "attention per sample" in text
 
 
 def test_the_run_config_names_a_device_and_cluster_file_by_path(tmp_path, capsys, monkeypatch):

@@ -171,14 +171,18 @@ def test_bench_compute_floor_prices_every_methods_micro_batches_over_the_timed_b
     argv = with_defaults(["--global-batch-size", "12", "--train-iters", "3", "--seq-length", "256",
                           "--max-position-embeddings", "256", "--use-dynapipe"], "representative")
     sim = BenchSimulation(parse_training_args(argv, 2), 2, None, warmup_iters=1)
-    out = sim.compute_floor({"padding": 2, "padding-mb": 2, "packing": 1, "dynapipe": None})
+    out = sim.compute_floor({"padding": 2, "padding-mb": 2, "packing": 1, "packing-per-sample": 1, "dynapipe": None})
     floor = sum(compute_floor_ms(sim.cost, b) for b in sim.batches) / 2
     assert out["iterations"] == 2 and out["floor_ms"] == pytest.approx(floor, abs=0.05)
     # Padding computes 6 micro-batches of 2 full rows a batch, priced on both stages.
     full = 6 * sum(float(sim.cost.stage_cost(2, 256, stage=k).time_ms) for k in range(2))
     assert out["predicted_ms"]["padding"] == pytest.approx(full, rel=1e-3)
     packed = [sim.micro_batches("packing", b, 1) for b in sim.batches]
-    assert all(len(rows) < 12 and all(shape == (1, 256) for shape in rows) for rows in packed)
+    assert all(len(mbs) < 12 and all((mb.mbs, mb.seqlen) == (1, 256) for mb in mbs) for mbs in packed)
+    # The same rows run per sample skip the attention between samples: priced at their density.
+    per_sample = [sim.micro_batches("packing-per-sample", b, 1) for b in sim.batches]
+    assert [[mb.rows for mb in mbs] for mbs in per_sample] == [[mb.rows for mb in mbs] for mbs in packed]
+    assert out["floor_ms"] <= out["predicted_ms"]["packing-per-sample"] < out["predicted_ms"]["packing"]
     # Nothing computes below the floor; padding to the longest of each micro-batch wastes less than full rows.
     assert all(v >= 1.0 for v in out["over_floor"].values())
     assert out["over_floor"]["padding-mb"] < out["over_floor"]["padding"]

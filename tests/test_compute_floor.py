@@ -37,11 +37,15 @@ def test_no_method_computes_less_than_the_floor(cost_model, encdec, seed):
     lengths = global_batch_of_tokens(32 * 1024, seed, seq, encoder_decoder=encdec)
     floor = compute_floor_ms(cost_model, lengths)
     computed = {}
-    for method in ("padding", "packing", "dynapipe"):
+    for method in ("padding", "packing", "packing-per-sample", "dynapipe"):
         plan = plan_iteration(lengths, cost_model, method=method, micro_batch_size=2, seq_length=seq,
                               schedule="1f1b")
-        computed[method] = _compute_ms(cost_model, plan_shapes(plan, encdec))
+        mbs = plan.batch_plan.micro_batches
+        computed[method] = shapes_compute_ms(cost_model, plan_shapes(plan, encdec),
+                                             attention=[mb.attention for mb in mbs])
         assert computed[method] >= floor * (1 - 1e-9), (method, computed[method], floor)
+    # Per-sample rows skip the attention between samples: less than the masked rows, not below the floor.
+    assert computed["packing-per-sample"] < computed["packing"]
     # The floor is not vacuous: padding to the longest sample wastes, DynaPipe's cuts waste less.
     assert computed["padding"] > 1.2 * floor
     assert computed["dynapipe"] < computed["padding"]

@@ -209,3 +209,20 @@ def test_plan_prints_that_per_sample_rows_compute_no_cross_pairs(tmp_path):
     plan = json.loads(out.read_text())
     assert plan["batching"] == "packing-per-sample"
     assert all(0 < mb["attention_density"]["input"] <= 1 for mb in plan["micro_batches"])
+
+
+def test_a_stage_placement_is_priced_on_what_per_sample_rows_compute():
+    from dynapipe.cost.placement import PlacementSample, StagePlacement, price_placement
+
+    cm = build_cost_model(T5_11B, A100, 4)
+    lengths = np.array([[100, 20], [7, 3], [1800, 400], [513, 90], [64, 64], [1000, 10], [300, 120], [40, 9]])
+    plan = plan_micro_batches(lengths, cm, method="packing-per-sample", micro_batch_size=1, seq_length=2048)
+    sample = PlacementSample.of(plan.micro_batches)
+    assert sample.attention is not None and len(sample.attention.input) == len(plan.micro_batches)
+    dense = PlacementSample(sample.mbs, sample.seqlen, sample.dec_seqlen)
+    even = StagePlacement.even(T5_11B, 4)
+    light, heavy = (price_placement(cm, even, s, capacity_mib=1e9) for s in (sample, dense))
+    assert all(a < b for a, b in zip(light.stage_ms, heavy.stage_ms))
+    # A packing plan's sample is dense: nothing to scale.
+    masked = plan_micro_batches(lengths, cm, method="packing", micro_batch_size=1, seq_length=2048)
+    assert PlacementSample.of(masked.micro_batches).attention is None

@@ -42,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=int, default=10, help="layouts shown (default 10)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampled batches (default 0)")
     p.add_argument("--no-packing", action="store_true", help="skip the tuned-packing comparison (faster)")
+    p.add_argument("--packing-attention", choices=("per-sample", "mask"), default=None,
+                   help="the packing compared with: rows whose attention runs on each sample alone (per-sample, "
+                        "as Transformer Engine's THD format or a varlen kernel runs packing on a GPU; the default, "
+                        "the strongest) or Megatron's masked rows, whose attention spans every row (mask)")
     p.add_argument("--output", default=None, help="write the best layout as a run config (YAML) here")
     p.add_argument("--json", default=None, help="write every ranked layout as JSON here")
     p.add_argument("--no-progress", action="store_true",
@@ -311,10 +315,14 @@ def run(args) -> int:
         raise DynaPipeError(f"--no-sequence-parallel: no layout here could use sequence parallelism (TP sizes "
                             f"{','.join(str(t) for t in sorted({l.tp for l in layouts}))} at --seq-length {seq}); "
                             f"drop it.")
+    if args.no_packing and args.packing_attention is not None:
+        raise DynaPipeError(f"--packing-attention {args.packing_attention}: --no-packing skips the packing comparison "
+                            f"it would set; drop one of the two.")
     # Before the bar, which counts only the layouts simulated (advise leaves out the same).
     shown, _ = leave_out_idle_replicas(layouts, batches)
     kw = dict(cluster=cluster, seq_length=seq, memory_limit_mib=args.memory_limit_mb, layouts=layouts,
-              compare_packing=not args.no_packing)
+              compare_packing=not args.no_packing,
+              packing_method="packing" if args.packing_attention == "mask" else "packing-per-sample")
     if args.no_progress:  # nothing on stderr: the lines only name layouts, the table follows
         advice = advise(batches, model, device, args.gpus, **kw)
     else:
@@ -333,9 +341,17 @@ def run(args) -> int:
           + (f"; interleaved with VPP {', '.join(map(str, vpps))} chunks a rank too" if vpps else "")
           + ("; encoder-decoder: the planned stage placement, no distributed optimizer (T5 stages refuse it)"
              if model.is_encoder_decoder else "")
-          + "; tokens/s: real (non-pad) tokens, simulated; packing: the best packed micro-batch size under 1F1B.")
+          + "; tokens/s: real (non-pad) tokens, simulated; packing: the best packed micro-batch size under 1F1B"
+          + (", rows masked (attention over every row)." if args.packing_attention == "mask" else
+             ", attention per sample."))
     for line in format_table(advice, args.top):
         print(line)
+    rival = advice.best_packing
+    if rival is not None:
+        # Each method on its own best layout: what choosing DynaPipe gains over choosing packing.
+        print(f"best layout for packing: {rival.layout.label()}, {rival.packing.real_tokens_per_s:,.0f} tokens/s "
+              f"(mbs {rival.packing.micro_batch_size}); DynaPipe's best layout is "
+              f"{best.real_tokens_per_s / rival.packing.real_tokens_per_s:.2f}x it")
     if model.is_encoder_decoder:
         print("placements (layers per stage, encoder+decoder; | separates the chunks of an interleaved one): "
               + "; ".join(f"{r.layout.label()}: {r.placement or 'even'}" for r in advice.results[:args.top]))
@@ -353,7 +369,14 @@ def run(args) -> int:
         write_output(args.output, text, "--output")
         print(f"best layout written to {args.output}")
     if args.json is not None:
+        rival = advice.best_packing
+        best_packing = None if rival is None else {
+            "layout": rival.layout.label(), "method": rival.packing.method,
+            "micro_batch_size": rival.packing.micro_batch_size,
+            "real_tokens_per_s": round(rival.packing.real_tokens_per_s, 1),
+            "dynapipe_best_vs_it": round(best.real_tokens_per_s / rival.packing.real_tokens_per_s, 3)}
         write_output(args.json, json.dumps({"layouts": [r.to_json() for r in advice.results],
+                                      "best_packing": best_packing,
                                       "refused": [{"layout": l.label(), "reason": why} for l, why in advice.refused],
                                       "left_out": [{"layout": l.label(), "reason": why}
                                                    for l, why in advice.left_out]},

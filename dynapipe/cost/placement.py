@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from dynapipe.cost.attention_density import AttentionDensity, stack
 from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, StageLayout, check_recompute, layout_of_layers
 from dynapipe.cost.stage_placement import StagePlacement
 from dynapipe.errors import DynaPipeError, real_number, whole_number
@@ -46,11 +47,13 @@ class PlacementChoice:
 @dataclass(frozen=True)
 class PlacementSample:
     """Micro-batch shapes the placement is priced on: ``mbs`` (rows), ``seqlen`` and
-    ``dec_seqlen`` (tokens; 0 for decoder-only models), arrays of equal length."""
+    ``dec_seqlen`` (tokens; 0 for decoder-only models), arrays of equal length; ``attention``:
+    their attention densities (packed rows run per sample), None where all are dense."""
 
     mbs: np.ndarray
     seqlen: np.ndarray
     dec_seqlen: np.ndarray
+    attention: Optional[AttentionDensity] = None
 
     def __post_init__(self) -> None:
         arrays = [np.asarray(getattr(self, f), dtype=np.float64) for f in ("mbs", "seqlen", "dec_seqlen")]
@@ -70,7 +73,8 @@ class PlacementSample:
         if not mbs:
             raise DynaPipeError("stage placement needs at least one micro-batch to price.")
         arr = lambda f: np.array([float(f(mb)) for mb in mbs])  # noqa: E731
-        return PlacementSample(arr(lambda mb: mb.mbs), arr(lambda mb: mb.seqlen), arr(lambda mb: mb.dec_seqlen))
+        return PlacementSample(arr(lambda mb: mb.mbs), arr(lambda mb: mb.seqlen), arr(lambda mb: mb.dec_seqlen),
+                               stack([getattr(mb, "attention", None) for mb in mbs]))
 
 
 class _Pricer:
@@ -88,6 +92,9 @@ class _Pricer:
             raise DynaPipeError(f"PlacementSample.dec_seqlen holds {float(np.min(sample.dec_seqlen)):g}: every "
                                 f"micro-batch of encoder-decoder model {cost_model.model.name!r} has at least one "
                                 f"target token; give the decoder lengths (tokens) of real micro-batches.")
+        if sample.attention is not None and not cost_model.prices_attention_density:
+            raise DynaPipeError(f"{type(cost_model).__name__} prices dense attention only; a placement sample of "
+                                f"per-sample packed rows needs the analytic or a profile cost model.")
         self.cm, self.sample, self.S, self.levels = cost_model, sample, num_stages, tuple(levels)
         self.capacity = np.inf if capacity_mib is None else float(capacity_mib)
         self.dp, self.zero = dp, zero
@@ -111,7 +118,8 @@ class _Pricer:
         if hit is None:
             smp = self.sample
             dec = smp.dec_seqlen if self.cm.model.is_encoder_decoder else None
-            c = self.cm.layout_cost(layout, smp.mbs, smp.seqlen, dec, self.levels[i])
+            dens = {} if smp.attention is None else {"attention": smp.attention}
+            c = self.cm.layout_cost(layout, smp.mbs, smp.seqlen, dec, self.levels[i], **dens)
             ones = np.ones(len(smp.mbs))
             stored = np.asarray(c.stored_mib, dtype=np.float64) * ones
             peak = np.asarray(c.peak_mib, dtype=np.float64) * ones
