@@ -226,3 +226,15 @@ def test_a_stage_placement_is_priced_on_what_per_sample_rows_compute():
     # A packing plan's sample is dense: nothing to scale.
     masked = plan_micro_batches(lengths, cm, method="packing", micro_batch_size=1, seq_length=2048)
     assert PlacementSample.of(masked.micro_batches).attention is None
+
+
+def test_the_weight_part_of_a_split_backward_grows_as_attention_thins():
+    from dynapipe.cost.backward_split import backward_split
+
+    for model, layout, dec in ((GPT7B, MIDDLE, None), (T5_11B, StageLayout(7, 0, 3, False, False), 512.0)):
+        dense, _ = backward_split(model, layout, 2.0, 2048.0, dec)
+        same, _ = backward_split(model, layout, 2.0, 2048.0, dec, attention=DENSE)
+        thinned, stash = backward_split(model, layout, 2.0, 2048.0, dec, attention=AttentionDensity(0.25, 0.25, 0.25))
+        # The weight GEMMs are the same; the backward around them shrinks with the attention cores.
+        assert float(same) == pytest.approx(float(dense)) and float(thinned) > float(dense)
+        assert float(stash) == pytest.approx(float(backward_split(model, layout, 2.0, 2048.0, dec)[1]))

@@ -21,6 +21,7 @@ from typing import Optional
 import numpy as np
 
 from dynapipe.config import ModelConfig, TensorParallelConfig
+from dynapipe.cost.attention_density import DENSE
 from dynapipe.cost.base import MIB, StageLayout, check_recompute
 
 
@@ -47,7 +48,8 @@ def cross_attention_flops(model: ModelConfig, b, s_dec, s_enc) -> tuple:
 
 
 def backward_split(model: ModelConfig, layout: StageLayout, mbs, seqlen, dec_seqlen=None, *,
-                   recompute: str = "none", tp: Optional[TensorParallelConfig] = None) -> tuple[np.ndarray, np.ndarray]:
+                   recompute: str = "none", tp: Optional[TensorParallelConfig] = None,
+                   attention=None) -> tuple[np.ndarray, np.ndarray]:
     """``(weight_share, stash_mib)`` of one micro-batch's backward on a stage with ``layout``.
 
     ``weight_share`` (a fraction of the backward's ms): the FLOPs of the transformer layers'
@@ -73,7 +75,9 @@ def backward_split(model: ModelConfig, layout: StageLayout, mbs, seqlen, dec_seq
     the weight part holds whatever the recompute level: under ``full`` the input part
     rematerialises the layer and the deferred GEMMs keep the recomputed inputs, so it can
     exceed what the stage stores between forward and backward. Arrays broadcast over ``mbs``/``seqlen``/``dec_seqlen``
-    (samples, tokens; ``dec_seqlen`` for encoder-decoder models).
+    (samples, tokens; ``dec_seqlen`` for encoder-decoder models). ``attention``: an
+    :class:`~dynapipe.cost.attention_density.AttentionDensity` of packed rows run per sample,
+    whose attention cores compute that share of their dense FLOPs (None: dense).
     """
     check_recompute(recompute)
     m, t = model, (tp or TensorParallelConfig())
@@ -88,18 +92,20 @@ def backward_split(model: ModelConfig, layout: StageLayout, mbs, seqlen, dec_seq
     cross_dec = h / sp + h + 2 * ad / t.size
     cross_enc = 2 * ad / t.size
     lin = core = stash = 0.0
+    dens = attention if attention is not None else DENSE
     if layout.encoder_layers:
         n = layout.encoder_layers
         l_lin, l_core = layer_flops(m, b, s_enc)
-        lin, core = lin + n * l_lin, core + n * l_core
+        lin, core = lin + n * l_lin, core + n * l_core * dens.input
         stash = stash + n * b * s_enc * per_token
     if layout.decoder_layers:
         n = layout.decoder_layers
         l_lin, l_core = layer_flops(m, b, s_dec)
+        l_core = l_core * (dens.target if m.is_encoder_decoder else dens.input)
         stash_layer = b * s_dec * per_token
         if m.is_encoder_decoder:
             c_lin, c_core = cross_attention_flops(m, b, s_dec, s_enc)
-            l_lin, l_core = l_lin + c_lin, l_core + c_core
+            l_lin, l_core = l_lin + c_lin, l_core + c_core * dens.cross
             stash_layer = stash_layer + b * (s_dec * cross_dec + s_enc * cross_enc)
             stash = stash + b * s_enc * h / sp  # the encoder output every cross-attention reads
         lin, core = lin + n * l_lin, core + n * l_core

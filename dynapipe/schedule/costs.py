@@ -171,7 +171,7 @@ def stage_times(cost_model: CostModel, micro_batches: Sequence[MicroBatch], *, r
         key = cost_model._key(layout)
         if key not in by_layout:
             flops_share, stash_mib = backward_split(model, layout, mbs, seq, dec, recompute=recompute,
-                                                    tp=cost_model.tp)
+                                                    tp=cost_model.tp, attention=attention)
             cost = cost_model.stage_cost(mbs, seq, dec, recompute=recompute, stage=s, attention=attention)
             # A measured weight part, over the backward just priced (not priced a second time).
             measured = cost_model.weight_ms(layout, mbs, seq, dec, recompute)
