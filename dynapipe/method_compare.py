@@ -49,6 +49,16 @@ METHODS = tuple(METHOD_SPECS)
 SIZED_METHODS = ("packing", "packing-per-sample", "packing-search", "padding", "padding-mb")
 
 
+def check_priceable(method: str, cost_model: CostModel) -> None:
+    """Refuse a method whose micro-batches ``cost_model`` cannot price: per-sample packing's
+    (``packing-per-sample``, ``packing-search``) need a model that prices attention
+    densities. Checked before any sweep, where a refusal would read as "does not fit"."""
+    if METHOD_SPECS.get(method, ("",))[0] == "packing-per-sample" and not cost_model.prices_attention_density:
+        raise DynaPipeError(f"method {method!r} runs packed rows with per-sample attention, which "
+                            f"{type(cost_model).__name__} cannot price (it prices dense attention only); use the "
+                            f"analytic or a profile cost model, or compare with 'packing' (masked rows).")
+
+
 @dataclass
 class MethodSimulation:
     """One method's simulated iteration.
@@ -227,6 +237,7 @@ def simulate_method(lengths, method: str, cost_model: CostModel, *, dp: int = 1,
     if method not in METHOD_SPECS:
         raise DynaPipeError(f"method {method!r} is not known; use one of {', '.join(METHODS)}.")
     batching, schedule, searched = METHOD_SPECS[method]
+    check_priceable(method, cost_model)
     if method in SIZED_METHODS and micro_batch_size is None:
         raise DynaPipeError(f"method {method!r} needs a micro-batch size (samples, or rows for packing).")
     if method not in SIZED_METHODS and micro_batch_size is not None:
@@ -286,6 +297,7 @@ def tune_baseline(lengths, method: str, cost_model: CostModel, *,
     if method not in SIZED_METHODS:
         raise DynaPipeError(f"method {method!r} has no micro-batch size to tune; use one of "
                             f"{', '.join(SIZED_METHODS)}.")
+    check_priceable(method, cost_model)
     sizes = _sizes(micro_batch_sizes) if micro_batch_sizes is not None else \
         micro_batch_size_candidates(lengths, method, kwargs.get("seq_length"))
     if not sizes:
@@ -381,6 +393,7 @@ def compare_over_batches(batches: Sequence, method: str, cost_model: CostModel, 
         raise DynaPipeError("no global batch to simulate.")
     if method not in SIZED_METHODS:
         return BatchesResult(method, [simulate_method(b, method, cost_model, **kwargs) for b in batches])
+    check_priceable(method, cost_model)
     sizes = _sizes(micro_batch_sizes) if micro_batch_sizes is not None else \
         micro_batch_size_candidates(batches[0], method, kwargs.get("seq_length"))
     best: Optional[BatchesResult] = None

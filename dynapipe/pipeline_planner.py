@@ -79,7 +79,10 @@ def round_for_sequence_parallel(batch_plan: BatchPlan, shards: int, max_seq_leng
                 raise DynaPipeError(f"micro-batch {i} ({mb.seqlen} tokens) rounded up to a multiple of the "
                                     f"{shards} sequence-parallel ranks exceeds the model's {max_seq_length} "
                                     f"tokens; use a sequence length divisible by {shards}.")
-            mb, changed = dataclasses.replace(mb, seqlen=seq, dec_seqlen=dec), True
+            # Per-sample rows keep their pairs; the longer rows make them a smaller share.
+            attention = None if mb.attention is None else \
+                mb.attention.padded_to(mb.seqlen, mb.dec_seqlen, seq, dec)
+            mb, changed = dataclasses.replace(mb, seqlen=seq, dec_seqlen=dec, attention=attention), True
         out.append(mb)
     return dataclasses.replace(batch_plan, micro_batches=out) if changed else batch_plan
 

@@ -15,8 +15,9 @@ start, query end, key start, key end; row-local token offsets) given as the laye
 mask. megatron-core hands the mask unchanged to the core attention, recomputation included
 (its checkpoints save tensors, which the table is), and a T5 decoder's cross-attention gets
 its own table through ``context_mask``. Every query token of a row is in exactly one entry;
-a padding tail is a segment of its own (self-attention among its pads; in cross-attention
-it has no keys and gets zeros), and its loss is masked.
+a padding tail is a segment without keys (zeros, in self- and cross-attention alike: a
+varlen kernel skips it, and its loss is masked), so the work is the pairs inside samples,
+what :mod:`dynapipe.cost.attention_density` prices.
 """
 from __future__ import annotations
 
@@ -39,15 +40,19 @@ def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
 
 def segment_table(q_ids, kv_ids=None) -> np.ndarray:
     """The segment table (int32 ``[k, 5]``) of per-token sample ids ``q_ids`` (``[rows, sq]``,
-    0 on padding). Self-attention (``kv_ids`` None): each run of equal ids attends to itself.
-    Cross-attention: each run of ``q_ids`` attends to the run of ``kv_ids`` (``[rows, sk]``)
-    with the same sample id, and padding or a sample without keys to nothing."""
+    0 on padding). Self-attention (``kv_ids`` None): each run of equal ids attends to itself,
+    padding to nothing. Cross-attention: each run of ``q_ids`` attends to the run of
+    ``kv_ids`` (``[rows, sk]``) with the same sample id, and padding or a sample without keys
+    to nothing."""
     q_ids = np.asarray(q_ids)
     out = []
     for r in range(q_ids.shape[0]):
         keys = None if kv_ids is None else {i: (a, b) for a, b, i in _runs(np.asarray(kv_ids)[r]) if i > 0}
         for a, b, i in _runs(q_ids[r]):
-            ka, kb = (a, b) if keys is None else keys.get(i, (0, 0))
+            if i <= 0:  # padding: no keys, zeros out
+                ka, kb = 0, 0
+            else:
+                ka, kb = (a, b) if keys is None else keys.get(i, (0, 0))
             out.append((r, a, b, ka, kb))
     return np.asarray(out, dtype=np.int32).reshape(-1, TABLE_COLUMNS)
 

@@ -146,8 +146,21 @@ def test_a_t5_profile_thins_encoder_and_decoder_layers():
 def test_a_cost_model_that_prices_dense_rows_only_refuses_a_density():
     from test_batching_dp import ToyCost
 
+    from dynapipe.method_compare import compare_over_batches, simulate_method, tune_baseline
+
+    toy = ToyCost(0.0, 0.0, 2)
     with pytest.raises(DynaPipeError, match="dense attention only"):
-        ToyCost(0.0, 0.0, 2).stage_cost(1, 128, attention=AttentionDensity(0.5))
+        toy.stage_cost(1, 128, attention=AttentionDensity(0.5))
+    batch = np.array([10, 20, 30, 40, 50, 60, 70, 80])
+    assert compare_over_batches([batch], "packing", toy, seq_length=128).real_tokens_per_s > 0
+    # Refused by name before any sweep, not reported as a size that does not fit.
+    for method in ("packing-per-sample", "packing-search"):
+        for call in (lambda: compare_over_batches([batch], method, toy, seq_length=128),
+                     lambda: tune_baseline(batch, method, toy, seq_length=128),
+                     lambda: simulate_method(batch, method, toy, micro_batch_size=1, seq_length=128)):
+            with pytest.raises(DynaPipeError, match="cannot price") as e:
+                call()
+            assert "fits" not in str(e.value)
 
 
 @pytest.mark.parametrize("model_name,lengths", [
@@ -238,3 +251,49 @@ def test_the_weight_part_of_a_split_backward_grows_as_attention_thins():
         # The weight GEMMs are the same; the backward around them shrinks with the attention cores.
         assert float(same) == pytest.approx(float(dense)) and float(thinned) > float(dense)
         assert float(stash) == pytest.approx(float(backward_split(model, layout, 2.0, 2048.0, dec)[1]))
+
+
+@pytest.mark.parametrize("level", ["selective", "full"])
+def test_a_measured_recompute_table_thins_as_the_derived_level_does(level):
+    """A profile's measured ``layer_selective``/``layer_full`` table equal to the level derived
+    from ``layer`` prices a density as the derived level does: the recomputing backward's
+    attention part is the cores' backward and their forward again."""
+    tiny = load_model_config("gpt-tiny")
+    derived = ProfileCostModel(tiny, _profile(), 2)
+    layout = StageLayout(0, 0, 1, False, False)
+    from test_profile_fixes import MBS, SEQ
+
+    b, s = (np.asarray(v, dtype=np.float64) for v in np.meshgrid(MBS, SEQ, indexing="ij"))
+    at = derived.layout_cost(layout, b, s, None, level)
+    prof = _profile()
+    prof["ops"][f"layer_{level}"] = {k: np.asarray(getattr(at, k)).tolist()
+                                     for k in ("fw_ms", "bw_ms", "stored_mib", "peak_mib")}
+    measured = ProfileCostModel(tiny, prof, 2)
+    for d in (1.0, 0.25, 0.05):
+        x, y = (cm.layout_cost(layout, np.float64(2), np.float64(256), None, level, attention=AttentionDensity(d))
+                for cm in (derived, measured))
+        assert float(y.bw_ms) == pytest.approx(float(x.bw_ms), rel=1e-9)
+        assert float(y.fw_ms) == pytest.approx(float(x.fw_ms), rel=1e-9)
+
+
+@pytest.mark.parametrize("model_name,lengths", [
+    ("gpt-7b", np.array([100, 7, 900, 513, 64, 1000, 9, 300, 35])),
+    ("t5-11b", np.array([[100, 20], [7, 3], [900, 400], [513, 90], [64, 64], [1000, 10], [300, 120]])),
+])
+def test_rounding_for_sequence_parallelism_keeps_the_densities_true_to_the_rows(model_name, lengths):
+    from dynapipe.pipeline_planner import round_for_sequence_parallel
+
+    cm = build_cost_model(load_model_config(model_name), A100, 4)
+    plan = plan_micro_batches(lengths, cm, method="packing-per-sample", micro_batch_size=1, seq_length=1000)
+    rounded = round_for_sequence_parallel(plan, 3, 4096)
+    for mb in rounded.micro_batches:
+        assert (mb.seqlen, mb.dec_seqlen % 3) == (1002, 0)
+        assert mb.attention.to_json() == packed_density(lengths, mb.rows, mb.seqlen, mb.dec_seqlen).to_json()
+
+
+def test_a_placement_sample_refuses_densities_of_another_length():
+    from dynapipe.cost.placement import PlacementSample
+
+    with pytest.raises(DynaPipeError, match=r"attention.input has shape \[2\] for 3 micro-batches"):
+        PlacementSample(np.ones(3), np.full(3, 128.0), np.zeros(3), AttentionDensity(np.array([0.5, 0.5])))
+    assert PlacementSample(np.ones(3), np.full(3, 128.0), np.zeros(3), AttentionDensity(0.5)).attention.input == 0.5

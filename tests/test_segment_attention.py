@@ -20,9 +20,15 @@ BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 96
 
 def test_the_segment_table_pairs_each_sample_with_its_own_keys():
     seg = np.array([[1, 1, 2, 2, 2, 0], [3, 3, 3, 3, 0, 0]])
-    # Self-attention: every run of a row (its padding tail too) attends to itself.
-    assert segment_table(seg).tolist() == [[0, 0, 2, 0, 2], [0, 2, 5, 2, 5], [0, 5, 6, 5, 6],
-                                           [1, 0, 4, 0, 4], [1, 4, 6, 4, 6]]
+    # Self-attention: every sample of a row attends to itself; the padding tail to nothing, so
+    # the work is the pairs inside samples that the cost model's attention density counts.
+    assert segment_table(seg).tolist() == [[0, 0, 2, 0, 2], [0, 2, 5, 2, 5], [0, 5, 6, 0, 0],
+                                           [1, 0, 4, 0, 4], [1, 4, 6, 0, 0]]
+    from dynapipe.cost.attention_density import packed_density
+
+    table = segment_table(seg)
+    pairs = int(sum((b - a) * (kb - ka) for _, a, b, ka, kb in table.tolist()))
+    assert pairs == round(packed_density(np.array([2, 3, 4]), [[0, 1], [2]], 6).input * 2 * 36)
     # Cross-attention: a target run attends to its sample's input run; padding to nothing.
     enc = np.array([[1, 1, 1, 2, 0, 0, 0], [3, 3, 3, 3, 3, 3, 3]])
     assert segment_table(seg, enc).tolist() == [[0, 0, 2, 0, 3], [0, 2, 5, 3, 4], [0, 5, 6, 0, 0],

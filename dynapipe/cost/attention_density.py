@@ -47,6 +47,18 @@ class AttentionDensity:
                 raise DynaPipeError(f"attention density {name}={getattr(self, name)!r}: a share of a micro-batch's "
                                     f"attention pairs lies in (0, 1] (1: dense attention).")
 
+    def padded_to(self, seqlen: float, dec_seqlen: float, new_seqlen: float,
+                  new_dec_seqlen: float) -> "AttentionDensity":
+        """The same pairs in rows padded further, from ``seqlen``/``dec_seqlen`` to
+        ``new_seqlen``/``new_dec_seqlen`` tokens (0 decoder tokens: decoder-only): each share
+        falls by the dense pairs' growth."""
+        s = seqlen / new_seqlen
+        if not new_dec_seqlen:  # decoder-only: one kind of attention
+            return AttentionDensity(input=np.asarray(self.input) * s * s, target=self.target, cross=self.cross)
+        t = dec_seqlen / new_dec_seqlen
+        return AttentionDensity(input=np.asarray(self.input) * s * s, target=np.asarray(self.target) * t * t,
+                                cross=np.asarray(self.cross) * s * t)
+
     def to_json(self) -> dict:
         """The three shares, rounded to 6 digits (floats only)."""
         return {k: round(float(getattr(self, k)), 6) for k in ("input", "target", "cross")}

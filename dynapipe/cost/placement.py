@@ -65,6 +65,13 @@ class PlacementSample:
             if not np.all(np.isfinite(a)) or np.any(a < low):
                 raise DynaPipeError(f"PlacementSample.{name} holds values below {low} or not finite; give rows "
                                     f"and tokens of real micro-batches.")
+        if self.attention is not None:
+            for name in ("input", "target", "cross"):
+                shape = np.shape(getattr(self.attention, name))
+                if shape not in ((), arrays[0].shape):
+                    raise DynaPipeError(f"PlacementSample.attention.{name} has shape {list(shape)} for "
+                                        f"{arrays[0].size} micro-batches; give one density a micro-batch (or one "
+                                        f"for all).")
 
     @staticmethod
     def of(micro_batches) -> "PlacementSample":

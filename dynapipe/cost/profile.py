@@ -255,6 +255,9 @@ class ProfileCostModel(CostModel):
         layer = self._op("layer", mbs, seqlen)
         dense_core, score_share = self._shares(seqlen)
         core_share = dense_core
+        # The attention cores' part of a backward that recomputes them (selective): their
+        # backward (the core share of the no-recompute backward) and their forward again.
+        dense_core_ms = dense_core * (layer["fw_ms"] + layer["bw_ms"])
         if attention is not None:
             # Per-sample attention over packed rows: the measured dense layer, its attention
             # core's share of the time and its scores' share of the stored bytes thinned to
@@ -271,7 +274,10 @@ class ProfileCostModel(CostModel):
             at = self._op(measured, mbs, seqlen)
             if attention is not None:  # these levels store no scores: only the time thins
                 at["fw_ms"], _ = thin(at["fw_ms"], dense_core, attention.input)
-                at["bw_ms"], _ = thin(at["bw_ms"], dense_core, attention.input)
+                if recompute == "selective":
+                    at["bw_ms"] = at["bw_ms"] - (1 - np.asarray(attention.input)) * dense_core_ms
+                else:  # full: the whole forward again, the core's share of it as of the backward
+                    at["bw_ms"], _ = thin(at["bw_ms"], dense_core, attention.input)
             fw, bw, stored, peak = n * at["fw_ms"], n * at["bw_ms"], n * at["stored_mib"], at["peak_mib"]
         elif recompute == "selective":
             t = self.tp.size
