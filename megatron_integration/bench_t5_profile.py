@@ -54,6 +54,7 @@ def measure_bench_profile(cfg, output: str, threads: int, timeout_s: float, repe
 def _op_ms(cost_model):
     """``event -> predicted ms`` of a traced forward or backward: priced on its rank's stage, or
     on an interleaved placement on its chunk's virtual stage (``args.chunk``, 0 when absent)."""
+    from dynapipe.cost.attention_density import AttentionDensity
     from dynapipe.schedule.interleaved import chunk_count, virtual_cost_model
 
     chunks, P = chunk_count(cost_model), cost_model.num_stages
@@ -62,9 +63,11 @@ def _op_ms(cost_model):
     def price(e: dict) -> float:
         a = e["args"]
         stage = int(a.get("chunk", 0)) * P + int(e.get("tid", 0)) if chunks > 1 else int(e.get("tid", 0))
-        # At the level the op ran (its trace note), as the GPT calibration prices it.
+        # At the level the op ran (its trace note), as the GPT calibration prices it, and at the
+        # attention density its segment tables computed (per-sample packing's note).
+        density = AttentionDensity(**a["attention"]) if a.get("attention") else None
         c = priced.stage_cost(a["mbs"], a["seqlen"], a.get("dec_seqlen", 0), stage=stage,
-                              recompute=a.get("recompute", "none"))
+                              recompute=a.get("recompute", "none"), attention=density)
         return float(c.fw_ms if e["cat"] == "forward" else c.bw_ms)
     return price
 
@@ -184,14 +187,12 @@ def compute_floor_check(cfg, cost_model, checks: dict, warmup: int, replicas: in
     :func:`stage_check` of each method) over it. A baseline's figure is the most any batching
     can gain on it by compute alone, before bubble, transfers and the optimizer step. ms."""
     from dynapipe.cost.compute_floor import floor_over_batches
-    from megatron_integration.bench_sim import PLANNED_AS
     from megatron_integration.t5_placement import first_global_batches
 
     batches = first_global_batches(cfg, cfg.base.train_iters)[warmup:]
     floor = floor_over_batches(cost_model, batches) / max(replicas, 1)
-    # A method the planner prices as another (per-sample packing as packing's dense rows) would be
-    # reported as more compute than it does: left out.
+    # Every traced op priced at its shape (and per-sample packing's at its attention density).
     predicted = {m: round(sum(s["predicted_ms"] for s in c["stages"]), 1)
-                 for m, c in checks.items() if c.get("stages") and m not in PLANNED_AS}
+                 for m, c in checks.items() if c.get("stages")}
     return {"floor_ms": round(floor, 1), "iterations": len(batches), "predicted_ms": predicted,
             "over_floor": {m: round(v / floor, 3) for m, v in predicted.items()}}

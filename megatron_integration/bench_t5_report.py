@@ -22,8 +22,9 @@ import numpy as np
 def same_shape_spread(events: Sequence[dict], min_ops: int = 3) -> Optional[dict]:
     """How much identical ops among executor trace ``events`` varied: ops are grouped by
     replica and stage (``pid``/``tid``), chunk, forward or backward, shape (``mbs``,
-    ``seqlen``, ``dec_seqlen``) and whether they applied an attention mask (``masked``,
-    where the trace records it); every op of a group of at least ``min_ops`` is divided by
+    ``seqlen``, ``dec_seqlen``), whether they applied an attention mask (``masked``,
+    where the trace records it) and the attention density per-sample packing's ops computed
+    (``attention``: packed rows of one shape hold different samples, so different work); every op of a group of at least ``min_ops`` is divided by
     its group's median time, and the 10th and 90th percentiles of those quotients are
     returned with their ratio (``{"ops", "groups", "p10", "p90", "p90_over_p10"}``), or
     None where no group is large enough. Percentiles of quotients, not a group's slowest
@@ -34,7 +35,7 @@ def same_shape_spread(events: Sequence[dict], min_ops: int = 3) -> Optional[dict
             continue
         a = e.get("args", {})
         key = (e.get("pid"), e.get("tid"), a.get("chunk", 0), e["cat"], a.get("mbs"), a.get("seqlen"),
-               a.get("dec_seqlen"), a.get("masked"))
+               a.get("dec_seqlen"), a.get("masked"), tuple(sorted((a.get("attention") or {}).items())))
         groups.setdefault(key, []).append(float(e["dur"]))
     kept = [d for d in groups.values() if len(d) >= min_ops and statistics.median(d) > 0]
     if not kept:

@@ -38,7 +38,7 @@ from megatron_integration.baseline_step import StepResult, holds_loss, reduce_lo
 from megatron_integration.model import Stage
 from megatron_integration.nan_guard import check_before_step
 from megatron_integration.stage_handlers import ModelStageHandlers
-from megatron_integration.segment_attention import t5_segment_tables
+from megatron_integration.segment_attention import t5_segment_tables, table_density
 from megatron_integration.t5_chunks import T5Chunks
 from megatron_integration.t5_config import T5TrainingConfig
 from megatron_integration.t5_model import EmbeddingSync, set_t5_recompute_level, sum_sequence_parallel_grads
@@ -109,20 +109,26 @@ class T5StageHandlers(ModelStageHandlers):
         # The packing baseline with each sample's attention computed alone: its stages read
         # segment tables where the masks go (megatron_integration.segment_attention).
         self.per_sample_attention = per_sample_attention
+        # (micro-batch, chunk) -> the attention density its segment tables computed (per sample).
+        self.density: dict[tuple[int, int], dict] = {}
 
     def begin(self, micro_batch_tensors: dict, global_loss_tokens: int, plan=None) -> None:
         super().begin(micro_batch_tensors, global_loss_tokens, plan)
-        self.masked = {}
+        self.masked, self.density = {}, {}
 
     def trace_note(self, op) -> Optional[dict]:
         """What an executor trace adds to a forward or backward: its ``recompute`` level and
         ``masked``, whether its encoder or cross-attention applied a mask (a row of one whole
         sample needs none, :func:`needed_mask`), so that ops of one shape are compared on the
-        same work."""
+        same work; with per-sample attention also ``attention``, the share of the dense pairs
+        its segment tables computed (input, target, cross), at which the bench prices it."""
         note = dict(super().trace_note(op) or {})
         masked = self.masked.get((op.mb, op.chunk))
         if masked is not None:
             note["masked"] = masked
+        density = self.density.get((op.mb, op.chunk))
+        if density:
+            note["attention"] = density
         return note or None
 
     def _part(self, chunk: int):
@@ -148,9 +154,17 @@ class T5StageHandlers(ModelStageHandlers):
         host = self.tensors.get(mb.mb) or {}  # the loaded tensors' host copies
         enc_host, dec_host = host.get("enc_mask"), host.get("dec_mask")
         if self.per_sample_attention:
-            kwargs.update(t5_segment_tables(t5.encoder is not None, t5.decoder is not None,
-                                            enc_seg if enc_host is None else enc_host,
-                                            dec_seg if dec_host is None else dec_host))
+            tables = t5_segment_tables(t5.encoder is not None, t5.decoder is not None,
+                                       enc_seg if enc_host is None else enc_host,
+                                       dec_seg if dec_host is None else dec_host)
+            kwargs.update(tables)
+            rows, s_enc = enc_seg.shape[0], enc_seg.shape[1]
+            s_dec = dec_seg.shape[1] if dec_seg is not None else 0
+            self.density[(op.mb, op.chunk)] = {
+                key: float(f"{table_density(tables[name], rows, *shape):.6g}")
+                for key, name, shape in (("input", "enc_attn_mask", (s_enc, s_enc)),
+                                         ("target", "dec_attn_mask", (s_dec, s_dec)),
+                                         ("cross", "cross_attn_mask", (s_dec, s_enc))) if name in tables}
         elif t5.encoder is not None:
             kwargs["enc_attn_mask"] = needed_mask(enc_seg, enc_seg, host=None if enc_host is None else
                                                   (enc_host, enc_host))

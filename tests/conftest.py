@@ -110,7 +110,8 @@ def pp2(tmp_path_factory, t5_dist):
     # The interleaved placement under --dynapipe-schedule adaptive (the interleaved adaptive schedule on chunks).
     runs += [(interleaved + " --use-dynapipe --dynapipe-schedule adaptive").split()]
     # Packing with each sample's attention (encoder, decoder, cross) computed alone.
-    runs += [(TINY + PACKING + " --dynapipe-packed-attention per-sample").split()]
+    runs += [(TINY + PACKING + f" --dynapipe-packed-attention per-sample --dynapipe-trace-dir "
+              f"{t5_dist / 'per-sample-traces'}").split()]
     # A weighted blend of JSONL (input, target) pairs: 8 iterations; the same cut after 4 and
     # resumed with --train-iters 16, which would size another blend (constant LR: the losses
     # depend on the data alone). Last, so the tests above index the runs as before.

@@ -69,6 +69,17 @@ def test_ops_with_and_without_a_mask_are_not_identical():
     assert blind["groups"] == 1 and blind["p90_over_p10"] > 1.8
 
 
+def test_per_sample_ops_of_other_densities_are_not_identical():
+    # Packed rows of one shape holding other samples: per-sample attention does other work.
+    def op(dur, density):
+        e = _op(dur)
+        e["args"]["attention"] = {"input": density, "target": 1.0, "cross": density}
+        return e
+
+    events = [op(t, 0.2) for t in (50.0, 51.0, 49.0)] + [op(t, 0.9) for t in (100.0, 99.0, 101.0)]
+    assert same_shape_spread(events)["groups"] == 2 and same_shape_spread(events)["p90_over_p10"] < 1.05
+
+
 def test_same_shape_spread_keeps_replicas_apart_and_needs_a_repeated_shape():
     # Each replica's stage 0 has two ops of the shape: together three would make a group.
     assert same_shape_spread([_op(1.0), _op(2.0), _op(1.0, replica=1), _op(9.0, replica=1)]) is None

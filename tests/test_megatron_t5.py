@@ -201,6 +201,33 @@ def test_t5_packing_with_per_sample_attention_equals_padding_pp2(pp2):
     assert per_sample["padded_tokens"] == packing["padded_tokens"]  # the same packed rows
 
 
+def test_t5_per_sample_ops_are_traced_and_priced_at_their_attention_density(pp2):
+    """Each traced op of per-sample packing carries the share of the dense pairs its segment
+    tables computed, and the bench's stage check prices it there: the same rows as masked
+    packing, less predicted compute."""
+    import glob
+    import json
+
+    from dynapipe.cost.profile import ProfileCostModel
+    from megatron_integration.bench_t5_profile import stage_check
+    from test_profile_t5 import T5 as PRICED, t5_profile
+
+    def trace_dir(run):
+        return run["argv"][run["argv"].index("--dynapipe-trace-dir") + 1]
+
+    (per_sample,) = [r for r in pp2 if "per-sample" in r["argv"]]
+    traces = {"per-sample": trace_dir(per_sample), "packing": trace_dir(pp2[3])}
+    notes = [e["args"]["attention"] for path in glob.glob(os.path.join(traces["per-sample"], "rank*.json"))
+             for e in json.load(open(path))["traceEvents"] if e.get("cat") == "forward" and e.get("ph") == "X"]
+    assert notes and all(0 < v <= 1 for n in notes for v in n.values())
+    assert {k for n in notes for k in n} == {"input", "target", "cross"}
+    assert min(n["input"] for n in notes if "input" in n) < 1  # rows of several samples
+    cm = ProfileCostModel(PRICED, t5_profile(), 2)
+    checks = {k: stage_check(path, [1, 2], cm) for k, path in traces.items()}
+    for a, b in zip(checks["per-sample"]["stages"], checks["packing"]["stages"]):
+        assert a["predicted_ms"] < b["predicted_ms"]
+
+
 def test_a_job_of_many_runs_leaves_no_threads_behind(pp2):
     # Every run's process groups go with it (end_run). Before, each run left megatron-core's
     # twenty-odd gloo groups alive, three threads each: a job's later runs ran among hundreds
