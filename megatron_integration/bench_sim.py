@@ -17,7 +17,8 @@ from dynapipe.batching import plan_micro_batches
 from dynapipe.cost.compute_floor import floor_over_batches, shapes_compute_ms
 from dynapipe.config import load_cluster_config, load_device_config, load_model_config
 from dynapipe.cost import build_cost_model
-from dynapipe.method_compare import attention_share, compare_over_batches, global_batch_of_tokens, simulate_method
+from dynapipe.cost.attention_share import attention_share
+from dynapipe.method_compare import compare_over_batches, global_batch_of_tokens, simulate_method
 from dynapipe.pipeline_planner import plan_iteration
 from dynapipe.runtime.plan_source import tensor_parallel_of
 

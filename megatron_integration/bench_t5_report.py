@@ -4,7 +4,7 @@
   (:func:`~megatron_integration.bench_report.round_ratios`), printed beside it;
 * :func:`same_shape_spread`: how much the time of one op varied within a run when its
   work did not (the same forward or backward, stage, shape, and attention mask or none:
-  a row of one whole sample needs none, :func:`~megatron_integration.t5_step.needed_mask`,
+  a row of one whole sample needs none, :func:`~megatron_integration.t5_handlers.needed_mask`,
   and the T5 handlers' ``trace_note`` records which ops applied one). The work of such ops
   is the same, so their spread is the machine's. Grouped by shape alone, a packing run's
   encoder backwards had split into 48 ms (no mask) and 100 ms (megatron-core's in-place

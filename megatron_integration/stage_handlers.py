@@ -2,7 +2,7 @@
 micro-batch's, summing the last stage's token loss, and the backward at a recompute level.
 
 A model's handlers (:class:`~megatron_integration.dynapipe_step.MegatronStageHandlers` for
-GPT, :class:`~megatron_integration.t5_step.T5StageHandlers` for T5) subclass
+GPT, :class:`~megatron_integration.t5_handlers.T5StageHandlers` for T5) subclass
 :class:`ModelStageHandlers` and supply ``forward`` and ``_level`` (how the model switches its
 recompute level); the executor sees them through the
 :class:`~dynapipe.runtime.contract.StageHandlers` protocol.

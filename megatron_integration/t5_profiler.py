@@ -4,7 +4,7 @@ The ops are built as :mod:`megatron_integration.t5_model` builds a T5 stage (meg
 local T5 layer specs in a ``TransformerBlock``, ``LanguageModelEmbedding`` with learned
 absolute positions, ``T5LMHead`` and megatron-core's vocab-parallel cross-entropy) and run
 with the ``[mbs, 1, sq, sk]`` masks the stage handlers build
-(:func:`megatron_integration.t5_step.segment_mask`, one sample a row):
+(:func:`megatron_integration.t5_handlers.segment_mask`, one sample a row):
 
 * ``encoder_layer`` at every (mbs, seqlen): one encoder layer, bidirectional self-attention;
 * ``decoder_layer`` at every (mbs, dec_seqlen, seqlen): one decoder layer attending to an
@@ -85,7 +85,7 @@ class T5Ops:
         self.shards = tp if sequence_parallel else 1
 
     def _masks(self, b: int, sq: int, sk: int, causal: bool, self_attention: bool) -> torch.Tensor:
-        from megatron_integration.t5_step import segment_mask
+        from megatron_integration.t5_handlers import segment_mask
 
         return segment_mask(torch.ones(b, sq, dtype=torch.int64, device=self.device),
                             torch.ones(b, sk, dtype=torch.int64, device=self.device), causal=causal,

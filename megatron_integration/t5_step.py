@@ -1,4 +1,4 @@
-"""One T5 training iteration through the DynaPipe executor: handlers, plan sources, stepper.
+"""One T5 training iteration through the DynaPipe executor: plan sources and stepper.
 
 Every method runs through :class:`~dynapipe.runtime.executor.Executor` (megatron-core's
 schedules no longer pipeline encoder-decoder models); they differ only in where the plan
@@ -10,13 +10,11 @@ and the micro-batch tensors come from:
   (:func:`~megatron_integration.t5_batches.baseline_micro_batches`) compiled on every rank
   into 1F1B plans, at Megatron's ``--recompute-granularity`` level.
 
-The handlers build each stage's attention masks from the plan's ``enc_mask`` / ``dec_mask``
-(per-token sample numbers, 0 on padding): encoder self-attention and cross-attention see
-only their own sample's input tokens, decoder self-attention is causal within its sample;
-embedding stages restart positions at every sample. So a sample's loss does not depend on
-how it was padded or packed. After the executor, megatron-core's DDP sums the gradients
-over replicas, :class:`~megatron_integration.t5_model.EmbeddingSync` over the embedding
-copies, and the loss is normalised by the global batch's target tokens.
+The stages run under :class:`~megatron_integration.t5_handlers.T5StageHandlers` (their
+masks keep samples apart, so a sample's loss does not depend on how it was padded or packed).
+After the executor, megatron-core's DDP sums the gradients over replicas,
+:class:`~megatron_integration.t5_model.EmbeddingSync` over the embedding copies, and the loss
+is normalised by the global batch's target tokens.
 """
 from __future__ import annotations
 
@@ -30,158 +28,18 @@ import torch
 
 from dynapipe.cost.model_flops import TokenWork, samples_work
 from dynapipe.errors import DynaPipeError
-from dynapipe.plan.instructions import ForwardPass, MicroBatchInfo
 from dynapipe.runtime.activation_meter import ActivationMeter, measure_activations
 from dynapipe.runtime.activation_plan import planned_activation_peak_mib
 from megatron_integration.initialize import RankInfo
 from megatron_integration.baseline_step import StepResult, holds_loss, reduce_loss, split_point, step_split_ms
 from megatron_integration.model import Stage
 from megatron_integration.nan_guard import check_before_step
-from megatron_integration.stage_handlers import ModelStageHandlers
-from megatron_integration.segment_attention import t5_segment_tables, table_density
-from megatron_integration.t5_chunks import T5Chunks
 from megatron_integration.t5_config import T5TrainingConfig
-from megatron_integration.t5_model import EmbeddingSync, set_t5_recompute_level, sum_sequence_parallel_grads
+from megatron_integration.t5_handlers import T5StageHandlers
+from megatron_integration.t5_model import EmbeddingSync, sum_sequence_parallel_grads
 from megatron_integration.t5_placement import check_plan_placement
 from megatron_integration.tensor_parallel import check_plan_tensor_parallel, check_tp_plans_agree
 from megatron_integration.training_limits import empty_unused_memory
-
-
-def segment_mask(q_seg: torch.Tensor, k_seg: torch.Tensor, causal: bool = False,
-                 self_attention: bool = True) -> torch.Tensor:
-    """Attention mask ``[mbs, 1, sq, sk]`` bool (True = masked, megatron-core's convention)
-    from per-token sample numbers ``[mbs, sq]`` / ``[mbs, sk]`` (0 on padding): a query sees
-    the keys of its own sample (the earlier ones when ``causal``). In self-attention a
-    padding query sees itself, so no row is empty; a padding decoder query in
-    cross-attention sees nothing (megatron fills masked scores with -10000, a uniform row;
-    its loss is masked)."""
-    q, k = q_seg.unsqueeze(2), k_seg.unsqueeze(1)
-    keep = (q == k) & (q > 0)
-    sq, sk = q_seg.shape[1], k_seg.shape[1]
-    if causal:
-        keep &= torch.ones((sq, sk), dtype=torch.bool, device=q_seg.device).tril_()
-    if self_attention:
-        keep |= torch.eye(sq, dtype=torch.bool, device=q_seg.device)
-    return (~keep).unsqueeze(1)
-
-
-def needed_mask(q_seg: torch.Tensor, k_seg: torch.Tensor, self_attention: bool = True,
-                host: Optional[tuple] = None) -> Optional[torch.Tensor]:
-    """The bidirectional :func:`segment_mask` of ``q_seg`` / ``k_seg``, or None when it would
-    mask nothing: every row of both is one whole sample (no padding), the same one.
-
-    Why: megatron-core's unfused softmax applies any mask given with a ``masked_fill`` over
-    every score, forward and backward (about a quarter of an encoder layer's time at 1,024
-    tokens on a CPU), and building a ``[mbs, 1, sq, sk]`` mask costs milliseconds more;
-    without it the scores are the same. Decided from the ``[mbs, s]`` sample numbers, so an
-    unneeded mask is never built. For attention whose layer spec takes an arbitrary mask
-    (encoder self-attention, cross-attention): a causal layer given None builds its own.
-    ``host``: host copies of ``(q_seg, k_seg)`` (tensors or arrays) to decide from, so a CUDA
-    forward does not wait for the device to answer."""
-    q, k = (torch.as_tensor(host[0]), torch.as_tensor(host[1])) if host is not None else (q_seg, k_seg)
-    first = q[:, :1]
-    if bool((first > 0).all()) and bool((q == first).all()) and bool((k == first).all()):
-        return None
-    return segment_mask(q_seg, k_seg, self_attention=self_attention)
-
-
-def segment_positions(seg: torch.Tensor) -> torch.Tensor:
-    """Position ids ``[mbs, s]`` int64 restarting at every sample of a row (runs of equal
-    sample numbers; padding counts on from its own start)."""
-    b, s = seg.shape
-    idx = torch.arange(s, device=seg.device).expand(b, s)
-    starts = torch.ones_like(seg, dtype=torch.bool)
-    starts[:, 1:] = seg[:, 1:] != seg[:, :-1]
-    first = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
-    return (idx - first).to(torch.int64)
-
-
-class T5StageHandlers(ModelStageHandlers):
-    """Executor handlers that run one :class:`~megatron_integration.t5_model.T5Stage`."""
-
-    no_loss_tokens = "the global batch has no target tokens; the loss cannot be normalised."
-
-    def __init__(self, stage: Stage, device: torch.device, split_backward: bool = False,
-                 per_sample_attention: bool = False):
-        super().__init__(stage, device, split_backward)
-        # (micro-batch, chunk) -> whether its forward applied an encoder or cross-attention mask.
-        self.masked: dict[tuple[int, int], bool] = {}
-        # The packing baseline with each sample's attention computed alone: its stages read
-        # segment tables where the masks go (megatron_integration.segment_attention).
-        self.per_sample_attention = per_sample_attention
-        # (micro-batch, chunk) -> the attention density its segment tables computed (per sample).
-        self.density: dict[tuple[int, int], dict] = {}
-
-    def begin(self, micro_batch_tensors: dict, global_loss_tokens: int, plan=None) -> None:
-        super().begin(micro_batch_tensors, global_loss_tokens, plan)
-        self.masked, self.density = {}, {}
-
-    def trace_note(self, op) -> Optional[dict]:
-        """What an executor trace adds to a forward or backward: its ``recompute`` level and
-        ``masked``, whether its encoder or cross-attention applied a mask (a row of one whole
-        sample needs none, :func:`needed_mask`), so that ops of one shape are compared on the
-        same work; with per-sample attention also ``attention``, the share of the dense pairs
-        its segment tables computed (input, target, cross), at which the bench prices it."""
-        note = dict(super().trace_note(op) or {})
-        masked = self.masked.get((op.mb, op.chunk))
-        if masked is not None:
-            note["masked"] = masked
-        density = self.density.get((op.mb, op.chunk))
-        if density:
-            note["attention"] = density
-        return note or None
-
-    def _part(self, chunk: int):
-        """The :class:`T5Stage` running chunk ``chunk`` (the rank's only stage without chunks)."""
-        t5 = self.stage.gpt
-        return t5.chunk(chunk) if isinstance(t5, T5Chunks) else t5
-
-    def _level(self, op) -> None:
-        if op is not None:
-            set_t5_recompute_level(self._part(op.chunk), self.stage.config, op.recompute)
-
-    def forward(self, mb: MicroBatchInfo, inputs: dict[str, torch.Tensor], op: ForwardPass):
-        st, t5 = self.stage, self._part(op.chunk)
-        place = t5.place
-        self._level(op)
-        enc_seg, dec_seg = inputs["enc_mask"], inputs.get("dec_mask")
-        kwargs = dict(hidden_states=inputs.get("hidden_states"), encoder_output=inputs.get("encoder_output"),
-                      labels=inputs.get("labels"))
-        if place.embeds_encoder:
-            kwargs.update(enc_tokens=inputs["tokens"], enc_positions=segment_positions(enc_seg))
-        if place.embeds_decoder:
-            kwargs.update(dec_tokens=inputs["dec_tokens"], dec_positions=segment_positions(dec_seg))
-        host = self.tensors.get(mb.mb) or {}  # the loaded tensors' host copies
-        enc_host, dec_host = host.get("enc_mask"), host.get("dec_mask")
-        if self.per_sample_attention:
-            tables = t5_segment_tables(t5.encoder is not None, t5.decoder is not None,
-                                       enc_seg if enc_host is None else enc_host,
-                                       dec_seg if dec_host is None else dec_host)
-            kwargs.update(tables)
-            rows, s_enc = enc_seg.shape[0], enc_seg.shape[1]
-            s_dec = dec_seg.shape[1] if dec_seg is not None else 0
-            self.density[(op.mb, op.chunk)] = {
-                key: float(f"{table_density(tables[name], rows, *shape):.6g}")
-                for key, name, shape in (("input", "enc_attn_mask", (s_enc, s_enc)),
-                                         ("target", "dec_attn_mask", (s_dec, s_dec)),
-                                         ("cross", "cross_attn_mask", (s_dec, s_enc))) if name in tables}
-        elif t5.encoder is not None:
-            kwargs["enc_attn_mask"] = needed_mask(enc_seg, enc_seg, host=None if enc_host is None else
-                                                  (enc_host, enc_host))
-        if t5.decoder is not None and not self.per_sample_attention:
-            kwargs["dec_attn_mask"] = segment_mask(dec_seg, dec_seg, causal=True)
-            kwargs["cross_attn_mask"] = needed_mask(dec_seg, enc_seg, self_attention=False, host=None if (
-                enc_host is None or dec_host is None) else (dec_host, enc_host))
-        self.masked[(op.mb, op.chunk)] = any(kwargs.get(k) is not None for k in ("enc_attn_mask", "cross_attn_mask"))
-        if isinstance(st.gpt, T5Chunks):
-            kwargs["chunk"] = op.chunk
-        out = st.module(**kwargs)
-        if not place.is_last:
-            return out
-        loss_sum = self._sum_loss(out, inputs["loss_mask"])
-        # The loss scale the optimizer divides the gradients by, when it has one.
-        scale = st.config.grad_scale_func
-        return loss_sum if scale is None else scale(loss_sum)
 
 
 @dataclass

@@ -12,7 +12,7 @@ import torch
 
 from megatron_integration.launch import spawn
 from megatron_integration.masked_softmax import additive_attention_mask, use_additive_masks
-from megatron_integration.t5_step import segment_mask
+from megatron_integration.t5_handlers import segment_mask
 
 from t5_job import TIMEOUT
 

@@ -18,7 +18,7 @@ from dynapipe.errors import DynaPipeError
 from megatron_integration.t5_arguments import parse_t5_args
 from megatron_integration.t5_batches import baseline_micro_batches, pack_pairs, t5_row_tensors
 from megatron_integration.launch import spawn
-from megatron_integration.t5_step import needed_mask, segment_mask, segment_positions
+from megatron_integration.t5_handlers import needed_mask, segment_mask, segment_positions
 
 from t5_job import PACKING, TIMEOUT, TINY, dist_tensors as _dist_tensors
 

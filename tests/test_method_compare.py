@@ -5,7 +5,8 @@ import pytest
 from dynapipe.config import load_cluster_config, load_device_config, load_model_config
 from dynapipe.cost import build_cost_model
 from dynapipe.errors import DynaPipeError
-from dynapipe.method_compare import (METHODS, attention_share, compare_methods, global_batch_of_tokens,
+from dynapipe.cost.attention_share import attention_share
+from dynapipe.method_compare import (METHODS, compare_methods, global_batch_of_tokens,
                                      micro_batch_size_candidates, simulate_method, tune_baseline)
 
 

@@ -16,7 +16,8 @@ from dynapipe.cost.attention_density import DENSE, AttentionDensity, packed_dens
 from dynapipe.cost.base import StageLayout
 from dynapipe.cost.profile import ProfileCostModel
 from dynapipe.errors import DynaPipeError
-from dynapipe.method_compare import attention_share, compare_methods
+from dynapipe.cost.attention_share import attention_share
+from dynapipe.method_compare import compare_methods
 
 from test_profile_fixes import _profile
 from test_profile_t5 import T5 as T5_TINY

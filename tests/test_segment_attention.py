@@ -126,7 +126,7 @@ def _t5_compare_job(extra: str) -> dict:
     from megatron_integration.t5_arguments import parse_t5_args
     from megatron_integration.t5_batches import t5_row_tensors
     from megatron_integration.t5_model import build_t5_stage
-    from megatron_integration.t5_step import needed_mask, segment_mask, segment_positions
+    from megatron_integration.t5_handlers import needed_mask, segment_mask, segment_positions
     from megatron_integration.train_config import ParallelArgs
 
     info = initialize_megatron(ParallelArgs(world_size=1, backend="gloo"), seed=3)
