@@ -34,8 +34,9 @@ from dynapipe.cost.placement import StagePlacement
 from dynapipe.errors import DynaPipeError, whole_number
 from dynapipe.method_compare import BatchesResult, compare_over_batches
 
-#: The packings :func:`advise` compares with: per-sample attention (the default, the strongest) or masked rows.
-PACKING_METHODS = ("packing-per-sample", "packing")
+#: The packings :func:`advise` compares with: per-sample attention under 1F1B (the default),
+#: masked rows under 1F1B, or per-sample attention given DynaPipe's schedule search (the strongest).
+PACKING_METHODS = ("packing-per-sample", "packing", "packing-search")
 
 
 @dataclass(frozen=True)
@@ -228,8 +229,10 @@ def advise(batches: Sequence[np.ndarray], model: ModelConfig, device: DeviceConf
     placement the planner chooses on ``batches`` (contiguous or interleaved, as
     ``pretrain_t5.py --dynapipe-placement auto`` does; seconds a layout at cluster scale),
     every method on it; off, on Megatron's even split.
-    ``packing_method``: the packing compared with, ``packing-per-sample`` (the strongest: the
-    rows' attention computed per sample) or ``packing`` (Megatron's masked rows: dense attention).
+    ``packing_method``: the packing compared with, ``packing-per-sample`` (the rows' attention
+    computed per sample, under 1F1B as Megatron runs it), ``packing`` (Megatron's masked rows:
+    dense attention) or ``packing-search`` (per-sample rows given DynaPipe's schedule search, the
+    same schedule freedom: the strongest packing, slower to simulate).
     """
     if packing_method not in PACKING_METHODS:
         raise DynaPipeError(f"packing method {packing_method!r}: compare with one of {', '.join(PACKING_METHODS)}.")

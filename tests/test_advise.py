@@ -168,6 +168,9 @@ def re_loss(stdout: str) -> bool:
     (["--gpus", "2", "--vpp-sizes", "3"], "--vpp-sizes 3: no pipeline size here splits the 4 layers"),
     (["--gpus", "2", "--tp-sizes", "1,x"], "--tp-sizes: '1,x': expected comma-separated integers"),
     (["--gpus", "2", "--no-packing", "--packing-attention", "mask"], "--no-packing skips the packing comparison"),
+    (["--gpus", "2", "--no-packing", "--packing-schedule", "search"], "--no-packing skips the packing comparison"),
+    (["--gpus", "2", "--packing-schedule", "search", "--packing-attention", "mask"],
+     "with --packing-attention mask use --packing-schedule 1f1b"),
 ])
 def test_bad_advise_arguments_give_one_line(argv, message, capsys):
     rc = main(["advise", "--model", "gpt-tiny", "--device", "cpu", "--cluster", "cpu-local",
@@ -238,7 +241,7 @@ def test_a_lengths_file_smaller_than_one_global_batch_is_refused(tmp_path, capsy
 
 
 def test_layouts_with_more_replicas_than_samples_are_left_out_not_given_a_larger_batch(tmp_path, capsys):
-    from dynapipe.cli.advise import run_config_text
+    from dynapipe.cli.advise_run_config import run_config_text
 
     tiny, cpu, local = load_model_config("gpt-tiny"), load_device_config("cpu"), load_cluster_config("cpu-local")
     batches = [np.array([100, 120, 90]), np.array([80, 60, 70, 50])]  # 3 samples in the smaller one
@@ -317,7 +320,7 @@ def test_tp_groups_stay_inside_a_node_and_t5_layouts_leave_out_the_distributed_o
 
 
 def test_encoder_decoder_layouts_run_on_the_planned_placement_and_train_on_it(tmp_path):
-    from dynapipe.cli.advise import run_config_text
+    from dynapipe.cli.advise_run_config import run_config_text
     from dynapipe.data.synthetic import DEFAULT_MIXTURE, load_mixture
     from dynapipe.schedule.placement import choose_placement_kind
 
@@ -345,7 +348,7 @@ def test_encoder_decoder_layouts_run_on_the_planned_placement_and_train_on_it(tm
 
 
 def test_interleaved_layouts_are_priced_on_megatron_chunks_and_train_from_the_run_config(tmp_path):
-    from dynapipe.cli.advise import run_config_text
+    from dynapipe.cli.advise_run_config import run_config_text
     from dynapipe.cost.chunked_placement import even_chunked_placement
 
     gpt7, a100 = load_model_config("gpt-7b"), load_cluster_config("a100-8x")
@@ -387,7 +390,7 @@ def test_interleaved_layouts_are_priced_on_megatron_chunks_and_train_from_the_ru
 def test_the_run_config_trains_the_layer_kind_that_was_simulated():
     # A model config's layer kind, dropout and positions become the run's Megatron flags, so the
     # run's planner model is the one advise simulated.
-    from dynapipe.cli.advise import layer_flags
+    from dynapipe.cli.advise_run_config import layer_flags
     from megatron_integration.arguments import parse_training_args
 
     model = dataclasses.replace(load_model_config("gpt-tiny"), gated_linear_unit=True, add_bias_linear=False,
@@ -491,6 +494,10 @@ def test_advise_compares_with_per_sample_packing_unless_told_masked_rows():
     assert per_sample.speedup_vs_packing < masked.speedup_vs_packing
     with pytest.raises(DynaPipeError, match="packing method 'padding'"):
         advise(batches, model, device, 8, packing_method="padding", **kw)
+    # Given DynaPipe's schedule search too, the same per-sample rows run at least as fast.
+    searched = advise(batches, model, device, 8, packing_method="packing-search", **kw).results[0]
+    assert searched.to_json()["packing"]["method"] == "packing-search"
+    assert searched.packing.real_tokens_per_s >= per_sample.packing.real_tokens_per_s * (1 - 1e-9)
 
 
 def test_the_best_layout_for_packing_is_named_beside_dynapipes(tmp_path, capsys):
