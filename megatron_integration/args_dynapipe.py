@@ -135,11 +135,10 @@ def batching_from_args(args: argparse.Namespace, dp: int) -> tuple[str, Optional
         raise DynaPipeError("--reset-position-ids / --reset-attention-mask apply to packed rows only "
                             "(--dynapipe-batching packing).")
     if args.dynapipe_packed_attention == "per-sample":
-        if batching != "packing" or args.use_dynapipe or not args.reset_attention_mask:
-            raise DynaPipeError("--dynapipe-packed-attention per-sample is how the packing baseline keeps packed "
-                                "samples apart: it needs --dynapipe-batching packing with --reset-attention-mask "
-                                "and without --use-dynapipe (DynaPipe's own packed plans mask); drop it or use "
-                                "that baseline.")
+        if batching != "packing" or not args.reset_attention_mask:
+            raise DynaPipeError("--dynapipe-packed-attention per-sample is how packed rows keep their samples "
+                                "apart: it needs --dynapipe-batching packing with --reset-attention-mask (with or "
+                                "without --use-dynapipe); drop it or use packing.")
     return batching, mbs
 
 

@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from dynapipe.cost.model_flops import TokenWork
@@ -48,6 +49,7 @@ from megatron_integration.initialize import RankInfo
 from megatron_integration.baseline_step import StepResult, holds_loss, reduce_loss, split_point, step_split_ms
 from megatron_integration.model import Stage, finalize_grads_func, set_recompute_level
 from megatron_integration.nan_guard import check_before_step
+from megatron_integration.segment_attention import segment_table, table_density
 from megatron_integration.stage_handlers import ModelStageHandlers
 from megatron_integration.tensor_parallel import check_plan_tensor_parallel, check_tp_plans_agree
 from megatron_integration.training_limits import empty_unused_memory
@@ -76,6 +78,28 @@ class MegatronStageHandlers(ModelStageHandlers):
     no_loss_tokens = ("the global batch has no loss tokens (every sample is input only); "
                       "the loss cannot be normalised.")
 
+    def __init__(self, stage: Stage, device: torch.device, split_backward: bool = False,
+                 per_sample_attention: bool = False):
+        super().__init__(stage, device, split_backward)
+        # Packed rows with each sample's attention computed alone: the stage's layers read
+        # segment tables where the mask goes (megatron_integration.segment_attention).
+        self.per_sample_attention = per_sample_attention
+        # (micro-batch, chunk) -> the share of the rows' dense attention pairs its tables computed.
+        self.density: dict[tuple[int, int], float] = {}
+
+    def begin(self, micro_batch_tensors: dict, global_loss_tokens: int, plan=None) -> None:
+        super().begin(micro_batch_tensors, global_loss_tokens, plan)
+        self.density = {}
+
+    def trace_note(self, op) -> Optional[dict]:
+        """The base note (``recompute``), and with per-sample attention ``attention``: the share
+        of the rows' dense pairs the op's segment table computed."""
+        note = dict(super().trace_note(op) or {})
+        density = self.density.get((op.mb, getattr(op, "chunk", 0)))
+        if density is not None:
+            note["attention"] = {"input": density}
+        return note or None
+
     def _level(self, op) -> None:
         if op is not None and self.stage.gpt is not None:
             chunk = self.stage.gpts[getattr(op, "chunk", 0)]
@@ -89,7 +113,13 @@ class MegatronStageHandlers(ModelStageHandlers):
         if not gpt.pre_process:
             gpt.set_input_tensor(inputs["hidden_states"])
         seg = inputs.get("segment_ids")
-        attn_mask = None if seg is None else packed_attention_mask(seg)
+        if seg is not None and self.per_sample_attention:
+            host = (self.tensors.get(mb.mb) or {}).get("segment_ids")  # read on the host, no device sync
+            attn_mask = torch.from_numpy(segment_table(np.asarray(seg.cpu() if host is None else host)))
+            rows, s = seg.shape[0], seg.shape[1]
+            self.density[(op.mb, c)] = float(f"{table_density(attn_mask, rows, s, s):.6g}")
+        else:
+            attn_mask = None if seg is None else packed_attention_mask(seg)
         out = module(inputs.get("tokens"), inputs.get("position_ids"), attn_mask, labels=inputs.get("labels"))
         if not gpt.post_process:
             return out
@@ -109,13 +139,20 @@ def planner_settings(cfg: DynaPipeTrainingConfig, info: RankInfo):
     placement = gpt_placement(cfg, info)
     return PlannerSettings(
         model=cfg.model.to_model_config("megatron-gpt"), device=load_device_config(d.device),
-        num_stages=info.pp_size, dp=info.dp_size, method=d.batching,
+        num_stages=info.pp_size, dp=info.dp_size, method=planned_batching(cfg),
         schedule=schedule_on_chunks(d.schedule, placement.chunks if placement is not None else 1),
         memory_limit_mib=d.memory_limit_mb, cost_profile=None if d.cost_model == "analytic" else d.cost_model,
         micro_batch_size=cfg.micro_batch_size, seq_length=cfg.model.seq_length, max_tokens=d.max_tokens or 0,
         cluster=load_cluster_config(d.cluster), zero=cfg.optimizer.distributed, recompute=d.recompute,
         tp=info.tp_size, sequence_parallel=cfg.parallel.sequence_parallel, placement=placement,
         flag_names=PLANNER_FLAG_NAMES, split_backward=d.split_backward)
+
+
+def planned_batching(cfg: DynaPipeTrainingConfig) -> str:
+    """The planner's batching method of the run: packing whose rows run per sample
+    (``--dynapipe-packed-attention per-sample``) is priced at the attention it computes."""
+    d = cfg.dynapipe
+    return "packing-per-sample" if d.batching == "packing" and cfg.packed_attention == "per-sample" else d.batching
 
 
 # The planning layers' errors name the `plan` command's flags; a training job's are these.
@@ -233,7 +270,8 @@ class DynaPipeStepper:
         from dynapipe.cost import build_cost_model
         from dynapipe.runtime.plan_source import tensor_parallel_config
 
-        handlers = MegatronStageHandlers(stage, info.device, split_backward=cfg.dynapipe.split_backward)
+        handlers = MegatronStageHandlers(stage, info.device, split_backward=cfg.dynapipe.split_backward,
+                                         per_sample_attention=cfg.packed_attention == "per-sample")
         meter = ActivationMeter()
         handlers.weight_grads.meter = meter  # what pending weight parts keep is activation memory
         # megatron's pipeline group links the same TP rank of every stage, so each transfer
