@@ -36,9 +36,9 @@ from megatron_integration import cpu_allocator
 from megatron_integration.cpu_affinity import bench_default
 from megatron_integration.bench_checks import check_bench_outputs
 from megatron_integration.bench_request import Entry, check_request  # noqa: F401 (Entry re-exported)
-from megatron_integration.bench_presets import (BASELINES, DYNAPIPE_METHODS, METHOD_FLAGS, PRESETS, PROFILE_MBS,
-                                                PROFILE_SEQLENS, REFERENCE_SEQ_LENGTH, fill_defaults, flag_value,
-                                                with_defaults)
+from megatron_integration.bench_presets import (BASELINES, DYNAPIPE_METHODS, EXECUTOR_METHODS, METHOD_FLAGS,
+                                                PRESETS, PROFILE_MBS, PROFILE_SEQLENS, REFERENCE_SEQ_LENGTH,
+                                                fill_defaults, flag_value, with_defaults)
 from megatron_integration.bench_report import (breakdown, breakdown_summary, breakdown_table, format_compute_floor,
                                                ratio_table, round_ratios, write_png)
 from megatron_integration.bench_results import (MethodResult, median_result,  # noqa: F401 (re-exported)
@@ -221,7 +221,7 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
         for e in order:
             margv = e.argv(argv)
             trace_dir = None
-            if e.method.startswith("dynapipe"):
+            if e.method in EXECUTOR_METHODS:
                 if profile not in (None, "analytic") and given_profile is None:
                     margv += ["--dynapipe-cost-model", profile]
                 trace_dir = os.path.join(trace_root, f"{e.label}-round{k}")
@@ -265,7 +265,7 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
         errors = {m: cost_model_error(cfg, {"calibrated": profile, "measured": measured_profile},
                                       [os.path.join(trace_root, f"{chosen[m].label}-round{k}") for k in range(rounds)],
                                       keep)
-                  for m in methods if m.startswith("dynapipe")}
+                  for m in methods if m in EXECUTOR_METHODS}
         print("\nthe cost model against the forwards and backwards the timed runs executed (executed / predicted ms, "
               "mean error per op):", file=stream)
         for m, e in errors.items():

@@ -30,9 +30,16 @@ METHOD_FLAGS = {
     # Transformer Engine's THD format does on GPUs (megatron_integration/segment_attention.py).
     "packing-per-sample": ["--dynapipe-batching", "packing", "--reset-position-ids", "--reset-attention-mask",
                            "--dynapipe-packed-attention", "per-sample"],
+    # The same per-sample rows through the DynaPipe executor, given its schedule search (schedule,
+    # order and recompute per stage): the strongest packing, with DynaPipe's schedule freedom.
+    "packing-search": ["--use-dynapipe", "--dynapipe-batching", "packing", "--reset-position-ids",
+                       "--reset-attention-mask", "--dynapipe-packed-attention", "per-sample"],
 }
-BASELINES = ("padding", "padding-mb", "packing", "packing-per-sample")
+BASELINES = ("padding", "padding-mb", "packing", "packing-per-sample", "packing-search")
 DYNAPIPE_METHODS = ("dynapipe", "dynapipe-1f1b", "dynapipe-zb")
+#: The methods the DynaPipe executor runs (planned with the bench's profile, traced); the other
+#: baselines run through megatron-core's schedule.
+EXECUTOR_METHODS = DYNAPIPE_METHODS + ("packing-search",)
 
 # --manual-gc (Megatron-LM's): measured in a T5 bench job, one threshold-triggered full
 # collection took 190 ms on both ranks in the middle of a run (a third of an iteration); with
@@ -79,7 +86,8 @@ PRESETS = {
               "--global-batch-size": "64", "--train-iters": "4", "--dynapipe-prefetch": "2", **_COMMON},
         # Each baseline at its best simulated micro-batch size (a fixed --micro-batch-size 4 ran
         # packing at its slowest: two micro-batches a replica on two stages).
-        methods=("dynapipe", "padding", "packing", "packing-per-sample"), rounds=1, sweep_top=1, warmup_iters=1,
+        methods=("dynapipe", "padding", "packing", "packing-per-sample", "packing-search"), rounds=1, sweep_top=1,
+        warmup_iters=1,
         about="tiny GPT (hidden 64) at 1,024 tokens: attention dominates, the quick demo"),
     # Hidden = sequence length with FFN 4h: on full rows the attention core is 4s/(4s + 24h) = 1/7 of a
     # layer's FLOPs, as GPT-7B's at 4,096 tokens. One layer a stage keeps it within minutes on 2 cores.
@@ -90,7 +98,8 @@ PRESETS = {
         # The two best simulated sizes of padding-mb and packing both run: a profile measured on a
         # loaded machine can misrank them. The profile stops at 4 samples (8 x 512 tokens costs as
         # much to measure as all smaller shapes together).
-        methods=("dynapipe", "dynapipe-1f1b", "padding", "padding-mb", "packing", "packing-per-sample"), rounds=2,
+        methods=("dynapipe", "dynapipe-1f1b", "padding", "padding-mb", "packing", "packing-per-sample",
+                 "packing-search"), rounds=2,
         sweep_top=2,
         warmup_iters=1, profile_repeats=2, sweep_within=0.0, profile_mbs=(1, 2, 4), calibrate_iters=3,
         profile_levels=False,

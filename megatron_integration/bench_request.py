@@ -12,7 +12,8 @@ from typing import Optional, Sequence
 
 from megatron_integration.args_dynapipe import without_unused_dynapipe_flags
 from megatron_integration.bench_checks import check_warmup_iters
-from megatron_integration.bench_presets import BASELINES, METHOD_FLAGS, PRESETS, flag_value, with_defaults
+from megatron_integration.bench_presets import (BASELINES, EXECUTOR_METHODS, METHOD_FLAGS, PRESETS, flag_value,
+                                                with_defaults)
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,9 @@ def refuse_unread_bench_flags(argv: Sequence[str], methods: Sequence[str]) -> No
     if fixed:
         raise DynaPipeError(f"--dynapipe-schedule {schedule} would be overridden for {', '.join(fixed)}, which "
                             f"run(s) a schedule of their own; drop it, or drop them from --methods.")
-    if not any(m.startswith("dynapipe") for m in methods):
+    if not any(m.startswith("dynapipe") or m in EXECUTOR_METHODS for m in methods):
         raise DynaPipeError(f"--dynapipe-schedule {schedule}: --methods {','.join(methods)} runs no DynaPipe "
-                            f"method; drop it.")
+                            f"method (nothing through the DynaPipe executor); drop it.")
 
 
 def check_request(argv: Sequence[str], methods: Sequence[str], preset: str = "tiny", *,

@@ -18,9 +18,11 @@ from dynapipe.cost.compute_floor import floor_over_batches, shapes_compute_ms
 from dynapipe.config import load_cluster_config, load_device_config, load_model_config
 from dynapipe.cost import build_cost_model
 from dynapipe.cost.attention_share import attention_share
-from dynapipe.method_compare import compare_over_batches, global_batch_of_tokens, simulate_method
+from dynapipe.method_compare import (METHOD_SPECS, SIZED_METHODS, compare_over_batches, global_batch_of_tokens,
+                                     simulate_method)
 from dynapipe.pipeline_planner import plan_iteration
 from dynapipe.runtime.plan_source import tensor_parallel_of
+from megatron_integration.bench_presets import EXECUTOR_METHODS
 
 # What each method's iteration_ms covers (the JSON's setup.timed_regions).
 TIMED_REGIONS = {
@@ -36,6 +38,8 @@ TIMED_REGIONS = {
     "packing": "as padding, with block-diagonal attention masks built outside the timed region",
     "packing-per-sample": "as packing, each sample's attention computed alone (no mask; segment boundaries "
                           "found outside the timed region)",
+    "packing-search": "as dynapipe (the DynaPipe executor, planner workers, optimizer step), the planner packing "
+                      "rows as packing does and searching their schedule, each sample's attention computed alone",
 }
 
 # Bench methods whose rows the T5 batch builders form as another's: per-sample attention changes
@@ -99,7 +103,7 @@ class BenchSimulation:
         rows = []
         for row in res.sweep:
             row = dict(row)
-            if row["fits"] and row["recompute"] != ["none"]:
+            if row["fits"] and row["recompute"] != ["none"] and method not in EXECUTOR_METHODS:
                 row["fits"] = False
                 row["reason"] = f"needs recompute {row['recompute']}, which the megatron-core baseline does not run"
             row["simulated"] = True
@@ -139,7 +143,9 @@ class BenchSimulation:
         builders make them (padding and packing rows are --seq-length long; packing's are masked,
         not shortened; per-sample packing's carry their attention density), DynaPipe's as planned."""
         if not method.startswith("dynapipe"):
-            plan = plan_micro_batches(lengths, self.cost, method=method, seq_length=self.seq_length,
+            # The planner's batching of the method (packing-search: the per-sample rows).
+            batching = METHOD_SPECS[method][0] if method in METHOD_SPECS else method
+            plan = plan_micro_batches(lengths, self.cost, method=batching, seq_length=self.seq_length,
                                       micro_batch_size=micro_batch_size or self.cfg.micro_batch_size)
             return plan.micro_batches
         schedule = {"dynapipe-1f1b": "1f1b", "dynapipe-zb": "zb-h1"}.get(method, self.cfg.dynapipe.schedule)
@@ -189,7 +195,7 @@ def gpt7b_attention_shares(methods: Sequence[str], seq_length: int, tokens: int 
     kw = dict(dp=2, seq_length=seq_length, cluster=load_cluster_config("a100-8x"), zero=True)
     out = {}
     for m in methods:
-        if m in ("padding", "padding-mb", "packing", "packing-per-sample"):
+        if m in SIZED_METHODS:
             out[m] = round(compare_over_batches([batch], m, cost, **kw).runs[0].attention_share, 4)
         else:
             out[m] = round(simulate_method(batch, m, cost, **kw).attention_share, 4)

@@ -14,7 +14,8 @@ from megatron_integration.bench_refit import monotone
 def test_bench_rounds_sweep_and_methods(tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     cmd = [sys.executable, "-m", "dynapipe", "bench", "--output", str(out), "--png", str(png),
-           "--methods", "dynapipe,padding-mb,packing,packing-per-sample", "--rounds", "2", "--sweep-top", "1",
+           "--methods", "dynapipe,padding-mb,packing,packing-per-sample,packing-search", "--rounds", "2",
+           "--sweep-top", "1",
            "--num-layers", "2", "--seq-length", "128", "--max-position-embeddings", "128",
            "--global-batch-size", "8", "--train-iters", "3", "--dynapipe-prefetch", "2", "--calibrate-iters", "2"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -46,7 +47,7 @@ def test_bench_rounds_sweep_and_methods(tmp_path):
     assert sorted(first) == sorted(second) and second == first[1:] + first[:1]
     assert set(setup["timed_regions"]) >= set(report["methods"])
     methods = report["methods"]
-    assert set(methods) == {"dynapipe", "padding-mb", "packing", "packing-per-sample"}
+    assert set(methods) == {"dynapipe", "padding-mb", "packing", "packing-per-sample", "packing-search"}
     # Same data, same initial weights: every method's first loss agrees (padding-mb runs through
     # megatron-core's variable_seq_lengths path, packing with isolated samples by mask or by
     # computing each sample's attention alone).
@@ -70,7 +71,7 @@ def test_bench_rounds_sweep_and_methods(tmp_path):
         assert [st["stage"] for st in split["stages"]] == [0, 1]
         # Per stage, the breakdown covers the iteration the method reports (the slowest rank's).
         assert max(st["iteration"] for st in split["stages"]) == pytest.approx(m["iteration_ms"], rel=0.1)
-    for name in ("padding-mb", "packing", "packing-per-sample"):
+    for name in ("padding-mb", "packing", "packing-per-sample", "packing-search"):
         sweep = methods[name]["sweep"]
         ran = [s for s in sweep if s["measured_real_tokens_per_s"] is not None]
         assert len(ran) == 1 and ran[0]["chosen"] and ran[0]["micro_batch_size"] == methods[name]["micro_batch_size"]
@@ -83,7 +84,8 @@ def test_bench_rounds_sweep_and_methods(tmp_path):
     # megatron-core's 1F1B for the baselines.
     for name, m in methods.items():
         assert sum(m["schedules"].values()) == m["timed_iterations"] * 2, (name, m["schedules"])
-        assert set(m["schedules"]) <= ({"1f1b", "adaptive", "zb-h1"} if name == "dynapipe" else {"1f1b"})
+        executor = name in ("dynapipe", "packing-search")  # the others run megatron-core's 1F1B
+        assert set(m["schedules"]) <= ({"1f1b", "adaptive", "zb-h1"} if executor else {"1f1b"})
     assert "pipeline schedules run (timed iterations, every round): dynapipe " in result.stdout
     # Out of sample: both profiles' errors on the ops the timed DynaPipe runs executed, per size class.
     err = methods["dynapipe"]["cost_model_error"]
@@ -100,7 +102,13 @@ def test_bench_rounds_sweep_and_methods(tmp_path):
     # The same packed rows, each sample's attention alone: only the samples' own attention counts.
     assert methods["packing-per-sample"]["attention_share"] < methods["packing"]["attention_share"]
     assert methods["packing-per-sample"]["micro_batch_size"] == methods["packing"]["micro_batch_size"]
-    assert report["best_baseline"] in ("padding-mb", "packing", "packing-per-sample")
+    assert report["best_baseline"] in ("padding-mb", "packing", "packing-per-sample", "packing-search")
+    # Per-sample packing given the schedule search runs through the executor: planned (its workers'
+    # CPU counted), traced (the cost model judged on its ops), the same packed rows' attention.
+    search = methods["packing-search"]
+    assert search["planner_cpu_ms"] is not None and search["planner_cpu_ms"] > 0
+    assert search["cost_model_error"]["calibrated"]["total"]["ops"] > 0
+    assert search["attention_share"] == pytest.approx(methods["packing-per-sample"]["attention_share"], rel=0.2)
     assert "dynapipe_vs_best_baseline" in report["ratios"]
     # Every ratio round by round: the two methods' runs of the same round, side by side.
     per_round = report["ratios_per_round"]
