@@ -1,8 +1,8 @@
 """What ``python -m dynapipe bench`` trains: the methods and the presets.
 
 :data:`METHOD_FLAGS` gives every method's Megatron flags (DynaPipe, DynaPipe's
-micro-batches under plain 1F1B or the zero-bubble schedule, and megatron-core's padding, per-micro-batch padding and
-packing baselines). Two presets (:data:`PRESETS`): ``tiny`` (the quick start: hidden 64 at
+micro-batches under plain 1F1B or the zero-bubble schedule, megatron-core's padding, per-micro-batch padding and
+packing baselines, and packing with per-sample attention through the DynaPipe executor's schedule search). Two presets (:data:`PRESETS`): ``tiny`` (the quick start: hidden 64 at
 1,024 tokens, where attention is most of a layer's FLOPs) and ``representative`` (a shape
 whose attention share of the layer FLOPs matches GPT-7B at 4,096 tokens).
 :func:`with_defaults` completes a command line with a preset's arguments, :func:`flag_value`
