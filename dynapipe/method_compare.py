@@ -29,7 +29,7 @@ import numpy as np
 
 from dynapipe.config import ClusterConfig
 from dynapipe.cost.attention_share import attention_share
-from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel
+from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, check_recompute
 from dynapipe.errors import DynaPipeError, whole_number
 from dynapipe.pipeline_planner import IterationPlan, plan_iteration
 
@@ -174,7 +174,8 @@ def simulate_method(lengths, method: str, cost_model: CostModel, *, dp: int = 1,
                     micro_batch_size: Optional[int] = None, seq_length: Optional[int] = None,
                     memory_limit_mib: Optional[float] = None, reserved_mib: Optional[float] = None,
                     cluster: Optional[ClusterConfig] = None, tp: int = 1, zero: bool = False,
-                    split_backward: bool = True) -> MethodSimulation:
+                    split_backward: bool = True, schedule: Optional[str] = None,
+                    recompute: Optional[str] = None) -> MethodSimulation:
     """Plan and simulate one iteration of ``lengths`` (tokens) with ``method`` (one of :data:`METHODS`).
 
     ``micro_batch_size`` (samples, rows for packing) is required by the sized baselines.
@@ -183,6 +184,8 @@ def simulate_method(lengths, method: str, cost_model: CostModel, *, dp: int = 1,
     ``dynapipe-1f1b`` lets it choose a uniform level. Memory defaults to the cost
     model's device config (MiB). ``split_backward=False``: the stages cannot split their
     backward (Transformer Engine's layers), so no search tries the zero-bubble schedules.
+    ``schedule`` / ``recompute`` replace the method's own (a run that fixes them:
+    ``--dynapipe-schedule``, ``--dynapipe-recompute``); a fixed level is the only one tried.
     Raises :class:`DynaPipeError` when nothing fits.
     """
     # Inputs are checked here, once: inside the recompute loop below an input error would read
@@ -195,7 +198,8 @@ def simulate_method(lengths, method: str, cost_model: CostModel, *, dp: int = 1,
     whole_number("tp", tp)
     if method not in METHOD_SPECS:
         raise DynaPipeError(f"method {method!r} is not known; use one of {', '.join(METHODS)}.")
-    batching, schedule, searched = METHOD_SPECS[method]
+    batching, own_schedule, searched = METHOD_SPECS[method]
+    schedule = own_schedule if schedule is None else schedule
     check_priceable(method, cost_model)
     if method in SIZED_METHODS and micro_batch_size is None:
         raise DynaPipeError(f"method {method!r} needs a micro-batch size (samples, or rows for packing).")
@@ -206,11 +210,12 @@ def simulate_method(lengths, method: str, cost_model: CostModel, *, dp: int = 1,
                   reserved_mib=reserved_mib, cluster=cluster, micro_batch_size=micro_batch_size or 1,
                   seq_length=seq_length, tp=tp, zero=zero, split_backward=split_backward)
     real = _real_tokens(lengths, seq_length)
-    if searched:
+    if searched and recompute is None:
         plan = plan_iteration(lengths, cost_model, recompute=None, **common)
         return _to_simulation(method, plan, cost_model, real, micro_batch_size)
     error: Optional[DynaPipeError] = None
-    for level in RECOMPUTE_LEVELS:  # ordered light to heavy: the first that fits is the lightest
+    levels = RECOMPUTE_LEVELS if recompute is None else (check_recompute(recompute),)
+    for level in levels:  # ordered light to heavy: the first that fits is the lightest
         try:
             plan = plan_iteration(lengths, cost_model, recompute=level, **common)
         except DynaPipeError as e:

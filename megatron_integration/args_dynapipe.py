@@ -75,8 +75,8 @@ def add_dynapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--dynapipe-tokens-per-global-batch", type=int, default=None,
                    help="form global batches by real-token budget instead of --global-batch-size samples")
     g.add_argument("--dynapipe-packed-attention", default="mask", choices=("mask", "per-sample"),
-                   help="how the packing baseline's rows (--dynapipe-batching packing --reset-attention-mask) "
-                        "keep samples apart: mask (Megatron's block-diagonal mask over the whole row) or "
+                   help="how packed rows (--dynapipe-batching packing --reset-attention-mask, through megatron-core "
+                        "or with --use-dynapipe the DynaPipe executor) keep samples apart: mask (Megatron's block-diagonal mask over the whole row) or "
                         "per-sample (the local attention run on each sample alone, no work between samples, as "
                         "Transformer Engine's THD format on GPUs; the same loss)")
     g.add_argument("--dynapipe-overlong", default="truncate", choices=("truncate", "reject"),

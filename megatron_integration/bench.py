@@ -192,7 +192,7 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
     calibration = None
     measured_profile = profile
     if calibrate_iters > 0 and given_profile is None and profile != "analytic" and any(
-            m.startswith("dynapipe") for m in methods):
+            m.startswith("dynapipe") or m in EXECUTOR_METHODS for m in methods):
         profile, calibration = calibrate(argv, profile, cfg, nproc, calibrate_iters, threads, timeout_s, stream)
     sim = bench_sim.BenchSimulation(cfg, nproc, None if profile == "analytic" else profile, warmup_iters)
 

@@ -112,6 +112,7 @@ def executed_ops(trace_dir: str, cost, iterations: Sequence[int], recompute: Opt
     None for ``auto``) and its stage: its stage pass without the fixed ``stage_overhead_ms``,
     which the executor pays outside the pass, ms; as
     :class:`~megatron_integration.bench_refit.ExecutedOps`."""
+    from dynapipe.cost.attention_density import AttentionDensity
     from megatron_integration.bench_refit import ExecutedOps
     from megatron_integration.bench_report import _trace_events, passes
 
@@ -123,7 +124,10 @@ def executed_ops(trace_dir: str, cost, iterations: Sequence[int], recompute: Opt
                 a, stage, backward = e.get("args", {}), e.get("tid", 0), e["cat"] == "backward"
                 # A recomputing backward also runs (part of) the forward again: priced without
                 # it, the refit would scale every backward table by that extra work.
-                c = cost.stage_cost(a["mbs"], a["seqlen"], stage=stage, recompute=op_level(a, recompute, trace_dir))
+                # Per-sample packed rows at the share of their pairs the op computed (its trace note).
+                density = AttentionDensity(**a["attention"]) if a.get("attention") else None
+                c = cost.stage_cost(a["mbs"], a["seqlen"], stage=stage, recompute=op_level(a, recompute, trace_dir),
+                                    attention=density)
                 pred = float(c.bw_ms if backward else c.fw_ms) - fixed
                 rows.append((a["mbs"], a["seqlen"], stage, backward, e["dur"] / 1e3, pred))
     return ExecutedOps.from_rows(rows)

@@ -22,7 +22,7 @@ from dynapipe.method_compare import (METHOD_SPECS, SIZED_METHODS, compare_over_b
                                      simulate_method)
 from dynapipe.pipeline_planner import plan_iteration
 from dynapipe.runtime.plan_source import tensor_parallel_of
-from megatron_integration.bench_presets import EXECUTOR_METHODS
+from megatron_integration.bench_presets import EXECUTOR_METHODS, METHOD_FLAGS
 
 # What each method's iteration_ms covers (the JSON's setup.timed_regions).
 TIMED_REGIONS = {
@@ -73,9 +73,19 @@ class BenchSimulation:
         first = min(warmup_iters, cfg.train_iters - 1)
         self.batches = [np.asarray(stream.lengths(stream.batch(i))) for i in range(first, cfg.train_iters)]
 
-    def _kwargs(self) -> dict:
-        return dict(dp=self.dp, seq_length=self.seq_length, cluster=self.cluster,
-                    memory_limit_mib=self.cfg.dynapipe.memory_limit_mb, zero=self.cfg.optimizer.distributed)
+    def _kwargs(self, method: Optional[str] = None) -> dict:
+        """The simulation's arguments; for a method the DynaPipe executor runs under the run's
+        own schedule and recompute flags (not fixed by the method's), those too, so it is simulated
+        as it will run."""
+        out = dict(dp=self.dp, seq_length=self.seq_length, cluster=self.cluster,
+                   memory_limit_mib=self.cfg.dynapipe.memory_limit_mb, zero=self.cfg.optimizer.distributed)
+        if method in EXECUTOR_METHODS and "--dynapipe-schedule" not in METHOD_FLAGS.get(method, ()):
+            d = self.cfg.dynapipe
+            if d.schedule != "auto":
+                out["schedule"] = d.schedule
+            if d.recompute is not None:
+                out["recompute"] = d.recompute
+        return out
 
     def candidate_sizes(self, method: str) -> list[int]:
         """Powers of two that divide the global batch over the replicas (Megatron's rule),
@@ -99,7 +109,7 @@ class BenchSimulation:
         (``fits``: within the memory limit without recompute, which the megatron-core
         baseline runs here do not use)."""
         res = compare_over_batches(self.batches, method, self.cost,
-                                   micro_batch_sizes=self.candidate_sizes(method), **self._kwargs())
+                                   micro_batch_sizes=self.candidate_sizes(method), **self._kwargs(method))
         rows = []
         for row in res.sweep:
             row = dict(row)
@@ -130,7 +140,7 @@ class BenchSimulation:
         bookkeeping between ops), bubble fraction and micro-batches; what the bench compares with
         the measured iteration to show where the cost model is wrong, per method."""
         runs = [simulate_method(b, method, self.cost, micro_batch_size=micro_batch_size,
-                                **self._kwargs()) for b in self.batches]
+                                **self._kwargs(method)) for b in self.batches]
         return {"iteration_ms": round(float(np.mean([r.iteration_ms for r in runs])), 1),
                 "bubble_fraction": round(float(np.mean([r.bubble_fraction for r in runs])), 4),
                 "micro_batches": round(float(np.mean([r.micro_batches for r in runs])), 2),

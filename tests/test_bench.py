@@ -148,7 +148,7 @@ def test_bench_refuses_settings_its_runs_would_not_read(tmp_path, capsys, monkey
              "--dynapipe-schedule adaptive would be overridden for dynapipe-1f1b"),
             (["--methods", "padding", "--dynapipe-schedule", "adaptive"], "runs no DynaPipe method"),
             (["--methods", "dynapipe", "--sweep-top", "2"], "--sweep-top 2 tunes the baselines' micro-batch sizes"),
-            (["--methods", "padding,packing", "--calibrate-iters", "3"], "calibrates DynaPipe's plans"),
+            (["--methods", "padding,packing", "--calibrate-iters", "3"], "calibrates the plans of the DynaPipe executor"),
             (["--calibrate-iters", "3", "--dynapipe-cost-model", "analytic"], "there is none to calibrate")):
         assert main(["bench", "--output", out] + extra) == 2, extra
         assert text in capsys.readouterr().err, extra

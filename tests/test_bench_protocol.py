@@ -420,3 +420,19 @@ def test_a_tensor_parallel_bench_is_simulated_per_tensor_parallel_rank():
     assert sim.dp == 1 and sim.cost.tp.size == 2 and sim.cost.tp.sequence_parallel
     one = BenchSimulation(parse_training_args(with_defaults(base, "representative"), 2), 2, None, warmup_iters=1)
     assert float(sim.cost.stage_cost(2, 256).time_ms) < float(one.cost.stage_cost(2, 256).time_ms)
+
+
+def test_executor_methods_are_simulated_under_the_runs_fixed_schedule_and_recompute():
+    from megatron_integration.arguments import parse_training_args
+
+    argv = with_defaults(["--global-batch-size", "12", "--train-iters", "3", "--seq-length", "256",
+                          "--max-position-embeddings", "256", "--dynapipe-schedule", "1f1b",
+                          "--dynapipe-recompute", "selective", "--use-dynapipe"], "representative")
+    sim = BenchSimulation(parse_training_args(argv, 2), 2, None, warmup_iters=1)
+    for method in ("dynapipe", "packing-search"):
+        kw = sim._kwargs(method)
+        assert (kw["schedule"], kw["recompute"]) == ("1f1b", "selective"), method
+    # A method that fixes its own schedule, and megatron-core's baselines, keep theirs.
+    assert "schedule" not in sim._kwargs("dynapipe-zb") and "schedule" not in sim._kwargs("packing")
+    rows = sim.sweep("packing-search")
+    assert all(r["recompute"] == ["selective"] and r["schedule"] == ["1f1b"] for r in rows if r["fits"])

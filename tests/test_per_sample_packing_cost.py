@@ -298,3 +298,33 @@ def test_a_placement_sample_refuses_densities_of_another_length():
     with pytest.raises(DynaPipeError, match=r"attention.input has shape \[2\] for 3 micro-batches"):
         PlacementSample(np.ones(3), np.full(3, 128.0), np.zeros(3), AttentionDensity(np.array([0.5, 0.5])))
     assert PlacementSample(np.ones(3), np.full(3, 128.0), np.zeros(3), AttentionDensity(0.5)).attention.input == 0.5
+
+
+def test_a_run_that_fixes_schedule_or_recompute_is_simulated_so():
+    from dynapipe.method_compare import global_batch_of_tokens, simulate_method
+
+    cm = build_cost_model(GPT7B, A100, 4)
+    batch = global_batch_of_tokens(32768, 0, 2048)
+    kw = dict(micro_batch_size=1, seq_length=2048, dp=2, zero=True, cluster=load_cluster_config("a100-8x"))
+    searched = simulate_method(batch, "packing-search", cm, **kw)
+    fixed = simulate_method(batch, "packing-search", cm, schedule="1f1b", recompute="full", **kw)
+    assert fixed.schedule == "1f1b" and fixed.recompute == "full"
+    assert fixed.iteration_ms >= searched.iteration_ms - 1e-6
+    with pytest.raises(DynaPipeError, match="recompute"):
+        simulate_method(batch, "packing-search", cm, recompute="most", **kw)
+
+
+def test_the_bench_judges_per_sample_ops_at_the_density_they_ran(tmp_path):
+    from megatron_integration.bench_calibrate import executed_ops
+
+    tiny = load_model_config("gpt-tiny")
+    cm = ProfileCostModel(tiny, _profile(), 2)
+    events = [{"ph": "X", "cat": "forward", "tid": 0, "ts": 0.0, "dur": 1e3,
+               "args": {"iteration": 1, "mb": m, "mbs": 2, "seqlen": 256, **extra}}
+              for m, extra in enumerate(({}, {"attention": {"input": 0.25}}))]
+    (tmp_path / "rank000.json").write_text(json.dumps({"traceEvents": events, "otherData": {"origin_us": 0.0}}))
+    ops = executed_ops(str(tmp_path), cm, [1], "none")
+    fixed = float(getattr(cm, "stage_overhead_ms", 0.0))
+    dense = float(cm.stage_cost(2, 256, stage=0).fw_ms) - fixed
+    thinned = float(cm.stage_cost(2, 256, stage=0, attention=AttentionDensity(0.25)).fw_ms) - fixed
+    assert ops.predicted_ms.tolist() == pytest.approx([dense, thinned]) and thinned < dense

@@ -26,7 +26,9 @@ def add_arguments(p) -> None:
                         "only, inputs up to 4,096 tokens)")
     p.add_argument("--methods", default=None,
                    help="comma-separated methods to run, from dynapipe, dynapipe-1f1b, dynapipe-zb (the zb-h1 "
-                        "schedule), padding, padding-mb, packing (default: the preset's)")
+                        "schedule), padding, padding-mb, packing, packing-per-sample (each sample's attention "
+                        "alone), packing-search (per-sample packing given DynaPipe's schedule search) "
+                        "(default: the preset's)")
     p.add_argument("--rounds", type=int, default=None,
                    help="rounds over every method, in rotated order; medians are reported (default: the preset's)")
     p.add_argument("--sweep-top", type=int, default=None,
@@ -121,9 +123,11 @@ def run(args) -> int:
         if flag_value(argv, "--dynapipe-cost-model") is not None:
             raise DynaPipeError("--calibrate-iters calibrates the profile the bench measures; with "
                                 "--dynapipe-cost-model given there is none to calibrate: drop one of them.")
-        if not any(m.startswith("dynapipe") for m in methods):
-            raise DynaPipeError(f"--calibrate-iters {args.calibrate_iters} calibrates DynaPipe's plans; --methods "
-                                f"{','.join(methods)} runs no DynaPipe method: drop it.")
+        from megatron_integration.bench_presets import EXECUTOR_METHODS
+
+        if not any(m.startswith("dynapipe") or m in EXECUTOR_METHODS for m in methods):
+            raise DynaPipeError(f"--calibrate-iters {args.calibrate_iters} calibrates the plans of the DynaPipe "
+                                f"executor; --methods {','.join(methods)} runs nothing through it: drop it.")
     nproc = check_request(argv, methods, args.preset, rounds=args.rounds, sweep_top=args.sweep_top,
                           warmup_iters=args.warmup_iters, nproc=args.nproc)
     # The JSON and the picture are written after every run: what would fail then is refused now.
