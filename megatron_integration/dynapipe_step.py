@@ -117,7 +117,7 @@ class MegatronStageHandlers(ModelStageHandlers):
             host = (self.tensors.get(mb.mb) or {}).get("segment_ids")  # read on the host, no device sync
             attn_mask = torch.from_numpy(segment_table(np.asarray(seg.cpu() if host is None else host)))
             rows, s = seg.shape[0], seg.shape[1]
-            self.density[(op.mb, c)] = float(f"{table_density(attn_mask, rows, s, s):.6g}")
+            self.density[(op.mb, c)] = table_density(attn_mask, rows, s, s)
         else:
             attn_mask = None if seg is None else packed_attention_mask(seg)
         out = module(inputs.get("tokens"), inputs.get("position_ids"), attn_mask, labels=inputs.get("labels"))

@@ -60,10 +60,10 @@ def segment_table(q_ids, kv_ids=None) -> np.ndarray:
 def table_density(table, rows: int, sq: int, sk: int) -> float:
     """The share of ``rows`` dense ``sq x sk`` attention a segment table computes (its
     segments' query x key pairs over them): what :class:`~dynapipe.cost.attention_density.
-    AttentionDensity` prices, read off what ran."""
+    AttentionDensity` prices, read off what ran; to 6 significant digits, as traces record it."""
     t = np.asarray(table.cpu() if isinstance(table, torch.Tensor) else table, dtype=np.int64).reshape(-1, TABLE_COLUMNS)
     pairs = int(np.sum((t[:, 2] - t[:, 1]) * np.maximum(t[:, 4] - t[:, 3], 0)))
-    return max(pairs / float(max(rows * sq * sk, 1)), 1e-12)
+    return float(f"{max(pairs / float(max(rows * sq * sk, 1)), 1e-12):.6g}")
 
 
 def t5_segment_tables(has_encoder: bool, has_decoder: bool, enc_ids, dec_ids) -> dict[str, torch.Tensor]:

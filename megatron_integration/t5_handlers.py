@@ -136,7 +136,7 @@ class T5StageHandlers(ModelStageHandlers):
             rows, s_enc = enc_seg.shape[0], enc_seg.shape[1]
             s_dec = dec_seg.shape[1] if dec_seg is not None else 0
             self.density[(op.mb, op.chunk)] = {
-                key: float(f"{table_density(tables[name], rows, *shape):.6g}")
+                key: table_density(tables[name], rows, *shape)
                 for key, name, shape in (("input", "enc_attn_mask", (s_enc, s_enc)),
                                          ("target", "dec_attn_mask", (s_dec, s_dec)),
                                          ("cross", "cross_attn_mask", (s_dec, s_enc))) if name in tables}

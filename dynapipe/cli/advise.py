@@ -260,7 +260,6 @@ def run(args) -> int:
         write_output(args.output, text, "--output")
         print(f"best layout written to {args.output}")
     if args.json is not None:
-        rival = advice.best_packing
         best_packing = None if rival is None else {
             "layout": rival.layout.label(), "method": rival.packing.method,
             "micro_batch_size": rival.packing.micro_batch_size,
