@@ -37,6 +37,8 @@ from dynapipe.pipeline_planner import IterationPlan, plan_iteration
 METHOD_SPECS: dict[str, tuple[str, str, bool]] = {
     "dynapipe": ("dynapipe", "auto", True),
     "dynapipe-1f1b": ("dynapipe", "1f1b", True),
+    # DynaPipe's rows with per-sample attention (the padding tail skipped, as a varlen kernel does).
+    "dynapipe-per-sample": ("dynapipe-per-sample", "auto", True),
     "packing": ("packing", "1f1b", False),
     "packing-per-sample": ("packing-per-sample", "1f1b", False),
     "packing-search": ("packing-per-sample", "auto", True),
@@ -50,11 +52,11 @@ SIZED_METHODS = ("packing", "packing-per-sample", "packing-search", "padding", "
 
 
 def check_priceable(method: str, cost_model: CostModel) -> None:
-    """Refuse a method whose micro-batches ``cost_model`` cannot price: per-sample packing's
-    (``packing-per-sample``, ``packing-search``) need a model that prices attention
+    """Refuse a method whose micro-batches ``cost_model`` cannot price: per-sample rows'
+    (``dynapipe-per-sample``, ``packing-per-sample``, ``packing-search``) need a model that prices attention
     densities. Checked before any sweep, where a refusal would read as "does not fit"."""
-    if METHOD_SPECS.get(method, ("",))[0] == "packing-per-sample" and not cost_model.prices_attention_density:
-        raise DynaPipeError(f"method {method!r} runs packed rows with per-sample attention, which "
+    if METHOD_SPECS.get(method, ("",))[0].endswith("-per-sample") and not cost_model.prices_attention_density:
+        raise DynaPipeError(f"method {method!r} runs its rows with per-sample attention, which "
                             f"{type(cost_model).__name__} cannot price (it prices dense attention only); use the "
                             f"analytic or a profile cost model, or compare with 'packing' (masked rows).")
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from dynapipe.batching import BatchPlan, plan_micro_batches
 from dynapipe.batching.dp_partition import DEFAULT_GAP
+from dynapipe.batching.planner import DP_METHODS
 from dynapipe.batching.types import LengthLimit
 from dynapipe.config import ClusterConfig
 from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, check_recompute
@@ -149,6 +150,13 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
                                global_loss_tokens=total_loss, layouts=cost_model.layouts,
                                tp=tp, sequence_parallel=shards > 1) if r in wanted else []
                  for r in range(dp)]
+    for r, rep in enumerate(plans):
+        densities = [None if mb.attention is None else mb.attention.to_json() for mb in result.micro_batches[r]]
+        if any(d is not None for d in densities):
+            # Per-sample rows: what the executor's activation plan prices them at (a plan's
+            # micro-batches are its replica's, in order).
+            for p in rep:
+                p.meta["attention_density"] = densities
     placement = cost_model.placement
     if placement != StagePlacement.even(cost_model.model, cost_model.num_stages):
         # The model stages must hold the layers the plan was priced for; an absent key
@@ -296,7 +304,7 @@ def leave_room_in_flight(lengths, cost_model: CostModel, *, planned: BatchPlan, 
     again. ``extra["micro_batch_share"]`` of the result says which share won."""
     stages = cost_model.num_stages
     fell_back = level != "full" and "full" in stage_recompute
-    if stages < 2 or cut.get("method", "dynapipe") != "dynapipe":
+    if stages < 2 or cut.get("method", "dynapipe") not in DP_METHODS:
         return None
     per_replica = len(planned.micro_batches) / max(planned.dp, 1)
     if not fell_back and (stages - 1) / (per_replica + stages - 1) < FILL_DRAIN_WORTH_A_TRY:

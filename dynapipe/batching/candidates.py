@@ -10,8 +10,9 @@ micro-batches ending at j use.
 - Sorted decoder-only samples: the padded length of a candidate is that of its last
   sample, so all ends with the same padded length share a row (a few hundred rows for
   thousands of samples).
-- Any other order (encoder-decoder pairs): one row per end, shapes from a range-maximum
-  table.
+- Any other order (encoder-decoder pairs), or micro-batches run with per-sample attention
+  (whose price also depends on which samples they hold): one row per end, shapes from a
+  range-maximum table.
 
 Rows stop at the largest count whose stored + peak activations fit the memory budget.
 """
@@ -24,6 +25,7 @@ import numpy as np
 from dynapipe.batching.memory import MemoryBudget, max_fitting_count, oversized_sample_error
 from dynapipe.batching.ordering import padded_length
 from dynapipe.cost import CostModel
+from dynapipe.cost.attention_density import AttentionDensity
 from dynapipe.errors import DynaPipeError
 
 
@@ -85,22 +87,48 @@ def _describe(lengths: np.ndarray, pos: int, enc: np.ndarray, dec: np.ndarray | 
     return f"length {int(lengths[pos])} tokens, padded to {int(enc[pos])}"
 
 
+def _range_density(ordered: np.ndarray):
+    """Prices a candidate's per-sample attention: the :class:`AttentionDensity` of the
+    positions ``end - count .. end - 1`` padded to ``s`` (and ``d`` decoder) tokens, from
+    prefix sums of each sample's attention pairs (one sample a row)."""
+    def prefix(x):
+        return np.concatenate(([0.0], np.cumsum(np.asarray(x, dtype=np.float64))))
+
+    if ordered.ndim == 1:
+        sq = prefix(ordered.astype(np.float64) ** 2)
+        return lambda end, count, s, d: AttentionDensity(
+            input=np.maximum((sq[end] - sq[end - count]) / (count * np.square(s, dtype=np.float64)), 1e-12))
+    inp, tgt = ordered[:, 0].astype(np.float64), ordered[:, 1].astype(np.float64)
+    sq_in, sq_t, cross = prefix(inp ** 2), prefix(tgt ** 2), prefix(inp * tgt)
+
+    def density(end, count, s, d):
+        s, d = np.asarray(s, dtype=np.float64), np.asarray(d, dtype=np.float64)
+
+        def share(p, dense):
+            return np.clip((p[end] - p[end - count]) / (count * dense), 1e-12, 1.0)
+        return AttentionDensity(input=share(sq_in, s * s), target=share(sq_t, d * d), cross=share(cross, d * s))
+    return density
+
+
 def build_candidate_table(ordered: np.ndarray, order: np.ndarray, cost_model: CostModel, budget: MemoryBudget,
                           recompute: str = "none", cap: int | None = None,
-                          dec_cap: int | None = None) -> CandidateTable:
+                          dec_cap: int | None = None, per_sample: bool = False) -> CandidateTable:
     """Price every candidate micro-batch of the samples in DP order.
 
     ``ordered`` holds the lengths in DP order, ``(n,)`` or ``(n, 2)`` tokens; ``order[p]``
     is the original index of position p (for error messages); ``cap`` is the sequence
     length limit padding never exceeds (tokens), ``dec_cap`` an encoder-decoder target's
-    (default ``cap``). Raises :class:`DynaPipeError` naming a sample that does not fit in
-    ``budget`` even alone.
+    (default ``cap``). ``per_sample``: every row's attention runs on its sample alone (the
+    padding tail skipped), so each candidate is priced at its
+    :class:`~dynapipe.cost.attention_density.AttentionDensity`. Raises
+    :class:`DynaPipeError` naming a sample that does not fit in ``budget`` even alone.
     """
     ordered = np.asarray(ordered, dtype=np.int64)
     n = len(ordered)
     enc = padded_length(ordered if ordered.ndim == 1 else ordered[:, 0], cap)
     dec = None if ordered.ndim == 1 else padded_length(ordered[:, 1], cap if dec_cap is None else dec_cap)
-    shared_rows = dec is None and bool(np.all(enc[1:] >= enc[:-1]))
+    shared_rows = dec is None and not per_sample and bool(np.all(enc[1:] >= enc[:-1]))
+    density = _range_density(ordered) if per_sample else None
 
     if shared_rows:
         # Row u: micro-batches whose last (longest) sample has padded length row_seq[u].
@@ -126,7 +154,9 @@ def build_candidate_table(ordered: np.ndarray, order: np.ndarray, cost_model: Co
 
     def price(rows, counts):
         s, d = shape(rows, counts)
-        return cost_model.stage_cost(counts, s, d, recompute=recompute)
+        # Without shared rows, row r holds the candidates ending at position r + 1.
+        attention = None if density is None else density(np.asarray(rows) + 1, np.asarray(counts), s, d)
+        return cost_model.stage_cost(counts, s, d, recompute=recompute, attention=attention)
 
     def memory(counts, rows):
         c = price(rows, counts)
@@ -148,7 +178,7 @@ def build_candidate_table(ordered: np.ndarray, order: np.ndarray, cost_model: Co
         row_len = np.maximum(np.minimum(row_len, max_fitting_count(memory, last_end, budget.multi_sample_mib)), 1)
     offsets, rows, counts = _flat_counts(row_len)
     seq, dseq = shape(rows, counts)
-    cost = cost_model.stage_cost(counts, seq, dseq, recompute=recompute)
+    cost = price(rows, counts)
     time_ms = np.array(cost.time_ms, dtype=np.float64)
     stored, peak = np.array(cost.stored_mib, dtype=np.float64), np.array(cost.peak_mib, dtype=np.float64)
     if np.any(np.isnan(time_ms)) or np.any(time_ms < 0):

@@ -23,11 +23,15 @@ from dynapipe.batching.memory import MemoryBudget, memory_budget
 from dynapipe.batching.ordering import named_candidate_orders
 from dynapipe.batching.types import BatchPlan, LengthLimit, MicroBatch
 from dynapipe.cost import CostModel
-from dynapipe.cost.attention_density import stack
+from dynapipe.cost.attention_density import packed_density, stack
 from dynapipe.cost.base import check_recompute
 from dynapipe.errors import DynaPipeError
 
-METHODS = ("dynapipe", "padding", "padding-mb", "packing", "packing-per-sample", "token-budget")
+METHODS = ("dynapipe", "dynapipe-per-sample", "padding", "padding-mb", "packing", "packing-per-sample", "token-budget")
+#: The methods whose micro-batches the DP cuts: ``dynapipe-per-sample`` runs each row's
+#: attention on its sample alone (a varlen kernel skips the padding tail), and its cut is
+#: priced at the attention each candidate computes.
+DP_METHODS = ("dynapipe", "dynapipe-per-sample")
 
 
 def _positive_int(value, flag: str) -> int:
@@ -103,14 +107,16 @@ def _set_real_tokens(lengths: np.ndarray, mbs: list[MicroBatch]) -> None:
 
 def _plan_dynapipe(lengths: np.ndarray, cost_model: CostModel, budget: MemoryBudget, dp: int, recompute: str,
                    limits: _Limits, use_compiled: Optional[bool], gap: float,
-                   split: bool) -> tuple[list[MicroBatch], dict]:
+                   split: bool, per_sample: bool = False) -> tuple[list[MicroBatch], dict]:
     """The exact DP cut of each candidate order, then (``split``, ``dp`` > 1) its split for
     balance; the order with the lowest objective (with ``split``, of the replicas as
-    balanced) wins."""
+    balanced) wins. ``per_sample``: rows run attention on their sample alone; each
+    micro-batch then lists its one-sample rows and carries its attention density."""
     best = None
     stages = cost_model.num_stages
     for name, order in named_candidate_orders(lengths):
-        table = build_candidate_table(lengths[order], order, cost_model, budget, recompute, limits.cap, limits.dec_cap)
+        table = build_candidate_table(lengths[order], order, cost_model, budget, recompute, limits.cap, limits.dec_cap,
+                                      per_sample=per_sample)
         part = optimal_partition(table, stages, dp, use_compiled=use_compiled, gap=gap)
         cuts, splits, value = part.cuts, 0, part.objective_ms
         if split and dp > 1:
@@ -122,9 +128,12 @@ def _plan_dynapipe(lengths: np.ndarray, cost_model: CostModel, budget: MemoryBud
     for start, end in cuts:
         e = table.entry(end, end - start)
         samples = order[start:end].tolist()
-        mbs.append(MicroBatch(samples=samples, seqlen=int(table.seqlen[e]), dec_seqlen=int(table.dec_seqlen[e]),
+        seq, dec = int(table.seqlen[e]), int(table.dec_seqlen[e])
+        rows = [[i] for i in samples] if per_sample else None
+        mbs.append(MicroBatch(samples=samples, seqlen=seq, dec_seqlen=dec, rows=rows,
                               time_ms=float(table.time_ms[e]), stored_mib=float(table.stored_mib[e]),
-                              peak_mib=float(table.peak_mib[e])))
+                              peak_mib=float(table.peak_mib[e]),
+                              attention=packed_density(lengths, rows, seq, dec) if per_sample else None))
     extra = {"order": name, "dp_evaluations": part.evaluations, "dp_candidates": part.candidates,
              "dp_kernel": part.kernel, "balance_splits": splits}
     return mbs, extra
@@ -160,7 +169,8 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
     """Micro-batches of one global batch, priced, balanced over ``dp`` replicas.
 
     ``lengths``: ``(n,)`` tokens (decoder-only) or ``(n, 2)`` input and target tokens
-    (encoder-decoder); at least ``dp`` of them. ``method``: one of :data:`METHODS`. ``memory_limit_mib`` (MiB per
+    (encoder-decoder); at least ``dp`` of them. ``method``: one of :data:`METHODS`
+    (what this docstring says of ``dynapipe`` holds for each of :data:`DP_METHODS`). ``memory_limit_mib`` (MiB per
     device; ``None`` = unlimited) minus ``reserved_mib`` minus the model states of the
     most loaded stage is what a micro-batch's stored + peak activations may use; the
     ``dynapipe`` method honours it (raising :class:`DynaPipeError` for a sample that
@@ -214,9 +224,14 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
     if limits.dec_cap is not None:
         extra["dec_seq_length"] = limits.dec_cap
 
-    if method == "dynapipe":
+    if method in DP_METHODS:
+        if method == "dynapipe-per-sample" and not cost_model.prices_attention_density:
+            raise DynaPipeError(f"--batching dynapipe-per-sample prices each micro-batch's per-sample attention, "
+                                f"which {type(cost_model).__name__} cannot (it prices dense attention only); use "
+                                f"the analytic or a profile cost model, or --batching dynapipe.")
         extra["micro_batch_share"] = budget.micro_batch_share
-        mbs, more = _plan_dynapipe(arr, cost_model, budget, dp, recompute, limits, use_compiled, gap, split_to_balance)
+        mbs, more = _plan_dynapipe(arr, cost_model, budget, dp, recompute, limits, use_compiled, gap, split_to_balance,
+                                   per_sample=method == "dynapipe-per-sample")
         extra.update(more)
     else:
         if method == "padding":

@@ -1,7 +1,8 @@
 """The batching flags of ``plan`` and ``trace`` (``--batching``, ``--micro-batch-size``,
 ``--max-tokens``) and the check that every flag given is one the chosen method reads.
 
-Which method reads what: ``dynapipe`` sizes its micro-batches itself (neither flag);
+Which method reads what: ``dynapipe`` and ``dynapipe-per-sample`` (its rows run with per-sample
+attention, the padding tails skipped) size their micro-batches themselves (neither flag);
 ``padding``, ``padding-mb``, ``packing`` and ``packing-per-sample`` (the same rows run
 with per-sample attention, priced at their attention density) take
 ``--micro-batch-size`` (samples, rows for packing); ``token-budget`` takes ``--max-tokens``, or without it
@@ -15,6 +16,7 @@ import argparse
 from typing import Optional
 
 from dynapipe.batching import METHODS
+from dynapipe.batching.planner import DP_METHODS
 from dynapipe.batching.types import LengthLimit
 from dynapipe.errors import DynaPipeError
 
@@ -60,8 +62,8 @@ def check_batching_flags(args: argparse.Namespace) -> None:
                             f"does); drop --max-tokens or use --batching token-budget.")
     if mbs is None:
         return
-    if method == "dynapipe":
-        raise DynaPipeError(f"--micro-batch-size {mbs}: --batching dynapipe sizes every micro-batch itself and does "
+    if method in DP_METHODS:
+        raise DynaPipeError(f"--micro-batch-size {mbs}: --batching {method} sizes every micro-batch itself and does "
                             f"not read it; drop --micro-batch-size or use --batching "
                             f"{', '.join(SIZED_BY_COUNT)} or token-budget.")
     if method == "token-budget" and tokens is not None:

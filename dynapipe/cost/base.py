@@ -273,7 +273,7 @@ class CostModel(ABC):
         return np.zeros(np.broadcast(np.asarray(mbs), np.asarray(seqlen)).shape)
 
     def recompute_held_mib(self, mbs, seqlen, dec_seqlen=None, *, recompute: str, stage: int,
-                           weight_stash_mib=0.0) -> np.ndarray:
+                           weight_stash_mib=0.0, attention=None) -> np.ndarray:
         """How far the backward of one micro-batch on ``stage`` rises above its stored
         activations through recomputation, MiB (0 for ``none``).
 
@@ -282,14 +282,16 @@ class CostModel(ABC):
         not store; the highest point is the first layer the backward reaches, after the
         output layer's activations were freed. ``weight_stash_mib``: what a split backward's
         input part keeps for its weight part (MiB, the stage's layers together): not freed
-        when the core attention is rematerialised.
+        when the core attention is rematerialised. ``attention``: the micro-batch's
+        :class:`~dynapipe.cost.attention_density.AttentionDensity` (None: dense rows).
         """
         if check_recompute(recompute) == "none":
             return np.zeros(np.broadcast(np.asarray(mbs), np.asarray(seqlen)).shape)
         layout = self.layouts[stage]
         layers = max(layout.encoder_layers + layout.decoder_layers, 1)
-        kept = self.stage_cost(mbs, seqlen, dec_seqlen, recompute="none", stage=stage).stored_mib
-        stored = self.stage_cost(mbs, seqlen, dec_seqlen, recompute=recompute, stage=stage).stored_mib
+        kept = self.stage_cost(mbs, seqlen, dec_seqlen, recompute="none", stage=stage, attention=attention).stored_mib
+        stored = self.stage_cost(mbs, seqlen, dec_seqlen, recompute=recompute, stage=stage,
+                                 attention=attention).stored_mib
         one_layer = np.maximum(np.asarray(kept) - np.asarray(stored), 0.0) / layers
         freed = self.output_stored_mib(layout, mbs, seqlen, dec_seqlen)
         if recompute == "selective":

@@ -37,6 +37,21 @@ def message_mib(specs: tuple[TensorSpec, ...]) -> float:
     return sum(s.numel * DTYPE_BYTES[s.dtype] for s in specs) / MIB
 
 
+def plan_densities(plan: ExecutionPlan) -> dict:
+    """mb -> :class:`~dynapipe.cost.attention_density.AttentionDensity` of the micro-batches
+    whose rows run per-sample attention (``meta["attention_density"]``, one entry a micro-batch
+    of the plan, null for dense ones); empty when the plan records none."""
+    from dynapipe.cost.attention_density import AttentionDensity
+
+    recorded = (plan.meta or {}).get("attention_density")
+    if recorded is None:
+        return {}
+    if not isinstance(recorded, list) or len(recorded) != len(plan.micro_batches):
+        raise DynaPipeError(f"plan meta attention_density holds {len(recorded) if isinstance(recorded, list) else recorded!r} "
+                            f"entries for {len(plan.micro_batches)} micro-batches; it needs one a micro-batch.")
+    return {info.mb: AttentionDensity(**d) for info, d in zip(plan.micro_batches, recorded) if d is not None}
+
+
 def _mb_costs(plan: ExecutionPlan, cost_model: CostModel) -> dict:
     """(mb, chunk, level) -> (stored, transient, recompute-held, weight stash, recompute-held by a
     split backward's input part) MiB on this plan's stage; with an interleaved placement each
@@ -50,6 +65,7 @@ def _mb_costs(plan: ExecutionPlan, cost_model: CostModel) -> dict:
         cost_model = virtual_cost_model(cost_model)
     # Only a split backward's input part is priced with its stash held (a second pricing).
     splits = any(isinstance(x, BackwardPass) and x.part == "input" for x in plan.instructions)
+    densities = plan_densities(plan)  # per-sample rows: priced at the attention they compute
     out = {}
     for ins in plan.instructions:
         key = (ins.mb, ins.chunk, getattr(ins, "recompute", None))
@@ -57,14 +73,17 @@ def _mb_costs(plan: ExecutionPlan, cost_model: CostModel) -> dict:
             continue
         dec = ins.dec_seqlen if cost_model.model.is_encoder_decoder else None
         stage = virtual_stage(plan, ins.chunk)
-        c = cost_model.stage_cost(ins.mbs, ins.seqlen, dec, recompute=ins.recompute, stage=stage)
-        held = cost_model.recompute_held_mib(ins.mbs, ins.seqlen, dec, recompute=ins.recompute, stage=stage)
+        attention = densities.get(ins.mb)
+        c = cost_model.stage_cost(ins.mbs, ins.seqlen, dec, recompute=ins.recompute, stage=stage, attention=attention)
+        held = cost_model.recompute_held_mib(ins.mbs, ins.seqlen, dec, recompute=ins.recompute, stage=stage,
+                                             attention=attention)
         # What a split backward's weight part keeps from the end of the input part (as the
         # simulator's StageTimes.weight_stash_mib prices it).
         _, stash = backward_split(cost_model.model, cost_model.layouts[stage], ins.mbs, ins.seqlen, dec,
-                                  recompute=ins.recompute, tp=cost_model.tp)
+                                  recompute=ins.recompute, tp=cost_model.tp, attention=attention)
         held_split = held if not splits else cost_model.recompute_held_mib(
-            ins.mbs, ins.seqlen, dec, recompute=ins.recompute, stage=stage, weight_stash_mib=stash)
+            ins.mbs, ins.seqlen, dec, recompute=ins.recompute, stage=stage, weight_stash_mib=stash,
+            attention=attention)
         out[key] = (float(c.stored_mib), float(c.peak_mib), float(held), float(stash), float(held_split))
     return out
 

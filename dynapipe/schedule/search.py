@@ -181,6 +181,7 @@ def heavy_first(times: Sequence[StageTimes]) -> list[int]:
 
 # How each batching method is told to cut smaller micro-batches (None: method unknown).
 _SMALLER = {"dynapipe": "a lower memory limit for batching",
+            "dynapipe-per-sample": "a lower memory limit for batching",
             "padding": "a smaller --micro-batch-size", "padding-mb": "a smaller --micro-batch-size",
             "packing": "a smaller --micro-batch-size (fewer rows)",
             "packing-per-sample": "a smaller --micro-batch-size (fewer rows)",

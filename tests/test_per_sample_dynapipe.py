@@ -1,0 +1,139 @@
+"""DynaPipe's own rows run with per-sample attention (``dynapipe-per-sample``): each row holds
+one sample padded to its micro-batch's longest, and a varlen kernel skips the padding tail's
+attention. The DP cut is priced at the attention each candidate computes."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dynapipe.batching import plan_micro_batches
+from dynapipe.batching.candidates import build_candidate_table
+from dynapipe.batching.memory import memory_budget
+from dynapipe.batching.ordering import named_candidate_orders
+from dynapipe.config import load_cluster_config, load_device_config, load_model_config
+from dynapipe.cost import build_cost_model
+from dynapipe.cost.attention_density import packed_density
+from dynapipe.errors import DynaPipeError
+
+A100 = load_device_config("a100-40gb")
+RNG = np.random.default_rng(7)
+GPT_LENGTHS = RNG.integers(8, 2048, size=60)
+T5_LENGTHS = np.stack([RNG.integers(8, 2048, size=60), RNG.integers(2, 400, size=60)], axis=1)
+
+
+@pytest.mark.parametrize("model_name,lengths", [("gpt-7b", GPT_LENGTHS), ("t5-11b", T5_LENGTHS)])
+def test_every_candidate_is_priced_at_the_density_of_its_own_samples(model_name, lengths):
+    cm = build_cost_model(load_model_config(model_name), A100, 8)
+    budget = memory_budget(cm, None, 0.0)
+    for _, order in named_candidate_orders(lengths):
+        ordered = lengths[order]
+        dense = build_candidate_table(ordered, order, cm, budget, "full", 2048, 2048)
+        alone = build_candidate_table(ordered, order, cm, budget, "full", 2048, 2048, per_sample=True)
+        for end, count in [(1, 1), (5, 3), (30, 12), (60, 60), (47, 20)]:
+            e = alone.entry(end, count)
+            s, d = int(alone.seqlen[e]), int(alone.dec_seqlen[e])
+            density = packed_density(ordered, [[i] for i in range(end - count, end)], s, d)
+            want = cm.stage_cost(count, s, d if d else None, recompute="full", attention=density)
+            assert alone.time_ms[e] == pytest.approx(float(np.asarray(want.time_ms).reshape(-1)[0]), rel=1e-9)
+            # The same micro-batch priced densely costs more, unless its rows pad nothing.
+            k = dense.entry(end, count)
+            assert (dense.seqlen[k], dense.dec_seqlen[k]) == (s, d)
+            assert alone.time_ms[e] <= dense.time_ms[k] * (1 + 1e-12)
+            assert alone.stored_mib[e] <= dense.stored_mib[k] * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("model_name,lengths", [("gpt-7b", GPT_LENGTHS), ("t5-11b", T5_LENGTHS)])
+def test_the_per_sample_cut_is_optimal_for_what_it_computes(model_name, lengths):
+    cm = build_cost_model(load_model_config(model_name), A100, 8)
+    kw = dict(seq_length=2048, recompute="full", gap=0.0)
+    dense = plan_micro_batches(lengths, cm, method="dynapipe", **kw)
+    alone = plan_micro_batches(lengths, cm, method="dynapipe-per-sample", **kw)
+    assert alone.batching == "dynapipe-per-sample"
+    assert sorted(i for mb in alone.micro_batches for i in mb.samples) == list(range(len(lengths)))
+    for mb in alone.micro_batches:
+        assert mb.rows == [[i] for i in mb.samples]  # one sample a row, as the stages load them
+        assert mb.attention == packed_density(lengths, mb.rows, mb.seqlen, mb.dec_seqlen)
+        assert mb.to_json()["attention_density"] == mb.attention.to_json()
+    # The dense cut, run with per-sample attention, is one of the cuts the per-sample DP weighed.
+    for mb in dense.micro_batches:
+        mb.rows = [[i] for i in mb.samples]
+        mb.attention = packed_density(lengths, mb.rows, mb.seqlen, mb.dec_seqlen)
+    from dynapipe.batching.planner import _price
+
+    _price(dense.micro_batches, cm, "full")
+    assert alone.compute_objective_ms() <= dense.compute_objective_ms() * (1 + 1e-9)
+    assert min(mb.attention.input for mb in alone.micro_batches if mb.mbs > 1) < 1
+
+
+def test_a_cost_model_of_dense_rows_only_refuses_the_per_sample_cut():
+    from test_batching_dp import ToyCost
+
+    with pytest.raises(DynaPipeError, match="dynapipe-per-sample .* cannot"):
+        plan_micro_batches(np.array([10, 20, 30, 40]), ToyCost(0.0, 0.0, 2), method="dynapipe-per-sample",
+                           seq_length=128)
+
+
+def test_the_per_sample_cut_is_planned_and_simulated_by_the_commands(tmp_path):
+    from dynapipe.method_compare import compare_methods, global_batch_of_tokens
+
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(n) for n in [100, 7, 900, 513, 64, 1000, 9, 300]))
+    out = tmp_path / "plan.json"
+    r = subprocess.run([sys.executable, "-m", "dynapipe", "plan", "--model", "gpt-7b", "--device", "a100-40gb",
+                        "--stages", "4", "--lengths", str(lengths), "--batching", "dynapipe-per-sample",
+                        "--seq-length", "1024", "--output", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(out.read_text())
+    assert plan["batching"] == "dynapipe-per-sample"
+    assert all(0 < mb["attention_density"]["input"] <= 1 for mb in plan["micro_batches"])
+    r = subprocess.run([sys.executable, "-m", "dynapipe", "plan", "--model", "gpt-7b", "--device", "a100-40gb",
+                        "--stages", "4", "--lengths", str(lengths), "--batching", "dynapipe-per-sample",
+                        "--micro-batch-size", "2"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--batching dynapipe-per-sample sizes every micro-batch itself" in r.stderr
+
+    cm = build_cost_model(load_model_config("gpt-7b"), A100, 4)
+    batch = global_batch_of_tokens(32768, 0, 4096)
+    res = compare_methods(batch, cm, methods=("dynapipe", "dynapipe-per-sample"), seq_length=4096,
+                          cluster=load_cluster_config("a100-8x"), dp=2, zero=True)
+    dense, alone = res["dynapipe"].best, res["dynapipe-per-sample"].best
+    assert alone.micro_batch_size is None
+    # Per-sample rows compute only their samples' own attention.
+    assert alone.attention_share < dense.attention_share
+
+
+@pytest.mark.parametrize("model_name,lengths", [("gpt-7b", GPT_LENGTHS), ("t5-11b", T5_LENGTHS)])
+def test_the_activation_plan_prices_per_sample_rows_at_their_density(model_name, lengths):
+    """Each rank's plan records its micro-batches' densities (through both plan encodings), and
+    the logged planned peak prices them there, below the same plan priced as dense rows."""
+    from dataclasses import replace
+
+    from dynapipe.pipeline_planner import plan_iteration
+    from dynapipe.plan.serialize import deserialize_plan, serialize_plan
+    from dynapipe.runtime.activation_plan import plan_densities, planned_activation_peak_mib
+    from dynapipe.runtime.plan_source import decode_plan, encode_plan
+
+    cm = build_cost_model(load_model_config(model_name), A100, 8)
+    it = plan_iteration(lengths, cm, stages=8, dp=2, method="dynapipe-per-sample", seq_length=2048,
+                        schedule="1f1b", recompute="none", memory_limit_mib=1e6)
+    lighter = 0
+    for r, plans in enumerate(it.plans):
+        mbs = it.search.micro_batches[r]
+        for plan in plans:
+            for again in (decode_plan(encode_plan(plan)), deserialize_plan(serialize_plan(plan))):
+                assert again.meta["attention_density"] == plan.meta["attention_density"]
+            dens = plan_densities(plan)
+            assert [dens[i.mb].to_json() for i in plan.micro_batches] == [mb.attention.to_json() for mb in mbs]
+            dense = replace(plan, meta={k: v for k, v in plan.meta.items() if k != "attention_density"})
+            peak, dense_peak = planned_activation_peak_mib(plan, cm), planned_activation_peak_mib(dense, cm)
+            assert peak <= dense_peak
+            lighter += peak < dense_peak  # where its rows pad, a stage stores fewer scores
+    assert lighter > 0
+    bad = replace(it.plans[0][0], meta={**it.plans[0][0].meta, "attention_density": [None]})
+    with pytest.raises(DynaPipeError, match="one a micro-batch"):
+        planned_activation_peak_mib(bad, cm)
+    # A dense run's plans record nothing.
+    dense_it = plan_iteration(lengths, cm, stages=8, method="dynapipe", seq_length=2048, schedule="1f1b",
+                              recompute="full")
+    assert all("attention_density" not in p.meta for p in dense_it.plans[0])
