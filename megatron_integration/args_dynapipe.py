@@ -79,6 +79,12 @@ def add_dynapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         "or with --use-dynapipe the DynaPipe executor) keep samples apart: mask (Megatron's block-diagonal mask over the whole row) or "
                         "per-sample (the local attention run on each sample alone, no work between samples, as "
                         "Transformer Engine's THD format on GPUs; the same loss)")
+    g.add_argument("--dynapipe-padded-attention", default="mask", choices=("mask", "per-sample"),
+                   help="how DynaPipe's own micro-batches (--use-dynapipe, one sample a row, padded to the "
+                        "micro-batch's longest) compute attention: mask (over the whole padded row, as Megatron's "
+                        "local layers do) or per-sample (each row's real tokens only, the padding tail skipped, as "
+                        "a varlen kernel such as Transformer Engine's THD format does; the planner prices each "
+                        "micro-batch at that attention; the same loss)")
     g.add_argument("--dynapipe-overlong", default="truncate", choices=("truncate", "reject"),
                    help="samples longer than --seq-length: truncate (counted, logged) or reject")
     g.add_argument("--dynapipe-mixture", default=None,
@@ -139,6 +145,11 @@ def batching_from_args(args: argparse.Namespace, dp: int) -> tuple[str, Optional
             raise DynaPipeError("--dynapipe-packed-attention per-sample is how packed rows keep their samples "
                                 "apart: it needs --dynapipe-batching packing with --reset-attention-mask (with or "
                                 "without --use-dynapipe); drop it or use packing.")
+    if args.dynapipe_padded_attention == "per-sample" and not (args.use_dynapipe and batching == "dynapipe"):
+        raise DynaPipeError(f"--dynapipe-padded-attention per-sample is how DynaPipe's own micro-batches skip their "
+                            f"padding: it needs --use-dynapipe with --dynapipe-batching dynapipe (the run has "
+                            f"{batching} batching{'' if args.use_dynapipe else ' without --use-dynapipe'}); drop "
+                            f"it, or for packed rows use --dynapipe-packed-attention per-sample.")
     return batching, mbs
 
 

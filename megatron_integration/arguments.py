@@ -228,7 +228,7 @@ def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[b
         micro_batch_size=mbs or 1, global_batch_size=args.global_batch_size, train_iters=args.train_iters,
         seed=args.seed,
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
-        packed_attention=args.dynapipe_packed_attention,
+        packed_attention=args.dynapipe_packed_attention, padded_attention=args.dynapipe_padded_attention,
         save=args.save, load=args.load, save_interval=args.save_interval,
         load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, log_interval=args.log_interval,
         log_throughput=args.log_throughput, log_params_norm=args.log_params_norm, logging_level=args.logging_level,

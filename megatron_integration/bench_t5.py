@@ -65,7 +65,8 @@ class T5Preset:
     sweep: tuple[int, ...]
     warmup_iters: int
     about: str
-    methods: tuple[str, ...] = ("dynapipe", "dynapipe-even", "padding", "packing", "packing-per-sample")
+    methods: tuple[str, ...] = ("dynapipe", "dynapipe-even", "dynapipe-per-sample", "padding", "packing",
+                                "packing-per-sample")
     #: Iterations of the untimed DynaPipe run that fits the profile's fixed cost per stage op
     #: (0: none); ``--calibrate-iters`` overrides it.
     calibrate_iters: int = 0
@@ -99,7 +100,8 @@ T5_PRESETS = {
     # default: 128 rows of 4,096 tokens take minutes an iteration on 2 cores.
     "long": T5Preset(
         args={**_TINY_ARGS, "--encoder-seq-length": "4096", "--global-batch-size": "128"},
-        sweep=(1,), warmup_iters=1, methods=("dynapipe", "dynapipe-even", "packing", "packing-per-sample"),
+        sweep=(1,), warmup_iters=1, methods=("dynapipe", "dynapipe-even", "dynapipe-per-sample", "packing",
+                                             "packing-per-sample"),
         about="tiny T5 (2+2 layers, hidden 64), inputs up to 4,096 and targets up to 256 tokens, global batch 128"),
 }
 

@@ -23,6 +23,9 @@ T5_METHOD_FLAGS = {
     "dynapipe-even": ["--use-dynapipe"],
     # DynaPipe planned with the profile before calibration (its entry carries that profile).
     "dynapipe-uncalibrated": ["--use-dynapipe"],
+    # DynaPipe's rows with each sample's attention computed alone (the padding tails skipped):
+    # the same kernel as packing-per-sample's, so the two compare the cut alone.
+    "dynapipe-per-sample": ["--use-dynapipe", "--dynapipe-padded-attention", "per-sample"],
     "padding": ["--dynapipe-batching", "padding"],
     "packing": ["--dynapipe-batching", "packing", "--reset-position-ids", "--reset-attention-mask"],
     # The same rows, each sample's attention (encoder, decoder, cross) computed alone.

@@ -149,10 +149,13 @@ def planner_settings(cfg: DynaPipeTrainingConfig, info: RankInfo):
 
 
 def planned_batching(cfg: DynaPipeTrainingConfig) -> str:
-    """The planner's batching method of the run: packing whose rows run per sample
-    (``--dynapipe-packed-attention per-sample``) is priced at the attention it computes."""
+    """The planner's batching method of the run: rows that run attention per sample
+    (``--dynapipe-packed-attention`` / ``--dynapipe-padded-attention per-sample``) are priced at
+    the attention they compute."""
     d = cfg.dynapipe
-    return "packing-per-sample" if d.batching == "packing" and cfg.packed_attention == "per-sample" else d.batching
+    if cfg.per_sample_attention and d.batching in ("packing", "dynapipe"):
+        return f"{d.batching}-per-sample"
+    return d.batching
 
 
 # The planning layers' errors name the `plan` command's flags; a training job's are these.
@@ -271,7 +274,7 @@ class DynaPipeStepper:
         from dynapipe.runtime.plan_source import tensor_parallel_config
 
         handlers = MegatronStageHandlers(stage, info.device, split_backward=cfg.dynapipe.split_backward,
-                                         per_sample_attention=cfg.packed_attention == "per-sample")
+                                         per_sample_attention=cfg.per_sample_attention)
         meter = ActivationMeter()
         handlers.weight_grads.meter = meter  # what pending weight parts keep is activation memory
         # megatron's pipeline group links the same TP rank of every stage, so each transfer

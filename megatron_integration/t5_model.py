@@ -286,7 +286,7 @@ def build_t5_stage(cfg: T5TrainingConfig, info: RankInfo) -> torch.nn.Module:
     parallel = replace(base.parallel, pipeline_model_parallel_size=1)
     tconfig = transformer_config(model, parallel, cuda=info.device.type == "cuda", recompute=fixed)
     stages = []
-    per_sample = base.method == "packing" and base.packed_attention == "per-sample"
+    per_sample = base.per_sample_attention
     for place in mine:
         stage = T5Stage(tconfig, place, model.vocab_size, model.max_position_embeddings, model.tie_embeddings,
                         per_sample_attention=per_sample)

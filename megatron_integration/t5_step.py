@@ -178,8 +178,7 @@ class T5Stepper:
 
         d = cfg.base.dynapipe
         handlers = T5StageHandlers(stage, info.device, split_backward=d.split_backward,
-                                   per_sample_attention=cfg.method == "packing"
-                                   and cfg.base.packed_attention == "per-sample")
+                                   per_sample_attention=cfg.base.per_sample_attention)
         meter = ActivationMeter()
         handlers.weight_grads.meter = meter  # what pending weight parts keep is activation memory
         executor = Executor(handlers, group=parallel_state.get_pipeline_model_parallel_group(), device=info.device,

@@ -268,6 +268,9 @@ class DynaPipeTrainingConfig:
     reset_attention_mask: bool = False
     # Packed rows' attention: Megatron's mask over the row, or each sample alone (segment_attention.py).
     packed_attention: str = "mask"
+    # DynaPipe's own rows (one sample each, padded to the micro-batch's longest): attention over
+    # the whole row, or over each sample's tokens alone, the padding tail skipped.
+    padded_attention: str = "mask"
     save: Optional[str] = None
     load: Optional[str] = None
     save_interval: Optional[int] = None
@@ -306,6 +309,17 @@ class DynaPipeTrainingConfig:
     def method(self) -> str:
         """``dynapipe`` (the executor path) or the megatron baseline: ``padding`` / ``packing``."""
         return "dynapipe" if self.dynapipe.enabled else self.dynapipe.batching
+
+    @property
+    def per_sample_attention(self) -> bool:
+        """Whether this run's rows compute attention on each sample alone
+        (:mod:`megatron_integration.segment_attention`): packed rows with
+        ``--dynapipe-packed-attention per-sample``, DynaPipe's padded rows with
+        ``--dynapipe-padded-attention per-sample``."""
+        batching = self.dynapipe.batching if self.dynapipe.enabled else self.method
+        if batching == "packing":
+            return self.packed_attention == "per-sample"
+        return self.dynapipe.enabled and batching == "dynapipe" and self.padded_attention == "per-sample"
 
     def last_iteration(self, start_iteration: int) -> int:
         """The iteration a run resumed at ``start_iteration`` stops after (``--exit-interval``

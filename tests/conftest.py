@@ -46,7 +46,7 @@ def pp2(tmp_path_factory, t5_dist):
     checkpoints (see ``t5_dist``), interleaved checkpoints in both formats; then bf16 runs of
     every method, padding cut and resumed through torch_dist; fp16 padding and DynaPipe; DynaPipe
     on the zero-bubble schedule, on the even split and on the interleaved placement; packing with
-    per-sample attention; last, a weighted JSONL blend, uninterrupted and cut after 4 iterations,
+    per-sample attention; DynaPipe with per-sample attention; last, a weighted JSONL blend, uninterrupted and cut after 4 iterations,
     resumed at another --train-iters."""
     from megatron_integration.t5_jobs import run_t5_training
     from t5_span_fixture import write_sentences, write_vocab
@@ -112,6 +112,9 @@ def pp2(tmp_path_factory, t5_dist):
     # Packing with each sample's attention (encoder, decoder, cross) computed alone.
     runs += [(TINY + PACKING + f" --dynapipe-packed-attention per-sample --dynapipe-trace-dir "
               f"{t5_dist / 'per-sample-traces'}").split()]
+    # DynaPipe's own rows with each sample's attention alone (the padding tails skipped).
+    runs += [(dyn + f" --dynapipe-padded-attention per-sample --dynapipe-trace-dir "
+                    f"{t5_dist / 'padded-per-sample-traces'}").split()]
     # A weighted blend of JSONL (input, target) pairs: 8 iterations; the same cut after 4 and
     # resumed with --train-iters 16, which would size another blend (constant LR: the losses
     # depend on the data alone). Last, so the tests above index the runs as before.

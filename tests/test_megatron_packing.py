@@ -46,6 +46,25 @@ def test_dynapipe_packing_with_per_sample_attention_trains_the_same_rows(request
     assert min(n["input"] for n in notes) < 1  # rows of several samples
 
 
+PADDED = "--use-dynapipe --dynapipe-padded-attention per-sample --dynapipe-trace-dir {tmp}/padded-per-sample"
+
+
+@pytest.mark.megatron_runs(("", 2), (PADDED, 2))
+def test_dynapipe_rows_with_per_sample_attention_train_the_padding_loss(request):
+    """DynaPipe's own rows with each sample's attention alone (the padding tail skipped: the
+    stages load each row's segment ids and run segment tables): the padding loss, and the
+    traced ops computed under their rows' dense pairs where rows pad."""
+    padding = run("", 2, request)
+    alone = run(PADDED, 2, request)
+    assert alone["method"] == "dynapipe" and len(alone["losses"]) == 3
+    assert alone["losses"] == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)
+    tmp = request.getfixturevalue("tmp_path_factory").getbasetemp()
+    ops = [e["args"] for path in glob.glob(os.path.join(str(tmp), "padded-per-sample", "rank*.json"))
+           for e in json.load(open(path))["traceEvents"] if e.get("cat") == "forward" and e.get("ph") == "X"]
+    assert ops and all(a.get("attention") is not None and 0 < a["attention"]["input"] <= 1 for a in ops)
+    assert min(a["attention"]["input"] for a in ops if a["mbs"] > 1) < 1
+
+
 def test_the_planner_prices_per_sample_packed_rows_of_a_training_run():
     from megatron_integration.arguments import parse_training_args
     from megatron_integration.dynapipe_step import planned_batching
@@ -56,6 +75,25 @@ def test_the_planner_prices_per_sample_packed_rows_of_a_training_run():
     assert planned_batching(parse_training_args(base.split(), 2)) == "packing"
     per_sample = parse_training_args((base + " --dynapipe-packed-attention per-sample").split(), 2)
     assert planned_batching(per_sample) == "packing-per-sample"
+    dyn = base.replace(PACK, "").replace("--micro-batch-size 2 ", "")
+    assert planned_batching(parse_training_args(dyn.split(), 2)) == "dynapipe"
+    padded = parse_training_args((dyn + " --dynapipe-padded-attention per-sample").split(), 2)
+    assert planned_batching(padded) == "dynapipe-per-sample" and padded.per_sample_attention
+
+
+@pytest.mark.parametrize("extra, names", [
+    ("", "without --use-dynapipe"),  # megatron-core's padding rows
+    ("--use-dynapipe --dynapipe-batching padding", "padding batching"),
+    ("--use-dynapipe " + PACK, "--dynapipe-packed-attention per-sample")])
+def test_padded_per_sample_attention_outside_dynapipe_batching_is_refused(extra, names):
+    from megatron_integration.arguments import parse_training_args
+    from dynapipe.errors import DynaPipeError
+
+    base = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 96 --max-position-embeddings 96 "
+            "--vocab-size 128 --micro-batch-size 2 --global-batch-size 4 --train-iters 1 --lr 1e-4 --mock-data ")
+    with pytest.raises(DynaPipeError, match="--dynapipe-padded-attention per-sample") as err:
+        parse_training_args((base + extra + " --dynapipe-padded-attention per-sample").split(), 2)
+    assert names in str(err.value)
 
 
 @pytest.mark.megatron_runs(("", 2), ("--use-dynapipe " + PACK, 2))

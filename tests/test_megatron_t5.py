@@ -191,8 +191,13 @@ def test_t5_dynapipe_and_packing_losses_equal_padding_pp2(pp2):
     assert len(set(np.round(padding["losses"], 6))) == 3
 
 
+def _with(runs, flag):
+    """The runs whose arguments give ``flag`` the value ``per-sample``."""
+    return [r for r in runs if flag in r["argv"] and r["argv"][r["argv"].index(flag) + 1] == "per-sample"]
+
+
 def test_t5_packing_with_per_sample_attention_equals_padding_pp2(pp2):
-    (per_sample,) = [r for r in pp2 if "per-sample" in r["argv"]]
+    (per_sample,) = _with(pp2, "--dynapipe-packed-attention")
     padding, packing = pp2[0], pp2[3]
     assert per_sample["method"] == "packing"
     # Each sample's encoder, decoder and cross-attention computed alone: the loss of the masks.
@@ -215,7 +220,7 @@ def test_t5_per_sample_ops_are_traced_and_priced_at_their_attention_density(pp2)
     def trace_dir(run):
         return run["argv"][run["argv"].index("--dynapipe-trace-dir") + 1]
 
-    (per_sample,) = [r for r in pp2 if "per-sample" in r["argv"]]
+    (per_sample,) = _with(pp2, "--dynapipe-packed-attention")
     traces = {"per-sample": trace_dir(per_sample), "packing": trace_dir(pp2[3])}
     notes = [e["args"]["attention"] for path in glob.glob(os.path.join(traces["per-sample"], "rank*.json"))
              for e in json.load(open(path))["traceEvents"] if e.get("cat") == "forward" and e.get("ph") == "X"]
@@ -226,6 +231,27 @@ def test_t5_per_sample_ops_are_traced_and_priced_at_their_attention_density(pp2)
     checks = {k: stage_check(path, [1, 2], cm) for k, path in traces.items()}
     for a, b in zip(checks["per-sample"]["stages"], checks["packing"]["stages"]):
         assert a["predicted_ms"] < b["predicted_ms"]
+
+
+def test_t5_dynapipe_with_per_sample_attention_equals_padding_and_skips_the_padding_pp2(pp2):
+    """DynaPipe's rows with each sample's attention alone (``--dynapipe-padded-attention
+    per-sample``): the padding loss, planned as ``dynapipe-per-sample``, and every traced op
+    computed only its samples' pairs (under 1 where a micro-batch's rows pad)."""
+    import glob
+    import json
+
+    (alone,) = _with(pp2, "--dynapipe-padded-attention")
+    padding = pp2[0]
+    assert alone["method"] == "dynapipe" and len(alone["losses"]) == 3
+    assert alone["losses"] == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)
+    assert alone["loss_tokens"] == padding["loss_tokens"]
+    trace = alone["argv"][alone["argv"].index("--dynapipe-trace-dir") + 1]
+    ops = [e["args"] for path in glob.glob(os.path.join(trace, "rank*.json"))
+           for e in json.load(open(path))["traceEvents"] if e.get("cat") == "forward" and e.get("ph") == "X"]
+    assert ops and all("attention" in a and 0 < v <= 1 for a in ops for v in a["attention"].values())
+    # A micro-batch of several samples pads its shorter rows, whose tails compute nothing.
+    # (the encoder stage notes its input side, the decoder stage its target and cross sides).
+    assert min(min(a["attention"].values()) for a in ops if a["mbs"] > 1) < 1
 
 
 def test_a_job_of_many_runs_leaves_no_threads_behind(pp2):
