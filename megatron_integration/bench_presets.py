@@ -21,6 +21,9 @@ METHOD_FLAGS = {
     "dynapipe-1f1b": ["--use-dynapipe", "--dynapipe-schedule", "1f1b"],
     # The same micro-batches under the zero-bubble schedule (each backward split in two).
     "dynapipe-zb": ["--use-dynapipe", "--dynapipe-schedule", "zb-h1"],
+    # DynaPipe's rows with each sample's attention alone (the padding tails skipped): the same
+    # kernel as packing-per-sample's and packing-search's, so those pairs compare the cut alone.
+    "dynapipe-per-sample": ["--use-dynapipe", "--dynapipe-padded-attention", "per-sample"],
     "padding": ["--dynapipe-batching", "padding"],
     # Each micro-batch padded to its own longest sample (megatron-core's variable_seq_lengths).
     "padding-mb": ["--dynapipe-batching", "padding-mb"],
@@ -36,7 +39,7 @@ METHOD_FLAGS = {
                        "--reset-attention-mask", "--dynapipe-packed-attention", "per-sample"],
 }
 BASELINES = ("padding", "padding-mb", "packing", "packing-per-sample", "packing-search")
-DYNAPIPE_METHODS = ("dynapipe", "dynapipe-1f1b", "dynapipe-zb")
+DYNAPIPE_METHODS = ("dynapipe", "dynapipe-1f1b", "dynapipe-zb", "dynapipe-per-sample")
 #: The methods the DynaPipe executor runs (planned with the bench's profile, traced); the other
 #: baselines run through megatron-core's schedule.
 EXECUTOR_METHODS = DYNAPIPE_METHODS + ("packing-search",)
@@ -86,7 +89,8 @@ PRESETS = {
               "--global-batch-size": "64", "--train-iters": "4", "--dynapipe-prefetch": "2", **_COMMON},
         # Each baseline at its best simulated micro-batch size (a fixed --micro-batch-size 4 ran
         # packing at its slowest: two micro-batches a replica on two stages).
-        methods=("dynapipe", "padding", "packing", "packing-per-sample", "packing-search"), rounds=1, sweep_top=1,
+        methods=("dynapipe", "dynapipe-per-sample", "padding", "packing", "packing-per-sample", "packing-search"),
+        rounds=1, sweep_top=1,
         warmup_iters=1,
         about="tiny GPT (hidden 64) at 1,024 tokens: attention dominates, the quick demo"),
     # Hidden = sequence length with FFN 4h: on full rows the attention core is 4s/(4s + 24h) = 1/7 of a
@@ -98,8 +102,8 @@ PRESETS = {
         # The two best simulated sizes of padding-mb and packing both run: a profile measured on a
         # loaded machine can misrank them. The profile stops at 4 samples (8 x 512 tokens costs as
         # much to measure as all smaller shapes together).
-        methods=("dynapipe", "dynapipe-1f1b", "padding", "padding-mb", "packing", "packing-per-sample",
-                 "packing-search"), rounds=2,
+        methods=("dynapipe", "dynapipe-1f1b", "dynapipe-per-sample", "padding", "padding-mb", "packing",
+                 "packing-per-sample", "packing-search"), rounds=2,
         sweep_top=2,
         warmup_iters=1, profile_repeats=2, sweep_within=0.0, profile_mbs=(1, 2, 4), calibrate_iters=3,
         profile_levels=False,

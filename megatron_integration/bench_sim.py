@@ -32,6 +32,8 @@ TIMED_REGIONS = {
                 "meanwhile, on the same cores; their CPU ms are reported as planner_cpu_ms.",
     "dynapipe-1f1b": "as dynapipe, with the planner restricted to the 1F1B schedule",
     "dynapipe-zb": "as dynapipe, with the planner restricted to the zb-h1 schedule (split backwards)",
+    "dynapipe-per-sample": "as dynapipe, each row's attention computed on its sample alone (the padding tail "
+                           "skipped) and the cut priced so",
     "padding": "megatron-core forward_backward (1F1B, p2p, gradient finaliser), optimizer step and the loss "
                "all-reduce; building the micro-batch tensors from the samples is outside the timed region",
     "padding-mb": "as padding; megatron-core exchanges each activation's shape before it (variable_seq_lengths)",
@@ -159,7 +161,7 @@ class BenchSimulation:
                                       micro_batch_size=micro_batch_size or self.cfg.micro_batch_size)
             return plan.micro_batches
         schedule = {"dynapipe-1f1b": "1f1b", "dynapipe-zb": "zb-h1"}.get(method, self.cfg.dynapipe.schedule)
-        plan = plan_iteration(lengths, self.cost, stages=self.pp, method="dynapipe", schedule=schedule,
+        plan = plan_iteration(lengths, self.cost, stages=self.pp, method=METHOD_SPECS[method][0], schedule=schedule,
                               micro_batch_size=self.cfg.micro_batch_size, **self._kwargs())
         return plan.batch_plan.micro_batches
 

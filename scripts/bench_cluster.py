@@ -7,6 +7,9 @@ of ``--device`` and the links of ``--cluster`` (see :mod:`dynapipe.method_compar
 
 * ``dynapipe``: DP-cut micro-batches and the schedule search;
 * ``dynapipe-1f1b``: the same micro-batches under plain 1F1B (cutting alone);
+* ``dynapipe-per-sample``: DynaPipe with a varlen kernel on its own rows (each row's padding
+  tail computes no attention), its cut priced so: against ``packing-per-sample`` and
+  ``packing-search`` the like-for-like method, both sides on the same kernel;
 * ``packing``: best micro-batch size (rows), 1F1B, lightest uniform recompute that fits;
   rows isolated by Megatron's per-sample mask, so attention spans every row densely;
 * ``packing-per-sample``: the same, rows run with attention on each sample alone (a varlen
@@ -63,7 +66,7 @@ from dynapipe.cost.chunked_placement import even_chunked_placement  # noqa: E402
 from dynapipe.argparsing import StrictArgumentParser, print_error  # noqa: E402
 from dynapipe.output_paths import check_distinct, check_output_file, write_output  # noqa: E402
 
-METHODS = ("dynapipe", "dynapipe-1f1b", "packing", "packing-per-sample", "packing-search", "padding", "padding-mb")
+METHODS = ("dynapipe", "dynapipe-1f1b", "dynapipe-per-sample", "packing", "packing-per-sample", "packing-search", "padding", "padding-mb")
 # The DynaPipe paper (EuroSys 2024), best reported speed-up over packing on FLANv2.
 PAPER_SPEEDUP = {"gpt": 3.25, "t5": 4.39}
 
@@ -118,11 +121,14 @@ def mean_compute_ms(batches, cost, method: str, micro_batch_size, encdec: bool, 
     micro-batch size; DynaPipe's micro-batches as it plans them."""
     total = 0.0
     for b in batches:
-        if method.startswith("dynapipe"):
+        if method == "dynapipe":
             shapes = plan_shapes(plan_iteration(b, cost, **kwargs), encdec)
         else:
-            mbs = plan_micro_batches(b, cost, method=method, micro_batch_size=micro_batch_size,
-                                     seq_length=kwargs["seq_length"]).micro_batches
+            if method == "dynapipe-per-sample":
+                mbs = plan_iteration(b, cost, method=method, **kwargs).batch_plan.micro_batches
+            else:
+                mbs = plan_micro_batches(b, cost, method=method, micro_batch_size=micro_batch_size,
+                                         seq_length=kwargs["seq_length"]).micro_batches
             shapes = [(mb.mbs, mb.seqlen, mb.dec_seqlen) if encdec else (mb.mbs, mb.seqlen) for mb in mbs]
             total += shapes_compute_ms(cost, shapes, attention=[mb.attention for mb in mbs])
             continue
@@ -184,7 +190,7 @@ def run_case(case: Case, args) -> dict:
         if ref_search is not None:
             row["vs_packing_search"] = round(res.real_tokens_per_s / ref_search.real_tokens_per_s, 3)
         method = "dynapipe" if name == before else name
-        if method in ("dynapipe", "packing", "packing-per-sample", "padding", "padding-mb"):
+        if method in ("dynapipe", "dynapipe-per-sample", "packing", "packing-per-sample", "padding", "padding-mb"):
             priced = even_cost if name == before else cost
             if id(priced) not in floors:
                 floors[id(priced)] = floor_over_batches(priced, batches)

@@ -24,8 +24,12 @@ def test_quick_writes_every_method_with_tuned_baselines(tmp_path):
     assert (case["model"], case["stages"], case["dp"], case["seq_length"]) == ("gpt-7b", 4, 2, 2048)
     assert sum(case["real_tokens_per_batch"]) <= 65536
     methods = case["methods"]
-    assert list(methods) == ["dynapipe", "dynapipe-1f1b", "packing", "packing-per-sample", "packing-search",
-                             "padding", "padding-mb"]
+    assert list(methods) == ["dynapipe", "dynapipe-1f1b", "dynapipe-per-sample", "packing", "packing-per-sample",
+                             "packing-search", "padding", "padding-mb"]
+    # DynaPipe's rows on the per-sample kernel compute less attention, and never below the floor.
+    alone = methods["dynapipe-per-sample"]
+    assert alone["attention_share"] <= methods["dynapipe"]["attention_share"]
+    assert alone["compute_over_floor"] >= 1.0
     assert methods["packing"]["vs_packing"] == 1.0 and methods["packing-search"]["vs_packing_search"] == 1.0
     assert methods["packing-per-sample"]["vs_packing_per_sample"] == 1.0
     # Per-sample attention computes less than masked rows, and the search only adds freedom.
@@ -48,7 +52,7 @@ def test_quick_writes_every_method_with_tuned_baselines(tmp_path):
     assert methods["dynapipe"]["real_tokens_per_s"] >= methods["dynapipe-1f1b"]["real_tokens_per_s"]
     # Nothing computes below the compute floor; padding to --seq-length wastes the most.
     floors = {k: m["compute_over_floor"] for k, m in methods.items() if "compute_over_floor" in m}
-    assert set(floors) == {"dynapipe", "packing", "packing-per-sample", "padding", "padding-mb"}
+    assert set(floors) == {"dynapipe", "dynapipe-per-sample", "packing", "packing-per-sample", "padding", "padding-mb"}
     assert min(floors.values()) >= 1.0 and floors["packing-per-sample"] < floors["packing"]
     assert floors["padding"] == max(floors.values()) > 2.0
     assert methods["dynapipe-1f1b"]["schedule"] == ["1f1b"] and methods["packing"]["schedule"] == ["1f1b"]

@@ -117,6 +117,35 @@ def test_bench_t5_every_method_also_runs_contiguous_and_even_and_keeps_its_best(
     assert [(e.label, e.also) for e in t5_entries(["dynapipe"], (1,), on_even)] == [("dynapipe", ())]
 
 
+def test_bench_dynapipe_per_sample_runs_every_placement_with_its_attention_flag():
+    """DynaPipe's per-sample rows are a method of their own in both benches: on every placement
+    a DynaPipe run takes, planned by the DynaPipe executor with the padded rows' flag."""
+    from megatron_integration.arguments import parse_training_args
+    from megatron_integration.bench import Entry
+    from megatron_integration.bench_presets import EXECUTOR_METHODS, PRESETS
+    from megatron_integration.bench_t5 import T5_PRESETS
+    from megatron_integration.bench_t5_entries import t5_entries
+    from megatron_integration.dynapipe_step import planned_batching
+    from megatron_integration.t5_arguments import parse_t5_args
+
+    even = {"even": {"placement": "2+0,0+2"}}
+    placed = {"placement": "1+0,1+0|0+1,0+1", "search": {"compared": {"contiguous": "1+0,1+2"}}, "simulated": even}
+    entries = t5_entries(["dynapipe-per-sample"], (1, 2), placed)
+    assert [e.label for e in entries] == ["dynapipe-per-sample", "dynapipe-per-sample-contiguous",
+                                          "dynapipe-per-sample-even"]
+    t5 = ("--encoder-num-layers 2 --decoder-num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+          "--encoder-seq-length 128 --decoder-seq-length 32 --global-batch-size 4 --train-iters 1 --lr 1e-4 "
+          "--mock-data --pipeline-model-parallel-size 2").split()
+    cfg = parse_t5_args(entries[0].argv(t5), 2)
+    assert cfg.method == "dynapipe" and planned_batching(cfg.base) == "dynapipe-per-sample"
+    assert all("dynapipe-per-sample" in T5_PRESETS[p].methods for p in ("tiny", "long"))
+    gpt = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 96 --max-position-embeddings 96 "
+           "--vocab-size 128 --global-batch-size 4 --train-iters 1 --lr 1e-4 --mock-data").split()
+    assert planned_batching(parse_training_args(Entry("dynapipe-per-sample").argv(gpt), 2)) == "dynapipe-per-sample"
+    assert "dynapipe-per-sample" in EXECUTOR_METHODS
+    assert all("dynapipe-per-sample" in PRESETS[p].methods for p in ("tiny", "representative"))
+
+
 def test_bench_t5_baselines_also_run_on_their_own_best_split():
     from megatron_integration.bench_t5_entries import t5_entries
 
