@@ -46,7 +46,7 @@ TIMED_REGIONS = {
 
 # Bench methods whose rows the T5 batch builders form as another's: per-sample attention changes
 # what a packed row computes (the planner prices it as packing-per-sample), not which rows are formed.
-PLANNED_AS = {"packing-per-sample": "packing"}
+PLANNED_AS = {"packing-per-sample": "packing", "packing-search": "packing"}
 
 
 def planned_as(method: str) -> str:

@@ -66,7 +66,7 @@ class T5Preset:
     warmup_iters: int
     about: str
     methods: tuple[str, ...] = ("dynapipe", "dynapipe-even", "dynapipe-per-sample", "padding", "packing",
-                                "packing-per-sample")
+                                "packing-per-sample", "packing-search")
     #: Iterations of the untimed DynaPipe run that fits the profile's fixed cost per stage op
     #: (0: none); ``--calibrate-iters`` overrides it.
     calibrate_iters: int = 0
@@ -101,7 +101,7 @@ T5_PRESETS = {
     "long": T5Preset(
         args={**_TINY_ARGS, "--encoder-seq-length": "4096", "--global-batch-size": "128"},
         sweep=(1,), warmup_iters=1, methods=("dynapipe", "dynapipe-even", "dynapipe-per-sample", "packing",
-                                             "packing-per-sample"),
+                                             "packing-per-sample", "packing-search"),
         about="tiny T5 (2+2 layers, hidden 64), inputs up to 4,096 and targets up to 256 tokens, global batch 128"),
 }
 

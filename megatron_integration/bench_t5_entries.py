@@ -31,8 +31,12 @@ T5_METHOD_FLAGS = {
     # The same rows, each sample's attention (encoder, decoder, cross) computed alone.
     "packing-per-sample": ["--dynapipe-batching", "packing", "--reset-position-ids", "--reset-attention-mask",
                            "--dynapipe-packed-attention", "per-sample"],
+    # The same per-sample rows packed by the planner and run through the DynaPipe executor with its
+    # schedule search: the strongest packing, with DynaPipe's schedule freedom.
+    "packing-search": ["--use-dynapipe", "--dynapipe-batching", "packing", "--reset-position-ids",
+                       "--reset-attention-mask", "--dynapipe-packed-attention", "per-sample"],
 }
-T5_BASELINES = ("padding", "packing", "packing-per-sample")
+T5_BASELINES = ("padding", "packing", "packing-per-sample", "packing-search")
 #: Added by the bench itself when it calibrates, not a ``--methods`` choice.
 UNCALIBRATED = "dynapipe-uncalibrated"
 

@@ -115,9 +115,10 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
                             f"layers cannot be split evenly over --pipeline-model-parallel-size {pp}; use a "
                             f"divisor of {total}.")
     batching = args.dynapipe_batching or ("dynapipe" if args.use_dynapipe else "padding")
-    if args.use_dynapipe and batching != "dynapipe":
-        raise DynaPipeError(f"--use-dynapipe --dynapipe-batching {batching}: T5 plans dynapipe micro-batches; the "
-                            f"baselines ({', '.join(T5_BASELINES)}) run without --use-dynapipe.")
+    if args.use_dynapipe and batching not in ("dynapipe", "packing"):
+        raise DynaPipeError(f"--use-dynapipe --dynapipe-batching {batching}: T5's planner plans dynapipe or packing "
+                            f"micro-batches (packing given DynaPipe's schedule search); the baselines "
+                            f"({', '.join(T5_BASELINES)}) run without --use-dynapipe.")
     if not args.use_dynapipe and batching not in T5_BASELINES:
         raise DynaPipeError(f"--dynapipe-batching {batching} is not a T5 baseline; use one of "
                             f"{list(T5_BASELINES)}, or --use-dynapipe.")

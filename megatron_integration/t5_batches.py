@@ -76,26 +76,6 @@ def t5_row_tensors(rows: Sequence[Sequence[Sample]], seqlen: int, dec_seqlen: in
                    eod_id: int = 1) -> dict[str, np.ndarray]:
     """Every T5 tensor (see :data:`ROW_TENSORS`) of rows of samples ``[rows, seqlen]`` /
     ``[rows, dec_seqlen]``; a row of several samples is packed, an empty row is padding."""
-    if all(len(r) == 1 for r in rows):
-        shapes = {"enc": (len(rows), seqlen), "dec": (len(rows), dec_seqlen)}
-        return collate(rows, [TensorRequest(n, shapes[side], d) for n, d, side in ROW_TENSORS], seqlen, dec_seqlen,
-                       encoder_decoder=True, pad_id=pad_id, eod_id=eod_id)
-    n = len(rows)
-    out = {name: np.full((n, seqlen if side == "enc" else dec_seqlen), pad_id if "tokens" in name or name == "labels"
-                         else 0, dtype=np.dtype(dtype)) for name, dtype, side in ROW_TENSORS}
-    for r, row in enumerate(rows):
-        e = d = 0
-        for k, s in enumerate(row):
-            ni, nt = s.input_ids.shape[0], s.target_ids.shape[0]
-            if e + ni > seqlen or d + nt > dec_seqlen:
-                raise DynaPipeError(f"packed row {r} needs {e + ni}/{d + nt} encoder/decoder tokens, more than its "
-                                    f"{seqlen}/{dec_seqlen}; the rows and the data disagree on lengths.")
-            out["tokens"][r, e:e + ni] = s.input_ids
-            out["enc_mask"][r, e:e + ni] = k + 1
-            out["dec_tokens"][r, d] = eod_id
-            out["dec_tokens"][r, d + 1:d + nt] = s.target_ids[:-1]
-            out["labels"][r, d:d + nt] = s.target_ids
-            out["loss_mask"][r, d:d + nt] = 1.0
-            out["dec_mask"][r, d:d + nt] = k + 1
-            e, d = e + ni, d + nt
-    return out
+    shapes = {"enc": (len(rows), seqlen), "dec": (len(rows), dec_seqlen)}
+    return collate(rows, [TensorRequest(n, shapes[side], d) for n, d, side in ROW_TENSORS], seqlen, dec_seqlen,
+                   encoder_decoder=True, pad_id=pad_id, eod_id=eod_id)

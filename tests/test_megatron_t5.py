@@ -42,7 +42,8 @@ def test_megatron_t5_flags_and_their_errors():
         "--max-position-embeddings 0": "--max-position-embeddings 0: must be positive",
         "--pipeline-model-parallel-size 1 --global-batch-size 12 --dynapipe-placement 1+0|1+2": "2 chunks on one "
                                                                                             "pipeline rank",
-        "--use-dynapipe --dynapipe-batching packing": "T5 plans dynapipe micro-batches",
+        "--use-dynapipe --dynapipe-batching packing": "--reset-position-ids --reset-attention-mask",
+        "--use-dynapipe --dynapipe-batching padding": "T5's planner plans dynapipe or packing",
         "--dynapipe-batching packing": "--reset-position-ids --reset-attention-mask",
         "--position-embedding-type rope": "learned absolute",
         "--pipeline-model-parallel-size 3": "cannot be split evenly",
@@ -64,6 +65,13 @@ def test_megatron_t5_flags_and_their_errors():
                         "--use-distributed-optimizer": "no sharded optimizer yet"}.items():
         with pytest.raises(DynaPipeError, match=text):
             parse_t5_args(TINY.split() + extra.split(), 2, cuda=False)
+    # Packing through the DynaPipe executor: the planner packs, priced per sample with the flag.
+    from megatron_integration.dynapipe_step import planned_batching
+
+    packed = TINY + " --use-dynapipe --dynapipe-batching packing --reset-position-ids --reset-attention-mask"
+    assert planned_batching(parse_t5_args(packed.split(), 2, cuda=False).base) == "packing"
+    per_sample = parse_t5_args((packed + " --dynapipe-packed-attention per-sample").split(), 2, cuda=False)
+    assert planned_batching(per_sample.base) == "packing-per-sample" and per_sample.base.per_sample_attention
     # Megatron-LM's default checkpoint format is T5's too.
     assert parse_t5_args(TINY.split() + ["--save", "/tmp/t5-ckpt"], 2, cuda=False).base.ckpt_format == "torch_dist"
     with pytest.raises(DynaPipeError, match="--decoder-seq-length is required"):
@@ -100,6 +108,22 @@ def test_packed_t5_rows_keep_each_pair_in_its_own_segment():
     # One pair a row: the data loader's own tensors.
     one = t5_row_tensors([[a]], 4, 3)
     assert one["enc_mask"][0].tolist() == [1, 1, 1, 0] and one["dec_tokens"][0].tolist() == [1, 8, 0]
+
+
+def test_the_loader_collates_packed_t5_rows_with_positions_restarting():
+    # What --use-dynapipe --dynapipe-batching packing loads: the planner's packed rows.
+    from dynapipe.data.collate import TensorRequest, collate
+
+    a = Sample(np.array([5, 6, 7]), np.array([8, 9]))
+    b = Sample(np.array([10, 11]), np.array([12, 13, 14]))
+    reqs = [TensorRequest("enc_position_ids", (1, 8), "int64"), TensorRequest("dec_position_ids", (1, 6), "int64"),
+            TensorRequest("enc_mask", (1, 8), "int32"), TensorRequest("labels", (1, 6), "int64")]
+    t = collate([[a, b]], reqs, 8, 6, encoder_decoder=True)
+    assert t["enc_position_ids"][0].tolist() == [0, 1, 2, 0, 1, 0, 0, 0]
+    assert t["dec_position_ids"][0].tolist() == [0, 1, 0, 1, 2, 0]
+    assert t["enc_mask"].dtype == np.int32 and t["labels"][0].tolist() == [8, 9, 12, 13, 14, 0]
+    with pytest.raises(DynaPipeError, match="5/5 encoder/decoder tokens but the plan pads to 4/6"):
+        collate([[a, b]], reqs[:1], 4, 6, encoder_decoder=True)
 
 
 def test_segment_masks_and_positions():

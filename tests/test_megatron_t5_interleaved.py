@@ -139,6 +139,13 @@ def test_bench_dynapipe_per_sample_runs_every_placement_with_its_attention_flag(
     cfg = parse_t5_args(entries[0].argv(t5), 2)
     assert cfg.method == "dynapipe" and planned_batching(cfg.base) == "dynapipe-per-sample"
     assert all("dynapipe-per-sample" in T5_PRESETS[p].methods for p in ("tiny", "long"))
+    # T5's packing with the schedule search: a baseline swept over sizes, planned by the executor's planner.
+    searched = t5_entries(["packing-search"], (1, 2), placed)
+    assert [e.label for e in searched][:2] == ["packing-search@mbs1", "packing-search@mbs1-contiguous"]
+    cfg = parse_t5_args(searched[0].argv(t5), 2)
+    assert cfg.base.dynapipe.enabled and planned_batching(cfg.base) == "packing-per-sample"
+    assert cfg.base.micro_batch_size == 1 and cfg.base.per_sample_attention
+    assert all("packing-search" in T5_PRESETS[p].methods for p in ("tiny", "long"))
     gpt = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 96 --max-position-embeddings 96 "
            "--vocab-size 128 --global-batch-size 4 --train-iters 1 --lr 1e-4 --mock-data").split()
     assert planned_batching(parse_training_args(Entry("dynapipe-per-sample").argv(gpt), 2)) == "dynapipe-per-sample"

@@ -11,10 +11,13 @@ Decoder-only (a row is a sample, or several samples for packing):
   ``loss_mask``     1 where the label is a target token, 0 on inputs, the last token of a
                     sample, and padding
   ``segment_ids``   1-based index of the sample within its row, 0 on padding
-Encoder-decoder (``seqlen`` encoder tokens, ``dec_seqlen`` decoder tokens):
-  ``tokens`` / ``enc_tokens``, ``position_ids`` / ``enc_position_ids``, ``enc_mask`` (1 on real tokens)
-  ``dec_tokens`` (the target shifted right behind ``eod_id`` as start token),
-  ``dec_position_ids``, ``dec_mask``, ``labels`` (the target), ``loss_mask``
+Encoder-decoder (``seqlen`` encoder tokens, ``dec_seqlen`` decoder tokens; a row is an
+(input, target) pair, or several for packing: inputs packed into the encoder row, targets
+into the decoder row, in the same order):
+  ``tokens`` / ``enc_tokens``, ``position_ids`` / ``enc_position_ids`` (restarting at every
+  sample), ``enc_mask`` (the 1-based sample number within the row on real tokens, 0 on padding)
+  ``dec_tokens`` (each target shifted right behind ``eod_id`` as start token),
+  ``dec_position_ids``, ``dec_mask`` (as ``enc_mask``), ``labels`` (the target), ``loss_mask``
 """
 from __future__ import annotations
 
@@ -103,9 +106,9 @@ def _decoder_rows(rows: Sequence[Sequence[Sample]], seqlen: int, pad_id: int,
     return out
 
 
-def _enc_dec_rows(samples: Sequence[Sample], seqlen: int, dec_seqlen: int, pad_id: int,
+def _enc_dec_rows(rows: Sequence[Sequence[Sample]], seqlen: int, dec_seqlen: int, pad_id: int,
                   start_id: int) -> dict[str, np.ndarray]:
-    mbs = len(samples)
+    mbs = len(rows)
     out = {
         "enc_tokens": np.full((mbs, seqlen), pad_id, dtype=np.int64),
         "enc_position_ids": np.zeros((mbs, seqlen), dtype=np.int64),
@@ -116,20 +119,24 @@ def _enc_dec_rows(samples: Sequence[Sample], seqlen: int, dec_seqlen: int, pad_i
         "labels": np.full((mbs, dec_seqlen), pad_id, dtype=np.int64),
         "loss_mask": np.zeros((mbs, dec_seqlen), dtype=np.float32),
     }
-    for r, s in enumerate(samples):
-        ni, nt = s.input_ids.shape[0], s.target_ids.shape[0]
+    for r, row in enumerate(rows):
+        ni, nt = (sum(s.input_ids.shape[0] for s in row), sum(s.target_ids.shape[0] for s in row))
         if ni > seqlen or nt > dec_seqlen:
             raise DynaPipeError(f"micro-batch row {r} has {ni}/{nt} encoder/decoder tokens but the plan "
                                 f"pads to {seqlen}/{dec_seqlen}; the plan and the data disagree on lengths.")
-        out["enc_tokens"][r, :ni] = s.input_ids
-        out["enc_position_ids"][r, :ni] = np.arange(ni)
-        out["enc_mask"][r, :ni] = 1
-        out["dec_tokens"][r, 0] = start_id
-        out["dec_tokens"][r, 1:nt] = s.target_ids[:-1]
-        out["dec_position_ids"][r, :nt] = np.arange(nt)
-        out["dec_mask"][r, :nt] = 1
-        out["labels"][r, :nt] = s.target_ids
-        out["loss_mask"][r, :nt] = 1.0
+        e = d = 0
+        for k, s in enumerate(row):
+            ni, nt = s.input_ids.shape[0], s.target_ids.shape[0]
+            out["enc_tokens"][r, e:e + ni] = s.input_ids
+            out["enc_position_ids"][r, e:e + ni] = np.arange(ni)
+            out["enc_mask"][r, e:e + ni] = k + 1
+            out["dec_tokens"][r, d] = start_id
+            out["dec_tokens"][r, d + 1:d + nt] = s.target_ids[:-1]
+            out["dec_position_ids"][r, d:d + nt] = np.arange(nt)
+            out["dec_mask"][r, d:d + nt] = k + 1
+            out["labels"][r, d:d + nt] = s.target_ids
+            out["loss_mask"][r, d:d + nt] = 1.0
+            e, d = e + ni, d + nt
     out["tokens"], out["position_ids"] = out["enc_tokens"], out["enc_position_ids"]
     return out
 
@@ -139,7 +146,8 @@ def collate(rows: Sequence[Sequence[Sample]], requests: Iterable[TensorRequest],
             eod_id: int = 1) -> dict[str, np.ndarray]:
     """Fill the requested tensors of one micro-batch.
 
-    ``rows[r]`` lists the samples of row ``r`` (one sample per row unless packed).
+    ``rows[r]`` lists the samples of row ``r`` (one sample per row unless packed; an empty
+    row is padding).
     Every request must name a known tensor and have shape ``[mbs, seqlen]`` (or the
     transpose; ``dec_seqlen`` for decoder-side tensors); dtypes are cast as requested.
     """
@@ -147,9 +155,7 @@ def collate(rows: Sequence[Sequence[Sample]], requests: Iterable[TensorRequest],
     if not requests:
         return {}
     if encoder_decoder:
-        if any(len(row) != 1 for row in rows):
-            raise DynaPipeError("packing is for decoder-only models; an encoder-decoder row holds one sample.")
-        full = _enc_dec_rows([row[0] for row in rows], seqlen, dec_seqlen, pad_id, eod_id)
+        full = _enc_dec_rows(rows, seqlen, dec_seqlen, pad_id, eod_id)
         known = ENC_DEC_TENSORS
     else:
         full = _decoder_rows(rows, seqlen, pad_id, {r.name for r in requests})
