@@ -133,6 +133,9 @@ def test_the_activation_plan_prices_per_sample_rows_at_their_density(model_name,
     bad = replace(it.plans[0][0], meta={**it.plans[0][0].meta, "attention_density": [None]})
     with pytest.raises(DynaPipeError, match="one a micro-batch"):
         planned_activation_peak_mib(bad, cm)
+    odd = replace(bad, meta={**bad.meta, "attention_density": [{"keys": 0.5}] * len(bad.micro_batches)})
+    with pytest.raises(DynaPipeError, match="each is null"):
+        planned_activation_peak_mib(odd, cm)
     # A dense run's plans record nothing.
     dense_it = plan_iteration(lengths, cm, stages=8, method="dynapipe", seq_length=2048, schedule="1f1b",
                               recompute="full")
