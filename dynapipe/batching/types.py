@@ -16,7 +16,9 @@ class MicroBatch:
     """A micro-batch: which samples, padded to what shape, on which replica, at what cost.
 
     ``samples`` are indices into the global batch. For packing, ``rows`` lists the
-    samples concatenated into each row and ``samples`` is their concatenation.
+    samples concatenated into each row and ``samples`` is their concatenation; a
+    ``dynapipe-per-sample`` micro-batch lists one sample a row (its stages load per-row
+    segment ids).
     ``seqlen`` (and ``dec_seqlen`` for encoder-decoder models) is the padded length in
     tokens; ``time_ms`` is forward + backward of the bottleneck stage;
     ``stored_mib``/``peak_mib`` its activation memory.
@@ -27,7 +29,7 @@ class MicroBatch:
     differ from ``real_tokens``: target tokens of an encoder-decoder micro-batch, set
     when the planner knows the target lengths; ``None`` otherwise. Read
     :attr:`planned_loss_tokens`, which the execution plans record. ``attention``: for
-    packed rows run with per-sample attention, the share of the rows' dense attention
+    rows run with per-sample attention (packed, or DynaPipe's padded ones), the share of the rows' dense attention
     pairs computed (:class:`~dynapipe.cost.attention_density.AttentionDensity`); ``None``:
     dense attention over every row, as the cost models price by default.
     """
