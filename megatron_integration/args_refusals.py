@@ -208,6 +208,14 @@ def _model_flags_honoured(args: argparse.Namespace, cuda: bool) -> None:
                                 "default): Transformer Engine's causal attention ignores the per-sample mask of "
                                 "packed rows (it needs THD packed-sequence parameters, not built for training here); "
                                 "pass --transformer-impl local.")
+        if getattr(args, "dynapipe_padded_attention", "mask") == "per-sample":
+            # The per-sample kernel is the local attention's (segment tables); a Transformer
+            # Engine layer would read the table as a mask, or ignore it.
+            raise DynaPipeError("--dynapipe-padded-attention per-sample with --transformer-impl transformer_engine "
+                                "(Megatron-LM's default): the per-sample kernel is built for megatron-core's local "
+                                "attention (Transformer Engine's THD packed-sequence path is not built for training "
+                                "here); pass --transformer-impl local, or drop the flag (Transformer Engine's fused "
+                                "attention then computes the padded rows).")
 
 
 def _resilience_args_honoured(args: argparse.Namespace) -> None:

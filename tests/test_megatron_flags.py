@@ -80,6 +80,12 @@ def test_transformer_impl_picks_the_gpu_layers(monkeypatch):
     with pytest.raises(DynaPipeError, match="^--reset-attention-mask with"):
         parse(packed + " --use-dynapipe", cuda=True)
     assert parse(packed + " --transformer-impl local", cuda=True).model.transformer_impl == "local"
+    # So does DynaPipe's per-sample kernel on its own rows: it is the local attention's.
+    with pytest.raises(DynaPipeError, match="^--dynapipe-padded-attention per-sample with --transformer-impl "
+                                            "transformer_engine.*pass --transformer-impl local"):
+        parse("--use-dynapipe --dynapipe-padded-attention per-sample", cuda=True)
+    assert parse("--use-dynapipe --dynapipe-padded-attention per-sample --transformer-impl local",
+                 cuda=True).per_sample_attention
     monkeypatch.setattr(model_specs, "te_available", lambda: False)
     assert parse("--transformer-impl local", cuda=True).model.transformer_impl == "local"
     with pytest.raises(DynaPipeError, match="^--transformer-impl transformer_engine .* cannot load it here .*"
