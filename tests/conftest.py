@@ -46,7 +46,8 @@ def pp2(tmp_path_factory, t5_dist):
     checkpoints (see ``t5_dist``), interleaved checkpoints in both formats; then bf16 runs of
     every method, padding cut and resumed through torch_dist; fp16 padding and DynaPipe; DynaPipe
     on the zero-bubble schedule, on the even split and on the interleaved placement; packing with
-    per-sample attention; DynaPipe with per-sample attention; last, a weighted JSONL blend, uninterrupted and cut after 4 iterations,
+    per-sample attention; DynaPipe with per-sample attention; short JSONL pairs with padding and
+    with per-sample packing through the DynaPipe executor; last, a weighted JSONL blend, uninterrupted and cut after 4 iterations,
     resumed at another --train-iters."""
     from megatron_integration.t5_jobs import run_t5_training
     from t5_span_fixture import write_sentences, write_vocab
@@ -121,6 +122,11 @@ def pp2(tmp_path_factory, t5_dist):
     pairs = tmp_path_factory.mktemp("t5blend")
     write_pairs(pairs / "short.jsonl", 30, (3, 12), seed=1)
     write_pairs(pairs / "long.jsonl", 10, (30, 60), seed=2)
+    # Short JSONL pairs, several to a packed row: padding, and per-sample packing through the
+    # DynaPipe executor (its planner packs, its search schedules), two iterations.
+    short = (TINY.replace("--mock-data", f"--split 100,0,0 --data-path {pairs / 'short.jsonl'}")
+             .replace("--train-iters 3", "--train-iters 2").replace("--vocab-size 256", "--vocab-size 320"))
+    runs += [short.split(), (short + PACKING + " --use-dynapipe --dynapipe-packed-attention per-sample").split()]
     blended = (TINY.replace("--mock-data", f"--split 100,0,0 --lr-decay-style constant --data-path 0.75 "
                                            f"{pairs / 'short.jsonl'} 0.25 {pairs / 'long.jsonl'}")
                .replace("--train-iters 3", "").replace("--vocab-size 256", "--vocab-size 320") + " --use-dynapipe")

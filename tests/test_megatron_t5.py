@@ -215,9 +215,11 @@ def test_t5_dynapipe_and_packing_losses_equal_padding_pp2(pp2):
     assert len(set(np.round(padding["losses"], 6))) == 3
 
 
-def _with(runs, flag):
-    """The runs whose arguments give ``flag`` the value ``per-sample``."""
-    return [r for r in runs if flag in r["argv"] and r["argv"][r["argv"].index(flag) + 1] == "per-sample"]
+def _with(runs, flag, dynapipe=False):
+    """The runs whose arguments give ``flag`` the value ``per-sample``, with ``--use-dynapipe``
+    or without it."""
+    return [r for r in runs if flag in r["argv"] and r["argv"][r["argv"].index(flag) + 1] == "per-sample"
+            and ("--use-dynapipe" in r["argv"]) == dynapipe]
 
 
 def test_t5_packing_with_per_sample_attention_equals_padding_pp2(pp2):
@@ -264,7 +266,7 @@ def test_t5_dynapipe_with_per_sample_attention_equals_padding_and_skips_the_padd
     import glob
     import json
 
-    (alone,) = _with(pp2, "--dynapipe-padded-attention")
+    (alone,) = _with(pp2, "--dynapipe-padded-attention", dynapipe=True)
     padding = pp2[0]
     assert alone["method"] == "dynapipe" and len(alone["losses"]) == 3
     assert alone["losses"] == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)
@@ -276,6 +278,21 @@ def test_t5_dynapipe_with_per_sample_attention_equals_padding_and_skips_the_padd
     # A micro-batch of several samples pads its shorter rows, whose tails compute nothing.
     # (the encoder stage notes its input side, the decoder stage its target and cross sides).
     assert min(min(a["attention"].values()) for a in ops if a["mbs"] > 1) < 1
+
+
+def test_t5_packing_through_the_dynapipe_executor_trains_the_padding_loss(pp2):
+    """``--use-dynapipe --dynapipe-batching packing`` on short pairs, several to a row: the
+    planner packs them (rows of --encoder-seq-length / --decoder-seq-length tokens) and its
+    search schedules them; with per-sample attention the loss is the padding loss."""
+    (searched,) = _with(pp2, "--dynapipe-packed-attention", dynapipe=True)
+    padding = pp2[pp2.index(searched) - 1]
+    assert "--data-path" in padding["argv"] and padding["method"] == "padding"
+    assert searched["method"] == "dynapipe" and len(searched["losses"]) == 2
+    assert searched["losses"] == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)
+    assert searched["loss_tokens"] == padding["loss_tokens"] and searched["real_tokens"] == padding["real_tokens"]
+    # Rows of several pairs: a fraction of padding's rows.
+    assert sum(searched["padded_tokens"]) < 0.5 * sum(padding["padded_tokens"])
+    assert len(set(np.round(padding["losses"], 6))) == 2
 
 
 def test_a_job_of_many_runs_leaves_no_threads_behind(pp2):
