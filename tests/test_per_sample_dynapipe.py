@@ -81,16 +81,20 @@ def test_the_per_sample_cut_is_planned_and_simulated_by_the_commands(tmp_path):
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("\n".join(str(n) for n in [100, 7, 900, 513, 64, 1000, 9, 300]))
     out = tmp_path / "plan.json"
-    r = subprocess.run([sys.executable, "-m", "dynapipe", "plan", "--model", "gpt-7b", "--device", "a100-40gb",
-                        "--stages", "4", "--lengths", str(lengths), "--batching", "dynapipe-per-sample",
-                        "--seq-length", "1024", "--output", str(out)], capture_output=True, text=True, timeout=120)
+
+    def plan_cmd(*extra):
+        argv = ["plan", "--model", "gpt-7b", "--device", "a100-40gb", "--stages", "4", "--lengths", str(lengths),
+                "--batching", "dynapipe-per-sample", *extra]
+        return subprocess.run([sys.executable, "-m", "dynapipe", *argv], capture_output=True, text=True, timeout=120)
+
+    r = plan_cmd("--seq-length", "1024", "--output", str(out))
     assert r.returncode == 0, r.stderr
     plan = json.loads(out.read_text())
     assert plan["batching"] == "dynapipe-per-sample"
     assert all(0 < mb["attention_density"]["input"] <= 1 for mb in plan["micro_batches"])
-    r = subprocess.run([sys.executable, "-m", "dynapipe", "plan", "--model", "gpt-7b", "--device", "a100-40gb",
-                        "--stages", "4", "--lengths", str(lengths), "--batching", "dynapipe-per-sample",
-                        "--micro-batch-size", "2"], capture_output=True, text=True, timeout=120)
+    # One sample a row, as the stages load them.
+    assert all(all(len(row) == 1 for row in mb["samples"]) for mb in plan["micro_batches"])
+    r = plan_cmd("--micro-batch-size", "2")
     assert r.returncode != 0 and "--batching dynapipe-per-sample sizes every micro-batch itself" in r.stderr
 
     cm = build_cost_model(load_model_config("gpt-7b"), A100, 4)
