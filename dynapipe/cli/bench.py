@@ -26,9 +26,9 @@ def add_arguments(p) -> None:
                         "only, inputs up to 4,096 tokens)")
     p.add_argument("--methods", default=None,
                    help="comma-separated methods to run, from dynapipe, dynapipe-1f1b, dynapipe-zb (the zb-h1 "
-                        "schedule), dynapipe-per-sample (DynaPipe's rows skipping their padding's attention), padding, padding-mb, packing, packing-per-sample (each sample's attention "
-                        "alone), packing-search (per-sample packing given DynaPipe's schedule search) "
-                        "(default: the preset's)")
+                        "schedule), dynapipe-per-sample (DynaPipe's rows skipping their padding's attention), "
+                        "padding, padding-mb, packing, packing-per-sample (each sample's attention alone), "
+                        "packing-search (per-sample packing given DynaPipe's schedule search) (default: the preset's)")
     p.add_argument("--rounds", type=int, default=None,
                    help="rounds over every method, in rotated order; medians are reported (default: the preset's)")
     p.add_argument("--sweep-top", type=int, default=None,
