@@ -76,6 +76,13 @@ def priced_recompute(cfg) -> Optional[str]:
     return cfg.recompute.granularity or "none"
 
 
+def placement_cut(cfg) -> str:
+    """The DP cut ``auto`` chooses a split on: the run's own (``dynapipe-per-sample`` when its
+    rows skip their padding's attention), else DynaPipe's, which every other method's split is
+    chosen on too."""
+    return "dynapipe-per-sample" if cfg.dynapipe.enabled and cfg.padded_attention == "per-sample" else "dynapipe"
+
+
 def choose_gpt_split(cfg, batches: Optional[list] = None):
     """The :class:`~dynapipe.schedule.placement.PlacementPlan` ``auto`` takes for the GPT run
     ``cfg``: on one chunk a rank the contiguous split, on ``v`` chunks the ``v``-chunk split,
@@ -89,7 +96,7 @@ def choose_gpt_split(cfg, batches: Optional[list] = None):
                                     parallel.pipeline_model_parallel_size)
     batches = first_gpt_batches(cfg) if batches is None else batches
     kw = dict(dp=parallel.data_parallel_size, memory_limit_mib=d.memory_limit_mb, seq_length=cfg.model.seq_length,
-              zero=cfg.optimizer.distributed, recompute=priced_recompute(cfg))
+              zero=cfg.optimizer.distributed, recompute=priced_recompute(cfg), method=placement_cut(cfg))
     chunks = parallel.virtual_pipeline_model_parallel_size or 1
     if chunks > 1:
         return choose_chunked_placement(batches, cost_model, chunks, **kw)

@@ -144,3 +144,34 @@ def test_the_activation_plan_prices_per_sample_rows_at_their_density(model_name,
     dense_it = plan_iteration(lengths, cm, stages=8, method="dynapipe", seq_length=2048, schedule="1f1b",
                               recompute="full")
     assert all("attention_density" not in p.meta for p in dense_it.plans[0])
+
+
+def test_auto_placement_chooses_on_the_cut_the_run_plans():
+    """``--dynapipe-placement auto`` prices the stage split on the run's own cut: per-sample
+    rows' micro-batches (with their densities) where the run skips its padding's attention."""
+    from megatron_integration.arguments import parse_training_args
+    from megatron_integration.placement_auto import placement_cut
+
+    from dynapipe.cost.placement import PlacementSample
+    from dynapipe.schedule import placement as placement_mod
+
+    cm = build_cost_model(load_model_config("t5-11b"), A100, 8)
+    batches = [T5_LENGTHS[:30], T5_LENGTHS[30:]]
+    kw = dict(dp=1, memory_limit_mib=None, reserved_mib=0.0, seq_length=2048, zero=False, recompute="full")
+    alone = placement_mod._cut(batches, cm, method="dynapipe-per-sample", **kw)
+    assert all(mb.attention is not None for mb in alone)
+    assert all(mb.attention is None for mb in placement_mod._cut(batches, cm, **kw))
+    chosen = placement_mod.choose_placement_kind(batches, cm, chunks=1, method="dynapipe-per-sample",
+                                                 **{k: v for k, v in kw.items() if k != "reserved_mib"})
+    # The chosen split is priced on the per-sample cut of the placement it started from.
+    want = PlacementSample.of(placement_mod._cut(batches, cm, method="dynapipe-per-sample", **kw))
+    from dynapipe.cost.placement import price_placement
+
+    priced = price_placement(cm, chosen.chosen.placement, want, capacity_mib=None, dp=1, zero=False,
+                             recompute="full")
+    assert priced.bottleneck_ms == pytest.approx(chosen.chosen.bottleneck_ms)
+    gpt = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 96 --max-position-embeddings 96 "
+           "--vocab-size 128 --global-batch-size 4 --train-iters 1 --lr 1e-4 --mock-data --use-dynapipe")
+    assert placement_cut(parse_training_args(gpt.split(), 2)) == "dynapipe"
+    per_sample = parse_training_args((gpt + " --dynapipe-padded-attention per-sample").split(), 2)
+    assert placement_cut(per_sample) == "dynapipe-per-sample"

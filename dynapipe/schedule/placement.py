@@ -48,8 +48,11 @@ class PlacementPlan:
 
 
 def _cut(batches: Sequence, cost_model: CostModel, *, dp: int, memory_limit_mib: Optional[float],
-         reserved_mib: float, seq_length: Optional[LengthLimit], zero: bool, recompute: Optional[str]) -> list:
-    """The DynaPipe micro-batches of every batch, at the lightest level that plans."""
+         reserved_mib: float, seq_length: Optional[LengthLimit], zero: bool, recompute: Optional[str],
+         method: str = "dynapipe") -> list:
+    """The DynaPipe micro-batches of every batch (``method``: ``dynapipe``, or
+    ``dynapipe-per-sample`` for rows that skip their padding's attention), at the lightest
+    level that plans."""
     levels = [recompute] if recompute is not None else list(RECOMPUTE_LEVELS)
     out = []
     for lengths in batches:
@@ -58,7 +61,7 @@ def _cut(batches: Sequence, cost_model: CostModel, *, dp: int, memory_limit_mib:
             try:
                 out.extend(plan_micro_batches(lengths, cost_model, dp=dp, memory_limit_mib=memory_limit_mib,
                                               reserved_mib=reserved_mib, seq_length=seq_length, recompute=level,
-                                              zero=zero).micro_batches)
+                                              zero=zero, method=method).micro_batches)
                 break
             except DynaPipeError as e:  # a sample too large at this level may fit with more recompute
                 error = e
@@ -70,7 +73,7 @@ def _cut(batches: Sequence, cost_model: CostModel, *, dp: int, memory_limit_mib:
 def choose_placement(batches: Sequence, cost_model: CostModel, *, dp: int = 1,
                      memory_limit_mib: Optional[float] = None, reserved_mib: Optional[float] = None,
                      seq_length: Optional[LengthLimit] = None, zero: bool = False, recompute: Optional[str] = None,
-                     rounds: int = 3) -> PlacementPlan:
+                     rounds: int = 3, method: str = "dynapipe") -> PlacementPlan:
     """Choose the layers of every stage for global batches like ``batches`` (each an array
     of lengths in tokens, ``(n, 2)`` for encoder-decoder models).
 
@@ -78,7 +81,8 @@ def choose_placement(batches: Sequence, cost_model: CostModel, *, dp: int = 1,
     cost model's own) and the placement with the least bottleneck stage time on them is
     chosen (:func:`plan_placement`); repeated until it stops changing, at most ``rounds``
     times. Memory: ``memory_limit_mib`` minus ``reserved_mib`` per device (default: the
-    cost model's device config); ``dp``/``zero`` size model states as the planner does.
+    cost model's device config); ``dp``/``zero`` size model states as the planner does;
+    ``method``: the DP cut the run plans (``dynapipe`` or ``dynapipe-per-sample``).
     """
     if not len(batches):
         raise DynaPipeError("stage placement needs at least one global batch of lengths.")
@@ -89,7 +93,7 @@ def choose_placement(batches: Sequence, cost_model: CostModel, *, dp: int = 1,
     chosen = None
     for r in range(1, max(rounds, 1) + 1):
         mbs = _cut(batches, current, dp=dp, memory_limit_mib=memory_limit_mib, reserved_mib=reserved_mib,
-                   seq_length=seq_length, zero=zero, recompute=recompute)
+                   seq_length=seq_length, zero=zero, recompute=recompute, method=method)
         sample = PlacementSample.of(mbs)
         first_sample = first_sample or sample
         chosen = plan_placement(current, sample, **kw)
@@ -121,12 +125,13 @@ def place_micro_batches(micro_batches: Sequence, cost_model: CostModel, *, dp: i
 
 def simulated_ms(batches: Sequence, cost_model: CostModel, *, dp: int, memory_limit_mib: Optional[float],
                  reserved_mib: float, seq_length: Optional[LengthLimit], zero: bool, recompute: Optional[str],
-                 cluster=None, split_backward: bool = True, schedule: str = "auto") -> float:
+                 cluster=None, split_backward: bool = True, schedule: str = "auto",
+                 method: str = "dynapipe") -> float:
     """Summed simulated iteration time (ms) of DynaPipe's plans of ``batches`` on
     ``cost_model``'s placement: the cut, then the schedule search under the memory limit
     (``inf`` when nothing fits; ``split_backward``: whether ``auto`` may try ``zb-h1`` or,
     on a chunked placement, ``interleaved-zb``; ``schedule``: the one the run will take, on
-    chunks in its interleaved form)."""
+    chunks in its interleaved form; ``method``: the DP cut, as :func:`choose_placement`)."""
     from dynapipe.schedule.search import search_schedules
     from dynapipe.schedule.types import schedule_on_chunks
 
@@ -139,7 +144,7 @@ def simulated_ms(batches: Sequence, cost_model: CostModel, *, dp: int, memory_li
     for lengths in batches:
         try:
             mbs = _cut([lengths], cost_model, dp=dp, memory_limit_mib=memory_limit_mib, reserved_mib=reserved_mib,
-                       seq_length=seq_length, zero=zero, recompute=recompute)
+                       seq_length=seq_length, zero=zero, recompute=recompute, method=method)
             reps = [[mb for mb in mbs if mb.replica == r] for r in range(dp)]
             total += search_schedules(reps, cost_model, schedule=schedule, recompute=recompute, capacity_mib=capacity,
                                       cluster=cluster, dp=dp, tp=tp, zero=zero,
@@ -152,18 +157,19 @@ def simulated_ms(batches: Sequence, cost_model: CostModel, *, dp: int, memory_li
 def choose_chunked_placement(batches: Sequence, cost_model: CostModel, chunks: int, *, dp: int = 1,
                              memory_limit_mib: Optional[float] = None, reserved_mib: Optional[float] = None,
                              seq_length: Optional[LengthLimit] = None, zero: bool = False,
-                             recompute: Optional[str] = None) -> PlacementPlan:
+                             recompute: Optional[str] = None, method: str = "dynapipe") -> PlacementPlan:
     """The ``chunks``-chunk interleaved split for global batches like ``batches``
     (:func:`~dynapipe.cost.chunked_placement.plan_chunked_placement` on the micro-batches cut
     under the even chunked split, which is ``before``); :class:`DynaPipeError` when the model
-    has too few layers for the chunks or nothing plans. Memory as :func:`choose_placement`."""
+    has too few layers for the chunks or nothing plans. Memory and ``method`` as
+    :func:`choose_placement`."""
     from dynapipe.cost.chunked_placement import even_chunked_placement, plan_chunked_placement
 
     memory_limit_mib, reserved_mib = _memory(cost_model, memory_limit_mib, reserved_mib)
     even = cost_model.with_placement(even_chunked_placement(cost_model, chunks))
     sample = PlacementSample.of(_cut(batches, even, dp=dp, memory_limit_mib=memory_limit_mib,
                                      reserved_mib=reserved_mib, seq_length=seq_length, zero=zero,
-                                     recompute=recompute))
+                                     recompute=recompute, method=method))
     placement = plan_chunked_placement(cost_model, sample, chunks)
     capacity = None if memory_limit_mib is None else memory_limit_mib - reserved_mib
     kw = dict(capacity_mib=capacity, dp=dp, zero=zero, recompute=recompute)
@@ -187,7 +193,8 @@ def choose_placement_kind(batches: Sequence, cost_model: CostModel, *, dp: int =
                           memory_limit_mib: Optional[float] = None, reserved_mib: Optional[float] = None,
                           seq_length: Optional[LengthLimit] = None, zero: bool = False, recompute: Optional[str] = None,
                           cluster=None, chunks: int = 2, split_backward: bool = True,
-                          contiguous_allowed: bool = True, schedule: str = "auto") -> PlacementPlan:
+                          contiguous_allowed: bool = True, schedule: str = "auto",
+                          method: str = "dynapipe") -> PlacementPlan:
     """The faster of the contiguous placement (:func:`choose_placement`) and the
     ``chunks``-chunk interleaved one (:func:`choose_chunked_placement`), by DynaPipe's
     simulated time on ``batches`` (ms, summed; schedules searched under the memory limit).
@@ -196,14 +203,15 @@ def choose_placement_kind(batches: Sequence, cost_model: CostModel, *, dp: int =
     False: the interleaved one only (a chunked schedule; its errors raised). ``split_backward``:
     whether the stages can split their backward (the search may then try ``zb-h1`` on the
     contiguous placement and ``interleaved-zb`` on the interleaved one). ``schedule``: the one
-    the run takes (default ``auto``), which both kinds are simulated under."""
+    the run takes (default ``auto``), which both kinds are simulated under; ``method``: the DP
+    cut the run plans (``dynapipe`` or ``dynapipe-per-sample``)."""
     from dynapipe.schedule.search import SCHEDULE_CHOICES
 
     if schedule not in SCHEDULE_CHOICES:  # a misspelt one would price both kinds at inf
         raise DynaPipeError(f"schedule {schedule!r} is not known; use one of {', '.join(SCHEDULE_CHOICES)}.")
     memory_limit_mib, reserved_mib = _memory(cost_model, memory_limit_mib, reserved_mib)
     kw = dict(dp=dp, memory_limit_mib=memory_limit_mib, reserved_mib=reserved_mib, seq_length=seq_length,
-              zero=zero, recompute=recompute)
+              zero=zero, recompute=recompute, method=method)
     if not contiguous_allowed:
         chunked = choose_chunked_placement(batches, cost_model, chunks, **kw)
         compared = {"interleaved": str(chunked.chosen.placement),
