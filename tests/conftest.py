@@ -47,7 +47,7 @@ def pp2(tmp_path_factory, t5_dist):
     every method, padding cut and resumed through torch_dist; fp16 padding and DynaPipe; DynaPipe
     on the zero-bubble schedule, on the even split and on the interleaved placement; packing with
     per-sample attention; DynaPipe with per-sample attention; short JSONL pairs with padding and
-    with per-sample packing through the DynaPipe executor; last, a weighted JSONL blend, uninterrupted and cut after 4 iterations,
+    with per-sample packing through the DynaPipe executor and with masked packing; last, a weighted JSONL blend, uninterrupted and cut after 4 iterations,
     resumed at another --train-iters."""
     from megatron_integration.t5_jobs import run_t5_training
     from t5_span_fixture import write_sentences, write_vocab
@@ -126,7 +126,8 @@ def pp2(tmp_path_factory, t5_dist):
     # DynaPipe executor (its planner packs, its search schedules), two iterations.
     short = (TINY.replace("--mock-data", f"--split 100,0,0 --data-path {pairs / 'short.jsonl'}")
              .replace("--train-iters 3", "--train-iters 2").replace("--vocab-size 256", "--vocab-size 320"))
-    runs += [short.split(), (short + PACKING + " --use-dynapipe --dynapipe-packed-attention per-sample").split()]
+    runs += [short.split(), (short + PACKING + " --use-dynapipe --dynapipe-packed-attention per-sample").split(),
+             (short + PACKING).split()]
     blended = (TINY.replace("--mock-data", f"--split 100,0,0 --lr-decay-style constant --data-path 0.75 "
                                            f"{pairs / 'short.jsonl'} 0.25 {pairs / 'long.jsonl'}")
                .replace("--train-iters 3", "").replace("--vocab-size 256", "--vocab-size 320") + " --use-dynapipe")
