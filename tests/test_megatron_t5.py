@@ -298,7 +298,7 @@ def test_t5_packing_through_the_dynapipe_executor_trains_the_padding_loss(pp2):
     masked = pp2[pp2.index(searched) + 1]
     assert masked["method"] == "packing" and "--data-path" in masked["argv"]
     assert masked["losses"] == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)
-    assert sum(masked["padded_tokens"]) < 0.5 * sum(padding["padded_tokens"])
+    assert sum(masked["padded_tokens"]) <= 0.5 * sum(padding["padded_tokens"])  # half the rows, or fewer
 
 
 def test_a_job_of_many_runs_leaves_no_threads_behind(pp2):
