@@ -58,7 +58,9 @@ def baseline_splits(cfg, pp: int, dp: int, batches, baselines: Sequence[tuple[st
 def _priced_as(method: str, mb, lengths):
     """``mb`` as ``method`` computes it: per-sample packing's rows carry their attention density
     (the attention between samples is not computed), so its split is chosen on what it runs."""
-    if method not in ("packing-per-sample", "packing-search") or not mb.rows:
+    from dynapipe.method_compare import METHOD_SPECS
+
+    if METHOD_SPECS.get(method, (method,))[0] != "packing-per-sample" or not mb.rows:
         return mb
     from dataclasses import replace
 

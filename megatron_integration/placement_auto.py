@@ -80,7 +80,7 @@ def placement_cut(cfg) -> str:
     """The DP cut ``auto`` chooses a split on: the run's own (``dynapipe-per-sample`` when its
     rows skip their padding's attention), else DynaPipe's, which every other method's split is
     chosen on too."""
-    return "dynapipe-per-sample" if cfg.dynapipe.enabled and cfg.padded_attention == "per-sample" else "dynapipe"
+    return "dynapipe-per-sample" if cfg.per_sample_attention and cfg.dynapipe.batching == "dynapipe" else "dynapipe"
 
 
 def choose_gpt_split(cfg, batches: Optional[list] = None):

@@ -92,20 +92,20 @@ def _range_density(ordered: np.ndarray):
     positions ``end - count .. end - 1`` padded to ``s`` (and ``d`` decoder) tokens, from
     prefix sums of each sample's attention pairs (one sample a row)."""
     def prefix(x):
-        return np.concatenate(([0.0], np.cumsum(np.asarray(x, dtype=np.float64))))
+        return np.concatenate(([0.0], np.cumsum(x)))
 
-    if ordered.ndim == 1:
-        sq = prefix(ordered.astype(np.float64) ** 2)
-        return lambda end, count, s, d: AttentionDensity(
-            input=np.maximum((sq[end] - sq[end - count]) / (count * np.square(s, dtype=np.float64)), 1e-12))
-    inp, tgt = ordered[:, 0].astype(np.float64), ordered[:, 1].astype(np.float64)
+    lengths = np.asarray(ordered, dtype=np.float64).reshape(len(ordered), -1)
+    inp, tgt = lengths[:, 0], lengths[:, -1]
     sq_in, sq_t, cross = prefix(inp ** 2), prefix(tgt ** 2), prefix(inp * tgt)
 
     def density(end, count, s, d):
-        s, d = np.asarray(s, dtype=np.float64), np.asarray(d, dtype=np.float64)
+        s = np.asarray(s, dtype=np.float64)
 
         def share(p, dense):
             return np.clip((p[end] - p[end - count]) / (count * dense), 1e-12, 1.0)
+        if d is None:  # decoder-only: one kind of attention
+            return AttentionDensity(input=share(sq_in, s * s))
+        d = np.asarray(d, dtype=np.float64)
         return AttentionDensity(input=share(sq_in, s * s), target=share(sq_t, d * d), cross=share(cross, d * s))
     return density
 
