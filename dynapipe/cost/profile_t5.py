@@ -176,41 +176,74 @@ def interp_axis(grid: np.ndarray, values: list, x: np.ndarray, reference: Option
 
 
 class DecoderTable:
-    """One quantity of the decoder layer over (mbs, dec_seqlen, seqlen): a 2-D (mbs,
-    dec_seqlen) table per encoder length, interpolated along the encoder length."""
+    """The decoder layer's quantities over (mbs, dec_seqlen, seqlen): values ``[F, mbs,
+    dec_seqlen, seqlen]`` (F fields; ``timed``: one flag per field), a 2-D (mbs, dec_seqlen)
+    table per field and encoder length, all evaluated in one pass, then interpolated along
+    the encoder length; returns ``[F, *shape]``."""
 
     def __init__(self, table_cls, mbs: np.ndarray, dec: np.ndarray, enc: np.ndarray, values: np.ndarray,
-                 timed: bool = False):
+                 timed) -> None:
+        values = np.asarray(values, dtype=np.float64)
         self.enc, self.top_mbs = enc, float(mbs[-1])
-        self.slices = [table_cls(mbs, dec, values[:, :, k], timed=timed) for k in range(len(enc))]
+        self.fields, k = values.shape[0], len(enc)
+        stacked = np.moveaxis(values, 3, 1).reshape(self.fields * k, len(mbs), len(dec))
+        self.slices = table_cls(mbs, dec, stacked, timed=np.repeat(np.asarray(timed, dtype=bool), k))
+
+    def _per_encoder_length(self, b, s_dec) -> np.ndarray:
+        out = self.slices(b, s_dec)
+        return out.reshape((self.fields, len(self.enc)) + out.shape[1:])
 
     def __call__(self, b, s_dec, s_enc) -> np.ndarray:
         # Beyond the longest encoder length every micro-batch size grows as the largest measured
         # one does (the most compute-bound series): one exponent for all sizes keeps more
         # samples never cheaper than fewer, which a power law per size can cross.
-        beyond = len(self.enc) > 1 and bool(np.any(np.asarray(s_enc) > self.enc[-1]))
-        reference = (self.slices[-2](self.top_mbs, s_dec), self.slices[-1](self.top_mbs, s_dec)) if beyond else None
-        return interp_axis(self.enc, [t(b, s_dec) for t in self.slices], s_enc, reference)
+        # Every argument at the call's shape: the fields' axis then lines up with s_enc's.
+        b, s_dec, s_enc = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64) for x in (b, s_dec, s_enc)))
+        beyond = len(self.enc) > 1 and bool(np.any(s_enc > self.enc[-1]))
+        reference = None
+        if beyond:
+            top = self._per_encoder_length(self.top_mbs, s_dec)
+            reference = (top[:, -2], top[:, -1])
+        tables = self._per_encoder_length(b, s_dec)
+        return interp_axis(self.enc, [tables[:, i] for i in range(len(self.enc))], s_enc, reference)
+
+
+class OpTables:
+    """One op's tables (``fw_ms``, ``bw_ms``, ``stored_mib``, ``peak_mib``, and ``bw_weight_ms``
+    where measured), evaluated together: ``tables(*args)`` is ``{field: values}``;
+    ``tables[field](*args)`` one field."""
+
+    def __init__(self, names: tuple, table) -> None:
+        self.names, self.table = names, table
+
+    def __call__(self, *args) -> dict:
+        return dict(zip(self.names, self.table(*args)))
+
+    def __contains__(self, field: str) -> bool:
+        return field in self.names
+
+    def __getitem__(self, field: str):
+        i = self.names.index(field)
+        return lambda *args: self.table(*args)[i]
 
 
 def load_t5_tables(profile: Mapping[str, Any], table_cls) -> dict:
-    """``{op: {field: callable}}`` of a checked encoder-decoder profile; 2-D ops take
-    ``(mbs, tokens)``, the decoder layer ``(mbs, dec_seqlen, seqlen)``. The layers'
-    ``bw_weight_ms`` is loaded where the profile has it."""
+    """``{op: OpTables}`` of a checked encoder-decoder profile; 2-D ops take ``(mbs, tokens)``,
+    the decoder layer ``(mbs, dec_seqlen, seqlen)``. The layers' ``bw_weight_ms`` is loaded
+    where the profile has it."""
     axes = {a: np.asarray(profile[a], dtype=np.float64) for a in ("mbs", "seqlen", "dec_seqlen")}
     out = {}
     for op in T5_OPS:
         names = T5_AXES[op]
-        out[op] = {}
         present = FIELDS + ((WEIGHT_FIELD,) if op in SPLIT_OPS and WEIGHT_FIELD in profile["ops"][op] else ())
-        for f in present:
-            values = np.asarray(profile["ops"][op][f], dtype=np.float64)
-            # Times and memory extrapolate differently beyond the largest mbs (see _Table).
-            timed = f.endswith("_ms")
-            if op == "decoder_layer":
-                out[op][f] = DecoderTable(table_cls, axes["mbs"], axes["dec_seqlen"], axes["seqlen"], values, timed)
-            else:
-                out[op][f] = table_cls(axes[names[0]], axes[names[1]], values, timed=timed)
+        values = np.stack([np.asarray(profile["ops"][op][f], dtype=np.float64) for f in present])
+        # Times and memory extrapolate differently beyond the largest mbs (see _Table).
+        timed = np.array([f.endswith("_ms") for f in present])
+        if op == "decoder_layer":
+            table = DecoderTable(table_cls, axes["mbs"], axes["dec_seqlen"], axes["seqlen"], values, timed)
+        else:
+            table = table_cls(axes[names[0]], axes[names[1]], values, timed=timed)
+        out[op] = OpTables(present, table)
     return out
 
 
@@ -293,7 +326,7 @@ def t5_layout_cost(model: ModelConfig, tables: dict, layout: StageLayout, mbs, s
             (layout.decoder_layers, "decoder_layer", (b, s_dec, s_enc), dec_share, dec_scores, s_dec)):
         if not n:
             continue
-        t = {f: tables[op][f](*args) for f in FIELDS}
+        t = tables[op](*args)
         if attention is not None:
             dens = attention.input if op == "encoder_layer" else \
                 decoder_core_density(attention.target, attention.cross, s_dec, s_enc)
@@ -333,10 +366,10 @@ def t5_layout_cost(model: ModelConfig, tables: dict, layout: StageLayout, mbs, s
     for op, present, tokens in (("embedding", layout.has_embedding, s_enc),
                                 ("embedding", layout.embeds_decoder, s_dec), ("output", layout.has_output, s_dec)):
         if present:
-            fw = fw + tables[op]["fw_ms"](b, tokens)
-            bw = bw + tables[op]["bw_ms"](b, tokens)
-            stored = stored + tables[op]["stored_mib"](b, tokens)
-            peak = np.maximum(peak, tables[op]["peak_mib"](b, tokens))
+            e = tables[op](b, tokens)
+            fw, bw = fw + e["fw_ms"], bw + e["bw_ms"]
+            stored = stored + e["stored_mib"]
+            peak = np.maximum(peak, e["peak_mib"])
     return StageCost(fw_ms=fw + overhead_ms, bw_ms=bw + overhead_ms, stored_mib=stored, peak_mib=peak)
 
 
@@ -358,5 +391,6 @@ def t5_weight_ms(tables: dict, layout: StageLayout, mbs, seqlen, dec_seqlen) -> 
         return None
     total = np.zeros(np.broadcast(b, s_enc, s_dec).shape)
     for n, op, args in layers:
-        total = total + n * np.minimum(tables[op][WEIGHT_FIELD](*args), tables[op]["bw_ms"](*args))
+        t = tables[op](*args)
+        total = total + n * np.minimum(t[WEIGHT_FIELD], t["bw_ms"])
     return total

@@ -1,0 +1,106 @@
+"""The profile cost model's interpolation tables, evaluated stacked.
+
+The planner prices every candidate micro-batch of an iteration on every stage; a T5 stage's
+decoder layer alone is four fields times one (mbs, dec_seqlen) table per encoder length. The
+tables of one grid are evaluated in one pass (``_Table`` with ``[K, mbs, seqlen]`` values); a
+stacked evaluation must give what each table gives alone (to the bit inside the measured
+lengths, to the last bit beyond them), and inside them exactly what ``np.interp`` row by row
+gives (the rule the tables always followed).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dynapipe.cost.profile import _Table
+from dynapipe.cost.profile_t5 import DecoderTable, OpTables
+
+
+def _grid(rng, size, low, high, step):
+    return np.sort(rng.choice(np.arange(low, high, step), size, replace=False)).astype(np.float64)
+
+
+def _case(rng):
+    mbs, seq = _grid(rng, int(rng.integers(1, 5)), 1, 17, 1), _grid(rng, int(rng.integers(1, 6)), 8, 4096, 8)
+    k = int(rng.integers(1, 5))
+    values = np.abs(rng.normal(size=(k, len(mbs), len(seq))) * 10 + np.linspace(0, 30, len(seq)))
+    if len(seq) > 1:
+        values[0, :, -1] = values[0, :, -2]  # a flat last step: power 0
+    timed = rng.random(k) < 0.5
+    return mbs, seq, values, timed
+
+
+def _queries(rng, mbs, seq, n=48):
+    s = np.concatenate([seq, rng.integers(1, int(seq[-1]) * 2, n - len(seq)).astype(np.float64)])
+    b = rng.integers(1, 3 * int(mbs[-1]) + 2, len(s)).astype(np.float64)
+    return b, s
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_stacked_tables_give_what_each_table_gives_alone(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        mbs, seq, values, timed = _case(rng)
+        stacked = _Table(mbs, seq, values, timed=timed)
+        b, s = _queries(rng, mbs, seq)
+        for args in ((b, s), (2.0, float(seq[-1]) * 1.5), (b[:12].reshape(3, 4), s[:12].reshape(3, 4))):
+            together = stacked(*args)
+            inside = np.broadcast_to(np.asarray(args[1]) <= seq[-1], np.shape(together[0]))
+            for i in range(len(values)):
+                alone = _Table(mbs, seq, values[i], timed=bool(timed[i]))(*args)
+                assert np.shape(together[i]) == np.shape(alone)
+                # Bit for bit inside the measured lengths; beyond them numpy's power may take
+                # another loop for another array shape (a last-bit difference).
+                np.testing.assert_array_equal(np.where(inside, together[i], 0), np.where(inside, alone, 0))
+                np.testing.assert_allclose(together[i], alone, rtol=1e-15, atol=0)
+
+
+def _interp_reference(mbs, seq, values, b, s):
+    """The tables' rule inside the measured lengths and sizes: each mbs row interpolated along
+    the length by ``np.interp``, then linearly between the rows."""
+    rows = np.stack([np.interp(s, seq, r) for r in values])
+    idx = np.clip(np.searchsorted(mbs, b) - 1, 0, max(len(mbs) - 2, 0))
+    if len(mbs) == 1:
+        return rows[0] * b / mbs[0]
+    r0 = np.take_along_axis(rows, idx[None], 0)[0]
+    r1 = np.take_along_axis(rows, (idx + 1)[None], 0)[0]
+    return r0 + (r1 - r0) * ((b - mbs[idx]) / (mbs[idx + 1] - mbs[idx]))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_inside_the_grid_a_table_is_np_interp_to_the_bit(seed):
+    rng = np.random.default_rng(100 + seed)
+    for _ in range(40):
+        mbs, seq, values, timed = _case(rng)
+        s = np.concatenate([seq, rng.uniform(seq[0], seq[-1], 40)])
+        b = rng.uniform(mbs[0], mbs[-1], len(s)) if len(mbs) > 1 else np.full(len(s), mbs[0])
+        out = _Table(mbs, seq, values, timed=timed)(b, s)
+        for i in range(len(values)):
+            np.testing.assert_array_equal(out[i], _interp_reference(mbs, seq, values[i], b, s))
+
+
+def test_a_decoder_layers_fields_are_each_their_own_table():
+    rng = np.random.default_rng(7)
+    mbs, dec, enc = np.array([1.0, 2, 4]), np.array([16.0, 64, 256]), np.array([64.0, 256, 1024])
+    fields = np.abs(rng.normal(size=(4, 3, 3, 3))) * 5 + np.arange(3)  # [field, mbs, dec, enc]
+    timed = np.array([True, True, False, False])
+    together = DecoderTable(_Table, mbs, dec, enc, fields, timed)
+    b = rng.integers(1, 10, 30).astype(np.float64)
+    s_dec, s_enc = rng.integers(8, 400, 30).astype(np.float64), rng.integers(32, 2000, 30).astype(np.float64)
+    for args in ((b, s_dec, s_enc), (2, 48, np.linspace(16, 2048, 7)), (3, 100.0, 700.0)):
+        out = together(*args)
+        for f in range(4):
+            alone = DecoderTable(_Table, mbs, dec, enc, fields[f:f + 1], timed[f:f + 1])(*args)[0]
+            assert out[f].shape == alone.shape == np.broadcast(*args).shape
+            np.testing.assert_array_equal(out[f], alone)
+
+
+def test_op_tables_name_their_fields():
+    mbs, seq = np.array([1.0, 2.0]), np.array([64.0, 128.0])
+    values = np.arange(8, dtype=np.float64).reshape(2, 2, 2) + 1
+    op = OpTables(("fw_ms", "stored_mib"), _Table(mbs, seq, values, timed=np.array([True, False])))
+    both = op(np.array([1.0, 3.0]), np.array([96.0, 256.0]))
+    assert set(both) == {"fw_ms", "stored_mib"} and "bw_weight_ms" not in op and "fw_ms" in op
+    np.testing.assert_array_equal(op["stored_mib"](np.array([1.0, 3.0]), np.array([96.0, 256.0])), both["stored_mib"])
+    # Past the largest size a time grows by the last step's slope, memory proportionally.
+    assert both["fw_ms"][1] != both["stored_mib"][1]
