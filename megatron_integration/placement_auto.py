@@ -76,11 +76,18 @@ def priced_recompute(cfg) -> Optional[str]:
     return cfg.recompute.granularity or "none"
 
 
-def placement_cut(cfg) -> str:
-    """The DP cut ``auto`` chooses a split on: the run's own (``dynapipe-per-sample`` when its
-    rows skip their padding's attention), else DynaPipe's, which every other method's split is
-    chosen on too."""
-    return "dynapipe-per-sample" if cfg.per_sample_attention and cfg.dynapipe.batching == "dynapipe" else "dynapipe"
+def placement_cut(cfg):
+    """The :class:`~dynapipe.schedule.placement.Cut` ``auto`` chooses a split on: with
+    ``--use-dynapipe`` the run's own (the batching its planner runs: DynaPipe's cut,
+    ``dynapipe-per-sample`` when its rows skip their padding's attention, or the executor's
+    fixed-shape rows at ``--micro-batch-size``), else DynaPipe's, which Megatron's baselines'
+    split is chosen on."""
+    from dynapipe.schedule.placement import DYNAPIPE_CUT, Cut
+    from megatron_integration.dynapipe_step import planned_batching
+
+    if not cfg.dynapipe.enabled:
+        return DYNAPIPE_CUT
+    return Cut(planned_batching(cfg), cfg.micro_batch_size, cfg.dynapipe.max_tokens or None)
 
 
 def choose_gpt_split(cfg, batches: Optional[list] = None):
@@ -96,7 +103,7 @@ def choose_gpt_split(cfg, batches: Optional[list] = None):
                                     parallel.pipeline_model_parallel_size)
     batches = first_gpt_batches(cfg) if batches is None else batches
     kw = dict(dp=parallel.data_parallel_size, memory_limit_mib=d.memory_limit_mb, seq_length=cfg.model.seq_length,
-              zero=cfg.optimizer.distributed, recompute=priced_recompute(cfg), method=placement_cut(cfg))
+              zero=cfg.optimizer.distributed, recompute=priced_recompute(cfg), cut=placement_cut(cfg))
     chunks = parallel.virtual_pipeline_model_parallel_size or 1
     if chunks > 1:
         return choose_chunked_placement(batches, cost_model, chunks, **kw)

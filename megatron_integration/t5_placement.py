@@ -83,7 +83,7 @@ def choose_t5_placement(cfg, num_stages: int, dp: int, batches: Optional[list] =
                                  cluster=load_cluster_config(d.cluster),
                                  chunks=1 if cfg.base.ddp.overlap_grad_reduce else 2,
                                  split_backward=d.split_backward, schedule=d.schedule if d.enabled else "auto",
-                                 method=placement_auto.placement_cut(cfg.base))
+                                 cut=placement_auto.placement_cut(cfg.base))
 
 
 def check_overlap_placement(cfg, placement: Optional[StagePlacement]) -> None:

@@ -158,13 +158,14 @@ def test_auto_placement_chooses_on_the_cut_the_run_plans():
     cm = build_cost_model(load_model_config("t5-11b"), A100, 8)
     batches = [T5_LENGTHS[:30], T5_LENGTHS[30:]]
     kw = dict(dp=1, memory_limit_mib=None, reserved_mib=0.0, seq_length=2048, zero=False, recompute="full")
-    alone = placement_mod._cut(batches, cm, method="dynapipe-per-sample", **kw)
+    per_sample = placement_mod.Cut("dynapipe-per-sample")
+    alone = placement_mod._cut(batches, cm, cut=per_sample, **kw)
     assert all(mb.attention is not None for mb in alone)
     assert all(mb.attention is None for mb in placement_mod._cut(batches, cm, **kw))
-    chosen = placement_mod.choose_placement_kind(batches, cm, chunks=1, method="dynapipe-per-sample",
+    chosen = placement_mod.choose_placement_kind(batches, cm, chunks=1, cut=per_sample,
                                                  **{k: v for k, v in kw.items() if k != "reserved_mib"})
     # The chosen split is priced on the per-sample cut of the placement it started from.
-    want = PlacementSample.of(placement_mod._cut(batches, cm, method="dynapipe-per-sample", **kw))
+    want = PlacementSample.of(placement_mod._cut(batches, cm, cut=per_sample, **kw))
     from dynapipe.cost.placement import price_placement
 
     priced = price_placement(cm, chosen.chosen.placement, want, capacity_mib=None, dp=1, zero=False,
@@ -172,6 +173,43 @@ def test_auto_placement_chooses_on_the_cut_the_run_plans():
     assert priced.bottleneck_ms == pytest.approx(chosen.chosen.bottleneck_ms)
     gpt = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 96 --max-position-embeddings 96 "
            "--vocab-size 128 --global-batch-size 4 --train-iters 1 --lr 1e-4 --mock-data --use-dynapipe")
-    assert placement_cut(parse_training_args(gpt.split(), 2)) == "dynapipe"
-    per_sample = parse_training_args((gpt + " --dynapipe-padded-attention per-sample").split(), 2)
-    assert placement_cut(per_sample) == "dynapipe-per-sample"
+    assert placement_cut(parse_training_args(gpt.split(), 2)) == placement_mod.Cut("dynapipe", 1)
+    padded = parse_training_args((gpt + " --dynapipe-padded-attention per-sample").split(), 2)
+    assert placement_cut(padded) == per_sample
+
+
+def test_auto_placement_of_packing_through_the_executor_chooses_on_its_rows():
+    """With ``--use-dynapipe --dynapipe-batching packing`` the executor runs packing's rows,
+    which ``auto`` then chooses the split on (at the run's micro-batch size, per sample where
+    the rows compute attention per sample); Megatron's baselines keep DynaPipe's cut."""
+    from megatron_integration.arguments import parse_training_args
+    from megatron_integration.placement_auto import placement_cut
+
+    from dynapipe.schedule import placement as placement_mod
+
+    gpt = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 96 --max-position-embeddings 96 "
+           "--vocab-size 128 --global-batch-size 8 --train-iters 1 --lr 1e-4 --mock-data --micro-batch-size 2 "
+           "--dynapipe-batching packing --reset-position-ids --reset-attention-mask")
+    baseline = parse_training_args(gpt.split(), 2)
+    assert placement_cut(baseline) == placement_mod.DYNAPIPE_CUT
+    packed = placement_cut(parse_training_args((gpt + " --use-dynapipe").split(), 2))
+    assert packed == placement_mod.Cut("packing", 2)
+    assert placement_cut(parse_training_args((gpt + " --use-dynapipe --dynapipe-packed-attention per-sample")
+                                             .split(), 2)) == placement_mod.Cut("packing-per-sample", 2)
+    cm = build_cost_model(load_model_config("gpt-7b"), A100, 4)
+    lengths = np.array([300, 1200, 90, 2000, 640, 75, 1500, 410, 980, 33, 1750, 260])
+    kw = dict(dp=1, memory_limit_mib=None, reserved_mib=0.0, seq_length=2048, zero=False, recompute="full")
+    rows = placement_mod._cut([lengths], cm, cut=packed, **kw)
+    want = plan_micro_batches(lengths, cm, method="packing", micro_batch_size=2, seq_length=2048,
+                              recompute="full").micro_batches
+    assert [(m.samples, m.seqlen) for m in rows] == [(m.samples, m.seqlen) for m in want]
+    assert [(m.samples, m.seqlen) for m in rows] != \
+        [(m.samples, m.seqlen) for m in placement_mod._cut([lengths], cm, **kw)]  # DynaPipe's cut differs
+    # Chosen on those rows: the split's bottleneck is priced on them.
+    from dynapipe.cost.placement import PlacementSample, price_placement
+
+    chosen = placement_mod.choose_placement([lengths], cm, cut=packed, seq_length=2048, recompute="full",
+                                            memory_limit_mib=None)
+    priced = price_placement(cm, chosen.chosen.placement, PlacementSample.of(rows), capacity_mib=None, dp=1,
+                             zero=False, recompute="full")
+    assert priced.bottleneck_ms == pytest.approx(chosen.chosen.bottleneck_ms)

@@ -1,7 +1,8 @@
 """``--placement`` of ``plan`` and ``trace``: the layers every pipeline stage holds.
 
 ``even`` is Megatron's split; ``auto`` lets the planner choose from the cost model over
-the command's own batch (:func:`dynapipe.schedule.placement.choose_placement`; for T5
+the command's own batch, cut as ``--batching`` cuts it
+(:func:`dynapipe.schedule.placement.choose_placement`; for T5
 :func:`~dynapipe.schedule.placement.choose_placement_kind`, which also tries interleaved
 chunks and keeps the faster in simulation); any other value is a split written out
 (``12,12,8`` for GPT, ``ENC+DEC`` per stage for T5, chunks separated by ``|``).
@@ -14,11 +15,11 @@ import sys
 import time
 from typing import Optional
 
-from dynapipe.cli.batching_options import length_limit
+from dynapipe.cli.batching_options import length_limit, micro_batch_size
 from dynapipe.cli.cost import CostSetup
 from dynapipe.cost.placement import StagePlacement
 from dynapipe.cli.schedule_options import resolve_cluster, split_backward
-from dynapipe.schedule.placement import PlacementPlan, choose_placement, choose_placement_kind
+from dynapipe.schedule.placement import DYNAPIPE_CUT, Cut, PlacementPlan, choose_placement, choose_placement_kind
 
 
 def add_placement_argument(p: argparse.ArgumentParser) -> None:
@@ -64,7 +65,7 @@ def _search_placement(args: argparse.Namespace, setup: CostSetup, lengths) -> Pl
     """``--placement auto``'s search on this batch (see :func:`apply_placement`)."""
     cm = setup.cost_model
     kw = dict(dp=getattr(args, "dp", 1), memory_limit_mib=setup.memory_limit_mib, reserved_mib=setup.reserved_mib,
-              seq_length=length_limit(args, cm.model), recompute=getattr(args, "recompute", None))
+              seq_length=length_limit(args, cm.model), recompute=getattr(args, "recompute", None), cut=_cut_of(args))
     if cm.model.is_encoder_decoder:  # contiguous or interleaved, by simulated time on this batch
         from dynapipe.schedule.types import CHUNKED_SCHEDULE_NAMES
 
@@ -80,6 +81,14 @@ def _search_placement(args: argparse.Namespace, setup: CostSetup, lengths) -> Pl
     else:
         plan = choose_placement([lengths], cm, **kw)
     return plan
+
+
+def _cut_of(args: argparse.Namespace) -> Cut:
+    """The batching the command plans (``--batching`` and its sizes), which ``--placement auto``
+    chooses the split on; DynaPipe's cut for commands without ``--batching``."""
+    if not hasattr(args, "batching"):
+        return DYNAPIPE_CUT
+    return Cut(args.batching, micro_batch_size(args), args.max_tokens)
 
 
 def even_split_schedule(schedule: str) -> str:

@@ -22,6 +22,22 @@ from dynapipe.errors import DynaPipeError
 
 
 @dataclass(frozen=True)
+class Cut:
+    """How a run cuts its global batches into micro-batches, which its placement is chosen on:
+    ``method``, one of the planner's batchings (``dynapipe``, ``dynapipe-per-sample``,
+    ``packing``, ``packing-per-sample``, ...), with ``micro_batch_size`` (samples, or rows for
+    packing) and ``max_tokens`` (``token-budget``'s padded tokens a micro-batch) as
+    :func:`~dynapipe.batching.plan_micro_batches` takes them. Default: DynaPipe's cut."""
+
+    method: str = "dynapipe"
+    micro_batch_size: int = 1
+    max_tokens: Optional[int] = None
+
+
+DYNAPIPE_CUT = Cut()
+
+
+@dataclass(frozen=True)
 class PlacementPlan:
     """The chosen placement and the one it replaces (the input cost model's, Megatron's
     even split unless one was given), priced on the same sample.
@@ -49,9 +65,8 @@ class PlacementPlan:
 
 def _cut(batches: Sequence, cost_model: CostModel, *, dp: int, memory_limit_mib: Optional[float],
          reserved_mib: float, seq_length: Optional[LengthLimit], zero: bool, recompute: Optional[str],
-         method: str = "dynapipe") -> list:
-    """The DynaPipe micro-batches of every batch (``method``: ``dynapipe``, or
-    ``dynapipe-per-sample`` for rows that skip their padding's attention), at the lightest
+         cut: Cut = DYNAPIPE_CUT) -> list:
+    """The micro-batches ``cut`` makes of every batch (DynaPipe's by default), at the lightest
     level that plans."""
     levels = [recompute] if recompute is not None else list(RECOMPUTE_LEVELS)
     out = []
@@ -61,7 +76,8 @@ def _cut(batches: Sequence, cost_model: CostModel, *, dp: int, memory_limit_mib:
             try:
                 out.extend(plan_micro_batches(lengths, cost_model, dp=dp, memory_limit_mib=memory_limit_mib,
                                               reserved_mib=reserved_mib, seq_length=seq_length, recompute=level,
-                                              zero=zero, method=method).micro_batches)
+                                              zero=zero, method=cut.method, micro_batch_size=cut.micro_batch_size,
+                                              max_tokens=cut.max_tokens).micro_batches)
                 break
             except DynaPipeError as e:  # a sample too large at this level may fit with more recompute
                 error = e
@@ -73,7 +89,7 @@ def _cut(batches: Sequence, cost_model: CostModel, *, dp: int, memory_limit_mib:
 def choose_placement(batches: Sequence, cost_model: CostModel, *, dp: int = 1,
                      memory_limit_mib: Optional[float] = None, reserved_mib: Optional[float] = None,
                      seq_length: Optional[LengthLimit] = None, zero: bool = False, recompute: Optional[str] = None,
-                     rounds: int = 3, method: str = "dynapipe") -> PlacementPlan:
+                     rounds: int = 3, cut: Cut = DYNAPIPE_CUT) -> PlacementPlan:
     """Choose the layers of every stage for global batches like ``batches`` (each an array
     of lengths in tokens, ``(n, 2)`` for encoder-decoder models).
 
@@ -82,7 +98,8 @@ def choose_placement(batches: Sequence, cost_model: CostModel, *, dp: int = 1,
     chosen (:func:`plan_placement`); repeated until it stops changing, at most ``rounds``
     times. Memory: ``memory_limit_mib`` minus ``reserved_mib`` per device (default: the
     cost model's device config); ``dp``/``zero`` size model states as the planner does;
-    ``method``: the DP cut the run plans (``dynapipe`` or ``dynapipe-per-sample``).
+    ``cut``: how the run cuts its batches (:class:`Cut`: DynaPipe's by default; a fixed-shape
+    batching's micro-batches do not depend on the placement, only its balance does).
     """
     if not len(batches):
         raise DynaPipeError("stage placement needs at least one global batch of lengths.")
@@ -93,7 +110,7 @@ def choose_placement(batches: Sequence, cost_model: CostModel, *, dp: int = 1,
     chosen = None
     for r in range(1, max(rounds, 1) + 1):
         mbs = _cut(batches, current, dp=dp, memory_limit_mib=memory_limit_mib, reserved_mib=reserved_mib,
-                   seq_length=seq_length, zero=zero, recompute=recompute, method=method)
+                   seq_length=seq_length, zero=zero, recompute=recompute, cut=cut)
         sample = PlacementSample.of(mbs)
         first_sample = first_sample or sample
         chosen = plan_placement(current, sample, **kw)
@@ -126,12 +143,12 @@ def place_micro_batches(micro_batches: Sequence, cost_model: CostModel, *, dp: i
 def simulated_ms(batches: Sequence, cost_model: CostModel, *, dp: int, memory_limit_mib: Optional[float],
                  reserved_mib: float, seq_length: Optional[LengthLimit], zero: bool, recompute: Optional[str],
                  cluster=None, split_backward: bool = True, schedule: str = "auto",
-                 method: str = "dynapipe") -> float:
-    """Summed simulated iteration time (ms) of DynaPipe's plans of ``batches`` on
+                 cut: Cut = DYNAPIPE_CUT) -> float:
+    """Summed simulated iteration time (ms) of the plans of ``batches`` (``cut``'s micro-batches) on
     ``cost_model``'s placement: the cut, then the schedule search under the memory limit
     (``inf`` when nothing fits; ``split_backward``: whether ``auto`` may try ``zb-h1`` or,
     on a chunked placement, ``interleaved-zb``; ``schedule``: the one the run will take, on
-    chunks in its interleaved form; ``method``: the DP cut, as :func:`choose_placement`)."""
+    chunks in its interleaved form; ``cut``: the run's cut, as :func:`choose_placement`)."""
     from dynapipe.schedule.search import search_schedules
     from dynapipe.schedule.types import schedule_on_chunks
 
@@ -144,7 +161,7 @@ def simulated_ms(batches: Sequence, cost_model: CostModel, *, dp: int, memory_li
     for lengths in batches:
         try:
             mbs = _cut([lengths], cost_model, dp=dp, memory_limit_mib=memory_limit_mib, reserved_mib=reserved_mib,
-                       seq_length=seq_length, zero=zero, recompute=recompute, method=method)
+                       seq_length=seq_length, zero=zero, recompute=recompute, cut=cut)
             reps = [[mb for mb in mbs if mb.replica == r] for r in range(dp)]
             total += search_schedules(reps, cost_model, schedule=schedule, recompute=recompute, capacity_mib=capacity,
                                       cluster=cluster, dp=dp, tp=tp, zero=zero,
@@ -157,11 +174,11 @@ def simulated_ms(batches: Sequence, cost_model: CostModel, *, dp: int, memory_li
 def choose_chunked_placement(batches: Sequence, cost_model: CostModel, chunks: int, *, dp: int = 1,
                              memory_limit_mib: Optional[float] = None, reserved_mib: Optional[float] = None,
                              seq_length: Optional[LengthLimit] = None, zero: bool = False,
-                             recompute: Optional[str] = None, method: str = "dynapipe") -> PlacementPlan:
+                             recompute: Optional[str] = None, cut: Cut = DYNAPIPE_CUT) -> PlacementPlan:
     """The ``chunks``-chunk interleaved split for global batches like ``batches``
     (:func:`~dynapipe.cost.chunked_placement.plan_chunked_placement` on the micro-batches cut
     under the even chunked split, which is ``before``); :class:`DynaPipeError` when the model
-    has too few layers for the chunks or nothing plans. Memory and ``method`` as
+    has too few layers for the chunks or nothing plans. Memory and ``cut`` as
     :func:`choose_placement`."""
     from dynapipe.cost.chunked_placement import even_chunked_placement, plan_chunked_placement
 
@@ -169,7 +186,7 @@ def choose_chunked_placement(batches: Sequence, cost_model: CostModel, chunks: i
     even = cost_model.with_placement(even_chunked_placement(cost_model, chunks))
     sample = PlacementSample.of(_cut(batches, even, dp=dp, memory_limit_mib=memory_limit_mib,
                                      reserved_mib=reserved_mib, seq_length=seq_length, zero=zero,
-                                     recompute=recompute, method=method))
+                                     recompute=recompute, cut=cut))
     placement = plan_chunked_placement(cost_model, sample, chunks)
     capacity = None if memory_limit_mib is None else memory_limit_mib - reserved_mib
     kw = dict(capacity_mib=capacity, dp=dp, zero=zero, recompute=recompute)
@@ -194,7 +211,7 @@ def choose_placement_kind(batches: Sequence, cost_model: CostModel, *, dp: int =
                           seq_length: Optional[LengthLimit] = None, zero: bool = False, recompute: Optional[str] = None,
                           cluster=None, chunks: int = 2, split_backward: bool = True,
                           contiguous_allowed: bool = True, schedule: str = "auto",
-                          method: str = "dynapipe") -> PlacementPlan:
+                          cut: Cut = DYNAPIPE_CUT) -> PlacementPlan:
     """The faster of the contiguous placement (:func:`choose_placement`) and the
     ``chunks``-chunk interleaved one (:func:`choose_chunked_placement`), by DynaPipe's
     simulated time on ``batches`` (ms, summed; schedules searched under the memory limit).
@@ -203,15 +220,15 @@ def choose_placement_kind(batches: Sequence, cost_model: CostModel, *, dp: int =
     False: the interleaved one only (a chunked schedule; its errors raised). ``split_backward``:
     whether the stages can split their backward (the search may then try ``zb-h1`` on the
     contiguous placement and ``interleaved-zb`` on the interleaved one). ``schedule``: the one
-    the run takes (default ``auto``), which both kinds are simulated under; ``method``: the DP
-    cut the run plans (``dynapipe`` or ``dynapipe-per-sample``)."""
+    the run takes (default ``auto``), which both kinds are simulated under; ``cut``: how the
+    run cuts its batches (:class:`Cut`, as :func:`choose_placement`)."""
     from dynapipe.schedule.search import SCHEDULE_CHOICES
 
     if schedule not in SCHEDULE_CHOICES:  # a misspelt one would price both kinds at inf
         raise DynaPipeError(f"schedule {schedule!r} is not known; use one of {', '.join(SCHEDULE_CHOICES)}.")
     memory_limit_mib, reserved_mib = _memory(cost_model, memory_limit_mib, reserved_mib)
     kw = dict(dp=dp, memory_limit_mib=memory_limit_mib, reserved_mib=reserved_mib, seq_length=seq_length,
-              zero=zero, recompute=recompute, method=method)
+              zero=zero, recompute=recompute, cut=cut)
     if not contiguous_allowed:
         chunked = choose_chunked_placement(batches, cost_model, chunks, **kw)
         compared = {"interleaved": str(chunked.chosen.placement),
