@@ -3,9 +3,11 @@
 The planner prices every candidate micro-batch of an iteration on every stage; a T5 stage's
 decoder layer alone is four fields times one (mbs, dec_seqlen) table per encoder length. The
 tables of one grid are evaluated in one pass (``_Table`` with ``[K, mbs, seqlen]`` values); a
-stacked evaluation must give what each table gives alone (to the bit inside the measured
-lengths, to the last bit beyond them), and inside them exactly what ``np.interp`` row by row
-gives (the rule the tables always followed).
+stacked evaluation must follow the tables' rules (written out here row by row, independently
+of ``_Table``: linear inside the grid, a power law beyond the longest length, more samples
+never cheaper, a time's growth by the last step's slope, memory's in proportion), give what
+each table gives alone (to the bit inside the measured lengths, to the last bits beyond them),
+and inside them exactly what ``np.interp`` row by row gives.
 """
 from __future__ import annotations
 
@@ -34,6 +36,46 @@ def _queries(rng, mbs, seq, n=48):
     s = np.concatenate([seq, rng.integers(1, int(seq[-1]) * 2, n - len(seq)).astype(np.float64)])
     b = rng.integers(1, 3 * int(mbs[-1]) + 2, len(s)).astype(np.float64)
     return b, s
+
+
+def _ref_along(grid, row, s):
+    """One row along the length: np.interp inside, the power law of its last two points above
+    (exponent within [0, 2])."""
+    inside = np.interp(s, grid, row)
+    if len(grid) < 2:
+        return inside
+    power = np.clip(np.log(max(row[-1], 1e-12) / max(row[-2], 1e-12)) / np.log(grid[-1] / grid[-2]), 0.0, 2.0)
+    return np.where(s > grid[-1], row[-1] * (np.maximum(s, grid[-1]) / grid[-1]) ** power, inside)
+
+
+def _reference(mbs, seq, values, timed, b, s):
+    """The extrapolation rules of one (mbs, seqlen) table written out row by row, as the
+    profile cost model's docstrings state them, independently of ``_Table``."""
+    b, s = np.broadcast_arrays(np.asarray(b, dtype=np.float64), np.asarray(s, dtype=np.float64))
+    rows = np.stack([_ref_along(seq, r, s) for r in values])
+    rows = np.where(s > seq[-1], np.maximum.accumulate(rows, axis=0), rows)  # more samples never cost less
+    if len(mbs) == 1:
+        return rows[0] * b / mbs[0]
+    idx = np.clip(np.searchsorted(mbs, b) - 1, 0, len(mbs) - 2)
+    r0, r1 = np.take_along_axis(rows, idx[None], 0)[0], np.take_along_axis(rows, (idx + 1)[None], 0)[0]
+    inside = r0 + (r1 - r0) * ((b - mbs[idx]) / (mbs[idx + 1] - mbs[idx]))
+    below, above = rows[0] * b / mbs[0], rows[-1] * b / mbs[-1]
+    if timed:  # a time grows past the largest size by the last step's slope, never below a shorter length's
+        slope = np.maximum.accumulate(np.maximum(values[-1] - values[-2], 0.0) / (mbs[-1] - mbs[-2]))
+        above = rows[-1] + (b - mbs[-1]) * _ref_along(seq, slope, s)
+    return np.where(b < mbs[0], below, np.where(b > mbs[-1], above, inside))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_stacked_tables_follow_the_rules_written_out(seed):
+    rng = np.random.default_rng(200 + seed)
+    for _ in range(40):
+        mbs, seq, values, timed = _case(rng)
+        b, s = _queries(rng, mbs, seq)
+        out = _Table(mbs, seq, values, timed=timed)(b, s)
+        for i in range(len(values)):
+            want = _reference(mbs, seq, values[i], bool(timed[i]), b, s)
+            np.testing.assert_allclose(out[i], want, rtol=1e-13, atol=0)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -95,12 +137,49 @@ def test_a_decoder_layers_fields_are_each_their_own_table():
             np.testing.assert_array_equal(out[f], alone)
 
 
+def _decoder_reference(mbs, dec, enc, values, timed, b, s_dec, s_enc):
+    """A decoder-layer field written out: its (mbs, dec_seqlen) table at each encoder length,
+    then linear along the encoder length inside the grid, the first length's value below it,
+    and above it the power law of the largest size's last two encoder lengths."""
+    b, s_dec, s_enc = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64) for x in (b, s_dec, s_enc)))
+    at = [_reference(mbs, dec, values[:, :, k], timed, b, s_dec) for k in range(len(enc))]
+    if len(enc) == 1:
+        return at[0]
+    k = np.clip(np.searchsorted(enc, s_enc) - 1, 0, len(enc) - 2)
+    v0, v1 = np.choose(k, at), np.choose(k + 1, at)
+    inside = v0 + (v1 - v0) * np.clip((s_enc - enc[k]) / (enc[k + 1] - enc[k]), 0.0, 1.0)
+    top = [_reference(mbs, dec, values[:, :, j], timed, np.full_like(b, mbs[-1]), s_dec) for j in (-2, -1)]
+    power = np.clip(np.log(np.maximum(top[1], 1e-12) / np.maximum(top[0], 1e-12)) / np.log(enc[-1] / enc[-2]),
+                    0.0, 2.0)
+    return np.where(s_enc > enc[-1], at[-1] * (np.maximum(s_enc, enc[-1]) / enc[-1]) ** power, inside)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_decoder_layers_tables_follow_the_rules_written_out(seed):
+    rng = np.random.default_rng(300 + seed)
+    for _ in range(20):
+        mbs, dec = _grid(rng, int(rng.integers(1, 4)), 1, 9, 1), _grid(rng, int(rng.integers(2, 5)), 8, 512, 8)
+        enc = _grid(rng, int(rng.integers(1, 5)), 16, 2048, 16)
+        fields = np.abs(rng.normal(size=(3, len(mbs), len(dec), len(enc))) * 4) + np.linspace(1, 9, len(enc))
+        timed = np.array([True, False, bool(rng.random() < 0.5)])
+        n = 24
+        b = rng.integers(1, 3 * int(mbs[-1]) + 2, n).astype(np.float64)
+        s_dec = rng.integers(1, int(dec[-1]) * 2, n).astype(np.float64)
+        s_enc = rng.integers(1, int(enc[-1]) * 2, n).astype(np.float64)
+        out = DecoderTable(_Table, mbs, dec, enc, fields, timed)(b, s_dec, s_enc)
+        for f in range(len(fields)):
+            want = _decoder_reference(mbs, dec, enc, fields[f], bool(timed[f]), b, s_dec, s_enc)
+            np.testing.assert_allclose(out[f], want, rtol=1e-13, atol=0)
+
+
 def test_op_tables_name_their_fields():
     mbs, seq = np.array([1.0, 2.0]), np.array([64.0, 128.0])
     values = np.arange(8, dtype=np.float64).reshape(2, 2, 2) + 1
     op = OpTables(("fw_ms", "stored_mib"), _Table(mbs, seq, values, timed=np.array([True, False])))
-    both = op(np.array([1.0, 3.0]), np.array([96.0, 256.0]))
+    both = op(np.array([1.0, 3.0]), np.array([96.0, 96.0]))
     assert set(both) == {"fw_ms", "stored_mib"} and "bw_weight_ms" not in op and "fw_ms" in op
-    np.testing.assert_array_equal(op["stored_mib"](np.array([1.0, 3.0]), np.array([96.0, 256.0])), both["stored_mib"])
-    # Past the largest size a time grows by the last step's slope, memory proportionally.
-    assert both["fw_ms"][1] != both["stored_mib"][1]
+    np.testing.assert_array_equal(op["stored_mib"](np.array([1.0, 3.0]), np.array([96.0, 96.0])), both["stored_mib"])
+    # Past the largest size a time grows by the last step's slope (3.5 at mbs 2, + 2 a sample),
+    # memory proportionally (7.5 at mbs 2, x 3/2).
+    assert both["fw_ms"][1] == pytest.approx(5.5) and both["stored_mib"][1] == pytest.approx(11.25)
+    assert both["fw_ms"][0] == pytest.approx(1.5) and both["stored_mib"][0] == pytest.approx(5.5)
