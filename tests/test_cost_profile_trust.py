@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from dynapipe.config import load_model_config
-from dynapipe.cost.profile import ProfileCostModel, growth_power
+from dynapipe.cost.profile import ProfileCostModel
+from dynapipe.cost.profile_tables import growth_power
 from dynapipe.cost.base import StageLayout
 from dynapipe.errors import DynaPipeError
 

@@ -2,9 +2,9 @@
 
 The planner prices every candidate micro-batch of an iteration on every stage; a T5 stage's
 decoder layer alone is four fields times one (mbs, dec_seqlen) table per encoder length. The
-tables of one grid are evaluated in one pass (``_Table`` with ``[K, mbs, seqlen]`` values); a
+tables of one grid are evaluated in one pass (``ProfileTable`` with ``[K, mbs, seqlen]`` values); a
 stacked evaluation must follow the tables' rules (written out here row by row, independently
-of ``_Table``: linear inside the grid, a power law beyond the longest length, more samples
+of ``ProfileTable``: linear inside the grid, a power law beyond the longest length, more samples
 never cheaper, a time's growth by the last step's slope, memory's in proportion), give what
 each table gives alone (to the bit inside the measured lengths, to the last bits beyond them),
 and inside them exactly what ``np.interp`` row by row gives.
@@ -14,8 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dynapipe.cost.profile import _Table
-from dynapipe.cost.profile_t5 import DecoderTable, OpTables
+from dynapipe.cost.profile_tables import DecoderTable, OpTables, ProfileTable
 
 
 def _grid(rng, size, low, high, step):
@@ -50,7 +49,7 @@ def _ref_along(grid, row, s):
 
 def _reference(mbs, seq, values, timed, b, s):
     """The extrapolation rules of one (mbs, seqlen) table written out row by row, as the
-    profile cost model's docstrings state them, independently of ``_Table``."""
+    profile cost model's docstrings state them, independently of ``ProfileTable``."""
     b, s = np.broadcast_arrays(np.asarray(b, dtype=np.float64), np.asarray(s, dtype=np.float64))
     rows = np.stack([_ref_along(seq, r, s) for r in values])
     rows = np.where(s > seq[-1], np.maximum.accumulate(rows, axis=0), rows)  # more samples never cost less
@@ -72,7 +71,7 @@ def test_stacked_tables_follow_the_rules_written_out(seed):
     for _ in range(40):
         mbs, seq, values, timed = _case(rng)
         b, s = _queries(rng, mbs, seq)
-        out = _Table(mbs, seq, values, timed=timed)(b, s)
+        out = ProfileTable(mbs, seq, values, timed=timed)(b, s)
         for i in range(len(values)):
             want = _reference(mbs, seq, values[i], bool(timed[i]), b, s)
             np.testing.assert_allclose(out[i], want, rtol=1e-13, atol=0)
@@ -83,13 +82,13 @@ def test_stacked_tables_give_what_each_table_gives_alone(seed):
     rng = np.random.default_rng(seed)
     for _ in range(40):
         mbs, seq, values, timed = _case(rng)
-        stacked = _Table(mbs, seq, values, timed=timed)
+        stacked = ProfileTable(mbs, seq, values, timed=timed)
         b, s = _queries(rng, mbs, seq)
         for args in ((b, s), (2.0, float(seq[-1]) * 1.5), (b[:12].reshape(3, 4), s[:12].reshape(3, 4))):
             together = stacked(*args)
             inside = np.broadcast_to(np.asarray(args[1]) <= seq[-1], np.shape(together[0]))
             for i in range(len(values)):
-                alone = _Table(mbs, seq, values[i], timed=bool(timed[i]))(*args)
+                alone = ProfileTable(mbs, seq, values[i], timed=bool(timed[i]))(*args)
                 assert np.shape(together[i]) == np.shape(alone)
                 # Bit for bit inside the measured lengths; beyond them numpy's power may take
                 # another loop for another array shape (a last-bit difference).
@@ -116,7 +115,7 @@ def test_inside_the_grid_a_table_is_np_interp_to_the_bit(seed):
         mbs, seq, values, timed = _case(rng)
         s = np.concatenate([seq, rng.uniform(seq[0], seq[-1], 40)])
         b = rng.uniform(mbs[0], mbs[-1], len(s)) if len(mbs) > 1 else np.full(len(s), mbs[0])
-        out = _Table(mbs, seq, values, timed=timed)(b, s)
+        out = ProfileTable(mbs, seq, values, timed=timed)(b, s)
         for i in range(len(values)):
             np.testing.assert_array_equal(out[i], _interp_reference(mbs, seq, values[i], b, s))
 
@@ -126,13 +125,13 @@ def test_a_decoder_layers_fields_are_each_their_own_table():
     mbs, dec, enc = np.array([1.0, 2, 4]), np.array([16.0, 64, 256]), np.array([64.0, 256, 1024])
     fields = np.abs(rng.normal(size=(4, 3, 3, 3))) * 5 + np.arange(3)  # [field, mbs, dec, enc]
     timed = np.array([True, True, False, False])
-    together = DecoderTable(_Table, mbs, dec, enc, fields, timed)
+    together = DecoderTable(mbs, dec, enc, fields, timed)
     b = rng.integers(1, 10, 30).astype(np.float64)
     s_dec, s_enc = rng.integers(8, 400, 30).astype(np.float64), rng.integers(32, 2000, 30).astype(np.float64)
     for args in ((b, s_dec, s_enc), (2, 48, np.linspace(16, 2048, 7)), (3, 100.0, 700.0)):
         out = together(*args)
         for f in range(4):
-            alone = DecoderTable(_Table, mbs, dec, enc, fields[f:f + 1], timed[f:f + 1])(*args)[0]
+            alone = DecoderTable(mbs, dec, enc, fields[f:f + 1], timed[f:f + 1])(*args)[0]
             assert out[f].shape == alone.shape == np.broadcast(*args).shape
             np.testing.assert_array_equal(out[f], alone)
 
@@ -166,7 +165,7 @@ def test_a_decoder_layers_tables_follow_the_rules_written_out(seed):
         b = rng.integers(1, 3 * int(mbs[-1]) + 2, n).astype(np.float64)
         s_dec = rng.integers(1, int(dec[-1]) * 2, n).astype(np.float64)
         s_enc = rng.integers(1, int(enc[-1]) * 2, n).astype(np.float64)
-        out = DecoderTable(_Table, mbs, dec, enc, fields, timed)(b, s_dec, s_enc)
+        out = DecoderTable(mbs, dec, enc, fields, timed)(b, s_dec, s_enc)
         for f in range(len(fields)):
             want = _decoder_reference(mbs, dec, enc, fields[f], bool(timed[f]), b, s_dec, s_enc)
             np.testing.assert_allclose(out[f], want, rtol=1e-13, atol=0)
@@ -175,7 +174,7 @@ def test_a_decoder_layers_tables_follow_the_rules_written_out(seed):
 def test_op_tables_name_their_fields():
     mbs, seq = np.array([1.0, 2.0]), np.array([64.0, 128.0])
     values = np.arange(8, dtype=np.float64).reshape(2, 2, 2) + 1
-    op = OpTables(("fw_ms", "stored_mib"), _Table(mbs, seq, values, timed=np.array([True, False])))
+    op = OpTables(("fw_ms", "stored_mib"), ProfileTable(mbs, seq, values, timed=np.array([True, False])))
     both = op(np.array([1.0, 3.0]), np.array([96.0, 96.0]))
     assert set(both) == {"fw_ms", "stored_mib"} and "bw_weight_ms" not in op and "fw_ms" in op
     np.testing.assert_array_equal(op["stored_mib"](np.array([1.0, 3.0]), np.array([96.0, 96.0])), both["stored_mib"])

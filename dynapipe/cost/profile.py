@@ -72,112 +72,13 @@ from dynapipe.config import ModelConfig, TensorParallelConfig
 from dynapipe.cost.attention_density import AttentionDensity, thin
 from dynapipe.cost.activation_bytes import CUDA_MASK_BYTES, layer_token_bytes, score_bytes
 from dynapipe.cost.base import MIB, CostModel, StageCost, StageLayout
-from dynapipe.cost.profile_t5 import (KIND_DECODER_ONLY, KIND_ENCODER_DECODER, WEIGHT_FIELD, OpTables,
-                                      check_weight_table, load_t5_tables, profile_kind, selective_rebuild_mib,
-                                      t5_layout_cost, t5_weight_ms)
+from dynapipe.cost.profile_t5 import (KIND_DECODER_ONLY, KIND_ENCODER_DECODER, WEIGHT_FIELD, check_weight_table,
+                                      load_t5_tables, profile_kind, selective_rebuild_mib, t5_layout_cost,
+                                      t5_weight_ms)
+from dynapipe.cost.profile_tables import OpTables, ProfileTable
 from dynapipe.cost.profile_checks import (FIELDS, LAYER_OPS, LEVEL_OPS, OPS, check_layer_shape, check_profile,
                                           check_profile_tensor_parallel, read_profile)
 from dynapipe.errors import DynaPipeError
-
-
-class _Table:
-    """One measured quantity over the (mbs, seqlen) grid, with the extrapolation rules.
-    ``timed``: a time (ms), which grows beyond the largest measured mbs by the last measured
-    step's slope (a micro-batch's fixed cost stays fixed); memory (MiB) grows proportionally,
-    as does anything from a grid of one mbs (no step to read a slope from).
-
-    ``values`` is ``[mbs, seqlen]``, or ``[K, mbs, seqlen]``: K tables on the same grid (an op's
-    fields; a T5 decoder layer's, one per encoder length), evaluated together and returned
-    stacked (``[K, *shape]``), ``timed`` then a flag or one per table. Why: the planner prices
-    every candidate micro-batch of an iteration on every stage, and one pass over all tables
-    costs about what one table's pass did."""
-
-    def __init__(self, mbs: np.ndarray, seqlen: np.ndarray, values: np.ndarray, timed=False):
-        values = np.asarray(values, dtype=np.float64)
-        self.mbs, self.seqlen, self.values, self.timed = mbs, seqlen, values, timed
-        self.stacked = values.ndim == 3
-        self._v = values if self.stacked else values[None]
-        # ``timed`` may name each stacked table's kind (times and memory stacked together).
-        self._timed = np.broadcast_to(np.asarray(timed, dtype=bool), (len(self._v),))
-        self.slope = self._slope = None
-        if self._timed.any() and len(mbs) > 1:
-            # ms per extra sample at each measured length: the last step's, never negative, and
-            # never below a shorter length's. Launch-bound small shapes measure flat steps
-            # (noise, or a profile lowered to larger shapes' times), which alone would price a
-            # longer sample below a shorter one, or 32 samples at the price of 4.
-            step = np.maximum(self._v[:, -1] - self._v[:, -2], 0.0) / (mbs[-1] - mbs[-2])
-            self._slope = np.maximum.accumulate(step, axis=-1)[:, None, :]
-            self.slope = self._slope[:, 0] if self.stacked else self._slope[0, 0]
-        # A row's power law beyond the longest length depends on the row alone: worked out once.
-        self._power = self._powers(self._v)
-        self._slope_power = None if self._slope is None else self._powers(self._slope)
-
-    def _powers(self, rows: np.ndarray) -> Optional[np.ndarray]:
-        grid = self.seqlen
-        return growth_power(rows[..., -2], rows[..., -1], grid[-2], grid[-1]) if len(grid) > 1 else None
-
-    def _along_seqlen(self, rows: np.ndarray, power: Optional[np.ndarray], s: np.ndarray) -> np.ndarray:
-        """Every row of ``rows`` (``[K, R, len(seqlen)]``) at the lengths ``s``:
-        ``[K, R, *s.shape]``; inside the grid ``np.interp``'s rule (a grid point's own value,
-        else ``slope * (s - x0) + y0``), above it the row's power law."""
-        grid = self.seqlen
-        tail = (slice(None), slice(None)) + (None,) * s.ndim
-        first, last = rows[..., 0][tail], rows[..., -1][tail]
-        if len(grid) < 2:
-            return np.broadcast_to(first, rows.shape[:2] + s.shape).copy()
-        j = np.searchsorted(grid, s, side="right") - 1
-        k = np.clip(j, 0, len(grid) - 2)
-        x0, x1 = grid[k], grid[k + 1]
-        y0, y1 = rows[..., k], rows[..., k + 1]
-        inside = np.where(s == x0, y0, (y1 - y0) / (x1 - x0) * (s - x0) + y0)
-        inside = np.where(j < 0, first, np.where(j >= len(grid) - 1, last, inside))
-        if not np.any(s > grid[-1]):
-            return inside
-        above = last * (np.maximum(s, grid[-1]) / grid[-1]) ** power[tail]
-        return np.where(s > grid[-1], above, inside)
-
-    def __call__(self, b: np.ndarray, s: np.ndarray) -> np.ndarray:
-        b, s = np.broadcast_arrays(np.asarray(b, dtype=np.float64), np.asarray(s, dtype=np.float64))
-        grid_b = self.mbs
-        # Per row of the grid, interpolate along seqlen; then along mbs (linear inside,
-        # proportional scaling from the nearest row outside).
-        rows = self._along_seqlen(self._v, self._power, s)
-        # Beyond the longest measured length each row follows its own power law, which can carry
-        # a smaller size's row above a larger one's: there, more samples never cost less. (Inside
-        # the grid the measurements stand as measured.)
-        if np.any(s > self.seqlen[-1]):
-            rows = np.where(s > self.seqlen[-1], np.maximum.accumulate(rows, axis=1), rows)
-        if len(grid_b) == 1:
-            out = rows[:, 0] * b / grid_b[0]
-            return out if self.stacked else out[0]
-        idx = np.clip(np.searchsorted(grid_b, b) - 1, 0, len(grid_b) - 2)
-        at = np.broadcast_to(idx, (len(rows), 1) + idx.shape)
-        r0 = np.take_along_axis(rows, at, 1)[:, 0]
-        r1 = np.take_along_axis(rows, at + 1, 1)[:, 0]
-        b0, b1 = grid_b[idx], grid_b[idx + 1]
-        inside = r0 + (r1 - r0) * ((b - b0) / (b1 - b0))
-        below = rows[:, 0] * b / grid_b[0]
-        above = rows[:, -1] * b / grid_b[-1]
-        if self._slope is not None:
-            # Each profile's largest size predicted from the two below it (an H200 profile, two
-            # CPU ones): this misses by 7% (backward) and 29% (forward) on average on the GPU,
-            # where proportional scaling, paying the fixed cost again per grid-top of samples,
-            # misses by 40% and 56%; on the CPUs by 11-29% against 13-36%.
-            grown = rows[:, -1] + (b - grid_b[-1]) * self._along_seqlen(self._slope, self._slope_power, s)[:, 0]
-            above = grown if self._timed.all() else \
-                np.where(self._timed[(slice(None),) + (None,) * b.ndim], grown, above)
-        out = np.where(b < grid_b[0], below, np.where(b > grid_b[-1], above, inside))
-        return out if self.stacked else out[0]
-
-
-def growth_power(v0, v1, s0: float, s1: float):
-    """The exponent of the power law through (s0, v0) and (s1, v1) that extrapolates a table
-    beyond its longest measured length, kept within [0, 2]: no op gets cheaper with more
-    tokens, and none grows faster than attention's quadratic term. Why: noise, or a zero, in
-    the last two points would otherwise price long micro-batches below short ones, or at
-    10^34 MiB."""
-    v0, v1 = np.maximum(v0, 1e-12), np.maximum(v1, 1e-12)
-    return np.clip(np.log(v1 / v0) / np.log(s1 / s0), 0.0, 2.0)
 
 
 def _weight_table(profile: Mapping[str, Any], op: str, source: str) -> np.ndarray:
@@ -214,18 +115,18 @@ class ProfileCostModel(CostModel):
         # shares: a CPU's dropout keeps masks of the activation's dtype, CUDA's bool ones.
         self.mask_bytes = model.dtype_bytes if profile.get("device") == "cpu" else CUDA_MASK_BYTES
         if model.is_encoder_decoder:
-            self.tables = load_t5_tables(profile, _Table)
+            self.tables = load_t5_tables(profile)
             return
         mbs = np.asarray(profile["mbs"], dtype=np.float64)
         seqlen = np.asarray(profile["seqlen"], dtype=np.float64)
         present = OPS + tuple(k for k in LEVEL_OPS.values() if k in profile["ops"])
-        # An op's fields share its grid: evaluated in one pass (see _Table).
+        # An op's fields share its grid: evaluated in one pass (see ProfileTable).
         timed = np.array([f.endswith("_ms") for f in FIELDS])
-        self.tables = {op: OpTables(FIELDS, _Table(mbs, seqlen, np.stack([np.asarray(profile["ops"][op][f],
+        self.tables = {op: OpTables(FIELDS, ProfileTable(mbs, seqlen, np.stack([np.asarray(profile["ops"][op][f],
                                                                                      dtype=np.float64)
                                                                           for f in FIELDS]), timed=timed))
                        for op in present}
-        self.weight_tables = {op: _Table(mbs, seqlen, _weight_table(profile, op, source), timed=True)
+        self.weight_tables = {op: ProfileTable(mbs, seqlen, _weight_table(profile, op, source), timed=True)
                               for op in present if op in LAYER_OPS and WEIGHT_FIELD in profile["ops"][op]}
 
     def beyond_grid(self, mbs: int, seqlen: int, dec_seqlen: int = 0) -> list[str]:

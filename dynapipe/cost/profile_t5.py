@@ -40,6 +40,7 @@ from dynapipe.config import ModelConfig
 from dynapipe.cost.activation_bytes import cross_token_bytes, layer_token_bytes, score_bytes
 from dynapipe.cost.attention_density import AttentionDensity, decoder_core_density, thin
 from dynapipe.cost.base import MIB, StageCost, StageLayout
+from dynapipe.cost.profile_tables import DecoderTable, OpTables, ProfileTable
 from dynapipe.errors import DynaPipeError
 
 KIND_DECODER_ONLY = "decoder-only"
@@ -150,84 +151,7 @@ def check_weight_table(table: Mapping[str, Any], op: str, source: str) -> None:
                             f"with values from 0 to that backward's ms.")
 
 
-def interp_axis(grid: np.ndarray, values: list, x: np.ndarray, reference: Optional[tuple] = None) -> np.ndarray:
-    """Values at ``x`` along one grid axis from ``values[k]`` (arrays) at ``grid[k]``: linear
-    inside the grid, the first point's value below it, and above it the power law through
-    the last two points (attention grows faster than linearly in the length); with
-    ``reference`` (the last two points of one reference series), that series' exponent for
-    every value, so that values ordered at the grid's end stay ordered beyond it."""
-    x = np.asarray(x, dtype=np.float64)
-    if len(grid) == 1:
-        return np.broadcast_to(values[0], np.broadcast(values[0], x).shape).copy()
-    arrays = np.broadcast_arrays(*values, x)
-    stack, x = np.stack(arrays[:-1]), arrays[-1]
-    idx = np.clip(np.searchsorted(grid, x) - 1, 0, len(grid) - 2)
-    x0, x1 = grid[idx], grid[idx + 1]
-    v0 = np.take_along_axis(stack, idx[None, ...], 0)[0] if stack.ndim > 1 else stack[idx]
-    v1 = np.take_along_axis(stack, (idx + 1)[None, ...], 0)[0] if stack.ndim > 1 else stack[idx + 1]
-    w = np.clip((x - x0) / (x1 - x0), 0.0, 1.0)
-    inside = v0 + (v1 - v0) * w
-    prev, last = (stack[-2], stack[-1]) if reference is None else reference
-    v_prev, v_last = np.maximum(prev, 1e-12), np.maximum(last, 1e-12)
-    # Within [0, 2] (see dynapipe.cost.profile.growth_power, not imported: that module imports this one).
-    power = np.clip(np.log(v_last / v_prev) / np.log(grid[-1] / grid[-2]), 0.0, 2.0)
-    above = stack[-1] * (np.maximum(x, grid[-1]) / grid[-1]) ** power
-    return np.where(x > grid[-1], above, inside)
-
-
-class DecoderTable:
-    """The decoder layer's quantities over (mbs, dec_seqlen, seqlen): values ``[F, mbs,
-    dec_seqlen, seqlen]`` (F fields; ``timed``: one flag per field), a 2-D (mbs, dec_seqlen)
-    table per field and encoder length, all evaluated in one pass, then interpolated along
-    the encoder length; returns ``[F, *shape]``."""
-
-    def __init__(self, table_cls, mbs: np.ndarray, dec: np.ndarray, enc: np.ndarray, values: np.ndarray,
-                 timed) -> None:
-        values = np.asarray(values, dtype=np.float64)
-        self.enc, self.top_mbs = enc, float(mbs[-1])
-        self.fields, k = values.shape[0], len(enc)
-        stacked = np.moveaxis(values, 3, 1).reshape(self.fields * k, len(mbs), len(dec))
-        self.slices = table_cls(mbs, dec, stacked, timed=np.repeat(np.asarray(timed, dtype=bool), k))
-
-    def _per_encoder_length(self, b, s_dec) -> np.ndarray:
-        out = self.slices(b, s_dec)
-        return out.reshape((self.fields, len(self.enc)) + out.shape[1:])
-
-    def __call__(self, b, s_dec, s_enc) -> np.ndarray:
-        # Beyond the longest encoder length every micro-batch size grows as the largest measured
-        # one does (the most compute-bound series): one exponent for all sizes keeps more
-        # samples never cheaper than fewer, which a power law per size can cross.
-        # Every argument at the call's shape: the fields' axis then lines up with s_enc's.
-        b, s_dec, s_enc = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64) for x in (b, s_dec, s_enc)))
-        beyond = len(self.enc) > 1 and bool(np.any(s_enc > self.enc[-1]))
-        reference = None
-        if beyond:
-            top = self._per_encoder_length(self.top_mbs, s_dec)
-            reference = (top[:, -2], top[:, -1])
-        tables = self._per_encoder_length(b, s_dec)
-        return interp_axis(self.enc, [tables[:, i] for i in range(len(self.enc))], s_enc, reference)
-
-
-class OpTables:
-    """One op's tables (``fw_ms``, ``bw_ms``, ``stored_mib``, ``peak_mib``, and ``bw_weight_ms``
-    where measured), evaluated together: ``tables(*args)`` is ``{field: values}``;
-    ``tables[field](*args)`` one field."""
-
-    def __init__(self, names: tuple, table) -> None:
-        self.names, self.table = names, table
-
-    def __call__(self, *args) -> dict:
-        return dict(zip(self.names, self.table(*args)))
-
-    def __contains__(self, field: str) -> bool:
-        return field in self.names
-
-    def __getitem__(self, field: str):
-        i = self.names.index(field)
-        return lambda *args: self.table(*args)[i]
-
-
-def load_t5_tables(profile: Mapping[str, Any], table_cls) -> dict:
+def load_t5_tables(profile: Mapping[str, Any]) -> dict:
     """``{op: OpTables}`` of a checked encoder-decoder profile; 2-D ops take ``(mbs, tokens)``,
     the decoder layer ``(mbs, dec_seqlen, seqlen)``. The layers' ``bw_weight_ms`` is loaded
     where the profile has it."""
@@ -237,12 +161,12 @@ def load_t5_tables(profile: Mapping[str, Any], table_cls) -> dict:
         names = T5_AXES[op]
         present = FIELDS + ((WEIGHT_FIELD,) if op in SPLIT_OPS and WEIGHT_FIELD in profile["ops"][op] else ())
         values = np.stack([np.asarray(profile["ops"][op][f], dtype=np.float64) for f in present])
-        # Times and memory extrapolate differently beyond the largest mbs (see _Table).
+        # Times and memory extrapolate differently beyond the largest mbs (see ProfileTable).
         timed = np.array([f.endswith("_ms") for f in present])
         if op == "decoder_layer":
-            table = DecoderTable(table_cls, axes["mbs"], axes["dec_seqlen"], axes["seqlen"], values, timed)
+            table = DecoderTable(axes["mbs"], axes["dec_seqlen"], axes["seqlen"], values, timed)
         else:
-            table = table_cls(axes[names[0]], axes[names[1]], values, timed=timed)
+            table = ProfileTable(axes[names[0]], axes[names[1]], values, timed=timed)
         out[op] = OpTables(present, table)
     return out
 

@@ -1,0 +1,190 @@
+"""A profile's measured tables and the rules that price a shape between and beyond their
+grid points (ms, MiB; lengths in tokens, sizes in samples).
+
+:class:`ProfileTable` is one quantity, or several on one (mbs, seqlen) grid evaluated in one
+pass: linear inside the grid, a power law of the last two lengths beyond the longest
+(:func:`growth_power`), more samples never cheaper there, and past the largest size a time
+grows by the last step's slope, memory in proportion. :class:`DecoderTable` adds a T5 decoder
+layer's encoder-length axis (:func:`interp_axis`); :class:`OpTables` names an op's fields.
+The cost models (:mod:`dynapipe.cost.profile`, :mod:`dynapipe.cost.profile_t5`) price stages
+from them.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+
+def growth_power(v0, v1, s0: float, s1: float):
+    """The exponent of the power law through (s0, v0) and (s1, v1) that extrapolates a table
+    beyond its longest measured length, kept within [0, 2]: no op gets cheaper with more
+    tokens, and none grows faster than attention's quadratic term. Why: noise, or a zero, in
+    the last two points would otherwise price long micro-batches below short ones, or at
+    10^34 MiB."""
+    v0, v1 = np.maximum(v0, 1e-12), np.maximum(v1, 1e-12)
+    return np.clip(np.log(v1 / v0) / np.log(s1 / s0), 0.0, 2.0)
+
+
+class ProfileTable:
+    """One measured quantity over the (mbs, seqlen) grid, with the extrapolation rules.
+    ``timed``: a time (ms), which grows beyond the largest measured mbs by the last measured
+    step's slope (a micro-batch's fixed cost stays fixed); memory (MiB) grows proportionally,
+    as does anything from a grid of one mbs (no step to read a slope from).
+
+    ``values`` is ``[mbs, seqlen]``, or ``[K, mbs, seqlen]``: K tables on the same grid (an op's
+    fields; a T5 decoder layer's, one per encoder length), evaluated together and returned
+    stacked (``[K, *shape]``), ``timed`` then a flag or one per table. Why: the planner prices
+    every candidate micro-batch of an iteration on every stage, and one pass over all tables
+    costs about what one table's pass did."""
+
+    def __init__(self, mbs: np.ndarray, seqlen: np.ndarray, values: np.ndarray, timed=False):
+        values = np.asarray(values, dtype=np.float64)
+        self.mbs, self.seqlen, self.values, self.timed = mbs, seqlen, values, timed
+        self.stacked = values.ndim == 3
+        self._v = values if self.stacked else values[None]
+        # ``timed`` may name each stacked table's kind (times and memory stacked together).
+        self._timed = np.broadcast_to(np.asarray(timed, dtype=bool), (len(self._v),))
+        self.slope = self._slope = None
+        if self._timed.any() and len(mbs) > 1:
+            # ms per extra sample at each measured length: the last step's, never negative, and
+            # never below a shorter length's. Launch-bound small shapes measure flat steps
+            # (noise, or a profile lowered to larger shapes' times), which alone would price a
+            # longer sample below a shorter one, or 32 samples at the price of 4.
+            step = np.maximum(self._v[:, -1] - self._v[:, -2], 0.0) / (mbs[-1] - mbs[-2])
+            self._slope = np.maximum.accumulate(step, axis=-1)[:, None, :]
+            self.slope = self._slope[:, 0] if self.stacked else self._slope[0, 0]
+        # A row's power law beyond the longest length depends on the row alone: worked out once.
+        self._power = self._powers(self._v)
+        self._slope_power = None if self._slope is None else self._powers(self._slope)
+
+    def _powers(self, rows: np.ndarray) -> Optional[np.ndarray]:
+        grid = self.seqlen
+        return growth_power(rows[..., -2], rows[..., -1], grid[-2], grid[-1]) if len(grid) > 1 else None
+
+    def _along_seqlen(self, rows: np.ndarray, power: Optional[np.ndarray], s: np.ndarray) -> np.ndarray:
+        """Every row of ``rows`` (``[K, R, len(seqlen)]``) at the lengths ``s``:
+        ``[K, R, *s.shape]``; inside the grid ``np.interp``'s rule (a grid point's own value,
+        else ``slope * (s - x0) + y0``), above it the row's power law."""
+        grid = self.seqlen
+        tail = (slice(None), slice(None)) + (None,) * s.ndim
+        first, last = rows[..., 0][tail], rows[..., -1][tail]
+        if len(grid) < 2:
+            return np.broadcast_to(first, rows.shape[:2] + s.shape).copy()
+        j = np.searchsorted(grid, s, side="right") - 1
+        k = np.clip(j, 0, len(grid) - 2)
+        x0, x1 = grid[k], grid[k + 1]
+        y0, y1 = rows[..., k], rows[..., k + 1]
+        inside = np.where(s == x0, y0, (y1 - y0) / (x1 - x0) * (s - x0) + y0)
+        inside = np.where(j < 0, first, np.where(j >= len(grid) - 1, last, inside))
+        if not np.any(s > grid[-1]):
+            return inside
+        above = last * (np.maximum(s, grid[-1]) / grid[-1]) ** power[tail]
+        return np.where(s > grid[-1], above, inside)
+
+    def __call__(self, b: np.ndarray, s: np.ndarray) -> np.ndarray:
+        b, s = np.broadcast_arrays(np.asarray(b, dtype=np.float64), np.asarray(s, dtype=np.float64))
+        grid_b = self.mbs
+        # Per row of the grid, interpolate along seqlen; then along mbs (linear inside,
+        # proportional scaling from the nearest row outside).
+        rows = self._along_seqlen(self._v, self._power, s)
+        # Beyond the longest measured length each row follows its own power law, which can carry
+        # a smaller size's row above a larger one's: there, more samples never cost less. (Inside
+        # the grid the measurements stand as measured.)
+        if np.any(s > self.seqlen[-1]):
+            rows = np.where(s > self.seqlen[-1], np.maximum.accumulate(rows, axis=1), rows)
+        if len(grid_b) == 1:
+            out = rows[:, 0] * b / grid_b[0]
+            return out if self.stacked else out[0]
+        idx = np.clip(np.searchsorted(grid_b, b) - 1, 0, len(grid_b) - 2)
+        at = np.broadcast_to(idx, (len(rows), 1) + idx.shape)
+        r0 = np.take_along_axis(rows, at, 1)[:, 0]
+        r1 = np.take_along_axis(rows, at + 1, 1)[:, 0]
+        b0, b1 = grid_b[idx], grid_b[idx + 1]
+        inside = r0 + (r1 - r0) * ((b - b0) / (b1 - b0))
+        below = rows[:, 0] * b / grid_b[0]
+        above = rows[:, -1] * b / grid_b[-1]
+        if self._slope is not None:
+            # Each profile's largest size predicted from the two below it (an H200 profile, two
+            # CPU ones): this misses by 7% (backward) and 29% (forward) on average on the GPU,
+            # where proportional scaling, paying the fixed cost again per grid-top of samples,
+            # misses by 40% and 56%; on the CPUs by 11-29% against 13-36%.
+            grown = rows[:, -1] + (b - grid_b[-1]) * self._along_seqlen(self._slope, self._slope_power, s)[:, 0]
+            above = grown if self._timed.all() else \
+                np.where(self._timed[(slice(None),) + (None,) * b.ndim], grown, above)
+        out = np.where(b < grid_b[0], below, np.where(b > grid_b[-1], above, inside))
+        return out if self.stacked else out[0]
+
+
+def interp_axis(grid: np.ndarray, values: list, x: np.ndarray, reference: Optional[tuple] = None) -> np.ndarray:
+    """Values at ``x`` along one grid axis from ``values[k]`` (arrays) at ``grid[k]``: linear
+    inside the grid, the first point's value below it, and above it the power law through
+    the last two points (attention grows faster than linearly in the length); with
+    ``reference`` (the last two points of one reference series), that series' exponent for
+    every value, so that values ordered at the grid's end stay ordered beyond it."""
+    x = np.asarray(x, dtype=np.float64)
+    if len(grid) == 1:
+        return np.broadcast_to(values[0], np.broadcast(values[0], x).shape).copy()
+    arrays = np.broadcast_arrays(*values, x)
+    stack, x = np.stack(arrays[:-1]), arrays[-1]
+    idx = np.clip(np.searchsorted(grid, x) - 1, 0, len(grid) - 2)
+    x0, x1 = grid[idx], grid[idx + 1]
+    v0 = np.take_along_axis(stack, idx[None, ...], 0)[0] if stack.ndim > 1 else stack[idx]
+    v1 = np.take_along_axis(stack, (idx + 1)[None, ...], 0)[0] if stack.ndim > 1 else stack[idx + 1]
+    w = np.clip((x - x0) / (x1 - x0), 0.0, 1.0)
+    inside = v0 + (v1 - v0) * w
+    prev, last = (stack[-2], stack[-1]) if reference is None else reference
+    power = growth_power(prev, last, grid[-2], grid[-1])
+    above = stack[-1] * (np.maximum(x, grid[-1]) / grid[-1]) ** power
+    return np.where(x > grid[-1], above, inside)
+
+
+class DecoderTable:
+    """The decoder layer's quantities over (mbs, dec_seqlen, seqlen): values ``[F, mbs,
+    dec_seqlen, seqlen]`` (F fields; ``timed``: one flag per field), a 2-D (mbs, dec_seqlen)
+    table per field and encoder length, all evaluated in one pass, then interpolated along
+    the encoder length; returns ``[F, *shape]``."""
+
+    def __init__(self, mbs: np.ndarray, dec: np.ndarray, enc: np.ndarray, values: np.ndarray, timed) -> None:
+        values = np.asarray(values, dtype=np.float64)
+        self.enc, self.top_mbs = enc, float(mbs[-1])
+        self.fields, k = values.shape[0], len(enc)
+        stacked = np.moveaxis(values, 3, 1).reshape(self.fields * k, len(mbs), len(dec))
+        self.slices = ProfileTable(mbs, dec, stacked, timed=np.repeat(np.asarray(timed, dtype=bool), k))
+
+    def _per_encoder_length(self, b, s_dec) -> np.ndarray:
+        out = self.slices(b, s_dec)
+        return out.reshape((self.fields, len(self.enc)) + out.shape[1:])
+
+    def __call__(self, b, s_dec, s_enc) -> np.ndarray:
+        # Beyond the longest encoder length every micro-batch size grows as the largest measured
+        # one does (the most compute-bound series): one exponent for all sizes keeps more
+        # samples never cheaper than fewer, which a power law per size can cross.
+        # Every argument at the call's shape: the fields' axis then lines up with s_enc's.
+        b, s_dec, s_enc = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64) for x in (b, s_dec, s_enc)))
+        beyond = len(self.enc) > 1 and bool(np.any(s_enc > self.enc[-1]))
+        reference = None
+        if beyond:
+            top = self._per_encoder_length(self.top_mbs, s_dec)
+            reference = (top[:, -2], top[:, -1])
+        tables = self._per_encoder_length(b, s_dec)
+        return interp_axis(self.enc, [tables[:, i] for i in range(len(self.enc))], s_enc, reference)
+
+
+class OpTables:
+    """One op's tables (``fw_ms``, ``bw_ms``, ``stored_mib``, ``peak_mib``, and ``bw_weight_ms``
+    where measured), evaluated together: ``tables(*args)`` is ``{field: values}``;
+    ``tables[field](*args)`` one field."""
+
+    def __init__(self, names: tuple, table) -> None:
+        self.names, self.table = names, table
+
+    def __call__(self, *args) -> dict:
+        return dict(zip(self.names, self.table(*args)))
+
+    def __contains__(self, field: str) -> bool:
+        return field in self.names
+
+    def __getitem__(self, field: str):
+        i = self.names.index(field)
+        return lambda *args: self.table(*args)[i]
