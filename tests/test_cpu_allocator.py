@@ -1,5 +1,6 @@
-"""The CPU allocator setting: freed blocks stay in the process, so a repeated pass stops
-page-faulting its buffers in anew (measured in a fresh process: the setting is process-wide)."""
+"""The CPU allocator setting: freed blocks stay in the process, and the heap is never trimmed,
+so a repeated pass stops page-faulting its buffers in anew, whatever its working set (measured
+in fresh processes: the setting is process-wide)."""
 import json
 import subprocess
 import sys
@@ -42,6 +43,49 @@ def test_keep_freed_memory_stops_page_faults_per_pass():
     # or 24 of 2 MiB where the kernel backs it with transparent huge pages).
     assert r["before"] >= 20, r
     assert r["after"] < 0.05 * r["before"], r
+
+
+TRIM_PROBE = textwrap.dedent("""
+    import json, resource, sys
+    import numpy as np
+    from megatron_integration.cpu_allocator import TRIM_NEVER, keep_freed_memory
+
+    trim = TRIM_NEVER if sys.argv[1] == "never" else int(sys.argv[1])
+    setting = keep_freed_memory(trim_threshold_bytes=trim)
+
+    def faults_per_pass(passes=5, mib=40, blocks=3):
+        # A working set of several heap blocks, all freed at the end of the pass: the heap top
+        # then holds all of them, as a stage's after its backward.
+        def one_pass():
+            held = [np.ones(mib * 1024 * 1024 // 8) for _ in range(blocks)]
+            return sum(float(h[-1]) for h in held)
+        one_pass()
+        start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(passes):
+            one_pass()
+        return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start) / passes
+
+    print(json.dumps({"faults": faults_per_pass(), "applied": setting.applied, "mmap": setting.mmap_threshold_bytes,
+                      "trim": setting.trim_threshold_bytes}))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc only")
+def test_a_working_set_above_a_trim_threshold_stays_in_the_process():
+    """A finite trim threshold (64 MiB standing in for any) hands a freed 120 MiB working set
+    back to the kernel and faults it in again every pass; the default never trims."""
+    runs = {}
+    for trim in ("never", str(64 * 1024 * 1024)):
+        out = subprocess.run([sys.executable, "-c", TRIM_PROBE, trim], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs[trim] = json.loads(out.stdout.strip().splitlines()[-1])
+    kept, trimmed = runs["never"], runs[str(64 * 1024 * 1024)]
+    assert kept["applied"] and kept["trim"] == cpu_allocator.TRIM_NEVER
+    if kept["mmap"] < 40 * 1024 * 1024:
+        pytest.skip(f"this glibc caps the mmap threshold at {kept['mmap']} bytes")
+    # 120 MiB are 30,720 pages of 4 KiB (60 of 2 MiB under transparent huge pages).
+    assert trimmed["faults"] >= 40, runs
+    assert kept["faults"] < 0.05 * trimmed["faults"], runs
 
 
 def test_off_glibc_nothing_changes(monkeypatch):
