@@ -157,14 +157,13 @@ class DecoderTable:
         return out.reshape((self.fields, len(self.enc)) + out.shape[1:])
 
     def __call__(self, b, s_dec, s_enc) -> np.ndarray:
-        # Beyond the longest encoder length every micro-batch size grows as the largest measured
-        # one does (the most compute-bound series): one exponent for all sizes keeps more
-        # samples never cheaper than fewer, which a power law per size can cross.
         # Every argument at the call's shape: the fields' axis then lines up with s_enc's.
         b, s_dec, s_enc = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64) for x in (b, s_dec, s_enc)))
-        beyond = len(self.enc) > 1 and bool(np.any(s_enc > self.enc[-1]))
         reference = None
-        if beyond:
+        if len(self.enc) > 1 and bool(np.any(s_enc > self.enc[-1])):
+            # Beyond the longest encoder length every micro-batch size grows as the largest
+            # measured one does (the most compute-bound series): one exponent for all sizes
+            # keeps more samples never cheaper than fewer, which a power law per size can cross.
             top = self._per_encoder_length(self.top_mbs, s_dec)
             reference = (top[:, -2], top[:, -1])
         tables = self._per_encoder_length(b, s_dec)
