@@ -40,12 +40,12 @@ class ProfileTable:
 
     def __init__(self, mbs: np.ndarray, seqlen: np.ndarray, values: np.ndarray, timed=False):
         values = np.asarray(values, dtype=np.float64)
-        self.mbs, self.seqlen, self.values, self.timed = mbs, seqlen, values, timed
+        self.mbs, self.seqlen = mbs, seqlen
         self.stacked = values.ndim == 3
         self._v = values if self.stacked else values[None]
         # ``timed`` may name each stacked table's kind (times and memory stacked together).
         self._timed = np.broadcast_to(np.asarray(timed, dtype=bool), (len(self._v),))
-        self.slope = self._slope = None
+        self._slope = None
         if self._timed.any() and len(mbs) > 1:
             # ms per extra sample at each measured length: the last step's, never negative, and
             # never below a shorter length's. Launch-bound small shapes measure flat steps
@@ -53,7 +53,6 @@ class ProfileTable:
             # longer sample below a shorter one, or 32 samples at the price of 4.
             step = np.maximum(self._v[:, -1] - self._v[:, -2], 0.0) / (mbs[-1] - mbs[-2])
             self._slope = np.maximum.accumulate(step, axis=-1)[:, None, :]
-            self.slope = self._slope[:, 0] if self.stacked else self._slope[0, 0]
         # A row's power law beyond the longest length depends on the row alone: worked out once.
         self._power = self._powers(self._v)
         self._slope_power = None if self._slope is None else self._powers(self._slope)
