@@ -97,6 +97,9 @@ def add_dynapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--dynapipe-cpu-affinity", default="none", choices=AFFINITIES,
                    help="cores: pin each rank on a host to its own equal slice of the cores (refused with fewer "
                         "cores than ranks); none: the kernel places them (default)")
+    g.add_argument("--dynapipe-cpu-pretouch-mb", type=int, default=0,
+                   help="CPU ranks: write this many MiB of malloc heap once at start-up, so a short run's passes "
+                        "find memory already faulted in, as a long run's do (default 0: none; refused on GPUs)")
     g.add_argument("--dynapipe-recompute", default="auto", choices=RECOMPUTE_CHOICES,
                    help="recompute level the planner uses on every stage (auto: the schedule search chooses "
                         "per stage, lightest first)")

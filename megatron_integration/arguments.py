@@ -259,6 +259,10 @@ def _parallel_args_from_args(args: argparse.Namespace, world_size: int, cuda: bo
     if world_size % (tp * pp):
         raise DynaPipeError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
                             f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} ranks.")
+    pretouch = _positive("dynapipe-cpu-pretouch-mb", getattr(args, "dynapipe_cpu_pretouch_mb", 0), allow_zero=True)
+    if pretouch and cuda:
+        raise DynaPipeError(f"--dynapipe-cpu-pretouch-mb {pretouch} writes a CPU rank's malloc heap; on GPUs the "
+                            f"activations live in device memory, which PyTorch's caching allocator keeps: drop it.")
     if args.use_distributed_optimizer and not cuda:
         raise DynaPipeError("--use-distributed-optimizer needs GPUs (megatron-core's distributed optimizer wraps "
                             "CUDA parameters only); on CPU drop it.")
@@ -285,7 +289,7 @@ def _parallel_args_from_args(args: argparse.Namespace, world_size: int, cuda: bo
     return ParallelArgs(world_size=world_size, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                         backend=backend, timeout_minutes=timeout,
                         sequence_parallel=args.sequence_parallel,
-                        cpu_affinity=getattr(args, "dynapipe_cpu_affinity", "none"),
+                        cpu_affinity=getattr(args, "dynapipe_cpu_affinity", "none"), cpu_pretouch_mb=pretouch,
                         virtual_pipeline_model_parallel_size=chunks, stage_layers=split.layers, auto_split=split.auto,
                         overlap_p2p_comm=overlap_p2p_comm(args, chunks))
 

@@ -43,6 +43,7 @@ from megatron_integration.bench_report import (breakdown, breakdown_summary, bre
                                                ratio_table, round_ratios, write_png)
 from megatron_integration.bench_results import (MethodResult, median_result,  # noqa: F401 (re-exported)
                                                 stage_activation_peaks, summarise)
+from megatron_integration.bench_results import format_memory_faults
 from megatron_integration.jobs import run_training
 
 
@@ -259,6 +260,8 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
     for m in methods:
         print(f"  {m}: simulated {simulated[m]['iteration_ms']:.0f}, measured {results[m].iteration_ms:.0f} "
               f"({results[m].iteration_ms / max(simulated[m]['iteration_ms'], 1e-9):.2f}x)", file=stream)
+    print(format_memory_faults({m: (results[m].minor_faults, results[m].system_ms) for m in methods},
+                               cfg.parallel.cpu_pretouch_mb), file=stream)
     errors = {}
     if calibration is not None:
         keep = list(range(warmup_iters, cfg.train_iters))
@@ -295,7 +298,7 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
                   "sweep_within": p.sweep_within, "sweep_top_of": dict(p.sweep_top_of), "profile_mbs": list(p.profile_mbs),
                   "profile_recompute_levels": "measured" if p.profile_levels else "derived",
                   "elapsed_s": round(time.perf_counter() - started, 1), "profile_s": round(profile_s, 1),
-                  "calibration": calibration,
+                  "calibration": calibration, "cpu_pretouch_mb": cfg.parallel.cpu_pretouch_mb,
                   # CPU seconds of every process the bench started (ranks, planner workers, profiler):
                   # what bounds its wall time on an idle machine (>= cpu_s / cores).
                   "cpu_s": round(_children_cpu_s() - cpu0, 1),

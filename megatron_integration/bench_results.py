@@ -35,7 +35,9 @@ class MethodResult:
     loop waited for its plan (each iteration's longest wait over the ranks); ``planner_cpu_ms``: CPU ms of the processes the ranks
     started (DynaPipe's planner workers, summed over ranks) during the timed iterations, per
     plan queued during them (one plan an iteration in a long run);
-    ``rank_cpu_ms``: mean CPU ms per iteration of the ranks themselves, summed.
+    ``rank_cpu_ms``: mean CPU ms per iteration of the ranks themselves, summed;
+    ``minor_faults`` and ``system_ms``: the ranks' minor page faults and system CPU ms per
+    iteration, summed (:func:`memory_faults`; None where the ranks did not record them).
     """
 
     real_tokens_per_s: float
@@ -51,6 +53,8 @@ class MethodResult:
     real_tokens: int = 0
     rounds: int = 1
     schedules: dict = field(default_factory=dict)  # schedule -> timed iterations that ran it (all rounds)
+    minor_faults: Optional[float] = None
+    system_ms: Optional[float] = None
 
     @property
     def planning_overhead(self) -> float:
@@ -71,7 +75,9 @@ class MethodResult:
                 "real_tokens_per_iteration": self.real_tokens, "timed_iterations": self.timed_iterations,
                 "rounds": self.rounds, "schedules": self.schedules, "lm_loss": self.losses,
                 "layer_spec": self.layer_spec,
-                "activation_peak_mib": self.activation_peak_mib}
+                "activation_peak_mib": self.activation_peak_mib,
+                "minor_faults": None if self.minor_faults is None else round(self.minor_faults, 1),
+                "system_ms": None if self.system_ms is None else round(self.system_ms, 1)}
 
 
 def plans_queued_in(keep: Sequence[int], prefetch: int, iterations: int) -> int:
@@ -86,6 +92,16 @@ def plans_queued_in(keep: Sequence[int], prefetch: int, iterations: int) -> int:
     prefetch = max(prefetch, 1)
     before = queued_through(keep[0] - 1, prefetch, iterations) if keep[0] > 0 else 0
     return queued_through(keep[-1], prefetch, iterations) - before
+
+
+def memory_faults(ranks: list[dict], keep: Sequence[int]) -> tuple[Optional[float], Optional[float]]:
+    """Minor page faults and system CPU ms per iteration of ``keep``, summed over the ranks
+    (means over the iterations): where a run pays for memory it touches for the first time.
+    ``(None, None)`` where a rank's summary lacks them."""
+    if not keep or not all(r.get("minor_faults") and r.get("system_ms") for r in ranks):
+        return None, None
+    faults = statistics.fmean(sum(r["minor_faults"][i] for r in ranks) for i in keep)
+    return faults, statistics.fmean(sum(r["system_ms"][i] for r in ranks) for i in keep)
 
 
 def summarise(ranks: list[dict], warmup_iters: int, prefetch: int) -> MethodResult:
@@ -106,12 +122,25 @@ def summarise(ranks: list[dict], warmup_iters: int, prefetch: int) -> MethodResu
         # beside them, which a mean over iterations would count as free planning.
         planner = sum(c[i] for c in children for i in keep) / plans
     rank_cpu = statistics.fmean(sum(r["cpu_ms"][i] for r in ranks) for i in keep) if "cpu_ms" in ranks[0] else 0.0
+    faults, system = memory_faults(ranks, keep)
     return MethodResult(real_tokens_per_s=real / (sum(iter_ms) / 1e3), padding_efficiency=real / max(padded, 1),
                         iteration_ms=statistics.fmean(iter_ms), plan_wait_ms=statistics.fmean(wait_ms),
                         losses=ranks[0]["losses"], timed_iterations=len(keep), layer_spec=ranks[0]["layer_spec"],
                         planner_cpu_ms=planner, rank_cpu_ms=rank_cpu, real_tokens=real // max(len(keep), 1),
                         activation_peak_mib=stage_activation_peaks(ranks, keep),
-                        schedules=schedule_counts(ranks[0].get("schedules"), keep))
+                        schedules=schedule_counts(ranks[0].get("schedules"), keep), minor_faults=faults,
+                        system_ms=system)
+
+
+def format_memory_faults(figures: dict, pretouch_mb: int) -> str:
+    """One line: each method's minor page faults and system CPU ms per timed iteration (all
+    ranks; ``figures``: method -> ``(faults, system_ms)``, None entries skipped) and the heap
+    the ranks pre-touched (``--dynapipe-cpu-pretouch-mb``, MiB)."""
+    parts = [f"{m} {f:,.0f} faults, {s:.0f} ms" for m, (f, s) in figures.items() if f is not None]
+    if not parts:
+        return "memory first touched in the timed iterations: not recorded"
+    return (f"memory first touched in the timed iterations (minor page faults and system CPU ms an iteration, all "
+            f"ranks; each rank pre-touched {pretouch_mb} MiB of heap at start-up): " + "; ".join(parts))
 
 
 def schedule_counts(schedules: Optional[Sequence[str]], keep: Sequence[int]) -> dict[str, int]:
@@ -127,10 +156,12 @@ def median_result(runs: list[MethodResult]) -> MethodResult:
         return runs[0]
     med = statistics.median
     waits = [r.planner_cpu_ms for r in runs]
+    faults, system = [r.minor_faults for r in runs], [r.system_ms for r in runs]
     return replace(runs[0], real_tokens_per_s=med(r.real_tokens_per_s for r in runs),
                    iteration_ms=med(r.iteration_ms for r in runs), plan_wait_ms=med(r.plan_wait_ms for r in runs),
                    planner_cpu_ms=None if None in waits else med(waits),
                    rank_cpu_ms=med(r.rank_cpu_ms for r in runs), rounds=len(runs),
+                   minor_faults=None if None in faults else med(faults), system_ms=None if None in system else med(system),
                    schedules=_sum_counts(r.schedules for r in runs))
 
 

@@ -51,9 +51,10 @@ from megatron_integration.bench_t5_entries import (T5_BASELINES, T5_METHOD_FLAGS
                                                    t5_entries)
 
 
-# --manual-gc as in the GPT presets (see bench_presets._COMMON).
+# --manual-gc and --dynapipe-cpu-pretouch-mb as in the GPT presets (see bench_presets._COMMON).
 _COMMON = {"--lr": "1e-4", "--hidden-dropout": "0", "--attention-dropout": "0", "--log-interval": "1",
-           "--seed": "1234", "--vocab-size": "512", "--pipeline-model-parallel-size": "2", "--manual-gc": None}
+           "--seed": "1234", "--vocab-size": "512", "--pipeline-model-parallel-size": "2", "--manual-gc": None,
+           "--dynapipe-cpu-pretouch-mb": "1024"}
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,9 @@ T5_PRESETS = {
     # and each further size costs about 4 minutes a round here. Padding is left out by
     # default: 128 rows of 4,096 tokens take minutes an iteration on 2 cores.
     "long": T5Preset(
-        args={**_TINY_ARGS, "--encoder-seq-length": "4096", "--global-batch-size": "128"},
+        # Encoder rows up to 3,600 tokens: over 1 GiB of attention scores on a stage.
+        args={**_TINY_ARGS, "--encoder-seq-length": "4096", "--global-batch-size": "128",
+              "--dynapipe-cpu-pretouch-mb": "3072"},
         sweep=(1,), warmup_iters=1, methods=("dynapipe", "dynapipe-even", "dynapipe-per-sample", "packing",
                                              "packing-per-sample", "packing-search"),
         about="tiny T5 (2+2 layers, hidden 64), inputs up to 4,096 and targets up to 256 tokens, global batch 128"),
@@ -115,7 +118,7 @@ def t5_figures(ranks: list[dict], warmup_iters: int, prefetch: int) -> dict:
     """Figures of one run from every rank's summary, iterations after the warm-up; ``prefetch``
     (``--dynapipe-prefetch``) counts the plans made during them, as the GPT bench does
     (:func:`~megatron_integration.bench_results.plans_queued_in`)."""
-    from megatron_integration.bench_results import plans_queued_in
+    from megatron_integration.bench_results import memory_faults, plans_queued_in
 
     n = len(ranks[0]["iteration_ms"])
     keep = list(range(min(warmup_iters, n - 1), n))
@@ -132,8 +135,11 @@ def t5_figures(ranks: list[dict], warmup_iters: int, prefetch: int) -> dict:
     plans = plans_queued_in(keep, prefetch, n)
     planner = round(sum(c[i] or 0.0 for c in children for i in keep) / plans, 1) \
         if plans and all(c for c in children) else None
+    faults, system = memory_faults(ranks, keep)
     return {"real_tokens_per_s": round(real / (sum(iter_ms) / 1e3), 2),
             "planner_cpu_ms": planner,
+            "minor_faults": None if faults is None else round(faults, 1),
+            "system_ms": None if system is None else round(system, 1),
             "real_tokens_per_cpu_s": None if not cpu_ms else round(real / (cpu_ms / 1e3), 2),
             "cpu_ms_per_iteration": None if cpu_ms is None else round(cpu_ms / len(keep), 1),
             "padding_efficiency": round(real / max(padded, 1), 4),
@@ -263,7 +269,7 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
                         "round_orders": [[e.label for k2, e in order if k2 == k] for k in range(rounds)],
                         "load_average": {"start": load_start, "end": _load_average()},
                         "elapsed_s": round(time.perf_counter() - started, 1),
-                        "cpu_allocator": cpu_allocator.describe(),
+                        "cpu_allocator": cpu_allocator.describe(), "cpu_pretouch_mb": cfg.base.parallel.cpu_pretouch_mb,
                         "executor": "every method through the DynaPipe executor (fixed-shape 1F1B plans for "
                                     "the baselines)"}}
     print_t5_report(report, stream)

@@ -82,6 +82,10 @@ def print_t5_report(report: dict, stream: TextIO) -> None:
         print("identical ops (same stage, pass, shape and mask), time over their median, 10th-90th percentile: "
               + "; ".join(f"{m} {s['p10']:.2f}-{s['p90']:.2f} ({s['ops']} ops)" for m, s in spread.items())
               + " (the machine's noise: the work was the same)", file=stream)
+    from megatron_integration.bench_results import format_memory_faults
+
+    print(format_memory_faults({m: (r.get("minor_faults"), r.get("system_ms")) for m, r in results.items()},
+                               report["setup"].get("cpu_pretouch_mb", 0)), file=stream)
     load = report["setup"]["load_average"]
     print(f"load average (1, 5, 15 min) at the start {load['start']}, at the end {load['end']}", file=stream)
     print("where an iteration's time went (ms per iteration, mean over timed iterations):", file=stream)

@@ -4,11 +4,14 @@ DynaPipe's planner workers are child processes of the rank that hosts them; on a
 shared CPU their work competes with the training ranks, so a fair benchmark counts it.
 :class:`IterationCpu` records, after every iteration, the CPU time (user + system, ms)
 this rank's process and its descendant processes used since the previous record.
-Descendants are read from Linux ``/proc``; elsewhere their figure is ``None``.
+Descendants are read from Linux ``/proc``; elsewhere their figure is ``None``. It also
+records the rank's minor page faults and system CPU ms: memory faulted in for the first time
+(a new high-water mark of the heap) shows there, a cost a long run pays once.
 """
 from __future__ import annotations
 
 import os
+import resource
 import time
 from typing import Optional
 
@@ -51,15 +54,25 @@ def descendants_cpu_ms(pid: Optional[int] = None) -> Optional[float]:
     return total
 
 
+def _faults_and_system_ms() -> tuple[int, float]:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt, usage.ru_stime * 1e3
+
+
 class IterationCpu:
-    """Per-iteration CPU ms of this process (``rank_ms``) and of its descendants
-    (``children_ms``; ``None`` entries without /proc). Call :meth:`record` after each iteration."""
+    """Per-iteration CPU ms of this process (``rank_ms``), of its descendants
+    (``children_ms``; ``None`` entries without /proc), and this process's minor page faults
+    (``minor_faults``) and system CPU ms (``system_ms``, part of ``rank_ms``). Call
+    :meth:`record` after each iteration."""
 
     def __init__(self):
         self.rank_ms: list[float] = []
         self.children_ms: list[Optional[float]] = []
+        self.minor_faults: list[int] = []
+        self.system_ms: list[float] = []
         self._rank = time.process_time() * 1e3
         self._children = descendants_cpu_ms()
+        self._faults, self._system = _faults_and_system_ms()
 
     def record(self, *_args) -> None:
         rank = time.process_time() * 1e3
@@ -69,3 +82,7 @@ class IterationCpu:
         self.children_ms.append(None if children is None or self._children is None
                                 else max(children - self._children, 0.0))
         self._rank, self._children = rank, children
+        faults, system = _faults_and_system_ms()
+        self.minor_faults.append(faults - self._faults)
+        self.system_ms.append(system - self._system)
+        self._faults, self._system = faults, system

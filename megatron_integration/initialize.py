@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron_integration import cpu_compat
 from megatron_integration.agreement import joined_rendezvous
 from megatron_integration.cpu_affinity import pin_local_rank
-from megatron_integration.cpu_allocator import keep_freed_memory
+from megatron_integration.cpu_allocator import keep_freed_memory, pretouch_heap
 from megatron_integration.train_config import ParallelArgs
 
 # Optional-dependency notices megatron-core prints at import; expected on CPU.
@@ -99,9 +99,9 @@ def set_logging_level(level: Optional[int]) -> None:
 def initialize_megatron(parallel: ParallelArgs, seed: int, deterministic: bool = False,
                         logging_level: Optional[int] = None) -> RankInfo:
     """Process groups, megatron parallel state, CPU compatibility, the rank's CPU cores
-    (``parallel.cpu_affinity``) and seeds; returns this rank's place. ``deterministic``:
-    ``--deterministic-mode``, applied before the process group exists; ``logging_level``:
-    :func:`set_logging_level`."""
+    (``parallel.cpu_affinity``), its pre-touched heap (``parallel.cpu_pretouch_mb``) and
+    seeds; returns this rank's place. ``deterministic``: ``--deterministic-mode``, applied
+    before the process group exists; ``logging_level``: :func:`set_logging_level`."""
     from megatron_integration.determinism import start_deterministic_run
 
     set_logging_level(logging_level)
@@ -112,6 +112,9 @@ def initialize_megatron(parallel: ParallelArgs, seed: int, deterministic: bool =
                         parallel.virtual_pipeline_model_parallel_size)
     if parallel.cpu_affinity == "cores":
         pin_local_rank()
+    if parallel.cpu_pretouch_mb and not torch.cuda.is_available():
+        # After pinning, so the rank's own cores write it (and fault it in).
+        pretouch_heap(parallel.cpu_pretouch_mb)
     info = rank_info()
     set_seeds(seed, info)
     return info

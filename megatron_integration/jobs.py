@@ -104,6 +104,8 @@ def iteration_summary(method: str, run, cpu, pp_rank: int) -> dict:
         "layer_spec": run.spec_name,
         "cpu_ms": cpu.rank_ms,
         "children_cpu_ms": cpu.children_ms,
+        "minor_faults": cpu.minor_faults,
+        "system_ms": cpu.system_ms,
     }
 
 

@@ -29,6 +29,9 @@ class ParallelArgs:
     # --dynapipe-cpu-affinity: "cores" pins each local rank to its own slice of the host's
     # cores (megatron_integration.cpu_affinity), "none" leaves placement to the kernel.
     cpu_affinity: str = "none"
+    # --dynapipe-cpu-pretouch-mb: MiB of malloc heap a CPU rank writes once at start-up
+    # (megatron_integration.cpu_allocator.pretouch_heap); 0: none.
+    cpu_pretouch_mb: int = 0
     # Megatron's interleaved pipeline: model chunks per pipeline rank (None: one, no interleaving),
     # and whether megatron-core's interleaved schedule (the baselines) overlaps its transfers
     # (Megatron-LM's default with chunks; --no-overlap-p2p-communication turns it off).

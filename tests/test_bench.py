@@ -43,6 +43,11 @@ def test_bench_rounds_sweep_and_methods(tmp_path):
     # ops a neighbour slowed down); the fit itself is tested on synthetic ops in test_bench_refit.
     assert cal["error_after"]["total"]["ratio"] > 0
     assert setup["cpu_s"] > 0 and 0 < setup["profile_s"] < setup["elapsed_s"]
+    # Every rank wrote the preset's heap at start-up, and every method's runs recorded what they
+    # faulted in during the timed iterations.
+    assert setup["cpu_pretouch_mb"] == 1024 and "--dynapipe-cpu-pretouch-mb" in setup["argv"]
+    assert all(m["minor_faults"] >= 0 and m["system_ms"] >= 0 for m in report["methods"].values())
+    assert "memory first touched in the timed iterations" in result.stdout
     first, second = setup["round_orders"]
     assert sorted(first) == sorted(second) and second == first[1:] + first[:1]
     assert set(setup["timed_regions"]) >= set(report["methods"])

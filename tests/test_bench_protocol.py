@@ -6,7 +6,7 @@ import pytest
 
 from megatron_integration.bench import PRESETS, Entry, rotated, with_defaults
 from megatron_integration.bench import MethodResult, median_result, summarise
-from megatron_integration.bench_results import plans_queued_in
+from megatron_integration.bench_results import format_memory_faults, plans_queued_in
 from megatron_integration.bench_report import breakdown
 from megatron_integration.bench_report import format_compute_floor
 from megatron_integration.bench_sim import BenchSimulation
@@ -71,6 +71,23 @@ def test_planner_cpu_is_per_plan_made_in_the_timed_window():
     assert summarise(ranks, warmup_iters=1, prefetch=2).planner_cpu_ms == pytest.approx(15.0)
     # No plan queued in the window (prefetch covered the whole run in the warm-up): no figure.
     assert summarise(_ranks([[9.0, 1.0, 1.0]], children=[[5.0, 1.0, 0.0]]), 1, prefetch=4).planner_cpu_ms is None
+
+
+def test_memory_first_touched_is_summed_over_ranks_per_timed_iteration():
+    # The warm-up's faults (the model built, the heap grown) are outside the window; the ranks add up.
+    ranks = _ranks([[900.0, 100.0, 100.0], [900.0, 100.0, 100.0]])
+    ranks[0].update(minor_faults=[90000, 10, 30], system_ms=[800.0, 4.0, 6.0])
+    ranks[1].update(minor_faults=[70000, 100, 60], system_ms=[700.0, 10.0, 20.0])
+    r = summarise(ranks, warmup_iters=1, prefetch=1)
+    assert r.minor_faults == pytest.approx((110 + 90) / 2) and r.system_ms == pytest.approx((14.0 + 26.0) / 2)
+    assert r.to_json()["minor_faults"] == 100.0 and r.to_json()["system_ms"] == 20.0
+    line = format_memory_faults({"dynapipe": (r.minor_faults, r.system_ms), "padding": (None, None)}, 1024)
+    assert "dynapipe 100 faults, 20 ms" in line and "padding" not in line and "1024 MiB" in line
+    # A rank that did not record them (an older summary): no figure, not a partial sum.
+    del ranks[1]["minor_faults"]
+    assert summarise(ranks, warmup_iters=1, prefetch=1).minor_faults is None
+    runs = [MethodResult(1.0, 1.0, 1.0, 0.0, minor_faults=f, system_ms=s) for f, s in ((5.0, 1.0), (9.0, 3.0), (7.0, 2.0))]
+    assert (median_result(runs).minor_faults, median_result(runs).system_ms) == (7.0, 2.0)
 
 
 def test_median_over_rounds():

@@ -134,3 +134,10 @@ def test_the_report_prints_each_ratio_round_by_round_and_the_ops_spread():
     out = io.StringIO()
     print_t5_report(_report({}, None), out)
     assert "dynapipe_vs_packing: 2.00x\n" in out.getvalue() and "identical ops" not in out.getvalue()
+    # What the runs faulted in during the timed iterations, where they recorded it.
+    report = _report({}, None)
+    report["setup"]["cpu_pretouch_mb"] = 1024
+    report["methods"]["dynapipe"].update(minor_faults=412.0, system_ms=85.0)
+    out = io.StringIO()
+    print_t5_report(report, out)
+    assert "pre-touched 1024 MiB of heap at start-up): dynapipe 412 faults, 85 ms\n" in out.getvalue()
