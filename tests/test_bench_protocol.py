@@ -248,6 +248,14 @@ def test_sweep_runs_only_sizes_close_to_the_best_simulated():
     assert [r["micro_batch_size"] for r in pick_sizes(ranked, 2, 0.1)] == [2, 1]
     assert [r["micro_batch_size"] for r in pick_sizes(ranked, 3, 0.1)] == [2, 1]
     assert [r["micro_batch_size"] for r in pick_sizes(ranked, 3, 0.0)] == [2, 1, 4]
+    # The tiny preset: padding's near-tied sizes (as one run's profile simulated them) both run,
+    # the other baselines' best one only.
+    tiny = PRESETS["tiny"]
+    padding = [{"micro_batch_size": m, "real_tokens_per_s": v} for m, v in ((16, 4085.0), (1, 4071.0), (2, 4055.0))]
+    assert [r["micro_batch_size"] for r in pick_sizes(padding, tiny.sweep_top_of["padding"], tiny.sweep_within)] == [16, 1]
+    assert [r["micro_batch_size"] for r in pick_sizes(padding[:1] + [{"micro_batch_size": 1, "real_tokens_per_s": 3800.0}],
+                                                      tiny.sweep_top_of["padding"], tiny.sweep_within)] == [16]
+    assert tiny.sweep_top == 1 and set(tiny.sweep_top_of) == {"padding"}
     assert [r["micro_batch_size"] for r in pick_sizes(ranked, 2, 0.01)] == [2] and pick_sizes([], 2, 0.1) == []
 
 
