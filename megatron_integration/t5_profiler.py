@@ -13,9 +13,10 @@ with the ``[mbs, 1, sq, sk]`` masks the stage handlers build
   loss) at every (mbs, dec_seqlen).
 
 Times and memory are measured as for GPT (:func:`megatron_integration.profiler.measure_op`:
-stored and peak MiB; the fastest of ``repeats`` timed runs), except that a point's timed runs
-are spread over ``repeats`` passes over the whole grid, and a time is lowered to the least
-time of any larger shape (:func:`suffix_minimum`), which removes interference spikes.
+stored and peak MiB; the fastest of ``repeats`` timed runs, each from a cold cache), except
+that a point's timed runs are spread over ``repeats`` passes over the whole grid, and a time is
+lowered to the least time of any larger shape (:func:`suffix_minimum`), which removes
+interference spikes.
 
 The encoder and decoder layers' backwards run split, as zero-bubble plans (``zb-h1``) run
 them (:mod:`megatron_integration.split_backward`: an input part, then the linear layers'
@@ -39,7 +40,7 @@ import torch
 from dynapipe.cost.profile_checks import PROFILE_FORMAT, PROFILE_VERSION
 from dynapipe.cost.profile_t5 import FIELDS, KIND_ENCODER_DECODER, SPLIT_OPS, T5_AXES, T5_OPS, WEIGHT_FIELD
 from dynapipe.runtime.weight_grad_store import WeightGradStore
-from megatron_integration.profiler import as_trained, measure_op, suffix_minimum
+from megatron_integration.profiler import CacheFlush, as_trained, measure_op, suffix_minimum
 from megatron_integration.split_backward import install_split_backward
 from megatron_integration.train_config import GPTModelArgs, ParallelArgs
 from megatron_integration.masked_softmax import use_additive_masks
@@ -141,6 +142,7 @@ def profile_t5_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: 
 
     tp = ps.get_tensor_model_parallel_world_size()
     ops = T5Ops(model, device, tp, sequence_parallel)
+    flush = CacheFlush(device)
     axes = {"mbs": list(mbs_grid), "seqlen": list(seqlen_grid), "dec_seqlen": list(dec_seqlen_grid)}
     builders = {"encoder_layer": ops.encoder_layer, "decoder_layer": ops.decoder_layer,
                 "embedding": ops.embedding_op, "output": ops.output_op}
@@ -162,13 +164,13 @@ def profile_t5_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: 
                 fw, params = builders[op](*[g[i] for g, i in zip(grids, index)])
                 at = tuple(index)
                 if rep == 0:  # time and memory, after the warm-up
-                    m = measure_op(fw, params, device, repeats=1, warmup=warmup, weight_grads=split)
+                    m = measure_op(fw, params, device, repeats=1, warmup=warmup, weight_grads=split, flush=flush)
                     for f in FIELDS:
                         table[f][at] = getattr(m, f)
                     if split is not None:
                         table[WEIGHT_FIELD][at] = m.bw_weight_ms
                 else:
-                    fw_ms, bw_ms, weight_ms = time_op(fw, params, split)
+                    fw_ms, bw_ms, weight_ms = time_op(fw, params, split, flush)
                     table["fw_ms"][at] = min(float(table["fw_ms"][at]), fw_ms)
                     if bw_ms < float(table["bw_ms"][at]):
                         # The weight part belongs to the backward it was timed in.
@@ -200,18 +202,21 @@ def profile_t5_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: 
         "dec_seqlen": [int(s) for s in dec_seqlen_grid],
         "stage_overhead_ms": 0.0, "tp": tp, "sequence_parallel": bool(sequence_parallel),
         "profiling_s": round(time.perf_counter() - started, 2), "repeats": repeats,
-        "times": "fastest of the repeats, lowered to the fastest of any larger shape",
+        "times": "fastest of the repeats, each from a cold cache, lowered to the fastest of any larger shape",
         "ops": tables,
     }
 
 
 def time_op(forward: Callable[[], torch.Tensor], params: Sequence[torch.Tensor],
-            weight_grads: Optional[WeightGradStore] = None) -> tuple[float, float, Optional[float]]:
+            weight_grads: Optional[WeightGradStore] = None,
+            flush: Optional[Callable[[], None]] = None) -> tuple[float, float, Optional[float]]:
     """Wall ms of one forward, of its backward (a random output gradient; a scalar loss
     directly) and of that backward's weight part, synchronised on CUDA as
     :func:`~megatron_integration.profiler.measure_op` is. ``weight_grads``: the store the op's
     linear layers defer into; the backward then runs split (input part, then weight part),
-    its ms is both parts and the third ms the weight part. Without it the third is None."""
+    its ms is both parts and the third ms the weight part. Without it the third is None.
+    ``flush``: called, untimed, before the forward and before the backward (a
+    :class:`~megatron_integration.profiler.CacheFlush`)."""
     cuda = torch.cuda.is_available()
 
     def now() -> float:
@@ -219,10 +224,14 @@ def time_op(forward: Callable[[], torch.Tensor], params: Sequence[torch.Tensor],
             torch.cuda.synchronize()
         return time.perf_counter()
 
+    if flush is not None:
+        flush()
     t0 = now()
     out = forward()
     t1 = now()
     grad = None if out.dim() == 0 else torch.randn_like(out)
+    if flush is not None:
+        flush()
     t2 = now()
     if weight_grads is None:
         out.backward(grad)

@@ -12,7 +12,7 @@ from dynapipe.cost import build_cost_model
 from dynapipe.cost.profile import WEIGHT_FIELD, ProfileCostModel
 from dynapipe.errors import DynaPipeError
 from megatron_integration.live_memory import LiveMemoryTracker
-from megatron_integration.profiler import MIB, measure_op
+from megatron_integration.profiler import MIB, CacheFlush, measure_op
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +30,7 @@ def test_profile_loads_in_the_cost_model(profile_path):
     assert data["format"] == "dynapipe-profile" and (data["version"], data["kind"]) == (2, "decoder-only")
     assert data["mbs"] == [1, 2] and data["seqlen"] == [32, 64, 128]
     assert data["layer_spec"] == "local" and data["device"] == "cpu"
+    assert "each from a cold cache" in data["times"]
     tiny = load_model_config("gpt-tiny")
     model = build_cost_model(tiny, None, num_stages=2, profile=str(profile_path))
     assert isinstance(model, ProfileCostModel)
@@ -105,6 +106,40 @@ def test_measure_op_reports_saved_tensors_not_parameters():
     # Saved: x (for the weight gradient) and the linear output (for gelu); never the weight.
     assert m.stored_mib == pytest.approx(2 * 128 * 64 * 4 / MIB, rel=0.01)
     assert m.fw_ms > 0 and m.bw_ms > 0 and m.peak_mib >= 0
+
+
+def test_every_timed_pass_starts_after_a_cache_flush():
+    # The order of what happens: the flush runs (untimed) before every forward and every
+    # backward, the warm-up's included, so no timed pass finds the previous one's data cached.
+    events = []
+    w = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward():
+        events.append("forward")
+        return (torch.randn(4, 8) @ w).sum()
+
+    m = measure_op(forward, [w], torch.device("cpu"), repeats=2, warmup=1, flush=lambda: events.append("flush"))
+    assert m.fw_ms > 0 and m.bw_ms > 0
+    # Three runs: flush, forward, flush (then the backward); then the untimed memory run.
+    assert events[:9] == ["flush", "forward", "flush"] * 3 and events[9:] == ["forward"] * (len(events) - 9)
+    assert 1 <= len(events) - 9 <= 2
+
+
+def test_the_cache_flush_outsizes_the_cache_it_evicts(monkeypatch):
+    import megatron_integration.profiler as profiler
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(profiler.os, "sysconf", lambda name: 2 << 20)
+    assert CacheFlush.default_bytes(cpu) == 16 << 20  # 4 x 2 MiB is less than the 16 MiB floor
+    monkeypatch.setattr(profiler.os, "sysconf", lambda name: 8 << 20)
+    assert CacheFlush.default_bytes(cpu) == 32 << 20
+    def unknown(name):
+        raise ValueError(name)
+    monkeypatch.setattr(profiler.os, "sysconf", unknown)  # not reported: the floor
+    assert CacheFlush.default_bytes(cpu) == 16 << 20
+    flush = CacheFlush(cpu, nbytes=1 << 20)
+    flush()
+    assert flush.nbytes == 1 << 20 and float(flush._buffer.sum()) == (1 << 20) // 4
 
 
 def test_bad_grid_is_refused(tmp_path):
