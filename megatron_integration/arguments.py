@@ -260,6 +260,9 @@ def _parallel_args_from_args(args: argparse.Namespace, world_size: int, cuda: bo
         raise DynaPipeError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
                             f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} ranks.")
     pretouch = _positive("dynapipe-cpu-pretouch-mb", getattr(args, "dynapipe_cpu_pretouch_mb", 0), allow_zero=True)
+    if pretouch and not sys.platform.startswith("linux"):
+        raise DynaPipeError(f"--dynapipe-cpu-pretouch-mb {pretouch} writes glibc's malloc heap, which this "
+                            f"{sys.platform} host does not use: drop it.")
     if pretouch and cuda:
         raise DynaPipeError(f"--dynapipe-cpu-pretouch-mb {pretouch} writes a CPU rank's malloc heap; on GPUs the "
                             f"activations live in device memory, which PyTorch's caching allocator keeps: drop it.")

@@ -33,12 +33,11 @@ from dynapipe.progress import Progress
 from dynapipe.output_paths import write_output
 # Preset and stage_activation_peaks are not used here: callers import them from this module.
 from megatron_integration import cpu_allocator
-from megatron_integration.cpu_affinity import bench_default
 from megatron_integration.bench_checks import check_bench_outputs
 from megatron_integration.bench_request import Entry, check_request  # noqa: F401 (Entry re-exported)
 from megatron_integration.bench_presets import (BASELINES, DYNAPIPE_METHODS, EXECUTOR_METHODS, METHOD_FLAGS,
                                                 PRESETS, PROFILE_MBS, PROFILE_SEQLENS, REFERENCE_SEQ_LENGTH,
-                                                fill_defaults, flag_value, with_defaults)
+                                                fill_defaults, flag_value, host_defaults, with_defaults)
 from megatron_integration.bench_report import (breakdown, breakdown_summary, breakdown_table, format_compute_floor,
                                                ratio_table, round_ratios, write_png)
 from megatron_integration.bench_results import (MethodResult, median_result,  # noqa: F401 (re-exported)
@@ -174,7 +173,7 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
     sweep_top = p.sweep_top if sweep_top is None else sweep_top
     warmup_iters = p.warmup_iters if warmup_iters is None else warmup_iters
     calibrate_iters = p.calibrate_iters if calibrate_iters is None else calibrate_iters
-    argv = fill_defaults(with_defaults(argv, preset), {"--dynapipe-cpu-affinity": bench_default(nproc)})
+    argv = fill_defaults(with_defaults(argv, preset), host_defaults(nproc, p.cpu_pretouch_mb))
     cfg = parse_training_args(argv + METHOD_FLAGS["dynapipe"], nproc)
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     given_profile = flag_value(argv, "--dynapipe-cost-model")
@@ -260,7 +259,8 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
     for m in methods:
         print(f"  {m}: simulated {simulated[m]['iteration_ms']:.0f}, measured {results[m].iteration_ms:.0f} "
               f"({results[m].iteration_ms / max(simulated[m]['iteration_ms'], 1e-9):.2f}x)", file=stream)
-    print(format_memory_faults({m: (results[m].minor_faults, results[m].system_ms) for m in methods},
+    print(format_memory_faults({m: (results[m].minor_faults, results[m].system_ms, results[m].pretouch_s)
+                                for m in methods},
                                cfg.parallel.cpu_pretouch_mb), file=stream)
     errors = {}
     if calibration is not None:

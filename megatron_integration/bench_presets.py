@@ -47,13 +47,14 @@ EXECUTOR_METHODS = DYNAPIPE_METHODS + ("packing-search",)
 # --manual-gc (Megatron-LM's): measured in a T5 bench job, one threshold-triggered full
 # collection took 190 ms on both ranks in the middle of a run (a third of an iteration); with
 # the collector off during training, collections happen before the first iteration instead.
-# --dynapipe-cpu-pretouch-mb: every rank's heap written once at start-up, so no method's timed
-# iterations pay for memory faulted in for the first time (a long run pays it once, early). A
-# DynaPipe stage of the tiny GPT reached a new high a timed iteration, 64 MiB taking 270 ms of
-# system time; the size covers every preset's stage with room (the report shows what is left).
 _COMMON = {"--lr": "1e-4", "--hidden-dropout": "0", "--attention-dropout": "0", "--log-interval": "1",
-           "--seed": "1234", "--vocab-size": "512", "--pipeline-model-parallel-size": "2", "--manual-gc": None,
-           "--dynapipe-cpu-pretouch-mb": "1024"}
+           "--seed": "1234", "--vocab-size": "512", "--pipeline-model-parallel-size": "2", "--manual-gc": None}
+#: --dynapipe-cpu-pretouch-mb of the CPU presets: every rank's heap written once at start-up, so
+#: no method's timed iterations pay for memory faulted in for the first time (a long run pays it
+#: once, early). A DynaPipe stage of the tiny GPT reached a new high in a timed iteration, 64 MiB
+#: taking 270 ms of system time; 1 GiB covers every preset's stage with room (the report shows
+#: what is left).
+CPU_PRETOUCH_MB = 1024
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,9 @@ class Preset:
     after profiling, from whose traces the profile's fixed cost per stage op is fitted
     (:mod:`megatron_integration.bench_calibrate`; 0: none). ``profile_levels``: also
     profile the recompute levels (else derived; the baselines never recompute here).
-    ``sweep_top_of``: ``sweep_top`` of single methods (when the preset's applies)."""
+    ``sweep_top_of``: ``sweep_top`` of single methods (when the preset's applies).
+    ``cpu_pretouch_mb``: ``--dynapipe-cpu-pretouch-mb`` of every rank on a host without CUDA
+    (:func:`host_defaults`)."""
 
     args: dict
     methods: tuple[str, ...]
@@ -81,6 +84,7 @@ class Preset:
     calibrate_iters: int = 0
     profile_levels: bool = True
     sweep_top_of: dict = field(default_factory=dict)
+    cpu_pretouch_mb: int = CPU_PRETOUCH_MB
 
 
 # Every preset plans one iteration ahead (--dynapipe-prefetch 2): the next iteration's planning
@@ -126,6 +130,21 @@ PROFILE_MBS = (1, 2, 4, 8)  # the default of Preset.profile_mbs
 PROFILE_SEQLENS = (32, 64, 128, 256, 512, 1024)
 # GPT-7B at this sequence length is the attention-share reference (issue: within 5 points).
 REFERENCE_SEQ_LENGTH = 4096
+
+
+def host_defaults(nproc: int, cpu_pretouch_mb: int) -> dict:
+    """The settings a bench adds for this host where the command line does not give them:
+    ``--dynapipe-cpu-affinity`` (``cores`` where each of ``nproc`` ranks gets a core) and, without
+    CUDA, ``--dynapipe-cpu-pretouch-mb`` (MiB; GPU ranks keep activations in device memory, where
+    the flag is refused)."""
+    import torch
+
+    from megatron_integration.cpu_affinity import bench_default
+
+    out = {"--dynapipe-cpu-affinity": bench_default(nproc)}
+    if not torch.cuda.is_available():
+        out["--dynapipe-cpu-pretouch-mb"] = str(int(cpu_pretouch_mb))
+    return out
 
 
 def with_defaults(argv: Sequence[str], preset: str = "tiny") -> list[str]:

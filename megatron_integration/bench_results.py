@@ -55,6 +55,7 @@ class MethodResult:
     schedules: dict = field(default_factory=dict)  # schedule -> timed iterations that ran it (all rounds)
     minor_faults: Optional[float] = None
     system_ms: Optional[float] = None
+    pretouch_s: Optional[float] = None  # the slowest rank's --dynapipe-cpu-pretouch-mb, s
 
     @property
     def planning_overhead(self) -> float:
@@ -77,7 +78,8 @@ class MethodResult:
                 "layer_spec": self.layer_spec,
                 "activation_peak_mib": self.activation_peak_mib,
                 "minor_faults": None if self.minor_faults is None else round(self.minor_faults, 1),
-                "system_ms": None if self.system_ms is None else round(self.system_ms, 1)}
+                "system_ms": None if self.system_ms is None else round(self.system_ms, 1),
+                "pretouch_s": None if self.pretouch_s is None else round(self.pretouch_s, 3)}
 
 
 def plans_queued_in(keep: Sequence[int], prefetch: int, iterations: int) -> int:
@@ -123,7 +125,7 @@ def summarise(ranks: list[dict], warmup_iters: int, prefetch: int) -> MethodResu
         planner = sum(c[i] for c in children for i in keep) / plans
     rank_cpu = statistics.fmean(sum(r["cpu_ms"][i] for r in ranks) for i in keep) if "cpu_ms" in ranks[0] else 0.0
     faults, system = memory_faults(ranks, keep)
-    return MethodResult(real_tokens_per_s=real / (sum(iter_ms) / 1e3), padding_efficiency=real / max(padded, 1),
+    return MethodResult(pretouch_s=pretouch_seconds(ranks),real_tokens_per_s=real / (sum(iter_ms) / 1e3), padding_efficiency=real / max(padded, 1),
                         iteration_ms=statistics.fmean(iter_ms), plan_wait_ms=statistics.fmean(wait_ms),
                         losses=ranks[0]["losses"], timed_iterations=len(keep), layer_spec=ranks[0]["layer_spec"],
                         planner_cpu_ms=planner, rank_cpu_ms=rank_cpu, real_tokens=real // max(len(keep), 1),
@@ -132,15 +134,29 @@ def summarise(ranks: list[dict], warmup_iters: int, prefetch: int) -> MethodResu
                         system_ms=system)
 
 
+def pretouch_seconds(ranks: list[dict]) -> Optional[float]:
+    """The slowest rank's seconds writing its pre-touched heap (``pretouch_s`` of the rank
+    summaries); None where a rank did not record it."""
+    seconds = [r.get("pretouch_s") for r in ranks]
+    return None if not seconds or None in seconds else max(seconds)
+
+
 def format_memory_faults(figures: dict, pretouch_mb: int) -> str:
     """One line: each method's minor page faults and system CPU ms per timed iteration (all
-    ranks; ``figures``: method -> ``(faults, system_ms)``, None entries skipped) and the heap
-    the ranks pre-touched (``--dynapipe-cpu-pretouch-mb``, MiB)."""
-    parts = [f"{m} {f:,.0f} faults, {s:.0f} ms" for m, (f, s) in figures.items() if f is not None]
+    ranks) and the heap its ranks pre-touched at start-up (``--dynapipe-cpu-pretouch-mb``, MiB,
+    and the slowest rank's seconds). ``figures``: method -> ``(faults, system_ms, pretouch_s)``;
+    methods without faults recorded are left out."""
+    parts = []
+    for m, (faults, system, seconds) in figures.items():
+        if faults is None:
+            continue
+        heap = "" if not pretouch_mb else (", heap not pre-touched" if not seconds else f", pre-touch {seconds:.2f} s")
+        parts.append(f"{m} {faults:,.0f} faults, {system:.0f} ms{heap}")
     if not parts:
         return "memory first touched in the timed iterations: not recorded"
+    heap = f"each rank pre-touched {pretouch_mb} MiB of heap at start-up" if pretouch_mb else "no heap pre-touched"
     return (f"memory first touched in the timed iterations (minor page faults and system CPU ms an iteration, all "
-            f"ranks; each rank pre-touched {pretouch_mb} MiB of heap at start-up): " + "; ".join(parts))
+            f"ranks; {heap}): " + "; ".join(parts))
 
 
 def schedule_counts(schedules: Optional[Sequence[str]], keep: Sequence[int]) -> dict[str, int]:
@@ -157,11 +173,13 @@ def median_result(runs: list[MethodResult]) -> MethodResult:
     med = statistics.median
     waits = [r.planner_cpu_ms for r in runs]
     faults, system = [r.minor_faults for r in runs], [r.system_ms for r in runs]
+    touched = [r.pretouch_s for r in runs]
     return replace(runs[0], real_tokens_per_s=med(r.real_tokens_per_s for r in runs),
                    iteration_ms=med(r.iteration_ms for r in runs), plan_wait_ms=med(r.plan_wait_ms for r in runs),
                    planner_cpu_ms=None if None in waits else med(waits),
                    rank_cpu_ms=med(r.rank_cpu_ms for r in runs), rounds=len(runs),
                    minor_faults=None if None in faults else med(faults), system_ms=None if None in system else med(system),
+                   pretouch_s=None if None in touched else max(touched),
                    schedules=_sum_counts(r.schedules for r in runs))
 
 

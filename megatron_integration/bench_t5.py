@@ -37,88 +37,24 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from typing import Optional, Sequence, TextIO
 
 from dynapipe.errors import DynaPipeError
 from dynapipe.output_paths import write_output
 from megatron_integration import cpu_allocator
-from megatron_integration.cpu_affinity import bench_default
 from megatron_integration.bench_checks import check_bench_outputs, check_warmup_iters, make_output_dir, parse_t5_sweep
-from megatron_integration.bench_presets import fill_defaults
+from megatron_integration.bench_presets import fill_defaults, host_defaults
 from megatron_integration.bench_results import schedule_counts
 from megatron_integration.bench_t5_entries import (T5_BASELINES, T5_METHOD_FLAGS, UNCALIBRATED, T5Entry, best_runs,
                                                    t5_entries)
-
-
-# --manual-gc and --dynapipe-cpu-pretouch-mb as in the GPT presets (see bench_presets._COMMON).
-_COMMON = {"--lr": "1e-4", "--hidden-dropout": "0", "--attention-dropout": "0", "--log-interval": "1",
-           "--seed": "1234", "--vocab-size": "512", "--pipeline-model-parallel-size": "2", "--manual-gc": None,
-           "--dynapipe-cpu-pretouch-mb": "1024"}
-
-
-@dataclass(frozen=True)
-class T5Preset:
-    """Default arguments of a T5 bench preset, the baselines' micro-batch sizes to try and the
-    methods run unless ``--methods`` names them."""
-
-    args: dict
-    sweep: tuple[int, ...]
-    warmup_iters: int
-    about: str
-    methods: tuple[str, ...] = ("dynapipe", "dynapipe-even", "dynapipe-per-sample", "padding", "packing",
-                                "packing-per-sample", "packing-search")
-    #: Iterations of the untimed DynaPipe run that fits the profile's fixed cost per stage op
-    #: (0: none); ``--calibrate-iters`` overrides it.
-    calibrate_iters: int = 0
-
-
-# As the GPT presets, one iteration planned ahead: planning runs during the timed iterations.
-_TINY_ARGS = {"--encoder-num-layers": "2", "--decoder-num-layers": "2", "--hidden-size": "64",
-              "--num-attention-heads": "4", "--ffn-hidden-size": "256", "--encoder-seq-length": "1024",
-              "--decoder-seq-length": "256", "--global-batch-size": "32", "--train-iters": "4",
-              "--dynapipe-prefetch": "2", **_COMMON}
-T5_PRESETS = {
-    # Calibrated: the profiler times an op alone in a tight loop; on a training rank each stage op
-    # also pays a fixed 5-8 ms here (handler, dispatch, two ranks on two cores), and a planner
-    # that does not see it cuts DynaPipe's micro-batches too fine. Four iterations: the first is
-    # a warm-up the fit leaves out, and one fitted iteration alone has given a 0.28x slope.
-    "tiny": T5Preset(
-        args=_TINY_ARGS,
-        sweep=(1, 2, 4), warmup_iters=1, calibrate_iters=4,
-        about="tiny T5 (2+2 layers, hidden 64), inputs up to 1,024 and targets up to 256 tokens"),
-    "representative": T5Preset(
-        args={"--encoder-num-layers": "1", "--decoder-num-layers": "1", "--hidden-size": "512",
-              "--num-attention-heads": "8", "--ffn-hidden-size": "2048", "--encoder-seq-length": "512",
-              "--decoder-seq-length": "128", "--global-batch-size": "16", "--train-iters": "4",
-              "--dynapipe-prefetch": "2", **_COMMON},
-        sweep=(1, 2), warmup_iters=1,
-        about="T5 with hidden = encoder length (1+1 layers, hidden 512 at 512/128 tokens)"),
-    # The tiny model on the long rows where packing wastes most (the paper's regime). A global
-    # batch of 128 gives packing about 8 rows of 4,096 tokens an iteration, as the tiny
-    # preset's 32 give it 8 rows of 1,024. Packing's mbs 1 only: its fastest in every tiny run,
-    # and each further size costs about 4 minutes a round here. Padding is left out by
-    # default: 128 rows of 4,096 tokens take minutes an iteration on 2 cores.
-    "long": T5Preset(
-        # Encoder rows up to 3,600 tokens: over 1 GiB of attention scores on a stage.
-        args={**_TINY_ARGS, "--encoder-seq-length": "4096", "--global-batch-size": "128",
-              "--dynapipe-cpu-pretouch-mb": "3072"},
-        sweep=(1,), warmup_iters=1, methods=("dynapipe", "dynapipe-even", "dynapipe-per-sample", "packing",
-                                             "packing-per-sample", "packing-search"),
-        about="tiny T5 (2+2 layers, hidden 64), inputs up to 4,096 and targets up to 256 tokens, global batch 128"),
-}
-
-
-def t5_with_defaults(argv: Sequence[str], preset: str) -> list[str]:
-    """``argv`` plus every default of the preset it does not set (``--mock-data`` unless data is given)."""
-    return fill_defaults(argv, T5_PRESETS[preset].args)
+from megatron_integration.bench_t5_presets import T5_PRESETS, t5_with_defaults
 
 
 def t5_figures(ranks: list[dict], warmup_iters: int, prefetch: int) -> dict:
     """Figures of one run from every rank's summary, iterations after the warm-up; ``prefetch``
     (``--dynapipe-prefetch``) counts the plans made during them, as the GPT bench does
     (:func:`~megatron_integration.bench_results.plans_queued_in`)."""
-    from megatron_integration.bench_results import memory_faults, plans_queued_in
+    from megatron_integration.bench_results import memory_faults, plans_queued_in, pretouch_seconds
 
     n = len(ranks[0]["iteration_ms"])
     keep = list(range(min(warmup_iters, n - 1), n))
@@ -140,6 +76,7 @@ def t5_figures(ranks: list[dict], warmup_iters: int, prefetch: int) -> dict:
             "planner_cpu_ms": planner,
             "minor_faults": None if faults is None else round(faults, 1),
             "system_ms": None if system is None else round(system, 1),
+            "pretouch_s": pretouch_seconds(ranks),
             "real_tokens_per_cpu_s": None if not cpu_ms else round(real / (cpu_ms / 1e3), 2),
             "cpu_ms_per_iteration": None if cpu_ms is None else round(cpu_ms / len(keep), 1),
             "padding_efficiency": round(real / max(padded, 1), 4),
@@ -168,7 +105,7 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
     warmup = p.warmup_iters if warmup_iters is None else warmup_iters
     check_warmup_iters(warmup)
     check_bench_outputs(output)
-    argv = fill_defaults(t5_with_defaults(argv, preset), {"--dynapipe-cpu-affinity": bench_default(nproc)})
+    argv = fill_defaults(t5_with_defaults(argv, preset), host_defaults(nproc, p.cpu_pretouch_mb))
     # Every command line checked before any process starts (the contiguous splits tried beside
     # an interleaved placement are the planner's own).
     for margv in [e.argv(argv) for e in t5_entries(methods, sweep, {"placement": ""})]:

@@ -84,7 +84,8 @@ def print_t5_report(report: dict, stream: TextIO) -> None:
               + " (the machine's noise: the work was the same)", file=stream)
     from megatron_integration.bench_results import format_memory_faults
 
-    print(format_memory_faults({m: (r.get("minor_faults"), r.get("system_ms")) for m, r in results.items()},
+    print(format_memory_faults({m: (r.get("minor_faults"), r.get("system_ms"), r.get("pretouch_s"))
+                                for m, r in results.items()},
                                report["setup"].get("cpu_pretouch_mb", 0)), file=stream)
     load = report["setup"]["load_average"]
     print(f"load average (1, 5, 15 min) at the start {load['start']}, at the end {load['end']}", file=stream)

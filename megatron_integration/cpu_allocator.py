@@ -101,24 +101,39 @@ def keep_freed_memory(mmap_threshold_bytes: int = MMAP_THRESHOLD_BYTES,
     return _applied
 
 
-#: Pre-touched in blocks of this many bytes: under every mmap threshold glibc accepts, so each
-#: block comes off the heap top, and the freed blocks merge back into it.
+#: Pre-touched in blocks of this many bytes: below the mmap threshold keep_freed_memory sets
+#: (1 GiB, or 32 MiB on an older glibc), so each block comes off the heap top and the freed
+#: blocks merge back into it.
 PRETOUCH_BLOCK_BYTES = 16 * 1024 * 1024
+
+_pretouched_s: Optional[float] = None
 
 
 def pretouch_heap(mib: int) -> float:
-    """Grow this process's malloc heap by ``mib`` MiB, write every page once and free it, so
-    later allocations up to that size reuse memory already faulted in. Needs
-    :func:`keep_freed_memory` applied (a trimmed heap would hand the pages back at once);
-    returns the seconds it took, 0.0 where nothing was done (``mib`` 0, or not glibc)."""
+    """Grow this process's malloc heap by ``mib`` MiB (rounded up to 16 MiB blocks), write
+    every page once and free it, so later allocations up to that size reuse memory already
+    faulted in. Returns the seconds it took (0.0 for ``mib`` 0; also what
+    :func:`pretouched_seconds` reports after). Raises ``ValueError`` where it cannot work:
+    before :func:`keep_freed_memory` or off glibc (nothing keeps the pages), with a trim
+    threshold (the freed top would go back to the kernel at once), or with an mmap threshold
+    at or below the block size (every block would be mapped and unmapped on its own)."""
+    global _pretouched_s
     if mib < 0:
         raise ValueError(f"pre-touching {mib} MiB of heap: give a size of at least 0 MiB")
-    setting = _applied
-    if mib == 0 or setting is None or not setting.applied:
+    if mib == 0:
+        _pretouched_s = 0.0
         return 0.0
+    setting = _applied
+    if setting is None or not setting.applied:
+        why = "keep_freed_memory() has not run" if setting is None else setting.reason
+        raise ValueError(f"pre-touching the heap needs glibc's malloc kept by keep_freed_memory ({why}); "
+                         f"give 0 MiB on this host")
     if setting.trim_threshold_bytes != TRIM_NEVER:
         raise ValueError("pre-touching the heap needs it never trimmed (keep_freed_memory's default); it was "
                          f"set to trim at {setting.trim_threshold_bytes} bytes")
+    if setting.mmap_threshold_bytes <= PRETOUCH_BLOCK_BYTES:
+        raise ValueError(f"pre-touching the heap needs an mmap threshold above its {PRETOUCH_BLOCK_BYTES} byte "
+                         f"blocks; keep_freed_memory set {setting.mmap_threshold_bytes} bytes")
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     libc.malloc.argtypes, libc.malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
     libc.free.argtypes, libc.free.restype = [ctypes.c_void_p], None
@@ -136,7 +151,14 @@ def pretouch_heap(mib: int) -> float:
         # Last first: each freed block joins the heap top, which is never trimmed.
         for block in reversed(blocks):
             libc.free(block)
-    return time.perf_counter() - started
+    _pretouched_s = time.perf_counter() - started
+    return _pretouched_s
+
+
+def pretouched_seconds() -> Optional[float]:
+    """Seconds the last :func:`pretouch_heap` of this process took (0.0: asked for 0 MiB), or
+    None where it never ran."""
+    return _pretouched_s
 
 
 def current_setting() -> Optional[AllocatorSetting]:

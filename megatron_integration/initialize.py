@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dynapipe.errors import DynaPipeError
 from megatron_integration import cpu_compat
 from megatron_integration.agreement import joined_rendezvous
 from megatron_integration.cpu_affinity import pin_local_rank
@@ -114,7 +115,10 @@ def initialize_megatron(parallel: ParallelArgs, seed: int, deterministic: bool =
         pin_local_rank()
     if parallel.cpu_pretouch_mb and not torch.cuda.is_available():
         # After pinning, so the rank's own cores write it (and fault it in).
-        pretouch_heap(parallel.cpu_pretouch_mb)
+        try:
+            pretouch_heap(parallel.cpu_pretouch_mb)
+        except (ValueError, MemoryError) as e:
+            raise DynaPipeError(f"--dynapipe-cpu-pretouch-mb {parallel.cpu_pretouch_mb}: {e}") from None
     info = rank_info()
     set_seeds(seed, info)
     return info

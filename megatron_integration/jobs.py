@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from megatron_integration.cpu_allocator import pretouched_seconds
 from megatron_integration.launch import spawn
 
 
@@ -106,6 +107,8 @@ def iteration_summary(method: str, run, cpu, pp_rank: int) -> dict:
         "children_cpu_ms": cpu.children_ms,
         "minor_faults": cpu.minor_faults,
         "system_ms": cpu.system_ms,
+        # Seconds this rank spent writing --dynapipe-cpu-pretouch-mb of heap (None: not asked).
+        "pretouch_s": pretouched_seconds(),
     }
 
 

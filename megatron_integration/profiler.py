@@ -13,13 +13,11 @@ For every (mbs, seqlen) of a grid, three ops are measured on the current device:
 
 Times: the fastest wall ms of the forward and of the backward over ``repeats`` runs
 after warm-up (CUDA synchronised around each); the minimum, because interference from
-other processes only ever adds time. Each timed pass starts from a cold cache
-(:class:`CacheFlush`: a buffer larger than the core's L2, or the GPU's, written first), as a
-pipeline stage's op does, which runs after other micro-batches' ops: repeated back to back, a
-small op keeps its weights and activations in the cache and measured 20-50% faster than from a
-cold cache on a CPU core with 2 MiB of L2 (a 1,024-token row 6-10%). The layer's backward runs split, as zero-bubble plans
-run it (an input part, then the linear layers' deferred weight gradients), and
-``bw_weight_ms`` is the weight part of the fastest backward. Memory, MiB:
+other processes only ever adds time. Each timed pass starts from a cold cache, as a
+pipeline stage's op does (:mod:`megatron_integration.cache_flush` says why and by how much).
+The layer's backward runs split, as zero-bubble plans run it (an input part, then the linear
+layers' deferred weight gradients), and ``bw_weight_ms`` is the weight part of the fastest
+backward. Memory, MiB:
 
 * ``stored_mib``: the distinct storages autograd saves for the backward, parameters
   excluded, counted by the :class:`~dynapipe.runtime.activation_meter.ActivationMeter`
@@ -40,7 +38,6 @@ The output is the format :mod:`dynapipe.cost.profile` documents and
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -51,6 +48,7 @@ from dynapipe.cost.profile_checks import FIELDS, LAYER_OPS, LEVEL_OPS, OPS, PROF
 from dynapipe.cost.profile_t5 import WEIGHT_FIELD
 from dynapipe.runtime.activation_meter import ActivationMeter
 from dynapipe.runtime.weight_grad_store import WeightGradStore
+from megatron_integration.cache_flush import CacheFlush
 from megatron_integration.live_memory import LiveMemoryTracker
 from megatron_integration.split_backward import install_split_backward
 from megatron_integration.train_config import GPTModelArgs, ParallelArgs
@@ -68,31 +66,6 @@ class OpMeasurement:
     stored_mib: float
     peak_mib: float
     bw_weight_ms: Optional[float] = None  # the weight part of bw_ms, where the backward was split
-
-
-class CacheFlush:
-    """Evicts what the last op left in the cache before a timed run: writes a buffer of
-    ``nbytes`` on ``device`` (default: four times the core's L2 on a CPU, at least 16 MiB;
-    twice a GPU's L2, at least 64 MiB)."""
-
-    def __init__(self, device: torch.device, nbytes: Optional[int] = None):
-        self.nbytes = int(nbytes or self.default_bytes(device))
-        self._buffer = torch.empty(self.nbytes // 4, dtype=torch.float32, device=device)
-
-    @staticmethod
-    def default_bytes(device: torch.device) -> int:
-        """The flush size for ``device``, bytes (see the class docstring)."""
-        if device.type == "cuda":
-            l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0
-            return max(2 * int(l2), 64 << 20)
-        try:
-            l2 = int(os.sysconf("SC_LEVEL2_CACHE_SIZE"))
-        except (AttributeError, ValueError, OSError):
-            l2 = 0
-        return max(4 * max(l2, 0), 16 << 20)
-
-    def __call__(self) -> None:
-        self._buffer.fill_(1.0)
 
 
 def _sync(device: torch.device, group=None) -> None:

@@ -40,7 +40,8 @@ import torch
 from dynapipe.cost.profile_checks import PROFILE_FORMAT, PROFILE_VERSION
 from dynapipe.cost.profile_t5 import FIELDS, KIND_ENCODER_DECODER, SPLIT_OPS, T5_AXES, T5_OPS, WEIGHT_FIELD
 from dynapipe.runtime.weight_grad_store import WeightGradStore
-from megatron_integration.profiler import CacheFlush, as_trained, measure_op, suffix_minimum
+from megatron_integration.cache_flush import CacheFlush
+from megatron_integration.profiler import as_trained, measure_op, suffix_minimum
 from megatron_integration.split_backward import install_split_backward
 from megatron_integration.train_config import GPTModelArgs, ParallelArgs
 from megatron_integration.masked_softmax import use_additive_masks

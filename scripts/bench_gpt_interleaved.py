@@ -23,8 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_integration.bench_presets import with_defaults  # noqa: E402
-from megatron_integration.cpu_affinity import bench_default  # noqa: E402
+from megatron_integration.bench_presets import PRESETS, fill_defaults, host_defaults, with_defaults  # noqa: E402
 from dynapipe.argparsing import StrictArgumentParser, print_error  # noqa: E402
 from dynapipe.errors import DynaPipeError  # noqa: E402
 from dynapipe.output_paths import check_output_file, write_output  # noqa: E402
@@ -71,7 +70,8 @@ def main(argv=None) -> int:
         parser.error(f"--rounds {args.rounds} / --chunks {args.chunks}: give at least 1 round and 2 chunks.")
     if args.nproc < 1:
         parser.error(f"--nproc {args.nproc}: must be at least 1 (the ranks each run spawns)")
-    base = with_defaults(["--use-dynapipe", "--dynapipe-cpu-affinity", bench_default(args.nproc)] + train, "tiny")
+    base = fill_defaults(with_defaults(["--use-dynapipe"] + train, "tiny"),
+                         host_defaults(args.nproc, PRESETS["tiny"].cpu_pretouch_mb))
     chunked = base + ["--num-virtual-stages-per-pipeline-rank", str(args.chunks)]
     try:
         if args.output is not None:

@@ -47,6 +47,8 @@ def test_bench_rounds_sweep_and_methods(tmp_path):
     # faulted in during the timed iterations.
     assert setup["cpu_pretouch_mb"] == 1024 and "--dynapipe-cpu-pretouch-mb" in setup["argv"]
     assert all(m["minor_faults"] >= 0 and m["system_ms"] >= 0 for m in report["methods"].values())
+    # ... and the ranks did write it (their own measured seconds, not the flag echoed back).
+    assert all(m["pretouch_s"] > 0 for m in report["methods"].values())
     assert "memory first touched in the timed iterations" in result.stdout
     first, second = setup["round_orders"]
     assert sorted(first) == sorted(second) and second == first[1:] + first[:1]

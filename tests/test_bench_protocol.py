@@ -81,13 +81,23 @@ def test_memory_first_touched_is_summed_over_ranks_per_timed_iteration():
     r = summarise(ranks, warmup_iters=1, prefetch=1)
     assert r.minor_faults == pytest.approx((110 + 90) / 2) and r.system_ms == pytest.approx((14.0 + 26.0) / 2)
     assert r.to_json()["minor_faults"] == 100.0 and r.to_json()["system_ms"] == 20.0
-    line = format_memory_faults({"dynapipe": (r.minor_faults, r.system_ms), "padding": (None, None)}, 1024)
-    assert "dynapipe 100 faults, 20 ms" in line and "padding" not in line and "1024 MiB" in line
+    assert r.pretouch_s is None  # the ranks did not record a pre-touch
+    ranks[0]["pretouch_s"], ranks[1]["pretouch_s"] = 0.4, 0.6
+    r = summarise(ranks, warmup_iters=1, prefetch=1)
+    assert r.pretouch_s == 0.6 and r.to_json()["pretouch_s"] == 0.6  # the slowest rank's
+    line = format_memory_faults({"dynapipe": (r.minor_faults, r.system_ms, r.pretouch_s),
+                                 "packing": (5.0, 1.0, None), "padding": (None, None, None)}, 1024)
+    assert "dynapipe 100 faults, 20 ms, pre-touch 0.60 s" in line and "1024 MiB" in line
+    # A method whose ranks asked for the heap but did not record writing it says so.
+    assert "packing 5 faults, 1 ms, heap not pre-touched" in line and "padding" not in line
+    assert "no heap pre-touched" in format_memory_faults({"dynapipe": (1.0, 1.0, None)}, 0)
     # A rank that did not record them (an older summary): no figure, not a partial sum.
     del ranks[1]["minor_faults"]
     assert summarise(ranks, warmup_iters=1, prefetch=1).minor_faults is None
-    runs = [MethodResult(1.0, 1.0, 1.0, 0.0, minor_faults=f, system_ms=s) for f, s in ((5.0, 1.0), (9.0, 3.0), (7.0, 2.0))]
-    assert (median_result(runs).minor_faults, median_result(runs).system_ms) == (7.0, 2.0)
+    runs = [MethodResult(1.0, 1.0, 1.0, 0.0, minor_faults=f, system_ms=s, pretouch_s=t)
+            for f, s, t in ((5.0, 1.0, 0.5), (9.0, 3.0, 0.7), (7.0, 2.0, 0.6))]
+    m = median_result(runs)
+    assert (m.minor_faults, m.system_ms, m.pretouch_s) == (7.0, 2.0, 0.7)
 
 
 def test_median_over_rounds():
@@ -256,8 +266,21 @@ def test_sweep_runs_only_sizes_close_to_the_best_simulated():
     assert [r["micro_batch_size"] for r in pick_sizes(padding[:1] + [{"micro_batch_size": 1, "real_tokens_per_s": 3800.0}],
                                                       tiny.sweep_top_of["padding"], tiny.sweep_within)] == [16]
     assert tiny.sweep_top == 1 and set(tiny.sweep_top_of) == {"padding"}
+
     assert [r["micro_batch_size"] for r in pick_sizes(ranked, 2, 0.01)] == [2] and pick_sizes([], 2, 0.1) == []
 
+
+def test_the_heap_is_pre_touched_only_where_no_gpu_keeps_the_activations(monkeypatch):
+    from megatron_integration.bench_presets import host_defaults
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert host_defaults(2, 1024)["--dynapipe-cpu-pretouch-mb"] == "1024"
+    assert PRESETS["tiny"].cpu_pretouch_mb == PRESETS["representative"].cpu_pretouch_mb == 1024
+    # On a GPU host the flag is refused (GPU ranks' activations live in device memory): the
+    # bench must not add it there, or every GPU bench would fail on a flag nobody typed.
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert "--dynapipe-cpu-pretouch-mb" not in host_defaults(2, 1024)
+    assert "--dynapipe-cpu-pretouch-mb" not in with_defaults([], "tiny")
 
 def test_bench_layer_checks_requests_without_the_command_line():
     # The bench is called by the command line, never the other way round: checking a request

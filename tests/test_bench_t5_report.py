@@ -137,7 +137,7 @@ def test_the_report_prints_each_ratio_round_by_round_and_the_ops_spread():
     # What the runs faulted in during the timed iterations, where they recorded it.
     report = _report({}, None)
     report["setup"]["cpu_pretouch_mb"] = 1024
-    report["methods"]["dynapipe"].update(minor_faults=412.0, system_ms=85.0)
+    report["methods"]["dynapipe"].update(minor_faults=412.0, system_ms=85.0, pretouch_s=0.45)
     out = io.StringIO()
     print_t5_report(report, out)
-    assert "pre-touched 1024 MiB of heap at start-up): dynapipe 412 faults, 85 ms\n" in out.getvalue()
+    assert "pre-touched 1024 MiB of heap at start-up): dynapipe 412 faults, 85 ms, pre-touch 0.45 s\n" in out.getvalue()

@@ -40,13 +40,17 @@ def test_flag_reaches_the_parallel_config():
         parse_training_args(GPT + ["--dynapipe-cpu-affinity", "numa"], 1, cuda=False)
 
 
-def test_pretouch_flag_reaches_the_parallel_config_and_is_refused_on_gpus():
+def test_pretouch_flag_reaches_the_parallel_config_and_is_refused_where_it_cannot_apply(monkeypatch):
     from megatron_integration.arguments import parse_training_args
 
     assert parse_training_args(GPT, 1, cuda=False).parallel.cpu_pretouch_mb == 0
     assert parse_training_args(GPT + ["--dynapipe-cpu-pretouch-mb", "256"], 1, cuda=False).parallel.cpu_pretouch_mb == 256
     with pytest.raises(DynaPipeError, match="--dynapipe-cpu-pretouch-mb -8: must be non-negative"):
         parse_training_args(GPT + ["--dynapipe-cpu-pretouch-mb", "-8"], 1, cuda=False)
+    monkeypatch.setattr("sys.platform", "darwin")
+    with pytest.raises(DynaPipeError, match="--dynapipe-cpu-pretouch-mb 256 writes glibc's malloc heap.*darwin"):
+        parse_training_args(GPT + ["--dynapipe-cpu-pretouch-mb", "256"], 1, cuda=False)
+    monkeypatch.undo()
     gpu = GPT + ["--transformer-impl", "local", "--dynapipe-cpu-pretouch-mb", "256"]
     with pytest.raises(DynaPipeError, match="--dynapipe-cpu-pretouch-mb 256 writes a CPU rank's malloc heap.*drop it"):
         parse_training_args(gpu, 1, cuda=True)

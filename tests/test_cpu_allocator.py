@@ -134,12 +134,16 @@ def test_a_pretouched_heap_serves_a_first_pass_without_page_faults():
     assert cold["faults"][1] < 0.05 * cold["faults"][0] and len(cold["system_ms"]) == 2, runs
 
 
-def test_pretouch_refuses_a_negative_size_and_needs_the_heap_kept(monkeypatch):
+def test_pretouch_refuses_what_would_not_keep_the_pages(monkeypatch):
+    monkeypatch.setattr(cpu_allocator, "_pretouched_s", None)
     with pytest.raises(ValueError, match="-1 MiB"):
         cpu_allocator.pretouch_heap(-1)
-    monkeypatch.setattr(cpu_allocator, "_applied", cpu_allocator.AllocatorSetting(True, 1 << 30, 64 << 20))
-    with pytest.raises(ValueError, match="never trimmed"):
-        cpu_allocator.pretouch_heap(16)
-    # Off glibc (or before keep_freed_memory) there is no heap setting to rely on: nothing is done.
-    monkeypatch.setattr(cpu_allocator, "_applied", cpu_allocator.AllocatorSetting(False, reason="not glibc (darwin)"))
-    assert cpu_allocator.pretouch_heap(16) == 0.0
+    assert cpu_allocator.pretouch_heap(0) == 0.0 and cpu_allocator.pretouched_seconds() == 0.0
+    never = cpu_allocator.TRIM_NEVER
+    for setting, needle in ((None, "keep_freed_memory\\(\\) has not run"),
+                            (cpu_allocator.AllocatorSetting(False, reason="not glibc (darwin)"), "not glibc"),
+                            (cpu_allocator.AllocatorSetting(True, 1 << 30, 64 << 20), "never trimmed"),
+                            (cpu_allocator.AllocatorSetting(True, 8 << 20, never), "mmap threshold above")):
+        monkeypatch.setattr(cpu_allocator, "_applied", setting)
+        with pytest.raises(ValueError, match=needle):
+            cpu_allocator.pretouch_heap(16)

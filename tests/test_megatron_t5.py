@@ -614,13 +614,10 @@ def test_bench_long_preset_is_the_tiny_t5_on_long_rows_and_t5_only(tmp_path, cap
     argv = t5_with_defaults([], "long")
     flags = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
     tiny = t5_with_defaults([], "tiny")
-    tiny_flags = {tiny[i]: tiny[i + 1] for i in range(len(tiny) - 1) if tiny[i].startswith("--")}
     assert flags["--encoder-seq-length"] == "4096" and flags["--global-batch-size"] == "128"
-    # Its ranks pre-touch a heap sized for encoder rows of up to 4,096 tokens; the rest is the tiny preset's.
-    assert int(flags["--dynapipe-cpu-pretouch-mb"]) > int(tiny_flags["--dynapipe-cpu-pretouch-mb"]) > 0
-    changed = ("--encoder-seq-length", "--global-batch-size", "--dynapipe-cpu-pretouch-mb")
-    assert [a for a in argv if a not in changed and a not in (flags[c] for c in changed)] == \
-        [a for a in tiny if a not in changed and a not in (tiny_flags[c] for c in changed)]
+    assert [a for a in argv if a not in ("4096", "128")] == [a for a in tiny if a not in ("1024", "32")]
+    # Its ranks pre-touch a heap sized for encoder rows of up to 4,096 tokens.
+    assert T5_PRESETS["long"].cpu_pretouch_mb > T5_PRESETS["tiny"].cpu_pretouch_mb > 0
     assert "padding" not in T5_PRESETS["long"].methods and "padding" in T5_PRESETS["tiny"].methods
     assert main(["bench", "--preset", "long", "--output", str(tmp_path / "g.json")]) == 2
     assert "--preset long is a T5 preset: add --model t5" in capsys.readouterr().err
@@ -631,7 +628,8 @@ def test_bench_t5_figures_count_the_slowest_rank_after_the_warm_up():
 
     rank = {"iteration_ms": [900.0, 100.0, 300.0], "real_tokens": [50, 100, 200], "padded_tokens": [80, 200, 400],
             "plan_wait_ms": [0.0, 1.0, 3.0], "losses": [3.0, 2.0, 1.0], "cpu_ms": [5.0, 100.0, 200.0],
-            "children_cpu_ms": [1.0, 50.0, None], "minor_faults": [9000, 10, 20], "system_ms": [90.0, 1.0, 3.0]}
+            "children_cpu_ms": [1.0, 50.0, None], "minor_faults": [9000, 10, 20], "system_ms": [90.0, 1.0, 3.0],
+            "pretouch_s": 0.5}
     slow = dict(rank, iteration_ms=[900.0, 200.0, 300.0])
     fig = t5_figures([rank, slow], warmup_iters=1, prefetch=2)
     assert fig["real_tokens_per_s"] == pytest.approx(300 / 0.5)
@@ -642,6 +640,7 @@ def test_bench_t5_figures_count_the_slowest_rank_after_the_warm_up():
     assert fig["real_tokens_per_cpu_s"] == pytest.approx(300 / 0.7, abs=0.01)
     # Memory first touched in the timed iterations, both ranks: 2 x (10 + 20) faults over 2 iterations.
     assert (fig["minor_faults"], fig["system_ms"]) == (30.0, 4.0)
+    assert fig["pretouch_s"] == 0.5
 
 
 def test_pretrain_t5_script_reports_bad_input_in_one_line(capsys):

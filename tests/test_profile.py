@@ -12,7 +12,8 @@ from dynapipe.cost import build_cost_model
 from dynapipe.cost.profile import WEIGHT_FIELD, ProfileCostModel
 from dynapipe.errors import DynaPipeError
 from megatron_integration.live_memory import LiveMemoryTracker
-from megatron_integration.profiler import MIB, CacheFlush, measure_op
+from megatron_integration.cache_flush import CacheFlush
+from megatron_integration.profiler import MIB, measure_op
 
 
 @pytest.fixture(scope="module")
@@ -108,34 +109,57 @@ def test_measure_op_reports_saved_tensors_not_parameters():
     assert m.fw_ms > 0 and m.bw_ms > 0 and m.peak_mib >= 0
 
 
-def test_every_timed_pass_starts_after_a_cache_flush():
-    # The order of what happens: the flush runs (untimed) before every forward and every
-    # backward, the warm-up's included, so no timed pass finds the previous one's data cached.
+def test_every_timed_pass_starts_after_a_cache_flush_outside_its_time():
+    # The flush runs before every forward and every backward, the warm-up's included, so no
+    # timed pass finds the previous one's data cached, and none of its time is counted.
+    import time
+
     events = []
+
+    class Mark(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            events.append("backward")
+            return g
+
     w = torch.nn.Parameter(torch.randn(8, 8))
 
     def forward():
         events.append("forward")
-        return (torch.randn(4, 8) @ w).sum()
+        return Mark.apply(torch.randn(4, 8) @ w).sum()
 
-    m = measure_op(forward, [w], torch.device("cpu"), repeats=2, warmup=1, flush=lambda: events.append("flush"))
-    assert m.fw_ms > 0 and m.bw_ms > 0
-    # Three runs: flush, forward, flush (then the backward); then the untimed memory run.
-    assert events[:9] == ["flush", "forward", "flush"] * 3 and events[9:] == ["forward"] * (len(events) - 9)
-    assert 1 <= len(events) - 9 <= 2
+    def flush():
+        events.append("flush")
+        time.sleep(0.2)
+
+    m = measure_op(forward, [w], torch.device("cpu"), repeats=2, warmup=1, flush=flush)
+    # Three timed-loop runs, then the untimed memory runs (a forward, and one with its backward).
+    assert events[:12] == ["flush", "forward", "flush", "backward"] * 3
+    assert "flush" not in events[12:] and events[12:].count("forward") == 2
+    assert 0 < m.fw_ms < 100 and 0 < m.bw_ms < 100  # the 200 ms flushes are outside the timed passes
 
 
-def test_the_cache_flush_outsizes_the_cache_it_evicts(monkeypatch):
-    import megatron_integration.profiler as profiler
+def test_the_cache_flush_outsizes_the_caches_it_evicts(monkeypatch):
+    import megatron_integration.cache_flush as cache_flush
 
     cpu = torch.device("cpu")
-    monkeypatch.setattr(profiler.os, "sysconf", lambda name: 2 << 20)
-    assert CacheFlush.default_bytes(cpu) == 16 << 20  # 4 x 2 MiB is less than the 16 MiB floor
-    monkeypatch.setattr(profiler.os, "sysconf", lambda name: 8 << 20)
+    monkeypatch.setattr(cache_flush.torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(cache_flush.os, "sysconf", lambda name: 2 << 20)
+    assert CacheFlush.default_bytes(cpu) == 16 << 20  # 4 x 2 MiB is below the 16 MiB floor
+    monkeypatch.setattr(cache_flush.os, "sysconf", lambda name: 8 << 20)
     assert CacheFlush.default_bytes(cpu) == 32 << 20
+    # A fill split over 4 threads writes a quarter of the buffer from each core.
+    monkeypatch.setattr(cache_flush.torch, "get_num_threads", lambda: 4)
+    assert CacheFlush.default_bytes(cpu) == 128 << 20
+
     def unknown(name):
         raise ValueError(name)
-    monkeypatch.setattr(profiler.os, "sysconf", unknown)  # not reported: the floor
+
+    monkeypatch.setattr(cache_flush.os, "sysconf", unknown)  # not reported: the floor
     assert CacheFlush.default_bytes(cpu) == 16 << 20
     flush = CacheFlush(cpu, nbytes=1 << 20)
     flush()
