@@ -113,8 +113,9 @@ def initialize_megatron(parallel: ParallelArgs, seed: int, deterministic: bool =
                         parallel.virtual_pipeline_model_parallel_size)
     if parallel.cpu_affinity == "cores":
         pin_local_rank()
-    if parallel.cpu_pretouch_mb and not torch.cuda.is_available():
-        # After pinning, so the rank's own cores write it (and fault it in).
+    if not torch.cuda.is_available():
+        # After pinning, so the rank's own cores write it (and fault it in). Called with 0 too,
+        # so a run of a job's ranks never reports the pre-touch of a run before it.
         try:
             pretouch_heap(parallel.cpu_pretouch_mb)
         except (ValueError, MemoryError) as e:
