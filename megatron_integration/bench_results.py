@@ -37,7 +37,8 @@ class MethodResult:
     plan queued during them (one plan an iteration in a long run);
     ``rank_cpu_ms``: mean CPU ms per iteration of the ranks themselves, summed;
     ``minor_faults`` and ``system_ms``: the ranks' minor page faults and system CPU ms per
-    iteration, summed (:func:`memory_faults`; None where the ranks did not record them).
+    iteration, summed (:func:`memory_faults`; None where the ranks did not record them);
+    ``pretouch_s``: the slowest rank's seconds writing its ``--dynapipe-cpu-pretouch-mb``.
     """
 
     real_tokens_per_s: float
@@ -55,7 +56,7 @@ class MethodResult:
     schedules: dict = field(default_factory=dict)  # schedule -> timed iterations that ran it (all rounds)
     minor_faults: Optional[float] = None
     system_ms: Optional[float] = None
-    pretouch_s: Optional[float] = None  # the slowest rank's --dynapipe-cpu-pretouch-mb, s
+    pretouch_s: Optional[float] = None
 
     @property
     def planning_overhead(self) -> float:
@@ -125,13 +126,13 @@ def summarise(ranks: list[dict], warmup_iters: int, prefetch: int) -> MethodResu
         planner = sum(c[i] for c in children for i in keep) / plans
     rank_cpu = statistics.fmean(sum(r["cpu_ms"][i] for r in ranks) for i in keep) if "cpu_ms" in ranks[0] else 0.0
     faults, system = memory_faults(ranks, keep)
-    return MethodResult(pretouch_s=pretouch_seconds(ranks),real_tokens_per_s=real / (sum(iter_ms) / 1e3), padding_efficiency=real / max(padded, 1),
+    return MethodResult(real_tokens_per_s=real / (sum(iter_ms) / 1e3), padding_efficiency=real / max(padded, 1),
                         iteration_ms=statistics.fmean(iter_ms), plan_wait_ms=statistics.fmean(wait_ms),
                         losses=ranks[0]["losses"], timed_iterations=len(keep), layer_spec=ranks[0]["layer_spec"],
                         planner_cpu_ms=planner, rank_cpu_ms=rank_cpu, real_tokens=real // max(len(keep), 1),
                         activation_peak_mib=stage_activation_peaks(ranks, keep),
                         schedules=schedule_counts(ranks[0].get("schedules"), keep), minor_faults=faults,
-                        system_ms=system)
+                        system_ms=system, pretouch_s=pretouch_seconds(ranks))
 
 
 def pretouch_seconds(ranks: list[dict]) -> Optional[float]:
