@@ -179,7 +179,8 @@ def median_result(runs: list[MethodResult]) -> MethodResult:
                    iteration_ms=med(r.iteration_ms for r in runs), plan_wait_ms=med(r.plan_wait_ms for r in runs),
                    planner_cpu_ms=None if None in waits else med(waits),
                    rank_cpu_ms=med(r.rank_cpu_ms for r in runs), rounds=len(runs),
-                   minor_faults=None if None in faults else med(faults), system_ms=None if None in system else med(system),
+                   minor_faults=None if None in faults else med(faults),
+                   system_ms=None if None in system else med(system),
                    pretouch_s=None if None in touched else max(touched),
                    schedules=_sum_counts(r.schedules for r in runs))
 

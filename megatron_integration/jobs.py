@@ -107,7 +107,7 @@ def iteration_summary(method: str, run, cpu, pp_rank: int) -> dict:
         "children_cpu_ms": cpu.children_ms,
         "minor_faults": cpu.minor_faults,
         "system_ms": cpu.system_ms,
-        # Seconds this rank spent writing --dynapipe-cpu-pretouch-mb of heap (None: not asked).
+        # Seconds this rank spent writing --dynapipe-cpu-pretouch-mb of heap (0.0: none asked; None: a GPU rank).
         "pretouch_s": pretouched_seconds(),
     }
 
