@@ -64,6 +64,11 @@ class AllocatorSetting:
 _applied: Optional[AllocatorSetting] = None
 
 
+def _libc() -> ctypes.CDLL:
+    """This process's C library (raises ``OSError`` where it cannot be loaded)."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
 def keep_freed_memory(mmap_threshold_bytes: int = MMAP_THRESHOLD_BYTES,
                       trim_threshold_bytes: int = TRIM_THRESHOLD_BYTES) -> AllocatorSetting:
     """Raise glibc malloc's mmap threshold and set its trim threshold (bytes;
@@ -80,8 +85,7 @@ def keep_freed_memory(mmap_threshold_bytes: int = MMAP_THRESHOLD_BYTES,
         _applied = AllocatorSetting(False, reason=f"not glibc ({sys.platform})")
         return _applied
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = _libc().mallopt
     except (OSError, AttributeError) as exc:
         _applied = AllocatorSetting(False, reason=f"no glibc mallopt ({exc})")
         return _applied
@@ -134,7 +138,7 @@ def pretouch_heap(mib: int) -> float:
     if setting.mmap_threshold_bytes <= PRETOUCH_BLOCK_BYTES:
         raise ValueError(f"pre-touching the heap needs an mmap threshold above its {PRETOUCH_BLOCK_BYTES} byte "
                          f"blocks; keep_freed_memory set {setting.mmap_threshold_bytes} bytes")
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc = _libc()
     libc.malloc.argtypes, libc.malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
     libc.free.argtypes, libc.free.restype = [ctypes.c_void_p], None
     started = time.perf_counter()
