@@ -116,8 +116,9 @@ def _block_spec(layer_spec, count: int, sequence_parallel: bool = False):
 
 def _layer_specs():
     """megatron-core's local T5 encoder and decoder layer specs. Their attention takes the
-    ``[mbs, 1, sq, sk]`` masks the handlers build (per-sample isolation); Transformer Engine's
-    T5 specs take padding masks in another form and are not used."""
+    masks the handlers build (per-sample isolation: ``[mbs, 1, sq, sk]``, or on a CPU forms that
+    broadcast to it); Transformer Engine's T5 specs take padding masks in another form and are
+    not used."""
     from megatron.core.models.T5 import t5_spec
 
     return t5_spec.encoder_model_with_local_spec(), t5_spec.decoder_model_with_local_spec(), "local"

@@ -3,8 +3,9 @@
 The ops are built as :mod:`megatron_integration.t5_model` builds a T5 stage (megatron-core's
 local T5 layer specs in a ``TransformerBlock``, ``LanguageModelEmbedding`` with learned
 absolute positions, ``T5LMHead`` and megatron-core's vocab-parallel cross-entropy) and run
-with the ``[mbs, 1, sq, sk]`` masks the stage handlers build
-(:func:`megatron_integration.t5_handlers.segment_mask`, one sample a row):
+with the masks the stage handlers build for rows of one sample each (on a CPU
+:func:`megatron_integration.t5_handlers.compact_masks`, on a GPU the ``[mbs, 1, sq, sk]``
+:func:`megatron_integration.t5_handlers.segment_mask`):
 
 * ``encoder_layer`` at every (mbs, seqlen): one encoder layer, bidirectional self-attention;
 * ``decoder_layer`` at every (mbs, dec_seqlen, seqlen): one decoder layer attending to an
@@ -87,8 +88,15 @@ class T5Ops:
         self.shards = tp if sequence_parallel else 1
 
     def _masks(self, b: int, sq: int, sk: int, causal: bool, self_attention: bool) -> torch.Tensor:
+        """The mask a stage gives rows of one sample each, with padding: on a CPU the compact
+        form (:func:`~megatron_integration.t5_handlers.compact_masks`: padding keys, or causal),
+        on a GPU the full ``[mbs, 1, sq, sk]`` one; nothing masked, so every score is kept."""
         from megatron_integration.t5_handlers import segment_mask
 
+        if self.device.type == "cpu":
+            if causal:
+                return torch.ones((sq, sk), dtype=torch.bool, device=self.device).triu_(1)[None, None]
+            return torch.zeros((b, 1, 1, sk), dtype=torch.bool, device=self.device)
         return segment_mask(torch.ones(b, sq, dtype=torch.int64, device=self.device),
                             torch.ones(b, sk, dtype=torch.int64, device=self.device), causal=causal,
                             self_attention=self_attention)

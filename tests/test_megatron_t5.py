@@ -18,7 +18,8 @@ from dynapipe.errors import DynaPipeError
 from megatron_integration.t5_arguments import parse_t5_args
 from megatron_integration.t5_batches import baseline_micro_batches, pack_pairs, t5_row_tensors
 from megatron_integration.launch import spawn
-from megatron_integration.t5_handlers import needed_mask, segment_mask, segment_positions
+from megatron_integration.t5_handlers import (key_padding_mask, needed_mask, segment_mask, segment_positions,
+                                              single_sample_rows)
 
 from t5_job import PACKING, TIMEOUT, TINY, dist_tensors as _dist_tensors
 
@@ -139,10 +140,13 @@ def test_segment_masks_and_positions():
     assert cross.tolist() == [[True, True, False, False], [False, False, True, False], [False, False, True, False]]
 
 
-def _unmasked_layers_job() -> dict:
-    """One rank: a megatron-core encoder layer and decoder layer (the T5 stage's local specs) run
-    with an all-keep mask and with None; their outputs and parameter gradients."""
+def _layers_job() -> dict:
+    """One rank: a megatron-core encoder layer and decoder layer (the T5 stage's local specs).
+    ``unmasked``: whole-sample rows run with an all-keep mask and with None. ``compact``: rows of
+    one sample and a padding tail run with the full segment masks and with the compact ones;
+    a loss over the real target tokens. Outputs and parameter gradients of each."""
     from megatron_integration.initialize import destroy, initialize_megatron
+    from megatron_integration.t5_handlers import compact_masks
     from megatron_integration.t5_profiler import T5Ops
     from megatron_integration.train_config import GPTModelArgs, ParallelArgs
 
@@ -155,29 +159,56 @@ def _unmasked_layers_job() -> dict:
         gen = torch.Generator().manual_seed(0)
         x, ctx = torch.randn(96, 2, 64, generator=gen), torch.randn(96, 2, 64, generator=gen)
         y = torch.randn(24, 2, 64, generator=gen)
+        layer = ops.decoder.layers[0]
+        params = list(ops.encoder.parameters()) + list(layer.parameters())
+
+        def run(enc_mask, causal, cross, dec_real=None):
+            enc_out = ops.encoder(hidden_states=x, attention_mask=enc_mask)
+            context = ctx if dec_real is None else enc_out  # the padded rows: the decoder reads the encoder
+            dec_out = layer(hidden_states=y, attention_mask=causal, context=context, context_mask=cross)[0]
+            if dec_real is None:
+                loss = enc_out.square().sum() + dec_out.square().sum()
+            else:  # [s, b, h]: only the real target tokens count, as the loss mask has it
+                loss = (dec_out.square().sum(-1) * dec_real.T).sum()
+            loss.backward()
+            # numpy: torch tensors would cross the result queue as shared memory of an exited process.
+            res = {"enc": enc_out.detach().numpy(), "dec": dec_out.detach().numpy(),
+                   "grads": [p.grad.numpy().copy() for p in params]}
+            for p in params:
+                p.grad = None
+            return res
+
+        out = {"unmasked": {}, "compact": {}}
         enc_seg, dec_seg = torch.ones(2, 96, dtype=torch.int64), torch.ones(2, 24, dtype=torch.int64)
         causal = segment_mask(dec_seg, dec_seg, causal=True)
-        layer = ops.decoder.layers[0]
-        out = {}
         for name, omit in (("mask", False), ("none", True)):
             enc_mask = needed_mask(enc_seg, enc_seg) if omit else segment_mask(enc_seg, enc_seg)
             cross = needed_mask(dec_seg, enc_seg, self_attention=False) if omit else \
                 segment_mask(dec_seg, enc_seg, self_attention=False)
-            enc_out = ops.encoder(hidden_states=x, attention_mask=enc_mask)
-            dec_out = layer(hidden_states=y, attention_mask=causal, context=ctx, context_mask=cross)[0]
-            (enc_out.square().sum() + dec_out.square().sum()).backward()
-            params = list(ops.encoder.parameters()) + list(layer.parameters())
-            # numpy: torch tensors would cross the result queue as shared memory of an exited process.
-            out[name] = {"masks": (enc_mask is None, cross is None), "enc": enc_out.detach().numpy(),
-                         "dec": dec_out.detach().numpy(), "grads": [p.grad.numpy().copy() for p in params]}
-            for p in params:
-                p.grad = None
+            out["unmasked"][name] = {"masks": (enc_mask is None, cross is None), **run(enc_mask, causal, cross)}
+        # Row 0: sample 1, 70 input and 17 target tokens; row 1: sample 2, 96 and 24 (no padding).
+        enc_seg = torch.tensor([[1] * 70 + [0] * 26, [2] * 96])
+        dec_seg = torch.tensor([[1] * 17 + [0] * 7, [2] * 24])
+        full = (segment_mask(enc_seg, enc_seg), segment_mask(dec_seg, dec_seg, causal=True),
+                segment_mask(dec_seg, enc_seg, self_attention=False))
+        masks = compact_masks(enc_seg, dec_seg)
+        out["compact"]["shapes"] = [tuple(masks[k].shape) for k in ("enc_attn_mask", "dec_attn_mask",
+                                                                    "cross_attn_mask")]
+        for name, (e, d, c) in (("full", full), ("compact", (masks["enc_attn_mask"], masks["dec_attn_mask"],
+                                                             masks["cross_attn_mask"]))):
+            out["compact"][name] = run(e, d, c, dec_real=(dec_seg > 0).float())
         return out
     finally:
         destroy()
 
 
-def test_a_mask_that_masks_nothing_is_omitted_and_changes_nothing():
+@pytest.fixture(scope="module")
+def layer_runs():
+    (res,) = spawn(_layers_job, 1, timeout_s=TIMEOUT, threads_per_rank=1)
+    return res
+
+
+def test_a_mask_that_masks_nothing_is_omitted_and_changes_nothing(layer_runs):
     # Rows of one whole sample each (the same one in queries and keys): nothing to mask, no mask built.
     one, dec = torch.tensor([[1, 1, 1], [2, 2, 2]]), torch.tensor([[1, 1], [2, 2]])
     assert needed_mask(one, one) is None and needed_mask(dec, one, self_attention=False) is None
@@ -188,11 +219,35 @@ def test_a_mask_that_masks_nothing_is_omitted_and_changes_nothing():
         assert torch.equal(needed_mask(q, k, self_attention), segment_mask(q, k, self_attention=self_attention))
     # megatron-core's encoder layer and decoder layer (cross-attention) give the same outputs and
     # gradients with the all-keep masks and without them.
-    (res,) = spawn(_unmasked_layers_job, 1, timeout_s=TIMEOUT, threads_per_rank=1)
+    res = layer_runs["unmasked"]
     assert res["mask"]["masks"] == (False, False) and res["none"]["masks"] == (True, True)
     for key in ("enc", "dec"):
         assert np.array_equal(res["mask"][key], res["none"][key])
     assert all(np.array_equal(a, b) for a, b in zip(res["mask"]["grads"], res["none"]["grads"]))
+
+
+def test_rows_of_one_sample_get_compact_masks_with_the_same_loss_and_gradients(layer_runs):
+    # Which micro-batches qualify: each row one sample, then only padding, the same sample on both sides.
+    enc, dec = torch.tensor([[1, 1, 0], [2, 2, 2]]), torch.tensor([[1, 0], [2, 2]])
+    assert single_sample_rows(enc) and single_sample_rows(enc, dec) and single_sample_rows(enc.numpy())
+    for q, k in ((torch.tensor([[1, 2, 0], [2, 2, 2]]), None),   # two samples in a row (packing)
+                 (torch.tensor([[1, 0, 1], [2, 2, 2]]), None),   # padding inside the row
+                 (torch.tensor([[0, 0, 0], [2, 2, 2]]), None),   # a row of padding only
+                 (enc, torch.tensor([[2, 0], [1, 1]])),          # another sample on the target side
+                 (enc, torch.tensor([[0, 0], [2, 2]]))):         # a target row of padding only
+        assert not single_sample_rows(q, k), (q, k)
+    assert key_padding_mask(torch.tensor([[1, 1], [2, 2]])) is None
+    res = layer_runs["compact"]
+    assert res["shapes"] == [(2, 1, 1, 96), (1, 1, 24, 24), (2, 1, 1, 96)]
+    # Every real token's output, and every parameter gradient, as with the full segment masks.
+    full, compact = res["full"], res["compact"]
+    np.testing.assert_array_equal(full["enc"][:70, 0], compact["enc"][:70, 0])
+    np.testing.assert_array_equal(full["enc"][:, 1], compact["enc"][:, 1])
+    np.testing.assert_array_equal(full["dec"][:17, 0], compact["dec"][:17, 0])
+    np.testing.assert_array_equal(full["dec"][:, 1], compact["dec"][:, 1])
+    assert not np.array_equal(full["enc"][70:, 0], compact["enc"][70:, 0])  # padding queries do differ
+    for a, b in zip(full["grads"], compact["grads"]):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
 # -- spawned gloo jobs ------------------------------------------------------------------------
