@@ -73,9 +73,7 @@ def init_distributed(parallel: ParallelArgs) -> None:
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
     if parallel.backend == "nccl":
-        # Modulo the visible devices: a scheduler that shows each task only its own GPU still
-        # numbers local ranks from 0 up.
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        select_local_gpu()
     timeout = datetime.timedelta(minutes=parallel.timeout_minutes)
     joined = joined_rendezvous()
     if joined is None:
@@ -85,6 +83,15 @@ def init_distributed(parallel: ParallelArgs) -> None:
     store, rank, world_size = joined
     store.set_timeout(timeout)
     dist.init_process_group(parallel.backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def select_local_gpu() -> None:
+    """Make this rank's GPU (``LOCAL_RANK``, modulo the visible devices: a scheduler that shows
+    each task only its own GPU still numbers local ranks from 0 up) the current CUDA device;
+    nothing without CUDA. Called before anything may touch CUDA (Transformer Engine's import
+    while the arguments are checked included), so no rank opens a context on GPU 0."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
 
 
 def set_logging_level(level: Optional[int]) -> None:
@@ -110,7 +117,7 @@ def initialize_megatron(parallel: ParallelArgs, seed: int, deterministic: bool =
     quiet_megatron_warnings()
     init_distributed(parallel)
     init_model_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
-                        parallel.virtual_pipeline_model_parallel_size)
+                        parallel.virtual_pipeline_model_parallel_size, timeout_minutes=parallel.timeout_minutes)
     if parallel.cpu_affinity == "cores":
         pin_local_rank()
     if not torch.cuda.is_available():
@@ -125,10 +132,14 @@ def initialize_megatron(parallel: ParallelArgs, seed: int, deterministic: bool =
     return info
 
 
-def init_model_parallel(tp_size: int, pp_size: int, vp_size: Optional[int] = None) -> None:
+def init_model_parallel(tp_size: int, pp_size: int, vp_size: Optional[int] = None,
+                        timeout_minutes: Optional[float] = None) -> None:
     """megatron's tensor/pipeline/data-parallel groups on the joined process group, the CPU
     compatibility layer first when there is no CUDA; idempotent. Collective: every rank calls it.
     ``vp_size``: model chunks per pipeline rank (megatron's virtual pipeline size; None: one).
+    ``timeout_minutes``: the groups' collective timeout, ``--distributed-timeout-minutes`` as
+    Megatron-LM passes it (None: megatron-core's default, 30). The executor's transfers run on
+    the pipeline group, so on GPUs this is what bounds a transfer that never completes.
 
     CPU ranks also keep freed memory for reuse (:mod:`megatron_integration.cpu_allocator`):
     every method a bench compares starts here, so all get the same allocator."""
@@ -138,9 +149,10 @@ def init_model_parallel(tp_size: int, pp_size: int, vp_size: Optional[int] = Non
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
+        timeout = {} if timeout_minutes is None else {"distributed_timeout_minutes": timeout_minutes}
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size,
                                                  pipeline_model_parallel_size=pp_size,
-                                                 virtual_pipeline_model_parallel_size=vp_size)
+                                                 virtual_pipeline_model_parallel_size=vp_size, **timeout)
 
 
 def rank_info() -> RankInfo:

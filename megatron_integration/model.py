@@ -39,10 +39,13 @@ def te_available() -> bool:
     uses) then has no Transformer Engine spec to build."""
     if not torch.cuda.is_available():
         return False
-    from megatron_integration.initialize import quiet_megatron_warnings
+    from megatron_integration.initialize import quiet_megatron_warnings, select_local_gpu
 
     # Asked while the arguments are checked, before anything else imports megatron-core: its
-    # notices about missing optional packages are silenced first, as at start-up.
+    # notices about missing optional packages are silenced first, as at start-up, and the
+    # rank's own GPU is made current first, so importing Transformer Engine (which may touch
+    # CUDA) opens no context on GPU 0.
+    select_local_gpu()
     quiet_megatron_warnings()
     try:
         from megatron.core.models.gpt import gpt_layer_specs

@@ -83,7 +83,7 @@ def tp_job():
     from megatron_integration.train_config import ParallelArgs
 
     init_distributed(ParallelArgs(world_size=WORLD))
-    out = {"pp2": _pp_tp_weights(), "flags": _flag_models()}
+    out = {"pp2": _pp_tp_weights(), "flags": _flag_models(), "group_timeouts": _group_timeouts()}
     for tied in MODELS:
         model = _model_args(tied)
         gpt2, loss2 = _build(model, 2)
@@ -250,6 +250,33 @@ def _flag_models():
                       _rope_base(gpt.rotary_pos_emb.inv_freq) if hasattr(gpt, "rotary_pos_emb") else None,
                       scales)
     return out
+
+
+def _group_timeouts() -> dict:
+    """The collective timeout (minutes) of megatron's pipeline, tensor and data-parallel groups
+    built with ``--distributed-timeout-minutes 7`` and without it."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from megatron_integration.initialize import init_model_parallel
+
+    out = {}
+    for given in (7, None):
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        init_model_parallel(1, 2, timeout_minutes=given)
+        groups = (ps.get_pipeline_model_parallel_group(), ps.get_tensor_model_parallel_group(),
+                  ps.get_data_parallel_group())
+        out[given] = [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() / 60 for g in groups]
+    ps.destroy_model_parallel()
+    return out
+
+
+def test_megatron_groups_take_the_distributed_timeout(ranks):
+    # Megatron-LM passes --distributed-timeout-minutes to every group it builds; megatron-core's
+    # own default is 30 minutes.
+    for r in ranks:
+        assert r["group_timeouts"] == {7: [7.0, 7.0, 7.0], None: [30.0, 30.0, 30.0]}
 
 
 def _rope_base(inv_freq) -> float:
