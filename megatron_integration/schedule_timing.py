@@ -9,8 +9,12 @@ Each point-to-point exchange (``P2PCommunicator._communicate``: its sends, its r
 the wait for all of them) is recorded with its wall-clock start and end and its
 directions, so that :mod:`megatron_integration.bench_breakdown` can tell waiting for the
 neighbouring stage from the transfer itself by matching it with the peer's exchange.
-The wrappers only read a clock around the original call (on GPUs after synchronising the
-device, so a step's time is its kernels', not their launch), so the maths is untouched.
+The wrappers only read a clock around the original call, so the maths is untouched. On GPUs
+the steps' times are the device's: CUDA events recorded on the current stream around each
+step and read once the schedule has ended, as the executor's traces time its ops. A host
+clock after a synchronisation would stop the host at every step, undoing the overlap of
+megatron-core's overlapped point-to-point exchanges, and ``torch.cuda.synchronize`` would also
+wait for the NCCL streams' pre-posted receives, tying each rank to its neighbours' progress.
 A megatron-core version without those names is left alone and reports zeros.
 """
 from __future__ import annotations
@@ -49,29 +53,65 @@ class ScheduleTiming:
         return out
 
 
-def _timed(fn, timing: ScheduleTiming, attr: str, sync=None):
-    """``fn`` adding its wall time (ms) to ``timing.<attr>``; ``sync`` (the device's synchronise,
-    on GPUs) runs before the clock is read at the end, so the time is the kernels' and not
-    only their launch."""
+def _timed(fn, timing: ScheduleTiming, attr: str):
+    """``fn`` adding its wall time (ms) to ``timing.<attr>`` (CPU ranks: the work is done when
+    the call returns)."""
     def wrapper(*args, **kwargs):
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            if sync is not None:
-                sync()
             setattr(timing, attr, getattr(timing, attr) + (time.perf_counter() - t0) * 1e3)
 
     return wrapper
 
 
-def _device_sync():
-    """``torch.cuda.synchronize`` where CUDA is in use, else None. megatron-core's batched
-    point-to-point exchanges synchronise the device after every exchange anyway
-    (``batch_p2p_sync``), so a forward or backward that ends in one loses no overlap it had."""
+class DeviceSpans:
+    """Device time of wrapped calls: an event recorded before and after each on the current
+    stream (``new_event()`` makes one: ``record``, ``synchronize``, ``elapsed_time`` in ms, as
+    ``torch.cuda.Event(enable_timing=True)``), added to the timing only by :meth:`settle`, so
+    the host never waits for the device inside the schedule."""
+
+    def __init__(self, new_event):
+        self.new_event = new_event
+        self.pending: list = []
+
+    def timed(self, fn, timing: ScheduleTiming, attr: str):
+        """``fn`` whose device time (ms) :meth:`settle` adds to ``timing.<attr>``."""
+        def wrapper(*args, **kwargs):
+            start = self.new_event()
+            start.record()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                end = self.new_event()
+                end.record()
+                self.pending.append((timing, attr, start, end))
+
+        return wrapper
+
+    def settle(self) -> None:
+        """Wait for every recorded span to end and add its time; the spans are then forgotten."""
+        for timing, attr, start, end in self.pending:
+            end.synchronize()
+            setattr(timing, attr, getattr(timing, attr) + float(start.elapsed_time(end)))
+        self.pending = []
+
+
+def _device_spans() -> "DeviceSpans | None":
+    """:class:`DeviceSpans` on CUDA events where CUDA is in use, else None (wall time)."""
     import torch
 
-    return torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    return DeviceSpans(lambda: torch.cuda.Event(enable_timing=True))
+
+
+def _stream_sync():
+    """Wait for the current CUDA stream only: not the NCCL streams' transfers still posted."""
+    import torch
+
+    torch.cuda.current_stream().synchronize()
 
 
 def _counted(fn, timing: ScheduleTiming):
@@ -105,20 +145,24 @@ def timed_schedule(config, timing: ScheduleTiming):
     saved = {name: getattr(schedules, name) for name in ("forward_step", "backward_step")
              if callable(getattr(schedules, name, None))}
     finalize = getattr(config, "finalize_model_grads_func", None)
-    sync = _device_sync()
+    spans = _device_spans()
+
+    def clocked(fn, attr):
+        return spans.timed(fn, timing, attr) if spans is not None else _timed(fn, timing, attr)
+
     for name, fn in saved.items():
-        wrapped = _timed(fn, timing, "forward_ms" if name == "forward_step" else "backward_ms", sync)
+        wrapped = clocked(fn, "forward_ms" if name == "forward_step" else "backward_ms")
         setattr(schedules, name, _counted(wrapped, timing) if name == "forward_step" else wrapped)
     communicator = _communicator_class()
     communicate = getattr(communicator, "_communicate", None) if communicator is not None else None
     if communicate is not None:
         communicator._communicate = _recorded(communicate, timing)
     if finalize is not None:
-        timed = _timed(finalize, timing, "finalize_ms", sync)
+        timed = clocked(finalize, "finalize_ms")
 
         def stamped(*args, **kwargs):
-            if sync is not None:  # the pipeline part ends when its kernels do
-                sync()
+            if spans is not None:  # the pipeline part ends when its kernels do (once an iteration)
+                _stream_sync()
             timing.pipeline_end_us = time.time_ns() / 1e3
             return timed(*args, **kwargs)
 
@@ -126,6 +170,8 @@ def timed_schedule(config, timing: ScheduleTiming):
     t0 = time.perf_counter()
     try:
         yield timing
+        if spans is not None:
+            spans.settle()  # the schedule ends when its kernels do
     finally:
         timing.schedule_ms += (time.perf_counter() - t0) * 1e3
         for name, fn in saved.items():

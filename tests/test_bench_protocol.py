@@ -440,21 +440,43 @@ def test_waiting_for_the_last_rank_after_the_pipeline_part_is_bubble_not_optimiz
     assert (unknown["bubble"], unknown["optimizer_and_grads"]) == (0.0, 150.0)
 
 
-def test_a_timed_step_counts_until_the_device_is_done():
+def test_a_timed_step_counts_its_device_time_without_stopping_the_host():
     # On GPUs megatron-core's forward and backward steps return once their kernels are launched:
-    # the step's time must include the synchronisation, or the compute lands in the p2p waits.
-    import time
+    # a step's time is the span between events recorded around it on the device, read once the
+    # schedule has ended; the host does not wait inside the schedule (a synchronisation at every
+    # step would undo the overlapped exchanges and wait for the NCCL streams' receives too).
+    from megatron_integration.schedule_timing import DeviceSpans, ScheduleTiming, _timed
 
-    from megatron_integration.schedule_timing import ScheduleTiming, _timed
+    clock = {"now": 0.0, "waited": 0}
+
+    class Event:  # the device's clock: each record happens at the device's current time
+        def record(self):
+            self.at = clock["now"]
+
+        def synchronize(self):
+            clock["waited"] += 1
+
+        def elapsed_time(self, end):
+            return end.at - self.at
+
+    def launch(ms):
+        clock["now"] += ms  # the kernels this call enqueued run for ms on the device
+        return "launched"
 
     timing = ScheduleTiming()
-    synced = []
-    step = _timed(lambda: "launched", timing, "forward_ms", sync=lambda: (time.sleep(0.05), synced.append(1)))
-    assert step() == "launched" and synced == [1]
-    assert timing.forward_ms >= 45.0
+    spans = DeviceSpans(Event)
+    forward = spans.timed(launch, timing, "forward_ms")
+    backward = spans.timed(launch, timing, "backward_ms")
+    assert forward(30.0) == "launched" and backward(50.0) == "launched" and forward(20.0) == "launched"
+    assert timing.forward_ms == 0.0 and clock["waited"] == 0  # nothing read, nothing waited for yet
+    spans.settle()
+    assert (timing.forward_ms, timing.backward_ms) == (50.0, 50.0) and clock["waited"] == 3
+    spans.settle()  # settled spans are not counted twice
+    assert (timing.forward_ms, timing.backward_ms) == (50.0, 50.0)
+    # CPU ranks: the wall time of the call.
     untimed = ScheduleTiming()
-    _timed(lambda: None, untimed, "backward_ms")()  # CPU: no synchronisation
-    assert untimed.backward_ms < 45.0
+    _timed(lambda: None, untimed, "backward_ms")()
+    assert 0.0 <= untimed.backward_ms < 45.0
 
 
 def test_a_tensor_parallel_bench_is_simulated_per_tensor_parallel_rank():
