@@ -96,6 +96,29 @@ def test_stacked_tables_give_what_each_table_gives_alone(seed):
                 np.testing.assert_allclose(together[i], alone, rtol=1e-15, atol=0)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_many_points_of_few_shapes_price_each_shape_as_alone(seed):
+    # The planner's candidates: thousands of points, a few dozen (samples, length) pairs. Each
+    # distinct shape is priced once and every point reads it; the result is the rules', bit for
+    # bit what the shape gives alone, for whole and fractional shapes alike.
+    rng = np.random.default_rng(300 + seed)
+    for _ in range(20):
+        mbs, seq, values, timed = _case(rng)
+        b0, s0 = _queries(rng, mbs, seq, n=30)
+        if rng.random() < 0.3:
+            s0 = s0 + 0.5  # not whole: no shared key, every point priced on its own
+        pick = rng.integers(0, len(b0), 900)
+        b, s = b0[pick].reshape(30, 30), s0[pick].reshape(30, 30)
+        table = ProfileTable(mbs, seq, values, timed=timed)
+        many = table(b, s)
+        assert many.shape == (len(values), 30, 30)
+        for i in range(len(values)):
+            alone = np.stack([table(b0[j:j + 1], s0[j:j + 1])[i, 0] for j in range(len(b0))])
+            np.testing.assert_array_equal(many[i], alone[pick].reshape(30, 30))
+            np.testing.assert_allclose(many[i], _reference(mbs, seq, values[i], bool(timed[i]), b, s),
+                                       rtol=1e-13, atol=0)
+
+
 def _interp_reference(mbs, seq, values, b, s):
     """The tables' rule inside the measured lengths and sizes: each mbs row interpolated along
     the length by ``np.interp``, then linearly between the rows."""

@@ -16,6 +16,16 @@ from typing import Optional
 import numpy as np
 
 
+# (samples, length) pairs as one exact float key: both whole and below 2**26, the product's
+# bits stay within float64's 53.
+_KEY = float(2 ** 26)
+
+
+def _whole(x: np.ndarray) -> bool:
+    """Whether every value is a whole number in [0, 2**26) (so it fits the pair key)."""
+    return bool(np.all((x >= 0) & (x < _KEY) & (x == np.floor(x))))
+
+
 def growth_power(v0, v1, s0: float, s1: float):
     """The exponent of the power law through (s0, v0) and (s1, v1) that extrapolates a table
     beyond its longest measured length, kept within [0, 2]: no op gets cheaper with more
@@ -83,36 +93,52 @@ class ProfileTable:
 
     def __call__(self, b: np.ndarray, s: np.ndarray) -> np.ndarray:
         b, s = np.broadcast_arrays(np.asarray(b, dtype=np.float64), np.asarray(s, dtype=np.float64))
-        grid_b = self.mbs
-        # Per row of the grid, interpolate along seqlen; then along mbs (linear inside,
-        # proportional scaling from the nearest row outside).
-        rows = self._along_seqlen(self._v, self._power, s)
+        shape, b, s = b.shape, b.ravel(), s.ravel()
+        if b.size > 64 and _whole(b) and _whole(s):
+            # Many points, few distinct shapes (a T5 decoder's (samples, target length) pairs over
+            # the candidates of every encoder length): each shape priced once.
+            keys, at = np.unique(b * _KEY + s, return_inverse=True)
+            if 2 * len(keys) < b.size:
+                out = self._points(np.floor(keys / _KEY), keys % _KEY)[:, at.ravel()]
+                out = out.reshape((len(out),) + shape)
+                return out if self.stacked else out[0]
+        out = self._points(b, s).reshape((-1,) + shape)
+        return out if self.stacked else out[0]
+
+    def _points(self, b: np.ndarray, s: np.ndarray) -> np.ndarray:
+        """``[K, n]``: every table at the points ``(b[i], s[i])`` (flat arrays)."""
+        grid_b, top = self.mbs, self.seqlen[-1]
+        # Per row of the grid, interpolate along seqlen, once per distinct length: the planner's
+        # thousands of candidate micro-batches share a few dozen padded lengths. Then along mbs
+        # (linear inside, proportional scaling from the nearest row outside), each point reading
+        # its length's rows by index.
+        lengths, at = np.unique(s, return_inverse=True)
+        rows = self._along_seqlen(self._v, self._power, lengths)  # [K, R, distinct lengths]
         # Beyond the longest measured length each row follows its own power law, which can carry
         # a smaller size's row above a larger one's: there, more samples never cost less. (Inside
         # the grid the measurements stand as measured.)
-        if np.any(s > self.seqlen[-1]):
-            rows = np.where(s > self.seqlen[-1], np.maximum.accumulate(rows, axis=1), rows)
+        if lengths[-1] > top:
+            rows = np.where(lengths > top, np.maximum.accumulate(rows, axis=1), rows)
+        first, last = rows[:, 0, at], rows[:, -1, at]  # [K, points]
         if len(grid_b) == 1:
-            out = rows[:, 0] * b / grid_b[0]
-            return out if self.stacked else out[0]
-        idx = np.clip(np.searchsorted(grid_b, b) - 1, 0, len(grid_b) - 2)
-        at = np.broadcast_to(idx, (len(rows), 1) + idx.shape)
-        r0 = np.take_along_axis(rows, at, 1)[:, 0]
-        r1 = np.take_along_axis(rows, at + 1, 1)[:, 0]
-        b0, b1 = grid_b[idx], grid_b[idx + 1]
-        inside = r0 + (r1 - r0) * ((b - b0) / (b1 - b0))
-        below = rows[:, 0] * b / grid_b[0]
-        above = rows[:, -1] * b / grid_b[-1]
-        if self._slope is not None:
-            # Each profile's largest size predicted from the two below it (an H200 profile, two
-            # CPU ones): this misses by 7% (backward) and 29% (forward) on average on the GPU,
-            # where proportional scaling, paying the fixed cost again per grid-top of samples,
-            # misses by 40% and 56%; on the CPUs by 11-29% against 13-36%.
-            grown = rows[:, -1] + (b - grid_b[-1]) * self._along_seqlen(self._slope, self._slope_power, s)[:, 0]
-            above = grown if self._timed.all() else \
-                np.where(self._timed[(slice(None),) + (None,) * b.ndim], grown, above)
-        out = np.where(b < grid_b[0], below, np.where(b > grid_b[-1], above, inside))
-        return out if self.stacked else out[0]
+            out = first * b / grid_b[0]
+        else:
+            idx = np.clip(np.searchsorted(grid_b, b) - 1, 0, len(grid_b) - 2)
+            r0, r1 = rows[:, idx, at], rows[:, idx + 1, at]
+            b0, b1 = grid_b[idx], grid_b[idx + 1]
+            inside = r0 + (r1 - r0) * ((b - b0) / (b1 - b0))
+            below = first * b / grid_b[0]
+            above = last * b / grid_b[-1]
+            if self._slope is not None and np.any(b > grid_b[-1]):
+                # Each profile's largest size predicted from the two below it (an H200 profile, two
+                # CPU ones): this misses by 7% (backward) and 29% (forward) on average on the GPU,
+                # where proportional scaling, paying the fixed cost again per grid-top of samples,
+                # misses by 40% and 56%; on the CPUs by 11-29% against 13-36%.
+                slope = self._along_seqlen(self._slope, self._slope_power, lengths)[:, 0, at]
+                grown = last + (b - grid_b[-1]) * slope
+                above = grown if self._timed.all() else np.where(self._timed[:, None], grown, above)
+            out = np.where(b < grid_b[0], below, np.where(b > grid_b[-1], above, inside))
+        return out
 
 
 def interp_axis(grid: np.ndarray, values: list, x: np.ndarray, reference: Optional[tuple] = None) -> np.ndarray:
