@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dynapipe.errors import DynaPipeError
+from dynapipe.megatron_core import require_megatron_core
 from megatron_integration import cpu_compat
 from megatron_integration.agreement import joined_rendezvous
 from megatron_integration.cpu_affinity import pin_local_rank
@@ -112,6 +113,7 @@ def initialize_megatron(parallel: ParallelArgs, seed: int, deterministic: bool =
     before the process group exists; ``logging_level``: :func:`set_logging_level`."""
     from megatron_integration.determinism import start_deterministic_run
 
+    require_megatron_core("a training rank")
     set_logging_level(logging_level)
     start_deterministic_run(deterministic)
     quiet_megatron_warnings()

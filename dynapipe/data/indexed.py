@@ -31,10 +31,10 @@ from dynapipe.errors import DynaPipeError
 
 
 def _open(prefix: str, mmap: bool = True):
-    try:
-        from megatron.core.datasets.indexed_dataset import IndexedDataset as _MegatronIndexed
-    except ImportError as e:  # pragma: no cover - megatron-core is a dependency
-        raise DynaPipeError(f"reading {prefix!r} needs megatron-core ({e}).") from None
+    from dynapipe.megatron_core import require_megatron_core
+
+    require_megatron_core(f"reading the indexed dataset {prefix!r}")
+    from megatron.core.datasets.indexed_dataset import IndexedDataset as _MegatronIndexed
     if not _MegatronIndexed.exists(prefix):
         raise DynaPipeError(f"indexed dataset {prefix!r}: {prefix}.bin and {prefix}.idx must both exist "
                             f"(pass the path prefix, without the extension).")

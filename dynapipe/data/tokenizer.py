@@ -82,11 +82,10 @@ def load_megatron_tokenizer(path: Optional[str] = None, metadata: Optional[dict 
     example ``{"library": "byte-level"}`` (no files) or ``{"library": "huggingface"}``
     with ``path`` the tokenizer directory.
     """
-    try:
-        from megatron.core.tokenizers import MegatronTokenizer
-    except ImportError as e:  # pragma: no cover - megatron-core is a dependency
-        raise DynaPipeError(f"megatron-core's tokenizers cannot be imported ({e}); "
-                            f"install megatron-core>=0.16.1 or use the byte-level tokenizer.") from None
+    from dynapipe.megatron_core import require_megatron_core
+
+    require_megatron_core("a Megatron tokenizer")
+    from megatron.core.tokenizers import MegatronTokenizer
     try:
         return MegatronTokenizer.from_pretrained(tokenizer_path=path, metadata_path=metadata, **kwargs)
     except (AssertionError, OSError, ValueError, KeyError) as e:

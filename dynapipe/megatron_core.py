@@ -1,0 +1,40 @@
+"""Importing megatron-core with the missing-dependency failures users hit explained.
+
+megatron-core is a dependency, but its import can still fail on a machine that installed it:
+0.19 imports ``triton`` at load (its pipeline schedules reach a MoE kernel module) without
+declaring it, and PyPI's CPU-only torch builds do not bring it, so on such a machine every
+``import megatron.core`` raises ``No module named 'triton'``. Callers that need megatron-core
+import it through :func:`require_megatron_core` first and stop with what to install.
+"""
+from __future__ import annotations
+
+from importlib import metadata
+
+from dynapipe.errors import DynaPipeError
+
+
+def _installed() -> str:
+    try:
+        return metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+def require_megatron_core(needed_for: str = "this command"):
+    """The ``megatron.core`` module; raises :class:`DynaPipeError` naming what to install when
+    it or a dependency of it is missing (``needed_for``: what the import was for)."""
+    try:
+        import megatron.core as core
+    except ModuleNotFoundError as e:
+        version = _installed()
+        if not version or (e.name or "").split(".")[0] == "megatron":
+            raise DynaPipeError(f"{needed_for} needs megatron-core, which is not installed: pip install "
+                                f"'megatron-core>=0.16.1' (next to torch; see the README's Installing by hand)."
+                                ) from None
+        if e.name == "triton":
+            raise DynaPipeError(f"megatron-core {version} imports triton, which it does not declare and which a "
+                                f"CPU-only torch build does not bring; {needed_for} needs it: pip install triton "
+                                f"(or megatron-core 0.16.1, which does not import it).") from None
+        raise DynaPipeError(f"megatron-core {version} cannot be imported: it needs the module {e.name!r}, which "
+                            f"is not installed ({needed_for} needs megatron-core).") from None
+    return core

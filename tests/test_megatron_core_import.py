@@ -1,0 +1,76 @@
+"""megatron-core imported with its missing dependencies explained (dynapipe/megatron_core.py).
+
+megatron-core 0.19 imports triton without declaring it, and a CPU-only torch build does not
+bring it. Each case runs in a fresh interpreter where the import fails as it does on such a
+machine (a finder raising the import system's own error for the module that is missing), and
+the command or library call stops with one line naming what to install, not a traceback.
+"""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+_MISSING = """
+import sys
+
+class Missing:
+    # What the import system raises when a module imported by megatron-core is not installed.
+    def __init__(self, importing, missing):
+        self.importing, self.missing = importing, missing
+
+    def find_spec(self, name, path=None, target=None):
+        if name == self.importing:
+            raise ModuleNotFoundError(f"No module named {{self.missing!r}}", name=self.missing)
+        return None
+
+sys.meta_path.insert(0, Missing({importing!r}, {missing!r}))
+"""
+
+
+def _run(importing: str, missing: str, body: str) -> str:
+    code = _MISSING.format(importing=importing, missing=missing) + textwrap.dedent(body)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    return done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("missing, expect", [
+    ("triton", "imports triton, which it does not declare"),
+    ("megatron.core", "needs megatron-core, which is not installed"),
+    ("einops", "it needs the module 'einops', which is not installed"),
+])
+def test_a_missing_megatron_dependency_names_what_to_install(missing, expect):
+    out = _run("megatron.core", missing, """
+        from dynapipe.errors import DynaPipeError
+        from dynapipe.megatron_core import require_megatron_core
+        try:
+            require_megatron_core("the test")
+        except DynaPipeError as e:
+            print("ERROR:", e)
+        """)
+    assert "ERROR:" in out and expect in out, out
+    if missing == "triton":
+        assert "pip install triton" in out
+
+
+def test_the_tokenizer_and_the_indexed_reader_say_so_too(tmp_path):
+    out = _run("megatron.core", "triton", f"""
+        from dynapipe.errors import DynaPipeError
+        from dynapipe.data.tokenizer import load_megatron_tokenizer
+        from dynapipe.data.indexed import MegatronIndexedDataset
+        from dynapipe.data.samples import LengthLimits
+        for call in (lambda: load_megatron_tokenizer(metadata={{"library": "byte-level"}}),
+                     lambda: MegatronIndexedDataset({str(tmp_path / "corpus")!r}, LengthLimits(64))):
+            try:
+                call()
+            except DynaPipeError as e:
+                print("ERROR:", e)
+        """)
+    assert out.count("ERROR:") == 2 and out.count("pip install triton") == 2, out
+    assert "a Megatron tokenizer needs it" in out and "reading the indexed dataset" in out
+
+
+def test_an_installed_megatron_core_imports():
+    from dynapipe.megatron_core import require_megatron_core
+
+    assert require_megatron_core().__name__ == "megatron.core"
