@@ -194,6 +194,25 @@ def _verifier_catches_damage(iter_dir, scratch):
         with pytest.raises(DynaPipeError, match=f"checkpoint {re.escape(str(scratch))} is incomplete: it holds no "
                                                 f"common state"):
             read_common(str(scratch))
+        # megatron-core 0.19's layout (no common.pt: a common_state object in the shards), which
+        # 0.16 cannot read: the error says which release wrote it and what resumes it.
+        from megatron_integration.checkpoint_dist import _megatron_core_release
+
+        if _megatron_core_release() < (0, 19):
+            import torch
+            import torch.distributed.checkpoint as dcp
+
+            newer = scratch.parent / f"{scratch.name}-0.19"
+            newer.mkdir()
+            (newer / "metadata.json").write_bytes(good)
+            state = io.BytesIO()
+            torch.save({"iteration": 2}, state)
+            state.seek(0)
+            dcp.save({"common_state": state}, checkpoint_id=str(newer), no_dist=True)
+            with pytest.raises(DynaPipeError, match=f"checkpoint {re.escape(str(newer))} keeps its common state "
+                                                    f".* as megatron-core 0.19 and newer write it; the installed "
+                                                    f"megatron-core 0\\.\\d+ reads only common.pt"):
+                read_common(str(newer))
 
 
 PEER = os.path.join(os.path.dirname(__file__), "mcore_checkpoint_peer.py")
