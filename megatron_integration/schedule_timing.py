@@ -122,8 +122,16 @@ def _counted(fn, timing: ScheduleTiming):
     return wrapper
 
 
-def _recorded(fn, timing: ScheduleTiming):
+def _recorded(fn, timing: ScheduleTiming, sync=None):
+    """``P2PCommunicator._communicate`` recording each exchange's wall-clock window and
+    directions. ``sync`` (steps timed by events: the current stream's synchronise): where
+    megatron-core synchronises the device after the exchange anyway (batched exchanges with
+    ``batch_p2p_sync``), it runs first, so the window holds the exchange and not the kernels of
+    the step before it, which the events count already."""
     def wrapper(self, *args, **kwargs):
+        config = getattr(self, "config", None)
+        if sync is not None and getattr(config, "batch_p2p_comm", False) and getattr(config, "batch_p2p_sync", False):
+            sync()
         t0 = time.time_ns() / 1e3
         try:
             return fn(self, *args, **kwargs)
@@ -156,7 +164,7 @@ def timed_schedule(config, timing: ScheduleTiming):
     communicator = _communicator_class()
     communicate = getattr(communicator, "_communicate", None) if communicator is not None else None
     if communicate is not None:
-        communicator._communicate = _recorded(communicate, timing)
+        communicator._communicate = _recorded(communicate, timing, sync=_stream_sync if spans is not None else None)
     if finalize is not None:
         timed = clocked(finalize, "finalize_ms")
 

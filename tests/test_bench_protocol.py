@@ -473,6 +473,20 @@ def test_a_timed_step_counts_its_device_time_without_stopping_the_host():
     assert (timing.forward_ms, timing.backward_ms) == (50.0, 50.0) and clock["waited"] == 3
     spans.settle()  # settled spans are not counted twice
     assert (timing.forward_ms, timing.backward_ms) == (50.0, 50.0)
+    # An exchange megatron-core ends with a device synchronise (batched, batch_p2p_sync) first
+    # waits for the step before it, so its recorded window is the exchange's alone; an
+    # overlapped exchange (not batched) waits for nothing.
+    from types import SimpleNamespace
+
+    from megatron_integration.schedule_timing import _recorded
+
+    waits = []
+    exchange = _recorded(lambda self, **kw: "sent", timing, sync=lambda: waits.append(1))
+    batched = SimpleNamespace(config=SimpleNamespace(batch_p2p_comm=True, batch_p2p_sync=True))
+    overlapped = SimpleNamespace(config=SimpleNamespace(batch_p2p_comm=False, batch_p2p_sync=True))
+    assert exchange(batched, tensor_send_next=1) == "sent" and waits == [1]
+    assert exchange(overlapped, recv_prev=True) == "sent" and waits == [1]
+    assert [c[2:] for c in timing.p2p_calls] == [[True, False, False, False], [False, False, True, False]]
     # CPU ranks: the wall time of the call.
     untimed = ScheduleTiming()
     _timed(lambda: None, untimed, "backward_ms")()
