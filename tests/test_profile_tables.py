@@ -112,6 +112,7 @@ def test_many_points_of_few_shapes_price_each_shape_as_alone(seed):
         table = ProfileTable(mbs, seq, values, timed=timed)
         many = table(b, s)
         assert many.shape == (len(values), 30, 30)
+        assert table(np.zeros((0, 3)), np.zeros((0, 3))).shape == (len(values), 0, 3)  # no points: no prices
         for i in range(len(values)):
             alone = np.stack([table(b0[j:j + 1], s0[j:j + 1])[i, 0] for j in range(len(b0))])
             np.testing.assert_array_equal(many[i], alone[pick].reshape(30, 30))

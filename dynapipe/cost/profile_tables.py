@@ -94,6 +94,9 @@ class ProfileTable:
     def __call__(self, b: np.ndarray, s: np.ndarray) -> np.ndarray:
         b, s = np.broadcast_arrays(np.asarray(b, dtype=np.float64), np.asarray(s, dtype=np.float64))
         shape, b, s = b.shape, b.ravel(), s.ravel()
+        if b.size == 0:
+            out = np.zeros((len(self._v),) + shape)
+            return out if self.stacked else out[0]
         if b.size > 64 and _whole(b) and _whole(s):
             # Many points, few distinct shapes (a T5 decoder's (samples, target length) pairs over
             # the candidates of every encoder length): each shape priced once.
@@ -117,7 +120,7 @@ class ProfileTable:
         # Beyond the longest measured length each row follows its own power law, which can carry
         # a smaller size's row above a larger one's: there, more samples never cost less. (Inside
         # the grid the measurements stand as measured.)
-        if lengths[-1] > top:
+        if np.any(lengths > top):
             rows = np.where(lengths > top, np.maximum.accumulate(rows, axis=1), rows)
         first, last = rows[:, 0, at], rows[:, -1, at]  # [K, points]
         if len(grid_b) == 1:
