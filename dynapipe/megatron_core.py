@@ -14,10 +14,25 @@ from dynapipe.errors import DynaPipeError
 
 
 def _installed() -> str:
+    """The installed megatron-core's version, or "" where none is installed."""
     try:
         return metadata.version("megatron-core")
     except metadata.PackageNotFoundError:
         return ""
+
+
+def import_failure(missing: str, version: str, needed_for: str = "this command") -> DynaPipeError:
+    """The error for an import of megatron-core that failed because the module ``missing`` is
+    not installed, megatron-core ``version`` being installed ("": none)."""
+    if not version:
+        return DynaPipeError(f"{needed_for} needs megatron-core, which is not installed: pip install "
+                             f"'megatron-core>=0.16.1' (next to torch; see the README's Installing by hand).")
+    if missing == "triton":
+        return DynaPipeError(f"megatron-core {version} imports triton, which it does not declare and which a CPU-only "
+                             f"torch build does not bring; {needed_for} needs it: pip install triton (or "
+                             f"megatron-core 0.16.1, which does not import it).")
+    return DynaPipeError(f"megatron-core {version} cannot be imported: it needs the module {missing!r}, which is not "
+                         f"installed ({needed_for} needs megatron-core).")
 
 
 def require_megatron_core(needed_for: str = "this command"):
@@ -26,15 +41,5 @@ def require_megatron_core(needed_for: str = "this command"):
     try:
         import megatron.core as core
     except ModuleNotFoundError as e:
-        version = _installed()
-        if not version or (e.name or "").split(".")[0] == "megatron":
-            raise DynaPipeError(f"{needed_for} needs megatron-core, which is not installed: pip install "
-                                f"'megatron-core>=0.16.1' (next to torch; see the README's Installing by hand)."
-                                ) from None
-        if e.name == "triton":
-            raise DynaPipeError(f"megatron-core {version} imports triton, which it does not declare and which a "
-                                f"CPU-only torch build does not bring; {needed_for} needs it: pip install triton "
-                                f"(or megatron-core 0.16.1, which does not import it).") from None
-        raise DynaPipeError(f"megatron-core {version} cannot be imported: it needs the module {e.name!r}, which "
-                            f"is not installed ({needed_for} needs megatron-core).") from None
+        raise import_failure(e.name or str(e), _installed(), needed_for) from None
     return core

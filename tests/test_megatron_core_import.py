@@ -36,7 +36,6 @@ def _run(importing: str, missing: str, body: str) -> str:
 
 @pytest.mark.parametrize("missing, expect", [
     ("triton", "imports triton, which it does not declare"),
-    ("megatron.core", "needs megatron-core, which is not installed"),
     ("einops", "it needs the module 'einops', which is not installed"),
 ])
 def test_a_missing_megatron_dependency_names_what_to_install(missing, expect):
@@ -68,6 +67,14 @@ def test_the_tokenizer_and_the_indexed_reader_say_so_too(tmp_path):
         """)
     assert out.count("ERROR:") == 2 and out.count("pip install triton") == 2, out
     assert "a Megatron tokenizer needs it" in out and "reading the indexed dataset" in out
+
+
+def test_without_megatron_core_the_error_says_to_install_it():
+    from dynapipe.megatron_core import import_failure
+
+    e = import_failure("megatron", "", "the bench")
+    assert str(e).startswith("the bench needs megatron-core, which is not installed: pip install 'megatron-core>=0.16.1'")
+    assert "pip install triton" in str(import_failure("triton", "0.19.2"))
 
 
 def test_an_installed_megatron_core_imports():

@@ -34,7 +34,11 @@ def _open(prefix: str, mmap: bool = True):
     from dynapipe.megatron_core import require_megatron_core
 
     require_megatron_core(f"reading the indexed dataset {prefix!r}")
-    from megatron.core.datasets.indexed_dataset import IndexedDataset as _MegatronIndexed
+    try:
+        from megatron.core.datasets.indexed_dataset import IndexedDataset as _MegatronIndexed
+    except ImportError as e:
+        raise DynaPipeError(f"reading {prefix!r} needs megatron-core's indexed datasets, which cannot be imported "
+                            f"({e}).") from None
     if not _MegatronIndexed.exists(prefix):
         raise DynaPipeError(f"indexed dataset {prefix!r}: {prefix}.bin and {prefix}.idx must both exist "
                             f"(pass the path prefix, without the extension).")

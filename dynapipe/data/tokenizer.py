@@ -85,7 +85,11 @@ def load_megatron_tokenizer(path: Optional[str] = None, metadata: Optional[dict 
     from dynapipe.megatron_core import require_megatron_core
 
     require_megatron_core("a Megatron tokenizer")
-    from megatron.core.tokenizers import MegatronTokenizer
+    try:
+        from megatron.core.tokenizers import MegatronTokenizer
+    except ImportError as e:
+        raise DynaPipeError(f"megatron-core's tokenizers cannot be imported ({e}); install megatron-core>=0.16.1 "
+                            f"with its tokenizer dependencies, or use the byte-level tokenizer.") from None
     try:
         return MegatronTokenizer.from_pretrained(tokenizer_path=path, metadata_path=metadata, **kwargs)
     except (AssertionError, OSError, ValueError, KeyError) as e:
