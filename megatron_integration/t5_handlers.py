@@ -193,9 +193,10 @@ class T5StageHandlers(ModelStageHandlers):
                 for key, name, shape in (("input", "enc_attn_mask", (s_enc, s_enc)),
                                          ("target", "dec_attn_mask", (s_dec, s_dec)),
                                          ("cross", "cross_attn_mask", (s_dec, s_enc))) if name in tables}
-        elif self.device.type == "cpu" and single_sample_rows(enc_seg if enc_host is None else enc_host,
-                                                              None if dec_seg is None else
-                                                              (dec_seg if dec_host is None else dec_host)):
+        elif self.device.type == "cpu" and single_sample_rows(
+                enc_seg if enc_host is None else enc_host,
+                # An encoder-only chunk masks no target: its rows qualify on the inputs alone.
+                None if dec_seg is None or t5.decoder is None else (dec_seg if dec_host is None else dec_host)):
             masks = compact_masks(enc_seg, dec_seg if t5.decoder is not None else None)
             kwargs.update(masks if t5.encoder is not None else {k: v for k, v in masks.items() if k != "enc_attn_mask"})
         else:

@@ -90,7 +90,8 @@ class T5Ops:
     def _masks(self, b: int, sq: int, sk: int, causal: bool, self_attention: bool) -> torch.Tensor:
         """The mask a stage gives rows of one sample each, with padding: on a CPU the compact
         form (:func:`~megatron_integration.t5_handlers.compact_masks`: padding keys, or causal),
-        on a GPU the full ``[mbs, 1, sq, sk]`` one; nothing masked, so every score is kept."""
+        on a GPU the full ``[mbs, 1, sq, sk]`` one. No padding is masked (every key is real);
+        causal layers get their causal mask."""
         from megatron_integration.t5_handlers import segment_mask
 
         if self.device.type == "cpu":

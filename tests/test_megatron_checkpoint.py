@@ -198,7 +198,9 @@ def _verifier_catches_damage(iter_dir, scratch):
         # 0.16 cannot read: the error says which release wrote it and what resumes it.
         from megatron_integration.checkpoint_dist import _megatron_core_release
 
-        if _megatron_core_release() < (0, 19):
+        release = _megatron_core_release()
+        assert release is not None
+        if release < (0, 19):
             import torch
             import torch.distributed.checkpoint as dcp
 
