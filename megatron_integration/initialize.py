@@ -91,8 +91,9 @@ def select_local_gpu() -> None:
     each task only its own GPU still numbers local ranks from 0 up) the current CUDA device;
     nothing without CUDA. Called before anything may touch CUDA (Transformer Engine's import
     while the arguments are checked included), so no rank opens a context on GPU 0."""
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % count)
 
 
 def set_logging_level(level: Optional[int]) -> None:
