@@ -38,7 +38,7 @@ _TINY_ARGS = {"--encoder-num-layers": "2", "--decoder-num-layers": "2", "--hidde
               "--dynapipe-prefetch": "2", **_COMMON}
 T5_PRESETS = {
     # Calibrated: the profiler times an op alone in a tight loop; on a training rank each stage op
-    # also pays a fixed cost here (handler, dispatch, two ranks on two cores: 5-8 ms, 1.5-1.9 ms
+    # also pays a fixed cost here (handler, dispatch, two ranks on two cores: 5-8 ms, 1.5-3.1 ms
     # since one-sample rows get broadcast masks), and a planner that does not see it cuts
     # DynaPipe's micro-batches too fine. Four iterations: the first is
     # a warm-up the fit leaves out, and one fitted iteration alone has given a 0.28x slope.
