@@ -9,16 +9,26 @@ import it through :func:`require_megatron_core` first and stop with what to inst
 from __future__ import annotations
 
 from importlib import metadata
+from typing import Optional
 
 from dynapipe.errors import DynaPipeError
 
 
-def _installed() -> str:
+def installed_version() -> str:
     """The installed megatron-core's version, or "" where none is installed."""
     try:
         return metadata.version("megatron-core")
     except metadata.PackageNotFoundError:
         return ""
+
+
+def installed_release() -> Optional[tuple[int, int]]:
+    """(major, minor) of the installed megatron-core, or None where it cannot be read."""
+    try:
+        major, minor = installed_version().split(".")[:2]
+        return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+    except ValueError:
+        return None
 
 
 def import_failure(missing: str, version: str, needed_for: str = "this command") -> DynaPipeError:
@@ -41,5 +51,5 @@ def require_megatron_core(needed_for: str = "this command"):
     try:
         import megatron.core as core
     except ModuleNotFoundError as e:
-        raise import_failure(e.name or str(e), _installed(), needed_for) from None
+        raise import_failure(e.name or str(e), installed_version(), needed_for) from None
     return core

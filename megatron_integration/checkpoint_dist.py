@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from dynapipe.errors import DynaPipeError
+from dynapipe.megatron_core import installed_release
 from megatron_integration.checkpoint import check_distributed_optimizer, check_precision
 from megatron_integration.checkpoint_files import CHECKSUM_SUFFIX, verify_file
 from megatron_integration.initialize import RankInfo
@@ -289,7 +290,7 @@ def read_common(iter_dir: str) -> dict:
             raise DynaPipeError(f"checkpoint {iter_dir} is incomplete: it holds no common state (no common.pt, and "
                                 f"no index entry for one; {type(e).__name__} in megatron-core); resume from a "
                                 f"complete checkpoint.") from None
-        installed = _megatron_core_release()
+        installed = installed_release()
         if os.path.basename(where) != "common.pt" and installed is not None and installed < (0, 19):
             # 0.19 moved the common part into the shards; 0.16 reads only common.pt.
             raise DynaPipeError(f"checkpoint {iter_dir} keeps its common state (args, iteration, scheduler) in "
@@ -298,16 +299,6 @@ def read_common(iter_dir: str) -> dict:
                                 f"0.19 or newer (a checkpoint of 0.16 loads on 0.19, not the reverse).") from None
         raise _checkpoint_error(where, e) from None
 
-
-def _megatron_core_release() -> Optional[tuple[int, int]]:
-    """(major, minor) of the installed megatron-core, or None where it cannot be read."""
-    from importlib import metadata
-
-    try:
-        major, minor = metadata.version("megatron-core").split(".")[:2]
-        return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
-    except (metadata.PackageNotFoundError, ValueError):
-        return None
 
 
 def load_dist(iter_dir: str, cfg, gpt, optimizer, scheduler, info: RankInfo, load_optim: bool,

@@ -88,11 +88,12 @@ def key_padding_mask(k_seg: torch.Tensor) -> Optional[torch.Tensor]:
     return pad[:, None, None, :] if bool(pad.any()) else None
 
 
-def compact_masks(enc_seg: torch.Tensor, dec_seg: Optional[torch.Tensor]) -> dict:
+def compact_masks(has_encoder: bool, enc_seg: torch.Tensor, dec_seg: Optional[torch.Tensor]) -> dict:
     """The masks of a micro-batch whose rows each hold one sample (:func:`single_sample_rows`)
-    in a form that broadcasts instead of ``[mbs, 1, sq, sk]``: encoder self-attention and
-    cross-attention mask only the input's padding keys (``[mbs, 1, 1, sk]``, or None without
-    padding), decoder self-attention is causal (``[1, 1, sd, sd]``).
+    where its stage's masks go, in a form that broadcasts instead of ``[mbs, 1, sq, sk]``:
+    with ``has_encoder`` encoder self-attention, and with ``dec_seg`` (a stage with a decoder)
+    cross-attention, mask only the input's padding keys (``[mbs, 1, 1, sk]``, or None without
+    padding); decoder self-attention is causal (``[1, 1, sd, sd]``).
 
     Why: a full mask is built on every forward, and at long rows that costs as much as a
     quarter of the layer it masks (one 3,584-token row: 24 ms for the bool mask and 23 ms for
@@ -104,12 +105,12 @@ def compact_masks(enc_seg: torch.Tensor, dec_seg: Optional[torch.Tensor]) -> dic
     their outputs reach no real token (masked as keys, loss-masked as targets), so no loss or
     gradient changes. For megatron-core's unfused softmax on a CPU only; its fused CUDA
     kernels take ``[mbs, 1, sq, sk]`` masks."""
-    out = {"enc_attn_mask": key_padding_mask(enc_seg)}
+    pad = key_padding_mask(enc_seg)
+    out = {"enc_attn_mask": pad} if has_encoder else {}
     if dec_seg is not None:
         sd = dec_seg.shape[1]
         causal = torch.ones((sd, sd), dtype=torch.bool, device=dec_seg.device).triu_(1)
-        out["dec_attn_mask"] = causal[None, None]
-        out["cross_attn_mask"] = out["enc_attn_mask"]
+        out.update(dec_attn_mask=causal[None, None], cross_attn_mask=pad)
     return out
 
 
@@ -197,8 +198,7 @@ class T5StageHandlers(ModelStageHandlers):
                 enc_seg if enc_host is None else enc_host,
                 # An encoder-only chunk masks no target: its rows qualify on the inputs alone.
                 None if dec_seg is None or t5.decoder is None else (dec_seg if dec_host is None else dec_host)):
-            masks = compact_masks(enc_seg, dec_seg if t5.decoder is not None else None)
-            kwargs.update(masks if t5.encoder is not None else {k: v for k, v in masks.items() if k != "enc_attn_mask"})
+            kwargs.update(compact_masks(t5.encoder is not None, enc_seg, dec_seg if t5.decoder is not None else None))
         else:
             if t5.encoder is not None:
                 kwargs["enc_attn_mask"] = needed_mask(enc_seg, enc_seg, host=None if enc_host is None else

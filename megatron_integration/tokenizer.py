@@ -134,12 +134,9 @@ def null_info(vocab_size: int, eod_id: Optional[int] = None) -> TokenizerInfo:
 
 
 def _core_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    from dynapipe.megatron_core import installed_version
 
-    try:
-        return version("megatron-core")
-    except PackageNotFoundError:
-        return "(unknown)"
+    return installed_version() or "(unknown)"
 
 
 def huggingface_info(model: str) -> TokenizerInfo:

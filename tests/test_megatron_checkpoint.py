@@ -196,9 +196,9 @@ def _verifier_catches_damage(iter_dir, scratch):
             read_common(str(scratch))
         # megatron-core 0.19's layout (no common.pt: a common_state object in the shards), which
         # 0.16 cannot read: the error says which release wrote it and what resumes it.
-        from megatron_integration.checkpoint_dist import _megatron_core_release
+        from dynapipe.megatron_core import installed_release
 
-        release = _megatron_core_release()
+        release = installed_release()
         assert release is not None
         if release < (0, 19):
             import torch

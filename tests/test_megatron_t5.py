@@ -191,7 +191,7 @@ def _layers_job() -> dict:
         dec_seg = torch.tensor([[1] * 17 + [0] * 7, [2] * 24])
         full = (segment_mask(enc_seg, enc_seg), segment_mask(dec_seg, dec_seg, causal=True),
                 segment_mask(dec_seg, enc_seg, self_attention=False))
-        masks = compact_masks(enc_seg, dec_seg)
+        masks = compact_masks(True, enc_seg, dec_seg)
         out["compact"]["shapes"] = [tuple(masks[k].shape) for k in ("enc_attn_mask", "dec_attn_mask",
                                                                     "cross_attn_mask")]
         for name, (e, d, c) in (("full", full), ("compact", (masks["enc_attn_mask"], masks["dec_attn_mask"],

@@ -97,15 +97,16 @@ class ProfileTable:
         if b.size == 0:
             out = np.zeros((len(self._v),) + shape)
             return out if self.stacked else out[0]
+        keys = at = None
         if b.size > 64 and _whole(b) and _whole(s):
             # Many points, few distinct shapes (a T5 decoder's (samples, target length) pairs over
             # the candidates of every encoder length): each shape priced once.
             keys, at = np.unique(b * _KEY + s, return_inverse=True)
-            if 2 * len(keys) < b.size:
-                out = self._points(np.floor(keys / _KEY), keys % _KEY)[:, at.ravel()]
-                out = out.reshape((len(out),) + shape)
-                return out if self.stacked else out[0]
-        out = self._points(b, s).reshape((-1,) + shape)
+        if keys is not None and 2 * len(keys) < b.size:
+            out = self._points(np.floor(keys / _KEY), keys % _KEY)[:, at.ravel()]
+        else:
+            out = self._points(b, s)
+        out = out.reshape((len(out),) + shape)
         return out if self.stacked else out[0]
 
     def _points(self, b: np.ndarray, s: np.ndarray) -> np.ndarray:
