@@ -634,13 +634,18 @@ def test_a_resume_with_longer_train_iters_continues_the_weighted_blend_it_traine
         runs += [f"{base} --train-iters 8 --exit-interval 4 --save {saves[fmt]} --ckpt-format {fmt}",
                  f"{base} --train-iters 16 --exit-interval 8 --load {saves[fmt]} --ckpt-format {fmt} "
                  "--override-opt_param-scheduler"]
-    full, _, resumed_dist, _, resumed_own = (ranks[0] for ranks in run_trainings([a.split() for a in runs], 1,
-                                                                                 timeout_s=TIMEOUT * 2))
+    # One thread, as each rank of the two-rank resume tests has. What is checked here is the order of
+    # the samples: other samples move an iteration's loss by far more than 1e-4 (consecutive
+    # iterations here differ by 0.07-0.16), so the comparison allows the fifth digit. A two-thread rank once resumed
+    # 1e-5 away from the uninterrupted run (the same samples, summed in another order); bitwise
+    # resumption is test_resume_continues_identically's.
+    full, _, resumed_dist, _, resumed_own = (ranks[0] for ranks in run_trainings(
+        [a.split() for a in runs], 1, timeout_s=TIMEOUT * 2, threads_per_rank=1))
     kept = (" > keeping the weighted blend as the checkpoint sized it (64 samples; this run's --train-iters 16 "
             "would size it for 128 samples), so the consumed samples continue its order")
     for resumed in (resumed_dist, resumed_own):
         assert resumed["start_iteration"] == 4
-        assert resumed["losses"] == full["losses"][4:8]
+        assert resumed["losses"] == pytest.approx(full["losses"][4:8], abs=1e-4)
         assert kept in resumed["checkpoint_lines"]
         # Read before the data: the start-up line counts the kept blend, not one of 128 samples.
         assert " > train data: 40 documents -> 64 samples (blended), 552 tokens, 0 truncated" in resumed["printed"]
