@@ -55,6 +55,15 @@ def model_mismatch(ckpt_args, cfg, mine: Optional[dict] = None,
         if not has_encoder:
             return ("it holds no encoder: a decoder-only (GPT) model's checkpoint, and this run trains a T5; "
                     "resume it with scripts/pretrain_gpt.py")
+        depth = getattr(ckpt_args, "num_layers", None)
+        if saved_keys is not None and getattr(ckpt_args, "dynapipe_placement", None) is None and depth is not None:
+            # Megatron-LM wrote it: its pretrain_t5.py builds the decoder from --num-layers, which it
+            # sets to the encoder's, and records --decoder-num-layers without reading it.
+            if depth != mine["decoder_num_layers"]:
+                return (f"a Megatron-LM T5 checkpoint, whose decoder has --num-layers layers ({depth}, the "
+                        f"encoder's) whatever its --decoder-num-layers ({decoder_layers}) says, and "
+                        f"{mine['decoder_num_layers']} here: pass --decoder-num-layers {depth}")
+            mine = {k: v for k, v in mine.items() if k != "decoder_num_layers"}
     if mine is None:
         # Key/value heads: Megatron-LM records --num-query-groups whatever it is, and reads it
         # only with --group-query-attention (one group a head otherwise).

@@ -79,6 +79,30 @@ def test_megatron_t5_flags_and_their_errors():
         parse_t5_args(TINY.replace("--decoder-seq-length 64", "").split(), 2, cuda=False)
 
 
+def test_a_megatron_lm_t5_checkpoint_is_checked_for_the_decoder_it_holds():
+    """Megatron-LM's pretrain_t5.py builds the decoder from --num-layers (the encoder's) and records
+    --decoder-num-layers unread: its checkpoints are checked against the depth they hold."""
+    from types import SimpleNamespace
+
+    from megatron_integration.checkpoint_compat import model_mismatch
+    from megatron_integration.t5_checkpoint import t5_megatron_args, t5_model_values
+
+    cfg = parse_t5_args(TINY.split(), 2, cuda=False)  # 2 encoder and 2 decoder layers
+    keys = ["encoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.0.mlp.linear_fc1.weight"]
+    mine = t5_model_values(cfg)
+    megatron_lm = {**t5_megatron_args(cfg), "decoder_num_layers": 1}
+    del megatron_lm["dynapipe_placement"]
+    assert model_mismatch(SimpleNamespace(**megatron_lm), cfg.base, mine, keys) is None
+    deeper = parse_t5_args(TINY.replace("--decoder-num-layers 2", "--decoder-num-layers 4").split(), 2, cuda=False)
+    assert model_mismatch(SimpleNamespace(**megatron_lm), deeper.base, t5_model_values(deeper), keys) == (
+        "a Megatron-LM T5 checkpoint, whose decoder has --num-layers layers (2, the encoder's) whatever its "
+        "--decoder-num-layers (1) says, and 4 here: pass --decoder-num-layers 2")
+    # This project's checkpoints hold the decoder their --decoder-num-layers records.
+    ours = {**t5_megatron_args(cfg), "decoder_num_layers": 1}
+    assert model_mismatch(SimpleNamespace(**ours), cfg.base, mine, keys) == (
+        "--decoder-num-layers 1 in the checkpoint, 2 here")
+
+
 def test_t5_baselines_pad_to_the_flags_and_pack_pairs_whole():
     rng = np.random.default_rng(0)
     lengths = np.stack([rng.integers(1, 100, 24), rng.integers(1, 40, 24)], axis=1)
