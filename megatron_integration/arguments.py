@@ -171,9 +171,11 @@ def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[b
         check_uniform_recompute(recompute, block_layers(parallel, args.num_layers))
     dyn = dynapipe_args_from_args(args, cuda, batching, level, dp, num_nodes)
 
-    from megatron_integration.data_args import data_sources_from_args, eval_args_from_args
+    from megatron_integration.data_args import check_jsonl_tokenizer, data_sources_from_args, eval_args_from_args
 
     sources = data_sources_from_args(args)
+    # Before the model is built (the loader's own check would come after it, and after a --load).
+    check_jsonl_tokenizer([p for k, v in sources.items() if k.endswith("_path") for p in v], args.tokenizer_type)
     evaluation = eval_args_from_args(args, sources)
     if args.dynapipe_mixture is not None and not os.path.isfile(args.dynapipe_mixture):
         raise DynaPipeError(f"--dynapipe-mixture {args.dynapipe_mixture!r}: no such file.")

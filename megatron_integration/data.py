@@ -25,6 +25,7 @@ from dynapipe.data.samples import Sample, SampleDataset
 from dynapipe.data.sampler import GlobalBatch, GlobalBatchSampler, SamplerConfig
 from dynapipe.data.splits import SPLITS, WHOLE, EmptySplitError, split_ranges
 from dynapipe.errors import DynaPipeError
+from megatron_integration.data_args import check_jsonl_tokenizer
 from megatron_integration.train_config import DynaPipeTrainingConfig
 
 
@@ -46,10 +47,7 @@ def dataset_config(cfg: DynaPipeTrainingConfig, split: str = "train") -> Optiona
         common["seed"] = cfg.seed + SPLITS.index(split)
         return DatasetConfig(kind="synthetic", num_samples=d.mock_samples, mixture=d.mixture, **common)
     every_path = (*d.data_path, *d.train_data_path, *d.valid_data_path, *d.test_data_path)
-    if d.tokenizer_type != "ByteLevel" and any(p.endswith((".jsonl", ".json")) for p in every_path):
-        raise DynaPipeError(f"--tokenizer-type {d.tokenizer_type}: this build tokenises JSONL byte-level "
-                            f"(--tokenizer-type ByteLevel); pre-tokenise other vocabularies into a Megatron "
-                            f"indexed dataset with Megatron's preprocess_data.py.")
+    check_jsonl_tokenizer(every_path, d.tokenizer_type)
     if d.train_data_path:
         files, weights = getattr(d, f"{split}_data_path"), getattr(d, f"{split}_data_weights")
         if not files:

@@ -123,6 +123,15 @@ def add_eval_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def check_jsonl_tokenizer(paths, tokenizer_type: str) -> None:
+    """Refuse JSONL ``paths`` with a ``tokenizer_type`` other than ByteLevel: this build
+    tokenises JSONL byte-level, and other vocabularies come as indexed datasets."""
+    if tokenizer_type != "ByteLevel" and any(p.endswith((".jsonl", ".json")) for p in paths):
+        raise DynaPipeError(f"--tokenizer-type {tokenizer_type}: this build tokenises JSONL byte-level "
+                            f"(--tokenizer-type ByteLevel); pre-tokenise other vocabularies into a Megatron "
+                            f"indexed dataset with Megatron's preprocess_data.py.")
+
+
 def data_sources_from_args(args: argparse.Namespace) -> dict:
     """The data fields of :class:`~megatron_integration.train_config.DataArgs` that say where
     each split's samples come from, validated as Megatron-LM validates them."""

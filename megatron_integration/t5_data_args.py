@@ -28,10 +28,14 @@ def add_t5_data_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--vocab-extra-ids", type=int, default=0,
                        help="sentinel tokens <extra_id_0>... added to a WordPiece vocabulary; T5 span corruption "
                             "needs them (Megatron-LM's T5 uses 100)")
-    group.add_argument("--mask-prob", type=float, default=DEFAULTS["mask_prob"],
-                       help="fraction of a sample's tokens masked into spans (indexed data)")
-    group.add_argument("--short-seq-prob", type=float, default=DEFAULTS["short_seq_prob"],
-                       help="probability of a sample shorter than --encoder-seq-length (indexed data)")
+    # Default None, filled in where used: a flag typed at its default value is still refused
+    # where it cannot apply.
+    group.add_argument("--mask-prob", type=float, default=None,
+                       help=f"fraction of a sample's tokens masked into spans (indexed data; default "
+                            f"{DEFAULTS['mask_prob']})")
+    group.add_argument("--short-seq-prob", type=float, default=None,
+                       help=f"probability of a sample shorter than --encoder-seq-length (indexed data; default "
+                            f"{DEFAULTS['short_seq_prob']})")
     # --data-cache-path is the shared parser's (megatron_integration.args_megatron).
 
 
@@ -48,7 +52,7 @@ def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> O
         if paths and other:
             raise DynaPipeError(f"{other[0]}: an indexed prefix beside JSONL training pairs; give every split in "
                                 f"one kind (JSONL pairs, or indexed datasets for span corruption).")
-        given = [f"--{k.replace('_', '-')}" for k, v in DEFAULTS.items() if getattr(args, k) != v]
+        given = [f"--{k.replace('_', '-')}" for k in DEFAULTS if getattr(args, k) is not None]
         if given:
             raise DynaPipeError(f"{given[0]} applies to T5 span corruption of indexed --data-path datasets; JSONL "
                                 f"pairs and --mock-data are not masked: drop it.")
@@ -86,8 +90,11 @@ def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> O
     if not args.mmap_bin_files:
         raise DynaPipeError("--no-mmap-bin-files: megatron-core's T5 span-corruption dataset always memory-maps its "
                             "indexed files (its reader takes no such option); drop it.")
-    _fraction("mask-prob", args.mask_prob, low_open=True, default=DEFAULTS["mask_prob"])
-    _fraction("short-seq-prob", args.short_seq_prob, high_open=False, default=DEFAULTS["short_seq_prob"])
+    mask_prob = _fraction("mask-prob", DEFAULTS["mask_prob"] if args.mask_prob is None else args.mask_prob,
+                          low_open=True, high_open=False, default=DEFAULTS["mask_prob"])
+    short_seq_prob = _fraction("short-seq-prob",
+                               DEFAULTS["short_seq_prob"] if args.short_seq_prob is None else args.short_seq_prob,
+                               high_open=False, default=DEFAULTS["short_seq_prob"])
     enc_seq = base.model.seq_length
     if enc_seq < 4:
         raise DynaPipeError(f"--encoder-seq-length {enc_seq}: too short for T5 span corruption, whose samples hold "
@@ -108,8 +115,8 @@ def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> O
         paths=paths, weights=weights, split=_train_split(args) if base.data.data_path else None,
         num_samples=train_samples if train_samples is not None else base.train_iters * base.global_batch_size,
         encoder_seq_length=enc_seq, decoder_seq_length=dec_seq, seed=base.seed, tokenizer_type=kind,
-        vocab_file=args.vocab_file, vocab_extra_ids=args.vocab_extra_ids, mask_prob=args.mask_prob,
-        short_seq_prob=args.short_seq_prob, cache_path=args.data_cache_path,
+        vocab_file=args.vocab_file, vocab_extra_ids=args.vocab_extra_ids, mask_prob=mask_prob,
+        short_seq_prob=short_seq_prob, cache_path=args.data_cache_path,
         valid_paths=per_split.get("valid", ((), ()))[0], valid_weights=per_split.get("valid", ((), ()))[1],
         test_paths=per_split.get("test", ((), ()))[0], test_weights=per_split.get("test", ((), ()))[1])
     if dec_seq < min(3, cfg.worst_decoder_length):

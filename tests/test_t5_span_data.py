@@ -281,8 +281,19 @@ def test_bad_span_corruption_input_is_refused_in_one_line(corpus, tmp_path):
             parse_t5_args(_args(corpus, data=[prefix]), 1, cuda=False)
     mock = BASE.replace("--split 100,0,0", "--mock-data").split() + ["--vocab-file", corpus["vocab"]]
     assert parse_t5_args(mock, 1, cuda=False).span_corruption is None
-    with pytest.raises(DynaPipeError, match="--mask-prob applies to T5 span corruption of indexed"):
-        parse_t5_args(mock + ["--mask-prob", "0.3"], 1, cuda=False)
+    for typed in (["--mask-prob", "0.3"], ["--mask-prob", "0.15"], ["--short-seq-prob", "0.1"]):
+        # Refused where it cannot apply, at Megatron-LM's default value too.
+        with pytest.raises(DynaPipeError, match=f"{typed[0]} applies to T5 span corruption of indexed"):
+            parse_t5_args(mock + typed, 1, cuda=False)
+    # As Megatron-LM reads it, every token may be masked.
+    assert parse_t5_args(_args(corpus) + ["--mask-prob", "1"], 1, cuda=False).span_corruption.mask_prob == 1.0
+    # JSONL pairs are tokenised byte-level: a WordPiece vocabulary is refused before any model is built.
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"input": "a b", "target": "c"}\n')
+    jsonl = BASE.replace("--split 100,0,0", f"--data-path {pairs}").split() + ["--vocab-file", corpus["vocab"]]
+    with pytest.raises(DynaPipeError, match="--tokenizer-type BertWordPieceLowerCase: this build tokenises JSONL "
+                                            "byte-level"):
+        parse_t5_args(jsonl, 1, cuda=False)
     with pytest.raises(DynaPipeError, match="sentinels are added to the WordPiece vocabularies only"):
         parse_t5_args(mock + ["--tokenizer-type", "ByteLevel", "--vocab-file", ""], 1, cuda=False)
 

@@ -134,3 +134,12 @@ def test_huggingface_tokenizer_from_a_local_directory(tmp_path):
     assert (m.unpadded_vocab_size, m.vocab_size) == (21, 128)
     with pytest.raises(DynaPipeError, match="could not load a Hugging Face tokenizer"):
         parse(f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {tmp_path / 'missing'}")
+
+
+def test_jsonl_with_another_vocabulary_is_refused_with_the_command_line(tmp_path):
+    # JSONL is tokenised byte-level: refused while parsing, not after the model is built and loaded.
+    pairs = _write(tmp_path, "docs.jsonl", '{"text": "a b c"}\n')
+    with pytest.raises(DynaPipeError, match="--tokenizer-type GPT2BPETokenizer: this build tokenises JSONL byte-level"):
+        parse_training_args(f"{BASE} {GPT2} --data-path {pairs}".replace("--mock-data ", "").split(), 1, cuda=False)
+    assert parse_training_args(f"{BASE} --data-path {pairs}".replace("--mock-data ", "").split(), 1,
+                               cuda=False).data.tokenizer_type == "ByteLevel"
