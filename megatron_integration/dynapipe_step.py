@@ -49,7 +49,7 @@ from megatron_integration.initialize import RankInfo
 from megatron_integration.baseline_step import StepResult, holds_loss, reduce_loss, split_point, step_split_ms
 from megatron_integration.model import Stage, finalize_grads_func, set_recompute_level
 from megatron_integration.nan_guard import check_before_step
-from megatron_integration.segment_attention import segment_table, table_density
+from megatron_integration.segment_attention import segment_table, table_calls, table_density
 from megatron_integration.stage_handlers import ModelStageHandlers
 from megatron_integration.tensor_parallel import check_plan_tensor_parallel, check_tp_plans_agree
 from megatron_integration.training_limits import empty_unused_memory
@@ -93,11 +93,11 @@ class MegatronStageHandlers(ModelStageHandlers):
 
     def trace_note(self, op) -> Optional[dict]:
         """The base note (``recompute``), and with per-sample attention ``attention``: the share
-        of the rows' dense pairs the op's segment table computed."""
+        of the rows' dense pairs the op's segment table computed, and its calls."""
         note = dict(super().trace_note(op) or {})
         density = self.density.get((op.mb, getattr(op, "chunk", 0)))
         if density is not None:
-            note["attention"] = {"input": density}
+            note["attention"] = density
         return note or None
 
     def _level(self, op) -> None:
@@ -117,7 +117,7 @@ class MegatronStageHandlers(ModelStageHandlers):
             host = (self.tensors.get(mb.mb) or {}).get("segment_ids")  # read on the host, no device sync
             attn_mask = torch.from_numpy(segment_table(np.asarray(seg.cpu() if host is None else host)))
             rows, s = seg.shape[0], seg.shape[1]
-            self.density[(op.mb, c)] = table_density(attn_mask, rows, s, s)
+            self.density[(op.mb, c)] = {"input": table_density(attn_mask, rows, s, s), "calls": table_calls(attn_mask)}
         else:
             attn_mask = None if seg is None else packed_attention_mask(seg)
         out = module(inputs.get("tokens"), inputs.get("position_ids"), attn_mask, labels=inputs.get("labels"))

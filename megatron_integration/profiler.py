@@ -48,6 +48,7 @@ from dynapipe.cost.profile_checks import FIELDS, LAYER_OPS, LEVEL_OPS, OPS, PROF
 from dynapipe.cost.profile_t5 import WEIGHT_FIELD
 from dynapipe.runtime.activation_meter import ActivationMeter
 from dynapipe.runtime.weight_grad_store import WeightGradStore
+from megatron_integration.attention_calls import measure_attention_call_ms
 from megatron_integration.cache_flush import CacheFlush
 from megatron_integration.live_memory import LiveMemoryTracker
 from megatron_integration.split_backward import install_split_backward
@@ -245,7 +246,7 @@ class _Ops:
         # The model's own dropout: its masks are part of what the backward keeps.
         one = replace(model, num_layers=1)
         parallel = ParallelArgs(world_size=tp, tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel)
-        tconfig = transformer_config(one, parallel, cuda=device.type == "cuda")
+        tconfig = self.tconfig = transformer_config(one, parallel, cuda=device.type == "cuda")
         spec, self.spec_name = layer_spec(use_te, model.normalization, model.qk_layernorm)
         # The norms the training stages build under sequence parallelism.
         spec = sequence_parallel_block_spec(spec, tconfig, 1)
@@ -361,6 +362,7 @@ def profile_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: Seq
                          f"bw {layer['bw_ms'][i][j]:8.2f} ms  stored {layer['stored_mib'][i][j]:8.2f} MiB  "
                          f"peak {layer['peak_mib'][i][j]:8.2f} MiB{levels_line}")
     tables = _monotone(tables)
+    calls = measure_attention_call_ms(ops.tconfig, device, causal=True, repeats=repeats, warmup=warmup, flush=flush)
     return {
         "format": PROFILE_FORMAT,
         "version": PROFILE_VERSION,
@@ -385,6 +387,7 @@ def profile_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: Seq
         "mbs": [int(b) for b in mbs_grid],
         "seqlen": [int(s) for s in seqlen_grid],
         "stage_overhead_ms": 0.0,
+        "attention_call_ms": calls,
         "times": "fastest of the repeats, each from a cold cache, lowered to the fastest of any larger shape",
         "tp": int(tp),
         "sequence_parallel": bool(sequence_parallel),

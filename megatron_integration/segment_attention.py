@@ -66,6 +66,13 @@ def table_density(table, rows: int, sq: int, sk: int) -> float:
     return float(f"{max(pairs / float(max(rows * sq * sk, 1)), 1e-12):.6g}")
 
 
+def table_calls(table) -> int:
+    """The attention calls a segment table makes: its segments with keys (padding and samples
+    without keys of their own get zeros, no call)."""
+    t = np.asarray(table.cpu() if isinstance(table, torch.Tensor) else table, dtype=np.int64).reshape(-1, TABLE_COLUMNS)
+    return int(np.sum(t[:, 4] > t[:, 3]))
+
+
 def t5_segment_tables(has_encoder: bool, has_decoder: bool, enc_ids, dec_ids) -> dict[str, torch.Tensor]:
     """The segment tables of a packed T5 micro-batch where its stage's masks go
     (``enc_attn_mask``, ``dec_attn_mask``, ``cross_attn_mask``: each target attends to its own

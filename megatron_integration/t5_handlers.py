@@ -17,7 +17,7 @@ import torch
 
 from dynapipe.plan.instructions import ForwardPass, MicroBatchInfo
 from megatron_integration.model import Stage
-from megatron_integration.segment_attention import t5_segment_tables, table_density
+from megatron_integration.segment_attention import t5_segment_tables, table_calls, table_density
 from megatron_integration.stage_handlers import ModelStageHandlers
 from megatron_integration.t5_chunks import T5Chunks
 from megatron_integration.t5_model import set_t5_recompute_level
@@ -150,7 +150,8 @@ class T5StageHandlers(ModelStageHandlers):
         ``masked``, whether its encoder or cross-attention applied a mask (a row of one whole
         sample needs none, :func:`needed_mask`), so that ops of one shape are compared on the
         same work; with per-sample attention also ``attention``, the share of the dense pairs
-        its segment tables computed (input, target, cross), at which the bench prices it."""
+        its segment tables computed (input, target, cross) and their calls a core, at which the bench
+        prices it."""
         note = dict(super().trace_note(op) or {})
         masked = self.masked.get((op.mb, op.chunk))
         if masked is not None:
@@ -190,10 +191,12 @@ class T5StageHandlers(ModelStageHandlers):
             rows, s_enc = enc_seg.shape[0], enc_seg.shape[1]
             s_dec = dec_seg.shape[1] if dec_seg is not None else 0
             self.density[(op.mb, op.chunk)] = {
-                key: table_density(tables[name], rows, *shape)
-                for key, name, shape in (("input", "enc_attn_mask", (s_enc, s_enc)),
-                                         ("target", "dec_attn_mask", (s_dec, s_dec)),
-                                         ("cross", "cross_attn_mask", (s_dec, s_enc))) if name in tables}
+                **{key: table_density(tables[name], rows, *shape)
+                   for key, name, shape in (("input", "enc_attn_mask", (s_enc, s_enc)),
+                                            ("target", "dec_attn_mask", (s_dec, s_dec)),
+                                            ("cross", "cross_attn_mask", (s_dec, s_enc))) if name in tables},
+                # One call a sample on each attention core (the encoder's, else the decoder's count).
+                "calls": max(table_calls(t) for t in tables.values())}
         elif self.device.type == "cpu" and single_sample_rows(
                 enc_seg if enc_host is None else enc_host,
                 # An encoder-only chunk masks no target: its rows qualify on the inputs alone.

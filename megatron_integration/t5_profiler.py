@@ -41,6 +41,7 @@ import torch
 from dynapipe.cost.profile_checks import PROFILE_FORMAT, PROFILE_VERSION
 from dynapipe.cost.profile_t5 import FIELDS, KIND_ENCODER_DECODER, SPLIT_OPS, T5_AXES, T5_OPS, WEIGHT_FIELD
 from dynapipe.runtime.weight_grad_store import WeightGradStore
+from megatron_integration.attention_calls import measure_attention_call_ms
 from megatron_integration.cache_flush import CacheFlush
 from megatron_integration.profiler import as_trained, measure_op, suffix_minimum
 from megatron_integration.split_backward import install_split_backward
@@ -75,7 +76,7 @@ class T5Ops:
                                                 position_embedding_type="learned_absolute")
         self.lm_head = T5LMHead(config, parallel_output=True, vocab_size=model.vocab_size, pre_process=False,
                                 share_embeddings_and_output_weights=False)
-        self.model, self.device, self.dtype = model, device, config.params_dtype
+        self.model, self.device, self.dtype, self.config = model, device, config.params_dtype, config
         for part in (self.encoder, self.decoder, self.embedding, self.lm_head):
             as_trained(part, device, self.dtype)  # in place: the precision the stages train in
         for block in (self.encoder, self.decoder):
@@ -197,6 +198,8 @@ def profile_t5_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: 
             # did; it is a part of that backward, so it never exceeds it.
             v[WEIGHT_FIELD] = torch.minimum(suffix_minimum(v[WEIGHT_FIELD]), v["bw_ms"])
     tables = {op: {f: _nested(t.tolist()) for f, t in v.items()} for op, v in values.items()}
+    # The encoder's calls (its mask type); a decoder's causal ones cost the same to within noise.
+    calls = measure_attention_call_ms(ops.config, device, causal=False, repeats=repeats, warmup=warmup, flush=flush)
     m = model
     return {
         "format": PROFILE_FORMAT, "version": PROFILE_VERSION, "kind": KIND_ENCODER_DECODER,
@@ -210,7 +213,7 @@ def profile_t5_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: 
                   "add_bias_linear": True, "normalization": "LayerNorm"},
         "mbs": [int(b) for b in mbs_grid], "seqlen": [int(s) for s in seqlen_grid],
         "dec_seqlen": [int(s) for s in dec_seqlen_grid],
-        "stage_overhead_ms": 0.0, "tp": tp, "sequence_parallel": bool(sequence_parallel),
+        "stage_overhead_ms": 0.0, "attention_call_ms": calls, "tp": tp, "sequence_parallel": bool(sequence_parallel),
         "profiling_s": round(time.perf_counter() - started, 2), "repeats": repeats,
         "times": "fastest of the repeats, each from a cold cache, lowered to the fastest of any larger shape",
         "ops": tables,

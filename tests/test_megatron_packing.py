@@ -63,6 +63,7 @@ def test_dynapipe_rows_with_per_sample_attention_train_the_padding_loss(request)
            for e in json.load(open(path))["traceEvents"] if e.get("cat") == "forward" and e.get("ph") == "X"]
     assert ops and all(a.get("attention") is not None and 0 < a["attention"]["input"] <= 1 for a in ops)
     assert min(a["attention"]["input"] for a in ops if a["mbs"] > 1) < 1
+    assert all(a["attention"]["calls"] == a["mbs"] for a in ops)  # one call a row's sample
 
 
 def test_the_planner_prices_per_sample_packed_rows_of_a_training_run():

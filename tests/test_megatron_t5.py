@@ -329,9 +329,11 @@ def test_t5_per_sample_ops_are_traced_and_priced_at_their_attention_density(pp2)
     traces = {"per-sample": trace_dir(per_sample), "packing": trace_dir(pp2[3])}
     notes = [e["args"]["attention"] for path in glob.glob(os.path.join(traces["per-sample"], "rank*.json"))
              for e in json.load(open(path))["traceEvents"] if e.get("cat") == "forward" and e.get("ph") == "X"]
-    assert notes and all(0 < v <= 1 for n in notes for v in n.values())
-    assert {k for n in notes for k in n} == {"input", "target", "cross"}
+    assert notes and all(0 < v <= 1 for n in notes for k, v in n.items() if k != "calls")
+    assert {k for n in notes for k in n} == {"input", "target", "cross", "calls"}
     assert min(n["input"] for n in notes if "input" in n) < 1  # rows of several samples
+    # One call a sample (2 samples a micro-batch here, packed or not: never fewer than one).
+    assert all(n["calls"] >= 1 for n in notes) and max(n["calls"] for n in notes) > 1
     cm = ProfileCostModel(PRICED, t5_profile(), 2)
     checks = {k: stage_check(path, [1, 2], cm) for k, path in traces.items()}
     for a, b in zip(checks["per-sample"]["stages"], checks["packing"]["stages"]):
@@ -353,10 +355,13 @@ def test_t5_dynapipe_with_per_sample_attention_equals_padding_and_skips_the_padd
     trace = alone["argv"][alone["argv"].index("--dynapipe-trace-dir") + 1]
     ops = [e["args"] for path in glob.glob(os.path.join(trace, "rank*.json"))
            for e in json.load(open(path))["traceEvents"] if e.get("cat") == "forward" and e.get("ph") == "X"]
-    assert ops and all("attention" in a and 0 < v <= 1 for a in ops for v in a["attention"].values())
+    shares = [{k: v for k, v in a["attention"].items() if k != "calls"} for a in ops if "attention" in a]
+    assert ops and len(shares) == len(ops) and all(0 < v <= 1 for d in shares for v in d.values())
+    # One call a sample: a row each.
+    assert all(a["attention"]["calls"] == a["mbs"] for a in ops)
     # A micro-batch of several samples pads its shorter rows, whose tails compute nothing.
     # (the encoder stage notes its input side, the decoder stage its target and cross sides).
-    assert min(min(a["attention"].values()) for a in ops if a["mbs"] > 1) < 1
+    assert min(min(d.values()) for d, a in zip(shares, ops) if a["mbs"] > 1) < 1
 
 
 def test_t5_packing_through_the_dynapipe_executor_trains_the_padding_loss(pp2):

@@ -328,3 +328,47 @@ def test_the_bench_judges_per_sample_ops_at_the_density_they_ran(tmp_path):
     dense = float(cm.stage_cost(2, 256, stage=0).fw_ms) - fixed
     thinned = float(cm.stage_cost(2, 256, stage=0, attention=AttentionDensity(0.25)).fw_ms) - fixed
     assert ops.predicted_ms.tolist() == pytest.approx([dense, thinned]) and thinned < dense
+
+
+def test_per_sample_calls_are_counted_a_sample_and_priced_a_core():
+    # The calls: one a sample with keys, whatever the rows hold.
+    assert packed_density(np.array([3, 5, 8]), [[0, 1], [2]], 8).calls == 3
+    assert packed_density(np.array([[3, 2], [5, 4]]), [[0, 1]], 8, 6).calls == 2
+    assert stack([None, AttentionDensity(0.5, calls=4)]).calls.tolist() == [0.0, 4.0]
+    assert AttentionDensity(0.5, calls=4).padded_to(8, 0, 16, 0).calls == 4
+    assert AttentionDensity(0.5, calls=4).to_json() == {"input": 0.5, "target": 1.0, "cross": 1.0, "calls": 4}
+    with pytest.raises(DynaPipeError, match="attention calls=-1"):
+        AttentionDensity(0.5, calls=-1)
+    fw_call, bw_call = 0.2, 0.15
+    gpt = ProfileCostModel(load_model_config("gpt-tiny"), {**_profile(), "attention_call_ms": {"fw": fw_call,
+                                                                                              "bw": bw_call}}, 2)
+    assert gpt.attention_call_ms == (fw_call, bw_call)
+    two_layers = StageLayout(0, 0, 2, False, False)
+    for level, again in (("none", 0.0), ("selective", fw_call), ("full", fw_call)):
+        none = gpt.priced_layout_cost(two_layers, 2.0, 256.0, None, level, AttentionDensity(0.5))
+        five = gpt.priced_layout_cost(two_layers, 2.0, 256.0, None, level, AttentionDensity(0.5, calls=5))
+        # 5 calls on each of 2 layers; a recomputing backward runs their forward again.
+        assert float(five.fw_ms - none.fw_ms) == pytest.approx(10 * fw_call)
+        assert float(five.bw_ms - none.bw_ms) == pytest.approx(10 * (bw_call + again))
+        assert float(five.stored_mib) == float(none.stored_mib)
+    # Dense rows make no per-sample calls; a profile without the figure prices none.
+    assert float(gpt.stage_cost(2, 256, stage=0).fw_ms) == float(
+        ProfileCostModel(load_model_config("gpt-tiny"), _profile(), 2).stage_cost(2, 256, stage=0).fw_ms)
+    assert ProfileCostModel(load_model_config("gpt-tiny"), _profile(), 2).attention_call_ms == (0.0, 0.0)
+    # T5: one core an encoder layer, two a decoder layer (self- and cross-attention).
+    t5 = ProfileCostModel(T5_TINY, {**t5_profile(), "attention_call_ms": {"fw": fw_call, "bw": bw_call}}, 2)
+    for layout, cores in ((StageLayout(0, 2, 0, True, False), 2), (StageLayout(1, 0, 2, False, True), 4)):
+        d0 = t5.priced_layout_cost(layout, 2.0, 256.0, 64.0, "none", AttentionDensity(0.5, 0.5, 0.5))
+        d3 = t5.priced_layout_cost(layout, 2.0, 256.0, 64.0, "none", AttentionDensity(0.5, 0.5, 0.5, calls=3))
+        assert float(d3.fw_ms - d0.fw_ms) == pytest.approx(3 * cores * fw_call)
+    for bad in ({"fw": -1}, {"fw": float("nan")}, {"forward": 1.0}, [0.1, 0.1], {"bw": True}):
+        with pytest.raises(DynaPipeError, match="'attention_call_ms'"):
+            ProfileCostModel(load_model_config("gpt-tiny"), {**_profile(), "attention_call_ms": bad}, 2)
+
+
+def test_a_candidate_of_per_sample_rows_makes_a_call_a_sample():
+    from dynapipe.batching.candidates import _range_density
+
+    density = _range_density(np.array([4, 6, 8, 8]))
+    d = density(np.array([4, 3]), np.array([4, 2]), np.array([8, 8]), None)
+    assert d.calls.tolist() == [4.0, 2.0]

@@ -35,6 +35,9 @@ def test_profile_loads_in_the_cost_model(profile_path):
     tiny = load_model_config("gpt-tiny")
     model = build_cost_model(tiny, None, num_stages=2, profile=str(profile_path))
     assert isinstance(model, ProfileCostModel)
+    # A per-sample attention call's fixed cost, measured on megatron-core's local attention.
+    calls = data["attention_call_ms"]
+    assert calls["fw"] > 0 and calls["bw"] > 0 and model.attention_call_ms == (calls["fw"], calls["bw"])
     cost = model.stage_cost([1, 2], [64, 100])
     assert np.all(cost.fw_ms > 0) and np.all(cost.bw_ms > 0) and np.all(cost.stored_mib > 0)
 

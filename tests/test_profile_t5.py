@@ -281,6 +281,8 @@ def test_profile_command_measures_a_tiny_t5_alone_as_a_tensor_parallel_group_and
     assert np.all(dec[:, :, 1] > dec[:, :, 0])
     cm = ProfileCostModel(ModelConfig(**{**T5.__dict__, "name": "t"}), data, 2)
     assert np.all(cm.stage_cost([1, 2], [64, 96], [16, 48]).time_ms > 0)
+    assert all(v > 0 for v in cm.attention_call_ms) and cm.attention_call_ms == tuple(
+        data["attention_call_ms"][k] for k in ("fw", "bw"))
     # The layers' backwards were timed split: a weight part within each backward; the embedding
     # and the LM head keep whole backwards.
     for op in ("encoder_layer", "decoder_layer"):

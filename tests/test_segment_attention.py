@@ -9,7 +9,7 @@ import torch
 from dynapipe.data.samples import Sample
 from dynapipe.errors import DynaPipeError
 from megatron_integration.launch import spawn
-from megatron_integration.segment_attention import is_segment_table, segment_table
+from megatron_integration.segment_attention import is_segment_table, segment_table, table_calls
 
 TIMEOUT = 180
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 96 --max-position-embeddings 96 "
@@ -33,6 +33,9 @@ def test_the_segment_table_pairs_each_sample_with_its_own_keys():
     enc = np.array([[1, 1, 1, 2, 0, 0, 0], [3, 3, 3, 3, 3, 3, 3]])
     assert segment_table(seg, enc).tolist() == [[0, 0, 2, 0, 3], [0, 2, 5, 3, 4], [0, 5, 6, 0, 0],
                                                 [1, 0, 4, 0, 7], [1, 4, 6, 0, 0]]
+    # One call a sample with keys, as the cost model counts them; padding tails make none.
+    assert table_calls(table) == packed_density(np.array([2, 3, 4]), [[0, 1], [2]], 6).calls == 3
+    assert table_calls(segment_table(seg, enc)) == 3
     assert is_segment_table(torch.from_numpy(segment_table(seg)))
     assert not is_segment_table(torch.ones(2, 1, 6, 6, dtype=torch.bool)) and not is_segment_table(None)
 

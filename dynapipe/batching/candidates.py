@@ -103,10 +103,12 @@ def _range_density(ordered: np.ndarray):
 
         def share(p, dense):
             return np.clip((p[end] - p[end - count]) / (count * dense), 1e-12, 1.0)
+        calls = np.asarray(count, dtype=np.float64)  # one sample a row, one call a sample
         if d is None:  # decoder-only: one kind of attention
-            return AttentionDensity(input=share(sq_in, s * s))
+            return AttentionDensity(input=share(sq_in, s * s), calls=calls)
         d = np.asarray(d, dtype=np.float64)
-        return AttentionDensity(input=share(sq_in, s * s), target=share(sq_t, d * d), cross=share(cross, d * s))
+        return AttentionDensity(input=share(sq_in, s * s), target=share(sq_t, d * d), cross=share(cross, d * s),
+                                calls=calls)
     return density
 
 

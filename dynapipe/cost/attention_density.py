@@ -11,6 +11,10 @@ attention (self-attention over the inputs, or a decoder-only model's sequence; a
 decoder's self-attention over the targets; its cross-attention, targets x inputs). The
 linear layers (projections, MLP) still run on every token of the row, padding included.
 
+It also counts the calls: attention run once a sample (``segment_attention.py``, where no
+varlen kernel is built) pays each call's fixed cost, whatever its pairs, and a cost model
+with a measured per-call cost (``attention_call_ms``) adds it.
+
 Pure numpy, no torch.
 """
 from __future__ import annotations
@@ -34,11 +38,14 @@ class AttentionDensity:
     (``sum(t_i^2) / (rows x dec_seqlen^2)``). ``cross``: its cross-attention
     (``sum(t_i x l_i) / (rows x dec_seqlen x seqlen)``). Floats, or arrays that broadcast
     with the micro-batch shapes priced beside them. 1 everywhere: dense attention.
+    ``calls``: the calls each attention core of a layer makes on the micro-batch, one a
+    sample with keys (0: not counted, as for dense rows, whose one call the measured layer holds).
     """
 
     input: Density = 1.0
     target: Density = 1.0
     cross: Density = 1.0
+    calls: Density = 0.0
 
     def __post_init__(self):
         for name in ("input", "target", "cross"):
@@ -46,6 +53,10 @@ class AttentionDensity:
             if arr.size and (not np.all(np.isfinite(arr)) or np.any(arr <= 0) or np.any(arr > 1 + 1e-12)):
                 raise DynaPipeError(f"attention density {name}={getattr(self, name)!r}: a share of a micro-batch's "
                                     f"attention pairs lies in (0, 1] (1: dense attention).")
+        calls = np.asarray(self.calls, dtype=np.float64)
+        if calls.size and (not np.all(np.isfinite(calls)) or np.any(calls < 0)):
+            raise DynaPipeError(f"attention calls={self.calls!r}: a count of per-sample attention calls is at "
+                                f"least 0.")
 
     def padded_to(self, seqlen: float, dec_seqlen: float, new_seqlen: float,
                   new_dec_seqlen: float) -> "AttentionDensity":
@@ -54,14 +65,16 @@ class AttentionDensity:
         falls by the dense pairs' growth."""
         s = seqlen / new_seqlen
         if not new_dec_seqlen:  # decoder-only: one kind of attention
-            return AttentionDensity(input=np.asarray(self.input) * s * s, target=self.target, cross=self.cross)
+            return AttentionDensity(input=np.asarray(self.input) * s * s, target=self.target, cross=self.cross,
+                                    calls=self.calls)
         t = dec_seqlen / new_dec_seqlen
         return AttentionDensity(input=np.asarray(self.input) * s * s, target=np.asarray(self.target) * t * t,
-                                cross=np.asarray(self.cross) * s * t)
+                                cross=np.asarray(self.cross) * s * t, calls=self.calls)
 
     def to_json(self) -> dict:
-        """The three shares, rounded to 6 digits (floats only)."""
-        return {k: round(float(getattr(self, k)), 6) for k in ("input", "target", "cross")}
+        """The three shares, rounded to 6 digits, and the calls (floats only)."""
+        return {**{k: round(float(getattr(self, k)), 6) for k in ("input", "target", "cross")},
+                "calls": int(round(float(self.calls)))}
 
 
 DENSE = AttentionDensity()
@@ -79,13 +92,13 @@ def packed_density(lengths: np.ndarray, rows: Sequence[Sequence[int]], seqlen: i
     idx = np.concatenate([np.asarray(r, dtype=np.int64) for r in rows])
     b = float(len(rows))
     if arr.ndim == 1:
-        return AttentionDensity(input=_share(np.sum(arr[idx] ** 2), b * seqlen * seqlen))
+        return AttentionDensity(input=_share(np.sum(arr[idx] ** 2), b * seqlen * seqlen), calls=float(len(idx)))
     if dec_seqlen < 1:
         raise DynaPipeError("packed density: encoder-decoder rows need their decoder length (dec_seqlen >= 1).")
     inp, tgt = arr[idx, 0], arr[idx, 1]
     return AttentionDensity(input=_share(np.sum(inp ** 2), b * seqlen * seqlen),
                             target=_share(np.sum(tgt ** 2), b * dec_seqlen * dec_seqlen),
-                            cross=_share(np.sum(inp * tgt), b * dec_seqlen * seqlen))
+                            cross=_share(np.sum(inp * tgt), b * dec_seqlen * seqlen), calls=float(len(idx)))
 
 
 def _share(pairs: float, dense: float) -> float:
@@ -103,7 +116,7 @@ def stack(densities: Sequence[Optional[AttentionDensity]]) -> Optional[Attention
         return None
     filled = [DENSE if d is None else d for d in densities]
     return AttentionDensity(*(np.array([float(getattr(d, k)) for d in filled])
-                              for k in ("input", "target", "cross")))
+                              for k in ("input", "target", "cross", "calls")))
 
 
 def decoder_core_density(target: Density, cross: Density, s_dec, s_enc) -> np.ndarray:

@@ -173,6 +173,9 @@ class CostModel(ABC):
 
     #: Whether :meth:`layout_cost` takes ``attention`` (an AttentionDensity: per-sample attention).
     prices_attention_density = False
+    #: The fixed cost of one per-sample attention call, (forward, backward) ms: what running
+    #: attention once a sample adds per call beyond its pairs (0: one varlen launch, not priced).
+    attention_call_ms: tuple[float, float] = (0.0, 0.0)
 
     def __init__(self, model: ModelConfig, num_stages: int, tp: Optional[TensorParallelConfig] = None):
         self.model = model
@@ -220,6 +223,24 @@ class CostModel(ABC):
         """Cost of one micro-batch on a stage with this layout (arrays broadcast). Models that
         set :attr:`prices_attention_density` also take ``attention=`` (see :meth:`stage_cost`)."""
 
+    def priced_layout_cost(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str,
+                           attention=None) -> StageCost:
+        """:meth:`layout_cost`, plus the fixed cost of per-sample attention's calls
+        (:attr:`attention_call_ms` for each of ``attention.calls`` on every attention core of
+        the stage: one a GPT or T5 encoder layer, two a T5 decoder layer); a recomputing
+        backward runs the calls' forward again."""
+        if attention is None:
+            return self.layout_cost(layout, mbs, seqlen, dec_seqlen, recompute)
+        cost = self.layout_cost(layout, mbs, seqlen, dec_seqlen, recompute, attention=attention)
+        fw_call, bw_call = self.attention_call_ms
+        if not (fw_call or bw_call):
+            return cost
+        cores = layout.encoder_layers + layout.decoder_layers * (2 if self.model.is_encoder_decoder else 1)
+        calls = np.asarray(attention.calls, dtype=np.float64) * cores
+        again = fw_call if recompute in ("selective", "full") else 0.0
+        return StageCost(fw_ms=cost.fw_ms + calls * fw_call, bw_ms=cost.bw_ms + calls * (bw_call + again),
+                         stored_mib=cost.stored_mib, peak_mib=cost.peak_mib)
+
     def weight_ms(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str) -> Optional[np.ndarray]:
         """The measured ms of the weight part of a split backward (zero-bubble schedules) on a
         stage with ``layout``, or None where nothing was measured: then
@@ -248,12 +269,9 @@ class CostModel(ABC):
         packed rows run with per-sample attention (None: dense attention over every row).
         """
         check_recompute(recompute)
-        extra = {}
-        if attention is not None:
-            if not self.prices_attention_density:
-                raise DynaPipeError(f"{type(self).__name__} prices dense attention only; per-sample attention "
-                                    f"(packing-per-sample) needs the analytic or a profile cost model.")
-            extra["attention"] = attention
+        if attention is not None and not self.prices_attention_density:
+            raise DynaPipeError(f"{type(self).__name__} prices dense attention only; per-sample attention "
+                                f"(packing-per-sample) needs the analytic or a profile cost model.")
         if self.model.is_encoder_decoder and dec_seqlen is None:
             raise DynaPipeError(f"model {self.model.name!r} is encoder-decoder: give the decoder length too.")
         mbs = np.asarray(mbs, dtype=np.float64)
@@ -262,9 +280,9 @@ class CostModel(ABC):
         if stage is not None:
             if not 0 <= stage < self.num_stages:
                 raise DynaPipeError(f"stage={stage} is outside the pipeline's 0..{self.num_stages - 1}.")
-            return self.layout_cost(self.layouts[stage], mbs, seqlen, dec, recompute, **extra)
+            return self.priced_layout_cost(self.layouts[stage], mbs, seqlen, dec, recompute, attention)
         by_key = {self._key(l): l for l in self.layouts}
-        costs = [self.layout_cost(by_key[k], mbs, seqlen, dec, recompute, **extra) for k in self._distinct]
+        costs = [self.priced_layout_cost(by_key[k], mbs, seqlen, dec, recompute, attention) for k in self._distinct]
         return costs[0] if len(costs) == 1 else StageCost.maximum(costs)
 
     def output_stored_mib(self, layout: StageLayout, mbs, seqlen, dec_seqlen) -> np.ndarray:

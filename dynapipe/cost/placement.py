@@ -125,8 +125,7 @@ class _Pricer:
         if hit is None:
             smp = self.sample
             dec = smp.dec_seqlen if self.cm.model.is_encoder_decoder else None
-            dens = {} if smp.attention is None else {"attention": smp.attention}
-            c = self.cm.layout_cost(layout, smp.mbs, smp.seqlen, dec, self.levels[i], **dens)
+            c = self.cm.priced_layout_cost(layout, smp.mbs, smp.seqlen, dec, self.levels[i], smp.attention)
             ones = np.ones(len(smp.mbs))
             stored = np.asarray(c.stored_mib, dtype=np.float64) * ones
             peak = np.asarray(c.peak_mib, dtype=np.float64) * ones

@@ -9,6 +9,7 @@ Profile format (JSON, ``"format": "dynapipe-profile"``, ``"version": 2``)::
       "mbs": [1, 2, 4, 8],                 # grid rows, ascending
       "seqlen": [64, 128, 256, 512, 1024], # grid columns, ascending
       "stage_overhead_ms": 0.0,            # optional: paid once per stage op
+      "attention_call_ms": {"fw": 0.1, "bw": 0.1},  # optional: one per-sample attention call
       "tp": 1, "sequence_parallel": false, # optional: the tensor-parallel group measured
       "ops": {
         "layer":     {"fw_ms": [[...]], "bw_ms": [[...]], "stored_mib": [[...]], "peak_mib": [[...]]},
@@ -110,6 +111,8 @@ class ProfileCostModel(CostModel):
         check_layer_shape(profile, model, source)
         super().__init__(model, num_stages, tp)
         self.stage_overhead_ms = float(profile.get("stage_overhead_ms", 0.0))
+        calls = profile.get("attention_call_ms") or {}
+        self.attention_call_ms = (float(calls.get("fw", 0.0)), float(calls.get("bw", 0.0)))
         self.profile = profile
         # Bytes a dropout mask of the measured layers kept per element, for the derived levels'
         # shares: a CPU's dropout keeps masks of the activation's dtype, CUDA's bool ones.

@@ -212,6 +212,12 @@ def check_profile(data: Mapping[str, Any], source: str) -> None:
     if not finite_number(overhead):
         raise DynaPipeError(f"{source}: 'stage_overhead_ms' {_short(overhead)} is over 2**53 ms; give the fixed "
                             f"cost per stage op in ms.")
+    calls = data.get("attention_call_ms", {})
+    if not isinstance(calls, dict) or set(calls) - {"fw", "bw"} or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 2 ** 53  # NaN and inf fail here
+            for v in calls.values()):
+        raise DynaPipeError(f"{source}: 'attention_call_ms' {_short(calls)} must be {{\"fw\": ms, \"bw\": ms}}, "
+                            f"finite and 0 or more: the fixed cost of one per-sample attention call.")
     tp = data.get("tp", 1)
     if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= MAX_PROFILE_NUMBER:
         raise DynaPipeError(f"{source}: 'tp' {_short(tp)} must be a positive integer of at most 2**53 (the "

@@ -50,11 +50,11 @@ def plan_densities(plan: ExecutionPlan) -> dict:
         raise DynaPipeError(f"plan meta attention_density holds "
                             f"{len(recorded) if isinstance(recorded, list) else repr(recorded)} entries for "
                             f"{len(plan.micro_batches)} micro-batches; it needs one a micro-batch.")
-    kinds = {"input", "target", "cross"}
+    kinds = {"input", "target", "cross", "calls"}
     bad = [d for d in recorded if d is not None and not (isinstance(d, dict) and set(d) <= kinds)]
     if bad:
         raise DynaPipeError(f"plan meta attention_density entry {bad[0]!r}: each is null (dense rows) or an "
-                            f"object of the shares {sorted(kinds)}.")
+                            f"object of the shares {sorted(kinds - {'calls'})} and the calls.")
     return {info.mb: AttentionDensity(**d) for info, d in zip(plan.micro_batches, recorded) if d is not None}
 
 
