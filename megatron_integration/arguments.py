@@ -175,7 +175,10 @@ def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[b
 
     sources = data_sources_from_args(args)
     # Before the model is built (the loader's own check would come after it, and after a --load).
-    check_jsonl_tokenizer([p for k, v in sources.items() if k.endswith("_path") for p in v], args.tokenizer_type)
+    # Data of JSONL files alone: a mix with indexed prefixes gets its own error (T5 refuses it).
+    paths = [p for k, v in sources.items() if k.endswith("_path") for p in v]
+    if paths and all(p.endswith((".jsonl", ".json")) for p in paths):
+        check_jsonl_tokenizer(paths, args.tokenizer_type)
     evaluation = eval_args_from_args(args, sources)
     if args.dynapipe_mixture is not None and not os.path.isfile(args.dynapipe_mixture):
         raise DynaPipeError(f"--dynapipe-mixture {args.dynapipe_mixture!r}: no such file.")

@@ -84,8 +84,9 @@ class MegatronStageHandlers(ModelStageHandlers):
         # Packed rows with each sample's attention computed alone: the stage's layers read
         # segment tables where the mask goes (megatron_integration.segment_attention).
         self.per_sample_attention = per_sample_attention
-        # (micro-batch, chunk) -> the share of the rows' dense attention pairs its tables computed.
-        self.density: dict[tuple[int, int], float] = {}
+        # (micro-batch, chunk) -> the share of the rows' dense attention pairs its tables computed
+        # ("input") and the attention calls they made ("calls").
+        self.density: dict[tuple[int, int], dict] = {}
 
     def begin(self, micro_batch_tensors: dict, global_loss_tokens: int, plan=None) -> None:
         super().begin(micro_batch_tensors, global_loss_tokens, plan)

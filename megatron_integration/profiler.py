@@ -302,7 +302,7 @@ class _Ops:
         return fw, params
 
 
-def _slowest_rank(m: OpMeasurement, group, device: torch.device) -> OpMeasurement:
+def slowest_rank(m: OpMeasurement, group, device: torch.device) -> OpMeasurement:
     """Every field's maximum over the TP group (a stage is as fast as its slowest TP rank)."""
     if group is None:
         return m
@@ -348,7 +348,7 @@ def profile_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: Seq
                 split = ops.weight_grads if op in LAYER_OPS else None
                 m = measure_op(fw, params, device, repeats=repeats, warmup=warmup, group=group, weight_grads=split,
                                flush=flush)
-                m = _slowest_rank(m, group, device)
+                m = slowest_rank(m, group, device)
                 for f in FIELDS:
                     tables[op][f][i][j] = round(getattr(m, f), 6)
                 if m.bw_weight_ms is not None:
@@ -362,7 +362,8 @@ def profile_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: Seq
                          f"bw {layer['bw_ms'][i][j]:8.2f} ms  stored {layer['stored_mib'][i][j]:8.2f} MiB  "
                          f"peak {layer['peak_mib'][i][j]:8.2f} MiB{levels_line}")
     tables = _monotone(tables)
-    calls = measure_attention_call_ms(ops.tconfig, device, causal=True, repeats=repeats, warmup=warmup, flush=flush)
+    calls = measure_attention_call_ms(ops.tconfig, device, causal=True, repeats=repeats, warmup=warmup, flush=flush,
+                                      group=group)
     return {
         "format": PROFILE_FORMAT,
         "version": PROFILE_VERSION,

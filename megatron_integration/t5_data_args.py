@@ -91,7 +91,7 @@ def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> O
         raise DynaPipeError("--no-mmap-bin-files: megatron-core's T5 span-corruption dataset always memory-maps its "
                             "indexed files (its reader takes no such option); drop it.")
     mask_prob = _fraction("mask-prob", DEFAULTS["mask_prob"] if args.mask_prob is None else args.mask_prob,
-                          low_open=True, high_open=False, default=DEFAULTS["mask_prob"])
+                          low_open=True, default=DEFAULTS["mask_prob"])
     short_seq_prob = _fraction("short-seq-prob",
                                DEFAULTS["short_seq_prob"] if args.short_seq_prob is None else args.short_seq_prob,
                                high_open=False, default=DEFAULTS["short_seq_prob"])

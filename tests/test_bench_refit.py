@@ -111,6 +111,10 @@ def test_refitted_profile_prices_every_table_and_the_executor(tmp_path):
     # Stage 1 of 2 holds layers and the output: every part scaled by the cell's factor, plus the executor.
     assert float(paid.fw_ms) == pytest.approx(float(plain.fw_ms) * refit.fw[1, 2] + 0.7, rel=1e-4)
     assert float(paid.bw_ms) == pytest.approx(float(plain.bw_ms) * refit.bw[1, 2] + 0.7, rel=1e-4)
+    # A per-sample attention call, timed in the same loop, slows by the factors' median.
+    calls = refit_profile({**profile, "attention_call_ms": {"fw": 0.2, "bw": 0.1}}, refit, 0.0)["attention_call_ms"]
+    assert calls == pytest.approx({"fw": 0.2 * np.median(refit.fw), "bw": 0.1 * np.median(refit.bw)}, rel=1e-4)
+    assert "attention_call_ms" not in out
     with pytest.raises(ValueError):
         refit_profile({**profile, "seqlen": SEQ[:-1]}, refit, 0.0)
     # A cell timed while the machine was quieter (2 x 512 below 1 x 512) is raised: a larger shape

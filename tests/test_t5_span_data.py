@@ -285,8 +285,9 @@ def test_bad_span_corruption_input_is_refused_in_one_line(corpus, tmp_path):
         # Refused where it cannot apply, at Megatron-LM's default value too.
         with pytest.raises(DynaPipeError, match=f"{typed[0]} applies to T5 span corruption of indexed"):
             parse_t5_args(mock + typed, 1, cuda=False)
-    # As Megatron-LM reads it, every token may be masked.
-    assert parse_t5_args(_args(corpus) + ["--mask-prob", "1"], 1, cuda=False).span_corruption.mask_prob == 1.0
+    # megatron-core's masked dataset asserts 0 < p < 1: refused in one line here instead.
+    with pytest.raises(DynaPipeError, match=r"--mask-prob 1.0: must be in \(0, 1\)"):
+        parse_t5_args(_args(corpus) + ["--mask-prob", "1"], 1, cuda=False)
     # JSONL pairs are tokenised byte-level: a WordPiece vocabulary is refused before any model is built.
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text('{"input": "a b", "target": "c"}\n')

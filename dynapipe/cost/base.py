@@ -226,9 +226,10 @@ class CostModel(ABC):
     def priced_layout_cost(self, layout: StageLayout, mbs, seqlen, dec_seqlen, recompute: str,
                            attention=None) -> StageCost:
         """:meth:`layout_cost`, plus the fixed cost of per-sample attention's calls
-        (:attr:`attention_call_ms` for each of ``attention.calls`` on every attention core of
-        the stage: one a GPT or T5 encoder layer, two a T5 decoder layer); a recomputing
-        backward runs the calls' forward again."""
+        (:attr:`attention_call_ms` for each of ``attention.calls`` beyond the first, which the
+        measured dense layer holds, on every attention core of the stage: one a GPT or T5
+        encoder layer, two a T5 decoder layer); a recomputing backward runs the calls' forward
+        again."""
         if attention is None:
             return self.layout_cost(layout, mbs, seqlen, dec_seqlen, recompute)
         cost = self.layout_cost(layout, mbs, seqlen, dec_seqlen, recompute, attention=attention)
@@ -236,7 +237,7 @@ class CostModel(ABC):
         if not (fw_call or bw_call):
             return cost
         cores = layout.encoder_layers + layout.decoder_layers * (2 if self.model.is_encoder_decoder else 1)
-        calls = np.asarray(attention.calls, dtype=np.float64) * cores
+        calls = np.maximum(np.asarray(attention.calls, dtype=np.float64) - 1.0, 0.0) * cores
         again = fw_call if recompute in ("selective", "full") else 0.0
         return StageCost(fw_ms=cost.fw_ms + calls * fw_call, bw_ms=cost.bw_ms + calls * (bw_call + again),
                          stored_mib=cost.stored_mib, peak_mib=cost.peak_mib)
