@@ -56,6 +56,7 @@ def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> O
         if given:
             raise DynaPipeError(f"{given[0]} applies to T5 span corruption of indexed --data-path datasets; JSONL "
                                 f"pairs and --mock-data are not masked: drop it.")
+        _record_defaults(args)
         if args.vocab_extra_ids and args.tokenizer_type not in WORDPIECE_TYPES:
             raise DynaPipeError(f"--vocab-extra-ids {args.vocab_extra_ids}: sentinels are added to the WordPiece "
                                 f"vocabularies only (--tokenizer-type BertWordPieceLowerCase or BertWordPieceCase), "
@@ -90,11 +91,10 @@ def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> O
     if not args.mmap_bin_files:
         raise DynaPipeError("--no-mmap-bin-files: megatron-core's T5 span-corruption dataset always memory-maps its "
                             "indexed files (its reader takes no such option); drop it.")
-    mask_prob = _fraction("mask-prob", DEFAULTS["mask_prob"] if args.mask_prob is None else args.mask_prob,
-                          low_open=True, default=DEFAULTS["mask_prob"])
-    short_seq_prob = _fraction("short-seq-prob",
-                               DEFAULTS["short_seq_prob"] if args.short_seq_prob is None else args.short_seq_prob,
-                               high_open=False, default=DEFAULTS["short_seq_prob"])
+    _record_defaults(args)
+    mask_prob = _fraction("mask-prob", args.mask_prob, low_open=True, default=DEFAULTS["mask_prob"])
+    short_seq_prob = _fraction("short-seq-prob", args.short_seq_prob, high_open=False,
+                               default=DEFAULTS["short_seq_prob"])
     enc_seq = base.model.seq_length
     if enc_seq < 4:
         raise DynaPipeError(f"--encoder-seq-length {enc_seq}: too short for T5 span corruption, whose samples hold "
@@ -123,6 +123,14 @@ def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> O
         raise DynaPipeError(f"--decoder-seq-length {dec_seq}: too short for T5 span corruption ([BOS], a sentinel "
                             f"and a masked token); use at least 3 (up to {cfg.worst_decoder_length} at these lengths).")
     return cfg
+
+
+def _record_defaults(args: argparse.Namespace) -> None:
+    """Fill in Megatron-LM's values of the masking flags left untyped, so the arguments a
+    checkpoint records hold them as Megatron-LM's do."""
+    for key in ("mask_prob", "short_seq_prob"):
+        if getattr(args, key) is None:
+            setattr(args, key, DEFAULTS[key])
 
 
 def _every_split_has_documents(prefix: str, documents: int, split: str) -> None:
