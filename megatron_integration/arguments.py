@@ -171,13 +171,14 @@ def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[b
         check_uniform_recompute(recompute, block_layers(parallel, args.num_layers))
     dyn = dynapipe_args_from_args(args, cuda, batching, level, dp, num_nodes)
 
-    from megatron_integration.data_args import check_jsonl_tokenizer, data_sources_from_args, eval_args_from_args
+    from megatron_integration.data_args import (check_jsonl_tokenizer, data_sources_from_args, eval_args_from_args,
+                                                is_jsonl)
 
     sources = data_sources_from_args(args)
     # Before the model is built (the loader's own check would come after it, and after a --load).
     # Data of JSONL files alone: a mix with indexed prefixes gets its own error (T5 refuses it).
     paths = [p for k, v in sources.items() if k.endswith("_path") for p in v]
-    if paths and all(p.endswith((".jsonl", ".json")) for p in paths):
+    if paths and all(is_jsonl(p) for p in paths):
         check_jsonl_tokenizer(paths, args.tokenizer_type)
     evaluation = eval_args_from_args(args, sources)
     if args.dynapipe_mixture is not None and not os.path.isfile(args.dynapipe_mixture):

@@ -25,7 +25,7 @@ from dynapipe.data.samples import Sample, SampleDataset
 from dynapipe.data.sampler import GlobalBatch, GlobalBatchSampler, SamplerConfig
 from dynapipe.data.splits import SPLITS, WHOLE, EmptySplitError, split_ranges
 from dynapipe.errors import DynaPipeError
-from megatron_integration.data_args import check_jsonl_tokenizer
+from megatron_integration.data_args import check_jsonl_tokenizer, is_jsonl
 from megatron_integration.train_config import DynaPipeTrainingConfig
 
 
@@ -78,7 +78,7 @@ def training_blend_size(cfg: DynaPipeTrainingConfig) -> tuple[str, int]:
 
 
 def _files_config(files, weights, flag: str, common: dict) -> DatasetConfig:
-    jsonl = [p for p in files if p.endswith((".jsonl", ".json"))]
+    jsonl = [p for p in files if is_jsonl(p)]
     if jsonl and len(jsonl) != len(files):
         raise DynaPipeError(f"{flag} mixes JSONL files and indexed-dataset prefixes; give one kind.")
     common["weights"] = tuple(weights)

@@ -123,10 +123,15 @@ def add_eval_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def is_jsonl(path: str) -> bool:
+    """Whether a data path names a JSONL file (else an indexed-dataset prefix)."""
+    return path.endswith((".jsonl", ".json"))
+
+
 def check_jsonl_tokenizer(paths, tokenizer_type: str) -> None:
     """Refuse JSONL ``paths`` with a ``tokenizer_type`` other than ByteLevel: this build
     tokenises JSONL byte-level, and other vocabularies come as indexed datasets."""
-    if tokenizer_type != "ByteLevel" and any(p.endswith((".jsonl", ".json")) for p in paths):
+    if tokenizer_type != "ByteLevel" and any(is_jsonl(p) for p in paths):
         raise DynaPipeError(f"--tokenizer-type {tokenizer_type}: this build tokenises JSONL byte-level "
                             f"(--tokenizer-type ByteLevel); pre-tokenise other vocabularies into a Megatron "
                             f"indexed dataset with Megatron's preprocess_data.py.")

@@ -57,11 +57,17 @@ def segment_table(q_ids, kv_ids=None) -> np.ndarray:
     return np.asarray(out, dtype=np.int32).reshape(-1, TABLE_COLUMNS)
 
 
+def _entries(table) -> np.ndarray:
+    """A segment table (tensor or array) as an int64 ``[k, 5]`` array on the host."""
+    return np.asarray(table.cpu() if isinstance(table, torch.Tensor) else table, dtype=np.int64).reshape(
+        -1, TABLE_COLUMNS)
+
+
 def table_density(table, rows: int, sq: int, sk: int) -> float:
     """The share of ``rows`` dense ``sq x sk`` attention a segment table computes (its
     segments' query x key pairs over them): what :class:`~dynapipe.cost.attention_density.
     AttentionDensity` prices, read off what ran; to 6 significant digits, as traces record it."""
-    t = np.asarray(table.cpu() if isinstance(table, torch.Tensor) else table, dtype=np.int64).reshape(-1, TABLE_COLUMNS)
+    t = _entries(table)
     pairs = int(np.sum((t[:, 2] - t[:, 1]) * np.maximum(t[:, 4] - t[:, 3], 0)))
     return float(f"{max(pairs / float(max(rows * sq * sk, 1)), 1e-12):.6g}")
 
@@ -69,7 +75,7 @@ def table_density(table, rows: int, sq: int, sk: int) -> float:
 def table_calls(table) -> int:
     """The attention calls a segment table makes: its segments with keys (padding and samples
     without keys of their own get zeros, no call)."""
-    t = np.asarray(table.cpu() if isinstance(table, torch.Tensor) else table, dtype=np.int64).reshape(-1, TABLE_COLUMNS)
+    t = _entries(table)
     return int(np.sum(t[:, 4] > t[:, 3]))
 
 

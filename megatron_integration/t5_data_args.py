@@ -17,6 +17,7 @@ from dynapipe.data.indexed import check_indexed_files
 from dynapipe.data.splits import MEGATRON_DEFAULT_SPLIT, documents_per_split, parse_split
 from dynapipe.errors import DynaPipeError
 from megatron_integration.args_checks import _fraction
+from megatron_integration.data_args import is_jsonl
 from megatron_integration.t5_span_data import SpanCorruptionConfig
 from megatron_integration.wordpiece import WORDPIECE_TYPES
 
@@ -45,10 +46,10 @@ def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> O
     flag = "--data-path" if base.data.data_path else "--train-data-path"
     paths = tuple(base.data.data_path or base.data.train_data_path)
     weights = tuple(base.data.data_weights if base.data.data_path else base.data.train_data_weights)
-    indexed = [p for p in paths if not p.endswith((".jsonl", ".json"))]
+    indexed = [p for p in paths if not is_jsonl(p)]
     if not indexed:
         other = [p for s in ("valid", "test") for p in getattr(base.data, f"{s}_data_path")
-                 if not p.endswith((".jsonl", ".json"))]
+                 if not is_jsonl(p)]
         if paths and other:
             raise DynaPipeError(f"{other[0]}: an indexed prefix beside JSONL training pairs; give every split in "
                                 f"one kind (JSONL pairs, or indexed datasets for span corruption).")
@@ -71,7 +72,7 @@ def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> O
         for s in ("valid", "test") if getattr(base.data, f"{s}_data_path")}
     for flag_of, prefixes in [(flag, paths)] + [(f"--{s}-data-path", p) for s, (p, _) in per_split.items()]:
         for p in prefixes:
-            if p.endswith((".jsonl", ".json")):
+            if is_jsonl(p):
                 raise DynaPipeError(f"{flag_of} {p}: a JSONL file beside indexed --train-data-path prefixes; give "
                                     f"every split in one kind.")
             if not (os.path.isfile(p + ".bin") and os.path.isfile(p + ".idx")):
