@@ -93,7 +93,20 @@ def select_local_gpu() -> None:
     while the arguments are checked included), so no rank opens a context on GPU 0."""
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % count)
+        torch.cuda.set_device(local_gpu(int(os.environ.get("LOCAL_RANK", 0)), os.environ.get("LOCAL_WORLD_SIZE"),
+                                        count))
+
+
+def local_gpu(local_rank: int, local_world_size: Optional[str], count: int) -> int:
+    """The index of this rank's GPU among the ``count`` it sees: ``local_rank`` modulo ``count``.
+    ``local_world_size`` (torchrun's ``LOCAL_WORLD_SIZE``, None without torchrun): torchrun shows
+    every local rank the same GPUs, so more local ranks than GPUs would put two ranks on one GPU,
+    which NCCL refuses only later ("Duplicate GPU detected"); refused here in one line."""
+    if local_world_size is not None and int(local_world_size) > count:
+        raise DynaPipeError(f"torchrun started {local_world_size} processes on this node but it has {count} visible "
+                            f"GPU(s): NCCL needs one GPU a rank. Give --nproc_per_node {count} (or fewer), or make "
+                            f"more GPUs visible (CUDA_VISIBLE_DEVICES).")
+    return local_rank % count
 
 
 def set_logging_level(level: Optional[int]) -> None:
@@ -181,14 +194,22 @@ def set_seeds(seed: int, info: RankInfo) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
 
 
-def destroy() -> None:
-    """Tear down megatron's parallel state and the process group (tests, the bench)."""
+def destroy(failed: bool = False) -> None:
+    """Tear down megatron's parallel state and the process group (tests, the bench).
+    ``failed``: the run stopped on an error; NCCL's groups are then aborted, not shut down."""
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if failed and "nccl" in str(dist.get_backend()).lower() and abort is not None:
+        # After a failure this rank may hold posted receives its failed peer never answers; a
+        # graceful NCCL shutdown can wait on them, an abort cannot (gloo's shutdown never waits).
+        abort()
+        return
+    dist.destroy_process_group()
 
 
 def end_run() -> int:

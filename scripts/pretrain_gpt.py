@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     from megatron_integration.arguments import build_parser, training_config_from_args
     from megatron_integration.run_config import add_run_config_argument, with_run_config
 
-    started = False
+    started, failed = False, True
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(prog="pretrain_gpt.py", description=__doc__.split("\n\n")[0])
     add_run_config_argument(parser)
@@ -55,6 +55,7 @@ def main(argv=None) -> int:
 
         started = True
         pretrain(cfg)
+        failed = False
     except (DynaPipeError, RuntimeError) as e:
         from megatron_integration.agreement import exit_line
         from megatron_integration.run_report import write_line
@@ -69,7 +70,7 @@ def main(argv=None) -> int:
         if started:
             from megatron_integration.initialize import destroy
 
-            destroy()
+            destroy(failed=failed)
     return 0
 
 

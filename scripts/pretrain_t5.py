@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     from megatron_integration.run_config import add_run_config_argument, with_run_config
     from megatron_integration.t5_arguments import build_t5_parser, t5_config_from_args
 
-    started = False
+    started, failed = False, True
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_t5_parser(prog="pretrain_t5.py", description=__doc__.split("\n\n")[0])
     add_run_config_argument(parser)
@@ -46,6 +46,7 @@ def main(argv=None) -> int:
 
         started = True
         pretrain_t5(cfg)
+        failed = False
     except (DynaPipeError, RuntimeError) as e:
         from megatron_integration.agreement import exit_line
         from megatron_integration.run_report import write_line
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
         if started:
             from megatron_integration.initialize import destroy
 
-            destroy()
+            destroy(failed=failed)
     return 0
 
 

@@ -20,7 +20,8 @@ from dynapipe.runtime.buffers import BufferTable, backward_from, release_data
 from dynapipe.runtime.distributed import pipeline_ranks
 from dynapipe.runtime.exec_trace import ExecEvent, ExecTrace, chrome_trace, describe
 from dynapipe.schedule.trace import op_event
-from dynapipe.runtime.p2p import AbortChannel, Waiter, check_tensor
+from dynapipe.runtime.abort_channel import AbortChannel
+from dynapipe.runtime.p2p import Waiter, check_tensor
 from dynapipe.runtime.plan_check import check_plan_locally, message_digests, pair_starts
 
 CFG = load_model_config("gpt-tiny")
@@ -298,7 +299,7 @@ def test_a_stream_ordered_waiter_still_stops_a_blocking_call_on_another_ranks_re
 
 
 def test_an_abort_report_that_cannot_be_published_is_told_on_stderr(capsys):
-    from dynapipe.runtime.p2p import AbortChannel
+    from dynapipe.runtime.abort_channel import AbortChannel
 
     class GoneStore:
         def set(self, *a):

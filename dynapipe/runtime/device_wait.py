@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional, Protocol
 
-from dynapipe.runtime.p2p import AbortChannel, RemoteFailure
+from dynapipe.runtime.abort_channel import AbortChannel
+from dynapipe.runtime.p2p import RemoteFailure
 
 
 class DeviceEvent(Protocol):

@@ -48,7 +48,8 @@ from dynapipe.runtime.exec_transfers import TransferOps
 from dynapipe.runtime.exec_trace import WAIT_SENDS, DeviceClock, ExecEvent, ExecTrace, describe, now_us
 from dynapipe.runtime.contract import ExecutorConfig, HandlerFailure, IterationResult, StageHandlers
 from dynapipe.runtime.device_wait import wait_for_device
-from dynapipe.runtime.p2p import AbortChannel, CommFailure, PeerComm, RemoteFailure, Waiter
+from dynapipe.runtime.abort_channel import AbortChannel
+from dynapipe.runtime.p2p import CommFailure, PeerComm, RemoteFailure, Waiter
 from dynapipe.runtime.plan_check import PeerPlanCheck, accept_plan, executor_prefix, pair_starts, row_key
 from dynapipe.runtime.run_state import TRANSFERS, RunState, Where
 

@@ -13,9 +13,7 @@ a failure, so no rank hangs on a peer that will never send.
 from __future__ import annotations
 
 import datetime
-import json
 import queue
-import sys
 import threading
 import time
 import weakref
@@ -27,6 +25,7 @@ import torch.distributed as dist
 
 from dynapipe.errors import ExecutorError
 from dynapipe.plan.instructions import TensorSpec
+from dynapipe.runtime.abort_channel import AbortChannel
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -70,71 +69,10 @@ def check_tensor(t, spec: TensorSpec, device: torch.device, where: str) -> torch
                             f"{list(spec.shape)} {spec.dtype}; the handler and the plan disagree on "
                             f"the micro-batch shape.")
     if t.device != device:
-        t = t.to(device, non_blocking=True)
+        # Asynchronous only towards the GPU: a copy to the host would hand back a tensor that
+        # the transfer could read before the copy has landed.
+        t = t.to(device, non_blocking=device.type == "cuda")
     return t.contiguous()
-
-
-@dataclass
-class AbortChannel:
-    """Failure reports shared by every rank of the job through a key-value store.
-
-    A failing rank writes its message (with its traceback) under its own key and bumps a
-    counter; waiting ranks poll the counter and, once it moves, stop with the report of
-    the rank that failed first. Primary reports (a handler exception, a tensor that differs
-    from the plan) outrank the secondary ones of ranks that lost a connection or timed out
-    because of it.
-    """
-
-    store: dist.Store
-    world_size: int
-    prefix: str = "dynapipe/abort"
-
-    def report(self, rank: int, message: str, primary: bool) -> None:
-        """Publish this rank's failure; never raises (the store may be gone as well): when it
-        cannot be published, this rank's stderr says so, since its peers will see a timeout."""
-        try:
-            doc = {"rank": rank, "primary": primary, "time": time.time(), "message": message}
-            self.store.set(f"{self.prefix}/{rank}", json.dumps(doc))
-            self.store.add(f"{self.prefix}/count", 1)
-        except Exception as e:  # noqa: BLE001 - reporting is best effort while failing
-            print(f"dynapipe: global rank {rank} could not tell the other ranks of its failure "
-                  f"({type(e).__name__}: {e}): {message.splitlines()[0] if message else ''}",
-                  file=sys.stderr, flush=True)
-
-    def count(self) -> int:
-        """How many failure reports exist (0 while all is well, or when the store is gone:
-        the wait that asks is bounded by its own timeout)."""
-        try:
-            return int(self.store.add(f"{self.prefix}/count", 0))
-        except Exception:  # noqa: BLE001
-            return 0
-
-    def reports(self) -> list[dict]:
-        """Every report, primary ones first, then by time."""
-        out = []
-        for r in range(self.world_size):
-            key = f"{self.prefix}/{r}"
-            try:
-                if self.store.check([key]):
-                    out.append(json.loads(self.store.get(key)))
-            except Exception:  # noqa: BLE001
-                break
-        return sorted(out, key=lambda d: (not d["primary"], d["time"]))
-
-    def root_cause(self, grace_s: float = 0.0) -> Optional[str]:
-        """The first primary report (or the earliest one), waiting up to ``grace_s`` for one."""
-        deadline = time.monotonic() + grace_s
-        while True:
-            try:
-                reports = self.reports() if self.count() else []
-            except Exception:  # noqa: BLE001 - the store went away with its host
-                return None
-            if reports and (reports[0]["primary"] or time.monotonic() >= deadline):
-                d = reports[0]
-                return f"global rank {d['rank']} failed first:\n{d['message']}"
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0.05)
 
 
 @dataclass
@@ -358,6 +296,13 @@ class PeerComm:
         # others in a collective the executor's timeout and failure watch cannot end.
         if device.type == "cuda":
             dist.all_reduce(torch.zeros(1, device=device), group=group)
+        # Under NCCL a lone isend/irecv runs on a two-rank communicator of its own, created on
+        # first use (mid-iteration, blocking the host), while batch_isend_irecv runs on the
+        # group's, which the collective above created: a lone send whose receive was batched
+        # with another transfer would never match it. On CUDA every transfer is therefore
+        # posted as a batch, a batch of one included (the tests set this on gloo to run the
+        # same path).
+        self.batch_alone = device.type == "cuda"
         self.posted = 0
 
     def global_rank(self, peer: int) -> int:
@@ -365,14 +310,15 @@ class PeerComm:
         return self.global_ranks[peer]
 
     def post(self, ops: list[tuple[object, bool, torch.Tensor, int]]) -> dict[object, "Pending"]:
-        """Post ``(owner, is_send, tensor, peer)`` transfers; several are posted as one batch.
+        """Post ``(owner, is_send, tensor, peer)`` transfers; several (on CUDA: any) are posted
+        as one batch (``batch_isend_irecv``).
 
         Returns one :class:`Pending` per owner (an instruction posts one transfer per
         tensor of its message). When the backend coalesces a batch into fewer works than
         transfers, every owner of the batch shares one :class:`Pending`.
         """
         self.posted += len(ops)
-        if len(ops) == 1:
+        if len(ops) == 1 and not self.batch_alone:
             owner, is_send, t, peer = ops[0]
             fn = dist.isend if is_send else dist.irecv
             return {owner: Pending([fn(t, self.global_ranks[peer], group=self.group)], [t])}

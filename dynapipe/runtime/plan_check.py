@@ -236,8 +236,9 @@ def pair_starts(plan: ExecutionPlan) -> tuple[dict[int, int], dict[int, list[int
 def message_digests(plan: ExecutionPlan, grouping: bool = False) -> tuple[list[int], list[int]]:
     """Per peer, a 63-bit digest of the messages this plan sends to it and receives from it,
     in order: what a peer's plan must agree with (same micro-batches, shapes, dtypes, order).
-    ``grouping`` (NCCL): whether each transfer is posted in a group counts too, since NCCL can
-    hang on a batched transfer whose peer posts its side alone (gloo pairs them)."""
+    ``grouping`` (NCCL): whether each transfer is posted in a group counts too: NCCL launches a
+    batch's transfers together, so two ends that batch a message differently can wait on each
+    other's other transfers (gloo pairs them one by one; the plan validator refuses such plans)."""
     sends = [hashlib.blake2b(digest_size=8) for _ in range(plan.num_stages)]
     recvs = [hashlib.blake2b(digest_size=8) for _ in range(plan.num_stages)]
     for x in plan.instructions:
