@@ -55,6 +55,10 @@ class CheckShape:
     train_args: tuple[str, ...]
     profile_grid: tuple[str, ...]
     baseline_mbs: tuple[int, ...] = (1, 2)
+    #: The profile's micro-batch sizes without Transformer Engine (None: ``profile_grid``'s):
+    #: megatron-core's local attention keeps [mbs, heads, s, s] scores, 16 GiB a tensor in bf16 at
+    #: 32 x 4,096 tokens and 16 heads, which no 80 GB GPU holds three of.
+    unfused_profile_mbs: Optional[str] = "1,2,4,8"
 
 
 # A ~1B-parameter slice of GPT (8 layers of a 2048-wide model) at 4096 tokens: large enough for
@@ -70,6 +74,13 @@ GPU_SHAPE = CheckShape(
     # row proportionally, counting a micro-batch's fixed cost (about 2.5 ms a layer there, whatever
     # the shape) once per 4 samples; the planner cut 15 small micro-batches.
     profile_grid=("--mbs", "1,2,4,8,16,32", "--seqlens", "256,512,1024,2048,4096", "--repeats", "3"))
+
+#: Largest relative difference a run's per-iteration loss may have from the best padding run's
+#: (bf16; the first H200 run: 3.7e-5): the methods train the same samples from the same weights.
+LOSS_TOLERANCE = 1e-3
+#: Most a DynaPipe run's measured activation peak may exceed the plan's (measured / planned; the
+#: first H200 run: 0.87-1.02): beyond it the planner's memory limit does not protect the GPU.
+PEAK_TOLERANCE = 1.10
 
 
 def require_cuda() -> None:
@@ -209,6 +220,12 @@ def markdown(results: dict, loss_spread: Optional[float]) -> str:
     if loss_spread is not None:
         lines.append(f"Largest relative difference of any method's per-iteration loss from "
                      f"{best['padding']}'s: {loss_spread:.2e}.")
+    c = checks(results)
+    if not c["losses"]["ok"]:
+        failed.append(f"- check failed: losses differ by {loss_spread:.2e} (relative), over {LOSS_TOLERANCE:g}")
+    over = {k: v for k, v in c["activation_peak"]["measured_over_planned"].items() if v > PEAK_TOLERANCE}
+    failed += [f"- check failed: {k} measured {v:.2f}x its planned activation peak, over {PEAK_TOLERANCE:g}x"
+               for k, v in over.items()]
     return "\n".join(lines + failed) + "\n"
 
 
@@ -231,14 +248,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="limit for each training job and for the profile (s)")
     p.add_argument("--baseline-mbs", default=",".join(map(str, GPU_SHAPE.baseline_mbs)),
                    help="micro-batch sizes (samples) each fixed-shape baseline runs at; the best counts")
-    p.add_argument("--profile-mbs", default=GPU_SHAPE.profile_grid[1],
-                   help="micro-batch sizes (samples) the profile measures at every length (lower the largest "
-                        "on GPUs under 80 GB: 32 x 4,096 tokens peaks at about 43 GB)")
+    p.add_argument("--profile-mbs", default=None,
+                   help=f"micro-batch sizes (samples) the profile measures at every length (default "
+                        f"{GPU_SHAPE.profile_grid[1]} with Transformer Engine, {GPU_SHAPE.unfused_profile_mbs} "
+                        f"without; lower the largest on GPUs under 80 GB: 32 x 4,096 tokens peaks at about 43 GB "
+                        f"with Transformer Engine)")
     args = p.parse_args(argv)
     try:
         mbs, grid = check_request(args)
         require_cuda()
-        shape = CheckShape(GPU_SHAPE.model_args, GPU_SHAPE.train_args, grid, mbs)
+        # A size given is measured as given, with or without Transformer Engine.
+        unfused = GPU_SHAPE.unfused_profile_mbs if args.profile_mbs is None else None
+        shape = CheckShape(GPU_SHAPE.model_args, GPU_SHAPE.train_args, grid, mbs, unfused)
         os.makedirs(args.output, exist_ok=True)
         report = run(args.output, args.timeout_s, shape)
     except (DynaPipeError, ValueError) as e:
@@ -268,14 +289,31 @@ def check_request(args) -> tuple[tuple[int, ...], tuple[str, ...]]:
     if bad:
         raise DynaPipeError(f"--baseline-mbs {args.baseline_mbs}: {bad[0]} does not divide the global batch of "
                             f"{global_batch} samples; use divisors of it.")
+    if args.profile_mbs is None:
+        return mbs, GPU_SHAPE.profile_grid
     _positive_ints(args.profile_mbs, "--profile-mbs")
     return mbs, ("--mbs", args.profile_mbs) + GPU_SHAPE.profile_grid[2:]
 
 
 def failed(report: dict) -> bool:
-    """Whether any phase of ``report`` failed, the profile included."""
+    """Whether any phase of ``report`` failed, the profile included, or a finished run broke one
+    of its :func:`checks`."""
     return ("error" in report.get("profile", {}) or "error" in report.get("analytic_memory", {})
-            or any("error" in r for r in report["methods"].values()))
+            or any("error" in r for r in report["methods"].values())
+            or any(not c["ok"] for c in checks(report["methods"]).values()))
+
+
+def checks(results: dict) -> dict:
+    """What the finished runs of ``results`` must show: every run's losses within
+    :data:`LOSS_TOLERANCE` of the best padding run's (relative), and every DynaPipe run's
+    measured activation peak within :data:`PEAK_TOLERANCE` of its plan's (MiB over MiB)."""
+    spread = loss_spread(results)
+    peaks = {name: round(r["activation_measured_mib"] / r["activation_planned_mib"], 3)
+             for name, r in results.items() if "error" not in r and r.get("activation_planned_mib")}
+    return {"losses": {"max_relative_difference": spread, "limit": LOSS_TOLERANCE,
+                       "ok": spread is None or spread <= LOSS_TOLERANCE},
+            "activation_peak": {"measured_over_planned": peaks, "limit": PEAK_TOLERANCE,
+                                "ok": all(v <= PEAK_TOLERANCE for v in peaks.values())}}
 
 
 def _phase(results: dict, name: str, body: Callable[[], dict], save: Callable[[], None]) -> None:
@@ -310,6 +348,8 @@ def run(out_dir: str, timeout_s: float, shape: CheckShape = GPU_SHAPE) -> dict:
     memory_limit = (["--dynapipe-memory-limit-mb", str(torch.cuda.get_device_properties(0).total_memory // 2 ** 20)]
                     if cuda else [])
     profile = os.path.join(out_dir, "profile.json")
+    grid = shape.profile_grid if te or shape.unfused_profile_mbs is None else \
+        ("--mbs", shape.unfused_profile_mbs) + shape.profile_grid[2:]
     results: dict = {}
     report = {"device": device, "torch": torch.__version__, "megatron_core": _megatron_version(),
               "transformer_engine": te, "model_args": shape.model_args, "train_args": shape.train_args,
@@ -317,6 +357,7 @@ def run(out_dir: str, timeout_s: float, shape: CheckShape = GPU_SHAPE) -> dict:
 
     def save() -> None:
         report["max_relative_loss_difference"] = loss_spread(results)
+        report["checks"] = checks(results)
         report["wall_s"] = round(time.perf_counter() - started, 1)
         with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
             json.dump(report, f, indent=1)
@@ -327,7 +368,7 @@ def run(out_dir: str, timeout_s: float, shape: CheckShape = GPU_SHAPE) -> dict:
     impl = [] if te else ["--transformer-impl", "local"]
 
     def profile_body() -> dict:
-        if run_profile(["--output", profile, *shape.profile_grid, *shape.model_args, *impl], timeout_s) != 0:
+        if run_profile(["--output", profile, *grid, *shape.model_args, *impl], timeout_s) != 0:
             raise DynaPipeError("profiling failed; see the lines above.")
         return {"path": profile, "s": round(time.perf_counter() - started, 1)}
 

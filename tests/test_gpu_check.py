@@ -1,5 +1,6 @@
 """scripts/gpu_check.py on a machine without CUDA: it stops with one line; the parts that
 need no GPU (THD packing layout, the report, the whole flow at a tiny shape) are checked here."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -79,6 +80,17 @@ def test_report_table_and_loss_spread():
     assert "| padding (mbs 1) | 800 | 0.80x | 0.53x | 100 | 900 / - |" in table
     assert "- dynapipe (full) failed: last line" in table and "padding (mbs 2)'s: 9.90e-03" in table
     assert gpu_check.loss_spread({"packing (thd)": results["packing (thd)"]}) is None
+    # A loss 1% off the best padding run's fails the check, as a peak 10% over the plan's would.
+    verdict = gpu_check.checks(results)
+    assert not verdict["losses"]["ok"] and verdict["activation_peak"]["ok"]
+    assert verdict["activation_peak"]["measured_over_planned"] == {"dynapipe (none)": 0.9}
+    assert gpu_check.failed({"methods": {k: v for k, v in results.items() if "error" not in v}})
+    assert "- check failed: losses differ by 9.90e-03 (relative), over 0.001" in table
+    close = {k: {**v, "losses": [2.0, 1.0]} for k, v in results.items() if "error" not in v}
+    assert not gpu_check.failed({"methods": close})
+    close["dynapipe (none)"]["activation_measured_mib"] = 1200.0
+    assert gpu_check.failed({"methods": close})
+    assert "dynapipe (none) measured 1.20x its planned activation peak" in gpu_check.markdown(close, 0.0)
     assert gpu_check.device_config("NVIDIA H200") == "h200"
     assert gpu_check.device_config("NVIDIA A100-SXM4-40GB") == "a100-40gb"
 
@@ -92,7 +104,7 @@ TINY = gpu_check.CheckShape(
     train_args=tuple(("--micro-batch-size 1 --global-batch-size 16 --train-iters 2 --lr 1e-4 --mock-data "
                       "--log-interval 1 --seed 1234").split()),
     profile_grid=("--mbs", "1,2", "--seqlens", "64,256", "--repeats", "1", "--no-progress"),
-    baseline_mbs=(1, 2))
+    baseline_mbs=(1, 2), unfused_profile_mbs=None)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU rehearsal")
@@ -131,8 +143,8 @@ def test_the_whole_check_runs_at_a_tiny_shape_on_cpu(tmp_path):
 def test_a_failed_profile_leaves_the_dynapipe_runs_to_the_analytic_model(tmp_path, monkeypatch):
     import megatron_integration.jobs as jobs
 
-    seen = []
-    monkeypatch.setattr(gpu_check, "run_profile", lambda argv, timeout_s: 1)  # the profile fails
+    seen, profiled = [], []
+    monkeypatch.setattr(gpu_check, "run_profile", lambda argv, timeout_s: profiled.append(argv) or 1)  # it fails
     monkeypatch.setattr(jobs, "run_training", lambda argv, *a, **k: seen.append(list(argv)) or [{
         "iteration_ms": [10.0, 10.0], "real_tokens": [100, 100], "losses": [2.0, 1.0],
         "activation_measured_mib": [1.0, 1.0], "activation_planned_mib": [None, None]}])
@@ -144,3 +156,7 @@ def test_a_failed_profile_leaves_the_dynapipe_runs_to_the_analytic_model(tmp_pat
     # The baselines ran at each of the micro-batch sizes asked for.
     sizes = sorted(a[a.index("--micro-batch-size") + 1] for a in seen if "--use-dynapipe" not in a)
     assert sizes == ["1", "1", "2", "2"]
+    # Without Transformer Engine (here) the profile stops at the unfused sizes, unless told.
+    assert profiled[0][profiled[0].index("--mbs") + 1] == "1,2"
+    gpu_check.run(str(tmp_path), 10, dataclasses.replace(TINY, unfused_profile_mbs="1"))
+    assert profiled[1][profiled[1].index("--mbs") + 1] == "1"
