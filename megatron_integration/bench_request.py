@@ -39,10 +39,17 @@ class Entry:
 
 def refuse_unread_bench_flags(argv: Sequence[str], methods: Sequence[str]) -> None:
     """Refuse training flags the bench would override or drop for its runs (GPT and T5):
-    ``--dynapipe-trace-dir`` (every DynaPipe run's trace goes next to ``--output``), and
+    ``--dynapipe-trace-dir`` (every DynaPipe run's trace goes next to ``--output``),
+    ``--save`` (the runs train one after another: each would overwrite the last one's
+    checkpoints, and with ``--load`` on the same folder resume from them), and
     ``--dynapipe-schedule`` where a method named fixes its own schedule or none is DynaPipe."""
     from dynapipe.errors import DynaPipeError
 
+    save = flag_value(argv, "--save")
+    if save is not None:
+        raise DynaPipeError(f"--save {save}: the bench trains every method and micro-batch size in turn from the "
+                            f"same start, so each run would overwrite the last one's checkpoints (and a --load of "
+                            f"the same folder would resume from them), and saving would be timed; drop it.")
     trace = flag_value(argv, "--dynapipe-trace-dir")
     if trace is not None:
         raise DynaPipeError(f"--dynapipe-trace-dir {trace}: the bench writes every DynaPipe run's executor trace "

@@ -21,7 +21,7 @@ from megatron_integration.train_config import GPTModelArgs
 def write_profile(model: GPTModelArgs, output: str, mbs_grid: Sequence[int], seqlen_grid: Sequence[int], *,
                   repeats: int = 3, warmup: int = 1, threads: Optional[int] = None, seed: int = 1234,
                   use_te: Optional[bool] = None, levels: bool = True, tp: int = 1, sequence_parallel: bool = False,
-                  progress: Optional[bool] = None) -> dict:
+                  progress: Optional[bool] = None, timeout_minutes: float = 10.0) -> dict:
     """Profile ``model`` on this process's device and write the JSON to ``output``; returns it.
 
     ``mbs_grid`` (samples) and ``seqlen_grid`` (tokens) are the measured points;
@@ -30,7 +30,9 @@ def write_profile(model: GPTModelArgs, output: str, mbs_grid: Sequence[int], seq
     measure the layer at the recompute levels (otherwise the cost model derives them);
     ``tp``/``sequence_parallel``: the tensor-parallel group measured (the job's world size
     must be ``tp``; rank 0 writes); ``progress``: None prints nothing, else rank 0 prints a line
-    per grid point, under a progress bar when True (on a terminal with tqdm).
+    per grid point, under a progress bar when True (on a terminal with tqdm);
+    ``timeout_minutes``: the process group's (``--distributed-timeout-minutes``). The model's
+    ``deterministic_mode`` applies ``--deterministic-mode`` as training does.
     """
     import torch
 
@@ -48,8 +50,9 @@ def write_profile(model: GPTModelArgs, output: str, mbs_grid: Sequence[int], seq
     if "RANK" not in os.environ:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     parallel = ParallelArgs(world_size=tp, tensor_model_parallel_size=tp, backend="nccl" if cuda else "gloo",
-                            sequence_parallel=sequence_parallel)
-    info = initialize_megatron(parallel, seed=seed)
+                            sequence_parallel=sequence_parallel, timeout_minutes=timeout_minutes)
+    # --deterministic-mode: the kernels the deterministic training runs, timed.
+    info = initialize_megatron(parallel, seed=seed, deterministic=model.deterministic_mode)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     with Progress(len(mbs_grid) * len(seqlen_grid), "profiling", enabled=bool(progress)) as bar:
         profile = profile_model(model, list(mbs_grid), list(seqlen_grid), device, repeats=repeats, warmup=warmup,

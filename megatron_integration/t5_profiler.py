@@ -152,6 +152,9 @@ def profile_t5_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: 
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
+    # Every timed pass starts at a barrier of the TP ranks, as the GPT profiler's do: a rank that
+    # started early would otherwise time its wait for the others in the op's first all-reduce.
+    group = ps.get_tensor_model_parallel_group() if tp > 1 else None
     ops = T5Ops(model, device, tp, sequence_parallel)
     flush = CacheFlush(device)
     axes = {"mbs": list(mbs_grid), "seqlen": list(seqlen_grid), "dec_seqlen": list(dec_seqlen_grid)}
@@ -175,13 +178,14 @@ def profile_t5_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: 
                 fw, params = builders[op](*[g[i] for g, i in zip(grids, index)])
                 at = tuple(index)
                 if rep == 0:  # time and memory, after the warm-up
-                    m = measure_op(fw, params, device, repeats=1, warmup=warmup, weight_grads=split, flush=flush)
+                    m = measure_op(fw, params, device, repeats=1, warmup=warmup, group=group, weight_grads=split,
+                                   flush=flush)
                     for f in FIELDS:
                         table[f][at] = getattr(m, f)
                     if split is not None:
                         table[WEIGHT_FIELD][at] = m.bw_weight_ms
                 else:
-                    fw_ms, bw_ms, weight_ms = time_op(fw, params, split, flush)
+                    fw_ms, bw_ms, weight_ms = time_op(fw, params, split, flush, group)
                     table["fw_ms"][at] = min(float(table["fw_ms"][at]), fw_ms)
                     if bw_ms < float(table["bw_ms"][at]):
                         # The weight part belongs to the backward it was timed in.
@@ -222,30 +226,35 @@ def profile_t5_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: 
 
 def time_op(forward: Callable[[], torch.Tensor], params: Sequence[torch.Tensor],
             weight_grads: Optional[WeightGradStore] = None,
-            flush: Optional[Callable[[], None]] = None) -> tuple[float, float, Optional[float]]:
+            flush: Optional[Callable[[], None]] = None, group=None) -> tuple[float, float, Optional[float]]:
     """Wall ms of one forward, of its backward (a random output gradient; a scalar loss
     directly) and of that backward's weight part, synchronised on CUDA as
     :func:`~megatron_integration.profiler.measure_op` is. ``weight_grads``: the store the op's
     linear layers defer into; the backward then runs split (input part, then weight part),
     its ms is both parts and the third ms the weight part. Without it the third is None.
     ``flush``: called, untimed, before the forward and before the backward (a
-    :class:`~megatron_integration.profiler.CacheFlush`)."""
+    :class:`~megatron_integration.profiler.CacheFlush`). ``group``: the TP group whose ranks run
+    the same op; the forward and the backward each start after a barrier on it."""
     cuda = torch.cuda.is_available()
 
-    def now() -> float:
+    def now(barrier: bool = False) -> float:
         if cuda:
             torch.cuda.synchronize()
+        if barrier and group is not None:
+            import torch.distributed as dist
+
+            dist.barrier(group=group)
         return time.perf_counter()
 
     if flush is not None:
         flush()
-    t0 = now()
+    t0 = now(barrier=True)
     out = forward()
     t1 = now()
     grad = None if out.dim() == 0 else torch.randn_like(out)
     if flush is not None:
         flush()
-    t2 = now()
+    t2 = now(barrier=True)
     if weight_grads is None:
         out.backward(grad)
     else:
@@ -270,11 +279,13 @@ def _nested(values):
 def write_t5_profile(model: GPTModelArgs, output: str, mbs_grid: Sequence[int], seqlen_grid: Sequence[int],
                      dec_seqlen_grid: Sequence[int], *, repeats: int = 3, warmup: int = 1,
                      threads: Optional[int] = None, seed: int = 1234, progress: bool = False, tp: int = 1,
-                     sequence_parallel: bool = False) -> dict:
+                     sequence_parallel: bool = False, timeout_minutes: float = 10.0) -> dict:
     """Profile ``model`` as a T5 on this process's device, check the result is a profile the
     cost model reads, write it to ``output`` (rank 0) and return it. ``tp`` > 1: every rank of
     a job of ``tp`` ranks calls this; the job is one tensor-parallel group, and the profile
-    holds rank 0's figures (times include the group's all-reduces, memory is per rank)."""
+    holds rank 0's figures (times include the group's all-reduces, memory is per rank).
+    ``timeout_minutes``: the process group's (``--distributed-timeout-minutes``); the model's
+    ``deterministic_mode`` applies ``--deterministic-mode`` as training does."""
     import sys
 
     from dynapipe.config import TensorParallelConfig
@@ -288,8 +299,9 @@ def write_t5_profile(model: GPTModelArgs, output: str, mbs_grid: Sequence[int], 
     if "RANK" not in os.environ:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     info = initialize_megatron(ParallelArgs(world_size=tp, tensor_model_parallel_size=tp,
-                                            sequence_parallel=sequence_parallel,
-                                            backend="nccl" if cuda else "gloo"), seed=seed)
+                                            sequence_parallel=sequence_parallel, timeout_minutes=timeout_minutes,
+                                            backend="nccl" if cuda else "gloo"),
+                               seed=seed, deterministic=model.deterministic_mode)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     profile = profile_t5_model(model, mbs_grid, seqlen_grid, dec_seqlen_grid, device, repeats=repeats,
                                warmup=warmup, sequence_parallel=sequence_parallel,

@@ -155,6 +155,9 @@ def test_bench_refuses_settings_its_runs_would_not_read(tmp_path, capsys, monkey
     out = str(tmp_path / "b.json")
     for extra, text in (
             (["--dynapipe-trace-dir", str(tmp_path / "t")], "the bench writes every DynaPipe run's executor trace"),
+            # Runs in turn: each would overwrite (and with --load, resume from) the last one's checkpoints.
+            (["--save", str(tmp_path / "ck"), "--load", str(tmp_path / "ck")], "--save " + str(tmp_path / "ck")
+             + ": the bench trains every method"),
             (["--methods", "dynapipe,dynapipe-1f1b", "--dynapipe-schedule", "adaptive"],
              "--dynapipe-schedule adaptive would be overridden for dynapipe-1f1b"),
             (["--methods", "padding", "--dynapipe-schedule", "adaptive"], "runs no DynaPipe method"),

@@ -401,6 +401,8 @@ def test_advise_library_refuses_a_limit_below_the_reserved_memory():
     (["--output", "OUT", "--context-parallel-size", "2"], "--context-parallel-size 2 is a training flag"),
     (["--output", "OUT", "--expert-model-parallel-size", "4"], "--expert-model-parallel-size 4 is a training flag"),
     (["--output", "OUT", "--distributed-backend", "nccl"], "--distributed-backend nccl is a training flag"),
+    (["--output", "OUT", "--distributed-timeout-minutes", "0"],
+     "--distributed-timeout-minutes 0: must be a positive number of minutes"),
     # A grid nobody typed is named by what set it.
     (["--output", "OUT", "--seq-length", "4096"],
      "--seq-length 4096 (the --seqlens grid's top) reaches 4096 tokens, beyond the max_seq_length 1024"),
@@ -415,6 +417,24 @@ def test_profile_refuses_before_measuring(tmp_path, capsys, monkeypatch, extra, 
     extra = [str(tmp_path) if a == "DIR" else str(tmp_path / "p.json") if a == "OUT" else a for a in extra]
     _refused(capsys, ["profile", "--model", "gpt-tiny", "--repeats", "1", "--no-progress", *extra], message)
     assert not (tmp_path / "p.json").exists()
+
+
+def test_profile_starts_megatron_as_its_deterministic_mode_and_timeout_say(tmp_path, capsys, monkeypatch):
+    """``--deterministic-mode`` and ``--distributed-timeout-minutes`` reach the profiling rank's
+    start-up as they reach a training rank's: the profile times the kernels the run trains with."""
+    pytest.importorskip("torch")
+    import megatron_integration.initialize as initialize
+
+    seen = []
+
+    def started(parallel, seed, deterministic=False, logging_level=None):
+        seen.append((parallel.timeout_minutes, deterministic))
+        raise DynaPipeError("stopped after start-up")
+    monkeypatch.setattr(initialize, "initialize_megatron", started)
+    argv = ["profile", "--model", "gpt-tiny", "--repeats", "1", "--no-progress", "--output", str(tmp_path / "p.json")]
+    _refused(capsys, argv + ["--deterministic-mode", "--distributed-timeout-minutes", "45"], "stopped after start-up")
+    _refused(capsys, argv, "stopped after start-up")
+    assert seen == [(45.0, True), (10.0, False)]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -685,6 +685,7 @@ def test_bench_t5_refuses_what_it_cannot_run(tmp_path, capsys, monkeypatch):
                         # bench chooses itself, a schedule without a DynaPipe method.
                         (["--methods", "dynapipe", "--t5-sweep", "1,2"], "--t5-sweep 1,2 sets the baselines'"),
                         (["--dynapipe-trace-dir", str(tmp_path)], "the bench writes every DynaPipe run's"),
+                        (["--save", str(tmp_path / "ck")], "would overwrite the last one's checkpoints"),
                         (["--methods", "padding", "--dynapipe-schedule", "1f1b"], "runs no DynaPipe method")):
         assert main(["bench", "--model", "t5", "--output", out] + extra) == 2
         assert text in capsys.readouterr().err

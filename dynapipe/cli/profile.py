@@ -200,6 +200,7 @@ def run(args) -> int:
     check_grid_lengths(args.model, seqlens, dec_seqlens, (seq_flag, "--dec-seqlens"))
     if args.repeats < 1 or args.warmup < 0:
         raise DynaPipeError("--repeats must be >= 1 and --warmup >= 0.")
+    timeout = _timeout_minutes(args)
     cuda = torch.cuda.is_available()
     if args.t5 and args.num_layers is None:
         args.num_layers = 2  # one layer of each kind is measured; the count changes nothing measured
@@ -236,7 +237,8 @@ def run(args) -> int:
     use_profiler_threads(args.threads, cuda)
     if "RANK" not in os.environ:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
-    initialize_megatron(ParallelArgs(world_size=1, backend="nccl" if cuda else "gloo"), seed=args.seed)
+    initialize_megatron(ParallelArgs(world_size=1, backend="nccl" if cuda else "gloo", timeout_minutes=timeout),
+                        seed=args.seed, deterministic=model.deterministic_mode)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     print(f"profiling on {device} ({model.dtype}, {torch.get_num_threads()} threads): mbs {mbs} x seqlen {seqlens}",
           file=sys.stderr)
@@ -252,6 +254,16 @@ def run(args) -> int:
     return 0
 
 
+def _timeout_minutes(args) -> float:
+    """``--distributed-timeout-minutes``: the process group's timeout (min), positive."""
+    from dynapipe.errors import DynaPipeError
+
+    value = args.distributed_timeout_minutes
+    if not value > 0:
+        raise DynaPipeError(f"--distributed-timeout-minutes {value}: must be a positive number of minutes.")
+    return float(value)
+
+
 def _run_tensor_parallel(args, model, mbs: list[int], seqlens: list[int], tp: int, sp: bool,
                          use_te: bool) -> int:
     """Measure one TP group: ``tp`` spawned local ranks (NCCL on GPUs, else gloo)."""
@@ -265,7 +277,7 @@ def _run_tensor_parallel(args, model, mbs: list[int], seqlens: list[int], tp: in
           f"({model.dtype}): mbs {mbs} x seqlen {seqlens}", file=sys.stderr)
     measure_profile(model, args.output, mbs, seqlens, repeats=args.repeats, warmup=args.warmup, threads=threads,
                     timeout_s=TP_TIMEOUT_S, tp=tp, sequence_parallel=sp, seed=args.seed,
-                    use_te=use_te, progress=not args.no_progress)
+                    use_te=use_te, progress=not args.no_progress, timeout_minutes=_timeout_minutes(args))
     print(f"wrote {args.output}", file=sys.stderr)
     return 0
 
@@ -298,12 +310,13 @@ def _run_t5(args, model, mbs: list[int], seqlens: list[int], dec_seqlens: list[i
               f"mbs {mbs} x seqlen {seqlens} x dec_seqlen {dec_seqlens}", file=sys.stderr)
         measure_t5_profile(model, args.output, mbs, seqlens, dec_seqlens, repeats=args.repeats, warmup=args.warmup,
                            threads=threads, timeout_s=TP_TIMEOUT_S, tp=tp, sequence_parallel=sp, seed=args.seed,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, timeout_minutes=_timeout_minutes(args))
         print(f"wrote {args.output}", file=sys.stderr)
         return 0
     print(f"profiling a T5 on {'cuda' if torch.cuda.is_available() else 'cpu'} ({args.threads or torch.get_num_threads()}"
           f" threads): mbs {mbs} x seqlen {seqlens} x dec_seqlen {dec_seqlens}", file=sys.stderr)
     write_t5_profile(model, args.output, mbs, seqlens, dec_seqlens, repeats=args.repeats, warmup=args.warmup,
-                     threads=args.threads, seed=args.seed, progress=not args.no_progress)
+                     threads=args.threads, seed=args.seed, progress=not args.no_progress,
+                     timeout_minutes=_timeout_minutes(args))
     print(f"wrote {args.output}", file=sys.stderr)
     return 0
