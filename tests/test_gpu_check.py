@@ -115,7 +115,7 @@ def test_the_whole_check_runs_at_a_tiny_shape_on_cpu(tmp_path):
     methods = report["methods"]
     assert list(methods) == ["dynapipe (none)", "padding (mbs 1)", "packing (masked rows, mbs 1)",
                              "packing (masked rows, mbs 2)", "dynapipe (selective)", "dynapipe (full)",
-                             "padding (mbs 2)", "dynapipe (none, distributed optimizer)"]
+                             "padding (mbs 2)", "dynapipe (none, distributed optimizer)", "dynapipe (none, traced)"]
     # The distributed optimizer is GPU-only: refused here, recorded, and the check went on.
     assert "--use-distributed-optimizer needs GPUs" in methods.pop("dynapipe (none, distributed optimizer)")["error"]
     assert all("error" not in r for r in methods.values()), methods
@@ -137,7 +137,7 @@ def test_the_whole_check_runs_at_a_tiny_shape_on_cpu(tmp_path):
     saved = json.loads((tmp_path / "gpu_check.json").read_text())
     assert saved["methods"].keys() == report["methods"].keys() | {"dynapipe (none, distributed optimizer)"}
     assert "| dynapipe (full) |" in (tmp_path / "gpu_check.md").read_text()
-    assert (tmp_path / "trace" / "rank000.json").exists()  # the first DynaPipe run's executor trace
+    assert (tmp_path / "trace" / "rank000.json").exists()  # the traced DynaPipe run's executor trace
 
 
 def test_a_failed_profile_leaves_the_dynapipe_runs_to_the_analytic_model(tmp_path, monkeypatch):
@@ -152,7 +152,7 @@ def test_a_failed_profile_leaves_the_dynapipe_runs_to_the_analytic_model(tmp_pat
     assert "profiling failed" in report["profile"]["error"] and report["cost_model"] == "analytic"
     assert gpu_check.failed(report) and "analytic cost model" in (tmp_path / "gpu_check.md").read_text()
     planned = [a for a in seen if "--use-dynapipe" in a]
-    assert len(planned) == 4 and all(a[a.index("--dynapipe-cost-model") + 1] == "analytic" for a in planned)
+    assert len(planned) == 5 and all(a[a.index("--dynapipe-cost-model") + 1] == "analytic" for a in planned)
     # The baselines ran at each of the micro-batch sizes asked for.
     sizes = sorted(a[a.index("--micro-batch-size") + 1] for a in seen if "--use-dynapipe" not in a)
     assert sizes == ["1", "1", "2", "2"]
