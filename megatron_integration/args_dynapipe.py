@@ -240,7 +240,8 @@ def dynapipe_args_from_args(args: argparse.Namespace, cuda: bool, batching: str,
         raise DynaPipeError(f"--dynapipe-cost-model {cost_model!r}: no such profile file; use 'analytic' or "
                             f"write a profile with `python -m dynapipe profile --output {cost_model}`.")
     planner_nodes, split = planner_nodes_from_args(args, dp, num_nodes)
-    _check_named_configs(args)
+    _check_named_configs(args, cuda)
+    _check_redis_host(args.dynapipe_redis_host)
     device = args.dynapipe_device or ("h100-80gb" if cuda else "cpu")
     split_backward = _split_backward(args, cuda)
     return DynaPipeArgs(
@@ -277,18 +278,34 @@ def _split_backward(args: argparse.Namespace, cuda: bool) -> bool:
     return True
 
 
-def _check_named_configs(args: argparse.Namespace) -> None:
+def _check_named_configs(args: argparse.Namespace, cuda: bool) -> None:
     """Read ``--dynapipe-device`` / ``--dynapipe-cluster`` now, so a misspelt name stops the job
-    at start-up, under its flag, not when the planner first prices a batch."""
+    at start-up, under its flag, not when the planner first prices a batch; refuse a GPU's device
+    config for ranks without CUDA."""
     from dynapipe.config import load_cluster_config, load_device_config
 
     for flag, name, load in (("--dynapipe-device", args.dynapipe_device, load_device_config),
                              ("--dynapipe-cluster", args.dynapipe_cluster, load_cluster_config)):
         if name is not None:
             try:
-                load(name)
+                loaded = load(name)
             except DynaPipeError as e:
                 raise DynaPipeError(f"{flag} {name}: {e}") from None
+            if flag == "--dynapipe-device" and not cuda and loaded.dropout_mask_bytes:
+                # Its activation figures are CUDA's (a dropout mask of 1 byte where a CPU keeps the
+                # activation's dtype): plans on CPU ranks would promise less memory than they use.
+                raise DynaPipeError(f"--dynapipe-device {name}: describes a GPU (dropout masks of "
+                                    f"{loaded.dropout_mask_bytes} byte, as CUDA keeps them), and these ranks train "
+                                    f"on CPUs; use --dynapipe-device cpu, or a device config with "
+                                    f"dropout_mask_bytes: 0.")
+
+
+def _check_redis_host(host: str) -> None:
+    """Refuse a URL or ``host:port`` as ``--dynapipe-redis-host``: it would be looked up as a
+    host name and fail only after ``--dynapipe-store-retry-s`` of retries."""
+    if "://" in host or (host.count(":") == 1 and host.rsplit(":", 1)[1].isdigit()):
+        raise DynaPipeError(f"--dynapipe-redis-host {host!r}: give the server's host name or address alone; its "
+                            f"port goes in --dynapipe-redis-port.")
 
 
 def planner_nodes_from_args(args: argparse.Namespace, dp: int, num_nodes: Optional[int]) -> tuple[int, bool]:

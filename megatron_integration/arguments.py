@@ -69,17 +69,12 @@ def build_parser(prog: Optional[str] = None, description: Optional[str] = None) 
             parsed, extras = super().parse_known_args(args, namespace)
             refused = refused_flag_lines(extras)
             if refused:
-                # torchrun runs this on every rank; one copy of the lines is enough.
-                if os.environ.get("RANK", "0") == "0":
-                    for line in refused:
-                        print("error: " + line, file=sys.stderr)
+                # Every rank of a torchrun job prints them (in one write): a launcher stops the
+                # others once one rank exits, so a line left to rank 0 alone could be lost.
+                sys.stderr.write("".join(f"error: {line}\n" for line in refused))
+                sys.stderr.flush()
                 self.exit(2)
             return parsed, extras
-
-        def error(self, message):
-            if os.environ.get("RANK", "0") != "0":
-                self.exit(2)
-            super().error(message)
 
     parser = MegatronArgumentParser(prog=prog, description=description, allow_abbrev=False)
     add_megatron_args(parser)
@@ -212,7 +207,7 @@ def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[b
     manual_gc = ManualGC(args.manual_gc, args.manual_gc_interval, args.manual_gc_eval).validate()
     if args.save_interval is not None and not args.save:
         raise DynaPipeError("--save-interval needs --save DIR to write the checkpoints to.")
-    from megatron_integration.checkpoint_files import check_writable_dir
+    from megatron_integration.checkpoint_files import check_checkpoint_dirs, check_writable_dir
 
     # Proven writable on every rank before any work: a directory only the logging rank or a
     # failing rank finds unwritable would stop it alone, mid-run, while the others wait.
@@ -226,6 +221,7 @@ def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[b
     if args.load and not os.path.isdir(args.load) and not _same_path(args.load, args.save):
         raise DynaPipeError(f"--load {args.load!r}: no such checkpoint directory (a job that resumes itself gives "
                             f"--save the same path, and starts from scratch while it holds no checkpoint).")
+    check_checkpoint_dirs(args.load, args.save)
     _checkpoint_args_honoured(args)
     _resilience_args_honoured(args)
 

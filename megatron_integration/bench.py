@@ -166,7 +166,7 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
     p = PRESETS[preset]
     methods = list(methods or p.methods)
     check_request(argv, methods, preset, rounds=rounds, sweep_top=sweep_top, warmup_iters=warmup_iters, nproc=nproc)
-    check_bench_outputs(output, png)
+    check_bench_outputs(output, png, argv)
     rounds = p.rounds if rounds is None else rounds
     # The preset's per-method sizes apply only where --sweep-top was not given (even at its value).
     per_method = p.sweep_top_of if sweep_top is None else {}

@@ -8,7 +8,7 @@ Pure Python: the command line calls these before importing torch.
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 from dynapipe.errors import DynaPipeError
 from dynapipe.output_paths import check_distinct, check_output_file
@@ -22,18 +22,41 @@ def check_warmup_iters(warmup: int) -> None:
         raise DynaPipeError(f"--warmup-iters {warmup}: must be >= 0 (0 times every iteration).")
 
 
-def check_bench_outputs(output: str, png: Optional[str] = None) -> None:
+def check_bench_outputs(output: str, png: Optional[str] = None, argv: Sequence[str] = ()) -> None:
     """Refuse ``--output`` (the JSON; its profile and traces go next to it) and ``--png`` paths
     the bench could not write after its runs, a picture not named ``.png`` (matplotlib picks the
-    format from the suffix) and a picture that would overwrite the JSON
-    (:mod:`dynapipe.output_paths`, as the other commands check theirs)."""
+    format from the suffix), and any file the bench writes (the JSON, the picture, the measured
+    and calibrated profiles) that is a file the runs read (``argv``'s training arguments: data,
+    a cost model, a tokenizer, a run config) or another output (:mod:`dynapipe.output_paths`,
+    as the other commands check theirs)."""
     if not output:
         raise DynaPipeError(f"--output {output!r}: give a file path.")
     check_output_file(output, "--output")
-    if png is None:
-        return
-    check_output_file(png, "--png", suffix=".png")
-    check_distinct([("--output", output), ("--png", png)])
+    if png is not None:
+        check_output_file(png, "--png", suffix=".png")
+    written = [("--output", output), ("--png", png)]
+    if not any(a.split("=")[0] == "--dynapipe-cost-model" for a in argv):
+        # The profile the bench measures, and calibrates, goes next to --output.
+        stem = os.path.splitext(output)[0]
+        written += [("--output", stem + ".profile.json"), ("--output", stem + ".profile.calibrated.json")]
+    # Inputs first: the message names the output that would overwrite one.
+    check_distinct(argv_input_files(argv) + written)
+
+
+def argv_input_files(argv: Sequence[str]) -> list[tuple[str, str]]:
+    """``(flag, path)`` for every value in ``argv`` that names an existing file, or an indexed
+    dataset's prefix (its ``.bin`` and ``.idx``): what a bench's runs read."""
+    out, flag = [], "a training argument"
+    for token in argv:
+        value = token
+        if token.startswith("--"):
+            flag, _, value = token.partition("=")
+            if not value:
+                continue
+        for path in (value, value + ".bin", value + ".idx"):
+            if os.path.isfile(path):
+                out.append((flag, path))
+    return out
 
 
 def make_output_dir(path: str) -> None:

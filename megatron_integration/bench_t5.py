@@ -104,7 +104,7 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
     sweep = tuple(p.sweep if sweep is None else sweep)
     warmup = p.warmup_iters if warmup_iters is None else warmup_iters
     check_warmup_iters(warmup)
-    check_bench_outputs(output)
+    check_bench_outputs(output, argv=argv)
     argv = fill_defaults(t5_with_defaults(argv, preset), host_defaults(nproc, p.cpu_pretouch_mb))
     # Every command line checked before any process starts (the contiguous splits tried beside
     # an interleaved placement are the planner's own).

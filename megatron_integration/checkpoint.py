@@ -34,12 +34,12 @@ import torch.distributed as dist
 
 from dynapipe.errors import DynaPipeError
 from megatron_integration.agreement import attempt, same_error_everywhere
-from megatron_integration.checkpoint_files import (StagedSave, load_verified, save_with_checksum, verify_file,
-                                                   write_checksum)
+from megatron_integration.checkpoint_files import (TRACKER, StagedSave, load_verified, save_with_checksum,
+                                                   verify_file, write_checksum)
 from megatron_integration.initialize import RankInfo
 from megatron_integration.scheduler_state import align_schedule_bounds, load_scheduler_state
 
-LATEST = "latest_checkpointed_iteration.txt"
+LATEST = TRACKER
 FORMAT_VERSION = 1
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import tempfile
 from typing import Any, Callable, Optional
@@ -191,3 +192,50 @@ def load_verified(load: Callable[[str], Any], path: str) -> Any:
     except Exception as e:  # a file that passes its checksum but cannot be read: wrong format or version
         text = " ".join(str(e).split())[:300]
         raise DynaPipeError(f"checkpoint file {path} cannot be loaded ({type(e).__name__}: {text}).") from None
+
+
+#: Megatron-LM's tracker file of a checkpoint directory: the iteration to resume (``checkpoint.LATEST``).
+TRACKER = "latest_checkpointed_iteration.txt"
+_ITERATION_DIR = re.compile(r"(iter_\d{7}|release)$")
+
+
+def _one_checkpoint(path: str) -> bool:
+    """Whether ``path`` looks like one saved iteration (``iter_N/`` or ``release/``: a
+    ``torch_dist`` checkpoint's metadata, or per-rank ``mp_rank_*`` folders)."""
+    if _ITERATION_DIR.match(os.path.basename(os.path.normpath(path))):
+        return True
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return any(n in ("metadata.json", ".metadata", "common.pt") or n.startswith("mp_rank_") for n in names)
+
+
+def check_checkpoint_dirs(load: Optional[str], save: Optional[str]) -> None:
+    """Refuse, before any work, a ``--load`` or ``--save`` that would lose a checkpoint:
+
+    * ``--load`` naming one saved iteration (``iter_N/``) rather than the directory holding its
+      tracker, or a directory of ``iter_*`` folders whose tracker is gone: either would start
+      from random (Megatron-LM's reading of a directory without a tracker) and, with ``--save``
+      there, move the tracker to the fresh model;
+    * ``--save`` naming a directory that holds another run's checkpoints (a tracker) while
+      ``--load`` does not resume them: this run would overwrite them.
+
+    An empty or missing ``--load`` is a fresh start, as in Megatron-LM."""
+    if load and os.path.isdir(load) and not os.path.exists(os.path.join(load, TRACKER)):
+        if _one_checkpoint(load):
+            parent = os.path.dirname(os.path.normpath(load)) or "."
+            raise DynaPipeError(f"--load {load}: is one saved iteration, not the directory that holds {TRACKER}; "
+                                f"give --load {parent} (it resumes the iteration its {TRACKER} names).")
+        saved = sorted(n for n in os.listdir(load) if _ITERATION_DIR.match(n))
+        if saved:
+            raise DynaPipeError(f"--load {load}: holds {len(saved)} saved iteration(s) ({saved[-1]} the last) but no "
+                                f"{TRACKER}, so the run would start from random; write the iteration to resume "
+                                f"into {os.path.join(load, TRACKER)} (the number alone, as Megatron-LM writes it), or "
+                                f"give another --load.")
+    if save and os.path.exists(os.path.join(save, TRACKER)):
+        same = bool(load) and os.path.abspath(load) == os.path.abspath(save)
+        if not same:
+            raise DynaPipeError(f"--save {save}: holds another run's checkpoints ({TRACKER}), which this run "
+                                f"{'loads from ' + repr(load) + ' and ' if load else ''}would overwrite; give "
+                                f"--load {save} to resume that run, or another --save.")

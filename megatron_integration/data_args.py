@@ -172,6 +172,12 @@ def data_sources_from_args(args: argparse.Namespace) -> dict:
                  else getattr(args, "_per_split_flag", None) and f"{args._per_split_flag} ({flag.split('-')[0]})")
         paths, weights = parse_blend(value, shown or "--" + flag)
         for path in paths:
+            stem, suffix = os.path.splitext(path)
+            if suffix in (".bin", ".idx") and os.path.exists(stem + ".bin") and os.path.exists(stem + ".idx"):
+                # Megatron names an indexed dataset by its prefix; the file itself would be read as
+                # the prefix of PATH.bin.bin.
+                raise DynaPipeError(f"{shown or '--' + flag} {path!r}: an indexed dataset is given by its prefix, "
+                                    f"without {suffix}: {stem!r}.")
             if not (os.path.exists(path) or os.path.exists(path + ".idx")):
                 raise DynaPipeError(f"{shown or '--' + flag} {path!r}: no such file (nor an indexed dataset "
                                     f"{path}.idx/.bin).")

@@ -65,8 +65,11 @@ def check_measured_threads(profile: Mapping[str, Any], source: str) -> None:
     import torch
 
     measured = profile.get("threads")
-    if not isinstance(measured, int) or isinstance(measured, bool) or profile.get("device") != "cpu":
+    if profile.get("device") != "cpu" or measured is None:
         return
+    if not isinstance(measured, int) or isinstance(measured, bool) or measured < 1:
+        raise DynaPipeError(f"{source}: 'threads' {measured!r} must be a whole number of CPU threads, 1 or more "
+                            f"(profiles write the threads they measured with); measure the profile again.")
     mine = torch.get_num_threads()
     if measured != mine:
         raise DynaPipeError(f"{source}: the profile was measured with {measured} CPU thread(s), this rank computes "

@@ -39,10 +39,15 @@ def load_run_config(path: str, negatable: frozenset[str] = frozenset()) -> RunCo
             raise DynaPipeError(f"--run-config {path!r}: no such file (nor a shipped run in configs/runs/).")
         path = shipped
     data = {} if os.path.isfile(path) and os.path.getsize(path) == 0 else read_yaml(path)
-    unknown = sorted(set(data) - {"launch", "args", "description"})
+    data = data or {}
+    unknown = sorted(set(data) - {"launch", "args", "description"}) if isinstance(data, dict) else ["not a mapping"]
     if unknown or not isinstance(data.get("args", {}), dict):
         raise DynaPipeError(f"{path}: a run config holds 'description', 'launch' and an 'args' mapping; "
                             f"unexpected: {unknown or type(data.get('args')).__name__}.")
+    if not data.get("args"):
+        # Else the run would stop on the first required flag it lacks, naming no file.
+        raise DynaPipeError(f"{path}: the run config gives no arguments; it holds an 'args' mapping of flags "
+                            f"(names without the --) to values.")
     argv: list[str] = []
     for key, value in data.get("args", {}).items():
         flag = "--" + str(key)
@@ -86,6 +91,12 @@ def check_run_values(run: RunConfig, parser) -> None:
             raise DynaPipeError(f"{run.path}: args.{key} is an on/off flag; give true or false, not {value!r}.")
         if isinstance(value, list) and action.nargs in (None, "?"):
             raise DynaPipeError(f"{run.path}: args.{key} takes one value, not the list {value!r}.")
+        bare_ok = action.nargs in ("?", "*")  # such a flag may stand alone
+        if action.nargs != 0 and (value is False or value is None or (value is True and not bare_ok)):
+            # true would pass the flag without its value; false and null would drop it unsaid.
+            shown = {True: "true", False: "false", None: "null"}[value]
+            raise DynaPipeError(f"{run.path}: args.{key} takes a value, not {shown}; give one, or leave the entry "
+                                f"out for the script's default.")
 
 
 def add_run_config_argument(parser) -> None:

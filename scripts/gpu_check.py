@@ -341,12 +341,15 @@ def run(out_dir: str, timeout_s: float, shape: CheckShape = GPU_SHAPE) -> dict:
     cuda = torch.cuda.is_available()
     device = torch.cuda.get_device_name(0) if cuda else "cpu"
     te = te_available()
-    # The device config the DynaPipe runs plan with (its memory limit): the GPU's, or the CPU's.
-    planner_device = device_config(device) if cuda else "cpu"
+    # The device config the DynaPipe runs plan with: the shipped one of this GPU, or none named
+    # (a GPU no shipped config describes: the runs then plan with h100-80gb's figures and, unlike
+    # a named config, compare no GPU model with the profile's), or the CPU's.
+    total_mib = torch.cuda.get_device_properties(0).total_memory // 2 ** 20 if cuda else 0
+    planner_device = device_config(device, total_mib) if cuda else "cpu"
     # The plans' memory limit is this GPU's own (MiB): a shipped config's would let an A100-80GB
     # plan for 40 GB, or a 24 GB card for 80.
-    memory_limit = (["--dynapipe-memory-limit-mb", str(torch.cuda.get_device_properties(0).total_memory // 2 ** 20)]
-                    if cuda else [])
+    memory_limit = ["--dynapipe-memory-limit-mb", str(total_mib)] if cuda else []
+    named = [] if planner_device is None else ["--dynapipe-device", planner_device]
     profile = os.path.join(out_dir, "profile.json")
     grid = shape.profile_grid if te or shape.unfused_profile_mbs is None else \
         ("--mbs", shape.unfused_profile_mbs) + shape.profile_grid[2:]
@@ -375,7 +378,8 @@ def run(out_dir: str, timeout_s: float, shape: CheckShape = GPU_SHAPE) -> dict:
     _phase(report, "profile", profile_body, save)
     base = list(shape.model_args + shape.train_args) + impl
     if "error" not in report["profile"]:
-        _phase(report, "analytic_memory", lambda: analytic_memory(profile, base, planner_device), save)
+        _phase(report, "analytic_memory", lambda: analytic_memory(profile, base, planner_device or "h100-80gb"),
+               save)
     # Without a profile the DynaPipe runs still train, planned by the analytic cost model.
     report["cost_model"] = cost = "analytic" if "error" in report["profile"] else profile
 
@@ -388,7 +392,7 @@ def run(out_dir: str, timeout_s: float, shape: CheckShape = GPU_SHAPE) -> dict:
 
     def dynapipe(level: str, *extra: str) -> list:
         return base + ["--use-dynapipe", "--dynapipe-cost-model", cost, "--dynapipe-recompute", level,
-                       "--dynapipe-device", planner_device, *memory_limit, *extra]
+                       *named, *memory_limit, *extra]
 
     packing_flags = ["--dynapipe-batching", "packing", "--reset-position-ids", "--reset-attention-mask"]
     trace = os.path.join(out_dir, "trace")
@@ -475,15 +479,13 @@ def _megatron_version() -> str:
         return "unknown"
 
 
-def device_config(name: str) -> str:
-    """The shipped device config (its throughput figures) for a CUDA device name; the runs take
-    their memory limit from the GPU itself (``--dynapipe-memory-limit-mb``)."""
-    name = name.upper()
-    if "H200" in name:
-        return "h200"
-    if "A100" in name:
-        return "a100-40gb"
-    return "h100-80gb"
+def device_config(name: str, total_mib: float) -> Optional[str]:
+    """The shipped device config (its throughput figures) of a CUDA device (its name, its memory
+    in MiB), None for a GPU none describes; the runs take their memory limit from the GPU itself
+    (``--dynapipe-memory-limit-mb``)."""
+    from dynapipe.cost.profile_device import shipped_config_for_gpu
+
+    return shipped_config_for_gpu(name, total_mib)
 
 
 if __name__ == "__main__":

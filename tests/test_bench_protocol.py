@@ -375,20 +375,41 @@ def test_bench_refuses_outputs_it_could_not_write_before_any_run(tmp_path, capsy
     d.mkdir()
     pic.mkdir()
     f.write_text("")
+    data, prefix = tmp_path / "data.jsonl", tmp_path / "corpus"
+    data.write_text('{"text": "a"}\n')
+    for suffix in (".bin", ".idx"):
+        (tmp_path / ("corpus" + suffix)).write_bytes(b"")
     cases = [(["--output", str(d)], f"--output '{d}' is a directory; give a file path"),
              (["--output", f"{d}/"], "is a directory"),
              (["--output", f"{f}/x.json"], f"'{f}' is a file, not a folder, so nothing can be written under it"),
-             (["--output", x, "--warmup-iters", "-1"], "--warmup-iters -1: must be >= 0")]
+             (["--output", x, "--warmup-iters", "-1"], "--warmup-iters -1: must be >= 0"),
+             # Files the runs read are never written over: the data, an indexed dataset's prefix,
+             # a cost model next to --output.
+             (["--output", str(data), "--data-path", str(data)],
+              f"--data-path and --output name the same file '{data}', which --output would overwrite"),
+             (["--output", f"{prefix}.bin", "--data-path", "1", str(prefix)], "--data-path and --output name"),
+             (["--output", str(tmp_path / "b.json"), f"--dynapipe-cost-model={tmp_path / 'b.profile.json'}"]
+              + (["--calibrate-iters", "0"] if model == "t5" else []), None)]
     if model == "gpt":
         cases += [(["--output", x, "--png", "b.txt"], "--png 'b.txt' does not end in .png"),
                   (["--output", x, "--png", ""], "--png '': an empty path"),
                   (["--output", f"{d}.png", "--png", f"{d}.png"], "--output and --png name the same file"),
                   (["--output", x, "--png", str(pic)], f"--png '{pic}' is a directory")]
     for extra, message in cases:
+        if message is None:
+            # A profile given is read, not measured: --output's own profile name is free (the
+            # request gets as far as reading it).
+            (tmp_path / "b.profile.json").write_text("{}")
+            assert main(["bench", "--model", model, *extra]) == 2
+            assert "not a DynaPipe profile" in capsys.readouterr().err
+            (tmp_path / "b.profile.json").unlink()
+            continue
         assert main(["bench", "--model", model, *extra]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, (extra, err)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "f", "pic.png"] and not any(d.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.bin", "corpus.idx", "d", "data.jsonl", "f",
+                                                          "pic.png"] and not any(d.iterdir())
+    assert data.read_text() == '{"text": "a"}\n'
 
 
 def test_warm_up_check_is_shared_by_the_gpt_and_t5_benches():

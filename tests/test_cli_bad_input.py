@@ -387,6 +387,8 @@ def test_advise_library_refuses_a_limit_below_the_reserved_memory():
 
 @pytest.mark.parametrize("extra, message", [
     (["--output", "DIR"], "is a directory; give a file path for the profile JSON"),
+    # The model config it reads is never written over.
+    (["--output", "OUT", "--model", "OUT"], "--model and --output name the same file"),
     (["--output", "OUT", "--threads", "-1"], "--threads -1: must be at least 1"),
     (["--output", "OUT", "--threads", "0"], "--threads 0: must be at least 1"),
     (["--output", "OUT", "--mbs", "1", "--seqlens", "64,100000"],
@@ -415,8 +417,14 @@ def test_profile_refuses_before_measuring(tmp_path, capsys, monkeypatch, extra, 
         raise AssertionError("measured before refusing")
     monkeypatch.setattr(profiler, "profile_model", measured)
     extra = [str(tmp_path) if a == "DIR" else str(tmp_path / "p.json") if a == "OUT" else a for a in extra]
+    if "--model" in extra:
+        import shutil
+
+        shutil.copy(os.path.join(os.path.dirname(__file__), "..", "configs", "models", "gpt-tiny.yaml"),
+                    tmp_path / "p.json")
+    kept = (tmp_path / "p.json").read_bytes() if (tmp_path / "p.json").exists() else None
     _refused(capsys, ["profile", "--model", "gpt-tiny", "--repeats", "1", "--no-progress", *extra], message)
-    assert not (tmp_path / "p.json").exists()
+    assert (tmp_path / "p.json").read_bytes() == kept if kept is not None else not (tmp_path / "p.json").exists()
 
 
 def test_profile_starts_megatron_as_its_deterministic_mode_and_timeout_say(tmp_path, capsys, monkeypatch):

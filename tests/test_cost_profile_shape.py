@@ -142,7 +142,9 @@ def test_training_refuses_a_profile_of_another_kind_of_device_at_start_up(tmp_pa
     with pytest.raises(DynaPipeError, match=f"--dynapipe-cost-model {path}: .* a CPU, but the default "
                                             f"--dynapipe-device h100-80gb is a GPU"):
         parse_training_args(argv, 1, cuda=True)
-    with pytest.raises(DynaPipeError, match="but --dynapipe-device a100-40gb is a GPU"):
+    # A GPU's device config on CPU ranks is refused for itself, profile or not.
+    with pytest.raises(DynaPipeError, match="--dynapipe-device a100-40gb: describes a GPU .* these ranks train on "
+                                            "CPUs; use --dynapipe-device cpu"):
         parse_training_args(argv + ["--dynapipe-device", "a100-40gb"], 1, cuda=False)
 
 

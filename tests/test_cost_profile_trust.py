@@ -69,14 +69,20 @@ def test_growth_power_is_kept_between_flat_and_quadratic():
     ({"stage_overhead_ms": -50}, "'stage_overhead_ms' -50 must be a finite number of ms, 0 or more."),
     ({"model": "gpt-tiny"}, "'model' must be an object recording the measured model's shape"),
     ({"zero_fw": True}, "ops.layer.fw_ms holds a time of 0 ms; a measured time is positive"),
+    # numpy would read true as 1 ms and "3.0" as 3 ms.
+    ({"bool_fw": True}, "ops.layer.fw_ms holds a value that is not a number (true, false or a string)"),
+    ({"text_fw": True}, "ops.layer.fw_ms holds a value that is not a number"),
 ])
 def test_a_profile_that_cannot_price_is_refused_in_one_line(changes, needle):
-    data = _profile(**{k: v for k, v in changes.items() if k != "zero_fw" and v is not None})
+    data = _profile(**{k: v for k, v in changes.items() if k not in ("zero_fw", "bool_fw", "text_fw") and v is not None})
     if changes.get("ops", 0) is None:
         one = {k: [[1.0], [2.0]] for k in ("fw_ms", "bw_ms", "stored_mib", "peak_mib")}
         data["ops"] = {"layer": one, "embedding": one, "output": one}
     if changes.get("zero_fw"):
         data["ops"]["layer"] = {**data["ops"]["layer"], "fw_ms": [[0.0, 1.0], [1.0, 2.0]]}
+    for key, bad in (("bool_fw", True), ("text_fw", "3.0")):
+        if changes.get(key):
+            data["ops"]["layer"] = {**data["ops"]["layer"], "fw_ms": [[bad, 1.0], [1.0, 2.0]]}
     with pytest.raises(DynaPipeError) as e:
         ProfileCostModel(TINY, json.loads(json.dumps(data)), 2, source="p.json")
     assert str(e.value).startswith("p.json: ") and needle in str(e.value) and "\n" not in str(e.value)
@@ -240,6 +246,11 @@ def test_a_cpu_profile_of_other_threads_is_refused_on_the_ranks(tmp_path):
     for same in (dict(device="cpu", threads=mine), dict(device="NVIDIA H100 80GB HBM3", threads=mine + 1), {}):
         path.write_text(json.dumps(_profile(**same)))
         check_threads_at_start(str(path), True)
+    # A count written as text or a float is no count: it was skipped before, unchecked.
+    for bad in ("2", 2.0, 0):
+        path.write_text(json.dumps(_profile(device="cpu", threads=bad)))
+        with pytest.raises(DynaPipeError, match=f"'threads' {bad!r} must be a whole number of CPU threads"):
+            check_threads_at_start(str(path), True)
     path.write_text(json.dumps(_profile(device="cpu", threads=2)))
     with pytest.raises(RankUserError, match="rank 0: --dynapipe-cost-model .* measured with 2 CPU thread\\(s\\), "
                                             "this rank computes with 1 "):

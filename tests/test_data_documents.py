@@ -227,6 +227,10 @@ def test_data_lists_read_from_files_as_megatron_lm_reads_them(corpora, tmp_path)
     per_split.write_text(json.dumps({"train": [a + ".missing"]}))
     refused(f"--per-split-data-args-path {per_split}", r"--per-split-data-args-path .*splits.json \(train\) .*missing"
                                                        r"': no such file")
+    # The dataset's own file for its prefix: named with the prefix to give (it was read as the
+    # prefix of a .bin.bin).
+    refused(f"--data-path {a}.bin", rf"--data-path '{a}.bin': an indexed dataset is given by its prefix, without "
+                                    rf"\.bin: '{a}'")
 
 
 def test_long_instruction_samples_truncated_or_rejected_and_counted(tmp_path):

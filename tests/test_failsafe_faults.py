@@ -64,13 +64,13 @@ def fault_job(steps: list) -> list:
                 out.append(None)
                 continue
             argv = step[1] if isinstance(step[1], str) else step[1][dist.get_rank()]  # or one a rank
-            cfg = parse_training_args(argv.split(), world)
             hook, raises = None, len(step) > 2 and step[2] is not None and step[2][0] == "raise"
             if len(step) > 2 and step[2] is not None and dist.get_rank() == 0:
                 hook = partial(_raise_after, step[2][1]) if raises else partial(_pause_at, *step[2])
             fault = step[3] if len(step) > 3 and step[3][0] == dist.get_rank() else None
             t0 = time.monotonic()
             try:
+                cfg = parse_training_args(argv.split(), world)  # its refusals are outcomes too
                 with _fault_outside_the_executor(fault):
                     run = pretrain(cfg, stream=io.StringIO(), on_iteration=hook)
                 out.append({"losses": run.losses, "skipped": [r.skipped for r in run.results],
@@ -243,8 +243,10 @@ def fault_outcomes(tmp_path_factory):
         "block_rank1_writes": ("rank1", _limit_file_size, (20000,)),
         "save_blocked": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --save {save2} --load {save2} "
                                   "--ckpt-format dynapipe --override-opt_param-scheduler"),
-        # Iteration 1 saved again over the complete one (no --load): it must survive the failure.
-        "resave_blocked": ("train", f"{TINY}{MOCK} --train-iters 1 --lr 1e-3 --save {save2} --ckpt-format dynapipe"),
+        # Iteration 1 saved again over the complete one (fine-tuned from it, so counted from 0 again):
+        # it must survive the failure.
+        "resave_blocked": ("train", f"{TINY}{MOCK} --train-iters 1 --lr 1e-3 --save {save2} --load {save2} "
+                                    "--finetune --ckpt-format dynapipe"),
         "free_rank1_writes": ("rank1", _limit_file_size, (None,)),
         "load_after_blocked_resave": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {save2} "
                                                "--ckpt-format dynapipe --override-opt_param-scheduler"),
@@ -267,10 +269,10 @@ def fault_outcomes(tmp_path_factory):
         "full_save_fails": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {full} --save {full} "
                                      "--override-opt_param-scheduler"),
         "free_rank1_disk": ("rank1", _limit_file_size, (None,)),
-        # Saving iteration 1 again into the --save that holds it (a run that did not load from it):
-        # the failed save must leave the complete iteration 1 in place.
+        # Saving iteration 1 again into the --save that holds it (fine-tuned from it, so counted from
+        # 0 again): the failed save must leave the complete iteration 1 in place.
         "fill_rank1_disk_again": ("rank1", _limit_file_size, (20000,)),
-        "resave_fails": ("train", f"{TINY}{MOCK} --train-iters 1 --lr 1e-3 --save {full}"),
+        "resave_fails": ("train", f"{TINY}{MOCK} --train-iters 1 --lr 1e-3 --save {full} --load {full} --finetune"),
         "free_rank1_disk_again": ("rank1", _limit_file_size, (None,)),
         "load_after_failed_resave": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {full} "
                                               "--override-opt_param-scheduler"),
@@ -317,8 +319,9 @@ def test_loading_mistakes_stop_every_rank_in_one_line(fault_outcomes):
     outcomes, paths = fault_outcomes
     save, dist_save = paths["save"], paths["dist_save"]
     expected = {
-        "finetune_iter_dir": f"--load {save}/iter_0000002 holds no checkpoint (no latest_checkpointed_iteration.txt) "
-                             f"and --finetune was given; point --load at the directory that holds",
+        # Refused before any work: it would start from random.
+        "finetune_iter_dir": f"--load {save}/iter_0000002: is one saved iteration, not the directory that holds "
+                             f"latest_checkpointed_iteration.txt; give --load {save} (it resumes",
         "exit_on_missing": "holds no checkpoint (no latest_checkpointed_iteration.txt) and "
                            "--exit-on-missing-checkpoint was given",
         "other_pp": f"{save}/iter_0000002 was saved at --tensor-model-parallel-size 1 --pipeline-model-parallel-size "

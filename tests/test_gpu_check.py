@@ -91,8 +91,12 @@ def test_report_table_and_loss_spread():
     close["dynapipe (none)"]["activation_measured_mib"] = 1200.0
     assert gpu_check.failed({"methods": close})
     assert "dynapipe (none) measured 1.20x its planned activation peak" in gpu_check.markdown(close, 0.0)
-    assert gpu_check.device_config("NVIDIA H200") == "h200"
-    assert gpu_check.device_config("NVIDIA A100-SXM4-40GB") == "a100-40gb"
+    assert gpu_check.device_config("NVIDIA H200", 143771) == "h200"
+    assert gpu_check.device_config("NVIDIA A100-SXM4-40GB", 40960) == "a100-40gb"
+    # A GPU no shipped config describes is named by none: a named one would make every DynaPipe
+    # run refuse the profile measured on this GPU as another model's.
+    assert gpu_check.device_config("NVIDIA L40S", 46068) is None
+    assert gpu_check.device_config("NVIDIA A100-SXM4-80GB", 81920) is None
 
 
 # The check's own flow at a tiny shape, on CPU (it has to work the first time it meets a GPU):

@@ -206,7 +206,7 @@ def test_encoder_spellings_of_layers_and_length_are_megatron_lms_aliases_for_gpt
     ("--dynapipe-kv-backend redis", "--dynapipe-kv-backend redis is read by the DynaPipe planner"),
     ("--dynapipe-timeout-s 60", "--dynapipe-timeout-s 60.0 is read by the DynaPipe executor"),
     ("--dynapipe-trace-dir /tmp/t", "--dynapipe-trace-dir /tmp/t is read by the DynaPipe executor"),
-    ("--dynapipe-device h100-80gb", "--dynapipe-device h100-80gb is read by the DynaPipe planner (and "),
+    ("--dynapipe-device cpu", "--dynapipe-device cpu is read by the DynaPipe planner (and "),
     ("--dynapipe-cluster h100-8x", "--dynapipe-cluster h100-8x is read by the DynaPipe planner"),
     ("--dynapipe-memory-limit-mb 1", "--dynapipe-memory-limit-mb 1.0 is read by the DynaPipe planner"),
     ("--tensorboard-log-interval 5", "--tensorboard-log-interval 5 applies to TensorBoard's scalars; add --tensorboard-dir"),
@@ -298,6 +298,31 @@ def test_megatron_lms_defaults_for_the_global_batch_the_head_size_and_a_first_la
         parse(f"--save {ckpt} --load {tmp_path / 'typo'}", world=1)
 
 
+def test_a_load_or_save_that_would_lose_a_checkpoint_is_refused(tmp_path):
+    """Megatron-LM starts from random where --load has no tracker, and --save overwrites: a
+    --load of one saved iteration, of iterations whose tracker is gone, or a --save over another
+    run's checkpoints would lose one, so each is refused before any work."""
+    run = tmp_path / "run"
+    (run / "iter_0000002").mkdir(parents=True)
+    (run / "iter_0000002" / "metadata.json").write_text("{}")
+    with pytest.raises(DynaPipeError, match=rf"--load {run}/iter_0000002: is one saved iteration, not the "
+                                            rf"directory that holds latest_checkpointed_iteration.txt; give --load {run} "):
+        parse(f"--save {run} --load {run}/iter_0000002", world=1)
+    with pytest.raises(DynaPipeError, match=r"holds 1 saved iteration\(s\) \(iter_0000002 the last\) but no"):
+        parse(f"--save {run} --load {run}", world=1)
+    (run / "latest_checkpointed_iteration.txt").write_text("2")
+    assert parse(f"--save {run} --load {run}", world=1).load == str(run)  # resumes it
+    other = tmp_path / "other"
+    other.mkdir()
+    for extra in (f"--save {run}", f"--save {run} --load {other}"):
+        with pytest.raises(DynaPipeError, match=rf"--save {run}: holds another run's checkpoints .* give --load "
+                                                rf"{run} to resume that run, or another --save"):
+            parse(extra, world=1)
+    # An empty --load is a fresh start, as in Megatron-LM (a folder made ahead of the first launch).
+    assert parse(f"--save {other} --load {other}", world=1).load == str(other)
+    assert (run / "latest_checkpointed_iteration.txt").read_text() == "2"
+
+
 def test_t5_errors_from_the_shared_checks_name_the_flags_the_user_typed():
     # The shared checks see the encoder's length as --seq-length; a T5 user typed
     # --encoder-seq-length, and the error must say so.
@@ -357,3 +382,24 @@ def test_redis_settings_need_the_redis_plan_store():
                                                 f"--dynapipe-kv-backend store: add --dynapipe-kv-backend redis"):
             parse(f"--use-dynapipe {flag}")
         assert parse(f"--use-dynapipe --dynapipe-kv-backend redis {flag}").dynapipe.kv_backend == "redis"
+
+
+@pytest.mark.parametrize("extra, message", [
+    # Looked up as a host name, each failed only after --dynapipe-store-retry-s of retries.
+    ("--dynapipe-redis-host redis://127.0.0.1:6380", "--dynapipe-redis-host 'redis://127.0.0.1:6380': give the "
+                                                     "server's host name or address alone; its port goes in"),
+    ("--dynapipe-redis-host 10.0.0.5:6380", "--dynapipe-redis-host '10.0.0.5:6380': give the server's host name"),
+    # A GPU's activation figures on CPU ranks: the plans promised less memory than they used.
+    ("--dynapipe-device h100-80gb", "--dynapipe-device h100-80gb: describes a GPU (dropout masks of 1 byte"),
+])
+def test_planner_settings_that_cannot_work_here_are_refused(extra, message):
+    with pytest.raises(DynaPipeError) as e:
+        parse(extra + " --use-dynapipe --dynapipe-kv-backend redis", world=1)
+    assert message in str(e.value)
+
+
+def test_an_ipv6_redis_host_and_a_gpu_device_on_gpus_are_taken():
+    assert parse("--use-dynapipe --dynapipe-kv-backend redis --dynapipe-redis-host ::1",
+                 world=1).dynapipe.redis_host == "::1"
+    assert parse("--use-dynapipe --dynapipe-device h100-80gb --transformer-impl local", world=1,
+                 cuda=True).dynapipe.device == "h100-80gb"

@@ -52,6 +52,12 @@ def test_run_config_errors(tmp_path):
     bad.write_text("arguments: {num-layers: 2}\n")
     with pytest.raises(DynaPipeError, match="unexpected"):
         load_run_config(str(bad))
+    # An empty file (or empty args) gives nothing: named, where the run would have stopped
+    # on the first required flag.
+    for text in ("", "args: {}\n"):
+        bad.write_text(text)
+        with pytest.raises(DynaPipeError, match=f"{bad}: the run config gives no arguments"):
+            load_run_config(str(bad))
     ok = tmp_path / "ok.yaml"
     ok.write_text("args: {num-layers: 2, bf16: true, fp16: false, data-path: [a.jsonl, b.jsonl]}\n")
     assert load_run_config(str(ok)).argv == ("--num-layers", "2", "--bf16", "--data-path", "a.jsonl", "b.jsonl")
@@ -109,6 +115,10 @@ def test_an_alternative_typed_on_the_command_line_replaces_the_run_configs_choic
     ("{num-layers: [1, 2]}", "args.num-layers takes one value, not the list [1, 2]"),
     ("{mock-data: 'yes'}", "args.mock-data is an on/off flag; give true or false, not 'yes'"),
     ("{num-layer: 2}", "args.num-layer is not a flag of this script"),
+    # true passed the flag without its value, false and null dropped it without a word.
+    ("{train-iters: true}", "args.train-iters takes a value, not true; give one, or leave the entry out"),
+    ("{train-iters: null}", "args.train-iters takes a value, not null"),
+    ("{lr: false}", "args.lr takes a value, not false"),
 ])
 def test_run_config_entries_the_parser_would_misread_are_named(tmp_path, args, needle):
     run = tmp_path / "bad.yaml"

@@ -85,6 +85,13 @@ def test_config_errors():
         SamplerConfig(global_batch_size=2, min_samples=4).validate()
     with pytest.raises(DynaPipeError, match="empty"):
         GlobalBatchSampler(np.zeros(0, np.int64), SamplerConfig(global_batch_size=1))
+    # A budget over the whole data drew it over and over into one batch, which the planner then
+    # worked on past any plan timeout: refused, naming the flag and the most it may be.
+    tokens = np.array([10, 20, 30])
+    assert GlobalBatchSampler(tokens, SamplerConfig(tokens_per_global_batch=60)).batch(0).indices.size == 3
+    with pytest.raises(DynaPipeError, match="--dynapipe-tokens-per-global-batch 61: more than the 60 tokens of the "
+                                            "whole training data \\(3 samples\\).* give at most 60"):
+        GlobalBatchSampler(tokens, SamplerConfig(tokens_per_global_batch=61))
 
 
 def test_fixed_batches_are_found_without_walking_or_storing_the_ones_before():

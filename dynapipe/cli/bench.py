@@ -131,7 +131,7 @@ def run(args) -> int:
     nproc = check_request(argv, methods, args.preset, rounds=args.rounds, sweep_top=args.sweep_top,
                           warmup_iters=args.warmup_iters, nproc=args.nproc)
     # The JSON and the picture are written after every run: what would fail then is refused now.
-    check_bench_outputs(args.output, args.png)
+    check_bench_outputs(args.output, args.png, argv)
     if args.png is not None:
         import importlib.util
 

@@ -169,7 +169,7 @@ def run(args) -> int:
 
     # Everything a measurement could be refused for afterwards is checked before it starts.
     refuse_unread_training_flags(args)
-    check_output(args.output)
+    check_output(args.output, args)
     if args.threads is not None and args.threads < 1:
         raise DynaPipeError(f"--threads {args.threads}: must be at least 1 (the CPU threads a measurement "
                             f"uses); leave it out for torch's default.")
@@ -199,7 +199,8 @@ def run(args) -> int:
                                                  if typed_seq_length is not None else "the default --seqlens grid")
     check_grid_lengths(args.model, seqlens, dec_seqlens, (seq_flag, "--dec-seqlens"))
     if args.repeats < 1 or args.warmup < 0:
-        raise DynaPipeError("--repeats must be >= 1 and --warmup >= 0.")
+        raise DynaPipeError(f"--repeats {args.repeats} --warmup {args.warmup}: --repeats must be >= 1 (timed runs "
+                            f"a point) and --warmup >= 0.")
     timeout = _timeout_minutes(args)
     cuda = torch.cuda.is_available()
     if args.t5 and args.num_layers is None:

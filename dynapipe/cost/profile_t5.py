@@ -92,12 +92,23 @@ def check_grid(data: Mapping[str, Any], axis: str, source: str, what: str = "") 
         raise DynaPipeError(f"{source}: {axis!r} grid {grid} must be strictly ascending.")
 
 
+def plain_numbers(value: Any) -> bool:
+    """Whether ``value`` is a JSON number, or nested lists of them: not ``true``/``false`` nor a
+    string, which numpy would read as 1, 0 or a number without complaint."""
+    if isinstance(value, list):
+        return all(plain_numbers(v) for v in value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def check_op_table(table: Mapping[str, Any], op: str, shape: tuple[int, ...], axes: tuple[str, ...],
                    source: str) -> None:
     """Refuse an op's tables (every field of :data:`FIELDS`) that are not ``shape`` (one
-    entry per point of the grid ``axes``) or hold negative or non-finite values."""
+    entry per point of the grid ``axes``) or hold negative, non-finite or non-numeric values."""
     for field in FIELDS:
         huge = f"{source}: ops.{op}.{field} holds values over 2**53 (ms or MiB); measure the profile again."
+        if field in table and not plain_numbers(table[field]):
+            raise DynaPipeError(f"{source}: ops.{op}.{field} holds a value that is not a number (true, false or a "
+                                f"string); measure the profile again.")
         try:
             arr = np.asarray(table[field], dtype=np.float64) if field in table else None
         except OverflowError:  # an int beyond float64's range
@@ -141,7 +152,7 @@ def check_weight_table(table: Mapping[str, Any], op: str, source: str) -> None:
     """Refuse ``ops.<op>.bw_weight_ms`` unless it has the shape of the op's (checked) ``bw_ms``
     and finite values from 0 to that backward's ms: the weight part is a part of it."""
     try:
-        w = np.asarray(table[WEIGHT_FIELD], dtype=np.float64)
+        w = np.asarray(table[WEIGHT_FIELD], dtype=np.float64) if plain_numbers(table[WEIGHT_FIELD]) else None
     except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond float64's range
         w = None
     bw = np.asarray(table["bw_ms"], dtype=np.float64)

@@ -75,6 +75,14 @@ class GlobalBatchSampler:
             raise DynaPipeError("the dataset is empty; there is nothing to sample.")
         if consumed_samples < 0:
             raise DynaPipeError(f"consumed_samples {consumed_samples} must be >= 0.")
+        budget, total = self.config.tokens_per_global_batch, int(self.tokens.sum())
+        if budget > total:
+            # Each batch would draw the data over and over (and be planned as one huge batch,
+            # which takes the planner longer than any plan timeout).
+            raise DynaPipeError(f"--dynapipe-tokens-per-global-batch {budget}: more than the {total:,} tokens of the "
+                                f"whole training data ({self.num_samples:,} samples), so one global batch would hold "
+                                f"every sample several times; give at most {total} (Megatron's global batches are a "
+                                f"small part of the data).")
         self._min_tokens = max(1, int(self.tokens.min()))
         self._start = int(consumed_samples)
         # Stream position of every batch boundary found so far, only where a token budget makes
