@@ -347,6 +347,12 @@ def model_config_from_dict(data: Mapping[str, Any], source: str = "model config"
     if not isinstance(data, Mapping):
         raise DynaPipeError(f"{source}: {data!r:.80} is not a mapping of model fields (name, hidden_size, ...).")
     data = dict(data)
+    layers = ("encoder_layers", "decoder_layers") if data.get("arch") == "t5" else ("num_layers",)
+    missing = [k for k in ("hidden_size", "num_attention_heads") + layers if k not in data]
+    if missing:
+        # Their dataclass defaults (0) would be reported as given values ("hidden_size=0").
+        raise DynaPipeError(f"{source}: {', '.join(missing)} missing; a model config gives the layer counts, "
+                            f"hidden_size and num_attention_heads (see configs/models/).")
     cfg = _build(ModelConfig, data, source)
     if cfg.is_encoder_decoder and not cfg.num_layers:
         cfg = dataclasses.replace(cfg, num_layers=cfg.encoder_layers + cfg.decoder_layers)

@@ -158,7 +158,11 @@ def _rank_layers(n: int, pp: int, first: Optional[int], last: Optional[int], ext
         raise DynaPipeError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size 2 or more.")
     rest = n - (first or 0) - (last or 0)
     middle = pp - (first is not None) - (last is not None)
-    if rest < 0 or (middle == 0 and rest) or (middle and rest % middle):
+    if rest < 0:
+        given = " + ".join(str(v) for v in (first, last) if v is not None)
+        raise DynaPipeError(f"--decoder-first/last-pipeline-num-layers give the first and last stages {given} layers, "
+                            f"more than --num-layers {n}; lower them or raise --num-layers.")
+    if (middle == 0 and rest) or (middle and rest % middle):
         raise DynaPipeError(f"--num-layers {n} minus the first and last stages' layers leaves {rest} for the "
                             f"{middle} other pipeline ranks, which does not split evenly; change "
                             f"--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers.")

@@ -181,6 +181,11 @@ def data_sources_from_args(args: argparse.Namespace) -> dict:
             if not (os.path.exists(path) or os.path.exists(path + ".idx")):
                 raise DynaPipeError(f"{shown or '--' + flag} {path!r}: no such file (nor an indexed dataset "
                                     f"{path}.idx/.bin).")
+            if os.path.isfile(path) and not is_jsonl(path) and not os.path.exists(path + ".idx"):
+                # Found only when the data is first read: after a bench's profile, or a job's start-up.
+                raise DynaPipeError(f"{shown or '--' + flag} {path!r}: neither a JSONL file (.jsonl, .json) nor an "
+                                    f"indexed dataset's prefix ({path}.bin/.idx); convert it with Megatron-LM's "
+                                    f"tools/preprocess_data.py, or give it a .jsonl name if it is JSONL.")
         key = flag.replace("-", "_")
         fields[key] = tuple(paths)
         fields[key.replace("_path", "_weights")] = tuple(weights or ())

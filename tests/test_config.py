@@ -52,7 +52,7 @@ def _write(tmp_path, text, name="c.yaml"):
     ("name: m\nnum_layers: 0\nhidden_size: 32\nnum_attention_heads: 4\n", "num_layers=0"),
     ("name: m\narch: bert\nnum_layers: 2\nhidden_size: 32\nnum_attention_heads: 4\n", "arch='bert'"),
     ("name: m\nnum_layers: 2\nhidden_size: 32\nnum_attention_heads: 4\ndtype: fp8\n", "dtype='fp8'"),
-    ("name: m\narch: t5\nhidden_size: 32\nnum_attention_heads: 4\n", "encoder_layers and decoder_layers"),
+    ("name: m\narch: t5\nhidden_size: 32\nnum_attention_heads: 4\n", "encoder_layers, decoder_layers missing"),
     ("name: m\nnum_layers: 2\nhidden_size: big\nnum_attention_heads: 4\n", "hidden_size='big'"),
     ("name: m\nnum_layers: 2.5\nhidden_size: 32\nnum_attention_heads: 4\n", "num_layers=2.5"),
     ("- 1\n- 2\n", "mapping"),
@@ -110,6 +110,12 @@ def test_bad_cluster_link(tmp_path):
 def test_model_from_dict_validates():
     with pytest.raises(DynaPipeError, match="num_attention_heads=0"):
         model_config_from_dict({"name": "x", "num_layers": 1, "hidden_size": 8, "num_attention_heads": 0})
+    # A key left out is named as missing, not as its default of 0.
+    with pytest.raises(DynaPipeError, match="m.yaml: hidden_size, num_layers missing; a model config gives"):
+        model_config_from_dict({"name": "x", "num_attention_heads": 2}, "m.yaml")
+    with pytest.raises(DynaPipeError, match="m.yaml: decoder_layers missing"):
+        model_config_from_dict({"name": "x", "arch": "t5", "encoder_layers": 2, "hidden_size": 8,
+                                "num_attention_heads": 2}, "m.yaml")
 
 
 _LINKS = "intra_node: {bandwidth_gbps: 150.0, latency_ms: 0.01}\ninter_node: {bandwidth_gbps: 25.0, latency_ms: 0.02}\n"

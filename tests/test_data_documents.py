@@ -231,6 +231,11 @@ def test_data_lists_read_from_files_as_megatron_lm_reads_them(corpora, tmp_path)
     # prefix of a .bin.bin).
     refused(f"--data-path {a}.bin", rf"--data-path '{a}.bin': an indexed dataset is given by its prefix, without "
                                     rf"\.bin: '{a}'")
+    # A file of another kind was found only when the data was first read (a bench: after its profile).
+    text = tmp_path / "corpus.txt"
+    text.write_text("some words\n")
+    refused(f"--data-path {text}", rf"--data-path '{text}': neither a JSONL file \(\.jsonl, \.json\) nor an "
+                                   rf"indexed dataset's prefix")
 
 
 def test_long_instruction_samples_truncated_or_rejected_and_counted(tmp_path):

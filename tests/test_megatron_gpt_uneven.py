@@ -99,7 +99,7 @@ def test_a_layout_string_reads_as_megatron_core_reads_it():
     (dict(decoder_first_pipeline_num_layers=4, account_for_loss_in_pipeline_split=True), "not both"),
     (dict(decoder_first_pipeline_num_layers=4, num_layers_per_virtual_pipeline_stage=1),
      "--num-virtual-stages-per-pipeline-rank"),
-    (dict(decoder_first_pipeline_num_layers=7), "leaves -1"),
+    (dict(decoder_first_pipeline_num_layers=7), "give the first and last stages 7 layers, more than --num-layers 6"),
     (dict(decoder_first_pipeline_num_layers=0), "must be at least 1"),
     (dict(decoder_first_pipeline_num_layers=3, num_virtual_stages_per_pipeline_rank=2),
      "pipeline rank 0 holds 3 layers"),
