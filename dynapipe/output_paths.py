@@ -101,6 +101,22 @@ def check_distinct(paths: Sequence[tuple[str, Optional[str]]]) -> None:
         seen[key] = flag
 
 
+def check_outputs_apart(inputs: Sequence[tuple[str, Optional[str]]],
+                        outputs: Sequence[tuple[str, Optional[str]]]) -> None:
+    """Refuse an output of ``outputs`` (``(flag, path)``) naming the same file as an input of
+    ``inputs`` or as another output (through links alike); inputs may name one file twice (a
+    training and a validation split of one dataset)."""
+    read = {}
+    for flag, path in inputs:
+        if path and path != STDIO:
+            read.setdefault(_file_key(path), flag)
+    for flag, path in outputs:
+        if path and path != STDIO and _file_key(path) in read:
+            raise DynaPipeError(f"{read[_file_key(path)]} and {flag} name the same file {path!r}, which {flag} "
+                                f"would overwrite; give {flag} another path.")
+    check_distinct(outputs)
+
+
 def make_parent(path: str) -> None:
     """Create the folder of the file ``path`` if it is missing (checked by :func:`check_output_file`)."""
     parent = os.path.dirname(os.path.abspath(path))
@@ -114,7 +130,7 @@ def config_inputs(args, flags: Sequence[str] = ("model", "device", "cluster", "p
     for name in flags:
         value = getattr(args, name, None)
         if isinstance(value, str) and value and os.path.isfile(value):
-            out.append((f"--{name}", value))
+            out.append(("--" + name.replace("_", "-"), value))
     return out
 
 

@@ -294,10 +294,10 @@ def _check_named_configs(args: argparse.Namespace, cuda: bool) -> None:
             if flag == "--dynapipe-device" and not cuda and loaded.dropout_mask_bytes:
                 # Its activation figures are CUDA's (a dropout mask of 1 byte where a CPU keeps the
                 # activation's dtype): plans on CPU ranks would promise less memory than they use.
-                raise DynaPipeError(f"--dynapipe-device {name}: describes a GPU (dropout masks of "
-                                    f"{loaded.dropout_mask_bytes} byte, as CUDA keeps them), and these ranks train "
-                                    f"on CPUs; use --dynapipe-device cpu, or a device config with "
-                                    f"dropout_mask_bytes: 0.")
+                raise DynaPipeError(f"--dynapipe-device {name}: its dropout_mask_bytes {loaded.dropout_mask_bytes} "
+                                    f"is CUDA's (a bool mask), and these ranks train on CPUs, whose "
+                                    f"dropout keeps its mask in the activation's dtype; use --dynapipe-device cpu, "
+                                    f"or set dropout_mask_bytes: 0 in the config.")
 
 
 def _check_redis_host(host: str) -> None:

@@ -221,7 +221,7 @@ def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[b
     if args.load and not os.path.isdir(args.load) and not _same_path(args.load, args.save):
         raise DynaPipeError(f"--load {args.load!r}: no such checkpoint directory (a job that resumes itself gives "
                             f"--save the same path, and starts from scratch while it holds no checkpoint).")
-    check_checkpoint_dirs(args.load, args.save)
+    check_checkpoint_dirs(args.load, args.save, args.finetune)
     _checkpoint_args_honoured(args)
     _resilience_args_honoured(args)
 
@@ -308,7 +308,9 @@ def _default_global_batch(args: argparse.Namespace, world_size: int) -> None:
 
 
 def _same_path(a: Optional[str], b: Optional[str]) -> bool:
-    return bool(a and b) and os.path.abspath(a) == os.path.abspath(b)
+    from megatron_integration.checkpoint_files import same_dir
+
+    return same_dir(a, b)
 
 
 def _recorded_args(args: argparse.Namespace) -> dict:

@@ -246,7 +246,7 @@ def megatron_train_step(stage: Stage, optimizer, scheduler, micro_batches: list[
         stage.config.variable_seq_lengths, stage.config.finalize_model_grads_func = saved_variable, saved_finalize
     if before_step is not None:
         before_step(sum(float(r["lm loss"][0]) for r in reports) if info.is_last_stage else None)
-    t_opt = split_point(info.device)  # the schedule's queued kernels are its time, not the optimizer's
+    t_opt = time.perf_counter()
     empty_unused_memory(memory_level, info.device, after_optimizer=False)
     ok, grad_norm, num_zeros = optimizer.step()
     if ok:

@@ -11,7 +11,7 @@ import os
 from typing import Optional, Sequence
 
 from dynapipe.errors import DynaPipeError
-from dynapipe.output_paths import check_distinct, check_output_file
+from dynapipe.output_paths import check_output_file, check_outputs_apart
 
 
 def check_warmup_iters(warmup: int) -> None:
@@ -39,8 +39,7 @@ def check_bench_outputs(output: str, png: Optional[str] = None, argv: Sequence[s
         # The profile the bench measures, and calibrates, goes next to --output.
         stem = os.path.splitext(output)[0]
         written += [("--output", stem + ".profile.json"), ("--output", stem + ".profile.calibrated.json")]
-    # Inputs first: the message names the output that would overwrite one.
-    check_distinct(argv_input_files(argv) + written)
+    check_outputs_apart(argv_input_files(argv), written)
 
 
 def argv_input_files(argv: Sequence[str]) -> list[tuple[str, str]]:

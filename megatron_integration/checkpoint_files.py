@@ -200,10 +200,9 @@ _ITERATION_DIR = re.compile(r"(iter_\d{7}|release)$")
 
 
 def _one_checkpoint(path: str) -> bool:
-    """Whether ``path`` looks like one saved iteration (``iter_N/`` or ``release/``: a
-    ``torch_dist`` checkpoint's metadata, or per-rank ``mp_rank_*`` folders)."""
-    if _ITERATION_DIR.match(os.path.basename(os.path.normpath(path))):
-        return True
+    """Whether ``path`` holds one saved iteration's files (a ``torch_dist`` checkpoint's
+    metadata, or per-rank ``mp_rank_*`` folders); by its contents, not its name: an empty
+    ``release/`` made for a first launch is none."""
     try:
         names = os.listdir(path)
     except OSError:
@@ -211,7 +210,13 @@ def _one_checkpoint(path: str) -> bool:
     return any(n in ("metadata.json", ".metadata", "common.pt") or n.startswith("mp_rank_") for n in names)
 
 
-def check_checkpoint_dirs(load: Optional[str], save: Optional[str]) -> None:
+def same_dir(a: Optional[str], b: Optional[str]) -> bool:
+    """Whether ``a`` and ``b`` name one directory, through symbolic links (``/scratch`` and the
+    ``/lustre/scratch`` it links to) and relative paths alike."""
+    return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
+
+
+def check_checkpoint_dirs(load: Optional[str], save: Optional[str], finetune: bool = False) -> None:
     """Refuse, before any work, a ``--load`` or ``--save`` that would lose a checkpoint:
 
     * ``--load`` naming one saved iteration (``iter_N/``) rather than the directory holding its
@@ -219,23 +224,26 @@ def check_checkpoint_dirs(load: Optional[str], save: Optional[str]) -> None:
       from random (Megatron-LM's reading of a directory without a tracker) and, with ``--save``
       there, move the tracker to the fresh model;
     * ``--save`` naming a directory that holds another run's checkpoints (a tracker) while
-      ``--load`` does not resume them: this run would overwrite them.
+      ``--load`` does not resume them: this run would overwrite them (``finetune``: the run was
+      given ``--finetune``, which the advice then says to drop).
 
-    An empty or missing ``--load`` is a fresh start, as in Megatron-LM."""
+    An empty ``--load`` is a fresh start, as in Megatron-LM."""
     if load and os.path.isdir(load) and not os.path.exists(os.path.join(load, TRACKER)):
         if _one_checkpoint(load):
             parent = os.path.dirname(os.path.normpath(load)) or "."
             raise DynaPipeError(f"--load {load}: is one saved iteration, not the directory that holds {TRACKER}; "
                                 f"give --load {parent} (it resumes the iteration its {TRACKER} names).")
-        saved = sorted(n for n in os.listdir(load) if _ITERATION_DIR.match(n))
+        saved = sorted(n for n in os.listdir(load)
+                       if _ITERATION_DIR.match(n) and _one_checkpoint(os.path.join(load, n)))
         if saved:
             raise DynaPipeError(f"--load {load}: holds {len(saved)} saved iteration(s) ({saved[-1]} the last) but no "
                                 f"{TRACKER}, so the run would start from random; write the iteration to resume "
                                 f"into {os.path.join(load, TRACKER)} (the number alone, as Megatron-LM writes it), or "
                                 f"give another --load.")
-    if save and os.path.exists(os.path.join(save, TRACKER)):
-        same = bool(load) and os.path.abspath(load) == os.path.abspath(save)
-        if not same:
-            raise DynaPipeError(f"--save {save}: holds another run's checkpoints ({TRACKER}), which this run "
-                                f"{'loads from ' + repr(load) + ' and ' if load else ''}would overwrite; give "
-                                f"--load {save} to resume that run, or another --save.")
+    if save and os.path.exists(os.path.join(save, TRACKER)) and not same_dir(load, save):
+        # A fine-tuning job relaunched after preemption lands here too: it resumes with --load
+        # of its own --save and no --finetune (which would start it again at iteration 0).
+        resume = f"--load {save}" + (" without --finetune" if finetune else "")
+        raise DynaPipeError(f"--save {save}: holds another run's checkpoints ({TRACKER}), which this run "
+                            f"{'loads from ' + repr(load) + ' and ' if load else ''}would overwrite; give "
+                            f"{resume} to resume that run, or another --save.")

@@ -63,9 +63,17 @@ class RankInfo:
         return self.pp_rank == self.pp_size - 1
 
 
-def init_distributed(parallel: ParallelArgs) -> None:
-    """Join the job's process group (torchrun's environment), unless already joined."""
+def init_distributed(parallel: ParallelArgs, private_store: bool = False) -> None:
+    """Join the job's process group (torchrun's environment), unless already joined.
+    ``private_store``: a one-rank job whose store lives in this process (a profile): no port,
+    so profiles started side by side never race for one."""
     if dist.is_initialized():
+        return
+    if private_store:
+        if parallel.backend == "nccl":
+            select_local_gpu()
+        dist.init_process_group(parallel.backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=datetime.timedelta(minutes=parallel.timeout_minutes))
         return
     if "RANK" not in os.environ:
         # A single process started without torchrun: a one-rank job.
@@ -94,15 +102,18 @@ def select_local_gpu() -> None:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count:
         torch.cuda.set_device(local_gpu(int(os.environ.get("LOCAL_RANK", 0)), os.environ.get("LOCAL_WORLD_SIZE"),
-                                        count))
+                                        count, os.environ.get("CUDA_VISIBLE_DEVICES")))
 
 
-def local_gpu(local_rank: int, local_world_size: Optional[str], count: int) -> int:
+def local_gpu(local_rank: int, local_world_size: Optional[str], count: int, visible: Optional[str] = None) -> int:
     """The index of this rank's GPU among the ``count`` it sees: ``local_rank`` modulo ``count``.
     ``local_world_size`` (torchrun's ``LOCAL_WORLD_SIZE``, None without torchrun): torchrun shows
     every local rank the same GPUs, so more local ranks than GPUs would put two ranks on one GPU,
-    which NCCL refuses only later ("Duplicate GPU detected"); refused here in one line."""
-    if local_world_size is not None and int(local_world_size) > count:
+    which NCCL refuses only later ("Duplicate GPU detected"); refused here in one line. Except
+    where ``visible`` (``CUDA_VISIBLE_DEVICES``) names one GPU: a wrapper that gives each rank
+    its own (``CUDA_VISIBLE_DEVICES=$LOCAL_RANK``) shows each one GPU, as it should."""
+    own = count == 1 and visible is not None and len([v for v in visible.split(",") if v.strip()]) == 1
+    if local_world_size is not None and int(local_world_size) > count and not own:
         raise DynaPipeError(f"torchrun started {local_world_size} processes on this node but it has {count} visible "
                             f"GPU(s): NCCL needs one GPU a rank. Give --nproc_per_node {count} (or fewer), or make "
                             f"more GPUs visible (CUDA_VISIBLE_DEVICES).")
@@ -120,18 +131,19 @@ def set_logging_level(level: Optional[int]) -> None:
 
 
 def initialize_megatron(parallel: ParallelArgs, seed: int, deterministic: bool = False,
-                        logging_level: Optional[int] = None) -> RankInfo:
+                        logging_level: Optional[int] = None, private_store: bool = False) -> RankInfo:
     """Process groups, megatron parallel state, CPU compatibility, the rank's CPU cores
     (``parallel.cpu_affinity``), its pre-touched heap (``parallel.cpu_pretouch_mb``) and
     seeds; returns this rank's place. ``deterministic``: ``--deterministic-mode``, applied
-    before the process group exists; ``logging_level``: :func:`set_logging_level`."""
+    before the process group exists; ``logging_level``: :func:`set_logging_level`;
+    ``private_store``: as for :func:`init_distributed`."""
     from megatron_integration.determinism import start_deterministic_run
 
     require_megatron_core("a training rank")
     set_logging_level(logging_level)
     start_deterministic_run(deterministic)
     quiet_megatron_warnings()
-    init_distributed(parallel)
+    init_distributed(parallel, private_store)
     init_model_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                         parallel.virtual_pipeline_model_parallel_size, timeout_minutes=parallel.timeout_minutes)
     if parallel.cpu_affinity == "cores":

@@ -41,18 +41,18 @@ def write_profile(model: GPTModelArgs, output: str, mbs_grid: Sequence[int], seq
     from dynapipe.progress import Progress
     from megatron_integration.cpu_affinity import use_profiler_threads
     from megatron_integration.initialize import initialize_megatron
-    from megatron_integration.launch import free_port
     from megatron_integration.profiler import profile_model
     from megatron_integration.train_config import ParallelArgs
 
     cuda = torch.cuda.is_available()
     use_profiler_threads(threads, cuda)
-    if "RANK" not in os.environ:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    alone = "RANK" not in os.environ  # not spawned: a one-rank job on a store of its own
+    if alone:
+        os.environ.update(RANK="0", WORLD_SIZE="1")
     parallel = ParallelArgs(world_size=tp, tensor_model_parallel_size=tp, backend="nccl" if cuda else "gloo",
                             sequence_parallel=sequence_parallel, timeout_minutes=timeout_minutes)
     # --deterministic-mode: the kernels the deterministic training runs, timed.
-    info = initialize_megatron(parallel, seed=seed, deterministic=model.deterministic_mode)
+    info = initialize_megatron(parallel, seed=seed, deterministic=model.deterministic_mode, private_store=alone)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     with Progress(len(mbs_grid) * len(seqlen_grid), "profiling", enabled=bool(progress)) as bar:
         profile = profile_model(model, list(mbs_grid), list(seqlen_grid), device, repeats=repeats, warmup=warmup,

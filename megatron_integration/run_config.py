@@ -92,11 +92,11 @@ def check_run_values(run: RunConfig, parser) -> None:
         if isinstance(value, list) and action.nargs in (None, "?"):
             raise DynaPipeError(f"{run.path}: args.{key} takes one value, not the list {value!r}.")
         bare_ok = action.nargs in ("?", "*")  # such a flag may stand alone
-        if action.nargs != 0 and (value is False or value is None or (value is True and not bare_ok)):
-            # true would pass the flag without its value; false and null would drop it unsaid.
-            shown = {True: "true", False: "false", None: "null"}[value]
-            raise DynaPipeError(f"{run.path}: args.{key} takes a value, not {shown}; give one, or leave the entry "
-                                f"out for the script's default.")
+        if action.nargs != 0 and (value is False or (value is True and not bare_ok)):
+            # true would pass the flag without its value, false drop it unsaid (null stays the
+            # script's default: templated configs write it).
+            raise DynaPipeError(f"{run.path}: args.{key} takes a value, not {str(value).lower()}; give one, or "
+                                f"null (or no entry) for the script's default.")
 
 
 def add_run_config_argument(parser) -> None:

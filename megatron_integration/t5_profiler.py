@@ -292,16 +292,16 @@ def write_t5_profile(model: GPTModelArgs, output: str, mbs_grid: Sequence[int], 
     from dynapipe.cost.profile import ProfileCostModel
     from megatron_integration.cpu_affinity import use_profiler_threads
     from megatron_integration.initialize import initialize_megatron
-    from megatron_integration.launch import free_port
 
     cuda = torch.cuda.is_available()
     use_profiler_threads(threads, cuda)
-    if "RANK" not in os.environ:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    alone = "RANK" not in os.environ  # not spawned: a one-rank job on a store of its own
+    if alone:
+        os.environ.update(RANK="0", WORLD_SIZE="1")
     info = initialize_megatron(ParallelArgs(world_size=tp, tensor_model_parallel_size=tp,
                                             sequence_parallel=sequence_parallel, timeout_minutes=timeout_minutes,
                                             backend="nccl" if cuda else "gloo"),
-                               seed=seed, deterministic=model.deterministic_mode)
+                               seed=seed, deterministic=model.deterministic_mode, private_store=alone)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     profile = profile_t5_model(model, mbs_grid, seqlen_grid, dec_seqlen_grid, device, repeats=repeats,
                                warmup=warmup, sequence_parallel=sequence_parallel,

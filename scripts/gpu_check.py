@@ -231,13 +231,15 @@ def markdown(results: dict, loss_spread: Optional[float]) -> str:
 
 def loss_spread(results: dict) -> Optional[float]:
     """Largest relative difference of a finished run's per-iteration loss from the best padding
-    run's (None without a finished padding run)."""
+    run's (None without a finished padding run; infinite where a loss is NaN or infinite)."""
     ref = best_of(results, "padding")
     if ref is None:
         return None
-    base = np.asarray(results[ref]["losses"])
-    return max(float(np.max(np.abs(np.asarray(r["losses"]) - base) / np.abs(base)))
-               for r in results.values() if "error" not in r)
+    base = np.asarray(results[ref]["losses"], dtype=np.float64)
+    spreads = [np.abs(np.asarray(r["losses"], dtype=np.float64) - base) / np.abs(base)
+               for r in results.values() if "error" not in r]
+    # A NaN or infinite loss anywhere is no agreement (max() would keep a finite value over a NaN).
+    return max((float(np.max(d)) if np.all(np.isfinite(d)) else float("inf")) for d in spreads)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -391,6 +391,10 @@ def test_bench_refuses_outputs_it_could_not_write_before_any_run(tmp_path, capsy
              (["--output", str(tmp_path / "b.json"), f"--dynapipe-cost-model={tmp_path / 'b.profile.json'}"]
               + (["--calibrate-iters", "0"] if model == "t5" else []), None)]
     if model == "gpt":
+        monkeypatch.chdir(tmp_path)
+        (tmp_path / "1").write_text("")
+        cases.append((["--output", x, "--train-data-path", str(prefix), "--valid-data-path", str(prefix),
+                       "--tensor-model-parallel-size", "1"], "runs"))
         cases += [(["--output", x, "--png", "b.txt"], "--png 'b.txt' does not end in .png"),
                   (["--output", x, "--png", ""], "--png '': an empty path"),
                   (["--output", f"{d}.png", "--png", f"{d}.png"], "--output and --png name the same file"),
@@ -404,11 +408,17 @@ def test_bench_refuses_outputs_it_could_not_write_before_any_run(tmp_path, capsy
             assert "not a DynaPipe profile" in capsys.readouterr().err
             (tmp_path / "b.profile.json").unlink()
             continue
+        if message == "runs":
+            # Inputs may share a file (one dataset for training and validation), and a file named
+            # as a number ("1") is no output: the bench gets as far as its runs.
+            with pytest.raises(AssertionError, match="a run started"):
+                main(["bench", "--model", model, *extra])
+            continue
         assert main(["bench", "--model", model, *extra]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, (extra, err)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.bin", "corpus.idx", "d", "data.jsonl", "f",
-                                                          "pic.png"] and not any(d.iterdir())
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name != "1")
+    assert left == ["corpus.bin", "corpus.idx", "d", "data.jsonl", "f", "pic.png"] and not any(d.iterdir())
     assert data.read_text() == '{"text": "a"}\n'
 
 

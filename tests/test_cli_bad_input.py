@@ -434,8 +434,11 @@ def test_profile_starts_megatron_as_its_deterministic_mode_and_timeout_say(tmp_p
     import megatron_integration.initialize as initialize
 
     seen = []
+    for name in ("RANK", "WORLD_SIZE"):  # set by the profile's start-up: put back as they were after
+        monkeypatch.setenv(name, "0")  # (records the variable, so the undo also removes a new one)
+        monkeypatch.delenv(name)
 
-    def started(parallel, seed, deterministic=False, logging_level=None):
+    def started(parallel, seed, deterministic=False, **_):
         seen.append((parallel.timeout_minutes, deterministic))
         raise DynaPipeError("stopped after start-up")
     monkeypatch.setattr(initialize, "initialize_megatron", started)
@@ -443,6 +446,13 @@ def test_profile_starts_megatron_as_its_deterministic_mode_and_timeout_say(tmp_p
     _refused(capsys, argv + ["--deterministic-mode", "--distributed-timeout-minutes", "45"], "stopped after start-up")
     _refused(capsys, argv, "stopped after start-up")
     assert seen == [(45.0, True), (10.0, False)]
+    # An earlier profile at --output, or a file named as the command in the folder, is no input
+    # it would overwrite: only --model and a tokenizer's files are.
+    monkeypatch.chdir(tmp_path)
+    for name in ("p.json", "profile"):
+        (tmp_path / name).write_text("{}")
+    _refused(capsys, argv[:-1] + ["profile"], "stopped after start-up")
+    _refused(capsys, argv, "stopped after start-up")
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -109,7 +109,7 @@ RUN_CONFIGS = {
     "bad_yaml": ("args: [1\n", "not valid YAML"),
     "unknown_top": ("launch: {}\nargs: {}\nextra: 1\n", "unexpected"),
     "args_list": ("args: [1, 2]\n", "args"),
-    "world_mismatch": ("launch: {nnodes: 1, nproc_per_node: 8}\nargs: {}\n", "8 ranks"),
+    "world_mismatch": ("launch: {nnodes: 1, nproc_per_node: 8}\nargs: {mock-data: true}\n", "8 ranks"),
 }
 
 

@@ -90,6 +90,10 @@ def test_report_table_and_loss_spread():
     assert not gpu_check.failed({"methods": close})
     close["dynapipe (none)"]["activation_measured_mib"] = 1200.0
     assert gpu_check.failed({"methods": close})
+    # A NaN in a later run is no agreement (Python's max would have kept the finite spread before it).
+    late_nan = {k: {**v, "activation_measured_mib": 900.0} for k, v in close.items()}
+    late_nan["dynapipe (none)"]["losses"] = [2.0, float("nan")]
+    assert gpu_check.loss_spread(late_nan) == float("inf") and gpu_check.failed({"methods": late_nan})
     assert "dynapipe (none) measured 1.20x its planned activation peak" in gpu_check.markdown(close, 0.0)
     assert gpu_check.device_config("NVIDIA H200", 143771) == "h200"
     assert gpu_check.device_config("NVIDIA A100-SXM4-40GB", 40960) == "a100-40gb"

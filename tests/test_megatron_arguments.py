@@ -318,9 +318,19 @@ def test_a_load_or_save_that_would_lose_a_checkpoint_is_refused(tmp_path):
         with pytest.raises(DynaPipeError, match=rf"--save {run}: holds another run's checkpoints .* give --load "
                                                 rf"{run} to resume that run, or another --save"):
             parse(extra, world=1)
-    # An empty --load is a fresh start, as in Megatron-LM (a folder made ahead of the first launch).
+    # An empty --load is a fresh start, as in Megatron-LM (a folder made ahead of the first launch),
+    # whatever its name.
     assert parse(f"--save {other} --load {other}", world=1).load == str(other)
+    (other / "release").mkdir()
+    assert parse(f"--save {other}/release --load {other}/release", world=1).load == f"{other}/release"
     assert (run / "latest_checkpointed_iteration.txt").read_text() == "2"
+    # One directory through a symbolic link (/scratch and the /lustre/scratch it names) resumes.
+    link = tmp_path / "link"
+    link.symlink_to(run)
+    assert parse(f"--save {run} --load {link}", world=1).load == str(link)
+    # A fine-tuning job relaunched after preemption resumes its own --save, not --finetune again.
+    with pytest.raises(DynaPipeError, match=rf"give --load {run} without --finetune to resume that run"):
+        parse(f"--save {run} --load {other} --finetune", world=1)
 
 
 def test_t5_errors_from_the_shared_checks_name_the_flags_the_user_typed():
@@ -390,7 +400,7 @@ def test_redis_settings_need_the_redis_plan_store():
                                                      "server's host name or address alone; its port goes in"),
     ("--dynapipe-redis-host 10.0.0.5:6380", "--dynapipe-redis-host '10.0.0.5:6380': give the server's host name"),
     # A GPU's activation figures on CPU ranks: the plans promised less memory than they used.
-    ("--dynapipe-device h100-80gb", "--dynapipe-device h100-80gb: describes a GPU (dropout masks of 1 byte"),
+    ("--dynapipe-device h100-80gb", "--dynapipe-device h100-80gb: its dropout_mask_bytes 1 is CUDA's (a bool mask)"),
 ])
 def test_planner_settings_that_cannot_work_here_are_refused(extra, message):
     with pytest.raises(DynaPipeError) as e:

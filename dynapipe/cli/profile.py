@@ -164,7 +164,6 @@ def run(args) -> int:
     from megatron_integration.arguments import ParallelArgs, model_args_from_args
     from megatron_integration.cpu_affinity import use_profiler_threads
     from megatron_integration.initialize import initialize_megatron
-    from megatron_integration.launch import free_port
     from megatron_integration.profiler import profile_model
 
     # Everything a measurement could be refused for afterwards is checked before it starts.
@@ -236,10 +235,11 @@ def run(args) -> int:
     if tp > 1:
         return _run_tensor_parallel(args, model, mbs, seqlens, tp, sp, use_te)
     use_profiler_threads(args.threads, cuda)
-    if "RANK" not in os.environ:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    alone = "RANK" not in os.environ  # not under torchrun: a one-rank job on a store of its own
+    if alone:
+        os.environ.update(RANK="0", WORLD_SIZE="1")
     initialize_megatron(ParallelArgs(world_size=1, backend="nccl" if cuda else "gloo", timeout_minutes=timeout),
-                        seed=args.seed, deterministic=model.deterministic_mode)
+                        seed=args.seed, deterministic=model.deterministic_mode, private_store=alone)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     print(f"profiling on {device} ({model.dtype}, {torch.get_num_threads()} threads): mbs {mbs} x seqlen {seqlens}",
           file=sys.stderr)

@@ -59,15 +59,13 @@ def refuse_unread_training_flags(args) -> None:
 
 def check_output(path: str, args=None) -> None:
     """Refuse an ``--output`` the profile could not be written to, or that names a file the
-    profile reads (any option of ``args`` naming an existing file: ``--model``, a tokenizer's
-    files), before measuring."""
+    profile reads (``args``' ``--model`` config or a tokenizer's files), before measuring."""
     from dynapipe.errors import DynaPipeError
-    from dynapipe.output_paths import check_distinct
+    from dynapipe.output_paths import check_outputs_apart, config_inputs
 
     if args is not None:
-        inputs = [("--" + name.replace("_", "-"), value) for name, value in sorted(vars(args).items())
-                  if name != "output" and isinstance(value, str) and value and os.path.isfile(value)]
-        check_distinct(inputs + [("--output", path)])
+        check_outputs_apart(config_inputs(args, ("model", "vocab_file", "merge_file", "tokenizer_model")),
+                            [("--output", path)])
 
     if os.path.isdir(path):
         raise DynaPipeError(f"--output {path}: is a directory; give a file path for the profile JSON, such as "

@@ -266,6 +266,17 @@ def _wait_all(works: Sequence[tuple], timeout_s: float) -> None:
             raise _WaitError(e, owner) from e
 
 
+def neighbour_exchanges(rank: int, size: int) -> list[tuple[int, bool]]:
+    """The exchanges pipeline rank ``rank`` of ``size`` makes with its neighbours (``rank`` +- 1,
+    the ring closed for interleaved plans) to set up their NCCL channels: ``(peer, send_first)``
+    in one global order of the pairs (by their ranks), the lower rank of a pair sending first.
+    Each exchange blocks until both ends made it, so a pair order every rank follows, and one
+    end sending while the other receives, make the whole set of exchanges end (tested by
+    playing them out)."""
+    peers = {(rank - 1) % size, (rank + 1) % size} - {rank}
+    return [(peer, rank < peer) for peer in sorted(peers, key=lambda q: (min(q, rank), max(q, rank)))]
+
+
 class PeerComm:
     """Posts a plan's transfers on the pipeline process group.
 
@@ -296,13 +307,20 @@ class PeerComm:
         # others in a collective the executor's timeout and failure watch cannot end.
         if device.type == "cuda":
             dist.all_reduce(torch.zeros(1, device=device), group=group)
-        # Under NCCL a lone isend/irecv runs on a two-rank communicator of its own, created on
-        # first use (mid-iteration, blocking the host), while batch_isend_irecv runs on the
-        # group's, which the collective above created: a lone send whose receive was batched
-        # with another transfer would never match it. On CUDA every transfer is therefore
-        # posted as a batch, a batch of one included (the tests set this on gloo to run the
-        # same path).
-        self.batch_alone = device.type == "cuda"
+        # Under NCCL a lone isend/irecv runs on a two-rank communicator of its own, which torch
+        # creates on first use: mid-iteration, blocking the host, and past the failure watch if
+        # the peer has died by then. One exchange with each pipeline neighbour creates them now.
+        # (Not everything posted as one batch on the group's communicator: all of a rank's
+        # transfers would then run in posting order on one stream, and a receive posted early
+        # from one neighbour would hold back every later send to the other.)
+        if device.type == "cuda":
+            for peer, send_first in neighbour_exchanges(self.rank, self.size):
+                mine, theirs = torch.zeros(1, device=device), torch.empty(1, device=device)
+                first, second = ((dist.isend, mine), (dist.irecv, theirs))[::1 if send_first else -1]
+                works = [fn(t, self.global_ranks[peer], group=group) for fn, t in (first, second)]
+                for w in works:
+                    w.wait()
+            torch.cuda.synchronize(device)
         self.posted = 0
 
     def global_rank(self, peer: int) -> int:
@@ -310,15 +328,14 @@ class PeerComm:
         return self.global_ranks[peer]
 
     def post(self, ops: list[tuple[object, bool, torch.Tensor, int]]) -> dict[object, "Pending"]:
-        """Post ``(owner, is_send, tensor, peer)`` transfers; several (on CUDA: any) are posted
-        as one batch (``batch_isend_irecv``).
+        """Post ``(owner, is_send, tensor, peer)`` transfers; several are posted as one batch.
 
         Returns one :class:`Pending` per owner (an instruction posts one transfer per
         tensor of its message). When the backend coalesces a batch into fewer works than
         transfers, every owner of the batch shares one :class:`Pending`.
         """
         self.posted += len(ops)
-        if len(ops) == 1 and not self.batch_alone:
+        if len(ops) == 1:
             owner, is_send, t, peer = ops[0]
             fn = dist.isend if is_send else dist.irecv
             return {owner: Pending([fn(t, self.global_ranks[peer], group=self.group)], [t])}
