@@ -207,7 +207,7 @@ def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[b
     manual_gc = ManualGC(args.manual_gc, args.manual_gc_interval, args.manual_gc_eval).validate()
     if args.save_interval is not None and not args.save:
         raise DynaPipeError("--save-interval needs --save DIR to write the checkpoints to.")
-    from megatron_integration.checkpoint_files import check_checkpoint_dirs, check_writable_dir
+    from megatron_integration.checkpoint_files import check_checkpoint_dirs, check_writable_dir, same_dir
 
     # Proven writable on every rank before any work: a directory only the logging rank or a
     # failing rank finds unwritable would stop it alone, mid-run, while the others wait.
@@ -218,7 +218,7 @@ def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[b
             check_writable_dir(path, flag, what)
     # A missing --load that is the --save directory is a self-resuming job's first launch (Megatron-LM's
     # scripts pass both the same path): it starts from scratch. Any other missing --load is a typo.
-    if args.load and not os.path.isdir(args.load) and not _same_path(args.load, args.save):
+    if args.load and not os.path.isdir(args.load) and not same_dir(args.load, args.save):
         raise DynaPipeError(f"--load {args.load!r}: no such checkpoint directory (a job that resumes itself gives "
                             f"--save the same path, and starts from scratch while it holds no checkpoint).")
     check_checkpoint_dirs(args.load, args.save, args.finetune)
@@ -305,12 +305,6 @@ def _default_global_batch(args: argparse.Namespace, world_size: int) -> None:
     model_parallel = (args.tensor_model_parallel_size or 1) * (args.pipeline_model_parallel_size or 1)
     if args.global_batch_size is None and args.micro_batch_size and world_size % model_parallel == 0:
         args.global_batch_size = args.micro_batch_size * (world_size // model_parallel)
-
-
-def _same_path(a: Optional[str], b: Optional[str]) -> bool:
-    from megatron_integration.checkpoint_files import same_dir
-
-    return same_dir(a, b)
 
 
 def _recorded_args(args: argparse.Namespace) -> dict:

@@ -33,7 +33,7 @@ from dynapipe.progress import Progress
 from dynapipe.output_paths import write_output
 # Preset and stage_activation_peaks are not used here: callers import them from this module.
 from megatron_integration import cpu_allocator
-from megatron_integration.bench_checks import check_bench_outputs
+from megatron_integration.bench_checks import calibrated_profile_path, check_bench_outputs, measured_profile_path
 from megatron_integration.bench_request import Entry, check_request  # noqa: F401 (Entry re-exported)
 from megatron_integration.bench_presets import (BASELINES, DYNAPIPE_METHODS, EXECUTOR_METHODS, METHOD_FLAGS,
                                                 PRESETS, PROFILE_MBS, PROFILE_SEQLENS, REFERENCE_SEQ_LENGTH,
@@ -120,7 +120,7 @@ def calibrate(argv: Sequence[str], profile: str, cfg, nproc: int, iters: int, th
     ranks = run_training(margv, nproc, timeout_s=timeout_s, threads_per_rank=threads)
     cost = build_cost_model(cfg.model.to_model_config("bench"), load_device_config(cfg.dynapipe.device),
                             cfg.parallel.pipeline_model_parallel_size, profile)
-    out = os.path.splitext(profile)[0] + ".calibrated.json"
+    out = calibrated_profile_path(profile)
     # The first iteration pays one-off costs (allocations, first calls); fit the others.
     info = bench_calibrate.refit_from_run(ranks, trace_dir, profile, cost, list(range(min(1, iters - 1), iters)), out,
                                           recompute=cfg.dynapipe.recompute)
@@ -183,7 +183,7 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
     if given_profile is not None:
         profile = given_profile
     elif profile is None:
-        profile = os.path.splitext(output)[0] + ".profile.json"
+        profile = measured_profile_path(output)
         print(f"measuring a cost profile of this machine ({threads} thread(s) per rank) -> {profile}", file=stream,
               flush=True)
         measure_profile(cfg.model, profile, threads, timeout_s, p.profile_repeats, p.profile_mbs,

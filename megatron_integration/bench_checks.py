@@ -37,9 +37,19 @@ def check_bench_outputs(output: str, png: Optional[str] = None, argv: Sequence[s
     written = [("--output", output), ("--png", png)]
     if not any(a.split("=")[0] == "--dynapipe-cost-model" for a in argv):
         # The profile the bench measures, and calibrates, goes next to --output.
-        stem = os.path.splitext(output)[0]
-        written += [("--output", stem + ".profile.json"), ("--output", stem + ".profile.calibrated.json")]
+        measured = measured_profile_path(output)
+        written += [("--output", measured), ("--output", calibrated_profile_path(measured))]
     check_outputs_apart(argv_input_files(argv), written)
+
+
+def measured_profile_path(output: str) -> str:
+    """Where a bench with ``--output`` writes the profile it measures (next to the JSON)."""
+    return os.path.splitext(output)[0] + ".profile.json"
+
+
+def calibrated_profile_path(profile: str) -> str:
+    """Where a bench writes the calibrated copy of the profile at ``profile``."""
+    return os.path.splitext(profile)[0] + ".calibrated.json"
 
 
 def argv_input_files(argv: Sequence[str]) -> list[tuple[str, str]]:

@@ -42,7 +42,8 @@ from typing import Optional, Sequence, TextIO
 from dynapipe.errors import DynaPipeError
 from dynapipe.output_paths import write_output
 from megatron_integration import cpu_allocator
-from megatron_integration.bench_checks import check_bench_outputs, check_warmup_iters, make_output_dir, parse_t5_sweep
+from megatron_integration.bench_checks import (check_bench_outputs, check_warmup_iters, make_output_dir,
+                                               measured_profile_path, parse_t5_sweep)
 from megatron_integration.bench_presets import fill_defaults, host_defaults
 from megatron_integration.bench_results import schedule_counts
 from megatron_integration.bench_t5_entries import (T5_BASELINES, T5_METHOD_FLAGS, UNCALIBRATED, T5Entry, best_runs,
@@ -123,7 +124,7 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
     if profile is None:
         from megatron_integration.bench_t5_profile import measure_bench_profile
 
-        profile = os.path.splitext(output)[0] + ".profile.json"
+        profile = measured_profile_path(output)
         threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
         print(f"measuring a T5 cost profile of this machine ({threads} thread(s)) -> {profile}", file=stream,
               flush=True)

@@ -147,6 +147,7 @@ def calibrate_t5_profile(argv: Sequence[str], profile: str, cfg, nproc: int, ite
     from dynapipe.cost import build_cost_model
     from megatron_integration.bench_breakdown import executor_timeline
     from megatron_integration.bench_calibrate import calibration_argv, fit_stage_overhead, write_calibrated_profile
+    from megatron_integration.bench_checks import calibrated_profile_path
     from megatron_integration.bench_report import _trace_events
     from megatron_integration.t5_jobs import run_t5_training
 
@@ -175,7 +176,7 @@ def calibrate_t5_profile(argv: Sequence[str], profile: str, cfg, nproc: int, ite
                 if t.micro_batches:
                     per_op.append((t.overhead_ms + t.posting_ms) / (2 * t.micro_batches))
     fit = fit_stage_overhead(np.asarray(pred), np.asarray(meas), float(np.mean(per_op)) if per_op else 0.0)
-    out = write_calibrated_profile(profile, os.path.splitext(profile)[0] + ".calibrated.json", fit)
+    out = write_calibrated_profile(profile, calibrated_profile_path(profile), fit)
     return out, {**fit.to_json(), "profile": out, "seconds": round(time.perf_counter() - started, 1)}
 
 

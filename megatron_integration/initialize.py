@@ -64,26 +64,25 @@ class RankInfo:
 
 
 def init_distributed(parallel: ParallelArgs, private_store: bool = False) -> None:
-    """Join the job's process group (torchrun's environment), unless already joined.
-    ``private_store``: a one-rank job whose store lives in this process (a profile): no port,
-    so profiles started side by side never race for one."""
+    """Join the job's process group (torchrun's environment), unless already joined. A single
+    process started without a launcher is a one-rank job; ``private_store`` (a profile): its
+    store lives in this process, with no port, so profiles started side by side never race
+    for one (a training job's planner workers reach its store over TCP)."""
     if dist.is_initialized():
         return
-    if private_store:
-        if parallel.backend == "nccl":
-            select_local_gpu()
-        dist.init_process_group(parallel.backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=datetime.timedelta(minutes=parallel.timeout_minutes))
-        return
-    if "RANK" not in os.environ:
-        # A single process started without torchrun: a one-rank job.
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+    alone = "RANK" not in os.environ
+    if alone:
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
     if parallel.backend == "nccl":
         select_local_gpu()
     timeout = datetime.timedelta(minutes=parallel.timeout_minutes)
+    if alone and private_store:
+        dist.init_process_group(parallel.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    if alone:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
     joined = joined_rendezvous()
     if joined is None:
         dist.init_process_group(parallel.backend, timeout=timeout)

@@ -12,7 +12,6 @@ megatron state.
 from __future__ import annotations
 
 import json
-import os
 from typing import Optional, Sequence
 
 from megatron_integration.train_config import GPTModelArgs
@@ -46,13 +45,10 @@ def write_profile(model: GPTModelArgs, output: str, mbs_grid: Sequence[int], seq
 
     cuda = torch.cuda.is_available()
     use_profiler_threads(threads, cuda)
-    alone = "RANK" not in os.environ  # not spawned: a one-rank job on a store of its own
-    if alone:
-        os.environ.update(RANK="0", WORLD_SIZE="1")
     parallel = ParallelArgs(world_size=tp, tensor_model_parallel_size=tp, backend="nccl" if cuda else "gloo",
                             sequence_parallel=sequence_parallel, timeout_minutes=timeout_minutes)
     # --deterministic-mode: the kernels the deterministic training runs, timed.
-    info = initialize_megatron(parallel, seed=seed, deterministic=model.deterministic_mode, private_store=alone)
+    info = initialize_megatron(parallel, seed=seed, deterministic=model.deterministic_mode, private_store=True)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     with Progress(len(mbs_grid) * len(seqlen_grid), "profiling", enabled=bool(progress)) as bar:
         profile = profile_model(model, list(mbs_grid), list(seqlen_grid), device, repeats=repeats, warmup=warmup,

@@ -31,7 +31,6 @@ version 2, ``kind: encoder-decoder`` profile :mod:`dynapipe.cost.profile_t5` doc
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import replace
 from typing import Callable, Optional, Sequence
@@ -295,13 +294,10 @@ def write_t5_profile(model: GPTModelArgs, output: str, mbs_grid: Sequence[int], 
 
     cuda = torch.cuda.is_available()
     use_profiler_threads(threads, cuda)
-    alone = "RANK" not in os.environ  # not spawned: a one-rank job on a store of its own
-    if alone:
-        os.environ.update(RANK="0", WORLD_SIZE="1")
     info = initialize_megatron(ParallelArgs(world_size=tp, tensor_model_parallel_size=tp,
                                             sequence_parallel=sequence_parallel, timeout_minutes=timeout_minutes,
                                             backend="nccl" if cuda else "gloo"),
-                               seed=seed, deterministic=model.deterministic_mode, private_store=alone)
+                               seed=seed, deterministic=model.deterministic_mode, private_store=True)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     profile = profile_t5_model(model, mbs_grid, seqlen_grid, dec_seqlen_grid, device, repeats=repeats,
                                warmup=warmup, sequence_parallel=sequence_parallel,

@@ -235,11 +235,8 @@ def run(args) -> int:
     if tp > 1:
         return _run_tensor_parallel(args, model, mbs, seqlens, tp, sp, use_te)
     use_profiler_threads(args.threads, cuda)
-    alone = "RANK" not in os.environ  # not under torchrun: a one-rank job on a store of its own
-    if alone:
-        os.environ.update(RANK="0", WORLD_SIZE="1")
     initialize_megatron(ParallelArgs(world_size=1, backend="nccl" if cuda else "gloo", timeout_minutes=timeout),
-                        seed=args.seed, deterministic=model.deterministic_mode, private_store=alone)
+                        seed=args.seed, deterministic=model.deterministic_mode, private_store=True)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     print(f"profiling on {device} ({model.dtype}, {torch.get_num_threads()} threads): mbs {mbs} x seqlen {seqlens}",
           file=sys.stderr)

@@ -14,7 +14,8 @@ from typing import Any, Mapping
 
 from dynapipe.config import ModelConfig
 from dynapipe.cost.profile_t5 import (FIELDS, KIND_DECODER_ONLY, KIND_ENCODER_DECODER, MAX_PROFILE_NUMBER,
-                                      check_grid, check_op_table, check_t5_tables, finite_number, profile_kind)
+                                      check_grid, check_op_table, check_t5_tables, finite_number, is_number,
+                                      profile_kind)
 from dynapipe.errors import DynaPipeError, file_read_errors
 
 PROFILE_FORMAT = "dynapipe-profile"
@@ -204,9 +205,8 @@ def check_profile(data: Mapping[str, Any], source: str) -> None:
         raise DynaPipeError(f"{source}: 'seqlen' {data['seqlen']} has one length; a profile needs at least two to "
                             f"price other lengths (measure with `--seqlens` of two or more).")
     overhead = data.get("stage_overhead_ms", 0.0)
-    number = isinstance(overhead, (int, float)) and not isinstance(overhead, bool)
     # An int is finite however large (math.isfinite would overflow on one beyond float64).
-    if not number or (isinstance(overhead, float) and not math.isfinite(overhead)) or overhead < 0:
+    if not is_number(overhead) or (isinstance(overhead, float) and not math.isfinite(overhead)) or overhead < 0:
         raise DynaPipeError(f"{source}: 'stage_overhead_ms' {_short(overhead)} must be a finite number of ms, "
                             f"0 or more.")
     if not finite_number(overhead):
@@ -214,8 +214,7 @@ def check_profile(data: Mapping[str, Any], source: str) -> None:
                             f"cost per stage op in ms.")
     calls = data.get("attention_call_ms", {})
     if not isinstance(calls, dict) or set(calls) - {"fw", "bw"} or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 2 ** 53  # NaN and inf fail here
-            for v in calls.values()):
+            finite_number(v) and v >= 0 for v in calls.values()):
         raise DynaPipeError(f"{source}: 'attention_call_ms' {_short(calls)} must be {{\"fw\": ms, \"bw\": ms}}, "
                             f"finite and 0 or more: the fixed cost of one per-sample attention call.")
     tp = data.get("tp", 1)

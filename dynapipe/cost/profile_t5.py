@@ -63,10 +63,16 @@ T5_AXES = {"encoder_layer": ("mbs", "seqlen"), "decoder_layer": ("mbs", "dec_seq
 MAX_PROFILE_NUMBER = 2.0 ** 53
 
 
+def is_number(value: Any) -> bool:
+    """Whether ``value`` is a JSON number: an int or a float, not ``true``/``false`` (a bool,
+    which numpy would read as 1 or 0) nor a string."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def finite_number(value) -> bool:
     """Whether ``value`` is an int or a float (not a bool) that float64 holds finite and at
     most :data:`MAX_PROFILE_NUMBER` in magnitude (an int too large for a float is not)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         return False
     try:
         f = float(value)
@@ -97,7 +103,7 @@ def plain_numbers(value: Any) -> bool:
     string, which numpy would read as 1, 0 or a number without complaint."""
     if isinstance(value, list):
         return all(plain_numbers(v) for v in value)
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return is_number(value)
 
 
 def check_op_table(table: Mapping[str, Any], op: str, shape: tuple[int, ...], axes: tuple[str, ...],
