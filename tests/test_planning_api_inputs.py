@@ -15,6 +15,7 @@ from dynapipe.cost.placement import PlacementSample
 from dynapipe.advise import enumerate_layouts
 from dynapipe.errors import DynaPipeError
 from dynapipe.pipeline_planner import plan_iteration
+from dynapipe.plan import compile_plans
 from dynapipe.schedule import StageTimes, one_f_one_b, search_schedules
 from dynapipe.schedule.adaptive import adaptive_schedule
 from dynapipe.schedule.zero_bubble import zb_h1
@@ -41,6 +42,13 @@ CASES = [
      r"inter_node: bandwidth_gbps=-1.0 must be > 0"),
     (lambda: plan_micro_batches(LENS, CM, gap=-0.1), r"gap -0.1: the relative optimality gap"),
     (lambda: plan_micro_batches(LENS, CM, memory_limit_mib="4000"), r"memory limit '4000' MiB must be a positive"),
+    (lambda: plan_micro_batches(LENS, CM, micro_batch_share="0.5"), r"micro_batch_share '0.5': must be a number"),
+    (lambda: plan_micro_batches(LENS, CM, micro_batch_share=True), r"micro_batch_share True: must be a number"),
+    # numpy turns [True, 6] into [1, 6]: a 1-token sample nobody asked for.
+    (lambda: plan_micro_batches([True, 6], CM), r"sample 0: length True is not an integer"),
+    (lambda: plan_micro_batches(np.array([True, False]), CM), r"lengths are True/False values"),
+    (lambda: compile_plans("1f1b", MBS[0], GPT, num_stages=2, recompute="bogus"),
+     r"recompute='bogus' is not a recompute level"),
     # search_schedules
     (lambda: search_schedules(MBS, CM, must_beat_ms=float("nan")), r"must_beat_ms nan"),
     (lambda: search_schedules(MBS, CM, capacity_mib=float("nan")), r"capacity_mib nan"),
@@ -101,3 +109,5 @@ def test_the_same_calls_with_good_input_run():
     assert str(plan_placement(CM, PlacementSample.of(MBS[0]), 2, capacity_mib=8000.0).placement)
     assert compute_floor_ms(CM, [64, 32]) > 0 and shapes_compute_ms(CM, [(1, 64)]) > 0
     assert adaptive_schedule(TIMES, [np.inf, 50.0], max_in_flight=[2, 1])[1].makespan_ms > 0
+    assert plan_micro_batches([5, 6], CM, micro_batch_share=0.5).extra["micro_batch_share"] == 0.5
+    assert compile_plans("1f1b", MBS[0], GPT, num_stages=2, recompute="full")[0].recompute == "full"

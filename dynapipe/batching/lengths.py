@@ -85,6 +85,19 @@ def read_lengths_for(path: str, model_name: str, encoder_decoder: bool, flag: st
     return arr
 
 
+def _refuse_truth_values(lengths, arr: np.ndarray) -> None:
+    """Refuse ``True``/``False`` among the lengths: numpy turns ``[True, 6]`` into ``[1, 6]``,
+    which would plan a 1-token sample that nobody asked for."""
+    if arr.dtype.kind == "b":
+        raise DynaPipeError("lengths are True/False values, not numbers of tokens; give integer lengths.")
+    if isinstance(lengths, np.ndarray):
+        return  # a numeric array holds no truth values
+    for i, row in enumerate(lengths):
+        for v in (row if isinstance(row, (list, tuple, np.ndarray)) else (row,)):
+            if isinstance(v, (bool, np.bool_)):
+                raise DynaPipeError(f"sample {i}: length {v!r} is not an integer number of tokens.")
+
+
 def validate_lengths(lengths, encoder_decoder: bool) -> np.ndarray:
     """Check an array of lengths for the planner and return it as int64.
 
@@ -98,6 +111,7 @@ def validate_lengths(lengths, encoder_decoder: bool) -> np.ndarray:
                             f"(n, 2) (input, target) pairs.") from None
     if arr.size == 0:
         raise DynaPipeError("the batch is empty (no lengths); give at least one sample.")
+    _refuse_truth_values(lengths, arr)
     if arr.ndim not in (1, 2) or (arr.ndim == 2 and arr.shape[1] != 2):
         raise DynaPipeError(f"lengths have shape {arr.shape}; expected (n,) for decoder-only models "
                             f"or (n, 2) (input, target) for encoder-decoder ones.")

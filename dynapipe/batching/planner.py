@@ -215,8 +215,10 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
     if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not 0.0 <= gap < 1.0:
         raise DynaPipeError(f"gap {gap!r}: the relative optimality gap of the cut must lie in [0, 1) "
                             f"(0: the exact optimum; default {DEFAULT_GAP}).")
-    if not 0.0 < micro_batch_share <= 1.0:
-        raise DynaPipeError(f"micro_batch_share {micro_batch_share}: must lie in (0, 1].")
+    if isinstance(micro_batch_share, (bool, np.bool_)) or not isinstance(micro_batch_share, (int, float, np.number)) \
+            or not 0.0 < micro_batch_share <= 1.0:
+        raise DynaPipeError(f"micro_batch_share {micro_batch_share!r}: must be a number in (0, 1] (the share of the "
+                            f"activation budget a micro-batch of two or more samples may use).")
     budget = replace(memory_budget(cost_model, memory_limit_mib, reserved_mib, dp=dp, zero=zero),
                      micro_batch_share=float(micro_batch_share))
     extra: dict = {"activation_budget_mib": budget.activation_mib, "model_state_mib": budget.model_state_mib,

@@ -32,7 +32,7 @@ import numpy as np
 
 from dynapipe.batching.types import MicroBatch
 from dynapipe.config import ModelConfig
-from dynapipe.cost.base import CostModel, StageLayout
+from dynapipe.cost.base import CostModel, StageLayout, check_recompute
 from dynapipe.errors import DynaPipeError, is_whole, whole_number
 from dynapipe.plan._fast import maker
 from dynapipe.plan.instructions import ExecutionPlan, MicroBatchInfo
@@ -162,6 +162,8 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
     and every micro-batch's lengths must be multiples of ``tp``.
     """
     shards, tp_meta = tensor_parallel_layout("compile_plans", tp, sequence_parallel)
+    if recompute is not None:
+        check_recompute(recompute)
     mbs_list = list(micro_batches)
     check_micro_batches("compile_plans", mbs_list, model)
     if num_stages is not None:
