@@ -52,7 +52,8 @@ def add_dynapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--dynapipe-cost-model", default="analytic",
                    help="'analytic', or the path of a profile written by `python -m dynapipe profile`")
     g.add_argument("--dynapipe-device", default=None,
-                   help="device config for the analytic cost model (default: cpu without CUDA, else h100-80gb)")
+                   help="device config for the analytic cost model (default: cpu without CUDA; on a GPU the shipped "
+                        "config of the GPU found, else h100-80gb's figures within the GPU's memory)")
     g.add_argument("--dynapipe-cluster", default=None, help="cluster config for link costs (default cpu-local / h100-8x)")
     g.add_argument("--dynapipe-planner-workers", type=int, default=1, help="planner worker processes per node")
     g.add_argument("--dynapipe-planner-nodes", type=int, default=0,

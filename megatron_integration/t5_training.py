@@ -65,13 +65,14 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
     megatron_blend = cfg.span_corruption is not None  # megatron-core's blend: Megatron-LM's behaviour
     started_s = time.time()  # --exit-duration-in-mins counts from here
     info = initialize_megatron(base.parallel, base.seed, base.model.deterministic_mode, base.logging_level)
-    from megatron_integration.device_default import default_device_for
+    from megatron_integration.device_default import analytic_on_gpu_note, default_device_for
 
     dynapipe, device_note = default_device_for(base.dynapipe, info.device)
     base = replace(base, dynapipe=dynapipe)
     cfg = replace(cfg, base=base)
-    if info.rank == 0 and device_note is not None:
-        write_line(stream, device_note)
+    for note in (device_note, analytic_on_gpu_note(base.dynapipe, info.device)):
+        if info.rank == 0 and note is not None:
+            write_line(stream, note)
     if info.rank == 0 and vocab_padding_line(base) is not None:
         write_line(stream, vocab_padding_line(base))
     # A CPU profile of other threads prices another machine; every rank checks its own threads.

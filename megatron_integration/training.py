@@ -23,7 +23,7 @@ from megatron_integration import checkpoint_formats
 from megatron_integration.agreement import attempt, same_error_everywhere
 from megatron_integration.blend_resume import blend_record, keep_resumed_blend
 from megatron_integration.data import GlobalBatches, data_summary_lines
-from megatron_integration.device_default import default_device_for
+from megatron_integration.device_default import analytic_on_gpu_note, default_device_for
 from megatron_integration.initialize import RankInfo, initialize_megatron
 from megatron_integration.arguments import block_layers, check_uniform_recompute
 from megatron_integration.baseline_step import (StepResult, build_micro_batches, megatron_train_step, schedule_group,
@@ -139,8 +139,9 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
     info = initialize_megatron(cfg.parallel, cfg.seed, cfg.model.deterministic_mode, cfg.logging_level)
     dynapipe, device_note = default_device_for(cfg.dynapipe, info.device)
     cfg = replace(cfg, dynapipe=dynapipe)
-    if info.rank == 0 and device_note is not None:
-        write_line(stream, device_note)
+    for note in (device_note, analytic_on_gpu_note(cfg.dynapipe, info.device)):
+        if info.rank == 0 and note is not None:
+            write_line(stream, note)
     if info.rank == 0 and vocab_padding_line(cfg) is not None:
         write_line(stream, vocab_padding_line(cfg))
     # A CPU profile of other threads prices another machine; every rank checks its own threads.

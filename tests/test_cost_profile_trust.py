@@ -321,3 +321,23 @@ def test_a_gpu_run_without_a_device_config_takes_the_shipped_one_of_its_gpu(name
     given = parse_training_args(argv + ["--dynapipe-memory-limit-mb", "30000"], 1, cuda=True).dynapipe
     if config is None:
         assert resolve_default_device(given, name, total_mib) == (given, None)
+
+
+def test_a_gpu_run_planned_by_the_analytic_model_is_warned_to_profile(tmp_path):
+    # The analytic model priced the one GPU's forwards at 0.1-0.9x their time; a profile fixes that.
+    import dataclasses
+    import torch
+    from megatron_integration.arguments import parse_training_args
+    from megatron_integration.device_default import analytic_on_gpu_note
+
+    argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 "
+            "--vocab-size 128 --micro-batch-size 1 --global-batch-size 2 --train-iters 1 --lr 1e-4 --mock-data "
+            "--transformer-impl local").split()
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    analytic = parse_training_args(argv + ["--use-dynapipe"], 1, cuda=True).dynapipe
+    note = analytic_on_gpu_note(analytic, gpu)
+    assert "analytic cost model on a GPU" in note and "--dynapipe-cost-model" in note
+    assert analytic_on_gpu_note(analytic, cpu) is None  # the CPU's analytic config is fitted to it
+    assert analytic_on_gpu_note(parse_training_args(argv, 1, cuda=True).dynapipe, gpu) is None  # no DynaPipe plans
+    profiled = dataclasses.replace(analytic, cost_model=str(tmp_path / "profile.json"))
+    assert analytic_on_gpu_note(profiled, gpu) is None
