@@ -47,11 +47,11 @@ def resolve_default_device(dynapipe, gpu_name: str, total_mib: float):
 
 def analytic_on_gpu_note(dynapipe, device: torch.device):
     """A start-up line for a CUDA run whose DynaPipe plans are priced by the analytic cost model
-    (None otherwise): on the one GPU measured so far it priced forwards at 0.1-0.9x their time,
+    (None otherwise): on the one GPU measured so far it priced forwards at 0.1-0.4x their time,
     since it knows nothing of kernel launches, and a profile of the run's own layers fixes that."""
     if device.type != "cuda" or not dynapipe.enabled or dynapipe.cost_model != "analytic":
         return None
     return (" > warning: planning with the analytic cost model on a GPU; on the one GPU measured it priced "
-            "forwards at 0.1-0.9x their time (it does not count kernel launches). Measure this model's "
+            "forwards at 0.1-0.4x their time (it does not count kernel launches). Measure this model's "
             "layers with `python -m dynapipe profile --output PROFILE.json ...` and pass "
             "--dynapipe-cost-model PROFILE.json")

@@ -324,7 +324,7 @@ def test_a_gpu_run_without_a_device_config_takes_the_shipped_one_of_its_gpu(name
 
 
 def test_a_gpu_run_planned_by_the_analytic_model_is_warned_to_profile(tmp_path):
-    # The analytic model priced the one GPU's forwards at 0.1-0.9x their time; a profile fixes that.
+    # The analytic model priced the one GPU's forwards at 0.1-0.4x their time; a profile fixes that.
     import dataclasses
     import torch
     from megatron_integration.arguments import parse_training_args
