@@ -1,17 +1,20 @@
 # Two entry points for a fresh machine: `make demo` (the main job) and `make test`.
-# Both create .venv on first use. Torch is installed first, pinned, so that pip takes
-# the CPU wheel instead of resolving a multi-GB CUDA build.
+# Both create .venv on first use. Torch is installed first and pinned, so that the
+# package's `torch>=2.1` does not resolve to another build. PyPI's Linux torch is the CUDA
+# build (several GB; it runs on CPUs too): TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# takes the CPU build from PyTorch's own index instead.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
 
 .PHONY: demo test venv clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
