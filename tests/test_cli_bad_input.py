@@ -156,9 +156,9 @@ def test_trace_replica_is_checked_before_planning(tmp_path, capsys, monkeypatch,
     ("t.json", "t.txt", "--png 'DIR/t.txt' does not end in .png, the only format it writes; use 'DIR/t.png'"),
     ("t.json", "t", "--png 'DIR/t' does not end in .png, the only format it writes; use 'DIR/t.png'"),
     ("t.json", "sub", "--png 'DIR/sub' is a directory; give a file path ending in .png"),
-    ("t.png", "t.png", "--out and --png name the same file 'DIR/t.png', which --png would overwrite"),
+    ("t.png", "t.png", "--output and --png name the same file 'DIR/t.png', which --png would overwrite"),
     ("t.json", "lengths.txt/t.png", "'DIR/lengths.txt' is a file, not a folder"),
-    ("sub", "t.png", "--out 'DIR/sub' is a directory"),
+    ("sub", "t.png", "--output 'DIR/sub' is a directory"),
 ])
 def test_trace_outputs_are_checked_before_planning(tmp_path, capsys, monkeypatch, out, png, message):
     _no_planning(monkeypatch)
@@ -171,7 +171,7 @@ def test_trace_outputs_are_checked_before_planning(tmp_path, capsys, monkeypatch
 
 def test_trace_png_goes_exactly_where_asked_in_a_new_folder(tmp_path, capsys):
     png = tmp_path / "new" / "t.png"
-    assert main(["trace", "--lengths", _lengths(tmp_path), *GPT7B, "--stages", "4", "--out",
+    assert main(["trace", "--lengths", _lengths(tmp_path), *GPT7B, "--stages", "4", "--output",
                  str(tmp_path / "t.json"), "--png", str(png)]) == 0
     assert f"picture to {png}" in capsys.readouterr().err
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and os.listdir(png.parent) == ["t.png"]
@@ -204,7 +204,7 @@ def test_an_output_never_overwrites_the_input(tmp_path, capsys):
     _refused(capsys, ["plan", "--lengths", lengths, *GPT7B, "--stages", "4", "--output", lengths],
              f"--lengths and --output name the same file {lengths!r}, which --output would overwrite")
     _refused(capsys, ["trace", "--lengths", lengths, *GPT7B, "--stages", "4", "--out", lengths],
-             f"--lengths and --out name the same file {lengths!r}")
+             f"--lengths and --output name the same file {lengths!r}")
     _refused(capsys, ["plan", "--lengths", lengths, *GPT7B, "--stages", "4", "--output", str(tmp_path / "p"),
                       "--plan-out", str(tmp_path / "p")], "--output and --plan-out name the same file")
     assert open(lengths).read() == before and os.listdir(tmp_path) == ["lengths.txt"]
@@ -222,7 +222,7 @@ def test_outputs_never_overwrite_an_input_through_a_hard_link_or_a_config_file(t
     _refused(capsys, ["plan", "--lengths", lengths, "--model", str(model), "--device", "cpu", "--stages", "2",
                       "--output", str(model)], "--model and --output name the same file")
     _refused(capsys, ["trace", "--lengths", lengths, "--model", str(model), "--device", "cpu", "--stages", "2",
-                      "--out", str(model)], "--model and --out name the same file")
+                      "--out", str(model)], "--model and --output name the same file")
     _refused(capsys, ["advise", "--model", str(model), "--device", "cpu", "--cluster", "a100-8x", "--gpus", "2",
                       "--mixture", "flan-mixture", "--json", str(model)], "--model and --json name the same file")
     assert {p: open(p).read() for p in before} == before
@@ -231,7 +231,7 @@ def test_outputs_never_overwrite_an_input_through_a_hard_link_or_a_config_file(t
 @pytest.mark.parametrize("argv, message", [
     (["plan", "--output", ""], "--output '': an empty path"),
     (["plan", "--output", "x.json", "--plan-out", ""], "--plan-out '': an empty path"),
-    (["trace", "--out", ""], "--out '': an empty path"),
+    (["trace", "--out", ""], "--output '': an empty path"),
     (["trace", "--out", "t.json", "--png", ""], "--png '': an empty path"),
     (["trace", "--out", "t.json", "--png", "-"], "--png -: this output cannot go to stdout"),
     (["plan", "--output", "p.json", "--stages", "0"], "--stages 0: must be at least 1"),

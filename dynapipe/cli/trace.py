@@ -1,7 +1,7 @@
 """``python -m dynapipe trace``: the simulated pipeline timeline of one global batch.
 
 Plans the batch like ``plan`` (micro-batches, schedule search) and writes the chosen
-schedule's simulated timeline as a Chrome/Perfetto trace (``--out``), and optionally as
+schedule's simulated timeline as a Chrome/Perfetto trace (``--output``), and optionally as
 a PNG (``--png``). Lengths come from ``--lengths FILE`` or the synthetic mixture
 (``--samples N [--seed K]``).
 """
@@ -50,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="schedule, as for plan (zb-h1 draws each backward as BI and BW; default auto)")
     add_split_backward_argument(p)
     p.add_argument("--cluster", default=None, help="cluster config (default: chosen by device)")
-    p.add_argument("--out", required=True, metavar="FILE.json", help="write the Chrome/Perfetto trace here")
+    p.add_argument("--output", "--out", dest="out", required=True, metavar="FILE.json",
+                   help="write the Chrome/Perfetto trace here (--out: the same flag, its first name)")
     p.add_argument("--png", default=None, metavar="FILE.png", help="also draw the timeline (replica --replica)")
     p.add_argument("--replica", type=int, default=None, help="replica drawn by --png (default 0)")
     add_placement_argument(p)
@@ -62,7 +63,7 @@ def _check_replica(args: argparse.Namespace) -> int:
     if args.replica is None:
         return 0
     if args.png is None:
-        raise DynaPipeError(f"--replica {args.replica}: only --png reads it (the --out trace holds every replica); "
+        raise DynaPipeError(f"--replica {args.replica}: only --png reads it (the --output trace holds every replica); "
                             f"add --png FILE.png or drop --replica.")
     if args.dp >= 1 and not 0 <= args.replica < args.dp:  # a bad --dp has its own refusal
         raise DynaPipeError(f"--replica {args.replica} is not one of the {args.dp} replica(s); "
@@ -77,12 +78,12 @@ def _check_before_planning(args: argparse.Namespace) -> None:
     if args.seed is not None and args.lengths is not None:
         raise DynaPipeError(f"--seed {args.seed}: only --samples reads it (--lengths {args.lengths} gives the "
                             f"lengths); drop --seed or draw the lengths with --samples N.")
-    check_output_file(args.out, "--out", stdout=True)
+    check_output_file(args.out, "--output", stdout=True)
     if args.png is not None:
         check_output_file(args.png, "--png", suffix=".png")
         if importlib.util.find_spec("matplotlib") is None:  # found now, not after the planning
             raise DynaPipeError("--png needs matplotlib: pip install matplotlib (or the 'plot' extra).")
-    check_distinct(config_inputs(args) + [("--lengths", args.lengths), ("--out", args.out), ("--png", args.png)])
+    check_distinct(config_inputs(args) + [("--lengths", args.lengths), ("--output", args.out), ("--png", args.png)])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         even_line = (f"; placement {setup.cost_model.placement} (even split {even_setup.cost_model.placement}: "
                      f"{even.simulated_ms:.1f} ms, bubble {100 * even.bubble_fraction:.1f}%)")
     trace = chrome_trace(it.timelines, it.search.micro_batches, meta)
-    write_output(args.out, json.dumps(trace, separators=(",", ":")), "--out")
+    write_output(args.out, json.dumps(trace, separators=(",", ":")), "--output")
     levels = it.stage_recompute
     recompute = recompute_label(levels, setup.cost_model.num_stages)
     if args.png:
