@@ -77,9 +77,32 @@ class AnalyticCostModel(CostModel):
         return self.tp.gather_ms(nbytes) if self.tp.sequence_parallel else self.tp.allreduce_ms(nbytes)
 
     def _layer_comm_ms(self, b, s):
-        """One layer's TP collectives in one direction (forward or backward), ms: after the
-        attention and MLP blocks (all-reduce), or around each (all-gather, reduce-scatter)."""
-        return (4 if self.tp.sequence_parallel else 2) * self._collective_ms(b, s)
+        """One layer's TP collectives, (forward, backward) ms. Without SP an all-reduce after the
+        attention and MLP blocks forward, and of their input gradients backward. With SP an
+        all-gather before each column-parallel linear (QKV, FC1) and a reduce-scatter after each
+        row-parallel one (projection, FC2) forward; backward the transposes (a reduce-scatter of
+        each column-parallel input gradient, an all-gather of each row-parallel output
+        gradient) plus the column-parallel inputs gathered again for the weight gradients,
+        since only their sequence shard was kept: 4 forward, 6 backward."""
+        one = self._collective_ms(b, s)
+        return (4 * one, 6 * one) if self.tp.sequence_parallel else (2 * one, 2 * one)
+
+    def _embedding_comm_ms(self, b, s):
+        """The vocabulary-parallel embedding's TP collectives, (forward, backward) ms: its
+        partial lookups all-reduced forward. With SP megatron-core reduce-scatters them instead
+        unless learned positions are added after the lookup (then it all-reduces and keeps its
+        sequence shard), and the backward all-gathers the gradient of that shard."""
+        nbytes = b * s * self.model.hidden_size * self.model.dtype_bytes
+        if not self.tp.sequence_parallel:
+            return self.tp.allreduce_ms(nbytes), 0.0 * nbytes
+        learned = self.model.position_embedding_type == "learned_absolute"
+        fw = self.tp.allreduce_ms(nbytes) if learned else self.tp.gather_ms(nbytes)
+        return fw, self.tp.gather_ms(nbytes)
+
+    def _loss_comm_ms(self, b, s):
+        """The vocabulary-parallel cross entropy's three all-reduces of one fp32 value a token
+        (the logits' maximum, the target logit, the sum of exponentials), forward, ms."""
+        return 3 * self.tp.allreduce_ms(b * s * FP32_BYTES)
 
     def _cross_comm_ms(self, b, s_dec, s_enc):
         """A T5 decoder layer's cross-attention TP collectives, (forward, backward) ms. Its
@@ -87,10 +110,11 @@ class AnalyticCostModel(CostModel):
         column-parallel on the encoder output (``s_enc`` tokens, whatever the targets' length),
         its output projection row-parallel. Without SP: the output's all-reduce forward, the
         two inputs' gradients all-reduced backward. With SP: both inputs all-gathered and the
-        output reduce-scattered forward, the transposes backward."""
+        output reduce-scattered forward; backward the transposes plus both inputs gathered
+        again for the weight gradients."""
         dec, enc = self._collective_ms(b, s_dec), self._collective_ms(b, s_enc)
         if self.tp.sequence_parallel:
-            return 2 * dec + enc, 2 * dec + enc
+            return 2 * dec + enc, 3 * dec + 2 * enc
         return dec, dec + enc
 
     # -- FLOPs of the forward of one layer ------------------------------------------------
@@ -175,7 +199,8 @@ class AnalyticCostModel(CostModel):
             st_lin, st_scores = st_lin + n * a_lin, st_scores + n * a_sc
             layer_inputs = layer_inputs + n * b * s_enc * m.hidden_size * d / sp
             one_layer_full = np.maximum(one_layer_full, a_lin + a_sc)
-            comm_fw = comm_bw = n * self._layer_comm_ms(b, s_enc)
+            l_fw, l_bw = self._layer_comm_ms(b, s_enc)
+            comm_fw, comm_bw = n * l_fw, n * l_bw
         if layout.decoder_layers:
             self_density = dens.target if m.is_encoder_decoder else dens.input
             lin, core = self._self_attn_mlp_flops(b, s_dec)
@@ -195,8 +220,8 @@ class AnalyticCostModel(CostModel):
             st_lin, st_scores = st_lin + n * a_lin, st_scores + n * a_sc
             layer_inputs = layer_inputs + n * b * s_dec * m.hidden_size * d / sp
             one_layer_full = np.maximum(one_layer_full, a_lin + a_sc)
-            layers_comm = n * self._layer_comm_ms(b, s_dec)
-            comm_fw, comm_bw = comm_fw + layers_comm, comm_bw + layers_comm
+            l_fw, l_bw = self._layer_comm_ms(b, s_dec)
+            comm_fw, comm_bw = comm_fw + n * l_fw, comm_bw + n * l_bw
             if m.is_encoder_decoder:
                 x_fw, x_bw = self._cross_comm_ms(b, s_dec, s_enc)
                 comm_fw, comm_bw = comm_fw + n * x_fw, comm_bw + n * x_bw
@@ -206,15 +231,16 @@ class AnalyticCostModel(CostModel):
         out_fw = 0.0
         out_stored = 0.0
         out_peak = 0.0
-        # The vocabulary-parallel embedding reduces (SP: reduce-scatters) its output in the
-        # forward; the output layer's input gradient is reduced in the backward, and with SP
-        # its input is all-gathered in the forward.
+        # The output layer's input gradient is reduced in the backward; with SP its input is
+        # all-gathered in the forward and again in the backward for the weight gradient.
         fw_comm, bw_comm = comm_fw, comm_bw
         if layout.has_embedding:
-            fw_comm = fw_comm + self._collective_ms(b, s_enc)
+            e_fw, e_bw = self._embedding_comm_ms(b, s_enc)
+            fw_comm, bw_comm = fw_comm + e_fw, bw_comm + e_bw
             out_stored = out_stored + b * s_enc * self._embedding_row_bytes()
         if layout.embeds_decoder:  # T5: the decoder's tokens are embedded where its first layer is
-            fw_comm = fw_comm + self._collective_ms(b, s_dec)
+            e_fw, e_bw = self._embedding_comm_ms(b, s_dec)
+            fw_comm, bw_comm = fw_comm + e_fw, bw_comm + e_bw
             out_stored = out_stored + b * s_dec * self._embedding_row_bytes()
         if layout.ends_encoder:
             # The encoder block's final norm keeps its input and statistics (layers' recomputation
@@ -226,8 +252,10 @@ class AnalyticCostModel(CostModel):
             out_stored = out_stored + b * s_dec * self._output_row_bytes()
             out_peak = b * s_dec * m.vocab_size * FP32_BYTES / t
             bw_comm = bw_comm + self._collective_ms(b, s_dec)
+            fw_comm = fw_comm + self._loss_comm_ms(b, s_dec)
             if self.tp.sequence_parallel:
                 fw_comm = fw_comm + self._collective_ms(b, s_dec)
+                bw_comm = bw_comm + self._collective_ms(b, s_dec)
 
         fw_flops = (fw_lin + fw_core + out_fw) / t
         fw_lin, fw_core = fw_lin / t, fw_core / t
