@@ -208,3 +208,17 @@ def test_tp_run_configs_need_their_tensor_parallelism(name, tp, gpu_with_te):
     # Without TP the model states alone overflow the device; with it activations get room.
     assert states[0] > limit - device.reserved_mib
     assert limit - device.reserved_mib - states[1] > 8 * 1024
+
+
+def test_a_training_tp_group_that_spans_nodes_is_priced_on_the_inter_node_link():
+    # Megatron-LM allows a TP group wider than a node (or one that straddles two); the planner
+    # used to price its collectives on NVLink regardless.
+    from dynapipe.config import load_cluster_config
+    from dynapipe.runtime.plan_source import tensor_parallel_of
+
+    cluster = load_cluster_config("h100-8x")
+    assert tensor_parallel_of(8, True, cluster).link == cluster.intra_node
+    assert tensor_parallel_of(2, False, cluster).link == cluster.intra_node
+    assert tensor_parallel_of(16, True, cluster).link == cluster.inter_node
+    assert tensor_parallel_of(3, False, cluster).link == cluster.inter_node  # 3 does not divide 8
+    assert tensor_parallel_of(1, False, cluster) is None

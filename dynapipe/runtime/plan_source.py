@@ -110,14 +110,17 @@ def tensor_parallel_config(settings: PlannerSettings):
 def tensor_parallel_of(tp: int, sequence_parallel: bool, cluster=None):
     """A cost model's :class:`~dynapipe.config.TensorParallelConfig` for ``tp`` ranks a stage
     (None at TP 1 without sequence parallelism); collectives priced on ``cluster``'s intra-node
-    link when a cluster config is given."""
+    link when a cluster config is given, or on its inter-node link where a TP group spans nodes
+    (more ranks than a node's GPUs, or a size that does not divide them): Megatron-LM allows
+    that layout, and its ring runs at the slower link's speed."""
     from dynapipe.config import TensorParallelConfig
 
     if tp == 1 and not sequence_parallel:
         return None
     if cluster is None:
         return TensorParallelConfig(tp, sequence_parallel)
-    return TensorParallelConfig(tp, sequence_parallel, cluster.intra_node)
+    spans_nodes = tp > cluster.gpus_per_node or cluster.gpus_per_node % tp != 0
+    return TensorParallelConfig(tp, sequence_parallel, cluster.inter_node if spans_nodes else cluster.intra_node)
 
 
 def encode_plan(plan: ExecutionPlan) -> bytes:
