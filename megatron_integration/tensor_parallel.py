@@ -52,11 +52,12 @@ def check_tensor_parallel_args(args: argparse.Namespace, cuda: bool) -> None:
     cost_model = getattr(args, "dynapipe_cost_model", "analytic")
     if args.use_dynapipe and cost_model != "analytic" and os.path.isfile(cost_model):
         # A profile is one TP rank's measurement at the TP size and SP setting it was taken at.
-        from dynapipe.cost.profile_checks import check_profile_tensor_parallel, read_profile
+        from dynapipe.cost.profile_checks import check_profile, check_profile_tensor_parallel, read_profile
 
         data = read_profile(cost_model)
-        if isinstance(data, dict):
-            check_profile_tensor_parallel(data, tp, sp, f"--dynapipe-cost-model {cost_model}")
+        source = f"--dynapipe-cost-model {cost_model}"
+        check_profile(data, source)  # a file that is no profile is named as such, not as a TP mismatch
+        check_profile_tensor_parallel(data, tp, sp, source)
 
 
 class SequenceParallelTorchNorm:

@@ -222,3 +222,17 @@ def test_a_training_tp_group_that_spans_nodes_is_priced_on_the_inter_node_link()
     assert tensor_parallel_of(16, True, cluster).link == cluster.inter_node
     assert tensor_parallel_of(3, False, cluster).link == cluster.inter_node  # 3 does not divide 8
     assert tensor_parallel_of(1, False, cluster) is None
+
+
+def test_a_json_file_that_is_no_profile_is_named_as_such_at_tp2(tmp_path):
+    # The TP check read a missing layout as TP1 and blamed the TP size.
+    from megatron_integration.arguments import parse_training_args
+
+    bogus = tmp_path / "bogus.json"
+    bogus.write_text('{"not": "a profile"}')
+    argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 "
+            "--vocab-size 128 --micro-batch-size 1 --global-batch-size 2 --train-iters 1 --lr 1e-4 --mock-data "
+            f"--use-dynapipe --tensor-model-parallel-size 2 --dynapipe-cost-model {bogus}").split()
+    with pytest.raises(DynaPipeError, match="not a DynaPipe profile") as err:
+        parse_training_args(argv, 2)
+    assert "tensor-parallel size" not in str(err.value)
