@@ -70,8 +70,8 @@ def check_request(argv: Sequence[str], methods: Sequence[str], preset: str = "ti
                   rounds: Optional[int] = None, sweep_top: Optional[int] = None,
                   warmup_iters: Optional[int] = None, nproc: Optional[int] = None) -> int:
     """Refuse a bench request it cannot honour before any process starts (DynaPipeError,
-    one line naming the value); returns the number of ranks to spawn (default: the
-    pipeline size). ``None`` arguments take the preset's value."""
+    one line naming the value); returns the number of ranks to spawn (default: one
+    replica, the pipeline size times the tensor-parallel size). ``None`` arguments take the preset's value."""
     from dynapipe.errors import DynaPipeError
     from megatron_integration.arguments import parse_training_args
 
@@ -113,7 +113,9 @@ def check_request(argv: Sequence[str], methods: Sequence[str], preset: str = "ti
                                 f"train the uneven split with scripts/pretrain_gpt.py.")
     check_warmup_iters(warmup)
     full = with_defaults(argv, preset)
-    nproc = nproc or int(flag_value(full, "--pipeline-model-parallel-size", "1"))
+    # One replica by default: a rank for every pipeline stage and tensor-parallel shard.
+    nproc = nproc or (int(flag_value(full, "--pipeline-model-parallel-size", "1"))
+                      * int(flag_value(full, "--tensor-model-parallel-size", "1")))
     for m in methods:  # every method's command line, as its run gets it, before starting any process
         cfg = parse_training_args(Entry(m).argv(full), nproc)
     if cfg.train_iters <= warmup:

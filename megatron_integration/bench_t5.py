@@ -250,7 +250,7 @@ def _stage_checks(cfg, nproc: int, profile: str, results: dict, ranks, picked: d
         if os.path.isdir(path):
             out[m] = {"placement": str(cm.placement), **(stage_check(path, keep, cm) or {}),
                       "op_fit": op_fit(path, keep, cm)}
-    return out, compute_floor_check(cfg, cost, out, warmup, nproc // pp)
+    return out, compute_floor_check(cfg, cost, out, warmup, cfg.base.parallel.data_parallel_size)
 
 
 def _load_average() -> Optional[list[float]]:
@@ -328,9 +328,13 @@ def run_t5_cli(args, argv: list[str]) -> int:
 
     refuse_unread_bench_flags(argv, methods)
     full = t5_with_defaults(argv, preset)
-    pp = int(full[len(full) - 1 - full[::-1].index("--pipeline-model-parallel-size") + 1])
+    from megatron_integration.bench_presets import flag_value
+
+    # One replica by default: a rank for every pipeline stage and tensor-parallel shard.
+    ranks = (int(flag_value(full, "--pipeline-model-parallel-size", "1"))
+             * int(flag_value(full, "--tensor-model-parallel-size", "1")))
     try:
-        run_t5_bench(argv, methods, args.nproc or pp, args.output, preset=preset, sweep=sweep,
+        run_t5_bench(argv, methods, args.nproc or ranks, args.output, preset=preset, sweep=sweep,
                      warmup_iters=args.warmup_iters, threads_per_rank=args.threads_per_rank,
                      timeout_s=args.timeout_s, rounds=args.rounds or 1, calibrate_iters=calibrate_iters)
     except RankUserError as e:

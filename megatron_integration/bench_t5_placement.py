@@ -82,7 +82,7 @@ def t5_bench_placement(cfg, nproc: int, warmup_iters: int, given: Optional[str] 
                                                    planner_cost_model)
 
     pp = cfg.base.parallel.pipeline_model_parallel_size
-    dp = max(nproc // pp, 1)
+    dp = cfg.base.parallel.data_parallel_size  # nproc over PP x TP: the TP ranks of a stage share one plan
     batches = first_global_batches(cfg, cfg.base.train_iters)
     search = choose_t5_placement(cfg, pp, dp, batches=batches[:AUTO_SAMPLE_BATCHES])
     placement = search.chosen.placement if given in (None, "auto") else cfg.stage_placement()

@@ -292,6 +292,8 @@ def test_bench_layer_checks_requests_without_the_command_line():
             "from dynapipe.errors import DynaPipeError\n"
             "from megatron_integration.bench import check_request\n"
             "assert check_request([], ['dynapipe', 'packing'], 'representative') == 2\n"
+            "# One replica by default: PP2 x TP2 is four ranks, not two that TP2 cannot split.\n"
+            "assert check_request(['--tensor-model-parallel-size', '2'], ['dynapipe', 'padding'], 'tiny') == 4\n"
             "try:\n"
             "    check_request(['--train-iters', '1'], ['dynapipe'], 'tiny')\n"
             "except DynaPipeError as e:\n"

@@ -201,3 +201,22 @@ def test_bench_t5_compute_floor_is_taken_over_the_timed_batches_per_replica():
     line = format_compute_floor(out, "packing")
     assert "packing's compute is 2.00x the floor, the most any batching gains" in line and "dynapipe" in line
     assert "gains" not in format_compute_floor(out, None)
+
+
+def test_bench_t5_prices_the_data_parallel_replicas_of_the_run_under_tp(monkeypatch):
+    # 4 ranks at TP2 x PP2 are one replica; the bench used to price nproc / PP = 2 of them.
+    import megatron_integration.t5_placement as t5_placement
+    from megatron_integration.bench_t5_placement import t5_bench_placement
+
+    seen = []
+    real = t5_placement.choose_t5_placement
+
+    def recording(cfg, pp, dp, **kw):
+        seen.append(dp)
+        return real(cfg, pp, dp, **kw)
+
+    monkeypatch.setattr(t5_placement, "choose_t5_placement", recording)
+    cfg = parse_t5_args(TINY.split() + ["--use-dynapipe", "--tensor-model-parallel-size", "2"], 4, cuda=False)
+    assert cfg.base.parallel.data_parallel_size == 1
+    t5_bench_placement(cfg, 4, 1)
+    assert seen == [1]
