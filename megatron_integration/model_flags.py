@@ -51,8 +51,11 @@ def model_shape_from_args(args: argparse.Namespace) -> dict:
             raise DynaPipeError(f"--num-query-groups {groups} must be a positive divisor of --num-attention-heads "
                                 f"{heads} (each key/value head serves heads / groups query heads).")
         if groups % tp:
-            raise DynaPipeError(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}; "
-                                f"every tensor-parallel rank needs whole key/value groups.")
+            # megatron-core replicates the key/value heads when there are fewer groups than TP
+            # ranks; this build's seeded initialisation and cost model slice whole groups only.
+            raise DynaPipeError(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}: "
+                                f"megatron-core would replicate the key/value heads over the TP ranks, which this "
+                                f"build does not support; use a --tensor-model-parallel-size that divides {groups}.")
     elif args.num_query_groups != 1:
         # Megatron-LM reads it only with --group-query-attention; a GQA checkpoint's shape would be lost here.
         raise DynaPipeError(f"--num-query-groups {args.num_query_groups} without --group-query-attention: the "
