@@ -40,6 +40,21 @@ def add_t5_data_args(group: argparse._ArgumentGroup) -> None:
     # --data-cache-path is the shared parser's (megatron_integration.args_megatron).
 
 
+def _check_cache_folder(folder: str, how: str) -> None:
+    """Refuse a cache folder megatron-core could never create: its nearest existing ancestor is
+    a file, or a folder this process cannot write. An existing folder is let be (its index
+    cache may be built already, on a read-only file system)."""
+    if os.path.isdir(folder):
+        return
+    parent = os.path.abspath(folder)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        what = "is a file" if not os.path.isdir(parent) else "cannot be written"
+        raise DynaPipeError(f"{how} {folder}: {parent} {what}, so megatron-core could not write the T5 dataset's "
+                            f"index cache there; give --data-cache-path a writable folder.")
+
+
 def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> Optional[SpanCorruptionConfig]:
     """The span-corruption data of a T5 run validated from its arguments (``base``: the shared
     config, already validated), or None when the run reads JSONL pairs or ``--mock-data``."""
@@ -81,9 +96,18 @@ def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> O
             documents = check_indexed_files(p)
             if flag_of == "--data-path":
                 _every_split_has_documents(p, documents, _train_split(args))
+    blends = [(flag, paths, weights)] + [(f"--{s}-data-path", p, w) for s, (p, w) in per_split.items()]
+    for flag_of, prefixes, given_weights in blends:
+        if len(prefixes) > 1 and not given_weights:
+            # megatron-core sizes each prefix's T5 dataset from its weighted share of the samples;
+            # unweighted, it builds them at no size, which its span-corruption index cannot take
+            # (a TypeError deep in its C++ helpers, in Megatron-LM too).
+            raise DynaPipeError(f"{flag_of} {' '.join(prefixes)}: several span-corruption prefixes need a weight each; "
+                                f"give {' '.join(f'1 {q}' for q in prefixes)} (or one prefix).")
     kind = args.tokenizer_type
     if kind not in WORDPIECE_TYPES:
-        raise DynaPipeError(f"--tokenizer-type {kind}: T5 span corruption of indexed data masks whole WordPiece "
+        default = " (the default without --vocab-file)" if getattr(args, "vocab_file", None) is None else ""
+        raise DynaPipeError(f"--tokenizer-type {kind}{default}: T5 span corruption of indexed data masks whole WordPiece "
                             f"words, as Megatron's T5 dataset does; use --tokenizer-type BertWordPieceLowerCase or "
                             f"BertWordPieceCase with the --vocab-file the data was tokenised with.")
     if args.vocab_extra_ids <= 0:
@@ -120,6 +144,10 @@ def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> O
         short_seq_prob=short_seq_prob, cache_path=args.data_cache_path,
         valid_paths=per_split.get("valid", ((), ()))[0], valid_weights=per_split.get("valid", ((), ()))[1],
         test_paths=per_split.get("test", ((), ()))[0], test_weights=per_split.get("test", ((), ()))[1])
+    for folder, how in ([(args.data_cache_path, "--data-cache-path")] if args.data_cache_path else
+                        [(os.path.join(q, "cache"), f"megatron-core's default cache of {q}") for q in
+                         paths + tuple(q for p, _ in per_split.values() for q in p)]):
+        _check_cache_folder(folder, how)
     if dec_seq < min(3, cfg.worst_decoder_length):
         raise DynaPipeError(f"--decoder-seq-length {dec_seq}: too short for T5 span corruption ([BOS], a sentinel "
                             f"and a masked token); use at least 3 (up to {cfg.worst_decoder_length} at these lengths).")

@@ -127,7 +127,14 @@ def build_megatron_dataset(cfg: SpanCorruptionConfig):
     builder = BlendedMegatronDatasetBuilder(T5MaskedWordPieceDataset, sizes, lambda: True, megatron_dataset_config(cfg))
     try:
         train = builder.build()[cfg.split_index]
-    except (ValueError, RuntimeError) as e:
+    except Exception as e:
+        if str(e).startswith("Failed to write dataset materials"):  # megatron-core's own words
+            folder = cfg.cache_path or os.path.join(cfg.paths[0], "cache")
+            raise DynaPipeError(f"megatron-core could not write the T5 dataset's index cache under {folder} "
+                                f"({e.__cause__ or e.__context__}); give --data-cache-path a writable "
+                                f"folder.") from None
+        if not isinstance(e, (ValueError, RuntimeError)):
+            raise
         if dist.is_initialized():
             raise
         # megatron-core asks torch.distributed for the rank before writing a missing index cache.

@@ -279,6 +279,19 @@ def test_bad_span_corruption_input_is_refused_in_one_line(corpus, tmp_path):
     for prefix, text in ((empty, "holds no sequences"), (truncated, r"truncated\.idx is truncated")):
         with pytest.raises(DynaPipeError, match=text):
             parse_t5_args(_args(corpus, data=[prefix]), 1, cuda=False)
+    bare = BASE.replace("--tokenizer-type BertWordPieceLowerCase ", "").split() + ["--data-path", corpus["a"]]
+    with pytest.raises(DynaPipeError, match=r"--tokenizer-type ByteLevel \(the default without --vocab-file\): T5"):
+        parse_t5_args(bare, 1, cuda=False)
+    # megatron-core builds unweighted prefixes at no size, which its T5 index took as a TypeError.
+    with pytest.raises(DynaPipeError, match=f"several span-corruption prefixes need a weight each; give "
+                                            f"1 {corpus['a']} 1 {corpus['b']}"):
+        parse_t5_args(_args(corpus, data=[corpus["a"], corpus["b"]]), 1, cuda=False)
+    # A cache megatron-core could not create (a path under a file) was a traceback on the first read.
+    under_file = os.path.join(corpus["vocab"], "cache")
+    with pytest.raises(DynaPipeError, match=f"--data-cache-path {under_file}: .*vocab.txt is a file"):
+        parse_t5_args(_args(corpus, "--data-cache-path", under_file), 1, cuda=False)
+    assert parse_t5_args(_args(corpus, "--data-cache-path", str(tmp_path / "new" / "cache")), 1,
+                         cuda=False).span_corruption.cache_path == str(tmp_path / "new" / "cache")
     mock = BASE.replace("--split 100,0,0", "--mock-data").split() + ["--vocab-file", corpus["vocab"]]
     assert parse_t5_args(mock, 1, cuda=False).span_corruption is None
     for typed in (["--mask-prob", "0.3"], ["--mask-prob", "0.15"], ["--short-seq-prob", "0.1"]):
