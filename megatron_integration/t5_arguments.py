@@ -56,6 +56,9 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
     enc_layers = _positive("encoder-num-layers", _required_one_of(args, "num-layers", "encoder-num-layers"))
     dec_layers = _positive("decoder-num-layers", args.decoder_num_layers) or enc_layers
     enc_seq = _positive("encoder-seq-length", _required_one_of(args, "seq-length", "encoder-seq-length"))
+    if enc_seq < 2:  # the data's length limits need two tokens; found here, before any model is built
+        typed = "--seq-length" if args.seq_length is not None else "--encoder-seq-length"
+        raise DynaPipeError(f"{typed} {enc_seq}: must be at least 2 tokens.")
     if args.decoder_seq_length is None:
         raise DynaPipeError("--decoder-seq-length is required for T5 (the longest target in tokens).")
     dec_seq = _positive("decoder-seq-length", args.decoder_seq_length)

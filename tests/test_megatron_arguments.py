@@ -345,6 +345,10 @@ def test_t5_errors_from_the_shared_checks_name_the_flags_the_user_typed():
                        " --tensor-model-parallel-size 2 --sequence-parallel").split(), 4, cuda=False)
     assert "--encoder-seq-length 127 is not a multiple of 2" in str(e.value)
     assert "--seq-length" not in str(e.value).replace("--encoder-seq-length", "")
+    # Found before the model is built, under the name typed (it was --seq-length, after the model).
+    for typed in ("--encoder-seq-length", "--seq-length"):
+        with pytest.raises(DynaPipeError, match=f"^{typed} 1: must be at least 2 tokens"):
+            parse_t5_args(TINY.replace("--encoder-seq-length 128", f"{typed} 1").split(), 2, cuda=False)
 
 
 def test_flags_of_another_batching_or_of_mock_data_are_refused_not_ignored(tmp_path):

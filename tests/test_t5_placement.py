@@ -220,3 +220,16 @@ def test_bench_t5_prices_the_data_parallel_replicas_of_the_run_under_tp(monkeypa
     assert cfg.base.parallel.data_parallel_size == 1
     t5_bench_placement(cfg, 4, 1)
     assert seen == [1]
+
+
+def test_interleaved_placement_refusals_name_the_training_flags_and_the_reason():
+    from megatron_integration.t5_placement import parse_t5_placement
+
+    small = _cfg(layers="--encoder-num-layers 1 --decoder-num-layers 1").planner_model()
+    with pytest.raises(DynaPipeError, match=r"^--dynapipe-placement interleaved puts an encoder and a decoder layer "
+                                            r"on every rank, but model .* has 1 encoder and 1 decoder layer\(s\) for 2 "
+                                            r"stages; --pipeline-model-parallel-size is 2; or use even / auto\.$"):
+        parse_t5_placement("interleaved", small, 2)
+    with pytest.raises(DynaPipeError, match=r"^--dynapipe-placement interleaved .* needs at least 2 stages; "
+                                            r"--pipeline-model-parallel-size is 1"):
+        parse_t5_placement("interleaved", _cfg().planner_model(), 1)

@@ -17,7 +17,7 @@ _STAGE_SPEC = re.compile(r"\s*([0-9]{1,6})\s*(?:\+\s*([0-9]{1,6})\s*)?\Z")
 def parse_placement(text: str, model: ModelConfig, num_stages: int, flag: str = "--placement") -> StagePlacement:
     """See :meth:`StagePlacement.parse`; ``flag`` names the option in errors."""
     if text.strip() == "interleaved":
-        return StagePlacement.interleaved(model, num_stages)
+        return StagePlacement.interleaved(model, num_stages, flag)
     label = f"{flag} {text!r}"
     if not text.strip():
         raise DynaPipeError(f"{label}: empty; give even, auto, interleaved (T5) or layers per stage "

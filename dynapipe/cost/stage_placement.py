@@ -52,18 +52,23 @@ class StagePlacement:
                               chunks)
 
     @staticmethod
-    def interleaved(model: ModelConfig, num_stages: int) -> "StagePlacement":
+    def interleaved(model: ModelConfig, num_stages: int, flag: str = "--placement") -> "StagePlacement":
         """Encoder-decoder models, two chunks per rank: the encoder split evenly over the
         ranks as chunk 0, the decoder as chunk 1 (earlier ranks take the remainders), so
-        every rank holds about the same encoder and decoder work."""
+        every rank holds about the same encoder and decoder work. ``flag`` names the option
+        in errors."""
         if not model.is_encoder_decoder:
-            raise DynaPipeError(f"--placement interleaved: model {model.name!r} is not encoder-decoder; give a "
+            raise DynaPipeError(f"{flag} interleaved: model {model.name!r} is not encoder-decoder; give a "
                                 f"chunked split such as 4,4|4,4 instead.")
         P = int(num_stages)
-        if P < 2 or P > min(model.encoder_layers, model.decoder_layers):
-            raise DynaPipeError(f"--placement interleaved needs 2 to {min(model.encoder_layers, model.decoder_layers)} "
-                                f"stages for model {model.name!r} (one encoder and one decoder layer per rank); "
-                                f"--stages is {P}.")
+        fewest = min(model.encoder_layers, model.decoder_layers)
+        if P < 2:
+            raise DynaPipeError(f"{flag} interleaved spreads the encoder and the decoder over the pipeline's ranks "
+                                f"and needs at least 2 stages; --stages is {P}.")
+        if P > fewest:
+            raise DynaPipeError(f"{flag} interleaved puts an encoder and a decoder layer on every rank, but model "
+                                f"{model.name!r} has {model.encoder_layers} encoder and {model.decoder_layers} "
+                                f"decoder layer(s) for {P} stages; --stages is {P}.")
         split = lambda n: [n // P + (1 if s < n % P else 0) for s in range(P)]  # noqa: E731
         return StagePlacement(tuple(split(model.encoder_layers) + [0] * P),
                               tuple([0] * P + split(model.decoder_layers)), 2).validate(model)
