@@ -153,6 +153,9 @@ JSONL = {
     "invalid_utf8": (b'{"text": "\xff\xfe"}\n', ":1", "JSON"),
     "no_samples": ("\n\n", "hold no samples", "no samples"),
     "only_empty_texts": ('{"text": ""}\n{"text": ""}\n', "every sample is one token or none", "nothing to predict"),
+    # A multi-task record's empty target would teach only the end-of-document token: named, as is
+    # an encoder-decoder record's empty input (below), where "the sample tokenises to no tokens" was wrong.
+    "empty_target": ('{"input": "a", "target": ""}\n', ":1", "the 'target' field is empty after tokenising"),
 }
 
 
@@ -210,3 +213,19 @@ def test_overlong_error_names_the_real_flag(tmp_path):
     flags = [f.rstrip(",.;:)") for f in str(e.value).split() if f.startswith("--")]
     known = {s for a in build_parser()._actions for s in a.option_strings}
     assert flags and all(f in known for f in flags), flags
+
+
+def test_an_encoder_decoder_record_with_an_empty_field_names_it(tmp_path):
+    from dynapipe.data.config import DatasetConfig
+
+    p = tmp_path / "pairs.jsonl"
+    for line, expected in (('{"input": "", "target": "w"}', "data.jsonl:2: the 'input' field is empty"),
+                           ('{"input": "w", "target": ""}', "data.jsonl:2: the 'target' field is empty"),
+                           ('{"input": "", "target": ""}', "the 'input' and 'target' fields are empty")):
+        p = tmp_path / "data.jsonl"
+        p.write_text('{"input": "a b", "target": "c"}\n' + line + "\n")
+        with pytest.raises(DynaPipeError, match=expected):
+            DatasetConfig(kind="jsonl", seq_length=64, paths=(str(p),), vocab_size=384, encoder_decoder=True).build()
+    # A decoder-only record may have an empty input: the target is the text.
+    p.write_text('{"input": "", "target": "w"}\n{"input": "a", "target": "b"}\n')
+    assert len(DatasetConfig(kind="jsonl", seq_length=64, paths=(str(p),), vocab_size=384).build()) == 2

@@ -83,7 +83,15 @@ def _parse_file(path: str, tokenizer, encoder_decoder: bool, append_eod: bool,
             else:
                 raise DynaPipeError(f"{where}: expected fields 'input' and 'target' (multi-task) or "
                                     f"'text' (Megatron), found {sorted(obj)}.")
-            if tgt.shape[0] == 0 or (encoder_decoder and inp.shape[0] == 0):
+            # A record's empty field is named: an empty target would teach only the end-of-document
+            # token, and an encoder needs an input token to attend to.
+            empty_fields = [name for name, toks in (("input", inp), ("target", tgt[:tgt.shape[0] - eod.shape[0]]))
+                            if toks.shape[0] == 0 and "input" in obj and (name == "target" or encoder_decoder)]
+            if empty_fields:
+                fields = " and ".join(repr(f) for f in empty_fields)
+                are = "fields are" if len(empty_fields) > 1 else "field is"
+                raise DynaPipeError(f"{where}: the {fields} {are} empty after tokenising; remove the line or fill it.")
+            if tgt.shape[0] == 0:
                 raise DynaPipeError(f"{where}: the sample tokenises to no tokens; remove the line.")
             task = obj.get("task", "")
             if not isinstance(task, (str, int)):
