@@ -58,6 +58,9 @@ def _check_cache_folder(folder: str, how: str) -> None:
 def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> Optional[SpanCorruptionConfig]:
     """The span-corruption data of a T5 run validated from its arguments (``base``: the shared
     config, already validated), or None when the run reads JSONL pairs or ``--mock-data``."""
+    if args.vocab_extra_ids < 0:
+        raise DynaPipeError(f"--vocab-extra-ids {args.vocab_extra_ids}: the number of sentinel tokens cannot be "
+                            f"negative; give 0 (none) or more (Megatron-LM's T5 uses 100).")
     flag = "--data-path" if base.data.data_path else "--train-data-path"
     paths = tuple(base.data.data_path or base.data.train_data_path)
     weights = tuple(base.data.data_weights if base.data.data_path else base.data.train_data_weights)

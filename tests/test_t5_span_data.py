@@ -310,6 +310,9 @@ def test_bad_span_corruption_input_is_refused_in_one_line(corpus, tmp_path):
         parse_t5_args(jsonl, 1, cuda=False)
     with pytest.raises(DynaPipeError, match="sentinels are added to the WordPiece vocabularies only"):
         parse_t5_args(mock + ["--tokenizer-type", "ByteLevel", "--vocab-file", ""], 1, cuda=False)
+    with pytest.raises(DynaPipeError, match="--vocab-extra-ids -3: the number of sentinel tokens cannot be negative"):
+        parse_t5_args(BASE.replace("--split 100,0,0", "--mock-data").replace("--vocab-extra-ids 16", "--vocab-extra-ids -3")
+                      .replace("--tokenizer-type BertWordPieceLowerCase ", "").split(), 1, cuda=False)
 
 
 def test_a_split_of_no_documents_is_refused_before_megatron_core_fails_on_it(corpus):
