@@ -43,6 +43,9 @@ from megatron_integration.wordpiece import WordPieceVocab, wordpiece_vocab
 MAX_NGRAM = 10
 
 
+SPLIT_NAMES = ("training", "validation", "test")  # megatron-core's split indices 0, 1, 2
+
+
 @dataclass(frozen=True)
 class SpanCorruptionConfig:
     """Where the pairs come from and how they are cut. Lengths in tokens.
@@ -278,18 +281,19 @@ class SpanCorruptionDataset(SampleDataset):
         if self._megatron is None:
             self._megatron = build_megatron_dataset(self.cfg)
         cfg = self.cfg
+        where = f"T5 {SPLIT_NAMES[cfg.split_index]} sample {idx}"
         try:
             return self._megatron[idx]
         except KeyError as e:
-            raise DynaPipeError(f"T5 sample {idx}: token id {e.args[0]} is not in --vocab-file {cfg.vocab_file!r} "
+            raise DynaPipeError(f"{where}: token id {e.args[0]} is not in --vocab-file {cfg.vocab_file!r} "
                                 f"({cfg.vocab().vocab_size} ids); the data was tokenised with another vocabulary."
                                 ) from None
         except IndexError:
-            raise DynaPipeError(f"T5 sample {idx} masks more spans than the {cfg.vocab_extra_ids} sentinels of "
+            raise DynaPipeError(f"{where} masks more spans than the {cfg.vocab_extra_ids} sentinels of "
                                 f"--vocab-extra-ids; raise it (up to {cfg.worst_decoder_length // 2} spans a sample "
                                 f"at these lengths; Megatron-LM's T5 uses 100).") from None
         except AssertionError:
-            raise DynaPipeError(f"T5 sample {idx}: its span-corrupted target is longer than --decoder-seq-length "
+            raise DynaPipeError(f"{where}: its span-corrupted target is longer than --decoder-seq-length "
                                 f"{cfg.decoder_seq_length}; raise --decoder-seq-length (at most "
                                 f"{cfg.worst_decoder_length} tokens at --encoder-seq-length {cfg.encoder_seq_length} "
                                 f"and --mask-prob {cfg.mask_prob}).") from None

@@ -363,7 +363,7 @@ def test_global_batches_are_megatron_lms_consecutive_samples(corpus):
 
 def test_samples_megatron_cannot_make_are_refused_before_training(corpus, tmp_path):
     # A decoder too short for some sample's spans (Megatron asserts mid-training).
-    with pytest.raises(DynaPipeError, match="longer than --decoder-seq-length 6; raise"):
+    with pytest.raises(DynaPipeError, match="T5 training sample [0-9]+: .*longer than --decoder-seq-length 6; raise"):
         parse_t5_args(_args(corpus, "--decoder-seq-length", "6"), 1, cuda=False).dataset_config()
     # Fewer sentinels than a sample's spans.
     with pytest.raises(DynaPipeError, match="masks more spans than the 1 sentinels of --vocab-extra-ids"):
