@@ -183,15 +183,22 @@ def test_digests_of_matching_plans_agree_and_differ_when_shapes_differ():
     # Same shapes in another order is a different message sequence too.
     o0, _ = _plans(2, seqlens=(64, 32, 16))
     assert message_digests(o0)[0][1] != r1[0]
-    # A send posted in a group against a lone receive: gloo pairs them, NCCL may hang, so the
-    # digests tell them apart under NCCL only.
+    # A send posted in a batch against a lone receive: gloo pairs them, NCCL runs the batch on
+    # the group's communicator and the receive on the pair's, so they never meet: the digests
+    # tell them apart under NCCL only.
     ins = list(p0.instructions)
-    k = next(i for i, x in enumerate(ins) if isinstance(x, SendActivationStart))
+    k = next(i for i, x in enumerate(ins) if isinstance(x, SendActivationStart) and ins[i + 1].OPCODE.endswith("_start"))
     ins[k] = dataclasses.replace(ins[k], group=0)
+    ins[k + 1] = dataclasses.replace(ins[k + 1], group=0)
     grouped = dataclasses.replace(p0, instructions=tuple(ins))
     assert message_digests(grouped)[0][1] == r1[0]
     assert message_digests(grouped, grouping=True)[0][1] != message_digests(p1, grouping=True)[1][0]
     assert message_digests(p0, grouping=True)[0][1] == message_digests(p1, grouping=True)[1][0]
+    # A group of one start is posted alone, as the receive is: they meet.
+    ins = list(p0.instructions)
+    ins[k] = dataclasses.replace(ins[k], group=3)
+    alone = dataclasses.replace(p0, instructions=tuple(ins))
+    assert message_digests(alone, grouping=True)[0][1] == message_digests(p1, grouping=True)[1][0]
 
 
 def test_executed_trace_is_laid_out_like_the_simulated_one():

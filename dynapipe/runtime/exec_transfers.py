@@ -36,7 +36,7 @@ class TransferOps:
                 run.buffers.put(x.buffer, bufs, where)
                 run.inflight.add(x.buffer)
                 ops.extend((j, False, bufs[s.name], x.peer) for s in x.tensors)
-        posted = self.comm.post(ops) if ops else {}
+        posted = self.comm.post(ops, batch=len(members) > 1) if ops else {}
         for j in members:
             pending = run.pending[j] = posted.get(j)
             if pending is not None:

@@ -299,9 +299,9 @@ class PeerComm:
                                 f"device is {device}: {device.type} tensors need {need}; create the group "
                                 f"with backend {need!r} (or 'cpu:gloo,cuda:nccl').")
         # torch requires every rank of a group to join the group's first batch_isend_irecv under
-        # NCCL (it creates the group-wide communicator lazily), but a T5 plan batches only on the
-        # decoder stages (hidden states with the encoder output): the encoder stages never would,
-        # and the decoder stages would wait on them forever. One collective first, on every rank
+        # NCCL (it creates the group-wide communicator lazily), but a plan that groups starts
+        # (the compiler's do not; a hand-written one may) may batch on some stages only: the
+        # others never would, and the batching stages would wait on them forever. One collective first, on every rank
         # (executors are created in the same order on all of them), creates it up front. gloo
         # has no such rule, and there a rank that never builds its executor must not hold the
         # others in a collective the executor's timeout and failure watch cannot end.
@@ -327,18 +327,27 @@ class PeerComm:
         """Global rank of pipeline rank ``peer``."""
         return self.global_ranks[peer]
 
-    def post(self, ops: list[tuple[object, bool, torch.Tensor, int]]) -> dict[object, "Pending"]:
-        """Post ``(owner, is_send, tensor, peer)`` transfers; several are posted as one batch.
+    def post(self, ops: list[tuple[object, bool, torch.Tensor, int]], batch: bool = False) -> dict[object, "Pending"]:
+        """Post ``(owner, is_send, tensor, peer)`` transfers, in order: one by one, or with
+        ``batch`` (a plan's grouped starts) as one ``batch_isend_irecv``.
 
         Returns one :class:`Pending` per owner (an instruction posts one transfer per
         tensor of its message). When the backend coalesces a batch into fewer works than
         transfers, every owner of the batch shares one :class:`Pending`.
         """
         self.posted += len(ops)
-        if len(ops) == 1:
-            owner, is_send, t, peer = ops[0]
-            fn = dist.isend if is_send else dist.irecv
-            return {owner: Pending([fn(t, self.global_ranks[peer], group=self.group)], [t])}
+        if not batch or len(ops) == 1:
+            # The tensors of one message (a T5 decoder's hidden states and encoder output)
+            # go one by one: each end posts them in the same order, which the pair's FIFO
+            # matches, and under NCCL they stay on the pair's own communicator rather than the
+            # group's, whose one stream would hold them behind every other transfer posted.
+            out: dict[object, Pending] = {}
+            for owner, is_send, t, peer in ops:
+                fn = dist.isend if is_send else dist.irecv
+                p = out.setdefault(owner, Pending([], []))
+                p.works.append(fn(t, self.global_ranks[peer], group=self.group))
+                p.tensors.append(t)
+            return out
         p2p = [dist.P2POp(dist.isend if s else dist.irecv, t, self.global_ranks[p], group=self.group)
                for _, s, t, p in ops]
         works = list(dist.batch_isend_irecv(p2p))

@@ -233,15 +233,41 @@ def pair_starts(plan: ExecutionPlan) -> tuple[dict[int, int], dict[int, list[int
     return start_of, batches
 
 
+def _posting(plan: ExecutionPlan) -> dict[int, tuple[int, int]]:
+    """``start index -> (position, size)`` of the batch each grouped start is posted in, as the
+    executor posts them (adjacent starts sharing a ``group`` id >= 0; see :func:`pair_starts`);
+    a start posted alone, a one-start group included, is absent."""
+    out: dict[int, tuple[int, int]] = {}
+    batch: list[int] = []
+    ins = plan.instructions
+
+    def close():
+        if len(batch) > 1:
+            out.update({j: (k, len(batch)) for k, j in enumerate(batch)})
+
+    for i, x in enumerate(ins):
+        if not isinstance(x, STARTS):
+            continue
+        if x.group >= 0 and batch and batch[-1] == i - 1 and ins[i - 1].group == x.group:
+            batch.append(i)
+        else:
+            close()
+            batch = [i]
+    close()
+    return out
+
+
 def message_digests(plan: ExecutionPlan, grouping: bool = False) -> tuple[list[int], list[int]]:
     """Per peer, a 63-bit digest of the messages this plan sends to it and receives from it,
     in order: what a peer's plan must agree with (same micro-batches, shapes, dtypes, order).
-    ``grouping`` (NCCL): whether each transfer is posted in a group counts too: NCCL launches a
-    batch's transfers together, so two ends that batch a message differently can wait on each
-    other's other transfers (gloo pairs them one by one; the plan validator refuses such plans)."""
+    ``grouping`` (NCCL): how each transfer is posted counts too (alone, or its place in a batch of
+    two or more grouped starts): NCCL runs a batch on the group's communicator and a lone
+    transfer on the pair's, so two ends that post a message differently never meet (gloo pairs
+    them one by one; the plan validator refuses such plans)."""
     sends = [hashlib.blake2b(digest_size=8) for _ in range(plan.num_stages)]
     recvs = [hashlib.blake2b(digest_size=8) for _ in range(plan.num_stages)]
-    for x in plan.instructions:
+    posted = _posting(plan) if grouping else {}
+    for i, x in enumerate(plan.instructions):
         if not isinstance(x, STARTS) or not 0 <= x.peer < plan.num_stages:
             continue
         act = isinstance(x, (SendActivationStart, RecvActivationStart))
@@ -252,7 +278,7 @@ def message_digests(plan: ExecutionPlan, grouping: bool = False) -> tuple[list[i
             k += -1 if act else 1
         h = (sends if isinstance(x, SEND_STARTS) else recvs)[x.peer]
         key = ("act" if act else "grad", x.mb, k, [(t.name, tuple(t.shape), t.dtype) for t in x.tensors])
-        h.update(repr(key + ((x.group >= 0,) if grouping else ())).encode())
+        h.update(repr(key + ((posted.get(i),) if grouping else ())).encode())
     as_int = [int.from_bytes(h.digest(), "big") >> 1 for h in sends + recvs]
     return as_int[:plan.num_stages], as_int[plan.num_stages:]
 
