@@ -72,11 +72,17 @@ def packed_attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     return (~keep).unsqueeze(1)
 
 
+# Every method stops on such a batch, before any weight moves (see training.py for the baselines).
+NO_LOSS_TOKENS = ("the global batch has no loss tokens: each of its samples is input only, or a document of one "
+                  "token (an end-of-document token alone, as preprocess_data.py --append-eod writes for an empty "
+                  "text) with no next token to predict; the loss cannot be normalised: drop such documents from "
+                  "the data.")
+
+
 class MegatronStageHandlers(ModelStageHandlers):
     """Executor handlers that run one megatron-core GPT stage (see the module docstring)."""
 
-    no_loss_tokens = ("the global batch has no loss tokens (every sample is input only); "
-                      "the loss cannot be normalised.")
+    no_loss_tokens = NO_LOSS_TOKENS
 
     def __init__(self, stage: Stage, device: torch.device, split_backward: bool = False,
                  per_sample_attention: bool = False):

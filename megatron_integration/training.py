@@ -55,6 +55,13 @@ class MegatronStepper:
     def step(self, iteration: int) -> StepResult:
         cfg = self.cfg
         batch = self.batches.batch(iteration)
+        # The whole global batch's (every replica's), known on every rank: one without any would
+        # train on a zero loss, Adam's moments and weight decay still moving the weights.
+        loss_tokens = self.batches.dataset.loss_tokens(batch.indices)
+        if loss_tokens == 0:
+            from megatron_integration.dynapipe_step import NO_LOSS_TOKENS
+
+            raise DynaPipeError(f"iteration {iteration + 1}: {NO_LOSS_TOKENS}")
         samples = self.batches.samples(batch)
         lengths = self.batches.lengths(batch)
         micro_batches, executed = build_micro_batches(cfg.method, samples, lengths, cfg.model.seq_length,
@@ -66,8 +73,7 @@ class MegatronStepper:
         result = megatron_train_step(self.stage, self.optimizer, self.scheduler, micro_batches, cfg.model.seq_length,
                                      cfg.micro_batch_size, self.info, int(lengths.sum()), executed.tokens,
                                      before_step=guard, memory_level=cfg.empty_unused_memory_level,
-                                     # the whole global batch's (every replica's), known on every rank
-                                     loss_divisor=float(max(self.batches.dataset.loss_tokens(batch.indices), 1)))
+                                     loss_divisor=float(loss_tokens))
         result.consumed_samples = batch.consumed_samples
         result.truncated = int(self.batches.dataset.truncated[batch.indices].sum())
         result.executed_work, result.real_work = executed, samples_work(lengths)

@@ -188,6 +188,9 @@ def fault_outcomes(tmp_path_factory):
     data.mkdir()
     out_of_vocab = write_indexed(data / "vocab", [[5, 6, 7, 8]] * 6 + [[5, 200, 7]] + [[9, 10]] * 5)
     good = write_indexed(data / "good", [list(range(5, 9 + 3 * (i % 7))) for i in range(32)])
+    # Documents of one token (preprocess_data.py --append-eod writes one for every empty text):
+    # nothing to predict, so a global batch of them has no loss tokens.
+    one_token = write_indexed(data / "one-token", [[3]] * 32)
     cut = write_indexed(data / "cut", [[5, 6, 7, 8]] * 8)
     truncate_file(cut + ".idx", -5)
     steps = {
@@ -259,6 +262,9 @@ def fault_outcomes(tmp_path_factory):
         # its plan, must stop with the cause, not at the plan timeout.
         "between_steps_fault": ("train", f"{TINY}{MOCK} --train-iters 4 --lr 1e-3 --use-dynapipe "
                                          "--dynapipe-prefetch 1", ("raise", 0)),
+        "one_token_padding": ("train", f"{TINY} --data-path {one_token} --split 100,0,0 --train-iters 1 --lr 1e-3"),
+        "one_token_dynapipe": ("train", f"{TINY} --data-path {one_token} --split 100,0,0 --train-iters 1 --lr 1e-3 "
+                                        f"--use-dynapipe"),
         "data_padding": ("train", f"{TINY} --data-path {out_of_vocab} --train-iters 1 --lr 1e-3"),
         "data_dynapipe": ("train", f"{TINY} --data-path {out_of_vocab} --train-iters 1 --lr 1e-3 --use-dynapipe"),
         "good_data": ("train", f"{TINY} --data-path {good} --train-iters 1 --lr 1e-3"),
@@ -446,6 +452,16 @@ def test_out_of_vocabulary_ids_stop_every_batching_path(fault_outcomes, name):
     outcomes, _ = fault_outcomes
     for o in outcomes[name]:
         assert "vocab.bin: sequence 6, token 1 has id 200" in o["error"], o
+
+
+@pytest.mark.parametrize("name", ["one_token_padding", "one_token_dynapipe"])
+def test_a_global_batch_without_loss_tokens_stops_every_method_before_the_step(fault_outcomes, name):
+    # The padding baseline once stepped the optimizer on a zero loss (Adam and weight decay
+    # still moving the weights); DynaPipe stopped, blaming input-only samples.
+    outcomes, _ = fault_outcomes
+    for o in outcomes[name]:
+        assert "the global batch has no loss tokens: each of its samples is input only, or a document of one " \
+               "token" in o["error"], o
 
 
 def test_a_full_disk_during_a_torch_dist_save_stops_every_rank_and_keeps_the_last_checkpoint(fault_outcomes):
