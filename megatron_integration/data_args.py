@@ -219,7 +219,7 @@ def eval_args_from_args(args: argparse.Namespace, sources: Optional[dict] = None
                 why, fix = _no_eval_data_why(sources)
                 raise DynaPipeError(f"{flag}: this run has no {what} to evaluate ({why}); {fix} or drop "
                                     f"{flag.split()[0]}.")
-    return EvalArgs(eval_iters=iters, eval_interval=interval)
+    return EvalArgs(eval_iters=iters, eval_interval=interval, eval_iters_given=args.eval_iters is not None)
 
 
 def eval_splits(sources: dict) -> tuple[bool, bool]:

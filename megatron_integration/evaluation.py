@@ -116,6 +116,7 @@ class Evaluator:
         self.datasets: dict[str, SampleDataset] = {}
         self.samplers: dict[str, GlobalBatchSampler] = {}
         dataset_fn = dataset_fn or (lambda split: dataset_config(cfg, split))
+        empty = []
         for split in SPLIT_NAMES:
             config = dataset_fn(split) if cfg.evaluation.eval_iters > 0 else None
             if config is None:
@@ -129,10 +130,20 @@ class Evaluator:
                                         f"holds no document (its --split share of the data rounds to none); "
                                         f"raise the validation share of --split, give --valid-data-path, or "
                                         f"drop --eval-interval.") from None
+                empty.append(split)
                 continue
             self.datasets[split] = dataset
             self.samplers[split] = GlobalBatchSampler(
                 dataset.sample_tokens(), eval_sampler_config(cfg, config))
+        e = cfg.evaluation
+        if empty and not self.datasets and e.eval_iters_given:
+            # Typed, so not dropped unsaid (every rank sees the same data and raises).
+            names = " and ".join(SPLIT_NAMES[x].split()[0] for x in empty)
+            hold, share = (("splits hold", "their --split shares of the data round") if len(empty) > 1
+                           else ("split holds", "its --split share of the data rounds"))
+            raise DynaPipeError(f"--eval-iters {e.eval_iters}: the {names} {hold} no document ({share} to none), "
+                                f"so nothing would be evaluated; raise that share of --split, give "
+                                f"--valid-data-path or --test-data-path, or drop --eval-iters.")
         method = "padding" if cfg.method == "dynapipe" else cfg.method
         self.batch_fn = batch_fn or (lambda samples, lengths, k, dataset: megatron_eval_batch(
             stage, info, cfg, samples, lengths, method))

@@ -160,6 +160,7 @@ class EvalArgs:
 
     eval_iters: int = 100
     eval_interval: Optional[int] = None
+    eval_iters_given: bool = False  # typed, not Megatron-LM's default: refused where nothing is evaluated
 
 
 @dataclass(frozen=True)

@@ -288,6 +288,11 @@ def test_an_asked_for_validation_on_an_empty_validation_split_is_refused(corpora
         Evaluator(cfg, None, None)
     # Not asked for during training: the empty split is only not evaluated.
     assert not Evaluator(parse_training_args(argv, 1, cuda=False), None, None).has("valid")
+    # An --eval-iters typed for a run whose validation and test splits both round to nothing
+    # evaluated nothing, unsaid.
+    with pytest.raises(DynaPipeError, match="--eval-iters 5: the validation and test splits hold no document "
+                                            "\\(their --split shares of the data round to none\\)"):
+        Evaluator(parse_training_args(argv + ["--eval-iters", "5"], 1, cuda=False), None, None)
 
 
 def test_long_jsonl_text_documents_are_cut_into_pieces_like_indexed_ones(tmp_path):
