@@ -216,7 +216,7 @@ def eval_args_from_args(args: argparse.Namespace, sources: Optional[dict] = None
                   if args.eval_iters is not None else None]
         for flag, present, what in filter(None, wanted):
             if not present:
-                why, fix = _no_eval_data_why(sources)
+                why, fix = _no_eval_data_why(sources, validation=what == "validation set")
                 raise DynaPipeError(f"{flag}: this run has no {what} to evaluate ({why}); {fix} or drop "
                                     f"{flag.split()[0]}.")
     return EvalArgs(eval_iters=iters, eval_interval=interval, eval_iters_given=args.eval_iters is not None)
@@ -231,12 +231,15 @@ def eval_splits(sources: dict) -> tuple[bool, bool]:
     return bool(sources.get("valid_data_path")), bool(sources.get("test_data_path"))
 
 
-def _no_eval_data_why(sources: dict) -> tuple[str, str]:
-    """Why ``sources`` have nothing to evaluate on, and the fix."""
+def _no_eval_data_why(sources: dict, validation: bool = False) -> tuple[str, str]:
+    """Why ``sources`` have nothing to evaluate on (``validation``: no validation set, which
+    ``--eval-interval`` needs; else neither set), and the fix."""
     if "split" in sources:
         return (f"--split {','.join(str(v) for v in sources['split'])} leaves it no share",
                 "give --split a share for it (such as 98,1,1)")
     if sources.get("train_data_path"):
+        if validation:  # a --test-data-path does not help: only the validation set is evaluated during training
+            return "--train-data-path without --valid-data-path", "add --valid-data-path"
         return ("--train-data-path without --valid-data-path / --test-data-path",
                 "add --valid-data-path (or --test-data-path)")
     # Megatron-LM's mock data would be split 1,1,1; here mock data trains only unless --split is given.

@@ -80,3 +80,16 @@ def test_eval_flags_megatron_defaults_and_errors():
         with pytest.raises(DynaPipeError, match=needle):
             parse_training_args(f"{BASE} {extra}".split(), 1, cuda=False)
     assert "--eval-iters" not in UNSUPPORTED_MEGATRON_FLAGS and "--eval-interval" not in UNSUPPORTED_MEGATRON_FLAGS
+
+
+def test_eval_interval_without_a_validation_set_asks_for_one_even_with_a_test_set(tmp_path):
+    # Only the validation set is evaluated during training: a --test-data-path does not help.
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for p in (a, b):
+        p.write_text('{"text": "one two three"}\n' * 4)
+    argv = BASE.replace("--mock-data", f"--train-data-path {a} --test-data-path {b}").split()
+    with pytest.raises(DynaPipeError, match=re.escape("--eval-interval 2: this run has no validation set to evaluate "
+                                                      "(--train-data-path without --valid-data-path); add "
+                                                      "--valid-data-path or drop --eval-interval")):
+        parse_training_args(argv + ["--eval-interval", "2"], 1, cuda=False)
+    assert parse_training_args(argv + ["--eval-iters", "2"], 1, cuda=False).evaluation.eval_iters == 2
