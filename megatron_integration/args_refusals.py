@@ -29,7 +29,8 @@ UNSUPPORTED_MEGATRON_FLAGS = {
                                          "position embedding is not built); drop it"),
     "--relative-attention-max-distance": ("T5 stages use learned absolute positions (megatron-core's relative "
                                           "position embedding is not built); drop it"),
-    "--mid-level-dataset-surplus": "blends are built with megatron-core's default surplus (0.005); drop it",
+    "--mid-level-dataset-surplus": ("GPT blends draw exact per-dataset counts (no surplus) and T5 span-corruption "
+                                    "blends take megatron-core's default surplus (0.005); drop it"),
     "--fp16-lm-cross-entropy": "the loss is computed in fp32, as megatron-core does by default; drop it",
     "--skip-train": "training always runs (evaluation follows it); drop it",
     "--virtual-pipeline-model-parallel-size": ("not a Megatron-LM flag (Megatron derives the virtual pipeline size); "
