@@ -90,6 +90,9 @@ def read_data_args_files(args: argparse.Namespace) -> None:
         if split == "train" and not value:
             raise DynaPipeError(f"--per-split-data-args-path {path!r} holds no training paths (\"train\"); give "
                                 f"them (the validation and test splits may be null).")
+        if value is not None and not value:  # Megatron-LM fails on an empty list; null is the way to say none
+            raise DynaPipeError(f"--per-split-data-args-path {path!r}: {split!r} is empty; give its weights and "
+                                f"paths, or null for no {split} data.")
         setattr(args, f"{split}_data_path", [str(v) for v in value] if value else None)
     args._per_split_flag = f"--per-split-data-args-path {path}"  # named in later errors
 

@@ -217,7 +217,11 @@ def test_data_lists_read_from_files_as_megatron_lm_reads_them(corpora, tmp_path)
     refused(f"--data-args-path {tmp_path / 'empty.txt'}", "holds no path")
     for text, needle in (("{", "is not JSON"), ("[1]", "holds a list; give an object"),
                          (json.dumps({"train": [a], "validation": [b]}), "unknown split 'validation'"),
-                         (json.dumps({"train": {"x": 1}}), "'train' must be a list of weights and paths")):
+                         (json.dumps({"train": {"x": 1}}), "'train' must be a list of weights and paths"),
+                         # An empty split was no data, unsaid (Megatron-LM fails on it; null says none).
+                         (json.dumps({"train": [a], "valid": []}), "'valid' is empty; give its weights and paths, "
+                                                                   "or null"),
+                         (json.dumps({"train": [a], "test": ""}), "'test' is empty")):
         per_split.write_text(text)
         refused(f"--per-split-data-args-path {per_split}", needle)
     per_split.write_text(json.dumps({"valid": [b]}))
