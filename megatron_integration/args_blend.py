@@ -3,6 +3,7 @@ preceded by blend weights. No torch or megatron import.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 from dynapipe.errors import DynaPipeError
@@ -27,11 +28,17 @@ def parse_blend(data_path: Sequence[str], flag: str = "--data-path") -> tuple[li
         if bad:
             raise DynaPipeError(f"{flag} weight {bad[0]}: blend weights must be positive numbers.")
         return items[1::2], weights
-    numbers = [x for x in items if _weight(x) is not None]
+    # A number that names data (a prefix such as 2024 whose 2024.bin exists) is a path, as
+    # Megatron-LM reads a list that is not weight/path pairs.
+    numbers = [x for x in items if _weight(x) is not None and not _names_data(x)]
     if numbers:
         raise DynaPipeError(f"{flag} {' '.join(items)}: {numbers[0]!r} looks like a blend weight but the list "
                             f"is not weight/path pairs; give W1 P1 W2 P2 ... or paths only.")
     return items, None
+
+
+def _names_data(path: str) -> bool:
+    return any(os.path.exists(path + ext) for ext in ("", ".bin", ".idx"))
 
 
 def data_files(data_path: Sequence[str], flag: str = "--data-path") -> list[str]:

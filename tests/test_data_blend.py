@@ -169,3 +169,13 @@ def test_a_resumed_run_keeps_the_checkpoints_blend_whatever_its_train_iters(tmp_
     for bad in (["epochs", 3], ["samples", 0], ["samples"], "samples"):
         with pytest.raises(DynaPipeError, match="records its training blend's size as .*not \\[\"samples\" or "):
             keep_resumed_blend(longer, bad)
+
+
+def test_a_numeric_prefix_that_names_data_is_a_path(tmp_path, monkeypatch):
+    # Megatron-LM reads a list that is not weight/path pairs as paths, so a prefix named 2024
+    # is data; a number that names nothing is still a misplaced weight.
+    write_indexed_dataset(str(tmp_path / "2024"), [np.arange(5, 9)])
+    monkeypatch.chdir(tmp_path)
+    assert parse_blend(["2024"]) == (["2024"], None)
+    with pytest.raises(DynaPipeError, match="'2025' looks like a blend weight"):
+        parse_blend(["2025"])
