@@ -181,6 +181,12 @@ def data_sources_from_args(args: argparse.Namespace) -> dict:
                 # the prefix of PATH.bin.bin.
                 raise DynaPipeError(f"{shown or '--' + flag} {path!r}: an indexed dataset is given by its prefix, "
                                     f"without {suffix}: {stem!r}.")
+            halves = [ext for ext in (".bin", ".idx") if os.path.exists(path + ext)]
+            if len(halves) == 1 and not os.path.exists(path):
+                missing = ".idx" if halves == [".bin"] else ".bin"
+                raise DynaPipeError(f"{shown or '--' + flag} {path!r}: {path}{halves[0]} is there but {path}{missing} "
+                                    f"is missing; an indexed dataset needs both (preprocess_data.py writes them "
+                                    f"together).")
             if not (os.path.exists(path) or os.path.exists(path + ".idx")):
                 raise DynaPipeError(f"{shown or '--' + flag} {path!r}: no such file (nor an indexed dataset "
                                     f"{path}.idx/.bin).")

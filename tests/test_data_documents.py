@@ -235,6 +235,13 @@ def test_data_lists_read_from_files_as_megatron_lm_reads_them(corpora, tmp_path)
     # prefix of a .bin.bin).
     refused(f"--data-path {a}.bin", rf"--data-path '{a}.bin': an indexed dataset is given by its prefix, without "
                                     rf"\.bin: '{a}'")
+    # One half of an indexed dataset: the missing half is named.
+    import shutil
+
+    shutil.copy(a + ".bin", tmp_path / "half.bin")
+    refused(f"--data-path {tmp_path / 'half'}", r"half.bin is there but .*half.idx is missing")
+    shutil.copy(a + ".idx", tmp_path / "other.idx")
+    refused(f"--data-path {tmp_path / 'other'}", r"other.idx is there but .*other.bin is missing")
     # A file of another kind was found only when the data was first read (a bench: after its profile).
     text = tmp_path / "corpus.txt"
     text.write_text("some words\n")

@@ -252,7 +252,7 @@ def test_bad_span_corruption_input_is_refused_in_one_line(corpus, tmp_path):
     refused = {
         ("--vocab-extra-ids", "0"): "--vocab-extra-ids 0: T5 span corruption",
         ("--data-path", str(tmp_path / "missing")): "no such file",
-        ("--data-path", only_idx): "must both exist",
+        ("--data-path", only_idx): "only_idx.idx is there but .*only_idx.bin is missing",
         ("--encoder-seq-length", "3", "--max-position-embeddings", "32"): "too short for T5 span corruption",
         ("--decoder-seq-length", "2"): "--decoder-seq-length 2: too short",
         ("--tokenizer-type", "ByteLevel", "--vocab-file", ""): "masks whole WordPiece words",
