@@ -235,26 +235,15 @@ def pair_starts(plan: ExecutionPlan) -> tuple[dict[int, int], dict[int, list[int
 
 def _posting(plan: ExecutionPlan) -> dict[int, tuple[int, int]]:
     """``start index -> (position, size)`` of the batch each grouped start is posted in, as the
-    executor posts them (adjacent starts sharing a ``group`` id >= 0; see :func:`pair_starts`);
-    a start posted alone, a one-start group included, is absent."""
-    out: dict[int, tuple[int, int]] = {}
-    batch: list[int] = []
-    ins = plan.instructions
-
-    def close():
-        if len(batch) > 1:
-            out.update({j: (k, len(batch)) for k, j in enumerate(batch)})
-
-    for i, x in enumerate(ins):
-        if not isinstance(x, STARTS):
-            continue
-        if x.group >= 0 and batch and batch[-1] == i - 1 and ins[i - 1].group == x.group:
-            batch.append(i)
-        else:
-            close()
-            batch = [i]
-    close()
-    return out
+    executor posts them (:func:`pair_starts`' batches of two or more); a start posted alone, a
+    one-start group included, is absent. A plan whose starts do not pair gets none: its rank
+    refuses it anyway (:func:`check_plan_locally`)."""
+    try:
+        _, batches = pair_starts(plan)
+    except PlanError:
+        return {}
+    return {j: (k, len(members)) for members in batches.values() if len(members) > 1
+            for k, j in enumerate(members)}
 
 
 def message_digests(plan: ExecutionPlan, grouping: bool = False) -> tuple[list[int], list[int]]:
