@@ -176,7 +176,12 @@ class Evaluator:
                         return None
         finally:
             module.train(was_training)
-        return EvalResult(total / max(tokens, 1), tokens)
+        if tokens == 0:  # the count is every rank's together, so every rank stops here
+            raise DynaPipeError(f"evaluating the {SPLIT_NAMES[split]}: its {self.cfg.evaluation.eval_iters} global "
+                                f"batch(es) from batch {first_batch} hold no loss tokens (documents of one token, "
+                                f"such as an end-of-document token alone, have no next token to predict), so there "
+                                f"is no loss to average (it was logged as 0); drop such documents from the data.")
+        return EvalResult(total / tokens, tokens)
 
     def after_iteration(self, done: int, stream: TextIO, logging_rank: bool, sink: list[str], writer=None,
                         consumed_samples: int = 0) -> None:

@@ -299,6 +299,19 @@ def test_an_asked_for_validation_on_an_empty_validation_split_is_refused(corpora
         Evaluator(cfg, None, None)
     # Not asked for during training: the empty split is only not evaluated.
     assert not Evaluator(parse_training_args(argv, 1, cuda=False), None, None).has("valid")
+    # Evaluation batches without a loss token (one-token documents) were logged as loss 0, PPL 1.
+    import types
+
+    import torch
+
+    ok_argv = f"{BASE} --data-path {corpora['C']} --split 50,50,0 --eval-iters 2".split()
+    cpu, stage = types.SimpleNamespace(device=torch.device("cpu")), types.SimpleNamespace(module=torch.nn.Linear(1, 1))
+    evaluator = Evaluator(parse_training_args(ok_argv, 1, cuda=False), cpu, stage, batch_fn=lambda *a: (0.0, 0))
+    with pytest.raises(DynaPipeError, match="evaluating the validation set: its 2 global batch\\(es\\) from batch 0 "
+                                            "hold no loss tokens"):
+        evaluator.evaluate("valid", 0)
+    evaluator.batch_fn = lambda *a: (6.0, 3)
+    assert evaluator.evaluate("valid", 0).loss == pytest.approx(2.0)
     # An --eval-iters typed for a run whose validation and test splits both round to nothing
     # evaluated nothing, unsaid.
     with pytest.raises(DynaPipeError, match="--eval-iters 5: the validation and test splits hold no document "
