@@ -168,6 +168,13 @@ def fill_defaults(argv: Sequence[str], defaults: Mapping[str, Optional[str]]) ->
     return out
 
 
+def one_replica_ranks(argv: Sequence[str]) -> int:
+    """Ranks of one data-parallel replica of ``argv``: a rank for every pipeline stage and
+    tensor-parallel shard (the bench's default ``--nproc``)."""
+    return (int(flag_value(argv, "--pipeline-model-parallel-size", "1"))
+            * int(flag_value(argv, "--tensor-model-parallel-size", "1")))
+
+
 def flag_value(argv: Sequence[str], flag: str, default: Optional[str] = None) -> Optional[str]:
     """The value ``argv`` gives ``flag`` (``--flag value`` or ``--flag=value``), else ``default``."""
     value = default

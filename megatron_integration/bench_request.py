@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 from megatron_integration.args_dynapipe import without_unused_dynapipe_flags
 from megatron_integration.bench_checks import check_warmup_iters
 from megatron_integration.bench_presets import (BASELINES, EXECUTOR_METHODS, METHOD_FLAGS, PRESETS, flag_value,
-                                                with_defaults)
+                                                one_replica_ranks, with_defaults)
 
 
 @dataclass(frozen=True)
@@ -113,9 +113,7 @@ def check_request(argv: Sequence[str], methods: Sequence[str], preset: str = "ti
                                 f"train the uneven split with scripts/pretrain_gpt.py.")
     check_warmup_iters(warmup)
     full = with_defaults(argv, preset)
-    # One replica by default: a rank for every pipeline stage and tensor-parallel shard.
-    nproc = nproc or (int(flag_value(full, "--pipeline-model-parallel-size", "1"))
-                      * int(flag_value(full, "--tensor-model-parallel-size", "1")))
+    nproc = nproc or one_replica_ranks(full)
     for m in methods:  # every method's command line, as its run gets it, before starting any process
         cfg = parse_training_args(Entry(m).argv(full), nproc)
     if cfg.train_iters <= warmup:

@@ -328,13 +328,10 @@ def run_t5_cli(args, argv: list[str]) -> int:
 
     refuse_unread_bench_flags(argv, methods)
     full = t5_with_defaults(argv, preset)
-    from megatron_integration.bench_presets import flag_value
+    from megatron_integration.bench_presets import one_replica_ranks
 
-    # One replica by default: a rank for every pipeline stage and tensor-parallel shard.
-    ranks = (int(flag_value(full, "--pipeline-model-parallel-size", "1"))
-             * int(flag_value(full, "--tensor-model-parallel-size", "1")))
     try:
-        run_t5_bench(argv, methods, args.nproc or ranks, args.output, preset=preset, sweep=sweep,
+        run_t5_bench(argv, methods, args.nproc or one_replica_ranks(full), args.output, preset=preset, sweep=sweep,
                      warmup_iters=args.warmup_iters, threads_per_rank=args.threads_per_rank,
                      timeout_s=args.timeout_s, rounds=args.rounds or 1, calibrate_iters=calibrate_iters)
     except RankUserError as e:

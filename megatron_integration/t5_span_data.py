@@ -136,9 +136,7 @@ def build_megatron_dataset(cfg: SpanCorruptionConfig):
             raise DynaPipeError(f"megatron-core could not write the T5 dataset's index cache under {folder} "
                                 f"({e.__cause__ or e.__context__}); give --data-cache-path a writable "
                                 f"folder.") from None
-        if not isinstance(e, (ValueError, RuntimeError)):
-            raise
-        if dist.is_initialized():
+        if not isinstance(e, (ValueError, RuntimeError)) or dist.is_initialized():
             raise
         # megatron-core asks torch.distributed for the rank before writing a missing index cache.
         raise DynaPipeError(f"the T5 dataset index cache of {list(cfg.paths)} is missing in this process ({e}); "

@@ -301,10 +301,11 @@ class PeerComm:
         # torch requires every rank of a group to join the group's first batch_isend_irecv under
         # NCCL (it creates the group-wide communicator lazily), but a plan that groups starts
         # (the compiler's do not; a hand-written one may) may batch on some stages only: the
-        # others never would, and the batching stages would wait on them forever. One collective first, on every rank
-        # (executors are created in the same order on all of them), creates it up front. gloo
-        # has no such rule, and there a rank that never builds its executor must not hold the
-        # others in a collective the executor's timeout and failure watch cannot end.
+        # others never would, and the batching stages would wait on them forever. One
+        # collective first, on every rank (executors are created in the same order on all of
+        # them), creates it up front. gloo has no such rule, and there a rank that never builds
+        # its executor must not hold the others in a collective the executor's timeout and
+        # failure watch cannot end.
         if device.type == "cuda":
             dist.all_reduce(torch.zeros(1, device=device), group=group)
         # Under NCCL a lone isend/irecv runs on a two-rank communicator of its own, which torch
