@@ -130,10 +130,7 @@ class MegatronStageHandlers(ModelStageHandlers):
         out = module(inputs.get("tokens"), inputs.get("position_ids"), attn_mask, labels=inputs.get("labels"))
         if not gpt.post_process:
             return out
-        loss_sum = self._sum_loss(out, inputs["loss_mask"])
-        # The loss scale the optimizer divides the gradients by, when it has one (attach_training_hooks).
-        scale = st.config.grad_scale_func
-        return loss_sum if scale is None else scale(loss_sum)
+        return self._sum_loss(out, inputs["loss_mask"])
 
 
 def planner_settings(cfg: DynaPipeTrainingConfig, info: RankInfo):
@@ -289,7 +286,7 @@ class DynaPipeStepper:
         executor = Executor(handlers, group=parallel_state.get_pipeline_model_parallel_group(), device=info.device,
                             store=job_tcp_store(), meter=meter,
                             config=ExecutorConfig(timeout_s=cfg.dynapipe.timeout_s,
-                                                  trace=cfg.dynapipe.trace_dir is not None),
+                                                  trace=cfg.dynapipe.trace_dir is not None, ring=stage.chunked),
                             replica=info.dp_rank)
         loader = None
         try:  # a store not reached, planners not started: the executor's threads (and the planners) go too

@@ -76,6 +76,13 @@ class ModelStageHandlers:
             raise DynaPipeError(f"the plan loads micro-batch {mb.mb}, but its data source gave no tensors for it.")
         return {s.name: torch.as_tensor(data[s.name]).to(self.device, non_blocking=True) for s in specs}
 
+    def grad_scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss the backward starts from: ``loss`` times the optimizer's loss scale when it
+        has one (``attach_training_hooks``), which it divides the gradients by before stepping;
+        the executor's reported losses stay unscaled."""
+        scale = self.stage.config.grad_scale_func
+        return loss if scale is None else scale(loss)
+
     def _level(self, op) -> None:
         """Switch the stage to ``op.recompute`` (``op`` None: leave it)."""
         raise NotImplementedError

@@ -216,7 +216,4 @@ class T5StageHandlers(ModelStageHandlers):
         out = st.module(**kwargs)
         if not place.is_last:
             return out
-        loss_sum = self._sum_loss(out, inputs["loss_mask"])
-        # The loss scale the optimizer divides the gradients by, when it has one.
-        scale = st.config.grad_scale_func
-        return loss_sum if scale is None else scale(loss_sum)
+        return self._sum_loss(out, inputs["loss_mask"])

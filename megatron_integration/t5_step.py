@@ -183,7 +183,8 @@ class T5Stepper:
         handlers.weight_grads.meter = meter  # what pending weight parts keep is activation memory
         executor = Executor(handlers, group=parallel_state.get_pipeline_model_parallel_group(), device=info.device,
                             store=job_tcp_store(), meter=meter,
-                            config=ExecutorConfig(timeout_s=d.timeout_s, trace=d.trace_dir is not None),
+                            config=ExecutorConfig(timeout_s=d.timeout_s, trace=d.trace_dir is not None,
+                                                  ring=cfg.stage_placement().chunks > 1),
                             replica=info.dp_rank)
         from megatron_integration.dynapipe_step import close_quietly
 

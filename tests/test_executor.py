@@ -155,7 +155,26 @@ def _refusals(ctx, state):
     finally:
         dist.batch_isend_irecv = real
     out["grouped"] = dict(loss=again.loss, batches=batches, transfers=again.transfers, posted=posted)
+    out["scaled"] = _loss_scaled(ex, handlers, plan)
     return out
+
+
+def _loss_scaled(ex, handlers, plan):
+    """A handler's ``grad_scale`` (a mixed-precision optimizer's loss scale) scales the
+    gradients and leaves the reported losses alone."""
+    params = list(handlers.stage.own_parameters().values())
+    runs = []
+    for scale in (None, 1024.0):
+        for p in params:
+            p.grad = None
+        handlers.grad_scale = None if scale is None else (lambda loss, s=scale: loss * s)
+        res = ex.run(plan)
+        runs.append((res.loss, dict(res.mb_loss_sums), [p.grad.clone() for p in params]))
+    handlers.grad_scale = None
+    (loss, sums, grads), (s_loss, s_sums, s_grads) = runs
+    return dict(loss=(loss, s_loss), sums=(sums, s_sums),
+                grad_ratio_err=max(float((sg - 1024.0 * g).abs().max()) for g, sg in zip(grads, s_grads)),
+                grad_max=max(float(g.abs().max()) for g in grads))
 
 
 def _grouped(plan):
@@ -279,6 +298,10 @@ def _check_refusals(results, pp):
         grouped = ref["grouped"]
         assert len([n for n in grouped["posted"] if n > 1]) == grouped["batches"], grouped
     assert sum(res["refusals"]["grouped"]["batches"] for res in results) > 0
+    for res in results:
+        scaled = res["refusals"]["scaled"]
+        assert scaled["loss"][0] == scaled["loss"][1] and scaled["sums"][0] == scaled["sums"][1], scaled
+        assert scaled["grad_max"] > 0 and scaled["grad_ratio_err"] <= 1e-6 * 1024 * scaled["grad_max"], scaled
 
 
 @pytest.mark.parametrize("pp, dp", [(2, 2), (4, 1)])

@@ -400,12 +400,12 @@ def test_a_plan_exchange_whose_store_host_died_fails_in_one_line_naming_the_stor
     assert time.monotonic() - start < 15
 
 
-def _play_out(size: int) -> bool:
+def _play_out(size: int, ring: bool = True) -> bool:
     """Whether every rank of a pipeline of ``size`` finishes its neighbour exchanges when each
     exchange blocks until its peer makes the same one (a rendezvous, as NCCL's channel set-up)."""
     from dynapipe.runtime.p2p import neighbour_exchanges
 
-    todo = {r: list(neighbour_exchanges(r, size)) for r in range(size)}
+    todo = {r: list(neighbour_exchanges(r, size, ring)) for r in range(size)}
     while any(todo.values()):
         met = [(r, todo[r][0][0]) for r in range(size) if todo[r] and todo[todo[r][0][0]]
                and todo[todo[r][0][0]][0][0] == r]
@@ -416,18 +416,20 @@ def _play_out(size: int) -> bool:
     return True
 
 
+@pytest.mark.parametrize("ring", [True, False])
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 5, 8])
-def test_neighbour_exchanges_end_and_pair_each_sender_with_a_receiver(size):
+def test_neighbour_exchanges_end_and_pair_each_sender_with_a_receiver(size, ring):
     from dynapipe.runtime.p2p import neighbour_exchanges
 
-    plans = {r: neighbour_exchanges(r, size) for r in range(size)}
+    plans = {r: neighbour_exchanges(r, size, ring) for r in range(size)}
     for r, plan in plans.items():
         # Both pipeline neighbours (the ring closed, for interleaved plans), each once.
-        assert sorted(p for p, _ in plan) == sorted({(r - 1) % size, (r + 1) % size} - {r})
+        expected = {(r - 1) % size, (r + 1) % size} if ring else {r - 1, r + 1} & set(range(size))
+        assert sorted(p for p, _ in plan) == sorted(expected - {r})
         for peer, send_first in plan:
             # One end sends first, the other receives first: neither waits behind its own send.
             assert dict(plans[peer])[r] is not send_first
-    assert _play_out(size)
+    assert _play_out(size, ring)
 
 
 def test_a_pair_order_that_differs_between_ranks_is_caught_by_the_play_out():
@@ -437,7 +439,7 @@ def test_a_pair_order_that_differs_between_ranks_is_caught_by_the_play_out():
 
     real = p2p.neighbour_exchanges
     try:
-        p2p.neighbour_exchanges = lambda r, n: list(reversed(real(r, n))) if r == 1 else real(r, n)
+        p2p.neighbour_exchanges = lambda r, n, ring: list(reversed(real(r, n, ring))) if r == 1 else real(r, n, ring)
         assert not _play_out(3)
     finally:
         p2p.neighbour_exchanges = real

@@ -28,8 +28,6 @@ def _idx_case(tmp_path, name):
         return write_indexed(p, [[5, -1], [7, 8]]), ("data.bin", "sequence 0", "id -1")
     if name == "uint16_above":
         return write_indexed(p, [[5, 6], [60000]], np.uint16), ("data.bin", "sequence 1", "id 60000")
-    if name == "empty_sequence":
-        return write_indexed(p, [[5, 6], [], [7]]), ("data.idx", "sequence 1", "no tokens")
     if name == "all_empty":
         return write_indexed(p, [[], []]), ("data.idx", "sequence 0", "no tokens")
     prefix = write_indexed(p, good)
@@ -87,7 +85,7 @@ def _idx_case(tmp_path, name):
     raise KeyError(name)
 
 
-IDX_CASES = ["id_at_vocab", "id_far_above", "negative_id", "uint16_above", "empty_sequence", "all_empty",
+IDX_CASES = ["id_at_vocab", "id_far_above", "negative_id", "uint16_above", "all_empty",
              "bin_truncated", "bin_empty", "bin_too_long", "bin_of_another_dtype", "idx_last_document",
              "idx_truncated_tail", "idx_truncated_header", "idx_empty", "idx_garbage",
              "idx_bad_version", "idx_bad_dtype", "idx_negative_length", "idx_bad_pointer", "bin_is_dir"]
@@ -104,6 +102,29 @@ def test_indexed_data_is_checked_where_it_enters(tmp_path, name):
     assert "\n" not in text
     for needle in needles:
         assert needle in text
+
+
+def test_empty_documents_are_skipped_as_megatron_lm_trains_past_them(tmp_path):
+    # Text that tokenised to nothing, written without --append-eod: Megatron-LM's GPT dataset
+    # concatenates past it. The --split ranges count it (Megatron-LM splits by documents).
+    from dynapipe.data.config import DatasetConfig
+    from dynapipe.data.summary import summarize
+
+    prefix = write_indexed(tmp_path / "data", [[5, 6], [], [7, 8, 9], [], [10, 11], [12]])
+    ds = DatasetConfig(kind="indexed", seq_length=64, paths=(prefix,), vocab_size=100).build()
+    assert [list(ds[i].target_ids) for i in range(len(ds))] == [[5, 6], [7, 8, 9], [10, 11], [12]]
+    line = summarize(ds).line("train", 64)
+    assert "4 documents (2 empty skipped)" in line and "8 tokens" in line, line
+    # Documents [0, 3) are the first half of six: one of them empty.
+    half = DatasetConfig(kind="indexed", seq_length=64, paths=(prefix,), vocab_size=100,
+                         split_range=(0.0, 0.5)).build()
+    assert [list(half[i].target_ids) for i in range(len(half))] == [[5, 6], [7, 8, 9]]
+    assert summarize(half).empty == 1
+    # A split range holding empty documents only is an empty split, and says why.
+    only_empty = write_indexed(tmp_path / "gap", [[5, 6], [], [], [7]])
+    with pytest.raises(DynaPipeError, match=r"hold no sequences \(2 empty\) in the --split range"):
+        DatasetConfig(kind="indexed", seq_length=64, paths=(only_empty,), vocab_size=100,
+                      split_range=(0.25, 0.75)).build()
 
 
 @pytest.mark.parametrize("name", ["bin_truncated", "bin_too_long", "bin_of_another_dtype", "idx_last_document",

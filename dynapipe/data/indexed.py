@@ -11,7 +11,10 @@ into a batch). One sequence of the index is one document.
   the same number of sequences holding the targets.
 - Without targets each sequence is a decoder-only document whose every token is a target;
   a document longer than ``--seq-length`` is cut into pieces of at most ``--seq-length``
-  tokens that keep every token (:mod:`dynapipe.data.pieces`), each piece a sample.
+  tokens that keep every token (:mod:`dynapipe.data.pieces`), each piece a sample. An empty
+  sequence (text that tokenised to nothing, written without ``--append-eod``) is skipped, as
+  Megatron-LM's GPT dataset trains past it: it holds no token to train on. ``--split`` ranges
+  count it, as Megatron-LM's do.
 
 megatron-core is imported only when a dataset is opened, so the rest of ``dynapipe.data``
 imports without it.
@@ -212,6 +215,7 @@ class MegatronIndexedDataset(SampleDataset):
         self.pad_id, self.eod_id, self.vocab_size = pad_id, eod_id, vocab_size
         self._handles: dict = {}
         raw_in, raw_tg, tasks, seqs = [], [], [], []
+        self.num_empty_documents = 0
         for task, prefix in enumerate(self.prefixes):
             # Copy the lengths while the handle lives: they are a view of its memory map.
             lengths = np.array(self._handle(prefix).sequence_lengths, dtype=np.int64)
@@ -225,18 +229,23 @@ class MegatronIndexedDataset(SampleDataset):
                 _no_empty(tprefix, tlengths)
                 if encoder_decoder:
                     _no_empty(prefix, lengths)
-                raw_in.append(lengths[begin:end])
-                raw_tg.append(tlengths[begin:end])
+                kept = np.arange(begin, end, dtype=np.int64)
+                raw_in.append(lengths[kept])
+                raw_tg.append(tlengths[kept])
             else:
-                _no_empty(prefix, lengths)
-                raw_in.append(np.zeros(end - begin, dtype=np.int64))
-                raw_tg.append(lengths[begin:end])
-            tasks.append(np.full(end - begin, task, dtype=np.int64))
-            seqs.append(np.arange(begin, end, dtype=np.int64))
+                if not lengths.any():
+                    _no_empty(prefix, lengths)
+                kept = np.flatnonzero(lengths[begin:end] > 0).astype(np.int64) + begin
+                self.num_empty_documents += (end - begin) - len(kept)
+                raw_in.append(np.zeros(len(kept), dtype=np.int64))
+                raw_tg.append(lengths[kept])
+            tasks.append(np.full(len(kept), task, dtype=np.int64))
+            seqs.append(kept)
         doc_tasks, doc_seqs = np.concatenate(tasks), np.concatenate(seqs)
         raw_in, raw_tg = np.concatenate(raw_in), np.concatenate(raw_tg)
         if doc_tasks.shape[0] == 0:
-            raise EmptySplitError(f"indexed dataset(s) {self.prefixes} hold no sequences"
+            empty = f" ({self.num_empty_documents:,} empty)" if self.num_empty_documents else ""
+            raise EmptySplitError(f"indexed dataset(s) {self.prefixes} hold no sequences{empty}"
                                   + ("" if split_range == WHOLE else f" in the --split range {split_range}") + ".")
         self.num_documents = int(doc_tasks.shape[0])
         self.document_tokens = int(raw_in.sum() + raw_tg.sum())

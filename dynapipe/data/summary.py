@@ -14,7 +14,8 @@ class DataSummary:
     many were longer than ``--seq-length`` and cut into pieces; ``samples``: what the sampler
     draws from (pieces, or blended samples); ``document_tokens``: tokens of the documents as
     stored, each counted once (before truncation); ``truncated``: samples cut short (tokens lost), ``blended``: whether
-    the samples are a weighted blend of the documents (repeats or subsamples).
+    the samples are a weighted blend of the documents (repeats or subsamples); ``empty``:
+    documents of no token, skipped (not in ``documents``).
     """
 
     documents: int
@@ -23,6 +24,7 @@ class DataSummary:
     document_tokens: int
     truncated: int
     blended: bool = False
+    empty: int = 0
 
     def line(self, name: str, seq_length: int) -> str:
         """One log line, e.g. `` > train data: 1,200 documents (31 longer than --seq-length 1024,
@@ -30,7 +32,8 @@ class DataSummary:
         split = (f" ({self.split_documents:,} longer than --seq-length {seq_length}, split into pieces)"
                  if self.split_documents else "")
         blend = " (blended)" if self.blended else ""
-        return (f" > {name} data: {self.documents:,} documents{split} -> {self.samples:,} samples{blend}, "
+        empty = f" ({self.empty:,} empty skipped)" if self.empty else ""
+        return (f" > {name} data: {self.documents:,} documents{empty}{split} -> {self.samples:,} samples{blend}, "
                 f"{self.document_tokens:,} tokens, {self.truncated:,} truncated")
 
 
@@ -40,11 +43,12 @@ def summarize(dataset: SampleDataset) -> DataSummary:
     if parts is not None:
         sums = [summarize(p) for p in parts]
         return DataSummary(sum(s.documents for s in sums), sum(s.split_documents for s in sums), len(dataset),
-                           sum(s.document_tokens for s in sums), sum(s.truncated for s in sums), blended=True)
+                           sum(s.document_tokens for s in sums), sum(s.truncated for s in sums), blended=True,
+                           empty=sum(s.empty for s in sums))
     return DataSummary(int(getattr(dataset, "num_documents", len(dataset))),
                        int(getattr(dataset, "num_split_documents", 0)), len(dataset),
                        int(getattr(dataset, "document_tokens", int(dataset.sample_tokens().sum()))),
-                       dataset.num_truncated)
+                       dataset.num_truncated, empty=int(getattr(dataset, "num_empty_documents", 0)))
 
 
 __all__ = ["DataSummary", "summarize"]

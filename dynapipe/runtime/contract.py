@@ -32,6 +32,10 @@ failures) is the executor's.
   backward. With such a plan ``backward`` gets the input part (``op.part == "input"``):
   it must leave the received activations' gradients as above and may defer the weight
   gradients until this call.
+- ``grad_scale(loss)`` (optional): what the backward starts from instead of the
+  normalised loss, for a mixed-precision optimizer that scales the loss (Megatron's
+  ``config.grad_scale_func``). The forward returns the unscaled sum, so the losses the
+  executor reports are never scaled; an attribute set to None scales nothing.
 - ``trace_note(op)`` (optional, called only when tracing) returns a small dict of
   JSON values the trace adds to the forward or backward it just ran, or None: what the
   plan cannot know of the op (a T5 stage: whether it applied an attention mask).
@@ -82,7 +86,9 @@ class ExecutorConfig:
     ``watch_failures`` (with a store, CPU transfers): wait for transfers on helper threads
     so that a failure reported by any rank interrupts a wait at once, even while the
     failed process lingers; off, a rank stops when the failed process's connections close
-    or at the timeout. It costs a few percent where ranks share CPU cores.
+    or at the timeout. It costs a few percent where ranks share CPU cores. ``ring``: under
+    NCCL, set up the last stage's link to the first at start, as for the interleaved plans
+    that send over it; ``False`` (one chunk a rank) saves that communicator.
     """
 
     timeout_s: float = 300.0
@@ -92,6 +98,7 @@ class ExecutorConfig:
     release_sent_activations: bool = True
     normalise_loss: bool = True
     watch_failures: bool = True
+    ring: bool = True
 
 
 @dataclass

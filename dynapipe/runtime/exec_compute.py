@@ -70,7 +70,11 @@ class ComputeOps:
             run.losses[ins.mb] = out.detach().reshape(())
             scale = run.loss_tokens if self.config.normalise_loss else 1
             if keep:
-                run.roots[key] = ([out.reshape(()) / scale], [None])
+                root = out.reshape(()) / scale
+                grad_scale = getattr(self.handlers, "grad_scale", None)
+                if grad_scale is not None:  # megatron-core's scale is a [1] tensor: keep the root a scalar
+                    root = grad_scale(root).reshape(())
+                run.roots[key] = ([root], [None])
             return
         specs = run.send_specs.get(key, ())
         if isinstance(out, torch.Tensor):

@@ -86,7 +86,7 @@ class Executor(ComputeOps, TransferOps):
         self._trace_note = getattr(handlers, "trace_note", None)  # optional: what the trace adds to an op
         self.config = config or ExecutorConfig()
         self.device = torch.device(device)
-        self.comm = PeerComm(group, self.device)
+        self.comm = PeerComm(group, self.device, ring=self.config.ring)
         self.store = store
         # A second store client for blocking waits, so the abort channel stays usable meanwhile.
         self._wait_store = store.clone() if store is not None and hasattr(store, "clone") else None

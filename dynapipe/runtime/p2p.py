@@ -266,14 +266,17 @@ def _wait_all(works: Sequence[tuple], timeout_s: float) -> None:
             raise _WaitError(e, owner) from e
 
 
-def neighbour_exchanges(rank: int, size: int) -> list[tuple[int, bool]]:
-    """The exchanges pipeline rank ``rank`` of ``size`` makes with its neighbours (``rank`` +- 1,
-    the ring closed for interleaved plans) to set up their NCCL channels: ``(peer, send_first)``
+def neighbour_exchanges(rank: int, size: int, ring: bool = True) -> list[tuple[int, bool]]:
+    """The exchanges pipeline rank ``rank`` of ``size`` makes with its neighbours (``rank`` +- 1;
+    with ``ring``, the last and the first too, which interleaved plans link) to set up their
+    NCCL channels: ``(peer, send_first)``
     in one global order of the pairs (by their ranks), the lower rank of a pair sending first.
     Each exchange blocks until both ends made it, so a pair order every rank follows, and one
     end sending while the other receives, make the whole set of exchanges end (tested by
     playing them out)."""
     peers = {(rank - 1) % size, (rank + 1) % size} - {rank}
+    if not ring:
+        peers &= {rank - 1, rank + 1}
     return [(peer, rank < peer) for peer in sorted(peers, key=lambda q: (min(q, rank), max(q, rank)))]
 
 
@@ -282,10 +285,12 @@ class PeerComm:
 
     ``group`` is the pipeline group (``None``: the default group); pipeline rank ``p``
     is ``group``'s rank ``p``. ``device`` decides the backend: CUDA tensors need NCCL,
-    CPU tensors gloo; a group without the needed backend is refused up front.
+    CPU tensors gloo; a group without the needed backend is refused up front. ``ring``:
+    set up the last rank's link to the first under NCCL (interleaved plans send over it); a
+    plan that uses a link not set up still runs, torch creating it on first use.
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device):
+    def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device, ring: bool = True):
         self.group = group
         self.device = device
         self.size = dist.get_world_size(group)
@@ -315,7 +320,7 @@ class PeerComm:
         # transfers would then run in posting order on one stream, and a receive posted early
         # from one neighbour would hold back every later send to the other.)
         if device.type == "cuda":
-            for peer, send_first in neighbour_exchanges(self.rank, self.size):
+            for peer, send_first in neighbour_exchanges(self.rank, self.size, ring):
                 mine, theirs = torch.zeros(1, device=device), torch.empty(1, device=device)
                 first, second = ((dist.isend, mine), (dist.irecv, theirs))[::1 if send_first else -1]
                 works = [fn(t, self.global_ranks[peer], group=group) for fn, t in (first, second)]
