@@ -93,6 +93,9 @@ def test_split_to_balance_fills_the_waiting_replica():
     # lowers nothing, but splitting both halves the iteration (the split once stopped there).
     size = lambda s, e: float(e - s)  # noqa: E731
     assert split_to_balance([(0, 10), (10, 20)], size, 4, 1) == ([(0, 5), (5, 10), (10, 15), (15, 20)], 2, 5.0)
+    # Many replicas and one micro-batch: every replica gets a share (the splits once stopped at 64).
+    new, splits, value = split_to_balance([(0, 512)], size, 128, 1)
+    assert (len(new), splits, value) == (128, 127, 4.0)
     # One replica, or micro-batches that are not candidates (None), stay as they are.
     assert split_to_balance(cuts, _overhead_time, 1, 1) == (cuts, 0, 13.0)
     assert split_to_balance(cuts, lambda s, e: _overhead_time(s, e) if (s, e) in cuts else None, 2, 1) == (cuts, 0, 8.0)

@@ -163,7 +163,7 @@ def _at_max(sums: Sequence[float]) -> int:
 
 
 def split_to_balance(cuts: Sequence[tuple[int, int]], time_of: Callable[[int, int], Optional[float]], dp: int,
-                     num_stages: int, *, tolerance: float = 1e-2, max_splits: int = 64,
+                     num_stages: int, *, tolerance: float = 1e-2, max_splits: Optional[int] = None,
                      tries: int = 4) -> tuple[list[tuple[int, int]], int, float]:
     """Split micro-batches of the slowest replica in two while that lowers
     :func:`balanced_objective_ms` (or keeps it and leaves fewer replicas tied at the slowest);
@@ -177,8 +177,11 @@ def split_to_balance(cuts: Sequence[tuple[int, int]], time_of: Callable[[int, in
     candidate (every given cut must be one). A micro-batch is split at its middle, the slowest replica's longest first
     (its ``tries`` longest each round). Nothing is tried while the slowest replica runs
     within ``tolerance`` of the objective above the mean, as with many micro-batches a
-    replica: each try rebalances every micro-batch.
+    replica: each try rebalances every micro-batch. ``max_splits`` bounds the splits (default
+    ``64 + 2 x dp``: a replica left without a micro-batch needs one split at least).
     """
+    if max_splits is None:
+        max_splits = 64 + 2 * max(dp, 1)
     cuts = [(int(s), int(e)) for s, e in cuts]
     times = [float(time_of(s, e)) for s, e in cuts]
     best, sums, assign = _balanced(times, max(dp, 1), num_stages)
