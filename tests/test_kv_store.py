@@ -299,6 +299,24 @@ def test_payload_is_deterministic():
     assert blob == encode_payload(7, 1, 2, b"PLANBYTES", reordered, {"planning_ms": 1.5, "real_tokens": 11})
 
 
+def test_a_payload_planned_again_has_the_same_content_digest():
+    # After a store restart the iteration is planned again: another planning time, another
+    # worker. The ranks that compare digests (a stage's TP ranks, one of which may have read
+    # the first copy) must see the same plan as the same; another plan or other tokens differ.
+    blob, tensors = _payload()
+    first = decode_payload(blob)
+    again = decode_payload(encode_payload(7, 1, 2, b"PLANBYTES", tensors,
+                                          {"real_tokens": 11, "planning_ms": 9.25, "planner_worker": 3}))
+    assert again.crc != first.crc and again.content_crc == first.content_crc
+    other_plan = decode_payload(encode_payload(7, 1, 2, b"PLANBYTEZ", tensors, {"real_tokens": 11}))
+    flipped = {mb: {n: a.copy() for n, a in d.items()} for mb, d in tensors.items()}
+    flipped[0]["tokens"][1, 2] += 1
+    other_tokens = decode_payload(encode_payload(7, 1, 2, b"PLANBYTES", flipped, {"real_tokens": 11}))
+    reshaped = {**tensors, 2: {"labels": tensors[2]["labels"].reshape(2, 4)}}
+    other_shape = decode_payload(encode_payload(7, 1, 2, b"PLANBYTES", reshaped, {"real_tokens": 11}))
+    assert len({first.content_crc, other_plan.content_crc, other_tokens.content_crc, other_shape.content_crc}) == 4
+
+
 def test_truncated_or_corrupted_payload_rejected():
     blob, _ = _payload()
     for cut in (3, 20, len(blob) - 5):

@@ -114,7 +114,7 @@ def reference_iterations(k, stages=1, dp=1, consumed=0, start=0):
     kv = DictKV()
     out = []
     for it in range(start, start + k):
-        plan_and_publish(job, planner, sampler, kv, it, 0)
+        plan_and_publish(job, planner, sampler, kv, it)
         per = {}
         for r in range(dp):
             for s in range(stages):
@@ -180,7 +180,7 @@ def test_yields_plan_tensors_and_metadata_matching_the_samples():
         assert m.global_real_tokens == m.real_tokens == int(lengths.sum())
         assert m.padded_tokens == sum(i.mbs * i.seqlen for i in d.plan.micro_batches) >= m.real_tokens
         assert m.global_loss_tokens == int(sum(t["loss_mask"].sum() for t in d.micro_batches.values()))
-        assert m.planning_ms > 0 and m.wait_ms >= 0 and m.truncated_samples == 0
+        assert m.wait_ms >= 0 and m.truncated_samples == 0
 
 
 @pytest.fixture(scope="module")
@@ -417,12 +417,16 @@ def test_planner_nodes_splitting_the_replicas_publish_their_share_of_the_same_pa
     def publish(node, replicas):
         job = WorkerJob(ds, sampler_cfg, 0, 0, settings, None, Keyspace("k"), node, replicas)
         kv = DictKV()
-        plan_and_publish(job, planner, GlobalBatchSampler(ds.sample_tokens(), sampler_cfg, 0), kv, 0, 0)
+        plan_and_publish(job, planner, GlobalBatchSampler(ds.sample_tokens(), sampler_cfg, 0), kv, 0)
         return {(r, s): get_blob(kv, job.keys.payload(0, r, s)) for r in range(dp) for s in range(stages)}
+
+    # Planned again (as after a store restart, by another worker): the same bytes, so a reader
+    # never joins the chunks of two copies and TP ranks that read different copies agree.
+    assert publish(0, None) == publish(0, None)
 
     def same(a, b):
         pa, pb = decode_payload(a), decode_payload(b)
-        timing = {"planning_ms", "planner_node"}
+        timing = {"planner_node"}
         assert pa.plan_bytes == pb.plan_bytes
         assert {m: sorted(d) for m, d in pa.tensors.items()} == {m: sorted(d) for m, d in pb.tensors.items()}
         assert all(np.array_equal(pa.tensors[m][n], pb.tensors[m][n]) for m in pa.tensors for n in pa.tensors[m])

@@ -36,8 +36,8 @@ class IterationMeta:
     the sum of every ``loss_mask`` of the global batch (normalise the loss by it; the
     plan's own ``global_loss_tokens`` is the planner's count, which for decoder-only data
     also counts the input tokens). ``truncated_samples`` of the batch were cut to the length
-    limit. ``planning_ms`` the planner's time for this iteration (in a worker);
-    ``wait_ms`` the time this rank's training loop spent in ``next()`` for it.
+    limit. ``planner_node`` planned it; ``wait_ms`` is the time this rank's training loop
+    spent in ``next()`` for it (the planners' times: ``DynaPipeLoader.planner_stats``).
     """
 
     iteration: int
@@ -53,9 +53,7 @@ class IterationMeta:
     global_executed_work: dict
     global_real_work: dict
     truncated_samples: int
-    planning_ms: float
     planner_node: int
-    planner_worker: int
     wait_ms: float = 0.0
     extra: dict = field(default_factory=dict)
 
@@ -67,7 +65,7 @@ class IterationData:
     plan: ExecutionPlan
     micro_batches: dict  # mb -> {name: torch.Tensor}
     meta: IterationMeta
-    digest: int = 0  # CRC32 of the payload (plan, tensors, metadata) as received
+    digest: int = 0  # CRC32 of what the rank runs (plan and tensors; not the planning metadata)
 
     @property
     def iteration(self) -> int:
@@ -92,7 +90,7 @@ def unpack(blob: bytes, iteration: int, replica: int, stage: int) -> IterationDa
         raise DynaPipeError(f"payload of iteration {iteration} lacks metadata {missing}; "
                             f"run the same dynapipe version on every node.")
     meta = IterationMeta(iteration=iteration, **{k: m.pop(k) for k in fields}, extra=m)
-    return IterationData(plan, tensors, meta, p.crc)
+    return IterationData(plan, tensors, meta, p.content_crc)
 
 
 class _Stopped(Exception):

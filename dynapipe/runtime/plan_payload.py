@@ -47,9 +47,13 @@ class Payload:
     plan_bytes: bytes
     tensors: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
-    # CRC32 of header, plan and tensor bytes: equal payloads have equal CRCs, so the ranks
-    # that read one payload (a stage's tensor-parallel ranks) compare it cheaply.
+    # CRC32 of header, plan and tensor bytes (what the transfer check covers).
     crc: int = 0
+    # CRC32 of what the rank runs: the plan, the tensors' entries and bytes, not the metadata
+    # (planning time, worker): the ranks that read one payload (a stage's tensor-parallel
+    # ranks) compare it cheaply, and a payload planned again (after a store restart) has the
+    # same one.
+    content_crc: int = 0
 
 
 def encode_payload(iteration: int, replica: int, stage: int, plan_bytes: bytes,
@@ -143,4 +147,6 @@ def decode_payload(data: bytes) -> Payload:
             raise DynaPipeError(f"{tw} ({name!r}): bytes {off}..{off + nbytes} run past the end; truncated?")
         arr = np.frombuffer(rest, dtype=DTYPES[dtype], count=math.prod(shape), offset=off).reshape(shape)
         out.tensors.setdefault(mb, {})[name] = arr
+    listed = json.dumps(entries, separators=(",", ":"), sort_keys=True).encode()
+    out.content_crc = zlib.crc32(rest, zlib.crc32(listed))
     return out

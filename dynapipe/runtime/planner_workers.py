@@ -103,7 +103,7 @@ def _rank_tensors(plan: ExecutionPlan, dataset: SampleDataset, batch_indices: np
 
 
 def plan_and_publish(job: WorkerJob, planner: IterationPlanner, sampler: GlobalBatchSampler, kv,
-                     iteration: int, worker: int) -> float:
+                     iteration: int) -> float:
     """Plan ``iteration`` and put every (replica, stage) payload into the store; planning ms."""
     batch = sampler.batch(iteration - job.start_iteration)
     lengths = job.dataset.planner_lengths(batch.indices)
@@ -127,9 +127,9 @@ def plan_and_publish(job: WorkerJob, planner: IterationPlanner, sampler: GlobalB
         "global_real_work": samples_work(lengths).to_json(),
         "global_loss_tokens": job.dataset.loss_tokens(batch.indices),
         "truncated_samples": int(job.dataset.truncated[batch.indices].sum()),
-        "planning_ms": planning_ms,
+        # No timing and no worker id: a payload planned again (a store restart) must be the same
+        # bytes, or a reader could join the chunks of two copies (planner_stats has the times).
         "planner_node": job.node,
-        "planner_worker": worker,
     }
     cache: dict = {}
     for r, row in enumerate(grid):
@@ -168,7 +168,7 @@ def worker_main(worker: int, job: WorkerJob, tasks, events) -> None:
             if iteration is None:
                 return
             t0 = time.perf_counter()
-            ms = plan_and_publish(job, planner, sampler, kv, iteration, worker)
+            ms = plan_and_publish(job, planner, sampler, kv, iteration)
             events.put(("done", worker, iteration, ms, (time.perf_counter() - t0) * 1e3))
     except BaseException as e:
         # A refusal is the user's to act on: its message, in their flags. Anything else is a bug,
