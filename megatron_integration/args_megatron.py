@@ -22,6 +22,7 @@ OPTIMIZERS = ("adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon
 CKPT_FORMATS = ("torch_dist", "torch", "torch_dcp", "fsdp_dtensor", "dynapipe")
 TRANSFORMER_IMPLS = ("local", "transformer_engine", "inference_optimized")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WEIGHT_DECAY_DEFAULT = 0.01  # Megatron-LM's --weight-decay
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
@@ -237,7 +238,7 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="separate peak learning rate for the input embedding and the output layer")
     g.add_argument("--decoupled-min-lr", type=float, default=None,
                    help="minimum learning rate for the input embedding and the output layer")
-    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--weight-decay", type=float, default=WEIGHT_DECAY_DEFAULT)
     g.add_argument("--apply-wd-to-qk-layernorm", action="store_true",
                    help="with --qk-layernorm: decay the query/key norm weights too (other norms and biases never decay)")
     g.add_argument("--start-weight-decay", type=float, default=None,

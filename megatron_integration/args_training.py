@@ -10,6 +10,7 @@ import argparse
 
 from dynapipe.errors import DynaPipeError
 from megatron_integration.args_checks import _fraction, _need, _positive, _unsupported_value
+from megatron_integration.args_megatron import WEIGHT_DECAY_DEFAULT
 from megatron_integration.model_flags import loss_scale_from_args
 from megatron_integration.train_config import OptimizerArgs
 
@@ -180,6 +181,9 @@ def _weight_decay_schedule(args: argparse.Namespace) -> dict:
     if style != "constant" and len(given) < 2:
         raise DynaPipeError(f"--weight-decay-incr-style {style} needs --start-weight-decay and --end-weight-decay "
                             f"(as in Megatron-LM).")
+    if style != "constant" and args.weight_decay != WEIGHT_DECAY_DEFAULT:
+        raise DynaPipeError(f"--weight-decay {args.weight_decay} is not used under --weight-decay-incr-style {style}: "
+                            f"the decay moves from --start-weight-decay to --end-weight-decay; drop it.")
     # The style is named "incr": megatron-core's scheduler asserts the decay only grows.
     if style != "constant" and end < start:
         raise DynaPipeError(f"--end-weight-decay {end} is below --start-weight-decay {start}: "

@@ -302,9 +302,18 @@ def _parallel_args_from_args(args: argparse.Namespace, world_size: int, cuda: bo
 def _default_global_batch(args: argparse.Namespace, world_size: int) -> None:
     """Megatron-LM's default ``--global-batch-size``: one micro-batch a data-parallel replica
     (``--micro-batch-size`` x the ranks over tensor x pipeline size), when both are known."""
-    model_parallel = (args.tensor_model_parallel_size or 1) * (args.pipeline_model_parallel_size or 1)
-    if args.global_batch_size is None and args.micro_batch_size and world_size % model_parallel == 0:
-        args.global_batch_size = args.micro_batch_size * (world_size // model_parallel)
+    if args.global_batch_size is not None:
+        return
+    tp, pp = args.tensor_model_parallel_size or 1, args.pipeline_model_parallel_size or 1
+    if tp > 0 and pp > 0 and world_size % (tp * pp):
+        # The cause, not the missing batch size the default could not be computed for.
+        raise DynaPipeError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+                            f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} ranks.")
+    if args.micro_batch_size is None:
+        raise DynaPipeError("--global-batch-size is required (Megatron-LM's default, --micro-batch-size x the "
+                            "data-parallel size, needs --micro-batch-size).")
+    if args.micro_batch_size > 0 and tp > 0 and pp > 0:  # else the checks that follow name the flag
+        args.global_batch_size = args.micro_batch_size * (world_size // (tp * pp))
 
 
 def _recorded_args(args: argparse.Namespace) -> dict:

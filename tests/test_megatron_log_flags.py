@@ -28,6 +28,8 @@ def parse(extra: str):
 @pytest.mark.parametrize("extra, needle", [
     ("--start-weight-decay 0.1", "--start-weight-decay with --weight-decay-incr-style constant"),
     ("--weight-decay-incr-style linear --start-weight-decay 0", "needs --start-weight-decay and --end-weight-decay"),
+    ("--weight-decay 0.3 --weight-decay-incr-style linear --start-weight-decay 0 --end-weight-decay 0.1",
+     "--weight-decay 0.3 is not used under --weight-decay-incr-style linear"),
     ("--weight-decay-incr-style cosine --start-weight-decay -1 --end-weight-decay 0", "--start-weight-decay -1"),
     ("--bf16 --grad-reduce-in-bf16 --accumulate-allreduce-grads-in-fp32", "were both given"),
     ("--timing-log-level 1", "--dynapipe-trace-dir"),
