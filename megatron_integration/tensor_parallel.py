@@ -17,9 +17,29 @@ from __future__ import annotations
 import argparse
 import os
 import warnings
+from typing import Optional
 
 from dynapipe.errors import DynaPipeError, PlanError
 from megatron_integration.model_flags import swiglu_ffn_hidden_size
+
+
+def check_device_max_connections(tp: int, arch_major: Optional[int] = None) -> None:
+    """Megatron-LM's rule for TP on GPUs before Blackwell: ``CUDA_DEVICE_MAX_CONNECTIONS=1``,
+    so the kernels run in the order they are launched and a TP collective launched before a
+    GEMM overlaps it as megatron-core arranges. ``arch_major``: the GPU's compute capability
+    major (None: this process's GPU; no GPU visible here, nothing to check)."""
+    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        return
+    if arch_major is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        arch_major = torch.cuda.get_device_capability()[0]
+    if arch_major < 10:
+        raise DynaPipeError(f"--tensor-model-parallel-size {tp} on GPUs before Blackwell needs the environment "
+                            f"variable CUDA_DEVICE_MAX_CONNECTIONS=1 (as Megatron-LM asserts; it is "
+                            f"{os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS')!r}): export it before torchrun.")
 
 
 def check_tensor_parallel_args(args: argparse.Namespace, cuda: bool) -> None:
@@ -41,6 +61,8 @@ def check_tensor_parallel_args(args: argparse.Namespace, cuda: bool) -> None:
             if value % tp:
                 raise DynaPipeError(f"--tensor-model-parallel-size {tp} does not divide {flag} {value}; "
                                     f"use a tensor-parallel size that divides it.")
+    if tp > 1 and cuda:
+        check_device_max_connections(tp)
     if sp and tp == 1:
         warnings.warn("Disabling sequence parallelism because tensor model parallelism is disabled "
                       "(--sequence-parallel at --tensor-model-parallel-size 1, as Megatron-LM reads it)", stacklevel=2)

@@ -424,3 +424,20 @@ def test_an_ipv6_redis_host_and_a_gpu_device_on_gpus_are_taken():
                  world=1).dynapipe.redis_host == "::1"
     assert parse("--use-dynapipe --dynapipe-device h100-80gb --transformer-impl local", world=1,
                  cuda=True).dynapipe.device == "h100-80gb"
+
+
+def test_tensor_parallelism_on_gpus_before_blackwell_needs_one_device_connection(monkeypatch):
+    # Megatron-LM asserts CUDA_DEVICE_MAX_CONNECTIONS=1 under TP on GPUs before Blackwell (its
+    # TP collectives rely on kernels running in launch order); Blackwell needs nothing.
+    from megatron_integration.tensor_parallel import check_device_max_connections
+
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    with pytest.raises(DynaPipeError, match="--tensor-model-parallel-size 2 on GPUs before Blackwell needs the "
+                                            "environment variable CUDA_DEVICE_MAX_CONNECTIONS=1"):
+        check_device_max_connections(2, arch_major=9)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    with pytest.raises(DynaPipeError, match="it is '8'"):
+        check_device_max_connections(2, arch_major=8)
+    check_device_max_connections(2, arch_major=10)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    check_device_max_connections(2, arch_major=9)
