@@ -291,6 +291,7 @@ class DynaPipeStepper:
         loader = None
         try:  # a store not reached, planners not started: the executor's threads (and the planners) go too
             loader = make_loader(cfg, info, start_iteration, consumed_samples)
+            loader.failure_watch = executor.failure_elsewhere
             s = planner_settings(cfg, info)
             cost_model = build_cost_model(s.model, s.device, s.num_stages, s.cost_profile, tensor_parallel_config(s))
             if s.placement is not None:

@@ -196,6 +196,7 @@ class T5Stepper:
                 from dynapipe.cost import build_cost_model
                 from dynapipe.runtime.plan_source import tensor_parallel_config
 
+                source.loader.failure_watch = executor.failure_elsewhere
                 s = source.settings
                 cost_model = build_cost_model(s.model, s.device, s.num_stages, s.cost_profile,
                                               tensor_parallel_config(s), placement=s.placement)

@@ -190,6 +190,32 @@ def test_a_redis_out_of_memory_is_a_one_line_error(redis_server):
         kv.close()
 
 
+def test_a_planner_failure_is_posted_even_when_redis_is_out_of_memory(redis_server):
+    # Out of memory, Redis refuses the error report too (a SET), and every rank but the planner
+    # waited out the plan timeout blaming slow planners. Deletes pass: the stopping job's
+    # payloads make room for the report.
+    from dynapipe.runtime.planner_workers import Keyspace, post_error
+
+    kv = redis_server.connect()
+    keys = Keyspace("oom-job/run1")
+    try:
+        kv.client.config_set("maxmemory", "2mb")
+        kv.client.config_set("maxmemory-policy", "noeviction")
+        with pytest.raises(DynaPipeError, match="maxmemory"):
+            for i in range(16):
+                kv.set(keys.payload(i, 0, 0), b"x" * (512 << 10))
+        kv.set("other-job/it0/r0/s0", b"kept")  # not this job's: never deleted
+        with pytest.raises(DynaPipeError, match="maxmemory"):
+            kv.set(keys.error, b"x" * (512 << 10))  # the refusal post_error meets
+        post_error(kv, keys, "planner worker 0 on planner node 0 failed: out of memory")
+        assert kv.get(keys.error) == b"planner worker 0 on planner node 0 failed: out of memory"
+        assert kv.keys(f"{keys.prefix}/it") == [] and kv.get("other-job/it0/r0/s0") == b"kept"
+    finally:
+        kv.client.config_set("maxmemory", "0")
+        kv.client.flushdb()
+        kv.close()
+
+
 def test_a_lost_redis_costs_one_retry_window_not_one_per_call(redis_server):
     # After the window ran out, the failure report and the clean-up that follow must not each
     # wait it out again (a planner rank took 4 windows to exit); a server back again is used.

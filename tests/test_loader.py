@@ -320,6 +320,35 @@ def test_a_plan_timeout_is_raised_again_by_every_later_next():
         dl.close()
 
 
+def test_a_failure_reported_elsewhere_stops_the_wait_for_a_plan(monkeypatch):
+    # A planner failure the plan store cannot carry (Redis out of memory) reaches the job's own
+    # store through the failing rank's executor; a rank waiting for its plan asks there.
+    from dynapipe.runtime.abort_channel import AbortChannel
+    from dynapipe.runtime.p2p import RemoteFailure
+
+    store = default_store_for_single_process()
+    channel = AbortChannel(store, world_size=2, prefix="watch-test/abort")
+    assert channel.failure_of_another(0) is None
+    channel.report(0, "rank 0's own failure", primary=True)
+    assert channel.failure_of_another(0) is None  # a rank's own report is not another's
+    # Stage 1 of a node whose planner (rank 0, stage 0) never starts: no plan ever comes. (The
+    # run id two ranks would agree on through torch.distributed, stood in for.)
+    from dynapipe.runtime import loader as loader_module
+
+    monkeypatch.setattr(loader_module, "_run_id", lambda layout, namespace: "watch-test-run")
+    cfg = LoaderConfig(global_batch_size=GBS, seed=SEED, plan_timeout_s=30, connect_timeout_s=10)
+    dl = DynaPipeDataLoader(cfg, None, planner_settings(stages=2), RankLayout(1, 2, 0, 1, 1, 2, 1, 2), store=store)
+    dl.failure_watch = lambda: channel.failure_of_another(1)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RemoteFailure, match="^stopped waiting for the plan of iteration 0: global rank 0 "
+                                                "failed first:\nrank 0's own failure"):
+            next(dl)
+        assert time.monotonic() - t0 < 5
+    finally:
+        dl.close()
+
+
 def test_workers_exit_when_the_training_process_is_killed():
     code = (f"import sys, time\nsys.path.insert(0, {TESTS_DIR!r})\n"
             "from test_loader import make_loader\n"

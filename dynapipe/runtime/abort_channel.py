@@ -62,6 +62,13 @@ class AbortChannel:
                 break
         return sorted(out, key=lambda d: (not d["primary"], d["time"]))
 
+    def failure_of_another(self, rank: int) -> Optional[str]:
+        """The root cause (:meth:`root_cause`) once a rank other than ``rank`` reported; None
+        before (one store round trip while nobody failed)."""
+        if not self.count() or all(d["rank"] == rank for d in self.reports()):
+            return None
+        return self.root_cause()
+
     def root_cause(self, grace_s: float = 0.0) -> Optional[str]:
         """The first primary report (or the earliest one), waiting up to ``grace_s`` for one."""
         deadline = time.monotonic() + grace_s

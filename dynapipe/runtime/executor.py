@@ -318,6 +318,11 @@ class Executor(ComputeOps, TransferOps):
         done.record(torch.cuda.current_stream(self.device))
         return done
 
+    def failure_elsewhere(self) -> Optional[str]:
+        """The root cause another rank reported (None: none did, or no store): a data loader's
+        ``failure_watch``, so ranks waiting for their plans stop with it."""
+        return None if self.abort is None else self.abort.failure_of_another(self.global_rank)
+
     def _remote_failure(self, plan: ExecutionPlan) -> str:
         """Why this rank stops after running its plan: another rank reported a failure."""
         message = (f"pipeline rank {plan.stage} (global rank {self.global_rank}) finished its plan "

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 from dynapipe.data.config import DatasetConfig
 from dynapipe.data.sampler import SamplerConfig
@@ -35,7 +35,9 @@ from dynapipe.runtime.kv_store import KVStore, KVStoreSpec, TorchStoreKV, delete
 from dynapipe.runtime.loader_config import LoaderConfig, RankLayout
 from dynapipe.runtime.plan_fetcher import IterationData, IterationMeta, PayloadFetcher
 from dynapipe.runtime.plan_source import PlannerSettings, check_planner_settings
-from dynapipe.runtime.planner_workers import Keyspace, PlannerPool, PlannerWorkerError, WorkerJob, watch_workers
+from dynapipe.runtime.p2p import RemoteFailure
+from dynapipe.runtime.planner_workers import (Keyspace, PlannerPool, PlannerWorkerError, WorkerJob, post_error,
+                                              watch_workers)
 from dynapipe.runtime.store_watch import RestartWatcher
 
 __all__ = ["DynaPipeDataLoader", "LoaderConfig", "RankLayout", "IterationData", "IterationMeta"]
@@ -82,6 +84,10 @@ def _run_id(layout: RankLayout, namespace: str) -> str:
     return rid
 
 
+# How often a rank waiting for its plan asks ``failure_watch`` (s): a store round trip each.
+WATCH_EVERY_S = 0.25
+
+
 def queued_through(current: int, prefetch: int, end: Optional[int]) -> int:
     """The iterations queued for planning (all those below the returned number) once the
     training loop asks for iteration ``current``: ``prefetch`` ahead, never past ``end``
@@ -95,6 +101,12 @@ class DynaPipeDataLoader:
     ``dataset`` is needed on planner nodes only (other ranks may pass None); a
     :class:`DatasetConfig` is opened on planner nodes. ``store`` overrides the job's
     torch.distributed store for the ``store`` backend (a TCPStore).
+
+    ``failure_watch`` (settable, None by default): a callable a rank waiting for its plan asks
+    a few times a second for a failure reported elsewhere (``Executor.failure_elsewhere``, over
+    the job's own store), returning its text or None. A planner failure the plan store cannot
+    carry (a Redis server out of memory or gone) then stops the waiting ranks with its cause
+    instead of at the plan timeout.
     """
 
     def __init__(self, config: LoaderConfig, dataset: SampleDataset | DatasetConfig | None,
@@ -117,6 +129,7 @@ class DynaPipeDataLoader:
         self._watch_stop = threading.Event()  # ends the planner workers' watcher
         self._timed_out: Optional[DynaPipeError] = None  # a plan timeout, raised again by every later next()
         self._fetcher: Optional[PayloadFetcher] = None
+        self.failure_watch: Optional[Callable[[], Optional[str]]] = None
         num_planner_nodes = config.planner_nodes or layout.num_nodes
         self._planner_nodes = min(num_planner_nodes, layout.num_nodes)
         if config.split_replicas:  # a node without a replica to plan stays out
@@ -245,6 +258,7 @@ class DynaPipeDataLoader:
                 # iterations, and the wait for one of its own consults them.)
                 self._check_workers(it)
         deadline = time.monotonic() + self.config.plan_timeout_s
+        watched = time.monotonic()
         while True:
             data = self._fetcher.get(0.05)
             if data is not None:
@@ -253,6 +267,12 @@ class DynaPipeDataLoader:
             # at the same iteration instead of the planner rank running ahead of the others.
             if self._pool is not None:
                 self._check_workers(it)
+            if self.failure_watch is not None and time.monotonic() - watched > WATCH_EVERY_S:
+                watched = time.monotonic()
+                cause = self.failure_watch()
+                if cause is not None:
+                    # A consequence of another rank's failure: its report stays the root cause.
+                    raise RemoteFailure(f"stopped waiting for the plan of iteration {it}: {cause}")
             if time.monotonic() > deadline:
                 # Kept: a caller that retries must not get a fresh timeout and then data, going
                 # on where the other ranks stopped.
@@ -296,7 +316,7 @@ class DynaPipeDataLoader:
 
     def _post_error(self, text: str) -> None:
         try:
-            self._kv.set(self.keys.error, text.encode())
+            post_error(self._kv, self.keys, text)
         except Exception as e:  # noqa: BLE001 - the store may be what failed; say so and go on failing
             print(f"dynapipe: could not report a planner failure to the store ({type(e).__name__}: {e}): "
                   f"{text.splitlines()[0]}", file=sys.stderr, flush=True)

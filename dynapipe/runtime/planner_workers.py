@@ -61,6 +61,21 @@ class Keyspace:
         return f"{self.prefix}/error"
 
 
+def post_error(kv, keys: Keyspace, text: str) -> None:
+    """Post ``text`` under ``keys.error`` for every rank's fetcher to raise. A store that refuses
+    the write (Redis under ``maxmemory`` refuses writes but not deletes) gets room first: the
+    job's payloads are deleted, since the job is stopping, and the ranks waiting for them then
+    read the error instead of waiting out the plan timeout. Raises if the write still fails."""
+    try:
+        kv.set(keys.error, text.encode())
+        return
+    except Exception:  # noqa: BLE001 - out of memory, most likely: make room and try once more
+        pass
+    for key in kv.keys(f"{keys.prefix}/it"):
+        kv.delete(key)
+    kv.set(keys.error, text.encode())
+
+
 @dataclass(frozen=True)
 class WorkerJob:
     """What every worker of a node receives at start-up (pickled once, locally)."""
@@ -178,8 +193,8 @@ def worker_main(worker: int, job: WorkerJob, tasks, events) -> None:
         events.put(("error", worker, iteration, tb))
         if kv is not None:
             try:
-                kv.set(job.keys.error, _error_text(job.node, worker, iteration, tb).encode())
-            except Exception:
+                post_error(kv, job.keys, _error_text(job.node, worker, iteration, tb))
+            except Exception:  # noqa: BLE001 - the planner rank's loader still raises the event's text
                 pass
         events.close()
         events.join_thread()
@@ -233,7 +248,7 @@ def watch_workers(pool: "PlannerPool", store, error_key: str, stop: threading.Ev
             try:
                 kv = kv or store.connect()
                 if kv.get(error_key) is None:
-                    kv.set(error_key, death_text(pool.job.node, i, p).encode())
+                    post_error(kv, pool.job.keys, death_text(pool.job.node, i, p))
             except Exception as e:  # noqa: BLE001 - the store may be gone too; the loader's check still raises
                 print(f"dynapipe: could not report a dead planner worker to the store ({type(e).__name__}: {e})",
                       file=sys.stderr, flush=True)
