@@ -237,10 +237,14 @@ def make_loader(cfg: DynaPipeTrainingConfig, info: RankInfo, start_iteration: in
     from megatron_integration.args_dynapipe import check_planner_nodes
 
     loader_cfg = loader_config(cfg, start_iteration, consumed_samples, dataset)
+    # Without torchrun's LOCAL_WORLD_SIZE the job is one node to the planners (one planner rank);
+    # a LOCAL_RANK alone (a launcher that sets it for the GPU) would make every node's first
+    # rank a planner for "node 0".
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+    local_rank = int(os.environ.get("LOCAL_RANK", info.rank % local_world)) if "LOCAL_WORLD_SIZE" in os.environ \
+        else info.rank
     layout = RankLayout(rank=info.rank, world_size=info.world_size, dp_rank=info.dp_rank, dp_size=info.dp_size,
-                        pp_rank=info.pp_rank, pp_size=info.pp_size,
-                        local_rank=int(os.environ.get("LOCAL_RANK", info.rank % local_world)),
+                        pp_rank=info.pp_rank, pp_size=info.pp_size, local_rank=local_rank,
                         local_world_size=local_world).validate()
     # The command line may have been parsed without the node count (T5, jobs started from
     # Python); the loader would quietly plan on fewer nodes than asked, so refuse it here,

@@ -391,6 +391,36 @@ def test_config_and_layout_errors():
                            store=default_store_for_single_process())
     with pytest.raises(DynaPipeError, match="not a multiple"):
         RankLayout(world_size=3, pp_size=2).validate()
+    for field in ("dp_size", "pp_size", "local_world_size"):  # a ZeroDivisionError before
+        with pytest.raises(DynaPipeError, match=f"^rank layout: {field} 0 must be at least 1"):
+            RankLayout(**{field: 0}).validate()
+    # A LOCAL_RANK that is not the rank's place on its node made a second planner for one node.
+    with pytest.raises(DynaPipeError, match="global rank 1 is local rank 1 of nodes of 2 ranks .* not 0"):
+        RankLayout(rank=1, world_size=2, pp_size=2, pp_rank=1, local_rank=0, local_world_size=2).validate()
+
+
+def test_a_launch_without_local_world_size_plans_on_one_rank(monkeypatch):
+    # A launcher that sets LOCAL_RANK (for the GPU) but not LOCAL_WORLD_SIZE: the job is one node
+    # to the planners, whose only planner is global rank 0, whatever LOCAL_RANK says.
+    from types import SimpleNamespace
+
+    from megatron_integration import dynapipe_step
+
+    made = []
+    monkeypatch.setattr("dynapipe.runtime.loader.DynaPipeDataLoader", lambda cfg, ds, s, layout: made.append(layout))
+    monkeypatch.setattr(dynapipe_step, "loader_config", lambda *a: LoaderConfig(global_batch_size=4))
+    monkeypatch.setattr("megatron_integration.args_dynapipe.check_planner_nodes", lambda *a: None)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    for rank in range(4):
+        monkeypatch.setenv("LOCAL_RANK", str(rank % 2))
+        info = SimpleNamespace(rank=rank, world_size=4, dp_rank=rank % 2, dp_size=2, pp_rank=rank // 2, pp_size=2)
+        dynapipe_step.make_loader(None, info, 0, 0, dataset=object(), settings=object())
+    assert [(x.local_rank, x.local_world_size, x.node) for x in made] == [(r, 4, 0) for r in range(4)]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    dynapipe_step.make_loader(None, SimpleNamespace(rank=3, world_size=4, dp_rank=1, dp_size=2, pp_rank=1, pp_size=2),
+                              0, 0, dataset=object(), settings=object())
+    assert (made[-1].local_rank, made[-1].node) == (1, 1)
 
 
 def test_encoder_decoder_jsonl_through_the_loader(tmp_path):

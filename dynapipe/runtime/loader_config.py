@@ -103,6 +103,11 @@ class RankLayout:
 
     def validate(self) -> "RankLayout":
         """``self`` if the indices fit the sizes, else ``DynaPipeError``."""
+        sizes = {"world_size": self.world_size, "dp_size": self.dp_size, "pp_size": self.pp_size,
+                 "local_world_size": self.local_world_size}
+        for name, size in sizes.items():
+            if size < 1:
+                raise DynaPipeError(f"rank layout: {name} {size} must be at least 1.")
         if self.world_size % (self.dp_size * self.pp_size):
             raise DynaPipeError(f"world size {self.world_size} is not a multiple of dp {self.dp_size} x "
                                 f"pp {self.pp_size}.")
@@ -112,6 +117,13 @@ class RankLayout:
         if not (0 <= self.dp_rank < self.dp_size and 0 <= self.pp_rank < self.pp_size
                 and 0 <= self.rank < self.world_size and 0 <= self.local_rank < self.local_world_size):
             raise DynaPipeError(f"rank layout {self} has an index out of range.")
+        if self.local_rank != self.rank % self.local_world_size:
+            # Each node's local rank 0 plans for its node: a local rank that is not the rank's
+            # place on its node would start a second planner for the same node.
+            raise DynaPipeError(f"rank layout: global rank {self.rank} is local rank "
+                                f"{self.rank % self.local_world_size} of nodes of {self.local_world_size} ranks "
+                                f"(consecutive ranks a node, as torchrun assigns them), not {self.local_rank}; "
+                                f"give LOCAL_RANK and LOCAL_WORLD_SIZE as torchrun sets them.")
         return self
 
     @property
