@@ -130,7 +130,7 @@ def test_overlong_rejected_with_clear_error(tmp_path):
     with pytest.raises(DynaPipeError) as e:
         JsonlDataset(path, LengthLimits(20, overlong="reject"))
     msg = str(e.value)
-    assert "sample 1 has 32 tokens" in msg and "--seq-length 20" in msg and "truncate" in msg
+    assert f"{path}:2 has 32 tokens" in msg and "--seq-length 20" in msg and "truncate" in msg
     # An encoder-decoder sample names the flags a T5 run has.
     pairs = write_jsonl(tmp_path / "p.jsonl", [{"input": "a" * 30, "target": "b"}])
     with pytest.raises(DynaPipeError) as e:

@@ -264,7 +264,7 @@ def test_long_instruction_samples_truncated_or_rejected_and_counted(tmp_path):
     assert ds.truncated.tolist() == [False, True, False, True] and ds.planner_lengths(range(4)).max() == SEQ
     assert data_summary_lines(cfg) == [" > train data: 4 documents -> 4 samples, 254 tokens, 2 truncated"]
     cfg = parse_training_args(argv + ["--dynapipe-overlong", "reject"], 1, cuda=False)
-    with pytest.raises(DynaPipeError, match=r"sample 1 has 101 tokens .*--seq-length 64.*2 over-long"):
+    with pytest.raises(DynaPipeError, match=r"tasks.jsonl:2 has 101 tokens .*--seq-length 64.*2 over-long"):
         dataset_config(cfg).build()
 
 

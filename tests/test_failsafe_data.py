@@ -127,6 +127,21 @@ def test_empty_documents_are_skipped_as_megatron_lm_trains_past_them(tmp_path):
                       split_range=(0.25, 0.75)).build()
 
 
+def test_an_overlong_indexed_sample_is_named_by_its_file_and_sequence(tmp_path):
+    # Refused under overlong="reject" (paired data is never cut into pieces): named by prefix and
+    # sequence, not by an index into every prefix's documents of the split.
+    from dynapipe.data.config import DatasetConfig
+
+    short = [[5, 6, 7]] * 10
+    a = write_indexed(tmp_path / "a", short)
+    b = write_indexed(tmp_path / "b", short[:8] + [list(range(2, 40))] + short[:1])
+    targets = [write_indexed(tmp_path / f"{n}_t", [[8, 9]] * 10) for n in ("a", "b")]
+    for split in ((0.0, 1.0), (0.5, 1.0)):
+        with pytest.raises(DynaPipeError, match=rf"^{b}: sequence 8 has 40 tokens"):
+            DatasetConfig(kind="indexed", seq_length=16, paths=(a, b), target_paths=tuple(targets), vocab_size=100,
+                          overlong="reject", split_range=split).build()
+
+
 @pytest.mark.parametrize("name", ["bin_truncated", "bin_too_long", "bin_of_another_dtype", "idx_last_document",
                                   "idx_bad_pointer"])
 def test_indexed_files_handed_to_megatron_core_get_the_same_checks(tmp_path, name):

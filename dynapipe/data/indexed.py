@@ -253,7 +253,8 @@ class MegatronIndexedDataset(SampleDataset):
             self.tasks, self._seqs = doc_tasks, doc_seqs
             self._offsets = np.zeros_like(doc_seqs)
             self.input_lengths, self.target_lengths, self.truncated = clip_lengths(
-                raw_in, raw_tg, limits, encoder_decoder, ",".join(self.prefixes))
+                raw_in, raw_tg, limits, encoder_decoder,
+                lambda i: f"{self.prefixes[int(doc_tasks[i])]}: sequence {int(doc_seqs[i])}")
             self.num_split_documents = 0
         else:
             pieces = split_documents_into_pieces(raw_tg, limits.validate().seq_length)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence, Union
 
 import numpy as np
 
@@ -58,13 +58,16 @@ class LengthLimits:
 
 
 def clip_lengths(raw_input: np.ndarray, raw_target: np.ndarray, limits: LengthLimits,
-                 encoder_decoder: bool, source: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                 encoder_decoder: bool,
+                 source: Union[str, Callable[[int], str]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Clip raw (input, target) lengths to ``limits``; returns (input, target, truncated mask).
 
     Decoder-only: the target is kept whole when it fits and the input's tail is cut
     first (an instruction sample without its answer teaches nothing); a target longer
     than ``seq_length`` keeps its head. Encoder-decoder: each side is cut at its own
-    limit. With ``overlong="reject"`` the first over-long sample raises, naming it.
+    limit. With ``overlong="reject"`` the first over-long sample raises, naming it: ``source(i)``
+    says where sample ``i`` is stored (``file:line``), or ``source`` names the data and the
+    sample its index.
     """
     limits.validate()
     raw_input = np.asarray(raw_input, dtype=np.int64)
@@ -86,8 +89,9 @@ def clip_lengths(raw_input: np.ndarray, raw_target: np.ndarray, limits: LengthLi
             what = (f"{raw_input[i] + raw_target[i]} tokens (input {raw_input[i]} + target "
                     f"{raw_target[i]}), more than --seq-length {limits.seq_length}")
         raise_flags = "--encoder-seq-length / --decoder-seq-length" if encoder_decoder else "--seq-length"
+        where = source(i) if callable(source) else f"{source}: sample {i}"
         raise DynaPipeError(
-            f"{source}: sample {i} has {what} ({int(truncated.sum())} over-long sample(s) in all). "
+            f"{where} has {what} ({int(truncated.sum())} over-long sample(s) in all). "
             f"Raise {raise_flags}, filter the data, or truncate over-long samples "
             f"(overlong='truncate', --dynapipe-overlong truncate).")
     return inp, tgt, truncated
