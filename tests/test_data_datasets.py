@@ -294,3 +294,12 @@ def test_collate_errors_name_the_problem():
         collate([[s]], _req(["tokens"], (2, 16)), 16)
     # A [seqlen, mbs] request gets the transpose.
     assert collate([[s]], _req(["tokens"], (16, 1)), 16)["tokens"].shape == (16, 1)
+
+
+def test_a_tokenizer_path_without_its_metadata_is_refused(tmp_path):
+    # It was ignored: the JSONL went through the byte-level tokenizer.
+    from dynapipe.data.config import DatasetConfig
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
+    with pytest.raises(DynaPipeError, match=r"^tokenizer_path '/models/gpt2' without tokenizer_metadata"):
+        DatasetConfig(kind="jsonl", seq_length=64, paths=(path,), tokenizer_path="/models/gpt2").build()

@@ -391,6 +391,8 @@ def test_config_and_layout_errors():
                            store=default_store_for_single_process())
     with pytest.raises(DynaPipeError, match="not a multiple"):
         RankLayout(world_size=3, pp_size=2).validate()
+    with pytest.raises(DynaPipeError, match="^seed -1: must be >= 0"):  # numpy's traceback in a worker before
+        LoaderConfig(global_batch_size=4, seed=-1).validate()
     for field in ("dp_size", "pp_size", "local_world_size"):  # a ZeroDivisionError before
         with pytest.raises(DynaPipeError, match=f"^rank layout: {field} 0 must be at least 1"):
             RankLayout(**{field: 0}).validate()

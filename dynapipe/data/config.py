@@ -91,6 +91,10 @@ class DatasetConfig:
         return self._open()
 
     def _open(self) -> SampleDataset:
+        if self.tokenizer_path and not self.tokenizer_metadata and self.tokenizer is None:
+            raise DynaPipeError(f"tokenizer_path {self.tokenizer_path!r} without tokenizer_metadata: the JSONL "
+                                f"would be tokenised byte by byte; give the metadata (e.g. the tokenizer type) "
+                                f"too, or a tokenizer object.")
         if self.weights:
             from dataclasses import replace
 

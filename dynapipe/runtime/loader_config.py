@@ -68,7 +68,8 @@ class LoaderConfig:
         if self.planner_nodes < 0:  # no rank would plan, and every rank would wait out the plan timeout
             raise DynaPipeError(f"--dynapipe-planner-nodes {self.planner_nodes}: must be non-negative (0: every "
                                 f"node plans).")
-        for name, value in (("consumed_samples", self.consumed_samples), ("start_iteration", self.start_iteration),
+        for name, value in (("seed", self.seed), ("consumed_samples", self.consumed_samples),
+                            ("start_iteration", self.start_iteration),
                             ("train_iters", 0 if self.train_iters is None else self.train_iters)):
             if value < 0:
                 raise DynaPipeError(f"{name} {value}: must be >= 0.")
