@@ -303,3 +303,13 @@ def test_a_tokenizer_path_without_its_metadata_is_refused(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello"}])
     with pytest.raises(DynaPipeError, match=r"^tokenizer_path '/models/gpt2' without tokenizer_metadata"):
         DatasetConfig(kind="jsonl", seq_length=64, paths=(path,), tokenizer_path="/models/gpt2").build()
+
+
+def test_encoder_decoder_mock_targets_are_drawn_within_the_decoder_length():
+    # They were drawn up to the encoder's length and then counted as truncated (refused under
+    # overlong="reject"): mock data that its own run called over-long.
+    from dynapipe.data.mixture_dataset import MixtureDataset
+
+    limits = LengthLimits(512, 64, overlong="reject")
+    ds = MixtureDataset(2000, 3, limits, 512, encoder_decoder=True)
+    assert ds.num_truncated == 0 and int(ds.target_lengths.max()) == 64 and int(ds.input_lengths.max()) > 64

@@ -46,7 +46,8 @@ class MixtureDataset(SampleDataset):
         self.seed = int(seed)
         self.vocab_size = int(vocab_size)
         self.pad_id, self.eod_id = 0, 1
-        mix = sample_mixture(mixture or load_mixture(), num_samples, seed, limits.seq_length, encoder_decoder)
+        mix = sample_mixture(mixture or load_mixture(), num_samples, seed, limits.seq_length, encoder_decoder,
+                             limits.dec_seq_length)
         self.tasks = mix.task_ids
         self.input_lengths, self.target_lengths, self.truncated = clip_lengths(
             mix.input_lengths, mix.target_lengths, limits, encoder_decoder, "synthetic mixture")

@@ -113,8 +113,9 @@ class MixtureSample:
 
 
 def sample_mixture(mixture: Mixture, n: int, seed: int, seq_length: int,
-                   encoder_decoder: bool = False) -> MixtureSample:
-    """Draw ``n`` samples. Decoder-only: input + target together fit in ``seq_length``."""
+                   encoder_decoder: bool = False, dec_seq_length: int = 0) -> MixtureSample:
+    """Draw ``n`` samples. Decoder-only: input + target together fit in ``seq_length`` tokens.
+    Encoder-decoder: inputs fit in ``seq_length``, targets in ``dec_seq_length`` (0: the same)."""
     if n <= 0:
         raise DynaPipeError(f"--samples {n}: the number of samples must be positive.")
     if n > MAX_SAMPLES:
@@ -132,7 +133,8 @@ def sample_mixture(mixture: Mixture, n: int, seed: int, seq_length: int,
     inp = _lengths(med_in, sig_in, rng.standard_normal(n), seq_length)
     tgt = _lengths(med_tg, sig_tg, rng.standard_normal(n), seq_length)
     if encoder_decoder:
-        inp, tgt = np.minimum(inp, seq_length), np.minimum(tgt, seq_length)
+        # Drawn within each side's own limit: a mock sample is never one the data would truncate.
+        inp, tgt = np.minimum(inp, seq_length), np.minimum(tgt, dec_seq_length or seq_length)
     else:
         tgt = np.minimum(tgt, seq_length - 1)
         inp = np.minimum(inp, seq_length - tgt)
