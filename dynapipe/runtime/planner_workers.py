@@ -215,8 +215,9 @@ def with_flag_names(text: str, flag_names) -> str:
     return text
 
 
-#: A worker's exit code after it reported its failure (to the pool's events and the store).
-REPORTED_EXIT = 1
+#: A worker's exit code after it reported its failure (to the pool's events and the store); not
+#: 1, which is also Python's for an uncaught exception: a worker that died so reported nothing.
+REPORTED_EXIT = 86
 
 
 def death_text(node: int, worker: int, proc) -> str:
@@ -234,7 +235,8 @@ def watch_workers(pool: "PlannerPool", store, error_key: str, stop: threading.Ev
     error is there already. The planner rank may be inside a step's transfers by then, not in
     the loader, so only a watcher tells the ranks awaiting payloads the dead worker never
     published; each stops at its next missing payload with this text instead of waiting out the
-    plan timeout. A worker that fails with a report posts it itself (exit code 1)."""
+    plan timeout. A worker that fails with a report posts it itself (exit code
+    :data:`REPORTED_EXIT`)."""
     procs = dict((p.sentinel, (i, p)) for i, p in enumerate(pool.procs))
     kv = None
     while procs and not stop.is_set():
