@@ -120,11 +120,15 @@ def _ranks(ranks: list) -> str:
     return "ranks " + ",".join(map(str, ranks[:8])) + (f",... ({len(ranks)} ranks)" if len(ranks) > 8 else "") + " see "
 
 
-def override_group_lrs(optimizer, scheduler, opt) -> None:
+def override_group_lrs(optimizer, scheduler, opt, iteration: int) -> None:
     """Under ``--override-opt_param-scheduler``, the loaded optimizer's parameter groups take
     this run's ``--lr``/``--min-lr`` (``--decoupled-lr``/``--decoupled-min-lr`` for the
     decoupled groups), as Megatron-LM's ``load_checkpoint`` sets them: the optimizer state
-    restores the saved bounds, and megatron-core's scheduler reads the groups' over its own."""
+    restores the saved bounds, and megatron-core's scheduler reads the groups' over its own.
+    The schedule resumes at ``iteration`` (iterations done), as Megatron-LM's sets its step
+    count to the consumed samples: the saved count leaves out iterations skipped on an fp16
+    overflow, so the new schedule would start behind the data."""
+    scheduler.num_steps = iteration
     for group in optimizer.param_groups:
         decoupled = group.get("is_decoupled_lr", False)
         max_lr = opt.decoupled_lr if decoupled else opt.lr
@@ -240,7 +244,7 @@ def load(cfg, gpt, optimizer, scheduler, info: RankInfo, log: Log,
         resumed = load_checkpoint(root, gpt, optimizer, scheduler, info, load_optim, load_rng,
                                   check_model_then_extra, cfg.model.dtype)
     if load_optim and cfg.optimizer.override_scheduler:
-        override_group_lrs(optimizer, scheduler, cfg.optimizer)
+        override_group_lrs(optimizer, scheduler, cfg.optimizer, resumed.iteration)
     if cfg.finetune or release:
         resumed = ResumeState(iteration=0, consumed_samples=0)
     log(f"  successfully loaded checkpoint from {root} {_layout(info)} at iteration {resumed.iteration}")

@@ -9,6 +9,7 @@ TensorBoard's own event reader. (Params norm and zero counts across pipeline spl
 ``tests/test_megatron_baselines.py``.)
 """
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -181,3 +182,28 @@ def test_disable_bf16_reduced_precision_matmul_reaches_megatron_cores_config():
     assert not transformer_config(parse("--bf16").model, cfg.parallel, cuda=False).disable_bf16_reduced_precision_matmul
     with pytest.raises(DynaPipeError, match="applies to bf16 matmuls; add --bf16 or drop it"):
         parse("--disable-bf16-reduced-precision-matmul")
+
+
+def test_override_opt_param_scheduler_resumes_the_schedule_at_the_iterations_done():
+    # The saved step count leaves out iterations an fp16 overflow skipped; Megatron-LM's override
+    # sets it to the data consumed, so the new schedule does not start behind the data.
+    import torch
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_integration.checkpoint_formats import override_group_lrs
+
+    def scheduler(max_lr):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=max_lr)
+        return opt, OptimizerParamScheduler(opt, init_lr=max_lr, max_lr=max_lr, min_lr=0.0, lr_warmup_steps=0,
+                                            lr_decay_steps=10, lr_decay_style="linear", start_wd=0.0, end_wd=0.0,
+                                            wd_incr_steps=10, wd_incr_style="constant",
+                                            override_opt_param_scheduler=True,
+                                            use_checkpoint_opt_param_scheduler=False)
+
+    opt, sched = scheduler(1.0)
+    sched.step(increment=5)  # saved after 8 iterations, 3 of them skipped
+    override_group_lrs(opt, sched, SimpleNamespace(lr=2.0, min_lr=0.0, decoupled_lr=None, decoupled_min_lr=None), 8)
+    ref_opt, ref = scheduler(2.0)
+    ref.step(increment=8)
+    assert sched.num_steps == 8 and opt.param_groups[0]["lr"] == pytest.approx(ref_opt.param_groups[0]["lr"])
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.4)
