@@ -87,10 +87,31 @@ def get_rng_state() -> dict:
     return state
 
 
+def check_rng_fits(tracker_states: dict, saved_cuda: bool) -> None:
+    """Refuse an RNG state saved on the other kind of device (``tracker_states``: the saved
+    model-parallel tracker's generator states; ``saved_cuda``: whether a CUDA generator state
+    was saved). A GPU's generator states are not a CPU's (16 bytes against 5,056): loaded, the
+    first dropout failed with torch's size error, after a successful load."""
+    from megatron.core import tensor_parallel
+
+    here = "GPU" if torch.cuda.is_available() else "CPU"
+    there = "GPU" if saved_cuda else "CPU"
+    current = tensor_parallel.get_cuda_rng_tracker().get_states()
+    fits = all(name not in current or torch.as_tensor(s).numel() == current[name].numel()
+               for name, s in tracker_states.items())
+    if here != there or not fits:
+        if here == there:  # the sizes tell where it was saved
+            there = "CPU" if here == "GPU" else "GPU"
+        raise DynaPipeError(f"the checkpoint's random state was saved on {there} ranks and this run is on {here} "
+                            f"ranks, whose generators differ; resume with --no-load-rng (weights, optimizer and "
+                            f"data position still load exactly; dropout draws afresh).")
+
+
 def set_rng_state(state: dict) -> None:
     """Restore what :func:`get_rng_state` captured."""
     from megatron.core import tensor_parallel
 
+    check_rng_fits(state["tracker"], "cuda" in state)
     internal, version, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     n = state["numpy"]

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from dynapipe.errors import DynaPipeError
 from dynapipe.megatron_core import installed_release
-from megatron_integration.checkpoint import check_distributed_optimizer, check_precision
+from megatron_integration.checkpoint import check_distributed_optimizer, check_precision, check_rng_fits
 from megatron_integration.checkpoint_files import CHECKSUM_SUFFIX, verify_file
 from megatron_integration.initialize import RankInfo
 from megatron_integration.checkpoint_compat import check_optimizer_resharding, model_mismatch, scheduler_units
@@ -139,6 +139,7 @@ def _rng_state() -> dict:
 def _set_rng_state(state: dict) -> None:
     from megatron.core import tensor_parallel
 
+    check_rng_fits(state["rng_tracker_states"], "cuda_rng_state" in state)
     random.setstate(state["random_rng_state"])
     np.random.set_state(state["np_rng_state"])
     torch.set_rng_state(state["torch_rng_state"])

@@ -677,3 +677,27 @@ def test_the_blend_record_is_read_before_the_model_and_an_unreadable_file_leaves
     assert recorded_training_blend(cfg, other_layout) is None
     (rank_dir / "model_optim_rng.pt").write_bytes(b"damaged")
     assert recorded_training_blend(cfg, info) is None
+
+
+def test_a_random_state_saved_on_the_other_kind_of_device_is_refused_naming_no_load_rng(monkeypatch):
+    # A GPU's generator states (16 bytes) loaded into a CPU rank's tracker "succeeded", then the
+    # first dropout failed with torch's size error; and the other way round.
+    import torch
+    from megatron.core import tensor_parallel
+
+    from megatron_integration.checkpoint import check_rng_fits
+
+    class Tracker:
+        def get_states(self):
+            return {"model-parallel-rng": torch.zeros(5056, dtype=torch.uint8)}
+
+    monkeypatch.setattr(tensor_parallel, "get_cuda_rng_tracker", Tracker)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    gpu_saved = {"model-parallel-rng": torch.zeros(16, dtype=torch.uint8)}
+    for saved_cuda in (True, False):  # with or without the CUDA generator's own state
+        with pytest.raises(DynaPipeError, match="saved on GPU ranks and this run is on CPU ranks.*--no-load-rng"):
+            check_rng_fits(gpu_saved, saved_cuda)
+    check_rng_fits(Tracker().get_states(), False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(DynaPipeError, match="saved on CPU ranks and this run is on GPU ranks"):
+        check_rng_fits(Tracker().get_states(), False)
