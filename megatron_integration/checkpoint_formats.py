@@ -15,6 +15,7 @@ wait for the others in training.
 from __future__ import annotations
 
 import glob
+import math
 import os
 from datetime import datetime
 from types import SimpleNamespace
@@ -118,6 +119,23 @@ def _ranks(ranks: list) -> str:
     if len(ranks) == 1:
         return f"rank {ranks[0]} sees "
     return "ranks " + ",".join(map(str, ranks[:8])) + (f",... ({len(ranks)} ranks)" if len(ranks) > 8 else "") + " see "
+
+
+def check_adam_settings(optimizer, opt, where: str) -> None:
+    """Refuse an optimizer state whose Adam betas or epsilon differ from this run's
+    ``--adam-beta1``/``--adam-beta2``/``--adam-eps``: loading puts back the saved parameter
+    groups, these with them, so Megatron-LM trains on with the saved values and the flags do
+    nothing. ``where``: the checkpoint directory, for the message."""
+    for group in optimizer.param_groups:
+        if "betas" not in group:
+            continue
+        for flag, saved, ours in (("--adam-beta1", group["betas"][0], opt.adam_beta1),
+                                  ("--adam-beta2", group["betas"][1], opt.adam_beta2),
+                                  ("--adam-eps", group["eps"], opt.adam_eps)):
+            if not math.isclose(float(saved), float(ours), rel_tol=1e-9, abs_tol=0.0):
+                raise DynaPipeError(f"{where}: the optimizer state was saved with {flag} {float(saved):g}, this run "
+                                    f"gives {float(ours):g}, which its loaded state would override; resume with "
+                                    f"{flag} {float(saved):g}, or add --no-load-optim to start a fresh optimizer.")
 
 
 def override_group_lrs(optimizer, scheduler, opt, iteration: int) -> None:
@@ -243,6 +261,8 @@ def load(cfg, gpt, optimizer, scheduler, info: RankInfo, log: Log,
 
         resumed = load_checkpoint(root, gpt, optimizer, scheduler, info, load_optim, load_rng,
                                   check_model_then_extra, cfg.model.dtype)
+    if load_optim:
+        check_adam_settings(optimizer, cfg.optimizer, iter_dir)
     if load_optim and cfg.optimizer.override_scheduler:
         override_group_lrs(optimizer, scheduler, cfg.optimizer, resumed.iteration)
     if cfg.finetune or release:

@@ -207,6 +207,9 @@ def fault_outcomes(tmp_path_factory):
         # The dynapipe format records the model's arguments as torch_dist does: another norm is named.
         "load_dynapipe_other_norm": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --load {save} "
                                               "--override-opt_param-scheduler --normalization RMSNorm"),
+        # Adam's betas and epsilon come back with the saved parameter groups: another value is refused.
+        "load_other_beta2": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --load {save} "
+                                      "--override-opt_param-scheduler --adam-beta2 0.95"),
         # Loading mistakes that must not start from random weights, or resume on the wrong split.
         "finetune_iter_dir": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {save}/iter_0000002 "
                               "--finetune"),
@@ -229,6 +232,8 @@ def fault_outcomes(tmp_path_factory):
         "saved_dist": ("train", f"{TINY}{MOCK} --train-iters 1 --lr 1e-3 --save {dist_save}"),
         "load_other_norm": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {dist_save} "
                                      "--override-opt_param-scheduler --normalization RMSNorm"),
+        "load_dist_other_eps": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {dist_save} "
+                                         "--override-opt_param-scheduler --adam-eps 1e-6"),
         "truncate_dist_shard": ("rank0", truncate_file, (os.path.join(dist_save, "iter_0000001", "__1_0.distcp"), -7)),
         "load_truncated_dist": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --load {dist_save} "
                                   "--override-opt_param-scheduler"),
@@ -337,6 +342,10 @@ def test_loading_mistakes_stop_every_rank_in_one_line(fault_outcomes):
         "load_dynapipe_other_norm": f"{save}/iter_0000002: the checkpoint does not fit this model (--normalization "
                                     f"LayerNorm in the checkpoint, RMSNorm here); use the model arguments it was "
                                     f"saved with.",
+        "load_other_beta2": f"{save}/iter_0000002: the optimizer state was saved with --adam-beta2 0.999, this run "
+                            f"gives 0.95, which its loaded state would override; resume with --adam-beta2 0.999, or "
+                            f"add --no-load-optim to start a fresh optimizer.",
+        "load_dist_other_eps": f"{dist_save}/iter_0000001: the optimizer state was saved with --adam-eps 1e-08",
     }
     for name, text in expected.items():
         errors = [o["error"] for o in outcomes[name]]
