@@ -32,8 +32,14 @@ def model_values(cfg) -> dict:
 
 def recorded_model_args(cfg, mine: Optional[dict] = None) -> dict:
     """What a ``dynapipe``-format checkpoint records of its model, in Megatron-LM's argument
-    names: ``mine`` (a T5's values) or :func:`model_values`, and the GeLU it computed."""
-    return {**(mine or model_values(cfg)), "bias_gelu_fusion": cfg.model.gelu_approximation == "tanh"}
+    names: ``mine`` (a T5's values) or :func:`model_values` with the key/value heads and the
+    position table that :func:`model_mismatch` compares as a torch_dist checkpoint's, and the
+    GeLU it computed."""
+    m = cfg.model
+    gpt = {} if mine else {"group_query_attention": m.num_query_groups is not None,
+                           "num_query_groups": m.num_query_groups or 1,
+                           "max_position_embeddings": m.max_position_embeddings}
+    return {**(mine or model_values(cfg)), **gpt, "bias_gelu_fusion": m.gelu_approximation == "tanh"}
 
 
 def model_mismatch(ckpt_args, cfg, mine: Optional[dict] = None,

@@ -701,3 +701,24 @@ def test_a_random_state_saved_on_the_other_kind_of_device_is_refused_naming_no_l
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(DynaPipeError, match="saved on CPU ranks and this run is on GPU ranks"):
         check_rng_fits(Tracker().get_states(), False)
+
+
+def test_a_dynapipe_checkpoint_records_the_key_value_heads_and_the_position_table():
+    # They were compared for torch_dist checkpoints only: a dynapipe-format one loaded into
+    # another GQA or table size failed in torch's load_state_dict, naming no flag.
+    from types import SimpleNamespace
+
+    from megatron_integration.arguments import parse_training_args
+    from megatron_integration.checkpoint_compat import model_mismatch, recorded_model_args
+
+    base = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --micro-batch-size 2 "
+            "--global-batch-size 4 --train-iters 2 --lr 1e-3 --mock-data")
+    cfg = parse_training_args(base.split(), 1, cuda=False)
+    gqa = parse_training_args((base + " --group-query-attention --num-query-groups 2").split(), 1, cuda=False)
+    longer = parse_training_args((base + " --max-position-embeddings 256").split(), 1, cuda=False)
+    saved = SimpleNamespace(**recorded_model_args(gqa))
+    assert model_mismatch(saved, cfg) == "2 key/value heads in the checkpoint, 4 here: --group-query-attention " \
+                                         "--num-query-groups"
+    assert model_mismatch(saved, gqa) is None
+    assert model_mismatch(SimpleNamespace(**recorded_model_args(cfg)), longer) == \
+        "--max-position-embeddings 128 in the checkpoint, 256 here"
