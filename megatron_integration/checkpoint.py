@@ -35,7 +35,7 @@ import torch.distributed as dist
 from dynapipe.errors import DynaPipeError
 from megatron_integration.agreement import attempt, same_error_everywhere
 from megatron_integration.checkpoint_files import (TRACKER, StagedSave, load_verified, save_with_checksum,
-                                                   verify_file, write_checksum)
+                                                   sync_dir, verify_file, write_checksum)
 from megatron_integration.initialize import RankInfo
 from megatron_integration.scheduler_state import align_schedule_bounds, load_scheduler_state
 
@@ -195,7 +195,10 @@ def publish_latest(root: str, iteration: int, info: RankInfo) -> None:
         tmp = os.path.join(root, LATEST + ".tmp")
         with open(tmp, "w") as f:
             f.write(str(iteration))
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, os.path.join(root, LATEST))
+        sync_dir(root)
 
     error = attempt(write, f"writing {os.path.join(root, LATEST)}")[1] if info.rank == 0 else None
     same_error_everywhere(error)

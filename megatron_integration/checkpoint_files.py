@@ -62,6 +62,31 @@ def save_failed_advice(root: str) -> str:
     return "No earlier checkpoint exists under --save; fix the cause (a full disk?) and start again."
 
 
+def sync_file(path: str) -> None:
+    """Flush ``path``'s data to its disk: a rename or the tracker written after it must never
+    name data a node crash (not a killed process) can still lose."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_dir(path: str) -> None:
+    """Flush ``path``'s entries (renames into it) to its disk; a no-op where directories cannot
+    be opened (not POSIX)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on a directory; the data itself is synced
+        pass
+    finally:
+        os.close(fd)
+
+
 def move_into_place(staging: str, iter_dir: str) -> None:
     """Replace ``iter_dir`` (if any) by the complete ``staging``: two renames, the old directory
     removed last. Why: a save of an iteration ``--save`` already holds must not destroy the
@@ -78,6 +103,7 @@ def move_into_place(staging: str, iter_dir: str) -> None:
         if old is not None:  # the complete earlier one back where the latest marker looks
             os.rename(old, iter_dir)
         raise
+    sync_dir(os.path.dirname(os.path.abspath(iter_dir)))
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -142,6 +168,8 @@ def write_checksum(path: str) -> None:
     tmp = path + CHECKSUM_SUFFIX + ".tmp"
     with open(tmp, "w") as f:
         f.write(f"{digest} {size}\n")
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path + CHECKSUM_SUFFIX)
 
 
@@ -178,8 +206,10 @@ def save_with_checksum(save: Callable[[str], None], path: str) -> None:
     """Write ``path`` through ``save(tmp_path)``, rename it into place, then record its checksum."""
     tmp = path + ".tmp"
     save(tmp)
+    sync_file(tmp)
     os.replace(tmp, path)
     write_checksum(path)
+    sync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def load_verified(load: Callable[[str], Any], path: str) -> Any:

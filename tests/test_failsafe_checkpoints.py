@@ -108,3 +108,21 @@ def test_save_dir_is_checked_at_start_up(tmp_path):
     for bad in (tmp_path / "f", tmp_path / "f" / "sub"):
         with pytest.raises(DynaPipeError, match="--save"):
             check_writable_dir(str(bad))
+
+
+def test_a_saved_file_its_checksum_and_their_directory_reach_the_disk_before_anything_names_them(tmp_path,
+                                                                                                  monkeypatch):
+    # Renames and the tracker written after a save must not name data a node crash can lose.
+    from megatron_integration.checkpoint_files import move_into_place, save_with_checksum
+
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd))
+    path = str(tmp_path / "model.pt")
+    save_with_checksum(lambda p: open(p, "wb").write(b"weights"), path)
+    assert synced == [path + ".tmp", path + ".sha256.tmp", str(tmp_path)], synced
+    staging, iter_dir = tmp_path / "iter_0000001.saving", str(tmp_path / "iter_0000001")
+    staging.mkdir()
+    synced.clear()
+    move_into_place(str(staging), iter_dir)
+    assert synced == [str(tmp_path)]
