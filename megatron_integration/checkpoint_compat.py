@@ -39,7 +39,20 @@ def recorded_model_args(cfg, mine: Optional[dict] = None) -> dict:
     gpt = {} if mine else {"group_query_attention": m.num_query_groups is not None,
                            "num_query_groups": m.num_query_groups or 1,
                            "max_position_embeddings": m.max_position_embeddings}
-    return {**(mine or model_values(cfg)), **gpt, "bias_gelu_fusion": m.gelu_approximation == "tanh"}
+    return {**(mine or model_values(cfg)), **gpt, "bias_gelu_fusion": m.gelu_approximation == "tanh",
+            "transformer_impl": m.transformer_impl}
+
+
+def impl_mismatch(recorded: dict, cfg) -> Optional[str]:
+    """A ``dynapipe``-format checkpoint's layer implementation (``recorded``: its model
+    arguments) against this run's, named by the flag; None if they fit or it is not recorded.
+    The layers' own state keys differ (Transformer Engine fuses the norms into its linear
+    layers), and this format is each rank's state as its modules hold it; a ``torch_dist``
+    checkpoint is keyed by megatron-core's sharded names and is not compared."""
+    impl = recorded.get("transformer_impl")
+    if impl is None or impl == cfg.model.transformer_impl:
+        return None
+    return f"--transformer-impl {impl} in the checkpoint, {cfg.model.transformer_impl} here"
 
 
 def model_mismatch(ckpt_args, cfg, mine: Optional[dict] = None,

@@ -253,6 +253,7 @@ def load(cfg, gpt, optimizer, scheduler, info: RankInfo, log: Log,
             recorded = extra.get("model_args")  # absent in checkpoints of earlier builds
             mismatch = (checkpoint_compat.model_mismatch(SimpleNamespace(**recorded), cfg, model_values)
                         if recorded else None)
+            mismatch = mismatch or checkpoint_compat.impl_mismatch(recorded or {}, cfg)
             if mismatch:
                 raise DynaPipeError(f"{iter_dir}: the checkpoint does not fit this model ({mismatch}); use the "
                                     f"model arguments it was saved with.")

@@ -722,3 +722,9 @@ def test_a_dynapipe_checkpoint_records_the_key_value_heads_and_the_position_tabl
     assert model_mismatch(saved, gqa) is None
     assert model_mismatch(SimpleNamespace(**recorded_model_args(cfg)), longer) == \
         "--max-position-embeddings 128 in the checkpoint, 256 here"
+    # And its layer implementation: a CPU run's local layers do not load into Transformer Engine's.
+    from megatron_integration.checkpoint_compat import impl_mismatch
+
+    assert impl_mismatch(recorded_model_args(cfg), cfg) is None and impl_mismatch({}, cfg) is None
+    assert impl_mismatch({**recorded_model_args(cfg), "transformer_impl": "transformer_engine"}, cfg) == \
+        "--transformer-impl transformer_engine in the checkpoint, local here"
