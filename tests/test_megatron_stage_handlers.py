@@ -22,14 +22,15 @@ def _forward(handlers, mask):
     return handlers.forward(MicroBatchInfo(mb=0, samples=(0,), mbs=1, seqlen=mask.shape[1]), inputs, None)
 
 
-def test_last_stage_returns_scaled_loss_and_accumulates_unscaled():
+def test_last_stage_returns_the_unscaled_loss_and_scales_what_the_backward_starts_from():
     losses = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
     mask = torch.tensor([[0.0, 1.0, 1.0, 1.0]])
     handlers = MegatronStageHandlers(_last_stage(losses, grad_scale_func=lambda loss: loss * 1024.0),
                                      torch.device("cpu"))
     handlers.begin({}, global_loss_tokens=6)
     out = _forward(handlers, mask)
-    assert float(out) == 9.0 * 1024.0  # what the backward sees: the fp16 loss scale applied
+    assert float(out) == 9.0  # the loss the executor reports: unscaled
+    assert float(handlers.grad_scale(out)) == 9.0 * 1024.0  # what the backward sees: the fp16 loss scale
     _forward(handlers, mask)
     assert float(handlers.loss_sum) == 18.0 and int(handlers.loss_tokens) == 6  # reported loss: unscaled
     handlers.begin({}, global_loss_tokens=6)
