@@ -387,6 +387,8 @@ def test_advise_library_refuses_a_limit_below_the_reserved_memory():
 
 @pytest.mark.parametrize("extra, message", [
     (["--output", "DIR"], "is a directory; give a file path for the profile JSON"),
+    # A folder in the way of the one to create (a missing one is created, as every command's).
+    (["--output", "FILE/sub/p.json"], "is a file, not a folder, so nothing can be written under it"),
     # The model config it reads is never written over.
     (["--output", "OUT", "--model", "OUT"], "--model and --output name the same file"),
     (["--output", "OUT", "--threads", "-1"], "--threads -1: must be at least 1"),
@@ -416,7 +418,9 @@ def test_profile_refuses_before_measuring(tmp_path, capsys, monkeypatch, extra, 
     def measured(*a, **k):
         raise AssertionError("measured before refusing")
     monkeypatch.setattr(profiler, "profile_model", measured)
-    extra = [str(tmp_path) if a == "DIR" else str(tmp_path / "p.json") if a == "OUT" else a for a in extra]
+    (tmp_path / "FILE").write_text("a file where a folder would go")
+    extra = [str(tmp_path) if a == "DIR" else str(tmp_path / "p.json") if a == "OUT" else
+             str(tmp_path / a) if a.startswith("FILE/") else a for a in extra]
     if "--model" in extra:
         import shutil
 

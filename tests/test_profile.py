@@ -188,7 +188,7 @@ def tp2_profile_path(tmp_path_factory):
     through the command line."""
     from dynapipe.cli import main
 
-    path = tmp_path_factory.mktemp("profile_tp") / "tp2.json"
+    path = tmp_path_factory.mktemp("profile_tp") / "new-folder" / "tp2.json"  # created, as every output's
     rc = main(["profile", "--output", str(path), "--model", "gpt-tiny", "--mbs", "1",
                "--seqlens", ",".join(map(str, TP_SEQLENS)), "--repeats", "1", "--threads", "1", "--no-progress",
                "--tensor-model-parallel-size", "2", "--sequence-parallel"])

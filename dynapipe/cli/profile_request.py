@@ -61,20 +61,16 @@ def check_output(path: str, args=None) -> None:
     """Refuse an ``--output`` the profile could not be written to, or that names a file the
     profile reads (``args``' ``--model`` config or a tokenizer's files), before measuring."""
     from dynapipe.errors import DynaPipeError
-    from dynapipe.output_paths import check_outputs_apart, config_inputs
+    from dynapipe.output_paths import check_output_file, check_outputs_apart, config_inputs
 
     if args is not None:
         check_outputs_apart(config_inputs(args, ("model", "vocab_file", "merge_file", "tokenizer_model")),
                             [("--output", path)])
-
     if os.path.isdir(path):
         raise DynaPipeError(f"--output {path}: is a directory; give a file path for the profile JSON, such as "
                             f"{os.path.join(path, 'profile.json')}.")
-    out_dir = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(out_dir):
-        raise DynaPipeError(f"--output {path}: directory {out_dir} does not exist.")
-    if not os.access(out_dir, os.W_OK):
-        raise DynaPipeError(f"--output {path}: directory {out_dir} is not writable; write the profile elsewhere.")
+    # As every command's outputs: a missing folder is created when the profile is written.
+    check_output_file(path, "--output")
 
 
 def check_grid_lengths(model_name, seqlens: list[int], dec_seqlens: list[int],
