@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: demo test venv clean
+.PHONY: demo test test-fast venv clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q tests
+
+# The modules that start no process (planner, schedules, plans, cost model, data, checks):
+# about two minutes, for a quick loop while editing. CI runs `make test`.
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not spawns" tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

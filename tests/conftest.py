@@ -1,8 +1,30 @@
 """Session-wide fixtures: the spawned T5 jobs the T5 test modules share (a 2-rank job costs
-tens of seconds; it runs once however many modules read it)."""
+tens of seconds; it runs once however many modules read it); and the ``spawns`` mark that
+``make test-fast`` leaves out."""
+import re
+
 import pytest
 
 from t5_job import PACKING, TIMEOUT, TINY
+
+# What a module that starts processes calls or reads (spawned gloo ranks, torchrun, subprocesses,
+# the session's shared training jobs). Most of the suite's time is in those modules; the others
+# (planner, schedules, plans, cost model, data, command-line checks) run in about two minutes.
+_STARTS_PROCESSES = re.compile(r"\bspawn(_outcomes)?\(|\brun_trainings?\(|\bsubprocess\b|\brun_job\b|\bpp2\b|"
+                               r"\bt5_dist\b|\btp2\b|megatron_runs")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test of a module that starts processes ``spawns`` (``-m "not spawns"``: the
+    fast tier)."""
+    starts: dict = {}
+    for item in items:
+        path = str(item.fspath)
+        if path not in starts:
+            with open(path, encoding="utf-8") as f:
+                starts[path] = bool(_STARTS_PROCESSES.search(f.read()))
+        if starts[path]:
+            item.add_marker(pytest.mark.spawns)
 
 
 @pytest.fixture
