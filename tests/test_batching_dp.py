@@ -337,3 +337,23 @@ def test_the_compiled_kernel_reads_tables_of_any_byte_order_as_numpy_does():
     with pytest.raises(TypeError, match="native byte order"):
         _dp_kernel.solve_capped(t, table.offsets.astype(np.int64), table.row_len, table.row_of_end, 10.0, True,
                                 np.empty(3), np.zeros(3, dtype=np.int64))
+
+
+def test_the_numpy_loop_is_announced_once_a_process(monkeypatch):
+    # An optional extension that failed to build left the planner 10-50x slower without a word.
+    import warnings
+
+    from dynapipe.batching import dp_partition, plan_micro_batches
+    from dynapipe.config import load_device_config, load_model_config
+    from dynapipe.cost import build_cost_model
+
+    monkeypatch.setattr(dp_partition, "_dp_kernel", None)
+    monkeypatch.setattr(dp_partition, "_fallback_warned", False)
+    cm = build_cost_model(load_model_config("gpt-tiny"), load_device_config("cpu"), num_stages=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            plan_micro_batches(np.array([10, 20, 30, 40]), cm)
+    assert [str(w.message) for w in caught if "C loop" in str(w.message)] == [
+        "dynapipe: the planner's C loop (dynapipe.batching._dp_kernel) is not built, so the DP runs its numpy loop, "
+        "10-50x slower; reinstall with a C compiler present (pip install -e .)."]

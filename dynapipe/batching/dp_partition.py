@@ -23,6 +23,7 @@ both perform the same additions in the same order and give identical results.
 from __future__ import annotations
 
 import heapq
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,6 +36,21 @@ try:  # built by setup.py; optional
     from dynapipe.batching import _dp_kernel
 except ImportError:  # pragma: no cover - exercised when the extension is not built
     _dp_kernel = None
+
+
+def _warn_fallback() -> None:
+    """Say once per process that the DP runs its numpy loop: 10-50x slower than the C one,
+    which misses the planning-time targets (an optional extension that failed to build is
+    otherwise silent)."""
+    global _fallback_warned
+    if not _fallback_warned:
+        _fallback_warned = True
+        warnings.warn("dynapipe: the planner's C loop (dynapipe.batching._dp_kernel) is not built, so the DP runs "
+                      "its numpy loop, 10-50x slower; reinstall with a C compiler present (pip install -e .).",
+                      stacklevel=3)
+
+
+_fallback_warned = False
 
 
 def compiled_kernel_available() -> bool:
@@ -142,6 +158,8 @@ def optimal_partition(table: CandidateTable, num_stages: int, dp: int = 1,
     n, w = table.n, float(num_stages - 1)
     if use_compiled is None:
         use_compiled = _dp_kernel is not None
+        if not use_compiled:
+            _warn_fallback()
     cands = np.sort(table.time_ms[np.isfinite(table.time_ms)])
     total = np.empty(n + 1, dtype=np.float64)
     choice = np.zeros(n + 1, dtype=np.int64)
