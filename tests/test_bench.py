@@ -126,7 +126,8 @@ def test_bench_rounds_sweep_and_methods(tmp_path):
     assert set(per_round) == set(report["ratios"])
     for k in range(2):
         mine, theirs = (methods[m]["rounds_real_tokens_per_s"][k] for m in ("dynapipe", "packing"))
-        assert per_round["dynapipe_vs_packing"][k] == pytest.approx(mine / theirs, rel=2e-3)
+        # Rounded to 3 decimals: a slow round's ratio (0.1 on a loaded machine) is up to 5e-4 off.
+        assert per_round["dynapipe_vs_packing"][k] == pytest.approx(mine / theirs, rel=2e-3, abs=5.1e-4)
     assert per_round["dynapipe_vs_best_baseline"] == per_round[f"dynapipe_vs_{report['best_baseline']}"]
     assert "ratios round by round" in result.stdout
     assert "vs packing" in result.stdout and "attn share" in result.stdout and "bubble" in result.stdout
