@@ -14,6 +14,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from functools import partial
@@ -32,6 +33,13 @@ TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-si
         "--max-position-embeddings 64 --vocab-size 128 --micro-batch-size 2 --global-batch-size 4 "
         "--log-interval 1 --seed 7 --pipeline-model-parallel-size 2 --hidden-dropout 0 --attention-dropout 0")
 MOCK = " --mock-data --dynapipe-mock-samples 64"
+# CPython 3.12.0 and 3.12.1 crash in the garbage collector on the reference cycle a failed write
+# leaves where megatron-core 0.19 writes torch_dist shards from the rank's own threads (CPython
+# gh-111049, fixed in 3.12.2): the rank dies, and with it the job every test here shares, so
+# those steps are left out there.
+GC_CRASHES_ON_A_FAILED_WRITE = (3, 12, 0) <= sys.version_info[:3] < (3, 12, 2)
+TORCH_DIST_FULL_DISK = ("fill_rank1_disk", "full_save_fails", "free_rank1_disk", "fill_rank1_disk_again",
+                        "resave_fails", "free_rank1_disk_again", "load_after_failed_resave")
 
 
 def fault_job(steps: list) -> list:
@@ -306,6 +314,8 @@ def fault_outcomes(tmp_path_factory):
     # hand) and is lost.
     redis = (f" --use-dynapipe --dynapipe-kv-backend redis --dynapipe-redis-port {port} --dynapipe-store-retry-s 20"
              f" --dynapipe-prefetch 6")
+    if GC_CRASHES_ON_A_FAILED_WRITE:
+        steps = {k: v for k, v in steps.items() if k not in TORCH_DIST_FULL_DISK}
     steps["redis_undisturbed"] = ("train", f"{TINY}{MOCK} --train-iters 7 --lr 1e-3{redis}")
     steps["redis_restarted"] = ("train", f"{TINY}{MOCK} --train-iters 7 --lr 1e-3{redis}", (1, marker))
     stop, lost_unread = threading.Event(), []
@@ -410,7 +420,9 @@ def test_a_broken_torch_dist_checkpoint_stops_every_rank_with_one_line(fault_out
     assert broken[0] == broken[1] and "\n" not in broken[0]
     common = common_state_file(os.path.join(paths["dist_save"], "iter_0000001"))
     assert os.path.basename(common) in ("common.pt", "__0_0.distcp")
-    assert "__1_0.distcp is truncated" in broken[0] and "its index needs" in broken[0], broken[0]
+    # megatron-core 0.19 keeps the common part in rank 0's shard, which was cut too: named first.
+    cut = "__1_0.distcp" if os.path.basename(common) == "common.pt" else "__0_0.distcp"
+    assert f"{cut} is truncated" in broken[0] and "its index needs" in broken[0], broken[0]
 
 
 def test_a_failure_outside_the_executor_stops_the_waiting_rank_with_its_cause(fault_outcomes):
@@ -473,6 +485,8 @@ def test_a_global_batch_without_loss_tokens_stops_every_method_before_the_step(f
                "token" in o["error"], o
 
 
+@pytest.mark.skipif(GC_CRASHES_ON_A_FAILED_WRITE, reason="CPython 3.12.0-3.12.1 crash collecting a failed write's "
+                                                    "buffer (gh-111049); fixed in 3.12.2")
 def test_a_full_disk_during_a_torch_dist_save_stops_every_rank_and_keeps_the_last_checkpoint(fault_outcomes):
     outcomes, paths = fault_outcomes
     texts = [o.get("error") for o in outcomes["full_save_fails"]]
