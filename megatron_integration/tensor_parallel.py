@@ -33,8 +33,11 @@ def check_device_max_connections(tp: int, arch_major: Optional[int] = None) -> N
     if arch_major is None:
         import torch
 
+        from megatron_integration.initialize import select_local_gpu
+
         if not torch.cuda.is_available():
             return
+        select_local_gpu()  # asked of this rank's own GPU, so no context opens on GPU 0
         arch_major = torch.cuda.get_device_capability()[0]
     if arch_major < 10:
         raise DynaPipeError(f"--tensor-model-parallel-size {tp} on GPUs before Blackwell needs the environment "
