@@ -87,31 +87,34 @@ def get_rng_state() -> dict:
     return state
 
 
-def check_rng_fits(tracker_states: dict, saved_cuda: bool) -> None:
-    """Refuse an RNG state saved on the other kind of device (``tracker_states``: the saved
-    model-parallel tracker's generator states; ``saved_cuda``: whether a CUDA generator state
-    was saved). A GPU's generator states are not a CPU's (16 bytes against 5,056): loaded, the
-    first dropout failed with torch's size error, after a successful load."""
+# A CUDA generator's state is a seed and an offset (16 bytes); a CPU one's is the Mersenne
+# Twister's (5,056).
+_CUDA_STATE_MAX_BYTES = 64
+
+
+def check_rng_fits(tracker_states: dict) -> None:
+    """Refuse the model-parallel tracker's generator states of a checkpoint (``tracker_states``)
+    when they are another kind of generator's than this run's: saved on GPU ranks and loaded on
+    CPU ones, or the other way round. They loaded, and the first dropout failed with torch's
+    size error."""
     from megatron.core import tensor_parallel
 
-    here = "GPU" if torch.cuda.is_available() else "CPU"
-    there = "GPU" if saved_cuda else "CPU"
     current = tensor_parallel.get_cuda_rng_tracker().get_states()
-    fits = all(name not in current or torch.as_tensor(s).numel() == current[name].numel()
-               for name, s in tracker_states.items())
-    if here != there or not fits:
-        if here == there:  # the sizes tell where it was saved
-            there = "CPU" if here == "GPU" else "GPU"
-        raise DynaPipeError(f"the checkpoint's random state was saved on {there} ranks and this run is on {here} "
-                            f"ranks, whose generators differ; resume with --no-load-rng (weights, optimizer and "
-                            f"data position still load exactly; dropout draws afresh).")
+    for name, state in tracker_states.items():
+        saved, ours = torch.as_tensor(state).numel(), current[name].numel() if name in current else None
+        if ours is not None and saved != ours:
+            def kind(n: int) -> str:
+                return "GPU" if n <= _CUDA_STATE_MAX_BYTES else "CPU"
+            raise DynaPipeError(f"the checkpoint's random state was saved on {kind(saved)} ranks and this run is on "
+                                f"{kind(ours)} ranks, whose generators differ; resume with --no-load-rng (weights, "
+                                f"optimizer and data position still load exactly; dropout draws afresh).")
 
 
 def set_rng_state(state: dict) -> None:
     """Restore what :func:`get_rng_state` captured."""
     from megatron.core import tensor_parallel
 
-    check_rng_fits(state["tracker"], "cuda" in state)
+    check_rng_fits(state["tracker"])
     internal, version, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     n = state["numpy"]

@@ -139,7 +139,7 @@ def _rng_state() -> dict:
 def _set_rng_state(state: dict) -> None:
     from megatron.core import tensor_parallel
 
-    check_rng_fits(state["rng_tracker_states"], "cuda_rng_state" in state)
+    check_rng_fits(state["rng_tracker_states"])
     random.setstate(state["random_rng_state"])
     np.random.set_state(state["np_rng_state"])
     torch.set_rng_state(state["torch_rng_state"])

@@ -687,20 +687,24 @@ def test_a_random_state_saved_on_the_other_kind_of_device_is_refused_naming_no_l
 
     from megatron_integration.checkpoint import check_rng_fits
 
+    sizes = {"CPU": 5056, "GPU": 16}
+
     class Tracker:
+        here = "CPU"
+
         def get_states(self):
-            return {"model-parallel-rng": torch.zeros(5056, dtype=torch.uint8)}
+            return {"model-parallel-rng": torch.zeros(sizes[Tracker.here], dtype=torch.uint8)}
 
     monkeypatch.setattr(tensor_parallel, "get_cuda_rng_tracker", Tracker)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    gpu_saved = {"model-parallel-rng": torch.zeros(16, dtype=torch.uint8)}
-    for saved_cuda in (True, False):  # with or without the CUDA generator's own state
-        with pytest.raises(DynaPipeError, match="saved on GPU ranks and this run is on CPU ranks.*--no-load-rng"):
-            check_rng_fits(gpu_saved, saved_cuda)
-    check_rng_fits(Tracker().get_states(), False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    saved = {kind: {"model-parallel-rng": torch.zeros(n, dtype=torch.uint8)} for kind, n in sizes.items()}
+    with pytest.raises(DynaPipeError, match="saved on GPU ranks and this run is on CPU ranks.*--no-load-rng"):
+        check_rng_fits(saved["GPU"])
+    check_rng_fits(saved["CPU"])
+    check_rng_fits({"another-tracker-rng": torch.zeros(16, dtype=torch.uint8)})  # not this run's: not compared
+    Tracker.here = "GPU"
     with pytest.raises(DynaPipeError, match="saved on CPU ranks and this run is on GPU ranks"):
-        check_rng_fits(Tracker().get_states(), False)
+        check_rng_fits(saved["CPU"])
+    check_rng_fits(saved["GPU"])
 
 
 def test_a_dynapipe_checkpoint_records_the_key_value_heads_and_the_position_table():
