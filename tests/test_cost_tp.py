@@ -193,8 +193,10 @@ def test_cost_command_tp_errors(capsys):
 
 
 @pytest.mark.parametrize("name,tp", [("gpt-13b-tp2-pp4-dp2-a100-40gb", 2), ("gpt-30b-tp4-pp4-dp2-h100", 4)])
-def test_tp_run_configs_need_their_tensor_parallelism(name, tp, gpu_with_te):
+def test_tp_run_configs_need_their_tensor_parallelism(name, tp, gpu_with_te, tmp_path, monkeypatch):
     from megatron_integration.arguments import build_parser, load_run_config, training_config_from_args
+
+    monkeypatch.chdir(tmp_path)  # the run's relative --save is created where it is parsed, not in the checkout
 
     run = load_run_config(name)
     cfg = training_config_from_args(build_parser().parse_args(list(run.argv)), run.world_size, cuda=True)
