@@ -254,13 +254,18 @@ def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[b
     return cfg
 
 
+def _check_world_size(world_size: int, tp: int, pp: int) -> None:
+    """Refuse a world size that is no whole number of tensor x pipeline groups."""
+    if world_size % (tp * pp):
+        raise DynaPipeError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+                            f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} ranks.")
+
+
 def _parallel_args_from_args(args: argparse.Namespace, world_size: int, cuda: bool) -> ParallelArgs:
     """The process layout (tensor x pipeline x data parallel ranks) and its backend, validated
     against the world size, the layer count and the device."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if world_size % (tp * pp):
-        raise DynaPipeError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-                            f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} ranks.")
+    _check_world_size(world_size, tp, pp)
     pretouch = _positive("dynapipe-cpu-pretouch-mb", getattr(args, "dynapipe_cpu_pretouch_mb", 0), allow_zero=True)
     if pretouch and not sys.platform.startswith("linux"):
         raise DynaPipeError(f"--dynapipe-cpu-pretouch-mb {pretouch} writes glibc's malloc heap, which this "
@@ -305,10 +310,9 @@ def _default_global_batch(args: argparse.Namespace, world_size: int) -> None:
     if args.global_batch_size is not None:
         return
     tp, pp = args.tensor_model_parallel_size or 1, args.pipeline_model_parallel_size or 1
-    if tp > 0 and pp > 0 and world_size % (tp * pp):
+    if tp > 0 and pp > 0:
         # The cause, not the missing batch size the default could not be computed for.
-        raise DynaPipeError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-                            f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} ranks.")
+        _check_world_size(world_size, tp, pp)
     if args.micro_batch_size is None:
         raise DynaPipeError("--global-batch-size is required (Megatron-LM's default, --micro-batch-size x the "
                             "data-parallel size, needs --micro-batch-size).")

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from dynapipe.errors import DynaPipeError
 from megatron_integration.agreement import attempt, same_error_everywhere
 from megatron_integration.checkpoint_files import (TRACKER, StagedSave, load_verified, save_with_checksum,
-                                                   sync_dir, verify_file, write_checksum)
+                                                   sync_dir, verify_file, write_checksum, write_text_synced)
 from megatron_integration.initialize import RankInfo
 from megatron_integration.scheduler_state import align_schedule_bounds, load_scheduler_state
 
@@ -92,6 +92,10 @@ def get_rng_state() -> dict:
 _CUDA_STATE_MAX_BYTES = 64
 
 
+def _generator_device(state_bytes: int) -> str:
+    return "GPU" if state_bytes <= _CUDA_STATE_MAX_BYTES else "CPU"
+
+
 def check_rng_fits(tracker_states: dict) -> None:
     """Refuse the model-parallel tracker's generator states of a checkpoint (``tracker_states``)
     when they are another kind of generator's than this run's: saved on GPU ranks and loaded on
@@ -103,11 +107,10 @@ def check_rng_fits(tracker_states: dict) -> None:
     for name, state in tracker_states.items():
         saved, ours = torch.as_tensor(state).numel(), current[name].numel() if name in current else None
         if ours is not None and saved != ours:
-            def kind(n: int) -> str:
-                return "GPU" if n <= _CUDA_STATE_MAX_BYTES else "CPU"
-            raise DynaPipeError(f"the checkpoint's random state was saved on {kind(saved)} ranks and this run is on "
-                                f"{kind(ours)} ranks, whose generators differ; resume with --no-load-rng (weights, "
-                                f"optimizer and data position still load exactly; dropout draws afresh).")
+            raise DynaPipeError(f"the checkpoint's random state was saved on {_generator_device(saved)} ranks and "
+                                f"this run is on {_generator_device(ours)} ranks, whose generators differ; resume "
+                                f"with --no-load-rng (weights, optimizer and data position still load exactly; "
+                                f"dropout draws afresh).")
 
 
 def set_rng_state(state: dict) -> None:
@@ -195,12 +198,7 @@ def publish_latest(root: str, iteration: int, info: RankInfo) -> None:
     dist.barrier()
 
     def write() -> None:
-        tmp = os.path.join(root, LATEST + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(str(iteration))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(root, LATEST))
+        write_text_synced(os.path.join(root, LATEST), str(iteration))
         sync_dir(root)
 
     error = attempt(write, f"writing {os.path.join(root, LATEST)}")[1] if info.rank == 0 else None

@@ -162,15 +162,21 @@ def file_digest(path: str) -> tuple[str, int]:
     return h.hexdigest(), size
 
 
+def write_text_synced(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: a synced sibling renamed over it (the caller syncs
+    the folder when the rename itself must survive a crash)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def write_checksum(path: str) -> None:
     """Record ``path``'s digest and size in ``path + .sha256`` (atomically)."""
     digest, size = file_digest(path)
-    tmp = path + CHECKSUM_SUFFIX + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(f"{digest} {size}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path + CHECKSUM_SUFFIX)
+    write_text_synced(path + CHECKSUM_SUFFIX, f"{digest} {size}\n")
 
 
 def verify_file(path: str) -> None:

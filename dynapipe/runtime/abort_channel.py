@@ -65,9 +65,10 @@ class AbortChannel:
     def failure_of_another(self, rank: int) -> Optional[str]:
         """The root cause (:meth:`root_cause`) once a rank other than ``rank`` reported; None
         before (one store round trip while nobody failed)."""
-        if not self.count() or all(d["rank"] == rank for d in self.reports()):
+        reports = self.reports() if self.count() else []
+        if all(d["rank"] == rank for d in reports):
             return None
-        return self.root_cause()
+        return _first_failed(reports[0])
 
     def root_cause(self, grace_s: float = 0.0) -> Optional[str]:
         """The first primary report (or the earliest one), waiting up to ``grace_s`` for one."""
@@ -78,8 +79,12 @@ class AbortChannel:
             except Exception:  # noqa: BLE001 - the store went away with its host
                 return None
             if reports and (reports[0]["primary"] or time.monotonic() >= deadline):
-                d = reports[0]
-                return f"global rank {d['rank']} failed first:\n{d['message']}"
+                return _first_failed(reports[0])
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)
+
+
+def _first_failed(report: dict) -> str:
+    """How a report reads as the root cause of the others' failures."""
+    return f"global rank {report['rank']} failed first:\n{report['message']}"
