@@ -431,3 +431,17 @@ def test_a_live_planner_keeps_its_runs_redis_keys_past_their_expiry(redis_server
     time.sleep(2.6)
     assert kv.get("keep[1]/run/it0/r0/s0") is None  # the job gone, its keys go
     kv.close()
+
+
+def test_delete_blob_deletes_the_chunks_after_one_a_restart_lost(kv):
+    # A restarted server that lost chunk 0 kept chunks 1 and 2: deleting up to the first absent
+    # chunk left them until their expiry (forever on a TCPStore).
+    put_blob(kv, "t/gap", os.urandom(3000))
+    kv.delete("t/gap/c0")
+    delete_blob(kv, "t/gap")
+    assert [kv.get(k) for k in ("t/gap", "t/gap/c1", "t/gap/c2")] == [None, None, None]
+    # Without a manifest (a write cut short) the chunks written so far go.
+    kv.set("t/cut/c0", b"a")
+    kv.set("t/cut/c1", b"b")
+    delete_blob(kv, "t/cut")
+    assert kv.get("t/cut/c0") is None and kv.get("t/cut/c1") is None

@@ -341,9 +341,21 @@ def get_blob(kv: KVStore, key: str) -> Optional[bytes]:
 
 
 def delete_blob(kv: KVStore, key: str) -> None:
-    """Delete a value stored by :func:`put_blob`, its chunks included (even half-written ones)."""
-    kv.delete(key)
-    i = 0
+    """Delete a value stored by :func:`put_blob`, its chunks included (even half-written ones).
+
+    The manifest gives the chunk count, so chunks after one a restarted server lost are deleted
+    too; without a manifest (a write cut short) chunks are deleted up to the first absent one.
+    """
+    head = kv.get(key)
+    chunks = 0
+    if head is not None and len(head) >= _HEADER.size:
+        magic, version, count, _ = _HEADER.unpack_from(head)
+        if magic == _MAGIC and version == _VERSION:
+            chunks = count
+    kv.delete(key)  # first: from here on readers see the value as absent, not as half there
+    for i in range(chunks):
+        kv.delete(_chunk_key(key, i))
+    i = chunks
     while kv.delete(_chunk_key(key, i)):
         i += 1
 
