@@ -15,6 +15,7 @@ HELP = "rank parallel layouts (TP, PP, interleaving, DP, distributed optimizer) 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Add the ``advise`` command's flags to ``p``."""
     p.add_argument("--model", required=True, help="model config (shipped name such as gpt-13b, or a YAML path)")
     p.add_argument("--device", required=True, help="device config (a100-40gb, h100-80gb, cpu, or a YAML path)")
     p.add_argument("--cluster", required=True, help="cluster config: GPUs per node and links (a100-8x, ...)")
@@ -150,6 +151,7 @@ def packing_method(args) -> str:
 
 
 def run(args) -> int:
+    """Run ``advise`` with parsed ``args``; the process exit status (0: done)."""
     from dynapipe.advise import advise, enumerate_layouts, gpu_capacity_mib, leave_out_idle_replicas, sample_batches
     from dynapipe.batching.lengths import read_lengths_for
     from dynapipe.config import load_cluster_config, load_device_config, load_model_config

@@ -18,6 +18,7 @@ HELP = "train with dynapipe and megatron-core's padding / packing baselines side
 
 
 def add_arguments(p) -> None:
+    """Add the ``bench`` command's flags to ``p``."""
     p.add_argument("--output", required=True,
                    help="JSON results file (a file path: the measured profile and the traces go next to it)")
     p.add_argument("--png", default=None, help="also draw the comparison as a PNG (a path ending in .png; GPT only)")
@@ -97,6 +98,7 @@ def _check_bench_numbers(args) -> None:
 
 
 def run(args) -> int:
+    """Run ``bench`` with parsed ``args``; the process exit status (0: done)."""
     from dynapipe.errors import DynaPipeError
     from megatron_integration.bench import PRESETS, check_request, run_bench
     from megatron_integration.bench_checks import check_bench_outputs, make_output_dir

@@ -138,6 +138,7 @@ def check_shape(text: str, shape: tuple[int, int, Optional[int]], model: ModelCo
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Add the ``cost`` command's flags to ``p``."""
     add_cost_model_arguments(p)
     p.add_argument("--shape", action="append", required=True, metavar="MBS,SEQLEN[,DEC_SEQLEN]",
                    help="micro-batch shape: samples, padded tokens (and decoder tokens); repeat for more")
@@ -164,6 +165,7 @@ def cost_rows(setup: CostSetup, shapes: list[tuple[int, int, Optional[int]]],
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``cost`` with parsed ``args``; the process exit status (0: done)."""
     setup = cost_setup_from_args(args)
     shapes = [parse_shape(s, setup.model.is_encoder_decoder) for s in args.shape]
     for text, shape in zip(args.shape, shapes):

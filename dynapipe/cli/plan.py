@@ -32,6 +32,7 @@ HELP = "plan the micro-batches (and schedule) of one global batch"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Add the ``plan`` command's flags to ``p``."""
     p.add_argument("--lengths", required=True,
                    help="lengths file: one integer a line, or 'input target' pairs for encoder-decoder; - reads stdin")
     add_cost_model_arguments(p)
@@ -165,6 +166,7 @@ def _with_room_in_flight(args: argparse.Namespace, batch_plan: BatchPlan, sched:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``plan`` with parsed ``args``; the process exit status (0: done)."""
     check_batching_flags(args)
     check_schedule_flags(args)
     check_plan_out(args.plan_out)

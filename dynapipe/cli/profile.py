@@ -36,6 +36,7 @@ TP_TIMEOUT_S = 3600.0
 
 
 def add_arguments(p) -> None:
+    """Add the ``profile`` command's flags to ``p``."""
     from megatron_integration.arguments import add_megatron_args
 
     p.add_argument("--output", required=True, help="profile JSON to write")
@@ -156,6 +157,7 @@ def default_dec_seqlens(model_name) -> str:
 
 
 def run(args) -> int:
+    """Run ``profile`` with parsed ``args``; the process exit status (0: done)."""
     import torch
 
     from dynapipe.cost.profile import ProfileCostModel

@@ -9,6 +9,7 @@ HELP = "write a lengths file drawn from the synthetic multi-task mixture"
 
 
 def add_arguments(p) -> None:
+    """Add the ``synth`` command's flags to ``p``."""
     p.add_argument("--samples", type=int, required=True, help="number of samples")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--seq-length", type=int, default=1024, help="clip lengths at this many tokens (default 1024)")
@@ -20,6 +21,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    """Run ``synth`` with parsed ``args``; the process exit status (0: done)."""
     check_output_file(args.output, "--output", stdout=True)
     mixture = resolve_mixture(args.mixture, flag="--mixture")
     check_distinct([("--mixture", mixture), ("--output", args.output)])

@@ -34,6 +34,7 @@ DEFAULT_SEED = 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Add the ``trace`` command's flags to ``p``."""
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--lengths", help="lengths file (as for plan); - reads stdin")
     src.add_argument("--samples", type=int, help="draw this many samples from the synthetic mixture instead")
@@ -87,6 +88,7 @@ def _check_before_planning(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``trace`` with parsed ``args``; the process exit status (0: done)."""
     check_batching_flags(args)
     check_schedule_flags(args)
     replica = _check_replica(args)

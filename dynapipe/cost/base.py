@@ -150,6 +150,7 @@ class StageCost:
 
 
 def check_recompute(recompute: str) -> str:
+    """``recompute`` itself if it is one of :data:`RECOMPUTE_LEVELS`; else a DynaPipeError naming them."""
     if recompute not in RECOMPUTE_LEVELS:
         raise DynaPipeError(f"recompute={recompute!r} is not a recompute level; use one of {RECOMPUTE_LEVELS}.")
     return recompute

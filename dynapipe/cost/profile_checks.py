@@ -185,6 +185,8 @@ def _short(value) -> str:
 
 
 def check_profile(data: Mapping[str, Any], source: str) -> None:
+    """Refuse ``data`` (read from ``source``) unless it is a profile of this format with every
+    field of the right type; the error names the field and ``source``."""
     if not isinstance(data, Mapping):
         raise DynaPipeError(f"{source}: not a DynaPipe profile (a JSON object with \"format\": "
                             f"{PROFILE_FORMAT!r} is expected); write one with `python -m dynapipe profile`.")

@@ -34,6 +34,8 @@ class TaskSpec:
 
 @dataclass(frozen=True)
 class Mixture:
+    """Tasks drawn in proportion to their weights (normalised by :attr:`weights`)."""
+
     tasks: tuple[TaskSpec, ...]
 
     @property

@@ -119,41 +119,57 @@ class CommInstruction(Instruction):
 
 @dataclass(frozen=True)
 class SendActivationStart(CommInstruction):
+    """Post the send of a forward output to ``peer``."""
+
     OPCODE: ClassVar[str] = "send_act_start"
 
 
 @dataclass(frozen=True)
 class SendActivationFinish(CommInstruction):
+    """Wait until the matching activation send has completed (its buffer may be freed)."""
+
     OPCODE: ClassVar[str] = "send_act_finish"
 
 
 @dataclass(frozen=True)
 class RecvActivationStart(CommInstruction):
+    """Post the receive of a forward input from ``peer``."""
+
     OPCODE: ClassVar[str] = "recv_act_start"
 
 
 @dataclass(frozen=True)
 class RecvActivationFinish(CommInstruction):
+    """Wait until the matching activation receive has landed in ``buffer``."""
+
     OPCODE: ClassVar[str] = "recv_act_finish"
 
 
 @dataclass(frozen=True)
 class SendGradStart(CommInstruction):
+    """Post the send of an input gradient to ``peer``."""
+
     OPCODE: ClassVar[str] = "send_grad_start"
 
 
 @dataclass(frozen=True)
 class SendGradFinish(CommInstruction):
+    """Wait until the matching gradient send has completed."""
+
     OPCODE: ClassVar[str] = "send_grad_finish"
 
 
 @dataclass(frozen=True)
 class RecvGradStart(CommInstruction):
+    """Post the receive of an output gradient from ``peer``."""
+
     OPCODE: ClassVar[str] = "recv_grad_start"
 
 
 @dataclass(frozen=True)
 class RecvGradFinish(CommInstruction):
+    """Wait until the matching gradient receive has landed in ``buffer``."""
+
     OPCODE: ClassVar[str] = "recv_grad_finish"
 
 
