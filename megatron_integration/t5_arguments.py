@@ -69,10 +69,13 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
             raise DynaPipeError(f"--{flag} {length} exceeds --max-position-embeddings {max_pos}; raise it to at "
                                 f"least {length}.")
     pp = args.pipeline_model_parallel_size
-    for flag, one_chunk in (("num-layers-per-virtual-pipeline-stage", (enc_layers + dec_layers) / pp),
+    # One virtual stage per rank is no interleaving: Megatron-LM reads it so, and so here. Its
+    # layers per virtual stage count a T5's --num-layers, the encoder's (the decoder's when only
+    # --encoder-num-layers is given), per pipeline rank: never encoder and decoder together.
+    megatron_layers = args.num_layers if args.num_layers is not None else dec_layers
+    for flag, one_chunk in (("num-layers-per-virtual-pipeline-stage", megatron_layers / pp),
                             ("num-virtual-stages-per-pipeline-rank", 1)):
         value = getattr(args, flag.replace("-", "_"))
-        # One virtual stage per rank is no interleaving: Megatron-LM reads it so, and so here.
         if value is not None and value != one_chunk:
             raise _unsupported(f"--{flag}", f"{value}: T5 chunks are a stage placement here; use "
                                             f"--dynapipe-placement interleaved (or a chunked split such as "
@@ -144,6 +147,8 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
     shared.num_layers, shared.seq_length, shared.max_position_embeddings = total, enc_seq, max_pos
     shared.encoder_num_layers = shared.encoder_seq_length = None  # resolved above, into the two above
     shared.dynapipe_placement = "even"  # T5's placement is its own (below), not a GPT split
+    # Checked above to mean no interleaving, counted on T5's layers, not on the whole model's.
+    shared.num_layers_per_virtual_pipeline_stage = shared.num_virtual_stages_per_pipeline_rank = None
     if placement_flag != "even" and total % pp:
         shared.num_layers = pp * (total // pp) or pp  # the split is the placement's, not an even one
     # T5's baselines run through the executor too: its flags apply to every method.

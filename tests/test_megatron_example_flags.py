@@ -225,10 +225,20 @@ def test_t5_refuses_what_its_stages_do_not_take():
     assert parse_t5_args(argv + ["--num-virtual-stages-per-pipeline-rank", "1"], 2, cuda=False).base.model
     with pytest.raises(DynaPipeError, match="^--num-virtual-stages-per-pipeline-rank .*2: .*--dynapipe-placement"):
         parse_t5_args(argv + ["--num-virtual-stages-per-pipeline-rank", "2"], 2, cuda=False)
-    # So is a chunk of every layer a rank holds (4 layers on 2 ranks: 2); 1 would be two chunks.
-    assert parse_t5_args(argv + ["--num-layers-per-virtual-pipeline-stage", "2"], 2, cuda=False).base.model
-    with pytest.raises(DynaPipeError, match="^--num-layers-per-virtual-pipeline-stage .*1: "):
-        parse_t5_args(argv + ["--num-layers-per-virtual-pipeline-stage", "1"], 2, cuda=False)
+    # So is a chunk of a rank's share of the layers Megatron-LM counts for a T5: --num-layers (the
+    # encoder's), or --decoder-num-layers when only --encoder-num-layers is given. Never both
+    # together: 2 + 2 layers on 2 ranks take 1 as no interleaving, and 2 is refused (Megatron-LM
+    # asserts on it).
+    assert parse_t5_args(argv + ["--num-layers-per-virtual-pipeline-stage", "1"], 2, cuda=False).base.model
+    with pytest.raises(DynaPipeError, match="^--num-layers-per-virtual-pipeline-stage .*2: "):
+        parse_t5_args(argv + ["--num-layers-per-virtual-pipeline-stage", "2"], 2, cuda=False)
+    deep_encoder = [a for a in argv if a != "--encoder-num-layers"]
+    deep_encoder[deep_encoder.index("2")] = "4"  # the encoder's count, now after --num-layers
+    deep_encoder = ["--num-layers"] + deep_encoder
+    assert parse_t5_args(deep_encoder + ["--num-layers-per-virtual-pipeline-stage", "2"], 2, cuda=False).base.model
+    for value in ("1", "3"):
+        with pytest.raises(DynaPipeError, match=f"^--num-layers-per-virtual-pipeline-stage .*{value}: "):
+            parse_t5_args(deep_encoder + ["--num-layers-per-virtual-pipeline-stage", value], 2, cuda=False)
     # Every T5 method runs through the executor: megatron-core's overlap switch has nothing to turn off.
     with pytest.raises(DynaPipeError, match="^--no-overlap-p2p-communication .*drop it"):
         parse_t5_args(argv + ["--no-overlap-p2p-communication"], 2, cuda=False)
