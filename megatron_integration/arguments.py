@@ -146,10 +146,9 @@ def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[b
     for flag in ("global-batch-size", "train-iters", "micro-batch-size", "tensor-model-parallel-size",
                  "pipeline-model-parallel-size", "log-interval", "save-interval", "dynapipe-planner-workers",
                  "dynapipe-max-tokens", "dynapipe-tokens-per-global-batch", "dynapipe-memory-limit-mb",
-                 "dynapipe-timeout-s", "dynapipe-mock-samples"):
+                 "dynapipe-timeout-s", "dynapipe-mock-samples", "dynapipe-prefetch"):
         _positive(flag, getattr(args, flag.replace("-", "_")))
     _positive("lr", args.lr, allow_zero=True)
-    _positive("dynapipe-prefetch", args.dynapipe_prefetch, allow_zero=True)
     _positive("dynapipe-store-retry-s", args.dynapipe_store_retry_s, allow_zero=True)
     if not 0 < args.dynapipe_redis_port < 65536:
         raise DynaPipeError(f"--dynapipe-redis-port {args.dynapipe_redis_port}: a TCP port is 1 to 65535.")

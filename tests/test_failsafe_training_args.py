@@ -33,6 +33,7 @@ TRAIN_INVALID = [
     (["--hidden-dropout", "1.5"], "--hidden-dropout"),
     (["--pipeline-model-parallel-size", "2"], "world size"),
     (["--dynapipe-store-retry-s", "-1"], "--dynapipe-store-retry-s"),
+    (["--dynapipe-prefetch", "0"], "--dynapipe-prefetch 0"),
     (["--dynapipe-redis-port", "0"], "--dynapipe-redis-port"),
     (["--dynapipe-redis-port", "70000"], "--dynapipe-redis-port"),
     (["--save", "{binary}"], "--save"),
