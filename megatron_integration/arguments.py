@@ -313,8 +313,11 @@ def _default_global_batch(args: argparse.Namespace, world_size: int) -> None:
         # The cause, not the missing batch size the default could not be computed for.
         _check_world_size(world_size, tp, pp)
     if args.micro_batch_size is None:
-        raise DynaPipeError("--global-batch-size is required (Megatron-LM's default, --micro-batch-size x the "
-                            "data-parallel size, needs --micro-batch-size).")
+        budget = getattr(args, "dynapipe_tokens_per_global_batch", None)
+        what = (f" (with --dynapipe-tokens-per-global-batch {budget} it sets only the evaluation batches' sample "
+                f"count)" if budget else "")
+        raise DynaPipeError(f"--global-batch-size is required{what}: Megatron-LM's default, --micro-batch-size x "
+                            f"the data-parallel size, needs --micro-batch-size.")
     if args.micro_batch_size > 0 and tp > 0 and pp > 0:  # else the checks that follow name the flag
         args.global_batch_size = args.micro_batch_size * (world_size // (tp * pp))
 

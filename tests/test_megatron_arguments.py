@@ -291,9 +291,14 @@ def test_megatron_lms_defaults_for_the_global_batch_the_head_size_and_a_first_la
     with pytest.raises(DynaPipeError, match="world size 3 is not divisible by --tensor-model-parallel-size 1 x "
                                             "--pipeline-model-parallel-size 2"):
         parse("--pipeline-model-parallel-size 2", world=3, base=base)
-    with pytest.raises(DynaPipeError, match=r"--global-batch-size is required \(Megatron-LM's default, "
+    with pytest.raises(DynaPipeError, match=r"--global-batch-size is required: Megatron-LM's default, "
                                             r"--micro-batch-size x the data-parallel size, needs --micro-batch-size"):
         parse("", world=2, base=base.replace("--micro-batch-size 2 ", ""))
+    # Under a token budget the error says what the sample count is still for.
+    with pytest.raises(DynaPipeError, match=r"required \(with --dynapipe-tokens-per-global-batch 4096 it sets only "
+                                            r"the evaluation batches' sample count\): "):
+        parse("--use-dynapipe --dynapipe-tokens-per-global-batch 4096", world=2,
+              base=base.replace("--micro-batch-size 2 ", ""))
     # A given --kv-channels sets the head size, so hidden need not divide by the heads.
     assert parse("--hidden-size 64 --num-attention-heads 3 --kv-channels 16").model.kv_channels == 16
     with pytest.raises(DynaPipeError, match="--num-attention-heads 3; change one, or give the head size"):
