@@ -54,7 +54,9 @@ def add_dynapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--dynapipe-device", default=None,
                    help="device config for the analytic cost model (default: cpu without CUDA; on a GPU the shipped "
                         "config of the GPU found, else h100-80gb's figures within the GPU's memory)")
-    g.add_argument("--dynapipe-cluster", default=None, help="cluster config for link costs (default cpu-local / h100-8x)")
+    g.add_argument("--dynapipe-cluster", default=None,
+                   help="cluster config for link costs (default: on CPU cpu-local; on GPUs the shipped cluster of "
+                        "the device config's GPU, such as a100-8x for a100-40gb, else h100-8x)")
     g.add_argument("--dynapipe-planner-workers", type=int, default=1, help="planner worker processes per node")
     g.add_argument("--dynapipe-planner-nodes", type=int, default=0,
                    help="nodes that plan: the first N of the job, their local rank 0 hosting the planner workers "
@@ -249,7 +251,7 @@ def dynapipe_args_from_args(args: argparse.Namespace, cuda: bool, batching: str,
         enabled=args.use_dynapipe, batching=batching, schedule=args.dynapipe_schedule,
         memory_limit_mb=args.dynapipe_memory_limit_mb, cost_model=cost_model,
         device=device, device_given=args.dynapipe_device is not None,
-        cluster=args.dynapipe_cluster or ("h100-8x" if cuda else "cpu-local"),
+        cluster=args.dynapipe_cluster or default_cluster(device, cuda), cluster_given=args.dynapipe_cluster is not None,
         planner_workers=args.dynapipe_planner_workers, planner_nodes=planner_nodes, split_replicas=split,
         prefetch=args.dynapipe_prefetch,
         kv_backend=args.dynapipe_kv_backend, redis_host=args.dynapipe_redis_host,
@@ -257,6 +259,17 @@ def dynapipe_args_from_args(args: argparse.Namespace, cuda: bool, batching: str,
         max_tokens=args.dynapipe_max_tokens,
         timeout_s=args.dynapipe_timeout_s, trace_dir=args.dynapipe_trace_dir, recompute=recompute,
         split_backward=split_backward)
+
+
+def default_cluster(device: str, cuda: bool) -> str:
+    """The cluster config a run plans with when ``--dynapipe-cluster`` is not given: ``cpu-local``
+    on CPU; on GPUs the shipped cluster of the device config's GPU (``a100-40gb`` ->
+    ``a100-8x``: an A100's links are half an H100's), else ``h100-8x``."""
+    from dynapipe.cost.profile_device import shipped_cluster_for_device
+
+    if not cuda:
+        return "cpu-local"
+    return shipped_cluster_for_device(device) or "h100-8x"
 
 
 def _split_backward(args: argparse.Namespace, cuda: bool) -> bool:

@@ -3,7 +3,8 @@
 Without ``--dynapipe-device`` a CUDA run planned with ``h100-80gb``'s figures, its memory
 limit included, whatever GPU it ran on: on an A100 of 40 GB the plans would have used twice the
 memory there is. At start-up, once the device exists, the default becomes the shipped config of
-the GPU found (:func:`dynapipe.cost.profile_device.shipped_config_for_gpu`); for a GPU no shipped
+the GPU found (:func:`dynapipe.cost.profile_device.shipped_config_for_gpu`), and the cluster
+config that GPU's shipped one unless ``--dynapipe-cluster`` was given; for a GPU no shipped
 config describes, ``h100-80gb``'s figures stay but the plans may use at most the memory the GPU
 has. A device config or a memory limit the user gave is kept as given.
 """
@@ -13,6 +14,7 @@ from dataclasses import replace
 import torch
 
 from dynapipe.cost.profile_device import shipped_config_for_gpu
+from megatron_integration.args_dynapipe import default_cluster
 
 MIB = float(1 << 20)
 
@@ -34,9 +36,14 @@ def resolve_default_device(dynapipe, gpu_name: str, total_mib: float):
     if chosen is not None:
         if chosen == dynapipe.device:
             return dynapipe, None
-        return (replace(dynapipe, device=chosen),
-                f" > planning with the device config {chosen} for this GPU ({gpu_name}); "
-                f"--dynapipe-device names another")
+        resolved = replace(dynapipe, device=chosen)
+        cluster = ""
+        if not dynapipe.cluster_given:
+            resolved = replace(resolved, cluster=default_cluster(chosen, cuda=True))
+            cluster = f" and the cluster config {resolved.cluster}"
+        return (resolved,
+                f" > planning with the device config {chosen}{cluster} for this GPU ({gpu_name}); "
+                f"--dynapipe-device{' / --dynapipe-cluster' if cluster else ''} names another")
     if dynapipe.memory_limit_mb is not None:  # the user's limit stands
         return dynapipe, None
     return (replace(dynapipe, memory_limit_mb=float(total_mib)),

@@ -193,6 +193,7 @@ class DynaPipeArgs:
     device: str = "cpu"
     device_given: bool = False  # --dynapipe-device named on the command line (a profile's GPU model is compared)
     cluster: str = "cpu-local"
+    cluster_given: bool = False  # --dynapipe-cluster named: else it follows the device config's GPU
     planner_workers: int = 1
     # Nodes that plan (0: every node), and whether they share out each iteration's replicas
     # instead of taking turns by iteration (LoaderConfig.planner_nodes / split_replicas).

@@ -292,14 +292,14 @@ def test_cost_and_plan_say_when_a_shape_lies_beyond_the_profile_grid(tmp_path, c
     assert "note: sequence length 504 (measured up to 128) is beyond the profile's grid" in err
 
 
-@pytest.mark.parametrize("name, total_mib, config", [
-    ("NVIDIA A100-SXM4-40GB", 40_536, "a100-40gb"),
-    ("NVIDIA H100 80GB HBM3", 81_559, "h100-80gb"),
-    ("NVIDIA H200", 143_771, "h200"),
-    ("NVIDIA A100-SXM4-80GB", 81_920, None),   # an A100 of 80 GB: no shipped config has its memory
-    ("NVIDIA L40S", 46_068, None),
+@pytest.mark.parametrize("name, total_mib, config, cluster", [
+    ("NVIDIA A100-SXM4-40GB", 40_536, "a100-40gb", "a100-8x"),
+    ("NVIDIA H100 80GB HBM3", 81_559, "h100-80gb", "h100-8x"),
+    ("NVIDIA H200", 143_771, "h200", "h200-8x"),
+    ("NVIDIA A100-SXM4-80GB", 81_920, None, "h100-8x"),   # an A100 of 80 GB: no shipped config has its memory
+    ("NVIDIA L40S", 46_068, None, "h100-8x"),
 ])
-def test_a_gpu_run_without_a_device_config_takes_the_shipped_one_of_its_gpu(name, total_mib, config):
+def test_a_gpu_run_without_a_device_config_takes_the_shipped_one_of_its_gpu(name, total_mib, config, cluster):
     from dynapipe.cost.profile_device import shipped_config_for_gpu
     from megatron_integration.arguments import parse_training_args
     from megatron_integration.device_default import resolve_default_device
@@ -311,9 +311,15 @@ def test_a_gpu_run_without_a_device_config_takes_the_shipped_one_of_its_gpu(name
     dyn = parse_training_args(argv, 1, cuda=True).dynapipe
     assert dyn.device == "h100-80gb" and not dyn.device_given and dyn.memory_limit_mb is None
     got, note = resolve_default_device(dyn, name, total_mib)
+    assert got.cluster == cluster  # an A100's links are half an H100's: its own cluster config prices them
     if config is not None:
         assert got.device == config and got.memory_limit_mb is None
         assert (note is None) == (config == "h100-80gb")
+        assert note is None or f"the cluster config {cluster} " in note
+        # A cluster the command line named stands; the device's own config is chosen alike at parsing.
+        named = parse_training_args(argv + ["--dynapipe-cluster", "h200-8x"], 1, cuda=True).dynapipe
+        assert resolve_default_device(named, name, total_mib)[0].cluster == "h200-8x"
+        assert parse_training_args(argv + ["--dynapipe-device", config], 1, cuda=True).dynapipe.cluster == cluster
     else:  # h100-80gb's figures, within the memory this GPU has
         assert got.device == "h100-80gb" and got.memory_limit_mb == pytest.approx(total_mib)
         assert name in note and "--dynapipe-device" in note

@@ -29,6 +29,18 @@ def gpu_model(name: str) -> Optional[str]:
     return next((w for w in _words(name) if _GPU_MODEL.fullmatch(w)), None)
 
 
+def shipped_cluster_for_device(device: str) -> Optional[str]:
+    """The shipped cluster config (``configs/clusters``) of the GPU model that the device config
+    name ``device`` carries (``a100-40gb`` -> ``a100-8x``), the first by name if several; None
+    where the name carries no GPU model or no shipped cluster has it."""
+    from dynapipe.config import shipped_names
+
+    model = gpu_model(device)
+    if model is None:
+        return None
+    return next((name for name in shipped_names("clusters") if gpu_model(name) == model), None)
+
+
 def config_kind(name: str) -> Optional[str]:
     """``cpu`` or ``gpu`` as a device config's name says, or None where it does not tell."""
     words = _words(name)
