@@ -95,7 +95,9 @@ def add_dynapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--dynapipe-mock-samples", type=int, default=MOCK_SAMPLES_DEFAULT,
                    help=f"samples in the --mock-data dataset (reshuffled every epoch; default {MOCK_SAMPLES_DEFAULT})")
     g.add_argument("--dynapipe-timeout-s", type=float, default=300.0,
-                   help="seconds a rank waits for a peer or a plan before failing")
+                   help="seconds a rank waits for a plan, or (on CPU) for a peer's transfer, before failing; on "
+                        "GPUs transfers wait on the NCCL stream, bounded by --distributed-timeout-minutes "
+                        "(default 300)")
     g.add_argument("--dynapipe-trace-dir", default=None, help="write per-rank Chrome traces of what ran")
     g.add_argument("--dynapipe-cpu-affinity", default="none", choices=AFFINITIES,
                    help="cores: pin each rank on a host to its own equal slice of the cores (refused with fewer "
