@@ -76,6 +76,13 @@ def build_parser(prog: Optional[str] = None, description: Optional[str] = None) 
                 self.exit(2)
             return parsed, extras
 
+        def error(self, message: str):
+            if message.startswith("unrecognized arguments:"):
+                # Megatron-LM adds flags every release: say where the ones this build reads are listed.
+                message += (" (a flag this build neither reads nor knows as a Megatron-LM flag to refuse; the "
+                            "Megatron-LM flags it reads are under Arguments in the README)")
+            super().error(message)
+
     parser = MegatronArgumentParser(prog=prog, description=description, allow_abbrev=False)
     add_megatron_args(parser)
     add_dynapipe_args(parser)

@@ -256,7 +256,9 @@ def test_unknown_flag_is_still_argparse_error(capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         build_parser("pretrain_gpt.py").parse_args(BASE.split() + ["--colour", "red"])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and "unrecognized arguments: --colour red" in err and err.count("\n") == 1
+    assert e.value.code == 2 and "unrecognized arguments: --colour red (a flag this build neither reads" in err
+    assert "the Megatron-LM flags it reads are under Arguments in the README); see pretrain_gpt.py --help" in err
+    assert err.count("\n") == 1
 
 
 def test_script_prints_the_line_once_without_usage():
