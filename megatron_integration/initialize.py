@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from dynapipe.errors import DynaPipeError
 from dynapipe.megatron_core import require_megatron_core
+from dynapipe.runtime import distributed as _runtime_dist
 from megatron_integration import cpu_compat
 from megatron_integration.agreement import joined_rendezvous
 from megatron_integration.cpu_affinity import pin_local_rank
@@ -93,30 +94,10 @@ def init_distributed(parallel: ParallelArgs, private_store: bool = False) -> Non
     dist.init_process_group(parallel.backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
-def select_local_gpu() -> None:
-    """Make this rank's GPU (``LOCAL_RANK``, modulo the visible devices: a scheduler that shows
-    each task only its own GPU still numbers local ranks from 0 up) the current CUDA device;
-    nothing without CUDA. Called before anything may touch CUDA (Transformer Engine's import
-    while the arguments are checked included), so no rank opens a context on GPU 0."""
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count:
-        torch.cuda.set_device(local_gpu(int(os.environ.get("LOCAL_RANK", 0)), os.environ.get("LOCAL_WORLD_SIZE"),
-                                        count, os.environ.get("CUDA_VISIBLE_DEVICES")))
-
-
-def local_gpu(local_rank: int, local_world_size: Optional[str], count: int, visible: Optional[str] = None) -> int:
-    """The index of this rank's GPU among the ``count`` it sees: ``local_rank`` modulo ``count``.
-    ``local_world_size`` (torchrun's ``LOCAL_WORLD_SIZE``, None without torchrun): torchrun shows
-    every local rank the same GPUs, so more local ranks than GPUs would put two ranks on one GPU,
-    which NCCL refuses only later ("Duplicate GPU detected"); refused here in one line. Except
-    where ``visible`` (``CUDA_VISIBLE_DEVICES``) names one GPU: a wrapper that gives each rank
-    its own (``CUDA_VISIBLE_DEVICES=$LOCAL_RANK``) shows each one GPU, as it should."""
-    own = count == 1 and visible is not None and len([v for v in visible.split(",") if v.strip()]) == 1
-    if local_world_size is not None and int(local_world_size) > count and not own:
-        raise DynaPipeError(f"torchrun started {local_world_size} processes on this node but it has {count} visible "
-                            f"GPU(s): NCCL needs one GPU a rank. Give --nproc_per_node {count} (or fewer), or make "
-                            f"more GPUs visible (CUDA_VISIBLE_DEVICES).")
-    return local_rank % count
+# The GPU choice is the runtime's (one implementation for both launch paths); kept under these
+# names here for the modules and scripts that import them from this one.
+select_local_gpu = _runtime_dist.select_local_gpu
+local_gpu = _runtime_dist.local_gpu
 
 
 def set_logging_level(level: Optional[int]) -> None:

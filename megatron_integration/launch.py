@@ -12,14 +12,12 @@ from __future__ import annotations
 import os
 import queue
 import resource
-import socket
 import time
 import traceback
 from typing import Any, Callable, Optional, Sequence
 
-import torch.multiprocessing as mp
-
 from dynapipe.errors import DynaPipeError
+from dynapipe.runtime.distributed import free_port
 from dynapipe.runtime.process_start import add_preload, rank_context
 
 # What a training or profiling rank imports, so forked ranks find it imported.
@@ -29,19 +27,16 @@ add_preload("megatron.core", "megatron.core.models.gpt", "megatron.core.pipeline
 
 
 class RankFailed(RuntimeError):
-    """A rank of a spawned job raised; the message holds its traceback."""
+    """A rank of a spawned job raised; the message holds its traceback.
+
+    Not :class:`dynapipe.runtime.SpawnError` (a :class:`DynaPipeError`, for the runtime's
+    ``spawn``): a crash here is not bad input, so the command line reports it with exit
+    status 1, and only :class:`RankUserError` is a :class:`DynaPipeError` (one line, status 2)."""
 
 
 class RankUserError(RankFailed, DynaPipeError):
     """A rank stopped on a :class:`DynaPipeError` (bad input, a diverged loss): the message
     is that rank's one line, no traceback."""
-
-
-def free_port() -> int:
-    """A TCP port free on this host right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # CPU seconds the ranks of finished spawn() jobs reported (see ranks_cpu_s).

@@ -11,8 +11,8 @@ Names are loaded on first use, so a module of this package that does not need to
 - :class:`ActivationMeter`, :func:`measure_activations` (:mod:`dynapipe.runtime.activation_meter`)
   and :func:`planned_activation_peak_mib` (:mod:`dynapipe.runtime.activation_plan`): a rank's
   measured activation peak and the one its plan promises
-- :func:`spawn`, :func:`spawn_outcomes`, :func:`init_distributed`, :func:`free_port`
-  (:mod:`dynapipe.runtime.distributed`)
+- :func:`spawn`, :func:`spawn_outcomes`, :func:`init_distributed`, :func:`free_port`,
+  :func:`select_local_gpu`, :func:`local_cuda_device`, :func:`local_gpu` (:mod:`dynapipe.runtime.distributed`)
 """
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ _EXPORTS = {
     "gather_traces": "exec_trace",
     "spawn": "distributed", "spawn_outcomes": "distributed", "init_distributed": "distributed",
     "free_port": "distributed", "DistContext": "distributed", "RankOutcome": "distributed",
-    "SpawnError": "distributed",
+    "SpawnError": "distributed", "select_local_gpu": "distributed", "local_cuda_device": "distributed",
+    "local_gpu": "distributed",
     "ActivationMeter": "activation_meter", "measure_activations": "activation_meter",
     "planned_activation_peak_mib": "activation_plan",
 }

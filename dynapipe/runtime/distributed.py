@@ -9,6 +9,10 @@ a test needs to check how the other ranks behave when one dies.
 Rank layout (Megatron's, with tensor parallelism 1): global rank = ``stage * dp +
 replica``; pipeline ``r`` is ranks ``[r, dp + r, 2 dp + r, ...]``. The key-value store is
 hosted by the parent process, so it outlives any rank that is killed.
+
+Also the helpers every launch path shares (the Megatron one, :mod:`megatron_integration.launch`
+and :mod:`megatron_integration.initialize`, included): :func:`free_port` and the choice of a
+rank's GPU, :func:`local_gpu` / :func:`local_cuda_device` / :func:`select_local_gpu`.
 """
 from __future__ import annotations
 
@@ -35,6 +39,54 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def cuda_device_count() -> int:
+    """The CUDA devices this process sees (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def local_gpu(local_rank: int, local_world_size: Optional[str], count: int, visible: Optional[str] = None) -> int:
+    """The index of this rank's GPU among the ``count`` it sees: ``local_rank`` modulo ``count``.
+    ``local_world_size`` (torchrun's ``LOCAL_WORLD_SIZE``, None without torchrun): torchrun shows
+    every local rank the same GPUs, so more local ranks than GPUs would put two ranks on one GPU,
+    which NCCL refuses only later ("Duplicate GPU detected"); refused here in one line. Except
+    where ``visible`` (``CUDA_VISIBLE_DEVICES``) names one GPU: a wrapper that gives each rank
+    its own (``CUDA_VISIBLE_DEVICES=$LOCAL_RANK``) shows each one GPU, as it should."""
+    own = count == 1 and visible is not None and len([v for v in visible.split(",") if v.strip()]) == 1
+    if local_world_size is not None and int(local_world_size) > count and not own:
+        raise DynaPipeError(f"torchrun started {local_world_size} processes on this node but it has {count} visible "
+                            f"GPU(s): NCCL needs one GPU a rank. Give --nproc_per_node {count} (or fewer), or make "
+                            f"more GPUs visible (CUDA_VISIBLE_DEVICES).")
+    return local_rank % count
+
+
+def local_cuda_device(default_local_rank: int = 0, *, local_rank: Optional[int] = None) -> Optional[int]:
+    """The CUDA device this rank should use (:func:`local_gpu`); None without CUDA.
+
+    ``local_rank`` given (ranks this process spawned on its own host, which know their place):
+    that rank modulo the devices. Otherwise the environment decides, as torchrun sets it:
+    ``LOCAL_RANK`` (``default_local_rank`` when unset), checked against ``LOCAL_WORLD_SIZE``
+    and ``CUDA_VISIBLE_DEVICES``. Never the global rank: on a second node, or with each rank
+    shown only its own GPU, that names a device the rank does not have."""
+    count = cuda_device_count()
+    if not count:
+        return None
+    if local_rank is not None:
+        return local_gpu(local_rank, None, count)
+    return local_gpu(int(os.environ.get("LOCAL_RANK", default_local_rank)), os.environ.get("LOCAL_WORLD_SIZE"),
+                     count, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def select_local_gpu(default_local_rank: int = 0, *, local_rank: Optional[int] = None) -> None:
+    """Make this rank's GPU (:func:`local_cuda_device`: ``LOCAL_RANK``, modulo the visible
+    devices: a scheduler that shows each task only its own GPU still numbers local ranks from 0
+    up) the current CUDA device; nothing without CUDA. Called before anything may touch CUDA
+    (Transformer Engine's import while the arguments are checked included), so no rank opens a
+    context on GPU 0."""
+    device = local_cuda_device(default_local_rank, local_rank=local_rank)
+    if device is not None:
+        torch.cuda.set_device(device)
 
 
 def pipeline_ranks(world_size: int, pp: int) -> list[list[int]]:
@@ -67,13 +119,17 @@ class DistContext:
 
 
 def init_distributed(rank: int, world_size: int, *, store_port: int, pp: int = 1, backend: str = "gloo",
-                     timeout_s: float = 60.0, host: str = "127.0.0.1") -> DistContext:
+                     timeout_s: float = 60.0, host: str = "127.0.0.1",
+                     local_rank: Optional[int] = None) -> DistContext:
     """Join the store at ``host:store_port``, initialise the default process group and build
     the pipeline and data-parallel groups. ``timeout_s`` bounds collectives and store calls;
-    with NCCL it is also what bounds a stuck transfer (the watchdog aborts)."""
+    with NCCL it is also what bounds a stuck transfer (the watchdog aborts).
+
+    With NCCL the rank's GPU is its local rank's (:func:`select_local_gpu`): ``local_rank`` if
+    given, else ``LOCAL_RANK`` as torchrun sets it, else ``rank`` (one host, no launcher)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    if "nccl" in backend and torch.cuda.is_available():
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+    if "nccl" in backend:
+        select_local_gpu(rank, local_rank=local_rank)
     store = dist.TCPStore(host, store_port, world_size, False, timeout=timeout)
     dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size,
                             timeout=timeout)
@@ -119,7 +175,10 @@ def _rank_main(rank: int, fn: Callable, world_size: int, port: int, pp: int, bac
                threads: int, args: tuple, results) -> None:
     torch.set_num_threads(threads)
     try:
-        ctx = init_distributed(rank, world_size, store_port=port, pp=pp, backend=backend, timeout_s=timeout_s)
+        # Every rank runs on this host: its rank is its local rank, whatever LOCAL_RANK the
+        # parent (or the fork server) was started with.
+        ctx = init_distributed(rank, world_size, store_port=port, pp=pp, backend=backend, timeout_s=timeout_s,
+                               local_rank=rank)
         results.put((rank, "ok", pickle.dumps(fn(ctx, *args))))
         code = 0
     except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
