@@ -1,7 +1,8 @@
 """Megatron-LM's own arguments, declared with Megatron's names, meanings and defaults.
 
 ``add_megatron_args`` declares the standard Megatron-LM flags this project reads, so an
-existing Megatron command line carries over. Declarations only: the values are validated
+existing Megatron command line carries over (the network size group is declared in
+:mod:`~megatron_integration.args_network`). Declarations only: the values are validated
 where they become config (:mod:`~megatron_integration.args_model`,
 :mod:`~megatron_integration.args_training`, :mod:`~megatron_integration.arguments`), and
 the Megatron-LM flags this build refuses are in :mod:`~megatron_integration.args_refusals`.
@@ -59,74 +60,39 @@ def shadowed_by(typed) -> set:
 
 def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Declare the Megatron-LM arguments the project reads (names and defaults as Megatron's)."""
-    g = parser.add_argument_group("network size")
-    g.add_argument("--num-layers", type=int, default=None, help="number of transformer layers")
-    g.add_argument("--encoder-num-layers", type=int, default=None,
-                   help="the same as --num-layers (Megatron-LM's other spelling; give one); T5: the encoder's layers")
-    g.add_argument("--hidden-size", type=int, default=None, help="transformer hidden size")
-    g.add_argument("--num-attention-heads", type=int, default=None, help="number of attention heads")
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP width (default 4 x hidden size; with --swiglu Megatron-LM's 2/3 of it, rounded down to a "
-                        "multiple of 64)")
-    g.add_argument("--kv-channels", type=int, default=None, help="per-head width (default hidden / heads)")
-    g.add_argument("--max-position-embeddings", type=int, default=None,
-                   help="maximum sequence length the position embedding supports (Megatron-LM requires it; "
-                        "default here: --seq-length; T5: the longer of the encoder and decoder lengths)")
-    g.add_argument("--position-embedding-type", default="learned_absolute", choices=POSITION_EMBEDDINGS)
-    g.add_argument("--vocab-size", type=int, default=None,
-                   help="vocabulary size before padding (default: the byte-level tokenizer's)")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="pad the vocabulary to a multiple of this x --tensor-model-parallel-size (Megatron's rule)")
-    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP instead of GeLU")
-    g.add_argument("--disable-bias-linear", action="store_true", help="no biases in the linear layers")
-    g.add_argument("--add-qkv-bias", action="store_true",
-                   help="keep the query/key/value projection's bias under --disable-bias-linear (Qwen2's layer)")
-    g.add_argument("--qk-layernorm", action="store_true",
-                   help="normalise each head's queries and keys (--normalization's kind, over --kv-channels; "
-                        "Qwen3's layer)")
-    g.add_argument("--group-query-attention", action="store_true", help="grouped-query attention")
-    g.add_argument("--num-query-groups", type=int, default=1, help="key/value groups with --group-query-attention")
-    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base period")
-    g.add_argument("--rope-type", default=None, choices=("rope", "yarn"),
-                   help="rope: the standard rotary embedding (Megatron-LM's default with ordinary attention; "
-                        "needs --position-embedding-type rope); yarn is refused (not built)")
-    # Megatron-LM's deprecated spellings of --position-embedding-type rope (its legacy RoPE arguments).
-    g.add_argument("--use-rotary-position-embeddings", action="store_true",
-                   help="deprecated in Megatron-LM: --position-embedding-type rope")
-    g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
-                   help="deprecated in Megatron-LM: accepted with rotary embeddings (which add none)")
-    g.add_argument("--use-rope-scaling", action="store_true",
-                   help="Llama 3.x's RoPE frequency scaling (with --position-embedding-type rope)")
-    g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="Llama 3.x's RoPE scaling factor")
-    g.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
-                   help="divide RoPE positions by this factor (position interpolation)")
-    g.add_argument("--use-flash-attn", action="store_true",
-                   help="accepted: Megatron-LM declares it and its megatron-core models do not read it (Transformer "
-                        "Engine's attention picks flash attention itself)")
-    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                   help="attention implementation: auto (megatron-core chooses), or local where the stages are "
-                        "built from local layers; the others are refused")
-    g.add_argument("--transformer-impl", default="transformer_engine", choices=TRANSFORMER_IMPLS,
-                   help="layer implementation; transformer_engine (Megatron-LM's default) needs Transformer "
-                        "Engine on GPUs (refused where megatron-core cannot load it, and for T5, whose stages are "
-                        "local); on CPUs every stage is local")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
-                   help="separate output layer instead of the tied input embedding")
-    g.add_argument("--normalization", default="LayerNorm", choices=("LayerNorm", "RMSNorm"))
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="epsilon of every LayerNorm / RMSNorm")
-    g.add_argument("--apply-query-key-layer-scaling", action="store_true",
-                   help="scale Q x K^T by 1 / layer number before the softmax and back inside it, in fp32 "
-                        "(fp16 range headroom)")
-    g.add_argument("--rotary-percent", type=float, default=1.0,
-                   help="share of each head's channels rotary embeddings cover (only 1.0, the default, is built)")
-    g.add_argument("--apply-layernorm-1p", action="store_true",
-                   help="zero-centred norm weights (refused: not built)")
-    g.add_argument("--use-mcore-models", action="store_true", dest="deprecated_use_mcore_models",
-                   help="deprecated in Megatron-LM, which ignores it: the stages are megatron-core models")
+    from megatron_integration.args_network import add_network_size_args
 
+    add_network_size_args(parser)
+    _add_training_args(parser)
+    _add_learning_rate_args(parser)
+    _add_distributed_args(parser)
+    _add_data_args(parser)
+    _add_checkpointing_args(parser)
+
+    from megatron_integration.args_ddp import add_ddp_args
+    from megatron_integration.args_logging import add_logging_args
+    from megatron_integration.data_args import add_eval_args, add_split_args
+
+    add_logging_args(parser)
+    add_ddp_args(parser)
+    add_split_args(parser)
+    add_eval_args(parser)
+    return parser
+
+
+def _add_training_args(parser: argparse.ArgumentParser) -> None:
+    """Declare the training group."""
     g = parser.add_argument_group("training")
+    _add_run_length_args(g)
+    _add_manual_gc_args(g)
+    _add_seed_precision_and_checks_args(g)
+    _add_recompute_args(g)
+    _add_runtime_numerics_args(g)
+    _add_fusion_args(g)
+
+
+def _add_run_length_args(g: argparse._ArgumentGroup) -> None:
+    """Sequence length, batch sizes and the run's length in iterations or samples."""
     g.add_argument("--seq-length", type=int, default=None, help="maximum sequence length in tokens")
     g.add_argument("--encoder-seq-length", type=int, default=None,
                    help="the same as --seq-length (Megatron-LM's other spelling; give one); T5: the longest input")
@@ -142,6 +108,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         "samples as --global-batch-size counts them")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving, with --save) at the first iteration divisible by this")
+
+
+def _add_manual_gc_args(g: argparse._ArgumentGroup) -> None:
+    """Megatron-LM's manual garbage collection."""
     g.add_argument("--manual-gc", action="store_true",
                    help="Python's garbage collector off during training, collecting only at the start, every "
                         "--manual-gc-interval iterations and around evaluations, on every rank at once")
@@ -149,6 +119,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="with --manual-gc: iterations between collections (default 0: none between iterations)")
     g.add_argument("--no-manual-gc-eval", "--disable-manual-gc-eval", dest="manual_gc_eval", action="store_false",
                    help="with --manual-gc: no collection before and after each periodic evaluation")
+
+
+def _add_seed_precision_and_checks_args(g: argparse._ArgumentGroup) -> None:
+    """Seed, bf16/fp16, packed-row resets and the NaN/Inf check."""
     g.add_argument("--seed", type=int, default=1234, help="random seed (initialisation, data, dropout)")
     g.add_argument("--bf16", action="store_true",
                    help="bfloat16 parameters and activations (fp32 main copies in the optimizer)")
@@ -165,6 +139,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--rerun-mode", default=None, choices=("disabled", "validate_results", "report_stats"),
                    help="Megatron-LM's rerun state machine: only disabled is taken (a NaN or Inf is checked as "
                         "--check-for-nan-in-loss-and-grad says and stops the job; no iteration is rerun)")
+
+
+def _add_recompute_args(g: argparse._ArgumentGroup) -> None:
+    """Activation recomputation."""
     g.add_argument("--recompute-granularity", default=None, choices=("full", "selective"),
                    help="activation recomputation: selective (core attention) or full (whole layers)")
     g.add_argument("--recompute-method", default=None, choices=("uniform", "block"),
@@ -177,6 +155,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         "is built)")
     g.add_argument("--recompute-activations", action="store_true",
                    help="Megatron-LM's short form of --recompute-granularity selective")
+
+
+def _add_runtime_numerics_args(g: argparse._ArgumentGroup) -> None:
+    """Wall-time exit, memory release, determinism, the loss's reduction and reduced-precision switches."""
     g.add_argument("--exit-duration-in-mins", type=int, default=None,
                    help="stop (after saving, with --save) once the job has run this many minutes")
     g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=(0, 1, 2),
@@ -200,6 +182,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="compute the attention softmax of --bf16/--fp16 runs in fp32 (default: in the run's "
                         "precision, as Megatron-LM; --apply-query-key-layer-scaling turns it on; megatron-core's "
                         "local attention only, Transformer Engine's chooses its own)")
+
+
+def _add_fusion_args(g: argparse._ArgumentGroup) -> None:
+    """Megatron-LM's kernel-fusion switches (megatron-core's unfused paths run)."""
     # Megatron-LM fuses these kernels by default on GPUs (torch.compile'd or CUDA extensions);
     # this build runs megatron-core's unfused paths. The one whose maths differs is honoured:
     # the fused bias-GeLU is GeLU's tanh approximation, so that is the default GeLU here too.
@@ -210,7 +196,19 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                  "--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-rope-fusion"):
         g.add_argument(flag, action="store_true", help="accepted: megatron-core's unfused path runs (the same maths)")
 
+
+def _add_learning_rate_args(parser: argparse.ArgumentParser) -> None:
+    """Declare the learning rate and optimizer group."""
     g = parser.add_argument_group("learning rate and optimizer")
+    _add_lr_schedule_args(g)
+    _add_optimizer_and_loss_scale_args(g)
+    _add_lr_extent_and_decoupled_args(g)
+    _add_weight_decay_args(g)
+    _add_adam_and_clip_args(g)
+
+
+def _add_lr_schedule_args(g: argparse._ArgumentGroup) -> None:
+    """Peak and minimum learning rate, decay style (WSD's anneal) and warm-up."""
     g.add_argument("--lr", type=float, default=None, help="peak learning rate")
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", default="linear", choices=LR_DECAY_STYLES)
@@ -224,12 +222,20 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="warm-up as a fraction of the decay iterations (instead of --lr-warmup-iters)")
     g.add_argument("--lr-warmup-init", type=float, default=0.0,
                    help="learning rate the warm-up starts from (Megatron-LM's; default 0)")
+
+
+def _add_optimizer_and_loss_scale_args(g: argparse._ArgumentGroup) -> None:
+    """The optimizer and the fp16/bf16 loss scale."""
     g.add_argument("--optimizer", default="adam", choices=OPTIMIZERS,
                    help="adam (megatron-core's Adam with decoupled weight decay); Megatron-LM's others are refused")
     g.add_argument("--loss-scale", type=float, default=None,
                    help="static loss scale, --fp16 or --bf16 (default: fp16 scales dynamically, bf16 not at all)")
     g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32, help="fp16: initial dynamic loss scale")
     add_loss_scale_args(g)
+
+
+def _add_lr_extent_and_decoupled_args(g: argparse._ArgumentGroup) -> None:
+    """The decay's and warm-up's span (iterations or samples) and the decoupled embedding/output rates."""
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
     g.add_argument("--lr-decay-samples", type=int, default=None,
                    help="with --train-samples: samples the decay spans (default: --train-samples)")
@@ -238,6 +244,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="separate peak learning rate for the input embedding and the output layer")
     g.add_argument("--decoupled-min-lr", type=float, default=None,
                    help="minimum learning rate for the input embedding and the output layer")
+
+
+def _add_weight_decay_args(g: argparse._ArgumentGroup) -> None:
+    """Weight decay, its start/end values and increment style."""
     g.add_argument("--weight-decay", type=float, default=WEIGHT_DECAY_DEFAULT)
     g.add_argument("--apply-wd-to-qk-layernorm", action="store_true",
                    help="with --qk-layernorm: decay the query/key norm weights too (other norms and biases never decay)")
@@ -247,6 +257,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="weight decay at the end (with --weight-decay-incr-style linear or cosine)")
     g.add_argument("--weight-decay-incr-style", default="constant", choices=("constant", "linear", "cosine"),
                    help="how the weight decay goes from its start to its end value over the run")
+
+
+def _add_adam_and_clip_args(g: argparse._ArgumentGroup) -> None:
+    """Adam's betas and epsilon, gradient clipping, the distributed optimizer."""
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
@@ -254,6 +268,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard optimizer state over data-parallel ranks (megatron-core's distributed optimizer)")
 
+
+def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
+    """Declare the distributed group."""
     g = parser.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true",
@@ -261,6 +278,18 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         "tensor-parallel ranks; at --tensor-model-parallel-size 1 switched off with Megatron-LM's "
                         "warning")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    _add_pipeline_split_args(g)
+    g.add_argument("--distributed-backend", default=None, choices=("nccl", "gloo"),
+                   help="default: nccl with CUDA, gloo without")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="context-parallel ranks (only 1, the default: no context parallelism)")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="expert-parallel ranks (only 1, the default: mixture-of-experts models are not built)")
+
+
+def _add_pipeline_split_args(g: argparse._ArgumentGroup) -> None:
+    """The interleaved (virtual) pipeline, uneven pipeline splits and p2p overlap."""
     # Megatron-LM's interleaved (virtual) pipeline: each rank holds several chunks of layers.
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help="layers per virtual pipeline stage (interleaved schedule; default: none)")
@@ -282,14 +311,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm",
                    help="interleaved schedule: do not overlap the pipeline's sends and receives with compute "
                         "(default: overlap, as in Megatron-LM; without interleaving nothing is overlapped)")
-    g.add_argument("--distributed-backend", default=None, choices=("nccl", "gloo"),
-                   help="default: nccl with CUDA, gloo without")
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
-    g.add_argument("--context-parallel-size", type=int, default=1,
-                   help="context-parallel ranks (only 1, the default: no context parallelism)")
-    g.add_argument("--expert-model-parallel-size", type=int, default=1,
-                   help="expert-parallel ranks (only 1, the default: mixture-of-experts models are not built)")
 
+
+def _add_data_args(parser: argparse.ArgumentParser) -> None:
+    """Declare the data group."""
     g = parser.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None,
                    help="JSONL files or Megatron indexed-dataset prefixes (optionally weighted: W1 P1 W2 P2)")
@@ -317,6 +342,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--num-workers", type=int, default=2,
                    help="data-loader workers (accepted; samples are read in-process from memory-mapped files)")
 
+
+def _add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
+    """Declare the checkpointing group."""
     g = parser.add_argument_group("checkpointing")
     g.add_argument("--save", default=None, help="directory to save checkpoints to")
     g.add_argument("--load", default=None, help="directory to resume from (its latest checkpoint)")
@@ -343,13 +371,3 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     from megatron_integration.args_checkpoint import add_checkpoint_args
 
     add_checkpoint_args(g)
-
-    from megatron_integration.args_ddp import add_ddp_args
-    from megatron_integration.args_logging import add_logging_args
-    from megatron_integration.data_args import add_eval_args, add_split_args
-
-    add_logging_args(parser)
-    add_ddp_args(parser)
-    add_split_args(parser)
-    add_eval_args(parser)
-    return parser
