@@ -96,6 +96,9 @@ def _add_norm_dropout_init_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--use-cpu-initialization", action="store_true",
+                   help="accepted, as what it asks for is done anyway: weights the same whatever the tensor-parallel "
+                        "split (each parameter is drawn from a generator seeded by --seed and its unsplit name)")
     g.add_argument("--norm-epsilon", type=float, default=1e-5, help="epsilon of every LayerNorm / RMSNorm")
     g.add_argument("--apply-query-key-layer-scaling", action="store_true",
                    help="scale Q x K^T by 1 / layer number before the softmax and back inside it, in fp32 "

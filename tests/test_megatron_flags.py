@@ -277,7 +277,7 @@ FIXTURES = os.path.join(ROOT, "tests", "fixtures", "gpt2-tiny")
 
 def _megatron_gpt_argv(data: str, save: str) -> list[str]:
     """A Megatron-LM GPT pretraining command line (its GPT/Llama examples' flags) scaled to a tiny
-    model: 54 flags. Left out: --fp16 (GPU-only), --bf16 (tested in
+    model: 55 flags. Left out: --fp16 (GPU-only), --bf16 (tested in
     test_megatron_dynapipe.py at bf16's tolerance) and tensor/sequence parallelism (tested in
     test_megatron_tp.py)."""
     return f"""
@@ -285,7 +285,7 @@ def _megatron_gpt_argv(data: str, save: str) -> list[str]:
         --group-query-attention --num-query-groups 2 --seq-length 128 --max-position-embeddings 128
         --position-embedding-type rope --rotary-base 10000 --swiglu --disable-bias-linear --normalization RMSNorm
         --untie-embeddings-and-output-weights --attention-backend auto --transformer-impl local --use-flash-attn
-        --hidden-dropout 0.0 --attention-dropout 0.0 --init-method-std 0.02
+        --hidden-dropout 0.0 --attention-dropout 0.0 --init-method-std 0.02 --use-cpu-initialization
         --micro-batch-size 2 --global-batch-size 8 --train-samples 48 --exit-interval 2 --seed 1234
         --lr 3.0e-4 --min-lr 3.0e-5 --lr-decay-style cosine --lr-warmup-fraction 0.25 --weight-decay 0.1
         --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --clip-grad 1.0 --optimizer adam
