@@ -31,6 +31,23 @@ def installed_release() -> Optional[tuple[int, int]]:
         return None
 
 
+# The releases this build's tests have run on: 0.16 (Python 3.11) to 0.19 (Python 3.12).
+TESTED_RELEASES = ((0, 16), (0, 19))
+
+
+def untested_release_note() -> Optional[str]:
+    """A start-up warning when the installed megatron-core is outside :data:`TESTED_RELEASES`
+    (None inside it, or where none is installed): the CPU shims and the checkpoint code follow
+    megatron-core's internals, which move between releases."""
+    release = installed_release()
+    low, high = TESTED_RELEASES
+    if release is None or low <= release <= high:
+        return None
+    return (f" > warning: megatron-core {installed_version()} is outside the releases this build is tested with "
+            f"({low[0]}.{low[1]} to {high[0]}.{high[1]}); if a run fails inside megatron-core, install "
+            f"'megatron-core>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}'")
+
+
 def import_failure(missing: str, version: str, needed_for: str = "this command") -> DynaPipeError:
     """The error for an import of megatron-core that failed because the module ``missing`` is
     not installed, megatron-core ``version`` being installed ("": none)."""

@@ -66,11 +66,12 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
     started_s = time.time()  # --exit-duration-in-mins counts from here
     info = initialize_megatron(base.parallel, base.seed, base.model.deterministic_mode, base.logging_level)
     from megatron_integration.device_default import analytic_on_gpu_note, default_device_for
+    from dynapipe.megatron_core import untested_release_note
 
     dynapipe, device_note = default_device_for(base.dynapipe, info.device)
     base = replace(base, dynapipe=dynapipe)
     cfg = replace(cfg, base=base)
-    for note in (device_note, analytic_on_gpu_note(base.dynapipe, info.device)):
+    for note in (untested_release_note(), device_note, analytic_on_gpu_note(base.dynapipe, info.device)):
         if info.rank == 0 and note is not None:
             write_line(stream, note)
     if info.rank == 0 and vocab_padding_line(base) is not None:

@@ -19,6 +19,7 @@ from typing import Callable, Optional, TextIO
 
 from dynapipe.cost.model_flops import samples_work
 from dynapipe.errors import DynaPipeError
+from dynapipe.megatron_core import untested_release_note
 from megatron_integration import checkpoint_formats
 from megatron_integration.agreement import attempt, same_error_everywhere
 from megatron_integration.blend_resume import blend_record, keep_resumed_blend
@@ -145,7 +146,7 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
     info = initialize_megatron(cfg.parallel, cfg.seed, cfg.model.deterministic_mode, cfg.logging_level)
     dynapipe, device_note = default_device_for(cfg.dynapipe, info.device)
     cfg = replace(cfg, dynapipe=dynapipe)
-    for note in (device_note, analytic_on_gpu_note(cfg.dynapipe, info.device)):
+    for note in (untested_release_note(), device_note, analytic_on_gpu_note(cfg.dynapipe, info.device)):
         if info.rank == 0 and note is not None:
             write_line(stream, note)
     if info.rank == 0 and vocab_padding_line(cfg) is not None:

@@ -81,3 +81,18 @@ def test_an_installed_megatron_core_imports():
     from dynapipe.megatron_core import require_megatron_core
 
     assert require_megatron_core().__name__ == "megatron.core"
+
+
+@pytest.mark.parametrize("version, warned", [("0.15.3", True), ("0.16.1", False), ("0.19.2", False),
+                                             ("0.20.0rc1", True), ("1.0.0", True), ("", False)])
+def test_a_megatron_core_release_outside_the_tested_ones_is_warned_at_start_up(monkeypatch, version, warned):
+    # The CPU shims skip what a release does not have: a later one installs cleanly and could fail
+    # deep inside megatron-core, so the run says first that it is untested.
+    from dynapipe import megatron_core
+
+    monkeypatch.setattr(megatron_core, "installed_version", lambda: version)
+    note = megatron_core.untested_release_note()
+    assert (note is not None) == warned
+    if warned:
+        assert f"megatron-core {version} is outside the releases this build is tested with (0.16 to 0.19)" in note
+        assert "'megatron-core>=0.16,<0.20'" in note
