@@ -149,16 +149,6 @@ def executor_ms_per_op(ranks: list[dict], trace_dir: str, iterations: Sequence[i
     return float(np.mean(per_op)) if per_op else 0.0
 
 
-def calibrate_from_run(ranks: list[dict], trace_dir: str, cost, iterations: Sequence[int],
-                       recompute: Optional[str] = "none") -> OverheadFit:
-    """:func:`fit_stage_overhead` over the ``iterations`` of a DynaPipe run (its rank
-    summaries and executor traces in ``trace_dir``; ``recompute`` as for :func:`executed_ops`)."""
-    ops = executed_ops(trace_dir, cost, iterations, recompute)
-    if not len(ops):
-        return OverheadFit(1.0, 0.0, 0.0, 0.0, 0)
-    return fit_stage_overhead(ops.predicted_ms, ops.measured_ms, executor_ms_per_op(ranks, trace_dir, iterations))
-
-
 def refit_from_run(ranks: list[dict], trace_dir: str, profile_path: str, cost, iterations: Sequence[int],
                    output: str, recompute: Optional[str] = "none") -> dict:
     """Refit the profile at ``profile_path`` (which ``cost`` was built from) per shape from the

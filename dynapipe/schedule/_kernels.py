@@ -37,18 +37,6 @@ def compiled() -> bool:
 
 
 @_jit
-def simulate_kernel(kind, mb, nops, fw, bw, st, pk, ac, gc, state, abort_ms, abort_mib):
-    """Simulate fixed per-stage op orders of kinds F and B (``kind``/``mb``: ``[S, L]``,
-    ``nops[s]`` used); :func:`simulate_split_kernel` with no weight-gradient parts.
-
-    Returns ``(status, starts, ends, busy, peak, stuck_stage)``; times in ms, memory in
-    MiB with model states (``state``) included.
-    """
-    none = np.zeros_like(fw)
-    return simulate_split_kernel(kind, mb, nops, fw, bw, st, pk, ac, gc, state, none, none, abort_ms, abort_mib)
-
-
-@_jit
 def simulate_split_kernel(kind, mb, nops, fw, bw, st, pk, ac, gc, state, bww, ws, abort_ms, abort_mib):
     """Simulate fixed per-stage op orders of kinds F, B, BI and BW (``kind``/``mb``:
     ``[S, L]``, ``nops[s]`` used).
