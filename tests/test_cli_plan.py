@@ -271,3 +271,20 @@ def test_a_baseline_row_over_the_budget_without_recompute_is_a_note_when_the_sch
     assert ("micro-batch(es) exceed the activation budget at recompute none; the schedule below keeps every stage "
             "within the memory limit") in err
     assert json.load(open(tmp_path / "p.json"))["recompute"] != "none"
+
+
+def test_recompute_auto_names_the_default_as_training_spells_it(tmp_path, capsys):
+    # Training's --dynapipe-recompute defaults to auto; plan and trace took only the levels.
+    lengths = _lengths(tmp_path)
+    outs = []
+    for extra in ([], ["--recompute", "auto"]):
+        rc, out, err = _plan(capsys, ["--lengths", lengths, *BASE, "--schedule", "1f1b", *extra])
+        assert rc == 0, err
+        plan = json.loads(out)
+        outs.append({k: v for k, v in plan.items() if not k.endswith("_ms")})
+        assert "chosen" in err  # not "as given"
+    assert outs[0] == outs[1]
+    assert main(["trace", "--lengths", lengths, *BASE, "--recompute", "auto", "--output",
+                 str(tmp_path / "t.json")]) == 0
+    assert main(["cost", *BASE, "--shape", "1,64", "--recompute", "auto"]) == 2  # cost prices one given level
+    assert "invalid choice: 'auto'" in capsys.readouterr().err

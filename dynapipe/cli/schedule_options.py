@@ -48,6 +48,9 @@ def check_schedule_flags(args: argparse.Namespace) -> None:
     parallelism (its links are those between stages and inside a TP group)."""
     from dynapipe.schedule.types import SPLITTING_SCHEDULE_NAMES
 
+    if getattr(args, "recompute", None) == "auto":  # the default, as training's --dynapipe-recompute auto
+        args.recompute = None
+
     schedule = getattr(args, "schedule", "auto")
     if getattr(args, "no_split_backward", False) and schedule not in ("auto",) + SPLITTING_SCHEDULE_NAMES:
         raise DynaPipeError(f"--no-split-backward takes {' and '.join(SPLITTING_SCHEDULE_NAMES)} out of "
@@ -139,11 +142,13 @@ def split_backward(args: argparse.Namespace) -> bool:
 
 
 def add_recompute_default(p: argparse.ArgumentParser) -> None:
-    """Make ``--recompute`` default to trying every level, lightest first."""
+    """Make ``--recompute`` default to trying every level, lightest first; ``auto`` (training's
+    ``--dynapipe-recompute`` default) names that default (:func:`check_schedule_flags` reads it)."""
     p.set_defaults(recompute=None)
     for action in p._actions:
         if action.dest == "recompute":
-            action.help = ("activation recomputation level; default: none, then selective, then full, "
+            action.choices = ("auto", *action.choices)
+            action.help = ("activation recomputation level; default (auto): none, then selective, then full, "
                            "the lightest under which every sample fits (the schedule search may mix levels "
                            "per stage from there up)")
 
