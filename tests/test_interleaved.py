@@ -235,8 +235,8 @@ def test_search_runs_interleaved_on_a_chunked_placement():
     assert res.makespan_ms == pytest.approx(res.timelines[0].makespan_ms)
     with pytest.raises(DynaPipeError, match="compile_chunked_plans"):
         compile_plans(res.schedules[0], res.micro_batches[0], T5, timeline=res.timelines[0])
-    with pytest.raises(DynaPipeError, match="adaptive"):
-        search_schedules([mbs], cm, schedule="adaptive")
+    # adaptive on chunks is the adaptive interleaved order, as 1f1b is interleaved 1F1B.
+    assert search_schedules([mbs], cm, capacity_mib=None, schedule="adaptive").best.schedule == "interleaved-adaptive"
     with pytest.raises(DynaPipeError, match="interleaved"):
         search_schedules([mbs], AnalyticCostModel(T5, DEVICE, 2), schedule="interleaved")
 
@@ -377,8 +377,12 @@ def test_plan_command_writes_interleaved_plans_that_validate(tmp_path, capsys):
     assert main(["trace", *base, "--placement", "interleaved", "--schedule", "interleaved-adaptive",
                  "--out", str(tmp_path / "a.json")]) == 0
     capsys.readouterr()
-    assert main(["plan", *base, "--placement", "interleaved", "--schedule", "adaptive"]) == 2
-    assert "use --schedule interleaved, interleaved-adaptive, interleaved-zb or auto" in capsys.readouterr().err
+    # The unchunked names run as their interleaved forms, as training's --dynapipe-schedule reads them.
+    for schedule, runs in (("1f1b", "interleaved"), ("adaptive", "interleaved-adaptive")):
+        assert main(["plan", *base, "--placement", "interleaved", "--schedule", schedule]) == 0
+        assert json.loads(capsys.readouterr()[0])["schedule"] == runs
+    assert main(["plan", *base, "--schedule", "interleaved-adaptive"]) == 2
+    assert "use --schedule 1f1b, adaptive or zb-h1 or auto" in capsys.readouterr().err
 
 
 def test_interleaved_takes_megatrons_groups_when_the_spread_ones_do_not_fit():

@@ -226,15 +226,16 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
                             f"(--no-split-backward, split_backward=False); drop one of them (auto then searches "
                             f"the other schedules).")
     chunks = chunk_count(cost_model)
-    # On a chunked placement 1F1B is Megatron's interleaved 1F1B and zb-h1 is interleaved-zb.
-    if (chunks > 1 and schedule == "adaptive") or (chunks == 1 and schedule in CHUNKED_SCHEDULE_NAMES):
+    # On a chunked placement 1F1B is Megatron's interleaved 1F1B, adaptive the adaptive
+    # interleaved order and zb-h1 interleaved-zb, as training's --dynapipe-schedule reads them.
+    if chunks == 1 and schedule in CHUNKED_SCHEDULE_NAMES:
         use = ", ".join(CHUNKED_SCHEDULE_NAMES) if chunks > 1 else "1f1b, adaptive or zb-h1"
         raise DynaPipeError(f"--schedule {schedule}: placement {cost_model.placement} has {chunks} chunk(s) per "
                             f"stage; use --schedule {use} or auto.")
     if chunks > 1:
         auto = [INTERLEAVED, INTERLEAVED_ADAPTIVE] + ([INTERLEAVED_ZB] if split_backward else [])
-        names = {"auto": auto, INTERLEAVED_ADAPTIVE: [INTERLEAVED_ADAPTIVE], INTERLEAVED_ZB: [INTERLEAVED_ZB],
-                 ZB_H1: [INTERLEAVED_ZB]}.get(schedule, [INTERLEAVED])
+        names = {"auto": auto, INTERLEAVED_ADAPTIVE: [INTERLEAVED_ADAPTIVE], "adaptive": [INTERLEAVED_ADAPTIVE],
+                 INTERLEAVED_ZB: [INTERLEAVED_ZB], ZB_H1: [INTERLEAVED_ZB]}.get(schedule, [INTERLEAVED])
     elif schedule == "auto":
         names = list(SCHEDULE_NAMES) + (list(SPLIT_BACKWARD_SCHEDULE_NAMES) if split_backward else [])
     else:

@@ -34,8 +34,8 @@ SPLITTING_SCHEDULE_NAMES = SPLIT_BACKWARD_SCHEDULE_NAMES + CHUNKED_SCHEDULE_NAME
 
 def schedule_on_chunks(schedule: str, chunks: int) -> str:
     """What a training run's ``schedule`` runs as with ``chunks`` per rank: ``adaptive`` as
-    ``interleaved-adaptive`` (the search maps ``1f1b`` and ``zb-h1`` to their interleaved forms
-    itself; the ``plan`` command keeps the names apart and refuses ``adaptive`` on chunks)."""
+    ``interleaved-adaptive`` (the search maps ``1f1b``, ``adaptive`` and ``zb-h1`` to their
+    interleaved forms itself; this names the choice before a search has run)."""
     return "interleaved-adaptive" if chunks > 1 and schedule == "adaptive" else schedule
 
 
