@@ -39,7 +39,7 @@ from megatron_integration.bench_presets import (BASELINES, DYNAPIPE_METHODS, EXE
                                                 PRESETS, PROFILE_MBS, PROFILE_SEQLENS, REFERENCE_SEQ_LENGTH,
                                                 fill_defaults, flag_value, host_defaults, with_defaults)
 from megatron_integration.bench_report import (breakdown, breakdown_summary, breakdown_table, format_compute_floor,
-                                               ratio_table, round_ratios, write_png)
+                                               ratio_table, round_ratios, rounds_line, write_png)
 from megatron_integration.bench_results import (MethodResult, median_result,  # noqa: F401 (re-exported)
                                                 stage_activation_peaks, summarise)
 from megatron_integration.bench_results import format_memory_faults
@@ -317,9 +317,7 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
     report["ratios_per_round"] = round_ratios(
         report["methods"], {r["run"]: r for r in report["methods"].values()},
         [b for b in BASELINES if b in results], best_base, best_for=DYNAPIPE_METHODS)
-    if report["ratios_per_round"]:
-        print("\nratios round by round (each round's runs side by side): " + "; ".join(
-            f"{k} {', '.join(f'{x:.2f}x' for x in v)}" for k, v in report["ratios_per_round"].items()), file=stream)
+    print("\n" + rounds_line(report["ratios_per_round"], cfg.train_iters - warmup_iters), file=stream)
     write_output(output, json.dumps(report, indent=1), "--output")
     if png:
         write_png(results, png, f"{preset}: {nproc} ranks, seq-length {flag_value(argv, '--seq-length')}, "

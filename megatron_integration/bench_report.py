@@ -110,6 +110,17 @@ def ratio_table(results: dict[str, MethodResult], baselines: tuple[str, ...] = (
     return "\n".join(lines)
 
 
+def rounds_line(per_round: dict, timed_iterations: int) -> str:
+    """The report's line on the ratios' spread: ``per_round`` (:func:`round_ratios`) round by
+    round, or, with one round, how far its ``timed_iterations`` a method can be trusted."""
+    if per_round:
+        return "ratios round by round (each round's runs side by side): " + "; ".join(
+            f"{k} {', '.join(f'{x:.2f}x' for x in v)}" for k, v in per_round.items())
+    # The README's tiny-preset ranges over runs of one round each span 10-30%.
+    return (f"one round of {timed_iterations} timed iteration(s) a method: the ratios above move by 10-30% between "
+            f"such runs on a loaded machine; --rounds 3 rotates the methods and reports each round's ratios")
+
+
 def round_ratios(results: dict, runs: dict, baselines: Sequence[str], best_baseline: Optional[str] = None,
                  pairs: Optional[dict[str, tuple[str, str]]] = None,
                  best_for: Sequence[str] = ("dynapipe",)) -> dict[str, list[float]]:

@@ -4,7 +4,7 @@ import io
 
 import pytest
 
-from megatron_integration.bench_report import round_ratios
+from megatron_integration.bench_report import round_ratios, rounds_line
 from megatron_integration.bench_t5_report import print_t5_report, same_shape_spread
 
 
@@ -35,6 +35,14 @@ def test_round_ratios_pair_the_reported_runs_round_by_round():
 def test_round_ratios_are_empty_with_one_round():
     results = {"dynapipe": {"run": "dynapipe"}, "packing": {"run": "packing@mbs1"}}
     assert round_ratios(results, _runs(dynapipe=(2.0,), **{"packing@mbs1": (1.0,)}), ["packing"], "packing") == {}
+
+
+def test_the_report_says_how_far_one_round_can_be_trusted():
+    # The quick demo runs one round: its line says so and how to get each round's ratios.
+    one = rounds_line({}, 3)
+    assert one.startswith("one round of 3 timed iteration(s) a method") and "--rounds 3" in one
+    several = rounds_line({"dynapipe_vs_packing": [1.25, 1.5]}, 3)
+    assert several == "ratios round by round (each round's runs side by side): dynapipe_vs_packing 1.25x, 1.50x"
 
 
 def _op(dur_us, kind="backward", stage=0, mbs=1, seqlen=1024, dec=256, chunk=None, replica=0, masked=None):
