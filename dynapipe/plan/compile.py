@@ -134,6 +134,212 @@ def tensor_parallel_layout(caller: str, tp: int, sequence_parallel: bool) -> tup
     return (tp if sequence_parallel else 1), meta
 
 
+def _checked_arguments(recompute: Optional[str], micro_batches: Sequence[MicroBatch], model: ModelConfig,
+                       num_stages: Optional[int], iteration: int) -> list[MicroBatch]:
+    """The micro-batches as a list, after checking the recompute override, every micro-batch
+    (:func:`check_micro_batches`), ``num_stages`` and ``iteration``."""
+    if recompute is not None:
+        check_recompute(recompute)
+    mbs_list = list(micro_batches)
+    check_micro_batches("compile_plans", mbs_list, model)
+    if num_stages is not None:
+        whole_number("compile_plans: num_stages", num_stages)
+    whole_number("compile_plans: iteration", iteration, at_least=0)
+    return mbs_list
+
+
+def _named_schedule(name: str, mbs_list: list[MicroBatch], num_stages: Optional[int],
+                    cost_model: Optional[CostModel], timeline: Optional[Timeline]) -> tuple[Schedule, Timeline]:
+    """The schedule ``name`` (``1f1b``, ``adaptive`` or ``zb-h1``) built for ``num_stages``
+    stages, and its timeline: ``timeline`` when given (except for ``adaptive``, whose build
+    simulates it), else simulated on ``cost_model``'s costs or on costs proportional to padded
+    tokens (ms)."""
+    if not num_stages:
+        raise DynaPipeError(f"compile_plans(schedule={name!r}) needs num_stages.")
+    times = stage_times(cost_model, mbs_list) if cost_model is not None else _proxy_times(mbs_list, num_stages)
+    if name == "1f1b":
+        schedule = one_f_one_b(num_stages, len(mbs_list))
+    elif name == ZB_H1:
+        schedule = zb_h1(num_stages, len(mbs_list))
+    elif name == "adaptive":
+        schedule, timeline = adaptive_schedule(times)
+    else:
+        raise DynaPipeError(f"schedule {name!r} is not known; use '1f1b', 'adaptive', 'zb-h1' or a Schedule.")
+    if timeline is None:
+        timeline = simulate(schedule, times, record_memory=False)
+    return schedule, timeline
+
+
+def _checked_schedule(schedule: Schedule, num_stages: Optional[int], timeline: Optional[Timeline],
+                      M: int) -> tuple[Optional[tuple], bool]:
+    """``(arrays, split)``: the simulation's op arrays ``(kind, mb, nops, ends ms)`` when ``timeline``
+    kept them for this very schedule (they are the ops it ran; else None), and whether the schedule
+    splits its backwards. Refuses a chunked schedule, one of another stage count than ``num_stages``
+    or with an op list missing, and one that runs another number of micro-batches than ``M``."""
+    if schedule.num_chunks > 1:
+        raise DynaPipeError(f"compile_plans: schedule {schedule.name!r} runs {schedule.num_chunks} virtual-pipeline "
+                            f"chunks per stage; compile them with "
+                            f"dynapipe.plan.compile_chunked.compile_chunked_plans.")
+    S = schedule.num_stages
+    if num_stages is not None and num_stages != S:
+        raise DynaPipeError(f"num_stages={num_stages} but the schedule has {S} stages.")
+    if len(schedule.stage_ops) != S:
+        raise DynaPipeError(f"schedule {schedule.name!r}: {len(schedule.stage_ops)} op lists for {S} stages.")
+    arrays = timeline.op_arrays if timeline is not None and timeline.schedule is schedule else None
+    split = bool((arrays[0] >= KIND_BI).any()) if arrays is not None else schedule.split_backward
+    n_fw = (sum(op.kind == "F" for op in schedule.stage_ops[0]) if split
+            else len(schedule.stage_ops[0]) // 2) if S else 0
+    if S and (n_fw != M or (not split and len(schedule.stage_ops[0]) != 2 * M)):
+        raise DynaPipeError(f"schedule {schedule.name!r} runs {n_fw} micro-batches, {M} were given.")
+    return arrays, split
+
+
+def _op_positions(schedule: Schedule, arrays: Optional[tuple], split: bool, M: int) -> tuple[list, list, list, bool]:
+    """``(f_idx, b_idx, w_idx, from_arrays)``: per stage, the op index of each micro-batch's forward,
+    backward (its input part when split) and weight part (``w_idx[s]`` None on a stage that does not
+    split), and whether they were read from the simulation's ``arrays`` (else from the ops). Every stage
+    must run F(i) once, then B(i) (or BI(i) then BW(i)); one that splits only some backwards is refused."""
+    S = schedule.num_stages
+    w_idx = [None] * S
+    if split:
+        pos = split_positions_from_arrays(*arrays[:3], M) if arrays is not None else None
+        if pos is None:
+            positions = [backward_positions(schedule.name, s, schedule.stage_ops[s], M) for s in range(S)]
+            f_idx, b_idx, w_all = [p[0] for p in positions], [p[1] for p in positions], [p[2] for p in positions]
+        else:
+            f_idx, b_idx, w_all = list(pos[0]), list(pos[1]), list(pos[2])
+        for s, w in enumerate(w_all):
+            if (w >= 0).all():
+                w_idx[s] = w
+            elif (w >= 0).any():
+                raise DynaPipeError(f"schedule {schedule.name!r}: stage {s} splits the backward of "
+                                    f"{int((w >= 0).sum())} of its {M} micro-batches; the plan compiler needs a "
+                                    f"stage to split every backward (BI then BW) or none.")
+    else:
+        pos = positions_from_arrays(*arrays[:3], M) if arrays is not None else None
+        if pos is None:
+            positions = [op_positions(schedule.name, s, schedule.stage_ops[s], M) for s in range(S)]
+            f_idx, b_idx = [p[0] for p in positions], [p[1] for p in positions]
+        else:
+            f_idx, b_idx = list(pos[0]), list(pos[1])
+    return f_idx, b_idx, w_idx, pos is not None
+
+
+def _timeline_ends(schedule: Schedule, timeline: Optional[Timeline], cost_model: Optional[CostModel],
+                   mbs_list: list[MicroBatch], arrays: Optional[tuple]) -> tuple[Timeline, list[np.ndarray]]:
+    """The schedule's timeline (when none is given, simulated on ``cost_model``'s costs or on
+    costs proportional to padded tokens) and every stage's op end times (ms), read from
+    ``arrays`` (the simulation's op arrays) when given, else from the timeline. Refuses a
+    timeline of another schedule."""
+    if timeline is None:
+        times = (stage_times(cost_model, mbs_list) if cost_model is not None
+                 else _proxy_times(mbs_list, schedule.num_stages))
+        timeline = simulate(schedule, times, record_memory=False)
+    if timeline.schedule is not schedule and timeline.schedule.stage_ops != schedule.stage_ops:
+        raise DynaPipeError("the timeline given to compile_plans belongs to a different schedule.")
+    if arrays is not None:
+        return timeline, [e[:n] for e, n in zip(arrays[3], arrays[2].tolist())]
+    return timeline, [np.asarray(e, dtype=np.float64) for e in timeline.ends]
+
+
+def _loss_tokens(infos: Sequence[MicroBatchInfo], global_loss_tokens: Optional[int],
+                 num_replicas: int) -> tuple[int, int]:
+    """``(loss, global)``: this replica's loss tokens and the global batch's (given; else this
+    replica's, refused when there are several replicas)."""
+    loss = sum(i.loss_tokens for i in infos)
+    if global_loss_tokens is None:
+        if num_replicas > 1:
+            raise DynaPipeError("compile_plans with num_replicas > 1 needs global_loss_tokens "
+                                "(loss tokens of the whole global batch).")
+        global_loss_tokens = loss
+    return loss, global_loss_tokens
+
+
+def _micro_batch_keys(model: ModelConfig, infos: Sequence[MicroBatchInfo],
+                      S: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(shape, keys, key_of)``: every micro-batch's ``(mbs, seqlen, dec_seqlen)`` (``[M, 3]``),
+    the distinct ``(mbs, seqlen, dec_seqlen, packed)`` keys its messages and loads depend on,
+    and each micro-batch's key index. Refuses a plan that packs some micro-batches only."""
+    M = len(infos)
+    shape = np.array([(i.mbs, i.seqlen, i.dec_seqlen) for i in infos], dtype=np.int64).reshape(M, 3)
+    # Packed rows load their sample ids on every stage: part of the load key, not of the messages.
+    packed = np.array([len(i.rows) > 0 for i in infos], dtype=np.int64)
+    if S > 2 and 0 < packed.sum() < M and not model.is_encoder_decoder:
+        # A middle stage would load for some micro-batches only; its instruction table
+        # (and the validator) have one load slot for all or none.
+        raise DynaPipeError(f"compile_plans: {int(packed.sum())} of {M} micro-batches are packed rows; a plan "
+                            f"packs all of its micro-batches or none (use one batching method per iteration).")
+    key_arr = np.concatenate([shape, packed[:, None]], axis=1)
+    uniq, inv = np.unique(key_arr, axis=0, return_inverse=True) if M else (key_arr, np.zeros(0, np.int64))
+    return shape, uniq, inv.reshape(-1)
+
+
+def _numbered_tensor_lists(specs: list, S: int) -> tuple[list, np.ndarray]:
+    """``(lists, ids)``: every distinct tensor list of ``specs`` (per key: each boundary's message, each
+    stage's loads), numbered in order of first use, boundary by boundary then stage by stage (an object
+    met again keeps its number), and ``ids[row, key]`` its number (rows: the ``S - 1`` boundaries, then
+    the ``S`` stages; -1: a stage that loads nothing)."""
+    K = len(specs)
+    seq = [sp[0][b] for b in range(S - 1) for sp in specs] + [sp[1][s] for s in range(S) for sp in specs]
+    empty = np.fromiter(map(len, seq), dtype=np.int64, count=len(seq)) == 0
+    empty[:(S - 1) * K] = False
+    ident = np.fromiter(map(id, seq), dtype=np.int64, count=len(seq))
+    ident[empty] = -1
+    _, first, which = np.unique(ident, return_index=True, return_inverse=True)
+    number = np.full(len(first), -1, np.int64)
+    kept = ident[first] != -1
+    by_first = np.argsort(first[kept], kind="stable")
+    number[np.flatnonzero(kept)[by_first]] = np.arange(int(kept.sum()))
+    ids = number[which.reshape(-1)].reshape(2 * S - 1, K) if K else np.zeros((2 * S - 1, 0), np.int64)
+    lists = [None] * int(kept.sum())
+    for n, j in zip(number[kept].tolist(), first[kept].tolist()):
+        lists[n] = seq[j]
+    return lists, ids
+
+
+def _tensor_lists(model: ModelConfig, infos: Sequence[MicroBatchInfo], S: int,
+                  layouts: Optional[tuple[StageLayout, ...]], shards: int) -> tuple[np.ndarray, list, list, list]:
+    """``(shape, lists, msg_ids, load_ids)``: every micro-batch's ``(mbs, seqlen, dec_seqlen)``,
+    the tensor lists of every boundary's message and every rank's loads, each distinct one
+    numbered once (shapes repeat across micro-batches) and shared by every rank's table, and
+    per boundary / per stage each micro-batch's list number (-1: loads nothing)."""
+    shape, uniq, inv = _micro_batch_keys(model, infos, S)
+    specs = [key_specs(model, S, k, layouts, shards) for k in map(tuple, uniq.tolist())]
+    lists, ids = _numbered_tensor_lists(specs, S)
+    return shape, lists, [ids[b][inv] for b in range(S - 1)], [ids[S - 1 + s][inv] for s in range(S)]
+
+
+def _rank_strings(level: str, w_idx: Optional[np.ndarray]) -> tuple[tuple[str, ...], dict]:
+    """A rank's string table (its recompute level, ``full``, and on a stage that splits its
+    backwards the parts ``input`` and ``weight``) and :func:`rank_table`'s split-backward
+    arguments (none on a stage that does not split)."""
+    strings = (level, "full") if level != "full" else ("full",)
+    parts = {}
+    if w_idx is not None:
+        strings += ("input", "weight")
+        parts = dict(w_idx=w_idx, input_sid=strings.index("input"), weight_sid=strings.index("weight"))
+    return strings, parts
+
+
+def _rank_tensor_lists(s: int, M: int, msg_ids: list, load_ids: list, lists: list) -> tuple[list, np.ndarray, tuple]:
+    """``(rank_msgs, rank_loads, tensor_lists)`` of stage ``s``: only the tensor lists it uses,
+    renumbered; its message numbers per boundary (None on boundaries it does not touch) and
+    its load numbers, per micro-batch (-1, loads nothing, stays -1)."""
+    S = len(load_ids)
+    mine = [a for a in (msg_ids[s - 1] if s > 0 else None, msg_ids[s] if s < S - 1 else None, load_ids[s])
+            if a is not None]
+    used, inverse = np.unique(np.concatenate(mine), return_inverse=True)
+    offset = int(used.size > 0 and used[0] < 0)   # -1 (loads nothing) stays -1
+    remap = (inverse - offset).reshape(len(mine), M)
+    rank_msgs = [None] * (S - 1)
+    k = 0
+    if s > 0:
+        rank_msgs[s - 1], k = remap[0], 1
+    if s < S - 1:
+        rank_msgs[s], k = remap[k], k + 1
+    return rank_msgs, remap[k], tuple(map(lists.__getitem__, used[offset:].tolist()))
+
+
 def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroBatch], model: ModelConfig, *,
                   num_stages: Optional[int] = None, timeline: Optional[Timeline] = None,
                   cost_model: Optional[CostModel] = None, replica: int = 0, num_replicas: int = 1,
@@ -162,145 +368,28 @@ def compile_plans(schedule: Union[Schedule, str], micro_batches: Sequence[MicroB
     and every micro-batch's lengths must be multiples of ``tp``.
     """
     shards, tp_meta = tensor_parallel_layout("compile_plans", tp, sequence_parallel)
-    if recompute is not None:
-        check_recompute(recompute)
-    mbs_list = list(micro_batches)
-    check_micro_batches("compile_plans", mbs_list, model)
-    if num_stages is not None:
-        whole_number("compile_plans: num_stages", num_stages)
-    whole_number("compile_plans: iteration", iteration, at_least=0)
+    mbs_list = _checked_arguments(recompute, micro_batches, model, num_stages, iteration)
     if layouts is None and cost_model is not None:
         layouts = cost_model.layouts
     layouts = tuple(layouts) if layouts is not None else None
     if isinstance(schedule, str):
-        if not num_stages:
-            raise DynaPipeError(f"compile_plans(schedule={schedule!r}) needs num_stages.")
-        times = (stage_times(cost_model, mbs_list) if cost_model is not None
-                 else _proxy_times(mbs_list, num_stages))
-        if schedule == "1f1b":
-            schedule = one_f_one_b(num_stages, len(mbs_list))
-        elif schedule == ZB_H1:
-            schedule = zb_h1(num_stages, len(mbs_list))
-        elif schedule == "adaptive":
-            schedule, timeline = adaptive_schedule(times)
-        else:
-            raise DynaPipeError(f"schedule {schedule!r} is not known; use '1f1b', 'adaptive', 'zb-h1' or a Schedule.")
-        if timeline is None:
-            timeline = simulate(schedule, times, record_memory=False)
-    if schedule.num_chunks > 1:
-        raise DynaPipeError(f"compile_plans: schedule {schedule.name!r} runs {schedule.num_chunks} virtual-pipeline "
-                            f"chunks per stage; compile them with "
-                            f"dynapipe.plan.compile_chunked.compile_chunked_plans.")
-    S = schedule.num_stages
-    if num_stages is not None and num_stages != S:
-        raise DynaPipeError(f"num_stages={num_stages} but the schedule has {S} stages.")
-    if len(schedule.stage_ops) != S:
-        raise DynaPipeError(f"schedule {schedule.name!r}: {len(schedule.stage_ops)} op lists for {S} stages.")
+        schedule, timeline = _named_schedule(schedule, mbs_list, num_stages, cost_model, timeline)
     M = len(mbs_list)
-    # Op positions from the simulation's arrays when it kept them (they are the ops it
-    # ran), else from the ops; either way every stage must run F(i) once, then B(i) (or
-    # BI(i) then BW(i)), as Schedule.check demands.
-    arrays = timeline.op_arrays if timeline is not None and timeline.schedule is schedule else None
-    split = bool((arrays[0] >= KIND_BI).any()) if arrays is not None else schedule.split_backward
-    n_fw = (sum(op.kind == "F" for op in schedule.stage_ops[0]) if split
-            else len(schedule.stage_ops[0]) // 2) if S else 0
-    if S and (n_fw != M or (not split and len(schedule.stage_ops[0]) != 2 * M)):
-        raise DynaPipeError(f"schedule {schedule.name!r} runs {n_fw} micro-batches, {M} were given.")
-    w_idx = [None] * S
-    if split:
-        pos = split_positions_from_arrays(*arrays[:3], M) if arrays is not None else None
-        if pos is None:
-            positions = [backward_positions(schedule.name, s, schedule.stage_ops[s], M) for s in range(S)]
-            f_idx, b_idx, w_all = [p[0] for p in positions], [p[1] for p in positions], [p[2] for p in positions]
-        else:
-            f_idx, b_idx, w_all = list(pos[0]), list(pos[1]), list(pos[2])
-        for s, w in enumerate(w_all):
-            if (w >= 0).all():
-                w_idx[s] = w
-            elif (w >= 0).any():
-                raise DynaPipeError(f"schedule {schedule.name!r}: stage {s} splits the backward of "
-                                    f"{int((w >= 0).sum())} of its {M} micro-batches; the plan compiler needs a "
-                                    f"stage to split every backward (BI then BW) or none.")
-    else:
-        pos = positions_from_arrays(*arrays[:3], M) if arrays is not None else None
-        if pos is None:
-            positions = [op_positions(schedule.name, s, schedule.stage_ops[s], M) for s in range(S)]
-            f_idx, b_idx = [p[0] for p in positions], [p[1] for p in positions]
-        else:
-            f_idx, b_idx = list(pos[0]), list(pos[1])
-    if timeline is None:
-        times = stage_times(cost_model, mbs_list) if cost_model is not None else _proxy_times(mbs_list, S)
-        timeline = simulate(schedule, times, record_memory=False)
-    if timeline.schedule is not schedule and timeline.schedule.stage_ops != schedule.stage_ops:
-        raise DynaPipeError("the timeline given to compile_plans belongs to a different schedule.")
-    if pos is not None:
-        ends = [e[:n] for e, n in zip(arrays[3], arrays[2].tolist())]
-    else:
-        ends = [np.asarray(e, dtype=np.float64) for e in timeline.ends]
+    arrays, split = _checked_schedule(schedule, num_stages, timeline, M)
+    f_idx, b_idx, w_idx, from_arrays = _op_positions(schedule, arrays, split, M)
+    timeline, ends = _timeline_ends(schedule, timeline, cost_model, mbs_list, arrays if from_arrays else None)
     infos = tuple(_info(i, mb) for i, mb in enumerate(mbs_list))
     check_sequence_shards(infos, shards)
-    loss = sum(i.loss_tokens for i in infos)
-    if global_loss_tokens is None:
-        if num_replicas > 1:
-            raise DynaPipeError("compile_plans with num_replicas > 1 needs global_loss_tokens "
-                                "(loss tokens of the whole global batch).")
-        global_loss_tokens = loss
-    # Tensor lists of every boundary's message and every rank's loads, each distinct one
-    # numbered once (shapes repeat across micro-batches) and shared by every rank's table.
-    shape = np.array([(i.mbs, i.seqlen, i.dec_seqlen) for i in infos], dtype=np.int64).reshape(M, 3)
-    # Packed rows load their sample ids on every stage: part of the load key, not of the messages.
-    packed = np.array([len(i.rows) > 0 for i in infos], dtype=np.int64)
-    if S > 2 and 0 < packed.sum() < M and not model.is_encoder_decoder:
-        # A middle stage would load for some micro-batches only; its instruction table
-        # (and the validator) have one load slot for all or none.
-        raise DynaPipeError(f"compile_plans: {int(packed.sum())} of {M} micro-batches are packed rows; a plan "
-                            f"packs all of its micro-batches or none (use one batching method per iteration).")
-    key_arr = np.concatenate([shape, packed[:, None]], axis=1)
-    uniq, inv = np.unique(key_arr, axis=0, return_inverse=True) if M else (key_arr, np.zeros(0, np.int64))
-    inv = inv.reshape(-1)
-    K = len(uniq)
-    specs = [key_specs(model, S, k, layouts, shards) for k in map(tuple, uniq.tolist())]
-    # Lists numbered in order of first use, boundary by boundary then stage by stage
-    # (an object met again keeps its number); a stage that loads nothing gets -1.
-    seq = [sp[0][b] for b in range(S - 1) for sp in specs] + [sp[1][s] for s in range(S) for sp in specs]
-    empty = np.fromiter(map(len, seq), dtype=np.int64, count=len(seq)) == 0
-    empty[:(S - 1) * K] = False
-    ident = np.fromiter(map(id, seq), dtype=np.int64, count=len(seq))
-    ident[empty] = -1
-    _, first, which = np.unique(ident, return_index=True, return_inverse=True)
-    number = np.full(len(first), -1, np.int64)
-    kept = ident[first] != -1
-    by_first = np.argsort(first[kept], kind="stable")
-    number[np.flatnonzero(kept)[by_first]] = np.arange(int(kept.sum()))
-    ids = number[which.reshape(-1)].reshape(2 * S - 1, K) if K else np.zeros((2 * S - 1, 0), np.int64)
-    lists = [None] * int(kept.sum())
-    for n, j in zip(number[kept].tolist(), first[kept].tolist()):
-        lists[n] = seq[j]
-    msg_ids = [ids[b][inv] for b in range(S - 1)]
-    load_ids = [ids[S - 1 + s][inv] for s in range(S)]
+    loss, global_loss_tokens = _loss_tokens(infos, global_loss_tokens, num_replicas)
+    S = schedule.num_stages
+    shape, lists, msg_ids, load_ids = _tensor_lists(model, infos, S, layouts, shards)
     mb_order = list(map(int, schedule.mb_order))
     plans = []
     for s in range(S):
         level = recompute or schedule.recompute_of(s)
-        strings = (level, "full") if level != "full" else ("full",)
-        parts = {}
-        if w_idx[s] is not None:
-            strings += ("input", "weight")
-            parts = dict(w_idx=w_idx[s], input_sid=strings.index("input"), weight_sid=strings.index("weight"))
-        # Each rank's table holds only the tensor lists it uses, renumbered.
-        mine = [a for a in (msg_ids[s - 1] if s > 0 else None, msg_ids[s] if s < S - 1 else None, load_ids[s])
-                if a is not None]
-        used, inverse = np.unique(np.concatenate(mine), return_inverse=True)
-        offset = int(used.size > 0 and used[0] < 0)   # -1 (loads nothing) stays -1
-        remap = (inverse - offset).reshape(len(mine), M)
-        rank_msgs = [None] * (S - 1)
-        k = 0
-        if s > 0:
-            rank_msgs[s - 1], k = remap[0], 1
-        if s < S - 1:
-            rank_msgs[s], k = remap[k], k + 1
-        tensor_lists = tuple(map(lists.__getitem__, used[offset:].tolist()))
-        instructions = rank_table(s, S, M, f_idx, b_idx, ends, shape, rank_msgs, remap[k], strings,
+        strings, parts = _rank_strings(level, w_idx[s])
+        rank_msgs, rank_loads, tensor_lists = _rank_tensor_lists(s, M, msg_ids, load_ids, lists)
+        instructions = rank_table(s, S, M, f_idx, b_idx, ends, shape, rank_msgs, rank_loads, strings,
                                   tensor_lists, 0, strings.index("full"), **parts)
         plans.append(ExecutionPlan(
             iteration=iteration, stage=s, num_stages=S, replica=replica, num_replicas=num_replicas,

@@ -13,38 +13,38 @@ replicas. Two shortcuts keep the search fast without changing its answer: a reco
 level whose work lower bound (the busiest stage's total compute) cannot beat the best
 fitting candidate found so far is skipped, and a simulation stops as soon as an op ends
 later than the best makespan so far or a stage exceeds the capacity. ``explain=True``
-turns the shortcuts off so every candidate gets its exact figures.
+turns the shortcuts off so every candidate gets its exact figures. What a search tries, and
+the checks of its arguments, are resolved in :mod:`dynapipe.schedule.search_space`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import NoReturn, Optional, Sequence, Union
 
 import numpy as np
 
 from dynapipe.batching.types import MicroBatch
 from dynapipe.config import ClusterConfig
-from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, check_recompute
-from dynapipe.errors import DynaPipeError, NoScheduleFits, real_number, whole_number
+from dynapipe.cost.base import CostModel
+from dynapipe.errors import DynaPipeError, NoScheduleFits
 from dynapipe.schedule import _kernels as K
 from dynapipe.schedule.adaptive import adaptive_arrays, schedule_from_arrays
 from dynapipe.schedule.costs import StageTimes, stage_times_per_replica
-from dynapipe.schedule.interleaved import (INTERLEAVED, chunk_count, chunked_inputs,
-                                           chunked_split_kernel, interleaved_arrays, schedule_from_chunked_arrays,
-                                           virtual_stage_times_per_replica)
+from dynapipe.schedule.interleaved import (INTERLEAVED, chunked_inputs, chunked_split_kernel, interleaved_arrays,
+                                           schedule_from_chunked_arrays, virtual_stage_times_per_replica)
 from dynapipe.schedule.interleaved_adaptive import INTERLEAVED_ADAPTIVE, interleaved_adaptive_orders
 from dynapipe.schedule.interleaved_zb import INTERLEAVED_ZB, interleaved_zb_arrays, max_delay_cap
 from dynapipe.schedule.one_f_one_b import one_f_one_b, one_f_one_b_arrays
 from dynapipe.schedule.orders import ORDERS
-from dynapipe.schedule.recompute_policy import per_stage_policies
+from dynapipe.schedule.search_space import (SCHEDULE_CHOICES, SearchSpace, checked_options, checked_replicas,
+                                            order_names, recompute_levels, recompute_policies, schedule_names)
 from dynapipe.schedule.simulator import Timeline, kernel_inputs, simulate, split_inputs
-from dynapipe.schedule.types import CHUNKED_SCHEDULE_NAMES, SCHEDULE_NAMES, SPLIT_BACKWARD_SCHEDULE_NAMES, Schedule
+from dynapipe.schedule.types import Schedule
 from dynapipe.schedule.zero_bubble import ZB_H1, zb_h1, zb_h1_arrays
 
-# Every --schedule value. ``auto`` tries SCHEDULE_NAMES and, where the run can split the
-# backward, the split-backward schedules (on chunked placements: the chunked ones, of which
-# interleaved-zb splits the backward).
-SCHEDULE_CHOICES = SCHEDULE_NAMES + SPLIT_BACKWARD_SCHEDULE_NAMES + CHUNKED_SCHEDULE_NAMES + ("auto",)
+# SCHEDULE_CHOICES (every --schedule value) lives with the argument checks and is read from here.
+__all__ = ["SCHEDULE_CHOICES", "Candidate", "SearchResult", "search_schedules", "faster", "heavy_first",
+           "TIE_MARGIN", "FITS", "OVER_MEMORY", "SLOWER", "SKIPPED"]
 # Fixed op orders the search simulates, by name: (kind, mb, nops) arrays of (stages, micro-batches).
 _FIXED_ORDERS = {"1f1b": one_f_one_b_arrays, ZB_H1: zb_h1_arrays}
 # Candidate outcomes.
@@ -189,6 +189,158 @@ _SMALLER = {"dynapipe": "a lower memory limit for batching",
             None: "a lower memory limit for batching, a smaller --micro-batch-size or --max-tokens"}
 
 
+@dataclass
+class _Tally:
+    """What the search has met so far: every candidate in search order, what each simulated
+    one was (schedule, recompute label, per-stage mix, order, permuted times), and the best
+    fitting one as ``(candidate, runs, permuted times, micro-batch orders)``, else None.
+    ``to_beat``: the makespan (ms) a candidate must beat before any fits (inf: none)."""
+
+    to_beat: float
+    candidates: list[Candidate] = field(default_factory=list)
+    evaluated: list[tuple] = field(default_factory=list)
+    best: Optional[tuple] = None
+
+    def bar_ms(self) -> float:
+        """The makespan (ms) a candidate must beat: the best so far, else ``to_beat``."""
+        return self.best[0].makespan_ms if self.best is not None else self.to_beat
+
+
+def _price(space: SearchSpace, cost_model: CostModel, replicas: list[list[MicroBatch]], *,
+           cluster: Optional[ClusterConfig], dp: int, tp: int, zero: bool) -> dict:
+    """Every replica's stage times (ms, MiB) under each recompute level of ``space``, by level
+    (on a chunked placement one row per virtual stage)."""
+    pricer = virtual_stage_times_per_replica if space.chunks > 1 else stage_times_per_replica
+    return {lv: pricer(cost_model, replicas, recompute=lv, cluster=cluster, dp=dp, tp=tp, zero=zero)
+            for lv in space.levels}
+
+
+def _simulate_once(space: SearchSpace, name: str, level: str, mix: tuple, order: str, permuted: list,
+                   abort_ms: float, abort_mib: float, max_delay: Optional[int] = None) -> tuple:
+    """``(candidate, runs)`` of one schedule on every replica's ``permuted`` times: makespan
+    (ms) of the slowest replica, peak (MiB) per stage the highest over replicas. A simulation
+    stops once an op ends after ``abort_ms`` or a stage exceeds ``abort_mib``."""
+    # The makespan is the slowest replica's, so one replica that aborts (slower than
+    # the best candidate, or over memory) decides the candidate: the heaviest replicas
+    # run first and the rest are not simulated. A candidate both slower and over memory
+    # is labelled by whichever its first aborting replica hit.
+    S = space.num_stages
+    runs = [None] * len(permuted)
+    for i in heavy_first(permuted):
+        runs[i] = _run(name, permuted[i], space.capacity, abort_ms, abort_mib, max_delay)
+        if runs[i][0] == K.OVER:
+            return Candidate(name, order, level, OVER_MEMORY, np.nan, stage_recompute=mix, max_delay=max_delay), runs
+        if runs[i][0] == K.SLOW:
+            return Candidate(name, order, level, SLOWER, np.nan, stage_recompute=mix, max_delay=max_delay), runs
+    makespan = max(float(r[5].max()) if r[5].size else 0.0 for r in runs)
+    peak = tuple(float(max(r[7][s] for r in runs)) for s in range(S))
+    busy = sum(float(r[6].sum()) for r in runs)
+    bubble = 1.0 - busy / (len(runs) * S * makespan) if makespan > 0 else 0.0
+    status = FITS if max(peak) <= space.cap_mib else OVER_MEMORY
+    return Candidate(name, order, level, status, makespan, bubble, peak, mix, max_delay), runs
+
+
+def _simulate(space: SearchSpace, name: str, level: str, mix: tuple, order: str, permuted: list,
+              abort_ms: float, abort_mib: float) -> tuple:
+    """``(candidate, runs)`` of one candidate (:func:`_simulate_once`; limits in ms and MiB); for
+    zb-h1 and interleaved-zb the fastest cap on the weight delays that fits."""
+    if name not in _DELAYED:
+        return _simulate_once(space, name, level, mix, order, permuted, abort_ms, abort_mib)
+    # Pending weight parts hold memory, and the cap on the weight delays also reorders ops:
+    # a smaller cap can both fit and run faster than a larger one, so every cap is tried,
+    # the largest first (it leaves the schedule's own delays; k = 0 holds what (interleaved)
+    # 1F1B holds, but for full recompute's weight stashes: there it may not fit where 1F1B
+    # does). The fastest that fits is kept, ties to the larger cap; each try after one that
+    # fits need only beat it, so most stop early. Nothing fitting: the last refusal.
+    S = space.num_stages
+    kept = slower = last = None
+    for k in range((max_delay_cap(S) if name == INTERLEAVED_ZB else S - 1), -1, -1):
+        bar = abort_ms if kept is None else min(abort_ms, kept[0].makespan_ms)
+        last = _simulate_once(space, name, level, mix, order, permuted, bar, abort_mib, k)
+        if last[0].status == FITS and (kept is None or last[0].makespan_ms < kept[0].makespan_ms):
+            kept = last
+        elif kept is None and last[0].status == SLOWER:
+            slower = last
+    return kept or slower or last
+
+
+def _search_order(space: SearchSpace, tally: _Tally, order: str, level_times: dict, weights: list,
+                  num_replicas: int) -> None:
+    """Try every recompute policy and schedule on one micro-batch order (``weights``: each
+    replica's per-micro-batch work, ms, that orders it), recording each candidate in ``tally``
+    and keeping the fastest that fits. A policy whose work lower bound (ms) cannot beat the bar
+    is skipped unsimulated; a candidate replaces the best only when :func:`faster`."""
+    perms = [tuple(ORDERS[order](w)) for w in weights]
+    for label, mix, permuted, names in recompute_policies(space, level_times, perms, num_replicas):
+        bound = max(t.work_lower_bound_ms() for t in permuted)
+        if not space.explain and bound >= tally.bar_ms():
+            tally.candidates.extend(Candidate(n, order, label, SKIPPED, bound, stage_recompute=mix) for n in names)
+            continue
+        for name in names:
+            abort_ms = np.inf if space.explain else tally.bar_ms()
+            abort_mib = np.inf if space.explain else space.cap_mib
+            cand, runs = _simulate(space, name, label, mix, order, permuted, abort_ms, abort_mib)
+            tally.candidates.append(cand)
+            tally.evaluated.append((name, label, mix, order, permuted))
+            if cand.fits and faster(cand.makespan_ms, tally.bar_ms()):
+                tally.best = (cand, runs, permuted, perms)
+
+
+def _refuse(space: SearchSpace, tally: _Tally, batching: Optional[str]) -> NoReturn:
+    """Raise :class:`NoScheduleFits` for a search that kept no candidate: none beat
+    ``must_beat_ms`` (ms), or none fits the capacity (MiB), naming the closest candidate (every
+    simulated one re-simulated in full) and the flag ``batching`` reads to cut smaller ones."""
+    if np.isfinite(tally.to_beat):
+        raise NoScheduleFits(f"no schedule of these micro-batches fits and runs faster than {tally.to_beat:.1f} ms.")
+    # Nothing fits: simulate every candidate in full to name the closest one.
+    full = [_simulate(space, n, lv, mix, o, pm, np.inf, np.inf)[0] for n, lv, mix, o, pm in tally.evaluated]
+    c = min(full, key=lambda x: max(x.peak_mib))
+    worst = int(np.argmax(c.peak_mib))
+    cap_mib = space.cap_mib
+    raise NoScheduleFits(
+        f"no schedule fits in {cap_mib:.0f} MiB per stage: the closest candidate ({c.schedule}, {c.order} "
+        f"order, recompute {c.recompute}) needs {c.peak_mib[worst]:.0f} MiB on stage {worst}, "
+        f"{c.peak_mib[worst] - cap_mib:.0f} MiB over the limit. Raise --memory-limit-mb, use more pipeline "
+        f"stages, or plan smaller micro-batches ({_SMALLER.get(batching, _SMALLER[None])}).")
+
+
+def _replica_schedule(space: SearchSpace, cand: Candidate, run: tuple, times: StageTimes,
+                      mb_order: tuple) -> tuple[Schedule, Timeline]:
+    """One replica's schedule of the chosen candidate, built from its run's op arrays (they are
+    the schedule's ops), and its timeline (ms, MiB) re-simulated with memory recorded."""
+    if cand.schedule in _CHUNKED:
+        # The run's op arrays are the schedule's ops, whichever chunked order made them.
+        meta = {} if cand.max_delay is None else {"max_delay": int(cand.max_delay)}
+        sched = schedule_from_chunked_arrays(cand.schedule, run[1], run[2], run[8], run[3], chunks=space.chunks,
+                                             recompute=cand.recompute, order=cand.order, mb_order=mb_order,
+                                             stage_recompute=cand.stage_recompute, meta=meta)
+        return sched, simulate(sched, times, record_memory=True, arrays=(run[1], run[2], run[8], run[3]))
+    if cand.schedule in _FIXED_ORDERS:
+        kwargs = {"max_delay": cand.max_delay} if cand.schedule == ZB_H1 else {}
+        build = zb_h1 if cand.schedule == ZB_H1 else one_f_one_b
+        sched = build(space.num_stages, times.num_micro_batches, recompute=cand.recompute, order=cand.order,
+                      mb_order=mb_order, stage_recompute=cand.stage_recompute, **kwargs)
+    else:
+        sched = schedule_from_arrays(cand.schedule, run[1], run[2], run[3], recompute=cand.recompute,
+                                     order=cand.order, mb_order=mb_order, stage_recompute=cand.stage_recompute)
+    # The run's op arrays are the schedule's ops (it was built from them), so the
+    # timeline is re-simulated without reading the ops back.
+    return sched, simulate(sched, times, record_memory=True, arrays=(run[1], run[2], run[3]))
+
+
+def _result(space: SearchSpace, tally: _Tally, replicas: list[list[MicroBatch]]) -> SearchResult:
+    """The :class:`SearchResult` of the best candidate: every replica's schedule, timeline and
+    micro-batches in the order the schedule indexes them, with every candidate met."""
+    cand, runs, permuted, perms = tally.best
+    schedules, timelines = [], []
+    for r, t, p in zip(runs, permuted, perms):
+        sched, timeline = _replica_schedule(space, cand, r, t, p)
+        schedules.append(sched)
+        timelines.append(timeline)
+    ordered = [[replicas[r][i] for i in p] for r, p in enumerate(perms)]
+    return SearchResult(cand, schedules, ordered, timelines, permuted, tally.candidates)
+
+
 def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostModel, *,
                      schedule: str = "auto", recompute: Optional[Union[str, Sequence[str]]] = None,
                      capacity_mib: Optional[float] = None, cluster: Optional[ClusterConfig] = None,
@@ -219,179 +371,22 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
     so (cheaply: nothing is re-simulated to name the closest candidate); ignored with
     ``explain``, which simulates every candidate in full.
     """
-    if schedule not in SCHEDULE_CHOICES:
-        raise DynaPipeError(f"--schedule {schedule!r} is not known; use one of {', '.join(SCHEDULE_CHOICES)}.")
-    if not split_backward and schedule in (ZB_H1, INTERLEAVED_ZB):
-        raise DynaPipeError(f"--schedule {schedule} splits every backward, and the stages cannot split theirs "
-                            f"(--no-split-backward, split_backward=False); drop one of them (auto then searches "
-                            f"the other schedules).")
-    chunks = chunk_count(cost_model)
-    # On a chunked placement 1F1B is Megatron's interleaved 1F1B, adaptive the adaptive
-    # interleaved order and zb-h1 interleaved-zb, as training's --dynapipe-schedule reads them.
-    if chunks == 1 and schedule in CHUNKED_SCHEDULE_NAMES:
-        use = ", ".join(CHUNKED_SCHEDULE_NAMES) if chunks > 1 else "1f1b, adaptive or zb-h1"
-        raise DynaPipeError(f"--schedule {schedule}: placement {cost_model.placement} has {chunks} chunk(s) per "
-                            f"stage; use --schedule {use} or auto.")
-    if chunks > 1:
-        auto = [INTERLEAVED, INTERLEAVED_ADAPTIVE] + ([INTERLEAVED_ZB] if split_backward else [])
-        names = {"auto": auto, INTERLEAVED_ADAPTIVE: [INTERLEAVED_ADAPTIVE], "adaptive": [INTERLEAVED_ADAPTIVE],
-                 INTERLEAVED_ZB: [INTERLEAVED_ZB], ZB_H1: [INTERLEAVED_ZB]}.get(schedule, [INTERLEAVED])
-    elif schedule == "auto":
-        names = list(SCHEDULE_NAMES) + (list(SPLIT_BACKWARD_SCHEDULE_NAMES) if split_backward else [])
-    else:
-        names = [schedule]
-    order_names = list(orders) if orders else (list(ORDERS) if schedule == "auto" else ["planned"])
-    for o in order_names:
-        if o not in ORDERS:
-            raise DynaPipeError(f"micro-batch order {o!r} is not known; use one of {sorted(ORDERS)}.")
-    if recompute is None:
-        levels = list(RECOMPUTE_LEVELS)
-    elif isinstance(recompute, str):
-        levels = [check_recompute(recompute)]
-    else:
-        levels = [check_recompute(r) for r in recompute]
-        if not levels:
-            raise DynaPipeError("no recompute level to try; give at least one of none, selective, full.")
-    shape_hint = "give one list of micro-batches per data-parallel replica ([[mb, ...], ...]; one replica: " \
-                 "[micro_batches])"
-    try:
-        if isinstance(replicas, (str, bytes)):
-            raise TypeError
-        # Materialised before any check: one that iterates an iterator of replicas consumes it.
-        replicas = list(replicas)
-        if any(isinstance(r, (MicroBatch, str, bytes)) for r in replicas):
-            raise TypeError
-        replicas = [list(r) for r in replicas]
-    except TypeError:  # not a list of lists (a flat list of micro-batches, a number)
-        raise DynaPipeError(f"replicas: {shape_hint}.") from None
-    odd = next((x for r in replicas for x in r if not isinstance(x, MicroBatch)), None)
-    if odd is not None:
-        raise DynaPipeError(f"replicas: {type(odd).__name__} {odd!r:.40} is not a MicroBatch; {shape_hint}.")
-    if not any(replicas):
-        raise DynaPipeError("there are no micro-batches to schedule.")
-    if dp is not None and whole_number("dp", dp) != len(replicas):
-        raise DynaPipeError(f"dp {dp}: {len(replicas)} replica list(s) were given; give one list per replica.")
-    dp = dp or len(replicas)
-    whole_number("tp", tp)
-    if cluster is not None:
-        if not isinstance(cluster, ClusterConfig):
-            raise DynaPipeError(f"cluster {cluster!r}: give a ClusterConfig "
-                                f"(dynapipe.config.load_cluster_config(name)).")
-        cluster.validate(f"cluster {cluster.name!r}")
-    if capacity_mib is not None:
-        real_number("capacity_mib", capacity_mib, unlimited=True)
-    if must_beat_ms is not None:
-        real_number("must_beat_ms", must_beat_ms, unlimited=True)
-    per_stage = (schedule == "auto") if per_stage is None else per_stage
+    names, chunks = schedule_names(schedule, split_backward, cost_model)
+    orders = order_names(schedule, orders)
+    levels = recompute_levels(recompute)
+    replicas = checked_replicas(replicas)
+    dp = checked_options(replicas, dp=dp, tp=tp, cluster=cluster, capacity_mib=capacity_mib,
+                         must_beat_ms=must_beat_ms)
     S = cost_model.num_stages
     cap_mib = np.inf if capacity_mib is None else float(capacity_mib)
-    capacity = np.full(S, cap_mib)
-
-    candidates: list[Candidate] = []
-    best: Optional[tuple] = None
-    to_beat = np.inf if must_beat_ms is None or explain else float(must_beat_ms)
-
-    def bar_ms() -> float:
-        """The makespan (ms) a candidate must beat: the best so far, else ``must_beat_ms``."""
-        return best[0].makespan_ms if best is not None else to_beat
-
-    def evaluate(name, level, mix, o, permuted, abort_ms, abort_mib):
-        if name not in _DELAYED:
-            return evaluate_once(name, level, mix, o, permuted, abort_ms, abort_mib)
-        # Pending weight parts hold memory, and the cap on the weight delays also reorders ops:
-        # a smaller cap can both fit and run faster than a larger one, so every cap is tried,
-        # the largest first (it leaves the schedule's own delays; k = 0 holds what (interleaved)
-        # 1F1B holds, but for full recompute's weight stashes: there it may not fit where 1F1B
-        # does). The fastest that fits is kept, ties to the larger cap; each try after one that
-        # fits need only beat it, so most stop early. Nothing fitting: the last refusal.
-        kept = slower = last = None
-        for k in range((max_delay_cap(S) if name == INTERLEAVED_ZB else S - 1), -1, -1):
-            bar = abort_ms if kept is None else min(abort_ms, kept[0].makespan_ms)
-            last = evaluate_once(name, level, mix, o, permuted, bar, abort_mib, k)
-            if last[0].status == FITS and (kept is None or last[0].makespan_ms < kept[0].makespan_ms):
-                kept = last
-            elif kept is None and last[0].status == SLOWER:
-                slower = last
-        return kept or slower or last
-
-    def evaluate_once(name, level, mix, o, permuted, abort_ms, abort_mib, max_delay=None):
-        # The makespan is the slowest replica's, so one replica that aborts (slower than
-        # the best candidate, or over memory) decides the candidate: the heaviest replicas
-        # run first and the rest are not simulated. A candidate both slower and over memory
-        # is labelled by whichever its first aborting replica hit.
-        runs = [None] * len(permuted)
-        for i in heavy_first(permuted):
-            runs[i] = _run(name, permuted[i], capacity, abort_ms, abort_mib, max_delay)
-            if runs[i][0] == K.OVER:
-                return Candidate(name, o, level, OVER_MEMORY, np.nan, stage_recompute=mix, max_delay=max_delay), runs
-            if runs[i][0] == K.SLOW:
-                return Candidate(name, o, level, SLOWER, np.nan, stage_recompute=mix, max_delay=max_delay), runs
-        makespan = max(float(r[5].max()) if r[5].size else 0.0 for r in runs)
-        peak = tuple(float(max(r[7][s] for r in runs)) for s in range(S))
-        busy = sum(float(r[6].sum()) for r in runs)
-        bubble = 1.0 - busy / (len(runs) * S * makespan) if makespan > 0 else 0.0
-        status = FITS if max(peak) <= cap_mib else OVER_MEMORY
-        return Candidate(name, o, level, status, makespan, bubble, peak, mix, max_delay), runs
-
-    evaluated = []
-    pricer = virtual_stage_times_per_replica if chunks > 1 else stage_times_per_replica
-    level_times = {lv: pricer(cost_model, replicas, recompute=lv, cluster=cluster, dp=dp, tp=tp, zero=zero)
-                   for lv in levels}
+    space = SearchSpace(names, orders, levels, chunks, S, cap_mib, np.full(S, cap_mib),
+                        per_stage=(schedule == "auto") if per_stage is None else per_stage,
+                        bounded=capacity_mib is not None, explain=explain)
+    tally = _Tally(to_beat=np.inf if must_beat_ms is None or explain else float(must_beat_ms))
+    level_times = _price(space, cost_model, replicas, cluster=cluster, dp=dp, tp=tp, zero=zero)
     weights = [(t.fw_ms + t.bw_ms).sum(axis=0) for t in level_times[levels[0]]]
-    for o in order_names:
-        perms = [tuple(ORDERS[o](w)) for w in weights]
-        by_level = {lv: [t.permuted(p) for t, p in zip(level_times[lv], perms)] for lv in levels}
-        # One level per virtual stage (chunk-major, k = c * P + s), per-chunk mixes and uniform alike.
-        policies = [(lv, (lv,) * (S * chunks), by_level[lv], names) for lv in levels]
-        if per_stage and len(levels) > 1 and capacity_mib is not None:
-            policies[1:1] = per_stage_policies(by_level, levels, cap_mib, names, chunks, len(replicas))
-        for label, mix, permuted, policy_names in policies:
-            bound = max(t.work_lower_bound_ms() for t in permuted)
-            if not explain and bound >= bar_ms():
-                candidates.extend(Candidate(n, o, label, SKIPPED, bound, stage_recompute=mix) for n in policy_names)
-                continue
-            for name in policy_names:
-                abort_ms = np.inf if explain else bar_ms()
-                cand, runs = evaluate(name, label, mix, o, permuted, abort_ms, np.inf if explain else cap_mib)
-                candidates.append(cand)
-                evaluated.append((name, label, mix, o, permuted))
-                if cand.fits and faster(cand.makespan_ms, bar_ms()):
-                    best = (cand, runs, permuted, perms)
-    if best is None and np.isfinite(to_beat):
-        raise NoScheduleFits(f"no schedule of these micro-batches fits and runs faster than {to_beat:.1f} ms.")
-    if best is None:
-        # Nothing fits: simulate every candidate in full to name the closest one.
-        full = [evaluate(n, lv, mix, o, pm, np.inf, np.inf)[0] for n, lv, mix, o, pm in evaluated]
-        c = min(full, key=lambda x: max(x.peak_mib))
-        worst = int(np.argmax(c.peak_mib))
-        raise NoScheduleFits(
-            f"no schedule fits in {cap_mib:.0f} MiB per stage: the closest candidate ({c.schedule}, {c.order} "
-            f"order, recompute {c.recompute}) needs {c.peak_mib[worst]:.0f} MiB on stage {worst}, "
-            f"{c.peak_mib[worst] - cap_mib:.0f} MiB over the limit. Raise --memory-limit-mb, use more pipeline "
-            f"stages, or plan smaller micro-batches ({_SMALLER.get(batching, _SMALLER[None])}).")
-    cand, runs, permuted, perms = best
-    schedules, timelines = [], []
-    for r, t, p in zip(runs, permuted, perms):
-        if cand.schedule in _CHUNKED:
-            # The run's op arrays are the schedule's ops, whichever chunked order made them.
-            meta = {} if cand.max_delay is None else {"max_delay": int(cand.max_delay)}
-            sched = schedule_from_chunked_arrays(cand.schedule, r[1], r[2], r[8], r[3], chunks=chunks,
-                                                 recompute=cand.recompute, order=cand.order, mb_order=p,
-                                                 stage_recompute=cand.stage_recompute, meta=meta)
-            schedules.append(sched)
-            timelines.append(simulate(sched, t, record_memory=True, arrays=(r[1], r[2], r[8], r[3])))
-            continue
-        if cand.schedule in _FIXED_ORDERS:
-            kwargs = {"max_delay": cand.max_delay} if cand.schedule == ZB_H1 else {}
-            build = zb_h1 if cand.schedule == ZB_H1 else one_f_one_b
-            sched = build(S, t.num_micro_batches, recompute=cand.recompute, order=cand.order, mb_order=p,
-                          stage_recompute=cand.stage_recompute, **kwargs)
-        else:
-            sched = schedule_from_arrays(cand.schedule, r[1], r[2], r[3], recompute=cand.recompute,
-                                         order=cand.order, mb_order=p, stage_recompute=cand.stage_recompute)
-        schedules.append(sched)
-        # The run's op arrays are the schedule's ops (it was built from them), so the
-        # timeline is re-simulated without reading the ops back.
-        timelines.append(simulate(sched, t, record_memory=True, arrays=(r[1], r[2], r[3])))
-    ordered = [[replicas[r][i] for i in p] for r, p in enumerate(perms)]
-    return SearchResult(cand, schedules, ordered, timelines, permuted, candidates)
+    for order in orders:
+        _search_order(space, tally, order, level_times, weights, len(replicas))
+    if tally.best is None:
+        _refuse(space, tally, batching)
+    return _result(space, tally, replicas)
