@@ -27,22 +27,23 @@ import os
 import resource
 import sys
 import time
-from typing import Optional, Sequence, TextIO
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, TextIO
 
 from dynapipe.progress import Progress
 from dynapipe.output_paths import write_output
 # Preset and stage_activation_peaks are not used here: callers import them from this module.
 from megatron_integration import cpu_allocator
 from megatron_integration.bench_checks import calibrated_profile_path, check_bench_outputs, measured_profile_path
+from megatron_integration.bench_method_reports import (BenchRounds, Picked, add_ratios, method_report,
+                                                       print_time_and_memory, time_split)
 from megatron_integration.bench_request import Entry, check_request  # noqa: F401 (Entry re-exported)
-from megatron_integration.bench_presets import (BASELINES, DYNAPIPE_METHODS, EXECUTOR_METHODS, METHOD_FLAGS,
-                                                PRESETS, PROFILE_MBS, PROFILE_SEQLENS, REFERENCE_SEQ_LENGTH,
-                                                fill_defaults, flag_value, host_defaults, with_defaults)
-from megatron_integration.bench_report import (breakdown, breakdown_summary, breakdown_table, format_compute_floor,
-                                               ratio_table, round_ratios, rounds_line, write_png)
+from megatron_integration.bench_presets import (BASELINES, EXECUTOR_METHODS, METHOD_FLAGS, PRESETS, PROFILE_MBS,
+                                                PROFILE_SEQLENS, REFERENCE_SEQ_LENGTH, fill_defaults, flag_value,
+                                                host_defaults, with_defaults)
+from megatron_integration.bench_report import breakdown, format_compute_floor, ratio_table, rounds_line, write_png
 from megatron_integration.bench_results import (MethodResult, median_result,  # noqa: F401 (re-exported)
                                                 stage_activation_peaks, summarise)
-from megatron_integration.bench_results import format_memory_faults
 from megatron_integration.jobs import run_training
 
 
@@ -152,16 +153,38 @@ def cost_model_error(cfg, profiles: dict, trace_dirs: Sequence[str], iterations:
     return out
 
 
-def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int, output: str,
-              png: Optional[str] = None, warmup_iters: Optional[int] = None, profile: Optional[str] = None,
-              threads_per_rank: Optional[int] = None, timeout_s: float = 1800.0, stream: TextIO = sys.stdout,
-              preset: str = "tiny", rounds: Optional[int] = None, sweep_top: Optional[int] = None,
-              calibrate_iters: Optional[int] = None, progress: bool = True) -> dict:
-    """Train every method with ``argv`` on ``nproc`` ranks, ``rounds`` rounds in rotated order;
-    write the JSON (and PNG). ``None`` arguments take the preset's value. ``progress``: a bar over
-    the training runs on a terminal (see :mod:`dynapipe.progress`)."""
+@dataclass
+class _Request:
+    """A bench request resolved against its preset: ``None`` arguments replaced by the
+    preset's values, ``argv`` completed with the preset's and this host's defaults, and the
+    training config of the DynaPipe run parsed from it (``timeout_s``: per run, seconds)."""
+
+    preset: str
+    p: Any  # its Preset
+    methods: list[str]
+    argv: list[str]
+    nproc: int
+    output: str
+    timeout_s: float
+    rounds: int
+    per_method: dict  # method -> how many of its sizes run (the preset's, where --sweep-top was not given)
+    sweep_top: int
+    warmup_iters: int
+    calibrate_iters: int
+    cfg: Any
+    threads: int
+    given_profile: Optional[str]  # --dynapipe-cost-model in argv, if any
+
+    @property
+    def trace_root(self) -> str:
+        """The folder of every executor run's traces, next to ``output``."""
+        return os.path.splitext(self.output)[0] + ".traces"
+
+
+def _resolve_request(argv, methods, nproc, output, png, preset, rounds, sweep_top, warmup_iters, calibrate_iters,
+                     threads_per_rank, timeout_s) -> _Request:
+    """Refuse a request the bench cannot honour (before anything starts) and fill it in from the preset."""
     from megatron_integration.arguments import parse_training_args
-    from megatron_integration import bench_sim
 
     p = PRESETS[preset]
     methods = list(methods or p.methods)
@@ -176,67 +199,92 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
     argv = fill_defaults(with_defaults(argv, preset), host_defaults(nproc, p.cpu_pretouch_mb))
     cfg = parse_training_args(argv + METHOD_FLAGS["dynapipe"], nproc)
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
-    given_profile = flag_value(argv, "--dynapipe-cost-model")
-    started = time.perf_counter()
-    cpu0 = _children_cpu_s()
-    profile_s = 0.0
-    if given_profile is not None:
-        profile = given_profile
-    elif profile is None:
-        profile = measured_profile_path(output)
-        print(f"measuring a cost profile of this machine ({threads} thread(s) per rank) -> {profile}", file=stream,
-              flush=True)
-        measure_profile(cfg.model, profile, threads, timeout_s, p.profile_repeats, p.profile_mbs,
-                        p.profile_levels)
-    profile_s = time.perf_counter() - started
-    calibration = None
-    measured_profile = profile
-    if calibrate_iters > 0 and given_profile is None and profile != "analytic" and any(
-            m.startswith("dynapipe") or m in EXECUTOR_METHODS for m in methods):
-        profile, calibration = calibrate(argv, profile, cfg, nproc, calibrate_iters, threads, timeout_s, stream)
-    sim = bench_sim.BenchSimulation(cfg, nproc, None if profile == "analytic" else profile, warmup_iters)
+    return _Request(preset, p, methods, argv, nproc, output, timeout_s, rounds, per_method, sweep_top, warmup_iters,
+                    calibrate_iters, cfg, threads, flag_value(argv, "--dynapipe-cost-model"))
 
-    # Which sizes of each baseline run for real: the best simulated ones among those that fit.
+
+def _cost_profile(req: _Request, profile: Optional[str], stream: TextIO) -> Optional[str]:
+    """The cost profile to plan with: the one ``argv`` names, else ``profile``, else one
+    measured now (:func:`measure_profile`) next to the output."""
+    if req.given_profile is not None:
+        return req.given_profile
+    if profile is None:
+        p = req.p
+        profile = measured_profile_path(req.output)
+        print(f"measuring a cost profile of this machine ({req.threads} thread(s) per rank) -> {profile}",
+              file=stream, flush=True)
+        measure_profile(req.cfg.model, profile, req.threads, req.timeout_s, p.profile_repeats, p.profile_mbs,
+                        p.profile_levels)
+    return profile
+
+
+def _calibrated_profile(req: _Request, profile: Optional[str], stream: TextIO) -> tuple[Optional[str], Optional[dict]]:
+    """``(profile, calibration)``: where the request calibrates (iterations asked for, a profile
+    not given in ``argv`` nor analytic, a method that runs the executor), the profile refitted
+    from an untimed DynaPipe run and what the fit recorded (:func:`calibrate`); else
+    ``profile`` unchanged and None."""
+    if req.calibrate_iters > 0 and req.given_profile is None and profile != "analytic" and any(
+            m.startswith("dynapipe") or m in EXECUTOR_METHODS for m in req.methods):
+        return calibrate(req.argv, profile, req.cfg, req.nproc, req.calibrate_iters, req.threads, req.timeout_s,
+                         stream)
+    return profile, None
+
+
+def _entries(req: _Request, sim) -> tuple[dict[str, list[dict]], list[Entry]]:
+    """``(sweeps, entries)``: what runs for real, each swept baseline at its best simulated
+    sizes among those that fit (:func:`pick_sizes`), every other method once."""
     sweeps: dict[str, list[dict]] = {}
     entries: list[Entry] = []
-    for m in methods:
-        if m in BASELINES and sweep_top > 0:
+    for m in req.methods:
+        if m in BASELINES and req.sweep_top > 0:
             sweeps[m] = sim.sweep(m)
             ranked = sorted((r for r in sweeps[m] if r["fits"]), key=lambda r: -r["real_tokens_per_s"])
             if not ranked:
                 raise no_baseline_size(m, sweeps[m])
             entries += [Entry(m, r["micro_batch_size"]) for r in pick_sizes(
-                ranked, per_method.get(m, sweep_top), p.sweep_within)]
+                ranked, req.per_method.get(m, req.sweep_top), req.p.sweep_within)]
         else:
             entries.append(Entry(m))
+    return sweeps, entries
 
-    trace_root = os.path.splitext(output)[0] + ".traces"
-    runs: dict[str, list[MethodResult]] = {e.label: [] for e in entries}
-    splits: dict[str, list[list[dict]]] = {e.label: [] for e in entries}
-    order_log = []
-    bar = Progress(rounds * len(entries), "bench", enabled=progress, stream=stream)
-    for k in range(rounds):
+
+def _run_rounds(req: _Request, sweeps: dict, entries: list[Entry], profile: Optional[str], stream: TextIO,
+                progress: bool) -> BenchRounds:
+    """Train every entry once a round, in rotated order (:func:`rotated`); record each run's
+    result and time breakdown (ms). Executor runs plan with ``profile`` (unless ``argv`` names
+    one) and write their traces under the request's trace root."""
+    done = BenchRounds(entries, sweeps, {e.label: [] for e in entries}, {e.label: [] for e in entries})
+    bar = Progress(req.rounds * len(entries), "bench", enabled=progress, stream=stream)
+    for k in range(req.rounds):
         order = rotated(entries, k)
-        order_log.append([e.label for e in order])
+        done.order_log.append([e.label for e in order])
         for e in order:
-            margv = e.argv(argv)
+            margv = e.argv(req.argv)
             trace_dir = None
             if e.method in EXECUTOR_METHODS:
-                if profile not in (None, "analytic") and given_profile is None:
+                if profile not in (None, "analytic") and req.given_profile is None:
                     margv += ["--dynapipe-cost-model", profile]
-                trace_dir = os.path.join(trace_root, f"{e.label}-round{k}")
+                trace_dir = os.path.join(req.trace_root, f"{e.label}-round{k}")
                 margv += ["--dynapipe-trace-dir", trace_dir]
-            bar.begin(f"round {k + 1}/{rounds}: training {e.label} on {nproc} rank(s) ...")
+            bar.begin(f"round {k + 1}/{req.rounds}: training {e.label} on {req.nproc} rank(s) ...")
             t0 = time.perf_counter()
-            ranks = run_training(margv, nproc, timeout_s=timeout_s, threads_per_rank=threads)
+            ranks = run_training(margv, req.nproc, timeout_s=req.timeout_s, threads_per_rank=req.threads)
             bar.step(f"{time.perf_counter() - t0:.0f} s")
-            runs[e.label].append(summarise(ranks, warmup_iters, cfg.dynapipe.prefetch))
-            splits[e.label].append(breakdown(ranks, warmup_iters, trace_dir))
-
+            done.runs[e.label].append(summarise(ranks, req.warmup_iters, req.cfg.dynapipe.prefetch))
+            done.splits[e.label].append(breakdown(ranks, req.warmup_iters, trace_dir))
     bar.close()
-    per_entry = {label: median_result(rs) for label, rs in runs.items()}
+    return done
+
+
+def _pick_runs(methods: Sequence[str], cfg: Any, done: BenchRounds, sim) -> Picked:
+    """Each method's reported run: of its entries, the one of highest median real tokens/s
+    (the first on a tie), with what ``sim`` says of that method at that size (a baseline not
+    swept at ``cfg``'s ``--micro-batch-size``)."""
+    from megatron_integration import bench_sim
+
+    per_entry: dict[str, MethodResult] = {label: median_result(rs) for label, rs in done.runs.items()}
     chosen: dict[str, Entry] = {}
-    for e in entries:
+    for e in done.entries:
         best = chosen.get(e.method)
         if best is None or per_entry[e.label].real_tokens_per_s > per_entry[best.label].real_tokens_per_s:
             chosen[e.method] = e
@@ -245,81 +293,96 @@ def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int,
     shares = {m: sim.attention_share(m, sizes[m]) for m in methods}
     simulated = {m: sim.simulated(m, sizes[m]) for m in methods}
     reference = bench_sim.gpt7b_attention_shares(methods, REFERENCE_SEQ_LENGTH)
+    return Picked(per_entry, chosen, results, sizes, shares, simulated, reference)
 
-    print(ratio_table(results, tuple(b for b in BASELINES if b in results), shares, sizes), file=stream)
-    time_split = {m: breakdown_summary(splits[chosen[m].label]) for m in methods}
-    for m in methods:
-        if time_split[m]:
-            time_split[m]["planner_cpu_ms"] = results[m].planner_cpu_ms
-    print("\nwhere an iteration's time went (ms per iteration, mean over rounds and timed iterations):",
-          file=stream)
-    print(breakdown_table(time_split), file=stream)
-    print("\nthe cost model's own prediction (simulated pipeline iteration, ms) against the measured iteration:",
-          file=stream)
-    for m in methods:
-        print(f"  {m}: simulated {simulated[m]['iteration_ms']:.0f}, measured {results[m].iteration_ms:.0f} "
-              f"({results[m].iteration_ms / max(simulated[m]['iteration_ms'], 1e-9):.2f}x)", file=stream)
-    print(format_memory_faults({m: (results[m].minor_faults, results[m].system_ms, results[m].pretouch_s)
-                                for m in methods},
-                               cfg.parallel.cpu_pretouch_mb), file=stream)
-    errors = {}
-    if calibration is not None:
-        keep = list(range(warmup_iters, cfg.train_iters))
-        errors = {m: cost_model_error(cfg, {"calibrated": profile, "measured": measured_profile},
-                                      [os.path.join(trace_root, f"{chosen[m].label}-round{k}") for k in range(rounds)],
-                                      keep)
-                  for m in methods if m in EXECUTOR_METHODS}
-        print("\nthe cost model against the forwards and backwards the timed runs executed (executed / predicted ms, "
-              "mean error per op):", file=stream)
-        for m, e in errors.items():
-            print(f"  {m}: " + "; ".join(f"{name} profile {v['total'].get('ratio', 0):.2f}x, "
-                                        f"{v['total'].get('mean_abs_error', 0):.0%}" for name, v in e.items()),
-                  file=stream)
+
+def _cost_model_errors(req: _Request, picked: Picked, profile: str, measured_profile: str,
+                       stream: TextIO) -> dict[str, dict]:
+    """Per executor method, how well the calibrated and the measured profile predict the
+    forwards and backwards (ms) its reported run executed in the timed iterations (every
+    round's traces, :func:`cost_model_error`); printed."""
+    keep = list(range(req.warmup_iters, req.cfg.train_iters))
+    errors = {m: cost_model_error(req.cfg, {"calibrated": profile, "measured": measured_profile},
+                                  [os.path.join(req.trace_root, f"{picked.chosen[m].label}-round{k}")
+                                   for k in range(req.rounds)],
+                                  keep)
+              for m in req.methods if m in EXECUTOR_METHODS}
+    print("\nthe cost model against the forwards and backwards the timed runs executed (executed / predicted ms, "
+          "mean error per op):", file=stream)
+    for m, e in errors.items():
+        print(f"  {m}: " + "; ".join(f"{name} profile {v['total'].get('ratio', 0):.2f}x, "
+                                    f"{v['total'].get('mean_abs_error', 0):.0%}" for name, v in e.items()),
+              file=stream)
+    return errors
+
+
+def _setup_report(req: _Request, done: BenchRounds, profile: Optional[str], calibration: Optional[dict],
+                  started: float, profile_s: float, cpu0: float) -> dict:
+    """The report's ``setup``: the request as run, the round orders, and the bench's wall and
+    CPU seconds (``started``: its perf_counter at the start; ``profile_s``: seconds getting the
+    profile; ``cpu0``: its children's CPU seconds at the start)."""
+    from megatron_integration import bench_sim
+
+    p = req.p
+    return {"argv": list(req.argv), "nproc": req.nproc, "threads_per_rank": req.threads,
+            "warmup_iters": req.warmup_iters, "rounds": req.rounds, "round_orders": done.order_log,
+            "sweep_top": req.sweep_top, "sweep_within": p.sweep_within, "sweep_top_of": dict(p.sweep_top_of),
+            "profile_mbs": list(p.profile_mbs), "profile_recompute_levels": "measured" if p.profile_levels else "derived",
+            "elapsed_s": round(time.perf_counter() - started, 1), "profile_s": round(profile_s, 1),
+            "calibration": calibration, "cpu_pretouch_mb": req.cfg.parallel.cpu_pretouch_mb,
+            # CPU seconds of every process the bench started (ranks, planner workers, profiler):
+            # what bounds its wall time on an idle machine (>= cpu_s / cores).
+            "cpu_s": round(_children_cpu_s() - cpu0, 1),
+            "cost_model": profile or "analytic", "timed_regions": bench_sim.TIMED_REGIONS,
+            "cpu_allocator": cpu_allocator.describe(),
+            "attention_share_reference": f"gpt-7b at --seq-length {REFERENCE_SEQ_LENGTH}, same method, "
+                                         f"simulated on the same mixture (65,536 tokens, PP4 x DP2 a100-40gb, "
+                                         f"distributed optimizer)"}
+
+
+def run_bench(argv: Sequence[str], methods: Optional[Sequence[str]], nproc: int, output: str,
+              png: Optional[str] = None, warmup_iters: Optional[int] = None, profile: Optional[str] = None,
+              threads_per_rank: Optional[int] = None, timeout_s: float = 1800.0, stream: TextIO = sys.stdout,
+              preset: str = "tiny", rounds: Optional[int] = None, sweep_top: Optional[int] = None,
+              calibrate_iters: Optional[int] = None, progress: bool = True) -> dict:
+    """Train every method with ``argv`` on ``nproc`` ranks, ``rounds`` rounds in rotated order;
+    write the JSON (and PNG). ``None`` arguments take the preset's value. ``progress``: a bar over
+    the training runs on a terminal (see :mod:`dynapipe.progress`)."""
+    from megatron_integration import bench_sim
+
+    req = _resolve_request(argv, methods, nproc, output, png, preset, rounds, sweep_top, warmup_iters,
+                           calibrate_iters, threads_per_rank, timeout_s)
+    methods, cfg = req.methods, req.cfg
+    started = time.perf_counter()
+    cpu0 = _children_cpu_s()
+    measured_profile = _cost_profile(req, profile, stream)
+    profile_s = time.perf_counter() - started
+    profile, calibration = _calibrated_profile(req, measured_profile, stream)
+    sim = bench_sim.BenchSimulation(cfg, nproc, None if profile == "analytic" else profile, req.warmup_iters)
+    sweeps, entries = _entries(req, sim)
+    done = _run_rounds(req, sweeps, entries, profile, stream, progress)
+    picked = _pick_runs(methods, cfg, done, sim)
+    results = picked.results
+    print(ratio_table(results, tuple(b for b in BASELINES if b in results), picked.shares, picked.sizes), file=stream)
+    split = time_split(methods, done, picked)
+    print_time_and_memory(methods, cfg, picked, split, stream)
+    errors = {} if calibration is None else _cost_model_errors(req, picked, profile, measured_profile, stream)
     best_base = max((b for b in BASELINES if b in results), key=lambda b: results[b].real_tokens_per_s, default=None)
-    floor = sim.compute_floor(sizes)
+    floor = sim.compute_floor(picked.sizes)
     print("\n" + format_compute_floor(floor, best_base), file=stream)
     report = {
-        "preset": preset, "about": p.about,
-        "methods": {m: {**results[m].to_json(), "micro_batch_size": sizes[m], "run": chosen[m].label,
-                        "rounds_real_tokens_per_s": [round(r.real_tokens_per_s, 2) for r in runs[chosen[m].label]],
-                        "attention_share": round(shares[m], 4),
-                        "gpt7b_attention_share": reference.get(m),
-                        "time_breakdown_ms": splits[chosen[m].label], "time_split_ms": time_split[m],
-                        **({"cost_model_error": errors[m]} if m in errors else {}),
-                        # The cost model's own prediction of this method's run, next to what was measured.
-                        "simulated": simulated[m],
-                        **({"sweep": sim.sweep_with_measured(sweeps[m], per_entry, m)} if m in sweeps else {})}
-                    for m in methods},
+        "preset": preset, "about": req.p.about,
+        "methods": {m: method_report(m, done, picked, split, errors, sim) for m in methods},
         "ratios": {f"{m}_vs_{b}": round(results[m].real_tokens_per_s / results[b].real_tokens_per_s, 3)
                    for m in results for b in BASELINES if b in results and m != b},
         "best_baseline": best_base, "compute_floor": floor,
-        "setup": {"argv": list(argv), "nproc": nproc, "threads_per_rank": threads, "warmup_iters": warmup_iters,
-                  "rounds": rounds, "round_orders": order_log, "sweep_top": sweep_top,
-                  "sweep_within": p.sweep_within, "sweep_top_of": dict(p.sweep_top_of), "profile_mbs": list(p.profile_mbs),
-                  "profile_recompute_levels": "measured" if p.profile_levels else "derived",
-                  "elapsed_s": round(time.perf_counter() - started, 1), "profile_s": round(profile_s, 1),
-                  "calibration": calibration, "cpu_pretouch_mb": cfg.parallel.cpu_pretouch_mb,
-                  # CPU seconds of every process the bench started (ranks, planner workers, profiler):
-                  # what bounds its wall time on an idle machine (>= cpu_s / cores).
-                  "cpu_s": round(_children_cpu_s() - cpu0, 1),
-                  "cost_model": profile or "analytic", "timed_regions": bench_sim.TIMED_REGIONS,
-                  "cpu_allocator": cpu_allocator.describe(),
-                  "attention_share_reference": f"gpt-7b at --seq-length {REFERENCE_SEQ_LENGTH}, same method, "
-                                               f"simulated on the same mixture (65,536 tokens, PP4 x DP2 a100-40gb, "
-                                               f"distributed optimizer)"},
+        "setup": _setup_report(req, done, profile, calibration, started, profile_s, cpu0),
     }
-    if best_base is not None:
-        for m in DYNAPIPE_METHODS:
-            if m in results:
-                report["ratios"][f"{m}_vs_best_baseline"] = round(
-                    results[m].real_tokens_per_s / results[best_base].real_tokens_per_s, 3)
-    # Each reported method carries its run's label and its figure of every round.
-    report["ratios_per_round"] = round_ratios(
-        report["methods"], {r["run"]: r for r in report["methods"].values()},
-        [b for b in BASELINES if b in results], best_base, best_for=DYNAPIPE_METHODS)
-    print("\n" + rounds_line(report["ratios_per_round"], cfg.train_iters - warmup_iters), file=stream)
+    add_ratios(report, results, best_base)
+    print("\n" + rounds_line(report["ratios_per_round"], cfg.train_iters - req.warmup_iters), file=stream)
     write_output(output, json.dumps(report, indent=1), "--output")
     if png:
-        write_png(results, png, f"{preset}: {nproc} ranks, seq-length {flag_value(argv, '--seq-length')}, "
-                                f"global batch {flag_value(argv, '--global-batch-size')}, median of {rounds} round(s)")
+        write_png(results, png, f"{preset}: {nproc} ranks, seq-length {flag_value(req.argv, '--seq-length')}, "
+                                f"global batch {flag_value(req.argv, '--global-batch-size')}, median of "
+                                f"{req.rounds} round(s)")
     return report

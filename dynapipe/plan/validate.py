@@ -19,8 +19,8 @@ Checks, in order: every plan's transfers (each Start finished once, valid peers 
 tensors); every send has exactly one receive on its peer with the same micro-batch,
 shapes and dtypes, and for each ordered pair of ranks sends and receives come in the
 same order (NCCL's point-to-point is tagless and pairs messages first-in first-out;
-these two in :mod:`dynapipe.plan.validate_transfers`); buffer lifetimes (created before use, freed exactly once, never used after the free);
-and a symbolic run
+these two in :mod:`dynapipe.plan.validate_transfers`); buffer lifetimes (created before use, freed exactly once, never used after the free;
+:mod:`dynapipe.plan.validate_buffers`); and a symbolic run
 of all ranks finishes under a conservative NCCL model: each rank's communication ops
 run in posting order on one stream, an op completes only when its peer's matching op
 is at the head of the peer's stream too (Starts posted together in one group complete
@@ -41,10 +41,10 @@ import numpy as np
 from dynapipe.cost.base import RECOMPUTE_LEVELS
 from dynapipe.errors import PlanError, is_whole
 from dynapipe.plan.deadlock import symbolic_run, where as _where
-from dynapipe.plan.instructions import (DTYPES, BackwardPass, ExecutionPlan, ForwardPass, FreeBuffer, LoadInput,
-                                        buffer_name)
+from dynapipe.plan.instructions import ExecutionPlan
+from dynapipe.plan.validate_buffers import check_buffers as _check_buffers
 from dynapipe.plan.validate_fast import group_is_valid
-from dynapipe.plan.validate_transfers import FINISH_OF, START_ROLES, collect_transfers, fail, match_pair, plan_chunks
+from dynapipe.plan.validate_transfers import collect_transfers, match_pair
 
 
 @dataclass(frozen=True)
@@ -60,139 +60,6 @@ class ValidationSummary:
     def line(self) -> str:
         return (f"valid: {self.replicas * self.stages} plans ({self.replicas} replica(s) x {self.stages} stages), "
                 f"{self.micro_batches} micro-batches, {self.instructions} instructions, {self.transfers} transfers")
-
-
-def _check_buffers(plan: ExecutionPlan) -> None:
-    """Buffer lifetimes and compute order of one plan (see the module docstring). With
-    ``chunks`` per rank, the first/last-rank rules apply to the virtual stage
-    ``chunk * S + stage`` of ``chunks * S``."""
-    P, s, chunks = plan.num_stages, plan.stage, plan_chunks(plan)
-    S = P * chunks
-    infos = {m.mb: m for m in plan.micro_batches}
-    state: dict[str, str] = {}        # buffer -> "pending" | "ready" | "freed"
-    born: dict[str, int] = {}
-    freed_at: dict[str, int] = {}
-    sending: dict[str, int] = {}
-    fw_done: dict[tuple, int] = {}
-    bw_done: dict[tuple, int] = {}     # full backwards and input parts
-    split_done: dict[tuple, int] = {}  # input parts
-    weight_done: dict[tuple, int] = {}
-
-    def use(k: int, inst, buf: str, *, need: bool = True) -> None:
-        st = state.get(buf)
-        if st == "freed":
-            fail(plan, k, inst, f"uses buffer {buf!r} after it was freed at instruction {freed_at[buf]} "
-                                f"(use after free).")
-        if st == "pending":
-            fail(plan, k, inst, f"reads buffer {buf!r} before the receive into it finished.")
-        if st is None and need:
-            fail(plan, k, inst, f"reads buffer {buf!r}, which no earlier instruction created.")
-
-    def create(k: int, inst, buf: str, st: str) -> None:
-        if buf in state:
-            old = "was freed" if state[buf] == "freed" else "already exists"
-            fail(plan, k, inst, f"creates buffer {buf!r}, which {old} (instruction {born[buf]}); "
-                                f"each buffer is created once per iteration.")
-        state[buf], born[buf] = st, k
-
-    for k, inst in enumerate(plan.instructions):
-        info = infos[inst.mb]
-        key = (inst.mb, inst.chunk)
-        s = inst.chunk * P + plan.stage  # the virtual stage (the rank itself without chunks)
-        cls = type(inst)
-        if cls in START_ROLES:
-            if START_ROLES[cls][1] == "send":
-                use(k, inst, inst.buffer)
-                sending[inst.buffer] = sending.get(inst.buffer, 0) + 1
-            else:
-                create(k, inst, inst.buffer, "pending")
-        elif cls in FINISH_OF:
-            if START_ROLES[FINISH_OF[cls]][1] == "send":
-                sending[inst.buffer] -= 1
-            else:
-                state[inst.buffer] = "ready"
-        elif cls is LoadInput:
-            if not inst.tensors:
-                fail(plan, k, inst, "loads no tensors.")
-            for t in inst.tensors:
-                if t.dtype not in DTYPES or not t.shape or t.shape[0] != info.mbs:
-                    fail(plan, k, inst, f"input tensor {t.name} {list(t.shape)} {t.dtype} does not match "
-                                        f"micro-batch {inst.mb} of {info.mbs} samples.")
-            create(k, inst, buffer_name("input", *key), "ready")
-        elif cls in (ForwardPass, BackwardPass):
-            if (inst.mbs, inst.seqlen, inst.dec_seqlen) != (info.mbs, info.seqlen, info.dec_seqlen):
-                fail(plan, k, inst, f"shape mbs={inst.mbs} seqlen={inst.seqlen} dec_seqlen={inst.dec_seqlen} "
-                                    f"differs from the micro-batch's mbs={info.mbs} seqlen={info.seqlen} "
-                                    f"dec_seqlen={info.dec_seqlen}.")
-            if inst.recompute not in ("none", "selective", "full"):
-                fail(plan, k, inst, f"recompute level {inst.recompute!r} is not none, selective or full.")
-            inp = buffer_name("input", *key)
-            if cls is ForwardPass:
-                if key in fw_done:
-                    fail(plan, k, inst, f"runs the forward a second time (first at instruction {fw_done[key]}).")
-                use(k, inst, inp, need=s in (0, S - 1))
-                if s > 0:
-                    use(k, inst, buffer_name("act_in", *key))
-                if s < S - 1:
-                    create(k, inst, buffer_name("act_out", *key), "ready")
-                fw_done[key] = k
-            elif inst.part == "weight":
-                if key not in split_done:
-                    why = ("after a full backward" if key in bw_done else "before its input part")
-                    fail(plan, k, inst, f"runs the weight part of the backward {why}; a weight part follows the "
-                                        f"micro-batch's part='input' backward on the same rank.")
-                if key in weight_done:
-                    fail(plan, k, inst, f"runs the weight part a second time (first at instruction "
-                                        f"{weight_done[key]}).")
-                weight_done[key] = k
-            else:
-                if inst.part not in ("full", "input"):
-                    fail(plan, k, inst, f"backward part {inst.part!r} is not 'full', 'input' or 'weight'.")
-                if key not in fw_done:
-                    fail(plan, k, inst, "runs the backward before the forward.")
-                if key in bw_done:
-                    fail(plan, k, inst, f"runs the backward a second time (first at instruction {bw_done[key]}); "
-                                        f"a micro-batch runs one full backward or one part='input' backward.")
-                use(k, inst, inp, need=False)
-                if s < S - 1:
-                    use(k, inst, buffer_name("grad_in", *key))
-                    use(k, inst, buffer_name("act_out", *key))
-                if s > 0:
-                    use(k, inst, buffer_name("act_in", *key))
-                    create(k, inst, buffer_name("grad_out", *key), "ready")
-                bw_done[key] = k
-                if inst.part == "input":
-                    split_done[key] = k
-        elif cls is FreeBuffer:
-            buf = inst.buffer
-            st = state.get(buf)
-            if st is None:
-                fail(plan, k, inst, f"frees buffer {buf!r}, which was never created.")
-            if st == "freed":
-                fail(plan, k, inst, f"frees buffer {buf!r} a second time (double free; first at instruction "
-                                    f"{freed_at[buf]}).")
-            if st == "pending" or sending.get(buf, 0):
-                fail(plan, k, inst, f"frees buffer {buf!r} while a transfer of it is still in flight.")
-            state[buf], freed_at[buf] = "freed", k
-        elif cls not in START_ROLES and cls not in FINISH_OF:
-            fail(plan, k, inst, f"unknown instruction type {cls.__name__}.")
-
-    end = len(plan.instructions)
-    for buf, st in state.items():
-        if st != "freed":
-            raise PlanError(f"{_where(plan, born[buf])}: buffer {buf!r} created here is never freed "
-                            f"(plan ends at instruction {end}).")
-    # A forward-only (evaluation) plan runs no backward (dynapipe.plan.forward_only).
-    needs_backward = not plan.meta.get("forward_only", False)
-    for m in plan.micro_batches:
-        for c in range(chunks):
-            key = (m.mb, c)
-            if key not in fw_done or (needs_backward and (key not in bw_done or
-                                                          (key in split_done and key not in weight_done))):
-                missing = ("forward" if key not in fw_done else "backward" if key not in bw_done
-                           else "weight part of its split backward")
-                of = f" of chunk {c}" if chunks > 1 else ""
-                raise PlanError(f"{_where(plan, end)}: micro-batch {m.mb} has no {missing}{of} on this rank.")
 
 
 # Ranks that disagree on what the iteration is were, in practice, planned apart.

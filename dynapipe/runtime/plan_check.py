@@ -1,8 +1,8 @@
 """What a rank checks of execution plans before anything runs.
 
-:func:`check_plan_locally`: one rank's own plan (its stage, micro-batches, transfers,
-buffer lifetimes). :func:`pair_starts`: every ``*Finish`` has its ``*Start``, and which
-starts are posted together. :class:`PeerPlanCheck`: all pipeline ranks compare the
+:func:`check_plan_locally` (from :mod:`dynapipe.runtime.local_plan_check`): one rank's own
+plan (its stage, micro-batches, transfers, buffer lifetimes). :func:`pair_starts`: every
+``*Finish`` has its ``*Start``, and which starts are posted together. :class:`PeerPlanCheck`: all pipeline ranks compare the
 digests of the messages they send and expect (:func:`message_digests`) and refuse the
 iteration together when any plan is bad, so nothing is sent and the group stays usable.
 The full cross-rank validation (deadlock freedom included) is
@@ -20,148 +20,13 @@ import torch
 import torch.distributed as dist
 
 from dynapipe.errors import PlanError
-from dynapipe.plan.instructions import (DTYPES, FINISHES, INSTRUCTION_TYPES, SEND_STARTS, STARTS, BackwardPass,
-                                        CommInstruction, ExecutionPlan, ForwardPass, FreeBuffer, Instruction,
-                                        LoadInput, RecvActivationFinish, RecvActivationStart, RecvGradFinish,
-                                        RecvGradStart, SendActivationFinish, SendActivationStart, SendGradFinish,
-                                        SendGradStart, buffer_name, is_last_virtual, plan_chunks, virtual_stage)
+from dynapipe.plan.instructions import (FINISHES, SEND_STARTS, STARTS, BackwardPass, ExecutionPlan, ForwardPass,
+                                        RecvActivationFinish, RecvActivationStart, RecvGradFinish, RecvGradStart,
+                                        SendActivationFinish, SendActivationStart, SendGradFinish, SendGradStart,
+                                        is_last_virtual, virtual_stage)
 from dynapipe.plan.serialize import deserialize_plan
-from dynapipe.plan.validate_transfers import START_ROLES, neighbour_error
+from dynapipe.runtime.local_plan_check import check_plan_locally
 from dynapipe.runtime.p2p import CommFailure, Pending, PeerComm, Waiter
-
-
-def check_plan_locally(plan: ExecutionPlan, *, stage: int, num_stages: int, replica: Optional[int] = None,
-                       loss_tokens: Optional[int] = None) -> None:
-    """What one rank can check of its own plan before anything is sent.
-
-    The plan is for this stage of a pipeline of this size (and this replica when given);
-    every instruction names a known micro-batch; transfers name another stage and tensors
-    of plan dtypes with positive sizes; each micro-batch's forward runs once and before its
-    backward, and both run (a split backward: the input part, then the weight part, each
-    once; a forward-only plan runs no backward); every
-    buffer is filled before it is used, used only after its receive finished, and freed
-    once while live. Agreement with the other ranks' plans is checked
-    by :class:`PeerPlanCheck`. The last stage needs a positive loss normaliser: the plan's
-    ``global_loss_tokens``, or ``loss_tokens`` (tokens) where the run passes its own. Raises
-    :class:`PlanError` naming the instruction.
-    """
-    def bad(i: int, x, why: str) -> PlanError:
-        return PlanError(f"pipeline rank {plan.stage}, instruction {i} ({x.OPCODE} mb {x.mb}): {why}")
-
-    chunks = plan_chunks(plan)
-    if not chunks:
-        raise PlanError(f"pipeline rank {stage}: the plan's meta['chunks'] is {(plan.meta or {}).get('chunks')!r}; "
-                        f"it must be the number of virtual-pipeline chunks per rank, an integer >= 1.")
-    if chunks > 1 and num_stages < 2:
-        raise PlanError(f"the plan runs {chunks} virtual-pipeline chunks on a 1-stage pipeline; interleaving needs "
-                        f"at least 2 pipeline ranks.")
-    if plan.num_stages != num_stages or plan.stage != stage:
-        raise PlanError(f"the plan is for stage {plan.stage} of {plan.num_stages}, but this rank is pipeline rank "
-                        f"{stage} of {num_stages}; give each rank the plan of its own stage.")
-    if replica is not None and plan.replica != replica:
-        raise PlanError(f"the plan is for replica {plan.replica}, but this rank is in replica {replica}.")
-    known = {m.mb for m in plan.micro_batches}
-    if len(known) != len(plan.micro_batches):
-        raise PlanError(f"pipeline rank {stage}: micro-batch indices repeat in the plan's micro-batch list.")
-    last_chunk = chunks - 1 if stage == num_stages - 1 else -1  # the chunk ending the model, if this rank holds it
-    sends = {(x.mb, x.chunk) for x in plan.instructions if isinstance(x, SendActivationStart)}
-    grads = {(x.mb, x.chunk) for x in plan.instructions if isinstance(x, SendGradStart)}
-    live: set[str] = set()
-    inflight: set[str] = set()
-    sending: set[str] = set()  # buffers with a send started and not yet finished
-    used: set[str] = set()
-    fw: set = set()
-    bw: set = set()
-    split: set = set()  # micro-batches whose backward is split; their weight parts seen in weighed
-    weighed: set = set()
-
-    def fill(i: int, x, name: str) -> None:
-        if name in used:
-            raise bad(i, x, f"buffer {name!r} is filled a second time.")
-        used.add(name)
-        live.add(name)
-
-    def need(i: int, x, name: str) -> None:
-        if name not in live:
-            raise bad(i, x, f"buffer {name!r} is " + ("used after it was freed." if name in used
-                                                      else "used before anything filled it."))
-        if name in inflight:
-            raise bad(i, x, f"buffer {name!r} is used before its receive finished.")
-
-    for i, x in enumerate(plan.instructions):
-        if not isinstance(x, Instruction) or type(x) not in INSTRUCTION_TYPES.values():
-            raise PlanError(f"pipeline rank {stage}, instruction {i}: {type(x).__name__} is not an instruction.")
-        if x.mb not in known:
-            raise bad(i, x, f"micro-batch {x.mb} is not in the plan's micro-batch list {sorted(known)}.")
-        key = (x.mb, x.chunk)
-        if not 0 <= x.chunk < chunks:
-            raise bad(i, x, f"chunk {x.chunk} is not one of this plan's {chunks} virtual-pipeline chunk(s).")
-        if isinstance(x, CommInstruction):
-            if not 0 <= x.peer < num_stages or x.peer == stage:
-                raise bad(i, x, f"peer {x.peer} is not another stage of this {num_stages}-stage pipeline.")
-            wrong = neighbour_error(x, stage, num_stages, chunks) if type(x) in START_ROLES else ""
-            if wrong:
-                raise bad(i, x, wrong)
-            for t in x.tensors:
-                if t.dtype not in DTYPES or not t.shape or any(int(d) <= 0 for d in t.shape):
-                    raise bad(i, x, f"tensor {t.name!r} {list(t.shape)} {t.dtype} is not a valid transfer.")
-        if isinstance(x, LoadInput):
-            fill(i, x, buffer_name("input", *key))
-        elif isinstance(x, (RecvActivationStart, RecvGradStart)):
-            fill(i, x, x.buffer)
-            inflight.add(x.buffer)
-        elif isinstance(x, (RecvActivationFinish, RecvGradFinish)):
-            inflight.discard(x.buffer)
-        elif isinstance(x, (SendActivationStart, SendGradStart)):
-            need(i, x, x.buffer)
-            sending.add(x.buffer)
-        elif isinstance(x, (SendActivationFinish, SendGradFinish)):
-            sending.discard(x.buffer)
-        elif isinstance(x, ForwardPass):
-            if key in fw:
-                raise bad(i, x, "the forward of this micro-batch runs twice.")
-            fw.add(key)
-            if stage > 0 or x.chunk > 0:  # every virtual stage but the first receives its input
-                need(i, x, buffer_name("act_in", *key))
-            if key in sends:
-                fill(i, x, buffer_name("act_out", *key))
-        elif isinstance(x, BackwardPass) and x.part == "weight":
-            # The weight part of a split backward: after its input part, once, no buffers.
-            if key not in split or key in weighed:
-                raise bad(i, x, "the weight part of the backward runs " +
-                          ("twice." if key in weighed else "before its input part."))
-            weighed.add(key)
-        elif isinstance(x, BackwardPass):
-            if x.part not in ("full", "input"):
-                raise bad(i, x, f"backward part {x.part!r} is not one of full, input, weight.")
-            if key not in fw or key in bw:
-                raise bad(i, x, "the backward runs " + ("twice." if key in bw else "before the forward."))
-            bw.add(key)
-            if x.part == "input":
-                split.add(key)
-            if x.chunk != last_chunk:
-                need(i, x, buffer_name("grad_in", *key))
-            if key in grads:
-                fill(i, x, buffer_name("grad_out", *key))
-        elif isinstance(x, FreeBuffer):
-            need(i, x, x.buffer)
-            if x.buffer in sending:
-                raise bad(i, x, f"buffer {x.buffer!r} is freed while its send is still in flight.")
-            live.discard(x.buffer)
-    every = {(mb, c) for mb in known for c in range(chunks)}
-    trains = not (plan.meta or {}).get("forward_only", False)
-    for done, what in ((fw, "forward"), (bw, "backward")):
-        if (what == "forward" or trains) and every - done:
-            mb, chunk = min(every - done)
-            raise PlanError(f"pipeline rank {stage}: micro-batch {mb} (chunk {chunk}) is in the plan but never runs "
-                            f"its {what}; its samples would not be trained. Recompile the plan.")
-    if split - weighed:
-        mb, chunk = min(split - weighed)
-        raise PlanError(f"pipeline rank {stage}: the backward of micro-batch {mb} (chunk {chunk}) is split, but "
-                        f"its weight part never runs; its weight gradients would be lost.")
-    if last_chunk >= 0 and fw and loss_tokens is None and plan.global_loss_tokens <= 0:
-        raise PlanError(f"pipeline rank {stage} (last stage): global_loss_tokens is {plan.global_loss_tokens}; "
-                        f"the loss cannot be normalised by the global batch's loss tokens.")
 
 
 def accept_plan(plan: Union[ExecutionPlan, bytes], handlers: Any, *, stage: int, num_stages: int,
