@@ -42,9 +42,10 @@ class MicroBatchTensors:
     attention_mask: Optional[torch.Tensor] = None
 
     def to(self, device: torch.device) -> "MicroBatchTensors":
+        from dynapipe.runtime.buffers import to_device
         from megatron_integration.segment_attention import is_segment_table
 
-        move = lambda t: None if t is None else t.to(device, non_blocking=True)
+        move = lambda t: None if t is None else to_device(t, device)
         # A segment table (per-sample attention) is read on the host, layer by layer.
         mask = self.attention_mask if is_segment_table(self.attention_mask) else move(self.attention_mask)
         return MicroBatchTensors(move(self.tokens), move(self.position_ids), move(self.labels),

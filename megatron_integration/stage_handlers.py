@@ -15,7 +15,7 @@ import torch
 
 from dynapipe.errors import DynaPipeError
 from dynapipe.plan.instructions import BackwardPass, MicroBatchInfo, TensorSpec
-from dynapipe.runtime.buffers import backward_from
+from dynapipe.runtime.buffers import backward_from, to_device
 from dynapipe.runtime.weight_grad_store import WeightGradStore
 from megatron_integration.ddp import backward_syncs
 from megatron_integration.model import Stage
@@ -74,7 +74,7 @@ class ModelStageHandlers:
         data = self.tensors.get(mb.mb)
         if data is None:
             raise DynaPipeError(f"the plan loads micro-batch {mb.mb}, but its data source gave no tensors for it.")
-        return {s.name: torch.as_tensor(data[s.name]).to(self.device, non_blocking=True) for s in specs}
+        return {s.name: to_device(data[s.name], self.device) for s in specs}
 
     def grad_scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss the backward starts from: ``loss`` times the optimizer's loss scale when it

@@ -28,6 +28,19 @@ def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def to_device(value: Any, device: torch.device) -> torch.Tensor:
+    """``value`` (a tensor or numpy array) on ``device``, copied without waiting. To a GPU the
+    host data is pinned first: a copy from pageable memory may hold the host until the copy
+    has run, behind every kernel and transfer already queued, so the host could not launch
+    ahead of the GPU, and a rank behind a receive from a failed peer would block in the driver
+    instead of polling its failure reports. The caching host allocator keeps the pinned copy
+    until the transfer is done."""
+    t = torch.as_tensor(value)
+    if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def release_data(t: torch.Tensor) -> int:
     """Replace the data of ``t`` by one element, keeping its autograd graph; bytes released.
 
