@@ -16,6 +16,7 @@ from dynapipe.advise import enumerate_layouts
 from dynapipe.errors import DynaPipeError
 from dynapipe.pipeline_planner import plan_iteration
 from dynapipe.plan import compile_plans
+from dynapipe.runtime.plan_source import PlannerSettings, check_planner_settings
 from dynapipe.schedule import StageTimes, one_f_one_b, search_schedules
 from dynapipe.schedule.adaptive import adaptive_schedule
 from dynapipe.schedule.zero_bubble import zb_h1
@@ -89,6 +90,10 @@ CASES = [
     (lambda: adaptive_schedule(TIMES, [np.nan, np.nan]), r"capacity_mib .*: give one limit per stage \(2\)"),
     (lambda: adaptive_schedule(TIMES, [10.0]), r"give one limit per stage \(2\)"),
     (lambda: adaptive_schedule(TIMES, max_in_flight=[0, 0]), r"max_in_flight \[0, 0\]: give one whole number"),
+    # Planner settings: refused before any worker starts, not by the first worker's first plan.
+    (lambda: check_planner_settings(PlannerSettings(model=GPT, device=CPU, num_stages=2, dp=1, schedule="zb-h1",
+                                                    split_backward=False)),
+     r"schedule 'zb-h1' splits every backward, and split_backward=False"),
 ]
 
 
@@ -108,6 +113,8 @@ def test_the_same_calls_with_good_input_run():
     assert StagePlacement.from_json({"layers": [1, 3]}, GPT) == StagePlacement((0, 0), (1, 3))
     assert str(plan_placement(CM, PlacementSample.of(MBS[0]), 2, capacity_mib=8000.0).placement)
     assert compute_floor_ms(CM, [64, 32]) > 0 and shapes_compute_ms(CM, [(1, 64)]) > 0
+    check_planner_settings(PlannerSettings(model=GPT, device=CPU, num_stages=2, dp=1, schedule="auto",
+                                           split_backward=False))
     assert adaptive_schedule(TIMES, [np.inf, 50.0], max_in_flight=[2, 1])[1].makespan_ms > 0
     assert plan_micro_batches([5, 6], CM, micro_batch_share=0.5).extra["micro_batch_share"] == 0.5
     assert compile_plans("1f1b", MBS[0], GPT, num_stages=2, recompute="full")[0].recompute == "full"

@@ -17,6 +17,7 @@ from dynapipe.config import ClusterConfig, DeviceConfig, ModelConfig
 from dynapipe.errors import DynaPipeError
 from dynapipe.plan import deserialize_plan, serialize_plan
 from dynapipe.plan.instructions import ExecutionPlan
+from dynapipe.schedule.types import SPLITTING_SCHEDULE_NAMES
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,11 @@ def check_planner_settings(settings: PlannerSettings) -> None:
                             f"({settings.dp}) must be at least 1.")
     if not isinstance(settings.model, ModelConfig) or not isinstance(settings.device, DeviceConfig):
         raise DynaPipeError("planner settings need a ModelConfig and a DeviceConfig.")
+    if not settings.split_backward and settings.schedule in SPLITTING_SCHEDULE_NAMES:
+        # Found here, not by the first worker's first plan a few seconds into the run.
+        raise DynaPipeError(f"schedule {settings.schedule!r} splits every backward, and split_backward=False says "
+                            f"the stages cannot split theirs; use another schedule, or auto (which then leaves "
+                            f"the split schedules out).")
     tp = tensor_parallel_config(settings)
     if tp is not None:
         tp.validate(settings.model)
