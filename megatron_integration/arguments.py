@@ -30,20 +30,16 @@ import sys
 from typing import Optional, Sequence
 
 from dynapipe.errors import DynaPipeError
-from megatron_integration.args_blend import _weight, data_files, parse_blend  # noqa: F401  (re-exported)
+from megatron_integration.args_blend import parse_blend  # noqa: F401  (re-exported)
 from megatron_integration.args_checks import _need, _one_of, _positive, _unsupported, _unsupported_value
-from megatron_integration.args_dynapipe import (BATCHINGS, KV_BACKENDS, MEGATRON_BATCHINGS,  # noqa: F401
-                                                MOCK_SAMPLES_DEFAULT, RECOMPUTE_CHOICES, SCHEDULES, add_dynapipe_args,
-                                                batching_from_args, check_planner_nodes,
+from megatron_integration.args_dynapipe import (MOCK_SAMPLES_DEFAULT, add_dynapipe_args, batching_from_args,
                                                 dynapipe_args_from_args, refuse_redis_flags_without_redis,
                                                 refuse_unused_dynapipe_flags)
-from megatron_integration.args_megatron import (ATTENTION_BACKENDS, LR_DECAY_STYLES,  # noqa: F401
-                                                POSITION_EMBEDDINGS, add_megatron_args)
+from megatron_integration.args_megatron import add_megatron_args
 from megatron_integration.args_model import (BYTE_LEVEL_VOCAB, check_uniform_recompute,  # noqa: F401
                                              model_args_from_args, padded_vocab_size, recompute_from_args)
 from megatron_integration.args_refusals import (UNSUPPORTED_MEGATRON_FLAGS, _checkpoint_args_honoured,  # noqa: F401
-                                                _model_flags_honoured, _resilience_args_honoured, refused_flag_lines,
-                                                unsupported_reason)
+                                                _resilience_args_honoured, refused_flag_lines)
 from megatron_integration.args_training import _schedule_from_samples, optimizer_args_from_args
 from megatron_integration.args_layout import pipeline_split_from_args
 from megatron_integration.args_checkpoint import dist_ckpt_args_from_args
@@ -51,12 +47,11 @@ from megatron_integration.args_ddp import ddp_args_from_args
 from megatron_integration.args_logging import tensorboard_args_from_args
 from megatron_integration.args_virtual import check_interleaved, overlap_p2p_comm
 from megatron_integration.model_flags import nan_check_enabled
-from megatron_integration.run_config import RunConfig, load_run_config  # noqa: F401  (re-exported)
+from megatron_integration.run_config import load_run_config  # noqa: F401  (re-exported)
 from megatron_integration.tensor_parallel import check_tensor_parallel_args
 from megatron_integration.tokenizer import resolve_tokenizer_type
 from megatron_integration.training_limits import check_exit_duration
-from megatron_integration.train_config import (DataArgs, DynaPipeArgs, DynaPipeTrainingConfig,  # noqa: F401
-                                               GPTModelArgs, OptimizerArgs, ParallelArgs, RecomputeArgs)
+from megatron_integration.train_config import DataArgs, DynaPipeTrainingConfig, ParallelArgs
 
 
 def build_parser(prog: Optional[str] = None, description: Optional[str] = None) -> argparse.ArgumentParser:
