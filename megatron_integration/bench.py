@@ -32,7 +32,6 @@ from typing import Any, Optional, Sequence, TextIO
 
 from dynapipe.progress import Progress
 from dynapipe.output_paths import write_output
-# Preset and stage_activation_peaks are not used here: callers import them from this module.
 from megatron_integration import cpu_allocator
 from megatron_integration.bench_checks import calibrated_profile_path, check_bench_outputs, measured_profile_path
 from megatron_integration.bench_method_reports import (BenchRounds, Picked, add_ratios, method_report,
@@ -42,8 +41,7 @@ from megatron_integration.bench_presets import (BASELINES, EXECUTOR_METHODS, MET
                                                 PROFILE_SEQLENS, REFERENCE_SEQ_LENGTH, fill_defaults, flag_value,
                                                 host_defaults, with_defaults)
 from megatron_integration.bench_report import breakdown, format_compute_floor, ratio_table, rounds_line, write_png
-from megatron_integration.bench_results import (MethodResult, median_result,  # noqa: F401 (re-exported)
-                                                stage_activation_peaks, summarise)
+from megatron_integration.bench_results import MethodResult, median_result, summarise  # noqa: F401
 from megatron_integration.jobs import run_training
 
 

@@ -38,7 +38,7 @@ from megatron_integration.profile_check import check_threads_at_start, extrapola
 from megatron_integration.run_report import parameter_count_line, write_line
 from megatron_integration.train_config import DynaPipeTrainingConfig
 # Re-exported: the T5 loop, the command line and the tests import them from here.
-from megatron_integration.training_loop import (LoopParts, Stepper, TrainingRun, current_lr,  # noqa: F401
+from megatron_integration.training_loop import (LoopParts, Stepper, TrainingRun,
                                                 print_rank_0, run_iterations)
 
 

@@ -104,7 +104,7 @@ def test_planned_peak_follows_levels_per_micro_batch():
 
 
 def test_bench_and_log_line_report_measured_against_planned():
-    from megatron_integration.bench import stage_activation_peaks
+    from megatron_integration.bench_results import stage_activation_peaks
     from megatron_integration.logging_utils import IntervalStats, format_log_line
     from megatron_integration.baseline_step import StepResult
 

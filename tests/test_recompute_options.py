@@ -2,7 +2,6 @@
 level escalation on the command line, and the profile cost model's measured levels."""
 import json
 
-import numpy as np
 import pytest
 
 from dynapipe.cli import main
