@@ -155,36 +155,73 @@ def _segment(s: int, S: int, p: int, q: int, enc_total: int) -> StageLayout:
     return layout_of_layers(s, S, p, q, enc_total)
 
 
-def _dp(pricer: _Pricer, S: int, L: int, enc_total: int, cap_ms: float,
-        state_cap: float) -> tuple[float, list[int]]:
-    """Contiguous split of ``L`` layers into ``S`` non-empty stages whose states are at
+class _Segments:
+    """Every stage-and-layer-range's state (MiB) and, per recompute level, its time (ms),
+    in-flight and alone memory (MiB) on the sample: ``[S, L + 1, L + 1]`` arrays indexed by
+    (stage ``s``, first layer ``p``, end layer ``q``), priced once for all the state caps
+    :func:`plan_placement` tries (``inf`` where a stage cannot hold that range)."""
+
+    def __init__(self, pricer: _Pricer, S: int, L: int, enc_total: int, worst_cap: float):
+        n = len(pricer.levels)
+        self.S, self.L, self.capacity = S, L, pricer.capacity
+        self.state = np.full((S, L + 1, L + 1), np.inf)
+        self.ms, self.flight, self.alone = (np.full((n, S, L + 1, L + 1), np.inf) for _ in range(3))
+        for st in range(S):
+            # Stage st takes layers p..q-1; the stages before it one layer each at least, the later too.
+            for p in range(st, L - (S - st) + 1):
+                for q in range(p + 1, L - (S - st - 1) + 1):
+                    layout = _segment(st, S, p, q, enc_total)
+                    state = self.state[st, p, q] = pricer.state_mib(layout)
+                    if state >= self.capacity:
+                        continue  # fits at no level (Pricer.price)
+                    # Lightest first, up to the first level that fits under the loosest cap tried
+                    # (``worst_cap``): it fits under every tighter one, so no heavier level is chosen.
+                    cap = state if not np.isfinite(worst_cap) else max(state, worst_cap)
+                    for i in range(n):
+                        ms, flight, alone = self.ms[i, st, p, q], self.flight[i, st, p, q], self.alone[i, st, p, q] = \
+                            pricer._level(layout, i)
+                        if state + flight <= self.capacity and cap + alone <= self.capacity:
+                            break
+
+    def stage_ms(self, state_cap: float) -> np.ndarray:
+        """``[S, L + 1, L + 1]`` ms of each range at the lightest level that fits under
+        ``state_cap`` (:meth:`_Pricer.price`), ``inf`` where none does, and for every range
+        from the first one whose states exceed ``state_cap`` on (more layers only add)."""
+        C = self.capacity
+        cap = np.maximum(self.state, state_cap) if np.isfinite(state_cap) else self.state
+        out = np.full(self.state.shape, np.inf)
+        open_ = self.state < C
+        for i in range(len(self.ms)):
+            fits = open_ & (self.state + self.flight[i] <= C) & (cap + self.alone[i] <= C)
+            out = np.where(fits & ~np.isfinite(out), self.ms[i], out)
+        ranges = np.isfinite(self.state)  # the ranges a stage can take (others stay inf)
+        over = np.maximum.accumulate(ranges & (self.state > state_cap), axis=2)
+        return np.where(over, np.inf, out)
+
+
+def _dp(segments: _Segments, cap_ms: float, state_cap: float) -> tuple[float, list[int]]:
+    """Contiguous split of the ``L`` layers into ``S`` non-empty stages whose states are at
     most ``state_cap`` MiB each.
 
     ``cap_ms = inf``: minimise the slowest stage's time. Otherwise: minimise the sum of
     squared stage times among splits whose every stage takes at most ``cap_ms`` (the
     second pass, which picks the most balanced of the splits with the least bottleneck).
-    Returns ``(objective, cuts)`` with ``cuts[s]`` the first layer of stage ``s``.
+    Returns ``(objective, cuts)`` with ``cuts[s]`` the first layer of stage ``s``. Ties go
+    to the earliest cut (``argmin``'s first index).
     """
+    S, L = segments.S, segments.L
     minimax = not np.isfinite(cap_ms)
+    ms = segments.stage_ms(state_cap)
+    if not minimax:
+        ms = np.where(ms > cap_ms, np.inf, ms)
     best = np.full((S + 1, L + 1), np.inf)
     arg = np.zeros((S + 1, L + 1), dtype=np.int64)
     best[0, 0] = 0.0
     for s in range(S):
-        # Stage s takes layers p..q-1; the later stages need at least one layer each.
-        for p in range(s, L - (S - s) + 1):
-            prev = best[s, p]
-            if not np.isfinite(prev):
-                continue
-            for q in range(p + 1, L - (S - s - 1) + 1):
-                layout = _segment(s, S, p, q, enc_total)
-                if pricer.state_mib(layout) > state_cap:
-                    break  # states only grow with more layers
-                ms = pricer.price(layout, state_cap)[0]
-                if ms > cap_ms:
-                    continue
-                val = max(prev, ms) if minimax else prev + ms * ms
-                if val < best[s + 1, q]:
-                    best[s + 1, q], arg[s + 1, q] = val, p
+        prev = best[s][:, None]
+        val = np.maximum(prev, ms[s]) if minimax else prev + ms[s] * ms[s]
+        arg[s + 1] = np.argmin(val, axis=0)
+        best[s + 1] = val[arg[s + 1], np.arange(L + 1)]
     if not np.isfinite(best[S, L]):
         return np.inf, []
     cuts, q = [], L
@@ -248,11 +285,13 @@ def plan_placement(cost_model: CostModel, sample: PlacementSample, num_stages: O
                    if (s == 0) == (p == 0) and (s == S - 1) == (q == L)})
     if not np.isfinite(pricer.capacity):
         caps = [np.inf]  # nothing to leave room for: one pass
+    tried = [c for c in caps if not (np.isfinite(c) and c >= pricer.capacity)]
+    segments = _Segments(pricer, S, L, enc_total, max(tried) if tried else np.inf)
     found = (np.inf, [], np.inf)
     for cap in caps:
         if np.isfinite(cap) and cap >= pricer.capacity:
             break
-        bottleneck, cuts = _dp(pricer, S, L, enc_total, np.inf, cap)
+        bottleneck, cuts = _dp(segments, np.inf, cap)
         if cuts and bottleneck < found[0]:
             found = (bottleneck, cuts, cap)
     bottleneck, cuts, cap = found
@@ -261,7 +300,7 @@ def plan_placement(cost_model: CostModel, sample: PlacementSample, num_stages: O
                             f"{pricer.capacity:.0f} MiB per device; use more stages, the distributed optimizer "
                             f"or more memory.")
     # A relative slack so float rounding cannot exclude the split the first pass found.
-    _, balanced = _dp(pricer, S, L, enc_total, bottleneck * (1 + 1e-12), cap)
+    _, balanced = _dp(segments, bottleneck * (1 + 1e-12), cap)
     bounds = (balanced or cuts) + [L]
     layouts = [_segment(s, S, bounds[s], bounds[s + 1], enc_total) for s in range(S)]
     placement = StagePlacement(tuple(l.encoder_layers for l in layouts), tuple(l.decoder_layers for l in layouts))
