@@ -233,3 +233,36 @@ def test_layouts_carry_the_encoder_decoder_roles_and_the_analytic_model_prices_t
         with_role = cm.layout_cost(StageLayout(1, 2, 2, False, False, **flags), b, s, d, "none")
         assert (with_role.stored_mib - cm.layout_cost(plain, b, s, d, "none").stored_mib) * 2**20 == \
             pytest.approx(extra)
+
+
+@pytest.mark.parametrize("model, device, stages, memory", [
+    ("gpt-7b", "a100-40gb", 4, 1.0), ("gpt-7b", "a100-40gb", 3, None), ("t5-11b", "h200", 4, 0.6),
+    ("t5-11b", "h200", 8, 1.0)])
+def test_the_vectorised_passes_give_the_loop_programs_splits(model, device, stages, memory):
+    # Each state cap's passes are numpy steps over a table priced once; the loop priced each
+    # layout per cap (20 s for t5-11b on 4 stages). Same objective, same cuts, ties included.
+    from placement_reference import loop_dp
+    from dynapipe.cost import placement as P
+    from dynapipe.config import load_device_config, load_model_config
+
+    m, dev = load_model_config(model), load_device_config(device)
+    rng = np.random.default_rng(stages)
+    k = 6
+    sample = P.PlacementSample(rng.integers(1, 8, k).astype(float), rng.integers(64, 2048, k).astype(float),
+                               rng.integers(16, 512, k).astype(float) if m.is_encoder_decoder else np.zeros(k))
+    capacity = None if memory is None else memory * dev.memory_mib
+    pricer = P._Pricer(build_cost_model(m, dev, stages), sample, stages, P._levels(None), capacity, 2, True)
+    L, enc = m.total_layers, (m.encoder_layers if m.is_encoder_decoder else 0)
+    caps = sorted({pricer.state_mib(P._segment(s, stages, p, q, enc)) for s in range(stages) for p in range(L)
+                   for q in range(p + 1, L + 1) if (s == 0) == (p == 0) and (s == stages - 1) == (q == L)})
+    caps = [c for c in caps if c < pricer.capacity] if capacity is not None else [np.inf]
+    segments = P._Segments(pricer, stages, L, enc, max(caps))
+    found = 0
+    for cap in caps[::max(1, len(caps) // 6)] + caps[-1:]:
+        first = loop_dp(pricer, stages, L, enc, np.inf, cap)
+        assert P._dp(segments, np.inf, cap) == first
+        if first[1]:
+            found += 1
+            slack = first[0] * (1 + 1e-12)
+            assert P._dp(segments, slack, cap) == loop_dp(pricer, stages, L, enc, slack, cap)
+    assert found  # some cap admits a split
