@@ -45,10 +45,13 @@ FORMAT_VERSION = 1
 
 @dataclass(frozen=True)
 class ResumeState:
-    """Where a loaded checkpoint left training: iterations done and samples consumed."""
+    """Where a loaded checkpoint left training: iterations done, samples consumed and the
+    model FLOPs trained so far (Megatron-LM's ``num_floating_point_operations_so_far``; 0
+    where the checkpoint records none)."""
 
     iteration: int
     consumed_samples: int
+    flops_so_far: float = 0.0
 
 
 # Where a checkpoint records the training blend's size: a key of a dynapipe-format checkpoint's
@@ -142,7 +145,8 @@ def _is_distributed(optimizer) -> bool:
 
 
 def save_checkpoint(root: str, iteration: int, consumed_samples: int, gpt: torch.nn.Module, optimizer,
-                    scheduler, info: RankInfo, extra: Optional[dict] = None, dtype: Optional[str] = None) -> str:
+                    scheduler, info: RankInfo, extra: Optional[dict] = None, dtype: Optional[str] = None,
+                    flops_so_far: float = 0.0) -> str:
     """Write this rank's part of the checkpoint of ``iteration``; collective over all ranks.
 
     Returns the iteration directory. A rank that cannot write its files makes every rank
@@ -164,6 +168,7 @@ def save_checkpoint(root: str, iteration: int, consumed_samples: int, gpt: torch
                 "format_version": FORMAT_VERSION,
                 "iteration": iteration,
                 "consumed_samples": consumed_samples,
+                "num_floating_point_operations_so_far": float(flops_so_far),
                 "model_parallel": (info.tp_size, info.pp_size),
                 "model": gpt.state_dict(),
                 "optimizer": optimizer.state_dict(),
@@ -250,7 +255,8 @@ def load_checkpoint(root: str, gpt: torch.nn.Module, optimizer, scheduler, info:
     same_error_everywhere(error)
     if optim_path is not None:
         optimizer.load_parameter_state(optim_path)
-    return ResumeState(iteration=int(payload["iteration"]), consumed_samples=int(payload["consumed_samples"]))
+    return ResumeState(iteration=int(payload["iteration"]), consumed_samples=int(payload["consumed_samples"]),
+                       flops_so_far=float(payload.get("num_floating_point_operations_so_far", 0.0)))
 
 
 def check_precision(saved: Optional[str], ours: Optional[str], where: str) -> None:

@@ -303,9 +303,10 @@ def read_common(iter_dir: str) -> dict:
 
 
 def load_dist(iter_dir: str, cfg, gpt, optimizer, scheduler, info: RankInfo, load_optim: bool,
-              load_rng: bool, log, model_values: Optional[dict] = None) -> tuple[int, int]:
+              load_rng: bool, log, model_values: Optional[dict] = None) -> tuple[int, int, float]:
     """Load ``iter_dir`` into this rank's stage (and optimizer, scheduler and RNG unless told not
-    to); collective. Returns (iteration, consumed samples) as the checkpoint records them.
+    to); collective. Returns (iteration, consumed samples, model FLOPs so far) as the checkpoint
+    records them (Megatron-LM's ``num_floating_point_operations_so_far``; 0 where absent).
     ``log(line)`` prints Megatron-LM's notices (rank 0). ``model_values`` (Megatron-LM argument
     name -> value) replaces GPT's shape arguments in the check of the checkpoint's ``args``."""
     from megatron.core import dist_checkpointing
@@ -369,7 +370,7 @@ def load_dist(iter_dir: str, cfg, gpt, optimizer, scheduler, info: RankInfo, loa
         _set_rng_state(states[info.dp_rank] if len(states) == info.dp_size else states[0])
     iteration = int(common.get("iteration", 0))
     consumed = int(getattr(ckpt_args, "consumed_train_samples", iteration * cfg.global_batch_size))
-    return iteration, consumed
+    return iteration, consumed, float(common.get("num_floating_point_operations_so_far", 0) or 0)
 
 
 def _saved_dtype(ckpt_args) -> Optional[str]:

@@ -99,12 +99,13 @@ def _save_strategy(fully_parallel: bool):
 
 def save_dist(iter_dir: str, iteration: int, gpt, optimizer, scheduler, info: RankInfo,
               args: argparse.Namespace, distributed_optimizer: bool, fully_parallel: bool = True,
-              samples_per_iteration: Optional[int] = None) -> None:
+              samples_per_iteration: Optional[int] = None, flops_so_far: float = 0.0) -> None:
     """Write this rank's shards of the checkpoint of ``iteration`` into ``iter_dir``; collective.
 
     ``args`` (see :func:`megatron_integration.checkpoint_dist.megatron_args`) carries the consumed samples; ``fully_parallel``:
     Megatron-LM's ``--ckpt-fully-parallel-save``; ``samples_per_iteration``: the global batch
-    when fixed, to write the scheduler in Megatron-LM's units (samples; None: iterations). The caller writes
+    when fixed, to write the scheduler in Megatron-LM's units (samples; None: iterations);
+    ``flops_so_far``: Megatron-LM's ``num_floating_point_operations_so_far``. The caller writes
     ``latest_checkpointed_iteration.txt`` afterwards (after a barrier)."""
     from megatron.core import dist_checkpointing
 
@@ -113,6 +114,7 @@ def save_dist(iter_dir: str, iteration: int, gpt, optimizer, scheduler, info: Ra
     metadata = _sharding_metadata(distributed_optimizer)
     state = _sharded_state_dict(gpt, optimizer, metadata, with_optim=True, is_loading=False)
     state.update(args=args, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration,
+                 num_floating_point_operations_so_far=float(flops_so_far),
                  # In Megatron-LM's units (samples), so its runs resume this schedule and back.
                  opt_param_scheduler=in_samples(scheduler.state_dict(), samples_per_iteration),
                  rng_state=_rng_sharded_object(info, _gathered_rng(info)))

@@ -45,7 +45,8 @@ def _layout(info: RankInfo) -> str:
 
 def save(cfg, iteration: int, consumed_samples: int, gpt, optimizer, scheduler, info: RankInfo, log: Log,
          extra: Optional[dict] = None, args_update: Optional[dict] = None,
-         model_values: Optional[dict] = None, training_blend: Optional[list] = None) -> str:
+         model_values: Optional[dict] = None, training_blend: Optional[list] = None,
+         flops_so_far: float = 0.0) -> str:
     """Save the checkpoint of ``iteration`` to ``cfg.save`` in ``cfg.ckpt_format``; collective.
 
     Returns the iteration directory. ``latest_checkpointed_iteration.txt`` is replaced last,
@@ -55,7 +56,8 @@ def save(cfg, iteration: int, consumed_samples: int, gpt, optimizer, scheduler, 
     checkpoint records (another model's Megatron-LM arguments, T5's); ``model_values``: the
     model arguments a ``dynapipe`` checkpoint records for ``load`` to compare (T5's; default
     GPT's); ``training_blend``: the weighted training blend's size, which a resumed run keeps
-    (:mod:`megatron_integration.blend_resume`; None: nothing to record)."""
+    (:mod:`megatron_integration.blend_resume`; None: nothing to record); ``flops_so_far``: the
+    model FLOPs trained so far, recorded as Megatron-LM's ``num_floating_point_operations_so_far``."""
     blend = {} if training_blend is None else {BLEND_RECORD_KEY: list(training_blend)}
     root = cfg.save
     log(f"[{_now()}] saving checkpoint at iteration {iteration:7d} to {root} in {cfg.ckpt_format} format")
@@ -65,13 +67,14 @@ def save(cfg, iteration: int, consumed_samples: int, gpt, optimizer, scheduler, 
         vars(args).update({**(args_update or {}), **blend})
         fixed_batch = None if cfg.data.tokens_per_global_batch else cfg.global_batch_size
         checkpoint_dist_save.save_dist(iter_dir, iteration, gpt, optimizer, scheduler, info, args,
-                                  cfg.optimizer.distributed, cfg.dist_ckpt.fully_parallel_save, fixed_batch)
+                                       cfg.optimizer.distributed, cfg.dist_ckpt.fully_parallel_save, fixed_batch,
+                                       flops_so_far)
         publish_latest(root, iteration, info)
     else:
         # The model's Megatron-LM arguments, compared on load as torch_dist's recorded args are.
         extra = {**(extra or {}), **blend, "model_args": checkpoint_compat.recorded_model_args(cfg, model_values)}
         iter_dir = save_checkpoint(root, iteration, consumed_samples, gpt, optimizer, scheduler, info, extra=extra,
-                                   dtype=cfg.model.dtype)
+                                   dtype=cfg.model.dtype, flops_so_far=flops_so_far)
     log(f"  [{_now()}] successfully saved checkpoint from iteration {iteration:7d} to {root} {_layout(info)}")
     return iter_dir
 
@@ -267,6 +270,6 @@ def load(cfg, gpt, optimizer, scheduler, info: RankInfo, log: Log,
     if load_optim and cfg.optimizer.override_scheduler:
         override_group_lrs(optimizer, scheduler, cfg.optimizer, resumed.iteration)
     if cfg.finetune or release:
-        resumed = ResumeState(iteration=0, consumed_samples=0)
+        resumed = ResumeState(iteration=0, consumed_samples=0)  # and no FLOPs: a new run
     log(f"  successfully loaded checkpoint from {root} {_layout(info)} at iteration {resumed.iteration}")
     return resumed

@@ -91,6 +91,8 @@ def iteration_summary(method: str, run, cpu, pp_rank: int) -> dict:
         # dynapipe.cost.model_flops.TokenWork of each global batch: executed shapes, samples' own.
         "executed_work": [r.executed_work for r in run.results],
         "real_work": [r.real_work for r in run.results],
+        # Model FLOPs trained so far, a resumed checkpoint's included (checkpoints record it).
+        "flops_so_far": run.flops_so_far,
         # --log-params-norm / --log-num-zeros-in-grad (None when not asked for).
         "params_norm": [r.params_norm for r in run.results],
         "num_zeros_in_grad": [r.num_zeros_in_grad for r in run.results],

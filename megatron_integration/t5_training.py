@@ -117,17 +117,20 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
                                           model_values=t5_model_values(cfg))
         if resumed is not None:
             run.start_iteration, run.consumed_samples = resumed.iteration, resumed.consumed_samples
+            run.flops_so_far = resumed.flops_so_far
             if kept_blend:
                 log(kept_blend)
     stepper = T5Stepper.create(cfg, info, stage, optimizer, scheduler, sync, run.start_iteration,
                                run.consumed_samples)
 
-    def save(iteration: int, consumed_samples: int) -> None:
+    def save(iteration: int, consumed_samples: int, flops_so_far: float) -> None:
         checkpoint_formats.save(base, iteration, consumed_samples, stage.gpt, optimizer, scheduler, info, log,
                                 extra=checkpoint_record(placement), args_update=t5_megatron_args(cfg),
-                                model_values=t5_model_values(cfg), training_blend=blend_record(base, megatron_blend))
+                                model_values=t5_model_values(cfg), training_blend=blend_record(base, megatron_blend),
+                                flops_so_far=flops_so_far)
 
     parts = LoopParts(base, info, optimizer, stepper, save, lambda: make_t5_evaluator(cfg, info, stage, stepper),
                       started_s, flops_model=cfg.planner_model() if base.log_throughput else None,
-                      params_norm=partial(params_l2_norm, stage.modules, info.device) if base.log_params_norm else None)
+                      params_norm=partial(params_l2_norm, stage.modules, info.device) if base.log_params_norm else None,
+                      model=cfg.planner_model())
     return run_iterations(parts, run, stream, on_iteration)

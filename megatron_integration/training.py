@@ -191,15 +191,17 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
                                           check_extra=partial(check_split, chunks, layers))
         if resumed is not None:
             run.start_iteration, run.consumed_samples = resumed.iteration, resumed.consumed_samples
+            run.flops_so_far = resumed.flops_so_far
             if kept_blend:
                 log(kept_blend)
     stepper = make_stepper(cfg, info, stage, optimizer, scheduler, run.start_iteration, run.consumed_samples)
 
-    def save(iteration: int, consumed_samples: int) -> None:
+    def save(iteration: int, consumed_samples: int, flops_so_far: float) -> None:
         checkpoint_formats.save(cfg, iteration, consumed_samples, stage.gpt, optimizer, scheduler, info, log,
-                                extra=record, training_blend=blend_record(cfg))
+                                extra=record, training_blend=blend_record(cfg), flops_so_far=flops_so_far)
 
     parts = LoopParts(cfg, info, optimizer, stepper, save, lambda: make_evaluator(cfg, info, stage, stepper),
                       started_s, flops_model=cfg.model.to_model_config() if cfg.log_throughput else None,
-                      params_norm=partial(params_l2_norm, stage.modules, info.device) if cfg.log_params_norm else None)
+                      params_norm=partial(params_l2_norm, stage.modules, info.device) if cfg.log_params_norm else None,
+                      model=cfg.model.to_model_config())
     return run_iterations(parts, run, stream, on_iteration)

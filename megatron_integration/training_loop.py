@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol, TextIO
 
 from dynapipe.config import ModelConfig
+from dynapipe.cost.model_flops import model_flops
 from megatron_integration.agreement import peer_lost
 from megatron_integration.baseline_step import StepResult
 from megatron_integration.initialize import RankInfo
@@ -63,6 +64,9 @@ class TrainingRun:
     checkpoint_lines: list[str] = field(default_factory=list)
     # Parameters this rank's stage holds (every chunk, shared copies once), as Megatron counts them.
     parameters: int = 0
+    # Model FLOPs of every iteration trained, a checkpoint's included (Megatron-LM's
+    # num_floating_point_operations_so_far): the executed shapes', by Megatron-LM's count.
+    flops_so_far: float = 0.0
 
     @property
     def losses(self) -> list[float]:
@@ -85,7 +89,8 @@ def print_rank_0(info: RankInfo, stream: TextIO, lines: list[str], line: str) ->
 class LoopParts:
     """What :func:`run_iterations` drives; built by the model's own ``pretrain``.
 
-    ``save(iteration, consumed_samples)`` writes a checkpoint (called only with ``--save``);
+    ``save(iteration, consumed_samples, flops_so_far)`` writes a checkpoint (called only with
+    ``--save``); ``model``: the model whose FLOPs ``TrainingRun.flops_so_far`` counts;
     ``make_evaluator()`` returns the run's evaluator or None (called inside the loop's cleanup
     scope, so the stepper's planner workers are stopped even if building it fails);
     ``flops_model``: the model ``--log-throughput`` prices the iterations with (None: not asked);
@@ -96,12 +101,13 @@ class LoopParts:
     info: RankInfo
     optimizer: object
     stepper: Stepper
-    save: Callable[[int, int], None]
+    save: Callable[[int, int, float], None]
     make_evaluator: Callable[[], object]
     started_s: float  # time.time() at the start of pretrain: --exit-duration-in-mins counts from it
     flops_model: Optional[ModelConfig] = None
     # --log-params-norm: the model's parameter norm after each step (collective; None: not asked).
     params_norm: Optional[Callable[[], float]] = None
+    model: Optional[ModelConfig] = None
 
 
 def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
@@ -143,6 +149,8 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
             if parts.params_norm is not None:
                 result.params_norm = parts.params_norm()
             run.consumed_samples = result.consumed_samples
+            if parts.model is not None and result.executed_work is not None:
+                run.flops_so_far += model_flops(parts.model, result.executed_work)
             run.results.append(result)
             line = logger.record(iteration + 1, run.consumed_samples, result, current_lr(parts.optimizer))
             if line is not None:
@@ -157,7 +165,7 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
                     evaluator.after_iteration(done, stream, logging_rank, run.eval_lines, logger.writer,
                                               run.consumed_samples)
                 if cfg.save and cfg.save_interval and done % cfg.save_interval == 0 and done != last:
-                    parts.save(done, run.consumed_samples)
+                    parts.save(done, run.consumed_samples, run.flops_so_far)
                     saved_at = done
             if exit_duration_reached(cfg.exit_duration_in_mins, parts.started_s, info.device):
                 stop, by_duration = done, True
@@ -166,7 +174,7 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
         where = f"after iteration {stop}"
         if cfg.save and stop > run.start_iteration and saved_at != stop:
             with logger.paused():
-                parts.save(stop, run.consumed_samples)
+                parts.save(stop, run.consumed_samples, run.flops_so_far)
         # Megatron-LM exits at a multiple of --exit-interval, the last iteration included, and
         # after --exit-duration-in-mins: no final evaluation then, and no "training is done".
         exited = by_duration or bool(cfg.exit_interval and stop > run.start_iteration

@@ -105,6 +105,18 @@ def test_a_decoupled_lr_run_resumes_exactly_in_both_formats(tmp_path):
     full, _, dist_resumed, _, own_resumed, strict = spawn(_runs_in_one_job, 2, (argvs,),
                                                           timeout_s=TIMEOUT * len(argvs))[0]
     assert dist_resumed["losses"] == own_resumed["losses"] == full["losses"][2:], (full, dist_resumed, own_resumed)
+    # Both formats record the model FLOPs trained (Megatron-LM's num_floating_point_operations_so_far),
+    # and a resumed run counts on from them.
+    from dynapipe.cost.model_flops import model_flops
+    from megatron_integration.arguments import parse_training_args
+    from megatron_integration.checkpoint_dist import read_common
+
+    model = parse_training_args(base.split(), 2).model.to_model_config()
+    per_iteration = [model_flops(model, w) for w in full["executed_work"]]
+    assert all(f > 0 for f in per_iteration) and full["flops_so_far"] == pytest.approx(sum(per_iteration))
+    recorded = read_common(str(tmp_path / "torch_dist" / "iter_0000002"))["num_floating_point_operations_so_far"]
+    assert recorded == pytest.approx(sum(per_iteration[:2]))
+    assert dist_resumed["flops_so_far"] == own_resumed["flops_so_far"] == pytest.approx(full["flops_so_far"])
     assert strict["error"].startswith("--dist-ckpt-strictness raise_all: ") and \
         "is a dynapipe-format checkpoint" in strict["error"], strict
 
@@ -279,7 +291,8 @@ def _runs_in_one_job(argvs: list) -> list:
             try:
                 run = pretrain(parse_training_args(argv.split(), int(os.environ["WORLD_SIZE"])), stream=io.StringIO())
                 out.append({"start_iteration": run.start_iteration, "losses": run.losses,
-                            "checkpoint_lines": run.checkpoint_lines})
+                            "checkpoint_lines": run.checkpoint_lines, "flops_so_far": run.flops_so_far,
+                            "executed_work": [r.executed_work for r in run.results]})
             except DynaPipeError as e:
                 out.append({"error": str(e)})
     finally:

@@ -563,6 +563,10 @@ def test_t5_torch_dist_resume_is_exact_and_loads_at_another_placement(pp2, t5_di
     assert cut["losses"] == full["losses"][:2]
     # Bitwise: the same weights, optimizer state, data position and RNG after the round trip.
     assert resumed["start_iteration"] == 2 and resumed["losses"] == full["losses"][2:]
+    # The model FLOPs trained so far (Megatron-LM's num_floating_point_operations_so_far): recorded at
+    # the cut, counted on from there.
+    at_cut = read_common(str(t5_dist / "cut" / "iter_0000002"))["num_floating_point_operations_so_far"]
+    assert 0 < at_cut < full["flops_so_far"] and resumed["flops_so_far"] == pytest.approx(full["flops_so_far"])
     final = _dist_tensors(t5_dist / "full" / "iter_0000003", tmp_path)
     again = _dist_tensors(t5_dist / "resumed" / "iter_0000003", tmp_path)
     assert any(k.startswith("optimizer.state.exp_avg_sq.") for k in final) and set(again) == set(final)
