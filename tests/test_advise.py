@@ -139,12 +139,14 @@ def test_advise_command_writes_a_run_config_that_trains_on_cpu(tmp_path, capsys)
     assert f"tensor-model-parallel-size: {best['tp']}" in config
     assert ("sequence-parallel: true" in config) == best["sequence_parallel"]
     assert "dynapipe-tokens-per-global-batch: 1200" in config
-    assert re_loss(train_one_iteration("pretrain_gpt.py", out, 0))
+    assert re_loss(train_one_iteration("pretrain_gpt.py", out))
 
 
-def train_one_iteration(script: str, run_config, port_offset: int) -> str:
+def train_one_iteration(script: str, run_config) -> str:
     """stdout of ``scripts/<script> --run-config <run_config>`` for one iteration on 2 ranks."""
-    port = str(20000 + (os.getpid() + port_offset) % 20000)
+    from dynapipe.runtime.distributed import free_port
+
+    port = str(free_port())
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                              "--master-port", port, os.path.join(ROOT, "scripts", script),
                              "--run-config", str(run_config), "--train-iters", "1", "--log-interval", "1"],
@@ -298,7 +300,7 @@ def test_encoder_decoder_layouts_are_ones_t5_training_runs(tmp_path, capsys):
     assert "\n  num-layers:" not in config and "use-distributed-optimizer" not in config
     # No token budget: Megatron's T5 span-corruption data (--data-path) refuses one.
     assert "tokens-per-global-batch" not in config and "global-batch-size: " in config
-    assert re_loss(train_one_iteration("pretrain_t5.py", out, 7))
+    assert re_loss(train_one_iteration("pretrain_t5.py", out))
     # A run config for another job size is refused on every script, naming the launch it needs.
     result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "pretrain_t5.py"), "--run-config", str(out)],
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -343,7 +345,7 @@ def test_encoder_decoder_layouts_run_on_the_planned_placement_and_train_on_it(tm
     out = tmp_path / "run.yaml"
     out.write_text(run_config_text(best, model, "cpu", "cpu-local", local, 2, 6000, 1024, None, None, batches))
     assert f'dynapipe-placement: "{best.placement}"' in out.read_text()
-    stdout = train_one_iteration("pretrain_t5.py", out, 13)
+    stdout = train_one_iteration("pretrain_t5.py", out)
     assert re_loss(stdout) and best.placement in stdout
 
 
@@ -384,7 +386,7 @@ def test_interleaved_layouts_are_priced_on_megatron_chunks_and_train_from_the_ru
     out = tmp_path / "vpp.yaml"
     out.write_text(run_config_text(best, tiny, "cpu", "cpu-local", local, 2, 1200, 128, None, None, small))
     assert "num-virtual-stages-per-pipeline-rank: 2" in out.read_text()
-    assert re_loss(train_one_iteration("pretrain_gpt.py", out, 19))
+    assert re_loss(train_one_iteration("pretrain_gpt.py", out))
 
 
 def test_the_run_config_trains_the_layer_kind_that_was_simulated():

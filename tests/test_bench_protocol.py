@@ -523,7 +523,7 @@ def test_a_timed_step_counts_its_device_time_without_stopping_the_host():
     # CPU ranks: the wall time of the call.
     untimed = ScheduleTiming()
     _timed(lambda: None, untimed, "backward_ms")()
-    assert 0.0 <= untimed.backward_ms < 45.0
+    assert 0.0 <= untimed.backward_ms < 500.0  # a no-op: one preemption on a loaded host is the most
 
 
 def test_a_tensor_parallel_bench_is_simulated_per_tensor_parallel_rank():

@@ -349,7 +349,7 @@ def test_stuck_peer_makes_the_other_rank_fail_at_the_timeout():
     assert r0["error"] == "CommFailure", outs[0]
     assert "pipeline rank 0 (global rank 0), instruction" in r0["message"]
     assert "peer pipeline rank 1 (global rank 1)" in r0["message"] and "2 s timeout" in r0["message"]
-    assert timeout <= r0["elapsed"] < timeout + 3
+    assert timeout <= r0["elapsed"] < timeout + 8  # about 1 s of it fixed: the rest is load's margin
     # The stalled rank learns of it when it resumes, instead of hanging.
     assert outs[1].value is not None and outs[1].value["error"] is not None, outs[1]
 
