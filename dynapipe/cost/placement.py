@@ -178,8 +178,8 @@ class _Segments:
                     # (``worst_cap``): it fits under every tighter one, so no heavier level is chosen.
                     cap = state if not np.isfinite(worst_cap) else max(state, worst_cap)
                     for i in range(n):
-                        ms, flight, alone = self.ms[i, st, p, q], self.flight[i, st, p, q], self.alone[i, st, p, q] = \
-                            pricer._level(layout, i)
+                        ms, flight, alone = pricer._level(layout, i)
+                        self.ms[i, st, p, q], self.flight[i, st, p, q], self.alone[i, st, p, q] = ms, flight, alone
                         if state + flight <= self.capacity and cap + alone <= self.capacity:
                             break
 
