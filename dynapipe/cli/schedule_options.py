@@ -18,8 +18,6 @@ from dynapipe.pipeline_planner import IterationPlan, schedule_batch_plan
 from dynapipe.plan.files import write_plan_dir
 from dynapipe.schedule.search import SCHEDULE_CHOICES
 
-# Shipped cluster config used when --cluster is not given, by device name prefix.
-DEFAULT_CLUSTERS = (("cpu", "cpu-local"), ("a100", "a100-8x"), ("h100", "h100-8x"), ("h200", "h200-8x"))
 
 
 def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,13 +82,14 @@ def write_plan_files(plans, directory: str) -> list[str]:
 
 
 def resolve_cluster(name: Optional[str], device_name: Optional[str]) -> ClusterConfig:
-    """``--cluster`` as given, else the shipped cluster matching the device, else defaults."""
+    """``--cluster`` as given, else the shipped cluster of the device
+    (:func:`~dynapipe.cost.profile_device.shipped_cluster_for_device`), else defaults."""
+    from dynapipe.cost.profile_device import shipped_cluster_for_device
+
     if name:
         return load_cluster_config(name, flag="--cluster")
-    for prefix, cluster in DEFAULT_CLUSTERS:
-        if device_name and device_name.lower().startswith(prefix):
-            return load_cluster_config(cluster)
-    return ClusterConfig(name="default")
+    shipped = shipped_cluster_for_device(device_name) if device_name else None
+    return load_cluster_config(shipped) if shipped else ClusterConfig(name="default")
 
 
 def levels_from(recompute: Optional[str]) -> list[str]:

@@ -30,15 +30,19 @@ def gpu_model(name: str) -> Optional[str]:
 
 
 def shipped_cluster_for_device(device: str) -> Optional[str]:
-    """The shipped cluster config (``configs/clusters``) of the GPU model that the device config
-    name ``device`` carries (``a100-40gb`` -> ``a100-8x``), the first by name if several; None
-    where the name carries no GPU model or no shipped cluster has it."""
+    """The shipped cluster config (``configs/clusters``) of the device config name ``device``:
+    ``cpu-local`` for a CPU, else the one of the GPU model it carries (``a100-40gb`` ->
+    ``a100-8x``), the first by name if several; None where the name tells neither or no
+    shipped cluster has it."""
     from dynapipe.config import shipped_names
 
+    shipped = shipped_names("clusters")
+    if config_kind(device) == "cpu":
+        return "cpu-local" if "cpu-local" in shipped else None
     model = gpu_model(device)
     if model is None:
         return None
-    return next((name for name in shipped_names("clusters") if gpu_model(name) == model), None)
+    return next((name for name in shipped if gpu_model(name) == model), None)
 
 
 def config_kind(name: str) -> Optional[str]:
