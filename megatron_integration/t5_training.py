@@ -130,7 +130,7 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
                                 flops_so_far=flops_so_far)
 
     parts = LoopParts(base, info, optimizer, stepper, save, lambda: make_t5_evaluator(cfg, info, stage, stepper),
-                      started_s, flops_model=cfg.planner_model() if base.log_throughput else None,
+                      started_s,
                       params_norm=partial(params_l2_norm, stage.modules, info.device) if base.log_params_norm else None,
                       model=cfg.planner_model())
     return run_iterations(parts, run, stream, on_iteration)

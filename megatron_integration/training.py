@@ -201,7 +201,7 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
                                 extra=record, training_blend=blend_record(cfg), flops_so_far=flops_so_far)
 
     parts = LoopParts(cfg, info, optimizer, stepper, save, lambda: make_evaluator(cfg, info, stage, stepper),
-                      started_s, flops_model=cfg.model.to_model_config() if cfg.log_throughput else None,
+                      started_s,
                       params_norm=partial(params_l2_norm, stage.modules, info.device) if cfg.log_params_norm else None,
                       model=cfg.model.to_model_config())
     return run_iterations(parts, run, stream, on_iteration)

@@ -90,10 +90,10 @@ class LoopParts:
     """What :func:`run_iterations` drives; built by the model's own ``pretrain``.
 
     ``save(iteration, consumed_samples, flops_so_far)`` writes a checkpoint (called only with
-    ``--save``); ``model``: the model whose FLOPs ``TrainingRun.flops_so_far`` counts;
+    ``--save``); ``model``: the model whose FLOPs ``TrainingRun.flops_so_far`` counts and
+    ``--log-throughput`` prices;
     ``make_evaluator()`` returns the run's evaluator or None (called inside the loop's cleanup
     scope, so the stepper's planner workers are stopped even if building it fails);
-    ``flops_model``: the model ``--log-throughput`` prices the iterations with (None: not asked);
     ``params_norm``: returns the parameters' L2 norm, on every rank after every step.
     """
 
@@ -104,7 +104,6 @@ class LoopParts:
     save: Callable[[int, int, float], None]
     make_evaluator: Callable[[], object]
     started_s: float  # time.time() at the start of pretrain: --exit-duration-in-mins counts from it
-    flops_model: Optional[ModelConfig] = None
     # --log-params-norm: the model's parameter norm after each step (collective; None: not asked).
     params_norm: Optional[Callable[[], float]] = None
     model: Optional[ModelConfig] = None
@@ -127,7 +126,8 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
                                                               info.device)
         logger = TrainingLogger(cfg.train_iters, cfg.global_batch_size, cfg.log_interval,
                                 is_logging_rank=logging_rank, tensorboard_dir=cfg.tensorboard_dir, stream=stream,
-                                flops_model=parts.flops_model, world_size=info.world_size, tensorboard=cfg.tensorboard,
+                                flops_model=parts.model if cfg.log_throughput else None, world_size=info.world_size,
+                                tensorboard=cfg.tensorboard,
                                 consumed_samples=run.consumed_samples)
         last = cfg.last_iteration(run.start_iteration)
         if run.start_iteration >= cfg.train_iters:
