@@ -85,8 +85,9 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--profile-ranks": "profiling hooks are not built (see --profile); drop it",
     "--log-progress": ("progress.txt is not written; the training summary line at the end has the tokens and "
                        "time (and --log-throughput the FLOP/s)"),
-    "--log-memory-to-tensorboard": ("CUDA allocator statistics are not written; the log line has each stage's "
-                                    "activation peak (MiB) against its plan's"),
+    "--log-memory-to-tensorboard": ("CUDA allocator statistics are not written to TensorBoard; on GPUs the log has "
+                                    "Megatron-LM's memory report after the first interval, and the log line each "
+                                    "stage's activation peak (MiB) against its plan's"),
     "--log-straggler": "straggler detection is not built; drop it",
     "--log-energy": "energy monitoring is not built; drop it",
     "--record-memory-history": "CUDA memory snapshots are not built; run under torch.cuda.memory._record_memory_history",

@@ -102,6 +102,8 @@ def iteration_summary(method: str, run, cpu, pp_rank: int) -> dict:
         "schedules": [r.schedule for r in run.results],
         "activation_measured_mib": [r.activation_measured_mib for r in run.results],
         "activation_planned_mib": [r.activation_planned_mib for r in run.results],
+        # GPUs: the caching allocator's memory at the end, maxima over the run (MiB); None on CPUs.
+        "cuda_memory_mib": run.cuda_memory_mib,
         "pp_rank": pp_rank,
         "log_lines": run.log_lines,
         "layer_spec": run.spec_name,

@@ -141,6 +141,15 @@ def format_log_line(iteration: int, train_iters: int, consumed_samples: int, sta
     return " | ".join(parts) + " |"
 
 
+def memory_report_line(rank: int, iteration: int, memory_mib: dict) -> str:
+    """Megatron-LM's GPU memory report (its ``report_memory``), which it prints once, after the
+    first logging interval, on every rank of the first data-parallel replica: ``memory_mib`` as
+    :func:`dynapipe.runtime.activation_meter.cuda_memory_mib` gives it (MiB, Megatron's "MB")."""
+    m = memory_mib
+    return (f"[Rank {rank}] (after {iteration} iterations) memory (MB) | allocated: {m['allocated']} | "
+            f"max allocated: {m['max_allocated']} | reserved: {m['reserved']} | max reserved: {m['max_reserved']}")
+
+
 class TrainingLogger:
     """Collects step results and prints (and writes to TensorBoard) every ``log_interval``."""
 

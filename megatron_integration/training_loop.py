@@ -15,10 +15,11 @@ from typing import Callable, Optional, Protocol, TextIO
 
 from dynapipe.config import ModelConfig
 from dynapipe.cost.model_flops import model_flops
+from dynapipe.runtime.activation_meter import cuda_memory_mib, reset_cuda_peaks
 from megatron_integration.agreement import peer_lost
 from megatron_integration.baseline_step import StepResult
 from megatron_integration.initialize import RankInfo
-from megatron_integration.logging_utils import TrainingLogger
+from megatron_integration.logging_utils import TrainingLogger, memory_report_line
 from megatron_integration.run_report import training_summary_lines, write_line
 from megatron_integration.train_config import DynaPipeTrainingConfig
 from megatron_integration.training_limits import exit_duration_line, exit_duration_reached
@@ -67,6 +68,9 @@ class TrainingRun:
     # Model FLOPs of every iteration trained, a checkpoint's included (Megatron-LM's
     # num_floating_point_operations_so_far): the executed shapes', by Megatron-LM's count.
     flops_so_far: float = 0.0
+    # GPUs: this rank's caching-allocator memory at the end of the run, maxima over the run (MiB;
+    # dynapipe.runtime.activation_meter.cuda_memory_mib). None on CPUs.
+    cuda_memory_mib: Optional[dict] = None
 
     @property
     def losses(self) -> list[float]:
@@ -137,6 +141,10 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
                          f"checkpoint at iteration {run.start_iteration} has reached --train-iters "
                          f"{cfg.train_iters}: nothing to train (raise --train-iters to train further)")
         started = time.perf_counter()
+        on_gpu = info.device.type == "cuda"
+        if on_gpu:
+            reset_cuda_peaks(info.device)
+        memory_reported = not on_gpu
         gc_was_enabled = cfg.manual_gc.start()
         # A checkpoint past --train-iters trains nothing and stays at its own iteration, which
         # the final evaluation is labelled with and reads the validation stream from (Megatron-LM's
@@ -155,6 +163,11 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
             line = logger.record(iteration + 1, run.consumed_samples, result, current_lr(parts.optimizer))
             if line is not None:
                 run.log_lines.append(line)
+                if not memory_reported:
+                    # Megatron-LM's report_memory: once, after the first interval, from the first replica.
+                    memory_reported = True
+                    if info.dp_rank == 0:
+                        write_line(stream, memory_report_line(info.rank, iteration + 1, cuda_memory_mib(info.device)))
             if on_iteration is not None:
                 on_iteration(iteration, result)
             done = iteration + 1
@@ -172,6 +185,8 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
                 print_rank_0(info, stream, [], exit_duration_line(cfg.exit_duration_in_mins, parts.started_s, done))
                 break
         where = f"after iteration {stop}"
+        if on_gpu:
+            run.cuda_memory_mib = cuda_memory_mib(info.device)
         if cfg.save and stop > run.start_iteration and saved_at != stop:
             with logger.paused():
                 parts.save(stop, run.consumed_samples, run.flops_so_far)

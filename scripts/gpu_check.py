@@ -115,7 +115,7 @@ def _thd_packing_job(argv: Sequence[str]) -> dict:
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from dynapipe.data.collate import loss_tokens as sample_loss_tokens
-    from dynapipe.runtime.activation_meter import measure_activations
+    from dynapipe.runtime.activation_meter import cuda_memory_mib, measure_activations, reset_cuda_peaks
     from megatron_integration.arguments import parse_training_args
     from megatron_integration.batches import pack_rows
     from megatron_integration.data import GlobalBatches
@@ -132,6 +132,7 @@ def _thd_packing_job(argv: Sequence[str]) -> dict:
         batches = GlobalBatches.create(cfg, 0, 0)
         dev = info.device
         losses, times, real, peaks = [], [], [], []
+        reset_cuda_peaks(dev)
         for it in range(cfg.train_iters):
             batch = batches.batch(it)
             samples = batches.samples(batch)
@@ -166,7 +167,7 @@ def _thd_packing_job(argv: Sequence[str]) -> dict:
             peaks.append(act["peak_mib"])
         return {"method": "packing", "losses": losses, "iteration_ms": times, "real_tokens": real,
                 "activation_measured_mib": peaks, "activation_planned_mib": [None] * len(peaks),
-                "layer_spec": stage.spec_name, "pp_rank": 0}
+                "cuda_memory_mib": cuda_memory_mib(dev), "layer_spec": stage.spec_name, "pp_rank": 0}
     finally:
         destroy()
 
@@ -184,11 +185,14 @@ def summarise(run: dict, warmup: int = 1) -> dict:
     keep = list(range(min(warmup, len(run["iteration_ms"]) - 1), len(run["iteration_ms"])))
     ms = sum(run["iteration_ms"][i] for i in keep)
     planned = [p for p in run["activation_planned_mib"] if p is not None]
+    memory = run.get("cuda_memory_mib") or {}
     return {"real_tokens_per_s": sum(run["real_tokens"][i] for i in keep) / (ms / 1e3),
             "iteration_ms": statistics.fmean(run["iteration_ms"][i] for i in keep),
             "losses": run["losses"], "layer_spec": run.get("layer_spec", ""),
             "activation_measured_mib": max(run["activation_measured_mib"]),
-            "activation_planned_mib": max(planned) if planned else None}
+            "activation_planned_mib": max(planned) if planned else None,
+            # The caching allocator's most reserved (MiB): what the GPU held, its cache included.
+            "max_reserved_mib": memory.get("max_reserved"), "max_allocated_mib": memory.get("max_allocated")}
 
 
 def best_of(results: dict, prefix: str) -> Optional[str]:
@@ -203,8 +207,8 @@ def markdown(results: dict, loss_spread: Optional[float]) -> str:
     the best packing run, then activation memory per level; failed phases last, with their error."""
     best = {b: best_of(results, b) for b in ("padding", "packing")}
     lines = ["| method | real tokens/s | vs best padding | vs best packing | iteration (ms) "
-             "| activation peak measured / planned (MiB) |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "| activation peak measured / planned (MiB) | allocator max allocated / max reserved (MiB) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     failed = []
     for name, r in results.items():
         if "error" in r:
@@ -214,8 +218,10 @@ def markdown(results: dict, loss_spread: Optional[float]) -> str:
         planned = "-" if r["activation_planned_mib"] is None else f"{r['activation_planned_mib']:.0f}"
         ratio = ("" if r["activation_planned_mib"] is None
                  else f" ({r['activation_measured_mib'] / r['activation_planned_mib']:.2f})")
+        held = ("-" if r.get("max_reserved_mib") is None
+                else f"{r['max_allocated_mib']:,.0f} / {r['max_reserved_mib']:,.0f}")
         lines.append(f"| {name} | {r['real_tokens_per_s']:,.0f} | {vs[0]} | {vs[1]} | {r['iteration_ms']:.0f} | "
-                     f"{r['activation_measured_mib']:.0f} / {planned}{ratio} |")
+                     f"{r['activation_measured_mib']:.0f} / {planned}{ratio} | {held} |")
     lines.append("")
     if loss_spread is not None:
         lines.append(f"Largest relative difference of any method's per-iteration loss from "

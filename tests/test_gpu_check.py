@@ -68,16 +68,19 @@ def test_thd_micro_batch_marks_sample_boundaries():
 def test_report_table_and_loss_spread():
     r = lambda tps, loss, planned: {"real_tokens_per_s": tps, "iteration_ms": 100.0, "losses": loss,  # noqa: E731
                                      "activation_measured_mib": 900.0, "activation_planned_mib": planned}
-    results = {"dynapipe (none)": r(3000.0, [2.0, 1.0], 1000.0), "padding (mbs 1)": r(800.0, [2.0, 1.02], None),
+    results = {"dynapipe (none)": {**r(3000.0, [2.0, 1.0], 1000.0), "max_allocated_mib": 5120.4,
+                                   "max_reserved_mib": 6200.0},
+               "padding (mbs 1)": r(800.0, [2.0, 1.02], None),
                "padding (mbs 2)": r(1000.0, [2.0, 1.01], None), "packing (thd)": r(1500.0, [2.0, 1.0], None),
                "dynapipe (full)": {"error": "RankFailed: rank 0 ran out of memory\ntraceback ...\nlast line"}}
     assert gpu_check.best_of(results, "padding") == "padding (mbs 2)"  # the tuned baseline
     spread = gpu_check.loss_spread(results)
     assert spread == pytest.approx(0.01 / 1.01)  # against the best padding run; the failed phase skipped
     table = gpu_check.markdown(results, spread)
-    assert "| dynapipe (none) | 3,000 | 3.00x | 2.00x | 100 | 900 / 1000 (0.90) |" in table
-    assert "| padding (mbs 2) | 1,000 | 1.00x | 0.67x | 100 | 900 / - |" in table
-    assert "| padding (mbs 1) | 800 | 0.80x | 0.53x | 100 | 900 / - |" in table
+    # The allocator's maxima where the run recorded them (GPUs), "-" where not.
+    assert "| dynapipe (none) | 3,000 | 3.00x | 2.00x | 100 | 900 / 1000 (0.90) | 5,120 / 6,200 |" in table
+    assert "| padding (mbs 2) | 1,000 | 1.00x | 0.67x | 100 | 900 / - | - |" in table
+    assert "| padding (mbs 1) | 800 | 0.80x | 0.53x | 100 | 900 / - | - |" in table
     assert "- dynapipe (full) failed: last line" in table and "padding (mbs 2)'s: 9.90e-03" in table
     assert gpu_check.loss_spread({"packing (thd)": results["packing (thd)"]}) is None
     # A loss 1% off the best padding run's fails the check, as a peak 10% over the plan's would.
@@ -142,6 +145,7 @@ def test_the_whole_check_runs_at_a_tiny_shape_on_cpu(tmp_path):
     for name, r in methods.items():
         assert r["real_tokens_per_s"] > 0 and len(r["losses"]) == 2
         assert (r["activation_planned_mib"] is not None) == name.startswith("dynapipe"), name
+        assert r["max_reserved_mib"] is None  # the CUDA allocator's figure: none on CPUs
     saved = json.loads((tmp_path / "gpu_check.json").read_text())
     assert saved["methods"].keys() == report["methods"].keys() | {"dynapipe (none, distributed optimizer)"}
     assert "| dynapipe (full) |" in (tmp_path / "gpu_check.md").read_text()

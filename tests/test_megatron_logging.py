@@ -64,3 +64,15 @@ def test_only_the_logging_rank_prints_and_missing_tensorboard_is_a_warning(tmp_p
     quiet = TrainingLogger(2, 8, 1, is_logging_rank=False, stream=silent)
     assert quiet.record(1, 8, result(1.0, 10, 5.0), lr=0.1) is not None
     assert silent.getvalue() == ""
+
+
+def test_memory_report_line_is_megatrons():
+    from megatron_integration.logging_utils import memory_report_line
+
+    line = memory_report_line(3, 10, {"allocated": 1024.5, "max_allocated": 3072.25, "reserved": 4096.0,
+                                      "max_reserved": 5120.0})
+    # Megatron-LM's report_memory, field for field, so the tools that read its logs read this one.
+    fields = re.fullmatch(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\) \| allocated: ([\d.]+) \| "
+                          r"max allocated: ([\d.]+) \| reserved: ([\d.]+) \| max reserved: ([\d.]+)", line)
+    assert fields is not None, line
+    assert [float(v) for v in fields.groups()] == [3, 10, 1024.5, 3072.25, 4096.0, 5120.0]

@@ -3,6 +3,7 @@ import io
 import time
 
 import pytest
+import torch
 
 from dynapipe.errors import DynaPipeError
 from megatron_integration.arguments import parse_training_args
@@ -30,7 +31,7 @@ class FailingStepper:
 def test_a_failure_survives_a_cleanup_that_fails_too():
     cfg = parse_training_args(BASE.split(), 1, cuda=False)
     info = RankInfo(rank=0, world_size=1, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1, tp_rank=0, tp_size=1,
-                    device="cpu")
+                    device=torch.device("cpu"))
     stepper, out = FailingStepper(), io.StringIO()
     parts = LoopParts(cfg=cfg, info=info, optimizer=None, stepper=stepper, save=lambda *a: None,
                       make_evaluator=lambda: None, started_s=time.time())

@@ -15,7 +15,7 @@ A storage is counted once however many saved tensors and buffers share it (a rec
 activation is also the first layer's saved input). The recomputation of a checkpointed
 layer in the backward saves tensors too, so the transient memory of recompute is in the
 peak. Transient tensors no one saves (an op's temporaries, gradients flowing backward)
-are not: on CUDA the allocator's peak measures those (see :func:`cuda_activation_peak`).
+are not: on CUDA the allocator's peak measures those (see :class:`CudaPeak`).
 """
 from __future__ import annotations
 
@@ -132,6 +132,37 @@ class ActivationMeter:
             yield self
 
 
+# The caching allocator's peaks (bytes) since the run started: CudaPeak resets torch's peak
+# statistics every iteration to measure activations, so it folds them in here first. Process-wide,
+# as the allocator's own statistics are.
+_run_peak_bytes = {"allocated": 0, "reserved": 0}
+
+
+def _fold_cuda_peaks(device: torch.device) -> None:
+    _run_peak_bytes["allocated"] = max(_run_peak_bytes["allocated"], torch.cuda.max_memory_allocated(device))
+    _run_peak_bytes["reserved"] = max(_run_peak_bytes["reserved"], torch.cuda.max_memory_reserved(device))
+
+
+def reset_cuda_peaks(device: torch.device) -> None:
+    """Start counting :func:`cuda_memory_mib`'s maxima afresh (at the start of a training run)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    _run_peak_bytes.update(allocated=0, reserved=0)
+
+
+def cuda_memory_mib(device: torch.device) -> dict:
+    """The caching allocator's ``allocated``, ``max_allocated``, ``reserved`` and ``max_reserved``
+    memory on ``device`` (MiB), as Megatron-LM's memory report reads them: maxima since the last
+    :func:`reset_cuda_peaks`, across :class:`CudaPeak`'s per-iteration resets. ``reserved`` above
+    ``allocated`` is the allocator's cache (fragmentation under variable shapes included)."""
+    torch.cuda.synchronize(device)
+    _fold_cuda_peaks(device)
+    return {"allocated": torch.cuda.memory_allocated(device) / MIB,
+            "max_allocated": _run_peak_bytes["allocated"] / MIB,
+            "reserved": torch.cuda.memory_reserved(device) / MIB,
+            "max_reserved": _run_peak_bytes["reserved"] / MIB}
+
+
 class CudaPeak:
     """Peak activation memory on a GPU: the allocator's peak minus what was allocated at the
     start (parameters, gradients, optimizer states: the model states)."""
@@ -140,6 +171,7 @@ class CudaPeak:
         self.device = device
         torch.cuda.synchronize(device)
         self.base = torch.cuda.memory_allocated(device)
+        _fold_cuda_peaks(device)
         torch.cuda.reset_peak_memory_stats(device)
 
     def peak_mib(self) -> float:
