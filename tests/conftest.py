@@ -7,11 +7,12 @@ import pytest
 
 from t5_job import PACKING, TIMEOUT, TINY
 
-# What a module that starts processes calls or reads (spawned gloo ranks, torchrun, subprocesses,
-# the session's shared training jobs). Most of the suite's time is in those modules; the others
+# What a module that starts processes calls or reads (spawned gloo ranks, whether through spawn(),
+# a module's own ``_spawn...(`` helper or torch's start_processes(); torchrun, subprocesses, the
+# session's shared training jobs). Most of the suite's time is in those modules; the others
 # (planner, schedules, plans, cost model, data, command-line checks) run in about two minutes.
-_STARTS_PROCESSES = re.compile(r"\bspawn(_outcomes)?\(|\brun_trainings?\(|\bsubprocess\b|\brun_job\b|\bpp2\b|"
-                               r"\bt5_dist\b|\btp2\b|megatron_runs")
+_STARTS_PROCESSES = re.compile(r"\b_?spawn\w*\(|\bstart_processes\(|\brun_trainings?\(|\bsubprocess\b|\brun_job\b|"
+                               r"\bpp2\b|\bt5_dist\b|\btp2\b|megatron_runs")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -97,7 +97,14 @@ def test_plan_reads_stdin_and_encoder_decoder_pairs(monkeypatch, capsys):
     rc, out, _ = _plan(capsys, ["--lengths", "-", "--model", "t5-11b", "--device", "a100-40gb", "--stages", "8"])
     assert rc == 0
     mbs = json.loads(out)["micro_batches"]
-    assert all("dec_seqlen" in mb for mb in mbs)
+    # "samples" index the input's lines: each micro-batch is padded to its longest input and
+    # its longest target (the second column).
+    pairs = [(100, 5), (900, 30), (40, 200)]
+    assert sorted(i for mb in mbs for i in mb["samples"]) == [0, 1, 2]
+    for mb in mbs:
+        assert mb["seqlen"] >= max(pairs[i][0] for i in mb["samples"])
+        assert mb["dec_seqlen"] >= max(pairs[i][1] for i in mb["samples"]), mb
+        assert mb["real_tokens"] == sum(sum(pairs[i]) for i in mb["samples"]), mb
 
 
 def test_plan_limits_targets_at_decoder_seq_length(monkeypatch, capsys):

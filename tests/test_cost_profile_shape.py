@@ -28,10 +28,38 @@ def _profile(model: dict, dtype: str = "fp32") -> dict:
             "seqlen": [64, 128], "model": model, "ops": {"layer": table, "embedding": table, "output": table}}
 
 
+def _ops_apart(profile: dict) -> dict:
+    """``profile`` with its ops' tables scaled apart (layer x1, embedding x10, output x100), so a
+    stage's price shows which ops, and how many layers, it was made of."""
+    for scale, op in ((1, "layer"), (10, "embedding"), (100, "output")):
+        profile["ops"][op] = {f: [[scale * v for v in row] for row in table] for f, table in profile["ops"][op].items()}
+    return profile
+
+
+def _measured(model, profile: dict) -> list:
+    """What ``profile`` says each of 2 stages of ``model`` costs at its grid point (mbs 2, seqlen
+    128), (fw, bw, stored, peak): its layers' values, plus the embedding's on the first stage and
+    the output layer's on the last."""
+    def at(op, field):
+        return profile["ops"][op][field][1][1]
+
+    n = model.num_layers // 2
+    return [[n * at("layer", f) + at(end, f) for f in ("fw_ms", "bw_ms", "stored_mib")]
+            + [max(at("layer", "peak_mib"), at(end, "peak_mib"))] for end in ("embedding", "output")]
+
+
+def _priced(cost_model: ProfileCostModel, recompute: str = "none") -> list:
+    return [[float(v) for v in (c.fw_ms, c.bw_ms, c.stored_mib, c.peak_mib)]
+            for c in (cost_model.stage_cost(2, 128, recompute=recompute, stage=s) for s in range(2))]
+
+
 def test_a_profile_of_the_same_shape_prices_the_model():
-    ProfileCostModel(TINY, _profile(TINY_RECORD), 2)
+    profile = _ops_apart(_profile(TINY_RECORD))
+    assert _priced(ProfileCostModel(TINY, profile, 2)) == _measured(TINY, profile) == [[24.0, 24.0, 24.0, 20.0],
+                                                                                     [204.0, 204.0, 204.0, 200.0]]
     # Layer count and vocabulary are not layer shape: another depth is priced from the same layer.
-    ProfileCostModel(dataclasses.replace(TINY, num_layers=8), _profile(TINY_RECORD), 2)
+    deeper = dataclasses.replace(TINY, num_layers=8)
+    assert _priced(ProfileCostModel(deeper, profile, 2)) == _measured(deeper, profile)
 
 
 @pytest.mark.parametrize("change, record", [
@@ -51,13 +79,19 @@ def test_a_profile_of_another_shape_is_refused(change, record):
 def test_kv_channels_compare_as_the_per_head_width_in_effect():
     # kv_channels 0 in a model config means hidden / heads, which is what profiles record.
     assert TINY.kv_channels == 0 and TINY.head_dim == 16
-    ProfileCostModel(dataclasses.replace(TINY, kv_channels=16), _profile(TINY_RECORD), 2)
+    explicit = ProfileCostModel(dataclasses.replace(TINY, kv_channels=16), _ops_apart(_profile(TINY_RECORD)), 2)
+    implied = ProfileCostModel(TINY, _ops_apart(_profile(TINY_RECORD)), 2)
+    assert _priced(explicit) == _measured(TINY, explicit.profile)
+    # The same width in effect: the same analytic attention shares where a level is derived.
+    assert _priced(explicit, "selective") == _priced(implied, "selective")
 
 
 def test_fields_a_profile_does_not_record_are_not_invented():
     # Older or hand-written profiles without the widths still load (nothing to compare them with).
-    ProfileCostModel(dataclasses.replace(TINY, hidden_size=128), _profile({}), 2)
-    ProfileCostModel(dataclasses.replace(TINY, hidden_size=128), {**_profile({}), "model": None}, 2)
+    # They price the model as measured, however wide it says it is.
+    wide = dataclasses.replace(TINY, hidden_size=128)
+    for profile in (_ops_apart(_profile({})), {**_ops_apart(_profile({})), "model": None}):
+        assert _priced(ProfileCostModel(wide, profile, 2)) == _measured(wide, profile)
 
 
 def test_plan_refuses_a_tiny_models_profile_for_gpt_7b(tmp_path, capsys):

@@ -81,10 +81,61 @@ def test_contention_probe_measures_both_phases():
     from megatron_integration.bench_contention import measure_contention
 
     c = measure_contention(ranks=2, tokens=64, hidden=64, passes=1, timeout_s=120)
-    assert c.alone_ms > 0 and c.together_ms > 0
+    assert (c.ranks, c.tokens, c.hidden) == (2, 64, 64) and c.alone_ms > 0 and c.together_ms > 0
     assert c.to_json()["factor"] == pytest.approx(c.together_ms / c.alone_ms, abs=1e-3)
     with pytest.raises(ValueError, match="at least 2 ranks"):
         measure_contention(ranks=1)
+
+
+def test_contention_probe_times_each_phase_in_its_own_conditions(monkeypatch):
+    """The ranks' body on threads, with a pass that takes 50 ms, or 250 ms where another rank
+    computes during it: the alone phase must time only passes no other rank overlaps, the
+    together phase passes the ranks run at once, each reported as its own median."""
+    import queue
+    import threading
+    import time
+
+    import torch
+
+    from megatron_integration import bench_contention
+
+    lock, active, crowded = threading.Lock(), set(), {"0": [], "1": []}
+
+    def layer_pass(*_):
+        rank = threading.current_thread().name
+        with lock:
+            active.add(rank)
+            others = len(active) > 1
+        time.sleep(0.05)
+        with lock:
+            others = others or len(active) > 1
+        if others:
+            time.sleep(0.2)
+        with lock:
+            active.discard(rank)
+        crowded[rank].append(others)
+
+    monkeypatch.setattr(bench_contention, "_layer_pass", layer_pass)
+    # The body sets these process-wide: not this test process's.
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    monkeypatch.setattr(torch, "manual_seed", lambda seed: None)
+    results, barrier = queue.Queue(), threading.Barrier(2, timeout=60)
+    threads = [threading.Thread(target=bench_contention._worker, args=(r, 8, 8, 2, barrier, results), name=str(r))
+               for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    # Per rank: the untimed warm-up, then per round 2 passes alone and 2 together. The barrier
+    # keeps the alone passes apart; the together passes start at once and overlap by 50 ms
+    # unless a thread starts that much late (the medians below allow one such pass in two).
+    for rank, passes in crowded.items():
+        assert len(passes) == 9, (rank, passes)
+        assert not any(passes[1:3] + passes[5:7]), (rank, passes)
+    medians = sorted(results.get(timeout=1) for _ in threads)
+    for rank, alone_ms, together_ms in medians:
+        assert 50 <= alone_ms < 140 < together_ms, medians
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")

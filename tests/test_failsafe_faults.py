@@ -578,9 +578,11 @@ def redis_port():
             p.wait(10)
 
 
-def _restart(procs, port, down_s):
+def _restart(procs, port, down_s, on_down=None):
     procs[-1].kill()
     procs[-1].wait(10)
+    if on_down is not None:
+        on_down()
     time.sleep(down_s)
     procs.append(_redis_start(port))
 
@@ -664,13 +666,21 @@ def test_store_calls_wait_through_a_restart_within_the_window(redis_port):
     kv = KVStoreSpec("redis", "127.0.0.1", port, connect_timeout_s=5.0, retry_s=10.0).connect()
     kv.set("k", b"v")
     before = kv.server_id()
-    restarter = threading.Thread(target=_restart, args=(procs, port, 1.0))
+    down_at, down = [], threading.Event()
+
+    def on_down():
+        down_at.append(time.monotonic())
+        down.set()
+
+    restarter = threading.Thread(target=_restart, args=(procs, port, 1.0, on_down))
     restarter.start()
-    time.sleep(0.2)
-    t0 = time.monotonic()
+    assert down.wait(30), "the server was not killed"
     kv.set("k2", b"v2")  # the server is down: waits for it, then succeeds
+    # Timed from the kill, not from this thread's call: however late this thread runs, the
+    # server comes back no sooner than 1.0 s after the kill.
+    done = time.monotonic()
     restarter.join()
-    assert time.monotonic() - t0 >= 0.5
+    assert done - down_at[0] >= 1.0
     assert kv.get("k2") == b"v2" and kv.get("k") is None  # the restarted server lost the old key
     assert kv.server_id() != before
     kv.close()

@@ -18,7 +18,7 @@ from dynapipe.schedule.interleaved import (interleaved_1f1b, interleaved_arrays,
                                            virtual_stage_times_per_replica)
 from dynapipe.schedule.search import search_schedules
 from dynapipe.schedule.simulator import simulate
-from dynapipe.schedule.types import CHUNKED_SCHEDULE_NAMES
+from dynapipe.schedule.types import CHUNKED_SCHEDULE_NAMES, Op
 
 DEVICE = DeviceConfig("toy", peak_tflops=10.0, achievable_fraction=0.5, memory_mib=1e9, op_overhead_ms=0.01)
 T5 = ModelConfig("t5-toy", arch="t5", encoder_layers=4, decoder_layers=4, hidden_size=512, num_attention_heads=8,
@@ -59,7 +59,27 @@ def test_uniform_micro_batches_take_the_interleaved_slot_count():
     # Megatron's groups (a short last group) leave more idle for M not a multiple of P.
     assert micro_batch_groups(8, 17) == (9, 8) and micro_batch_groups(8, 17, spread=False) == (8, 8, 1)
     megatron = schedule_from_chunked_arrays("interleaved", *interleaved_arrays(8, 2, 17, spread=False), chunks=2)
-    assert simulate(megatron.check(), _times(8, 2, 17)).makespan_ms == pytest.approx(3.0 * 50)
+    # Its critical path (F 1 ms, B 2 ms; "B8.0": micro-batch 8's backward in chunk 0). The last
+    # rank waits 7 F for micro-batch 0, then runs, with no wait, the 2 x 16 forwards of the two
+    # full groups, micro-batch 16's first (F16.0) and 3 x 8 backwards (group 0 in both chunks,
+    # group 1 in chunk 1). Its next op, B8.0, waits on rank 0, which takes F16.1, the 5
+    # backwards its order still holds ahead of B8.1 (B3.0..B7.0) and B8.1. The last rank then
+    # runs B8.0, F16.1 and B9.0..B15.0 before B16.1, whose gradient crosses all 16 virtual
+    # stages with no rank busy: 50 slots of one chunk's F + B, against 41 with spread groups.
+    fill, full_groups = 7 * 1.0, (2 * 16 + 1) * 1.0 + 3 * 8 * 2.0
+    rank0_to_b8_1, last_rank_to_b16_1, last_micro_batch_back = 1.0 + 6 * 2.0, 8 * 2.0 + 1.0, 16 * 2.0
+    megatron_ms = fill + full_groups + rank0_to_b8_1 + last_rank_to_b16_1 + last_micro_batch_back
+    assert megatron_ms == 3.0 * 50
+    tl = simulate(megatron.check(), _times(8, 2, 17))
+    assert tl.makespan_ms == pytest.approx(megatron_ms)
+
+    def start(rank, kind, mb, chunk):
+        return tl.starts[rank][megatron.stage_ops[rank].index(Op(kind, mb, chunk))]
+
+    # The path's steps where the simulator has them.
+    assert [start(7, "F", 16, 0) + 1.0, start(0, "B", 8, 1) + 2.0, start(7, "B", 16, 1)] == pytest.approx(
+        [fill + full_groups, fill + full_groups + rank0_to_b8_1,
+         fill + full_groups + rank0_to_b8_1 + last_rank_to_b16_1])
 
 
 def _adaptive(times, P, capacity=np.inf):

@@ -349,18 +349,30 @@ def test_a_failure_reported_elsewhere_stops_the_wait_for_a_plan(monkeypatch):
         dl.close()
 
 
-def test_workers_exit_when_the_training_process_is_killed():
+def test_workers_exit_when_the_training_process_is_killed(tmp_path):
+    import queue
+    import threading
+
     code = (f"import sys, time\nsys.path.insert(0, {TESTS_DIR!r})\n"
             "from test_loader import make_loader\n"
             "dl = make_loader(num_workers=2)\nnext(dl)\n"
             "print(' '.join(map(str, dl.worker_pids)), flush=True)\ntime.sleep(120)\n")
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            env=env, cwd=REPO, text=True)
+    stderr_path = tmp_path / "child.stderr"
+    with open(stderr_path, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=stderr, env=env,
+                                cwd=REPO, text=True)
     try:
-        line = proc.stdout.readline()
-        pids = [int(p) for p in line.split()]
-        assert len(pids) == 2, f"no worker pids from the child: {line!r}"
+        # Read on a thread: a child stuck before its print must fail the test, not hang it.
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True).start()
+        try:
+            line = lines.get(timeout=120)
+        except queue.Empty:
+            line = None
+        pids = [int(p) for p in (line or "").split()]
+        assert len(pids) == 2, (f"no worker pids from the child within 120 s: {line!r} (exit code {proc.poll()}); "
+                                f"its stderr:\n{stderr_path.read_text()[-3000:]}")
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
         assert wait_gone(pids, 10) == [], "planner workers outlived their training process"

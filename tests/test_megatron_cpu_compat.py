@@ -1,4 +1,6 @@
 """The CPU compatibility layer: idempotent, targeted, and what makes megatron run on CPU."""
+import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -54,6 +56,12 @@ def test_without_the_layer_megatron_fails_on_cpu():
         get_default_causal_mask(4)
     """)
     assert result.returncode != 0
+    # It fails in torch's CUDA initialisation, not on the way there (an import error, a changed
+    # signature). The message differs between a CPU-only build ("Torch not compiled with CUDA
+    # enabled") and a CUDA build on a machine without a GPU or driver.
+    frames = re.findall(r'File "([^"]+)"', result.stderr)
+    assert frames and "torch/cuda/" in frames[-1].replace(os.sep, "/"), result.stderr[-3000:]
+    assert re.search(r"CUDA|NVIDIA", result.stderr.strip().splitlines()[-1]), result.stderr[-3000:]
 
 
 def test_apply_does_nothing_when_cuda_is_available(monkeypatch):

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from dynapipe.config import ClusterConfig, load_device_config, load_model_config
 from dynapipe.cost import build_cost_model
-from dynapipe.errors import PlanError
+from dynapipe.errors import NoScheduleFits, PlanError
 from dynapipe.pipeline_planner import plan_iteration
 from dynapipe.plan import compile_plans, validate_plans
 from dynapipe.plan.instructions import (BackwardPass, FreeBuffer, RecvActivationFinish, RecvActivationStart,
@@ -224,10 +224,12 @@ def test_plans_from_random_batches_validate(schedule, S, lengths, dp, headroom):
     try:
         it = plan_iteration(np.array(lengths), cm, dp=dp, schedule=schedule, cluster=LINKS,
                             memory_limit_mib=limit)
-    except PlanError:
-        raise
-    except Exception as e:  # only "does not fit" is an acceptable refusal
-        assert "fit" in str(e), e
+    except NoScheduleFits:
+        # The one acceptable refusal: under a memory limit, no schedule of the cut fits. (No
+        # sample is refused alone: one of 1024 tokens needs at most ~930 MiB of activations at
+        # full recompute, well inside the smallest headroom.)
+        if headroom is None:
+            raise
         return
     summary = validate_plans(it.all_plans())
     assert summary.replicas == dp and summary.stages == S

@@ -264,28 +264,51 @@ def test_search_runs_zb_h1_by_name_and_in_auto_where_the_stages_split():
         search_schedules(reps, cm, schedule="zb-h1", recompute="none", capacity_mib=min(zb.best.peak_mib) / 2)
 
 
-def test_a_tie_keeps_the_simpler_schedule():
-    # One stage has no bubble to fill: every schedule takes the same time, up to float rounding of
-    # the split backward's sums, which made zb-h1 win by 3e-13 ms on the first GPU run's plans
-    # (a profile's odd millisecond values; these reproduce it).
+def test_a_tie_keeps_the_simpler_schedule(monkeypatch):
+    # One stage has no bubble to fill: every schedule takes the same time. Equal sums are not
+    # equal floats in general (the split backward added up 3e-13 ms below 1F1B's on the first
+    # GPU run's plans, and zb-h1 was chosen); here every price is a multiple of 1/8 at a measured
+    # grid point, so the tie is exact, and the search's margin is checked by shifting zb-h1's
+    # makespan within and beyond it.
+    import dataclasses
+
     from dynapipe.batching.types import MicroBatch
     from dynapipe.cost.profile import ProfileCostModel
 
     grid_mbs, grid_s = [1, 2, 4], [64, 128, 256]
     table = lambda v: [[v * b * s / 64 for s in grid_s] for b in grid_mbs]  # noqa: E731
-    layer = {"fw_ms": table(0.7930337), "bw_ms": table(1.25309425), "stored_mib": table(1.0),
-             "peak_mib": table(0.5), "bw_weight_ms": table(0.1455144)}
-    ends = {k: table(0.01) for k in ("fw_ms", "bw_ms", "stored_mib", "peak_mib")}
+    layer = {"fw_ms": table(0.75), "bw_ms": table(1.25), "stored_mib": table(1.0), "peak_mib": table(0.5),
+             "bw_weight_ms": table(0.5)}
+    ends = {k: table(0.125) for k in ("fw_ms", "bw_ms", "stored_mib", "peak_mib")}
     cm = ProfileCostModel(TINY, {"format": "dynapipe-profile", "version": 1, "device": "cpu", "dtype": "fp32",
                                  "mbs": grid_mbs, "seqlen": grid_s,
                                  "ops": {"layer": layer, "embedding": ends, "output": ends}}, num_stages=1)
-    lengths = np.random.default_rng(11).integers(64, 256, 11)
+    lengths = np.random.default_rng(11).choice(grid_s, 11)
     reps = [[MicroBatch(samples=[i], seqlen=int(s), rows=[[i]]) for i, s in enumerate(lengths)]]
-    auto = search_schedules(reps, cm, schedule="auto", recompute="none", explain=True)
-    fastest = {n: min(c.makespan_ms for c in auto.candidates if c.schedule == n) for n in ("1f1b", "zb-h1")}
-    assert fastest["zb-h1"] < fastest["1f1b"] and fastest["zb-h1"] == pytest.approx(fastest["1f1b"], rel=1e-12)
+
+    def search():
+        auto = search_schedules(reps, cm, schedule="auto", recompute="none", explain=True)
+        return auto, {n: min(c.makespan_ms for c in auto.candidates if c.schedule == n) for n in ("1f1b", "zb-h1")}
+
+    auto, fastest = search()
+    # The one stage's work, all of it on the critical path: TINY's 4 layers, the embedding and
+    # the output layer, each priced in proportion to a micro-batch's length.
+    assert TINY.num_layers == 4
+    assert fastest["zb-h1"] == fastest["1f1b"] == (4 * (0.75 + 1.25) + 2 * (0.125 + 0.125)) * sum(lengths) / 64
     assert auto.best.schedule == "1f1b" and not auto.schedules[0].split_backward
-    # A real gain still wins: more than the margin.
+    simulate_one = search_mod._simulate
+    for gain, kept in ((1e-12, "1f1b"), (1e-6, "zb-h1")):
+        def shifted(space, name, *args, _gain=gain, **kwargs):
+            cand, runs = simulate_one(space, name, *args, **kwargs)
+            if name == "zb-h1":
+                cand = dataclasses.replace(cand, makespan_ms=cand.makespan_ms * (1 - _gain))
+            return cand, runs
+
+        monkeypatch.setattr(search_mod, "_simulate", shifted)
+        auto, fastest = search()
+        assert fastest["zb-h1"] < fastest["1f1b"]
+        # Rounding's size is a tie (the candidate searched first, 1F1B, stays); a real gain wins.
+        assert auto.best.schedule == kept and auto.schedules[0].split_backward == (kept == "zb-h1"), gain
     assert search_mod.faster(100.0, 100.0 + 1e-6) and not search_mod.faster(100.0, 100.0 + 1e-9)
 
 

@@ -67,8 +67,8 @@ def micro_batch_groups(num_stages: int, num_micro_batches: int, spread: bool = T
     """Sizes of the micro-batch groups that pass through the chunks together: with
     ``spread`` (the default) the remainder of ``M / P`` spread over the groups (sizes ``P``
     to ``2P - 1``), else ``P`` each and a smaller last group (Megatron's), which drains and
-    refills the pipeline once more (uniform 8 ranks x 2 chunks, 17 micro-batches: 150
-    slots against 123)."""
+    refills the pipeline once more (uniform 8 ranks x 2 chunks, 17 micro-batches, forwards of
+    1 ms and backwards of 2 ms: 150 ms against 123)."""
     P, M = num_stages, num_micro_batches
     if M <= P:
         return (M,) if M else ()
