@@ -23,6 +23,8 @@ of ``--device`` and the links of ``--cluster`` (see :mod:`dynapipe.method_compar
 Encoder-decoder cases run every method on the stage placement the planner chooses on
 other batches of the mixture, contiguous or interleaved, whichever DynaPipe's simulation
 of those batches finds faster (:func:`dynapipe.schedule.placement.choose_placement_kind`);
+each baseline also runs on the placement chosen the same way for its own micro-batches (its
+batching at its tuned size) and keeps the faster of the two (``placement`` in its row);
 ``dynapipe-even-split`` is DynaPipe on Megatron's even split, the before. Cases with
 chunks run every method on Megatron's interleaved split (GPT's
 ``--num-virtual-stages-per-pipeline-rank``); ``dynapipe-one-chunk`` is DynaPipe without them.
@@ -58,10 +60,11 @@ from dynapipe.advise import trained_model  # noqa: E402
 from dynapipe.cost import build_cost_model  # noqa: E402
 from dynapipe.cost.compute_floor import floor_over_batches, shapes_compute_ms  # noqa: E402
 from dynapipe.errors import DynaPipeError  # noqa: E402
-from dynapipe.method_compare import (BatchesResult, compare_over_batches, global_batch_of_tokens,  # noqa: E402
+from dynapipe.method_compare import (METHOD_SPECS, SIZED_METHODS, BatchesResult,  # noqa: E402
+                                     compare_over_batches, global_batch_of_tokens,
                                      plan_shapes)
 from dynapipe.pipeline_planner import plan_iteration  # noqa: E402
-from dynapipe.schedule.placement import choose_placement_kind  # noqa: E402
+from dynapipe.schedule.placement import Cut, choose_placement_kind  # noqa: E402
 from dynapipe.cost.chunked_placement import even_chunked_placement  # noqa: E402
 from dynapipe.argparsing import StrictArgumentParser, print_error  # noqa: E402
 from dynapipe.output_paths import check_distinct, check_output_file, write_output  # noqa: E402
@@ -136,6 +139,15 @@ def mean_compute_ms(batches, cost, method: str, micro_batch_size, encdec: bool, 
     return total / len(batches)
 
 
+def own_placement(sample, even_cost, method: str, tuned: BatchesResult, case: Case, cluster, kwargs):
+    """The placement (a :class:`~dynapipe.schedule.placement.PlacementPlan`) chosen for
+    ``method``'s own micro-batches of ``sample``: its batching at the size it was tuned to on
+    DynaPipe's placement, contiguous or interleaved as its simulation finds faster."""
+    cut = Cut(METHOD_SPECS[method][0], tuned.micro_batch_size or 1)
+    return choose_placement_kind(sample, even_cost, dp=case.dp, seq_length=case.seq_length, zero=case.zero,
+                                 cluster=cluster, split_backward=kwargs["split_backward"], cut=cut)
+
+
 def run_case(case: Case, args) -> dict:
     """Every method on the case's batches; the JSON record of the case."""
     # The vocabulary as Megatron-LM trains it at the case's TP size (padded to 128 x TP), as
@@ -153,7 +165,7 @@ def run_case(case: Case, args) -> dict:
                             f"{case.dp * case.seq_length} or more.")
     kwargs = dict(dp=case.dp, seq_length=case.seq_length, cluster=cluster, zero=case.zero, tp=case.tp,
                   split_backward=not args.no_split_backward)
-    placement = None
+    placement, sample = None, None
     if model.is_encoder_decoder:
         # Layers per stage chosen on batches drawn apart from the measured ones (other seeds),
         # then used by every method; DynaPipe on the even split is kept as the before.
@@ -170,8 +182,17 @@ def run_case(case: Case, args) -> dict:
     # Compile the simulator kernels and fill caches outside the timed planning.
     plan_iteration(batches[0], cost, **kwargs)
     results: dict[str, BatchesResult] = {}
+    priced_by: dict[str, object] = {}  # the cost model (placement) each method ran on, when not `cost`'s
+    own_placements: dict[str, str] = {}
     for method in args.methods:
         results[method] = compare_over_batches(batches, method, cost, **kwargs)
+        if placement is not None and method in SIZED_METHODS:
+            # A split chosen for DynaPipe's micro-batches need not suit a baseline's.
+            own = own_placement(sample, even_cost, method, results[method], case, cluster, kwargs)
+            own_result = compare_over_batches(batches, method, own.cost_model, **kwargs)
+            if own_result.real_tokens_per_s > results[method].real_tokens_per_s:
+                results[method], priced_by[method] = own_result, own.cost_model
+                own_placements[method] = str(own.chosen.placement)
     ref = results.get("packing")
     ref_per_sample = results.get("packing-per-sample")
     ref_search = results.get("packing-search")
@@ -190,8 +211,11 @@ def run_case(case: Case, args) -> dict:
         if ref_search is not None:
             row["vs_packing_search"] = round(res.real_tokens_per_s / ref_search.real_tokens_per_s, 3)
         method = "dynapipe" if name == before else name
+        if placement is not None:
+            row["placement"] = own_placements.get(name, str(placement.chosen.placement) if name != before
+                                                  else str(even_cost.placement))
         if method in ("dynapipe", "dynapipe-per-sample", "packing", "packing-per-sample", "padding", "padding-mb"):
-            priced = even_cost if name == before else cost
+            priced = even_cost if name == before else priced_by.get(name, cost)
             if id(priced) not in floors:
                 floors[id(priced)] = floor_over_batches(priced, batches)
             row["compute_over_floor"] = round(mean_compute_ms(

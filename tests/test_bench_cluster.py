@@ -88,6 +88,14 @@ def test_encoder_decoder_case_runs_on_its_planned_placement(tmp_path):
         assert (chosen.get("chunks", 1) == 2) == (cmp["interleaved_ms"] < cmp["contiguous_ms"])
         if chosen.get("chunks"):
             assert case["methods"]["dynapipe"]["schedule"][0] in CHUNKED_SCHEDULE_NAMES
+        # Each row says the split it ran: DynaPipe's choice, Megatron's even split for the before,
+        # and for packing the faster of DynaPipe's and the one chosen for its own micro-batches.
+        ran = {name: row["placement"] for name, row in case["methods"].items()}
+        half = case["stages"] // 2
+        assert ran["dynapipe-even-split"] == ",".join([f"{24 // half}+0"] * half + [f"0+{24 // half}"] * half)
+        for split in ran.values():
+            layers = [tuple(map(int, stage.split("+"))) for chunk in split.split("|") for stage in chunk.split(",")]
+            assert sum(e for e, _ in layers) == sum(d for _, d in layers) == 24, split
     bad = subprocess.run([sys.executable, SCRIPT, "--case", "no-such-case", "--output", str(tmp_path / "x.json")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "matches no case" in bad.stderr and "t5-11b" in bad.stderr
