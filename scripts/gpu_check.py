@@ -19,7 +19,8 @@ On one CUDA device, in about 5 minutes (the first run, on an H200: 263 s), it
    keeps what finished) and ``DIR/gpu_check.md``: real tokens/s and the ratios against the best
    of each baseline, per-iteration losses (equal across methods up to bf16 rounding), and per
    recompute level the measured activation peak (allocator peak above the model states)
-   against the peak the plan promised.
+   against the peak the plan promised, and every run's caching-allocator maxima (max allocated
+   and max reserved, MiB: the cache, fragmentation included, is the difference).
 
 A phase that fails is recorded with its error and the others still run; the exit status is 1
 then. Without CUDA it stops at once with one line (exit status 2).
