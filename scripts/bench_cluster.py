@@ -142,10 +142,13 @@ def mean_compute_ms(batches, cost, method: str, micro_batch_size, encdec: bool, 
 def own_placement(sample, even_cost, method: str, tuned: BatchesResult, case: Case, cluster, kwargs):
     """The placement (a :class:`~dynapipe.schedule.placement.PlacementPlan`) chosen for
     ``method``'s own micro-batches of ``sample``: its batching at the size it was tuned to on
-    DynaPipe's placement, contiguous or interleaved as its simulation finds faster."""
-    cut = Cut(METHOD_SPECS[method][0], tuned.micro_batch_size or 1)
+    DynaPipe's placement, contiguous or interleaved as its simulation under its own schedule
+    (1F1B for the fixed-shape baselines) finds faster."""
+    batching, schedule, _ = METHOD_SPECS[method]
+    cut = Cut(batching, tuned.micro_batch_size or 1)
     return choose_placement_kind(sample, even_cost, dp=case.dp, seq_length=case.seq_length, zero=case.zero,
-                                 cluster=cluster, split_backward=kwargs["split_backward"], cut=cut)
+                                 cluster=cluster, split_backward=kwargs["split_backward"], cut=cut,
+                                 schedule=schedule)
 
 
 def run_case(case: Case, args) -> dict:
@@ -184,12 +187,19 @@ def run_case(case: Case, args) -> dict:
     results: dict[str, BatchesResult] = {}
     priced_by: dict[str, object] = {}  # the cost model (placement) each method ran on, when not `cost`'s
     own_placements: dict[str, str] = {}
+    tried: dict[str, dict] = {}  # a baseline's real tokens/s on each split it ran on
     for method in args.methods:
         results[method] = compare_over_batches(batches, method, cost, **kwargs)
         if placement is not None and method in SIZED_METHODS:
             # A split chosen for DynaPipe's micro-batches need not suit a baseline's.
-            own = own_placement(sample, even_cost, method, results[method], case, cluster, kwargs)
-            own_result = compare_over_batches(batches, method, own.cost_model, **kwargs)
+            tried[method] = {str(placement.chosen.placement): round(results[method].real_tokens_per_s, 1)}
+            try:
+                own = own_placement(sample, even_cost, method, results[method], case, cluster, kwargs)
+                own_result = compare_over_batches(batches, method, own.cost_model, **kwargs)
+            except DynaPipeError as e:  # nothing fits on its own split: it keeps DynaPipe's
+                tried[method]["own split"] = str(e)
+                continue
+            tried[method][str(own.chosen.placement)] = round(own_result.real_tokens_per_s, 1)
             if own_result.real_tokens_per_s > results[method].real_tokens_per_s:
                 results[method], priced_by[method] = own_result, own.cost_model
                 own_placements[method] = str(own.chosen.placement)
@@ -214,6 +224,8 @@ def run_case(case: Case, args) -> dict:
         if placement is not None:
             row["placement"] = own_placements.get(name, str(placement.chosen.placement) if name != before
                                                   else str(even_cost.placement))
+            if name in tried:
+                row["splits_tried"] = tried[name]
         if method in ("dynapipe", "dynapipe-per-sample", "packing", "packing-per-sample", "padding", "padding-mb"):
             priced = even_cost if name == before else priced_by.get(name, cost)
             if id(priced) not in floors:

@@ -91,7 +91,14 @@ def test_encoder_decoder_case_runs_on_its_planned_placement(tmp_path):
         # Each row says the split it ran: DynaPipe's choice, Megatron's even split for the before,
         # and for packing the faster of DynaPipe's and the one chosen for its own micro-batches.
         ran = {name: row["placement"] for name, row in case["methods"].items()}
+        assert ran["dynapipe"] == cmp["interleaved" if chosen.get("chunks") else "contiguous"]
         half = case["stages"] // 2
+        # Packing ran on DynaPipe's split and on its own, and kept the faster.
+        tried = case["methods"]["packing"]["splits_tried"]
+        assert ran["dynapipe"] in tried and 1 <= len(tried) <= 2
+        best = max((v, k) for k, v in tried.items() if isinstance(v, float))
+        assert ran["packing"] == best[1]
+        assert case["methods"]["packing"]["real_tokens_per_s"] == pytest.approx(best[0], abs=0.1)
         assert ran["dynapipe-even-split"] == ",".join([f"{24 // half}+0"] * half + [f"0+{24 // half}"] * half)
         for split in ran.values():
             layers = [tuple(map(int, stage.split("+"))) for chunk in split.split("|") for stage in chunk.split(",")]
