@@ -142,12 +142,15 @@ def format_log_line(iteration: int, train_iters: int, consumed_samples: int, sta
 
 
 def memory_report_line(rank: int, iteration: int, memory_mib: dict) -> str:
-    """Megatron-LM's GPU memory report (its ``report_memory``), which it prints once, after the
-    first logging interval, on every rank of the first data-parallel replica: ``memory_mib`` as
+    """Megatron-LM's GPU memory report (its ``report_memory``), which it prints after the first
+    logging interval (and the next, when the first ended at the run's first iteration) on every
+    rank of the first data-parallel replica: ``memory_mib`` as
     :func:`dynapipe.runtime.activation_meter.cuda_memory_mib` gives it (MiB, Megatron's "MB")."""
     m = memory_mib
-    return (f"[Rank {rank}] (after {iteration} iterations) memory (MB) | allocated: {m['allocated']} | "
+    line = (f"[Rank {rank}] (after {iteration} iterations) memory (MB) | allocated: {m['allocated']} | "
             f"max allocated: {m['max_allocated']} | reserved: {m['reserved']} | max reserved: {m['max_reserved']}")
+    # Megatron-LM adds the device's own count where torch can read it.
+    return line if m.get("device_usage") is None else f"{line} | device usage: {m['device_usage']}"
 
 
 class TrainingLogger:

@@ -164,8 +164,10 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
             if line is not None:
                 run.log_lines.append(line)
                 if not memory_reported:
-                    # Megatron-LM's report_memory: once, after the first interval, from the first replica.
-                    memory_reported = True
+                    # Megatron-LM's report_memory, from the first replica: after the first interval,
+                    # and the next when that one ended at the run's first iteration (whose optimizer
+                    # step allocates the optimizer's states).
+                    memory_reported = iteration + 1 > run.start_iteration + 1
                     if info.dp_rank == 0:
                         write_line(stream, memory_report_line(info.rank, iteration + 1, cuda_memory_mib(info.device)))
             if on_iteration is not None:

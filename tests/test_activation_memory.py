@@ -124,3 +124,46 @@ def test_bench_and_log_line_report_measured_against_planned():
     # After a skipped (fp16 overflow) step there is no gradient norm: Megatron-LM leaves it out.
     stats.add(StepResult(loss=1.0, loss_tokens=1, real_tokens=1, padded_tokens=1, iteration_ms=1.0, skipped=True))
     assert "grad norm" not in format_log_line(2, 2, 2, stats, 1.0, 1e-3, 1)
+
+
+def test_cuda_maxima_survive_the_per_iteration_resets(monkeypatch):
+    # CudaPeak resets torch's peak statistics every iteration to measure that iteration's
+    # activations; the run's maxima (Megatron-LM's memory report) must outlive those resets.
+    # The allocator's statistics are stood in for here: this machine has no CUDA.
+    import torch
+
+    from dynapipe.runtime import activation_meter as am
+
+    mib = 1 << 20
+    state = {"allocated": 0, "peak": 0, "reserved": 0, "reserved_peak": 0}
+
+    def use(allocated_mib, reserved_mib):
+        state["allocated"], state["reserved"] = allocated_mib * mib, reserved_mib * mib
+        state["peak"] = max(state["peak"], state["allocated"])
+        state["reserved_peak"] = max(state["reserved_peak"], state["reserved"])
+
+    def reset(*_):
+        state["peak"], state["reserved_peak"] = state["allocated"], state["reserved"]
+
+    def no_nvml(*_):
+        raise RuntimeError("pynvml module not found")
+
+    for name, fn in {"synchronize": lambda *_: None, "reset_peak_memory_stats": reset,
+                     "memory_allocated": lambda *_: state["allocated"], "max_memory_allocated": lambda *_: state["peak"],
+                     "memory_reserved": lambda *_: state["reserved"],
+                     "max_memory_reserved": lambda *_: state["reserved_peak"], "device_memory_used": no_nvml}.items():
+        monkeypatch.setattr(torch.cuda, name, fn, raising=False)
+    device = torch.device("cuda", 0)
+    use(100, 128)  # model states
+    am.reset_cuda_peaks(device)
+    use(900, 1024)  # the first iteration's forward-backward peak, then freed
+    use(300, 1024)
+    peak = am.CudaPeak(device)  # the second iteration resets the peaks
+    use(500, 1024)
+    use(300, 1024)
+    assert peak.peak_mib() == 200  # this iteration's activations: 500 over the 300 at its start
+    m = am.cuda_memory_mib(device)
+    assert (m["allocated"], m["max_allocated"], m["reserved"], m["max_reserved"]) == (300, 900, 1024, 1024)
+    assert m["device_usage"] is None  # left out where torch cannot read it
+    am.reset_cuda_peaks(device)  # a new run counts afresh
+    assert am.cuda_memory_mib(device)["max_allocated"] == 300

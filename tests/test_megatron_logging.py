@@ -76,3 +76,7 @@ def test_memory_report_line_is_megatrons():
                           r"max allocated: ([\d.]+) \| reserved: ([\d.]+) \| max reserved: ([\d.]+)", line)
     assert fields is not None, line
     assert [float(v) for v in fields.groups()] == [3, 10, 1024.5, 3072.25, 4096.0, 5120.0]
+    # The device's own count, as Megatron-LM appends it where torch can read it.
+    line = memory_report_line(0, 2, {"allocated": 1.0, "max_allocated": 2.0, "reserved": 4.0, "max_reserved": 4.0,
+                                     "device_usage": 4600.5})
+    assert line.endswith("| max reserved: 4.0 | device usage: 4600.5"), line

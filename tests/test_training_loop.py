@@ -39,3 +39,48 @@ def test_a_failure_survives_a_cleanup_that_fails_too():
         run_iterations(parts, TrainingRun(), out)
     assert stepper.closed == 1
     assert "closing the stepper after the failure failed too: OSError: No space left" in out.getvalue()
+
+
+class SteadyStepper:
+    """Steps that succeed: a fixed loss and batch."""
+
+    def step(self, iteration):
+        from megatron_integration.baseline_step import StepResult
+
+        return StepResult(loss=2.0, loss_tokens=100, real_tokens=100, padded_tokens=120, iteration_ms=5.0,
+                          consumed_samples=8 * (iteration + 1))
+
+    def close(self):
+        pass
+
+
+class ConstantScaleOptimizer:
+    param_groups = [{"lr": 1e-3}]
+
+    def get_loss_scale(self):
+        return 1.0
+
+
+@pytest.mark.parametrize("device, dp_rank, interval, reports", [
+    ("cuda", 0, 1, [1, 2]),  # the first interval ends at the first iteration: the second reports too
+    ("cuda", 0, 2, [2]),
+    ("cuda", 1, 1, []),      # only the first replica reports, as Megatron-LM's report_memory
+    ("cpu", 0, 1, []),       # no allocator to report
+])
+def test_the_gpu_memory_report_comes_where_megatron_prints_it(monkeypatch, device, dp_rank, interval, reports):
+    import megatron_integration.training_loop as loop
+
+    memory = {"allocated": 10.0, "max_allocated": 30.0, "reserved": 40.0, "max_reserved": 40.0, "device_usage": None}
+    monkeypatch.setattr(loop, "cuda_memory_mib", lambda dev: memory)
+    monkeypatch.setattr(loop, "reset_cuda_peaks", lambda dev: None)
+    cfg = parse_training_args((BASE + f" --log-interval {interval}").split(), 2, cuda=False)
+    info = RankInfo(rank=dp_rank, world_size=2, pp_rank=0, pp_size=1, dp_rank=dp_rank, dp_size=2, tp_rank=0,
+                    tp_size=1, device=torch.device(device))
+    out = io.StringIO()
+    parts = LoopParts(cfg=cfg, info=info, optimizer=ConstantScaleOptimizer(), stepper=SteadyStepper(),
+                      save=lambda *a: None, make_evaluator=lambda: None, started_s=time.time())
+    run = run_iterations(parts, TrainingRun(), out)
+    lines = [line for line in out.getvalue().splitlines() if "memory (MB)" in line]
+    assert lines == [f"[Rank {dp_rank}] (after {i} iterations) memory (MB) | allocated: 10.0 | max allocated: 30.0 | "
+                     f"reserved: 40.0 | max reserved: 40.0" for i in reports]
+    assert run.cuda_memory_mib == (memory if device == "cuda" else None)

@@ -154,13 +154,25 @@ def cuda_memory_mib(device: torch.device) -> dict:
     """The caching allocator's ``allocated``, ``max_allocated``, ``reserved`` and ``max_reserved``
     memory on ``device`` (MiB), as Megatron-LM's memory report reads them: maxima since the last
     :func:`reset_cuda_peaks`, across :class:`CudaPeak`'s per-iteration resets. ``reserved`` above
-    ``allocated`` is the allocator's cache (fragmentation under variable shapes included)."""
+    ``allocated`` is the allocator's cache (fragmentation under variable shapes included).
+    ``device_usage``: the device's own count (MiB), None where torch cannot read it."""
     torch.cuda.synchronize(device)
     _fold_cuda_peaks(device)
     return {"allocated": torch.cuda.memory_allocated(device) / MIB,
             "max_allocated": _run_peak_bytes["allocated"] / MIB,
             "reserved": torch.cuda.memory_reserved(device) / MIB,
-            "max_reserved": _run_peak_bytes["reserved"] / MIB}
+            "max_reserved": _run_peak_bytes["reserved"] / MIB,
+            "device_usage": _device_usage_mib(device)}
+
+
+def _device_usage_mib(device: torch.device) -> Optional[float]:
+    """The device's own count of its used memory (MiB; every process's, the CUDA context
+    included), which Megatron-LM's report adds where torch can read it; None where it cannot
+    (torch reads it through NVML, an optional package)."""
+    try:
+        return torch.cuda.device_memory_used(device) / MIB
+    except Exception:  # noqa: BLE001 - no NVML, or a torch without the call: the field is left out
+        return None
 
 
 class CudaPeak:
