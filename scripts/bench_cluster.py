@@ -24,7 +24,8 @@ Encoder-decoder cases run every method on the stage placement the planner choose
 other batches of the mixture, contiguous or interleaved, whichever DynaPipe's simulation
 of those batches finds faster (:func:`dynapipe.schedule.placement.choose_placement_kind`);
 each baseline also runs on the placement chosen the same way for its own micro-batches (its
-batching at its tuned size) and keeps the faster of the two (``placement`` in its row);
+batching at its tuned size, under its own schedule) and keeps the faster of the two
+(``placement`` and ``splits_tried`` in its row);
 ``dynapipe-even-split`` is DynaPipe on Megatron's even split, the before. Cases with
 chunks run every method on Megatron's interleaved split (GPT's
 ``--num-virtual-stages-per-pipeline-rank``); ``dynapipe-one-chunk`` is DynaPipe without them.
