@@ -32,7 +32,8 @@ from dynapipe.cost.chunked_placement import even_chunked_placement
 from dynapipe.cost.dp_sync import dp_sync_ms
 from dynapipe.cost.placement import StagePlacement
 from dynapipe.errors import DynaPipeError, whole_number
-from dynapipe.method_compare import BatchesResult, compare_over_batches
+from dynapipe.method_compare import METHOD_SPECS, BatchesResult, compare_over_batches
+from dynapipe.schedule.placement import DYNAPIPE_CUT, Cut
 
 #: The packings :func:`advise` compares with: per-sample attention under 1F1B (the default),
 #: masked rows under 1F1B, or per-sample attention given DynaPipe's schedule search (the strongest).
@@ -84,6 +85,8 @@ class LayoutResult:
     #: Layers per stage when not Megatron's even split (encoder-decoder models: the planned
     #: placement, as ``--dynapipe-placement`` writes it).
     placement: Optional[str] = None
+    #: Packing's, when it ran faster on the placement chosen for its own micro-batches.
+    packing_placement: Optional[str] = None
 
     @property
     def real_tokens_per_s(self) -> float:
@@ -113,7 +116,8 @@ class LayoutResult:
             p = self.packing.summary()
             out["packing"] = {"method": self.packing.method, "micro_batch_size": p["micro_batch_size"],
                               "real_tokens_per_s": p["real_tokens_per_s"],
-                              "iteration_ms": p["iteration_ms"], "recompute": p["recompute"]}
+                              "iteration_ms": p["iteration_ms"], "recompute": p["recompute"],
+                              "placement": self.packing_placement or self.placement}
             out["speedup_vs_packing"] = round(self.speedup_vs_packing, 3)
         return out
 
@@ -271,8 +275,9 @@ def advise(batches: Sequence[np.ndarray], model: ModelConfig, device: DeviceConf
         # backward: no zero-bubble schedule for them.
         kw = dict(dp=layout.dp, seq_length=seq_length, memory_limit_mib=limit, reserved_mib=device.reserved_mib,
                   cluster=cluster, tp=layout.tp, zero=layout.zero, split_backward=not model.fused_attention)
-        placement = None
-        if plan_placement and model.is_encoder_decoder and layout.pp > 1:
+        placement, placed = None, plan_placement and model.is_encoder_decoder and layout.pp > 1
+        even_cm = cm
+        if placed:
             cm = _placed(batches, cm, kw)
             if cm.placement != StagePlacement.even(model, layout.pp):
                 placement = str(cm.placement)
@@ -285,17 +290,29 @@ def advise(batches: Sequence[np.ndarray], model: ModelConfig, device: DeviceConf
         if peak > capacity + 1e-6:
             refused.append((layout, f"simulated peak {peak:.0f} MiB exceeds the {capacity:.0f} MiB a GPU may use"))
             continue
-        pack = None
+        pack, pack_placement = None, None
         if compare_packing:
             try:
                 pack = compare_over_batches(batches, packing_method, cm, **kw)
             except DynaPipeError:
                 pack = None
+        if pack is not None and placed:
+            # A split chosen for DynaPipe's micro-batches need not suit packing's: it also runs
+            # on the one chosen for its own (its rows at its tuned size, its own schedule).
+            batching, schedule, _ = METHOD_SPECS[packing_method]
+            own_cm = _placed(batches, even_cm, kw, cut=Cut(batching, pack.micro_batch_size or 1), schedule=schedule)
+            try:
+                own = compare_over_batches(batches, packing_method, own_cm, **kw)
+            except DynaPipeError:
+                own = None
+            if own is not None and own.real_tokens_per_s > pack.real_tokens_per_s:
+                pack, pack_placement = own, str(own_cm.placement)
         # Layouts differ in the data-parallel step after the pipeline; both methods pay it.
         sync = dp_sync_ms(cm, dp=layout.dp, zero=layout.zero, cluster=cluster, tp=layout.tp)
         dyn = replace(dyn, step_ms=sync)
         pack = replace(pack, step_ms=sync) if pack is not None else None
-        results.append(LayoutResult(layout, dyn, pack, (time.perf_counter() - started) * 1e3, placement))
+        results.append(LayoutResult(layout, dyn, pack, (time.perf_counter() - started) * 1e3, placement,
+                                    pack_placement))
     if progress is not None:
         progress(len(layouts), len(layouts), None)
     # Fastest first; ties broken towards fewer pipeline stages, less TP, fewer chunks, then no sharding.
@@ -321,15 +338,16 @@ def leave_out_idle_replicas(layouts: Sequence[Layout],
     return kept, left_out
 
 
-def _placed(batches: Sequence[np.ndarray], cost_model, kw: dict):
-    """``cost_model`` on the placement DynaPipe's simulation of ``batches`` runs fastest
-    (:func:`~dynapipe.schedule.placement.choose_placement_kind`); the even split if none plans."""
+def _placed(batches: Sequence[np.ndarray], cost_model, kw: dict, cut: Cut = DYNAPIPE_CUT, schedule: str = "auto"):
+    """``cost_model`` on the placement the simulation of ``batches`` cut as ``cut`` (DynaPipe's by
+    default) under ``schedule`` runs fastest (:func:`~dynapipe.schedule.placement.choose_placement_kind`);
+    the input placement if none plans."""
     from dynapipe.schedule.placement import choose_placement_kind
 
     try:
         return choose_placement_kind(batches, cost_model, dp=kw["dp"], memory_limit_mib=kw["memory_limit_mib"],
                                      reserved_mib=kw["reserved_mib"], seq_length=kw["seq_length"], zero=kw["zero"],
-                                     cluster=kw["cluster"]).cost_model
+                                     cluster=kw["cluster"], cut=cut, schedule=schedule).cost_model
     except DynaPipeError:
         return cost_model
 

@@ -540,3 +540,41 @@ def test_the_run_config_names_a_device_and_cluster_file_by_path(tmp_path, capsys
     add_run_config_argument(parser)
     cfg = parse_training_args(with_run_config(parser, ["--run-config", "best.yaml"], 2), 2, cuda=False, parser=parser)
     assert load_device_config(cfg.dynapipe.device).memory_mib == 6000
+
+
+def test_encoder_decoder_packing_also_runs_on_its_own_split_and_keeps_the_faster(tmp_path, monkeypatch):
+    # A split chosen for DynaPipe's micro-batches need not suit packing's: packing also runs on
+    # the one chosen for its own rows, under its own schedule, and is compared at its faster.
+    import dynapipe.advise as advise_mod
+    from dynapipe.data.synthetic import DEFAULT_MIXTURE, load_mixture
+    from dynapipe.schedule.placement import Cut
+
+    path = tmp_path / "t5-3-3.yaml"
+    path.write_text("name: t5-3-3\narch: t5\nencoder_layers: 3\ndecoder_layers: 3\nhidden_size: 64\n"
+                    "num_attention_heads: 4\nffn_hidden_size: 256\nvocab_size: 512\nmax_seq_length: 1024\n"
+                    "dtype: fp32\n")
+    model, cpu, local = load_model_config(str(path)), load_device_config("cpu"), load_cluster_config("cpu-local")
+    batches = sample_batches(6000, 1, 0, 1024, encoder_decoder=True, mixture=load_mixture(DEFAULT_MIXTURE))
+    cuts, packings = [], []
+    placed, compare = advise_mod._placed, advise_mod.compare_over_batches
+
+    def recording_placed(batches, cost_model, kw, cut=advise_mod.DYNAPIPE_CUT, schedule="auto"):
+        cuts.append((cut, schedule))
+        return placed(batches, cost_model, kw, cut=cut, schedule=schedule)
+
+    def recording_compare(batches, method, cost_model, **kw):
+        result = compare(batches, method, cost_model, **kw)
+        if method == "packing-per-sample":
+            packings.append((str(cost_model.placement), result.real_tokens_per_s))
+        return result
+
+    monkeypatch.setattr(advise_mod, "_placed", recording_placed)
+    monkeypatch.setattr(advise_mod, "compare_over_batches", recording_compare)
+    best = advise(batches, model, cpu, 2, cluster=local, seq_length=1024, layouts=[Layout(1, 2, 1)]).best
+    assert cuts[0] == (advise_mod.DYNAPIPE_CUT, "auto")
+    assert cuts[1] == (Cut("packing-per-sample", best.packing.micro_batch_size), "1f1b")
+    assert len(packings) == 2 and packings[0][0] == best.placement
+    kept = max(packings, key=lambda p: p[1])
+    assert best.packing.real_tokens_per_s == kept[1]
+    assert best.to_json()["packing"]["placement"] == kept[0]
+    assert (best.packing_placement is None) == (kept is packings[0])

@@ -247,7 +247,9 @@ def run(args) -> int:
               f"{best.real_tokens_per_s / rival.packing.real_tokens_per_s:.2f}x it")
     if model.is_encoder_decoder:
         print("placements (layers per stage, encoder+decoder; | separates the chunks of an interleaved one): "
-              + "; ".join(f"{r.layout.label()}: {r.placement or 'even'}" for r in advice.results[:args.top]))
+              + "; ".join(f"{r.layout.label()}: {r.placement or 'even'}"
+                          + (f" (packing: {r.packing_placement})" if r.packing_placement else "")
+                          for r in advice.results[:args.top]))
     if advice.left_out:
         print(f"left out ({len(advice.left_out)}), {advice.left_out[0][1]}: "
               + ", ".join(l.label() for l, _ in advice.left_out))
