@@ -321,17 +321,24 @@ def test_tp_groups_stay_inside_a_node_and_t5_layouts_leave_out_the_distributed_o
     assert t5 and not any(l.zero for l in t5)
 
 
-def test_encoder_decoder_layouts_run_on_the_planned_placement_and_train_on_it(tmp_path):
-    from dynapipe.cli.advise_run_config import run_config_text
+def _tiny_t5_on_cpu(tmp_path):
+    """A 3 + 3-layer T5 priced on this CPU, its device, its links and one mixture batch of
+    6,000 tokens."""
     from dynapipe.data.synthetic import DEFAULT_MIXTURE, load_mixture
-    from dynapipe.schedule.placement import choose_placement_kind
 
     path = tmp_path / "t5-3-3.yaml"
     path.write_text("name: t5-3-3\narch: t5\nencoder_layers: 3\ndecoder_layers: 3\nhidden_size: 64\n"
                     "num_attention_heads: 4\nffn_hidden_size: 256\nvocab_size: 512\nmax_seq_length: 1024\n"
                     "dtype: fp32\n")
-    model, cpu, local = load_model_config(str(path)), load_device_config("cpu"), load_cluster_config("cpu-local")
     batches = sample_batches(6000, 1, 0, 1024, encoder_decoder=True, mixture=load_mixture(DEFAULT_MIXTURE))
+    return load_model_config(str(path)), load_device_config("cpu"), load_cluster_config("cpu-local"), batches
+
+
+def test_encoder_decoder_layouts_run_on_the_planned_placement_and_train_on_it(tmp_path):
+    from dynapipe.cli.advise_run_config import run_config_text
+    from dynapipe.schedule.placement import choose_placement_kind
+
+    model, cpu, local, batches = _tiny_t5_on_cpu(tmp_path)
     advice = advise(batches, model, cpu, 2, cluster=local, seq_length=1024, layouts=[Layout(1, 2, 1)],
                     compare_packing=False)
     best = advice.best
@@ -546,15 +553,9 @@ def test_encoder_decoder_packing_also_runs_on_its_own_split_and_keeps_the_faster
     # A split chosen for DynaPipe's micro-batches need not suit packing's: packing also runs on
     # the one chosen for its own rows, under its own schedule, and is compared at its faster.
     import dynapipe.advise as advise_mod
-    from dynapipe.data.synthetic import DEFAULT_MIXTURE, load_mixture
     from dynapipe.schedule.placement import Cut
 
-    path = tmp_path / "t5-3-3.yaml"
-    path.write_text("name: t5-3-3\narch: t5\nencoder_layers: 3\ndecoder_layers: 3\nhidden_size: 64\n"
-                    "num_attention_heads: 4\nffn_hidden_size: 256\nvocab_size: 512\nmax_seq_length: 1024\n"
-                    "dtype: fp32\n")
-    model, cpu, local = load_model_config(str(path)), load_device_config("cpu"), load_cluster_config("cpu-local")
-    batches = sample_batches(6000, 1, 0, 1024, encoder_decoder=True, mixture=load_mixture(DEFAULT_MIXTURE))
+    model, cpu, local, batches = _tiny_t5_on_cpu(tmp_path)
     cuts, packings = [], []
     placed, compare = advise_mod._placed, advise_mod.compare_over_batches
 
