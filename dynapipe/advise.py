@@ -32,7 +32,7 @@ from dynapipe.cost.chunked_placement import even_chunked_placement
 from dynapipe.cost.dp_sync import dp_sync_ms
 from dynapipe.cost.placement import StagePlacement
 from dynapipe.errors import DynaPipeError, whole_number
-from dynapipe.method_compare import METHOD_SPECS, BatchesResult, compare_over_batches
+from dynapipe.method_compare import BatchesResult, compare_over_batches, method_cut
 from dynapipe.schedule.placement import DYNAPIPE_CUT, Cut
 
 #: The packings :func:`advise` compares with: per-sample attention under 1F1B (the default),
@@ -299,8 +299,8 @@ def advise(batches: Sequence[np.ndarray], model: ModelConfig, device: DeviceConf
         if pack is not None and placed:
             # A split chosen for DynaPipe's micro-batches need not suit packing's: it also runs
             # on the one chosen for its own (its rows at its tuned size, its own schedule).
-            batching, schedule, _ = METHOD_SPECS[packing_method]
-            own_cm = _placed(batches, even_cm, kw, cut=Cut(batching, pack.micro_batch_size or 1), schedule=schedule)
+            cut, schedule = method_cut(packing_method, pack.micro_batch_size)
+            own_cm = _placed(batches, even_cm, kw, cut=cut, schedule=schedule)
             try:
                 own = compare_over_batches(batches, packing_method, own_cm, **kw)
             except DynaPipeError:

@@ -51,6 +51,16 @@ METHODS = tuple(METHOD_SPECS)
 SIZED_METHODS = ("packing", "packing-per-sample", "packing-search", "padding", "padding-mb")
 
 
+def method_cut(method: str, micro_batch_size: Optional[int] = None):
+    """``(cut, schedule)``: how ``method`` cuts global batches (a
+    :class:`~dynapipe.schedule.placement.Cut`, at ``micro_batch_size`` samples or rows, 1 when
+    None) and the schedule it runs, for choosing a stage placement on its own micro-batches."""
+    from dynapipe.schedule.placement import Cut
+
+    batching, schedule, _ = METHOD_SPECS[method]
+    return Cut(batching, micro_batch_size or 1), schedule
+
+
 def check_priceable(method: str, cost_model: CostModel) -> None:
     """Refuse a method whose micro-batches ``cost_model`` cannot price: per-sample rows'
     (``dynapipe-per-sample``, ``packing-per-sample``, ``packing-search``) need a model that prices attention

@@ -61,11 +61,10 @@ from dynapipe.advise import trained_model  # noqa: E402
 from dynapipe.cost import build_cost_model  # noqa: E402
 from dynapipe.cost.compute_floor import floor_over_batches, shapes_compute_ms  # noqa: E402
 from dynapipe.errors import DynaPipeError  # noqa: E402
-from dynapipe.method_compare import (METHOD_SPECS, SIZED_METHODS, BatchesResult,  # noqa: E402
-                                     compare_over_batches, global_batch_of_tokens,
-                                     plan_shapes)
+from dynapipe.method_compare import (SIZED_METHODS, BatchesResult, compare_over_batches,  # noqa: E402
+                                     global_batch_of_tokens, method_cut, plan_shapes)
 from dynapipe.pipeline_planner import plan_iteration  # noqa: E402
-from dynapipe.schedule.placement import Cut, choose_placement_kind  # noqa: E402
+from dynapipe.schedule.placement import choose_placement_kind  # noqa: E402
 from dynapipe.cost.chunked_placement import even_chunked_placement  # noqa: E402
 from dynapipe.argparsing import StrictArgumentParser, print_error  # noqa: E402
 from dynapipe.output_paths import check_distinct, check_output_file, write_output  # noqa: E402
@@ -145,8 +144,7 @@ def own_placement(sample, even_cost, method: str, tuned: BatchesResult, case: Ca
     ``method``'s own micro-batches of ``sample``: its batching at the size it was tuned to on
     DynaPipe's placement, contiguous or interleaved as its simulation under its own schedule
     (1F1B for the fixed-shape baselines) finds faster."""
-    batching, schedule, _ = METHOD_SPECS[method]
-    cut = Cut(batching, tuned.micro_batch_size or 1)
+    cut, schedule = method_cut(method, tuned.micro_batch_size)
     return choose_placement_kind(sample, even_cost, dp=case.dp, seq_length=case.seq_length, zero=case.zero,
                                  cluster=cluster, split_backward=kwargs["split_backward"], cut=cut,
                                  schedule=schedule)
