@@ -1,7 +1,8 @@
 """What a run prints at start and end, in the shape Megatron-LM prints it.
 
 * :func:`argument_dump`: every parsed argument, one per line, dotted to a column and sorted
-  case-insensitively, between Megatron's ``arguments`` rules (printed by rank 0).
+  case-insensitively, between Megatron's ``arguments`` rules (printed by rank 0; the values
+  validation derived filled in by :func:`resolved_args`, :func:`t5_resolved_args` for a T5).
 * :func:`parameter_count_line`: Megatron's per-stage count, printed by the first data-parallel
   rank of every (tensor, pipeline) coordinate, since only that stage knows its parameters.
 * :func:`training_summary_lines`: iterations, samples, tokens, time and throughput of the run,
@@ -39,6 +40,16 @@ def resolved_args(args: argparse.Namespace, cfg) -> argparse.Namespace:
                    world_size=cfg.parallel.world_size, data_parallel_size=cfg.parallel.data_parallel_size,
                    distributed_backend=cfg.parallel.backend)
     return argparse.Namespace(**{**vars(args), **derived})
+
+
+def t5_resolved_args(args: argparse.Namespace, cfg) -> argparse.Namespace:
+    """:func:`resolved_args` of a T5 run (``cfg``: a T5TrainingConfig), with the lengths and depths
+    under Megatron-LM's T5 names: ``num_layers`` and ``seq_length`` are the encoder's, as
+    Megatron-LM's validation makes them whichever of the two spellings was given."""
+    derived = dict(num_layers=cfg.encoder_layers, encoder_num_layers=cfg.encoder_layers,
+                   decoder_num_layers=cfg.decoder_layers, seq_length=cfg.encoder_seq_length,
+                   encoder_seq_length=cfg.encoder_seq_length, decoder_seq_length=cfg.decoder_seq_length)
+    return argparse.Namespace(**{**vars(resolved_args(args, cfg.base)), **derived})
 
 
 def write_line(stream, line: str) -> None:

@@ -21,57 +21,30 @@ if __package__ in (None, ""):
     # Run as a file from a source checkout: make the repository importable.
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dynapipe.errors import DynaPipeError  # noqa: E402
-
 
 def main(argv=None) -> int:
-    from megatron_integration.agreement import agreed_start, timeout_in_argv
     from megatron_integration.arguments import build_parser, training_config_from_args
     from megatron_integration.run_config import add_run_config_argument, with_run_config
+    from megatron_integration.run_report import resolved_args
+    from megatron_integration.script_main import run_training_script
 
-    started, failed = False, True
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(prog="pretrain_gpt.py", description=__doc__.split("\n\n")[0])
     add_run_config_argument(parser)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # torchrun's ranks per node; --dynapipe-planner-nodes is checked against the node count.
     num_nodes = max(world_size // max(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), 1), 1)
-    try:
-        def checked():
-            args = parser.parse_args(with_run_config(parser, argv, world_size))
-            return args, training_config_from_args(args, world_size, num_nodes=num_nodes)
 
-        # A rank whose checks fail (a file its node lacks) stops every rank with its line.
-        args, cfg = agreed_start(checked, lambda value: value[1].parallel.timeout_minutes, timeout_in_argv(argv))
-        if os.environ.get("RANK", "0") == "0":
-            from megatron_integration.run_report import argument_dump, resolved_args, write_line
+    def check():
+        args = parser.parse_args(with_run_config(parser, argv, world_size))
+        return args, training_config_from_args(args, world_size, num_nodes=num_nodes)
 
-            write_line(sys.stdout, "\n".join(argument_dump(resolved_args(args, cfg))))
-        # megatron-core is imported only now: a bad command line is reported before its notices.
-        from megatron_integration.initialize import quiet_megatron_warnings
-
-        quiet_megatron_warnings()
+    def train(cfg):
         from megatron_integration.training import pretrain
 
-        started = True
         pretrain(cfg)
-        failed = False
-    except (DynaPipeError, RuntimeError) as e:
-        from megatron_integration.agreement import exit_line
-        from megatron_integration.run_report import write_line
 
-        line = exit_line(e, started)
-        if line is None:
-            raise
-        # Every rank prints its line: each in one write, so two ranks' lines never merge.
-        write_line(sys.stderr, "error: " + line)
-        return 2
-    finally:
-        if started:
-            from megatron_integration.initialize import destroy
-
-            destroy(failed=failed)
-    return 0
+    return run_training_script(check, lambda cfg: cfg.parallel.timeout_minutes, argv, resolved_args, train)
 
 
 if __name__ == "__main__":

@@ -20,49 +20,28 @@ if __package__ in (None, ""):
     # Run as a file from a source checkout: make the repository importable.
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dynapipe.errors import DynaPipeError  # noqa: E402
-
 
 def main(argv=None) -> int:
-    from megatron_integration.agreement import agreed_start, timeout_in_argv
     from megatron_integration.run_config import add_run_config_argument, with_run_config
+    from megatron_integration.run_report import t5_resolved_args
+    from megatron_integration.script_main import run_training_script
     from megatron_integration.t5_arguments import build_t5_parser, t5_config_from_args
 
-    started, failed = False, True
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_t5_parser(prog="pretrain_t5.py", description=__doc__.split("\n\n")[0])
     add_run_config_argument(parser)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        # A rank whose checks fail (a file its node lacks) stops every rank with its line.
-        cfg = agreed_start(lambda: t5_config_from_args(parser.parse_args(with_run_config(parser, argv, world_size)),
-                                                       world_size),
-                           lambda value: value.base.parallel.timeout_minutes, timeout_in_argv(argv))
-        # megatron-core is imported only now: a bad command line is reported before its notices.
-        from megatron_integration.initialize import quiet_megatron_warnings
 
-        quiet_megatron_warnings()
+    def check():
+        args = parser.parse_args(with_run_config(parser, argv, world_size))
+        return args, t5_config_from_args(args, world_size)
+
+    def train(cfg):
         from megatron_integration.t5_training import pretrain_t5
 
-        started = True
         pretrain_t5(cfg)
-        failed = False
-    except (DynaPipeError, RuntimeError) as e:
-        from megatron_integration.agreement import exit_line
-        from megatron_integration.run_report import write_line
 
-        line = exit_line(e, started)
-        if line is None:
-            raise
-        # Every rank prints its line: each in one write, so two ranks' lines never merge.
-        write_line(sys.stderr, "error: " + line)
-        return 2
-    finally:
-        if started:
-            from megatron_integration.initialize import destroy
-
-            destroy(failed=failed)
-    return 0
+    return run_training_script(check, lambda cfg: cfg.base.parallel.timeout_minutes, argv, t5_resolved_args, train)
 
 
 if __name__ == "__main__":

@@ -300,7 +300,11 @@ def test_encoder_decoder_layouts_are_ones_t5_training_runs(tmp_path, capsys):
     assert "\n  num-layers:" not in config and "use-distributed-optimizer" not in config
     # No token budget: Megatron's T5 span-corruption data (--data-path) refuses one.
     assert "tokens-per-global-batch" not in config and "global-batch-size: " in config
-    assert re_loss(train_one_iteration("pretrain_t5.py", out))
+    stdout = train_one_iteration("pretrain_t5.py", out)
+    assert re_loss(stdout)
+    # Rank 0's argument block, once, with the depth as Megatron-LM resolves it.
+    assert stdout.count("------------------------ arguments ------------------------") == 1
+    assert "  num_layers ...................................... 2\n" in stdout
     # A run config for another job size is refused on every script, naming the launch it needs.
     result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "pretrain_t5.py"), "--run-config", str(out)],
                             capture_output=True, text=True, timeout=120, cwd=ROOT)

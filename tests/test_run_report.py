@@ -7,7 +7,7 @@ import pytest
 
 from dynapipe.progress import Progress, bars_wanted
 from megatron_integration.run_report import (argument_dump, parameter_count_line, resolved_args,
-                                             training_summary_lines)
+                                             t5_resolved_args, training_summary_lines)
 
 
 def test_argument_dump_is_megatrons_block():
@@ -113,6 +113,23 @@ def test_dump_shows_values_validation_derived():
     for name, value in (("ffn_hidden_size", 128), ("kv_channels", 16), ("padded_vocab_size", 50304),
                         ("train_iters", 10), ("data_parallel_size", 2), ("max_position_embeddings", 128)):
         assert f"  {name} {'.' * (48 - len(name))} {value}\n" in text + "\n", name
+
+
+def test_t5_dump_names_lengths_and_depths_as_megatron_lm_resolves_them():
+    """Whichever spelling was typed (--num-layers or --encoder-num-layers, --seq-length or
+    --encoder-seq-length), Megatron-LM's validation leaves both set to the encoder's."""
+    from megatron_integration.t5_arguments import build_t5_parser, t5_config_from_args
+
+    argv = ("--encoder-num-layers 3 --decoder-num-layers 1 --hidden-size 64 --num-attention-heads 4 "
+            "--seq-length 96 --decoder-seq-length 160 --micro-batch-size 2 --global-batch-size 8 --lr 1e-3 "
+            "--mock-data --train-iters 2 --vocab-size 512").split()
+    args = build_t5_parser().parse_args(argv)
+    assert args.num_layers is None and args.encoder_seq_length is None  # as typed
+    text = "\n".join(argument_dump(t5_resolved_args(args, t5_config_from_args(args, 1, cuda=False)))) + "\n"
+    for name, value in (("num_layers", 3), ("encoder_num_layers", 3), ("decoder_num_layers", 1),
+                        ("seq_length", 96), ("encoder_seq_length", 96), ("decoder_seq_length", 160),
+                        ("max_position_embeddings", 160), ("ffn_hidden_size", 256), ("kv_channels", 16)):
+        assert f"  {name} {'.' * (48 - len(name))} {value}\n" in text, name
 
 
 def test_interval_loss_is_megatrons_mean_of_the_steps_that_ran_and_the_clock_pauses():
