@@ -48,6 +48,7 @@ from megatron_integration.checkpoint import check_distributed_optimizer, check_p
 from megatron_integration.checkpoint_files import CHECKSUM_SUFFIX, verify_file
 from megatron_integration.initialize import RankInfo
 from megatron_integration.checkpoint_compat import check_optimizer_resharding, model_mismatch, scheduler_units
+from megatron_integration.megatron_resolved import megatron_resolved_args
 from megatron_integration.scheduler_state import align_schedule_bounds, load_scheduler_state
 
 CHECKPOINT_VERSION = 3.0
@@ -73,47 +74,11 @@ def megatron_args(recorded: dict, cfg, info: RankInfo, iteration: int, consumed_
     """The ``args`` Megatron-LM stores in a checkpoint: the run's parsed arguments under Megatron's
     names, with the values Megatron-LM derives (padded vocabulary, parallel sizes, consumed samples),
     which its ``load_checkpoint`` and ``check_checkpoint_args`` read."""
-    m, p = cfg.model, cfg.parallel
-    values = dict(recorded)
-    values.update(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
-        num_attention_heads=m.num_attention_heads, kv_channels=m.kv_channels, seq_length=m.seq_length,
-        max_position_embeddings=m.max_position_embeddings, padded_vocab_size=m.vocab_size,
-        position_embedding_type=m.position_embedding_type,
-        # Megatron-LM's meaning: on unless --no-position-embedding, whatever the position type
-        # (its check_checkpoint_args compares it with the resuming run's flag).
-        add_position_embedding=bool(values.get("add_position_embedding", True)),
-        add_bias_linear=m.add_bias_linear,
-        untie_embeddings_and_output_weights=not m.tie_embeddings, normalization=m.normalization,
-        # Megatron-LM's validate_args sets add_qkv_bias whenever the linear layers have biases.
-        qk_layernorm=m.qk_layernorm, add_qkv_bias=m.add_qkv_bias or m.add_bias_linear,
-        # Megatron-LM's validate_args drops the bias-GeLU fusion without biases.
-        bias_gelu_fusion=m.bias_gelu_fusion and m.add_bias_linear,
-        tensor_model_parallel_size=p.tensor_model_parallel_size,
-        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        data_parallel_size=p.data_parallel_size, world_size=p.world_size,
-        micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.global_batch_size,
-        train_iters=cfg.train_iters, iteration=iteration, consumed_train_samples=consumed_samples,
-        consumed_valid_samples=consumed_valid_samples(cfg, iteration), ckpt_format="torch_dist", use_dist_ckpt=True,
-        use_distributed_optimizer=cfg.optimizer.distributed, ckpt_fully_parallel_save=cfg.dist_ckpt.fully_parallel_save,
-        data_parallel_random_init=False, no_save_optim=False, no_save_rng=False)
-    # Megatron-LM's --no-*-fusion flags store False into the positive name, and it records the
-    # values its validate_args resolves (evaluation batches, backend, the rerun mode).
-    for negative, positive in (("no_masked_softmax_fusion", "masked_softmax_fusion"),
-                               ("no_bias_swiglu_fusion", "bias_swiglu_fusion"),
-                               ("no_bias_dropout_fusion", "bias_dropout_fusion"),
-                               ("no_gradient_accumulation_fusion", "gradient_accumulation_fusion"),
-                               ("no_rope_fusion", "apply_rope_fusion")):
-        if negative in values:
-            values[positive] = not values[negative]
-    if "norm_epsilon" in values:
-        values["layernorm_epsilon"] = values["norm_epsilon"]  # the name later Megatron-LM records it under
-    values.update(eval_iters=cfg.evaluation.eval_iters, distributed_backend=p.backend,
-                  rerun_mode=values.get("rerun_mode") or "disabled")
-    values.setdefault("make_vocab_size_divisible_by", 128)
-    values.setdefault("tokenizer_type", cfg.data.tokenizer_type)
-    values.setdefault("tokenizer_model", cfg.data.tokenizer_model)
-    values.setdefault("vocab_file", None)
+    values = megatron_resolved_args(recorded, cfg)
+    values.update(iteration=iteration, consumed_train_samples=consumed_samples,
+                  consumed_valid_samples=consumed_valid_samples(cfg, iteration), ckpt_format="torch_dist",
+                  ckpt_fully_parallel_save=cfg.dist_ckpt.fully_parallel_save, data_parallel_random_init=False,
+                  no_save_optim=False, no_save_rng=False)
     return argparse.Namespace(**values)
 
 

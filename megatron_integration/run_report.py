@@ -30,16 +30,13 @@ def argument_dump(args: argparse.Namespace, title: str = TITLE) -> list[str]:
 
 
 def resolved_args(args: argparse.Namespace, cfg) -> argparse.Namespace:
-    """``args`` with the values validation derived filled in, as Megatron-LM dumps them after
-    ``validate_args``: FFN width, per-head width, position limit, padded vocabulary, iterations
-    and schedule lengths, world and data-parallel sizes. ``cfg``: the run's DynaPipeTrainingConfig."""
-    m, o = cfg.model, cfg.optimizer
-    derived = dict(ffn_hidden_size=m.ffn_hidden_size, kv_channels=m.kv_channels,
-                   max_position_embeddings=m.max_position_embeddings, padded_vocab_size=m.vocab_size,
-                   train_iters=cfg.train_iters, lr_decay_iters=o.lr_decay_iters, lr_warmup_iters=o.lr_warmup_iters,
-                   world_size=cfg.parallel.world_size, data_parallel_size=cfg.parallel.data_parallel_size,
-                   distributed_backend=cfg.parallel.backend)
-    return argparse.Namespace(**{**vars(args), **derived})
+    """``args`` as Megatron-LM dumps them after ``validate_args``: under its names, with the values
+    it derives filled in (:func:`megatron_integration.megatron_resolved.megatron_resolved_args`).
+    ``cfg``: the run's DynaPipeTrainingConfig."""
+    from megatron_integration.megatron_resolved import dumped_names, megatron_resolved_args
+
+    plain = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    return argparse.Namespace(**dumped_names(megatron_resolved_args(plain, cfg)))
 
 
 def t5_resolved_args(args: argparse.Namespace, cfg) -> argparse.Namespace:

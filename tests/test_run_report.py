@@ -115,6 +115,32 @@ def test_dump_shows_values_validation_derived():
         assert f"  {name} {'.' * (48 - len(name))} {value}\n" in text + "\n", name
 
 
+def test_dump_holds_what_megatron_lms_validation_leaves_under_its_names():
+    from megatron_integration.arguments import build_parser, training_config_from_args
+    from megatron_integration.megatron_resolved import megatron_resolved_args
+
+    argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --micro-batch-size 2 "
+            "--global-batch-size 8 --lr 1e-3 --mock-data --train-iters 4 --vocab-size 512 --recompute-activations "
+            "--weight-decay 0.05 --no-bias-dropout-fusion --norm-epsilon 1e-6").split()
+    args = build_parser().parse_args(argv)
+    assert args.check_for_nan_in_loss_and_grad is None and args.eval_iters is None  # resolved by validation
+    dumped = vars(resolved_args(args, training_config_from_args(args, 1, cuda=False)))
+    expected = dict(recompute_granularity="selective", check_for_nan_in_loss_and_grad=True, eval_iters=100,
+                    rerun_mode="disabled", overlap_p2p_comm=False, encoder_num_layers=2, encoder_seq_length=128,
+                    start_weight_decay=0.05, end_weight_decay=0.05, add_bias_linear=True, add_qkv_bias=True,
+                    bias_dropout_fusion=False, masked_softmax_fusion=True, layernorm_epsilon=1e-6,
+                    use_dist_ckpt=True)
+    assert {k: dumped.get(k) for k in expected} == expected
+    # Megatron-LM deletes the shorthand and holds no negative spellings.
+    for gone in ("recompute_activations", "disable_bias_linear", "no_bias_dropout_fusion", "norm_epsilon"):
+        assert gone not in dumped, gone
+    # A lone --data-path without --split: Megatron-LM's legacy split.
+    cfg = training_config_from_args(args, 1, cuda=False)
+    assert megatron_resolved_args({"data_path": ["x"], "split": None}, cfg)["split"] == "969, 30, 1"
+    assert megatron_resolved_args({"data_path": ["x"], "split": "1,0,0"}, cfg)["split"] == "1,0,0"
+    assert megatron_resolved_args({"data_path": None, "split": None}, cfg)["split"] is None
+
+
 def test_t5_dump_names_lengths_and_depths_as_megatron_lm_resolves_them():
     """Whichever spelling was typed (--num-layers or --encoder-num-layers, --seq-length or
     --encoder-seq-length), Megatron-LM's validation leaves both set to the encoder's."""
