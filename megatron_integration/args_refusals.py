@@ -29,6 +29,15 @@ UNSUPPORTED_MEGATRON_FLAGS = {
                                          "position embedding is not built); drop it"),
     "--relative-attention-max-distance": ("T5 stages use learned absolute positions (megatron-core's relative "
                                           "position embedding is not built); drop it"),
+    # Megatron-LM's T5 flags, which pretrain_t5.py declares: refused by the GPT script, which
+    # has nothing to apply them to (Megatron-LM's GPT parses and ignores them).
+    "--decoder-num-layers": "a T5 flag (scripts/pretrain_t5.py reads it): a GPT has no decoder stack; drop it",
+    "--decoder-seq-length": "a T5 flag (scripts/pretrain_t5.py reads it): a GPT's length is --seq-length; drop it",
+    "--mask-prob": "a T5 span-corruption flag (scripts/pretrain_t5.py reads it): GPT data is not masked; drop it",
+    "--short-seq-prob": ("a T5 span-corruption flag (scripts/pretrain_t5.py reads it): GPT samples are whole "
+                         "documents; drop it"),
+    "--vocab-extra-ids": ("a T5 span-corruption flag (scripts/pretrain_t5.py reads it): GPT data has no sentinel "
+                          "tokens; drop it"),
     "--mid-level-dataset-surplus": ("GPT blends draw exact per-dataset counts (no surplus) and T5 span-corruption "
                                     "blends take megatron-core's default surplus (0.005); drop it"),
     "--fp16-lm-cross-entropy": "the loss is computed in fp32, as megatron-core does by default; drop it",

@@ -219,7 +219,7 @@ def test_a_checkpoint_padded_at_another_tp_size_names_the_divisor_that_loads_it(
                                   ["--dataloader-type", "cyclic"], ["--ddp-average-in-collective"],
                                   ["--relative-attention-num-buckets", "32"], ["--fp16-lm-cross-entropy"],
                                   ["--openai-gelu"], ["--use-precision-aware-optimizer"], ["--yaml-cfg", "a.yaml"],
-                                  ["--checkpoint-activations"], ["--sft"]])
+                                  ["--checkpoint-activations"], ["--sft"], ["--decoder-seq-length", "128"]])
 def test_unsupported_megatron_flag_is_one_line(argv, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(SystemExit) as e:
