@@ -8,14 +8,14 @@ reads. No torch import.
 """
 from __future__ import annotations
 
+from dynapipe.data.splits import MEGATRON_DEFAULT_SPLIT
+
 # This project's negative flags -> the positive name Megatron-LM stores them under (store_false).
 NEGATED = (("no_masked_softmax_fusion", "masked_softmax_fusion"),
            ("no_bias_swiglu_fusion", "bias_swiglu_fusion"),
            ("no_bias_dropout_fusion", "bias_dropout_fusion"),
            ("no_gradient_accumulation_fusion", "gradient_accumulation_fusion"),
            ("no_rope_fusion", "apply_rope_fusion"))
-# Megatron-LM's split of a lone --data-path when --split is not given.
-LEGACY_SPLIT = "969, 30, 1"
 
 
 def megatron_resolved_args(recorded: dict, cfg) -> dict:
@@ -60,7 +60,7 @@ def megatron_resolved_args(recorded: dict, cfg) -> dict:
     values.pop("recompute_activations", None)
     values["start_weight_decay"], values["end_weight_decay"] = o.weight_decay_range
     if values.get("split") is None and values.get("data_path"):
-        values["split"] = LEGACY_SPLIT
+        values["split"] = MEGATRON_DEFAULT_SPLIT  # Megatron-LM's legacy split of a lone --data-path
     for negative, positive in NEGATED:
         if negative in values:
             values[positive] = not values[negative]
@@ -82,3 +82,12 @@ def dumped_names(values: dict) -> dict:
     if "layernorm_epsilon" in values:
         gone.add("norm_epsilon")
     return {k: v for k, v in values.items() if k not in gone}
+
+
+def split_warning(args) -> str | None:
+    """Megatron-LM's warning when ``--data-path`` comes without ``--split`` (the legacy split then
+    holds out about 3% of the documents for validation and test), or None."""
+    if getattr(args, "data_path", None) and getattr(args, "split", None) is None:
+        return ("WARNING: Please specify --split when using --data-path. Using legacy default value of "
+                f'"{MEGATRON_DEFAULT_SPLIT}"')
+    return None

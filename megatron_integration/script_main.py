@@ -30,6 +30,7 @@ def run_training_script(check: Callable[[], tuple[argparse.Namespace, T]], timeo
     runs after it, whatever happens.
     """
     from megatron_integration.agreement import agreed_start, exit_line, timeout_in_argv
+    from megatron_integration.megatron_resolved import split_warning
     from megatron_integration.run_report import argument_dump, write_line
 
     started, failed = False, True
@@ -37,6 +38,9 @@ def run_training_script(check: Callable[[], tuple[argparse.Namespace, T]], timeo
         # A rank whose checks fail (a file its node lacks) stops every rank with its line.
         args, cfg = agreed_start(check, lambda value: timeout_minutes(value[1]), timeout_in_argv(argv))
         if os.environ.get("RANK", "0") == "0":
+            warning = split_warning(args)
+            if warning is not None:
+                write_line(sys.stderr, warning)
             write_line(sys.stdout, "\n".join(argument_dump(dumped(args, cfg))))
         # megatron-core is imported only now: a bad command line is reported before its notices.
         from megatron_integration.initialize import quiet_megatron_warnings

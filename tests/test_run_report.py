@@ -214,3 +214,36 @@ def test_a_rank_writes_each_line_in_one_call():
     out = Recording()
     write_line(out, " validation loss at iteration 2 | lm loss value: 1.0 |")
     assert out.calls == [" validation loss at iteration 2 | lm loss value: 1.0 |\n"]
+
+
+def test_training_script_wrapper_dumps_warns_and_turns_errors_into_one_line(capsys, monkeypatch):
+    from dynapipe.errors import DynaPipeError
+    from megatron_integration.arguments import build_parser, training_config_from_args
+    from megatron_integration.script_main import run_training_script
+
+    argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --micro-batch-size 2 "
+            "--global-batch-size 8 --lr 1e-3 --train-iters 4 --vocab-size 512 --data-path 1 a").split()
+    args = build_parser().parse_args(argv)
+    args.data_path = ["1", "a"]  # the file is never read: the config is built from the mock data's flags
+    cfg = training_config_from_args(build_parser().parse_args(argv[:-3] + ["--mock-data"]), 1, cuda=False)
+    import megatron_integration.initialize as initialize
+
+    trained, destroyed = [], []
+    # This process's own torch.distributed state (another test's) is not the wrapper's to tear down.
+    monkeypatch.setattr(initialize, "destroy", lambda failed: destroyed.append(failed))
+    monkeypatch.setenv("RANK", "0")
+    assert run_training_script(lambda: (args, cfg), lambda c: 1.0, argv, resolved_args, trained.append) == 0
+    out, err = capsys.readouterr()
+    assert trained == [cfg] and out.count("------------------------ arguments ------------------------") == 1
+    assert "  split ........................................... 969, 30, 1\n" in out
+    assert err == 'WARNING: Please specify --split when using --data-path. Using legacy default value of "969, 30, 1"\n'
+    # Another rank prints neither; a refused input is one line and exit status 2.
+    monkeypatch.setenv("RANK", "1")
+
+    def refuse(_):
+        raise DynaPipeError("--global-batch-size 7 is not a multiple of\n  4; use 8.")
+
+    assert run_training_script(lambda: (args, cfg), lambda c: 1.0, argv, resolved_args, refuse) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == "error: --global-batch-size 7 is not a multiple of 4; use 8.\n"
+    assert destroyed == [False, True]  # torn down after training either way, as a failure the second time
