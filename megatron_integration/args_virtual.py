@@ -39,13 +39,16 @@ def check_interleaved(args: argparse.Namespace, chunks: Optional[int], pp: int, 
         # Measured: over gloo, megatron-core's interleaved schedule gives other losses than its 1F1B
         # at 2 stages (both neighbours are one rank) and, overlapped, at 4 stages too (an
         # asynchronous send of a tensor the schedule frees right after).
+        # The stage count first: at 2 stages no flag mends it, and naming the overlap first sent
+        # users through two refusals.
+        if pp < 3:
+            raise DynaPipeError(f"{_flag(args)} at --pipeline-model-parallel-size {pp} over gloo: megatron-core's "
+                                f"interleaved schedule needs 3 or more stages there, with "
+                                f"--no-overlap-p2p-communication (--use-dynapipe runs 2).")
         if args.overlap_p2p_comm:
             raise DynaPipeError(f"{_flag(args)} over gloo: megatron-core's interleaved schedule overlaps its "
                                 f"transfers by default, and its overlapped sends are not safe on gloo; add "
                                 f"--no-overlap-p2p-communication (or --use-dynapipe).")
-        if pp < 3:
-            raise DynaPipeError(f"{_flag(args)} at --pipeline-model-parallel-size {pp} over gloo: megatron-core's "
-                                f"interleaved schedule needs 3 or more stages there (--use-dynapipe runs 2).")
     elif pp == 2 and method != "dynapipe" and not args.overlap_p2p_comm:
         raise DynaPipeError(f"{_flag(args)} at --pipeline-model-parallel-size 2: megatron-core's interleaved schedule "
                             f"needs its transfers overlapped there (as Megatron-LM requires); drop "

@@ -243,6 +243,8 @@ def test_virtual_stage_flags_mean_what_they_mean_in_megatron(gpu_with_te):
     ("--num-virtual-stages-per-pipeline-rank 2 --use-dynapipe --pipeline-model-parallel-size 1", 1, PP2,
      "2 or more"),
     ("--num-virtual-stages-per-pipeline-rank 2 --no-overlap-p2p-communication", 2, PP2, "3 or more stages there"),
+    # Without the flag too: the stage count is named first, with everything the baseline needs.
+    ("--num-virtual-stages-per-pipeline-rank 2", 2, PP2, "3 or more stages there, with --no-overlap-p2p-comm"),
     ("--num-virtual-stages-per-pipeline-rank 2", 3, PP3, "add --no-overlap-p2p-communication"),
     ("--num-virtual-stages-per-pipeline-rank 2 --use-dynapipe --no-overlap-p2p-communication", 2, PP2, "Drop it"),
     ("--num-virtual-stages-per-pipeline-rank 2 --no-overlap-p2p-communication --dynapipe-batching padding-mb "
