@@ -79,6 +79,10 @@ def check_measured_threads(profile: Mapping[str, Any], source: str) -> None:
                             f"OMP_NUM_THREADS={measured}, or use --dynapipe-cost-model analytic.")
 
 
+# The profile command's flag that measures each length axis of a profile.
+PROFILE_FLAG = {"seqlen": "--seqlens", "dec_seqlen": "--dec-seqlens"}
+
+
 def extrapolation_lines(cost_model: str, enabled: bool, lengths: Mapping[str, tuple[str, int]]) -> list[str]:
     """Start-up notes for rank 0: each run length (``{profile axis: (flag, tokens)}``, e.g.
     ``{"seqlen": ("--seq-length", 4096)}``) beyond the profile's longest measured one, which the
@@ -94,5 +98,6 @@ def extrapolation_lines(cost_model: str, enabled: bool, lengths: Mapping[str, tu
         if isinstance(grid, list) and grid and length > max(grid):
             lines.append(f" > cost profile {cost_model}: {flag} {length} is beyond its longest measured length "
                          f"{max(grid)}; longer micro-batches are priced by extrapolation (measure up to {length} "
-                         f"with `python -m dynapipe profile --seqlens ...` to price them from measurements)")
+                         f"with `python -m dynapipe profile {PROFILE_FLAG.get(axis, '--seqlens')} ...` to price "
+                         f"them from measurements)")
     return lines

@@ -193,6 +193,11 @@ def test_a_run_longer_than_the_profile_is_told_at_start_up(tmp_path):
     assert lines == [f" > cost profile {path}: --encoder-seq-length 4096 is beyond its longest measured length 128; "
                      f"longer micro-batches are priced by extrapolation (measure up to 4096 with `python -m dynapipe "
                      f"profile --seqlens ...` to price them from measurements)"]
+    # A decoder length beyond the grid names the flag that measures decoder lengths.
+    assert extrapolation_lines(str(path), True, {"dec_seqlen": ("--decoder-seq-length", 256)}) == [
+        f" > cost profile {path}: --decoder-seq-length 256 is beyond its longest measured length 64; longer "
+        f"micro-batches are priced by extrapolation (measure up to 256 with `python -m dynapipe profile --dec-seqlens "
+        f"...` to price them from measurements)"]
 
 
 def test_a_profile_of_another_tp_layout_is_named_as_such_before_its_widths():
@@ -285,6 +290,9 @@ def test_cost_and_plan_say_when_a_shape_lies_beyond_the_profile_grid(tmp_path, c
     err = capsys.readouterr().err
     assert "--shape 4,512: micro-batch size 4 (measured up to 2) is beyond the profile's grid" in err
     assert "sequence length 512 (measured up to 128) is beyond the profile's grid" in err
+    # Each note names the profile flag that measures its axis, and how far.
+    assert "(`python -m dynapipe profile ... --mbs ...` up to 4)" in err
+    assert "(`python -m dynapipe profile ... --seqlens ...` up to 512)" in err
     lengths = tmp_path / "l.txt"
     lengths.write_text("40\n100\n500\n")
     assert main(["plan", *base, "--lengths", str(lengths), "--output", str(tmp_path / "plan.json")]) == 0

@@ -563,3 +563,14 @@ def test_the_derived_selective_peak_adds_what_the_recomputed_cores_save_again():
         rebuilt = (none.stored_mib - sel.stored_mib) + (b * tokens * 64 * 4 + b * tokens * keys * 4) / MIB
         assert float(sel.stored_mib) < float(none.stored_mib)
         assert sel.peak_mib == pytest.approx(none.peak_mib + rebuilt)
+
+
+def test_a_decoder_length_beyond_the_profile_names_the_flag_that_measures_it():
+    from dynapipe.cli.cost import extrapolation_notes
+
+    cm = ProfileCostModel(T5, t5_profile(), num_stages=2)
+    notes = extrapolation_notes(cm, [(1, max(ENC), 2 * max(DEC))])
+    assert notes == [f"decoder sequence length {2 * max(DEC)} (measured up to {max(DEC)}) is beyond the profile's "
+                     f"grid and priced by extrapolation; measure a profile that covers it (`python -m dynapipe "
+                     f"profile ... --dec-seqlens ...` up to {2 * max(DEC)}) to price it from measurements"]
+    assert extrapolation_notes(cm, [(1, max(ENC), max(DEC))]) == []

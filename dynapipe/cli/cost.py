@@ -189,5 +189,5 @@ def extrapolation_notes(cost_model, shapes) -> list[str]:
         return []
     top = [max(int(s[i] or 0) if len(s) > i else 0 for s in shapes) for i in range(3)]
     return [f"{axis} is beyond the profile's grid and priced by extrapolation; measure a profile that "
-            f"covers it (`python -m dynapipe profile --mbs ... --seqlens ...`) to price it from measurements"
-            for axis in beyond(*top)]
+            f"covers it (`python -m dynapipe profile ... {flag} ...` up to {value}) to price it from measurements"
+            for axis, flag, value in beyond(*top)]

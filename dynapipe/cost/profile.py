@@ -132,17 +132,19 @@ class ProfileCostModel(CostModel):
         self.weight_tables = {op: ProfileTable(mbs, seqlen, _weight_table(profile, op, source), timed=True)
                               for op in present if op in LAYER_OPS and WEIGHT_FIELD in profile["ops"][op]}
 
-    def beyond_grid(self, mbs: int, seqlen: int, dec_seqlen: int = 0) -> list[str]:
+    def beyond_grid(self, mbs: int, seqlen: int, dec_seqlen: int = 0) -> list[tuple[str, str, int]]:
         """The axes on which a micro-batch of ``mbs`` samples padded to ``seqlen`` (and
-        ``dec_seqlen``) tokens lies beyond the largest measured point, each as ``"--flag N
-        (measured up to M)"``: this model prices it by extrapolation there (times by the last
-        measured step in ``mbs``, a power law in the lengths), not from measurements."""
+        ``dec_seqlen``) tokens lies beyond the largest measured point, each as ``("what N
+        (measured up to M)", "--profile-flag", N)``, the flag the ``profile`` command measures
+        that axis with: this model prices it by extrapolation there (times by the
+        last measured step in ``mbs``, a power law in the lengths), not from measurements."""
         out = []
-        for axis, flag, value in (("mbs", "micro-batch size", mbs), ("seqlen", "sequence length", seqlen),
-                                  ("dec_seqlen", "decoder sequence length", dec_seqlen)):
+        for axis, what, flag, value in (("mbs", "micro-batch size", "--mbs", mbs),
+                                        ("seqlen", "sequence length", "--seqlens", seqlen),
+                                        ("dec_seqlen", "decoder sequence length", "--dec-seqlens", dec_seqlen)):
             grid = self.profile.get(axis)
             if value and isinstance(grid, list) and grid and value > max(grid):
-                out.append(f"{flag} {value} (measured up to {max(grid)})")
+                out.append((f"{what} {value} (measured up to {max(grid)})", flag, int(value)))
         return out
 
     @classmethod
