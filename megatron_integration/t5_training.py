@@ -91,6 +91,12 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
     base, kept_blend = keep_resumed_blend(base, checkpoint_formats.recorded_training_blend(base, info), megatron_blend)
     if kept_blend:
         cfg = replace(cfg, base=base)
+    if base.data.tokens_per_global_batch:
+        # Rank 0 reads the data once here, so a budget over it stops every rank before any stage is built.
+        from megatron_integration.data import check_token_budget
+
+        same_error_everywhere(attempt(lambda: check_token_budget(base, cfg.dataset_config()), "reading the data")[1]
+                              if info.rank == 0 else None)
     # --dynapipe-placement auto is chosen here, before any stage is built.
     cfg = resolve_t5_placement(cfg, info.pp_size, info.dp_size)
     placement = cfg.stage_placement()

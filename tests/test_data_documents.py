@@ -262,7 +262,19 @@ def test_long_instruction_samples_truncated_or_rejected_and_counted(tmp_path):
     assert cfg.data.overlong == "truncate"
     ds = dataset_config(cfg).build()
     assert ds.truncated.tolist() == [False, True, False, True] and ds.planner_lengths(range(4)).max() == SEQ
-    assert data_summary_lines(cfg) == [" > train data: 4 documents -> 4 samples, 254 tokens, 2 truncated"]
+    kept = int(ds.sample_tokens().sum())
+    assert kept < 254  # the two truncated samples lost tokens the stored count still holds
+    assert data_summary_lines(cfg) == [f" > train data: 4 documents -> 4 samples, 254 tokens, 2 truncated "
+                                       f"({kept} tokens after truncation)"]
+    # A token budget is checked against what is left, at start-up (before any stage is built).
+    budget = parse_training_args(argv + ["--use-dynapipe", "--dynapipe-tokens-per-global-batch", str(kept + 1)], 1,
+                                 cuda=False)
+    with pytest.raises(DynaPipeError, match=f"--dynapipe-tokens-per-global-batch {kept + 1}: more than the {kept} "
+                                            f"tokens of the whole training data"):
+        data_summary_lines(budget)
+    fits = parse_training_args(argv + ["--use-dynapipe", "--dynapipe-tokens-per-global-batch", str(kept)], 1,
+                               cuda=False)
+    assert len(data_summary_lines(fits)) == 1
     cfg = parse_training_args(argv + ["--dynapipe-overlong", "reject"], 1, cuda=False)
     with pytest.raises(DynaPipeError, match=r"tasks.jsonl:2 has 101 tokens .*--seq-length 64.*2 over-long"):
         dataset_config(cfg).build()

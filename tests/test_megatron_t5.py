@@ -645,9 +645,13 @@ def test_t5_torch_dist_checkpoint_loads_at_pp1_with_megatron_cores_t5_keys(pp2, 
     # As many threads as each rank of the PP2 job had: the same kernels sum in the same order.
     threads = max(1, (os.cpu_count() or 1) // 2)
     job = spawn(_one_stage_job, 1, ([f"{one_stage} --load {cut} --save {t5_dist / 'pp1'}",
-                                     f"{one_stage} --decoder-num-layers 3 --load {cut}"],), timeout_s=TIMEOUT,
+                                     f"{one_stage} --decoder-num-layers 3 --load {cut}",
+                                     # A token budget over the data: refused before any stage is built.
+                                     f"{one_stage} --use-dynapipe --dynapipe-tokens-per-global-batch 100000000"],),
+                timeout_s=TIMEOUT,
                 threads_per_rank=threads)[0]
-    pp1, refused = job["runs"]
+    pp1, refused, budget = job["runs"]
+    assert budget["error"].startswith("--dynapipe-tokens-per-global-batch 100000000: more than the ")
     # The PP2 checkpoint's layers, embeddings (one copy) and optimizer state on one stage: the same step.
     assert pp1["start_iteration"] == 2 and pp1["losses"] == pytest.approx(pp2[0]["losses"][2:], abs=1e-6)
     assert pp1["checkpoint_lines"][1] == ("(TP, PP) mismatch after resume ((1, 1) vs (1, 2) from checkpoint): RNG "
