@@ -326,14 +326,21 @@ def shipped_names(kind: str) -> list[str]:
 def resolve_config_path(path_or_name: str, kind: str, flag: Optional[str] = None) -> str:
     """Accept a path, or a bare name of a config shipped in ``configs/<kind>/``; refuse
     anything else naming ``flag`` (when given), the shipped names of that kind and, for a
-    name shipped as another kind (a device given as a cluster), which kind it is."""
-    if os.path.exists(path_or_name):
-        return path_or_name
+    name shipped as another kind (a device given as a cluster), which kind it is. A bare
+    shipped name that is also a file in the working directory is refused as ambiguous."""
     name = path_or_name.removesuffix(".yaml")
     shipped = os.path.join(CONFIG_DIR, kind, name + ".yaml")
+    what = CONFIG_KINDS.get(kind, kind)
+    if os.path.exists(path_or_name):
+        # A bare shipped name that is also a file here (a command's --output, say) would be read
+        # in the shipped config's place without a word.
+        if path_or_name == name and os.sep not in name and os.path.exists(shipped):
+            raise DynaPipeError(f"{flag + ': ' if flag else ''}{name!r} names both a file in the working directory "
+                                f"and a shipped {what} config; give ./{name} for the file or {shipped} for the "
+                                f"shipped one.")
+        return path_or_name
     if os.path.exists(shipped):
         return shipped
-    what = CONFIG_KINDS.get(kind, kind)
     noun = "mixture file" if kind == "data" else "config file"
     others = [CONFIG_KINDS[k] for k in CONFIG_KINDS if k != kind and name in shipped_names(k)]
     hint = f" ({name!r} is a shipped {others[0]} config, not a {what} one)" if others else ""

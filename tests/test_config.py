@@ -102,6 +102,22 @@ def test_missing_config_lists_the_shipped_names_of_its_kind():
     assert load_cluster_config("h200-8x.yaml").gpus_per_node == load_cluster_config("h200-8x").gpus_per_node
 
 
+def test_a_file_named_like_a_shipped_config_is_refused_as_ambiguous(tmp_path, monkeypatch):
+    from dynapipe.data.synthetic import load_mixture
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "flan-mixture").write_text("{}\n")  # what `advise --output flan-mixture` would leave here
+    with pytest.raises(DynaPipeError, match=r"^--mixture: 'flan-mixture' names both a file in the working directory "
+                                            r"and a shipped mixture config; give \./flan-mixture for the file or "):
+        load_mixture("flan-mixture", flag="--mixture")
+    with pytest.raises(DynaPipeError, match="a mixture needs a non-empty 'tasks' list"):
+        load_mixture("./flan-mixture", flag="--mixture")  # the file, asked for as a path
+    assert load_mixture("flan-mixture.yaml").tasks  # the shipped one by its file name
+    (tmp_path / "my-mixture").write_text("{}\n")  # a bare name that is no shipped config stays a path
+    with pytest.raises(DynaPipeError, match="my-mixture: a mixture needs"):
+        load_mixture("my-mixture")
+
+
 def test_bad_cluster_link(tmp_path):
     with pytest.raises(DynaPipeError, match="intra_node"):
         load_cluster_config(_write(tmp_path, "name: c\nintra_node: {bandwidth: 3}\n"))
