@@ -182,6 +182,19 @@ def refused_flag_lines(extras) -> list[str]:
     return lines
 
 
+def refused_value_lines(args: argparse.Namespace) -> list[str]:
+    """The first refusal of each flag-only check (checkpoint flags, the rerun state machine) on
+    ``args``, one line each: printed with :func:`refused_flag_lines`' lines when there are any,
+    so a launch script is mended in one pass (validation raises the same refusals otherwise)."""
+    lines = []
+    for check in (_checkpoint_args_honoured, _resilience_args_honoured):
+        try:
+            check(args)
+        except DynaPipeError as e:
+            lines.append(" ".join(str(e).split()))
+    return lines
+
+
 def _model_flags_honoured(args: argparse.Namespace, cuda: bool) -> None:
     """Refuse the Megatron model flags whose non-default values the stage builder cannot honour yet
     (the default of each, which is what is built, is accepted)."""

@@ -39,7 +39,8 @@ from megatron_integration.args_megatron import add_megatron_args
 from megatron_integration.args_model import (BYTE_LEVEL_VOCAB, check_uniform_recompute,  # noqa: F401
                                              model_args_from_args, padded_vocab_size, recompute_from_args)
 from megatron_integration.args_refusals import (UNSUPPORTED_MEGATRON_FLAGS, _checkpoint_args_honoured,  # noqa: F401
-                                                _resilience_args_honoured, refused_flag_lines)
+                                                _resilience_args_honoured, refused_flag_lines,
+                                                refused_value_lines)
 from megatron_integration.args_training import _schedule_from_samples, optimizer_args_from_args
 from megatron_integration.args_layout import pipeline_split_from_args
 from megatron_integration.args_checkpoint import dist_ckpt_args_from_args
@@ -64,6 +65,8 @@ def build_parser(prog: Optional[str] = None, description: Optional[str] = None) 
             parsed, extras = super().parse_known_args(args, namespace)
             refused = refused_flag_lines(extras)
             if refused:
+                # The refused values of declared flags too, so one pass mends the whole line.
+                refused += refused_value_lines(parsed)
                 # Every rank of a torchrun job prints them (in one write): a launcher stops the
                 # others once one rank exits, so a line left to rank 0 alone could be lost.
                 sys.stderr.write("".join(f"error: {line}\n" for line in refused))
