@@ -90,16 +90,17 @@ def _files_config(files, weights, flag: str, common: dict) -> DatasetConfig:
     return DatasetConfig(kind="indexed", paths=tuple(files), **common)
 
 
-def data_summary_lines(cfg: DynaPipeTrainingConfig) -> list[str]:
+def data_summary_lines(cfg: DynaPipeTrainingConfig, config_of=None) -> list[str]:
     """Start-up lines counting each split's documents, pieces (documents longer than
     ``--seq-length`` cut into samples), tokens and truncated samples. The training split is
     also checked against ``--dynapipe-tokens-per-global-batch`` here, before any stage is
-    built, rather than when the planner workers first draw from it."""
+    built, rather than when the planner workers first draw from it. ``config_of``: a split's
+    name -> its dataset config or None (default: the run's GPT data; T5 passes its pairs')."""
     from dynapipe.data.summary import summarize
 
     lines = []
     for split in SPLITS:
-        config = dataset_config(cfg, split)
+        config = config_of(split) if config_of is not None else dataset_config(cfg, split)
         if config is None:
             continue
         try:
@@ -108,18 +109,10 @@ def data_summary_lines(cfg: DynaPipeTrainingConfig) -> list[str]:
             lines.append(f" > {split} data: empty (no document falls in its --split range)")
             continue
         lines.append(summarize(dataset).line(split, cfg.model.seq_length))
-        if split == "train":
-            check_token_budget(cfg, config, dataset)
+        if split == "train" and cfg.data.tokens_per_global_batch:
+            # The sampler refuses a budget above the data's tokens (after truncation).
+            GlobalBatchSampler(dataset.sample_tokens(), sampler_config(cfg, config))
     return lines
-
-
-def check_token_budget(cfg: DynaPipeTrainingConfig, config, dataset: Optional[SampleDataset] = None) -> None:
-    """Refuse a ``--dynapipe-tokens-per-global-batch`` above the tokens of the training data
-    (``config``, a dataset config; ``dataset``: it, already opened), at start-up: the planner
-    workers would otherwise find it only when they first draw a batch, after the stages are built."""
-    if cfg.data.tokens_per_global_batch:
-        dataset = dataset if dataset is not None else config.build()
-        GlobalBatchSampler(dataset.sample_tokens(), sampler_config(cfg, config))
 
 
 def reshuffles(dataset_config) -> bool:

@@ -91,12 +91,17 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
     base, kept_blend = keep_resumed_blend(base, checkpoint_formats.recorded_training_blend(base, info), megatron_blend)
     if kept_blend:
         cfg = replace(cfg, base=base)
-    if base.data.tokens_per_global_batch:
-        # Rank 0 reads the data once here, so a budget over it stops every rank before any stage is built.
-        from megatron_integration.data import check_token_budget
+    if not megatron_blend:
+        # Rank 0 reads the (input, target) pairs for GPT's per-split data lines, which also stop
+        # every rank on a token budget over the data before any stage is built. Span-corrupted
+        # data is megatron-core's, built by every rank together, later.
+        from megatron_integration.data import data_summary_lines
 
-        same_error_everywhere(attempt(lambda: check_token_budget(base, cfg.dataset_config()), "reading the data")[1]
-                              if info.rank == 0 else None)
+        lines, error = (attempt(lambda: data_summary_lines(base, cfg.dataset_config), "reading the data")
+                        if info.rank == 0 else ([], None))
+        same_error_everywhere(error)
+        for line in lines:
+            write_line(stream, line)
     # --dynapipe-placement auto is chosen here, before any stage is built.
     cfg = resolve_t5_placement(cfg, info.pp_size, info.dp_size)
     placement = cfg.stage_placement()

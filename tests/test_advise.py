@@ -305,6 +305,8 @@ def test_encoder_decoder_layouts_are_ones_t5_training_runs(tmp_path, capsys):
     # Rank 0's argument block, once, with the depth as Megatron-LM resolves it.
     assert stdout.count("------------------------ arguments ------------------------") == 1
     assert "  num_layers ...................................... 2\n" in stdout
+    # Rank 0's data line, as for GPT (the mixture's pairs).
+    assert stdout.count(" > train data: ") == 1 and " samples, " in stdout.split(" > train data: ")[1]
     # A run config for another job size is refused on every script, naming the launch it needs.
     result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "pretrain_t5.py"), "--run-config", str(out)],
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
