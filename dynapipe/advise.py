@@ -347,7 +347,8 @@ def _placed(batches: Sequence[np.ndarray], cost_model, kw: dict, cut: Cut = DYNA
     try:
         return choose_placement_kind(batches, cost_model, dp=kw["dp"], memory_limit_mib=kw["memory_limit_mib"],
                                      reserved_mib=kw["reserved_mib"], seq_length=kw["seq_length"], zero=kw["zero"],
-                                     cluster=kw["cluster"], cut=cut, schedule=schedule).cost_model
+                                     cluster=kw["cluster"], split_backward=kw["split_backward"], cut=cut,
+                                     schedule=schedule).cost_model
     except DynaPipeError:
         return cost_model
 

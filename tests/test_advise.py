@@ -585,3 +585,26 @@ def test_encoder_decoder_packing_also_runs_on_its_own_split_and_keeps_the_faster
     assert best.packing.real_tokens_per_s == kept[1]
     assert best.to_json()["packing"]["placement"] == kept[0]
     assert (best.packing_placement is None) == (kept is packings[0])
+
+
+def test_encoder_decoder_placement_is_chosen_under_the_backward_the_layers_can_run(tmp_path, monkeypatch):
+    # Fused attention (Transformer Engine's layers) cannot split its backward: the placement is
+    # chosen by simulating the schedules those layers run, not the zero-bubble ones.
+    import dataclasses
+
+    import dynapipe.schedule.placement as placement_mod
+
+    model, cpu, local, batches = _tiny_t5_on_cpu(tmp_path)
+    seen = []
+    choose = placement_mod.choose_placement_kind
+
+    def recording(*args, **kw):
+        seen.append(kw["split_backward"])
+        return choose(*args, **kw)
+
+    monkeypatch.setattr(placement_mod, "choose_placement_kind", recording)
+    for fused in (False, True):
+        seen.clear()
+        advise(batches, dataclasses.replace(model, fused_attention=fused), cpu, 2, cluster=local, seq_length=1024,
+               layouts=[Layout(1, 2, 1)], compare_packing=False)
+        assert seen == [not fused], (fused, seen)
