@@ -177,8 +177,12 @@ def split_to_balance(cuts: Sequence[tuple[int, int]], time_of: Callable[[int, in
     candidate (every given cut must be one). A micro-batch is split at its middle, the slowest replica's longest first
     (its ``tries`` longest each round). Nothing is tried while the slowest replica runs
     within ``tolerance`` of the objective above the mean, as with many micro-batches a
-    replica: each try rebalances every micro-batch. ``max_splits`` bounds the splits (default
-    ``64 + 2 x dp``: a replica left without a micro-batch needs one split at least).
+    replica: each try rebalances every micro-batch. Then, while fewer micro-batches than
+    replicas remain (the slowest replica's one sample cannot be split), the longest
+    micro-batch of several samples anywhere is split, where the objective grows by at most
+    ``tolerance``: with as many micro-batches as replicas, balancing gives every replica one.
+    ``max_splits`` bounds the splits (default ``64 + 2 x dp``: a replica left without a
+    micro-batch needs one split at least).
     """
     if max_splits is None:
         max_splits = 64 + 2 * max(dp, 1)
@@ -207,4 +211,24 @@ def split_to_balance(cuts: Sequence[tuple[int, int]], time_of: Callable[[int, in
                 break
         else:
             break  # no split of the slowest replica helps
+    # A replica left without a micro-batch (the slowest holds one sample, which cannot be split)
+    # idles and, under interleaved chunks with an overlapped gradient reduction, cannot order its
+    # chunks' reductions with the others': split elsewhere until every replica has one, where
+    # that costs at most ``tolerance`` of the objective (it usually costs nothing: the slowest
+    # replica is unchanged).
+    while dp > 1 and splits < max_splits and len(cuts) < dp:
+        for i in sorted((i for i, (s, e) in enumerate(cuts) if e - s > 1), key=lambda i: -times[i]):
+            s, e = cuts[i]
+            mid = (s + e) // 2
+            first, second = time_of(s, mid), time_of(mid, e)
+            if first is None or second is None:
+                continue
+            trial = times[:i] + [float(first), float(second)] + times[i + 1:]
+            value, trial_sums, trial_assign = _balanced(trial, dp, num_stages)
+            if value <= best * (1 + tolerance):
+                cuts[i:i + 1] = [(s, mid), (mid, e)]
+                times, best, sums, assign, splits = trial, value, trial_sums, trial_assign, splits + 1
+                break
+        else:
+            break  # no micro-batch can be split for it
     return cuts, splits, best
