@@ -108,7 +108,9 @@ def data_summary_lines(cfg: DynaPipeTrainingConfig, config_of=None) -> list[str]
         except EmptySplitError:
             lines.append(f" > {split} data: empty (no document falls in its --split range)")
             continue
-        lines.append(summarize(dataset).line(split, cfg.model.seq_length))
+        # Span-corrupted T5 samples are not documents cut into pieces: they say what they are.
+        line_of = getattr(dataset, "summary_line", None)
+        lines.append(line_of(split) if line_of is not None else summarize(dataset).line(split, cfg.model.seq_length))
         if split == "train" and cfg.data.tokens_per_global_batch:
             # The sampler refuses a budget above the data's tokens (after truncation).
             GlobalBatchSampler(dataset.sample_tokens(), sampler_config(cfg, config))

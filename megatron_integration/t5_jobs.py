@@ -34,12 +34,15 @@ def t5_training_job(runs: Sequence[Sequence[str]], echo: bool = False) -> list[d
     try:
         for cfg in configs:
             cpu = IterationCpu()
-            run = pretrain_t5(cfg, stream=sys.stdout if echo else io.StringIO(), on_iteration=cpu.record)
+            text = io.StringIO()
+            run = pretrain_t5(cfg, stream=sys.stdout if echo else text, on_iteration=cpu.record)
             from megatron.core import parallel_state
 
             out.append(dict(iteration_summary(cfg.method, run, cpu, parallel_state.get_pipeline_model_parallel_rank()),
                             eval_lines=run.eval_lines, eval_path=run.eval_path, checkpoint_lines=run.checkpoint_lines,
                             parameters=run.parameters,
+                            data_lines=[line for line in text.getvalue().splitlines()
+                                        if line.startswith(" > ") and " data: " in line],
                             tp_size=parallel_state.get_tensor_model_parallel_world_size()))
             end_run()
             out[-1]["threads_after"] = thread_count()

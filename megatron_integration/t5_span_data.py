@@ -270,6 +270,18 @@ class SpanCorruptionDataset(SampleDataset):
         """Already open: itself (what :meth:`dynapipe.data.config.DatasetConfig.build` gives)."""
         return self
 
+    open = build  # what DatasetConfig.open gives, for the start-up data lines
+
+    def summary_line(self, name: str) -> str:
+        """The start-up line of this split, e.g. `` > train data: 640 span-corrupted samples of
+        megatron-core's T5 dataset -> 81,920 input + 19,840 target tokens, 3 truncated to
+        --encoder-seq-length 512``: samples, not documents (megatron-core packs sentences of a
+        document into each sample)."""
+        source = f"--split {self.cfg.split}" if self.cfg.split is not None else "per-split data paths"
+        return (f" > {name} data: {len(self):,} span-corrupted samples of megatron-core's T5 dataset ({source}) "
+                f"-> {int(self.input_lengths.sum()):,} input + {int(self.target_lengths.sum()):,} target tokens, "
+                f"{self.num_truncated:,} truncated to --encoder-seq-length {self.cfg.encoder_seq_length}")
+
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_megatron"] = None

@@ -91,17 +91,17 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
     base, kept_blend = keep_resumed_blend(base, checkpoint_formats.recorded_training_blend(base, info), megatron_blend)
     if kept_blend:
         cfg = replace(cfg, base=base)
-    if not megatron_blend:
-        # Rank 0 reads the (input, target) pairs for GPT's per-split data lines, which also stop
-        # every rank on a token budget over the data before any stage is built. Span-corrupted
-        # data is megatron-core's, built by every rank together, later.
-        from megatron_integration.data import data_summary_lines
+    # GPT's per-split data lines, which also stop every rank on a token budget over the data
+    # before any stage is built. Rank 0 reads (input, target) pairs alone; span-corrupted data is
+    # megatron-core's, built by every rank together (its index and length caches, written here,
+    # make the training loader's second opening a read).
+    from megatron_integration.data import data_summary_lines
 
-        lines, error = (attempt(lambda: data_summary_lines(base, cfg.dataset_config), "reading the data")
-                        if info.rank == 0 else ([], None))
-        same_error_everywhere(error)
-        for line in lines:
-            write_line(stream, line)
+    lines, error = (attempt(lambda: data_summary_lines(base, cfg.dataset_config), "reading the data")
+                    if info.rank == 0 or megatron_blend else ([], None))
+    same_error_everywhere(error)
+    for line in lines if info.rank == 0 else ():
+        write_line(stream, line)
     # --dynapipe-placement auto is chosen here, before any stage is built.
     cfg = resolve_t5_placement(cfg, info.pp_size, info.dp_size)
     placement = cfg.stage_placement()

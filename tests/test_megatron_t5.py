@@ -470,6 +470,14 @@ def test_t5_span_corruption_of_indexed_data_dynapipe_equals_padding_pp2(pp2):
     assert dynapipe["loss_tokens"] == padding["loss_tokens"] and dynapipe["real_tokens"] == padding["real_tokens"]
     assert sum(dynapipe["padded_tokens"]) < sum(padding["padded_tokens"])
     assert padding["losses"] != pp2[0]["losses"][:2]   # other data than the mock mixture
+    # Rank 0's start-up lines: the splits of --split 80,20,0 megatron-core built (no test split),
+    # their samples and tokens those the run's loss and token counts are drawn from.
+    train, valid = padding["data_lines"]
+    assert train.startswith(" > train data: 16 span-corrupted samples of megatron-core's T5 dataset (--split 80,20,0)")
+    assert valid.startswith(" > valid data: ") and "span-corrupted samples" in valid
+    inputs, targets = (int(x.replace(",", "")) for x in train.split("-> ")[1].split(" target")[0].split(" input + "))
+    assert inputs + targets == sum(padding["real_tokens"]) and targets == sum(padding["loss_tokens"])
+    assert dynapipe["data_lines"] == padding["data_lines"]
     # Megatron's validation split evaluated after iteration 2 and after training, alike for both.
     values = [[float(line.split("lm loss value:")[1].split("|")[0]) for line in run["eval_lines"]
                if "validation loss at" in line] for run in (padding, dynapipe)]
