@@ -190,11 +190,12 @@ def split_to_balance(cuts: Sequence[tuple[int, int]], time_of: Callable[[int, in
     times = [float(time_of(s, e)) for s, e in cuts]
     best, sums, assign = _balanced(times, max(dp, 1), num_stages)
     splits = 0
-    while dp > 1 and splits < max_splits and max(sums) - sum(sums) / dp > tolerance * best:
-        heavy = max(range(dp), key=lambda r: sums[r])
-        order = sorted((i for i, r in enumerate(assign) if r == heavy and cuts[i][1] - cuts[i][0] > 1),
-                       key=lambda i: -times[i])[:tries]
-        for i in order:
+
+    def first_taken(candidates, accept) -> bool:
+        """Split the first of ``candidates`` (micro-batch indices) whose halves are candidates
+        and whose balanced objective ``accept(value, replica sums)`` takes; False if none."""
+        nonlocal times, best, sums, assign, splits
+        for i in candidates:
             s, e = cuts[i]
             mid = (s + e) // 2
             first, second = time_of(s, mid), time_of(mid, e)
@@ -202,14 +203,20 @@ def split_to_balance(cuts: Sequence[tuple[int, int]], time_of: Callable[[int, in
                 continue
             trial = times[:i] + [float(first), float(second)] + times[i + 1:]
             value, trial_sums, trial_assign = _balanced(trial, dp, num_stages)
-            # Better, or as good with fewer replicas at the slowest: where several tie there,
-            # one split cannot lower the objective, but it is a step to the split that does.
-            if value < best * (1 - 1e-9) or (value <= best * (1 + 1e-9)
-                                             and _at_max(trial_sums) < _at_max(sums)):
+            if accept(value, trial_sums):
                 cuts[i:i + 1] = [(s, mid), (mid, e)]
                 times, best, sums, assign, splits = trial, value, trial_sums, trial_assign, splits + 1
-                break
-        else:
+                return True
+        return False
+
+    while dp > 1 and splits < max_splits and max(sums) - sum(sums) / dp > tolerance * best:
+        heavy = max(range(dp), key=lambda r: sums[r])
+        order = sorted((i for i, r in enumerate(assign) if r == heavy and cuts[i][1] - cuts[i][0] > 1),
+                       key=lambda i: -times[i])[:tries]
+        # Better, or as good with fewer replicas at the slowest: where several tie there, one
+        # split cannot lower the objective, but it is a step to the split that does.
+        if not first_taken(order, lambda value, trial_sums: value < best * (1 - 1e-9) or (
+                value <= best * (1 + 1e-9) and _at_max(trial_sums) < _at_max(sums))):
             break  # no split of the slowest replica helps
     # A replica left without a micro-batch (the slowest holds one sample, which cannot be split)
     # idles and, under interleaved chunks with an overlapped gradient reduction, cannot order its
@@ -217,18 +224,7 @@ def split_to_balance(cuts: Sequence[tuple[int, int]], time_of: Callable[[int, in
     # that costs at most ``tolerance`` of the objective (it usually costs nothing: the slowest
     # replica is unchanged).
     while dp > 1 and splits < max_splits and len(cuts) < dp:
-        for i in sorted((i for i, (s, e) in enumerate(cuts) if e - s > 1), key=lambda i: -times[i]):
-            s, e = cuts[i]
-            mid = (s + e) // 2
-            first, second = time_of(s, mid), time_of(mid, e)
-            if first is None or second is None:
-                continue
-            trial = times[:i] + [float(first), float(second)] + times[i + 1:]
-            value, trial_sums, trial_assign = _balanced(trial, dp, num_stages)
-            if value <= best * (1 + tolerance):
-                cuts[i:i + 1] = [(s, mid), (mid, e)]
-                times, best, sums, assign, splits = trial, value, trial_sums, trial_assign, splits + 1
-                break
-        else:
+        longest = sorted((i for i, (s, e) in enumerate(cuts) if e - s > 1), key=lambda i: -times[i])
+        if not first_taken(longest, lambda value, _: value <= best * (1 + tolerance)):
             break  # no micro-batch can be split for it
     return cuts, splits, best
