@@ -130,3 +130,26 @@ def test_fast_validation_never_accepts_what_the_full_validator_refuses(S, dp, se
         assert fast == full, (trial, what, fast, full)
         refused += isinstance(full, str)
     assert refused > 100   # the mutations do break plans, so both paths were exercised
+
+
+@pytest.mark.parametrize("model", [TINY, T5], ids=["gpt", "t5"])
+def test_a_load_of_another_token_length_is_refused_by_both_validators(model):
+    import dataclasses
+
+    from dynapipe.plan.instructions import TensorSpec
+    from dynapipe.plan.validate_fast import group_is_valid
+
+    mbs = chunked_micro_batches([40, 31, 12, 25], 2, dec_lengths=[9, 7, 5, 3] if model is T5 else None)
+    plans = compile_plans("1f1b", mbs, model, num_stages=2, global_loss_tokens=int(sum(m.real_tokens for m in mbs)))
+    assert group_is_valid(plans) and not isinstance(_verdict(plans), str)
+    table = plans[0].instructions
+    # Every load list of stage 0 with its first tensor's tokens 5 longer than its micro-batch's,
+    # or given a third dimension: the executor's loader makes neither.
+    for change in (lambda shape: (shape[0], shape[1] + 5), lambda shape: shape + (1,)):
+        lists = [tuple([TensorSpec(ts[0].name, change(ts[0].shape), ts[0].dtype), *ts[1:]])
+                 if ts and ts[0].name == "tokens" else ts for ts in table.tensor_lists]
+        bad = [dataclasses.replace(plans[0], instructions=InstructionTable(table.rows, table.strings, tuple(lists)))]
+        bad += plans[1:]
+        assert not group_is_valid(bad)
+        message = _verdict([dataclasses.replace(p, instructions=tuple(p.instructions)) for p in bad])
+        assert "input tensor tokens" in message and "does not match micro-batch" in message, message

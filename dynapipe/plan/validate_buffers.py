@@ -77,14 +77,17 @@ def _check_finish(life: _Lifetimes, inst) -> None:
 
 
 def _check_load(life: _Lifetimes, k: int, inst, info, key: tuple) -> None:
-    """A ``LoadInput``: at least one tensor, each of a plan dtype with the micro-batch's
-    rows first; it creates the ``input`` buffer."""
+    """A ``LoadInput``: at least one tensor, each of a plan dtype and shaped ``[rows,
+    tokens]`` as the micro-batch is (its encoder's or its decoder's tokens); it creates the
+    ``input`` buffer."""
     if not inst.tensors:
         fail(life.plan, k, inst, "loads no tensors.")
+    lengths = (info.seqlen, info.dec_seqlen) if info.dec_seqlen > 0 else (info.seqlen,)
     for t in inst.tensors:
-        if t.dtype not in DTYPES or not t.shape or t.shape[0] != info.mbs:
+        if t.dtype not in DTYPES or len(t.shape) != 2 or t.shape[0] != info.mbs or t.shape[1] not in lengths:
             fail(life.plan, k, inst, f"input tensor {t.name} {list(t.shape)} {t.dtype} does not match "
-                                     f"micro-batch {inst.mb} of {info.mbs} samples.")
+                                     f"micro-batch {inst.mb} of {info.mbs} samples of "
+                                     f"{' or '.join(map(str, lengths))} tokens.")
     _create(life, k, inst, buffer_name("input", *key), "ready")
 
 

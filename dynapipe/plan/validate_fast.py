@@ -145,7 +145,8 @@ def _rank(plan: ExecutionPlan, canon: dict):
     present = nd >= 0
     if loads:
         l = r[P[("load", "")]][:, COL["tensors"]].astype(np.int64)
-        good = ok[l] & ((~present[l]) | ((nd[l] >= 1) & (d0[l] == info[:, 1:2]))).all(axis=1)
+        tokens = (d1[l] == info[:, 2:3]) | ((info[:, 3:4] > 0) & (d1[l] == info[:, 3:4]))
+        good = ok[l] & ((~present[l]) | ((nd[l] == 2) & (d0[l] == info[:, 1:2]) & tokens)).all(axis=1)
         if not good.all():
             return None
     transfers = {}
