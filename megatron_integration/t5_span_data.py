@@ -186,6 +186,34 @@ def _collective_table(cached, compute_rows, n: int) -> tuple[np.ndarray, bool]:
     return np.concatenate([rows for _, rows in shares]), True
 
 
+def check_added_ids(sample: dict, n_in: int, n_out: int, vocab: WordPieceVocab, where: str) -> None:
+    """Refuse a sample whose data holds one of the ids Megatron-LM adds to the vocabulary file
+    (``[BOS]``, ``[EOS]``, the sentinels): megatron-core would read it as that token, so the
+    encoder would see sentinels it did not place. Span corruption places sentinels 0..k-1 in the
+    encoder input, and sentinels 0..k-1 then ``[EOS]`` in the labels; any other added id came
+    from the data (tokenised with a larger vocabulary than ``--vocab-file``)."""
+    sentinels = vocab.additional_special_tokens_ids
+    added = np.asarray([vocab.bos, vocab.eos, *sentinels])
+    enc, labels = np.asarray(sample["text_enc"][:n_in]), np.asarray(sample["labels"][:n_out])
+    in_enc, in_labels = enc[np.isin(enc, added)].tolist(), labels[np.isin(labels, added)].tolist()
+    k = len(in_enc)
+    stray = _first_stray(in_enc, sentinels[:k]) or _first_stray(in_labels, sentinels[:k] + [vocab.eos])
+    if stray is None:
+        return
+    raise DynaPipeError(f"{where}: the data holds token id {stray}, which is {vocab.inv_vocab[stray]} here: "
+                        f"--vocab-file {vocab.vocab_file!r} has {vocab.file_size:,} entries and Megatron-LM adds "
+                        f"[BOS], [EOS] and the {vocab.vocab_extra_ids} sentinels of --vocab-extra-ids after them; "
+                        f"the data was tokenised with another vocabulary.")
+
+
+def _first_stray(got: list, expected: list) -> Optional[int]:
+    """The first id of ``got`` where it departs from ``expected`` (None where they agree)."""
+    for i, t in enumerate(got):
+        if i >= len(expected) or t != expected[i]:
+            return t
+    return None if len(got) == len(expected) else expected[len(got)]
+
+
 def pair_lengths(sample: dict, bos: int, eos: int) -> tuple[int, int]:
     """(input, target) tokens of one of Megatron's padded samples, from its masks; checks that
     its decoder input is ``[BOS]`` + the labels shifted right (what collate rebuilds)."""
@@ -217,7 +245,7 @@ class SpanCorruptionDataset(SampleDataset):
         self.cfg = cfg
         vocab = cfg.vocab()
         self.pad_id, self.eod_id, self.vocab_size = 0, vocab.bos, vocab.vocab_size
-        self._eos = vocab.eos
+        self._eos, self._vocab = vocab.eos, vocab
         self._megatron = build_megatron_dataset(cfg)
         n = min(cfg.num_samples, len(self._megatron))
         table, computed = _collective_table(lambda: self._cached_table(n), self._table_rows, n)
@@ -232,6 +260,7 @@ class SpanCorruptionDataset(SampleDataset):
         for i in range(lo, hi):
             s = self._sample(i)
             rows[i - lo, :2] = pair_lengths(s, self.eod_id, self._eos)
+            check_added_ids(s, *rows[i - lo, :2], self._vocab, self._where(i))
             rows[i - lo, 2], rows[i - lo, 3] = int(s["truncated"]), int(s.get("dataset_id", 0))
         return rows
 
@@ -274,13 +303,16 @@ class SpanCorruptionDataset(SampleDataset):
 
     def summary_line(self, name: str) -> str:
         """The start-up line of this split, e.g. `` > train data: 640 span-corrupted samples of
-        megatron-core's T5 dataset -> 81,920 input + 19,840 target tokens, 3 truncated to
-        --encoder-seq-length 512``: samples, not documents (megatron-core packs sentences of a
-        document into each sample)."""
-        source = f"--split {self.cfg.split}" if self.cfg.split is not None else "per-split data paths"
+        megatron-core's T5 dataset (--split 969,30,1) -> 81,920 input + 19,840 target tokens, 3
+        truncated (...)``: samples, not documents (megatron-core packs sentences of a document
+        into each sample). Truncated: megatron-core cut the sample's sentences at its length,
+        ``--encoder-seq-length - 2`` or, for the share ``--short-seq-prob`` draws, shorter."""
+        cfg = self.cfg
+        source = f"--split {cfg.split}" if cfg.split is not None else "per-split data paths"
         return (f" > {name} data: {len(self):,} span-corrupted samples of megatron-core's T5 dataset ({source}) "
                 f"-> {int(self.input_lengths.sum()):,} input + {int(self.target_lengths.sum()):,} target tokens, "
-                f"{self.num_truncated:,} truncated to --encoder-seq-length {self.cfg.encoder_seq_length}")
+                f"{self.num_truncated:,} truncated (sentences cut at --encoder-seq-length {cfg.encoder_seq_length} "
+                f"- 2 tokens, or shorter for the samples --short-seq-prob {cfg.short_seq_prob:g} makes short)")
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -291,13 +323,14 @@ class SpanCorruptionDataset(SampleDataset):
         if self._megatron is None:
             self._megatron = build_megatron_dataset(self.cfg)
         cfg = self.cfg
-        where = f"T5 {SPLIT_NAMES[cfg.split_index]} sample {idx}"
+        where = self._where(idx)
         try:
             return self._megatron[idx]
         except KeyError as e:
+            vocab = cfg.vocab()
             raise DynaPipeError(f"{where}: token id {e.args[0]} is not in --vocab-file {cfg.vocab_file!r} "
-                                f"({cfg.vocab().vocab_size} ids); the data was tokenised with another vocabulary."
-                                ) from None
+                                f"({vocab.file_size:,} entries, {vocab.vocab_size:,} ids with the tokens Megatron-LM "
+                                f"adds); the data was tokenised with another vocabulary.") from None
         except IndexError:
             raise DynaPipeError(f"{where} masks more spans than the {cfg.vocab_extra_ids} sentinels of "
                                 f"--vocab-extra-ids; raise it (up to {cfg.worst_decoder_length // 2} spans a sample "
@@ -308,9 +341,13 @@ class SpanCorruptionDataset(SampleDataset):
                                 f"{cfg.worst_decoder_length} tokens at --encoder-seq-length {cfg.encoder_seq_length} "
                                 f"and --mask-prob {cfg.mask_prob}).") from None
 
+    def _where(self, idx: int) -> str:
+        return f"T5 {SPLIT_NAMES[self.cfg.split_index]} sample {idx}"
+
     def _read(self, idx: int, input_len: int, target_len: int) -> tuple[np.ndarray, np.ndarray, int]:
         s = self._sample(idx)
         if pair_lengths(s, self.eod_id, self._eos) != (input_len, target_len):
             raise DynaPipeError(f"T5 sample {idx}: the lengths cached in {self._table_cache_path(len(self))} "
                                 f"disagree with the data (rewritten since?); delete that file.")
+        check_added_ids(s, input_len, target_len, self._vocab, self._where(idx))
         return s["text_enc"][:input_len], s["labels"][:target_len], int(self.tasks[idx])

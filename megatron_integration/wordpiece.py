@@ -31,7 +31,8 @@ class WordPieceVocab:
 
     ``vocab`` maps token -> id, ``inv_vocab`` id -> token; ``cls``, ``sep``, ``pad``, ``mask``,
     ``bos``, ``eos`` (and ``eod``, which Megatron-LM makes ``eos``) are ids;
-    ``additional_special_tokens_ids`` are the sentinel ids in order.
+    ``additional_special_tokens_ids`` are the sentinel ids in order; ``file_size`` counts the
+    file's own entries (ids the data may hold; the added ones follow them where missing).
     """
 
     vocab_file: str
@@ -46,6 +47,8 @@ class WordPieceVocab:
         if missing:
             raise DynaPipeError(f"--vocab-file {self.vocab_file!r} has no {', '.join(missing)} token(s); give the "
                                 f"BERT WordPiece vocabulary the data was tokenised with.")
+        # Ids from here on are Megatron-LM's additions, which no token of the data may hold.
+        self.file_size = len(self.vocab)
         for token in ("[BOS]", "[EOS]", *self.sentinel_tokens):
             self.vocab.setdefault(token, len(self.vocab))
         self.inv_vocab = {i: t for t, i in self.vocab.items()}

@@ -374,8 +374,20 @@ def test_samples_megatron_cannot_make_are_refused_before_training(corpus, tmp_pa
     vocab = str(tmp_path / "small.txt")
     with open(vocab, "w") as f:
         f.write("\n".join(SPECIALS + ["w0"]) + "\n")
-    with pytest.raises(DynaPipeError, match="is not in --vocab-file"):
+    with pytest.raises(DynaPipeError, match=r"is not in --vocab-file .* \(6 entries, 24 ids with the tokens Megatron"):
         parse_t5_args(_args(corpus, "--vocab-file", vocab, data=[foreign]), 1, cuda=False).dataset_config()
+    # Tokenised with a vocabulary a little larger than --vocab-file: the ids past its last entry
+    # are those of the [BOS], [EOS] and sentinel tokens Megatron-LM appends, which megatron-core
+    # would read as such (no lookup fails), so the encoder input would hold sentinels of the data.
+    short = str(tmp_path / "short.txt")
+    with open(corpus["vocab"]) as f:
+        lines = f.read().splitlines()
+    with open(short, "w") as f:
+        f.write("\n".join(lines[:50]) + "\n")
+    with pytest.raises(DynaPipeError, match=r"T5 training sample [0-9]+: the data holds token id (5[0-9]|6[0-4]), "
+                                            r"which is (\[BOS\]|\[EOS\]|<extra_id_[0-9]+>) here: --vocab-file .*short"
+                                            r"\.txt' has 50 entries"):
+        parse_t5_args(_args(corpus, "--vocab-file", short), 1, cuda=False).dataset_config()
 
 
 def test_pretrain_t5_script_refuses_missing_sentinels_with_exit_status_2(corpus, capsys):
