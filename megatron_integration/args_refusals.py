@@ -102,7 +102,8 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--record-memory-history": "CUDA memory snapshots are not built; run under torch.cuda.memory._record_memory_history",
     "--use-torch-fsdp2": "parameters are held whole per stage with megatron-core's DDP (or its distributed optimizer)",
     "--use-legacy-models": "the stages are megatron-core's models; drop it",
-    "--spec": "the layer spec is megatron-core's GPT spec (Transformer Engine's on GPUs, the local one on CPU)",
+    "--spec": ("the layer spec is megatron-core's own: GPT's (Transformer Engine's on GPUs, the local one on CPU), "
+              "T5's local encoder and decoder specs"),
     "--check-weight-hash-across-dp-replicas-interval": "not built; drop it",
     "--step-batch-size-schedule": "the global batch is fixed (or set by --dynapipe-tokens-per-global-batch)",
     "--tiktoken-pattern": ("read by --tokenizer-type TikTokenizer only (Megatron-LM ignores it with any other "

@@ -164,12 +164,12 @@ def tokenizer_info(args: argparse.Namespace) -> TokenizerInfo:
     kind = resolve_tokenizer_type(args, "GPT2BPETokenizer")
     if kind not in TOKENIZER_TYPES:
         raise DynaPipeError(f"--tokenizer-type {kind}: not supported; use one of {', '.join(TOKENIZER_TYPES)}.")
-    files = [f for f, v in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)) if v]
-    if kind.startswith("BertWordPiece"):
-        files = [f for f in files if f != "--vocab-file"]
-    if files and kind != "GPT2BPETokenizer":
-        raise DynaPipeError(f"{files[0]} is read by --tokenizer-type GPT2BPETokenizer only (not {kind}); drop it "
-                            f"or set the tokenizer type.")
+    readers = {"--vocab-file": ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase"),
+               "--merge-file": ("GPT2BPETokenizer",)}
+    for flag, value in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
+        if value and kind not in readers[flag]:
+            raise DynaPipeError(f"{flag} is read by --tokenizer-type {' / '.join(readers[flag])} only (not {kind}); "
+                                f"drop it or set the tokenizer type.")
     if kind != "NullTokenizer" and args.null_tokenizer_eod_id is not None:
         raise DynaPipeError(f"--null-tokenizer-eod-id is read by --tokenizer-type NullTokenizer only (not {kind}).")
     if args.null_tokenizer_pad_id != -1:

@@ -72,7 +72,8 @@ def _write(tmp_path, name, text):
     (f"--tokenizer-type GPT2BPETokenizer --vocab-file /nonexistent.json --merge-file {MERGES}",
      "--vocab-file '/nonexistent.json': no such file"),
     (f"--tokenizer-type ByteLevel --vocab-file {VOCAB} --merge-file {MERGES}",
-     "--vocab-file is read by --tokenizer-type GPT2BPETokenizer only"),
+     "--vocab-file is read by --tokenizer-type GPT2BPETokenizer / BertWordPieceLowerCase / BertWordPieceCase only "
+     "(not ByteLevel)"),
     ("--tokenizer-type NullTokenizer", "--tokenizer-type NullTokenizer needs --vocab-size N"),
     ("--tokenizer-type SentencePieceTokenizer --tokenizer-model m", "--tokenizer-type SentencePieceTokenizer: not supported"),
     ("--tokenizer-type HuggingFaceTokenizer", "needs --tokenizer-model"),
