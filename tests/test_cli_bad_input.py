@@ -299,9 +299,16 @@ def test_dp_above_the_samples_is_refused(tmp_path, capsys, dp):
 
 
 def test_dp_up_to_the_samples_still_plans_with_its_warning(tmp_path, capsys):
+    # DynaPipe splits its micro-batches until each of the 9 replicas has one.
     assert main(["plan", "--lengths", _lengths(tmp_path), *GPT7B, "--stages", "4", "--dp", "9",
                  "--output", str(tmp_path / "p.json")]) == 0
-    assert "replica(s) get no micro-batch" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "9 samples -> 9 micro-batches" in err and "get no micro-batch" not in err
+    # Packing's rows of --seq-length, one a micro-batch, leave 7 of them without one: said, not hidden.
+    assert main(["plan", "--lengths", _lengths(tmp_path), *GPT7B, "--stages", "8", "--dp", "9",
+                 "--batching", "packing", "--micro-batch-size", "1", "--output", str(tmp_path / "q.json")]) == 0
+    err = capsys.readouterr().err
+    assert "9 samples -> 2 micro-batches" in err and "warning: 7 replica(s) get no micro-batch" in err
 
 
 @pytest.mark.parametrize("command", ["plan", "trace"])
