@@ -34,6 +34,12 @@ def _one_of(args, flag_a: str, flag_b: str):
     return a if a is not None else b
 
 
+def typed_flag(args, flag_a: str, flag_b: str) -> str:
+    """``--flag_a`` where the user typed it, else ``--flag_b``: of two spellings of one setting
+    (see :func:`_one_of`), the one an error should name."""
+    return f"--{flag_a}" if getattr(args, flag_a.replace("-", "_"), None) is not None else f"--{flag_b}"
+
+
 def _unsupported(flag: str, reason: str) -> DynaPipeError:
     return DynaPipeError(f"{flag} is a Megatron-LM flag that dynapipe-megatron does not support: {reason}")
 

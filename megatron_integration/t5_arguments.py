@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Optional
 
 from dynapipe.errors import DynaPipeError
-from megatron_integration.args_checks import _one_of, _unsupported_value
+from megatron_integration.args_checks import _one_of, _unsupported_value, typed_flag
 from megatron_integration.arguments import (_positive, _unsupported, build_parser, resolve_cuda,
                                             training_config_from_args)
 from megatron_integration.t5_config import T5TrainingConfig
@@ -53,20 +53,22 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
     """Validate parsed T5 arguments for a job of ``world_size`` ranks and build the config."""
     resolve_tokenizer_type(args, "BertWordPieceLowerCase")  # Megatron-LM's pretrain_t5.py default
     cuda = resolve_cuda(cuda)
-    enc_layers = _positive("encoder-num-layers", _required_one_of(args, "num-layers", "encoder-num-layers"))
+    # Errors name the spelling typed: --num-layers / --seq-length are the encoder's, as in Megatron-LM.
+    layers_flag, seq_flag = typed_flag(args, "num-layers", "encoder-num-layers"), typed_flag(args, "seq-length",
+                                                                                             "encoder-seq-length")
+    enc_layers = _positive(layers_flag[2:], _required_one_of(args, "num-layers", "encoder-num-layers"))
     dec_layers = _positive("decoder-num-layers", args.decoder_num_layers) or enc_layers
-    enc_seq = _positive("encoder-seq-length", _required_one_of(args, "seq-length", "encoder-seq-length"))
+    enc_seq = _positive(seq_flag[2:], _required_one_of(args, "seq-length", "encoder-seq-length"))
     if enc_seq < 2:  # the data's length limits need two tokens; found here, before any model is built
-        typed = "--seq-length" if args.seq_length is not None else "--encoder-seq-length"
-        raise DynaPipeError(f"{typed} {enc_seq}: must be at least 2 tokens.")
+        raise DynaPipeError(f"{seq_flag} {enc_seq}: must be at least 2 tokens.")
     if args.decoder_seq_length is None:
         raise DynaPipeError("--decoder-seq-length is required for T5 (the longest target in tokens).")
     dec_seq = _positive("decoder-seq-length", args.decoder_seq_length)
     max_pos = (max(enc_seq, dec_seq) if args.max_position_embeddings is None
                else _positive("max-position-embeddings", args.max_position_embeddings))
-    for flag, length in (("encoder-seq-length", enc_seq), ("decoder-seq-length", dec_seq)):
+    for flag, length in ((seq_flag, enc_seq), ("--decoder-seq-length", dec_seq)):
         if length > max_pos:
-            raise DynaPipeError(f"--{flag} {length} exceeds --max-position-embeddings {max_pos}; raise it to at "
+            raise DynaPipeError(f"{flag} {length} exceeds --max-position-embeddings {max_pos}; raise it to at "
                                 f"least {length}.")
     pp = args.pipeline_model_parallel_size
     # One virtual stage per rank is no interleaving: Megatron-LM reads it so, and so here. Its
@@ -117,7 +119,7 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
     total = enc_layers + dec_layers
     placement_flag = (getattr(args, "dynapipe_placement", None) or "even").strip()
     if placement_flag == "even" and (pp > total or total % pp):
-        raise DynaPipeError(f"--encoder-num-layers {enc_layers} + --decoder-num-layers {dec_layers} = {total} "
+        raise DynaPipeError(f"{layers_flag} {enc_layers} + --decoder-num-layers {dec_layers} = {total} "
                             f"layers cannot be split evenly over --pipeline-model-parallel-size {pp}; use a "
                             f"divisor of {total}.")
     batching = args.dynapipe_batching or ("dynapipe" if args.use_dynapipe else "padding")

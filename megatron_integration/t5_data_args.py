@@ -16,7 +16,7 @@ from typing import Optional
 from dynapipe.data.indexed import check_indexed_files
 from dynapipe.data.splits import MEGATRON_DEFAULT_SPLIT, documents_per_split, parse_split
 from dynapipe.errors import DynaPipeError
-from megatron_integration.args_checks import _fraction
+from megatron_integration.args_checks import _fraction, typed_flag
 from megatron_integration.data_args import is_jsonl
 from megatron_integration.t5_span_data import SpanCorruptionConfig
 from megatron_integration.wordpiece import WORDPIECE_TYPES
@@ -125,8 +125,9 @@ def span_corruption_from_args(args: argparse.Namespace, base, dec_seq: int) -> O
                                default=DEFAULTS["short_seq_prob"])
     enc_seq = base.model.seq_length
     if enc_seq < 4:
-        raise DynaPipeError(f"--encoder-seq-length {enc_seq}: too short for T5 span corruption, whose samples hold "
-                            f"--encoder-seq-length - 2 text tokens; use at least 4.")
+        flag = typed_flag(args, "seq-length", "encoder-seq-length")
+        raise DynaPipeError(f"{flag} {enc_seq}: too short for T5 span corruption, whose samples hold "
+                            f"{flag} - 2 text tokens; use at least 4.")
     if base.data.tokens_per_global_batch:
         raise DynaPipeError("--dynapipe-tokens-per-global-batch: Megatron's T5 dataset draws --train-iters x "
                             "--global-batch-size samples; give global batches by --global-batch-size.")

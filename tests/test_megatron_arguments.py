@@ -1,4 +1,6 @@
 """Megatron-style arguments: valid command lines build a config; invalid ones fail clearly."""
+import re
+
 import pytest
 
 from dynapipe.errors import DynaPipeError
@@ -361,6 +363,17 @@ def test_t5_errors_from_the_shared_checks_name_the_flags_the_user_typed():
     for typed in ("--encoder-seq-length", "--seq-length"):
         with pytest.raises(DynaPipeError, match=f"^{typed} 1: must be at least 2 tokens"):
             parse_t5_args(TINY.replace("--encoder-seq-length 128", f"{typed} 1").split(), 2, cuda=False)
+    # T5's own checks name the spelling typed too: Megatron-LM's --num-layers / --seq-length.
+    megatron_spelling = TINY.replace("--encoder-seq-length", "--seq-length").replace("--encoder-num-layers",
+                                                                                    "--num-layers")
+    for extra, world, message in (
+            ("--max-position-embeddings 100", 2, "--seq-length 128 exceeds --max-position-embeddings 100"),
+            ("--pipeline-model-parallel-size 3", 3, "--num-layers 2 + --decoder-num-layers 2 = 4 layers cannot be split"),
+            ("--num-layers 0", 2, "--num-layers 0: must be positive")):
+        argv = (megatron_spelling.replace("--num-layers 2", "") + " " + extra if "--num-layers" in extra
+                else megatron_spelling + " " + extra).split()
+        with pytest.raises(DynaPipeError, match=f"^{re.escape(message)}"):
+            parse_t5_args(argv, world, cuda=False)
 
 
 def test_flags_of_another_batching_or_of_mock_data_are_refused_not_ignored(tmp_path):
