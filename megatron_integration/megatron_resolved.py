@@ -21,7 +21,8 @@ NEGATED = (("no_masked_softmax_fusion", "masked_softmax_fusion"),
 def megatron_resolved_args(recorded: dict, cfg) -> dict:
     """``recorded`` (the parsed arguments, plain values) with what Megatron-LM's validation
     derives for the run ``cfg`` (a DynaPipeTrainingConfig): model widths and the padded
-    vocabulary, parallel sizes, iterations and schedule lengths (iterations), the resolved NaN
+    vocabulary, the layers' implementation (local on CPUs), parallel sizes, iterations and
+    schedule lengths (iterations), the resolved NaN
     check, recompute granularity, transfer overlap, weight-decay range, data split, and the
     positive names of this project's ``--no-*-fusion`` flags. This project's own keys stay."""
     m, p, o = cfg.model, cfg.parallel, cfg.optimizer
@@ -55,6 +56,8 @@ def megatron_resolved_args(recorded: dict, cfg) -> dict:
         # --recompute-activations is Megatron-LM's shorthand for selective; it deletes the flag.
         recompute_granularity=cfg.recompute.granularity,
         use_distributed_optimizer=o.distributed,
+        # The layers built: Transformer Engine's only on GPUs (Megatron-LM's default names it on CPUs too).
+        transformer_impl=m.transformer_impl,
         # Megatron-LM derives it from the format (its --use-dist-ckpt flag is a deprecated no-op).
         use_dist_ckpt=cfg.ckpt_format == "torch_dist")
     values.pop("recompute_activations", None)

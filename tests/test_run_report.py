@@ -129,7 +129,8 @@ def test_dump_holds_what_megatron_lms_validation_leaves_under_its_names():
                     rerun_mode="disabled", overlap_p2p_comm=False, encoder_num_layers=2, encoder_seq_length=128,
                     start_weight_decay=0.05, end_weight_decay=0.05, add_bias_linear=True, add_qkv_bias=True,
                     bias_dropout_fusion=False, masked_softmax_fusion=True, layernorm_epsilon=1e-6,
-                    use_dist_ckpt=True)
+                    use_dist_ckpt=True, transformer_impl="local")  # Megatron-LM's default names TE: not on CPUs
+    assert args.transformer_impl == "transformer_engine"
     assert {k: dumped.get(k) for k in expected} == expected
     # Megatron-LM deletes the shorthand and holds no negative spellings.
     for gone in ("recompute_activations", "disable_bias_linear", "no_bias_dropout_fusion", "norm_epsilon"):
@@ -154,7 +155,8 @@ def test_t5_dump_names_lengths_and_depths_as_megatron_lm_resolves_them():
     text = "\n".join(argument_dump(t5_resolved_args(args, t5_config_from_args(args, 1, cuda=False)))) + "\n"
     for name, value in (("num_layers", 3), ("encoder_num_layers", 3), ("decoder_num_layers", 1),
                         ("seq_length", 96), ("encoder_seq_length", 96), ("decoder_seq_length", 160),
-                        ("max_position_embeddings", 160), ("ffn_hidden_size", 256), ("kv_channels", 16)):
+                        ("max_position_embeddings", 160), ("ffn_hidden_size", 256), ("kv_channels", 16),
+                        ("transformer_impl", "local")):  # T5's stages are megatron-core's local layers
         assert f"  {name} {'.' * (48 - len(name))} {value}\n" in text, name
 
 
