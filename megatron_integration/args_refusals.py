@@ -213,10 +213,11 @@ def _model_flags_honoured(args: argparse.Namespace, cuda: bool) -> None:
                                  "megatron-core's inference-only layers do not train; use transformer_engine or "
                                  "local")
     local_layers = args.transformer_impl == "local" or not cuda
-    # local: megatron-core's own DotProductAttention, which local layers are built with.
-    if args.attention_backend != "auto" and not (args.attention_backend == "local" and local_layers):
+    # local: megatron-core's own DotProductAttention, which local layers are built with; it is an
+    # unfused one too (megatron-core's unfused backend only steers Transformer Engine's choice).
+    if args.attention_backend != "auto" and not (args.attention_backend in ("local", "unfused") and local_layers):
         raise _unsupported_value("--attention-backend", args.attention_backend,
-                                 "megatron-core chooses the backend (auto), or local with local layers "
+                                 "megatron-core chooses the backend (auto), or local / unfused with local layers "
                                  "(--transformer-impl local, or on CPU); drop it")
     if args.transformer_impl == "transformer_engine" and cuda:
         from megatron_integration.model import te_available

@@ -96,6 +96,7 @@ def test_transformer_impl_picks_the_gpu_layers(monkeypatch):
 @pytest.mark.parametrize("extra, cuda", [
     ("--attention-backend flash", True),
     ("--attention-backend local", True),  # Transformer Engine's layers (Megatron-LM's default) on GPUs
+    ("--attention-backend unfused", True),  # Transformer Engine's unfused kernel: not steered here
     ("--optimizer sgd", False),
 ])
 def test_values_that_cannot_be_honoured_are_refused(extra, cuda):
@@ -107,6 +108,9 @@ def test_values_that_cannot_be_honoured_are_refused(extra, cuda):
 def test_the_attention_backend_local_layers_use_is_accepted():
     assert parse("--attention-backend local", cuda=False).model.num_layers == 2
     assert parse("--attention-backend local --transformer-impl local", cuda=True).model.num_layers == 2
+    # megatron-core's local attention is unfused too (Megatron-LM's T5 test configs name it so).
+    assert parse("--attention-backend unfused", cuda=False).model.num_layers == 2
+    assert parse("--attention-backend unfused --transformer-impl local", cuda=True).model.num_layers == 2
 
 
 def test_megatron_lm_launch_scripts_refused_flags_are_named_all_at_once(capsys):
