@@ -197,7 +197,9 @@ def check_added_ids(sample: dict, n_in: int, n_out: int, vocab: WordPieceVocab, 
     enc, labels = np.asarray(sample["text_enc"][:n_in]), np.asarray(sample["labels"][:n_out])
     in_enc, in_labels = enc[np.isin(enc, added)].tolist(), labels[np.isin(labels, added)].tolist()
     k = len(in_enc)
-    stray = _first_stray(in_enc, sentinels[:k]) or _first_stray(in_labels, sentinels[:k] + [vocab.eos])
+    stray = _first_stray(in_enc, sentinels[:k])
+    if stray is None:
+        stray = _first_stray(in_labels, sentinels[:k] + [vocab.eos])
     if stray is None:
         return
     raise DynaPipeError(f"{where}: the data holds token id {stray}, which is {vocab.inv_vocab[stray]} here: "
