@@ -58,6 +58,9 @@ class ResumeState:
 # ``extra``, an attribute of a torch_dist checkpoint's Megatron ``args`` (read before the load:
 # checkpoint_formats.recorded_training_blend).
 BLEND_RECORD_KEY = "dynapipe_training_blend"
+# In ``extra``: the fixed global batch (samples) the schedule's steps were taken at; None under a
+# token budget, absent in checkpoints of earlier builds.
+GLOBAL_BATCH_KEY = "global_batch_size"
 
 
 # A tracker that reads "release" names Megatron-LM's release checkpoint: directory release/,
@@ -232,14 +235,16 @@ def latest_iteration(root: str) -> Optional[int]:
 def load_checkpoint(root: str, gpt: torch.nn.Module, optimizer, scheduler, info: RankInfo,
                     load_optim: bool = True, load_rng: bool = True,
                     check_extra: Optional[Callable[[dict, str], None]] = None,
-                    dtype: Optional[str] = None) -> Optional[ResumeState]:
+                    dtype: Optional[str] = None, run_batch: Optional[int] = None) -> Optional[ResumeState]:
     """Restore this rank's part of the newest checkpoint under ``root``; collective.
 
     Returns None when ``root`` holds no checkpoint yet (a fresh start). Every file is
     verified against its checksum first. ``check_extra(extra, path)`` may refuse what
     :func:`save_checkpoint` recorded in ``extra`` (raising :class:`DynaPipeError`) before
     anything is loaded; ``dtype`` (this run's ``fp32``/``bf16``/``fp16``) refuses an optimizer state
-    saved in the other of full and mixed precision. A rank that cannot load its part makes every rank raise the same
+    saved in the other of full and mixed precision; ``run_batch``: this run's fixed global batch
+    (samples; None under a token budget), against which the schedule's recorded one is read
+    (:func:`~megatron_integration.scheduler_state.load_scheduler_state`). A rank that cannot load its part makes every rank raise the same
     one-line error, so none goes on to wait for it in training; the distributed optimizer's
     collective load starts only once every rank has read and applied its own files.
     """
@@ -249,7 +254,7 @@ def load_checkpoint(root: str, gpt: torch.nn.Module, optimizer, scheduler, info:
     if read is None:
         return None
     payload, main, optim_path, rng = read
-    _, error = attempt(lambda: _apply_rank(payload, main, gpt, optimizer, scheduler, load_optim, rng),
+    _, error = attempt(lambda: _apply_rank(payload, main, gpt, optimizer, scheduler, load_optim, rng, run_batch),
                        f"loading {main} (rank {info.rank})", "resume with the arguments it was saved with, or "
                        "with --no-load-optim / --no-load-rng")
     same_error_everywhere(error)
@@ -330,7 +335,7 @@ def _read_rank(root: str, info: RankInfo, optimizer, load_optim: bool, load_rng:
 
 
 def _apply_rank(payload: dict, main: str, gpt: torch.nn.Module, optimizer, scheduler, load_optim: bool,
-                rng: Optional[dict]) -> None:
+                rng: Optional[dict], run_batch: Optional[int] = None) -> None:
     try:
         gpt.load_state_dict(payload["model"], strict=True)
     except RuntimeError as e:
@@ -342,7 +347,8 @@ def _apply_rank(payload: dict, main: str, gpt: torch.nn.Module, optimizer, sched
         align_schedule_bounds(payload["optimizer"], optimizer,
                               getattr(scheduler, "use_checkpoint_opt_param_scheduler", False))
         optimizer.load_state_dict(payload["optimizer"])
-        load_scheduler_state(scheduler, payload["scheduler"], main)
+        load_scheduler_state(scheduler, payload["scheduler"], main,
+                             checkpoint_batch=(payload.get("extra") or {}).get(GLOBAL_BATCH_KEY), run_batch=run_batch)
     else:
         # As Megatron-LM (and the torch_dist path): half-precision runs keep fp32 main copies of
         # the weights in the optimizer; without its state they must come from the loaded

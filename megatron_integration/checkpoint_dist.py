@@ -49,7 +49,7 @@ from megatron_integration.checkpoint_files import CHECKSUM_SUFFIX, verify_file
 from megatron_integration.initialize import RankInfo
 from megatron_integration.checkpoint_compat import check_optimizer_resharding, model_mismatch, scheduler_units
 from megatron_integration.megatron_resolved import megatron_resolved_args
-from megatron_integration.scheduler_state import align_schedule_bounds, load_scheduler_state
+from megatron_integration.scheduler_state import align_schedule_bounds, fixed_global_batch, load_scheduler_state
 
 CHECKPOINT_VERSION = 3.0
 
@@ -323,9 +323,12 @@ def load_dist(iter_dir: str, cfg, gpt, optimizer, scheduler, info: RankInfo, loa
                               getattr(scheduler, "use_checkpoint_opt_param_scheduler", False))
         optimizer.load_state_dict(loaded["optimizer"])
         if "opt_param_scheduler" in loaded:
+            units = scheduler_units(ckpt_args)
+            saved_batch = getattr(ckpt_args, "global_batch_size", None)
             load_scheduler_state(scheduler, loaded["opt_param_scheduler"], iter_dir, int(common.get("iteration", 0)),
-                                 getattr(ckpt_args, "consumed_train_samples", None),
-                                 getattr(ckpt_args, "global_batch_size", None), scheduler_units(ckpt_args))
+                                 getattr(ckpt_args, "consumed_train_samples", None), saved_batch, units,
+                                 checkpoint_batch=saved_batch if units != "iterations" else None,
+                                 run_batch=fixed_global_batch(cfg))
     else:
         # As Megatron-LM: half-precision runs keep fp32 main copies of the weights in the
         # optimizer; without its state they are refreshed from the loaded weights.

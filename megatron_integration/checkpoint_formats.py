@@ -24,10 +24,12 @@ from typing import Callable, Optional
 from dynapipe.errors import DynaPipeError
 from megatron_integration import checkpoint_compat, checkpoint_dist, checkpoint_dist_save
 from megatron_integration.agreement import attempt, everyone, same_error_everywhere
-from megatron_integration.checkpoint import (BLEND_RECORD_KEY, LATEST, RELEASE, ResumeState, _iter_dir, _rank_dir,
-                                             latest_iteration, load_checkpoint, publish_latest, save_checkpoint)
+from megatron_integration.checkpoint import (BLEND_RECORD_KEY, GLOBAL_BATCH_KEY, LATEST, RELEASE, ResumeState,
+                                             _iter_dir, _rank_dir, latest_iteration, load_checkpoint, publish_latest,
+                                             save_checkpoint)
 from megatron_integration.checkpoint_files import CHECKSUM_SUFFIX
 from megatron_integration.initialize import RankInfo
+from megatron_integration.scheduler_state import fixed_global_batch
 from megatron_integration.train_config import DistCkptArgs
 
 CKPT_FORMATS = ("torch_dist", "dynapipe")
@@ -65,14 +67,15 @@ def save(cfg, iteration: int, consumed_samples: int, gpt, optimizer, scheduler, 
         iter_dir = _iter_dir(root, iteration)
         args = checkpoint_dist.megatron_args(cfg.megatron_args, cfg, info, iteration, consumed_samples)
         vars(args).update({**(args_update or {}), **blend})
-        fixed_batch = None if cfg.data.tokens_per_global_batch else cfg.global_batch_size
         checkpoint_dist_save.save_dist(iter_dir, iteration, gpt, optimizer, scheduler, info, args,
-                                       cfg.optimizer.distributed, cfg.dist_ckpt.fully_parallel_save, fixed_batch,
-                                       flops_so_far)
+                                       cfg.optimizer.distributed, cfg.dist_ckpt.fully_parallel_save,
+                                       fixed_global_batch(cfg), flops_so_far)
         publish_latest(root, iteration, info)
     else:
-        # The model's Megatron-LM arguments, compared on load as torch_dist's recorded args are.
-        extra = {**(extra or {}), **blend, "model_args": checkpoint_compat.recorded_model_args(cfg, model_values)}
+        # The model's Megatron-LM arguments, compared on load as torch_dist's recorded args are,
+        # and the fixed global batch the schedule's steps were taken at (None: a token budget).
+        extra = {**(extra or {}), **blend, "model_args": checkpoint_compat.recorded_model_args(cfg, model_values),
+                 GLOBAL_BATCH_KEY: fixed_global_batch(cfg)}
         iter_dir = save_checkpoint(root, iteration, consumed_samples, gpt, optimizer, scheduler, info, extra=extra,
                                    dtype=cfg.model.dtype, flops_so_far=flops_so_far)
     log(f"  [{_now()}] successfully saved checkpoint from iteration {iteration:7d} to {root} {_layout(info)}")
@@ -141,15 +144,18 @@ def check_adam_settings(optimizer, opt, where: str) -> None:
                                     f"{flag} {float(saved):g}, or add --no-load-optim to start a fresh optimizer.")
 
 
-def override_group_lrs(optimizer, scheduler, opt, iteration: int) -> None:
+def override_group_lrs(optimizer, scheduler, opt, iteration: int, consumed_samples: Optional[int] = None,
+                       run_batch: Optional[int] = None) -> None:
     """Under ``--override-opt_param-scheduler``, the loaded optimizer's parameter groups take
     this run's ``--lr``/``--min-lr`` (``--decoupled-lr``/``--decoupled-min-lr`` for the
     decoupled groups), as Megatron-LM's ``load_checkpoint`` sets them: the optimizer state
     restores the saved bounds, and megatron-core's scheduler reads the groups' over its own.
     The schedule resumes at ``iteration`` (iterations done), as Megatron-LM's sets its step
     count to the consumed samples: the saved count leaves out iterations skipped on an fp16
-    overflow, so the new schedule would start behind the data."""
-    scheduler.num_steps = iteration
+    overflow, so the new schedule would start behind the data. With this run's fixed global
+    batch ``run_batch`` (samples) it resumes at ``consumed_samples / run_batch``, Megatron-LM's
+    count in this run's steps, which differs where the checkpoint's batch did."""
+    scheduler.num_steps = consumed_samples / run_batch if consumed_samples is not None and run_batch else iteration
     for group in optimizer.param_groups:
         decoupled = group.get("is_decoupled_lr", False)
         max_lr = opt.decoupled_lr if decoupled else opt.lr
@@ -264,11 +270,12 @@ def load(cfg, gpt, optimizer, scheduler, info: RankInfo, log: Log,
                 check_extra(extra, path)
 
         resumed = load_checkpoint(root, gpt, optimizer, scheduler, info, load_optim, load_rng,
-                                  check_model_then_extra, cfg.model.dtype)
+                                  check_model_then_extra, cfg.model.dtype, run_batch=fixed_global_batch(cfg))
     if load_optim:
         check_adam_settings(optimizer, cfg.optimizer, iter_dir)
     if load_optim and cfg.optimizer.override_scheduler:
-        override_group_lrs(optimizer, scheduler, cfg.optimizer, resumed.iteration)
+        override_group_lrs(optimizer, scheduler, cfg.optimizer, resumed.iteration, resumed.consumed_samples,
+                           fixed_global_batch(cfg))
     if cfg.finetune or release:
         resumed = ResumeState(iteration=0, consumed_samples=0)  # and no FLOPs: a new run
     log(f"  successfully loaded checkpoint from {root} {_layout(info)} at iteration {resumed.iteration}")

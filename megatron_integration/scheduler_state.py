@@ -30,14 +30,20 @@ STEP_KEYS = ("lr_warmup_steps", "num_steps", "lr_decay_steps", "wd_incr_steps")
 UNITS_ARG = "dynapipe_scheduler_units"
 
 
+def fixed_global_batch(cfg) -> Optional[int]:
+    """The run's global batch in samples, None where a token budget forms the batches (their
+    sample counts vary); ``cfg``: a DynaPipeTrainingConfig."""
+    return None if cfg.data.tokens_per_global_batch else cfg.global_batch_size
+
+
 def in_samples(state: dict, samples_per_iteration: Optional[int]) -> dict:
     """``state`` (a scheduler state in iterations: one step a successful optimizer step; an fp16
     overflow skips it, as Megatron-LM skips its own) in Megatron-LM's units, samples, for a run of
     ``samples_per_iteration`` samples an iteration: every count times the global batch, as
     Megatron-LM counts its bounds and steps (its steps add each stepped iteration's samples).
-    After a ``--global-batch-size`` change on an earlier resume the step count is the steps at
-    this batch, not the samples they took (which Megatron-LM would hold): this project's
-    schedule is counted in iterations. Unchanged when the batch is not fixed (None: global
+    A resume at another ``--global-batch-size`` reads the checkpoint's counts at its own batch
+    (:func:`load_scheduler_state`), so the counts saved here are Megatron-LM's too. Unchanged
+    when the batch is not fixed (None: global
     batches formed by a token budget, whose sample counts vary)."""
     if not samples_per_iteration:
         return dict(state)
@@ -72,17 +78,30 @@ def _in_iterations(state: dict, scheduler, iteration: Optional[int], consumed_sa
 
 def load_scheduler_state(scheduler, state: dict, where: str, iteration: Optional[int] = None,
                          consumed_samples: Optional[int] = None, samples_per_iteration: Optional[int] = None,
-                         units: Optional[str] = None) -> None:
+                         units: Optional[str] = None, checkpoint_batch: Optional[int] = None,
+                         run_batch: Optional[int] = None) -> None:
     """Load ``state`` (a checkpoint's scheduler state) into ``scheduler``; ``where``: the
     checkpoint, for the message; ``iteration``, ``consumed_samples``, ``samples_per_iteration``
     (the global batch) and ``units`` (:data:`UNITS_ARG`), all the checkpoint's, say how a state
-    in samples is read in iterations (:func:`_in_iterations`). Raises :class:`DynaPipeError`
-    when a value differs and neither flag says which one to keep."""
+    in samples is read in iterations (:func:`_in_iterations`). ``checkpoint_batch`` and
+    ``run_batch``: the fixed global batches (samples) of the checkpoint's run and of this one
+    (None: a token budget, or not recorded); where they differ the checkpoint's counts are read
+    at this run's batch, as Megatron-LM, whose schedule counts samples and steps by the batch
+    of the run that resumes, reads them: its bounds then differ from this run's and are refused
+    unless a flag picks a schedule. Raises :class:`DynaPipeError` when a value differs and
+    neither flag says which one to keep."""
+    mine = _in_iterations(state, scheduler, iteration, consumed_samples, samples_per_iteration, units)
+    rebatched = bool(checkpoint_batch and run_batch and checkpoint_batch != run_batch)
+    if rebatched:
+        mine = {k: (v * checkpoint_batch / run_batch if k in STEP_KEYS and v is not None else v)
+                for k, v in mine.items()}
     try:
-        scheduler.load_state_dict(_in_iterations(state, scheduler, iteration, consumed_samples,
-                                                 samples_per_iteration, units))
+        scheduler.load_state_dict(mine)
     except AssertionError as e:
         detail = " ".join(str(e).replace("checkpointvalue", "checkpoint value").split())
+        if rebatched:
+            detail += (f"; the checkpoint's steps read at this run's --global-batch-size {run_batch}, its own "
+                       f"{checkpoint_batch}, as Megatron-LM counts the schedule in samples")
         raise DynaPipeError(f"{where}: the checkpoint's learning-rate schedule differs from this run's arguments "
                             f"({detail}); resume with the arguments it was saved with, or add "
                             f"--override-opt_param-scheduler (use this run's) or "

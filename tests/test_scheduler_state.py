@@ -286,3 +286,49 @@ def test_a_checkpoint_whose_decoupled_group_was_not_flagged_pairs_by_position():
     assert [g["is_decoupled_lr"] for g in saved["param_groups"]] == [False, False, True]
     paired = MegatronOptimizer._filter_and_reorder_param_groups(run.param_groups, saved["param_groups"])
     assert [len(g["params"]) for g in paired] == [2, 1, 2] and paired[2]["max_lr"] == 0.02
+
+
+def test_a_resume_at_another_global_batch_reads_the_schedule_in_samples_as_megatron_lm():
+    # 3 iterations of 8 samples toward 6 (Megatron-LM: 24 of 48 samples). Resumed at 16 a batch,
+    # Megatron-LM's schedule is 96 samples: refused without a flag, naming both batches.
+    saved = _megatron_lm_scheduler(0, 6, 1)
+    for _ in range(3):
+        saved.step(increment=1)
+    state = saved.state_dict()
+    with pytest.raises(DynaPipeError, match=r"schedule differs .*--global-batch-size 16, its own 8, as Megatron-LM "
+                                            r"counts the schedule in samples.*--override-opt_param-scheduler"):
+        load_scheduler_state(_megatron_lm_scheduler(0, 6, 1), state, "ckpt", checkpoint_batch=8, run_batch=16)
+    # The same batch, or a batch not recorded (older checkpoints, token budgets), loads as before.
+    load_scheduler_state(_megatron_lm_scheduler(0, 6, 1), state, "ckpt", checkpoint_batch=8, run_batch=8)
+    load_scheduler_state(_megatron_lm_scheduler(0, 6, 1), state, "ckpt", checkpoint_batch=None, run_batch=16)
+    # Either flag follows Megatron-LM's rates from then on: its own scheduler in samples, stepped by 16.
+    for flag, decay_samples in (("override_opt_param_scheduler", 96), ("use_checkpoint_opt_param_scheduler", 48)):
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        ours = _megatron_lm_scheduler(0, 6, 1)
+        setattr(ours, flag, True)
+        load_scheduler_state(ours, state, "ckpt", checkpoint_batch=8, run_batch=16)
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+        theirs = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=0,
+                                         lr_decay_steps=decay_samples, lr_decay_style="cosine", start_wd=0.01,
+                                         end_wd=0.01, wd_incr_steps=decay_samples, wd_incr_style="constant")
+        theirs.num_steps = 24
+        for _ in range(3):
+            ours.step(increment=1)
+            theirs.step(increment=16)
+            assert ours.get_lr(ours.optimizer.param_groups[0]) == pytest.approx(
+                theirs.get_lr(theirs.optimizer.param_groups[0]), rel=1e-12), flag
+
+
+def test_override_resumes_at_megatron_lms_step_count_in_this_runs_batches():
+    from types import SimpleNamespace
+
+    from megatron_integration.checkpoint_formats import override_group_lrs
+
+    bounds = SimpleNamespace(lr=1e-3, min_lr=None, decoupled_lr=None, decoupled_min_lr=None)
+    sched = _megatron_lm_scheduler(0, 6, 1)
+    # 3 iterations of 8 samples resumed at 16 a batch: Megatron-LM's 24 samples, 1.5 of this run's steps.
+    override_group_lrs(sched.optimizer, sched, bounds, 3, consumed_samples=24, run_batch=16)
+    assert sched.num_steps == 1.5
+    override_group_lrs(sched.optimizer, sched, bounds, 3, consumed_samples=24, run_batch=None)  # a token budget
+    assert sched.num_steps == 3
