@@ -92,9 +92,9 @@ def test_checkpoints_hold_megatron_lms_units_and_either_side_resumes_the_others_
 
 
 def test_a_checkpoint_after_a_global_batch_change_resumes_at_its_steps():
-    # 2 iterations of 4 samples, then a resume at 8 a batch for 2 more (4 steps). The schedule is
-    # counted in iterations here: saved as Megatron-LM's units at this batch (4 x 8), recorded as
-    # samples, and read back by the batch it was saved with, whatever the consumed samples (24).
+    # A checkpoint whose 4 steps at 8 a batch (32 samples) are not its consumed samples (24, an
+    # earlier part at 4 a batch): recorded as samples, read back by the batch it was saved with,
+    # not by the mean batch the consumed samples would suggest.
     from megatron_integration.scheduler_state import in_samples
 
     ours = _megatron_lm_scheduler(1, 6, 1)
