@@ -188,7 +188,9 @@ JSONL = {
     "deep": ('{"text": ' + "[" * 100000 + "]" * 100000 + '}\n', ":1", "nested too deeply"),
     "invalid_utf8": (b'{"text": "\xff\xfe"}\n', ":1", "JSON"),
     "no_samples": ("\n\n", "hold no samples", "no samples"),
-    "only_empty_texts": ('{"text": ""}\n{"text": ""}\n', "every sample is one token or none", "nothing to predict"),
+    # An empty text is its end-of-document token alone: nothing to predict, named by its line.
+    "only_empty_texts": ('{"text": ""}\n{"text": ""}\n', ":1", "the 'text' field is empty after tokenising"),
+    "an_empty_text": ('{"text": "ok fine"}\n{"text": ""}\n', ":2", "the 'text' field is empty after tokenising"),
     # A multi-task record's empty target would teach only the end-of-document token: named, as is
     # an encoder-decoder record's empty input (below), where "the sample tokenises to no tokens" was wrong.
     "empty_target": ('{"input": "a", "target": ""}\n', ":1", "the 'target' field is empty after tokenising"),

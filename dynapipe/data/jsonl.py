@@ -87,6 +87,8 @@ def _parse_file(path: str, tokenizer, encoder_decoder: bool, append_eod: bool,
             # token, and an encoder needs an input token to attend to.
             empty_fields = [name for name, toks in (("input", inp), ("target", tgt[:tgt.shape[0] - eod.shape[0]]))
                             if toks.shape[0] == 0 and "input" in obj and (name == "target" or encoder_decoder)]
+            if "text" in obj and "input" not in obj and tgt.shape[0] == eod.shape[0]:
+                empty_fields = ["text"]  # an end-of-document token alone: nothing to predict it from
             if empty_fields:
                 fields = " and ".join(repr(f) for f in empty_fields)
                 are = "fields are" if len(empty_fields) > 1 else "field is"
