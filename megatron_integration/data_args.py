@@ -218,6 +218,11 @@ def eval_args_from_args(args: argparse.Namespace, sources: Optional[dict] = None
     if interval is not None and interval <= 0:
         raise DynaPipeError(f"--eval-interval {interval}: must be positive (leave it out for no evaluation "
                             f"during training).")
+    if interval is not None and iters == 0:
+        # Megatron-LM evaluates nothing then, and says nothing: the interval would be dropped.
+        raise DynaPipeError(f"--eval-interval {interval} with --eval-iters 0: evaluation is off, so nothing runs "
+                            f"every {interval} iterations; drop --eval-interval, or give --eval-iters the global "
+                            f"batches to evaluate.")
     if sources is not None and iters:
         valid, test = eval_splits(sources)
         wanted = [(f"--eval-interval {interval}", valid, "validation set") if interval is not None else None,

@@ -76,6 +76,9 @@ def test_eval_flags_megatron_defaults_and_errors():
             parse_training_args(f"{BASE} {extra}".split(), 1, cuda=False)
     assert parse_training_args(f"{BASE} --split 90,0,10 --eval-iters 3".split(), 1, cuda=False).evaluation.eval_iters == 3
     assert parse_training_args(f"{BASE} --eval-iters 0".split(), 1, cuda=False).evaluation.eval_iters == 0
+    # An interval with evaluation off would be dropped without a word (as Megatron-LM drops it).
+    with pytest.raises(DynaPipeError, match=r"--eval-interval 1 with --eval-iters 0: evaluation is off"):
+        parse_training_args(f"{BASE} --split 80,10,10 --eval-iters 0 --eval-interval 1".split(), 1, cuda=False)
     for extra, needle in (("--eval-iters -1", "--eval-iters -1"), ("--eval-interval 0", "--eval-interval 0")):
         with pytest.raises(DynaPipeError, match=needle):
             parse_training_args(f"{BASE} {extra}".split(), 1, cuda=False)
