@@ -46,6 +46,10 @@ def dataset_config(cfg: DynaPipeTrainingConfig, split: str = "train") -> Optiona
         # Each split is a mixture of its own: the same distribution, other samples.
         common["seed"] = cfg.seed + SPLITS.index(split)
         return DatasetConfig(kind="synthetic", num_samples=d.mock_samples, mixture=d.mixture, **common)
+    # Token ids of files are checked against the tokenizer's vocabulary (or --vocab-size), not
+    # the padded one: an id in the padding is no token of it. Mock data keeps drawing below the
+    # padded size, as it always has.
+    common["vocab_size"] = cfg.model.unpadded_vocab_size or cfg.model.vocab_size
     every_path = (*d.data_path, *d.train_data_path, *d.valid_data_path, *d.test_data_path)
     check_jsonl_tokenizer(every_path, d.tokenizer_type)
     if d.train_data_path:

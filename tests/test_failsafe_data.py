@@ -25,7 +25,7 @@ def _idx_case(tmp_path, name):
     if name == "id_far_above":
         return write_indexed(p, [[5, 6], [7, 8], [2**30]]), ("data.bin", "sequence 2", "outside the vocabulary")
     if name == "negative_id":
-        return write_indexed(p, [[5, -1], [7, 8]]), ("data.bin", "sequence 0", "id -1")
+        return write_indexed(p, [[5, -1], [7, 8]]), ("data.bin", "sequence 0", "id -1", "never negative")
     if name == "uint16_above":
         return write_indexed(p, [[5, 6], [60000]], np.uint16), ("data.bin", "sequence 1", "id 60000")
     if name == "all_empty":
@@ -267,3 +267,24 @@ def test_an_encoder_decoder_record_with_an_empty_field_names_it(tmp_path):
     # A decoder-only record may have an empty input: the target is the text.
     p.write_text('{"input": "", "target": "w"}\n{"input": "a", "target": "b"}\n')
     assert len(DatasetConfig(kind="jsonl", seq_length=64, paths=(str(p),), vocab_size=384).build()) == 2
+
+
+def test_file_token_ids_are_checked_against_the_tokenizers_vocabulary_not_the_padded_one(tmp_path):
+    # NullTokenizer --vocab-size 450: 451 ids with its end-of-document one, padded to 512. An id
+    # in the padding (499) is no token of it: data of another vocabulary, refused.
+    from megatron_integration.arguments import parse_training_args
+    from megatron_integration.data import dataset_config
+
+    prefix = write_indexed(tmp_path / "data", [[5, 6, 7], [8, 499]])
+    argv = (f"--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --micro-batch-size 2 "
+            f"--global-batch-size 2 --lr 1e-3 --train-iters 1 --tokenizer-type NullTokenizer --vocab-size 450 "
+            f"--data-path {prefix} --split 100,0,0").split()
+    cfg = parse_training_args(argv, 1, cuda=False)
+    assert (cfg.model.unpadded_vocab_size, cfg.model.vocab_size) == (451, 512)
+    with pytest.raises(DynaPipeError, match=r"sequence 1, token 1 has id 499, outside the vocabulary \[0, 451\).*"
+                                            r"--vocab-size of at least 500"):
+        dataset_config(cfg).build()
+    # Mock data draws its ids below the padded size, as it always has.
+    mock = parse_training_args([a for a in argv if a not in (f"{prefix}", "--data-path")] + ["--mock-data"], 1,
+                               cuda=False)
+    assert dataset_config(mock).vocab_size == 512

@@ -270,13 +270,17 @@ class MegatronIndexedDataset(SampleDataset):
             bad = first_bad_token(prefix, self._handle(prefix), vocab_size, self.mmap)
             if bad is not None:
                 seq, pos, token = bad
+                where = f"{prefix}.bin: sequence {seq}, token {pos} has id {token}"
+                if token < 0:
+                    raise DynaPipeError(f"{where}: token ids are never negative; the file is damaged or was "
+                                        f"not written as token ids of its .idx's dtype; rebuild it.")
                 # The model's vocabulary is the tokenizer's where one is given (--vocab-size is then
                 # refused), so the fix is the tokenizer the data was built with, not a bigger size.
-                raise DynaPipeError(f"{prefix}.bin: sequence {seq}, token {pos} has id {token}, outside the "
-                                    f"vocabulary [0, {vocab_size}) (the tokenizer's, or --vocab-size without "
-                                    f"one): the data was tokenised with a larger vocabulary; give the tokenizer "
-                                    f"it was built with (--tokenizer-type and its files), or rebuild it with "
-                                    f"the model's.")
+                raise DynaPipeError(f"{where}, outside the vocabulary [0, {vocab_size}) (the tokenizer's, or "
+                                    f"--vocab-size without one): the data was tokenised with a larger vocabulary; "
+                                    f"give the tokenizer it was built with (--tokenizer-type and its files; "
+                                    f"without one, --vocab-size of at least {token + 1}), or rebuild it with the "
+                                    f"model's.")
 
     def __getstate__(self):
         state = dict(self.__dict__)
