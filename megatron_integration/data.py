@@ -115,9 +115,18 @@ def data_summary_lines(cfg: DynaPipeTrainingConfig, config_of=None) -> list[str]
         # Span-corrupted T5 samples are not documents cut into pieces: they say what they are.
         line_of = getattr(dataset, "summary_line", None)
         lines.append(line_of(split) if line_of is not None else summarize(dataset).line(split, cfg.model.seq_length))
-        if split == "train" and cfg.data.tokens_per_global_batch:
-            # The sampler refuses a budget above the data's tokens (after truncation).
-            GlobalBatchSampler(dataset.sample_tokens(), sampler_config(cfg, config))
+        budget = cfg.data.tokens_per_global_batch
+        if split == "train" and budget:
+            # The sampler refuses a budget above the data's tokens (after truncation); one below a
+            # sample would put that sample alone in a batch over the budget.
+            tokens = dataset.sample_tokens()
+            longest = int(tokens.max()) if len(tokens) else 0
+            if budget < longest:
+                raise DynaPipeError(f"--dynapipe-tokens-per-global-batch {budget}: below the longest training "
+                                    f"sample ({longest:,} tokens), which would make a global batch over the budget "
+                                    f"on its own; give at least {longest} (a budget holds several samples, "
+                                    f"Megatron's global batches many).")
+            GlobalBatchSampler(tokens, sampler_config(cfg, config))
     return lines
 
 

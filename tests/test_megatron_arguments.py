@@ -459,3 +459,15 @@ def test_tensor_parallelism_on_gpus_before_blackwell_needs_one_device_connection
     check_device_max_connections(2, arch_major=10)
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     check_device_max_connections(2, arch_major=9)
+
+
+def test_a_token_budget_below_the_longest_sample_is_refused_at_start_up():
+    # Every mock sample of the FLAN-like mixture up to 256 tokens: a budget of 100 would put one
+    # sample alone in each batch, over the budget.
+    from megatron_integration.data import data_summary_lines
+
+    cfg = parse("--use-dynapipe --dynapipe-tokens-per-global-batch 100", world=1)
+    with pytest.raises(DynaPipeError, match=r"--dynapipe-tokens-per-global-batch 100: below the longest training "
+                                            r"sample \(256 tokens\).*give at least 256"):
+        data_summary_lines(cfg)
+    assert len(data_summary_lines(parse("--use-dynapipe --dynapipe-tokens-per-global-batch 4096", world=1))) == 1
