@@ -40,7 +40,7 @@ from megatron_integration.args_model import (BYTE_LEVEL_VOCAB, check_uniform_rec
                                              model_args_from_args, padded_vocab_size, recompute_from_args)
 from megatron_integration.args_refusals import (UNSUPPORTED_MEGATRON_FLAGS, _checkpoint_args_honoured,  # noqa: F401
                                                 _resilience_args_honoured, refused_flag_lines,
-                                                refused_value_lines)
+                                                refused_value_lines, unsupported_reason)
 from megatron_integration.args_training import _schedule_from_samples, optimizer_args_from_args
 from megatron_integration.args_layout import pipeline_split_from_args
 from megatron_integration.args_checkpoint import dist_ckpt_args_from_args
@@ -55,6 +55,11 @@ from megatron_integration.training_limits import check_exit_duration
 from megatron_integration.train_config import DataArgs, DynaPipeTrainingConfig, ParallelArgs
 
 
+# Megatron-LM adds flags every release: say where the ones this build reads are listed.
+UNKNOWN_FLAG_NOTE = (" (a flag this build neither reads nor knows as a Megatron-LM flag to refuse; the Megatron-LM "
+                     "flags it reads are under Arguments in the README)")
+
+
 def build_parser(prog: Optional[str] = None, description: Optional[str] = None) -> argparse.ArgumentParser:
     """A standalone parser with the Megatron and DynaPipe arguments (one-line errors; a
     Megatron-LM flag this build does not take is named with the reason)."""
@@ -65,8 +70,13 @@ def build_parser(prog: Optional[str] = None, description: Optional[str] = None) 
             parsed, extras = super().parse_known_args(args, namespace)
             refused = refused_flag_lines(extras)
             if refused:
-                # The refused values of declared flags too, so one pass mends the whole line.
+                # The refused values of declared flags too, and the flags no one knows, so one
+                # pass mends the whole line.
                 refused += refused_value_lines(parsed)
+                unknown = [item for item in extras if item.startswith("-")
+                           and unsupported_reason(item.split("=", 1)[0]) is None]
+                if unknown:
+                    refused.append(f"{self.prog}: unrecognized arguments: {' '.join(unknown)}{UNKNOWN_FLAG_NOTE}")
                 # Every rank of a torchrun job prints them (in one write): a launcher stops the
                 # others once one rank exits, so a line left to rank 0 alone could be lost.
                 sys.stderr.write("".join(f"error: {line}\n" for line in refused))
@@ -76,9 +86,7 @@ def build_parser(prog: Optional[str] = None, description: Optional[str] = None) 
 
         def error(self, message: str):
             if message.startswith("unrecognized arguments:"):
-                # Megatron-LM adds flags every release: say where the ones this build reads are listed.
-                message += (" (a flag this build neither reads nor knows as a Megatron-LM flag to refuse; the "
-                            "Megatron-LM flags it reads are under Arguments in the README)")
+                message += UNKNOWN_FLAG_NOTE
             super().error(message)
 
     parser = MegatronArgumentParser(prog=prog, description=description, allow_abbrev=False)

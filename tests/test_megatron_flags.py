@@ -122,6 +122,14 @@ def test_megatron_lm_launch_scripts_refused_flags_are_named_all_at_once(capsys):
                                                 "--fsdp-double-buffer"]
     assert all(" is a Megatron-LM flag that dynapipe-megatron does not support: " in ln for ln in lines)
     assert "mixture-of-experts models are not built" in lines[0] and "Megatron-FSDP is not built" in lines[2]
+    # A flag no Megatron-LM release of this build's knowledge has (removed upstream, or a typo) is
+    # named in the same pass, after the refused ones.
+    with pytest.raises(SystemExit):
+        parse("--tp-comm-overlap --no-async-tensor-model-parallel-allreduce --lr-decay-stlye=cosine")
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].startswith("error: --tp-comm-overlap is a Megatron-LM flag")
+    assert lines[1].startswith("error: ") and lines[1].split(": ", 1)[1].split(": ", 1)[1].startswith(
+        "unrecognized arguments: --no-async-tensor-model-parallel-allreduce --lr-decay-stlye=cosine (a flag")
 
 
 def test_rope_type_rope_is_the_rope_built_and_yarn_is_refused():
