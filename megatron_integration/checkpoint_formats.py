@@ -155,7 +155,8 @@ def override_group_lrs(optimizer, scheduler, opt, iteration: int, consumed_sampl
     overflow, so the new schedule would start behind the data. With this run's fixed global
     batch ``run_batch`` (samples) it resumes at ``consumed_samples / run_batch``, Megatron-LM's
     count in this run's steps, which differs where the checkpoint's batch did."""
-    scheduler.num_steps = consumed_samples / run_batch if consumed_samples is not None and run_batch else iteration
+    steps = consumed_samples / run_batch if consumed_samples is not None and run_batch else iteration
+    scheduler.num_steps = int(steps) if steps == int(steps) else steps  # whole where it is, as Megatron-LM's
     for group in optimizer.param_groups:
         decoupled = group.get("is_decoupled_lr", False)
         max_lr = opt.decoupled_lr if decoupled else opt.lr

@@ -332,3 +332,5 @@ def test_override_resumes_at_megatron_lms_step_count_in_this_runs_batches():
     assert sched.num_steps == 1.5
     override_group_lrs(sched.optimizer, sched, bounds, 3, consumed_samples=24, run_batch=None)  # a token budget
     assert sched.num_steps == 3
+    override_group_lrs(sched.optimizer, sched, bounds, 3, consumed_samples=24, run_batch=8)  # the same batch
+    assert sched.num_steps == 3 and isinstance(sched.num_steps, int)
