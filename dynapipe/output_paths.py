@@ -48,7 +48,21 @@ def check_output_file(path: str, flag: str, suffix: Optional[str] = None, stdout
         stem = os.path.splitext(path)[0] if os.path.splitext(path)[1] else path
         raise DynaPipeError(f"{flag} {path!r} does not end in {suffix}, the only format it writes; "
                             f"use {stem + suffix!r}.")
+    _check_not_shipped(path, flag)
     _check_creatable(os.path.dirname(os.path.abspath(path)), path, flag)
+
+
+def _check_not_shipped(path: str, flag: str) -> None:
+    """Refuse an output over a file of the shipped ``configs/`` folder: a command naming a
+    shipped config by its short name (``--model gpt-7b``, or the cluster a device picks)
+    would otherwise write over the config it reads, and every later run would read that."""
+    from dynapipe.config import CONFIG_DIR
+
+    shipped, real = os.path.realpath(CONFIG_DIR), os.path.realpath(path)
+    if os.path.isfile(real) and os.path.commonpath([real, shipped]) == shipped:
+        raise DynaPipeError(f"{flag} {path!r} is {os.path.relpath(real, os.path.dirname(shipped))}, a config file "
+                            f"of this project's configs/ folder, which the commands read by name; give another "
+                            f"path.")
 
 
 def _check_not_empty(path: str, flag: str) -> None:
@@ -57,8 +71,12 @@ def _check_not_empty(path: str, flag: str) -> None:
 
 
 def check_output_dir(path: str, flag: str) -> None:
-    """Refuse a directory output ``flag DIR`` that is empty, a file or cannot be created."""
+    """Refuse a directory output ``flag DIR`` that is empty, ``-`` (stdout, not a folder), a
+    file or cannot be created."""
     _check_not_empty(path, flag)
+    if path == STDIO:
+        raise DynaPipeError(f"{flag} -: this output is a directory of files and cannot go to stdout; give a "
+                            f"directory path.")
     if os.path.exists(path) and not os.path.isdir(path):
         raise DynaPipeError(f"{flag} {path!r} is a file, not a directory; give a directory "
                             f"(created if missing).")

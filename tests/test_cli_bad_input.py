@@ -549,3 +549,25 @@ def test_t5_auto_placement_for_a_named_schedule_is_of_the_kind_it_runs_on(tmp_pa
         chunks[schedule] = json.loads(capsys.readouterr().out)["placement"].get("chunks", 1)
     # Interleaving simulates faster here, but adaptive runs on contiguous stages only.
     assert chunks == {"adaptive": 1, "interleaved": 2, "auto": 2}
+
+
+@pytest.mark.parametrize("output", ["models/gpt-7b.yaml", "clusters/a100-8x.yaml", "data/flan-mixture.yaml"])
+def test_an_output_over_a_shipped_config_is_refused(tmp_path, capsys, output):
+    # --model gpt-7b names configs/models/gpt-7b.yaml by its short name, and the device picks
+    # configs/clusters/a100-8x.yaml: an --output there would be read by every later run.
+    from dynapipe.config import CONFIG_DIR
+
+    path = os.path.join(CONFIG_DIR, output)
+    with open(path, "rb") as f:
+        before = f.read()
+    _refused(capsys, ["plan", "--lengths", _lengths(tmp_path), *GPT7B, "--stages", "4", "--output", path],
+             f"is configs/{output}, a config file of this project's configs/ folder")
+    with open(path, "rb") as f:
+        assert f.read() == before
+
+
+def test_a_plan_directory_cannot_go_to_stdout(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _refused(capsys, ["plan", "--lengths", _lengths(tmp_path), *GPT7B, "--stages", "4", "--plan-out", "-"],
+             "--plan-out -: this output is a directory of files and cannot go to stdout")
+    assert not os.path.exists(tmp_path / "-")
