@@ -295,3 +295,17 @@ def test_recompute_auto_names_the_default_as_training_spells_it(tmp_path, capsys
                  str(tmp_path / "t.json")]) == 0
     assert main(["cost", *BASE, "--shape", "1,64", "--recompute", "auto"]) == 2  # cost prices one given level
     assert "invalid choice: 'auto'" in capsys.readouterr().err
+
+
+def test_plan_json_writes_an_infeasible_candidates_time_as_null():
+    # auto placement records each candidate's time; one that does not fit is infinite, which
+    # JSON cannot hold (Python wrote Infinity, which strict readers refuse).
+    import json
+
+    from dynapipe.cli.plan import dumps_plan
+
+    text = dumps_plan({"placement": {"compared": {"contiguous_ms": 12.5, "interleaved_ms": float("inf")}},
+                       "micro_batches": [{"time_ms": float("nan")}]})
+    parsed = json.loads(text, parse_constant=lambda name: pytest.fail(f"non-standard JSON number {name}"))
+    assert parsed["placement"]["compared"] == {"contiguous_ms": 12.5, "interleaved_ms": None}
+    assert parsed["micro_batches"] == [{"time_ms": None}]

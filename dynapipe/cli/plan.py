@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -114,12 +115,26 @@ def summary_lines(batch_plan: BatchPlan, setup: CostSetup) -> list[str]:
     return lines
 
 
+def _finite(v):
+    """``v`` with every infinite or NaN float (a candidate that does not fit, say) as None: JSON
+    has no such numbers, and strict readers refuse Python's ``Infinity``."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    return v
+
+
 def dumps_plan(obj: dict) -> str:
-    """JSON text of a plan dict: one line per top-level key, one line per micro-batch."""
+    """JSON text of a plan dict: one line per top-level key, one line per micro-batch; an
+    infinite time (a candidate that does not fit) is ``null``."""
     def value(key, v):
         if isinstance(v, list) and v and isinstance(v[0], dict):
-            return "[\n" + ",\n".join("  " + json.dumps(item) for item in v) + "\n ]"
-        return json.dumps(v)
+            return "[\n" + ",\n".join("  " + json.dumps(item, allow_nan=False) for item in v) + "\n ]"
+        return json.dumps(v, allow_nan=False)
+    obj = _finite(obj)
     return "{\n" + ",\n".join(f" {json.dumps(k)}: {value(k, v)}" for k, v in obj.items()) + "\n}"
 
 
