@@ -304,6 +304,11 @@ def _build(cls, data: Mapping[str, Any], source: str):
                 # Names go into reports, traces and written run configs, one line each.
                 raise DynaPipeError(f"{source}: name={value!r} holds a line break or another control character; "
                                     f"give a one-line name.")
+    required = [f.name for f in dataclasses.fields(cls) if f.name not in data
+                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if required:
+        raise DynaPipeError(f"{source}: {', '.join(required)} missing; see the shipped configs under configs/ for "
+                            f"the keys each kind needs.")
     try:
         return cls(**data)
     except TypeError as e:
@@ -379,7 +384,12 @@ def load_device_config(path: str, flag: Optional[str] = None) -> DeviceConfig:
     """Load a device config from a YAML file path or a shipped name such as ``a100-40gb``;
     ``flag``: the option named when neither exists."""
     path = resolve_config_path(path, "devices", flag)
-    return _build(DeviceConfig, _read_yaml(path), path).validate(path)
+    data = _read_yaml(path)
+    if isinstance(data, Mapping) and "memory_mib" not in data:
+        # Its default (0, for devices built in code) would be reported as a value given.
+        raise DynaPipeError(f"{path}: memory_mib missing; a device config gives its memory per device in MiB "
+                            f"(see configs/devices/).")
+    return _build(DeviceConfig, data, path).validate(path)
 
 
 def load_cluster_config(path: str, flag: Optional[str] = None) -> ClusterConfig:

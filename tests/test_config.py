@@ -75,11 +75,12 @@ def test_bad_model_configs(tmp_path, text, message):
 @pytest.mark.parametrize("text, message", [
     ("name: d\npeak_tflops: 0\nmemory_mib: 10\n", "peak_tflops=0"),
     ("name: d\npeak_tflops: 1\nmemory_mib: 10\nachievable_fraction: 1.5\n", "achievable_fraction=1.5"),
-    ("name: d\npeak_tflops: 1\n", "memory_mib=0"),
+    ("name: d\npeak_tflops: 1\n", "memory_mib missing"),  # not "memory_mib=0", a value never given
+    ("name: d\npeak_tflops: 1\nmemory_mib: 0\n", "memory_mib=0"),
     ("name: d\npeak_tflops: 1\nmemory_mib: 10\nop_overhead_ms: -1\n", "op_overhead_ms=-1"),
     ("name: d\npeak_tflops: 1\nmemory_mib: 10\nreserved_mib: 20\n", "reserved_mib=20"),
     ("name: d\npeak_tflops: fast\nmemory_mib: 10\n", "peak_tflops='fast'"),
-    ("peak_tflops: 1\nmemory_mib: 10\n", "name"),
+    ("peak_tflops: 1\nmemory_mib: 10\n", "^[^ ]*c.yaml: name missing; see the shipped configs"),  # not a TypeError
 ])
 def test_bad_device_configs(tmp_path, text, message):
     with pytest.raises(DynaPipeError, match=message):
