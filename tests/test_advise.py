@@ -440,6 +440,16 @@ def test_the_header_counts_the_tokens_simulated(tmp_path, capsys):
     out = capsys.readouterr().out
     tokens = int(re.search(r"global batch\(es\) of ~([\d,]+) tokens", out).group(1).replace(",", ""))
     assert 16384 - 1024 <= tokens <= 16384, out.splitlines()[0]
+    # Without the packing comparison the legend does not describe a packing column.
+    assert "tokens/s: real (non-pad) tokens, simulated." in out and "packing: the best" not in out
+
+
+def test_t5_chunk_counts_are_refused_with_the_only_fix(capsys):
+    rc = main(["advise", "--model", "t5-11b", "--device", "a100-40gb", "--cluster", "a100-8x", "--gpus", "16",
+               "--mixture", "flan-mixture", "--tokens-per-iteration", "65536", "--vpp-sizes", "2", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--vpp-sizes 2: encoder-decoder models interleave through their planned placement" in err
+    assert err.rstrip().endswith("drop --vpp-sizes.")
 
 
 def test_layouts_are_priced_on_the_vocabulary_megatron_trains_at_their_tp_size():

@@ -194,9 +194,11 @@ def run(args) -> int:
                                 sequence_parallel=not args.no_sequence_parallel)
     unused = sorted(set(args.vpp_sizes) - {1} - {l.chunks for l in layouts})
     if unused:
-        why = ("encoder-decoder models interleave through their planned placement"
-               if model.is_encoder_decoder else
-               f"no pipeline size here splits the {model.total_layers} layers into that many chunks a rank")
+        if model.is_encoder_decoder:
+            raise DynaPipeError(f"--vpp-sizes {','.join(map(str, unused))}: encoder-decoder models interleave "
+                                f"through their planned placement (each layout's auto placement weighs an "
+                                f"interleaved split), not a chunk count; drop --vpp-sizes.")
+        why = f"no pipeline size here splits the {model.total_layers} layers into that many chunks a rank"
         raise DynaPipeError(f"--vpp-sizes {','.join(map(str, unused))}: {why}; drop it or give a count that does.")
     if args.no_sequence_parallel and not any(l.tp > 1 and not seq % l.tp for l in layouts):
         # Sequence parallelism is only ever on where TP > 1 shards the sequence evenly.
@@ -233,10 +235,12 @@ def run(args) -> int:
           + (f"; interleaved with VPP {', '.join(map(str, vpps))} chunks a rank too" if vpps else "")
           + ("; encoder-decoder: the planned stage placement, no distributed optimizer (T5 stages refuse it)"
              if model.is_encoder_decoder else "")
-          + "; tokens/s: real (non-pad) tokens, simulated; packing: the best packed micro-batch size "
-          + ("with DynaPipe's schedule search" if args.packing_schedule == "search" else "under 1F1B")
-          + (", rows masked (attention over every row)." if args.packing_attention == "mask" else
-             ", attention per sample."))
+          + "; tokens/s: real (non-pad) tokens, simulated"
+          + ("." if args.no_packing else
+             "; packing: the best packed micro-batch size "
+             + ("with DynaPipe's schedule search" if args.packing_schedule == "search" else "under 1F1B")
+             + (", rows masked (attention over every row)." if args.packing_attention == "mask" else
+                ", attention per sample.")))
     for line in format_table(advice, args.top):
         print(line)
     rival = advice.best_packing
