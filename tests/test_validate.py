@@ -384,3 +384,24 @@ def test_the_first_and_last_virtual_stages_have_no_neighbour_beyond_them():
     assert neighbour_error(dataclasses.replace(first, chunk=1), 0, 2, 2) == ""
     last = SendActivationStart(mb=0, chunk=1, peer=0, buffer="act_out:0:1", tensors=spec)
     assert "virtual stage 3 (chunk 1 of rank 1) has no next stage" in neighbour_error(last, 1, 2, 2)
+
+
+def test_samples_outside_the_global_batch_or_twice_are_refused():
+    # Samples index the global batch: 0..n-1, each once over every replica.
+    plans = plans_for(range(1, 9), 2)
+    assert validate_plans(plans)
+
+    def with_samples(mb, samples):
+        out = []
+        for p in plans:
+            mbs = [dataclasses.replace(m, samples=tuple(samples)) if m.mb == mb else m for m in p.micro_batches]
+            out.append(dataclasses.replace(p, micro_batches=tuple(mbs)))
+        return out
+
+    first = plans[0].micro_batches[0]
+    far = [9999] + list(first.samples[1:])
+    with pytest.raises(PlanError, match=rf"sample 9999 is outside it and sample {first.samples[0]} is missing"):
+        validate_plans(with_samples(0, far))
+    twice = list(plans[0].micro_batches[1].samples[:1]) + list(first.samples[1:])
+    with pytest.raises(PlanError, match="every sample is trained once"):
+        validate_plans(with_samples(0, twice))

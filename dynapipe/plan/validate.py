@@ -215,7 +215,14 @@ def validate_plans(plans: Sequence[ExecutionPlan], *, complete: bool = True) -> 
             raise PlanError(f"the replicas' loss tokens add up to {loss}, but the plans normalise the loss by "
                             f"global_loss_tokens={first.global_loss_tokens}.")
         every = [x for r in sorted(groups) for m in groups[r][0].micro_batches for x in m.samples]
-        if len(np.unique(np.asarray(every, dtype=np.int64))) == len(every):
+        unique = np.unique(np.asarray(every, dtype=np.int64))
+        if len(unique) == len(every):
+            # Samples index the global batch: the set's indices are 0..n-1, each once.
+            if len(unique) and unique[-1] != len(unique) - 1:
+                gap = int(np.flatnonzero(unique != np.arange(len(unique)))[0])
+                raise PlanError(f"the plans train samples {list(unique[:3])}...{list(unique[-2:])}, but samples index "
+                                f"the global batch of {len(unique)} samples: sample {int(unique[-1])} is outside it "
+                                f"and sample {gap} is missing.")
             return ValidationSummary(len(groups), S, total_mbs, insts, transfers)
         seen: dict[int, tuple[int, int]] = {}   # a sample repeats: find and name it
         for r in sorted(groups):
