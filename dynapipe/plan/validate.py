@@ -220,7 +220,7 @@ def validate_plans(plans: Sequence[ExecutionPlan], *, complete: bool = True) -> 
             # Samples index the global batch: the set's indices are 0..n-1, each once.
             if len(unique) and unique[-1] != len(unique) - 1:
                 gap = int(np.flatnonzero(unique != np.arange(len(unique)))[0])
-                raise PlanError(f"the plans train samples {list(unique[:3])}...{list(unique[-2:])}, but samples index "
+                raise PlanError(f"the plans train samples {unique[:3].tolist()}...{unique[-2:].tolist()}, but samples index "
                                 f"the global batch of {len(unique)} samples: sample {int(unique[-1])} is outside it "
                                 f"and sample {gap} is missing.")
             return ValidationSummary(len(groups), S, total_mbs, insts, transfers)
