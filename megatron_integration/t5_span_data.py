@@ -247,7 +247,7 @@ class SpanCorruptionDataset(SampleDataset):
         self.cfg = cfg
         vocab = cfg.vocab()
         self.pad_id, self.eod_id, self.vocab_size = 0, vocab.bos, vocab.vocab_size
-        self._eos, self._vocab = vocab.eos, vocab
+        self._vocab = vocab
         self._megatron = build_megatron_dataset(cfg)
         n = min(cfg.num_samples, len(self._megatron))
         table, computed = _collective_table(lambda: self._cached_table(n), self._table_rows, n)
@@ -261,7 +261,7 @@ class SpanCorruptionDataset(SampleDataset):
         rows = np.zeros((hi - lo, 4), dtype=np.int64)
         for i in range(lo, hi):
             s = self._sample(i)
-            rows[i - lo, :2] = pair_lengths(s, self.eod_id, self._eos)
+            rows[i - lo, :2] = pair_lengths(s, self.eod_id, self._vocab.eos)
             check_added_ids(s, *rows[i - lo, :2], self._vocab, self._where(i))
             rows[i - lo, 2], rows[i - lo, 3] = int(s["truncated"]), int(s.get("dataset_id", 0))
         return rows
@@ -329,7 +329,7 @@ class SpanCorruptionDataset(SampleDataset):
         try:
             return self._megatron[idx]
         except KeyError as e:
-            vocab = cfg.vocab()
+            vocab = self._vocab
             raise DynaPipeError(f"{where}: token id {e.args[0]} is not in --vocab-file {cfg.vocab_file!r} "
                                 f"({vocab.file_size:,} entries, {vocab.vocab_size:,} ids with the tokens Megatron-LM "
                                 f"adds); the data was tokenised with another vocabulary.") from None
@@ -348,7 +348,7 @@ class SpanCorruptionDataset(SampleDataset):
 
     def _read(self, idx: int, input_len: int, target_len: int) -> tuple[np.ndarray, np.ndarray, int]:
         s = self._sample(idx)
-        if pair_lengths(s, self.eod_id, self._eos) != (input_len, target_len):
+        if pair_lengths(s, self.eod_id, self._vocab.eos) != (input_len, target_len):
             raise DynaPipeError(f"T5 sample {idx}: the lengths cached in {self._table_cache_path(len(self))} "
                                 f"disagree with the data (rewritten since?); delete that file.")
         check_added_ids(s, input_len, target_len, self._vocab, self._where(idx))
