@@ -140,6 +140,29 @@ def test_planned_placement_reduces_the_simulated_bubble():
     assert planned.bubble_fraction < even.bubble_fraction - 0.1
 
 
+def test_auto_placement_also_weighs_the_even_interleaved_split():
+    """The planned interleaved split balances per-stage sample time; on t5-11b PP8 x DP2 its
+    heavier stages leave no memory for the schedule (nothing fits), while Megatron-style even
+    chunks simulate fastest. ``auto`` simulates all three splits and keeps the fastest."""
+    from dynapipe.config import load_device_config, load_model_config
+    from dynapipe.cost.chunked_placement import even_chunked_placement
+    from dynapipe.schedule.placement import choose_placement_kind, simulated_ms
+
+    cm = build_cost_model(load_model_config("t5-11b"), load_device_config("a100-40gb"), 8)
+    batch = sample_lengths(128, 5, 2048, True)
+    kw = dict(dp=2, seq_length=2048)
+    plan = choose_placement_kind([batch], cm, **kw)
+    times = plan.compared
+    even = even_chunked_placement(cm, 2)
+    assert times["interleaved_even"] == str(even) != times["interleaved"]
+    ms = {k: v for k, v in times.items() if k.endswith("_ms")}
+    assert ms["interleaved_ms"] == float("inf") and ms["interleaved_even_ms"] < ms["contiguous_ms"]
+    assert plan.chosen.placement == plan.cost_model.placement == even
+    # The time recorded is the simulation of the split chosen.
+    assert simulated_ms([batch], cm.with_placement(even), memory_limit_mib=cm.device.memory_mib, reserved_mib=cm.device.reserved_mib,
+                        zero=False, recompute=None, **kw) == pytest.approx(ms["interleaved_even_ms"])
+
+
 def test_plans_follow_the_placement():
     """Compiled plans carry the placement, and the encoder output joins the message at
     the placement's first decoder stage, not the even split's."""

@@ -9,7 +9,7 @@ memory in MiB.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
@@ -212,15 +212,18 @@ def choose_placement_kind(batches: Sequence, cost_model: CostModel, *, dp: int =
                           cluster=None, chunks: int = 2, split_backward: bool = True,
                           contiguous_allowed: bool = True, schedule: str = "auto",
                           cut: Cut = DYNAPIPE_CUT) -> PlacementPlan:
-    """The faster of the contiguous placement (:func:`choose_placement`) and the
-    ``chunks``-chunk interleaved one (:func:`choose_chunked_placement`), by DynaPipe's
-    simulated time on ``batches`` (ms, summed; schedules searched under the memory limit).
-    ``compared`` of the result holds both times. ``chunks`` below 2: the contiguous one only
+    """The fastest of the contiguous placement (:func:`choose_placement`), the ``chunks``-chunk
+    interleaved one (:func:`choose_chunked_placement`) and the even interleaved one, by
+    DynaPipe's simulated time on ``batches`` (ms, summed; schedules searched under the memory
+    limit). ``compared`` of the result holds every split tried and its time
+    (``contiguous``/``contiguous_ms``, ``interleaved``/``interleaved_ms``,
+    ``interleaved_even``/``interleaved_even_ms`` where the even split is not the planned one).
+    ``chunks`` below 2: the contiguous one only
     (for stages that cannot interleave, or a schedule without chunks); ``contiguous_allowed``
-    False: the interleaved one only (a chunked schedule; its errors raised). ``split_backward``:
+    False: the interleaved ones only (a chunked schedule; their errors raised). ``split_backward``:
     whether the stages can split their backward (the search may then try ``zb-h1`` on the
     contiguous placement and ``interleaved-zb`` on the interleaved one). ``schedule``: the one
-    the run takes (default ``auto``), which both kinds are simulated under; ``cut``: how the
+    the run takes (default ``auto``), which every split is simulated under; ``cut``: how the
     run cuts its batches (:class:`Cut`, as :func:`choose_placement`)."""
     from dynapipe.schedule.search import SCHEDULE_CHOICES
 
@@ -231,24 +234,44 @@ def choose_placement_kind(batches: Sequence, cost_model: CostModel, *, dp: int =
               zero=zero, recompute=recompute, cut=cut)
     if not contiguous_allowed:
         chunked = choose_chunked_placement(batches, cost_model, chunks, **kw)
-        compared = {"interleaved": str(chunked.chosen.placement),
-                    "interleaved_ms": simulated_ms(batches, chunked.cost_model, cluster=cluster,
-                                                   split_backward=split_backward, schedule=schedule, **kw)}
-        return replace(chunked, compared=compared)
+        compared = {}
+        candidates = _interleaved_candidates(batches, cost_model, chunked, compared, cluster=cluster,
+                                             split_backward=split_backward, schedule=schedule, **kw)
+        best = min(candidates, key=lambda c: c[0])
+        return PlacementPlan(best[1], chunked.before, best[2], chunked.rounds, compared)
     contiguous = choose_placement(batches, cost_model, rounds=3, **kw)
     compared = {"contiguous": str(contiguous.chosen.placement),
                 "contiguous_ms": simulated_ms(batches, contiguous.cost_model, cluster=cluster,
                                               split_backward=split_backward, schedule=schedule, **kw)}
-    if chunks < 2:
-        return PlacementPlan(contiguous.chosen, contiguous.before, contiguous.cost_model, contiguous.rounds, compared)
-    try:
-        chunked = choose_chunked_placement(batches, cost_model, chunks, **kw)
-    except DynaPipeError as e:  # too few layers for the chunks, or nothing plans
-        compared["interleaved_error"] = str(e)
-        return PlacementPlan(contiguous.chosen, contiguous.before, contiguous.cost_model, contiguous.rounds, compared)
+    candidates = [(compared["contiguous_ms"], contiguous.chosen, contiguous.cost_model)]
+    if chunks >= 2:
+        try:
+            chunked = choose_chunked_placement(batches, cost_model, chunks, **kw)
+        except DynaPipeError as e:  # too few layers for the chunks, or nothing plans
+            compared["interleaved_error"] = str(e)
+        else:
+            candidates += _interleaved_candidates(batches, cost_model, chunked, compared, cluster=cluster,
+                                                  split_backward=split_backward, schedule=schedule, **kw)
+    # Ties go to the earlier candidate: contiguous before interleaved, planned before even.
+    best = min(candidates, key=lambda c: c[0])
+    return PlacementPlan(best[1], contiguous.before, best[2], contiguous.rounds, compared)
+
+
+def _interleaved_candidates(batches: Sequence, cost_model: CostModel, chunked: PlacementPlan, compared: dict, *,
+                            cluster, split_backward: bool, schedule: str, **kw) -> list:
+    """``(simulated ms, choice, cost model)`` of the planned interleaved split and, where it is
+    another, of the even one, recorded in ``compared`` (``interleaved``, ``interleaved_even``).
+    The planned split balances per-stage sample time, which the schedule does not always
+    reward: the even one can simulate faster (say where the planned split's heavier stages
+    leave less memory for micro-batches in flight), so both are simulated."""
+    sim = dict(cluster=cluster, split_backward=split_backward, schedule=schedule, **kw)
     compared.update({"interleaved": str(chunked.chosen.placement),
-                     "interleaved_ms": simulated_ms(batches, chunked.cost_model, cluster=cluster,
-                                                    split_backward=split_backward, schedule=schedule, **kw)})
-    if compared["interleaved_ms"] < compared["contiguous_ms"]:
-        return PlacementPlan(chunked.chosen, contiguous.before, chunked.cost_model, contiguous.rounds, compared)
-    return PlacementPlan(contiguous.chosen, contiguous.before, contiguous.cost_model, contiguous.rounds, compared)
+                     "interleaved_ms": simulated_ms(batches, chunked.cost_model, **sim)})
+    out = [(compared["interleaved_ms"], chunked.chosen, chunked.cost_model)]
+    even = chunked.before
+    if even.placement != chunked.chosen.placement:
+        even_cost = cost_model.with_placement(even.placement)
+        compared.update({"interleaved_even": str(even.placement),
+                         "interleaved_even_ms": simulated_ms(batches, even_cost, **sim)})
+        out.append((compared["interleaved_even_ms"], even, even_cost))
+    return out
