@@ -10,6 +10,12 @@ from contextlib import contextmanager
 from typing import Iterator
 
 
+def iteration_name(index: int) -> str:
+    """``"iteration N"`` for the 0-based iteration ``index``. Messages count iterations from 1,
+    as Megatron's log lines do; a plan's ``iteration`` field and the data loader count from 0."""
+    return f"iteration {index + 1}"
+
+
 class DynaPipeError(Exception):
     """Bad input or an impossible request, explained for the user (no traceback needed)."""
 

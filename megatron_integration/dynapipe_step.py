@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from dynapipe.cost.model_flops import TokenWork
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, iteration_name
 from dynapipe.plan.instructions import ForwardPass, MicroBatchInfo
 from dynapipe.runtime.activation_meter import ActivationMeter, measure_activations
 from dynapipe.runtime.activation_plan import planned_activation_peak_mib
@@ -316,7 +316,7 @@ class DynaPipeStepper:
         start = time.perf_counter()
         data = next(self.loader)
         if data.iteration != iteration:
-            raise DynaPipeError(f"the data loader yielded iteration {data.iteration} for iteration {iteration}.")
+            raise DynaPipeError(f"the data loader yielded {iteration_name(data.iteration)} for {iteration_name(iteration)}.")
         meta = data.meta
         # Every TP rank of a stage must run the same payload; then the plan must be for this layout.
         check_tp_plans_agree(iteration, data.digest, self.info)
@@ -344,7 +344,7 @@ class DynaPipeStepper:
         loss_sum, loss_tokens = reduce_loss(float(self.handlers.loss_sum), int(self.handlers.loss_tokens),
                                             holds_loss(self.info), self.info.device)
         if loss_tokens != meta.global_loss_tokens:
-            raise DynaPipeError(f"iteration {iteration}: the executed micro-batches hold {loss_tokens} loss tokens, "
+            raise DynaPipeError(f"{iteration_name(iteration)}: the executed micro-batches hold {loss_tokens} loss tokens, "
                                 f"the plan's global batch {meta.global_loss_tokens}; plan and data disagree.")
         if self.info.device.type == "cuda":
             torch.cuda.synchronize()

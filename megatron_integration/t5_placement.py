@@ -4,9 +4,10 @@
 out (``ENC+DEC`` per stage, chunks separated by ``|``: the syntax of ``python -m dynapipe
 plan --placement``), ``interleaved`` (two chunks a rank: the encoder, then the decoder), or
 ``auto``: the planner chooses it (:func:`dynapipe.schedule.placement.choose_placement_kind`:
-the best contiguous split or the interleaved one, by simulated time) from the run's first
-global batches and the planner's cost model, before the model is built. Every rank computes ``auto`` itself from the same batches and the same cost model,
-so every rank gets the same split; the ranks then compare their choices, so a
+the best contiguous split, the planned interleaved one or the even interleaved one, by
+simulated time) from the run's first global batches and the planner's cost model, before
+the model is built. Every rank computes ``auto`` itself from the same batches and the same
+cost model, so every rank gets the same split; the ranks then compare their choices, so a
 disagreement stops the job instead of building stages that do not fit together.
 
 The chosen placement is what the stages build, what DynaPipe's planner prices and compiles
@@ -22,7 +23,7 @@ from typing import Optional
 import numpy as np
 
 from dynapipe.cost.placement import StagePlacement
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, iteration_name
 from megatron_integration import placement_auto
 from megatron_integration.placement_auto import AUTO_SAMPLE_BATCHES, ranks_agree
 
@@ -65,9 +66,9 @@ def planner_cost_model(cfg, num_stages: int):
 def choose_t5_placement(cfg, num_stages: int, dp: int, batches: Optional[list] = None):
     """The :class:`~dynapipe.schedule.placement.PlacementPlan` ``auto`` takes: the contiguous
     split whose slowest stage is fastest on the DynaPipe micro-batches of ``batches``
-    (default: the run's first global batches), or the interleaved one (two chunks a rank,
-    each virtual stage balanced) when DynaPipe's plans of ``batches`` simulate faster on it
-    (``compared`` holds both times, ms); under the run's memory limit (MiB), recompute level
+    (default: the run's first global batches), or an interleaved one (two chunks a rank, each
+    virtual stage balanced, or each chunk's layers spread evenly) when DynaPipe's plans of
+    ``batches`` simulate faster on it (``compared`` holds every split's time, ms); under the run's memory limit (MiB), recompute level
     and data-parallel size; a split-backward schedule prices the interleaved one under
     ``interleaved-zb``. With ``--overlap-grad-reduce`` (:func:`check_overlap_placement`)
     contiguous splits only. Pure and deterministic: the same config gives the same split."""
@@ -117,7 +118,7 @@ def check_plan_placement(plan, placement: StagePlacement, model, iteration: int)
     raw = meta.get("placement")
     planned = StagePlacement.even(model, placement.num_stages) if raw is None else StagePlacement.from_json(raw, model)
     if planned != placement:
-        raise DynaPipeError(f"iteration {iteration}: the plan was made for stage placement {planned} but this run's "
+        raise DynaPipeError(f"{iteration_name(iteration)}: the plan was made for stage placement {planned} but this run's "
                             f"stages hold {placement}; plan with the run's --dynapipe-placement (a planner or plan "
                             f"store of another run?).")
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from dynapipe.cost.model_flops import TokenWork, samples_work
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, iteration_name
 from dynapipe.runtime.activation_meter import ActivationMeter, measure_activations
 from dynapipe.runtime.activation_plan import planned_activation_peak_mib
 from megatron_integration.initialize import RankInfo
@@ -79,7 +79,7 @@ class LoaderSource:
     def next(self, iteration: int) -> PlannedIteration:
         data = next(self.loader)
         if data.iteration != iteration:
-            raise DynaPipeError(f"the data loader yielded iteration {data.iteration} for iteration {iteration}.")
+            raise DynaPipeError(f"the data loader yielded {iteration_name(data.iteration)} for {iteration_name(iteration)}.")
         check_plan_placement(data.plan, self.placement, self.model, iteration)
         m = data.meta
         return PlannedIteration(data.plan, data.micro_batches, m.global_loss_tokens, m.global_real_tokens,
@@ -246,7 +246,7 @@ class T5Stepper:
         loss_sum, loss_tokens = reduce_loss(float(self.handlers.loss_sum), int(self.handlers.loss_tokens),
                                             holds_loss(self.info), self.info.device)
         if loss_tokens != item.loss_tokens:
-            raise DynaPipeError(f"iteration {iteration}: the executed micro-batches hold {loss_tokens} target tokens, "
+            raise DynaPipeError(f"{iteration_name(iteration)}: the executed micro-batches hold {loss_tokens} target tokens, "
                                 f"the global batch {item.loss_tokens}; plan and data disagree.")
         if self.info.device.type == "cuda":
             torch.cuda.synchronize()

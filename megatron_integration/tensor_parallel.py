@@ -19,7 +19,7 @@ import os
 import warnings
 from typing import Optional
 
-from dynapipe.errors import DynaPipeError, PlanError
+from dynapipe.errors import DynaPipeError, PlanError, iteration_name
 from megatron_integration.model_flags import swiglu_ffn_hidden_size
 
 
@@ -170,7 +170,7 @@ def check_tp_plans_agree(iteration: int, digest: int, info, device=None) -> None
     for ranks in groups.values():
         if len({table[g][0] for g in ranks}) > 1:
             shown = ", ".join(f"global rank {g} (TP rank {table[g][1]}): {table[g][0]:08x}" for g in ranks)
-            raise PlanError(f"iteration {iteration}: the tensor-parallel ranks {ranks} received different plans or "
+            raise PlanError(f"{iteration_name(iteration)}: the tensor-parallel ranks {ranks} received different plans or "
                             f"micro-batch tensors ({shown}); every TP rank of a stage must run the same payload. "
                             f"Stopped on every rank before anything was sent.")
 
@@ -182,7 +182,7 @@ def check_plan_tensor_parallel(plan, tp_size: int, sequence_parallel: bool) -> N
     meta = plan.meta or {}
     planned_tp, planned_sp = meta.get("tp", 1), bool(meta.get("sequence_parallel", False))
     if planned_tp != tp_size or planned_sp != sequence_parallel:
-        raise PlanError(f"iteration {plan.iteration}: the plan was compiled for tensor-parallel size {planned_tp}"
+        raise PlanError(f"{iteration_name(plan.iteration)}: the plan was compiled for tensor-parallel size {planned_tp}"
                         f"{' with' if planned_sp else ' without'} sequence parallelism, but this run has "
                         f"--tensor-model-parallel-size {tp_size}{' with' if sequence_parallel else ' without'} "
                         f"--sequence-parallel; plan with the run's settings.")

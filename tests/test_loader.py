@@ -269,7 +269,7 @@ def test_a_prefixed_store_is_written_where_the_workers_and_fetchers_read():
 def test_crashing_worker_surfaces_its_traceback():
     ds = ExplodingDataset(N, 11, LengthLimits(SEQ), vocab_size=512)
     sampler = GlobalBatchSampler(ds.sample_tokens(), SamplerConfig(GBS, seed=SEED))
-    ds.bad = int(sampler.batch(2).indices[3])  # iteration 2 fails
+    ds.bad = int(sampler.batch(2).indices[3])  # batch 2 (iteration 3 in messages, as logged) fails
     dl = make_loader(ds=ds, num_workers=2, prefetch=1)  # iteration 2 is planned when asked for
     try:
         next(dl), next(dl)
@@ -278,7 +278,7 @@ def test_crashing_worker_surfaces_its_traceback():
             next(dl)
         assert time.monotonic() - t0 < 10
         msg = str(e.value)
-        assert "failed while planning iteration 2" in msg
+        assert "failed while planning iteration 3" in msg
         assert "Traceback" in msg and f"RuntimeError: corrupt sample {ds.bad}" in msg
     finally:
         pids = dl.worker_pids
@@ -341,7 +341,7 @@ def test_a_failure_reported_elsewhere_stops_the_wait_for_a_plan(monkeypatch):
     dl.failure_watch = lambda: channel.failure_of_another(1)
     try:
         t0 = time.monotonic()
-        with pytest.raises(RemoteFailure, match="^stopped waiting for the plan of iteration 0: global rank 0 "
+        with pytest.raises(RemoteFailure, match="^stopped waiting for the plan of iteration 1: global rank 0 "
                                                 "failed first:\nrank 0's own failure"):
             next(dl)
         assert time.monotonic() - t0 < 5
@@ -532,7 +532,7 @@ def test_a_planner_refusal_is_one_line_in_the_callers_flags():
         with pytest.raises(PlannerWorkerError) as e:
             next(dl)
         msg = str(e.value)
-        assert "failed while planning iteration 0: " in msg and "Traceback" not in msg
+        assert "failed while planning iteration 1: " in msg and "Traceback" not in msg
         assert "--dynapipe-memory-limit-mb" in msg and "--pipeline-model-parallel-size" in msg
         assert " --memory-limit-mb" not in msg and "--stages" not in msg
     finally:

@@ -239,7 +239,7 @@ def test_a_crashing_worker_stops_every_rank_with_its_traceback(worker_faults):
     for r, res in enumerate(x["crash"] for x in worker_faults):
         assert res["seen"] == [0], f"rank {r} trained past the failed iteration"
         assert res["error"] is not None and res["error"].startswith("PlannerWorkerError")
-        assert "failed while planning iteration 1" in res["error"]
+        assert "failed while planning iteration 2" in res["error"]
         assert "RuntimeError: corrupt sample" in res["error"] and "Traceback" in res["error"]
         assert res["elapsed"] < 30
     assert wait_gone(worker_faults[0]["crash"]["pids"], 5) == []

@@ -153,5 +153,5 @@ def test_tp_payload_mismatch_stops_every_rank_with_one_line(ranks):
     lines = [r["mismatch"] for r in ranks]
     assert all(line is not None for line in lines)
     assert len(set(lines)) == 1, lines
-    assert lines[0].startswith("PlanError: iteration 2: the tensor-parallel ranks [0, 1] received different plans")
+    assert lines[0].startswith("PlanError: iteration 3: the tensor-parallel ranks [0, 1] received different plans")
     assert "\n" not in lines[0]

@@ -118,7 +118,7 @@ def test_auto_placement_is_chosen_from_the_runs_batches_and_priced_by_the_planne
     planned = IterationPlanner(settings).plan(batches[0], 0)[0]
     assert all(StagePlacement.from_json(p.meta["placement"], cfg.planner_model()) == chosen for p in planned)
     check_plan_placement(planned[0], chosen, cfg.planner_model(), 0)
-    with pytest.raises(DynaPipeError, match=re.escape(f"iteration 5: the plan was made for stage placement {chosen} "
+    with pytest.raises(DynaPipeError, match=re.escape(f"iteration 6: the plan was made for stage placement {chosen} "
                                                       f"but this run's stages hold 4+0,0+4")):
         check_plan_placement(planned[1], StagePlacement.even(cfg.planner_model(), 2), cfg.planner_model(), 5)
     # An even plan (no meta key) against non-even stages is refused too.

@@ -4,7 +4,7 @@
 the command's own batch, cut as ``--batching`` cuts it
 (:func:`dynapipe.schedule.placement.choose_placement`; for T5
 :func:`~dynapipe.schedule.placement.choose_placement_kind`, which also tries interleaved
-chunks and keeps the faster in simulation); any other value is a split written out
+chunks, planned and even, and keeps the fastest in simulation); any other value is a split written out
 (``12,12,8`` for GPT, ``ENC+DEC`` per stage for T5, chunks separated by ``|``).
 """
 from __future__ import annotations

@@ -29,7 +29,7 @@ from typing import Callable, Optional
 from dynapipe.data.config import DatasetConfig
 from dynapipe.data.sampler import SamplerConfig
 from dynapipe.data.samples import SampleDataset
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, iteration_name
 from dynapipe.runtime.kv_store import KVStore, KVStoreSpec, TorchStoreKV, delete_blob, job_tcp_store, \
     tcp_store_address
 from dynapipe.runtime.loader_config import LoaderConfig, RankLayout
@@ -272,18 +272,18 @@ class DynaPipeDataLoader:
                 cause = self.failure_watch()
                 if cause is not None:
                     # A consequence of another rank's failure: its report stays the root cause.
-                    raise RemoteFailure(f"stopped waiting for the plan of iteration {it}: {cause}")
+                    raise RemoteFailure(f"stopped waiting for the plan of {iteration_name(it)}: {cause}")
             if time.monotonic() > deadline:
                 # Kept: a caller that retries must not get a fresh timeout and then data, going
                 # on where the other ranks stopped.
                 self._timed_out = DynaPipeError(
-                    f"the plan of iteration {it} (replica {self.layout.dp_rank}, stage {self.layout.pp_rank}, planned "
+                    f"the plan of {iteration_name(it)} (replica {self.layout.dp_rank}, stage {self.layout.pp_rank}, planned "
                     f"on node {self._planner_of(it)}) did not arrive within {self.config.plan_timeout_s:g} s. "
                     f"The planner workers may be stuck or too slow: raise the plan timeout or the number of "
                     f"planner workers, and check the planner nodes' logs.")
                 raise self._timed_out
         if data.iteration != it:
-            raise DynaPipeError(f"expected the plan of iteration {it}, got iteration {data.iteration}.")
+            raise DynaPipeError(f"expected the plan of {iteration_name(it)}, got {iteration_name(data.iteration)}.")
         data.meta.wait_ms = (time.perf_counter() - t0) * 1e3
         self._next += 1
         self.consumed_samples = data.meta.consumed_samples
@@ -296,7 +296,7 @@ class DynaPipeDataLoader:
         try:
             self._pool.check()
         except PlannerWorkerError as e:
-            self._post_error(f"{e}\n(the plan of iteration {iteration} was awaited)")
+            self._post_error(f"{e}\n(the plan of {iteration_name(iteration)} was awaited)")
             raise
 
     def report_failure(self, text: str) -> None:

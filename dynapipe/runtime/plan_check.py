@@ -19,7 +19,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from dynapipe.errors import PlanError
+from dynapipe.errors import PlanError, iteration_name
 from dynapipe.plan.instructions import (FINISHES, SEND_STARTS, STARTS, BackwardPass, ExecutionPlan, ForwardPass,
                                         RecvActivationFinish, RecvActivationStart, RecvGradFinish, RecvGradStart,
                                         SendActivationFinish, SendActivationStart, SendGradFinish, SendGradStart,
@@ -248,7 +248,7 @@ class PeerPlanCheck:
         for a in range(size):
             for b in range(size):
                 if a != b and table[a][4 + b] != table[b][4 + size + a]:
-                    raise PlanError(f"iteration {iters[0]}: the messages pipeline rank {a} sends to rank {b} "
+                    raise PlanError(f"{iteration_name(iters[0])}: the messages pipeline rank {a} sends to rank {b} "
                                     f"differ from those rank {b} expects from rank {a} (micro-batch, shape, dtype, "
                                     f"order, or under NCCL grouped on one end only); the plans were not compiled together. Check them with "
                                     f"validate_plans before running.")

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, iteration_name
 from dynapipe.plan.instructions import ExecutionPlan
 from dynapipe.runtime.kv_store import KVStore, KVStoreSpec, delete_blob, wait_blob
 from dynapipe.runtime.plan_payload import decode_payload
@@ -78,8 +78,8 @@ def unpack(blob: bytes, iteration: int, replica: int, stage: int) -> IterationDa
 
     p = decode_payload(bytearray(blob))  # writable memory: tensors need no copy
     if (p.iteration, p.replica, p.stage) != (iteration, replica, stage):
-        raise DynaPipeError(f"received the payload of iteration {p.iteration} replica {p.replica} stage {p.stage} "
-                            f"for iteration {iteration} replica {replica} stage {stage}; is another job using "
+        raise DynaPipeError(f"received the payload of {iteration_name(p.iteration)} replica {p.replica} stage {p.stage} "
+                            f"for {iteration_name(iteration)} replica {replica} stage {stage}; is another job using "
                             f"the same store namespace?")
     plan = decode_plan(p.plan_bytes)
     tensors = {mb: {name: torch.from_numpy(arr) for name, arr in d.items()} for mb, d in p.tensors.items()}
@@ -87,7 +87,7 @@ def unpack(blob: bytes, iteration: int, replica: int, stage: int) -> IterationDa
     fields = set(IterationMeta.__dataclass_fields__) - {"iteration", "wait_ms", "extra"}
     missing = sorted(fields - set(m))
     if missing:
-        raise DynaPipeError(f"payload of iteration {iteration} lacks metadata {missing}; "
+        raise DynaPipeError(f"payload of {iteration_name(iteration)} lacks metadata {missing}; "
                             f"run the same dynapipe version on every node.")
     meta = IterationMeta(iteration=iteration, **{k: m.pop(k) for k in fields}, extra=m)
     return IterationData(plan, tensors, meta, p.content_crc)
@@ -142,7 +142,7 @@ class PayloadFetcher:
             while not self._stop.is_set() and (self.end is None or it < self.end):
                 key = self.keys.payload(it, self.replica, self.stage)
                 blob = wait_blob(self._kv, key, float("inf"), self._on_poll,
-                                 what=f"the plan of iteration {it}")
+                                 what=f"the plan of {iteration_name(it)}")
                 if self._kv.add(Keyspace.acks(key), 1) >= self.readers:
                     delete_blob(self._kv, key)
                     self._kv.delete(Keyspace.acks(key))

@@ -31,7 +31,7 @@ from dynapipe.cost.model_flops import micro_batches_work, samples_work
 from dynapipe.data.collate import TensorRequest, collate
 from dynapipe.data.sampler import GlobalBatchSampler, SamplerConfig
 from dynapipe.data.samples import SampleDataset
-from dynapipe.errors import DynaPipeError, ExecutorError, PlanError
+from dynapipe.errors import DynaPipeError, ExecutorError, PlanError, iteration_name
 from dynapipe.plan.instructions import ExecutionPlan, LoadInput
 from dynapipe.runtime.kv_store import KVStoreSpec, put_blob
 from dynapipe.runtime.plan_payload import encode_payload
@@ -100,7 +100,7 @@ def _rank_tensors(plan: ExecutionPlan, dataset: SampleDataset, batch_indices: np
             continue
         info = infos.get(instr.mb)
         if info is None:
-            raise DynaPipeError(f"plan of iteration {plan.iteration} (replica {plan.replica}, stage {plan.stage}) "
+            raise DynaPipeError(f"plan of {iteration_name(plan.iteration)} (replica {plan.replica}, stage {plan.stage}) "
                                 f"loads micro-batch {instr.mb}, which it does not describe.")
         rows_pos = info.rows or tuple((s,) for s in info.samples)
         rows = []
@@ -202,7 +202,7 @@ def worker_main(worker: int, job: WorkerJob, tasks, events) -> None:
 
 
 def _error_text(node: int, worker: int, iteration: Optional[int], tb: str) -> str:
-    when = f"while planning iteration {iteration}" if iteration is not None else "while starting"
+    when = f"while planning {iteration_name(iteration)}" if iteration is not None else "while starting"
     sep = "\n" if tb.startswith("Traceback") else " "
     return f"planner worker {worker} on planner node {node} failed {when}:{sep}{tb.rstrip()}"
 
