@@ -77,6 +77,30 @@ def test_cost_command_encoder_decoder(capsys):
     assert row["dec_seqlen"] == 64 and row["bw_ms"] >= row["fw_ms"] > 0
 
 
+def test_cost_command_prices_the_placement_given(capsys):
+    from dynapipe.cost.placement import StagePlacement
+
+    t5 = ["cost", "--model", "t5-11b", "--device", "a100-40gb", "--stages", "4", "--shape", "2,512,64"]
+    cm = build_cost_model(load_model_config("t5-11b"), load_device_config("a100-40gb"), 4)
+    for spec in ("12+0,12+0,0+12,0+12", "6+0,6+0,6+0,6+0|0+6,0+6,0+6,0+6", "9+0,9+0,6+4,0+20"):
+        for stage in ("0", "2"):
+            assert main([*t5, "--placement", spec, "--stage", stage]) == 0
+            row = json.loads(capsys.readouterr().out)[0]
+            c = cm.with_placement(StagePlacement.parse(spec, cm.model, 4)).stage_cost(2, 512, 64, stage=int(stage))
+            assert row["fw_ms"] == pytest.approx(float(c.fw_ms)) and row["stored_mib"] == pytest.approx(float(c.stored_mib))
+    # `interleaved` is the even chunks; the encoder-heavy first stage of the even split costs more.
+    assert main([*t5, "--placement", "interleaved", "--stage", "0"]) == 0
+    interleaved = json.loads(capsys.readouterr().out)[0]
+    assert main([*t5, "--stage", "0"]) == 0
+    even = json.loads(capsys.readouterr().out)[0]
+    assert interleaved["fw_ms"] < even["fw_ms"]
+    # auto needs a batch; a split for other stages is refused naming it.
+    assert main([*t5, "--placement", "auto"]) == 2
+    assert "run plan --lengths FILE ... --placement auto and give the split it prints" in capsys.readouterr().err
+    assert main([*t5, "--placement", "9+0"]) == 2
+    assert "'9+0' names 1 stage; --stages is 4" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("method", ["padding", "padding-mb", "packing", "token-budget"])
 def test_plan_baselines_via_cli(tmp_path, capsys, method):
     out_file = tmp_path / "plan.json"

@@ -144,6 +144,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="micro-batch shape: samples, padded tokens (and decoder tokens); repeat for more")
     p.add_argument("--stage", type=int, default=None,
                    help="price this stage (0-based) instead of the bottleneck over all stages")
+    p.add_argument("--placement", default="even", metavar="even|interleaved|SPEC",
+                   help="layers per pipeline stage, as plan's --placement writes them: even (Megatron's split, "
+                        "default), interleaved (T5: the encoder as chunk 0 and the decoder as chunk 1 of every "
+                        "stage) or a split such as 12,12,8 (GPT) or 6+0,5+1,0+7 (T5); a stage with chunks is "
+                        "priced as all its chunks' layers. auto needs a batch: run plan --placement auto and "
+                        "give the split it prints")
 
 
 def cost_rows(setup: CostSetup, shapes: list[tuple[int, int, Optional[int]]],
@@ -167,6 +173,13 @@ def cost_rows(setup: CostSetup, shapes: list[tuple[int, int, Optional[int]]],
 def run(args: argparse.Namespace) -> int:
     """Run ``cost`` with parsed ``args``; the process exit status (0: done)."""
     setup = cost_setup_from_args(args)
+    if args.placement == "auto":
+        raise DynaPipeError("--placement auto chooses the split on a batch of lengths, and cost prices shapes; "
+                            "run plan --lengths FILE ... --placement auto and give the split it prints "
+                            "(--placement 6+0,5+1,0+7), or even.")
+    from dynapipe.cli.placement_options import apply_placement
+
+    setup, _ = apply_placement(args, setup, None)
     shapes = [parse_shape(s, setup.model.is_encoder_decoder) for s in args.shape]
     for text, shape in zip(args.shape, shapes):
         check_shape(text, shape, setup.model, setup.tp)
