@@ -50,6 +50,9 @@ def model_args_from_args(args: argparse.Namespace, cuda: bool) -> GPTModelArgs:
     shape = model_shape_from_args(args)
     _positive("make-vocab-size-divisible-by", args.make_vocab_size_divisible_by)
     unpadded = tokenizer_info(args).vocab_size
+    tp = args.tensor_model_parallel_size
+    if tp < 1:  # it pads the vocabulary below; the layout checks come later
+        raise DynaPipeError(f"--tensor-model-parallel-size {tp}: must be at least 1.")
     vocab = padded_vocab_size(unpadded, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     max_pos = args.max_position_embeddings or args.seq_length
     # Megatron-LM asserts this whatever the position type (RoPE's tables are sized by it too).

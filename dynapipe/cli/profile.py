@@ -74,8 +74,11 @@ MEGATRON_LAYER_DEFAULTS = {"hidden_dropout": 0.1, "attention_dropout": 0.1,
 def _grid(text: str, flag: str, at_least: int = 1) -> list[int]:
     from dynapipe.errors import DynaPipeError
 
+    if not text.strip() or any(not v.strip() for v in text.split(",")):
+        # An empty entry (1,,2) or list is a typo, not "measure the default grid".
+        raise DynaPipeError(f"{flag} {text!r}: an empty entry; give comma-separated positive integers, e.g. 1,2,4.")
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        values = [int(v) for v in text.split(",")]
     except ValueError:
         raise DynaPipeError(f"{flag} {text!r}: give comma-separated positive integers, e.g. 1,2,4.") from None
     if not values or any(v <= 0 for v in values) or sorted(set(values)) != values:
@@ -190,14 +193,16 @@ def run(args) -> int:
     if typed_seq_length is not None and typed_seq_length < 2:
         raise DynaPipeError(f"--seq-length {typed_seq_length}: a profile needs at least 2 tokens.")
     mbs = _grid(args.mbs, "--mbs")
-    seqlens = _grid(args.seqlens or default_seqlens(args.model, typed_seq_length), "--seqlens", at_least=2)
+    seqlens = _grid(args.seqlens if args.seqlens is not None else default_seqlens(args.model, typed_seq_length),
+                    "--seqlens", at_least=2)
     if args.dec_seqlens is not None and not args.t5:
         raise DynaPipeError("--dec-seqlens measures T5 decoder lengths; add --t5 (or --model with a T5 config).")
-    dec_seqlens = _grid(args.dec_seqlens or default_dec_seqlens(args.model), "--dec-seqlens", at_least=2) \
-        if args.t5 else []
+    dec_text = args.dec_seqlens if args.dec_seqlens is not None else default_dec_seqlens(args.model)
+    dec_seqlens = _grid(dec_text, "--dec-seqlens", at_least=2) if args.t5 else []
     # Named as the user set them: a grid nobody typed is --seq-length's, or the default.
-    seq_flag = "--seqlens" if args.seqlens else (f"--seq-length {typed_seq_length} (the --seqlens grid's top)"
-                                                 if typed_seq_length is not None else "the default --seqlens grid")
+    seq_flag = "--seqlens" if args.seqlens is not None else (
+        f"--seq-length {typed_seq_length} (the --seqlens grid's top)" if typed_seq_length is not None
+        else "the default --seqlens grid")
     check_grid_lengths(args.model, seqlens, dec_seqlens, (seq_flag, "--dec-seqlens"))
     if args.repeats < 1 or args.warmup < 0:
         raise DynaPipeError(f"--repeats {args.repeats} --warmup {args.warmup}: --repeats must be >= 1 (timed runs "
