@@ -11,6 +11,7 @@ changed, measured side by side. Pure Python.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -71,11 +72,24 @@ class T5Entry:
         return out + list(self.extra)
 
 
+def fastest_interleaved(compared: dict) -> Optional[str]:
+    """The interleaved split a placement search's ``compared`` simulated fastest: the planned
+    one (``interleaved``) or the even chunks (``interleaved_even``), ms finite first (a split
+    nothing fitted on is ``inf``, or ``None`` in JSON); the planned one when neither is finite
+    or no times were kept; None when no interleaved split was tried."""
+    options = [(compared.get(f"{key}_ms"), compared[key]) for key in ("interleaved", "interleaved_even")
+               if compared.get(key)]
+    finite = [(ms, split) for ms, split in options if isinstance(ms, (int, float)) and math.isfinite(ms)]
+    if finite:
+        return min(finite, key=lambda o: o[0])[1]
+    return options[0][1] if options else None
+
+
 def t5_entries(methods: Sequence[str], sweep: Sequence[int], placement: dict,
                uncalibrated_profile: Optional[str] = None) -> list[T5Entry]:
     """Every run: each baseline at every size of ``sweep``; every method on the bench's
     placement (``placement``, see ``_placement``), on the best contiguous split when that
-    placement is interleaved (on the interleaved one the search compared when it is
+    placement is interleaved (on the faster interleaved one the search compared when it is
     contiguous: a baseline's stages may balance there when DynaPipe's do not), and on
     Megatron's even split when it is not that; each baseline
     size also on its own best contiguous split (``placement["baselines"]``, labelled ``-own``)
@@ -87,7 +101,7 @@ def t5_entries(methods: Sequence[str], sweep: Sequence[int], placement: dict,
     chosen = placement["placement"]
     even = ((placement.get("simulated") or {}).get("even") or {}).get("placement")
     compared = placement.get("search", {}).get("compared") or {}
-    contiguous, interleaved = compared.get("contiguous"), compared.get("interleaved")
+    contiguous, interleaved = compared.get("contiguous"), fastest_interleaved(compared)
     splits = [(None, "")]
     if "|" in chosen and contiguous and contiguous != even:
         splits.append((contiguous, "contiguous"))

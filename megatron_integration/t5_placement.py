@@ -67,7 +67,7 @@ def choose_t5_placement(cfg, num_stages: int, dp: int, batches: Optional[list] =
     """The :class:`~dynapipe.schedule.placement.PlacementPlan` ``auto`` takes: the contiguous
     split whose slowest stage is fastest on the DynaPipe micro-batches of ``batches``
     (default: the run's first global batches), or an interleaved one (two chunks a rank, each
-    virtual stage balanced, or each chunk's layers spread evenly) when DynaPipe's plans of
+    virtual stage balanced, or every virtual stage an equal share of the layers) when DynaPipe's plans of
     ``batches`` simulate faster on it (``compared`` holds every split's time, ms); under the run's memory limit (MiB), recompute level
     and data-parallel size; a split-backward schedule prices the interleaved one under
     ``interleaved-zb``. With ``--overlap-grad-reduce`` (:func:`check_overlap_placement`)

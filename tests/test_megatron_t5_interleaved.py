@@ -102,6 +102,19 @@ def test_bench_t5_every_method_also_runs_contiguous_and_even_and_keeps_its_best(
                                           "packing@mbs1-interleaved", "packing@mbs1-even"]
     argv = entries[4].argv(["--dynapipe-placement", "1+0,1+2"])
     assert argv[argv.index("--dynapipe-placement", 2) + 1] == "1+0,1+0|0+1,0+1"
+    # Of the two interleaved splits the search simulated, the faster that fits is the one run.
+    from megatron_integration.bench_t5_entries import fastest_interleaved
+
+    compared = {"contiguous": "2+0,1+3", "interleaved": "P", "interleaved_ms": float("inf"),
+                "interleaved_even": "E", "interleaved_even_ms": 9.0}
+    assert fastest_interleaved(compared) == "E"
+    assert fastest_interleaved({**compared, "interleaved_ms": 8.0}) == "P"
+    assert fastest_interleaved({**compared, "interleaved_ms": None, "interleaved_even_ms": None}) == "P"
+    assert fastest_interleaved({"contiguous": "2+0,1+3"}) is None
+    three = {"placement": "2+0,1+3", "search": {"compared": compared}, "simulated": even}
+    entries = t5_entries(["dynapipe"], (1,), three)
+    assert [e.label for e in entries] == ["dynapipe", "dynapipe-interleaved", "dynapipe-even"]
+    assert entries[1].split == "E"
     on_even = {"placement": "2+0,0+2", "simulated": even}
     assert [e.label for e in t5_entries(["packing"], (1,), on_even)] == ["packing@mbs1"]
     # On the even split, DynaPipe runs once for both of its methods; dynapipe-even alone keeps its run.

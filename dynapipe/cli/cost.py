@@ -174,9 +174,10 @@ def run(args: argparse.Namespace) -> int:
     """Run ``cost`` with parsed ``args``; the process exit status (0: done)."""
     setup = cost_setup_from_args(args)
     if args.placement == "auto":
-        raise DynaPipeError("--placement auto chooses the split on a batch of lengths, and cost prices shapes; "
-                            "run plan --lengths FILE ... --placement auto and give the split it prints "
-                            "(--placement 6+0,5+1,0+7), or even.")
+        example = "6+0,5+1,0+7" if setup.model.is_encoder_decoder else "12,12,8"
+        raise DynaPipeError(f"--placement auto chooses the split on a batch of lengths, and cost prices shapes; "
+                            f"run plan --lengths FILE ... --placement auto and give the split it prints "
+                            f"(such as --placement {example}), or even.")
     from dynapipe.cli.placement_options import apply_placement
 
     setup, _ = apply_placement(args, setup, None)

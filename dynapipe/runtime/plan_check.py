@@ -243,7 +243,7 @@ class PeerPlanCheck:
         iters = [t[1] for t in table]
         if len(set(iters)) > 1 or any(t[2] != size for t in table) or any(t[3] != r for r, t in enumerate(table)):
             raise PlanError(f"the pipeline ranks hold plans of different iterations or layouts: iteration per "
-                            f"rank {iters}, stages {[t[2] for t in table]}, stage index {[t[3] for t in table]}; "
+                            f"rank {[i + 1 for i in iters]}, stages {[t[2] for t in table]}, stage index {[t[3] for t in table]}; "
                             f"each rank must run the plan compiled for its stage of the same iteration.")
         for a in range(size):
             for b in range(size):
