@@ -72,6 +72,11 @@ def test_growth_power_is_kept_between_flat_and_quadratic():
     # numpy would read true as 1 ms and "3.0" as 3 ms.
     ({"bool_fw": True}, "ops.layer.fw_ms holds a value that is not a number (true, false or a string)"),
     ({"text_fw": True}, "ops.layer.fw_ms holds a value that is not a number"),
+    ({"mbs": [1.5, 2]}, "'mbs' [1.5, 2] must hold whole numbers of samples"),
+    ({"attention_call_ms": {"fw": 1}}, "'attention_call_ms' {'fw': 1} must give both \"fw\" and \"bw\""),
+    ({"layer_spec": "bogus"}, "'layer_spec' 'bogus' is not one of local, transformer_engine"),
+    ({"threads": 0}, "'threads' 0 must be a whole number of CPU threads"),
+    ({"threads": "1"}, "'threads' '1' must be a whole number of CPU threads"),
 ])
 def test_a_profile_that_cannot_price_is_refused_in_one_line(changes, needle):
     data = _profile(**{k: v for k, v in changes.items() if k not in ("zero_fw", "bool_fw", "text_fw") and v is not None})
@@ -355,3 +360,22 @@ def test_a_gpu_run_planned_by_the_analytic_model_is_warned_to_profile(tmp_path):
     assert analytic_on_gpu_note(parse_training_args(argv, 1, cuda=True).dynapipe, gpu) is None  # no DynaPipe plans
     profiled = dataclasses.replace(analytic, cost_model=str(tmp_path / "profile.json"))
     assert analytic_on_gpu_note(profiled, gpu) is None
+
+
+def test_a_profile_of_transformer_engine_layers_plans_no_split_backward():
+    """Transformer Engine's layers cannot split their backward: a profile measured on them keeps
+    the zero-bubble schedules out of auto's search and refuses them by name, as training does."""
+    from dynapipe.pipeline_planner import plan_iteration
+
+    lengths = np.array([60, 100, 128, 30, 90, 120, 64, 77])
+    local = ProfileCostModel(TINY, _profile(layer_spec="local"), 2)
+    te = ProfileCostModel(TINY, _profile(layer_spec="transformer_engine"), 2, source="te.json")
+    assert local.unsplit_backward is None and "te.json was measured on Transformer Engine" in te.unsplit_backward
+    assert te.with_placement(te.placement).unsplit_backward == te.unsplit_backward
+    tried = {c.schedule for c in plan_iteration(lengths, te, seq_length=128, explain=True).search.candidates}
+    assert tried and not tried & {"zb-h1", "interleaved-zb"}
+    assert "zb-h1" in {c.schedule for c in plan_iteration(lengths, local, seq_length=128,
+                                                           explain=True).search.candidates}
+    with pytest.raises(DynaPipeError, match="--schedule zb-h1 splits every backward, but te.json was measured on "
+                                            "Transformer Engine layers"):
+        plan_iteration(lengths, te, seq_length=128, schedule="zb-h1")

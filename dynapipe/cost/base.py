@@ -177,6 +177,9 @@ class CostModel(ABC):
     #: The fixed cost of one per-sample attention call, (forward, backward) ms: what running
     #: attention once a sample adds per call beyond its pairs (0: one varlen launch, not priced).
     attention_call_ms: tuple[float, float] = (0.0, 0.0)
+    #: Why the layers this model prices cannot split their backward (None: they can), so the
+    #: schedule search leaves the zero-bubble schedules out and refuses them by name.
+    unsplit_backward: Optional[str] = None
 
     def __init__(self, model: ModelConfig, num_stages: int, tp: Optional[TensorParallelConfig] = None):
         self.model = model

@@ -114,6 +114,9 @@ class ProfileCostModel(CostModel):
         calls = profile.get("attention_call_ms") or {}
         self.attention_call_ms = (float(calls.get("fw", 0.0)), float(calls.get("bw", 0.0)))
         self.profile = profile
+        if profile.get("layer_spec") == "transformer_engine":
+            self.unsplit_backward = (f"{source} was measured on Transformer Engine layers, whose backward does "
+                                     f"not split")
         # Bytes a dropout mask of the measured layers kept per element, for the derived levels'
         # shares: a CPU's dropout keeps masks of the activation's dtype, CUDA's bool ones.
         self.mask_bytes = model.dtype_bytes if profile.get("device") == "cpu" else CUDA_MASK_BYTES

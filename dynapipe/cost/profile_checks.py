@@ -16,7 +16,7 @@ from dynapipe.config import ModelConfig
 from dynapipe.cost.profile_t5 import (FIELDS, KIND_DECODER_ONLY, KIND_ENCODER_DECODER, MAX_PROFILE_NUMBER,
                                       check_grid, check_op_table, check_t5_tables, finite_number, is_number,
                                       profile_kind)
-from dynapipe.errors import DynaPipeError, file_read_errors
+from dynapipe.errors import DynaPipeError, file_read_errors, is_whole
 
 PROFILE_FORMAT = "dynapipe-profile"
 PROFILE_VERSION = 2
@@ -27,6 +27,8 @@ OPS = ("layer", "embedding", "output")
 LEVEL_OPS = {"selective": "layer_selective", "full": "layer_full"}
 # The transformer layer's tables, at every level measured.
 LAYER_OPS = ("layer",) + tuple(LEVEL_OPS.values())
+# The layers a profile may record measuring (megatron-core's local ones, Transformer Engine's).
+LAYER_SPECS = ("local", "transformer_engine")
 # WEIGHT_FIELD (from profile_t5, which T5 profiles share it with): the optional field of the
 # layer's tables, the weight-gradient part of bw_ms (split backward).
 
@@ -219,6 +221,16 @@ def check_profile(data: Mapping[str, Any], source: str) -> None:
             finite_number(v) and v >= 0 for v in calls.values()):
         raise DynaPipeError(f"{source}: 'attention_call_ms' {_short(calls)} must be {{\"fw\": ms, \"bw\": ms}}, "
                             f"finite and 0 or more: the fixed cost of one per-sample attention call.")
+    if calls and set(calls) != {"fw", "bw"}:
+        raise DynaPipeError(f"{source}: 'attention_call_ms' {_short(calls)} must give both \"fw\" and \"bw\" (ms).")
+    spec = data.get("layer_spec")
+    if spec is not None and spec not in LAYER_SPECS:
+        raise DynaPipeError(f"{source}: 'layer_spec' {_short(spec)} is not one of {', '.join(LAYER_SPECS)} (the "
+                            f"layers measured: megatron-core's local ones or Transformer Engine's).")
+    threads = data.get("threads")
+    if threads is not None and not is_whole(threads):
+        raise DynaPipeError(f"{source}: 'threads' {_short(threads)} must be a whole number of CPU threads, 1 or "
+                            f"more (profiles write the threads they measured with).")
     tp = data.get("tp", 1)
     if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= MAX_PROFILE_NUMBER:
         raise DynaPipeError(f"{source}: 'tp' {_short(tp)} must be a positive integer of at most 2**53 (the "

@@ -96,6 +96,10 @@ def check_grid(data: Mapping[str, Any], axis: str, source: str, what: str = "") 
                             f"2**53{what}.")
     if any(b <= a for a, b in zip(grid, grid[1:])):
         raise DynaPipeError(f"{source}: {axis!r} grid {grid} must be strictly ascending.")
+    if axis == "mbs" and any(float(v) != int(v) for v in grid):
+        # A fractional size would be priced by interpolating between measured ones.
+        raise DynaPipeError(f"{source}: 'mbs' {grid} must hold whole numbers of samples (the micro-batch sizes "
+                            f"measured).")
 
 
 def plain_numbers(value: Any) -> bool:

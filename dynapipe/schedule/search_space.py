@@ -62,6 +62,12 @@ def schedule_names(schedule: str, split_backward: bool, cost_model: CostModel) -
     ``zb-h1`` to ``interleaved-zb``)."""
     if schedule not in SCHEDULE_CHOICES:
         raise DynaPipeError(f"--schedule {schedule!r} is not known; use one of {', '.join(SCHEDULE_CHOICES)}.")
+    unsplit = getattr(cost_model, "unsplit_backward", None)
+    if unsplit is not None:
+        if schedule in (ZB_H1, INTERLEAVED_ZB):
+            raise DynaPipeError(f"--schedule {schedule} splits every backward, but {unsplit}; use auto (which then "
+                                f"leaves the split schedules out) or another schedule.")
+        split_backward = False
     if not split_backward and schedule in (ZB_H1, INTERLEAVED_ZB):
         raise DynaPipeError(f"--schedule {schedule} splits every backward, and the stages cannot split theirs "
                             f"(--no-split-backward, split_backward=False); drop one of them (auto then searches "
