@@ -26,6 +26,8 @@ def test_reads_one_and_two_columns(tmp_path):
     assert read_lengths(_file(tmp_path, "5\n\n# comment\n7\n")).tolist() == [5, 7]
     assert read_lengths(_file(tmp_path, "5 1\n7 2\n")).tolist() == [[5, 1], [7, 2]]
     assert read_lengths("-", io.StringIO("3\n4\n")).tolist() == [3, 4]
+    # An editor's byte-order mark is not part of the first length.
+    assert read_lengths(_file(tmp_path, "\ufeff100\r\n200\r\n")).tolist() == [100, 200]
 
 
 @pytest.mark.parametrize("text, message", [

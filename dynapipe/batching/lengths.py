@@ -66,7 +66,8 @@ def read_lengths(path: str, stdin: Optional[TextIO] = None) -> np.ndarray:
     with file_read_errors("lengths file", path, missing="write one with `python -m dynapipe synth`.",
                           directory="give a file with one length a line.",
                           not_text="is not a text file of integers."):
-        with open(path, encoding="utf-8") as f:
+        # utf-8-sig: an editor's byte-order mark is not part of the first length.
+        with open(path, encoding="utf-8-sig") as f:
             return _parse_lines(f, path)
 
 
