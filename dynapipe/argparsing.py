@@ -58,6 +58,10 @@ class StrictArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         """Print ``error: PROG: MESSAGE`` on one line and exit with status 2."""
         text = " ".join(message.split())
+        flag = re.match(r"argument (\S+?)(?:/\S+)?: expected one argument\Z", text)
+        if flag and flag.group(1).startswith("--"):
+            # The value was there but starts with '-' (--shape -1,512), so argparse read it as a flag.
+            text += f" (a value starting with '-' is written {flag.group(1)}=VALUE)"
         self.exit(2, f"error: {self.prog}: {text}; see {self.prog} --help.\n")
 
 

@@ -481,14 +481,19 @@ def test_profile_starts_megatron_as_its_deterministic_mode_and_timeout_say(tmp_p
     (["profile", "--output", "p.json", "--moe-router-topk", "2", "--use-megatron-fsdp"],
      "error: --moe-router-topk is a Megatron-LM flag that dynapipe-megatron does not support: mixture-of-experts"),
     (["synth", "--samples", "4", "--output", "s.txt", "--bogus"],
-     "error: python -m dynapipe: unrecognized arguments: --bogus"),
+     "error: python -m dynapipe synth: unrecognized arguments: --bogus; see python -m dynapipe synth --help."),
     (["synth", "--samples", "4", "--output", "s.txt", "--wandb-project", "p"],  # takes no Megatron arguments
-     "error: python -m dynapipe: unrecognized arguments: --wandb-project p"),
+     "error: python -m dynapipe synth: unrecognized arguments: --wandb-project p"),
     # Whole flags only, as Megatron-LM's parser: a prefix is not taken for --warmup-iters.
     (["bench", "--output", "b.json", "--warmup", "7"],
-     "error: python -m dynapipe: unrecognized arguments: --warmup 7"),
+     "error: python -m dynapipe bench: unrecognized arguments: --warmup 7"),
     (["synth", "--sample", "4", "--output", "s.txt"],
      "error: python -m dynapipe synth: the following arguments are required: --samples"),
+    (["--bogus"], "error: python -m dynapipe: unrecognized arguments: --bogus"),
+    # A value that starts with '-' is read as a flag: the fix is named.
+    (["cost", "--model", "gpt-7b", "--device", "a100-40gb", "--stages", "4", "--shape", "-1,512"],
+     "error: python -m dynapipe cost: argument --shape: expected one argument (a value starting with '-' is "
+     "written --shape=VALUE)"),
 ])
 def test_unknown_flags_are_one_line_and_refused_megatron_flags_name_the_reason(capsys, argv, message):
     assert main(argv) == 2

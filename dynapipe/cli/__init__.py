@@ -64,7 +64,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     print_error(line)
                 if refused:
                     return 2
-            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+            # Named against the command, whose --help lists its flags.
+            own = sub.choices.get(args.command) if args.command else None
+            (own or parser).error(f"unrecognized arguments: {' '.join(extras)}")
     except SystemExit as e:  # --help (0) or a bad command line (2, already printed on one line)
         return e.code if isinstance(e.code, int) else 2
     if args.command is None:
