@@ -118,6 +118,20 @@ def test_plan_out_replaces_an_earlier_layouts_plan_files_and_keeps_other_files(t
     assert "valid: 4 plans (1 replica(s) x 4 stages)" in capsys.readouterr().out
 
 
+def test_plan_out_with_a_folder_where_a_plan_goes_writes_no_plan(tmp_path, capsys):
+    plan_dir = tmp_path / "plans"
+    _plan_out(tmp_path, capsys, plan_dir, "--stages", "4")
+    before = {n: (plan_dir / n).read_bytes() for n in os.listdir(plan_dir)}
+    (plan_dir / "replica000-stage001.plan").unlink()
+    (plan_dir / "replica000-stage001.plan").mkdir()
+    where = plan_dir / "replica000-stage001.plan"
+    _refused(capsys, ["plan", "--lengths", _lengths(tmp_path, "9\n8\n7\n"), *GPT7B, "--stages", "4",
+                      "--plan-out", str(plan_dir)], f"cannot write {str(where)!r} (a folder or link is in the way")
+    # Nothing of the new set was written: the other files are the earlier set's, and no temp file is left.
+    assert sorted(os.listdir(plan_dir)) == sorted(before)
+    assert all((plan_dir / n).read_bytes() == b for n, b in before.items() if n != where.name)
+
+
 def test_plan_out_and_validate_refuse_a_file(tmp_path, capsys):
     f = tmp_path / "plans"
     f.write_text("not a directory")

@@ -1,6 +1,7 @@
 """A plan set on disk: one serialized plan file per rank in a directory."""
 from __future__ import annotations
 
+import errno
 import os
 import re
 from typing import Sequence
@@ -30,20 +31,24 @@ def write_plan_dir(plans: Sequence[ExecutionPlan], directory: str, replace: bool
     files named as :func:`plan_file_name` names them are touched, never any other file.
     """
     os.makedirs(directory, exist_ok=True)
-    paths = []
-    for p in plans:
-        path = os.path.join(directory, plan_file_name(p.replica, p.stage))
-        # Written beside its name and renamed over it: a failed write (a full disk) never
-        # leaves a truncated plan where a whole one was.
-        tmp = os.path.join(directory, f".{plan_file_name(p.replica, p.stage)}.{os.getpid()}.tmp")
-        try:
+    names = [plan_file_name(p.replica, p.stage) for p in plans]
+    paths = [os.path.join(directory, name) for name in names]
+    for path in paths:
+        if os.path.lexists(path) and not os.path.isfile(path):  # a folder (or a dangling link) in the way
+            raise OSError(errno.EEXIST, "a folder or link is in the way of the plan file; remove it", path)
+    # Every file is written beside its name first and all are renamed over their names after:
+    # a failed write (a full disk) leaves neither a truncated plan nor a set half old, half new.
+    tmps = [os.path.join(directory, f".{name}.{os.getpid()}.tmp") for name in names]
+    try:
+        for p, tmp in zip(plans, tmps):
             with open(tmp, "wb") as f:
                 f.write(serialize_plan(p))
+        for tmp, path in zip(tmps, paths):
             os.replace(tmp, path)
-        finally:
+    finally:
+        for tmp in tmps:
             if os.path.exists(tmp):
                 os.remove(tmp)
-        paths.append(path)
     if replace:
         written = {os.path.basename(path) for path in paths}
         for name in os.listdir(directory):
