@@ -65,13 +65,40 @@ def test_dtype_mismatch_is_a_shape_mismatch_too():
         validate_plans([edit(plans[0], r0), plans[1]])
 
 
+@pytest.mark.parametrize("change, needle", [
+    # Both ends of every transfer agree, so only the tensors' own sense can refuse these.
+    (lambda t: TensorSpec(t.name, t.shape[:-1] + (0,), t.dtype), r"has shape \[(\d+, )+0\]; every dimension"),
+    (lambda t: TensorSpec(t.name, t.shape, "float32") if t.name == "tokens" else t, "'tokens' is float32"),
+])
+def test_tensors_no_layer_can_take_are_refused_though_both_ends_agree(change, needle):
+    from dynapipe.plan.instructions import LoadInput
+
+    plans = plans_for(range(1, 13), 3)
+    edited = []
+    for p in plans:
+        ins = [dataclasses.replace(i, tensors=tuple(change(t) for t in i.tensors))
+               if getattr(i, "tensors", None) and (isinstance(i, LoadInput) or len(i.tensors[0].shape) == 3) else i
+               for i in p.instructions]
+        edited.append(edit(p, ins))
+    with pytest.raises(PlanError, match=needle):
+        validate_plans(edited)
+
+
+def test_ranks_that_name_another_schedule_are_refused():
+    plans = plans_for(range(1, 13), 3)
+    with pytest.raises(PlanError, match="rank 1: schedule=zb-h1 differs from rank 0's 1f1b; the plans of one "
+                                        "iteration must all come from one planning run"):
+        validate_plans([plans[0], dataclasses.replace(plans[1], schedule="zb-h1")])
+
+
 def test_swapped_send_order():
     # Rank 0 runs micro-batch 1's forward (and sends it) before micro-batch 0's, rank 1
     # expects them in the original order: NCCL would pair the messages wrongly.
     mbs = chunked_micro_batches([8] * 6, 2)
     normal = one_f_one_b(2, 3)
     s0 = (Op("F", 1), Op("F", 0), Op("B", 0), Op("F", 2), Op("B", 1), Op("B", 2))
-    swapped = Schedule("swapped", 2, (s0, normal.stage_ops[1]))
+    # Named as rank 1's schedule: only the message order differs (another name is refused first).
+    swapped = Schedule("1f1b", 2, (s0, normal.stage_ops[1]))
     times = StageTimes(*(np.ones((2, 3)),) * 4, np.zeros((1, 3)), np.zeros((1, 3)), np.zeros(2))
     good = compile_plans(normal, mbs, TINY)
     bad = compile_plans(swapped, mbs, TINY, timeline=simulate(swapped, times))

@@ -42,6 +42,7 @@ from dynapipe.cost.base import RECOMPUTE_LEVELS
 from dynapipe.errors import PlanError, is_whole
 from dynapipe.plan.deadlock import symbolic_run, where as _where
 from dynapipe.plan.instructions import ExecutionPlan
+from dynapipe.plan.table import InstructionTable
 from dynapipe.plan.validate_buffers import check_buffers as _check_buffers
 from dynapipe.plan.validate_fast import group_is_valid
 from dynapipe.plan.validate_transfers import collect_transfers, match_pair
@@ -102,10 +103,30 @@ def _check_plan_fields(plan: ExecutionPlan) -> None:
                             f"packed into it (samples is the rows' concatenation).")
 
 
+# Loaded inputs the handlers use as indices (token ids, positions, labels): int64, as torch's
+# embedding and loss take them.
+_INDEX_TENSORS = ("tokens", "dec_tokens", "position_ids", "labels")
+
+
+def _check_tensors(plan: ExecutionPlan) -> None:
+    """Refuse a tensor the plan moves or loads with a dimension below 1 (every dimension is a
+    micro-batch's rows, tokens or the hidden size) or an index input that is not int64."""
+    ins = plan.instructions
+    lists = ins.tensor_lists if isinstance(ins, InstructionTable) else [getattr(i, "tensors", ()) for i in ins]
+    for specs in lists:
+        for t in specs or ():
+            if any(d < 1 for d in t.shape):
+                raise PlanError(f"{_where(plan, -1)}: tensor {t.name!r} has shape {list(t.shape)}; every dimension "
+                                f"of a tensor a plan moves or loads is at least 1.")
+            if t.name in _INDEX_TENSORS and t.dtype != "int64":
+                raise PlanError(f"{_where(plan, -1)}: tensor {t.name!r} is {t.dtype}; token ids, positions and "
+                                f"labels are int64.")
+
+
 def _check_group(plans: list[ExecutionPlan]) -> int:
     first = plans[0]
     for p in plans:
-        for field in ("num_stages", "num_replicas", "iteration", "global_loss_tokens"):
+        for field in ("num_stages", "num_replicas", "iteration", "global_loss_tokens", "schedule"):
             if getattr(p, field) != getattr(first, field):
                 raise PlanError(f"{_where(p, -1)}: {field}={getattr(p, field)} differs from rank {first.stage}'s "
                                 f"{getattr(first, field)}; {_ONE_RUN}")
@@ -117,6 +138,7 @@ def _check_group(plans: list[ExecutionPlan]) -> int:
                                 f"{first.meta.get(key)!r}; {_ONE_RUN}")
     _check_plan_fields(first)
     for p in plans:
+        _check_tensors(p)
         if p.recompute not in RECOMPUTE_LEVELS:
             raise PlanError(f"{_where(p, -1)}: recompute={p.recompute!r} is not one of {RECOMPUTE_LEVELS}.")
         for m in p.micro_batches:
