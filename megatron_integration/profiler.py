@@ -51,6 +51,7 @@ from dynapipe.runtime.weight_grad_store import WeightGradStore
 from megatron_integration.attention_calls import measure_attention_call_ms
 from megatron_integration.cache_flush import CacheFlush
 from megatron_integration.live_memory import LiveMemoryTracker
+from megatron_integration.profile_oom import point_fits
 from megatron_integration.split_backward import install_split_backward
 from megatron_integration.train_config import GPTModelArgs, ParallelArgs
 from megatron_integration.masked_softmax import use_additive_masks
@@ -344,10 +345,11 @@ def profile_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: Seq
     for i, b in enumerate(mbs_grid):
         for j, s in enumerate(seqlen_grid):
             for op in names:
-                fw, params = builders[op](b, s)
-                split = ops.weight_grads if op in LAYER_OPS else None
-                m = measure_op(fw, params, device, repeats=repeats, warmup=warmup, group=group, weight_grads=split,
-                               flush=flush)
+                with point_fits(f"{op} at mbs={b} seqlen={s}"):
+                    fw, params = builders[op](b, s)
+                    split = ops.weight_grads if op in LAYER_OPS else None
+                    m = measure_op(fw, params, device, repeats=repeats, warmup=warmup, group=group,
+                                   weight_grads=split, flush=flush)
                 m = slowest_rank(m, group, device)
                 for f in FIELDS:
                     tables[op][f][i][j] = round(getattr(m, f), 6)

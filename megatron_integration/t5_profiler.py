@@ -42,6 +42,7 @@ from dynapipe.cost.profile_t5 import FIELDS, KIND_ENCODER_DECODER, SPLIT_OPS, T5
 from dynapipe.runtime.weight_grad_store import WeightGradStore
 from megatron_integration.attention_calls import measure_attention_call_ms
 from megatron_integration.cache_flush import CacheFlush
+from megatron_integration.profile_oom import point_fits
 from megatron_integration.profiler import as_trained, measure_op, suffix_minimum
 from megatron_integration.split_backward import install_split_backward
 from megatron_integration.train_config import GPTModelArgs, ParallelArgs
@@ -174,17 +175,22 @@ def profile_t5_model(model: GPTModelArgs, mbs_grid: Sequence[int], seqlen_grid: 
                 values[op] = {f: torch.zeros(shape, dtype=torch.float64) for f in names}
             table = values[op]
             for index in torch.cartesian_prod(*[torch.arange(n) for n in shape]).reshape(-1, len(shape)).tolist():
-                fw, params = builders[op](*[g[i] for g, i in zip(grids, index)])
+                point = [g[i] for g, i in zip(grids, index)]
+                where = f"{op} at " + " ".join(f"{a}={v}" for a, v in zip(T5_AXES[op], point))
                 at = tuple(index)
-                if rep == 0:  # time and memory, after the warm-up
-                    m = measure_op(fw, params, device, repeats=1, warmup=warmup, group=group, weight_grads=split,
-                                   flush=flush)
+                with point_fits(where):
+                    fw, params = builders[op](*point)
+                    if rep == 0:  # time and memory, after the warm-up
+                        m = measure_op(fw, params, device, repeats=1, warmup=warmup, group=group,
+                                       weight_grads=split, flush=flush)
+                    else:
+                        fw_ms, bw_ms, weight_ms = time_op(fw, params, split, flush, group)
+                if rep == 0:
                     for f in FIELDS:
                         table[f][at] = getattr(m, f)
                     if split is not None:
                         table[WEIGHT_FIELD][at] = m.bw_weight_ms
                 else:
-                    fw_ms, bw_ms, weight_ms = time_op(fw, params, split, flush, group)
                     table["fw_ms"][at] = min(float(table["fw_ms"][at]), fw_ms)
                     if bw_ms < float(table["bw_ms"][at]):
                         # The weight part belongs to the backward it was timed in.
