@@ -8,13 +8,11 @@ Pure Python: no torch, no megatron.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-import yaml
-
+from dynapipe.config_yaml import build_dataclass as _build, read_yaml
 from dynapipe.errors import DynaPipeError
 # Re-exported: every layer imports its configs from here.
 from dynapipe.topology import ClusterConfig, LinkConfig, TensorParallelConfig
@@ -223,96 +221,16 @@ class DeviceConfig:
             raise DynaPipeError(f"{source}: memory_mib={self.memory_mib} must be > 0.")
         if self.half_efficiency_tokens < 0:
             raise DynaPipeError(f"{source}: half_efficiency_tokens={self.half_efficiency_tokens} must be >= 0.")
-        if self.dropout_mask_bytes < 0:
-            raise DynaPipeError(f"{source}: dropout_mask_bytes={self.dropout_mask_bytes} must be >= 0 (0: the "
-                                f"activation's dtype, as on a CPU).")
+        if self.dropout_mask_bytes not in (0, 1, 2, 4):
+            raise DynaPipeError(f"{source}: dropout_mask_bytes={self.dropout_mask_bytes} must be 1 (a bool mask, as "
+                                f"on CUDA), 2 or 4 (a mask of 16- or 32-bit values), or 0 (the activation's dtype, "
+                                f"as on a CPU).")
         if self.op_overhead_ms < 0:
             raise DynaPipeError(f"{source}: op_overhead_ms={self.op_overhead_ms} must be >= 0.")
         if not 0 <= self.reserved_mib < self.memory_mib:
             raise DynaPipeError(f"{source}: reserved_mib={self.reserved_mib} must be >= 0 and below "
                                 f"memory_mib={self.memory_mib}.")
         return self
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a key given twice in one mapping (the plain loader keeps
-    the last silently: a config that says ``num_layers`` twice would build the second)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may be overridden
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            try:
-                duplicate = key in seen
-            except TypeError:  # an unhashable key: the base loader names it
-                break
-            if duplicate:
-                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice",
-                                                        key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-def _read_yaml(path: str) -> dict:
-    if not os.path.exists(path):
-        raise DynaPipeError(f"config file {path!r} does not exist.")
-    if os.path.isdir(path):
-        raise DynaPipeError(f"config file {path!r} is a directory; give a YAML file.")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.load(f, Loader=_UniqueKeyLoader)
-    except yaml.YAMLError as e:
-        first = " ".join(str(e).split())
-        raise DynaPipeError(f"config file {path!r} is not valid YAML: {first}") from None
-    except UnicodeDecodeError:
-        raise DynaPipeError(f"config file {path!r} is not UTF-8 text (a binary file?); give a YAML file.") from None
-    except OSError as e:
-        raise DynaPipeError(f"config file {path!r} cannot be read: {e.strerror}.") from None
-    except RecursionError:
-        raise DynaPipeError(f"config file {path!r} is nested too deeply to be a config.") from None
-    if not isinstance(data, dict):
-        raise DynaPipeError(f"config file {path!r} must hold a mapping of keys to values.")
-    return data
-
-
-read_yaml = _read_yaml  # a YAML file that must hold a mapping; clear errors for anything else
-
-
-# Field annotations are strings (postponed evaluation); these are the scalar ones to check.
-_SCALAR_TYPES = {"int": ((int,), "an integer"), "float": ((int, float), "a number"),
-                 "str": ((str,), "a string"), "bool": ((bool,), "true or false")}
-
-
-def _build(cls, data: Mapping[str, Any], source: str):
-    if not isinstance(data, Mapping):
-        raise DynaPipeError(f"{source}: expected a mapping of keys to values, got {type(data).__name__}.")
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise DynaPipeError(f"{source}: unknown key(s) {unknown}; known keys are {sorted(names)}.")
-    for f in dataclasses.fields(cls):
-        if f.name in data and f.type in _SCALAR_TYPES:
-            types, what = _SCALAR_TYPES[f.type]
-            value = data[f.name]
-            if not isinstance(value, types) or (isinstance(value, bool) and f.type != "bool"):
-                raise DynaPipeError(f"{source}: {f.name}={value!r} must be {what}.")
-            if f.type in ("int", "float") and not math.isfinite(value):
-                raise DynaPipeError(f"{source}: {f.name}={value!r} must be a finite number.")
-            if f.name == "name" and isinstance(value, str) and not value.isprintable():
-                # Names go into reports, traces and written run configs, one line each.
-                raise DynaPipeError(f"{source}: name={value!r} holds a line break or another control character; "
-                                    f"give a one-line name.")
-    required = [f.name for f in dataclasses.fields(cls) if f.name not in data
-                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    if required:
-        raise DynaPipeError(f"{source}: {', '.join(required)} missing; see the shipped configs under configs/ for "
-                            f"the keys each kind needs.")
-    try:
-        return cls(**data)
-    except TypeError as e:
-        raise DynaPipeError(f"{source}: {e}") from None
 
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -377,14 +295,14 @@ def load_model_config(path: str, flag: Optional[str] = None) -> ModelConfig:
     """Load a model config from a YAML file path or a shipped name such as ``gpt-7b``;
     ``flag``: the option named when neither exists."""
     path = resolve_config_path(path, "models", flag)
-    return model_config_from_dict(_read_yaml(path), source=path)
+    return model_config_from_dict(read_yaml(path), source=path)
 
 
 def load_device_config(path: str, flag: Optional[str] = None) -> DeviceConfig:
     """Load a device config from a YAML file path or a shipped name such as ``a100-40gb``;
     ``flag``: the option named when neither exists."""
     path = resolve_config_path(path, "devices", flag)
-    data = _read_yaml(path)
+    data = read_yaml(path)
     if isinstance(data, Mapping) and "memory_mib" not in data:
         # Its default (0, for devices built in code) would be reported as a value given.
         raise DynaPipeError(f"{path}: memory_mib missing; a device config gives its memory per device in MiB "
@@ -396,8 +314,13 @@ def load_cluster_config(path: str, flag: Optional[str] = None) -> ClusterConfig:
     """Load a cluster config (links in GB/s and ms) from a YAML file path or shipped name;
     ``flag``: the option named when neither exists."""
     path = resolve_config_path(path, "clusters", flag)
-    data = _read_yaml(path)
+    data = read_yaml(path)
     for key in ("intra_node", "inter_node"):
         if key in data:
             data[key] = _build(LinkConfig, data[key], f"{path}: {key}")
+    missing = [k for k in ("intra_node", "inter_node") if k not in data]
+    if missing:
+        # The dataclass's defaults (made for clusters built in code) would price links nobody gave.
+        raise DynaPipeError(f"{path}: {' and '.join(missing)} missing; a cluster config gives both links, "
+                            f"{{bandwidth_gbps: GB/s, latency_ms: ms}} (see configs/clusters/).")
     return _build(ClusterConfig, data, path).validate(path)

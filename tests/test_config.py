@@ -81,6 +81,10 @@ def test_bad_model_configs(tmp_path, text, message):
     ("name: d\npeak_tflops: 1\nmemory_mib: 10\nreserved_mib: 20\n", "reserved_mib=20"),
     ("name: d\npeak_tflops: fast\nmemory_mib: 10\n", "peak_tflops='fast'"),
     ("peak_tflops: 1\nmemory_mib: 10\n", "^[^ ]*c.yaml: name missing; see the shipped configs"),  # not a TypeError
+    ("name: d\npeak_tflops: 1\nmemory_mib: 10\ndropout_mask_bytes: 1000\n",
+     r"dropout_mask_bytes=1000 must be 1 \(a bool mask, as on CUDA\), 2 or 4"),
+    ("name: d\npeak_tflops: 1e2\nmemory_mib: 10\n", r"peak_tflops='1e2' must be a number \(YAML reads 1e2 as text"),
+    ("name: d\npeak_tflops: 1\nmemory_mib: 4e4\n", r"memory_mib='4e4' must be a number .* as in 4.0e\+4\)"),
 ])
 def test_bad_device_configs(tmp_path, text, message):
     with pytest.raises(DynaPipeError, match=message):
@@ -145,6 +149,14 @@ _LINKS = "intra_node: {bandwidth_gbps: 150.0, latency_ms: 0.01}\ninter_node: {ba
     ("name: c\ngpus_per_node: 0\n" + _LINKS, r"gpus_per_node=0 must be a whole number, at least 1"),
     ("name: c\ngpus_per_node: -8\n" + _LINKS, r"gpus_per_node=-8 must be a whole number, at least 1"),
     ("name: c\nintra_node: {bandwidth_gbps: .nan}\n", r"bandwidth_gbps=nan must be a finite number"),
+    # A link left out is not priced at a default nobody gave.
+    ("name: c\n" + _LINKS.splitlines()[0] + "\n", r"inter_node missing; a cluster config gives both links"),
+    ("name: c\ngpus_per_node: 8\n", r"intra_node and inter_node missing"),
+    # YAML 1.1 reads an exponent without a dot and a sign as text: the fix is named.
+    ("name: c\n" + _LINKS.replace("25.0", "2.5e1"),
+     r"bandwidth_gbps='2.5e1' must be a number \(YAML reads 2.5e1 as text: a number with an exponent needs a dot "
+     r"and a signed exponent, as in 2.5e\+1\)"),
+    ("name: c\n" + _LINKS.replace("0.02", "2e-2"), r"latency_ms='2e-2' must be a number .* as in 2.0e-2\)"),
 ])
 def test_cluster_values_are_range_checked(tmp_path, text, message):
     path = _write(tmp_path, text)

@@ -75,6 +75,8 @@ def test_custom_mixture_file(tmp_path):
      r"task 'a': sigma_input=50 must be between 0 and 10"),
     ("tasks:\n  - {name: a, weight: 1, median_input: 5, sigma_input: .inf, median_target: 1, sigma_target: 1}\n",
      r"task 'a': sigma_input=inf must be a finite number"),
+    ("tasks:\n" + "  - {name: qa, weight: 1, median_input: 5, sigma_input: 1, median_target: 1, sigma_target: 1}\n" * 2,
+     r"task 1 is named 'qa' like an earlier task; give each task its own name"),
 ])
 def test_bad_mixture_files(tmp_path, text, message):
     p = tmp_path / "mix.yaml"

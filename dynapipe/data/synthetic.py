@@ -102,6 +102,10 @@ def load_mixture(path: Optional[str] = None, flag: Optional[str] = None) -> Mixt
         if not isinstance(t, dict):
             raise DynaPipeError(f"{path}: task {i} must be a mapping of {list(_TASK_KEYS)}.")
         specs.append(_task_spec(path, i, t))
+        if specs[-1].name in (spec.name for spec in specs[:-1]):
+            # Two weights for one task: a copied entry left unrenamed, which reports would merge.
+            raise DynaPipeError(f"{path}: task {i} is named {specs[-1].name!r} like an earlier task; give each "
+                                f"task its own name (or merge the two into one weight).")
     return Mixture(tuple(specs))
 
 
