@@ -150,6 +150,7 @@ def test_plan_limits_targets_at_decoder_seq_length(monkeypatch, capsys):
     ("5\n", ["--stages", "64"], "--stages 64 exceeds the 32 layers"),
     ("5\n", ["--memory-limit-mb", "0"], "--memory-limit-mb 0 must be positive"),
     ("5 3\n", [], "decoder-only"),
+    ("1 00\n", [], "line 1: length 0 must be a positive number of tokens (the line reads '1 00')"),
     ("5\n", ["--decoder-seq-length", "64"], "--decoder-seq-length 64: model 'gpt-7b' is decoder-only"),
 ])
 def test_plan_errors_exit_2_with_one_line(tmp_path, capsys, text, extra, message):
@@ -159,7 +160,8 @@ def test_plan_errors_exit_2_with_one_line(tmp_path, capsys, text, extra, message
 
 
 @pytest.mark.parametrize("shape, message", [("2", "give MBS,SEQLEN"), ("2,abc", "positive integers"),
-                                            ("0,5", "positive integer"), ("2,64,8", "decoder-only")])
+                                            ("0,5", "positive integer"), ("2,64,8", "decoder-only"),
+                                            ("99999999999999999999,512", "a value of more than 12 digits")])
 def test_cost_bad_shapes(capsys, shape, message):
     assert main(["cost", *BASE, "--shape", shape]) == 2
     assert message in capsys.readouterr().err

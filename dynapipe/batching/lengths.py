@@ -46,7 +46,9 @@ def _parse_lines(lines: Iterable[str], source: str) -> np.ndarray:
                                     f"(ASCII digits only).")
             value = int(field, 10)
             if value <= 0:
-                raise DynaPipeError(f"{source}, line {lineno}: length {value} must be a positive number of tokens.")
+                # The line as written: '1 00' is read as two lengths, which the value alone hides.
+                raise DynaPipeError(f"{source}, line {lineno}: length {value} must be a positive number of tokens"
+                                    f"{f' (the line reads {text!r})' if len(fields) > 1 else ''}.")
             if value > MAX_LENGTH:
                 raise DynaPipeError(f"{source}, line {lineno}: length {field[:24]}{'...' if len(field) > 24 else ''} "
                                     f"is above {MAX_LENGTH:,} tokens, longer than any sample can be.")

@@ -111,6 +111,9 @@ def parse_shape(text: str, encoder_decoder: bool) -> tuple[int, int, Optional[in
     parts = text.split(",")
     want = "MBS,SEQLEN,DEC_SEQLEN" if encoder_decoder else "MBS,SEQLEN"
     if not all(_DIGITS.match(v) for v in parts):
+        if all(re.fullmatch(r"[+-]?[0-9]+", v) for v in parts):
+            raise DynaPipeError(f"--shape {text!r}: a value of more than 12 digits is beyond any micro-batch; give "
+                                f"{want} as the samples and tokens of one micro-batch.")
         raise DynaPipeError(f"--shape {text!r}: expected {want} as positive integers (ASCII digits).")
     values = [int(v) for v in parts]
     if len(values) != (3 if encoder_decoder else 2):
