@@ -33,6 +33,7 @@ from dynapipe.cost.dp_sync import dp_sync_ms
 from dynapipe.cost.placement import StagePlacement
 from dynapipe.errors import DynaPipeError, whole_number
 from dynapipe.method_compare import BatchesResult, compare_over_batches, method_cut
+from dynapipe.method_inputs import checked_batches
 from dynapipe.schedule.placement import DYNAPIPE_CUT, Cut
 
 #: The packings :func:`advise` compares with: per-sample attention under 1F1B (the default),
@@ -240,8 +241,7 @@ def advise(batches: Sequence[np.ndarray], model: ModelConfig, device: DeviceConf
     """
     if packing_method not in PACKING_METHODS:
         raise DynaPipeError(f"packing method {packing_method!r}: compare with one of {', '.join(PACKING_METHODS)}.")
-    if not len(batches):
-        raise DynaPipeError("no global batch to simulate.")
+    batches = checked_batches(batches, model, device, cluster=cluster, seq_length=seq_length, layouts=layouts)
     if layouts is not None:
         other = [lay.label() for lay in layouts if lay.tp * lay.pp * lay.dp != gpus]
         if other:

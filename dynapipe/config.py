@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from dynapipe.config_yaml import build_dataclass as _build, read_yaml
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, check_fields
 # Re-exported: every layer imports its configs from here.
 from dynapipe.topology import ClusterConfig, LinkConfig, TensorParallelConfig
 
@@ -121,6 +121,7 @@ class ModelConfig:
         return self.encoder_layers + self.decoder_layers if self.is_encoder_decoder else self.num_layers
 
     def validate(self, source: str = "model config") -> "ModelConfig":
+        check_fields(self, source)  # a config built in code gets the types YAML loading checks
         if self.arch not in ("gpt", "t5"):
             raise DynaPipeError(f"{source}: arch={self.arch!r} is not supported; use 'gpt' or 't5'.")
         if self.dtype not in DTYPE_BYTES:
@@ -213,6 +214,7 @@ class DeviceConfig:
         return self.peak_tflops * 1e12 * self.achievable_fraction / 1e3
 
     def validate(self, source: str = "device config") -> "DeviceConfig":
+        check_fields(self, source)
         if self.peak_tflops <= 0:
             raise DynaPipeError(f"{source}: peak_tflops={self.peak_tflops} must be > 0.")
         if not 0 < self.achievable_fraction <= 1:
@@ -318,9 +320,10 @@ def load_cluster_config(path: str, flag: Optional[str] = None) -> ClusterConfig:
     for key in ("intra_node", "inter_node"):
         if key in data:
             data[key] = _build(LinkConfig, data[key], f"{path}: {key}")
+    cluster = _build(ClusterConfig, data, path)  # the values given are named first
     missing = [k for k in ("intra_node", "inter_node") if k not in data]
     if missing:
         # The dataclass's defaults (made for clusters built in code) would price links nobody gave.
         raise DynaPipeError(f"{path}: {' and '.join(missing)} missing; a cluster config gives both links, "
                             f"{{bandwidth_gbps: GB/s, latency_ms: ms}} (see configs/clusters/).")
-    return _build(ClusterConfig, data, path).validate(path)
+    return cluster.validate(path)

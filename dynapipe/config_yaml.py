@@ -8,13 +8,12 @@ file and the field.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from typing import Any, Mapping
 
 import yaml
 
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, field_problem
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -62,11 +61,6 @@ def read_yaml(path: str) -> dict:
     return data
 
 
-# Field annotations are strings (postponed evaluation); these are the scalar ones to check.
-_SCALAR_TYPES = {"int": ((int,), "an integer"), "float": ((int, float), "a number"),
-                 "str": ((str,), "a string"), "bool": ((bool,), "true or false")}
-
-
 def _yaml_number_hint(value, field_type: str) -> str:
     """Why a number came back as text: YAML 1.1 reads ``1e-9``, ``1e6`` and ``2.5e1`` as strings
     (its floats need a dot and a signed exponent), so say how to write it."""
@@ -98,17 +92,9 @@ def build_dataclass(cls, data: Mapping[str, Any], source: str):
     if unknown:
         raise DynaPipeError(f"{source}: unknown key(s) {unknown}; known keys are {sorted(names)}.")
     for f in dataclasses.fields(cls):
-        if f.name in data and f.type in _SCALAR_TYPES:
-            types, what = _SCALAR_TYPES[f.type]
-            value = data[f.name]
-            if not isinstance(value, types) or (isinstance(value, bool) and f.type != "bool"):
-                raise DynaPipeError(f"{source}: {f.name}={value!r} must be {what}{_yaml_number_hint(value, f.type)}.")
-            if f.type in ("int", "float") and not math.isfinite(value):
-                raise DynaPipeError(f"{source}: {f.name}={value!r} must be a finite number.")
-            if f.name == "name" and isinstance(value, str) and not value.isprintable():
-                # Names go into reports, traces and written run configs, one line each.
-                raise DynaPipeError(f"{source}: name={value!r} holds a line break or another control character; "
-                                    f"give a one-line name.")
+        problem = field_problem(f.name, data[f.name], f.type) if f.name in data else None
+        if problem is not None:
+            raise DynaPipeError(f"{source}: {problem}{_yaml_number_hint(data[f.name], f.type)}.")
     required = [f.name for f in dataclasses.fields(cls) if f.name not in data
                 and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if required:

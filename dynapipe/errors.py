@@ -7,7 +7,7 @@ traceback and exits with status 2; library callers can catch it like any excepti
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Optional
 
 
 def iteration_name(index: int) -> str:
@@ -62,6 +62,45 @@ def real_number(name: str, value, at_least: float = 0.0, unlimited: bool = False
             or (math.isinf(value) and not (unlimited and value > 0)) or value < at_least:
         raise DynaPipeError(f"{name} {value!r}: must be a finite number of at least {at_least:g}.")
     return float(value)
+
+
+# Scalar field annotations (strings under postponed evaluation) and what each takes.
+_FIELD_KINDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
+
+
+def field_problem(name: str, value, annotation: str) -> Optional[str]:
+    """Why ``value`` cannot be the dataclass field ``name`` annotated ``annotation`` (``int``,
+    ``float``, ``str`` or ``bool``; others are not checked): the wrong type, a number that is not
+    finite, or a ``name`` that is not one printable line. None when it can."""
+    import math
+    import numbers
+
+    what = _FIELD_KINDS.get(annotation)
+    if what is None:
+        return None
+    fits = {"int": lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool),
+            "float": lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool),
+            "str": lambda v: isinstance(v, str), "bool": lambda v: isinstance(v, bool)}[annotation]
+    if not fits(value):
+        return f"{name}={value!r} must be {what}"
+    if annotation in ("int", "float") and not math.isfinite(value):
+        return f"{name}={value!r} must be a finite number"
+    if name == "name" and not value.isprintable():
+        # Names go into reports, traces and written run configs, one line each.
+        return f"name={value!r} holds a line break or another control character; give a one-line name"
+    return None
+
+
+def check_fields(obj, source: str) -> None:
+    """Refuse a config dataclass ``obj`` (built in code, say with ``dataclasses.replace``) whose
+    scalar fields do not hold their annotated types, as loading it from YAML would; the
+    error names ``source`` and the field."""
+    import dataclasses
+
+    for f in dataclasses.fields(obj):
+        problem = field_problem(f.name, getattr(obj, f.name), f.type)
+        if problem is not None:
+            raise DynaPipeError(f"{source}: {problem}.")
 
 
 def flag(name: str, value) -> bool:

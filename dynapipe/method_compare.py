@@ -31,6 +31,7 @@ from dynapipe.config import ClusterConfig
 from dynapipe.cost.attention_share import attention_share
 from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, check_recompute
 from dynapipe.errors import DynaPipeError, whole_number
+from dynapipe.method_inputs import checked_batch
 from dynapipe.pipeline_planner import IterationPlan, plan_iteration
 
 # method -> (batching method of the planner, schedule, whether the search picks recompute)
@@ -202,12 +203,9 @@ def simulate_method(lengths, method: str, cost_model: CostModel, *, dp: int = 1,
     """
     # Inputs are checked here, once: inside the recompute loop below an input error would read
     # as "fits at no recompute level".
-    if micro_batch_size is not None:
-        whole_number("micro_batch_size", micro_batch_size)
-    if seq_length is not None:
-        whole_number("seq_length", seq_length)
-    whole_number("dp", dp)
-    whole_number("tp", tp)
+    checked_batch(lengths, cost_model, dp=dp, tp=tp, seq_length=seq_length, memory_limit_mib=memory_limit_mib,
+                  reserved_mib=reserved_mib, cluster=cluster, zero=zero, split_backward=split_backward,
+                  micro_batch_size=micro_batch_size)
     if method not in METHOD_SPECS:
         raise DynaPipeError(f"method {method!r} is not known; use one of {', '.join(METHODS)}.")
     batching, own_schedule, searched = METHOD_SPECS[method]
@@ -274,6 +272,7 @@ def tune_baseline(lengths, method: str, cost_model: CostModel, *,
         raise DynaPipeError(f"method {method!r} has no micro-batch size to tune; use one of "
                             f"{', '.join(SIZED_METHODS)}.")
     check_priceable(method, cost_model)
+    checked_batch(lengths, cost_model, **kwargs)  # an input error would read as "no size fits"
     sizes = _sizes(micro_batch_sizes) if micro_batch_sizes is not None else \
         micro_batch_size_candidates(lengths, method, kwargs.get("seq_length"))
     if not sizes:
@@ -365,8 +364,13 @@ def compare_over_batches(batches: Sequence, method: str, cost_model: CostModel, 
     for all batches (default: :func:`micro_batch_size_candidates` of the first batch) and
     keep the size with the highest aggregate real tokens/s; the sweep stops at the first
     size that fits no batch at any recompute level. ``kwargs`` go to :func:`simulate_method`."""
+    if batches is None or np.ndim(batches[0] if len(batches) else 0) == 0 and len(batches):
+        raise DynaPipeError("batches: give a sequence of global batches, each a sequence of sample lengths "
+                            "(a single batch goes in a list: [lengths]).")
     if not len(batches):
         raise DynaPipeError("no global batch to simulate.")
+    for b in batches:  # an input error would read as "no size fits"
+        checked_batch(b, cost_model, **kwargs)
     if method not in SIZED_METHODS:
         return BatchesResult(method, [simulate_method(b, method, cost_model, **kwargs) for b in batches])
     check_priceable(method, cost_model)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
-from dynapipe.errors import DynaPipeError, is_whole
+from dynapipe.errors import DynaPipeError, check_fields, is_whole
 
 if TYPE_CHECKING:
     from dynapipe.config import ModelConfig
@@ -30,6 +30,7 @@ class LinkConfig:
     def validate(self, source: str = "link") -> "LinkConfig":
         """Refuse a bandwidth that is not positive or a negative latency: a zero bandwidth
         makes every transfer infinite, and negative figures would price transfers as gains."""
+        check_fields(self, source)
         if not self.bandwidth_gbps > 0:
             raise DynaPipeError(f"{source}: bandwidth_gbps={self.bandwidth_gbps} must be > 0 "
                                 f"(GB/s); give the link's measured or nominal bandwidth.")
@@ -55,6 +56,11 @@ class ClusterConfig:
 
     def validate(self, source: str = "cluster config") -> "ClusterConfig":
         """Refuse a node without GPUs and links with impossible bandwidth or latency."""
+        check_fields(self, source)
+        for key in ("intra_node", "inter_node"):
+            if not isinstance(getattr(self, key), LinkConfig):
+                raise DynaPipeError(f"{source}: {key}={getattr(self, key)!r:.60} must be a LinkConfig "
+                                    f"(bandwidth_gbps, latency_ms).")
         if not is_whole(self.gpus_per_node):
             raise DynaPipeError(f"{source}: gpus_per_node={self.gpus_per_node!r} must be a whole number, at least 1 "
                                 f"(the GPUs of one node).")
@@ -80,6 +86,10 @@ class TensorParallelConfig:
         t = self.size
         if not is_whole(t):
             raise DynaPipeError(f"{flag} {t!r}: the tensor-parallel size must be a whole number, at least 1.")
+        if not isinstance(self.sequence_parallel, bool):  # "yes" or "False" would count as on
+            raise DynaPipeError(f"sequence_parallel {self.sequence_parallel!r}: must be True or False.")
+        if not isinstance(self.link, LinkConfig):
+            raise DynaPipeError(f"{flag} {t}: link {self.link!r:.60} must be a LinkConfig (bandwidth_gbps, latency_ms).")
         self.link.validate(f"{flag} {t}: link")
         if self.sequence_parallel and t == 1:
             raise DynaPipeError(f"--sequence-parallel needs {flag} 2 or more (it shards the sequence over TP ranks).")

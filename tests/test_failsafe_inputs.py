@@ -268,7 +268,7 @@ def test_synth_bad_values(capsys, files, args, needle):
 SHAPES = [("1,99999", "max_seq_length"), ("1,1025", "max_seq_length"), ("0,128", "positive"), ("-1,128", "--shape"),
           ("1", "MBS,SEQLEN"), ("1,2,3", "MBS,SEQLEN"), ("a,b", "integers"), ("1_0,128", "integers"),
           ("\u0661,128", "integers"), ("1,128,", "integers"), ("", "integers"), (",", "integers"),
-          ("1.5,128", "integers"), ("1,1e3", "integers"), ("99999999999999999999,64", "integers")]
+          ("1.5,128", "integers"), ("1,1e3", "integers"), ("99999999999999999999,64", "more than 12 digits")]
 
 
 @pytest.mark.parametrize("shape,needle", SHAPES, ids=ascii)

@@ -95,7 +95,7 @@ def test_a_micro_batch_of_no_replica_is_refused_not_dropped(tiny_cost):
 
 
 def test_stages_must_match_the_cost_model(tiny_cost):
-    with pytest.raises(DynaPipeError, match="--stages 3"):
+    with pytest.raises(DynaPipeError, match="stages 3: the cost model was built for 2 stages"):
         plan_iteration([10, 20], tiny_cost, stages=3)
 
 

@@ -118,3 +118,59 @@ def test_the_same_calls_with_good_input_run():
     assert adaptive_schedule(TIMES, [np.inf, 50.0], max_in_flight=[2, 1])[1].makespan_ms > 0
     assert plan_micro_batches([5, 6], CM, micro_batch_share=0.5).extra["micro_batch_share"] == 0.5
     assert compile_plans("1f1b", MBS[0], GPT, num_stages=2, recompute="full")[0].recompute == "full"
+
+
+def _cases_of_the_api_review():
+    import math
+    from dataclasses import replace
+
+    from dynapipe.advise import advise
+    from dynapipe.method_compare import compare_over_batches, simulate_method, tune_baseline
+    from dynapipe.plan import validate_plans
+    from dynapipe.runtime import ExecutorConfig
+
+    L = [100, 200, 300, 50]
+    return [
+        # Hand-built configs: the YAML loaders' type and finiteness checks.
+        (lambda: build_cost_model(replace(GPT, num_layers=2.5), CPU, 2), "num_layers=2.5 must be an integer"),
+        (lambda: build_cost_model(replace(GPT, hidden_size="64"), CPU, 2), "hidden_size='64' must be an integer"),
+        (lambda: build_cost_model(GPT, replace(CPU, op_overhead_ms=math.inf), 2), "op_overhead_ms=inf must be a "
+                                                                                  "finite number"),
+        (lambda: build_cost_model(GPT, CPU, 2, tp=TensorParallelConfig(2, link=LinkConfig(10, math.inf))),
+         "latency_ms=inf must be a finite number"),
+        (lambda: TensorParallelConfig(2, sequence_parallel="yes").validate(GPT), "sequence_parallel 'yes'"),
+        # An int profile would be opened as a file descriptor, and closed.
+        (lambda: build_cost_model(GPT, CPU, 2, profile=True), "profile True: give the path of a profile JSON"),
+        (lambda: build_cost_model(GPT, CPU, 2, placement="even"), "placement 'even': give a StagePlacement"),
+        # Lengths, cost models, stage counts and the True/False options.
+        (lambda: plan_iteration(None, CM), "lengths None: give a sequence of sample lengths"),
+        (lambda: plan_iteration(100, CM), "lengths 100: give a sequence"),
+        (lambda: plan_iteration(L, None), "cost_model None: give a CostModel"),
+        (lambda: plan_iteration(L, CM, stages=2.0), "stages 2.0: the cost model was built for 2 stages"),
+        (lambda: plan_iteration(L, CM, split_backward="False"), "split_backward 'False': must be True or False"),
+        (lambda: plan_micro_batches(L, CM, zero="no"), "zero 'no': must be True or False"),
+        (lambda: search_schedules(MBS, CM, per_stage="yes"), "per_stage 'yes': must be True or False"),
+        (lambda: validate_plans(None), "plans None: give a sequence of ExecutionPlans"),
+        # Comparisons: input errors named as such, not as sizes no memory fits.
+        (lambda: simulate_method([-5, 4], "padding", CM, micro_batch_size=1), "sample 0: length -5 must be a "
+                                                                               "positive"),
+        (lambda: tune_baseline(L, "packing", CM, seq_length=0), "seq_length 0: must be a whole number"),
+        (lambda: simulate_method(L, "dynapipe", CM, cluster="x"), "cluster 'x': give a ClusterConfig"),
+        (lambda: compare_over_batches(L, "dynapipe", CM), "a single batch goes in a list: [lengths]"),
+        (lambda: advise([L], GPT, CPU, 2, seq_length=5000), "seq_length 5000 exceeds the max_seq_length 1024"),
+        (lambda: advise([L], GPT, CPU, 2, layouts=[]), "layouts is empty"),
+        (lambda: advise([L], "gpt-tiny", CPU, 2), "model 'gpt-tiny': give a ModelConfig"),
+        # The executor's settings.
+        (lambda: ExecutorConfig(timeout_s=-1), "ExecutorConfig timeout_s -1"),
+        (lambda: ExecutorConfig(poll_s=0), "ExecutorConfig poll_s 0: must be a positive number"),
+        (lambda: ExecutorConfig(trace=1), "ExecutorConfig trace 1: must be True or False"),
+        (lambda: ExecutorConfig.of({"timeout_s": 30}), "give an ExecutorConfig"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(26))
+def test_the_api_refuses_by_name_what_it_took_silently_or_raised_deep_inside(case):
+    call, needle = _cases_of_the_api_review()[case]
+    with pytest.raises(DynaPipeError) as e:
+        call()
+    assert needle in str(e.value), str(e.value)

@@ -114,6 +114,9 @@ def validate_lengths(lengths, encoder_decoder: bool) -> np.ndarray:
                             f"(n, 2) (input, target) pairs.") from None
     if arr.size == 0:
         raise DynaPipeError("the batch is empty (no lengths); give at least one sample.")
+    if arr.ndim == 0 or not hasattr(lengths, "__iter__"):  # None, one number, an object numpy wraps whole
+        raise DynaPipeError(f"lengths {lengths!r:.60}: give a sequence of sample lengths in tokens (a list or an "
+                            f"array; (n, 2) input and target lengths for an encoder-decoder model).")
     _refuse_truth_values(lengths, arr)
     if arr.ndim not in (1, 2) or (arr.ndim == 2 and arr.shape[1] != 2):
         raise DynaPipeError(f"lengths have shape {arr.shape}; expected (n,) for decoder-only models "

@@ -25,7 +25,7 @@ from dynapipe.batching.types import BatchPlan, LengthLimit, MicroBatch
 from dynapipe.cost import CostModel
 from dynapipe.cost.attention_density import packed_density, stack
 from dynapipe.cost.base import check_recompute
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, flag
 
 METHODS = ("dynapipe", "dynapipe-per-sample", "padding", "padding-mb", "packing", "packing-per-sample", "token-budget")
 #: The methods whose micro-batches the DP cuts: ``dynapipe-per-sample`` runs each row's
@@ -88,10 +88,10 @@ def _limit_lengths(lengths: np.ndarray, seq_length: Optional[LengthLimit],
         cut = int((lengths.reshape(len(lengths), -1) > cap).any(axis=1).sum())
         return np.minimum(lengths, cap), _Limits(cap, cap if lengths.ndim == 2 else None, False), cut
     caps = []
-    for side, (value, flag) in enumerate(zip(seq_length, ("--seq-length", "--decoder-seq-length"))):
+    for side, (value, name) in enumerate(zip(seq_length, ("--seq-length", "--decoder-seq-length"))):
         if value is None:
-            _over_model(lengths[:, side], lengths, model_max, flag)
-        caps.append(model_max if value is None else _limit(value, flag, model_max))
+            _over_model(lengths[:, side], lengths, model_max, name)
+        caps.append(model_max if value is None else _limit(value, name, model_max))
     cut = int((lengths > np.array(caps)).any(axis=1).sum())
     return np.minimum(lengths, np.array(caps)), _Limits(caps[0], caps[1], seq_length[1] is not None), cut
 
@@ -201,6 +201,11 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
     dp = _positive_int(dp, "--dp")
     micro_batch_size = _positive_int(micro_batch_size, "--micro-batch-size")
     check_recompute(recompute)
+    if not isinstance(cost_model, CostModel):
+        raise DynaPipeError(f"cost_model {cost_model!r:.60}: give a CostModel (dynapipe.cost.build_cost_model(model, "
+                            f"device, stages)).")
+    flag("zero", zero)
+    flag("split_to_balance", split_to_balance)
     model = cost_model.model
     arr = validate_lengths(lengths, model.is_encoder_decoder)
     if dp > len(arr):

@@ -209,6 +209,11 @@ class CostModel(ABC):
         :class:`~dynapipe.cost.placement.StagePlacement` with ``num_stages`` stages)."""
         import copy
 
+        from dynapipe.cost.stage_placement import StagePlacement
+
+        if not isinstance(placement, StagePlacement):
+            raise DynaPipeError(f"placement {placement!r:.60}: give a StagePlacement (StagePlacement.parse(spec, model, "
+                                f"stages) reads the --placement syntax; even, the default, is None).")
         placement.validate(self.model)
         if placement.num_stages != self.num_stages:
             raise DynaPipeError(f"stage placement {placement} has {placement.num_stages} stages; the cost model "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from typing import Any, Mapping
 
 from dynapipe.config import ModelConfig
@@ -168,6 +169,10 @@ def check_profile_tensor_parallel(data: Mapping[str, Any], tp: int, sequence_par
 
 def read_profile(path: str) -> Any:
     """The parsed JSON of a profile file, or a one-line :class:`DynaPipeError` naming the problem."""
+    if not isinstance(path, (str, os.PathLike)):
+        # open() takes an int as a file descriptor, and closes it after: True would close stdout.
+        raise DynaPipeError(f"profile {path!r:.60}: give the path of a profile JSON (`python -m dynapipe profile "
+                            f"--output` writes one), or 'analytic' / None for the analytic cost model.")
     with file_read_errors("profile", path, missing="write one with `python -m dynapipe profile`.",
                           directory="give the JSON file `python -m dynapipe profile --output` wrote.",
                           not_text="is not UTF-8 JSON text (a binary file?)."):

@@ -33,7 +33,7 @@ import numpy as np
 from dynapipe.batching.types import MicroBatch
 from dynapipe.config import ModelConfig
 from dynapipe.cost.base import CostModel, StageLayout, check_recompute
-from dynapipe.errors import DynaPipeError, is_whole, whole_number
+from dynapipe.errors import DynaPipeError, flag, is_whole, whole_number
 from dynapipe.plan._fast import maker
 from dynapipe.plan.instructions import ExecutionPlan, MicroBatchInfo
 from dynapipe.plan.specs import key_specs
@@ -127,6 +127,7 @@ def tensor_parallel_layout(caller: str, tp: int, sequence_parallel: bool) -> tup
     """(sequence shards of every message, the plan ``meta`` keys) of a TP layout, refused in one
     line when it is not one (``caller`` names the compiler in the error). Only TP plans carry
     the keys, so TP 1 plans stay byte-identical to plans compiled before TP existed."""
+    flag("sequence_parallel", sequence_parallel)
     if tp < 1 or (sequence_parallel and tp < 2):
         raise DynaPipeError(f"{caller}(tp={tp}, sequence_parallel={sequence_parallel}): sequence "
                             f"parallelism needs tp >= 2, and tp must be at least 1.")

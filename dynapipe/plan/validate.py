@@ -39,7 +39,7 @@ from typing import Sequence
 import numpy as np
 
 from dynapipe.cost.base import RECOMPUTE_LEVELS
-from dynapipe.errors import PlanError, is_whole
+from dynapipe.errors import PlanError, flag, is_whole
 from dynapipe.plan.deadlock import symbolic_run, where as _where
 from dynapipe.plan.instructions import ExecutionPlan
 from dynapipe.plan.table import InstructionTable
@@ -77,6 +77,12 @@ def _check_plan_fields(plan: ExecutionPlan) -> None:
     the tensor-parallel size, the micro-batch order, and each micro-batch's samples and rows."""
     if not is_whole(plan.iteration, 0):
         raise PlanError(f"{_where(plan, -1)}: iteration={plan.iteration!r} is not a whole number from 0.")
+    if not is_whole(plan.num_replicas, 1) or not is_whole(plan.replica, 0) or plan.replica >= plan.num_replicas:
+        raise PlanError(f"{_where(plan, -1)}: replica={plan.replica!r} of num_replicas={plan.num_replicas!r}; a plan "
+                        f"belongs to one of 1 or more data-parallel replicas, numbered from 0.")
+    if not is_whole(plan.global_loss_tokens, 0):
+        raise PlanError(f"{_where(plan, -1)}: global_loss_tokens={plan.global_loss_tokens!r} is not a whole number "
+                        f"from 0 (the loss tokens of every replica).")
     tp = plan.meta.get("tp", 1)
     if not is_whole(tp, 1):
         raise PlanError(f"{_where(plan, -1)}: meta tp={tp!r} is not a whole number of tensor-parallel ranks.")
@@ -189,6 +195,9 @@ def validate_plans(plans: Sequence[ExecutionPlan], *, complete: bool = True) -> 
     share). When every replica is present, their loss tokens must add up to
     ``global_loss_tokens`` and no sample may appear in two replicas.
     """
+    flag("complete", complete)
+    if plans is None or isinstance(plans, (str, bytes)):
+        raise PlanError(f"plans {plans!r:.60}: give a sequence of ExecutionPlans (read_plan_dir reads a directory).")
     plans = list(plans)
     if not plans:
         raise PlanError("no plans to validate.")

@@ -50,7 +50,7 @@ from typing import Optional, Protocol, Union
 
 import torch
 
-from dynapipe.errors import ExecutorError
+from dynapipe.errors import DynaPipeError, ExecutorError, flag, real_number
 from dynapipe.plan.instructions import ForwardPass, MicroBatchInfo, TensorSpec
 from dynapipe.runtime.exec_trace import ExecTrace
 
@@ -99,6 +99,24 @@ class ExecutorConfig:
     normalise_loss: bool = True
     watch_failures: bool = True
     ring: bool = True
+
+    @staticmethod
+    def of(config: Optional["ExecutorConfig"]) -> "ExecutorConfig":
+        """``config``, the defaults for None; anything else (a dict of the fields) refused."""
+        if config is None:
+            return ExecutorConfig()
+        if not isinstance(config, ExecutorConfig):
+            raise DynaPipeError(f"config {config!r:.60}: give an ExecutorConfig (ExecutorConfig(timeout_s=...)).")
+        return config
+
+    def __post_init__(self):
+        # A negative timeout failed every transfer at once, blaming the peer; "False" counted as on.
+        if not real_number("ExecutorConfig timeout_s", self.timeout_s) > 0:
+            raise DynaPipeError(f"ExecutorConfig timeout_s {self.timeout_s!r}: must be a positive number of s.")
+        if not real_number("ExecutorConfig poll_s", self.poll_s) > 0:
+            raise DynaPipeError(f"ExecutorConfig poll_s {self.poll_s!r}: must be a positive number of s.")
+        for name in ("trace", "check_peers", "release_sent_activations", "normalise_loss", "watch_failures", "ring"):
+            flag(f"ExecutorConfig {name}", getattr(self, name))
 
 
 @dataclass

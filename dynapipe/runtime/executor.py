@@ -84,7 +84,7 @@ class Executor(ComputeOps, TransferOps):
                  meter: Optional[ActivationMeter] = None):
         self.handlers = handlers
         self._trace_note = getattr(handlers, "trace_note", None)  # optional: what the trace adds to an op
-        self.config = config or ExecutorConfig()
+        self.config = ExecutorConfig.of(config)
         self.device = torch.device(device)
         self.comm = PeerComm(group, self.device, ring=self.config.ring)
         self.store = store
