@@ -100,7 +100,7 @@ def test_t5_profile_drops_the_analytic_score_share_under_selective():
 def test_device_dropout_mask_bytes():
     assert DEVICE.dropout_mask_bytes_for(2) == 1 and CPU.dropout_mask_bytes_for(2) == 2
     assert load_device_config("cpu").dropout_mask_bytes == 0
-    with pytest.raises(DynaPipeError, match="dropout_mask_bytes=-1 must be >= 0"):
+    with pytest.raises(DynaPipeError, match="dropout_mask_bytes=-1 must be 1 \\(a bool mask, as on CUDA\\), 2 or 4"):
         DeviceConfig(name="x", peak_tflops=1.0, memory_mib=1.0, dropout_mask_bytes=-1).validate()
 
 
