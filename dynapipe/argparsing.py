@@ -55,11 +55,17 @@ class StrictArgumentParser(argparse.ArgumentParser):
         self.register("type", int, strict_int)
         self.register("type", float, strict_float)
 
+    def parse_known_args(self, args=None, namespace=None):
+        # Kept for error(): whether a flag's value is missing or only looks like a flag.
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> NoReturn:
         """Print ``error: PROG: MESSAGE`` on one line and exit with status 2."""
         text = " ".join(message.split())
         flag = re.match(r"argument (\S+?)(?:/\S+)?: expected one argument\Z", text)
-        if flag and flag.group(1).startswith("--"):
+        argv = getattr(self, "_argv", None) or []
+        if flag and flag.group(1).startswith("--") and argv[-1:] != [flag.group(1)]:
             # The value was there but starts with '-' (--shape -1,512), so argparse read it as a flag.
             text += f" (a value starting with '-' is written {flag.group(1)}=VALUE)"
         self.exit(2, f"error: {self.prog}: {text}; see {self.prog} --help.\n")

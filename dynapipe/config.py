@@ -256,6 +256,9 @@ def resolve_config_path(path_or_name: str, kind: str, flag: Optional[str] = None
     name = path_or_name.removesuffix(".yaml")
     shipped = os.path.join(CONFIG_DIR, kind, name + ".yaml")
     what = CONFIG_KINDS.get(kind, kind)
+    if os.path.isdir(path_or_name):
+        raise DynaPipeError(f"{flag + ': ' if flag else ''}{path_or_name!r} is a directory; give a {what} config "
+                            f"YAML file or a shipped {what} name.")
     if os.path.exists(path_or_name):
         # A bare shipped name that is also a file here (a command's --output, say) would be read
         # in the shipped config's place without a word.

@@ -38,7 +38,8 @@ def add_dynapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="layers per pipeline stage: even (Megatron's split, default) or auto (DynaPipe's cost model "
                         "chooses from the run's first global batches so that no stage is the bottleneck; every "
                         "method runs on it); T5 also takes interleaved or ENC+DEC per stage such as 3+0,1+4 (GPT "
-                        "splits are written with --pipeline-model-parallel-layout)")
+                        "splits are written with --pipeline-model-parallel-layout; the GPT bench runs the even "
+                        "split only)")
     g.add_argument("--dynapipe-batching", default=None, choices=BATCHINGS,
                    help="micro-batching method (default: dynapipe with --use-dynapipe, padding without)")
     g.add_argument("--dynapipe-schedule", default="auto", choices=SCHEDULES,
@@ -241,6 +242,9 @@ def dynapipe_args_from_args(args: argparse.Namespace, cuda: bool, batching: str,
     :func:`batching_from_args`, ``recompute`` the planner's fixed level (None: it chooses),
     ``dp`` the data-parallel replicas, ``num_nodes`` the job's nodes (None: not known yet)."""
     cost_model = args.dynapipe_cost_model
+    if cost_model != "analytic" and os.path.isdir(cost_model):
+        raise DynaPipeError(f"--dynapipe-cost-model {cost_model!r} is a directory; give the profile JSON file in it "
+                            f"(`python -m dynapipe profile --output FILE` writes one), or 'analytic'.")
     if cost_model != "analytic" and not os.path.isfile(cost_model):
         raise DynaPipeError(f"--dynapipe-cost-model {cost_model!r}: no such profile file; use 'analytic' or "
                             f"write a profile with `python -m dynapipe profile --output {cost_model}`.")

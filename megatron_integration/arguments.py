@@ -217,6 +217,12 @@ def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[b
     from megatron_integration.manual_gc import ManualGC
 
     manual_gc = ManualGC(args.manual_gc, args.manual_gc_interval, args.manual_gc_eval).validate()
+    for flag in ("save", "load", "tensorboard_dir", "dynapipe_trace_dir"):
+        if getattr(args, flag) == "":
+            # Megatron-LM reads '' as not given; here it is refused, as an unset shell variable
+            # (--save $CKPT) would otherwise train for hours and write nothing.
+            raise DynaPipeError(f"--{flag.replace('_', '-')} '': an empty path; give a directory, or leave the flag "
+                                f"out.")
     if args.save_interval is not None and not args.save:
         raise DynaPipeError("--save-interval needs --save DIR to write the checkpoints to.")
     from megatron_integration.checkpoint_files import check_checkpoint_dirs, check_writable_dir, same_dir

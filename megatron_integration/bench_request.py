@@ -109,8 +109,9 @@ def check_request(argv: Sequence[str], methods: Sequence[str], preset: str = "ti
                  "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
                  "--dynapipe-placement"):
         if flag in given:
-            raise DynaPipeError(f"{flag}: the bench's simulated sweep and compute floor price Megatron's even split; "
-                                f"train the uneven split with scripts/pretrain_gpt.py.")
+            raise DynaPipeError(f"{flag}: the GPT bench runs Megatron's even split only (its simulated sweep and "
+                                f"compute floor price that split); drop it, and train another split with "
+                                f"scripts/pretrain_gpt.py.")
     check_warmup_iters(warmup)
     full = with_defaults(argv, preset)
     nproc = nproc or one_replica_ranks(full)
@@ -119,4 +120,8 @@ def check_request(argv: Sequence[str], methods: Sequence[str], preset: str = "ti
     if cfg.train_iters <= warmup:
         raise DynaPipeError(f"--train-iters {cfg.train_iters} leaves no timed iteration after --warmup-iters "
                             f"{warmup}; raise --train-iters.")
+    if cfg.last_iteration(0) <= warmup:
+        raise DynaPipeError(f"--exit-interval {cfg.exit_interval} stops every run after iteration "
+                            f"{cfg.last_iteration(0)}, leaving no timed iteration after --warmup-iters {warmup}; "
+                            f"drop it.")
     return nproc

@@ -299,8 +299,9 @@ def run_t5_cli(args, argv: list[str]) -> int:
     from megatron_integration.launch import RankFailed, RankUserError
 
     preset = args.preset
-    methods = (list(T5_PRESETS[preset].methods) if args.methods is None
-               else [m.strip() for m in args.methods.split(",") if m.strip()])
+    from dynapipe.cli.bench import method_list
+
+    methods = list(T5_PRESETS[preset].methods) if args.methods is None else method_list(args.methods)
     choices = [m for m in T5_METHOD_FLAGS if m != UNCALIBRATED]
     unknown = [m for m in methods if m not in choices]
     if unknown or not methods or len(set(methods)) != len(methods):
@@ -315,6 +316,9 @@ def run_t5_cli(args, argv: list[str]) -> int:
     if args.rounds is not None and args.rounds < 1:
         raise DynaPipeError(f"--rounds {args.rounds}: give at least 1 round.")
     calibrate_iters = t5_calibrate_iters(args.calibrate_iters, preset, argv)
+    if args.calibrate_iters and not any(m.startswith("dynapipe") or m == "packing-search" for m in methods):
+        raise DynaPipeError(f"--calibrate-iters {args.calibrate_iters} calibrates the plans of the DynaPipe "
+                            f"executor's planner; --methods {','.join(methods)} plans none: drop it.")
     # Given at all (--sweep-top 0, --png ""), they would be ignored: refused.
     for flag, value, why in (("--sweep-top", args.sweep_top, "the baselines' sizes come from --t5-sweep"),
                              ("--png", args.png, "the T5 report draws no picture")):
@@ -328,7 +332,14 @@ def run_t5_cli(args, argv: list[str]) -> int:
 
     refuse_unread_bench_flags(argv, methods)
     full = t5_with_defaults(argv, preset)
-    from megatron_integration.bench_presets import one_replica_ranks
+    from megatron_integration.bench_presets import flag_value, one_replica_ranks
+
+    dp = max((args.nproc or one_replica_ranks(full)) // one_replica_ranks(full), 1)
+    gbs = int(flag_value(full, "--global-batch-size", "0") or 0)
+    odd = [m for m in (sweep or ()) if gbs and gbs % (m * dp)]
+    if odd:  # named here: the run's own check would name --micro-batch-size, which no one typed
+        raise DynaPipeError(f"--t5-sweep {args.t5_sweep}: {odd[0]} x {dp} data-parallel replica(s) does not divide "
+                            f"--global-batch-size {gbs}; give sizes that do.")
 
     try:
         run_t5_bench(argv, methods, args.nproc or one_replica_ranks(full), args.output, preset=preset, sweep=sweep,

@@ -38,6 +38,9 @@ def load_run_config(path: str, negatable: frozenset[str] = frozenset()) -> RunCo
         if not os.path.exists(shipped):
             raise DynaPipeError(f"--run-config {path!r}: no such file (nor a shipped run in configs/runs/).")
         path = shipped
+    if os.path.isdir(path):
+        raise DynaPipeError(f"--run-config {path!r} is a directory; give a run config YAML file (such as "
+                            f"configs/runs/gpt-7b-pp4-dp2-h100.yaml) or a shipped run name.")
     data = {} if os.path.isfile(path) and os.path.getsize(path) == 0 else read_yaml(path)
     data = data or {}
     unknown = sorted(set(data) - {"launch", "args", "description"}) if isinstance(data, dict) else ["not a mapping"]
@@ -120,6 +123,9 @@ def with_run_config(parser, argv: list[str], world_size: int) -> list[str]:
     """``argv`` with the arguments of its ``--run-config`` (if any) in front, so those given
     on the command line win; refuses a run config written for another number of ranks."""
     path = parser.parse_known_args(argv)[0].run_config
+    if path == "":  # an unset shell variable, say: not the same as no --run-config
+        raise DynaPipeError("--run-config '': an empty path; give a run config file or a shipped run name, or leave "
+                            "the flag out.")
     if not path:
         return argv
     run = load_run_config(path, negatable_flags(parser))

@@ -39,7 +39,7 @@ Layers are priced as megatron-core's local ones (unfused attention, dropout 0.1)
 backward the zero-bubble schedules can split; ``--fused-attention --no-split-backward`` prices
 Transformer Engine's (flash or fused attention keeps no score matrix; its backward does not split).
 
-    python scripts/bench_cluster.py                       # every case, 3 batches each (under a minute)
+    python scripts/bench_cluster.py                       # every case, 3 batches each (about 2.5 min on 2 cores)
     python scripts/bench_cluster.py --quick               # one case, one batch (seconds)
 """
 from __future__ import annotations
@@ -285,17 +285,20 @@ def main(argv=None) -> int:
     p.add_argument("--case", default=None, metavar="TEXT",
                    help="only the cases whose label contains TEXT, e.g. 't5-11b' (with --quick: one batch each)")
     args = p.parse_args(argv)
-    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     try:
+        text, args.methods = args.methods, [m.strip() for m in args.methods.split(",")]
         bad = [m for m in args.methods if m not in METHODS]
-        if bad or not args.methods:
-            raise DynaPipeError(f"--methods {','.join(args.methods)!r}: choose from {', '.join(METHODS)}.")
+        if bad or len(set(args.methods)) != len(args.methods):
+            raise DynaPipeError(f"--methods {text!r}: choose each at most once from {', '.join(METHODS)}.")
         if args.batches is None:
             args.batches = 1 if args.quick else 3
-        if args.batches < 1:
-            raise DynaPipeError(f"--batches {args.batches}: need at least one global batch.")
-        if args.tokens < 1:
-            raise DynaPipeError(f"--tokens {args.tokens}: a global batch needs at least 1 token (default 65536).")
+        if not 1 <= args.batches <= 32:
+            # Every batch is planned and simulated by every method of every case.
+            raise DynaPipeError(f"--batches {args.batches}: give 1 to 32 global batches.")
+        if not 1 <= args.tokens <= 1 << 24:
+            # The largest published global batches hold about 16M tokens; memory and time grow with it.
+            raise DynaPipeError(f"--tokens {args.tokens}: give 1 to 16,777,216 tokens a global batch (default "
+                                f"65536).")
         if args.seed < 0:
             raise DynaPipeError(f"--seed {args.seed}: the seed must be a non-negative integer.")
         load_device_config(args.device, "--device")
@@ -306,6 +309,8 @@ def main(argv=None) -> int:
             if not cases:
                 raise DynaPipeError(f"--case {args.case!r} matches no case; the cases are: "
                                     f"{'; '.join(c.label for c in CASES)}.")
+        if args.markdown == "":
+            raise DynaPipeError("--markdown '': an empty path; give a path, or leave it out for OUTPUT.md.")
         md_path = args.markdown or os.path.splitext(args.output)[0] + ".md"
         # Checked now, created only when written: a refused case must leave no empty folder.
         check_output_file(args.output, "--output")

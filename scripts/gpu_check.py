@@ -43,6 +43,7 @@ import numpy as np  # noqa: E402
 
 from dynapipe.errors import DynaPipeError  # noqa: E402
 from dynapipe.argparsing import StrictArgumentParser  # noqa: E402
+from dynapipe.output_paths import check_output_dir  # noqa: E402
 
 LEVELS = ("none", "selective", "full")
 
@@ -292,7 +293,10 @@ def check_request(args) -> tuple[tuple[int, ...], tuple[str, ...]]:
     first job that fails."""
     if not args.timeout_s > 0:
         raise DynaPipeError(f"--timeout-s {args.timeout_s}: must be a positive number of seconds.")
+    check_output_dir(args.output, "--output")  # an empty path, a file, a path under a file
     mbs = _positive_ints(args.baseline_mbs, "--baseline-mbs")
+    if len(set(mbs)) != len(mbs):
+        raise DynaPipeError(f"--baseline-mbs {args.baseline_mbs}: a size is given twice; give each once.")
     global_batch = int(GPU_SHAPE.train_args[GPU_SHAPE.train_args.index("--global-batch-size") + 1])
     bad = [m for m in mbs if global_batch % m]
     if bad:

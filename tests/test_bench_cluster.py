@@ -61,10 +61,19 @@ def test_quick_writes_every_method_with_tuned_baselines(tmp_path):
     assert "| dynapipe |" in md[2] and "x |" in md[2]
 
 
-def test_unknown_method_is_refused(tmp_path):
-    r = subprocess.run([sys.executable, SCRIPT, "--quick", "--output", str(tmp_path / "x.json"),
-                        "--methods", "dynapipe,zero-bubble"], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert r.returncode == 2 and "zero-bubble" in r.stderr and r.stderr.count("\n") == 1
+@pytest.mark.parametrize("extra, message", [
+    (["--methods", "dynapipe,zero-bubble"], "zero-bubble"),
+    (["--methods", "dynapipe,dynapipe"], "choose each at most once"),
+    # Every batch is planned by every method of every case: a size past the largest published runs
+    # grew for minutes before anything was printed.
+    (["--tokens", "1000000000"], "--tokens 1000000000: give 1 to 16,777,216 tokens"),
+    (["--batches", "33"], "--batches 33: give 1 to 32"),
+    (["--markdown", ""], "--markdown '': an empty path"),
+])
+def test_bad_requests_are_refused_in_one_line(tmp_path, extra, message):
+    r = subprocess.run([sys.executable, SCRIPT, "--quick", "--output", str(tmp_path / "x.json"), *extra],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
 def test_encoder_decoder_case_runs_on_its_planned_placement(tmp_path):

@@ -228,7 +228,12 @@ def test_bench_refuses_what_the_preset_cannot_honour(tmp_path, capsys):
                            (["--nproc", "0"], "--nproc 0: must be 1 or more"),
                            (["--threads-per-rank", "-1"], "--threads-per-rank -1: must be 1 or more"),
                            (["--timeout-s", "0"], "--timeout-s 0.0: must be positive"),
-                           (["--t5-sweep", "1,2"], "--t5-sweep 1,2 sets the T5 baselines")):
+                           (["--t5-sweep", "1,2"], "--t5-sweep 1,2 sets the T5 baselines"),
+                           (["--methods", "dynapipe,"], "--methods 'dynapipe,': an empty entry"),
+                           # The fit leaves the first iteration out: one iteration fits nothing.
+                           (["--calibrate-iters", "1"], "--calibrate-iters 1: give 0 (none) or at least 2"),
+                           (["--exit-interval", "1"], "--exit-interval 1 stops every run after iteration 1"),
+                           (["--dynapipe-placement", "bogus"], "the GPT bench runs Megatron's even split only")):
         assert main(base + extra) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err

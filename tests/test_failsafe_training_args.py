@@ -57,6 +57,12 @@ TRAIN_INVALID = [
     (["--data-path", "{missing}"], "--data-path"),
     (["--colour", "red"], "unrecognized"),
     (["--lr"], "--lr"),
+    # An empty path (an unset shell variable) is not "not given": the run would write nothing.
+    (["--save", ""], "--save '': an empty path"),
+    (["--tensorboard-dir", ""], "--tensorboard-dir '': an empty path"),
+    (["--run-config", ""], "--run-config '': an empty path"),
+    (["--run-config", "{a_dir}"], "is a directory; give a run config YAML file"),
+    (["--use-dynapipe", "--dynapipe-cost-model", "{a_dir}"], "is a directory; give the profile JSON file in it"),
 ]
 
 

@@ -33,10 +33,16 @@ def test_without_cuda_it_stops_with_one_line(tmp_path):
     (["--baseline-mbs", "3"], "3 does not divide the global batch of 64 samples"),
     (["--profile-mbs", "zz"], "--profile-mbs 'zz': expected positive whole numbers"),
     (["--timeout-s", "-5"], "--timeout-s -5.0: must be a positive number of seconds"),
+    (["--baseline-mbs", "2,2"], "--baseline-mbs 2,2: a size is given twice"),
+    # The output folder is checked before the GPU too (a file there ended in a traceback).
+    (["--output", "FILE"], "is a file, not a directory"),
+    (["--output", ""], "--output '': an empty path"),
 ])
 def test_bad_flags_are_refused_before_anything_runs(tmp_path, capsys, argv, message):
     # Checked before the GPU is even looked for: GPU time is too scarce to learn of them from a
     # failed job.
+    (tmp_path / "FILE").write_text("a file where the output folder would go")
+    argv = [str(tmp_path / "FILE") if a == "FILE" else a for a in argv]
     assert gpu_check.main(["--output", str(tmp_path / "out"), *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1, err

@@ -705,7 +705,12 @@ def test_bench_t5_refuses_what_it_cannot_run(tmp_path, capsys, monkeypatch):
                         (["--methods", "dynapipe", "--t5-sweep", "1,2"], "--t5-sweep 1,2 sets the baselines'"),
                         (["--dynapipe-trace-dir", str(tmp_path)], "the bench writes every DynaPipe run's"),
                         (["--save", str(tmp_path / "ck")], "would overwrite the last one's checkpoints"),
-                        (["--methods", "padding", "--dynapipe-schedule", "1f1b"], "runs no DynaPipe method")):
+                        (["--methods", "padding", "--dynapipe-schedule", "1f1b"], "runs no DynaPipe method"),
+                        # Named as typed: the run's own check would name --micro-batch-size.
+                        (["--t5-sweep", "3"], "--t5-sweep 3: 3 x 1 data-parallel replica(s) does not divide "
+                                              "--global-batch-size 32"),
+                        (["--methods", "padding", "--calibrate-iters", "2"], "--methods padding plans none"),
+                        (["--methods", ",dynapipe"], "an empty entry")):
         assert main(["bench", "--model", "t5", "--output", out] + extra) == 2
         assert text in capsys.readouterr().err
     assert not (tmp_path / "t5.json").exists()

@@ -36,13 +36,14 @@ def add_arguments(p) -> None:
                    help="micro-batch sizes of each baseline run for real, best simulated first; 0 keeps "
                         "--micro-batch-size (default: the preset's)")
     p.add_argument("--nproc", type=int, default=None,
-                   help="ranks to spawn (default: --pipeline-model-parallel-size, i.e. one replica)")
+                   help="ranks to spawn (default: --pipeline-model-parallel-size x --tensor-model-parallel-size, i.e. "
+                        "one replica)")
     p.add_argument("--warmup-iters", type=int, default=None,
                    help="first iterations left out of the figures (default: the preset's, 1)")
     p.add_argument("--calibrate-iters", type=int, default=None,
                    help="iterations of an untimed DynaPipe run that measures the profile's fixed cost per stage op "
-                        "before the timed rounds; 0: none (default: the preset's: 3 for representative, 4 for --model t5 "
-                        "tiny, else 0)")
+                        "before the timed rounds; 0: none, else 2 or more (default: the preset's: 3 for "
+                        "representative, 4 for --model t5 tiny, else 0)")
     p.add_argument("--threads-per-rank", type=int, default=None, help="CPU threads per rank (default cores / ranks)")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="give up on a method after this long (s)")
     p.add_argument("--no-progress", action="store_true",
@@ -97,6 +98,16 @@ def _check_bench_numbers(args) -> None:
                             f"or use --sweep-top for GPT.")
 
 
+def method_list(text: str) -> list[str]:
+    """``--methods`` as a list; an empty entry (``dynapipe,``) is a typo, refused."""
+    from dynapipe.errors import DynaPipeError
+
+    methods = [m.strip() for m in text.split(",")]
+    if not text.strip() or not all(methods):
+        raise DynaPipeError(f"--methods {text!r}: an empty entry; name methods separated by commas.")
+    return methods
+
+
 def run(args) -> int:
     """Run ``bench`` with parsed ``args``; the process exit status (0: done)."""
     from dynapipe.errors import DynaPipeError
@@ -113,12 +124,10 @@ def run(args) -> int:
     if args.preset not in PRESETS:
         raise DynaPipeError(f"--preset {args.preset} is a T5 preset: add --model t5, or choose tiny or "
                             f"representative for GPT.")
-    methods = (list(PRESETS[args.preset].methods) if args.methods is None
-               else [m.strip() for m in args.methods.split(",") if m.strip()])
-    if not methods:
-        raise DynaPipeError(f"--methods {args.methods!r}: name at least one method.")
-    if args.calibrate_iters is not None and args.calibrate_iters < 0:
-        raise DynaPipeError(f"--calibrate-iters {args.calibrate_iters}: must be 0 (none) or more.")
+    methods = list(PRESETS[args.preset].methods) if args.methods is None else method_list(args.methods)
+    if args.calibrate_iters is not None and (args.calibrate_iters < 0 or args.calibrate_iters == 1):
+        raise DynaPipeError(f"--calibrate-iters {args.calibrate_iters}: give 0 (none) or at least 2 (the first "
+                            f"iteration is a warm-up the fit leaves out).")
     if args.calibrate_iters:
         from megatron_integration.bench_presets import flag_value
 
