@@ -51,7 +51,7 @@ from dynapipe.runtime.weight_grad_store import WeightGradStore
 from megatron_integration.attention_calls import measure_attention_call_ms
 from megatron_integration.cache_flush import CacheFlush
 from megatron_integration.live_memory import LiveMemoryTracker
-from megatron_integration.profile_oom import point_fits
+from megatron_integration.out_of_memory import point_fits
 from megatron_integration.split_backward import install_split_backward
 from megatron_integration.train_config import GPTModelArgs, ParallelArgs
 from megatron_integration.masked_softmax import use_additive_masks

@@ -42,7 +42,7 @@ from dynapipe.cost.profile_t5 import FIELDS, KIND_ENCODER_DECODER, SPLIT_OPS, T5
 from dynapipe.runtime.weight_grad_store import WeightGradStore
 from megatron_integration.attention_calls import measure_attention_call_ms
 from megatron_integration.cache_flush import CacheFlush
-from megatron_integration.profile_oom import point_fits
+from megatron_integration.out_of_memory import point_fits
 from megatron_integration.profiler import as_trained, measure_op, suffix_minimum
 from megatron_integration.split_backward import install_split_backward
 from megatron_integration.train_config import GPTModelArgs, ParallelArgs

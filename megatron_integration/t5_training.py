@@ -21,6 +21,7 @@ from typing import Callable, Optional, TextIO
 from megatron_integration import checkpoint_formats
 from megatron_integration.agreement import attempt, same_error_everywhere
 from megatron_integration.blend_resume import blend_record, keep_resumed_blend
+from megatron_integration.out_of_memory import MODEL_TOO_LARGE, named_out_of_memory
 from megatron_integration.initialize import RankInfo, initialize_megatron
 from megatron_integration.profile_check import check_threads_at_start, extrapolation_lines
 from megatron_integration.run_report import parameter_count_line, write_line
@@ -41,7 +42,8 @@ def build_t5_training_stage(cfg: T5TrainingConfig, info: RankInfo) -> Stage:
     from megatron_integration.ddp import attach_grad_sync, count_parameters, wrap_chunk
     from megatron_integration.t5_model import build_t5_stage
 
-    t5 = build_t5_stage(cfg, info)
+    with named_out_of_memory("building this rank's stage", MODEL_TOO_LARGE):
+        t5 = build_t5_stage(cfg, info)
     inner = t5
     if cfg.base.model.dtype in ("bf16", "fp16"):
         from megatron.core.transformer.module import Float16Module

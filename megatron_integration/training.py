@@ -23,6 +23,7 @@ from dynapipe.megatron_core import untested_release_note
 from megatron_integration import checkpoint_formats
 from megatron_integration.agreement import attempt, same_error_everywhere
 from megatron_integration.blend_resume import blend_record, keep_resumed_blend
+from megatron_integration.out_of_memory import MODEL_TOO_LARGE, named_out_of_memory
 from megatron_integration.data import GlobalBatches, data_summary_lines
 from megatron_integration.device_default import analytic_on_gpu_note, default_device_for
 from megatron_integration.initialize import RankInfo, initialize_megatron
@@ -174,7 +175,8 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
         check_uniform_recompute(cfg.recompute, block_layers(cfg.parallel, cfg.model.num_layers))
     if info.rank == 0 and split_line is not None:
         write_line(stream, split_line)
-    stage = build_stage(cfg, info)
+    with named_out_of_memory("building this rank's stage", MODEL_TOO_LARGE):
+        stage = build_stage(cfg, info)
     count = sum(p.nelement() for p in stage.gpt.parameters())
     if info.dp_rank == 0:
         write_line(stream, parameter_count_line(info.tp_rank, info.pp_rank, count))

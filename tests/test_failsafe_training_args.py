@@ -134,3 +134,19 @@ def test_bad_run_configs(capsys, pretrain_main, tmp_path, name):
 def test_unreadable_run_configs(capsys, pretrain_main, files, which, needle):
     rc, err = run_pretrain(capsys, pretrain_main, ["--run-config", files[which], *TRAIN_BASE])
     one_line_error(rc, err, needle)
+
+
+def test_a_model_no_memory_holds_stops_with_its_sizes_named(tmp_path):
+    import subprocess
+    import sys
+
+    if open("/proc/sys/vm/overcommit_memory").read().strip() == "1":
+        pytest.skip("the kernel grants any allocation (vm.overcommit_memory=1): a 256 GB table would be touched")
+    # A position table of a billion rows: torch's allocator refused it with a traceback.
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "pretrain_gpt.py"), *TRAIN_BASE,
+                        "--max-position-embeddings", "999999999"], capture_output=True, text=True, timeout=240,
+                       cwd=str(tmp_path))
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "error: building this rank's stage ran out of memory (" in r.stderr
+    assert "check the sizes it was built with (--max-position-embeddings, --vocab-size" in r.stderr
+    assert "Traceback" not in r.stderr
