@@ -37,6 +37,7 @@ from dynapipe.batching.memory import memory_budget  # noqa: E402
 from dynapipe.batching.planner import METHODS  # noqa: E402
 from dynapipe.config import load_device_config, load_model_config  # noqa: E402
 from dynapipe.data.config import DatasetConfig  # noqa: E402
+from dynapipe.data.sampler import SamplerConfig  # noqa: E402
 from dynapipe.errors import DynaPipeError  # noqa: E402
 from dynapipe.output_paths import check_output_file, write_output  # noqa: E402
 from dynapipe.runtime.loader import DynaPipeDataLoader, LoaderConfig, RankLayout  # noqa: E402
@@ -130,6 +131,8 @@ def check_args(args) -> None:
                             f"--warmup.")
     if args.output is not None:
         check_output_file(args.output, "--output")
+    # The sampler's own check, run before the spawn: in the ranks it came after every rank started.
+    SamplerConfig(args.global_batch_size, min_samples=args.dp).validate()
     settings = planner_settings(args)
     # The stages' model states are known before any batch: a model that does not fit the
     # device at --pp stages would otherwise fail in the first rank's planner, after the spawn.

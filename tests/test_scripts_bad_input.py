@@ -69,6 +69,8 @@ CASES = [
     ("bench_loader", ["--workers", "0"], "--workers"),
     ("bench_loader", ["--schedule", "interleaved"], "--schedule"),
     ("bench_loader", ["--output", THROUGH_FILE], "--output"),
+    # The sampler's check, before the spawn (it came after every rank had started).
+    ("bench_loader", ["--global-batch-size", "1", "--dp", "2"], "--global-batch-size 1 is smaller than the 2"),
     ("bench_executor", ["--micro-batches", "0"], "--micro-batches"),
     ("bench_executor", ["--mbs", "0"], "--mbs"),
     ("bench_executor", ["--seqlen", "-1"], "--seqlen"),
