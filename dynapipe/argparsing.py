@@ -60,12 +60,18 @@ class StrictArgumentParser(argparse.ArgumentParser):
         self._argv = list(sys.argv[1:] if args is None else args)
         return super().parse_known_args(args, namespace)
 
+    def _value_looks_like_a_flag(self, flag: str) -> bool:
+        """Whether the word after ``flag`` on the command line starts with '-' and is none of this
+        parser's flags: a value read as a flag, not a value left out (``--model --device cpu``)."""
+        argv = getattr(self, "_argv", None) or []
+        after = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == flag]
+        return bool(after) and after[-1].startswith("-") and after[-1].split("=")[0] not in self._option_string_actions
+
     def error(self, message: str) -> NoReturn:
         """Print ``error: PROG: MESSAGE`` on one line and exit with status 2."""
         text = " ".join(message.split())
         flag = re.match(r"argument (\S+?)(?:/\S+)?: expected one argument\Z", text)
-        argv = getattr(self, "_argv", None) or []
-        if flag and flag.group(1).startswith("--") and argv[-1:] != [flag.group(1)]:
+        if flag and flag.group(1).startswith("--") and self._value_looks_like_a_flag(flag.group(1)):
             # The value was there but starts with '-' (--shape -1,512), so argparse read it as a flag.
             text += f" (a value starting with '-' is written {flag.group(1)}=VALUE)"
         self.exit(2, f"error: {self.prog}: {text}; see {self.prog} --help.\n")

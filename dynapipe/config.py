@@ -256,13 +256,16 @@ def resolve_config_path(path_or_name: str, kind: str, flag: Optional[str] = None
     name = path_or_name.removesuffix(".yaml")
     shipped = os.path.join(CONFIG_DIR, kind, name + ".yaml")
     what = CONFIG_KINDS.get(kind, kind)
+    bare = path_or_name == name and os.sep not in name
     if os.path.isdir(path_or_name):
+        if bare and os.path.exists(shipped):
+            return shipped  # a folder (an output folder, say) is no config: the shipped name is meant
         raise DynaPipeError(f"{flag + ': ' if flag else ''}{path_or_name!r} is a directory; give a {what} config "
                             f"YAML file or a shipped {what} name.")
     if os.path.exists(path_or_name):
         # A bare shipped name that is also a file here (a command's --output, say) would be read
         # in the shipped config's place without a word.
-        if path_or_name == name and os.sep not in name and os.path.exists(shipped):
+        if bare and os.path.exists(shipped):
             raise DynaPipeError(f"{flag + ': ' if flag else ''}{name!r} names both a file in the working directory "
                                 f"and a shipped {what} config; give ./{name} for the file or {shipped} for the "
                                 f"shipped one.")

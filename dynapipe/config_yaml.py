@@ -1,13 +1,14 @@
 """Reading YAML configs and building their dataclasses, with one-line errors.
 
-Shared by the model, device and cluster configs (:mod:`dynapipe.config`), the run configs and
-the data mixtures: a missing or malformed file, a duplicated key, an unknown key, a value of
-the wrong type (with why YAML read a number as text) or a missing one is refused naming the
-file and the field.
+:func:`read_yaml` is shared by the model, device and cluster configs (:mod:`dynapipe.config`),
+the run configs and the data mixtures; :func:`build_dataclass` builds the configs. A missing or
+malformed file, a duplicated key, an unknown key, a value of the wrong type (with why YAML read a
+number as text) or a missing one is refused naming the file and the field.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Mapping
 
@@ -69,6 +70,8 @@ def _yaml_number_hint(value, field_type: str) -> str:
     try:
         number = float(value)
     except ValueError:
+        return ""
+    if not math.isfinite(number):  # 'inf' and 'nan' are text to YAML too, and refused anyway
         return ""
     if field_type == "int" and number.is_integer():
         return f" (YAML reads {value} as text; write {int(number)})"

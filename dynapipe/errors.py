@@ -75,12 +75,14 @@ def field_problem(name: str, value, annotation: str) -> Optional[str]:
     import math
     import numbers
 
+    import numpy as np
+
     what = _FIELD_KINDS.get(annotation)
     if what is None:
         return None
     fits = {"int": lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool),
             "float": lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool),
-            "str": lambda v: isinstance(v, str), "bool": lambda v: isinstance(v, bool)}[annotation]
+            "str": lambda v: isinstance(v, str), "bool": lambda v: isinstance(v, (bool, np.bool_))}[annotation]
     if not fits(value):
         return f"{name}={value!r} must be {what}"
     if annotation in ("int", "float") and not math.isfinite(value):

@@ -31,7 +31,7 @@ from dynapipe.config import ClusterConfig
 from dynapipe.cost.attention_share import attention_share
 from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, check_recompute
 from dynapipe.errors import DynaPipeError, whole_number
-from dynapipe.method_inputs import checked_batch
+from dynapipe.method_inputs import checked_batch, not_a_batch
 from dynapipe.pipeline_planner import IterationPlan, plan_iteration
 
 # method -> (batching method of the planner, schedule, whether the search picks recompute)
@@ -271,8 +271,8 @@ def tune_baseline(lengths, method: str, cost_model: CostModel, *,
     if method not in SIZED_METHODS:
         raise DynaPipeError(f"method {method!r} has no micro-batch size to tune; use one of "
                             f"{', '.join(SIZED_METHODS)}.")
-    check_priceable(method, cost_model)
     checked_batch(lengths, cost_model, **kwargs)  # an input error would read as "no size fits"
+    check_priceable(method, cost_model)
     sizes = _sizes(micro_batch_sizes) if micro_batch_sizes is not None else \
         micro_batch_size_candidates(lengths, method, kwargs.get("seq_length"))
     if not sizes:
@@ -364,7 +364,7 @@ def compare_over_batches(batches: Sequence, method: str, cost_model: CostModel, 
     for all batches (default: :func:`micro_batch_size_candidates` of the first batch) and
     keep the size with the highest aggregate real tokens/s; the sweep stops at the first
     size that fits no batch at any recompute level. ``kwargs`` go to :func:`simulate_method`."""
-    if batches is None or np.ndim(batches[0] if len(batches) else 0) == 0 and len(batches):
+    if batches is None or isinstance(batches, (str, bytes)) or (len(batches) and not_a_batch(batches[0])):
         raise DynaPipeError("batches: give a sequence of global batches, each a sequence of sample lengths "
                             "(a single batch goes in a list: [lengths]).")
     if not len(batches):

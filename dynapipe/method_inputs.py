@@ -27,7 +27,7 @@ def checked_batch(lengths, cost_model: CostModel, *, dp: int = 1, tp: int = 1, s
     if not isinstance(cost_model, CostModel):
         raise DynaPipeError(f"cost_model {cost_model!r:.60}: give a CostModel (dynapipe.cost.build_cost_model(model, "
                             f"device, stages)).")
-    if lengths is None or np.ndim(lengths) == 0:
+    if lengths is None or isinstance(lengths, (str, bytes)) or np.isscalar(lengths):
         raise DynaPipeError(f"lengths {lengths!r:.60}: give one global batch, a sequence of sample lengths in tokens "
                             f"((n, 2) input and target lengths for an encoder-decoder model).")
     arr = validate_lengths(lengths, cost_model.model.is_encoder_decoder)
@@ -51,6 +51,12 @@ def checked_batch(lengths, cost_model: CostModel, *, dp: int = 1, tp: int = 1, s
     return arr
 
 
+def not_a_batch(value) -> bool:
+    """Whether ``value`` cannot be one global batch (a number or None where a sequence is due:
+    a flat batch given as the list of batches). Ragged rows are left to validate_lengths."""
+    return value is None or isinstance(value, (str, bytes)) or np.isscalar(value)
+
+
 def checked_batches(batches, model, device, *, cluster=None, seq_length: Optional[int] = None,
                     layouts=None) -> list[np.ndarray]:
     """The global ``batches`` of a layout comparison (:func:`dynapipe.advise.advise`) as int64
@@ -65,7 +71,7 @@ def checked_batches(batches, model, device, *, cluster=None, seq_length: Optiona
     if cluster is not None and not isinstance(cluster, ClusterConfig):
         raise DynaPipeError(f"cluster {cluster!r:.60}: give a ClusterConfig (dynapipe.config.load_cluster_config("
                             f"name)) or None.")
-    if batches is None or isinstance(batches, (str, bytes)) or (len(batches) and np.ndim(batches[0]) == 0):
+    if batches is None or isinstance(batches, (str, bytes)) or (len(batches) and not_a_batch(batches[0])):
         raise DynaPipeError("batches: give a sequence of global batches, each a sequence of sample lengths "
                             "(a single batch goes in a list: [lengths]).")
     if not len(batches):

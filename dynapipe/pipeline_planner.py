@@ -110,6 +110,9 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
     are the ``[seqlen / tp, mbs, hidden]`` shards. ``split_backward=False``: the stages cannot
     split their backward, so ``auto`` does not try ``zb-h1``.
     """
+    if not isinstance(cost_model, CostModel):
+        raise DynaPipeError(f"cost_model {cost_model!r:.60}: give a CostModel (dynapipe.cost.build_cost_model(model, "
+                            f"device, stages)).")
     if batch_plan.num_stages != cost_model.num_stages:
         raise DynaPipeError(f"the batch plan is for {batch_plan.num_stages} stages, the cost model for "
                             f"{cost_model.num_stages}.")

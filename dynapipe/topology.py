@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from dynapipe.errors import DynaPipeError, check_fields, is_whole
+from dynapipe.errors import flag as bool_flag
 
 if TYPE_CHECKING:
     from dynapipe.config import ModelConfig
@@ -86,8 +87,7 @@ class TensorParallelConfig:
         t = self.size
         if not is_whole(t):
             raise DynaPipeError(f"{flag} {t!r}: the tensor-parallel size must be a whole number, at least 1.")
-        if not isinstance(self.sequence_parallel, bool):  # "yes" or "False" would count as on
-            raise DynaPipeError(f"sequence_parallel {self.sequence_parallel!r}: must be True or False.")
+        bool_flag("sequence_parallel", self.sequence_parallel)  # "yes" or "False" would count as on
         if not isinstance(self.link, LinkConfig):
             raise DynaPipeError(f"{flag} {t}: link {self.link!r:.60} must be a LinkConfig (bandwidth_gbps, latency_ms).")
         self.link.validate(f"{flag} {t}: link")

@@ -114,6 +114,10 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
     if cfg.base.train_iters <= warmup:
         raise DynaPipeError(f"--train-iters {cfg.base.train_iters} leaves no timed iteration after the "
                             f"{warmup} warm-up iteration(s); raise --train-iters.")
+    if cfg.base.last_iteration(0) <= warmup:
+        raise DynaPipeError(f"--exit-interval {cfg.base.exit_interval} stops every run after iteration "
+                            f"{cfg.base.last_iteration(0)}, leaving no timed iteration after the {warmup} warm-up "
+                            f"iteration(s); drop it.")
     make_output_dir(output)
     started, load_start = time.perf_counter(), _load_average()
     # DynaPipe's cuts, the auto placement and the simulation are priced with a profile of this

@@ -33,8 +33,10 @@ def load_run_config(path: str, negatable: frozenset[str] = frozenset()) -> RunCo
     form), where it gives ``--no-NAME``."""
     from dynapipe.config import CONFIG_DIR, read_yaml
 
+    shipped = os.path.join(CONFIG_DIR, "runs", path if path.endswith(".yaml") else path + ".yaml")
+    if os.path.isdir(path) and os.sep not in path and os.path.exists(shipped):
+        path = shipped  # a folder is no run config: the shipped run of that name is meant
     if not os.path.exists(path):
-        shipped = os.path.join(CONFIG_DIR, "runs", path if path.endswith(".yaml") else path + ".yaml")
         if not os.path.exists(shipped):
             raise DynaPipeError(f"--run-config {path!r}: no such file (nor a shipped run in configs/runs/).")
         path = shipped

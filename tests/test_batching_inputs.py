@@ -28,6 +28,7 @@ def test_reads_one_and_two_columns(tmp_path):
     assert read_lengths("-", io.StringIO("3\n4\n")).tolist() == [3, 4]
     # An editor's byte-order mark is not part of the first length.
     assert read_lengths(_file(tmp_path, "\ufeff100\r\n200\r\n")).tolist() == [100, 200]
+    assert read_lengths("-", io.StringIO("\ufeff100\n200\n")).tolist() == [100, 200]
 
 
 @pytest.mark.parametrize("text, message", [

@@ -504,6 +504,9 @@ def test_profile_starts_megatron_as_its_deterministic_mode_and_timeout_say(tmp_p
     (["synth", "--sample", "4", "--output", "s.txt"],
      "error: python -m dynapipe synth: the following arguments are required: --samples"),
     (["--bogus"], "error: python -m dynapipe: unrecognized arguments: --bogus"),
+    # A value left out (the next word is a flag of the command) gets no hint about '-' values.
+    (["cost", "--model", "--device", "cpu", "--stages", "2", "--shape", "1,2"],
+     "error: python -m dynapipe cost: argument --model: expected one argument; see"),
     # A value that starts with '-' is read as a flag: the fix is named.
     (["cost", "--model", "gpt-7b", "--device", "a100-40gb", "--stages", "4", "--shape", "-1,512"],
      "error: python -m dynapipe cost: argument --shape: expected one argument (a value starting with '-' is "

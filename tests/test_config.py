@@ -123,6 +123,20 @@ def test_a_file_named_like_a_shipped_config_is_refused_as_ambiguous(tmp_path, mo
         load_mixture("my-mixture")
 
 
+def test_a_folder_named_like_a_shipped_config_is_no_config(tmp_path, monkeypatch):
+    # An output folder called gpt-tiny in the working directory: the shipped model is meant.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gpt-tiny").mkdir()
+    assert load_model_config("gpt-tiny").name == "gpt-tiny"
+    with pytest.raises(DynaPipeError, match="'elsewhere' is a directory; give a model config YAML file"):
+        (tmp_path / "elsewhere").mkdir()
+        load_model_config("elsewhere")
+    # inf is text to YAML 1.1 too, and no spelling makes it a number a config takes.
+    p = _write(tmp_path, "name: d\npeak_tflops: inf\nmemory_mib: 10\n")
+    with pytest.raises(DynaPipeError, match=r"peak_tflops='inf' must be a number\.$"):
+        load_device_config(p)
+
+
 def test_bad_cluster_link(tmp_path):
     with pytest.raises(DynaPipeError, match="intra_node"):
         load_cluster_config(_write(tmp_path, "name: c\nintra_node: {bandwidth: 3}\n"))

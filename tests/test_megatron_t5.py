@@ -710,7 +710,8 @@ def test_bench_t5_refuses_what_it_cannot_run(tmp_path, capsys, monkeypatch):
                         (["--t5-sweep", "3"], "--t5-sweep 3: 3 x 1 data-parallel replica(s) does not divide "
                                               "--global-batch-size 32"),
                         (["--methods", "padding", "--calibrate-iters", "2"], "--methods padding plans none"),
-                        (["--methods", ",dynapipe"], "an empty entry")):
+                        (["--methods", ",dynapipe"], "an empty entry"),
+                        (["--exit-interval", "1"], "--exit-interval 1 stops every run after iteration 1")):
         assert main(["bench", "--model", "t5", "--output", out] + extra) == 2
         assert text in capsys.readouterr().err
     assert not (tmp_path / "t5.json").exists()

@@ -165,12 +165,21 @@ def _cases_of_the_api_review():
         (lambda: ExecutorConfig(poll_s=0), "ExecutorConfig poll_s 0: must be a positive number"),
         (lambda: ExecutorConfig(trace=1), "ExecutorConfig trace 1: must be True or False"),
         (lambda: ExecutorConfig.of({"timeout_s": 30}), "give an ExecutorConfig"),
+        (lambda: tune_baseline([[1, 2], [3]], "packing", build_cost_model(T5, load_device_config("a100-40gb"), 4)),
+         "lengths are not one row per sample of equal size"),
     ]
 
 
-@pytest.mark.parametrize("case", range(26))
+@pytest.mark.parametrize("case", range(27))
 def test_the_api_refuses_by_name_what_it_took_silently_or_raised_deep_inside(case):
     call, needle = _cases_of_the_api_review()[case]
     with pytest.raises(DynaPipeError) as e:
         call()
     assert needle in str(e.value), str(e.value)
+
+
+def test_numpy_values_a_config_built_in_code_holds_are_taken():
+    from dataclasses import replace
+
+    build_cost_model(replace(GPT, hidden_size=np.int64(64), tie_embeddings=np.bool_(False)), CPU, 2)
+    TensorParallelConfig(2, np.True_).validate(GPT)

@@ -25,7 +25,9 @@ def _parse_lines(lines: Iterable[str], source: str) -> np.ndarray:
     width: Optional[int] = None
     first_line = 0
     for lineno, raw in enumerate(lines, start=1):
-        text = raw.strip()
+        # An editor's byte-order mark is not part of the first length (stdin too; files are
+        # opened as utf-8-sig).
+        text = (raw.lstrip("\ufeff") if lineno == 1 else raw).strip()
         if not text or text.startswith("#"):
             continue
         fields = text.split()
