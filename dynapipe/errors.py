@@ -115,6 +115,12 @@ def flag(name: str, value) -> bool:
     return bool(value)
 
 
+def flags(**switches) -> None:
+    """:func:`flag` for each keyword: ``flags(zero=zero, explain=explain)``."""
+    for name, value in switches.items():
+        flag(name, value)
+
+
 @contextmanager
 def file_read_errors(what: str, path: str, missing: str, directory: str, not_text: str) -> Iterator[None]:
     """Turn the errors of opening and reading ``path`` inside the block into one-line

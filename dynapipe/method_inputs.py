@@ -13,8 +13,8 @@ import numpy as np
 
 from dynapipe.batching.lengths import validate_lengths
 from dynapipe.config import ClusterConfig
-from dynapipe.cost.base import CostModel
-from dynapipe.errors import DynaPipeError, flag, real_number, whole_number
+from dynapipe.cost.base import CostModel, require_cost_model
+from dynapipe.errors import DynaPipeError, flags, real_number, whole_number
 
 
 def checked_batch(lengths, cost_model: CostModel, *, dp: int = 1, tp: int = 1, seq_length: Optional[int] = None,
@@ -24,9 +24,7 @@ def checked_batch(lengths, cost_model: CostModel, *, dp: int = 1, tp: int = 1, s
     """``lengths`` (tokens; ``(n, 2)`` for encoder-decoder models) as int64, after checking them
     against ``cost_model``'s model and every option a simulation of them takes; other
     keywords (the method's schedule or recompute, checked where they are read) pass."""
-    if not isinstance(cost_model, CostModel):
-        raise DynaPipeError(f"cost_model {cost_model!r:.60}: give a CostModel (dynapipe.cost.build_cost_model(model, "
-                            f"device, stages)).")
+    require_cost_model(cost_model)
     if lengths is None or isinstance(lengths, (str, bytes)) or np.isscalar(lengths):
         raise DynaPipeError(f"lengths {lengths!r:.60}: give one global batch, a sequence of sample lengths in tokens "
                             f"((n, 2) input and target lengths for an encoder-decoder model).")
@@ -43,12 +41,15 @@ def checked_batch(lengths, cost_model: CostModel, *, dp: int = 1, tp: int = 1, s
         real_number("memory_limit_mib", memory_limit_mib, unlimited=True)
     if reserved_mib is not None:
         real_number("reserved_mib", reserved_mib)
+    _check_cluster(cluster)
+    flags(zero=zero, split_backward=split_backward)
+    return arr
+
+
+def _check_cluster(cluster) -> None:
     if cluster is not None and not isinstance(cluster, ClusterConfig):
         raise DynaPipeError(f"cluster {cluster!r:.60}: give a ClusterConfig (dynapipe.config.load_cluster_config("
                             f"name)) or None.")
-    flag("zero", zero)
-    flag("split_backward", split_backward)
-    return arr
 
 
 def not_a_batch(value) -> bool:
@@ -68,9 +69,7 @@ def checked_batches(batches, model, device, *, cluster=None, seq_length: Optiona
         raise DynaPipeError(f"model {model!r:.60}: give a ModelConfig (dynapipe.config.load_model_config(name)).")
     if not isinstance(device, DeviceConfig):
         raise DynaPipeError(f"device {device!r:.60}: give a DeviceConfig (dynapipe.config.load_device_config(name)).")
-    if cluster is not None and not isinstance(cluster, ClusterConfig):
-        raise DynaPipeError(f"cluster {cluster!r:.60}: give a ClusterConfig (dynapipe.config.load_cluster_config("
-                            f"name)) or None.")
+    _check_cluster(cluster)
     if batches is None or isinstance(batches, (str, bytes)) or (len(batches) and not_a_batch(batches[0])):
         raise DynaPipeError("batches: give a sequence of global batches, each a sequence of sample lengths "
                             "(a single batch goes in a list: [lengths]).")

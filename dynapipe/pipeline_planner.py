@@ -20,10 +20,10 @@ from dynapipe.batching.dp_partition import DEFAULT_GAP
 from dynapipe.batching.planner import DP_METHODS
 from dynapipe.batching.types import LengthLimit
 from dynapipe.config import ClusterConfig
-from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, check_recompute
+from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, check_recompute, require_cost_model
 from dynapipe.cost.placement import StagePlacement
 from dynapipe.plan.compile_chunked import compile_chunked_plans
-from dynapipe.errors import DynaPipeError, flag, is_whole, real_number, whole_number
+from dynapipe.errors import DynaPipeError, flags, is_whole, real_number, whole_number
 from dynapipe.plan._fast import without_gc_pauses
 from dynapipe.plan.compile import compile_plans
 from dynapipe.plan.validate import validate_plans
@@ -110,17 +110,13 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
     are the ``[seqlen / tp, mbs, hidden]`` shards. ``split_backward=False``: the stages cannot
     split their backward, so ``auto`` does not try ``zb-h1``.
     """
-    if not isinstance(cost_model, CostModel):
-        raise DynaPipeError(f"cost_model {cost_model!r:.60}: give a CostModel (dynapipe.cost.build_cost_model(model, "
-                            f"device, stages)).")
+    require_cost_model(cost_model)
     if batch_plan.num_stages != cost_model.num_stages:
         raise DynaPipeError(f"the batch plan is for {batch_plan.num_stages} stages, the cost model for "
                             f"{cost_model.num_stages}.")
     if not isinstance(tp, (int, np.integer)) or tp < 1:
         raise DynaPipeError(f"tp {tp!r}: the tensor-parallel size is a whole number, 1 or more.")
-    for name, value in (("zero", zero), ("explain", explain), ("validate", validate),
-                        ("split_backward", split_backward)):
-        flag(name, value)
+    flags(zero=zero, explain=explain, validate=validate, split_backward=split_backward)
     whole_number("iteration", iteration, at_least=0)
     if replicas is not None and not all(isinstance(r, (int, np.integer)) for r in replicas):
         raise DynaPipeError(f"replicas {list(replicas)!r}: give data-parallel replica indices (whole numbers).")
@@ -233,9 +229,7 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
     ``split_backward=False``: the stages cannot split their backward (``auto`` then does not
     try ``zb-h1``).
     """
-    if not isinstance(cost_model, CostModel):
-        raise DynaPipeError(f"cost_model {cost_model!r:.60}: give a CostModel (dynapipe.cost.build_cost_model(model, "
-                            f"device, stages)).")
+    require_cost_model(cost_model)
     if stages is not None and (not is_whole(stages) or stages != cost_model.num_stages):
         raise DynaPipeError(f"stages {stages!r}: the cost model was built for {cost_model.num_stages} stages; give "
                             f"that whole number or leave stages out.")
@@ -243,9 +237,7 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
         real_number("memory_limit_mib", memory_limit_mib, unlimited=True)
     if reserved_mib is not None:
         real_number("reserved_mib", reserved_mib)
-    for name, value in (("zero", zero), ("explain", explain), ("validate", validate),
-                        ("split_backward", split_backward)):
-        flag(name, value)
+    flags(zero=zero, explain=explain, validate=validate, split_backward=split_backward)
     whole_number("iteration", iteration, at_least=0)
     limit, reserved = _default_memory(cost_model, memory_limit_mib, reserved_mib)
     levels = [check_recompute(recompute)] if recompute is not None else list(RECOMPUTE_LEVELS)

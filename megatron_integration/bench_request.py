@@ -117,6 +117,15 @@ def check_request(argv: Sequence[str], methods: Sequence[str], preset: str = "ti
     nproc = nproc or one_replica_ranks(full)
     for m in methods:  # every method's command line, as its run gets it, before starting any process
         cfg = parse_training_args(Entry(m).argv(full), nproc)
+    check_some_iteration_timed(cfg, warmup)
+    return nproc
+
+
+def check_some_iteration_timed(cfg, warmup: int) -> None:
+    """Refuse a run of ``cfg`` (a training config, GPT's or T5's ``base``) whose iterations all
+    fall in the ``warmup`` left out of the figures: by ``--train-iters`` or ``--exit-interval``."""
+    from dynapipe.errors import DynaPipeError
+
     if cfg.train_iters <= warmup:
         raise DynaPipeError(f"--train-iters {cfg.train_iters} leaves no timed iteration after --warmup-iters "
                             f"{warmup}; raise --train-iters.")
@@ -124,4 +133,3 @@ def check_request(argv: Sequence[str], methods: Sequence[str], preset: str = "ti
         raise DynaPipeError(f"--exit-interval {cfg.exit_interval} stops every run after iteration "
                             f"{cfg.last_iteration(0)}, leaving no timed iteration after --warmup-iters {warmup}; "
                             f"drop it.")
-    return nproc

@@ -111,13 +111,9 @@ def run_t5_bench(argv: Sequence[str], methods: Sequence[str], nproc: int, output
     # an interleaved placement are the planner's own).
     for margv in [e.argv(argv) for e in t5_entries(methods, sweep, {"placement": ""})]:
         cfg = parse_t5_args(margv, nproc)
-    if cfg.base.train_iters <= warmup:
-        raise DynaPipeError(f"--train-iters {cfg.base.train_iters} leaves no timed iteration after the "
-                            f"{warmup} warm-up iteration(s); raise --train-iters.")
-    if cfg.base.last_iteration(0) <= warmup:
-        raise DynaPipeError(f"--exit-interval {cfg.base.exit_interval} stops every run after iteration "
-                            f"{cfg.base.last_iteration(0)}, leaving no timed iteration after the {warmup} warm-up "
-                            f"iteration(s); drop it.")
+    from megatron_integration.bench_request import check_some_iteration_timed
+
+    check_some_iteration_timed(cfg.base, warmup)
     make_output_dir(output)
     started, load_start = time.perf_counter(), _load_average()
     # DynaPipe's cuts, the auto placement and the simulation are priced with a profile of this

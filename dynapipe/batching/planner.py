@@ -24,7 +24,7 @@ from dynapipe.batching.ordering import named_candidate_orders
 from dynapipe.batching.types import BatchPlan, LengthLimit, MicroBatch
 from dynapipe.cost import CostModel
 from dynapipe.cost.attention_density import packed_density, stack
-from dynapipe.cost.base import check_recompute
+from dynapipe.cost.base import check_recompute, require_cost_model
 from dynapipe.errors import DynaPipeError, flag
 
 METHODS = ("dynapipe", "dynapipe-per-sample", "padding", "padding-mb", "packing", "packing-per-sample", "token-budget")
@@ -201,9 +201,7 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
     dp = _positive_int(dp, "--dp")
     micro_batch_size = _positive_int(micro_batch_size, "--micro-batch-size")
     check_recompute(recompute)
-    if not isinstance(cost_model, CostModel):
-        raise DynaPipeError(f"cost_model {cost_model!r:.60}: give a CostModel (dynapipe.cost.build_cost_model(model, "
-                            f"device, stages)).")
+    require_cost_model(cost_model)
     flag("zero", zero)
     flag("split_to_balance", split_to_balance)
     model = cost_model.model

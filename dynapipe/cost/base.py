@@ -165,6 +165,15 @@ def weight_share_of(weight_ms, bw_ms) -> np.ndarray:
     return np.clip(share, 0.0, 1.0)
 
 
+def require_cost_model(value) -> "CostModel":
+    """``value`` when it is a :class:`CostModel`, else a :class:`DynaPipeError` saying how to
+    build one (a name or None reached the planner as an AttributeError from inside)."""
+    if not isinstance(value, CostModel):
+        raise DynaPipeError(f"cost_model {value!r:.60}: give a CostModel (dynapipe.cost.build_cost_model(model, "
+                            f"device, stages)).")
+    return value
+
+
 class CostModel(ABC):
     """Prices micro-batches on the stages of one pipeline.
 

@@ -26,7 +26,7 @@ import numpy as np
 from dynapipe.batching.types import MicroBatch
 from dynapipe.config import ClusterConfig
 from dynapipe.cost.base import CostModel
-from dynapipe.errors import DynaPipeError, NoScheduleFits, flag
+from dynapipe.errors import DynaPipeError, NoScheduleFits, flag, flags
 from dynapipe.schedule import _kernels as K
 from dynapipe.schedule.adaptive import adaptive_arrays, schedule_from_arrays
 from dynapipe.schedule.costs import StageTimes, stage_times_per_replica
@@ -371,8 +371,7 @@ def search_schedules(replicas: Sequence[Sequence[MicroBatch]], cost_model: CostM
     so (cheaply: nothing is re-simulated to name the closest candidate); ignored with
     ``explain``, which simulates every candidate in full.
     """
-    for name, value in (("zero", zero), ("explain", explain), ("split_backward", split_backward)):
-        flag(name, value)
+    flags(zero=zero, explain=explain, split_backward=split_backward)
     if per_stage is not None:
         flag("per_stage", per_stage)
     names, chunks = schedule_names(schedule, split_backward, cost_model)
