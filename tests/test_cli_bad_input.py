@@ -418,6 +418,8 @@ def test_advise_library_refuses_a_limit_below_the_reserved_memory():
     (["--output", "OUT", "--seqlens", ""], "--seqlens '': an empty entry"),
     (["--output", "OUT", "--seqlens", "64,,128"], "--seqlens '64,,128': an empty entry"),
     (["--output", "OUT", "--mbs", "1,"], "--mbs '1,': an empty entry"),
+    # A T5 profile of a GPT's widths would never price anything.
+    (["--output", "OUT", "--t5"], "--t5 with --model gpt-tiny, a decoder-only model config"),
     (["--output", "OUT", "--mbs", "1", "--seqlens", "64,100000"],
      "--seqlens reaches 100000 tokens, beyond the max_seq_length 1024 of --model gpt-tiny"),
     (["--output", "OUT", "--lr", "5"], "--lr 5.0 is a training flag that profile does not read"),

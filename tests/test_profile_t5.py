@@ -164,9 +164,9 @@ def test_old_and_decoder_only_profiles_still_load_and_kinds_must_match():
     assert ProfileCostModel(gpt, v1, 2).stage_cost(1, 64).fw_ms > 0
     v2 = {**v1, "version": 2, "kind": "decoder-only"}
     assert ProfileCostModel(gpt, v2, 2).stage_cost(1, 96).fw_ms == ProfileCostModel(gpt, v1, 2).stage_cost(1, 96).fw_ms
-    with pytest.raises(DynaPipeError, match="decoder-only profile cannot price encoder-decoder"):
+    with pytest.raises(DynaPipeError, match="decoder-only and cannot price encoder-decoder"):
         ProfileCostModel(T5, v1, 2)
-    with pytest.raises(DynaPipeError, match="encoder-decoder profile cannot price decoder-only"):
+    with pytest.raises(DynaPipeError, match="encoder-decoder and cannot price decoder-only"):
         ProfileCostModel(gpt, t5_profile(), 2)
     with pytest.raises(DynaPipeError, match="kind 'encoder-decoder'"):
         ProfileCostModel(T5, {**t5_profile(), "version": 1}, 2)

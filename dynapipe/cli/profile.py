@@ -126,6 +126,12 @@ def fill_from_model_config(args) -> None:
     cfg = config
     if cfg.is_encoder_decoder:
         args.t5 = True
+    elif args.t5:
+        from dynapipe.errors import DynaPipeError
+
+        # A T5 profile of a GPT's widths: its kind is recorded, but nothing would ever price with it.
+        raise DynaPipeError(f"--t5 with --model {args.model}, a decoder-only model config; give a T5 model config "
+                            f"(such as t5-11b) or drop --t5.")
     defaults = dict(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
                     num_attention_heads=cfg.num_attention_heads, ffn_hidden_size=cfg.ffn_hidden_size,
                     vocab_size=cfg.vocab_size, seq_length=cfg.max_seq_length,
@@ -245,7 +251,7 @@ def run(args) -> int:
     initialize_megatron(ParallelArgs(world_size=1, backend="nccl" if cuda else "gloo", timeout_minutes=timeout),
                         seed=args.seed, deterministic=model.deterministic_mode, private_store=True)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    print(f"profiling on {device} ({model.dtype}, {torch.get_num_threads()} threads): mbs {mbs} x seqlen {seqlens}",
+    print(f"profiling on {device} ({model.dtype}, {torch.get_num_threads()} thread(s)): mbs {mbs} x seqlen {seqlens}",
           file=sys.stderr)
     from dynapipe.progress import Progress
 

@@ -102,7 +102,7 @@ class ProfileCostModel(CostModel):
         kind = profile_kind(profile)
         want = KIND_ENCODER_DECODER if model.is_encoder_decoder else KIND_DECODER_ONLY
         if kind != want:
-            raise DynaPipeError(f"{source}: a {kind} profile cannot price {want} model {model.name!r}; measure one "
+            raise DynaPipeError(f"{source}: the profile is {kind} and cannot price {want} model {model.name!r}; measure one "
                                 f"with `python -m dynapipe profile`{' --t5' if model.is_encoder_decoder else ''} "
                                 f"for this model.")
         tp = tp or TensorParallelConfig()

@@ -106,9 +106,11 @@ def check_layer_shape(data: Mapping[str, Any], model: ModelConfig, source: str) 
         if have is not None and have != want:
             flag = "--" + key.replace("_", "-")
             raise DynaPipeError(f"{source}: the profile was measured with {flag} {have}, this run trains with "
-                                f"{flag} {want}; its times and memory price another layer. Profile with the run's "
-                                f"model flags (`python -m dynapipe profile ... {flag} {want}`) or use the analytic "
-                                f"cost model (--dynapipe-cost-model analytic; `plan` and `cost` without --profile).")
+                                f"{flag} {want} (model {model.name!r}'s {key}: a model config's, or the training "
+                                f"flag's); its times and memory price another layer. Profile with the run's model "
+                                f"flags (`python -m dynapipe profile ... {flag} {want}`), give `plan`/`cost` a model "
+                                f"config with {key}: {have}, or use the analytic cost model (--dynapipe-cost-model "
+                                f"analytic; `plan` and `cost` without --profile).")
 
 
 SOFTMAX_KEY = "attention_softmax_in_fp32"
