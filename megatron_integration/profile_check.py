@@ -93,11 +93,13 @@ def extrapolation_lines(cost_model: str, enabled: bool, lengths: Mapping[str, tu
         return []
     data = read_profile(cost_model)
     lines = []
+    t5 = "--t5 " if isinstance(data, dict) and data.get("kind") == "encoder-decoder" else ""
     for axis, (flag, length) in lengths.items():
         grid = data.get(axis) if isinstance(data, dict) else None
         if isinstance(grid, list) and grid and length > max(grid):
+            # Memory is extrapolated too, and can come out below what a longer micro-batch keeps.
             lines.append(f" > cost profile {cost_model}: {flag} {length} is beyond its longest measured length "
-                         f"{max(grid)}; longer micro-batches are priced by extrapolation (measure up to {length} "
-                         f"with `python -m dynapipe profile {PROFILE_FLAG.get(axis, '--seqlens')} ...` to price "
-                         f"them from measurements)")
+                         f"{max(grid)}; longer micro-batches are priced by extrapolation, their activation memory "
+                         f"possibly below what they keep (measure up to {length} with `python -m dynapipe profile "
+                         f"{t5}{PROFILE_FLAG.get(axis, '--seqlens')} ...` to price them from measurements)")
     return lines
