@@ -47,11 +47,41 @@ def test_extrapolation_beyond_the_grid_grows_at_most_quadratically_and_never_fal
     table["bw_ms"] = table["fw_ms"]
     data = _profile(seqlen=[32, 64, 128], ops={"layer": table, "embedding": table, "output": table})
     cm = ProfileCostModel(TINY, data, 1)
-    at = cm.tables["layer"]["stored_mib"](np.ones(3), np.asarray([128.0, 256.0, 512.0]))
-    assert at[0] == pytest.approx(last_two[1])
-    assert np.all(np.diff(at) >= 0) and at[-1] <= max(last_two[1], 1e-12) * top_ratio + 1e-9, at
+    lengths = np.asarray([128.0, 256.0, 512.0])
+    at = cm.tables["layer"]["fw_ms"](np.ones(3), lengths)
+    assert at[0] == pytest.approx(max(last_two[1], 0.1))
+    assert np.all(np.diff(at) >= 0) and at[-1] <= max(last_two[1], 0.1) * top_ratio + 1e-9, at
     fw = _layer_fw(cm, [128, 512, 4096])
     assert np.all(np.diff(fw) >= 0), fw
+    # Memory never falls either, and never below the time's rule (a wrong-way parabola is not used).
+    memory = cm.tables["layer"]["stored_mib"](np.ones(3), lengths)
+    assert memory[0] == pytest.approx(last_two[1]) and np.all(np.diff(memory) >= 0), memory
+    assert np.all(memory >= last_two[1] * (lengths / 128) ** growth_power(*last_two, 64, 128) - 1e-12)
+
+
+@pytest.mark.parametrize("fixed, linear, square", [(0.0, 0.01, 0.0), (2.0, 0.01, 0.0), (0.3, 0.004, 5e-5),
+                                                   (-0.2, 0.0, 8e-5)])
+def test_memory_beyond_the_grid_is_exact_on_a_quadratic_in_the_length(fixed, linear, square):
+    # Activation memory is a quadratic in the length (linear tensors, attention's scores); a
+    # peak whose square term overtakes the rest has a negative fixed part on the grid's last
+    # points. A power law through the last two points prices 4x the longest length below it.
+    seq = np.asarray([64.0, 128.0, 256.0])
+
+    def mib(s):
+        return fixed + linear * s + square * s ** 2
+
+    table = {k: [[mib(s) * b for s in seq] for b in (1, 2)] for k in ("stored_mib", "peak_mib")}
+    table.update({k: [[0.5, 1.0, 2.0], [1.0, 2.0, 4.0]] for k in ("fw_ms", "bw_ms")})
+    data = _profile(seqlen=[int(s) for s in seq], ops={"layer": table, "embedding": table, "output": table})
+    cm = ProfileCostModel(TINY, data, 1)
+    lengths = np.asarray([300.0, 512.0, 1024.0, 4096.0])
+    for b in (1.0, 2.0):
+        for field in ("stored_mib", "peak_mib"):
+            got = cm.tables["layer"][field](np.full(4, b), lengths)
+            np.testing.assert_allclose(got, b * mib(lengths), rtol=1e-9)
+    two_point = mib(seq[-1]) * (4.0 ** growth_power(mib(seq[-2]), mib(seq[-1]), 128, 256))
+    if fixed or square:
+        assert two_point < 0.97 * mib(1024.0)  # what the power law alone would have planned
 
 
 def test_growth_power_is_kept_between_flat_and_quadratic():

@@ -4,8 +4,9 @@ The planner prices every candidate micro-batch of an iteration on every stage; a
 decoder layer alone is four fields times one (mbs, dec_seqlen) table per encoder length. The
 tables of one grid are evaluated in one pass (``ProfileTable`` with ``[K, mbs, seqlen]`` values); a
 stacked evaluation must follow the tables' rules (written out here row by row, independently
-of ``ProfileTable``: linear inside the grid, a power law beyond the longest length, more samples
-never cheaper, a time's growth by the last step's slope, memory's in proportion), give what
+of ``ProfileTable``: linear inside the grid; beyond the longest length a time's power law,
+memory's largest of that, a line and an upward parabola; more samples never cheaper, a time's
+growth by the last step's slope, memory's in proportion), give what
 each table gives alone (to the bit inside the measured lengths, to the last bits beyond them),
 and inside them exactly what ``np.interp`` row by row gives.
 """
@@ -37,21 +38,42 @@ def _queries(rng, mbs, seq, n=48):
     return b, s
 
 
-def _ref_along(grid, row, s):
-    """One row along the length: np.interp inside, the power law of its last two points above
-    (exponent within [0, 2])."""
+def _ref_power(grid, row, s):
+    """The power law of a row's last two points (exponent within [0, 2]) at ``s``."""
+    power = np.clip(np.log(max(row[-1], 1e-12) / max(row[-2], 1e-12)) / np.log(grid[-1] / grid[-2]), 0.0, 2.0)
+    return row[-1] * (np.maximum(s, grid[-1]) / grid[-1]) ** power
+
+
+def _ref_memory_tail(grid, row, s):
+    """Memory beyond the grid: the largest of the power law, the line through the last two
+    points and the parabola through the last three (Lagrange's form) where it opens upward."""
+    s = np.maximum(s, grid[-1])
+    line = row[-1] + (row[-1] - row[-2]) / (grid[-1] - grid[-2]) * (s - grid[-1])
+    out = np.maximum(_ref_power(grid, row, s), line)
+    if len(grid) > 2:
+        x, y = grid[-3:], row[-3:]
+        terms = [y[i] * np.prod([(s - x[j]) / (x[i] - x[j]) for j in range(3) if j != i], axis=0) for i in range(3)]
+        lead = sum(y[i] / np.prod([x[i] - x[j] for j in range(3) if j != i]) for i in range(3))
+        if lead > 0:
+            out = np.maximum(out, sum(terms))
+    return out
+
+
+def _ref_along(grid, row, s, memory=False):
+    """One row along the length: np.interp inside; above, a time's power law of its last two
+    points (exponent within [0, 2]), memory's :func:`_ref_memory_tail`."""
     inside = np.interp(s, grid, row)
     if len(grid) < 2:
         return inside
-    power = np.clip(np.log(max(row[-1], 1e-12) / max(row[-2], 1e-12)) / np.log(grid[-1] / grid[-2]), 0.0, 2.0)
-    return np.where(s > grid[-1], row[-1] * (np.maximum(s, grid[-1]) / grid[-1]) ** power, inside)
+    above = _ref_memory_tail(grid, row, s) if memory else _ref_power(grid, row, s)
+    return np.where(s > grid[-1], above, inside)
 
 
 def _reference(mbs, seq, values, timed, b, s):
     """The extrapolation rules of one (mbs, seqlen) table written out row by row, as the
     profile cost model's docstrings state them, independently of ``ProfileTable``."""
     b, s = np.broadcast_arrays(np.asarray(b, dtype=np.float64), np.asarray(s, dtype=np.float64))
-    rows = np.stack([_ref_along(seq, r, s) for r in values])
+    rows = np.stack([_ref_along(seq, r, s, memory=not timed) for r in values])
     rows = np.where(s > seq[-1], np.maximum.accumulate(rows, axis=0), rows)  # more samples never cost less
     if len(mbs) == 1:
         return rows[0] * b / mbs[0]
@@ -171,10 +193,13 @@ def _decoder_reference(mbs, dec, enc, values, timed, b, s_dec, s_enc):
     k = np.clip(np.searchsorted(enc, s_enc) - 1, 0, len(enc) - 2)
     v0, v1 = np.choose(k, at), np.choose(k + 1, at)
     inside = v0 + (v1 - v0) * np.clip((s_enc - enc[k]) / (enc[k + 1] - enc[k]), 0.0, 1.0)
-    top = [_reference(mbs, dec, values[:, :, j], timed, np.full_like(b, mbs[-1]), s_dec) for j in (-2, -1)]
-    power = np.clip(np.log(np.maximum(top[1], 1e-12) / np.maximum(top[0], 1e-12)) / np.log(enc[-1] / enc[-2]),
-                    0.0, 2.0)
-    return np.where(s_enc > enc[-1], at[-1] * (np.maximum(s_enc, enc[-1]) / enc[-1]) ** power, inside)
+    top = np.stack([_reference(mbs, dec, values[:, :, j], timed, np.full_like(b, mbs[-1]), s_dec)
+                    for j in range(len(enc))], axis=-1)
+    above = np.empty_like(inside)
+    for i in range(len(above)):  # point by point: the largest size's growth, applied to this size's value
+        grown = (_ref_power if timed else _ref_memory_tail)(enc, top[i], s_enc[i])
+        above[i] = at[-1][i] * grown / top[i][-1]
+    return np.where(s_enc > enc[-1], above, inside)
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -182,7 +182,7 @@ def load_t5_tables(profile: Mapping[str, Any]) -> dict:
         names = T5_AXES[op]
         present = FIELDS + ((WEIGHT_FIELD,) if op in SPLIT_OPS and WEIGHT_FIELD in profile["ops"][op] else ())
         values = np.stack([np.asarray(profile["ops"][op][f], dtype=np.float64) for f in present])
-        # Times and memory extrapolate differently beyond the largest mbs (see ProfileTable).
+        # Times and memory extrapolate differently beyond the grid (see ProfileTable).
         timed = np.array([f.endswith("_ms") for f in present])
         if op == "decoder_layer":
             table = DecoderTable(axes["mbs"], axes["dec_seqlen"], axes["seqlen"], values, timed)
