@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -39,11 +38,11 @@ from typing import Callable, Optional, Sequence
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
-
 from dynapipe.errors import DynaPipeError  # noqa: E402
 from dynapipe.argparsing import StrictArgumentParser  # noqa: E402
 from dynapipe.output_paths import check_output_dir  # noqa: E402
+from megatron_integration.gpu_check_report import checks, failed, loss_spread, markdown, summarise  # noqa: E402
+from megatron_integration.thd_packing import thd_packing_job  # noqa: E402
 
 LEVELS = ("none", "selective", "full")
 
@@ -77,14 +76,6 @@ GPU_SHAPE = CheckShape(
     # the shape) once per 4 samples; the planner cut 15 small micro-batches.
     profile_grid=("--mbs", "1,2,4,8,16,32", "--seqlens", "256,512,1024,2048,4096", "--repeats", "3"))
 
-#: Largest relative difference a run's per-iteration loss may have from the best padding run's
-#: (bf16; the first H200 run: 3.7e-5): the methods train the same samples from the same weights.
-LOSS_TOLERANCE = 1e-3
-#: Most a DynaPipe run's measured activation peak may exceed the plan's (measured / planned; the
-#: first H200 run: 0.87-1.02): beyond it the planner's memory limit does not protect the GPU.
-PEAK_TOLERANCE = 1.10
-
-
 def require_cuda() -> None:
     """Stop with one line when no CUDA device is usable."""
     import torch
@@ -92,162 +83,6 @@ def require_cuda() -> None:
     if not torch.cuda.is_available():
         raise DynaPipeError("gpu_check needs a CUDA GPU and torch.cuda.is_available() is False here; "
                             "run it on a GPU machine (the CPU paths are covered by the test suite).")
-
-
-def thd_micro_batch(samples: Sequence, pad_id: int = 0) -> dict:
-    """One packed sequence in THD layout: ``tokens``/``position_ids``/``labels``/``loss_mask``
-    ``[1, total]`` (positions restart at every sample) and ``cu_seqlens`` int32 ``[n + 1]``
-    (sample boundaries in tokens), ``max_seqlen`` (tokens), as ``PackedSeqParams`` takes them."""
-    from dynapipe.data.collate import TensorRequest, collate
-
-    lengths = [s.input_ids.shape[0] + s.target_ids.shape[0] for s in samples]
-    total = int(sum(lengths))
-    if not samples or total == 0:
-        raise DynaPipeError("a packed micro-batch needs at least one non-empty sample.")
-    names = (("tokens", "int64"), ("position_ids", "int64"), ("labels", "int64"), ("loss_mask", "float32"))
-    out = collate([list(samples)], [TensorRequest(n, (1, total), d) for n, d in names], total, pad_id=pad_id)
-    out["cu_seqlens"] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    out["max_seqlen"] = int(max(lengths))
-    return out
-
-
-def _thd_packing_job(argv: Sequence[str]) -> dict:
-    """Rank body: train ``argv``'s model with packed THD micro-batches (one process, one GPU)."""
-    import torch
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    from dynapipe.data.collate import loss_tokens as sample_loss_tokens
-    from dynapipe.runtime.activation_meter import cuda_memory_mib, measure_activations, reset_cuda_peaks
-    from megatron_integration.arguments import parse_training_args
-    from megatron_integration.batches import pack_rows
-    from megatron_integration.data import GlobalBatches
-    from megatron_integration.initialize import destroy, initialize_megatron
-    from megatron_integration.model import attach_training_hooks, build_stage, finalize_grads_func
-    from megatron_integration.optimizer import build_optimizer
-
-    cfg = parse_training_args(list(argv), 1)
-    info = initialize_megatron(cfg.parallel, cfg.seed)
-    try:
-        stage = build_stage(cfg, info)
-        optimizer, scheduler = build_optimizer(cfg, stage)
-        attach_training_hooks(stage, optimizer)
-        batches = GlobalBatches.create(cfg, 0, 0)
-        dev = info.device
-        losses, times, real, peaks = [], [], [], []
-        reset_cuda_peaks(dev)
-        for it in range(cfg.train_iters):
-            batch = batches.batch(it)
-            samples = batches.samples(batch)
-            lengths = batches.lengths(batch)
-            rows = pack_rows(lengths, cfg.model.seq_length)
-            total_loss_tokens = sum(sample_loss_tokens(s, False) for s in samples)
-            _sync(dev)
-            start = time.perf_counter()
-            stage.module.zero_grad_buffer()
-            optimizer.zero_grad()
-            loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
-            with measure_activations(stage.module, dev) as act:
-                for row in rows:
-                    mb = thd_micro_batch([samples[i] for i in row])
-                    cu = torch.from_numpy(mb["cu_seqlens"]).to(dev)
-                    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                          max_seqlen_q=mb["max_seqlen"], max_seqlen_kv=mb["max_seqlen"])
-                    t = {k: torch.from_numpy(mb[k]).to(dev) for k in ("tokens", "position_ids", "labels", "loss_mask")}
-                    out = stage.module(t["tokens"], t["position_ids"], None, labels=t["labels"], packed_seq_params=psp)
-                    loss = torch.sum(out.float() * t["loss_mask"])
-                    loss.backward()
-                    loss_sum += loss.detach()
-            # calculate_per_token_loss: finalize divides the gradients by the global loss tokens.
-            finalize_grads_func()([stage.module], torch.tensor(total_loss_tokens, device=dev))
-            ok, _, _ = optimizer.step()
-            if ok:
-                scheduler.step(increment=1)
-            _sync(dev)
-            times.append((time.perf_counter() - start) * 1e3)
-            losses.append(float(loss_sum) / total_loss_tokens)
-            real.append(int(lengths.sum()))
-            peaks.append(act["peak_mib"])
-        return {"method": "packing", "losses": losses, "iteration_ms": times, "real_tokens": real,
-                "activation_measured_mib": peaks, "activation_planned_mib": [None] * len(peaks),
-                "cuda_memory_mib": cuda_memory_mib(dev), "layer_spec": stage.spec_name, "pp_rank": 0}
-    finally:
-        destroy()
-
-
-def _sync(device) -> None:
-    """Wait for the device's queued work, so a host timer brackets it (no-op on CPU)."""
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def summarise(run: dict, warmup: int = 1) -> dict:
-    """Real tokens/s over the iterations after ``warmup``, losses, and the activation peaks (MiB)."""
-    keep = list(range(min(warmup, len(run["iteration_ms"]) - 1), len(run["iteration_ms"])))
-    ms = sum(run["iteration_ms"][i] for i in keep)
-    planned = [p for p in run["activation_planned_mib"] if p is not None]
-    memory = run.get("cuda_memory_mib") or {}
-    return {"real_tokens_per_s": sum(run["real_tokens"][i] for i in keep) / (ms / 1e3),
-            "iteration_ms": statistics.fmean(run["iteration_ms"][i] for i in keep),
-            "losses": run["losses"], "layer_spec": run.get("layer_spec", ""),
-            "activation_measured_mib": max(run["activation_measured_mib"]),
-            "activation_planned_mib": max(planned) if planned else None,
-            # The caching allocator's most reserved (MiB): what the GPU held, its cache included.
-            "max_reserved_mib": memory.get("max_reserved"), "max_allocated_mib": memory.get("max_allocated")}
-
-
-def best_of(results: dict, prefix: str) -> Optional[str]:
-    """The name of the fastest finished run whose name starts with ``prefix`` (the tuned
-    baseline), or None when none finished."""
-    done = [n for n, r in results.items() if n.startswith(prefix) and "error" not in r]
-    return max(done, key=lambda n: results[n]["real_tokens_per_s"]) if done else None
-
-
-def markdown(results: dict, loss_spread: Optional[float]) -> str:
-    """The short table the check writes: throughput and the ratios against the best padding and
-    the best packing run, then activation memory per level; failed phases last, with their error."""
-    best = {b: best_of(results, b) for b in ("padding", "packing")}
-    lines = ["| method | real tokens/s | vs best padding | vs best packing | iteration (ms) "
-             "| activation peak measured / planned (MiB) | allocator max allocated / max reserved (MiB) |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    failed = []
-    for name, r in results.items():
-        if "error" in r:
-            failed.append(f"- {name} failed: {r['error'].strip().splitlines()[-1]}")
-            continue
-        vs = [f"{r['real_tokens_per_s'] / results[b]['real_tokens_per_s']:.2f}x" if b else "-" for b in best.values()]
-        planned = "-" if r["activation_planned_mib"] is None else f"{r['activation_planned_mib']:.0f}"
-        ratio = ("" if r["activation_planned_mib"] is None
-                 else f" ({r['activation_measured_mib'] / r['activation_planned_mib']:.2f})")
-        held = ("-" if r.get("max_reserved_mib") is None
-                else f"{r['max_allocated_mib']:,.0f} / {r['max_reserved_mib']:,.0f}")
-        lines.append(f"| {name} | {r['real_tokens_per_s']:,.0f} | {vs[0]} | {vs[1]} | {r['iteration_ms']:.0f} | "
-                     f"{r['activation_measured_mib']:.0f} / {planned}{ratio} | {held} |")
-    lines.append("")
-    if loss_spread is not None:
-        lines.append(f"Largest relative difference of any method's per-iteration loss from "
-                     f"{best['padding']}'s: {loss_spread:.2e}.")
-    c = checks(results)
-    if not c["losses"]["ok"]:
-        failed.append(f"- check failed: losses differ by {loss_spread:.2e} (relative), over {LOSS_TOLERANCE:g}")
-    over = {k: v for k, v in c["activation_peak"]["measured_over_planned"].items() if v > PEAK_TOLERANCE}
-    failed += [f"- check failed: {k} measured {v:.2f}x its planned activation peak, over {PEAK_TOLERANCE:g}x"
-               for k, v in over.items()]
-    return "\n".join(lines + failed) + "\n"
-
-
-def loss_spread(results: dict) -> Optional[float]:
-    """Largest relative difference of a finished run's per-iteration loss from the best padding
-    run's (None without a finished padding run; infinite where a loss is NaN or infinite)."""
-    ref = best_of(results, "padding")
-    if ref is None:
-        return None
-    base = np.asarray(results[ref]["losses"], dtype=np.float64)
-    spreads = [np.abs(np.asarray(r["losses"], dtype=np.float64) - base) / np.abs(base)
-               for r in results.values() if "error" not in r]
-    # A NaN or infinite loss anywhere is no agreement (max() would keep a finite value over a NaN).
-    return max((float(np.max(d)) if np.all(np.isfinite(d)) else float("inf")) for d in spreads)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -306,27 +141,6 @@ def check_request(args) -> tuple[tuple[int, ...], tuple[str, ...]]:
         return mbs, GPU_SHAPE.profile_grid
     _positive_ints(args.profile_mbs, "--profile-mbs")
     return mbs, ("--mbs", args.profile_mbs) + GPU_SHAPE.profile_grid[2:]
-
-
-def failed(report: dict) -> bool:
-    """Whether any phase of ``report`` failed, the profile included, or a finished run broke one
-    of its :func:`checks`."""
-    return ("error" in report.get("profile", {}) or "error" in report.get("analytic_memory", {})
-            or any("error" in r for r in report["methods"].values())
-            or any(not c["ok"] for c in checks(report["methods"]).values()))
-
-
-def checks(results: dict) -> dict:
-    """What the finished runs of ``results`` must show: every run's losses within
-    :data:`LOSS_TOLERANCE` of the best padding run's (relative), and every DynaPipe run's
-    measured activation peak within :data:`PEAK_TOLERANCE` of its plan's (MiB over MiB)."""
-    spread = loss_spread(results)
-    peaks = {name: round(r["activation_measured_mib"] / r["activation_planned_mib"], 3)
-             for name, r in results.items() if "error" not in r and r.get("activation_planned_mib")}
-    return {"losses": {"max_relative_difference": spread, "limit": LOSS_TOLERANCE,
-                       "ok": spread is None or spread <= LOSS_TOLERANCE},
-            "activation_peak": {"measured_over_planned": peaks, "limit": PEAK_TOLERANCE,
-                                "ok": all(v <= PEAK_TOLERANCE for v in peaks.values())}}
 
 
 def _phase(results: dict, name: str, body: Callable[[], dict], save: Callable[[], None]) -> None:
@@ -413,7 +227,7 @@ def run(out_dir: str, timeout_s: float, shape: CheckShape = GPU_SHAPE) -> dict:
     phases += [(f"padding (mbs {m})", train(with_mbs(base, m) + ["--dynapipe-batching", "padding"]))
                for m in shape.baseline_mbs[:1]]
     if te:
-        phases.append(("packing (thd)", lambda: summarise(spawn(_thd_packing_job, 1, (base,), timeout_s=timeout_s)[0])))
+        phases.append(("packing (thd)", lambda: summarise(spawn(thd_packing_job, 1, (base,), timeout_s=timeout_s)[0])))
     else:
         phases += [(f"packing (masked rows, mbs {m})", train(with_mbs(base, m) + packing_flags))
                    for m in shape.baseline_mbs]

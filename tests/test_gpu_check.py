@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from dynapipe.data.samples import Sample
+from megatron_integration.gpu_check_report import best_of, checks, failed, loss_spread, markdown
+from megatron_integration.thd_packing import thd_micro_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -61,7 +63,7 @@ def _sample(n_in, n_tg, start):
 
 
 def test_thd_micro_batch_marks_sample_boundaries():
-    mb = gpu_check.thd_micro_batch([_sample(3, 2, 10), _sample(0, 4, 50)])
+    mb = thd_micro_batch([_sample(3, 2, 10), _sample(0, 4, 50)])
     assert mb["cu_seqlens"].tolist() == [0, 5, 9] and mb["cu_seqlens"].dtype == np.int32
     assert mb["max_seqlen"] == 5
     assert mb["tokens"].shape == (1, 9)
@@ -79,31 +81,31 @@ def test_report_table_and_loss_spread():
                "padding (mbs 1)": r(800.0, [2.0, 1.02], None),
                "padding (mbs 2)": r(1000.0, [2.0, 1.01], None), "packing (thd)": r(1500.0, [2.0, 1.0], None),
                "dynapipe (full)": {"error": "RankFailed: rank 0 ran out of memory\ntraceback ...\nlast line"}}
-    assert gpu_check.best_of(results, "padding") == "padding (mbs 2)"  # the tuned baseline
-    spread = gpu_check.loss_spread(results)
+    assert best_of(results, "padding") == "padding (mbs 2)"  # the tuned baseline
+    spread = loss_spread(results)
     assert spread == pytest.approx(0.01 / 1.01)  # against the best padding run; the failed phase skipped
-    table = gpu_check.markdown(results, spread)
+    table = markdown(results, spread)
     # The allocator's maxima where the run recorded them (GPUs), "-" where not.
     assert "| dynapipe (none) | 3,000 | 3.00x | 2.00x | 100 | 900 / 1000 (0.90) | 5,120 / 6,200 |" in table
     assert "| padding (mbs 2) | 1,000 | 1.00x | 0.67x | 100 | 900 / - | - |" in table
     assert "| padding (mbs 1) | 800 | 0.80x | 0.53x | 100 | 900 / - | - |" in table
     assert "- dynapipe (full) failed: last line" in table and "padding (mbs 2)'s: 9.90e-03" in table
-    assert gpu_check.loss_spread({"packing (thd)": results["packing (thd)"]}) is None
+    assert loss_spread({"packing (thd)": results["packing (thd)"]}) is None
     # A loss 1% off the best padding run's fails the check, as a peak 10% over the plan's would.
-    verdict = gpu_check.checks(results)
+    verdict = checks(results)
     assert not verdict["losses"]["ok"] and verdict["activation_peak"]["ok"]
     assert verdict["activation_peak"]["measured_over_planned"] == {"dynapipe (none)": 0.9}
-    assert gpu_check.failed({"methods": {k: v for k, v in results.items() if "error" not in v}})
+    assert failed({"methods": {k: v for k, v in results.items() if "error" not in v}})
     assert "- check failed: losses differ by 9.90e-03 (relative), over 0.001" in table
     close = {k: {**v, "losses": [2.0, 1.0]} for k, v in results.items() if "error" not in v}
-    assert not gpu_check.failed({"methods": close})
+    assert not failed({"methods": close})
     close["dynapipe (none)"]["activation_measured_mib"] = 1200.0
-    assert gpu_check.failed({"methods": close})
+    assert failed({"methods": close})
     # A NaN in a later run is no agreement (Python's max would have kept the finite spread before it).
     late_nan = {k: {**v, "activation_measured_mib": 900.0} for k, v in close.items()}
     late_nan["dynapipe (none)"]["losses"] = [2.0, float("nan")]
-    assert gpu_check.loss_spread(late_nan) == float("inf") and gpu_check.failed({"methods": late_nan})
-    assert "dynapipe (none) measured 1.20x its planned activation peak" in gpu_check.markdown(close, 0.0)
+    assert loss_spread(late_nan) == float("inf") and failed({"methods": late_nan})
+    assert "dynapipe (none) measured 1.20x its planned activation peak" in markdown(close, 0.0)
     assert gpu_check.device_config("NVIDIA H200", 143771) == "h200"
     assert gpu_check.device_config("NVIDIA A100-SXM4-40GB", 40960) == "a100-40gb"
     # A GPU no shipped config describes is named by none: a named one would make every DynaPipe
@@ -136,7 +138,7 @@ def test_the_whole_check_runs_at_a_tiny_shape_on_cpu(tmp_path):
     # The distributed optimizer is GPU-only: refused here, recorded, and the check went on.
     assert "--use-distributed-optimizer needs GPUs" in methods.pop("dynapipe (none, distributed optimizer)")["error"]
     assert all("error" not in r for r in methods.values()), methods
-    assert not gpu_check.failed({"profile": report["profile"], "methods": methods})
+    assert not failed({"profile": report["profile"], "methods": methods})
     assert report["cost_model"].endswith("profile.json") and report["packing_path"] == "masked rows"
     # The analytic model's stored memory of a layer against the profile's, at every grid point:
     # dropout 0 and rotary positions in fp32 local layers, counted within 10% (the rotary
@@ -168,7 +170,7 @@ def test_a_failed_profile_leaves_the_dynapipe_runs_to_the_analytic_model(tmp_pat
         "activation_measured_mib": [1.0, 1.0], "activation_planned_mib": [None, None]}])
     report = gpu_check.run(str(tmp_path), 10, TINY)
     assert "profiling failed" in report["profile"]["error"] and report["cost_model"] == "analytic"
-    assert gpu_check.failed(report) and "analytic cost model" in (tmp_path / "gpu_check.md").read_text()
+    assert failed(report) and "analytic cost model" in (tmp_path / "gpu_check.md").read_text()
     planned = [a for a in seen if "--use-dynapipe" in a]
     assert len(planned) == 5 and all(a[a.index("--dynapipe-cost-model") + 1] == "analytic" for a in planned)
     # The baselines ran at each of the micro-batch sizes asked for.
