@@ -9,7 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from dynapipe.advise import Layout, advise, default_tp_sizes, enumerate_layouts, sample_batches
+from dynapipe.advise import Layout, advise, enumerate_layouts, sample_batches
+from dynapipe.layouts import default_tp_sizes
 from dynapipe.cli import main
 from dynapipe.config import TensorParallelConfig, load_cluster_config, load_device_config, load_model_config
 from dynapipe.cost import build_cost_model

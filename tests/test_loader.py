@@ -335,7 +335,7 @@ def test_a_failure_reported_elsewhere_stops_the_wait_for_a_plan(monkeypatch):
     # run id two ranks would agree on through torch.distributed, stood in for.)
     from dynapipe.runtime import loader as loader_module
 
-    monkeypatch.setattr(loader_module, "_run_id", lambda layout, namespace: "watch-test-run")
+    monkeypatch.setattr(loader_module, "agreed_run_id", lambda layout, namespace: "watch-test-run")
     cfg = LoaderConfig(global_batch_size=GBS, seed=SEED, plan_timeout_s=30, connect_timeout_s=10)
     dl = DynaPipeDataLoader(cfg, None, planner_settings(stages=2), RankLayout(1, 2, 0, 1, 1, 2, 1, 2), store=store)
     dl.failure_watch = lambda: channel.failure_of_another(1)

@@ -28,6 +28,7 @@ from dynapipe.batching.types import MicroBatch
 from dynapipe.config import ModelConfig
 from dynapipe.cost.base import StageLayout
 from dynapipe.errors import DynaPipeError, whole_number
+from dynapipe.plan.compile_checks import check_micro_batches, check_sequence_shards, tensor_parallel_layout
 from dynapipe.plan.instructions import (BackwardPass, ExecutionPlan, ForwardPass, FreeBuffer, LoadInput,
                                         MicroBatchInfo, RecvActivationFinish, RecvActivationStart, RecvGradFinish,
                                         RecvGradStart, SendActivationFinish, SendActivationStart, SendGradFinish,
@@ -52,7 +53,6 @@ def compile_chunked_plans(schedule: Schedule, micro_batches: Sequence[MicroBatch
     (:meth:`~dynapipe.cost.placement.StagePlacement.virtual_layouts`). ``tp`` /
     ``sequence_parallel``: as for :func:`~dynapipe.plan.compile.compile_plans` (recorded in
     ``meta``; under sequence parallelism messages are sequence shards)."""
-    from dynapipe.plan.compile import check_micro_batches, check_sequence_shards, tensor_parallel_layout
     from dynapipe.plan.specs import input_specs, message_specs
 
     shards, tp_meta = tensor_parallel_layout("compile_chunked_plans", tp, sequence_parallel)

@@ -18,8 +18,6 @@ the job's TCPStore ends with the job).
 """
 from __future__ import annotations
 
-import itertools
-import secrets
 import sys
 import threading
 import time
@@ -33,6 +31,7 @@ from dynapipe.errors import DynaPipeError, iteration_name
 from dynapipe.runtime.kv_store import KVStore, KVStoreSpec, TorchStoreKV, delete_blob, job_tcp_store, \
     tcp_store_address
 from dynapipe.runtime.loader_config import LoaderConfig, RankLayout
+from dynapipe.runtime.loader_store import agreed_run_id, default_store_for_single_process
 from dynapipe.runtime.plan_fetcher import IterationData, IterationMeta, PayloadFetcher
 from dynapipe.runtime.plan_source import PlannerSettings, check_planner_settings
 from dynapipe.runtime.p2p import RemoteFailure
@@ -40,10 +39,8 @@ from dynapipe.runtime.planner_workers import (Keyspace, PlannerPool, PlannerWork
                                               watch_workers)
 from dynapipe.runtime.store_watch import RestartWatcher
 
-__all__ = ["DynaPipeDataLoader", "LoaderConfig", "RankLayout", "IterationData", "IterationMeta"]
-
-
-_loaders_created = itertools.count()
+__all__ = ["DynaPipeDataLoader", "LoaderConfig", "RankLayout", "IterationData", "IterationMeta",
+           "default_store_for_single_process"]
 
 
 def _weakly(method):
@@ -56,32 +53,6 @@ def _weakly(method):
         if bound is not None:
             bound(*args, **kwargs)
     return call
-
-
-def _run_id(layout: RankLayout, namespace: str) -> str:
-    """A run id every rank agrees on, via the job's torch.distributed store.
-
-    Every rank numbers the loaders it creates; ranks create them in the same order, so
-    the n-th loader of every rank meets at the same key, even while a slower rank still
-    reads the key of the loader before.
-    """
-    import torch.distributed as dist
-
-    generation = next(_loaders_created)
-    if layout.world_size == 1:
-        return secrets.token_hex(6)
-    if not dist.is_initialized():
-        raise DynaPipeError(f"a loader for {layout.world_size} ranks needs torch.distributed initialised first.")
-    store = job_tcp_store()
-    key = f"{namespace}/run-id/{generation}"
-    if layout.rank == 0:
-        store.set(key, secrets.token_hex(6))
-    store.wait([key])
-    rid = bytes(store.get(key)).decode()
-    if store.add(key + "/acks", 1) == layout.world_size:
-        store.delete_key(key)
-        store.delete_key(key + "/acks")
-    return rid
 
 
 # How often a rank waiting for its plan asks ``failure_watch`` (s): a store round trip each.
@@ -137,7 +108,7 @@ class DynaPipeDataLoader:
         self.is_planner = layout.local_rank == 0 and layout.node < self._planner_nodes
 
         self._kv, spec = self._connect(store)
-        self.keys = Keyspace(f"{config.namespace}/{_run_id(layout, config.namespace)}")
+        self.keys = Keyspace(f"{config.namespace}/{agreed_run_id(layout, config.namespace)}")
         if self.is_planner:
             try:
                 self._start_workers(dataset, spec)
@@ -386,19 +357,3 @@ class DynaPipeDataLoader:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def default_store_for_single_process(port: int = 0):
-    """A TCPStore served by this process, for running the loader without torch.distributed."""
-    import datetime
-    import socket
-
-    from torch.distributed import TCPStore
-
-    if port == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    return TCPStore("127.0.0.1", port, world_size=1, is_master=True, wait_for_workers=False,
-                    timeout=datetime.timedelta(seconds=60))
-
