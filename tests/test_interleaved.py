@@ -348,6 +348,11 @@ def test_validator_catches_broken_interleaved_plans():
     insts[0] = dataclasses.replace(insts[0], chunk=5)
     with pytest.raises(PlanError, match="chunk 5"):
         validate_plans([dataclasses.replace(q, instructions=tuple(insts)), plans[1]])
+    # Each chunk's passes run at its own level (meta chunk_recompute), not the rank's first chunk's.
+    assert q.meta["chunk_recompute"] == [q.recompute] * 2
+    mixed = dataclasses.replace(q, meta={**q.meta, "chunk_recompute": [q.recompute, "full"]})
+    with pytest.raises(PlanError, match=r"chunk 1's level \(meta chunk_recompute\) 'full'"):
+        validate_plans([mixed, plans[1]])
 
 
 def test_executor_checks_interleaved_plans_locally():

@@ -320,6 +320,10 @@ def _first_mb(plans, **fields):
     (lambda ps: _every(ps, mb_order=[99, -1]), r"mb_order=\[99, -1\] is not an order of the plan's 2 micro-batches"),
     (lambda ps: [dataclasses.replace(p, iteration=-1) for p in ps], r"iteration=-1 is not a whole number from 0"),
     (lambda ps: [dataclasses.replace(p, recompute="bogus") for p in ps], r"recompute='bogus' is not one of"),
+    # The plan says full while its passes store everything: memory the plan did not price.
+    (lambda ps: [dataclasses.replace(ps[0], recompute="full")] + ps[1:],
+     r"rank 0 instruction \d+ \(fw micro-batch 0\): recompute level 'none' differs from the plan's recompute "
+     r"level 'full'"),
     (lambda ps: _first_mb(ps, samples=(-5, 1)), r"micro-batch 0 has samples \[-5, 1\]; samples are indices"),
     (lambda ps: _first_mb(ps, samples=(0, 1, 5)), r"micro-batch 0 has 2 row\(s\) but 3 samples"),
 ])

@@ -99,6 +99,15 @@ def _check_compute_fields(plan: ExecutionPlan, k: int, inst, info) -> None:
                             f"dec_seqlen={info.dec_seqlen}.")
     if inst.recompute not in ("none", "selective", "full"):
         fail(plan, k, inst, f"recompute level {inst.recompute!r} is not none, selective or full.")
+    # The rank's (chunk's) level is what the plan promises and what its memory was planned at;
+    # a pass at another level would store, or recompute, what the plan did not price.
+    levels = (plan.meta or {}).get("chunk_recompute")
+    want = levels[inst.chunk] if isinstance(levels, list) and 0 <= inst.chunk < len(levels) else plan.recompute
+    if inst.recompute != want:
+        where = f"chunk {inst.chunk}'s level (meta chunk_recompute)" if isinstance(levels, list) else \
+            "the plan's recompute level"
+        fail(plan, k, inst, f"recompute level {inst.recompute!r} differs from {where} {want!r}; every forward and "
+                            f"backward of a rank runs at its level.")
 
 
 def _check_forward(life: _Lifetimes, k: int, inst, key: tuple, s: int, S: int) -> None:

@@ -34,7 +34,6 @@ _STARTS = {"send_act_start": "send_act_finish", "recv_act_start": "recv_act_fini
 _BUF_OF = {"send_act_start": "act_out", "send_act_finish": "act_out", "recv_act_start": "act_in",
            "recv_act_finish": "act_in", "send_grad_start": "grad_out", "send_grad_finish": "grad_out",
            "recv_grad_start": "grad_in", "recv_grad_finish": "grad_in"}
-_LEVELS = ("none", "selective", "full")
 
 
 def _slots(s: int, S: int, loads: bool, split: bool) -> list[tuple[str, str, int]]:
@@ -124,7 +123,8 @@ def _rank(plan: ExecutionPlan, canon: dict):
         if not ((rows[:, COL["mbs"]] == info[:, 1]).all() and (rows[:, COL["seqlen"]] == info[:, 2]).all()
                 and (rows[:, COL["dec_seqlen"]] == info[:, 3]).all()):
             return None
-        if any(strings[v] not in _LEVELS for v in set(rows[:, COL["recompute"]].tolist())):
+        # Every pass at the rank's level (the slow path names one that is not).
+        if any(strings[v] != plan.recompute for v in set(rows[:, COL["recompute"]].tolist())):
             return None
     if M and any(strings[v] != ("input" if split else "full") for v in set(r[B][:, COL["part"]].tolist())):
         return None
