@@ -275,15 +275,22 @@ def test_file_token_ids_are_checked_against_the_tokenizers_vocabulary_not_the_pa
     from megatron_integration.arguments import parse_training_args
     from megatron_integration.data import dataset_config
 
-    prefix = write_indexed(tmp_path / "data", [[5, 6, 7], [8, 499]])
+    prefix = write_indexed(tmp_path / "data", [[5, 6, 7], [8, 499], [905, 3]])
     argv = (f"--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --micro-batch-size 2 "
             f"--global-batch-size 2 --lr 1e-3 --train-iters 1 --tokenizer-type NullTokenizer --vocab-size 450 "
             f"--data-path {prefix} --split 100,0,0").split()
     cfg = parse_training_args(argv, 1, cuda=False)
     assert (cfg.model.unpadded_vocab_size, cfg.model.vocab_size) == (451, 512)
+    # The size suggested is the whole data's largest id + 1, not the first bad id's (a user
+    # following that advice met the next bad id, and a new size, on every retry).
     with pytest.raises(DynaPipeError, match=r"sequence 1, token 1 has id 499, outside the vocabulary \[0, 451\).*"
-                                            r"--vocab-size of at least 500"):
+                                            r"its largest id is 905.*--vocab-size of at least 906"):
         dataset_config(cfg).build()
+    from dynapipe.data.config import DatasetConfig
+
+    other = write_indexed(tmp_path / "other", [[1, 1200]])
+    with pytest.raises(DynaPipeError, match=r"has id 499.*its largest id is 1200.*--vocab-size of at least 1201"):
+        DatasetConfig(kind="indexed", seq_length=64, paths=(prefix, other), vocab_size=451).build()
     # Mock data draws its ids below the padded size, as it always has.
     mock = parse_training_args([a for a in argv if a not in (f"{prefix}", "--data-path")] + ["--mock-data"], 1,
                                cuda=False)

@@ -145,23 +145,34 @@ def _check_index(prefix: str, handle) -> None:
 _CHECK_CHUNK = 1 << 24
 
 
+def _token_chunks(prefix: str, handle, mmap: bool):
+    """``(start, ids)`` over the ``.bin`` of the dataset at ``prefix`` in chunks of
+    :data:`_CHECK_CHUNK` tokens (plain reads when ``mmap`` is False); nothing for no tokens."""
+    dtype = np.dtype(handle.index.dtype)
+    total = int(np.asarray(handle.index.sequence_lengths, dtype=np.int64).sum())
+    if total == 0:
+        return
+    data = np.memmap(prefix + ".bin", dtype=dtype, mode="r", shape=(total,)) if mmap else None
+    for start in range(0, total, _CHECK_CHUNK):
+        if data is not None:
+            yield start, data[start:start + _CHECK_CHUNK]
+        else:
+            yield start, np.fromfile(prefix + ".bin", dtype=dtype, count=min(_CHECK_CHUNK, total - start),
+                                     offset=start * dtype.itemsize)
+
+
+def largest_token(prefix: str, handle, mmap: bool = True) -> int:
+    """The largest token id in the dataset at ``prefix`` (-1 without tokens)."""
+    return max((int(chunk.max()) for _, chunk in _token_chunks(prefix, handle, mmap)), default=-1)
+
+
 def first_bad_token(prefix: str, handle, vocab_size: int, mmap: bool = True) -> Optional[tuple[int, int, int]]:
     """(sequence index, position in it, id) of the first token id outside ``[0, vocab_size)``
     in the dataset at ``prefix``, or None. Vectorised over the ``.bin`` in chunks (read with
     plain reads when ``mmap`` is False)."""
     index = handle.index
     dtype = np.dtype(index.dtype)
-    lengths = np.asarray(index.sequence_lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    if total == 0:
-        return None
-    data = np.memmap(prefix + ".bin", dtype=dtype, mode="r", shape=(total,)) if mmap else None
-    for start in range(0, total, _CHECK_CHUNK):
-        if data is not None:
-            chunk = data[start:start + _CHECK_CHUNK]
-        else:
-            chunk = np.fromfile(prefix + ".bin", dtype=dtype, count=min(_CHECK_CHUNK, total - start),
-                                offset=start * dtype.itemsize)
+    for start, chunk in _token_chunks(prefix, handle, mmap):
         if int(chunk.min()) >= 0 and int(chunk.max()) < vocab_size:
             continue
         pos = start + int(np.flatnonzero((chunk < 0) | (chunk >= vocab_size))[0])
@@ -276,11 +287,15 @@ class MegatronIndexedDataset(SampleDataset):
                                         f"not written as token ids of its .idx's dtype; rebuild it.")
                 # The model's vocabulary is the tokenizer's where one is given (--vocab-size is then
                 # refused), so the fix is the tokenizer the data was built with, not a bigger size.
+                # The size to suggest is the whole data's largest id + 1: the first bad id's would
+                # only move the error to the next one.
+                largest = max(largest_token(p, self._handle(p), self.mmap)
+                              for p in self.prefixes + self.target_prefixes)
                 raise DynaPipeError(f"{where}, outside the vocabulary [0, {vocab_size}) (the tokenizer's, or "
-                                    f"--vocab-size without one): the data was tokenised with a larger vocabulary; "
-                                    f"give the tokenizer it was built with (--tokenizer-type and its files; "
-                                    f"without one, --vocab-size of at least {token + 1}), or rebuild it with the "
-                                    f"model's.")
+                                    f"--vocab-size without one): the data was tokenised with a larger vocabulary "
+                                    f"(its largest id is {largest}); give the tokenizer it was built with "
+                                    f"(--tokenizer-type and its files; without one, --vocab-size of at least "
+                                    f"{largest + 1}), or rebuild it with the model's.")
 
     def __getstate__(self):
         state = dict(self.__dict__)
