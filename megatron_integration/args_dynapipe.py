@@ -90,7 +90,9 @@ def add_dynapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         "a varlen kernel such as Transformer Engine's THD format does; the planner prices each "
                         "micro-batch at that attention; the same loss)")
     g.add_argument("--dynapipe-overlong", default="truncate", choices=("truncate", "reject"),
-                   help="samples longer than --seq-length: truncate (counted, logged) or reject")
+                   help="samples longer than --seq-length: truncate (instruction samples truncated, counted and "
+                        "logged; pretraining documents cut into --seq-length pieces, as Megatron's GPTDataset "
+                        "does) or reject")
     g.add_argument("--dynapipe-mixture", default=None,
                    help="mixture YAML for --mock-data (default configs/data/flan-mixture.yaml)")
     g.add_argument("--dynapipe-mock-samples", type=int, default=MOCK_SAMPLES_DEFAULT,

@@ -109,8 +109,10 @@ def data_summary_lines(cfg: DynaPipeTrainingConfig, config_of=None) -> list[str]
             continue
         try:
             dataset = config.open()
-        except EmptySplitError:
-            lines.append(f" > {split} data: empty (no document falls in its --split range)")
+        except EmptySplitError as e:
+            why = (f"its {e.empty_documents:,} document(s) are all empty, skipped" if e.empty_documents
+                   else "no document falls in its --split range")
+            lines.append(f" > {split} data: empty ({why})")
             continue
         # Span-corrupted T5 samples are not documents cut into pieces: they say what they are.
         line_of = getattr(dataset, "summary_line", None)

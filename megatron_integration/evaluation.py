@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Optional, TextIO
 
+import numpy as np
 import torch
 
 from dynapipe.data.samples import SampleDataset
@@ -45,6 +46,14 @@ from megatron_integration.training_limits import empty_unused_memory
 from megatron_integration.run_report import write_line
 
 SPLIT_NAMES = {"valid": "validation set", "test": "test set"}
+
+
+def _fix(error: EmptySplitError, split: str) -> str:
+    """What fills an empty ``split``: other data where its documents are all empty (a larger
+    share would only hold more of them, or none), else a larger share of ``--split``."""
+    if error.empty_documents:
+        return f"drop the empty documents from the data or give --{split}-data-path"
+    return f"raise the {SPLIT_NAMES[split].split()[0]} share of --split or give --{split}-data-path"
 
 
 @dataclass
@@ -123,26 +132,39 @@ class Evaluator:
                 continue
             try:
                 dataset = config.build()
-            except EmptySplitError:
+            except EmptySplitError as e:
                 if split == "valid" and cfg.evaluation.eval_interval is not None:
                     # Asked for, so not skipped unsaid (every rank sees the same data and raises).
                     raise DynaPipeError(f"--eval-interval {cfg.evaluation.eval_interval}: the validation split "
-                                        f"holds no document (its --split share of the data rounds to none); "
-                                        f"raise the validation share of --split, give --valid-data-path, or "
-                                        f"drop --eval-interval.") from None
-                empty.append(split)
+                                        f"holds no document ({e.reason()}); {_fix(e, 'valid')}, or drop "
+                                        f"--eval-interval.") from None
+                empty.append((split, e))
                 continue
+            if not dataset.loss_tokens(np.arange(len(dataset))):
+                # Every evaluation of it would stop the run, after all the training before it.
+                flag = (f"--eval-interval {cfg.evaluation.eval_interval}" if split == "valid"
+                        and cfg.evaluation.eval_interval is not None else f"--eval-iters {cfg.evaluation.eval_iters}")
+                raise DynaPipeError(f"{flag}: the {SPLIT_NAMES[split]}'s {len(dataset):,} sample(s) hold no loss "
+                                    f"tokens (documents of one token, such as an end-of-document token alone, have "
+                                    f"no next token to predict), so its loss could not be averaged; drop such "
+                                    f"documents from the data, raise that share of --split, or give "
+                                    f"--{split}-data-path.")
             self.datasets[split] = dataset
             self.samplers[split] = GlobalBatchSampler(
                 dataset.sample_tokens(), eval_sampler_config(cfg, config))
         e = cfg.evaluation
         if empty and not self.datasets and e.eval_iters_given:
             # Typed, so not dropped unsaid (every rank sees the same data and raises).
-            names = " and ".join(SPLIT_NAMES[x].split()[0] for x in empty)
-            hold, share = (("splits hold", "their --split shares of the data round") if len(empty) > 1
-                           else ("split holds", "its --split share of the data rounds"))
-            raise DynaPipeError(f"--eval-iters {e.eval_iters}: the {names} {hold} no document ({share} to none), "
-                                f"so nothing would be evaluated; raise that share of --split, give "
+            if any(err.empty_documents for _, err in empty):
+                why = "; ".join(f"the {SPLIT_NAMES[x].split()[0]} split holds no document ({err.reason()})"
+                                for x, err in empty)
+                fixes = "drop the empty documents from the data, raise the other shares of --split"
+            else:
+                names = " and ".join(SPLIT_NAMES[x].split()[0] for x, _ in empty)
+                why = (f"the {names} splits hold no document (their --split shares of the data round to none)"
+                       if len(empty) > 1 else f"the {names} split holds no document ({empty[0][1].reason()})")
+                fixes = "raise that share of --split"
+            raise DynaPipeError(f"--eval-iters {e.eval_iters}: {why}, so nothing would be evaluated; {fixes}, give "
                                 f"--valid-data-path or --test-data-path, or drop --eval-iters.")
         method = "padding" if cfg.method == "dynapipe" else cfg.method
         self.batch_fn = batch_fn or (lambda samples, lengths, k, dataset: megatron_eval_batch(

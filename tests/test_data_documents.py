@@ -135,7 +135,10 @@ def test_default_split_is_megatrons_and_splits_are_disjoint(corpora):
     assert _tokens_at(batches.dataset, idx) <= set(range(969)) and batches.lengths(batches.batch(0)).max() <= SEQ
     # Asked to reject over-long samples, long documents are refused rather than cut.
     cfg = parse_training_args(f"{BASE} --data-path {corpora['A']} --dynapipe-overlong reject".split(), 1, cuda=False)
-    with pytest.raises(DynaPipeError, match="more than --seq-length 64"):
+    # Named as a document (it has no input or target), with the default that cuts it as the fix.
+    with pytest.raises(DynaPipeError, match=r"sequence \d+ is a document of \d+ tokens, more than --seq-length 64 .*"
+                                            r"cut into --seq-length pieces .*--dynapipe-overlong truncate, the "
+                                            r"default\)"):
         dataset_config(cfg).build()
 
 
@@ -329,6 +332,30 @@ def test_an_asked_for_validation_on_an_empty_validation_split_is_refused(corpora
     with pytest.raises(DynaPipeError, match="--eval-iters 5: the validation and test splits hold no document "
                                             "\\(their --split shares of the data round to none\\)"):
         Evaluator(parse_training_args(argv + ["--eval-iters", "5"], 1, cuda=False), None, None)
+
+
+@pytest.mark.parametrize("tail, summary, error", [
+    # The last five of 50 documents empty: --split 90,8,2 gives the validation split four of
+    # them. Not a share that rounds to none: a larger share would not help.
+    (0, "valid data: empty (its 4 document(s) are all empty, skipped)",
+     r"--eval-interval 1: the validation split holds no document \(its 4 document\(s\) are all empty \(0 tokens, "
+     r"skipped\)\); drop the empty documents from the data or give --valid-data-path"),
+    # One token each: samples without a next token to predict. Refused before the first
+    # iteration, not at the first evaluation after training up to it.
+    (1, "valid data: 4 documents",
+     r"--eval-interval 1: the validation set's 4 sample\(s\) hold no loss tokens"),
+])
+def test_a_validation_split_that_cannot_be_evaluated_is_refused_at_start_up(tmp_path, tail, summary, error):
+    from megatron_integration.data import data_summary_lines
+    from megatron_integration.evaluation import Evaluator
+
+    prefix = str(tmp_path / "tail")
+    write_indexed_dataset(prefix, [np.arange(2, 40) for _ in range(45)] + [np.full(tail, 7)] * 5)
+    cfg = parse_training_args(f"{BASE} --data-path {prefix} --split 90,8,2 --eval-iters 1 --eval-interval 1".split(),
+                              1, cuda=False)
+    assert any(summary in line for line in data_summary_lines(cfg)), data_summary_lines(cfg)
+    with pytest.raises(DynaPipeError, match=error):
+        Evaluator(cfg, None, None)
 
 
 def test_long_jsonl_text_documents_are_cut_into_pieces_like_indexed_ones(tmp_path):

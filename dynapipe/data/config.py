@@ -104,17 +104,19 @@ class DatasetConfig:
                 raise DynaPipeError(f"{len(self.weights)} blend weights for {len(self.paths)} {self.kind} paths; "
                                     f"give one weight per data path.")
             targets = self.target_paths or (None,) * len(self.paths)
-            parts, weights = [], []
+            parts, weights, empty = [], [], 0
             for p, t, w in zip(self.paths, targets, self.weights):
                 try:
                     parts.append(replace(self, paths=(p,), target_paths=(t,) if t else (), weights=())._open())
-                except EmptySplitError:
+                except EmptySplitError as e:
                     if self.split_name == "train":
                         raise
+                    empty += e.empty_documents
                     continue  # too small to give this split a document: the other paths carry it
                 weights.append(w)
             if not parts:
-                raise EmptySplitError(f"no path of the blend has a document in the {self.split_name} split.")
+                raise EmptySplitError(f"no path of the blend has a document in the {self.split_name} split.",
+                                      empty_documents=empty)
             return BlendedSampleDataset(parts, weights, self.seed, self.blend_samples, self.blend_tokens)
         if self.kind == "synthetic":
             from dynapipe.data.mixture_dataset import MixtureDataset

@@ -257,7 +257,8 @@ class MegatronIndexedDataset(SampleDataset):
         if doc_tasks.shape[0] == 0:
             empty = f" ({self.num_empty_documents:,} empty)" if self.num_empty_documents else ""
             raise EmptySplitError(f"indexed dataset(s) {self.prefixes} hold no sequences{empty}"
-                                  + ("" if split_range == WHOLE else f" in the --split range {split_range}") + ".")
+                                  + ("" if split_range == WHOLE else f" in the --split range {split_range}") + ".",
+                                  empty_documents=self.num_empty_documents)
         self.num_documents = int(doc_tasks.shape[0])
         self.document_tokens = int(raw_in.sum() + raw_tg.sum())
         if self.target_prefixes or not split_documents:

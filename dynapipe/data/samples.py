@@ -90,6 +90,14 @@ def clip_lengths(raw_input: np.ndarray, raw_target: np.ndarray, limits: LengthLi
                     f"{raw_target[i]}), more than --seq-length {limits.seq_length}")
         raise_flags = "--encoder-seq-length / --decoder-seq-length" if encoder_decoder else "--seq-length"
         where = source(i) if callable(source) else f"{source}: sample {i}"
+        if not encoder_decoder and raw_input[i] == 0:
+            # A pretraining document has no input or target, and the default does not truncate it:
+            # it cuts it into pieces that keep every next-token prediction.
+            raise DynaPipeError(
+                f"{where} is a document of {raw_target[i]} tokens, more than --seq-length {limits.seq_length} "
+                f"({int(truncated.sum())} over-long sample(s) in all). Raise --seq-length, filter the data, or "
+                f"let long documents be cut into --seq-length pieces as Megatron's GPTDataset does "
+                f"(overlong='truncate', --dynapipe-overlong truncate, the default).")
         raise DynaPipeError(
             f"{where} has {what} ({int(truncated.sum())} over-long sample(s) in all). "
             f"Raise {raise_flags}, filter the data, or truncate over-long samples "

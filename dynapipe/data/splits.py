@@ -26,7 +26,20 @@ WHOLE = (0.0, 1.0)
 
 
 class EmptySplitError(DynaPipeError):
-    """A split (or the part of a blend path in it) holds no document."""
+    """A split (or the part of a blend path in it) holds no document. ``empty_documents``: the
+    documents its range did hold, every one of them empty (0 tokens) and so skipped: then a
+    larger share of ``--split`` is not what the data needs."""
+
+    def __init__(self, message: str, empty_documents: int = 0):
+        super().__init__(message)
+        self.empty_documents = int(empty_documents)
+
+    def reason(self, flag: str = "--split") -> str:
+        """Why the split is empty, for a message: ``its N document(s), all empty (skipped)`` or
+        ``its {flag} share of the data rounds to none``."""
+        if self.empty_documents:
+            return f"its {self.empty_documents:,} document(s) are all empty (0 tokens, skipped)"
+        return f"its {flag} share of the data rounds to none"
 
 
 def parse_split(text: str) -> list[float]:
