@@ -61,7 +61,7 @@ def test_extrapolation_beyond_the_grid_grows_at_most_quadratically_and_never_fal
 
 @pytest.mark.parametrize("fixed, linear, square", [(0.0, 0.01, 0.0), (2.0, 0.01, 0.0), (0.3, 0.004, 5e-5),
                                                    (-0.2, 0.0, 8e-5)])
-def test_memory_beyond_the_grid_is_exact_on_a_quadratic_in_the_length(fixed, linear, square):
+def test_memory_and_times_beyond_the_grid_are_exact_on_a_quadratic_in_the_length(fixed, linear, square):
     # Activation memory is a quadratic in the length (linear tensors, attention's scores); a
     # peak whose square term overtakes the rest has a negative fixed part on the grid's last
     # points. A power law through the last two points prices 4x the longest length below it.
@@ -71,7 +71,10 @@ def test_memory_beyond_the_grid_is_exact_on_a_quadratic_in_the_length(fixed, lin
         return fixed + linear * s + square * s ** 2
 
     table = {k: [[mib(s) * b for s in seq] for b in (1, 2)] for k in ("stored_mib", "peak_mib")}
-    table.update({k: [[0.5, 1.0, 2.0], [1.0, 2.0, 4.0]] for k in ("fw_ms", "bw_ms")})
+    # Times too, where the quadratic's terms are all positive (a time then grows at most as the
+    # square of the length, the cap it is held to).
+    ms = (lambda s: 0.3 + 0.004 * s + 5e-5 * s ** 2) if fixed >= 0 else mib
+    table.update({k: [[ms(s) * b for s in seq] for b in (1, 2)] for k in ("fw_ms", "bw_ms")})
     data = _profile(seqlen=[int(s) for s in seq], ops={"layer": table, "embedding": table, "output": table})
     cm = ProfileCostModel(TINY, data, 1)
     lengths = np.asarray([300.0, 512.0, 1024.0, 4096.0])
@@ -79,6 +82,8 @@ def test_memory_beyond_the_grid_is_exact_on_a_quadratic_in_the_length(fixed, lin
         for field in ("stored_mib", "peak_mib"):
             got = cm.tables["layer"][field](np.full(4, b), lengths)
             np.testing.assert_allclose(got, b * mib(lengths), rtol=1e-9)
+        if fixed >= 0:
+            np.testing.assert_allclose(cm.tables["layer"]["fw_ms"](np.full(4, b), lengths), b * ms(lengths), rtol=1e-9)
     two_point = mib(seq[-1]) * (4.0 ** growth_power(mib(seq[-2]), mib(seq[-1]), 128, 256))
     if fixed or square:
         assert two_point < 0.97 * mib(1024.0)  # what the power law alone would have planned

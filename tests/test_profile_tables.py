@@ -4,8 +4,8 @@ The planner prices every candidate micro-batch of an iteration on every stage; a
 decoder layer alone is four fields times one (mbs, dec_seqlen) table per encoder length. The
 tables of one grid are evaluated in one pass (``ProfileTable`` with ``[K, mbs, seqlen]`` values); a
 stacked evaluation must follow the tables' rules (written out here row by row, independently
-of ``ProfileTable``: linear inside the grid; beyond the longest length a time's power law,
-memory's largest of that, a line and an upward parabola; more samples never cheaper, a time's
+of ``ProfileTable``: linear inside the grid; beyond the longest length the largest of a power
+law, a line and an upward parabola, a time's capped at quadratic growth; more samples never cheaper, a time's
 growth by the last step's slope, memory's in proportion), give what
 each table gives alone (to the bit inside the measured lengths, to the last bits beyond them),
 and inside them exactly what ``np.interp`` row by row gives.
@@ -44,9 +44,10 @@ def _ref_power(grid, row, s):
     return row[-1] * (np.maximum(s, grid[-1]) / grid[-1]) ** power
 
 
-def _ref_memory_tail(grid, row, s):
-    """Memory beyond the grid: the largest of the power law, the line through the last two
-    points and the parabola through the last three (Lagrange's form) where it opens upward."""
+def _ref_tail(grid, row, s, timed):
+    """Beyond the grid: the largest of the power law, the line through the last two points and
+    the parabola through the last three (Lagrange's form) where it opens upward; a time at
+    most its last value times (s / last length) ** 2."""
     s = np.maximum(s, grid[-1])
     line = row[-1] + (row[-1] - row[-2]) / (grid[-1] - grid[-2]) * (s - grid[-1])
     out = np.maximum(_ref_power(grid, row, s), line)
@@ -56,24 +57,22 @@ def _ref_memory_tail(grid, row, s):
         lead = sum(y[i] / np.prod([x[i] - x[j] for j in range(3) if j != i]) for i in range(3))
         if lead > 0:
             out = np.maximum(out, sum(terms))
-    return out
+    return np.minimum(out, row[-1] * (s / grid[-1]) ** 2) if timed else out
 
 
-def _ref_along(grid, row, s, memory=False):
-    """One row along the length: np.interp inside; above, a time's power law of its last two
-    points (exponent within [0, 2]), memory's :func:`_ref_memory_tail`."""
+def _ref_along(grid, row, s, timed):
+    """One row along the length: np.interp inside, :func:`_ref_tail` above."""
     inside = np.interp(s, grid, row)
     if len(grid) < 2:
         return inside
-    above = _ref_memory_tail(grid, row, s) if memory else _ref_power(grid, row, s)
-    return np.where(s > grid[-1], above, inside)
+    return np.where(s > grid[-1], _ref_tail(grid, row, s, timed), inside)
 
 
 def _reference(mbs, seq, values, timed, b, s):
     """The extrapolation rules of one (mbs, seqlen) table written out row by row, as the
     profile cost model's docstrings state them, independently of ``ProfileTable``."""
     b, s = np.broadcast_arrays(np.asarray(b, dtype=np.float64), np.asarray(s, dtype=np.float64))
-    rows = np.stack([_ref_along(seq, r, s, memory=not timed) for r in values])
+    rows = np.stack([_ref_along(seq, r, s, timed) for r in values])
     rows = np.where(s > seq[-1], np.maximum.accumulate(rows, axis=0), rows)  # more samples never cost less
     if len(mbs) == 1:
         return rows[0] * b / mbs[0]
@@ -83,7 +82,7 @@ def _reference(mbs, seq, values, timed, b, s):
     below, above = rows[0] * b / mbs[0], rows[-1] * b / mbs[-1]
     if timed:  # a time grows past the largest size by the last step's slope, never below a shorter length's
         slope = np.maximum.accumulate(np.maximum(values[-1] - values[-2], 0.0) / (mbs[-1] - mbs[-2]))
-        above = rows[-1] + (b - mbs[-1]) * _ref_along(seq, slope, s)
+        above = rows[-1] + (b - mbs[-1]) * _ref_along(seq, slope, s, True)
     return np.where(b < mbs[0], below, np.where(b > mbs[-1], above, inside))
 
 
@@ -185,7 +184,7 @@ def test_a_decoder_layers_fields_are_each_their_own_table():
 def _decoder_reference(mbs, dec, enc, values, timed, b, s_dec, s_enc):
     """A decoder-layer field written out: its (mbs, dec_seqlen) table at each encoder length,
     then linear along the encoder length inside the grid, the first length's value below it,
-    and above it the power law of the largest size's last two encoder lengths."""
+    and above it the growth of the largest size's series (:func:`_ref_tail`)."""
     b, s_dec, s_enc = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64) for x in (b, s_dec, s_enc)))
     at = [_reference(mbs, dec, values[:, :, k], timed, b, s_dec) for k in range(len(enc))]
     if len(enc) == 1:
@@ -197,7 +196,7 @@ def _decoder_reference(mbs, dec, enc, values, timed, b, s_dec, s_enc):
                     for j in range(len(enc))], axis=-1)
     above = np.empty_like(inside)
     for i in range(len(above)):  # point by point: the largest size's growth, applied to this size's value
-        grown = (_ref_power if timed else _ref_memory_tail)(enc, top[i], s_enc[i])
+        grown = _ref_tail(enc, top[i], s_enc[i], timed)
         above[i] = at[-1][i] * grown / top[i][-1]
     return np.where(s_enc > enc[-1], above, inside)
 

@@ -2,10 +2,11 @@
 grid points (ms, MiB; lengths in tokens, sizes in samples).
 
 :class:`ProfileTable` is one quantity, or several on one (mbs, seqlen) grid evaluated in one
-pass: linear inside the grid; beyond the longest length a time follows the power law of the
-last two lengths (:func:`growth_power`), memory at least that, the line through them and the
-upward parabola through the last three (:func:`rising_tail`); more samples never cheaper
-there, and past the largest size a time grows by the last step's slope, memory in proportion. :class:`DecoderTable` adds a T5 decoder
+pass: linear inside the grid; beyond the longest length the largest of the power law of the
+last two lengths (:func:`growth_power`), the line through them and the upward parabola
+through the last three (:func:`rising_tail`), a time capped at quadratic growth
+(:func:`extrapolate`); more samples never cheaper there, and past the largest size a time
+grows by the last step's slope, memory in proportion. :class:`DecoderTable` adds a T5 decoder
 layer's encoder-length axis (:func:`interp_axis`); :class:`OpTables` names an op's fields.
 The cost models (:mod:`dynapipe.cost.profile`, :mod:`dynapipe.cost.profile_t5`) price stages
 from them.
@@ -38,16 +39,17 @@ def growth_power(v0, v1, s0: float, s1: float):
 
 
 def rising_tail(grid: np.ndarray, rows: np.ndarray, s: np.ndarray) -> np.ndarray:
-    """Memory beyond the longest measured length (MiB; lengths in tokens): rows of values at
-    the lengths ``grid`` (``rows[..., len(grid)]``) at the lengths ``s`` (above the grid,
-    broadcast against ``rows[..., 0]``), the largest of the row's power law
-    (:func:`growth_power`), the line through its last two points and, where its last three
-    points curve upward, the parabola through them. Why: activation memory is a quadratic in
-    the length (linear tensors plus attention's scores), which a power law read from two
-    points under-prices: a stage of gpt-tiny measured up to 256 tokens and run at 1,024
-    measured 54.1 MiB against 42.7 planned. The parabola is exact on a quadratic; the line
-    keeps a fixed part (a weight's gradient) from flattening the growth; the power law keeps
-    the result at or above the last measured value. Never falls with the length."""
+    """Rows of values at the lengths ``grid`` (``rows[..., len(grid)]``; ms or MiB, lengths in
+    tokens) at the lengths ``s`` (above the grid, broadcast against ``rows[..., 0]``): the
+    largest of the row's power law (:func:`growth_power`), the line through its last two points
+    and, where its last three points curve upward, the parabola through them. Why: a layer's
+    time and activation memory are quadratics in the length (linear work and tensors plus
+    attention's scores), which a power law read from two points under-prices: a stage of
+    gpt-tiny measured up to 256 tokens and run at 1,024 measured 54.1 MiB against 42.7
+    planned, and its layers' times beyond the grid came out 33-39% short on average. The
+    parabola is exact on a quadratic; the line keeps a fixed part (a weight's gradient, a
+    launch) from flattening the growth; the power law keeps the result at or above the last
+    measured value. Never falls with the length."""
     x1, y1 = grid[-1], rows[..., -1]
     out = y1 * (s / x1) ** growth_power(rows[..., -2], y1, grid[-2], x1)
     d1 = (y1 - rows[..., -2]) / (x1 - grid[-2])
@@ -58,6 +60,18 @@ def rising_tail(grid: np.ndarray, rows: np.ndarray, s: np.ndarray) -> np.ndarray
         curve = np.maximum((d1 - d0) / (x1 - grid[-3]), 0.0)
         out = np.maximum(out, y1 + d1 * (s - x1) + curve * (s - x1) * (s - grid[-2]))
     return out
+
+
+def extrapolate(grid: np.ndarray, rows: np.ndarray, s: np.ndarray, timed) -> np.ndarray:
+    """:func:`rising_tail`, a time (``timed``: a flag broadcast against the result) capped at
+    its last measured value times ``(s / grid[-1]) ** 2``: a sum of fixed, linear and quadratic
+    costs grows no faster, and noise in the last three points could make a parabola do so.
+    Memory is not capped: a peak that is the largest of several terms grows faster where its
+    quadratic term takes over (gpt-tiny's layer: 4.5x from 512 to 1,024 tokens)."""
+    out = rising_tail(grid, rows, s)
+    if not np.any(timed):
+        return out
+    return np.where(timed, np.minimum(out, rows[..., -1] * (s / grid[-1]) ** 2), out)
 
 
 class ProfileTable:
@@ -87,20 +101,11 @@ class ProfileTable:
             # longer sample below a shorter one, or 32 samples at the price of 4.
             step = np.maximum(self._v[:, -1] - self._v[:, -2], 0.0) / (mbs[-1] - mbs[-2])
             self._slope = np.maximum.accumulate(step, axis=-1)[:, None, :]
-        # A row's power law beyond the longest length depends on the row alone: worked out once.
-        self._power = self._powers(self._v)
-        self._slope_power = None if self._slope is None else self._powers(self._slope)
-
-    def _powers(self, rows: np.ndarray) -> Optional[np.ndarray]:
-        grid = self.seqlen
-        return growth_power(rows[..., -2], rows[..., -1], grid[-2], grid[-1]) if len(grid) > 1 else None
-
-    def _along_seqlen(self, rows: np.ndarray, power: Optional[np.ndarray], s: np.ndarray,
-                      memory: Optional[np.ndarray] = None) -> np.ndarray:
+    def _along_seqlen(self, rows: np.ndarray, s: np.ndarray, timed: np.ndarray) -> np.ndarray:
         """Every row of ``rows`` (``[K, R, len(seqlen)]``) at the lengths ``s``:
         ``[K, R, *s.shape]``; inside the grid ``np.interp``'s rule (a grid point's own value,
-        else ``slope * (s - x0) + y0``), above it the row's power law, or for the tables that
-        ``memory`` (``[K]`` flags) marks, :func:`rising_tail`."""
+        else ``slope * (s - x0) + y0``), above it :func:`extrapolate` (``timed``: ``[K]``
+        flags, the tables that hold times)."""
         grid = self.seqlen
         tail = (slice(None), slice(None)) + (None,) * s.ndim
         first, last = rows[..., 0][tail], rows[..., -1][tail]
@@ -114,12 +119,8 @@ class ProfileTable:
         inside = np.where(j < 0, first, np.where(j >= len(grid) - 1, last, inside))
         if not np.any(s > grid[-1]):
             return inside
-        beyond = np.maximum(s, grid[-1])
-        above = last * (beyond / grid[-1]) ** power[tail]
-        if memory is not None and memory.any():
-            pointwise = rows.reshape(rows.shape[:2] + (1,) * s.ndim + rows.shape[-1:])
-            above = np.where(memory[(slice(None),) + (None,) * (above.ndim - 1)],
-                             rising_tail(grid, pointwise, beyond), above)
+        pointwise = rows.reshape(rows.shape[:2] + (1,) * s.ndim + rows.shape[-1:])
+        above = extrapolate(grid, pointwise, np.maximum(s, grid[-1]), timed[(slice(None),) + (None,) * (s.ndim + 1)])
         return np.where(s > grid[-1], above, inside)
 
     def __call__(self, b: np.ndarray, s: np.ndarray) -> np.ndarray:
@@ -148,8 +149,8 @@ class ProfileTable:
         # (linear inside, proportional scaling from the nearest row outside), each point reading
         # its length's rows by index.
         lengths, at = np.unique(s, return_inverse=True)
-        rows = self._along_seqlen(self._v, self._power, lengths, ~self._timed)  # [K, R, distinct lengths]
-        # Beyond the longest measured length each row follows its own power law, which can carry
+        rows = self._along_seqlen(self._v, lengths, self._timed)  # [K, R, distinct lengths]
+        # Beyond the longest measured length each row follows its own curve, which can carry
         # a smaller size's row above a larger one's: there, more samples never cost less. (Inside
         # the grid the measurements stand as measured.)
         if np.any(lengths > top):
@@ -169,7 +170,8 @@ class ProfileTable:
                 # CPU ones): this misses by 7% (backward) and 29% (forward) on average on the GPU,
                 # where proportional scaling, paying the fixed cost again per grid-top of samples,
                 # misses by 40% and 56%; on the CPUs by 11-29% against 13-36%.
-                slope = self._along_seqlen(self._slope, self._slope_power, lengths)[:, 0, at]
+                # ms per sample: a time, whatever the table it steps.
+                slope = self._along_seqlen(self._slope, lengths, np.ones(len(self._v), dtype=bool))[:, 0, at]
                 grown = last + (b - grid_b[-1]) * slope
                 above = grown if self._timed.all() else np.where(self._timed[:, None], grown, above)
             out = np.where(b < grid_b[0], below, np.where(b > grid_b[-1], above, inside))
@@ -177,14 +179,13 @@ class ProfileTable:
 
 
 def interp_axis(grid: np.ndarray, values: list, x: np.ndarray, reference: Optional[list] = None,
-                rising: Optional[np.ndarray] = None) -> np.ndarray:
+                timed=True) -> np.ndarray:
     """Values at ``x`` along one grid axis from ``values[k]`` (arrays) at ``grid[k]``: linear
-    inside the grid, the first point's value below it, and above it the power law through
-    the last two points (attention grows faster than linearly in the length); with
-    ``reference`` (a reference series' values at every grid point), that series' growth for
-    every value, so that values ordered at the grid's end stay ordered beyond it. ``rising``
-    flags the values' first axis (fields) that hold memory (MiB), which grow as
-    :func:`rising_tail` does."""
+    inside the grid, the first point's value below it, and above it :func:`extrapolate`
+    (attention grows faster than linearly in the length); with ``reference`` (a reference
+    series' values at every grid point), that series' growth for every value, so that values
+    ordered at the grid's end stay ordered beyond it. ``timed``: a flag, or one per entry of
+    the values' first axis (fields): which hold times (ms) rather than memory (MiB)."""
     x = np.asarray(x, dtype=np.float64)
     if len(grid) == 1:
         return np.broadcast_to(values[0], np.broadcast(values[0], x).shape).copy()
@@ -200,14 +201,13 @@ def interp_axis(grid: np.ndarray, values: list, x: np.ndarray, reference: Option
         return inside
     ref = stack if reference is None else np.stack(np.broadcast_arrays(*reference, x)[:-1])
     beyond = np.maximum(x, grid[-1])
-    above = stack[-1] * (beyond / grid[-1]) ** growth_power(ref[-2], ref[-1], grid[-2], grid[-1])
-    if rising is not None and np.any(rising):
-        ref_last = ref[-1]
-        growth = rising_tail(grid, np.moveaxis(ref, 0, -1), beyond) / np.where(ref_last > 0, ref_last, 1.0)
-        own = rising_tail(grid, np.moveaxis(stack, 0, -1), beyond)
-        memory = np.where(ref_last > 0, stack[-1] * growth, own)
-        flags = np.asarray(rising, dtype=bool)[(slice(None),) + (None,) * (stack.ndim - 2)]
-        above = np.where(flags, memory, above)
+    timed = np.asarray(timed, dtype=bool)
+    if timed.ndim:
+        timed = timed[(slice(None),) + (None,) * (stack.ndim - 2)]
+    ref_last = ref[-1]
+    growth = extrapolate(grid, np.moveaxis(ref, 0, -1), beyond, timed) / np.where(ref_last > 0, ref_last, 1.0)
+    # A reference that ends at 0 has no growth to lend: each value grows on its own then.
+    above = np.where(ref_last > 0, stack[-1] * growth, extrapolate(grid, np.moveaxis(stack, 0, -1), beyond, timed))
     return np.where(x > grid[-1], above, inside)
 
 
@@ -240,7 +240,7 @@ class DecoderTable:
             top = self._per_encoder_length(self.top_mbs, s_dec)
             reference = [top[:, i] for i in range(len(self.enc))]
         tables = self._per_encoder_length(b, s_dec)
-        return interp_axis(self.enc, [tables[:, i] for i in range(len(self.enc))], s_enc, reference, ~self.timed)
+        return interp_axis(self.enc, [tables[:, i] for i in range(len(self.enc))], s_enc, reference, self.timed)
 
 
 class OpTables:
