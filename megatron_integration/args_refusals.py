@@ -263,8 +263,9 @@ def _checkpoint_args_honoured(args: argparse.Namespace) -> None:
         raise DynaPipeError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict "
                             "each other (this run's schedule vs the checkpoint's); give one of them.")
     if args.ckpt_format == "torch":
-        raise _unsupported("--ckpt-format", "torch (Megatron's legacy per-rank files) is not written; use "
-                                            "torch_dist (the default, which Megatron-LM loads) or dynapipe")
+        raise _unsupported_value("--ckpt-format", "torch", "Megatron's legacy per-rank files are not written; use "
+                                                          "torch_dist (the default, which Megatron-LM loads) or "
+                                                          "dynapipe")
     if args.ckpt_format in ("torch_dcp", "fsdp_dtensor"):
         raise _unsupported_value("--ckpt-format", args.ckpt_format,
                                  "torch.distributed.checkpoint's own layout and Megatron-FSDP's are not written; "

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -328,10 +329,23 @@ def _read_rank(root: str, info: RankInfo, optimizer, load_optim: bool, load_rng:
     if load_rng:
         rng_path = os.path.join(rank_dir, f"rng_dp_{info.dp_rank:03d}.pt")
         if not os.path.exists(rng_path):
-            raise DynaPipeError(f"{rng_path} is missing: the checkpoint was saved with fewer data-parallel ranks; "
-                                f"resume with --no-load-rng.")
+            raise DynaPipeError(_missing_rng(rng_path, rank_dir, info.dp_rank))
         rng = _load(rng_path, "cpu")
     return payload, main, optim_path, rng
+
+
+def _missing_rng(rng_path: str, rank_dir: str, dp_rank: int) -> str:
+    """Why ``rng_path`` (data-parallel rank ``dp_rank``'s RNG file) is missing: a checkpoint
+    saved with fewer data-parallel ranks (its files are those of ranks 0..N-1, all below this
+    one), or else one that is incomplete or damaged (a file lost or deleted)."""
+    saved = sorted(int(m.group(1)) for f in os.listdir(rank_dir) if (m := re.fullmatch(r"rng_dp_(\d+)\.pt", f)))
+    if saved and saved == list(range(len(saved))) and dp_rank >= len(saved):
+        return (f"{rng_path} is missing: the checkpoint was saved with {len(saved)} data-parallel rank(s), this run "
+                f"has more; resume with --no-load-rng (each new rank then starts from --seed's RNG state).")
+    held = (f"while the directory's other RNG files are there ({', '.join(f'rng_dp_{r:03d}.pt' for r in saved)})"
+            if saved else "and so is every RNG file of its directory")
+    return (f"{rng_path} is missing {held}: the checkpoint is incomplete or damaged; restore the file, point "
+            f"{LATEST} at an earlier iteration, or resume with --no-load-rng.")
 
 
 def _apply_rank(payload: dict, main: str, gpt: torch.nn.Module, optimizer, scheduler, load_optim: bool,

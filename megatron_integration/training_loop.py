@@ -184,7 +184,9 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
                     saved_at = done
             if exit_duration_reached(cfg.exit_duration_in_mins, parts.started_s, info.device):
                 stop, by_duration = done, True
-                print_rank_0(info, stream, [], exit_duration_line(cfg.exit_duration_in_mins, parts.started_s, done))
+                # The time trained, read now; printed after the final save, as Megatron-LM does (a
+                # save that fails must not follow a line saying the program is exiting).
+                exit_line = exit_duration_line(cfg.exit_duration_in_mins, parts.started_s, done)
                 break
         where = f"after iteration {stop}"
         if on_gpu:
@@ -192,6 +194,8 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
         if cfg.save and stop > run.start_iteration and saved_at != stop:
             with logger.paused():
                 parts.save(stop, run.consumed_samples, run.flops_so_far)
+        if by_duration:
+            print_rank_0(info, stream, [], exit_line)
         # Megatron-LM exits at a multiple of --exit-interval, the last iteration included, and
         # after --exit-duration-in-mins: no final evaluation then, and no "training is done".
         exited = by_duration or bool(cfg.exit_interval and stop > run.start_iteration

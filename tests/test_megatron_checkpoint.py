@@ -315,8 +315,9 @@ def test_checkpoint_flags_have_megatrons_meaning(tmp_path):
     d = cfg.dist_ckpt  # Megatron-LM's defaults: fully parallel save, plain load, unexpected keys assumed fine
     assert (d.fully_parallel_save, d.fully_parallel_load, d.strictness) == (True, False, "assume_ok_unexpected")
     assert _parse("--ckpt-fully-parallel-save").dist_ckpt.fully_parallel_save  # deprecated spelling of the default
-    with pytest.raises(DynaPipeError, match="^--ckpt-format is a Megatron-LM flag that dynapipe-megatron does not "
-                                            "support: torch .*use torch_dist"):
+    # The value is refused, not the flag (torch_dist and dynapipe are supported).
+    with pytest.raises(DynaPipeError, match="^--ckpt-format torch is not supported by dynapipe-megatron: Megatron's "
+                                            "legacy per-rank files are not written; use torch_dist"):
         _parse("--ckpt-format torch")
     with pytest.raises(DynaPipeError, match="--finetune needs --load"):
         _parse("--finetune")
@@ -745,3 +746,23 @@ def test_a_dynapipe_checkpoint_records_the_key_value_heads_and_the_position_tabl
     assert impl_mismatch(recorded_model_args(cfg), cfg) is None and impl_mismatch({}, cfg) is None
     assert impl_mismatch({**recorded_model_args(cfg), "transformer_impl": "transformer_engine"}, cfg) == \
         "--transformer-impl transformer_engine in the checkpoint, local here"
+
+
+def test_a_missing_rng_file_is_blamed_on_fewer_replicas_only_when_it_was(tmp_path):
+    from megatron_integration.checkpoint import _missing_rng
+
+    rank_dir = tmp_path / "mp_rank_00_001"
+    rank_dir.mkdir()
+    (rank_dir / "rng_dp_000.pt").write_bytes(b"x")
+    # Saved at DP1, resumed at DP2: rank 1 has no file of its own.
+    grown = _missing_rng(str(rank_dir / "rng_dp_001.pt"), str(rank_dir), 1)
+    assert "saved with 1 data-parallel rank(s), this run has more; resume with --no-load-rng" in grown
+    # Saved at DP2, rank 0's file deleted: not a change of size, a damaged checkpoint.
+    (rank_dir / "rng_dp_000.pt").unlink()
+    (rank_dir / "rng_dp_001.pt").write_bytes(b"x")
+    lost = _missing_rng(str(rank_dir / "rng_dp_000.pt"), str(rank_dir), 0)
+    assert "while the directory's other RNG files are there (rng_dp_001.pt): the checkpoint is incomplete" in lost
+    # Saved at DP1, its only file deleted: nothing says the size changed.
+    (rank_dir / "rng_dp_001.pt").unlink()
+    assert "and so is every RNG file of its directory: the checkpoint is incomplete" in _missing_rng(str(rank_dir / "rng_dp_000.pt"),
+                                                                             str(rank_dir), 0)

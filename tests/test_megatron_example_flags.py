@@ -312,6 +312,32 @@ def test_the_duration_is_checked_after_every_evaluation_batch_too():
     assert out["iterations"] == 2 and out["eval_lines"] == [TIME_UP_LINE], out
 
 
+def _duration_with_save(argv: list) -> str:
+    import io
+
+    from megatron_integration import training_loop
+    from megatron_integration.training import pretrain
+
+    training_loop.exit_duration_reached = lambda minutes, started_s, device, now_s=None: True
+    out = io.StringIO()
+    pretrain(parse_training_args(argv, 1, cuda=False), stream=out)
+    return out.getvalue()
+
+
+def test_the_duration_exit_line_follows_the_final_save(tmp_path):
+    # Megatron-LM saves, then prints "exiting program after ... minutes": printed first, a save
+    # that then failed would follow a line saying the program was exiting.
+    from megatron_integration.launch import spawn
+
+    argv = (f"{TINY} --vocab-size 256 --lr 1e-3 --mock-data --train-iters 4 --exit-duration-in-mins 60 "
+            f"--save {tmp_path / 'ck'}").split()
+    printed = spawn(_duration_with_save, 1, (argv,), timeout_s=180)[0]
+    saved = printed.index("successfully saved checkpoint")
+    exiting = printed.index("exiting program after")
+    assert saved < exiting and "after iteration 1" in printed[exiting:], printed
+    assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+
+
 def _summary_with_slow_evaluations(argv: list) -> tuple[str, float]:
     import io
     import time
