@@ -404,3 +404,15 @@ def test_padding_mb_rows_split_evenly_under_sequence_parallelism():
         widths = [int(m.tokens.shape[1]) for m in mbs]
         assert all(w % multiple == 0 or w == 192 for w in widths) and max(widths) <= 192, (shards, widths)
         assert all(w % shards == 0 for w in widths)
+
+
+def test_only_documents_are_named_documents_when_rejected():
+    # A sample without an input is a pretraining document only where the data would cut it
+    # into pieces; the synthetic mixture's (or paired data's) empty-input sample is truncated.
+    from dynapipe.data.samples import clip_lengths
+
+    limits = LengthLimits(16, 0, "reject")
+    with pytest.raises(DynaPipeError, match="is a document of 38 tokens"):
+        clip_lengths(np.array([0]), np.array([38]), limits, False, "docs", documents=True)
+    with pytest.raises(DynaPipeError, match=r"has 38 tokens \(input 0 \+ target 38\).*--dynapipe-overlong truncate\)"):
+        clip_lengths(np.array([0]), np.array([38]), limits, False, "pairs")

@@ -289,8 +289,10 @@ def test_file_token_ids_are_checked_against_the_tokenizers_vocabulary_not_the_pa
     from dynapipe.data.config import DatasetConfig
 
     other = write_indexed(tmp_path / "other", [[1, 1200]])
-    with pytest.raises(DynaPipeError, match=r"has id 499.*its largest id is 1200.*--vocab-size of at least 1201"):
-        DatasetConfig(kind="indexed", seq_length=64, paths=(prefix, other), vocab_size=451).build()
+    for weights in ((), (0.5, 0.5)):  # one dataset of two prefixes, and a weighted blend of two datasets
+        with pytest.raises(DynaPipeError, match=r"has id 499.*its largest id is 1200.*--vocab-size of at least 1201"):
+            DatasetConfig(kind="indexed", seq_length=64, paths=(prefix, other), weights=weights,
+                          vocab_size=451).build()
     # Mock data draws its ids below the padded size, as it always has.
     mock = parse_training_args([a for a in argv if a not in (f"{prefix}", "--data-path")] + ["--mock-data"], 1,
                                cuda=False)

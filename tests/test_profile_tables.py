@@ -46,7 +46,8 @@ def _ref_power(grid, row, s):
 
 def _ref_tail(grid, row, s, timed):
     """Beyond the grid: the largest of the power law, the line through the last two points and
-    the parabola through the last three (Lagrange's form) where it opens upward; a time at
+    the parabola through the last three (Lagrange's form) where it opens upward and its first
+    two points do not fall; a time at
     most its last value times (s / last length) ** 2."""
     s = np.maximum(s, grid[-1])
     line = row[-1] + (row[-1] - row[-2]) / (grid[-1] - grid[-2]) * (s - grid[-1])
@@ -55,7 +56,7 @@ def _ref_tail(grid, row, s, timed):
         x, y = grid[-3:], row[-3:]
         terms = [y[i] * np.prod([(s - x[j]) / (x[i] - x[j]) for j in range(3) if j != i], axis=0) for i in range(3)]
         lead = sum(y[i] / np.prod([x[i] - x[j] for j in range(3) if j != i]) for i in range(3))
-        if lead > 0:
+        if lead > 0 and y[1] >= y[0]:  # opening upward, through points that rise
             out = np.maximum(out, sum(terms))
     return np.minimum(out, row[-1] * (s / grid[-1]) ** 2) if timed else out
 

@@ -42,7 +42,7 @@ def rising_tail(grid: np.ndarray, rows: np.ndarray, s: np.ndarray) -> np.ndarray
     """Rows of values at the lengths ``grid`` (``rows[..., len(grid)]``; ms or MiB, lengths in
     tokens) at the lengths ``s`` (above the grid, broadcast against ``rows[..., 0]``): the
     largest of the row's power law (:func:`growth_power`), the line through its last two points
-    and, where its last three points curve upward, the parabola through them. Why: a layer's
+    and, where its last three points rise and curve upward, the parabola through them. Why: a layer's
     time and activation memory are quadratics in the length (linear work and tensors plus
     attention's scores), which a power law read from two points under-prices: a stage of
     gpt-tiny measured up to 256 tokens and run at 1,024 measured 54.1 MiB against 42.7
@@ -55,9 +55,11 @@ def rising_tail(grid: np.ndarray, rows: np.ndarray, s: np.ndarray) -> np.ndarray
     d1 = (y1 - rows[..., -2]) / (x1 - grid[-2])
     out = np.maximum(out, y1 + d1 * (s - x1))
     if len(grid) > 2:
-        # Newton's form through the last three points; a concave curve is left to the line.
+        # Newton's form through the last three points; a concave curve is left to the line, and
+        # so is one whose points fall before they rise (noise, or a zero: a parabola through
+        # 2, 0, 1e-9 would grow a billionfold).
         d0 = (rows[..., -2] - rows[..., -3]) / (grid[-2] - grid[-3])
-        curve = np.maximum((d1 - d0) / (x1 - grid[-3]), 0.0)
+        curve = np.where(d0 >= 0, np.maximum((d1 - d0) / (x1 - grid[-3]), 0.0), 0.0)
         out = np.maximum(out, y1 + d1 * (s - x1) + curve * (s - x1) * (s - grid[-2]))
     return out
 
@@ -206,8 +208,10 @@ def interp_axis(grid: np.ndarray, values: list, x: np.ndarray, reference: Option
         timed = timed[(slice(None),) + (None,) * (stack.ndim - 2)]
     ref_last = ref[-1]
     growth = extrapolate(grid, np.moveaxis(ref, 0, -1), beyond, timed) / np.where(ref_last > 0, ref_last, 1.0)
-    # A reference that ends at 0 has no growth to lend: each value grows on its own then.
-    above = np.where(ref_last > 0, stack[-1] * growth, extrapolate(grid, np.moveaxis(stack, 0, -1), beyond, timed))
+    above = stack[-1] * growth
+    if np.any(ref_last <= 0):
+        # A reference that ends at 0 has no growth to lend: each value grows on its own then.
+        above = np.where(ref_last > 0, above, extrapolate(grid, np.moveaxis(stack, 0, -1), beyond, timed))
     return np.where(x > grid[-1], above, inside)
 
 

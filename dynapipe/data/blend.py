@@ -113,8 +113,17 @@ class BlendedSampleDataset(SampleDataset):
             self.truncated[mine] = part.truncated[local]
 
     def _check_token_ids(self, vocab_size: int) -> None:
+        from dynapipe.data.indexed import TokenOutOfVocabulary
+
         for part in self.parts:
-            part.validate_tokens(vocab_size)
+            try:
+                part.validate_tokens(vocab_size)
+            except TokenOutOfVocabulary as e:
+                # The size to suggest holds every path's ids, not just the failing one's: each
+                # retry would otherwise meet the next path's.
+                largest = max([e.largest] + [p.largest_token_id() for p in self.parts
+                                             if hasattr(p, "largest_token_id")])
+                raise TokenOutOfVocabulary(e.where, vocab_size, largest) from None
 
     def _read(self, idx: int, input_len: int, target_len: int):
         part = int(self.part_ids[idx])

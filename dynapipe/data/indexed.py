@@ -166,6 +166,21 @@ def largest_token(prefix: str, handle, mmap: bool = True) -> int:
     return max((int(chunk.max()) for _, chunk in _token_chunks(prefix, handle, mmap)), default=-1)
 
 
+class TokenOutOfVocabulary(DynaPipeError):
+    """A token id at ``where`` (a file and sequence) outside ``[0, vocab_size)``; ``largest``:
+    the largest id of the data the check covered, so the size suggested is one that holds it
+    all (a blend raises it again with every path's largest)."""
+
+    def __init__(self, where: str, vocab_size: int, largest: int):
+        self.where, self.vocab_size, self.largest = where, int(vocab_size), int(largest)
+        # The model's vocabulary is the tokenizer's where one is given (--vocab-size is then
+        # refused), so the fix is the tokenizer the data was built with, not a bigger size.
+        super().__init__(f"{where}, outside the vocabulary [0, {vocab_size}) (the tokenizer's, or --vocab-size "
+                         f"without one): the data was tokenised with a larger vocabulary (its largest id is "
+                         f"{largest}); give the tokenizer it was built with (--tokenizer-type and its files; without "
+                         f"one, --vocab-size of at least {largest + 1}), or rebuild it with the model's.")
+
+
 def first_bad_token(prefix: str, handle, vocab_size: int, mmap: bool = True) -> Optional[tuple[int, int, int]]:
     """(sequence index, position in it, id) of the first token id outside ``[0, vocab_size)``
     in the dataset at ``prefix``, or None. Vectorised over the ``.bin`` in chunks (read with
@@ -266,7 +281,8 @@ class MegatronIndexedDataset(SampleDataset):
             self._offsets = np.zeros_like(doc_seqs)
             self.input_lengths, self.target_lengths, self.truncated = clip_lengths(
                 raw_in, raw_tg, limits, encoder_decoder,
-                lambda i: f"{self.prefixes[int(doc_tasks[i])]}: sequence {int(doc_seqs[i])}")
+                lambda i: f"{self.prefixes[int(doc_tasks[i])]}: sequence {int(doc_seqs[i])}",
+                documents=not self.target_prefixes)
             self.num_split_documents = 0
         else:
             pieces = split_documents_into_pieces(raw_tg, limits.validate().seq_length)
@@ -286,17 +302,13 @@ class MegatronIndexedDataset(SampleDataset):
                 if token < 0:
                     raise DynaPipeError(f"{where}: token ids are never negative; the file is damaged or was "
                                         f"not written as token ids of its .idx's dtype; rebuild it.")
-                # The model's vocabulary is the tokenizer's where one is given (--vocab-size is then
-                # refused), so the fix is the tokenizer the data was built with, not a bigger size.
                 # The size to suggest is the whole data's largest id + 1: the first bad id's would
                 # only move the error to the next one.
-                largest = max(largest_token(p, self._handle(p), self.mmap)
-                              for p in self.prefixes + self.target_prefixes)
-                raise DynaPipeError(f"{where}, outside the vocabulary [0, {vocab_size}) (the tokenizer's, or "
-                                    f"--vocab-size without one): the data was tokenised with a larger vocabulary "
-                                    f"(its largest id is {largest}); give the tokenizer it was built with "
-                                    f"(--tokenizer-type and its files; without one, --vocab-size of at least "
-                                    f"{largest + 1}), or rebuild it with the model's.")
+                raise TokenOutOfVocabulary(where, vocab_size, self.largest_token_id())
+
+    def largest_token_id(self) -> int:
+        """The largest token id in every file of this dataset (-1 without tokens)."""
+        return max(largest_token(p, self._handle(p), self.mmap) for p in self.prefixes + self.target_prefixes)
 
     def __getstate__(self):
         state = dict(self.__dict__)

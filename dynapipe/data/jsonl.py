@@ -162,7 +162,8 @@ class JsonlDataset(SampleDataset):
         if split_documents and not encoder_decoder:
             cut_all = (rec_in == 0) & (rec_tg > limits.validate().seq_length)
         in_len, tg_len, truncated = clip_lengths(rec_in, np.where(cut_all, 1, rec_tg), limits, encoder_decoder,
-                                                 lambda i: f"{paths[int(self._files[i])]}:{int(self._lines[i])}")
+                                                 lambda i: f"{paths[int(self._files[i])]}:{int(self._lines[i])}",
+                                                 documents=True)
         docs = np.arange(len(rec_in)) if split_range == WHOLE else per_file_indices(self._files, split_range)
         if len(docs) == 0:
             raise EmptySplitError(f"the --split range {split_range} holds none of the {len(rec_in)} records of "

@@ -59,7 +59,8 @@ class LengthLimits:
 
 def clip_lengths(raw_input: np.ndarray, raw_target: np.ndarray, limits: LengthLimits,
                  encoder_decoder: bool,
-                 source: Union[str, Callable[[int], str]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                 source: Union[str, Callable[[int], str]],
+                 documents: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Clip raw (input, target) lengths to ``limits``; returns (input, target, truncated mask).
 
     Decoder-only: the target is kept whole when it fits and the input's tail is cut
@@ -67,7 +68,8 @@ def clip_lengths(raw_input: np.ndarray, raw_target: np.ndarray, limits: LengthLi
     than ``seq_length`` keeps its head. Encoder-decoder: each side is cut at its own
     limit. With ``overlong="reject"`` the first over-long sample raises, naming it: ``source(i)``
     says where sample ``i`` is stored (``file:line``), or ``source`` names the data and the
-    sample its index.
+    sample its index. ``documents``: samples without an input are pretraining documents, which
+    ``overlong="truncate"`` would cut into pieces (the caller's data does that), named so.
     """
     limits.validate()
     raw_input = np.asarray(raw_input, dtype=np.int64)
@@ -90,7 +92,7 @@ def clip_lengths(raw_input: np.ndarray, raw_target: np.ndarray, limits: LengthLi
                     f"{raw_target[i]}), more than --seq-length {limits.seq_length}")
         raise_flags = "--encoder-seq-length / --decoder-seq-length" if encoder_decoder else "--seq-length"
         where = source(i) if callable(source) else f"{source}: sample {i}"
-        if not encoder_decoder and raw_input[i] == 0:
+        if documents and not encoder_decoder and raw_input[i] == 0:
             # A pretraining document has no input or target, and the default does not truncate it:
             # it cuts it into pieces that keep every next-token prediction.
             raise DynaPipeError(
