@@ -147,6 +147,20 @@ UNSUPPORTED_MEGATRON_FLAGS = {
              "\"target\" with --data-path",
     # Megatron-LM's deprecated spellings, which its argument check turns into errors.
     "--model-parallel-size": "Megatron-LM's deprecated name; use --tensor-model-parallel-size",
+    # Checkpoint flags of Megatron-LM's that launch scripts pass.
+    "--save-retain-interval": ("every checkpoint saved is kept (none is deleted); remove old ones yourself, or save "
+                               "less often with --save-interval"),
+    "--non-persistent-save-interval": "non-persistent checkpoints are not written; use --save-interval",
+    "--non-persistent-ckpt-type": "non-persistent checkpoints are not written; use --save-interval",
+    "--dist-ckpt-format": "deprecated in Megatron-LM, where it has no effect; choose the format with --ckpt-format",
+    "--local-rank": ("torchrun sets LOCAL_RANK in every rank's environment, which is what this build reads; launch "
+                     "with torchrun (torch.distributed.launch is deprecated)"),
+    "--eval-micro-batch-size": ("evaluation runs at --micro-batch-size (DynaPipe plans its own evaluation "
+                                "micro-batches); drop it"),
+    "--exit-signal": "see --exit-signal-handler: stop a run with --exit-interval or --exit-duration-in-mins",
+    "--exit-signal-handler-for-training": ("see --exit-signal-handler: stop a run with --exit-interval or "
+                                           "--exit-duration-in-mins"),
+    "--warmup": "Megatron-LM's deprecated spelling of --lr-warmup-fraction; use that",
     "--checkpoint-activations": "Megatron-LM's deprecated name; use --recompute-activations",
     "--batch-size": "Megatron-LM's deprecated name; use --micro-batch-size",
 }
@@ -164,10 +178,14 @@ UNSUPPORTED_MEGATRON_PREFIXES = {
 
 def unsupported_reason(flag: str):
     """Why this build does not take the Megatron-LM flag ``flag`` (``--name``), or None if
-    it is not one it refuses."""
+    it is not one it refuses: its own reason, its family's, or its Megatron-LM group's
+    (:mod:`megatron_integration.megatron_lm_flags`)."""
+    from megatron_integration.megatron_lm_flags import megatron_lm_reason
+
     if flag in UNSUPPORTED_MEGATRON_FLAGS:
         return UNSUPPORTED_MEGATRON_FLAGS[flag]
-    return next((why for prefix, why in UNSUPPORTED_MEGATRON_PREFIXES.items() if flag.startswith(prefix)), None)
+    family = next((why for prefix, why in UNSUPPORTED_MEGATRON_PREFIXES.items() if flag.startswith(prefix)), None)
+    return family if family is not None else megatron_lm_reason(flag)
 
 
 def refused_flag_lines(extras) -> list[str]:

@@ -501,8 +501,12 @@ def test_profile_starts_megatron_as_its_deterministic_mode_and_timeout_say(tmp_p
     (["synth", "--samples", "4", "--output", "s.txt", "--wandb-project", "p"],  # takes no Megatron arguments
      "error: python -m dynapipe synth: unrecognized arguments: --wandb-project p"),
     # Whole flags only, as Megatron-LM's parser: a prefix is not taken for --warmup-iters.
+    (["bench", "--output", "b.json", "--warmup-it", "7"],
+     "error: python -m dynapipe bench: unrecognized arguments: --warmup-it 7"),
+    # --warmup itself is Megatron-LM's deprecated warmup fraction.
     (["bench", "--output", "b.json", "--warmup", "7"],
-     "error: python -m dynapipe bench: unrecognized arguments: --warmup 7"),
+     "error: --warmup is a Megatron-LM flag that dynapipe-megatron does not support: Megatron-LM's deprecated "
+     "spelling of --lr-warmup-fraction"),
     (["synth", "--sample", "4", "--output", "s.txt"],
      "error: python -m dynapipe synth: the following arguments are required: --samples"),
     (["--bogus"], "error: python -m dynapipe: unrecognized arguments: --bogus"),

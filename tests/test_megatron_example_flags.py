@@ -143,6 +143,31 @@ def test_no_declared_flag_is_also_refused():
     assert not declared & set(UNSUPPORTED_MEGATRON_FLAGS)
 
 
+def test_megatron_lm_flags_without_a_reason_of_their_own_get_their_groups(capsys):
+    """Megatron-LM's flags this build does not read are refused as Megatron-LM flags, with their
+    group's reason, all of them in one pass, never as 'unrecognized'; none of them is one the
+    GPT or T5 parser declares or refuses by name."""
+    from megatron_integration.megatron_lm_flags import FLAG_GROUP
+    from megatron_integration.t5_arguments import build_t5_parser
+
+    declared = {s for p in (build_parser(), build_t5_parser()) for a in p._actions for s in a.option_strings}
+    assert not declared & set(FLAG_GROUP) and not set(UNSUPPORTED_MEGATRON_FLAGS) & set(FLAG_GROUP)
+    assert len(FLAG_GROUP) > 500 and all(f.startswith("--") for f in FLAG_GROUP)
+    extra = "--cuda-graph-impl local --rl-use-sequence-packing --img-h 224 --save-retain-interval 4 --bogus-flag 1"
+    with pytest.raises(SystemExit):
+        parse(f"{GPT3} {extra}")
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 5, lines
+    unsupported = "is a Megatron-LM flag that dynapipe-megatron does not support: "
+    assert lines[0].startswith("error: --cuda-graph-impl " + unsupported + "this build does not implement it")
+    assert "(Megatron-LM's 'transformer configuration' group); drop it" in lines[0]
+    assert "--rl-use-sequence-packing " + unsupported + "Megatron-LM's reinforcement-learning loop" in lines[1]
+    assert "--img-h " + unsupported + "vision models are not built" in lines[2]
+    assert "--save-retain-interval " + unsupported + "every checkpoint saved is kept" in lines[3]
+    # Not a Megatron-LM flag at all: argparse's words, said once, with the others.
+    assert "unrecognized arguments: --bogus-flag (a flag this build neither reads nor knows" in lines[4]
+
+
 def test_a_schedule_in_samples_is_megatrons_schedule():
     """Megatron-LM steps its scheduler by the samples of each iteration; the iterations here,
     fractional where the samples do not divide, give the same rate at every iteration."""
