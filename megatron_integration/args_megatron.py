@@ -350,6 +350,9 @@ def _add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--load", default=None, help="directory to resume from (its latest checkpoint)")
     g.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None,
                    help="iterations between checkpoints")
+    g.add_argument("--save-retain-interval", type=int, default=None,
+                   help="keep the checkpoints at multiples of it (and the newest): each other one is deleted once "
+                        "the next is saved, as Megatron-LM does (a multiple of --save-interval; default: keep all)")
     g.add_argument("--no-load-optim", action="store_true", help="do not restore the optimizer state")
     g.add_argument("--no-load-rng", action="store_true", help="do not restore the RNG states")
     g.add_argument("--ckpt-format", default="torch_dist", choices=CKPT_FORMATS,

@@ -148,8 +148,6 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     # Megatron-LM's deprecated spellings, which its argument check turns into errors.
     "--model-parallel-size": "Megatron-LM's deprecated name; use --tensor-model-parallel-size",
     # Checkpoint flags of Megatron-LM's that launch scripts pass.
-    "--save-retain-interval": ("every checkpoint saved is kept (none is deleted); remove old ones yourself, or save "
-                               "less often with --save-interval"),
     "--non-persistent-save-interval": "non-persistent checkpoints are not written; use --save-interval",
     "--non-persistent-ckpt-type": "non-persistent checkpoints are not written; use --save-interval",
     "--dist-ckpt-format": "deprecated in Megatron-LM, where it has no effect; choose the format with --ckpt-format",

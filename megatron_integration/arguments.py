@@ -225,6 +225,14 @@ def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[b
                                 f"out.")
     if args.save_interval is not None and not args.save:
         raise DynaPipeError("--save-interval needs --save DIR to write the checkpoints to.")
+    if args.save_retain_interval is not None:
+        # Megatron-LM's asserts, as one line each.
+        if not args.save or not args.save_interval:
+            raise DynaPipeError(f"--save-retain-interval {args.save_retain_interval} thins the checkpoints "
+                                f"--save-interval writes to --save; give both (or drop it).")
+        if args.save_retain_interval < 1 or args.save_retain_interval % args.save_interval:
+            raise DynaPipeError(f"--save-retain-interval {args.save_retain_interval}: must be a positive multiple "
+                                f"of --save-interval {args.save_interval}, as Megatron-LM requires.")
     from megatron_integration.checkpoint_files import check_checkpoint_dirs, check_writable_dir, same_dir
 
     # Proven writable on every rank before any work: a directory only the logging rank or a
@@ -250,6 +258,7 @@ def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[b
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         packed_attention=args.dynapipe_packed_attention, padded_attention=args.dynapipe_padded_attention,
         save=args.save, load=args.load, save_interval=args.save_interval,
+        save_retain_interval=args.save_retain_interval,
         load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, log_interval=args.log_interval,
         log_throughput=args.log_throughput, log_params_norm=args.log_params_norm, logging_level=args.logging_level,
         tensorboard=tensorboard_args_from_args(args),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import glob
 import math
 import os
+import shutil
 from datetime import datetime
 from types import SimpleNamespace
 from typing import Callable, Optional
@@ -62,6 +63,8 @@ def save(cfg, iteration: int, consumed_samples: int, gpt, optimizer, scheduler, 
     model FLOPs trained so far, recorded as Megatron-LM's ``num_floating_point_operations_so_far``."""
     blend = {} if training_blend is None else {BLEND_RECORD_KEY: list(training_blend)}
     root = cfg.save
+    retain = getattr(cfg, "save_retain_interval", None)
+    previous = latest_iteration(root) if retain else None
     log(f"[{_now()}] saving checkpoint at iteration {iteration:7d} to {root} in {cfg.ckpt_format} format")
     if cfg.ckpt_format == "torch_dist":
         iter_dir = _iter_dir(root, iteration)
@@ -79,7 +82,28 @@ def save(cfg, iteration: int, consumed_samples: int, gpt, optimizer, scheduler, 
         iter_dir = save_checkpoint(root, iteration, consumed_samples, gpt, optimizer, scheduler, info, extra=extra,
                                    dtype=cfg.model.dtype, flops_so_far=flops_so_far)
     log(f"  [{_now()}] successfully saved checkpoint from iteration {iteration:7d} to {root} {_layout(info)}")
+    if retain and previous is not None and 0 < previous != iteration and previous % retain:
+        _retire(root, previous, info, log)
     return iter_dir
+
+
+def _retire(root: str, iteration: int, info: RankInfo, log: Log) -> None:
+    """Delete the checkpoint of ``iteration`` under ``root`` (``--save-retain-interval``: a newer
+    one is saved and named in the tracker, and ``iteration`` is no multiple of the interval), as
+    Megatron-LM does: rank 0 deletes it, after every rank has saved the newer one (the save's
+    last barrier); a symbolic link is left alone. A failure to delete is said, not raised: the
+    newer checkpoint is complete and training goes on."""
+    if info.rank != 0:
+        return
+    path = _iter_dir(root, iteration)
+    if os.path.islink(path):
+        log(f"  skipping deleting checkpoint from iteration {iteration:7d} at {root} since it is a symbolic link")
+        return
+    log(f"  deleting checkpoint from iteration {iteration:7d} at {root} (--save-retain-interval)")
+    try:
+        shutil.rmtree(path)
+    except OSError as e:
+        log(f"  could not delete {path}: {e.strerror}; it stays, and training goes on")
 
 
 def _kind(iter_dir: str) -> str:

@@ -279,6 +279,8 @@ class DynaPipeTrainingConfig:
     save: Optional[str] = None
     load: Optional[str] = None
     save_interval: Optional[int] = None
+    # Megatron's --save-retain-interval: the checkpoints kept (with the newest); None: all.
+    save_retain_interval: Optional[int] = None
     load_optim: bool = True
     load_rng: bool = True
     log_interval: int = 100

@@ -37,8 +37,17 @@ def test_resume_continues_identically(tmp_path):
              # Resumed past --train-iters: the final evaluation is the checkpoint's iteration's.
              f"{TINY} --train-iters 1 --load {save} --use-checkpoint-opt_param-scheduler --split 90,5,5 "
              f"--eval-interval 1 --eval-iters 1"]
-    full, first, resumed, no_rng, done, past = (
+    # --save-retain-interval, in both formats: saved at 1..5, the multiples of 2 kept, and the newest.
+    retained = {fmt: str(tmp_path / f"retain-{fmt}") for fmt in ("torch_dist", "dynapipe")}
+    argvs += [f"{TINY} --train-iters 5 --save {d} --save-interval 1 --save-retain-interval 2 --ckpt-format {fmt}"
+              for fmt, d in retained.items()]
+    full, first, resumed, no_rng, done, past, *thinned = (
         ranks[0] for ranks in run_trainings([a.split() for a in argvs], 2, timeout_s=TIMEOUT * len(argvs)))
+    for run, d in zip(thinned, retained.values()):
+        assert sorted(f for f in os.listdir(d) if f.startswith("iter_")) == ["iter_0000002", "iter_0000004",
+                                                                             "iter_0000005"]
+        assert [line.split("] ")[-1] for line in run["checkpoint_lines"] if "deleting" in line] == [
+            f"  deleting checkpoint from iteration       {i} at {d} (--save-retain-interval)" for i in (1, 3)]
     assert past["losses"] == [] and any("validation loss at iteration 2 on validation set" in line
                                         for line in past["eval_lines"]), past["eval_lines"]
     assert done["losses"] == [] and done["checkpoint_lines"][-1] == (
@@ -321,6 +330,14 @@ def test_checkpoint_flags_have_megatrons_meaning(tmp_path):
         _parse("--ckpt-format torch")
     with pytest.raises(DynaPipeError, match="--finetune needs --load"):
         _parse("--finetune")
+    # --save-retain-interval as Megatron-LM asserts it: with --save and --save-interval, a multiple of it.
+    assert _parse(f"--save {tmp_path} --save-interval 2 --save-retain-interval 6").save_retain_interval == 6
+    with pytest.raises(DynaPipeError, match="--save-retain-interval 4 thins the checkpoints --save-interval writes"):
+        _parse(f"--save {tmp_path} --save-retain-interval 4")
+    for bad in (3, 0):
+        with pytest.raises(DynaPipeError, match=f"--save-retain-interval {bad}: must be a positive multiple of "
+                                                f"--save-interval 2"):
+            _parse(f"--save {tmp_path} --save-interval 2 --save-retain-interval {bad}")
     # The flags that only act on a loaded checkpoint are refused without one, not dropped.
     for flag in ("--no-load-optim", "--no-load-rng", "--override-opt_param-scheduler",
                  "--use-checkpoint-opt_param-scheduler", "--exit-on-missing-checkpoint"):
