@@ -170,7 +170,8 @@ class Executor(ComputeOps, TransferOps):
         on every rank once no more iterations will run (not while :meth:`run` is running).
 
         The row of the last exchange is kept when a peer may still be reading it (the
-        last iteration was refused, or moved nothing between stages); it lies in this
+        last iteration was refused, or moved nothing between stages, or this rank failed: a
+        peer may be between its wait for the rows and its read of them); it lies in this
         executor's own namespace, so no later executor reads it. Failure reports (keys under
         the same namespace's ``abort/``) stay: ranks still stopping read the root cause there;
         a clean run writes none.
@@ -185,7 +186,7 @@ class Executor(ComputeOps, TransferOps):
         last = self._runs - 1
         try:
             for seq in range(max(last - 1, 0), last + 1):
-                if seq != self._unread_row or self._failed:
+                if seq != self._unread_row and not self._failed:
                     self.store.delete_key(row_key(self._plan_prefix, seq, self.global_rank))
         except Exception:  # noqa: BLE001 - the store may be gone with its host at shutdown
             pass
