@@ -23,6 +23,7 @@ def profile_path(tmp_path_factory):
            "--mbs", "1,2", "--seqlens", "32,64,128", "--repeats", "1", "--threads", "1"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "measures two lengths" not in result.stderr  # three: a layer's square term is read from them
     return path
 
 
@@ -317,6 +318,9 @@ def test_a_transformer_engine_spec_is_profiled_without_a_weight_part(tmp_path):
             "                '--seqlens', '16,32', '--repeats', '1', '--threads', '1', '--no-progress']))\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
+    # Two lengths: said at once that what lies beyond them will be under-priced.
+    assert "note: --seqlens measures two lengths (16, 32); longer micro-batches will be priced from a line" \
+        in result.stderr, result.stderr[-3000:]
     data = json.loads(path.read_text())
     assert data["layer_spec"] == "transformer_engine"
     assert "bw_weight_ms" not in data["ops"]["layer"] and data["ops"]["layer"]["bw_ms"][0][0] > 0
