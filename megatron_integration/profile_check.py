@@ -97,9 +97,11 @@ def extrapolation_lines(cost_model: str, enabled: bool, lengths: Mapping[str, tu
     for axis, (flag, length) in lengths.items():
         grid = data.get(axis) if isinstance(data, dict) else None
         if isinstance(grid, list) and grid and length > max(grid):
-            # Memory is extrapolated too, and can come out below what a longer micro-batch keeps.
+            # Memory is extrapolated too: from two lengths below what a longer micro-batch keeps, from
+            # more possibly above it (a peak that rises in allocator steps).
             lines.append(f" > cost profile {cost_model}: {flag} {length} is beyond its longest measured length "
-                         f"{max(grid)}; longer micro-batches are priced by extrapolation, their activation memory "
-                         f"possibly below what they keep (measure up to {length} with `python -m dynapipe profile "
-                         f"{t5}{PROFILE_FLAG.get(axis, '--seqlens')} ...` to price them from measurements)")
+                         f"{max(grid)}; longer micro-batches are priced by extrapolation from its last lengths, "
+                         f"which can miss their time and activation memory either way (measure up to {length} with "
+                         f"`python -m dynapipe profile {t5}{PROFILE_FLAG.get(axis, '--seqlens')} ...` to price them "
+                         f"from measurements)")
     return lines

@@ -231,14 +231,15 @@ def test_a_run_longer_than_the_profile_is_told_at_start_up(tmp_path):
     lines = extrapolation_lines(str(path), True, {"seqlen": ("--encoder-seq-length", 4096),
                                                   "dec_seqlen": ("--decoder-seq-length", 64)})
     assert lines == [f" > cost profile {path}: --encoder-seq-length 4096 is beyond its longest measured length 128; "
-                     f"longer micro-batches are priced by extrapolation, their activation memory possibly below "
-                     f"what they keep (measure up to 4096 with `python -m dynapipe profile --seqlens ...` to price "
-                     f"them from measurements)"]
+                     f"longer micro-batches are priced by extrapolation from its last lengths, which can miss their "
+                     f"time and activation memory either way (measure up to 4096 with `python -m dynapipe profile "
+                     f"--seqlens ...` to price them from measurements)"]
     # A decoder length beyond the grid names the flag that measures decoder lengths.
     assert extrapolation_lines(str(path), True, {"dec_seqlen": ("--decoder-seq-length", 256)}) == [
         f" > cost profile {path}: --decoder-seq-length 256 is beyond its longest measured length 64; longer "
-        f"micro-batches are priced by extrapolation, their activation memory possibly below what they keep (measure "
-        f"up to 256 with `python -m dynapipe profile --dec-seqlens ...` to price them from measurements)"]
+        f"micro-batches are priced by extrapolation from its last lengths, which can miss their time and activation "
+        f"memory either way (measure up to 256 with `python -m dynapipe profile --dec-seqlens ...` to price them "
+        f"from measurements)"]
     # A T5 profile's fix measures a T5.
     path.write_text(json.dumps(_profile(dec_seqlen=[32, 64], kind="encoder-decoder")))
     assert "`python -m dynapipe profile --t5 --dec-seqlens ...`" in extrapolation_lines(
