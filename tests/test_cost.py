@@ -236,7 +236,7 @@ def test_extrapolated_times_never_fall_with_length_or_below_the_last_row():
     assert layer(32, 128) == pytest.approx(12.0 + 28 * 0.5)
     assert layer(32, 256) == pytest.approx(12.5 + 28 * 0.5)  # 128's step, not 256's 0.25
     at_32 = [layer(32, s) for s in (64, 96, 128, 192, 256, 512)]
-    assert all(b >= a for a, b in zip(at_32, at_32[1:])), at_32
+    assert all(b >= a * (1 - 1e-12) for a, b in zip(at_32, at_32[1:])), at_32  # up to rounding
 
 
 def test_profile_recompute_and_file_loading(tmp_path, prof):

@@ -5,8 +5,9 @@ grid points (ms, MiB; lengths in tokens, sizes in samples).
 pass: linear inside the grid; beyond the longest length the largest of the power law of the
 last two lengths (:func:`growth_power`), the line through them and the upward parabola
 through the last three (:func:`rising_tail`), a time capped at quadratic growth
-(:func:`extrapolate`); more samples never cheaper there, and past the largest size a time
-grows by the last step's slope, memory in proportion. :class:`DecoderTable` adds a T5 decoder
+(:func:`extrapolate`) and, on a grid of several sizes, extrapolated through its per-sample part
+(the last size step's ms per sample); more samples never cheaper there, and past the largest
+size a time grows by the last step's slope, memory in proportion. :class:`DecoderTable` adds a T5 decoder
 layer's encoder-length axis (:func:`interp_axis`); :class:`OpTables` names an op's fields.
 The cost models (:mod:`dynapipe.cost.profile`, :mod:`dynapipe.cost.profile_t5`) price stages
 from them.
@@ -152,6 +153,18 @@ class ProfileTable:
         # its length's rows by index.
         lengths, at = np.unique(s, return_inverse=True)
         rows = self._along_seqlen(self._v, lengths, self._timed)  # [K, R, distinct lengths]
+        slope = None
+        if self._slope is not None:
+            # ms per sample (the last size step's) at each length: a time, whatever table it steps.
+            slope = self._along_seqlen(self._slope, lengths, np.ones(len(self._v), dtype=bool))[:, 0, :]
+            if np.any(lengths > top):
+                # A time beyond the longest length: each size's last measured time, plus its samples
+                # times the growth of the per-sample time. A micro-batch's fixed cost (a launch-bound
+                # small size's) stays fixed, as past the largest size; each row extrapolated on its
+                # own read noise in three small, launch-bound points as growth: two 2,048-token
+                # samples priced 6% above one on a CPU profile of 64-256 tokens (measured: 1.79x).
+                grown = self._v[:, :, -1:] + self.mbs[None, :, None] * (slope - self._slope[:, 0, -1:])[:, None, :]
+                rows = np.where(self._timed[:, None, None] & (lengths > top), grown, rows)
         # Beyond the longest measured length each row follows its own curve, which can carry
         # a smaller size's row above a larger one's: there, more samples never cost less. (Inside
         # the grid the measurements stand as measured.)
@@ -172,9 +185,7 @@ class ProfileTable:
                 # CPU ones): this misses by 7% (backward) and 29% (forward) on average on the GPU,
                 # where proportional scaling, paying the fixed cost again per grid-top of samples,
                 # misses by 40% and 56%; on the CPUs by 11-29% against 13-36%.
-                # ms per sample: a time, whatever the table it steps.
-                slope = self._along_seqlen(self._slope, lengths, np.ones(len(self._v), dtype=bool))[:, 0, at]
-                grown = last + (b - grid_b[-1]) * slope
+                grown = last + (b - grid_b[-1]) * slope[:, at]
                 above = grown if self._timed.all() else np.where(self._timed[:, None], grown, above)
             out = np.where(b < grid_b[0], below, np.where(b > grid_b[-1], above, inside))
         return out
