@@ -140,18 +140,9 @@ class Evaluator:
                                         f"--eval-interval.") from None
                 empty.append((split, e))
                 continue
-            if not dataset.loss_tokens(np.arange(len(dataset))):
-                # Every evaluation of it would stop the run, after all the training before it.
-                flag = (f"--eval-interval {cfg.evaluation.eval_interval}" if split == "valid"
-                        and cfg.evaluation.eval_interval is not None else f"--eval-iters {cfg.evaluation.eval_iters}")
-                raise DynaPipeError(f"{flag}: the {SPLIT_NAMES[split]}'s {len(dataset):,} sample(s) hold no loss "
-                                    f"tokens (documents of one token, such as an end-of-document token alone, have "
-                                    f"no next token to predict), so its loss could not be averaged; drop such "
-                                    f"documents from the data, raise that share of --split, or give "
-                                    f"--{split}-data-path.")
-            self.datasets[split] = dataset
-            self.samplers[split] = GlobalBatchSampler(
-                dataset.sample_tokens(), eval_sampler_config(cfg, config))
+            sampler = GlobalBatchSampler(dataset.sample_tokens(), eval_sampler_config(cfg, config))
+            self._check_loss_tokens(split, dataset, sampler)
+            self.datasets[split], self.samplers[split] = dataset, sampler
         e = cfg.evaluation
         if empty and not self.datasets and e.eval_iters_given:
             # Typed, so not dropped unsaid (every rank sees the same data and raises).
@@ -170,6 +161,35 @@ class Evaluator:
         self.batch_fn = batch_fn or (lambda samples, lengths, k, dataset: megatron_eval_batch(
             stage, info, cfg, samples, lengths, method))
         self.batches_run = 0  # evaluation batches so far (also numbers their plans)
+
+    # Evaluations of at most this many global batches are checked whole at start-up.
+    CHECKED_BATCHES = 256
+
+    def _check_loss_tokens(self, split: str, dataset: SampleDataset, sampler: GlobalBatchSampler) -> None:
+        """Refuse, at start-up, a split whose evaluation would stop the run after the training
+        before it: no sample with a token to predict (documents of one token), or none in the
+        first evaluation's global batches (a blend drawing almost only such samples). Every
+        rank sees the same data and raises."""
+        e = self.cfg.evaluation
+        flag = (f"--eval-interval {e.eval_interval}" if split == "valid" and e.eval_interval is not None
+                else f"--eval-iters {e.eval_iters}")
+        own_path = bool(getattr(self.cfg.data, f"{split}_data_path", ()))
+        fix = ("drop such documents from the data" + ("" if own_path else
+                                                        f", raise that share of --split, or give --{split}-data-path"))
+        why = ("documents of one token, such as an end-of-document token alone, have no next token to predict, so "
+               "the loss could not be averaged")
+        if not dataset.loss_tokens(np.arange(len(dataset))):
+            raise DynaPipeError(f"{flag}: the {SPLIT_NAMES[split]}'s {len(dataset):,} sample(s) hold no loss tokens "
+                                f"({why}); {fix}.")
+        if e.eval_iters <= self.CHECKED_BATCHES and not any(
+                dataset.loss_tokens(sampler.batch(k).indices) for k in range(e.eval_iters)):
+            from dynapipe.data.collate import loss_token_counts
+
+            share = float(np.mean(loss_token_counts(dataset.input_lengths, dataset.target_lengths,
+                                                    dataset.encoder_decoder) > 0))
+            raise DynaPipeError(f"{flag}: the first evaluation of the {SPLIT_NAMES[split]} (its first {e.eval_iters} "
+                                f"global batch(es)) holds no loss tokens: {share:.1%} of its samples have a token to "
+                                f"predict ({why}); {fix}, or raise --eval-iters so an evaluation reaches them.")
 
     def has(self, split: str) -> bool:
         """Whether ``split`` (``valid``/``test``) has data to evaluate."""

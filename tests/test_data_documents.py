@@ -358,6 +358,24 @@ def test_a_validation_split_that_cannot_be_evaluated_is_refused_at_start_up(tmp_
         Evaluator(cfg, None, None)
 
 
+def test_a_first_evaluation_without_loss_tokens_is_refused_at_start_up(tmp_path):
+    # A validation path of 400 one-token documents and 2 normal ones: the split holds loss
+    # tokens, but its first evaluation's batch drew none and stopped the run after training.
+    from megatron_integration.evaluation import Evaluator
+
+    train, valid = str(tmp_path / "train"), str(tmp_path / "valid")
+    write_indexed_dataset(train, [np.arange(2, 40) for _ in range(40)])
+    write_indexed_dataset(valid, [np.full(1, 7)] * 400 + [np.arange(2, 40)] * 2)
+    argv = f"{BASE} --train-data-path {train} --valid-data-path {valid} --eval-interval 1".split()
+    with pytest.raises(DynaPipeError, match=r"--eval-interval 1: the first evaluation of the validation set \(its "
+                                            r"first 1 global batch\(es\)\) holds no loss tokens: 0.5% of its samples "
+                                            r"have a token to predict .*; drop such documents from the data, or raise "
+                                            r"--eval-iters so an evaluation reaches them"):
+        Evaluator(parse_training_args(argv + ["--eval-iters", "1"], 1, cuda=False), None, None)
+    # An evaluation long enough to reach them runs.
+    assert Evaluator(parse_training_args(argv + ["--eval-iters", "200"], 1, cuda=False), None, None).has("valid")
+
+
 def test_long_jsonl_text_documents_are_cut_into_pieces_like_indexed_ones(tmp_path):
     # {"text"} records are pretraining documents: cut into pieces that keep every prediction,
     # as indexed documents are, not truncated; instruction records are still truncated.
