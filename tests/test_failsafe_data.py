@@ -29,7 +29,7 @@ def _idx_case(tmp_path, name):
     if name == "uint16_above":
         return write_indexed(p, [[5, 6], [60000]], np.uint16), ("data.bin", "sequence 1", "id 60000")
     if name == "all_empty":
-        return write_indexed(p, [[], []]), ("data.idx", "sequence 0", "no tokens")
+        return write_indexed(p, [[], []]), ("data.idx", "all 2 of its sequences are empty", "no tokens at all")
     prefix = write_indexed(p, good)
     if name == "bin_truncated":
         truncate_file(prefix + ".bin", -3)
@@ -125,6 +125,12 @@ def test_empty_documents_are_skipped_as_megatron_lm_trains_past_them(tmp_path):
     with pytest.raises(DynaPipeError, match=r"hold no sequences \(2 empty\) in the --split range"):
         DatasetConfig(kind="indexed", seq_length=64, paths=(only_empty,), vocab_size=100,
                       split_range=(0.25, 0.75)).build()
+    # A path of empty sequences only holds no data: named as such, not as one empty sequence to filter.
+    nothing = write_indexed(tmp_path / "nothing", [[], [], []])
+    with pytest.raises(DynaPipeError, match=r"nothing.idx: all 3 of its sequences are empty \(no tokens at all\); "
+                                            r"drop it from the data paths"):
+        DatasetConfig(kind="indexed", seq_length=64, paths=(prefix, nothing), weights=(1.0, 1.0),
+                      vocab_size=100).build()
 
 
 def test_an_overlong_indexed_sample_is_named_by_its_file_and_sequence(tmp_path):

@@ -101,7 +101,7 @@ def _check_index_header(path: str) -> int:
                             f"written from empty input: rebuild it, or leave it out of the data paths.")
     lengths = np.fromfile(path, dtype=np.int32, count=sequences, offset=_INDEX_HEAD.size)
     if not lengths.any():
-        _no_empty(prefix, lengths)
+        raise _all_empty(prefix, len(lengths))
     if os.path.getsize(prefix + ".bin") == 0:
         raise DynaPipeError(f"{prefix}.bin is empty, but its index announces {sequences:,} sequences; copy the file "
                             f"again or rebuild the dataset.")
@@ -197,6 +197,14 @@ def first_bad_token(prefix: str, handle, vocab_size: int, mmap: bool = True) -> 
     return None
 
 
+def _all_empty(prefix: str, sequences: int) -> DynaPipeError:
+    """A dataset whose every sequence is empty: empty documents are skipped, but a path of
+    nothing else holds no data at all (and filtering them out would leave nothing)."""
+    return DynaPipeError(f"{prefix}.idx: all {sequences:,} of its sequences are empty (no tokens at all); drop it "
+                         f"from the data paths, or rebuild it (text that tokenised to nothing, written without "
+                         f"--append-eod, leaves empty sequences).")
+
+
 def _no_empty(prefix: str, lengths: np.ndarray) -> None:
     empty = np.flatnonzero(lengths == 0)
     if len(empty):
@@ -260,7 +268,7 @@ class MegatronIndexedDataset(SampleDataset):
                 raw_tg.append(tlengths[kept])
             else:
                 if not lengths.any():
-                    _no_empty(prefix, lengths)
+                    raise _all_empty(prefix, len(lengths))
                 kept = np.flatnonzero(lengths[begin:end] > 0).astype(np.int64) + begin
                 self.num_empty_documents += (end - begin) - len(kept)
                 raw_in.append(np.zeros(len(kept), dtype=np.int64))
