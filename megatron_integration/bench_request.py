@@ -46,10 +46,15 @@ def refuse_unread_bench_flags(argv: Sequence[str], methods: Sequence[str]) -> No
     from dynapipe.errors import DynaPipeError
 
     save = flag_value(argv, "--save")
-    if save is not None:
-        raise DynaPipeError(f"--save {save}: the bench trains every method and micro-batch size in turn from the "
-                            f"same start, so each run would overwrite the last one's checkpoints (and a --load of "
-                            f"the same folder would resume from them), and saving would be timed; drop it.")
+    saving = [f for f in ("--save-interval", "--save-retain-interval") if flag_value(argv, f) is not None]
+    if save is not None or saving:
+        # The checkpoint flags together: refusing --save-interval for want of a --save the bench
+        # then refuses would send the user round in a circle.
+        given = " ".join(f"{f} {flag_value(argv, f)}" for f in ["--save", *saving] if flag_value(argv, f) is not None)
+        raise DynaPipeError(f"{given}: the bench trains every method and micro-batch size in turn from the same "
+                            f"start, so each run would overwrite the last one's checkpoints (and a --load of the "
+                            f"same folder would resume from them), and saving would be timed; drop "
+                            f"{'it' if len(given.split()) == 2 else 'them'}.")
     trace = flag_value(argv, "--dynapipe-trace-dir")
     if trace is not None:
         raise DynaPipeError(f"--dynapipe-trace-dir {trace}: the bench writes every DynaPipe run's executor trace "

@@ -165,6 +165,9 @@ def test_bench_refuses_settings_its_runs_would_not_read(tmp_path, capsys, monkey
             # Runs in turn: each would overwrite (and with --load, resume from) the last one's checkpoints.
             (["--save", str(tmp_path / "ck"), "--load", str(tmp_path / "ck")], "--save " + str(tmp_path / "ck")
              + ": the bench trains every method"),
+            # The checkpoint flags refused together (each alone was told to add --save, then refused with it).
+            (["--save-interval", "2", "--save-retain-interval", "4"],
+             "--save-interval 2 --save-retain-interval 4: the bench trains every method"),
             (["--methods", "dynapipe,dynapipe-1f1b", "--dynapipe-schedule", "adaptive"],
              "--dynapipe-schedule adaptive would be overridden for dynapipe-1f1b"),
             (["--methods", "padding", "--dynapipe-schedule", "adaptive"], "runs no DynaPipe method"),
