@@ -159,6 +159,11 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--exit-signal-handler-for-training": ("see --exit-signal-handler: stop a run with --exit-interval or "
                                            "--exit-duration-in-mins"),
     "--warmup": "Megatron-LM's deprecated spelling of --lr-warmup-fraction; use that",
+    "--multi-latent-attention": ("multi-latent attention is not built (GPT and T5 stages use megatron-core's "
+                                 "standard attention); drop it"),
+    # Declared by Megatron-LM only where NVIDIA's kitchen package is installed.
+    "--kitchen-config-file": "NVIDIA's kitchen quantization recipes are not built; drop it",
+    "--kitchen-recipe-number": "NVIDIA's kitchen quantization recipes are not built; drop it",
     "--checkpoint-activations": "Megatron-LM's deprecated name; use --recompute-activations",
     "--batch-size": "Megatron-LM's deprecated name; use --micro-batch-size",
 }

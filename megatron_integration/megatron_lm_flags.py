@@ -69,19 +69,18 @@ _GROUPS = {
         --mhc-recompute-layer-num --mhc-sinkhorn-iterations --min-offloaded-tensor-size --mlp-chunks-for-prefill
         --mlp-chunks-for-training --mrope-section --mtp-detach-heads --mtp-hsm --mtp-hybrid-override-pattern
         --mtp-loss-scaling-factor --mtp-num-layers --mtp-standalone --mtp-use-repeated-layer
-        --multi-latent-attention --mup-attn-scale-power --mup-base-head-dim --mup-base-hidden-size
-        --mup-embedding-mult --mup-output-mult --mup-width-mult --nccl-all-reduce-for-prefill
-        --no-clone-scatter-output-in-embedding --no-dsa-indexer-rotate-activation --no-dsa-indexer-scoring-relu
-        --no-initialization --no-tp-comm-bulk-dgrad --no-tp-comm-bulk-wgrad --no-tp-comm-overlap-ag
-        --no-tp-comm-overlap-rs --no-tp-comm-split-ag --no-tp-comm-split-rs --num-layers-at-end-in-bf16
-        --num-layers-at-start-in-bf16 --offload-modules --overlap-dispatch-backward-with-experts-wgrad
-        --overlap-moe-expert-parallel-comm --overlap-p2p-communication-warmup-flush
-        --pipeline-model-parallel-comm-backend --qk-clip --qk-clip-alpha --qk-clip-threshold --qk-l2-norm
-        --rotary-interleaved --softmax-type --symmetric-ar-type --tensor-parallel-num-weight-shards
-        --tp-comm-bootstrap-backend --tp-comm-overlap-rs-dgrad --use-fused-weighted-squared-relu
-        --use-grouped-gemm-for-dense-mlp --use-grouped-gemm-for-shared-expert --use-kitchen-attention --use-mup
-        --use-ring-exchange-p2p --use-te-activation-func --use-transformer-engine-op-fuser
-        --wgrad-deferral-limit""",
+        --mup-attn-scale-power --mup-base-head-dim --mup-base-hidden-size --mup-embedding-mult --mup-output-mult
+        --mup-width-mult --nccl-all-reduce-for-prefill --no-clone-scatter-output-in-embedding
+        --no-dsa-indexer-rotate-activation --no-dsa-indexer-scoring-relu --no-initialization
+        --no-tp-comm-bulk-dgrad --no-tp-comm-bulk-wgrad --no-tp-comm-overlap-ag --no-tp-comm-overlap-rs
+        --no-tp-comm-split-ag --no-tp-comm-split-rs --num-layers-at-end-in-bf16 --num-layers-at-start-in-bf16
+        --offload-modules --overlap-dispatch-backward-with-experts-wgrad --overlap-moe-expert-parallel-comm
+        --overlap-p2p-communication-warmup-flush --pipeline-model-parallel-comm-backend --qk-clip
+        --qk-clip-alpha --qk-clip-threshold --qk-l2-norm --rotary-interleaved --softmax-type --symmetric-ar-type
+        --tensor-parallel-num-weight-shards --tp-comm-bootstrap-backend --tp-comm-overlap-rs-dgrad
+        --use-fused-weighted-squared-relu --use-grouped-gemm-for-dense-mlp --use-grouped-gemm-for-shared-expert
+        --use-kitchen-attention --use-mup --use-ring-exchange-p2p --use-te-activation-func
+        --use-transformer-engine-op-fuser --wgrad-deferral-limit""",
     'rl': """
         --grpo-clamp-eps-lower --grpo-clamp-eps-upper --grpo-entropy-term-weight
         --grpo-filter-groups-with-same-reward --grpo-group-size --grpo-iterations --grpo-kl-beta
