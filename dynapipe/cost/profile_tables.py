@@ -104,6 +104,7 @@ class ProfileTable:
             # longer sample below a shorter one, or 32 samples at the price of 4.
             step = np.maximum(self._v[:, -1] - self._v[:, -2], 0.0) / (mbs[-1] - mbs[-2])
             self._slope = np.maximum.accumulate(step, axis=-1)[:, None, :]
+
     def _along_seqlen(self, rows: np.ndarray, s: np.ndarray, timed: np.ndarray) -> np.ndarray:
         """Every row of ``rows`` (``[K, R, len(seqlen)]``) at the lengths ``s``:
         ``[K, R, *s.shape]``; inside the grid ``np.interp``'s rule (a grid point's own value,
@@ -154,7 +155,7 @@ class ProfileTable:
         lengths, at = np.unique(s, return_inverse=True)
         rows = self._along_seqlen(self._v, lengths, self._timed)  # [K, R, distinct lengths]
         slope = None
-        if self._slope is not None:
+        if self._slope is not None and (np.any(lengths > top) or np.any(b > grid_b[-1])):
             # ms per sample (the last size step's) at each length: a time, whatever table it steps.
             slope = self._along_seqlen(self._slope, lengths, np.ones(len(self._v), dtype=bool))[:, 0, :]
             if np.any(lengths > top):
