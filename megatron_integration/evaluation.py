@@ -29,7 +29,6 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Optional, TextIO
 
-import numpy as np
 import torch
 
 from dynapipe.data.samples import SampleDataset
@@ -178,15 +177,16 @@ class Evaluator:
                                                         f", raise that share of --split, or give --{split}-data-path"))
         why = ("documents of one token, such as an end-of-document token alone, have no next token to predict, so "
                "the loss could not be averaged")
-        if not dataset.loss_tokens(np.arange(len(dataset))):
+        from dynapipe.data.collate import loss_token_counts
+
+        # From the lengths alone (nothing is read); the whole split's, then the first evaluation's.
+        predicts = loss_token_counts(dataset.input_lengths, dataset.target_lengths, dataset.encoder_decoder) > 0
+        if not predicts.any():
             raise DynaPipeError(f"{flag}: the {SPLIT_NAMES[split]}'s {len(dataset):,} sample(s) hold no loss tokens "
                                 f"({why}); {fix}.")
         if e.eval_iters <= self.CHECKED_BATCHES and not any(
-                dataset.loss_tokens(sampler.batch(k).indices) for k in range(e.eval_iters)):
-            from dynapipe.data.collate import loss_token_counts
-
-            share = float(np.mean(loss_token_counts(dataset.input_lengths, dataset.target_lengths,
-                                                    dataset.encoder_decoder) > 0))
+                predicts[sampler.batch(k).indices].any() for k in range(e.eval_iters)):
+            share = float(predicts.mean())
             raise DynaPipeError(f"{flag}: the first evaluation of the {SPLIT_NAMES[split]} (its first {e.eval_iters} "
                                 f"global batch(es)) holds no loss tokens: {share:.1%} of its samples have a token to "
                                 f"predict ({why}); {fix}, or raise --eval-iters so an evaluation reaches them.")
