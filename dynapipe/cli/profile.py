@@ -215,7 +215,7 @@ def run(args) -> int:
             # Beyond the grid the cost model reads a layer's square term from the last three lengths.
             print(f"note: {flag} measures two lengths ({grid[0]}, {grid[1]}); longer micro-batches will be priced "
                   f"from a line and a power law through them, which under-price a layer's attention (a stage "
-                  f"of gpt-tiny at 4x the longest: 39.5 MiB planned, 50.8 measured); measure three or more "
+                  f"of gpt-tiny at 4x the longest: 51.2 MiB planned, 62.5 measured); measure three or more "
                   f"lengths to price its square term", file=sys.stderr)
     if args.repeats < 1 or args.warmup < 0:
         raise DynaPipeError(f"--repeats {args.repeats} --warmup {args.warmup}: --repeats must be >= 1 (timed runs "
