@@ -2,7 +2,7 @@
 
 - ``--exit-duration-in-mins N``: after every iteration each rank compares the minutes since
   training started with N, and a MAX all-reduce over all ranks makes every rank take the same
-  decision, however their clocks differ; past the limit the run saves a checkpoint (with
+  decision, however their clocks differ (the line it prints gives the longest time); past the limit the run saves a checkpoint (with
   ``--save``, unless it saved at this iteration already) and stops, as Megatron-LM does, so a
   job under a scheduler's time limit ends with a checkpoint instead of being killed mid-step.
 - ``--empty-unused-memory-level``: 1 returns the CUDA caching allocator's unused blocks to
@@ -27,24 +27,28 @@ def check_exit_duration(minutes: Optional[int]) -> Optional[int]:
 
 
 def exit_duration_reached(minutes: Optional[int], started_s: float, device: torch.device,
-                          now_s: Optional[float] = None) -> bool:
-    """Whether any rank has trained longer than ``minutes`` since ``started_s`` (``time.time()``
-    seconds; ``now_s`` defaults to now). Collective over the default process group when one is
-    up: every rank must call it at the same iteration."""
+                          now_s: Optional[float] = None) -> Optional[float]:
+    """The longest time any rank has trained, in minutes since its ``started_s`` (``time.time()``
+    seconds; ``now_s`` defaults to now), when that is past ``minutes``; None while every rank is
+    within the limit (or there is none). Collective over the default process group when one is
+    up: every rank must call it at the same iteration, and all get the same answer."""
     if not minutes:
-        return False
+        return None
     elapsed_min = ((time.time() if now_s is None else now_s) - started_s) / 60.0
-    flag = torch.tensor([1 if elapsed_min > minutes else 0], dtype=torch.int32, device=device)
+    # The slowest clock decides, and is the one reported: rank 0's alone could read just under
+    # the limit in the line that says the limit was reached.
+    longest = torch.tensor([elapsed_min], dtype=torch.float64, device=device)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return bool(flag.item())
+        torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX)
+    longest_min = float(longest.item())
+    return longest_min if longest_min > minutes else None
 
 
-def exit_duration_line(minutes: int, started_s: float, iteration: int) -> str:
-    """The line a run stopped by ``--exit-duration-in-mins`` prints."""
-    elapsed = (time.time() - started_s) / 60.0
-    return (f"exiting program after {elapsed:.2f} minutes (--exit-duration-in-mins {minutes}), after iteration "
-            f"{iteration}")
+def exit_duration_line(minutes: int, elapsed_min: float, iteration: int) -> str:
+    """The line a run stopped by ``--exit-duration-in-mins`` prints (``elapsed_min``: the
+    longest time any rank trained, in minutes, from :func:`exit_duration_reached`)."""
+    return (f"exiting program after {elapsed_min:.2f} minutes (--exit-duration-in-mins {minutes}), after "
+            f"iteration {iteration}")
 
 
 def empty_unused_memory(level: int, device: torch.device, after_optimizer: bool) -> None:

@@ -127,7 +127,7 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
         if evaluator is not None and cfg.exit_duration_in_mins:
             # As Megatron-LM's evaluate(): the limit is checked after every evaluation batch too.
             evaluator.time_up = lambda: exit_duration_reached(cfg.exit_duration_in_mins, parts.started_s,
-                                                              info.device)
+                                                              info.device) is not None
         logger = TrainingLogger(cfg.train_iters, cfg.global_batch_size, cfg.log_interval,
                                 is_logging_rank=logging_rank, tensorboard_dir=cfg.tensorboard_dir, stream=stream,
                                 flops_model=parts.model if cfg.log_throughput else None, world_size=info.world_size,
@@ -182,11 +182,12 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
                 if cfg.save and cfg.save_interval and done % cfg.save_interval == 0 and done != last:
                     parts.save(done, run.consumed_samples, run.flops_so_far)
                     saved_at = done
-            if exit_duration_reached(cfg.exit_duration_in_mins, parts.started_s, info.device):
+            elapsed_min = exit_duration_reached(cfg.exit_duration_in_mins, parts.started_s, info.device)
+            if elapsed_min is not None:
                 stop, by_duration = done, True
                 # The time trained, read now; printed after the final save, as Megatron-LM does (a
                 # save that fails must not follow a line saying the program is exiting).
-                exit_line = exit_duration_line(cfg.exit_duration_in_mins, parts.started_s, done)
+                exit_line = exit_duration_line(cfg.exit_duration_in_mins, elapsed_min, done)
                 break
         where = f"after iteration {stop}"
         if on_gpu:

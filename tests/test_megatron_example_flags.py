@@ -303,7 +303,10 @@ def _exit_worker(ctx, late_rank: int):
 def test_every_rank_stops_when_one_rank_is_past_the_duration():
     from dynapipe.runtime.distributed import spawn
 
-    assert spawn(_exit_worker, 2, args=(1,), timeout_s=120) == [(True, False), (True, False)]
+    # Both ranks stop, and both report the late rank's 121 s (rank 0's own 30 s would read as a
+    # stop before the limit).
+    got = spawn(_exit_worker, 2, args=(1,), timeout_s=120)
+    assert [(round(a, 6), b) for a, b in got] == [(round(121 / 60, 6), None)] * 2, got
 
 
 def _duration_during_evaluation(argv: list) -> dict:
@@ -316,7 +319,7 @@ def _duration_during_evaluation(argv: list) -> dict:
 
     def reached(minutes, started_s, device, now_s=None):  # past the limit from its second check on
         calls.append(minutes)
-        return len(calls) >= 2
+        return 61.0 if len(calls) >= 2 else None
 
     training_loop.exit_duration_reached = reached
     run = pretrain(parse_training_args(argv, 1, cuda=False), stream=io.StringIO())
@@ -343,7 +346,7 @@ def _duration_with_save(argv: list) -> str:
     from megatron_integration import training_loop
     from megatron_integration.training import pretrain
 
-    training_loop.exit_duration_reached = lambda minutes, started_s, device, now_s=None: True
+    training_loop.exit_duration_reached = lambda minutes, started_s, device, now_s=None: 61.25
     out = io.StringIO()
     pretrain(parse_training_args(argv, 1, cuda=False), stream=out)
     return out.getvalue()
@@ -358,7 +361,7 @@ def test_the_duration_exit_line_follows_the_final_save(tmp_path):
             f"--save {tmp_path / 'ck'}").split()
     printed = spawn(_duration_with_save, 1, (argv,), timeout_s=180)[0]
     saved = printed.index("successfully saved checkpoint")
-    exiting = printed.index("exiting program after")
+    exiting = printed.index("exiting program after 61.25 minutes")
     assert saved < exiting and "after iteration 1" in printed[exiting:], printed
     assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
 
@@ -407,7 +410,7 @@ def test_no_limit_means_no_collective():
 
     # Megatron-LM treats 0 as no limit; no process group is needed then.
     assert check_exit_duration(0) is None
-    assert not exit_duration_reached(None, 0.0, torch.device("cpu"), now_s=1e9)
+    assert exit_duration_reached(None, 0.0, torch.device("cpu"), now_s=1e9) is None
 
 
 def _optimizer_groups(argv: list):
