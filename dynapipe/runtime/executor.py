@@ -9,7 +9,8 @@ reports. The same executor drives a plain torch stage and a megatron-core stage.
 The contract with the model integration (handlers, configuration, results) is in
 :mod:`dynapipe.runtime.contract`. This module holds the entry point, the instruction loop
 and failure handling; the compute instructions are in :mod:`dynapipe.runtime.exec_compute`,
-the transfers in :mod:`dynapipe.runtime.exec_transfers`, an iteration's bookkeeping in
+the transfers in :mod:`dynapipe.runtime.exec_transfers`, failure reports to and from peers
+in :mod:`dynapipe.runtime.exec_failures`, an iteration's bookkeeping in
 :mod:`dynapipe.runtime.run_state`.
 
 Before anything is sent, every pipeline rank's plan is compared with its peers'
@@ -32,18 +33,19 @@ compute op later than the plan lists it, which the activation plan
 from __future__ import annotations
 
 import traceback
-from typing import Callable, Optional, TypeVar, Union
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from dynapipe.errors import DynaPipeError, ExecutorError, PlanError
+from dynapipe.errors import ExecutorError, PlanError
 from dynapipe.plan.instructions import (RECV_STARTS, SEND_STARTS, BackwardPass, ExecutionPlan, FINISHES,
                                         ForwardPass, FreeBuffer, Instruction, LoadInput, SendActivationStart,
                                         SendGradStart)
 from dynapipe.runtime.activation_meter import ActivationMeter
 from dynapipe.runtime.buffers import BufferTable
 from dynapipe.runtime.exec_compute import ComputeOps
+from dynapipe.runtime.exec_failures import FailureOps
 from dynapipe.runtime.exec_transfers import TransferOps
 from dynapipe.runtime.exec_trace import WAIT_SENDS, DeviceClock, ExecEvent, ExecTrace, describe, now_us
 from dynapipe.runtime.contract import ExecutorConfig, HandlerFailure, IterationResult, StageHandlers
@@ -57,10 +59,7 @@ from dynapipe.runtime.run_state import TRANSFERS, RunState, Where
 _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
-T = TypeVar("T")
-
-
-class Executor(ComputeOps, TransferOps):
+class Executor(ComputeOps, TransferOps, FailureOps):
     """Runs execution plans on one pipeline rank.
 
     ``group``: the pipeline process group (``None``: the default group); pipeline rank
@@ -191,45 +190,6 @@ class Executor(ComputeOps, TransferOps):
         except Exception:  # noqa: BLE001 - the store may be gone with its host at shutdown
             pass
 
-    def report_outside(self, exc: BaseException, where: str) -> Optional[RemoteFailure]:
-        """Publish a failure of this rank outside :meth:`run` (the data loader, a check, the
-        gradient reduction, the optimizer step, an interrupt), so ranks waiting on this one in
-        their plans stop now with its cause instead of at the timeout. ``where``: what was
-        running (for example ``"iteration 7"``).
-
-        Returns the error to raise instead of ``exc`` when another rank failed first and
-        ``exc`` is most likely its consequence (a broken connection in a collective): a
-        :class:`RemoteFailure` naming both; else None (raise ``exc``). A failure the
-        instruction loop already reported is not reported again."""
-        if self.abort is None:
-            return None
-        if self._failed is None:
-            comm = isinstance(exc, ExecutorError) or isinstance(exc, getattr(dist, "DistError", ()))
-            text = f"{where}, global rank {self.global_rank}: {type(exc).__name__}: {exc}"
-            if not isinstance(exc, ExecutorError):
-                text += "\n" + "".join(traceback.format_exception(exc)).rstrip()
-            self._failed = text.splitlines()[0]
-            self.abort.report(self.global_rank, text, primary=not comm)
-        if isinstance(exc, DynaPipeError) or not isinstance(exc, Exception):
-            return None  # an error of its own (agreed ones such as a NaN included), or an interrupt
-        first = self.abort.reports()
-        if not first or first[0]["rank"] == self.global_rank:
-            return None
-        line = " ".join(str(exc).split())[:300]
-        return RemoteFailure(f"{where}: {type(exc).__name__}: {line}; global rank {first[0]['rank']} failed first:\n"
-                             f"{first[0]['message']}")
-
-    def reporting(self, where: str, fn: Callable[[], T]) -> T:
-        """``fn()``, with any failure published by :meth:`report_outside` (and replaced by the
-        root cause it returns); ``where`` names what ran, for example ``"iteration 7"``."""
-        try:
-            return fn()
-        except BaseException as e:
-            instead = self.report_outside(e, where)
-            if instead is not None:
-                raise instead from e
-            raise
-
     def __enter__(self) -> "Executor":
         return self
 
@@ -319,18 +279,6 @@ class Executor(ComputeOps, TransferOps):
         done.record(torch.cuda.current_stream(self.device))
         return done
 
-    def failure_elsewhere(self) -> Optional[str]:
-        """The root cause another rank reported (None: none did, or no store): a data loader's
-        ``failure_watch``, so ranks waiting for their plans stop with it."""
-        return None if self.abort is None else self.abort.failure_of_another(self.global_rank)
-
-    def _remote_failure(self, plan: ExecutionPlan) -> str:
-        """Why this rank stops after running its plan: another rank reported a failure."""
-        message = (f"pipeline rank {plan.stage} (global rank {self.global_rank}) finished its plan "
-                   f"but another rank failed; {self.abort.root_cause()}")
-        self._failed = message.splitlines()[0]
-        return message
-
     def _step(self, i: int, ins: Instruction, run: RunState, trace: Optional[ExecTrace], op) -> None:
         """Run ``op`` for instruction ``i``, timing it when tracing; every failure is reported."""
         where = Where(self, i, ins)
@@ -383,11 +331,6 @@ class Executor(ComputeOps, TransferOps):
         if 0 <= peer < self.comm.size:
             text += f", peer pipeline rank {peer} (global rank {self.comm.global_rank(peer)})"
         return text
-
-    def _fail(self, err: ExecutorError, primary: bool) -> None:
-        self._failed = str(err).splitlines()[0]
-        if self.abort is not None:
-            self.abort.report(self.global_rank, str(err), primary)
 
     def _dispatch(self, i: int, ins: Instruction, run: RunState, where: Where) -> None:
         op = self._ops.get(type(ins))
