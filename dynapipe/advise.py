@@ -31,7 +31,7 @@ from dynapipe.cost import build_cost_model
 from dynapipe.cost.chunked_placement import even_chunked_placement
 from dynapipe.cost.dp_sync import dp_sync_ms
 from dynapipe.cost.placement import StagePlacement
-from dynapipe.errors import DynaPipeError, whole_number
+from dynapipe.errors import DynaPipeError, arg, given, whole_number
 from dynapipe.method_compare import BatchesResult, compare_over_batches, method_cut
 from dynapipe.method_inputs import checked_batches
 from dynapipe.layouts import Layout, enumerate_layouts, leave_out_idle_replicas
@@ -259,7 +259,7 @@ def gpu_capacity_mib(device: DeviceConfig, memory_limit_mib: Optional[float]) ->
     limit = device.memory_mib if memory_limit_mib is None else float(memory_limit_mib)
     capacity = limit - device.reserved_mib
     if not capacity > 0:
-        raise DynaPipeError(f"--memory-limit-mb {limit:g} leaves nothing for the plans once the "
+        raise DynaPipeError(f"{given('memory_limit_mib', int(limit) if limit.is_integer() else limit)} leaves nothing for the plans once the "
                             f"{device.reserved_mib:g} MiB device {device.name!r} reserves (reserved_mib) are "
                             f"taken off; give more than {device.reserved_mib:g} MiB "
                             f"(the device has {device.memory_mib:g}).")
@@ -272,8 +272,8 @@ def sample_batches(tokens: int, count: int, seed: int, seq_length: int, *, encod
     ``seq_length``): drawn from the synthetic ``mixture``, or without replacement from
     the lengths ``pool`` (shuffled with ``seed``; each batch takes samples until the next
     would pass ``tokens``; refused when the pool holds fewer than ``tokens``)."""
-    whole_number("--tokens-per-iteration", tokens)
-    whole_number("--batches", count)
+    whole_number("tokens_per_iteration", tokens)
+    whole_number("batches", count)
     if pool is None:
         from dynapipe.method_compare import global_batch_of_tokens
 
@@ -282,9 +282,9 @@ def sample_batches(tokens: int, count: int, seed: int, seq_length: int, *, encod
     held = int(np.minimum(pool, seq_length).sum())
     if held < tokens:
         # Every batch would be the whole pool: a smaller global batch than the one asked.
-        raise DynaPipeError(f"--lengths holds {held:,} tokens (samples clipped at {seq_length}), fewer than the "
-                            f"{tokens:,} of a global batch --tokens-per-iteration asks; give a larger lengths file "
-                            f"or --tokens-per-iteration {held} or less.")
+        raise DynaPipeError(f"{arg('lengths')} holds {held:,} tokens (samples clipped at {seq_length}), fewer than "
+                            f"the {tokens:,} of a global batch {arg('tokens_per_iteration')} asks; give a larger "
+                            f"lengths file or {given('tokens_per_iteration', held)} or less.")
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(count):

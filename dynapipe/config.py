@@ -253,6 +253,11 @@ def resolve_config_path(path_or_name: str, kind: str, flag: Optional[str] = None
     anything else naming ``flag`` (when given), the shipped names of that kind and, for a
     name shipped as another kind (a device given as a cluster), which kind it is. A bare
     shipped name that is also a file in the working directory is refused as ambiguous."""
+    if isinstance(path_or_name, os.PathLike):
+        path_or_name = os.fspath(path_or_name)
+    if not isinstance(path_or_name, str):
+        raise DynaPipeError(f"{flag or CONFIG_KINDS.get(kind, kind) + ' config'} {path_or_name!r:.60}: give a YAML "
+                            f"file's path or the name of a shipped config ({', '.join(shipped_names(kind)[:4])}, ...).")
     name = path_or_name.removesuffix(".yaml")
     shipped = os.path.join(CONFIG_DIR, kind, name + ".yaml")
     what = CONFIG_KINDS.get(kind, kind)

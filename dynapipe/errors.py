@@ -7,7 +7,12 @@ traceback and exits with status 2; library callers can catch it like any excepti
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Iterator, Mapping, Optional
+
+# How the running program spells the Python parameters its errors name: the command line and the
+# training scripts map them to their flags (num_stages -> --stages); a library caller sees the
+# parameter names it passed. Process-wide, as an entry point sets it once for its run.
+_SPELLING: dict[str, str] = {}
 
 
 def iteration_name(index: int) -> str:
@@ -35,6 +40,56 @@ class ExecutorError(DynaPipeError):
     names the rank, the instruction index and the peer."""
 
 
+def arg(name: str) -> str:
+    """How an error names the parameter ``name``: its command-line flag under an entry point
+    that spelled it (:func:`spelled_as`), else ``name`` itself."""
+    return _SPELLING.get(name, name)
+
+
+def given(name: str, value) -> str:
+    """The parameter ``name`` with the ``value`` it was given, as an error quotes them:
+    ``--dp 0`` under the command line, ``dp=0`` from Python (strings quoted)."""
+    # Floats as floats (2.0 where a whole number is wanted), numpy's without their type name.
+    shown = repr(value) if isinstance(value, str) else repr(float(value)) if isinstance(value, float) else str(value)
+    spelled = _SPELLING.get(name)
+    return f"{name}={shown}" if spelled is None else f"{spelled} {shown}"
+
+
+def shown(value, limit: int = 60) -> str:
+    """``value`` as an error quotes a wrong argument: a config object by its type and name, any
+    other by its repr, cut at ``limit`` characters (an ellipsis marks the cut)."""
+    name = getattr(value, "name", None)
+    if _is_dataclass_instance(value) and isinstance(name, str):
+        return f"{type(value).__name__}(name={name!r}, ...)"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _is_dataclass_instance(value) -> bool:
+    """Whether ``value`` is a dataclass instance (not the class)."""
+    import dataclasses
+
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def spelling() -> dict[str, str]:
+    """The current parameter-to-flag spelling (for worker processes to take over)."""
+    return dict(_SPELLING)
+
+
+@contextmanager
+def spelled_as(names: Mapping[str, str]) -> Iterator[None]:
+    """Within the block, errors name the parameters in ``names`` by their flags
+    (``{"num_stages": "--stages"}``); the spelling before is restored afterwards."""
+    before = dict(_SPELLING)
+    _SPELLING.update(names)
+    try:
+        yield
+    finally:
+        _SPELLING.clear()
+        _SPELLING.update(before)
+
+
 def is_whole(value, at_least: int = 1) -> bool:
     """Whether ``value`` is a whole number (numpy's integers too; not a bool, a float or NaN)
     of at least ``at_least``."""
@@ -47,7 +102,7 @@ def whole_number(name: str, value, at_least: int = 1) -> int:
     """``value`` as an int when it is a whole number of at least ``at_least`` (not a bool, a
     float or NaN), else a :class:`DynaPipeError` naming ``name`` and the value."""
     if not is_whole(value, at_least):
-        raise DynaPipeError(f"{name} {value!r}: must be a whole number of at least {at_least}.")
+        raise DynaPipeError(f"{given(name, value)}: must be a whole number of at least {at_least}.")
     return int(value)
 
 
@@ -60,7 +115,7 @@ def real_number(name: str, value, at_least: float = 0.0, unlimited: bool = False
 
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) \
             or (math.isinf(value) and not (unlimited and value > 0)) or value < at_least:
-        raise DynaPipeError(f"{name} {value!r}: must be a finite number of at least {at_least:g}.")
+        raise DynaPipeError(f"{given(name, value)}: must be a finite number of at least {at_least:g}.")
     return float(value)
 
 

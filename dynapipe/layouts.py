@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from dynapipe.config import ClusterConfig, ModelConfig, TensorParallelConfig
-from dynapipe.errors import DynaPipeError, whole_number
+from dynapipe.errors import DynaPipeError, arg, given, whole_number
 
 
 @dataclass(frozen=True)
@@ -83,14 +83,18 @@ def enumerate_layouts(model: ModelConfig, gpus: int, cluster: Optional[ClusterCo
     A TP size that leaves a node, does not divide ``gpus`` or does not split the model is
     refused with the reason."""
     if isinstance(gpus, bool) or not isinstance(gpus, (int, np.integer)) or gpus < 1:
-        raise DynaPipeError(f"--gpus {gpus!r}: need a whole number of GPUs, at least one.")
+        raise DynaPipeError(f"{given('gpus', gpus)}: need a whole number of GPUs, at least one.")
     per_node = cluster.gpus_per_node if cluster is not None else gpus
     if tp_sizes is None:
         tp_sizes = default_tp_sizes(model, gpus, cluster)
+    if not len(tp_sizes):
+        raise DynaPipeError(f"{given('tp_sizes', list(tp_sizes))}: no tensor-parallel size to try; give at least one (1: none), "
+                            f"or leave it out for the sizes that split {model.name!r} within a node.")
     for tp in tp_sizes:
-        TensorParallelConfig(tp).validate(model, per_node, flag="--tp-sizes")
+        TensorParallelConfig(tp).validate(model, per_node, flag=arg("tp_sizes"))
         if gpus % tp:
-            raise DynaPipeError(f"--tp-sizes {tp} does not divide --gpus {gpus}; use a divisor of {gpus}.")
+            raise DynaPipeError(f"{given('tp_sizes', tp)} does not divide {given('gpus', gpus)}; use a divisor of "
+                                f"{gpus}.")
     layers = model.total_layers
     out = []
     for tp in sorted(set(tp_sizes)):
@@ -126,6 +130,6 @@ def leave_out_idle_replicas(layouts: Sequence[Layout],
     if layouts and not kept:
         least = min(l.dp for l in layouts)
         raise DynaPipeError(f"every layout has more data-parallel replicas (DP{least} at the least) than the {fewest} "
-                            f"samples of a global batch, so replicas would idle; raise --tokens-per-iteration or "
-                            f"use fewer --gpus.")
+                            f"samples of a global batch, so replicas would idle; raise {arg('tokens_per_iteration')} or "
+                            f"use fewer {arg('gpus')}.")
     return kept, left_out

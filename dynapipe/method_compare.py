@@ -149,7 +149,7 @@ def global_batch_of_tokens(tokens: int, seed: int, seq_length: int, encoder_deco
     Lengths as :func:`dynapipe.data.synthetic.sample_lengths` returns them."""
     from dynapipe.data.synthetic import sample_lengths
 
-    tokens = whole_number("tokens per iteration", tokens)
+    tokens = whole_number("tokens", tokens)
     seq_length = whole_number("seq_length", seq_length)
     n = max(16, 4 * tokens // seq_length)
     while True:

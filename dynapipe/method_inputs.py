@@ -14,7 +14,7 @@ import numpy as np
 from dynapipe.batching.lengths import validate_lengths
 from dynapipe.config import ClusterConfig
 from dynapipe.cost.base import CostModel, require_cost_model
-from dynapipe.errors import DynaPipeError, flags, real_number, whole_number
+from dynapipe.errors import DynaPipeError, flags, real_number, shown, whole_number
 
 
 def checked_batch(lengths, cost_model: CostModel, *, dp: int = 1, tp: int = 1, seq_length: Optional[int] = None,
@@ -66,9 +66,9 @@ def checked_batches(batches, model, device, *, cluster=None, seq_length: Optiona
     from dynapipe.config import DeviceConfig, ModelConfig
 
     if not isinstance(model, ModelConfig):
-        raise DynaPipeError(f"model {model!r:.60}: give a ModelConfig (dynapipe.config.load_model_config(name)).")
+        raise DynaPipeError(f"model {shown(model)}: give a ModelConfig (dynapipe.config.load_model_config(name)).")
     if not isinstance(device, DeviceConfig):
-        raise DynaPipeError(f"device {device!r:.60}: give a DeviceConfig (dynapipe.config.load_device_config(name)).")
+        raise DynaPipeError(f"device {shown(device)}: give a DeviceConfig (dynapipe.config.load_device_config(name)).")
     _check_cluster(cluster)
     if batches is None or isinstance(batches, (str, bytes)) or (len(batches) and not_a_batch(batches[0])):
         raise DynaPipeError("batches: give a sequence of global batches, each a sequence of sample lengths "

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
-from dynapipe.errors import DynaPipeError, check_fields, is_whole
+from dynapipe.errors import DynaPipeError, arg, check_fields, is_whole
 from dynapipe.errors import flag as bool_flag
 
 if TYPE_CHECKING:
@@ -80,10 +80,12 @@ class TensorParallelConfig:
     link: LinkConfig = field(default_factory=lambda: LinkConfig(300.0, 0.005))
 
     def validate(self, model: "ModelConfig", gpus_per_node: Optional[int] = None,
-                 flag: str = "--tp") -> "TensorParallelConfig":
+                 flag: Optional[str] = None) -> "TensorParallelConfig":
         """Refuse a TP size the model cannot be split by (heads, FFN width) or that leaves the
         node (more ranks than a node has, or a size that does not divide it, so some TP group
-        would straddle two nodes). ``flag``: the option named in the error."""
+        would straddle two nodes). ``flag``: the option named in the error (default: as the
+        running program spells ``tp``)."""
+        flag = flag or arg("tp")
         t = self.size
         if not is_whole(t):
             raise DynaPipeError(f"{flag} {t!r}: the tensor-parallel size must be a whole number, at least 1.")
@@ -92,7 +94,7 @@ class TensorParallelConfig:
             raise DynaPipeError(f"{flag} {t}: link {self.link!r:.60} must be a LinkConfig (bandwidth_gbps, latency_ms).")
         self.link.validate(f"{flag} {t}: link")
         if self.sequence_parallel and t == 1:
-            raise DynaPipeError(f"--sequence-parallel needs {flag} 2 or more (it shards the sequence over TP ranks).")
+            raise DynaPipeError(f"{arg('sequence_parallel')} needs {flag} 2 or more (it shards the sequence over TP ranks).")
         for what, n in (("num_attention_heads", model.num_attention_heads), ("ffn_hidden_size", model.ffn_hidden_size),
                         ("num_query_groups", model.num_query_groups or model.num_attention_heads)):
             if n % t:

@@ -53,6 +53,7 @@ from megatron_integration.tensor_parallel import check_tensor_parallel_args
 from megatron_integration.tokenizer import resolve_tokenizer_type
 from megatron_integration.training_limits import check_exit_duration
 from megatron_integration.train_config import DataArgs, DynaPipeTrainingConfig, ParallelArgs
+from megatron_integration.flag_spelling import megatron_spelled
 
 
 # Megatron-LM adds flags every release: say where the ones this build reads are listed.
@@ -115,6 +116,7 @@ def resolve_cuda(cuda: Optional[bool]) -> bool:
     return torch.cuda.is_available()
 
 
+@megatron_spelled
 def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optional[bool] = None,
                               num_nodes: Optional[int] = None,
                               baselines_use_executor: bool = False,

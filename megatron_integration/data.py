@@ -26,6 +26,7 @@ from dynapipe.data.sampler import GlobalBatch, GlobalBatchSampler, SamplerConfig
 from dynapipe.data.splits import SPLITS, WHOLE, EmptySplitError, split_ranges
 from dynapipe.errors import DynaPipeError
 from megatron_integration.data_args import check_jsonl_tokenizer, is_jsonl
+from megatron_integration.flag_spelling import megatron_spelled
 from megatron_integration.train_config import DynaPipeTrainingConfig
 
 
@@ -94,6 +95,7 @@ def _files_config(files, weights, flag: str, common: dict) -> DatasetConfig:
     return DatasetConfig(kind="indexed", paths=tuple(files), **common)
 
 
+@megatron_spelled
 def data_summary_lines(cfg: DynaPipeTrainingConfig, config_of=None) -> list[str]:
     """Start-up lines counting each split's documents, pieces (documents longer than
     ``--seq-length`` cut into samples), tokens and truncated samples. The training split is

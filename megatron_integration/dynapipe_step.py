@@ -149,7 +149,7 @@ def planner_settings(cfg: DynaPipeTrainingConfig, info: RankInfo):
         micro_batch_size=cfg.micro_batch_size, seq_length=cfg.model.seq_length, max_tokens=d.max_tokens or 0,
         cluster=load_cluster_config(d.cluster), zero=cfg.optimizer.distributed, recompute=d.recompute,
         tp=info.tp_size, sequence_parallel=cfg.parallel.sequence_parallel, placement=placement,
-        flag_names=PLANNER_FLAG_NAMES, split_backward=d.split_backward)
+        split_backward=d.split_backward)
 
 
 def planned_batching(cfg: DynaPipeTrainingConfig) -> str:
@@ -160,14 +160,6 @@ def planned_batching(cfg: DynaPipeTrainingConfig) -> str:
     if cfg.per_sample_attention and d.batching in ("packing", "dynapipe"):
         return f"{d.batching}-per-sample"
     return d.batching
-
-
-# The planning layers' errors name the `plan` command's flags; a training job's are these.
-PLANNER_FLAG_NAMES = (("--stages", "--pipeline-model-parallel-size"),
-                      ("--memory-limit-mb", "--dynapipe-memory-limit-mb"), ("--recompute", "--dynapipe-recompute"),
-                      ("--schedule", "--dynapipe-schedule"), ("--placement", "--dynapipe-placement"),
-                      ("--max-tokens", "--dynapipe-max-tokens"), ("--tp", "--tensor-model-parallel-size"),
-                      ("--batching", "--dynapipe-batching"))
 
 
 def gpt_placement(cfg: DynaPipeTrainingConfig, info: RankInfo):

@@ -39,6 +39,7 @@ from megatron_integration.profile_check import check_threads_at_start, extrapola
 from megatron_integration.run_report import parameter_count_line, write_line
 from megatron_integration.train_config import DynaPipeTrainingConfig
 # Re-exported: the T5 loop, the command line and the tests import them from here.
+from megatron_integration.flag_spelling import megatron_spelled
 from megatron_integration.training_loop import (LoopParts, Stepper, TrainingRun,
                                                 print_rank_0, run_iterations)
 
@@ -139,6 +140,7 @@ def check_split(chunks: int, layers: Optional[list], extra: dict, path: str) -> 
                             f"which loads at any split.")
 
 
+@megatron_spelled
 def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
              on_iteration: Optional[Callable[[int, StepResult], None]] = None) -> TrainingRun:
     """Train up to ``cfg.train_iters`` iterations (from the checkpoint in ``cfg.load`` when present),

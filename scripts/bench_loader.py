@@ -42,7 +42,8 @@ from dynapipe.errors import DynaPipeError  # noqa: E402
 from dynapipe.output_paths import check_output_file, write_output  # noqa: E402
 from dynapipe.runtime.loader import DynaPipeDataLoader, LoaderConfig, RankLayout  # noqa: E402
 from dynapipe.runtime.plan_source import IterationPlanner, PlannerSettings  # noqa: E402
-from dynapipe.runtime.planner_workers import with_flag_names  # noqa: E402
+from dynapipe.cli.spelling import CLI_SPELLING  # noqa: E402
+from dynapipe.errors import spelled_as  # noqa: E402
 from dynapipe.schedule.search import SCHEDULE_CHOICES  # noqa: E402
 from dynapipe.schedule.types import CHUNKED_SCHEDULE_NAMES  # noqa: E402
 from dynapipe.argparsing import StrictArgumentParser, print_error  # noqa: E402
@@ -50,9 +51,9 @@ from dynapipe.argparsing import StrictArgumentParser, print_error  # noqa: E402
 DEFAULTS = LoaderConfig()
 # The planner and the loader name the `plan` command's and the training job's flags in their
 # errors; a person running this bench can only change these.
-FLAG_NAMES = (("--stages", "--pp"), ("--memory-limit-mb", "the memory of --device"), ("--batching", "--method"),
-              ("--dynapipe-planner-workers", "--workers"), ("--dynapipe-prefetch", "--prefetch"),
-              ("--dynapipe-kv-backend", "--kv-backend"), ("--dynapipe-redis-port", "--redis-port"))
+SPELLING = {**CLI_SPELLING, "num_stages": "--pp", "memory_limit_mib": "the memory of --device", "method": "--method",
+            "num_workers": "--workers", "prefetch": "--prefetch", "kv_backend": "--kv-backend",
+            "redis_port": "--redis-port", "global_batch_size": "--global-batch-size"}
 ERROR_FILE = "error-rank{}.txt"
 # Each rank holds one model chunk here, so the interleaved schedules cannot plan.
 SCHEDULES = tuple(s for s in SCHEDULE_CHOICES if s not in CHUNKED_SCHEDULE_NAMES)
@@ -95,8 +96,7 @@ def _step(ms: float, busy: bool) -> None:
 
 def planner_settings(args) -> PlannerSettings:
     return PlannerSettings(load_model_config(args.model, "--model"), load_device_config(args.device, "--device"),
-                           args.pp, args.dp, method=args.method, schedule=args.schedule, seq_length=args.seq_length,
-                           flag_names=FLAG_NAMES)
+                           args.pp, args.dp, method=args.method, schedule=args.schedule, seq_length=args.seq_length)
 
 
 def warmup_of(args) -> int:
@@ -140,16 +140,17 @@ def check_args(args) -> None:
     try:
         memory_budget(planner.cost_model, settings.device.memory_mib, settings.device.reserved_mib, dp=args.dp)
     except DynaPipeError as e:
-        raise DynaPipeError(f"--pp {args.pp}: {with_flag_names(str(e), FLAG_NAMES)}") from None
+        raise DynaPipeError(f"--pp {args.pp}: {e}") from None
 
 
 def _rank(rank: int, args, port: int, out_dir: str) -> None:
     try:
-        _run_rank(rank, args, port, out_dir)
+        with spelled_as(SPELLING):  # a spawned rank starts without its parent's
+            _run_rank(rank, args, port, out_dir)
     except DynaPipeError as e:
         # The parent prints it as one line: a rank's traceback would bury it.
         with open(os.path.join(out_dir, ERROR_FILE.format(rank)), "w") as f:
-            f.write(with_flag_names(str(e), FLAG_NAMES))
+            f.write(str(e))
         sys.exit(2)
 
 
@@ -226,6 +227,11 @@ def summarize(args, ranks: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
+    with spelled_as(SPELLING):  # the planning layers' errors name this script's flags
+        return _main(argv)
+
+
+def _main(argv=None) -> int:
     args = parse_args(argv)
     try:
         check_args(args)

@@ -32,12 +32,13 @@ from dynapipe.cost import build_cost_model  # noqa: E402
 from dynapipe.data.synthetic import sample_lengths  # noqa: E402
 from dynapipe.errors import DynaPipeError  # noqa: E402
 from dynapipe.output_paths import check_output_file, write_output  # noqa: E402
-from dynapipe.runtime.planner_workers import with_flag_names  # noqa: E402
+from dynapipe.cli.spelling import CLI_SPELLING  # noqa: E402
+from dynapipe.errors import spelled_as  # noqa: E402
 from dynapipe.argparsing import StrictArgumentParser, print_error  # noqa: E402
 
 NO_LIMIT_MIB = 1e12
 # The planner names the `plan` command's memory flag; here the device config sets the limit.
-FLAG_NAMES = (("--memory-limit-mb", "the memory of --device"),)
+SPELLING = {**CLI_SPELLING, "memory_limit_mib": "the memory of --device"}
 # Targets of the planner (median planning ms on one core): (samples, limit name, ms).
 TARGETS = [(1024, "device", 25.0), (4096, "device", 400.0), (1024, "none", 100.0)]
 
@@ -127,6 +128,11 @@ def check_args(args):
 
 
 def main(argv=None) -> int:
+    with spelled_as(SPELLING):  # the planning layers' errors name this script's flags
+        return _main(argv)
+
+
+def _main(argv=None) -> int:
     p = StrictArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--samples", type=int, nargs="+", default=None, help="batch sizes (default 256 1024 4096)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats (default 9)")
@@ -147,7 +153,7 @@ def main(argv=None) -> int:
     try:
         model, device, cost_model = check_args(args)
     except DynaPipeError as e:
-        print_error(with_flag_names(str(e), FLAG_NAMES))
+        print_error(str(e))
         return 2
     # The timing targets are for one core; pinned only after the checks, so that a refused
     # command line leaves its caller's cores alone.
@@ -166,7 +172,7 @@ def main(argv=None) -> int:
         try:
             rows = bench_size(n, args, cost_model, device)
         except DynaPipeError as e:
-            print_error(with_flag_names(str(e), FLAG_NAMES))
+            print_error(str(e))
             return 2
         print_table(n, rows, args.repeats)
         results[n] = rows

@@ -29,13 +29,14 @@ from dynapipe.data.synthetic import sample_lengths
 from dynapipe.errors import DynaPipeError, NoScheduleFits
 from dynapipe.output_paths import check_output_file, write_output
 from dynapipe.pipeline_planner import plan_iteration
-from dynapipe.runtime.planner_workers import with_flag_names
+from dynapipe.cli.spelling import CLI_SPELLING
+from dynapipe.errors import spelled_as
 from dynapipe.schedule import _kernels
 from dynapipe.schedule.search import search_schedules
 from dynapipe.argparsing import StrictArgumentParser, print_error
 
 # The planner names the `plan` command's memory flag; here the device config sets the limit.
-FLAG_NAMES = (("--memory-limit-mb", "the memory of --device"),)
+SPELLING = {**CLI_SPELLING, "memory_limit_mib": "the memory of --device"}
 # Schedules priced alone, on the planner's micro-batches (auto's choice is the planner's own).
 FIXED = ("1f1b", "adaptive", "zb-h1")
 
@@ -129,6 +130,11 @@ def check_args(args):
 
 
 def main(argv=None) -> int:
+    with spelled_as(SPELLING):  # the planning layers' errors name this script's flags
+        return _main(argv)
+
+
+def _main(argv=None) -> int:
     p = StrictArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", type=int, default=100)
     p.add_argument("--samples", type=int, default=1024)
@@ -144,7 +150,7 @@ def main(argv=None) -> int:
         model, device, cluster = check_args(args)
         results = [bench_stage_count(args, model, device, cluster, S) for S in args.stages]
     except DynaPipeError as e:
-        print_error(with_flag_names(str(e), FLAG_NAMES))
+        print_error(str(e))
         return 2
     print(f"{args.model} on {args.device} ({args.cluster}), {args.batches} batches of {args.samples} mixture "
           f"samples (seq-length {args.seq_length}); simulation kernels "

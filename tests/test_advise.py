@@ -46,9 +46,9 @@ def test_layouts_split_the_layers_and_the_gpus():
 
 
 @pytest.mark.parametrize("model, tp_sizes, message", [
-    ("gpt-13b", [3], "--tp-sizes 3 does not divide num_attention_heads=40"),
-    ("gpt-7b", [16], "--tp-sizes 16 exceeds the 8 GPUs of a node"),
-    ("gpt-13b", [1, 8], "--tp-sizes 8 does not divide --gpus 12"),
+    ("gpt-13b", [3], "tp_sizes 3 does not divide num_attention_heads=40"),
+    ("gpt-7b", [16], "tp_sizes 16 exceeds the 8 GPUs of a node"),
+    ("gpt-13b", [1, 8], "tp_sizes=8 does not divide gpus=12"),
 ])
 def test_tp_sizes_that_cannot_be_placed_are_refused(model, tp_sizes, message):
     with pytest.raises(DynaPipeError, match=message):
@@ -258,7 +258,7 @@ def test_layouts_with_more_replicas_than_samples_are_left_out_not_given_a_larger
     # A layout of another GPU count is not ranked for these GPUs; a layout of no GPUs is no layout.
     with pytest.raises(DynaPipeError, match="layout TP1 PP4 DP4 does not use the 4 GPUs given"):
         advise(batches, tiny, cpu, 4, cluster=local, seq_length=128, layouts=[Layout(1, 4, 4)])
-    with pytest.raises(DynaPipeError, match="layout tp 0: must be a whole number of at least 1"):
+    with pytest.raises(DynaPipeError, match="layout tp=0: must be a whole number of at least 1"):
         Layout(0, 1, 4)
     # The run config keeps the simulated global batch (mean samples), never one stretched to DP.
     config = run_config_text(advice.best, tiny, "cpu", "cpu-local", local, 4, 400, 128, None, None, batches)
@@ -320,7 +320,7 @@ def test_tp_groups_stay_inside_a_node_and_t5_layouts_leave_out_the_distributed_o
     a100 = load_cluster_config("a100-8x")  # 8 GPUs a node
     twelve = dataclasses.replace(load_model_config("gpt-tiny"), num_attention_heads=12, ffn_hidden_size=384)
     # TP 3 splits the model but not a node of 8: ranks 6-8 would straddle two nodes.
-    with pytest.raises(DynaPipeError, match="--tp-sizes 3 does not divide the 8 GPUs of a node"):
+    with pytest.raises(DynaPipeError, match="tp_sizes 3 does not divide the 8 GPUs of a node"):
         enumerate_layouts(twelve, 12, a100, tp_sizes=[3])
     assert 3 not in default_tp_sizes(twelve, 12, a100)
     # The library's default, not only the command's: T5 stages refuse the distributed optimizer.

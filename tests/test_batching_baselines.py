@@ -96,7 +96,7 @@ def test_token_budget_default_is_micro_batch_size_times_seq_length():
 
 
 def test_token_budget_too_small_names_the_sample():
-    with pytest.raises(DynaPipeError, match=r"sample 2 .*2048.*--max-tokens 1024"):
+    with pytest.raises(DynaPipeError, match=r"sample 2 .*2048.*max_tokens=1024"):
         plan_micro_batches(LENGTHS, CM, method="token-budget", max_tokens=1024, seq_length=2048)
 
 

@@ -86,7 +86,7 @@ def test_oversized_sample_names_index_length_memory_and_fixes():
     c = CM.stage_cost(1, 3904)
     assert f"needs {float(c.stored_mib + c.peak_mib):.1f} MiB" in msg
     assert "memory limit 30000 MiB" in msg
-    for fix in ("--memory-limit-mb", "--recompute selective or full", "--seq-length"):
+    for fix in ("raise memory_limit_mib", "recompute selective or full", "smaller seq_length"):
         assert fix in msg
 
 
@@ -106,24 +106,24 @@ def test_truncation_with_seq_length_makes_it_fit_and_is_reported():
 
 
 def test_samples_longer_than_the_model_allows():
-    with pytest.raises(DynaPipeError, match=r"sample 1 has length 5000 tokens.*max_seq_length 4096.*--seq-length 4096"):
+    with pytest.raises(DynaPipeError, match=r"sample 1 has length 5000 tokens.*max_seq_length 4096.*seq_length=4096"):
         plan_micro_batches([10, 5000], CM)
-    with pytest.raises(DynaPipeError, match=r"--seq-length 8192 exceeds"):
+    with pytest.raises(DynaPipeError, match=r"seq_length=8192 exceeds"):
         plan_micro_batches([10], CM, seq_length=8192)
 
 
 def test_model_states_that_do_not_fit():
-    with pytest.raises(DynaPipeError, match=r"model states .* add pipeline stages \(--stages\)"):
+    with pytest.raises(DynaPipeError, match=r"model states .* add pipeline stages \(num_stages\)"):
         plan_micro_batches([10], CM, memory_limit_mib=10000)
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(method="bogus"), r"--batching 'bogus'"),
-    (dict(dp=0), r"--dp 0"),
-    (dict(dp=3), r"--dp 3 exceeds the 2 sample\(s\) of the global batch.*use --dp 2 or less"),
-    (dict(micro_batch_size=0), r"--micro-batch-size 0"),
-    (dict(method="token-budget", max_tokens=-5), r"--max-tokens -5"),
-    (dict(memory_limit_mib=-1.0), r"memory limit -1.0"),
+    (dict(method="bogus"), r"method='bogus'"),
+    (dict(dp=0), r"dp=0"),
+    (dict(dp=3), r"dp=3 exceeds the 2 sample\(s\) of the global batch.*use dp=2 or less"),
+    (dict(micro_batch_size=0), r"micro_batch_size=0"),
+    (dict(method="token-budget", max_tokens=-5), r"max_tokens=-5"),
+    (dict(memory_limit_mib=-1.0), r"memory_limit_mib=-1.0"),
     (dict(recompute="half"), r"recompute='half'"),
 ])
 def test_bad_options(kw, message):

@@ -66,14 +66,14 @@ def test_packing_rows_hold_each_side_limit_and_match_the_training_baseline():
 
 def test_a_side_without_a_limit_must_fit_the_model():
     over = np.array([[100, T5.model.max_seq_length + 1]])
-    with pytest.raises(DynaPipeError, match="pass --decoder-seq-length"):
+    with pytest.raises(DynaPipeError, match=r"pass seq_length\[1\]=4096"):
         plan_micro_batches(over, T5, seq_length=(256, None))
     plan = plan_micro_batches(np.array([[600, 30]]), T5, seq_length=(None, 16))
     assert (plan.micro_batches[0].seqlen, plan.micro_batches[0].dec_seqlen) == (600, 16)
 
 
-@pytest.mark.parametrize("limit, match", [((256, 0), "--decoder-seq-length 0"),
-                                          ((10 ** 6, 64), "--seq-length 1000000 exceeds"),
+@pytest.mark.parametrize("limit, match", [((256, 0), r"seq_length\[1\]=0"),
+                                          ((10 ** 6, 64), r"seq_length\[0\]=1000000 exceeds"),
                                           ((256, 64, 8), "pair of limits")])
 def test_bad_limits_are_refused_by_name(limit, match):
     with pytest.raises(DynaPipeError, match=match):

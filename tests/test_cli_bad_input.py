@@ -91,7 +91,7 @@ def test_t5_placement_errors_quote_the_text_as_typed():
     from dynapipe.cost.placement import StagePlacement
 
     t5 = load_model_config("t5-11b")
-    with pytest.raises(DynaPipeError, match=r"--placement '6\+0, 6\+0,6\+0,6\+0\|0\+6,0\+6,0\+12,0\+0': stage 3 "
+    with pytest.raises(DynaPipeError, match=r"placement '6\+0, 6\+0,6\+0,6\+0\|0\+6,0\+6,0\+12,0\+0': stage 3 "
                                             r"of chunk 1 holds no layer"):
         StagePlacement.parse("6+0, 6+0,6+0,6+0|0+6,0+6,0+12,0+0", t5, 4)
 
@@ -401,7 +401,7 @@ def test_advise_library_refuses_a_limit_below_the_reserved_memory():
     from dynapipe.config import load_device_config, load_model_config
     import numpy as np
 
-    with pytest.raises(DynaPipeError, match="--memory-limit-mb 500 leaves nothing"):  # 512 MiB reserved
+    with pytest.raises(DynaPipeError, match="memory_limit_mib=500 leaves nothing"):  # 512 MiB reserved
         advise([np.array([64, 64])], load_model_config("gpt-tiny"), load_device_config("cpu"), 2,
                memory_limit_mib=500)
 

@@ -127,7 +127,7 @@ def test_stage_layouts_cover_every_layer_once():
         assert layouts[0].has_embedding and layouts[-1].has_output
         assert max(l.encoder_layers + l.decoder_layers for l in layouts) - \
             min(l.encoder_layers + l.decoder_layers for l in layouts) <= 1
-    with pytest.raises(DynaPipeError, match="--stages 33 exceeds the 32 layers"):
+    with pytest.raises(DynaPipeError, match="num_stages=33 exceeds the 32 layers"):
         stage_layouts(GPT7B, 33)
     with pytest.raises(DynaPipeError, match="at least 1"):
         stage_layouts(GPT7B, 0)

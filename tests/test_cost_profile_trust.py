@@ -417,6 +417,6 @@ def test_a_profile_of_transformer_engine_layers_plans_no_split_backward():
     assert tried and not tried & {"zb-h1", "interleaved-zb"}
     assert "zb-h1" in {c.schedule for c in plan_iteration(lengths, local, seq_length=128,
                                                            explain=True).search.candidates}
-    with pytest.raises(DynaPipeError, match="--schedule zb-h1 splits every backward, but te.json was measured on "
+    with pytest.raises(DynaPipeError, match="schedule='zb-h1' splits every backward, but te.json was measured on "
                                             "Transformer Engine layers"):
         plan_iteration(lengths, te, seq_length=128, schedule="zb-h1")

@@ -145,11 +145,11 @@ def test_model_states_per_tp_rank():
 
 
 def test_tp_config_errors():
-    with pytest.raises(DynaPipeError, match="--tp 3 does not divide num_attention_heads=40"):
+    with pytest.raises(DynaPipeError, match="tp 3 does not divide num_attention_heads=40"):
         build_cost_model(MODEL, DEVICE, 4, tp=TensorParallelConfig(3))
-    with pytest.raises(DynaPipeError, match="--sequence-parallel needs --tp 2"):
+    with pytest.raises(DynaPipeError, match="sequence_parallel needs tp 2"):
         TensorParallelConfig(1, True).validate(MODEL)
-    with pytest.raises(DynaPipeError, match="--tp 16 exceeds the 8 GPUs of a node"):
+    with pytest.raises(DynaPipeError, match="tp 16 exceeds the 8 GPUs of a node"):
         TensorParallelConfig(16).validate(dataclasses.replace(MODEL, num_attention_heads=64), gpus_per_node=8)
 
 

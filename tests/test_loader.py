@@ -384,26 +384,26 @@ def test_workers_exit_when_the_training_process_is_killed(tmp_path):
 def test_config_and_layout_errors():
     with pytest.raises(DynaPipeError, match="'zookeeper'"):
         LoaderConfig(global_batch_size=4, kv_backend="zookeeper").validate()
-    with pytest.raises(DynaPipeError, match="prefetch 0"):
+    with pytest.raises(DynaPipeError, match="prefetch=0"):
         LoaderConfig(global_batch_size=4, prefetch=0).validate()
-    with pytest.raises(DynaPipeError, match="^start_iteration -2: must be >= 0"):
+    with pytest.raises(DynaPipeError, match="^start_iteration=-2: must be >= 0"):
         LoaderConfig(global_batch_size=4, start_iteration=-2).validate()
-    with pytest.raises(DynaPipeError, match="^plan_timeout_s 0: must be > 0 seconds"):
+    with pytest.raises(DynaPipeError, match="^plan_timeout_s=0: must be > 0 seconds"):
         LoaderConfig(global_batch_size=4, plan_timeout_s=0).validate()
     for port in (0, 70000):
-        with pytest.raises(DynaPipeError, match=f"^--dynapipe-redis-port {port}: must be a TCP port, 1 to 65535"):
+        with pytest.raises(DynaPipeError, match=f"^redis_port={port}: must be a TCP port, 1 to 65535"):
             LoaderConfig(global_batch_size=4, redis_port=port).validate()
-    with pytest.raises(DynaPipeError, match="^redis_db -1: a Redis database number is 0 or more"):
+    with pytest.raises(DynaPipeError, match="^redis_db=-1: a Redis database number is 0 or more"):
         LoaderConfig(global_batch_size=4, redis_db=-1).validate()
     # No rank would plan, and every rank would wait out the plan timeout naming a node 0.
-    with pytest.raises(DynaPipeError, match="^--dynapipe-planner-nodes -1: must be non-negative"):
+    with pytest.raises(DynaPipeError, match="^planner_nodes=-1: must be non-negative"):
         LoaderConfig(global_batch_size=4, planner_nodes=-1).validate()
     with pytest.raises(DynaPipeError, match="disagree with the rank layout"):
         DynaPipeDataLoader(LoaderConfig(global_batch_size=4), dataset(), planner_settings(stages=2), RankLayout(),
                            store=default_store_for_single_process())
     with pytest.raises(DynaPipeError, match="not a multiple"):
         RankLayout(world_size=3, pp_size=2).validate()
-    with pytest.raises(DynaPipeError, match="^seed -1: must be >= 0"):  # numpy's traceback in a worker before
+    with pytest.raises(DynaPipeError, match="^seed=-1: must be >= 0"):  # numpy's traceback in a worker before
         LoaderConfig(global_batch_size=4, seed=-1).validate()
     for field in ("dp_size", "pp_size", "local_world_size"):  # a ZeroDivisionError before
         with pytest.raises(DynaPipeError, match=f"^rank layout: {field} 0 must be at least 1"):
@@ -524,10 +524,12 @@ def test_a_planner_refusal_is_one_line_in_the_callers_flags():
     message with the flags the training job's user gave, not a traceback with the plan command's."""
     from dataclasses import replace
 
-    from megatron_integration.dynapipe_step import PLANNER_FLAG_NAMES
+    from dynapipe.errors import spelled_as
+    from megatron_integration.flag_spelling import MEGATRON_SPELLING
 
-    settings = replace(planner_settings(), memory_limit_mib=1, flag_names=PLANNER_FLAG_NAMES)
-    dl = make_loader(settings=settings, num_workers=1, prefetch=1)
+    settings = replace(planner_settings(), memory_limit_mib=1)
+    with spelled_as(MEGATRON_SPELLING):  # as a training job's start-up: its workers take it over
+        dl = make_loader(settings=settings, num_workers=1, prefetch=1)
     try:
         with pytest.raises(PlannerWorkerError) as e:
             next(dl)

@@ -117,9 +117,9 @@ def test_bad_requests_are_refused(gpt7b, batch):
         tune_baseline(batch, "padding", gpt7b, micro_batch_sizes=[1], seq_length=2048, memory_limit_mib=1000)
     assert micro_batch_size_candidates(batch, "padding") == [2 ** k for k in range(len(batch).bit_length())]
     # Bad input is named as such, not reported as a size that fits in no memory.
-    with pytest.raises(DynaPipeError, match="^micro_batch_size 0: must be a whole number"):
+    with pytest.raises(DynaPipeError, match="^micro_batch_size=0: must be a whole number"):
         tune_baseline(batch, "padding", gpt7b, micro_batch_sizes=[0, 1, 2], seq_length=2048)
-    with pytest.raises(DynaPipeError, match="^seq_length -5: must be a whole number"):
+    with pytest.raises(DynaPipeError, match="^seq_length=-5: must be a whole number"):
         simulate_method(batch, "padding", gpt7b, micro_batch_size=1, seq_length=-5)
     with pytest.raises(DynaPipeError, match="reads no micro_batch_size"):
         simulate_method(batch, "dynapipe", gpt7b, micro_batch_size=8)
@@ -151,18 +151,18 @@ def test_the_planning_api_refuses_numbers_it_cannot_use_by_name(gpt7b, batch):
     from dynapipe.schedule.placement import choose_placement_kind
 
     for dp in (0, -1, 1.5, True):
-        with pytest.raises(DynaPipeError, match=f"dp {dp!r}: must be a whole number of at least 1"):
+        with pytest.raises(DynaPipeError, match=f"dp={dp!r}: must be a whole number of at least 1"):
             gpt7b.model_state_mib(dp=dp, zero=True)
     assert gpt7b.model_state_mib(dp=2, zero=True) < gpt7b.model_state_mib(dp=1, zero=True)
-    with pytest.raises(DynaPipeError, match="micro_batch_size 0: must be a whole number"):
+    with pytest.raises(DynaPipeError, match="micro_batch_size=0: must be a whole number"):
         simulate_method(batch, "padding", gpt7b, micro_batch_size=0, seq_length=2048)
-    with pytest.raises(DynaPipeError, match="micro_batch_size 0: must be a whole number"):
+    with pytest.raises(DynaPipeError, match="micro_batch_size=0: must be a whole number"):
         tune_baseline(batch, "padding", gpt7b, micro_batch_sizes=[0, 2], seq_length=2048)
     start = time.monotonic()
     for tokens in (float("nan"), 1.5, 0):
-        with pytest.raises(DynaPipeError, match="tokens per iteration .*: must be a whole number"):
+        with pytest.raises(DynaPipeError, match="tokens=.*: must be a whole number"):
             global_batch_of_tokens(tokens, 0, 2048)
-        with pytest.raises(DynaPipeError, match="--tokens-per-iteration .*: must be a whole number"):
+        with pytest.raises(DynaPipeError, match="tokens_per_iteration=.*: must be a whole number"):
             sample_batches(tokens, 1, 0, 2048)
     assert time.monotonic() - start < 5
     with pytest.raises(DynaPipeError, match="schedule 'bogus' is not known"):

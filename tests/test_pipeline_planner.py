@@ -291,7 +291,7 @@ def test_a_search_that_must_beat_a_makespan_refuses_cheaply_or_finds_the_same_be
     ([1, None, 3], {}, "sample 1: length None is not an integer"),
     ([10, 20], {"reserved_mib": float("nan")}, "reserved memory nan MiB must be a finite number, 0 or more"),
     ([10, 20], {"reserved_mib": -1}, "reserved memory -1 MiB must be a finite number, 0 or more"),
-    ([10, 20], {"memory_limit_mib": "lots"}, "memory limit 'lots' MiB must be a positive number"),
+    ([10, 20], {"memory_limit_mib": "lots"}, "memory_limit_mib='lots': the memory limit \(MiB\) must be a positive number"),
 ])
 def test_bad_planner_inputs_are_one_line_errors_naming_the_value(tiny_cost, lengths, kwargs, needle):
     with pytest.raises(DynaPipeError, match=needle):

@@ -137,7 +137,7 @@ def test_planner_settings_build_a_tp_cost_model():
     assert planner.cost_model.tp.size == 2 and planner.cost_model.tp.sequence_parallel
     plans = planner.plan(LENGTHS[:6], iteration=0)
     assert all(sequence_shards(p) == 2 for row in plans for p in row)
-    with pytest.raises(DynaPipeError, match="--sequence-parallel needs --tp 2"):
+    with pytest.raises(DynaPipeError, match="sequence_parallel needs tp 2"):
         check_planner_settings(dataclasses.replace(s, tp=1))
 
 

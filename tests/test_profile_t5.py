@@ -509,7 +509,7 @@ def test_a_t5_profile_fits_its_defaults_to_the_model(tmp_path, monkeypatch):
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(200)]) + "\n")
     seen = {}
 
-    def measured(args, model, mbs, seqlens, dec_seqlens):
+    def measured(args, model, mbs, seqlens, dec_seqlens, notes):
         seen.update(dec=dec_seqlens, tokenizer=args.tokenizer_type, vocab=model.unpadded_vocab_size)
         return 0
     monkeypatch.setattr(cli, "_run_t5", measured)

@@ -89,7 +89,7 @@ def test_config_errors():
     # worked on past any plan timeout: refused, naming the flag and the most it may be.
     tokens = np.array([10, 20, 30])
     assert GlobalBatchSampler(tokens, SamplerConfig(tokens_per_global_batch=60)).batch(0).indices.size == 3
-    with pytest.raises(DynaPipeError, match="--dynapipe-tokens-per-global-batch 61: more than the 60 tokens of the "
+    with pytest.raises(DynaPipeError, match="tokens_per_global_batch=61: more than the 60 tokens of the "
                                             "whole training data \\(3 samples\\).* give at most 60"):
         GlobalBatchSampler(tokens, SamplerConfig(tokens_per_global_batch=61))
 

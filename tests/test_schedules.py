@@ -119,7 +119,7 @@ def test_orders_are_permutations_with_light_ends():
 def test_unknown_schedule_and_empty_batch_are_clear_errors(gpt7b):
     model, device, cluster = gpt7b
     cm = build_cost_model(model, device, 4)
-    with pytest.raises(DynaPipeError, match="--schedule 'gpipe' is not known"):
+    with pytest.raises(DynaPipeError, match="schedule='gpipe' is not known"):
         search_schedules([[MicroBatch([0], 64)]], cm, schedule="gpipe")
     with pytest.raises(DynaPipeError, match="no micro-batches"):
         search_schedules([[]], cm)

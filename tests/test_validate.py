@@ -351,9 +351,9 @@ def test_compile_refuses_micro_batches_no_stage_could_run(micro_batch, match):
     compile_plans("1f1b", [MicroBatch([0], 64)], TINY, num_stages=2)
     with pytest.raises(DynaPipeError, match=match):
         compile_plans("1f1b", [MicroBatch(**micro_batch)], TINY, num_stages=2)
-    with pytest.raises(DynaPipeError, match=r"iteration 1.5: must be a whole number of at least 0"):
+    with pytest.raises(DynaPipeError, match=r"iteration=1.5: must be a whole number of at least 0"):
         compile_plans("1f1b", [MicroBatch([0], 64)], TINY, num_stages=2, iteration=1.5)
-    with pytest.raises(DynaPipeError, match=r"num_stages 2.0: must be a whole number"):
+    with pytest.raises(DynaPipeError, match=r"num_stages=2.0: must be a whole number"):
         compile_plans("1f1b", [MicroBatch([0], 64)], TINY, num_stages=2.0)
 
 

@@ -36,7 +36,7 @@ import numpy as np
 from dynapipe.batching.ordering import candidate_orders, padded_length
 from dynapipe.batching.types import MicroBatch
 from dynapipe.cost.attention_density import packed_density
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, arg, given
 
 
 def _dec_padded(lengths: np.ndarray, seq_length: int) -> int:
@@ -188,9 +188,9 @@ def token_budget(lengths: np.ndarray, max_tokens: int, seq_length: int,
     if need.max() > max_tokens:
         i = int(np.argmax(need))
         raise DynaPipeError(
-            f"sample {i} (length {lengths[i].tolist()} tokens, padded to {int(need[i])}) exceeds --max-tokens "
-            f"{max_tokens}, as do {int((need > max_tokens).sum()) - 1} other sample(s); raise --max-tokens to at "
-            f"least {int(need[i])} or truncate samples with a smaller --seq-length.")
+            f"sample {i} (length {lengths[i].tolist()} tokens, padded to {int(need[i])}) exceeds "
+            f"{given('max_tokens', max_tokens)}, as do {int((need > max_tokens).sum()) - 1} other sample(s); raise "
+            f"{arg('max_tokens')} to at least {int(need[i])} or truncate samples with a smaller {arg('seq_length')}.")
     out: list[MicroBatch] = []
     group: list[int] = []
     top_e = top_d = 0

@@ -11,7 +11,7 @@ from typing import Callable
 import numpy as np
 
 from dynapipe.cost import CostModel
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, arg, given
 
 UNLIMITED_MIB = float("inf")
 
@@ -60,7 +60,8 @@ def memory_budget(cost_model: CostModel, memory_limit_mib: float | None, reserve
     if not number(memory_limit_mib):
         limit = float("nan")
     if not limit > 0:
-        raise DynaPipeError(f"memory limit {memory_limit_mib!r} MiB must be a positive number (--memory-limit-mb).")
+        raise DynaPipeError(f"{given('memory_limit_mib', memory_limit_mib)}: the memory limit (MiB) must be a positive "
+                            f"number.")
     try:
         reserved = float(reserved_mib) if number(reserved_mib) else float("nan")
     except (TypeError, ValueError):
@@ -72,7 +73,7 @@ def memory_budget(cost_model: CostModel, memory_limit_mib: float | None, reserve
         raise DynaPipeError(
             f"the model states of the most loaded stage need {budget.model_state_mib:.1f} MiB, so nothing is left "
             f"for activations under the memory limit of {limit:.0f} MiB (reserved {reserved_mib:.0f} MiB); "
-            f"add pipeline stages (--stages) or raise --memory-limit-mb.")
+            f"add pipeline stages ({arg('num_stages')}) or raise {arg('memory_limit_mib')}.")
     return budget
 
 
@@ -124,9 +125,9 @@ def oversized_sample_error(index: int, length: str, stored_mib: float, peak_mib:
     ``length`` describes the sample (tokens, padded shape); ``others`` counts further
     samples of the batch that do not fit either.
     """
-    stronger = {"none": "--recompute selective or full", "selective": "--recompute full"}.get(recompute)
-    fixes = ["raise --memory-limit-mb"] + ([f"use {stronger}"] if stronger else []) + [
-        "truncate samples with a smaller --seq-length", "or add pipeline stages (--stages)"]
+    stronger = {"none": f"{arg('recompute')} selective or full", "selective": f"{arg('recompute')} full"}.get(recompute)
+    fixes = [f"raise {arg('memory_limit_mib')}"] + ([f"use {stronger}"] if stronger else []) + [
+        f"truncate samples with a smaller {arg('seq_length')}", f"or add pipeline stages ({arg('num_stages')})"]
     more = f" ({others} more sample(s) of the batch do not fit either.)" if others else ""
     return DynaPipeError(
         f"sample {index} ({length}) does not fit in memory even alone: it needs {stored_mib + peak_mib:.1f} MiB "

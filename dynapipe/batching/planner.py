@@ -25,7 +25,7 @@ from dynapipe.batching.types import BatchPlan, LengthLimit, MicroBatch
 from dynapipe.cost import CostModel
 from dynapipe.cost.attention_density import packed_density, stack
 from dynapipe.cost.base import check_recompute, require_cost_model
-from dynapipe.errors import DynaPipeError, flag
+from dynapipe.errors import DynaPipeError, flag, given
 
 METHODS = ("dynapipe", "dynapipe-per-sample", "padding", "padding-mb", "packing", "packing-per-sample", "token-budget")
 #: The methods whose micro-batches the DP cuts: ``dynapipe-per-sample`` runs each row's
@@ -34,9 +34,9 @@ METHODS = ("dynapipe", "dynapipe-per-sample", "padding", "padding-mb", "packing"
 DP_METHODS = ("dynapipe", "dynapipe-per-sample")
 
 
-def _positive_int(value, flag: str) -> int:
+def _positive_int(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise DynaPipeError(f"{flag} {value!r} must be a positive integer.")
+        raise DynaPipeError(f"{given(name, value)} must be a positive integer.")
     return int(value)
 
 
@@ -51,19 +51,19 @@ class _Limits(NamedTuple):
     dec_given: bool
 
 
-def _over_model(side: np.ndarray, lengths: np.ndarray, model_max: int, flag: str) -> None:
+def _over_model(side: np.ndarray, lengths: np.ndarray, model_max: int, name: str) -> None:
     too_long = np.flatnonzero(side > model_max)
     if len(too_long):
         i = int(too_long[0])
         raise DynaPipeError(
             f"sample {i} has length {lengths[i].tolist()} tokens, more than the model's max_seq_length "
-            f"{model_max} ({len(too_long)} sample(s) in all); pass {flag} {model_max} to truncate them.")
+            f"{model_max} ({len(too_long)} sample(s) in all); pass {given(name, model_max)} to truncate them.")
 
 
-def _limit(value, flag: str, model_max: int) -> int:
-    value = _positive_int(value, flag)
+def _limit(value, name: str, model_max: int) -> int:
+    value = _positive_int(value, name)
     if value > model_max:
-        raise DynaPipeError(f"{flag} {value} exceeds the model's max_seq_length {model_max}; use at most {model_max}.")
+        raise DynaPipeError(f"{given(name, value)} exceeds the model's max_seq_length {model_max}; use at most {model_max}.")
     return value
 
 
@@ -82,13 +82,13 @@ def _limit_lengths(lengths: np.ndarray, seq_length: Optional[LengthLimit],
                             f"encoder-decoder models, whose lengths are (input, target) pairs; give one length.")
     if not pair:
         if seq_length is None:
-            _over_model(lengths.reshape(len(lengths), -1).max(axis=1), lengths, model_max, "--seq-length")
+            _over_model(lengths.reshape(len(lengths), -1).max(axis=1), lengths, model_max, "seq_length")
             return lengths, _Limits(model_max, model_max if lengths.ndim == 2 else None, False), 0
-        cap = _limit(seq_length, "--seq-length", model_max)
+        cap = _limit(seq_length, "seq_length", model_max)
         cut = int((lengths.reshape(len(lengths), -1) > cap).any(axis=1).sum())
         return np.minimum(lengths, cap), _Limits(cap, cap if lengths.ndim == 2 else None, False), cut
     caps = []
-    for side, (value, name) in enumerate(zip(seq_length, ("--seq-length", "--decoder-seq-length"))):
+    for side, (value, name) in enumerate(zip(seq_length, ("seq_length[0]", "seq_length[1]"))):
         if value is None:
             _over_model(lengths[:, side], lengths, model_max, name)
         caps.append(model_max if value is None else _limit(value, name, model_max))
@@ -197,9 +197,9 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
     """
     start = time.perf_counter()
     if method not in METHODS:
-        raise DynaPipeError(f"--batching {method!r} is not a batching method; use one of {', '.join(METHODS)}.")
-    dp = _positive_int(dp, "--dp")
-    micro_batch_size = _positive_int(micro_batch_size, "--micro-batch-size")
+        raise DynaPipeError(f"{given('method', method)} is not a batching method; use one of {', '.join(METHODS)}.")
+    dp = _positive_int(dp, "dp")
+    micro_batch_size = _positive_int(micro_batch_size, "micro_batch_size")
     check_recompute(recompute)
     require_cost_model(cost_model)
     flag("zero", zero)
@@ -209,8 +209,8 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
     if dp > len(arr):
         # A replica needs a sample; past the batch size the balance only multiplies empty
         # replicas, at a cost that grows with dp until planning stalls.
-        raise DynaPipeError(f"--dp {dp} exceeds the {len(arr)} sample(s) of the global batch, so {dp - len(arr)} "
-                            f"replica(s) would get no sample; use --dp {len(arr)} or less, or a batch of at least "
+        raise DynaPipeError(f"{given('dp', dp)} exceeds the {len(arr)} sample(s) of the global batch, so "
+                            f"{dp - len(arr)} replica(s) would get no sample; use {given('dp', len(arr))} or less, or a batch of at least "
                             f"{dp} samples.")
     arr, limits, truncated = _limit_lengths(arr, seq_length, model.max_seq_length)
     cap = limits.cap
@@ -231,9 +231,9 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
 
     if method in DP_METHODS:
         if method == "dynapipe-per-sample" and not cost_model.prices_attention_density:
-            raise DynaPipeError(f"--batching dynapipe-per-sample prices each micro-batch's per-sample attention, "
+            raise DynaPipeError(f"{given('method', method)} prices each micro-batch's per-sample attention, "
                                 f"which {type(cost_model).__name__} cannot (it prices dense attention only); use "
-                                f"the analytic or a profile cost model, or --batching dynapipe.")
+                                f"the analytic or a profile cost model, or {given('method', 'dynapipe')}.")
         extra["micro_batch_share"] = budget.micro_batch_share
         mbs, more = _plan_dynapipe(arr, cost_model, budget, dp, recompute, limits, use_compiled, gap, split_to_balance,
                                    per_sample=method == "dynapipe-per-sample")
@@ -251,7 +251,7 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
         else:
             # A sample's padded shape counts both sides for encoder-decoder models (each up to its limit).
             shape = cap + (limits.dec_cap or 0)
-            tokens = micro_batch_size * shape if max_tokens is None else _positive_int(max_tokens, "--max-tokens")
+            tokens = micro_batch_size * shape if max_tokens is None else _positive_int(max_tokens, "max_tokens")
             extra["max_tokens"] = tokens
             mbs = baselines.token_budget(arr, tokens, cap, limits.dec_cap)
         _price(mbs, cost_model, recompute)

@@ -12,7 +12,7 @@ import sys
 from typing import Optional, Sequence
 
 from dynapipe.cli.argtypes import StrictArgumentParser, print_error
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, spelled_as
 
 # command -> (module, one-line help). Order is the order ``--help`` lists them.
 COMMANDS = {
@@ -73,7 +73,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(modules[args.command].run(args) or 0)
+        from dynapipe.cli.spelling import spelling_of
+
+        with spelled_as(spelling_of(args.command)):
+            return int(modules[args.command].run(args) or 0)
     except DynaPipeError as e:
         print_error(str(e))
     except OSError as e:

@@ -110,6 +110,14 @@ def method_list(text: str) -> list[str]:
 
 def run(args) -> int:
     """Run ``bench`` with parsed ``args``; the process exit status (0: done)."""
+    from dynapipe.errors import spelled_as
+    from megatron_integration.flag_spelling import MEGATRON_SPELLING
+
+    with spelled_as(MEGATRON_SPELLING):  # bench reads Megatron's arguments, as training does
+        return _run(args)
+
+
+def _run(args) -> int:
     from dynapipe.errors import DynaPipeError
     from megatron_integration.bench import PRESETS, check_request, run_bench
     from megatron_integration.bench_checks import check_bench_outputs, make_output_dir

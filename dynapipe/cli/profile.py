@@ -210,13 +210,13 @@ def run(args) -> int:
         f"--seq-length {typed_seq_length} (the --seqlens grid's top)" if typed_seq_length is not None
         else "the default --seqlens grid")
     check_grid_lengths(args.model, seqlens, dec_seqlens, (seq_flag, "--dec-seqlens"))
-    for flag, grid in ((seq_flag, seqlens), ("--dec-seqlens", dec_seqlens)):
-        if len(grid) == 2:
-            # Beyond the grid the cost model reads a layer's square term from the last three lengths.
-            print(f"note: {flag} measures two lengths ({grid[0]}, {grid[1]}); longer micro-batches will be priced "
-                  f"from a line and a power law through them, which under-price a layer's attention (a stage "
-                  f"of gpt-tiny at 4x the longest: 51.2 MiB planned, 62.5 measured); measure three or more "
-                  f"lengths to price its square term", file=sys.stderr)
+    # Said once the command line is accepted (a refused one prints its error alone).
+    notes = [f"note: {flag} measures two lengths ({grid[0]}, {grid[1]}); longer micro-batches will be priced "
+             f"from a line and a power law through them, which under-price a layer's attention (a stage "
+             f"of gpt-tiny at 4x the longest: 51.2 MiB planned, 62.5 measured); measure three or more "
+             f"lengths to price its square term"
+             # Beyond the grid the cost model reads a layer's square term from the last three lengths.
+             for flag, grid in ((seq_flag, seqlens), ("--dec-seqlens", dec_seqlens)) if len(grid) == 2]
     if args.repeats < 1 or args.warmup < 0:
         raise DynaPipeError(f"--repeats {args.repeats} --warmup {args.warmup}: --repeats must be >= 1 (timed runs "
                             f"a point) and --warmup >= 0.")
@@ -250,8 +250,10 @@ def run(args) -> int:
         raise DynaPipeError(f"--seqlens reaches {max(seqlens)} tokens, beyond --max-position-embeddings "
                             f"{model.max_position_embeddings}; shorten the grid or raise the limit.")
     if args.t5:
-        return _run_t5(args, model, mbs, seqlens, dec_seqlens)
+        return _run_t5(args, model, mbs, seqlens, dec_seqlens, notes)
     tp, sp = check_tensor_parallel(args, model, seqlens)
+    for note in notes:
+        print(note, file=sys.stderr)
     if tp > 1:
         return _run_tensor_parallel(args, model, mbs, seqlens, tp, sp, use_te)
     use_profiler_threads(args.threads, cuda)
@@ -300,9 +302,10 @@ def _run_tensor_parallel(args, model, mbs: list[int], seqlens: list[int], tp: in
     return 0
 
 
-def _run_t5(args, model, mbs: list[int], seqlens: list[int], dec_seqlens: list[int]) -> int:
+def _run_t5(args, model, mbs: list[int], seqlens: list[int], dec_seqlens: list[int], notes: list[str]) -> int:
     """Measure a T5's ops in this process, or in ``--tensor-model-parallel-size`` spawned ranks
-    (one tensor-parallel group, with ``--sequence-parallel`` on sequence shards)."""
+    (one tensor-parallel group, with ``--sequence-parallel`` on sequence shards); ``notes`` are
+    printed once the arguments are accepted."""
     import torch
 
     from dynapipe.errors import DynaPipeError
@@ -321,6 +324,8 @@ def _run_t5(args, model, mbs: list[int], seqlens: list[int], dec_seqlens: list[i
     if longest > model.max_position_embeddings:
         raise DynaPipeError(f"--seqlens/--dec-seqlens reach {longest} tokens, beyond --max-position-embeddings "
                             f"{model.max_position_embeddings}; shorten the grid or raise the limit.")
+    for note in notes:
+        print(note, file=sys.stderr)
     if tp > 1:
         threads = args.threads or max(1, (os.cpu_count() or 1) // tp)
         where = f"{tp} GPUs" if torch.cuda.is_available() else f"{tp} CPU ranks x {threads} threads"

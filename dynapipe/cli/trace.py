@@ -33,6 +33,17 @@ HELP = "write the simulated pipeline timeline as a Chrome trace / PNG"
 DEFAULT_SEED = 0
 
 
+class _OneOutput(argparse.Action):
+    """``--output`` or its first name ``--out``, given once: two paths would write only the last."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        before = getattr(namespace, self.dest, None)
+        if before is not None and before != values:
+            parser.error(f"{option_string} {values!r}: the trace already goes to {before!r} (--output and --out "
+                         f"are one flag); give one path")
+        setattr(namespace, self.dest, values)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Add the ``trace`` command's flags to ``p``."""
     src = p.add_mutually_exclusive_group(required=True)
@@ -51,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="schedule, as for plan (zb-h1 draws each backward as BI and BW; default auto)")
     add_split_backward_argument(p)
     p.add_argument("--cluster", default=None, help="cluster config (default: chosen by device)")
-    p.add_argument("--output", "--out", dest="out", required=True, metavar="FILE.json",
+    p.add_argument("--output", "--out", dest="out", required=True, metavar="FILE.json", action=_OneOutput,
                    help="write the Chrome/Perfetto trace here (--out: the same flag, its first name)")
     p.add_argument("--png", default=None, metavar="FILE.png", help="also draw the timeline (replica --replica)")
     p.add_argument("--replica", type=int, default=None, help="replica drawn by --png (default 0)")

@@ -14,7 +14,7 @@ from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, StageCost, StageLayo
 from dynapipe.cost.placement import PlacementChoice, PlacementSample, StagePlacement, plan_placement
 from dynapipe.cost.profile import ProfileCostModel
 from dynapipe.cost.profile_device import check_profile_device
-from dynapipe.errors import DynaPipeError, whole_number
+from dynapipe.errors import DynaPipeError, shown, whole_number
 
 __all__ = ["AnalyticCostModel", "ProfileCostModel", "CostModel", "StageCost", "StageLayout",
            "RECOMPUTE_LEVELS", "stage_layouts", "build_cost_model", "StagePlacement", "PlacementChoice",
@@ -39,11 +39,11 @@ def _build(model: ModelConfig, device: DeviceConfig, num_stages: int, profile: O
     # Configs built by hand get the checks the YAML loaders run (a T5 priced as a GPT, heads
     # that do not divide the width, a device given by name).
     if not isinstance(model, ModelConfig):
-        raise DynaPipeError(f"model {model!r:.60}: give a ModelConfig (dynapipe.config.load_model_config(name)).")
+        raise DynaPipeError(f"model {shown(model)}: give a ModelConfig (dynapipe.config.load_model_config(name)).")
     analytic = profile in (None, "", "analytic")
     # A measured profile carries its own device; the analytic model is priced from this one.
     if not isinstance(device, DeviceConfig) and (analytic or device is not None):
-        raise DynaPipeError(f"device {device!r:.60}: give a DeviceConfig (dynapipe.config.load_device_config(name)).")
+        raise DynaPipeError(f"device {shown(device)}: give a DeviceConfig (dynapipe.config.load_device_config(name)).")
     model.validate(f"model {model.name!r}")
     if device is not None:
         device.validate(f"device {device.name!r}")

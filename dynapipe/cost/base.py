@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 
 from dynapipe.config import ModelConfig, TensorParallelConfig
-from dynapipe.errors import DynaPipeError, whole_number
+from dynapipe.errors import DynaPipeError, given, whole_number
 
 RECOMPUTE_LEVELS = ("none", "selective", "full")
 MIB = float(1 << 20)
@@ -62,11 +62,11 @@ def stage_layouts(model: ModelConfig, num_stages: int) -> list[StageLayout]:
     the last stage the output layer (a tied copy when ``num_stages > 1``).
     """
     if num_stages < 1:
-        raise DynaPipeError(f"--stages {num_stages}: the number of pipeline stages must be at least 1.")
+        raise DynaPipeError(f"{given('num_stages', num_stages)}: the number of pipeline stages must be at least 1.")
     total = model.total_layers
     if num_stages > total:
         raise DynaPipeError(
-            f"--stages {num_stages} exceeds the {total} layers of model {model.name!r}: "
+            f"{given('num_stages', num_stages)} exceeds the {total} layers of model {model.name!r}: "
             f"every stage needs at least one layer; use at most {total} stages."
         )
     enc_total = model.encoder_layers if model.is_encoder_decoder else 0

@@ -17,7 +17,7 @@ import numpy as np
 from dynapipe.cost.attention_density import AttentionDensity, stack
 from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, StageLayout, check_recompute, layout_of_layers
 from dynapipe.cost.stage_placement import StagePlacement
-from dynapipe.errors import DynaPipeError, real_number, whole_number
+from dynapipe.errors import DynaPipeError, given, real_number, shown, whole_number
 
 
 @dataclass(frozen=True)
@@ -269,13 +269,16 @@ def plan_placement(cost_model: CostModel, sample: PlacementSample, num_stages: O
     stage times. ``dp``/``zero`` size the model states as the planner does.
     Raises :class:`DynaPipeError` when no split fits.
     """
+    if not isinstance(sample, PlacementSample):
+        raise DynaPipeError(f"sample {shown(sample)}: give a PlacementSample (micro-batch shapes: mbs, seqlen, "
+                            f"dec_seqlen arrays), for example PlacementSample.of(micro_batches).")
     model = cost_model.model
     S = cost_model.num_stages if num_stages is None else whole_number("num_stages", num_stages)
     if capacity_mib is not None:
         real_number("capacity_mib", capacity_mib, unlimited=True)
     L = model.total_layers
     if not 1 <= S <= L:
-        raise DynaPipeError(f"--stages {S}: stage placement needs 1 to {L} stages for model {model.name!r}.")
+        raise DynaPipeError(f"{given('num_stages', S)}: stage placement needs 1 to {L} stages for model {model.name!r}.")
     enc_total = model.encoder_layers if model.is_encoder_decoder else 0
     pricer = _Pricer(cost_model, sample, S, _levels(recompute), capacity_mib, dp, zero)
     # Every state cap a stage can set, lightest first: a tighter cap leaves the planner

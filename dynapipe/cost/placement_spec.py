@@ -6,16 +6,19 @@ within it, never a virtual-stage index the user did not write.
 from __future__ import annotations
 
 import re
+from typing import Optional
 
 from dynapipe.config import ModelConfig
 from dynapipe.cost.placement import StagePlacement
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, arg
 
 _STAGE_SPEC = re.compile(r"\s*([0-9]{1,6})\s*(?:\+\s*([0-9]{1,6})\s*)?\Z")
 
 
-def parse_placement(text: str, model: ModelConfig, num_stages: int, flag: str = "--placement") -> StagePlacement:
-    """See :meth:`StagePlacement.parse`; ``flag`` names the option in errors."""
+def parse_placement(text: str, model: ModelConfig, num_stages: int, flag: Optional[str] = None) -> StagePlacement:
+    """See :meth:`StagePlacement.parse`; ``flag`` names the option in errors (default: as the
+    running program spells ``placement``)."""
+    flag = flag or arg("placement")
     if text.strip() == "interleaved":
         return StagePlacement.interleaved(model, num_stages, flag)
     label = f"{flag} {text!r}"
@@ -48,6 +51,6 @@ def parse_placement(text: str, model: ModelConfig, num_stages: int, flag: str = 
     bad = next((c for c, w in enumerate(widths) if w != num_stages), None)
     if bad is not None:
         where = f": chunk {bad} ({chunk_texts[bad].strip()!r})" if len(widths) > 1 else ""
-        raise DynaPipeError(f"{label}{where} names {widths[bad]} stage{'s' * (widths[bad] != 1)}; --stages is "
-                            f"{num_stages} (one layer count per stage{' per chunk' * (len(widths) > 1)}).")
+        raise DynaPipeError(f"{label}{where} names {widths[bad]} stage{'s' * (widths[bad] != 1)}; "
+                            f"{arg('num_stages')} is {num_stages} (one layer count per stage{' per chunk' * (len(widths) > 1)}).")
     return StagePlacement(tuple(enc), tuple(dec), len(chunk_texts)).validate(model, label)

@@ -12,7 +12,7 @@ import numpy as np
 
 from dynapipe.config import ModelConfig
 from dynapipe.cost.base import StageLayout, layout_of_layers, stage_layouts
-from dynapipe.errors import DynaPipeError, whole_number
+from dynapipe.errors import DynaPipeError, arg, whole_number
 
 
 @dataclass(frozen=True)
@@ -52,11 +52,12 @@ class StagePlacement:
                               chunks)
 
     @staticmethod
-    def interleaved(model: ModelConfig, num_stages: int, flag: str = "--placement") -> "StagePlacement":
+    def interleaved(model: ModelConfig, num_stages: int, flag: Optional[str] = None) -> "StagePlacement":
         """Encoder-decoder models, two chunks per rank: the encoder split evenly over the
         ranks as chunk 0, the decoder as chunk 1 (earlier ranks take the remainders), so
         every rank holds about the same encoder and decoder work. ``flag`` names the option
-        in errors."""
+        in errors (default: as the running program spells ``placement``)."""
+        flag = flag or arg("placement")
         if not model.is_encoder_decoder:
             raise DynaPipeError(f"{flag} interleaved: model {model.name!r} is not encoder-decoder; give a "
                                 f"chunked split such as 4,4|4,4 instead.")
@@ -64,11 +65,11 @@ class StagePlacement:
         fewest = min(model.encoder_layers, model.decoder_layers)
         if P < 2:
             raise DynaPipeError(f"{flag} interleaved spreads the encoder and the decoder over the pipeline's ranks "
-                                f"and needs at least 2 stages; --stages is {P}.")
+                                f"and needs at least 2 stages; {arg('num_stages')} is {P}.")
         if P > fewest:
             raise DynaPipeError(f"{flag} interleaved puts an encoder and a decoder layer on every rank, but model "
                                 f"{model.name!r} has {model.encoder_layers} encoder and {model.decoder_layers} "
-                                f"decoder layer(s) for {P} stages; --stages is {P}.")
+                                f"decoder layer(s) for {P} stages; {arg('num_stages')} is {P}.")
         split = lambda n: [n // P + (1 if s < n % P else 0) for s in range(P)]  # noqa: E731
         return StagePlacement(tuple(split(model.encoder_layers) + [0] * P),
                               tuple([0] * P + split(model.decoder_layers)), 2).validate(model)
@@ -175,7 +176,7 @@ class StagePlacement:
         return StagePlacement(counts("encoder_layers"), counts("decoder_layers"), chunks).validate(model)
 
     @staticmethod
-    def parse(text: str, model: ModelConfig, num_stages: int, flag: str = "--placement") -> "StagePlacement":
+    def parse(text: str, model: ModelConfig, num_stages: int, flag: Optional[str] = None) -> "StagePlacement":
         """``--placement`` text: comma-separated layers per stage (``12,12,8``), or
         ``ENC+DEC`` per stage for encoder-decoder models (``6+0,5+1,0+6``); virtual-pipeline
         chunks separated by ``|``, each listing every rank (``3+0,3+0|0+3,0+3``: the

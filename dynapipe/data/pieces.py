@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, given
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ def pieces_per_document(lengths: np.ndarray, seq_length: int) -> np.ndarray:
     """Pieces each document of ``lengths`` tokens is cut into at ``seq_length`` tokens
     (1 for a document that fits; ``ceil((L - 1) / (seq_length - 1))`` for a longer one)."""
     if seq_length < 2:
-        raise DynaPipeError(f"--seq-length {seq_length}: splitting documents needs at least 2 tokens a sample.")
+        raise DynaPipeError(f"{given('seq_length', seq_length)}: splitting documents needs at least 2 tokens a sample.")
     lengths = np.asarray(lengths, dtype=np.int64)
     if np.any(lengths < 1):
         raise DynaPipeError("a document has no tokens; every document needs at least one.")

@@ -20,7 +20,7 @@ from typing import Iterator
 
 import numpy as np
 
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, arg, check_fields, given
 
 
 @dataclass(frozen=True)
@@ -34,14 +34,15 @@ class SamplerConfig:
     min_samples: int = 1
 
     def validate(self) -> "SamplerConfig":
+        check_fields(self, "SamplerConfig")
         if (self.global_batch_size > 0) == (self.tokens_per_global_batch > 0):
             raise DynaPipeError(
-                f"set exactly one of --global-batch-size ({self.global_batch_size}) and "
-                f"--dynapipe-tokens-per-global-batch ({self.tokens_per_global_batch}) to a positive number.")
+                f"set exactly one of {arg('global_batch_size')} ({self.global_batch_size}) and "
+                f"{arg('tokens_per_global_batch')} ({self.tokens_per_global_batch}) to a positive number.")
         if self.min_samples < 1:
             raise DynaPipeError(f"min_samples {self.min_samples} must be at least 1.")
         if 0 < self.global_batch_size < self.min_samples:
-            raise DynaPipeError(f"--global-batch-size {self.global_batch_size} is smaller than the "
+            raise DynaPipeError(f"{given('global_batch_size', self.global_batch_size)} is smaller than the "
                                 f"{self.min_samples} data-parallel replicas; every replica needs a sample.")
         return self
 
@@ -79,7 +80,7 @@ class GlobalBatchSampler:
         if budget > total:
             # Each batch would draw the data over and over (and be planned as one huge batch,
             # which takes the planner longer than any plan timeout).
-            raise DynaPipeError(f"--dynapipe-tokens-per-global-batch {budget}: more than the {total:,} tokens of the "
+            raise DynaPipeError(f"{given('tokens_per_global_batch', budget)}: more than the {total:,} tokens of the "
                                 f"whole training data ({self.num_samples:,} samples), so one global batch would hold "
                                 f"every sample several times; give at most {total} (Megatron's global batches are a "
                                 f"small part of the data).")

@@ -18,7 +18,7 @@ from typing import Callable, Sequence, Union
 
 import numpy as np
 
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, given
 
 OVERLONG_POLICIES = ("truncate", "reject")
 
@@ -48,7 +48,7 @@ class LengthLimits:
 
     def validate(self) -> "LengthLimits":
         if self.seq_length < 2:
-            raise DynaPipeError(f"--seq-length {self.seq_length}: must be at least 2 tokens.")
+            raise DynaPipeError(f"{given('seq_length', self.seq_length)}: must be at least 2 tokens.")
         if self.dec_seq_length < 0:
             raise DynaPipeError(f"decoder sequence length {self.dec_seq_length} must be >= 0.")
         if self.overlong not in OVERLONG_POLICIES:
@@ -136,7 +136,7 @@ class SampleDataset(ABC):
         naming the file and the document.
         """
         if vocab_size <= 0:
-            raise DynaPipeError(f"--vocab-size {vocab_size}: must be positive.")
+            raise DynaPipeError(f"{given('vocab_size', vocab_size)}: must be positive.")
         if getattr(self, "_tokens_valid_below", None) == vocab_size:
             return
         self._check_token_ids(int(vocab_size))

@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 
 from dynapipe.config import CONFIG_DIR, resolve_config_path
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, given
 
 DEFAULT_MIXTURE = os.path.join(CONFIG_DIR, "data", "flan-mixture.yaml")
 
@@ -123,13 +123,13 @@ def sample_mixture(mixture: Mixture, n: int, seed: int, seq_length: int,
     """Draw ``n`` samples. Decoder-only: input + target together fit in ``seq_length`` tokens.
     Encoder-decoder: inputs fit in ``seq_length``, targets in ``dec_seq_length`` (0: the same)."""
     if n <= 0:
-        raise DynaPipeError(f"--samples {n}: the number of samples must be positive.")
+        raise DynaPipeError(f"{given('samples', n)}: the number of samples must be positive.")
     if n > MAX_SAMPLES:
-        raise DynaPipeError(f"--samples {n}: at most {MAX_SAMPLES:,} samples can be drawn at once.")
+        raise DynaPipeError(f"{given('samples', n)}: at most {MAX_SAMPLES:,} samples can be drawn at once.")
     if seed < 0:
-        raise DynaPipeError(f"--seed {seed}: the seed must be a non-negative integer.")
+        raise DynaPipeError(f"{given('seed', seed)}: the seed must be a non-negative integer.")
     if seq_length < 2:
-        raise DynaPipeError(f"--seq-length {seq_length}: must be at least 2 tokens.")
+        raise DynaPipeError(f"{given('seq_length', seq_length)}: must be at least 2 tokens.")
     rng = np.random.default_rng(seed)
     tasks = rng.choice(len(mixture.tasks), size=n, p=mixture.weights)
     med_in = np.array([t.median_input for t in mixture.tasks])[tasks]

@@ -114,6 +114,8 @@ def serialize_plan(plan: ExecutionPlan) -> bytes:
     """The plan as deterministic version-3 bytes: a 20-byte header (magic, version,
     flags, payload length, CRC32, body length) and the zlib-compressed binary body.
     ``plan.meta`` must hold only JSON values (str keys, numbers, strings, lists, dicts)."""
+    if not isinstance(plan, ExecutionPlan):
+        raise PlanError(f"serialize_plan takes an ExecutionPlan, got {type(plan).__name__}.")
     body = encode_body(plan)
     if len(body) > MAX_BODY_BYTES:
         raise PlanError(f"plan of stage {plan.stage} encodes to {len(body)} bytes, more than the "
@@ -249,8 +251,8 @@ def deserialize_plan(data: bytes) -> ExecutionPlan:
         raise PlanError(f"a serialized plan must be bytes, got {type(data).__name__}.")
     data = bytes(data)
     if len(data) < _HEADER_V1.size:
-        raise PlanError(f"plan payload is truncated: {len(data)} bytes, shorter than the "
-                        f"{_HEADER_V1.size}-byte header.")
+        raise PlanError(f"plan payload is truncated: {len(data)} bytes, shorter than any plan header "
+                        f"({_HEADER_V1.size} bytes in version 1, {HEADER_BYTES} in versions 2 and 3).")
     magic, version = data[:4], struct.unpack_from(">H", data, 4)[0]
     if magic != MAGIC:
         raise PlanError(f"not a DynaPipe execution plan (magic {magic!r}, expected {MAGIC!r}).")

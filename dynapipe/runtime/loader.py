@@ -27,7 +27,7 @@ from typing import Callable, Optional
 from dynapipe.data.config import DatasetConfig
 from dynapipe.data.sampler import SamplerConfig
 from dynapipe.data.samples import SampleDataset
-from dynapipe.errors import DynaPipeError, iteration_name
+from dynapipe.errors import DynaPipeError, iteration_name, spelling
 from dynapipe.runtime.kv_store import KVStore, KVStoreSpec, TorchStoreKV, delete_blob, job_tcp_store, \
     tcp_store_address
 from dynapipe.runtime.loader_config import LoaderConfig, RankLayout
@@ -149,7 +149,7 @@ class DynaPipeDataLoader:
         sampler = SamplerConfig(c.global_batch_size, c.tokens_per_global_batch, c.seed, c.shuffle,
                                 min_samples=self.layout.dp_size).validate()
         job = WorkerJob(dataset, sampler, c.consumed_samples, c.start_iteration, self.planner, spec,
-                        self.keys, self.layout.node, self._replicas_here())
+                        self.keys, self.layout.node, self._replicas_here(), spelling())
         self._pool = PlannerPool(job, c.num_workers)
         # A worker killed after publishing this rank's payload would otherwise go unreported:
         # this rank is in the step's transfers, not here, and the others wait out the timeout.

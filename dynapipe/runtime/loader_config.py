@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, check_fields, given
 from dynapipe.runtime.kv_store import KV_BACKENDS
 
 __all__ = ["LoaderConfig", "RankLayout"]
@@ -56,32 +56,34 @@ class LoaderConfig:
     store_retry_s: float = 30.0
 
     def validate(self) -> "LoaderConfig":
-        """``self`` if every setting is usable, else ``DynaPipeError`` naming the flag."""
+        """``self`` if every setting is usable, else ``DynaPipeError`` naming the field (or the
+        flag that sets it, as the running program spells it)."""
+        check_fields(self, "LoaderConfig")
         if self.kv_backend not in KV_BACKENDS:
-            raise DynaPipeError(f"--dynapipe-kv-backend {self.kv_backend!r}: use one of {list(KV_BACKENDS)}.")
+            raise DynaPipeError(f"{given('kv_backend', self.kv_backend)}: use one of {list(KV_BACKENDS)}.")
         if self.num_workers < 1:
-            raise DynaPipeError(f"--dynapipe-planner-workers {self.num_workers}: must be at least 1.")
+            raise DynaPipeError(f"{given('num_workers', self.num_workers)}: must be at least 1.")
         if self.fetch_ahead < 1:
-            raise DynaPipeError(f"fetch_ahead {self.fetch_ahead}: must be at least 1 iteration.")
+            raise DynaPipeError(f"{given('fetch_ahead', self.fetch_ahead)}: must be at least 1 iteration.")
         if self.prefetch < 1:
-            raise DynaPipeError(f"--dynapipe-prefetch {self.prefetch}: must be at least 1 iteration.")
+            raise DynaPipeError(f"{given('prefetch', self.prefetch)}: must be at least 1 iteration.")
         if self.planner_nodes < 0:  # no rank would plan, and every rank would wait out the plan timeout
-            raise DynaPipeError(f"--dynapipe-planner-nodes {self.planner_nodes}: must be non-negative (0: every "
+            raise DynaPipeError(f"{given('planner_nodes', self.planner_nodes)}: must be non-negative (0: every "
                                 f"node plans).")
         for name, value in (("seed", self.seed), ("consumed_samples", self.consumed_samples),
                             ("start_iteration", self.start_iteration),
                             ("train_iters", 0 if self.train_iters is None else self.train_iters)):
             if value < 0:
-                raise DynaPipeError(f"{name} {value}: must be >= 0.")
+                raise DynaPipeError(f"{given(name, value)}: must be >= 0.")
         for name, value in (("plan_timeout_s", self.plan_timeout_s), ("connect_timeout_s", self.connect_timeout_s)):
             if not value > 0:
-                raise DynaPipeError(f"{name} {value}: must be > 0 seconds.")
+                raise DynaPipeError(f"{given(name, value)}: must be > 0 seconds.")
         if not 1 <= self.redis_port <= 65535:
-            raise DynaPipeError(f"--dynapipe-redis-port {self.redis_port}: must be a TCP port, 1 to 65535.")
+            raise DynaPipeError(f"{given('redis_port', self.redis_port)}: must be a TCP port, 1 to 65535.")
         if self.redis_db < 0:
-            raise DynaPipeError(f"redis_db {self.redis_db}: a Redis database number is 0 or more.")
+            raise DynaPipeError(f"{given('redis_db', self.redis_db)}: a Redis database number is 0 or more.")
         if not self.store_retry_s >= 0:
-            raise DynaPipeError(f"--dynapipe-store-retry-s {self.store_retry_s}: must be >= 0 seconds.")
+            raise DynaPipeError(f"{given('store_retry_s', self.store_retry_s)}: must be >= 0 seconds.")
         return self
 
 

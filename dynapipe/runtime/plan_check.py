@@ -19,7 +19,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from dynapipe.errors import PlanError, iteration_name
+from dynapipe.errors import PlanError, arg, iteration_name
 from dynapipe.plan.instructions import (FINISHES, SEND_STARTS, STARTS, BackwardPass, ExecutionPlan, ForwardPass,
                                         RecvActivationFinish, RecvActivationStart, RecvGradFinish, RecvGradStart,
                                         SendActivationFinish, SendActivationStart, SendGradFinish, SendGradStart,
@@ -47,7 +47,7 @@ def accept_plan(plan: Union[ExecutionPlan, bytes], handlers: Any, *, stage: int,
         raise PlanError(f"the plan splits the backward (a zero-bubble schedule), but this stage's handlers "
                         f"have no {' and no '.join(missing)} (the input part needs a backward that defers "
                         f"the weight gradients, the weight part backward_weight); use a schedule without "
-                        f"the split (plan with split_backward=False, or --schedule 1f1b / adaptive).")
+                        f"the split (plan with split_backward=False, or {arg('schedule')} 1f1b / adaptive).")
     tokens = plan.global_loss_tokens if loss_tokens is None else loss_tokens
     if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral):
         raise PlanError(f"loss_tokens {tokens!r}: expected a whole number of tokens.")

@@ -14,7 +14,7 @@ import numpy as np
 
 from dynapipe.batching.types import LengthLimit
 from dynapipe.config import ClusterConfig, DeviceConfig, ModelConfig
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, given
 from dynapipe.plan import deserialize_plan, serialize_plan
 from dynapipe.plan.instructions import ExecutionPlan
 from dynapipe.schedule.types import SPLITTING_SCHEDULE_NAMES
@@ -59,9 +59,6 @@ class PlannerSettings:
     sequence_parallel: bool = False
     # Layers per stage (a dynapipe.cost.placement.StagePlacement); None: Megatron's even split.
     placement: Optional[object] = None
-    # (planner flag, the caller's flag) pairs: the planning layers name the `plan` command's
-    # flags in their errors, and a training job's user gave other ones.
-    flag_names: tuple = ()
     split_backward: bool = True
 
 
@@ -141,6 +138,16 @@ def check_planner_settings(settings: PlannerSettings) -> None:
                             f"({settings.dp}) must be at least 1.")
     if not isinstance(settings.model, ModelConfig) or not isinstance(settings.device, DeviceConfig):
         raise DynaPipeError("planner settings need a ModelConfig and a DeviceConfig.")
+    from dynapipe.batching.planner import METHODS
+    from dynapipe.schedule.search_space import SCHEDULE_CHOICES
+
+    # Found here, not by the first worker's first plan, which a training job sees seconds later.
+    if settings.method not in METHODS:
+        raise DynaPipeError(f"{given('method', settings.method)} is not a batching method; use one of "
+                            f"{', '.join(METHODS)}.")
+    if settings.schedule not in SCHEDULE_CHOICES:
+        raise DynaPipeError(f"{given('schedule', settings.schedule)} is not known; use one of "
+                            f"{', '.join(SCHEDULE_CHOICES)}.")
     if not settings.split_backward and settings.schedule in SPLITTING_SCHEDULE_NAMES:
         # Found here, not by the first worker's first plan a few seconds into the run.
         raise DynaPipeError(f"schedule {settings.schedule!r} splits every backward, and split_backward=False says "

@@ -17,12 +17,11 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import queue
-import re
 import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -31,7 +30,7 @@ from dynapipe.cost.model_flops import micro_batches_work, samples_work
 from dynapipe.data.collate import TensorRequest, collate
 from dynapipe.data.sampler import GlobalBatchSampler, SamplerConfig
 from dynapipe.data.samples import SampleDataset
-from dynapipe.errors import DynaPipeError, ExecutorError, PlanError, iteration_name
+from dynapipe.errors import DynaPipeError, ExecutorError, PlanError, given, iteration_name, spelled_as
 from dynapipe.plan.instructions import ExecutionPlan, LoadInput
 from dynapipe.runtime.kv_store import KVStoreSpec, put_blob
 from dynapipe.runtime.plan_payload import encode_payload
@@ -89,6 +88,9 @@ class WorkerJob:
     keys: Keyspace
     node: int
     replicas: Optional[tuple[int, ...]] = None
+    # How the job's errors name parameters (:func:`dynapipe.errors.spelled_as`): a worker
+    # process starts without its parent's.
+    spelling: dict = field(default_factory=dict)
 
 
 def _rank_tensors(plan: ExecutionPlan, dataset: SampleDataset, batch_indices: np.ndarray,
@@ -168,6 +170,11 @@ def _exit_with_parent(parent) -> None:
 
 def worker_main(worker: int, job: WorkerJob, tasks, events) -> None:
     """Entry point of a planner worker process."""
+    with spelled_as(job.spelling):  # its refusals name the parameters as the job's user gave them
+        _work(worker, job, tasks, events)
+
+
+def _work(worker: int, job: WorkerJob, tasks, events) -> None:
     parent = multiprocessing.parent_process()
     if parent is not None:
         threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="parent-watch").start()
@@ -189,7 +196,7 @@ def worker_main(worker: int, job: WorkerJob, tasks, events) -> None:
         # A refusal is the user's to act on: its message, in their flags. Anything else is a bug,
         # a plan the compiler or validator rejects included (PlanError): its traceback.
         refusal = isinstance(e, DynaPipeError) and not isinstance(e, (PlanError, ExecutorError))
-        tb = with_flag_names(str(e), job.planner.flag_names) if refusal else traceback.format_exc()
+        tb = str(e) if refusal else traceback.format_exc()
         events.put(("error", worker, iteration, tb))
         if kv is not None:
             try:
@@ -205,14 +212,6 @@ def _error_text(node: int, worker: int, iteration: Optional[int], tb: str) -> st
     when = f"while planning {iteration_name(iteration)}" if iteration is not None else "while starting"
     sep = "\n" if tb.startswith("Traceback") else " "
     return f"planner worker {worker} on planner node {node} failed {when}:{sep}{tb.rstrip()}"
-
-
-def with_flag_names(text: str, flag_names) -> str:
-    """``text`` with each planner flag of ``flag_names`` ((planner flag, caller's flag) pairs)
-    spelled as the caller's; whole flags only (``--seq-length`` is not ``--decoder-seq-length``)."""
-    for ours, theirs in flag_names:
-        text = re.sub(rf"(?<![\w-]){re.escape(ours)}(?![\w-])", theirs, text)
-    return text
 
 
 #: A worker's exit code after it reported its failure (to the pool's events and the store); not
@@ -265,7 +264,7 @@ class PlannerPool:
 
     def __init__(self, job: WorkerJob, num_workers: int):
         if num_workers < 1:
-            raise DynaPipeError(f"--dynapipe-planner-workers {num_workers}: a planner node needs at least 1 worker.")
+            raise DynaPipeError(f"{given('num_workers', num_workers)}: a planner node needs at least 1 worker.")
         ctx = helper_context()
         self.job = job
         self.tasks = ctx.Queue()

@@ -26,7 +26,7 @@ import numpy as np
 from dynapipe.batching.types import MicroBatch
 from dynapipe.config import ClusterConfig
 from dynapipe.cost.base import CostModel
-from dynapipe.errors import DynaPipeError, NoScheduleFits, flag, flags
+from dynapipe.errors import DynaPipeError, NoScheduleFits, arg, flag, flags
 from dynapipe.schedule import _kernels as K
 from dynapipe.schedule.adaptive import adaptive_arrays, schedule_from_arrays
 from dynapipe.schedule.costs import StageTimes, stage_times_per_replica
@@ -182,11 +182,11 @@ def heavy_first(times: Sequence[StageTimes]) -> list[int]:
 # How each batching method is told to cut smaller micro-batches (None: method unknown).
 _SMALLER = {"dynapipe": "a lower memory limit for batching",
             "dynapipe-per-sample": "a lower memory limit for batching",
-            "padding": "a smaller --micro-batch-size", "padding-mb": "a smaller --micro-batch-size",
-            "packing": "a smaller --micro-batch-size (fewer rows)",
-            "packing-per-sample": "a smaller --micro-batch-size (fewer rows)",
-            "token-budget": "a smaller --max-tokens",
-            None: "a lower memory limit for batching, a smaller --micro-batch-size or --max-tokens"}
+            "padding": "a smaller {micro_batch_size}", "padding-mb": "a smaller {micro_batch_size}",
+            "packing": "a smaller {micro_batch_size} (fewer rows)",
+            "packing-per-sample": "a smaller {micro_batch_size} (fewer rows)",
+            "token-budget": "a smaller {max_tokens}",
+            None: "a lower memory limit for batching, a smaller {micro_batch_size} or {max_tokens}"}
 
 
 @dataclass
@@ -300,8 +300,9 @@ def _refuse(space: SearchSpace, tally: _Tally, batching: Optional[str]) -> NoRet
     raise NoScheduleFits(
         f"no schedule fits in {cap_mib:.0f} MiB per stage: the closest candidate ({c.schedule}, {c.order} "
         f"order, recompute {c.recompute}) needs {c.peak_mib[worst]:.0f} MiB on stage {worst}, "
-        f"{c.peak_mib[worst] - cap_mib:.0f} MiB over the limit. Raise --memory-limit-mb, use more pipeline "
-        f"stages, or plan smaller micro-batches ({_SMALLER.get(batching, _SMALLER[None])}).")
+        f"{c.peak_mib[worst] - cap_mib:.0f} MiB over the limit. Raise {arg('memory_limit_mib')}, use more "
+        f"pipeline stages, or plan smaller micro-batches ("
+        f"{_SMALLER.get(batching, _SMALLER[None]).format(micro_batch_size=arg('micro_batch_size'), max_tokens=arg('max_tokens'))}).")
 
 
 def _replica_schedule(space: SearchSpace, cand: Candidate, run: tuple, times: StageTimes,

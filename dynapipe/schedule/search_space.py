@@ -17,7 +17,7 @@ import numpy as np
 from dynapipe.batching.types import MicroBatch
 from dynapipe.config import ClusterConfig
 from dynapipe.cost.base import RECOMPUTE_LEVELS, CostModel, check_recompute
-from dynapipe.errors import DynaPipeError, real_number, whole_number
+from dynapipe.errors import DynaPipeError, arg, given, real_number, whole_number
 from dynapipe.schedule.interleaved import INTERLEAVED, chunk_count
 from dynapipe.schedule.interleaved_adaptive import INTERLEAVED_ADAPTIVE
 from dynapipe.schedule.interleaved_zb import INTERLEAVED_ZB
@@ -61,24 +61,25 @@ def schedule_names(schedule: str, split_backward: bool, cost_model: CostModel) -
     counterpart (``1f1b`` to ``interleaved``, ``adaptive`` to ``interleaved-adaptive``,
     ``zb-h1`` to ``interleaved-zb``)."""
     if schedule not in SCHEDULE_CHOICES:
-        raise DynaPipeError(f"--schedule {schedule!r} is not known; use one of {', '.join(SCHEDULE_CHOICES)}.")
+        raise DynaPipeError(f"{given('schedule', schedule)} is not known; use one of {', '.join(SCHEDULE_CHOICES)}.")
     unsplit = getattr(cost_model, "unsplit_backward", None)
     if unsplit is not None:
         if schedule in (ZB_H1, INTERLEAVED_ZB):
-            raise DynaPipeError(f"--schedule {schedule} splits every backward, but {unsplit}; use auto (which then "
+            raise DynaPipeError(f"{given('schedule', schedule)} splits every backward, but {unsplit}; use auto (which then "
                                 f"leaves the split schedules out) or another schedule.")
         split_backward = False
     if not split_backward and schedule in (ZB_H1, INTERLEAVED_ZB):
-        raise DynaPipeError(f"--schedule {schedule} splits every backward, and the stages cannot split theirs "
-                            f"(--no-split-backward, split_backward=False); drop one of them (auto then searches "
+        off = arg("split_backward")  # a switch: the command line's flag turns it off
+        raise DynaPipeError(f"{given('schedule', schedule)} splits every backward, and the stages cannot split "
+                            f"theirs ({'split_backward=False' if off == 'split_backward' else off}); drop one of them (auto then searches "
                             f"the other schedules).")
     chunks = chunk_count(cost_model)
     # On a chunked placement 1F1B is Megatron's interleaved 1F1B, adaptive the adaptive
     # interleaved order and zb-h1 interleaved-zb, as training's --dynapipe-schedule reads them.
     if chunks == 1 and schedule in CHUNKED_SCHEDULE_NAMES:
         use = ", ".join(CHUNKED_SCHEDULE_NAMES) if chunks > 1 else "1f1b, adaptive or zb-h1"
-        raise DynaPipeError(f"--schedule {schedule}: placement {cost_model.placement} has {chunks} chunk(s) per "
-                            f"stage; use --schedule {use} or auto.")
+        raise DynaPipeError(f"{given('schedule', schedule)}: placement {cost_model.placement} has {chunks} chunk(s) "
+                            f"per stage; use {arg('schedule')} {use} or auto.")
     if chunks > 1:
         auto = [INTERLEAVED, INTERLEAVED_ADAPTIVE] + ([INTERLEAVED_ZB] if split_backward else [])
         names = {"auto": auto, INTERLEAVED_ADAPTIVE: [INTERLEAVED_ADAPTIVE], "adaptive": [INTERLEAVED_ADAPTIVE],
