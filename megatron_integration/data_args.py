@@ -230,7 +230,7 @@ def eval_args_from_args(args: argparse.Namespace, sources: Optional[dict] = None
                   if args.eval_iters is not None else None]
         for flag, present, what in filter(None, wanted):
             if not present:
-                why, fix = _no_eval_data_why(sources, validation=what == "validation set")
+                why, fix = _no_eval_data_why(sources, args.split, validation=what == "validation set")
                 raise DynaPipeError(f"{flag}: this run has no {what} to evaluate ({why}); {fix} or drop "
                                     f"{flag.split()[0]}.")
     return EvalArgs(eval_iters=iters, eval_interval=interval, eval_iters_given=args.eval_iters is not None)
@@ -245,11 +245,13 @@ def eval_splits(sources: dict) -> tuple[bool, bool]:
     return bool(sources.get("valid_data_path")), bool(sources.get("test_data_path"))
 
 
-def _no_eval_data_why(sources: dict, validation: bool = False) -> tuple[str, str]:
+def _no_eval_data_why(sources: dict, split_text: Optional[str], validation: bool = False) -> tuple[str, str]:
     """Why ``sources`` have nothing to evaluate on (``validation``: no validation set, which
-    ``--eval-interval`` needs; else neither set), and the fix."""
+    ``--eval-interval`` needs; else neither set), and the fix; ``split_text``: ``--split`` as
+    typed (None: not given)."""
     if "split" in sources:
-        return (f"--split {','.join(str(v) for v in sources['split'])} leaves it no share",
+        typed = split_text if split_text is not None else ",".join(str(v) for v in sources["split"])
+        return (f"--split {typed!r} leaves it no share",
                 "give --split a share for it (such as 98,1,1)")
     if sources.get("train_data_path"):
         if validation:  # a --test-data-path does not help: only the validation set is evaluated during training

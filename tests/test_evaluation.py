@@ -71,7 +71,7 @@ def test_eval_flags_megatron_defaults_and_errors():
     for extra, needle in (("--eval-interval 3", "--eval-interval 3: this run has no validation set to evaluate "
                                                 "(--mock-data without --split"),
                           ("--eval-iters 5", "--eval-iters 5: this run has no validation or test set"),
-                          ("--split 90,0,10 --eval-interval 3", "--split 0.9,0.0,0.1 leaves it no share")):
+                          ("--split 90,0,10 --eval-interval 3", "--split '90,0,10' leaves it no share")):
         with pytest.raises(DynaPipeError, match=re.escape(needle)):
             parse_training_args(f"{BASE} {extra}".split(), 1, cuda=False)
     assert parse_training_args(f"{BASE} --split 90,0,10 --eval-iters 3".split(), 1, cuda=False).evaluation.eval_iters == 3
