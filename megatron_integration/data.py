@@ -131,7 +131,33 @@ def data_summary_lines(cfg: DynaPipeTrainingConfig, config_of=None) -> list[str]
                                     f"on its own; give at least {longest} (a budget holds several samples, "
                                     f"Megatron's global batches many).")
             GlobalBatchSampler(tokens, sampler_config(cfg, config))
+        elif split == "train" and config_of is None and _pretraining_documents(dataset):
+            note = _sample_size_note(cfg, dataset.sample_tokens())
+            lines.extend([note] if note else [])
     return lines
+
+
+def _pretraining_documents(dataset) -> bool:
+    """Whether every sample of ``dataset`` is a decoder-only pretraining document (or a piece of
+    one): no input part, as Megatron-LM's ``GPTDataset`` would have read the same data."""
+    inputs = getattr(dataset, "input_lengths", None)
+    return inputs is not None and not dataset.encoder_decoder and len(inputs) > 0 and not inputs.any()
+
+
+def _sample_size_note(cfg: DynaPipeTrainingConfig, tokens: np.ndarray) -> Optional[str]:
+    """A start-up line for a user porting a Megatron-LM run: a GPT sample here is a document (or
+    a piece of a longer one), where Megatron-LM's ``GPTDataset`` packs documents into samples of
+    ``--seq-length`` tokens, so the same ``--global-batch-size`` trains fewer tokens a step.
+    None where samples average at least 90% of ``--seq-length`` (the two then differ little)."""
+    seq_length, gbs = cfg.model.seq_length, cfg.global_batch_size
+    mean = float(tokens.mean()) if len(tokens) else 0.0
+    if not len(tokens) or mean >= 0.9 * seq_length:
+        return None
+    fix = (" (or --dynapipe-tokens-per-global-batch to batch by tokens)" if cfg.method == "dynapipe" else "")
+    return (f" > a train sample here is one document (or a piece of a longer one), {mean:,.0f} tokens on average: a "
+            f"global batch of {gbs:,} samples holds about {mean * gbs:,.0f} tokens, where Megatron-LM's GPTDataset "
+            f"packs documents into samples of --seq-length {seq_length:,} ({gbs * seq_length:,} tokens a batch); "
+            f"raise --global-batch-size{fix} to train as many tokens a step")
 
 
 def reshuffles(dataset_config) -> bool:

@@ -127,8 +127,19 @@ def test_default_split_is_megatrons_and_splits_are_disjoint(corpora):
     assert docs["train"] == set(range(969)) and docs["valid"] == set(range(969, 999)) and docs["test"] == {999}
     assert all(d.target_lengths.max() <= SEQ for d in parts.values())
     lines = data_summary_lines(cfg)
-    assert [ln.split(":")[0] for ln in lines] == [" > train data", " > valid data", " > test data"]
+    assert [ln.split(":")[0] for ln in lines if " data: " in ln] == [" > train data", " > valid data", " > test data"]
     assert "969 documents (" in lines[0] and "split into pieces" in lines[0] and "0 truncated" in lines[0]
+    # A Megatron-LM user is told that a sample is a document, not a --seq-length window of them,
+    # so the same --global-batch-size trains fewer tokens a step (padding baseline: no token budget).
+    mean, gbs = float(parts["train"].sample_tokens().mean()), cfg.global_batch_size
+    assert mean < 0.9 * SEQ
+    assert lines[1] == (f" > a train sample here is one document (or a piece of a longer one), {mean:,.0f} tokens on "
+                        f"average: a global batch of {gbs:,} samples holds about {mean * gbs:,.0f} tokens, where "
+                        f"Megatron-LM's GPTDataset packs documents into samples of --seq-length {SEQ} "
+                        f"({gbs * SEQ:,} tokens a batch); raise --global-batch-size to train as many tokens a step")
+    from megatron_integration.data import _sample_size_note
+
+    assert _sample_size_note(cfg, np.full(10, SEQ - 3)) is None  # samples near --seq-length: nothing to say
     # What training samples: only training documents, never longer than --seq-length.
     batches = GlobalBatches.create(cfg, consumed_samples=0, start_iteration=0)
     idx = np.concatenate([batches.batch(i).indices for i in range(50)])
