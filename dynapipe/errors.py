@@ -25,6 +25,38 @@ class DynaPipeError(Exception):
     """Bad input or an impossible request, explained for the user (no traceback needed)."""
 
 
+class RefusedArguments(DynaPipeError):
+    """Several independent refusals of one command line, raised together so that one pass mends
+    them all; ``errors`` holds each, and the message is one line per refusal."""
+
+    def __init__(self, errors: list[DynaPipeError]):
+        self.errors = list(errors)
+        super().__init__("\n".join(" ".join(str(e).split()) for e in self.errors))
+
+
+def raise_refused(errors: list[DynaPipeError]) -> None:
+    """Raise nothing for no ``errors``, the error itself for one, :class:`RefusedArguments` for more."""
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise RefusedArguments(errors)
+
+
+def refusal_of(text: str) -> DynaPipeError:
+    """The error whose message is ``text`` (one line per refusal, as a rank posts
+    ``"\\n".join(error_lines(e))`` to its peers): a :class:`RefusedArguments` for several lines."""
+    lines = text.split("\n")
+    return DynaPipeError(text) if len(lines) == 1 else RefusedArguments([DynaPipeError(x) for x in lines])
+
+
+def error_lines(error: BaseException) -> list[str]:
+    """The one-line messages of ``error`` as a user sees them: one per refusal of a
+    :class:`RefusedArguments`, else its message with line breaks folded."""
+    if isinstance(error, RefusedArguments):
+        return str(error).split("\n")
+    return [" ".join(str(error).split())]
+
+
 class PlanError(DynaPipeError):
     """An execution plan that is malformed, corrupted or would deadlock."""
 

@@ -20,7 +20,7 @@ from typing import Callable, Optional, Sequence, TypeVar
 
 import torch.distributed as dist
 
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, error_lines, refusal_of
 
 # The job's rendezvous (store, rank, world size), joined by agree_at_start before the process group.
 _RENDEZVOUS: list = []
@@ -43,7 +43,7 @@ def first_failure(errors: list) -> None:
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         rank, text = failed[0]
-        raise DynaPipeError(text if len(errors) == 1 else f"rank {rank}: {text}")
+        raise refusal_of(text if len(errors) == 1 else "\n".join(f"rank {rank}: {x}" for x in text.split("\n")))
 
 
 def same_error_everywhere(error: Optional[str], errors: Optional[list] = None) -> None:
@@ -115,7 +115,7 @@ def agree_at_start(error: Optional[str], timeout_minutes: float = 10.0) -> None:
     would create anyway, and :func:`megatron_integration.initialize.init_distributed` reuses it."""
     if not launched_job() or dist.is_initialized():
         if error is not None:
-            raise DynaPipeError(error)
+            raise refusal_of(error)
         return
     timeout = datetime.timedelta(minutes=timeout_minutes)
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
@@ -128,7 +128,7 @@ def agree_at_start(error: Optional[str], timeout_minutes: float = 10.0) -> None:
         store.wait(keys, timeout)
     except Exception:  # noqa: BLE001 - a store timeout: name who never came
         missing = [r for r, k in enumerate(keys) if not store.check([k])]
-        raise DynaPipeError(error or f"ranks {missing} did not finish their start-up checks within "
+        raise refusal_of(error or f"ranks {missing} did not finish their start-up checks within "
                             f"{timeout_minutes:g} min (they crashed or are still starting; see their logs); "
                             f"--distributed-timeout-minutes sets the wait.") from None
     errors = [None if not v else v.decode()[1:] for v in store.multi_get(keys)]
@@ -170,7 +170,8 @@ def agreed_start(build: Callable[[], T], timeout_minutes: Callable[[T], float] =
     try:
         value = build()
     except DynaPipeError as e:
-        agree_at_start(" ".join(str(e).split()), failed_timeout_minutes)
+        # One line per refusal (a RefusedArguments has several), for every rank to print alike.
+        agree_at_start("\n".join(error_lines(e)), failed_timeout_minutes)
         raise  # unreachable: agree_at_start raised
     except Exception as e:
         try:

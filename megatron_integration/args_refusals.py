@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, raise_refused
 from megatron_integration.args_checks import _unsupported, _unsupported_value
 
 # Megatron-FSDP's flags (its own sharded data parallelism).
@@ -219,50 +219,64 @@ def refused_value_lines(args: argparse.Namespace) -> list[str]:
 
 def _model_flags_honoured(args: argparse.Namespace, cuda: bool) -> None:
     """Refuse the Megatron model flags whose non-default values the stage builder cannot honour yet
-    (the default of each, which is what is built, is accepted)."""
+    (the default of each, which is what is built, is accepted), and those this device cannot run:
+    all of them together (:class:`~dynapipe.errors.RefusedArguments`), so a launch script brought
+    over from Megatron-LM is mended in one pass."""
+    refused = []
     if args.rotary_percent != 1.0:
-        raise _unsupported_value("--rotary-percent", args.rotary_percent,
-                                 "rotary embeddings cover the whole head (1.0, the default); drop it")
+        refused.append(_unsupported_value("--rotary-percent", args.rotary_percent,
+                                          "rotary embeddings cover the whole head (1.0, the default); drop it"))
     if args.apply_layernorm_1p:
-        raise _unsupported("--apply-layernorm-1p", "zero-centred norm weights are not built (the deterministic "
-                                                   "initialisation sets norm weights to one); drop it")
+        refused.append(_unsupported("--apply-layernorm-1p", "zero-centred norm weights are not built (the "
+                                    "deterministic initialisation sets norm weights to one); drop it"))
     if args.cross_entropy_loss_fusion and not cuda:
-        raise _unsupported("--cross-entropy-loss-fusion", "megatron-core's fused cross-entropy is a GPU kernel; "
-                                                          "drop it on CPU")
+        refused.append(_unsupported("--cross-entropy-loss-fusion", "megatron-core's fused cross-entropy is a GPU "
+                                    "kernel; drop it on CPU"))
     if args.transformer_impl == "inference_optimized":
-        raise _unsupported_value("--transformer-impl", args.transformer_impl,
-                                 "megatron-core's inference-only layers do not train; use transformer_engine or "
-                                 "local")
+        refused.append(_unsupported_value("--transformer-impl", args.transformer_impl,
+                                          "megatron-core's inference-only layers do not train; use "
+                                          "transformer_engine or local"))
     local_layers = args.transformer_impl == "local" or not cuda
     # local: megatron-core's own DotProductAttention, which local layers are built with; it is an
     # unfused one too (megatron-core's unfused backend only steers Transformer Engine's choice).
     if args.attention_backend != "auto" and not (args.attention_backend in ("local", "unfused") and local_layers):
-        raise _unsupported_value("--attention-backend", args.attention_backend,
-                                 "megatron-core chooses the backend (auto), or local / unfused with local layers "
-                                 "(--transformer-impl local, or on CPU); drop it")
+        refused.append(_unsupported_value("--attention-backend", args.attention_backend,
+                                          "megatron-core chooses the backend (auto), or local / unfused with local "
+                                          "layers (--transformer-impl local, or on CPU); drop it"))
     if args.transformer_impl == "transformer_engine" and cuda:
-        from megatron_integration.model import te_available
+        refused.extend(_transformer_engine_refusals(args))
+    if args.use_distributed_optimizer and not cuda:
+        refused.append(DynaPipeError("--use-distributed-optimizer needs GPUs (megatron-core's distributed optimizer "
+                                     "wraps CUDA parameters only); on CPU drop it."))
+    raise_refused(refused)
 
-        if not te_available():
-            raise DynaPipeError("--transformer-impl transformer_engine (Megatron-LM's default) builds the GPU stages "
-                                "from Transformer Engine's layers, and megatron-core cannot load it here (not installed, or "
-                                "built for another torch); install a matching one "
-                                "(NVIDIA's PyTorch container ships one) or pass --transformer-impl local.")
-        if args.reset_attention_mask:
-            # megatron-core's Transformer Engine spec builds causal attention, which ignores an
-            # explicit mask: packed samples would attend to each other without a word.
-            raise DynaPipeError("--reset-attention-mask with --transformer-impl transformer_engine (Megatron-LM's "
-                                "default): Transformer Engine's causal attention ignores the per-sample mask of "
-                                "packed rows (it needs THD packed-sequence parameters, not built for training here); "
-                                "pass --transformer-impl local.")
-        if getattr(args, "dynapipe_padded_attention", "mask") == "per-sample":
-            # The per-sample kernel is the local attention's (segment tables); a Transformer
-            # Engine layer would read the table as a mask, or ignore it.
-            raise DynaPipeError("--dynapipe-padded-attention per-sample with --transformer-impl transformer_engine "
-                                "(Megatron-LM's default): the per-sample kernel is built for megatron-core's local "
-                                "attention (Transformer Engine's THD packed-sequence path is not built for training "
-                                "here); pass --transformer-impl local, or drop the flag (Transformer Engine's fused "
-                                "attention then computes the padded rows).")
+
+def _transformer_engine_refusals(args: argparse.Namespace) -> list[DynaPipeError]:
+    """What ``--transformer-impl transformer_engine`` on GPUs cannot honour here."""
+    from megatron_integration.model import te_available
+
+    refused = []
+    if not te_available():
+        refused.append(DynaPipeError(
+            "--transformer-impl transformer_engine (Megatron-LM's default) builds the GPU stages from Transformer "
+            "Engine's layers, and megatron-core cannot load it here (not installed, or built for another torch); "
+            "install a matching one (NVIDIA's PyTorch container ships one) or pass --transformer-impl local."))
+    if args.reset_attention_mask:
+        # megatron-core's Transformer Engine spec builds causal attention, which ignores an
+        # explicit mask: packed samples would attend to each other without a word.
+        refused.append(DynaPipeError(
+            "--reset-attention-mask with --transformer-impl transformer_engine (Megatron-LM's default): Transformer "
+            "Engine's causal attention ignores the per-sample mask of packed rows (it needs THD packed-sequence "
+            "parameters, not built for training here); pass --transformer-impl local."))
+    if getattr(args, "dynapipe_padded_attention", "mask") == "per-sample":
+        # The per-sample kernel is the local attention's (segment tables); a Transformer
+        # Engine layer would read the table as a mask, or ignore it.
+        refused.append(DynaPipeError(
+            "--dynapipe-padded-attention per-sample with --transformer-impl transformer_engine (Megatron-LM's "
+            "default): the per-sample kernel is built for megatron-core's local attention (Transformer Engine's THD "
+            "packed-sequence path is not built for training here); pass --transformer-impl local, or drop the flag "
+            "(Transformer Engine's fused attention then computes the padded rows)."))
+    return refused
 
 
 def _resilience_args_honoured(args: argparse.Namespace) -> None:

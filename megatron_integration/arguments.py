@@ -302,9 +302,6 @@ def _parallel_args_from_args(args: argparse.Namespace, world_size: int, cuda: bo
     if pretouch and cuda:
         raise DynaPipeError(f"--dynapipe-cpu-pretouch-mb {pretouch} writes a CPU rank's malloc heap; on GPUs the "
                             f"activations live in device memory, which PyTorch's caching allocator keeps: drop it.")
-    if args.use_distributed_optimizer and not cuda:
-        raise DynaPipeError("--use-distributed-optimizer needs GPUs (megatron-core's distributed optimizer wraps "
-                            "CUDA parameters only); on CPU drop it.")
     check_tensor_parallel_args(args, cuda)
     if args.context_parallel_size != 1:
         raise _unsupported_value("--context-parallel-size", args.context_parallel_size,

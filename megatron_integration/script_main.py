@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Callable, Sequence, TypeVar
 
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, RefusedArguments, error_lines
 
 T = TypeVar("T")
 
@@ -53,8 +53,10 @@ def run_training_script(check: Callable[[], tuple[argparse.Namespace, T]], timeo
         line = exit_line(e, started)
         if line is None:
             raise
-        # Every rank prints its line: each in one write, so two ranks' lines never merge.
-        write_line(sys.stderr, "error: " + line)
+        # Every rank prints its line (a line per refusal): each in one write, so two ranks' lines
+        # never merge.
+        lines = error_lines(e) if isinstance(e, RefusedArguments) else [line]
+        write_line(sys.stderr, "\n".join("error: " + text for text in lines))
         return 2
     finally:
         if started:

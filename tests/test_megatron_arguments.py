@@ -471,3 +471,36 @@ def test_a_token_budget_below_the_longest_sample_is_refused_at_start_up():
                                             r"sample \(256 tokens\).*give at least 256"):
         data_summary_lines(cfg)
     assert len(data_summary_lines(parse("--use-dynapipe --dynapipe-tokens-per-global-batch 4096", world=1))) == 1
+
+
+def test_values_a_port_from_megatron_lm_must_drop_are_refused_together(capsys, monkeypatch):
+    # Porting Megatron-LM's Llama-3 example to CPU used to take one launch per refused value.
+    from dynapipe.errors import RefusedArguments
+
+    extra = ("--apply-layernorm-1p --cross-entropy-loss-fusion --attention-backend fused "
+             "--use-distributed-optimizer")
+    with pytest.raises(RefusedArguments) as e:
+        parse(extra)
+    flags = ["--apply-layernorm-1p", "--cross-entropy-loss-fusion", "--attention-backend fused",
+             "--use-distributed-optimizer"]
+    assert [next(f for f in flags if f in str(x)) for x in e.value.errors] == flags
+    # The training script prints one error line each, and nothing else.
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "pretrain_gpt.py")
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    import megatron_integration.training  # noqa: F401  (megatron's import-time notices go out before the capture)
+
+    capsys.readouterr()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert script.main((BASE + " " + extra).split()) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 4 and all(line.startswith("error: ") for line in err), err
+    assert all(f in line for f, line in zip(flags, err)), err
+    # One alone is raised as itself.
+    with pytest.raises(DynaPipeError) as one:
+        parse("--apply-layernorm-1p")
+    assert not isinstance(one.value, RefusedArguments)

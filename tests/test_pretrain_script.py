@@ -86,13 +86,21 @@ def test_a_rank_failing_its_start_up_checks_stops_every_rank(tmp_path):
     t5_bad = [a for a in t5_ok if a != "--mock-data"] + ["--data-path", missing]
     t5_script = os.path.join(ROOT, "scripts", "pretrain_t5.py")
     # The store's host (rank 0) failing too, and the T5 script.
-    rounds = [(SCRIPT, free_port(), [ok, bad]), (SCRIPT, free_port(), [bad, ok]), (t5_script, free_port(), [t5_ok, t5_bad])]
+    # Two refused values on one rank: every rank prints both, a line each (one pass mends them).
+    refused = ok + ["--apply-layernorm-1p", "--cross-entropy-loss-fusion"]
+    rounds = [(SCRIPT, free_port(), [ok, bad]), (SCRIPT, free_port(), [bad, ok]), (t5_script, free_port(), [t5_ok, t5_bad]),
+              (SCRIPT, free_port(), [ok, refused])]
     results = spawn(start_up_job, 2, (rounds,), timeout_s=120)
     for failing, per_rank in zip((1, 0, 1), zip(*results)):
         for code, err, seconds in per_rank:
             assert code == 2 and seconds < 30, (code, seconds, err)
             lines = err.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith(f"error: rank {failing}: --data-path {missing!r}: "), err
+    for code, err, seconds in [rank[3] for rank in results]:
+        lines = err.strip().splitlines()
+        assert code == 2 and seconds < 30 and len(lines) == 2, (code, seconds, err)
+        assert lines[0].startswith("error: rank 1: --apply-layernorm-1p is a Megatron-LM flag"), err
+        assert lines[1].startswith("error: rank 1: --cross-entropy-loss-fusion is a Megatron-LM flag"), err
 
 
 def restart_job(port: int) -> list:

@@ -12,7 +12,7 @@ import sys
 from typing import Optional, Sequence
 
 from dynapipe.cli.argtypes import StrictArgumentParser, print_error
-from dynapipe.errors import DynaPipeError, spelled_as
+from dynapipe.errors import DynaPipeError, error_lines, spelled_as
 
 # command -> (module, one-line help). Order is the order ``--help`` lists them.
 COMMANDS = {
@@ -78,7 +78,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with spelled_as(spelling_of(args.command)):
             return int(modules[args.command].run(args) or 0)
     except DynaPipeError as e:
-        print_error(str(e))
+        for line in error_lines(e):  # one per refusal of a RefusedArguments
+            print_error(line)
     except OSError as e:
         # A file the command reads or writes: name it and say what the system said.
         where = f"{e.filename!r}: " if e.filename else ""
