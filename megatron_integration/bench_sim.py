@@ -162,7 +162,7 @@ class BenchSimulation:
             return plan.micro_batches
         schedule = {"dynapipe-1f1b": "1f1b", "dynapipe-zb": "zb-h1"}.get(method, self.cfg.dynapipe.schedule)
         plan = plan_iteration(lengths, self.cost, stages=self.pp, method=METHOD_SPECS[method][0], schedule=schedule,
-                              micro_batch_size=self.cfg.micro_batch_size, **self._kwargs())
+                              **self._kwargs())
         return plan.batch_plan.micro_batches
 
     def compute_floor(self, sizes: dict) -> dict:

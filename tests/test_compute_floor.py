@@ -38,8 +38,8 @@ def test_no_method_computes_less_than_the_floor(cost_model, encdec, seed):
     floor = compute_floor_ms(cost_model, lengths)
     computed = {}
     for method in ("padding", "packing", "packing-per-sample", "dynapipe"):
-        plan = plan_iteration(lengths, cost_model, method=method, micro_batch_size=2, seq_length=seq,
-                              schedule="1f1b")
+        sized = {} if method == "dynapipe" else {"micro_batch_size": 2}  # the DP sizes its own
+        plan = plan_iteration(lengths, cost_model, method=method, seq_length=seq, schedule="1f1b", **sized)
         mbs = plan.batch_plan.micro_batches
         computed[method] = shapes_compute_ms(cost_model, plan_shapes(plan, encdec),
                                              attention=[mb.attention for mb in mbs])

@@ -86,6 +86,8 @@ def test_a_spelling_holds_inside_its_block_only():
      "method='foo' is not a batching method"),
     (lambda: check_planner_settings(PlannerSettings(GPT, CPU, 2, 1, schedule="1F1B")), DynaPipeError,
      "schedule='1F1B' is not known"),
+    (lambda: check_planner_settings(PlannerSettings(GPT, CPU, 2, 1, max_tokens=1024)), DynaPipeError,
+     "max_tokens=1024: method='dynapipe' does not read it"),
 ])
 def test_bad_arguments_to_the_api_are_refused_in_one_line(call, error, text):
     with pytest.raises(error) as e:
@@ -111,3 +113,15 @@ def test_a_refused_profile_prints_its_error_alone(tmp_path, capsys):
                "--mbs", "1", "--repeats", "0"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "--repeats 0" in err[0], err
+
+
+def test_a_size_the_method_would_not_read_is_refused():
+    # The command line refused these; from Python they were planned as if not given.
+    with pytest.raises(DynaPipeError, match=r"micro_batch_size=2: method='dynapipe' sizes every micro-batch itself"):
+        plan_micro_batches(LENS, CM, micro_batch_size=2)
+    with pytest.raises(DynaPipeError, match=r"max_tokens=1000: method='dynapipe' does not read it"):
+        plan_iteration(LENS, CM, max_tokens=1000)
+    with pytest.raises(DynaPipeError, match=r"max_tokens=1000: method='packing' does not read it"):
+        plan_micro_batches(LENS, CM, method="packing", max_tokens=1000)
+    assert plan_micro_batches(LENS, CM, method="token-budget", max_tokens=1000).micro_batches
+    assert plan_micro_batches(LENS, CM, method="packing", micro_batch_size=2).micro_batches

@@ -28,7 +28,7 @@ REPO = os.path.dirname(TESTS_DIR)
 
 def planner_settings(stages=1, dp=1):
     return PlannerSettings(load_model_config("gpt-tiny"), load_device_config("cpu"), stages, dp,
-                           seq_length=SEQ, max_tokens=1024)
+                           seq_length=SEQ)
 
 
 def dataset():

@@ -181,9 +181,10 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
     fixed-shape baselines pad targets to, as Megatron's ``--decoder-seq-length`` (without one,
     the longest target's).
     ``micro_batch_size`` (samples, or rows for packing) is used by the fixed-size
-    baselines; ``max_tokens`` (padded tokens a micro-batch, input and
-    target together; default ``micro_batch_size x seq_length``, for encoder-decoder models
-    ``micro_batch_size x`` (input limit + target limit)) by ``token-budget``. ``zero`` shards optimizer
+    baselines (the DP methods refuse one other than 1); ``max_tokens`` (padded tokens a
+    micro-batch, input and target together; default ``micro_batch_size x seq_length``, for
+    encoder-decoder models ``micro_batch_size x`` (input limit + target limit)) by
+    ``token-budget`` only (the others refuse one). ``zero`` shards optimizer
     state over the ``dp`` replicas when pricing model states. ``use_compiled`` selects the
     DP kernel (``None``: C when built). ``gap``: relative optimality gap of the
     ``dynapipe`` cut's objective (0: exact; default :data:`DEFAULT_GAP`, 0.1%).
@@ -200,6 +201,14 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
         raise DynaPipeError(f"{given('method', method)} is not a batching method; use one of {', '.join(METHODS)}.")
     dp = _positive_int(dp, "dp")
     micro_batch_size = _positive_int(micro_batch_size, "micro_batch_size")
+    # A size the method would not read is refused, not planned as if it had not been given.
+    if method in DP_METHODS and micro_batch_size != 1:
+        raise DynaPipeError(f"{given('micro_batch_size', micro_batch_size)}: {given('method', method)} sizes every "
+                            f"micro-batch itself and does not read it; leave it out, or use a fixed-size method "
+                            f"(padding, padding-mb, packing, packing-per-sample) or token-budget.")
+    if max_tokens is not None and method != "token-budget":
+        raise DynaPipeError(f"{given('max_tokens', max_tokens)}: {given('method', method)} does not read it (only "
+                            f"token-budget does); leave it out or use {given('method', 'token-budget')}.")
     check_recompute(recompute)
     require_cost_model(cost_model)
     flag("zero", zero)

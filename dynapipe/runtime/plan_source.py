@@ -87,13 +87,17 @@ class IterationPlanner:
         """The whole :class:`~dynapipe.pipeline_planner.IterationPlan`; ``replicas``: compile
         only these replicas' plans (the others' rows are empty), as a node does that
         publishes a share of the replicas."""
+        from dynapipe.batching.planner import DP_METHODS
         from dynapipe.pipeline_planner import plan_iteration
 
         s = self.settings
+        # The DP methods size their own micro-batches (a training job's --micro-batch-size,
+        # always given in Megatron's scripts, is for the baselines).
+        mbs = 1 if s.method in DP_METHODS else s.micro_batch_size
         return plan_iteration(lengths, self.cost_model, stages=s.num_stages, dp=s.dp, method=s.method,
                               schedule=s.schedule, memory_limit_mib=s.memory_limit_mib,
                               reserved_mib=s.reserved_mib, cluster=s.cluster, recompute=s.recompute,
-                              iteration=iteration, micro_batch_size=s.micro_batch_size,
+                              iteration=iteration, micro_batch_size=mbs,
                               seq_length=s.seq_length or None, max_tokens=s.max_tokens or None,
                               tp=s.tp, zero=s.zero, validate=s.validate, replicas=replicas,
                               split_backward=s.split_backward)
@@ -148,6 +152,9 @@ def check_planner_settings(settings: PlannerSettings) -> None:
     if settings.schedule not in SCHEDULE_CHOICES:
         raise DynaPipeError(f"{given('schedule', settings.schedule)} is not known; use one of "
                             f"{', '.join(SCHEDULE_CHOICES)}.")
+    if settings.max_tokens and settings.method != "token-budget":
+        raise DynaPipeError(f"{given('max_tokens', settings.max_tokens)}: {given('method', settings.method)} does not "
+                            f"read it (only token-budget does); leave it 0.")
     if not settings.split_backward and settings.schedule in SPLITTING_SCHEDULE_NAMES:
         # Found here, not by the first worker's first plan a few seconds into the run.
         raise DynaPipeError(f"schedule {settings.schedule!r} splits every backward, and split_backward=False says "
