@@ -564,3 +564,20 @@ def test_planning_stats_keep_the_latest_iterations_only(monkeypatch):
     for it in range(6):
         pool._handle(("done", 0, it, 1.0 + it, 2.0 + it))
     assert sorted(pool.worker_ms) == sorted(pool.planning_ms) == [3, 4, 5] and pool.worker_ms[5] == 7.0
+
+
+def test_a_rank_layout_from_torchruns_environment(monkeypatch):
+    # Megatron's order: TP innermost, then DP, PP outermost; 16 ranks = TP2 x DP2 x PP4, 8 a node.
+    env = dict(RANK="13", WORLD_SIZE="16", LOCAL_RANK="5", LOCAL_WORLD_SIZE="8")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    layout = RankLayout.from_env(dp_size=2, pp_size=4)
+    assert (layout.dp_rank, layout.pp_rank, layout.local_rank, layout.local_world_size) == (0, 3, 5, 8)
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert (RankLayout.from_env(2, 4).dp_rank, RankLayout.from_env(2, 4).pp_rank) == (1, 0)
+    with pytest.raises(DynaPipeError, match="WORLD_SIZE 16 is not a multiple of dp_size 3 x pp_size 4"):
+        RankLayout.from_env(dp_size=3, pp_size=4)
+    for k in env:
+        monkeypatch.delenv(k)
+    assert RankLayout.from_env(1, 1) == RankLayout()  # one process, no torchrun

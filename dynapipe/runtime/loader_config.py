@@ -104,6 +104,28 @@ class RankLayout:
     local_rank: int = 0
     local_world_size: int = 1
 
+    @staticmethod
+    def from_env(dp_size: int, pp_size: int) -> "RankLayout":
+        """This rank's layout from torchrun's environment (``RANK``, ``WORLD_SIZE``,
+        ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``; one process without them), in Megatron's rank
+        order: tensor-parallel ranks innermost (``WORLD_SIZE / (dp_size x pp_size)`` of them), then
+        data-parallel replicas, pipeline stages outermost."""
+        import os
+
+        env = {k: int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))}
+        world = env["WORLD_SIZE"]
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        for name, size in (("dp_size", dp_size), ("pp_size", pp_size)):
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise DynaPipeError(f"{given(name, size)}: must be a whole number of at least 1.")
+        if world % (dp_size * pp_size):
+            raise DynaPipeError(f"WORLD_SIZE {world} is not a multiple of dp_size {dp_size} x pp_size {pp_size}; "
+                                f"launch dp x pp x (tensor-parallel size) processes.")
+        tp = world // (dp_size * pp_size)
+        rank = env["RANK"]
+        return RankLayout(rank, world, (rank // tp) % dp_size, dp_size, rank // (tp * dp_size), pp_size,
+                          env["LOCAL_RANK"], local_world).validate()
+
     def validate(self) -> "RankLayout":
         """``self`` if the indices fit the sizes, else ``DynaPipeError``."""
         sizes = {"world_size": self.world_size, "dp_size": self.dp_size, "pp_size": self.pp_size,
