@@ -118,7 +118,12 @@ def data_summary_lines(cfg: DynaPipeTrainingConfig, config_of=None) -> list[str]
             continue
         # Span-corrupted T5 samples are not documents cut into pieces: they say what they are.
         line_of = getattr(dataset, "summary_line", None)
-        lines.append(line_of(split) if line_of is not None else summarize(dataset).line(split, cfg.model.seq_length))
+        if line_of is not None:
+            lines.append(line_of(split))
+        else:
+            summary = summarize(dataset)
+            lines.append(summary.line(split, cfg.model.seq_length))
+            lines.extend(_truncation_note(split, summary, dataset.encoder_decoder))
         budget = cfg.data.tokens_per_global_batch
         if split == "train" and budget:
             # The sampler refuses a budget above the data's tokens (after truncation); one below a
@@ -135,6 +140,21 @@ def data_summary_lines(cfg: DynaPipeTrainingConfig, config_of=None) -> list[str]
             note = _sample_size_note(cfg, dataset.sample_tokens())
             lines.extend([note] if note else [])
     return lines
+
+
+# A split with more of its samples truncated than this gets a line of its own, not just a count.
+TRUNCATION_NOTE_SHARE = 0.1
+
+
+def _truncation_note(split: str, summary, encoder_decoder: bool) -> list[str]:
+    """A start-up line when many samples of ``split`` were cut at the length limits (the
+    default ``--dynapipe-overlong truncate``): a count in the summary line is easy to miss."""
+    if not summary.samples or summary.truncated <= TRUNCATION_NOTE_SHARE * summary.samples:
+        return []
+    limits = "--encoder-seq-length / --decoder-seq-length" if encoder_decoder else "--seq-length"
+    return [f" > note: {summary.truncated:,} of the {summary.samples:,} {split} samples "
+            f"({summary.truncated / summary.samples:.0%}) are longer than {limits} and were cut to fit; raise "
+            f"{limits}, or refuse such samples with --dynapipe-overlong reject"]
 
 
 def _pretraining_documents(dataset) -> bool:

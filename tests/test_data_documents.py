@@ -278,8 +278,12 @@ def test_long_instruction_samples_truncated_or_rejected_and_counted(tmp_path):
     assert ds.truncated.tolist() == [False, True, False, True] and ds.planner_lengths(range(4)).max() == SEQ
     kept = int(ds.sample_tokens().sum())
     assert kept < 254  # the two truncated samples lost tokens the stored count still holds
+    # Half the samples cut: a line of its own, not just the count (a quarter of them would be too).
     assert data_summary_lines(cfg) == [f" > train data: 4 documents -> 4 samples, 254 tokens, 2 truncated "
-                                       f"({kept} tokens after truncation)"]
+                                       f"({kept} tokens after truncation)",
+                                       f" > note: 2 of the 4 train samples (50%) are longer than --seq-length and were "
+                                       f"cut to fit; raise --seq-length, or refuse such samples with "
+                                       f"--dynapipe-overlong reject"]
     # A token budget is checked against what is left, at start-up (before any stage is built).
     budget = parse_training_args(argv + ["--use-dynapipe", "--dynapipe-tokens-per-global-batch", str(kept + 1)], 1,
                                  cuda=False)
@@ -288,7 +292,7 @@ def test_long_instruction_samples_truncated_or_rejected_and_counted(tmp_path):
         data_summary_lines(budget)
     fits = parse_training_args(argv + ["--use-dynapipe", "--dynapipe-tokens-per-global-batch", str(kept)], 1,
                                cuda=False)
-    assert len(data_summary_lines(fits)) == 1
+    assert len(data_summary_lines(fits)) == 2
     cfg = parse_training_args(argv + ["--dynapipe-overlong", "reject"], 1, cuda=False)
     with pytest.raises(DynaPipeError, match=r"tasks.jsonl:2 has 101 tokens .*--seq-length 64.*2 over-long"):
         dataset_config(cfg).build()
