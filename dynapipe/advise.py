@@ -272,8 +272,8 @@ def sample_batches(tokens: int, count: int, seed: int, seq_length: int, *, encod
     ``seq_length``): drawn from the synthetic ``mixture``, or without replacement from
     the lengths ``pool`` (shuffled with ``seed``; each batch takes samples until the next
     would pass ``tokens``; refused when the pool holds fewer than ``tokens``)."""
-    whole_number("tokens_per_iteration", tokens)
-    whole_number("batches", count)
+    whole_number("tokens", tokens)
+    whole_number("count", count)
     if pool is None:
         from dynapipe.method_compare import global_batch_of_tokens
 
@@ -282,9 +282,9 @@ def sample_batches(tokens: int, count: int, seed: int, seq_length: int, *, encod
     held = int(np.minimum(pool, seq_length).sum())
     if held < tokens:
         # Every batch would be the whole pool: a smaller global batch than the one asked.
-        raise DynaPipeError(f"{arg('lengths')} holds {held:,} tokens (samples clipped at {seq_length}), fewer than "
-                            f"the {tokens:,} of a global batch {arg('tokens_per_iteration')} asks; give a larger "
-                            f"lengths file or {given('tokens_per_iteration', held)} or less.")
+        raise DynaPipeError(f"{arg('pool', 'the pool of lengths')} holds {held:,} tokens (samples clipped at "
+                            f"{seq_length}), fewer than the {tokens:,} of a global batch ({given('tokens', tokens)}); "
+                            f"give more lengths or {given('tokens', held)} or less.")
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(count):

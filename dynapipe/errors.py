@@ -72,19 +72,30 @@ class ExecutorError(DynaPipeError):
     names the rank, the instruction index and the peer."""
 
 
-def arg(name: str) -> str:
+def arg(name: str, otherwise: Optional[str] = None) -> str:
     """How an error names the parameter ``name``: its command-line flag under an entry point
-    that spelled it (:func:`spelled_as`), else ``name`` itself."""
-    return _SPELLING.get(name, name)
+    that spelled it (:func:`spelled_as`), else ``otherwise`` (prose, for a fix that several
+    functions reach under different parameter names) or ``name`` itself."""
+    return _SPELLING.get(name, name if otherwise is None else otherwise)
 
 
 def given(name: str, value) -> str:
     """The parameter ``name`` with the ``value`` it was given, as an error quotes them:
-    ``--dp 0`` under the command line, ``dp=0`` from Python (strings quoted)."""
+    ``--dp 0`` or ``--schedule zb-h1`` under the command line (as typed), ``dp=0`` or
+    ``schedule='zb-h1'`` from Python."""
+    return named(_SPELLING.get(name, name), value)
+
+
+def named(label: str, value) -> str:
+    """``label`` and ``value``: ``--flag value`` for a flag (a string quoted only when it is
+    empty or holds a space), ``name=repr`` for a Python name."""
     # Floats as floats (2.0 where a whole number is wanted), numpy's without their type name.
-    shown = repr(value) if isinstance(value, str) else repr(float(value)) if isinstance(value, float) else str(value)
-    spelled = _SPELLING.get(name)
-    return f"{name}={shown}" if spelled is None else f"{spelled} {shown}"
+    if isinstance(value, float):
+        value = float(value)
+    if label.startswith("-"):
+        plain = isinstance(value, str) and value.strip() and not any(c.isspace() for c in value)
+        return f"{label} {value if plain or not isinstance(value, str) else repr(value)}"
+    return f"{label}={value!r}" if isinstance(value, (str, float)) else f"{label}={value}"
 
 
 def shown(value, limit: int = 60) -> str:
@@ -198,7 +209,7 @@ def flag(name: str, value) -> bool:
     import numpy as np
 
     if not isinstance(value, (bool, np.bool_)):
-        raise DynaPipeError(f"{name} {value!r}: must be True or False.")
+        raise DynaPipeError(f"{given(name, value)}: must be True or False.")
     return bool(value)
 
 

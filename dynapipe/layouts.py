@@ -130,6 +130,7 @@ def leave_out_idle_replicas(layouts: Sequence[Layout],
     if layouts and not kept:
         least = min(l.dp for l in layouts)
         raise DynaPipeError(f"every layout has more data-parallel replicas (DP{least} at the least) than the {fewest} "
-                            f"samples of a global batch, so replicas would idle; raise {arg('tokens_per_iteration')} or "
-                            f"use fewer {arg('gpus')}.")
+                            f"samples of a global batch, so replicas would idle; raise "
+                            f"{arg('tokens_per_iteration', 'the tokens of a global batch')} or use fewer "
+                            f"{arg('gpus', 'GPUs')}.")
     return kept, left_out

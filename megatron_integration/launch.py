@@ -16,7 +16,7 @@ import time
 import traceback
 from typing import Any, Callable, Optional, Sequence
 
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, spelled_as, spelling
 from dynapipe.runtime.distributed import free_port
 from dynapipe.runtime.process_start import add_preload, rank_context
 
@@ -57,7 +57,7 @@ def _own_cpu_s() -> float:
 
 
 def _entry(rank: int, world_size: int, port: int, threads: int, fn: Callable, args: Sequence[Any],
-           results) -> None:
+           results, names: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     import torch
@@ -65,7 +65,8 @@ def _entry(rank: int, world_size: int, port: int, threads: int, fn: Callable, ar
     if threads > 0:
         torch.set_num_threads(threads)
     try:
-        value = fn(*args)
+        with spelled_as(names):  # a spawned rank starts without its parent's spelling
+            value = fn(*args)
         results.put((rank, "ok", value, _own_cpu_s()))
     except DynaPipeError as e:
         results.put((rank, "user-error", " ".join(str(e).split()), _own_cpu_s()))
@@ -98,7 +99,7 @@ def spawn(fn: Callable, world_size: int, args: Sequence[Any] = (), timeout_s: fl
     port = free_port()
     procs = []
     for rank in range(world_size):
-        p = ctx.Process(target=_entry, args=(rank, world_size, port, threads, fn, tuple(args), results),
+        p = ctx.Process(target=_entry, args=(rank, world_size, port, threads, fn, tuple(args), results, spelling()),
                         daemon=False)
         p.start()
         procs.append(p)

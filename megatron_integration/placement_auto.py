@@ -82,12 +82,16 @@ def placement_cut(cfg):
     ``dynapipe-per-sample`` when its rows skip their padding's attention, or the executor's
     fixed-shape rows at ``--micro-batch-size``), else DynaPipe's, which Megatron's baselines'
     split is chosen on."""
+    from dynapipe.batching.planner import DP_METHODS
     from dynapipe.schedule.placement import DYNAPIPE_CUT, Cut
     from megatron_integration.dynapipe_step import planned_batching
 
     if not cfg.dynapipe.enabled:
         return DYNAPIPE_CUT
-    return Cut(planned_batching(cfg), cfg.micro_batch_size, cfg.dynapipe.max_tokens or None)
+    batching = planned_batching(cfg)
+    # The DP cut sizes its own micro-batches: --micro-batch-size is the fixed-shape rows'.
+    sized = 1 if batching in DP_METHODS else cfg.micro_batch_size
+    return Cut(batching, sized, cfg.dynapipe.max_tokens or None)
 
 
 def choose_gpt_split(cfg, batches: Optional[list] = None):

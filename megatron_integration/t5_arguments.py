@@ -21,7 +21,7 @@ from megatron_integration.arguments import (_positive, _unsupported, build_parse
 from megatron_integration.t5_config import T5TrainingConfig
 from megatron_integration.t5_data_args import add_t5_data_args, span_corruption_from_args
 from megatron_integration.tokenizer import resolve_tokenizer_type
-from megatron_integration.flag_spelling import megatron_spelled
+from megatron_integration.flag_spelling import t5_spelled
 
 # Fixed-shape baselines the T5 script runs (through the DynaPipe executor: megatron-core's
 # schedules no longer pipeline encoder-decoder models).
@@ -50,7 +50,7 @@ def _required_one_of(args, flag_a: str, flag_b: str):
     return value
 
 
-@megatron_spelled
+@t5_spelled
 def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optional[bool] = None) -> T5TrainingConfig:
     """Validate parsed T5 arguments for a job of ``world_size`` ranks and build the config."""
     resolve_tokenizer_type(args, "BertWordPieceLowerCase")  # Megatron-LM's pretrain_t5.py default

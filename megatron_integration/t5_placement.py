@@ -25,11 +25,11 @@ import numpy as np
 from dynapipe.cost.placement import StagePlacement
 from dynapipe.errors import DynaPipeError, iteration_name
 from megatron_integration import placement_auto
-from megatron_integration.flag_spelling import megatron_spelled
+from megatron_integration.flag_spelling import t5_spelled
 from megatron_integration.placement_auto import AUTO_SAMPLE_BATCHES, ranks_agree
 
 
-@megatron_spelled
+@t5_spelled
 def parse_t5_placement(text: str, model, num_stages: int) -> Optional[StagePlacement]:
     """``--dynapipe-placement`` text for ``model`` (a T5 :class:`~dynapipe.config.ModelConfig`)
     on ``num_stages`` stages: the placement, or None for ``auto`` (chosen at start-up)."""

@@ -33,7 +33,7 @@ from megatron_integration.t5_config import T5TrainingConfig
 from megatron_integration.t5_eval import make_t5_evaluator
 from megatron_integration.training import vocab_padding_line
 from megatron_integration.training_loop import LoopParts, TrainingRun, print_rank_0, run_iterations
-from megatron_integration.flag_spelling import megatron_spelled
+from megatron_integration.flag_spelling import t5_spelled
 
 
 def build_t5_training_stage(cfg: T5TrainingConfig, info: RankInfo) -> Stage:
@@ -56,7 +56,7 @@ def build_t5_training_stage(cfg: T5TrainingConfig, info: RankInfo) -> Stage:
     return Stage(module=module, gpt=t5, config=t5.config, info=info, spec_name=t5.spec_name)
 
 
-@megatron_spelled
+@t5_spelled
 def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
                 on_iteration: Optional[Callable[[int, StepResult], None]] = None) -> TrainingRun:
     """Train ``cfg.base.train_iters`` iterations (stopping early at ``--exit-interval``)."""

@@ -53,7 +53,8 @@ DEFAULTS = LoaderConfig()
 # errors; a person running this bench can only change these.
 SPELLING = {**CLI_SPELLING, "num_stages": "--pp", "memory_limit_mib": "the memory of --device", "method": "--method",
             "num_workers": "--workers", "prefetch": "--prefetch", "kv_backend": "--kv-backend",
-            "redis_port": "--redis-port", "global_batch_size": "--global-batch-size"}
+            "redis_host": "--redis-host", "redis_port": "--redis-port", "global_batch_size": "--global-batch-size",
+            "n": "--num-samples"}
 ERROR_FILE = "error-rank{}.txt"
 # Each rank holds one model chunk here, so the interleaved schedules cannot plan.
 SCHEDULES = tuple(s for s in SCHEDULE_CHOICES if s not in CHUNKED_SCHEDULE_NAMES)

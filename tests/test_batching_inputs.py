@@ -86,7 +86,7 @@ def test_oversized_sample_names_index_length_memory_and_fixes():
     c = CM.stage_cost(1, 3904)
     assert f"needs {float(c.stored_mib + c.peak_mib):.1f} MiB" in msg
     assert "memory limit 30000 MiB" in msg
-    for fix in ("raise memory_limit_mib", "recompute selective or full", "smaller seq_length"):
+    for fix in ("raise the memory limit", "recompute level selective or full", "smaller seq_length"):
         assert fix in msg
 
 
@@ -113,7 +113,7 @@ def test_samples_longer_than_the_model_allows():
 
 
 def test_model_states_that_do_not_fit():
-    with pytest.raises(DynaPipeError, match=r"model states .* add pipeline stages \(num_stages\)"):
+    with pytest.raises(DynaPipeError, match=r"model states .* add pipeline stages or raise the memory limit"):
         plan_micro_batches([10], CM, memory_limit_mib=10000)
 
 

@@ -128,14 +128,21 @@ def test_overlong_rejected_with_clear_error(tmp_path):
     with pytest.raises(DynaPipeError) as e:
         JsonlDataset(path, LengthLimits(20, overlong="reject"))
     msg = str(e.value)
-    assert f"{path}:2 has 32 tokens" in msg and "--seq-length 20" in msg and "truncate" in msg
-    # An encoder-decoder sample names the flags a T5 run has.
+    assert f"{path}:2 has 32 tokens" in msg and "seq_length=20" in msg and "overlong='truncate'" in msg
+    # An encoder-decoder sample names both limits: LengthLimits' fields from Python, the flags a
+    # T5 run has under its spelling.
+    from dynapipe.errors import spelled_as
+    from megatron_integration.flag_spelling import T5_SPELLING
+
     pairs = write_jsonl(tmp_path / "p.jsonl", [{"input": "a" * 30, "target": "b"}])
     with pytest.raises(DynaPipeError) as e:
         JsonlDataset(pairs, LengthLimits(20, dec_seq_length=8, overlong="reject"), encoder_decoder=True)
+    assert "limits 20 / 8" in str(e.value) and "Raise seq_length / dec_seq_length" in str(e.value)
+    with spelled_as(T5_SPELLING), pytest.raises(DynaPipeError) as e:
+        JsonlDataset(pairs, LengthLimits(20, dec_seq_length=8, overlong="reject"), encoder_decoder=True)
     msg = str(e.value)
-    assert "limits 20 / 8" in msg and "Raise --encoder-seq-length / --decoder-seq-length" in msg
-    assert " --seq-length" not in msg
+    assert "Raise --encoder-seq-length / --decoder-seq-length" in msg and " --seq-length" not in msg
+    assert "(--dynapipe-overlong truncate, the default)" in msg
 
 
 def test_overlong_encoder_decoder_each_side(tmp_path):

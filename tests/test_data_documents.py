@@ -21,6 +21,16 @@ BASE = (f"--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length {
         f"--global-batch-size 8 --train-iters 4 --lr 1e-3 --vocab-size 4096")
 
 
+@pytest.fixture(autouse=True)
+def megatron_spelling():
+    """The spelling a training job's data is opened under (inside pretrain): errors name its flags."""
+    from dynapipe.errors import spelled_as
+    from megatron_integration.flag_spelling import MEGATRON_SPELLING
+
+    with spelled_as(MEGATRON_SPELLING):
+        yield
+
+
 def _docs(lengths, first_id=0):
     """Documents whose tokens are all distinct: (document id, position) encoded in the id."""
     return [(first_id + d) * 1000 + np.arange(n) % 1000 for d, n in enumerate(lengths)]
@@ -447,5 +457,5 @@ def test_only_documents_are_named_documents_when_rejected():
     limits = LengthLimits(16, 0, "reject")
     with pytest.raises(DynaPipeError, match="is a document of 38 tokens"):
         clip_lengths(np.array([0]), np.array([38]), limits, False, "docs", documents=True)
-    with pytest.raises(DynaPipeError, match=r"has 38 tokens \(input 0 \+ target 38\).*--dynapipe-overlong truncate\)"):
+    with pytest.raises(DynaPipeError, match=r"has 38 tokens \(input 0 \+ target 38\).*--dynapipe-overlong truncate, the default\)"):
         clip_lengths(np.array([0]), np.array([38]), limits, False, "pairs")

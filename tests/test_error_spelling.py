@@ -26,11 +26,11 @@ LENS = np.arange(16, 48)
 CASES = [
     (lambda: plan_micro_batches(LENS, CM, dp=0), "dp=0 must be a positive integer", "--dp 0 must", None),
     (lambda: plan_micro_batches(LENS, CM, method="foo"), "method='foo' is not a batching method",
-     "--batching 'foo' is not", "--dynapipe-batching 'foo' is not"),
+     "--batching foo is not", "--dynapipe-batching foo is not"),
     (lambda: plan_micro_batches(LENS, CM, method="packing", micro_batch_size=0), "micro_batch_size=0 must be",
      "--micro-batch-size 0 must", "--micro-batch-size 0 must"),
-    (lambda: plan_iteration(LENS, CM, schedule="foo"), "schedule='foo' is not known", "--schedule 'foo' is not",
-     "--dynapipe-schedule 'foo' is not"),
+    (lambda: plan_iteration(LENS, CM, schedule="foo"), "schedule='foo' is not known", "--schedule foo is not",
+     "--dynapipe-schedule foo is not"),
     (lambda: build_cost_model(GPT, CPU, 100), "num_stages=100 exceeds the 4 layers", "--stages 100 exceeds",
      "--pipeline-model-parallel-size 100 exceeds"),
     (lambda: enumerate_layouts(GPT7, 0, load_cluster_config("a100-8x")), "gpus=0: need a whole number",
@@ -42,7 +42,7 @@ CASES = [
     (lambda: LoaderConfig(num_workers=0).validate(), "num_workers=0: must be at least 1",
      None, "--dynapipe-planner-workers 0: must"),
     (lambda: LoaderConfig(kv_backend="memcached").validate(), "kv_backend='memcached': use one of",
-     None, "--dynapipe-kv-backend 'memcached'"),
+     None, "--dynapipe-kv-backend memcached:"),
 ]
 
 
@@ -125,3 +125,44 @@ def test_a_size_the_method_would_not_read_is_refused():
         plan_micro_batches(LENS, CM, method="packing", max_tokens=1000)
     assert plan_micro_batches(LENS, CM, method="token-budget", max_tokens=1000).micro_batches
     assert plan_micro_batches(LENS, CM, method="packing", micro_batch_size=2).micro_batches
+
+
+def test_advise_names_only_its_own_flags(capsys):
+    # advise has no --stages or --recompute: its fixes must not send the user to them.
+    from dynapipe.cli import main
+
+    rc = main(["advise", "--model", "gpt-tiny", "--device", "a100-40gb", "--cluster", "a100-8x", "--gpus", "2",
+               "--mixture", "flan-mixture", "--tokens-per-iteration", "4096", "--batches", "1", "--no-packing",
+               "--no-progress", "--memory-limit-mb", "2060"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "raise --memory-limit-mb" in err and "add pipeline stages" in err, err
+    assert "--stages" not in err and "num_stages" not in err and "--recompute" not in err, err
+
+
+def _raise_num_stages():
+    from dynapipe.errors import DynaPipeError, given
+
+    raise DynaPipeError(f"{given('num_stages', 3)}: refused in a spawned rank")
+
+
+def test_a_spawned_rank_names_parameters_as_its_parent():
+    from megatron_integration.launch import RankUserError, spawn
+
+    with spelled_as(MEGATRON_SPELLING), pytest.raises(RankUserError, match="--pipeline-model-parallel-size 3: refused"):
+        spawn(_raise_num_stages, 1, (), timeout_s=60)
+    with pytest.raises(RankUserError, match="num_stages=3: refused"):
+        spawn(_raise_num_stages, 1, (), timeout_s=60)
+
+
+def test_the_plan_scale_bench_names_its_flags(capsys):
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_plan_scale.py")
+    spec = importlib.util.spec_from_file_location("bench_plan_scale", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--model", "gpt-tiny", "--stages", "100", "--dp", "1", "--samples", "10", "--no-pin"]) == 2
+    err = capsys.readouterr().err
+    assert "--stages 100 exceeds" in err and "num_stages" not in err, err
+    assert spelling() == {}

@@ -17,6 +17,16 @@ from dynapipe.errors import DynaPipeError
 from failsafe_common import truncate_file, write_indexed
 
 
+@pytest.fixture(autouse=True)
+def megatron_spelling():
+    """These are a training job's data errors, raised inside pretrain: they name its flags."""
+    from dynapipe.errors import spelled_as
+    from megatron_integration.flag_spelling import MEGATRON_SPELLING
+
+    with spelled_as(MEGATRON_SPELLING):
+        yield
+
+
 def _idx_case(tmp_path, name):
     p = tmp_path / "data"
     good = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]

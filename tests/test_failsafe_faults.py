@@ -694,7 +694,7 @@ def test_store_gives_up_after_the_window_with_one_line(redis_port):
     procs[-1].kill()
     procs[-1].wait(10)
     t0 = time.monotonic()
-    with pytest.raises(StoreUnreachableError, match="--dynapipe-store-retry-s 0.8") as e:
+    with pytest.raises(StoreUnreachableError, match=r"store_retry_s=0.8 s") as e:
         kv.get("k")
     assert 0.7 <= time.monotonic() - t0 < 5.0
     assert "\n" not in str(e.value)

@@ -162,7 +162,7 @@ def test_the_planning_api_refuses_numbers_it_cannot_use_by_name(gpt7b, batch):
     for tokens in (float("nan"), 1.5, 0):
         with pytest.raises(DynaPipeError, match="tokens=.*: must be a whole number"):
             global_batch_of_tokens(tokens, 0, 2048)
-        with pytest.raises(DynaPipeError, match="tokens_per_iteration=.*: must be a whole number"):
+        with pytest.raises(DynaPipeError, match="tokens=.*: must be a whole number"):
             sample_batches(tokens, 1, 0, 2048)
     assert time.monotonic() - start < 5
     with pytest.raises(DynaPipeError, match="schedule 'bogus' is not known"):

@@ -35,7 +35,7 @@ CASES = [
     (lambda: plan_iteration(LENS, CM, tp=4), r"tp 4: the cost model prices tensor-parallel size 1"),
     (lambda: plan_iteration(LENS, CM, memory_limit_mib="4000"), r"memory_limit_mib='4000': must be a finite number"),
     (lambda: plan_iteration(LENS, CM, memory_limit_mib=float("nan")), r"memory_limit_mib=nan"),
-    (lambda: plan_iteration(LENS, CM, zero="no"), r"zero 'no': must be True or False"),
+    (lambda: plan_iteration(LENS, CM, zero="no"), r"zero='no': must be True or False"),
     (lambda: plan_iteration(LENS, CM, iteration=1.5), r"iteration=1.5: must be a whole number"),
     (lambda: plan_iteration(LENS, CM, cluster="cpu-local"), r"cluster 'cpu-local': give a ClusterConfig"),
     (lambda: plan_iteration(LENS, CM, cluster=ClusterConfig("c", gpus_per_node=0)), r"gpus_per_node=0"),
@@ -138,7 +138,7 @@ def _cases_of_the_api_review():
                                                                                   "finite number"),
         (lambda: build_cost_model(GPT, CPU, 2, tp=TensorParallelConfig(2, link=LinkConfig(10, math.inf))),
          "latency_ms=inf must be a finite number"),
-        (lambda: TensorParallelConfig(2, sequence_parallel="yes").validate(GPT), "sequence_parallel 'yes'"),
+        (lambda: TensorParallelConfig(2, sequence_parallel="yes").validate(GPT), "sequence_parallel='yes'"),
         # An int profile would be opened as a file descriptor, and closed.
         (lambda: build_cost_model(GPT, CPU, 2, profile=True), "profile True: give the path of a profile JSON"),
         (lambda: build_cost_model(GPT, CPU, 2, placement="even"), "placement 'even': give a StagePlacement"),
@@ -147,9 +147,9 @@ def _cases_of_the_api_review():
         (lambda: plan_iteration(100, CM), "lengths 100: give a sequence"),
         (lambda: plan_iteration(L, None), "cost_model None: give a CostModel"),
         (lambda: plan_iteration(L, CM, stages=2.0), "stages 2.0: the cost model was built for 2 stages"),
-        (lambda: plan_iteration(L, CM, split_backward="False"), "split_backward 'False': must be True or False"),
-        (lambda: plan_micro_batches(L, CM, zero="no"), "zero 'no': must be True or False"),
-        (lambda: search_schedules(MBS, CM, per_stage="yes"), "per_stage 'yes': must be True or False"),
+        (lambda: plan_iteration(L, CM, split_backward="False"), "split_backward='False': must be True or False"),
+        (lambda: plan_micro_batches(L, CM, zero="no"), "zero='no': must be True or False"),
+        (lambda: search_schedules(MBS, CM, per_stage="yes"), "per_stage='yes': must be True or False"),
         (lambda: validate_plans(None), "plans None: give a sequence of ExecutionPlans"),
         # Comparisons: input errors named as such, not as sizes no memory fits.
         (lambda: simulate_method([-5, 4], "padding", CM, micro_batch_size=1), "sample 0: length -5 must be a "
@@ -163,7 +163,7 @@ def _cases_of_the_api_review():
         # The executor's settings.
         (lambda: ExecutorConfig(timeout_s=-1), "ExecutorConfig timeout_s=-1"),
         (lambda: ExecutorConfig(poll_s=0), "ExecutorConfig poll_s 0: must be a positive number"),
-        (lambda: ExecutorConfig(trace=1), "ExecutorConfig trace 1: must be True or False"),
+        (lambda: ExecutorConfig(trace=1), "ExecutorConfig trace=1: must be True or False"),
         (lambda: ExecutorConfig.of({"timeout_s": 30}), "give an ExecutorConfig"),
         (lambda: tune_baseline([[1, 2], [3]], "packing", build_cost_model(T5, load_device_config("a100-40gb"), 4)),
          "lengths are not one row per sample of equal size"),

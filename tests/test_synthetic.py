@@ -106,7 +106,7 @@ def test_overflowing_draws_are_clipped_not_wrapped():
 
 
 def test_bad_sample_requests():
-    with pytest.raises(DynaPipeError, match="samples=0"):
+    with pytest.raises(DynaPipeError, match="n=0"):
         sample_lengths(0, 0, 1024)
     with pytest.raises(DynaPipeError, match="seq_length=1"):
         sample_lengths(5, 0, 1)

@@ -73,7 +73,7 @@ def memory_budget(cost_model: CostModel, memory_limit_mib: float | None, reserve
         raise DynaPipeError(
             f"the model states of the most loaded stage need {budget.model_state_mib:.1f} MiB, so nothing is left "
             f"for activations under the memory limit of {limit:.0f} MiB (reserved {reserved_mib:.0f} MiB); "
-            f"add pipeline stages ({arg('num_stages')}) or raise {arg('memory_limit_mib')}.")
+            f"add pipeline stages{_flag_of('num_stages')} or raise {arg('memory_limit_mib', 'the memory limit')}.")
     return budget
 
 
@@ -118,6 +118,14 @@ def max_fitting_count(memory_mib: Callable[[np.ndarray, np.ndarray], np.ndarray]
         probe((lo[active] + hi[active]) // 2, active)
 
 
+def _flag_of(name: str) -> str:
+    """`` (--flag)`` where the running program spells ``name`` as a flag, else nothing: the
+    functions that reach these fixes name their stage count differently (``stages``,
+    ``num_stages``)."""
+    spelled = arg(name, "")
+    return f" ({spelled})" if spelled else ""
+
+
 def oversized_sample_error(index: int, length: str, stored_mib: float, peak_mib: float,
                            budget: MemoryBudget, recompute: str, others: int = 0) -> DynaPipeError:
     """The error for a sample whose one-sample micro-batch exceeds the activation budget.
@@ -125,9 +133,10 @@ def oversized_sample_error(index: int, length: str, stored_mib: float, peak_mib:
     ``length`` describes the sample (tokens, padded shape); ``others`` counts further
     samples of the batch that do not fit either.
     """
-    stronger = {"none": f"{arg('recompute')} selective or full", "selective": f"{arg('recompute')} full"}.get(recompute)
-    fixes = [f"raise {arg('memory_limit_mib')}"] + ([f"use {stronger}"] if stronger else []) + [
-        f"truncate samples with a smaller {arg('seq_length')}", f"or add pipeline stages ({arg('num_stages')})"]
+    level = arg("recompute", "recompute level")
+    stronger = {"none": f"{level} selective or full", "selective": f"{level} full"}.get(recompute)
+    fixes = [f"raise {arg('memory_limit_mib', 'the memory limit')}"] + ([f"use {stronger}"] if stronger else []) + [
+        f"truncate samples with a smaller {arg('seq_length')}", f"or add pipeline stages{_flag_of('num_stages')}"]
     more = f" ({others} more sample(s) of the batch do not fit either.)" if others else ""
     return DynaPipeError(
         f"sample {index} ({length}) does not fit in memory even alone: it needs {stored_mib + peak_mib:.1f} MiB "

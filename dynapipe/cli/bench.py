@@ -111,9 +111,10 @@ def method_list(text: str) -> list[str]:
 def run(args) -> int:
     """Run ``bench`` with parsed ``args``; the process exit status (0: done)."""
     from dynapipe.errors import spelled_as
-    from megatron_integration.flag_spelling import MEGATRON_SPELLING
+    from megatron_integration.flag_spelling import MEGATRON_SPELLING, T5_SPELLING
 
-    with spelled_as(MEGATRON_SPELLING):  # bench reads Megatron's arguments, as training does
+    # bench reads Megatron's arguments, as training does.
+    with spelled_as(T5_SPELLING if args.model == "t5" else MEGATRON_SPELLING):
         return _run(args)
 
 

@@ -11,11 +11,18 @@ CLI_SPELLING = {
     "sequence_parallel": "--sequence-parallel", "memory_limit_mib": "--memory-limit-mb",
     "tokens_per_iteration": "--tokens-per-iteration", "batches": "--batches", "lengths": "--lengths",
     "schedule": "--schedule", "placement": "--placement", "recompute": "--recompute",
-    "split_backward": "--no-split-backward", "samples": "--samples", "seed": "--seed",
+    "split_backward": "--no-split-backward", "n": "--samples", "seed": "--seed",
+}
+#: advise's own flags (it has no --stages, --dp, --schedule, ...: its errors name none of them).
+ADVISE_SPELLING = {
+    "gpus": "--gpus", "tp_sizes": "--tp-sizes", "memory_limit_mib": "--memory-limit-mb",
+    "tokens": "--tokens-per-iteration", "tokens_per_iteration": "--tokens-per-iteration", "count": "--batches",
+    "pool": "--lengths", "seq_length": "--seq-length", "seed": "--seed",
 }
 
-#: Commands whose flags are Megatron's: their spelling instead of CLI_SPELLING.
+#: Commands spelled otherwise than CLI_SPELLING: advise (fewer flags), bench and profile (Megatron's).
 COMMAND_SPELLING = {
+    "advise": ADVISE_SPELLING,
     "bench": {},  # spelled by the command itself, as megatron_integration spells a training job's
     "profile": {"tp": "--tensor-model-parallel-size", "sequence_parallel": "--sequence-parallel",
                 "seq_length": "--seq-length", "vocab_size": "--vocab-size"},

@@ -30,7 +30,7 @@ import numpy as np
 from dynapipe.data.pieces import split_documents as split_documents_into_pieces
 from dynapipe.data.samples import LengthLimits, SampleDataset, clip_lengths
 from dynapipe.data.splits import WHOLE, EmptySplitError, range_indices
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, arg
 
 
 def _open(prefix: str, mmap: bool = True):
@@ -175,10 +175,10 @@ class TokenOutOfVocabulary(DynaPipeError):
         self.where, self.vocab_size, self.largest = where, int(vocab_size), int(largest)
         # The model's vocabulary is the tokenizer's where one is given (--vocab-size is then
         # refused), so the fix is the tokenizer the data was built with, not a bigger size.
-        super().__init__(f"{where}, outside the vocabulary [0, {vocab_size}) (the tokenizer's, or --vocab-size "
+        super().__init__(f"{where}, outside the vocabulary [0, {vocab_size}) (the tokenizer's, or {arg('vocab_size')} "
                          f"without one): the data was tokenised with a larger vocabulary (its largest id is "
                          f"{largest}); give the tokenizer it was built with (--tokenizer-type and its files; without "
-                         f"one, --vocab-size of at least {largest + 1}), or rebuild it with the model's.")
+                         f"one, {arg('vocab_size')} of at least {largest + 1}), or rebuild it with the model's.")
 
 
 def first_bad_token(prefix: str, handle, vocab_size: int, mmap: bool = True) -> Optional[tuple[int, int, int]]:

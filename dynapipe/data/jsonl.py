@@ -24,7 +24,7 @@ from dynapipe.data.pieces import split_documents as split_into_pieces
 from dynapipe.data.samples import LengthLimits, SampleDataset, clip_lengths
 from dynapipe.data.splits import WHOLE, EmptySplitError, per_file_indices
 from dynapipe.data.tokenizer import ByteTokenizer, check_tokenizer, tokenize_to_array
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, arg
 
 
 @dataclass
@@ -197,7 +197,7 @@ class JsonlDataset(SampleDataset):
                 sample = int(np.searchsorted(offsets, bad[0], side="right")) - 1
                 where = f"{self.paths[int(self._files[sample])]}:{int(self._lines[sample])}"
                 raise DynaPipeError(f"{where}: token id {int(flat[bad[0]])} is outside the vocabulary "
-                                    f"[0, {vocab_size}); the tokenizer's vocabulary is larger than --vocab-size.")
+                                    f"[0, {vocab_size}); the tokenizer's vocabulary is larger than {arg('vocab_size')}.")
 
     def _read(self, idx: int, input_len: int, target_len: int):
         record = self._record[idx]

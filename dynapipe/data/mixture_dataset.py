@@ -14,7 +14,7 @@ import numpy as np
 
 from dynapipe.data.samples import LengthLimits, SampleDataset, clip_lengths
 from dynapipe.data.synthetic import Mixture, load_mixture, sample_mixture
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, given
 
 # Ids below this are special (pad 0, eod 1); synthetic tokens never use them.
 FIRST_TOKEN_ID = 2
@@ -56,7 +56,7 @@ class MixtureDataset(SampleDataset):
         # Ids are drawn in [FIRST_TOKEN_ID, self.vocab_size) by construction.
         if self.vocab_size > vocab_size:
             raise DynaPipeError(f"the synthetic mixture draws token ids below {self.vocab_size}, more than "
-                                f"--vocab-size {vocab_size}; build it with the model's vocabulary size.")
+                                f"{given('vocab_size', vocab_size)}; build it with the model's vocabulary size.")
 
     def _read(self, idx: int, input_len: int, target_len: int):
         ids = hashed_token_ids(self.seed, idx, input_len + target_len, self.vocab_size)

@@ -18,7 +18,7 @@ from typing import Callable, Sequence, Union
 
 import numpy as np
 
-from dynapipe.errors import DynaPipeError, given
+from dynapipe.errors import DynaPipeError, arg, given
 
 OVERLONG_POLICIES = ("truncate", "reject")
 
@@ -89,21 +89,21 @@ def clip_lengths(raw_input: np.ndarray, raw_target: np.ndarray, limits: LengthLi
                     f"{limits.seq_length} / {limits.dec_seq_length or limits.seq_length}")
         else:
             what = (f"{raw_input[i] + raw_target[i]} tokens (input {raw_input[i]} + target "
-                    f"{raw_target[i]}), more than --seq-length {limits.seq_length}")
-        raise_flags = "--encoder-seq-length / --decoder-seq-length" if encoder_decoder else "--seq-length"
+                    f"{raw_target[i]}), more than {given('seq_length', limits.seq_length)}")
+        raise_flags = f"{arg('seq_length')} / {arg('dec_seq_length')}" if encoder_decoder else arg("seq_length")
         where = source(i) if callable(source) else f"{source}: sample {i}"
         if documents and not encoder_decoder and raw_input[i] == 0:
             # A pretraining document has no input or target, and the default does not truncate it:
             # it cuts it into pieces that keep every next-token prediction.
             raise DynaPipeError(
-                f"{where} is a document of {raw_target[i]} tokens, more than --seq-length {limits.seq_length} "
-                f"({int(truncated.sum())} over-long sample(s) in all). Raise --seq-length, filter the data, or "
-                f"let long documents be cut into --seq-length pieces as Megatron's GPTDataset does "
-                f"(overlong='truncate', --dynapipe-overlong truncate, the default).")
+                f"{where} is a document of {raw_target[i]} tokens, more than {given('seq_length', limits.seq_length)} "
+                f"({int(truncated.sum())} over-long sample(s) in all). Raise {arg('seq_length')}, filter the data, "
+                f"or let long documents be cut into {arg('seq_length')} pieces as Megatron's GPTDataset does "
+                f"({given('overlong', 'truncate')}, the default).")
         raise DynaPipeError(
             f"{where} has {what} ({int(truncated.sum())} over-long sample(s) in all). "
             f"Raise {raise_flags}, filter the data, or truncate over-long samples "
-            f"(overlong='truncate', --dynapipe-overlong truncate).")
+            f"({given('overlong', 'truncate')}, the default).")
     return inp, tgt, truncated
 
 
@@ -154,7 +154,7 @@ class SampleDataset(ABC):
                 bad = np.flatnonzero((part < 0) | (part >= vocab_size))
                 if len(bad):
                     raise DynaPipeError(f"sample {idx}: token id {int(part[bad[0]])} is outside the vocabulary "
-                                        f"[0, {vocab_size}); raise --vocab-size or fix the data.")
+                                        f"[0, {vocab_size}); raise {arg('vocab_size')} or fix the data.")
 
     @property
     def num_truncated(self) -> int:

@@ -123,9 +123,9 @@ def sample_mixture(mixture: Mixture, n: int, seed: int, seq_length: int,
     """Draw ``n`` samples. Decoder-only: input + target together fit in ``seq_length`` tokens.
     Encoder-decoder: inputs fit in ``seq_length``, targets in ``dec_seq_length`` (0: the same)."""
     if n <= 0:
-        raise DynaPipeError(f"{given('samples', n)}: the number of samples must be positive.")
+        raise DynaPipeError(f"{given('n', n)}: the number of samples must be positive.")
     if n > MAX_SAMPLES:
-        raise DynaPipeError(f"{given('samples', n)}: at most {MAX_SAMPLES:,} samples can be drawn at once.")
+        raise DynaPipeError(f"{given('n', n)}: at most {MAX_SAMPLES:,} samples can be drawn at once.")
     if seed < 0:
         raise DynaPipeError(f"{given('seed', seed)}: the seed must be a non-negative integer.")
     if seq_length < 2:

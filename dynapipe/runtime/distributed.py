@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, spelled_as, spelling
 from dynapipe.runtime.process_start import rank_start_method
 
 
@@ -172,14 +172,16 @@ class SpawnError(DynaPipeError):
 
 
 def _rank_main(rank: int, fn: Callable, world_size: int, port: int, pp: int, backend: str, timeout_s: float,
-               threads: int, args: tuple, results) -> None:
+               threads: int, args: tuple, results, names: dict) -> None:
     torch.set_num_threads(threads)
     try:
-        # Every rank runs on this host: its rank is its local rank, whatever LOCAL_RANK the
-        # parent (or the fork server) was started with.
-        ctx = init_distributed(rank, world_size, store_port=port, pp=pp, backend=backend, timeout_s=timeout_s,
-                               local_rank=rank)
-        results.put((rank, "ok", pickle.dumps(fn(ctx, *args))))
+        # A spawned rank starts without its parent's spelling: its errors name parameters as the parent's do.
+        with spelled_as(names):
+            # Every rank runs on this host: its rank is its local rank, whatever LOCAL_RANK the
+            # parent (or the fork server) was started with.
+            ctx = init_distributed(rank, world_size, store_port=port, pp=pp, backend=backend, timeout_s=timeout_s,
+                                   local_rank=rank)
+            results.put((rank, "ok", pickle.dumps(fn(ctx, *args))))
         code = 0
     except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
         results.put((rank, "error", traceback.format_exc()))
@@ -203,7 +205,7 @@ def spawn_outcomes(fn: Callable, world_size: int, *, args: Sequence = (), pp: in
     method = rank_start_method()
     results = mp.get_context(method).SimpleQueue()
     pc = mp.start_processes(_rank_main, args=(fn, world_size, store.port, pp, backend, timeout_s, threads,
-                                              tuple(args), results),
+                                              tuple(args), results, spelling()),
                             nprocs=world_size, join=False, start_method=method)
     outcomes = {r: RankOutcome(r) for r in range(world_size)}
 

@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from dynapipe.errors import DynaPipeError
+from dynapipe.errors import DynaPipeError, arg, given
 
 KV_BACKENDS = ("store", "redis")
 _MAGIC = b"DPKV"
@@ -126,9 +126,9 @@ class RedisKV(KVStore):
                 now = time.monotonic()
                 deadline = deadline if deadline is not None else now + self.retry_s
                 if now >= deadline:
-                    self._lost = (f"lost Redis at {self.address} for more than --dynapipe-store-retry-s "
-                                  f"{self.retry_s:g} s ({' '.join(str(e).split())}); restart the server or raise "
-                                  f"the retry window.")
+                    self._lost = (f"lost Redis at {self.address} for more than the retry window "
+                                  f"({given('store_retry_s', self.retry_s)} s; {' '.join(str(e).split())}); restart "
+                                  f"the server or raise the retry window.")
                     raise StoreUnreachableError(self._lost) from None
                 time.sleep(min(delay, max(deadline - now, 0.0)))
                 delay = min(delay * 2, 1.0)
@@ -136,7 +136,7 @@ class RedisKV(KVStore):
                 # The server refused the command: out of memory under --maxmemory, most often.
                 raise DynaPipeError(f"{self.address} refused a command: {' '.join(str(e).split())[:200].rstrip('.')}. "
                                     f"If it is out of memory, raise its maxmemory (with the noeviction policy, "
-                                    f"so no plan is evicted unread) or lower --dynapipe-prefetch.") from None
+                                    f"so no plan is evicted unread) or lower {arg('prefetch')}.") from None
 
     def set(self, key: str, value: bytes) -> None:
         self._call(lambda: self.client.set(key, value, ex=self.ttl_s))
@@ -208,7 +208,7 @@ class KVStoreSpec:
             return _connect_tcp_store(self.host, self.port, self.connect_timeout_s)
         if self.backend == "redis":
             return _connect_redis(self.host, self.port, self.db, self.connect_timeout_s, self.ttl_s, self.retry_s)
-        raise DynaPipeError(f"--dynapipe-kv-backend {self.backend!r} is not known; use one of {list(KV_BACKENDS)}.")
+        raise DynaPipeError(f"{given('kv_backend', self.backend)} is not known; use one of {list(KV_BACKENDS)}.")
 
 
 def _connect_tcp_store(host: str, port: int, timeout_s: float) -> TorchStoreKV:
@@ -221,7 +221,7 @@ def _connect_tcp_store(host: str, port: int, timeout_s: float) -> TorchStoreKV:
         raise StoreUnreachableError(
             f"could not reach the job's TCPStore at {host}:{port} within {timeout_s:g} s ({e}). "
             f"Check that MASTER_ADDR/MASTER_PORT are reachable from every node, or use "
-            f"--dynapipe-kv-backend redis.") from None
+            f"{given('kv_backend', 'redis')}.") from None
     return TorchStoreKV(store, owned=True)
 
 
@@ -231,7 +231,7 @@ def _connect_redis(host: str, port: int, db: int, timeout_s: float, ttl_s: int, 
         from redis.backoff import ExponentialBackoff, NoBackoff
         from redis.retry import Retry
     except ImportError:
-        raise DynaPipeError("--dynapipe-kv-backend redis needs the redis package: pip install redis") from None
+        raise DynaPipeError(f"{given('kv_backend', 'redis')} needs the redis package: pip install redis") from None
     where = f"Redis at {host}:{port} (db {db})"
 
     def client(socket_timeout: float, retry: Retry):
@@ -257,7 +257,7 @@ def _connect_redis(host: str, port: int, db: int, timeout_s: float, ttl_s: int, 
             if time.monotonic() >= deadline:
                 raise StoreUnreachableError(
                     f"could not reach {where} within {timeout_s:g} s ({e}). Check "
-                    f"--dynapipe-redis-host/--dynapipe-redis-port and that the server runs.") from None
+                    f"{arg('redis_host')}/{arg('redis_port')} and that the server runs.") from None
             time.sleep(0.05)
         finally:
             probe.close()
@@ -274,7 +274,7 @@ def tcp_store_address(store) -> tuple[str, int]:
         raise DynaPipeError(
             f"the job's torch.distributed store is a {type(seen).__name__}, which planner workers cannot "
             f"connect to; initialise torch.distributed with env:// or tcp:// (a TCPStore), or use "
-            f"--dynapipe-kv-backend redis.")
+            f"{given('kv_backend', 'redis')}.")
     return str(host), int(port)
 
 

@@ -300,7 +300,7 @@ def _refuse(space: SearchSpace, tally: _Tally, batching: Optional[str]) -> NoRet
     raise NoScheduleFits(
         f"no schedule fits in {cap_mib:.0f} MiB per stage: the closest candidate ({c.schedule}, {c.order} "
         f"order, recompute {c.recompute}) needs {c.peak_mib[worst]:.0f} MiB on stage {worst}, "
-        f"{c.peak_mib[worst] - cap_mib:.0f} MiB over the limit. Raise {arg('memory_limit_mib')}, use more "
+        f"{c.peak_mib[worst] - cap_mib:.0f} MiB over the limit. Raise {arg('memory_limit_mib', 'the memory limit')}, use more "
         f"pipeline stages, or plan smaller micro-batches ("
         f"{_SMALLER.get(batching, _SMALLER[None]).format(micro_batch_size=arg('micro_batch_size'), max_tokens=arg('max_tokens'))}).")
 
