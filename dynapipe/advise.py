@@ -259,7 +259,8 @@ def gpu_capacity_mib(device: DeviceConfig, memory_limit_mib: Optional[float]) ->
     limit = device.memory_mib if memory_limit_mib is None else float(memory_limit_mib)
     capacity = limit - device.reserved_mib
     if not capacity > 0:
-        raise DynaPipeError(f"{given('memory_limit_mib', int(limit) if limit.is_integer() else limit)} leaves nothing for the plans once the "
+        typed = int(limit) if limit.is_integer() else limit  # as a command line gives it
+        raise DynaPipeError(f"{given('memory_limit_mib', typed)} leaves nothing for the plans once the "
                             f"{device.reserved_mib:g} MiB device {device.name!r} reserves (reserved_mib) are "
                             f"taken off; give more than {device.reserved_mib:g} MiB "
                             f"(the device has {device.memory_mib:g}).")

@@ -101,23 +101,34 @@ def named(label: str, value) -> str:
 def shown(value, limit: int = 60) -> str:
     """``value`` as an error quotes a wrong argument: a config object by its type and name, any
     other by its repr, cut at ``limit`` characters (an ellipsis marks the cut)."""
+    import dataclasses
+
     name = getattr(value, "name", None)
-    if _is_dataclass_instance(value) and isinstance(name, str):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and isinstance(name, str):
         return f"{type(value).__name__}(name={name!r}, ...)"
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _is_dataclass_instance(value) -> bool:
-    """Whether ``value`` is a dataclass instance (not the class)."""
-    import dataclasses
-
-    return dataclasses.is_dataclass(value) and not isinstance(value, type)
-
-
 def spelling() -> dict[str, str]:
     """The current parameter-to-flag spelling (for worker processes to take over)."""
     return dict(_SPELLING)
+
+
+def spelled_by(names: Mapping[str, str], fill_in: bool = False):
+    """A decorator running the function under :func:`spelled_as` ``names`` (an entry point's
+    ``main``); ``fill_in``: only the names the running program has not spelled already (a helper
+    that a job spelling them its own way also calls)."""
+    import functools
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            current = spelling() if fill_in else {}
+            with spelled_as({k: v for k, v in names.items() if k not in current}):
+                return fn(*args, **kwargs)
+        return wrapped
+    return decorate
 
 
 @contextmanager

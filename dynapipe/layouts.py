@@ -88,8 +88,8 @@ def enumerate_layouts(model: ModelConfig, gpus: int, cluster: Optional[ClusterCo
     if tp_sizes is None:
         tp_sizes = default_tp_sizes(model, gpus, cluster)
     if not len(tp_sizes):
-        raise DynaPipeError(f"{given('tp_sizes', list(tp_sizes))}: no tensor-parallel size to try; give at least one (1: none), "
-                            f"or leave it out for the sizes that split {model.name!r} within a node.")
+        raise DynaPipeError(f"{given('tp_sizes', list(tp_sizes))}: no tensor-parallel size to try; give at least "
+                            f"one (1: none), or leave it out for the sizes that split {model.name!r} within a node.")
     for tp in tp_sizes:
         TensorParallelConfig(tp).validate(model, per_node, flag=arg("tp_sizes"))
         if gpus % tp:

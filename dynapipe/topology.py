@@ -94,7 +94,8 @@ class TensorParallelConfig:
             raise DynaPipeError(f"{flag} {t}: link {self.link!r:.60} must be a LinkConfig (bandwidth_gbps, latency_ms).")
         self.link.validate(f"{flag} {t}: link")
         if self.sequence_parallel and t == 1:
-            raise DynaPipeError(f"{arg('sequence_parallel')} needs {flag} 2 or more (it shards the sequence over TP ranks).")
+            raise DynaPipeError(f"{arg('sequence_parallel')} needs {flag} 2 or more (it shards the sequence over "
+                                f"TP ranks).")
         for what, n in (("num_attention_heads", model.num_attention_heads), ("ffn_hidden_size", model.ffn_hidden_size),
                         ("num_query_groups", model.num_query_groups or model.num_attention_heads)):
             if n % t:

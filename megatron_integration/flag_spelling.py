@@ -3,10 +3,7 @@ its user gave (``num_stages`` is ``--pipeline-model-parallel-size`` here, ``--st
 ``plan`` command, itself from Python)."""
 from __future__ import annotations
 
-import functools
-from typing import Callable, TypeVar
-
-from dynapipe.errors import spelled_as, spelling
+from dynapipe.errors import spelled_by
 
 MEGATRON_SPELLING = {
     "num_stages": "--pipeline-model-parallel-size", "tp": "--tensor-model-parallel-size",
@@ -26,26 +23,10 @@ MEGATRON_SPELLING = {
 # T5's sequence length is its encoder's.
 T5_SPELLING = {**MEGATRON_SPELLING, "seq_length": "--encoder-seq-length"}
 
-F = TypeVar("F", bound=Callable)
-
-
-def megatron_spelled(fn: F) -> F:
-    """``fn`` with the errors raised while it runs naming Megatron's flags (planner worker
-    processes and spawned ranks it starts take the spelling over)."""
-    return _spelled(fn, MEGATRON_SPELLING)
-
-
-def t5_spelled(fn: F) -> F:
-    """:func:`megatron_spelled` for the T5 entry points (the sequence length is the encoder's)."""
-    return _spelled(fn, T5_SPELLING)
-
-
-def _spelled(fn: F, names: dict) -> F:
-    # Filling in, not overriding: a T5 job's spelling stays in force through the shared helpers
-    # it calls (data_summary_lines is spelled for GPT jobs).
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        current = spelling()
-        with spelled_as({k: v for k, v in names.items() if k not in current}):
-            return fn(*args, **kwargs)
-    return wrapped  # type: ignore[return-value]
+# Filling in, not overriding: a T5 job's spelling stays in force through the shared helpers it
+# calls (data_summary_lines is spelled for GPT jobs).
+#: ``fn`` with the errors raised while it runs naming Megatron's flags (planner worker processes
+#: and spawned ranks it starts take the spelling over).
+megatron_spelled = spelled_by(MEGATRON_SPELLING, fill_in=True)
+#: :data:`megatron_spelled` for the T5 entry points (the sequence length is the encoder's).
+t5_spelled = spelled_by(T5_SPELLING, fill_in=True)

@@ -2,9 +2,10 @@
 
 - ``--exit-duration-in-mins N``: after every iteration each rank compares the minutes since
   training started with N, and a MAX all-reduce over all ranks makes every rank take the same
-  decision, however their clocks differ (the line it prints gives the longest time); past the limit the run saves a checkpoint (with
-  ``--save``, unless it saved at this iteration already) and stops, as Megatron-LM does, so a
-  job under a scheduler's time limit ends with a checkpoint instead of being killed mid-step.
+  decision, however their clocks differ (the line it prints gives the longest time); past the
+  limit the run saves a checkpoint (with ``--save``, unless it saved at this iteration already)
+  and stops, as Megatron-LM does, so a job under a scheduler's time limit ends with a checkpoint
+  instead of being killed mid-step.
 - ``--empty-unused-memory-level``: 1 returns the CUDA caching allocator's unused blocks to
   the device after each forward-backward, 2 also after each optimizer step. A CPU has no such
   cache (freed tensors go back to the host allocator), so on CPU the level changes nothing.

@@ -60,7 +60,7 @@ from dynapipe.config import (TensorParallelConfig, load_cluster_config, load_dev
 from dynapipe.advise import trained_model  # noqa: E402
 from dynapipe.cost import build_cost_model  # noqa: E402
 from dynapipe.cost.compute_floor import floor_over_batches, shapes_compute_ms  # noqa: E402
-from dynapipe.errors import DynaPipeError, spelled_as  # noqa: E402
+from dynapipe.errors import DynaPipeError, spelled_by  # noqa: E402
 from dynapipe.method_compare import (SIZED_METHODS, BatchesResult, compare_over_batches,  # noqa: E402
                                      global_batch_of_tokens, method_cut, plan_shapes)
 from dynapipe.pipeline_planner import plan_iteration  # noqa: E402
@@ -267,12 +267,8 @@ def markdown(records: list[dict]) -> str:
 SPELLING = {"tokens": "--tokens", "seed": "--seed"}
 
 
+@spelled_by(SPELLING)  # the planning layers' errors name this script's flags
 def main(argv=None) -> int:
-    with spelled_as(SPELLING):
-        return _main(argv)
-
-
-def _main(argv=None) -> int:
     p = StrictArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", default="out/bench_cluster.json", help="JSON results (default %(default)s)")
     p.add_argument("--markdown", default=None, help="Markdown table (default: the JSON path with .md)")

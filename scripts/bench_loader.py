@@ -43,7 +43,7 @@ from dynapipe.output_paths import check_output_file, write_output  # noqa: E402
 from dynapipe.runtime.loader import DynaPipeDataLoader, LoaderConfig, RankLayout  # noqa: E402
 from dynapipe.runtime.plan_source import IterationPlanner, PlannerSettings  # noqa: E402
 from dynapipe.cli.spelling import CLI_SPELLING  # noqa: E402
-from dynapipe.errors import spelled_as  # noqa: E402
+from dynapipe.errors import spelled_as, spelled_by  # noqa: E402
 from dynapipe.schedule.search import SCHEDULE_CHOICES  # noqa: E402
 from dynapipe.schedule.types import CHUNKED_SCHEDULE_NAMES  # noqa: E402
 from dynapipe.argparsing import StrictArgumentParser, print_error  # noqa: E402
@@ -227,12 +227,8 @@ def summarize(args, ranks: list[dict]) -> dict:
     }
 
 
+@spelled_by(SPELLING)  # the planning layers' errors name this script's flags
 def main(argv=None) -> int:
-    with spelled_as(SPELLING):  # the planning layers' errors name this script's flags
-        return _main(argv)
-
-
-def _main(argv=None) -> int:
     args = parse_args(argv)
     try:
         check_args(args)

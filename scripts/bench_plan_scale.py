@@ -26,7 +26,7 @@ from dynapipe.data.synthetic import sample_lengths  # noqa: E402
 from dynapipe.errors import DynaPipeError  # noqa: E402
 from dynapipe.pipeline_planner import plan_iteration  # noqa: E402
 from dynapipe.cli.spelling import CLI_SPELLING  # noqa: E402
-from dynapipe.errors import spelled_as  # noqa: E402
+from dynapipe.errors import spelled_by  # noqa: E402
 
 SPELLING = CLI_SPELLING  # its flags are the plan command's
 from dynapipe.plan import deserialize_plan, serialize_plan, validate_plans  # noqa: E402
@@ -91,12 +91,8 @@ def check_args(args) -> None:
     load_device_config(args.device, "--device")
 
 
+@spelled_by(SPELLING)  # the planning layers' errors name this script's flags
 def main(argv=None) -> int:
-    with spelled_as(SPELLING):  # the planning layers' errors name this script's flags
-        return _main(argv)
-
-
-def _main(argv=None) -> int:
     p = StrictArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="gpt-7b")
     p.add_argument("--device", default="a100-40gb")

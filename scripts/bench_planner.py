@@ -33,7 +33,7 @@ from dynapipe.data.synthetic import sample_lengths  # noqa: E402
 from dynapipe.errors import DynaPipeError  # noqa: E402
 from dynapipe.output_paths import check_output_file, write_output  # noqa: E402
 from dynapipe.cli.spelling import CLI_SPELLING  # noqa: E402
-from dynapipe.errors import spelled_as  # noqa: E402
+from dynapipe.errors import spelled_by  # noqa: E402
 from dynapipe.argparsing import StrictArgumentParser, print_error  # noqa: E402
 
 NO_LIMIT_MIB = 1e12
@@ -127,12 +127,8 @@ def check_args(args):
     return model, device, build_cost_model(model, device, args.stages)
 
 
+@spelled_by(SPELLING)  # the planning layers' errors name this script's flags
 def main(argv=None) -> int:
-    with spelled_as(SPELLING):  # the planning layers' errors name this script's flags
-        return _main(argv)
-
-
-def _main(argv=None) -> int:
     p = StrictArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--samples", type=int, nargs="+", default=None, help="batch sizes (default 256 1024 4096)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats (default 9)")

@@ -30,7 +30,7 @@ from dynapipe.errors import DynaPipeError, NoScheduleFits
 from dynapipe.output_paths import check_output_file, write_output
 from dynapipe.pipeline_planner import plan_iteration
 from dynapipe.cli.spelling import CLI_SPELLING
-from dynapipe.errors import spelled_as
+from dynapipe.errors import spelled_by
 from dynapipe.schedule import _kernels
 from dynapipe.schedule.search import search_schedules
 from dynapipe.argparsing import StrictArgumentParser, print_error
@@ -129,12 +129,8 @@ def check_args(args):
             load_cluster_config(args.cluster, "--cluster"))
 
 
+@spelled_by(SPELLING)  # the planning layers' errors name this script's flags
 def main(argv=None) -> int:
-    with spelled_as(SPELLING):  # the planning layers' errors name this script's flags
-        return _main(argv)
-
-
-def _main(argv=None) -> int:
     p = StrictArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", type=int, default=100)
     p.add_argument("--samples", type=int, default=1024)

@@ -34,6 +34,17 @@ METHODS = ("dynapipe", "dynapipe-per-sample", "padding", "padding-mb", "packing"
 DP_METHODS = ("dynapipe", "dynapipe-per-sample")
 
 
+def check_method(method: str, max_tokens: Optional[int] = None) -> None:
+    """Refuse a batching ``method`` that is not one of :data:`METHODS`, and a ``max_tokens``
+    (padded tokens a micro-batch; None or 0: not given) it would not read (only
+    ``token-budget`` does)."""
+    if method not in METHODS:
+        raise DynaPipeError(f"{given('method', method)} is not a batching method; use one of {', '.join(METHODS)}.")
+    if max_tokens and method != "token-budget":
+        raise DynaPipeError(f"{given('max_tokens', max_tokens)}: {given('method', method)} does not read it (only "
+                            f"token-budget does); leave it out or use {given('method', 'token-budget')}.")
+
+
 def _positive_int(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise DynaPipeError(f"{given(name, value)} must be a positive integer.")
@@ -63,7 +74,8 @@ def _over_model(side: np.ndarray, lengths: np.ndarray, model_max: int, name: str
 def _limit(value, name: str, model_max: int) -> int:
     value = _positive_int(value, name)
     if value > model_max:
-        raise DynaPipeError(f"{given(name, value)} exceeds the model's max_seq_length {model_max}; use at most {model_max}.")
+        raise DynaPipeError(f"{given(name, value)} exceeds the model's max_seq_length {model_max}; use at most "
+                            f"{model_max}.")
     return value
 
 
@@ -197,8 +209,7 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
     ignore it.
     """
     start = time.perf_counter()
-    if method not in METHODS:
-        raise DynaPipeError(f"{given('method', method)} is not a batching method; use one of {', '.join(METHODS)}.")
+    check_method(method, max_tokens)
     dp = _positive_int(dp, "dp")
     micro_batch_size = _positive_int(micro_batch_size, "micro_batch_size")
     # A size the method would not read is refused, not planned as if it had not been given.
@@ -206,9 +217,6 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
         raise DynaPipeError(f"{given('micro_batch_size', micro_batch_size)}: {given('method', method)} sizes every "
                             f"micro-batch itself and does not read it; leave it out, or use a fixed-size method "
                             f"(padding, padding-mb, packing, packing-per-sample) or token-budget.")
-    if max_tokens is not None and method != "token-budget":
-        raise DynaPipeError(f"{given('max_tokens', max_tokens)}: {given('method', method)} does not read it (only "
-                            f"token-budget does); leave it out or use {given('method', 'token-budget')}.")
     check_recompute(recompute)
     require_cost_model(cost_model)
     flag("zero", zero)
@@ -219,7 +227,8 @@ def plan_micro_batches(lengths, cost_model: CostModel, *, method: str = "dynapip
         # A replica needs a sample; past the batch size the balance only multiplies empty
         # replicas, at a cost that grows with dp until planning stalls.
         raise DynaPipeError(f"{given('dp', dp)} exceeds the {len(arr)} sample(s) of the global batch, so "
-                            f"{dp - len(arr)} replica(s) would get no sample; use {given('dp', len(arr))} or less, or a batch of at least "
+                            f"{dp - len(arr)} replica(s) would get no sample; use {given('dp', len(arr))} or less, or "
+                            f"a batch of at least "
                             f"{dp} samples.")
     arr, limits, truncated = _limit_lengths(arr, seq_length, model.max_seq_length)
     cap = limits.cap

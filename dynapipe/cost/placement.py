@@ -278,7 +278,8 @@ def plan_placement(cost_model: CostModel, sample: PlacementSample, num_stages: O
         real_number("capacity_mib", capacity_mib, unlimited=True)
     L = model.total_layers
     if not 1 <= S <= L:
-        raise DynaPipeError(f"{given('num_stages', S)}: stage placement needs 1 to {L} stages for model {model.name!r}.")
+        raise DynaPipeError(f"{given('num_stages', S)}: stage placement needs 1 to {L} stages for model "
+                            f"{model.name!r}.")
     enc_total = model.encoder_layers if model.is_encoder_decoder else 0
     pricer = _Pricer(cost_model, sample, S, _levels(recompute), capacity_mib, dp, zero)
     # Every state cap a stage can set, lightest first: a tighter cap leaves the planner

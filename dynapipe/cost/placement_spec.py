@@ -51,6 +51,7 @@ def parse_placement(text: str, model: ModelConfig, num_stages: int, flag: Option
     bad = next((c for c, w in enumerate(widths) if w != num_stages), None)
     if bad is not None:
         where = f": chunk {bad} ({chunk_texts[bad].strip()!r})" if len(widths) > 1 else ""
+        per = "stage per chunk" if len(widths) > 1 else "stage"
         raise DynaPipeError(f"{label}{where} names {widths[bad]} stage{'s' * (widths[bad] != 1)}; "
-                            f"{arg('num_stages')} is {num_stages} (one layer count per stage{' per chunk' * (len(widths) > 1)}).")
+                            f"{arg('num_stages')} is {num_stages} (one layer count per {per}).")
     return StagePlacement(tuple(enc), tuple(dec), len(chunk_texts)).validate(model, label)

@@ -81,8 +81,8 @@ class DatasetConfig:
         if self.vocab_size:
             data_vocab = int(getattr(dataset, "vocab_size", 0) or 0)
             if data_vocab > self.vocab_size:
-                raise DynaPipeError(f"the data's tokenizer has {data_vocab} ids but {arg('vocab_size')} is {self.vocab_size}; "
-                                    f"raise {arg('vocab_size')} to at least {data_vocab}.")
+                raise DynaPipeError(f"the data's tokenizer has {data_vocab} ids but {arg('vocab_size')} is "
+                                    f"{self.vocab_size}; raise {arg('vocab_size')} to at least {data_vocab}.")
             dataset.validate_tokens(self.vocab_size)
         return dataset
 

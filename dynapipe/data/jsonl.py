@@ -197,7 +197,8 @@ class JsonlDataset(SampleDataset):
                 sample = int(np.searchsorted(offsets, bad[0], side="right")) - 1
                 where = f"{self.paths[int(self._files[sample])]}:{int(self._lines[sample])}"
                 raise DynaPipeError(f"{where}: token id {int(flat[bad[0]])} is outside the vocabulary "
-                                    f"[0, {vocab_size}); the tokenizer's vocabulary is larger than {arg('vocab_size')}.")
+                                    f"[0, {vocab_size}); the tokenizer's vocabulary is larger than "
+                                    f"{arg('vocab_size')}.")
 
     def _read(self, idx: int, input_len: int, target_len: int):
         record = self._record[idx]

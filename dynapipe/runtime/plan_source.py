@@ -14,7 +14,7 @@ import numpy as np
 
 from dynapipe.batching.types import LengthLimit
 from dynapipe.config import ClusterConfig, DeviceConfig, ModelConfig
-from dynapipe.errors import DynaPipeError, given
+from dynapipe.errors import DynaPipeError
 from dynapipe.plan import deserialize_plan, serialize_plan
 from dynapipe.plan.instructions import ExecutionPlan
 from dynapipe.schedule.types import SPLITTING_SCHEDULE_NAMES
@@ -142,19 +142,12 @@ def check_planner_settings(settings: PlannerSettings) -> None:
                             f"({settings.dp}) must be at least 1.")
     if not isinstance(settings.model, ModelConfig) or not isinstance(settings.device, DeviceConfig):
         raise DynaPipeError("planner settings need a ModelConfig and a DeviceConfig.")
-    from dynapipe.batching.planner import METHODS
-    from dynapipe.schedule.search_space import SCHEDULE_CHOICES
+    from dynapipe.batching.planner import check_method
+    from dynapipe.schedule.search_space import check_schedule
 
     # Found here, not by the first worker's first plan, which a training job sees seconds later.
-    if settings.method not in METHODS:
-        raise DynaPipeError(f"{given('method', settings.method)} is not a batching method; use one of "
-                            f"{', '.join(METHODS)}.")
-    if settings.schedule not in SCHEDULE_CHOICES:
-        raise DynaPipeError(f"{given('schedule', settings.schedule)} is not known; use one of "
-                            f"{', '.join(SCHEDULE_CHOICES)}.")
-    if settings.max_tokens and settings.method != "token-budget":
-        raise DynaPipeError(f"{given('max_tokens', settings.max_tokens)}: {given('method', settings.method)} does not "
-                            f"read it (only token-budget does); leave it 0.")
+    check_method(settings.method, settings.max_tokens)
+    check_schedule(settings.schedule)
     if not settings.split_backward and settings.schedule in SPLITTING_SCHEDULE_NAMES:
         # Found here, not by the first worker's first plan a few seconds into the run.
         raise DynaPipeError(f"schedule {settings.schedule!r} splits every backward, and split_backward=False says "

@@ -297,12 +297,13 @@ def _refuse(space: SearchSpace, tally: _Tally, batching: Optional[str]) -> NoRet
     c = min(full, key=lambda x: max(x.peak_mib))
     worst = int(np.argmax(c.peak_mib))
     cap_mib = space.cap_mib
+    smaller = _SMALLER.get(batching, _SMALLER[None]).format(micro_batch_size=arg("micro_batch_size"),
+                                                             max_tokens=arg("max_tokens"))
     raise NoScheduleFits(
         f"no schedule fits in {cap_mib:.0f} MiB per stage: the closest candidate ({c.schedule}, {c.order} "
         f"order, recompute {c.recompute}) needs {c.peak_mib[worst]:.0f} MiB on stage {worst}, "
-        f"{c.peak_mib[worst] - cap_mib:.0f} MiB over the limit. Raise {arg('memory_limit_mib', 'the memory limit')}, use more "
-        f"pipeline stages, or plan smaller micro-batches ("
-        f"{_SMALLER.get(batching, _SMALLER[None]).format(micro_batch_size=arg('micro_batch_size'), max_tokens=arg('max_tokens'))}).")
+        f"{c.peak_mib[worst] - cap_mib:.0f} MiB over the limit. Raise {arg('memory_limit_mib', 'the memory limit')}, "
+        f"use more pipeline stages, or plan smaller micro-batches ({smaller}).")
 
 
 def _replica_schedule(space: SearchSpace, cand: Candidate, run: tuple, times: StageTimes,

@@ -54,24 +54,29 @@ class SearchSpace:
     explain: bool
 
 
+def check_schedule(schedule: str) -> None:
+    """Refuse a ``schedule`` that is not one of :data:`SCHEDULE_CHOICES`."""
+    if schedule not in SCHEDULE_CHOICES:
+        raise DynaPipeError(f"{given('schedule', schedule)} is not known; use one of {', '.join(SCHEDULE_CHOICES)}.")
+
+
 def schedule_names(schedule: str, split_backward: bool, cost_model: CostModel) -> tuple[list[str], int]:
     """The schedules to try, in search order, and the placement's chunks per stage. Refuses an
     unknown ``schedule``, one that splits the backward when the stages cannot, and a chunked
     one on a placement without chunks; on a chunked placement each name maps to its chunked
     counterpart (``1f1b`` to ``interleaved``, ``adaptive`` to ``interleaved-adaptive``,
     ``zb-h1`` to ``interleaved-zb``)."""
-    if schedule not in SCHEDULE_CHOICES:
-        raise DynaPipeError(f"{given('schedule', schedule)} is not known; use one of {', '.join(SCHEDULE_CHOICES)}.")
+    check_schedule(schedule)
     unsplit = getattr(cost_model, "unsplit_backward", None)
     if unsplit is not None:
         if schedule in (ZB_H1, INTERLEAVED_ZB):
-            raise DynaPipeError(f"{given('schedule', schedule)} splits every backward, but {unsplit}; use auto (which then "
-                                f"leaves the split schedules out) or another schedule.")
+            raise DynaPipeError(f"{given('schedule', schedule)} splits every backward, but {unsplit}; use auto "
+                                f"(which then leaves the split schedules out) or another schedule.")
         split_backward = False
     if not split_backward and schedule in (ZB_H1, INTERLEAVED_ZB):
-        off = arg("split_backward")  # a switch: the command line's flag turns it off
+        off = arg("split_backward", "split_backward=False")  # the command line's flag turns the switch off
         raise DynaPipeError(f"{given('schedule', schedule)} splits every backward, and the stages cannot split "
-                            f"theirs ({'split_backward=False' if off == 'split_backward' else off}); drop one of them (auto then searches "
+                            f"theirs ({off}); drop one of them (auto then searches "
                             f"the other schedules).")
     chunks = chunk_count(cost_model)
     # On a chunked placement 1F1B is Megatron's interleaved 1F1B, adaptive the adaptive
