@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from dynapipe.errors import DynaPipeError
 from megatron_integration.args_dynapipe import without_unused_dynapipe_flags
 from megatron_integration.bench_checks import check_warmup_iters
 from megatron_integration.bench_presets import (BASELINES, EXECUTOR_METHODS, METHOD_FLAGS, PRESETS, flag_value,
@@ -36,6 +37,13 @@ class Entry:
         return out
 
 
+def method_list(text: str) -> list[str]:
+    """``--methods`` as a list; an empty entry (``dynapipe,``) is a typo, refused."""
+    methods = [m.strip() for m in text.split(",")]
+    if not text.strip() or not all(methods):
+        raise DynaPipeError(f"--methods {text!r}: an empty entry; name methods separated by commas.")
+    return methods
+
 
 def refuse_unread_bench_flags(argv: Sequence[str], methods: Sequence[str]) -> None:
     """Refuse training flags the bench would override or drop for its runs (GPT and T5):
@@ -43,8 +51,6 @@ def refuse_unread_bench_flags(argv: Sequence[str], methods: Sequence[str]) -> No
     ``--save`` (the runs train one after another: each would overwrite the last one's
     checkpoints, and with ``--load`` on the same folder resume from them), and
     ``--dynapipe-schedule`` where a method named fixes its own schedule or none is DynaPipe."""
-    from dynapipe.errors import DynaPipeError
-
     save = flag_value(argv, "--save")
     saving = [f for f in ("--save-interval", "--save-retain-interval") if flag_value(argv, f) is not None]
     if save is not None or saving:
@@ -77,7 +83,6 @@ def check_request(argv: Sequence[str], methods: Sequence[str], preset: str = "ti
     """Refuse a bench request it cannot honour before any process starts (DynaPipeError,
     one line naming the value); returns the number of ranks to spawn (default: one
     replica, the pipeline size times the tensor-parallel size). ``None`` arguments take the preset's value."""
-    from dynapipe.errors import DynaPipeError
     from megatron_integration.arguments import parse_training_args
 
     if preset not in PRESETS:
@@ -129,8 +134,6 @@ def check_request(argv: Sequence[str], methods: Sequence[str], preset: str = "ti
 def check_some_iteration_timed(cfg, warmup: int) -> None:
     """Refuse a run of ``cfg`` (a training config, GPT's or T5's ``base``) whose iterations all
     fall in the ``warmup`` left out of the figures: by ``--train-iters`` or ``--exit-interval``."""
-    from dynapipe.errors import DynaPipeError
-
     if cfg.train_iters <= warmup:
         raise DynaPipeError(f"--train-iters {cfg.train_iters} leaves no timed iteration after --warmup-iters "
                             f"{warmup}; raise --train-iters.")

@@ -299,7 +299,7 @@ def run_t5_cli(args, argv: list[str]) -> int:
     from megatron_integration.launch import RankFailed, RankUserError
 
     preset = args.preset
-    from dynapipe.cli.bench import method_list
+    from megatron_integration.bench_request import method_list
 
     methods = list(T5_PRESETS[preset].methods) if args.methods is None else method_list(args.methods)
     choices = [m for m in T5_METHOD_FLAGS if m != UNCALIBRATED]

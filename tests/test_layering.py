@@ -52,3 +52,24 @@ def test_a_planning_command_loads_no_torch_or_megatron(argv, tmp_path):
             "print(','.join(sorted({k.split('.')[0] for k in sys.modules} & {'torch', 'megatron', "
             "'megatron_integration'})))\n")
     assert _heavy_modules_loaded(code, *argv) == ""
+
+
+def test_only_the_command_line_imports_the_command_line():
+    # The command line calls the layers below it, never the other way round: a lower layer
+    # importing dynapipe.cli would tie a Python caller (a training script, the bench) to the
+    # command line's parsing and its spelling of errors.
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    offenders = []
+    for path in [*root.glob("dynapipe/**/*.py"), *root.glob("megatron_integration/**/*.py")]:
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("dynapipe/cli/") or rel == "dynapipe/__main__.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=rel)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "dynapipe.cli" or n.startswith("dynapipe.cli.") for n in names):
+                offenders.append(f"{rel}:{node.lineno}")
+    assert not offenders, offenders

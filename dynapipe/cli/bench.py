@@ -98,16 +98,6 @@ def _check_bench_numbers(args) -> None:
                             f"or use --sweep-top for GPT.")
 
 
-def method_list(text: str) -> list[str]:
-    """``--methods`` as a list; an empty entry (``dynapipe,``) is a typo, refused."""
-    from dynapipe.errors import DynaPipeError
-
-    methods = [m.strip() for m in text.split(",")]
-    if not text.strip() or not all(methods):
-        raise DynaPipeError(f"--methods {text!r}: an empty entry; name methods separated by commas.")
-    return methods
-
-
 def run(args) -> int:
     """Run ``bench`` with parsed ``args``; the process exit status (0: done)."""
     from dynapipe.errors import spelled_as
@@ -121,6 +111,7 @@ def run(args) -> int:
 def _run(args) -> int:
     from dynapipe.errors import DynaPipeError
     from megatron_integration.bench import PRESETS, check_request, run_bench
+    from megatron_integration.bench_request import method_list
     from megatron_integration.bench_checks import check_bench_outputs, make_output_dir
     from megatron_integration.launch import RankFailed, RankUserError
 
