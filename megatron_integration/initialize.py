@@ -231,6 +231,9 @@ def end_run() -> int:
     # A group's threads stop when its last reference goes; the run's models, DDP buckets and
     # optimizers hold some in reference cycles (and --manual-gc leaves the collector off).
     gc.collect()
+    # What survived (the modules the run imported, caches) lives as long as the process: frozen,
+    # the next runs' collections skip it (as the rank server froze its imports; preload_freeze).
+    gc.freeze()
     return len(groups)
 
 

@@ -32,6 +32,9 @@ def add_preload(*modules: str) -> None:
 # never megatron-core or CUDA.
 HELPER_PRELOAD = ["torch", "numpy", "dynapipe.runtime.planner_workers"]
 
+# Imported after the preload: freezes the garbage collector's view of what the imports made.
+FREEZE = "dynapipe.runtime.preload_freeze"
+
 # The preload this process's forkserver started with (None: not started by this module yet). A
 # process has one forkserver; whichever of rank_context / helper_context asks first sets it.
 _server_preload: list[str] | None = None
@@ -42,7 +45,8 @@ def _forkserver(preload: list[str]):
     ctx = mp.get_context("forkserver")
     if _server_preload is None:
         _server_preload = list(preload)
-        ctx.set_forkserver_preload(_server_preload)  # takes effect when the server starts (the first child)
+        # FREEZE last: it freezes what the modules before it created.
+        ctx.set_forkserver_preload(_server_preload + [FREEZE])  # takes effect when the server starts (the first child)
     return ctx
 
 
