@@ -173,6 +173,17 @@ def real_number(name: str, value, at_least: float = 0.0, unlimited: bool = False
     return float(value)
 
 
+def positive_number(name: str, value, unit: str) -> float:
+    """``value`` as a float when it is a finite number above 0 (not a bool or a string), else a
+    :class:`DynaPipeError` naming ``name``, the value and its ``unit`` (``"s"``, ``"MiB"``)."""
+    import math
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise DynaPipeError(f"{given(name, value)}: must be a finite number of {unit} above 0.")
+    return float(value)
+
+
 # Scalar field annotations (strings under postponed evaluation) and what each takes.
 _FIELD_KINDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
 

@@ -309,3 +309,27 @@ def test_ragged_encoder_decoder_lengths_are_refused_in_one_line():
 def test_bad_tensor_parallel_size_or_replicas_are_refused(tiny_cost, kwargs, needle):
     with pytest.raises(DynaPipeError, match=needle):
         plan_iteration([10, 20, 30], tiny_cost, **kwargs)
+
+
+def test_a_long_timeline_title_is_wrapped_to_the_picture(tmp_path, monkeypatch):
+    # A per-stage recompute list made the title run off the picture's right edge, taking the
+    # makespan and bubble with it.
+    import matplotlib.pyplot as plt
+
+    import dynapipe.cli.trace as trace_cli
+    from dynapipe.schedule.trace import plot_timeline
+
+    drawn, figures = [], []
+
+    def draw(tl, mbs, path, **kw):
+        drawn.append((tl, mbs))
+        open(path, "wb").close()
+
+    monkeypatch.setattr(trace_cli, "plot_timeline", draw)
+    assert main(["trace", "--samples", "24", "--model", "gpt-tiny", "--device", "cpu", "--stages", "2",
+                 "--seq-length", "256", "--out", str(tmp_path / "t.json"), "--png", str(tmp_path / "t.png")]) == 0
+    title = "recompute " + "selective/" * 30 + "none by stage: 5697.7 ms, bubble 17.7%"
+    monkeypatch.setattr(plt, "close", figures.append)
+    plot_timeline(*drawn[0], str(tmp_path / "long.png"), title=title)
+    shown = figures[0].axes[0].get_title()
+    assert max(len(line) for line in shown.splitlines()) <= 140 and "".join(shown.split()) == "".join(title.split())

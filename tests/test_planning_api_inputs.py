@@ -161,8 +161,10 @@ def _cases_of_the_api_review():
         (lambda: advise([L], GPT, CPU, 2, layouts=[]), "layouts is empty"),
         (lambda: advise([L], "gpt-tiny", CPU, 2), "model 'gpt-tiny': give a ModelConfig"),
         # The executor's settings.
-        (lambda: ExecutorConfig(timeout_s=-1), "ExecutorConfig timeout_s=-1"),
-        (lambda: ExecutorConfig(poll_s=0), "ExecutorConfig poll_s 0: must be a positive number"),
+        # 0 is refused too, and the refusal of a negative value says so.
+        (lambda: ExecutorConfig(timeout_s=-1), "ExecutorConfig timeout_s=-1: must be a finite number of s above 0."),
+        (lambda: ExecutorConfig(timeout_s=0), "ExecutorConfig timeout_s=0: must be a finite number of s above 0."),
+        (lambda: ExecutorConfig(poll_s=0), "ExecutorConfig poll_s=0: must be a finite number of s above 0."),
         (lambda: ExecutorConfig(trace=1), "ExecutorConfig trace=1: must be True or False"),
         (lambda: ExecutorConfig.of({"timeout_s": 30}), "give an ExecutorConfig"),
         (lambda: tune_baseline([[1, 2], [3]], "packing", build_cost_model(T5, load_device_config("a100-40gb"), 4)),
@@ -170,7 +172,7 @@ def _cases_of_the_api_review():
     ]
 
 
-@pytest.mark.parametrize("case", range(27))
+@pytest.mark.parametrize("case", range(28))
 def test_the_api_refuses_by_name_what_it_took_silently_or_raised_deep_inside(case):
     call, needle = _cases_of_the_api_review()[case]
     with pytest.raises(DynaPipeError) as e:

@@ -50,7 +50,7 @@ from typing import Optional, Protocol, Union
 
 import torch
 
-from dynapipe.errors import DynaPipeError, ExecutorError, flag, real_number
+from dynapipe.errors import DynaPipeError, ExecutorError, flag, positive_number
 from dynapipe.plan.instructions import ForwardPass, MicroBatchInfo, TensorSpec
 from dynapipe.runtime.exec_trace import ExecTrace
 
@@ -111,10 +111,8 @@ class ExecutorConfig:
 
     def __post_init__(self):
         # A negative timeout failed every transfer at once, blaming the peer; "False" counted as on.
-        if not real_number("ExecutorConfig timeout_s", self.timeout_s) > 0:
-            raise DynaPipeError(f"ExecutorConfig timeout_s {self.timeout_s!r}: must be a positive number of s.")
-        if not real_number("ExecutorConfig poll_s", self.poll_s) > 0:
-            raise DynaPipeError(f"ExecutorConfig poll_s {self.poll_s!r}: must be a positive number of s.")
+        positive_number("ExecutorConfig timeout_s", self.timeout_s, "s")
+        positive_number("ExecutorConfig poll_s", self.poll_s, "s")
         for name in ("trace", "check_peers", "release_sent_activations", "normalise_loss", "watch_failures", "ring"):
             flag(f"ExecutorConfig {name}", getattr(self, name))
 

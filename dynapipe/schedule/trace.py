@@ -10,6 +10,7 @@ executed plans, so simulated and measured timelines line up in one viewer.
 """
 from __future__ import annotations
 
+import textwrap
 from typing import Optional, Sequence
 
 from dynapipe.batching.types import MicroBatch
@@ -97,8 +98,11 @@ def plot_timeline(timeline: Timeline, micro_batches: Sequence[MicroBatch], path:
                     fontsize=6)
     ax.set_yticks([S - 1 - s + 0.5 for s in range(S)], [f"stage {s}" for s in range(S)])
     ax.set_ylim(0, S)
-    ax.set_title(title or f"{timeline.schedule.name}: {timeline.makespan_ms:.1f} ms, "
-                          f"bubble {100 * timeline.bubble_fraction:.1f}%", fontsize=10)
+    title = title or f"{timeline.schedule.name}: {timeline.makespan_ms:.1f} ms, bubble " \
+                     f"{100 * timeline.bubble_fraction:.1f}%"
+    # Wrapped to the figure's width (about 140 characters at this size): a long per-stage recompute
+    # list would otherwise push the makespan and bubble off the right edge.
+    ax.set_title(textwrap.fill(title, 140), fontsize=10)
     for s, steps in enumerate(timeline.memory):
         xs = [t for t, _ in steps] + [timeline.makespan_ms]
         ys = [m for _, m in steps] + [steps[-1][1]]
