@@ -104,6 +104,8 @@ class Advice:
     refused: list[tuple[Layout, str]] = field(default_factory=list)
     elapsed_ms: float = 0.0
     left_out: list[tuple[Layout, str]] = field(default_factory=list)
+    # What would make a layout fit when none does (more GPUs, more memory), for the refusal.
+    remedy: str = ""
 
     @property
     def best_packing(self) -> Optional[LayoutResult]:
@@ -115,7 +117,11 @@ class Advice:
     @property
     def best(self) -> LayoutResult:
         if not self.results:
-            raise DynaPipeError("no layout fits: " + "; ".join(f"{l.label()}: {why}" for l, why in self.refused[:4]))
+            # The most split layouts first: they come closest to fitting.
+            closest = sorted(self.refused, key=lambda r: (-r[0].tp * r[0].pp, not r[0].zero))
+            more = f" (and {len(closest) - 3} more)" if len(closest) > 3 else ""
+            raise DynaPipeError("no layout fits: " + "; ".join(f"{l.label()}: {why}" for l, why in closest[:3])
+                                + more + (f". {self.remedy}" if self.remedy else "."))
         return self.results[0]
 
 
@@ -219,7 +225,26 @@ def advise(batches: Sequence[np.ndarray], model: ModelConfig, device: DeviceConf
         progress(len(layouts), len(layouts), None)
     # Fastest first; ties broken towards fewer pipeline stages, less TP, fewer chunks, then no sharding.
     results.sort(key=lambda r: (-r.real_tokens_per_s, r.layout.pp, r.layout.tp, r.layout.chunks, r.layout.zero))
-    return Advice(results, refused, (time.perf_counter() - t0) * 1e3, left_out)
+    remedy = "" if results else _remedy(model, gpus, [lay for lay, _ in refused], device, limit)
+    return Advice(results, refused, (time.perf_counter() - t0) * 1e3, left_out, remedy)
+
+
+def _remedy(model: ModelConfig, gpus: int, tried: Sequence[Layout], device: DeviceConfig, limit_mib: float) -> str:
+    """What would let a layout of ``model`` fit when none of ``tried`` (all of ``gpus``) does:
+    a deeper pipeline on more GPUs, or more memory a GPU (``limit_mib``: the limit the layouts
+    were refused under, MiB)."""
+    layers = model.total_layers
+    deepest = max((lay.pp for lay in tried), default=1)
+    memory = (f"a higher {arg('memory_limit_mib')} (up to the device's {device.memory_mib:g} MiB)"
+              if limit_mib < device.memory_mib else "a device with more memory")
+    # The fewest GPUs that split the layers into more stages than these do, each holding fewer layers.
+    more = next((n for n in range(gpus + 1, layers * gpus + 1)
+                 if any(not layers % p and not n % p for p in range(deepest + 1, layers + 1))), None)
+    if more is None:
+        return f"Each of the {layers} layers already has a stage of its own: give {memory}."
+    stages = max(p for p in range(1, layers + 1) if not layers % p and not more % p)
+    return (f"{gpus} GPU(s) split the {layers} layers of {model.name} into at most {deepest} pipeline stage(s); "
+            f"give more GPUs ({more} split them into up to {stages}) or {memory}.")
 
 
 def _placed(batches: Sequence[np.ndarray], cost_model, kw: dict, cut: Cut = DYNAPIPE_CUT, schedule: str = "auto"):

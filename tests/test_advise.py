@@ -182,6 +182,23 @@ def test_bad_advise_arguments_give_one_line(argv, message, capsys):
     assert rc == 2 and message in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("extra, remedy", [
+    ([], "give more GPUs (8 split them into up to 8) or a device with more memory."),
+    (["--memory-limit-mb", "30000"], "or a higher --memory-limit-mb (up to the device's 40536 MiB)."),
+])
+def test_when_no_layout_fits_the_error_says_what_would(extra, remedy, capsys):
+    # 7 GPUs leave gpt-7b's 32 layers one stage: its model states fit no GPU of 40 GB. The refusal
+    # used to list the layouts tried and stop there.
+    rc = main(["advise", "--model", "gpt-7b", "--device", "a100-40gb", "--cluster", "a100-8x", "--gpus", "7",
+               "--mixture", "flan-mixture", "--batches", "1", "--no-progress", *extra])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "no layout fits: TP1 PP1 DP7 ZeRO-1: model states need" in err, err
+    assert "7 GPU(s) split the 32 layers of gpt-7b into at most 1 pipeline stage(s)" in err and remedy in err, err
+    with pytest.raises(DynaPipeError, match=r"higher memory_limit_mib \(up to"):
+        advise([np.full(16, 512)], load_model_config("gpt-7b"), load_device_config("a100-40gb"), 7,
+               memory_limit_mib=30000, compare_packing=False).best
+
+
 def test_bad_mixture_and_lengths_give_one_line(tmp_path, capsys):
     base = ["advise", "--model", "gpt-tiny", "--device", "cpu", "--cluster", "cpu-local", "--gpus", "2"]
     assert main(base + ["--mixture", "no-such-mixture"]) == 2
