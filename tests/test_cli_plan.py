@@ -47,6 +47,10 @@ def test_plan_json_contract(tmp_path, capsys):
     assert plan["padding_efficiency"] == pytest.approx(real / sum(len(mb["samples"]) * mb["seqlen"] for mb in mbs))
     assert plan["memory_limit_mib"] == 40536  # the device config's default
     assert "dynapipe: 9 samples ->" in err and "objective" in err and "padding efficiency" in err
+    # The printed planning times of a one-shot command include loading the compiled loops; it says so.
+    from dynapipe.schedule._kernels import compiled
+
+    assert ("a process's first plan includes loading the planner's compiled (numba) kernels" in err) == compiled()
 
 
 def test_plan_costs_match_the_cost_command(tmp_path, capsys):
