@@ -42,7 +42,8 @@ def parse_t5_placement(text: str, model, num_stages: int) -> Optional[StagePlace
         placement = StagePlacement.parse(text, model, num_stages, flag="--dynapipe-placement")
     except DynaPipeError as e:
         detail = " ".join(str(e).split())
-        raise DynaPipeError(f"{detail.rstrip('.')}; or use even / auto.") from None
+        others = "even or auto" if text == "interleaved" else "even, interleaved or auto"
+        raise DynaPipeError(f"{detail.rstrip('.')}; or use {others}.") from None
     return placement
 
 

@@ -232,8 +232,11 @@ def test_interleaved_placement_refusals_name_the_training_flags_and_the_reason()
     small = _cfg(layers="--encoder-num-layers 1 --decoder-num-layers 1").planner_model()
     with pytest.raises(DynaPipeError, match=r"^--dynapipe-placement interleaved puts an encoder and a decoder layer "
                                             r"on every rank, but model .* has 1 encoder and 1 decoder layer\(s\) for 2 "
-                                            r"stages; --pipeline-model-parallel-size is 2; or use even / auto\.$"):
+                                            r"stages; --pipeline-model-parallel-size is 2; or use even or auto\.$"):
         parse_t5_placement("interleaved", small, 2)
     with pytest.raises(DynaPipeError, match=r"^--dynapipe-placement interleaved .* needs at least 2 stages; "
                                             r"--pipeline-model-parallel-size is 1"):
         parse_t5_placement("interleaved", _cfg().planner_model(), 1)
+    # A mistyped keyword is offered every other choice, interleaved among them.
+    with pytest.raises(DynaPipeError, match=r"or use even, interleaved or auto\.$"):
+        parse_t5_placement("Interleaved", _cfg().planner_model(), 2)
