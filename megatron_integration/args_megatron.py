@@ -45,7 +45,8 @@ def shadowed_by(typed) -> set:
     where defaults are filled in (a run config, a bench preset):
     Megatron-LM's other spelling of a setting, the other choices of an alternative (a length in
     iterations or in samples), and the file's data for data given (the whole data for
-    ``--data-path``, ``--mock-data`` and the like; the whole-data flags for one split's path)."""
+    ``--data-path``, ``--mock-data`` and the like; the whole-data flags and ``--split`` for one
+    split's path)."""
     typed = set(typed)
     out = typed | {OTHER_SPELLING[f] for f in typed if f in OTHER_SPELLING}
     for group in _ALTERNATIVES:
@@ -54,7 +55,8 @@ def shadowed_by(typed) -> set:
     if typed & set(_WHOLE_DATA):
         out |= set(_WHOLE_DATA + _SPLIT_DATA)
     elif typed & set(_SPLIT_DATA):
-        out |= set(_WHOLE_DATA)
+        # --split divides --data-path's documents: it goes with the data it divided.
+        out |= set(_WHOLE_DATA) | {"--split"}
     return out - typed
 
 

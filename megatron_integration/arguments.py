@@ -61,6 +61,23 @@ UNKNOWN_FLAG_NOTE = (" (a flag this build neither reads nor knows as a Megatron-
                      "flags it reads are under Arguments in the README)")
 
 
+def stray_values_note(argv: list[str], unknown: list[str]) -> str:
+    """Where every unrecognized item is a value (not a flag) following a flag's one value, as in
+    Megatron-LM's launch scripts' unquoted ``--split 949 50 1``: a note naming that flag; else ''."""
+    if not unknown or any(u.startswith("-") for u in unknown):
+        return ""
+    try:
+        at = next(i for i in reversed(range(len(argv) - len(unknown) + 1)) if argv[i:i + len(unknown)] == unknown)
+    except StopIteration:
+        return ""
+    if at < 2 or not argv[at - 2].startswith("--") or argv[at - 1].startswith("-"):
+        return ""
+    flag, value = argv[at - 2].split("=", 1)[0], argv[at - 1]
+    if flag == "--split":
+        return f" (they follow --split {value}, which takes one value: --split {','.join([value, *unknown])})"
+    return f" (they follow {flag} {value}, which takes one value)"
+
+
 def build_parser(prog: Optional[str] = None, description: Optional[str] = None) -> argparse.ArgumentParser:
     """A standalone parser with the Megatron and DynaPipe arguments (one-line errors; a
     Megatron-LM flag this build does not take is named with the reason)."""
@@ -68,6 +85,7 @@ def build_parser(prog: Optional[str] = None, description: Optional[str] = None) 
 
     class MegatronArgumentParser(StrictArgumentParser):
         def parse_known_args(self, args=None, namespace=None):
+            self._argv = list(sys.argv[1:] if args is None else args)
             parsed, extras = super().parse_known_args(args, namespace)
             refused = refused_flag_lines(extras)
             if refused:
@@ -87,7 +105,8 @@ def build_parser(prog: Optional[str] = None, description: Optional[str] = None) 
 
         def error(self, message: str):
             if message.startswith("unrecognized arguments:"):
-                message += UNKNOWN_FLAG_NOTE
+                message += stray_values_note(getattr(self, "_argv", []), message.split(":", 1)[1].split()) \
+                    or UNKNOWN_FLAG_NOTE
             super().error(message)
 
     parser = MegatronArgumentParser(prog=prog, description=description, allow_abbrev=False)

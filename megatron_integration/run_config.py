@@ -137,7 +137,33 @@ def with_run_config(parser, argv: list[str], world_size: int) -> list[str]:
                             f"= {run.world_size} ranks, but this job has {world_size}; launch it with "
                             f"torchrun --nnodes {run.nnodes} --nproc-per-node {run.nproc_per_node}.")
     typed = {a.split("=")[0] for a in argv if a.startswith("--")}
-    return _without(list(run.argv), shadowed_by(typed)) + list(argv)
+    kept = _without(list(run.argv), shadowed_by(typed))
+    _check_schedule_units(typed, kept, run.path)
+    return kept + list(argv)
+
+
+# A run's length typed in one unit, and the file's schedule lengths in the other, which Megatron-LM
+# refuses beside it (its validate_args: iterations with --train-iters, samples with --train-samples).
+# Each of the file's lengths in the other unit, with what replaces it.
+_UNITS = {"--train-samples": ("samples", {"--lr-warmup-iters": "--lr-warmup-samples or --lr-warmup-fraction",
+                                          "--lr-decay-iters": "--lr-decay-samples"}),
+          "--train-iters": ("iterations", {"--lr-warmup-samples": "--lr-warmup-iters or --lr-warmup-fraction",
+                                           "--lr-decay-samples": "--lr-decay-iters"})}
+
+
+def _check_schedule_units(typed: set, kept: list[str], path: str) -> None:
+    """Refuse a run length typed in ``typed`` whose unit the file's kept schedule lengths
+    (``kept``: the file's arguments the command line leaves) do not share, naming the file: the
+    user typed only the length, and Megatron-LM's refusal of the file's flags would name flags
+    they never typed."""
+    for flag, (unit, other) in _UNITS.items():
+        clash = [f for f in other if flag in typed and f in kept]
+        if clash:
+            at = kept.index(clash[0]) + 1
+            value = kept[at] if at < len(kept) else ""
+            raise DynaPipeError(f"{flag} counts the run in {unit}, but {path} gives {clash[0][2:]}: {value}, which "
+                                f"Megatron-LM refuses beside it; give it in {unit} on the command line "
+                                f"({other[clash[0]]}), which replaces the file's.")
 
 
 def _without(argv: list[str], flags: set) -> list[str]:

@@ -168,6 +168,19 @@ def test_megatron_lm_flags_without_a_reason_of_their_own_get_their_groups(capsys
     assert "unrecognized arguments: --bogus-flag (a flag this build neither reads nor knows" in lines[4]
 
 
+@pytest.mark.parametrize("extra, note", [
+    # Launch scripts' unquoted split: the values are named with the flag they follow and the fix.
+    ("--split 949 50 1", "unrecognized arguments: 50 1 (they follow --split 949, which takes one value: "
+                         "--split 949,50,1)"),
+    ("--lr 1e-3 2e-3", "unrecognized arguments: 2e-3 (they follow --lr 1e-3, which takes one value)"),
+])
+def test_values_left_over_after_a_flag_name_the_flag(extra, note, capsys):
+    with pytest.raises(SystemExit):
+        parse(f"{GPT3} {extra}")
+    err = capsys.readouterr().err
+    assert note in err and "neither reads nor knows" not in err, err
+
+
 def test_a_schedule_in_samples_is_megatrons_schedule():
     """Megatron-LM steps its scheduler by the samples of each iteration; the iterations here,
     fractional where the samples do not divide, give the same rate at every iteration."""

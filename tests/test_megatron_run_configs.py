@@ -105,10 +105,38 @@ def test_an_alternative_typed_on_the_command_line_replaces_the_run_configs_choic
                                     "--data-path", "0.7", "a", "0.3", "b"], world_size=2)
     assert "--train-iters" not in argv and "--mock-data" not in argv
     assert argv[argv.index("--data-path"):][:5] == ["--data-path", "0.7", "a", "0.3", "b"]
-    # One split's path replaces the file's whole data, not the file's other splits.
+    # One split's path replaces the file's whole data and the --split that divided it (which
+    # Megatron-LM refuses beside per-split paths), not the file's other splits.
     assert shadowed_by({"--valid-data-path"}) == {"--mock-data", "--data-path", "--data-args-path",
-                                                  "--per-split-data-args-path"}
+                                                  "--per-split-data-args-path", "--split"}
     assert "--train-data-path" in shadowed_by({"--data-path"}) and "--data-path" not in shadowed_by({"--data-path"})
+    assert "--split" not in shadowed_by({"--data-path"})  # the file's split divides the typed data
+
+
+@pytest.mark.parametrize("typed, file_args, needle", [
+    (["--train-samples", "640"], "{train-iters: 20, lr-warmup-iters: 5}",
+     "--train-samples counts the run in samples, but RUN gives lr-warmup-iters: 5, which Megatron-LM refuses "
+     "beside it; give it in samples on the command line (--lr-warmup-samples or --lr-warmup-fraction), which "
+     "replaces the file's."),
+    (["--train-iters", "20"], "{train-samples: 640, lr-decay-samples: 600}",
+     "--train-iters counts the run in iterations, but RUN gives lr-decay-samples: 600"),
+])
+def test_a_run_length_typed_in_the_other_unit_than_the_files_schedule_names_the_file(tmp_path, typed, file_args,
+                                                                                       needle):
+    # The shipped GPU configs warm up over lr-warmup-iters: --train-samples typed over one was refused
+    # in Megatron-LM's words, naming a flag the user never typed and not the file it came from.
+    run = tmp_path / "run.yaml"
+    run.write_text(f"args: {file_args}\n")
+    parser = build_parser()
+    add_run_config_argument(parser)
+    with pytest.raises(DynaPipeError) as e:
+        with_run_config(parser, ["--run-config", str(run), *typed], world_size=1)
+    assert needle.replace("RUN", str(run)) in str(e.value)
+    # Typing the schedule in the run's unit replaces the file's.
+    fix = ["--lr-warmup-fraction", "0.1"] if typed[0] == "--train-samples" else ["--lr-decay-iters", "20"]
+    argv = with_run_config(parser, ["--run-config", str(run), *typed, *fix], world_size=1)
+    assert not {"--lr-warmup-iters", "--lr-decay-samples", "--train-iters", "--train-samples"} - {
+        typed[0]} & set(argv)
 
 
 @pytest.mark.parametrize("args, needle", [
