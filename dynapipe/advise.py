@@ -237,11 +237,12 @@ def _remedy(model: ModelConfig, gpus: int, tried: Sequence[Layout], device: Devi
     deepest = max((lay.pp for lay in tried), default=1)
     memory = (f"a higher {arg('memory_limit_mib')} (up to the device's {device.memory_mib:g} MiB)"
               if limit_mib < device.memory_mib else "a device with more memory")
-    # The fewest GPUs that split the layers into more stages than these do, each holding fewer layers.
-    more = next((n for n in range(gpus + 1, layers * gpus + 1)
-                 if any(not layers % p and not n % p for p in range(deepest + 1, layers + 1))), None)
-    if more is None:
+    if deepest >= layers:
         return f"Each of the {layers} layers already has a stage of its own: give {memory}."
+    # The fewest GPUs that split the layers into more stages than these do, each holding fewer
+    # layers (found within the next multiple of the layer count).
+    more = next(n for n in range(gpus + 1, gpus + layers + 1)
+                if any(not layers % p and not n % p for p in range(deepest + 1, layers + 1)))
     stages = max(p for p in range(1, layers + 1) if not layers % p and not more % p)
     return (f"{gpus} GPU(s) split the {layers} layers of {model.name} into at most {deepest} pipeline stage(s); "
             f"give more GPUs ({more} split them into up to {stages}) or {memory}.")
