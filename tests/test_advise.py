@@ -156,6 +156,16 @@ def train_one_iteration(script: str, run_config) -> str:
     return result.stdout
 
 
+def _run_config_argv(parser, run_config) -> list[str]:
+    """One iteration of ``run_config`` as the scripts merge it (``--run-config`` itself left out)."""
+    from megatron_integration.run_config import add_run_config_argument, with_run_config
+
+    add_run_config_argument(parser)
+    argv = with_run_config(parser, ["--run-config", str(run_config), "--train-iters", "1", "--log-interval", "1"], 2)
+    at = argv.index("--run-config")
+    return argv[:at] + argv[at + 2:]
+
+
 def gpt_losses_in_a_job(run_config) -> list:
     """The last stage's losses of one iteration of a GPT ``run_config`` on 2 ranks forked from the
     launcher's warm server (no fresh interpreters importing torch): the run config's arguments, as
@@ -163,13 +173,18 @@ def gpt_losses_in_a_job(run_config) -> list:
     script itself)."""
     from megatron_integration.arguments import build_parser
     from megatron_integration.jobs import run_trainings
-    from megatron_integration.run_config import add_run_config_argument, with_run_config
 
-    parser = build_parser()
-    add_run_config_argument(parser)
-    argv = with_run_config(parser, ["--run-config", str(run_config), "--train-iters", "1", "--log-interval", "1"], 2)
-    at = argv.index("--run-config")
-    return run_trainings([argv[:at] + argv[at + 2:]], 2, timeout_s=240)[0][-1]["losses"]
+    return run_trainings([_run_config_argv(build_parser(), run_config)], 2, timeout_s=240)[0][-1]["losses"]
+
+
+def t5_run_in_a_job(run_config) -> tuple[list[str], list[dict]]:
+    """``(argv, summaries)``: one iteration of a T5 ``run_config`` on 2 ranks, as
+    :func:`gpt_losses_in_a_job`; ``summaries[rank]`` is that rank's summary of the run."""
+    from megatron_integration.t5_arguments import build_t5_parser
+    from megatron_integration.t5_jobs import run_t5_training
+
+    argv = _run_config_argv(build_t5_parser(), run_config)
+    return argv, [ranks[0] for ranks in run_t5_training([argv], 2, timeout_s=240)]
 
 
 def re_loss(stdout: str) -> bool:
@@ -392,8 +407,17 @@ def test_encoder_decoder_layouts_run_on_the_planned_placement_and_train_on_it(tm
     out = tmp_path / "run.yaml"
     out.write_text(run_config_text(best, model, "cpu", "cpu-local", local, 2, 6000, 1024, None, None, batches))
     assert f'dynapipe-placement: "{best.placement}"' in out.read_text()
-    stdout = train_one_iteration("pretrain_t5.py", out)
-    assert re_loss(stdout) and best.placement in stdout
+    # It trains on that placement: each rank's stage holds the parameters the planner counts for it.
+    from dynapipe.cost.base import stage_param_count
+    from megatron_integration.t5_arguments import parse_t5_args
+
+    argv, ranks = t5_run_in_a_job(out)
+    cfg = parse_t5_args(argv, 2, cuda=False)
+    assert str(cfg.stage_placement()) == best.placement
+    layouts = cfg.stage_placement().layouts()
+    assert [r["parameters"] for r in ranks] == [stage_param_count(cfg.planner_model(), lay) for lay in layouts]
+    losses = ranks[-1]["losses"]
+    assert len(losses) == 1 and np.isfinite(losses[0]) and losses[0] > 0
 
 
 def test_interleaved_layouts_are_priced_on_megatron_chunks_and_train_from_the_run_config(tmp_path):
