@@ -165,10 +165,8 @@ def real_number(name: str, value, at_least: float = 0.0, unlimited: bool = False
     a string; with ``unlimited``, +inf too, meaning no limit), else a :class:`DynaPipeError`
     naming ``name`` and the value."""
     import math
-    import numbers
 
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) \
-            or (math.isinf(value) and not (unlimited and value > 0)) or value < at_least:
+    if not _is_real(value) or (math.isinf(value) and not (unlimited and value > 0)) or value < at_least:
         raise DynaPipeError(f"{given(name, value)}: must be a finite number of at least {at_least:g}.")
     return float(value)
 
@@ -177,11 +175,18 @@ def positive_number(name: str, value, unit: str) -> float:
     """``value`` as a float when it is a finite number above 0 (not a bool or a string), else a
     :class:`DynaPipeError` naming ``name``, the value and its ``unit`` (``"s"``, ``"MiB"``)."""
     import math
-    import numbers
 
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+    if not _is_real(value) or math.isinf(value) or value <= 0:
         raise DynaPipeError(f"{given(name, value)}: must be a finite number of {unit} above 0.")
     return float(value)
+
+
+def _is_real(value) -> bool:
+    """A real number that is not NaN (nor a bool, which Python counts as one)."""
+    import math
+    import numbers
+
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and not math.isnan(value)
 
 
 # Scalar field annotations (strings under postponed evaluation) and what each takes.
