@@ -23,8 +23,14 @@ venv: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(PY) -m dynapipe bench --output out/bench.json --png out/bench.png
 
+# Two pytest-xdist workers: on 2 cores the spawned ranks of one job wait on each other (start-up,
+# pipeline bubbles) about a third of the time, and a second worker fills it. Each module runs
+# whole in one worker and the modules reading the shared training jobs in the same one
+# (tests/conftest.py), so every job still trains once. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+
 test: $(VENV)/.installed
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # The modules that start no process (planner, schedules, plans, cost model, data, checks):
 # about two minutes, for a quick loop while editing. CI runs `make test`.

@@ -30,7 +30,7 @@ setup(
         "psutil>=5.9",
     ],
     extras_require={
-        "dev": ["pytest>=7", "hypothesis>=6", "matplotlib>=3.7", "redis>=5", "tqdm>=4.60",
+        "dev": ["pytest>=7", "pytest-xdist>=3.5", "hypothesis>=6", "matplotlib>=3.7", "redis>=5", "tqdm>=4.60",
                 # The HuggingFaceTokenizer path and the TensorBoard scalars are tested against
                 # the real packages.
                 "transformers>=4.40", "tensorboard>=2.14"],

@@ -1,6 +1,8 @@
 """Session-wide fixtures: the spawned T5 jobs the T5 test modules share (a 2-rank job costs
-tens of seconds; it runs once however many modules read it); and the ``spawns`` mark that
-``make test-fast`` leaves out."""
+tens of seconds; it runs once however many modules read it); the ``spawns`` mark that
+``make test-fast`` leaves out; and how ``make test``'s pytest-xdist workers share the modules
+(the modules reading the shared jobs as one group, sent out first)."""
+import os
 import re
 
 import pytest
@@ -15,17 +17,73 @@ _STARTS_PROCESSES = re.compile(r"\b_?spawn\w*\(|\bstart_processes\(|\brun_traini
                                r"\bpp2\b|\bt5_dist\b|\btp2\b|megatron_runs")
 
 
+# A module that reads a training job other modules read too: the T5 session fixtures below
+# (``pp2``, ``t5_dist``) or test_megatron_dynapipe.run's GPT jobs (the ``megatron_runs`` mark).
+_READS_SHARED_JOBS = re.compile(r"def \w+\([^)]*\b(?:pp2|t5_dist)\b|megatron_runs\(")
+_SOURCES: dict = {}
+
+
+def _source(path: str) -> str:
+    if path not in _SOURCES:
+        with open(path, encoding="utf-8") as f:
+            _SOURCES[path] = f.read()
+    return _SOURCES[path]
+
+
+def worker_group(module: str, root: str = ".") -> str:
+    """Which pytest-xdist worker group a test module (its path as a node id has it) runs in:
+    every module reading the shared training jobs in one (each job then trains once), any
+    other module alone (its module-scoped jobs train once)."""
+    return "shared-jobs" if _READS_SHARED_JOBS.search(_source(os.path.join(root, module))) else module
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark every test of a module that starts processes ``spawns`` (``-m "not spawns"``: the
-    fast tier)."""
-    starts: dict = {}
+    fast tier). In a pytest-xdist worker, order the tests: the shared jobs' group first, the
+    other spawning modules next, the fast modules last (they even out the workers' ends)."""
+    root = str(config.rootpath)
     for item in items:
-        path = str(item.fspath)
-        if path not in starts:
-            with open(path, encoding="utf-8") as f:
-                starts[path] = bool(_STARTS_PROCESSES.search(f.read()))
-        if starts[path]:
+        if _STARTS_PROCESSES.search(_source(str(item.fspath))):
             item.add_marker(pytest.mark.spawns)
+        # A module the source scan misses would train the shared jobs again in its worker.
+        if (({"pp2", "t5_dist"} & set(item.fixturenames) or item.get_closest_marker("megatron_runs"))
+                and worker_group(item.nodeid.split("::")[0], root) != "shared-jobs"):
+            _MISGROUPED.add(item.nodeid)
+    if hasattr(config, "workerinput"):
+
+        def rank(item) -> int:
+            if worker_group(item.nodeid.split("::")[0], root) == "shared-jobs":
+                return 0
+            return 1 if item.get_closest_marker("spawns") else 2
+        items.sort(key=rank)  # stable: a module's tests keep their order
+
+
+_MISGROUPED: set = set()
+
+
+def pytest_runtest_setup(item):
+    if item.nodeid in _MISGROUPED:
+        pytest.fail(f"{item.nodeid} reads a shared training job, but its module is not grouped with the "
+                    f"others that do (make test's workers would train the job twice): extend "
+                    f"_READS_SHARED_JOBS in tests/conftest.py", pytrace=False)
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: plain pytest runs without it
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with the modules that read the shared jobs grouped as one file, sent
+    out in the workers' collection order (``make test`` runs two workers)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    root = str(config.rootpath)
+
+    class SharedJobsScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid.split("::")[0], root)
+
+    config.option.loadscopereorder = False  # the order above, not the largest group first
+    return SharedJobsScheduling(config, log)
 
 
 @pytest.fixture
