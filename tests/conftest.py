@@ -2,6 +2,7 @@
 tens of seconds; it runs once however many modules read it); the ``spawns`` mark that
 ``make test-fast`` leaves out; and how ``make test``'s pytest-xdist workers share the modules
 (the modules reading the shared jobs as one group, sent out first)."""
+import functools
 import os
 import re
 
@@ -20,16 +21,15 @@ _STARTS_PROCESSES = re.compile(r"\b_?spawn\w*\(|\bstart_processes\(|\brun_traini
 # A module that reads a training job other modules read too: the T5 session fixtures below
 # (``pp2``, ``t5_dist``) or test_megatron_dynapipe.run's GPT jobs (the ``megatron_runs`` mark).
 _READS_SHARED_JOBS = re.compile(r"def \w+\([^)]*\b(?:pp2|t5_dist)\b|megatron_runs\(")
-_SOURCES: dict = {}
 
 
+@functools.cache
 def _source(path: str) -> str:
-    if path not in _SOURCES:
-        with open(path, encoding="utf-8") as f:
-            _SOURCES[path] = f.read()
-    return _SOURCES[path]
+    with open(path, encoding="utf-8") as f:
+        return f.read()
 
 
+@functools.cache  # once a module, not once a test
 def worker_group(module: str, root: str = ".") -> str:
     """Which pytest-xdist worker group a test module (its path as a node id has it) runs in:
     every module reading the shared training jobs in one (each job then trains once), any
@@ -43,7 +43,7 @@ def pytest_collection_modifyitems(config, items):
     other spawning modules next, the fast modules last (they even out the workers' ends)."""
     root = str(config.rootpath)
     for item in items:
-        if _STARTS_PROCESSES.search(_source(str(item.fspath))):
+        if _starts_processes(str(item.fspath)):
             item.add_marker(pytest.mark.spawns)
         # A module the source scan misses would train the shared jobs again in its worker.
         if (({"pp2", "t5_dist"} & set(item.fixturenames) or item.get_closest_marker("megatron_runs"))
@@ -56,6 +56,11 @@ def pytest_collection_modifyitems(config, items):
                 return 0
             return 1 if item.get_closest_marker("spawns") else 2
         items.sort(key=rank)  # stable: a module's tests keep their order
+
+
+@functools.cache
+def _starts_processes(path: str) -> bool:
+    return bool(_STARTS_PROCESSES.search(_source(path)))
 
 
 _MISGROUPED: set = set()
