@@ -84,3 +84,24 @@ def test_one_implementation_for_both_launch_paths():
     assert initialize.select_local_gpu is distributed.select_local_gpu
     assert initialize.local_gpu is distributed.local_gpu
     assert 0 < distributed.free_port() < 65536
+
+
+def test_free_port_stays_out_of_the_ephemeral_range_and_skips_ports_in_use(monkeypatch):
+    import socket
+
+    high = distributed._ephemeral_low()
+    ports = [distributed.free_port() for _ in range(5)]
+    # Below the range outgoing connections draw from, so no gloo connection can take it first.
+    assert all(max(1024, high - 12000) <= p < high for p in ports), (ports, high)
+    assert len(set(ports)) == 5
+    assert not set(ports) & set(distributed._TORCHRUN_DEFAULT_PORTS)
+    taken = max(1024, high - 12000) + 10
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", taken))
+        held.listen()
+        monkeypatch.setattr(distributed, "_next_port", taken)
+        assert taken < distributed.free_port() < high
+    # An ephemeral range that leaves no room below it: the kernel's choice, still a free port.
+    monkeypatch.setattr(distributed, "_ephemeral_low", lambda: 1500)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", distributed.free_port()))

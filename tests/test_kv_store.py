@@ -8,7 +8,6 @@ import os
 import threading
 import pickle
 import shutil
-import socket
 import struct
 import subprocess
 import time
@@ -19,15 +18,10 @@ import pytest
 from torch.distributed import TCPStore
 
 from dynapipe.errors import DynaPipeError
+from dynapipe.runtime.distributed import free_port
 from dynapipe.runtime.kv_store import (KVStoreSpec, StoreUnreachableError, TorchStoreKV, delete_blob, get_blob,
                                        put_blob, wait_blob)
 from dynapipe.runtime.plan_payload import decode_payload, encode_payload
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

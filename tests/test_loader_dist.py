@@ -2,22 +2,16 @@
 exactly its own plan and tensors, planning is split over planner nodes, keys are cleaned."""
 import json
 import os
-import socket
 import time
 
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
+from dynapipe.runtime.distributed import free_port as _free_port
 from test_loader import GBS, SEED, dataset, planner_settings, reference_iterations, summarize
 
 ITERATIONS = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank, world, port, dp, pp, local_world, out_dir, split=False):

@@ -34,11 +34,54 @@ from dynapipe.errors import DynaPipeError, spelled_as, spelling
 from dynapipe.runtime.process_start import rank_start_method
 
 
+# The ports :func:`free_port` hands out: below the kernel's ephemeral range, clear of torchrun's
+# default 29500 and its neighbours (another job launched with the default).
+_TORCHRUN_DEFAULT_PORTS = range(29400, 29600)
+_next_port: Optional[int] = None
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default 32768 where unknown)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (for a server about to bind it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port on ``host`` that is free now, for a server (a torchrun store, a TCP init
+    method) that binds it a moment later in another process.
+
+    A port the kernel picks with ``bind(host, 0)`` comes from the ephemeral range, which every
+    outgoing connection also draws from: gloo opens many, so another job on the machine can take
+    the port between this check and the server's bind (``EADDRINUSE``). The port is taken from
+    below that range instead, where only servers that name their port bind, and each process
+    walks it from its own pid-derived start, so two processes that ask at the same time get
+    different ports. Falls back to ``bind(host, 0)`` where the ephemeral range leaves no room
+    below it."""
+    global _next_port
+    high = _ephemeral_low()
+    low = max(1024, high - 12000)
+    span = high - low
+    if span < 1000:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+    if _next_port is None:
+        _next_port = low + (os.getpid() * 7919) % span
+    for _ in range(span):
+        port, _next_port = _next_port, low + (_next_port + 1 - low) % span
+        if port in _TORCHRUN_DEFAULT_PORTS:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise DynaPipeError(f"no free TCP port on {host} in {low}..{high - 1}: free some, or name the port yourself "
+                        f"(--master-port)")
 
 
 def cuda_device_count() -> int:
