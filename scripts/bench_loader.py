@@ -21,7 +21,6 @@ import datetime
 import json
 import logging
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from dynapipe.data.config import DatasetConfig  # noqa: E402
 from dynapipe.data.sampler import SamplerConfig  # noqa: E402
 from dynapipe.errors import DynaPipeError  # noqa: E402
 from dynapipe.output_paths import check_output_file, write_output  # noqa: E402
+from dynapipe.runtime.distributed import free_port  # noqa: E402
 from dynapipe.runtime.loader import DynaPipeDataLoader, LoaderConfig, RankLayout  # noqa: E402
 from dynapipe.runtime.plan_source import IterationPlanner, PlannerSettings  # noqa: E402
 from dynapipe.cli.spelling import CLI_SPELLING  # noqa: E402
@@ -235,9 +235,7 @@ def main(argv=None) -> int:
     except DynaPipeError as e:
         print_error(str(e))
         return 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = tmp.start_processes(_rank, args=(args, port, out_dir), nprocs=args.pp * args.dp, join=False,
                                   start_method="spawn")

@@ -15,7 +15,6 @@ the iteration and args the checkpoint records. CUDA-only calls of megatron-core'
 """
 import json
 import os
-import socket
 import sys
 
 import torch
@@ -29,10 +28,8 @@ ITERATION = 5
 
 
 def _init():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    # One rank: an in-memory store, no port another process could take first.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(1, 1)

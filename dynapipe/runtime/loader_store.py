@@ -43,14 +43,11 @@ def agreed_run_id(layout: RankLayout, namespace: str) -> str:
 def default_store_for_single_process(port: int = 0):
     """A TCPStore served by this process, for running the loader without torch.distributed."""
     import datetime
-    import socket
 
     from torch.distributed import TCPStore
 
-    if port == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+    # Port 0: the store binds a port the kernel picks and keeps it (``store.port``), no window
+    # in which another process could take it.
     return TCPStore("127.0.0.1", port, world_size=1, is_master=True, wait_for_workers=False,
                     timeout=datetime.timedelta(seconds=60))
 
