@@ -256,13 +256,6 @@ def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[b
                                 f"of --save-interval {args.save_interval}, as Megatron-LM requires.")
     from megatron_integration.checkpoint_files import check_checkpoint_dirs, check_writable_dir, same_dir
 
-    # Proven writable on every rank before any work: a directory only the logging rank or a
-    # failing rank finds unwritable would stop it alone, mid-run, while the others wait.
-    for flag, path, what in (("--save", args.save, "the checkpoints"),
-                             ("--tensorboard-dir", args.tensorboard_dir, "TensorBoard's event files"),
-                             ("--dynapipe-trace-dir", args.dynapipe_trace_dir, "the traces")):
-        if path:
-            check_writable_dir(path, flag, what)
     # A missing --load that is the --save directory is a self-resuming job's first launch (Megatron-LM's
     # scripts pass both the same path): it starts from scratch. Any other missing --load is a typo.
     if args.load and not os.path.isdir(args.load) and not same_dir(args.load, args.save):
@@ -299,6 +292,14 @@ def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[b
                               parallel.pipeline_model_parallel_size, parallel.tensor_model_parallel_size,
                               parallel.sequence_parallel, dyn.device, dyn.device_given,
                               "transformer_engine" if model.transformer_impl == "transformer_engine" else "local")
+    # Proven writable on every rank before any work: a directory only the logging rank or a
+    # failing rank finds unwritable would stop it alone, mid-run, while the others wait. Last,
+    # so that a run refused for any other reason leaves no empty directory behind.
+    for flag, path, what in (("--save", args.save, "the checkpoints"),
+                             ("--tensorboard-dir", args.tensorboard_dir, "TensorBoard's event files"),
+                             ("--dynapipe-trace-dir", args.dynapipe_trace_dir, "the traces")):
+        if path:
+            check_writable_dir(path, flag, what)
     return cfg
 
 

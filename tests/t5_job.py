@@ -9,6 +9,8 @@ TINY = ("--encoder-num-layers 2 --decoder-num-layers 2 --hidden-size 64 --num-at
         "--encoder-seq-length 128 --decoder-seq-length 64 --vocab-size 256 --micro-batch-size 2 --global-batch-size 8 "
         "--train-iters 3 --lr 1e-2 --mock-data --hidden-dropout 0 --attention-dropout 0 --log-interval 1 --seed 7 "
         "--pipeline-model-parallel-size 2 --dynapipe-timeout-s 60")
+# What a profile of TINY's layers records of them.
+TINY_WIDTHS = {"hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 128}
 PACKING = " --dynapipe-batching packing --reset-position-ids --reset-attention-mask"
 TIMEOUT = 300
 

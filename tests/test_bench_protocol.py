@@ -10,6 +10,7 @@ from megatron_integration.bench_results import format_memory_faults, plans_queue
 from megatron_integration.bench_report import breakdown
 from megatron_integration.bench_report import format_compute_floor
 from megatron_integration.bench_sim import BenchSimulation
+from profile_widths import TINY_WIDTHS
 
 
 def test_rotation_puts_every_entry_first_once():
@@ -338,7 +339,7 @@ def test_fixed_cost_per_op_is_fitted_in_profile_units(tmp_path):
 
     grid = [[1.0, 2.0], [2.0, 4.0]]
     table = {f: grid for f in ("fw_ms", "bw_ms", "stored_mib", "peak_mib")}
-    profile = {"format": "dynapipe-profile", "version": 1, "mbs": [1, 2], "seqlen": [64, 128],
+    profile = {"format": "dynapipe-profile", "version": 1, "mbs": [1, 2], "seqlen": [64, 128], "model": TINY_WIDTHS,
                "ops": {op: table for op in ("layer", "embedding", "output")}}
     src, out = tmp_path / "p.json", tmp_path / "p.calibrated.json"
     src.write_text(json.dumps(profile))

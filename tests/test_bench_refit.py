@@ -7,6 +7,7 @@ import pytest
 from megatron_integration.bench_calibrate import fit_stage_overhead
 from megatron_integration.bench_refit import (ExecutedOps, grid_weights, refit_factors, refit_profile, shape_errors,
                                               size_class, total_error)
+from profile_widths import TINY_WIDTHS
 
 MBS = [1, 2, 4]
 SEQ = [32, 64, 128, 256, 512]
@@ -17,7 +18,7 @@ def _profile(fw_per_token_ms=0.01):
     fw = fw_per_token_ms * b * s
     tables = {"fw_ms": fw.tolist(), "bw_ms": (2 * fw).tolist(), "stored_mib": (1e-3 * b * s).tolist(),
               "peak_mib": (1e-3 * b * s).tolist()}
-    return {"format": "dynapipe-profile", "version": 1, "mbs": MBS, "seqlen": SEQ,
+    return {"format": "dynapipe-profile", "version": 1, "mbs": MBS, "seqlen": SEQ, "model": dict(TINY_WIDTHS),
             "ops": {op: json.loads(json.dumps(tables)) for op in ("layer", "embedding", "output")}}
 
 

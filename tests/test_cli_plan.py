@@ -12,6 +12,7 @@ import pytest
 from dynapipe.cli import main
 from dynapipe.config import load_device_config, load_model_config
 from dynapipe.cost import build_cost_model
+from profile_widths import TINY_WIDTHS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["--model", "gpt-7b", "--device", "a100-40gb", "--stages", "8"]
@@ -192,7 +193,7 @@ def test_plan_with_a_measured_profile(tmp_path, capsys):
     grid = lambda f: [[f(b, s) for s in (64, 256)] for b in (1, 4)]  # noqa: E731
     op = {"fw_ms": grid(lambda b, s: 1 + 0.01 * b * s), "bw_ms": grid(lambda b, s: 2 + 0.02 * b * s),
           "stored_mib": grid(lambda b, s: 0.01 * b * s), "peak_mib": grid(lambda b, s: 0.001 * b * s)}
-    profile = {"format": "dynapipe-profile", "version": 1, "mbs": [1, 4], "seqlen": [64, 256],
+    profile = {"format": "dynapipe-profile", "version": 1, "mbs": [1, 4], "seqlen": [64, 256], "model": TINY_WIDTHS,
                "ops": {"layer": op, "embedding": op, "output": op}}
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(profile))

@@ -12,6 +12,7 @@ from dynapipe.config import load_device_config, load_model_config, model_config_
 from dynapipe.cost import ProfileCostModel, build_cost_model, stage_layouts
 from dynapipe.cost.base import MIB
 from dynapipe.errors import DynaPipeError
+from profile_widths import widths
 
 # The FLOP-formula checks below use a flat efficiency curve; the curve has its own test.
 A100 = dataclasses.replace(load_device_config("a100-40gb"), half_efficiency_tokens=0.0)
@@ -157,7 +158,7 @@ def _profile():
              "stored_mib": _grid(lambda b, s: 0.001 * b * s), "peak_mib": _grid(lambda b, s: 0.0005 * b * s)}
     small = {k: _grid(lambda b, s: 0.001 * b * s) for k in ("fw_ms", "bw_ms", "stored_mib", "peak_mib")}
     return {"format": "dynapipe-profile", "version": 1, "device": "cpu", "dtype": "fp32", "mbs": MBS, "seqlen": SEQ,
-            "ops": {"layer": layer, "embedding": small, "output": small}}
+            "model": widths(TINY), "ops": {"layer": layer, "embedding": small, "output": small}}
 
 
 @pytest.fixture()

@@ -86,12 +86,17 @@ def test_kv_channels_compare_as_the_per_head_width_in_effect():
     assert _priced(explicit, "selective") == _priced(implied, "selective")
 
 
-def test_fields_a_profile_does_not_record_are_not_invented():
-    # Older or hand-written profiles without the widths still load (nothing to compare them with).
-    # They price the model as measured, however wide it says it is.
+def test_a_profile_without_the_measured_widths_is_refused_not_trusted():
+    # With nothing to compare, a profile stripped of its widths would price any model as measured,
+    # however wide: refused, naming what is missing.
     wide = dataclasses.replace(TINY, hidden_size=128)
-    for profile in (_ops_apart(_profile({})), {**_ops_apart(_profile({})), "model": None}):
-        assert _priced(ProfileCostModel(wide, profile, 2)) == _measured(wide, profile)
+    for profile, missing in ((_ops_apart(_profile({})), "records no hidden_size, num_attention_heads, ffn_hidden_size"),
+                             ({**_ops_apart(_profile({})), "model": None}, "has no 'model'")):
+        with pytest.raises(DynaPipeError, match=missing):
+            ProfileCostModel(wide, profile, 2)
+    # The widths alone are enough: the layer-shape switches a profile does not record keep their defaults.
+    narrow = {**_ops_apart(_profile({})), "model": {"hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 256}}
+    assert _priced(ProfileCostModel(TINY, narrow, 2)) == _measured(TINY, narrow)
 
 
 def test_plan_refuses_a_tiny_models_profile_for_gpt_7b(tmp_path, capsys):

@@ -102,7 +102,11 @@ def test_growth_power_is_kept_between_flat_and_quadratic():
     ({"stage_overhead_ms": [1]}, "'stage_overhead_ms' [1] must be a finite number"),
     ({"stage_overhead_ms": float("nan")}, "'stage_overhead_ms' nan must be a finite number"),
     ({"stage_overhead_ms": -50}, "'stage_overhead_ms' -50 must be a finite number of ms, 0 or more."),
-    ({"model": "gpt-tiny"}, "'model' must be an object recording the measured model's shape"),
+    ({"model": "gpt-tiny"}, "has 'model' of type str; a profile records the shape it was measured on"),
+    # A profile whose shape was deleted by hand would otherwise price any model.
+    ({"no_model": True}, "has no 'model'; a profile records the shape it was measured on as a 'model' object"),
+    ({"model": {"hidden_size": 64}}, "'model' records no num_attention_heads, ffn_hidden_size; without the "
+                                     "measured layer's widths"),
     ({"zero_fw": True}, "ops.layer.fw_ms holds a time of 0 ms; a measured time is positive"),
     # numpy would read true as 1 ms and "3.0" as 3 ms.
     ({"bool_fw": True}, "ops.layer.fw_ms holds a value that is not a number (true, false or a string)"),
@@ -114,7 +118,10 @@ def test_growth_power_is_kept_between_flat_and_quadratic():
     ({"threads": "1"}, "'threads' '1' must be a whole number of CPU threads"),
 ])
 def test_a_profile_that_cannot_price_is_refused_in_one_line(changes, needle):
-    data = _profile(**{k: v for k, v in changes.items() if k not in ("zero_fw", "bool_fw", "text_fw") and v is not None})
+    data = _profile(**{k: v for k, v in changes.items()
+                       if k not in ("zero_fw", "bool_fw", "text_fw", "no_model") and v is not None})
+    if changes.get("no_model"):
+        del data["model"]
     if changes.get("ops", 0) is None:
         one = {k: [[1.0], [2.0]] for k in ("fw_ms", "bw_ms", "stored_mib", "peak_mib")}
         data["ops"] = {"layer": one, "embedding": one, "output": one}

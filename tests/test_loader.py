@@ -388,8 +388,12 @@ def test_config_and_layout_errors():
         LoaderConfig(global_batch_size=4, prefetch=0).validate()
     with pytest.raises(DynaPipeError, match="^start_iteration=-2: must be >= 0"):
         LoaderConfig(global_batch_size=4, start_iteration=-2).validate()
-    with pytest.raises(DynaPipeError, match="^plan_timeout_s=0: must be > 0 seconds"):
-        LoaderConfig(global_batch_size=4, plan_timeout_s=0).validate()
+    # The same words as every other positive setting.
+    for value in (0, -2.5):
+        with pytest.raises(DynaPipeError, match=rf"^plan_timeout_s={value}: must be a finite number of s above 0\.$"):
+            LoaderConfig(global_batch_size=4, plan_timeout_s=value).validate()
+    with pytest.raises(DynaPipeError, match=r"^connect_timeout_s=-1\.0: must be a finite number of s above 0\.$"):
+        LoaderConfig(global_batch_size=4, connect_timeout_s=-1.0).validate()
     for port in (0, 70000):
         with pytest.raises(DynaPipeError, match=f"^redis_port={port}: must be a TCP port, 1 to 65535"):
             LoaderConfig(global_batch_size=4, redis_port=port).validate()

@@ -328,6 +328,13 @@ def test_checkpoint_flags_have_megatrons_meaning(tmp_path):
     with pytest.raises(DynaPipeError, match="^--ckpt-format torch is not supported by dynapipe-megatron: Megatron's "
                                             "legacy per-rank files are not written; use torch_dist"):
         _parse("--ckpt-format torch")
+    # A refused run leaves no directory behind: --save and the others are created once all else passed.
+    for refused in ("--ckpt-format torch", "--rerun-mode validate_results"):
+        dirs = {flag: tmp_path / f"refused{flag}" for flag in ("--save", "--tensorboard-dir")}
+        with pytest.raises(DynaPipeError, match=f"^{refused} is not supported"):
+            _parse(" ".join(f"{flag} {path}" for flag, path in dirs.items()) + f" {refused}")
+        assert not any(path.exists() for path in dirs.values()), refused
+    assert _parse(f"--save {tmp_path / 'accepted'}").save and (tmp_path / "accepted").is_dir()
     with pytest.raises(DynaPipeError, match="--finetune needs --load"):
         _parse("--finetune")
     # --save-retain-interval as Megatron-LM asserts it: with --save and --save-interval, a multiple of it.

@@ -11,6 +11,7 @@ from dynapipe.cost import AnalyticCostModel, ProfileCostModel, StageLayout
 from dynapipe.errors import DynaPipeError
 from megatron_integration.arguments import parse_training_args
 from megatron_integration.model_flags import swiglu_ffn_hidden_size
+from profile_widths import widths
 
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --micro-batch-size 2 "
         "--global-batch-size 8 --lr 1e-3 --mock-data --train-iters 10")
@@ -157,7 +158,7 @@ def _grid(value):
 
 def _profile(model: dict):
     table = {k: _grid(0.5) for k in ("fw_ms", "bw_ms", "stored_mib", "peak_mib")}
-    return {"format": "dynapipe-profile", "version": 1, "mbs": [1, 2], "seqlen": [64, 128], "model": model,
+    return {"format": "dynapipe-profile", "version": 1, "mbs": [1, 2], "seqlen": [64, 128], "model": {**widths(GPT), **model},
             "ops": {"layer": table, "embedding": table, "output": table}}
 
 

@@ -14,6 +14,7 @@ from dynapipe.errors import DynaPipeError
 from megatron_integration.live_memory import LiveMemoryTracker
 from megatron_integration.cache_flush import CacheFlush
 from megatron_integration.profiler import MIB, measure_op
+from profile_widths import TINY_WIDTHS
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +235,7 @@ def test_tp_profile_measures_one_rank_of_the_group(tp2_profile_path, profile_pat
 
 def _synthetic_profile(**tp_keys):
     table = {k: [[0.5, 1.0]] for k in ("fw_ms", "bw_ms", "stored_mib", "peak_mib")}
-    return {"format": "dynapipe-profile", "version": 1, "mbs": [1], "seqlen": [64, 128], "model": {},
+    return {"format": "dynapipe-profile", "version": 1, "mbs": [1], "seqlen": [64, 128], "model": dict(TINY_WIDTHS),
             "ops": {"layer": table, "embedding": table, "output": table}, **tp_keys}
 
 

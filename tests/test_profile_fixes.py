@@ -13,6 +13,7 @@ from dynapipe.config import load_model_config
 from dynapipe.cost.base import MIB, StageLayout
 from dynapipe.cost.profile import ProfileCostModel
 from dynapipe.errors import DynaPipeError
+from profile_widths import TINY_WIDTHS
 
 TINY = load_model_config("gpt-tiny")  # fp32, hidden 64, 4 heads, dropout 0.1
 MBS, SEQ = [1, 2, 4], [64, 128, 256]
@@ -26,7 +27,8 @@ def _profile(**top) -> dict:
              "stored_mib": (1e-3 * b * s + 1e-5 * b * s * s).tolist(), "peak_mib": (5e-4 * b * s).tolist()}
     small = {k: (1e-3 * b * s).tolist() for k in ("fw_ms", "bw_ms", "stored_mib", "peak_mib")}
     return {"format": "dynapipe-profile", "version": 2, "kind": "decoder-only", "device": "cpu", "dtype": "fp32",
-            "mbs": MBS, "seqlen": SEQ, "ops": {"layer": layer, "embedding": small, "output": small}, **top}
+            "mbs": MBS, "seqlen": SEQ, "model": dict(TINY_WIDTHS), "ops": {"layer": layer, "embedding": small,
+                                                                           "output": small}, **top}
 
 
 def _measure(path, *flags) -> subprocess.Popen:
@@ -123,7 +125,7 @@ def test_profiles_record_the_softmax_precision_they_were_measured_with(measured)
 def test_a_profile_of_another_softmax_precision_is_refused(recorded, run_fp32, dtype, fused, refused):
     data = _profile(dtype=dtype)
     if recorded is not None:
-        data["model"] = {"attention_softmax_in_fp32": recorded}
+        data["model"] = {**TINY_WIDTHS, "attention_softmax_in_fp32": recorded}
     model = dataclasses.replace(TINY, dtype=dtype, attention_softmax_in_fp32=run_fp32, fused_attention=fused)
     if refused is None:
         assert ProfileCostModel(model, data, 1)

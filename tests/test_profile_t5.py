@@ -12,6 +12,7 @@ from dynapipe.cost import build_cost_model
 from dynapipe.cost.placement import StagePlacement
 from dynapipe.cost.profile import ProfileCostModel
 from dynapipe.errors import DynaPipeError
+from profile_widths import TINY_WIDTHS, widths
 
 MBS, ENC, DEC = [1, 2, 4], [64, 128, 256], [32, 64]
 T5 = ModelConfig(name="t5-test", arch="t5", num_layers=4, encoder_layers=2, decoder_layers=2, hidden_size=64,
@@ -27,9 +28,10 @@ def dec_ms(b, d, s):
     return b * (0.02 * d + 2e-4 * d * d + 1e-4 * d * s + 0.001 * s)
 
 
-def t5_profile(scale_dec: float = 1.0, weights: bool = False) -> dict:
+def t5_profile(scale_dec: float = 1.0, weights: bool = False, model: dict | None = None) -> dict:
     """A synthetic profile whose tables follow known formulas (ms; MiB = ms / 10); ``weights``:
-    the layers' backwards were timed split, their weight part is the forward's ms (half bw_ms)."""
+    the layers' backwards were timed split, their weight part is the forward's ms (half bw_ms);
+    ``model``: the widths it records (:data:`T5`'s by default)."""
     def table(values, split=False):
         arr = np.asarray(values, dtype=np.float64)
         return {"fw_ms": arr.tolist(), "bw_ms": (2 * arr).tolist(), "stored_mib": (arr / 10).tolist(),
@@ -37,6 +39,7 @@ def t5_profile(scale_dec: float = 1.0, weights: bool = False) -> dict:
 
     return {"format": "dynapipe-profile", "version": 2, "kind": "encoder-decoder", "device": "cpu", "dtype": "fp32",
             "mbs": MBS, "seqlen": ENC, "dec_seqlen": DEC,
+            "model": {"arch": "t5", **(model or widths(T5))},
             "ops": {"encoder_layer": table([[enc_ms(b, s) for s in ENC] for b in MBS], weights),
                     "decoder_layer": table([[[scale_dec * dec_ms(b, d, s) for s in ENC] for d in DEC] for b in MBS],
                                            weights),
@@ -124,11 +127,11 @@ def test_t5_profile_round_trips_through_a_file_and_build_cost_model(tmp_path):
 def test_a_t5_run_takes_only_a_profile_of_its_tensor_parallel_size(tmp_path):
     """A T5 command line at TP2 refuses a profile measured at TP1 (and the reverse), naming both."""
     from megatron_integration.t5_arguments import parse_t5_args
-    from t5_job import TINY
+    from t5_job import TINY, TINY_WIDTHS as JOB_WIDTHS
 
     one, two = tmp_path / "tp1.json", tmp_path / "tp2.json"
-    one.write_text(json.dumps(t5_profile()))
-    two.write_text(json.dumps({**t5_profile(), "tp": 2}))
+    one.write_text(json.dumps(t5_profile(model=JOB_WIDTHS)))
+    two.write_text(json.dumps({**t5_profile(model=JOB_WIDTHS), "tp": 2}))
     argv = TINY.split() + ["--use-dynapipe", "--dynapipe-cost-model"]
     assert parse_t5_args(argv + [str(two), "--tensor-model-parallel-size", "2"], 4, cuda=False).base.parallel \
         .tensor_model_parallel_size == 2
@@ -159,7 +162,7 @@ def test_auto_placement_follows_the_profile():
 def test_old_and_decoder_only_profiles_still_load_and_kinds_must_match():
     gpt = load_model_config("gpt-tiny")
     table = {"fw_ms": [[1.0, 2.0]], "bw_ms": [[2.0, 4.0]], "stored_mib": [[1.0, 2.0]], "peak_mib": [[1.0, 1.0]]}
-    v1 = {"format": "dynapipe-profile", "version": 1, "mbs": [1], "seqlen": [64, 128],
+    v1 = {"format": "dynapipe-profile", "version": 1, "mbs": [1], "seqlen": [64, 128], "model": TINY_WIDTHS,
           "ops": {op: table for op in ("layer", "embedding", "output")}}
     assert ProfileCostModel(gpt, v1, 2).stage_cost(1, 64).fw_ms > 0
     v2 = {**v1, "version": 2, "kind": "decoder-only"}
@@ -453,7 +456,7 @@ def test_more_samples_never_cost_less_beyond_the_profiled_lengths():
     layer = {k: [[1.0, 2.0], [2.0, 2.4]] for k in ("fw_ms", "bw_ms", "stored_mib", "peak_mib")}
     small = {k: [[0.01, 0.01], [0.01, 0.01]] for k in ("fw_ms", "bw_ms", "stored_mib", "peak_mib")}
     cm = ProfileCostModel(gpt, {"format": "dynapipe-profile", "version": 1, "device": "cpu", "dtype": "fp32",
-                                "mbs": [1, 2], "seqlen": [256, 512],
+                                "mbs": [1, 2], "seqlen": [256, 512], "model": TINY_WIDTHS,
                                 "ops": {"layer": layer, "embedding": small, "output": small}}, 1)
     for s in (512, 768, 1024, 4096):
         one, two = cm.stage_cost(1, s), cm.stage_cost(2, s)

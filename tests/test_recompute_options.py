@@ -9,6 +9,7 @@ from dynapipe.config import load_model_config
 from dynapipe.cost.profile import ProfileCostModel
 from dynapipe.errors import DynaPipeError
 from megatron_integration.arguments import parse_training_args
+from profile_widths import TINY_WIDTHS
 
 BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 256 --micro-batch-size 2 "
         "--global-batch-size 8 --train-iters 3 --lr 1e-3 --mock-data --pipeline-model-parallel-size 2")
@@ -91,7 +92,8 @@ def _profile(levels: bool) -> dict:
     ops = {"layer": op(1.0), "embedding": op(0.01), "output": op(0.5)}
     if levels:
         ops.update(layer_selective=op(0.6), layer_full=op(0.1))
-    return {"format": "dynapipe-profile", "version": 1, "mbs": [1, 2], "seqlen": [64, 128], "ops": ops}
+    return {"format": "dynapipe-profile", "version": 1, "mbs": [1, 2], "seqlen": [64, 128], "model": TINY_WIDTHS,
+            "ops": ops}
 
 
 def test_profile_cost_model_reads_measured_levels():

@@ -34,6 +34,7 @@ from dynapipe.schedule.simulator import kernel_inputs, schedule_arrays, simulate
 from dynapipe.schedule.types import SCHEDULE_NAMES, Op, Schedule
 from dynapipe.schedule.zero_bubble import weight_delay, zb_h1, zb_h1_arrays
 from plan_helpers import chunked_micro_batches
+from profile_widths import TINY_WIDTHS
 
 TINY, T5 = load_model_config("gpt-tiny"), load_model_config("t5-11b")
 GPT7B, A100 = load_model_config("gpt-7b"), load_device_config("a100-40gb")
@@ -221,7 +222,7 @@ def test_stage_times_price_the_split_for_analytic_and_measured_costs(tmp_path, p
               "stored_mib": grid(lambda b, s: 0.01 * b * s), "peak_mib": grid(lambda b, s: 0.001 * b * s)}
         path = tmp_path / "profile.json"
         path.write_text(json.dumps({"format": "dynapipe-profile", "version": 1, "mbs": [1, 4],
-                                    "seqlen": [64, 256], "ops": {"layer": op, "embedding": op, "output": op}}))
+                                    "seqlen": [64, 256], "model": TINY_WIDTHS, "ops": {"layer": op, "embedding": op, "output": op}}))
     cm = build_cost_model(TINY, load_device_config("cpu"), 2, profile=str(path) if path else None)
     mbs = chunked_micro_batches([30, 60, 200, 250, 500], 2)
     t = stage_times(cm, mbs, recompute="selective")
@@ -281,7 +282,7 @@ def test_a_tie_keeps_the_simpler_schedule(monkeypatch):
              "bw_weight_ms": table(0.5)}
     ends = {k: table(0.125) for k in ("fw_ms", "bw_ms", "stored_mib", "peak_mib")}
     cm = ProfileCostModel(TINY, {"format": "dynapipe-profile", "version": 1, "device": "cpu", "dtype": "fp32",
-                                 "mbs": grid_mbs, "seqlen": grid_s,
+                                 "mbs": grid_mbs, "seqlen": grid_s, "model": TINY_WIDTHS,
                                  "ops": {"layer": layer, "embedding": ends, "output": ends}}, num_stages=1)
     lengths = np.random.default_rng(11).choice(grid_s, 11)
     reps = [[MicroBatch(samples=[i], seqlen=int(s), rows=[[i]]) for i, s in enumerate(lengths)]]

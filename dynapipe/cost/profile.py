@@ -5,7 +5,8 @@ Profile format (JSON, ``"format": "dynapipe-profile"``, ``"version": 2``)::
     {
       "format": "dynapipe-profile", "version": 2, "kind": "decoder-only",
       "device": "cpu", "dtype": "fp32",
-      "model": {"hidden_size": 64, "num_attention_heads": 4, ...},   # what was measured
+      "model": {"hidden_size": 64, "num_attention_heads": 4,   # what was measured: these
+                "ffn_hidden_size": 256, ...},                  # three required, the rest compared
       "mbs": [1, 2, 4, 8],                 # grid rows, ascending
       "seqlen": [64, 128, 256, 512, 1024], # grid columns, ascending
       "stage_overhead_ms": 0.0,            # optional: paid once per stage op

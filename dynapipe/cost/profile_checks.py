@@ -50,6 +50,9 @@ RUN_KEYS = ("hidden_dropout", "attention_dropout", "position_embedding_type")
 # recorded as the per-head width in effect, so it is compared with the model's head_dim.
 LAYER_WIDTH_KEYS = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels", "normalization",
                     "vocab_size")
+# The widths every profile records (both profilers always have): without them a profile could
+# price any model.
+REQUIRED_WIDTH_KEYS = ("hidden_size", "num_attention_heads", "ffn_hidden_size")
 # Megatron pads the vocabulary to a multiple of this times TP: sizes within one padding price alike.
 VOCAB_PADDING = 128
 
@@ -77,10 +80,18 @@ def check_layer_shape(data: Mapping[str, Any], model: ModelConfig, source: str) 
     """Refuse a profile measured on a layer of another shape (hidden size, heads, FFN width,
     per-head width, norm) or kind (GeLU vs SwiGLU MLP, grouped-query attention, biases,
     query/key norms) or in another precision: its tables would misprice every micro-batch."""
-    measured = data.get("model") or {}  # not recorded: nothing to compare
+    measured = data.get("model")
     if not isinstance(measured, Mapping):
-        raise DynaPipeError(f"{source}: 'model' must be an object recording the measured model's shape (as "
-                            f"`python -m dynapipe profile` writes it), got {type(measured).__name__}.")
+        got = "no 'model'" if measured is None else f"'model' of type {type(measured).__name__}"
+        raise DynaPipeError(f"{source}: has {got}; a profile records the shape it was measured on as a 'model' "
+                            f"object (`python -m dynapipe profile` writes it), without which nothing shows that its "
+                            f"times and memory price model {model.name!r}. Measure one for this model, or restore "
+                            f"the section.")
+    missing = [key for key in REQUIRED_WIDTH_KEYS if key not in measured]
+    if missing:
+        raise DynaPipeError(f"{source}: 'model' records no {', '.join(missing)}; without the measured layer's widths "
+                            f"nothing shows that the profile prices model {model.name!r}. Measure one for this model "
+                            f"(`python -m dynapipe profile`), or restore the keys.")
     check_layer_widths(measured, model, source, profile_tensor_parallel(data)[0])
     # Local layers never fuse attention: their tables time (and the derived recompute levels
     # count) a score matrix that a fused-attention model never builds.

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from dynapipe.errors import DynaPipeError, check_fields, given
+from dynapipe.errors import DynaPipeError, check_fields, given, positive_number
 from dynapipe.runtime.kv_store import KV_BACKENDS
 
 __all__ = ["LoaderConfig", "RankLayout"]
@@ -75,9 +75,8 @@ class LoaderConfig:
                             ("train_iters", 0 if self.train_iters is None else self.train_iters)):
             if value < 0:
                 raise DynaPipeError(f"{given(name, value)}: must be >= 0.")
-        for name, value in (("plan_timeout_s", self.plan_timeout_s), ("connect_timeout_s", self.connect_timeout_s)):
-            if not value > 0:
-                raise DynaPipeError(f"{given(name, value)}: must be > 0 seconds.")
+        positive_number("plan_timeout_s", self.plan_timeout_s, "s")
+        positive_number("connect_timeout_s", self.connect_timeout_s, "s")
         if not 1 <= self.redis_port <= 65535:
             raise DynaPipeError(f"{given('redis_port', self.redis_port)}: must be a TCP port, 1 to 65535.")
         if self.redis_db < 0:
