@@ -139,14 +139,16 @@ def resolve_cuda(cuda: Optional[bool]) -> bool:
 def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optional[bool] = None,
                               num_nodes: Optional[int] = None,
                               baselines_use_executor: bool = False,
-                              placement_auto: Optional[bool] = None, check_profile: bool = True
-                              ) -> DynaPipeTrainingConfig:
+                              placement_auto: Optional[bool] = None, check_profile: bool = True,
+                              make_dirs: bool = True) -> DynaPipeTrainingConfig:
     """Validate parsed arguments for a job of ``world_size`` ranks and build the config.
 
     ``cuda`` says whether the job runs on GPUs (default: ask torch). ``num_nodes``: the nodes
     the job runs on (None: not known here; the data loader checks ``--dynapipe-planner-nodes``
     against the launched layout). ``placement_auto``: whether the split is chosen with the cost
     model at start-up (default: ``--dynapipe-placement auto``; T5 passes its own placement's).
+    ``make_dirs``: create the output directories once the arguments pass (:func:`prepare_output_dirs`);
+    a caller with checks of its own to run after these passes False and calls it last.
     Raises :class:`DynaPipeError` naming the offending flag for every invalid combination, as
     the user spelled it (``--encoder-seq-length`` for ``--seq-length``, Megatron-LM's other spelling).
     """
@@ -157,8 +159,8 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
     args.num_layers = _one_of(args, "num-layers", "encoder-num-layers")
     args.seq_length = _one_of(args, "seq-length", "encoder-seq-length")
     try:
-        return _training_config(args, world_size, cuda, num_nodes, baselines_use_executor, placement_auto,
-                                check_profile)
+        cfg = _training_config(args, world_size, cuda, num_nodes, baselines_use_executor, placement_auto,
+                               check_profile)
     except DynaPipeError as e:
         if not typed:
             raise
@@ -166,6 +168,23 @@ def training_config_from_args(args: argparse.Namespace, world_size: int, cuda: O
         for plain, other in typed:
             message = re.sub(rf"(?<![\w-])--{plain}\b", f"--{other}", message)
         raise DynaPipeError(message) from None
+    if make_dirs:
+        prepare_output_dirs(args)
+    return cfg
+
+
+def prepare_output_dirs(args: argparse.Namespace) -> None:
+    """Create ``--save``, ``--tensorboard-dir`` and ``--dynapipe-trace-dir`` where missing and prove
+    each writable, on every rank before any work: a directory only the logging rank or a failing
+    rank finds unwritable would stop it alone, mid-run, while the others wait. Called once every
+    other check passed, so that a refused run leaves no empty directory behind."""
+    from megatron_integration.checkpoint_files import check_writable_dir
+
+    for flag, path, what in (("--save", args.save, "the checkpoints"),
+                             ("--tensorboard-dir", args.tensorboard_dir, "TensorBoard's event files"),
+                             ("--dynapipe-trace-dir", args.dynapipe_trace_dir, "the traces")):
+        if path:
+            check_writable_dir(path, flag, what)
 
 
 def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[bool], num_nodes: Optional[int],
@@ -254,7 +273,7 @@ def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[b
         if args.save_retain_interval < 1 or args.save_retain_interval % args.save_interval:
             raise DynaPipeError(f"--save-retain-interval {args.save_retain_interval}: must be a positive multiple "
                                 f"of --save-interval {args.save_interval}, as Megatron-LM requires.")
-    from megatron_integration.checkpoint_files import check_checkpoint_dirs, check_writable_dir, same_dir
+    from megatron_integration.checkpoint_files import check_checkpoint_dirs, same_dir
 
     # A missing --load that is the --save directory is a self-resuming job's first launch (Megatron-LM's
     # scripts pass both the same path): it starts from scratch. Any other missing --load is a typo.
@@ -292,14 +311,6 @@ def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[b
                               parallel.pipeline_model_parallel_size, parallel.tensor_model_parallel_size,
                               parallel.sequence_parallel, dyn.device, dyn.device_given,
                               "transformer_engine" if model.transformer_impl == "transformer_engine" else "local")
-    # Proven writable on every rank before any work: a directory only the logging rank or a
-    # failing rank finds unwritable would stop it alone, mid-run, while the others wait. Last,
-    # so that a run refused for any other reason leaves no empty directory behind.
-    for flag, path, what in (("--save", args.save, "the checkpoints"),
-                             ("--tensorboard-dir", args.tensorboard_dir, "TensorBoard's event files"),
-                             ("--dynapipe-trace-dir", args.dynapipe_trace_dir, "the traces")):
-        if path:
-            check_writable_dir(path, flag, what)
     return cfg
 
 

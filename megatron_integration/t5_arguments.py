@@ -16,7 +16,7 @@ from typing import Optional
 
 from dynapipe.errors import DynaPipeError
 from megatron_integration.args_checks import _one_of, _unsupported_value, typed_flag
-from megatron_integration.arguments import (_positive, _unsupported, build_parser, resolve_cuda,
+from megatron_integration.arguments import (_positive, _unsupported, build_parser, prepare_output_dirs, resolve_cuda,
                                             training_config_from_args)
 from megatron_integration.t5_config import T5TrainingConfig
 from megatron_integration.t5_data_args import add_t5_data_args, span_corruption_from_args
@@ -158,7 +158,8 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
     # T5's baselines run through the executor too: its flags apply to every method.
     try:
         base = training_config_from_args(shared, world_size, cuda, baselines_use_executor=True,
-                                         placement_auto=placement_flag == "auto", check_profile=False)
+                                         placement_auto=placement_flag == "auto", check_profile=False,
+                                         make_dirs=False)
     except DynaPipeError as e:
         raise DynaPipeError(_as_typed(str(e), args)) from None
     if base.model.num_layers != total:
@@ -173,7 +174,9 @@ def t5_config_from_args(args: argparse.Namespace, world_size: int, cuda: Optiona
         check_profile_for_run(d.cost_model, cfg.planner_model(), p.pipeline_model_parallel_size,
                               p.tensor_model_parallel_size, p.sequence_parallel, d.device, d.device_given,
                               "local")  # T5 stages are built from megatron-core's local layers
-    return _with_placement(cfg, placement_flag, pp)
+    cfg = _with_placement(cfg, placement_flag, pp)
+    prepare_output_dirs(shared)  # last: a refused run leaves no empty directory
+    return cfg
 
 
 def _as_typed(message: str, args: argparse.Namespace) -> str:
