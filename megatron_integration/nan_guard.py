@@ -10,8 +10,8 @@ waiting in a collective).
 
 With fp16 and loss scaling, infinite gradients are an overflow of the scaled loss, not
 a divergence: megatron-core's optimizer finds them, skips the step and lowers the
-scale, and the log counts it in ``number of skipped iterations``. Only the loss is
-checked then.
+scale, and the log counts it in ``number of skipped iterations``. The check is off then
+(as in Megatron-LM), unless a static ``--loss-scale`` is given.
 """
 from __future__ import annotations
 
