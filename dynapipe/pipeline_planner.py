@@ -59,6 +59,22 @@ def _loss_tokens(batch_plan: BatchPlan, lengths, cost_model: CostModel) -> Batch
     return dataclasses.replace(batch_plan, micro_batches=mbs)
 
 
+def _resolve_tp(tp: Optional[int], cost_model: CostModel) -> int:
+    """The tensor-parallel size the plans run at: the cost model's, which ``tp`` (None: not
+    given) must equal when given. The stage-to-stage links are priced by where the ranks sit,
+    which the TP size decides; another size than the cost model's would price compute and
+    links for different layouts."""
+    if tp is None:
+        return _tp_size(cost_model)
+    if not isinstance(tp, (int, np.integer)) or isinstance(tp, bool) or tp < 1:
+        raise DynaPipeError(f"tp {tp!r}: the tensor-parallel size is a whole number, 1 or more.")
+    if tp != _tp_size(cost_model):
+        raise DynaPipeError(f"tp {tp}: the cost model prices tensor-parallel size {_tp_size(cost_model)}; build it "
+                            f"at the size the plans run (build_cost_model(..., tp=TensorParallelConfig({tp}))) or "
+                            f"leave tp out.")
+    return int(tp)
+
+
 def _tp_size(cost_model: CostModel) -> int:
     tp = getattr(cost_model, "tp", None)
     return tp.size if tp is not None else 1
@@ -92,7 +108,7 @@ def round_for_sequence_parallel(batch_plan: BatchPlan, shards: int, max_seq_leng
 def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedule: str = "auto",
                         memory_limit_mib: Optional[float] = None, reserved_mib: Optional[float] = None,
                         cluster: Optional[ClusterConfig] = None, recompute: Optional[str] = None,
-                        iteration: int = 0, tp: int = 1, zero: bool = False, explain: bool = False,
+                        iteration: int = 0, tp: Optional[int] = None, zero: bool = False, explain: bool = False,
                         validate: bool = False, lengths=None,
                         replicas: Optional[Sequence[int]] = None, split_backward: bool = True) -> IterationPlan:
     """Search a schedule for ``batch_plan`` and compile every rank's plan.
@@ -114,20 +130,11 @@ def schedule_batch_plan(batch_plan: BatchPlan, cost_model: CostModel, *, schedul
     if batch_plan.num_stages != cost_model.num_stages:
         raise DynaPipeError(f"the batch plan is for {batch_plan.num_stages} stages, the cost model for "
                             f"{cost_model.num_stages}.")
-    if not isinstance(tp, (int, np.integer)) or tp < 1:
-        raise DynaPipeError(f"tp {tp!r}: the tensor-parallel size is a whole number, 1 or more.")
     flags(zero=zero, explain=explain, validate=validate, split_backward=split_backward)
     whole_number("iteration", iteration, at_least=0)
     if replicas is not None and not all(isinstance(r, (int, np.integer)) for r in replicas):
         raise DynaPipeError(f"replicas {list(replicas)!r}: give data-parallel replica indices (whole numbers).")
-    # The stage-to-stage links are priced by where the ranks sit, which the TP size decides: the
-    # cost model's, when the caller did not pass it (the command line), as the plans compile it.
-    # Another size than the cost model's would price compute and links for different layouts.
-    if tp > 1 and tp != _tp_size(cost_model):
-        raise DynaPipeError(f"tp {tp}: the cost model prices tensor-parallel size {_tp_size(cost_model)}; build it "
-                            f"at the size the plans run (build_cost_model(..., tp=TensorParallelConfig({tp}))) or "
-                            f"leave tp out.")
-    tp = _tp_size(cost_model)
+    tp = _resolve_tp(tp, cost_model)
     t0, c0 = time.perf_counter(), time.process_time()
     batch_plan, result = _search(batch_plan, cost_model, schedule=schedule, memory_limit_mib=memory_limit_mib,
                                  reserved_mib=reserved_mib, cluster=cluster, recompute=recompute, tp=tp, zero=zero,
@@ -208,7 +215,7 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
                    method: str = "dynapipe", schedule: str = "auto", memory_limit_mib: Optional[float] = None,
                    reserved_mib: Optional[float] = None, cluster: Optional[ClusterConfig] = None,
                    recompute: Optional[str] = None, iteration: int = 0, micro_batch_size: int = 1,
-                   seq_length: Optional[LengthLimit] = None, max_tokens: Optional[int] = None, tp: int = 1,
+                   seq_length: Optional[LengthLimit] = None, max_tokens: Optional[int] = None, tp: Optional[int] = None,
                    zero: bool = False, explain: bool = False, validate: bool = False,
                    replicas: Optional[Sequence[int]] = None, gap: float = DEFAULT_GAP,
                    split_backward: bool = True) -> IterationPlan:
@@ -240,6 +247,7 @@ def plan_iteration(lengths, cost_model: CostModel, *, stages: Optional[int] = No
     flags(zero=zero, explain=explain, validate=validate, split_backward=split_backward)
     whole_number("iteration", iteration, at_least=0)
     limit, reserved = _default_memory(cost_model, memory_limit_mib, reserved_mib)
+    tp = _resolve_tp(tp, cost_model)
     levels = [check_recompute(recompute)] if recompute is not None else list(RECOMPUTE_LEVELS)
     t0, c0 = time.perf_counter(), time.process_time()
     batch_plan, error = None, None

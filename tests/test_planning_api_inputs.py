@@ -109,6 +109,11 @@ def test_the_same_calls_with_good_input_run():
     tp2 = build_cost_model(GPT, CPU, 2, tp=TensorParallelConfig(2))
     assert plan_iteration(LENS, tp2, tp=2).plans[0][0].meta["tp"] == 2
     assert plan_iteration(LENS, tp2).plans[0][0].meta["tp"] == 2  # tp left out: the cost model's
+    # An explicit tp=1 is a size too: against a TP2 cost model it is refused, not read as "left out".
+    with pytest.raises(DynaPipeError, match=r"^tp 1: the cost model prices tensor-parallel size 2"):
+        plan_iteration(LENS, tp2, tp=1)
+    with pytest.raises(DynaPipeError, match=r"^tp True: the tensor-parallel size is a whole number"):
+        plan_iteration(LENS, CM, tp=True)
     assert search_schedules(MBS, CM, dp=1, capacity_mib=float("inf")).best is not None
     assert StagePlacement.from_json({"layers": [1, 3]}, GPT) == StagePlacement((0, 0), (1, 3))
     assert str(plan_placement(CM, PlacementSample.of(MBS[0]), 2, capacity_mib=8000.0).placement)

@@ -166,7 +166,7 @@ def _with_room_in_flight(args: argparse.Namespace, batch_plan: BatchPlan, sched:
     cut = cut_arguments(args, setup)
     search = dict(schedule=getattr(args, "schedule", "auto"), memory_limit_mib=setup.memory_limit_mib,
                   reserved_mib=setup.reserved_mib, cluster=resolve_cluster(args.cluster, setup.device.name),
-                  tp=1, zero=False, split_backward=split_backward(args))
+                  tp=None, zero=False, split_backward=split_backward(args))
     roomier = leave_room_in_flight(lengths, setup.cost_model, planned=batch_plan, level=setup.recompute,
                                    simulated_ms=sched["simulated_ms"], stage_recompute=stage_recompute,
                                    cut=cut, search=search)
