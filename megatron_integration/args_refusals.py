@@ -179,6 +179,10 @@ UNSUPPORTED_MEGATRON_PREFIXES = {
 }
 
 
+# Refused names that look like Megatron-LM's but are not its flags (its arguments derive them).
+NOT_MEGATRON_LM_FLAGS = frozenset({"--virtual-pipeline-model-parallel-size"})
+
+
 def unsupported_reason(flag: str):
     """Why this build does not take the Megatron-LM flag ``flag`` (``--name``), or None if
     it is not one it refuses: its own reason, its family's, or its Megatron-LM group's
@@ -200,7 +204,8 @@ def refused_flag_lines(extras) -> list[str]:
         flag = item.split("=", 1)[0]
         why = unsupported_reason(flag) if flag.startswith("--") else None
         if why is not None:
-            lines.append(str(_unsupported(flag, why)))
+            # A name Megatron-LM never had is not called one of its flags.
+            lines.append(f"{flag}: {why}" if flag in NOT_MEGATRON_LM_FLAGS else str(_unsupported(flag, why)))
     return lines
 
 

@@ -249,6 +249,17 @@ def test_unsupported_megatron_flag_is_one_line(argv, capsys, monkeypatch):
     assert e.value.code == 2 and capsys.readouterr().err == err
 
 
+def test_a_name_megatron_lm_never_had_is_not_called_its_flag(capsys, monkeypatch):
+    # Megatron-LM derives args.virtual_pipeline_model_parallel_size; there is no such flag to refuse as its own.
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as e:
+        build_parser("pretrain_gpt.py").parse_args(BASE.split() + ["--virtual-pipeline-model-parallel-size", "2"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == ("error: --virtual-pipeline-model-parallel-size: not a Megatron-LM flag (Megatron "
+                                       "derives the virtual pipeline size); give --num-virtual-stages-per-pipeline-rank "
+                                       "or --num-layers-per-virtual-pipeline-stage\n")
+
+
 @pytest.mark.parametrize("flag, why", [("--fp8-margin", "fp8 training is not supported"),
                                        ("--no-fp8-wgrad", "fp8 training is not supported"),
                                        ("--wandb-entity", "use --tensorboard-dir")])
