@@ -186,7 +186,8 @@ def _resolve_request(argv, methods, nproc, output, png, preset, rounds, sweep_to
 
     p = PRESETS[preset]
     methods = list(methods or p.methods)
-    check_request(argv, methods, preset, rounds=rounds, sweep_top=sweep_top, warmup_iters=warmup_iters, nproc=nproc)
+    check_request(argv, methods, preset, rounds=rounds, sweep_top=sweep_top, warmup_iters=warmup_iters, nproc=nproc,
+                  calibrate_iters=calibrate_iters)
     check_bench_outputs(output, png, argv)
     rounds = p.rounds if rounds is None else rounds
     # The preset's per-method sizes apply only where --sweep-top was not given (even at its value).

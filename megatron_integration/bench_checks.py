@@ -28,12 +28,16 @@ def check_bench_outputs(output: str, png: Optional[str] = None, argv: Sequence[s
     format from the suffix), and any file the bench writes (the JSON, the picture, the measured
     and calibrated profiles) that is a file the runs read (``argv``'s training arguments: data,
     a cost model, a tokenizer, a run config) or another output (:mod:`dynapipe.output_paths`,
-    as the other commands check theirs)."""
+    as the other commands check theirs), and a picture without matplotlib to draw it."""
     if not output:
         raise DynaPipeError(f"--output {output!r}: give a file path.")
     check_output_file(output, "--output")
     if png is not None:
         check_output_file(png, "--png", suffix=".png")
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise DynaPipeError("--png needs matplotlib: pip install matplotlib (or the 'plot' extra).")
     written = [("--output", output), ("--png", png)]
     if not any(a.split("=")[0] == "--dynapipe-cost-model" for a in argv):
         # The profile the bench measures, and calibrates, goes next to --output.

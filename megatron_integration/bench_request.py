@@ -79,7 +79,8 @@ def refuse_unread_bench_flags(argv: Sequence[str], methods: Sequence[str]) -> No
 
 def check_request(argv: Sequence[str], methods: Sequence[str], preset: str = "tiny", *,
                   rounds: Optional[int] = None, sweep_top: Optional[int] = None,
-                  warmup_iters: Optional[int] = None, nproc: Optional[int] = None) -> int:
+                  warmup_iters: Optional[int] = None, nproc: Optional[int] = None,
+                  calibrate_iters: Optional[int] = None) -> int:
     """Refuse a bench request it cannot honour before any process starts (DynaPipeError,
     one line naming the value); returns the number of ranks to spawn (default: one
     replica, the pipeline size times the tensor-parallel size). ``None`` arguments take the preset's value."""
@@ -106,6 +107,8 @@ def check_request(argv: Sequence[str], methods: Sequence[str], preset: str = "ti
         if flag in given:
             raise DynaPipeError(f"{flag}: the bench sets the method itself; choose methods with --methods.")
     refuse_unread_bench_flags(argv, methods)
+    if calibrate_iters is not None:
+        check_calibrate_iters(calibrate_iters, argv, methods)
     if sweep_top is not None and not any(m in BASELINES for m in methods):
         raise DynaPipeError(f"--sweep-top {sweep_top} tunes the baselines' micro-batch sizes; --methods "
                             f"{','.join(methods)} runs none: drop it.")
@@ -129,6 +132,23 @@ def check_request(argv: Sequence[str], methods: Sequence[str], preset: str = "ti
         cfg = parse_training_args(Entry(m).argv(full), nproc)
     check_some_iteration_timed(cfg, warmup)
     return nproc
+
+
+def check_calibrate_iters(calibrate_iters: int, argv: Sequence[str], methods: Sequence[str]) -> None:
+    """Refuse a calibration the bench cannot run as asked: 1 iteration (the fit leaves the first,
+    a warm-up, out), a negative count, a profile given with ``--dynapipe-cost-model`` (the bench
+    calibrates the one it measures), or methods none of which runs the DynaPipe executor."""
+    from megatron_integration.bench_presets import EXECUTOR_METHODS, flag_value
+
+    if calibrate_iters < 0 or calibrate_iters == 1:
+        raise DynaPipeError(f"--calibrate-iters {calibrate_iters}: give 0 (none) or at least 2 (the first "
+                            f"iteration is a warm-up the fit leaves out).")
+    if calibrate_iters and flag_value(argv, "--dynapipe-cost-model") is not None:
+        raise DynaPipeError("--calibrate-iters calibrates the profile the bench measures; with "
+                            "--dynapipe-cost-model given there is none to calibrate: drop one of them.")
+    if calibrate_iters and not any(m.startswith("dynapipe") or m in EXECUTOR_METHODS for m in methods):
+        raise DynaPipeError(f"--calibrate-iters {calibrate_iters} calibrates the plans of the DynaPipe "
+                            f"executor; --methods {','.join(methods)} runs nothing through it: drop it.")
 
 
 def check_some_iteration_timed(cfg, warmup: int) -> None:

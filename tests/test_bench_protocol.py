@@ -460,6 +460,33 @@ def test_a_baseline_with_no_size_that_fits_is_refused_before_any_run(tmp_path, m
     assert not (tmp_path / "b.json").exists()
 
 
+def test_run_bench_from_python_refuses_what_the_command_line_refuses(tmp_path, monkeypatch):
+    # The calibration and picture checks lived in the command line alone: from Python,
+    # calibrate_iters=1 fitted on the warm-up iteration and an impossible calibration was skipped unsaid.
+    from dynapipe.errors import DynaPipeError
+    import importlib.util
+    import megatron_integration.bench as bench
+
+    def ran(*a, **k):
+        raise AssertionError("a process started")
+    monkeypatch.setattr(bench, "run_training", ran)
+    monkeypatch.setattr(bench, "measure_profile", ran)
+    argv, out = ["--train-iters", "3"], str(tmp_path / "b.json")
+    for methods, kw, message in (
+            (["dynapipe"], dict(calibrate_iters=1), r"--calibrate-iters 1: give 0 \(none\) or at least 2"),
+            (["dynapipe"], dict(calibrate_iters=-2), "--calibrate-iters -2: give 0"),
+            (["padding"], dict(calibrate_iters=2), "--methods padding runs nothing through it"),
+            (["dynapipe"], dict(calibrate_iters=2, argv=argv + ["--dynapipe-cost-model", "analytic"]),
+             "there is none to calibrate")):
+        with pytest.raises(DynaPipeError, match=message):
+            bench.run_bench(kw.pop("argv", argv), methods, 2, out, progress=False, stream=io.StringIO(), **kw)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(DynaPipeError, match="--png needs matplotlib"):
+        bench.run_bench(argv, ["dynapipe"], 2, out, png=str(tmp_path / "b.png"), progress=False, stream=io.StringIO())
+    assert not any(tmp_path.iterdir())
+
+
 def test_waiting_for_the_last_rank_after_the_pipeline_part_is_bubble_not_optimizer():
     # The last stage ends its 1F1B before stage 0's last backward; it then waits in the gradient
     # all-reduces for stage 0. That drain was counted as its optimizer time (219 against 10 ms).

@@ -125,29 +125,10 @@ def _run(args) -> int:
         raise DynaPipeError(f"--preset {args.preset} is a T5 preset: add --model t5, or choose tiny or "
                             f"representative for GPT.")
     methods = list(PRESETS[args.preset].methods) if args.methods is None else method_list(args.methods)
-    if args.calibrate_iters is not None and (args.calibrate_iters < 0 or args.calibrate_iters == 1):
-        raise DynaPipeError(f"--calibrate-iters {args.calibrate_iters}: give 0 (none) or at least 2 (the first "
-                            f"iteration is a warm-up the fit leaves out).")
-    if args.calibrate_iters:
-        from megatron_integration.bench_presets import flag_value
-
-        if flag_value(argv, "--dynapipe-cost-model") is not None:
-            raise DynaPipeError("--calibrate-iters calibrates the profile the bench measures; with "
-                                "--dynapipe-cost-model given there is none to calibrate: drop one of them.")
-        from megatron_integration.bench_presets import EXECUTOR_METHODS
-
-        if not any(m.startswith("dynapipe") or m in EXECUTOR_METHODS for m in methods):
-            raise DynaPipeError(f"--calibrate-iters {args.calibrate_iters} calibrates the plans of the DynaPipe "
-                                f"executor; --methods {','.join(methods)} runs nothing through it: drop it.")
     nproc = check_request(argv, methods, args.preset, rounds=args.rounds, sweep_top=args.sweep_top,
-                          warmup_iters=args.warmup_iters, nproc=args.nproc)
+                          warmup_iters=args.warmup_iters, nproc=args.nproc, calibrate_iters=args.calibrate_iters)
     # The JSON and the picture are written after every run: what would fail then is refused now.
     check_bench_outputs(args.output, args.png, argv)
-    if args.png is not None:
-        import importlib.util
-
-        if importlib.util.find_spec("matplotlib") is None:
-            raise DynaPipeError("--png needs matplotlib: pip install matplotlib (or the 'plot' extra).")
     for path in (args.output, args.png):
         if path is not None:
             make_output_dir(path)
