@@ -340,7 +340,7 @@ def test_the_compiled_kernel_reads_tables_of_any_byte_order_as_numpy_does():
 
 
 def test_the_numpy_loop_is_announced_once_a_process(monkeypatch):
-    # An optional extension that failed to build left the planner 10-50x slower without a word.
+    # An optional extension that failed to build left the planner an order of magnitude slower without a word.
     import warnings
 
     from dynapipe.batching import dp_partition, plan_micro_batches
@@ -356,4 +356,4 @@ def test_the_numpy_loop_is_announced_once_a_process(monkeypatch):
             plan_micro_batches(np.array([10, 20, 30, 40]), cm)
     assert [str(w.message) for w in caught if "C loop" in str(w.message)] == [
         "dynapipe: the planner's C loop (dynapipe.batching._dp_kernel) is not built, so the DP runs its numpy loop, "
-        "10-50x slower; reinstall with a C compiler present (pip install -e .)."]
+        "an order of magnitude slower; reinstall with a C compiler present (pip install -e .)."]
