@@ -95,7 +95,8 @@ def test_a_profile_without_the_measured_widths_is_refused_not_trusted():
         with pytest.raises(DynaPipeError, match=missing):
             ProfileCostModel(wide, profile, 2)
     # The widths alone are enough: the layer-shape switches a profile does not record keep their defaults.
-    narrow = {**_ops_apart(_profile({})), "model": {"hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 256}}
+    widths = {"hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 256}
+    narrow = {**_ops_apart(_profile({})), "model": widths}
     assert _priced(ProfileCostModel(TINY, narrow, 2)) == _measured(TINY, narrow)
 
 

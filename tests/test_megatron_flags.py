@@ -255,9 +255,9 @@ def test_a_name_megatron_lm_never_had_is_not_called_its_flag(capsys, monkeypatch
     with pytest.raises(SystemExit) as e:
         build_parser("pretrain_gpt.py").parse_args(BASE.split() + ["--virtual-pipeline-model-parallel-size", "2"])
     assert e.value.code == 2
-    assert capsys.readouterr().err == ("error: --virtual-pipeline-model-parallel-size: not a Megatron-LM flag (Megatron "
-                                       "derives the virtual pipeline size); give --num-virtual-stages-per-pipeline-rank "
-                                       "or --num-layers-per-virtual-pipeline-stage\n")
+    assert capsys.readouterr().err == (
+        "error: --virtual-pipeline-model-parallel-size: not a Megatron-LM flag (Megatron derives the virtual pipeline "
+        "size); give --num-virtual-stages-per-pipeline-rank or --num-layers-per-virtual-pipeline-stage\n")
 
 
 @pytest.mark.parametrize("flag, why", [("--fp8-margin", "fp8 training is not supported"),

@@ -158,7 +158,8 @@ def _grid(value):
 
 def _profile(model: dict):
     table = {k: _grid(0.5) for k in ("fw_ms", "bw_ms", "stored_mib", "peak_mib")}
-    return {"format": "dynapipe-profile", "version": 1, "mbs": [1, 2], "seqlen": [64, 128], "model": {**widths(GPT), **model},
+    return {"format": "dynapipe-profile", "version": 1, "mbs": [1, 2], "seqlen": [64, 128],
+            "model": {**widths(GPT), **model},
             "ops": {"layer": table, "embedding": table, "output": table}}
 
 

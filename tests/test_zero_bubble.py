@@ -222,7 +222,8 @@ def test_stage_times_price_the_split_for_analytic_and_measured_costs(tmp_path, p
               "stored_mib": grid(lambda b, s: 0.01 * b * s), "peak_mib": grid(lambda b, s: 0.001 * b * s)}
         path = tmp_path / "profile.json"
         path.write_text(json.dumps({"format": "dynapipe-profile", "version": 1, "mbs": [1, 4],
-                                    "seqlen": [64, 256], "model": TINY_WIDTHS, "ops": {"layer": op, "embedding": op, "output": op}}))
+                                    "seqlen": [64, 256], "model": TINY_WIDTHS,
+                                    "ops": {"layer": op, "embedding": op, "output": op}}))
     cm = build_cost_model(TINY, load_device_config("cpu"), 2, profile=str(path) if path else None)
     mbs = chunked_micro_batches([30, 60, 200, 250, 500], 2)
     t = stage_times(cm, mbs, recompute="selective")

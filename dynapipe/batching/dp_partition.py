@@ -39,14 +39,15 @@ except ImportError:  # pragma: no cover - exercised when the extension is not bu
 
 
 def _warn_fallback() -> None:
-    """Say once per process that the DP runs its numpy loop, an order of magnitude slower than the C one,
-    which misses the planning-time targets (an optional extension that failed to build is
+    """Say once per process that the DP runs its numpy loop, an order of magnitude slower than
+    the C one, which misses the planning-time targets (an optional extension that failed to build is
     otherwise silent)."""
     global _fallback_warned
     if not _fallback_warned:
         _fallback_warned = True
         warnings.warn("dynapipe: the planner's C loop (dynapipe.batching._dp_kernel) is not built, so the DP runs "
-                      "its numpy loop, an order of magnitude slower; reinstall with a C compiler present (pip install -e .).",
+                      "its numpy loop, an order of magnitude slower; reinstall with a C compiler present "
+                      "(pip install -e .).",
                       stacklevel=3)
 
 
