@@ -49,7 +49,8 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     # of it in one release): both now ask for what is already done.
     "--overlap-p2p-communication": ("the interleaved schedule overlaps its transfers by default, as in Megatron-LM; "
                                     "drop it (--no-overlap-p2p-communication turns it off)"),
-    "--overlap-p2p-comm": ("the interleaved schedule overlaps its transfers by default, as in Megatron-LM; drop it "
+    "--overlap-p2p-comm": ("not a Megatron-LM flag (this build's own spelling until 2026-12-02): the interleaved "
+                           "schedule overlaps its transfers by default, as in Megatron-LM; drop it "
                            "(--no-overlap-p2p-communication turns it off)"),
     "--microbatch-group-size-per-virtual-pipeline-stage": ("the interleaved schedule groups "
                                                            "--pipeline-model-parallel-size micro-batches per chunk "
@@ -180,7 +181,7 @@ UNSUPPORTED_MEGATRON_PREFIXES = {
 
 
 # Refused names that look like Megatron-LM's but are not its flags (its arguments derive them).
-NOT_MEGATRON_LM_FLAGS = frozenset({"--virtual-pipeline-model-parallel-size"})
+NOT_MEGATRON_LM_FLAGS = frozenset({"--virtual-pipeline-model-parallel-size", "--overlap-p2p-comm"})
 
 
 def unsupported_reason(flag: str):

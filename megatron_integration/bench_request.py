@@ -112,15 +112,14 @@ def check_request(argv: Sequence[str], methods: Sequence[str], preset: str = "ti
     if sweep_top is not None and not any(m in BASELINES for m in methods):
         raise DynaPipeError(f"--sweep-top {sweep_top} tunes the baselines' micro-batch sizes; --methods "
                             f"{','.join(methods)} runs none: drop it.")
-    for flag in ("--num-virtual-stages-per-pipeline-rank", "--num-layers-per-virtual-pipeline-stage",
-                 "--pipeline-model-parallel-layout"):
+    for flag in ("--num-virtual-stages-per-pipeline-rank", "--num-layers-per-virtual-pipeline-stage"):
         if flag in given:
             # Its simulated sweep, compute floor and breakdown price one chunk a rank.
             raise DynaPipeError(f"{flag}: the bench compares methods on one chunk a rank; compare DynaPipe with "
                                 f"and without chunks with scripts/bench_gpt_interleaved.py.")
     for flag in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
                  "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
-                 "--dynapipe-placement"):
+                 "--pipeline-model-parallel-layout", "--dynapipe-placement"):
         if flag in given:
             raise DynaPipeError(f"{flag}: the GPT bench runs Megatron's even split only (its simulated sweep and "
                                 f"compute floor price that split); drop it, and train another split with "

@@ -234,7 +234,9 @@ def test_bench_refuses_what_the_preset_cannot_honour(tmp_path, capsys):
                            # The fit leaves the first iteration out: one iteration fits nothing.
                            (["--calibrate-iters", "1"], "--calibrate-iters 1: give 0 (none) or at least 2"),
                            (["--exit-interval", "1"], "--exit-interval 1 stops every run after iteration 1"),
-                           (["--dynapipe-placement", "bogus"], "the GPT bench runs Megatron's even split only")):
+                           (["--dynapipe-placement", "bogus"], "the GPT bench runs Megatron's even split only"),
+                           # An unchunked layout is a split, not chunks: pointed at pretrain_gpt.py.
+                           (["--pipeline-model-parallel-layout", "Ett|ttL"], "the GPT bench runs Megatron's even")):
         assert main(base + extra) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
