@@ -2,13 +2,13 @@
 them (as both profilers write them), or the profile cost model refuses it."""
 from __future__ import annotations
 
-from dynapipe.config import ModelConfig
-
-# gpt-tiny's: hidden 64, 4 heads, FFN 256.
-TINY_WIDTHS = {"hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 256}
+from dynapipe.config import ModelConfig, load_model_config
+from dynapipe.cost.profile_checks import REQUIRED_WIDTH_KEYS
 
 
 def widths(model: ModelConfig) -> dict:
-    """``model``'s widths as a profile's ``model`` section records them."""
-    return {"hidden_size": model.hidden_size, "num_attention_heads": model.num_attention_heads,
-            "ffn_hidden_size": model.ffn_hidden_size}
+    """``model``'s widths as a profile's ``model`` section records them (the ones every profile must)."""
+    return {key: getattr(model, key) for key in REQUIRED_WIDTH_KEYS}
+
+
+TINY_WIDTHS = widths(load_model_config("gpt-tiny"))  # hidden 64, 4 heads, FFN 256

@@ -14,6 +14,7 @@ from dynapipe.config import load_device_config, load_model_config
 from dynapipe.cost import build_cost_model
 from dynapipe.cost.profile import ProfileCostModel
 from dynapipe.errors import DynaPipeError
+from profile_widths import TINY_WIDTHS
 
 TINY = load_model_config("gpt-tiny")  # hidden 64, 4 heads, FFN 256, fp32
 # What `python -m dynapipe profile --model gpt-tiny` records of the model it measured.
@@ -95,8 +96,7 @@ def test_a_profile_without_the_measured_widths_is_refused_not_trusted():
         with pytest.raises(DynaPipeError, match=missing):
             ProfileCostModel(wide, profile, 2)
     # The widths alone are enough: the layer-shape switches a profile does not record keep their defaults.
-    widths = {"hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 256}
-    narrow = {**_ops_apart(_profile({})), "model": widths}
+    narrow = {**_ops_apart(_profile({})), "model": dict(TINY_WIDTHS)}
     assert _priced(ProfileCostModel(TINY, narrow, 2)) == _measured(TINY, narrow)
 
 
