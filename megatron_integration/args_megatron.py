@@ -138,9 +138,17 @@ def _add_seed_precision_and_checks_args(g: argparse._ArgumentGroup) -> None:
                    help="stop the job when the loss or the gradient norm is NaN or infinite, before the optimizer "
                         "step (default on, off under --fp16 with dynamic loss scaling as in Megatron-LM, where "
                         "asking for it by name is refused; --no-check-for-nan-in-loss-and-grad disables)")
-    g.add_argument("--rerun-mode", default=None, choices=("disabled", "validate_results", "report_stats"),
-                   help="Megatron-LM's rerun state machine: only disabled is taken (a NaN or Inf is checked as "
-                        "--check-for-nan-in-loss-and-grad says and stops the job; no iteration is rerun)")
+    g.add_argument("--rerun-mode", default="validate_results", choices=("disabled", "validate_results", "report_stats"),
+                   help="Megatron-LM's rerun state machine: validate_results (default) computes an iteration whose "
+                        "loss or gradient norm is NaN or Inf again to tell a transient fault (exit 17) from a "
+                        "reproducible result (exit 16: resume elsewhere); report_stats computes every iteration twice "
+                        "and reports the differences; disabled stops on the first NaN or Inf")
+    g.add_argument("--error-injection-rate", type=int, default=0,
+                   help="test the rerun state machine: each validation injects a rejected result with probability "
+                        "1/N (0: never)")
+    g.add_argument("--error-injection-type", default="transient_error",
+                   choices=("correct_result", "transient_error", "persistent_error"),
+                   help="what an injected result turns out to be when computed again")
 
 
 def _add_recompute_args(g: argparse._ArgumentGroup) -> None:

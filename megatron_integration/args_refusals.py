@@ -10,6 +10,8 @@ import argparse
 
 from dynapipe.errors import DynaPipeError, raise_refused
 from megatron_integration.args_checks import _unsupported, _unsupported_value
+from megatron_integration.flag_spelling import megatron_spelled
+from megatron_integration.rerun_settings import RerunSettings
 
 # Megatron-FSDP's flags (its own sharded data parallelism).
 _FSDP = ("Megatron-FSDP is not built: each stage holds its parameters whole under megatron-core's DDP (or its "
@@ -122,8 +124,6 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--ckpt-assume-constant-structure": "the torch_dist save plan is built at every save; drop it",
     "--check-for-spiky-loss": "loss spikes are not checked (NaN and Inf are); drop it",
     "--check-for-large-grads": "gradient sizes are not checked (NaN and Inf are); drop it",
-    "--error-injection-rate": "the rerun state machine is not built; drop it",
-    "--error-injection-type": "the rerun state machine is not built; drop it",
     "--use-checkpoint-args": "the model is built from the command line, and a checkpoint of another shape is "
                              "refused; give the model arguments it was saved with",
     "--ckpt-step": "--load resumes from the iteration in latest_checkpointed_iteration.txt; drop it",
@@ -286,16 +286,17 @@ def _transformer_engine_refusals(args: argparse.Namespace) -> list[DynaPipeError
 
 
 def _resilience_args_honoured(args: argparse.Namespace) -> None:
-    """Megatron-LM's rerun state machine (default ``validate_results``) reruns an iteration whose
-    loss is NaN or spiky to tell a transient fault from a persistent one. None is built here:
-    ``disabled`` is what this build does (its check still stops on a NaN or Inf, as
-    Megatron-LM's does when disabled); the other modes are refused."""
-    mode = getattr(args, "rerun_mode", None)
-    if mode not in (None, "disabled"):
-        raise _unsupported_value("--rerun-mode", mode,
-                                 "iterations are not rerun; a NaN or Inf loss or gradient stops every rank with its "
-                                 "cause (--no-check-for-nan-in-loss-and-grad turns the check off); use --rerun-mode "
-                                 "disabled or drop it")
+    """Megatron-LM's rerun state machine: ``--rerun-mode`` and its error injection
+    (:mod:`megatron_integration.rerun`); an injection no mode diagnoses is refused."""
+    rerun_settings_from_args(args)
+
+
+@megatron_spelled
+def rerun_settings_from_args(args: argparse.Namespace) -> RerunSettings:
+    """The run's :class:`RerunSettings` (Megatron-LM's defaults for what ``args`` lacks)."""
+    return RerunSettings(rerun_mode=getattr(args, "rerun_mode", None) or "validate_results",
+                         error_injection_rate=getattr(args, "error_injection_rate", 0),
+                         error_injection_type=getattr(args, "error_injection_type", None) or "transient_error")
 
 
 def _checkpoint_args_honoured(args: argparse.Namespace) -> None:

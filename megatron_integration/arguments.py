@@ -40,6 +40,7 @@ from megatron_integration.args_model import (BYTE_LEVEL_VOCAB, check_uniform_rec
                                              model_args_from_args, padded_vocab_size, recompute_from_args)
 from megatron_integration.args_refusals import (UNSUPPORTED_MEGATRON_FLAGS, _checkpoint_args_honoured,  # noqa: F401
                                                 _resilience_args_honoured, refused_flag_lines,
+                                                rerun_settings_from_args,
                                                 refused_value_lines, unsupported_reason)
 from megatron_integration.args_training import _schedule_from_samples, optimizer_args_from_args
 from megatron_integration.args_layout import pipeline_split_from_args
@@ -298,6 +299,7 @@ def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[b
         tensorboard_dir=args.tensorboard_dir, recompute=recompute, ddp=ddp_args_from_args(args),
         check_for_nan_in_loss_and_grad=nan_check_enabled(args.check_for_nan_in_loss_and_grad, args.fp16,
                                                          args.loss_scale),
+        rerun=rerun_settings_from_args(args),
         exit_interval=args.exit_interval, exit_duration_in_mins=check_exit_duration(args.exit_duration_in_mins),
         empty_unused_memory_level=args.empty_unused_memory_level, manual_gc=manual_gc, evaluation=evaluation, ckpt_format=args.ckpt_format,
         finetune=args.finetune, exit_on_missing_checkpoint=args.exit_on_missing_checkpoint,

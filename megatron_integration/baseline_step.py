@@ -72,6 +72,14 @@ class StepResult:
     # The pipeline schedule the iteration ran: its plan's (``auto``'s choice under DynaPipe), or
     # megatron-core's own ("1f1b", "interleaved") for the baselines it schedules.
     schedule: str = ""
+    # A rejected loss or gradient norm that ends the run before the optimizer step
+    # (megatron_integration.rerun.Verdict); None for an iteration trained.
+    stop: Optional[object] = None
+
+    @classmethod
+    def stopped(cls, verdict) -> "StepResult":
+        """The iteration that ends the run on ``verdict``: nothing was trained."""
+        return cls(loss=math.nan, loss_tokens=0, real_tokens=0, padded_tokens=0, iteration_ms=0.0, stop=verdict)
 
     @property
     def padding_efficiency(self) -> float:
@@ -203,16 +211,18 @@ def reduce_loss(loss_sum: float, loss_tokens: int, is_last_stage: bool, device: 
 
 def megatron_train_step(stage: Stage, optimizer, scheduler, micro_batches: list[MicroBatchTensors],
                         seq_length: int, mbs: int, info: RankInfo, real_tokens: int, padded_tokens: int,
-                        variable_seq_lengths: bool = False, before_step: Optional[Callable] = None,
+                        variable_seq_lengths: bool = False, validate: Optional[Callable] = None,
                         memory_level: int = 0, loss_divisor: float = 1.0) -> StepResult:
     """One iteration of megatron-core 1F1B over the micro-batches, with the optimizer step.
 
     Micro-batches of different lengths (``padding-mb``) turn on megatron-core's
     ``variable_seq_lengths`` for this call, as does ``variable_seq_lengths=True``: its p2p
-    then sends each activation's shape ahead of the activation. ``before_step(local_loss_sum)``
-    runs after the backward pass and before the optimizer step (the NaN/Inf check); the
-    loss sum is None on ranks that hold no loss. ``memory_level``: Megatron's
-    ``--empty-unused-memory-level``.
+    then sends each activation's shape ahead of the activation. ``validate(forward_backward)``
+    (:meth:`megatron_integration.rerun.ResultValidator.run` for the iteration) runs the forward
+    and backward passes (once, or again as ``--rerun-mode`` says; ``forward_backward()`` returns
+    the local loss sum, None on ranks that hold no loss) and returns None, or the verdict that
+    ends the run before the optimizer step (the result then says so: ``StepResult.stop``).
+    ``memory_level``: Megatron's ``--empty-unused-memory-level``.
 
     ``loss_divisor`` (the same on every rank: the global batch's loss tokens): the backward
     runs on each micro-batch's loss sum over it, and ``finalize_model_grads`` divides by the
@@ -221,31 +231,43 @@ def megatron_train_step(stage: Stage, optimizer, scheduler, micro_batches: list[
     not a sum of thousands of token losses that overflows at the scales Megatron-LM uses."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    start = time.perf_counter()
-    for module in stage.modules:
-        module.zero_grad_buffer()
-    optimizer.zero_grad()
     from dynapipe.runtime.activation_meter import measure_activations
 
+    start = time.perf_counter()
     forward_backward = get_forward_backward_func()
     timing = ScheduleTiming()
     lengths = {int(m.tokens.shape[1]) for m in micro_batches}
     variable_seq_lengths = variable_seq_lengths or len(lengths) > 1
     seq_length = max(lengths) if lengths else seq_length
-    saved_variable, saved_finalize = stage.config.variable_seq_lengths, stage.config.finalize_model_grads_func
-    stage.config.variable_seq_lengths = variable_seq_lengths or saved_variable
-    if saved_finalize is not None and loss_divisor != 1.0:
-        stage.config.finalize_model_grads_func = _finalize_scaled(saved_finalize, loss_divisor)
-    try:
-        with timed_schedule(stage.config, timing), measure_activations(stage.module, info.device) as activations:
-            model, data = schedule_inputs(stage, micro_batches)
-            reports = forward_backward(forward_step_func=partial(forward_step, loss_divisor=loss_divisor),
-                                       data_iterator=data, model=model, num_microbatches=len(micro_batches),
-                                       seq_length=seq_length, micro_batch_size=mbs, forward_only=False)
-    finally:
-        stage.config.variable_seq_lengths, stage.config.finalize_model_grads_func = saved_variable, saved_finalize
-    if before_step is not None:
-        before_step(sum(float(r["lm loss"][0]) for r in reports) if info.is_last_stage else None)
+    ran = {}
+
+    def run_schedule():
+        for module in stage.modules:
+            module.zero_grad_buffer()
+        optimizer.zero_grad()
+        saved_variable, saved_finalize = stage.config.variable_seq_lengths, stage.config.finalize_model_grads_func
+        stage.config.variable_seq_lengths = variable_seq_lengths or saved_variable
+        if saved_finalize is not None and loss_divisor != 1.0:
+            stage.config.finalize_model_grads_func = _finalize_scaled(saved_finalize, loss_divisor)
+        try:
+            with timed_schedule(stage.config, timing), measure_activations(stage.module, info.device) as activations:
+                model, data = schedule_inputs(stage, micro_batches)
+                ran["reports"] = forward_backward(forward_step_func=partial(forward_step, loss_divisor=loss_divisor),
+                                                  data_iterator=data, model=model,
+                                                  num_microbatches=len(micro_batches), seq_length=seq_length,
+                                                  micro_batch_size=mbs, forward_only=False)
+        finally:
+            stage.config.variable_seq_lengths, stage.config.finalize_model_grads_func = saved_variable, saved_finalize
+        ran["activations"] = activations
+        return sum(float(r["lm loss"][0]) for r in ran["reports"]) if info.is_last_stage else None
+
+    if validate is None:
+        run_schedule()
+    else:
+        verdict = validate(run_schedule)
+        if verdict is not None:
+            return StepResult.stopped(verdict)
+    reports, activations = ran["reports"], ran["activations"]
     t_opt = time.perf_counter()
     empty_unused_memory(memory_level, info.device, after_optimizer=False)
     ok, grad_norm, num_zeros = optimizer.step()

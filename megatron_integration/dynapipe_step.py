@@ -48,7 +48,7 @@ from megatron_integration.data import dataset_config, reshuffles
 from megatron_integration.initialize import RankInfo
 from megatron_integration.baseline_step import StepResult, holds_loss, reduce_loss, split_point, step_split_ms
 from megatron_integration.model import Stage, finalize_grads_func, set_recompute_level
-from megatron_integration.nan_guard import check_before_step
+from megatron_integration.rerun import ResultValidator
 from megatron_integration.segment_attention import segment_table, table_calls, table_density
 from megatron_integration.stage_handlers import ModelStageHandlers
 from megatron_integration.tensor_parallel import check_plan_tensor_parallel, check_tp_plans_agree
@@ -261,6 +261,9 @@ class DynaPipeStepper:
     cost_model: object  # the planner's, to price what this rank's plan promises
     meter: ActivationMeter
     traces: Optional[list] = None
+    # What a rejected loss or gradient norm leads to (--rerun-mode); set by pretrain, built from
+    # the config when not.
+    validator: Optional[ResultValidator] = None
 
     @classmethod
     def create(cls, cfg: DynaPipeTrainingConfig, info: RankInfo, stage: Stage, optimizer, scheduler,
@@ -313,20 +316,28 @@ class DynaPipeStepper:
         # Every TP rank of a stage must run the same payload; then the plan must be for this layout.
         check_tp_plans_agree(iteration, data.digest, self.info)
         check_plan_tensor_parallel(data.plan, self.info.tp_size, self.cfg.parallel.sequence_parallel)
-        self.handlers.begin(data.micro_batches, meta.global_loss_tokens, data.plan)
-        for module in self.stage.modules:
-            module.zero_grad_buffer()
-        self.optimizer.zero_grad()
         t_run = time.perf_counter()
-        with measure_activations(self.stage.module, self.info.device, self.meter) as activations:
-            result = self.executor.run(data.plan, loss_tokens=meta.global_loss_tokens)
-        self.handlers.syncs.start_unreduced()
-        t_grads = split_point(self.info.device)
-        # DP sum of gradients and tied-embedding all-reduce; the executor already divided the
-        # loss by the global token count, so no further scaling (num_tokens=None).
-        finalize_grads_func()(self.stage.modules, None)
-        check_before_step(self.cfg.check_for_nan_in_loss_and_grad, self.stage.module,
-                          iteration, self.handlers.loss_sum if self.info.is_last_stage else None, self.info.device)
+        ran = {}
+
+        def forward_backward():
+            self.handlers.begin(data.micro_batches, meta.global_loss_tokens, data.plan)
+            for module in self.stage.modules:
+                module.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            with measure_activations(self.stage.module, self.info.device, self.meter) as activations:
+                ran["result"] = self.executor.run(data.plan, loss_tokens=meta.global_loss_tokens)
+            ran["activations"] = activations
+            self.handlers.syncs.start_unreduced()
+            ran["t_grads"] = split_point(self.info.device)
+            # DP sum of gradients and tied-embedding all-reduce; the executor already divided the
+            # loss by the global token count, so no further scaling (num_tokens=None).
+            finalize_grads_func()(self.stage.modules, None)
+            return self.handlers.loss_sum if self.info.is_last_stage else None
+
+        verdict = self._validator().run(iteration, forward_backward)
+        if verdict is not None:
+            return StepResult.stopped(verdict)
+        result, activations, t_grads = ran["result"], ran["activations"], ran["t_grads"]
         empty_unused_memory(self.cfg.empty_unused_memory_level, self.info.device, after_optimizer=False)
         t_opt = split_point(self.info.device)
         ok, grad_norm, num_zeros = self.optimizer.step()
@@ -353,6 +364,12 @@ class DynaPipeStepper:
                           real_work=TokenWork.from_json(meta.global_real_work),
                           num_zeros_in_grad=None if num_zeros is None else int(num_zeros),
                           breakdown_ms=step_split_ms(t_run, t_grads, t_opt), schedule=data.plan.schedule)
+
+    def _validator(self) -> ResultValidator:
+        if self.validator is None:
+            self.validator = ResultValidator(self.cfg.rerun, self.cfg.check_for_nan_in_loss_and_grad,
+                                             self.stage.module, self.info.device)
+        return self.validator
 
     def report_failure(self, exc: BaseException, where: str) -> Optional[BaseException]:
         """Publish a failure of this rank between steps (:func:`report_failure`): to the

@@ -19,6 +19,8 @@ MEGATRON_SPELLING = {
     "redis_host": "--dynapipe-redis-host", "redis_port": "--dynapipe-redis-port",
     "store_retry_s": "--dynapipe-store-retry-s", "n": "--dynapipe-mock-samples", "overlong": "--dynapipe-overlong",
     "dec_seq_length": "--decoder-seq-length",
+    "rerun_mode": "--rerun-mode", "error_injection_rate": "--error-injection-rate",
+    "error_injection_type": "--error-injection-type",
 }
 # T5's sequence length is its encoder's.
 T5_SPELLING = {**MEGATRON_SPELLING, "seq_length": "--encoder-seq-length"}

@@ -50,7 +50,7 @@ def megatron_resolved_args(recorded: dict, cfg) -> dict:
         overlap_p2p_comm=p.overlap_p2p_comm,
         micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.global_batch_size,
         train_iters=cfg.train_iters, lr_decay_iters=o.lr_decay_iters, lr_warmup_iters=o.lr_warmup_iters,
-        eval_iters=cfg.evaluation.eval_iters, rerun_mode=values.get("rerun_mode") or "disabled",
+        eval_iters=cfg.evaluation.eval_iters, rerun_mode=cfg.rerun.rerun_mode,
         # On unless --no-check-for-nan-in-loss-and-grad, off under fp16's dynamic loss scale.
         check_for_nan_in_loss_and_grad=cfg.check_for_nan_in_loss_and_grad,
         # --recompute-activations is Megatron-LM's shorthand for selective; it deletes the flag.

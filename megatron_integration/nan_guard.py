@@ -1,12 +1,13 @@
-"""Stop training on a non-finite loss or gradient, before the optimizer step uses it.
+"""What the NaN/Inf check reads of a rank, and how a rejected result is told.
 
 Megatron-LM's ``--check-for-nan-in-loss-and-grad`` (on by default): a loss or a gradient
 that is NaN or infinite means the run has diverged (a learning rate far too high, a
-corrupted checkpoint, bad data), and every later step and checkpoint would carry it on.
-:func:`check_before_step` runs after the backward pass and before ``optimizer.step()``
-on every rank (it is collective: each rank contributes two flags, so every rank learns
-which ranks saw what and raises the same :class:`NonFiniteError`; no rank is left
-waiting in a collective).
+corrupted checkpoint, bad data) or a device computed wrongly, and every later step and
+checkpoint would carry it on. :class:`megatron_integration.rerun.ResultValidator` gathers
+every rank's :func:`local_values` after the backward pass and before ``optimizer.step()``
+(collective, so every rank learns which ranks saw what and ends the same way; no rank is
+left waiting in a collective), and stops with :class:`NonFiniteError` or computes the
+iteration again as ``--rerun-mode`` says.
 
 With fp16 and loss scaling, infinite gradients are an overflow of the scaled loss, not
 a divergence: megatron-core's optimizer finds them, skips the step and lowers the
@@ -19,7 +20,6 @@ import math
 from typing import Iterable, Optional
 
 import torch
-import torch.distributed as dist
 
 from dynapipe.errors import DynaPipeError
 
@@ -37,26 +37,31 @@ def _grads(module: torch.nn.Module) -> Iterable[torch.Tensor]:
             yield g
 
 
-def local_flags(module: torch.nn.Module, loss_sum, device: torch.device) -> torch.Tensor:
-    """``[loss not finite, gradient norm not finite]`` of this rank as a float tensor (0 or 1).
+def local_values(module: torch.nn.Module, loss_sum, device: torch.device) -> torch.Tensor:
+    """``[has a loss, loss sum, gradient 2-norm]`` of this rank as a float64 tensor.
 
     ``loss_sum``: this rank's summed loss (a tensor or a float; None on ranks without a
-    loss, i.e. every stage but the last).
+    loss, i.e. every stage but the last: then the first two are 0). The norm is taken as
+    megatron-core's ``check_grads`` takes it, over the local gradients, not element by element:
+    it is NaN for a NaN anywhere and infinite for an infinite element or for finite ones whose
+    squares overflow (a diverged run whose clipped steps still move Adam's moments).
     """
-    loss_bad = 0.0
+    values = torch.zeros(3, dtype=torch.float64, device=device)
     if loss_sum is not None:
-        value = float(loss_sum.detach().float().sum()) if torch.is_tensor(loss_sum) else float(loss_sum)
-        loss_bad = 0.0 if math.isfinite(value) else 1.0
-    flags = torch.tensor([loss_bad, 0.0], dtype=torch.float32, device=device)
-    # The norm, as megatron-core's check_grads takes it (the 2-norm of the local gradients, not
-    # each element): it is NaN for a NaN anywhere and infinite for an infinite element or for
-    # finite ones whose squares overflow (a diverged run whose clipped steps still move Adam's
-    # moments).
+        values[0] = 1.0
+        values[1] = float(loss_sum.detach().double().sum()) if torch.is_tensor(loss_sum) else float(loss_sum)
     norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in _grads(module)]
     if norms:
         # One device-to-host read for all parameters, not one per parameter.
-        flags[1] = (~torch.isfinite(torch.linalg.vector_norm(torch.stack(norms)))).float()
-    return flags
+        values[2] = torch.linalg.vector_norm(torch.stack(norms)).double()
+    return values
+
+
+def local_flags(module: torch.nn.Module, loss_sum, device: torch.device) -> torch.Tensor:
+    """``[loss not finite, gradient norm not finite]`` of this rank as a float tensor (0 or 1)
+    (see :func:`local_values`)."""
+    has_loss, loss, norm = (float(v) for v in local_values(module, loss_sum, device))
+    return torch.tensor([float(has_loss > 0 and not math.isfinite(loss)), float(not math.isfinite(norm))])
 
 
 def _ranks(column: torch.Tensor) -> list[int]:
@@ -67,11 +72,9 @@ def _ranks_text(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def describe(iteration: int, all_flags: torch.Tensor) -> Optional[str]:
-    """The one-line message for gathered ``[world, 2]`` flags, or None when all is finite.
-
-    ``iteration`` is 1-based, as in the log lines.
-    """
+def rejection(iteration: int, all_flags: torch.Tensor) -> Optional[str]:
+    """``iteration N: the loss is NaN or infinite on rank R ...`` for gathered ``[world, 2]``
+    flags (``iteration`` 1-based), or None when all is finite."""
     loss_ranks, grad_ranks = _ranks(all_flags[:, 0]), _ranks(all_flags[:, 1])
     if not loss_ranks and not grad_ranks:
         return None
@@ -80,31 +83,17 @@ def describe(iteration: int, all_flags: torch.Tensor) -> Optional[str]:
         what.append(f"the loss is NaN or infinite on {_ranks_text(loss_ranks)}")
     if grad_ranks:
         what.append(f"the gradient norm is NaN or infinite on {_ranks_text(grad_ranks)}")
-    return (f"iteration {iteration}: {' and '.join(what)}; stopped before the optimizer step, so no weight was "
+    return f"iteration {iteration}: {' and '.join(what)}"
+
+
+def describe(iteration: int, all_flags: torch.Tensor) -> Optional[str]:
+    """The one-line message for gathered ``[world, 2]`` flags, or None when all is finite.
+
+    ``iteration`` is 1-based, as in the log lines.
+    """
+    what = rejection(iteration, all_flags)
+    if what is None:
+        return None
+    return (f"{what}; stopped before the optimizer step, so no weight was "
             f"updated or saved from it. Lower --lr, check the data and the checkpoint loaded, or pass "
             f"--no-check-for-nan-in-loss-and-grad to train on regardless.")
-
-
-def check_before_step(enabled: bool, module: torch.nn.Module, iteration: int,
-                      loss_sum, device: torch.device, group=None) -> None:
-    """Raise :class:`NonFiniteError` on every rank when any rank's loss or gradients are
-    not finite. Collective over ``group`` (default: the whole job); a no-op when disabled
-    (as under fp16 with dynamic loss scaling, see
-    :func:`megatron_integration.model_flags.nan_check_enabled`).
-
-    ``iteration``: 0-based index of the iteration being trained.
-    """
-    if not enabled:
-        return
-    flags = local_flags(module, loss_sum, device)
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
-    if world > 1:
-        gathered = [torch.zeros_like(flags) for _ in range(world)]
-        dist.all_gather(gathered, flags, group=group)
-        all_flags = torch.stack(gathered).cpu()
-    else:
-        all_flags = flags.cpu()[None]
-    message = describe(iteration + 1, all_flags)
-    if message is not None:
-        raise NonFiniteError(message)
-

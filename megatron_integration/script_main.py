@@ -20,7 +20,8 @@ T = TypeVar("T")
 def run_training_script(check: Callable[[], tuple[argparse.Namespace, T]], timeout_minutes: Callable[[T], float],
                         argv: Sequence[str], dumped: Callable[[argparse.Namespace, T], argparse.Namespace],
                         train: Callable[[T], object]) -> int:
-    """Run one training job's rank; returns its exit status (0, or 2 after an ``error:`` line).
+    """Run one training job's rank; returns its exit status (0, or after an ``error:`` line 2, or
+    Megatron-LM's 16 or 17 for a rejected result, :mod:`megatron_integration.rerun`).
 
     ``check``: parses and validates the command line, returning the parsed arguments and the run's
     config; every rank runs it and a rank whose checks fail stops every rank with its line.
@@ -57,7 +58,8 @@ def run_training_script(check: Callable[[], tuple[argparse.Namespace, T]], timeo
         # never merge.
         lines = error_lines(e) if isinstance(e, RefusedArguments) else [line]
         write_line(sys.stderr, "\n".join("error: " + text for text in lines))
-        return 2
+        # A rejected result ends with Megatron-LM's status (16: resume elsewhere, 17: diagnosed).
+        return getattr(e, "exit_code", 2)
     finally:
         if started:
             from megatron_integration.initialize import destroy

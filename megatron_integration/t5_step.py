@@ -33,7 +33,7 @@ from dynapipe.runtime.activation_plan import planned_activation_peak_mib
 from megatron_integration.initialize import RankInfo
 from megatron_integration.baseline_step import StepResult, holds_loss, reduce_loss, split_point, step_split_ms
 from megatron_integration.model import Stage
-from megatron_integration.nan_guard import check_before_step
+from megatron_integration.rerun import ResultValidator
 from megatron_integration.t5_config import T5TrainingConfig
 from megatron_integration.t5_handlers import T5StageHandlers
 from megatron_integration.t5_model import EmbeddingSync, sum_sequence_parallel_grads
@@ -167,6 +167,8 @@ class T5Stepper:
     meter: ActivationMeter
     cost_model: Optional[object] = None  # the planner's, to price what a DynaPipe plan promises
     traces: Optional[list] = None
+    # What a rejected loss or gradient norm leads to (--rerun-mode); set by pretrain_t5.
+    validator: Optional[ResultValidator] = None
 
     @classmethod
     def create(cls, cfg: T5TrainingConfig, info: RankInfo, stage: Stage, optimizer, scheduler, sync: EmbeddingSync,
@@ -218,25 +220,36 @@ class T5Stepper:
             # Every TP rank of a stage must run the same payload, planned for this TP layout.
             check_tp_plans_agree(iteration, item.digest, self.info)
             check_plan_tensor_parallel(item.plan, self.info.tp_size, self.cfg.base.parallel.sequence_parallel)
-        self.handlers.begin(item.tensors, item.loss_tokens, item.plan)
-        self.stage.module.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        base = self.cfg.base
         t_run = time.perf_counter()
-        with measure_activations(self.stage.module, self.info.device, self.meter) as activations:
-            result = self.executor.run(item.plan, loss_tokens=item.loss_tokens)
-        self.handlers.syncs.start_unreduced()
-        t_grads = split_point(self.info.device)
+        ran = {}
+
+        def forward_backward():
+            self.handlers.begin(item.tensors, item.loss_tokens, item.plan)
+            self.stage.module.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            with measure_activations(self.stage.module, self.info.device, self.meter) as activations:
+                ran["result"] = self.executor.run(item.plan, loss_tokens=item.loss_tokens)
+            ran["activations"] = activations
+            self.handlers.syncs.start_unreduced()
+            ran["t_grads"] = split_point(self.info.device)
+            # Replicas' gradients are summed (calculate_per_token_loss: no averaging), then the
+            # embedding copies'; the executor already divided the loss by the global target tokens.
+            self.stage.module.finish_grad_sync()
+            self.sync(self.stage.gpt)
+            if base.parallel.sequence_parallel:
+                sum_sequence_parallel_grads(self.stage.gpt)
+            return self.handlers.loss_sum if self.info.is_last_stage else None
+
+        if self.validator is None:
+            self.validator = ResultValidator(base.rerun, base.check_for_nan_in_loss_and_grad, self.stage.module,
+                                             self.info.device)
+        verdict = self.validator.run(iteration, forward_backward)
+        if verdict is not None:
+            return StepResult.stopped(verdict)
+        result, activations, t_grads = ran["result"], ran["activations"], ran["t_grads"]
         if self.traces is not None and result.trace is not None:
             self.traces.append(result.trace)
-        # Replicas' gradients are summed (calculate_per_token_loss: no averaging), then the
-        # embedding copies'; the executor already divided the loss by the global target tokens.
-        self.stage.module.finish_grad_sync()
-        self.sync(self.stage.gpt)
-        if self.cfg.base.parallel.sequence_parallel:
-            sum_sequence_parallel_grads(self.stage.gpt)
-        base = self.cfg.base
-        check_before_step(base.check_for_nan_in_loss_and_grad, self.stage.module,
-                          iteration, self.handlers.loss_sum if self.info.is_last_stage else None, self.info.device)
         empty_unused_memory(base.empty_unused_memory_level, self.info.device, after_optimizer=False)
         t_opt = split_point(self.info.device)
         ok, grad_norm, num_zeros = self.optimizer.step()

@@ -31,7 +31,7 @@ from megatron_integration.optimizer import build_optimizer
 from megatron_integration.params_norm import params_l2_norm
 from megatron_integration.t5_config import T5TrainingConfig
 from megatron_integration.t5_eval import make_t5_evaluator
-from megatron_integration.training import vocab_padding_line
+from megatron_integration.training import result_validator, vocab_padding_line
 from megatron_integration.training_loop import LoopParts, TrainingRun, print_rank_0, run_iterations
 from megatron_integration.flag_spelling import t5_spelled
 
@@ -137,6 +137,7 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
                 log(kept_blend)
     stepper = T5Stepper.create(cfg, info, stage, optimizer, scheduler, sync, run.start_iteration,
                                run.consumed_samples)
+    stepper.validator = result_validator(base, info, stage.module, stream, run.start_iteration)
 
     def save(iteration: int, consumed_samples: int, flops_so_far: float) -> None:
         checkpoint_formats.save(base, iteration, consumed_samples, stage.gpt, optimizer, scheduler, info, log,

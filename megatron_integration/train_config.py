@@ -12,6 +12,7 @@ from typing import Optional
 
 from megatron_integration.gpt_model_args import GPTModelArgs
 from megatron_integration.manual_gc import ManualGC
+from megatron_integration.rerun_settings import RerunSettings
 
 
 @dataclass(frozen=True)
@@ -292,8 +293,10 @@ class DynaPipeTrainingConfig:
     recompute: RecomputeArgs = field(default_factory=RecomputeArgs)
     ddp: DDPArgs = field(default_factory=DDPArgs)
     dist_ckpt: DistCkptArgs = field(default_factory=DistCkptArgs)
-    # Megatron's --check-for-nan-in-loss-and-grad: stop on a NaN/Inf loss or gradient.
+    # Megatron's --check-for-nan-in-loss-and-grad: validate the loss and gradient norm (NaN/Inf),
+    # and --rerun-mode with its error injection: what a rejected result leads to.
     check_for_nan_in_loss_and_grad: bool = True
+    rerun: RerunSettings = field(default_factory=RerunSettings)
     # Megatron's --exit-interval: stop (after saving, with --save) at the first multiple of it.
     exit_interval: Optional[int] = None
     # Megatron's --exit-duration-in-mins (None: no limit) and --empty-unused-memory-level

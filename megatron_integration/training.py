@@ -33,7 +33,7 @@ from megatron_integration.baseline_step import (StepResult, build_micro_batches,
 from megatron_integration.model import Stage, attach_training_hooks, build_stage
 from megatron_integration.optimizer import build_optimizer
 from megatron_integration.params_norm import params_l2_norm
-from megatron_integration.nan_guard import check_before_step
+from megatron_integration.rerun import ResultValidator, load_record
 from megatron_integration.placement_auto import resolve_gpt_split
 from megatron_integration.profile_check import check_threads_at_start, extrapolation_lines
 from megatron_integration.run_report import parameter_count_line, write_line
@@ -54,6 +54,8 @@ class MegatronStepper:
     optimizer: object
     scheduler: object
     batches: GlobalBatches
+    # What a rejected loss or gradient norm leads to (--rerun-mode); set by pretrain.
+    validator: Optional[ResultValidator] = None
 
     def step(self, iteration: int) -> StepResult:
         cfg = self.cfg
@@ -71,16 +73,20 @@ class MegatronStepper:
                                                       cfg.micro_batch_size, self.info, cfg.reset_position_ids,
                                                       cfg.reset_attention_mask, schedule_group(self.stage),
                                                       sp_shards=sp_shards(cfg), packed_attention=cfg.packed_attention)
-        guard = partial(check_before_step, cfg.check_for_nan_in_loss_and_grad, self.stage.module, iteration,
-                        device=self.info.device)
         result = megatron_train_step(self.stage, self.optimizer, self.scheduler, micro_batches, cfg.model.seq_length,
                                      cfg.micro_batch_size, self.info, int(lengths.sum()), executed.tokens,
-                                     before_step=guard, memory_level=cfg.empty_unused_memory_level,
+                                     validate=partial(self._validator().run, iteration), memory_level=cfg.empty_unused_memory_level,
                                      loss_divisor=float(loss_tokens))
         result.consumed_samples = batch.consumed_samples
         result.truncated = int(self.batches.dataset.truncated[batch.indices].sum())
         result.executed_work, result.real_work = executed, samples_work(lengths)
         return result
+
+    def _validator(self) -> ResultValidator:
+        if self.validator is None:
+            self.validator = ResultValidator(self.cfg.rerun, self.cfg.check_for_nan_in_loss_and_grad,
+                                             self.stage.module, self.info.device)
+        return self.validator
 
     def close(self) -> None:
         pass
@@ -120,6 +126,19 @@ def vocab_padding_line(cfg: DynaPipeTrainingConfig) -> Optional[str]:
         return None
     return (f" > padded vocab (size: {m.unpadded_vocab_size}) with {m.vocab_size - m.unpadded_vocab_size} "
             f"dummy tokens (new size: {m.vocab_size})")
+
+
+def result_validator(cfg: DynaPipeTrainingConfig, info: RankInfo, module, stream: TextIO,
+                     start_iteration: int) -> ResultValidator:
+    """The run's :class:`ResultValidator` (``--rerun-mode``), with the rerun record of the
+    checkpoint it resumed from (``start_iteration`` > 0 under ``--load``), if any; collective."""
+    def log(line: str) -> None:
+        print_rank_0(info, stream, [], line)
+    record = None
+    if cfg.load and start_iteration > 0:
+        record = load_record(cfg.load, start_iteration, cfg.rerun.rerun_mode, info.rank, log)
+    return ResultValidator(cfg.rerun, cfg.check_for_nan_in_loss_and_grad, module, info.device, resume=record,
+                           log=log)
 
 
 def check_split(chunks: int, layers: Optional[list], extra: dict, path: str) -> None:
@@ -199,6 +218,7 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
             if kept_blend:
                 log(kept_blend)
     stepper = make_stepper(cfg, info, stage, optimizer, scheduler, run.start_iteration, run.consumed_samples)
+    stepper.validator = result_validator(cfg, info, stage.module, stream, run.start_iteration)
 
     def save(iteration: int, consumed_samples: int, flops_so_far: float) -> None:
         checkpoint_formats.save(cfg, iteration, consumed_samples, stage.gpt, optimizer, scheduler, info, log,

@@ -153,6 +153,8 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
         for iteration in range(run.start_iteration, last):
             where = f"iteration {iteration + 1}"
             result = parts.stepper.step(iteration)
+            if result.stop is not None:
+                _end_on_rejected_result(parts, run, iteration, result.stop, saved_at, logger)
             result.loss_scale = float(parts.optimizer.get_loss_scale())
             if parts.params_norm is not None:
                 result.params_norm = parts.params_norm()
@@ -235,6 +237,28 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
     if logger is not None:
         logger.close()
     return run
+
+
+def _end_on_rejected_result(parts: LoopParts, run: TrainingRun, iteration: int, verdict, saved_at: Optional[int],
+                            logger) -> None:
+    """End the run on a rejected result (:mod:`megatron_integration.rerun`): save the weights
+    from before ``iteration`` (0-based: ``iteration`` iterations done) when the verdict asks and
+    ``--save`` is given, with the verdict's record, then raise its :class:`RerunExit`."""
+    from megatron_integration.rerun import RerunExit, write_record
+
+    cfg, info = parts.cfg, parts.info
+    saved = ""
+    if verdict.checkpoint and cfg.save:
+        with logger.paused():
+            if saved_at != iteration:
+                parts.save(iteration, run.consumed_samples, run.flops_so_far)
+            saved = f" The weights from before it are saved: --save {cfg.save}, iteration {iteration}"
+            if verdict.record is not None:
+                saved += f", with the record {write_record(cfg.save, iteration, verdict.record, info.rank)}"
+            saved += "."
+    elif verdict.checkpoint:
+        saved = " No checkpoint holds the weights from before it: --save was not given."
+    raise RerunExit(f"{verdict.message}{saved} (exit status {verdict.exit_code})", verdict.exit_code)
 
 
 def _close_quietly(stepper, logger, stream: TextIO) -> None:

@@ -77,14 +77,16 @@ def fault_job(steps: list) -> list:
                 hook = partial(_raise_after, step[2][1]) if raises else partial(_pause_at, *step[2])
             fault = step[3] if len(step) > 3 and step[3][0] == dist.get_rank() else None
             t0 = time.monotonic()
+            stream = io.StringIO()
             try:
                 cfg = parse_training_args(argv.split(), world)  # its refusals are outcomes too
                 with _fault_outside_the_executor(fault):
-                    run = pretrain(cfg, stream=io.StringIO(), on_iteration=hook)
+                    run = pretrain(cfg, stream=stream, on_iteration=hook)
                 out.append({"losses": run.losses, "skipped": [r.skipped for r in run.results],
-                            "start": run.start_iteration})
+                            "start": run.start_iteration, "log": stream.getvalue()})
             except DynaPipeError as e:
-                out.append({"error": str(e), "type": type(e).__name__, "elapsed": time.monotonic() - t0})
+                out.append({"error": str(e), "type": type(e).__name__, "elapsed": time.monotonic() - t0,
+                            "exit_code": getattr(e, "exit_code", 2), "log": stream.getvalue()})
             except RuntimeError as e:
                 if fault is None and not raises:
                     raise
@@ -129,6 +131,21 @@ def _limit_file_size(size):
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an error from write(), not a kill
     resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY if size is None else size,
                                                resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+def _move_record(iter_dir: str) -> None:
+    """Rewrite a checkpoint's rerun record as if its result had been rejected on another node (a
+    resumed job here runs where the first one did), with its checksum."""
+    import json
+
+    from megatron_integration.checkpoint_files import write_checksum, write_text_synced
+
+    path = os.path.join(iter_dir, "rerun_state.json")
+    with open(path) as f:
+        record = json.load(f)
+    record["places"] = [["another-node", device] for _, device in record["places"]]
+    write_text_synced(path, json.dumps(record))
+    write_checksum(path)
 
 
 def _as_release(iter_dir, root):
@@ -192,6 +209,7 @@ def fault_outcomes(tmp_path_factory):
     save, nan_save, data = str(d / "ckpt"), str(d / "nan-ckpt"), d / "data"
     dist_save, full = str(d / "dist-ckpt"), str(d / "full-ckpt")
     save2, empty, release = str(d / "ckpt2"), str(d / "empty"), str(d / "release")
+    inj_t, inj_p = str(d / "inject-transient"), str(d / "inject-persistent")
     os.makedirs(empty)
     data.mkdir()
     out_of_vocab = write_indexed(data / "vocab", [[5, 6, 7, 8]] * 6 + [[5, 200, 7]] + [[9, 10]] * 5)
@@ -202,9 +220,32 @@ def fault_outcomes(tmp_path_factory):
     cut = write_indexed(data / "cut", [[5, 6, 7, 8]] * 8)
     truncate_file(cut + ".idx", -5)
     steps = {
+        # --rerun-mode validate_results (the default): iteration 2 diverges, is computed again in
+        # place and reproduced; the weights of iteration 1 are saved with the record (exit 16).
         "nan_padding": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e20 --save {nan_save}"),
+        # Resumed on the same node and devices: resume elsewhere (16 again); moved (the record's
+        # places rewritten): reproduced there too, so the run diverged (17); --rerun-mode disabled
+        # goes past the record, and its check stops the run.
+        "nan_resumed_here": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e20 --load {nan_save}"),
+        "move_nan_record": ("rank0", _move_record, (os.path.join(nan_save, "iter_0000001"),)),
+        "nan_resumed_elsewhere": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e20 --load {nan_save}"),
+        "nan_resumed_disabled": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e20 --load {nan_save} "
+                                          "--rerun-mode disabled"),
         # Indexed data through the planner workers: the data checks pass, then the loss diverges.
         "nan_dynapipe": ("train", f"{TINY} --data-path {good} --train-iters 3 --lr 1e20 --use-dynapipe"),
+        "nan_disabled": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e20 --rerun-mode disabled"),
+        # Injected errors (each validation of every rank injects at rate 1): a transient one differs
+        # when computed again (17, no record); a persistent one is reproduced in place (16) and
+        # differs on other devices (17).
+        "inject_transient": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --save {inj_t} "
+                                      "--error-injection-rate 1"),
+        "inject_persistent": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --save {inj_p} --use-dynapipe "
+                                       "--error-injection-rate 1 --error-injection-type persistent_error"),
+        "move_inj_record": ("rank0", _move_record, (os.path.join(inj_p, "iter_0000001"),)),
+        "inject_resumed_elsewhere": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --load {inj_p} "
+                                              "--use-dynapipe"),
+        # Every iteration computed twice: the same losses as one computation, and the differences told.
+        "report_stats": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --rerun-mode report_stats"),
         "nan_unchecked": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e20 --no-check-for-nan-in-loss-and-grad"),
         # The resumed runs are longer than the saved ones: they take their own learning-rate schedule.
         "saved": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --save {save} --ckpt-format dynapipe"),
@@ -332,7 +373,7 @@ def fault_outcomes(tmp_path_factory):
                 p.kill()
                 p.wait(10)
     outcomes = {name: [r[i] for r in results] for i, name in enumerate(steps)}
-    return outcomes, {"save": save, "save2": save2, "nan_save": nan_save, "redis_restarts": len(procs) - 1,
+    return outcomes, {"save": save, "save2": save2, "nan_save": nan_save, "inj_t": inj_t, "inj_p": inj_p, "redis_restarts": len(procs) - 1,
                       "lost_unread": lost_unread, "dist_save": dist_save, "full": full}
 
 
@@ -365,20 +406,83 @@ def test_loading_mistakes_stop_every_rank_in_one_line(fault_outcomes):
     assert len(outcomes["load_release"][1]["losses"]) == 1
 
 
-@pytest.mark.parametrize("name", ["nan_padding", "nan_dynapipe"])
-def test_nan_stops_every_rank_before_the_step(fault_outcomes, name):
+@pytest.mark.parametrize("name", ["nan_disabled", "nan_resumed_disabled"])
+def test_nan_stops_every_rank_before_the_step_when_reruns_are_disabled(fault_outcomes, name):
     outcomes, _ = fault_outcomes
     per_rank = outcomes[name]
     texts = [o["error"] for o in per_rank]
     assert texts[0] == texts[1]  # the same line on every rank
     assert texts[0].startswith("iteration 2: ") and "rank 1" in texts[0] and "\n" not in texts[0]
     assert "--no-check-for-nan-in-loss-and-grad" in texts[0]
+    assert [o["exit_code"] for o in per_rank] == [2, 2]
 
 
-def test_nan_run_saves_nothing(fault_outcomes):
-    _, paths = fault_outcomes
-    assert not os.path.exists(os.path.join(paths["nan_save"], "latest_checkpointed_iteration.txt"))
-    assert not any(n.startswith("iter_") for n in os.listdir(paths["nan_save"]))
+def test_a_resumed_run_without_reruns_goes_past_the_record(fault_outcomes):
+    outcomes, paths = fault_outcomes
+    log = outcomes["nan_resumed_disabled"][0]["log"]
+    assert f"ignoring {paths['nan_save']}/iter_0000001/rerun_state.json" in log and "--rerun-mode disabled" in log
+
+
+@pytest.mark.parametrize("name", ["nan_padding", "nan_dynapipe"])
+def test_a_reproduced_nan_is_computed_again_and_ends_with_status_16(fault_outcomes, name):
+    outcomes, _ = fault_outcomes
+    per_rank = outcomes[name]
+    texts = [o["error"] for o in per_rank]
+    assert texts[0] == texts[1] and "\n" not in texts[0]
+    assert texts[0].startswith("iteration 2: the loss is NaN or infinite on rank 1")
+    assert "computing it again on the same devices reproduced it" in texts[0]
+    assert [o["exit_code"] for o in per_rank] == [16, 16]
+    assert "result rejected on" in per_rank[0]["log"]  # the rerun is said before it runs
+
+
+def test_a_reproduced_nan_saves_the_weights_before_it_with_its_record(fault_outcomes):
+    import json
+
+    outcomes, paths = fault_outcomes
+    iter_dir = os.path.join(paths["nan_save"], "iter_0000001")
+    with open(os.path.join(paths["nan_save"], "latest_checkpointed_iteration.txt")) as f:
+        assert f.read().strip() == "1"
+    with open(os.path.join(iter_dir, "rerun_state.json")) as f:
+        record = json.load(f)
+    assert record["iteration"] == 2 and 1 in record["rejected"]
+    assert os.path.exists(os.path.join(iter_dir, "rerun_state.json.sha256"))
+    assert f"{iter_dir}/rerun_state.json" in outcomes["nan_padding"][0]["error"]
+    # Resumed on the same node and devices: nothing is learned; resume elsewhere.
+    here = outcomes["nan_resumed_here"]
+    assert [o["exit_code"] for o in here] == [16, 16]
+    assert "run on the node and device that rejected it" in here[0]["error"]
+    assert "computing it again on this run's devices" in here[0]["log"]
+    # Elsewhere, a NaN of a diverged run comes back: the result is correct, the run diverged.
+    elsewhere = outcomes["nan_resumed_elsewhere"]
+    assert [o["exit_code"] for o in elsewhere] == [17, 17]
+    assert "it is reproduced: the result is correct and the run itself diverged" in elsewhere[0]["error"]
+
+
+def test_injected_errors_are_diagnosed_as_megatron_lm_does(fault_outcomes):
+    outcomes, paths = fault_outcomes
+    transient = outcomes["inject_transient"]
+    assert [o["exit_code"] for o in transient] == [17, 17]
+    assert transient[0]["error"].startswith("iteration 2: an injected transient error on ranks 0, 1")
+    assert "did not reproduce it: a possible transient fault of ranks 0, 1" in transient[0]["error"]
+    # The weights before it are saved, without a record: a resumed run simply retrains it.
+    assert os.path.isdir(os.path.join(paths["inj_t"], "iter_0000001"))
+    assert not os.path.exists(os.path.join(paths["inj_t"], "iter_0000001", "rerun_state.json"))
+    persistent = outcomes["inject_persistent"]
+    assert [o["exit_code"] for o in persistent] == [16, 16]
+    assert os.path.exists(os.path.join(paths["inj_p"], "iter_0000001", "rerun_state.json"))
+    elsewhere = outcomes["inject_resumed_elsewhere"]
+    assert [o["exit_code"] for o in elsewhere] == [17, 17]
+    assert "it is not reproduced: the devices that gave it (rank 0: node" in elsewhere[0]["error"]
+
+
+def test_report_stats_computes_every_iteration_twice_and_trains_the_same(fault_outcomes):
+    outcomes, _ = fault_outcomes
+    stats, plain = outcomes["report_stats"][1], outcomes["saved"][1]
+    assert stats["losses"] == plain["losses"] and all(np.isfinite(stats["losses"]))
+    log = outcomes["report_stats"][0]["log"]
+    assert "Stats on computation determinism" in log
+    # Two iterations, the loss of the last stage and the gradient norm of both: all identical on CPU.
+    assert "  loss: 2 samples, all identical" in log and "  gradient norm: 4 samples, all identical" in log
 
 
 def test_nan_check_can_be_disabled(fault_outcomes):

@@ -329,9 +329,11 @@ def test_checkpoint_flags_have_megatrons_meaning(tmp_path):
                                             "legacy per-rank files are not written; use torch_dist"):
         _parse("--ckpt-format torch")
     # A refused run leaves no directory behind: --save and the others are created once all else passed.
-    for refused in ("--ckpt-format torch", "--rerun-mode validate_results"):
+    for refused, said in (("--ckpt-format torch", "--ckpt-format torch is not supported"),
+                          ("--rerun-mode report_stats --error-injection-rate 3",
+                           "--error-injection-rate 3 with --rerun-mode report_stats: injected errors")):
         dirs = {flag: tmp_path / f"refused{flag}" for flag in ("--save", "--tensorboard-dir")}
-        with pytest.raises(DynaPipeError, match=f"^{refused} is not supported"):
+        with pytest.raises(DynaPipeError, match=f"^{said}"):
             _parse(" ".join(f"{flag} {path}" for flag, path in dirs.items()) + f" {refused}")
         assert not any(path.exists() for path in dirs.values()), refused
     assert _parse(f"--save {tmp_path / 'accepted'}").save and (tmp_path / "accepted").is_dir()
@@ -452,7 +454,7 @@ def test_recorded_args_have_megatron_lms_names_and_meanings():
     _, args = recorded("--no-masked-softmax-fusion --norm-epsilon 1e-6")
     assert args.masked_softmax_fusion is False and args.bias_dropout_fusion is True
     assert args.layernorm_epsilon == args.norm_epsilon == 1e-6
-    assert (args.eval_iters, args.distributed_backend, args.rerun_mode) == (100, "gloo", "disabled")
+    assert (args.eval_iters, args.distributed_backend, args.rerun_mode) == (100, "gloo", "validate_results")
     # Megatron-LM resumes its validation loader from consumed_valid_samples: the evaluations run by
     # the save, --eval-iters global batches (4 samples) each.
     assert args.consumed_valid_samples == 0  # no --eval-interval: none during training

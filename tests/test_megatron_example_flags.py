@@ -108,14 +108,10 @@ def test_the_rest_is_refused_in_one_line_naming_the_flag(line, flags, capsys):
 # Megatron-LM's resilience and asynchronous-checkpoint flags, common in its cluster scripts:
 # each refused with what this build does instead.
 RESILIENCE_REFUSED = {
-    "--rerun-mode validate_results": "--no-check-for-nan-in-loss-and-grad turns the check off",
-    "--rerun-mode report_stats": "iterations are not rerun",
     "--check-for-spiky-loss": "loss spikes are not checked",
     "--check-for-large-grads": "gradient sizes are not checked",
     "--use-persistent-ckpt-worker": "saved synchronously",
     "--ckpt-assume-constant-structure": "built at every save",
-    "--error-injection-rate 1000": "rerun state machine",
-    "--error-injection-type transient_error": "rerun state machine",
 }
 
 
@@ -123,9 +119,21 @@ def test_megatrons_resilience_flags_are_refused_with_what_is_done_instead(capsys
     for extra, why in RESILIENCE_REFUSED.items():
         message = refusal(f"{GPT3} {extra}", capsys)
         assert extra.split()[0] in message and why in message, (extra, message)
-    # disabled is what this build does: a NaN still stops the job, as in Megatron-LM.
-    assert parse(f"{TINY} --train-iters 4 --lr 1e-3 --mock-data --rerun-mode disabled").check_for_nan_in_loss_and_grad
-    assert parse(f"{GPT3} --rerun-mode disabled") == parse(GPT3)
+    # The rerun state machine's flags mean what they mean in Megatron-LM, with its defaults.
+    from megatron_integration.rerun_settings import RerunSettings
+
+    assert parse(GPT3).rerun == RerunSettings("validate_results", 0, "transient_error")
+    assert parse(f"{GPT3} --rerun-mode validate_results") == parse(GPT3)
+    cfg = parse(f"{TINY} --train-iters 4 --lr 1e-3 --mock-data --rerun-mode disabled")
+    assert cfg.check_for_nan_in_loss_and_grad and cfg.rerun.rerun_mode == "disabled"
+    assert parse(f"{GPT3} --rerun-mode report_stats").rerun.rerun_mode == "report_stats"
+    injected = parse(f"{GPT3} --error-injection-rate 1000 --error-injection-type persistent_error").rerun
+    assert (injected.error_injection_rate, injected.error_injection_type) == (1000, "persistent_error")
+    for bad, said in (("--error-injection-rate -1", "--error-injection-rate -1: give a whole number, at least 0"),
+                      ("--rerun-mode disabled --error-injection-rate 10",
+                       "--error-injection-rate 10 with --rerun-mode disabled: injected errors are diagnosed by "
+                       "--rerun-mode validate_results only")):
+        assert said in refusal(f"{GPT3} {bad}", capsys), bad
 
 
 def test_no_flag_of_the_examples_is_unknown():

@@ -277,19 +277,19 @@ def test_megatron_flag_families_are_refused_by_prefix_with_the_reason(flag, why,
 def test_refused_values_of_declared_flags_come_with_the_refused_flags_in_one_pass(capsys, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(SystemExit) as e:
-        build_parser("pretrain_gpt.py").parse_args(BASE.split() + ["--openai-gelu", "--rerun-mode", "validate_results",
-                                                                   "--no-load-optim"])
+        build_parser("pretrain_gpt.py").parse_args(BASE.split() + ["--openai-gelu", "--rerun-mode", "report_stats",
+                                                                   "--error-injection-rate", "3", "--no-load-optim"])
     lines = capsys.readouterr().err.splitlines()
     assert e.value.code == 2 and len(lines) == 3, lines
     assert lines[0].startswith("error: --openai-gelu is a Megatron-LM flag that dynapipe-megatron does not support")
     assert lines[1].startswith("error: --no-load-optim applies to a checkpoint loaded with --load DIR")
-    assert lines[2].startswith("error: --rerun-mode validate_results")
+    assert lines[2].startswith("error: --error-injection-rate 3 with --rerun-mode report_stats")
     # Without a refused flag the same values are refused by validation, one at a time, as before.
     from megatron_integration.arguments import parse_training_args
 
-    with pytest.raises(DynaPipeError, match="--rerun-mode validate_results"):
+    with pytest.raises(DynaPipeError, match="--error-injection-rate 3 with --rerun-mode report_stats"):
         parse_training_args(BASE.split() + ["--train-iters", "2", "--lr", "1e-3", "--mock-data", "--rerun-mode",
-                                            "validate_results"], 1, cuda=False)
+                                            "report_stats", "--error-injection-rate", "3"], 1, cuda=False)
 
 
 def test_unknown_flag_is_still_argparse_error(capsys, monkeypatch):

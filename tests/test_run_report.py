@@ -126,7 +126,7 @@ def test_dump_holds_what_megatron_lms_validation_leaves_under_its_names():
     assert args.check_for_nan_in_loss_and_grad is None and args.eval_iters is None  # resolved by validation
     dumped = vars(resolved_args(args, training_config_from_args(args, 1, cuda=False)))
     expected = dict(recompute_granularity="selective", check_for_nan_in_loss_and_grad=True, eval_iters=100,
-                    rerun_mode="disabled", overlap_p2p_comm=False, encoder_num_layers=2, encoder_seq_length=128,
+                    rerun_mode="validate_results", overlap_p2p_comm=False, encoder_num_layers=2, encoder_seq_length=128,
                     start_weight_decay=0.05, end_weight_decay=0.05, add_bias_linear=True, add_qkv_bias=True,
                     bias_dropout_fusion=False, masked_softmax_fusion=True, layernorm_epsilon=1e-6,
                     use_dist_ckpt=True, transformer_impl="local")  # Megatron-LM's default names TE: not on CPUs

@@ -16,7 +16,8 @@ UNREAD_GROUPS = ("learning rate and optimizer", "checkpointing", "logging", "dat
                  "data splits and evaluation", "evaluation")
 UNREAD_FLAGS = ("--micro-batch-size", "--global-batch-size", "--train-iters", "--train-samples", "--exit-interval",
                 "--exit-duration-in-mins", "--manual-gc", "--manual-gc-interval", "--no-manual-gc-eval",
-                "--check-for-nan-in-loss-and-grad", "--rerun-mode", "--reset-position-ids", "--reset-attention-mask",
+                "--check-for-nan-in-loss-and-grad", "--rerun-mode", "--error-injection-rate", "--error-injection-type",
+                "--reset-position-ids", "--reset-attention-mask",
                 "--recompute-granularity", "--recompute-method", "--recompute-num-layers", "--recompute-modules",
                 "--recompute-activations", "--empty-unused-memory-level", "--calculate-per-token-loss",
                 "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32",

@@ -1,0 +1,355 @@
+"""Megatron-LM's rerun state machine (``--rerun-mode``, default ``validate_results``).
+
+A NaN or infinite loss or gradient norm is either the run's own (a diverged run: it comes back
+whenever the iteration is computed again) or a device's fault (a transient upset, or a device that
+computes wrongly). Megatron-LM tells them apart by computing the iteration again, and so does
+:class:`ResultValidator`, with Megatron-LM's outcomes and exit statuses:
+
+1. The iteration's loss or gradient norm is rejected on some rank (not finite, or an injected
+   error, ``--error-injection-rate``): every rank computes the iteration's forward and backward
+   passes again, in place, from the same random state and the same micro-batches (the optimizer
+   has not stepped).
+2. Not reproduced: a transient fault. A checkpoint of the weights before the iteration is saved
+   (``--save``) and the job exits with status 17; a resumed run retrains from it.
+3. Reproduced: the devices agree with themselves, which does not tell a correct result from a
+   device that is consistently wrong. The checkpoint is saved with a record of the rejected
+   results (``rerun_state.json`` in the iteration's directory) and the job exits with status 16:
+   resume it on other nodes or devices.
+4. The resumed run computes the iteration again. A rank that is back on the node and device that
+   rejected the result exits with 16 again (resume elsewhere). Otherwise, reproduced: the result is
+   correct, the run itself diverged (lower ``--lr``, check the data); not reproduced: the first
+   devices are faulty. Either way the job exits with 17, as Megatron-LM's does;
+   ``--rerun-mode disabled`` resumes past the record.
+
+``report_stats`` computes every iteration twice and reports how much the loss and the gradient
+norms differ between the two (the run's non-determinism), every two iterations. ``disabled`` stops
+on the first NaN or Inf, as Megatron-LM's check does then. Where Megatron-LM lets the first
+iteration of a job through unchecked under ``validate_results`` (no checkpoint could be taken
+before it), the check here stops the job on it, as ``disabled`` does. Only the loss and the
+gradient norm are validated (``--check-for-spiky-loss`` and ``--check-for-large-grads`` are not
+built).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import socket
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from dynapipe.errors import DynaPipeError
+from megatron_integration.rerun_settings import RerunSettings
+from megatron_integration.nan_guard import NonFiniteError, describe, local_values, rejection
+
+# megatron.core.rerun_state_machine's exit statuses.
+EXIT_RESUME_TO_DISAMBIGUATE = 16
+EXIT_FAILED_ON_RESULT_VALIDATION = 17
+RECORD_FILE = "rerun_state.json"
+# Megatron-LM's tolerances (relative): none for the loss, 0.1% for gradient norms (reductions
+# whose order is not fixed, such as flash attention's backward, change them slightly).
+LOSS_TOLERANCE = 0.0
+GRAD_NORM_TOLERANCE = 1e-3
+REPORT_INTERVAL = 2  # iterations between report_stats lines, as Megatron-LM's
+
+
+class RerunExit(DynaPipeError):
+    """The run ends on a rejected result; ``exit_code`` is Megatron-LM's (16 or 17)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass
+class Verdict:
+    """How a run ends on a rejected result: the status, the line, and whether the weights before
+    the iteration are saved (``record``: what the checkpoint keeps for the resumed run)."""
+
+    exit_code: int
+    message: str
+    checkpoint: bool
+    record: Optional[dict] = None
+
+
+def compare(a: float, b: float) -> float:
+    """The relative difference of two results (0: the same, inf: one is NaN or infinite and the
+    other is not), as Megatron-LM compares them."""
+    if a == b or (math.isnan(a) and math.isnan(b)):
+        return 0.0
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf
+    return abs((a - b) / (a + b) * 2) if a + b else math.inf
+
+
+class QuickStats:
+    """Relative differences between runs of the same iteration (``report_stats``)."""
+
+    def __init__(self):
+        self.samples: list[float] = []
+        self.identical = 0
+
+    def record(self, diff: float) -> None:
+        if diff == 0.0:
+            self.identical += 1
+        else:
+            self.samples.append(diff)
+
+    def line(self) -> str:
+        total = self.identical + len(self.samples)
+        if not self.samples:
+            return f"{total:,} samples, all identical"
+        s = sorted(self.samples)
+
+        def pct(p: float) -> str:
+            i = int(total * p) - self.identical
+            return f"{s[i]:.3E}" if i >= 0 else "0.0"
+        return (f"{total:,}/{self.identical:,} total/identical samples, rel. variability: avg= "
+                f"{sum(s) / total:.3E}, p50= {pct(0.5)}, p90= {pct(0.9)}, p99= {pct(0.99)}, "
+                f"p99.9= {pct(0.999)}, max: {s[-1]:.3E}")
+
+
+def _where(device: torch.device) -> list:
+    """This rank's node and device: the CUDA device index, or on CPUs its local rank."""
+    index = torch.cuda.current_device() if device.type == "cuda" else int(os.environ.get("LOCAL_RANK", "0"))
+    return [socket.gethostname(), index]
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+@dataclass
+class ResultValidator:
+    """Validates each iteration's results before the optimizer step (see the module's text).
+
+    ``check``: ``--check-for-nan-in-loss-and-grad`` as resolved (off: nothing is validated, as in
+    Megatron-LM); ``module``: this rank's model, whose gradient norm is validated; ``resume``:
+    the record of the checkpoint this run resumed from (:func:`load_record`); ``log``: rank 0's
+    line writer. Every method is collective over the job."""
+
+    settings: RerunSettings
+    check: bool
+    module: torch.nn.Module
+    device: torch.device
+    resume: Optional[dict] = None
+    log: Callable[[str], None] = lambda line: None
+    first_done: bool = False
+    stats: dict = field(default_factory=lambda: {"loss": QuickStats(), "gradient norm": QuickStats()})
+
+    def run(self, iteration: int, forward_backward: Callable[[], Optional[float]]) -> Optional[Verdict]:
+        """Compute iteration ``iteration`` (0-based) with ``forward_backward`` (zero the gradients,
+        forward and backward, reduce the gradients; returns this rank's loss sum, None on ranks
+        without a loss), again where the mode asks; None when the optimizer may step, else the
+        :class:`Verdict` that ends the run. Raises :class:`NonFiniteError` where no rerun is made."""
+        if not self.check:
+            forward_backward()
+            return None
+        mode = self.settings.rerun_mode
+        saved = _rng_state() if mode != "disabled" else None
+        values = self._gather(forward_backward(), inject=self._injects())
+        resumed = self.resume is not None and mode == "validate_results" and iteration + 1 == self.resume["iteration"]
+        if resumed:
+            verdict = self._diagnose_resumed(values, saved, forward_backward)
+            self.resume = None
+            return verdict
+        if mode == "report_stats":
+            _set_rng_state(saved)
+            self._record_stats(values, self._gather(forward_backward()), iteration)
+        rejected = _rejected(values)
+        if not rejected:
+            self.first_done = True
+            return None
+        if mode != "validate_results" or not self.first_done:
+            message = describe(iteration + 1, _flags(values))
+            if mode == "validate_results":
+                message += (" (The first iteration of a job is not computed again: no checkpoint holds the weights "
+                            "it started from.)")
+            raise NonFiniteError(message)
+        return self._rerun_in_place(iteration, values, rejected, saved, forward_backward)
+
+    # --- the initial run's rejection, its rerun in place -------------------------------------
+    def _injects(self) -> bool:
+        rate = self.settings.error_injection_rate
+        if not rate or not self.first_done or self.resume is not None:
+            return False
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return (random.randint(0, rate - 1) + rank) % rate == 0
+
+    def _gather(self, loss_sum, inject: bool = False) -> torch.Tensor:
+        """``[world, 4]``: has a loss, loss sum, gradient norm, injected (0/1), of every rank."""
+        local = local_values(self.module, loss_sum, self.device)
+        row = torch.cat([local, torch.tensor([1.0 if inject else 0.0], device=local.device)])
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return row.cpu()[None]
+        rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, row)
+        return torch.stack(rows).cpu().double()
+
+    def _rerun_in_place(self, iteration: int, values, rejected: list[int], saved, forward_backward) -> Verdict:
+        self.log(f"iteration {iteration + 1}: result rejected on {_ranks(rejected)}; computing the iteration again "
+                 f"on the same devices to check whether it reproduces")
+        _set_rng_state(saved)
+        again = self._gather(forward_backward())
+        injected = {r: self.settings.error_injection_type for r in rejected if values[r, 3] > 0}
+        reproduced = [r for r in rejected if _reproduced(values[r], again[r], injected.get(r), "in_place")]
+        first = rejection(iteration + 1, _flags(values)) or (
+            f"iteration {iteration + 1}: an injected {_injected_names(injected)}")
+        if not reproduced:
+            return Verdict(EXIT_FAILED_ON_RESULT_VALIDATION, checkpoint=True, message=(
+                f"{first}, and computing it again on the same devices did not reproduce it: a possible transient "
+                f"fault of {_ranks(rejected)} ({_places(self._places(), rejected)}). Resume from the checkpoint "
+                f"before it; if it recurs, leave those devices out."))
+        record = {"iteration": iteration + 1, "rejected": rejected, "values": values.tolist(),
+                  "places": self._places(), "injected": {str(r): t for r, t in injected.items()},
+                  "what": first}
+        return Verdict(EXIT_RESUME_TO_DISAMBIGUATE, checkpoint=True, record=record, message=(
+            f"{first}; computing it again on the same devices reproduced it on {_ranks(reproduced)}. Resume from the "
+            f"checkpoint before it on other nodes or devices: computed there, it tells a diverged run from a "
+            f"faulty device."))
+
+    def _places(self) -> list:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return [_where(self.device)]
+        places = [None] * dist.get_world_size()
+        dist.all_gather_object(places, _where(self.device))
+        return places
+
+    # --- the resumed run's diagnosis ---------------------------------------------------------
+    def _diagnose_resumed(self, values, saved, forward_backward) -> Verdict:
+        record = self.resume
+        k, rejected, before = record["iteration"], record["rejected"], record["places"]
+        here = self._places()
+        same = [r for r in rejected if r < len(here) and list(here[r]) == list(before[r])]
+        if same:
+            return Verdict(EXIT_RESUME_TO_DISAMBIGUATE, checkpoint=False, message=(
+                f"iteration {k}: resumed to compute the rejected result again elsewhere, but {_ranks(same)} "
+                f"run on the node and device that rejected it ({_places(here, same)}); resume from the same "
+                f"checkpoint on other nodes or devices."))
+        initial = torch.tensor(record["values"], dtype=torch.float64)
+        injected = {int(r): t for r, t in record.get("injected", {}).items()}
+        if len(initial) != len(values):
+            raise DynaPipeError(f"the checkpoint's rerun record of iteration {k} was written by {len(initial)} ranks "
+                                f"and this run has {len(values)}; resume with the layout it was saved with, or "
+                                f"with --rerun-mode disabled to train on past it.")
+        reproduced = [r for r in rejected if _reproduced(initial[r], values[r], injected.get(r), "elsewhere")]
+        first = record.get("what", f"iteration {k}: result rejected")
+        if reproduced:
+            return Verdict(EXIT_FAILED_ON_RESULT_VALIDATION, checkpoint=False, message=(
+                f"{first}; computed again on other devices ({_places(here, rejected)}), it is reproduced: the result "
+                f"is correct and the run itself diverged, not a device. Lower --lr, check the data and the "
+                f"checkpoint, then resume with --rerun-mode disabled to train past the record."))
+        return Verdict(EXIT_FAILED_ON_RESULT_VALIDATION, checkpoint=False, message=(
+            f"{first}; computed again on other devices ({_places(here, rejected)}), it is not reproduced: the "
+            f"devices that gave it ({_places(before, rejected)}) are likely faulty. Leave them out and resume "
+            f"with --rerun-mode disabled to train past the record."))
+
+    # --- report_stats ------------------------------------------------------------------------
+    def _record_stats(self, first, second, iteration: int) -> None:
+        for r in range(len(first)):
+            if first[r, 0] > 0:
+                self.stats["loss"].record(compare(float(first[r, 1]), float(second[r, 1])))
+            self.stats["gradient norm"].record(compare(float(first[r, 2]), float(second[r, 2])))
+        if (iteration + 1) % REPORT_INTERVAL == 0:
+            self.log("Stats on computation determinism (each iteration computed twice, --rerun-mode report_stats):")
+            for name, stats in self.stats.items():
+                self.log(f"  {name}: {stats.line()}")
+
+
+def _flags(values) -> torch.Tensor:
+    """``[world, 2]`` non-finite flags (loss, gradient norm) for :func:`describe`."""
+    loss_bad = [(1.0 if v[0] > 0 and not math.isfinite(float(v[1])) else 0.0) for v in values]
+    grad_bad = [(0.0 if math.isfinite(float(v[2])) else 1.0) for v in values]
+    return torch.tensor([loss_bad, grad_bad], dtype=torch.float32).T
+
+
+def _rejected(values) -> list[int]:
+    flags = _flags(values)
+    return [r for r in range(len(values)) if flags[r].any() or values[r, 3] > 0]
+
+
+def _reproduced(initial, again, injected: Optional[str], where: str) -> bool:
+    """Whether a rank's rerun reproduced its rejected result; an injected error decides as
+    Megatron-LM's injector does (a transient one differs in place, a persistent one elsewhere)."""
+    if injected is not None:
+        return not (injected == "transient_error" if where == "in_place" else injected == "persistent_error")
+    same_loss = initial[0] == 0 or compare(float(initial[1]), float(again[1])) <= LOSS_TOLERANCE
+    return same_loss and compare(float(initial[2]), float(again[2])) <= GRAD_NORM_TOLERANCE
+
+
+def _injected_names(injected: dict) -> str:
+    return " and ".join(sorted({t.replace("_", " ") for t in injected.values()})) + f" on {_ranks(sorted(injected))}"
+
+
+def _places(places: list, ranks: list[int]) -> str:
+    return ", ".join(f"rank {r}: node {places[r][0]} device {places[r][1]}" for r in ranks)
+
+
+def _rng_state():
+    from megatron_integration.checkpoint import get_rng_state
+
+    return get_rng_state()
+
+
+def _set_rng_state(state) -> None:
+    from megatron_integration.checkpoint import set_rng_state
+
+    set_rng_state(state)
+
+
+def write_record(root: str, iteration: int, record: dict, rank: int) -> str:
+    """Rank 0 writes ``record`` (a :class:`Verdict`'s) into the checkpoint of ``iteration``
+    (iterations done) under ``root``, with its checksum; collective: every rank returns the
+    path once it is written, or raises the same error."""
+    from megatron_integration.agreement import attempt, same_error_everywhere
+    from megatron_integration.checkpoint import _iter_dir
+    from megatron_integration.checkpoint_files import write_checksum, write_text_synced
+
+    path = os.path.join(_iter_dir(root, iteration), RECORD_FILE)
+
+    def write() -> None:
+        write_text_synced(path, json.dumps(record, indent=1))
+        write_checksum(path)
+    same_error_everywhere(attempt(write, f"writing {path}")[1] if rank == 0 else None)
+    return path
+
+
+def load_record(root: str, iteration: int, mode: str, rank: int, log: Callable[[str], None]) -> Optional[dict]:
+    """The rerun record of the checkpoint of ``iteration`` under ``root`` (None: it has none),
+    read and verified by rank 0 and sent to every rank; collective. Under a mode other than
+    ``validate_results`` the record is said to be ignored and None returned."""
+    from megatron_integration.agreement import attempt, same_error_everywhere
+    from megatron_integration.checkpoint import _iter_dir
+    from megatron_integration.checkpoint_files import verify_file
+
+    path = os.path.join(_iter_dir(root, iteration), RECORD_FILE)
+
+    def read() -> Optional[dict]:
+        if not os.path.exists(path):
+            return None
+        verify_file(path)
+        with open(path) as f:
+            record = json.load(f)
+        if not isinstance(record, dict) or not {"iteration", "rejected", "values", "places"} <= set(record):
+            raise DynaPipeError(f"{path} is not a rerun record this version wrote; remove it to resume without "
+                                f"the diagnosis, or resume with --rerun-mode disabled.")
+        return record
+    record, error = attempt(read, f"reading {path}") if rank == 0 else (None, None)
+    same_error_everywhere(error)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [record]
+        dist.broadcast_object_list(box, src=0)
+        record = box[0]
+    if record is None:
+        return None
+    if mode != "validate_results":
+        log(f"ignoring {path} (the result rejected at iteration {record['iteration']}) under --rerun-mode {mode}: "
+            f"training goes on past it")
+        return None
+    log(f"{path}: the result of iteration {record['iteration']} was rejected on "
+        f"{_ranks(record['rejected'])} and reproduced in place; computing it again on this run's devices")
+    return record

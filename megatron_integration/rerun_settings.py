@@ -1,0 +1,36 @@
+"""``--rerun-mode`` and its error injection, as a run's configuration holds them (free of torch:
+the command line is checked before torch is imported). What they do: :mod:`megatron_integration.rerun`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dynapipe.errors import DynaPipeError, given, is_whole
+
+MODES = ("disabled", "validate_results", "report_stats")
+INJECTION_TYPES = ("correct_result", "transient_error", "persistent_error")
+
+
+@dataclass(frozen=True)
+class RerunSettings:
+    """Megatron-LM's ``--rerun-mode``, ``--error-injection-rate`` (each validation of a rank
+    injects an error with probability 1/rate; 0: never) and ``--error-injection-type``, with
+    Megatron-LM's defaults."""
+
+    rerun_mode: str = "validate_results"
+    error_injection_rate: int = 0
+    error_injection_type: str = "transient_error"
+
+    def __post_init__(self):
+        if self.rerun_mode not in MODES:
+            raise DynaPipeError(f"{given('rerun_mode', self.rerun_mode)}: choose one of {', '.join(MODES)}.")
+        if self.error_injection_type not in INJECTION_TYPES:
+            raise DynaPipeError(f"{given('error_injection_type', self.error_injection_type)}: choose one of "
+                                f"{', '.join(INJECTION_TYPES)}.")
+        if not is_whole(self.error_injection_rate, at_least=0):
+            raise DynaPipeError(f"{given('error_injection_rate', self.error_injection_rate)}: give a whole number, "
+                                f"at least 0 (0: inject nothing; N: about once in N validations of a rank).")
+        if self.error_injection_rate and self.rerun_mode != "validate_results":
+            raise DynaPipeError(f"{given('error_injection_rate', self.error_injection_rate)} with "
+                                f"{given('rerun_mode', self.rerun_mode)}: injected errors are diagnosed by "
+                                f"{given('rerun_mode', 'validate_results')} only; drop one of them.")

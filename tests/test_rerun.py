@@ -1,0 +1,110 @@
+"""The rerun state machine's parts that need no process group: how results are compared, what an
+injected error turns out to be, the determinism statistics, and the settings' refusals. The runs
+themselves (a NaN computed again, injected errors, a resumed diagnosis, report_stats) are in
+``test_failsafe_faults.py``."""
+import math
+
+import pytest
+import torch
+
+from dynapipe.errors import DynaPipeError
+from megatron_integration.rerun import (GRAD_NORM_TOLERANCE, QuickStats, ResultValidator, _rejected, _reproduced,
+                                        compare)
+from megatron_integration.rerun_settings import RerunSettings
+
+
+def test_results_compare_as_megatron_lm_compares_them():
+    assert compare(2.0, 2.0) == 0.0 and compare(math.nan, math.nan) == 0.0
+    assert compare(math.inf, math.inf) == 0.0
+    assert compare(math.nan, 1.0) == math.inf and compare(1.0, math.inf) == math.inf
+    assert compare(1.0, 1.002) == pytest.approx(0.002 / 1.001)
+
+
+def test_a_rank_is_rejected_for_a_non_finite_loss_or_norm_or_an_injected_error():
+    # [has a loss, loss sum, gradient norm, injected] a rank.
+    values = torch.tensor([[0.0, 0.0, 3.0, 0.0], [1.0, math.nan, 2.0, 0.0], [0.0, 0.0, math.inf, 0.0],
+                           [1.0, 5.0, 1.0, 1.0], [1.0, 5.0, 1.0, 0.0]], dtype=torch.float64)
+    assert _rejected(values) == [1, 2, 3]
+
+
+def test_reproduction_allows_megatron_lms_gradient_norm_tolerance_and_none_on_the_loss():
+    first = torch.tensor([1.0, math.nan, 4.0, 0.0], dtype=torch.float64)
+    assert _reproduced(first, first.clone(), None, "in_place")
+    near = torch.tensor([1.0, math.nan, 4.0 * (1 + GRAD_NORM_TOLERANCE / 2), 0.0], dtype=torch.float64)
+    assert _reproduced(first, near, None, "in_place")
+    far = torch.tensor([1.0, math.nan, 4.0 * (1 + 3 * GRAD_NORM_TOLERANCE), 0.0], dtype=torch.float64)
+    assert not _reproduced(first, far, None, "in_place")
+    finite_loss = torch.tensor([1.0, 2.5, 4.0, 0.0], dtype=torch.float64)
+    assert not _reproduced(first, finite_loss, None, "in_place")
+    # A rank without a loss is judged by its gradient norm only.
+    no_loss = torch.tensor([0.0, 0.0, math.inf, 0.0], dtype=torch.float64)
+    assert _reproduced(no_loss, no_loss.clone(), None, "elsewhere")
+
+
+def test_an_injected_error_turns_out_as_its_type_says():
+    values = torch.tensor([1.0, 2.0, 3.0, 1.0], dtype=torch.float64)
+    outcomes = {kind: (_reproduced(values, values, kind, "in_place"), _reproduced(values, values, kind, "elsewhere"))
+                for kind in ("transient_error", "persistent_error", "correct_result")}
+    # Transient: not reproduced in place. Persistent: reproduced in place, not elsewhere. Correct: both.
+    assert outcomes == {"transient_error": (False, True), "persistent_error": (True, False),
+                        "correct_result": (True, True)}
+
+
+def test_determinism_statistics_count_identical_results_and_spread_the_rest():
+    stats = QuickStats()
+    assert stats.line() == "0 samples, all identical"
+    for diff in (0.0, 0.0, 1e-3, 2e-3):
+        stats.record(diff)
+    line = stats.line()
+    assert line.startswith("4/2 total/identical samples, rel. variability: avg= 7.500E-04")
+    assert line.endswith("max: 2.000E-03")
+
+
+def test_a_run_without_the_check_computes_once_and_never_stops():
+    calls = []
+    module = torch.nn.Linear(2, 2)
+    module.weight.grad = torch.full((2, 2), math.nan)
+    validator = ResultValidator(RerunSettings(), check=False, module=module, device=torch.device("cpu"))
+    assert validator.run(3, lambda: calls.append(1) or math.nan) is None
+    assert calls == [1]
+
+
+def test_one_rank_reruns_and_reports_a_transient_fault_without_a_process_group():
+    """One rank: a loss that is NaN at first and finite when computed again is a transient fault."""
+    module = torch.nn.Linear(2, 2)
+    module.weight.grad, module.bias.grad = torch.ones(2, 2), torch.ones(2)
+    losses = iter([1.0, math.nan, 2.0])
+    lines = []
+    validator = ResultValidator(RerunSettings(), check=True, module=module, device=torch.device("cpu"),
+                                log=lines.append)
+    assert validator.run(0, lambda: next(losses)) is None
+    verdict = validator.run(1, lambda: next(losses))
+    assert verdict.exit_code == 17 and verdict.checkpoint and verdict.record is None
+    assert verdict.message.startswith("iteration 2: the loss is NaN or infinite on rank 0, and computing it again")
+    assert lines == ["iteration 2: result rejected on rank 0; computing the iteration again on the same devices to "
+                     "check whether it reproduces"]
+
+
+def test_the_first_iteration_of_a_job_stops_without_a_rerun():
+    from megatron_integration.nan_guard import NonFiniteError
+
+    module = torch.nn.Linear(2, 2)
+    module.weight.grad, module.bias.grad = torch.ones(2, 2), torch.ones(2)
+    validator = ResultValidator(RerunSettings(), check=True, module=module, device=torch.device("cpu"))
+    with pytest.raises(NonFiniteError, match="^iteration 1: the loss is NaN .* not computed again"):
+        validator.run(0, lambda: math.inf)
+
+
+@pytest.mark.parametrize("kwargs, said", [
+    (dict(rerun_mode="sometimes"), "rerun_mode='sometimes': choose one of disabled, validate_results, report_stats"),
+    (dict(error_injection_type="flaky"), "error_injection_type='flaky': choose one of correct_result"),
+    (dict(error_injection_rate=-1), "error_injection_rate=-1: give a whole number, at least 0"),
+    (dict(error_injection_rate=2.5), "error_injection_rate=2.5: give a whole number"),
+    (dict(rerun_mode="report_stats", error_injection_rate=4),
+     "error_injection_rate=4 with rerun_mode='report_stats': injected errors are diagnosed by "
+     "rerun_mode='validate_results' only"),
+])
+def test_settings_refuse_what_no_mode_does(kwargs, said):
+    with pytest.raises(DynaPipeError) as e:
+        RerunSettings(**kwargs)
+    assert said in str(e.value)
