@@ -154,7 +154,7 @@ class ResultValidator:
         values = self._gather(forward_backward(), inject=self._injects())
         resumed = self.resume is not None and mode == "validate_results" and iteration + 1 == self.resume["iteration"]
         if resumed:
-            verdict = self._diagnose_resumed(values, saved, forward_backward)
+            verdict = self._diagnose_resumed(values)
             self.resume = None
             return verdict
         if mode == "report_stats":
@@ -220,22 +220,18 @@ class ResultValidator:
         return places
 
     # --- the resumed run's diagnosis ---------------------------------------------------------
-    def _diagnose_resumed(self, values, saved, forward_backward) -> Verdict:
+    def _diagnose_resumed(self, values) -> Verdict:
         record = self.resume
         k, rejected, before = record["iteration"], record["rejected"], record["places"]
+        initial = torch.tensor(record["values"], dtype=torch.float64)
         here = self._places()
-        same = [r for r in rejected if r < len(here) and list(here[r]) == list(before[r])]
+        same = [r for r in rejected if list(here[r]) == list(before[r])]
         if same:
             return Verdict(EXIT_RESUME_TO_DISAMBIGUATE, checkpoint=False, message=(
                 f"iteration {k}: resumed to compute the rejected result again elsewhere, but {_ranks(same)} "
                 f"run on the node and device that rejected it ({_places(here, same)}); resume from the same "
                 f"checkpoint on other nodes or devices."))
-        initial = torch.tensor(record["values"], dtype=torch.float64)
         injected = {int(r): t for r, t in record.get("injected", {}).items()}
-        if len(initial) != len(values):
-            raise DynaPipeError(f"the checkpoint's rerun record of iteration {k} was written by {len(initial)} ranks "
-                                f"and this run has {len(values)}; resume with the layout it was saved with, or "
-                                f"with --rerun-mode disabled to train on past it.")
         reproduced = [r for r in rejected if _reproduced(initial[r], values[r], injected.get(r), "elsewhere")]
         first = record.get("what", f"iteration {k}: result rejected")
         if reproduced:
@@ -321,7 +317,7 @@ def write_record(root: str, iteration: int, record: dict, rank: int) -> str:
 def load_record(root: str, iteration: int, mode: str, rank: int, log: Callable[[str], None]) -> Optional[dict]:
     """The rerun record of the checkpoint of ``iteration`` under ``root`` (None: it has none),
     read and verified by rank 0 and sent to every rank; collective. Under a mode other than
-    ``validate_results`` the record is said to be ignored and None returned."""
+    ``validate_results`` the record is not read: it is said to be ignored and None returned."""
     from megatron_integration.agreement import attempt, same_error_everywhere
     from megatron_integration.checkpoint import _iter_dir
     from megatron_integration.checkpoint_files import verify_file
@@ -331,6 +327,8 @@ def load_record(root: str, iteration: int, mode: str, rank: int, log: Callable[[
     def read() -> Optional[dict]:
         if not os.path.exists(path):
             return None
+        if mode != "validate_results":
+            return {}  # not read: a damaged record must not stop a run told to go past it
         verify_file(path)
         with open(path) as f:
             record = json.load(f)
@@ -347,9 +345,14 @@ def load_record(root: str, iteration: int, mode: str, rank: int, log: Callable[[
     if record is None:
         return None
     if mode != "validate_results":
-        log(f"ignoring {path} (the result rejected at iteration {record['iteration']}) under --rerun-mode {mode}: "
-            f"training goes on past it")
+        log(f"ignoring {path} under --rerun-mode {mode}: training goes on past the rejected result it records")
         return None
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if len(record["places"]) != world:
+        raise DynaPipeError(f"{path}: the result of iteration {record['iteration']} was rejected in a job of "
+                            f"{len(record['places'])} ranks, and this one has {world}: its diagnosis compares rank by "
+                            f"rank. Resume with the ranks it was saved with, or with --rerun-mode disabled to train "
+                            f"past it.")
     log(f"{path}: the result of iteration {record['iteration']} was rejected on "
         f"{_ranks(record['rejected'])} and reproduced in place; computing it again on this run's devices")
     return record

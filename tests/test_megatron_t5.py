@@ -783,11 +783,18 @@ def test_the_mask_decision_is_taken_from_the_host_copies_when_given():
 def test_t5_resumed_at_another_train_iters_continues_its_weighted_blend(pp2):
     # The checkpoint records the blend's size (64 samples); the run resumed with --train-iters
     # 16 builds that blend, not one of 128, so iterations 5-8 train on the same samples.
-    full, _, resumed = pp2[-3:]
+    full, _, resumed = pp2[-4:-1]
     assert len(full["losses"]) == 8 and resumed["start_iteration"] == 4
     assert resumed["losses"] == full["losses"][4:8]
     assert (" > keeping the weighted blend as the checkpoint sized it (64 samples; this run's --train-iters 16 would "
             "size it for 128 samples), so the consumed samples continue its order") in resumed["checkpoint_lines"]
+
+
+def test_t5_report_stats_computes_every_iteration_twice_and_trains_the_same(pp2):
+    stats, dynapipe = pp2[-1], pp2[1]  # DynaPipe for two iterations, without and with report_stats
+    assert "--rerun-mode" in stats["argv"] and stats["losses"] == dynapipe["losses"]
+    # Reported every two iterations, by rank 0: the last stage's loss and both stages' gradient norms.
+    assert stats["stats_lines"] == ["  loss: 2 samples, all identical", "  gradient norm: 4 samples, all identical"]
 
 
 def _t5_losses(argvs: list) -> list:

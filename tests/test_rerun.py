@@ -108,3 +108,43 @@ def test_settings_refuse_what_no_mode_does(kwargs, said):
     with pytest.raises(DynaPipeError) as e:
         RerunSettings(**kwargs)
     assert said in str(e.value)
+
+
+def _record_dir(tmp_path, record: dict) -> str:
+    import json
+
+    from megatron_integration.checkpoint_files import write_checksum
+
+    iter_dir = tmp_path / "iter_0000001"
+    iter_dir.mkdir()
+    path = iter_dir / "rerun_state.json"
+    path.write_text(json.dumps(record))
+    write_checksum(str(path))
+    return str(path)
+
+
+def test_a_record_is_refused_where_its_diagnosis_cannot_compare_rank_by_rank(tmp_path):
+    from megatron_integration.rerun import load_record
+
+    path = _record_dir(tmp_path, {"iteration": 2, "rejected": [1], "values": [[0, 0, 1, 0], [1, math.nan, 1, 0]],
+                                  "places": [["n", 0], ["n", 1]]})
+    with pytest.raises(DynaPipeError, match=f"^{path}: the result of iteration 2 was rejected in a job of 2 ranks, "
+                                            f"and this one has 1"):
+        load_record(str(tmp_path), 1, "validate_results", 0, print)
+    lines = []
+    assert load_record(str(tmp_path), 1, "disabled", 0, lines.append) is None
+    assert lines == [f"ignoring {path} under --rerun-mode disabled: training goes on past the rejected result it "
+                     f"records"]
+    assert load_record(str(tmp_path), 2, "validate_results", 0, lines.append) is None  # another iteration: none
+
+
+def test_a_damaged_record_is_named_unless_the_run_goes_past_it(tmp_path):
+    from megatron_integration.rerun import load_record
+
+    path = _record_dir(tmp_path, {"iteration": 2, "rejected": [0], "values": [[1, math.nan, 1, 0]],
+                                  "places": [["n", 0]]})
+    with open(path, "a") as f:
+        f.write(" ")
+    with pytest.raises(DynaPipeError, match=f"checkpoint file {path} .*"):
+        load_record(str(tmp_path), 1, "validate_results", 0, print)
+    assert load_record(str(tmp_path), 1, "report_stats", 0, lambda line: None) is None
