@@ -149,6 +149,11 @@ def _add_seed_precision_and_checks_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--error-injection-type", default="transient_error",
                    choices=("correct_result", "transient_error", "persistent_error"),
                    help="what an injected result turns out to be when computed again")
+    g.add_argument("--check-for-spiky-loss", action="store_true",
+                   help="compute an iteration again when a rank's loss is 10x the largest of its first 100 "
+                        "iterations, and say whether it reproduces; training goes on")
+    g.add_argument("--check-for-large-grads", action="store_true",
+                   help="the same for a rank's gradient norm")
 
 
 def _add_recompute_args(g: argparse._ArgumentGroup) -> None:

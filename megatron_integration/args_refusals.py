@@ -122,8 +122,6 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--async-save": "checkpoints are saved synchronously; drop it",
     "--use-persistent-ckpt-worker": "checkpoints are saved synchronously (no --async-save), so no worker; drop it",
     "--ckpt-assume-constant-structure": "the torch_dist save plan is built at every save; drop it",
-    "--check-for-spiky-loss": "loss spikes are not checked (NaN and Inf are); drop it",
-    "--check-for-large-grads": "gradient sizes are not checked (NaN and Inf are); drop it",
     "--use-checkpoint-args": "the model is built from the command line, and a checkpoint of another shape is "
                              "refused; give the model arguments it was saved with",
     "--ckpt-step": "--load resumes from the iteration in latest_checkpointed_iteration.txt; drop it",
@@ -296,7 +294,9 @@ def rerun_settings_from_args(args: argparse.Namespace) -> RerunSettings:
     """The run's :class:`RerunSettings` (Megatron-LM's defaults for what ``args`` lacks)."""
     return RerunSettings(rerun_mode=getattr(args, "rerun_mode", None) or "validate_results",
                          error_injection_rate=getattr(args, "error_injection_rate", 0),
-                         error_injection_type=getattr(args, "error_injection_type", None) or "transient_error")
+                         error_injection_type=getattr(args, "error_injection_type", None) or "transient_error",
+                         check_for_spiky_loss=bool(getattr(args, "check_for_spiky_loss", False)),
+                         check_for_large_grads=bool(getattr(args, "check_for_large_grads", False)))
 
 
 def _checkpoint_args_honoured(args: argparse.Namespace) -> None:

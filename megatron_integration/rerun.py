@@ -13,8 +13,9 @@ computes wrongly). Megatron-LM tells them apart by computing the iteration again
    (``--save``) and the job exits with status 17; a resumed run retrains from it.
 3. Reproduced: the devices agree with themselves, which does not tell a correct result from a
    device that is consistently wrong. The checkpoint is saved with a record of the rejected
-   results (``rerun_state.json`` in the iteration's directory) and the job exits with status 16:
-   resume it on other nodes or devices.
+   results (``rerun_state.json`` in the iteration's directory,
+   :mod:`megatron_integration.rerun_record`) and the job exits with status 16: resume it on other
+   nodes or devices.
 4. The resumed run computes the iteration again. A rank that is back on the node and device that
    rejected the result exits with 16 again (resume elsewhere). Otherwise, reproduced: the result is
    correct, the run itself diverged (lower ``--lr``, check the data); not reproduced: the first
@@ -25,13 +26,17 @@ computes wrongly). Megatron-LM tells them apart by computing the iteration again
 norms differ between the two (the run's non-determinism), every two iterations. ``disabled`` stops
 on the first NaN or Inf, as Megatron-LM's check does then. Where Megatron-LM lets the first
 iteration of a job through unchecked under ``validate_results`` (no checkpoint could be taken
-before it), the check here stops the job on it, as ``disabled`` does. Only the loss and the
-gradient norm are validated (``--check-for-spiky-loss`` and ``--check-for-large-grads`` are not
-built).
+before it), the check here stops the job on it, as ``disabled`` does.
+
+``--check-for-spiky-loss`` and ``--check-for-large-grads`` (Megatron-LM's, off by default): a rank's
+loss or gradient norm of ten times the largest of its first 100 is computed again in place and said
+to reproduce or not, and training goes on either way (``disabled``: said only). Megatron-LM checks
+each micro-batch's loss sum and each gradient bucket's norm; here each rank's share of the
+iteration's loss and its whole gradient norm are checked, as DynaPipe's micro-batches vary in size
+by design (a micro-batch's sum grows with its tokens), so the first 100 iterations set the scale.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -49,12 +54,15 @@ from megatron_integration.nan_guard import NonFiniteError, describe, local_value
 # megatron.core.rerun_state_machine's exit statuses.
 EXIT_RESUME_TO_DISAMBIGUATE = 16
 EXIT_FAILED_ON_RESULT_VALIDATION = 17
-RECORD_FILE = "rerun_state.json"
 # Megatron-LM's tolerances (relative): none for the loss, 0.1% for gradient norms (reductions
 # whose order is not fixed, such as flash attention's backward, change them slightly).
 LOSS_TOLERANCE = 0.0
 GRAD_NORM_TOLERANCE = 1e-3
 REPORT_INTERVAL = 2  # iterations between report_stats lines, as Megatron-LM's
+# Megatron-LM's spike checks: a value is unexpectedly large at SPIKE_FACTOR times the largest of
+# the first LARGE_VALUE_SAMPLES values (10 and 100 in its pretrain_gpt.py and megatron-core's DDP).
+SPIKE_FACTOR = 10.0
+LARGE_VALUE_SAMPLES = 100
 
 
 class RerunExit(DynaPipeError):
@@ -84,6 +92,28 @@ def compare(a: float, b: float) -> float:
     if not (math.isfinite(a) and math.isfinite(b)):
         return math.inf
     return abs((a - b) / (a + b) * 2) if a + b else math.inf
+
+
+class LargeValues:
+    """Megatron-LM's ``is_unexpectedly_large`` for one quantity of every rank: the first
+    :data:`LARGE_VALUE_SAMPLES` finite values of a rank set its scale (their largest magnitude),
+    later ones of :data:`SPIKE_FACTOR` times that or more are unexpectedly large. NaN and Inf are
+    the NaN check's, not counted here."""
+
+    def __init__(self):
+        self.count: dict[int, int] = {}
+        self.largest: dict[int, float] = {}
+
+    def large(self, rank: int, value: float) -> bool:
+        """Whether ``value`` of ``rank`` is unexpectedly large (while the scale is set: never)."""
+        v = abs(value)
+        if not math.isfinite(v):
+            return False
+        if self.count.get(rank, 0) < LARGE_VALUE_SAMPLES:
+            self.count[rank] = self.count.get(rank, 0) + 1
+            self.largest[rank] = max(self.largest.get(rank, 0.0), v)
+            return False
+        return v >= self.largest[rank] * SPIKE_FACTOR
 
 
 class QuickStats:
@@ -129,7 +159,7 @@ class ResultValidator:
 
     ``check``: ``--check-for-nan-in-loss-and-grad`` as resolved (off: nothing is validated, as in
     Megatron-LM); ``module``: this rank's model, whose gradient norm is validated; ``resume``:
-    the record of the checkpoint this run resumed from (:func:`load_record`); ``log``: rank 0's
+    the record of the checkpoint this run resumed from (:func:`megatron_integration.rerun_record.load_record`); ``log``: rank 0's
     line writer. Every method is collective over the job."""
 
     settings: RerunSettings
@@ -140,16 +170,18 @@ class ResultValidator:
     log: Callable[[str], None] = lambda line: None
     first_done: bool = False
     stats: dict = field(default_factory=lambda: {"loss": QuickStats(), "gradient norm": QuickStats()})
+    large: dict = field(default_factory=lambda: {"loss": LargeValues(), "gradient norm": LargeValues()})
 
     def run(self, iteration: int, forward_backward: Callable[[], Optional[float]]) -> Optional[Verdict]:
         """Compute iteration ``iteration`` (0-based) with ``forward_backward`` (zero the gradients,
         forward and backward, reduce the gradients; returns this rank's loss sum, None on ranks
         without a loss), again where the mode asks; None when the optimizer may step, else the
         :class:`Verdict` that ends the run. Raises :class:`NonFiniteError` where no rerun is made."""
-        if not self.check:
+        s = self.settings
+        if not (self.check or s.check_for_spiky_loss or s.check_for_large_grads):
             forward_backward()
             return None
-        mode = self.settings.rerun_mode
+        mode = s.rerun_mode
         saved = _rng_state() if mode != "disabled" else None
         values = self._gather(forward_backward(), inject=self._injects())
         resumed = self.resume is not None and mode == "validate_results" and iteration + 1 == self.resume["iteration"]
@@ -160,8 +192,12 @@ class ResultValidator:
         if mode == "report_stats":
             _set_rng_state(saved)
             self._record_stats(values, self._gather(forward_backward()), iteration)
-        rejected = _rejected(values)
+        rejected = _rejected(values) if self.check else []
         if not rejected:
+            # Megatron-LM's spike checks: not under report_stats, nor on a job's first iteration
+            # under validate_results (no checkpoint could be taken before it).
+            if mode == "disabled" or (mode == "validate_results" and self.first_done):
+                self._check_spikes(iteration, values, saved, forward_backward)
             self.first_done = True
             return None
         if mode != "validate_results" or not self.first_done:
@@ -175,7 +211,7 @@ class ResultValidator:
     # --- the initial run's rejection, its rerun in place -------------------------------------
     def _injects(self) -> bool:
         rate = self.settings.error_injection_rate
-        if not rate or not self.first_done or self.resume is not None:
+        if not rate or not self.check or not self.first_done or self.resume is not None:
             return False
         rank = dist.get_rank() if dist.is_initialized() else 0
         return (random.randint(0, rate - 1) + rank) % rate == 0
@@ -244,6 +280,44 @@ class ResultValidator:
             f"devices that gave it ({_places(before, rejected)}) are likely faulty. Leave them out and resume "
             f"with --rerun-mode disabled to train past the record."))
 
+    # --- spikes: computed again, training goes on -------------------------------------------
+    def _check_spikes(self, iteration: int, values, saved, forward_backward) -> None:
+        """Megatron-LM's non-fatal checks: a spike is said, computed again in place under
+        ``validate_results`` (the optimizer then steps on the recomputed gradients), and training
+        goes on whether or not it reproduced."""
+        s, k = self.settings, iteration + 1
+        spikes = []  # (rank, quantity, column)
+        for r in range(len(values)):
+            if s.check_for_spiky_loss and values[r, 0] > 0 and self.large["loss"].large(r, float(values[r, 1])):
+                spikes.append((r, "loss", 1))
+            if s.check_for_large_grads and self.large["gradient norm"].large(r, float(values[r, 2])):
+                spikes.append((r, "gradient norm", 2))
+        if not spikes:
+            return
+        what = "; ".join(f"the {name} of rank {r} is {float(values[r, c]):.4g}, at least {SPIKE_FACTOR:g}x the "
+                         f"largest of its first {LARGE_VALUE_SAMPLES} ({self.large[name].largest[r]:.4g})"
+                         for r, name, c in spikes)
+        if s.rerun_mode == "disabled":
+            self.log(f"warning: iteration {k}: {what}; training goes on (--rerun-mode disabled)")
+            return
+        self.log(f"iteration {k}: {what}; computing the iteration again on the same devices")
+        _set_rng_state(saved)
+        again = self._gather(forward_backward())
+        flags = _flags(again)
+        if self.check and flags.any():
+            raise NonFiniteError(describe(k, flags) + " (computing the iteration again after an unexpectedly large "
+                                                      "value)")
+        places = self._places()
+        for r, name, c in spikes:
+            tolerance = LOSS_TOLERANCE if c == 1 else GRAD_NORM_TOLERANCE
+            if compare(float(values[r, c]), float(again[r, c])) <= tolerance:
+                self.log(f"iteration {k}: the {name} of rank {r} is reproduced ({float(again[r, c]):.4g}): the result "
+                         f"stands, not a device's fault; training goes on")
+            else:
+                self.log(f"iteration {k}: the {name} of rank {r} is not reproduced ({float(again[r, c]):.4g}): a "
+                         f"possible transient fault of {_places(places, [r])}; training goes on with the recomputed "
+                         f"result")
+
     # --- report_stats ------------------------------------------------------------------------
     def _record_stats(self, first, second, iteration: int) -> None:
         for r in range(len(first)):
@@ -296,63 +370,3 @@ def _set_rng_state(state) -> None:
 
     set_rng_state(state)
 
-
-def write_record(root: str, iteration: int, record: dict, rank: int) -> str:
-    """Rank 0 writes ``record`` (a :class:`Verdict`'s) into the checkpoint of ``iteration``
-    (iterations done) under ``root``, with its checksum; collective: every rank returns the
-    path once it is written, or raises the same error."""
-    from megatron_integration.agreement import attempt, same_error_everywhere
-    from megatron_integration.checkpoint import _iter_dir
-    from megatron_integration.checkpoint_files import write_checksum, write_text_synced
-
-    path = os.path.join(_iter_dir(root, iteration), RECORD_FILE)
-
-    def write() -> None:
-        write_text_synced(path, json.dumps(record, indent=1))
-        write_checksum(path)
-    same_error_everywhere(attempt(write, f"writing {path}")[1] if rank == 0 else None)
-    return path
-
-
-def load_record(root: str, iteration: int, mode: str, rank: int, log: Callable[[str], None]) -> Optional[dict]:
-    """The rerun record of the checkpoint of ``iteration`` under ``root`` (None: it has none),
-    read and verified by rank 0 and sent to every rank; collective. Under a mode other than
-    ``validate_results`` the record is not read: it is said to be ignored and None returned."""
-    from megatron_integration.agreement import attempt, same_error_everywhere
-    from megatron_integration.checkpoint import _iter_dir
-    from megatron_integration.checkpoint_files import verify_file
-
-    path = os.path.join(_iter_dir(root, iteration), RECORD_FILE)
-
-    def read() -> Optional[dict]:
-        if not os.path.exists(path):
-            return None
-        if mode != "validate_results":
-            return {}  # not read: a damaged record must not stop a run told to go past it
-        verify_file(path)
-        with open(path) as f:
-            record = json.load(f)
-        if not isinstance(record, dict) or not {"iteration", "rejected", "values", "places"} <= set(record):
-            raise DynaPipeError(f"{path} is not a rerun record this version wrote; remove it to resume without "
-                                f"the diagnosis, or resume with --rerun-mode disabled.")
-        return record
-    record, error = attempt(read, f"reading {path}") if rank == 0 else (None, None)
-    same_error_everywhere(error)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [record]
-        dist.broadcast_object_list(box, src=0)
-        record = box[0]
-    if record is None:
-        return None
-    if mode != "validate_results":
-        log(f"ignoring {path} under --rerun-mode {mode}: training goes on past the rejected result it records")
-        return None
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if len(record["places"]) != world:
-        raise DynaPipeError(f"{path}: the result of iteration {record['iteration']} was rejected in a job of "
-                            f"{len(record['places'])} ranks, and this one has {world}: its diagnosis compares rank by "
-                            f"rank. Resume with the ranks it was saved with, or with --rerun-mode disabled to train "
-                            f"past it.")
-    log(f"{path}: the result of iteration {record['iteration']} was rejected on "
-        f"{_ranks(record['rejected'])} and reproduced in place; computing it again on this run's devices")
-    return record

@@ -14,12 +14,16 @@ INJECTION_TYPES = ("correct_result", "transient_error", "persistent_error")
 @dataclass(frozen=True)
 class RerunSettings:
     """Megatron-LM's ``--rerun-mode``, ``--error-injection-rate`` (each validation of a rank
-    injects an error with probability 1/rate; 0: never) and ``--error-injection-type``, with
-    Megatron-LM's defaults."""
+    injects an error with probability 1/rate; 0: never), ``--error-injection-type``,
+    ``--check-for-spiky-loss`` and ``--check-for-large-grads``, with Megatron-LM's defaults."""
 
     rerun_mode: str = "validate_results"
     error_injection_rate: int = 0
     error_injection_type: str = "transient_error"
+    # Megatron-LM's --check-for-spiky-loss and --check-for-large-grads (off by default): a loss or
+    # gradient norm of ten times the largest of its first 100 is computed again, and training goes on.
+    check_for_spiky_loss: bool = False
+    check_for_large_grads: bool = False
 
     def __post_init__(self):
         if self.rerun_mode not in MODES:
@@ -30,6 +34,9 @@ class RerunSettings:
         if not is_whole(self.error_injection_rate, at_least=0):
             raise DynaPipeError(f"{given('error_injection_rate', self.error_injection_rate)}: give a whole number, "
                                 f"at least 0 (0: inject nothing; N: about once in N validations of a rank).")
+        for name in ("check_for_spiky_loss", "check_for_large_grads"):
+            if not isinstance(getattr(self, name), bool):
+                raise DynaPipeError(f"{given(name, getattr(self, name))}: give True or False.")
         if self.error_injection_rate and self.rerun_mode != "validate_results":
             raise DynaPipeError(f"{given('error_injection_rate', self.error_injection_rate)} with "
                                 f"{given('rerun_mode', self.rerun_mode)}: injected errors are diagnosed by "

@@ -33,7 +33,8 @@ from megatron_integration.baseline_step import (StepResult, build_micro_batches,
 from megatron_integration.model import Stage, attach_training_hooks, build_stage
 from megatron_integration.optimizer import build_optimizer
 from megatron_integration.params_norm import params_l2_norm
-from megatron_integration.rerun import ResultValidator, load_record
+from megatron_integration.rerun import ResultValidator
+from megatron_integration.rerun_record import load_record
 from megatron_integration.placement_auto import resolve_gpt_split
 from megatron_integration.profile_check import check_threads_at_start, extrapolation_lines
 from megatron_integration.run_report import parameter_count_line, write_line

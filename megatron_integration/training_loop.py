@@ -244,7 +244,8 @@ def _end_on_rejected_result(parts: LoopParts, run: TrainingRun, iteration: int, 
     """End the run on a rejected result (:mod:`megatron_integration.rerun`): save the weights
     from before ``iteration`` (0-based: ``iteration`` iterations done) when the verdict asks and
     ``--save`` is given, with the verdict's record, then raise its :class:`RerunExit`."""
-    from megatron_integration.rerun import RerunExit, write_record
+    from megatron_integration.rerun import RerunExit
+    from megatron_integration.rerun_record import write_record
 
     cfg, info = parts.cfg, parts.info
     saved = ""

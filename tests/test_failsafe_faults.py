@@ -51,7 +51,8 @@ def fault_job(steps: list) -> list:
     the test removes the file ``marker`` it creates (a fault is injected meanwhile);
     ``("train", argv, None, (rank, iteration))`` makes that rank raise a RuntimeError in that
     iteration after its plan arrived, outside the pipeline executor;
-    ``("rank0", fn, args)`` runs a file operation on rank 0 between runs (``"rank1"``: on rank 1).
+    ``("rank0", fn, args)`` runs a file operation on rank 0 between runs (``"rank1"``: on rank 1,
+    ``"all"``: on every rank).
     """
     import io
 
@@ -65,8 +66,8 @@ def fault_job(steps: list) -> list:
     out = []
     try:
         for step in steps:
-            if step[0] in ("rank0", "rank1"):
-                if dist.get_rank() == int(step[0][-1]):
+            if step[0] in ("rank0", "rank1", "all"):
+                if step[0] == "all" or dist.get_rank() == int(step[0][-1]):
                     step[1](*step[2])
                 dist.barrier()
                 out.append(None)
@@ -131,6 +132,13 @@ def _limit_file_size(size):
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an error from write(), not a kill
     resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY if size is None else size,
                                                resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+def _spike_scale(samples: int, factor: float) -> None:
+    """Set how many values set the spike checks' scale, and the factor over it that is large."""
+    import megatron_integration.rerun as rerun
+
+    rerun.LARGE_VALUE_SAMPLES, rerun.SPIKE_FACTOR = samples, factor
 
 
 def _move_record(iter_dir: str) -> None:
@@ -244,6 +252,14 @@ def fault_outcomes(tmp_path_factory):
         "move_inj_record": ("rank0", _move_record, (os.path.join(inj_p, "iter_0000001"),)),
         "inject_resumed_elsewhere": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --load {inj_p} "
                                               "--use-dynapipe"),
+        # The spike checks through DynaPipe's executor, their scale set by one value and any value
+        # of half of it or more "large": every checked iteration is computed again, reproduced, and
+        # training goes on with the same losses as without the checks.
+        "spike_scale": ("all", _spike_scale, (1, 0.5)),
+        "spikes_checked": ("train", f"{TINY}{MOCK} --train-iters 4 --lr 1e-3 --use-dynapipe --check-for-spiky-loss "
+                                    "--check-for-large-grads"),
+        "spike_scale_back": ("all", _spike_scale, (100, 10.0)),
+        "spikes_unchecked": ("train", f"{TINY}{MOCK} --train-iters 4 --lr 1e-3 --use-dynapipe"),
         # Every iteration computed twice: the same losses as one computation, and the differences told.
         "report_stats": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --rerun-mode report_stats"),
         "nan_unchecked": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e20 --no-check-for-nan-in-loss-and-grad"),
@@ -473,6 +489,18 @@ def test_injected_errors_are_diagnosed_as_megatron_lm_does(fault_outcomes):
     elsewhere = outcomes["inject_resumed_elsewhere"]
     assert [o["exit_code"] for o in elsewhere] == [17, 17]
     assert "it is not reproduced: the devices that gave it (rank 0: node" in elsewhere[0]["error"]
+
+
+def test_spike_checks_compute_a_large_value_again_and_training_goes_on(fault_outcomes):
+    outcomes, _ = fault_outcomes
+    checked, plain = outcomes["spikes_checked"][1], outcomes["spikes_unchecked"][1]
+    assert len(checked["losses"]) == 4 and checked["losses"] == plain["losses"]
+    log = outcomes["spikes_checked"][0]["log"]
+    # Iteration 1 is not checked and iteration 2 sets the scale: 3 and 4 are computed again.
+    for k in (3, 4):
+        assert f"iteration {k}: the loss of rank 1 is " in log and f"iteration {k}: the gradient norm of rank 0 is " in log
+        assert f"iteration {k}: the loss of rank 1 is reproduced" in log
+    assert "iteration 2: the" not in log and "not reproduced" not in log
 
 
 def test_report_stats_computes_every_iteration_twice_and_trains_the_same(fault_outcomes):

@@ -105,17 +105,15 @@ def test_the_rest_is_refused_in_one_line_naming_the_flag(line, flags, capsys):
         assert extra.split()[0] in message and why in message, (extra, message)
 
 
-# Megatron-LM's resilience and asynchronous-checkpoint flags, common in its cluster scripts:
-# each refused with what this build does instead.
+# Megatron-LM's asynchronous-checkpoint flags, common in its cluster scripts: each refused with
+# what this build does instead (its rerun state machine's flags are taken, below).
 RESILIENCE_REFUSED = {
-    "--check-for-spiky-loss": "loss spikes are not checked",
-    "--check-for-large-grads": "gradient sizes are not checked",
     "--use-persistent-ckpt-worker": "saved synchronously",
     "--ckpt-assume-constant-structure": "built at every save",
 }
 
 
-def test_megatrons_resilience_flags_are_refused_with_what_is_done_instead(capsys):
+def test_megatrons_resilience_flags_are_taken_or_refused_with_what_is_done_instead(capsys):
     for extra, why in RESILIENCE_REFUSED.items():
         message = refusal(f"{GPT3} {extra}", capsys)
         assert extra.split()[0] in message and why in message, (extra, message)
@@ -127,6 +125,9 @@ def test_megatrons_resilience_flags_are_refused_with_what_is_done_instead(capsys
     cfg = parse(f"{TINY} --train-iters 4 --lr 1e-3 --mock-data --rerun-mode disabled")
     assert cfg.check_for_nan_in_loss_and_grad and cfg.rerun.rerun_mode == "disabled"
     assert parse(f"{GPT3} --rerun-mode report_stats").rerun.rerun_mode == "report_stats"
+    spikes = parse(f"{GPT3} --check-for-spiky-loss --check-for-large-grads").rerun
+    assert spikes.check_for_spiky_loss and spikes.check_for_large_grads
+    assert not parse(GPT3).rerun.check_for_spiky_loss and not parse(GPT3).rerun.check_for_large_grads
     injected = parse(f"{GPT3} --error-injection-rate 1000 --error-injection-type persistent_error").rerun
     assert (injected.error_injection_rate, injected.error_injection_type) == (1000, "persistent_error")
     for bad, said in (("--error-injection-rate -1", "--error-injection-rate -1: give a whole number, at least 0"),

@@ -124,7 +124,7 @@ def _record_dir(tmp_path, record: dict) -> str:
 
 
 def test_a_record_is_refused_where_its_diagnosis_cannot_compare_rank_by_rank(tmp_path):
-    from megatron_integration.rerun import load_record
+    from megatron_integration.rerun_record import load_record
 
     path = _record_dir(tmp_path, {"iteration": 2, "rejected": [1], "values": [[0, 0, 1, 0], [1, math.nan, 1, 0]],
                                   "places": [["n", 0], ["n", 1]]})
@@ -139,7 +139,7 @@ def test_a_record_is_refused_where_its_diagnosis_cannot_compare_rank_by_rank(tmp
 
 
 def test_a_damaged_record_is_named_unless_the_run_goes_past_it(tmp_path):
-    from megatron_integration.rerun import load_record
+    from megatron_integration.rerun_record import load_record
 
     path = _record_dir(tmp_path, {"iteration": 2, "rejected": [0], "values": [[1, math.nan, 1, 0]],
                                   "places": [["n", 0]]})
@@ -148,3 +148,81 @@ def test_a_damaged_record_is_named_unless_the_run_goes_past_it(tmp_path):
     with pytest.raises(DynaPipeError, match=f"checkpoint file {path} .*"):
         load_record(str(tmp_path), 1, "validate_results", 0, print)
     assert load_record(str(tmp_path), 1, "report_stats", 0, lambda line: None) is None
+
+
+def _spiky_validator(monkeypatch, **settings):
+    """A one-rank validator whose scale is set by 3 values, and a model whose gradient norm the
+    fake forward-backward sets (``(loss, grad)`` pairs, one a computation)."""
+    import megatron_integration.rerun as rerun
+
+    monkeypatch.setattr(rerun, "LARGE_VALUE_SAMPLES", 3)
+    module = torch.nn.Linear(1, 1, bias=False)
+    lines = []
+    validator = ResultValidator(RerunSettings(**settings), check=True, module=module, device=torch.device("cpu"),
+                                log=lines.append)
+    calls = []
+
+    def feed(loss: float, grad: float):
+        def forward_backward():
+            calls.append((loss, grad))
+            module.weight.grad = torch.full((1, 1), grad)
+            return loss
+        return forward_backward
+    return validator, feed, calls, lines
+
+
+def test_a_spiky_loss_is_computed_again_and_training_goes_on(monkeypatch):
+    validator, feed, calls, lines = _spiky_validator(monkeypatch, check_for_spiky_loss=True)
+    # The first iteration of a job is not checked; the next three set the scale (largest 2.0).
+    for i, loss in enumerate([50.0, 1.0, 2.0, 1.5]):
+        assert validator.run(i, feed(loss, 1.0)) is None
+    assert len(calls) == 4 and lines == []
+    assert validator.run(4, feed(19.0, 1.0)) is None  # below 10x: nothing
+    # 10x: computed again (the same value: reproduced), and the optimizer may step.
+    spike = iter([20.0, 20.0])
+    assert validator.run(5, lambda: calls.append("again") or next(spike)) is None
+    assert calls[-2:] == ["again", "again"]
+    assert lines[0] == ("iteration 6: the loss of rank 0 is 20, at least 10x the largest of its first 3 (2); "
+                        "computing the iteration again on the same devices")
+    assert lines[1].startswith("iteration 6: the loss of rank 0 is reproduced (20): the result stands")
+    # Not reproduced: said with the device, training still goes on.
+    flaky = iter([40.0, 1.0])
+    assert validator.run(6, lambda: next(flaky)) is None
+    assert "the loss of rank 0 is not reproduced (1): a possible transient fault of rank 0: node" in lines[-1]
+
+
+def test_large_gradients_are_checked_with_their_tolerance_and_only_warned_about_when_disabled(monkeypatch):
+    validator, feed, calls, lines = _spiky_validator(monkeypatch, check_for_large_grads=True)
+    for i in range(4):
+        validator.run(i, feed(1.0, 1.0))
+    grads = iter([30.0, 30.0 * (1 + 5e-4)])  # within Megatron-LM's 0.1% for gradient norms
+
+    def forward_backward():
+        validator.module.weight.grad = torch.full((1, 1), next(grads))
+        return 1.0
+    assert validator.run(4, forward_backward) is None
+    assert lines[-1].startswith("iteration 5: the gradient norm of rank 0 is reproduced")
+    disabled, feed, calls, lines = _spiky_validator(monkeypatch, rerun_mode="disabled", check_for_large_grads=True,
+                                                    check_for_spiky_loss=True)
+    for i in range(3):  # under disabled the first iteration counts too
+        disabled.run(i, feed(1.0, 1.0))
+    assert disabled.run(3, feed(10.0, 10.0)) is None and len(calls) == 4  # not computed again
+    assert lines == ["warning: iteration 4: the loss of rank 0 is 10, at least 10x the largest of its first 3 (1); "
+                     "the gradient norm of rank 0 is 10, at least 10x the largest of its first 3 (1); training goes "
+                     "on (--rerun-mode disabled)"]
+
+
+def test_report_stats_checks_no_spikes_and_a_nan_in_the_recomputation_stops_the_run(monkeypatch):
+    from megatron_integration.nan_guard import NonFiniteError
+
+    stats, feed, calls, lines = _spiky_validator(monkeypatch, rerun_mode="report_stats", check_for_spiky_loss=True)
+    for i in range(5):
+        stats.run(i, feed(1.0 if i < 4 else 100.0, 1.0))
+    assert not any("10x" in line for line in lines)
+    validator, feed, calls, lines = _spiky_validator(monkeypatch, check_for_spiky_loss=True)
+    for i in range(4):
+        validator.run(i, feed(1.0, 1.0))
+    spike = iter([20.0, math.nan])
+    with pytest.raises(NonFiniteError, match="^iteration 5: the loss is NaN or infinite on rank 0.*after an "
+                                             "unexpectedly large value"):
+        validator.run(4, lambda: next(spike))

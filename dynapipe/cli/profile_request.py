@@ -17,6 +17,7 @@ UNREAD_GROUPS = ("learning rate and optimizer", "checkpointing", "logging", "dat
 UNREAD_FLAGS = ("--micro-batch-size", "--global-batch-size", "--train-iters", "--train-samples", "--exit-interval",
                 "--exit-duration-in-mins", "--manual-gc", "--manual-gc-interval", "--no-manual-gc-eval",
                 "--check-for-nan-in-loss-and-grad", "--rerun-mode", "--error-injection-rate", "--error-injection-type",
+                "--check-for-spiky-loss", "--check-for-large-grads",
                 "--reset-position-ids", "--reset-attention-mask",
                 "--recompute-granularity", "--recompute-method", "--recompute-num-layers", "--recompute-modules",
                 "--recompute-activations", "--empty-unused-memory-level", "--calculate-per-token-loss",
