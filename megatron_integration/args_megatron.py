@@ -110,6 +110,9 @@ def _add_run_length_args(g: argparse._ArgumentGroup) -> None:
                         "samples as --global-batch-size counts them")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving, with --save) at the first iteration divisible by this")
+    g.add_argument("--iterations-to-skip", type=int, nargs="+", default=[],
+                   help="iterations whose global batch is consumed untrained, each named as Megatron-LM names it: "
+                        "by the iterations done before it (0: the first; the one logged as iteration N is N-1)")
 
 
 def _add_manual_gc_args(g: argparse._ArgumentGroup) -> None:

@@ -300,7 +300,8 @@ def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[b
         check_for_nan_in_loss_and_grad=nan_check_enabled(args.check_for_nan_in_loss_and_grad, args.fp16,
                                                          args.loss_scale),
         rerun=rerun_settings_from_args(args),
-        exit_interval=args.exit_interval, exit_duration_in_mins=check_exit_duration(args.exit_duration_in_mins),
+        exit_interval=args.exit_interval, iterations_to_skip=_iterations_to_skip(args.iterations_to_skip),
+        exit_duration_in_mins=check_exit_duration(args.exit_duration_in_mins),
         empty_unused_memory_level=args.empty_unused_memory_level, manual_gc=manual_gc, evaluation=evaluation, ckpt_format=args.ckpt_format,
         finetune=args.finetune, exit_on_missing_checkpoint=args.exit_on_missing_checkpoint,
         dist_ckpt=dist_ckpt_args_from_args(args, cuda), megatron_args=_recorded_args(args))
@@ -314,6 +315,16 @@ def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[b
                               parallel.sequence_parallel, dyn.device, dyn.device_given,
                               "transformer_engine" if model.transformer_impl == "transformer_engine" else "local")
     return cfg
+
+
+def _iterations_to_skip(values) -> tuple:
+    """Megatron-LM's ``--iterations-to-skip``, in order and once each; a negative one names no
+    iteration and is refused."""
+    bad = [v for v in values or () if v < 0]
+    if bad:
+        raise DynaPipeError(f"--iterations-to-skip {bad[0]}: iterations are named by the iterations done before "
+                            f"them, from 0 (the one logged as iteration N is N-1); give numbers of at least 0.")
+    return tuple(sorted(set(values or ())))
 
 
 def _check_world_size(world_size: int, tp: int, pp: int) -> None:

@@ -365,6 +365,17 @@ class DynaPipeStepper:
                           num_zeros_in_grad=None if num_zeros is None else int(num_zeros),
                           breakdown_ms=step_split_ms(t_run, t_grads, t_opt), schedule=data.plan.schedule)
 
+    def skip(self, iteration: int) -> int:
+        """Consume iteration ``iteration``'s plan and global batch untrained
+        (``--iterations-to-skip``); the consumed samples after it."""
+        def take() -> int:
+            data = next(self.loader)
+            if data.iteration != iteration:
+                raise DynaPipeError(f"the data loader yielded {iteration_name(data.iteration)} for "
+                                    f"{iteration_name(iteration)}.")
+            return data.meta.consumed_samples
+        return self.executor.reporting(f"iteration {iteration + 1}", take)
+
     def _validator(self) -> ResultValidator:
         if self.validator is None:
             self.validator = ResultValidator(self.cfg.rerun, self.cfg.check_for_nan_in_loss_and_grad,

@@ -97,15 +97,21 @@ def _tflops(value: float) -> str:
 
 
 def format_log_line(iteration: int, train_iters: int, consumed_samples: int, stats: IntervalStats, elapsed_s: float,
-                    lr: float, global_batch_size: int, world_size: Optional[int] = None) -> str:
+                    lr: float, global_batch_size: int, world_size: Optional[int] = None,
+                    skipped_samples: int = 0) -> str:
     """The Megatron-style line for one logging interval (``world_size``: the ranks the
-    throughput is divided over, given with ``--log-throughput``)."""
+    throughput is divided over, given with ``--log-throughput``; ``skipped_samples``: those
+    ``--iterations-to-skip`` consumed untrained so far, printed when there are any)."""
     n = max(stats.iterations, 1)
     ms_per_iter = elapsed_s * 1e3 / n
     # Megatron-LM's line starts with the wall-clock time: ' [2026-12-03 23:54:52.123456] iteration ...'.
     parts = [
         f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')}] iteration {iteration:8d}/{train_iters:8d}",
         f"consumed samples: {consumed_samples:12d}",
+    ]
+    if skipped_samples:
+        parts.append(f"skipped samples: {skipped_samples:12d}")
+    parts += [
         f"elapsed time per iteration (ms): {ms_per_iter:.1f}",
     ]
     if world_size is not None:
@@ -165,6 +171,7 @@ class TrainingLogger:
         # iteration; Megatron-LM prints the current one). consumed_samples: where the run starts.
         self.train_iters, self.global_batch_size = train_iters, global_batch_size
         self._consumed = consumed_samples
+        self.skipped_samples = 0  # consumed untrained (--iterations-to-skip), in this run
         self.flops_model, self.world_size = flops_model, world_size
         self.tensorboard = tensorboard or TensorBoardArgs()
         self.log_interval = log_interval
@@ -219,7 +226,8 @@ class TrainingLogger:
             return None
         elapsed = time.perf_counter() - self.stats.started - self.stats.paused_s
         line = format_log_line(iteration, self.train_iters, consumed_samples, self.stats, elapsed, lr,
-                               self.global_batch_size, None if self.flops_model is None else self.world_size)
+                               self.global_batch_size, None if self.flops_model is None else self.world_size,
+                               self.skipped_samples)
         if self.writer is not None and self.flops_model is not None:
             self.writer.add_scalar("throughput (TFLOP/s/GPU)",
                                    tflops_per_device(self.stats.executed_flops, elapsed, self.world_size), iteration)
@@ -230,6 +238,12 @@ class TrainingLogger:
         if self.is_logging_rank:
             write_line(self.stream, line)
         return line
+
+    def skip(self, consumed_samples: int) -> None:
+        """An iteration consumed untrained (``--iterations-to-skip``), ``consumed_samples`` after
+        it: no line, and the next line's global batch is the next iteration's, not both."""
+        self.skipped_samples += consumed_samples - self._consumed
+        self._consumed = consumed_samples
 
     @contextmanager
     def paused(self):

@@ -169,7 +169,7 @@ _GROUPS = {
         --phase-transition-iterations --sample-rate""",
     'training': """
         --decrease-batch-size-if-needed --dump-param-to-param-group-map --gpu-sniff-test-interval
-        --iterations-to-skip --no-pin-cpu-grads --no-pin-cpu-params --optimizer-cpu-offload
+        --no-pin-cpu-grads --no-pin-cpu-params --optimizer-cpu-offload
         --optimizer-cuda-graph --optimizer-offload-fraction --overlap-cpu-optimizer-d2h-h2d
         --result-rejected-tracker-filename --tp-comm-overlap-cfg --train-sync-interval
         --use-torch-optimizer-for-cpu-offload""",

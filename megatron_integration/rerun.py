@@ -182,6 +182,8 @@ class ResultValidator:
             forward_backward()
             return None
         mode = s.rerun_mode
+        if self.resume is not None and iteration + 1 > self.resume["iteration"]:
+            self.resume = None  # its iteration was skipped (--iterations-to-skip): nothing to diagnose
         saved = _rng_state() if mode != "disabled" else None
         values = self._gather(forward_backward(), inject=self._injects())
         resumed = self.resume is not None and mode == "validate_results" and iteration + 1 == self.resume["iteration"]

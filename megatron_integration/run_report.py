@@ -64,17 +64,20 @@ def parameter_count_line(tp_rank: int, pp_rank: int, count: int) -> str:
 
 
 def training_summary_lines(results: Sequence, start_iteration: int, consumed_samples: int,
-                           elapsed_s: float, exited: bool = False) -> list[str]:
+                           elapsed_s: float, exited: bool = False, skipped_iterations: int = 0,
+                           skipped_samples: int = 0) -> list[str]:
     """The end-of-training lines: Megatron's ``[after training is done]`` stamp (``[exiting
     program at iteration N]`` when ``--exit-interval`` stopped it, ``exited``), then what the run
-    did: ``results`` are the iterations' StepResults (times in ms, tokens over the global batch);
-    ``elapsed_s``: the training time (s), evaluations and checkpoints left out as in the log lines."""
-    done = len(results)
+    did: ``results`` are the trained iterations' StepResults (times in ms, tokens over the global
+    batch), ``skipped_iterations`` the iterations consumed untrained (``--iterations-to-skip``,
+    ``skipped_samples`` samples); ``elapsed_s``: the training time (s), evaluations and checkpoints
+    left out as in the log lines."""
+    done = len(results) + skipped_iterations
     real = sum(r.real_tokens for r in results)
     padded = sum(r.padded_tokens for r in results)
     loss_tokens = sum(r.loss_tokens for r in results)
     skipped = sum(int(r.skipped) for r in results)
-    ms_per_iter = elapsed_s * 1e3 / max(done, 1)
+    ms_per_iter = elapsed_s * 1e3 / max(len(results), 1)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     label = f"exiting program at iteration {start_iteration + done}" if exited else "after training is done"
     if not done:  # resumed at or past --train-iters: nothing was left to train
@@ -84,7 +87,10 @@ def training_summary_lines(results: Sequence, start_iteration: int, consumed_sam
     return [
         f"[{label}] datetime: {stamp} ",
         f" > training summary: iterations {start_iteration + 1}-{start_iteration + done} ({done}) | "
-        f"consumed samples: {consumed_samples} | real tokens: {real} | padded tokens: {padded} | "
+        f"consumed samples: {consumed_samples} | "
+        + (f"skipped samples: {skipped_samples} ({skipped_iterations} iteration"
+           f"{'s' if skipped_iterations > 1 else ''} of --iterations-to-skip) | " if skipped_iterations else "")
+        + f"real tokens: {real} | padded tokens: {padded} | "
         f"loss tokens: {loss_tokens} | skipped iterations: {skipped} | time (s): {elapsed_s:.1f} | "
         f"elapsed time per iteration (ms): {ms_per_iter:.1f} | "
         f"real tokens/s: {real / max(elapsed_s, 1e-9):.1f} | padding efficiency: {real / max(padded, 1):.3f}",

@@ -77,15 +77,23 @@ class LoaderSource:
                                   settings=settings)
 
     def next(self, iteration: int) -> PlannedIteration:
-        data = next(self.loader)
-        if data.iteration != iteration:
-            raise DynaPipeError(f"the data loader yielded {iteration_name(data.iteration)} for {iteration_name(iteration)}.")
+        data = self._take(iteration)
         check_plan_placement(data.plan, self.placement, self.model, iteration)
         m = data.meta
         return PlannedIteration(data.plan, data.micro_batches, m.global_loss_tokens, m.global_real_tokens,
                                 m.global_padded_tokens, m.consumed_samples, m.truncated_samples, m.wait_ms,
                                 data.digest, TokenWork.from_json(m.global_executed_work),
                                 TokenWork.from_json(m.global_real_work))
+
+    def skip(self, iteration: int) -> int:
+        """Consume the iteration's plan untrained; the consumed samples after it."""
+        return self._take(iteration).meta.consumed_samples
+
+    def _take(self, iteration: int):
+        data = next(self.loader)
+        if data.iteration != iteration:
+            raise DynaPipeError(f"the data loader yielded {iteration_name(data.iteration)} for {iteration_name(iteration)}.")
+        return data
 
     def close(self) -> None:
         self.loader.close()
@@ -107,6 +115,10 @@ class BaselineSource:
         self.level = cfg.base.recompute.granularity or "none"
         self.placement = cfg.stage_placement()
         self.layouts = self.placement.layouts()  # the layers the stages hold decide the messages
+
+    def skip(self, iteration: int) -> int:
+        """Consume the iteration's global batch untrained; the consumed samples after it."""
+        return self.batches.batch(iteration).consumed_samples
 
     def next(self, iteration: int) -> PlannedIteration:
         batch = self.batches.batch(iteration)
@@ -273,6 +285,11 @@ class T5Stepper:
                           executed_work=item.executed_work, real_work=item.real_work,
                           num_zeros_in_grad=None if num_zeros is None else int(num_zeros),
                           breakdown_ms=step_split_ms(t_run, t_grads, t_opt), schedule=item.plan.schedule)
+
+    def skip(self, iteration: int) -> int:
+        """Consume iteration ``iteration``'s global batch untrained (``--iterations-to-skip``);
+        the consumed samples after it."""
+        return self.executor.reporting(f"iteration {iteration + 1}", lambda: self.source.skip(iteration))
 
     def report_failure(self, exc: BaseException, where: str) -> Optional[BaseException]:
         """Publish a failure of this rank between steps (see the GPT stepper's)."""

@@ -299,6 +299,9 @@ class DynaPipeTrainingConfig:
     rerun: RerunSettings = field(default_factory=RerunSettings)
     # Megatron's --exit-interval: stop (after saving, with --save) at the first multiple of it.
     exit_interval: Optional[int] = None
+    # Megatron's --iterations-to-skip: iterations (0-based, the iterations done before each) whose
+    # global batch is consumed without training on it.
+    iterations_to_skip: tuple = ()
     # Megatron's --exit-duration-in-mins (None: no limit) and --empty-unused-memory-level
     # (megatron_integration.training_limits).
     exit_duration_in_mins: Optional[int] = None

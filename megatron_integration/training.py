@@ -83,6 +83,11 @@ class MegatronStepper:
         result.executed_work, result.real_work = executed, samples_work(lengths)
         return result
 
+    def skip(self, iteration: int) -> int:
+        """Consume iteration ``iteration``'s global batch untrained (``--iterations-to-skip``);
+        the consumed samples after it."""
+        return self.batches.batch(iteration).consumed_samples
+
     def _validator(self) -> ResultValidator:
         if self.validator is None:
             self.validator = ResultValidator(self.cfg.rerun, self.cfg.check_for_nan_in_loss_and_grad,

@@ -30,6 +30,10 @@ class Stepper(Protocol):
 
     def step(self, iteration: int) -> StepResult: ...
 
+    def skip(self, iteration: int) -> int:
+        """Consume the iteration's global batch untrained; the consumed samples after it."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -68,6 +72,8 @@ class TrainingRun:
     # Model FLOPs of every iteration trained, a checkpoint's included (Megatron-LM's
     # num_floating_point_operations_so_far): the executed shapes', by Megatron-LM's count.
     flops_so_far: float = 0.0
+    # --iterations-to-skip: the iterations (0-based, as the flag names them) consumed untrained.
+    skipped_iterations: list[int] = field(default_factory=list)
     # GPUs: this rank's caching-allocator memory at the end of the run, maxima over the run (MiB;
     # dynapipe.runtime.activation_meter.cuda_memory_mib). None on CPUs.
     cuda_memory_mib: Optional[dict] = None
@@ -152,6 +158,13 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
         stop, saved_at, by_duration = max(last, run.start_iteration), None, False
         for iteration in range(run.start_iteration, last):
             where = f"iteration {iteration + 1}"
+            if iteration in cfg.iterations_to_skip:
+                # Megatron-LM's --iterations-to-skip: the batch is consumed, nothing is trained,
+                # logged, evaluated or saved at it (its loop continues past all of them).
+                run.consumed_samples = parts.stepper.skip(iteration)
+                logger.skip(run.consumed_samples)
+                run.skipped_iterations.append(iteration)
+                continue
             result = parts.stepper.step(iteration)
             if result.stop is not None:
                 _end_on_rejected_result(parts, run, iteration, result.stop, saved_at, logger)
@@ -206,7 +219,9 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
         if logger.is_logging_rank:  # after its own last iteration line (every rank has the same results)
             # Training time: the evaluations and checkpoints between iterations left out.
             summary = training_summary_lines(run.results, run.start_iteration, run.consumed_samples,
-                                             time.perf_counter() - started - logger.paused_total_s, exited=exited)
+                                             time.perf_counter() - started - logger.paused_total_s, exited=exited,
+                                             skipped_iterations=len(run.skipped_iterations),
+                                             skipped_samples=logger.skipped_samples)
             stream.write("\n".join(summary[1:] if by_duration else summary) + "\n")
             stream.flush()
         if evaluator is not None and stop >= cfg.train_iters and not exited:

@@ -134,7 +134,8 @@ def pp2(tmp_path_factory, t5_dist):
     on the zero-bubble schedule, on the even split and on the interleaved placement; packing with
     per-sample attention; DynaPipe with per-sample attention; short JSONL pairs with padding and
     with per-sample packing through the DynaPipe executor and with masked packing; a weighted JSONL blend, uninterrupted and cut after 4 iterations,
-    resumed at another --train-iters; last, DynaPipe under --rerun-mode report_stats."""
+    resumed at another --train-iters; last, padding and DynaPipe skipping an iteration, and DynaPipe
+    under --rerun-mode report_stats."""
     from megatron_integration.t5_jobs import run_t5_training
     from t5_span_fixture import write_sentences, write_vocab
 
@@ -221,9 +222,11 @@ def pp2(tmp_path_factory, t5_dist):
              (blended + f" --train-iters 8 --exit-interval 4 --save {save / 'blend'}").split(),
              (blended + f" --train-iters 16 --exit-interval 8 --load {save / 'blend'} "
                         f"--override-opt_param-scheduler").split()]
+    # --iterations-to-skip 1 on padding and DynaPipe (iteration 2's batch consumed untrained); then
     # --rerun-mode report_stats: every iteration computed twice through the T5 stepper (DynaPipe's
-    # executor); the same losses as the DynaPipe run above. Last, after the blend's three runs.
-    runs += [(dyn + " --exit-interval 2 --rerun-mode report_stats").split()]
+    # executor), the same losses as the DynaPipe run above. Last, after the blend's three runs.
+    runs += [(TINY + " --iterations-to-skip 1").split(), (dyn + " --iterations-to-skip 1").split(),
+             (dyn + " --exit-interval 2 --rerun-mode report_stats").split()]
     # About 3 s a run on an idle host: the limit grows with the runs, so a loaded host is not a hang.
     ranks = run_t5_training(runs, 2, timeout_s=max(TIMEOUT, 20 * len(runs)))
     assert [r["losses"] for r in ranks[1]] == [r["losses"] for r in ranks[0]]  # every rank reports the same

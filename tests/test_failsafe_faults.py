@@ -260,6 +260,12 @@ def fault_outcomes(tmp_path_factory):
                                     "--check-for-large-grads"),
         "spike_scale_back": ("all", _spike_scale, (100, 10.0)),
         "spikes_unchecked": ("train", f"{TINY}{MOCK} --train-iters 4 --lr 1e-3 --use-dynapipe"),
+        # --iterations-to-skip 1: the second iteration's batch is consumed untrained, on megatron-core's
+        # schedule and through DynaPipe's loader alike.
+        "skip_none": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --split 100,0,0"),
+        "skip_padding": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --split 100,0,0 --iterations-to-skip 1"),
+        "skip_dynapipe": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --split 100,0,0 --iterations-to-skip 1 "
+                                   "--use-dynapipe"),
         # Every iteration computed twice: the same losses as one computation, and the differences told.
         "report_stats": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --rerun-mode report_stats"),
         "nan_unchecked": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e20 --no-check-for-nan-in-loss-and-grad"),
@@ -501,6 +507,22 @@ def test_spike_checks_compute_a_large_value_again_and_training_goes_on(fault_out
         assert f"iteration {k}: the loss of rank 1 is " in log and f"iteration {k}: the gradient norm of rank 0 is " in log
         assert f"iteration {k}: the loss of rank 1 is reproduced" in log
     assert "iteration 2: the" not in log and "not reproduced" not in log
+
+
+def test_a_skipped_iteration_consumes_its_batch_untrained(fault_outcomes):
+    outcomes, _ = fault_outcomes
+    plain, padding, dynapipe = (outcomes[k][1] for k in ("skip_none", "skip_padding", "skip_dynapipe"))
+    assert len(plain["losses"]) == 3 and len(padding["losses"]) == len(dynapipe["losses"]) == 2
+    assert padding["losses"][0] == plain["losses"][0]
+    # Iteration 3 trains on iteration 3's batch after one optimizer step, not two: both methods
+    # skipped the same batch, so they agree with each other and not with the plain run.
+    assert np.allclose(dynapipe["losses"], padding["losses"], rtol=0, atol=1e-5)
+    assert abs(padding["losses"][1] - plain["losses"][2]) > 1e-4
+    for name in ("skip_padding", "skip_dynapipe"):
+        log = outcomes[name][1]["log"]  # the last stage logs
+        assert "iteration        2/" not in log
+        assert "iteration        3/       3 | consumed samples:           12 | skipped samples:            4 |" in log
+        assert "skipped samples: 4 (1 iteration of --iterations-to-skip)" in log and "iterations 1-3 (3)" in log
 
 
 def test_report_stats_computes_every_iteration_twice_and_trains_the_same(fault_outcomes):

@@ -125,6 +125,11 @@ def test_megatrons_resilience_flags_are_taken_or_refused_with_what_is_done_inste
     cfg = parse(f"{TINY} --train-iters 4 --lr 1e-3 --mock-data --rerun-mode disabled")
     assert cfg.check_for_nan_in_loss_and_grad and cfg.rerun.rerun_mode == "disabled"
     assert parse(f"{GPT3} --rerun-mode report_stats").rerun.rerun_mode == "report_stats"
+    # --iterations-to-skip as Megatron-LM names them (iterations done before each), in order, once each.
+    assert parse(f"{GPT3} --iterations-to-skip 5 2 5").iterations_to_skip == (2, 5)
+    assert parse(GPT3).iterations_to_skip == ()
+    assert "--iterations-to-skip -1: iterations are named by the iterations done before them, from 0" in refusal(
+        f"{GPT3} --iterations-to-skip 3 -1", capsys)
     spikes = parse(f"{GPT3} --check-for-spiky-loss --check-for-large-grads").rerun
     assert spikes.check_for_spiky_loss and spikes.check_for_large_grads
     assert not parse(GPT3).rerun.check_for_spiky_loss and not parse(GPT3).rerun.check_for_large_grads

@@ -783,7 +783,7 @@ def test_the_mask_decision_is_taken_from_the_host_copies_when_given():
 def test_t5_resumed_at_another_train_iters_continues_its_weighted_blend(pp2):
     # The checkpoint records the blend's size (64 samples); the run resumed with --train-iters
     # 16 builds that blend, not one of 128, so iterations 5-8 train on the same samples.
-    full, _, resumed = pp2[-4:-1]
+    full, _, resumed = pp2[-6:-3]
     assert len(full["losses"]) == 8 and resumed["start_iteration"] == 4
     assert resumed["losses"] == full["losses"][4:8]
     assert (" > keeping the weighted blend as the checkpoint sized it (64 samples; this run's --train-iters 16 would "
@@ -795,6 +795,15 @@ def test_t5_report_stats_computes_every_iteration_twice_and_trains_the_same(pp2)
     assert "--rerun-mode" in stats["argv"] and stats["losses"] == dynapipe["losses"]
     # Reported every two iterations, by rank 0: the last stage's loss and both stages' gradient norms.
     assert stats["stats_lines"] == ["  loss: 2 samples, all identical", "  gradient norm: 4 samples, all identical"]
+
+
+def test_t5_skips_an_iteration_on_padding_and_dynapipe_alike(pp2):
+    padding, dynapipe, full = pp2[-3], pp2[-2], pp2[0]  # full: padding for 3 iterations
+    assert "--iterations-to-skip" in padding["argv"] and "--use-dynapipe" in dynapipe["argv"]
+    assert len(padding["losses"]) == len(dynapipe["losses"]) == 2
+    assert padding["losses"][0] == full["losses"][0]
+    assert np.allclose(dynapipe["losses"], padding["losses"], rtol=0, atol=1e-5)
+    assert abs(padding["losses"][1] - full["losses"][2]) > 1e-4  # one optimizer step before it, not two
 
 
 def _t5_losses(argvs: list) -> list:
