@@ -207,7 +207,8 @@ def peer_lost(e: BaseException, where: str) -> Optional[DynaPipeError]:
 
 
 def exit_line(e: BaseException, started: bool) -> Optional[str]:
-    """The one line a training script prints for ``e`` before exiting with status 2, or None
+    """The one line a training script prints for ``e`` before exiting (status 2, or a rejected
+    result's 16 or 17), or None
     when ``e`` is to be raised as it is: a :class:`DynaPipeError` (bad input, a refused plan, a
     failure the loop already named), or once training has ``started`` another rank gone before
     the training loop (building the model or the optimizer, loading a checkpoint), as the loop

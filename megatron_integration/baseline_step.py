@@ -16,7 +16,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -30,6 +30,9 @@ from megatron_integration.initialize import RankInfo
 from megatron_integration.model import Stage
 from megatron_integration.schedule_timing import ScheduleTiming, timed_schedule
 from megatron_integration.training_limits import empty_unused_memory
+
+if TYPE_CHECKING:
+    from megatron_integration.rerun import Verdict
 
 # Baselines whose micro-batches differ in sequence length (megatron-core's variable_seq_lengths).
 VARIABLE_LENGTH_METHODS = ("padding-mb",)
@@ -72,9 +75,9 @@ class StepResult:
     # The pipeline schedule the iteration ran: its plan's (``auto``'s choice under DynaPipe), or
     # megatron-core's own ("1f1b", "interleaved") for the baselines it schedules.
     schedule: str = ""
-    # A rejected loss or gradient norm that ends the run before the optimizer step
-    # (megatron_integration.rerun.Verdict); None for an iteration trained.
-    stop: Optional[object] = None
+    # A rejected loss or gradient norm that ends the run before the optimizer step; None for an
+    # iteration trained.
+    stop: Optional["Verdict"] = None
 
     @classmethod
     def stopped(cls, verdict) -> "StepResult":
@@ -235,13 +238,14 @@ def megatron_train_step(stage: Stage, optimizer, scheduler, micro_batches: list[
 
     start = time.perf_counter()
     forward_backward = get_forward_backward_func()
-    timing = ScheduleTiming()
     lengths = {int(m.tokens.shape[1]) for m in micro_batches}
     variable_seq_lengths = variable_seq_lengths or len(lengths) > 1
     seq_length = max(lengths) if lengths else seq_length
     ran = {}
 
     def run_schedule():
+        # Timed afresh at every computation: a recomputed iteration (--rerun-mode) reports one.
+        ran["timing"] = timing = ScheduleTiming()
         for module in stage.modules:
             module.zero_grad_buffer()
         optimizer.zero_grad()
@@ -267,7 +271,7 @@ def megatron_train_step(stage: Stage, optimizer, scheduler, micro_batches: list[
         verdict = validate(run_schedule)
         if verdict is not None:
             return StepResult.stopped(verdict)
-    reports, activations = ran["reports"], ran["activations"]
+    reports, activations, timing = ran["reports"], ran["activations"], ran["timing"]
     t_opt = time.perf_counter()
     empty_unused_memory(memory_level, info.device, after_optimizer=False)
     ok, grad_norm, num_zeros = optimizer.step()

@@ -16,7 +16,6 @@ scale, and the log counts it in ``number of skipped iterations``. The check is o
 """
 from __future__ import annotations
 
-import math
 from typing import Iterable, Optional
 
 import torch
@@ -41,10 +40,12 @@ def local_values(module: torch.nn.Module, loss_sum, device: torch.device) -> tor
     """``[has a loss, loss sum, gradient 2-norm]`` of this rank as a float64 tensor.
 
     ``loss_sum``: this rank's summed loss (a tensor or a float; None on ranks without a
-    loss, i.e. every stage but the last: then the first two are 0). The norm is taken as
-    megatron-core's ``check_grads`` takes it, over the local gradients, not element by element:
-    it is NaN for a NaN anywhere and infinite for an infinite element or for finite ones whose
-    squares overflow (a diverged run whose clipped steps still move Adam's moments).
+    loss, i.e. every stage but the last: then the first two are 0). The norm is a 2-norm, as
+    megatron-core's ``check_grads`` takes it, not element by element: it is NaN for a NaN anywhere
+    and infinite for an infinite element or for finite ones whose squares overflow (a diverged run
+    whose clipped steps still move Adam's moments). It is read where the caller reads it: the
+    steppers read it after the data-parallel and embedding reductions, where megatron-core checks
+    each bucket before its reduction, so a NaN of one replica is every replica's here.
     """
     values = torch.zeros(3, dtype=torch.float64, device=device)
     if loss_sum is not None:
@@ -57,18 +58,11 @@ def local_values(module: torch.nn.Module, loss_sum, device: torch.device) -> tor
     return values
 
 
-def local_flags(module: torch.nn.Module, loss_sum, device: torch.device) -> torch.Tensor:
-    """``[loss not finite, gradient norm not finite]`` of this rank as a float tensor (0 or 1)
-    (see :func:`local_values`)."""
-    has_loss, loss, norm = (float(v) for v in local_values(module, loss_sum, device))
-    return torch.tensor([float(has_loss > 0 and not math.isfinite(loss)), float(not math.isfinite(norm))])
-
-
 def _ranks(column: torch.Tensor) -> list[int]:
     return [int(r) for r in torch.nonzero(column > 0).flatten().tolist()]
 
 
-def _ranks_text(ranks: list[int]) -> str:
+def ranks_text(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
@@ -80,9 +74,9 @@ def rejection(iteration: int, all_flags: torch.Tensor) -> Optional[str]:
         return None
     what = []
     if loss_ranks:
-        what.append(f"the loss is NaN or infinite on {_ranks_text(loss_ranks)}")
+        what.append(f"the loss is NaN or infinite on {ranks_text(loss_ranks)}")
     if grad_ranks:
-        what.append(f"the gradient norm is NaN or infinite on {_ranks_text(grad_ranks)}")
+        what.append(f"the gradient norm is NaN or infinite on {ranks_text(grad_ranks)}")
     return f"iteration {iteration}: {' and '.join(what)}"
 
 

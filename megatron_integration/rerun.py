@@ -26,7 +26,10 @@ computes wrongly). Megatron-LM tells them apart by computing the iteration again
 norms differ between the two (the run's non-determinism), every two iterations. ``disabled`` stops
 on the first NaN or Inf, as Megatron-LM's check does then. Where Megatron-LM lets the first
 iteration of a job through unchecked under ``validate_results`` (no checkpoint could be taken
-before it), the check here stops the job on it, as ``disabled`` does.
+before it), the check here stops the job on it, as ``disabled`` does. The gradient norm is the
+steppers' after the data-parallel and embedding reductions, where megatron-core checks each bucket
+before its reduction: a NaN born on one replica is every replica's, and the loss (never reduced
+before it is read) names the rank it began on.
 
 ``--check-for-spiky-loss`` and ``--check-for-large-grads`` (Megatron-LM's, off by default): a rank's
 loss or gradient norm of ten times the largest of its first 100 is computed again in place and said
@@ -49,7 +52,7 @@ import torch.distributed as dist
 
 from dynapipe.errors import DynaPipeError
 from megatron_integration.rerun_settings import RerunSettings
-from megatron_integration.nan_guard import NonFiniteError, describe, local_values, rejection
+from megatron_integration.nan_guard import NonFiniteError, describe, local_values, ranks_text, rejection
 
 # megatron.core.rerun_state_machine's exit statuses.
 EXIT_RESUME_TO_DISAMBIGUATE = 16
@@ -59,6 +62,7 @@ EXIT_FAILED_ON_RESULT_VALIDATION = 17
 LOSS_TOLERANCE = 0.0
 GRAD_NORM_TOLERANCE = 1e-3
 REPORT_INTERVAL = 2  # iterations between report_stats lines, as Megatron-LM's
+STATS_SAMPLES = 100_000  # differing samples report_stats keeps, as Megatron-LM's QuickStats
 # Megatron-LM's spike checks: a value is unexpectedly large at SPIKE_FACTOR times the largest of
 # the first LARGE_VALUE_SAMPLES values (10 and 100 in its pretrain_gpt.py and megatron-core's DDP).
 SPIKE_FACTOR = 10.0
@@ -117,19 +121,27 @@ class LargeValues:
 
 
 class QuickStats:
-    """Relative differences between runs of the same iteration (``report_stats``)."""
+    """Relative differences between runs of the same iteration (``report_stats``): the identical
+    ones counted, the others kept (the newest :data:`STATS_SAMPLES`, as Megatron-LM keeps them)."""
 
     def __init__(self):
         self.samples: list[float] = []
         self.identical = 0
+        self.seen = 0  # differing samples recorded, kept or not
 
     def record(self, diff: float) -> None:
+        """Add one relative difference (0: identical)."""
         if diff == 0.0:
             self.identical += 1
-        else:
+            return
+        if len(self.samples) < STATS_SAMPLES:
             self.samples.append(diff)
+        else:
+            self.samples[self.seen % STATS_SAMPLES] = diff
+        self.seen += 1
 
     def line(self) -> str:
+        """Megatron-LM's summary: counts, mean, percentiles and maximum of the kept samples."""
         total = self.identical + len(self.samples)
         if not self.samples:
             return f"{total:,} samples, all identical"
@@ -149,10 +161,6 @@ def _where(device: torch.device) -> list:
     return [socket.gethostname(), index]
 
 
-def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
 @dataclass
 class ResultValidator:
     """Validates each iteration's results before the optimizer step (see the module's text).
@@ -168,6 +176,8 @@ class ResultValidator:
     device: torch.device
     resume: Optional[dict] = None
     log: Callable[[str], None] = lambda line: None
+    # The job's layout (tensor, pipeline, data-parallel sizes and method), which a record must match.
+    layout: dict = field(default_factory=dict)
     first_done: bool = False
     stats: dict = field(default_factory=lambda: {"loss": QuickStats(), "gradient norm": QuickStats()})
     large: dict = field(default_factory=lambda: {"loss": LargeValues(), "gradient norm": LargeValues()})
@@ -198,15 +208,16 @@ class ResultValidator:
         if not rejected:
             # Megatron-LM's spike checks: not under report_stats, nor on a job's first iteration
             # under validate_results (no checkpoint could be taken before it).
+            verdict = None
             if mode == "disabled" or (mode == "validate_results" and self.first_done):
-                self._check_spikes(iteration, values, saved, forward_backward)
+                verdict = self._check_spikes(iteration, values, saved, forward_backward)
             self.first_done = True
-            return None
+            return verdict
         if mode != "validate_results" or not self.first_done:
             message = describe(iteration + 1, _flags(values))
             if mode == "validate_results":
-                message += (" (The first iteration of a job is not computed again: no checkpoint holds the weights "
-                            "it started from.)")
+                message += (" (As in Megatron-LM, a job's first iteration is not computed again; here it stops the "
+                            "job.)")
             raise NonFiniteError(message)
         return self._rerun_in_place(iteration, values, rejected, saved, forward_backward)
 
@@ -229,7 +240,7 @@ class ResultValidator:
         return torch.stack(rows).cpu().double()
 
     def _rerun_in_place(self, iteration: int, values, rejected: list[int], saved, forward_backward) -> Verdict:
-        self.log(f"iteration {iteration + 1}: result rejected on {_ranks(rejected)}; computing the iteration again "
+        self.log(f"iteration {iteration + 1}: result rejected on {ranks_text(rejected)}; computing the iteration again "
                  f"on the same devices to check whether it reproduces")
         _set_rng_state(saved)
         again = self._gather(forward_backward())
@@ -237,16 +248,19 @@ class ResultValidator:
         reproduced = [r for r in rejected if _reproduced(values[r], again[r], injected.get(r), "in_place")]
         first = rejection(iteration + 1, _flags(values)) or (
             f"iteration {iteration + 1}: an injected {_injected_names(injected)}")
+        # The checkpoint saved next must hold the random state the iteration started from (its
+        # dropout masks), as the weights are, so a resumed run computes the same iteration.
+        _set_rng_state(saved)
         if not reproduced:
             return Verdict(EXIT_FAILED_ON_RESULT_VALIDATION, checkpoint=True, message=(
                 f"{first}, and computing it again on the same devices did not reproduce it: a possible transient "
-                f"fault of {_ranks(rejected)} ({_places(self._places(), rejected)}). Resume from the checkpoint "
+                f"fault of {ranks_text(rejected)} ({_places(self._places(), rejected)}). Resume from the checkpoint "
                 f"before it; if it recurs, leave those devices out."))
-        record = {"iteration": iteration + 1, "rejected": rejected, "values": values.tolist(),
-                  "places": self._places(), "injected": {str(r): t for r, t in injected.items()},
-                  "what": first}
+        record = {"iteration": iteration + 1, "rejected": rejected, "reproduced": reproduced,
+                  "values": values.tolist(), "places": self._places(), "layout": self.layout,
+                  "injected": {str(r): t for r, t in injected.items()}, "what": first}
         return Verdict(EXIT_RESUME_TO_DISAMBIGUATE, checkpoint=True, record=record, message=(
-            f"{first}; computing it again on the same devices reproduced it on {_ranks(reproduced)}. Resume from the "
+            f"{first}; computing it again on the same devices reproduced it on {ranks_text(reproduced)}. Resume from the "
             f"checkpoint before it on other nodes or devices: computed there, it tells a diverged run from a "
             f"faulty device."))
 
@@ -263,10 +277,12 @@ class ResultValidator:
         k, rejected, before = record["iteration"], record["rejected"], record["places"]
         initial = torch.tensor(record["values"], dtype=torch.float64)
         here = self._places()
-        same = [r for r in rejected if list(here[r]) == list(before[r])]
+        # As Megatron-LM: a rank that reproduced the result in place must not be back on the node
+        # and device it reproduced it on.
+        same = [r for r in record.get("reproduced", rejected) if list(here[r]) == list(before[r])]
         if same:
             return Verdict(EXIT_RESUME_TO_DISAMBIGUATE, checkpoint=False, message=(
-                f"iteration {k}: resumed to compute the rejected result again elsewhere, but {_ranks(same)} "
+                f"iteration {k}: resumed to compute the rejected result again elsewhere, but {ranks_text(same)} "
                 f"run on the node and device that rejected it ({_places(here, same)}); resume from the same "
                 f"checkpoint on other nodes or devices."))
         injected = {int(r): t for r, t in record.get("injected", {}).items()}
@@ -283,10 +299,11 @@ class ResultValidator:
             f"with --rerun-mode disabled to train past the record."))
 
     # --- spikes: computed again, training goes on -------------------------------------------
-    def _check_spikes(self, iteration: int, values, saved, forward_backward) -> None:
+    def _check_spikes(self, iteration: int, values, saved, forward_backward) -> Optional[Verdict]:
         """Megatron-LM's non-fatal checks: a spike is said, computed again in place under
         ``validate_results`` (the optimizer then steps on the recomputed gradients), and training
-        goes on whether or not it reproduced."""
+        goes on whether or not it reproduced (None). A recomputation that is NaN or Inf where the
+        first computation was finite is a transient fault: its :class:`Verdict` ends the run."""
         s, k = self.settings, iteration + 1
         spikes = []  # (rank, quantity, column)
         for r in range(len(values)):
@@ -295,21 +312,25 @@ class ResultValidator:
             if s.check_for_large_grads and self.large["gradient norm"].large(r, float(values[r, 2])):
                 spikes.append((r, "gradient norm", 2))
         if not spikes:
-            return
+            return None
         what = "; ".join(f"the {name} of rank {r} is {float(values[r, c]):.4g}, at least {SPIKE_FACTOR:g}x the "
                          f"largest of its first {LARGE_VALUE_SAMPLES} ({self.large[name].largest[r]:.4g})"
                          for r, name, c in spikes)
         if s.rerun_mode == "disabled":
             self.log(f"warning: iteration {k}: {what}; training goes on (--rerun-mode disabled)")
-            return
+            return None
         self.log(f"iteration {k}: {what}; computing the iteration again on the same devices")
         _set_rng_state(saved)
         again = self._gather(forward_backward())
         flags = _flags(again)
-        if self.check and flags.any():
-            raise NonFiniteError(describe(k, flags) + " (computing the iteration again after an unexpectedly large "
-                                                      "value)")
         places = self._places()
+        if self.check and flags.any():
+            bad = [r for r in range(len(again)) if flags[r].any()]
+            _set_rng_state(saved)  # the checkpoint holds the state the iteration started from
+            return Verdict(EXIT_FAILED_ON_RESULT_VALIDATION, checkpoint=True, message=(
+                f"{rejection(k, flags)} when computed again after an unexpectedly large value, finite the first "
+                f"time: a possible transient fault of {ranks_text(bad)} ({_places(places, bad)}). Resume from the "
+                f"checkpoint before it; if it recurs, leave those devices out."))
         for r, name, c in spikes:
             tolerance = LOSS_TOLERANCE if c == 1 else GRAD_NORM_TOLERANCE
             if compare(float(values[r, c]), float(again[r, c])) <= tolerance:
@@ -319,6 +340,7 @@ class ResultValidator:
                 self.log(f"iteration {k}: the {name} of rank {r} is not reproduced ({float(again[r, c]):.4g}): a "
                          f"possible transient fault of {_places(places, [r])}; training goes on with the recomputed "
                          f"result")
+        return None
 
     # --- report_stats ------------------------------------------------------------------------
     def _record_stats(self, first, second, iteration: int) -> None:
@@ -326,7 +348,7 @@ class ResultValidator:
             if first[r, 0] > 0:
                 self.stats["loss"].record(compare(float(first[r, 1]), float(second[r, 1])))
             self.stats["gradient norm"].record(compare(float(first[r, 2]), float(second[r, 2])))
-        if (iteration + 1) % REPORT_INTERVAL == 0:
+        if (iteration + 1) % REPORT_INTERVAL == 0 and (not dist.is_initialized() or dist.get_rank() == 0):
             self.log("Stats on computation determinism (each iteration computed twice, --rerun-mode report_stats):")
             for name, stats in self.stats.items():
                 self.log(f"  {name}: {stats.line()}")
@@ -354,7 +376,7 @@ def _reproduced(initial, again, injected: Optional[str], where: str) -> bool:
 
 
 def _injected_names(injected: dict) -> str:
-    return " and ".join(sorted({t.replace("_", " ") for t in injected.values()})) + f" on {_ranks(sorted(injected))}"
+    return " and ".join(sorted({t.replace("_", " ") for t in injected.values()})) + f" on {ranks_text(sorted(injected))}"
 
 
 def _places(places: list, ranks: list[int]) -> str:

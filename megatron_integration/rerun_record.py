@@ -11,12 +11,11 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from dynapipe.errors import DynaPipeError
+from megatron_integration.nan_guard import ranks_text
 
 RECORD_FILE = "rerun_state.json"
 
 
-def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 def write_record(root: str, iteration: int, record: dict, rank: int) -> str:
@@ -36,10 +35,13 @@ def write_record(root: str, iteration: int, record: dict, rank: int) -> str:
     return path
 
 
-def load_record(root: str, iteration: int, mode: str, rank: int, log: Callable[[str], None]) -> Optional[dict]:
+def load_record(root: str, iteration: int, mode: str, rank: int, log: Callable[[str], None], check: bool = True,
+                layout: Optional[dict] = None) -> Optional[dict]:
     """The rerun record of the checkpoint of ``iteration`` under ``root`` (None: it has none),
     read and verified by rank 0 and sent to every rank; collective. Under a mode other than
-    ``validate_results`` the record is not read: it is said to be ignored and None returned."""
+    ``validate_results``, or with the NaN check off (``check`` False), the record is not read: it
+    is said to be ignored and None returned. A record of another ``layout`` (tensor, pipeline and
+    data-parallel sizes, method) is refused: its diagnosis compares rank by rank."""
     from megatron_integration.agreement import attempt, same_error_everywhere
     from megatron_integration.checkpoint import _iter_dir
     from megatron_integration.checkpoint_files import verify_file
@@ -49,7 +51,7 @@ def load_record(root: str, iteration: int, mode: str, rank: int, log: Callable[[
     def read() -> Optional[dict]:
         if not os.path.exists(path):
             return None
-        if mode != "validate_results":
+        if mode != "validate_results" or not check:
             return {}  # not read: a damaged record must not stop a run told to go past it
         verify_file(path)
         with open(path) as f:
@@ -66,8 +68,9 @@ def load_record(root: str, iteration: int, mode: str, rank: int, log: Callable[[
         record = box[0]
     if record is None:
         return None
-    if mode != "validate_results":
-        log(f"ignoring {path} under --rerun-mode {mode}: training goes on past the rejected result it records")
+    if mode != "validate_results" or not check:
+        why = f"--rerun-mode {mode}" if mode != "validate_results" else "--no-check-for-nan-in-loss-and-grad"
+        log(f"ignoring {path} under {why}: training goes on past the rejected result it records")
         return None
     world = dist.get_world_size() if dist.is_initialized() else 1
     if len(record["places"]) != world:
@@ -75,6 +78,14 @@ def load_record(root: str, iteration: int, mode: str, rank: int, log: Callable[[
                             f"{len(record['places'])} ranks, and this one has {world}: its diagnosis compares rank by "
                             f"rank. Resume with the ranks it was saved with, or with --rerun-mode disabled to train "
                             f"past it.")
+    saved = record.get("layout")
+    if layout is not None and saved is not None and saved != layout:
+        def shown(v: dict) -> str:
+            return ", ".join(f"{k} {v.get(k)}" for k in sorted(set(saved) | set(layout)))
+        raise DynaPipeError(f"{path}: the result of iteration {record['iteration']} was rejected in a job of "
+                            f"{shown(saved)}, and this one is {shown(layout)}: its diagnosis compares rank by rank. "
+                            f"Resume with the layout it was saved with, or with --rerun-mode disabled to train past "
+                            f"it.")
     log(f"{path}: the result of iteration {record['iteration']} was rejected on "
-        f"{_ranks(record['rejected'])} and reproduced in place; computing it again on this run's devices")
+        f"{ranks_text(record['rejected'])} and reproduced in place; computing it again on this run's devices")
     return record

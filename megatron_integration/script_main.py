@@ -1,6 +1,7 @@
 """What both training scripts (``scripts/pretrain_gpt.py``, ``scripts/pretrain_t5.py``) do around
 a run: check the command line on every rank, print Megatron-LM's argument block, train, and turn
-a failure into one ``error:`` line and exit status 2.
+a failure into one ``error:`` line and exit status 2 (16 or 17, Megatron-LM's, for a result the
+rerun state machine rejected).
 
 Kept free of torch and megatron-core at import: a bad command line is reported before megatron-core
 is imported and prints its notices.

@@ -253,10 +253,7 @@ class T5Stepper:
                 sum_sequence_parallel_grads(self.stage.gpt)
             return self.handlers.loss_sum if self.info.is_last_stage else None
 
-        if self.validator is None:
-            self.validator = ResultValidator(base.rerun, base.check_for_nan_in_loss_and_grad, self.stage.module,
-                                             self.info.device)
-        verdict = self.validator.run(iteration, forward_backward)
+        verdict = self._validator().run(iteration, forward_backward)
         if verdict is not None:
             return StepResult.stopped(verdict)
         result, activations, t_grads = ran["result"], ran["activations"], ran["t_grads"]
@@ -285,6 +282,12 @@ class T5Stepper:
                           executed_work=item.executed_work, real_work=item.real_work,
                           num_zeros_in_grad=None if num_zeros is None else int(num_zeros),
                           breakdown_ms=step_split_ms(t_run, t_grads, t_opt), schedule=item.plan.schedule)
+
+    def _validator(self) -> ResultValidator:
+        if self.validator is None:
+            self.validator = ResultValidator(self.cfg.base.rerun, self.cfg.base.check_for_nan_in_loss_and_grad,
+                                             self.stage.module, self.info.device)
+        return self.validator
 
     def skip(self, iteration: int) -> int:
         """Consume iteration ``iteration``'s global batch untrained (``--iterations-to-skip``);

@@ -137,7 +137,8 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
                 log(kept_blend)
     stepper = T5Stepper.create(cfg, info, stage, optimizer, scheduler, sync, run.start_iteration,
                                run.consumed_samples)
-    stepper.validator = result_validator(base, info, stage.module, stream, run.start_iteration)
+    stepper.validator = result_validator(base, info, stage.module, stream, run.start_iteration,
+                                         split=checkpoint_record(placement))
 
     def save(iteration: int, consumed_samples: int, flops_so_far: float) -> None:
         checkpoint_formats.save(base, iteration, consumed_samples, stage.gpt, optimizer, scheduler, info, log,

@@ -76,8 +76,8 @@ class MegatronStepper:
                                                       sp_shards=sp_shards(cfg), packed_attention=cfg.packed_attention)
         result = megatron_train_step(self.stage, self.optimizer, self.scheduler, micro_batches, cfg.model.seq_length,
                                      cfg.micro_batch_size, self.info, int(lengths.sum()), executed.tokens,
-                                     validate=partial(self._validator().run, iteration), memory_level=cfg.empty_unused_memory_level,
-                                     loss_divisor=float(loss_tokens))
+                                     validate=partial(self._validator().run, iteration),
+                                     memory_level=cfg.empty_unused_memory_level, loss_divisor=float(loss_tokens))
         result.consumed_samples = batch.consumed_samples
         result.truncated = int(self.batches.dataset.truncated[batch.indices].sum())
         result.executed_work, result.real_work = executed, samples_work(lengths)
@@ -135,16 +135,21 @@ def vocab_padding_line(cfg: DynaPipeTrainingConfig) -> Optional[str]:
 
 
 def result_validator(cfg: DynaPipeTrainingConfig, info: RankInfo, module, stream: TextIO,
-                     start_iteration: int) -> ResultValidator:
+                     start_iteration: int, split: Optional[dict] = None) -> ResultValidator:
     """The run's :class:`ResultValidator` (``--rerun-mode``), with the rerun record of the
-    checkpoint it resumed from (``start_iteration`` > 0 under ``--load``), if any; collective."""
+    checkpoint it resumed from (``start_iteration`` > 0 under ``--load``), if any; collective.
+    ``split``: how the model's layers sit on the stages (a record of another split is refused,
+    as one of other parallel sizes, method or micro-batch size is)."""
     def log(line: str) -> None:
         print_rank_0(info, stream, [], line)
+    layout = {"tp": info.tp_size, "pp": info.pp_size, "dp": info.dp_size, "method": cfg.method,
+              "micro_batch_size": cfg.micro_batch_size, "split": split}
     record = None
     if cfg.load and start_iteration > 0:
-        record = load_record(cfg.load, start_iteration, cfg.rerun.rerun_mode, info.rank, log)
+        record = load_record(cfg.load, start_iteration, cfg.rerun.rerun_mode, info.rank, log,
+                             check=cfg.check_for_nan_in_loss_and_grad, layout=layout)
     return ResultValidator(cfg.rerun, cfg.check_for_nan_in_loss_and_grad, module, info.device, resume=record,
-                           log=log)
+                           log=log, layout=layout)
 
 
 def check_split(chunks: int, layers: Optional[list], extra: dict, path: str) -> None:
@@ -224,7 +229,7 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
             if kept_blend:
                 log(kept_blend)
     stepper = make_stepper(cfg, info, stage, optimizer, scheduler, run.start_iteration, run.consumed_samples)
-    stepper.validator = result_validator(cfg, info, stage.module, stream, run.start_iteration)
+    stepper.validator = result_validator(cfg, info, stage.module, stream, run.start_iteration, split=record)
 
     def save(iteration: int, consumed_samples: int, flops_so_far: float) -> None:
         checkpoint_formats.save(cfg, iteration, consumed_samples, stage.gpt, optimizer, scheduler, info, log,

@@ -1,8 +1,16 @@
 """The NaN guard's local check (one process): it reads the gradients' norm, as megatron-core's
 ``check_grads`` does, so finite gradients whose norm overflows stop the run too."""
+import math
+
 import torch
 
-from megatron_integration.nan_guard import describe, local_flags
+from megatron_integration.nan_guard import describe, local_values
+
+
+def local_flags(module, loss_sum, device) -> torch.Tensor:
+    """[loss not finite, gradient norm not finite] of one rank, from what the check reads of it."""
+    has_loss, loss, norm = (float(v) for v in local_values(module, loss_sum, device))
+    return torch.tensor([float(has_loss > 0 and not math.isfinite(loss)), float(not math.isfinite(norm))])
 
 
 def _module(grad: torch.Tensor, main_grad: bool = False) -> torch.nn.Module:

@@ -212,9 +212,7 @@ def test_large_gradients_are_checked_with_their_tolerance_and_only_warned_about_
                      "on (--rerun-mode disabled)"]
 
 
-def test_report_stats_checks_no_spikes_and_a_nan_in_the_recomputation_stops_the_run(monkeypatch):
-    from megatron_integration.nan_guard import NonFiniteError
-
+def test_report_stats_checks_no_spikes_and_a_nan_in_the_recomputation_is_a_transient_fault(monkeypatch):
     stats, feed, calls, lines = _spiky_validator(monkeypatch, rerun_mode="report_stats", check_for_spiky_loss=True)
     for i in range(5):
         stats.run(i, feed(1.0 if i < 4 else 100.0, 1.0))
@@ -223,6 +221,63 @@ def test_report_stats_checks_no_spikes_and_a_nan_in_the_recomputation_stops_the_
     for i in range(4):
         validator.run(i, feed(1.0, 1.0))
     spike = iter([20.0, math.nan])
-    with pytest.raises(NonFiniteError, match="^iteration 5: the loss is NaN or infinite on rank 0.*after an "
-                                             "unexpectedly large value"):
-        validator.run(4, lambda: next(spike))
+    verdict = validator.run(4, lambda: next(spike))
+    assert verdict.exit_code == 17 and verdict.checkpoint and verdict.record is None
+    assert verdict.message.startswith("iteration 5: the loss is NaN or infinite on rank 0 when computed again after "
+                                      "an unexpectedly large value, finite the first time: a possible transient "
+                                      "fault of rank 0 (rank 0: node")
+
+
+def test_a_verdict_leaves_the_random_state_the_iteration_started_from(monkeypatch):
+    """The checkpoint saved on a verdict holds the weights from before the iteration, and so must
+    its random state (dropout masks drawn again on resume): the state after the recomputation is
+    the one the iteration started from."""
+    module = torch.nn.Linear(2, 2)
+    module.weight.grad, module.bias.grad = torch.ones(2, 2), torch.ones(2)
+    validator = ResultValidator(RerunSettings(), check=True, module=module, device=torch.device("cpu"))
+    validator.run(0, lambda: 1.0)
+
+    def diverged():
+        torch.rand(64)  # dropout draws from the generator
+        return math.nan
+    before = torch.get_rng_state()
+    verdict = validator.run(1, diverged)
+    assert verdict.exit_code == 16 and verdict.record["reproduced"] == [0]
+    assert torch.equal(torch.get_rng_state(), before)
+    validator.run(2, lambda: 1.0)
+    flaky = iter([math.nan, 1.0])
+
+    def transient():
+        torch.rand(64)
+        return next(flaky)
+    before = torch.get_rng_state()
+    assert validator.run(3, transient).exit_code == 17
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_record_of_another_layout_is_refused(tmp_path):
+    from megatron_integration.rerun_record import load_record
+
+    layout = {"tp": 1, "pp": 1, "dp": 1, "method": "padding", "micro_batch_size": 2, "split": None}
+    path = _record_dir(tmp_path, {"iteration": 2, "rejected": [0], "values": [[1, math.nan, 1, 0]],
+                                  "places": [["n", 0]], "layout": dict(layout, method="dynapipe")})
+    with pytest.raises(DynaPipeError, match=f"^{path}: the result of iteration 2 was rejected in a job of dp 1, "
+                                            f"method dynapipe, .*and this one is dp 1, method padding"):
+        load_record(str(tmp_path), 1, "validate_results", 0, print, layout=layout)
+    lines = []
+    assert load_record(str(tmp_path), 1, "validate_results", 0, lines.append, check=False, layout=layout) is None
+    assert lines == [f"ignoring {path} under --no-check-for-nan-in-loss-and-grad: training goes on past the "
+                     f"rejected result it records"]
+    record = load_record(str(tmp_path), 1, "validate_results", 0, lines.append,
+                         layout=dict(layout, method="dynapipe"))
+    assert record["iteration"] == 2
+
+
+def test_determinism_statistics_keep_the_newest_samples_as_megatron_lm_does(monkeypatch):
+    import megatron_integration.rerun as rerun
+
+    monkeypatch.setattr(rerun, "STATS_SAMPLES", 3)
+    stats = QuickStats()
+    for diff in (1e-3, 2e-3, 3e-3, 4e-3, 0.0):
+        stats.record(diff)
+    assert sorted(stats.samples) == [2e-3, 3e-3, 4e-3] and stats.identical == 1
