@@ -165,10 +165,11 @@ def _where(device: torch.device) -> list:
 class ResultValidator:
     """Validates each iteration's results before the optimizer step (see the module's text).
 
-    ``check``: ``--check-for-nan-in-loss-and-grad`` as resolved (off: nothing is validated, as in
-    Megatron-LM); ``module``: this rank's model, whose gradient norm is validated; ``resume``:
-    the record of the checkpoint this run resumed from (:func:`megatron_integration.rerun_record.load_record`); ``log``: rank 0's
-    line writer. Every method is collective over the job."""
+    ``check``: ``--check-for-nan-in-loss-and-grad`` as resolved (off: no NaN or Inf is rejected,
+    as in Megatron-LM; the spike checks are the settings'); ``module``: this rank's model, whose
+    gradient norm is validated; ``resume``: the record of the checkpoint this run resumed from
+    (:func:`megatron_integration.rerun_record.load_record`); ``log``: rank 0's line writer.
+    Every method is collective over the job."""
 
     settings: RerunSettings
     check: bool
@@ -260,8 +261,8 @@ class ResultValidator:
                   "values": values.tolist(), "places": self._places(), "layout": self.layout,
                   "injected": {str(r): t for r, t in injected.items()}, "what": first}
         return Verdict(EXIT_RESUME_TO_DISAMBIGUATE, checkpoint=True, record=record, message=(
-            f"{first}; computing it again on the same devices reproduced it on {ranks_text(reproduced)}. Resume from the "
-            f"checkpoint before it on other nodes or devices: computed there, it tells a diverged run from a "
+            f"{first}; computing it again on the same devices reproduced it on {ranks_text(reproduced)}. Resume "
+            f"from the checkpoint before it on other nodes or devices: computed there, it tells a diverged run from a "
             f"faulty device."))
 
     def _places(self) -> list:
@@ -376,7 +377,8 @@ def _reproduced(initial, again, injected: Optional[str], where: str) -> bool:
 
 
 def _injected_names(injected: dict) -> str:
-    return " and ".join(sorted({t.replace("_", " ") for t in injected.values()})) + f" on {ranks_text(sorted(injected))}"
+    kinds = " and ".join(sorted({t.replace("_", " ") for t in injected.values()}))
+    return f"{kinds} on {ranks_text(sorted(injected))}"
 
 
 def _places(places: list, ranks: list[int]) -> str:

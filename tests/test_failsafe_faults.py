@@ -395,7 +395,8 @@ def fault_outcomes(tmp_path_factory):
                 p.kill()
                 p.wait(10)
     outcomes = {name: [r[i] for r in results] for i, name in enumerate(steps)}
-    return outcomes, {"save": save, "save2": save2, "nan_save": nan_save, "inj_t": inj_t, "inj_p": inj_p, "redis_restarts": len(procs) - 1,
+    return outcomes, {"save": save, "save2": save2, "nan_save": nan_save, "inj_t": inj_t, "inj_p": inj_p,
+                      "redis_restarts": len(procs) - 1,
                       "lost_unread": lost_unread, "dist_save": dist_save, "full": full}
 
 
