@@ -317,7 +317,7 @@ def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[b
     return cfg
 
 
-def _iterations_to_skip(values) -> tuple:
+def _iterations_to_skip(values) -> tuple[int, ...]:
     """Megatron-LM's ``--iterations-to-skip``, in order and once each; a negative one names no
     iteration and is refused."""
     bad = [v for v in values or () if v < 0]

@@ -309,9 +309,7 @@ class DynaPipeStepper:
 
     def _step(self, iteration: int) -> StepResult:
         start = time.perf_counter()
-        data = next(self.loader)
-        if data.iteration != iteration:
-            raise DynaPipeError(f"the data loader yielded {iteration_name(data.iteration)} for {iteration_name(iteration)}.")
+        data = self._take(iteration)
         meta = data.meta
         # Every TP rank of a stage must run the same payload; then the plan must be for this layout.
         check_tp_plans_agree(iteration, data.digest, self.info)
@@ -368,13 +366,16 @@ class DynaPipeStepper:
     def skip(self, iteration: int) -> int:
         """Consume iteration ``iteration``'s plan and global batch untrained
         (``--iterations-to-skip``); the consumed samples after it."""
-        def take() -> int:
-            data = next(self.loader)
-            if data.iteration != iteration:
-                raise DynaPipeError(f"the data loader yielded {iteration_name(data.iteration)} for "
-                                    f"{iteration_name(iteration)}.")
-            return data.meta.consumed_samples
-        return self.executor.reporting(f"iteration {iteration + 1}", take)
+        return self.executor.reporting(f"iteration {iteration + 1}",
+                                       lambda: self._take(iteration).meta.consumed_samples)
+
+    def _take(self, iteration: int):
+        """The loader's next planned iteration, which must be ``iteration``."""
+        data = next(self.loader)
+        if data.iteration != iteration:
+            raise DynaPipeError(f"the data loader yielded {iteration_name(data.iteration)} for "
+                                f"{iteration_name(iteration)}.")
+        return data
 
     def _validator(self) -> ResultValidator:
         if self.validator is None:

@@ -172,6 +172,7 @@ class TrainingLogger:
         self.train_iters, self.global_batch_size = train_iters, global_batch_size
         self._consumed = consumed_samples
         self.skipped_samples = 0  # consumed untrained (--iterations-to-skip), in this run
+        self._last_recorded = None  # (1-based iteration, consumed samples) of the last record()
         self.flops_model, self.world_size = flops_model, world_size
         self.tensorboard = tensorboard or TensorBoardArgs()
         self.log_interval = log_interval
@@ -196,6 +197,7 @@ class TrainingLogger:
         """Add one iteration (1-based ``iteration``; ``consumed_samples`` after it, counted
         from the start of training); returns the log line when one is due."""
         self.stats.add(result, self.flops_model)
+        self._last_recorded = (iteration, consumed_samples)
         if consumed_samples > self._consumed:
             self.global_batch_size = consumed_samples - self._consumed
         self._consumed = consumed_samples
@@ -222,8 +224,20 @@ class TrainingLogger:
                 for key, ms in sorted(result.breakdown_ms.items()):
                     if key.endswith("_ms") and isinstance(ms, (int, float)):
                         w.add_scalar(f"{key.removesuffix('_ms')}-time (ms)", ms, iteration)
+        if self.writer is not None and self.skipped_samples and iteration % self.tensorboard.log_interval == 0:
+            self.writer.add_scalar("skipped-train-samples", self.skipped_samples, iteration)
         if iteration % self.log_interval and iteration != self.train_iters:
             return None
+        return self._line(iteration, consumed_samples, lr)
+
+    def flush(self, lr: float) -> Optional[str]:
+        """The line of an interval the run ended in without logging (its last iterations skipped
+        by ``--iterations-to-skip``), at the last trained iteration; None when there is none."""
+        if not self.stats.iterations or self._last_recorded is None:
+            return None
+        return self._line(*self._last_recorded, lr)
+
+    def _line(self, iteration: int, consumed_samples: int, lr: float) -> str:
         elapsed = time.perf_counter() - self.stats.started - self.stats.paused_s
         line = format_log_line(iteration, self.train_iters, consumed_samples, self.stats, elapsed, lr,
                                self.global_batch_size, None if self.flops_model is None else self.world_size,

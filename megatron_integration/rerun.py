@@ -128,12 +128,14 @@ class QuickStats:
         self.samples: list[float] = []
         self.identical = 0
         self.seen = 0  # differing samples recorded, kept or not
+        self.max = 0.0  # of every sample recorded, kept or not (Megatron-LM's all-time maximum)
 
     def record(self, diff: float) -> None:
         """Add one relative difference (0: identical)."""
         if diff == 0.0:
             self.identical += 1
             return
+        self.max = max(self.max, diff)
         if len(self.samples) < STATS_SAMPLES:
             self.samples.append(diff)
         else:
@@ -152,7 +154,7 @@ class QuickStats:
             return f"{s[i]:.3E}" if i >= 0 else "0.0"
         return (f"{total:,}/{self.identical:,} total/identical samples, rel. variability: avg= "
                 f"{sum(s) / total:.3E}, p50= {pct(0.5)}, p90= {pct(0.9)}, p99= {pct(0.99)}, "
-                f"p99.9= {pct(0.999)}, max: {s[-1]:.3E}")
+                f"p99.9= {pct(0.999)}, max: {self.max:.3E}")
 
 
 def _where(device: torch.device) -> list:
@@ -177,7 +179,7 @@ class ResultValidator:
     device: torch.device
     resume: Optional[dict] = None
     log: Callable[[str], None] = lambda line: None
-    # The job's layout (tensor, pipeline, data-parallel sizes and method), which a record must match.
+    # The job's layout (parallel sizes, method, micro-batch size, stage split), which a record must match.
     layout: dict = field(default_factory=dict)
     first_done: bool = False
     stats: dict = field(default_factory=lambda: {"loss": QuickStats(), "gradient norm": QuickStats()})
@@ -292,8 +294,9 @@ class ResultValidator:
         if reproduced:
             return Verdict(EXIT_FAILED_ON_RESULT_VALIDATION, checkpoint=False, message=(
                 f"{first}; computed again on other devices ({_places(here, rejected)}), it is reproduced: the result "
-                f"is correct and the run itself diverged, not a device. Lower --lr, check the data and the "
-                f"checkpoint, then resume with --rerun-mode disabled to train past the record."))
+                f"is correct and the run itself diverged, not a device. Resume with --iterations-to-skip {k - 1} to "
+                f"skip its batch, or lower --lr, check the data and the checkpoint, and resume with --rerun-mode "
+                f"disabled to train past the record."))
         return Verdict(EXIT_FAILED_ON_RESULT_VALIDATION, checkpoint=False, message=(
             f"{first}; computed again on other devices ({_places(here, rejected)}), it is not reproduced: the "
             f"devices that gave it ({_places(before, rejected)}) are likely faulty. Leave them out and resume "

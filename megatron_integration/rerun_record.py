@@ -16,8 +16,6 @@ from megatron_integration.nan_guard import ranks_text
 RECORD_FILE = "rerun_state.json"
 
 
-
-
 def write_record(root: str, iteration: int, record: dict, rank: int) -> str:
     """Rank 0 writes ``record`` (a :class:`Verdict`'s) into the checkpoint of ``iteration``
     (iterations done) under ``root``, with its checksum; collective: every rank returns the
@@ -36,12 +34,13 @@ def write_record(root: str, iteration: int, record: dict, rank: int) -> str:
 
 
 def load_record(root: str, iteration: int, mode: str, rank: int, log: Callable[[str], None], check: bool = True,
-                layout: Optional[dict] = None) -> Optional[dict]:
+                layout: Optional[dict] = None, skipped: bool = False) -> Optional[dict]:
     """The rerun record of the checkpoint of ``iteration`` under ``root`` (None: it has none),
     read and verified by rank 0 and sent to every rank; collective. Under a mode other than
-    ``validate_results``, or with the NaN check off (``check`` False), the record is not read: it
-    is said to be ignored and None returned. A record of another ``layout`` (tensor, pipeline and
-    data-parallel sizes, method) is refused: its diagnosis compares rank by rank."""
+    ``validate_results``, with the NaN check off (``check`` False), or when the iteration it records
+    is ``skipped`` (``--iterations-to-skip``), the record is not read: it is said to be ignored and
+    None returned. A record of another ``layout`` (parallel sizes, method, micro-batch size, stage
+    split) is refused: its diagnosis compares rank by rank."""
     from megatron_integration.agreement import attempt, same_error_everywhere
     from megatron_integration.checkpoint import _iter_dir
     from megatron_integration.checkpoint_files import verify_file
@@ -51,7 +50,7 @@ def load_record(root: str, iteration: int, mode: str, rank: int, log: Callable[[
     def read() -> Optional[dict]:
         if not os.path.exists(path):
             return None
-        if mode != "validate_results" or not check:
+        if mode != "validate_results" or not check or skipped:
             return {}  # not read: a damaged record must not stop a run told to go past it
         verify_file(path)
         with open(path) as f:
@@ -67,6 +66,9 @@ def load_record(root: str, iteration: int, mode: str, rank: int, log: Callable[[
         dist.broadcast_object_list(box, src=0)
         record = box[0]
     if record is None:
+        return None
+    if skipped:
+        log(f"ignoring {path}: --iterations-to-skip {iteration} skips the iteration it records")
         return None
     if mode != "validate_results" or not check:
         why = f"--rerun-mode {mode}" if mode != "validate_results" else "--no-check-for-nan-in-loss-and-grad"

@@ -92,7 +92,8 @@ class LoaderSource:
     def _take(self, iteration: int):
         data = next(self.loader)
         if data.iteration != iteration:
-            raise DynaPipeError(f"the data loader yielded {iteration_name(data.iteration)} for {iteration_name(iteration)}.")
+            raise DynaPipeError(f"the data loader yielded {iteration_name(data.iteration)} for "
+                                f"{iteration_name(iteration)}.")
         return data
 
     def close(self) -> None:

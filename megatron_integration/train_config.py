@@ -301,7 +301,7 @@ class DynaPipeTrainingConfig:
     exit_interval: Optional[int] = None
     # Megatron's --iterations-to-skip: iterations (0-based, the iterations done before each) whose
     # global batch is consumed without training on it.
-    iterations_to_skip: tuple = ()
+    iterations_to_skip: tuple[int, ...] = ()
     # Megatron's --exit-duration-in-mins (None: no limit) and --empty-unused-memory-level
     # (megatron_integration.training_limits).
     exit_duration_in_mins: Optional[int] = None
@@ -336,10 +336,15 @@ class DynaPipeTrainingConfig:
 
     def last_iteration(self, start_iteration: int) -> int:
         """The iteration a run resumed at ``start_iteration`` stops after (``--exit-interval``
-        as Megatron-LM applies it: the first multiple of it past the start, capped by ``--train-iters``)."""
+        as Megatron-LM applies it: the first multiple of it past the start whose iteration was
+        trained, not skipped by ``--iterations-to-skip``, capped by ``--train-iters``)."""
         if not self.exit_interval:
             return self.train_iters
-        return min(self.train_iters, (start_iteration // self.exit_interval + 1) * self.exit_interval)
+        last = (start_iteration // self.exit_interval + 1) * self.exit_interval
+        # Megatron-LM decides to exit after a trained iteration only: a skipped one continues.
+        while last < self.train_iters and last - 1 in self.iterations_to_skip:
+            last += self.exit_interval
+        return min(self.train_iters, last)
 
     @property
     def num_micro_batches(self) -> int:

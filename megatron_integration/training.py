@@ -147,7 +147,8 @@ def result_validator(cfg: DynaPipeTrainingConfig, info: RankInfo, module, stream
     record = None
     if cfg.load and start_iteration > 0:
         record = load_record(cfg.load, start_iteration, cfg.rerun.rerun_mode, info.rank, log,
-                             check=cfg.check_for_nan_in_loss_and_grad, layout=layout)
+                             check=cfg.check_for_nan_in_loss_and_grad, layout=layout,
+                             skipped=start_iteration in cfg.iterations_to_skip)
     return ResultValidator(cfg.rerun, cfg.check_for_nan_in_loss_and_grad, module, info.device, resume=record,
                            log=log, layout=layout)
 

@@ -156,9 +156,11 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
         # the final evaluation is labelled with and reads the validation stream from (Megatron-LM's
         # loop leaves its iteration there too).
         stop, saved_at, by_duration = max(last, run.start_iteration), None, False
+        ended_skipped = False
         for iteration in range(run.start_iteration, last):
             where = f"iteration {iteration + 1}"
-            if iteration in cfg.iterations_to_skip:
+            ended_skipped = iteration in cfg.iterations_to_skip
+            if ended_skipped:
                 # Megatron-LM's --iterations-to-skip: the batch is consumed, nothing is trained,
                 # logged, evaluated or saved at it (its loop continues past all of them).
                 run.consumed_samples = parts.stepper.skip(iteration)
@@ -205,6 +207,12 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
                 exit_line = exit_duration_line(cfg.exit_duration_in_mins, elapsed_min, done)
                 break
         where = f"after iteration {stop}"
+        if ended_skipped and stop >= cfg.train_iters:
+            # --train-iters' iteration, which always logs, was skipped (--iterations-to-skip): the
+            # interval it would have closed is logged at the last trained iteration.
+            line = logger.flush(current_lr(parts.optimizer))
+            if line is not None:
+                run.log_lines.append(line)
         if on_gpu:
             run.cuda_memory_mib = cuda_memory_mib(info.device)
         if cfg.save and stop > run.start_iteration and saved_at != stop:
@@ -215,7 +223,7 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
         # Megatron-LM exits at a multiple of --exit-interval, the last iteration included, and
         # after --exit-duration-in-mins: no final evaluation then, and no "training is done".
         exited = by_duration or bool(cfg.exit_interval and stop > run.start_iteration
-                                     and stop % cfg.exit_interval == 0)
+                                     and stop % cfg.exit_interval == 0 and stop - 1 not in cfg.iterations_to_skip)
         if logger.is_logging_rank:  # after its own last iteration line (every rank has the same results)
             # Training time: the evaluations and checkpoints between iterations left out.
             summary = training_summary_lines(run.results, run.start_iteration, run.consumed_samples,

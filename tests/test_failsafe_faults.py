@@ -237,6 +237,10 @@ def fault_outcomes(tmp_path_factory):
         "nan_resumed_here": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e20 --load {nan_save}"),
         "move_nan_record": ("rank0", _move_record, (os.path.join(nan_save, "iter_0000001"),)),
         "nan_resumed_elsewhere": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e20 --load {nan_save}"),
+        # --iterations-to-skip names the recorded iteration: the record is not read, iteration 2
+        # is skipped, and iteration 3 (the job's first trained) meets the diverged weights.
+        "nan_resumed_skipped": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e20 --load {nan_save} "
+                                         "--iterations-to-skip 1"),
         "nan_resumed_disabled": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e20 --load {nan_save} "
                                           "--rerun-mode disabled"),
         # Indexed data through the planner workers: the data checks pass, then the loss diverges.
@@ -444,6 +448,11 @@ def test_a_resumed_run_without_reruns_goes_past_the_record(fault_outcomes):
     outcomes, paths = fault_outcomes
     log = outcomes["nan_resumed_disabled"][0]["log"]
     assert f"ignoring {paths['nan_save']}/iter_0000001/rerun_state.json" in log and "--rerun-mode disabled" in log
+    skipped = outcomes["nan_resumed_skipped"]
+    assert (f"ignoring {paths['nan_save']}/iter_0000001/rerun_state.json: --iterations-to-skip 1 skips the "
+            f"iteration it records") in skipped[0]["log"]
+    assert skipped[0]["error"].startswith("iteration 3: the loss is NaN or infinite")
+    assert [o["exit_code"] for o in skipped] == [2, 2]
 
 
 @pytest.mark.parametrize("name", ["nan_padding", "nan_dynapipe"])

@@ -128,6 +128,10 @@ def test_megatrons_resilience_flags_are_taken_or_refused_with_what_is_done_inste
     # --iterations-to-skip as Megatron-LM names them (iterations done before each), in order, once each.
     assert parse(f"{GPT3} --iterations-to-skip 5 2 5").iterations_to_skip == (2, 5)
     assert parse(GPT3).iterations_to_skip == ()
+    # Megatron-LM decides to exit after trained iterations only: skipped multiples of
+    # --exit-interval (iterations 2 and 4, named 1 and 3) run on to the next one, 6.
+    skipping = parse(f"{TINY} --train-iters 8 --lr 1e-3 --mock-data --exit-interval 2 --iterations-to-skip 1 3")
+    assert skipping.last_iteration(0) == 6 and skipping.last_iteration(6) == 8
     assert "--iterations-to-skip -1: iterations are named by the iterations done before them, from 0" in refusal(
         f"{GPT3} --iterations-to-skip 3 -1", capsys)
     spikes = parse(f"{GPT3} --check-for-spiky-loss --check-for-large-grads").rerun

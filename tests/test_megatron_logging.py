@@ -80,3 +80,20 @@ def test_memory_report_line_is_megatrons():
     line = memory_report_line(0, 2, {"allocated": 1.0, "max_allocated": 2.0, "reserved": 4.0, "max_reserved": 4.0,
                                      "device_usage": 4600.5})
     assert line.endswith("| max reserved: 4.0 | device usage: 4600.5"), line
+
+
+def test_skipped_iterations_are_counted_and_a_skipped_last_iteration_leaves_its_interval_logged():
+    # --iterations-to-skip: a skipped batch adds to the consumed and skipped samples, not to the next
+    # iteration's global batch; when --train-iters' own iteration is skipped, the open interval is
+    # logged at the last trained iteration.
+    out = io.StringIO()
+    log = TrainingLogger(train_iters=4, global_batch_size=8, log_interval=10, is_logging_rank=True, stream=out)
+    assert log.flush(lr=1e-3) is None  # nothing recorded yet
+    assert log.record(1, 8, result(2.0, 100, 10.0), lr=1e-3) is None
+    log.skip(16)
+    assert log.record(3, 24, result(4.0, 100, 10.0), lr=1e-3) is None
+    log.skip(32)
+    line = log.flush(lr=1e-3)
+    assert "iteration        3/       4 | consumed samples:           24 | skipped samples:           16 |" in line
+    assert "global batch size:     8" in line and "lm loss: 3.000000E+00" in line
+    assert log.flush(lr=1e-3) is None  # logged once
