@@ -189,6 +189,15 @@ def close_quietly(*things) -> None:
                 pass
 
 
+def next_planned(loader, iteration: int):
+    """The DynaPipe loader's next planned iteration, which must be ``iteration`` (0-based): the
+    loader yields them in order, a trained or a skipped one alike."""
+    data = next(loader)
+    if data.iteration != iteration:
+        raise DynaPipeError(f"the data loader yielded {iteration_name(data.iteration)} for {iteration_name(iteration)}.")
+    return data
+
+
 def publish_failure(executor, loader, rank: int, exc: BaseException, where: str) -> Optional[BaseException]:
     """A stepper's ``report_failure``: ``exc`` (of global rank ``rank``, during ``where``) goes to
     the executors' abort channel, then, through ``loader`` (None: the method plans nothing), to
@@ -309,7 +318,7 @@ class DynaPipeStepper:
 
     def _step(self, iteration: int) -> StepResult:
         start = time.perf_counter()
-        data = self._take(iteration)
+        data = next_planned(self.loader, iteration)
         meta = data.meta
         # Every TP rank of a stage must run the same payload; then the plan must be for this layout.
         check_tp_plans_agree(iteration, data.digest, self.info)
@@ -367,15 +376,7 @@ class DynaPipeStepper:
         """Consume iteration ``iteration``'s plan and global batch untrained
         (``--iterations-to-skip``); the consumed samples after it."""
         return self.executor.reporting(f"iteration {iteration + 1}",
-                                       lambda: self._take(iteration).meta.consumed_samples)
-
-    def _take(self, iteration: int):
-        """The loader's next planned iteration, which must be ``iteration``."""
-        data = next(self.loader)
-        if data.iteration != iteration:
-            raise DynaPipeError(f"the data loader yielded {iteration_name(data.iteration)} for "
-                                f"{iteration_name(iteration)}.")
-        return data
+                                       lambda: next_planned(self.loader, iteration).meta.consumed_samples)
 
     def _validator(self) -> ResultValidator:
         if self.validator is None:

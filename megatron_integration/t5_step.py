@@ -34,6 +34,7 @@ from megatron_integration.initialize import RankInfo
 from megatron_integration.baseline_step import StepResult, holds_loss, reduce_loss, split_point, step_split_ms
 from megatron_integration.model import Stage
 from megatron_integration.rerun import ResultValidator
+from megatron_integration.dynapipe_step import next_planned
 from megatron_integration.t5_config import T5TrainingConfig
 from megatron_integration.t5_handlers import T5StageHandlers
 from megatron_integration.t5_model import EmbeddingSync, sum_sequence_parallel_grads
@@ -77,7 +78,7 @@ class LoaderSource:
                                   settings=settings)
 
     def next(self, iteration: int) -> PlannedIteration:
-        data = self._take(iteration)
+        data = next_planned(self.loader, iteration)
         check_plan_placement(data.plan, self.placement, self.model, iteration)
         m = data.meta
         return PlannedIteration(data.plan, data.micro_batches, m.global_loss_tokens, m.global_real_tokens,
@@ -87,14 +88,7 @@ class LoaderSource:
 
     def skip(self, iteration: int) -> int:
         """Consume the iteration's plan untrained; the consumed samples after it."""
-        return self._take(iteration).meta.consumed_samples
-
-    def _take(self, iteration: int):
-        data = next(self.loader)
-        if data.iteration != iteration:
-            raise DynaPipeError(f"the data loader yielded {iteration_name(data.iteration)} for "
-                                f"{iteration_name(iteration)}.")
-        return data
+        return next_planned(self.loader, iteration).meta.consumed_samples
 
     def close(self) -> None:
         self.loader.close()
