@@ -291,7 +291,28 @@ def _resilience_args_honoured(args: argparse.Namespace) -> None:
 
 @megatron_spelled
 def rerun_settings_from_args(args: argparse.Namespace) -> RerunSettings:
-    """The run's :class:`RerunSettings` (Megatron-LM's defaults for what ``args`` lacks)."""
+    """The run's :class:`RerunSettings` (Megatron-LM's defaults for what ``args`` lacks). Refused:
+    an error injection with the NaN check off (it injects into that check's validation), and the
+    spike checks under ``report_stats`` (which computes every iteration twice and rejects nothing)."""
+    settings = _rerun_settings(args)
+    check_off = (getattr(args, "check_for_nan_in_loss_and_grad", None) is False
+                 or (getattr(args, "fp16", False) and getattr(args, "loss_scale", None) is None))
+    if settings.error_injection_rate and check_off:
+        raise DynaPipeError(f"--error-injection-rate {settings.error_injection_rate}: errors are injected into the "
+                            f"NaN/Inf check of the loss and gradient norm, which is off here "
+                            f"(--no-check-for-nan-in-loss-and-grad, or --fp16 without a static --loss-scale); turn "
+                            f"the check on or drop the flag.")
+    spikes = [f for f, on in (("--check-for-spiky-loss", settings.check_for_spiky_loss),
+                              ("--check-for-large-grads", settings.check_for_large_grads)) if on]
+    if spikes and settings.rerun_mode == "report_stats":
+        raise DynaPipeError(f"{spikes[0]} with --rerun-mode report_stats: report_stats computes every iteration "
+                            f"twice to measure its non-determinism and rejects nothing; use --rerun-mode "
+                            f"validate_results (computed again, training goes on) or disabled (warned about), or "
+                            f"drop {' and '.join(spikes)}.")
+    return settings
+
+
+def _rerun_settings(args: argparse.Namespace) -> RerunSettings:
     return RerunSettings(rerun_mode=getattr(args, "rerun_mode", None) or "validate_results",
                          error_injection_rate=getattr(args, "error_injection_rate", 0),
                          error_injection_type=getattr(args, "error_injection_type", None) or "transient_error",

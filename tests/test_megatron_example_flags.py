@@ -137,13 +137,21 @@ def test_megatrons_resilience_flags_are_taken_or_refused_with_what_is_done_inste
     spikes = parse(f"{GPT3} --check-for-spiky-loss --check-for-large-grads").rerun
     assert spikes.check_for_spiky_loss and spikes.check_for_large_grads
     assert not parse(GPT3).rerun.check_for_spiky_loss and not parse(GPT3).rerun.check_for_large_grads
-    injected = parse(f"{GPT3} --error-injection-rate 1000 --error-injection-type persistent_error").rerun
+    injected = parse(f"{GPT3} --loss-scale 1024 --error-injection-rate 1000 "
+                     f"--error-injection-type persistent_error").rerun
     assert (injected.error_injection_rate, injected.error_injection_type) == (1000, "persistent_error")
     for bad, said in (("--error-injection-rate -1", "--error-injection-rate -1: give a whole number, at least 0"),
                       ("--rerun-mode disabled --error-injection-rate 10",
                        "--error-injection-rate 10 with --rerun-mode disabled: injected errors are diagnosed by "
                        "--rerun-mode validate_results only")):
         assert said in refusal(f"{GPT3} {bad}", capsys), bad
+    # What would be accepted and do nothing is refused: an injection with the NaN check off (GPT3
+    # is --fp16 without a --loss-scale), spike checks under report_stats.
+    assert "--error-injection-rate 5: errors are injected into the NaN/Inf check" in refusal(
+        f"{GPT3} --error-injection-rate 5", capsys)
+    assert parse(f"{GPT3} --loss-scale 1024 --error-injection-rate 5").rerun.error_injection_rate == 5
+    assert "--check-for-large-grads with --rerun-mode report_stats: report_stats computes every iteration twice" in (
+        refusal(f"{GPT3} --rerun-mode report_stats --check-for-large-grads", capsys))
 
 
 def test_no_flag_of_the_examples_is_unknown():
