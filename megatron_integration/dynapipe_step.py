@@ -194,7 +194,8 @@ def next_planned(loader, iteration: int):
     loader yields them in order, a trained or a skipped one alike."""
     data = next(loader)
     if data.iteration != iteration:
-        raise DynaPipeError(f"the data loader yielded {iteration_name(data.iteration)} for {iteration_name(iteration)}.")
+        raise DynaPipeError(f"the data loader yielded {iteration_name(data.iteration)} for "
+                            f"{iteration_name(iteration)}.")
     return data
 
 
