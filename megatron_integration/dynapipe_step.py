@@ -381,8 +381,7 @@ class DynaPipeStepper:
 
     def _validator(self) -> ResultValidator:
         if self.validator is None:
-            self.validator = ResultValidator(self.cfg.rerun, self.cfg.check_for_nan_in_loss_and_grad,
-                                             self.stage.module, self.info.device)
+            self.validator = ResultValidator.of(self.cfg, self.stage.module, self.info.device)
         return self.validator
 
     def report_failure(self, exc: BaseException, where: str) -> Optional[BaseException]:

@@ -185,6 +185,12 @@ class ResultValidator:
     stats: dict = field(default_factory=lambda: {"loss": QuickStats(), "gradient norm": QuickStats()})
     large: dict = field(default_factory=lambda: {"loss": LargeValues(), "gradient norm": LargeValues()})
 
+    @classmethod
+    def of(cls, cfg, module: torch.nn.Module, device: torch.device) -> "ResultValidator":
+        """The validator ``cfg`` (a DynaPipeTrainingConfig) asks for, without a resume record:
+        a stepper's own when its run did not set one."""
+        return cls(cfg.rerun, cfg.check_for_nan_in_loss_and_grad, module, device)
+
     def run(self, iteration: int, forward_backward: Callable[[], Optional[float]]) -> Optional[Verdict]:
         """Compute iteration ``iteration`` (0-based) with ``forward_backward`` (zero the gradients,
         forward and backward, reduce the gradients; returns this rank's loss sum, None on ranks

@@ -280,8 +280,7 @@ class T5Stepper:
 
     def _validator(self) -> ResultValidator:
         if self.validator is None:
-            self.validator = ResultValidator(self.cfg.base.rerun, self.cfg.base.check_for_nan_in_loss_and_grad,
-                                             self.stage.module, self.info.device)
+            self.validator = ResultValidator.of(self.cfg.base, self.stage.module, self.info.device)
         return self.validator
 
     def skip(self, iteration: int) -> int:

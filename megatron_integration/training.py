@@ -90,8 +90,7 @@ class MegatronStepper:
 
     def _validator(self) -> ResultValidator:
         if self.validator is None:
-            self.validator = ResultValidator(self.cfg.rerun, self.cfg.check_for_nan_in_loss_and_grad,
-                                             self.stage.module, self.info.device)
+            self.validator = ResultValidator.of(self.cfg, self.stage.module, self.info.device)
         return self.validator
 
     def close(self) -> None:
