@@ -136,9 +136,9 @@ def _limit_file_size(size):
 
 def _spike_scale(samples: int, factor: float) -> None:
     """Set how many values set the spike checks' scale, and the factor over it that is large."""
-    import megatron_integration.rerun as rerun
+    import megatron_integration.rerun_stats as rerun_stats
 
-    rerun.LARGE_VALUE_SAMPLES, rerun.SPIKE_FACTOR = samples, factor
+    rerun_stats.LARGE_VALUE_SAMPLES, rerun_stats.SPIKE_FACTOR = samples, factor
 
 
 def _move_record(iter_dir: str) -> None:

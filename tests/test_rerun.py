@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dynapipe.errors import DynaPipeError
-from megatron_integration.rerun import (GRAD_NORM_TOLERANCE, QuickStats, ResultValidator, _rejected, _reproduced,
-                                        compare)
+from megatron_integration.rerun import ResultValidator, _rejected, _reproduced
+from megatron_integration.rerun_stats import GRAD_NORM_TOLERANCE, QuickStats, compare
 from megatron_integration.rerun_settings import RerunSettings
 
 
@@ -153,9 +153,9 @@ def test_a_damaged_record_is_named_unless_the_run_goes_past_it(tmp_path):
 def _spiky_validator(monkeypatch, **settings):
     """A one-rank validator whose scale is set by 3 values, and a model whose gradient norm the
     fake forward-backward sets (``(loss, grad)`` pairs, one a computation)."""
-    import megatron_integration.rerun as rerun
+    import megatron_integration.rerun_stats as rerun_stats
 
-    monkeypatch.setattr(rerun, "LARGE_VALUE_SAMPLES", 3)
+    monkeypatch.setattr(rerun_stats, "LARGE_VALUE_SAMPLES", 3)
     module = torch.nn.Linear(1, 1, bias=False)
     lines = []
     validator = ResultValidator(RerunSettings(**settings), check=True, module=module, device=torch.device("cpu"),
@@ -274,9 +274,9 @@ def test_a_record_of_another_layout_is_refused(tmp_path):
 
 
 def test_determinism_statistics_keep_the_newest_samples_as_megatron_lm_does(monkeypatch):
-    import megatron_integration.rerun as rerun
+    import megatron_integration.rerun_stats as rerun_stats
 
-    monkeypatch.setattr(rerun, "STATS_SAMPLES", 3)
+    monkeypatch.setattr(rerun_stats, "STATS_SAMPLES", 3)
     stats = QuickStats()
     for diff in (1e-3, 2e-3, 3e-3, 4e-3, 0.0):
         stats.record(diff)
