@@ -111,8 +111,8 @@ def _add_run_length_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving, with --save) at the first iteration divisible by this")
     g.add_argument("--iterations-to-skip", type=int, nargs="+", default=[],
-                   help="iterations whose global batch is consumed untrained, each named as Megatron-LM names it: "
-                        "by the iterations done before it (0: the first; the one logged as iteration N is N-1)")
+                   help="iterations whose global batch is consumed untrained, numbered from 1 as the log lines and "
+                        "Megatron-LM (core_v0.17 on) number them: 2 skips the one logged as iteration 2")
 
 
 def _add_manual_gc_args(g: argparse._ArgumentGroup) -> None:
@@ -157,6 +157,9 @@ def _add_seed_precision_and_checks_args(g: argparse._ArgumentGroup) -> None:
                         "iterations, and say whether it reproduces; training goes on")
     g.add_argument("--check-for-large-grads", action="store_true",
                    help="the same for a rank's gradient norm")
+    g.add_argument("--result-rejected-tracker-filename", default=None,
+                   help="a file every rejected result is appended to, in Megatron-LM's format; a job started with "
+                        "it skips the iterations it names twice on one rank with a reproducible result")
 
 
 def _add_recompute_args(g: argparse._ArgumentGroup) -> None:

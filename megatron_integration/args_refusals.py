@@ -317,7 +317,8 @@ def _rerun_settings(args: argparse.Namespace) -> RerunSettings:
                          error_injection_rate=getattr(args, "error_injection_rate", 0),
                          error_injection_type=getattr(args, "error_injection_type", None) or "transient_error",
                          check_for_spiky_loss=bool(getattr(args, "check_for_spiky_loss", False)),
-                         check_for_large_grads=bool(getattr(args, "check_for_large_grads", False)))
+                         check_for_large_grads=bool(getattr(args, "check_for_large_grads", False)),
+                         result_rejected_tracker_filename=getattr(args, "result_rejected_tracker_filename", None))
 
 
 def _checkpoint_args_honoured(args: argparse.Namespace) -> None:

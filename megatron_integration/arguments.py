@@ -49,6 +49,7 @@ from megatron_integration.args_ddp import ddp_args_from_args
 from megatron_integration.args_logging import tensorboard_args_from_args
 from megatron_integration.args_virtual import check_interleaved, overlap_p2p_comm
 from megatron_integration.model_flags import nan_check_enabled
+from megatron_integration.rerun_tracker import TrackedSkips, tracked_skips
 from megatron_integration.run_config import load_run_config  # noqa: F401  (re-exported)
 from megatron_integration.tensor_parallel import check_tensor_parallel_args
 from megatron_integration.tokenizer import resolve_tokenizer_type
@@ -284,6 +285,8 @@ def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[b
     check_checkpoint_dirs(args.load, args.save, args.finetune)
     _checkpoint_args_honoured(args)
     _resilience_args_honoured(args)
+    rerun = rerun_settings_from_args(args)
+    tracked = tracked_skips(rerun.result_rejected_tracker_filename)
 
     cfg = DynaPipeTrainingConfig(
         model=model, parallel=parallel, optimizer=optimizer, data=data, dynapipe=dyn,
@@ -299,8 +302,8 @@ def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[b
         tensorboard_dir=args.tensorboard_dir, recompute=recompute, ddp=ddp_args_from_args(args),
         check_for_nan_in_loss_and_grad=nan_check_enabled(args.check_for_nan_in_loss_and_grad, args.fp16,
                                                          args.loss_scale),
-        rerun=rerun_settings_from_args(args),
-        exit_interval=args.exit_interval, iterations_to_skip=_iterations_to_skip(args.iterations_to_skip),
+        rerun=rerun, tracked_skips=tracked,
+        exit_interval=args.exit_interval, iterations_to_skip=_iterations_to_skip(args.iterations_to_skip, tracked),
         exit_duration_in_mins=check_exit_duration(args.exit_duration_in_mins),
         empty_unused_memory_level=args.empty_unused_memory_level, manual_gc=manual_gc, evaluation=evaluation, ckpt_format=args.ckpt_format,
         finetune=args.finetune, exit_on_missing_checkpoint=args.exit_on_missing_checkpoint,
@@ -317,14 +320,15 @@ def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[b
     return cfg
 
 
-def _iterations_to_skip(values) -> tuple[int, ...]:
-    """Megatron-LM's ``--iterations-to-skip``, in order and once each; a negative one names no
-    iteration and is refused."""
-    bad = [v for v in values or () if v < 0]
+def _iterations_to_skip(values, tracked: Optional[TrackedSkips] = None) -> tuple[int, ...]:
+    """Megatron-LM's ``--iterations-to-skip`` (numbered from 1, as logged) with those the
+    ``tracked`` file names, in order and once each; 0 or less names no iteration and is refused."""
+    bad = [v for v in values or () if v < 1]
     if bad:
-        raise DynaPipeError(f"--iterations-to-skip {bad[0]}: iterations are named by the iterations done before "
-                            f"them, from 0 (the one logged as iteration N is N-1); give numbers of at least 0.")
-    return tuple(sorted(set(values or ())))
+        raise DynaPipeError(f"--iterations-to-skip {bad[0]}: iterations are numbered from 1, as the log lines and "
+                            f"Megatron-LM since core_v0.17 number them (2 skips the one logged as iteration 2); give "
+                            f"numbers of at least 1.")
+    return tuple(sorted(set(values or ()) | set(tracked.skip if tracked else ())))
 
 
 def _check_world_size(world_size: int, tp: int, pp: int) -> None:

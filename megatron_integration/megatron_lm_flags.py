@@ -171,7 +171,7 @@ _GROUPS = {
         --decrease-batch-size-if-needed --dump-param-to-param-group-map --gpu-sniff-test-interval
         --no-pin-cpu-grads --no-pin-cpu-params --optimizer-cpu-offload
         --optimizer-cuda-graph --optimizer-offload-fraction --overlap-cpu-optimizer-d2h-h2d
-        --result-rejected-tracker-filename --tp-comm-overlap-cfg --train-sync-interval
+        --tp-comm-overlap-cfg --train-sync-interval
         --use-torch-optimizer-for-cpu-offload""",
     'In-process restart': """
         --inprocess-active-world-size --inprocess-barrier-timeout --inprocess-completion-timeout

@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from dynapipe.errors import DynaPipeError
 from megatron_integration.rerun_settings import RerunSettings
+from megatron_integration.rerun_tracker import Rejection, append
 from megatron_integration import rerun_stats
 from megatron_integration.rerun_stats import GRAD_NORM_TOLERANCE, LOSS_TOLERANCE, LargeValues, QuickStats, compare
 from megatron_integration.nan_guard import NonFiniteError, describe, local_values, ranks_text, rejection
@@ -148,6 +149,8 @@ class ResultValidator:
             return verdict
         if mode != "validate_results" or not self.first_done:
             message = describe(iteration + 1, _flags(values))
+            if mode != "report_stats":  # Megatron-LM's report_stats rejects (and records) nothing
+                self._track(iteration + 1, "RERUN_DISABLED", self._rows(values, rejected))
             if mode == "validate_results":
                 message += (" (As in Megatron-LM, a job's first iteration is not computed again; here it stops the "
                             "job.)")
@@ -181,6 +184,7 @@ class ResultValidator:
         reproduced = [r for r in rejected if _reproduced(values[r], again[r], injected.get(r), "in_place")]
         first = rejection(iteration + 1, _flags(values)) or (
             f"iteration {iteration + 1}: an injected {_injected_names(injected)}")
+        self._track_rerun(iteration + 1, "FIRST_RERUN", values, again, rejected, reproduced)
         # The checkpoint saved next must hold the random state the iteration started from (its
         # dropout masks), as the weights are, so a resumed run computes the same iteration.
         _set_rng_state(saved)
@@ -221,10 +225,11 @@ class ResultValidator:
         injected = {int(r): t for r, t in record.get("injected", {}).items()}
         reproduced = [r for r in rejected if _reproduced(initial[r], values[r], injected.get(r), "elsewhere")]
         first = record.get("what", f"iteration {k}: result rejected")
+        self._track_rerun(k, "SECOND_RERUN", initial, values, rejected, reproduced, initial_run=False)
         if reproduced:
             return Verdict(EXIT_FAILED_ON_RESULT_VALIDATION, checkpoint=False, message=(
                 f"{first}; computed again on other devices ({_places(here, rejected)}), it is reproduced: the result "
-                f"is correct and the run itself diverged, not a device. Resume with --iterations-to-skip {k - 1} to "
+                f"is correct and the run itself diverged, not a device. Resume with --iterations-to-skip {k} to "
                 f"skip its batch, or lower --lr, check the data and the checkpoint, and resume with --rerun-mode "
                 f"disabled to train past the record."))
         return Verdict(EXIT_FAILED_ON_RESULT_VALIDATION, checkpoint=False, message=(
@@ -250,14 +255,24 @@ class ResultValidator:
         what = "; ".join(f"the {name} of rank {r} is {float(values[r, c]):.4g}, at least {rerun_stats.SPIKE_FACTOR:g}x the "
                          f"largest of its first {rerun_stats.LARGE_VALUE_SAMPLES} ({self.large[name].largest[r]:.4g})"
                          for r, name, c in spikes)
+        # One tracker line a rank, its first spike's: Megatron-LM compares the first rejected
+        # validation of a rank when computing again.
+        first_spikes = list({r: (r, name, c) for r, name, c in reversed(spikes)}.values())[::-1]
         if s.rerun_mode == "disabled":
             self.log(f"warning: iteration {k}: {what}; training goes on (--rerun-mode disabled)")
+            self._track(k, "RERUN_DISABLED", [(r, name, float(values[r, c])) for r, name, c in first_spikes])
             return None
         self.log(f"iteration {k}: {what}; computing the iteration again on the same devices")
+        self._track(k, "INITIAL_RUN", [(r, name, float(values[r, c])) for r, name, c in first_spikes])
         _set_rng_state(saved)
         again = self._gather(forward_backward())
         flags = _flags(again)
         places = self._places()
+        same = {r for r, name, c in first_spikes
+                if compare(float(values[r, c]), float(again[r, c])) <= (LOSS_TOLERANCE if c == 1 else GRAD_NORM_TOLERANCE)}
+        for status, ranks in (("FIRST_RERUN_REPRODUCIBLE", same), ("FIRST_RERUN_NOT_REPRODUCIBLE",
+                                                                   {r for r, _, _ in first_spikes} - same)):
+            self._track(k, status, [(r, name, float(again[r, c])) for r, name, c in first_spikes if r in ranks])
         if self.check and flags.any():
             bad = [r for r in range(len(again)) if flags[r].any()]
             _set_rng_state(saved)  # the checkpoint holds the state the iteration started from
@@ -275,6 +290,51 @@ class ResultValidator:
                          f"possible transient fault of {_places(places, [r])}; training goes on with the recomputed "
                          f"result")
         return None
+
+    # --- the tracker file (--result-rejected-tracker-filename) --------------------------------
+    def _track(self, iteration: int, status: str, rows: list) -> None:
+        """Append ``rows`` ((rank, what, value) of each rejected result) to the tracker file as
+        ``status`` (:data:`megatron_integration.rerun_tracker.STATUSES`), ``iteration`` from 1;
+        collective (the ranks' places are gathered), rank 0 writes. A failing write is said, not
+        raised: the run's own verdict, and its checkpoint, must not be lost to it."""
+        path = self.settings.result_rejected_tracker_filename
+        if not path or not rows:
+            return
+        places = self._places()
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        try:
+            append(path, iteration, status, [Rejection(r, places[r][0], places[r][1], v, what) for r, what, v in rows])
+        except DynaPipeError as e:
+            self.log(f"warning: {e}")
+
+    def _rows(self, values, ranks: list[int], results=None) -> list:
+        """(rank, what, value) of each rank of ``ranks`` a rejected result began on, read from
+        ``results`` (default ``values``): the ranks whose loss was rejected or that had an error
+        injected, else all of ``ranks`` (a gradient norm, read after the data-parallel reduction,
+        is every replica's: one rank's NaN would otherwise be reported by all, and the tracker
+        skips nothing several ranks of a job reported)."""
+        results = values if results is None else results
+        flags = _flags(values)
+        began = [r for r in ranks if flags[r, 0] > 0 or values[r, 3] > 0] or list(ranks)
+        rows = []
+        for r in began:
+            if values[r, 3] > 0:
+                what, c = f"injected {self.settings.error_injection_type}", 1 if values[r, 0] > 0 else 2
+            else:
+                what, c = ("loss", 1) if flags[r, 0] > 0 else ("gradient norm", 2)
+            rows.append((r, what, float(results[r, c])))
+        return rows
+
+    def _track_rerun(self, k: int, rerun: str, initial, again, rejected: list[int], reproduced: list[int],
+                     initial_run: bool = True) -> None:
+        """The tracker lines of a computation again (``rerun``: ``FIRST_RERUN`` in place,
+        ``SECOND_RERUN`` elsewhere): the initial run's (``initial_run``), then each rank's outcome."""
+        if initial_run:
+            self._track(k, "INITIAL_RUN", self._rows(initial, rejected))
+        rows = self._rows(initial, rejected, again)
+        self._track(k, f"{rerun}_REPRODUCIBLE", [row for row in rows if row[0] in reproduced])
+        self._track(k, f"{rerun}_NOT_REPRODUCIBLE", [row for row in rows if row[0] not in reproduced])
 
     # --- report_stats ------------------------------------------------------------------------
     def _record_stats(self, first, second, iteration: int) -> None:

@@ -68,7 +68,7 @@ def load_record(root: str, iteration: int, mode: str, rank: int, log: Callable[[
     if record is None:
         return None
     if skipped:
-        log(f"ignoring {path}: --iterations-to-skip {iteration} skips the iteration it records")
+        log(f"ignoring {path}: --iterations-to-skip {iteration + 1} skips the iteration it records")
         return None
     if mode != "validate_results" or not check:
         why = f"--rerun-mode {mode}" if mode != "validate_results" else "--no-check-for-nan-in-loss-and-grad"

@@ -4,6 +4,7 @@ the command line is checked before torch is imported). What they do: :mod:`megat
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from dynapipe.errors import DynaPipeError, given, is_whole
 
@@ -15,7 +16,8 @@ INJECTION_TYPES = ("correct_result", "transient_error", "persistent_error")
 class RerunSettings:
     """Megatron-LM's ``--rerun-mode``, ``--error-injection-rate`` (each validation of a rank
     injects an error with probability 1/rate; 0: never), ``--error-injection-type``,
-    ``--check-for-spiky-loss`` and ``--check-for-large-grads``, with Megatron-LM's defaults."""
+    ``--check-for-spiky-loss``, ``--check-for-large-grads`` and
+    ``--result-rejected-tracker-filename``, with Megatron-LM's defaults."""
 
     rerun_mode: str = "validate_results"
     error_injection_rate: int = 0
@@ -24,6 +26,9 @@ class RerunSettings:
     # gradient norm of ten times the largest of its first 100 is computed again, and training goes on.
     check_for_spiky_loss: bool = False
     check_for_large_grads: bool = False
+    # Megatron-LM's --result-rejected-tracker-filename: each rejected result is appended to it
+    # (megatron_integration.rerun_tracker); None: not recorded.
+    result_rejected_tracker_filename: Optional[str] = None
 
     def __post_init__(self):
         if self.rerun_mode not in MODES:
@@ -34,6 +39,9 @@ class RerunSettings:
         if not is_whole(self.error_injection_rate, at_least=0):
             raise DynaPipeError(f"{given('error_injection_rate', self.error_injection_rate)}: give a whole number, "
                                 f"at least 0 (0: inject nothing; N: about once in N validations of a rank).")
+        path = self.result_rejected_tracker_filename
+        if path is not None and (not isinstance(path, str) or not path.strip()):
+            raise DynaPipeError(f"{given('result_rejected_tracker_filename', path)}: name a file (or leave it out).")
         for name in ("check_for_spiky_loss", "check_for_large_grads"):
             if not isinstance(getattr(self, name), bool):
                 raise DynaPipeError(f"{given(name, getattr(self, name))}: give True or False.")

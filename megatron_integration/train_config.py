@@ -13,6 +13,7 @@ from typing import Optional
 from megatron_integration.gpt_model_args import GPTModelArgs
 from megatron_integration.manual_gc import ManualGC
 from megatron_integration.rerun_settings import RerunSettings
+from megatron_integration.rerun_tracker import TrackedSkips
 
 
 @dataclass(frozen=True)
@@ -299,9 +300,11 @@ class DynaPipeTrainingConfig:
     rerun: RerunSettings = field(default_factory=RerunSettings)
     # Megatron's --exit-interval: stop (after saving, with --save) at the first multiple of it.
     exit_interval: Optional[int] = None
-    # Megatron's --iterations-to-skip: iterations (0-based, the iterations done before each) whose
-    # global batch is consumed without training on it.
+    # Megatron's --iterations-to-skip: iterations (numbered from 1, as logged) whose global batch is
+    # consumed without training on it.
     iterations_to_skip: tuple[int, ...] = ()
+    # What --result-rejected-tracker-filename named at start-up (its skips are in iterations_to_skip).
+    tracked_skips: Optional[TrackedSkips] = None
     # Megatron's --exit-duration-in-mins (None: no limit) and --empty-unused-memory-level
     # (megatron_integration.training_limits).
     exit_duration_in_mins: Optional[int] = None
@@ -342,7 +345,7 @@ class DynaPipeTrainingConfig:
             return self.train_iters
         last = (start_iteration // self.exit_interval + 1) * self.exit_interval
         # Megatron-LM decides to exit after a trained iteration only: a skipped one continues.
-        while last < self.train_iters and last - 1 in self.iterations_to_skip:
+        while last < self.train_iters and last in self.iterations_to_skip:
             last += self.exit_interval
         return min(self.train_iters, last)
 

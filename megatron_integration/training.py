@@ -21,7 +21,7 @@ from dynapipe.cost.model_flops import samples_work
 from dynapipe.errors import DynaPipeError
 from dynapipe.megatron_core import untested_release_note
 from megatron_integration import checkpoint_formats
-from megatron_integration.agreement import attempt, same_error_everywhere
+from megatron_integration.agreement import attempt, everyone, same_error_everywhere
 from megatron_integration.blend_resume import blend_record, keep_resumed_blend
 from megatron_integration.out_of_memory import MODEL_TOO_LARGE, named_out_of_memory
 from megatron_integration.data import GlobalBatches, data_summary_lines
@@ -35,6 +35,7 @@ from megatron_integration.optimizer import build_optimizer
 from megatron_integration.params_norm import params_l2_norm
 from megatron_integration.rerun import ResultValidator
 from megatron_integration.rerun_record import load_record
+from megatron_integration.rerun_tracker import same_skips_everywhere
 from megatron_integration.placement_auto import resolve_gpt_split
 from megatron_integration.profile_check import check_threads_at_start, extrapolation_lines
 from megatron_integration.run_report import parameter_count_line, write_line
@@ -143,11 +144,15 @@ def result_validator(cfg: DynaPipeTrainingConfig, info: RankInfo, module, stream
         print_rank_0(info, stream, [], line)
     layout = {"tp": info.tp_size, "pp": info.pp_size, "dp": info.dp_size, "method": cfg.method,
               "micro_batch_size": cfg.micro_batch_size, "split": split}
+    if cfg.tracked_skips is not None:
+        same_skips_everywhere(everyone((cfg.tracked_skips.path, cfg.iterations_to_skip)))
+        for line in cfg.tracked_skips.lines():
+            log(line)
     record = None
     if cfg.load and start_iteration > 0:
         record = load_record(cfg.load, start_iteration, cfg.rerun.rerun_mode, info.rank, log,
                              check=cfg.check_for_nan_in_loss_and_grad, layout=layout,
-                             skipped=start_iteration in cfg.iterations_to_skip)
+                             skipped=start_iteration + 1 in cfg.iterations_to_skip)
     return ResultValidator(cfg.rerun, cfg.check_for_nan_in_loss_and_grad, module, info.device, resume=record,
                            log=log, layout=layout)
 

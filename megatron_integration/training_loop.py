@@ -72,7 +72,7 @@ class TrainingRun:
     # Model FLOPs of every iteration trained, a checkpoint's included (Megatron-LM's
     # num_floating_point_operations_so_far): the executed shapes', by Megatron-LM's count.
     flops_so_far: float = 0.0
-    # --iterations-to-skip: the iterations (0-based, as the flag names them) consumed untrained.
+    # --iterations-to-skip: the iterations (from 1, as the flag and the log name them) consumed untrained.
     skipped_iterations: list[int] = field(default_factory=list)
     # GPUs: this rank's caching-allocator memory at the end of the run, maxima over the run (MiB;
     # dynapipe.runtime.activation_meter.cuda_memory_mib). None on CPUs.
@@ -159,13 +159,13 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
         ended_skipped = False
         for iteration in range(run.start_iteration, last):
             where = f"iteration {iteration + 1}"
-            ended_skipped = iteration in cfg.iterations_to_skip
+            ended_skipped = iteration + 1 in cfg.iterations_to_skip
             if ended_skipped:
                 # Megatron-LM's --iterations-to-skip: the batch is consumed, nothing is trained,
                 # logged, evaluated or saved at it (its loop continues past all of them).
                 run.consumed_samples = parts.stepper.skip(iteration)
                 logger.skip(run.consumed_samples)
-                run.skipped_iterations.append(iteration)
+                run.skipped_iterations.append(iteration + 1)
                 continue
             result = parts.stepper.step(iteration)
             if result.stop is not None:
@@ -223,7 +223,7 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
         # Megatron-LM exits at a multiple of --exit-interval, the last iteration included, and
         # after --exit-duration-in-mins: no final evaluation then, and no "training is done".
         exited = by_duration or bool(cfg.exit_interval and stop > run.start_iteration
-                                     and stop % cfg.exit_interval == 0 and stop - 1 not in cfg.iterations_to_skip)
+                                     and stop % cfg.exit_interval == 0 and stop not in cfg.iterations_to_skip)
         if logger.is_logging_rank:  # after its own last iteration line (every rank has the same results)
             # Training time: the evaluations and checkpoints between iterations left out.
             summary = training_summary_lines(run.results, run.start_iteration, run.consumed_samples,

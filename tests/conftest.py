@@ -222,10 +222,10 @@ def pp2(tmp_path_factory, t5_dist):
              (blended + f" --train-iters 8 --exit-interval 4 --save {save / 'blend'}").split(),
              (blended + f" --train-iters 16 --exit-interval 8 --load {save / 'blend'} "
                         f"--override-opt_param-scheduler").split()]
-    # --iterations-to-skip 1 on padding and DynaPipe (iteration 2's batch consumed untrained); then
+    # --iterations-to-skip 2 on padding and DynaPipe (iteration 2's batch consumed untrained); then
     # --rerun-mode report_stats: every iteration computed twice through the T5 stepper (DynaPipe's
     # executor), the same losses as the DynaPipe run above. Last, after the blend's three runs.
-    runs += [(TINY + " --iterations-to-skip 1").split(), (dyn + " --iterations-to-skip 1").split(),
+    runs += [(TINY + " --iterations-to-skip 2").split(), (dyn + " --iterations-to-skip 2").split(),
              (dyn + " --exit-interval 2 --rerun-mode report_stats").split()]
     # About 3 s a run on an idle host: the limit grows with the runs, so a loaded host is not a hang.
     ranks = run_t5_training(runs, 2, timeout_s=max(TIMEOUT, 20 * len(runs)))

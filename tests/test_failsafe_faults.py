@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -218,6 +219,12 @@ def fault_outcomes(tmp_path_factory):
     dist_save, full = str(d / "dist-ckpt"), str(d / "full-ckpt")
     save2, empty, release = str(d / "ckpt2"), str(d / "empty"), str(d / "release")
     inj_t, inj_p = str(d / "inject-transient"), str(d / "inject-persistent")
+    tracker = str(d / "rejected.log")  # --result-rejected-tracker-filename
+    # Trackers that differ by rank (a node-local path): rank 1's names iteration 2 to skip.
+    trackers = [str(d / "rank0-rejected.log"), str(d / "rank1-rejected.log")]
+    with open(trackers[1], "w") as f:
+        f.writelines(f"ts=2026-12-01 00:00:00 node=n device=0 jobID={job} rank=0 iteration=2 "
+                     f"status=RerunValidationStatus.RERUN_DISABLED result=nan message='loss'\n" for job in (1, 2))
     os.makedirs(empty)
     data.mkdir()
     out_of_vocab = write_indexed(data / "vocab", [[5, 6, 7, 8]] * 6 + [[5, 200, 7]] + [[9, 10]] * 5)
@@ -229,20 +236,28 @@ def fault_outcomes(tmp_path_factory):
     truncate_file(cut + ".idx", -5)
     steps = {
         # --rerun-mode validate_results (the default): iteration 2 diverges, is computed again in
-        # place and reproduced; the weights of iteration 1 are saved with the record (exit 16).
-        "nan_padding": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e20 --save {nan_save}"),
+        # place and reproduced; the weights of iteration 1 are saved with the record (exit 16). The
+        # tracker file gets the initial run's and the rerun's lines.
+        "nan_padding": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e20 --save {nan_save} "
+                                 f"--result-rejected-tracker-filename {tracker}"),
         # Resumed on the same node and devices: resume elsewhere (16 again); moved (the record's
         # places rewritten): reproduced there too, so the run diverged (17); --rerun-mode disabled
         # goes past the record, and its check stops the run.
-        "nan_resumed_here": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e20 --load {nan_save}"),
+        "nan_resumed_here": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e20 --load {nan_save} "
+                                      f"--result-rejected-tracker-filename {tracker}"),
         "move_nan_record": ("rank0", _move_record, (os.path.join(nan_save, "iter_0000001"),)),
-        "nan_resumed_elsewhere": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e20 --load {nan_save}"),
-        # --iterations-to-skip names the recorded iteration: the record is not read, iteration 2
-        # is skipped, and iteration 3 (the job's first trained) meets the diverged weights.
+        "nan_resumed_elsewhere": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e20 --load {nan_save} "
+                                           f"--result-rejected-tracker-filename {tracker}"),
+        # Reproduced twice on rank 1, the tracker names iteration 2 to skip: the record is not read,
+        # iteration 2 is skipped, and iteration 3 (the job's first trained) meets the diverged
+        # weights, which the tracker gets too.
         "nan_resumed_skipped": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e20 --load {nan_save} "
-                                         "--iterations-to-skip 1"),
+                                         f"--result-rejected-tracker-filename {tracker}"),
         "nan_resumed_disabled": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e20 --load {nan_save} "
                                           "--rerun-mode disabled"),
+        # Ranks whose trackers name different iterations would skip different batches: refused.
+        "tracker_differs": ("train", [f"{TINY}{MOCK} --train-iters 1 --lr 1e-3 --result-rejected-tracker-filename {t}"
+                                      for t in trackers]),
         # Indexed data through the planner workers: the data checks pass, then the loss diverges.
         "nan_dynapipe": ("train", f"{TINY} --data-path {good} --train-iters 3 --lr 1e20 --use-dynapipe"),
         "nan_disabled": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e20 --rerun-mode disabled"),
@@ -264,11 +279,11 @@ def fault_outcomes(tmp_path_factory):
                                     "--check-for-large-grads"),
         "spike_scale_back": ("all", _spike_scale, (100, 10.0)),
         "spikes_unchecked": ("train", f"{TINY}{MOCK} --train-iters 4 --lr 1e-3 --use-dynapipe"),
-        # --iterations-to-skip 1: the second iteration's batch is consumed untrained, on megatron-core's
+        # --iterations-to-skip 2: the second iteration's batch is consumed untrained, on megatron-core's
         # schedule and through DynaPipe's loader alike.
         "skip_none": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --split 100,0,0"),
-        "skip_padding": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --split 100,0,0 --iterations-to-skip 1"),
-        "skip_dynapipe": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --split 100,0,0 --iterations-to-skip 1 "
+        "skip_padding": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --split 100,0,0 --iterations-to-skip 2"),
+        "skip_dynapipe": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --split 100,0,0 --iterations-to-skip 2 "
                                    "--use-dynapipe"),
         # Every iteration computed twice: the same losses as one computation, and the differences told.
         "report_stats": ("train", f"{TINY}{MOCK} --train-iters 2 --lr 1e-3 --rerun-mode report_stats"),
@@ -400,6 +415,7 @@ def fault_outcomes(tmp_path_factory):
                 p.wait(10)
     outcomes = {name: [r[i] for r in results] for i, name in enumerate(steps)}
     return outcomes, {"save": save, "save2": save2, "nan_save": nan_save, "inj_t": inj_t, "inj_p": inj_p,
+                      "tracker": tracker, "trackers": trackers,
                       "redis_restarts": len(procs) - 1,
                       "lost_unread": lost_unread, "dist_save": dist_save, "full": full}
 
@@ -449,10 +465,36 @@ def test_a_resumed_run_without_reruns_goes_past_the_record(fault_outcomes):
     log = outcomes["nan_resumed_disabled"][0]["log"]
     assert f"ignoring {paths['nan_save']}/iter_0000001/rerun_state.json" in log and "--rerun-mode disabled" in log
     skipped = outcomes["nan_resumed_skipped"]
-    assert (f"ignoring {paths['nan_save']}/iter_0000001/rerun_state.json: --iterations-to-skip 1 skips the "
+    assert (f"ignoring {paths['nan_save']}/iter_0000001/rerun_state.json: --iterations-to-skip 2 skips the "
             f"iteration it records") in skipped[0]["log"]
     assert skipped[0]["error"].startswith("iteration 3: the loss is NaN or infinite")
     assert [o["exit_code"] for o in skipped] == [2, 2]
+
+
+def test_the_tracker_file_records_rejections_and_skips_a_batch_reproduced_twice(fault_outcomes):
+    from megatron_integration.rerun_tracker import read_skips
+
+    outcomes, paths = fault_outcomes
+    with open(paths["tracker"]) as f:
+        lines = f.read().splitlines()
+    # The loss began on rank 1 (the last stage), whose NaN reached rank 0's gradients: one line
+    # an event, rank 1's, in Megatron-LM's format. Resumed on the same device, nothing is
+    # recorded (as Megatron-LM); resumed elsewhere, reproduced; the skipping job's first iteration
+    # stops unchecked again.
+    events = [(re.search(r"rank=(\d+) iteration=(\d+) status=RerunValidationStatus\.(\w+) result=(\S+) "
+                         r"message='(.*)'$", line).groups()) for line in lines]
+    assert events == [("1", "2", "INITIAL_RUN", "nan", "loss"), ("1", "2", "FIRST_RERUN_REPRODUCIBLE", "nan", "loss"),
+                      ("1", "2", "SECOND_RERUN_REPRODUCIBLE", "nan", "loss"), ("1", "3", "RERUN_DISABLED", "nan", "loss")]
+    assert all(line.startswith("ts=") and " jobID=" in line and " node=" in line for line in lines)
+    log = outcomes["nan_resumed_skipped"][0]["log"]
+    assert (f"--result-rejected-tracker-filename {paths['tracker']}: skipping iterations [2], each rejected twice on "
+            f"one rank with a result that reproduced") in log
+    # The next job would skip iteration 2 only: iteration 3 was rejected once.
+    assert read_skips(paths["tracker"]).skip == (2,)
+    differs = outcomes["tracker_differs"]
+    assert differs[0]["error"] == differs[1]["error"] and [o["exit_code"] for o in differs] == [2, 2]
+    assert (f"rank 0 skips iterations [] ({paths['trackers'][0]}) and rank 1 [2] ({paths['trackers'][1]}); the ranks "
+            f"read different files") in differs[0]["error"]
 
 
 @pytest.mark.parametrize("name", ["nan_padding", "nan_dynapipe"])
@@ -488,6 +530,7 @@ def test_a_reproduced_nan_saves_the_weights_before_it_with_its_record(fault_outc
     elsewhere = outcomes["nan_resumed_elsewhere"]
     assert [o["exit_code"] for o in elsewhere] == [17, 17]
     assert "it is reproduced: the result is correct and the run itself diverged" in elsewhere[0]["error"]
+    assert "Resume with --iterations-to-skip 2 to skip its batch" in elsewhere[0]["error"]
 
 
 def test_injected_errors_are_diagnosed_as_megatron_lm_does(fault_outcomes):

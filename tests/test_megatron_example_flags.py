@@ -125,15 +125,17 @@ def test_megatrons_resilience_flags_are_taken_or_refused_with_what_is_done_inste
     cfg = parse(f"{TINY} --train-iters 4 --lr 1e-3 --mock-data --rerun-mode disabled")
     assert cfg.check_for_nan_in_loss_and_grad and cfg.rerun.rerun_mode == "disabled"
     assert parse(f"{GPT3} --rerun-mode report_stats").rerun.rerun_mode == "report_stats"
-    # --iterations-to-skip as Megatron-LM names them (iterations done before each), in order, once each.
+    # --iterations-to-skip numbered from 1, as logged (Megatron-LM since core_v0.17), in order, once each.
     assert parse(f"{GPT3} --iterations-to-skip 5 2 5").iterations_to_skip == (2, 5)
     assert parse(GPT3).iterations_to_skip == ()
     # Megatron-LM decides to exit after trained iterations only: skipped multiples of
-    # --exit-interval (iterations 2 and 4, named 1 and 3) run on to the next one, 6.
-    skipping = parse(f"{TINY} --train-iters 8 --lr 1e-3 --mock-data --exit-interval 2 --iterations-to-skip 1 3")
+    # --exit-interval (iterations 2 and 4) run on to the next one, 6.
+    skipping = parse(f"{TINY} --train-iters 8 --lr 1e-3 --mock-data --exit-interval 2 --iterations-to-skip 2 4")
     assert skipping.last_iteration(0) == 6 and skipping.last_iteration(6) == 8
-    assert "--iterations-to-skip -1: iterations are named by the iterations done before them, from 0" in refusal(
-        f"{GPT3} --iterations-to-skip 3 -1", capsys)
+    assert parse(f"{TINY} --train-iters 8 --lr 1e-3 --mock-data --exit-interval 2 --iterations-to-skip 1 3"
+                 ).last_iteration(0) == 2
+    assert "--iterations-to-skip 0: iterations are numbered from 1" in refusal(f"{GPT3} --iterations-to-skip 3 0",
+                                                                               capsys)
     spikes = parse(f"{GPT3} --check-for-spiky-loss --check-for-large-grads").rerun
     assert spikes.check_for_spiky_loss and spikes.check_for_large_grads
     assert not parse(GPT3).rerun.check_for_spiky_loss and not parse(GPT3).rerun.check_for_large_grads
@@ -152,6 +154,23 @@ def test_megatrons_resilience_flags_are_taken_or_refused_with_what_is_done_inste
     assert parse(f"{GPT3} --loss-scale 1024 --error-injection-rate 5").rerun.error_injection_rate == 5
     assert "--check-for-large-grads with --rerun-mode report_stats: report_stats computes every iteration twice" in (
         refusal(f"{GPT3} --rerun-mode report_stats --check-for-large-grads", capsys))
+
+
+def test_the_tracker_files_iterations_join_iterations_to_skip(tmp_path, capsys):
+    from test_rerun_tracker import megatron_line
+
+    tracker = tmp_path / "tracker.log"
+    tracker.write_text(megatron_line("1", 0, 9, "RERUN_DISABLED") + megatron_line("2", 0, 9, "RERUN_DISABLED"))
+    cfg = parse(f"{GPT3} --iterations-to-skip 3 7 --result-rejected-tracker-filename {tracker}")
+    assert cfg.iterations_to_skip == (3, 7, 9) and cfg.tracked_skips.skip == (9,)
+    assert cfg.rerun.result_rejected_tracker_filename == str(tracker)
+    assert parse(GPT3).rerun.result_rejected_tracker_filename is None and parse(GPT3).tracked_skips is None
+    # A file the job cannot append to, or one out of the format, stops it at start-up.
+    assert f"--result-rejected-tracker-filename {tmp_path}: cannot append to it" in refusal(
+        f"{GPT3} --result-rejected-tracker-filename {tmp_path}", capsys)
+    tracker.write_text("garbage\n")
+    assert "line 1: not a tracker line ('garbage')" in refusal(f"{GPT3} --result-rejected-tracker-filename {tracker}",
+                                                               capsys)
 
 
 def test_no_flag_of_the_examples_is_unknown():
