@@ -157,6 +157,9 @@ def _add_seed_precision_and_checks_args(g: argparse._ArgumentGroup) -> None:
                         "iterations, and say whether it reproduces; training goes on")
     g.add_argument("--check-for-large-grads", action="store_true",
                    help="the same for a rank's gradient norm")
+    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
+                   help="every N iterations (and at the start), check that the data-parallel replicas' weights are "
+                        "bit-identical (SHA-1 of every parameter); a difference stops every rank")
     g.add_argument("--result-rejected-tracker-filename", default=None,
                    help="a file every rejected result is appended to, in Megatron-LM's format; a job started with "
                         "it skips the iterations it names twice on one rank with a reproducible result")

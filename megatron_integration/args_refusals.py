@@ -107,7 +107,6 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--use-legacy-models": "the stages are megatron-core's models; drop it",
     "--spec": ("the layer spec is megatron-core's own: GPT's (Transformer Engine's on GPUs, the local one on CPU), "
               "T5's local encoder and decoder specs"),
-    "--check-weight-hash-across-dp-replicas-interval": "not built; drop it",
     "--step-batch-size-schedule": "the global batch is fixed (or set by --dynapipe-tokens-per-global-batch)",
     "--tiktoken-pattern": ("read by --tokenizer-type TikTokenizer only (Megatron-LM ignores it with any other "
                            "tokenizer), which is not a --tokenizer-type here; drop it (for a tiktoken vocabulary "

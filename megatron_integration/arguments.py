@@ -256,6 +256,7 @@ def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[b
                             f"give one.")
     _positive("num-workers", args.num_workers, allow_zero=True)
     _positive("exit-interval", args.exit_interval, allow_zero=True)  # 0: off, as Megatron-LM reads it
+    _positive("check-weight-hash-across-dp-replicas-interval", args.check_weight_hash_across_dp_replicas_interval)
     from megatron_integration.manual_gc import ManualGC
 
     manual_gc = ManualGC(args.manual_gc, args.manual_gc_interval, args.manual_gc_eval).validate()
@@ -304,6 +305,7 @@ def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[b
                                                          args.loss_scale),
         rerun=rerun, tracked_skips=tracked,
         exit_interval=args.exit_interval, iterations_to_skip=_iterations_to_skip(args.iterations_to_skip, tracked),
+        weight_hash_interval=args.check_weight_hash_across_dp_replicas_interval,
         exit_duration_in_mins=check_exit_duration(args.exit_duration_in_mins),
         empty_unused_memory_level=args.empty_unused_memory_level, manual_gc=manual_gc, evaluation=evaluation, ckpt_format=args.ckpt_format,
         finetune=args.finetune, exit_on_missing_checkpoint=args.exit_on_missing_checkpoint,

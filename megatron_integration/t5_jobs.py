@@ -46,6 +46,9 @@ def t5_training_job(runs: Sequence[Sequence[str]], echo: bool = False) -> list[d
                             # --rerun-mode report_stats: the determinism statistics, rank 0's.
                             stats_lines=[line for line in text.getvalue().splitlines()
                                          if line.startswith(("  loss: ", "  gradient norm: "))],
+                            # --check-weight-hash-across-dp-replicas-interval: rank 0's lines.
+                            hash_lines=[line for line in text.getvalue().splitlines()
+                                        if line.startswith(">>> Weight hashes match")],
                             tp_size=parallel_state.get_tensor_model_parallel_world_size()))
             end_run()
             out[-1]["threads_after"] = thread_count()

@@ -29,6 +29,7 @@ from megatron_integration.baseline_step import StepResult
 from megatron_integration.model import Stage, grad_scale_func
 from megatron_integration.optimizer import build_optimizer
 from megatron_integration.params_norm import params_l2_norm
+from megatron_integration.weight_hash import weight_hash_check
 from megatron_integration.t5_config import T5TrainingConfig
 from megatron_integration.t5_eval import make_t5_evaluator
 from megatron_integration.training import result_validator, vocab_padding_line
@@ -149,5 +150,6 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
     parts = LoopParts(base, info, optimizer, stepper, save, lambda: make_t5_evaluator(cfg, info, stage, stepper),
                       started_s,
                       params_norm=partial(params_l2_norm, stage.modules, info.device) if base.log_params_norm else None,
+                      weight_hashes=weight_hash_check(base, stage.modules, info.device),
                       model=cfg.planner_model())
     return run_iterations(parts, run, stream, on_iteration)

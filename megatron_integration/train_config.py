@@ -305,6 +305,9 @@ class DynaPipeTrainingConfig:
     iterations_to_skip: tuple[int, ...] = ()
     # What --result-rejected-tracker-filename named at start-up (its skips are in iterations_to_skip).
     tracked_skips: Optional[TrackedSkips] = None
+    # Megatron's --check-weight-hash-across-dp-replicas-interval (None: never): the data-parallel
+    # replicas' weights compared by hash at the start and after every N-th iteration.
+    weight_hash_interval: Optional[int] = None
     # Megatron's --exit-duration-in-mins (None: no limit) and --empty-unused-memory-level
     # (megatron_integration.training_limits).
     exit_duration_in_mins: Optional[int] = None

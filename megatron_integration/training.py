@@ -33,6 +33,7 @@ from megatron_integration.baseline_step import (StepResult, build_micro_batches,
 from megatron_integration.model import Stage, attach_training_hooks, build_stage
 from megatron_integration.optimizer import build_optimizer
 from megatron_integration.params_norm import params_l2_norm
+from megatron_integration.weight_hash import weight_hash_check
 from megatron_integration.rerun import ResultValidator
 from megatron_integration.rerun_record import load_record
 from megatron_integration.rerun_tracker import same_skips_everywhere
@@ -243,5 +244,6 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
     parts = LoopParts(cfg, info, optimizer, stepper, save, lambda: make_evaluator(cfg, info, stage, stepper),
                       started_s,
                       params_norm=partial(params_l2_norm, stage.modules, info.device) if cfg.log_params_norm else None,
+                      weight_hashes=weight_hash_check(cfg, stage.modules, info.device),
                       model=cfg.model.to_model_config())
     return run_iterations(parts, run, stream, on_iteration)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Optional, Protocol, TextIO
 
 from dynapipe.config import ModelConfig
@@ -104,7 +105,8 @@ class LoopParts:
     ``--log-throughput`` prices;
     ``make_evaluator()`` returns the run's evaluator or None (called inside the loop's cleanup
     scope, so the stepper's planner workers are stopped even if building it fails);
-    ``params_norm``: returns the parameters' L2 norm, on every rank after every step.
+    ``params_norm``: returns the parameters' L2 norm, on every rank after every step;
+    ``weight_hashes(iteration, log)``: checks the data-parallel replicas' weights (collective).
     """
 
     cfg: DynaPipeTrainingConfig
@@ -116,6 +118,9 @@ class LoopParts:
     started_s: float  # time.time() at the start of pretrain: --exit-duration-in-mins counts from it
     # --log-params-norm: the model's parameter norm after each step (collective; None: not asked).
     params_norm: Optional[Callable[[], float]] = None
+    # --check-weight-hash-across-dp-replicas-interval: compares the replicas' weights after the
+    # given iterations, raising when they differ (collective; None: not asked).
+    weight_hashes: Optional[Callable[[int, Callable[[str], None]], None]] = None
     model: Optional[ModelConfig] = None
 
 
@@ -157,6 +162,9 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
         # loop leaves its iteration there too).
         stop, saved_at, by_duration = max(last, run.start_iteration), None, False
         ended_skipped = False
+        hash_log = partial(print_rank_0, info, stream, [])
+        if parts.weight_hashes is not None:  # as Megatron-LM: once before the first iteration
+            parts.weight_hashes(run.start_iteration, hash_log)
         for iteration in range(run.start_iteration, last):
             where = f"iteration {iteration + 1}"
             ended_skipped = iteration + 1 in cfg.iterations_to_skip
@@ -196,6 +204,8 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
                 if evaluator is not None:
                     evaluator.after_iteration(done, stream, logging_rank, run.eval_lines, logger.writer,
                                               run.consumed_samples)
+                if parts.weight_hashes is not None and done % cfg.weight_hash_interval == 0:
+                    parts.weight_hashes(done, hash_log)
                 if cfg.save and cfg.save_interval and done % cfg.save_interval == 0 and done != last:
                     parts.save(done, run.consumed_samples, run.flops_so_far)
                     saved_at = done

@@ -34,6 +34,7 @@ TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-si
         "--max-position-embeddings 64 --vocab-size 128 --micro-batch-size 2 --global-batch-size 4 "
         "--log-interval 1 --seed 7 --pipeline-model-parallel-size 2 --hidden-dropout 0 --attention-dropout 0")
 MOCK = " --mock-data --dynapipe-mock-samples 64"
+DP2 = TINY.replace("--pipeline-model-parallel-size 2", "--pipeline-model-parallel-size 1")  # two replicas
 # CPython 3.12.0 and 3.12.1 crash in the garbage collector on the reference cycle a failed write
 # leaves where megatron-core 0.19 writes torch_dist shards from the rank's own threads (CPython
 # gh-111049, fixed in 3.12.2): the rank dies, and with it the job every test here shares, so
@@ -258,6 +259,16 @@ def fault_outcomes(tmp_path_factory):
         # Ranks whose trackers name different iterations would skip different batches: refused.
         "tracker_differs": ("train", [f"{TINY}{MOCK} --train-iters 1 --lr 1e-3 --result-rejected-tracker-filename {t}"
                                       for t in trackers]),
+        # --check-weight-hash-across-dp-replicas-interval on two data-parallel replicas: the same
+        # weights at the start and after every iteration, on megatron-core's schedule and through
+        # DynaPipe's executor (whose replicas train different micro-batches); a replica that steps
+        # with another learning rate differs after its first iteration, and every rank stops.
+        "hash_padding": ("train", f"{DP2}{MOCK} --train-iters 2 --lr 1e-3 "
+                                  "--check-weight-hash-across-dp-replicas-interval 1"),
+        "hash_dynapipe": ("train", f"{DP2}{MOCK} --train-iters 2 --lr 1e-3 --use-dynapipe "
+                                   "--check-weight-hash-across-dp-replicas-interval 2"),
+        "hash_differs": ("train", [f"{DP2}{MOCK} --train-iters 2 --lr {lr} "
+                                   "--check-weight-hash-across-dp-replicas-interval 1" for lr in ("1e-3", "2e-3")]),
         # Indexed data through the planner workers: the data checks pass, then the loss diverges.
         "nan_dynapipe": ("train", f"{TINY} --data-path {good} --train-iters 3 --lr 1e20 --use-dynapipe"),
         "nan_disabled": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e20 --rerun-mode disabled"),
@@ -940,3 +951,18 @@ def test_a_killed_rank_stops_the_survivor_of_megatron_cores_schedule_in_one_line
     assert survivor.value.startswith("iteration 3: rank 0 lost a peer (RuntimeError: ") and "\n" not in survivor.value
     assert survivor.value.endswith("another rank stopped (it crashed, was killed or ran out of memory): its own log "
                                    "holds the cause."), survivor.value
+
+
+def test_data_parallel_replicas_are_checked_to_hold_the_same_weights(fault_outcomes):
+    outcomes, _ = fault_outcomes
+    for name, checked in (("hash_padding", (0, 1, 2)), ("hash_dynapipe", (0, 2))):
+        log = outcomes[name][0]["log"]
+        assert [int(k) for k in re.findall(r">>> Weight hashes match after (\d+) iterations\.\.\.", log)] == list(
+            checked), name
+        assert len(outcomes[name][0]["losses"]) == 2
+    differs = outcomes["hash_differs"]
+    assert differs[0]["error"] == differs[1]["error"] and [o["exit_code"] for o in differs] == [2, 2]
+    assert differs[0]["error"].startswith("rank 0: after 1 iterations the weights of data-parallel replicas differ "
+                                          "(--check-weight-hash-across-dp-replicas-interval): chunk 0: ")
+    assert " on rank 1; " in differs[0]["error"] and "differ from rank 0's" in differs[0]["error"]
+    assert ">>> Weight hashes match after 0 iterations..." in differs[0]["log"]

@@ -156,6 +156,13 @@ def test_megatrons_resilience_flags_are_taken_or_refused_with_what_is_done_inste
         refusal(f"{GPT3} --rerun-mode report_stats --check-for-large-grads", capsys))
 
 
+def test_the_weight_hash_interval_is_megatron_lms(capsys):
+    assert parse(GPT3).weight_hash_interval is None
+    assert parse(f"{GPT3} --check-weight-hash-across-dp-replicas-interval 100").weight_hash_interval == 100
+    assert "--check-weight-hash-across-dp-replicas-interval 0: must be positive" in refusal(
+        f"{GPT3} --check-weight-hash-across-dp-replicas-interval 0", capsys)
+
+
 def test_the_tracker_files_iterations_join_iterations_to_skip(tmp_path, capsys):
     from test_rerun_tracker import megatron_line
 

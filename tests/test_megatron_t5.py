@@ -525,7 +525,8 @@ def test_t5_dynapipe_pp2_x_dp2_and_tp2_x_pp2_with_and_without_sp_train_like_pp2(
     # and (padding, DynaPipe) interleaved.
     tp2 = TINY + " --tensor-model-parallel-size 2"
     sp = tp2 + " --sequence-parallel --exit-interval 2"
-    ranks = run_t5_training([(TINY + " --use-dynapipe --exit-interval 2").split(),
+    ranks = run_t5_training([(TINY + " --use-dynapipe --exit-interval 2 --check-weight-hash-across-dp-replicas-interval "
+                                     "1").split(),
                              (TINY + f" --load {t5_dist / 'cut'} --save {t5_dist / 'dp2'}").split(),
                              (tp2 + f" --exit-interval 2 --save {t5_dist / 'tp2'}").split(),
                              (tp2 + " --exit-interval 2 --use-dynapipe").split(),
@@ -538,6 +539,8 @@ def test_t5_dynapipe_pp2_x_dp2_and_tp2_x_pp2_with_and_without_sp_train_like_pp2(
     dynapipe, resumed = ranks[0][:2]
     assert all(r[0]["losses"] == dynapipe["losses"] for r in ranks[1:])
     assert len(dynapipe["losses"]) == 2
+    # The replicas, training different micro-batches of each global batch, hold bit-identical weights.
+    assert dynapipe["hash_lines"] == [f">>> Weight hashes match after {k} iterations..." for k in range(3)]
     # Two replicas summing their gradients train the same global batches as PP2's padding.
     assert dynapipe["losses"] == pytest.approx(pp2[0]["losses"][:2], abs=1e-5, rel=1e-5)
     assert dynapipe["loss_tokens"] == pp2[0]["loss_tokens"][:2]
