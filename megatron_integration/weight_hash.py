@@ -8,9 +8,9 @@ replicas that no longer agree. As Megatron-LM does, every rank hashes each of it
 (SHA-1 of its fp32 values on the CPU, so bit-exact) at the start of training and after every
 ``interval``-th iteration, and the hashes are all-gathered over the data-parallel group.
 
-Where Megatron-LM's differing ranks fail an assertion and the others wait in a barrier until the
-process-group timeout, the outcome here is agreed by every rank of the job: all stop with the same
-line, naming the parameters and the ranks whose weights differ.
+Where Megatron-LM's ranks of a differing group fail an assertion and the other ranks wait in a
+barrier until the process-group timeout, the outcome here is agreed by every rank of the job: all
+stop with the same line, naming the parameters and the ranks off the majority's weights.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_integration.agreement import same_error_everywhere
+from megatron_integration.agreement import attempt, same_error_everywhere
 
 FLAG = "--check-weight-hash-across-dp-replicas-interval"
 
@@ -35,19 +35,28 @@ def parameter_hashes(modules: Sequence[torch.nn.Module]) -> tuple[list[str], tor
         for name, param in module.named_parameters():
             values = param.detach().to("cpu", torch.float32).contiguous().numpy()
             names.append(f"chunk {chunk}: {name}")
-            digests.append(torch.frombuffer(bytearray(hashlib.sha1(values.tobytes()).digest()), dtype=torch.uint8))
+            digests.append(torch.frombuffer(bytearray(hashlib.sha1(values).digest()), dtype=torch.uint8))
     return names, torch.stack(digests) if digests else torch.zeros((0, 20), dtype=torch.uint8)
 
 
 def differing(names: list[str], every: list[torch.Tensor], ranks: list[int]) -> list[str]:
     """What differs among one data-parallel group's hashes (``every``: each member's, in group
-    order; ``ranks``: their global ranks): for each parameter whose hash is not the same on every
-    member, its name and the ranks that differ from the group's first; empty when all agree."""
+    order; ``ranks``: their global ranks), one text a parameter whose hash is not the same on every
+    member: the ranks off the hash most members hold, or, when no hash is held by more than half
+    (two replicas that disagree), every rank, as no majority tells which is wrong. Empty when all
+    agree."""
     out = []
     for i, name in enumerate(names):
-        odd = [ranks[m] for m in range(1, len(every)) if not torch.equal(every[m][i], every[0][i])]
-        if odd:
+        keys = [bytes(t[i].tolist()) for t in every]
+        if len(set(keys)) == 1:
+            continue
+        common = max(set(keys), key=keys.count)
+        if keys.count(common) * 2 > len(keys):
+            odd = [ranks[m] for m, k in enumerate(keys) if k != common]
             out.append(f"{name} on rank{'s' if len(odd) > 1 else ''} {', '.join(map(str, odd))}")
+        else:
+            out.append(f"{name} disagrees between ranks {', '.join(map(str, ranks))} (no majority tells which is "
+                       f"wrong)")
     return out
 
 
@@ -67,10 +76,12 @@ def check_weight_hashes(modules: Sequence[torch.nn.Module], device: torch.device
     parameters and ranks."""
     from megatron.core import parallel_state as ps
 
-    names, mine = parameter_hashes(modules)
+    # A rank that cannot hash (out of host memory) must not leave its replicas in the all-gather.
+    hashed, error = attempt(lambda: parameter_hashes(modules), "hashing the parameters")
+    same_error_everywhere(error)
+    names, mine = hashed
     group = ps.get_data_parallel_group()
     size = dist.get_world_size(group)
-    error = None
     if size > 1:
         local = mine.to(device)
         every = [torch.zeros_like(local) for _ in range(size)]
@@ -80,8 +91,7 @@ def check_weight_hashes(modules: Sequence[torch.nn.Module], device: torch.device
         if odd:
             shown = "; ".join(odd[:3]) + (f"; and {len(odd) - 3} more" if len(odd) > 3 else "")
             error = (f"after {iteration} iterations the weights of data-parallel replicas differ ({FLAG}): "
-                     f"{shown} differ from rank {ranks[0]}'s. Replicas that should be identical are not: a device "
-                     f"fault or a rank that stepped differently; resume from the last checkpoint, leaving out the "
-                     f"nodes of those ranks.")
+                     f"{shown}. Replicas that should be identical are not: a device fault or a rank that stepped "
+                     f"differently; resume from the last checkpoint, leaving out the nodes of the ranks named.")
     same_error_everywhere(error)
     log(f">>> Weight hashes match after {iteration} iterations...")

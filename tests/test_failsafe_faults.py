@@ -964,5 +964,7 @@ def test_data_parallel_replicas_are_checked_to_hold_the_same_weights(fault_outco
     assert differs[0]["error"] == differs[1]["error"] and [o["exit_code"] for o in differs] == [2, 2]
     assert differs[0]["error"].startswith("rank 0: after 1 iterations the weights of data-parallel replicas differ "
                                           "(--check-weight-hash-across-dp-replicas-interval): chunk 0: ")
-    assert " on rank 1; " in differs[0]["error"] and "differ from rank 0's" in differs[0]["error"]
+    assert ("module.embedding.word_embeddings.weight disagrees between ranks 0, 1 (no majority tells which is "
+            "wrong); ") in differs[0]["error"] and "; and 25 more." in differs[0]["error"]
     assert ">>> Weight hashes match after 0 iterations..." in differs[0]["log"]
+    assert ">>> Weight hashes" not in outcomes["hash_padding"][1]["log"]  # rank 0 logs, as print_rank_0

@@ -20,11 +20,17 @@ def test_a_parameter_hash_sees_one_bit_and_names_the_chunk():
     assert torch.equal(again[:2], hashes[:2]) and not torch.equal(again[2], hashes[2])
 
 
-def test_differing_parameters_are_named_with_the_ranks_that_differ_from_the_groups_first():
+def test_differing_parameters_name_the_ranks_off_the_majority_or_all_when_there_is_none():
     names = ["chunk 0: a", "chunk 0: b"]
     h = torch.zeros((2, 20), dtype=torch.uint8)
     odd = h.clone()
     odd[1, 0] = 1
     assert differing(names, [h, h, h], [0, 2, 4]) == []
-    assert differing(names, [h, odd, h, odd], [1, 3, 5, 7]) == ["chunk 0: b on ranks 3, 7"]
-    assert differing(names, [odd, h], [0, 1]) == ["chunk 0: b on rank 1"]
+    # The group's first member is the odd one: the majority, not rank order, decides.
+    assert differing(names, [odd, h, h], [1, 3, 5]) == ["chunk 0: b on rank 1"]
+    assert differing(names, [h, odd, h, h, odd], [0, 1, 2, 3, 4]) == ["chunk 0: b on ranks 1, 4"]
+    # Two replicas, or no hash held by more than half: every rank, nobody blamed.
+    assert differing(names, [odd, h], [0, 1]) == ["chunk 0: b disagrees between ranks 0, 1 (no majority tells "
+                                                  "which is wrong)"]
+    assert differing(names, [h, odd, h, odd], [1, 3, 5, 7]) == ["chunk 0: b disagrees between ranks 1, 3, 5, 7 "
+                                                                "(no majority tells which is wrong)"]
