@@ -185,6 +185,10 @@ def _add_runtime_numerics_args(g: argparse._ArgumentGroup) -> None:
     """Wall-time exit, memory release, determinism, the loss's reduction and reduced-precision switches."""
     g.add_argument("--exit-duration-in-mins", type=int, default=None,
                    help="stop (after saving, with --save) once the job has run this many minutes")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on --exit-signal (SIGTERM), stop at the next iteration boundary after saving (with --save)")
+    g.add_argument("--exit-signal", default=None,
+                   help="the signal --exit-signal-handler catches, by name (default SIGTERM)")
     g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=(0, 1, 2),
                    help="return the CUDA caching allocator's unused memory: 1 after each forward-backward, 2 also "
                         "after each optimizer step (no effect on CPU, which has no such cache)")

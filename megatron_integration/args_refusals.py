@@ -74,8 +74,6 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--num-distributed-optimizer-instances": "one distributed-optimizer instance is built; drop it",
     "--ddp-reduce-scatter-with-fp32-accumulation": "gradients reduce as --accumulate-allreduce-grads-in-fp32 / "
                                                    "--grad-reduce-in-bf16 say; drop it",
-    "--exit-signal-handler": "stop a run with --exit-interval or --exit-duration-in-mins (a signal ends it "
-                             "without a checkpoint); drop it",
     "--exit-signal-handler-for-dataloader": "no data-loader workers are started; drop it",
     "--log-throughput-to-tensorboard": "--log-throughput with --tensorboard-dir already writes TFLOP/s to "
                                        "TensorBoard; drop it",
@@ -153,9 +151,8 @@ UNSUPPORTED_MEGATRON_FLAGS = {
                      "with torchrun (torch.distributed.launch is deprecated)"),
     "--eval-micro-batch-size": ("evaluation runs at --micro-batch-size (DynaPipe plans its own evaluation "
                                 "micro-batches); drop it"),
-    "--exit-signal": "see --exit-signal-handler: stop a run with --exit-interval or --exit-duration-in-mins",
-    "--exit-signal-handler-for-training": ("see --exit-signal-handler: stop a run with --exit-interval or "
-                                           "--exit-duration-in-mins"),
+    "--exit-signal-handler-for-training": ("use --exit-signal-handler, which ends the run at the next iteration "
+                                           "with a checkpoint on SIGTERM (or --exit-signal)"),
     "--warmup": "Megatron-LM's deprecated spelling of --lr-warmup-fraction; use that",
     "--multi-latent-attention": ("multi-latent attention is not built (GPT and T5 stages use megatron-core's "
                                  "standard attention); drop it"),

@@ -54,6 +54,7 @@ from megatron_integration.run_config import load_run_config  # noqa: F401  (re-e
 from megatron_integration.tensor_parallel import check_tensor_parallel_args
 from megatron_integration.tokenizer import resolve_tokenizer_type
 from megatron_integration.training_limits import check_exit_duration
+from megatron_integration.exit_signal import exit_signal_from_args
 from megatron_integration.train_config import DataArgs, DynaPipeTrainingConfig, ParallelArgs
 from megatron_integration.flag_spelling import megatron_spelled
 
@@ -307,6 +308,7 @@ def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[b
         exit_interval=args.exit_interval, iterations_to_skip=_iterations_to_skip(args.iterations_to_skip, tracked),
         weight_hash_interval=args.check_weight_hash_across_dp_replicas_interval,
         exit_duration_in_mins=check_exit_duration(args.exit_duration_in_mins),
+        exit_signal=exit_signal_from_args(args.exit_signal_handler, args.exit_signal),
         empty_unused_memory_level=args.empty_unused_memory_level, manual_gc=manual_gc, evaluation=evaluation, ckpt_format=args.ckpt_format,
         finetune=args.finetune, exit_on_missing_checkpoint=args.exit_on_missing_checkpoint,
         dist_ckpt=dist_ckpt_args_from_args(args, cuda), megatron_args=_recorded_args(args))

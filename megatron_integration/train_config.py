@@ -312,6 +312,8 @@ class DynaPipeTrainingConfig:
     # (megatron_integration.training_limits).
     exit_duration_in_mins: Optional[int] = None
     empty_unused_memory_level: int = 0
+    # Megatron's --exit-signal-handler with its --exit-signal (a signal name; None: no handler).
+    exit_signal: Optional[str] = None
     # Megatron's --manual-gc, --manual-gc-interval, --no-manual-gc-eval.
     manual_gc: ManualGC = field(default_factory=ManualGC)
     evaluation: EvalArgs = field(default_factory=EvalArgs)

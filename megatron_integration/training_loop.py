@@ -19,6 +19,7 @@ from dynapipe.cost.model_flops import model_flops
 from dynapipe.runtime.activation_meter import cuda_memory_mib, reset_cuda_peaks
 from megatron_integration.agreement import peer_lost
 from megatron_integration.baseline_step import StepResult
+from megatron_integration.exit_signal import ExitSignal, exit_signal_line
 from megatron_integration.initialize import RankInfo
 from megatron_integration.logging_utils import TrainingLogger, memory_report_line
 from megatron_integration.run_report import training_summary_lines, write_line
@@ -132,8 +133,11 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
     logging_rank = info.is_last_stage and info.dp_rank == 0 and info.tp_rank == 0
     logger = None
     gc_was_enabled = None
+    signals = None
     where = "start-up"  # what the loop was doing, for a lost peer's line
     try:
+        if cfg.exit_signal is not None:  # --exit-signal-handler
+            signals = ExitSignal(cfg.exit_signal, info.device).install()
         evaluator = parts.make_evaluator()
         if evaluator is not None and cfg.exit_duration_in_mins:
             # As Megatron-LM's evaluate(): the limit is checked after every evaluation batch too.
@@ -160,11 +164,13 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
         # A checkpoint past --train-iters trains nothing and stays at its own iteration, which
         # the final evaluation is labelled with and reads the validation stream from (Megatron-LM's
         # loop leaves its iteration there too).
-        stop, saved_at, by_duration = max(last, run.start_iteration), None, False
+        # exit_line: what rank 0 prints when --exit-duration-in-mins or the exit signal ended the run.
+        stop, saved_at, exit_line = max(last, run.start_iteration), None, None
         ended_skipped = False
         hash_log = partial(print_rank_0, info, stream, [])
         if parts.weight_hashes is not None:  # as Megatron-LM: once before the first iteration
-            parts.weight_hashes(run.start_iteration, hash_log)
+            with logger.paused():  # not iteration time, as an evaluation is not
+                parts.weight_hashes(run.start_iteration, hash_log)
         for iteration in range(run.start_iteration, last):
             where = f"iteration {iteration + 1}"
             ended_skipped = iteration + 1 in cfg.iterations_to_skip
@@ -206,15 +212,18 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
                                               run.consumed_samples)
                 if parts.weight_hashes is not None and done % cfg.weight_hash_interval == 0:
                     parts.weight_hashes(done, hash_log)
+                if signals is not None and signals.received():
+                    # As Megatron-LM: before the interval's save; the checkpoint is saved below.
+                    stop, exit_line = done, exit_signal_line(signals.name, done)
+                    break
                 if cfg.save and cfg.save_interval and done % cfg.save_interval == 0 and done != last:
                     parts.save(done, run.consumed_samples, run.flops_so_far)
                     saved_at = done
             elapsed_min = exit_duration_reached(cfg.exit_duration_in_mins, parts.started_s, info.device)
             if elapsed_min is not None:
-                stop, by_duration = done, True
                 # The time trained, read now; printed after the final save, as Megatron-LM does (a
                 # save that fails must not follow a line saying the program is exiting).
-                exit_line = exit_duration_line(cfg.exit_duration_in_mins, elapsed_min, done)
+                stop, exit_line = done, exit_duration_line(cfg.exit_duration_in_mins, elapsed_min, done)
                 break
         where = f"after iteration {stop}"
         if ended_skipped and stop >= cfg.train_iters:
@@ -228,11 +237,12 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
         if cfg.save and stop > run.start_iteration and saved_at != stop:
             with logger.paused():
                 parts.save(stop, run.consumed_samples, run.flops_so_far)
-        if by_duration:
+        if exit_line is not None:
             print_rank_0(info, stream, [], exit_line)
-        # Megatron-LM exits at a multiple of --exit-interval, the last iteration included, and
-        # after --exit-duration-in-mins: no final evaluation then, and no "training is done".
-        exited = by_duration or bool(cfg.exit_interval and stop > run.start_iteration
+        # Megatron-LM exits at a multiple of --exit-interval, the last iteration included, after
+        # --exit-duration-in-mins and on the exit signal: no final evaluation then, and no
+        # "training is done".
+        exited = exit_line is not None or bool(cfg.exit_interval and stop > run.start_iteration
                                      and stop % cfg.exit_interval == 0 and stop not in cfg.iterations_to_skip)
         if logger.is_logging_rank:  # after its own last iteration line (every rank has the same results)
             # Training time: the evaluations and checkpoints between iterations left out.
@@ -240,7 +250,7 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
                                              time.perf_counter() - started - logger.paused_total_s, exited=exited,
                                              skipped_iterations=len(run.skipped_iterations),
                                              skipped_samples=logger.skipped_samples)
-            stream.write("\n".join(summary[1:] if by_duration else summary) + "\n")
+            stream.write("\n".join(summary[1:] if exit_line is not None else summary) + "\n")
             stream.flush()
         if evaluator is not None and stop >= cfg.train_iters and not exited:
             evaluator.after_training(stop, stream, logging_rank, run.eval_lines, logger.writer, run.consumed_samples)
@@ -266,6 +276,8 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
     finally:
         if gc_was_enabled is not None:
             cfg.manual_gc.stop(gc_was_enabled)
+        if signals is not None:
+            signals.release()
     parts.stepper.close()
     if logger is not None:
         logger.close()

@@ -51,6 +51,8 @@ def fault_job(steps: list) -> list:
     may be a list, one command line a rank);
     ``("train", argv, (iteration, marker))`` also pauses rank 0 after that iteration until
     the test removes the file ``marker`` it creates (a fault is injected meanwhile);
+    ``("train", argv, ("signal", iteration))`` sends SIGTERM to rank 0 and its planner workers
+    after that iteration (0-based), as torchrun forwards a scheduler's SIGTERM to a rank's group;
     ``("train", argv, None, (rank, iteration))`` makes that rank raise a RuntimeError in that
     iteration after its plan arrived, outside the pipeline executor;
     ``("rank0", fn, args)`` runs a file operation on rank 0 between runs (``"rank1"``: on rank 1,
@@ -77,7 +79,8 @@ def fault_job(steps: list) -> list:
             argv = step[1] if isinstance(step[1], str) else step[1][dist.get_rank()]  # or one a rank
             hook, raises = None, len(step) > 2 and step[2] is not None and step[2][0] == "raise"
             if len(step) > 2 and step[2] is not None and dist.get_rank() == 0:
-                hook = partial(_raise_after, step[2][1]) if raises else partial(_pause_at, *step[2])
+                hook = (partial(_raise_after, step[2][1]) if raises else
+                        partial(_signal_after, step[2][1]) if step[2][0] == "signal" else partial(_pause_at, *step[2]))
             fault = step[3] if len(step) > 3 and step[3][0] == dist.get_rank() else None
             t0 = time.monotonic()
             stream = io.StringIO()
@@ -181,6 +184,18 @@ def _raise_after(iteration, it, result):
         raise RuntimeError(f"injected fault after iteration {it + 1}")
 
 
+def _signal_after(iteration, it, result):
+    """An on-iteration callback that sends SIGTERM after iteration ``iteration`` (0-based) to this
+    rank's child processes (DynaPipe's planner workers) and to this rank."""
+    import multiprocessing
+    import signal
+
+    if it == iteration:
+        for child in multiprocessing.active_children():
+            os.kill(child.pid, signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _pause_at(iteration, marker, it, result):
     if it != iteration:
         return
@@ -221,6 +236,7 @@ def fault_outcomes(tmp_path_factory):
     save2, empty, release = str(d / "ckpt2"), str(d / "empty"), str(d / "release")
     inj_t, inj_p = str(d / "inject-transient"), str(d / "inject-persistent")
     tracker = str(d / "rejected.log")  # --result-rejected-tracker-filename
+    sig_p, sig_d = str(d / "signal-padding"), str(d / "signal-dynapipe")
     # Trackers that differ by rank (a node-local path): rank 1's names iteration 2 to skip.
     trackers = [str(d / "rank0-rejected.log"), str(d / "rank1-rejected.log")]
     with open(trackers[1], "w") as f:
@@ -269,6 +285,16 @@ def fault_outcomes(tmp_path_factory):
                                    "--check-weight-hash-across-dp-replicas-interval 2"),
         "hash_differs": ("train", [f"{DP2}{MOCK} --train-iters 2 --lr {lr} "
                                    "--check-weight-hash-across-dp-replicas-interval 1" for lr in ("1e-3", "2e-3")]),
+        # --exit-signal-handler: SIGTERM after the first iteration (to rank 0 and its planner
+        # workers) ends the run there with a checkpoint and no error; resumed, it trains the rest as
+        # the uninterrupted run (skip_none) does.
+        "signal_padding": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --split 100,0,0 --save {sig_p} "
+                                    "--exit-signal-handler", ("signal", 0)),
+        "signal_resumed": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --split 100,0,0 --load {sig_p}"),
+        "signal_dynapipe": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --split 100,0,0 --save {sig_d} "
+                                     "--use-dynapipe --exit-signal-handler --exit-signal SIGTERM", ("signal", 0)),
+        "signal_dynapipe_resumed": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e-3 --split 100,0,0 --load {sig_d} "
+                                             "--use-dynapipe"),
         # Indexed data through the planner workers: the data checks pass, then the loss diverges.
         "nan_dynapipe": ("train", f"{TINY} --data-path {good} --train-iters 3 --lr 1e20 --use-dynapipe"),
         "nan_disabled": ("train", f"{TINY}{MOCK} --train-iters 3 --lr 1e20 --rerun-mode disabled"),
@@ -426,7 +452,7 @@ def fault_outcomes(tmp_path_factory):
                 p.wait(10)
     outcomes = {name: [r[i] for r in results] for i, name in enumerate(steps)}
     return outcomes, {"save": save, "save2": save2, "nan_save": nan_save, "inj_t": inj_t, "inj_p": inj_p,
-                      "tracker": tracker, "trackers": trackers,
+                      "tracker": tracker, "trackers": trackers, "sig_p": sig_p, "sig_d": sig_d,
                       "redis_restarts": len(procs) - 1,
                       "lost_unread": lost_unread, "dist_save": dist_save, "full": full}
 
@@ -968,3 +994,19 @@ def test_data_parallel_replicas_are_checked_to_hold_the_same_weights(fault_outco
             "wrong); ") in differs[0]["error"] and "; and 25 more." in differs[0]["error"]
     assert ">>> Weight hashes match after 0 iterations..." in differs[0]["log"]
     assert ">>> Weight hashes" not in outcomes["hash_padding"][1]["log"]  # rank 0 logs, as print_rank_0
+
+
+def test_the_exit_signal_ends_the_run_at_the_iteration_with_a_checkpoint(fault_outcomes):
+    outcomes, paths = fault_outcomes
+    plain = outcomes["skip_none"][1]["losses"]
+    for method, root in (("padding", paths["sig_p"]), ("dynapipe", paths["sig_d"])):
+        stopped, resumed = outcomes[f"signal_{method}"], outcomes[f"signal_{method}_resumed" if method == "dynapipe"
+                                                                 else "signal_resumed"]
+        assert all("error" not in o for o in stopped + resumed), method
+        assert [len(o["losses"]) for o in stopped] == [1, 1], method
+        assert "exiting program after receiving SIGTERM, after iteration 1" in stopped[0]["log"], method
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt")) as f:
+            assert f.read().strip() == "1", method
+        # The checkpoint is the iteration's: resumed, the run trains the rest as without the signal.
+        assert [o["start"] for o in resumed] == [1, 1]
+        assert np.allclose(stopped[1]["losses"] + resumed[1]["losses"], plain, rtol=0, atol=1e-5), method

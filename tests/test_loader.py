@@ -306,6 +306,25 @@ def test_a_worker_killed_while_this_rank_is_elsewhere_is_reported_to_the_store()
         dl.close()
 
 
+def test_a_worker_ignores_the_signals_that_end_a_job_and_plans_on():
+    # torchrun forwards a scheduler's SIGTERM (Ctrl-C: SIGINT) to a rank's whole process group:
+    # the worker must outlive it, for the rank to finish its iteration and save
+    # (--exit-signal-handler); it ends with its rank.
+    dl = make_loader(num_workers=1)
+    try:
+        next(dl)
+        pid = dl.worker_pids[0]
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+            os.kill(pid, sig)
+        for _ in range(6):  # past the prefetched plans: the worker planned them after the signals
+            next(dl)
+        assert dl.worker_pids == [pid] and wait_gone([pid], 0.2) == [pid]
+        assert dl._kv.get(dl.keys.error) is None
+    finally:
+        dl.close()
+    assert wait_gone([pid], 5) == []
+
+
 def test_a_plan_timeout_is_raised_again_by_every_later_next():
     # A caller that retried got a fresh timeout, then data: one rank going on where the others stopped.
     dl = make_loader(ds=SlowDataset(N, 11, LengthLimits(SEQ), vocab_size=512), plan_timeout_s=0.1)

@@ -163,6 +163,16 @@ def test_the_weight_hash_interval_is_megatron_lms(capsys):
         f"{GPT3} --check-weight-hash-across-dp-replicas-interval 0", capsys)
 
 
+def test_the_exit_signal_handler_is_megatron_lms(capsys):
+    assert parse(GPT3).exit_signal is None
+    assert parse(f"{GPT3} --exit-signal-handler").exit_signal == "SIGTERM"
+    assert parse(f"{GPT3} --exit-signal-handler --exit-signal SIGUSR1").exit_signal == "SIGUSR1"
+    assert "--exit-signal SIGUSR1 names the signal --exit-signal-handler catches" in refusal(
+        f"{GPT3} --exit-signal SIGUSR1", capsys)
+    assert "--exit-signal SIGKILL: a process cannot catch SIGKILL" in refusal(
+        f"{GPT3} --exit-signal-handler --exit-signal SIGKILL", capsys)
+
+
 def test_the_tracker_files_iterations_join_iterations_to_skip(tmp_path, capsys):
     from test_rerun_tracker import megatron_line
 

@@ -17,6 +17,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -174,9 +175,18 @@ def worker_main(worker: int, job: WorkerJob, tasks, events) -> None:
         _work(worker, job, tasks, events)
 
 
+# Signals a launcher or scheduler sends to a job's process group (torchrun forwards SIGTERM to
+# each rank's group): a worker ignores them and ends with its rank, which decides what they mean
+# (--exit-signal-handler finishes the iteration and saves; without it the rank ends, and so do its
+# workers, through the parent watch).
+JOB_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
+
+
 def _work(worker: int, job: WorkerJob, tasks, events) -> None:
     parent = multiprocessing.parent_process()
     if parent is not None:
+        for name in JOB_SIGNALS:
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
         threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True, name="parent-watch").start()
     iteration: Optional[int] = None
     kv = None
@@ -342,7 +352,7 @@ class PlannerPool:
                 raise PlannerWorkerError(death_text(self.job.node, i, p))
 
     def close(self, timeout_s: float = 1.0) -> None:
-        """Stop every worker: ask, wait ``timeout_s``, then terminate and kill.
+        """Stop every worker: ask, wait ``timeout_s``, then kill.
 
         Workers keep no state worth saving (a half-written payload is deleted by the
         loader), so the grace period is short.
@@ -360,10 +370,7 @@ class PlannerPool:
             p.join(max(0.0, deadline - time.monotonic()))
         for p in self.procs:
             if p.is_alive():
-                p.terminate()
-                p.join(2.0)
-            if p.is_alive():
-                p.kill()
+                p.kill()  # not SIGTERM: workers ignore it (JOB_SIGNALS)
                 p.join(2.0)
         for q in (self.tasks, self.events):
             q.cancel_join_thread()
