@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from dynapipe.errors import DynaPipeError
+from dynapipe.runtime.planner_workers import JOB_SIGNALS
 
 FLAG = "--exit-signal"
 # Signals a process cannot catch: a handler for them would never run.
@@ -28,13 +29,14 @@ UNCATCHABLE = ("SIGKILL", "SIGSTOP")
 
 def signal_number(name: str) -> int:
     """The number of the signal ``name`` (``SIGTERM``, as Megatron-LM's ``--exit-signal`` takes
-    it); refused when there is no such signal or it cannot be caught."""
-    names = sorted(s.name for s in signal.Signals if s.name not in UNCATCHABLE and not s.name.startswith("SIG_"))
+    it); refused when it cannot be caught, or is none of the signals that end a job, which
+    DynaPipe's planner workers ignore (any other would end them under their rank)."""
     if name in UNCATCHABLE:
         raise DynaPipeError(f"{FLAG} {name}: a process cannot catch {name}; give a signal a handler can catch "
                             f"(SIGTERM, the default, is what schedulers send before killing a job).")
-    if name not in names:
-        raise DynaPipeError(f"{FLAG} {name}: not a signal name; give one of {', '.join(names)} (SIGTERM by default).")
+    if name not in JOB_SIGNALS:
+        raise DynaPipeError(f"{FLAG} {name}: give one of {', '.join(JOB_SIGNALS)} (SIGTERM by default), the "
+                            f"signals launchers and schedulers send to end a job.")
     return int(signal.Signals[name])
 
 
@@ -45,12 +47,14 @@ class ExitSignal:
     def __init__(self, name: str, device: torch.device):
         self.name, self.number, self.device = name, signal_number(name), device
         self._mark = False
+        self._installed = False
         self._previous = None
 
     def install(self) -> "ExitSignal":
         """Mark this rank on the signal from now on (main thread only, as Python requires)."""
         self._previous = signal.getsignal(self.number)
         signal.signal(self.number, self._on_signal)
+        self._installed = True
         return self
 
     def _on_signal(self, signum, frame) -> None:
@@ -65,10 +69,11 @@ class ExitSignal:
         return bool(flag.item())
 
     def release(self) -> None:
-        """Put the previous handler back (once)."""
-        if self._previous is not None:
-            signal.signal(self.number, self._previous)
-            self._previous = None
+        """Put the previous handler back (once); one Python did not set (None: a C library's) is
+        given back as the default action, not left caught."""
+        if self._installed:
+            signal.signal(self.number, signal.SIG_DFL if self._previous is None else self._previous)
+            self._installed = False
 
 
 def exit_signal_line(name: str, iteration: int) -> str:

@@ -13,10 +13,15 @@ from megatron_integration.exit_signal import ExitSignal, exit_signal_from_args, 
 
 def test_signal_names_are_megatron_lms_and_uncatchable_ones_are_refused():
     assert signal_number("SIGTERM") == signal.SIGTERM and signal_number("SIGUSR1") == signal.SIGUSR1
+    assert signal_number("SIGQUIT") == signal.SIGQUIT  # torchrun forwards it by default
     with pytest.raises(DynaPipeError, match="--exit-signal SIGKILL: a process cannot catch SIGKILL"):
         signal_number("SIGKILL")
-    with pytest.raises(DynaPipeError, match=r"--exit-signal TERM: not a signal name; give one of .*SIGTERM"):
-        signal_number("TERM")
+    # Only the signals that end a job, which DynaPipe's planner workers ignore: any other would
+    # end the workers under a rank that is saving.
+    for name in ("TERM", "SIGSEGV", "SIGALRM"):
+        with pytest.raises(DynaPipeError, match=rf"--exit-signal {name}: give one of SIGTERM, SIGINT, SIGHUP, "
+                                                rf"SIGQUIT, SIGUSR1, SIGUSR2"):
+            signal_number(name)
 
 
 def test_the_handler_flags_resolve_as_megatron_lms_and_a_lone_signal_is_refused():
@@ -43,3 +48,14 @@ def test_a_signal_marks_the_run_and_the_previous_handler_comes_back():
     finally:
         signal.signal(signal.SIGUSR1, previous)
     assert exit_signal_line("SIGTERM", 3) == "exiting program after receiving SIGTERM, after iteration 3"
+
+
+def test_a_handler_python_did_not_set_is_given_back_as_the_default(monkeypatch):
+    # signal.getsignal is None for a handler a C library installed: released, the signal must not
+    # stay caught by this run's handler.
+    installed = []
+    monkeypatch.setattr(signal, "getsignal", lambda number: None)
+    monkeypatch.setattr(signal, "signal", lambda number, handler: installed.append((number, handler)))
+    handler = ExitSignal("SIGUSR2", torch.device("cpu")).install()
+    handler.release()
+    assert installed[-1] == (signal.SIGUSR2, signal.SIG_DFL) and len(installed) == 2

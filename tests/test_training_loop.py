@@ -84,3 +84,71 @@ def test_the_gpu_memory_report_comes_where_megatron_prints_it(monkeypatch, devic
     assert lines == [f"[Rank {dp_rank}] (after {i} iterations) memory (MB) | allocated: 10.0 | max allocated: 30.0 | "
                      f"reserved: 40.0 | max reserved: 40.0" for i in reports]
     assert run.cuda_memory_mib == (memory if device == "cuda" else None)
+
+
+class RecordingEvaluator:
+    """Records when the loop evaluates: after iterations, and at the end of training."""
+
+    def __init__(self):
+        self.calls, self.batch_fn, self.batches_run = [], None, 0
+
+    def after_iteration(self, done, *args):
+        self.calls.append(("iteration", done))
+
+    def after_training(self, stop, *args):
+        self.calls.append(("end", stop))
+
+
+class SignallingStepper(SteadyStepper):
+    """Steady steps; sends this process ``sig`` during step ``at`` (0-based)."""
+
+    def __init__(self, sig, at):
+        self.sig, self.at = sig, at
+
+    def step(self, iteration):
+        import os
+
+        if iteration == self.at:
+            os.kill(os.getpid(), self.sig)
+        return super().step(iteration)
+
+
+def test_the_exit_signal_stops_after_the_iterations_evaluation_and_saves_once(tmp_path):
+    import signal
+
+    # --train-iters 3, a save and an evaluation every iteration; the signal in the last one: its
+    # evaluation runs, then the run saves at 3 once (not the interval's save and the final one),
+    # prints the line and skips the evaluation at the end of training.
+    cfg = parse_training_args((BASE + f" --exit-signal-handler --exit-signal SIGUSR1 --save {tmp_path} "
+                               "--save-interval 1").split(), 1, cuda=False)
+    info = RankInfo(rank=0, world_size=1, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1, tp_rank=0, tp_size=1,
+                    device=torch.device("cpu"))
+    saves, evaluator, out = [], RecordingEvaluator(), io.StringIO()
+    before = signal.getsignal(signal.SIGUSR1)
+    parts = LoopParts(cfg=cfg, info=info, optimizer=ConstantScaleOptimizer(), stepper=SignallingStepper(
+        signal.SIGUSR1, 2), save=lambda it, *a: saves.append(it), make_evaluator=lambda: evaluator,
+        started_s=time.time())
+    run = run_iterations(parts, TrainingRun(), out)
+    assert len(run.results) == 3 and saves == [1, 2, 3]
+    assert evaluator.calls == [("iteration", 1), ("iteration", 2), ("iteration", 3)]
+    assert "exiting program after receiving SIGUSR1, after iteration 3" in out.getvalue()
+    assert signal.getsignal(signal.SIGUSR1) is before  # the handler released
+    # Signalled in the first of three: it stops there, and the interval's save is the only one.
+    saves.clear()
+    parts.stepper = SignallingStepper(signal.SIGUSR1, 0)
+    run = run_iterations(parts, TrainingRun(), io.StringIO())
+    assert len(run.results) == 1 and saves == [1]
+
+
+def test_the_exit_signal_handler_is_released_when_the_loop_fails():
+    import signal
+
+    cfg = parse_training_args((BASE + " --exit-signal-handler --exit-signal SIGUSR2").split(), 1, cuda=False)
+    info = RankInfo(rank=0, world_size=1, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1, tp_rank=0, tp_size=1,
+                    device=torch.device("cpu"))
+    before = signal.getsignal(signal.SIGUSR2)
+    parts = LoopParts(cfg=cfg, info=info, optimizer=None, stepper=FailingStepper(), save=lambda *a: None,
+                      make_evaluator=lambda: None, started_s=time.time())
+    with pytest.raises(DynaPipeError, match="iteration 1: the loss is NaN"):
+        run_iterations(parts, TrainingRun(), io.StringIO())
+    assert signal.getsignal(signal.SIGUSR2) is before

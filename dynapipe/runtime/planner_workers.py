@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.util
 import os
 import queue
 import signal
@@ -169,17 +170,25 @@ def _exit_with_parent(parent) -> None:
     os._exit(0)
 
 
+def _kill_all(procs) -> None:
+    """Kill the workers still alive (a pool left open at interpreter exit)."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(2.0)
+
+
 def worker_main(worker: int, job: WorkerJob, tasks, events) -> None:
     """Entry point of a planner worker process."""
     with spelled_as(job.spelling):  # its refusals name the parameters as the job's user gave them
         _work(worker, job, tasks, events)
 
 
-# Signals a launcher or scheduler sends to a job's process group (torchrun forwards SIGTERM to
-# each rank's group): a worker ignores them and ends with its rank, which decides what they mean
+# Signals a launcher or scheduler sends to a job's process group (torchrun forwards SIGTERM,
+# SIGINT, SIGHUP and SIGQUIT to each rank's group, Slurm SIGUSR1/2 when asked): a worker ignores them and ends with its rank, which decides what they mean
 # (--exit-signal-handler finishes the iteration and saves; without it the rank ends, and so do its
 # workers, through the parent watch).
-JOB_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
+JOB_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 
 
 def _work(worker: int, job: WorkerJob, tasks, events) -> None:
@@ -291,6 +300,9 @@ class PlannerPool:
         for p in self.procs:
             p.start()
             self.pids.append(p.pid)
+        # At interpreter exit multiprocessing terminates daemonic children (SIGTERM, which workers
+        # ignore) and joins them without a limit: a pool still open then is killed first.
+        multiprocessing.util.Finalize(self, _kill_all, args=(list(self.procs),), exitpriority=10)
 
     @property
     def closed(self) -> bool:
