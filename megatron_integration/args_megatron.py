@@ -381,6 +381,14 @@ def _add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--save-retain-interval", type=int, default=None,
                    help="keep the checkpoints at multiples of it (and the newest): each other one is deleted once "
                         "the next is saved, as Megatron-LM does (a multiple of --save-interval; default: keep all)")
+    g.add_argument("--non-persistent-save-interval", type=int, default=None,
+                   help="iterations between non-persistent checkpoints, each replacing the one before (with "
+                        "--non-persistent-ckpt-type global)")
+    g.add_argument("--non-persistent-ckpt-type", default=None, choices=("global", "local"),
+                   help="global: saved under --save/non_persistent (or --non-persistent-global-ckpt-dir) and "
+                        "loaded when newer than --load's; local is not built")
+    g.add_argument("--non-persistent-global-ckpt-dir", default=None,
+                   help="directory of the global non-persistent checkpoints (default: non_persistent under --save)")
     g.add_argument("--no-load-optim", action="store_true", help="do not restore the optimizer state")
     g.add_argument("--no-load-rng", action="store_true", help="do not restore the RNG states")
     g.add_argument("--ckpt-format", default="torch_dist", choices=CKPT_FORMATS,

@@ -144,8 +144,6 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     # Megatron-LM's deprecated spellings, which its argument check turns into errors.
     "--model-parallel-size": "Megatron-LM's deprecated name; use --tensor-model-parallel-size",
     # Checkpoint flags of Megatron-LM's that launch scripts pass.
-    "--non-persistent-save-interval": "non-persistent checkpoints are not written; use --save-interval",
-    "--non-persistent-ckpt-type": "non-persistent checkpoints are not written; use --save-interval",
     "--dist-ckpt-format": "deprecated in Megatron-LM, where it has no effect; choose the format with --ckpt-format",
     "--local-rank": ("torchrun sets LOCAL_RANK in every rank's environment, which is what this build reads; launch "
                      "with torchrun (torch.distributed.launch is deprecated)"),

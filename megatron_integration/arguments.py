@@ -55,6 +55,7 @@ from megatron_integration.tensor_parallel import check_tensor_parallel_args
 from megatron_integration.tokenizer import resolve_tokenizer_type
 from megatron_integration.training_limits import check_exit_duration
 from megatron_integration.exit_signal import exit_signal_from_args
+from megatron_integration.non_persistent import non_persistent_from_args
 from megatron_integration.train_config import DataArgs, DynaPipeTrainingConfig, ParallelArgs
 from megatron_integration.flag_spelling import megatron_spelled
 
@@ -297,7 +298,7 @@ def _training_config(args: argparse.Namespace, world_size: int, cuda: Optional[b
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         packed_attention=args.dynapipe_packed_attention, padded_attention=args.dynapipe_padded_attention,
         save=args.save, load=args.load, save_interval=args.save_interval,
-        save_retain_interval=args.save_retain_interval,
+        save_retain_interval=args.save_retain_interval, non_persistent=non_persistent_from_args(args),
         load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, log_interval=args.log_interval,
         log_throughput=args.log_throughput, log_params_norm=args.log_params_norm, logging_level=args.logging_level,
         tensorboard=tensorboard_args_from_args(args),

@@ -30,6 +30,7 @@ from megatron_integration.checkpoint import (BLEND_RECORD_KEY, GLOBAL_BATCH_KEY,
                                              save_checkpoint)
 from megatron_integration.checkpoint_files import CHECKSUM_SUFFIX
 from megatron_integration.initialize import RankInfo
+from megatron_integration.non_persistent import other_checkpoints
 from megatron_integration.scheduler_state import fixed_global_batch
 from megatron_integration.train_config import DistCkptArgs
 
@@ -49,7 +50,7 @@ def _layout(info: RankInfo) -> str:
 def save(cfg, iteration: int, consumed_samples: int, gpt, optimizer, scheduler, info: RankInfo, log: Log,
          extra: Optional[dict] = None, args_update: Optional[dict] = None,
          model_values: Optional[dict] = None, training_blend: Optional[list] = None,
-         flops_so_far: float = 0.0) -> str:
+         flops_so_far: float = 0.0, keep_only_newest: bool = False) -> str:
     """Save the checkpoint of ``iteration`` to ``cfg.save`` in ``cfg.ckpt_format``; collective.
 
     Returns the iteration directory. ``latest_checkpointed_iteration.txt`` is replaced last,
@@ -60,7 +61,9 @@ def save(cfg, iteration: int, consumed_samples: int, gpt, optimizer, scheduler, 
     model arguments a ``dynapipe`` checkpoint records for ``load`` to compare (T5's; default
     GPT's); ``training_blend``: the weighted training blend's size, which a resumed run keeps
     (:mod:`megatron_integration.blend_resume`; None: nothing to record); ``flops_so_far``: the
-    model FLOPs trained so far, recorded as Megatron-LM's ``num_floating_point_operations_so_far``."""
+    model FLOPs trained so far, recorded as Megatron-LM's ``num_floating_point_operations_so_far``;
+    ``keep_only_newest``: delete the older checkpoints under ``cfg.save`` once this one is saved
+    (non-persistent checkpoints, :mod:`megatron_integration.non_persistent`)."""
     blend = {} if training_blend is None else {BLEND_RECORD_KEY: list(training_blend)}
     root = cfg.save
     retain = getattr(cfg, "save_retain_interval", None)
@@ -84,6 +87,9 @@ def save(cfg, iteration: int, consumed_samples: int, gpt, optimizer, scheduler, 
     log(f"  [{_now()}] successfully saved checkpoint from iteration {iteration:7d} to {root} {_layout(info)}")
     if retain and previous is not None and 0 < previous != iteration and previous % retain:
         _retire(root, previous, info, log)
+    if keep_only_newest and info.rank == 0:
+        for old in other_checkpoints(root, iteration):
+            _delete(old, log, f"  deleting {old} (non-persistent: only the newest is kept)")
     return iter_dir
 
 
@@ -99,7 +105,14 @@ def _retire(root: str, iteration: int, info: RankInfo, log: Log) -> None:
     if os.path.islink(path):
         log(f"  skipping deleting checkpoint from iteration {iteration:7d} at {root} since it is a symbolic link")
         return
-    log(f"  deleting checkpoint from iteration {iteration:7d} at {root} (--save-retain-interval)")
+    _delete(path, log, f"  deleting checkpoint from iteration {iteration:7d} at {root} (--save-retain-interval)")
+
+
+def _delete(path: str, log: Log, line: str) -> None:
+    """Delete the checkpoint directory ``path`` (rank 0, after the newer one is complete), said
+    by ``line``; a failure is said, not raised: the newer checkpoint is complete and training
+    goes on."""
+    log(line)
     try:
         shutil.rmtree(path)
     except OSError as e:

@@ -135,7 +135,7 @@ _GROUPS = {
         --dist-ckpt-optim-fully-reshardable --dist-ckpt-save-pre-mcore-014 --dist-ckpt-workers
         --distrib-optim-fully-reshardable-mem-efficient --load-main-params-from-ckpt
         --no-ckpt-load-validate-sharding-integrity --no-save-tokenizer-assets --no-strict-fsdp-dtensor-load
-        --no-use-tokenizer-model-from-checkpoint-args --non-persistent-global-ckpt-dir
+        --no-use-tokenizer-model-from-checkpoint-args
         --non-persistent-local-ckpt-algo --non-persistent-local-ckpt-dir --override-ckpt-iteration --replication
         --replication-factor --replication-jump --save-activations-interval --save-dgrads-interval
         --save-params-interval --save-tokens-per-expert-interval --save-wgrads-interval

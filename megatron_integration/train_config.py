@@ -13,6 +13,7 @@ from typing import Optional
 from megatron_integration.gpt_model_args import GPTModelArgs
 from megatron_integration.manual_gc import ManualGC
 from megatron_integration.rerun_settings import RerunSettings
+from megatron_integration.non_persistent import NonPersistentArgs
 from megatron_integration.rerun_tracker import TrackedSkips
 
 
@@ -283,6 +284,9 @@ class DynaPipeTrainingConfig:
     save_interval: Optional[int] = None
     # Megatron's --save-retain-interval: the checkpoints kept (with the newest); None: all.
     save_retain_interval: Optional[int] = None
+    # Megatron's --non-persistent-save-interval / -ckpt-type / -global-ckpt-dir
+    # (megatron_integration.non_persistent).
+    non_persistent: NonPersistentArgs = field(default_factory=NonPersistentArgs)
     load_optim: bool = True
     load_rng: bool = True
     log_interval: int = 100

@@ -32,6 +32,7 @@ from megatron_integration.baseline_step import (StepResult, build_micro_batches,
                                                 sp_shards)
 from megatron_integration.model import Stage, attach_training_hooks, build_stage
 from megatron_integration.optimizer import build_optimizer
+from megatron_integration.non_persistent import newer_load, save_config
 from megatron_integration.params_norm import params_l2_norm
 from megatron_integration.weight_hash import weight_hash_check
 from megatron_integration.rerun import ResultValidator
@@ -200,6 +201,8 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
         for line in extrapolation_lines(cfg.dynapipe.cost_model, priced,
                                         {"seqlen": ("--seq-length", cfg.model.seq_length)}):
             write_line(stream, line)
+    # --non-persistent-ckpt-type: the newer of --load's checkpoint and the non-persistent one.
+    cfg = newer_load(cfg, info.rank, partial(print_rank_0, info, stream, []))
     # A resumed run trains on the weighted blend its checkpoint trained on: known before any data is read.
     cfg, kept_blend = keep_resumed_blend(cfg, checkpoint_formats.recorded_training_blend(cfg, info))
     # Rank 0 alone reads the data for the summary; a bad file stops every rank with its line.
@@ -237,9 +240,10 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
     stepper = make_stepper(cfg, info, stage, optimizer, scheduler, run.start_iteration, run.consumed_samples)
     stepper.validator = result_validator(cfg, info, stage.module, stream, run.start_iteration, split=record)
 
-    def save(iteration: int, consumed_samples: int, flops_so_far: float) -> None:
-        checkpoint_formats.save(cfg, iteration, consumed_samples, stage.gpt, optimizer, scheduler, info, log,
-                                extra=record, training_blend=blend_record(cfg), flops_so_far=flops_so_far)
+    def save(iteration: int, consumed_samples: int, flops_so_far: float, persistent: bool = True) -> None:
+        checkpoint_formats.save(cfg if persistent else save_config(cfg), iteration, consumed_samples, stage.gpt,
+                                optimizer, scheduler, info, log, extra=record, training_blend=blend_record(cfg),
+                                flops_so_far=flops_so_far, keep_only_newest=not persistent)
 
     parts = LoopParts(cfg, info, optimizer, stepper, save, lambda: make_evaluator(cfg, info, stage, stepper),
                       started_s,

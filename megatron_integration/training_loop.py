@@ -101,8 +101,8 @@ def print_rank_0(info: RankInfo, stream: TextIO, lines: list[str], line: str) ->
 class LoopParts:
     """What :func:`run_iterations` drives; built by the model's own ``pretrain``.
 
-    ``save(iteration, consumed_samples, flops_so_far)`` writes a checkpoint (called only with
-    ``--save``); ``model``: the model whose FLOPs ``TrainingRun.flops_so_far`` counts and
+    ``save(iteration, consumed_samples, flops_so_far, persistent=True)`` writes a checkpoint (called
+    only with ``--save``; ``persistent=False``: a non-persistent one, ``--non-persistent-save-interval``); ``model``: the model whose FLOPs ``TrainingRun.flops_so_far`` counts and
     ``--log-throughput`` prices;
     ``make_evaluator()`` returns the run's evaluator or None (called inside the loop's cleanup
     scope, so the stepper's planner workers are stopped even if building it fails);
@@ -216,9 +216,13 @@ def run_iterations(parts: LoopParts, run: TrainingRun, stream: TextIO,
                     # As Megatron-LM: before the interval's save; the checkpoint is saved below.
                     stop, exit_line = done, exit_signal_line(signals.name, done)
                     break
+                np_interval = cfg.non_persistent.save_interval
                 if cfg.save and cfg.save_interval and done % cfg.save_interval == 0 and done != last:
                     parts.save(done, run.consumed_samples, run.flops_so_far)
                     saved_at = done
+                elif cfg.save and np_interval and done % np_interval == 0 and done != last:
+                    # As Megatron-LM: where no persistent save falls; the run's last is persistent.
+                    parts.save(done, run.consumed_samples, run.flops_so_far, persistent=False)
             elapsed_min = exit_duration_reached(cfg.exit_duration_in_mins, parts.started_s, info.device)
             if elapsed_min is not None:
                 # The time trained, read now; printed after the final save, as Megatron-LM does (a

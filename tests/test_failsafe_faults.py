@@ -34,6 +34,7 @@ TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-si
         "--max-position-embeddings 64 --vocab-size 128 --micro-batch-size 2 --global-batch-size 4 "
         "--log-interval 1 --seed 7 --pipeline-model-parallel-size 2 --hidden-dropout 0 --attention-dropout 0")
 MOCK = " --mock-data --dynapipe-mock-samples 64"
+NP = "--non-persistent-save-interval 1 --non-persistent-ckpt-type global"
 DP2 = TINY.replace("--pipeline-model-parallel-size 2", "--pipeline-model-parallel-size 1")  # two replicas
 # CPython 3.12.0 and 3.12.1 crash in the garbage collector on the reference cycle a failed write
 # leaves where megatron-core 0.19 writes torch_dist shards from the rank's own threads (CPython
@@ -184,6 +185,14 @@ def _raise_after(iteration, it, result):
         raise RuntimeError(f"injected fault after iteration {it + 1}")
 
 
+def _lose_checkpoint(root, iteration, latest):
+    """``root`` as a job that died before saving ``iteration`` leaves it: that checkpoint gone,
+    the tracker naming ``latest``."""
+    shutil.rmtree(os.path.join(root, f"iter_{iteration:07d}"))
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(latest))
+
+
 def _signal_after(iteration, it, result):
     """An on-iteration callback that sends SIGTERM after iteration ``iteration`` (0-based) to this
     rank's child processes (DynaPipe's planner workers) and to this rank."""
@@ -237,6 +246,8 @@ def fault_outcomes(tmp_path_factory):
     inj_t, inj_p = str(d / "inject-transient"), str(d / "inject-persistent")
     tracker = str(d / "rejected.log")  # --result-rejected-tracker-filename
     sig_p, sig_d = str(d / "signal-padding"), str(d / "signal-dynapipe")
+    np_save = str(d / "np-ckpt")  # --non-persistent-save-interval
+    np_dyn, np_dir = str(d / "np-dyn-ckpt"), str(d / "np-elsewhere")
     # Trackers that differ by rank (a node-local path): rank 1's names iteration 2 to skip.
     trackers = [str(d / "rank0-rejected.log"), str(d / "rank1-rejected.log")]
     with open(trackers[1], "w") as f:
@@ -285,6 +296,21 @@ def fault_outcomes(tmp_path_factory):
                                    "--check-weight-hash-across-dp-replicas-interval 2"),
         "hash_differs": ("train", [f"{DP2}{MOCK} --train-iters 2 --lr {lr} "
                                    "--check-weight-hash-across-dp-replicas-interval 1" for lr in ("1e-3", "2e-3")]),
+        # Non-persistent checkpoints every iteration between the persistent ones (2, 4): only the
+        # newest (3) is kept. The job "dies" before its final save (the persistent 4 removed), and
+        # the resumed one loads the non-persistent 3, newer than --load's 2, and trains the 4th.
+        "np_saved": ("train", f"{TINY}{MOCK} --train-iters 4 --lr 1e-3 --split 100,0,0 --save {np_save} "
+                              f"--save-interval 2 {NP}"),
+        "np_cut": ("rank0", _lose_checkpoint, (np_save, 4, 2)),
+        "np_resumed": ("train", f"{TINY}{MOCK} --train-iters 4 --lr 1e-3 --split 100,0,0 --load {np_save} "
+                                "--non-persistent-ckpt-type global"),
+        # The same in this project's per-rank format, to a directory of its own.
+        "np_dyn_saved": ("train", f"{TINY}{MOCK} --train-iters 4 --lr 1e-3 --split 100,0,0 --save {np_dyn} "
+                                  f"--save-interval 2 --ckpt-format dynapipe {NP} --non-persistent-global-ckpt-dir {np_dir}"),
+        "np_dyn_cut": ("rank0", _lose_checkpoint, (np_dyn, 4, 2)),
+        "np_dyn_resumed": ("train", f"{TINY}{MOCK} --train-iters 4 --lr 1e-3 --split 100,0,0 --load {np_dyn} "
+                                    f"--ckpt-format dynapipe --non-persistent-ckpt-type global "
+                                    f"--non-persistent-global-ckpt-dir {np_dir}"),
         # --exit-signal-handler: SIGTERM after the first iteration (to rank 0 and its planner
         # workers) ends the run there with a checkpoint and no error; resumed, it trains the rest as
         # the uninterrupted run (skip_none) does.
@@ -452,7 +478,8 @@ def fault_outcomes(tmp_path_factory):
                 p.wait(10)
     outcomes = {name: [r[i] for r in results] for i, name in enumerate(steps)}
     return outcomes, {"save": save, "save2": save2, "nan_save": nan_save, "inj_t": inj_t, "inj_p": inj_p,
-                      "tracker": tracker, "trackers": trackers, "sig_p": sig_p, "sig_d": sig_d,
+                      "tracker": tracker, "trackers": trackers, "sig_p": sig_p, "sig_d": sig_d, "np_save": np_save,
+                      "np_dyn": np_dyn, "np_dir": np_dir,
                       "redis_restarts": len(procs) - 1,
                       "lost_unread": lost_unread, "dist_save": dist_save, "full": full}
 
@@ -1010,3 +1037,26 @@ def test_the_exit_signal_ends_the_run_at_the_iteration_with_a_checkpoint(fault_o
         # The checkpoint is the iteration's: resumed, the run trains the rest as without the signal.
         assert [o["start"] for o in resumed] == [1, 1]
         assert np.allclose(stopped[1]["losses"] + resumed[1]["losses"], plain, rtol=0, atol=1e-5), method
+
+
+def test_a_non_persistent_checkpoint_newer_than_the_persistent_one_is_resumed(fault_outcomes):
+    outcomes, paths = fault_outcomes
+    saved, resumed = outcomes["np_saved"], outcomes["np_resumed"]
+    root = os.path.join(paths["np_save"], "non_persistent")
+    assert sorted(os.listdir(root)) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
+    log = saved[0]["log"]
+    for k in (1, 3):
+        assert f"saving checkpoint at iteration       {k} to {root} in torch_dist format" in log
+    assert f"deleting {root}/iter_0000001 (non-persistent: only the newest is kept)" in log
+    assert f"saving checkpoint at iteration       2 to {paths['np_save']} in" in log
+    assert all("error" not in o for o in resumed) and [o["start"] for o in resumed] == [3, 3], resumed
+    assert (f"loading the non-persistent checkpoint of iteration 3 from {root} (--load's is of iteration 2)"
+            in resumed[0]["log"])
+    assert resumed[1]["losses"] == saved[1]["losses"][3:]  # the 4th iteration, from the 3rd's weights
+    # The per-rank format, in a directory of its own.
+    saved, resumed = outcomes["np_dyn_saved"], outcomes["np_dyn_resumed"]
+    assert sorted(os.listdir(paths["np_dir"])) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
+    assert not os.path.exists(os.path.join(paths["np_dyn"], "non_persistent"))
+    assert all("error" not in o for o in resumed) and [o["start"] for o in resumed] == [3, 3], resumed
+    assert f"loading the non-persistent checkpoint of iteration 3 from {paths['np_dir']}" in resumed[0]["log"]
+    assert resumed[1]["losses"] == saved[1]["losses"][3:]

@@ -5,6 +5,7 @@ does, or refused in one line naming the flag and why; none is an unknown argumen
 The flags are written out here (the scripts are not copied); the shapes are tiny and the
 process counts one, but each flag keeps the meaning and value kind the scripts give it.
 """
+import os
 import types
 
 import numpy as np
@@ -215,7 +216,10 @@ def test_megatron_lm_flags_without_a_reason_of_their_own_get_their_groups(capsys
     declared = {s for p in (build_parser(), build_t5_parser()) for a in p._actions for s in a.option_strings}
     assert not declared & set(FLAG_GROUP) and not set(UNSUPPORTED_MEGATRON_FLAGS) & set(FLAG_GROUP)
     assert len(FLAG_GROUP) > 500 and all(f.startswith("--") for f in FLAG_GROUP)
-    extra = "--cuda-graph-impl local --rl-use-sequence-packing --img-h 224 --non-persistent-save-interval 4 --bogus-flag 1"
+    # The README counts them.
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    assert f"and the {len(FLAG_GROUP)} other flags of" in " ".join(readme.split())
+    extra = "--cuda-graph-impl local --rl-use-sequence-packing --img-h 224 --ckpt-step 4 --bogus-flag 1"
     with pytest.raises(SystemExit):
         parse(f"{GPT3} {extra}")
     lines = capsys.readouterr().err.strip().splitlines()
@@ -225,7 +229,7 @@ def test_megatron_lm_flags_without_a_reason_of_their_own_get_their_groups(capsys
     assert "(Megatron-LM's 'transformer configuration' group); drop it" in lines[0]
     assert "--rl-use-sequence-packing " + unsupported + "Megatron-LM's reinforcement-learning loop" in lines[1]
     assert "--img-h " + unsupported + "vision models are not built" in lines[2]
-    assert "--non-persistent-save-interval " + unsupported + "non-persistent checkpoints are not written" in lines[3]
+    assert "--ckpt-step " + unsupported + "--load resumes from the iteration in" in lines[3]
     # Not a Megatron-LM flag at all: argparse's words, said once, with the others.
     assert "unrecognized arguments: --bogus-flag (a flag this build neither reads nor knows" in lines[4]
 

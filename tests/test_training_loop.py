@@ -152,3 +152,17 @@ def test_the_exit_signal_handler_is_released_when_the_loop_fails():
     with pytest.raises(DynaPipeError, match="iteration 1: the loss is NaN"):
         run_iterations(parts, TrainingRun(), io.StringIO())
     assert signal.getsignal(signal.SIGUSR2) is before
+
+
+def test_non_persistent_saves_fall_between_the_persistent_ones_and_never_on_the_last(tmp_path):
+    cfg = parse_training_args((BASE + f" --train-iters 5 --save {tmp_path} --save-interval 2 "
+                               "--non-persistent-save-interval 1 --non-persistent-ckpt-type global").split(), 1,
+                              cuda=False)
+    info = RankInfo(rank=0, world_size=1, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1, tp_rank=0, tp_size=1,
+                    device=torch.device("cpu"))
+    saves = []
+    parts = LoopParts(cfg=cfg, info=info, optimizer=ConstantScaleOptimizer(), stepper=SteadyStepper(),
+                      save=lambda it, c, f, persistent=True: saves.append((it, persistent)),
+                      make_evaluator=lambda: None, started_s=time.time())
+    run_iterations(parts, TrainingRun(), io.StringIO())
+    assert saves == [(1, False), (2, True), (3, False), (4, True), (5, True)]
