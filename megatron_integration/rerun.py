@@ -252,9 +252,9 @@ class ResultValidator:
                 spikes.append((r, "gradient norm", 2))
         if not spikes:
             return None
-        what = "; ".join(f"the {name} of rank {r} is {float(values[r, c]):.4g}, at least {rerun_stats.SPIKE_FACTOR:g}x the "
-                         f"largest of its first {rerun_stats.LARGE_VALUE_SAMPLES} ({self.large[name].largest[r]:.4g})"
-                         for r, name, c in spikes)
+        factor, samples = rerun_stats.SPIKE_FACTOR, rerun_stats.LARGE_VALUE_SAMPLES
+        what = "; ".join(f"the {name} of rank {r} is {float(values[r, c]):.4g}, at least {factor:g}x the largest of "
+                         f"its first {samples} ({self.large[name].largest[r]:.4g})" for r, name, c in spikes)
         # One tracker line a rank, its first spike's: Megatron-LM compares the first rejected
         # validation of a rank when computing again.
         first_spikes = list({r: (r, name, c) for r, name, c in reversed(spikes)}.values())[::-1]
@@ -268,8 +268,7 @@ class ResultValidator:
         again = self._gather(forward_backward())
         flags = _flags(again)
         places = self._places()
-        same = {r for r, name, c in first_spikes
-                if compare(float(values[r, c]), float(again[r, c])) <= (LOSS_TOLERANCE if c == 1 else GRAD_NORM_TOLERANCE)}
+        same = {r for r, name, c in first_spikes if _same(values, again, r, c)}
         for status, ranks in (("FIRST_RERUN_REPRODUCIBLE", same), ("FIRST_RERUN_NOT_REPRODUCIBLE",
                                                                    {r for r, _, _ in first_spikes} - same)):
             self._track(k, status, [(r, name, float(again[r, c])) for r, name, c in first_spikes if r in ranks])
@@ -281,8 +280,7 @@ class ResultValidator:
                 f"time: a possible transient fault of {ranks_text(bad)} ({_places(places, bad)}). Resume from the "
                 f"checkpoint before it; if it recurs, leave those devices out."))
         for r, name, c in spikes:
-            tolerance = LOSS_TOLERANCE if c == 1 else GRAD_NORM_TOLERANCE
-            if compare(float(values[r, c]), float(again[r, c])) <= tolerance:
+            if _same(values, again, r, c):
                 self.log(f"iteration {k}: the {name} of rank {r} is reproduced ({float(again[r, c]):.4g}): the result "
                          f"stands, not a device's fault; training goes on")
             else:
@@ -358,6 +356,13 @@ def _flags(values) -> torch.Tensor:
 def _rejected(values) -> list[int]:
     flags = _flags(values)
     return [r for r in range(len(values)) if flags[r].any() or values[r, 3] > 0]
+
+
+def _same(values, again, r: int, c: int) -> bool:
+    """Whether rank ``r``'s column ``c`` (1: loss, 2: gradient norm) reproduced within
+    Megatron-LM's tolerance for it."""
+    tolerance = LOSS_TOLERANCE if c == 1 else GRAD_NORM_TOLERANCE
+    return compare(float(values[r, c]), float(again[r, c])) <= tolerance
 
 
 def _reproduced(initial, again, injected: Optional[str], where: str) -> bool:

@@ -102,8 +102,9 @@ class LoopParts:
     """What :func:`run_iterations` drives; built by the model's own ``pretrain``.
 
     ``save(iteration, consumed_samples, flops_so_far, persistent=True)`` writes a checkpoint (called
-    only with ``--save``; ``persistent=False``: a non-persistent one, ``--non-persistent-save-interval``); ``model``: the model whose FLOPs ``TrainingRun.flops_so_far`` counts and
-    ``--log-throughput`` prices;
+    only with ``--save``; ``persistent=False``: a non-persistent one, ``--non-persistent-save-interval``);
+    ``model``: the model whose FLOPs ``TrainingRun.flops_so_far`` counts and ``--log-throughput``
+    prices;
     ``make_evaluator()`` returns the run's evaluator or None (called inside the loop's cleanup
     scope, so the stepper's planner workers are stopped even if building it fails);
     ``params_norm``: returns the parameters' L2 norm, on every rank after every step;

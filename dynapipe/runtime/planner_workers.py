@@ -185,9 +185,9 @@ def worker_main(worker: int, job: WorkerJob, tasks, events) -> None:
 
 
 # Signals a launcher or scheduler sends to a job's process group (torchrun forwards SIGTERM,
-# SIGINT, SIGHUP and SIGQUIT to each rank's group, Slurm SIGUSR1/2 when asked): a worker ignores them and ends with its rank, which decides what they mean
-# (--exit-signal-handler finishes the iteration and saves; without it the rank ends, and so do its
-# workers, through the parent watch).
+# SIGINT, SIGHUP and SIGQUIT to each rank's group, Slurm SIGUSR1/2 when asked): a worker ignores
+# them and ends with its rank, which decides what they mean (--exit-signal-handler finishes the
+# iteration and saves; without it the rank ends, and so do its workers, through the parent watch).
 JOB_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 
 
