@@ -28,6 +28,19 @@ _START_KEY = "dynapipe/start-up"
 T = TypeVar("T")
 
 
+def from_rank_0(read: Callable[[], T], what: str) -> T:
+    """``read()`` run on rank 0 alone and its result sent to every rank; collective. A failure
+    (one line naming ``what``) is raised on every rank, so no rank waits for a value that never
+    comes."""
+    value, error = attempt(read, what) if not dist.is_initialized() or dist.get_rank() == 0 else (None, None)
+    same_error_everywhere(error)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        value = box[0]
+    return value
+
+
 def everyone(value) -> list:
     """Every rank's ``value`` (a picklable object), by rank; collective (a one-item list
     without a process group)."""

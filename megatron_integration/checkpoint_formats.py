@@ -30,7 +30,7 @@ from megatron_integration.checkpoint import (BLEND_RECORD_KEY, GLOBAL_BATCH_KEY,
                                              save_checkpoint)
 from megatron_integration.checkpoint_files import CHECKSUM_SUFFIX
 from megatron_integration.initialize import RankInfo
-from megatron_integration.non_persistent import other_checkpoints
+from megatron_integration.non_persistent import other_checkpoints, save_config
 from megatron_integration.scheduler_state import fixed_global_batch
 from megatron_integration.train_config import DistCkptArgs
 
@@ -50,7 +50,7 @@ def _layout(info: RankInfo) -> str:
 def save(cfg, iteration: int, consumed_samples: int, gpt, optimizer, scheduler, info: RankInfo, log: Log,
          extra: Optional[dict] = None, args_update: Optional[dict] = None,
          model_values: Optional[dict] = None, training_blend: Optional[list] = None,
-         flops_so_far: float = 0.0, keep_only_newest: bool = False) -> str:
+         flops_so_far: float = 0.0, persistent: bool = True) -> str:
     """Save the checkpoint of ``iteration`` to ``cfg.save`` in ``cfg.ckpt_format``; collective.
 
     Returns the iteration directory. ``latest_checkpointed_iteration.txt`` is replaced last,
@@ -62,8 +62,10 @@ def save(cfg, iteration: int, consumed_samples: int, gpt, optimizer, scheduler, 
     GPT's); ``training_blend``: the weighted training blend's size, which a resumed run keeps
     (:mod:`megatron_integration.blend_resume`; None: nothing to record); ``flops_so_far``: the
     model FLOPs trained so far, recorded as Megatron-LM's ``num_floating_point_operations_so_far``;
-    ``keep_only_newest``: delete the older checkpoints under ``cfg.save`` once this one is saved
-    (non-persistent checkpoints, :mod:`megatron_integration.non_persistent`)."""
+    ``persistent=False``: a non-persistent checkpoint, saved where
+    :mod:`megatron_integration.non_persistent` puts them, the others there deleted once it is saved."""
+    if not persistent:
+        cfg = save_config(cfg)
     blend = {} if training_blend is None else {BLEND_RECORD_KEY: list(training_blend)}
     root = cfg.save
     retain = getattr(cfg, "save_retain_interval", None)
@@ -87,7 +89,7 @@ def save(cfg, iteration: int, consumed_samples: int, gpt, optimizer, scheduler, 
     log(f"  [{_now()}] successfully saved checkpoint from iteration {iteration:7d} to {root} {_layout(info)}")
     if retain and previous is not None and 0 < previous != iteration and previous % retain:
         _retire(root, previous, info, log)
-    if keep_only_newest and info.rank == 0:
+    if not persistent and info.rank == 0:
         for old in other_checkpoints(root, iteration):
             _delete(old, log, f"  deleting {old} (non-persistent: only the newest is kept)")
     return iter_dir

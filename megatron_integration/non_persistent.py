@@ -82,25 +82,17 @@ def save_config(cfg):
     return replace(cfg, save=save_root(cfg), save_retain_interval=None)
 
 
-def newer_load(cfg, rank: int, log: Callable[[str], None]):
+def newer_load(cfg, log: Callable[[str], None]):
     """``cfg`` loading from the non-persistent checkpoint when it is newer than ``--load``'s
     (said in the log), else ``cfg``. Rank 0 reads the trackers and every rank takes its choice
     (collective), so no two ranks load different directories; a rank that cannot see the chosen
     one stops every rank at the load's own agreement."""
-    import torch.distributed as dist
-
-    from megatron_integration.agreement import attempt, same_error_everywhere
+    from megatron_integration.agreement import from_rank_0
 
     root = load_root(cfg)
     if root is None:
         return cfg
-    choice, error = attempt(lambda: _choose(cfg, root), f"reading {root}") if rank == 0 else (None, None)
-    same_error_everywhere(error)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [choice]
-        dist.broadcast_object_list(box, src=0)
-        choice = box[0]
-    line, use = choice
+    line, use = from_rank_0(lambda: _choose(cfg, root), f"reading {root}")
     if line:
         log(line)
     return replace(cfg, load=root) if use else cfg

@@ -107,6 +107,7 @@ class ResultValidator:
     # The job's layout (parallel sizes, method, micro-batch size, stage split), which a record must match.
     layout: dict = field(default_factory=dict)
     first_done: bool = False
+    places: Optional[list] = None  # every rank's node and device, once gathered (_places)
     stats: dict = field(default_factory=lambda: {"loss": QuickStats(), "gradient norm": QuickStats()})
     large: dict = field(default_factory=lambda: {"loss": LargeValues(), "gradient norm": LargeValues()})
 
@@ -202,11 +203,13 @@ class ResultValidator:
             f"faulty device."))
 
     def _places(self) -> list:
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return [_where(self.device)]
-        places = [None] * dist.get_world_size()
-        dist.all_gather_object(places, _where(self.device))
-        return places
+        """Every rank's node and device; gathered once (collective then), as they do not change."""
+        if self.places is None:
+            self.places = [_where(self.device)]
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                self.places = [None] * dist.get_world_size()
+                dist.all_gather_object(self.places, _where(self.device))
+        return self.places
 
     # --- the resumed run's diagnosis ---------------------------------------------------------
     def _diagnose_resumed(self, values) -> Verdict:

@@ -33,7 +33,7 @@ def write_record(root: str, iteration: int, record: dict, rank: int) -> str:
     return path
 
 
-def load_record(root: str, iteration: int, mode: str, rank: int, log: Callable[[str], None], check: bool = True,
+def load_record(root: str, iteration: int, mode: str, log: Callable[[str], None], check: bool = True,
                 layout: Optional[dict] = None, skipped: bool = False) -> Optional[dict]:
     """The rerun record of the checkpoint of ``iteration`` under ``root`` (None: it has none),
     read and verified by rank 0 and sent to every rank; collective. Under a mode other than
@@ -41,7 +41,7 @@ def load_record(root: str, iteration: int, mode: str, rank: int, log: Callable[[
     is ``skipped`` (``--iterations-to-skip``), the record is not read: it is said to be ignored and
     None returned. A record of another ``layout`` (parallel sizes, method, micro-batch size, stage
     split) is refused: its diagnosis compares rank by rank."""
-    from megatron_integration.agreement import attempt, same_error_everywhere
+    from megatron_integration.agreement import from_rank_0
     from megatron_integration.checkpoint import _iter_dir
     from megatron_integration.checkpoint_files import verify_file
 
@@ -59,12 +59,7 @@ def load_record(root: str, iteration: int, mode: str, rank: int, log: Callable[[
             raise DynaPipeError(f"{path} is not a rerun record this version wrote; remove it to resume without "
                                 f"the diagnosis, or resume with --rerun-mode disabled.")
         return record
-    record, error = attempt(read, f"reading {path}") if rank == 0 else (None, None)
-    same_error_everywhere(error)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [record]
-        dist.broadcast_object_list(box, src=0)
-        record = box[0]
+    record = from_rank_0(read, f"reading {path}")
     if record is None:
         return None
     if skipped:

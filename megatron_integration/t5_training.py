@@ -28,7 +28,7 @@ from megatron_integration.run_report import parameter_count_line, write_line
 from megatron_integration.baseline_step import StepResult
 from megatron_integration.model import Stage, grad_scale_func
 from megatron_integration.optimizer import build_optimizer
-from megatron_integration.non_persistent import newer_load, save_config
+from megatron_integration.non_persistent import newer_load
 from megatron_integration.params_norm import params_l2_norm
 from megatron_integration.weight_hash import weight_hash_check
 from megatron_integration.t5_config import T5TrainingConfig
@@ -94,7 +94,7 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
                                          "dec_seqlen": ("--decoder-seq-length", cfg.decoder_seq_length)}):
             write_line(stream, line)
     # --non-persistent-ckpt-type: the newer of --load's checkpoint and the non-persistent one.
-    base = newer_load(base, info.rank, partial(print_rank_0, info, stream, []))
+    base = newer_load(base, partial(print_rank_0, info, stream, []))
     cfg = replace(cfg, base=base)
     # A resumed run trains on the weighted blend its checkpoint trained on: known before any data is read.
     base, kept_blend = keep_resumed_blend(base, checkpoint_formats.recorded_training_blend(base, info), megatron_blend)
@@ -146,11 +146,10 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
                                          split=checkpoint_record(placement))
 
     def save(iteration: int, consumed_samples: int, flops_so_far: float, persistent: bool = True) -> None:
-        checkpoint_formats.save(base if persistent else save_config(base), iteration, consumed_samples, stage.gpt,
-                                optimizer, scheduler, info, log, extra=checkpoint_record(placement),
-                                args_update=t5_megatron_args(cfg), model_values=t5_model_values(cfg),
-                                training_blend=blend_record(base, megatron_blend), flops_so_far=flops_so_far,
-                                keep_only_newest=not persistent)
+        checkpoint_formats.save(base, iteration, consumed_samples, stage.gpt, optimizer, scheduler, info, log,
+                                extra=checkpoint_record(placement), args_update=t5_megatron_args(cfg),
+                                model_values=t5_model_values(cfg), training_blend=blend_record(base, megatron_blend),
+                                flops_so_far=flops_so_far, persistent=persistent)
 
     parts = LoopParts(base, info, optimizer, stepper, save, lambda: make_t5_evaluator(cfg, info, stage, stepper),
                       started_s,

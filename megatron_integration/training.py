@@ -32,7 +32,7 @@ from megatron_integration.baseline_step import (StepResult, build_micro_batches,
                                                 sp_shards)
 from megatron_integration.model import Stage, attach_training_hooks, build_stage
 from megatron_integration.optimizer import build_optimizer
-from megatron_integration.non_persistent import newer_load, save_config
+from megatron_integration.non_persistent import newer_load
 from megatron_integration.params_norm import params_l2_norm
 from megatron_integration.weight_hash import weight_hash_check
 from megatron_integration.rerun import ResultValidator
@@ -152,7 +152,7 @@ def result_validator(cfg: DynaPipeTrainingConfig, info: RankInfo, module, stream
             log(line)
     record = None
     if cfg.load and start_iteration > 0:
-        record = load_record(cfg.load, start_iteration, cfg.rerun.rerun_mode, info.rank, log,
+        record = load_record(cfg.load, start_iteration, cfg.rerun.rerun_mode, log,
                              check=cfg.check_for_nan_in_loss_and_grad, layout=layout,
                              skipped=start_iteration + 1 in cfg.iterations_to_skip)
     return ResultValidator(cfg.rerun, cfg.check_for_nan_in_loss_and_grad, module, info.device, resume=record,
@@ -202,7 +202,7 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
                                         {"seqlen": ("--seq-length", cfg.model.seq_length)}):
             write_line(stream, line)
     # --non-persistent-ckpt-type: the newer of --load's checkpoint and the non-persistent one.
-    cfg = newer_load(cfg, info.rank, partial(print_rank_0, info, stream, []))
+    cfg = newer_load(cfg, partial(print_rank_0, info, stream, []))
     # A resumed run trains on the weighted blend its checkpoint trained on: known before any data is read.
     cfg, kept_blend = keep_resumed_blend(cfg, checkpoint_formats.recorded_training_blend(cfg, info))
     # Rank 0 alone reads the data for the summary; a bad file stops every rank with its line.
@@ -241,9 +241,9 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
     stepper.validator = result_validator(cfg, info, stage.module, stream, run.start_iteration, split=record)
 
     def save(iteration: int, consumed_samples: int, flops_so_far: float, persistent: bool = True) -> None:
-        checkpoint_formats.save(cfg if persistent else save_config(cfg), iteration, consumed_samples, stage.gpt,
-                                optimizer, scheduler, info, log, extra=record, training_blend=blend_record(cfg),
-                                flops_so_far=flops_so_far, keep_only_newest=not persistent)
+        checkpoint_formats.save(cfg, iteration, consumed_samples, stage.gpt, optimizer, scheduler, info, log,
+                                extra=record, training_blend=blend_record(cfg), flops_so_far=flops_so_far,
+                                persistent=persistent)
 
     parts = LoopParts(cfg, info, optimizer, stepper, save, lambda: make_evaluator(cfg, info, stage, stepper),
                       started_s,

@@ -56,7 +56,7 @@ def test_the_newer_checkpoint_is_loaded_and_loads_own_on_a_tie(tmp_path):
     lines = []
 
     def choose(cfg):
-        return newer_load(cfg, 0, lines.append)
+        return newer_load(cfg, lines.append)
     cfg = _cfg(tmp_path, save_interval=1, ckpt_type="global")
     root = os.path.join(cfg.save, "non_persistent")
     assert save_root(cfg) == root and load_root(cfg) == root

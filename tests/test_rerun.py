@@ -130,12 +130,12 @@ def test_a_record_is_refused_where_its_diagnosis_cannot_compare_rank_by_rank(tmp
                                   "places": [["n", 0], ["n", 1]]})
     with pytest.raises(DynaPipeError, match=f"^{path}: the result of iteration 2 was rejected in a job of 2 ranks, "
                                             f"and this one has 1"):
-        load_record(str(tmp_path), 1, "validate_results", 0, print)
+        load_record(str(tmp_path), 1, "validate_results", print)
     lines = []
-    assert load_record(str(tmp_path), 1, "disabled", 0, lines.append) is None
+    assert load_record(str(tmp_path), 1, "disabled", lines.append) is None
     assert lines == [f"ignoring {path} under --rerun-mode disabled: training goes on past the rejected result it "
                      f"records"]
-    assert load_record(str(tmp_path), 2, "validate_results", 0, lines.append) is None  # another iteration: none
+    assert load_record(str(tmp_path), 2, "validate_results", lines.append) is None  # another iteration: none
 
 
 def test_a_damaged_record_is_named_unless_the_run_goes_past_it(tmp_path):
@@ -146,8 +146,8 @@ def test_a_damaged_record_is_named_unless_the_run_goes_past_it(tmp_path):
     with open(path, "a") as f:
         f.write(" ")
     with pytest.raises(DynaPipeError, match=f"checkpoint file {path} .*"):
-        load_record(str(tmp_path), 1, "validate_results", 0, print)
-    assert load_record(str(tmp_path), 1, "report_stats", 0, lambda line: None) is None
+        load_record(str(tmp_path), 1, "validate_results", print)
+    assert load_record(str(tmp_path), 1, "report_stats", lambda line: None) is None
 
 
 def _spiky_validator(monkeypatch, **settings):
@@ -263,12 +263,12 @@ def test_a_record_of_another_layout_is_refused(tmp_path):
                                   "places": [["n", 0]], "layout": dict(layout, method="dynapipe")})
     with pytest.raises(DynaPipeError, match=f"^{path}: the result of iteration 2 was rejected in a job of dp 1, "
                                             f"method dynapipe, .*and this one is dp 1, method padding"):
-        load_record(str(tmp_path), 1, "validate_results", 0, print, layout=layout)
+        load_record(str(tmp_path), 1, "validate_results", print, layout=layout)
     lines = []
-    assert load_record(str(tmp_path), 1, "validate_results", 0, lines.append, check=False, layout=layout) is None
+    assert load_record(str(tmp_path), 1, "validate_results", lines.append, check=False, layout=layout) is None
     assert lines == [f"ignoring {path} under --no-check-for-nan-in-loss-and-grad: training goes on past the "
                      f"rejected result it records"]
-    record = load_record(str(tmp_path), 1, "validate_results", 0, lines.append,
+    record = load_record(str(tmp_path), 1, "validate_results", lines.append,
                          layout=dict(layout, method="dynapipe"))
     assert record["iteration"] == 2
 
