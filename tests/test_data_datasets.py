@@ -177,6 +177,33 @@ def test_indexed_dataset_written_by_megatron_builder_reads_back(tmp_path):
     np.testing.assert_array_equal(clone[3].target_ids, seqs[3][:32])
 
 
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32, np.int64])
+def test_the_index_reader_agrees_with_megatron_cores(tmp_path, dtype):
+    # dynapipe.data.index_file reads what megatron-core's builder wrote as megatron-core's
+    # IndexedDataset does: the same index arrays and the same tokens at any offset and length,
+    # memory-mapped or read.
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from dynapipe.data.index_file import IndexFile
+
+    rng = np.random.default_rng(1)
+    seqs = [rng.integers(0, 60000, size=n) for n in (5, 17, 1, 40, 9, 3)]
+    prefix = str(tmp_path / "docs")
+    write_indexed_dataset(prefix, seqs, dtype=dtype)
+    theirs = IndexedDataset(prefix)
+    for mmap in (True, False):
+        ours = IndexFile(prefix, mmap=mmap)
+        assert ours.dtype == np.dtype(dtype) == np.dtype(theirs.index.dtype) and len(ours) == len(theirs)
+        for name in ("sequence_lengths", "sequence_pointers", "document_indices"):
+            np.testing.assert_array_equal(getattr(ours, name), getattr(theirs.index, name))
+        for i, s in enumerate(seqs):
+            for offset, length in ((0, None), (0, len(s)), (len(s) // 2, None), (len(s) // 3, len(s) // 2)):
+                got = ours.get(i, offset, length)
+                assert got.dtype == np.dtype(dtype)
+                np.testing.assert_array_equal(got, theirs.get(i, offset, length))
+                np.testing.assert_array_equal(got, s[offset:offset + (len(s) - offset if length is None else length)])
+
+
 def test_indexed_lengths_come_from_the_index_alone(tmp_path):
     prefix = str(tmp_path / "docs")
     write_indexed_dataset(prefix, [np.arange(2, 9), np.arange(2, 5)])

@@ -1,7 +1,8 @@
-"""Megatron indexed datasets (``.bin`` / ``.idx``), read through megatron-core.
+"""Megatron indexed datasets (``.bin`` / ``.idx``) as samples.
 
 Files written by Megatron's ``preprocess_data.py`` (or megatron-core's
-``IndexedDatasetBuilder``) are opened with ``megatron.core.datasets.indexed_dataset``.
+``IndexedDatasetBuilder``) are opened with :class:`dynapipe.data.index_file.IndexFile`, numpy
+alone, after the checks below (a damaged or mismatched file is one line, before training).
 Lengths come from the ``.idx`` index alone (no token is read until a sample is planned
 into a batch). One sequence of the index is one document.
 
@@ -16,52 +17,34 @@ into a batch). One sequence of the index is one document.
   Megatron-LM's GPT dataset trains past it: it holds no token to train on. ``--split`` ranges
   count it, as Megatron-LM's do.
 
-megatron-core is imported only when a dataset is opened, so the rest of ``dynapipe.data``
-imports without it.
+Reading needs no megatron-core (planner workers read every planned batch's tokens and
+import nothing of the model); writing (:func:`write_indexed_dataset`) uses its builder.
 """
 from __future__ import annotations
 
 import os
-import struct
 from typing import Optional, Sequence
 
 import numpy as np
 
+from dynapipe.data.index_file import DTYPES, HEADER, MAGIC, IndexFile
 from dynapipe.data.pieces import split_documents as split_documents_into_pieces
 from dynapipe.data.samples import LengthLimits, SampleDataset, clip_lengths
 from dynapipe.data.splits import WHOLE, EmptySplitError, range_indices
 from dynapipe.errors import DynaPipeError, arg
 
 
-def _open(prefix: str, mmap: bool = True):
-    from dynapipe.megatron_core import require_megatron_core
-
-    require_megatron_core(f"reading the indexed dataset {prefix!r}")
-    try:
-        from megatron.core.datasets.indexed_dataset import IndexedDataset as _MegatronIndexed
-    except ImportError as e:
-        raise DynaPipeError(f"reading {prefix!r} needs megatron-core's indexed datasets, which cannot be imported "
-                            f"({e}).") from None
-    if not _MegatronIndexed.exists(prefix):
-        raise DynaPipeError(f"indexed dataset {prefix!r}: {prefix}.bin and {prefix}.idx must both exist "
-                            f"(pass the path prefix, without the extension).")
+def _open(prefix: str, mmap: bool = True) -> IndexFile:
     for ext in (".idx", ".bin"):
+        if not os.path.exists(prefix + ext):
+            raise DynaPipeError(f"indexed dataset {prefix!r}: {prefix}.bin and {prefix}.idx must both exist "
+                                f"(pass the path prefix, without the extension).")
         if not os.path.isfile(prefix + ext):
             raise DynaPipeError(f"{prefix}{ext} is not a regular file; give the prefix of a Megatron indexed dataset.")
     _check_index_header(prefix + ".idx")
-    try:
-        handle = _MegatronIndexed(prefix, mmap=mmap)
-    except Exception as e:  # megatron-core asserts, struct and numpy errors: all mean a bad index
-        text = " ".join(str(e).split()) or type(e).__name__
-        raise DynaPipeError(f"{prefix}.idx cannot be read as a Megatron index ({text}): the file is truncated, "
-                            f"corrupted or not an index; write it again with Megatron's preprocess_data.py.") from None
+    handle = IndexFile(prefix, mmap=mmap)
     _check_index(prefix, handle)
     return handle
-
-
-_INDEX_MAGIC = b"MMIDIDX\x00\x00"
-_INDEX_HEAD = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, documents
-_DTYPE_CODES = range(1, 9)
 
 
 def check_indexed_files(prefix: str) -> int:
@@ -78,20 +61,21 @@ def _check_index_header(path: str) -> int:
     """The ``.idx`` header is Megatron's and the file holds every array it announces; returns
     its document count.
 
-    Checked before megatron-core opens the file: its reader fails half-way through its
-    constructor on a bad file and then prints a second traceback from ``__del__``.
+    Checked before the file is opened (:class:`IndexFile` trusts its header), and before
+    megatron-core's T5 dataset opens it (its reader fails half-way through its constructor on
+    a bad file and then prints a second traceback from ``__del__``).
     """
     size = os.path.getsize(path)
     with open(path, "rb") as f:
-        head = f.read(_INDEX_HEAD.size)
-    if len(head) < _INDEX_HEAD.size:
+        head = f.read(HEADER.size)
+    if len(head) < HEADER.size:
         raise DynaPipeError(f"{path} is truncated: {size} bytes, shorter than an index header; "
                             f"write it again with Megatron's preprocess_data.py.")
-    magic, version, code, sequences, documents = _INDEX_HEAD.unpack(head)
-    if magic != _INDEX_MAGIC or version != 1 or code not in _DTYPE_CODES:
+    magic, version, code, sequences, documents = HEADER.unpack(head)
+    if magic != MAGIC or version != 1 or code not in DTYPES:
         raise DynaPipeError(f"{path} is not a Megatron index (header {head[:9]!r}, version {version}, dtype code "
                             f"{code}); give the prefix of a dataset written by preprocess_data.py.")
-    need = _INDEX_HEAD.size + sequences * (4 + 8) + documents * 8
+    need = HEADER.size + sequences * (4 + 8) + documents * 8
     if size < need:
         raise DynaPipeError(f"{path} is truncated: {size:,} bytes, but its header announces {sequences:,} sequences "
                             f"and {documents:,} documents ({need:,} bytes); copy the file again or rebuild it.")
@@ -99,7 +83,7 @@ def _check_index_header(path: str) -> int:
     if sequences == 0:
         raise DynaPipeError(f"{prefix}: the indexed dataset holds no sequences (its index announces none); it was "
                             f"written from empty input: rebuild it, or leave it out of the data paths.")
-    lengths = np.fromfile(path, dtype=np.int32, count=sequences, offset=_INDEX_HEAD.size)
+    lengths = np.fromfile(path, dtype=np.int32, count=sequences, offset=HEADER.size)
     if not lengths.any():
         raise _all_empty(prefix, len(lengths))
     if os.path.getsize(prefix + ".bin") == 0:
@@ -109,16 +93,22 @@ def _check_index_header(path: str) -> int:
     return max(int(documents) - 1, 0)
 
 
-def _check_index(prefix: str, handle) -> None:
+def _check_index(prefix: str, handle: IndexFile) -> None:
     """The index and the ``.bin`` agree: no negative length, contiguous pointers, and a
     ``.bin`` long enough for the last sequence (a truncated copy is caught here, not
     mid-training)."""
-    index = handle.index
-    lengths = np.asarray(index.sequence_lengths, dtype=np.int64)
-    pointers = np.asarray(index.sequence_pointers, dtype=np.int64)
-    item = np.dtype(index.dtype).itemsize
+    lengths = np.asarray(handle.sequence_lengths, dtype=np.int64)
+    pointers = np.asarray(handle.sequence_pointers, dtype=np.int64)
+    item = handle.dtype.itemsize
     if lengths.shape[0] == 0:
         return
+    # Megatron's document index: every document's first sequence, then the sequence count.
+    docs = np.asarray(handle.document_indices, dtype=np.int64)
+    if len(docs) == 0 or docs[0] != 0 or docs[-1] != lengths.shape[0] or (np.diff(docs) < 0).any():
+        ends = f"from {int(docs[0])} to {int(docs[-1])}" if len(docs) else "empty"
+        raise DynaPipeError(f"{prefix}.idx cannot be read as a Megatron index (its document index runs {ends}, not "
+                            f"from 0 to its {lengths.shape[0]:,} sequences): the file is truncated, corrupted or "
+                            f"not an index; write it again with Megatron's preprocess_data.py.")
     bad = np.flatnonzero(lengths < 0)
     if len(bad):
         raise DynaPipeError(f"{prefix}.idx: sequence {int(bad[0])} has a negative length {int(lengths[bad[0]])}; "
@@ -137,7 +127,7 @@ def _check_index(prefix: str, handle) -> None:
         # Megatron's builder writes exactly the indexed tokens: a longer .bin is another
         # dataset's (or one of another token dtype), and reading it would train on wrong ids.
         raise DynaPipeError(f"{prefix}.bin holds {have:,} bytes, but its index describes {need:,} "
-                            f"({lengths.shape[0]:,} sequences of {np.dtype(index.dtype).name}): the .idx and .bin do "
+                            f"({lengths.shape[0]:,} sequences of {handle.dtype.name}): the .idx and .bin do "
                             f"not belong together; pair the files written together, or rebuild the dataset.")
 
 
@@ -148,8 +138,8 @@ _CHECK_CHUNK = 1 << 24
 def _token_chunks(prefix: str, handle, mmap: bool):
     """``(start, ids)`` over the ``.bin`` of the dataset at ``prefix`` in chunks of
     :data:`_CHECK_CHUNK` tokens (plain reads when ``mmap`` is False); nothing for no tokens."""
-    dtype = np.dtype(handle.index.dtype)
-    total = int(np.asarray(handle.index.sequence_lengths, dtype=np.int64).sum())
+    dtype = handle.dtype
+    total = int(np.asarray(handle.sequence_lengths, dtype=np.int64).sum())
     if total == 0:
         return
     data = np.memmap(prefix + ".bin", dtype=dtype, mode="r", shape=(total,)) if mmap else None
@@ -185,13 +175,12 @@ def first_bad_token(prefix: str, handle, vocab_size: int, mmap: bool = True) -> 
     """(sequence index, position in it, id) of the first token id outside ``[0, vocab_size)``
     in the dataset at ``prefix``, or None. Vectorised over the ``.bin`` in chunks (read with
     plain reads when ``mmap`` is False)."""
-    index = handle.index
-    dtype = np.dtype(index.dtype)
+    dtype = handle.dtype
     for start, chunk in _token_chunks(prefix, handle, mmap):
         if int(chunk.min()) >= 0 and int(chunk.max()) < vocab_size:
             continue
         pos = start + int(np.flatnonzero((chunk < 0) | (chunk >= vocab_size))[0])
-        starts = np.asarray(index.sequence_pointers, dtype=np.int64) // dtype.itemsize
+        starts = np.asarray(handle.sequence_pointers, dtype=np.int64) // dtype.itemsize
         seq = int(np.searchsorted(starts, pos, side="right")) - 1
         return seq, pos - int(starts[seq]), int(chunk[pos - start])
     return None
