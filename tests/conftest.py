@@ -117,7 +117,8 @@ def write_pairs(path, count: int, input_words: tuple, seed: int) -> None:
 def t5_dist(tmp_path_factory):
     """Where the pp2 job writes its torch_dist checkpoints: ``full`` (padding, 3 iterations),
     ``cut`` (the same run stopped after 2), ``resumed`` and ``placed`` (``cut`` resumed for the
-    third iteration on the even split and on the placement 2+1,0+1)."""
+    third iteration on the even split and on the placement 2+1,0+1), and the non-persistent ones
+    (``np_global``, saved by ``np_saved``'s run; ``np_resumed``, the job that resumed from it)."""
     return tmp_path_factory.mktemp("t5dist")
 
 
@@ -134,8 +135,9 @@ def pp2(tmp_path_factory, t5_dist):
     on the zero-bubble schedule, on the even split and on the interleaved placement; packing with
     per-sample attention; DynaPipe with per-sample attention; short JSONL pairs with padding and
     with per-sample packing through the DynaPipe executor and with masked packing; a weighted JSONL blend, uninterrupted and cut after 4 iterations,
-    resumed at another --train-iters; last, padding and DynaPipe skipping an iteration, and DynaPipe
-    under --rerun-mode report_stats."""
+    resumed at another --train-iters; padding and DynaPipe skipping an iteration, and DynaPipe
+    under --rerun-mode report_stats; last, a non-persistent checkpoint and a resume from it (see
+    ``t5_dist``)."""
     from megatron_integration.t5_jobs import run_t5_training
     from t5_span_fixture import write_sentences, write_vocab
 
@@ -227,6 +229,14 @@ def pp2(tmp_path_factory, t5_dist):
     # executor), the same losses as the DynaPipe run above. Last, after the blend's three runs.
     runs += [(TINY + " --iterations-to-skip 2").split(), (dyn + " --iterations-to-skip 2").split(),
              (dyn + " --exit-interval 2 --rerun-mode report_stats").split()]
+    # A non-persistent checkpoint after iteration 1 (the persistent ones at 2 and 3); then a job
+    # whose --load (its --save) holds none yet, as after a death before the first persistent
+    # save, resumes from it and trains iterations 2 and 3.
+    np_dir = t5_dist / "np_global"
+    np_flags = f" --non-persistent-ckpt-type global --non-persistent-global-ckpt-dir {np_dir}"
+    runs += [(TINY + f" --save {t5_dist / 'np_saved'} --save-interval 2 --non-persistent-save-interval 1"
+              + np_flags).split(),
+             (TINY + f" --load {t5_dist / 'np_resumed'} --save {t5_dist / 'np_resumed'}" + np_flags).split()]
     # About 3 s a run on an idle host: the limit grows with the runs, so a loaded host is not a hang.
     ranks = run_t5_training(runs, 2, timeout_s=max(TIMEOUT, 20 * len(runs)))
     assert [r["losses"] for r in ranks[1]] == [r["losses"] for r in ranks[0]]  # every rank reports the same

@@ -446,7 +446,7 @@ def test_t5_stage_holding_encoder_end_and_decoder(pp2):
     assert dynapipe["losses"] == pytest.approx(padding["losses"], abs=1e-5, rel=1e-5)
 
 
-def test_each_t5_stage_holds_the_parameters_the_planner_prices(pp2):
+def test_each_t5_stage_holds_the_parameters_the_planner_prices(pp2, tmp_path):
     """Every run of the fixture (even, uneven and interleaved placements; 2+2, 3+1 and 3+2
     layers; the WordPiece vocabulary): each rank's stage holds what the planner counts for its
     layout, the decoder's embedding copy, the encoder's final norm and the LM head's bias included."""
@@ -456,7 +456,7 @@ def test_each_t5_stage_holds_the_parameters_the_planner_prices(pp2):
     for run in pp2:
         argv = list(run["argv"])
         if "--save" in argv:  # the run saved there since: parsed again, it would be refused as an overwrite
-            del argv[argv.index("--save"):argv.index("--save") + 2]
+            argv[argv.index("--save") + 1] = str(tmp_path / "unsaved")
         cfg = parse_t5_args(argv, 2, cuda=False)
         model, placement = cfg.planner_model(), cfg.stage_placement()
         planned = [stage_param_count(model, layout) for layout in placement.layouts()]
@@ -600,6 +600,19 @@ def test_t5_torch_dist_resume_is_exact_and_loads_at_another_placement(pp2, t5_di
     assert (args.encoder_seq_length, args.decoder_seq_length, args.dynapipe_placement) == (128, 64, "2+1,0+1")
     files = os.listdir(t5_dist / "placed" / "iter_0000003")
     assert all(f + ".sha256" in files for f in files if not f.endswith(".sha256"))
+
+
+def test_t5_resumes_from_a_non_persistent_checkpoint_where_load_has_none(pp2, t5_dist):
+    full, saved, resumed = pp2[0], pp2[-2], pp2[-1]
+    assert "--non-persistent-save-interval" in saved["argv"] and "--load" in resumed["argv"]
+    # Saved after iteration 1 alone: 2 and 3 were persistent saves (3, the end of training).
+    assert sorted(os.listdir(t5_dist / "np_global")) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+    assert sorted(d for d in os.listdir(t5_dist / "np_saved") if d.startswith("iter_")) == ["iter_0000002",
+                                                                                           "iter_0000003"]
+    assert saved["losses"] == full["losses"]
+    # --load holds nothing: the job resumed from the non-persistent checkpoint, bitwise.
+    assert resumed["start_iteration"] == 1 and resumed["losses"] == full["losses"][1:]
+    assert os.path.isdir(t5_dist / "np_resumed" / "iter_0000003")
 
 
 def _reference_sharded_keys(cfg) -> dict:
@@ -786,7 +799,7 @@ def test_the_mask_decision_is_taken_from_the_host_copies_when_given():
 def test_t5_resumed_at_another_train_iters_continues_its_weighted_blend(pp2):
     # The checkpoint records the blend's size (64 samples); the run resumed with --train-iters
     # 16 builds that blend, not one of 128, so iterations 5-8 train on the same samples.
-    full, _, resumed = pp2[-6:-3]
+    full, _, resumed = pp2[-8:-5]
     assert len(full["losses"]) == 8 and resumed["start_iteration"] == 4
     assert resumed["losses"] == full["losses"][4:8]
     assert (" > keeping the weighted blend as the checkpoint sized it (64 samples; this run's --train-iters 16 would "
@@ -794,14 +807,14 @@ def test_t5_resumed_at_another_train_iters_continues_its_weighted_blend(pp2):
 
 
 def test_t5_report_stats_computes_every_iteration_twice_and_trains_the_same(pp2):
-    stats, dynapipe = pp2[-1], pp2[1]  # DynaPipe for two iterations, without and with report_stats
+    stats, dynapipe = pp2[-3], pp2[1]  # DynaPipe for two iterations, without and with report_stats
     assert "--rerun-mode" in stats["argv"] and stats["losses"] == dynapipe["losses"]
     # Reported every two iterations, by rank 0: the last stage's loss and both stages' gradient norms.
     assert stats["stats_lines"] == ["  loss: 2 samples, all identical", "  gradient norm: 4 samples, all identical"]
 
 
 def test_t5_skips_an_iteration_on_padding_and_dynapipe_alike(pp2):
-    padding, dynapipe, full = pp2[-3], pp2[-2], pp2[0]  # full: padding for 3 iterations
+    padding, dynapipe, full = pp2[-5], pp2[-4], pp2[0]  # full: padding for 3 iterations
     assert "--iterations-to-skip" in padding["argv"] and "--use-dynapipe" in dynapipe["argv"]
     assert len(padding["losses"]) == len(dynapipe["losses"]) == 2
     assert padding["losses"][0] == full["losses"][0]
