@@ -44,7 +44,6 @@ from dynapipe.plan.instructions import ForwardPass, MicroBatchInfo
 from dynapipe.runtime.activation_meter import ActivationMeter, measure_activations
 from dynapipe.runtime.activation_plan import planned_activation_peak_mib
 from megatron_integration.train_config import DynaPipeTrainingConfig
-from megatron_integration.data import dataset_config, reshuffles
 from megatron_integration.initialize import RankInfo
 from megatron_integration.baseline_step import StepResult, holds_loss, reduce_loss, split_point, step_split_ms
 from megatron_integration.model import Stage, finalize_grads_func, set_recompute_level
@@ -212,50 +211,6 @@ def publish_failure(executor, loader, rank: int, exc: BaseException, where: str)
     return instead
 
 
-def loader_config(cfg: DynaPipeTrainingConfig, start_iteration: int, consumed_samples: int, dataset=None):
-    """The data loader's settings (:class:`~dynapipe.runtime.loader.LoaderConfig`) of a run
-    resumed at ``start_iteration`` after ``consumed_samples`` samples, of ``dataset`` (a dataset
-    config; None: the run's GPT data), whose order decides whether the sampler shuffles
-    (:func:`~megatron_integration.data.reshuffles`)."""
-    from dynapipe.runtime.loader import LoaderConfig
-
-    d = cfg.dynapipe
-    tokens = cfg.data.tokens_per_global_batch or 0
-    return LoaderConfig(global_batch_size=0 if tokens else cfg.global_batch_size,
-                        tokens_per_global_batch=tokens, seed=cfg.seed, shuffle=reshuffles(dataset),
-                        consumed_samples=consumed_samples, start_iteration=start_iteration,
-                        # A run resumed at or past its end plans nothing (it still evaluates).
-                        train_iters=max(cfg.train_iters - start_iteration, 0), num_workers=d.planner_workers,
-                        planner_nodes=d.planner_nodes, split_replicas=d.split_replicas,
-                        prefetch=d.prefetch, kv_backend=d.kv_backend, redis_host=d.redis_host,
-                        redis_port=d.redis_port, plan_timeout_s=d.timeout_s, store_retry_s=d.store_retry_s)
-
-
-def make_loader(cfg: DynaPipeTrainingConfig, info: RankInfo, start_iteration: int, consumed_samples: int,
-                dataset=None, settings=None):
-    """This rank's data loader (planner workers on each node's local rank 0); ``dataset`` /
-    ``settings`` replace the run's GPT dataset config and planner settings (T5 runs)."""
-    from dynapipe.runtime.loader import DynaPipeDataLoader, RankLayout
-    from megatron_integration.args_dynapipe import check_planner_nodes
-
-    loader_cfg = loader_config(cfg, start_iteration, consumed_samples, dataset)
-    # Without torchrun's LOCAL_WORLD_SIZE the job is one node to the planners (one planner rank);
-    # a LOCAL_RANK alone (a launcher that sets it for the GPU) would make every node's first
-    # rank a planner for "node 0".
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
-    local_rank = int(os.environ.get("LOCAL_RANK", info.rank % local_world)) if "LOCAL_WORLD_SIZE" in os.environ \
-        else info.rank
-    layout = RankLayout(rank=info.rank, world_size=info.world_size, dp_rank=info.dp_rank, dp_size=info.dp_size,
-                        pp_rank=info.pp_rank, pp_size=info.pp_size, local_rank=local_rank,
-                        local_world_size=local_world).validate()
-    # The command line may have been parsed without the node count (T5, jobs started from
-    # Python); the loader would quietly plan on fewer nodes than asked, so refuse it here,
-    # on every rank alike, before any planner starts.
-    check_planner_nodes(loader_cfg.planner_nodes, loader_cfg.split_replicas, layout.num_nodes, layout.dp_size)
-    return DynaPipeDataLoader(loader_cfg, dataset or dataset_config(cfg), settings or planner_settings(cfg, info),
-                              layout)
-
-
 @dataclass
 class DynaPipeStepper:
     """Runs DynaPipe iterations: loader -> executor (megatron-core stage) -> finalize -> optimizer."""
@@ -282,6 +237,7 @@ class DynaPipeStepper:
 
         from dynapipe.runtime.executor import Executor, ExecutorConfig
         from dynapipe.runtime.kv_store import job_tcp_store
+        from megatron_integration.dynapipe_loader import make_loader
 
         from dynapipe.cost import build_cost_model
         from dynapipe.runtime.plan_source import tensor_parallel_config

@@ -67,7 +67,8 @@ class LoaderSource:
 
     def __init__(self, cfg: T5TrainingConfig, info: RankInfo, start_iteration: int, consumed_samples: int):
         from dynapipe.schedule.types import schedule_on_chunks
-        from megatron_integration.dynapipe_step import make_loader, planner_settings
+        from megatron_integration.dynapipe_loader import make_loader
+        from megatron_integration.dynapipe_step import planner_settings
 
         base = cfg.base
         self.placement, self.model = cfg.stage_placement(), cfg.planner_model()

@@ -28,6 +28,7 @@ from megatron_integration.run_report import parameter_count_line, write_line
 from megatron_integration.baseline_step import StepResult
 from megatron_integration.model import Stage, grad_scale_func
 from megatron_integration.optimizer import build_optimizer
+from megatron_integration.dynapipe_loader import start_planner_server_early
 from megatron_integration.non_persistent import newer_load
 from megatron_integration.params_norm import params_l2_norm
 from megatron_integration.weight_hash import weight_hash_check
@@ -77,6 +78,7 @@ def pretrain_t5(cfg: T5TrainingConfig, stream: TextIO = sys.stdout,
     dynapipe, device_note = default_device_for(base.dynapipe, info.device)
     base = replace(base, dynapipe=dynapipe)
     cfg = replace(cfg, base=base)
+    start_planner_server_early(base, info)  # while the model is built and loaded
     for note in (untested_release_note(), device_note, analytic_on_gpu_note(base.dynapipe, info.device)):
         if info.rank == 0 and note is not None:
             write_line(stream, note)

@@ -26,6 +26,7 @@ from megatron_integration.blend_resume import blend_record, keep_resumed_blend
 from megatron_integration.out_of_memory import MODEL_TOO_LARGE, named_out_of_memory
 from megatron_integration.data import GlobalBatches, data_summary_lines
 from megatron_integration.device_default import analytic_on_gpu_note, default_device_for
+from megatron_integration.dynapipe_loader import start_planner_server_early
 from megatron_integration.initialize import RankInfo, initialize_megatron
 from megatron_integration.arguments import block_layers, check_uniform_recompute
 from megatron_integration.baseline_step import (StepResult, build_micro_batches, megatron_train_step, schedule_group,
@@ -186,6 +187,7 @@ def pretrain(cfg: DynaPipeTrainingConfig, stream: TextIO = sys.stdout,
     info = initialize_megatron(cfg.parallel, cfg.seed, cfg.model.deterministic_mode, cfg.logging_level)
     dynapipe, device_note = default_device_for(cfg.dynapipe, info.device)
     cfg = replace(cfg, dynapipe=dynapipe)
+    start_planner_server_early(cfg, info)  # while the model is built and loaded
     for note in (untested_release_note(), device_note, analytic_on_gpu_note(cfg.dynapipe, info.device)):
         if info.rank == 0 and note is not None:
             write_line(stream, note)

@@ -436,26 +436,93 @@ def test_config_and_layout_errors():
         RankLayout(rank=1, world_size=2, pp_size=2, pp_rank=1, local_rank=0, local_world_size=2).validate()
 
 
+def test_only_a_planner_rank_of_a_dynapipe_run_starts_its_planner_server_early(monkeypatch):
+    # The rank that will start its node's planner workers starts their forkserver before its
+    # model is built; no other rank, and no baseline run, starts one.
+    from types import SimpleNamespace
+
+    from megatron_integration import dynapipe_loader
+
+    started = []
+    monkeypatch.setattr("dynapipe.runtime.process_start.start_helper_server", lambda: started.append(1) or "thread")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+
+    def early(rank: int, enabled: bool = True, planner_nodes: int = 0) -> bool:
+        monkeypatch.setenv("LOCAL_RANK", str(rank % 2))
+        cfg = SimpleNamespace(dynapipe=SimpleNamespace(enabled=enabled, planner_nodes=planner_nodes,
+                                                       split_replicas=False))
+        info = SimpleNamespace(rank=rank, world_size=4, dp_rank=rank // 2, dp_size=2, pp_rank=rank % 2, pp_size=2)
+        before = len(started)
+        result = dynapipe_loader.start_planner_server_early(cfg, info)
+        assert (result == "thread") == (len(started) > before)
+        return len(started) > before
+
+    # Two nodes of two ranks: each node's local rank 0 plans.
+    assert [early(r) for r in range(4)] == [True, False, True, False]
+    assert not early(0, enabled=False)  # padding and packing plan nothing
+    assert [early(r, planner_nodes=1) for r in range(4)] == [True, False, False, False]
+
+
+def test_the_planner_server_started_early_is_the_one_the_workers_fork_from(tmp_path):
+    # In a fresh process (a process has one forkserver): one server, started by the thread, and
+    # a helper process started afterwards is its child, not a second server's.
+    import json
+    import textwrap
+
+    script = tmp_path / "early.py"
+    script.write_text(textwrap.dedent("""
+        import json
+        import time
+
+        import psutil
+
+        from dynapipe.runtime.process_start import helper_context, start_helper_server
+
+
+        def servers():
+            return [c.pid for c in psutil.Process().children() if "forkserver" in " ".join(c.cmdline())]
+
+
+        if __name__ == "__main__":
+            start_helper_server().join(120)
+            before = servers()
+            p = helper_context().Process(target=time.sleep, args=(30,))
+            p.start()
+            parent = psutil.Process(p.pid).ppid()
+            p.kill()
+            p.join()
+            print("RESULT", json.dumps({"before": before, "parent": parent, "after": servers()}))
+        """))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env)
+    lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
+    assert lines, done.stdout + done.stderr[-3000:]
+    result = json.loads(lines[0][len("RESULT "):])
+    assert len(result["before"]) == 1 and result["after"] == result["before"], result
+    assert result["parent"] == result["before"][0], result
+
+
 def test_a_launch_without_local_world_size_plans_on_one_rank(monkeypatch):
     # A launcher that sets LOCAL_RANK (for the GPU) but not LOCAL_WORLD_SIZE: the job is one node
     # to the planners, whose only planner is global rank 0, whatever LOCAL_RANK says.
     from types import SimpleNamespace
 
-    from megatron_integration import dynapipe_step
+    from megatron_integration import dynapipe_loader
 
     made = []
     monkeypatch.setattr("dynapipe.runtime.loader.DynaPipeDataLoader", lambda cfg, ds, s, layout: made.append(layout))
-    monkeypatch.setattr(dynapipe_step, "loader_config", lambda *a: LoaderConfig(global_batch_size=4))
+    monkeypatch.setattr(dynapipe_loader, "loader_config", lambda *a: LoaderConfig(global_batch_size=4))
     monkeypatch.setattr("megatron_integration.args_dynapipe.check_planner_nodes", lambda *a: None)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     for rank in range(4):
         monkeypatch.setenv("LOCAL_RANK", str(rank % 2))
         info = SimpleNamespace(rank=rank, world_size=4, dp_rank=rank % 2, dp_size=2, pp_rank=rank // 2, pp_size=2)
-        dynapipe_step.make_loader(None, info, 0, 0, dataset=object(), settings=object())
+        dynapipe_loader.make_loader(None, info, 0, 0, dataset=object(), settings=object())
     assert [(x.local_rank, x.local_world_size, x.node) for x in made] == [(r, 4, 0) for r in range(4)]
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    dynapipe_step.make_loader(None, SimpleNamespace(rank=3, world_size=4, dp_rank=1, dp_size=2, pp_rank=1, pp_size=2),
+    dynapipe_loader.make_loader(None, SimpleNamespace(rank=3, world_size=4, dp_rank=1, dp_size=2, pp_rank=1, pp_size=2),
                               0, 0, dataset=object(), settings=object())
     assert (made[-1].local_rank, made[-1].node) == (1, 1)
 

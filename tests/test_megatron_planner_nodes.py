@@ -6,7 +6,7 @@ import torch
 from dynapipe.errors import DynaPipeError
 from megatron_integration.arguments import build_parser, parse_training_args
 from megatron_integration.initialize import RankInfo
-from megatron_integration.dynapipe_step import loader_config, make_loader
+from megatron_integration.dynapipe_loader import loader_config, make_loader
 
 BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 256 --micro-batch-size 2 "
         "--global-batch-size 16 --train-iters 5 --lr 1e-3 --mock-data --pipeline-model-parallel-size 2")

@@ -355,7 +355,7 @@ def test_global_batches_are_megatron_lms_consecutive_samples(corpus):
     assert sampler_config(cfg.base).shuffle is True
     # The DynaPipe loader's and evaluation's samplers read it the same way.
     from megatron_integration.data import eval_sampler_config
-    from megatron_integration.dynapipe_step import loader_config
+    from megatron_integration.dynapipe_loader import loader_config
 
     assert loader_config(cfg.base, 0, 0, config).shuffle is False and loader_config(cfg.base, 0, 0).shuffle
     assert eval_sampler_config(cfg.base, config).shuffle is False

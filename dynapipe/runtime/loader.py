@@ -30,7 +30,7 @@ from dynapipe.data.samples import SampleDataset
 from dynapipe.errors import DynaPipeError, iteration_name, spelling
 from dynapipe.runtime.kv_store import KVStore, KVStoreSpec, TorchStoreKV, delete_blob, job_tcp_store, \
     tcp_store_address
-from dynapipe.runtime.loader_config import LoaderConfig, RankLayout
+from dynapipe.runtime.loader_config import LoaderConfig, RankLayout, planner_node_count, plans_here
 from dynapipe.runtime.loader_store import agreed_run_id, default_store_for_single_process
 from dynapipe.runtime.plan_fetcher import IterationData, IterationMeta, PayloadFetcher
 from dynapipe.runtime.plan_source import PlannerSettings, check_planner_settings
@@ -101,11 +101,8 @@ class DynaPipeDataLoader:
         self._timed_out: Optional[DynaPipeError] = None  # a plan timeout, raised again by every later next()
         self._fetcher: Optional[PayloadFetcher] = None
         self.failure_watch: Optional[Callable[[], Optional[str]]] = None
-        num_planner_nodes = config.planner_nodes or layout.num_nodes
-        self._planner_nodes = min(num_planner_nodes, layout.num_nodes)
-        if config.split_replicas:  # a node without a replica to plan stays out
-            self._planner_nodes = min(self._planner_nodes, layout.dp_size)
-        self.is_planner = layout.local_rank == 0 and layout.node < self._planner_nodes
+        self._planner_nodes = planner_node_count(config.planner_nodes, config.split_replicas, layout)
+        self.is_planner = plans_here(config.planner_nodes, config.split_replicas, layout)
 
         self._kv, spec = self._connect(store)
         self.keys = Keyspace(f"{config.namespace}/{agreed_run_id(layout, config.namespace)}")

@@ -164,3 +164,16 @@ class RankLayout:
     def readers_per_payload(self) -> int:
         """Ranks that read the same (replica, stage) payload: tensor/context-parallel peers."""
         return self.world_size // (self.dp_size * self.pp_size)
+
+
+def planner_node_count(planner_nodes: Optional[int], split_replicas: bool, layout: RankLayout) -> int:
+    """How many nodes plan (``planner_nodes``, 0 or None: every node; with ``split_replicas``
+    no more than there are replicas, as a node without a replica to plan stays out)."""
+    count = min(planner_nodes or layout.num_nodes, layout.num_nodes)
+    return min(count, layout.dp_size) if split_replicas else count
+
+
+def plans_here(planner_nodes: Optional[int], split_replicas: bool, layout: RankLayout) -> bool:
+    """Whether the rank of ``layout`` starts its node's planner workers: local rank 0 of a
+    planner node (see :func:`planner_node_count`)."""
+    return layout.local_rank == 0 and layout.node < planner_node_count(planner_nodes, split_replicas, layout)

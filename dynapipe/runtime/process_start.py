@@ -13,6 +13,8 @@ CUDA, which a forked child cannot use.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.multiprocessing as mp
 
@@ -77,3 +79,24 @@ def helper_context():
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     return _forkserver(HELPER_PRELOAD)
+
+
+def start_helper_server() -> threading.Thread:
+    """Start this process's helper forkserver (:func:`helper_context`) now, in a daemon thread;
+    the thread is returned. A planner rank calls it before building its model, so the server's
+    start (a fresh interpreter importing torch and the planner: seconds, more on a cluster's
+    shared file system) overlaps the model build and the checkpoint load instead of delaying
+    the first plan. Nothing is raised here: a start that fails fails again, reported, when the
+    planner workers start."""
+    def start() -> None:
+        try:
+            if helper_context().get_start_method() == "forkserver":
+                from multiprocessing import forkserver
+
+                forkserver.ensure_running()
+        except Exception:  # noqa: BLE001 - see the docstring
+            pass
+
+    thread = threading.Thread(target=start, daemon=True, name="dynapipe-helper-server-start")
+    thread.start()
+    return thread
