@@ -465,7 +465,8 @@ def test_only_a_planner_rank_of_a_dynapipe_run_starts_its_planner_server_early(m
 
 def test_the_planner_server_started_early_is_the_one_the_workers_fork_from(tmp_path):
     # In a fresh process (a process has one forkserver): one server, started by the thread, and
-    # a helper process started afterwards is its child, not a second server's.
+    # a helper process started afterwards is its child, not a second server's, with numba's
+    # compiled kernels already loaded.
     import json
     import textwrap
 
@@ -483,6 +484,13 @@ def test_the_planner_server_started_early_is_the_one_the_workers_fork_from(tmp_p
             return [c.pid for c in psutil.Process().children() if "forkserver" in " ".join(c.cmdline())]
 
 
+        def kernels_loaded():
+            # The server loaded a compiled kernel (numba set up) before this process forked.
+            from dynapipe.plan import validate_fast
+
+            raise SystemExit(0 if validate_fast._replay.overloads else 3)
+
+
         if __name__ == "__main__":
             start_helper_server().join(120)
             before = servers()
@@ -491,7 +499,11 @@ def test_the_planner_server_started_early_is_the_one_the_workers_fork_from(tmp_p
             parent = psutil.Process(p.pid).ppid()
             p.kill()
             p.join()
-            print("RESULT", json.dumps({"before": before, "parent": parent, "after": servers()}))
+            q = helper_context().Process(target=kernels_loaded)
+            q.start()
+            q.join(60)
+            print("RESULT", json.dumps({"before": before, "parent": parent, "after": servers(),
+                                        "kernels": q.exitcode}))
         """))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
@@ -501,6 +513,7 @@ def test_the_planner_server_started_early_is_the_one_the_workers_fork_from(tmp_p
     result = json.loads(lines[0][len("RESULT "):])
     assert len(result["before"]) == 1 and result["after"] == result["before"], result
     assert result["parent"] == result["before"][0], result
+    assert result["kernels"] == 0, result  # dynapipe.runtime.preload_kernels ran in the server
 
 
 def test_a_launch_without_local_world_size_plans_on_one_rank(monkeypatch):

@@ -226,7 +226,8 @@ def run(args: argparse.Namespace) -> int:
     if compiled_kernels():
         # Measured: 0.3-0.4 s of a 1,024-sample plan at --dp 2 that takes 10 ms warm.
         print("  note: a process's first plan includes loading the planner's compiled (numba) kernels, a few "
-              "hundred ms once; a training run's planners pay it at their first plan only", file=sys.stderr)
+              "hundred ms once; a training run's planner workers find them loaded by the process they fork from",
+              file=sys.stderr)
     if "even_split" in out:
         e = out["even_split"]
         print(f"  placement {setup.cost_model.placement}: simulated {out['simulated_ms']:.1f} ms, bubble "

@@ -225,6 +225,13 @@ def _jit(fn):
     return numba.njit(cache=True, nogil=True)(fn)
 
 
+def warm_up() -> None:
+    """Load the compiled replay kernel (and with it numba's compiler) into this process: a replay
+    of no rank, with the argument types :func:`group_is_valid` passes."""
+    empty = np.zeros(0, np.int64)
+    _replay(np.zeros(1, np.int64), empty, np.zeros(1, np.int64), empty, empty, empty)
+
+
 @_jit
 def _replay(off, need, fin_off, fin_op, partner_rank, partner_pos):
     """Replay the conservative in-order model (see :mod:`dynapipe.plan.deadlock`) on the

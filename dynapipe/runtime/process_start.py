@@ -20,7 +20,8 @@ import torch.multiprocessing as mp
 
 # Imported once in the server; a module that is not installed is skipped by multiprocessing.
 # Higher layers add the modules their ranks run (add_preload) when they are imported.
-PRELOAD = ["torch", "torch.distributed", "numpy", "dynapipe.runtime.executor", "dynapipe.runtime.loader"]
+PRELOAD = ["torch", "torch.distributed", "numpy", "dynapipe.runtime.executor", "dynapipe.runtime.loader",
+           "dynapipe.runtime.preload_kernels"]
 
 
 def add_preload(*modules: str) -> None:
@@ -30,9 +31,9 @@ def add_preload(*modules: str) -> None:
     PRELOAD.extend(m for m in modules if m not in PRELOAD)
 
 
-# What a helper's forkserver imports: planner workers need the planner and torch's store client,
-# never megatron-core or CUDA.
-HELPER_PRELOAD = ["torch", "numpy", "dynapipe.runtime.planner_workers"]
+# What a helper's forkserver imports: planner workers need the planner (its compiled kernels
+# loaded: preload_kernels) and torch's store client, never megatron-core or CUDA.
+HELPER_PRELOAD = ["torch", "numpy", "dynapipe.runtime.planner_workers", "dynapipe.runtime.preload_kernels"]
 
 # Imported after the preload: freezes the garbage collector's view of what the imports made.
 FREEZE = "dynapipe.runtime.preload_freeze"
