@@ -32,7 +32,7 @@ class IndexFile:
     ``sequence_lengths`` (tokens), ``sequence_pointers`` (bytes into the ``.bin``) and
     ``document_indices`` are read-only views of the memory-mapped ``.idx``; ``mmap`` False reads
     tokens with plain file reads (Megatron's ``--no-mmap-bin-files``). The header must have been
-    checked (:func:`dynapipe.data.indexed.check_index_header`): this class trusts it.
+    checked (``_check_index_header`` in :mod:`dynapipe.data.indexed`): this class trusts it.
     """
 
     def __init__(self, prefix: str, mmap: bool = True):
