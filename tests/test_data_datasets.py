@@ -204,6 +204,21 @@ def test_the_index_reader_agrees_with_megatron_cores(tmp_path, dtype):
                 np.testing.assert_array_equal(got, s[offset:offset + (len(s) - offset if length is None else length)])
 
 
+@pytest.mark.parametrize("mmap", [True, False])
+def test_a_bin_cut_short_while_the_job_runs_is_named_at_the_read(tmp_path, mmap):
+    from dynapipe.data.index_file import IndexFile
+    from dynapipe.errors import DynaPipeError
+
+    prefix = str(tmp_path / "docs")
+    write_indexed_dataset(prefix, [np.arange(2, 9), np.arange(2, 5)])
+    reader = IndexFile(prefix, mmap=mmap)
+    assert reader.get(0, 7, 0).shape == (0,) and reader.get(1).tolist() == [2, 3, 4]
+    with open(prefix + ".bin", "r+b") as f:
+        f.truncate(8 * 4)  # sequence 1 (bytes 28-40) loses its last token
+    with pytest.raises(DynaPipeError, match=r"docs.bin ends before sequence 1's tokens 0..3: the file was truncated"):
+        IndexFile(prefix, mmap=mmap).get(1)
+
+
 def test_indexed_lengths_come_from_the_index_alone(tmp_path):
     prefix = str(tmp_path / "docs")
     write_indexed_dataset(prefix, [np.arange(2, 9), np.arange(2, 5)])

@@ -88,6 +88,13 @@ def _idx_case(tmp_path, name):
             f.seek(34 + 3 * 4 + 8)
             f.write(np.int64(4).tobytes())
         return prefix, ("data.idx", "sequence 1")
+    if name == "idx_documents_decrease":  # the document index [0, 2, 1, 3]
+        with open(prefix + ".idx", "r+b") as f:
+            f.seek(34 + 3 * (4 + 8) + 8)
+            f.write(np.array([2, 1], np.int64).tobytes())
+        return prefix, ("data.idx", "decreases at entry 2 (2 then 1)")
+    if name == "float_ids":
+        return write_indexed(tmp_path / "floats", good, np.float32), ("floats.idx", "float32", "not token ids")
     if name == "bin_is_dir":
         os.remove(prefix + ".bin")
         os.mkdir(prefix + ".bin")
@@ -98,7 +105,8 @@ def _idx_case(tmp_path, name):
 IDX_CASES = ["id_at_vocab", "id_far_above", "negative_id", "uint16_above", "all_empty",
              "bin_truncated", "bin_empty", "bin_too_long", "bin_of_another_dtype", "idx_last_document",
              "idx_truncated_tail", "idx_truncated_header", "idx_empty", "idx_garbage",
-             "idx_bad_version", "idx_bad_dtype", "idx_negative_length", "idx_bad_pointer", "bin_is_dir"]
+             "idx_bad_version", "idx_bad_dtype", "idx_negative_length", "idx_bad_pointer", "bin_is_dir",
+             "idx_documents_decrease", "float_ids"]
 
 
 @pytest.mark.parametrize("name", IDX_CASES)

@@ -19,6 +19,8 @@ from typing import Optional
 
 import numpy as np
 
+from dynapipe.errors import DynaPipeError
+
 MAGIC = b"MMIDIDX\x00\x00"
 HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, documents
 # Megatron's token dtype codes.
@@ -59,7 +61,14 @@ class IndexFile:
             length = int(self.sequence_lengths[idx]) - offset
         start = int(self.sequence_pointers[idx]) + offset * self.dtype.itemsize
         if not self.mmap:
-            return np.fromfile(self.prefix + ".bin", dtype=self.dtype, count=length, offset=start)
-        if self._bin is None:
-            self._bin = np.memmap(self.prefix + ".bin", dtype=np.uint8, mode="r")
-        return np.frombuffer(self._bin, dtype=self.dtype, count=length, offset=start)
+            tokens = np.fromfile(self.prefix + ".bin", dtype=self.dtype, count=length, offset=start)
+        else:
+            if self._bin is None:
+                self._bin = np.memmap(self.prefix + ".bin", dtype=np.uint8, mode="r")
+            end = start + length * self.dtype.itemsize
+            tokens = np.frombuffer(self._bin[start:end], dtype=self.dtype) if end <= len(self._bin) else None
+        if tokens is None or len(tokens) != length:
+            # Checked at the start against the index: the file changed since (a copy over it).
+            raise DynaPipeError(f"{self.prefix}.bin ends before sequence {idx}'s tokens {offset}..{offset + length}: "
+                                f"the file was truncated or replaced while the job ran; copy it again.")
+        return tokens

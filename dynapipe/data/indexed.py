@@ -75,6 +75,9 @@ def _check_index_header(path: str) -> int:
     if magic != MAGIC or version != 1 or code not in DTYPES:
         raise DynaPipeError(f"{path} is not a Megatron index (header {head[:9]!r}, version {version}, dtype code "
                             f"{code}); give the prefix of a dataset written by preprocess_data.py.")
+    if not np.issubdtype(DTYPES[code], np.integer):
+        raise DynaPipeError(f"{path} holds {np.dtype(DTYPES[code]).name} values (dtype code {code}), not token ids; "
+                            f"preprocess_data.py writes integer ids: give the prefix of a tokenised dataset.")
     need = HEADER.size + sequences * (4 + 8) + documents * 8
     if size < need:
         raise DynaPipeError(f"{path} is truncated: {size:,} bytes, but its header announces {sequences:,} sequences "
@@ -104,11 +107,16 @@ def _check_index(prefix: str, handle: IndexFile) -> None:
         return
     # Megatron's document index: every document's first sequence, then the sequence count.
     docs = np.asarray(handle.document_indices, dtype=np.int64)
-    if len(docs) == 0 or docs[0] != 0 or docs[-1] != lengths.shape[0] or (np.diff(docs) < 0).any():
-        ends = f"from {int(docs[0])} to {int(docs[-1])}" if len(docs) else "empty"
-        raise DynaPipeError(f"{prefix}.idx cannot be read as a Megatron index (its document index runs {ends}, not "
-                            f"from 0 to its {lengths.shape[0]:,} sequences): the file is truncated, corrupted or "
-                            f"not an index; write it again with Megatron's preprocess_data.py.")
+    down = np.flatnonzero(np.diff(docs) < 0)
+    if len(docs) == 0 or docs[0] != 0 or docs[-1] != lengths.shape[0] or len(down):
+        if len(down):
+            what = (f"its document index decreases at entry {int(down[0]) + 1} ({int(docs[down[0]])} then "
+                    f"{int(docs[down[0] + 1])})")
+        else:
+            ends = f"from {int(docs[0])} to {int(docs[-1])}" if len(docs) else "empty"
+            what = f"its document index runs {ends}, not from 0 to its {lengths.shape[0]:,} sequences"
+        raise DynaPipeError(f"{prefix}.idx cannot be read as a Megatron index ({what}): the file is truncated, "
+                            f"corrupted or not an index; write it again with Megatron's preprocess_data.py.")
     bad = np.flatnonzero(lengths < 0)
     if len(bad):
         raise DynaPipeError(f"{prefix}.idx: sequence {int(bad[0])} has a negative length {int(lengths[bad[0]])}; "
