@@ -54,21 +54,28 @@ class IndexFile:
     def __len__(self) -> int:
         return int(self.sequence_lengths.shape[0])
 
-    def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
-        """Tokens ``offset .. offset + length`` of sequence ``idx`` (to its end without
-        ``length``), in the file's dtype: a view of the memory map, or a fresh array without one."""
-        if length is None:
-            length = int(self.sequence_lengths[idx]) - offset
-        start = int(self.sequence_pointers[idx]) + offset * self.dtype.itemsize
+    def tokens(self, start: int, count: int, what: str = "") -> np.ndarray:
+        """``count`` tokens of the ``.bin`` from token ``start`` (counted over the whole file), in
+        the file's dtype: a view of the memory map, or a fresh array without one. ``what``: the
+        tokens as an error names them (default: by position in the file)."""
+        begin = start * self.dtype.itemsize
         if not self.mmap:
-            tokens = np.fromfile(self.prefix + ".bin", dtype=self.dtype, count=length, offset=start)
+            out = np.fromfile(self.prefix + ".bin", dtype=self.dtype, count=count, offset=begin)
         else:
             if self._bin is None:
                 self._bin = np.memmap(self.prefix + ".bin", dtype=np.uint8, mode="r")
-            end = start + length * self.dtype.itemsize
-            tokens = np.frombuffer(self._bin[start:end], dtype=self.dtype) if end <= len(self._bin) else None
-        if tokens is None or len(tokens) != length:
+            end = begin + count * self.dtype.itemsize
+            out = np.frombuffer(self._bin[begin:end], dtype=self.dtype) if end <= len(self._bin) else None
+        if out is None or len(out) != count:
             # Checked at the start against the index: the file changed since (a copy over it).
-            raise DynaPipeError(f"{self.prefix}.bin ends before sequence {idx}'s tokens {offset}..{offset + length}: "
-                                f"the file was truncated or replaced while the job ran; copy it again.")
-        return tokens
+            raise DynaPipeError(f"{self.prefix}.bin ends before {what or f'its tokens {start}..{start + count}'}: the "
+                                f"file was truncated or replaced while the job ran; copy it again.")
+        return out
+
+    def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
+        """Tokens ``offset .. offset + length`` of sequence ``idx`` (to its end without
+        ``length``), as :meth:`tokens` returns them."""
+        if length is None:
+            length = int(self.sequence_lengths[idx]) - offset
+        first = int(self.sequence_pointers[idx]) // self.dtype.itemsize + offset
+        return self.tokens(first, length, f"sequence {idx}'s tokens {offset}..{offset + length}")

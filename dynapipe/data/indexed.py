@@ -143,25 +143,17 @@ def _check_index(prefix: str, handle: IndexFile) -> None:
 _CHECK_CHUNK = 1 << 24
 
 
-def _token_chunks(prefix: str, handle, mmap: bool):
-    """``(start, ids)`` over the ``.bin`` of the dataset at ``prefix`` in chunks of
-    :data:`_CHECK_CHUNK` tokens (plain reads when ``mmap`` is False); nothing for no tokens."""
-    dtype = handle.dtype
+def _token_chunks(handle: IndexFile):
+    """``(start, ids)`` over the ``.bin`` of ``handle`` in chunks of :data:`_CHECK_CHUNK` tokens
+    (plain reads when it does not memory-map); nothing for no tokens."""
     total = int(np.asarray(handle.sequence_lengths, dtype=np.int64).sum())
-    if total == 0:
-        return
-    data = np.memmap(prefix + ".bin", dtype=dtype, mode="r", shape=(total,)) if mmap else None
     for start in range(0, total, _CHECK_CHUNK):
-        if data is not None:
-            yield start, data[start:start + _CHECK_CHUNK]
-        else:
-            yield start, np.fromfile(prefix + ".bin", dtype=dtype, count=min(_CHECK_CHUNK, total - start),
-                                     offset=start * dtype.itemsize)
+        yield start, handle.tokens(start, min(_CHECK_CHUNK, total - start))
 
 
-def largest_token(prefix: str, handle, mmap: bool = True) -> int:
-    """The largest token id in the dataset at ``prefix`` (-1 without tokens)."""
-    return max((int(chunk.max()) for _, chunk in _token_chunks(prefix, handle, mmap)), default=-1)
+def largest_token(handle: IndexFile) -> int:
+    """The largest token id in the dataset of ``handle`` (-1 without tokens)."""
+    return max((int(chunk.max()) for _, chunk in _token_chunks(handle)), default=-1)
 
 
 class TokenOutOfVocabulary(DynaPipeError):
@@ -179,12 +171,11 @@ class TokenOutOfVocabulary(DynaPipeError):
                          f"one, {arg('vocab_size')} of at least {largest + 1}), or rebuild it with the model's.")
 
 
-def first_bad_token(prefix: str, handle, vocab_size: int, mmap: bool = True) -> Optional[tuple[int, int, int]]:
+def first_bad_token(handle: IndexFile, vocab_size: int) -> Optional[tuple[int, int, int]]:
     """(sequence index, position in it, id) of the first token id outside ``[0, vocab_size)``
-    in the dataset at ``prefix``, or None. Vectorised over the ``.bin`` in chunks (read with
-    plain reads when ``mmap`` is False)."""
+    in the dataset of ``handle``, or None. Vectorised over the ``.bin`` in chunks."""
     dtype = handle.dtype
-    for start, chunk in _token_chunks(prefix, handle, mmap):
+    for start, chunk in _token_chunks(handle):
         if int(chunk.min()) >= 0 and int(chunk.max()) < vocab_size:
             continue
         pos = start + int(np.flatnonzero((chunk < 0) | (chunk >= vocab_size))[0])
@@ -300,7 +291,7 @@ class MegatronIndexedDataset(SampleDataset):
 
     def _check_token_ids(self, vocab_size: int) -> None:
         for prefix in self.prefixes + self.target_prefixes:
-            bad = first_bad_token(prefix, self._handle(prefix), vocab_size, self.mmap)
+            bad = first_bad_token(self._handle(prefix), vocab_size)
             if bad is not None:
                 seq, pos, token = bad
                 where = f"{prefix}.bin: sequence {seq}, token {pos} has id {token}"
@@ -313,7 +304,7 @@ class MegatronIndexedDataset(SampleDataset):
 
     def largest_token_id(self) -> int:
         """The largest token id in every file of this dataset (-1 without tokens)."""
-        return max(largest_token(p, self._handle(p), self.mmap) for p in self.prefixes + self.target_prefixes)
+        return max(largest_token(self._handle(p)) for p in self.prefixes + self.target_prefixes)
 
     def __getstate__(self):
         state = dict(self.__dict__)
